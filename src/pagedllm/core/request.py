@@ -1,0 +1,90 @@
+"""Request: the one mutable per-request record, owned by the scheduler.
+
+Invariants:
+  * all_token_ids == prompt_token_ids + output_token_ids
+  * 0 <= num_computed_tokens <= num_tokens; a request needs compute while num_computed_tokens < num_tokens
+    (prefill, chunked prefill, recompute after preemption and decode are the same rule: catch up).
+  * block_hashes[i] is the chained hash of full block i of all_token_ids (maintained by the KV cache manager).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int] = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    lora_id: Optional[int] = None  # prefix-cache salt: blocks of different adapters never match
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens found in the prefix cache when the request was first scheduled (for metrics / usage).
+    num_cached_tokens: Optional[int] = None
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: Optional[int | str] = None
+    block_hashes: list[int] = field(default_factory=list)
+    # Monotonic time when first scheduled / first token produced (metrics).
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        # Resolved by the engine at add time (None means "up to the context length").
+        return self.sampling_params.max_tokens  # type: ignore[return-value]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)

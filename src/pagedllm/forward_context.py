@@ -1,0 +1,64 @@
+"""The one global: what the attention layers of the model being run need to know about the batch.
+
+The model runner sets it around each forward with `set_forward_context(...)`; `Attention` layers read it.
+Outside a forward (e.g. memory profiling, weight loading) it is None and attention runs without a cache.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flattened batch: requests' new tokens laid end to end.
+
+    Rows i covers tokens query_start_loc[i]:query_start_loc[i+1]; those are the last query_len tokens
+    of a context of seq_lens[i] tokens whose K/V (after this step's write) live in the blocks
+    block_table[i, :ceil(seq_lens[i] / block_size)].
+    """
+
+    num_actual_tokens: int  # real tokens (the rest of the input, if any, is CUDA-graph padding)
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block_id * block_size + offset) per token
+    # Host copies for backends that plan on the CPU (the torch backend); never read in CUDA graphs.
+    query_start_loc_cpu: Optional[list[int]] = None
+    seq_lens_cpu: Optional[list[int]] = None
+    # Backend-specific extras (e.g. split-KV workspace) may be attached here.
+    extra: Any = None
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: Optional[AttentionMetadata]
+    attn_backend: Any  # pagedllm.attention.backend.AttentionBackend
+
+
+_context: Optional[ForwardContext] = None
+
+
+def get_forward_context() -> Optional[ForwardContext]:
+    return _context
+
+
+@contextlib.contextmanager
+def set_forward_context(attn_metadata: Optional[AttentionMetadata], attn_backend: Any) -> Iterator[None]:
+    global _context
+    previous = _context
+    _context = ForwardContext(attn_metadata=attn_metadata, attn_backend=attn_backend)
+    try:
+        yield
+    finally:
+        _context = previous
