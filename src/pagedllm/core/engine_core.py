@@ -1,0 +1,122 @@
+"""EngineCore: step() = schedule -> execute -> update. Used in-process by `LLM` and in its own process by
+the API server (see entrypoints/engine_proc.py).
+
+This module imports torch only through the model runner, which is built lazily in __init__; the scheduler,
+block pool and request bookkeeping it drives are pure Python.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.batch_plan import EngineCoreOutput
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: Optional[float] = None
+    lora_id: Optional[int] = None
+
+
+class EngineCore:
+    """Owns the scheduler and the model executor. Not thread-safe: one driver calls it."""
+
+    def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs) -> None:
+        from pagedllm.worker.worker import Worker  # heavy imports (torch, model) stay out of module import
+
+        if engine_args is None:
+            engine_args = EngineArgs.from_kwargs(**kwargs)
+        engine_args.validate()
+        self.engine_args = engine_args
+        start = time.perf_counter()
+        self.worker = Worker(engine_args)
+        w = self.worker
+        self.model_dir = w.model_dir
+        self.max_model_len = w.max_model_len
+        self.vocab_size = w.vocab_size
+        self.eos_token_ids = w.eos_token_ids
+        self.block_size = engine_args.block_size
+        self.num_blocks = w.num_blocks
+        self.scheduler = Scheduler(
+            max_num_seqs=w.max_num_seqs,
+            max_num_batched_tokens=w.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            enable_prefix_caching=engine_args.enable_prefix_caching,
+        )
+        self.num_steps = 0
+        logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens = %d tokens of KV cache "
+                    "(%.1fx max_model_len %d).", time.perf_counter() - start, self.num_blocks, self.block_size,
+                    self.scheduler.num_pool_tokens, self.scheduler.num_pool_tokens / self.max_model_len,
+                    self.max_model_len)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Validate and queue a request. Raises ValueError (a user error) before anything is queued."""
+        prompt = list(req.prompt_token_ids)
+        num_prompt = len(prompt)
+        if num_prompt == 0:
+            raise ValueError("The prompt is empty: give at least one token.")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt):
+            raise ValueError(f"Prompt token ids must be integers in [0, {self.vocab_size}).")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{num_prompt} tokens, which leaves no room for any output. Please shorten the prompt.")
+        if num_prompt > self.scheduler.num_pool_tokens:
+            raise ValueError(
+                f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.num_pool_tokens} "
+                "tokens in total; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
+        params = req.sampling_params
+        room = self.max_model_len - num_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens != max_tokens or self.eos_token_ids[1:]:
+            params = params.clone(max_tokens=max_tokens)
+            # Extra end-of-turn ids (generation_config) stop like EOS (unless ignore_eos).
+            if not params.ignore_eos:
+                params.all_stop_token_ids = set(params.all_stop_token_ids) | set(self.eos_token_ids[1:])
+        request = Request(
+            request_id=req.request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            arrival_time=req.arrival_time if req.arrival_time is not None else time.monotonic(),
+            lora_id=req.lora_id,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the loop body
+    def step(self) -> list[EngineCoreOutput]:
+        plan = self.scheduler.schedule()
+        if plan.total_num_scheduled_tokens == 0 and not plan.finished_request_ids:
+            return self.scheduler.update_from_output(plan, self.worker.empty_output())
+        output = self.worker.execute_model(plan)
+        self.num_steps += 1
+        return self.scheduler.update_from_output(plan, output)
+
+    def get_stats(self):
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

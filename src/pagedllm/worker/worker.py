@@ -1,0 +1,171 @@
+"""Worker: one device's model + KV cache + runner. Resolves the model, picks device/dtype, sizes the pool."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.batch_plan import BatchPlan, ModelOutput
+from pagedllm.worker.kv_cache import available_cpu_memory, cpu_kv_budget
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA GPU is visible; use device='cpu'.")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        dtype = _DTYPE_NAMES[name]
+        if device.type == "cpu" and dtype == torch.float16:
+            logger.warning("float16 on CPU is slow and imprecise; consider --dtype float32.")
+        return dtype
+    if device.type == "cpu":
+        return torch.float32
+    config_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPE_NAMES.get(config_dtype)
+    return torch.float16 if config_dtype == torch.float16 else torch.bfloat16
+
+
+def read_eos_token_ids(hf_config, model_dir: str) -> list[int]:
+    """The model's end-of-sequence ids: config's eos first, then generation_config.json's extras."""
+    ids: list[int] = []
+
+    def add(value) -> None:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+
+    add(getattr(hf_config, "eos_token_id", None))
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                add(json.load(f).get("eos_token_id"))
+        except (OSError, ValueError):
+            pass
+    return ids
+
+
+class Worker:
+    def __init__(self, args: EngineArgs) -> None:
+        from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir, resolve_model_path
+
+        self.args = args
+        self.device = resolve_device(args.device)
+        if args.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet by pagedllm.")
+        model_path = resolve_model_path(args.model)
+        self.model_dir = prepare_model_dir(model_path, args.load_format)
+        self.hf_config = load_hf_config(self.model_dir)
+        cfg = self.hf_config
+        self.dtype = resolve_dtype(args.dtype, cfg, self.device)
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = read_eos_token_ids(cfg, self.model_dir)
+        max_pos = getattr(cfg, "max_position_embeddings", None) or 2048
+        if args.max_model_len is not None and args.max_model_len > max_pos:
+            raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's maximum "
+                             f"({max_pos} positions); lower --max-model-len.")
+        self.max_model_len = args.max_model_len or max_pos
+        self.max_num_seqs = args.max_num_seqs
+        self.max_num_batched_tokens = args.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}).")
+        torch.manual_seed(args.seed)
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, torch.get_num_threads()))
+        start = time.perf_counter()
+        self.model = get_model(cfg, self.model_dir, dtype=self.dtype, device=self.device,
+                               load_format=args.load_format)
+        logger.info("Loaded %s (%s) from %s in %.1f s on %s as %s.", cfg.architectures[0] if cfg.architectures
+                    else type(self.model).__name__, _count_params(self.model), self.model_dir,
+                    time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""))
+        self.runner = ModelRunner(
+            self.model, hf_config=cfg, device=self.device, dtype=self.dtype, block_size=args.block_size,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
+            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+        self.num_blocks = self._determine_num_blocks()
+        self.runner.initialize_kv_cache(self.num_blocks)
+
+    def _determine_num_blocks(self) -> int:
+        args = self.args
+        spec = self.runner.kv_cache_spec()
+        if args.num_gpu_blocks_override is not None:
+            return args.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            return self._cuda_num_blocks(spec)
+        budget = cpu_kv_budget(args.kv_cache_memory_bytes)
+        # Never take more than the whole batch could use at full length.
+        most = self.max_num_seqs * (-(-self.max_model_len // spec.block_size)) + 1
+        num_blocks = min(budget // spec.bytes_per_block, most)
+        if num_blocks * spec.block_size < self.max_model_len and num_blocks < most:
+            raise ValueError(
+                f"The KV cache budget ({budget / 2**30:.2f} GiB, {spec.bytes_per_token} bytes per token) holds "
+                f"only {num_blocks * spec.block_size} tokens, less than one sequence of max_model_len="
+                f"{self.max_model_len}; raise kv_cache_memory_bytes or lower --max-model-len.")
+        return max(1, int(num_blocks))
+
+    def _cuda_num_blocks(self, spec) -> int:
+        args = self.args
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free_before, total = torch.cuda.mem_get_info(self.device)
+        self.runner.profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free_after - torch.cuda.memory_reserved(self.device)
+        budget = args.gpu_memory_utilization * total - peak - max(0, used_by_others) - (256 << 20)
+        if args.kv_cache_memory_bytes is not None:
+            budget = args.kv_cache_memory_bytes
+        num_blocks = int(budget // spec.bytes_per_block)
+        need_blocks = -(-self.max_model_len // spec.block_size)
+        if num_blocks < need_blocks:
+            gib = 2**30
+            short = (need_blocks - max(num_blocks, 0)) * spec.bytes_per_block / gib
+            raise ValueError(
+                f"Not enough GPU memory for the KV cache of one sequence of max_model_len={self.max_model_len}: "
+                f"weights + peak activations take {peak / gib:.2f} GiB, other processes {max(0, used_by_others) / gib:.2f} "
+                f"GiB of {total / gib:.1f} GiB, leaving {max(budget, 0) / gib:.2f} GiB at gpu_memory_utilization="
+                f"{args.gpu_memory_utilization}; {short:.2f} GiB more is needed. Raise --gpu-memory-utilization, "
+                f"lower --max-model-len, lower --max-num-batched-tokens / --max-num-seqs, or free GPU memory "
+                f"held by other processes.")
+        logger.info("GPU memory: total %.1f GiB, weights+activations peak %.2f GiB, KV budget %.2f GiB.",
+                    total / 2**30, peak / 2**30, budget / 2**30)
+        return num_blocks
+
+    def execute_model(self, plan: BatchPlan) -> ModelOutput:
+        return self.runner.execute_model(plan)
+
+    @staticmethod
+    def empty_output() -> ModelOutput:
+        return ModelOutput()
+
+    def shutdown(self) -> None:
+        self.runner.kv_caches = []
+
+
+def _count_params(model: torch.nn.Module) -> str:
+    n = sum(p.numel() for p in model.parameters())
+    return f"{n / 1e9:.2f}B params" if n >= 1e9 else f"{n / 1e6:.0f}M params"
