@@ -1,0 +1,81 @@
+"""Chained hashes of full KV-cache blocks: the keys of the prefix cache.
+
+The hash of full block i is sha256(hash of block i-1, the block's token ids, the extra key), truncated to
+128 bits. Chaining makes a block's hash name its whole prefix, so two blocks with the same tokens after
+different prefixes never match. The extra key is the request's LoRA id: KV computed under one adapter must
+never serve another. Only *full* blocks are hashed; a partial last block is never cached.
+
+Invariants:
+  * deterministic across processes and machines (explicit little-endian serialization, no builtin hash(),
+    so PYTHONHASHSEED does not matter);
+  * hashes are non-negative ints below 2**128 (collisions are astronomically unlikely at any pool size).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Optional, Sequence
+
+BlockHash = int
+
+_HASH_BYTES = 16  # 128 bits of the sha256 digest
+_VERSION_TAG = b"pagedllm.block_hash.v1"
+# Header: has_parent flag, parent hash bytes, has_extra flag, extra key (signed 64-bit), token count.
+_HEADER = struct.Struct(f"<B{_HASH_BYTES}sBqI")
+_NO_PARENT = bytes(_HASH_BYTES)
+
+
+def hash_block_tokens(
+    parent_block_hash: Optional[BlockHash],
+    token_ids: Sequence[int],
+    lora_id: Optional[int] = None,
+) -> BlockHash:
+    """Hash of one full block given the hash of the block before it (None for the first block)."""
+    if parent_block_hash is None:
+        parent = _NO_PARENT
+        has_parent = 0
+    else:
+        parent = parent_block_hash.to_bytes(_HASH_BYTES, "little")
+        has_parent = 1
+    has_extra = 0 if lora_id is None else 1
+    header = _HEADER.pack(has_parent, parent, has_extra, lora_id or 0, len(token_ids))
+    # Token ids as signed 64-bit: any vocabulary fits, and the encoding is fixed-width (unambiguous).
+    body = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    digest = hashlib.sha256(_VERSION_TAG + header + body).digest()
+    return int.from_bytes(digest[:_HASH_BYTES], "little")
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    lora_id: Optional[int] = None,
+) -> list[BlockHash]:
+    """Hashes of every full block of token_ids (a trailing partial block is ignored)."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, token_ids, block_size, lora_id)
+    return hashes
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    lora_id: Optional[int] = None,
+) -> list[BlockHash]:
+    """Append, in place, the hashes of the full blocks of token_ids not yet in block_hashes.
+
+    block_hashes must be the hashes of the first len(block_hashes) blocks of token_ids (a request's
+    token list only grows, so its earlier hashes stay valid). Returns only the newly added hashes;
+    cost is proportional to the new blocks, so calling this every step is cheap.
+    """
+    num_full_blocks = len(token_ids) // block_size
+    start = len(block_hashes)
+    if start > num_full_blocks:
+        raise ValueError(
+            f"block_hashes has {start} entries but token_ids only has {num_full_blocks} full blocks."
+        )
+    parent = block_hashes[-1] if block_hashes else None
+    for i in range(start, num_full_blocks):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], lora_id)
+        block_hashes.append(parent)
+    return block_hashes[start:]

@@ -1,0 +1,357 @@
+"""Scheduler: continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+One rule covers prefill, chunked prefill, prefix hits, recompute after preemption and decode: each step a
+request is given up to (num_tokens - num_computed_tokens) tokens, so its computed count catches up with
+its token count. No phase flags.
+
+Step protocol (the engine core calls, in this order, every step):
+  plan = schedule()                      # num_computed_tokens advances here, by what was scheduled
+  output = runner.execute(plan)          # skipped by the engine when plan.is_empty
+  outs = update_from_output(plan, output)  # ALWAYS call it (even for an empty plan): it appends the
+                                           # sampled tokens, checks stops, and also returns outputs
+                                           # of requests that schedule() had to finish.
+
+schedule():
+  1. Running requests, in admission order: min(remaining tokens, budget, long_prefill_token_threshold).
+     When the pool runs dry, the newest running request is preempted (blocks freed, computed count
+     reset to 0, put at the front of the waiting queue) until the allocation fits; if the request
+     being scheduled is itself the newest, it is preempted and skipped. A request that cannot grow
+     while it is the only one running has filled the pool by itself and can never finish: it ends
+     with FINISHED_LENGTH instead of looping forever.
+  2. Only if nothing was preempted this step: waiting requests, FCFS (resumed ones are at the front),
+     while budget and max_num_seqs allow: prefix-cache lookup, then a chunk of min(remaining, budget)
+     tokens. The first one that does not fit stops admission (no preemption for waiting requests),
+     except that a request that does not fit into an otherwise empty pool ends with FINISHED_LENGTH.
+
+Invariants:
+  * every running request holds blocks for its computed tokens; waiting requests hold no blocks;
+  * after schedule(), num_computed_tokens counts the tokens whose K/V the step computes;
+  * a running request samples a token in the step where num_computed_tokens reaches num_tokens.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+from pagedllm.core.batch_plan import (
+    BatchPlan,
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelOutput,
+    NewRequestData,
+    TokenLogprobs,
+)
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by requests, 0..1
+    prefix_cache_queries: int  # cumulative tokens looked up in the prefix cache
+    prefix_cache_hits: int  # cumulative tokens found there
+    num_preemptions: int  # cumulative
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: Optional[int] = None,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
+        if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
+            raise ValueError(f"long_prefill_token_threshold must be >= 1, got {long_prefill_token_threshold}.")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.kv_cache_manager = KVCacheManager(
+            block_size=block_size, num_blocks=num_blocks, enable_caching=enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order; the last one is preempted first
+        # Finished, aborted or preempted since the last plan: the runner must drop their state.
+        self._finished_req_ids: set[str] = set()
+        # Outputs of requests that schedule() finished (cannot grow); returned by the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_pool_tokens(self) -> int:
+        """Tokens the whole KV pool can hold (no block is reserved)."""
+        return self.kv_cache_manager.num_blocks * self.block_size
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        if request.num_tokens == 0:
+            raise ValueError(f"Request {request.request_id!r} has an empty prompt; give at least one token.")
+        request.status = RequestStatus.WAITING
+        self.kv_cache_manager.update_block_hashes(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.get_usage(),
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string): blocks are freed now. Unknown ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}.")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        to_finish = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        if not to_finish:
+            return
+        ids = {r.request_id for r in to_finish}
+        self.running = [r for r in self.running if r.request_id not in ids]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        for request in to_finish:
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and release everything; the caller removes it from running / waiting."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and requeue it at the front of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._finished_req_ids.add(request.request_id)
+
+    def _finish_cannot_grow(self, request: Request) -> None:
+        self._finish(request, RequestStatus.FINISHED_LENGTH)
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=RequestStatus.FINISHED_LENGTH.finish_reason,
+                num_cached_tokens=request.num_cached_tokens or 0,
+            )
+        )
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, budget: int) -> int:
+        num_tokens = min(request.num_tokens - num_computed_tokens, budget)
+        if self.long_prefill_token_threshold is not None:
+            num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+        return num_tokens
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> BatchPlan:
+        plan = BatchPlan()
+        budget = self.max_num_batched_tokens
+        preempted: set[str] = set()
+        scheduled: list[Request] = []
+        budget = self._schedule_running(plan, budget, preempted, scheduled)
+        if not preempted:
+            self._schedule_waiting(plan, budget, scheduled)
+
+        # Advance at schedule time: the step that follows computes exactly these tokens.
+        for request in scheduled:
+            request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
+        plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
+        plan.finished_request_ids = self._finished_req_ids
+        plan.preempted_request_ids = preempted
+        self._finished_req_ids = set()
+        if self.running and len(scheduled) == len(self.running):
+            plan.num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
+                self.running[0].request_id, len(self.running)
+            )
+        return plan
+
+    def _schedule_running(
+        self, plan: BatchPlan, budget: int, preempted: set[str], scheduled: list[Request]
+    ) -> int:
+        kv = self.kv_cache_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
+                i += 1
+                continue
+            new_block_ids = kv.allocate_slots(request, num_new_tokens)
+            while new_block_ids is None:
+                if len(self.running) == 1:
+                    # It alone holds the whole pool and still needs more: it can never finish.
+                    self.running.pop()
+                    self._finish_cannot_grow(request)
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+                new_block_ids = kv.allocate_slots(request, num_new_tokens)
+            if new_block_ids is None:
+                break  # request was the last running one: nothing after it is left to schedule
+            plan.cached_requests.append(
+                CachedRequestData(
+                    request_id=request.request_id,
+                    new_block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            scheduled.append(request)
+            budget -= num_new_tokens
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request]) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
+            num_new_tokens = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
+            new_block_ids = kv.allocate_slots(request, num_new_tokens, hit_blocks)
+            if new_block_ids is None:
+                if self.running:
+                    break  # wait for running requests to free blocks
+                # Does not fit into an empty pool: it can never run.
+                self.waiting.popleft()
+                self._finish_cannot_grow(request)
+                continue
+            if kv.enable_caching:
+                kv.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit_tokens
+            plan.new_requests.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                    lora_id=request.lora_id,
+                )
+            )
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            scheduled.append(request)
+            budget -= num_new_tokens
+
+    # ---------------------------------------------------------------- update
+
+    def update_from_output(self, plan: BatchPlan, output: ModelOutput) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, apply stop rules, free finished requests, report per request."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        logprobs = output.logprobs or [None] * len(output.req_ids)
+        finished_any = False
+        for request_id, sampled, token_logprobs in zip(output.req_ids, output.sampled_token_ids, logprobs):
+            request = self.requests.get(request_id)
+            # Skip: finished/aborted meanwhile, preempted, empty, or still mid-prefill (a token
+            # sampled there is not a real next token).
+            if (
+                request is None
+                or request.status != RequestStatus.RUNNING
+                or not sampled
+                or request.num_computed_tokens < request.num_tokens
+            ):
+                continue
+            new_token_ids = self._append_tokens(request, sampled)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            if request.is_finished:
+                self._finish(request, request.status)
+                finished_any = True
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=_truncate(token_logprobs, len(new_token_ids)),
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                )
+            )
+        if finished_any:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
+        """Append tokens one at a time, stopping at the first that ends the request."""
+        appended = []
+        for token_id in sampled:
+            request.append_output_token_ids([token_id])
+            appended.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                request.status = status
+                break
+        return appended
+
+    def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.all_stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        max_tokens = request.max_tokens
+        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
+            request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def _truncate(
+    token_logprobs: Optional[list[TokenLogprobs]], num_tokens: int
+) -> Optional[list[TokenLogprobs]]:
+    if token_logprobs is None:
+        return None
+    return token_logprobs[:num_tokens]
