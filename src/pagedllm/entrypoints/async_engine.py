@@ -1,0 +1,387 @@
+"""AsyncEngine: the API-process side of the engine-core process.
+
+Owns the engine-core child process and the two ZMQ sockets to it. `generate()` sends one typed request
+(or n child requests, f"{i}_{parent}") and yields RequestOutputs from a per-request asyncio queue. One
+output-handler task reads everything the engine sends, runs the OutputProcessor (incremental
+detokenization, stop strings, n>1 aggregation), feeds the queues, sends aborts for stop-string hits,
+and records metrics. A watcher task notices a dead engine process and fails every pending request.
+
+Invariant: a request id is in `_queues` from the moment it is sent until its final output was queued
+(or it failed / was aborted); a caller that leaves `generate()` early aborts its engine requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+import zmq
+import zmq.asyncio
+
+from pagedllm.entrypoints import messages as m
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.async_engine")
+
+_STARTUP_POLL_S = 0.25
+
+
+class EngineStartupError(RuntimeError):
+    """The engine process could not start; str(e) is one line for the user."""
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request (e.g. it cannot fit the KV pool); `status` is the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _ReqTiming:
+    """Per engine-request timing for the latency histograms (API-process clock)."""
+
+    arrival: float
+    num_prompt_tokens: int
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    num_generated: int = 0
+
+
+@dataclass
+class _Parent:
+    queue: asyncio.Queue
+    child_ids: list[str] = field(default_factory=list)
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine_args: Any, log_level: str = "info", metrics: Any = None) -> None:
+        self.engine_args = engine_args
+        self.log_level = log_level
+        self.metrics = metrics
+        self.ctx = zmq.asyncio.Context(io_threads=1)
+        self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
+        self.input_addr = f"ipc://{self._tmpdir}/input.sock"
+        self.output_addr = f"ipc://{self._tmpdir}/output.sock"
+        self.in_sock = self.ctx.socket(zmq.PUSH)
+        self.in_sock.setsockopt(zmq.LINGER, 0)
+        self.in_sock.bind(self.input_addr)
+        self.out_sock = self.ctx.socket(zmq.PULL)
+        self.out_sock.setsockopt(zmq.LINGER, 0)
+        self.out_sock.bind(self.output_addr)
+        self.enc = m.Encoder()
+        self.dec = m.output_decoder()
+        self.proc: Optional[multiprocessing.process.BaseProcess] = None
+        self.ready: Optional[m.EngineReady] = None
+        self.tokenizer: Any = None
+        self.processor: Any = None
+        self.errored = False
+        self.dead_reason = ""
+        self.last_stats = m.SchedulerStatsMsg()
+        self._parents: dict[str, _Parent] = {}
+        self._engine_to_parent: dict[str, str] = {}
+        self._timing: dict[str, _ReqTiming] = {}
+        self._stats_seq = itertools.count()
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self, startup_timeout_s: Optional[float] = None) -> None:
+        """Spawn the engine process and wait for its readiness handshake (or its one-line error)."""
+        from pagedllm.entrypoints.engine_proc import run_engine_core
+
+        spawn = multiprocessing.get_context("spawn")
+        self.proc = spawn.Process(
+            target=run_engine_core,
+            args=(self.engine_args, self.input_addr, self.output_addr, self.log_level),
+            name="pagedllm-engine-core",
+            daemon=True,
+        )
+        self.proc.start()
+        deadline = None if startup_timeout_s is None else time.monotonic() + startup_timeout_s
+        while True:
+            if await self.out_sock.poll(int(_STARTUP_POLL_S * 1000)):
+                msg = self.dec.decode(await self.out_sock.recv())
+                if isinstance(msg, m.EngineStartupError):
+                    self.proc.join(5)
+                    raise EngineStartupError(msg.message)
+                if isinstance(msg, m.EngineReady):
+                    self.ready = msg
+                    break
+                continue
+            if not self.proc.is_alive():
+                raise EngineStartupError(f"the engine process exited with code {self.proc.exitcode} during startup")
+            if deadline is not None and time.monotonic() > deadline:
+                self.proc.kill()
+                raise EngineStartupError(f"the engine process did not become ready within {startup_timeout_s} s")
+        self._load_frontend()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._output_handler(), name="pagedllm-output-handler"))
+        self._tasks.append(loop.create_task(self._watch_engine(), name="pagedllm-engine-watch"))
+
+    def _load_frontend(self) -> None:
+        from pagedllm.entrypoints.output_processor import OutputProcessor
+        from pagedllm.tokenizer import get_tokenizer
+
+        assert self.ready is not None
+        self.tokenizer = get_tokenizer(self.ready.model_dir)
+        self.processor = OutputProcessor(self.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.ready is not None
+        return self.ready.max_model_len
+
+    @property
+    def model_dir(self) -> str:
+        assert self.ready is not None
+        return self.ready.model_dir
+
+    def is_healthy(self) -> bool:
+        return not self.errored and self.proc is not None and self.proc.is_alive()
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                await self.in_sock.send(self.enc.encode(m.Shutdown()))
+            except zmq.ZMQError:
+                pass
+            deadline = time.monotonic() + 5
+            while self.proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(3)
+        self.in_sock.close(0)
+        self.out_sock.close(0)
+        self.ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Optional[str],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: Optional[str] = None,
+        output_kind: str = "delta",
+    ) -> AsyncIterator[Any]:
+        """Yield RequestOutputs (delta / cumulative / final_only) until the request finishes."""
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "the engine process is not running")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._parents:
+            raise RequestRejected(f"request id {request_id!r} is already running")
+        parent = _Parent(queue=asyncio.Queue())
+        self._parents[request_id] = parent
+        now = time.monotonic()
+        n = params.n
+        adds: list[m.AddRequest] = []
+        for i in range(n):
+            child_params = params
+            engine_id = request_id
+            if n > 1:
+                engine_id = f"{i}_{request_id}"
+                seed = None if params.seed is None else params.seed + i
+                child_params = params.clone(n=1, best_of=1, seed=seed)
+            parent.child_ids.append(engine_id)
+            self._engine_to_parent[engine_id] = request_id
+            self._timing[engine_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids))
+            self.processor.add_request(
+                engine_id,
+                prompt,
+                prompt_token_ids,
+                child_params,
+                parent_id=request_id if n > 1 else None,
+                index=i,
+                output_kind=output_kind,
+            )
+            adds.append(m.AddRequest(engine_id, list(prompt_token_ids), child_params, time.time()))
+        try:
+            for add in adds:
+                await self.in_sock.send(self.enc.encode(add))
+            while True:
+                item = await parent.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    parent.finished = True
+                yield item
+                if parent.finished:
+                    return
+        finally:
+            self._forget(request_id, abort=not parent.finished)
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for cid in parent.child_ids:
+            self._engine_to_parent.pop(cid, None)
+            self._timing.pop(cid, None)
+        if abort:
+            self._abort_engine(parent.child_ids)
+
+    def _abort_engine(self, engine_ids: list[str]) -> None:
+        if not engine_ids:
+            return
+        abort = getattr(self.processor, "abort_requests", None)
+        if abort is not None:
+            abort(engine_ids)
+        if not self.errored and not self._closed:
+            # Fire and forget: the abort must go out even if the caller is being cancelled right now.
+            self.in_sock.send(self.enc.encode(m.AbortRequests(list(engine_ids))), copy=False)
+
+    async def abort(self, request_id: str) -> None:
+        self._forget(request_id, abort=True)
+
+    async def get_stats(self, timeout_s: float = 0.5) -> m.SchedulerStatsMsg:
+        """Fresh scheduler gauges from the engine (falls back to the last ones seen)."""
+        if self.errored or self._closed:
+            return self.last_stats
+        seq = next(self._stats_seq)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[seq] = fut
+        try:
+            await self.in_sock.send(self.enc.encode(m.GetStats(seq)))
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            return self.last_stats
+        finally:
+            self._stats_waiters.pop(seq, None)
+
+    # ---- background tasks -----------------------------------------------------------------------
+
+    async def _output_handler(self) -> None:
+        try:
+            while True:
+                frames = [await self.out_sock.recv()]
+                # Drain whatever else is already here so a slow consumer catches up in one pass.
+                while len(frames) < 64:
+                    try:
+                        frames.append(self.out_sock.recv(zmq.NOBLOCK).result())
+                    except zmq.Again:
+                        break
+                for frame in frames:
+                    self._handle_output(self.dec.decode(frame))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            logger.exception("output handler failed")
+            self._fail_all(EngineDeadError(f"output handler failed: {e}"))
+
+    def _handle_output(self, msg: Any) -> None:
+        if isinstance(msg, m.EngineOutputs):
+            if msg.stats is not None:
+                self._update_stats(msg.stats)
+            if msg.outputs:
+                self._process(msg.outputs)
+        elif isinstance(msg, m.RequestError):
+            parent_id = self._engine_to_parent.get(msg.request_id)
+            self._timing.pop(msg.request_id, None)
+            if parent_id is not None and parent_id in self._parents:
+                parent = self._parents[parent_id]
+                parent.queue.put_nowait(RequestRejected(msg.message, msg.status))
+                # Siblings of a refused child are pointless: abort them.
+                others = [c for c in parent.child_ids if c != msg.request_id]
+                parent.finished = True
+                self._forget(parent_id, abort=False)
+                self._abort_engine(others)
+        elif isinstance(msg, m.StatsReply):
+            self._update_stats(msg.stats)
+            fut = self._stats_waiters.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.stats)
+
+    def _process(self, outputs: list[Any]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            self._record_timing(out, now)
+        request_outputs, to_abort = self.processor.process_outputs(outputs)
+        for ro in request_outputs:
+            parent = self._parents.get(ro.request_id)
+            if parent is not None:
+                parent.queue.put_nowait(ro)
+        if to_abort:
+            to_abort = list(to_abort)
+            if not self.errored:
+                self.in_sock.send(self.enc.encode(m.AbortRequests(to_abort)), copy=False)
+            for rid in to_abort:
+                self._finish_timing(rid, "stop", now)
+
+    def _record_timing(self, out: Any, now: float) -> None:
+        t = self._timing.get(out.request_id)
+        if t is None:
+            return
+        n_new = len(out.new_token_ids)
+        if n_new:
+            if t.first_token is None:
+                t.first_token = now
+                if self.metrics is not None:
+                    self.metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens)
+            t.last_token = now
+            t.num_generated += n_new
+            if self.metrics is not None:
+                self.metrics.add_generation_tokens(n_new)
+        if out.finish_reason is not None:
+            self._finish_timing(out.request_id, out.finish_reason, now)
+
+    def _finish_timing(self, engine_id: str, reason: str, now: float) -> None:
+        t = self._timing.pop(engine_id, None)
+        if t is None or self.metrics is None:
+            return
+        tpot = None
+        if t.first_token is not None and t.last_token is not None and t.num_generated > 1:
+            tpot = (t.last_token - t.first_token) / (t.num_generated - 1)
+        self.metrics.observe_finished(reason, now - t.arrival, tpot)
+
+    def _update_stats(self, stats: m.SchedulerStatsMsg) -> None:
+        prev, self.last_stats = self.last_stats, stats
+        if self.metrics is not None:
+            self.metrics.update_scheduler_stats(stats, prev)
+
+    async def _watch_engine(self) -> None:
+        assert self.proc is not None
+        while True:
+            await asyncio.sleep(0.2)
+            if not self.proc.is_alive():
+                reason = f"the engine process died (exit code {self.proc.exitcode})"
+                logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
+                self._fail_all(EngineDeadError(reason))
+                return
+
+    def _fail_all(self, err: BaseException) -> None:
+        self.errored = True
+        self.dead_reason = str(err)
+        for parent in list(self._parents.values()):
+            parent.finished = True
+            parent.queue.put_nowait(err)
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_result(self.last_stats)
+
+
+def random_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+

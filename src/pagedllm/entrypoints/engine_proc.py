@@ -1,0 +1,179 @@
+"""The engine-core process: build EngineCore, say ready, then loop: drain inputs -> step -> send outputs.
+
+Runs in a child started with multiprocessing's 'spawn' context (a clean interpreter: no inherited
+threads, locks or CUDA state). Talks to the API process over two ZMQ PUSH/PULL sockets carrying the
+typed messages of `messages.py`.
+
+Loop invariant: while requests are unfinished the loop never blocks on the socket (it only drains what
+has already arrived, so new HTTP requests join the batch at the very next step); when idle it blocks on
+the socket, waking every second to notice a dead parent.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+logger = logging.getLogger("pagedllm.engine_proc")
+
+_IDLE_POLL_MS = 1000
+
+
+def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_level: str = "info") -> None:
+    """Process entry point (must be importable for the 'spawn' context)."""
+    # The API process handles Ctrl-C and tells us to shut down; a second SIGINT must not kill us mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(levelname)s %(asctime)s [engine] %(message)s", datefmt="%H:%M:%S"
+    )
+    import zmq
+
+    from pagedllm.entrypoints import messages as m
+
+    ctx = zmq.Context(io_threads=1)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.connect(output_addr)
+    enc = m.Encoder()
+    try:
+        from pagedllm.core.engine_core import EngineCore
+
+        core = EngineCore(engine_args)
+    except BaseException as e:  # noqa: BLE001 - any startup failure must reach the user as one line
+        logger.debug("engine startup failed", exc_info=True)
+        out_sock.send(enc.encode(m.EngineStartupError(message=_one_line(e))))
+        out_sock.close()
+        ctx.term()
+        sys.exit(1)
+
+    out_sock.send(
+        enc.encode(
+            m.EngineReady(
+                model_dir=str(core.model_dir),
+                max_model_len=int(core.max_model_len),
+                vocab_size=int(core.vocab_size),
+                eos_token_ids=[int(t) for t in core.eos_token_ids],
+                pid=os.getpid(),
+            )
+        )
+    )
+    try:
+        EngineLoop(core, in_sock, out_sock).run()
+    except Exception:  # noqa: BLE001
+        logger.exception("engine core crashed")
+        raise
+    finally:
+        try:
+            core.shutdown()
+        finally:
+            in_sock.close(linger=0)
+            out_sock.close()
+            ctx.term()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    msg = text[0] if text else ""
+    if isinstance(e, (ValueError, FileNotFoundError, OSError)) and msg:
+        return msg
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+class EngineLoop:
+    """The busy loop around one EngineCore (kept separate from process setup so tests can drive it)."""
+
+    def __init__(self, core: Any, in_sock: Any, out_sock: Any) -> None:
+        from pagedllm.entrypoints import messages as m
+
+        self.m = m
+        self.core = core
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.enc = m.Encoder()
+        self.dec = m.input_decoder()
+        self.parent_pid = os.getppid()
+        self.running = True
+        # Set when the queue changed without a step (abort, refused add): send fresh gauges when idle.
+        self.stats_dirty = False
+
+    def run(self) -> None:
+        import zmq
+
+        while self.running:
+            if not self.core.has_unfinished_requests():
+                if self.stats_dirty:
+                    self._send_stats_outputs()
+                # Idle: block until something arrives (waking now and then to check the parent lives).
+                if not self.in_sock.poll(_IDLE_POLL_MS):
+                    if os.getppid() != self.parent_pid:
+                        logger.info("API process is gone; engine core exits")
+                        return
+                    continue
+            self._drain(zmq)
+            if not self.running:
+                return
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                if outputs:
+                    self.out_sock.send(
+                        self.enc.encode(
+                            self.m.EngineOutputs(outputs=outputs, stats=self._stats(), timestamp=time.time())
+                        )
+                    )
+                    self.stats_dirty = False
+                else:
+                    self.stats_dirty = True
+
+    def _drain(self, zmq: Any) -> None:
+        while True:
+            try:
+                frame = self.in_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(self.dec.decode(frame))
+            if not self.running:
+                return
+
+    def _handle(self, msg: Any) -> None:
+        m = self.m
+        if isinstance(msg, m.AddRequest):
+            self._add(msg)
+        elif isinstance(msg, m.AbortRequests):
+            self.core.abort_requests(list(msg.request_ids))
+            self.stats_dirty = True
+        elif isinstance(msg, m.GetStats):
+            self.out_sock.send(self.enc.encode(m.StatsReply(seq=msg.seq, stats=self._stats())))
+        elif isinstance(msg, m.Shutdown):
+            self.running = False
+
+    def _add(self, msg: Any) -> None:
+        from pagedllm.core.engine_core import EngineCoreRequest
+
+        try:
+            self.core.add_request(
+                EngineCoreRequest(
+                    request_id=msg.request_id,
+                    prompt_token_ids=list(msg.prompt_token_ids),
+                    sampling_params=msg.sampling_params,
+                    arrival_time=msg.arrival_time,
+                    lora_id=msg.lora_id,
+                )
+            )
+        except ValueError as e:
+            self.out_sock.send(self.enc.encode(self.m.RequestError(msg.request_id, str(e), 400)))
+            self.stats_dirty = True
+        except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine
+            logger.exception("add_request failed for %s", msg.request_id)
+            self.out_sock.send(self.enc.encode(self.m.RequestError(msg.request_id, _one_line(e), 500)))
+
+    def _stats(self) -> Any:
+        return self.m.stats_to_msg(self.core.get_stats())
+
+    def _send_stats_outputs(self) -> None:
+        self.out_sock.send(self.enc.encode(self.m.EngineOutputs(outputs=[], stats=self._stats(), timestamp=time.time())))
+        self.stats_dirty = False

@@ -1,0 +1,116 @@
+"""Typed wire messages between the API process and the engine-core process (msgspec + msgpack).
+
+Two ZMQ PUSH/PULL channels, both bound by the API process on ipc:// paths in a private temp dir:
+  * input  (API -> engine): AddRequest | AbortRequests | GetStats | Shutdown
+  * output (engine -> API): EngineReady | EngineStartupError | EngineOutputs | RequestError | StatsReply
+
+Every message is a tagged msgspec Struct so the receiving side decodes straight into the right class
+(no RPC by method-name strings). Payload dataclasses (SamplingParams, EngineCoreOutput) travel as-is:
+msgspec encodes dataclasses field by field and rebuilds them on decode.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+from pagedllm.core.batch_plan import EngineCoreOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class SchedulerStatsMsg(msgspec.Struct, frozen=True):
+    """A snapshot of the scheduler's gauges; the prefix-cache and preemption counts are cumulative."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    num_preemptions: int = 0
+
+
+# ---- API process -> engine core -------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: Optional[float] = None
+    lora_id: Optional[int] = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class GetStats(msgspec.Struct, tag="get_stats"):
+    seq: int  # echoed back in StatsReply so the caller can match its answer
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineInput = Union[AddRequest, AbortRequests, GetStats, Shutdown]
+
+
+# ---- engine core -> API process -------------------------------------------------------------
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    """Handshake: the engine core is built and waiting for requests."""
+
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    pid: int
+
+
+class EngineStartupError(msgspec.Struct, tag="startup_error"):
+    message: str  # one line, for the user
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: Optional[SchedulerStatsMsg] = None
+    timestamp: float = 0.0  # time.time() in the engine process when the step finished
+
+
+class RequestError(msgspec.Struct, tag="request_error"):
+    """add_request refused a request (e.g. it cannot fit the KV pool); status is the HTTP status."""
+
+    request_id: str
+    message: str
+    status: int = 400
+
+
+class StatsReply(msgspec.Struct, tag="stats"):
+    seq: int
+    stats: SchedulerStatsMsg
+
+
+EngineOutput = Union[EngineReady, EngineStartupError, EngineOutputs, RequestError, StatsReply]
+
+
+class Encoder:
+    def __init__(self) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self._enc.encode(msg)
+
+
+def input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineInput)
+
+
+def output_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineOutput)
+
+
+def stats_to_msg(stats: object) -> SchedulerStatsMsg:
+    """Copy the engine's SchedulerStats (whatever its class) into the wire struct, field by field."""
+    names = SchedulerStatsMsg.__struct_fields__
+    return SchedulerStatsMsg(**{n: getattr(stats, n) for n in names if hasattr(stats, n)})
