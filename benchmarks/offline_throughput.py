@@ -1,0 +1,180 @@
+"""Offline throughput: pagedllm vs Hugging Face transformers on the same random prompts, same run.
+
+Default protocol (CPU, SmolLM2-135M): 32 prompts, input lengths uniform in 16..160, output lengths uniform in
+16..160, seed 0, ignore_eos. HF runs them as one left-padded batch to the longest output (`generate`), or with
+its continuous batching (`generate_batch`, GPU). Both are credited only the tokens each request asked for.
+
+    python benchmarks/offline_throughput.py                       # CPU default
+    python benchmarks/offline_throughput.py --model cfgdir --load-format dummy --num-prompts 256 \
+        --input-len 100 1024 --output-len 100 1024 --hf none      # GPU shape runs
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+
+
+def make_requests(num_prompts, input_range, output_range, vocab_size, seed, special_ids=()):
+    rng = random.Random(seed)
+    special = set(special_ids)
+    reqs = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(*input_range)
+        n_out = rng.randint(*output_range)
+        ids = []
+        while len(ids) < n_in:
+            t = rng.randrange(vocab_size)
+            if t not in special:
+                ids.append(t)
+        reqs.append((ids, n_out))
+    return reqs
+
+
+def run_pagedllm(args, reqs):
+    from pagedllm import LLM, SamplingParams
+
+    kwargs = dict(model=args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+                  max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+                  skip_tokenizer_init=True)
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.gpu_memory_utilization:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=None)
+              for _, n in reqs]
+    # Warm-up (not timed): a couple of tiny requests.
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(n for _, n in reqs), "pagedllm produced a different number of tokens than asked"
+    model_dir = llm.engine.model_dir
+    del llm
+    gc.collect()
+    return {"elapsed_s": elapsed, "output_tokens": n_out, "startup_s": startup, "model_dir": model_dir}
+
+
+def run_hf(args, reqs, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"auto": torch.float32 if not torch.cuda.is_available() else torch.bfloat16, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.load_format == "dummy":
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model_dir)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device)
+    model.eval()
+    hf_reqs = reqs[: args.hf_num_prompts] if args.hf_num_prompts else reqs
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    if args.hf == "generate":
+        max_in = max(len(ids) for ids, _ in hf_reqs)
+        max_out = max(n for _, n in hf_reqs)
+        input_ids = torch.full((len(hf_reqs), max_in), pad, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for i, (ids, _) in enumerate(hf_reqs):
+            input_ids[i, max_in - len(ids):] = torch.tensor(ids)
+            mask[i, max_in - len(ids):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        with torch.inference_mode():
+            model.generate(input_ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4, min_new_tokens=4,
+                           do_sample=False, pad_token_id=pad)  # warm-up
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(input_ids, attention_mask=mask, max_new_tokens=max_out, min_new_tokens=max_out,
+                           do_sample=False, pad_token_id=pad)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+    else:  # continuous batching in transformers
+        from transformers import GenerationConfig
+
+        gen_cfg = GenerationConfig(max_new_tokens=max(n for _, n in hf_reqs), do_sample=False, eos_token_id=-1,
+                                   pad_token_id=pad)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model.generate_batch(inputs=[ids for ids, _ in hf_reqs], generation_config=gen_cfg)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+    credited = sum(n for _, n in hf_reqs)
+    return {"elapsed_s": elapsed, "output_tokens": credited, "num_prompts": len(hf_reqs)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, nargs=2, default=[16, 160], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 160], metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--hf", choices=["generate", "generate_batch", "none"], default="generate")
+    p.add_argument("--hf-num-prompts", type=int, default=None, help="run HF on the first N prompts only")
+    p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--json", default=None, help="write results here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from pagedllm.models.loader import load_hf_config, prepare_model_dir, resolve_model_path
+
+    model_dir = prepare_model_dir(resolve_model_path(args.model), args.load_format)
+    cfg = load_hf_config(model_dir)
+    special = [t for t in (cfg.bos_token_id, cfg.eos_token_id, getattr(cfg, "pad_token_id", None)) if isinstance(t, int)]
+    reqs = make_requests(args.num_prompts, args.input_len, args.output_len, min(cfg.vocab_size, 32000) if cfg.vocab_size > 1000 else cfg.vocab_size,
+                         args.seed, special)
+    ours = run_pagedllm(args, reqs)
+    result = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+              "date": time.strftime("%Y-%m-%d"), "args": vars(args), "pagedllm": ours}
+    tput = ours["output_tokens"] / ours["elapsed_s"]
+    print(f"pagedllm: {ours['output_tokens']} output tokens in {ours['elapsed_s']:.2f} s = {tput:.1f} tok/s "
+          f"(startup {ours['startup_s']:.1f} s)")
+    if args.hf != "none":
+        hf = run_hf(args, reqs, model_dir)
+        hf_tput = hf["output_tokens"] / hf["elapsed_s"]
+        result["hf"] = hf
+        result["ratio"] = tput / hf_tput
+        print(f"HF {args.hf}: {hf['output_tokens']} credited tokens ({hf['num_prompts']} prompts) in "
+              f"{hf['elapsed_s']:.2f} s = {hf_tput:.1f} tok/s")
+        print(f"ratio pagedllm / HF = {tput / hf_tput:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
