@@ -1,0 +1,120 @@
+"""BlockPool: exact block ids, LRU free-queue order, ref counts, hash map, eviction."""
+import pytest
+
+from pagedllm.core.block_pool import BlockPool
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def test_initial_state():
+    pool = BlockPool(5)
+    assert pool.num_free_blocks == 5 and pool.num_used_blocks == 0
+    assert pool.get_usage() == 0.0
+    assert pool.free_block_queue.block_ids() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        BlockPool(0)
+
+
+def test_allocate_takes_from_head_in_id_order():
+    pool = BlockPool(5)
+    assert ids(pool.allocate(3)) == [0, 1, 2]
+    assert ids(pool.allocate(1)) == [3]
+    assert all(pool.blocks[i].ref_cnt == 1 for i in range(4))
+    assert pool.num_free_blocks == 1
+    assert pool.get_usage() == pytest.approx(0.8)
+    with pytest.raises(ValueError):
+        pool.allocate(2)
+    assert pool.num_free_blocks == 1  # failed allocation changed nothing
+
+
+def test_freed_blocks_go_to_tail_in_given_order():
+    pool = BlockPool(4)
+    a = pool.allocate(2)  # 0, 1
+    pool.free(reversed(a))
+    assert pool.free_block_queue.block_ids() == [2, 3, 1, 0]
+    assert ids(pool.allocate(4)) == [2, 3, 1, 0]
+
+
+def test_shared_block_freed_only_at_zero_refs():
+    pool = BlockPool(3)
+    (b,) = pool.allocate(1)
+    pool.touch([b])
+    assert b.ref_cnt == 2
+    pool.free([b])
+    assert b.ref_cnt == 1 and pool.num_free_blocks == 2
+    pool.free([b])
+    assert b.ref_cnt == 0 and pool.free_block_queue.block_ids() == [1, 2, 0]
+    with pytest.raises(ValueError):
+        pool.free([b])
+
+
+def test_cache_block_and_lookup():
+    pool = BlockPool(3)
+    b0, b1 = pool.allocate(2)
+    assert pool.cache_block(b0, 111)
+    assert pool.get_cached_block(111) is b0 and b0.block_hash == 111
+    assert pool.get_cached_block(222) is None
+    # A second block with the same hash (computed concurrently) stays a plain block.
+    assert not pool.cache_block(b1, 111)
+    assert b1.block_hash is None and pool.get_cached_block(111) is b0
+
+
+def test_caching_disabled_never_registers():
+    pool = BlockPool(2, enable_caching=False)
+    (b,) = pool.allocate(1)
+    assert not pool.cache_block(b, 5)
+    assert b.block_hash is None and pool.get_cached_block(5) is None
+
+
+def test_touch_free_cached_block_takes_it_out_of_queue():
+    pool = BlockPool(4)
+    b0, b1 = pool.allocate(2)
+    pool.cache_block(b0, 10)
+    pool.free([b1, b0])
+    assert pool.free_block_queue.block_ids() == [2, 3, 1, 0]
+    pool.touch([b0])  # prefix hit on a free, still-cached block
+    assert b0.ref_cnt == 1 and b0.block_hash == 10
+    assert pool.free_block_queue.block_ids() == [2, 3, 1]
+    assert pool.num_free_blocks == 3
+
+
+def test_eviction_is_lru_and_drops_hash():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, 100 + i)
+    pool.free([blocks[2], blocks[0], blocks[1]])  # free order = eviction order
+    (first,) = pool.allocate(1)
+    assert first.block_id == 2 and first.block_hash is None
+    assert pool.get_cached_block(102) is None
+    assert pool.get_cached_block(100) is blocks[0] and pool.get_cached_block(101) is blocks[1]
+    (second,) = pool.allocate(1)
+    assert second.block_id == 0 and pool.get_cached_block(100) is None
+
+
+def test_free_queue_remove_middle_and_ends():
+    pool = BlockPool(5)
+    q = pool.free_block_queue
+    q.remove(pool.blocks[2])
+    q.remove(pool.blocks[0])
+    q.remove(pool.blocks[4])
+    assert q.block_ids() == [1, 3] and q.num_free_blocks == 2
+    with pytest.raises(ValueError):
+        q.remove(pool.blocks[2])
+    q.append(pool.blocks[0])
+    assert q.block_ids() == [1, 3, 0]
+    assert q.popleft().block_id == 1
+
+
+def test_reset_prefix_cache_only_when_idle():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.cache_block(b, 7)
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(7) is b
+    pool.free([b])
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block(7) is None and b.block_hash is None
+    assert pool.num_free_blocks == 2
