@@ -1,0 +1,294 @@
+"""Sampler: logits -> next token ids (+ logprobs), a pure tensor function vectorized over the batch.
+
+Order of operations (vLLM's):
+  1. logprobs of the *raw* logits (log_softmax before any processing), only if someone asked
+  2. min_tokens: forbid EOS / stop ids for rows that have not produced min_tokens yet
+  3. penalties: repetition (HF semantics, prompt + output), then frequency / presence (OpenAI, output)
+  4. greedy rows take argmax of the penalized logits
+  5. temperature -> min_p -> top_k -> top_p
+  6. sample with the exponential race: argmax(probs / E), E ~ Exp(1) i.i.d., which draws from
+     probs exactly and is a handful of kernels. Seeded rows draw E from their own generator, seeded
+     by (seed, output position), so their tokens do not depend on the rest of the batch and repeat
+     after a preemption-recompute.
+
+Every stage is skipped when no row needs it (flags computed on the host by the builder), so an
+all-greedy batch without penalties is a single argmax. The logits are modified in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): a stable 63-bit generator seed (Python's hash() is not stable)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+def _padded_tensor(rows: Sequence[Sequence[int]], pad_id: int, device) -> torch.Tensor:
+    """[len(rows), max_len] int64 on device, right-padded with pad_id (at least one column)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    padded = [list(r) + [pad_id] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling state of the N rows that sample this step (rows in batch order).
+
+    Tensors a stage does not need are None (the matching no_* / all_* flag is then True), so the
+    sampler never reads them. Token-id tensors are padded with vocab_size, which indexes one
+    scratch column past the vocabulary.
+    """
+
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    temperature: Optional[torch.Tensor] = None  # [N] float32; 0 for greedy rows; None when all_greedy
+    top_p: Optional[torch.Tensor] = None  # [N] float32 in (0, 1]
+    top_k: Optional[torch.Tensor] = None  # [N] int64; rows without top-k hold vocab_size
+    max_top_k: int = 0  # max over rows that use top-k (host int: no device sync to size torch.topk)
+    min_p: Optional[torch.Tensor] = None  # [N] float32
+    no_top_p: bool = True
+    no_top_k: bool = True
+    no_min_p: bool = True
+    presence_penalties: Optional[torch.Tensor] = None  # [N] float32
+    frequency_penalties: Optional[torch.Tensor] = None  # [N] float32
+    repetition_penalties: Optional[torch.Tensor] = None  # [N] float32
+    no_penalties: bool = True
+    no_frequency_presence: bool = True  # every row has presence == frequency == 0
+    prompt_token_ids: Optional[torch.Tensor] = None  # [N, Lp] int64; only for repetition penalty
+    output_token_ids: Optional[torch.Tensor] = None  # [N, Lo] int64; only for penalties
+    # (row indices [M], token ids [M]): logits to set to -inf this step (min_tokens not yet reached).
+    min_tokens_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # row -> generator seeded by (seed, output position) for rows with a seed.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    max_num_logprobs: Optional[int] = None  # None: no row asked for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        eos_token_ids: Sequence[Optional[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> "SamplingMetadata":
+        """Build the metadata from per-row host data. Cheap: host lists, one copy per tensor kind."""
+        n = len(params)
+        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+        meta = cls(num_rows=n, vocab_size=vocab_size, all_greedy=all_greedy, all_random=all_random)
+
+        # One float32 host->device copy for every per-row float we need.
+        float_rows: list[list[float]] = []
+        names: list[str] = []
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        if not all_greedy:
+            names.append("temperature")
+            float_rows.append([0.0 if g else float(p.temperature) for p, g in zip(params, greedy)])
+            if any(p.top_p < 1.0 for p in sampled):
+                names.append("top_p")
+                float_rows.append([float(p.top_p) for p in params])
+            if any(p.min_p > 0.0 for p in sampled):
+                names.append("min_p")
+                float_rows.append([float(p.min_p) for p in params])
+            if any(0 < p.top_k < vocab_size for p in sampled):
+                meta.no_top_k = False
+                ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+                meta.max_top_k = max(k for k in ks if k < vocab_size)
+                meta.top_k = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
+        need_rep = any(p.repetition_penalty != 1.0 for p in params)
+        need_freq_pres = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        if need_rep or need_freq_pres:
+            meta.no_penalties = False
+            meta.no_frequency_presence = not need_freq_pres
+            names += ["presence_penalties", "frequency_penalties", "repetition_penalties"]
+            float_rows.append([float(p.presence_penalty) for p in params])
+            float_rows.append([float(p.frequency_penalty) for p in params])
+            float_rows.append([float(p.repetition_penalty) for p in params])
+            meta.output_token_ids = _padded_tensor(output_token_ids, vocab_size, device)
+            if need_rep:
+                meta.prompt_token_ids = _padded_tensor(prompt_token_ids, vocab_size, device)
+        if float_rows:
+            packed = torch.tensor(float_rows, dtype=torch.float32).to(device, non_blocking=True)
+            for name, row in zip(names, packed.unbind(0)):
+                setattr(meta, name, row)
+        meta.no_top_p = meta.top_p is None
+        meta.no_min_p = meta.min_p is None
+
+        # min_tokens: forbid the ids that would end the request early.
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for i, (p, out, eos) in enumerate(zip(params, output_token_ids, eos_token_ids)):
+            if p.min_tokens and len(out) < p.min_tokens:
+                stop_ids = set(p.all_stop_token_ids) | set(p.stop_token_ids or ())
+                if eos is not None:
+                    stop_ids.add(eos)
+                for t in sorted(stop_ids):
+                    if 0 <= t < vocab_size:
+                        mask_rows.append(i)
+                        mask_ids.append(t)
+        if mask_rows:
+            both = torch.tensor([mask_rows, mask_ids], dtype=torch.int64).to(device, non_blocking=True)
+            meta.min_tokens_mask = (both[0], both[1])
+
+        dev = torch.device(device)
+        for i, (p, g) in enumerate(zip(params, greedy)):
+            if p.seed is not None and not g:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(_mix_seed(p.seed, len(output_token_ids[i])))
+                meta.generators[i] = gen
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        meta.max_num_logprobs = max(wanted) if wanted else None
+        return meta
+
+
+class LogprobsTensors(NamedTuple):
+    """Column 0 is the sampled token, columns 1..K the top-K tokens of the raw distribution."""
+
+    token_ids: torch.Tensor  # [N, K+1] int64
+    logprobs: torch.Tensor  # [N, K+1] float32
+    ranks: torch.Tensor  # [N, K+1] int64, 1 = most likely
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: Optional[LogprobsTensors] = None
+
+
+class Sampler(torch.nn.Module):
+    """logits [N, V] float32 + SamplingMetadata -> SamplerOutput. Modifies logits in place."""
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+
+        if meta.min_tokens_mask is not None:
+            rows, ids = meta.min_tokens_mask
+            logits[rows, ids] = float("-inf")
+        if not meta.no_penalties:
+            logits = apply_penalties(logits, meta)
+
+        if meta.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
+            sampled = self._sample(logits, meta)
+            if greedy_ids is not None:
+                sampled = torch.where(meta.temperature < _GREEDY_EPS, greedy_ids, sampled)
+
+        lp = None
+        if raw_logprobs is not None:
+            lp = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        temperature = meta.temperature
+        if not meta.all_random:  # greedy rows (temperature 0) are overwritten later; avoid 0-division
+            temperature = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
+        logits.div_(temperature.unsqueeze(1))
+        if not meta.no_min_p:
+            logits = apply_min_p(logits, meta.min_p)
+        if not meta.no_top_p:
+            logits = apply_top_k_top_p(logits, None if meta.no_top_k else meta.top_k, meta.top_p)
+        elif not meta.no_top_k:
+            logits = apply_top_k_only(logits, meta.top_k, meta.max_top_k)
+        probs = logits.softmax(dim=-1)
+        return exponential_race(probs, meta.generators)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output tokens) then frequency and presence (output tokens)."""
+    n, vocab = logits.shape
+    out_ids = meta.output_token_ids  # [N, Lo], pad id = vocab -> scratch column, dropped below
+    if meta.prompt_token_ids is not None:  # some row has repetition_penalty != 1
+        seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, meta.prompt_token_ids, True)
+        seen.scatter_(1, out_ids, True)
+        rep = meta.repetition_penalties.unsqueeze(1)  # [N, 1]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen[:, :vocab], penalized, logits)
+    if not meta.no_frequency_presence:
+        counts = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+        counts = counts[:, :vocab]  # [N, V]
+        logits -= meta.frequency_penalties.unsqueeze(1) * counts
+        logits -= meta.presence_penalties.unsqueeze(1) * (counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k logits (ties with the k-th are kept) using torch.topk, not a sort."""
+    vocab = logits.shape[1]
+    top_vals = logits.topk(max_top_k, dim=-1).values  # [N, max_top_k], descending
+    k_index = (top_k.clamp(max=max_top_k) - 1).unsqueeze(1)
+    threshold = top_vals.gather(1, k_index)  # [N, 1]
+    threshold.masked_fill_((top_k >= vocab).unsqueeze(1), float("-inf"))  # rows without top-k
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: torch.Tensor) -> torch.Tensor:
+    """Sort once (ascending), apply top-k then top-p (smallest set with mass >= p), scatter back."""
+    vocab = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        threshold = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))  # k-th largest value
+        sorted_logits.masked_fill_(sorted_logits < threshold, float("-inf"))
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+    # Drop the low tail whose total mass is <= 1 - p; the most likely token always stays.
+    drop = cum_probs <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, sorted_idx, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / E) with E ~ Exp(1): an exact draw from probs. probs is overwritten."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, gen in generators.items():
+        noise[row].exponential_(generator=gen)
+    # E can be exactly 0 in float32; 0/0 would be NaN and win the argmax for a masked token.
+    noise.clamp_(min=1e-30)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+    """Sampled token's logprob and rank, then the top-k tokens of the raw distribution."""
+    sampled = sampled.unsqueeze(1)  # [N, 1]
+    sampled_lp = logprobs.gather(1, sampled)  # [N, 1]
+    sampled_rank = (logprobs > sampled_lp).sum(dim=-1, keepdim=True) + 1
+    if k == 0:
+        return LogprobsTensors(sampled, sampled_lp, sampled_rank)
+    top_lp, top_ids = logprobs.topk(k, dim=-1)
+    top_ranks = torch.arange(1, k + 1, device=logprobs.device).expand(logprobs.shape[0], k)
+    return LogprobsTensors(
+        torch.cat([sampled, top_ids], dim=1),
+        torch.cat([sampled_lp, top_lp], dim=1),
+        torch.cat([sampled_rank, top_ranks], dim=1),
+    )
