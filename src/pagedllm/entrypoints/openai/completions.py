@@ -1,0 +1,168 @@
+"""POST /v1/completions: text (or token-id) prompts in, text out; streaming as Server-Sent Events."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from pagedllm.entrypoints.openai import common as c
+from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+def parse_prompts(prompt: Any, tokenizer: Any, vocab_size: int, add_special_tokens: bool
+                  ) -> list[tuple[Optional[str], list[int]]]:
+    """-> [(text or None, token ids)] for str | [str] | [int] | [[int]]."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise c.APIError("'prompt' must not be empty.", param="prompt")
+    out: list[tuple[Optional[str], list[int]]] = []
+    for p in prompt:
+        if isinstance(p, str):
+            if p == "":
+                raise c.APIError("'prompt' must not be an empty string.", param="prompt")
+            out.append((p, list(tokenizer.encode(p, add_special_tokens=add_special_tokens))))
+        else:
+            ids = list(p)
+            c.check_token_ids(ids, vocab_size)
+            out.append((None, ids))
+    return out
+
+
+async def create_completion(request: Request, state: c.ServerState) -> Response:
+    req = await c.parse_body(request, CompletionRequest)
+    model = state.check_model(req.model)
+    if req.suffix:
+        raise c.APIError("'suffix' is not supported yet.", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise c.APIError("'best_of' other than n is not supported yet.", param="best_of")
+    engine = state.engine
+    tok = state.tokenizer
+    prompts = parse_prompts(req.prompt, tok, engine.ready.vocab_size, req.add_special_tokens)
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = c.build_sampling_params(req, max_tokens, req.logprobs)
+    for _, ids in prompts:
+        c.check_context_length(len(ids), params.max_tokens, state.max_model_len)
+    request_id = req.request_id or random_id("cmpl")
+    sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id]
+    stream = bool(req.stream)
+    kind = "delta" if stream else "final_only"
+    gens = [engine.generate(text, ids, params, sid, output_kind=kind) for (text, ids), sid in zip(prompts, sub_ids)]
+    watch = c.start_disconnect_watch(request, engine, sub_ids)
+    merged = c.merge_streams(gens)
+    created = int(time.time())
+    try:
+        first = await merged.__anext__()
+    except BaseException:
+        watch.cancel()
+        await merged.aclose()
+        raise
+    if stream:
+        body = _stream(req, state, model, request_id, created, prompts, first, merged, watch)
+        return StreamingResponse(body, media_type="text/event-stream")
+    try:
+        finals: dict[int, Any] = {first[0]: first[1]}
+        async for i, out in merged:
+            finals[i] = out
+    finally:
+        watch.cancel()
+    return Response(c.dumps(_full_response(req, state, model, request_id, created, prompts, finals)),
+                    media_type="application/json")
+
+
+def _full_response(req: CompletionRequest, state: c.ServerState, model: str, request_id: str, created: int,
+                   prompts: list, finals: dict[int, Any]) -> dict:
+    tok = state.tokenizer
+    choices = []
+    num_prompt = num_gen = 0
+    for i, (text, ids) in enumerate(prompts):
+        final = finals[i]
+        num_prompt += len(ids)
+        prompt_text = text if text is not None else (final.prompt or tok.decode(ids))
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            num_gen += len(out.token_ids)
+            body = (prompt_text + out.text) if req.echo else out.text
+            lp = None
+            if req.logprobs is not None:
+                offset0 = len(prompt_text) if req.echo else 0
+                lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offset0)
+            choices.append({"index": i * req.n + out.index, "text": body, "logprobs": lp,
+                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+    usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen, "total_tokens": num_prompt + num_gen}
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage}
+
+
+def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], offset: int) -> dict:
+    result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for s, lp, tops in c.iter_logprobs(tok, list(token_ids), logprobs):
+        result["tokens"].append(s)
+        result["token_logprobs"].append(c.safe_float(lp))
+        result["top_logprobs"].append({ts: c.safe_float(tl) for ts, tl, _ in tops})
+        result["text_offset"].append(offset)
+        offset += len(s)
+    return result
+
+
+async def _stream(req: CompletionRequest, state: c.ServerState, model: str, request_id: str, created: int,
+                  prompts: list, first: tuple[int, Any], merged: AsyncIterator, watch: Any) -> AsyncIterator[bytes]:
+    tok = state.tokenizer
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    echoed: set[int] = set()
+    offsets: dict[int, int] = {}
+    num_gen = 0
+    head = (b'{"id":' + c.dumps(request_id) + b',"object":"text_completion","created":' + str(created).encode()
+            + b',"model":' + c.dumps(model) + b',"choices":')
+    tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+
+    def chunks(i: int, ro: Any) -> list[bytes]:
+        nonlocal num_gen
+        frames = []
+        for out in ro.outputs:
+            index = i * req.n + out.index
+            text = out.text
+            num_gen += len(out.token_ids)
+            if req.echo and index not in echoed:
+                echoed.add(index)
+                p_text, p_ids = prompts[i]
+                text = (p_text if p_text is not None else tok.decode(p_ids)) + text
+                offsets[index] = len(text) - len(out.text)
+            if not text and out.finish_reason is None and not out.token_ids:
+                continue
+            lp = None
+            if req.logprobs is not None:
+                lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(s) for s in lp["tokens"])
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
+                      "stop_reason": out.stop_reason}
+            frames.append(b"data: " + head + c.dumps([choice]) + tail)
+        return frames
+
+    try:
+        for frame in chunks(*first):
+            yield frame
+        async for i, ro in merged:
+            for frame in chunks(i, ro):
+                yield frame
+        if include_usage:
+            num_prompt = sum(len(ids) for _, ids in prompts)
+            usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen,
+                     "total_tokens": num_prompt + num_gen}
+            yield b"data: " + head + b"[]" + b',"usage":' + c.dumps(usage) + b"}\n\n"
+    except Exception as e:  # noqa: BLE001 - headers are gone; report in-band like vLLM
+        yield from_stream_error(e)
+    finally:
+        watch.cancel()
+        await merged.aclose()
+    yield b"data: [DONE]\n\n"
+
+
+def from_stream_error(e: BaseException) -> bytes:
+    status = getattr(e, "status", 500)
+    return b"data: " + c.dumps(c.error_body(str(e), status)) + b"\n\n"
