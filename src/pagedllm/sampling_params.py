@@ -5,10 +5,13 @@ sentence that names the field and what is allowed.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 _GREEDY_EPS = 1e-5
+_MAX_LOGPROBS = 20  # OpenAI's limit for top logprobs
 
 
 @dataclass
@@ -43,8 +46,12 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}.")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
@@ -57,44 +64,62 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+                     "min_p"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+                bad(f"{name} must be a finite number, got {v!r}.")
+            setattr(self, name, float(v))
+        for name in ("n", "top_k", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                bad(f"{name} must be an integer, got {getattr(self, name)!r}.")
+            setattr(self, name, int(getattr(self, name)))
+        for name in ("best_of", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            v = getattr(self, name)
+            if v is not None and not is_int(v):
+                bad(f"{name} must be an integer or None, got {v!r}.")
+            if v is not None:
+                setattr(self, name, int(v))
+
+        if self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}.")
-        if self.best_of is not None and self.best_of < self.n:
+        if self.best_of < self.n:
             bad(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not 0.0 < self.repetition_penalty <= 2.0 * 1e9:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.temperature < 0.0 or self.temperature != self.temperature:
-            bad(f"temperature must be >= 0, got {self.temperature}.")
+        if not self.repetition_penalty > 0.0:
+            bad(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}.")
+        if self.temperature < 0.0:
+            bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}.")
+        if self.top_k < 0:
             bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}.")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}.")
-        if self.logprobs is not None and self.logprobs > 20:
-            bad(f"logprobs must be <= 20, got {self.logprobs}.")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
-            bad(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
+            bad(f"logprobs must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}.")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            bad(f"prompt_logprobs must be an integer in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if self.stop and not self.detokenize:
+            bad("stop strings need detokenize=True (use stop_token_ids to stop on ids without text).")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers.")
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            bad(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}.")
 
     @property
     def greedy(self) -> bool:

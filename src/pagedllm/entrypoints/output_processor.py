@@ -1,0 +1,286 @@
+"""OutputProcessor: engine-core outputs -> user-facing RequestOutputs (shared by LLM and the API server).
+
+Per engine request it keeps the output token ids, the incremental detokenizer, logprobs and the
+finish state; it enforces stop strings (which the engine core cannot see: it has no text) and tells
+the caller which requests to abort in the core because a stop string ended them.
+
+n > 1: the caller adds one engine request per sample (child ids like f"{i}_{parent_id}", index i,
+all children added before the next process_outputs call); the processor reports one RequestOutput for
+the parent, outputs sorted by index, finished once every child is.
+
+Output kinds:
+  * "cumulative": every update carries the full text / token ids / logprobs so far
+  * "delta": every update carries only what is new since the previous update (streaming)
+  * "final_only": one RequestOutput when the request finishes
+While a request runs, the last (longest stop string - 1) characters are held back so that a stop
+string that is still being generated never reaches the user.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedllm.core.batch_plan import EngineCoreOutput, TokenLogprobs
+from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+_OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: list[str],
+                     include_stop_str_in_output: bool) -> Optional[tuple[str, int]]:
+    """Earliest stop string that overlaps the last num_new_chars of text -> (stop, length to keep)."""
+    best: Optional[tuple[str, int]] = None
+    for stop in stops:
+        start = max(0, len(text) - num_new_chars - len(stop) + 1)
+        pos = text.find(stop, start)
+        if pos != -1 and (best is None or pos < best[1]):
+            best = (stop, pos)
+    if best is None:
+        return None
+    stop, pos = best
+    return stop, pos + len(stop) if include_stop_str_in_output else pos
+
+
+@dataclass(eq=False)
+class _ParentState:
+    request_id: str
+    output_kind: str
+    # index -> latest cumulative CompletionOutput of that child (None until it produced something)
+    latest: dict[int, Optional[CompletionOutput]] = field(default_factory=dict)
+    child_ids: set[str] = field(default_factory=set)
+    unfinished_child_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _RequestState:
+    request_id: str
+    index: int
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_kind: str
+    parent: Optional[_ParentState]
+    detokenizer: Optional[IncrementalDetokenizer]
+    metrics: RequestMetrics
+    stop_buffer_len: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: Optional[list[dict[int, Logprob]]] = None
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    num_cached_tokens: int = 0
+    # What the user has already received (delta mode).
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class OutputProcessor:
+    """Turns EngineCoreOutputs into RequestOutputs. Not thread-safe: one owner calls it."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._parents: dict[str, _ParentState] = {}
+        self._token_strs: dict[int, str] = {}  # decoded single tokens, for logprobs
+
+    # ------------------------------------------------------------------ bookkeeping
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    params: SamplingParams, *, parent_id: Optional[str] = None, index: int = 0,
+                    output_kind: Optional[str] = None, arrival_time: Optional[float] = None) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        output_kind = output_kind or params.output_kind
+        if output_kind not in _OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {_OUTPUT_KINDS}, got {output_kind!r}.")
+        detokenize = self.tokenizer is not None and params.detokenize
+        if params.stop and not detokenize:
+            raise ValueError("Stop strings need detokenization: load a tokenizer and keep detokenize=True, "
+                             "or use stop_token_ids.")
+        detokenizer = None
+        if detokenize:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                 params.spaces_between_special_tokens,
+                                                 token_str_cache=self._token_strs)
+        parent = None
+        if parent_id is not None:
+            parent = self._parents.get(parent_id)
+            if parent is None:
+                parent = self._parents[parent_id] = _ParentState(parent_id, output_kind)
+            parent.latest[index] = None
+            parent.child_ids.add(request_id)
+            parent.unfinished_child_ids.add(request_id)
+        stop_buffer_len = 0
+        if params.stop and not params.include_stop_str_in_output:
+            stop_buffer_len = max(len(s) for s in params.stop) - 1
+        wants_logprobs = params.logprobs is not None
+        self._requests[request_id] = _RequestState(
+            request_id=request_id, index=index, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
+            params=params, output_kind=output_kind, parent=parent, detokenizer=detokenizer,
+            metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
+            stop_buffer_len=stop_buffer_len, logprobs=[] if wants_logprobs else None,
+            cumulative_logprob=0.0 if wants_logprobs else None,
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Drop state of these requests (parent ids drop all their children). Returns the engine ids dropped."""
+        dropped: list[str] = []
+        for rid in request_ids:
+            parent = self._parents.pop(rid, None)
+            child_ids = sorted(parent.child_ids) if parent is not None else [rid]
+            for cid in child_ids:
+                state = self._requests.pop(cid, None)
+                if state is None:
+                    continue
+                dropped.append(cid)
+                if state.parent is not None and parent is None:  # one child of a live parent
+                    state.parent.child_ids.discard(cid)
+                    state.parent.unfinished_child_ids.discard(cid)
+                    state.parent.latest.pop(state.index, None)
+                    if not state.parent.child_ids:
+                        self._parents.pop(state.parent.request_id, None)
+        return dropped
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ the step
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one engine step's outputs. Returns (outputs for the user, engine ids to abort)."""
+        now = time.monotonic()
+        results: list[RequestOutput] = []
+        to_abort: list[str] = []
+        parent_updates: dict[str, list[tuple[_RequestState, Optional[CompletionOutput]]]] = {}
+        for out in outputs:
+            state = self._requests.get(out.request_id)
+            if state is None:  # aborted by the user meanwhile
+                continue
+            stopped_by_string = self._update(state, out, now)
+            if stopped_by_string and not out.finished:
+                to_abort.append(out.request_id)
+            completion = self._make_completion(state)
+            if state.finished:
+                self._requests.pop(state.request_id, None)
+            if state.parent is not None:
+                parent_updates.setdefault(state.parent.request_id, []).append((state, completion))
+            elif completion is not None:
+                results.append(self._request_output(state, state.request_id, [completion], state.finished))
+        for parent_id, updates in parent_updates.items():
+            result = self._parent_output(self._parents[parent_id], updates)
+            if result is not None:
+                results.append(result)
+        return results, to_abort
+
+    def _update(self, state: _RequestState, out: EngineCoreOutput, now: float) -> bool:
+        """Append tokens, text and logprobs; set the finish state. True when a stop string ended it."""
+        new_ids = out.new_token_ids
+        if new_ids:
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens or 0)
+        state.token_ids.extend(new_ids)
+        if state.logprobs is not None and out.new_logprobs:
+            self._append_logprobs(state, out.new_logprobs)
+        stopped_by_string = False
+        if state.detokenizer is not None and new_ids:
+            delta = state.detokenizer.update(new_ids)
+            state.text += delta
+            params = state.params
+            if delta and params.stop and len(state.token_ids) >= params.min_tokens:
+                found = find_stop_string(state.text, len(delta), params.stop, params.include_stop_str_in_output)
+                if found is not None:
+                    stop, keep = found
+                    state.text = state.text[:keep]
+                    state.finish_reason, state.stop_reason = "stop", stop
+                    stopped_by_string = True
+        if not stopped_by_string and out.finished:
+            state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+        if state.finished:
+            state.metrics.finished_time = now
+        return stopped_by_string
+
+    def _append_logprobs(self, state: _RequestState, new_logprobs: list[TokenLogprobs]) -> None:
+        k = state.params.logprobs or 0
+        detok = state.detokenizer
+        for entry in new_logprobs:
+            ids = entry.token_ids[:k + 1]
+            strs = detok.decode_tokens(ids) if detok is not None else [None] * len(ids)
+            position: dict[int, Logprob] = {}
+            for token_id, logprob, rank, text in zip(ids, entry.logprobs, entry.ranks, strs):
+                if token_id not in position:
+                    position[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=text)
+            state.logprobs.append(position)
+            if entry.logprobs:
+                state.cumulative_logprob += entry.logprobs[0]
+
+    # ------------------------------------------------------------------ building outputs
+    def _make_completion(self, state: _RequestState) -> Optional[CompletionOutput]:
+        """The CompletionOutput to report now for this request, or None if nothing is due."""
+        finished = state.finished
+        if state.output_kind == "final_only" and not finished:
+            return None
+        visible = len(state.text) if finished else max(len(state.text) - state.stop_buffer_len, 0)
+        if state.output_kind != "delta":
+            return CompletionOutput(
+                index=state.index, text=state.text[:visible], token_ids=list(state.token_ids),
+                cumulative_logprob=state.cumulative_logprob,
+                logprobs=list(state.logprobs) if state.logprobs is not None else None,
+                finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+        start_chars = min(state.num_sent_chars, visible)
+        start_tokens = state.num_sent_tokens
+        if start_tokens == len(state.token_ids) and start_chars == visible and not finished:
+            return None
+        state.num_sent_chars = max(visible, state.num_sent_chars)
+        state.num_sent_tokens = len(state.token_ids)
+        return CompletionOutput(
+            index=state.index, text=state.text[start_chars:visible], token_ids=state.token_ids[start_tokens:],
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=state.logprobs[start_tokens:] if state.logprobs is not None else None,
+            finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+
+    @staticmethod
+    def _request_output(state: _RequestState, request_id: str, completions: list[CompletionOutput],
+                        finished: bool) -> RequestOutput:
+        return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                             prompt_logprobs=None, outputs=completions, finished=finished,
+                             num_cached_tokens=state.num_cached_tokens, metrics=state.metrics)
+
+    def _parent_output(self, parent: _ParentState,
+                       updates: list[tuple[_RequestState, Optional[CompletionOutput]]]) -> Optional[RequestOutput]:
+        for state, completion in updates:
+            if state.finished:
+                parent.unfinished_child_ids.discard(state.request_id)
+            if completion is not None:
+                parent.latest[state.index] = completion
+        finished = not parent.unfinished_child_ids
+        if finished:
+            self._parents.pop(parent.request_id, None)
+        last_state = updates[-1][0]
+        if parent.output_kind == "delta":
+            completions = sorted((c for _, c in updates if c is not None), key=lambda c: c.index)
+            if not completions:
+                return None
+        elif parent.output_kind == "final_only" and not finished:
+            return None
+        else:
+            completions = [c if c is not None else self._empty_completion(index, last_state.params)
+                           for index, c in sorted(parent.latest.items())]
+        return self._request_output(last_state, parent.request_id, completions, finished)
+
+    @staticmethod
+    def _empty_completion(index: int, params: SamplingParams) -> CompletionOutput:
+        wants_logprobs = params.logprobs is not None
+        return CompletionOutput(index=index, text="", token_ids=[],
+                                cumulative_logprob=0.0 if wants_logprobs else None,
+                                logprobs=[] if wants_logprobs else None)
