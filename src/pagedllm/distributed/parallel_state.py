@@ -1,0 +1,169 @@
+"""Tensor-parallel world: which rank this process is, how many there are, and the collectives layers use.
+
+Until `initialize_model_parallel()` runs (the single-device case) the world is one rank: rank 0 of size 1,
+and every collective is the identity, so layers never need to branch on "is distributed on".
+
+With several ranks the executor, in each worker process, calls
+    init_distributed_environment(world_size, rank, distributed_init_method, local_rank)
+    initialize_model_parallel(tensor_model_parallel_size)
+and the layers' `tensor_model_parallel_all_reduce` / `..._all_gather` become real torch.distributed calls
+on the tensor-parallel group (NCCL on CUDA, gloo on CPU).
+
+Invariant: all tensor-parallel ranks build the same model and call the same collectives in the same order.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupCoordinator:
+    """One process group plus this process's place in it.
+
+    `device_group` carries tensors (NCCL on CUDA, gloo on CPU); `cpu_group` (gloo) carries Python objects.
+    """
+
+    ranks: list[int]  # global ranks in the group, in group order
+    rank_in_group: int
+    device_group: Any = None  # torch.distributed ProcessGroup, None for a one-rank group
+    cpu_group: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place (returns x)."""
+        if self.world_size == 1:
+            return x
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim`, in rank order."""
+        if self.world_size == 1:
+            return x
+        dim = dim % x.dim()
+        x = x.contiguous()
+        # [world_size, *x.shape]: rank-major, then moved next to `dim` and merged into it.
+        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        if dist.get_backend(self.device_group) == "nccl":
+            dist.all_gather_into_tensor(out, x, group=self.device_group)
+        else:
+            dist.all_gather(list(out.unbind(0)), x, group=self.device_group)
+        out = out.movedim(0, dim)
+        return out.reshape(*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:])
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast from the group's `src`-th rank, in place."""
+        if self.world_size == 1:
+            return x
+        dist.broadcast(x, src=self.ranks[src], group=self.device_group)
+        return x
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        if self.world_size == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self.ranks[src], group=self.cpu_group)
+        return holder[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)
+
+
+_SINGLE = GroupCoordinator(ranks=[0], rank_in_group=0)
+_TP: Optional[GroupCoordinator] = None
+
+
+def init_distributed_environment(world_size: int = 1, rank: int = 0, distributed_init_method: str = "env://",
+                                 local_rank: int = 0, backend: Optional[str] = None) -> None:
+    """Join the global torch.distributed world (no-op for one rank or if already initialized)."""
+    if world_size == 1 or dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    logger.info("Initializing torch.distributed: rank %d of %d (%s, %s).", rank, world_size, backend,
+                distributed_init_method)
+    dist.init_process_group(backend=backend, init_method=distributed_init_method, world_size=world_size,
+                            rank=rank)
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
+    """Split the world into tensor-parallel groups of `tensor_model_parallel_size` consecutive ranks."""
+    global _TP
+    if tensor_model_parallel_size == 1 and not dist.is_initialized():
+        _TP = _SINGLE
+        return
+    if not dist.is_initialized():
+        raise RuntimeError("tensor_model_parallel_size > 1 needs init_distributed_environment() first.")
+    world_size = dist.get_world_size()
+    if world_size % tensor_model_parallel_size != 0:
+        raise ValueError(f"World size {world_size} is not divisible by tensor_model_parallel_size "
+                         f"{tensor_model_parallel_size}.")
+    rank = dist.get_rank()
+    # Every rank must create every group, in the same order (torch.distributed's rule).
+    for start in range(0, world_size, tensor_model_parallel_size):
+        ranks = list(range(start, start + tensor_model_parallel_size))
+        device_group = dist.new_group(ranks)
+        cpu_group = dist.new_group(ranks, backend="gloo")
+        if rank in ranks:
+            _TP = GroupCoordinator(ranks=ranks, rank_in_group=ranks.index(rank), device_group=device_group,
+                                   cpu_group=cpu_group)
+
+
+def model_parallel_is_initialized() -> bool:
+    return _TP is not None
+
+
+def ensure_model_parallel_initialized(tensor_model_parallel_size: int) -> None:
+    if _TP is None:
+        initialize_model_parallel(tensor_model_parallel_size)
+    elif _TP.world_size != tensor_model_parallel_size:
+        raise RuntimeError(f"Tensor parallel group already initialized with size {_TP.world_size}, "
+                           f"expected {tensor_model_parallel_size}.")
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _TP if _TP is not None else _SINGLE
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_tp_group().rank_in_group
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_tp_group().world_size
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return get_tp_group().all_reduce(x)
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return get_tp_group().all_gather(x, dim)
+
+
+def destroy_model_parallel() -> None:
+    global _TP
+    _TP = None
+
+
+def destroy_distributed_environment() -> None:
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

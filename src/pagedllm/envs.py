@@ -1,0 +1,48 @@
+"""The only module that reads environment variables.
+
+Every variable is read lazily on attribute access (`envs.PAGEDLLM_CACHE_DIR`), so tests can set them with
+`monkeypatch.setenv` after import. Add a new variable by adding one entry to `_ENV_READERS`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+
+def _cache_dir() -> str:
+    default = os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+    return os.path.abspath(os.path.expanduser(os.environ.get("PAGEDLLM_CACHE_DIR", default)))
+
+
+def _optional_str(name: str) -> Callable[[], Optional[str]]:
+    return lambda: os.environ.get(name) or None
+
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    return lambda: int(os.environ.get(name, default))
+
+
+_ENV_READERS: dict[str, Callable[[], Any]] = {
+    # Where converted GGUF models (and other derived artifacts) are cached.
+    "PAGEDLLM_CACHE_DIR": _cache_dir,
+    # Root logging level for the `pagedllm` logger (DEBUG, INFO, WARNING, ...).
+    "PAGEDLLM_LOGGING_LEVEL": lambda: os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(),
+    # Seed for dummy (random) weights: `load_format="dummy"`.
+    "PAGEDLLM_DUMMY_WEIGHT_SEED": _int("PAGEDLLM_DUMMY_WEIGHT_SEED", 1234),
+    # Set to 1 to hide tqdm progress bars (weight loading, GGUF conversion).
+    "PAGEDLLM_DISABLE_PROGRESS_BARS": lambda: os.environ.get("PAGEDLLM_DISABLE_PROGRESS_BARS", "0") == "1",
+    # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
+    "MASTER_ADDR": _optional_str("MASTER_ADDR"),
+    "MASTER_PORT": _optional_str("MASTER_PORT"),
+    "LOCAL_RANK": _int("LOCAL_RANK", 0),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENV_READERS:
+        return _ENV_READERS[name]()
+    raise AttributeError(f"module 'pagedllm.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_ENV_READERS)

@@ -1,0 +1,37 @@
+"""Activations used by the gated MLPs (output of the fused gate_up projection -> MLP hidden)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """x = [gate | up] along the last dim -> silu(gate) * up.  [..., 2 * d] -> [..., d]"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """[gate | up] -> gelu(gate) * up (tanh approximation when `approximate="tanh"`)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+
+_GATED_ACTIVATIONS = {"silu": SiluAndMul, "swish": SiluAndMul,
+                      "gelu": GeluAndMul, "gelu_pytorch_tanh": lambda: GeluAndMul("tanh")}
+
+
+def get_gated_act_fn(hidden_act: str) -> nn.Module:
+    """The `...AndMul` module for a HF config's `hidden_act`; ValueError if unsupported."""
+    if hidden_act not in _GATED_ACTIVATIONS:
+        raise ValueError(f"Activation {hidden_act!r} is not supported; supported: {sorted(_GATED_ACTIVATIONS)}.")
+    return _GATED_ACTIVATIONS[hidden_act]()

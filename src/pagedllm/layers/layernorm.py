@@ -1,0 +1,41 @@
+"""RMSNorm, optionally fused with the residual add that precedes it (vLLM style)."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from pagedllm.models.weight_utils import default_weight_loader, set_weight_attrs
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), normalized in float32 and cast back before the scale (as HF).
+
+    `forward(x)` returns y. `forward(x, residual)` first forms `x + residual` (the decoder layer's residual
+    stream) and returns `(norm(x + residual), x + residual)`, so layers never materialize the add twice.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()),
+                                   requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        # x, residual: [..., hidden_size] in the model dtype
+        if residual is not None:
+            x = x + residual
+            residual = x
+        orig_dtype = x.dtype
+        xf = x.to(torch.float32)
+        variance = xf.pow(2).mean(dim=-1, keepdim=True)
+        xf = xf * torch.rsqrt(variance + self.variance_epsilon)
+        out = self.weight * xf.to(orig_dtype)
+        return out if residual is None else (out, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}"

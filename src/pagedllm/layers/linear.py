@@ -1,0 +1,255 @@
+"""Tensor-parallel linear layers (Megatron/vLLM style) with a pluggable `LinearMethod`.
+
+Sharding, for tensor-parallel size `tp` and rank `r`:
+  ColumnParallelLinear    weight [out/tp, in]: rank r owns output rows r*out/tp ... ; no communication
+                          (optionally all-gathers the output).
+  MergedColumnParallelLinear  several column-parallel outputs stored as one matrix (gate_up_proj): each
+                          logical shard is split across ranks separately, so rank r holds
+                          [gate_r; up_r] and one matmul computes both.
+  QKVParallelLinear       q/k/v fused the same way; with GQA the kv heads are split across ranks, or
+                          replicated when tp > num_kv_heads (each kv head then serves tp/num_kv_heads ranks).
+  RowParallelLinear       weight [out, in/tp]: consumes a column-parallel output and all-reduces the
+                          partial sums (bias added once, on rank 0, before the reduce).
+
+Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes the FULL
+checkpoint tensor and copies this rank's slice into `param`. How weights are stored and multiplied is the
+layer's `LinearMethod` (unquantized today; fp8/int8/awq/gptq methods plug in by implementing the same
+three calls).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                 get_tensor_model_parallel_world_size,
+                                                 tensor_model_parallel_all_gather,
+                                                 tensor_model_parallel_all_reduce)
+from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
+
+ShardId = Union[int, str, None]
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by the tensor parallel size {denominator}.")
+    return numerator // denominator
+
+
+class LinearMethodBase:
+    """How a linear layer stores its weight and computes `x @ W.T + b`. Stateless; one per layer."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, weight_loader: Callable) -> None:
+        """Register this rank's parameters on `layer` (tagging `input_dim`/`output_dim`/`weight_loader`)."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack weights once all are loaded (e.g. quantize, transpose for a kernel). Optional."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, weight_loader):
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                                          dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader})
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer, x, bias=None):
+        return F.linear(x, layer.weight, bias)
+
+
+class LinearBase(nn.Module):
+    """Common state: sizes, dtype, tp rank/size and the LinearMethod."""
+
+    def __init__(self, input_size: int, output_size: int, params_dtype: Optional[torch.dtype] = None,
+                 linear_method: Optional[LinearMethodBase] = None, prefix: str = "") -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.prefix = prefix
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+
+    def _create_bias(self, size: int, output_dim: Optional[int]) -> None:
+        bias = nn.Parameter(torch.zeros(size, dtype=self.params_dtype), requires_grad=False)
+        set_weight_attrs(bias, {"output_dim": output_dim, "weight_loader": self.weight_loader})
+        self.register_parameter("bias", bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}"
+
+
+class ReplicatedLinear(LinearBase):
+    """A plain linear layer, the same on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, **kwargs)
+        self.linear_method.create_weights(self, input_size, [output_size], input_size, output_size,
+                                          self.params_dtype, self.weight_loader)
+        if bias:
+            self._create_bias(output_size, output_dim=None)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        copy_weight(param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_method.apply(self, x, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X A^T with A split along its output rows; this rank computes Y[:, rank's columns]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
+                 output_sizes: Optional[Sequence[int]] = None, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, **kwargs)
+        self.gather_output = gather_output
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self.output_sizes = list(output_sizes) if output_sizes is not None else [output_size]
+        # Logical sub-matrices (e.g. [gate, up]) as stored on this rank, in order.
+        self.output_partition_sizes = [divide(size, self.tp_size) for size in self.output_sizes]
+        self.linear_method.create_weights(self, input_size, self.output_partition_sizes, input_size, output_size,
+                                          self.params_dtype, self.weight_loader)
+        if bias:
+            self._create_bias(self.output_size_per_partition, output_dim=0)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is not None:
+            shard_size = param.data.shape[output_dim]
+            loaded_weight = loaded_weight.narrow(output_dim, self.tp_rank * shard_size, shard_size)
+        copy_weight(param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear_method.apply(self, x, self.bias)  # [num_tokens, output_size_per_partition]
+        if self.gather_output:
+            out = tensor_model_parallel_all_gather(out, dim=-1)
+        return out
+
+    def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, dst_offset: int, shard_size: int,
+                    src_shard_index: int) -> None:
+        """Copy rows [src_shard_index * shard_size, +shard_size) of a logical shard to [dst_offset, +shard_size)."""
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:  # a replicated parameter (e.g. a per-tensor scale): take it whole
+            copy_weight(param.data, loaded_weight)
+            return
+        dst = param.data.narrow(output_dim, dst_offset, shard_size)
+        src = loaded_weight.narrow(output_dim, src_shard_index * shard_size, shard_size)
+        copy_weight(dst, src)
+
+    def _load_fused(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_ids: Sequence[ShardId],
+                    full_sizes: Sequence[int]) -> None:
+        """A checkpoint that already stores the shards fused (e.g. `qkv_proj`): split and load each."""
+        output_dim = getattr(param, "output_dim", 0) or 0
+        for shard_id, part in zip(shard_ids, loaded_weight.split(list(full_sizes), dim=output_dim)):
+            self.weight_loader(param, part, shard_id)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel linears over the same input, one matmul (e.g. gate_up_proj = [gate; up]).
+
+    `shard_id` is the index of the logical output in `output_sizes`.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = True, **kwargs: Any) -> None:
+        super().__init__(input_size, sum(output_sizes), bias=bias, output_sizes=output_sizes, **kwargs)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if shard_id is None:
+            self._load_fused(param, loaded_weight, range(len(self.output_sizes)), self.output_sizes)
+            return
+        assert isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes), shard_id
+        offset = sum(self.output_partition_sizes[:shard_id])
+        self._load_shard(param, loaded_weight, offset, self.output_partition_sizes[shard_id], self.tp_rank)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. Output on this rank: [q (num_heads*head_size) | k | v (num_kv_heads*head_size)].
+
+    When tp > total_num_kv_heads each rank keeps one kv head, replicated on tp/total_num_kv_heads ranks.
+    `shard_id` is "q", "k" or "v".
+    """
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: Optional[int] = None, bias: bool = True, **kwargs: Any) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= self.total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, self.total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(self.total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        self.q_size = self.num_heads * head_size  # on this rank
+        self.kv_size = self.num_kv_heads * head_size
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias=bias,
+                         output_sizes=[self.q_size * tp_size, self.kv_size * tp_size, self.kv_size * tp_size],
+                         **kwargs)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if shard_id is None:
+            total_kv = self.total_num_kv_heads * self.head_size
+            self._load_fused(param, loaded_weight, ("q", "k", "v"),
+                             (self.total_num_heads * self.head_size, total_kv, total_kv))
+            return
+        if shard_id == "q":
+            self._load_shard(param, loaded_weight, 0, self.q_size, self.tp_rank)
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            self._load_shard(param, loaded_weight, offset, self.kv_size, self.tp_rank // self.num_kv_head_replicas)
+        else:
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}.")
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X A^T with A split along its input columns; partial products are all-reduced across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
+                 reduce_results: bool = True, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, **kwargs)
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.linear_method.create_weights(self, self.input_size_per_partition, [output_size], input_size,
+                                          output_size, self.params_dtype, self.weight_loader)
+        if bias:
+            self._create_bias(output_size, output_dim=None)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        input_dim = getattr(param, "input_dim", None)
+        if input_dim is not None:
+            shard_size = param.data.shape[input_dim]
+            loaded_weight = loaded_weight.narrow(input_dim, self.tp_rank * shard_size, shard_size)
+        copy_weight(param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel and self.tp_size > 1:
+            x = x.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+        # The bias must enter the sum exactly once.
+        bias = self.bias if self.tp_rank == 0 else None
+        out = self.linear_method.apply(self, x, bias)  # [num_tokens, output_size] partial sum
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out

@@ -1,0 +1,171 @@
+"""Rotary position embedding (neox / HF-Llama layout: the two halves of each head are rotated together).
+
+A `RotaryEmbedding` precomputes cos/sin for every position up to its cache length once; `forward` only
+gathers rows by position, so any mix of requests and positions in a flattened batch costs one
+index_select plus elementwise math (no per-token Python).
+
+Scaling types (HF `rope_scaling` / transformers-5 `rope_parameters`): default, linear, dynamic (NTK; as in
+vLLM the base is scaled once for the extended length, because cached keys cannot be re-rotated when the
+sequence grows), llama3 (HF's exact formula) and yarn.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """Normalize a HF config's rope settings into one dict with at least `rope_type` and `rope_theta`.
+
+    Handles transformers >= 5 (`config.rope_parameters`, possibly per layer type) and older configs
+    (`config.rope_theta` + `config.rope_scaling` with `type` or `rope_type`).
+    """
+    params: dict[str, Any] = {}
+    rope_parameters = getattr(hf_config, "rope_parameters", None)
+    if isinstance(rope_parameters, dict) and rope_parameters:
+        if all(isinstance(v, dict) for v in rope_parameters.values()):  # {layer_type: params}
+            rope_parameters = rope_parameters.get("full_attention") or next(iter(rope_parameters.values()))
+        params.update(rope_parameters)
+    else:
+        params.update(getattr(hf_config, "rope_scaling", None) or {})
+    if "rope_type" not in params:
+        params["rope_type"] = params.pop("type", "default")
+    params.pop("type", None)
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = float(getattr(hf_config, "rope_theta", None) or 10000.0)
+    if params.get("partial_rotary_factor") is None:
+        params["partial_rotary_factor"] = getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    return params
+
+
+def _base_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
+    # Exactly HF's expression, so cos/sin match bit for bit.
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float) / rotary_dim
+    return 1.0 / (base ** exponent)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor = p["factor"]
+    low_freq_factor = p["low_freq_factor"]
+    high_freq_factor = p["high_freq_factor"]
+    old_context_len = p["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended smoothly.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(base: float, rotary_dim: int, p: dict[str, Any], max_position: int
+                   ) -> tuple[torch.Tensor, float]:
+    original = p.get("original_max_position_embeddings") or max_position
+    factor = p.get("factor") or max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (rotary_dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).to(dtype=torch.float) / rotary_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin cache [max_position, rotary_dim] (cos half | sin half), float32, on the build device.
+
+    Invariant: positions passed to forward are < `max_position`.
+    """
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor,
+                 attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        assert rotary_dim % 2 == 0 and rotary_dim <= head_size
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        positions = torch.arange(max_position, dtype=torch.float32)
+        inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, rotary_dim / 2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; query [T, num_heads * head_size]; key [T, num_kv_heads * head_size] -> same shapes
+        num_tokens = positions.shape[0]
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # each [T, 1, rotary_dim / 2]
+        query = self._rotate(query.view(num_tokens, -1, self.head_size), cos, sin)
+        key = self._rotate(key.view(num_tokens, -1, self.head_size), cos, sin)
+        return query.view(num_tokens, -1), key.view(num_tokens, -1)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, head_size]; same as HF's x * cos + rotate_half(x) * sin on the rotary part.
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        if self.rotary_dim < self.head_size:
+            parts.append(x[..., self.rotary_dim:])
+        return torch.cat(parts, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
+
+
+def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any],
+             rotary_dim: Optional[int] = None) -> RotaryEmbedding:
+    """Build the rotary embedding a config describes (see `get_rope_parameters`)."""
+    p = rope_parameters
+    if rotary_dim is None:
+        rotary_dim = int(head_size * p.get("partial_rotary_factor", 1.0))
+    base = float(p["rope_theta"])
+    rope_type = p.get("rope_type", "default")
+    attention_scaling = 1.0
+    cache_len = max_position
+    if rope_type == "default":
+        inv_freq = _base_inv_freq(base, rotary_dim)
+    elif rope_type == "linear":
+        inv_freq = _base_inv_freq(base, rotary_dim) / p["factor"]
+        cache_len = int(max_position * p["factor"])
+    elif rope_type == "dynamic":
+        factor = p["factor"]
+        cache_len = int(max_position * factor)
+        scaled_base = base * ((factor * cache_len / max_position) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        inv_freq = _base_inv_freq(scaled_base, rotary_dim)
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(_base_inv_freq(base, rotary_dim), p)
+    elif rope_type == "yarn":
+        inv_freq, attention_scaling = _yarn_inv_freq(base, rotary_dim, p, max_position)
+        original = p.get("original_max_position_embeddings")
+        if original and p.get("factor"):
+            cache_len = max(max_position, int(original * p["factor"]))
+    else:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, dynamic, "
+                         f"llama3, yarn.")
+    return RotaryEmbedding(head_size, rotary_dim, cache_len, inv_freq, attention_scaling)

@@ -1,0 +1,108 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+The vocabulary is padded to a multiple of `padding_size * tp` and split into equal contiguous ranges, one
+per tensor-parallel rank. Rows past the real vocabulary are zero and their logits are cut off, so padding
+never reaches the sampler.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                 get_tensor_model_parallel_world_size,
+                                                 tensor_model_parallel_all_gather,
+                                                 tensor_model_parallel_all_reduce)
+from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
+
+DEFAULT_VOCAB_PADDING_SIZE = 64
+
+
+def pad_vocab_size(vocab_size: int, pad_to: int = DEFAULT_VOCAB_PADDING_SIZE) -> int:
+    return ((vocab_size + pad_to - 1) // pad_to) * pad_to
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows [vocab_start_index, vocab_end_index) live on this rank.
+
+    Invariant: `weight` is [num_embeddings_per_partition, embedding_dim]; rows for ids >= org_vocab_size
+    are zero.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: Optional[torch.dtype] = None,
+                 padding_size: int = DEFAULT_VOCAB_PADDING_SIZE, prefix: str = "") -> None:
+        super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.org_vocab_size = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * self.tp_size)
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.prefix = prefix
+        weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
+                                          dtype=params_dtype or torch.get_default_dtype()), requires_grad=False)
+        set_weight_attrs(weight, {"output_dim": 0, "weight_loader": self.weight_loader})
+        self.weight = weight
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if loaded_weight.shape[0] != self.org_vocab_size:
+            raise ValueError(f"shape mismatch: the checkpoint has {tuple(loaded_weight.shape)}, the model expects "
+                             f"({self.org_vocab_size}, {self.embedding_dim}) (vocab_size from config.json)")
+        num_rows = max(0, min(self.vocab_end_index, self.org_vocab_size) - self.vocab_start_index)
+        copy_weight(param.data[:num_rows], loaded_weight[self.vocab_start_index:self.vocab_start_index + num_rows])
+        param.data[num_rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [num_tokens] -> [num_tokens, embedding_dim]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index) * in_range
+        out = F.embedding(local_ids, self.weight)
+        out.masked_fill_(~in_range.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.org_vocab_size} (padded {self.num_embeddings_padded}), dim={self.embedding_dim}, "
+                f"tp={self.tp_size}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection sharded over the vocabulary like the embedding (so the two can be tied)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
+                 prefix: str = "") -> None:
+        super().__init__(num_embeddings, embedding_dim, params_dtype, padding_size, prefix)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype),
+                                     requires_grad=False)
+            set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self._bias_loader})
+        else:
+            self.register_parameter("bias", None)
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
+        """Share the embedding's parameter (`tie_word_embeddings`): one tensor, loaded once."""
+        self.weight = embed_tokens.weight
+        return self
+
+    def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        num_rows = max(0, min(self.vocab_end_index, self.org_vocab_size) - self.vocab_start_index)
+        copy_weight(param.data[:num_rows], loaded_weight[self.vocab_start_index:self.vocab_start_index + num_rows])
+        param.data[num_rows:].zero_()
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states: [num_tokens, hidden] -> logits [num_tokens, org_vocab_size] float32
+        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        if logits.shape[-1] != self.org_vocab_size:
+            logits = logits[..., :self.org_vocab_size]
+        return logits.to(torch.float32).contiguous()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not called directly; use compute_logits(hidden_states).")

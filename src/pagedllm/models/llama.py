@@ -1,0 +1,179 @@
+"""Llama 2/3 (also Mistral and SmolLM2, which share its layout), tensor-parallel and paged-attention ready.
+
+Shapes below use T = tokens in the flattened batch (all requests' new tokens end to end); the Attention
+layer finds request boundaries in the forward context, so nothing here knows about requests.
+Qwen2 and Qwen3 reuse these classes, overriding only what differs (qkv bias, per-head q/k norm).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import get_gated_act_fn
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.weight_utils import load_weights_into, set_default_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def get_head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, prefix: str = "") -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=bias, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+                                           prefix=f"{prefix}.down_proj")
+        self.act_fn = get_gated_act_fn(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate / tp]
+        return self.down_proj(self.act_fn(gate_up))  # [T, hidden]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "") -> None:
+        super().__init__()
+        self.head_dim = get_head_dim(config)
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
+        qkv_bias, o_bias = self.projection_biases(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_num_heads, total_num_kv_heads,
+                                          bias=qkv_bias, prefix=f"{prefix}.qkv_proj")
+        self.num_heads = self.qkv_proj.num_heads  # on this rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, config.hidden_size, bias=o_bias,
+                                        prefix=f"{prefix}.o_proj")
+        self.rotary_emb = rotary_emb  # shared by all layers (one cos/sin cache per model)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+                              prefix=f"{prefix}.attn")
+
+    @staticmethod
+    def projection_biases(config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        # q [T, heads * head_dim]; k, v [T, kv_heads * head_dim] (views into qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))  # new contiguous tensors
+        out = self.attn(q, k, v)  # [T, heads * head_dim]
+        return self.o_proj(out)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before rope (Qwen3 normalizes each head here)."""
+        return q, k
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "") -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, rotary_emb, prefix=f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately and added inside the next norm (fused add + norm).
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, layer_cls: type = LlamaDecoderLayer, prefix: str = "model") -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
+        rope_parameters = get_rope_parameters(config)
+        self.rotary_emb = get_rope(get_head_dim(config), config.max_position_embeddings, rope_parameters)
+        self.layers = nn.ModuleList(layer_cls(config, self.rotary_emb, prefix=f"{prefix}.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """The engine-facing model: forward -> hidden states, compute_logits, load_weights, attn_layers.
+
+    Parameter names mirror HF's except the fused `qkv_proj` (q/k/v) and `gate_up_proj` (gate/up).
+    """
+
+    layer_cls: type = LlamaDecoderLayer
+    # (our fused parameter, HF checkpoint name, shard id)
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype or torch.get_default_dtype()
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.check_config(hf_config)
+        with set_default_dtype(self.dtype):
+            self.model = LlamaModel(hf_config, self.layer_cls, prefix="model")
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, prefix="lm_head")
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        # Plain list (not registered twice as submodules): the runner binds KV cache tensors through it.
+        self.attn_layers: list[Attention] = [layer.self_attn.attn for layer in self.model.layers]
+
+    @classmethod
+    def check_config(cls, hf_config: Any) -> None:
+        """Warn about config features the engine does not implement."""
+        window = getattr(hf_config, "sliding_window", None)
+        uses_window = getattr(hf_config, "use_sliding_window", True)
+        if window and uses_window and window < hf_config.max_position_embeddings:
+            logger.warning("%s: sliding_window=%d is ignored (full attention is used); outputs differ from the "
+                           "reference only for sequences longer than %d tokens.",
+                           cls.__name__, window, window)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] int64 -> hidden states [T, hidden_size]
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # [N, hidden_size] -> [N, vocab_size] float32
+        return self.lm_head.compute_logits(hidden_states)
+
+    def skip_weight(self, name: str) -> bool:
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head."))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names of the parameters loaded (ValueError if any is missing)."""
+        return load_weights_into(self, weights, self.stacked_params_mapping, skip=self.skip_weight)

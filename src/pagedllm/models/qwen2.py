@@ -1,0 +1,20 @@
+"""Qwen2 / Qwen2.5: the Llama layout with a bias on q/k/v (none on o_proj)."""
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class Qwen2Attention(LlamaAttention):
+    @staticmethod
+    def projection_biases(config: Any) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    layer_cls = Qwen2DecoderLayer

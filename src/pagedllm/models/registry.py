@@ -1,0 +1,61 @@
+"""Model registry: HF `config.architectures[0]` -> our model class, imported lazily on first use.
+
+Importing this module imports neither torch nor any model file.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Union
+
+# architecture name -> (module under pagedllm.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# config.model_type -> architecture, for configs saved without `architectures`.
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def register_model(architecture: str, module: str, class_name: str) -> None:
+    """Add (or override) an architecture; `module` is a full dotted module path or a pagedllm.models name."""
+    _MODELS[architecture] = (module, class_name)
+
+
+def get_architecture(hf_config: Any) -> str:
+    """`config.architectures[0]`, else inferred from `config.model_type`."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures:
+        return architectures[0]
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in _MODEL_TYPE_TO_ARCH:
+        return _MODEL_TYPE_TO_ARCH[model_type]
+    raise ValueError(f"The model config names no architecture (model_type={model_type!r}); supported: "
+                     f"{', '.join(supported_architectures())}.")
+
+
+def is_supported(hf_config_or_arch: Union[str, Any]) -> bool:
+    try:
+        arch = hf_config_or_arch if isinstance(hf_config_or_arch, str) else get_architecture(hf_config_or_arch)
+    except ValueError:
+        return False
+    return arch in _MODELS
+
+
+def get_model_class(hf_config_or_arch: Union[str, Any]) -> type:
+    """The model class for a HF config (or an architecture name); ValueError if unsupported."""
+    arch = hf_config_or_arch if isinstance(hf_config_or_arch, str) else get_architecture(hf_config_or_arch)
+    if arch not in _MODELS:
+        raise ValueError(f"Model architecture {arch} is not supported; supported: "
+                         f"{', '.join(supported_architectures())}.")
+    module_name, class_name = _MODELS[arch]
+    if "." not in module_name:
+        module_name = f"pagedllm.models.{module_name}"
+    return getattr(importlib.import_module(module_name), class_name)

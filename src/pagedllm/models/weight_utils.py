@@ -1,0 +1,196 @@
+"""Weight-file plumbing shared by all models: find and iterate checkpoint tensors, copy them into
+parameters, dummy initialization, and the generic HF-name -> fused-parameter loading loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pagedllm import envs
+
+logger = logging.getLogger(__name__)
+
+# (fused param name, checkpoint name, shard id): how HF's separate projections map onto our fused ones.
+StackedParamsMapping = Sequence[tuple[str, str, Any]]
+
+
+def set_weight_attrs(param: torch.Tensor, attrs: Optional[dict[str, Any]]) -> None:
+    """Attach loading metadata (`weight_loader`, `input_dim`, `output_dim`, ...) to a parameter."""
+    for key, value in (attrs or {}).items():
+        if hasattr(param, key) and key != "weight_loader":
+            raise AttributeError(f"Overwriting existing tensor attribute {key!r}.")
+        setattr(param, key, value)
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into a parameter (slice), casting dtype and moving device."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch: the checkpoint has {tuple(src.shape)}, the model expects "
+                         f"{tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    """For parameters that are the same on every rank (norms, ...)."""
+    if loaded_weight.dim() == 0 and param.numel() == 1:  # scalars saved as [] vs [1]
+        loaded_weight = loaded_weight.reshape(param.shape)
+    copy_weight(param.data, loaded_weight)
+
+
+@contextlib.contextmanager
+def set_default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build modules whose parameters default to `dtype`."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+# ----------------------------------------------------------------------------------------- weight files
+
+def find_weight_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files: the index's shards, else `model.safetensors`, else `*.safetensors`."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_path} is not a valid safetensors index ({e}).") from None
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{index_path} lists shard(s) that do not exist: "
+                                    f"{', '.join(os.path.basename(m) for m in missing)}.")
+        return files
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"No *.safetensors weights found in {model_dir}; pass a directory saved with "
+                                f"save_pretrained(safe_serialization=True), a .gguf file, or load_format='dummy'.")
+    return files
+
+
+def safetensors_weights_iterator(files: Sequence[str], show_progress: bool = True
+                                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, CPU tensor) for every tensor of every file, with one progress bar over all tensors."""
+    from safetensors import SafetensorError, safe_open
+
+    handles = []
+    try:
+        for path in files:
+            try:
+                handles.append(safe_open(path, framework="pt", device="cpu"))
+            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                raise ValueError(f"Could not read weights file {path}: it is not a valid safetensors file "
+                                 f"({e}).") from None
+        total = sum(len(h.keys()) for h in handles)
+        pbar = _maybe_bar(total, show_progress)
+        for path, handle in zip(files, handles):
+            for name in handle.keys():
+                try:
+                    tensor = handle.get_tensor(name)
+                except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                    raise ValueError(f"Could not read tensor {name!r} from {path}: the file is corrupt "
+                                     f"({e}).") from None
+                yield name, tensor
+                if pbar is not None:
+                    pbar.update(1)
+        if pbar is not None:
+            pbar.close()
+    finally:
+        handles.clear()
+
+
+def _maybe_bar(total: int, show: bool, desc: str = "Loading weights") -> Any:
+    if not show or envs.PAGEDLLM_DISABLE_PROGRESS_BARS:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False)
+
+
+# ----------------------------------------------------------------------------------------- loading loop
+
+def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                      stacked_params_mapping: StackedParamsMapping,
+                      skip: Callable[[str], bool] = lambda name: False) -> set[str]:
+    """Load HF-named tensors into `model`'s (possibly fused, possibly sharded) parameters.
+
+    Returns the set of parameter names loaded. Raises ValueError naming what is missing if any parameter
+    (or any shard of a fused one) was not in `weights`. Unknown checkpoint tensors are logged and ignored.
+    """
+    params = dict(model.named_parameters())
+    # fused param -> every shard id it needs (e.g. qkv_proj -> {q, k, v})
+    needed_shards: dict[str, set] = {}
+    for fused, _, shard_id in stacked_params_mapping:
+        needed_shards.setdefault(fused, set()).add(shard_id)
+    got_shards: dict[str, set] = {}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        target, shard_id = name, None
+        for fused, ckpt, sid in stacked_params_mapping:
+            if f".{ckpt}." in name:
+                target, shard_id = name.replace(f".{ckpt}.", f".{fused}."), sid
+                break
+        param = params.get(target)
+        if param is None:
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
+        except ValueError as e:
+            raise ValueError(f"Cannot load checkpoint weight {name!r}: {e}.") from None
+        if shard_id is None:
+            loaded.add(target)
+        else:
+            got_shards.setdefault(target, set()).add(shard_id)
+    for target, shards in got_shards.items():
+        fused = next((f for f in needed_shards if f".{f}." in target), None)
+        if fused is not None and shards >= needed_shards[fused]:
+            loaded.add(target)
+    if unexpected:
+        logger.warning("Ignoring %d checkpoint tensor(s) with no matching parameter, e.g. %s.", len(unexpected),
+                       ", ".join(unexpected[:5]))
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
+        raise ValueError(f"The checkpoint is missing {len(missing)} weight(s) the model needs: {shown}.")
+    return loaded
+
+
+def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3,
+                             seed: Optional[int] = None) -> None:
+    """Random weights for benchmarking/profiling without a checkpoint: U(low, high), norm weights one.
+
+    Seeded on the parameter's device so every rank and every run gets the same values.
+    """
+    seed = envs.PAGEDLLM_DUMMY_WEIGHT_SEED if seed is None else seed
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        module_name = name.rsplit(".", 2)[-2] if "." in name else ""
+        if "norm" in module_name:  # RMSNorm scales: random ones would only shrink activations
+            param.data.fill_(1.0)
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        if torch.is_floating_point(param):
+            # Draw in fp32 (uniform_ is not implemented for every low-precision dtype/device) then cast.
+            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            values.uniform_(low, high, generator=gen)
+            param.data.copy_(values)
