@@ -1,0 +1,67 @@
+"""SamplingParams: normalisation and clear ValueErrors for every user mistake."""
+import pytest
+
+from pagedllm.sampling_params import SamplingParams
+
+
+def test_defaults_and_normalisation():
+    p = SamplingParams(stop="###", top_k=-1, stop_token_ids=(5, 6))
+    assert p.stop == ["###"] and p.top_k == 0 and p.stop_token_ids == [5, 6]
+    assert p.best_of == 1 and p.max_tokens == 16 and not p.greedy
+    assert p.all_stop_token_ids == {5, 6}
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(stop=None).stop == []
+    assert isinstance(SamplingParams(temperature=1).temperature, float)
+
+
+def test_clone_keeps_values_and_revalidates():
+    p = SamplingParams(n=3, seed=1, stop=["a"], temperature=0.5)
+    c = p.clone(n=1, best_of=1, seed=2)
+    assert (c.n, c.seed, c.stop, c.temperature) == (1, 2, ["a"], 0.5)
+    with pytest.raises(ValueError, match="top_p"):
+        p.clone(top_p=2.0)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(n=0), "n must be"),
+    (dict(n=1.5), "n must be an integer"),
+    (dict(n=True), "n must be an integer"),
+    (dict(n=2, best_of=1), "best_of must be >= n"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.5), "top_k must be an integer"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.1), "min_p"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(temperature="hot"), "temperature must be a finite number"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=-5), "max_tokens"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=10, max_tokens=5), r"min_tokens \(10\) must be <= max_tokens \(5\)"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(stop=""), "stop must be a non-empty string"),
+    (dict(stop=["ok", 3]), "stop must be"),
+    (dict(stop=7), "stop must be a string or a list"),
+    (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
+    (dict(stop_token_ids=3), "stop_token_ids must be a list"),
+    (dict(stop="x", detokenize=False), "detokenize=True"),
+    (dict(output_kind="stream"), "output_kind"),
+])
+def test_invalid_values_raise_clear_errors(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_valid_edge_values():
+    SamplingParams(top_p=1.0, min_p=0.0, top_k=0, temperature=0.0, logprobs=20, max_tokens=1, min_tokens=1)
+    SamplingParams(max_tokens=None, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-3)
+    SamplingParams(seed=-5, stop_token_ids=[0], logprobs=0)
