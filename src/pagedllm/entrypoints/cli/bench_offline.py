@@ -1,0 +1,136 @@
+"""`pagedllm bench throughput` and `pagedllm bench latency`: the offline engine (pagedllm.LLM), no server."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--output-json", default=None, help="write the results to this JSON file")
+
+
+_ENGINE_KEYS = ("model", "dtype", "seed", "load_format", "max_model_len", "block_size", "gpu_memory_utilization",
+                "kv_cache_memory_bytes", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
+                "enable_prefix_caching", "tensor_parallel_size", "device", "enforce_eager")
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from pagedllm import LLM
+
+    kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS}
+    return LLM(**kwargs)
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _add_engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    return p
+
+
+def add_latency_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters-warmup", type=int, default=3)
+    p.add_argument("--num-iters", type=int, default=10)
+    return p
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    print(f"Saved results to {path}", file=sys.stderr)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from pagedllm import SamplingParams
+    from pagedllm.entrypoints.cli.bench_serve import sample_random_requests, vocab_token_pool
+
+    try:
+        llm = _make_llm(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    requests = sample_random_requests(vocab_token_pool(llm.get_tokenizer()), args.num_prompts, args.input_len,
+                                      args.output_len, args.random_range_ratio, args.seed)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len, seed=args.seed + i)
+              for i, r in enumerate(requests)]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    num_in = sum(len(r.prompt_token_ids) for r in requests)
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = {"elapsed_time": elapsed, "num_requests": len(requests), "total_num_tokens": num_in + num_out,
+              "total_output_tokens": num_out, "requests_per_second": len(requests) / elapsed,
+              "tokens_per_second": (num_in + num_out) / elapsed, "output_tokens_per_second": num_out / elapsed}
+    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
+          f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"Total num prompt tokens:  {num_in}\nTotal num output tokens:  {num_out}")
+    if args.output_json:
+        _write_json(args.output_json, result)
+    return 0
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    import random
+
+    from pagedllm import SamplingParams
+
+    try:
+        llm = _make_llm(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    from pagedllm.entrypoints.cli.bench_serve import vocab_token_pool
+
+    pool = vocab_token_pool(llm.get_tokenizer())
+    rng = random.Random(args.seed)
+    prompts = [{"prompt_token_ids": [rng.choice(pool) for _ in range(args.input_len)]} for _ in range(args.batch_size)]
+    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+
+    def once() -> float:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for _ in range(args.num_iters_warmup):
+        once()
+    latencies = sorted(once() for _ in range(args.num_iters))
+    avg = sum(latencies) / len(latencies)
+
+    def pct(p: int) -> float:
+        return latencies[min(len(latencies) - 1, int(round((len(latencies) - 1) * p / 100)))]
+
+    print(f"Avg latency: {avg:.4f} seconds")
+    print(f"Avg time per step (one token for the whole batch of {args.batch_size}): "
+          f"{avg / args.output_len * 1000:.2f} ms")
+    for p in (10, 25, 50, 75, 90, 99):
+        print(f"{p}% percentile latency: {pct(p):.4f} seconds")
+    if args.output_json:
+        _write_json(args.output_json, {"avg_latency": avg, "latencies": latencies,
+                                       "time_per_step_ms": avg / args.output_len * 1000,
+                                       "percentiles": {str(p): pct(p) for p in (10, 25, 50, 75, 90, 99)}})
+    return 0
