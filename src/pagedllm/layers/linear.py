@@ -39,6 +39,18 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+def narrow_shard(loaded_weight: torch.Tensor, dim: int, shard_size: int, shard_index: int,
+                 num_shards: int) -> torch.Tensor:
+    """Shard `shard_index` of `num_shards` equal slices along `dim`, checking the full size first (a wrong
+    config must fail loudly instead of silently loading a prefix of a larger tensor)."""
+    if loaded_weight.shape[dim] != shard_size * num_shards:
+        expected = list(loaded_weight.shape)
+        expected[dim] = shard_size * num_shards
+        raise ValueError(f"shape mismatch: the checkpoint has {tuple(loaded_weight.shape)}, the model expects "
+                         f"{tuple(expected)}")
+    return loaded_weight.narrow(dim, shard_index * shard_size, shard_size)
+
+
 class LinearMethodBase:
     """How a linear layer stores its weight and computes `x @ W.T + b`. Stateless; one per layer."""
 
@@ -133,8 +145,8 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param, loaded_weight, shard_id=None):
         output_dim = getattr(param, "output_dim", None)
         if output_dim is not None:
-            shard_size = param.data.shape[output_dim]
-            loaded_weight = loaded_weight.narrow(output_dim, self.tp_rank * shard_size, shard_size)
+            loaded_weight = narrow_shard(loaded_weight, output_dim, param.data.shape[output_dim], self.tp_rank,
+                                         self.tp_size)
         copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,15 +156,14 @@ class ColumnParallelLinear(LinearBase):
         return out
 
     def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, dst_offset: int, shard_size: int,
-                    src_shard_index: int) -> None:
-        """Copy rows [src_shard_index * shard_size, +shard_size) of a logical shard to [dst_offset, +shard_size)."""
+                    src_shard_index: int, num_src_shards: int) -> None:
+        """Copy slice `src_shard_index` (of `num_src_shards`) of a logical shard to rows [dst_offset, +shard_size)."""
         output_dim = getattr(param, "output_dim", None)
         if output_dim is None:  # a replicated parameter (e.g. a per-tensor scale): take it whole
             copy_weight(param.data, loaded_weight)
             return
         dst = param.data.narrow(output_dim, dst_offset, shard_size)
-        src = loaded_weight.narrow(output_dim, src_shard_index * shard_size, shard_size)
-        copy_weight(dst, src)
+        copy_weight(dst, narrow_shard(loaded_weight, output_dim, shard_size, src_shard_index, num_src_shards))
 
     def _load_fused(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_ids: Sequence[ShardId],
                     full_sizes: Sequence[int]) -> None:
@@ -177,7 +188,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return
         assert isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes), shard_id
         offset = sum(self.output_partition_sizes[:shard_id])
-        self._load_shard(param, loaded_weight, offset, self.output_partition_sizes[shard_id], self.tp_rank)
+        self._load_shard(param, loaded_weight, offset, self.output_partition_sizes[shard_id], self.tp_rank,
+                         self.tp_size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -213,10 +225,11 @@ class QKVParallelLinear(ColumnParallelLinear):
                              (self.total_num_heads * self.head_size, total_kv, total_kv))
             return
         if shard_id == "q":
-            self._load_shard(param, loaded_weight, 0, self.q_size, self.tp_rank)
+            self._load_shard(param, loaded_weight, 0, self.q_size, self.tp_rank, self.tp_size)
         elif shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            self._load_shard(param, loaded_weight, offset, self.kv_size, self.tp_rank // self.num_kv_head_replicas)
+            self._load_shard(param, loaded_weight, offset, self.kv_size, self.tp_rank // self.num_kv_head_replicas,
+                             self.tp_size // self.num_kv_head_replicas)
         else:
             raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}.")
 
@@ -240,8 +253,8 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param, loaded_weight, shard_id=None):
         input_dim = getattr(param, "input_dim", None)
         if input_dim is not None:
-            shard_size = param.data.shape[input_dim]
-            loaded_weight = loaded_weight.narrow(input_dim, self.tp_rank * shard_size, shard_size)
+            loaded_weight = narrow_shard(loaded_weight, input_dim, param.data.shape[input_dim], self.tp_rank,
+                                         self.tp_size)
         copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

