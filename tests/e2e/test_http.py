@@ -1,0 +1,135 @@
+"""Raw HTTP against `pagedllm serve`: SSE framing, error shapes and statuses, auth, utility endpoints."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from conftest import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+MSG = [{"role": "user", "content": "Say hi."}]
+
+
+def sse_events(raw: str) -> list[str]:
+    """Split an SSE body into its data payloads, checking the framing on the way."""
+    assert raw.endswith("\n\n"), "every event ends with a blank line"
+    events = []
+    for block in raw.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        events.append(block[len("data: "):])
+    return events
+
+
+def test_chat_sse_framing_usage_and_done(http: httpx.Client) -> None:
+    r = http.post(CHAT, json={"model": SERVED_NAME, "messages": MSG, "max_tokens": 5, "stream": True,
+                              "temperature": 0, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == SERVED_NAME for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_completion_sse_without_usage(http: httpx.Client) -> None:
+    r = http.post(CMPL, json={"prompt": "Hello", "max_tokens": 3, "stream": True, "ignore_eos": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["choices"] for c in chunks)
+    assert "usage" not in chunks[-1] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_multiple_prompts_token_ids_and_unknown_fields(http: httpx.Client) -> None:
+    ids = http.post("/tokenize", json={"prompt": "The sky is"}).json()["tokens"]
+    r = http.post(CMPL, json={"prompt": [ids, "The sky is"], "max_tokens": 4, "temperature": 0,
+                              "some_unknown_field": {"x": 1}, "user": "u1", "top_k": 5, "min_p": 0.0,
+                              "repetition_penalty": 1.0, "min_tokens": 1, "stop_token_ids": [],
+                              "skip_special_tokens": True, "presence_penalty": 0.1, "frequency_penalty": 0.1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["text"] == body["choices"][1]["text"]  # same tokens, greedy
+    assert body["usage"]["prompt_tokens"] == 2 * len(ids)
+
+
+def test_tokenize_detokenize_version_health(server: Server, http: httpx.Client) -> None:
+    t = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == MAX_MODEL_LEN and len(t["token_strs"]) == t["count"]
+    assert http.post("/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
+    chat = http.post("/tokenize", json={"messages": MSG}).json()
+    assert chat["count"] > t["count"]
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+LONG = "hello " * (MAX_MODEL_LEN + 10)
+BAD_INPUTS = [
+    # (path, raw body or json, status, fragment of the message)
+    (CHAT, b"{not json", 400, "not valid JSON"),
+    (CHAT, b"[1, 2]", 400, "JSON object"),
+    (CHAT, {"model": SERVED_NAME}, 400, "Missing required parameter: 'messages'"),
+    (CHAT, {"messages": []}, 400, "at least one message"),
+    (CHAT, {"messages": MSG, "n": 0}, 400, "n must be"),
+    (CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p must be in (0, 1]"),
+    (CHAT, {"messages": MSG, "temperature": -1}, 400, "temperature must be >= 0"),
+    (CHAT, {"messages": MSG, "max_tokens": -1}, 400, "max_tokens must be"),
+    (CHAT, {"messages": MSG, "max_tokens": "lots"}, 400, "Invalid value for 'max_tokens'"),
+    (CHAT, {"messages": "hello"}, 400, "Invalid value for 'messages'"),
+    (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "'temperature'"),
+    (CHAT, {"messages": MSG, "stop": 5}, 400, "'stop"),
+    (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "'logprobs' must be set to true"),
+    (CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, f"maximum context length is {MAX_MODEL_LEN} tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": MAX_MODEL_LEN}, 400, "in the messages"),
+    (CHAT, {"messages": MSG, "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
+    (CMPL, {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
+    (CMPL, {"max_tokens": 3}, 400, "Missing required parameter: 'prompt'"),
+    (CMPL, {"prompt": ""}, 400, "must not be an empty string"),
+    (CMPL, {"prompt": [999999999]}, 400, "out of vocabulary"),
+    (CMPL, {"prompt": LONG, "max_tokens": 10}, 400, "maximum context length"),
+    (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs must be <= 20"),
+    (CMPL, {"prompt": "x", "n": "two"}, 400, "Invalid value for 'n'"),
+    ("/v1/nope", {"x": 1}, 404, "Not found"),
+    ("/detokenize", {"tokens": [-5]}, 400, "out of vocabulary"),
+    ("/tokenize", {}, 400, "exactly one of"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,fragment", BAD_INPUTS,
+                         ids=[f"{i}-{b[0]}-{b[2]}" for i, b in enumerate(BAD_INPUTS)])
+def test_bad_inputs(http: httpx.Client, path: str, body, status: int, fragment: str) -> None:
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("headers,status", [
+    ({}, 401), ({"Authorization": "Bearer wrong"}, 401), ({"Authorization": API_KEY}, 401),
+    ({"Authorization": f"Bearer {API_KEY}"}, 200)])
+def test_auth_on_v1(server: Server, headers: dict, status: int) -> None:
+    r = httpx.get(server.url + "/v1/models", headers=headers)
+    assert r.status_code == status
+    if status == 401:
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(server.url + CHAT, json={"messages": MSG, "max_tokens": 1}, headers=headers)
+    assert r.status_code == status
+
+
+def test_open_endpoints_without_key(server: Server) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.get(server.url + "/version").status_code == 200
