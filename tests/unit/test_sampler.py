@@ -8,6 +8,16 @@ from pagedllm.layers.sampler import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
 V = 32
+DEVICE = "cpu"  # the `device` fixture switches it; tests build their inputs on the CPU
+
+
+@pytest.fixture(autouse=True, params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    globals()["DEVICE"] = request.param
+    yield request.param
+    globals()["DEVICE"] = "cpu"
 
 
 def build(params, prompts=None, outputs=None, eos=None, vocab=V):
@@ -15,11 +25,23 @@ def build(params, prompts=None, outputs=None, eos=None, vocab=V):
     prompts = prompts if prompts is not None else [[] for _ in range(n)]
     outputs = outputs if outputs is not None else [[] for _ in range(n)]
     eos = eos if eos is not None else [None] * n
-    return SamplingMetadata.build(params, prompts, outputs, eos, vocab, "cpu")
+    return SamplingMetadata.build(params, prompts, outputs, eos, vocab, DEVICE)
+
+
+class _CpuOutput:
+    """SamplerOutput with its tensors moved back to the CPU for the assertions."""
+
+    def __init__(self, out):
+        self.sampled_token_ids = out.sampled_token_ids.cpu()
+        self.logprobs = None if out.logprobs is None else tuple(t.cpu() for t in out.logprobs)
 
 
 def sample(logits, params, **kw):
-    return Sampler()(logits.clone(), build(params, **kw))
+    return run_sampler(logits.clone(), build(params, **kw))
+
+
+def run_sampler(logits, meta):
+    return _CpuOutput(Sampler()(logits.to(DEVICE), meta))
 
 
 def repeat_rows(row_logits, times):
@@ -32,7 +54,7 @@ def test_all_greedy_is_argmax_with_ties_like_torch():
     logits[3, 5] = logits[3, 9] = logits[3].max() + 1.0  # tie: first index wins
     meta = build([SamplingParams(temperature=0.0)] * 8)
     assert meta.all_greedy and meta.temperature is None and meta.no_penalties
-    out = Sampler()(logits.clone(), meta)
+    out = run_sampler(logits.clone(), meta)
     assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
     assert out.sampled_token_ids[3].item() == 5
     assert out.logprobs is None
@@ -44,7 +66,7 @@ def test_mixed_batch_greedy_rows_take_argmax():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_k=3)] * 3
     meta = build(params)
     assert not meta.all_greedy and not meta.all_random
-    out = Sampler()(logits.clone(), meta)
+    out = run_sampler(logits.clone(), meta)
     greedy_rows = [0, 2, 4]
     assert torch.equal(out.sampled_token_ids[greedy_rows], logits[greedy_rows].argmax(-1))
 
@@ -152,25 +174,26 @@ def reference_penalties(logits, prompt, output, rep, freq, pres):
 
 def test_penalties_match_reference_loop():
     torch.manual_seed(5)
-    logits = torch.randn(4, V) * 3
-    prompts = [[1, 2, 3], [4, 4], [], [9, 10, 11, 12, 13]]
-    outputs = [[3, 3, 5], [], [6, 6, 6, 7], [13, 14]]
+    logits = torch.randn(5, V) * 3
+    prompts = [[1, 2, 3], [4, 4], [], [9, 10, 11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8]]
+    outputs = [[3, 3, 5], [], [6, 6, 6, 7], [13, 14], [1, 1, 2]]
     params = [
         SamplingParams(temperature=0.0, repetition_penalty=1.5),
         SamplingParams(temperature=0.0, presence_penalty=0.7),
         SamplingParams(temperature=0.0, frequency_penalty=1.1, presence_penalty=-0.3),
         SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0),  # no penalty: untouched
     ]
     from pagedllm.layers.sampler import apply_penalties
 
     meta = build(params, prompts=prompts, outputs=outputs)
-    got = apply_penalties(logits.clone(), meta)
+    got = apply_penalties(logits.clone().to(DEVICE), meta).cpu()
     for i, p in enumerate(params):
         ref = reference_penalties(logits[i], prompts[i], outputs[i], p.repetition_penalty,
                                   p.frequency_penalty, p.presence_penalty)
         assert torch.allclose(got[i], ref, atol=1e-5), i
     # And greedy picks the argmax of the penalized logits.
-    out = Sampler()(logits.clone(), meta)
+    out = run_sampler(logits.clone(), meta)
     assert torch.equal(out.sampled_token_ids, got.argmax(-1))
 
 
@@ -248,6 +271,6 @@ def test_top_k_larger_than_vocab_and_all_filters_mixed():
 
 def test_bfloat16_logits_are_accepted():
     logits = torch.randn(3, V).to(torch.bfloat16)
-    out = Sampler()(logits, build([SamplingParams(temperature=0.0)] * 3))
+    out = run_sampler(logits, build([SamplingParams(temperature=0.0)] * 3))
     assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
     assert math.isfinite(out.sampled_token_ids.float().sum().item())
