@@ -1,0 +1,83 @@
+"""TritonAttentionBackend: paged KV-cache writes + paged attention with the Triton kernels.
+
+forward() never synchronizes with the host: kernel grids depend only on tensor shapes and on
+metadata host ints (num_reqs, max_query_len) that are fixed for a captured CUDA graph.
+
+CUDA-graph contract for pure-decode batches (max_query_len == 1):
+  * capture with num_reqs = the padded batch size (query row i is request i's token);
+  * padded requests use seq_len 0 (their output rows are zeros and they read no cache) and any
+    in-range block ids; padded tokens' slot_mapping points at a reserved scratch slot (see
+    kernels/reshape_and_cache.py);
+  * the split-KV workspace is allocated once per (device, heads, head_size) at its worst-case size,
+    before capture if `reserve_workspace` is called, so replays reuse fixed addresses.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedllm.attention.backend import AttentionBackend
+from pagedllm.forward_context import AttentionMetadata
+from pagedllm.kernels.paged_attention import (
+    decode_num_splits,
+    decode_workspace_numel,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+from pagedllm.kernels.reshape_and_cache import reshape_and_cache
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, max_splits: int = 64) -> None:
+        self.max_splits = max_splits
+        # (device, num_kv_heads, num_heads, head_size) -> (part_out, part_lse), fp32, never freed:
+        # captured graphs keep pointing at them.
+        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def reserve_workspace(self, num_heads: int, num_kv_heads: int, head_size: int,
+                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate (once) the worst-case split-KV workspace; call before CUDA-graph capture."""
+        device = torch.device(device)
+        key = (device, num_kv_heads, num_heads, head_size)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            out_numel, lse_numel = decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
+                                                          self.max_splits)
+            ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
+                  torch.empty(lse_numel, dtype=torch.float32, device=device))
+            self._workspaces[key] = ws
+        return ws
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        scale: float,
+        output: Optional[torch.Tensor] = None,  # [num_tokens, num_heads, head_size]
+    ) -> torch.Tensor:
+        if output is None:
+            output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if query.shape[0] == 0 or metadata.num_reqs == 0:
+            return output
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        num_heads, head_size = query.shape[1], query.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        if metadata.max_query_len == 1:
+            num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits)
+            workspace = None
+            if num_splits > 1:
+                workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device)
+            paged_decode_attention(
+                query, kv_cache, metadata.block_table, metadata.seq_lens, scale,
+                num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits)
+        else:
+            paged_prefill_attention(
+                query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
+                num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output)
+        return output

@@ -1,0 +1,90 @@
+"""Fused RMSNorm kernels (Triton) and torch references.
+
+Numerics follow HF's LlamaRMSNorm exactly: the input is upcast to fp32, normalized, cast back to
+the input dtype, and only then multiplied by the weight (a product rounded to the output dtype).
+The fused variant first adds the residual in the input dtype (as HF's `residual + hidden_states`),
+returns that sum as the new residual, and normalizes it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro,
+    hidden, eps,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # Round the sum to the activation dtype first, like the unfused model code.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / hidden
+    normed = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,), (weight.shape, hidden)
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        r_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    else:
+        r2, r_out = x2, out
+    if rows > 0:
+        block = triton.next_power_of_2(hidden)
+        num_warps = min(16, max(1, block // 256))
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight, out, r_out,
+            x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0),
+            hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        )
+    out = out.view(*x.shape[:-1], hidden)
+    return out, (r_out.view(*x.shape[:-1], hidden) if residual is not None else None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim. x: [..., hidden]; weight: [hidden]. Returns a new tensor."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual'), residual'). Inputs are not modified."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
+    out, new_residual = _launch(x, residual, weight, eps)
+    return out, new_residual
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual

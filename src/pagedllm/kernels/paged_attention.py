@@ -1,0 +1,465 @@
+"""Paged attention kernels (Triton) and their pure-torch reference.
+
+Two kernels read K/V through each request's block table from the paged cache
+[2, num_blocks, block_size, num_kv_heads, head_size] (0 = K, 1 = V):
+
+* `paged_prefill_attention`: any batch (prefill chunks, prefix-cache hits, decodes, speculative
+  rows). Flash-attention style: one program owns a tile of BLOCK_Q query tokens x the GQA group of
+  query heads sharing one kv head (BLOCK_M = BLOCK_Q * GQA_PAD rows), so each K/V tile is read once
+  for the whole group; it streams K/V tiles with an online softmax. Programs are laid out over the
+  flattened batch without any host-side planning: request i owns program ids
+  [query_start_loc[i] // BLOCK_Q + i, ...) and each program finds its request by binary search.
+* `paged_decode_attention`: batches where every request has exactly one query token. Split-KV
+  ("flash decoding"): grid (num_seqs, num_kv_heads, num_splits); each program handles the GQA group
+  of one kv head over one slice of the context and writes a partial result + log-sum-exp; a
+  second kernel merges the slices. The number of splits depends only on host values fixed for a
+  CUDA graph (num_seqs, heads, SM count); each request's slice length is derived on the device
+  from its seq_len, so replays with new seq_lens / block tables need no host work.
+
+Semantics (shared with the torch backend): request i's query tokens are
+query_start_loc[i]:query_start_loc[i+1], the LAST query_len tokens of a context of seq_lens[i]
+tokens already in the cache; query token j sees context positions < seq_len - query_len + j + 1;
+query head h reads kv head h // (num_heads // num_kv_heads). A request with seq_len 0 yields zeros.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# shared pieces
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest i in [0, num_seqs) with query_start_loc[i] // BLOCK_Q + i <= target."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i,  # running state: [M, HEAD_PAD] fp32, [M] fp32 (log2 units), [M] fp32
+    q,  # [M, HEAD_PAD] in the input dtype
+    q_pos,  # [M] absolute position of each query row (used when CAUSAL)
+    cache_ptr, bt_row_ptr, head_off,  # K cache base, this request's block-table row, kv-head offset
+    start, kv_end,  # tile covers positions start + [0, BLOCK_N); positions >= kv_end are masked
+    stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BOUNDED: tl.constexpr,  # mask positions >= kv_end (False only when the whole tile is < kv_end)
+    CAUSAL: tl.constexpr,  # mask positions > q_pos
+):
+    pos = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_PAD)
+    # Physical block of each position; the cache offset is int64 (caches exceed 2^31 elements).
+    if BOUNDED:
+        pos_ok = pos < kv_end
+        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+    else:
+        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE)
+    offs = blk.to(tl.int64) * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_slot + head_off
+    ptrs = cache_ptr + offs[:, None] + dims[None, :]
+    if BOUNDED:
+        # V must be zeroed (not just ignored) past kv_end: stale cache memory may hold NaNs.
+        kv_mask = pos_ok[:, None] & (dims < HEAD_SIZE)[None, :]
+        k = tl.load(ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(ptrs + stride_c_kv, mask=kv_mask, other=0.0)
+    elif HEAD_PAD != HEAD_SIZE:
+        kv_mask = (pos >= 0)[:, None] & (dims < HEAD_SIZE)[None, :]
+        k = tl.load(ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(ptrs + stride_c_kv, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(ptrs)
+        v = tl.load(ptrs + stride_c_kv)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
+    if CAUSAL:
+        qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+    elif BOUNDED:
+        qk = tl.where(pos_ok[None, :], qk, float("-inf"))
+    # Invariant: the first tile a row sees has at least one visible position, so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+# ----------------------------------------------------------------------------------------------
+# mixed batch / prefill
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale_log2, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
+    GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq_idx(query_start_loc_ptr, pid_q, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = pid_q - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # tokens cached before this chunk
+
+    # Row r of the tile = query token q_block*BLOCK_Q + r // GQA_PAD, head kv_head*GQA + r % GQA_PAD.
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // GQA_PAD
+    g = rows % GQA_PAD
+    head = kv_head * GQA + g
+    row_mask = (tok < q_len) & (g < GQA)
+    dims = tl.arange(0, HEAD_PAD)
+    io_mask = row_mask[:, None] & (dims < HEAD_SIZE)[None, :]
+    tok64 = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=io_mask, other=0.0)
+    q_pos = ctx_len + tok
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_c_head
+
+    # Keys every row of the tile sees: positions <= ctx_len + q_block*BLOCK_Q (the first row's).
+    kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last row's limit (<= seq_len)
+    full_end = (ctx_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
+            stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
+            stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (tl.dot would otherwise use tf32 on tensor cores).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> tuple[int, int, int, int]:
+    num_tokens, num_heads, head_size = query.shape
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_size, (
+        kv_cache.shape, query.shape)
+    num_kv_heads = kv_cache.shape[3]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query.stride(-1) == 1 and output.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    assert output.shape == query.shape, (output.shape, query.shape)
+    return num_tokens, num_heads, head_size, num_kv_heads
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], already written
+    block_table: torch.Tensor,  # [>= num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [>= num_seqs] int32
+    query_start_loc: torch.Tensor,  # [>= num_seqs + 1] int32
+    scale: float,
+    num_seqs: int,
+    max_query_len: int,
+    output: Optional[torch.Tensor] = None,  # [num_tokens, num_heads, head_size]
+    block_m: Optional[int] = None,  # tuning overrides (benchmarks); None = built-in choice
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal attention for any mixture of prefill chunks and decodes (no host syncs)."""
+    if output is None:
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)
+    if num_tokens == 0 or num_seqs == 0:
+        return output
+    gqa = num_heads // num_kv_heads
+    gqa_pad = triton.next_power_of_2(gqa)
+    head_pad = triton.next_power_of_2(head_size)
+    is_fp32 = query.dtype == torch.float32
+    max_m = 64 if (is_fp32 or head_pad > 128) else 128
+    # Short query chunks (decodes, speculative rows) get smaller tiles; BLOCK_M = BLOCK_Q * GQA_PAD.
+    if block_m is None:
+        block_m = min(max_m, max(16, triton.next_power_of_2(max(1, max_query_len)) * gqa_pad))
+    block_m = max(block_m, gqa_pad, 16)
+    block_q = block_m // gqa_pad
+    if block_n is None:
+        block_n = 32 if (is_fp32 or head_pad > 128) else 64
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
+    if num_stages is None:
+        num_stages = 1 if is_fp32 else 2
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        query, output, kv_cache, block_table, seq_lens, query_start_loc,
+        scale * LOG2E, num_seqs,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        GQA=gqa, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return output
+
+
+# ----------------------------------------------------------------------------------------------
+# decode (split-KV)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
+    scale_log2, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
+    stride_po_seq, stride_po_head, stride_po_split,  # part_out [num_seqs, num_heads, num_splits, HEAD_PAD]
+    stride_pl_seq, stride_pl_head,  # part_lse [num_seqs, num_heads, num_splits]
+    GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the normalized output directly
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Each split covers a BLOCK_N-aligned slice; the reduce kernel recomputes the same numbers.
+    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * part_len
+    end = tl.minimum(start + part_len, seq_len)
+
+    rows = tl.arange(0, GQA_PAD)
+    head = kv_head * GQA + rows
+    row_ok = rows < GQA
+    dims = tl.arange(0, HEAD_PAD)
+    io_mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
+    seq64 = seq.to(tl.int64)
+    q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
+
+    m_i = tl.full([GQA_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GQA_PAD], tl.float32)
+    acc = tl.zeros([GQA_PAD, HEAD_PAD], tl.float32)
+    bt_row_ptr = block_table_ptr + seq64 * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_c_head
+    for tile_start in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
+            stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if SINGLE_SPLIT:
+        tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        has_work = start < end  # empty trailing splits write nothing; the reducer skips them
+        po = part_out_ptr + seq64 * stride_po_seq + head[:, None] * stride_po_head + split * stride_po_split
+        tl.store(po + dims[None, :], out, mask=io_mask & has_work)
+        lse = m_i + tl.log2(l_safe)  # log2-domain log-sum-exp of this slice
+        pl = part_lse_ptr + seq64 * stride_pl_seq + head * stride_pl_head + split
+        tl.store(pl, lse, mask=row_ok & has_work)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits,
+    stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
+    BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    part_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, 1)
+    num_active = tl.cdiv(seq_len, part_len)  # splits that had work (0 when seq_len == 0)
+
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_active
+    seq64 = seq.to(tl.int64)
+    lse = tl.load(part_lse_ptr + seq64 * stride_pl_seq + head * stride_pl_head + splits,
+                  mask=split_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # 0 for inactive splits
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    po = part_out_ptr + seq64 * stride_po_seq + head * stride_po_head
+    parts = tl.load(po + splits[:, None] * stride_po_split + dims[None, :],
+                    mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / denom
+    tl.store(out_ptr + seq64 * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 64) -> int:
+    """Splits per (request, kv head): enough programs to fill the GPU ~4 programs deep.
+
+    Depends only on values fixed for a captured CUDA graph (batch size, heads, device).
+    """
+    target = 4 * _sm_count(device)
+    return max(1, min(max_splits, triton.cdiv(target, max(1, num_seqs * num_kv_heads))))
+
+
+def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, device: torch.device,
+                           max_splits: int = 64) -> tuple[int, int]:
+    """Worst-case (part_out, part_lse) element counts over every batch size; allocate once."""
+    target = 4 * _sm_count(device)
+    # num_seqs * num_splits <= target / kv_heads + num_seqs and multi-split needs num_seqs * kvh < target.
+    rows = min(2 * triton.cdiv(target, num_kv_heads) + 1, target * max_splits)
+    return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_tokens >= num_seqs, num_heads, head_size]; row i = request i's token
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], already written
+    block_table: torch.Tensor,  # [>= num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [>= num_seqs] int32
+    scale: float,
+    num_seqs: int,
+    output: Optional[torch.Tensor] = None,
+    workspace: Optional[tuple[torch.Tensor, torch.Tensor]] = None,  # flat fp32 (part_out, part_lse)
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """One query token per request; split-KV over the context. CUDA-graph capturable when the
+    workspace is preallocated (shapes depend only on num_seqs and the model's heads)."""
+    if output is None:
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)
+    if num_seqs == 0:
+        return output
+    assert num_tokens >= num_seqs, (num_tokens, num_seqs)
+    gqa = num_heads // num_kv_heads
+    gqa_pad = max(16, triton.next_power_of_2(gqa))  # tl.dot needs M >= 16
+    head_pad = triton.next_power_of_2(head_size)
+    is_fp32 = query.dtype == torch.float32
+    if block_n is None:
+        block_n = 32 if (is_fp32 or head_pad > 128) else 64
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device)
+    common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
+                  HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype))
+    cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+                     block_table.stride(0))
+    if num_splits == 1:
+        _decode_kernel[(num_seqs, num_kv_heads, 1)](
+            query, output, output, output, kv_cache, block_table, seq_lens, scale * LOG2E, 1,
+            query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
+            0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common, num_warps=num_warps, num_stages=num_stages)
+        return output
+
+    out_numel = num_seqs * num_heads * num_splits * head_pad
+    lse_numel = num_seqs * num_heads * num_splits
+    if workspace is None:
+        part_out = torch.empty(out_numel, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(lse_numel, dtype=torch.float32, device=query.device)
+    else:
+        part_out, part_lse = workspace
+        assert part_out.numel() >= out_numel and part_lse.numel() >= lse_numel, "decode workspace too small"
+    part_out = part_out[:out_numel].view(num_seqs, num_heads, num_splits, head_pad)
+    part_lse = part_lse[:lse_numel].view(num_seqs, num_heads, num_splits)
+    part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, output, part_out, part_lse, kv_cache, block_table, seq_lens, scale * LOG2E, num_splits,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
+        *part_strides, SINGLE_SPLIT=False, **common, num_warps=num_warps, num_stages=num_stages)
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        output, part_out, part_lse, seq_lens, num_splits,
+        output.stride(0), output.stride(1), *part_strides,
+        BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if head_pad >= 128 else 2)
+    return output
+
+
+# ----------------------------------------------------------------------------------------------
+# reference
+# ----------------------------------------------------------------------------------------------
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    num_seqs: Optional[int] = None,
+) -> torch.Tensor:
+    """Pure-torch reference (per-request loop, fp32 math). Rows of no request stay zero."""
+    num_tokens, num_heads, head_size = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    gqa = num_heads // num_kv_heads
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if num_seqs is None:
+        num_seqs = len(lens)
+    out = torch.zeros_like(query)
+    for i in range(num_seqs):
+        q0, q1, seq_len = qsl[i], qsl[i + 1], lens[i]
+        q_len = q1 - q0
+        if q_len == 0 or seq_len == 0:
+            continue
+        blocks = block_table[i, : math.ceil(seq_len / block_size)].long()
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
+        k = k.repeat_interleave(gqa, dim=1)  # [seq_len, num_heads, head_size]
+        v = v.repeat_interleave(gqa, dim=1)
+        q = query[q0:q1].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out

@@ -1,0 +1,105 @@
+"""Triton RMSNorm, fused add + RMSNorm, silu_and_mul and rotary against torch references (GPU only)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_cases import kernel_test_device
+
+DEVICE = kernel_test_device()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from pagedllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from pagedllm.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
+from pagedllm.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _close(a, b, dtype):
+    # A couple of roundings of the output dtype apart at most (fp32 math, different op order:
+    # a near-tie in the first rounding can move the final value by up to 2 ulps).
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 4096), (33, 5120), (2, 3, 896), (0, 128)])
+def test_rms_norm(shape, dtype):
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEVICE)).to(dtype)
+    _close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 4096), (33, 5120), (2, 3, 896)])
+def test_fused_add_rms_norm(shape, dtype):
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    res = torch.randn(shape, device=DEVICE).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEVICE)).to(dtype)
+    x0, r0 = x.clone(), res.clone()
+    out, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-5)
+    torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)  # same single rounding of the sum
+    _close(out, ref_out, dtype)
+    assert torch.equal(x, x0) and torch.equal(res, r0)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 128), (9, 2 * 14336), (4, 3, 2 * 4864), (0, 64)])
+def test_silu_and_mul(shape, dtype):
+    x = torch.randn(shape, device=DEVICE).to(dtype)
+    _close(silu_and_mul(x), silu_and_mul_ref(x), dtype)
+
+
+def _cos_sin_cache(max_pos, rotary_dim, base=10000.0):
+    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,rotary_dim", [
+    (32, 8, 128, 128), (14, 2, 64, 64), (12, 4, 96, 96), (8, 8, 128, 64)])
+def test_rotary(num_heads, num_kv_heads, head_size, rotary_dim, dtype):
+    num_tokens = 37
+    cache = _cos_sin_cache(4096, rotary_dim).to(DEVICE)
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    # q and k as views of a fused qkv output (row stride larger than the heads).
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, device=DEVICE).to(dtype)
+    q = qkv[:, : num_heads * head_size]
+    k = qkv[:, num_heads * head_size: (num_heads + num_kv_heads) * head_size]
+    ref_q, ref_k = apply_rotary_ref(positions, q, k, cache, head_size)
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_size:].clone()
+    apply_rotary(positions, q, k, cache, head_size)
+    _close(q, ref_q, dtype)
+    _close(k, ref_k, dtype)
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_size:], v_before)
+
+
+def test_rotary_matches_hf_llama():
+    """Against transformers' own rotate_half formulation (the models' reference)."""
+    torch.manual_seed(0)
+    head_size, num_tokens = 128, 11
+    cache = _cos_sin_cache(2048, head_size, base=500000.0).to(DEVICE)
+    positions = torch.arange(num_tokens, device=DEVICE) * 97
+    q = torch.randn(num_tokens, 4 * head_size, device=DEVICE)
+    k = torch.randn(num_tokens, 2 * head_size, device=DEVICE)
+    half = head_size // 2
+    cos = torch.cat([cache[positions, :half]] * 2, -1)[:, None, :]
+    sin = torch.cat([cache[positions, half:]] * 2, -1)[:, None, :]
+
+    def rotate_half(x):
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    qh, kh = q.view(num_tokens, 4, head_size), k.view(num_tokens, 2, head_size)
+    ref_q = (qh * cos + rotate_half(qh) * sin).reshape(num_tokens, -1)
+    ref_k = (kh * cos + rotate_half(kh) * sin).reshape(num_tokens, -1)
+    apply_rotary(positions, q, k, cache, head_size)
+    torch.testing.assert_close(q, ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
