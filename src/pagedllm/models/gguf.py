@@ -191,28 +191,32 @@ def _rope_scaling(reader: Any, arch: str, tensors: dict, rope_theta: float, head
     return None
 
 
-def _llama3_params_from_rope_freqs(rope_freqs: np.ndarray, base: float, head_dim: int,
-                                   original_context: int = 8192) -> dict:
+def _llama3_params_from_rope_freqs(rope_freqs: np.ndarray, base: float, head_dim: int) -> dict:
     """Recover HF llama3 rope parameters from llama.cpp's per-frequency divisors.
 
     llama.cpp stores f_i = inv_freq_i / inv_freq_llama3_i: 1 for short wavelengths, `factor` for long ones
-    and, between, 1/f = (1 - s)/factor + s with s = (C/wavelen - low)/(high - low). s is linear in 1/wavelen
-    with slope C/(high-low) and intercept -low/(high-low); only those two matter, so C (the original context)
-    can be fixed at Llama 3's 8192 and low/high solved exactly from two in-between frequencies.
+    and, between, 1/f = (1 - s)/factor + s with s = (C/wavelen - low)/(high - low), C the original context.
+    s is linear in 1/wavelen, and only its slope C/(high-low) and intercept -low/(high-low) affect the
+    frequencies, so fixing low = 1 (as every Llama 3.x does) makes C and high exact from two in-between
+    frequencies. Too few of those: fall back to Llama 3's (C=8192, low=1, high=4).
     """
     freqs = rope_freqs.astype(np.float64)
     factor = float(freqs.max())
     inv_freq = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))[:len(freqs)]
     inv_wavelen = inv_freq / (2 * np.pi)
     medium = (freqs > 1 + 1e-4) & (freqs < factor - 1e-4)
-    low, high = 1.0, 4.0  # Llama 3's values, used if the band between is too thin to fit
+    original, low, high = 8192, 1.0, 4.0
     if medium.sum() >= 2 and factor > 1:
         s = (1.0 / freqs[medium] - 1.0 / factor) / (1.0 - 1.0 / factor)
         slope, intercept = np.polyfit(inv_wavelen[medium], s, 1)
-        low = round(float(-intercept * original_context / slope), 4)
-        high = round(float(low + original_context / slope), 4)
+        if slope > 0 and intercept < 0:
+            original = int(round(-slope / intercept))  # from low = -intercept * C / slope = 1
+            high = round(1.0 + original / slope, 4)
+    else:
+        logger.warning("GGUF rope_freqs has too few interpolated frequencies to fit; assuming Llama 3's rope "
+                       "scaling constants (original context 8192, low/high frequency factors 1/4).")
     return {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": low, "high_freq_factor": high,
-            "original_max_position_embeddings": original_context}
+            "original_max_position_embeddings": original}
 
 
 def _source_dtype(reader: Any) -> str:

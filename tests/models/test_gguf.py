@@ -1,0 +1,207 @@
+"""GGUF -> HF conversion: the real SmolLM2 GGUF against transformers' own GGUF loading, tiny GGUFs written
+here (llama with llama.cpp's Q/K permutation and llama3 rope_freqs, qwen2 with biases + tied embeddings,
+qwen3 with q/k norms) round-tripped against the HF originals, the cache, and corrupt files."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.models.llama import get_head_dim
+from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(cache))
+    return cache
+
+
+def _ours(model_dir):
+    return get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu")
+
+
+def _logits(model, ids):
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(ids.shape[0])))
+
+
+# ------------------------------------------------------------------------------------ the real SmolLM2 GGUF
+
+def test_smollm2_matches_transformers_gguf_loading(smollm2_gguf_path, smollm2_hf_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    ours_config = load_hf_config(smollm2_hf_dir)
+    with torch.device("meta"):  # only tells transformers the target parameter names
+        skeleton = LlamaForCausalLM(ours_config)
+    parsed = load_gguf_checkpoint(smollm2_gguf_path, return_tensors=True, model_to_load=skeleton)
+    hf_meta, hf_tensors = parsed["config"], parsed["tensors"]
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "head_dim", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id"):
+        assert getattr(ours_config, key) == hf_meta[key], key
+    assert math.isclose(ours_config.rms_norm_eps, hf_meta["rms_norm_eps"], rel_tol=1e-6)
+    assert ours_config.rope_parameters["rope_theta"] == hf_meta["rope_theta"]
+    hf_config = LlamaConfig(**hf_meta)
+    ours_tensors = load_file(os.path.join(smollm2_hf_dir, "model.safetensors"))
+    assert set(ours_tensors) == set(hf_tensors)
+    for name, tensor in hf_tensors.items():
+        assert torch.equal(ours_tensors[name], tensor.float()), name
+
+    hf = LlamaForCausalLM(hf_config).float().eval()
+    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in hf_tensors.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    hf.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = torch.tensor(ids)
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0].float()
+    ours = _logits(_ours(smollm2_hf_dir), ids)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_smollm2_converted_dir_contents(smollm2_hf_dir):
+    files = set(os.listdir(smollm2_hf_dir))
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= files
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir)
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    assert tokenizer.eos_token == "<|im_end|>"
+    with open(os.path.join(smollm2_hf_dir, "generation_config.json")) as f:
+        assert json.load(f)["eos_token_id"] == 2
+
+
+def test_second_prepare_is_a_cache_hit(smollm2_gguf_path, smollm2_hf_dir, smollm2_cache_dir, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
+    start = time.perf_counter()
+    assert prepare_model_dir(smollm2_gguf_path) == smollm2_hf_dir
+    assert time.perf_counter() - start < 0.5
+    parent = os.path.dirname(smollm2_hf_dir)
+    assert not [name for name in os.listdir(parent) if ".tmp-" in name]  # no half-written conversions
+
+
+# ------------------------------------------------------------------------------------------- corrupt files
+
+def test_corrupt_gguf(tmp_path, fresh_cache):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"definitely not a gguf file" * 10)
+    with pytest.raises(ValueError, match=r"^Could not read .*bad\.gguf as a GGUF file \(is it corrupt or "
+                                         r"truncated\?\)"):
+        prepare_model_dir(str(bad))
+    assert not fresh_cache.exists() or not any(fresh_cache.rglob("*.safetensors"))
+
+
+def test_truncated_gguf(tmp_path, fresh_cache, smollm2_gguf_path):
+    truncated = tmp_path / "truncated.gguf"
+    with open(smollm2_gguf_path, "rb") as f:
+        truncated.write_bytes(f.read(4 << 20))
+    with pytest.raises(ValueError, match="as a GGUF file"):
+        prepare_model_dir(str(truncated))
+    assert not any(fresh_cache.rglob("*.safetensors"))
+
+
+# ---------------------------------------------------------------------------- tiny GGUFs written from HF dirs
+
+# HF name (after model.layers.N.) -> llama.cpp tensor name (after blk.N.); independent of pagedllm's table.
+_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+            "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down"}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's Q/K permutation for its interleaved rope."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_freqs(theta, head_dim, p):
+    """The divisors llama.cpp's converter stores as rope_freqs.weight for llama3 rope scaling."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < p["original_max_position_embeddings"] / p["high_freq_factor"]:
+            out.append(1.0)
+        elif wavelen > p["original_max_position_embeddings"] / p["low_freq_factor"]:
+            out.append(p["factor"])
+        else:
+            smooth = ((p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"])
+                      / (p["high_freq_factor"] - p["low_freq_factor"]))
+            out.append(1 / ((1 - smooth) / p["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _write_tiny_gguf(hf_dir: str, path: str, arch: str) -> None:
+    import gguf
+    from safetensors.torch import load_file
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope = cfg["rope_parameters"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope["rope_theta"], head_dim, rope))
+    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        data = tensor.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, _, suffix = rest.rpartition(".")
+            if arch == "llama" and module == "self_attn.q_proj":
+                data = _llama_cpp_permute(data, cfg["num_attention_heads"])
+            elif arch == "llama" and module == "self_attn.k_proj":
+                data = _llama_cpp_permute(data, cfg["num_key_value_heads"])
+            gguf_name = f"blk.{layer}.{_TO_GGUF[module]}.{suffix}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_round_trip(tmp_path, fresh_cache, tiny_model_dir, arch):
+    from transformers import AutoModelForCausalLM
+    hf_dir = tiny_model_dir(arch)
+    gguf_path = str(tmp_path / f"tiny-{arch}.gguf")
+    _write_tiny_gguf(hf_dir, gguf_path, arch)
+    converted = prepare_model_dir(gguf_path)
+    assert converted.startswith(str(fresh_cache))
+    source = load_hf_config(hf_dir)
+    config = load_hf_config(converted)
+    assert config.architectures == source.architectures
+    assert config.tie_word_embeddings == source.tie_word_embeddings
+    assert get_head_dim(config) == get_head_dim(source)
+    if arch == "llama":  # rope_freqs.weight -> the exact HF llama3 parameters
+        expected = {k: v for k, v in source.rope_parameters.items()}
+        assert {k: config.rope_parameters[k] for k in expected} == expected
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(_logits(_ours(converted), ids), ref, atol=1e-4, rtol=1e-4)
