@@ -63,7 +63,8 @@ def format_validation_error(e: ValidationError | Any) -> APIError:
     if not errors:
         return APIError(str(e))
     first = errors[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    # Drop FastAPI's "body" and pydantic's union-branch tags ("str", "list[int]", ...) from the location.
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p))
     if first.get("type") == "missing":
         return APIError(f"Missing required parameter: '{loc}'.", param=loc or None)
     if first.get("type") == "json_invalid":
@@ -71,6 +72,11 @@ def format_validation_error(e: ValidationError | Any) -> APIError:
     got = first.get("input")
     got_s = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
     return APIError(f"Invalid value for '{loc}': {first.get('msg', 'invalid')} (got {got_s}).", param=loc or None)
+
+
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict",
+                                                               "function-after", "function-plain"})
 
 
 def _jsonable(x: Any) -> bool:

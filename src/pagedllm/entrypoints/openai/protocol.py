@@ -75,7 +75,7 @@ class _SamplingFields(_Req):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[int], list[Union[str, list[int]]]]
     echo: Optional[bool] = False
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
