@@ -71,7 +71,9 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         spec = self.kv_cache_spec()
-        self.kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
+        # One extra block past the scheduler's pool: the scratch block CUDA-graph padding rows write into.
+        self.scratch_block = num_blocks
+        self.kv_caches = allocate_kv_caches(spec, num_blocks + (0 if self.enforce_eager else 1), self.device)
         for layer, cache in zip(self.model.attn_layers, self.kv_caches):
             layer.kv_cache = cache
         self.num_blocks = num_blocks

@@ -1,0 +1,98 @@
+"""Decode steps as captured CUDA graphs, one per batch-size bucket, all sharing one memory pool.
+
+A pure-decode batch of n requests is padded to the smallest bucket >= n. Padding rows are harmless real work:
+token 0 at position 0, writing its K/V into the reserved scratch block (the last block of the pool, which
+the scheduler never hands out) and attending over that one slot. Static input buffers are refreshed by
+device copies before each replay; nothing in the captured forward may sync with the host.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from pagedllm.forward_context import AttentionMetadata, set_forward_context
+
+logger = logging.getLogger("pagedllm")
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 256, 16)) + list(range(256, 1025, 64))
+    sizes = [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+    return sorted(set(sizes))
+
+
+class CudaGraphRunner:
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.sizes = capture_sizes(runner.max_num_seqs)
+        self.max_size = self.sizes[-1]
+        self.scratch_block = runner.scratch_block
+        bs = runner.block_size
+        dev = self.device
+        n = self.max_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), self.scratch_block * bs, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.block_table = torch.full((n, runner.max_blocks_per_req), self.scratch_block, dtype=torch.int32,
+                                      device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.metadata: dict[int, AttentionMetadata] = {}
+        self.pool = None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_actual_tokens=size, num_reqs=size, max_query_len=1, max_seq_len=self.runner.max_model_len,
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        model = self.runner.model
+        backend = self.runner.attn_backend
+        for size in reversed(self.sizes):  # largest first so smaller graphs reuse its pool
+            md = self._metadata(size)
+            self.metadata[size] = md
+            with set_forward_context(md, backend):
+                backend.prepare(md)
+                for _ in range(2):  # warm-up: Triton autotune / compile outside the capture
+                    model(self.input_ids[:size], self.positions[:size])
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = model(self.input_ids[:size], self.positions[:size])
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+            self.outputs[size] = out
+        torch.cuda.synchronize(self.device)
+        logger.info("Captured %d CUDA graphs for decode batch sizes %s..%s in %.1f s.", len(self.sizes),
+                    self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            md: AttentionMetadata) -> Optional[torch.Tensor]:
+        n = md.num_reqs
+        if n > self.max_size:
+            return None
+        size = next(s for s in self.sizes if s >= n)
+        nb = md.block_table.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
+        self.block_table[:n, :nb].copy_(md.block_table, non_blocking=True)
+        if size > n:  # reset padding rows that a larger batch may have dirtied
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(self.scratch_block * self.runner.block_size)
+            self.seq_lens[n:size].fill_(1)
+            self.block_table[n:size, 0].fill_(self.scratch_block)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
