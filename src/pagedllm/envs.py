@@ -31,6 +31,8 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_DUMMY_WEIGHT_SEED": _int("PAGEDLLM_DUMMY_WEIGHT_SEED", 1234),
     # Set to 1 to hide tqdm progress bars (weight loading, GGUF conversion).
     "PAGEDLLM_DISABLE_PROGRESS_BARS": lambda: os.environ.get("PAGEDLLM_DISABLE_PROGRESS_BARS", "0") == "1",
+    # Set to 0 to run the layers' plain-torch paths on CUDA instead of the Triton kernels (debugging).
+    "PAGEDLLM_USE_TRITON_KERNELS": lambda: os.environ.get("PAGEDLLM_USE_TRITON_KERNELS", "1") != "0",
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

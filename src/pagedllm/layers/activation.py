@@ -1,15 +1,47 @@
 """Activations used by the gated MLPs (output of the fused gate_up projection -> MLP hidden)."""
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm import envs
+
+_TRITON_MODULES: dict[str, Optional[Any]] = {}
+
+
+def triton_kernels(module: str) -> Optional[Any]:
+    """`pagedllm.kernels.<module>` when Triton kernels are enabled and importable, else None (cached).
+
+    Shared by the layers of this package: on CUDA tensors they call the fused Triton kernel, elsewhere (CPU,
+    no triton, PAGEDLLM_USE_TRITON_KERNELS=0) the plain-torch `forward_native` with the same numerics.
+    """
+    if module not in _TRITON_MODULES:
+        loaded = None
+        if envs.PAGEDLLM_USE_TRITON_KERNELS:
+            try:
+                import importlib
+                loaded = importlib.import_module(f"pagedllm.kernels.{module}")
+            except Exception:  # no triton (CPU installs) or an unsupported platform
+                loaded = None
+        _TRITON_MODULES[module] = loaded
+    return _TRITON_MODULES[module]
 
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up.  [..., 2 * d] -> [..., d]"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            kernels = triton_kernels("activation")
+            if kernels is not None:
+                return kernels.silu_and_mul(x)
+        return self.forward_native(x)
+
+    @staticmethod
+    def forward_native(x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

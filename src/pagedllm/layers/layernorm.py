@@ -6,6 +6,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from pagedllm.layers.activation import triton_kernels
 from pagedllm.models.weight_utils import default_weight_loader, set_weight_attrs
 
 
@@ -27,6 +28,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         # x, residual: [..., hidden_size] in the model dtype
+        if x.is_cuda:
+            kernels = triton_kernels("norm")  # one fused kernel instead of ~7 elementwise ones
+            if kernels is not None:
+                if residual is None:
+                    return kernels.rms_norm(x, self.weight, self.variance_epsilon)
+                return kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        return self.forward_native(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                       ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if residual is not None:
             x = x + residual
             residual = x

@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from pagedllm.layers.activation import triton_kernels
+
 
 def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
     """Normalize a HF config's rope settings into one dict with at least `rope_type` and `rope_theta`.
@@ -117,7 +119,19 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; query [T, num_heads * head_size]; key [T, num_kv_heads * head_size] -> same shapes
+        """positions [T]; query [T, num_heads * head_size]; key [T, num_kv_heads * head_size] -> same shapes.
+
+        On CUDA the Triton kernel rotates query/key IN PLACE (they may be row-strided views of a fused qkv
+        output) and returns them; callers must not reuse the unrotated values.
+        """
+        if query.is_cuda:
+            kernels = triton_kernels("rotary")
+            if kernels is not None:
+                return kernels.apply_rotary(positions, query, key, self.cos_sin_cache, self.head_size)
+        return self.forward_native(positions, query, key)
+
+    def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = positions.shape[0]
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # each [T, 1, rotary_dim / 2]

@@ -71,7 +71,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
         # q [T, heads * head_dim]; k, v [T, kv_heads * head_dim] (views into qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))  # new contiguous tensors
+        # Rotated q/k: new tensors on CPU, rotated in place (still views of qkv) by the Triton kernel on CUDA.
+        q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
         out = self.attn(q, k, v)  # [T, heads * head_dim]
         return self.o_proj(out)
 
