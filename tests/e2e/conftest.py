@@ -93,7 +93,7 @@ def server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory: pytest.TempPath
     config = tmp / "serve.yaml"
     # port 1 in the file: the command line's --port must win
     config.write_text(f"api-key: {API_KEY}\nserved-model-name: [{SERVED_NAME}, smol-alias]\n"
-                      f"max-model-len: {MAX_MODEL_LEN}\nport: 1\nseed: 0\nmax-num-seqs: 64\n")
+                      f"max-model-len: {MAX_MODEL_LEN}\nkv-cache-memory-bytes: {256 << 20}\nport: 1\nseed: 0\nmax-num-seqs: 64\n")
     port = free_port()
     log_path = str(tmp / "server.log")
     with open(log_path, "w") as log:

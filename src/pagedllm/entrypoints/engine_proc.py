@@ -34,6 +34,7 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
     logging.basicConfig(
         level=log_level.upper(), format="%(levelname)s %(asctime)s [engine] %(message)s", datefmt="%H:%M:%S"
     )
+    _start_parent_watchdog()
     import zmq
 
     from pagedllm.entrypoints import messages as m
@@ -80,6 +81,22 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
             in_sock.close(linger=0)
             out_sock.close()
             ctx.term()
+
+
+def _start_parent_watchdog(interval_s: float = 0.5) -> None:
+    """Exit as soon as the API process is gone, whatever the loop is doing (mid-step, or blocked sending
+    to a peer that will never read): an orphaned engine would hold its memory forever."""
+    import threading
+
+    parent_pid = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="pagedllm-parent-watchdog", daemon=True).start()
 
 
 def _one_line(e: BaseException) -> str:
