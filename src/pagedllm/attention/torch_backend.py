@@ -24,6 +24,43 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat[1].index_copy_(0, slots, value[:num_tokens])
 
 
+class _StepPlan:
+    """Everything about the batch layout that all layers share, computed once per step."""
+
+    def __init__(self, metadata: AttentionMetadata, block_size: int) -> None:
+        qsl = metadata.query_start_loc_cpu
+        seq_lens = metadata.seq_lens_cpu
+        if qsl is None or seq_lens is None:
+            qsl = metadata.query_start_loc.tolist()
+            seq_lens = metadata.seq_lens.tolist()
+        device = metadata.block_table.device
+        decode_rows = [i for i in range(metadata.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        self.decode = None
+        if decode_rows:
+            lens = [seq_lens[i] for i in decode_rows]
+            num_blocks = -(-max(lens) // block_size)
+            rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            token_idx = torch.tensor([qsl[i] for i in decode_rows], dtype=torch.long, device=device)
+            blocks = metadata.block_table[rows, :num_blocks].long()  # [B, num_blocks]
+            pos = torch.arange(num_blocks * block_size, device=device)
+            mask = (pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]  # [B,1,1,L]
+            contiguous = token_idx.numel() == qsl[-1] and decode_rows == list(range(len(decode_rows)))
+            self.decode = (token_idx, blocks, mask, contiguous)
+        self.prefills = []
+        for i in range(metadata.num_reqs):
+            start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
+            query_len = end - start
+            if query_len == 1:
+                continue
+            blocks = metadata.block_table[i, :-(-seq_len // block_size)].long()
+            mask = None
+            if seq_len != query_len:
+                # Chunk after cached context: query j sees positions < seq_len - query_len + j + 1.
+                qpos = torch.arange(query_len, device=device)[:, None] + (seq_len - query_len)
+                mask = torch.arange(seq_len, device=device)[None, :] <= qpos
+            self.prefills.append((start, end, seq_len, blocks, mask))
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -31,72 +68,34 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan_key = None
         self._plan = None
 
-    def _make_plan(self, metadata: AttentionMetadata):
-        """Host-side split of the batch into decode rows and prefill rows (shared by all layers)."""
-        if self._plan_key is metadata:
-            return self._plan
-        qsl = metadata.query_start_loc_cpu
-        seq_lens = metadata.seq_lens_cpu
-        if qsl is None or seq_lens is None:
-            qsl = metadata.query_start_loc.tolist()
-            seq_lens = metadata.seq_lens.tolist()
-        decode_rows, prefill_rows = [], []
-        for i in range(metadata.num_reqs):
-            (decode_rows if qsl[i + 1] - qsl[i] == 1 else prefill_rows).append(i)
-        decode = None
-        if decode_rows:
-            device = metadata.block_table.device
-            block_size_unknown = None  # filled at forward time (needs the cache's block size)
-            rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            token_idx = torch.tensor([qsl[i] for i in decode_rows], dtype=torch.long, device=device)
-            lens = [seq_lens[i] for i in decode_rows]
-            decode = (rows, token_idx, lens, block_size_unknown)
-        prefills = [(i, qsl[i], qsl[i + 1], seq_lens[i]) for i in prefill_rows]
-        self._plan_key, self._plan = metadata, (decode, prefills)
-        return self._plan
-
     def forward(self, query, key, value, kv_cache, metadata, scale):
         num_tokens = metadata.num_actual_tokens
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, num_tokens)
-        decode, prefills = self._make_plan(metadata)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if self._plan_key is not metadata:
+            self._plan_key, self._plan = metadata, _StepPlan(metadata, key_cache.shape[1])
+        plan = self._plan
+        gqa = query.shape[1] != key.shape[1]
         out = torch.empty_like(query)
         if num_tokens < query.shape[0]:
             out[num_tokens:].zero_()
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        block_size = key_cache.shape[1]
-        num_heads, num_kv_heads = query.shape[1], key.shape[1]
-        gqa = num_heads != num_kv_heads
-        if decode is not None:
-            rows, token_idx, lens, _ = decode
-            max_len = max(lens)
-            num_blocks = -(-max_len // block_size)
-            # [B, num_blocks] -> [B, num_blocks * block_size, KVH, D]
-            blocks = metadata.block_table[rows, :num_blocks].long()
-            k = key_cache[blocks].flatten(1, 2)
-            v = value_cache[blocks].flatten(1, 2)
-            pos = torch.arange(num_blocks * block_size, device=query.device)
-            lens_t = torch.tensor(lens, device=query.device)
-            mask = (pos[None, :] < lens_t[:, None])[:, None, None, :]  # [B, 1, 1, L]
-            q = query[token_idx].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                               scale=scale, enable_gqa=gqa)
-            out[token_idx] = o.squeeze(2)
-        for row, start, end, seq_len in prefills:
-            query_len = end - start
-            num_blocks = -(-seq_len // block_size)
-            blocks = metadata.block_table[row, :num_blocks].long()
-            k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [S, KVH, D]
-            v = value_cache[blocks].flatten(0, 1)[:seq_len]
+        if plan.decode is not None:
+            token_idx, blocks, mask, contiguous = plan.decode
+            # [B, num_blocks, block_size, KVH, D] -> [B, KVH, L, D]
+            k = key_cache[blocks].flatten(1, 2).transpose(1, 2)
+            v = value_cache[blocks].flatten(1, 2).transpose(1, 2)
+            q = (query if contiguous else query[token_idx]).unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa).squeeze(2)
+            if contiguous and o.shape[0] == query.shape[0]:
+                return o  # a pure-decode batch: no scatter needed
+            out[token_idx] = o
+        for start, end, seq_len, blocks, mask in plan.prefills:
+            k = key_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
+            v = value_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
             q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-            kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            if seq_len == query_len:
-                o = F.scaled_dot_product_attention(q, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+            if mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                # Chunk after cached context: query j sees positions < seq_len - query_len + j + 1.
-                offset = seq_len - query_len
-                qpos = torch.arange(query_len, device=query.device)[:, None] + offset
-                kpos = torch.arange(seq_len, device=query.device)[None, :]
-                o = F.scaled_dot_product_attention(q, kh, vh, attn_mask=kpos <= qpos, scale=scale,
-                                                   enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[start:end] = o.squeeze(0).transpose(0, 1)
         return out
