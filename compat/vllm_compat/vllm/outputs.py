@@ -1,0 +1,1 @@
+from pagedllm.outputs import CompletionOutput, RequestOutput  # noqa: F401

@@ -1,0 +1,1 @@
+from pagedllm.sampling_params import SamplingParams  # noqa: F401
