@@ -8,7 +8,7 @@
 Tiny dirs are complete HF model directories (config.json, generation_config.json, safetensors, and a
 512-token byte-level BPE tokenizer with a chat template), so engine-level tests can load them like any
 model: vocab 512, hidden 64, 2 layers, 4 heads / 2 kv heads (GQA), max_position_embeddings 512.
-The model ids are float32 random weights (seeded), eos id 1, bos id 0.
+Weights are seeded random float32 (HF init, std 0.05); bos id 0, eos id 1.
 """
 from __future__ import annotations
 

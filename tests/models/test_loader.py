@@ -39,7 +39,7 @@ def test_resolve_missing_path(tmp_path):
     missing = str(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="does not exist") as info:
         resolve_model_path(missing)
-    assert isinstance(info.value, ValueError)  # user error: servers/CLIs map ValueError to a clear message
+    assert isinstance(info.value, ModelNotFoundError) and isinstance(info.value, ValueError)  # a user error
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
 
 

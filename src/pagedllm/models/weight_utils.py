@@ -88,15 +88,14 @@ def safetensors_weights_iterator(files: Sequence[str], show_progress: bool = Tru
     from safetensors import SafetensorError, safe_open
 
     handles = []
+    for path in files:
+        try:
+            handles.append(safe_open(path, framework="pt", device="cpu"))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"Could not read weights file {path}: it is not a valid safetensors file "
+                             f"({e}).") from None
+    pbar = _maybe_bar(sum(len(h.keys()) for h in handles), show_progress)
     try:
-        for path in files:
-            try:
-                handles.append(safe_open(path, framework="pt", device="cpu"))
-            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-                raise ValueError(f"Could not read weights file {path}: it is not a valid safetensors file "
-                                 f"({e}).") from None
-        total = sum(len(h.keys()) for h in handles)
-        pbar = _maybe_bar(total, show_progress)
         for path, handle in zip(files, handles):
             for name in handle.keys():
                 try:
@@ -107,10 +106,9 @@ def safetensors_weights_iterator(files: Sequence[str], show_progress: bool = Tru
                 yield name, tensor
                 if pbar is not None:
                     pbar.update(1)
+    finally:
         if pbar is not None:
             pbar.close()
-    finally:
-        handles.clear()
 
 
 def _maybe_bar(total: int, show: bool, desc: str = "Loading weights") -> Any:
