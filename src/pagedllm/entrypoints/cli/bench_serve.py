@@ -63,7 +63,7 @@ class BenchRequest:
 
 
 def sample_lengths(rng: random.Random, n: int, mean: int, ratio: float) -> list[int]:
-    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    lo, hi = max(1, round(mean * (1 - ratio))), max(1, round(mean * (1 + ratio)))
     return [rng.randint(lo, hi) for _ in range(n)]
 
 

@@ -1,0 +1,141 @@
+"""Serving overhead: `pagedllm bench serve` at concurrency 32 against `pagedllm serve`, vs the offline engine
+(`pagedllm.LLM`) on the very same prompts. Prints both output throughputs and their ratio (target >= 0.85).
+
+    python benchmarks/serve_vs_offline.py [--model M] [--num-prompts 32] [--concurrency 32]
+
+Prompts: 32 random-token prompts, input and output lengths uniform in 16..160 (mean 88, range ratio 72/88),
+ignore_eos, greedy. The server run and the offline run never overlap (the server is stopped first).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+MEAN_LEN = 88
+RANGE_RATIO = 72 / 88  # lengths in [16, 160]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not start in time")
+
+
+def bench_cmd(url: str, num_prompts: int, concurrency: int, seed: int, result: str) -> list[str]:
+    return [os.path.join(os.path.dirname(sys.executable), "pagedllm"), "bench", "serve", "--base-url", url,
+            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+            "--random-input-len", str(MEAN_LEN), "--random-output-len", str(MEAN_LEN),
+            "--random-range-ratio", str(RANGE_RATIO), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
+            "--save-result", "--result-filename", result]
+
+
+def run_server_side(args: argparse.Namespace, engine_flags: list[str], tmp: str) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "pagedllm"), "serve", *([args.model] if args.model else []),
+           "--port", str(port), "--disable-uvicorn-access-log", "--log-level", "warning", *engine_flags]
+    log = open(os.path.join(tmp, "server.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, proc)
+        # warm-up (different seed: no prefix-cache hits for the measured prompts)
+        subprocess.run(bench_cmd(url, 4, 4, args.seed + 1000, os.path.join(tmp, "warm.json")), check=True,
+                       stdout=subprocess.DEVNULL)
+        result = os.path.join(tmp, "serve.json")
+        out = subprocess.run(bench_cmd(url, args.num_prompts, args.concurrency, args.seed, result), check=True,
+                             capture_output=True, text=True)
+        print(out.stdout)
+        with open(result) as f:
+            return json.load(f)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def run_offline_side(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.cli.bench_serve import sample_random_requests, vocab_token_pool
+
+    llm = LLM(model=args.model, **engine_kwargs)
+    pool = vocab_token_pool(llm.get_tokenizer())
+
+    def requests(n: int, seed: int):
+        return sample_random_requests(pool, n, MEAN_LEN, MEAN_LEN, RANGE_RATIO, seed)
+
+    def params(reqs):
+        return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in reqs]
+
+    warm = requests(4, args.seed + 1000)
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warm], params(warm), use_tqdm=False)
+    reqs = requests(args.num_prompts, args.seed)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params(reqs), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    num_in = sum(len(r.prompt_token_ids) for r in reqs)
+    return {"duration": elapsed, "total_output_tokens": num_out, "total_input_tokens": num_in,
+            "output_throughput": num_out / elapsed}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    engine_kwargs = {"max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+                     "seed": args.seed}
+    engine_flags = ["--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
+                    str(args.kv_cache_memory_bytes), "--seed", str(args.seed)]
+    with tempfile.TemporaryDirectory(prefix="pagedllm-serve-bench-") as tmp:
+        served = run_server_side(args, engine_flags, tmp)
+    offline = run_offline_side(args, engine_kwargs)
+    if served["total_output_tokens"] != offline["total_output_tokens"]:
+        print(f"warning: output tokens differ: server {served['total_output_tokens']} vs offline "
+              f"{offline['total_output_tokens']}", file=sys.stderr)
+    ratio = served["output_throughput"] / offline["output_throughput"]
+    print("{s:{c}^{n}}".format(s=" Server vs offline ", n=50, c="="))
+    print(f"{'Prompts / concurrency:':<40} {args.num_prompts} / {args.concurrency}")
+    print(f"{'Output tokens (server / offline):':<40} {served['total_output_tokens']} / {offline['total_output_tokens']}")
+    print(f"{'Offline output throughput (tok/s):':<40} {offline['output_throughput']:.2f}")
+    print(f"{'Server output throughput (tok/s):':<40} {served['output_throughput']:.2f}")
+    print(f"{'Server / offline:':<40} {ratio:.3f}  (target >= 0.85: {'PASS' if ratio >= 0.85 else 'FAIL'})")
+    print("=" * 50)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"server": served, "offline": offline, "ratio": ratio}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The command line: bench serve, chat/complete -q, --version, start-up failures, and the `vllm` shim."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import API_KEY, SERVED_NAME, Server, cli, free_port
+
+
+def run(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_version_and_help(e2e_env: dict) -> None:
+    import pagedllm
+
+    r = run([cli("pagedllm"), "--version"], e2e_env)
+    assert r.returncode == 0 and pagedllm.__version__ in r.stdout
+    r = run([cli("pagedllm"), "--help"], e2e_env)
+    assert r.returncode == 0 and all(w in r.stdout for w in ("serve", "chat", "complete", "bench"))
+
+
+def test_bench_serve_prints_result_block(server: Server, e2e_env: dict, tmp_path) -> None:
+    out = tmp_path / "result.json"
+    r = run([cli("pagedllm"), "bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6",
+             "--max-concurrency", "3", "--random-input-len", "16", "--random-output-len", "6", "--ignore-eos",
+             "--seed", "1", "--save-result", "--result-filename", str(out)], e2e_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for line in ("Serving Benchmark Result", "Successful requests:                     6",
+                 "Benchmark duration (s):", "Request throughput (req/s):", "Output token throughput (tok/s):",
+                 "Total Token throughput (tok/s):", "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):",
+                 "Mean TPOT (ms):", "P99 ITL (ms):", "Total generated tokens:                  36"):
+        assert line in r.stdout, (line, r.stdout)
+    saved = json.loads(out.read_text())
+    assert saved["completed"] == 6 and saved["total_output_tokens"] == 36 and saved["output_throughput"] > 0
+
+
+def test_chat_and_complete_quick(server: Server, e2e_env: dict) -> None:
+    r = run([cli("pagedllm"), "chat", "--url", server.base_url, "--api-key", API_KEY, "--max-tokens", "8",
+             "--temperature", "0", "-q", "What is the capital of France?"], e2e_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Paris" in r.stdout
+    r = run([cli("pagedllm"), "chat", "--url", server.base_url, "--api-key", API_KEY, "--system-prompt",
+             "You are a pirate.", "--max-tokens", "4", "--no-stream", "-q", "Hello!"], e2e_env)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
+    r = run([cli("pagedllm"), "complete", "--url", server.base_url, "--api-key", API_KEY, "--model-name", SERVED_NAME,
+             "--max-tokens", "5", "-q", "One, two, three,"], e2e_env)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
+
+
+def test_chat_interactive_keeps_history(server: Server, e2e_env: dict) -> None:
+    p = subprocess.run([cli("pagedllm"), "chat", "--url", server.base_url, "--api-key", API_KEY, "--max-tokens", "6",
+                        "--temperature", "0"], input="My name is Ada.\nWhat is my name?\n", capture_output=True,
+                       text=True, timeout=240, env=e2e_env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert len([x for x in p.stdout.splitlines() if x.strip()]) >= 2
+
+
+def test_client_errors_are_one_line(e2e_env: dict) -> None:
+    r = run([cli("pagedllm"), "chat", "--url", f"http://127.0.0.1:{free_port()}/v1", "-q", "hi"], e2e_env, timeout=60)
+    assert r.returncode == 1 and "cannot reach a server" in r.stderr
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--quantization", "awq"], "not supported yet"),
+    (["--pipeline-parallel-size", "2"], "not supported yet"),
+    (["--enable-lora"], "not supported yet"),
+    (["--cpu-offload-gb", "4"], "not supported yet"),
+    (["--lora-modules", "sql=/tmp/sql"], "not supported yet"),
+])
+def test_unsupported_flags_fail_at_start(e2e_env: dict, flags: list[str], fragment: str) -> None:
+    r = run([cli("pagedllm"), "serve", "--port", str(free_port()), *flags], e2e_env, timeout=60)
+    assert r.returncode != 0 and fragment in r.stderr, r.stderr
+
+
+def test_config_file_errors(e2e_env: dict, tmp_path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("no-such-flag: 3\n")
+    r = run([cli("pagedllm"), "serve", "--config", str(cfg)], e2e_env, timeout=60)
+    assert r.returncode != 0 and "unknown key 'no-such-flag'" in r.stderr
+    cfg.write_text("quantization: gptq\n")
+    r = run([cli("pagedllm"), "serve", "--config", str(cfg), "--port", str(free_port())], e2e_env, timeout=60)
+    assert r.returncode != 0 and "not supported yet" in r.stderr
+
+
+def test_bad_model_path_is_one_clear_line(e2e_env: dict, tmp_path) -> None:
+    r = run([cli("pagedllm"), "serve", str(tmp_path / "missing-model"), "--port", str(free_port())], e2e_env,
+            timeout=180)
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "missing-model" in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def _vllm_is_shim() -> bool:
+    try:
+        import vllm
+    except ImportError:
+        return False
+    return "vllm_compat" in (getattr(vllm, "__file__", "") or "")
+
+
+shim = pytest.mark.skipif(not _vllm_is_shim(), reason="the pagedllm-vllm-compat shim is not installed "
+                          "(VLLM_COMPAT=0, or a real vLLM is installed)")
+
+
+@shim
+def test_vllm_shim_commands(server: Server, e2e_env: dict) -> None:
+    r = run([sys.executable, "-c", "from vllm import LLM, SamplingParams; from vllm.lora.request import LoRARequest; "
+             "import pagedllm; assert SamplingParams is pagedllm.SamplingParams and LLM is pagedllm.LLM; "
+             "print(LoRARequest('a', 1, '/x').lora_name)"], e2e_env)
+    assert r.returncode == 0 and r.stdout.strip() == "a", r.stderr
+    r = run([cli("vllm"), "--version"], e2e_env)
+    assert r.returncode == 0
+    r = run([cli("vllm"), "serve", "--quantization", "awq", "--port", str(free_port())], e2e_env, timeout=60)
+    assert r.returncode != 0 and "not supported yet" in r.stderr
+    r = run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--enable-lora"], e2e_env, timeout=60)
+    assert r.returncode != 0 and "not supported yet" in r.stderr
+    r = run([cli("vllm"), "chat", "--url", server.base_url, "--api-key", API_KEY, "--max-tokens", "4", "-q", "Hi"],
+            e2e_env)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
+    r = run([cli("vllm"), "complete", "--url", server.base_url, "--api-key", API_KEY, "--max-tokens", "4", "-q", "Hi"],
+            e2e_env)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
+    r = run([cli("vllm"), "bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "2",
+             "--random-input-len", "8", "--random-output-len", "3", "--disable-tqdm"], e2e_env)
+    assert r.returncode == 0 and "Serving Benchmark Result" in r.stdout, r.stderr[-2000:]
+
+
+@shim
+def test_vllm_api_server_module_serves(smollm2_hf_dir: str, e2e_env: dict, tmp_path) -> None:
+    """`python -m vllm.entrypoints.openai.api_server --model M` starts a working server (no --config)."""
+    import httpx
+
+    from conftest import stop, wait_healthy
+
+    port = free_port()
+    log_path = str(tmp_path / "vllm_server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_hf_dir,
+                                 "--port", str(port), "--max-model-len", "256", "--kv-cache-memory-bytes",
+                                 str(32 << 20)], stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log_path)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
+        assert models[0]["id"] == smollm2_hf_dir and models[0]["max_model_len"] == 256
+        text = open(log_path).read()
+        assert f"http://127.0.0.1:{port}/v1" in text and "KV" in text
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, open(log_path).read()[-2000:]
