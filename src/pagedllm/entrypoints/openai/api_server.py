@@ -86,6 +86,7 @@ async def serve(args: argparse.Namespace) -> int:
         host = f"[{args.host}]" if ":" in args.host else args.host
         logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1", names[0], engine.model_dir,
                     engine.max_model_len, host, args.port)
+        _SERVING["started"] = True
         await server.serve(sockets=[sock])
         return 0
     finally:
@@ -93,12 +94,16 @@ async def serve(args: argparse.Namespace) -> int:
         sock.close()
 
 
+_SERVING = {"started": False}
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
-        return 130
+        # uvicorn re-raises Ctrl-C / SIGINT after its graceful shutdown: that is a normal stop, not a failure.
+        return 0 if _SERVING["started"] else 130
 
 
 def main(argv: Optional[list[str]] = None) -> None:
