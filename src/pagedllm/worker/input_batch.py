@@ -1,0 +1,120 @@
+"""InputBatch: persistent host-side arrays of the requests the runner holds, updated from plan diffs.
+
+Each running request owns one row: its token ids (prompt + outputs) and its block table. Building a step's
+inputs is then a handful of vectorized numpy gathers, not a Python loop over tokens or blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from pagedllm.core.batch_plan import BatchPlan, NewRequestData
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    row: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    num_computed_tokens: int
+    lora_id: Optional[int] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened batch, host side. Rows are in plan order."""
+
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_reqs + 1] int32
+    seq_lens: np.ndarray  # [num_reqs] int32
+    block_table: np.ndarray  # [num_reqs, max_blocks_in_batch] int32
+    sample_rows: np.ndarray  # indices (into req_ids) of requests that sample this step
+    max_query_len: int
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # ------------------------------------------------------------------ diffs
+    def update(self, plan: BatchPlan) -> None:
+        for req_id in plan.finished_request_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.free_rows.append(state.row)
+        for new in plan.new_requests:
+            self._add(new)
+        for cached in plan.cached_requests:
+            state = self.requests[cached.request_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            self._append_blocks(state.row, cached.new_block_ids)
+
+    def _add(self, new: NewRequestData) -> None:
+        if new.request_id in self.requests:  # resumed without a finish notice: start over
+            self.free_rows.append(self.requests.pop(new.request_id).row)
+        row = self.free_rows.pop()
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_blocks[row] = 0
+        self._append_blocks(row, new.block_ids)
+        self.requests[new.request_id] = CachedRequestState(
+            req_id=new.request_id, row=row, prompt_token_ids=list(new.token_ids[:new.num_prompt_tokens]),
+            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]), sampling_params=new.sampling_params,
+            num_computed_tokens=new.num_computed_tokens, lora_id=new.lora_id)
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            start = self.num_blocks[row]
+            self.block_table[row, start:start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, state: CachedRequestState, token: int) -> None:
+        self.token_ids[state.row, state.num_tokens] = token
+        state.output_token_ids.append(token)
+
+    # ------------------------------------------------------------------ step inputs
+    def prepare(self, plan: BatchPlan) -> StepInputs:
+        req_ids = list(plan.num_scheduled_tokens)
+        requests = self.requests
+        states = [requests[r] for r in req_ids]
+        num_reqs = len(states)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        totals = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        num_sched = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        seq_lens = starts + num_sched
+        if num_tokens == num_reqs:  # pure decode: one token per request
+            token_rows, positions = rows, starts
+        else:
+            token_rows = np.repeat(rows, num_sched)
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], num_sched)
+        input_ids = self.token_ids[token_rows, positions]
+        bs = self.block_size
+        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        max_blocks = int((seq_lens.max() + bs - 1) // bs)
+        return StepInputs(
+            req_ids=req_ids, states=states, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
+            block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(seq_lens >= totals)[0],
+            max_query_len=int(num_sched.max()))
