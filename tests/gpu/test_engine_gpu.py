@@ -1,0 +1,63 @@
+"""The engine on CUDA: Triton attention, CUDA graphs, GPU sampling, against transformers and eager mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.engine.test_correctness import check_against_hf, random_prompts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fp32_greedy_matches_hf_with_cuda_graphs(arch, tiny_model_dir):
+    model_dir = tiny_model_dir(arch)
+    llm = LLM(model=model_dir, dtype="float32", device="cuda", num_gpu_blocks_override=64, max_num_seqs=16)
+    assert llm.engine.worker.runner.cuda_graphs is not None
+    prompts = random_prompts([1, 5, 17, 33, 64, 3], seed=1)
+    check_against_hf(llm, model_dir, prompts, [12, 7, 20, 9, 15, 24])
+
+
+def test_chunked_prefill_prefix_and_preemption_on_gpu(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", device="cuda", num_gpu_blocks_override=12, block_size=16,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    shared = random_prompts([20], seed=6)[0]
+    prompts = random_prompts([5, 9, 2, 14], seed=7, prefix=shared)
+    check_against_hf(llm, tiny_llama_dir, prompts, [30, 35, 26, 32])
+    assert llm.engine.get_stats().num_preemptions > 0
+
+
+def test_bf16_cuda_graph_equals_eager(tiny_qwen3_dir):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 30, 11, 50, 7, 1, 19, 2, 44], seed=9)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    graph = LLM(model=tiny_qwen3_dir, dtype="bfloat16", device="cuda", num_gpu_blocks_override=128)
+    eager = LLM(model=tiny_qwen3_dir, dtype="bfloat16", device="cuda", num_gpu_blocks_override=128,
+                enforce_eager=True)
+    a = [o.outputs[0].token_ids for o in graph.generate(prompts, sp, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
+    assert a == b
+
+
+def test_bf16_logprobs_close_to_hf(tiny_llama_dir):
+    from tests.engine.test_correctness import hf_greedy
+
+    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", device="cuda", num_gpu_blocks_override=64)
+    prompt = random_prompts([21], seed=11)[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                       use_tqdm=False)[0].outputs[0]
+    ref_tokens, ref_lps = hf_greedy(tiny_llama_dir, prompt, 1)
+    got = out.logprobs[0][out.token_ids[0]].logprob
+    assert abs(got - ref_lps[0]) < 0.05
+
+
+def test_seeded_sampling_batch_independent_on_gpu(tiny_qwen2_dir):
+    llm = LLM(model=tiny_qwen2_dir, dtype="float32", device="cuda", num_gpu_blocks_override=64)
+    p = {"prompt_token_ids": random_prompts([9], seed=12)[0]}
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=123, ignore_eos=True)
+    alone = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": q} for q in random_prompts([4, 40, 13], seed=13)]
+    mixed = llm.generate(others + [p], [SamplingParams(max_tokens=20, ignore_eos=True)] * 3 + [sp],
+                         use_tqdm=False)[3].outputs[0].token_ids
+    assert alone == mixed
