@@ -1,0 +1,71 @@
+"""Where does one engine step's time go? Schedules N requests into steady-state decode, then times
+schedule / execute / update per step and prints the torch profiler's top ops (CPU and CUDA).
+
+    python benchmarks/profile_step.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --batch 256
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    args = p.parse_args()
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.core.engine_core import EngineCoreRequest
+
+    llm = LLM(model=args.model, load_format=args.load_format, skip_tokenizer_init=True, max_num_seqs=args.batch,
+              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
+    eng = llm.engine
+    rng = random.Random(0)
+    for i in range(args.batch):
+        ids = [rng.randrange(10, 30000) for _ in range(args.input_len)]
+        eng.add_request(EngineCoreRequest(f"r{i}", ids, SamplingParams(max_tokens=1000, ignore_eos=True)))
+    while eng.scheduler.num_waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sched = execute = update = 0.0
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        plan = eng.scheduler.schedule()
+        t1 = time.perf_counter()
+        out = eng.worker.execute_model(plan)
+        t2 = time.perf_counter()
+        eng.scheduler.update_from_output(plan, out)
+        t3 = time.perf_counter()
+        sched += t1 - t0
+        execute += t2 - t1
+        update += t3 - t2
+    total = time.perf_counter() - start
+    n = args.steps
+    print(f"batch {args.batch}: {total / n * 1e3:.2f} ms/step = {args.batch * n / total:.0f} tok/s; "
+          f"schedule {sched / n * 1e3:.2f} ms, execute {execute / n * 1e3:.2f} ms, update {update / n * 1e3:.2f} ms")
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            eng.step()
+        sync()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
