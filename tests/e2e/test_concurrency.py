@@ -71,11 +71,12 @@ def test_disconnect_mid_stream_frees_kv(server: Server) -> None:
                 if line.startswith("data: "):
                     got += 1
                 if got == 5:
+                    # still inside the stream (leaving iter_lines early closes the connection)
+                    during = _metrics(server)
                     break
-            during = _metrics(server)
             assert metric(during, "vllm:num_requests_running", model_name=SERVED_NAME) == 1
             assert metric(during, "vllm:kv_cache_usage_perc", model_name=SERVED_NAME) > 0
-    # the context manager closed the connection mid-stream
+    # the connection is closed mid-stream: the request must be aborted and its blocks freed
     deadline = time.monotonic() + 10
     while True:
         after = _metrics(server)
