@@ -113,7 +113,7 @@ def run_hf(args, reqs, model_dir):
     else:  # continuous batching in transformers
         from transformers import GenerationConfig
 
-        gen_cfg = GenerationConfig(max_new_tokens=max(n for _, n in hf_reqs), do_sample=False, eos_token_id=-1,
+        gen_cfg = GenerationConfig(max_new_tokens=max(n for _, n in hf_reqs), do_sample=False, eos_token_id=None,
                                    pad_token_id=pad)
         with torch.inference_mode():
             t0 = time.perf_counter()
