@@ -121,6 +121,7 @@ class AsyncEngine:
             daemon=True,
         )
         self.proc.start()
+        _preimport_frontend()  # transformers takes seconds to import: overlap it with the model load
         deadline = None if startup_timeout_s is None else time.monotonic() + startup_timeout_s
         while True:
             if await self.out_sock.poll(int(_STARTUP_POLL_S * 1000)):
@@ -147,7 +148,9 @@ class AsyncEngine:
         from pagedllm.tokenizer import get_tokenizer
 
         assert self.ready is not None
-        self.tokenizer = get_tokenizer(self.ready.model_dir)
+        args = self.engine_args
+        self.tokenizer = get_tokenizer(getattr(args, "tokenizer", None) or self.ready.model_dir,
+                                       trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
         self.processor = OutputProcessor(self.tokenizer)
 
     @property
@@ -402,6 +405,21 @@ class AsyncEngine:
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_result(self.last_stats)
+
+
+def _preimport_frontend() -> None:
+    import threading
+
+    def work() -> None:
+        try:
+            import transformers  # noqa: F401
+
+            from pagedllm.entrypoints import output_processor  # noqa: F401
+            from pagedllm.tokenizer import get_tokenizer  # noqa: F401
+        except Exception:  # noqa: BLE001 - the real import later reports any problem
+            pass
+
+    threading.Thread(target=work, name="pagedllm-preimport", daemon=True).start()
 
 
 def random_request_id(prefix: str) -> str:

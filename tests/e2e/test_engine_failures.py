@@ -1,0 +1,58 @@
+"""Engine-process failures, against a server whose engine core is a stand-in (tests/e2e/fake_core.py):
+a dead engine gives /health 503 and errors (not hangs) for pending and new requests."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+
+from conftest import cli, free_port, stop, wait_healthy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_dead_engine_fails_requests_and_health(e2e_env: dict, tmp_path) -> None:
+    env = dict(e2e_env, PYTHONPATH=HERE + os.pathsep + e2e_env.get("PYTHONPATH", ""))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = str(tmp_path / "fake_server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([cli("pagedllm"), "serve", "--port", str(port), "--engine-core-factory",
+                                 "fake_core:FakeEngineCore"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_healthy(proc, url, log_path, timeout_s=120)
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        pending: dict = {}
+
+        def long_request() -> None:
+            pending["r"] = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1500,
+                                                                     "ignore_eos": True}, timeout=60)
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(1.0)
+        engines = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        assert len(engines) == 1
+        os.kill(engines[0], signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive(), "the pending request hung after the engine died"
+        assert pending["r"].status_code == 503 and "engine" in pending["r"].json()["error"]["message"]
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503
+        new = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                         timeout=10)
+        assert new.status_code == 503 and new.json()["error"]["type"] == "service_unavailable_error"
+        stream = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10)
+        assert stream.status_code == 503
+    finally:
+        stop(proc)
