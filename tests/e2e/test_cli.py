@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import API_KEY, SERVED_NAME, Server, cli, free_port
+from e2e_helpers import API_KEY, SERVED_NAME, Server, cli, free_port
 
 
 def run(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -136,7 +135,7 @@ def test_vllm_api_server_module_serves(smollm2_hf_dir: str, e2e_env: dict, tmp_p
     """`python -m vllm.entrypoints.openai.api_server --model M` starts a working server (no --config)."""
     import httpx
 
-    from conftest import stop, wait_healthy
+    from e2e_helpers import stop, wait_healthy
 
     port = free_port()
     log_path = str(tmp_path / "vllm_server.log")

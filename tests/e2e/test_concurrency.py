@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from conftest import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, metric
+from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, metric
 
 NUM_CONCURRENT = 32
 MAX_TOKENS = 16

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from conftest import cli, free_port, stop, wait_healthy
+from e2e_helpers import cli, free_port, stop, wait_healthy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from conftest import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server
+from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"

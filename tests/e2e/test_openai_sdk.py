@@ -6,7 +6,7 @@ import asyncio
 import openai
 import pytest
 
-from conftest import API_KEY, SERVED_NAME, Server
+from e2e_helpers import API_KEY, SERVED_NAME, Server
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 

@@ -121,7 +121,9 @@ class AsyncEngine:
             daemon=True,
         )
         self.proc.start()
-        _preimport_frontend()  # transformers takes seconds to import: overlap it with the model load
+        # transformers takes seconds to import: overlap it with the model load (joined before first use,
+        # as two threads importing transformers at once can see a half-initialised module)
+        preimport = _preimport_frontend()
         deadline = None if startup_timeout_s is None else time.monotonic() + startup_timeout_s
         while True:
             if await self.out_sock.poll(int(_STARTUP_POLL_S * 1000)):
@@ -138,6 +140,7 @@ class AsyncEngine:
             if deadline is not None and time.monotonic() > deadline:
                 self.proc.kill()
                 raise EngineStartupError(f"the engine process did not become ready within {startup_timeout_s} s")
+        await asyncio.get_running_loop().run_in_executor(None, preimport.join)
         self._load_frontend()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._output_handler(), name="pagedllm-output-handler"))
@@ -407,7 +410,7 @@ class AsyncEngine:
                 fut.set_result(self.last_stats)
 
 
-def _preimport_frontend() -> None:
+def _preimport_frontend() -> "threading.Thread":
     import threading
 
     def work() -> None:
@@ -419,7 +422,9 @@ def _preimport_frontend() -> None:
         except Exception:  # noqa: BLE001 - the real import later reports any problem
             pass
 
-    threading.Thread(target=work, name="pagedllm-preimport", daemon=True).start()
+    thread = threading.Thread(target=work, name="pagedllm-preimport", daemon=True)
+    thread.start()
+    return thread
 
 
 def random_request_id(prefix: str) -> str:

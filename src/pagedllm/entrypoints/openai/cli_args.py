@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any, Optional
 
 # Flags that belong to the server, not to EngineArgs.
@@ -113,8 +112,3 @@ def check_unsupported_server_flags(args: argparse.Namespace) -> None:
     if args.lora_modules:
         raise ValueError("--lora-modules is not supported yet by pagedllm.")
 
-
-def engine_args_fields() -> list[str]:
-    from pagedllm.config import EngineArgs
-
-    return [f.name for f in dataclasses.fields(EngineArgs)]
