@@ -331,11 +331,11 @@ class AsyncEngine:
             if parent_id is not None and parent_id in self._parents:
                 parent = self._parents[parent_id]
                 parent.queue.put_nowait(RequestRejected(msg.message, msg.status))
-                # Siblings of a refused child are pointless: abort them.
-                others = [c for c in parent.child_ids if c != msg.request_id]
+                # Siblings of a refused child are pointless: abort them (and drop everyone's detokenizer state;
+                # aborting the refused id itself is a no-op in the engine).
                 parent.finished = True
                 self._forget(parent_id, abort=False)
-                self._abort_engine(others)
+                self._abort_engine(parent.child_ids)
         elif isinstance(msg, m.StatsReply):
             self._update_stats(msg.stats)
             fut = self._stats_waiters.get(msg.seq)
