@@ -27,11 +27,16 @@ def test_dead_engine_fails_requests_and_health(e2e_env: dict, tmp_path) -> None:
     log_path = str(tmp_path / "fake_server.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([cli("pagedllm"), "serve", "--port", str(port), "--engine-core-factory",
-                                 "fake_core:FakeEngineCore"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "fake_core:FakeEngineCore", "--num-gpu-blocks-override", "8"], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(proc, url, log_path, timeout_s=120)
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        # the engine refuses what cannot fit its KV pool (8 blocks of 16 tokens): a 400, streaming or not
+        for stream in (False, True):
+            big = httpx.post(url + "/v1/completions", json={"prompt": [1000] * 200, "max_tokens": 2,
+                                                            "stream": stream}, timeout=30)
+            assert big.status_code == 400 and "KV cache" in big.json()["error"]["message"], big.text
         pending: dict = {}
 
         def long_request() -> None:
