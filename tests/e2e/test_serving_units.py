@@ -1,0 +1,70 @@
+"""Fast checks of serving pieces without a server: wire messages, flag/YAML merging, bench prompt sampling."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedllm.core.batch_plan import EngineCoreOutput, TokenLogprobs
+from pagedllm.entrypoints import messages as m
+from pagedllm.entrypoints.openai.cli_args import add_serve_args, parse_serve_args, to_engine_args
+from pagedllm.sampling_params import SamplingParams
+
+
+def test_messages_round_trip() -> None:
+    enc = m.Encoder()
+    params = SamplingParams(temperature=0.5, max_tokens=7, stop=["x"], seed=3, stop_token_ids=[9])
+    add = m.input_decoder().decode(enc.encode(m.AddRequest("r1", [1, 2, 3], params, 12.5)))
+    assert isinstance(add, m.AddRequest) and add.sampling_params == params and add.prompt_token_ids == [1, 2, 3]
+    assert isinstance(m.input_decoder().decode(enc.encode(m.AbortRequests(["a", "b"]))), m.AbortRequests)
+    out = EngineCoreOutput("r1", [5], [TokenLogprobs([5, 6], [-0.1, -2.0], [1, 2])], "stop", 9, 16)
+    msg = m.output_decoder().decode(enc.encode(m.EngineOutputs([out], m.SchedulerStatsMsg(1, 2, 0.25), 1.0)))
+    assert isinstance(msg, m.EngineOutputs) and msg.outputs == [out] and msg.stats.kv_cache_usage == 0.25
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return parse_serve_args(add_serve_args(argparse.ArgumentParser(), positional_model=True), argv)
+
+
+def test_defaults_match_vllm() -> None:
+    a = _parse([])
+    assert (a.host, a.port, a.block_size, a.max_num_seqs, a.gpu_memory_utilization, a.dtype, a.seed) == \
+        ("127.0.0.1", 8000, 16, 256, 0.9, "auto", 0)
+    assert a.enable_prefix_caching is True and a.model is None
+    assert _parse(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+
+
+def test_config_yaml_command_line_wins(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: /m/from-yaml\nport: 9001\nmax-num-seqs: 8\nserved-model-name: smol\n"
+                   "enable_prefix_caching: false\n")
+    a = _parse(["--config", str(cfg), "--port", "9002"])
+    assert (a.port, a.max_num_seqs, a.served_model_name, a.enable_prefix_caching, a.model) == \
+        (9002, 8, ["smol"], False, "/m/from-yaml")
+    assert _parse(["/m/cli", "--config", str(cfg)]).model == "/m/cli"
+    ea = to_engine_args(a)
+    assert ea.max_num_seqs == 8 and ea.served_model_name == "smol" and ea.enable_prefix_caching is False
+    cfg.write_text("bogus-flag: 1\n")
+    with pytest.raises(SystemExit, match="unknown key 'bogus-flag'"):
+        _parse(["--config", str(cfg)])
+
+
+def test_random_requests_are_deterministic_and_in_range() -> None:
+    from pagedllm.entrypoints.cli.bench_serve import sample_random_requests
+
+    pool = list(range(100, 200))
+    a = sample_random_requests(pool, 32, 88, 88, 72 / 88, seed=0)
+    b = sample_random_requests(pool, 32, 88, 88, 72 / 88, seed=0)
+    assert [r.prompt_token_ids for r in a] == [r.prompt_token_ids for r in b]
+    assert all(16 <= len(r.prompt_token_ids) <= 160 and 16 <= r.output_len <= 160 for r in a)
+    assert all(t in pool for r in a for t in r.prompt_token_ids)
+
+
+def test_result_block_format() -> None:
+    from pagedllm.entrypoints.cli.bench_serve import RequestResult, format_result, summarize
+
+    res = [RequestResult(True, 10, 5, 0.1, 0.5, [0.1] * 4), RequestResult(False, error="boom")]
+    block = format_result(summarize(res, 2.0), 4, float("inf"))
+    assert block.splitlines()[0] == "============ Serving Benchmark Result ============"
+    assert "Successful requests:                     1" in block and "Failed requests:" in block
+    assert "Output token throughput (tok/s):         2.50" in block and "P99 ITL (ms):" in block
