@@ -47,6 +47,7 @@ class EngineArgs:
     device: str = "auto"  # "auto" | "cuda" | "cpu"
     enforce_eager: bool = False
     attention_backend: Optional[str] = None
+    async_scheduling: Optional[bool] = None  # None: on for CUDA, off for CPU
     quantization: Optional[str] = None
     cpu_offload_gb: float = 0
     enable_lora: bool = False

@@ -55,7 +55,11 @@ class EngineCore:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             enable_prefix_caching=engine_args.enable_prefix_caching,
+            async_scheduling=w.async_scheduling,
         )
+        self.async_scheduling = w.async_scheduling
+        # Async scheduling: the launched step whose results have not been applied yet.
+        self._in_flight = None  # (plan, PendingOutput)
         self.num_steps = 0
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens = %d tokens of KV cache "
                     "(%.1fx max_model_len %d).", time.perf_counter() - start, self.num_blocks, self.block_size,
@@ -101,16 +105,50 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         plan = self.scheduler.schedule()
         if plan.total_num_scheduled_tokens == 0 and not plan.finished_request_ids:
             return self.scheduler.update_from_output(plan, self.worker.empty_output())
         output = self.worker.execute_model(plan)
         self.num_steps += 1
         return self.scheduler.update_from_output(plan, output)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Schedule and launch step N, then apply step N-1's results while N runs on the device.
+
+        The host work of one step (applying results, scheduling, building inputs) overlaps the device work
+        of the next. Requests whose sampling needs every earlier token (seeds, penalties, min_tokens) make
+        the step wait for the previous one first.
+        """
+        outputs: list[EngineCoreOutput] = []
+        plan = self.scheduler.schedule()
+        if self._in_flight is not None and self._plan_needs_sync(plan):
+            outputs = self._apply_in_flight()
+        if plan.total_num_scheduled_tokens == 0:
+            outputs += self._apply_in_flight()
+            self.worker.launch(plan)  # nothing to run; the runner still drops finished requests' state
+            return outputs + self.scheduler.update_from_output(plan, self.worker.empty_output())
+        pending = self.worker.launch(plan)
+        self.num_steps += 1
+        outputs += self._apply_in_flight()
+        self._in_flight = (plan, pending)
+        return outputs
+
+    def _apply_in_flight(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
+            return []
+        plan, pending = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(plan, pending.result())
+
+    def _plan_needs_sync(self, plan) -> bool:
+        requests = self.scheduler.requests
+        return any(requests[r].needs_sync for r in plan.num_scheduled_tokens if r in requests)
 
     def get_stats(self):
         return self.scheduler.stats()

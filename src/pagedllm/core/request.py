@@ -56,6 +56,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Optional[int | str] = None
     block_hashes: list[int] = field(default_factory=list)
+    # Async scheduling: tokens being sampled by a step still in flight (scheduled, not yet appended).
+    num_output_placeholders: int = 0
     # Monotonic time when first scheduled / first token produced (metrics).
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
@@ -75,6 +77,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def needs_sync(self) -> bool:
+        """Whether sampling for this request must see every earlier token (penalties, seeds, min_tokens):
+        such requests are never run one step ahead."""
+        p = self.sampling_params
+        return (p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0)
 
     @property
     def max_tokens(self) -> int:

@@ -68,6 +68,7 @@ class Scheduler:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: Optional[int] = None,
+        async_scheduling: bool = False,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
@@ -78,6 +79,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # Async scheduling: schedule() may run while the previous step is still in flight; each request
+        # that samples is counted one token ahead (num_output_placeholders) until its token arrives.
+        self.async_scheduling = async_scheduling
         self.kv_cache_manager = KVCacheManager(
             block_size=block_size, num_blocks=num_blocks, enable_caching=enable_prefix_caching
         )
@@ -159,6 +163,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token in flight for it is dropped; it is recomputed
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -176,10 +181,19 @@ class Scheduler:
         )
 
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, budget: int) -> int:
-        num_tokens = min(request.num_tokens - num_computed_tokens, budget)
+        if request.num_output_placeholders and self._reaches_limit(request):
+            return 0  # the token in flight is its last one: do not compute past it
+        num_tokens = min(request.num_tokens + request.num_output_placeholders - num_computed_tokens, budget)
         if self.long_prefill_token_threshold is not None:
             num_tokens = min(num_tokens, self.long_prefill_token_threshold)
         return num_tokens
+
+    def _reaches_limit(self, request: Request) -> bool:
+        """Will the tokens already in flight finish this request by length?"""
+        pending = request.num_output_placeholders
+        max_tokens = request.max_tokens
+        return ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
+                or request.num_tokens + pending >= self.max_model_len)
 
     # ---------------------------------------------------------------- schedule
 
@@ -195,6 +209,9 @@ class Scheduler:
         # Advance at schedule time: the step that follows computes exactly these tokens.
         for request in scheduled:
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
+            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens:
+                # This step samples a token the next schedule() must already count (async scheduling).
+                request.num_output_placeholders += 1
         plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
         plan.finished_request_ids = self._finished_req_ids
         plan.preempted_request_ids = preempted
@@ -292,6 +309,8 @@ class Scheduler:
         finished_any = False
         for request_id, sampled, token_logprobs in zip(output.req_ids, output.sampled_token_ids, logprobs):
             request = self.requests.get(request_id)
+            if request is not None and sampled and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             # Skip: finished/aborted meanwhile, preempted, empty, or still mid-prefill (a token
             # sampled there is not a real next token).
             if (

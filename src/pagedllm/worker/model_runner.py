@@ -44,6 +44,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
+        self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
+        self._prev_index: dict[str, int] = {}
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -79,12 +81,20 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ execute
-    @torch.inference_mode()
     def execute_model(self, plan: BatchPlan) -> ModelOutput:
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: BatchPlan) -> "PendingOutput":
+        """Enqueue one step (inputs, forward, sampling) without waiting for the device.
+
+        With async scheduling the plan may include tokens sampled by the previous step that the host has not
+        seen yet: those input ids are taken on the device from the previous step's sampled ids.
+        """
         batch = self.input_batch
         batch.update(plan)
         if plan.total_num_scheduled_tokens == 0:
-            return ModelOutput()
+            return PendingOutput.empty()
         inp = batch.prepare(plan)
         dev = self.device
         metadata = AttentionMetadata(
@@ -100,6 +110,7 @@ class ModelRunner:
             seq_lens_cpu=inp.seq_lens.tolist(),
         )
         input_ids = torch.from_numpy(inp.input_ids).to(dev, non_blocking=True)
+        self._fill_in_flight_tokens(inp, input_ids)
         positions = torch.from_numpy(inp.positions).to(dev, non_blocking=True)
         hidden = None
         if self.cuda_graphs is not None and inp.max_query_len == 1:
@@ -108,12 +119,10 @@ class ModelRunner:
             self.attn_backend.prepare(metadata)
             with set_forward_context(metadata, self.attn_backend):
                 hidden = self.model(input_ids, positions)
-        num_reqs = len(inp.req_ids)
-        output = ModelOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in range(num_reqs)],
-                             logprobs=[None] * num_reqs)
         sample_rows = inp.sample_rows
+        self._prev_sampled = None
         if len(sample_rows) == 0:
-            return output
+            return PendingOutput(self, inp, None, None, None)
         if len(sample_rows) == len(inp.input_ids):  # every token samples (pure decode)
             sample_hidden = hidden
         else:
@@ -130,16 +139,81 @@ class ModelRunner:
             device=dev,
         )
         sampler_out = self.sampler(logits, meta)
-        sampled = sampler_out.sampled_token_ids.tolist()  # the one host sync per step
-        lp = sampler_out.logprobs
+        sampled = sampler_out.sampled_token_ids
+        # Remember where each request's newest token lives on the device for the next launch.
+        self._prev_sampled = sampled
+        self._prev_index = {inp.req_ids[r]: j for j, r in enumerate(sample_rows.tolist())}
+        event = None
+        if dev.type == "cuda":
+            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            host.copy_(sampled, non_blocking=True)
+            lp = sampler_out.logprobs
+            lp_host = None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, lp_host = sampled, sampler_out.logprobs
+        return PendingOutput(self, inp, host, lp_host, event)
+
+    def _fill_in_flight_tokens(self, inp, input_ids: torch.Tensor) -> None:
+        """Input positions past what the host knows hold tokens sampled by the step still in flight."""
+        totals = np.fromiter((s.num_tokens for s in inp.states), dtype=np.int64, count=len(inp.states))
+        last_pos = inp.positions[inp.query_start_loc[1:] - 1]
+        rows = np.nonzero(last_pos >= totals)[0]
+        if len(rows) == 0:
+            return
+        if self._prev_sampled is None:
+            raise RuntimeError("A step needs tokens of a previous step that sampled nothing; this is a bug.")
+        src = [self._prev_index[inp.req_ids[r]] for r in rows.tolist()]
+        dst = inp.query_start_loc[1:][rows] - 1
+        dev = self.device
+        src_t = torch.tensor(src, dtype=torch.long).to(dev, non_blocking=True)
+        dst_t = torch.from_numpy(dst.astype(np.int64)).to(dev, non_blocking=True)
+        input_ids.index_copy_(0, dst_t, self._prev_sampled.index_select(0, src_t).to(input_ids.dtype))
+
+    def _finish_step(self, inp, sampled: list[int], lp) -> ModelOutput:
+        """Host side of a finished step: append sampled tokens to the runner's state, build ModelOutput."""
+        batch = self.input_batch
+        num_reqs = len(inp.req_ids)
+        output = ModelOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in range(num_reqs)],
+                             logprobs=[None] * num_reqs)
         if lp is not None:
             lp_ids, lp_vals, lp_ranks = (t.tolist() for t in lp)
-        for j, row in enumerate(sample_rows.tolist()):
+        for j, row in enumerate(inp.sample_rows.tolist()):
             token = sampled[j]
-            batch.append_token(inp.states[row], token)
+            state = inp.states[row]
+            if batch.requests.get(state.req_id) is state:  # not dropped (finished / preempted) meanwhile
+                batch.append_token(state, token)
             output.sampled_token_ids[row] = [token]
-            k = inp.states[row].sampling_params.logprobs
+            k = state.sampling_params.logprobs
             if lp is not None and k is not None:
                 output.logprobs[row] = [TokenLogprobs(token_ids=lp_ids[j][:k + 1], logprobs=lp_vals[j][:k + 1],
                                                       ranks=lp_ranks[j][:k + 1])]
         return output
+
+
+class PendingOutput:
+    """A launched step; `result()` waits for its sampled ids (the one host sync per step)."""
+
+    def __init__(self, runner: ModelRunner, inp, sampled_host, logprobs_host, event) -> None:
+        self.runner, self.inp, self.sampled_host, self.logprobs_host, self.event = (
+            runner, inp, sampled_host, logprobs_host, event)
+        self._output: Optional[ModelOutput] = None
+
+    @classmethod
+    def empty(cls) -> "PendingOutput":
+        pending = cls(None, None, None, None, None)
+        pending._output = ModelOutput()
+        return pending
+
+    def result(self) -> ModelOutput:
+        if self._output is None:
+            if self.sampled_host is None:  # nothing sampled (mid-prefill only)
+                n = len(self.inp.req_ids)
+                self._output = ModelOutput(req_ids=self.inp.req_ids, sampled_token_ids=[[] for _ in range(n)],
+                                           logprobs=[None] * n)
+            else:
+                if self.event is not None:
+                    self.event.synchronize()
+                self._output = self.runner._finish_step(self.inp, self.sampled_host.tolist(), self.logprobs_host)
+        return self._output
