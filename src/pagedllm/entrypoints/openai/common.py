@@ -135,6 +135,16 @@ def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optiona
     def opt(v: Any, default: Any) -> Any:
         return default if v is None else v
 
+    # Integers travel to the engine as msgpack int64: anything wider is a client mistake, not a crash.
+    for name in ("seed", "top_k", "min_tokens", "max_tokens", "n"):
+        v = getattr(req, name, None) if name != "max_tokens" else max_tokens
+        if isinstance(v, int) and not -(2 ** 63) <= v < 2 ** 63:
+            raise APIError(f"{name} is out of range: {v}.", param=name)
+    for t in req.stop_token_ids or []:
+        if not 0 <= t < 2 ** 63:
+            raise APIError(f"stop_token_ids must be non-negative integers below 2**63, got {t}.",
+                           param="stop_token_ids")
+
     try:
         return SamplingParams(
             n=req.n,
