@@ -115,11 +115,15 @@ def run_hf(args, reqs, model_dir):
 
         gen_cfg = GenerationConfig(max_new_tokens=max(n for _, n in hf_reqs), do_sample=False, eos_token_id=None,
                                    pad_token_id=pad)
-        with torch.inference_mode():
+        with torch.no_grad():  # generate_batch updates its own tensors in place: no inference_mode here
             t0 = time.perf_counter()
-            model.generate_batch(inputs=[ids for ids, _ in hf_reqs], generation_config=gen_cfg)
+            results = model.generate_batch(inputs=[ids for ids, _ in hf_reqs], generation_config=gen_cfg)
             torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
+        produced = sum(len(getattr(r, "generated_tokens", []) or []) for r in
+                       (results.values() if isinstance(results, dict) else results))
+        if produced < sum(n for _, n in hf_reqs):
+            raise RuntimeError(f"HF generate_batch produced only {produced} tokens; its timing is not valid.")
     credited = sum(n for _, n in hf_reqs)
     return {"elapsed_s": elapsed, "output_tokens": credited, "num_prompts": len(hf_reqs)}
 
