@@ -166,3 +166,14 @@ def test_bench_throughput_and_latency_offline(smollm2_hf_dir: str, e2e_env: dict
              "--num-iters-warmup", "1", "--num-iters", "2"], e2e_env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Avg latency:" in r.stdout and "time per step" in r.stdout
+
+
+def test_bench_prompts_via_tokenize_when_tokenizer_is_not_local(server: Server) -> None:
+    import argparse
+
+    from pagedllm.entrypoints.cli.bench_serve import _token_pool, sample_random_requests
+
+    pool, tok = _token_pool(argparse.Namespace(tokenizer=None, api_key=API_KEY), server.url, "/not/on/this/machine")
+    assert tok is None and len(pool) > 20
+    reqs = sample_random_requests(pool, 3, 10, 4, 0.0, seed=0)
+    assert [len(r.prompt_token_ids) for r in reqs] == [10, 10, 10]
