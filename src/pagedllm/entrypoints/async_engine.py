@@ -38,7 +38,9 @@ class EngineStartupError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine process is gone (or the server is stopping): a 503 for the client."""
+
+    status = 503
 
 
 class ClientDisconnected(Exception):
@@ -398,6 +400,15 @@ class AsyncEngine:
                 logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
                 self._fail_all(EngineDeadError(reason))
                 return
+
+    def fail_pending(self, reason: str) -> None:
+        """End every running request now with a 503 (server shutdown): streams close with an error event
+        and [DONE] instead of being cut off, and the engine frees their blocks."""
+        for request_id in list(self._parents):
+            parent = self._parents[request_id]
+            self._forget(request_id, abort=not parent.finished)
+            parent.finished = True
+            parent.queue.put_nowait(EngineDeadError(reason))
 
     def _fail_all(self, err: BaseException) -> None:
         self.errored = True

@@ -51,6 +51,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """On shutdown, end running requests first (503 / an SSE error event) so no stream is cut off."""
+
+        def __init__(self, config, engine) -> None:
+            super().__init__(config)
+            self.engine = engine
+
+        async def shutdown(self, sockets=None) -> None:
+            self.engine.fail_pending("the server is shutting down")
+            await super().shutdown(sockets=sockets)
+
+    return Server
+
+
+def _Server(config, engine):  # noqa: N802 - reads like the class it builds
+    return _server_class()(config, engine)
+
+
 async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -81,8 +102,8 @@ async def serve(args: argparse.Namespace) -> int:
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key)
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=5, lifespan="off")
-        server = uvicorn.Server(config)
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")
+        server = _Server(config, engine)
         host = f"[{args.host}]" if ":" in args.host else args.host
         logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1", names[0], engine.model_dir,
                     engine.max_model_len, host, args.port)
