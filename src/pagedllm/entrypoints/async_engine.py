@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -421,9 +422,7 @@ class AsyncEngine:
                 fut.set_result(self.last_stats)
 
 
-def _preimport_frontend() -> "threading.Thread":
-    import threading
-
+def _preimport_frontend() -> threading.Thread:
     def work() -> None:
         try:
             import transformers  # noqa: F401
