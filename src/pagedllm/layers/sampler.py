@@ -35,6 +35,16 @@ def _mix_seed(seed: int, position: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
+def _to_device(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
+    """Host -> device without waiting for the device: via pinned memory on CUDA (a pageable copy would
+    block until the step in flight has finished)."""
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def _padded_tensor(rows, needed: list[bool], pad_id: int, device) -> torch.Tensor:
     """[len(rows), max_len] int64 on device, right-padded with pad_id; rows not needed stay all padding.
 
@@ -44,13 +54,13 @@ def _padded_tensor(rows, needed: list[bool], pad_id: int, device) -> torch.Tenso
     if isinstance(rows, np.ndarray):
         rows = torch.from_numpy(rows)
     if isinstance(rows, torch.Tensor):
-        return rows.to(device=device, dtype=torch.int64, non_blocking=True)
+        return _to_device(rows, device, torch.int64)
     width = max(1, max((len(r) for r, keep in zip(rows, needed) if keep), default=0))
     padded = np.full((len(rows), width), pad_id, dtype=np.int64)
     for i, (row, keep) in enumerate(zip(rows, needed)):
         if keep and len(row):
             padded[i, :len(row)] = row
-    return torch.from_numpy(padded).to(device, non_blocking=True)
+    return _to_device(torch.from_numpy(padded), device)
 
 
 @dataclass
@@ -127,7 +137,7 @@ class SamplingMetadata:
                 meta.no_top_k = False
                 ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
                 meta.max_top_k = max(k for k in ks if k < vocab_size)
-                meta.top_k = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
+                meta.top_k = _to_device(torch.tensor(ks, dtype=torch.int64), device)
         need_rep = any(p.repetition_penalty != 1.0 for p in params)
         need_freq_pres = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
         if need_rep or need_freq_pres:
@@ -145,7 +155,7 @@ class SamplingMetadata:
                 rep_rows = [p.repetition_penalty != 1.0 for p in params]
                 meta.prompt_token_ids = _padded_tensor(prompt_token_ids, rep_rows, vocab_size, device)
         if float_rows:
-            packed = torch.tensor(float_rows, dtype=torch.float32).to(device, non_blocking=True)
+            packed = _to_device(torch.tensor(float_rows, dtype=torch.float32), device)
             for name, row in zip(names, packed.unbind(0)):
                 setattr(meta, name, row)
         meta.no_top_p = meta.top_p is None
@@ -164,7 +174,7 @@ class SamplingMetadata:
                         mask_rows.append(i)
                         mask_ids.append(t)
         if mask_rows:
-            both = torch.tensor([mask_rows, mask_ids], dtype=torch.int64).to(device, non_blocking=True)
+            both = _to_device(torch.tensor([mask_rows, mask_ids], dtype=torch.int64), device)
             meta.min_tokens_mask = (both[0], both[1])
 
         dev = torch.device(device)

@@ -46,6 +46,7 @@ class ModelRunner:
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         self._prev_index: dict[str, int] = {}
+        self.stager = HostStager(device)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -97,21 +98,33 @@ class ModelRunner:
             return PendingOutput.empty()
         inp = batch.prepare(plan)
         dev = self.device
+        fill_src, fill_dst = self._in_flight_rows(inp)
+        sample_rows = inp.sample_rows
+        all_sample = len(sample_rows) == len(inp.input_ids)  # pure decode: every token samples
+        logits_idx = inp.query_start_loc[1:][sample_rows].astype(np.int64) - 1
+        # One async host-to-device copy per dtype from pinned memory (pageable copies would wait for the
+        # device to finish the step in flight, defeating async scheduling).
+        input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = self.stager.stage(
+            [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx], np.int64)
+        query_start_loc, seq_lens, block_table = self.stager.stage(
+            [inp.query_start_loc, inp.seq_lens, inp.block_table], np.int32)
+        self.stager.next_step()
         metadata = AttentionMetadata(
             num_actual_tokens=len(inp.input_ids),
             num_reqs=len(inp.req_ids),
             max_query_len=inp.max_query_len,
             max_seq_len=int(inp.seq_lens.max()),
-            query_start_loc=torch.from_numpy(inp.query_start_loc).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(inp.seq_lens).to(dev, non_blocking=True),
-            block_table=torch.from_numpy(inp.block_table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(inp.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
             query_start_loc_cpu=inp.query_start_loc.tolist(),
             seq_lens_cpu=inp.seq_lens.tolist(),
         )
-        input_ids = torch.from_numpy(inp.input_ids).to(dev, non_blocking=True)
-        self._fill_in_flight_tokens(inp, input_ids)
-        positions = torch.from_numpy(inp.positions).to(dev, non_blocking=True)
+        if len(fill_src):
+            if self._prev_sampled is None:
+                raise RuntimeError("A step needs tokens of a previous step that sampled nothing; this is a bug.")
+            input_ids.index_copy_(0, fill_dst_t, self._prev_sampled.index_select(0, fill_src_t))
         hidden = None
         if self.cuda_graphs is not None and inp.max_query_len == 1:
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
@@ -119,15 +132,10 @@ class ModelRunner:
             self.attn_backend.prepare(metadata)
             with set_forward_context(metadata, self.attn_backend):
                 hidden = self.model(input_ids, positions)
-        sample_rows = inp.sample_rows
         self._prev_sampled = None
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None)
-        if len(sample_rows) == len(inp.input_ids):  # every token samples (pure decode)
-            sample_hidden = hidden
-        else:
-            idx = torch.from_numpy(inp.query_start_loc[1:][sample_rows] - 1).to(dev, non_blocking=True)
-            sample_hidden = hidden[idx.long()]
+        sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
         logits = self.model.compute_logits(sample_hidden)
         sample_states = [inp.states[i] for i in sample_rows]
         meta = SamplingMetadata.build(
@@ -155,21 +163,17 @@ class ModelRunner:
             host, lp_host = sampled, sampler_out.logprobs
         return PendingOutput(self, inp, host, lp_host, event)
 
-    def _fill_in_flight_tokens(self, inp, input_ids: torch.Tensor) -> None:
-        """Input positions past what the host knows hold tokens sampled by the step still in flight."""
+    def _in_flight_rows(self, inp) -> tuple[np.ndarray, np.ndarray]:
+        """Input positions past what the host knows hold tokens sampled by the step still in flight:
+        (index into the previous step's sampled ids, index into this step's input ids)."""
         totals = np.fromiter((s.num_tokens for s in inp.states), dtype=np.int64, count=len(inp.states))
-        last_pos = inp.positions[inp.query_start_loc[1:] - 1]
-        rows = np.nonzero(last_pos >= totals)[0]
+        last = inp.query_start_loc[1:].astype(np.int64) - 1
+        rows = np.nonzero(inp.positions[last] >= totals)[0]
         if len(rows) == 0:
-            return
-        if self._prev_sampled is None:
-            raise RuntimeError("A step needs tokens of a previous step that sampled nothing; this is a bug.")
-        src = [self._prev_index[inp.req_ids[r]] for r in rows.tolist()]
-        dst = inp.query_start_loc[1:][rows] - 1
-        dev = self.device
-        src_t = torch.tensor(src, dtype=torch.long).to(dev, non_blocking=True)
-        dst_t = torch.from_numpy(dst.astype(np.int64)).to(dev, non_blocking=True)
-        input_ids.index_copy_(0, dst_t, self._prev_sampled.index_select(0, src_t).to(input_ids.dtype))
+            return _EMPTY, _EMPTY
+        src = np.fromiter((self._prev_index[inp.req_ids[r]] for r in rows.tolist()), dtype=np.int64,
+                          count=len(rows))
+        return src, last[rows]
 
     def _finish_step(self, inp, sampled: list[int], lp) -> ModelOutput:
         """Host side of a finished step: append sampled tokens to the runner's state, build ModelOutput."""
@@ -190,6 +194,43 @@ class ModelRunner:
                 output.logprobs[row] = [TokenLogprobs(token_ids=lp_ids[j][:k + 1], logprobs=lp_vals[j][:k + 1],
                                                       ranks=lp_ranks[j][:k + 1])]
         return output
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class HostStager:
+    """Double-buffered pinned host memory: a step's int arrays go to the device in one async copy per dtype.
+
+    Slot k is reused two steps later; by then the step that used it has completed (the engine waits for
+    step N-1's results before launching step N+1), so its copy is done. On CPU the arrays are used as is.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.slots: list[dict] = [{}, {}]
+        self.k = 0
+
+    def stage(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+        total = sum(a.size for a in arrays)
+        slot = self.slots[self.k]
+        buf = slot.get(dtype)
+        if buf is None or buf.numel() < total:
+            size = max(total, 2 * (0 if buf is None else buf.numel()), 1024)
+            buf = torch.from_numpy(np.zeros(size, dtype=dtype)).pin_memory()
+            slot[dtype] = buf
+        host = buf.numpy()
+        offsets = [0]
+        for a in arrays:
+            host[offsets[-1]:offsets[-1] + a.size] = a.reshape(-1)
+            offsets.append(offsets[-1] + a.size)
+        dev = buf[:total].to(self.device, non_blocking=True)
+        return [dev[offsets[i]:offsets[i + 1]].view(a.shape) for i, a in enumerate(arrays)]
+
+    def next_step(self) -> None:
+        self.k ^= 1
 
 
 class PendingOutput:
