@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 
+PAGEDLLM = [sys.executable, "-m", "pagedllm.entrypoints.cli.main"]  # works without the console script too
 MEAN_LEN = 88
 RANGE_RATIO = 72 / 88  # lengths in [16, 160]
 
@@ -45,7 +46,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> No
 
 
 def bench_cmd(url: str, num_prompts: int, concurrency: int, seed: int, result: str) -> list[str]:
-    return [os.path.join(os.path.dirname(sys.executable), "pagedllm"), "bench", "serve", "--base-url", url,
+    return [*PAGEDLLM, "bench", "serve", "--base-url", url,
             "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
             "--random-input-len", str(MEAN_LEN), "--random-output-len", str(MEAN_LEN),
             "--random-range-ratio", str(RANGE_RATIO), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
@@ -55,7 +56,7 @@ def bench_cmd(url: str, num_prompts: int, concurrency: int, seed: int, result: s
 def run_server_side(args: argparse.Namespace, engine_flags: list[str], tmp: str) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [os.path.join(os.path.dirname(sys.executable), "pagedllm"), "serve", *([args.model] if args.model else []),
+    cmd = [*PAGEDLLM, "serve", *([args.model] if args.model else []),
            "--port", str(port), "--disable-uvicorn-access-log", "--log-level", "warning", *engine_flags]
     log = open(os.path.join(tmp, "server.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -112,12 +113,23 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    p.add_argument("--load-format", default="auto", help="'dummy' (random weights) needs only config + tokenizer")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    engine_kwargs = {"max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-                     "seed": args.seed}
-    engine_flags = ["--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
-                    str(args.kv_cache_memory_bytes), "--seed", str(args.seed)]
+    engine_kwargs = {"max_model_len": args.max_model_len, "seed": args.seed, "load_format": args.load_format,
+                     "dtype": args.dtype}
+    engine_flags = ["--max-model-len", str(args.max_model_len), "--seed", str(args.seed), "--load-format",
+                    args.load_format, "--dtype", args.dtype]
+    for name in ("max_num_seqs", "gpu_memory_utilization"):
+        if getattr(args, name) is not None:
+            engine_kwargs[name] = getattr(args, name)
+            engine_flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.kv_cache_memory_bytes:  # 0: size the KV pool from --gpu-memory-utilization (GPU)
+        engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+        engine_flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     with tempfile.TemporaryDirectory(prefix="pagedllm-serve-bench-") as tmp:
         served = run_server_side(args, engine_flags, tmp)
     offline = run_offline_side(args, engine_kwargs)
