@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backend import get_attention_backend
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
@@ -208,12 +209,14 @@ class HostStager:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.pinned = envs.PAGEDLLM_PINNED_STAGING
         self.slots: list[dict] = [{}, {}]
         self.k = 0
 
     def stage(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
-        if self.device.type != "cuda":
-            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+        if self.device.type != "cuda" or not self.pinned:
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(self.device, non_blocking=True)
+                    for a in arrays]
         total = sum(a.size for a in arrays)
         slot = self.slots[self.k]
         buf = slot.get(dtype)
