@@ -1,5 +1,6 @@
-"""Engine-process failures, against a server whose engine core is a stand-in (tests/e2e/fake_core.py):
-a dead engine gives /health 503 and errors (not hangs) for pending and new requests."""
+"""Engine-process failures against a real server (SmolLM2 on the CPU, a small KV pool): a prompt the pool
+cannot hold is a 400, and a killed engine process gives /health 503 and errors (not hangs) for pending and
+new requests."""
 from __future__ import annotations
 
 import os
@@ -12,29 +13,27 @@ import httpx
 
 from e2e_helpers import cli, free_port, stop, wait_healthy
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 
 
-def test_dead_engine_fails_requests_and_health(e2e_env: dict, tmp_path) -> None:
-    env = dict(e2e_env, PYTHONPATH=HERE + os.pathsep + e2e_env.get("PYTHONPATH", ""))
+def test_dead_engine_fails_requests_and_health(e2e_env: dict, smollm2_hf_dir: str, tmp_path) -> None:
+    env = dict(e2e_env)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = str(tmp_path / "fake_server.log")
+    log_path = str(tmp_path / "server.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([cli("pagedllm"), "serve", "--port", str(port), "--engine-core-factory",
-                                 "fake_core:FakeEngineCore", "--num-gpu-blocks-override", "8"], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port),
+                                 "--num-gpu-blocks-override", "128"], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(proc, url, log_path, timeout_s=120)
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-        # the engine refuses what cannot fit its KV pool (8 blocks of 16 tokens): a 400, streaming or not
+        # the engine refuses what cannot fit its KV pool (128 blocks of 16 tokens): a 400, streaming or not
         for stream in (False, True):
-            big = httpx.post(url + "/v1/completions", json={"prompt": [1000] * 200, "max_tokens": 2,
+            big = httpx.post(url + "/v1/completions", json={"prompt": [1000] * 3000, "max_tokens": 2,
                                                             "stream": stream}, timeout=30)
             assert big.status_code == 400 and "KV cache" in big.json()["error"]["message"], big.text
         pending: dict = {}
@@ -45,7 +44,7 @@ def test_dead_engine_fails_requests_and_health(e2e_env: dict, tmp_path) -> None:
 
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(1.0)
+        time.sleep(1.5)
         engines = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
         assert len(engines) == 1
         os.kill(engines[0], signal.SIGKILL)
