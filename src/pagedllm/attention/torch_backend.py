@@ -87,8 +87,12 @@ class TorchAttentionBackend(AttentionBackend):
             flat = blocks.reshape(-1)
             k = key_cache.index_select(0, flat).view(shape).flatten(1, 2).transpose(1, 2)
             v = value_cache.index_select(0, flat).view(shape).flatten(1, 2).transpose(1, 2)
-            q = (query if contiguous else query[token_idx]).unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa).squeeze(2)
+            # One query token per row: the query heads sharing a kv head act as that head's query rows
+            # ([B, KVH, group, D]), so no GQA expansion of K/V is needed.
+            q = query if contiguous else query[token_idx]
+            b, num_heads, head_size = q.shape
+            q = q.view(b, k.shape[1], num_heads // k.shape[1], head_size)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(b, num_heads, head_size)
             if contiguous and o.shape[0] == query.shape[0]:
                 return o  # a pure-decode batch: no scatter needed
             out[token_idx] = o

@@ -76,7 +76,43 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias=None):
+        packed = layer.__dict__.get("cpu_packed_weight")
+        if packed is not None and x.dim() == 2 and x.shape[0] <= CPU_PACKED_MAX_ROWS and not x.requires_grad:
+            return cpu_packed_linear(x, packed, bias)
         return F.linear(x, layer.weight, bias)
+
+
+# oneDNN's prepacked inner product beats MKL's sgemm by ~40% at decode-sized batches on CPU, and loses at
+# prefill sizes; rows above this go to F.linear.
+CPU_PACKED_MAX_ROWS = 256
+
+
+def cpu_pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """A oneDNN-prepacked copy of a CPU float32 weight, or None where it does not apply."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    return weight.detach().to_mkldnn()
+
+
+def cpu_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    out = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
+    return out if bias is None else out.add_(bias)
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Prepack every unquantized linear weight (and the LM head) of a CPU float32 model; returns how many.
+    The packed copy lives beside the parameter (not in state_dict) and is what decode steps multiply by."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        is_linear = isinstance(getattr(module, "linear_method", None), UnquantizedLinearMethod)
+        if weight is None or not (is_linear or hasattr(module, "compute_logits")):
+            continue
+        packed = cpu_pack_weight(weight)
+        if packed is not None:
+            module.__dict__["cpu_packed_weight"] = packed
+            count += 1
+    return count
 
 
 class LinearBase(nn.Module):

@@ -16,6 +16,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
+from pagedllm.layers.linear import CPU_PACKED_MAX_ROWS, cpu_packed_linear
 from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -98,7 +99,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [num_tokens, hidden] -> logits [num_tokens, org_vocab_size] float32
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        packed = self.__dict__.get("cpu_packed_weight")
+        if packed is not None and hidden_states.shape[0] <= CPU_PACKED_MAX_ROWS:
+            logits = cpu_packed_linear(hidden_states, packed, self.bias)
+        else:
+            logits = F.linear(hidden_states, self.weight, self.bias)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         if logits.shape[-1] != self.org_vocab_size:
             logits = logits[..., :self.org_vocab_size]

@@ -102,6 +102,10 @@ class Worker:
         logger.info("Loaded %s (%s) from %s in %.1f s on %s as %s.", cfg.architectures[0] if cfg.architectures
                     else type(self.model).__name__, _count_params(self.model), self.model_dir,
                     time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""))
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            from pagedllm.layers.linear import pack_cpu_weights
+
+            pack_cpu_weights(self.model)  # oneDNN-prepacked weights for decode-sized matmuls
         self.runner = ModelRunner(
             self.model, hf_config=cfg, device=self.device, dtype=self.dtype, block_size=args.block_size,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
