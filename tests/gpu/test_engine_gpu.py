@@ -61,3 +61,10 @@ def test_seeded_sampling_batch_independent_on_gpu(tiny_qwen2_dir):
     mixed = llm.generate(others + [p], [SamplingParams(max_tokens=20, ignore_eos=True)] * 3 + [sp],
                          use_tqdm=False)[3].outputs[0].token_ids
     assert alone == mixed
+
+
+def test_not_enough_gpu_memory_says_what_to_lower():
+    with pytest.raises(ValueError, match="Raise --gpu-memory-utilization") as info:
+        LLM(model="benchmarks/configs/qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True,
+            gpu_memory_utilization=0.005, max_model_len=4096)
+    assert "lower --max-model-len" in str(info.value) and "GiB more is needed" in str(info.value)
