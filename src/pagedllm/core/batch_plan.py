@@ -50,7 +50,8 @@ class BatchPlan:
     finished_request_ids: set[str] = field(default_factory=set)
     # Ids preempted in this very step (also listed in finished_request_ids).
     preempted_request_ids: set[str] = field(default_factory=set)
-    # Number of prompt-prefix tokens each new request found cached (informational).
+    # Leading blocks shared by every running request (filled only when all of them were scheduled); a hint
+    # for cascade-style attention, unused by the current backends.
     num_common_prefix_blocks: int = 0
 
     @property
