@@ -38,6 +38,20 @@ def make_requests(num_prompts, input_range, output_range, vocab_size, seed, spec
     return reqs
 
 
+HBM_BYTES_PER_S = 4.3e12  # measured H200 copy bandwidth (DEVELOPERS.md)
+BF16_FLOP_PER_S = 750e12  # measured H200 bf16 matmul rate
+
+
+def hardware_bound_s(reqs, num_params, weight_bytes, kv_bytes_per_token, max_num_seqs):
+    """A lower bound on device time: prefill FLOPs at the matmul rate, plus every decode step reading the
+    weights once and every request reading its whole KV context at each of its decode steps."""
+    prefill_flops = 2 * num_params * sum(len(ids) for ids, _ in reqs)
+    waves = -(-len(reqs) // max_num_seqs)
+    decode_steps = waves * max(n for _, n in reqs)
+    kv_bytes = sum(kv_bytes_per_token * (len(ids) * n + n * (n - 1) / 2) for ids, n in reqs)
+    return prefill_flops / BF16_FLOP_PER_S + (decode_steps * weight_bytes + kv_bytes) / HBM_BYTES_PER_S
+
+
 def run_pagedllm(args, reqs):
     from pagedllm import LLM, SamplingParams
 
@@ -68,9 +82,16 @@ def run_pagedllm(args, reqs):
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(n for _, n in reqs), "pagedllm produced a different number of tokens than asked"
     model_dir = llm.engine.model_dir
-    del llm
+    model = llm.engine.worker.model
+    bound = None
+    if torch.cuda.is_available():
+        bound = hardware_bound_s(reqs, sum(p.numel() for p in model.parameters()),
+                                 sum(p.numel() * p.element_size() for p in model.parameters()),
+                                 llm.engine.worker.runner.kv_cache_spec().bytes_per_token, args.max_num_seqs)
+    del llm, model
     gc.collect()
-    return {"elapsed_s": elapsed, "output_tokens": n_out, "startup_s": startup, "model_dir": model_dir}
+    return {"elapsed_s": elapsed, "output_tokens": n_out, "startup_s": startup, "model_dir": model_dir,
+            "hardware_bound_s": bound}
 
 
 def run_hf(args, reqs, model_dir):
@@ -166,6 +187,9 @@ def main(argv=None):
     tput = ours["output_tokens"] / ours["elapsed_s"]
     print(f"pagedllm: {ours['output_tokens']} output tokens in {ours['elapsed_s']:.2f} s = {tput:.1f} tok/s "
           f"(startup {ours['startup_s']:.1f} s)")
+    if ours["hardware_bound_s"]:
+        print(f"hardware bound ~{ours['hardware_bound_s']:.2f} s (prefill FLOPs / 750 TFLOP/s + weight and KV "
+              f"reads / 4.3 TB/s): pagedllm reaches {ours['hardware_bound_s'] / ours['elapsed_s'] * 100:.0f}% of it")
     if args.hf != "none":
         hf = run_hf(args, reqs, model_dir)
         hf_tput = hf["output_tokens"] / hf["elapsed_s"]
