@@ -43,7 +43,10 @@ class _StepPlan:
             token_idx = torch.tensor([qsl[i] for i in decode_rows], dtype=torch.long, device=device)
             blocks = metadata.block_table[rows, :num_blocks].long()  # [B, num_blocks]
             pos = torch.arange(num_blocks * block_size, device=device)
-            mask = (pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]  # [B,1,1,L]
+            valid = (pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]  # [B,1,1,L]
+            # An additive float mask is ~10% faster than a boolean one in CPU SDPA. It is built in the
+            # model's dtype lazily (the first layer tells it).
+            mask = valid
             contiguous = token_idx.numel() == qsl[-1] and decode_rows == list(range(len(decode_rows)))
             self.decode = (token_idx, blocks, mask, contiguous)
         self.prefills = []
@@ -81,6 +84,9 @@ class TorchAttentionBackend(AttentionBackend):
             out[num_tokens:].zero_()
         if plan.decode is not None:
             token_idx, blocks, mask, contiguous = plan.decode
+            if mask.dtype == torch.bool:
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+                plan.decode = (token_idx, blocks, mask, contiguous)
             # [B, num_blocks, block_size, KVH, D] -> [B, KVH, L, D]
             # index_select, not key_cache[blocks]: advanced indexing is ~20x slower on CPU.
             shape = (*blocks.shape, *key_cache.shape[1:])
