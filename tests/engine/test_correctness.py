@@ -153,3 +153,41 @@ def test_async_scheduling_seeded_and_penalized_requests_fall_back_to_sync(tiny_l
         llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, async_scheduling=mode)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1] logprob of each prompt token after the first, from one transformers forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_cache.get(model_dir)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _hf_cache[model_dir] = model
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    return lp[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1), lp[:-1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_match_hf_through_chunks_and_cache(tiny_llama_dir, async_scheduling):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=64, block_size=8,
+              max_num_batched_tokens=16, max_num_seqs=4, async_scheduling=async_scheduling)
+    prompts = random_prompts([37, 1, 20], seed=31)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=2), use_tqdm=False)  # cache
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(max_tokens=3, prompt_logprobs=k) for k in (3, 0, 1)], use_tqdm=False)
+    for prompt, k, out in zip(prompts, (3, 0, 1), outs):
+        plp = out.prompt_logprobs
+        assert len(plp) == len(prompt) and plp[0] is None
+        if len(prompt) == 1:
+            continue
+        ref, ref_all = hf_prompt_logprobs(tiny_llama_dir, prompt)
+        got = torch.tensor([plp[i][prompt[i]].logprob for i in range(1, len(prompt))])
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=0)
+        for i in range(1, len(prompt)):
+            assert len(plp[i]) <= k + 1 and prompt[i] in plp[i]
+            expected_rank = int((ref_all[i - 1] > ref_all[i - 1][prompt[i]]).sum()) + 1
+            assert abs(plp[i][prompt[i]].rank - expected_rank) <= 1  # near-ties may swap by fp noise
+            if k:
+                best = int(ref_all[i - 1].argmax())
+                assert best in plp[i] and plp[i][best].rank == 1

@@ -76,6 +76,9 @@ class ModelOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     # Per request: one TokenLogprobs per sampled token, or None when logprobs were not asked for.
     logprobs: list[Optional[list[TokenLogprobs]]] = field(default_factory=list)
+    # Requests that asked for prompt_logprobs: request id -> (first prompt position covered, one
+    # TokenLogprobs per position, whose first token is the actual prompt token at that position).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,6 +91,8 @@ class EngineCoreOutput:
     finish_reason: Optional[str] = None  # None while running; "stop" | "length" | "abort"
     stop_reason: Optional[int | str] = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0
+    # (first prompt position covered, one TokenLogprobs per position) when prompt_logprobs was asked for.
+    prompt_logprobs: Optional[tuple[int, list[TokenLogprobs]]] = None
 
     @property
     def finished(self) -> bool:

@@ -265,7 +265,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
+            if request.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
+            else:  # every prompt position must be computed to score it: no prefix-cache hits
+                hit_blocks, num_hit_tokens = [], 0
             num_new_tokens = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
             new_block_ids = kv.allocate_slots(request, num_new_tokens, hit_blocks)
             if new_block_ids is None:
@@ -307,8 +310,14 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         logprobs = output.logprobs or [None] * len(output.req_ids)
         finished_any = False
+        prompt_logprobs = output.prompt_logprobs
         for request_id, sampled, token_logprobs in zip(output.req_ids, output.sampled_token_ids, logprobs):
             request = self.requests.get(request_id)
+            plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
+            if plp is not None and request is not None and not sampled:  # a prefill chunk's prompt scores
+                outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], prompt_logprobs=plp,
+                                                num_cached_tokens=request.num_cached_tokens or 0))
+                continue
             if request is not None and sampled and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             # Skip: finished/aborted meanwhile, preempted, empty, or still mid-prefill (a token
@@ -334,6 +343,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
+                    prompt_logprobs=plp,
                 )
             )
         if finished_any:

@@ -73,6 +73,8 @@ class _RequestState:
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
+    # prompt_logprobs: None for position 0, then {token id: Logprob} per prompt position (when asked for).
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     # What the user has already received (delta mode).
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
@@ -190,6 +192,8 @@ class OutputProcessor:
             state.metrics.last_token_time = now
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens or 0)
         state.token_ids.extend(new_ids)
+        if out.prompt_logprobs is not None and state.params.prompt_logprobs is not None:
+            self._set_prompt_logprobs(state, *out.prompt_logprobs)
         if state.logprobs is not None and out.new_logprobs:
             self._append_logprobs(state, out.new_logprobs)
         stopped_by_string = False
@@ -209,6 +213,22 @@ class OutputProcessor:
         if state.finished:
             state.metrics.finished_time = now
         return stopped_by_string
+
+    def _set_prompt_logprobs(self, state: _RequestState, first: int, entries: list[TokenLogprobs]) -> None:
+        # Positions may arrive twice (a preempted request recomputes its prompt): the later write wins.
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None] * len(state.prompt_token_ids)
+        k = state.params.prompt_logprobs or 0
+        detok = state.detokenizer
+        for j, entry in enumerate(entries):
+            ids = entry.token_ids[:k + 1]
+            strs = detok.decode_tokens(ids) if detok is not None else [None] * len(ids)
+            position: dict[int, Logprob] = {}
+            for token_id, logprob, rank, text in zip(ids, entry.logprobs, entry.ranks, strs):
+                if token_id not in position:
+                    position[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=text)
+            if first + j < len(state.prompt_logprobs):
+                state.prompt_logprobs[first + j] = position
 
     def _append_logprobs(self, state: _RequestState, new_logprobs: list[TokenLogprobs]) -> None:
         k = state.params.logprobs or 0
@@ -253,7 +273,10 @@ class OutputProcessor:
     def _request_output(state: _RequestState, request_id: str, completions: list[CompletionOutput],
                         finished: bool) -> RequestOutput:
         return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-                             prompt_logprobs=None, outputs=completions, finished=finished,
+                             prompt_logprobs=(state.prompt_logprobs if state.prompt_logprobs is not None else
+                                              [None] * len(state.prompt_token_ids)
+                                              if state.params.prompt_logprobs is not None else None),
+                             outputs=completions, finished=finished,
                              num_cached_tokens=state.num_cached_tokens, metrics=state.metrics)
 
     def _parent_output(self, parent: _ParentState,

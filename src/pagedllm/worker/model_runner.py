@@ -133,9 +133,10 @@ class ModelRunner:
             self.attn_backend.prepare(metadata)
             with set_forward_context(metadata, self.attn_backend):
                 hidden = self.model(input_ids, positions)
+        prompt_logprobs = self._prompt_logprobs(inp, hidden)
         self._prev_sampled = None
         if len(sample_rows) == 0:
-            return PendingOutput(self, inp, None, None, None)
+            return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
         logits = self.model.compute_logits(sample_hidden)
         sample_states = [inp.states[i] for i in sample_rows]
@@ -162,7 +163,52 @@ class ModelRunner:
             event.record()
         else:
             host, lp_host = sampled, sampler_out.logprobs
-        return PendingOutput(self, inp, host, lp_host, event)
+        return PendingOutput(self, inp, host, lp_host, event, prompt_logprobs)
+
+    def _prompt_logprobs(self, inp, hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Score the prompt tokens this step's chunks cover, for requests that asked for prompt_logprobs.
+
+        Hidden row of position p predicts prompt token p + 1; position 0 is never scored (vLLM gives None).
+        Rare and prefill-only, so this syncs with the device; logits are made in slices to bound memory.
+        """
+        qsl = inp.query_start_loc
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[str, int, int, int]] = []  # (request id, first position, count, k)
+        for i, state in enumerate(inp.states):
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = int(inp.positions[qsl[i]])
+            end = start + int(qsl[i + 1] - qsl[i])
+            last = min(end, len(state.prompt_token_ids) - 1)
+            if last <= start:
+                continue
+            rows.extend(range(int(qsl[i]), int(qsl[i]) + last - start))
+            targets.extend(state.prompt_token_ids[start + 1:last + 1])
+            spans.append((state.req_id, start + 1, last - start, k))
+        if not spans:
+            return {}
+        max_k = max(k for *_, k in spans)
+        ids_all, lps_all, ranks_all = [], [], []
+        for lo in range(0, len(rows), 512):
+            idx = torch.tensor(rows[lo:lo + 512], dtype=torch.long).to(self.device)
+            tgt = torch.tensor(targets[lo:lo + 512], dtype=torch.long).to(self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, idx)), dim=-1)
+            tgt_lp = logprobs.gather(1, tgt[:, None])
+            rank = (logprobs > tgt_lp).sum(-1, keepdim=True) + 1
+            top_lp, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (tgt_lp[:, :0], tgt[:, None][:, :0])
+            top_rank = torch.arange(1, max_k + 1, device=self.device).expand(len(idx), max_k)
+            ids_all += torch.cat([tgt[:, None], top_ids], 1).tolist()
+            lps_all += torch.cat([tgt_lp, top_lp], 1).tolist()
+            ranks_all += torch.cat([rank, top_rank], 1).tolist()
+        result, offset = {}, 0
+        for req_id, first, count, k in spans:
+            entries = [TokenLogprobs(token_ids=ids_all[j][:k + 1], logprobs=lps_all[j][:k + 1],
+                                     ranks=ranks_all[j][:k + 1]) for j in range(offset, offset + count)]
+            result[req_id] = (first, entries)
+            offset += count
+        return result
 
     def _in_flight_rows(self, inp) -> tuple[np.ndarray, np.ndarray]:
         """Input positions past what the host knows hold tokens sampled by the step still in flight:
@@ -239,9 +285,11 @@ class HostStager:
 class PendingOutput:
     """A launched step; `result()` waits for its sampled ids (the one host sync per step)."""
 
-    def __init__(self, runner: ModelRunner, inp, sampled_host, logprobs_host, event) -> None:
+    def __init__(self, runner: ModelRunner, inp, sampled_host, logprobs_host, event,
+                 prompt_logprobs: Optional[dict] = None) -> None:
         self.runner, self.inp, self.sampled_host, self.logprobs_host, self.event = (
             runner, inp, sampled_host, logprobs_host, event)
+        self.prompt_logprobs = prompt_logprobs or {}
         self._output: Optional[ModelOutput] = None
 
     @classmethod
@@ -260,4 +308,5 @@ class PendingOutput:
                 if self.event is not None:
                     self.event.synchronize()
                 self._output = self.runner._finish_step(self.inp, self.sampled_host.tolist(), self.logprobs_host)
+            self._output.prompt_logprobs = self.prompt_logprobs
         return self._output

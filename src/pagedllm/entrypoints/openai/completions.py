@@ -46,7 +46,9 @@ async def create_completion(request: Request, state: c.ServerState) -> Response:
     tok = state.tokenizer
     prompts = parse_prompts(req.prompt, tok, engine.ready.vocab_size, req.add_special_tokens)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = c.build_sampling_params(req, max_tokens, req.logprobs)
+    # echo + logprobs also scores the prompt tokens (OpenAI's legacy completions behaviour).
+    params = c.build_sampling_params(req, max_tokens, req.logprobs,
+                                     prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
     for _, ids in prompts:
         c.check_context_length(len(ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("cmpl")
@@ -92,11 +94,25 @@ def _full_response(req: CompletionRequest, state: c.ServerState, model: str, req
             if req.logprobs is not None:
                 offset0 = len(prompt_text) if req.echo else 0
                 lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offset0)
+                if req.echo:
+                    lp = _merge_logprobs(_prompt_logprobs(tok, ids, final.prompt_logprobs), lp)
             choices.append({"index": i * req.n + out.index, "text": body, "logprobs": lp,
                             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
     usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen, "total_tokens": num_prompt + num_gen}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage}
+
+
+def _prompt_logprobs(tok: Any, ids: list[int], prompt_logprobs: Optional[list]) -> dict:
+    """The echoed prompt's part of the logprobs: the first token has no logprob (null), like OpenAI."""
+    first = c.token_str(tok, ids[0], None)
+    head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    rest = _completion_logprobs(tok, ids[1:], (prompt_logprobs or [None] * len(ids))[1:], len(first))
+    return _merge_logprobs(head, rest)
+
+
+def _merge_logprobs(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
 
 
 def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], offset: int) -> dict:
@@ -115,6 +131,7 @@ async def _stream(req: CompletionRequest, state: c.ServerState, model: str, requ
     tok = state.tokenizer
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echoed: set[int] = set()
+    echo_pending: set[int] = set()  # echoed choices whose prompt logprobs are still to be sent
     offsets: dict[int, int] = {}
     num_gen = 0
     head = (b'{"id":' + c.dumps(request_id) + b',"object":"text_completion","created":' + str(created).encode()
@@ -130,6 +147,7 @@ async def _stream(req: CompletionRequest, state: c.ServerState, model: str, requ
             num_gen += len(out.token_ids)
             if req.echo and index not in echoed:
                 echoed.add(index)
+                echo_pending.add(index)
                 p_text, p_ids = prompts[i]
                 text = (p_text if p_text is not None else tok.decode(p_ids)) + text
                 offsets[index] = len(text) - len(out.text)
@@ -139,6 +157,9 @@ async def _stream(req: CompletionRequest, state: c.ServerState, model: str, requ
             if req.logprobs is not None:
                 lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + sum(len(s) for s in lp["tokens"])
+                if index in echo_pending:
+                    echo_pending.discard(index)
+                    lp = _merge_logprobs(_prompt_logprobs(tok, prompts[i][1], ro.prompt_logprobs), lp)
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                       "stop_reason": out.stop_reason}
             frames.append(b"data: " + head + c.dumps([choice]) + tail)

@@ -1,0 +1,44 @@
+"""echo + logprobs on /v1/completions: the prompt tokens are scored too (first one null), streaming or not,
+and the scores equal the offline engine's prompt_logprobs."""
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from e2e_helpers import SERVED_NAME
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+def test_echo_logprobs_full_response(http: httpx.Client) -> None:
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    r = http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 3,
+                                           "temperature": 0, "echo": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(PROMPT)
+    n = len(ids) + 3
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) and x <= 0.0 for x in lp["token_logprobs"][1:])
+    assert all(1 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
+    assert "".join(lp["tokens"][:len(ids)]) == PROMPT
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_echo_logprobs_stream_matches_full(http: httpx.Client) -> None:
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    r = http.post("/v1/completions", json=dict(body, stream=True))
+    tokens, values = [], []
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                if choice["logprobs"]:
+                    tokens += choice["logprobs"]["tokens"]
+                    values += choice["logprobs"]["token_logprobs"]
+    assert tokens == full["tokens"]
+    assert values[0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(values[1:], full["token_logprobs"][1:]))
