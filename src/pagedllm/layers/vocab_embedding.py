@@ -16,7 +16,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
-from pagedllm.layers.linear import CPU_PACKED_MAX_ROWS, cpu_packed_linear
+from pagedllm.layers.linear import cpu_packed_linear
 from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -100,7 +100,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [num_tokens, hidden] -> logits [num_tokens, org_vocab_size] float32
         packed = self.__dict__.get("cpu_packed_weight")
-        if packed is not None and hidden_states.shape[0] <= CPU_PACKED_MAX_ROWS:
+        if packed is not None:
             logits = cpu_packed_linear(hidden_states, packed, self.bias)
         else:
             logits = F.linear(hidden_states, self.weight, self.bias)
