@@ -103,9 +103,16 @@ class Worker:
                     else type(self.model).__name__, _count_params(self.model), self.model_dir,
                     time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""))
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            from pagedllm.layers.linear import pack_cpu_weights
+            # oneDNN-prepacked copies of the weights (faster CPU matmuls) cost a second copy in RAM: only
+            # when that copy fits comfortably.
+            weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            if weight_bytes < 0.25 * available_cpu_memory():
+                from pagedllm.layers.linear import pack_cpu_weights
 
-            pack_cpu_weights(self.model)  # oneDNN-prepacked weights for decode-sized matmuls
+                pack_cpu_weights(self.model)
+            else:
+                logger.info("Not prepacking CPU weights (%.1f GiB): not enough free RAM for a second copy.",
+                            weight_bytes / 2**30)
         self.runner = ModelRunner(
             self.model, hf_config=cfg, device=self.device, dtype=self.dtype, block_size=args.block_size,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
