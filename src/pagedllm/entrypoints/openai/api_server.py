@@ -92,7 +92,7 @@ async def serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     metrics = Metrics(names[0])
     engine = AsyncEngine(engine_args, log_level=args.log_level if args.log_level != "trace" else "debug",
-                         metrics=metrics, core_factory=args.engine_core_factory)
+                         metrics=metrics)
     try:
         try:
             await engine.start(startup_timeout_s=args.startup_timeout)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
                "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
-               "disable_log_stats", "startup_timeout", "engine_core_factory"}
+               "disable_log_stats", "startup_timeout"}
 
 
 def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argparse.ArgumentParser:
@@ -31,7 +31,6 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
     g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
     g.add_argument("--startup-timeout", type=float, default=None, help="seconds to wait for the engine to load")
-    g.add_argument("--engine-core-factory", default=None, help=argparse.SUPPRESS)  # tests: a stand-in core
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float",
