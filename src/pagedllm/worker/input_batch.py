@@ -42,6 +42,8 @@ class StepInputs:
     seq_lens: np.ndarray  # [num_reqs] int32
     block_table: np.ndarray  # [num_reqs, max_blocks_in_batch] int32
     sample_rows: np.ndarray  # indices (into req_ids) of requests that sample this step
+    # Rows whose last input token is one the host has not seen yet (sampled by the step in flight).
+    in_flight_rows: np.ndarray
     max_query_len: int
 
 
@@ -117,4 +119,4 @@ class InputBatch:
             req_ids=req_ids, states=states, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
             block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(seq_lens >= totals)[0],
-            max_query_len=int(num_sched.max()))
+            in_flight_rows=np.nonzero(seq_lens > totals)[0], max_query_len=int(num_sched.max()))

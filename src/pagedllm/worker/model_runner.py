@@ -16,7 +16,7 @@ from pagedllm import envs
 from pagedllm.attention.backend import get_attention_backend
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
-from pagedllm.layers.sampler import Sampler, SamplingMetadata
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
@@ -195,13 +195,10 @@ class ModelRunner:
             idx = torch.tensor(rows[lo:lo + 512], dtype=torch.long).to(self.device)
             tgt = torch.tensor(targets[lo:lo + 512], dtype=torch.long).to(self.device)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, idx)), dim=-1)
-            tgt_lp = logprobs.gather(1, tgt[:, None])
-            rank = (logprobs > tgt_lp).sum(-1, keepdim=True) + 1
-            top_lp, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (tgt_lp[:, :0], tgt[:, None][:, :0])
-            top_rank = torch.arange(1, max_k + 1, device=self.device).expand(len(idx), max_k)
-            ids_all += torch.cat([tgt[:, None], top_ids], 1).tolist()
-            lps_all += torch.cat([tgt_lp, top_lp], 1).tolist()
-            ranks_all += torch.cat([rank, top_rank], 1).tolist()
+            ids, lps, ranks = gather_logprobs(logprobs, tgt, max_k)  # the prompt token first, then the top-k
+            ids_all += ids.tolist()
+            lps_all += lps.tolist()
+            ranks_all += ranks.tolist()
         result, offset = {}, 0
         for req_id, first, count, k in spans:
             entries = [TokenLogprobs(token_ids=ids_all[j][:k + 1], logprobs=lps_all[j][:k + 1],
@@ -213,9 +210,8 @@ class ModelRunner:
     def _in_flight_rows(self, inp) -> tuple[np.ndarray, np.ndarray]:
         """Input positions past what the host knows hold tokens sampled by the step still in flight:
         (index into the previous step's sampled ids, index into this step's input ids)."""
-        totals = np.fromiter((s.num_tokens for s in inp.states), dtype=np.int64, count=len(inp.states))
+        rows = inp.in_flight_rows
         last = inp.query_start_loc[1:].astype(np.int64) - 1
-        rows = np.nonzero(inp.positions[last] >= totals)[0]
         if len(rows) == 0:
             return _EMPTY, _EMPTY
         src = np.fromiter((self._prev_index[inp.req_ids[r]] for r in rows.tolist()), dtype=np.int64,
