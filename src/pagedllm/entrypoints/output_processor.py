@@ -84,6 +84,17 @@ class _RequestState:
         return self.finish_reason is not None
 
 
+def _position_logprobs(entry: TokenLogprobs, k: int, detok: Optional[IncrementalDetokenizer]) -> dict[int, Logprob]:
+    """One position's {token id: Logprob}: the chosen token first, then up to k top tokens (no repeats)."""
+    ids = entry.token_ids[:k + 1]
+    strs = detok.decode_tokens(ids) if detok is not None else [None] * len(ids)
+    position: dict[int, Logprob] = {}
+    for token_id, logprob, rank, text in zip(ids, entry.logprobs, entry.ranks, strs):
+        if token_id not in position:
+            position[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=text)
+    return position
+
+
 class OutputProcessor:
     """Turns EngineCoreOutputs into RequestOutputs. Not thread-safe: one owner calls it."""
 
@@ -219,28 +230,14 @@ class OutputProcessor:
         if state.prompt_logprobs is None:
             state.prompt_logprobs = [None] * len(state.prompt_token_ids)
         k = state.params.prompt_logprobs or 0
-        detok = state.detokenizer
         for j, entry in enumerate(entries):
-            ids = entry.token_ids[:k + 1]
-            strs = detok.decode_tokens(ids) if detok is not None else [None] * len(ids)
-            position: dict[int, Logprob] = {}
-            for token_id, logprob, rank, text in zip(ids, entry.logprobs, entry.ranks, strs):
-                if token_id not in position:
-                    position[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=text)
             if first + j < len(state.prompt_logprobs):
-                state.prompt_logprobs[first + j] = position
+                state.prompt_logprobs[first + j] = _position_logprobs(entry, k, state.detokenizer)
 
     def _append_logprobs(self, state: _RequestState, new_logprobs: list[TokenLogprobs]) -> None:
         k = state.params.logprobs or 0
-        detok = state.detokenizer
         for entry in new_logprobs:
-            ids = entry.token_ids[:k + 1]
-            strs = detok.decode_tokens(ids) if detok is not None else [None] * len(ids)
-            position: dict[int, Logprob] = {}
-            for token_id, logprob, rank, text in zip(ids, entry.logprobs, entry.ranks, strs):
-                if token_id not in position:
-                    position[token_id] = Logprob(logprob=logprob, rank=rank, decoded_token=text)
-            state.logprobs.append(position)
+            state.logprobs.append(_position_logprobs(entry, k, state.detokenizer))
             if entry.logprobs:
                 state.cumulative_logprob += entry.logprobs[0]
 
