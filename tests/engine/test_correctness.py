@@ -17,17 +17,23 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 _hf_cache: dict = {}
 
 
-def hf_greedy(model_dir: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs from transformers (full forward per step: the simplest reference)."""
+def _hf_model(model_dir: str):
+    """The transformers model of a directory in float32, loaded once per test session."""
     from transformers import AutoModelForCausalLM
 
-    key = (model_dir, tuple(prompt), max_tokens)
-    if key in _hf_cache:
-        return _hf_cache[key]
     model = _hf_cache.get(model_dir)
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         _hf_cache[model_dir] = model
+    return model
+
+
+def hf_greedy(model_dir: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from transformers (full forward per step: the simplest reference)."""
+    key = (model_dir, tuple(prompt), max_tokens)
+    if key in _hf_cache:
+        return _hf_cache[key]
+    model = _hf_model(model_dir)
     ids = list(prompt)
     tokens, logprobs = [], []
     with torch.inference_mode():
@@ -157,12 +163,7 @@ def test_async_scheduling_seeded_and_penalized_requests_fall_back_to_sync(tiny_l
 
 def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> torch.Tensor:
     """[len(prompt) - 1] logprob of each prompt token after the first, from one transformers forward."""
-    from transformers import AutoModelForCausalLM
-
-    model = _hf_cache.get(model_dir)
-    if model is None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        _hf_cache[model_dir] = model
+    model = _hf_model(model_dir)
     with torch.inference_mode():
         lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
     return lp[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1), lp[:-1]
