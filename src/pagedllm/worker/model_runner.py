@@ -6,7 +6,6 @@ plan's diffs; it never reads scheduler objects. One host sync per step: the samp
 from __future__ import annotations
 
 import logging
-import time
 from typing import Optional
 
 import numpy as np

@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import time
-from typing import Optional
 
 import torch
 
