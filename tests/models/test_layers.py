@@ -21,15 +21,23 @@ def test_rmsnorm_matches_hf_and_fuses_residual(dtype):
     ours.weight.data.normal_()
     ref = LlamaRMSNorm(64, eps=1e-5).to(dtype)
     ref.weight.data.copy_(ours.weight)
-    assert torch.equal(ours(x), ref(x))
-    out, new_residual = ours(x, residual)
-    assert torch.equal(new_residual, residual + x)
-    assert torch.equal(out, ref(residual + x))
+    with torch.no_grad():
+        # The plain-torch path is HF's arithmetic exactly; the CPU kernel (ours(x) on 2-D input) sums the
+        # squares in another order, so it may differ in the last bit.
+        assert torch.equal(ours.forward_native(x), ref(x))
+        torch.testing.assert_close(ours(x.view(14, 64)), ref(x).view(14, 64))
+        out, new_residual = ours.forward_native(x, residual)
+        assert torch.equal(new_residual, residual + x)
+        assert torch.equal(out, ref(residual + x))
+        out, new_residual = ours(x.view(14, 64), residual.view(14, 64))
+        assert torch.equal(new_residual, (residual + x).view(14, 64))
+        torch.testing.assert_close(out, ref(residual + x).view(14, 64))
 
 
 def test_silu_and_mul():
     x = torch.randn(5, 2 * 24)
-    assert torch.equal(SiluAndMul()(x), F.silu(x[:, :24]) * x[:, 24:])
+    assert torch.equal(SiluAndMul.forward_native(x), F.silu(x[:, :24]) * x[:, 24:])
+    torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :24]) * x[:, 24:])
     assert isinstance(get_gated_act_fn("silu"), SiluAndMul)
     with pytest.raises(ValueError, match="Activation 'relu2' is not supported"):
         get_gated_act_fn("relu2")
@@ -50,7 +58,7 @@ def test_rotary_matches_hf_on_a_flattened_batch(rope_scaling):
     # Three requests laid end to end: a prefill from 0, a decode at 700, a chunk from 37.
     positions = torch.cat([torch.arange(0, 5), torch.tensor([700]), torch.arange(37, 40)])
     q, k = torch.randn(9, 4 * head_dim), torch.randn(9, 2 * head_dim)
-    q_out, k_out = rope(positions, q, k)
+    q_out, k_out = rope(positions, q.clone(), k.clone())  # rotated in place on CPU and CUDA
     cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
     q_ref, k_ref = apply_rotary_pos_emb(q.view(1, 9, 4, head_dim).transpose(1, 2),
                                         k.view(1, 9, 2, head_dim).transpose(1, 2), cos, sin)
@@ -73,7 +81,7 @@ def test_rope_parameters_old_and_new_style():
 def test_partial_rotary_leaves_the_tail():
     rope = get_rope(64, 32, {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
     q, k = torch.randn(3, 128), torch.randn(3, 64)
-    q_out, _ = rope(torch.tensor([1, 2, 3]), q, k)
+    q_out, _ = rope(torch.tensor([1, 2, 3]), q.clone(), k.clone())
     assert torch.equal(q_out.view(3, 2, 64)[..., 32:], q.view(3, 2, 64)[..., 32:])
     assert not torch.allclose(q_out.view(3, 2, 64)[..., :32], q.view(3, 2, 64)[..., :32])
 

@@ -37,14 +37,21 @@ class AttentionBackend:
 
 _REGISTRY = {
     "torch": ("pagedllm.attention.torch_backend", "TorchAttentionBackend"),
+    "cpu": ("pagedllm.attention.cpu_backend", "CpuAttentionBackend"),
     "triton": ("pagedllm.attention.triton_backend", "TritonAttentionBackend"),
 }
 
 
 def get_attention_backend(name: Optional[str], device: torch.device) -> AttentionBackend:
-    """Pick a backend: explicit name, else Triton on CUDA and torch on CPU."""
+    """Pick a backend: explicit name, else Triton on CUDA, and on CPU the C++ kernels when they build here
+    (else torch)."""
     if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            from pagedllm.kernels.cpu_ops import cpu_ops
+
+            name = "cpu" if device.type == "cpu" and cpu_ops() is not None else "torch"
     if name not in _REGISTRY:
         raise ValueError(f"Unknown attention backend {name!r}; choose one of {sorted(_REGISTRY)}.")
     module_name, class_name = _REGISTRY[name]

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.kernels import cpu_ops
 
 _TRITON_MODULES: dict[str, Optional[Any]] = {}
 
@@ -38,6 +39,12 @@ class SiluAndMul(nn.Module):
             kernels = triton_kernels("activation")
             if kernels is not None:
                 return kernels.silu_and_mul(x)
+        elif x.dim() == 2:
+            ops = cpu_ops.usable(x)
+            if ops is not None and x.stride(-1) == 1:
+                out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+                ops.silu_and_mul(out, x)
+                return out
         return self.forward_native(x)
 
     @staticmethod

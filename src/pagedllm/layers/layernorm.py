@@ -6,6 +6,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import triton_kernels
 from pagedllm.models.weight_utils import default_weight_loader, set_weight_attrs
 
@@ -27,13 +28,25 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        # x, residual: [..., hidden_size] in the model dtype
+        # x, residual: [..., hidden_size] in the model dtype. CUDA: one Triton kernel; CPU: one C++ kernel
+        # (kernels/csrc/cpu_ops.cpp) instead of ~7 elementwise ops each.
         if x.is_cuda:
             kernels = triton_kernels("norm")  # one fused kernel instead of ~7 elementwise ones
             if kernels is not None:
                 if residual is None:
                     return kernels.rms_norm(x, self.weight, self.variance_epsilon)
                 return kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        elif x.dim() == 2 or (x.dim() == 3 and residual is None):
+            ops = cpu_ops.usable(x)
+            if ops is not None and self.weight.dtype == x.dtype and x.stride(-1) == 1 and (residual is None or (
+                    residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1)):
+                out = torch.empty(x.shape, dtype=x.dtype)
+                if residual is None:
+                    ops.rms_norm(out, x, self.weight, self.variance_epsilon)
+                    return out
+                new_residual = torch.empty(x.shape, dtype=x.dtype)
+                ops.add_rms_norm(out, new_residual, x, residual, self.weight, self.variance_epsilon)
+                return out, new_residual
         return self.forward_native(x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import triton_kernels
 
 
@@ -121,13 +122,22 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, num_heads * head_size]; key [T, num_kv_heads * head_size] -> same shapes.
 
-        On CUDA the Triton kernel rotates query/key IN PLACE (they may be row-strided views of a fused qkv
-        output) and returns them; callers must not reuse the unrotated values.
+        On CUDA (Triton) and on CPU (C++ kernel) query/key are rotated IN PLACE (they may be row-strided views
+        of a fused qkv output) and returned; callers must not reuse the unrotated values.
         """
         if query.is_cuda:
             kernels = triton_kernels("rotary")
             if kernels is not None:
                 return kernels.apply_rotary(positions, query, key, self.cos_sin_cache, self.head_size)
+        else:
+            ops = cpu_ops.usable(query)
+            if (ops is not None and query.stride(-1) == 1 and key.stride(-1) == 1 and positions.dtype == torch.int64
+                    and positions.is_contiguous()):
+                num_tokens = positions.shape[0]
+                q = query.view(num_tokens, -1, self.head_size)
+                k = key.view(num_tokens, -1, self.head_size)
+                ops.rotary_neox(positions, q, k, self.cos_sin_cache)
+                return query, key
         return self.forward_native(positions, query, key)
 
     def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

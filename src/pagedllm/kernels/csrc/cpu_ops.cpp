@@ -1,0 +1,493 @@
+// pagedllm CPU kernels: the fused ops of the CPU path (built once per machine by kernels/cpu_ops.py).
+//
+// Every op writes into tensors the caller allocated (no ATen allocation here, which keeps the build
+// light), reads row-strided inputs (views of a fused qkv / gate_up output), computes in float32 whatever
+// the storage dtype, and splits its work over ATen's intra-op threads. The pure-torch references these are
+// tested against are the layers' `forward_native` methods and attention/torch_backend.py.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <initializer_list>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+inline void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// 16-lane float vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones, or four SSE ones,
+// whatever -march=native offers) and a vector exp.
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+constexpr v16i kLane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename scalar_t>
+inline v16f load16(const scalar_t* p) {
+  float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
+}
+
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum(v16f v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+inline float hmax(v16f v) {
+  float s = v[0];
+  for (int i = 1; i < 16; ++i) s = std::max(s, v[i]);
+  return s;
+}
+
+// exp(x) for float lanes: Cody-Waite range reduction and a degree-6 polynomial (the Cephes expf
+// coefficients), about 1 ulp; inputs are clamped to [-87, 88.37] (exp(-inf) -> ~1.6e-38, not 0).
+inline v16f vexp(v16f x) {
+  const v16f hi = v16f{} + 88.3762626647949f, lo = v16f{} - 87.0f;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  v16f fx = x * 1.44269504088896341f;
+  fx = (fx + 12582912.f) - 12582912.f;  // round to nearest integer
+  x = x - fx * 0.693359375f;
+  x = x - fx * -2.12194440e-4f;
+  const v16f z = x * x;
+  v16f y = v16f{} + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  v16i n = __builtin_convertvector(fx, v16i);
+  n = (n + 127) << 23;
+  v16f pow2n;
+  std::memcpy(&pow2n, &n, sizeof(pow2n));
+  return y * pow2n;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// RMSNorm (HF numerics: normalize in float32, round to the storage dtype, then scale by the weight).
+
+template <typename scalar_t>
+inline void rms_norm_row(scalar_t* out, const float* x, const scalar_t* w, int64_t n, double eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) {
+    const float normed = static_cast<float>(static_cast<scalar_t>(x[i] * r));
+    out[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * normed);
+  }
+}
+
+// x, out: [rows, n] or [a, b, n] (e.g. per-head norms of a row-strided q view), last dim contiguous.
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_last_dim_contiguous(x, "x");
+  check_last_dim_contiguous(out, "out");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && out.sizes() == x.sizes() && weight.is_contiguous() &&
+                  weight.numel() == x.size(-1) && out.scalar_type() == x.scalar_type() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "rms_norm: bad shapes or dtypes");
+  const int64_t inner = x.dim() == 3 ? x.size(1) : 1;
+  const int64_t rows = x.size(0) * inner, n = x.size(-1);
+  const int64_t xs0 = x.stride(0), xs1 = x.dim() == 3 ? x.stride(1) : 0;
+  const int64_t os0 = out.stride(0), os1 = out.dim() == 3 ? out.stride(1) : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(n);
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* src = xp + (r / inner) * xs0 + (r % inner) * xs1;
+        for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+        rms_norm_row<scalar_t>(op + (r / inner) * os0 + (r % inner) * os1, buf.data(), wp, n, eps);
+      }
+    });
+  });
+}
+
+// residual_out = x + residual (in the storage dtype); out = rms_norm(residual_out).
+void add_rms_norm(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& x, const at::Tensor& residual,
+                  const at::Tensor& weight, double eps) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &residual_out, &x, &residual}) check_last_dim_contiguous(*t, "add_rms_norm input");
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && out.sizes() == x.sizes() &&
+                  residual_out.sizes() == x.sizes() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "add_rms_norm: bad shapes");
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* rop = residual_out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0), rs = residual.stride(0), os = out.stride(0), ros = residual_out.stride(0);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(n);
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t sum = static_cast<scalar_t>(static_cast<float>(xp[r * xs + i]) +
+                                                     static_cast<float>(rp[r * rs + i]));
+          rop[r * ros + i] = sum;
+          buf[i] = static_cast<float>(sum);
+        }
+        rms_norm_row<scalar_t>(op + r * os, buf.data(), wp, n, eps);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// out[t, i] = silu(x[t, i]) * x[t, d + i] for x = [gate | up] of width 2d.
+
+template <typename scalar_t>
+inline void silu_and_mul_row(scalar_t* o, const scalar_t* g, int64_t d) {
+  const scalar_t* u = g + d;
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const v16f gv = load16(g + i);
+    const v16f act = gv / (1.f + vexp(-gv));
+    float tmp[16];
+    store16(tmp, act);
+    for (int j = 0; j < 16; ++j) {
+      const float a = static_cast<float>(static_cast<scalar_t>(tmp[j]));
+      o[i + j] = static_cast<scalar_t>(a * static_cast<float>(u[i + j]));
+    }
+  }
+  for (; i < d; ++i) {
+    const float gv = static_cast<float>(g[i]);
+    const float act = static_cast<float>(static_cast<scalar_t>(gv / (1.f + std::exp(-gv))));
+    o[i] = static_cast<scalar_t>(act * static_cast<float>(u[i]));
+  }
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  check_last_dim_contiguous(x, "x");
+  check_last_dim_contiguous(out, "out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0) && x.size(1) == 2 * out.size(1) &&
+                  out.scalar_type() == x.scalar_type(),
+              "silu_and_mul: bad shapes or dtypes");
+  const int64_t rows = x.size(0), d = out.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) silu_and_mul_row<scalar_t>(op + r * os, xp + r * xs, d);
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Rotary embedding, neox layout (the two halves of the rotary part of each head rotate together), in place
+// on query [T, Hq, D] and key [T, Hk, D] (row-strided views allowed). cos_sin_cache: [max_pos, rot] float32
+// (cos half | sin half).
+
+template <typename scalar_t>
+inline void rotate_heads(scalar_t* base, int64_t num_heads, int64_t head_stride, const float* cos_p,
+                         const float* sin_p, int64_t half) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    scalar_t* x = base + h * head_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = static_cast<float>(x[i]);
+      const float x2 = static_cast<float>(x[i + half]);
+      x[i] = static_cast<scalar_t>(x1 * cos_p[i] - x2 * sin_p[i]);
+      x[i + half] = static_cast<scalar_t>(x2 * cos_p[i] + x1 * sin_p[i]);
+    }
+  }
+}
+
+void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos_sin_cache) {
+  check_last_dim_contiguous(query, "query");
+  check_last_dim_contiguous(key, "key");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && key.size(0) == query.size(0) &&
+                  positions.numel() == query.size(0) && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && cos_sin_cache.scalar_type() == at::kFloat &&
+                  cos_sin_cache.is_contiguous() && key.scalar_type() == query.scalar_type(),
+              "rotary_neox: bad shapes or dtypes");
+  const int64_t tokens = query.size(0), rot = cos_sin_cache.size(1), half = rot / 2;
+  TORCH_CHECK(rot <= query.size(2) && rot <= key.size(2), "rotary_neox: rotary dim larger than the head");
+  const int64_t max_pos = cos_sin_cache.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cache = cos_sin_cache.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_neox", [&] {
+    scalar_t* qp = query.data_ptr<scalar_t>();
+    scalar_t* kp = key.data_ptr<scalar_t>();
+    const int64_t qs0 = query.stride(0), qs1 = query.stride(1), ks0 = key.stride(0), ks1 = key.stride(1);
+    const int64_t hq = query.size(1), hk = key.size(1);
+    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p = pos[t];
+        TORCH_CHECK(p >= 0 && p < max_pos, "rotary_neox: position ", p, " outside the cos/sin cache");
+        const float* c = cache + p * rot;
+        rotate_heads<scalar_t>(qp + t * qs0, hq, qs1, c, c + half, half);
+        rotate_heads<scalar_t>(kp + t * ks0, hk, ks1, c, c + half, half);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Paged KV cache, CPU layout. The pool is allocated as [num_blocks, block_size, Hk, D] per K and V like on
+// every device, but the CPU backend stores each block head-major and K transposed:
+//   K: [num_blocks, Hk, D, block_size]   (for one head and one dim, the block's keys are contiguous, so a
+//                                         query row's scores for 16 keys are 16-lane FMAs, no reductions)
+//   V: [num_blocks, Hk, block_size, D]
+// write_kv puts token t's K/V ([Hk, D] each) at slot slot_mapping[t] = block * block_size + offset; negative
+// slots (padding) are skipped.
+
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping, int64_t num_tokens) {
+  check_last_dim_contiguous(key, "key");
+  check_last_dim_contiguous(value, "value");
+  check_cpu(k_cache, "k_cache");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2) && key.dim() == 3 &&
+                  key.sizes() == value.sizes() && key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(2) &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() >= num_tokens &&
+                  key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "write_kv: expects k_cache [blocks, Hk, D, block_size] and v_cache [blocks, Hk, block_size, D]");
+  const int64_t num_blocks = k_cache.size(0), heads = k_cache.size(1), d = k_cache.size(2);
+  const int64_t block_size = k_cache.size(3);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv", [&] {
+    const scalar_t* kp = key.data_ptr<scalar_t>();
+    const scalar_t* vp = value.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+    const int64_t per_block = heads * d * block_size;
+    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t blk = slot / block_size, off = slot % block_size;
+        TORCH_CHECK(blk < num_blocks, "write_kv: slot ", slot, " outside the cache");
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* ksrc = kp + t * ks0 + h * ks1;
+          scalar_t* kdst = kc + blk * per_block + h * d * block_size + off;
+          for (int64_t e = 0; e < d; ++e) kdst[e * block_size] = ksrc[e];
+          const scalar_t* vsrc = vp + t * vs0 + h * vs1;
+          std::copy(vsrc, vsrc + d, vc + blk * per_block + (h * block_size + off) * d);
+        }
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Paged attention over a flattened mixed batch (decodes, prefill chunks, prefix hits alike).
+//
+// Request r owns query tokens [qsl[r], qsl[r+1]); they are the last query_len of its seq_lens[r] tokens, whose
+// K/V are already in the cache at block_table[r, :]. Query token i of the chunk attends causally to the first
+// (seq_len - query_len + i + 1) tokens. Work items are (request, kv head, tile of up to kTile query tokens):
+// each K/V block read serves all tile x group query rows. Items are handed out dynamically, heaviest first, so
+// long prefill tiles and short decodes balance over the threads. Softmax is the online (streaming) form over
+// chunks of 16 keys: 16 scores per FMA from the transposed K, vector exp, then P @ V into the accumulator.
+
+constexpr int64_t kTile = 16;
+
+struct Item {
+  int64_t req, kv_head, q_begin, q_end, cost;
+};
+
+template <typename scalar_t>
+void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const scalar_t* q, int64_t qs0,
+                 int64_t qs1, const scalar_t* kc, const scalar_t* vc, const int32_t* bt, int64_t bts0,
+                 const int32_t* qsl, const int32_t* seq_lens, int64_t heads, int64_t group, int64_t d,
+                 int64_t block_size, float scale, std::vector<float>& work) {
+  const int64_t nq = it.q_end - it.q_begin, rows = nq * group;
+  const int64_t q_start = qsl[it.req], q_len = qsl[it.req + 1] - q_start;
+  const int64_t ctx_before = static_cast<int64_t>(seq_lens[it.req]) - q_len;
+  // Keys visible to query token q_begin + i: first_visible + i.
+  const int64_t first_visible = ctx_before + (it.q_begin - q_start) + 1;
+  const int64_t max_keys = first_visible + nq - 1;
+  work.resize(rows * d * 2 + rows * 2 + 16);
+  float* qbuf = work.data();
+  float* acc = qbuf + rows * d;
+  float* m = acc + rows * d;
+  float* l = m + rows;
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const scalar_t* src = q + (it.q_begin + i) * qs0 + (it.kv_head * group + g) * qs1;
+      float* dst = qbuf + (i * group + g) * d;
+      for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<float>(src[e]) * scale;
+    }
+  }
+  std::fill(acc, acc + rows * d, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  const int32_t* table = bt + it.req * bts0;
+  const int64_t per_block = heads * d * block_size;
+  const int64_t d16 = d - d % 16;
+  for (int64_t kb = 0; kb * block_size < max_keys; ++kb) {
+    const int64_t blk = table[kb];
+    const int64_t n = std::min(block_size, max_keys - kb * block_size);
+    const scalar_t* kt = kc + blk * per_block + it.kv_head * d * block_size;  // [D, block_size]
+    const scalar_t* vb = vc + blk * per_block + it.kv_head * block_size * d;  // [block_size, D]
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+      const int64_t cn = std::min<int64_t>(16, n - c0);
+      const int64_t key0 = kb * block_size + c0;  // position of this chunk's first key
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t visible = std::min(cn, first_visible + i - key0);
+        if (visible <= 0) continue;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = i * group + g;
+          const float* qr = qbuf + r * d;
+          v16f s = {};
+          if (cn == 16) {
+            for (int64_t e = 0; e < d; ++e) s += qr[e] * load16(kt + e * block_size + c0);
+          } else {
+            float tmp[16] = {};
+            for (int64_t e = 0; e < d; ++e) {
+              const scalar_t* krow = kt + e * block_size + c0;
+              for (int64_t j = 0; j < cn; ++j) tmp[j] += qr[e] * static_cast<float>(krow[j]);
+            }
+            std::memcpy(&s, tmp, sizeof(s));
+          }
+          const v16i live = kLane < static_cast<int>(visible);
+          s = live ? s : v16f{} - std::numeric_limits<float>::infinity();
+          const float new_m = std::max(m[r], hmax(s));
+          v16f p = vexp(s - new_m);
+          p = live ? p : v16f{};
+          const float alpha = std::exp(m[r] - new_m);  // 0 while m is -inf
+          m[r] = new_m;
+          l[r] = l[r] * alpha + hsum(p);
+          float pj[16];
+          std::memcpy(pj, &p, sizeof(pj));
+          float* a = acc + r * d;
+          const scalar_t* v0 = vb + c0 * d;
+          for (int64_t e = 0; e < d16; e += 16) {
+            v16f av = load16(a + e) * alpha;
+            for (int64_t j = 0; j < visible; ++j) av += pj[j] * load16(v0 + j * d + e);
+            store16(a + e, av);
+          }
+          for (int64_t e = d16; e < d; ++e) {
+            float av = a[e] * alpha;
+            for (int64_t j = 0; j < visible; ++j) av += pj[j] * static_cast<float>(v0[j * d + e]);
+            a[e] = av;
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      const float inv = 1.f / l[r];
+      scalar_t* dst = out + (it.q_begin + i) * os0 + (it.kv_head * group + g) * os1;
+      for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<scalar_t>(acc[r * d + e] * inv);
+    }
+  }
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     double scale) {
+  check_last_dim_contiguous(out, "out");
+  check_last_dim_contiguous(query, "query");
+  check_cpu(k_cache, "k_cache");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&block_table, &query_start_loc, &seq_lens}) {
+    check_cpu(*t, "attention metadata");
+    TORCH_CHECK(t->scalar_type() == at::kInt, "paged_attention: metadata must be int32");
+  }
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && k_cache.dim() == 4 && v_cache.dim() == 4 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == v_cache.size(1) && k_cache.size(2) == v_cache.size(3) &&
+                  k_cache.size(3) == v_cache.size(2) && k_cache.size(2) == query.size(2) &&
+                  query.size(1) % k_cache.size(1) == 0 && block_table.stride(1) == 1 &&
+                  query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
+                  query_start_loc.numel() == seq_lens.numel() + 1 && block_table.size(0) >= seq_lens.numel() &&
+                  k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "paged_attention: expects k_cache [blocks, Hk, D, block_size], v_cache [blocks, Hk, block_size, D] "
+              "and int32 metadata");
+  const int64_t num_reqs = seq_lens.numel();
+  const int64_t kv_heads = k_cache.size(1), d = k_cache.size(2), block_size = k_cache.size(3);
+  const int64_t group = query.size(1) / kv_heads, max_blocks = block_table.size(1);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  std::vector<Item> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_begin = qsl[r], q_end = qsl[r + 1], q_len = q_end - q_begin;
+    TORCH_CHECK(q_len >= 0 && q_end <= query.size(0) && lens[r] >= q_len &&
+                    (lens[r] + block_size - 1) / block_size <= max_blocks,
+                "paged_attention: inconsistent metadata for request ", r);
+    for (int64_t t = q_begin; t < q_end; t += kTile) {
+      const int64_t t_end = std::min(q_end, t + kTile);
+      const int64_t keys = lens[r] - q_len + (t_end - q_begin);
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({r, h, t, t_end, keys * (t_end - t)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* qp = query.data_ptr<scalar_t>();
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int32_t* bt = block_table.data_ptr<int32_t>();
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      std::vector<float> work;
+      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+        attend_item<scalar_t>(items[i], op, out.stride(0), out.stride(1), qp, query.stride(0), query.stride(1), kc,
+                              vc, bt, block_table.stride(0), qsl, lens, kv_heads, group, d,
+                              block_size, static_cast<float>(scale), work);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual_out, Tensor x, Tensor residual, Tensor weight, "
+        "float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache) -> ()");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "int num_tokens) -> ()");
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_neox", &rotary_neox);
+  m.impl("write_kv", &write_kv);
+  m.impl("paged_attention", &paged_attention);
+}
