@@ -82,6 +82,9 @@ def main(argv=None):
           f"at {HBM_BYTES_PER_S / 1e12:.1f} TB/s): pagedllm reaches {bound_ms / (decode * 1e3) * 100:.0f}% of it")
     model_dir = engine.model_dir
     del llm, engine
+    import gc
+
+    gc.collect()  # the engine's reference cycles hold the KV pool until collected
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.hf == "generate":
         from transformers import AutoConfig, AutoModelForCausalLM

@@ -51,6 +51,23 @@ class TritonAttentionBackend(AttentionBackend):
             self._workspaces[key] = ws
         return ws
 
+    def warmup(self, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
+               device: torch.device, max_query_len: int) -> None:
+        """Compile, at start-up, every variant of the prefill kernel that serving can hit (its tile size
+        follows the step's longest query chunk), so no request ever waits for Triton's compiler."""
+        cache = torch.zeros(2, 2, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+        table = torch.zeros(1, 2, dtype=torch.int32, device=device)
+        q_len = 1
+        while True:
+            tokens = min(q_len, 2 * block_size)
+            query = torch.zeros(tokens, num_heads, head_size, dtype=dtype, device=device)
+            paged_prefill_attention(query, cache, table, torch.tensor([tokens], dtype=torch.int32, device=device),
+                                    torch.tensor([0, tokens], dtype=torch.int32, device=device), 1.0,
+                                    num_seqs=1, max_query_len=q_len)
+            if q_len >= max_query_len:
+                break
+            q_len = min(2 * q_len, max_query_len)
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]

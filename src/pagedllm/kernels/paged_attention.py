@@ -111,7 +111,9 @@ def _attend_tile(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialized on (Triton would otherwise compile a
+# variant for value 1 and for multiples of 16, seconds each on a slow host, in the middle of serving).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2, num_seqs,
@@ -246,7 +248,7 @@ def paged_prefill_attention(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head"])
 def _decode_kernel(
     q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
     scale_log2, num_splits,
@@ -300,7 +302,7 @@ def _decode_kernel(
         tl.store(pl, lse, mask=row_ok & has_work)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head"])
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits,
     stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,

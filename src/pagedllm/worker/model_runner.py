@@ -63,6 +63,11 @@ class ModelRunner:
         for layer, cache in zip(self.model.attn_layers, self.kv_caches):
             layer.kv_cache = cache
         self.num_blocks = num_blocks
+        warmup = getattr(self.attn_backend, "warmup", None)
+        if warmup is not None:
+            first = self.model.attn_layers[0]
+            warmup(first.num_heads, first.num_kv_heads, first.head_size, self.block_size, self.dtype, self.device,
+                   self.max_num_batched_tokens)
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graph import CudaGraphRunner
 
