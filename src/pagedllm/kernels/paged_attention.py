@@ -111,9 +111,10 @@ def _attend_tile(
 # ----------------------------------------------------------------------------------------------
 
 
-# Integer arguments that change from step to step are not specialized on (Triton would otherwise compile a
-# variant for value 1 and for multiples of 16, seconds each on a slow host, in the middle of serving).
-@triton.jit(do_not_specialize=["num_seqs"])
+# Integer arguments that change from step to step (batch size, the block table's width, split counts) are not
+# specialized on: Triton would otherwise compile a variant for value 1 and for multiples of 16, seconds each on
+# a slow host, in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2, num_seqs,
@@ -248,7 +249,8 @@ def paged_prefill_attention(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_seq", "stride_po_head", "stride_pl_seq",
+                                "stride_pl_head"])
 def _decode_kernel(
     q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
     scale_log2, num_splits,

@@ -243,6 +243,8 @@ class Sampler(torch.nn.Module):
         elif not meta.no_top_k:
             logits = apply_top_k_only(logits, meta.top_k, meta.max_top_k)
         probs = logits.softmax(dim=-1)
+        if probs.device.type == "cpu":
+            return inverse_cdf_sample(probs, meta.generators)
         return exponential_race(probs, meta.generators)
 
 
@@ -308,6 +310,23 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     # E can be exactly 0 in float32; 0/0 would be NaN and win the argmax for a masked token.
     noise.clamp_(min=1e-30)
     return probs.div_(noise).argmax(dim=-1)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One uniform number per row against the row's cumulative distribution: an exact draw from probs.
+
+    The CPU path: the exponential race needs a logarithm per vocabulary entry (~20 ms for 18 rows of a 49k
+    vocabulary on two cores), this a cumulative sum. Seeded rows draw their number from their own generator,
+    so their samples do not depend on the rest of the batch.
+    """
+    n = probs.shape[0]
+    u = torch.rand(n, dtype=torch.float64)
+    for row, gen in generators.items():
+        u[row] = torch.rand(1, generator=gen, dtype=torch.float64)[0]
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    # First index whose cumulative mass exceeds the target: a token of zero probability never is.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:

@@ -320,6 +320,59 @@ struct Item {
   int64_t req, kv_head, q_begin, q_end, cost;
 };
 
+// Scores of R query rows (R <= 4) against 16 keys of a transposed K block: K loaded once per dim, two
+// accumulators per row so the FMA chains overlap instead of waiting on each other's latency.
+template <int R, typename scalar_t>
+inline void qk16(const float* q, int64_t d, const scalar_t* kt, int64_t block_size, v16f* out) {
+  v16f a[R], b[R];
+  for (int r = 0; r < R; ++r) a[r] = b[r] = v16f{};
+  int64_t e = 0;
+  for (; e + 2 <= d; e += 2) {
+    const v16f k0 = load16(kt + e * block_size), k1 = load16(kt + (e + 1) * block_size);
+    for (int r = 0; r < R; ++r) {
+      a[r] += q[r * d + e] * k0;
+      b[r] += q[r * d + e + 1] * k1;
+    }
+  }
+  for (; e < d; ++e) {
+    const v16f k0 = load16(kt + e * block_size);
+    for (int r = 0; r < R; ++r) a[r] += q[r * d + e] * k0;
+  }
+  for (int r = 0; r < R; ++r) out[r] = a[r] + b[r];
+}
+
+// a[0:d] = a * alpha + sum_j p[j] * v[j, 0:d] for j < n (v rows d apart), four independent chains per 64 dims.
+template <typename scalar_t>
+inline void pv_accumulate(float* a, float alpha, const float* p, int64_t n, const scalar_t* v, int64_t d) {
+  int64_t e = 0;
+  for (; e + 64 <= d; e += 64) {
+    v16f a0 = load16(a + e) * alpha, a1 = load16(a + e + 16) * alpha;
+    v16f a2 = load16(a + e + 32) * alpha, a3 = load16(a + e + 48) * alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* vr = v + j * d + e;
+      const float pj = p[j];
+      a0 += pj * load16(vr);
+      a1 += pj * load16(vr + 16);
+      a2 += pj * load16(vr + 32);
+      a3 += pj * load16(vr + 48);
+    }
+    store16(a + e, a0);
+    store16(a + e + 16, a1);
+    store16(a + e + 32, a2);
+    store16(a + e + 48, a3);
+  }
+  for (; e + 16 <= d; e += 16) {
+    v16f a0 = load16(a + e) * alpha;
+    for (int64_t j = 0; j < n; ++j) a0 += p[j] * load16(v + j * d + e);
+    store16(a + e, a0);
+  }
+  for (; e < d; ++e) {
+    float a0 = a[e] * alpha;
+    for (int64_t j = 0; j < n; ++j) a0 += p[j] * static_cast<float>(v[j * d + e]);
+    a[e] = a0;
+  }
+}
+
 template <typename scalar_t>
 void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const scalar_t* q, int64_t qs0,
                  int64_t qs1, const scalar_t* kc, const scalar_t* vc, const int32_t* bt, int64_t bts0,
@@ -354,47 +407,61 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
     const int64_t n = std::min(block_size, max_keys - kb * block_size);
     const scalar_t* kt = kc + blk * per_block + it.kv_head * d * block_size;  // [D, block_size]
     const scalar_t* vb = vc + blk * per_block + it.kv_head * block_size * d;  // [block_size, D]
+    if ((kb + 1) * block_size < max_keys) {
+      // The next block lives elsewhere in the pool, out of the hardware prefetcher's sight: ask for it now so
+      // its loads overlap this block's arithmetic (the cold KV pool makes decode attention memory-bound).
+      const int64_t next = table[kb + 1];
+      const char* nk = reinterpret_cast<const char*>(kc + next * per_block + it.kv_head * d * block_size);
+      const char* nv = reinterpret_cast<const char*>(vc + next * per_block + it.kv_head * block_size * d);
+      const int64_t bytes = d * block_size * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
     for (int64_t c0 = 0; c0 < n; c0 += 16) {
       const int64_t cn = std::min<int64_t>(16, n - c0);
       const int64_t key0 = kb * block_size + c0;  // position of this chunk's first key
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t visible = std::min(cn, first_visible + i - key0);
         if (visible <= 0) continue;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = i * group + g;
-          const float* qr = qbuf + r * d;
-          v16f s = {};
+        const v16i live = kLane < static_cast<int>(visible);
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+          const int64_t rows_here = std::min<int64_t>(4, group - g0);
+          const int64_t r0 = i * group + g0;
+          v16f s[4];
           if (cn == 16) {
-            for (int64_t e = 0; e < d; ++e) s += qr[e] * load16(kt + e * block_size + c0);
-          } else {
-            float tmp[16] = {};
-            for (int64_t e = 0; e < d; ++e) {
-              const scalar_t* krow = kt + e * block_size + c0;
-              for (int64_t j = 0; j < cn; ++j) tmp[j] += qr[e] * static_cast<float>(krow[j]);
+            const float* q0 = qbuf + r0 * d;
+            const scalar_t* k0 = kt + c0;
+            switch (rows_here) {
+              case 4: qk16<4>(q0, d, k0, block_size, s); break;
+              case 3: qk16<3>(q0, d, k0, block_size, s); break;
+              case 2: qk16<2>(q0, d, k0, block_size, s); break;
+              default: qk16<1>(q0, d, k0, block_size, s); break;
             }
-            std::memcpy(&s, tmp, sizeof(s));
+          } else {
+            for (int64_t rr = 0; rr < rows_here; ++rr) {
+              const float* qr = qbuf + (r0 + rr) * d;
+              float tmp[16] = {};
+              for (int64_t e = 0; e < d; ++e) {
+                const scalar_t* krow = kt + e * block_size + c0;
+                for (int64_t j = 0; j < cn; ++j) tmp[j] += qr[e] * static_cast<float>(krow[j]);
+              }
+              std::memcpy(&s[rr], tmp, sizeof(tmp));
+            }
           }
-          const v16i live = kLane < static_cast<int>(visible);
-          s = live ? s : v16f{} - std::numeric_limits<float>::infinity();
-          const float new_m = std::max(m[r], hmax(s));
-          v16f p = vexp(s - new_m);
-          p = live ? p : v16f{};
-          const float alpha = std::exp(m[r] - new_m);  // 0 while m is -inf
-          m[r] = new_m;
-          l[r] = l[r] * alpha + hsum(p);
-          float pj[16];
-          std::memcpy(pj, &p, sizeof(pj));
-          float* a = acc + r * d;
-          const scalar_t* v0 = vb + c0 * d;
-          for (int64_t e = 0; e < d16; e += 16) {
-            v16f av = load16(a + e) * alpha;
-            for (int64_t j = 0; j < visible; ++j) av += pj[j] * load16(v0 + j * d + e);
-            store16(a + e, av);
-          }
-          for (int64_t e = d16; e < d; ++e) {
-            float av = a[e] * alpha;
-            for (int64_t j = 0; j < visible; ++j) av += pj[j] * static_cast<float>(v0[j * d + e]);
-            a[e] = av;
+          for (int64_t rr = 0; rr < rows_here; ++rr) {
+            const int64_t r = r0 + rr;
+            const v16f sr = live ? s[rr] : v16f{} - std::numeric_limits<float>::infinity();
+            const float new_m = std::max(m[r], hmax(sr));
+            v16f p = vexp(sr - new_m);
+            p = live ? p : v16f{};
+            const float alpha = std::exp(m[r] - new_m);  // 0 while m is -inf
+            m[r] = new_m;
+            l[r] = l[r] * alpha + hsum(p);
+            float pj[16];
+            std::memcpy(pj, &p, sizeof(pj));
+            pv_accumulate<scalar_t>(acc + r * d, alpha, pj, visible, vb + c0 * d, d);
           }
         }
       }
