@@ -166,6 +166,16 @@ void add_rms_norm(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& x
 // ---------------------------------------------------------------------------------------------------------
 // out[t, i] = silu(x[t, i]) * x[t, d + i] for x = [gate | up] of width 2d.
 
+inline void silu_and_mul_row(float* o, const float* g, int64_t d) {
+  const float* u = g + d;
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const v16f gv = load16(g + i);
+    store16(o + i, gv / (1.f + vexp(-gv)) * load16(u + i));
+  }
+  for (; i < d; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
 template <typename scalar_t>
 inline void silu_and_mul_row(scalar_t* o, const scalar_t* g, int64_t d) {
   const scalar_t* u = g + d;
@@ -199,7 +209,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), os = out.stride(0);
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) silu_and_mul_row<scalar_t>(op + r * os, xp + r * xs, d);
+      for (int64_t r = begin; r < end; ++r) silu_and_mul_row(op + r * os, xp + r * xs, d);
     });
   });
 }
@@ -317,17 +327,22 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 constexpr int64_t kTile = 16;
 
 struct Item {
-  int64_t req, kv_head, q_begin, q_end, cost;
+  int64_t req, head_begin, head_end, q_begin, q_end, cost;  // kv heads [head_begin, head_end)
 };
 
 // Scores of R query rows (R <= 4) against 16 keys of a transposed K block: K loaded once per dim, two
 // accumulators per row so the FMA chains overlap instead of waiting on each other's latency.
 template <int R, typename scalar_t>
-inline void qk16(const float* q, int64_t d, const scalar_t* kt, int64_t block_size, v16f* out) {
+inline void qk16(const float* q, int64_t d, const scalar_t* kt, int64_t block_size, v16f* out,
+                 const scalar_t* prefetch_kt) {
   v16f a[R], b[R];
   for (int r = 0; r < R; ++r) a[r] = b[r] = v16f{};
   int64_t e = 0;
   for (; e + 2 <= d; e += 2) {
+    if (prefetch_kt != nullptr) {  // the same rows of the next block, one line per dim, spread over the loop
+      __builtin_prefetch(prefetch_kt + e * block_size);
+      __builtin_prefetch(prefetch_kt + (e + 1) * block_size);
+    }
     const v16f k0 = load16(kt + e * block_size), k1 = load16(kt + (e + 1) * block_size);
     for (int r = 0; r < R; ++r) {
       a[r] += q[r * d + e] * k0;
@@ -343,7 +358,13 @@ inline void qk16(const float* q, int64_t d, const scalar_t* kt, int64_t block_si
 
 // a[0:d] = a * alpha + sum_j p[j] * v[j, 0:d] for j < n (v rows d apart), four independent chains per 64 dims.
 template <typename scalar_t>
-inline void pv_accumulate(float* a, float alpha, const float* p, int64_t n, const scalar_t* v, int64_t d) {
+inline void pv_accumulate(float* a, float alpha, const float* p, int64_t n, const scalar_t* v, int64_t d,
+                          const scalar_t* prefetch_v) {
+  if (prefetch_v != nullptr) {  // the next block's rows for this head
+    const char* pv = reinterpret_cast<const char*>(prefetch_v);
+    const int64_t bytes = n * d * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(pv + off);
+  }
   int64_t e = 0;
   for (; e + 64 <= d; e += 64) {
     v16f a0 = load16(a + e) * alpha, a1 = load16(a + e + 16) * alpha;
@@ -378,7 +399,8 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
                  int64_t qs1, const scalar_t* kc, const scalar_t* vc, const int32_t* bt, int64_t bts0,
                  const int32_t* qsl, const int32_t* seq_lens, int64_t heads, int64_t group, int64_t d,
                  int64_t block_size, float scale, std::vector<float>& work) {
-  const int64_t nq = it.q_end - it.q_begin, rows = nq * group;
+  const int64_t nq = it.q_end - it.q_begin, nh = it.head_end - it.head_begin;
+  const int64_t per_head = nq * group, rows = per_head * nh;  // row r = hh * per_head + i * group + g
   const int64_t q_start = qsl[it.req], q_len = qsl[it.req + 1] - q_start;
   const int64_t ctx_before = static_cast<int64_t>(seq_lens[it.req]) - q_len;
   // Keys visible to query token q_begin + i: first_visible + i.
@@ -389,11 +411,13 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
   float* acc = qbuf + rows * d;
   float* m = acc + rows * d;
   float* l = m + rows;
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const scalar_t* src = q + (it.q_begin + i) * qs0 + (it.kv_head * group + g) * qs1;
-      float* dst = qbuf + (i * group + g) * d;
-      for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<float>(src[e]) * scale;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = q + (it.q_begin + i) * qs0 + ((it.head_begin + hh) * group + g) * qs1;
+        float* dst = qbuf + (hh * per_head + i * group + g) * d;
+        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<float>(src[e]) * scale;
+      }
     }
   }
   std::fill(acc, acc + rows * d, 0.f);
@@ -401,78 +425,79 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
   std::fill(l, l + rows, 0.f);
   const int32_t* table = bt + it.req * bts0;
   const int64_t per_block = heads * d * block_size;
-  const int64_t d16 = d - d % 16;
+  const int64_t head_span = d * block_size;  // one head's K (or V) in a block
   for (int64_t kb = 0; kb * block_size < max_keys; ++kb) {
     const int64_t blk = table[kb];
     const int64_t n = std::min(block_size, max_keys - kb * block_size);
-    const scalar_t* kt = kc + blk * per_block + it.kv_head * d * block_size;  // [D, block_size]
-    const scalar_t* vb = vc + blk * per_block + it.kv_head * block_size * d;  // [block_size, D]
-    if ((kb + 1) * block_size < max_keys) {
-      // The next block lives elsewhere in the pool, out of the hardware prefetcher's sight: ask for it now so
-      // its loads overlap this block's arithmetic (the cold KV pool makes decode attention memory-bound).
-      const int64_t next = table[kb + 1];
-      const char* nk = reinterpret_cast<const char*>(kc + next * per_block + it.kv_head * d * block_size);
-      const char* nv = reinterpret_cast<const char*>(vc + next * per_block + it.kv_head * block_size * d);
-      const int64_t bytes = d * block_size * static_cast<int64_t>(sizeof(scalar_t));
-      for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(nk + off);
-        __builtin_prefetch(nv + off);
-      }
-    }
-    for (int64_t c0 = 0; c0 < n; c0 += 16) {
-      const int64_t cn = std::min<int64_t>(16, n - c0);
-      const int64_t key0 = kb * block_size + c0;  // position of this chunk's first key
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t visible = std::min(cn, first_visible + i - key0);
-        if (visible <= 0) continue;
-        const v16i live = kLane < static_cast<int>(visible);
-        for (int64_t g0 = 0; g0 < group; g0 += 4) {
-          const int64_t rows_here = std::min<int64_t>(4, group - g0);
-          const int64_t r0 = i * group + g0;
-          v16f s[4];
-          if (cn == 16) {
-            const float* q0 = qbuf + r0 * d;
-            const scalar_t* k0 = kt + c0;
-            switch (rows_here) {
-              case 4: qk16<4>(q0, d, k0, block_size, s); break;
-              case 3: qk16<3>(q0, d, k0, block_size, s); break;
-              case 2: qk16<2>(q0, d, k0, block_size, s); break;
-              default: qk16<1>(q0, d, k0, block_size, s); break;
-            }
-          } else {
-            for (int64_t rr = 0; rr < rows_here; ++rr) {
-              const float* qr = qbuf + (r0 + rr) * d;
-              float tmp[16] = {};
-              for (int64_t e = 0; e < d; ++e) {
-                const scalar_t* krow = kt + e * block_size + c0;
-                for (int64_t j = 0; j < cn; ++j) tmp[j] += qr[e] * static_cast<float>(krow[j]);
+    // The next block lives elsewhere in the pool, out of the hardware prefetcher's sight: its lines are
+    // requested while this block is computed (spread over the loops, so the miss queue never overflows).
+    const bool has_next = (kb + 1) * block_size < max_keys;
+    const int64_t next_blk = has_next ? table[kb + 1] : 0;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const scalar_t* kt = kc + blk * per_block + (it.head_begin + hh) * head_span;  // [D, block_size]
+      const scalar_t* vb = vc + blk * per_block + (it.head_begin + hh) * head_span;  // [block_size, D]
+      const scalar_t* next_kt = has_next ? kc + next_blk * per_block + (it.head_begin + hh) * head_span : nullptr;
+      const scalar_t* next_vb = has_next ? vc + next_blk * per_block + (it.head_begin + hh) * head_span : nullptr;
+      for (int64_t c0 = 0; c0 < n; c0 += 16) {
+        const int64_t cn = std::min<int64_t>(16, n - c0);
+        const int64_t key0 = kb * block_size + c0;  // position of this chunk's first key
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t visible = std::min(cn, first_visible + i - key0);
+          if (visible <= 0) continue;
+          const v16i live = kLane < static_cast<int>(visible);
+          for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            const int64_t rows_here = std::min<int64_t>(4, group - g0);
+            const int64_t r0 = hh * per_head + i * group + g0;
+            v16f s[4];
+            if (cn == 16) {
+              const float* q0 = qbuf + r0 * d;
+              const scalar_t* k0 = kt + c0;
+              // Prefetch once per (head, chunk): on the first query row group of the first query token.
+              const scalar_t* pf_k = (i == 0 && g0 == 0 && next_kt != nullptr) ? next_kt + c0 : nullptr;
+              switch (rows_here) {
+                case 4: qk16<4>(q0, d, k0, block_size, s, pf_k); break;
+                case 3: qk16<3>(q0, d, k0, block_size, s, pf_k); break;
+                case 2: qk16<2>(q0, d, k0, block_size, s, pf_k); break;
+                default: qk16<1>(q0, d, k0, block_size, s, pf_k); break;
               }
-              std::memcpy(&s[rr], tmp, sizeof(tmp));
+            } else {
+              for (int64_t rr = 0; rr < rows_here; ++rr) {
+                const float* qr = qbuf + (r0 + rr) * d;
+                float tmp[16] = {};
+                for (int64_t e = 0; e < d; ++e) {
+                  const scalar_t* krow = kt + e * block_size + c0;
+                  for (int64_t j = 0; j < cn; ++j) tmp[j] += qr[e] * static_cast<float>(krow[j]);
+                }
+                std::memcpy(&s[rr], tmp, sizeof(tmp));
+              }
             }
-          }
-          for (int64_t rr = 0; rr < rows_here; ++rr) {
-            const int64_t r = r0 + rr;
-            const v16f sr = live ? s[rr] : v16f{} - std::numeric_limits<float>::infinity();
-            const float new_m = std::max(m[r], hmax(sr));
-            v16f p = vexp(sr - new_m);
-            p = live ? p : v16f{};
-            const float alpha = std::exp(m[r] - new_m);  // 0 while m is -inf
-            m[r] = new_m;
-            l[r] = l[r] * alpha + hsum(p);
-            float pj[16];
-            std::memcpy(pj, &p, sizeof(pj));
-            pv_accumulate<scalar_t>(acc + r * d, alpha, pj, visible, vb + c0 * d, d);
+            for (int64_t rr = 0; rr < rows_here; ++rr) {
+              const int64_t r = r0 + rr;
+              const v16f sr = live ? s[rr] : v16f{} - std::numeric_limits<float>::infinity();
+              const float new_m = std::max(m[r], hmax(sr));
+              v16f p = vexp(sr - new_m);
+              p = live ? p : v16f{};
+              const float alpha = std::exp(m[r] - new_m);  // 0 while m is -inf
+              m[r] = new_m;
+              l[r] = l[r] * alpha + hsum(p);
+              float pj[16];
+              std::memcpy(pj, &p, sizeof(pj));
+              const scalar_t* pf_v = (i == 0 && g0 == 0 && rr == 0 && next_vb != nullptr) ? next_vb + c0 * d : nullptr;
+              pv_accumulate<scalar_t>(acc + r * d, alpha, pj, visible, vb + c0 * d, d, pf_v);
+            }
           }
         }
       }
     }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = i * group + g;
-      const float inv = 1.f / l[r];
-      scalar_t* dst = out + (it.q_begin + i) * os0 + (it.kv_head * group + g) * os1;
-      for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<scalar_t>(acc[r * d + e] * inv);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = hh * per_head + i * group + g;
+        const float inv = 1.f / l[r];
+        scalar_t* dst = out + (it.q_begin + i) * os0 + ((it.head_begin + hh) * group + g) * os1;
+        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<scalar_t>(acc[r * d + e] * inv);
+      }
     }
   }
 }
@@ -509,10 +534,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     TORCH_CHECK(q_len >= 0 && q_end <= query.size(0) && lens[r] >= q_len &&
                     (lens[r] + block_size - 1) / block_size <= max_blocks,
                 "paged_attention: inconsistent metadata for request ", r);
+    if (q_len == 1) {
+      // A decode: one item over all kv heads, so each block is read as one contiguous span per K and V.
+      items.push_back({r, 0, kv_heads, q_begin, q_end, lens[r] * kv_heads});
+      continue;
+    }
     for (int64_t t = q_begin; t < q_end; t += kTile) {
       const int64_t t_end = std::min(q_end, t + kTile);
       const int64_t keys = lens[r] - q_len + (t_end - q_begin);
-      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({r, h, t, t_end, keys * (t_end - t)});
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({r, h, h + 1, t, t_end, keys * (t_end - t)});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
