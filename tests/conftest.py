@@ -28,6 +28,16 @@ _CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>{{ mess
                   "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 _DEFAULT = object()
 
+# One build of the C++ CPU kernels for the whole run, shared with the servers the e2e tests start (whatever
+# PAGEDLLM_CACHE_DIR they get), built before the first test so no server start waits for the compiler.
+os.environ.setdefault("PAGEDLLM_KERNEL_CACHE_DIR", os.path.join(REPO_ROOT, ".cache", "pagedllm-kernels"))
+
+
+def pytest_sessionstart(session) -> None:
+    from pagedllm.kernels.cpu_ops import cpu_ops
+
+    cpu_ops()
+
 
 def tiny_hf_config(arch: str, tie_word_embeddings: Optional[bool] = None, rope_scaling: Any = _DEFAULT) -> Any:
     """The transformers config of a tiny model: llama (llama3 rope scaling), mistral, qwen2 (qkv bias,

@@ -33,6 +33,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_DISABLE_PROGRESS_BARS": lambda: os.environ.get("PAGEDLLM_DISABLE_PROGRESS_BARS", "0") == "1",
     # Set to 0 to run the layers' plain-torch paths on CUDA instead of the Triton kernels (debugging).
     "PAGEDLLM_USE_TRITON_KERNELS": lambda: os.environ.get("PAGEDLLM_USE_TRITON_KERNELS", "1") != "0",
+    # Where the C++ CPU kernels are built (default: $PAGEDLLM_CACHE_DIR/cpu_kernels).
+    "PAGEDLLM_KERNEL_CACHE_DIR": lambda: os.path.abspath(os.path.expanduser(
+        os.environ.get("PAGEDLLM_KERNEL_CACHE_DIR") or os.path.join(_cache_dir(), "cpu_kernels"))),
     # "0": never build or use the C++ CPU kernels (kernels/csrc/cpu_ops.cpp); the plain-torch CPU path runs.
     "PAGEDLLM_CPU_KERNELS": lambda: os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0",
     # "0": host-to-device step inputs from pageable memory (only for A/B benchmarks of the pinned path).

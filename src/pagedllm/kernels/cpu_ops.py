@@ -2,7 +2,7 @@
 
 `cpu_ops()` returns the op namespace, or None when the kernels are disabled (PAGEDLLM_CPU_KERNELS=0) or cannot
 be built here (no C++ compiler, say); every caller then keeps its plain-torch path, which computes the same
-thing more slowly. The build goes to $PAGEDLLM_CACHE_DIR/cpu_kernels/<name>, where <name> hashes the source,
+thing more slowly. The build goes to $PAGEDLLM_KERNEL_CACHE_DIR/<name> (default $PAGEDLLM_CACHE_DIR/cpu_kernels/<name>), where <name> hashes the source,
 torch's version and this CPU's instruction-set flags (the code is built for the machine it runs on), so a
 second start, or another process, loads it in well under a second.
 """
@@ -69,7 +69,7 @@ def _load() -> Any:
     from torch.utils import cpp_extension
 
     name = _build_name()
-    build_dir = os.path.join(envs.PAGEDLLM_CACHE_DIR, "cpu_kernels", name)
+    build_dir = os.path.join(envs.PAGEDLLM_KERNEL_CACHE_DIR, name)
     os.makedirs(build_dir, exist_ok=True)
     built = os.path.exists(os.path.join(build_dir, f"{name}.so"))
     if not built:
