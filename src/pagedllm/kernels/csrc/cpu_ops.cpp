@@ -22,6 +22,12 @@
 
 namespace {
 
+// Rows per thread chunk so each chunk has at least ~32k values of work: smaller inputs stay on the calling
+// thread, where waking the pool would cost more than the work (and hurts most on a busy machine).
+inline int64_t grain_rows(int64_t values_per_row) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, values_per_row));
+}
+
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
@@ -122,7 +128,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
       std::vector<float> buf(n);
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* src = xp + (r / inner) * xs0 + (r % inner) * xs1;
@@ -148,7 +154,7 @@ void add_rms_norm(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& x
     scalar_t* op = out.data_ptr<scalar_t>();
     scalar_t* rop = residual_out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), rs = residual.stride(0), os = out.stride(0), ros = residual_out.stride(0);
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
       std::vector<float> buf(n);
       for (int64_t r = begin; r < end; ++r) {
         for (int64_t i = 0; i < n; ++i) {
@@ -208,7 +214,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(3 * d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) silu_and_mul_row(op + r * os, xp + r * xs, d);
     });
   });
@@ -252,7 +258,7 @@ void rotary_neox(const at::Tensor& positions, at::Tensor& query, at::Tensor& key
     scalar_t* kp = key.data_ptr<scalar_t>();
     const int64_t qs0 = query.stride(0), qs1 = query.stride(1), ks0 = key.stride(0), ks1 = key.stride(1);
     const int64_t hq = query.size(1), hk = key.size(1);
-    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, grain_rows(2 * (hq + hk) * half), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t p = pos[t];
         TORCH_CHECK(p >= 0 && p < max_pos, "rotary_neox: position ", p, " outside the cos/sin cache");
@@ -296,7 +302,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
     const int64_t per_block = heads * d * block_size;
-    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, num_tokens, grain_rows(2 * heads * d), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
@@ -548,7 +554,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  int64_t total_cost = 0;
+  for (const Item& it : items) total_cost += it.cost;
+  // Tiny batches (a short decode, a small model) run on the calling thread: waking the pool costs more.
+  const int64_t workers = total_cost * group * d < 65536
+                              ? 1
+                              : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* qp = query.data_ptr<scalar_t>();
