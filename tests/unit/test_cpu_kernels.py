@@ -99,7 +99,7 @@ def _mixed_batch(rng, num_reqs, block_size, max_ctx):
     return reqs
 
 
-def _run_backend(backend, reqs, heads, kv_heads, head_size, block_size, dtype, seed):
+def _run_backend(backend, reqs, heads, kv_heads, head_size, block_size, dtype, seed, fill=0.0):
     """Write every request's whole context through the backend, then attend the last query_len tokens."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for _, s in reqs) + 3
@@ -111,7 +111,7 @@ def _run_backend(backend, reqs, heads, kv_heads, head_size, block_size, dtype, s
         n = -(-s // block_size)
         table[i, :n] = perm[used:used + n].int()
         used += n
-    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_size, dtype=dtype)
+    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, head_size), fill, dtype=dtype)
     total = sum(s for _, s in reqs)
     keys = torch.randn(total, kv_heads, head_size, generator=g).to(dtype)
     values = torch.randn(total, kv_heads, head_size, generator=g).to(dtype)
@@ -164,6 +164,18 @@ def test_paged_attention_long_context_and_single_token(ops):
     for reqs in ([(1, 1)], [(1, 4000), (17, 4000), (1, 33)], [(600, 600)]):
         ours = _run_backend(CpuAttentionBackend(), reqs, 8, 2, 64, 16, torch.float32, 0)
         ref = _run_backend(TorchAttentionBackend(), reqs, 8, 2, 64, 16, torch.float32, 0)
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_unwritten_slots_are_never_used(ops):
+    """The CPU backend takes its pool uninitialized: NaN/Inf garbage in unwritten slots must not leak."""
+    from pagedllm.attention.cpu_backend import CpuAttentionBackend
+    assert CpuAttentionBackend.needs_zeroed_cache is False
+    reqs = [(1, 3), (1, 17), (5, 21), (9, 9), (1, 40)]  # partial last blocks everywhere
+    for fill in (float("nan"), float("inf")):
+        ours = _run_backend(CpuAttentionBackend(), reqs, 8, 2, 64, 16, torch.float32, 3, fill=fill)
+        ref = _run_backend(TorchAttentionBackend(), reqs, 8, 2, 64, 16, torch.float32, 3)
+        assert torch.isfinite(ours).all()
         torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
 
 

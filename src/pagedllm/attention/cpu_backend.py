@@ -18,6 +18,9 @@ from pagedllm.kernels.cpu_ops import cpu_ops
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
+    # The kernels read only slots that were written (invisible lanes are selected away, never multiplied),
+    # so the pool may start as uninitialized memory.
+    needs_zeroed_cache = False
 
     def __init__(self) -> None:
         self.ops = cpu_ops()

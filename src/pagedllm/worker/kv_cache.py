@@ -54,10 +54,13 @@ def cpu_kv_budget(kv_cache_memory_bytes: Optional[int]) -> int:
     return int(min(_CPU_DEFAULT_MAX_BYTES, 0.3 * available_cpu_memory()))
 
 
-def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    # Zeroed, not empty: masked-out lanes of an attention read must never hold NaN/Inf garbage.
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                       zeroed: bool = True) -> list[torch.Tensor]:
+    # Zeroed by default: a backend whose masked-out lanes multiply what they read must never see NaN/Inf
+    # garbage. A backend that never uses unwritten slots (the CPU kernels) takes the pool unzeroed, so its
+    # pages are only committed as they fill (zeroing a 4 GiB pool up front takes seconds on a small CPU).
+    make = torch.zeros if zeroed else torch.empty
     return [
-        torch.zeros(2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype,
-                    device=device)
+        make(2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype, device=device)
         for _ in range(spec.num_layers)
     ]
