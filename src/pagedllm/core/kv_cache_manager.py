@@ -119,6 +119,14 @@ class KVCacheManager:
         available: they are evicted on demand.
         """
         blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks:
+            # Fast path (most decode steps): the new tokens fit in the blocks the request already holds.
+            num_tokens_with_slots = request.num_computed_tokens + num_new_tokens
+            if num_tokens_with_slots <= len(blocks) * self.block_size:
+                if self.enable_caching and (min(num_tokens_with_slots, request.num_tokens) // self.block_size
+                                            > self.num_cached_blocks[request.request_id]):
+                    self._cache_full_blocks(request, min(num_tokens_with_slots, request.num_tokens))
+                return []
         if new_computed_blocks and blocks:
             raise ValueError("new_computed_blocks is only valid for a request that holds no blocks.")
         blocks = blocks if blocks is not None else []
