@@ -197,3 +197,20 @@ def test_cpu_is_the_default_backend_when_the_kernels_build(ops):
     from pagedllm.attention.backend import get_attention_backend
     assert get_attention_backend(None, torch.device("cpu")).name == "cpu"
     assert get_attention_backend("torch", torch.device("cpu")).name == "torch"
+
+
+def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch, tmp_path, caplog):
+    import logging
+
+    from pagedllm.attention.backend import get_attention_backend
+    from pagedllm.kernels import cpu_ops as module
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PAGEDLLM_KERNEL_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setattr(module, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        assert module.cpu_ops() is None
+        assert module.cpu_ops() is None  # the failure is remembered: one attempt, one warning
+        assert get_attention_backend(None, torch.device("cpu")).name == "torch"
+    warnings = [r.getMessage() for r in caplog.records if "could not be built" in r.getMessage()]
+    assert len(warnings) == 1 and "no-such-compiler" in warnings[0] and "plain-torch" in warnings[0]

@@ -95,8 +95,9 @@ def cpu_ops() -> Optional[Any]:
                     ops = _load()
                 except Exception as e:  # no compiler, no ninja, a build error: keep the torch path
                     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                    compiler = [ln for ln in lines if "error:" in ln or "not found" in ln or "No such file" in ln]
                     errors = [ln for ln in lines if "error" in ln.lower()]
-                    reason = (errors or lines or [type(e).__name__])[0][:300]
+                    reason = (compiler or errors or lines or [type(e).__name__])[0][:300]
                     logger.warning("The pagedllm CPU kernels could not be built (%s); using the slower "
                                    "plain-torch CPU path. Set PAGEDLLM_CPU_KERNELS=0 to skip the attempt.", reason)
             _state["ops"] = ops
