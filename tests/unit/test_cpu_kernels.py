@@ -214,3 +214,12 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch, tmp_path,
         assert get_attention_backend(None, torch.device("cpu")).name == "torch"
     warnings = [r.getMessage() for r in caplog.records if "could not be built" in r.getMessage()]
     assert len(warnings) == 1 and "no-such-compiler" in warnings[0] and "plain-torch" in warnings[0]
+
+
+def test_paged_attention_rejects_a_block_id_outside_the_pool(ops):
+    kv = torch.zeros(2, 4, 16, 2, 64)
+    q = torch.randn(1, 4, 64)
+    table = torch.tensor([[0, 9]], dtype=torch.int32)  # the pool has 4 blocks
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.paged_attention(torch.empty_like(q), q, kv[0].view(4, 2, 64, 16), kv[1].view(4, 2, 16, 64), table,
+                            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([20], dtype=torch.int32), 0.125)

@@ -289,6 +289,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
                   k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2) && key.dim() == 3 &&
                   key.sizes() == value.sizes() && key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(2) &&
                   slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() >= num_tokens &&
+                  num_tokens >= 0 && num_tokens <= key.size(0) &&
                   key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "write_kv: expects k_cache [blocks, Hk, D, block_size] and v_cache [blocks, Hk, block_size, D]");
@@ -404,7 +405,7 @@ template <typename scalar_t>
 void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const scalar_t* q, int64_t qs0,
                  int64_t qs1, const scalar_t* kc, const scalar_t* vc, const int32_t* bt, int64_t bts0,
                  const int32_t* qsl, const int32_t* seq_lens, int64_t heads, int64_t group, int64_t d,
-                 int64_t block_size, float scale, std::vector<float>& work) {
+                 int64_t block_size, int64_t num_blocks, float scale, std::vector<float>& work) {
   const int64_t nq = it.q_end - it.q_begin, nh = it.head_end - it.head_begin;
   const int64_t per_head = nq * group, rows = per_head * nh;  // row r = hh * per_head + i * group + g
   const int64_t q_start = qsl[it.req], q_len = qsl[it.req + 1] - q_start;
@@ -434,11 +435,12 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
   const int64_t head_span = d * block_size;  // one head's K (or V) in a block
   for (int64_t kb = 0; kb * block_size < max_keys; ++kb) {
     const int64_t blk = table[kb];
+    TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention: block id ", blk, " outside the cache");
     const int64_t n = std::min(block_size, max_keys - kb * block_size);
     // The next block lives elsewhere in the pool, out of the hardware prefetcher's sight: its lines are
     // requested while this block is computed (spread over the loops, so the miss queue never overflows).
-    const bool has_next = (kb + 1) * block_size < max_keys;
-    const int64_t next_blk = has_next ? table[kb + 1] : 0;
+    const int64_t next_blk = (kb + 1) * block_size < max_keys ? table[kb + 1] : -1;
+    const bool has_next = next_blk >= 0 && next_blk < num_blocks;
     for (int64_t hh = 0; hh < nh; ++hh) {
       const scalar_t* kt = kc + blk * per_block + (it.head_begin + hh) * head_span;  // [D, block_size]
       const scalar_t* vb = vc + blk * per_block + (it.head_begin + hh) * head_span;  // [block_size, D]
@@ -571,7 +573,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         attend_item<scalar_t>(items[i], op, out.stride(0), out.stride(1), qp, query.stride(0), query.stride(1), kc,
                               vc, bt, block_table.stride(0), qsl, lens, kv_heads, group, d,
-                              block_size, static_cast<float>(scale), work);
+                              block_size, k_cache.size(0), static_cast<float>(scale), work);
       }
     });
   });
