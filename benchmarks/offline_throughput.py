@@ -51,6 +51,29 @@ def hardware_bound_s(reqs, num_params, weight_bytes, kv_bytes_per_token, max_num
     return prefill_flops / BF16_FLOP_PER_S + (decode_steps * weight_bytes + kv_bytes) / HBM_BYTES_PER_S
 
 
+def log_triton_compiles(t0: float) -> None:
+    """Print a line whenever Triton compiles (or loads from its disk cache) a kernel variant, with the time
+    since t0: compilation inside a timed run shows up as lines after "timed run starts"."""
+    try:
+        import triton
+        from triton.runtime.jit import JITFunction
+    except Exception:
+        return
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        name = getattr(getattr(fn, "fn", None), "__name__", None) or getattr(fn, "name", None) or "?"
+        print(f"[triton] +{time.perf_counter() - t0:.2f}s compile/load {name}: {str(kwargs.get('repr', ''))[:160]}",
+              flush=True)
+        return False  # never skip the compilation
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(getattr(knobs, "runtime", None), "jit_cache_hook"):
+        knobs.runtime.jit_cache_hook = hook
+    else:
+        JITFunction.cache_hook = hook
+
+
 def run_pagedllm(args, reqs):
     from pagedllm import LLM, SamplingParams
 
@@ -64,6 +87,8 @@ def run_pagedllm(args, reqs):
     if args.gpu_memory_utilization:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     t0 = time.perf_counter()
+    if args.log_compiles:
+        log_triton_compiles(t0)
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
@@ -74,6 +99,8 @@ def run_pagedllm(args, reqs):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
+    if args.log_compiles:
+        print("[triton] timed run starts", flush=True)
     outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -167,6 +194,7 @@ def main(argv=None):
     p.add_argument("--hf", choices=["generate", "generate_batch", "none"], default="generate")
     p.add_argument("--hf-num-prompts", type=int, default=None, help="run HF on the first N prompts only")
     p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--log-compiles", action="store_true", help="print each Triton kernel compilation (GPU)")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
     if args.threads:

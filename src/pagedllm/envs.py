@@ -40,6 +40,8 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_CPU_KERNELS": lambda: os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0",
     # "0": host-to-device step inputs from pageable memory (only for A/B benchmarks of the pinned path).
     "PAGEDLLM_PINNED_STAGING": lambda: os.environ.get("PAGEDLLM_PINNED_STAGING", "1") != "0",
+    # Most split-KV partitions per (request, kv head) in the CUDA decode kernel (tuning; a power of two).
+    "PAGEDLLM_DECODE_MAX_SPLITS": _int("PAGEDLLM_DECODE_MAX_SPLITS", 64),
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.paged_attention import (
@@ -31,8 +32,9 @@ from pagedllm.kernels.reshape_and_cache import reshape_and_cache
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, max_splits: int = 64) -> None:
-        self.max_splits = max_splits
+    def __init__(self, max_splits: Optional[int] = None) -> None:
+        # Upper bound on split-KV partitions per (request, kv head); PAGEDLLM_DECODE_MAX_SPLITS tunes it.
+        self.max_splits = max_splits or envs.PAGEDLLM_DECODE_MAX_SPLITS
         # (device, num_kv_heads, num_heads, head_size) -> (part_out, part_lse), fp32, never freed:
         # captured graphs keep pointing at them.
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
