@@ -264,7 +264,8 @@ class HostStager:
         if self.device.type != "cuda" or not self.pinned:
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(self.device, non_blocking=True)
                     for a in arrays]
-        total = sum(a.size for a in arrays)
+        offsets = self.layout(arrays, dtype)
+        total = offsets[-1]
         slot = self.slots[self.k]
         buf = slot.get(dtype)
         if buf is None or buf.numel() < total:
@@ -272,12 +273,24 @@ class HostStager:
             buf = torch.from_numpy(np.zeros(size, dtype=dtype)).pin_memory()
             slot[dtype] = buf
         host = buf.numpy()
+        for a, start in zip(arrays, offsets):
+            host[start:start + a.size] = a.reshape(-1)
+        dev = buf[:total].to(self.device, non_blocking=True)
+        return [dev[offsets[i]:offsets[i] + a.size].view(a.shape) for i, a in enumerate(arrays)]
+
+    @staticmethod
+    def layout(arrays: list[np.ndarray], dtype) -> list[int]:
+        """Element offsets of the arrays in the packed buffer, then the total: each starts 64-byte aligned.
+
+        Triton specializes pointer arguments on 16-byte alignment, so packed arrays whose offsets moved with
+        the batch size (after an int32 array of num_reqs + 1 entries, say) made it compile new kernel
+        variants in the middle of a run.
+        """
+        align = max(1, 64 // np.dtype(dtype).itemsize)
         offsets = [0]
         for a in arrays:
-            host[offsets[-1]:offsets[-1] + a.size] = a.reshape(-1)
-            offsets.append(offsets[-1] + a.size)
-        dev = buf[:total].to(self.device, non_blocking=True)
-        return [dev[offsets[i]:offsets[i + 1]].view(a.shape) for i, a in enumerate(arrays)]
+            offsets.append(offsets[-1] + -(-a.size // align) * align)
+        return offsets
 
     def next_step(self) -> None:
         self.k ^= 1

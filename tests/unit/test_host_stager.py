@@ -1,0 +1,32 @@
+"""HostStager's packing: each staged array starts 64-byte aligned, so device pointers never change alignment
+with the batch size (Triton would compile a new kernel variant for each alignment)."""
+import numpy as np
+import torch
+
+from pagedllm.worker.model_runner import HostStager
+
+
+def test_layout_aligns_every_array_to_64_bytes():
+    for dtype, itemsize in ((np.int32, 4), (np.int64, 8)):
+        arrays = [np.arange(n, dtype=dtype) for n in (5, 1, 17, 0, 64, 3)]
+        offsets = HostStager.layout(arrays, dtype)
+        assert len(offsets) == len(arrays) + 1
+        for a, start, end in zip(arrays, offsets, offsets[1:]):
+            assert (start * itemsize) % 64 == 0
+            assert end - start >= a.size
+        assert offsets[-1] * itemsize % 64 == 0
+
+
+def test_layout_batch_size_does_not_move_alignment():
+    # query_start_loc has num_reqs + 1 entries: what follows it must stay aligned for every batch size.
+    for num_reqs in range(1, 40):
+        qsl, seq_lens = np.zeros(num_reqs + 1, np.int32), np.zeros(num_reqs, np.int32)
+        offsets = HostStager.layout([qsl, seq_lens, np.zeros((num_reqs, 7), np.int32)], np.int32)
+        assert all(o * 4 % 64 == 0 for o in offsets)
+
+
+def test_cpu_stage_returns_the_arrays():
+    stager = HostStager(torch.device("cpu"))
+    a, b = np.array([1, 2, 3]), np.array([[4, 5], [6, 7]])
+    ta, tb = stager.stage([a, b], np.int64)
+    assert ta.tolist() == [1, 2, 3] and tb.tolist() == [[4, 5], [6, 7]] and ta.dtype == torch.int64
