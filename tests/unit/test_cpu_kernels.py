@@ -167,6 +167,18 @@ def test_paged_attention_long_context_and_single_token(ops):
         torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
 
 
+def test_long_prefill_chunks_take_the_sdpa_path_and_match(ops):
+    from pagedllm.attention import cpu_backend
+    from pagedllm.attention.cpu_backend import CpuAttentionBackend
+    n = cpu_backend.LONG_QUERY_LEN
+    # A fresh long prompt, a long chunk after cached context, and short rows in the same batch.
+    reqs = [(n + 7, n + 7), (1, 40), (n, n + 300), (5, 60)]
+    for heads, kv_heads in ((8, 2), (4, 4)):
+        ours = _run_backend(CpuAttentionBackend(), reqs, heads, kv_heads, 64, 16, torch.float32, 5)
+        ref = _run_backend(TorchAttentionBackend(), reqs, heads, kv_heads, 64, 16, torch.float32, 5)
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_unwritten_slots_are_never_used(ops):
     """The CPU backend takes its pool uninitialized: NaN/Inf garbage in unwritten slots must not leak."""
     from pagedllm.attention.cpu_backend import CpuAttentionBackend

@@ -510,9 +510,11 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
   }
 }
 
+// Requests whose query chunk has skip_query_len or more tokens (when > 0) are left to the caller: for long
+// prefill chunks a gather + torch's flash-attention kernel is faster than this one.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale) {
+                     double scale, int64_t skip_query_len) {
   check_last_dim_contiguous(out, "out");
   check_last_dim_contiguous(query, "query");
   check_cpu(k_cache, "k_cache");
@@ -542,6 +544,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     TORCH_CHECK(q_len >= 0 && q_end <= query.size(0) && lens[r] >= q_len &&
                     (lens[r] + block_size - 1) / block_size <= max_blocks,
                 "paged_attention: inconsistent metadata for request ", r);
+    if (skip_query_len > 0 && q_len >= skip_query_len) continue;
     if (q_len == 1) {
       // A decode: one item over all kv heads, so each block is read as one contiguous span per K and V.
       items.push_back({r, 0, kv_heads, q_begin, q_end, lens[r] * kv_heads});
@@ -590,7 +593,7 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int num_tokens) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int skip_query_len=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
