@@ -74,6 +74,21 @@ def test_mixed_batch_matches_hf(arch, tiny_model_dir):
     check_against_hf(llm, model_dir, prompts, [12, 7, 20, 9, 15, 24])
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plain_greedy_matches_hf(arch, tiny_model_dir):
+    """Greedy without logprobs takes the CPU LM head's bf16-screened argmax: still HF's tokens exactly."""
+    model_dir = tiny_model_dir(arch)
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64)
+    lm_head = llm.engine.worker.model.lm_head
+    assert "cpu_greedy_screen" in lm_head.__dict__  # the path under test is really taken
+    prompts = random_prompts([1, 5, 17, 33, 64, 3], seed=21)
+    max_tokens = [12, 7, 20, 9, 15, 24]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, m, out in zip(prompts, max_tokens, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, m)[0]
+
+
 def test_chunked_prefill_matches_hf(tiny_llama_dir):
     # A budget of 8 tokens per step forces every prompt into chunks, interleaved with other requests' decodes.
     llm = LLM(model=tiny_llama_dir, dtype="float32", max_num_batched_tokens=8, max_num_seqs=4,

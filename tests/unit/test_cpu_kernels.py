@@ -235,3 +235,39 @@ def test_paged_attention_rejects_a_block_id_outside_the_pool(ops):
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.paged_attention(torch.empty_like(q), q, kv[0].view(4, 2, 64, 16), kv[1].view(4, 2, 16, 64), table,
                             torch.tensor([0, 1], dtype=torch.int32), torch.tensor([20], dtype=torch.int32), 0.125)
+
+
+def test_greedy_screen_equals_full_argmax_including_ties(ops):
+    from pagedllm.layers.linear import pack_cpu_weights
+    from pagedllm.layers.vocab_embedding import ParallelLMHead
+
+    torch.manual_seed(0)
+    vocab, hidden = 3000, 96
+    head = ParallelLMHead(vocab, hidden)
+    head.weight.data.normal_(0, 0.5)
+    head.weight.data[7] = head.weight.data[2900]  # an exact tie: the lower id must win, as torch.argmax does
+    head.weight.data[11] = head.weight.data[2901] * (1 + 1e-3)  # a near-tie the bf16 screen cannot separate
+    assert pack_cpu_weights(torch.nn.ModuleDict({"lm_head": head})) == 1
+    assert "cpu_greedy_screen" in head.__dict__
+    x = torch.randn(64, hidden) * 3
+    x[:8] = head.weight.data[2900] * 5  # rows whose best tokens are the tied pair
+    x[8:16] = head.weight.data[2901] * 5
+    x[16:20] = 0.0  # all logits equal: token 0
+    full = head.compute_logits(x).argmax(dim=-1)
+    fast = head.greedy_token_ids(x)
+    assert torch.equal(fast, full)
+    assert set(fast[:8].tolist()) == {7} and set(fast[16:20].tolist()) == {0}
+
+
+def test_greedy_screen_falls_back_when_too_many_candidates(ops, monkeypatch):
+    from pagedllm.layers import vocab_embedding
+    from pagedllm.layers.linear import pack_cpu_weights
+    from pagedllm.layers.vocab_embedding import ParallelLMHead
+
+    torch.manual_seed(1)
+    head = ParallelLMHead(500, 64)
+    head.weight.data.normal_(0, 0.01)  # a flat distribution: hundreds of candidates
+    pack_cpu_weights(torch.nn.ModuleDict({"lm_head": head}))
+    monkeypatch.setattr(vocab_embedding, "_GREEDY_MAX_CANDIDATES", 2)
+    x = torch.randn(5, 64)
+    assert torch.equal(head.greedy_token_ids(x), head.compute_logits(x).argmax(dim=-1))

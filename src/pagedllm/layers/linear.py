@@ -114,6 +114,9 @@ def pack_cpu_weights(model: nn.Module) -> int:
         if packed is not None:
             module.__dict__["cpu_packed_weight"] = packed
             count += 1
+            prepare_greedy = getattr(module, "prepare_cpu_greedy_screen", None)
+            if prepare_greedy is not None:
+                prepare_greedy()
     return count
 
 

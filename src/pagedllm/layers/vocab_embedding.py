@@ -109,5 +109,56 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = logits[..., :self.org_vocab_size]
         return logits.to(torch.float32).contiguous()
 
+    # ---- exact greedy decoding on CPU through a bf16 screen (see kernels/csrc/cpu_ops.cpp: greedy_screen)
+
+    def prepare_cpu_greedy_screen(self) -> bool:
+        """Keep a oneDNN-packed bf16 copy of the (fp32, CPU, unsharded, bias-free) weight and its row norms.
+
+        The bf16 product runs at twice the fp32 rate and reads half the bytes; an error bound then narrows
+        the vocabulary to a few candidates whose logits are recomputed exactly (measured on 2 cores: the
+        LM head of SmolLM2 at 18 rows 7.0 ms in fp32 vs 3.4 ms in bf16)."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or self.tp_size != 1 or self.bias is not None:
+            return False
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(torch.bfloat16), 32)
+            probe = torch.ops.mkldnn._linear_pointwise(torch.zeros(1, w.shape[1], dtype=torch.bfloat16), packed,
+                                                        None, "none", [], "")
+        except (RuntimeError, AttributeError):  # no bf16 oneDNN linear in this build / on this CPU
+            return False
+        if probe.dtype != torch.bfloat16 or probe.shape != (1, w.shape[0]):
+            return False
+        self.__dict__["cpu_greedy_screen"] = (packed, w.detach().norm(dim=1).float().contiguous())
+        return True
+
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        """argmax of compute_logits(hidden_states) per row, or None where the screen does not apply."""
+        screen = self.__dict__.get("cpu_greedy_screen")
+        if screen is None or hidden_states.dim() != 2 or hidden_states.dtype != torch.float32:
+            return None
+        from pagedllm.kernels.cpu_ops import cpu_ops
+
+        ops = cpu_ops()
+        if ops is None:
+            return None
+        packed, norms = screen
+        x = hidden_states.contiguous()
+        approx = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
+        hidden = x.shape[1]
+        # |approx - logit| <= c |x| |w_t| + out_err |approx|: bf16 rounding of x and w (2^-8 each), fp32
+        # accumulation over `hidden` terms, and the bf16 rounding of the output (2^-7, conservatively).
+        c = 2.0 ** -7 + 2.0 ** -16 + 1.01 * hidden * 2.0 ** -24
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        ops.greedy_screen(out, approx, x, self.weight, norms, self.org_vocab_size, c, 2.0 ** -7,
+                          _GREEDY_MAX_CANDIDATES)
+        missed = (out < 0).nonzero().flatten()
+        if missed.numel():  # too many near-ties to screen: those rows take the full fp32 logits
+            out[missed] = self.compute_logits(x.index_select(0, missed)).argmax(dim=-1)
+        return out
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not called directly; use compute_logits(hidden_states).")
+
+
+# Rows with more candidate tokens than this (after the bf16 screen) fall back to full fp32 logits.
+_GREEDY_MAX_CANDIDATES = 256

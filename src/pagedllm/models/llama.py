@@ -172,6 +172,10 @@ class LlamaForCausalLM(nn.Module):
         # [N, hidden_size] -> [N, vocab_size] float32
         return self.lm_head.compute_logits(hidden_states)
 
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        """argmax of compute_logits without materializing fp32 logits where the LM head can (CPU fp32)."""
+        return self.lm_head.greedy_token_ids(hidden_states)
+
     def skip_weight(self, name: str) -> bool:
         return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head."))
 

@@ -97,6 +97,39 @@ inline v16f vexp(v16f x) {
   return y * pow2n;
 }
 
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+inline v16f bf16x16_to_float(const uint16_t* p) {
+  v16u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const v16u32 wide = __builtin_convertvector(h, v16u32) << 16;
+  v16f f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+inline v16f vabs(v16f x) {
+  v16u32 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits &= 0x7fffffffu;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+inline bool any_lane(v16i m) {
+  for (int i = 0; i < 16; ++i)
+    if (m[i]) return true;
+  return false;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // RMSNorm (HF numerics: normalize in float32, round to the storage dtype, then scale by the weight).
 
@@ -582,6 +615,98 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   });
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Exact greedy token from a bf16 screen of the LM head. approx[r, t] = bf16(x_r . w_t) computed from bf16-rounded
+// x and w; its distance to the real-number logit z is at most B_t = c * |x_r| * |w_t| + out_err * |approx[r, t]|
+// (input and weight rounding, fp32 accumulation, output rounding). The real argmax m then has
+// approx_m + B_m >= z_m >= max_t (approx_t - B_t), so it is among the candidates passing that test; their logits
+// are recomputed from the fp32 weights (double accumulation) and the largest wins (lowest id on ties).
+// out[r] = -1 when a row has more than max_candidates (the caller then computes that row's full logits).
+
+void greedy_screen(at::Tensor& out, const at::Tensor& approx, const at::Tensor& x, const at::Tensor& weight,
+                   const at::Tensor& w_norms, int64_t vocab, double c, double out_err, int64_t max_candidates) {
+  TORCH_CHECK(approx.scalar_type() == at::kBFloat16 && approx.dim() == 2 && approx.stride(1) == 1 &&
+                  x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                  weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.size(1) == x.size(1) &&
+                  w_norms.scalar_type() == at::kFloat && w_norms.is_contiguous() &&
+                  out.scalar_type() == at::kLong && out.numel() == x.size(0) && approx.size(0) == x.size(0) &&
+                  vocab <= approx.size(1) && vocab <= weight.size(0) && vocab <= w_norms.numel(),
+              "greedy_screen: bad shapes or dtypes");
+  const int64_t rows = x.size(0), h = x.size(1), as0 = approx.stride(0);
+  const c10::BFloat16* ap = approx.data_ptr<c10::BFloat16>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* wn = w_norms.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> cand;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * h;
+      double sq = 0.0;
+      for (int64_t i = 0; i < h; ++i) sq += static_cast<double>(xr[i]) * xr[i];
+      const float cx = static_cast<float>(c * std::sqrt(sq) * (1.0 + 1e-6));
+      const float oe = static_cast<float>(out_err);
+      const uint16_t* ar = reinterpret_cast<const uint16_t*>(ap + r * as0);
+      // Pass 1: thr = max_t (a_t - B_t); pass 2: the candidates, a_t + B_t >= thr. 16 lanes at a time.
+      const v16f cxv = v16f{} + cx, oev = v16f{} + oe;
+      v16f lo_max = v16f{} - std::numeric_limits<float>::infinity();
+      int64_t t = 0;
+      for (; t + 16 <= vocab; t += 16) {
+        const v16f a = bf16x16_to_float(ar + t);
+        const v16f lo = a - (cxv * load16(wn + t) + oev * vabs(a));
+        lo_max = lo > lo_max ? lo : lo_max;
+      }
+      float thr = hmax(lo_max);
+      for (; t < vocab; ++t) {
+        const float a = bf16_bits_to_float(ar[t]);
+        thr = std::max(thr, a - (cx * wn[t] + oe * std::fabs(a)));
+      }
+      cand.clear();
+      bool overflow = false;
+      const v16f thrv = v16f{} + thr;
+      for (t = 0; t + 16 <= vocab && !overflow; t += 16) {
+        const v16f a = bf16x16_to_float(ar + t);
+        const v16i hit = (a + (cxv * load16(wn + t) + oev * vabs(a))) >= thrv;
+        if (!any_lane(hit)) continue;
+        for (int j = 0; j < 16; ++j) {
+          if (!hit[j]) continue;
+          if (static_cast<int64_t>(cand.size()) >= max_candidates) {
+            overflow = true;
+            break;
+          }
+          cand.push_back(t + j);
+        }
+      }
+      for (; t < vocab && !overflow; ++t) {
+        const float a = bf16_bits_to_float(ar[t]);
+        if (a + (cx * wn[t] + oe * std::fabs(a)) >= thr) {
+          if (static_cast<int64_t>(cand.size()) >= max_candidates) {
+            overflow = true;
+            break;
+          }
+          cand.push_back(t);
+        }
+      }
+      if (overflow || cand.empty()) {  // empty only with NaN logits: let the full path decide
+        op[r] = -1;
+        continue;
+      }
+      int64_t best = cand[0];
+      double best_v = -std::numeric_limits<double>::infinity();
+      for (const int64_t t : cand) {
+        const float* wt = wp + t * h;
+        double v = 0.0;
+        for (int64_t i = 0; i < h; ++i) v += static_cast<double>(xr[i]) * wt[i];
+        if (v > best_v) {  // strict: the lowest id wins ties, as torch.argmax does
+          best_v = v;
+          best = t;
+        }
+      }
+      op[r] = best;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
@@ -592,6 +717,8 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int num_tokens) -> ()");
+  m.def("greedy_screen(Tensor(a!) out, Tensor approx, Tensor x, Tensor weight, Tensor w_norms, int vocab, "
+        "float c, float out_err, int max_candidates) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, int skip_query_len=0) -> ()");
 }
@@ -603,4 +730,5 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("rotary_neox", &rotary_neox);
   m.impl("write_kv", &write_kv);
   m.impl("paged_attention", &paged_attention);
+  m.impl("greedy_screen", &greedy_screen);
 }
