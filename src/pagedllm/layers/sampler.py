@@ -97,6 +97,13 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: Optional[int] = None  # None: no row asked for logprobs
 
+    @property
+    def argmax_only(self) -> bool:
+        """The sampled tokens are exactly the argmax of the raw logits: every row greedy, and nothing edits the
+        logits (penalties, min_tokens) or reports them (logprobs)."""
+        return (self.all_greedy and self.max_num_logprobs is None and self.no_penalties
+                and self.min_tokens_mask is None)
+
     @classmethod
     def build(
         cls,

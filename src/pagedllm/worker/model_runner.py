@@ -16,7 +16,6 @@ from pagedllm.attention.backend import get_attention_backend
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
-from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
@@ -145,25 +144,23 @@ class ModelRunner:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
         sample_states = [inp.states[i] for i in sample_rows]
-        sampler_out = None
-        if dev.type == "cpu" and all(_plain_greedy(s.sampling_params) for s in sample_states):
-            # Greedy without logprobs, penalties or min_tokens needs only the argmax: the CPU LM head finds it
-            # exactly from a bf16 screen (None where that does not apply).
-            greedy = getattr(self.model, "greedy_token_ids", None)
-            sampled = greedy(sample_hidden) if greedy is not None else None
-            if sampled is not None:
-                sampler_out = SamplerOutput(sampled_token_ids=sampled, logprobs=None)
-        if sampler_out is None:
-            logits = self.model.compute_logits(sample_hidden)
-            meta = SamplingMetadata.build(
-                params=[s.sampling_params for s in sample_states],
-                prompt_token_ids=[s.prompt_token_ids for s in sample_states],
-                output_token_ids=[s.output_token_ids for s in sample_states],
-                eos_token_ids=[None if s.sampling_params.ignore_eos else self.eos_token_id for s in sample_states],
-                vocab_size=logits.shape[-1],
-                device=dev,
-            )
-            sampler_out = self.sampler(logits, meta)
+        meta = SamplingMetadata.build(
+            params=[s.sampling_params for s in sample_states],
+            prompt_token_ids=[s.prompt_token_ids for s in sample_states],
+            output_token_ids=[s.output_token_ids for s in sample_states],
+            eos_token_ids=[None if s.sampling_params.ignore_eos else self.eos_token_id for s in sample_states],
+            vocab_size=self.vocab_size,
+            device=dev,
+        )
+        greedy = None
+        if dev.type == "cpu" and meta.argmax_only:
+            # Only the argmax is needed: the CPU LM head finds it exactly from a bf16 screen (None where that
+            # does not apply).
+            greedy = getattr(self.model, "greedy_token_ids", lambda hidden: None)(sample_hidden)
+        if greedy is not None:
+            sampler_out = SamplerOutput(sampled_token_ids=greedy, logprobs=None)
+        else:
+            sampler_out = self.sampler(self.model.compute_logits(sample_hidden), meta)
         sampled = sampler_out.sampled_token_ids
         # Remember where each request's newest token lives on the device for the next launch.
         self._prev_sampled = sampled
@@ -255,12 +252,6 @@ class ModelRunner:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-
-
-def _plain_greedy(p: SamplingParams) -> bool:
-    """The next token is exactly the argmax of the raw logits: greedy, nothing that edits or reports them."""
-    return (p.temperature < _GREEDY_EPS and p.logprobs is None and p.min_tokens == 0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0)
 
 
 class HostStager:
