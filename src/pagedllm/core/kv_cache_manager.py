@@ -123,8 +123,7 @@ class KVCacheManager:
             # Fast path (most decode steps): the new tokens fit in the blocks the request already holds.
             num_tokens_with_slots = request.num_computed_tokens + num_new_tokens
             if num_tokens_with_slots <= len(blocks) * self.block_size:
-                if self.enable_caching and (min(num_tokens_with_slots, request.num_tokens) // self.block_size
-                                            > self.num_cached_blocks[request.request_id]):
+                if self.enable_caching:
                     self._cache_full_blocks(request, min(num_tokens_with_slots, request.num_tokens))
                 return []
         if new_computed_blocks and blocks:
