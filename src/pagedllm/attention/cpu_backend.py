@@ -10,9 +10,9 @@ The torch backend (attention/torch_backend.py) computes the same thing and is wh
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.torch_backend import chunk_attention, chunk_mask
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.cpu_ops import cpu_ops
 
@@ -46,42 +46,22 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype)
         if num_tokens < query.shape[0]:
             out[num_tokens:].zero_()
-        long_rows = self._long_rows(metadata)
+        long_rows = []
+        if metadata.max_query_len >= LONG_QUERY_LEN:
+            qsl = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
+            seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
+            long_rows = [(qsl[i], qsl[i + 1], seq_lens[i], i) for i in range(metadata.num_reqs)
+                         if qsl[i + 1] - qsl[i] >= LONG_QUERY_LEN]
         self.ops.paged_attention(out, query, key_cache, value_cache, metadata.block_table,
                                  metadata.query_start_loc, metadata.seq_lens, scale,
                                  LONG_QUERY_LEN if long_rows else 0)
-        for row in long_rows:
-            self._attend_long(out, query, key_cache, value_cache, metadata, row, scale)
+        for start, end, seq_len, row in long_rows:
+            # A long prefill chunk: gather its context out of the block layout, then torch's SDPA.
+            blocks = metadata.block_table[row, :-(-seq_len // block_size)].long()
+            n = blocks.numel() * block_size
+            # K blocks [kv_heads, D, block_size], V blocks [kv_heads, block_size, D] -> [1, kv_heads, seq_len, D]
+            k = key_cache.index_select(0, blocks).permute(1, 0, 3, 2).reshape(kv_heads, n, head_size)[:, :seq_len]
+            v = value_cache.index_select(0, blocks).permute(1, 0, 2, 3).reshape(kv_heads, n, head_size)[:, :seq_len]
+            out[start:end] = chunk_attention(query[start:end], k.unsqueeze(0), v.unsqueeze(0),
+                                             chunk_mask(end - start, seq_len, query.device), scale)
         return out
-
-    @staticmethod
-    def _long_rows(metadata: AttentionMetadata) -> list[int]:
-        if metadata.max_query_len < LONG_QUERY_LEN:
-            return []
-        qsl = metadata.query_start_loc_cpu
-        if qsl is None:
-            qsl = metadata.query_start_loc.tolist()
-        return [i for i in range(metadata.num_reqs) if qsl[i + 1] - qsl[i] >= LONG_QUERY_LEN]
-
-    @staticmethod
-    def _attend_long(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     metadata: AttentionMetadata, row: int, scale: float) -> None:
-        """One long prefill chunk: gather its context out of the block layout, then torch's SDPA."""
-        qsl = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
-        seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
-        start, end, seq_len = qsl[row], qsl[row + 1], seq_lens[row]
-        num_blocks, kv_heads, head_size, block_size = key_cache.shape
-        blocks = metadata.block_table[row, :-(-seq_len // block_size)].long()
-        n = blocks.numel() * block_size
-        # K blocks are [kv_heads, D, block_size], V blocks [kv_heads, block_size, D] -> [kv_heads, seq_len, D]
-        k = key_cache.index_select(0, blocks).permute(1, 0, 3, 2).reshape(kv_heads, n, head_size)[:, :seq_len]
-        v = value_cache.index_select(0, blocks).permute(1, 0, 2, 3).reshape(kv_heads, n, head_size)[:, :seq_len]
-        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
-        q_len = end - start
-        mask = None
-        if seq_len != q_len:  # a chunk after cached context: query j sees positions <= seq_len - q_len + j
-            qpos = torch.arange(q_len)[:, None] + (seq_len - q_len)
-            mask = torch.arange(seq_len)[None, :] <= qpos
-        o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=q.shape[1] != kv_heads)
-        out[start:end] = o.squeeze(0).transpose(0, 1)

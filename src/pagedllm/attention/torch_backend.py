@@ -7,6 +7,8 @@ One call handles a batch that mixes decodes (query_len == 1), prefill chunks and
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,25 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     slots = slot_mapping[:num_tokens]
     flat[0].index_copy_(0, slots, key[:num_tokens])
     flat[1].index_copy_(0, slots, value[:num_tokens])
+
+
+def chunk_mask(query_len: int, seq_len: int, device: torch.device) -> Optional[torch.Tensor]:
+    """[Q, S] bool mask for a chunk that follows seq_len - query_len cached tokens (query j sees positions
+    <= seq_len - query_len + j); None for a fresh prompt, which is plain causal."""
+    if seq_len == query_len:
+        return None
+    qpos = torch.arange(query_len, device=device)[:, None] + (seq_len - query_len)
+    return torch.arange(seq_len, device=device)[None, :] <= qpos
+
+
+def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+                    scale: float) -> torch.Tensor:
+    """One request's query chunk [Q, H, D] over its whole context key/value [1, KVH, S, D] with torch's SDPA
+    (`mask` from chunk_mask); returns [Q, H, D]."""
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+    o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                       enable_gqa=q.shape[1] != key.shape[1])
+    return o.squeeze(0).transpose(0, 1)
 
 
 class _StepPlan:
@@ -56,12 +77,7 @@ class _StepPlan:
             if query_len == 1:
                 continue
             blocks = metadata.block_table[i, :-(-seq_len // block_size)].long()
-            mask = None
-            if seq_len != query_len:
-                # Chunk after cached context: query j sees positions < seq_len - query_len + j + 1.
-                qpos = torch.arange(query_len, device=device)[:, None] + (seq_len - query_len)
-                mask = torch.arange(seq_len, device=device)[None, :] <= qpos
-            self.prefills.append((start, end, seq_len, blocks, mask))
+            self.prefills.append((start, end, seq_len, blocks, chunk_mask(query_len, seq_len, device)))
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -78,7 +94,6 @@ class TorchAttentionBackend(AttentionBackend):
         if self._plan_key is not metadata:
             self._plan_key, self._plan = metadata, _StepPlan(metadata, key_cache.shape[1])
         plan = self._plan
-        gqa = query.shape[1] != key.shape[1]
         out = torch.empty_like(query)
         if num_tokens < query.shape[0]:
             out[num_tokens:].zero_()
@@ -105,10 +120,5 @@ class TorchAttentionBackend(AttentionBackend):
         for start, end, seq_len, blocks, mask in plan.prefills:
             k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1,KVH,S,D]
             v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
-            q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-            if mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out[start:end] = o.squeeze(0).transpose(0, 1)
+            out[start:end] = chunk_attention(query[start:end], k, v, mask, scale)
         return out
