@@ -16,6 +16,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
+from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import cpu_packed_linear
 from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
 
@@ -136,9 +137,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         screen = self.__dict__.get("cpu_greedy_screen")
         if screen is None or hidden_states.dim() != 2 or hidden_states.dtype != torch.float32:
             return None
-        from pagedllm.kernels.cpu_ops import cpu_ops
-
-        ops = cpu_ops()
+        ops = cpu_ops.usable(hidden_states)
         if ops is None:
             return None
         packed, norms = screen

@@ -663,29 +663,22 @@ void greedy_screen(at::Tensor& out, const at::Tensor& approx, const at::Tensor& 
       }
       cand.clear();
       bool overflow = false;
+      const auto take = [&](int64_t id) {  // sets overflow instead of exceeding max_candidates
+        overflow = static_cast<int64_t>(cand.size()) >= max_candidates;
+        if (!overflow) cand.push_back(id);
+      };
       const v16f thrv = v16f{} + thr;
       for (t = 0; t + 16 <= vocab && !overflow; t += 16) {
         const v16f a = bf16x16_to_float(ar + t);
         const v16i hit = (a + (cxv * load16(wn + t) + oev * vabs(a))) >= thrv;
         if (!any_lane(hit)) continue;
-        for (int j = 0; j < 16; ++j) {
-          if (!hit[j]) continue;
-          if (static_cast<int64_t>(cand.size()) >= max_candidates) {
-            overflow = true;
-            break;
-          }
-          cand.push_back(t + j);
+        for (int j = 0; j < 16 && !overflow; ++j) {
+          if (hit[j]) take(t + j);
         }
       }
       for (; t < vocab && !overflow; ++t) {
         const float a = bf16_bits_to_float(ar[t]);
-        if (a + (cx * wn[t] + oe * std::fabs(a)) >= thr) {
-          if (static_cast<int64_t>(cand.size()) >= max_candidates) {
-            overflow = true;
-            break;
-          }
-          cand.push_back(t);
-        }
+        if (a + (cx * wn[t] + oe * std::fabs(a)) >= thr) take(t);
       }
       if (overflow || cand.empty()) {  // empty only with NaN logits: let the full path decide
         op[r] = -1;
