@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.engine.test_correctness import hf_greedy
+from tests.engine.test_smollm2 import check_greedy_matches_transformers
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -20,19 +20,7 @@ def llm(smollm2_hf_dir):
 
 
 def test_smollm2_fp32_greedy_matches_transformers_on_gpu(llm, smollm2_hf_dir):
-    tok = llm.get_tokenizer()
-    texts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.\nThe sea",
-             "Once upon a time, in a small village at the edge of a great forest, there lived an old"]
-    prompts = [tok.encode(t) for t in texts]
-    max_tokens = [12, 20, 8, 16]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=0) for m in max_tokens]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for p, m, out in zip(prompts, max_tokens, outs):
-        ref_tokens, ref_lps = hf_greedy(smollm2_hf_dir, p, m)
-        got = out.outputs[0]
-        assert got.token_ids == ref_tokens
-        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-3, rtol=0)
+    check_greedy_matches_transformers(llm, smollm2_hf_dir)
 
 
 def test_smollm2_answers_paris_on_gpu(llm):
