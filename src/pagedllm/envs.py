@@ -42,6 +42,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_PINNED_STAGING": lambda: os.environ.get("PAGEDLLM_PINNED_STAGING", "1") != "0",
     # Most split-KV partitions per (request, kv head) in the CUDA decode kernel (tuning; a power of two).
     "PAGEDLLM_DECODE_MAX_SPLITS": _int("PAGEDLLM_DECODE_MAX_SPLITS", 64),
+    # "0": on CUDA, run q/k norm, rotary and the KV-cache write as separate kernels instead of the fused one
+    # (A/B benchmarks, debugging).
+    "PAGEDLLM_FUSED_QKV": lambda: os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0",
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

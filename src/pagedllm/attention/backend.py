@@ -31,6 +31,26 @@ class AttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         raise NotImplementedError
 
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_size], the projection output
+        positions: torch.Tensor,  # [num_tokens]
+        cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] = cat(cos, sin)
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        q_norm_weight: Optional[torch.Tensor] = None,  # per-head RMSNorm of q and k before rope (Qwen3)
+        k_norm_weight: Optional[torch.Tensor] = None,
+        eps: float = 1e-6,
+    ) -> Optional[torch.Tensor]:
+        """Optional fused path from the qkv projection: q/k norm + neox rope + KV write + attention, with
+        fewer kernels. Returns [num_tokens, num_heads, head_size], or None to make the caller run the
+        unfused ops and `forward` (the default)."""
+        return None
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Called once per step before the forward (plan shared by all layers). Optional."""
 

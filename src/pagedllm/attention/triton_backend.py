@@ -21,11 +21,13 @@ from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.paged_attention import (
+    alloc_decode_workspace,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
     paged_prefill_attention,
 )
+from pagedllm.kernels.qkv_prep import qkv_prep
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache
 
 
@@ -35,21 +37,19 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, max_splits: Optional[int] = None) -> None:
         # Upper bound on split-KV partitions per (request, kv head); PAGEDLLM_DECODE_MAX_SPLITS tunes it.
         self.max_splits = max_splits or envs.PAGEDLLM_DECODE_MAX_SPLITS
-        # (device, num_kv_heads, num_heads, head_size) -> (part_out, part_lse), fp32, never freed:
+        # (device, num_kv_heads, num_heads, head_size) -> (part_out, part_lse, counters), never freed:
         # captured graphs keep pointing at them.
-        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def reserve_workspace(self, num_heads: int, num_kv_heads: int, head_size: int,
-                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Allocate (once) the worst-case split-KV workspace; call before CUDA-graph capture."""
         device = torch.device(device)
         key = (device, num_kv_heads, num_heads, head_size)
         ws = self._workspaces.get(key)
         if ws is None:
-            out_numel, lse_numel = decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
-                                                          self.max_splits)
-            ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
-                  torch.empty(lse_numel, dtype=torch.float32, device=device))
+            ws = alloc_decode_workspace(
+                decode_workspace_numel(num_kv_heads, num_heads, head_size, device, self.max_splits), device)
             self._workspaces[key] = ws
         return ws
 
@@ -85,6 +85,41 @@ class TritonAttentionBackend(AttentionBackend):
         if query.shape[0] == 0 or metadata.num_reqs == 0:
             return output
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        return self._attend(query, kv_cache, metadata, scale, output)
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_size], the projection output
+        positions: torch.Tensor,  # [num_tokens]
+        cos_sin_cache: torch.Tensor,  # [max_position, head_size]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        q_norm_weight: Optional[torch.Tensor] = None,
+        k_norm_weight: Optional[torch.Tensor] = None,
+        eps: float = 1e-6,
+    ) -> Optional[torch.Tensor]:
+        """Norm (optional) + rotary + KV write in one kernel, then attention. Returns the output
+        [num_tokens, num_heads, head_size], or None when this case needs the unfused path (the caller runs it).
+        Rotates q in place inside qkv."""
+        if not envs.PAGEDLLM_FUSED_QKV or cos_sin_cache.shape[-1] != head_size or qkv.stride(-1) != 1:
+            return None
+        if q_norm_weight is not None and (q_norm_weight.dtype != qkv.dtype or k_norm_weight.dtype != qkv.dtype):
+            return None
+        num_tokens = qkv.shape[0]
+        output = torch.empty(num_tokens, num_heads, head_size, dtype=qkv.dtype, device=qkv.device)
+        if num_tokens == 0 or metadata.num_reqs == 0:
+            return output
+        query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, num_heads, num_kv_heads,
+                         head_size, q_norm_weight, k_norm_weight, eps)
+        return self._attend(query, kv_cache, metadata, scale, output)
+
+    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                output: torch.Tensor) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V."""
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         if metadata.max_query_len == 1:

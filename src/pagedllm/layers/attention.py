@@ -41,6 +41,21 @@ class Attention(nn.Module):
             out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> Optional[torch.Tensor]:
+        """The backend's fused path from the projection output qkv [num_tokens, q_size + 2 * kv_size]:
+        optional per-head q/k RMSNorm (weights, eps), neox rope over the whole head, KV write, attention.
+        Returns [num_tokens, num_heads * head_size], or None when the caller must take the unfused path
+        (no KV cache bound yet, a backend without the fused path, partial rotary, ...). May modify qkv."""
+        ctx = get_forward_context()
+        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
+            return None
+        q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 1e-6)
+        out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache, ctx.attn_metadata,
+                                           self.scale, self.num_heads, self.num_kv_heads, self.head_size,
+                                           q_w, k_w, eps)
+        return None if out is None else out.reshape(qkv.shape[0], self.num_heads * self.head_size)
+
     def _no_cache_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Treat the whole input as one causal sequence (used for profiling runs only)."""
         # [1, heads, tokens, head_size]

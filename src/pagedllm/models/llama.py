@@ -69,16 +69,23 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
-        # q [T, heads * head_dim]; k, v [T, kv_heads * head_dim] (views into qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # Rotated q/k: new tensors on CPU, rotated in place (still views of qkv) by the Triton kernel on CUDA.
-        q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
-        out = self.attn(q, k, v)  # [T, heads * head_dim]
+        # Backends with a fused path (Triton on CUDA) do q/k norm, rope and the KV write in one kernel.
+        out = self.attn.forward_qkv(qkv, positions, self.rotary_emb.cos_sin_cache, self.qk_norm())
+        if out is None:
+            # q [T, heads * head_dim]; k, v [T, kv_heads * head_dim] (views into qkv)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            # Rotated q/k: new tensors on CPU, rotated in place (still views of qkv) by the Triton kernel on CUDA.
+            q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
+            out = self.attn(q, k, v)  # [T, heads * head_dim]
         return self.o_proj(out)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook before rope (Qwen3 normalizes each head here)."""
+        """Hook before rope (Qwen3 normalizes each head here); keep `qk_norm` in step with it."""
         return q, k
+
+    def qk_norm(self) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
+        """(q weight, k weight, eps) of the per-head RMSNorm `normalize_qk` applies, for fused kernels."""
+        return None
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -27,6 +27,10 @@ class Qwen3Attention(LlamaAttention):
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
         return q, k
 
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        assert self.q_norm.variance_epsilon == self.k_norm.variance_epsilon
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon
+
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3Attention

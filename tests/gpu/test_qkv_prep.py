@@ -1,0 +1,128 @@
+"""The fused q/k-norm + rope + KV-write kernel against the unfused torch references, and the fused path of
+the Triton backend against its unfused path (GPU only; PAGEDLLM_TEST_DEVICE=cpu runs Triton's interpreter)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_cases import build_batch, kernel_test_device, tolerances
+
+DEVICE = kernel_test_device()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from pagedllm.kernels.qkv_prep import qkv_prep, qkv_prep_ref  # noqa: E402
+from pagedllm.layers.rotary_embedding import get_rope  # noqa: E402
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+# (num_heads, num_kv_heads, head_size, block_size, dtype, qk_norm)
+CASES = [
+    (32, 8, 128, 16, BF16, False),  # Llama-3-8B
+    (16, 8, 128, 16, BF16, True),  # Qwen3-0.6B
+    (14, 2, 64, 32, BF16, False),  # Qwen2-0.5B-like
+    (12, 4, 96, 16, FP16, True),  # padded half (48 -> 64)
+    (10, 2, 80, 32, FP32, True),
+    (9, 3, 64, 16, FP32, False),  # SmolLM2-135M
+    (8, 8, 128, 16, FP32, True),
+]
+IDS = [f"h{h}-kv{kv}-d{d}-bs{bs}-{str(dt).split('.')[-1]}{'-norm' if n else ''}" for h, kv, d, bs, dt, n in CASES]
+
+
+def _inputs(num_tokens, num_heads, num_kv_heads, head_size, block_size, dtype, qk_norm, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    # Strided rows (a view into a wider buffer), as a projection with padding could give.
+    qkv = (3 * torch.randn(num_tokens, width + 16, generator=gen)).to(dtype).to(DEVICE)[:, :width]
+    positions = torch.randint(0, 8000, (num_tokens,), generator=gen).to(DEVICE)
+    num_blocks = num_tokens // block_size + 4
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype, device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
+    if num_tokens > 2:
+        slots[1] = -1  # padding row: no cache write
+    norms = None
+    if qk_norm:
+        norms = tuple((1 + 0.2 * torch.randn(head_size, generator=gen)).to(dtype).to(DEVICE) for _ in range(2))
+    rope = get_rope(head_size, 8192, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192})
+    return qkv, positions, rope.cos_sin_cache.to(DEVICE), cache, slots, norms
+
+
+def _close(a, b, dtype):
+    # Two roundings apart at most (the norm's sum of squares is added in another order).
+    if dtype == FP32:
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    else:
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_qkv_prep_matches_unfused_reference(case, num_tokens):
+    num_heads, num_kv_heads, head_size, block_size, dtype, qk_norm = case
+    qkv, positions, cos_sin, cache, slots, norms = _inputs(num_tokens, num_heads, num_kv_heads, head_size,
+                                                          block_size, dtype, qk_norm)
+    qkv_ref, cache_ref = qkv.clone(), cache.clone()
+    kv_before = qkv[:, num_heads * head_size:].clone()
+    norm_args = (norms[0], norms[1], 1e-6) if norms else (None, None, 1e-6)
+    q = qkv_prep(qkv, positions, cos_sin, cache, slots, num_heads, num_kv_heads, head_size, *norm_args)
+    q_ref = qkv_prep_ref(qkv_ref, positions, cos_sin, cache_ref, slots, num_heads, num_kv_heads, head_size,
+                         *norm_args)
+    assert q.data_ptr() == qkv.data_ptr()  # rotated in place
+    _close(q, q_ref, dtype)
+    assert torch.equal(qkv[:, num_heads * head_size:], kv_before)  # k and v inside qkv are untouched
+    # Written slots match; every other slot (including the padding row's) is still NaN.
+    written = torch.isnan(cache_ref)
+    assert torch.equal(torch.isnan(cache), written)
+    _close(cache[~written], cache_ref[~written], dtype)
+    # V is copied exactly.
+    v_ref = cache_ref[1][~torch.isnan(cache_ref[1])]
+    assert torch.equal(cache[1][~torch.isnan(cache[1])], v_ref)
+
+
+@pytest.mark.parametrize("specs", [[(0, 37), (100, 50), (500, 1)], [(n - 1, 1) for n in (1, 17, 64, 65, 1000)]],
+                         ids=["mixed", "decode"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_backend_fused_path_matches_unfused(specs, qk_norm):
+    """forward_qkv (one kernel before attention) == norm + rope + forward (separate kernels)."""
+    num_heads, num_kv_heads, head_size, block_size, dtype = 16, 8, 128, 16, BF16
+    batch = build_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
+    md = batch.metadata
+    num_tokens = batch.query.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=gen).to(dtype).to(DEVICE)
+    positions = (md.seq_lens.repeat_interleave(md.query_start_loc.diff()) - 1).long()
+    offsets = torch.arange(num_tokens, device=DEVICE) - md.query_start_loc[:-1].repeat_interleave(
+        md.query_start_loc.diff())
+    qlens = md.query_start_loc.diff().repeat_interleave(md.query_start_loc.diff())
+    positions = positions - (qlens - 1 - offsets)  # each token's absolute position
+    rope = get_rope(head_size, 8192, {"rope_type": "default", "rope_theta": 1e6})
+    cos_sin = rope.cos_sin_cache.to(DEVICE)
+    norms = (None, None, 1e-6)
+    if qk_norm:
+        norms = tuple((1 + 0.2 * torch.randn(head_size, generator=gen)).to(dtype).to(DEVICE) for _ in range(2)) + (1e-6,)
+    backend = TritonAttentionBackend()
+
+    cache_a = batch.kv_cache.clone()
+    out_a = backend.forward_qkv(qkv.clone(), positions, cos_sin, cache_a, md, batch.scale, num_heads, num_kv_heads,
+                                head_size, *norms)
+    assert out_a is not None
+
+    cache_b = batch.kv_cache.clone()
+    q, k, v = qkv.clone().split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
+    q_ref = qkv_prep_ref(qkv.clone(), positions, cos_sin, cache_b.clone(), md.slot_mapping, num_heads,
+                         num_kv_heads, head_size, *norms)
+    from pagedllm.kernels.norm import rms_norm_ref
+    from pagedllm.kernels.rotary import apply_rotary_ref
+    k = k.reshape(num_tokens, num_kv_heads, head_size)
+    if qk_norm:
+        k = rms_norm_ref(k, norms[1], 1e-6)
+    _, k = apply_rotary_ref(positions, q.reshape(num_tokens, num_heads, head_size), k, cos_sin, head_size)
+    out_b = backend.forward(q_ref, k, v.reshape(num_tokens, num_kv_heads, head_size), cache_b, md, batch.scale)
+    assert not torch.isnan(out_a).any()
+    torch.testing.assert_close(out_a.float(), out_b.float(), **tolerances(dtype))
+    _close(cache_a.nan_to_num(0.0), cache_b.nan_to_num(0.0), dtype)
