@@ -15,6 +15,7 @@ pytestmark = [
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.forward_context import AttentionMetadata  # noqa: E402
 from pagedllm.kernels.paged_attention import (  # noqa: E402
+    alloc_decode_workspace,
     paged_attention_ref,
     paged_decode_attention,
     paged_prefill_attention,
@@ -240,8 +241,8 @@ def test_decode_split_merge_many_launches(num_splits):
     reshape_and_cache(batch.key, batch.value, batch.kv_cache, md.slot_mapping)
     ref = paged_attention_ref(batch.query, batch.kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
                               batch.scale)
-    backend = TritonAttentionBackend()
-    ws = backend.reserve_workspace(32, 8, 128, torch.device(DEVICE))
+    num_seqs = md.num_reqs
+    ws = alloc_decode_workspace((num_seqs * 32 * num_splits * 128, num_seqs * 32 * num_splits, num_seqs * 8), DEVICE)
     outs = [paged_decode_attention(batch.query, batch.kv_cache, md.block_table, md.seq_lens, batch.scale,
                                    num_seqs=md.num_reqs, num_splits=num_splits, workspace=ws)
             for _ in range(20 if DEVICE == "cuda" else 2)]
