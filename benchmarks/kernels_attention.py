@@ -1,6 +1,6 @@
 """Microbenchmark: Triton paged attention at the Llama-3-8B head config (32 q heads, 8 kv heads, head 128, bf16).
 
-Decode: split-KV kernel (merge inside the same launch), timed under CUDA-graph replay (as the engine runs decode), for batch
+Decode: split-KV kernel (+ reduce), timed under CUDA-graph replay (as the engine runs decode), for batch
 1..256 x context 1k..32k, reporting achieved GB/s of K/V read against the H200's ~4.3 TB/s copy rate,
 with torch SDPA over *contiguous* K/V (enable_gqa) as the peer where it fits.
 Prefill: the mixed kernel on fresh prompts and on chunks with cached prefixes, in TFLOP/s (causal FLOPs),
@@ -19,8 +19,7 @@ import triton
 import triton.testing
 
 from pagedllm.attention.triton_backend import TritonAttentionBackend
-from pagedllm.kernels.paged_attention import (alloc_decode_workspace, decode_num_splits, paged_decode_attention,
-                                              paged_prefill_attention)
+from pagedllm.kernels.paged_attention import decode_num_splits, paged_decode_attention, paged_prefill_attention
 
 H, KVH, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -55,7 +54,7 @@ class DecodeBench:
         ws = self.workspace
         splits = kw.get("num_splits")
         if splits is not None and batch * H * splits * D > ws[0].numel():
-            ws = alloc_decode_workspace((batch * H * splits * D, batch * H * splits, batch * KVH), DEV)
+            ws = (torch.empty(batch * H * splits * D, device=DEV), torch.empty(batch * H * splits, device=DEV))
 
         def fn():
             paged_decode_attention(q, self.cache, block_table, seq_lens, D ** -0.5, num_seqs=batch, output=out,

@@ -15,7 +15,6 @@ pytestmark = [
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.forward_context import AttentionMetadata  # noqa: E402
 from pagedllm.kernels.paged_attention import (  # noqa: E402
-    alloc_decode_workspace,
     paged_attention_ref,
     paged_decode_attention,
     paged_prefill_attention,
@@ -227,25 +226,3 @@ def test_decode_cuda_graph_replay(num_seqs):
         flat = kv_cache.view(2, -1, num_kv_heads, head_size)
         torch.testing.assert_close(flat[0, slot_mapping], k, rtol=0, atol=0)
         torch.testing.assert_close(flat[1, slot_mapping], v, rtol=0, atol=0)
-    # The split merge's completion counters are back at zero after every launch (the next replay needs it).
-    counters = backend.reserve_workspace(num_heads, num_kv_heads, head_size, torch.device("cuda"))[2]
-    assert torch.count_nonzero(counters) == 0
-
-
-@pytest.mark.parametrize("num_splits", [2, 7, 64])
-def test_decode_split_merge_many_launches(num_splits):
-    """The in-launch merge (last split to finish merges) gives the reference on every one of many back-to-back
-    launches sharing one workspace, and leaves its counters at zero."""
-    batch = build_batch([(n - 1, 1) for n in (1, 40, 300, 2500, 0 + 1, 777)], 32, 8, 128, 16, BF16, DEVICE)
-    md = batch.metadata
-    reshape_and_cache(batch.key, batch.value, batch.kv_cache, md.slot_mapping)
-    ref = paged_attention_ref(batch.query, batch.kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                              batch.scale)
-    num_seqs = md.num_reqs
-    ws = alloc_decode_workspace((num_seqs * 32 * num_splits * 128, num_seqs * 32 * num_splits, num_seqs * 8), DEVICE)
-    outs = [paged_decode_attention(batch.query, batch.kv_cache, md.block_table, md.seq_lens, batch.scale,
-                                   num_seqs=md.num_reqs, num_splits=num_splits, workspace=ws)
-            for _ in range(20 if DEVICE == "cuda" else 2)]
-    for out in outs:
-        torch.testing.assert_close(out.float(), ref.float(), **tolerances(BF16))
-    assert torch.count_nonzero(ws[2]) == 0

@@ -21,7 +21,6 @@ from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.paged_attention import (
-    alloc_decode_workspace,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
@@ -37,19 +36,21 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, max_splits: Optional[int] = None) -> None:
         # Upper bound on split-KV partitions per (request, kv head); PAGEDLLM_DECODE_MAX_SPLITS tunes it.
         self.max_splits = max_splits or envs.PAGEDLLM_DECODE_MAX_SPLITS
-        # (device, num_kv_heads, num_heads, head_size) -> (part_out, part_lse, counters), never freed:
+        # (device, num_kv_heads, num_heads, head_size) -> (part_out, part_lse), fp32, never freed:
         # captured graphs keep pointing at them.
-        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def reserve_workspace(self, num_heads: int, num_kv_heads: int, head_size: int,
-                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate (once) the worst-case split-KV workspace; call before CUDA-graph capture."""
         device = torch.device(device)
         key = (device, num_kv_heads, num_heads, head_size)
         ws = self._workspaces.get(key)
         if ws is None:
-            ws = alloc_decode_workspace(
-                decode_workspace_numel(num_kv_heads, num_heads, head_size, device, self.max_splits), device)
+            out_numel, lse_numel = decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
+                                                          self.max_splits)
+            ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
+                  torch.empty(lse_numel, dtype=torch.float32, device=device))
             self._workspaces[key] = ws
         return ws
 

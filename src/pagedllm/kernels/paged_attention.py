@@ -11,9 +11,8 @@ Two kernels read K/V through each request's block table from the paged cache
   [query_start_loc[i] // BLOCK_Q + i, ...) and each program finds its request by binary search.
 * `paged_decode_attention`: batches where every request has exactly one query token. Split-KV
   ("flash decoding"): grid (num_seqs, num_kv_heads, num_splits); each program handles the GQA group
-  of one kv head over one slice of the context and writes a partial result + log-sum-exp; the last
-  program of each (request, kv head) to finish (an atomic counter tells it) merges the slices, so a
-  decode step is one launch per layer. The number of splits depends only on host values fixed for a
+  of one kv head over one slice of the context and writes a partial result + log-sum-exp; a
+  second kernel merges the slices. The number of splits depends only on host values fixed for a
   CUDA graph (num_seqs, heads, SM count); each request's slice length is derived on the device
   from its seq_len, so replays with new seq_lens / block tables need no host work.
 
@@ -250,39 +249,10 @@ def paged_prefill_attention(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, seq64, kv_head, num_active,
-                  stride_ot, stride_oh, stride_po_head, stride_po_split, stride_pl_head,
-                  GQA: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Merge the partial results of one request's splits for the GQA heads of `kv_head`.
-
-    part_out_ptr / part_lse_ptr point at this request's rows. Loads bypass L1 (.cg): the partials were
-    written by other programs of this launch.
-    """
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < num_active
-    dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims < HEAD_SIZE
-    for g in range(GQA):
-        head = kv_head * GQA + g
-        lse = tl.load(part_lse_ptr + head * stride_pl_head + splits, mask=split_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        lse_max = tl.max(lse, 0)
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        w = tl.exp2(lse - lse_max)  # 0 for inactive splits
-        denom = tl.sum(w, 0)
-        denom = tl.where(denom == 0.0, 1.0, denom)
-        parts = tl.load(part_out_ptr + head * stride_po_head + splits[:, None] * stride_po_split + dims[None, :],
-                        mask=split_ok[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg")
-        out = tl.sum(parts * w[:, None], 0) / denom
-        tl.store(out_ptr + seq64 * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-                 mask=dim_ok)
-
-
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_seq", "stride_po_head", "stride_pl_seq",
                                 "stride_pl_head"])
 def _decode_kernel(
-    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
+    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
     scale_log2, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
@@ -291,14 +261,13 @@ def _decode_kernel(
     GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the normalized output directly
-    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits (the merge's tile)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each split covers a BLOCK_N-aligned slice of the context.
-    part_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    # Each split covers a BLOCK_N-aligned slice; the reduce kernel recomputes the same numbers.
+    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * part_len
     end = tl.minimum(start + part_len, seq_len)
 
@@ -308,20 +277,18 @@ def _decode_kernel(
     dims = tl.arange(0, HEAD_PAD)
     io_mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
     seq64 = seq.to(tl.int64)
+    q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
 
     m_i = tl.full([GQA_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GQA_PAD], tl.float32)
     acc = tl.zeros([GQA_PAD, HEAD_PAD], tl.float32)
-    if start < end:
-        q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask,
-                    other=0.0)
-        bt_row_ptr = block_table_ptr + seq64 * stride_bt
-        head_off = kv_head.to(tl.int64) * stride_c_head
-        for tile_start in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
-                stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-                BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False)
+    bt_row_ptr = block_table_ptr + seq64 * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_c_head
+    for tile_start in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
+            stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -329,25 +296,43 @@ def _decode_kernel(
         tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        po = part_out_ptr + seq64 * stride_po_seq
-        pl = part_lse_ptr + seq64 * stride_pl_seq
-        if start < end:  # empty trailing splits write nothing; the merge skips them
-            tl.store(po + head[:, None] * stride_po_head + split * stride_po_split + dims[None, :], out,
-                     mask=io_mask)
-            lse = m_i + tl.log2(l_safe)  # log2-domain log-sum-exp of this slice
-            tl.store(pl + head * stride_pl_head + split, lse, mask=row_ok)
-        # The last of this (request, kv head)'s splits to finish merges them all, so no second kernel is
-        # launched. Every thread's stores above precede the barrier; the counter's acq_rel atomic publishes
-        # them GPU-wide and, in the last program, acquires the other programs' stores.
-        tl.debug_barrier()
-        counter = counter_ptr + seq64 * tl.num_programs(1) + kv_head
-        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:
-            tl.store(counter, 0)  # ready for the next launch (graph replays reuse the counters)
-            num_active = tl.cdiv(seq_len, part_len)  # splits that had work (0 when seq_len == 0)
-            _merge_splits(out_ptr, po, pl, seq64, kv_head, num_active,
-                          stride_ot, stride_oh, stride_po_head, stride_po_split, stride_pl_head,
-                          GQA, HEAD_SIZE, HEAD_PAD, SPLITS_PAD)
+        has_work = start < end  # empty trailing splits write nothing; the reducer skips them
+        po = part_out_ptr + seq64 * stride_po_seq + head[:, None] * stride_po_head + split * stride_po_split
+        tl.store(po + dims[None, :], out, mask=io_mask & has_work)
+        lse = m_i + tl.log2(l_safe)  # log2-domain log-sum-exp of this slice
+        pl = part_lse_ptr + seq64 * stride_pl_seq + head * stride_pl_head + split
+        tl.store(pl, lse, mask=row_ok & has_work)
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head"])
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits,
+    stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
+    BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    part_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, 1)
+    num_active = tl.cdiv(seq_len, part_len)  # splits that had work (0 when seq_len == 0)
+
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_active
+    seq64 = seq.to(tl.int64)
+    lse = tl.load(part_lse_ptr + seq64 * stride_pl_seq + head * stride_pl_head + splits,
+                  mask=split_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # 0 for inactive splits
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    po = part_out_ptr + seq64 * stride_po_seq + head * stride_po_head
+    parts = tl.load(po + splits[:, None] * stride_po_split + dims[None, :],
+                    mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / denom
+    tl.store(out_ptr + seq64 * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -380,22 +365,12 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
 
 
 def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, device: torch.device,
-                           max_splits: int = 64) -> tuple[int, int, int]:
-    """Worst-case (part_out, part_lse, counters) element counts over every batch size; allocate once."""
+                           max_splits: int = 64) -> tuple[int, int]:
+    """Worst-case (part_out, part_lse) element counts over every batch size; allocate once."""
     target = _DECODE_PROGRAMS_PER_SM * _sm_count(device)
     # splits > 1 only when num_seqs * kv_heads * splits <= target, so num_seqs * splits <= target / kv_heads.
     rows = triton.cdiv(target, num_kv_heads) + 1
-    return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads, rows * num_kv_heads
-
-
-def alloc_decode_workspace(numels: tuple[int, int, int], device: torch.device
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(part_out fp32, part_lse fp32, counters int32). The counters must start at zero; every launch
-    leaves them at zero again."""
-    out_numel, lse_numel, counter_numel = numels
-    return (torch.empty(out_numel, dtype=torch.float32, device=device),
-            torch.empty(lse_numel, dtype=torch.float32, device=device),
-            torch.zeros(counter_numel, dtype=torch.int32, device=device))
+    return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
 
 
 def paged_decode_attention(
@@ -406,16 +381,14 @@ def paged_decode_attention(
     scale: float,
     num_seqs: int,
     output: Optional[torch.Tensor] = None,
-    # (part_out fp32, part_lse fp32, counters int32), flat, from alloc_decode_workspace
-    workspace: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    workspace: Optional[tuple[torch.Tensor, torch.Tensor]] = None,  # flat fp32 (part_out, part_lse)
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
-    """One query token per request; split-KV over the context, merged inside the same launch (the last
-    split of each request and kv head to finish merges). CUDA-graph capturable when the workspace is
-    preallocated (shapes depend only on num_seqs and the model's heads)."""
+    """One query token per request; split-KV over the context. CUDA-graph capturable when the
+    workspace is preallocated (shapes depend only on num_seqs and the model's heads)."""
     if output is None:
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)
@@ -436,28 +409,31 @@ def paged_decode_attention(
                      block_table.stride(0))
     if num_splits == 1:
         _decode_kernel[(num_seqs, num_kv_heads, 1)](
-            query, output, output, output, seq_lens, kv_cache, block_table, seq_lens, scale * LOG2E, 1,
+            query, output, output, output, kv_cache, block_table, seq_lens, scale * LOG2E, 1,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-            0, 0, 0, 0, 0, SINGLE_SPLIT=True, SPLITS_PAD=1, **common, num_warps=num_warps, num_stages=num_stages)
+            0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common, num_warps=num_warps, num_stages=num_stages)
         return output
 
     out_numel = num_seqs * num_heads * num_splits * head_pad
     lse_numel = num_seqs * num_heads * num_splits
-    counter_numel = num_seqs * num_kv_heads
     if workspace is None:
-        workspace = alloc_decode_workspace((out_numel, lse_numel, counter_numel), query.device)
-    part_out, part_lse, counters = workspace
-    assert (part_out.numel() >= out_numel and part_lse.numel() >= lse_numel
-            and counters.numel() >= counter_numel), "decode workspace too small"
-    assert counters.dtype == torch.int32
+        part_out = torch.empty(out_numel, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(lse_numel, dtype=torch.float32, device=query.device)
+    else:
+        part_out, part_lse = workspace
+        assert part_out.numel() >= out_numel and part_lse.numel() >= lse_numel, "decode workspace too small"
     part_out = part_out[:out_numel].view(num_seqs, num_heads, num_splits, head_pad)
     part_lse = part_lse[:lse_numel].view(num_seqs, num_heads, num_splits)
     part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, output, part_out, part_lse, counters, kv_cache, block_table, seq_lens, scale * LOG2E, num_splits,
+        query, output, part_out, part_lse, kv_cache, block_table, seq_lens, scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-        *part_strides, SINGLE_SPLIT=False, SPLITS_PAD=triton.next_power_of_2(num_splits), **common,
-        num_warps=num_warps, num_stages=num_stages)
+        *part_strides, SINGLE_SPLIT=False, **common, num_warps=num_warps, num_stages=num_stages)
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        output, part_out, part_lse, seq_lens, num_splits,
+        output.stride(0), output.stride(1), *part_strides,
+        BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if head_pad >= 128 else 2)
     return output
 
 
