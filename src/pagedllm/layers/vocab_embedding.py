@@ -133,7 +133,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         return True
 
     def greedy_token_ids(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
-        """argmax of compute_logits(hidden_states) per row, or None where the screen does not apply."""
+        """argmax of compute_logits(hidden_states) per row, or None where no shortcut applies.
+
+        On CUDA: the argmax of the logits in the model dtype. compute_logits only widens them to fp32, which is
+        exact and keeps their order, so the argmax (first index among equal maxima) is the same; it skips
+        writing and re-reading fp32 logits. On CPU: an exact bf16 screen (below)."""
+        if hidden_states.is_cuda:
+            logits = F.linear(hidden_states, self.weight, self.bias)
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
+            return logits[..., :self.org_vocab_size].argmax(dim=-1)
         screen = self.__dict__.get("cpu_greedy_screen")
         if screen is None or hidden_states.dim() != 2 or hidden_states.dtype != torch.float32:
             return None

@@ -153,9 +153,9 @@ class ModelRunner:
             device=dev,
         )
         greedy = None
-        if dev.type == "cpu" and meta.argmax_only:
-            # Only the argmax is needed: the CPU LM head finds it exactly from a bf16 screen (None where that
-            # does not apply).
+        if meta.argmax_only:
+            # Only the argmax is needed: the LM head finds it without fp32 logits (on CPU from an exact bf16
+            # screen; None where no shortcut applies).
             greedy = getattr(self.model, "greedy_token_ids", lambda hidden: None)(sample_hidden)
         if greedy is not None:
             sampler_out = SamplerOutput(sampled_token_ids=greedy, logprobs=None)
