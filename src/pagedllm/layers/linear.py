@@ -24,12 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import envs
 from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
-from pagedllm.layers.activation import triton_kernels
 from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
 
 ShardId = Union[int, str, None]
@@ -81,11 +79,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
         packed = layer.__dict__.get("cpu_packed_weight")
         if packed is not None and x.dim() == 2 and not x.requires_grad:
             return cpu_packed_linear(x, packed, bias)
-        if x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and envs.PAGEDLLM_SKINNY_GEMM:
-            # Decode-sized batches: the Triton weight-streaming GEMM where it was measured faster than cuBLAS.
-            kernels = triton_kernels("skinny_gemm")
-            if kernels is not None and kernels.SELECTOR.use_skinny(x, layer.weight, bias):
-                return kernels.skinny_gemm(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 
