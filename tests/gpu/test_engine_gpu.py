@@ -68,3 +68,25 @@ def test_not_enough_gpu_memory_says_what_to_lower():
         LLM(model="benchmarks/configs/qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True,
             gpu_memory_utilization=0.005, max_model_len=4096)
     assert "lower --max-model-len" in str(info.value) and "GiB more is needed" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lm_head_greedy_on_cuda_equals_argmax_of_fp32_logits(dtype):
+    """The CUDA greedy shortcut takes the argmax of model-dtype logits; it must equal compute_logits' (fp32)
+    argmax, ties (lowest id) and padded vocab rows included."""
+    from pagedllm.layers.vocab_embedding import ParallelLMHead
+
+    torch.manual_seed(0)
+    head = ParallelLMHead(2990, 96).to(device="cuda", dtype=dtype)
+    assert head.weight.shape[0] > 2990  # padded vocab rows exist
+    head.weight.data.normal_(0, 0.5)
+    head.weight.data[2990:] = head.weight.data[2900] * 10  # padding rows would win if not sliced off
+    head.weight.data[7] = head.weight.data[2900]  # exact tie: id 7 must win
+    x = (torch.randn(40, 96, device="cuda") * 3).to(dtype)
+    x[:8] = head.weight.data[2900] * 5
+    x[8:12] = 0.0  # every logit equal: token 0
+    fast = head.greedy_token_ids(x)
+    full = head.compute_logits(x).argmax(dim=-1)
+    assert fast.dtype == torch.int64 and torch.equal(fast, full)
+    assert set(fast[:8].tolist()) == {7} and set(fast[8:12].tolist()) == {0}
+    assert int(fast.max()) < 2990
