@@ -226,3 +226,19 @@ def test_decode_cuda_graph_replay(num_seqs):
         flat = kv_cache.view(2, -1, num_kv_heads, head_size)
         torch.testing.assert_close(flat[0, slot_mapping], k, rtol=0, atol=0)
         torch.testing.assert_close(flat[1, slot_mapping], v, rtol=0, atol=0)
+
+
+def test_decode_splits_follow_the_context_bucket():
+    """Short contexts cap the split count (empty split programs are not free); graphs are captured per bucket."""
+    from pagedllm.kernels.paged_attention import SHORT_CONTEXT_LEN, SHORT_CONTEXT_MAX_SPLITS, decode_num_splits
+
+    dev = torch.device(DEVICE)
+    full = decode_num_splits(1, 8, dev, 64)
+    assert full == 64 or DEVICE != "cuda"  # 132 SMs on an H200
+    assert decode_num_splits(1, 8, dev, 64, max_seq_len=300) == min(full, SHORT_CONTEXT_MAX_SPLITS)
+    assert decode_num_splits(1, 8, dev, 64, max_seq_len=SHORT_CONTEXT_LEN + 1) == full
+    assert decode_num_splits(256, 8, dev, 64, max_seq_len=300) == 1
+    backend = TritonAttentionBackend()
+    assert backend.graph_seq_len_buckets(1, 8, 8192, dev) == [SHORT_CONTEXT_LEN, 8192]
+    assert backend.graph_seq_len_buckets(1, 8, 1024, dev) == [1024]
+    assert backend.graph_seq_len_buckets(256, 8, 8192, dev) == [8192]  # one split either way

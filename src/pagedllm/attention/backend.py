@@ -51,6 +51,12 @@ class AttentionBackend:
         unfused ops and `forward` (the default)."""
         return None
 
+    def graph_seq_len_buckets(self, num_reqs: int, num_kv_heads: int, max_model_len: int,
+                              device: torch.device) -> list[int]:
+        """Upper bounds of the batch's longest context (ascending, the last = max_model_len) that need their own
+        decode CUDA graph at this batch size, because the backend's kernel launch differs. Default: one."""
+        return [max_model_len]
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Called once per step before the forward (plan shared by all layers). Optional."""
 

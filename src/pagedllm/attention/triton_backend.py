@@ -21,6 +21,7 @@ from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.paged_attention import (
+    SHORT_CONTEXT_LEN,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
@@ -53,6 +54,16 @@ class TritonAttentionBackend(AttentionBackend):
                   torch.empty(lse_numel, dtype=torch.float32, device=device))
             self._workspaces[key] = ws
         return ws
+
+    def graph_seq_len_buckets(self, num_reqs: int, num_kv_heads: int, max_model_len: int,
+                              device: torch.device) -> list[int]:
+        """Upper bounds of max_seq_len to capture decode CUDA graphs for at this batch size (ascending; the last
+        is max_model_len): one per distinct split-KV configuration."""
+        full = decode_num_splits(num_reqs, num_kv_heads, device, self.max_splits, max_model_len)
+        if max_model_len > SHORT_CONTEXT_LEN and decode_num_splits(
+                num_reqs, num_kv_heads, device, self.max_splits, SHORT_CONTEXT_LEN) != full:
+            return [SHORT_CONTEXT_LEN, max_model_len]
+        return [max_model_len]
 
     def warmup(self, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
                device: torch.device, max_query_len: int) -> None:
@@ -124,7 +135,8 @@ class TritonAttentionBackend(AttentionBackend):
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         if metadata.max_query_len == 1:
-            num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits)
+            num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits,
+                                           metadata.max_seq_len)
             workspace = None
             if num_splits > 1:
                 workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device)

@@ -351,16 +351,28 @@ def _sm_count(device: torch.device) -> int:
 _DECODE_PROGRAMS_PER_SM = 8
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 64) -> int:
-    """Splits per (request, kv head): the largest power of two keeping num_seqs * kv_heads * splits
-    <= 8 programs per SM (powers of two cut typical contexts into even slices).
+# Decode steps whose longest context is at most SHORT_CONTEXT_LEN use at most SHORT_CONTEXT_MAX_SPLITS splits:
+# a split covers >= BLOCK_N positions, so most of 64 splits would be empty there, and empty programs still
+# cost launch slots (H200, batch 1, 8 kv heads: 5.6-6.0 us per layer with 16 splits vs 7.7-8.4 us with 64 for
+# contexts of 130-1000 tokens; at 32k tokens 64 splits take 40 us vs 67 us). CUDA graphs are captured for both.
+SHORT_CONTEXT_LEN = 2048
+SHORT_CONTEXT_MAX_SPLITS = 16
 
-    Depends only on values fixed for a captured CUDA graph (batch size, heads, device).
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 64,
+                      max_seq_len: Optional[int] = None) -> int:
+    """Splits per (request, kv head): the largest power of two keeping num_seqs * kv_heads * splits
+    <= 8 programs per SM (powers of two cut typical contexts into even slices), at most
+    SHORT_CONTEXT_MAX_SPLITS when every context is <= SHORT_CONTEXT_LEN (max_seq_len, an upper bound).
+
+    Depends only on values fixed for a captured CUDA graph (batch size, heads, device, context bucket).
     """
     target = _DECODE_PROGRAMS_PER_SM * _sm_count(device)
     ratio = target // max(1, num_seqs * num_kv_heads)
     if ratio <= 1:
         return 1
+    if max_seq_len is not None and max_seq_len <= SHORT_CONTEXT_LEN:
+        max_splits = min(max_splits, SHORT_CONTEXT_MAX_SPLITS)
     return min(max_splits, 1 << (ratio.bit_length() - 1))
 
 

@@ -41,14 +41,16 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.block_table = torch.full((n, runner.max_blocks_per_req), self.scratch_block, dtype=torch.int32,
                                       device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.metadata: dict[int, AttentionMetadata] = {}
+        # Per batch size, the max_seq_len buckets with a graph each (see AttentionBackend.graph_seq_len_buckets).
+        self.seq_len_buckets: dict[int, list[int]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, seq-len bucket) -> graph
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.metadata: dict[tuple[int, int], AttentionMetadata] = {}
         self.pool = None
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
-            num_actual_tokens=size, num_reqs=size, max_query_len=1, max_seq_len=self.runner.max_model_len,
+            num_actual_tokens=size, num_reqs=size, max_query_len=1, max_seq_len=max_seq_len,
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size])
 
@@ -57,23 +59,29 @@ class CudaGraphRunner:
         start = time.perf_counter()
         model = self.runner.model
         backend = self.runner.attn_backend
+        num_kv_heads = self.runner.kv_cache_spec().num_kv_heads
+        buckets_of = getattr(backend, "graph_seq_len_buckets", None)
         for size in reversed(self.sizes):  # largest first so smaller graphs reuse its pool
-            md = self._metadata(size)
-            self.metadata[size] = md
-            with set_forward_context(md, backend):
-                backend.prepare(md)
-                for _ in range(2):  # warm-up: Triton autotune / compile outside the capture
-                    model(self.input_ids[:size], self.positions[:size])
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = model(self.input_ids[:size], self.positions[:size])
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
-            self.outputs[size] = out
+            buckets = (buckets_of(size, num_kv_heads, self.runner.max_model_len, self.device) if buckets_of
+                       else [self.runner.max_model_len])
+            self.seq_len_buckets[size] = buckets
+            for bucket in reversed(buckets):
+                md = self._metadata(size, bucket)
+                self.metadata[(size, bucket)] = md
+                with set_forward_context(md, backend):
+                    backend.prepare(md)
+                    for _ in range(2):  # warm-up: Triton autotune / compile outside the capture
+                        model(self.input_ids[:size], self.positions[:size])
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        out = model(self.input_ids[:size], self.positions[:size])
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(size, bucket)] = graph
+                self.outputs[(size, bucket)] = out
         torch.cuda.synchronize(self.device)
-        logger.info("Captured %d CUDA graphs for decode batch sizes %s..%s in %.1f s.", len(self.sizes),
+        logger.info("Captured %d CUDA graphs for decode batch sizes %s..%s in %.1f s.", len(self.graphs),
                     self.sizes[0], self.sizes[-1], time.perf_counter() - start)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -94,5 +102,6 @@ class CudaGraphRunner:
             self.slot_mapping[n:size].fill_(self.scratch_block * self.runner.block_size)
             self.seq_lens[n:size].fill_(1)
             self.block_table[n:size, 0].fill_(self.scratch_block)
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        bucket = next(b for b in self.seq_len_buckets[size] if b >= md.max_seq_len)
+        self.graphs[(size, bucket)].replay()
+        return self.outputs[(size, bucket)][:n]
