@@ -1,11 +1,12 @@
-"""Loading the tokenizer (always a fast, Rust-backed one) and reading the model's end-of-sequence ids.
+"""Loading the tokenizer (always a fast, Rust-backed one).
+
+The model's end-of-sequence ids are read by `worker.read_eos_token_ids` (config + generation_config.json).
 
 Accepted sources: an HF model directory, a `.gguf` file (the tokenizer is read from its metadata),
 a directory holding only a `.gguf` file, or a hub name already in the local cache.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Optional
 
@@ -49,44 +50,3 @@ def get_tokenizer(model_dir_or_name: str, trust_remote_code: bool = False, **kwa
             "(AutoTokenizer.from_pretrained(..., from_slow=True).save_pretrained(dir)) and pass --tokenizer dir."
         )
     return tokenizer
-
-
-def _generation_config_path(model_dir: Optional[str]) -> Optional[str]:
-    if not model_dir:
-        return None
-    model_dir = os.path.expanduser(str(model_dir))
-    if os.path.isfile(model_dir):
-        model_dir = os.path.dirname(os.path.abspath(model_dir))
-    if os.path.isdir(model_dir):
-        path = os.path.join(model_dir, "generation_config.json")
-        return path if os.path.isfile(path) else None
-    try:  # a hub name: only look in the local cache, never go to the network
-        from huggingface_hub import try_to_load_from_cache
-
-        path = try_to_load_from_cache(model_dir, "generation_config.json")
-        return path if isinstance(path, str) else None
-    except Exception:
-        return None
-
-
-def eos_token_ids(tokenizer: Any, model_dir: Optional[str] = None) -> list[int]:
-    """The tokenizer's EOS id, then generation_config.json's eos_token_id (int or list); no duplicates."""
-    ids: list[int] = []
-
-    def add(value: Any) -> None:
-        if value is None:
-            return
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, int) and v >= 0 and v not in ids:
-                ids.append(v)
-
-    if tokenizer is not None:
-        add(getattr(tokenizer, "eos_token_id", None))
-    path = _generation_config_path(model_dir)
-    if path is not None:
-        try:
-            with open(path) as f:
-                add(json.load(f).get("eos_token_id"))
-        except (OSError, ValueError):
-            pass
-    return ids

@@ -81,6 +81,16 @@ def test_eos_ids_include_generation_config(tmp_path):
         eos_token_id = 2
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert read_eos_token_ids(C(), str(tmp_path)) == [2, 7]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 4}))
+    assert read_eos_token_ids(C(), str(tmp_path)) == [2, 4]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [-1, 9, 9, True]}))
+    assert read_eos_token_ids(C(), str(tmp_path)) == [2, 9]  # -1 ("none") and booleans are no token ids
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert read_eos_token_ids(C(), str(tmp_path)) == [2]  # a broken file is ignored
+
+    class NoEos:
+        eos_token_id = None
+    assert read_eos_token_ids(NoEos(), str(tmp_path / "missing")) == []
 
 
 def test_invalid_prompts_fail_before_anything_is_queued(tiny_llama_dir):

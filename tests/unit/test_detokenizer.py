@@ -6,7 +6,7 @@ import random
 import pytest
 
 from pagedllm.detokenizer import IncrementalDetokenizer
-from pagedllm.tokenizer import eos_token_ids, get_tokenizer
+from pagedllm.tokenizer import get_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -126,12 +126,6 @@ def test_decode_token_strings_for_logprobs(tokenizer):
 
 def test_tokenizer_helpers(tokenizer, tmp_path):
     assert tokenizer.is_fast
-    assert eos_token_ids(tokenizer) == [tokenizer.eos_token_id]
-    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, %d, 9]}' % tokenizer.eos_token_id)
-    assert eos_token_ids(tokenizer, str(tmp_path)) == [tokenizer.eos_token_id, 7, 9]
-    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 4}')
-    assert eos_token_ids(tokenizer, str(tmp_path)) == [tokenizer.eos_token_id, 4]
-    assert eos_token_ids(None, str(tmp_path / "missing")) == []
     with pytest.raises(ValueError, match="Could not load a tokenizer"):
         get_tokenizer(str(tmp_path / "no_such_model"))
 

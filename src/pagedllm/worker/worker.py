@@ -45,12 +45,14 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 def read_eos_token_ids(hf_config, model_dir: str) -> list[int]:
-    """The model's end-of-sequence ids: config's eos first, then generation_config.json's extras."""
+    """The model's end-of-sequence ids: config's eos first, then generation_config.json's extras (an int or a
+    list each), without duplicates. Negative ids (some configs write -1 for "none") are dropped: they are no
+    token, and as an index they would name the last one."""
     ids: list[int] = []
 
     def add(value) -> None:
         for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, int) and v not in ids:
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0 and v not in ids:
                 ids.append(v)
 
     add(getattr(hf_config, "eos_token_id", None))
