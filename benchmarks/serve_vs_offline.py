@@ -12,37 +12,16 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from pagedllm.entrypoints.server_process import free_port, wait_healthy
+
 PAGEDLLM = [sys.executable, "-m", "pagedllm.entrypoints.cli.main"]  # works without the console script too
 MEAN_LEN = 88
 RANGE_RATIO = 72 / 88  # lengths in [16, 160]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not start in time")
 
 
 def bench_cmd(url: str, num_prompts: int, concurrency: int, seed: int, result: str) -> list[str]:
@@ -61,7 +40,7 @@ def run_server_side(args: argparse.Namespace, engine_flags: list[str], tmp: str)
     log = open(os.path.join(tmp, "server.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(url, proc)
+        wait_healthy(proc, url, timeout_s=600)
         # warm-up (different seed: no prefix-cache hits for the measured prompts)
         subprocess.run(bench_cmd(url, 4, 4, args.seed + 1000, os.path.join(tmp, "warm.json")), check=True,
                        stdout=subprocess.DEVNULL)

@@ -12,7 +12,9 @@ import subprocess
 import httpx
 import pytest
 
-from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, cli, free_port, stop, wait_healthy
+from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, cli, stop
+
+from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +40,7 @@ def server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory: pytest.TempPath
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url, log_path)
+        wait_healthy(proc, url, log_path=log_path)
         yield Server(url, port, smollm2_hf_dir, proc, log_path)
     finally:
         stop(proc)

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -15,12 +13,6 @@ API_KEY = "e2e-secret"
 SERVED_NAME = "smol"
 MAX_MODEL_LEN = 1024
 BIN = os.path.dirname(sys.executable)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli(name: str) -> str:
@@ -45,22 +37,6 @@ class Server:
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120, **kw)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log_path: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            with open(log_path, errors="replace") as f:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{f.read()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy in time")
 
 
 def stop(proc: subprocess.Popen) -> None:

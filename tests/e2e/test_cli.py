@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from e2e_helpers import API_KEY, SERVED_NAME, Server, cli, free_port
+from e2e_helpers import API_KEY, SERVED_NAME, Server, cli
+
+from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
 
 def run(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -135,7 +137,7 @@ def test_vllm_api_server_module_serves(smollm2_hf_dir: str, e2e_env: dict, tmp_p
     """`python -m vllm.entrypoints.openai.api_server --model M` starts a working server (no --config)."""
     import httpx
 
-    from e2e_helpers import stop, wait_healthy
+    from e2e_helpers import stop
 
     port = free_port()
     log_path = str(tmp_path / "vllm_server.log")
@@ -144,7 +146,7 @@ def test_vllm_api_server_module_serves(smollm2_hf_dir: str, e2e_env: dict, tmp_p
                                  "--port", str(port), "--max-model-len", "256", "--kv-cache-memory-bytes",
                                  str(32 << 20)], stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", log_path)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log_path=log_path)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert models[0]["id"] == smollm2_hf_dir and models[0]["max_model_len"] == 256
         text = open(log_path).read()

@@ -11,7 +11,9 @@ import time
 
 import httpx
 
-from e2e_helpers import cli, free_port, stop, wait_healthy
+from e2e_helpers import cli, stop
+
+from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
 
 def _children(pid: int) -> list[int]:
@@ -28,7 +30,7 @@ def test_dead_engine_fails_requests_and_health(e2e_env: dict, smollm2_hf_dir: st
         proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port),
                                  "--num-gpu-blocks-override", "128"], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        wait_healthy(proc, url, log_path, timeout_s=120)
+        wait_healthy(proc, url, timeout_s=120, log_path=log_path)
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         # the engine refuses what cannot fit its KV pool (128 blocks of 16 tokens): a 400, streaming or not
