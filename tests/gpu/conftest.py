@@ -3,4 +3,4 @@ kernel test modules cannot even be imported, so they are not collected; the rest
 import importlib.util
 
 collect_ignore_glob = [] if importlib.util.find_spec("triton") else [
-    "test_attention_kernels.py", "test_small_kernels.py", "attention_cases.py"]
+    "test_attention_kernels.py", "test_small_kernels.py", "test_qkv_prep.py", "attention_cases.py"]
