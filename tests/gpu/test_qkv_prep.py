@@ -87,9 +87,10 @@ def test_qkv_prep_matches_unfused_reference(case, num_tokens):
 @pytest.mark.parametrize("specs", [[(0, 37), (100, 50), (500, 1)], [(n - 1, 1) for n in (1, 17, 64, 65, 1000)]],
                          ids=["mixed", "decode"])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_backend_fused_path_matches_unfused(specs, qk_norm):
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     """forward_qkv (one kernel before attention) == norm + rope + forward (separate kernels)."""
-    num_heads, num_kv_heads, head_size, block_size, dtype = 16, 8, 128, 16, BF16
+    num_heads, num_kv_heads, head_size, block_size = 16, 8, 128, 16
     batch = build_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
     md = batch.metadata
     num_tokens = batch.query.shape[0]
