@@ -12,9 +12,10 @@ strided). Effects:
   * v is written to kv_cache[1] unchanged. k and v in qkv are left as they were.
 Rows whose slot is negative write nothing to the cache (see reshape_and_cache.py for the padding contract).
 
-Numerics equal the unfused kernels: the norm rounds x * rsqrt(mean(x^2) + eps) to the activation dtype,
+Numerics follow the unfused kernels: the norm rounds x * rsqrt(mean(x^2) + eps) to the activation dtype,
 multiplies by the weight and rounds again (HF's RMSNorm); the rotation is done in fp32 from that value and
-rounded once. Only rotary_dim == head_size is supported (callers fall back otherwise).
+rounded once. Only the order in which the squares are summed differs (two half-head sums), so a value can land
+one rounding away. Only rotary_dim == head_size is supported (callers fall back otherwise).
 """
 from __future__ import annotations
 
