@@ -100,6 +100,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [num_tokens, hidden] -> logits [num_tokens, org_vocab_size] float32
+        return self._logits(hidden_states).to(torch.float32).contiguous()
+
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, org_vocab_size] logits in the product's dtype (the model dtype), all ranks gathered."""
         packed = self.__dict__.get("cpu_packed_weight")
         if packed is not None:
             logits = cpu_packed_linear(hidden_states, packed, self.bias)
@@ -108,7 +112,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         if logits.shape[-1] != self.org_vocab_size:
             logits = logits[..., :self.org_vocab_size]
-        return logits.to(torch.float32).contiguous()
+        return logits
 
     # ---- exact greedy decoding on CPU through a bf16 screen (see kernels/csrc/cpu_ops.cpp: greedy_screen)
 
@@ -139,9 +143,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         exact and keeps their order, so the argmax (first index among equal maxima) is the same; it skips
         writing and re-reading fp32 logits. On CPU: an exact bf16 screen (below)."""
         if hidden_states.is_cuda:
-            logits = F.linear(hidden_states, self.weight, self.bias)
-            logits = tensor_model_parallel_all_gather(logits, dim=-1)
-            return logits[..., :self.org_vocab_size].argmax(dim=-1)
+            return self._logits(hidden_states).argmax(dim=-1)
         screen = self.__dict__.get("cpu_greedy_screen")
         if screen is None or hidden_states.dim() != 2 or hidden_states.dtype != torch.float32:
             return None

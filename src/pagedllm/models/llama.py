@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden_states)
 
     def greedy_token_ids(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
-        """argmax of compute_logits without materializing fp32 logits where the LM head can (CPU fp32).
+        """argmax of compute_logits without materializing fp32 logits where the LM head can (CUDA; CPU fp32).
 
         A subclass whose compute_logits does more than the LM head (scaling, soft-capping) must override
         this too (returning None is always correct: the runner then computes full logits)."""
