@@ -45,7 +45,6 @@ class CudaGraphRunner:
         self.seq_len_buckets: dict[int, list[int]] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, seq-len bucket) -> graph
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.metadata: dict[tuple[int, int], AttentionMetadata] = {}
         self.pool = None
 
     def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
@@ -60,14 +59,11 @@ class CudaGraphRunner:
         model = self.runner.model
         backend = self.runner.attn_backend
         num_kv_heads = self.runner.kv_cache_spec().num_kv_heads
-        buckets_of = getattr(backend, "graph_seq_len_buckets", None)
         for size in reversed(self.sizes):  # largest first so smaller graphs reuse its pool
-            buckets = (buckets_of(size, num_kv_heads, self.runner.max_model_len, self.device) if buckets_of
-                       else [self.runner.max_model_len])
+            buckets = backend.graph_seq_len_buckets(size, num_kv_heads, self.runner.max_model_len, self.device)
             self.seq_len_buckets[size] = buckets
             for bucket in reversed(buckets):
                 md = self._metadata(size, bucket)
-                self.metadata[(size, bucket)] = md
                 with set_forward_context(md, backend):
                     backend.prepare(md)
                     for _ in range(2):  # warm-up: Triton autotune / compile outside the capture
