@@ -14,7 +14,9 @@ pytestmark = [
 ]
 
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from pagedllm.kernels.norm import rms_norm_ref  # noqa: E402
 from pagedllm.kernels.qkv_prep import qkv_prep, qkv_prep_ref  # noqa: E402
+from pagedllm.kernels.rotary import apply_rotary_ref  # noqa: E402
 from pagedllm.layers.rotary_embedding import get_rope  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -96,11 +98,9 @@ def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     num_tokens = batch.query.shape[0]
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=gen).to(dtype).to(DEVICE)
-    positions = (md.seq_lens.repeat_interleave(md.query_start_loc.diff()) - 1).long()
-    offsets = torch.arange(num_tokens, device=DEVICE) - md.query_start_loc[:-1].repeat_interleave(
-        md.query_start_loc.diff())
-    qlens = md.query_start_loc.diff().repeat_interleave(md.query_start_loc.diff())
-    positions = positions - (qlens - 1 - offsets)  # each token's absolute position
+    # Each token's absolute position: a request's query tokens are the last ones of its context.
+    positions = torch.cat([torch.arange(seq_len - query_len, seq_len) for (_, query_len), seq_len
+                           in zip(specs, md.seq_lens_cpu)]).to(DEVICE)
     rope = get_rope(head_size, 8192, {"rope_type": "default", "rope_theta": 1e6})
     cos_sin = rope.cos_sin_cache.to(DEVICE)
     norms = (None, None, 1e-6)
@@ -113,17 +113,14 @@ def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
                                 head_size, *norms)
     assert out_a is not None
 
-    cache_b = batch.kv_cache.clone()
-    q, k, v = qkv.clone().split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
-    q_ref = qkv_prep_ref(qkv.clone(), positions, cos_sin, cache_b.clone(), md.slot_mapping, num_heads,
-                         num_kv_heads, head_size, *norms)
-    from pagedllm.kernels.norm import rms_norm_ref
-    from pagedllm.kernels.rotary import apply_rotary_ref
-    k = k.reshape(num_tokens, num_kv_heads, head_size)
+    # Unfused: the references for norm and rope, then the backend's forward (which writes K/V itself).
+    q, k, v = (t.reshape(num_tokens, -1, head_size) for t in qkv.split(
+        [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1))
     if qk_norm:
-        k = rms_norm_ref(k, norms[1], 1e-6)
-    _, k = apply_rotary_ref(positions, q.reshape(num_tokens, num_heads, head_size), k, cos_sin, head_size)
-    out_b = backend.forward(q_ref, k, v.reshape(num_tokens, num_kv_heads, head_size), cache_b, md, batch.scale)
+        q, k = rms_norm_ref(q, norms[0], norms[2]), rms_norm_ref(k, norms[1], norms[2])
+    q, k = apply_rotary_ref(positions, q, k, cos_sin, head_size)
+    cache_b = batch.kv_cache.clone()
+    out_b = backend.forward(q, k, v, cache_b, md, batch.scale)
     assert not torch.isnan(out_a).any()
     torch.testing.assert_close(out_a.float(), out_b.float(), **tolerances(dtype))
     _close(cache_a.nan_to_num(0.0), cache_b.nan_to_num(0.0), dtype)
