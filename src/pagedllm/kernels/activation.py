@@ -10,9 +10,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -36,8 +39,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows > 0 and d > 0:
         block = min(4096, triton.next_power_of_2(d))
         num_warps = min(8, max(1, block // 512))
+        pdl = use_pdl(x.device)
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=num_warps)
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=num_warps, USE_PDL=pdl, launch_pdl=pdl)
     return out.view(*x.shape[:-1], d)
 
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+
 LOG2E = 1.4426950408889634
 
 
@@ -122,8 +124,9 @@ def _prefill_kernel(
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_prior_kernel(USE_PDL)
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq_idx(query_start_loc_ptr, pid_q, num_seqs, BLOCK_Q)
@@ -231,6 +234,7 @@ def paged_prefill_attention(
     if num_stages is None:
         num_stages = 1 if is_fp32 else 3
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    pdl = use_pdl(query.device)
     _prefill_kernel[grid](
         query, output, kv_cache, block_table, seq_lens, query_start_loc,
         scale * LOG2E, num_seqs,
@@ -239,7 +243,7 @@ def paged_prefill_attention(
         GQA=gqa, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, USE_PDL=pdl, launch_pdl=pdl,
     )
     return output
 
@@ -261,7 +265,9 @@ def _decode_kernel(
     GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the normalized output directly
+    USE_PDL: tl.constexpr,
 ):
+    wait_prior_kernel(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -309,7 +315,9 @@ def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits,
     stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_prior_kernel(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -417,13 +425,15 @@ def paged_decode_attention(
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device)
     common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
                   HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype))
+    pdl = use_pdl(query.device)
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                      block_table.stride(0))
     if num_splits == 1:
         _decode_kernel[(num_seqs, num_kv_heads, 1)](
             query, output, output, output, kv_cache, block_table, seq_lens, scale * LOG2E, 1,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-            0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common, num_warps=num_warps, num_stages=num_stages)
+            0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common, num_warps=num_warps, num_stages=num_stages,
+            USE_PDL=pdl, launch_pdl=pdl)
         return output
 
     out_numel = num_seqs * num_heads * num_splits * head_pad
@@ -440,12 +450,14 @@ def paged_decode_attention(
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-        *part_strides, SINGLE_SPLIT=False, **common, num_warps=num_warps, num_stages=num_stages)
+        *part_strides, SINGLE_SPLIT=False, **common, num_warps=num_warps, num_stages=num_stages,
+            USE_PDL=pdl, launch_pdl=pdl)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         output, part_out, part_lse, seq_lens, num_splits,
         output.stride(0), output.stride(1), *part_strides,
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if head_pad >= 128 else 2)
+        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if head_pad >= 128 else 2,
+        USE_PDL=pdl, launch_pdl=pdl)
     return output
 
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+
 
 @triton.jit
 def _qkv_prep_kernel(
@@ -34,7 +36,9 @@ def _qkv_prep_kernel(
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_prior_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     # Heads of a row, in qkv order: [0, NUM_Q) q, [NUM_Q, NUM_Q + NUM_KV) k, then v.
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -123,6 +127,7 @@ def qkv_prep(
     half_pad = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(total_heads), max(1, 512 // half_pad))
     grid = (num_tokens, triton.cdiv(total_heads, block_h))
+    pdl = use_pdl(qkv.device)
     _qkv_prep_kernel[grid](
         qkv, positions, cos_sin_cache,
         q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
@@ -131,6 +136,7 @@ def qkv_prep(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_Q=num_heads, NUM_KV=num_kv_heads, BLOCK_H=block_h, HEAD_SIZE=head_size, HALF=half,
         HALF_PAD=half_pad, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm, num_warps=2,
+        USE_PDL=pdl, launch_pdl=pdl,
     )
     return q
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+
 
 @triton.jit
 def _rotate(x_ptr, token, stride_t, num_heads, cos, sin,
@@ -36,7 +38,9 @@ def _rotary_kernel(
     stride_qt, stride_kt, stride_cache,
     num_q_heads, num_k_heads,
     HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_prior_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, HALF_PAD)
@@ -68,11 +72,13 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     half = rotary_dim // 2
     half_pad = triton.next_power_of_2(half)
     block_h = max(1, min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 2048 // half_pad))
+    pdl = use_pdl(q.device)
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache,
         q.stride(0), k.stride(0), cos_sin_cache.stride(0),
         num_q_heads, num_k_heads,
         HEAD_SIZE=head_size, HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, num_warps=4,
+        USE_PDL=pdl, launch_pdl=pdl,
     )
     return q, k
 
