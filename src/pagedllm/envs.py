@@ -45,6 +45,8 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": on CUDA, run q/k norm, rotary and the KV-cache write as separate kernels instead of the fused one
     # (A/B benchmarks, debugging).
     "PAGEDLLM_FUSED_QKV": lambda: os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0",
+    # "0": the CUDA decode kernel takes requests in batch order instead of longest context first (A/B).
+    "PAGEDLLM_DECODE_LPT": lambda: os.environ.get("PAGEDLLM_DECODE_LPT", "1") != "0",
     # "0": launch the Triton kernels without programmatic dependent launch (kernels/pdl.py; A/B, debugging).
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1") != "0",
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).

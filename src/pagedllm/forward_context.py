@@ -29,6 +29,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block_id * block_size + offset) per token
+    # Pure-decode steps, for backends with `wants_decode_order`: [num_reqs] int32, the rows sorted by seq_lens,
+    # longest first (a scheduling hint for the decode kernel; any permutation gives the same result).
+    decode_order: Optional[torch.Tensor] = None
     # Host copies for backends that plan on the CPU (the torch backend); never read in CUDA graphs.
     query_start_loc_cpu: Optional[list[int]] = None
     seq_lens_cpu: Optional[list[int]] = None

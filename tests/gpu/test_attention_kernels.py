@@ -122,6 +122,18 @@ def test_decode(cfg):
         out2 = paged_decode_attention(batch.query, batch.kv_cache, md.block_table, md.seq_lens, batch.scale,
                                       num_seqs=md.num_reqs, num_splits=num_splits)
         _check_cache_and_output(batch, out2, dtype)
+    # An order (longest context first, or any other permutation) only changes the programs' start order.
+    by_len = torch.argsort(md.seq_lens, descending=True, stable=True).to(torch.int32)
+    shuffled = torch.randperm(md.num_reqs, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    # (16 splits with 32-position tiles is the tiny-context launch.)
+    for num_splits, block_n in ((1, None), (4, None), (16, 32)):
+        plain = paged_decode_attention(batch.query, batch.kv_cache, md.block_table, md.seq_lens, batch.scale,
+                                       num_seqs=md.num_reqs, num_splits=num_splits, block_n=block_n)
+        _check_cache_and_output(batch, plain, dtype)
+        for order in (by_len, shuffled.to(DEVICE)):
+            out4 = paged_decode_attention(batch.query, batch.kv_cache, md.block_table, md.seq_lens, batch.scale,
+                                          num_seqs=md.num_reqs, num_splits=num_splits, block_n=block_n, order=order)
+            torch.testing.assert_close(out4, plain, atol=0, rtol=0)  # same programs, same arithmetic
     # The mixed kernel handles the same decode rows too.
     out3 = paged_prefill_attention(batch.query, batch.kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
                                    batch.scale, num_seqs=md.num_reqs, max_query_len=1)
@@ -230,7 +242,8 @@ def test_decode_cuda_graph_replay(num_seqs):
 
 def test_decode_splits_follow_the_context_bucket():
     """Short contexts cap the split count (empty split programs are not free); graphs are captured per bucket."""
-    from pagedllm.kernels.paged_attention import SHORT_CONTEXT_LEN, SHORT_CONTEXT_MAX_SPLITS, decode_num_splits
+    from pagedllm.kernels.paged_attention import (SHORT_CONTEXT_LEN, SHORT_CONTEXT_MAX_SPLITS, TINY_CONTEXT_LEN,
+                                                  decode_block_n, decode_num_splits)
 
     dev = torch.device(DEVICE)
     full = decode_num_splits(1, 8, dev, 64)
@@ -239,6 +252,11 @@ def test_decode_splits_follow_the_context_bucket():
     assert decode_num_splits(1, 8, dev, 64, max_seq_len=SHORT_CONTEXT_LEN + 1) == full
     assert decode_num_splits(256, 8, dev, 64, max_seq_len=300) == 1
     backend = TritonAttentionBackend()
-    assert backend.graph_seq_len_buckets(1, 8, 8192, dev) == [SHORT_CONTEXT_LEN, 8192]
-    assert backend.graph_seq_len_buckets(1, 8, 1024, dev) == [1024]
-    assert backend.graph_seq_len_buckets(256, 8, 8192, dev) == [8192]  # one split either way
+    # Split launches at tiny contexts also read K/V in smaller tiles: three buckets at batch 1.
+    assert decode_block_n(torch.bfloat16, 128, 16, TINY_CONTEXT_LEN) == 32
+    assert decode_block_n(torch.bfloat16, 128, 16, TINY_CONTEXT_LEN + 1) == 64
+    assert decode_block_n(torch.bfloat16, 128, 1, 100) == 64  # one split per request: full tiles
+    assert backend.graph_seq_len_buckets(1, 8, 8192, dev) == [TINY_CONTEXT_LEN, SHORT_CONTEXT_LEN, 8192]
+    assert backend.graph_seq_len_buckets(1, 8, 1024, dev) == [TINY_CONTEXT_LEN, 1024]
+    assert backend.graph_seq_len_buckets(1, 8, 400, dev) == [400]
+    assert backend.graph_seq_len_buckets(256, 8, 8192, dev) == [8192]  # one split, full tiles either way

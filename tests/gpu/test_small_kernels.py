@@ -1,4 +1,4 @@
-"""Triton RMSNorm, fused add + RMSNorm, silu_and_mul and rotary against torch references (GPU only)."""
+"""Triton RMSNorm, fused add + RMSNorm, silu_and_mul, rotary and the split argmax against torch references (GPU only)."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +13,7 @@ pytestmark = [
 ]
 
 from pagedllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from pagedllm.kernels.argmax import MAX_SPLIT_ROWS, argmax_rows  # noqa: E402
 from pagedllm.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from pagedllm.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 
@@ -103,3 +104,24 @@ def test_rotary_matches_hf_llama():
     apply_rotary(positions, q, k, cache, head_size)
     torch.testing.assert_close(q, ref_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 1), (1, 1000), (1, 128256), (3, 151936), (MAX_SPLIT_ROWS, 5000),
+                                    (MAX_SPLIT_ROWS + 1, 3000)])
+def test_argmax_rows_equals_torch(rows, n, dtype):
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    wide = torch.randn(rows, n + 5, generator=g).to(dtype).to(DEVICE)
+    x = wide[:, 2:n + 2]  # rows with a stride wider than n
+    # Ties: the row maximum repeated at later (and, for row 0, earlier) positions; first index must win.
+    top = x.max(dim=-1, keepdim=True).values
+    for r in range(rows):
+        for pos in {n - 1, n // 2, (r * 131) % n}:
+            x[r, pos] = top[r, 0]
+    if rows > 1:
+        x[1] = float("-inf")  # all -inf: index 0
+    if rows > 2 and n > 10:
+        x[2, n - 3] = float("nan")  # NaN counts as the maximum
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64
+    torch.testing.assert_close(got.cpu(), x.argmax(dim=-1).cpu(), atol=0, rtol=0)

@@ -19,6 +19,8 @@ from pagedllm.forward_context import AttentionMetadata
 
 class AttentionBackend:
     name: str = "base"
+    # Whether pure-decode metadata should carry `decode_order` (rows longest context first).
+    wants_decode_order: bool = False
 
     def forward(
         self,

@@ -22,6 +22,8 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.paged_attention import (
     SHORT_CONTEXT_LEN,
+    TINY_CONTEXT_LEN,
+    decode_block_n,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
@@ -37,6 +39,8 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, max_splits: Optional[int] = None) -> None:
         # Upper bound on split-KV partitions per (request, kv head); PAGEDLLM_DECODE_MAX_SPLITS tunes it.
         self.max_splits = max_splits or envs.PAGEDLLM_DECODE_MAX_SPLITS
+        # Decode programs start with the longest contexts (see paged_decode_attention's `order`).
+        self.wants_decode_order = envs.PAGEDLLM_DECODE_LPT
         # (device, num_kv_heads, num_heads, head_size) -> (part_out, part_lse), fp32, never freed:
         # captured graphs keep pointing at them.
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -59,11 +63,13 @@ class TritonAttentionBackend(AttentionBackend):
                               device: torch.device) -> list[int]:
         """Upper bounds of max_seq_len to capture decode CUDA graphs for at this batch size (ascending; the last
         is max_model_len): one per distinct split-KV configuration."""
-        full = decode_num_splits(num_reqs, num_kv_heads, device, self.max_splits, max_model_len)
-        if max_model_len > SHORT_CONTEXT_LEN and decode_num_splits(
-                num_reqs, num_kv_heads, device, self.max_splits, SHORT_CONTEXT_LEN) != full:
-            return [SHORT_CONTEXT_LEN, max_model_len]
-        return [max_model_len]
+        def launch(max_seq_len: int) -> tuple[int, int]:
+            splits = decode_num_splits(num_reqs, num_kv_heads, device, self.max_splits, max_seq_len)
+            return splits, decode_block_n(torch.bfloat16, 128, splits, max_seq_len)
+
+        bounds = [b for b in (TINY_CONTEXT_LEN, SHORT_CONTEXT_LEN) if b < max_model_len] + [max_model_len]
+        # Keep a bound only where the launch differs from the next larger one.
+        return [b for i, b in enumerate(bounds) if i == len(bounds) - 1 or launch(b) != launch(bounds[i + 1])]
 
     def warmup(self, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
                device: torch.device, max_query_len: int) -> None:
@@ -142,7 +148,9 @@ class TritonAttentionBackend(AttentionBackend):
                 workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device)
             paged_decode_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, scale,
-                num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits)
+                num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
+                block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len),
+                order=metadata.decode_order)
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,

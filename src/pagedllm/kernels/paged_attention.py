@@ -10,9 +10,10 @@ Two kernels read K/V through each request's block table from the paged cache
   flattened batch without any host-side planning: request i owns program ids
   [query_start_loc[i] // BLOCK_Q + i, ...) and each program finds its request by binary search.
 * `paged_decode_attention`: batches where every request has exactly one query token. Split-KV
-  ("flash decoding"): grid (num_seqs, num_kv_heads, num_splits); each program handles the GQA group
+  ("flash decoding"): grid (num_kv_heads, num_seqs, num_splits); each program handles the GQA group
   of one kv head over one slice of the context and writes a partial result + log-sum-exp; a
-  second kernel merges the slices. The number of splits depends only on host values fixed for a
+  second kernel merges the slices. An optional order (rows longest context first) sets which
+  requests' programs start first. The number of splits depends only on host values fixed for a
   CUDA graph (num_seqs, heads, SM count); each request's slice length is derived on the device
   from its seq_len, so replays with new seq_lens / block tables need no host work.
 
@@ -256,7 +257,7 @@ def paged_prefill_attention(
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_seq", "stride_po_head", "stride_pl_seq",
                                 "stride_pl_head"])
 def _decode_kernel(
-    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
+    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, order_ptr,
     scale_log2, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
@@ -265,11 +266,17 @@ def _decode_kernel(
     GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the normalized output directly
+    HAS_ORDER: tl.constexpr,  # order_ptr lists the rows longest context first
     USE_PDL: tl.constexpr,
 ):
     wait_prior_kernel(USE_PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Grid (kv heads, requests, splits): programs are dispatched kv head fastest, so with an order every head
+    # of the longest contexts starts first and the short ones fill the tail (longest-processing-time first).
+    kv_head = tl.program_id(0)
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + tl.program_id(1))
+    else:
+        seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each split covers a BLOCK_N-aligned slice; the reduce kernel recomputes the same numbers.
@@ -346,7 +353,7 @@ def _decode_reduce_kernel(
 _SM_COUNT: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -365,6 +372,19 @@ _DECODE_PROGRAMS_PER_SM = 8
 # contexts of 130-1000 tokens; at 32k tokens 64 splits take 40 us vs 67 us). CUDA graphs are captured for both.
 SHORT_CONTEXT_LEN = 2048
 SHORT_CONTEXT_MAX_SPLITS = 16
+# Split decode steps whose longest context is at most TINY_CONTEXT_LEN read K/V in tiles of 32 positions instead of
+# 64: more of the splits get work (H200, batch 1, 32 q / 8 kv heads, 16 splits: 4.3 vs 5.4 us per layer at 160
+# tokens, 4.8 vs 5.4 at 384; from 1024 tokens on, 64 is faster).
+TINY_CONTEXT_LEN = 512
+
+
+def decode_block_n(dtype: torch.dtype, head_size: int, num_splits: int, max_seq_len: Optional[int] = None) -> int:
+    """K/V positions per tile of the decode kernel."""
+    if dtype == torch.float32 or triton.next_power_of_2(head_size) > 128:
+        return 32
+    if num_splits > 1 and max_seq_len is not None and max_seq_len <= TINY_CONTEXT_LEN:
+        return 32
+    return 64
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 64,
@@ -375,7 +395,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
 
     Depends only on values fixed for a captured CUDA graph (batch size, heads, device, context bucket).
     """
-    target = _DECODE_PROGRAMS_PER_SM * _sm_count(device)
+    target = _DECODE_PROGRAMS_PER_SM * sm_count(device)
     ratio = target // max(1, num_seqs * num_kv_heads)
     if ratio <= 1:
         return 1
@@ -387,7 +407,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
 def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, device: torch.device,
                            max_splits: int = 64) -> tuple[int, int]:
     """Worst-case (part_out, part_lse) element counts over every batch size; allocate once."""
-    target = _DECODE_PROGRAMS_PER_SM * _sm_count(device)
+    target = _DECODE_PROGRAMS_PER_SM * sm_count(device)
     # splits > 1 only when num_seqs * kv_heads * splits <= target, so num_seqs * splits <= target / kv_heads.
     rows = triton.cdiv(target, num_kv_heads) + 1
     return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
@@ -406,9 +426,13 @@ def paged_decode_attention(
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    order: Optional[torch.Tensor] = None,  # [>= num_seqs] int32: a permutation of the rows, longest context first
 ) -> torch.Tensor:
     """One query token per request; split-KV over the context. CUDA-graph capturable when the
-    workspace is preallocated (shapes depend only on num_seqs and the model's heads)."""
+    workspace is preallocated (shapes depend only on num_seqs and the model's heads).
+
+    `order` only changes which programs start first (measured on H200 at 256 requests of 200-2048 tokens:
+    3-4% less time than batch order, from a shorter tail of long contexts); any permutation is correct."""
     if output is None:
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)
@@ -418,21 +442,21 @@ def paged_decode_attention(
     gqa = num_heads // num_kv_heads
     gqa_pad = max(16, triton.next_power_of_2(gqa))  # tl.dot needs M >= 16
     head_pad = triton.next_power_of_2(head_size)
-    is_fp32 = query.dtype == torch.float32
-    if block_n is None:
-        block_n = 32 if (is_fp32 or head_pad > 128) else 64
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device)
+    if block_n is None:
+        block_n = decode_block_n(query.dtype, head_size, num_splits)
     common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
                   HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype))
     pdl = use_pdl(query.device)
+    order_arg = seq_lens if order is None else order  # (unread without an order)
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                      block_table.stride(0))
     if num_splits == 1:
-        _decode_kernel[(num_seqs, num_kv_heads, 1)](
-            query, output, output, output, kv_cache, block_table, seq_lens, scale * LOG2E, 1,
+        _decode_kernel[(num_kv_heads, num_seqs, 1)](
+            query, output, output, output, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, 1,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-            0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common, num_warps=num_warps, num_stages=num_stages,
+            0, 0, 0, 0, 0, SINGLE_SPLIT=True, HAS_ORDER=order is not None, **common, num_warps=num_warps, num_stages=num_stages,
             USE_PDL=pdl, launch_pdl=pdl)
         return output
 
@@ -447,10 +471,10 @@ def paged_decode_attention(
     part_out = part_out[:out_numel].view(num_seqs, num_heads, num_splits, head_pad)
     part_lse = part_lse[:lse_numel].view(num_seqs, num_heads, num_splits)
     part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, output, part_out, part_lse, kv_cache, block_table, seq_lens, scale * LOG2E, num_splits,
+    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
+        query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-        *part_strides, SINGLE_SPLIT=False, **common, num_warps=num_warps, num_stages=num_stages,
+        *part_strides, SINGLE_SPLIT=False, HAS_ORDER=order is not None, **common, num_warps=num_warps, num_stages=num_stages,
             USE_PDL=pdl, launch_pdl=pdl)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         output, part_out, part_lse, seq_lens, num_splits,

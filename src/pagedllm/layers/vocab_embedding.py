@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_gather,
@@ -141,9 +142,15 @@ class ParallelLMHead(VocabParallelEmbedding):
 
         On CUDA: the argmax of the logits in the model dtype. compute_logits only widens them to fp32, which is
         exact and keeps their order, so the argmax (first index among equal maxima) is the same; it skips
-        writing and re-reading fp32 logits. On CPU: an exact bf16 screen (below)."""
+        writing and re-reading fp32 logits. For few rows a split Triton argmax spreads each row over many SMs.
+        On CPU: an exact bf16 screen (below)."""
         if hidden_states.is_cuda:
-            return self._logits(hidden_states).argmax(dim=-1)
+            logits = self._logits(hidden_states)
+            if envs.PAGEDLLM_USE_TRITON_KERNELS and logits.dim() == 2:
+                from pagedllm.kernels.argmax import argmax_rows
+
+                return argmax_rows(logits)
+            return logits.argmax(dim=-1)
         screen = self.__dict__.get("cpu_greedy_screen")
         if screen is None or hidden_states.dim() != 2 or hidden_states.dtype != torch.float32:
             return None

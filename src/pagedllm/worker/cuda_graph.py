@@ -39,6 +39,10 @@ class CudaGraphRunner:
         self.slot_mapping = torch.full((n,), self.scratch_block * bs, dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        # Rows longest context first, for backends that want it (padding rows, one token each, go last).
+        self.with_order = runner.attn_backend.wants_decode_order
+        self.rows = torch.arange(n, dtype=torch.int32, device=dev)
+        self.decode_order = self.rows.clone()
         self.block_table = torch.full((n, runner.max_blocks_per_req), self.scratch_block, dtype=torch.int32,
                                       device=dev)
         # Per batch size, the max_seq_len buckets with a graph each (see AttentionBackend.graph_seq_len_buckets).
@@ -51,7 +55,8 @@ class CudaGraphRunner:
         return AttentionMetadata(
             num_actual_tokens=size, num_reqs=size, max_query_len=1, max_seq_len=max_seq_len,
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size])
+            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
+            decode_order=self.decode_order[:size] if self.with_order else None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -92,12 +97,16 @@ class CudaGraphRunner:
         self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
         self.block_table[:n, :nb].copy_(md.block_table, non_blocking=True)
+        if self.with_order:
+            self.decode_order[:n].copy_(md.decode_order, non_blocking=True)
         if size > n:  # reset padding rows that a larger batch may have dirtied
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(self.scratch_block * self.runner.block_size)
             self.seq_lens[n:size].fill_(1)
             self.block_table[n:size, 0].fill_(self.scratch_block)
+            if self.with_order:
+                self.decode_order[n:size].copy_(self.rows[n:size])
         bucket = next(b for b in self.seq_len_buckets[size] if b >= md.max_seq_len)
         self.graphs[(size, bucket)].replay()
         return self.outputs[(size, bucket)][:n]

@@ -112,8 +112,11 @@ class ModelRunner:
         # device to finish the step in flight, defeating async scheduling).
         input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = self.stager.stage(
             [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx], np.int64)
-        query_start_loc, seq_lens, block_table = self.stager.stage(
-            [inp.query_start_loc, inp.seq_lens, inp.block_table], np.int32)
+        int32_arrays = [inp.query_start_loc, inp.seq_lens, inp.block_table]
+        want_order = inp.max_query_len == 1 and self.attn_backend.wants_decode_order
+        if want_order:
+            int32_arrays.append(np.argsort(-inp.seq_lens, kind="stable").astype(np.int32))
+        query_start_loc, seq_lens, block_table, *decode_order = self.stager.stage(int32_arrays, np.int32)
         self.stager.next_step()
         metadata = AttentionMetadata(
             num_actual_tokens=len(inp.input_ids),
@@ -124,6 +127,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_table=block_table,
             slot_mapping=slot_mapping,
+            decode_order=decode_order[0] if want_order else None,
             query_start_loc_cpu=inp.query_start_loc.tolist(),
             seq_lens_cpu=inp.seq_lens.tolist(),
         )
