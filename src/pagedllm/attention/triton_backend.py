@@ -150,7 +150,9 @@ class TritonAttentionBackend(AttentionBackend):
                 query, kv_cache, metadata.block_table, metadata.seq_lens, scale,
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
                 block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len),
-                order=metadata.decode_order)
+                # Start order matters only when the programs do not all fit at once (one split per request);
+                # in small split launches the extra dependent load would only add latency.
+                order=metadata.decode_order if num_splits == 1 else None)
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
