@@ -97,8 +97,9 @@ class CudaGraphRunner:
         self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
         self.block_table[:n, :nb].copy_(md.block_table, non_blocking=True)
-        if self.with_order:
-            self.decode_order[:n].copy_(md.decode_order, non_blocking=True)
+        if self.with_order:  # (batch order when the caller gave none)
+            self.decode_order[:n].copy_(self.rows[:n] if md.decode_order is None else md.decode_order,
+                                        non_blocking=True)
         if size > n:  # reset padding rows that a larger batch may have dirtied
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
