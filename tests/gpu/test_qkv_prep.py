@@ -13,6 +13,7 @@ pytestmark = [
     pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+from pagedllm.attention.backend import QKVSpec  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.kernels.norm import rms_norm_ref  # noqa: E402
 from pagedllm.kernels.qkv_prep import qkv_prep, qkv_prep_ref  # noqa: E402
@@ -109,8 +110,8 @@ def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     backend = TritonAttentionBackend()
 
     cache_a = batch.kv_cache.clone()
-    out_a = backend.forward_qkv(qkv.clone(), positions, cos_sin, cache_a, md, batch.scale, num_heads, num_kv_heads,
-                                head_size, *norms)
+    spec = QKVSpec(num_heads, num_kv_heads, head_size, batch.scale, *norms)
+    out_a = backend.forward_qkv(qkv.clone(), positions, cos_sin, cache_a, md, spec)
     assert out_a is not None
 
     # Unfused: the references for norm and rope, then the backend's forward (which writes K/V itself).

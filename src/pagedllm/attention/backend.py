@@ -10,11 +10,26 @@ KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size] 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from pagedllm.forward_context import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class QKVSpec:
+    """One attention layer as a fused qkv path sees it (`AttentionBackend.forward_qkv`)."""
+
+    num_heads: int  # on this tensor-parallel rank
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    # Per-head RMSNorm of q and k before rope (Qwen3): both weights [head_size] or neither.
+    q_norm_weight: Optional[torch.Tensor] = None
+    k_norm_weight: Optional[torch.Tensor] = None
+    eps: float = 1e-6
 
 
 class AttentionBackend:
@@ -40,13 +55,7 @@ class AttentionBackend:
         cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim] = cat(cos, sin)
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
-        num_heads: int,
-        num_kv_heads: int,
-        head_size: int,
-        q_norm_weight: Optional[torch.Tensor] = None,  # per-head RMSNorm of q and k before rope (Qwen3)
-        k_norm_weight: Optional[torch.Tensor] = None,
-        eps: float = 1e-6,
+        spec: QKVSpec,
     ) -> Optional[torch.Tensor]:
         """Optional fused path from the qkv projection: q/k norm + neox rope + KV write + attention, with
         fewer kernels. Returns [num_tokens, num_heads, head_size], or None to make the caller run the

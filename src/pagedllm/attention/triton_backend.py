@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from pagedllm import envs
-from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.backend import AttentionBackend, QKVSpec
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.paged_attention import (
     SHORT_CONTEXT_LEN,
@@ -112,28 +112,23 @@ class TritonAttentionBackend(AttentionBackend):
         cos_sin_cache: torch.Tensor,  # [max_position, head_size]
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
-        num_heads: int,
-        num_kv_heads: int,
-        head_size: int,
-        q_norm_weight: Optional[torch.Tensor] = None,
-        k_norm_weight: Optional[torch.Tensor] = None,
-        eps: float = 1e-6,
+        spec: QKVSpec,
     ) -> Optional[torch.Tensor]:
         """Norm (optional) + rotary + KV write in one kernel, then attention. Returns the output
         [num_tokens, num_heads, head_size], or None when this case needs the unfused path (the caller runs it).
         Rotates q in place inside qkv."""
-        if not envs.PAGEDLLM_FUSED_QKV or cos_sin_cache.shape[-1] != head_size or qkv.stride(-1) != 1:
+        if not envs.PAGEDLLM_FUSED_QKV or cos_sin_cache.shape[-1] != spec.head_size or qkv.stride(-1) != 1:
             return None
-        if q_norm_weight is not None and (q_norm_weight.dtype != qkv.dtype or k_norm_weight.dtype != qkv.dtype):
+        if spec.q_norm_weight is not None and (spec.q_norm_weight.dtype != qkv.dtype
+                                               or spec.k_norm_weight.dtype != qkv.dtype):
             return None
         num_tokens = qkv.shape[0]
-        output = torch.empty(num_tokens, num_heads, head_size, dtype=qkv.dtype, device=qkv.device)
+        output = torch.empty(num_tokens, spec.num_heads, spec.head_size, dtype=qkv.dtype, device=qkv.device)
         if num_tokens == 0 or metadata.num_reqs == 0:
             return output
-        query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, num_heads, num_kv_heads,
-                         head_size, q_norm_weight, k_norm_weight, eps)
-        return self._attend(query, kv_cache, metadata, scale, output)
+        query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, spec.num_heads,
+                         spec.num_kv_heads, spec.head_size, spec.q_norm_weight, spec.k_norm_weight, spec.eps)
+        return self._attend(query, kv_cache, metadata, spec.scale, output)
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                 output: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.backend import QKVSpec
 from pagedllm.forward_context import get_forward_context
 
 
@@ -50,10 +51,9 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             return None
-        q_w, k_w, eps = qk_norm if qk_norm is not None else (None, None, 1e-6)
-        out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache, ctx.attn_metadata,
-                                           self.scale, self.num_heads, self.num_kv_heads, self.head_size,
-                                           q_w, k_w, eps)
+        spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
+                       *(qk_norm if qk_norm is not None else ()))
+        out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache, ctx.attn_metadata, spec)
         return None if out is None else out.reshape(qkv.shape[0], self.num_heads * self.head_size)
 
     def _no_cache_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
