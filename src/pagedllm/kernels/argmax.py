@@ -16,7 +16,7 @@ from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
 _NONE = tl.constexpr(2147483647)  # index placeholder larger than any real one
 
 
-@triton.jit(do_not_specialize=["n", "chunk"])
+@triton.jit(do_not_specialize=["n", "chunk", "num_parts"])
 def _argmax_partial_kernel(x_ptr, stride_x, n, chunk, part_val_ptr, part_idx_ptr, num_parts,
                            BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_prior_kernel(USE_PDL)
@@ -42,7 +42,7 @@ def _argmax_partial_kernel(x_ptr, stride_x, n, chunk, part_val_ptr, part_idx_ptr
     tl.store(part_idx_ptr + row * num_parts + part, idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])
 def _argmax_merge_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_parts, PARTS_PAD: tl.constexpr,
                          USE_PDL: tl.constexpr):
     wait_prior_kernel(USE_PDL)
@@ -59,6 +59,9 @@ def _argmax_merge_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_parts, PARTS_P
 # Rows up to this many use the split kernels; wider batches keep torch.argmax, which is already spread over rows.
 MAX_SPLIT_ROWS = 32
 _BLOCK = 1024
+# Most chunks per row. The merge kernel always reads this many (masked), so one compiled variant serves every row
+# count: a new variant would otherwise be compiled in the middle of a run when the batch shrinks.
+_MAX_PARTS = 256
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +71,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     sm = sm_count(x.device)
     # About two programs per SM over all rows, each reading whole BLOCKs.
-    parts = max(1, min(triton.cdiv(n, 4 * _BLOCK), triton.cdiv(2 * sm, rows), 256))
+    parts = max(1, min(triton.cdiv(n, 4 * _BLOCK), triton.cdiv(2 * sm, rows), _MAX_PARTS))
     chunk = triton.cdiv(triton.cdiv(n, parts), _BLOCK) * _BLOCK
     parts = triton.cdiv(n, chunk)
     part_val = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
@@ -77,6 +80,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     pdl = use_pdl(x.device)
     _argmax_partial_kernel[(rows, parts)](x, x.stride(0), n, chunk, part_val, part_idx, parts,
                                           BLOCK=_BLOCK, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
-    _argmax_merge_kernel[(rows,)](part_val, part_idx, out, parts, PARTS_PAD=max(16, triton.next_power_of_2(parts)),
+    _argmax_merge_kernel[(rows,)](part_val, part_idx, out, parts, PARTS_PAD=_MAX_PARTS,
                                   USE_PDL=pdl, launch_pdl=pdl, num_warps=1)
     return out

@@ -69,11 +69,22 @@ class ModelRunner:
             first = self.model.attn_layers[0]
             warmup(first.num_heads, first.num_kv_heads, first.head_size, self.block_size, self.dtype, self.device,
                    self.max_num_batched_tokens)
+        self._warm_up_greedy()
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graph import CudaGraphRunner
 
             self.cuda_graphs = CudaGraphRunner(self)
             self.cuda_graphs.capture()
+
+    @torch.inference_mode()
+    def _warm_up_greedy(self) -> None:
+        """On CUDA, run the greedy LM-head path once so its kernels are compiled at start-up, not in the middle of
+        serving (the split argmax is first used when a batch shrinks to a few rows)."""
+        lm_head = getattr(self.model, "lm_head", None)
+        if self.device.type != "cuda" or lm_head is None or not hasattr(self.model, "greedy_token_ids"):
+            return
+        self.model.greedy_token_ids(torch.zeros(1, lm_head.embedding_dim, dtype=self.dtype, device=self.device))
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
