@@ -36,6 +36,8 @@ class AttentionBackend:
     name: str = "base"
     # Whether pure-decode metadata should carry `decode_order` (rows longest context first).
     wants_decode_order: bool = False
+    # Whether the KV pool must start zeroed (kernels whose masked-out lanes still multiply what they read).
+    needs_zeroed_cache: bool = True
 
     def forward(
         self,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 
 @triton.jit
@@ -39,9 +39,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows > 0 and d > 0:
         block = min(4096, triton.next_power_of_2(d))
         num_warps = min(8, max(1, block // 512))
-        pdl = use_pdl(x.device)
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=num_warps, USE_PDL=pdl, launch_pdl=pdl)
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=num_warps, **pdl_launch_args(x.device))
     return out.view(*x.shape[:-1], d)
 
 

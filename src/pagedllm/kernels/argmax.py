@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.paged_attention import sm_count
-from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 _NONE = tl.constexpr(2147483647)  # index placeholder larger than any real one
 
@@ -77,9 +77,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     part_val = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(rows, parts, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    pdl = use_pdl(x.device)
+    launch = pdl_launch_args(x.device)
     _argmax_partial_kernel[(rows, parts)](x, x.stride(0), n, chunk, part_val, part_idx, parts,
-                                          BLOCK=_BLOCK, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
-    _argmax_merge_kernel[(rows,)](part_val, part_idx, out, parts, PARTS_PAD=_MAX_PARTS,
-                                  USE_PDL=pdl, launch_pdl=pdl, num_warps=1)
+                                          BLOCK=_BLOCK, num_warps=4, **launch)
+    _argmax_merge_kernel[(rows,)](part_val, part_idx, out, parts, PARTS_PAD=_MAX_PARTS, num_warps=1, **launch)
     return out

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 
 @triton.jit
@@ -60,12 +60,11 @@ def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
     if rows > 0:
         block = triton.next_power_of_2(hidden)
         num_warps = min(16, max(1, block // 256))
-        pdl = use_pdl(x.device)
         _rms_norm_kernel[(rows,)](
             x2, r2, weight, out, r_out,
             x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0),
             hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
-            USE_PDL=pdl, launch_pdl=pdl,
+            **pdl_launch_args(x.device),
         )
     out = out.view(*x.shape[:-1], hidden)
     return out, (r_out.view(*x.shape[:-1], hidden) if residual is not None else None)

@@ -39,10 +39,17 @@ def _capable(device_index: int) -> bool:
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether Triton kernels on `device` launch with PDL (pass as both `USE_PDL=` and `launch_pdl=`)."""
+    """Whether Triton kernels on `device` launch with PDL."""
     if device.type != "cuda" or not envs.PAGEDLLM_PDL:
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch_args(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments for a kernel launch on `device`: the kernel's `USE_PDL` constexpr and Triton's `launch_pdl`
+    option, always equal (a PDL launch without the wait in the kernel would race with the previous kernel)."""
+    pdl = use_pdl(device)
+    return {"USE_PDL": pdl, "launch_pdl": pdl}
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 
 @triton.jit
@@ -127,7 +127,6 @@ def qkv_prep(
     half_pad = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(total_heads), max(1, 512 // half_pad))
     grid = (num_tokens, triton.cdiv(total_heads, block_h))
-    pdl = use_pdl(qkv.device)
     _qkv_prep_kernel[grid](
         qkv, positions, cos_sin_cache,
         q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
@@ -136,7 +135,7 @@ def qkv_prep(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_Q=num_heads, NUM_KV=num_kv_heads, BLOCK_H=block_h, HEAD_SIZE=head_size, HALF=half,
         HALF_PAD=half_pad, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm, num_warps=2,
-        USE_PDL=pdl, launch_pdl=pdl,
+        **pdl_launch_args(qkv.device),
     )
     return q
 

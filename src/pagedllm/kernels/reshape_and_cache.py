@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 
 @triton.jit
@@ -75,7 +75,6 @@ def reshape_and_cache(
     # Keep one program's tile at <= 4096 elements.
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
-    pdl = use_pdl(key.device)
     _reshape_and_cache_kernel[grid](
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -83,7 +82,7 @@ def reshape_and_cache(
         num_kv_heads,
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_H=block_h,
         num_warps=4 if block_h * head_pad >= 1024 else 2,
-        USE_PDL=pdl, launch_pdl=pdl,
+        **pdl_launch_args(key.device),
     )
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.pdl import use_pdl, wait_prior_kernel
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 
 @triton.jit
@@ -72,13 +72,12 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     half = rotary_dim // 2
     half_pad = triton.next_power_of_2(half)
     block_h = max(1, min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 2048 // half_pad))
-    pdl = use_pdl(q.device)
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache,
         q.stride(0), k.stride(0), cos_sin_cache.stride(0),
         num_q_heads, num_k_heads,
         HEAD_SIZE=head_size, HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, num_warps=4,
-        USE_PDL=pdl, launch_pdl=pdl,
+        **pdl_launch_args(q.device),
     )
     return q, k
 

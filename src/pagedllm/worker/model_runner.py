@@ -60,7 +60,7 @@ class ModelRunner:
         # One extra block past the scheduler's pool: the scratch block CUDA-graph padding rows write into.
         self.scratch_block = num_blocks
         self.kv_caches = allocate_kv_caches(spec, num_blocks + (0 if self.enforce_eager else 1), self.device,
-                                            zeroed=getattr(self.attn_backend, "needs_zeroed_cache", True))
+                                            zeroed=self.attn_backend.needs_zeroed_cache)
         for layer, cache in zip(self.model.attn_layers, self.kv_caches):
             layer.kv_cache = cache
         self.num_blocks = num_blocks
