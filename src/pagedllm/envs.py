@@ -49,6 +49,11 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_DECODE_LPT": lambda: os.environ.get("PAGEDLLM_DECODE_LPT", "1") != "0",
     # "0": launch the Triton kernels without programmatic dependent launch (kernels/pdl.py; A/B, debugging).
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1") != "0",
+    # "0": PDL kernels do not let the next kernel launch before they finish (A/B of the early trigger, pdl.py).
+    "PAGEDLLM_PDL_TRIGGER": lambda: os.environ.get("PAGEDLLM_PDL_TRIGGER", "1") != "0",
+    # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
+    # cuBLAS; 0 turns it off.
+    "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

@@ -1,4 +1,5 @@
-"""Triton RMSNorm, fused add + RMSNorm, silu_and_mul, rotary and the split argmax against torch references (GPU only)."""
+"""Triton RMSNorm, fused add + RMSNorm, silu_and_mul, rotary, the split argmax and the few-row GEMV against torch
+references (GPU only)."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ pytestmark = [
 
 from pagedllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from pagedllm.kernels.argmax import MAX_SPLIT_ROWS, argmax_rows  # noqa: E402
+from pagedllm.kernels.gemv import gemv, gemv_ref  # noqa: E402
 from pagedllm.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from pagedllm.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 
@@ -125,3 +127,48 @@ def test_argmax_rows_equals_torch(rows, n, dtype):
     got = argmax_rows(x)
     assert got.dtype == torch.int64
     torch.testing.assert_close(got.cpu(), x.argmax(dim=-1).cpu(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("n,k,gated,bias", [
+    (6144, 4096, False, False),  # Llama-3-8B qkv
+    (1000, 896, False, True),    # rows and K not powers of two, with a bias (Qwen2 qkv)
+    (2 * 3072, 1024, True, False),  # Qwen3-0.6B gate_up + SiLU
+    (2 * 37, 4096, True, True),  # gated, a partial last block, bias on gate and up
+    (64, 14336, False, False),   # Llama-3-8B down_proj's K
+])
+def test_gemv_matches_reference(rows, n, k, gated, bias, dtype):
+    g = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k + 8, generator=g).to(dtype).to(DEVICE)[:, 4:k + 4]  # rows with a wider stride
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    got = gemv(x, w, b, gated=gated)
+    assert got.shape == (rows, n // 2 if gated else n) and got.dtype == dtype
+    ref = gemv_ref(x, w, b, gated=gated)
+    if gated:  # four roundings (gate, up, activation, product), each of which a different sum order can flip
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=4e-2)
+    else:
+        _close(got, ref, dtype)
+
+
+def test_mlp_fused_gemv_equals_cublas_path(monkeypatch):
+    """A Llama MLP on a few rows (fused gate_up + SiLU GEMV, GEMV down_proj) matches the cuBLAS + silu_and_mul path."""
+    if DEVICE != "cuda":
+        pytest.skip("the model layers pick the GEMV only on CUDA tensors")
+    from types import SimpleNamespace
+
+    from pagedllm.models.llama import LlamaMLP
+    config = SimpleNamespace(hidden_size=512, intermediate_size=1376, hidden_act="silu", mlp_bias=False)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(config).to(device=DEVICE, dtype=torch.bfloat16)
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.05)
+    x = torch.randn(3, 512, device=DEVICE, dtype=torch.bfloat16)
+    monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "4")
+    assert mlp.gate_up_proj.silu_and_mul(x) is not None  # the fused kernel is taken at 3 rows
+    fused = mlp(x)
+    monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "0")
+    assert mlp.gate_up_proj.silu_and_mul(x) is None
+    plain = mlp(x)
+    _close(fused, plain, torch.bfloat16)

@@ -23,6 +23,7 @@ import triton.language as tl
 from pagedllm import envs
 
 try:  # Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
     from triton.language.extra.cuda import gdc_wait as _gdc_wait
     _HAVE_GDC = True
 except ImportError:  # pragma: no cover - older Triton: PDL stays off
@@ -31,6 +32,13 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
     @triton.jit
     def _gdc_wait():
         pass
+
+    @triton.jit
+    def _gdc_launch_dependents():
+        pass
+
+# Read once per process (a compile-time constant of every kernel).
+_TRIGGER_EARLY = tl.constexpr(envs.PAGEDLLM_PDL_TRIGGER)
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,6 +62,14 @@ def pdl_launch_args(device: torch.device) -> dict[str, bool]:
 
 @triton.jit
 def wait_prior_kernel(USE_PDL: tl.constexpr):
-    """First statement of every kernel that can be launched with PDL (a no-op when USE_PDL is False)."""
+    """First statement of every kernel that can be launched with PDL (a no-op when USE_PDL is False); only loads
+    that do not depend on earlier kernels (weights) may come before it.
+
+    After the wait, the kernel lets the next PDL kernel in the stream launch (`griddepcontrol.launch_dependents`):
+    once every program of this kernel has passed this point, the next kernel's programs may start on free SMs
+    and run their own prologue (the GEMV's weight loads) while this one finishes. They still wait for this
+    kernel's completion before touching its results."""
     if USE_PDL:
         _gdc_wait()
+        if _TRIGGER_EARLY:
+            _gdc_launch_dependents()

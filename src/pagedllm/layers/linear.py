@@ -28,6 +28,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
+from pagedllm.layers.activation import triton_kernels
 from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
 
 ShardId = Union[int, str, None]
@@ -76,10 +77,28 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias=None):
+        if x.is_cuda:
+            gemv = _gemv_kernels(x, layer.weight)
+            if gemv is not None:
+                return gemv.gemv(x, layer.weight, bias)
         packed = layer.__dict__.get("cpu_packed_weight")
         if packed is not None and x.dim() == 2 and not x.requires_grad:
             return cpu_packed_linear(x, packed, bias)
         return F.linear(x, layer.weight, bias)
+
+    def apply_silu_and_mul(self, layer, x, bias=None) -> Optional[torch.Tensor]:
+        """`silu(gate) * up` of a merged [gate; up] layer in one kernel, or None where that kernel does not apply
+        (the caller then runs `apply` and the activation)."""
+        if not x.is_cuda:
+            return None
+        gemv = _gemv_kernels(x, layer.weight)
+        return None if gemv is None else gemv.gemv(x, layer.weight, bias, gated=True)
+
+
+def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """kernels.gemv when its few-row GEMV handles `x @ weight.T` (CUDA, fp16/bf16, <= PAGEDLLM_GEMV_MAX_ROWS rows)."""
+    kernels = triton_kernels("gemv")
+    return kernels if kernels is not None and kernels.gemv_applies(x, weight) else None
 
 
 # oneDNN's prepacked fp32 linear (the kernel torch.compile's CPU backend uses) beats MKL's sgemm through
@@ -231,6 +250,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_partition_sizes[:shard_id])
         self._load_shard(param, loaded_weight, offset, self.output_partition_sizes[shard_id], self.tp_rank,
                          self.tp_size)
+
+
+    def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """For a [gate, up] layer: `silu(x @ gate^T) * (x @ up^T)` in one fused kernel where one applies, else None."""
+        fused = getattr(self.linear_method, "apply_silu_and_mul", None)
+        if fused is None or self.gather_output or len(self.output_partition_sizes) != 2 \
+                or self.output_partition_sizes[0] != self.output_partition_sizes[1]:
+            return None
+        return fused(self, x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from pagedllm.layers.activation import get_gated_act_fn
+from pagedllm.layers.activation import SiluAndMul, get_gated_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -36,8 +36,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
                                            prefix=f"{prefix}.down_proj")
         self.act_fn = get_gated_act_fn(config.hidden_act)
+        self.fuse_silu = isinstance(self.act_fn, SiluAndMul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuse_silu:  # decode steps of a few tokens on CUDA: gate_up and SiLU in one kernel
+            act = self.gate_up_proj.silu_and_mul(x)
+            if act is not None:
+                return self.down_proj(act)
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate / tp]
         return self.down_proj(self.act_fn(gate_up))  # [T, hidden]
 

@@ -1,0 +1,153 @@
+"""Few-row linear layers on the GPU: the Triton GEMV (kernels/gemv.py) against cuBLAS (`F.linear`).
+
+Part 1 times each weight shape alone under CUDA-graph replay, cycling through enough weight copies that nothing is
+served from L2. Part 2 times a chain of decoder-layer-shaped kernels (norm, qkv, a stand-in for attention, o_proj,
+norm, gate_up + SiLU, down) over every layer of the model shape, as one CUDA graph: there the GEMV's weight
+loads overlap the kernel before it (programmatic dependent launch), which a kernel alone does not show.
+
+    python benchmarks/gemv.py                      # Llama-3-8B and Qwen3-0.6B shapes, 1-4 rows
+    PAGEDLLM_PDL_TRIGGER=0 python benchmarks/gemv.py --chain-only   # A/B of the early launch trigger
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels.activation import silu_and_mul
+from pagedllm.kernels.gemv import gemv, gemv_ref
+from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm
+
+SHAPES = {  # name: (hidden, q heads * head, kv heads * head, intermediate, layers)
+    "llama3-8b": (4096, 4096, 1024, 14336, 32),
+    "qwen3-0.6b": (1024, 2048, 1024, 3072, 28),
+}
+
+
+def graph_time_us(fn, iters: int = 20) -> float:
+    """Mean time of one call of `fn` replayed in a CUDA graph (fn may itself run many kernels)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000.0 / iters
+
+
+def bench_shapes(name: str, rows_list, copies_bytes: float = 2e9) -> None:
+    hidden, q, kv, inter, _ = SHAPES[name]
+    shapes = {"qkv": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up": (2 * inter, hidden),
+              "down": (hidden, inter)}
+    for lin, (n, k) in shapes.items():
+        copies = max(4, int(copies_bytes // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        gb = n * k * 2 / 1e9
+        for m in rows_list:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            gated = lin == "gate_up"
+            err = (gemv(x, ws[0], gated=gated).float() - gemv_ref(x, ws[0], gated=gated).float()).abs().max().item()
+
+            def run_cublas():
+                for w in ws:
+                    y = F.linear(x, w)
+                    if gated:
+                        silu_and_mul(y)
+
+            t_cublas = graph_time_us(run_cublas) / copies
+            results = []
+            for block_n in ((1, 2, 4, 8, 16) if m == rows_list[0] else ()):
+                if block_n * triton_pad(k) * (2 if gated else 1) > 65536:
+                    continue
+                for warps in (4, 8):
+                    def run_gemv(block_n=block_n, warps=warps):
+                        for w in ws:
+                            gemv(x, w, gated=gated, block_n=block_n, num_warps=warps)
+                    t = graph_time_us(run_gemv) / copies
+                    results.append((t, block_n, warps))
+            t_default = graph_time_us(lambda: [gemv(x, w, gated=gated) for w in ws]) / copies
+            results.sort()
+            t_best, bn, wp = results[0] if results else (t_default, 0, 0)
+            print(f"{name:11s} {lin:8s} rows={m} cuBLAS{'+silu' if gated else ''} {t_cublas:7.2f} us "
+                  f"({gb / t_cublas * 1e3:5.2f} TB/s) | gemv default {t_default:7.2f} us ({gb / t_default * 1e3:5.2f} TB/s)"
+                  f" | best {t_best:7.2f} us block_n={bn} warps={wp} | max err {err:.3g}", flush=True)
+            print("   all:", " ".join(f"{bn}x{wp}:{t:.1f}" for t, bn, wp in sorted(results, key=lambda r: r[1:])),
+                  flush=True)
+
+
+def triton_pad(k: int) -> int:
+    return 1 << (k - 1).bit_length()
+
+
+def bench_chain(name: str, rows_list) -> None:
+    hidden, q, kv, inter, layers = SHAPES[name]
+    dt = torch.bfloat16
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=dt) * 0.02  # noqa: E731
+    weights = [dict(qkv=mk(q + 2 * kv, hidden), o=mk(hidden, q), gu=mk(2 * inter, hidden), down=mk(hidden, inter),
+                    n1=torch.ones(hidden, device="cuda", dtype=dt), n2=torch.ones(hidden, device="cuda", dtype=dt))
+               for _ in range(layers)]
+    gb = sum(w.numel() * 2 for lw in weights for w in (lw["qkv"], lw["o"], lw["gu"], lw["down"])) / 1e9
+    for m in rows_list:
+        x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
+        r0 = torch.randn(m, hidden, device="cuda", dtype=dt)
+
+        def chain(use_gemv: bool):
+            x, r = x0, r0
+            for lw in weights:
+                h, r = fused_add_rms_norm(x, r, lw["n1"], 1e-5)
+                qkv = gemv(h, lw["qkv"]) if use_gemv else F.linear(h, lw["qkv"])
+                a = rms_norm(qkv[:, :q], lw_ones(q), 1e-5)  # stand-in for attention: one small kernel
+                o = gemv(a, lw["o"]) if use_gemv else F.linear(a, lw["o"])
+                h, r = fused_add_rms_norm(o, r, lw["n2"], 1e-5)
+                act = gemv(h, lw["gu"], gated=True) if use_gemv else silu_and_mul(F.linear(h, lw["gu"]))
+                x = gemv(act, lw["down"]) if use_gemv else F.linear(act, lw["down"])
+            return x
+
+        t_cublas = graph_time_us(lambda: chain(False), iters=10)
+        t_gemv = graph_time_us(lambda: chain(True), iters=10)
+        bound = gb / 4.3 * 1e3
+        print(f"chain {name} {layers} layers rows={m}: cuBLAS {t_cublas / 1e3:.3f} ms | gemv {t_gemv / 1e3:.3f} ms "
+              f"({t_cublas / t_gemv:.3f}x) | weight bytes at 4.3 TB/s {bound / 1e3:.3f} ms", flush=True)
+
+
+_ONES: dict[int, torch.Tensor] = {}
+
+
+def lw_ones(n: int) -> torch.Tensor:
+    if n not in _ONES:
+        _ONES[n] = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+    return _ONES[n]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--chain-only", action="store_true", help="only part 2 (the layer chain)")
+    parser.add_argument("--shapes-only", action="store_true", help="only part 1 (each weight shape alone)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for name in args.shapes if not args.shapes_only else ():
+        bench_chain(name, args.rows)
+        torch.cuda.empty_cache()
+    if not args.chain_only:
+        for name in args.shapes:
+            bench_shapes(name, args.rows)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

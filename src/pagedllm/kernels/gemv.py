@@ -1,0 +1,119 @@
+"""Weight-streaming GEMV for decode steps of a few rows (Triton), with an optional fused SiLU-and-mul.
+
+At one to a few rows, a linear layer is a pass over its weight: the time is bytes / bandwidth, plus the gap
+before the kernel can start. This kernel gives each program a block of whole weight rows ([BLOCK_N, K], held in
+registers) and multiplies it by every input row. Two things make it faster than cuBLAS there:
+- its weight loads are issued *before* `griddepcontrol.wait` (the weights do not depend on the previous kernel),
+  so under programmatic dependent launch the first wave of programs streams weights while the kernel before
+  it (an RMSNorm, the attention reduce) is still running;
+- `gated=True` computes `silu(x @ W_gate^T) * (x @ W_up^T)` from a merged [gate; up] weight, which saves the
+  separate activation kernel and a round trip of the intermediate activations.
+
+Numerics: products summed in fp32, rounded once to the output dtype (the gated path rounds gate and up to the
+activation dtype before the activation, then the activation, then the product, as `silu_and_mul` after a
+linear layer does). Sums are in a different order than cuBLAS's, so results differ from it in the last bits.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm import envs
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+
+# Weight elements held by one program (registers): 16k bf16 = 32 KB. Measured on H200 (benchmarks/gemv.py).
+_TILE_ELEMENTS = 16384
+# Longest reduction dimension handled (the whole row must fit one program's registers).
+GEMV_MAX_K = 16384
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    stride_xm, stride_wn, stride_om, up_offset,
+    N: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+    BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, K_PAD)
+    row_ok = rows < N
+    col_ok = cols < K
+    w_mask = row_ok[:, None] & col_ok[None, :]
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    # Weights first: they do not depend on the previous kernel, so these loads overlap its tail under PDL.
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if GATED:
+        w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if GATED:
+            bias_up = tl.load(bias_ptr + N + rows, mask=row_ok, other=0.0).to(tl.float32)
+    wait_prior_kernel(USE_PDL)
+    out_ty = out_ptr.dtype.element_ty
+    for m in tl.static_range(M):
+        x = tl.load(x_ptr + m * stride_xm + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += bias
+        if GATED:
+            acc_up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+            if HAS_BIAS:
+                acc_up += bias_up
+            gate = acc.to(out_ty).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+            acc = act * acc_up.to(out_ty).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + rows, acc.to(out_ty), mask=row_ok)
+
+
+def gemv_max_rows() -> int:
+    """Most rows (tokens) for which the linear layers use this kernel instead of cuBLAS; 0 turns it off."""
+    return envs.PAGEDLLM_GEMV_MAX_ROWS
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv` handles `x @ weight.T` (CUDA, fp16/bf16, few rows, contiguous rows, K that fits)."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= gemv_max_rows() and x.dtype == weight.dtype
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dim() == 2 and weight.stride(1) == 1
+            and x.stride(1) == 1 and weight.shape[1] <= GEMV_MAX_K and not x.requires_grad)
+
+
+def gemv_block_n(n: int, k: int) -> int:
+    k_pad = triton.next_power_of_2(k)
+    return max(1, min(triton.next_power_of_2(n), _TILE_ELEMENTS // k_pad))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
+         block_n: Optional[int] = None, num_warps: int = 8) -> torch.Tensor:
+    """x: [M, K]; weight: [N, K] (gated: [2 * N', K], gate rows then up rows). Returns [M, N] (gated: [M, N'])."""
+    m, k = x.shape
+    n_total, k_w = weight.shape
+    assert k == k_w, (x.shape, weight.shape)
+    n = n_total // 2 if gated else n_total
+    assert not gated or n_total % 2 == 0, weight.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if block_n is None:
+        block_n = gemv_block_n(n, k) // (2 if gated else 1) or 1
+    if bias is not None:
+        assert bias.shape == (n_total,) and bias.stride(0) == 1, bias.shape
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out,
+        x.stride(0), weight.stride(0), out.stride(0), n * weight.stride(0),
+        N=n, K=k, M=m, BLOCK_N=block_n, K_PAD=triton.next_power_of_2(k),
+        GATED=gated, HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_launch_args(x.device))
+    return out
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             gated: bool = False) -> torch.Tensor:
+    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    if not gated:
+        return y.to(x.dtype)
+    n = weight.shape[0] // 2
+    gate, up = y[:, :n].to(x.dtype), y[:, n:].to(x.dtype)
+    return (torch.nn.functional.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
