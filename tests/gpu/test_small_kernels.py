@@ -15,7 +15,7 @@ pytestmark = [
 
 from pagedllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from pagedllm.kernels.argmax import MAX_SPLIT_ROWS, argmax_rows  # noqa: E402
-from pagedllm.kernels.gemv import gemv, gemv_ref  # noqa: E402
+from pagedllm.kernels.gemv import MULTI_ROW_MAX_WEIGHT, gemv, gemv_applies, gemv_ref  # noqa: E402
 from pagedllm.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from pagedllm.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 
@@ -172,3 +172,19 @@ def test_mlp_fused_gemv_equals_cublas_path(monkeypatch):
     assert mlp.gate_up_proj.silu_and_mul(x) is None
     plain = mlp(x)
     _close(fused, plain, torch.bfloat16)
+
+
+def test_gemv_applies_rule(monkeypatch):
+    """One row always (any weight size); several rows only for small weights; never fp32, CPU or too many rows."""
+    if DEVICE != "cuda":
+        pytest.skip("the GEMV is chosen only for CUDA tensors")
+    monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "4")
+    big = torch.empty(MULTI_ROW_MAX_WEIGHT // 1024 + 1, 1024, device=DEVICE, dtype=torch.bfloat16)
+    small = torch.empty(64, 1024, device=DEVICE, dtype=torch.bfloat16)
+    x = lambda rows, dtype=torch.bfloat16: torch.empty(rows, 1024, device=DEVICE, dtype=dtype)  # noqa: E731
+    assert gemv_applies(x(1), big) and not gemv_applies(x(2), big)
+    assert gemv_applies(x(4), small) and not gemv_applies(x(5), small)
+    assert not gemv_applies(x(1, torch.float32), small.float())
+    assert not gemv_applies(x(1).cpu(), small.cpu())
+    monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "0")
+    assert not gemv_applies(x(1), small)

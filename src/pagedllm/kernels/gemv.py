@@ -74,11 +74,24 @@ def gemv_max_rows() -> int:
     return envs.PAGEDLLM_GEMV_MAX_ROWS
 
 
+# Above this many weight elements the kernel is used for one row only. Each extra row costs the kernel a full pass
+# of multiply-adds and a cross-warp reduction over its register tile; on a large weight that outweighs what it gains
+# over cuBLAS (H200, benchmarks/gemv.py: Llama-3-8B layer chain 0.91x cuBLAS at 2 rows, 0.61x at 4, but 1.14x at 1;
+# Qwen3-0.6B, whose largest weight has 6.3M elements: 2.33x / 1.81x / 1.29x at 1 / 2 / 4 rows).
+MULTI_ROW_MAX_WEIGHT = 8 * 1024 * 1024
+
+
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `gemv` handles `x @ weight.T` (CUDA, fp16/bf16, few rows, contiguous rows, K that fits)."""
-    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= gemv_max_rows() and x.dtype == weight.dtype
-            and x.dtype in (torch.float16, torch.bfloat16) and weight.dim() == 2 and weight.stride(1) == 1
-            and x.stride(1) == 1 and weight.shape[1] <= GEMV_MAX_K and not x.requires_grad)
+    """Whether `gemv` handles `x @ weight.T`: CUDA, fp16/bf16, contiguous rows, a K that fits one program, and one row
+    (up to PAGEDLLM_GEMV_MAX_ROWS rows for weights of at most MULTI_ROW_MAX_WEIGHT elements)."""
+    if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.stride(1) == 1 and x.stride(1) == 1
+            and weight.shape[1] <= GEMV_MAX_K and not x.requires_grad):
+        return False
+    rows, max_rows = x.shape[0], gemv_max_rows()
+    if rows == 0 or rows > max_rows:
+        return False
+    return rows == 1 or weight.numel() <= MULTI_ROW_MAX_WEIGHT
 
 
 def gemv_block_n(n: int, k: int) -> int:

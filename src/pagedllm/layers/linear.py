@@ -78,7 +78,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         if x.is_cuda:
-            gemv = _gemv_kernels(x, layer.weight)
+            gemv = gemv_kernels(x, layer.weight)
             if gemv is not None:
                 return gemv.gemv(x, layer.weight, bias)
         packed = layer.__dict__.get("cpu_packed_weight")
@@ -91,11 +91,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
         (the caller then runs `apply` and the activation)."""
         if not x.is_cuda:
             return None
-        gemv = _gemv_kernels(x, layer.weight)
+        gemv = gemv_kernels(x, layer.weight)
         return None if gemv is None else gemv.gemv(x, layer.weight, bias, gated=True)
 
 
-def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
+def gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
     """kernels.gemv when its few-row GEMV handles `x @ weight.T` (CUDA, fp16/bf16, <= PAGEDLLM_GEMV_MAX_ROWS rows)."""
     kernels = triton_kernels("gemv")
     return kernels if kernels is not None and kernels.gemv_applies(x, weight) else None
