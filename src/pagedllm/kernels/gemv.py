@@ -33,8 +33,8 @@ GEMV_MAX_K = 16384
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
-    stride_xm, stride_wn, stride_om, up_offset,
-    N: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+    M, stride_xm, stride_wn, stride_om, up_offset,
+    N: tl.constexpr, K: tl.constexpr,
     BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -54,7 +54,7 @@ def _gemv_kernel(
             bias_up = tl.load(bias_ptr + N + rows, mask=row_ok, other=0.0).to(tl.float32)
     wait_prior_kernel(USE_PDL)
     out_ty = out_ptr.dtype.element_ty
-    for m in tl.static_range(M):
+    for m in range(M):  # a runtime count: one compiled variant for one row and one for several
         x = tl.load(x_ptr + m * stride_xm + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
@@ -116,8 +116,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         assert bias.shape == (n_total,) and bias.stride(0) == 1, bias.shape
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
-        x.stride(0), weight.stride(0), out.stride(0), n * weight.stride(0),
-        N=n, K=k, M=m, BLOCK_N=block_n, K_PAD=triton.next_power_of_2(k),
+        m, x.stride(0), weight.stride(0), out.stride(0), n * weight.stride(0),
+        N=n, K=k, BLOCK_N=block_n, K_PAD=triton.next_power_of_2(k),
         GATED=gated, HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_launch_args(x.device))
     return out
 
