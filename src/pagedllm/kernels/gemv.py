@@ -9,6 +9,9 @@ registers) and multiplies it by every input row. Two things make it faster than 
 - `gated=True` computes `silu(x @ W_gate^T) * (x @ W_up^T)` from a merged [gate; up] weight, which saves the
   separate activation kernel and a round trip of the intermediate activations.
 
+Loading before the wait assumes the weights are constant while a forward runs (nothing in the engine writes them
+after loading); a kernel that wrote a weight right before this one would race with those loads.
+
 Numerics: products summed in fp32, rounded once to the output dtype (the gated path rounds gate and up to the
 activation dtype before the activation, then the activation, then the product, as `silu_and_mul` after a
 linear layer does). Sums are in a different order than cuBLAS's, so results differ from it in the last bits.
