@@ -125,6 +125,75 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     return out
 
 
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    M, stride_xm, stride_wn, stride_om,
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """out[M, N] = x[M, K] @ w[N, K]^T for a few to a few hundred rows (tensor cores, K loop). GATED as in _gemv_kernel."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    m_ok = rm < M
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    wait_prior_kernel(USE_PDL)
+    for k in range(0, K, BLOCK_K):
+        k_ok = (k + rk) < K
+        x = tl.load(x_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_wn + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    if GATED:
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        acc = act * acc_up.to(out_ty).to(tl.float32)
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_config(m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for `skinny_gemm`."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    return block_m, 64, 128, 4, 3
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
+                config: Optional[tuple[int, int, int, int, int]] = None) -> torch.Tensor:
+    """Same contract as `gemv`, for more rows (tensor-core tiles)."""
+    m, k = x.shape
+    n_total, k_w = weight.shape
+    assert k == k_w, (x.shape, weight.shape)
+    n = n_total // 2 if gated else n_total
+    assert not gated or n_total % 2 == 0, weight.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if bias is not None:
+        assert bias.shape == (n_total,) and bias.stride(0) == 1, bias.shape
+    block_m, block_n, block_k, num_warps, num_stages = config or skinny_config(m, n, k, gated)
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x, weight, bias if bias is not None else weight, out,
+        m, x.stride(0), weight.stride(0), out.stride(0),
+        N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GATED=gated, HAS_BIAS=bias is not None, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch_args(x.device))
+    return out
+
+
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
              gated: bool = False) -> torch.Tensor:
     y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
