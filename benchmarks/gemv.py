@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels.activation import silu_and_mul
-from pagedllm.kernels.gemv import gemv, gemv_ref, skinny_gemm
+from pagedllm.kernels.gemv import gemv, gemv_ref
 from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm
 
 SHAPES = {  # name: (hidden, q heads * head, kv heads * head, intermediate, layers)
@@ -123,73 +123,6 @@ def bench_chain(name: str, rows_list) -> None:
               f"({t_cublas / t_gemv:.3f}x) | weight bytes at 4.3 TB/s {bound / 1e3:.3f} ms", flush=True)
 
 
-SKINNY_CONFIGS = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (32, 64, 128, 4, 3),
-                  (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3)]
-
-
-def bench_skinny(name: str, rows_list, copies_bytes: float = 1e9) -> None:
-    """Part 3: the tensor-core skinny GEMM (more rows than the GEMV takes) against cuBLAS, per shape and config."""
-    hidden, q, kv, inter, _ = SHAPES[name]
-    shapes = {"qkv": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up": (2 * inter, hidden),
-              "down": (hidden, inter)}
-    for lin, (n, k) in shapes.items():
-        copies = max(4, int(copies_bytes // (n * k * 2)))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        gated = lin == "gate_up"
-        for m in rows_list:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            err = (skinny_gemm(x, ws[0], gated=gated).float() - gemv_ref(x, ws[0], gated=gated).float()).abs().max()
-
-            def run_cublas():
-                for w in ws:
-                    y = F.linear(x, w)
-                    if gated:
-                        silu_and_mul(y)
-
-            t_cublas = graph_time_us(run_cublas) / copies
-            t_default = graph_time_us(lambda: [skinny_gemm(x, w, gated=gated) for w in ws]) / copies
-            res = []
-            for cfg in SKINNY_CONFIGS:
-                if cfg[0] > max(16, 2 * m):
-                    continue
-                res.append((graph_time_us(lambda cfg=cfg: [skinny_gemm(x, w, gated=gated, config=cfg) for w in ws])
-                            / copies, cfg))
-            best_t, best_cfg = min(res)
-            print(f"skinny {name:11s} {lin:8s} rows={m:3d} cuBLAS{'+silu' if gated else ''} {t_cublas:6.2f} us | "
-                  f"default {t_default:6.2f} us ({t_cublas / t_default:.2f}x) | best {best_t:6.2f} us {best_cfg} | "
-                  f"err {err.item():.3g}", flush=True)
-            print("   all:", " ".join(f"{c[0]}/{c[1]}/{c[2]}/{c[3]}/{c[4]}:{t:.1f}" for t, c in res), flush=True)
-
-
-def bench_skinny_chain(name: str, rows_list) -> None:
-    hidden, q, kv, inter, layers = SHAPES[name]
-    dt = torch.bfloat16
-    mk = lambda *s: torch.randn(*s, device="cuda", dtype=dt) * 0.02  # noqa: E731
-    weights = [dict(qkv=mk(q + 2 * kv, hidden), o=mk(hidden, q), gu=mk(2 * inter, hidden), down=mk(hidden, inter),
-                    n1=torch.ones(hidden, device="cuda", dtype=dt), n2=torch.ones(hidden, device="cuda", dtype=dt))
-               for _ in range(layers)]
-    for m in rows_list:
-        x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
-        r0 = torch.randn(m, hidden, device="cuda", dtype=dt)
-
-        def chain(mine: bool):
-            x, r = x0, r0
-            for lw in weights:
-                h, r = fused_add_rms_norm(x, r, lw["n1"], 1e-5)
-                qkv = skinny_gemm(h, lw["qkv"]) if mine else F.linear(h, lw["qkv"])
-                a = rms_norm(qkv[:, :q], lw_ones(q), 1e-5)
-                o = skinny_gemm(a, lw["o"]) if mine else F.linear(a, lw["o"])
-                h, r = fused_add_rms_norm(o, r, lw["n2"], 1e-5)
-                act = skinny_gemm(h, lw["gu"], gated=True) if mine else silu_and_mul(F.linear(h, lw["gu"]))
-                x = skinny_gemm(act, lw["down"]) if mine else F.linear(act, lw["down"])
-            return x
-
-        t_cublas = graph_time_us(lambda: chain(False), iters=10)
-        t_mine = graph_time_us(lambda: chain(True), iters=10)
-        print(f"skinny chain {name} rows={m}: cuBLAS {t_cublas / 1e3:.3f} ms | skinny {t_mine / 1e3:.3f} ms "
-              f"({t_cublas / t_mine:.3f}x)", flush=True)
-
-
 _ONES: dict[int, torch.Tensor] = {}
 
 
@@ -205,18 +138,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--chain-only", action="store_true", help="only part 2 (the layer chain)")
     parser.add_argument("--shapes-only", action="store_true", help="only part 1 (each weight shape alone)")
-    parser.add_argument("--skinny", action="store_true",
-                        help="only part 3: the tensor-core skinny GEMM against cuBLAS at --rows (e.g. 8 ... 256)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.skinny:
-        for name in args.shapes:
-            bench_skinny_chain(name, args.rows)
-            torch.cuda.empty_cache()
-        for name in args.shapes:
-            bench_skinny(name, args.rows)
-            torch.cuda.empty_cache()
-        return
     for name in args.shapes if not args.shapes_only else ():
         bench_chain(name, args.rows)
         torch.cuda.empty_cache()
