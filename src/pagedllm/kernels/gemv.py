@@ -57,8 +57,11 @@ def _gemv_kernel(
             bias_up = tl.load(bias_ptr + N + rows, mask=row_ok, other=0.0).to(tl.float32)
     wait_prior_kernel(USE_PDL)
     out_ty = out_ptr.dtype.element_ty
+    x_next = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
     for m in range(M):  # a runtime count: one compiled variant for one row and one for several
-        x = tl.load(x_ptr + m * stride_xm + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = x_next.to(tl.float32)
+        # The next row's load is in flight while this row is reduced (each load waits ~1 us on L2).
+        x_next = tl.load(x_ptr + (m + 1) * stride_xm + cols, mask=col_ok & (m + 1 < M), other=0.0)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
@@ -79,8 +82,9 @@ def gemv_max_rows() -> int:
 
 # Above this many weight elements the kernel is used for one row only. Each extra row costs the kernel a full pass
 # of multiply-adds and a cross-warp reduction over its register tile; on a large weight that outweighs what it gains
-# over cuBLAS (H200, benchmarks/gemv.py: Llama-3-8B layer chain 0.91x cuBLAS at 2 rows, 0.61x at 4, but 1.14x at 1;
-# Qwen3-0.6B, whose largest weight has 6.3M elements: 2.33x / 1.81x / 1.29x at 1 / 2 / 4 rows).
+# over cuBLAS (H200, benchmarks/gemv.py --chain-only, run AB: Llama-3-8B layer chain 1.14x cuBLAS at 1 row, but 0.74x
+# at 2 rows and 0.51x at 4; Qwen3-0.6B, whose largest weight has 6.3M elements: 2.34x / 1.86x / 1.38x at 1 / 2 / 4
+# rows, 0.81x at 8, hence PAGEDLLM_GEMV_MAX_ROWS=4).
 MULTI_ROW_MAX_WEIGHT = 8 * 1024 * 1024
 
 
