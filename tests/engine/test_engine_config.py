@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
-from pagedllm.worker.worker import read_eos_token_ids, resolve_dtype
+from pagedllm.worker.worker import default_batched_tokens, read_eos_token_ids, resolve_dtype
 
 
 class _Cfg:
@@ -24,6 +24,20 @@ def test_auto_dtype_rules():
     assert resolve_dtype("auto", _Cfg("bfloat16"), cuda) == torch.bfloat16
     assert resolve_dtype("auto", _Cfg("float16"), cuda) == torch.float16
     assert resolve_dtype("half", _Cfg(None), cuda) == torch.float16
+
+
+def test_default_step_token_budget(monkeypatch, tiny_llama_dir):
+    """8192 tokens per step on CPU and on GPUs under 70 GiB, 16384 on larger GPUs; an explicit value wins."""
+    assert default_batched_tokens(torch.device("cpu")) == 8192
+    for gib, expected in [(141, 16384), (80, 16384), (24, 8192)]:
+        props = type("Props", (), {"total_memory": gib * 1024 ** 3})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
+        assert default_batched_tokens(torch.device("cuda", 0)) == expected, gib
+    monkeypatch.undo()
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
+    assert llm.engine.worker.max_num_batched_tokens == 8192
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, max_num_batched_tokens=1000)
+    assert llm.engine.worker.max_num_batched_tokens == 1000
 
 
 def test_config_only_dir_with_dummy_weights_and_no_tokenizer(tmp_path, tiny_model_dir):

@@ -66,6 +66,20 @@ def read_eos_token_ids(hf_config, model_dir: str) -> list[int]:
     return ids
 
 
+
+# Default token budget of one step: 16384 on GPUs with >= 70 GiB (H200, Qwen3-0.6B offline benchmark: 25,223-25,503
+# tok/s vs 24,349-24,647 with 8192 in alternating processes, docs/benchmarks.md run AC: fewer, larger prefill chunks),
+# 8192 elsewhere (smaller GPUs keep more memory for KV; a CPU gains nothing from larger chunks).
+LARGE_GPU_BYTES = 70 * 1024 ** 3
+
+
+def default_batched_tokens(device: torch.device) -> int:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
+            return 16384
+    return 8192
+
 class Worker:
     def __init__(self, args: EngineArgs) -> None:
         from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir, resolve_model_path
@@ -90,7 +104,8 @@ class Worker:
         # Overlap host work with device work: on by default on CUDA (no gain on a CPU, which does both).
         self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None
                                  else self.device.type == "cuda")
-        self.max_num_batched_tokens = args.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        self.max_num_batched_tokens = args.max_num_batched_tokens or max(default_batched_tokens(self.device),
+                                                                         self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}).")
