@@ -96,6 +96,8 @@ def run_pagedllm(args, reqs):
               for _, n in reqs]
     # Warm-up (not timed): a couple of tiny requests.
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
+    if not llm.engine.reset_prefix_cache():  # the timed run must get no prefix-cache hits from the warm-up
+        print("warning: the prefix cache could not be reset after the warm-up", file=sys.stderr)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()

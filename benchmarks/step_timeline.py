@@ -45,6 +45,7 @@ def main(argv=None):
     reqs = make_requests(args.num_prompts, args.input_len, args.output_len, min(vocab, 32000), 0)
     llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs[:2]],
                  [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
+    eng.reset_prefix_cache()  # no prefix hits from the warm-up
 
     phases = defaultdict(float)
     wrapped = {}
