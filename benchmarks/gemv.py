@@ -14,6 +14,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from pagedllm.kernels.activation import silu_and_mul
 from pagedllm.kernels.gemv import gemv, gemv_ref
@@ -23,6 +24,13 @@ SHAPES = {  # name: (hidden, q heads * head, kv heads * head, intermediate, laye
     "llama3-8b": (4096, 4096, 1024, 14336, 32),
     "qwen3-0.6b": (1024, 2048, 1024, 3072, 28),
 }
+
+
+def linear_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """Each linear layer's weight shape (out features, in features) for a model shape."""
+    hidden, q, kv, inter, _ = SHAPES[name]
+    return {"qkv": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter)}
 
 
 def graph_time_us(fn, iters: int = 20) -> float:
@@ -49,10 +57,7 @@ def graph_time_us(fn, iters: int = 20) -> float:
 
 
 def bench_shapes(name: str, rows_list, copies_bytes: float = 2e9) -> None:
-    hidden, q, kv, inter, _ = SHAPES[name]
-    shapes = {"qkv": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up": (2 * inter, hidden),
-              "down": (hidden, inter)}
-    for lin, (n, k) in shapes.items():
+    for lin, (n, k) in linear_shapes(name).items():
         copies = max(4, int(copies_bytes // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         gb = n * k * 2 / 1e9
@@ -70,7 +75,7 @@ def bench_shapes(name: str, rows_list, copies_bytes: float = 2e9) -> None:
             t_cublas = graph_time_us(run_cublas) / copies
             results = []
             for block_n in ((1, 2, 4, 8, 16) if m == rows_list[0] else ()):
-                if block_n * triton_pad(k) * (2 if gated else 1) > 65536:
+                if block_n * triton.next_power_of_2(k) * (2 if gated else 1) > 65536:
                     continue
                 for warps in (4, 8):
                     def run_gemv(block_n=block_n, warps=warps):
@@ -88,18 +93,14 @@ def bench_shapes(name: str, rows_list, copies_bytes: float = 2e9) -> None:
                   flush=True)
 
 
-def triton_pad(k: int) -> int:
-    return 1 << (k - 1).bit_length()
-
-
 def bench_chain(name: str, rows_list) -> None:
-    hidden, q, kv, inter, layers = SHAPES[name]
+    hidden, q, _, _, layers = SHAPES[name]
     dt = torch.bfloat16
-    mk = lambda *s: torch.randn(*s, device="cuda", dtype=dt) * 0.02  # noqa: E731
-    weights = [dict(qkv=mk(q + 2 * kv, hidden), o=mk(hidden, q), gu=mk(2 * inter, hidden), down=mk(hidden, inter),
-                    n1=torch.ones(hidden, device="cuda", dtype=dt), n2=torch.ones(hidden, device="cuda", dtype=dt))
+    ones = lambda n: torch.ones(n, device="cuda", dtype=dt)  # noqa: E731
+    weights = [{lin: torch.randn(*shape, device="cuda", dtype=dt) * 0.02 for lin, shape in linear_shapes(name).items()}
                for _ in range(layers)]
-    gb = sum(w.numel() * 2 for lw in weights for w in (lw["qkv"], lw["o"], lw["gu"], lw["down"])) / 1e9
+    gb = sum(w.numel() * 2 for lw in weights for w in lw.values()) / 1e9
+    norm_hidden, norm_q = ones(hidden), ones(q)
     for m in rows_list:
         x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
         r0 = torch.randn(m, hidden, device="cuda", dtype=dt)
@@ -107,12 +108,12 @@ def bench_chain(name: str, rows_list) -> None:
         def chain(use_gemv: bool):
             x, r = x0, r0
             for lw in weights:
-                h, r = fused_add_rms_norm(x, r, lw["n1"], 1e-5)
+                h, r = fused_add_rms_norm(x, r, norm_hidden, 1e-5)
                 qkv = gemv(h, lw["qkv"]) if use_gemv else F.linear(h, lw["qkv"])
-                a = rms_norm(qkv[:, :q], lw_ones(q), 1e-5)  # stand-in for attention: one small kernel
-                o = gemv(a, lw["o"]) if use_gemv else F.linear(a, lw["o"])
-                h, r = fused_add_rms_norm(o, r, lw["n2"], 1e-5)
-                act = gemv(h, lw["gu"], gated=True) if use_gemv else silu_and_mul(F.linear(h, lw["gu"]))
+                a = rms_norm(qkv[:, :q], norm_q, 1e-5)  # stand-in for attention: one small kernel
+                o = gemv(a, lw["o_proj"]) if use_gemv else F.linear(a, lw["o_proj"])
+                h, r = fused_add_rms_norm(o, r, norm_hidden, 1e-5)
+                act = gemv(h, lw["gate_up"], gated=True) if use_gemv else silu_and_mul(F.linear(h, lw["gate_up"]))
                 x = gemv(act, lw["down"]) if use_gemv else F.linear(act, lw["down"])
             return x
 
@@ -121,15 +122,6 @@ def bench_chain(name: str, rows_list) -> None:
         bound = gb / 4.3 * 1e3
         print(f"chain {name} {layers} layers rows={m}: cuBLAS {t_cublas / 1e3:.3f} ms | gemv {t_gemv / 1e3:.3f} ms "
               f"({t_cublas / t_gemv:.3f}x) | weight bytes at 4.3 TB/s {bound / 1e3:.3f} ms", flush=True)
-
-
-_ONES: dict[int, torch.Tensor] = {}
-
-
-def lw_ones(n: int) -> torch.Tensor:
-    if n not in _ONES:
-        _ONES[n] = torch.ones(n, device="cuda", dtype=torch.bfloat16)
-    return _ONES[n]
 
 
 def main() -> None:

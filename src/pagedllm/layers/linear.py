@@ -77,10 +77,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias=None):
-        if x.is_cuda:
-            gemv = gemv_kernels(x, layer.weight)
-            if gemv is not None:
-                return gemv.gemv(x, layer.weight, bias)
+        gemv = gemv_kernels(x, layer.weight)
+        if gemv is not None:
+            return gemv.gemv(x, layer.weight, bias)
         packed = layer.__dict__.get("cpu_packed_weight")
         if packed is not None and x.dim() == 2 and not x.requires_grad:
             return cpu_packed_linear(x, packed, bias)
@@ -89,14 +88,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply_silu_and_mul(self, layer, x, bias=None) -> Optional[torch.Tensor]:
         """`silu(gate) * up` of a merged [gate; up] layer in one kernel, or None where that kernel does not apply
         (the caller then runs `apply` and the activation)."""
-        if not x.is_cuda:
-            return None
         gemv = gemv_kernels(x, layer.weight)
         return None if gemv is None else gemv.gemv(x, layer.weight, bias, gated=True)
 
 
 def gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
     """kernels.gemv when its few-row GEMV handles `x @ weight.T` (CUDA, fp16/bf16, <= PAGEDLLM_GEMV_MAX_ROWS rows)."""
+    if not x.is_cuda:
+        return None
     kernels = triton_kernels("gemv")
     return kernels if kernels is not None and kernels.gemv_applies(x, weight) else None
 

@@ -18,7 +18,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.kernels import cpu_ops
-from pagedllm.layers.linear import gemv_kernels, cpu_packed_linear
+from pagedllm.layers.linear import cpu_packed_linear, gemv_kernels
 from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -106,7 +106,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_tokens, org_vocab_size] logits in the product's dtype (the model dtype), all ranks gathered."""
         packed = self.__dict__.get("cpu_packed_weight")
-        gemv = gemv_kernels(hidden_states, self.weight) if hidden_states.is_cuda else None
+        gemv = gemv_kernels(hidden_states, self.weight)
         if packed is not None:
             logits = cpu_packed_linear(hidden_states, packed, self.bias)
         elif gemv is not None:  # one decode row on CUDA: the weight-streaming GEMV (kernels/gemv.py)

@@ -66,7 +66,6 @@ def read_eos_token_ids(hf_config, model_dir: str) -> list[int]:
     return ids
 
 
-
 # Default token budget of one step: 16384 on GPUs with >= 70 GiB (H200, Qwen3-0.6B offline benchmark: 25,223-25,503
 # tok/s vs 24,349-24,647 with 8192 in alternating processes, docs/benchmarks.md run AC: fewer, larger prefill chunks),
 # 8192 elsewhere (smaller GPUs keep more memory for KV; a CPU gains nothing from larger chunks).
@@ -79,6 +78,7 @@ def default_batched_tokens(device: torch.device) -> int:
         if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
             return 16384
     return 8192
+
 
 class Worker:
     def __init__(self, args: EngineArgs) -> None:
