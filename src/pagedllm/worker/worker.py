@@ -73,10 +73,8 @@ LARGE_GPU_BYTES = 70 * 1024 ** 3
 
 
 def default_batched_tokens(device: torch.device) -> int:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
-            return 16384
+    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
+        return 16384
     return 8192
 
 
