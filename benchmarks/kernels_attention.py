@@ -6,7 +6,7 @@ with torch SDPA over *contiguous* K/V (enable_gqa) as the peer where it fits.
 Prefill: the mixed kernel on fresh prompts and on chunks with cached prefixes, in TFLOP/s (causal FLOPs),
 with torch SDPA (causal, contiguous) as the peer for fresh prompts.
 
-    PYTHONPATH=src python3 benchmarks/kernels_attention.py [--sweep] [--quick]
+    PYTHONPATH=src python3 benchmarks/kernels_attention.py [--sweep] [--quick] [--spread]
 """
 from __future__ import annotations
 
@@ -181,11 +181,53 @@ def sweep(bench: DecodeBench):
         print(f"{label}: " + " | ".join(row), flush=True)
 
 
+def spread_table(num_heads: int = 16, num_kv_heads: int = 8) -> None:
+    """Decode with contexts spread over ~1000 tokens (as in a running batch), Qwen3-0.6B heads by default: every
+    split count, both K/V tile sizes, with and without the longest-first start order (`--spread`)."""
+    import random
+
+    max_tokens = 400_000
+    num_blocks = max_tokens // BS + 1
+    cache = torch.empty(2, num_blocks, BS, num_kv_heads, D, dtype=DTYPE, device=DEV).normal_()
+    ws = (torch.empty(300 * num_heads * 64 * D, device=DEV), torch.empty(300 * num_heads * 64, device=DEV))
+    print(f"\n## Decode, contexts spread, {num_heads} q / {num_kv_heads} kv heads (* = the engine's split count)")
+    print("| batch | contexts | splits | block_n | longest first | time (us) | KV GB/s | % of 4.3 TB/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, lo, hi in [(8, 1000, 2000), (32, 900, 2000), (48, 800, 1900), (64, 800, 1800), (96, 700, 1700),
+                          (128, 600, 1600), (192, 400, 1400), (256, 300, 1300)]:
+        rng = random.Random(0)
+        lens = [rng.randint(lo, hi) for _ in range(batch)]
+        nblk = triton.cdiv(max(lens), BS)
+        block_table = (torch.randperm(num_blocks - 1, device=DEV)[: batch * nblk] + 1).view(batch, nblk).to(torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        order = torch.argsort(-seq_lens, stable=True).to(torch.int32)
+        q = torch.randn(batch, num_heads, D, device=DEV, dtype=DTYPE)
+        out = torch.empty_like(q)
+        kv = sum(lens) * num_kv_heads * D * 4
+        auto = decode_num_splits(batch, num_kv_heads, DEV, 64, hi)
+        for splits in sorted({1, 2, 4, 8, 16, auto}):
+            if batch * num_kv_heads * splits > 32 * 132:
+                continue
+            for block_n in (32, 64):
+                for ordered in (False, True):
+                    ms = _graph_ms(lambda: paged_decode_attention(
+                        q, cache, block_table, seq_lens, D ** -0.5, num_seqs=batch, output=out, workspace=ws,
+                        num_splits=splits, block_n=block_n, order=order if ordered else None))
+                    gbs = kv / ms / 1e6
+                    print(f"| {batch} | {lo}-{hi} | {splits}{'*' if splits == auto else ''} | {block_n} | "
+                          f"{'yes' if ordered else 'no'} | {ms * 1e3:.1f} | {gbs:.0f} | {100 * gbs / PEAK_GBS:.0f}% |",
+                          flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also run the tuning sweeps")
     ap.add_argument("--quick", action="store_true", help="fewer decode points")
+    ap.add_argument("--spread", action="store_true", help="only the spread-context decode table (Qwen3-0.6B heads)")
     args = ap.parse_args()
+    if args.spread:
+        spread_table()
+        return
     sys.path.insert(0, "tests/gpu")
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")

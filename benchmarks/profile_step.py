@@ -2,6 +2,9 @@
 schedule / execute / update per step and prints the torch profiler's top ops (CPU and CUDA).
 
     python benchmarks/profile_step.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --batch 256
+
+With --prefill it profiles one full prefill step instead: --batch prompts of U(100..1024) tokens (seed 0), after
+one such step as a warm-up; the step takes as many prompt tokens as the step budget allows.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--prefill", action="store_true", help="profile one prefill step instead of decode steps")
     args = p.parse_args()
     from pagedllm import LLM, SamplingParams
     from pagedllm.core.engine_core import EngineCoreRequest
@@ -29,6 +33,8 @@ def main():
               enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
     eng = llm.engine
     rng = random.Random(0)
+    if args.prefill:
+        return profile_prefill(eng, args.batch, rng)
     for i in range(args.batch):
         ids = [rng.randrange(10, 30000) for _ in range(args.input_len)]
         eng.add_request(EngineCoreRequest(f"r{i}", ids, SamplingParams(max_tokens=1000, ignore_eos=True)))
@@ -65,6 +71,43 @@ def main():
         sync()
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25))
+
+
+def profile_prefill(eng, num_prompts: int, rng: random.Random) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm import SamplingParams
+    from pagedllm.core.engine_core import EngineCoreRequest
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def add(tag):
+        for i in range(num_prompts):
+            ids = [rng.randrange(10, 30000) for _ in range(rng.randint(100, 1024))]
+            eng.add_request(EngineCoreRequest(f"{tag}{i}", ids, SamplingParams(max_tokens=1, ignore_eos=True)))
+
+    add("warm")
+    while eng.has_unfinished_requests():
+        eng.step()
+    add("p")
+    plans = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        elapsed = time.perf_counter() - t0
+    eng.scheduler.schedule = schedule
+    tokens = plans[0].total_num_scheduled_tokens
+    print(f"one prefill step: {tokens} prompt tokens in {elapsed * 1e3:.1f} ms (wall, profiled)")
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25))
+    while eng.has_unfinished_requests():
+        eng.step()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ were running, split into host phases (schedule, launch, apply results) and time 
 Same workload as offline_throughput.py. With async scheduling (the CUDA default) a step whose host phases add
 up to about its wall time is host-bound: the device finished the previous step and waited for the host.
 A step with a large "wait" is device-bound.
+
+On CUDA it also times the device: "device" is the span from the start of a step's first enqueued work to the end
+of its last (CUDA events around the launch), "idle" the time the device sat waiting for the host before the step's
+work began. Steps with large idle are host-bound.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import os
 import sys
 import time
 from collections import defaultdict
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,6 +71,20 @@ def main(argv=None):
     timed(eng.scheduler, "schedule", "schedule")
     timed(eng.scheduler, "update_from_output", "apply")
     timed(eng.worker, "launch", "launch")
+    events = []  # (bucket, start event, end event) per launch, CUDA only
+    if torch.cuda.is_available():
+        launch = eng.worker.launch
+
+        def launch_with_events(*a, **k):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return launch(*a, **k)
+            finally:
+                end.record()
+                events.append((current_bucket, start, end))
+        eng.worker.launch = launch_with_events
+    current_bucket = 1
     for i, (ids, n) in enumerate(reqs):
         eng.add_request(EngineCoreRequest(f"t{i}", ids, SamplingParams(max_tokens=n, ignore_eos=True)))
     buckets = defaultdict(lambda: defaultdict(float))  # running-count bucket -> totals
@@ -77,23 +97,30 @@ def main(argv=None):
         outs = eng.step()
         dt = time.perf_counter() - t0
         tokens += sum(len(o.new_token_ids) for o in outs)
-        b = 1 << max(0, (max(running, 1) - 1).bit_length())  # 1, 2, 4, ..., 256
+        b = current_bucket = 1 << max(0, (max(running, 1) - 1).bit_length())  # 1, 2, 4, ..., 256
         acc = buckets[b]
         acc["steps"] += 1
         acc["wall"] += dt
         for k, v in phases.items():
             acc[k] += v
     total = time.perf_counter() - t_start
+    if events:
+        torch.cuda.synchronize()
+        print("device ms of the first steps:", " ".join(f"{s.elapsed_time(e):.1f}" for _, s, e in events[:4]))
+        for i, (b, start, end) in enumerate(events):
+            buckets[b]["device"] += start.elapsed_time(end) / 1e3
+            if i:
+                buckets[b]["idle"] += max(0.0, events[i - 1][2].elapsed_time(start) / 1e3)
     print(f"{tokens} output tokens in {total:.2f} s = {tokens / total:.0f} tok/s")
     print(f"{'running<=':>9} {'steps':>6} {'wall ms/step':>12} {'schedule':>9} {'launch':>8} {'apply':>8} "
-          f"{'other':>8} {'share of run':>12}")
+          f"{'other':>8} {'share of run':>12} {'device':>8} {'idle':>8}")
     for b in sorted(buckets):
         a = buckets[b]
         n = a["steps"]
         other = a["wall"] - a["schedule"] - a["launch"] - a["apply"]
         print(f"{b:>9} {int(n):>6} {a['wall'] / n * 1e3:>12.2f} {a['schedule'] / n * 1e3:>9.2f} "
               f"{a['launch'] / n * 1e3:>8.2f} {a['apply'] / n * 1e3:>8.2f} {other / n * 1e3:>8.2f} "
-              f"{a['wall'] / total * 100:>11.0f}%")
+              f"{a['wall'] / total * 100:>11.0f}% {a['device'] / n * 1e3:>8.2f} {a['idle'] / n * 1e3:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -260,3 +260,13 @@ def test_decode_splits_follow_the_context_bucket():
     assert backend.graph_seq_len_buckets(1, 8, 1024, dev) == [TINY_CONTEXT_LEN, 1024]
     assert backend.graph_seq_len_buckets(1, 8, 400, dev) == [400]
     assert backend.graph_seq_len_buckets(256, 8, 8192, dev) == [8192]  # one split, full tiles either way
+
+
+def test_decode_start_order_rule():
+    """One split per request always reads the longest-first order; split launches only for many requests."""
+    from pagedllm.attention.triton_backend import ORDERED_SPLIT_MIN_REQS, decode_uses_order
+
+    assert decode_uses_order(1, 1) and decode_uses_order(256, 1)
+    assert not decode_uses_order(1, 64)  # batch-1 latency: no extra dependent load
+    assert not decode_uses_order(ORDERED_SPLIT_MIN_REQS - 1, 4)
+    assert decode_uses_order(ORDERED_SPLIT_MIN_REQS, 4) and decode_uses_order(64, 2)
