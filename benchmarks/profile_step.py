@@ -62,25 +62,30 @@ def main():
     n = args.steps
     print(f"batch {args.batch}: {total / n * 1e3:.2f} ms/step = {args.batch * n / total:.0f} tok/s; "
           f"schedule {sched / n * 1e3:.2f} ms, execute {execute / n * 1e3:.2f} ms, update {update / n * 1e3:.2f} ms")
+    profiled(eng, steps=5)
+
+
+def profiled(eng, steps: int) -> float:
+    """Run `steps` engine steps under the torch profiler (CPU, and CUDA when present), print its top ops by
+    device time (CPU time without a GPU), and return the wall seconds of the profiled steps."""
     from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        for _ in range(5):
-            eng.step()
-        sync()
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=25))
-
-
-def profile_prefill(eng, num_prompts: int, rng: random.Random) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    from pagedllm import SamplingParams
-    from pagedllm.core.engine_core import EngineCoreRequest
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        elapsed = time.perf_counter() - t0
+    print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=25))
+    return elapsed
+
+
+def profile_prefill(eng, num_prompts: int, rng: random.Random) -> None:
+    from pagedllm import SamplingParams
+    from pagedllm.core.engine_core import EngineCoreRequest
 
     def add(tag):
         for i in range(num_prompts):
@@ -94,18 +99,10 @@ def profile_prefill(eng, num_prompts: int, rng: random.Random) -> None:
     plans = []
     schedule = eng.scheduler.schedule
     eng.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
-    sync()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        eng.step()
-        sync()
-        elapsed = time.perf_counter() - t0
+    elapsed = profiled(eng, steps=1)
     eng.scheduler.schedule = schedule
-    tokens = plans[0].total_num_scheduled_tokens
-    print(f"one prefill step: {tokens} prompt tokens in {elapsed * 1e3:.1f} ms (wall, profiled)")
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=25))
+    print(f"one prefill step: {plans[0].total_num_scheduled_tokens} prompt tokens in {elapsed * 1e3:.1f} ms "
+          "(wall, profiled)")
     while eng.has_unfinished_requests():
         eng.step()
 

@@ -92,12 +92,13 @@ def main(argv=None):
     tokens = 0
     while eng.scheduler.num_waiting or eng.scheduler.running or getattr(eng, "_in_flight", None) is not None:
         running = len(eng.scheduler.running)
+        # Set before the step, so the launch inside it records this step's bucket with its events.
+        b = current_bucket = 1 << max(0, (max(running, 1) - 1).bit_length())  # 1, 2, 4, ..., 256
         phases.clear()
         t0 = time.perf_counter()
         outs = eng.step()
         dt = time.perf_counter() - t0
         tokens += sum(len(o.new_token_ids) for o in outs)
-        b = current_bucket = 1 << max(0, (max(running, 1) - 1).bit_length())  # 1, 2, 4, ..., 256
         acc = buckets[b]
         acc["steps"] += 1
         acc["wall"] += dt
