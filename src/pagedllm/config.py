@@ -15,7 +15,6 @@ from typing import Any, Optional
 _DTYPES = {"auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"}
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
-    "pipeline_parallel_size": 1,
     "cpu_offload_gb": 0,
     "enable_lora": False,
     "quantization": None,
@@ -56,6 +55,13 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     disable_log_stats: bool = True
     max_logprobs: int = 20
+    # Parallelism (executor/, distributed/): worker processes per rank, engine-core replicas, several nodes.
+    data_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None  # None: in-process for one rank, else "mp"; or "ray"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None  # default: $MASTER_ADDR, else 127.0.0.1
+    master_port: Optional[int] = None  # default: $MASTER_PORT, else 29500 (a free port on one node)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -91,5 +97,21 @@ class EngineArgs:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        self.validate_parallel()
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
+
+    def validate_parallel(self) -> None:
+        for name in ("pipeline_parallel_size", "data_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
+            raise ValueError("distributed_executor_backend must be mp, ray or uni, got "
+                             f"{self.distributed_executor_backend!r}.")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}.")
+        if self.master_port is not None and not 0 < self.master_port < 65535:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}.")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported yet: run one "
+                             "data-parallel server per node group behind a load balancer instead.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -33,14 +34,19 @@ class EngineCore:
     """Owns the scheduler and the model executor. Not thread-safe: one driver calls it."""
 
     def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs) -> None:
-        from pagedllm.worker.worker import Worker  # heavy imports (torch, model) stay out of module import
+        from pagedllm.executor import make_executor  # heavy imports (torch, model) stay out of module import
 
         if engine_args is None:
             engine_args = EngineArgs.from_kwargs(**kwargs)
         engine_args.validate()
+        if engine_args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs several engine cores behind one `pagedllm serve`; an "
+                             "offline LLM is one engine core (use tensor_parallel_size / pipeline_parallel_size, "
+                             "or one LLM per device).")
         self.engine_args = engine_args
         start = time.perf_counter()
-        self.worker = Worker(engine_args)
+        # The Worker itself for one device (in-process), else a multi-process / Ray executor of ranks.
+        self.worker = make_executor(engine_args)
         w = self.worker
         self.model_dir = w.model_dir
         self.max_model_len = w.max_model_len
@@ -60,6 +66,9 @@ class EngineCore:
         self.async_scheduling = w.async_scheduling
         # Async scheduling: the launched step whose results have not been applied yet.
         self._in_flight = None  # (plan, PendingOutput)
+        # Pipeline parallel: up to one micro-batch per stage in flight, oldest first.
+        self.num_micro_batches = engine_args.pipeline_parallel_size
+        self._micro_batches: deque = deque()
         self.num_steps = 0
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens = %d tokens of KV cache "
                     "(%.1fx max_model_len %d).", time.perf_counter() - start, self.num_blocks, self.block_size,
@@ -105,10 +114,13 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return (self._in_flight is not None or bool(self._micro_batches)
+                or self.scheduler.has_unfinished_requests())
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[EngineCoreOutput]:
+        if self.num_micro_batches > 1:
+            return self._step_pipelined()
         if self.async_scheduling:
             return self._step_async()
         plan = self.scheduler.schedule()
@@ -137,6 +149,32 @@ class EngineCore:
         self.num_steps += 1
         outputs += self._apply_in_flight()
         self._in_flight = (plan, pending)
+        return outputs
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Pipeline parallel: keep one micro-batch per stage in flight, then apply the oldest one's results.
+
+        Each schedule() advances the computed-token counts of what it plans, so the next call plans other work:
+        requests waiting for their in-flight token are caught up and skipped; a prefill's next chunk may go in
+        the next micro-batch (every stage runs micro-batches in order, so its KV is written before it is read,
+        also for blocks that a preemption or abort handed to another request meanwhile).
+        """
+        outputs: list[EngineCoreOutput] = []
+        sched = self.scheduler
+        # Spread the requests over the stages: each micro-batch takes its share of them.
+        share = max(1, -(-(sched.num_running + sched.num_waiting) // self.num_micro_batches))
+        while len(self._micro_batches) < self.num_micro_batches:
+            plan = sched.schedule(max_num_reqs=share)
+            if plan.total_num_scheduled_tokens == 0:
+                if plan.finished_request_ids:
+                    self.worker.launch(plan)  # the ranks still drop those requests' state
+                outputs += self.scheduler.update_from_output(plan, self.worker.empty_output())
+                break
+            self._micro_batches.append((plan, self.worker.launch(plan)))
+            self.num_steps += 1
+        if self._micro_batches:
+            plan, pending = self._micro_batches.popleft()
+            outputs += self.scheduler.update_from_output(plan, pending.result())
         return outputs
 
     def _apply_in_flight(self) -> list[EngineCoreOutput]:

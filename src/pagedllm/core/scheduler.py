@@ -93,6 +93,7 @@ class Scheduler:
         # Outputs of requests that schedule() finished (cannot grow); returned by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self._max_reqs_this_step = max_num_seqs
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -197,11 +198,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------- schedule
 
-    def schedule(self) -> BatchPlan:
+    def schedule(self, max_num_reqs: Optional[int] = None) -> BatchPlan:
+        """Plan one step. `max_num_reqs` caps the requests in this plan (pipeline micro-batches: the running
+        set is spread over the in-flight slots so every stage has work)."""
         plan = BatchPlan()
         budget = self.max_num_batched_tokens
         preempted: set[str] = set()
         scheduled: list[Request] = []
+        self._max_reqs_this_step = max_num_reqs or self.max_num_seqs
         budget = self._schedule_running(plan, budget, preempted, scheduled)
         if not preempted:
             self._schedule_waiting(plan, budget, scheduled)
@@ -227,7 +231,7 @@ class Scheduler:
     ) -> int:
         kv = self.kv_cache_manager
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < self._max_reqs_this_step:
             request = self.running[i]
             num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
@@ -263,7 +267,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request]) -> None:
         kv = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(scheduled) < self._max_reqs_this_step):
             request = self.waiting[0]
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)

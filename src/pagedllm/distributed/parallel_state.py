@@ -6,13 +6,14 @@ and every collective is the identity, so layers never need to branch on "is dist
 With several ranks the executor, in each worker process, calls
     init_distributed_environment(world_size, rank, distributed_init_method, local_rank)
     initialize_model_parallel(tensor_model_parallel_size)
-and the layers' `tensor_model_parallel_all_reduce` / `..._all_gather` become real torch.distributed calls
+(the executor's worker processes also pass pipeline_model_parallel_size) and the layers' `tensor_model_parallel_all_reduce` / `..._all_gather` become real torch.distributed calls
 on the tensor-parallel group (NCCL on CUDA, gloo on CPU).
 
 Invariant: all tensor-parallel ranks build the same model and call the same collectives in the same order.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -83,14 +84,41 @@ class GroupCoordinator:
         if self.world_size > 1:
             dist.barrier(group=self.cpu_group)
 
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point-to-point send to the group's `dst`-th rank (pipeline activations)."""
+        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.device_group)
+
+    def recv(self, shape: tuple, dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(out, src=self.ranks[src], group=self.device_group)
+        return out
+
+    def all_reduce_min_int(self, value: int) -> int:
+        """The smallest `value` over the group (e.g. the KV block count every rank can hold)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
 
 _SINGLE = GroupCoordinator(ranks=[0], rank_in_group=0)
 _TP: Optional[GroupCoordinator] = None
+_PP: Optional[GroupCoordinator] = None
+_WORLD: Optional[GroupCoordinator] = None
 
 
 def init_distributed_environment(world_size: int = 1, rank: int = 0, distributed_init_method: str = "env://",
-                                 local_rank: int = 0, backend: Optional[str] = None) -> None:
-    """Join the global torch.distributed world (no-op for one rank or if already initialized)."""
+                                 local_rank: int = 0, backend: Optional[str] = None,
+                                 timeout_s: Optional[float] = None) -> None:
+    """Join the global torch.distributed world (no-op for one rank or if already initialized).
+
+    `timeout_s` bounds the rendezvous and every later collective: a rank that died or hangs makes the others
+    fail with an error instead of waiting forever."""
     if world_size == 1 or dist.is_initialized():
         return
     if backend is None:
@@ -99,15 +127,18 @@ def init_distributed_environment(world_size: int = 1, rank: int = 0, distributed
         torch.cuda.set_device(local_rank)
     logger.info("Initializing torch.distributed: rank %d of %d (%s, %s).", rank, world_size, backend,
                 distributed_init_method)
+    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     dist.init_process_group(backend=backend, init_method=distributed_init_method, world_size=world_size,
-                            rank=rank)
+                            rank=rank, **kwargs)
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
-    """Split the world into tensor-parallel groups of `tensor_model_parallel_size` consecutive ranks."""
-    global _TP
-    if tensor_model_parallel_size == 1 and not dist.is_initialized():
-        _TP = _SINGLE
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+    """Split the world into tensor-parallel groups of `tensor_model_parallel_size` consecutive ranks and
+    pipeline groups of the ranks with the same place in their tensor group (global rank = stage * tp + tp rank).
+    """
+    global _TP, _PP, _WORLD
+    if tensor_model_parallel_size * pipeline_model_parallel_size == 1 and not dist.is_initialized():
+        _TP = _PP = _WORLD = _SINGLE
         return
     if not dist.is_initialized():
         raise RuntimeError("tensor_model_parallel_size > 1 needs init_distributed_environment() first.")
@@ -124,6 +155,20 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
         if rank in ranks:
             _TP = GroupCoordinator(ranks=ranks, rank_in_group=ranks.index(rank), device_group=device_group,
                                    cpu_group=cpu_group)
+    tp = tensor_model_parallel_size
+    num_stages = world_size // tp
+    if pipeline_model_parallel_size not in (1, num_stages):
+        raise ValueError(f"World size {world_size} is not tensor_model_parallel_size {tp} x "
+                         f"pipeline_model_parallel_size {pipeline_model_parallel_size}.")
+    for first in range(tp):
+        ranks = list(range(first, world_size, tp))
+        device_group = dist.new_group(ranks)
+        cpu_group = dist.new_group(ranks, backend="gloo")
+        if rank in ranks:
+            _PP = GroupCoordinator(ranks=ranks, rank_in_group=ranks.index(rank), device_group=device_group,
+                                   cpu_group=cpu_group)
+    _WORLD = GroupCoordinator(ranks=list(range(world_size)), rank_in_group=rank, device_group=dist.group.WORLD,
+                              cpu_group=dist.new_group(list(range(world_size)), backend="gloo"))
 
 
 def model_parallel_is_initialized() -> bool:
@@ -140,6 +185,14 @@ def ensure_model_parallel_initialized(tensor_model_parallel_size: int) -> None:
 
 def get_tp_group() -> GroupCoordinator:
     return _TP if _TP is not None else _SINGLE
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _PP if _PP is not None else _SINGLE
+
+
+def get_world_group() -> GroupCoordinator:
+    return _WORLD if _WORLD is not None else _SINGLE
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -159,8 +212,8 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 
 
 def destroy_model_parallel() -> None:
-    global _TP
-    _TP = None
+    global _TP, _PP, _WORLD
+    _TP = _PP = _WORLD = None
 
 
 def destroy_distributed_environment() -> None:

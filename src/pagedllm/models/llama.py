@@ -12,6 +12,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_pp_group
+from pagedllm.distributed.pipeline import IntermediateTensors, PPMissingLayer, stage_layer_range, stage_weights
 from pagedllm.layers.activation import SiluAndMul, get_gated_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
@@ -117,21 +119,37 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack; with pipeline parallelism only this stage's layer range [start_layer, end_layer) is
+    built (the others are PPMissingLayer), the embedding on the first stage, the final norm on the last."""
+
     def __init__(self, config: Any, layer_cls: type = LlamaDecoderLayer, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=f"{prefix}.embed_tokens")
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        n = config.num_hidden_layers
+        self.start_layer, self.end_layer = stage_layer_range(n, pp.rank_in_group, pp.world_size)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                    prefix=f"{prefix}.embed_tokens")
+                             if self.is_first_stage else PPMissingLayer())
         rope_parameters = get_rope_parameters(config)
         self.rotary_emb = get_rope(get_head_dim(config), config.max_position_embeddings, rope_parameters)
         self.layers = nn.ModuleList(layer_cls(config, self.rotary_emb, prefix=f"{prefix}.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+                                    if self.start_layer <= i < self.end_layer else PPMissingLayer()
+                                    for i in range(n))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Optional[IntermediateTensors] = None) -> Any:
+        """-> hidden states [T, hidden] on the last stage, else the activations for the next stage."""
+        if intermediate is None:
+            hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+            residual = None
+        else:
+            hidden_states, residual = intermediate.hidden_states, intermediate.residual
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -160,11 +178,13 @@ class LlamaForCausalLM(nn.Module):
         self.check_config(hf_config)
         with set_default_dtype(self.dtype):
             self.model = LlamaModel(hf_config, self.layer_cls, prefix="model")
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, prefix="lm_head")
-        if self.tie_word_embeddings:
+            self.lm_head = (ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, prefix="lm_head")
+                            if self.model.is_last_stage else PPMissingLayer())
+        if self.tie_word_embeddings and self.model.is_first_stage and self.model.is_last_stage:
             self.lm_head.tie_weights(self.model.embed_tokens)
         # Plain list (not registered twice as submodules): the runner binds KV cache tensors through it.
-        self.attn_layers: list[Attention] = [layer.self_attn.attn for layer in self.model.layers]
+        self.attn_layers: list[Attention] = [layer.self_attn.attn for layer in
+                                             self.model.layers[self.model.start_layer:self.model.end_layer]]
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
@@ -176,9 +196,10 @@ class LlamaForCausalLM(nn.Module):
                            "reference only for sequences longer than %d tokens.",
                            cls.__name__, window, window)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T] int64 -> hidden states [T, hidden_size]
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Optional[IntermediateTensors] = None) -> Any:
+        # input_ids, positions: [T] int64 -> hidden states [T, hidden_size] (pipeline stages: see LlamaModel)
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [N, hidden_size] -> [N, vocab_size] float32
@@ -192,8 +213,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.greedy_token_ids(hidden_states)
 
     def skip_weight(self, name: str) -> bool:
-        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head."))
+        tied_here = self.tie_word_embeddings and self.model.is_first_stage
+        return "rotary_emb.inv_freq" in name or (tied_here and name.startswith("lm_head."))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of the parameters loaded (ValueError if any is missing)."""
-        return load_weights_into(self, weights, self.stacked_params_mapping, skip=self.skip_weight)
+        return load_weights_into(self, stage_weights(self, weights), self.stacked_params_mapping,
+                                 skip=self.skip_weight)

@@ -99,8 +99,9 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
         hidden = self.model(input_ids, positions)
-        idx = torch.arange(min(self.max_num_seqs, num_tokens), device=self.device)
-        self.model.compute_logits(hidden[idx])
+        if hidden is not None:  # None on pipeline stages before the last
+            idx = torch.arange(min(self.max_num_seqs, num_tokens), device=self.device)
+            self.model.compute_logits(hidden[idx])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -159,6 +160,9 @@ class ModelRunner:
             self.attn_backend.prepare(metadata)
             with set_forward_context(metadata, self.attn_backend):
                 hidden = self.model(input_ids, positions)
+        if hidden is None:  # a pipeline stage before the last: the last stage samples
+            self._prev_sampled = None
+            return PendingOutput(self, inp, None, None, None)
         prompt_logprobs = self._prompt_logprobs(inp, hidden)
         self._prev_sampled = None
         if len(sample_rows) == 0:

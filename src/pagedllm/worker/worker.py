@@ -79,13 +79,20 @@ def default_batched_tokens(device: torch.device) -> int:
 
 
 class Worker:
-    def __init__(self, args: EngineArgs) -> None:
+    """One rank's model shard, KV cache and runner. In-process for one device (the executor/uniproc path);
+    one per worker process with tensor / pipeline parallelism (executor/multiproc.py), where the process has
+    joined torch.distributed and its model-parallel groups before this is built."""
+
+    def __init__(self, args: EngineArgs, local_rank: int = 0) -> None:
+        from pagedllm.distributed.parallel_state import get_pp_group, get_world_group
         from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir, resolve_model_path
 
         self.args = args
         self.device = resolve_device(args.device)
-        if args.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet by pagedllm.")
+        world = get_world_group()
+        if self.device.type == "cuda" and world.world_size > 1:
+            self.device = torch.device("cuda", local_rank)
+        pipelined = get_pp_group().world_size > 1
         model_path = resolve_model_path(args.model)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
         self.hf_config = load_hf_config(self.model_dir)
@@ -102,6 +109,8 @@ class Worker:
         # Overlap host work with device work: on by default on CUDA (no gain on a CPU, which does both).
         self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None
                                  else self.device.type == "cuda")
+        if pipelined:  # the pipeline overlaps steps itself: micro-batches of different requests in flight
+            self.async_scheduling = False
         self.max_num_batched_tokens = args.max_num_batched_tokens or max(default_batched_tokens(self.device),
                                                                          self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -127,13 +136,20 @@ class Worker:
             else:
                 logger.info("Not prepacking CPU weights (%.1f GiB): not enough free RAM for a second copy.",
                             weight_bytes / 2**30)
+        if pipelined:
+            from pagedllm.distributed.pipeline import PipelineStage
+
+            self.model = PipelineStage(self.model)
+        # Every rank draws the same random numbers from here on (unseeded sampling), whatever loading used.
+        torch.manual_seed(args.seed)
         self.runner = ModelRunner(
             self.model, hf_config=cfg, device=self.device, dtype=self.dtype, block_size=args.block_size,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
-            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
-        self.num_blocks = self._determine_num_blocks()
+            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager or pipelined)
+        # Every rank must hold the same pool: the smallest budget wins.
+        self.num_blocks = world.all_reduce_min_int(self._determine_num_blocks())
         self.runner.initialize_kv_cache(self.num_blocks)
 
     def _determine_num_blocks(self) -> int:
@@ -185,6 +201,15 @@ class Worker:
 
     def execute_model(self, plan: BatchPlan) -> ModelOutput:
         return self.runner.execute_model(plan)
+
+    def apply_sampled_tokens(self, tokens: list[tuple[str, int]]) -> None:
+        """Pipeline stages before the last: append the tokens the last stage sampled (sent with the next
+        plan), so this stage's per-request state knows them before it runs those requests again."""
+        batch = self.runner.input_batch
+        for req_id, token in tokens:
+            state = batch.requests.get(req_id)
+            if state is not None:
+                batch.append_token(state, token)
 
     def launch(self, plan: BatchPlan):
         return self.runner.launch(plan)

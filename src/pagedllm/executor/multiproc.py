@@ -1,0 +1,298 @@
+"""The multi-process executor: one worker process per rank (tensor x pipeline), driven from the engine core.
+
+Plans go to every rank once per step over one ZMQ ROUTER socket (IPC on one node, TCP across nodes), pickled
+once and sent to each rank's DEALER; tensors move only between the workers, over torch.distributed (gloo on
+CPU, NCCL on GPU). The output rank (the first of the last pipeline stage) sends the sampled tokens back.
+With pipeline parallelism the earlier stages get those tokens with the next plan they are sent.
+
+Failures: a worker process that exits, or sends an error (its collective timed out because a peer died or
+hangs), stops the engine with a RuntimeError naming the rank; nothing waits forever (a step that produces no
+output within the collective timeout fails too). Remote ranks that never join fail the start in one sentence.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+from pagedllm.core.batch_plan import BatchPlan, ModelOutput
+from pagedllm.executor.parallel_config import ParallelLayout, check_layout, layout_from_args
+from pagedllm.executor.worker_proc import WorkerSpec, dumps
+
+logger = logging.getLogger("pagedllm.executor")
+
+_POLL_MS = 50
+
+
+class WorkerFailed(RuntimeError):
+    """A worker rank died, hung past the collective timeout, or raised; str() names the rank."""
+
+
+def collective_timeout_s() -> float:
+    return float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "300"))
+
+
+def join_timeout_s() -> float:
+    return float(os.environ.get("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "300"))
+
+
+def prepare_model(args: Any) -> tuple[str, Any]:
+    """Resolve (and for GGUF convert, once) the model before the ranks start, and read its config."""
+    from pagedllm.models.loader import load_hf_config, prepare_model_dir, resolve_model_path
+
+    model_dir = prepare_model_dir(resolve_model_path(args.model), args.load_format)
+    return model_dir, load_hf_config(model_dir)
+
+
+def check_devices(args: Any, layout: ParallelLayout, hf_config: Any) -> None:
+    import torch
+
+    from pagedllm.worker.worker import resolve_device
+
+    device = resolve_device(args.device)
+    check_layout(layout, hf_config, device.type, torch.cuda.device_count() if device.type == "cuda" else 0)
+
+
+def spawn_local_workers(args: Any, layout: ParallelLayout, driver_addr: str, spec_dir: str,
+                        log_level: str = "INFO") -> dict[int, subprocess.Popen]:
+    """Start this node's ranks as fresh interpreters (the engine core may itself be a daemon process, which
+    multiprocessing forbids to have children)."""
+    ranks = layout.node_ranks()
+    threads = max(1, (os.cpu_count() or 1) // len(ranks))
+    procs: dict[int, subprocess.Popen] = {}
+    for local_rank, rank in enumerate(ranks):
+        spec = WorkerSpec(rank=rank, local_rank=local_rank, layout=layout, engine_args=args,
+                          init_method=layout.init_method, driver_addr=driver_addr, timeout_s=collective_timeout_s(),
+                          num_threads=threads, log_level=log_level)
+        path = os.path.join(spec_dir, f"rank{rank}.pkl")
+        with open(path, "wb") as f:
+            f.write(dumps(spec))
+        procs[rank] = subprocess.Popen([sys.executable, "-m", "pagedllm.executor.worker_proc", path])
+    return procs
+
+
+class _Pending:
+    """A launched step; result() waits for the output rank's ModelOutput (in launch order)."""
+
+    def __init__(self, executor: "MultiprocExecutor", seq: int) -> None:
+        self.executor, self.seq = executor, seq
+        self._output: Optional[ModelOutput] = None
+
+    def result(self) -> ModelOutput:
+        if self._output is None:
+            self._output = self.executor._wait_output(self.seq)
+        return self._output
+
+
+class _Done:
+    def __init__(self, output: ModelOutput) -> None:
+        self._output = output
+
+    def result(self) -> ModelOutput:
+        return self._output
+
+
+class MultiprocExecutor:
+    """Drives `world_size` worker ranks; `launch`/`execute_model` like the in-process Worker."""
+
+    def __init__(self, args: Any, log_level: str = "INFO") -> None:
+        import zmq
+
+        self.args = args
+        self.model_dir, self.hf_config = prepare_model(args)
+        local_only = args.nnodes == 1
+        self.layout = layout = layout_from_args(args, master_port=_free_port() if local_only else None)
+        check_devices(args, layout, self.hf_config)
+        self.world_size = layout.world_size
+        self.pipelined = layout.pipeline_parallel_size > 1
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-workers-")
+        if local_only:
+            addr = f"ipc://{self._tmpdir}/driver.sock"
+            self._sock.bind(addr)
+        else:
+            self._sock.bind(f"tcp://*:{layout.driver_port}")
+            addr = f"tcp://{layout.master_addr}:{layout.driver_port}"
+        self._identities = [f"rank{r}".encode() for r in range(self.world_size)]
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._seq = 0
+        self._outputs: dict[int, ModelOutput] = {}
+        self._tokens: list[tuple[str, int]] = []  # sampled since the last plan, for the earlier stages
+        # seq of each launched step -> requests dropped (finished, aborted, preempted) by later plans: their
+        # tokens of that step are void (a preempted request may be running again from scratch).
+        self._in_flight: dict[int, set[str]] = {}
+        self._failed: Optional[str] = None
+        self._closed = False
+        try:
+            self.procs = spawn_local_workers(args, layout, addr, self._tmpdir, log_level)
+            facts = self._wait_ready(local_only)
+        except BaseException:
+            self.shutdown()
+            raise
+        for name, value in facts.items():
+            setattr(self, name, value)
+        logger.info("%d worker ranks ready (tensor_parallel_size=%d, pipeline_parallel_size=%d, %d node(s)).",
+                    self.world_size, layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.nnodes)
+
+    # ------------------------------------------------------------------ start-up
+    def _wait_ready(self, local_only: bool) -> dict:
+        ready: dict[int, dict] = {}
+        deadline = time.monotonic() + join_timeout_s()
+        while len(ready) < self.world_size:
+            msg = self._recv(timeout_ms=_POLL_MS)
+            if msg is None:
+                self._check_procs(starting=True)
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(ready))
+                    where = "" if local_only else f" (did every node start with --master-addr " \
+                        f"{self.layout.master_addr} --master-port {self.layout.master_port}?)"
+                    raise RuntimeError(f"worker rank(s) {missing} did not join within {join_timeout_s():.0f} s"
+                                       f"{where}.")
+                continue
+            if msg[0] == "ready":
+                ready[msg[1]] = msg[2]
+            elif msg[0] == "error":
+                raise _startup_error(msg)
+        return ready[self.layout.output_rank]
+
+    # ------------------------------------------------------------------ steps
+    def launch(self, plan: BatchPlan) -> Any:
+        self._check_alive()
+        tokens, self._tokens = self._tokens, []
+        if plan.finished_request_ids:
+            for dropped in self._in_flight.values():
+                dropped.update(plan.finished_request_ids)
+        seq = None
+        if plan.total_num_scheduled_tokens:
+            seq = self._seq
+            self._seq += 1
+            self._in_flight[seq] = set()
+        payload = dumps(("plan", seq, plan, tokens))
+        for ident in self._identities:
+            self._sock.send_multipart([ident, payload], copy=False)
+        return _Done(ModelOutput()) if seq is None else _Pending(self, seq)
+
+    def execute_model(self, plan: BatchPlan) -> ModelOutput:
+        return self.launch(plan).result()
+
+    @staticmethod
+    def empty_output() -> ModelOutput:
+        return ModelOutput()
+
+    def _wait_output(self, seq: int) -> ModelOutput:
+        deadline = time.monotonic() + collective_timeout_s() + 30
+        while seq not in self._outputs:
+            self._check_alive()
+            msg = self._recv(timeout_ms=_POLL_MS)
+            if msg is None:
+                self._check_procs()
+                if time.monotonic() > deadline:
+                    self._fail(f"no worker answered step {seq} within {collective_timeout_s() + 30:.0f} s "
+                               "(a rank hangs or a node is gone)")
+                continue
+            if msg[0] == "output":
+                self._outputs[msg[1]] = msg[2]
+            elif msg[0] == "error":
+                self._fail(f"worker rank {msg[1]} failed: {msg[2]}")
+        out = self._outputs.pop(seq)
+        dropped = self._in_flight.pop(seq)
+        if dropped:
+            out.sampled_token_ids = [[] if r in dropped else t for r, t in zip(out.req_ids, out.sampled_token_ids)]
+        if self.pipelined:
+            self._tokens += [(r, t[-1]) for r, t in zip(out.req_ids, out.sampled_token_ids) if t]
+        return out
+
+    # ------------------------------------------------------------------ health
+    def _recv(self, timeout_ms: int) -> Optional[tuple]:
+        if not self._sock.poll(timeout_ms):
+            return None
+        _, payload = self._sock.recv_multipart()
+        return pickle.loads(payload)
+
+    def _check_procs(self, starting: bool = False) -> None:
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                # Its own error message (if it sent one) says more: read what is already here.
+                msg = self._recv(timeout_ms=200)
+                if msg is not None and msg[0] == "error":
+                    if starting:
+                        raise _startup_error(msg)
+                    self._fail(f"worker rank {msg[1]} failed: {msg[2]}")
+                text = f"worker rank {rank} (pid {proc.pid}) died with exit code {code}"
+                if starting:
+                    raise RuntimeError(text + " during start-up.")
+                self._fail(text)
+
+    def _check_alive(self) -> None:
+        if self._failed is not None:
+            raise WorkerFailed(self._failed)
+
+    def _fail(self, reason: str) -> None:
+        self._failed = reason
+        logger.error("Stopping the engine: %s.", reason)
+        self._kill_workers()
+        raise WorkerFailed(reason)
+
+    def check_health(self) -> None:
+        self._check_alive()
+        self._check_procs()
+
+    # ------------------------------------------------------------------ shutdown
+    def _kill_workers(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._failed is None and self.procs:
+            try:
+                payload = dumps(("shutdown",))
+                for ident in self._identities:
+                    self._sock.send_multipart([ident, payload])
+            except Exception:  # noqa: BLE001
+                pass
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+                time.sleep(0.02)
+        self._kill_workers()
+        self._sock.close(0)
+        self._ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _startup_error(msg: tuple) -> Exception:
+    _, rank, text, user_error = msg
+    if user_error:  # a ValueError's sentence (not enough memory, a bad layout): the user's to fix
+        return ValueError(text)
+    return RuntimeError(f"worker rank {rank} failed during start-up: {text}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,169 @@
+"""A worker process: one rank of the tensor x pipeline world.
+
+Joins torch.distributed (rendezvous at the master address), builds its Worker (model shard, KV cache agreed
+with every rank), says ready to the engine core's executor, then runs the plans it is sent, in order:
+
+    ("plan", seq, plan, tokens)  -> launch the step; the output rank sends ("output", seq, ModelOutput)
+    ("shutdown",)                -> exit 0
+
+Any failure (a collective that timed out because a peer died or hangs, an exception) is sent to the executor
+as ("error", rank, one line) before the process exits non-zero, so the engine stops with the rank's name.
+
+Steps overlap like the in-process async path: while step N runs on the device, the next plan is launched as
+soon as it arrives, and N's output is sent when it is ready.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("pagedllm.worker")
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    local_rank: int
+    layout: Any  # ParallelLayout
+    engine_args: Any
+    init_method: str
+    driver_addr: str
+    timeout_s: float
+    num_threads: int
+    log_level: str = "INFO"
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def main() -> None:
+    """`python -m pagedllm.executor.worker_proc SPEC_FILE`: the spec is a pickled WorkerSpec."""
+    with open(sys.argv[1], "rb") as f:
+        spec: WorkerSpec = pickle.load(f)
+    sys.exit(run_worker(spec))
+
+
+def run_worker(spec: WorkerSpec, watch_parent: bool = True) -> int:
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format=f"%(levelname)s %(asctime)s [rank {spec.rank}] %(message)s", datefmt="%H:%M:%S")
+    os.environ.setdefault("PAGEDLLM_DISABLE_PROGRESS_BARS", "1")
+    if watch_parent:
+        _watch_parent()
+    import zmq
+
+    ctx = zmq.Context(io_threads=1)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank{spec.rank}".encode())
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(spec.driver_addr)
+    try:
+        worker = _build(spec)
+        sock.send(dumps(("ready", spec.rank, _facts(worker))))
+        _loop(spec, worker, sock, zmq)
+        return 0
+    except BaseException as e:  # noqa: BLE001 - whatever it is, the executor must hear it with the rank
+        logger.debug("worker failed", exc_info=True)
+        try:
+            sock.send(dumps(("error", spec.rank, _one_line(e), isinstance(e, ValueError))))
+        except Exception:  # noqa: BLE001
+            pass
+        return 1
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _build(spec: WorkerSpec) -> Any:
+    import torch
+
+    from pagedllm.distributed import parallel_state as ps
+    from pagedllm.worker.worker import Worker
+
+    torch.set_num_threads(spec.num_threads)
+    layout = spec.layout
+    backend = "nccl" if spec.engine_args.device != "cpu" and torch.cuda.is_available() else "gloo"
+    ps.init_distributed_environment(layout.world_size, spec.rank, spec.init_method, spec.local_rank, backend,
+                                    timeout_s=spec.timeout_s)
+    ps.initialize_model_parallel(layout.tensor_parallel_size, layout.pipeline_parallel_size)
+    return Worker(spec.engine_args, local_rank=spec.local_rank)
+
+
+def _facts(worker: Any) -> dict:
+    return {name: getattr(worker, name) for name in (
+        "model_dir", "hf_config", "max_model_len", "vocab_size", "eos_token_ids", "num_blocks", "max_num_seqs",
+        "max_num_batched_tokens", "async_scheduling")}
+
+
+def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any) -> None:
+    is_output_rank = spec.rank == spec.layout.output_rank
+    # The last stage's ranks sampled those tokens themselves; the earlier stages learn them with the next plan.
+    is_last_stage = spec.rank >= spec.layout.output_rank
+    pending = None  # (seq, PendingOutput) of the launched step whose output is not sent yet
+
+    def finish() -> None:
+        nonlocal pending
+        seq, out = pending
+        pending = None
+        result = out.result()
+        if is_output_rank:
+            sock.send(dumps(("output", seq, result)))
+
+    while True:
+        if pending is not None:
+            # Launch the next plan the moment it arrives; send this step's output the moment it is ready.
+            while not sock.poll(0):
+                if _done(pending[1]):
+                    finish()
+                    break
+                time.sleep(0)
+        msg = pickle.loads(sock.recv())
+        if msg[0] == "shutdown":
+            if pending is not None:
+                finish()
+            return
+        _, seq, plan, tokens = msg
+        if tokens and not is_last_stage:
+            worker.apply_sampled_tokens(tokens)
+        launched = worker.launch(plan)
+        if pending is not None:
+            finish()
+        if seq is not None:
+            pending = (seq, launched)
+
+
+def _done(out: Any) -> bool:
+    event = getattr(out, "event", None)
+    return event is None or event.query()
+
+
+def _watch_parent(interval_s: float = 0.5) -> None:
+    """Exit when the process that started this worker is gone: an orphaned rank would hold its device."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="pagedllm-worker-watchdog", daemon=True).start()
+
+
+def _one_line(e: BaseException) -> str:
+    """User errors (ValueError: a layout or memory problem) as their sentence, anything else with its type."""
+    lines = str(e).strip().splitlines()
+    text = lines[0] if lines else ""
+    if isinstance(e, ValueError) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+if __name__ == "__main__":
+    main()
