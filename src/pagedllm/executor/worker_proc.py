@@ -9,8 +9,9 @@ with every rank), says ready to the engine core's executor, then runs the plans 
 Any failure (a collective that timed out because a peer died or hangs, an exception) is sent to the executor
 as ("error", rank, one line) before the process exits non-zero, so the engine stops with the rank's name.
 
-Steps overlap like the in-process async path: while step N runs on the device, the next plan is launched as
-soon as it arrives, and N's output is sent when it is ready.
+With async scheduling, steps overlap like the in-process path: while step N runs on the device, the next plan
+is launched as soon as it arrives, and N's output is sent when it is ready. Without it, N's tokens are in the
+rank's state before the next plan runs (that plan was made after them).
 """
 from __future__ import annotations
 
@@ -131,6 +132,8 @@ def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any) -> None:
         _, seq, plan, tokens = msg
         if tokens and not is_last_stage:
             worker.apply_sampled_tokens(tokens)
+        if pending is not None and not worker.async_scheduling:
+            finish()  # without async scheduling a plan assumes every earlier step's tokens are in the state
         launched = worker.launch(plan)
         if pending is not None:
             finish()
