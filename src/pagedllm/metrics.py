@@ -1,4 +1,4 @@
-"""Prometheus metrics with vLLM's names (so existing Grafana dashboards work), labelled by model_name.
+"""Prometheus metrics with vLLM's names (so existing Grafana dashboards work), labelled by model_name and engine.
 
 Lives in the API process. Gauges and the engine's cumulative counters (preemptions, prefix cache) are
 refreshed from the SchedulerStats the engine core sends; token counters and latency histograms are
@@ -23,71 +23,91 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+class _EngineChildren:
+    """One engine core's labelled children of every family."""
+
+    def __init__(self, families: dict[str, Any], model_name: str, engine: str) -> None:
+        for name, family in families.items():
+            if not name.startswith("_"):
+                setattr(self, name, family.labels(model_name, engine))
+        success = families["_success_family"]
+        self.success = {reason: success.labels(model_name, reason, engine) for reason in FINISH_REASONS}
+        self._success_family, self._labels = success, (model_name, engine)
+
+    def success_child(self, reason: str) -> Any:
+        child = self.success.get(reason)
+        if child is None:
+            model_name, engine = self._labels
+            child = self.success[reason] = self._success_family.labels(model_name, reason, engine)
+        return child
+
+
 class Metrics:
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+    """Every series is labelled by model_name and engine (the data-parallel engine core's index, "0" with one
+    core), like vLLM; dashboards sum over `engine` for the server's totals."""
+
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None, num_engines: int = 1) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
-        r, lbl = self.registry, ["model_name"]
+        r, lbl = self.registry, ["model_name", "engine"]
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, lbl, registry=r).labels(model_name)
+            return Gauge(name, doc, lbl, registry=r)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, lbl, registry=r).labels(model_name)
+            return Counter(name, doc, lbl, registry=r)
 
         def hist(name: str, doc: str, buckets: tuple) -> Any:
-            return Histogram(name, doc, lbl, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(name, doc, lbl, buckets=buckets, registry=r)
 
-        self.num_running = gauge("vllm:num_requests_running", "Number of requests in the running batch.")
-        self.num_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be scheduled.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.gpu_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (older name of kv_cache_usage_perc).")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.")
-        success = Counter(
-            "vllm:request_success", "Count of finished requests by finish reason.",
-            ["model_name", "finished_reason"], registry=r,
-        )
-        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self._success_family = success
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS)
-        self.tpot = hist("vllm:time_per_output_token_seconds", "Time per output token in seconds.", _TPOT_BUCKETS)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS)
+        families = {
+            "num_running": gauge("vllm:num_requests_running", "Number of requests in the running batch."),
+            "num_waiting": gauge("vllm:num_requests_waiting", "Number of requests waiting to be scheduled."),
+            "kv_usage": gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            "gpu_usage": gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (older name of kv_cache_usage_perc)."),
+            "prompt_tokens": counter("vllm:prompt_tokens", "Number of prefill tokens processed."),
+            "generation_tokens": counter("vllm:generation_tokens", "Number of generation tokens processed."),
+            "preemptions": counter("vllm:num_preemptions", "Cumulative number of preemptions."),
+            "prefix_queries": counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens."),
+            "prefix_hits": counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens."),
+            "ttft": hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS),
+            "tpot": hist("vllm:time_per_output_token_seconds", "Time per output token in seconds.", _TPOT_BUCKETS),
+            "e2e": hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS),
+            "_success_family": Counter("vllm:request_success", "Count of finished requests by finish reason.",
+                                       ["model_name", "finished_reason", "engine"], registry=r),
+        }
+        self.engines = [_EngineChildren(families, model_name, str(i)) for i in range(num_engines)]
 
     # ---- recorders ------------------------------------------------------------------------------
 
-    def update_scheduler_stats(self, stats: Any, prev: Any) -> None:
-        self.num_running.set(stats.num_running)
-        self.num_waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.gpu_usage.set(stats.kv_cache_usage)
+    def update_scheduler_stats(self, stats: Any, prev: Any, engine: int = 0) -> None:
+        e = self.engines[engine]
+        e.num_running.set(stats.num_running)
+        e.num_waiting.set(stats.num_waiting)
+        e.kv_usage.set(stats.kv_cache_usage)
+        e.gpu_usage.set(stats.kv_cache_usage)
         # The engine reports cumulative counts; counters only move forward by the difference.
         for counter, now, before in (
-            (self.preemptions, stats.num_preemptions, prev.num_preemptions),
-            (self.prefix_queries, stats.prefix_cache_queries, prev.prefix_cache_queries),
-            (self.prefix_hits, stats.prefix_cache_hits, prev.prefix_cache_hits),
+            (e.preemptions, stats.num_preemptions, prev.num_preemptions),
+            (e.prefix_queries, stats.prefix_cache_queries, prev.prefix_cache_queries),
+            (e.prefix_hits, stats.prefix_cache_hits, prev.prefix_cache_hits),
         ):
             if now > before:
                 counter.inc(now - before)
 
-    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
-        self.ttft.observe(ttft_s)
-        self.prompt_tokens.inc(num_prompt_tokens)
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, engine: int = 0) -> None:
+        self.engines[engine].ttft.observe(ttft_s)
+        self.engines[engine].prompt_tokens.inc(num_prompt_tokens)
 
-    def add_generation_tokens(self, n: int) -> None:
-        self.generation_tokens.inc(n)
+    def add_generation_tokens(self, n: int, engine: int = 0) -> None:
+        self.engines[engine].generation_tokens.inc(n)
 
-    def observe_finished(self, reason: str, e2e_s: float, tpot_s: Optional[float]) -> None:
-        child = self.success.get(reason)
-        if child is None:
-            child = self.success[reason] = self._success_family.labels(self.model_name, reason)
-        child.inc()
-        self.e2e.observe(e2e_s)
+    def observe_finished(self, reason: str, e2e_s: float, tpot_s: Optional[float], engine: int = 0) -> None:
+        e = self.engines[engine]
+        e.success_child(reason).inc()
+        e.e2e.observe(e2e_s)
         if tpot_s is not None:
-            self.tpot.observe(tpot_s)
+            e.tpot.observe(tpot_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,21 +12,25 @@ Invariant: a request id is in `_queues` from the moment it is sent until its fin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 import zmq
 import zmq.asyncio
 
 from pagedllm.entrypoints import messages as m
+from pagedllm.entrypoints.dp_router import DPRouter
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.async_engine")
@@ -65,6 +69,7 @@ class _ReqTiming:
     first_token: Optional[float] = None
     last_token: Optional[float] = None
     num_generated: int = 0
+    engine: int = 0  # the data-parallel engine core serving it
 
 
 @dataclass
@@ -85,11 +90,21 @@ class AsyncEngine:
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context(io_threads=1)
         self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
-        self.input_addr = f"ipc://{self._tmpdir}/input.sock"
+        # Data parallel: one engine-core process per replica, each with its own input channel; one output channel.
+        self.num_engines = max(1, int(getattr(engine_args, "data_parallel_size", 1) or 1))
+        self.input_addrs = [f"ipc://{self._tmpdir}/input{i}.sock" for i in range(self.num_engines)]
+        self.input_addr = self.input_addrs[0]
         self.output_addr = f"ipc://{self._tmpdir}/output.sock"
-        self.in_sock = self.ctx.socket(zmq.PUSH)
-        self.in_sock.setsockopt(zmq.LINGER, 0)
-        self.in_sock.bind(self.input_addr)
+        self.in_socks = []
+        for addr in self.input_addrs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(addr)
+            self.in_socks.append(sock)
+        self.in_sock = self.in_socks[0]
+        self.router = DPRouter(self.num_engines, block_size=int(getattr(engine_args, "block_size", 16) or 16))
+        self._engine_of: dict[str, int] = {}  # engine request id -> engine core index
+        self.procs: list[multiprocessing.process.BaseProcess] = []
         self.out_sock = self.ctx.socket(zmq.PULL)
         self.out_sock.setsockopt(zmq.LINGER, 0)
         self.out_sock.bind(self.output_addr)
@@ -102,6 +117,7 @@ class AsyncEngine:
         self.errored = False
         self.dead_reason = ""
         self.last_stats = m.SchedulerStatsMsg()
+        self._engine_stats = [m.SchedulerStatsMsg() for _ in range(self.num_engines)]
         self._parents: dict[str, _Parent] = {}
         self._engine_to_parent: dict[str, str] = {}
         self._timing: dict[str, _ReqTiming] = {}
@@ -117,31 +133,41 @@ class AsyncEngine:
         from pagedllm.entrypoints.engine_proc import run_engine_core
 
         spawn = multiprocessing.get_context("spawn")
-        self.proc = spawn.Process(
-            target=run_engine_core,
-            args=(self.engine_args, self.input_addr, self.output_addr, self.log_level, self.core_factory),
-            name="pagedllm-engine-core",
-            daemon=True,
-        )
-        self.proc.start()
+        for i in range(self.num_engines):
+            args = replica_args(self.engine_args, i)
+            with replica_devices(self.engine_args, i):  # a spawned child takes os.environ as it is at start()
+                proc = spawn.Process(
+                    target=run_engine_core,
+                    args=(args, self.input_addrs[i], self.output_addr, self.log_level, self.core_factory, i),
+                    name=f"pagedllm-engine-core-{i}" if self.num_engines > 1 else "pagedllm-engine-core",
+                    daemon=True,
+                )
+                proc.start()
+            self.procs.append(proc)
+        self.proc = self.procs[0]
         # transformers takes seconds to import: overlap it with the model load (joined before first use,
         # as two threads importing transformers at once can see a half-initialised module)
         preimport = _preimport_frontend()
         deadline = None if startup_timeout_s is None else time.monotonic() + startup_timeout_s
-        while True:
+        num_ready = 0
+        while num_ready < self.num_engines:
             if await self.out_sock.poll(int(_STARTUP_POLL_S * 1000)):
                 msg = self.dec.decode(await self.out_sock.recv())
                 if isinstance(msg, m.EngineStartupError):
-                    self.proc.join(5)
+                    for proc in self.procs:
+                        proc.join(5 if proc.exitcode is not None else 0.1)
                     raise EngineStartupError(msg.message)
                 if isinstance(msg, m.EngineReady):
-                    self.ready = msg
-                    break
+                    self.ready = self.ready or msg
+                    num_ready += 1
                 continue
-            if not self.proc.is_alive():
-                raise EngineStartupError(f"the engine process exited with code {self.proc.exitcode} during startup")
+            for i, proc in enumerate(self.procs):
+                if not proc.is_alive():
+                    which = "engine process" if self.num_engines == 1 else f"engine core {i}"
+                    raise EngineStartupError(f"the {which} exited with code {proc.exitcode} during startup")
             if deadline is not None and time.monotonic() > deadline:
-                self.proc.kill()
+                for proc in self.procs:
+                    proc.kill()
                 raise EngineStartupError(f"the engine process did not become ready within {startup_timeout_s} s")
         await asyncio.get_running_loop().run_in_executor(None, preimport.join)
         self._load_frontend()
@@ -170,7 +196,7 @@ class AsyncEngine:
         return self.ready.model_dir
 
     def is_healthy(self) -> bool:
-        return not self.errored and self.proc is not None and self.proc.is_alive()
+        return not self.errored and bool(self.procs) and all(p.is_alive() for p in self.procs)
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -178,18 +204,21 @@ class AsyncEngine:
         self._closed = True
         for t in self._tasks:
             t.cancel()
-        if self.proc is not None and self.proc.is_alive():
+        alive = [(i, p) for i, p in enumerate(self.procs) if p.is_alive()]
+        for i, _ in alive:
             try:
-                await self.in_sock.send(self.enc.encode(m.Shutdown()))
+                await self.in_socks[i].send(self.enc.encode(m.Shutdown()))
             except zmq.ZMQError:
                 pass
-            deadline = time.monotonic() + 5
-            while self.proc.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if self.proc.is_alive():
-                self.proc.terminate()
-                self.proc.join(3)
-        self.in_sock.close(0)
+        deadline = time.monotonic() + 5
+        while any(p.is_alive() for _, p in alive) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for _, proc in alive:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(3)
+        for sock in self.in_socks:
+            sock.close(0)
         self.out_sock.close(0)
         self.ctx.term()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
@@ -214,6 +243,7 @@ class AsyncEngine:
         self._parents[request_id] = parent
         now = time.monotonic()
         n = params.n
+        engine = self.router.choose(prompt_token_ids, n) if self.num_engines > 1 else 0
         adds: list[m.AddRequest] = []
         for i in range(n):
             child_params = params
@@ -224,7 +254,9 @@ class AsyncEngine:
                 child_params = params.clone(n=1, best_of=1, seed=seed)
             parent.child_ids.append(engine_id)
             self._engine_to_parent[engine_id] = request_id
-            self._timing[engine_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids))
+            self._engine_of[engine_id] = engine
+            self._timing[engine_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids),
+                                                 engine=engine)
             self.processor.add_request(
                 engine_id,
                 prompt,
@@ -237,7 +269,7 @@ class AsyncEngine:
             adds.append(m.AddRequest(engine_id, list(prompt_token_ids), child_params, time.time()))
         try:
             for add in adds:
-                await self.in_sock.send(self.enc.encode(add))
+                await self.in_socks[engine].send(self.enc.encode(add))
             while True:
                 item = await parent.queue.get()
                 if isinstance(item, BaseException):
@@ -263,6 +295,10 @@ class AsyncEngine:
                 self._timing.pop(cid, None)
         if abort:
             self._abort_engine(parent.child_ids)
+        for cid in parent.child_ids:
+            engine = self._engine_of.pop(cid, None)
+            if engine is not None:
+                self.router.finished(engine)
 
     def _abort_engine(self, engine_ids: list[str]) -> None:
         if not engine_ids:
@@ -272,7 +308,15 @@ class AsyncEngine:
             abort(engine_ids)
         if not self.errored and not self._closed:
             # Fire and forget: the abort must go out even if the caller is being cancelled right now.
-            self.in_sock.send(self.enc.encode(m.AbortRequests(list(engine_ids))), copy=False)
+            self._send_aborts(engine_ids)
+
+    def _send_aborts(self, engine_ids: list[str]) -> None:
+        """AbortRequests to the engine core(s) holding these requests."""
+        by_engine: dict[int, list[str]] = {}
+        for rid in engine_ids:
+            by_engine.setdefault(self._engine_of.get(rid, 0), []).append(rid)
+        for engine, ids in by_engine.items():
+            self.in_socks[engine].send(self.enc.encode(m.AbortRequests(ids)), copy=False)
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort a running generate() from outside it (e.g. on client disconnect): its KV blocks are freed
@@ -291,16 +335,23 @@ class AsyncEngine:
         """Fresh scheduler gauges from the engine (falls back to the last ones seen)."""
         if self.errored or self._closed:
             return self.last_stats
-        seq = next(self._stats_seq)
-        fut = asyncio.get_running_loop().create_future()
-        self._stats_waiters[seq] = fut
+        loop = asyncio.get_running_loop()
+        seqs = [next(self._stats_seq) for _ in range(self.num_engines)]
+        futs = []
+        for engine, seq in enumerate(seqs):
+            fut = loop.create_future()
+            self._stats_waiters[seq] = fut
+            futs.append(fut)
         try:
-            await self.in_sock.send(self.enc.encode(m.GetStats(seq)))
-            return await asyncio.wait_for(fut, timeout_s)
+            for engine, seq in enumerate(seqs):
+                await self.in_socks[engine].send(self.enc.encode(m.GetStats(seq)))
+            await asyncio.wait_for(asyncio.gather(*futs), timeout_s)
+            return self.last_stats
         except asyncio.TimeoutError:
             return self.last_stats
         finally:
-            self._stats_waiters.pop(seq, None)
+            for seq in seqs:
+                self._stats_waiters.pop(seq, None)
 
     # ---- background tasks -----------------------------------------------------------------------
 
@@ -325,7 +376,7 @@ class AsyncEngine:
     def _handle_output(self, msg: Any) -> None:
         if isinstance(msg, m.EngineOutputs):
             if msg.stats is not None:
-                self._update_stats(msg.stats)
+                self._update_stats(msg.stats, msg.engine_index)
             if msg.outputs:
                 self._process(msg.outputs)
         elif isinstance(msg, m.RequestError):
@@ -337,10 +388,15 @@ class AsyncEngine:
                 # Siblings of a refused child are pointless: abort them (and drop everyone's detokenizer state;
                 # aborting the refused id itself is a no-op in the engine).
                 parent.finished = True
-                self._forget(parent_id, abort=False)
                 self._abort_engine(parent.child_ids)
+                self._forget(parent_id, abort=False)
+        elif isinstance(msg, m.EngineDead):
+            which = "the engine core" if self.num_engines == 1 else f"engine core {msg.engine_index}"
+            reason = f"{which} stopped: {msg.message}"
+            logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
+            self._fail_all(EngineDeadError(reason))
         elif isinstance(msg, m.StatsReply):
-            self._update_stats(msg.stats)
+            self._update_stats(msg.stats, msg.engine_index)
             fut = self._stats_waiters.get(msg.seq)
             if fut is not None and not fut.done():
                 fut.set_result(msg.stats)
@@ -357,7 +413,7 @@ class AsyncEngine:
         if to_abort:
             to_abort = list(to_abort)
             if not self.errored:
-                self.in_sock.send(self.enc.encode(m.AbortRequests(to_abort)), copy=False)
+                self._send_aborts(to_abort)
             for rid in to_abort:
                 self._finish_timing(rid, "stop", now)
 
@@ -370,11 +426,11 @@ class AsyncEngine:
             if t.first_token is None:
                 t.first_token = now
                 if self.metrics is not None:
-                    self.metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens)
+                    self.metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
             t.last_token = now
             t.num_generated += n_new
             if self.metrics is not None:
-                self.metrics.add_generation_tokens(n_new)
+                self.metrics.add_generation_tokens(n_new, t.engine)
         if out.finish_reason is not None:
             self._finish_timing(out.request_id, out.finish_reason, now)
 
@@ -385,22 +441,28 @@ class AsyncEngine:
         tpot = None
         if t.first_token is not None and t.last_token is not None and t.num_generated > 1:
             tpot = (t.last_token - t.first_token) / (t.num_generated - 1)
-        self.metrics.observe_finished(reason, now - t.arrival, tpot)
+        self.metrics.observe_finished(reason, now - t.arrival, tpot, t.engine)
 
-    def _update_stats(self, stats: m.SchedulerStatsMsg) -> None:
-        prev, self.last_stats = self.last_stats, stats
+    def _update_stats(self, stats: m.SchedulerStatsMsg, engine: int = 0) -> None:
+        prev, self._engine_stats[engine] = self._engine_stats[engine], stats
+        self.last_stats = stats if self.num_engines == 1 else _sum_stats(self._engine_stats)
         if self.metrics is not None:
-            self.metrics.update_scheduler_stats(stats, prev)
+            self.metrics.update_scheduler_stats(stats, prev, engine)
 
     async def _watch_engine(self) -> None:
-        assert self.proc is not None
+        assert self.procs
         while True:
             await asyncio.sleep(0.2)
-            if not self.proc.is_alive():
-                reason = f"the engine process died (exit code {self.proc.exitcode})"
-                logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
-                self._fail_all(EngineDeadError(reason))
-                return
+            for i, proc in enumerate(self.procs):
+                if not proc.is_alive():
+                    await asyncio.sleep(0.2)  # its EngineDead message (if it sent one) says more
+                    if self.errored:
+                        return
+                    which = "the engine process" if self.num_engines == 1 else f"engine core {i}"
+                    reason = f"{which} died (exit code {proc.exitcode})"
+                    logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
+                    self._fail_all(EngineDeadError(reason))
+                    return
 
     def fail_pending(self, reason: str) -> None:
         """End every running request now with a 503 (server shutdown): streams close with an error event
@@ -420,6 +482,43 @@ class AsyncEngine:
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_result(self.last_stats)
+
+
+def replica_args(engine_args: Any, index: int) -> Any:
+    """The engine args of data-parallel replica `index`: one engine core each (same seed: equal outputs)."""
+    if getattr(engine_args, "data_parallel_size", 1) in (None, 1):
+        return engine_args
+    return dataclasses.replace(engine_args, data_parallel_size=1)
+
+
+@contextlib.contextmanager
+def replica_devices(engine_args: Any, index: int) -> Iterator[None]:
+    """Give replica `index` its own GPUs (tensor x pipeline ranks each) through CUDA_VISIBLE_DEVICES."""
+    n = getattr(engine_args, "data_parallel_size", 1) or 1
+    if n == 1 or getattr(engine_args, "device", "auto") == "cpu":
+        yield
+        return
+    per = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = old.split(",") if old else [str(i) for i in range(n * per)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * per:(index + 1) * per])
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+def _sum_stats(stats: list[m.SchedulerStatsMsg]) -> m.SchedulerStatsMsg:
+    """The server's totals over data-parallel engine cores (KV usage: the mean)."""
+    return m.SchedulerStatsMsg(
+        num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats))
 
 
 def _preimport_frontend() -> threading.Thread:

@@ -26,7 +26,7 @@ DEFAULT_CORE = "pagedllm.core.engine_core:EngineCore"
 
 
 def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_level: str = "info",
-                    core_factory: str = DEFAULT_CORE) -> None:
+                    core_factory: str = DEFAULT_CORE, engine_index: int = 0) -> None:
     """Process entry point (must be importable for the 'spawn' context). `core_factory` ("module:Class")
     exists so tests can run the whole serving stack against a stand-in engine core."""
     # The API process handles Ctrl-C and tells us to shut down; a second SIGINT must not kill us mid-step.
@@ -70,9 +70,11 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
         )
     )
     try:
-        EngineLoop(core, in_sock, out_sock).run()
-    except Exception:  # noqa: BLE001
+        EngineLoop(core, in_sock, out_sock, engine_index).run()
+    except Exception as e:  # noqa: BLE001
         logger.exception("engine core crashed")
+        # Tell the API process why (a worker rank died, ...) before the non-zero exit.
+        out_sock.send(enc.encode(m.EngineDead(message=_one_line(e), engine_index=engine_index)))
         raise
     finally:
         try:
@@ -110,10 +112,11 @@ def _one_line(e: BaseException) -> str:
 class EngineLoop:
     """The busy loop around one EngineCore (kept separate from process setup so tests can drive it)."""
 
-    def __init__(self, core: Any, in_sock: Any, out_sock: Any) -> None:
+    def __init__(self, core: Any, in_sock: Any, out_sock: Any, engine_index: int = 0) -> None:
         from pagedllm.entrypoints import messages as m
 
         self.m = m
+        self.engine_index = engine_index
         self.core = core
         self.in_sock = in_sock
         self.out_sock = out_sock
@@ -145,7 +148,8 @@ class EngineLoop:
                 if outputs:
                     self.out_sock.send(
                         self.enc.encode(
-                            self.m.EngineOutputs(outputs=outputs, stats=self._stats(), timestamp=time.time())
+                            self.m.EngineOutputs(outputs=outputs, stats=self._stats(), timestamp=time.time(),
+                                                 engine_index=self.engine_index)
                         )
                     )
                     self.stats_dirty = False
@@ -170,7 +174,8 @@ class EngineLoop:
             self.core.abort_requests(list(msg.request_ids))
             self.stats_dirty = True
         elif isinstance(msg, m.GetStats):
-            self.out_sock.send(self.enc.encode(m.StatsReply(seq=msg.seq, stats=self._stats())))
+            self.out_sock.send(self.enc.encode(m.StatsReply(seq=msg.seq, stats=self._stats(),
+                                                            engine_index=self.engine_index)))
         elif isinstance(msg, m.Shutdown):
             self.running = False
 
@@ -198,5 +203,6 @@ class EngineLoop:
         return self.m.stats_to_msg(self.core.get_stats())
 
     def _send_stats_outputs(self) -> None:
-        self.out_sock.send(self.enc.encode(self.m.EngineOutputs(outputs=[], stats=self._stats(), timestamp=time.time())))
+        self.out_sock.send(self.enc.encode(self.m.EngineOutputs(outputs=[], stats=self._stats(), timestamp=time.time(),
+                                                                engine_index=self.engine_index)))
         self.stats_dirty = False

@@ -2,7 +2,10 @@
 
 Two ZMQ PUSH/PULL channels, both bound by the API process on ipc:// paths in a private temp dir:
   * input  (API -> engine): AddRequest | AbortRequests | GetStats | Shutdown
-  * output (engine -> API): EngineReady | EngineStartupError | EngineOutputs | RequestError | StatsReply
+  * output (engine -> API): EngineReady | EngineStartupError | EngineOutputs | RequestError | StatsReply |
+    EngineDead
+With data parallelism there is one input channel per engine core and one shared output channel; outputs and
+stats carry the sending core's `engine_index`.
 
 Every message is a tagged msgspec Struct so the receiving side decodes straight into the right class
 (no RPC by method-name strings). Payload dataclasses (SamplingParams, EngineCoreOutput) travel as-is:
@@ -76,6 +79,14 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: Optional[SchedulerStatsMsg] = None
     timestamp: float = 0.0  # time.time() in the engine process when the step finished
+    engine_index: int = 0  # which data-parallel engine core sent it
+
+
+class EngineDead(msgspec.Struct, tag="engine_dead"):
+    """The engine core stopped for good (e.g. a worker rank died); one line saying why."""
+
+    message: str
+    engine_index: int = 0
 
 
 class RequestError(msgspec.Struct, tag="request_error"):
@@ -89,9 +100,10 @@ class RequestError(msgspec.Struct, tag="request_error"):
 class StatsReply(msgspec.Struct, tag="stats"):
     seq: int
     stats: SchedulerStatsMsg
+    engine_index: int = 0
 
 
-EngineOutput = Union[EngineReady, EngineStartupError, EngineOutputs, RequestError, StatsReply]
+EngineOutput = Union[EngineReady, EngineStartupError, EngineOutputs, RequestError, StatsReply, EngineDead]
 
 
 class Encoder:

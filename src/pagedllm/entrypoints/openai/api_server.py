@@ -88,9 +88,13 @@ async def serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if engine_args.node_rank > 0:  # a worker node: its ranks join the head's engine; no HTTP here
+        from pagedllm.executor.multinode import run_worker_node
+
+        return await asyncio.get_running_loop().run_in_executor(None, run_worker_node, engine_args)
     names = served_names(args)
     sock = bind_socket(args.host, args.port)
-    metrics = Metrics(names[0])
+    metrics = Metrics(names[0], num_engines=engine_args.data_parallel_size)
     engine = AsyncEngine(engine_args, log_level=args.log_level if args.log_level != "trace" else "debug",
                          metrics=metrics)
     try:

@@ -57,7 +57,24 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--max-loras", type=int, default=1)
     e.add_argument("--max-lora-rank", type=int, default=16)
     e.add_argument("--max-logprobs", type=int, default=20)
+    add_parallel_args(p)
     return p
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (-tp / -pp above)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core replicas behind this one server (each with its own tp x pp devices)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"],
+                   help="mp: one worker process per rank (default for tp x pp > 1); ray: workers on a running "
+                        "Ray cluster (pip install ray); uni: in-process, one device (default otherwise)")
+    g.add_argument("--nnodes", type=int, default=1, help="machines the tp x pp ranks span")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index; 0 is the head (serves HTTP), the others only run workers")
+    g.add_argument("--master-addr", default=None,
+                   help="the head node's address for torch.distributed's rendezvous (default: $MASTER_ADDR)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (default: $MASTER_PORT or 29500); the head also uses port + 1")
 
 
 def parse_serve_args(p: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:
