@@ -54,6 +54,12 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
+    # Seconds a server whose engine died keeps answering 503 before it exits with code 1.
+    "PAGEDLLM_DEAD_ENGINE_GRACE_S": lambda: float(os.environ.get("PAGEDLLM_DEAD_ENGINE_GRACE_S", "10")),
+    # Seconds a collective may wait before the ranks give up (a peer died or hangs): the engine then stops.
+    "PAGEDLLM_DIST_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "300")),
+    # Seconds the head waits at start for every rank (of every node) to join.
+    "PAGEDLLM_NODE_JOIN_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "300")),
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

@@ -69,6 +69,7 @@ class EngineCore:
         # Pipeline parallel: up to one micro-batch per stage in flight, oldest first.
         self.num_micro_batches = engine_args.pipeline_parallel_size
         self._micro_batches: deque = deque()
+        self.failure: Optional[Exception] = None
         self.num_steps = 0
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens = %d tokens of KV cache "
                     "(%.1fx max_model_len %d).", time.perf_counter() - start, self.num_blocks, self.block_size,
@@ -119,6 +120,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[EngineCoreOutput]:
+        """One engine step. An exception leaves the engine failed: every later step raises it again (a dead
+        worker rank cannot come back; the requests' state is no longer consistent with the model's)."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            return self._step()
+        except Exception as e:
+            self.failure = e
+            raise
+
+    def _step(self) -> list[EngineCoreOutput]:
         if self.num_micro_batches > 1:
             return self._step_pipelined()
         if self.async_scheduling:
@@ -193,6 +205,12 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        """Raise if a worker rank is gone (the idle server loop asks once a second)."""
+        check = getattr(self.worker, "check_health", None)
+        if check is not None:
+            check()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -110,6 +110,7 @@ _SINGLE = GroupCoordinator(ranks=[0], rank_in_group=0)
 _TP: Optional[GroupCoordinator] = None
 _PP: Optional[GroupCoordinator] = None
 _WORLD: Optional[GroupCoordinator] = None
+_GROUP_KWARGS: dict = {}
 
 
 def init_distributed_environment(world_size: int = 1, rank: int = 0, distributed_init_method: str = "env://",
@@ -127,7 +128,9 @@ def init_distributed_environment(world_size: int = 1, rank: int = 0, distributed
         torch.cuda.set_device(local_rank)
     logger.info("Initializing torch.distributed: rank %d of %d (%s, %s).", rank, world_size, backend,
                 distributed_init_method)
+    global _GROUP_KWARGS
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    _GROUP_KWARGS = kwargs  # sub-groups get the same timeout (new_group's default is 30 minutes)
     dist.init_process_group(backend=backend, init_method=distributed_init_method, world_size=world_size,
                             rank=rank, **kwargs)
 
@@ -150,8 +153,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     # Every rank must create every group, in the same order (torch.distributed's rule).
     for start in range(0, world_size, tensor_model_parallel_size):
         ranks = list(range(start, start + tensor_model_parallel_size))
-        device_group = dist.new_group(ranks)
-        cpu_group = dist.new_group(ranks, backend="gloo")
+        device_group = dist.new_group(ranks, **_GROUP_KWARGS)
+        cpu_group = dist.new_group(ranks, backend="gloo", **_GROUP_KWARGS)
         if rank in ranks:
             _TP = GroupCoordinator(ranks=ranks, rank_in_group=ranks.index(rank), device_group=device_group,
                                    cpu_group=cpu_group)
@@ -162,13 +165,13 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                          f"pipeline_model_parallel_size {pipeline_model_parallel_size}.")
     for first in range(tp):
         ranks = list(range(first, world_size, tp))
-        device_group = dist.new_group(ranks)
-        cpu_group = dist.new_group(ranks, backend="gloo")
+        device_group = dist.new_group(ranks, **_GROUP_KWARGS)
+        cpu_group = dist.new_group(ranks, backend="gloo", **_GROUP_KWARGS)
         if rank in ranks:
             _PP = GroupCoordinator(ranks=ranks, rank_in_group=ranks.index(rank), device_group=device_group,
                                    cpu_group=cpu_group)
     _WORLD = GroupCoordinator(ranks=list(range(world_size)), rank_in_group=rank, device_group=dist.group.WORLD,
-                              cpu_group=dist.new_group(list(range(world_size)), backend="gloo"))
+                              cpu_group=dist.new_group(list(range(world_size)), backend="gloo", **_GROUP_KWARGS))
 
 
 def model_parallel_is_initialized() -> bool:

@@ -139,6 +139,9 @@ class EngineLoop:
                     if os.getppid() != self.parent_pid:
                         logger.info("API process is gone; engine core exits")
                         return
+                    check = getattr(self.core, "check_health", None)
+                    if check is not None:
+                        check()  # a dead worker rank stops the engine even when no request runs
                     continue
             self._drain(zmq)
             if not self.running:

@@ -21,6 +21,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from pagedllm import envs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
 from pagedllm.executor.parallel_config import ParallelLayout, check_layout, layout_from_args
 from pagedllm.executor.worker_proc import WorkerSpec, dumps
@@ -35,11 +36,11 @@ class WorkerFailed(RuntimeError):
 
 
 def collective_timeout_s() -> float:
-    return float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "300"))
+    return envs.PAGEDLLM_DIST_TIMEOUT_S
 
 
 def join_timeout_s() -> float:
-    return float(os.environ.get("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "300"))
+    return envs.PAGEDLLM_NODE_JOIN_TIMEOUT_S
 
 
 def prepare_model(args: Any) -> tuple[str, Any]:
@@ -151,17 +152,24 @@ class MultiprocExecutor:
             if msg is None:
                 self._check_procs(starting=True)
                 if time.monotonic() > deadline:
-                    missing = sorted(set(range(self.world_size)) - set(ready))
-                    where = "" if local_only else f" (did every node start with --master-addr " \
-                        f"{self.layout.master_addr} --master-port {self.layout.master_port}?)"
-                    raise RuntimeError(f"worker rank(s) {missing} did not join within {join_timeout_s():.0f} s"
-                                       f"{where}.")
+                    raise RuntimeError(self._not_joined(set(ready)))
                 continue
             if msg[0] == "ready":
                 ready[msg[1]] = msg[2]
             elif msg[0] == "error":
                 raise _startup_error(msg)
         return ready[self.layout.output_rank]
+
+    def _not_joined(self, ready: set[int]) -> str:
+        layout = self.layout
+        missing = sorted(set(range(self.world_size)) - ready - set(self.procs))
+        if not missing:  # only local ranks are late: they are still loading
+            return f"worker ranks {sorted(set(self.procs) - ready)} were not ready within {join_timeout_s():.0f} s."
+        nodes = sorted({r // layout.ranks_per_node for r in missing})
+        return (f"node(s) {nodes} never joined within {join_timeout_s():.0f} s: start `pagedllm serve` with the "
+                f"same model and -tp/-pp, --nnodes {layout.nnodes} --node-rank N --master-addr "
+                f"{layout.master_addr} --master-port {layout.master_port} there (and check that port "
+                f"{layout.master_port} and {layout.driver_port} of this machine are reachable).")
 
     # ------------------------------------------------------------------ steps
     def launch(self, plan: BatchPlan) -> Any:
@@ -201,7 +209,7 @@ class MultiprocExecutor:
             if msg[0] == "output":
                 self._outputs[msg[1]] = msg[2]
             elif msg[0] == "error":
-                self._fail(f"worker rank {msg[1]} failed: {msg[2]}")
+                self._fail_from_error(msg)
         out = self._outputs.pop(seq)
         dropped = self._in_flight.pop(seq)
         if dropped:
@@ -231,6 +239,21 @@ class MultiprocExecutor:
                 if starting:
                     raise RuntimeError(text + " during start-up.")
                 self._fail(text)
+
+    def _fail_from_error(self, msg: tuple) -> None:
+        """A rank reported a failure; often it is the victim (a collective with a dead or hung peer failed), so
+        name the dead local ranks first, and the ranks that went silent."""
+        time.sleep(0.5)  # let the other ranks' reports and exits arrive
+        self._check_procs()  # a dead local rank is the cause: fails with its name
+        reported = {msg[1]: msg[2]}
+        while (more := self._recv(timeout_ms=0)) is not None:
+            if more[0] == "error":
+                reported[more[1]] = more[2]
+        silent = sorted(set(range(self.world_size)) - set(reported))
+        text = "; ".join(f"worker rank {r} failed: {t}" for r, t in sorted(reported.items()))
+        if silent:
+            text += f"; rank(s) {silent} did not answer (dead or hung)"
+        self._fail(text)
 
     def _check_alive(self) -> None:
         if self._failed is not None:

@@ -112,7 +112,12 @@ async def serve(args: argparse.Namespace) -> int:
         logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1", names[0], engine.model_dir,
                     engine.max_model_len, host, args.port)
         _SERVING["started"] = True
+        watcher = asyncio.get_running_loop().create_task(_exit_when_engine_dies(engine, server))
         await server.serve(sockets=[sock])
+        watcher.cancel()
+        if engine.errored:
+            print(f"error: the engine stopped: {engine.dead_reason}", file=sys.stderr)
+            return 1
         return 0
     finally:
         await engine.shutdown()
@@ -120,6 +125,20 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 _SERVING = {"started": False}
+
+
+async def _exit_when_engine_dies(engine, server) -> None:
+    """A dead engine (core or worker rank) cannot come back: answer 503 (with the reason) for a short grace
+    period, so load balancers and clients see why, then stop the server with a non-zero exit for the process
+    manager to restart it."""
+    from pagedllm import envs
+
+    while not engine.errored:
+        await asyncio.sleep(0.2)
+    grace = envs.PAGEDLLM_DEAD_ENGINE_GRACE_S
+    logger.error("The engine stopped (%s); exiting in %.0f s.", engine.dead_reason, grace)
+    await asyncio.sleep(grace)
+    server.should_exit = True
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,91 @@
+"""Parallel start-up errors are one sentence; a worker rank that dies or hangs stops the engine with an error
+naming the rank (no hang: every test is bounded by a timeout)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.engine_core import EngineCoreRequest
+from pagedllm.executor.multiproc import WorkerFailed
+from pagedllm.executor.parallel_config import ParallelLayout, check_layout
+
+pytestmark = pytest.mark.timeout(180)
+
+_TINY = dict(device="cpu", enforce_eager=True, max_num_seqs=4, num_gpu_blocks_override=64)
+
+
+def test_layout_errors_are_one_sentence(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        LLM(tiny_llama_dir, tensor_parallel_size=3, **_TINY)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 is larger than the model's 2 layers"):
+        LLM(tiny_llama_dir, pipeline_parallel_size=3, **_TINY)
+    with pytest.raises(ValueError, match="data_parallel_size > 1 runs several engine cores"):
+        LLM(tiny_llama_dir, data_parallel_size=2, **_TINY)
+    cfg = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=4)
+    with pytest.raises(ValueError, match=r"^4 ranks per node .* need 4 GPUs but this node has 2\.$"):
+        check_layout(ParallelLayout(2, 2), cfg, "cuda", 2)
+    with pytest.raises(ValueError, match="KV heads do not divide one another"):
+        check_layout(ParallelLayout(3, 1), SimpleNamespace(num_attention_heads=6, num_key_value_heads=4,
+                                                           intermediate_size=60, num_hidden_layers=4), "cpu", 0)
+    check_layout(ParallelLayout(4, 2, nnodes=2), cfg, "cuda", 4)  # 8 ranks over 2 nodes of 4 GPUs: fine
+
+
+def test_node_that_never_joins_fails_start(tiny_llama_dir, monkeypatch):
+    from pagedllm.entrypoints.server_process import free_port
+
+    monkeypatch.setenv("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "8")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"node\(s\) \[1\] never joined within 8 s: start `pagedllm serve`"):
+        LLM(tiny_llama_dir, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=free_port(),
+            **_TINY)
+    assert time.monotonic() - start < 60
+
+
+def _engine_with_running_request(model_dir: str, **kwargs) -> LLM:
+    llm = LLM(model_dir, tensor_parallel_size=2, **_TINY, **kwargs)
+    llm.engine.add_request(EngineCoreRequest("long", [5, 6, 7, 8],
+                                             SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)))
+    for _ in range(3):
+        llm.engine.step()
+    return llm
+
+
+def _step_until_failure(llm: LLM) -> str:
+    with pytest.raises(WorkerFailed) as info:
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    # Stays failed: the next call says the same instead of hanging.
+    with pytest.raises(WorkerFailed):
+        llm.engine.step()
+    return str(info.value)
+
+
+def test_killed_worker_stops_the_engine_naming_the_rank(tiny_llama_dir):
+    llm = _engine_with_running_request(tiny_llama_dir)
+    victim = llm.engine.worker.procs[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    message = _step_until_failure(llm)
+    assert f"worker rank 1 (pid {victim.pid}) died with exit code -9" in message
+    assert all(p.poll() is not None for p in llm.engine.worker.procs.values())  # no orphaned rank
+    llm.engine.shutdown()
+
+
+def test_hung_worker_times_out_instead_of_hanging(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_DIST_TIMEOUT_S", "6")
+    llm = _engine_with_running_request(tiny_llama_dir)
+    victim = llm.engine.worker.procs[1]
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        message = _step_until_failure(llm)
+        assert time.monotonic() - start < 60
+        assert "worker rank 0 failed" in message and "rank(s) [1] did not answer (dead or hung)" in message
+    finally:
+        if victim.poll() is None:
+            os.kill(victim.pid, signal.SIGKILL)
+        llm.engine.shutdown()
