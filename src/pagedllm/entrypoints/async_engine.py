@@ -206,8 +206,8 @@ class AsyncEngine:
             t.cancel()
         alive = [(i, p) for i, p in enumerate(self.procs) if p.is_alive()]
         for i, _ in alive:
-            try:
-                await self.in_socks[i].send(self.enc.encode(m.Shutdown()))
+            try:  # never wait here: a core that is exiting has no socket left to take it (PUSH would block)
+                self.in_socks[i].send(self.enc.encode(m.Shutdown()), flags=zmq.DONTWAIT)
             except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + 5
@@ -216,6 +216,9 @@ class AsyncEngine:
         for _, proc in alive:
             if proc.is_alive():
                 proc.terminate()
+                proc.join(3)
+            if proc.is_alive():
+                proc.kill()
                 proc.join(3)
         for sock in self.in_socks:
             sock.close(0)

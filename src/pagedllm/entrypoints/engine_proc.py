@@ -69,13 +69,14 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
             )
         )
     )
+    crashed = False
     try:
         EngineLoop(core, in_sock, out_sock, engine_index).run()
     except Exception as e:  # noqa: BLE001
+        crashed = True
         logger.exception("engine core crashed")
         # Tell the API process why (a worker rank died, ...) before the non-zero exit.
         out_sock.send(enc.encode(m.EngineDead(message=_one_line(e), engine_index=engine_index)))
-        raise
     finally:
         try:
             core.shutdown()
@@ -83,6 +84,8 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
             in_sock.close(linger=0)
             out_sock.close()
             ctx.term()
+    if crashed:
+        os._exit(1)  # at once: library exit handlers must not keep a dead engine's process around
 
 
 def _start_parent_watchdog(interval_s: float = 0.5) -> None:
