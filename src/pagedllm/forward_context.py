@@ -47,6 +47,10 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: Optional[AttentionMetadata]
     attn_backend: Any  # pagedllm.attention.backend.AttentionBackend
+    # Set only while capturing mixed-step graphs (worker/piecewise_graph.py): attention calls end one graph
+    # piece, run eagerly, and write into `attn_output` ([max_tokens, heads * head_size], shared by all layers).
+    graph_splitter: Any = None
+    attn_output: Optional[torch.Tensor] = None
 
 
 _context: Optional[ForwardContext] = None
@@ -57,10 +61,12 @@ def get_forward_context() -> Optional[ForwardContext]:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: Optional[AttentionMetadata], attn_backend: Any) -> Iterator[None]:
+def set_forward_context(attn_metadata: Optional[AttentionMetadata], attn_backend: Any, graph_splitter: Any = None,
+                        attn_output: Optional[torch.Tensor] = None) -> Iterator[None]:
     global _context
     previous = _context
-    _context = ForwardContext(attn_metadata=attn_metadata, attn_backend=attn_backend)
+    _context = ForwardContext(attn_metadata=attn_metadata, attn_backend=attn_backend,
+                              graph_splitter=graph_splitter, attn_output=attn_output)
     try:
         yield
     finally:

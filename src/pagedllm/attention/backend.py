@@ -38,6 +38,9 @@ class AttentionBackend:
     wants_decode_order: bool = False
     # Whether the KV pool must start zeroed (kernels whose masked-out lanes still multiply what they read).
     needs_zeroed_cache: bool = True
+    # Whether mixed steps may run as piecewise CUDA graphs (worker/piecewise_graph.py): `forward` and
+    # `forward_qkv` then take `output=` (a static buffer to write into) and launch nothing that a graph captured.
+    supports_mixed_graphs: bool = False
 
     def forward(
         self,
@@ -63,6 +66,10 @@ class AttentionBackend:
         fewer kernels. Returns [num_tokens, num_heads, head_size], or None to make the caller run the
         unfused ops and `forward` (the default)."""
         return None
+
+    def fuses_qkv(self, qkv: torch.Tensor, cos_sin_cache: torch.Tensor, spec: QKVSpec) -> bool:
+        """Whether `forward_qkv` takes this case (else it returns None and the caller runs the unfused ops)."""
+        return False
 
     def graph_seq_len_buckets(self, num_reqs: int, num_kv_heads: int, max_model_len: int,
                               device: torch.device) -> list[int]:

@@ -47,6 +47,7 @@ def decode_uses_order(num_reqs: int, num_splits: int) -> bool:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_mixed_graphs = True
 
     def __init__(self, max_splits: Optional[int] = None) -> None:
         # Upper bound on split-KV partitions per (request, kv head); PAGEDLLM_DECODE_MAX_SPLITS tunes it.
@@ -125,22 +126,27 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         spec: QKVSpec,
+        output: Optional[torch.Tensor] = None,  # [num_tokens, num_heads, head_size]
     ) -> Optional[torch.Tensor]:
         """Norm (optional) + rotary + KV write in one kernel, then attention. Returns the output
         [num_tokens, num_heads, head_size], or None when this case needs the unfused path (the caller runs it).
         Rotates q in place inside qkv."""
-        if not envs.PAGEDLLM_FUSED_QKV or cos_sin_cache.shape[-1] != spec.head_size or qkv.stride(-1) != 1:
-            return None
-        if spec.q_norm_weight is not None and (spec.q_norm_weight.dtype != qkv.dtype
-                                               or spec.k_norm_weight.dtype != qkv.dtype):
+        if not self.fuses_qkv(qkv, cos_sin_cache, spec):
             return None
         num_tokens = qkv.shape[0]
-        output = torch.empty(num_tokens, spec.num_heads, spec.head_size, dtype=qkv.dtype, device=qkv.device)
+        if output is None:
+            output = torch.empty(num_tokens, spec.num_heads, spec.head_size, dtype=qkv.dtype, device=qkv.device)
         if num_tokens == 0 or metadata.num_reqs == 0:
             return output
         query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, spec.num_heads,
                          spec.num_kv_heads, spec.head_size, spec.q_norm_weight, spec.k_norm_weight, spec.eps)
         return self._attend(query, kv_cache, metadata, spec.scale, output)
+
+    def fuses_qkv(self, qkv: torch.Tensor, cos_sin_cache: torch.Tensor, spec: QKVSpec) -> bool:
+        if not envs.PAGEDLLM_FUSED_QKV or cos_sin_cache.shape[-1] != spec.head_size or qkv.stride(-1) != 1:
+            return False
+        return spec.q_norm_weight is None or (spec.q_norm_weight.dtype == qkv.dtype
+                                              and spec.k_norm_weight.dtype == qkv.dtype)
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                 output: torch.Tensor) -> torch.Tensor:

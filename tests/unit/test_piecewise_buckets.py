@@ -1,0 +1,25 @@
+"""Host side of the mixed-step CUDA graphs: token buckets and padding (CPU)."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.worker.piecewise_graph import bucket_for, mixed_capture_sizes, pad_slot_mapping
+
+
+def test_buckets_end_at_the_budget_and_cover_every_count():
+    sizes = mixed_capture_sizes(1000)
+    assert sizes[-1] == 1000 and sizes == sorted(set(sizes)) and sizes[0] == 16
+    for n in range(1, 1001):
+        b = bucket_for(sizes, n)
+        assert b >= n and all(s < n for s in sizes if s < b)
+    assert bucket_for(sizes, 1001) is None
+    assert mixed_capture_sizes(8) == [8]
+    # padding stays a small fraction of large steps
+    assert all(bucket_for(mixed_capture_sizes(8192), n) <= 1.25 * n for n in range(256, 8193))
+
+
+def test_padding_rows_point_at_the_scratch_slot():
+    static = torch.full((16,), 7, dtype=torch.long)
+    out = pad_slot_mapping(static, torch.tensor([3, 4, 5]), 8, scratch_slot=99)
+    assert out.tolist() == [3, 4, 5, 99, 99, 99, 99, 99]
+    assert static[8:].tolist() == [7] * 8  # beyond the bucket: untouched
