@@ -117,16 +117,19 @@ class PiecewiseGraphRunner:
         self.num_replays = 0  # steps served by a graph (tests and benchmarks read it)
 
     def _capture_metadata(self, size: int) -> AttentionMetadata:
-        """One request of `size` tokens whose K/V all go to the scratch slot: real kernels, harmless writes."""
+        """Requests of at most max_model_len tokens covering `size` tokens, every K/V write going to the scratch
+        slot and every block-table entry naming the scratch block: real kernels, harmless writes."""
         dev = self.device
-        bs = self.runner.block_size
-        blocks = self.runner.max_blocks_per_req
+        chunk = min(size, self.runner.max_model_len)
+        starts = list(range(0, size, chunk)) + [size]
+        lens = [b - a for a, b in zip(starts, starts[1:])]
         return AttentionMetadata(
-            num_actual_tokens=size, num_reqs=1, max_query_len=size, max_seq_len=size,
-            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([size], dtype=torch.int32, device=dev),
-            block_table=torch.full((1, blocks), self.runner.scratch_block, dtype=torch.int32, device=dev),
-            slot_mapping=self.slot_mapping[:size], query_start_loc_cpu=[0, size], seq_lens_cpu=[size])
+            num_actual_tokens=size, num_reqs=len(lens), max_query_len=max(lens), max_seq_len=max(lens),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_table=torch.full((len(lens), self.runner.max_blocks_per_req), self.runner.scratch_block,
+                                   dtype=torch.int32, device=dev),
+            slot_mapping=self.slot_mapping[:size], query_start_loc_cpu=starts, seq_lens_cpu=lens)
 
     @torch.inference_mode()
     def capture(self) -> None:
