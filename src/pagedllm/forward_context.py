@@ -35,6 +35,9 @@ class AttentionMetadata:
     # Host copies for backends that plan on the CPU (the torch backend); never read in CUDA graphs.
     query_start_loc_cpu: Optional[list[int]] = None
     seq_lens_cpu: Optional[list[int]] = None
+    # Mixed-step CUDA graphs: the prefill kernel's query tile, fixed at capture (the eager launch picks it from
+    # max_query_len, which a graph cannot follow). None outside such graphs.
+    graph_prefill_tile: Optional[int] = None
     # Backend-specific extras (e.g. split-KV workspace) may be attached here.
     extra: Any = None
 
@@ -47,10 +50,6 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: Optional[AttentionMetadata]
     attn_backend: Any  # pagedllm.attention.backend.AttentionBackend
-    # Set only while capturing mixed-step graphs (worker/piecewise_graph.py): attention calls end one graph
-    # piece, run eagerly, and write into `attn_output` ([max_tokens, heads * head_size], shared by all layers).
-    graph_splitter: Any = None
-    attn_output: Optional[torch.Tensor] = None
 
 
 _context: Optional[ForwardContext] = None
@@ -61,12 +60,10 @@ def get_forward_context() -> Optional[ForwardContext]:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: Optional[AttentionMetadata], attn_backend: Any, graph_splitter: Any = None,
-                        attn_output: Optional[torch.Tensor] = None) -> Iterator[None]:
+def set_forward_context(attn_metadata: Optional[AttentionMetadata], attn_backend: Any) -> Iterator[None]:
     global _context
     previous = _context
-    _context = ForwardContext(attn_metadata=attn_metadata, attn_backend=attn_backend,
-                              graph_splitter=graph_splitter, attn_output=attn_output)
+    _context = ForwardContext(attn_metadata=attn_metadata, attn_backend=attn_backend)
     try:
         yield
     finally:

@@ -1,4 +1,4 @@
-"""Mixed prefill + decode steps replayed as piecewise CUDA graphs: same tokens as eager steps and as transformers."""
+"""Mixed prefill + decode steps replayed as CUDA graphs: the same tokens as eager steps and as transformers."""
 from __future__ import annotations
 
 import random

@@ -38,9 +38,14 @@ class AttentionBackend:
     wants_decode_order: bool = False
     # Whether the KV pool must start zeroed (kernels whose masked-out lanes still multiply what they read).
     needs_zeroed_cache: bool = True
-    # Whether mixed steps may run as piecewise CUDA graphs (worker/piecewise_graph.py): `forward` and
-    # `forward_qkv` then take `output=` (a static buffer to write into) and launch nothing that a graph captured.
+    # Whether mixed prefill + decode steps may be captured as CUDA graphs (worker/mixed_graph.py): the backend
+    # then launches such a step from shapes alone, given metadata padded to `num_reqs` rows (padding rows: no
+    # query tokens) and `AttentionMetadata.graph_prefill_tile` set.
     supports_mixed_graphs: bool = False
+
+    def mixed_graph_tile(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> int:
+        """The fixed query tile of the mixed-step launch captured in graphs (backends with mixed graphs)."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -66,10 +71,6 @@ class AttentionBackend:
         fewer kernels. Returns [num_tokens, num_heads, head_size], or None to make the caller run the
         unfused ops and `forward` (the default)."""
         return None
-
-    def fuses_qkv(self, qkv: torch.Tensor, cos_sin_cache: torch.Tensor, spec: QKVSpec) -> bool:
-        """Whether `forward_qkv` takes this case (else it returns None and the caller runs the unfused ops)."""
-        return False
 
     def graph_seq_len_buckets(self, num_reqs: int, num_kv_heads: int, max_model_len: int,
                               device: torch.device) -> list[int]:

@@ -28,6 +28,7 @@ from pagedllm.kernels.paged_attention import (
     decode_workspace_numel,
     paged_decode_attention,
     paged_prefill_attention,
+    prefill_block_m,
 )
 from pagedllm.kernels.qkv_prep import qkv_prep
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache
@@ -101,6 +102,11 @@ class TritonAttentionBackend(AttentionBackend):
                 break
             q_len = min(2 * q_len, max_query_len)
 
+    def mixed_graph_tile(self, dtype, num_heads, num_kv_heads, head_size):
+        # The largest tile: mixed steps usually hold prefill chunks of many tokens, and a decode row costs a
+        # tile of any size one K/V pass over its context.
+        return prefill_block_m(dtype, num_heads // num_kv_heads, head_size, max_query_len=None)
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
@@ -126,27 +132,22 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         spec: QKVSpec,
-        output: Optional[torch.Tensor] = None,  # [num_tokens, num_heads, head_size]
     ) -> Optional[torch.Tensor]:
         """Norm (optional) + rotary + KV write in one kernel, then attention. Returns the output
         [num_tokens, num_heads, head_size], or None when this case needs the unfused path (the caller runs it).
         Rotates q in place inside qkv."""
-        if not self.fuses_qkv(qkv, cos_sin_cache, spec):
+        if not envs.PAGEDLLM_FUSED_QKV or cos_sin_cache.shape[-1] != spec.head_size or qkv.stride(-1) != 1:
+            return None
+        if spec.q_norm_weight is not None and (spec.q_norm_weight.dtype != qkv.dtype
+                                               or spec.k_norm_weight.dtype != qkv.dtype):
             return None
         num_tokens = qkv.shape[0]
-        if output is None:
-            output = torch.empty(num_tokens, spec.num_heads, spec.head_size, dtype=qkv.dtype, device=qkv.device)
+        output = torch.empty(num_tokens, spec.num_heads, spec.head_size, dtype=qkv.dtype, device=qkv.device)
         if num_tokens == 0 or metadata.num_reqs == 0:
             return output
         query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, spec.num_heads,
                          spec.num_kv_heads, spec.head_size, spec.q_norm_weight, spec.k_norm_weight, spec.eps)
         return self._attend(query, kv_cache, metadata, spec.scale, output)
-
-    def fuses_qkv(self, qkv: torch.Tensor, cos_sin_cache: torch.Tensor, spec: QKVSpec) -> bool:
-        if not envs.PAGEDLLM_FUSED_QKV or cos_sin_cache.shape[-1] != spec.head_size or qkv.stride(-1) != 1:
-            return False
-        return spec.q_norm_weight is None or (spec.q_norm_weight.dtype == qkv.dtype
-                                              and spec.k_norm_weight.dtype == qkv.dtype)
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                 output: torch.Tensor) -> torch.Tensor:
@@ -167,5 +168,6 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
-                num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output)
+                num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output,
+                block_m=metadata.graph_prefill_tile)
         return output

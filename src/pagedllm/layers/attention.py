@@ -38,22 +38,9 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             out = self._no_cache_attention(q, k, v)
-        elif ctx.graph_splitter is not None:
-            output = self._static_output(ctx, num_tokens)
-
-            def call() -> torch.Tensor:
-                step = get_forward_context()
-                return step.attn_backend.forward(q, k, v, self.kv_cache, step.attn_metadata, self.scale,
-                                                 output=output)
-
-            out = ctx.graph_splitter.split(call)
         else:
             out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
-
-    def _static_output(self, ctx, num_tokens: int) -> torch.Tensor:
-        """The shared static attention output of a mixed-step graph capture, as [tokens, heads, head_size]."""
-        return ctx.attn_output[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                     qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> Optional[torch.Tensor]:
@@ -66,20 +53,7 @@ class Attention(nn.Module):
             return None
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
                        *(qk_norm if qk_norm is not None else ()))
-        if ctx.graph_splitter is not None:
-            if not ctx.attn_backend.fuses_qkv(qkv, cos_sin_cache, spec):
-                return None  # the unfused ops join the graph piece; `forward` splits it
-            output = self._static_output(ctx, qkv.shape[0])
-
-            def call() -> Optional[torch.Tensor]:
-                step = get_forward_context()
-                return step.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache,
-                                                     step.attn_metadata, spec, output=output)
-
-            out = ctx.graph_splitter.split(call)
-        else:
-            out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache, ctx.attn_metadata,
-                                               spec)
+        out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache, ctx.attn_metadata, spec)
         return None if out is None else out.reshape(qkv.shape[0], self.num_heads * self.head_size)
 
     def _no_cache_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
-        self.mixed_graphs = None  # likewise, for mixed prefill + decode steps (piecewise graphs)
+        self.mixed_graphs = None  # likewise, for mixed prefill + decode steps (worker/mixed_graph.py)
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         self._prev_index: dict[str, int] = {}
         self.stager = HostStager(device)
@@ -77,9 +77,9 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(self)
             self.cuda_graphs.capture()
             if self.attn_backend.supports_mixed_graphs:
-                from pagedllm.worker.piecewise_graph import PiecewiseGraphRunner
+                from pagedllm.worker.mixed_graph import MixedGraphRunner
 
-                self.mixed_graphs = PiecewiseGraphRunner(self, pool=self.cuda_graphs.pool)
+                self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool)
                 self.mixed_graphs.capture()
         if self.device.type == "cuda":
             # The profiling forward's activation blocks were released to size the KV cache: run it once more so

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.worker.piecewise_graph import bucket_for, mixed_capture_sizes, pad_slot_mapping
+from pagedllm.worker.mixed_graph import bucket_for, mixed_capture_sizes, pad_rows
 
 
 def test_buckets_end_at_the_budget_and_cover_every_count():
@@ -20,6 +20,6 @@ def test_buckets_end_at_the_budget_and_cover_every_count():
 
 def test_padding_rows_point_at_the_scratch_slot():
     static = torch.full((16,), 7, dtype=torch.long)
-    out = pad_slot_mapping(static, torch.tensor([3, 4, 5]), 8, scratch_slot=99)
+    out = pad_rows(static, torch.tensor([3, 4, 5]), 8, fill=99)
     assert out.tolist() == [3, 4, 5, 99, 99, 99, 99, 99]
     assert static[8:].tolist() == [7] * 8  # beyond the bucket: untouched
