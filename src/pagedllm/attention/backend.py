@@ -43,8 +43,9 @@ class AttentionBackend:
     # query tokens) and `AttentionMetadata.graph_prefill_tile` set.
     supports_mixed_graphs: bool = False
 
-    def mixed_graph_tile(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> int:
-        """The fixed query tile of the mixed-step launch captured in graphs (backends with mixed graphs)."""
+    def mixed_graph_tiles(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> list[int]:
+        """The query tiles (rows of a program) to capture mixed-step graphs for, ascending; each step replays the
+        one `worker.mixed_graph.pick_tile` finds cheapest (backends with mixed graphs)."""
         raise NotImplementedError
 
     def forward(

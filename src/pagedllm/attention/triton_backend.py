@@ -102,10 +102,12 @@ class TritonAttentionBackend(AttentionBackend):
                 break
             q_len = min(2 * q_len, max_query_len)
 
-    def mixed_graph_tile(self, dtype, num_heads, num_kv_heads, head_size):
-        # The largest tile: mixed steps usually hold prefill chunks of many tokens, and a decode row costs a
-        # tile of any size one K/V pass over its context.
-        return prefill_block_m(dtype, num_heads // num_kv_heads, head_size, max_query_len=None)
+    def mixed_graph_tiles(self, dtype, num_heads, num_kv_heads, head_size):
+        # The smallest tile (decode rows waste none of it) and the largest (long prefill chunks read each K/V
+        # block once per tile, so fewer, taller tiles read less).
+        gqa = num_heads // num_kv_heads
+        return sorted({prefill_block_m(dtype, gqa, head_size, max_query_len=1),
+                       prefill_block_m(dtype, gqa, head_size, max_query_len=None)})
 
     def forward(
         self,

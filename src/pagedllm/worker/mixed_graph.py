@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from pagedllm import envs
@@ -44,6 +45,24 @@ def bucket_for(sizes: list[int], num_tokens: int) -> Optional[int]:
     return None
 
 
+# A program's fixed cost (loading K/V tiles, its loop) in units of query rows, for `pick_tile`.
+_TILE_OVERHEAD_ROWS = 32
+
+
+def pick_tile(tiles: list[int], gqa_pad: int, query_lens: np.ndarray, seq_lens: np.ndarray) -> int:
+    """The tile with the least estimated attention work for a step: each request runs ceil(q / (tile / gqa_pad))
+    programs, each over about its context, costing (tile rows + a fixed overhead) per context position.
+    A tall tile wastes most of its rows on a decode row; a short one re-reads the context per few query tokens."""
+    best, best_cost = tiles[-1], None
+    for tile in tiles:
+        block_q = max(1, tile // gqa_pad)
+        programs = -(-query_lens // block_q)
+        cost = float(np.dot(programs, seq_lens)) * (tile + _TILE_OVERHEAD_ROWS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = tile, cost
+    return best
+
+
 def pad_rows(static: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> torch.Tensor:
     """Copy `values` into the head of `static` and `fill` the rest up to `size`; returns static[:size]."""
     n = values.shape[0]
@@ -64,8 +83,11 @@ class MixedGraphRunner:
         self.max_size = self.sizes[-1] if self.sizes else 0
         self.scratch_slot = runner.scratch_block * runner.block_size
         first = runner.model.attn_layers[0]
-        self.tile = runner.attn_backend.mixed_graph_tile(runner.dtype, first.num_heads, first.num_kv_heads,
-                                                         first.head_size)
+        self.gqa_pad = 1 << max(0, first.num_heads // first.num_kv_heads - 1).bit_length()
+        self.tiles = runner.attn_backend.mixed_graph_tiles(runner.dtype, first.num_heads, first.num_kv_heads,
+                                                           first.head_size)
+        if envs.PAGEDLLM_MIXED_GRAPH_TILE:  # one fixed tile (A/B benchmarks)
+            self.tiles = [envs.PAGEDLLM_MIXED_GRAPH_TILE]
         n, reqs, dev = max(self.max_size, 1), runner.max_num_seqs, self.device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
@@ -74,18 +96,18 @@ class MixedGraphRunner:
         self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=dev)
         self.block_table = torch.full((reqs, runner.max_blocks_per_req), runner.scratch_block, dtype=torch.int32,
                                       device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (token bucket, tile) -> graph
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = pool
         self.num_replays = 0  # steps served by a graph (tests and benchmarks read it)
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def _metadata(self, size: int, tile: int) -> AttentionMetadata:
         reqs = min(self.runner.max_num_seqs, size)  # every request of a step has at least one token
         return AttentionMetadata(
             num_actual_tokens=size, num_reqs=reqs, max_query_len=size, max_seq_len=self.runner.max_model_len,
             query_start_loc=self.query_start_loc[:reqs + 1], seq_lens=self.seq_lens[:reqs],
             block_table=self.block_table[:reqs], slot_mapping=self.slot_mapping[:size],
-            graph_prefill_tile=self.tile)
+            graph_prefill_tile=tile)
 
     def _fill_capture_inputs(self, size: int) -> None:
         """Requests of at most max_model_len tokens covering the bucket, every K/V write into the scratch slot
@@ -106,21 +128,22 @@ class MixedGraphRunner:
         backend = self.runner.attn_backend
         for size in reversed(self.sizes):  # largest first so smaller buckets reuse its pool memory
             self._fill_capture_inputs(size)
-            md = self._metadata(size)
-            with set_forward_context(md, backend):
-                backend.prepare(md)
-                model(self.input_ids[:size], self.positions[:size])  # warm-up: compile outside the capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = model(self.input_ids[:size], self.positions[:size])
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
-            self.outputs[size] = out
+            for tile in self.tiles:
+                md = self._metadata(size, tile)
+                with set_forward_context(md, backend):
+                    backend.prepare(md)
+                    model(self.input_ids[:size], self.positions[:size])  # warm-up: compile outside the capture
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        out = model(self.input_ids[:size], self.positions[:size])
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(size, tile)] = graph
+                self.outputs[(size, tile)] = out
         torch.cuda.synchronize(self.device)
-        logger.info("Captured %d CUDA graphs for mixed steps of %d..%d tokens in %.1f s.", len(self.graphs),
-                    self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+        logger.info("Captured %d CUDA graphs for mixed steps of %d..%d tokens (query tiles %s) in %.1f s.",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], self.tiles, time.perf_counter() - start)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             md: AttentionMetadata) -> Optional[torch.Tensor]:
@@ -137,7 +160,11 @@ class MixedGraphRunner:
         pad_rows(self.seq_lens, md.seq_lens, reqs, 0)
         nb = md.block_table.shape[1]
         self.block_table[:md.num_reqs, :nb].copy_(md.block_table, non_blocking=True)
+        tile = self.tiles[0]
+        if len(self.tiles) > 1:
+            qsl = np.asarray(md.query_start_loc_cpu)
+            tile = pick_tile(self.tiles, self.gqa_pad, np.diff(qsl), np.asarray(md.seq_lens_cpu))
         self.runner.attn_backend.prepare(md)
-        self.graphs[size].replay()
+        self.graphs[(size, tile)].replay()
         self.num_replays += 1
-        return self.outputs[size][:n]
+        return self.outputs[(size, tile)][:n]
