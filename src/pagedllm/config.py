@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-_DTYPES = {"auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"}
+from pagedllm.dtypes import DTYPE_CHOICES
+
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
     "pipeline_parallel_size": 1,
@@ -73,8 +74,8 @@ class EngineArgs:
             if getattr(self, name) != off:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag}={getattr(self, name)!r} is not supported yet by pagedllm.")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}.")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}.")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}.")
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -29,7 +29,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.layers.activation import triton_kernels
-from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
+from pagedllm.layers.weight_utils import copy_weight, set_weight_attrs
 
 ShardId = Union[int, str, None]
 
