@@ -1,15 +1,14 @@
-"""Engine configuration: user-facing EngineArgs (vLLM's names) -> one validated, frozen EngineConfig tree.
+"""Engine configuration: EngineArgs, the user-facing options under vLLM's names.
 
-EngineArgs is what `LLM(...)` kwargs, CLI flags and `--config FILE.yaml` fill in. `create_engine_config()`
-resolves the model (default model, GGUF conversion), reads its HF config, picks device and dtype, and
-validates everything once, raising ValueError with a sentence that says what to change.
+`LLM(...)` kwargs, CLI flags and `--config FILE.yaml` fill one EngineArgs. `validate()` checks what needs no
+model (ranges, choices, features not built yet) and raises ValueError with a sentence that says what to change;
+the Worker then resolves the model (models/loader.py), reads its HF config, picks device and dtype
+(dtypes.py) and checks the rest against the model (max_model_len, KV pool size).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.dtypes import DTYPE_CHOICES

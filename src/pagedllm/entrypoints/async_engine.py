@@ -76,12 +76,8 @@ class _Parent:
 
 
 class AsyncEngine:
-    def __init__(self, engine_args: Any, log_level: str = "info", metrics: Any = None,
-                 core_factory: Optional[str] = None) -> None:
-        from pagedllm.entrypoints.engine_proc import DEFAULT_CORE
-
+    def __init__(self, engine_args: Any, log_level: str = "info", metrics: Any = None) -> None:
         self.engine_args = engine_args
-        self.core_factory = core_factory or DEFAULT_CORE
         self.log_level = log_level
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context(io_threads=1)
@@ -120,7 +116,7 @@ class AsyncEngine:
         spawn = multiprocessing.get_context("spawn")
         self.proc = spawn.Process(
             target=run_engine_core,
-            args=(self.engine_args, self.input_addr, self.output_addr, self.log_level, self.core_factory),
+            args=(self.engine_args, self.input_addr, self.output_addr, self.log_level),
             name="pagedllm-engine-core",
             daemon=True,
         )
@@ -422,8 +418,3 @@ def _preimport_frontend() -> threading.Thread:
     thread = threading.Thread(target=work, name="pagedllm-preimport", daemon=True)
     thread.start()
     return thread
-
-
-def random_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-

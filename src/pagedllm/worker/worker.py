@@ -61,9 +61,9 @@ def read_eos_token_ids(hf_config, model_dir: str) -> list[int]:
     return ids
 
 
-# Default token budget of one step: 16384 on GPUs with >= 70 GiB (H200, Qwen3-0.6B offline benchmark: 25,223-25,503
-# tok/s vs 24,349-24,647 with 8192 in alternating processes, docs/benchmarks.md run AC: fewer, larger prefill chunks),
-# 8192 elsewhere (smaller GPUs keep more memory for KV; a CPU gains nothing from larger chunks).
+# Default token budget of one step: 16384 on GPUs with >= 70 GiB (fewer, larger prefill chunks raise offline
+# throughput there; docs/benchmarks.md, GPU section), 8192 elsewhere (smaller GPUs keep more memory for KV; a CPU
+# gains nothing from larger chunks).
 LARGE_GPU_BYTES = 70 * 1024 ** 3
 
 
