@@ -166,3 +166,39 @@ def _write(dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict
 def logits_of(step: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return step(ids)
+
+
+def awq_checkpoint(src: str, dst: str, group_size: int = 32, seed: int = 0) -> tuple[str, Any]:
+    """AutoAWQ's GEMM layout (4-bit, zero point), packed from the published format (AutoAWQ itself needs CUDA
+    kernels to install) and checked with AutoAWQ's own `dequantize_gemm`, whose output is the reference."""
+    from pagedllm.quantization.awq import AWQ_PACK_ORDER
+    from pagedllm.quantization.packed import pack_int32
+
+    lib = load_library_file("autoawq-0.2.9", "awq/utils/packing_utils.py", "autoawq_packing_utils")
+    assert tuple(lib.AWQ_ORDER) == AWQ_PACK_ORDER
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    model = hf_model(src)
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, torch.Tensor] = {}
+    for full, _, linear in _linears(model):
+        n, k = linear.weight.shape
+        gs = group_size if group_size != -1 else k
+        g_idx = torch.arange(k) // gs
+        scales, zeros = minmax_quant_params(linear.weight.data, g_idx, k // gs, 4, sym=False)
+        q = (torch.round(linear.weight.data / scales[:, g_idx]).long() + zeros[:, g_idx]).clamp(0, 15)
+        grid = ((q - zeros[:, g_idx]) * scales[:, g_idx]).float()  # [N, K]
+        qweight = pack_int32(q.t(), 4, dim=1, order=AWQ_PACK_ORDER)  # [K, N / 8]
+        qzeros = pack_int32(zeros.t(), 4, dim=1, order=AWQ_PACK_ORDER)  # [G, N / 8]
+        tensors[f"{full}.qweight"], tensors[f"{full}.qzeros"] = qweight, qzeros
+        tensors[f"{full}.scales"] = scales.t().contiguous().half()
+        if linear.bias is not None:
+            tensors[f"{full}.bias"] = linear.bias.data.half()
+        dense = lib.dequantize_gemm(qweight, qzeros, tensors[f"{full}.scales"].float(), 4, gs).t()
+        torch.testing.assert_close(dense, grid, atol=1e-6, rtol=1e-6)  # our packing, as AutoAWQ reads it
+        quantized[full] = dense.contiguous()
+    for name, param in model.state_dict().items():
+        if not any(name.startswith(f + ".") for f in quantized) and name not in tensors:
+            tensors[name] = param.half()
+    _write(dst, tensors, {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                          "version": "gemm", "modules_to_not_convert": None})
+    return dst, reference_model(src, quantized, half_rest=tensors)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 # method name -> (module under pagedllm.quantization or a full dotted path, class name)
 _METHODS: dict[str, tuple[str, str]] = {
+    "awq": ("awq", "AWQConfig"),
     "gptq": ("gptq", "GPTQConfig"),
     "int8": ("int8", "Int8Config"),
 }
