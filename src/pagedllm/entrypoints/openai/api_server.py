@@ -88,10 +88,6 @@ async def serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if engine_args.node_rank > 0:  # a worker node: its ranks join the head's engine; no HTTP here
-        from pagedllm.executor.multinode import run_worker_node
-
-        return await asyncio.get_running_loop().run_in_executor(None, run_worker_node, engine_args)
     names = served_names(args)
     sock = bind_socket(args.host, args.port)
     metrics = Metrics(names[0], num_engines=engine_args.data_parallel_size)
@@ -143,11 +139,27 @@ async def _exit_when_engine_dies(engine, server) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    if (getattr(args, "node_rank", 0) or 0) > 0:
+        return run_worker_node(args)
     try:
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
         # uvicorn re-raises Ctrl-C / SIGINT after its graceful shutdown: that is a normal stop, not a failure.
         return 0 if _SERVING["started"] else 130
+
+
+def run_worker_node(args: argparse.Namespace) -> int:
+    """--node-rank > 0: this machine only runs its share of the worker ranks (the head serves HTTP)."""
+    from pagedllm.entrypoints.openai.cli_args import to_engine_args
+    from pagedllm.executor.multinode import run_worker_node as run_node
+
+    try:
+        engine_args = to_engine_args(args)
+        engine_args.validate()
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_node(engine_args)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
