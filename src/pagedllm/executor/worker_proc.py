@@ -63,11 +63,18 @@ def run_worker(spec: WorkerSpec, watch_parent: bool = True) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"rank{spec.rank}".encode())
     sock.setsockopt(zmq.LINGER, 2000)
+    monitor = None
+    if spec.driver_addr.startswith("tcp://"):
+        # Another machine's engine: notice it going away (a dead process closes the connection; a dead
+        # machine stops answering heartbeats) instead of waiting for plans forever.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(spec.driver_addr)
     try:
         worker = _build(spec)
         sock.send(dumps(("ready", spec.rank, _facts(worker))))
-        _loop(spec, worker, sock, zmq)
+        _loop(spec, worker, sock, zmq, monitor)
         return 0
     except BaseException as e:  # noqa: BLE001 - whatever it is, the executor must hear it with the rank
         logger.debug("worker failed", exc_info=True)
@@ -77,6 +84,9 @@ def run_worker(spec: WorkerSpec, watch_parent: bool = True) -> int:
             pass
         return 1
     finally:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(0)
         sock.close()
         ctx.term()
 
@@ -102,7 +112,22 @@ def _facts(worker: Any) -> dict:
         "max_num_batched_tokens", "async_scheduling")}
 
 
-def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any) -> None:
+def _recv(sock: Any, zmq: Any, monitor: Any) -> Any:
+    if monitor is None:
+        return pickle.loads(sock.recv())
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    while True:
+        ready = dict(poller.poll())
+        if sock in ready:
+            return pickle.loads(sock.recv())
+        if monitor in ready:
+            monitor.recv_multipart()
+            raise RuntimeError("lost the connection to the head node's engine")
+
+
+def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any, monitor: Any = None) -> None:
     is_output_rank = spec.rank == spec.layout.output_rank
     # The last stage's ranks sampled those tokens themselves; the earlier stages learn them with the next plan.
     is_last_stage = spec.rank >= spec.layout.output_rank
@@ -124,7 +149,7 @@ def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any) -> None:
                     finish()
                     break
                 time.sleep(0)
-        msg = pickle.loads(sock.recv())
+        msg = _recv(sock, zmq, monitor)
         if msg[0] == "shutdown":
             if pending is not None:
                 finish()
