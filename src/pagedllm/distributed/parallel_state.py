@@ -131,6 +131,12 @@ def init_distributed_environment(world_size: int = 1, rank: int = 0, distributed
     global _GROUP_KWARGS
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     _GROUP_KWARGS = kwargs  # sub-groups get the same timeout (new_group's default is 30 minutes)
+    if distributed_init_method.startswith("store://"):  # a TCPStore hosted by the engine core (Ray executor)
+        host, port = distributed_init_method[len("store://"):].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world_size, is_master=False,
+                              timeout=kwargs.get("timeout", datetime.timedelta(minutes=30)))
+        dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank, **kwargs)
+        return
     dist.init_process_group(backend=backend, init_method=distributed_init_method, world_size=world_size,
                             rank=rank, **kwargs)
 

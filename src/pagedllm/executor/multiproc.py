@@ -107,9 +107,12 @@ class MultiprocExecutor:
 
         self.args = args
         self.model_dir, self.hf_config = prepare_model(args)
-        local_only = args.nnodes == 1
-        self.layout = layout = layout_from_args(args, master_port=_free_port() if local_only else None)
-        check_devices(args, layout, self.hf_config)
+        local_only = args.nnodes == 1 and not self.remote_workers
+        self.layout = layout = self._make_layout(args, local_only)
+        if self.remote_workers:  # the cluster places the ranks: no per-node device count to check here
+            check_layout(layout, self.hf_config, "cpu", 0)
+        else:
+            check_devices(args, layout, self.hf_config)
         self.world_size = layout.world_size
         self.pipelined = layout.pipeline_parallel_size > 1
         self._ctx = zmq.Context(io_threads=1)
@@ -133,7 +136,7 @@ class MultiprocExecutor:
         self._failed: Optional[str] = None
         self._closed = False
         try:
-            self.procs = spawn_local_workers(args, layout, addr, self._tmpdir, log_level)
+            self.procs = self._start_workers(args, layout, addr, log_level)
             facts = self._wait_ready(local_only)
         except BaseException:
             self.shutdown()
@@ -144,6 +147,15 @@ class MultiprocExecutor:
                     self.world_size, layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.nnodes)
 
     # ------------------------------------------------------------------ start-up
+    remote_workers = False  # the Ray executor places ranks on other machines: TCP, not IPC
+
+    def _make_layout(self, args: Any, local_only: bool) -> ParallelLayout:
+        return layout_from_args(args, master_port=_free_port() if local_only else None)
+
+    def _start_workers(self, args: Any, layout: ParallelLayout, addr: str, log_level: str) -> dict:
+        """rank -> a handle with poll() / kill() / wait() / pid (subprocess.Popen here)."""
+        return spawn_local_workers(args, layout, addr, self._tmpdir, log_level)
+
     def _wait_ready(self, local_only: bool) -> dict:
         ready: dict[int, dict] = {}
         deadline = time.monotonic() + join_timeout_s()
