@@ -125,7 +125,7 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
 
 @pytest.mark.parametrize("flags,fragment", [
     (["--quantization", "gptq"], "needs a gptq-quantized checkpoint"),
-    (["--pipeline-parallel-size", "2"], "not supported yet"),
+    (["--tensor-parallel-size", "2"], "does not divide the model's 9 attention heads"),
     (["--enable-lora"], "not supported yet"),
     (["--cpu-offload-gb", "4"], "not supported yet"),
     (["--lora-modules", "sql=/tmp/sql"], "not supported yet"),

@@ -73,7 +73,7 @@ def test_log_says_how_many_tokens_of_kv_fit(tiny_llama_dir, caplog):
     (dict(quantization="gptq"), "needs a gptq-quantized checkpoint"),
     (dict(quantization="no-such-method"), "Unknown quantization method"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of"),
-    (dict(tensor_parallel_size=2), "not supported yet"),
+    (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
     (dict(block_size=7), "block_size must be one of"),
 ])
 def test_bad_engine_arguments(tiny_llama_dir, kwargs, message):
