@@ -93,3 +93,5 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")

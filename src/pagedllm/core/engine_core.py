@@ -15,6 +15,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.batch_plan import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.sampling_constraints import check_against_engine
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -84,6 +85,7 @@ class EngineCore:
                 f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.num_pool_tokens} "
                 "tokens in total; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
         params = req.sampling_params
+        check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.max_tokens != max_tokens or self.eos_token_ids[1:]:

@@ -118,6 +118,7 @@ class LLM:
         from pagedllm.core.engine_core import EngineCoreRequest
         from pagedllm.entrypoints.output_processor import OutputProcessor
         from pagedllm.entrypoints.parallel_sampling import fan_out
+        from pagedllm.sampling_constraints import tokenize_params
 
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
@@ -126,7 +127,7 @@ class LLM:
             for (text, ids), params in items:
                 request_id = str(next(self._counter))
                 order.append(request_id)
-                for child in fan_out(request_id, params):
+                for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
                     processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
                                           index=child.index, output_kind="final_only")
                     self.engine.add_request(EngineCoreRequest(child.request_id, ids, child.params))

@@ -90,6 +90,9 @@ async def parse_body(request: Request, model: type[T]) -> T:
         raise APIError("We could not parse the JSON body of your request: it is not valid JSON.")
     if not isinstance(data, dict):
         raise APIError("The request body must be a JSON object.")
+    from pagedllm.entrypoints.openai.fields import check_extra_fields
+
+    check_extra_fields(model, data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
