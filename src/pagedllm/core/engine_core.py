@@ -57,6 +57,7 @@ class EngineCore:
             num_blocks=self.num_blocks,
             enable_prefix_caching=engine_args.enable_prefix_caching,
             async_scheduling=w.async_scheduling,
+            enable_chunked_prefill=engine_args.enable_chunked_prefill,
         )
         self.async_scheduling = w.async_scheduling
         # Async scheduling: the launched step whose results have not been applied yet.

@@ -102,8 +102,10 @@ def _convert(gguf_path: str) -> str:
     return convert_gguf_to_hf(gguf_path)
 
 
-def load_hf_config(model_dir: str) -> Any:
-    """transformers.PretrainedConfig from `model_dir/config.json` (ValueError in one sentence if unusable)."""
+def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
+    """transformers.PretrainedConfig from `model_dir/config.json` (ValueError in one sentence if unusable).
+
+    A config whose class lives in the model's own code (`auto_map`) loads only with trust_remote_code."""
     from transformers import AutoConfig
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
@@ -117,8 +119,12 @@ def load_hf_config(model_dir: str) -> Any:
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{config_path} has no model_type; it is not a Hugging Face model config.")
     try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    except Exception as e:  # unknown model_type, bad field values...
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:  # unknown model_type, bad field values, custom code...
+        if not trust_remote_code and ("AutoConfig" in (raw.get("auto_map") or {}) or "trust_remote_code" in str(e)):
+            raise ValueError(f"The model in {model_dir} needs its own code to load its config (auto_map in "
+                             f"config.json): pass --trust-remote-code (trust_remote_code=True) if you trust that "
+                             f"code.") from None
         raise ValueError(f"transformers could not read {config_path} (model_type={raw.get('model_type')!r}): "
                          f"{e}") from None
 

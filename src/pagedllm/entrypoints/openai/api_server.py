@@ -79,6 +79,7 @@ async def serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
     from pagedllm.entrypoints.openai.server_state import ServerState
+    from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
     from pagedllm.metrics import Metrics
 
     try:
@@ -99,7 +100,13 @@ async def serve(args: argparse.Namespace) -> int:
         except EngineStartupError as e:
             print(f"error: the engine failed to start: {e}", file=sys.stderr)
             return 1
-        state = ServerState(engine, names, metrics=metrics, api_key=args.api_key)
+        try:
+            defaults = load_sampling_defaults(engine_args.generation_config, engine.model_dir)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        log_sampling_defaults(defaults, engine_args.generation_config)
+        state = ServerState(engine, names, metrics=metrics, api_key=args.api_key, sampling_defaults=defaults)
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")

@@ -57,7 +57,10 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--max-loras", type=int, default=1)
     e.add_argument("--max-lora-rank", type=int, default=16)
-    e.add_argument("--max-logprobs", type=int, default=20)
+    e.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+    e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults from the model's generation_config.json (auto), none (vllm), or DIR's")
     return p
 
 
