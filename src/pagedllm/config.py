@@ -58,6 +58,8 @@ class EngineArgs:
     disable_log_stats: bool = True
     max_logprobs: int = 20
     generation_config: str = "auto"  # "auto" (the model's generation_config.json) | "vllm" (none) | a directory
+    revision: Optional[str] = None  # hub repo ids: branch, tag or commit
+    download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
 
     @classmethod
     def field_names(cls) -> set[str]:

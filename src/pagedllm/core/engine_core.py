@@ -60,6 +60,9 @@ class EngineCore:
             enable_chunked_prefill=engine_args.enable_chunked_prefill,
         )
         self.async_scheduling = w.async_scheduling
+        if not engine_args.enable_chunked_prefill:
+            logger.info("Chunked prefill is off: each prompt runs whole in one step (up to %d tokens per step).",
+                        w.max_num_batched_tokens)
         # Async scheduling: the launched step whose results have not been applied yet.
         self._in_flight = None  # (plan, PendingOutput)
         self.num_steps = 0

@@ -95,7 +95,7 @@ class Worker:
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         if args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet by pagedllm.")
-        model_path = resolve_model_path(args.model)
+        model_path = resolve_model_path(args.model, args.revision, args.download_dir)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
         self.hf_config = load_hf_config(self.model_dir, trust_remote_code=args.trust_remote_code)
         cfg = self.hf_config
