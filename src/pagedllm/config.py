@@ -13,13 +13,14 @@ from typing import Any, Optional
 
 from pagedllm.dtypes import DTYPE_CHOICES
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 CPU_OFFLOAD_ON_CPU = ("--cpu-offload-gb is meaningless on the CPU: the weights already live in host memory; drop "
                       "the flag.")
+
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
     "pipeline_parallel_size": 1,
     "enable_lora": False,
-    "quantization": None,
     "speculative_config": None,
 }
 
@@ -57,6 +58,7 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     disable_log_stats: bool = True
     max_logprobs: int = 20
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (= "fp8_e4m3")
     generation_config: str = "auto"  # "auto" (the model's generation_config.json) | "vllm" (none) | a directory
     revision: Optional[str] = None  # hub repo ids: branch, tag or commit
     download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
@@ -95,6 +97,11 @@ class EngineArgs:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a method name, got {self.quantization!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}.")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
         if self.generation_config not in ("auto", "vllm"):

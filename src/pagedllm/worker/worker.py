@@ -95,6 +95,8 @@ class Worker:
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         if args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet by pagedllm.")
+        if args.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported yet by pagedllm.")
         model_path = resolve_model_path(args.model, args.revision, args.download_dir)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
         self.hf_config = load_hf_config(self.model_dir, trust_remote_code=args.trust_remote_code)
@@ -123,10 +125,16 @@ class Worker:
         torch.manual_seed(args.seed)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
+        from pagedllm.quantization import quant_config_for_engine, weight_memory_summary
+
+        self.quant_config = quant_config_for_engine(args, cfg, self.model_dir, self.device, self.dtype)
+        if offload and self.quant_config is not None:
+            raise ValueError("--cpu-offload-gb with a quantized model is not supported yet by pagedllm.")
         start = time.perf_counter()
         # With offloading the model is built in host memory first: it may not fit the GPU whole.
         self.model = get_model(cfg, self.model_dir, dtype=self.dtype,
-                               device=torch.device("cpu") if offload else self.device, load_format=args.load_format)
+                               device=torch.device("cpu") if offload else self.device, load_format=args.load_format,
+                               quant_config=self.quant_config)
         enforce_eager = args.enforce_eager
         if offload:
             from pagedllm.worker.cpu_offload import CpuOffloader
@@ -135,9 +143,11 @@ class Worker:
             if not enforce_eager:
                 logger.info("CUDA graphs are off: --cpu-offload-gb copies weights from Python hooks at run time.")
             enforce_eager = True
-        logger.info("Loaded %s (%s) from %s in %.1f s on %s as %s.", cfg.architectures[0] if cfg.architectures
+        logger.info("Loaded %s (%s) from %s in %.1f s on %s as %s%s.", cfg.architectures[0] if cfg.architectures
                     else type(self.model).__name__, _count_params(self.model), self.model_dir,
-                    time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""))
+                    time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""),
+                    f", quantization {self.quant_config.name}" if self.quant_config else "")
+        logger.info("Model memory: %s.", weight_memory_summary(self.model))
         if self.device.type == "cpu" and self.dtype == torch.float32:
             # oneDNN-prepacked copies of the weights (faster CPU matmuls) cost a second copy in RAM: only
             # when that copy fits comfortably.
