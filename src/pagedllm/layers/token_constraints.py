@@ -74,7 +74,7 @@ def apply_token_constraints(logits: torch.Tensor, c: TokenConstraints) -> torch.
         rows = logits.index_select(0, c.allowed_rows).masked_fill_(~keep[:, :vocab], float("-inf"))
         logits.index_copy_(0, c.allowed_rows, rows)
     if c.banned is not None:
-        logits.index_put_(c.banned, torch.tensor(float("-inf"), device=logits.device))
+        logits[c.banned] = float("-inf")  # a Python scalar: no host-to-device copy
     if c.bias is not None:
         rows, ids, values = c.bias
         logits.index_put_((rows, ids), values, accumulate=True)
