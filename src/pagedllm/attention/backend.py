@@ -38,6 +38,8 @@ class AttentionBackend:
     wants_decode_order: bool = False
     # Whether the KV pool must start zeroed (kernels whose masked-out lanes still multiply what they read).
     needs_zeroed_cache: bool = True
+    # Whether it reads and writes an FP8 (E4M3) KV pool (`--kv-cache-dtype fp8`).
+    supports_fp8_kv: bool = False
 
     def forward(
         self,
