@@ -40,6 +40,15 @@ class AttentionBackend:
     needs_zeroed_cache: bool = True
     # Whether it reads and writes an FP8 (E4M3) KV pool (`--kv-cache-dtype fp8`).
     supports_fp8_kv: bool = False
+    # Whether mixed prefill + decode steps may be captured as CUDA graphs (worker/mixed_graph.py): the backend
+    # then launches such a step from shapes alone, given metadata padded to `num_reqs` rows (padding rows: no
+    # query tokens) and `AttentionMetadata.graph_prefill_tile` set.
+    supports_mixed_graphs: bool = False
+
+    def mixed_graph_tiles(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> list[int]:
+        """The query tiles (rows of a program) to capture mixed-step graphs for, ascending; each step replays the
+        one `worker.mixed_graph.pick_tile` finds cheapest (backends with mixed graphs)."""
+        raise NotImplementedError
 
     def forward(
         self,

@@ -125,7 +125,7 @@ def set_quant_param_attrs(param: torch.Tensor, *, weight_loader: Any, input_dim:
     per_shard: one entry per logical shard (a per-tensor scale of each of q/k/v); shard i loads into row i.
     optional: a checkpoint may leave it out (e.g. GPTQ's g_idx without act-order); no "missing weight" error.
     """
-    from pagedllm.models.weight_utils import set_weight_attrs
+    from pagedllm.layers.weight_utils import set_weight_attrs
 
     set_weight_attrs(param, {"weight_loader": weight_loader, "input_dim": input_dim, "output_dim": output_dim,
                              "packed_dim": packed_dim, "pack_factor": pack_factor, "per_shard": per_shard,
