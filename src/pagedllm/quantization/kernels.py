@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers.activation import triton_kernels
+
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -18,8 +20,13 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def packed_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       bits: int, group_size: int, g_idx: Optional[torch.Tensor] = None,
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """4/8-bit weight-only: the internal layout of `quantization/packed.py`."""
+    """4/8-bit weight-only: the internal layout of `quantization/packed.py` (CUDA: the Triton dequant kernel)."""
     from pagedllm.quantization.packed import dequantize_packed
+
+    if x.is_cuda:
+        kernels = triton_kernels("dequant_gemm")
+        if kernels is not None:
+            return kernels.dequant_matmul(x, qweight, scales, zeros, bits, group_size, g_idx, bias)
 
     w = dequantize_packed(qweight, scales, zeros, bits, group_size, g_idx, dtype=x.dtype)
     return F.linear(x, w, bias)
