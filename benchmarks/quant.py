@@ -76,7 +76,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     p.add_argument("--kinds", nargs="+", default=["bf16", "int4", "int8", "fp8"])
     args = p.parse_args()
-    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.linear import RowParallelLinear
 
     device = "cuda"
     print(f"{'layer':8} {'rows':>5} " + " ".join(f"{k + ' us':>10} {'GB/s':>6}" for k in args.kinds))
@@ -84,7 +84,7 @@ def main() -> None:
     for name, (k, n) in SHAPES[args.model].items():
         layers = make_layers(k, n, device)
         with torch.device(device):
-            linear = ReplicatedLinear(k, n, bias=False, params_dtype=torch.bfloat16)
+            linear = RowParallelLinear(k, n, bias=False, params_dtype=torch.bfloat16)
         linear.weight.data.copy_(layers["bf16"][0])
         for rows in args.rows:
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
