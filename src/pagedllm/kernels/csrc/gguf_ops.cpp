@@ -213,25 +213,26 @@ inline void decode_chunk(const uint8_t* row, int64_t c, int64_t k, Chunk& ch) {
 struct ActRows {
   std::vector<int8_t> q;
   std::vector<float> dx4, s16;
-  int64_t k64 = 0;
+  int64_t k64 = 0, s_stride = 0;  // s16 rows padded to a multiple of 16 floats (one zmm)
   const int8_t* xq(int64_t r) const { return q.data() + r * k64; }
   const float* dx(int64_t r) const { return dx4.data() + r * (k64 / 4); }
-  const float* s(int64_t r) const { return s16.data() + r * (k64 / 16); }
+  const float* s(int64_t r) const { return s16.data() + r * s_stride; }
 };
 
 template <typename scalar_t>
 void quantize_rows(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows& act) {
   act.k64 = (k + 63) / 64 * 64;
+  act.s_stride = (act.k64 / 16 + 15) / 16 * 16;
   act.q.assign(m * act.k64, 0);
   act.dx4.assign(m * act.k64 / 4, 0.f);
-  act.s16.assign(m * act.k64 / 16, 0.f);
+  act.s16.assign(m * act.s_stride, 0.f);
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     float buf[32];
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * xs;
       int8_t* q = act.q.data() + r * act.k64;
       float* dx4 = act.dx4.data() + r * (act.k64 / 4);
-      float* s16 = act.s16.data() + r * (act.k64 / 16);
+      float* s16 = act.s16.data() + r * act.s_stride;
       for (int64_t b0 = 0; b0 < k; b0 += 32) {
         const int64_t n = std::min<int64_t>(32, k - b0);
         float amax = 0.f;
@@ -357,6 +358,109 @@ inline void dot_rows_vnni(const Chunk* chunks, int64_t nchunks, const ActRows& a
 }
 #endif
 
+#if defined(PAGEDLLM_HAVE_VNNI512)
+// Few activation rows: the 32-block formats are decoded straight into registers (no Chunk round trip).
+struct RegChunk {
+  __m512i q;
+  __m512 a;
+  __m128 b;
+};
+
+template <int64_t T>
+constexpr bool has_reg_decode() {
+  return T == kQ8_0 || T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1;
+}
+
+template <int64_t T>
+inline RegChunk decode_reg(const uint8_t* row, int64_t c, bool two) {
+  constexpr int64_t bb = T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : 24;
+  const uint8_t* p0 = row + 2 * c * bb;
+  const uint8_t* p1 = p0 + bb;
+  const float d0 = fp16(p0), d1 = two ? fp16(p1) : 0.f;
+  RegChunk out;
+  out.a = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+  if constexpr (T == kQ8_0) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 2));
+    const __m256i v1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 2)) : _mm256_set1_epi8(-128);
+    out.q = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1), _mm512_set1_epi8(-128));
+    out.b = _mm_setr_ps(-128.f * d0, -128.f * d0, -128.f * d1, -128.f * d1);
+  } else {
+    constexpr int64_t qs_off = (T == kQ4_0) ? 2 : (T == kQ4_1) ? 4 : (T == kQ5_0) ? 6 : 8;
+    const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + qs_off));
+    const __m128i v1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + qs_off)) : _mm_setzero_si128();
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(v0), v1, 1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo0 lo1 hi0 hi1]
+    q = _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(3, 1, 2, 0));         // [lo0 hi0 lo1 hi1]
+    if constexpr (T == kQ5_0 || T == kQ5_1) {
+      uint32_t h0, h1 = 0;
+      std::memcpy(&h0, p0 + qs_off - 4, 4);
+      if (two) std::memcpy(&h1, p1 + qs_off - 4, 4);
+      const __mmask64 mask = static_cast<__mmask64>(h0) | (static_cast<__mmask64>(h1) << 32);
+      q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(mask, _mm512_set1_epi8(0x10)));
+    }
+    out.q = q;
+    float b0, b1;
+    if constexpr (T == kQ4_0) {
+      b0 = -8.f * d0, b1 = -8.f * d1;
+    } else if constexpr (T == kQ5_0) {
+      b0 = -16.f * d0, b1 = -16.f * d1;
+    } else {
+      b0 = fp16(p0 + 2), b1 = two ? fp16(p1 + 2) : 0.f;
+    }
+    out.b = _mm_setr_ps(b0, b0, b1, b1);
+  }
+  return out;
+}
+
+// Activation rows [0, R) times weight rows [0, W) (rows[w] apart by rb bytes), each chunk decoded once into
+// registers; W > 1 gives the few-row case independent accumulation chains.
+template <int64_t T, int R, int W>
+inline void dot_rows_reg(const uint8_t* row, int64_t rb, int64_t k, const ActRows& act, float* out, int64_t os) {
+  __m512 acc[W][R];
+  __m128 accb[W][R];
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) {
+      acc[w][r] = _mm512_setzero_ps();
+      accb[w][r] = _mm_setzero_ps();
+    }
+  const int64_t nchunks = (k + 63) / 64;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const bool two = 64 * c + 32 < k;
+    RegChunk ch[W];
+    for (int w = 0; w < W; ++w) ch[w] = decode_reg<T>(row + w * rb, c, two);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(act.xq(r) + 64 * c);
+      const __m512 dx = _mm512_loadu_ps(act.dx(r) + 16 * c);
+      const __m128 sx = _mm_loadu_ps(act.s(r) + 4 * c);
+      for (int w = 0; w < W; ++w) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ch[w].q, x);
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ch[w].a, dx), acc[w][r]);
+        accb[w][r] = _mm_fmadd_ps(ch[w].b, sx, accb[w][r]);
+      }
+    }
+  }
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) {
+      __m128 s = accb[w][r];
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));
+      out[r * os + w] = _mm512_reduce_add_ps(acc[w][r]) + _mm_cvtss_f32(s);
+    }
+}
+
+// out[r, n] for all m <= kRows activation rows and weight rows [n0, n1).
+template <int64_t T, int R>
+inline void gemm_reg(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t k, const ActRows& act,
+                     float* out, int64_t os) {
+  constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + W <= n1; n += W) dot_rows_reg<T, R, W>(w + n * rb, rb, k, act, out + n, os);
+  for (; n < n1; ++n) dot_rows_reg<T, R, 1>(w + n * rb, rb, k, act, out + n, os);
+}
+#endif
+
 template <int R>
 inline void dot_rows(int64_t impl, const Chunk* chunks, int64_t nchunks, const ActRows& act, int64_t m0,
                      float* out) {
@@ -374,11 +478,135 @@ struct Part {  // one weight matrix writing output columns [col, col + rows)
   int64_t type, rows, col, rb;
 };
 
+#if defined(PAGEDLLM_HAVE_VNNI512)
+// Many activation rows: W weight rows decoded once per tile into (q, per-lane scales, offsets), then
+// multiplied by R activation rows at a time; the offsets' term is one short vector dot per output.
+struct DecodedRow {
+  std::vector<uint8_t> q;
+  std::vector<float> a16, b;
+  void resize(int64_t nchunks, int64_t nb) {
+    q.resize(nchunks * 64);
+    a16.resize(nchunks * 16);
+    b.assign(nb, 0.f);
+  }
+};
+
+template <int64_t T>
+inline void decode_row(const uint8_t* row, int64_t k, int64_t nchunks, DecodedRow& d) {
+  if constexpr (has_reg_decode<T>()) {
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const RegChunk ch = decode_reg<T>(row, c, 64 * c + 32 < k);
+      _mm512_storeu_si512(d.q.data() + 64 * c, ch.q);
+      _mm512_storeu_ps(d.a16.data() + 16 * c, ch.a);
+      _mm_storeu_ps(d.b.data() + 4 * c, ch.b);
+    }
+    return;
+  }
+  Chunk ch;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    decode_chunk<T>(row, c, k, ch);
+    std::memcpy(d.q.data() + 64 * c, ch.q, 64);
+    for (int l = 0; l < 16; ++l) d.a16[16 * c + l] = ch.a[l / 4];
+    for (int g = 0; g < 4; ++g) d.b[4 * c + g] = ch.b[g];
+  }
+}
+
+template <int W, int R>
+inline void dot_many(const DecodedRow* rows, int64_t nchunks, int64_t nb, const ActRows& act, int64_t m0, float* out,
+                     int64_t os) {
+  __m512 acc[W][R];
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nchunks; ++c) {
+    __m512i q[W];
+    __m512 a[W];
+    for (int w = 0; w < W; ++w) {
+      q[w] = _mm512_loadu_si512(rows[w].q.data() + 64 * c);
+      a[w] = _mm512_loadu_ps(rows[w].a16.data() + 16 * c);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(act.xq(m0 + r) + 64 * c);
+      const __m512 dx = _mm512_loadu_ps(act.dx(m0 + r) + 16 * c);
+      for (int w = 0; w < W; ++w) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[w], x);
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(a[w], dx), acc[w][r]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < nb; j += 16)
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_loadu_ps(act.s(m0 + r) + j);
+      for (int w = 0; w < W; ++w) acc[w][r] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[w].b.data() + j), sx, acc[w][r]);
+    }
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) out[r * os + w] = _mm512_reduce_add_ps(acc[w][r]);
+}
+
+template <int W>
+inline void dot_many_rows(const DecodedRow* rows, int64_t nchunks, int64_t nb, const ActRows& act, int64_t m0,
+                          int64_t nr, float* out, int64_t os) {
+  switch (nr) {
+    case 4: return dot_many<W, 4>(rows, nchunks, nb, act, m0, out, os);
+    case 3: return dot_many<W, 3>(rows, nchunks, nb, act, m0, out, os);
+    case 2: return dot_many<W, 2>(rows, nchunks, nb, act, m0, out, os);
+    default: return dot_many<W, 1>(rows, nchunks, nb, act, m0, out, os);
+  }
+}
+
+template <int64_t T>
+void gemm_many(const Part& part, int64_t n0, int64_t n1, int64_t k, const ActRows& act, int64_t m, float* out,
+               int64_t os) {
+  const int64_t nchunks = (k + 63) / 64, nb = act.s_stride;
+  DecodedRow rows[2];
+  for (auto& r : rows) r.resize(nchunks, nb);
+  for (int64_t t0 = 0; t0 < m; t0 += kTile) {
+    const int64_t t1 = std::min(m, t0 + kTile);
+    for (int64_t n = n0; n < n1; n += 2) {
+      const int w = n + 1 < n1 ? 2 : 1;
+      for (int i = 0; i < w; ++i) decode_row<T>(part.w + (n + i) * part.rb, k, nchunks, rows[i]);
+      for (int64_t r = t0; r < t1; r += kRows) {
+        const int64_t nr = std::min<int64_t>(kRows, t1 - r);
+        if (w == 2) dot_many_rows<2>(rows, nchunks, nb, act, r, nr, out + r * os + n, os);
+        else dot_many_rows<1>(rows, nchunks, nb, act, r, nr, out + r * os + n, os);
+      }
+    }
+  }
+}
+#endif
+
+
 // Output rows [n0, n1) of `part`, for all activation rows.
 template <int64_t T>
 void gemm_part(const Part& part, int64_t n0, int64_t n1, int64_t k, const ActRows& act, int64_t m, float* out,
                int64_t os, const float* bias, int64_t impl, std::vector<Chunk>& chunks) {
   const int64_t nchunks = (k + 63) / 64;
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  if constexpr (has_reg_decode<T>()) {
+    if (impl == kBest && m <= kRows) {
+      float* o = out + part.col;
+      switch (m) {
+        case 4: gemm_reg<T, 4>(part.w, part.rb, n0, n1, k, act, o, os); break;
+        case 3: gemm_reg<T, 3>(part.w, part.rb, n0, n1, k, act, o, os); break;
+        case 2: gemm_reg<T, 2>(part.w, part.rb, n0, n1, k, act, o, os); break;
+        default: gemm_reg<T, 1>(part.w, part.rb, n0, n1, k, act, o, os); break;
+      }
+      if (bias)
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t n = n0; n < n1; ++n) o[i * os + n] += bias[part.col + n];
+      return;
+    }
+  }
+#endif
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  if (impl == kBest) {
+    float* o = out + part.col;
+    gemm_many<T>(part, n0, n1, k, act, m, o, os);
+    if (bias)
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t n = n0; n < n1; ++n) o[i * os + n] += bias[part.col + n];
+    return;
+  }
+#endif
   chunks.resize(nchunks);
   for (int64_t t0 = 0; t0 < m; t0 += kTile) {
     const int64_t t1 = std::min(m, t0 + kTile);
