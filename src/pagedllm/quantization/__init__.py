@@ -20,6 +20,7 @@ _METHODS: dict[str, tuple[str, str]] = {
     "awq": ("awq", "AWQConfig"),
     "gptq": ("gptq", "GPTQConfig"),
     "int8": ("int8", "Int8Config"),
+    "gguf": ("gguf", "GGUFConfig"),  # a .gguf's blocks kept packed on CPU (the default there; quantization/gguf.py)
 }
 
 # Spellings found in checkpoints / other engines' flags -> our name.

@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import threading
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from pagedllm.layers.linear import LinearMethodBase, MergedColumnParallelLinear, QKVParallelLinear
-from pagedllm.models.weight_utils import set_weight_attrs
-try:
-    from pagedllm.quantization.base import QuantizationConfig
-except ImportError:  # TEMP until wt14's seam is merged
-    QuantizationConfig = object  # type: ignore[misc,assignment]
+from pagedllm.layers.weight_utils import set_weight_attrs
+from pagedllm.quantization.base import QuantizationConfig
 
 logger = logging.getLogger("pagedllm")
+
+_HAVE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 _FUSED_SHARDS = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
                  "gate_up_proj": (("gate_proj", 0), ("up_proj", 1))}
@@ -42,6 +43,38 @@ def _ops() -> Any:
     return ops
 
 
+# From this many rows on (prefill, large decode batches) a float32 product is faster: blocks of weight rows
+# are dequantized into a reused buffer and multiplied by oneDNN (compute-bound there, where the integer
+# kernel's per-block scaling costs more than the dequantization; docs/benchmarks.md).
+DENSE_MIN_ROWS = 16
+_DENSE_BLOCK_ELEMS = 1 << 21  # 8 MiB of float32 weights per block
+_workspace = threading.local()
+
+
+def _dense_buffer(numel: int) -> torch.Tensor:
+    buf = getattr(_workspace, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _workspace.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
+
+
+def _dense_matmul(x2: torch.Tensor, parts: Sequence[torch.Tensor], types: Sequence[int],
+                  bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    k = x2.shape[1]
+    x2 = x2.contiguous()
+    block_rows = max(1, _DENSE_BLOCK_ELEMS // k)
+    buf = _dense_buffer(min(block_rows, max(p.shape[0] for p in parts)) * k)
+    ops, col = _ops(), 0
+    for part, qtype in zip(parts, types):
+        for r0 in range(0, part.shape[0], block_rows):
+            rows = min(block_rows, part.shape[0] - r0)
+            w = buf[:rows * k].view(rows, k)
+            ops.gguf_dequantize_rows(w, part[r0:r0 + rows], qtype, None)
+            b = None if bias is None else bias[col:col + rows]
+            out[:, col:col + rows] = torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
+            col += rows
+
+
 def gguf_matmul(x: torch.Tensor, parts: Sequence[torch.Tensor], types: Sequence[int],
                 bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
     """x [..., K] @ (the parts' rows side by side)^T (+ bias), in x's dtype (computed in float32)."""
@@ -52,7 +85,10 @@ def gguf_matmul(x: torch.Tensor, parts: Sequence[torch.Tensor], types: Sequence[
     out = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    _ops().gguf_linear(out, x2, list(parts), list(types), bias, 0)
+    if x2.shape[0] >= DENSE_MIN_ROWS and x2.dtype == torch.float32 and _HAVE_ONEDNN:
+        _dense_matmul(x2, parts, types, bias, out)
+    else:
+        _ops().gguf_linear(out, x2, list(parts), list(types), bias, 0)
     out = out.reshape(*lead, out_features)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
@@ -218,3 +254,48 @@ def packed_weight_bytes(model: nn.Module) -> tuple[int, int]:
         elif t.is_floating_point():
             dense += t.numel() * t.element_size()
     return packed, dense
+
+
+def engine_quant_config(args: Any, hf_config: Any, model_path: str, model_dir: str, device: torch.device,
+                        dtype: torch.dtype) -> Optional[QuantizationConfig]:
+    """The engine's quantization config: GGUF blocks kept packed when the user's model is a .gguf on CPU (the
+    default there; `--quantization gguf` also takes the directory converted from one), `--quantization none`
+    to dequantize at load, else the seam's own resolution."""
+    from pagedllm.models.gguf_packed import gguf_source_path
+    from pagedllm.quantization import normalize_method_name, quant_config_for_engine
+
+    method = normalize_method_name(args.quantization) if args.quantization else None
+    if method == "none":
+        return None
+    source = gguf_source_path(model_dir)
+    if method is None and model_path is not None and os.path.isfile(os.path.join(model_path, "config.json")):
+        source = None  # a Hugging Face directory given as such keeps its float weights by default
+    if method == "gguf":
+        if source is None:
+            raise ValueError("--quantization gguf needs a .gguf model (it keeps the file's quantized blocks); "
+                             "for a Hugging Face checkpoint use --quantization int8 or drop the flag.")
+        if args.load_format == "dummy":
+            raise ValueError("--quantization gguf reads the .gguf's weights; it cannot be combined with "
+                             "load_format='dummy'.")
+        if getattr(args, "enable_lora", False):
+            raise ValueError("LoRA is not supported on GGUF weights kept packed; drop --quantization gguf (the "
+                             "model is then dequantized at load) or --enable-lora.")
+        config = GGUFConfig(source)
+        config.check_supported(device, dtype)
+        _ops()
+        return config
+    if method is None and source is not None and device.type == "cpu" and args.load_format != "dummy":
+        reason = None
+        if dtype not in GGUFConfig.supported_act_dtypes:
+            reason = f"--dtype {str(dtype).replace('torch.', '')}"
+        elif getattr(args, "enable_lora", False):
+            reason = "--enable-lora"
+        else:
+            from pagedllm.kernels.cpu_ops import cpu_ops
+            if cpu_ops() is None:
+                reason = "the CPU kernels are unavailable"
+        if reason is None:
+            return GGUFConfig(source)
+        logger.info("GGUF weights are dequantized at load (%s); the packed CPU path needs float32/bfloat16, no "
+                    "LoRA and the CPU kernels.", reason)
+    return quant_config_for_engine(args, hf_config, model_dir, device, dtype)

@@ -5,9 +5,12 @@
 // weights, a scale a and an offset b, so that weight = a * q + b:
 //   Q8_0 q = int8 ^ 0x80, b = -128 a;  Q4_0 b = -8 a;  Q5_0 b = -16 a;  Q4_1 / Q5_1 b = the block min;
 //   Q4_K / Q5_K a = d * sc, b = -dmin * m (6-bit sub-block scales); Q6_K b = -32 a (16-weight scales).
-// Activations are quantized per 32 values to int8 (xq, scale dx), with dx * sum(xq) kept per 16, so
-//   sum_i w_i x_i ~= sum_g a_g dx_g dot16_g(q, xq) + b_g (dx_g sum16_g(xq)),
-// an integer dot product (AVX-512 VNNI vpdpbusd: unsigned q times signed xq) and two float terms.
+// Activations are quantized per 32 values to 16-bit integers held as two int8 digits, x ~= dx (hi + lo / 256)
+// with dx = amax / 127 (|x - dx (hi + lo / 256)| <= dx / 512: near-fp32 logits, so greedy decoding keeps the
+// float model's choices where int8 alone flips near-ties), with dx * sum per 16 kept, so
+//   sum_i w_i x_i ~= sum_g a_g dx_g dot16_g(q, x16) + b_g (dx_g sum16_g(x16)),       x16 = 256 hi + lo,
+// integer dot products (AVX-512 VNNI: vpdpbusd of unsigned q by each signed digit, the hi one shifted by 8;
+// AVX2 / portable: q times the int16 x16) and two float terms.
 // Threads split the output rows; activation rows are processed in tiles that stay in L2 while the thread
 // walks its weight rows, and each decoded weight chunk is multiplied by up to kRows activation rows.
 #include <ATen/Parallel.h>
@@ -207,14 +210,18 @@ inline void decode_chunk(const uint8_t* row, int64_t c, int64_t k, Chunk& ch) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Activations: per row, int8 values (padded to a multiple of 64 with zeros), dx per 4 values ("lanes",
-// what a 32-bit vpdpbusd lane covers) and dx * sum per 16.
+// Activations: per row, the 16-bit values x16 = 256 hi + lo (padded to a multiple of 64 with zeros) as int16
+// and as its two int8 digits, the step (dx / 256) per 4 values ("lanes", what a 32-bit vpdpbusd lane covers)
+// and step * sum(x16) per 16.
 
 struct ActRows {
-  std::vector<int8_t> q;
+  std::vector<int8_t> hi, lo;
+  std::vector<int16_t> x16;
   std::vector<float> dx4, s16;
   int64_t k64 = 0, s_stride = 0;  // s16 rows padded to a multiple of 16 floats (one zmm)
-  const int8_t* xq(int64_t r) const { return q.data() + r * k64; }
+  const int8_t* xhi(int64_t r) const { return hi.data() + r * k64; }
+  const int8_t* xlo(int64_t r) const { return lo.data() + r * k64; }
+  const int16_t* xw(int64_t r) const { return x16.data() + r * k64; }
   const float* dx(int64_t r) const { return dx4.data() + r * (k64 / 4); }
   const float* s(int64_t r) const { return s16.data() + r * s_stride; }
 };
@@ -223,14 +230,18 @@ template <typename scalar_t>
 void quantize_rows(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows& act) {
   act.k64 = (k + 63) / 64 * 64;
   act.s_stride = (act.k64 / 16 + 15) / 16 * 16;
-  act.q.assign(m * act.k64, 0);
+  act.hi.assign(m * act.k64, 0);
+  act.lo.assign(m * act.k64, 0);
+  act.x16.assign(m * act.k64, 0);
   act.dx4.assign(m * act.k64 / 4, 0.f);
   act.s16.assign(m * act.s_stride, 0.f);
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     float buf[32];
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * xs;
-      int8_t* q = act.q.data() + r * act.k64;
+      int8_t* hi = act.hi.data() + r * act.k64;
+      int8_t* lo = act.lo.data() + r * act.k64;
+      int16_t* x16 = act.x16.data() + r * act.k64;
       float* dx4 = act.dx4.data() + r * (act.k64 / 4);
       float* s16 = act.s16.data() + r * act.s_stride;
       for (int64_t b0 = 0; b0 < k; b0 += 32) {
@@ -244,13 +255,19 @@ void quantize_rows(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows&
         const float id = d > 0.f ? 1.f / d : 0.f;
         int32_t sum[2] = {0, 0};
         for (int64_t i = 0; i < n; ++i) {
-          const int32_t v = static_cast<int32_t>(std::nearbyint(buf[i] * id));
-          q[b0 + i] = static_cast<int8_t>(v);
-          sum[i / 16] += v;
+          const float v = buf[i] * id;  // in [-127, 127]
+          const float h = std::nearbyint(v);
+          const float l = std::min(127.f, std::nearbyint((v - h) * 256.f));
+          hi[b0 + i] = static_cast<int8_t>(h);
+          lo[b0 + i] = static_cast<int8_t>(l);
+          const int32_t w = 256 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
+          x16[b0 + i] = static_cast<int16_t>(w);
+          sum[i / 16] += w;
         }
-        for (int i = 0; i < 8; ++i) dx4[b0 / 4 + i] = d;
-        s16[b0 / 16] = d * sum[0];
-        s16[b0 / 16 + 1] = d * sum[1];
+        const float step = d / 256.f;
+        for (int i = 0; i < 8; ++i) dx4[b0 / 4 + i] = step;
+        s16[b0 / 16] = step * sum[0];
+        s16[b0 / 16 + 1] = step * sum[1];
       }
     }
   });
@@ -262,7 +279,7 @@ void quantize_rows(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows&
 template <int R>
 inline void dot_rows_portable(const Chunk* chunks, int64_t nchunks, const ActRows& act, int64_t m0, float* acc) {
   for (int r = 0; r < R; ++r) {
-    const int8_t* xq = act.xq(m0 + r);
+    const int16_t* xq = act.xw(m0 + r);
     const float* dx = act.dx(m0 + r);
     const float* s = act.s(m0 + r);
     float total = 0.f;
@@ -301,10 +318,10 @@ inline void dot_rows_avx2(const Chunk* chunks, int64_t nchunks, const ActRows& a
     for (int g = 0; g < 4; ++g)
       w16[g] = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(ch.q + 16 * g)));
     for (int r = 0; r < R; ++r) {
-      const int8_t* xq = act.xq(m0 + r) + 64 * c;
+      const int16_t* xq = act.xw(m0 + r) + 64 * c;
       const float* dx = act.dx(m0 + r) + 16 * c;
       for (int g = 0; g < 4; ++g) {
-        const __m256i x16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16 * g)));
+        const __m256i x16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16 * g));
         const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(w16[g], x16));
         acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(ch.a[g] * dx[4 * g]), acc[r]);
       }
@@ -322,40 +339,11 @@ inline void dot_rows_avx2(const Chunk* chunks, int64_t nchunks, const ActRows& a
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PAGEDLLM_HAVE_VNNI512 1
-// Lane l (weights 4l..4l+3) of a chunk belongs to 16-weight group l / 4.
-inline __m512 lanes_of_groups(const float* g4) {
-  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(g4)));
+// Per 32-bit lane (4 weights): sum q * (256 hi + lo), the hi digit's products shifted into place.
+inline __m512i dot64(__m512i q, __m512i xh, __m512i xl) {
+  return _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xh), 8), q, xl);
 }
 
-template <int R>
-inline void dot_rows_vnni(const Chunk* chunks, int64_t nchunks, const ActRows& act, int64_t m0, float* out) {
-  __m512 acc[R];
-  __m128 accb[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    accb[r] = _mm_setzero_ps();
-  }
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const Chunk& ch = chunks[c];
-    const __m512i q = _mm512_load_si512(ch.q);
-    const __m512 a = lanes_of_groups(ch.a);
-    const __m128 b4 = _mm_loadu_ps(ch.b);
-    for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_loadu_si512(act.xq(m0 + r) + 64 * c);
-      const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-      const __m512 sc = _mm512_mul_ps(a, _mm512_loadu_ps(act.dx(m0 + r) + 16 * c));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[r]);
-      accb[r] = _mm_fmadd_ps(b4, _mm_loadu_ps(act.s(m0 + r) + 4 * c), accb[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m128 s = accb[r];
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    out[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(s);
-  }
-}
 #endif
 
 #if defined(PAGEDLLM_HAVE_VNNI512)
@@ -431,11 +419,11 @@ inline void dot_rows_reg(const uint8_t* row, int64_t rb, int64_t k, const ActRow
     RegChunk ch[W];
     for (int w = 0; w < W; ++w) ch[w] = decode_reg<T>(row + w * rb, c, two);
     for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_loadu_si512(act.xq(r) + 64 * c);
+      const __m512i xh = _mm512_loadu_si512(act.xhi(r) + 64 * c), xl = _mm512_loadu_si512(act.xlo(r) + 64 * c);
       const __m512 dx = _mm512_loadu_ps(act.dx(r) + 16 * c);
       const __m128 sx = _mm_loadu_ps(act.s(r) + 4 * c);
       for (int w = 0; w < W; ++w) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ch[w].q, x);
+        const __m512i d = dot64(ch[w].q, xh, xl);
         acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ch[w].a, dx), acc[w][r]);
         accb[w][r] = _mm_fmadd_ps(ch[w].b, sx, accb[w][r]);
       }
@@ -465,7 +453,6 @@ template <int R>
 inline void dot_rows(int64_t impl, const Chunk* chunks, int64_t nchunks, const ActRows& act, int64_t m0,
                      float* out) {
 #if defined(PAGEDLLM_HAVE_VNNI512)
-  if (impl == kBest) return dot_rows_vnni<R>(chunks, nchunks, act, m0, out);
 #endif
 #if defined(__AVX2__)
   if (impl != kPortable) return dot_rows_avx2<R>(chunks, nchunks, act, m0, out);
@@ -525,10 +512,11 @@ inline void dot_many(const DecodedRow* rows, int64_t nchunks, int64_t nb, const 
       a[w] = _mm512_loadu_ps(rows[w].a16.data() + 16 * c);
     }
     for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_loadu_si512(act.xq(m0 + r) + 64 * c);
+      const __m512i xh = _mm512_loadu_si512(act.xhi(m0 + r) + 64 * c);
+      const __m512i xl = _mm512_loadu_si512(act.xlo(m0 + r) + 64 * c);
       const __m512 dx = _mm512_loadu_ps(act.dx(m0 + r) + 16 * c);
       for (int w = 0; w < W; ++w) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[w], x);
+        const __m512i d = dot64(q[w], xh, xl);
         acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(a[w], dx), acc[w][r]);
       }
     }
@@ -706,6 +694,24 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
 
 template <int64_t T>
 void dequant_row(const uint8_t* row, int64_t k, float* out) {
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  if constexpr (has_reg_decode<T>()) {
+    for (int64_t c = 0; c * 64 < k; ++c) {
+      const bool two = 64 * c + 32 < k;
+      const RegChunk ch = decode_reg<T>(row, c, two);
+      alignas(64) float a[16], b[4];
+      alignas(64) uint8_t q[64];
+      _mm512_store_ps(a, ch.a);
+      _mm_store_ps(b, ch.b);
+      _mm512_store_si512(q, ch.q);
+      for (int g = 0; g < (two ? 4 : 2); ++g) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * g))));
+        _mm512_storeu_ps(out + 64 * c + 16 * g, _mm512_fmadd_ps(v, _mm512_set1_ps(a[4 * g]), _mm512_set1_ps(b[g])));
+      }
+    }
+    return;
+  }
+#endif
   Chunk ch;
   for (int64_t c = 0; c * 64 < k; ++c) {
     decode_chunk<T>(row, c, k, ch);
