@@ -123,9 +123,11 @@ class Worker:
         torch.manual_seed(args.seed)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
-        from pagedllm.quantization import quant_config_for_engine, weight_memory_summary
+        from pagedllm.quantization import weight_memory_summary
+        from pagedllm.quantization.gguf import engine_quant_config
 
-        self.quant_config = quant_config_for_engine(args, cfg, self.model_dir, self.device, self.dtype)
+        # A .gguf on CPU keeps its quantized blocks (quantization/gguf.py); otherwise the seam's resolution.
+        self.quant_config = engine_quant_config(args, cfg, model_path, self.model_dir, self.device, self.dtype)
         if offload and self.quant_config is not None:
             raise ValueError("--cpu-offload-gb with a quantized model is not supported yet by pagedllm.")
         start = time.perf_counter()
