@@ -8,7 +8,8 @@ from typing import Any, Optional
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
                "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
-               "disable_log_stats", "startup_timeout"}
+               "disable_log_stats", "startup_timeout",
+               "shutdown_timeout", "engine_dead_grace_period"}
 
 
 def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argparse.ArgumentParser:
@@ -31,6 +32,11 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
     g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
     g.add_argument("--startup-timeout", type=float, default=None, help="seconds to wait for the engine to load")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (/health is 503 meanwhile)")
+    g.add_argument("--engine-dead-grace-period", type=float, default=5.0,
+                   help="seconds the server keeps answering 503 after the engine process died before it exits "
+                        "with code 1 (negative: never exit)")
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float",
