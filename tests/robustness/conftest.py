@@ -13,5 +13,8 @@ def robust_env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env["PAGEDLLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("pagedllm-cache"))
     env["PAGEDLLM_DISABLE_PROGRESS_BARS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    # The tiny model gains nothing from intra-op threads, and spinning OpenMP threads of several servers
+    # on 2 shared cores slow every step down.
+    env["OMP_NUM_THREADS"] = "1"
     env.pop("PAGEDLLM_API_KEY", None)
     return env
