@@ -18,3 +18,22 @@ def robust_env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env["OMP_NUM_THREADS"] = "1"
     env.pop("PAGEDLLM_API_KEY", None)
     return env
+
+
+API_KEY = "robust-secret-key"
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama_dir: str, robust_env: dict, tmp_path_factory: pytest.TempPathFactory):
+    """One server for the load, hostile-input, auth and fuzzing tests (with an API key)."""
+    from robust_helpers import launch, stop
+
+    log_path = str(tmp_path_factory.mktemp("tiny-server") / "server.log")
+    server = launch(tiny_llama_dir, ["--api-key", API_KEY, "--max-num-seqs", "256",
+                                     "--kv-cache-memory-bytes", str(256 << 20), "--disable-uvicorn-access-log"],
+                    robust_env, log_path)
+    server.extra["headers"] = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        yield server
+    finally:
+        stop(server.proc)
