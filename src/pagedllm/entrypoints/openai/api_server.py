@@ -59,6 +59,7 @@ async def serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
     from pagedllm.entrypoints.openai.common import ServerState
+    from pagedllm.entrypoints.openai.guards import RequestGuard
     from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
     from pagedllm.metrics import Metrics
 
@@ -82,7 +83,9 @@ async def serve(args: argparse.Namespace) -> int:
             return 1
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY)
         lifecycle = Lifecycle()
-        app = DrainMiddleware(build_app(state), lifecycle)
+        guarded = RequestGuard(build_app(state), max_body_bytes=args.max_request_body_bytes,
+                               send_timeout_s=args.send_timeout)
+        app = DrainMiddleware(guarded, lifecycle)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")
         server = server_class()(config, engine, lifecycle, shutdown_timeout=args.shutdown_timeout,

@@ -130,5 +130,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> Response:
+        from pagedllm.entrypoints.openai.guards import ClientTooSlow
+
+        if isinstance(e, ClientTooSlow):  # already logged; the guard closes the connection
+            return Response(status_code=499)
         logger.exception("unhandled error")
         return c.error_response(c.APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
