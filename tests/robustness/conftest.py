@@ -21,6 +21,8 @@ def robust_env(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 API_KEY = "robust-secret-key"
+SEND_TIMEOUT = 3
+MAX_BODY = 256 << 10
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +31,8 @@ def tiny_server(tiny_llama_dir: str, robust_env: dict, tmp_path_factory: pytest.
     from robust_helpers import launch, stop
 
     log_path = str(tmp_path_factory.mktemp("tiny-server") / "server.log")
-    server = launch(tiny_llama_dir, ["--api-key", API_KEY, "--max-num-seqs", "256",
+    server = launch(tiny_llama_dir, ["--api-key", API_KEY, "--max-num-seqs", "256", "--send-timeout", str(SEND_TIMEOUT),
+                                     "--max-request-body-bytes", str(MAX_BODY),
                                      "--kv-cache-memory-bytes", str(256 << 20), "--disable-uvicorn-access-log"],
                     robust_env, log_path)
     server.extra["headers"] = {"Authorization": f"Bearer {API_KEY}"}
