@@ -134,7 +134,7 @@ def _replay(body: bytes, tail: Optional[dict], receive: Any) -> Any:
 
 
 async def _send_error(send: Any, e: _Refused) -> None:
-    from pagedllm.entrypoints.openai import common as c
+    from pagedllm.entrypoints.openai import errors as c
 
     body = c.dumps(c.error_body(e.message, e.status, code=e.code))
     await send({"type": "http.response.start", "status": e.status,

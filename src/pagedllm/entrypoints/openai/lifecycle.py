@@ -62,7 +62,7 @@ class DrainMiddleware:
 
 
 async def _send_503(send: Any, message: str) -> None:
-    from pagedllm.entrypoints.openai import common as c
+    from pagedllm.entrypoints.openai import errors as c
 
     body = c.dumps(c.error_body(message, 503))
     await send({"type": "http.response.start", "status": 503,
