@@ -49,6 +49,9 @@ def build_app(state: ServerState) -> FastAPI:
     from pagedllm.entrypoints.openai.chat_completions import create_chat_completion
     from pagedllm.entrypoints.openai.completions import create_completion
     from pagedllm.entrypoints.openai.models import list_models
+    from pagedllm.entrypoints.openai.openapi_bodies import body, install
+    from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                      TokenizeRequest)
     from pagedllm.entrypoints.openai.tokenize import detokenize, tokenize
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__)
@@ -77,22 +80,23 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> Response:
         return await list_models(state)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await create_completion(request, state)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body(TokenizeRequest))
     async def tokenize_route(request: Request) -> Response:
         return await tokenize(request, state)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(request, state)
 
+    install(app)
     from fastapi.middleware.cors import CORSMiddleware
 
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
