@@ -6,6 +6,7 @@ gives 503 (never a hang).
 """
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any
 
@@ -31,8 +32,9 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
-            auth = dict(scope["headers"]).get(b"authorization")
-            if auth != self.expected:
+            auth = dict(scope["headers"]).get(b"authorization") or b""
+            # constant time: how long the check takes says nothing about how much of the key matched
+            if not hmac.compare_digest(auth, self.expected):
                 body = dumps(error_body(
                     "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.", 401,
                     "authentication_error", code="invalid_api_key"))
