@@ -46,7 +46,7 @@ async def _complete_all(base_url: str) -> list[str]:
 def test_data_parallel_server(tiny_llama_dir, e2e_env, tmp_path):
     from pagedllm import LLM, SamplingParams
 
-    env = dict(e2e_env, PAGEDLLM_DEAD_ENGINE_GRACE_S="2")
+    env = dict(e2e_env)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = str(tmp_path / "server.log")
@@ -54,7 +54,7 @@ def test_data_parallel_server(tiny_llama_dir, e2e_env, tmp_path):
         proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--device", "cpu",
                                  "--served-model-name", "tiny", "--data-parallel-size", "2",
                                  "--distributed-executor-backend", "mp", "--enforce-eager",
-                                 "--kv-cache-memory-bytes", str(16 << 20)],
+                                 "--kv-cache-memory-bytes", str(16 << 20), "--engine-dead-grace-period", "2"],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(proc, url, timeout_s=240, log_path=log_path)

@@ -32,6 +32,7 @@ import zmq.asyncio
 from pagedllm.entrypoints import messages as m
 from pagedllm.entrypoints.dp_router import DPRouter
 from pagedllm.entrypoints.parallel_sampling import fan_out
+from pagedllm.sampling_constraints import tokenize_params
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.async_engine")
@@ -245,7 +246,7 @@ class AsyncEngine:
         n = params.n
         engine = self.router.choose(prompt_token_ids, n) if self.num_engines > 1 else 0
         adds: list[m.AddRequest] = []
-        for child in fan_out(request_id, params):
+        for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
             parent.child_ids.append(child.request_id)
             self._engine_to_parent[child.request_id] = request_id
             self._engine_of[child.request_id] = engine
