@@ -189,8 +189,9 @@ class GGUFConfig(QuantizationConfig):
         kinds = collections.Counter(Q(t).name for n, t in self.tensor_types.items()
                                     if t not in self._packable and n.endswith(".weight") and "norm" not in n)
         if kinds:
-            logger.info("GGUF: %s weight tensor(s) of type(s) %s have no packed CPU kernel; they are dequantized "
-                        "at load.", sum(kinds.values()), ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())))
+            logger.info("GGUF: %s weight tensor(s) of type(s) %s have no packed CPU kernel; they (and the tensors "
+                        "fused with them) are dequantized at load.", sum(kinds.values()),
+                        ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())))
 
     def _checkpoint_names(self, prefix: str) -> list[str]:
         parent, _, leaf = prefix.rpartition(".")
@@ -200,7 +201,17 @@ class GGUFConfig(QuantizationConfig):
         return [f"{parent}.{name}.weight" for name, _ in shards]
 
     def keeps(self, name: str) -> bool:
-        return self.tensor_types.get(name) in self._packable if self.source else False
+        """Whether the checkpoint tensor `name` stays packed: its type has a kernel, and so do the types of all
+        the tensors fused with it into one layer (q/k/v, gate/up)."""
+        if not self.source or self.tensor_types.get(name) not in self._packable:
+            return False
+        module, _, suffix = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        for shards in _FUSED_SHARDS.values():
+            names = [shard for shard, _ in shards]
+            if leaf in names:
+                return all(self.tensor_types.get(f"{parent}.{n}.{suffix}") in self._packable for n in names)
+        return True
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         if getattr(layer, "tp_size", 1) != 1 or not self.source:
