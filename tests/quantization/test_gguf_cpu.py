@@ -189,3 +189,15 @@ def test_tiny_mixed_type_gguf_matches_its_dequantized_twin(tmp_path, monkeypatch
             lx = [x.outputs[0].logprobs[i][t].logprob for i, t in enumerate(x.outputs[0].token_ids)]
             ly = [y.outputs[0].logprobs[i][t].logprob for i, t in enumerate(y.outputs[0].token_ids)]
             torch.testing.assert_close(torch.tensor(lx), torch.tensor(ly), atol=2e-3, rtol=0)
+
+
+def test_online_int8_on_cpu_runs_on_the_integer_kernels(tiny_llama_dir):
+    from pagedllm.models.loader import load_model
+    model, _, _ = load_model(tiny_llama_dir, dtype=torch.float32, quantization="int8")
+    down = model.model.layers[0].mlp.down_proj
+    rows = down.w8a8_rows
+    assert rows.dtype == torch.uint8 and rows.shape == (down.weight.shape[0], down.weight.shape[1] + 4)
+    assert down.weight.data_ptr() == rows.data_ptr() + 4  # the int8 weight is a view: one copy in RAM
+    x = torch.randn(3, down.weight.shape[1])
+    ref = x @ (down.weight.float() * down.weight_scale[:, None]).T
+    torch.testing.assert_close(down(x), ref, atol=1e-4, rtol=1e-3)
