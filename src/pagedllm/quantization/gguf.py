@@ -145,6 +145,7 @@ class GGUFLinearMethod(LinearMethodBase):
             layer.register_buffer(f"gguf_part{i}", part.contiguous(), persistent=False)
         layer.__dict__["_gguf_types"] = types
         layer.__dict__["_gguf_out"] = sum(sizes)
+        layer.__dict__["gguf_numel"] = k * sum(sizes)  # logical weights, for the parameter count
 
     def parts(self, layer) -> list[torch.Tensor]:
         return [getattr(layer, f"gguf_part{i}") for i in range(len(layer.__dict__["_gguf_types"]))]
@@ -241,6 +242,7 @@ class GGUFConfig(QuantizationConfig):
                 for t in targets:
                     t.register_buffer("gguf_weight", loaded, persistent=False)
                     t.__dict__["gguf_type"] = int(loaded.gguf_type)
+                targets[0].__dict__["gguf_numel"] = targets[0].org_vocab_size * targets[0].embedding_dim
 
             set_weight_attrs(placeholder, {"weight_loader": loader})
             for t in targets:
