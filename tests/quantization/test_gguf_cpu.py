@@ -179,6 +179,11 @@ def test_tiny_mixed_type_gguf_matches_its_dequantized_twin(tmp_path, monkeypatch
     assert "gguf_type" in packed.engine.worker.model.lm_head.__dict__
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 500, n).tolist() for n in (3, 17, 40)]
+    bf16 = LLM(model=path, dtype="bfloat16", num_gpu_blocks_override=64, skip_tokenizer_init=True)
+    assert bf16.engine.worker.quant_config.name == "gguf"
+    out = bf16.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     for llm_a, llm_b in ((packed, dense),):
         a = llm_a.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True), use_tqdm=False)

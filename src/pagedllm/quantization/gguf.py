@@ -293,6 +293,9 @@ def engine_quant_config(args: Any, hf_config: Any, model_path: str, model_dir: s
         if getattr(args, "enable_lora", False):
             raise ValueError("LoRA is not supported on GGUF weights kept packed; drop --quantization gguf (the "
                              "model is then dequantized at load) or --enable-lora.")
+        if getattr(args, "tensor_parallel_size", 1) != 1:
+            raise ValueError("--quantization gguf runs on one CPU process (tensor_parallel_size 1); drop it to "
+                             "dequantize the model at load for tensor parallelism.")
         config = GGUFConfig(source)
         config.check_supported(device, dtype)
         _ops()
@@ -303,6 +306,8 @@ def engine_quant_config(args: Any, hf_config: Any, model_path: str, model_dir: s
             reason = f"--dtype {str(dtype).replace('torch.', '')}"
         elif getattr(args, "enable_lora", False):
             reason = "--enable-lora"
+        elif getattr(args, "tensor_parallel_size", 1) != 1:
+            reason = "tensor parallelism"
         else:
             from pagedllm.kernels.cpu_ops import cpu_ops
             if cpu_ops() is None:
