@@ -73,17 +73,17 @@ def test_mixed_batch_prefix_hits_and_preemption(engines, smollm2_gguf_path, smol
     packed, dense = engines
     tok = packed.get_tokenizer()
     shared = tok.encode("You are a helpful assistant. Answer briefly and precisely, in one sentence. " * 2)
-    prompts = [shared + tok.encode(t) for t in TEXTS[:5]]
-    ref = greedy(dense, prompts)
-    alone = [greedy(packed, [p])[0] for p in prompts]
+    prompts = [shared + tok.encode(t) for t in TEXTS[:4]]
+    ref = greedy(dense, prompts, 12)
+    alone = [greedy(packed, [p], 12)[0] for p in prompts]
     before = packed.engine.get_stats().prefix_cache_hits
-    mixed = greedy(packed, prompts)  # one batch of mixed lengths, the shared prefix from the cache
+    mixed = greedy(packed, prompts, 12)  # one batch of mixed lengths, the shared prefix from the cache
     assert packed.engine.get_stats().prefix_cache_hits > before
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
-    # 12 blocks of 8 tokens cannot hold 5 requests growing to ~50 tokens each: the newest get preempted
-    small = LLM(model=smollm2_gguf_path, dtype="float32", num_gpu_blocks_override=12, block_size=8,
+    # 10 blocks of 8 tokens cannot hold 4 requests growing to ~45 tokens each: the newest get preempted
+    small = LLM(model=smollm2_gguf_path, dtype="float32", num_gpu_blocks_override=10, block_size=8,
                 enable_prefix_caching=False)
-    preempted = greedy(small, prompts)
+    preempted = greedy(small, prompts, 12)
     assert small.engine.get_stats().num_preemptions > 0
     for name, run in (("alone", alone), ("mixed", mixed), ("preempted", preempted)):
         share = agreement(run, ref)
