@@ -16,6 +16,7 @@ from pagedllm.core.batch_plan import EngineCoreOutput
 from pagedllm.core.errors import RequestStepError, check_sampled_tokens
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.sampling_constraints import check_against_engine
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -57,8 +58,12 @@ class EngineCore:
             num_blocks=self.num_blocks,
             enable_prefix_caching=engine_args.enable_prefix_caching,
             async_scheduling=w.async_scheduling,
+            enable_chunked_prefill=engine_args.enable_chunked_prefill,
         )
         self.async_scheduling = w.async_scheduling
+        if not engine_args.enable_chunked_prefill:
+            logger.info("Chunked prefill is off: each prompt runs whole in one step (up to %d tokens per step).",
+                        w.max_num_batched_tokens)
         # Async scheduling: the launched step whose results have not been applied yet.
         self._in_flight = None  # (plan, PendingOutput)
         self.num_steps = 0
@@ -86,6 +91,7 @@ class EngineCore:
                 f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.num_pool_tokens} "
                 "tokens in total; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
         params = req.sampling_params
+        check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.max_tokens != max_tokens or self.eos_token_ids[1:]:

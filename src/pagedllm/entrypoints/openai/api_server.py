@@ -61,6 +61,7 @@ async def serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.guards import RequestGuard
     from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
     from pagedllm.entrypoints.openai.server_state import ServerState
+    from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
     from pagedllm.metrics import Metrics
 
     try:
@@ -81,7 +82,14 @@ async def serve(args: argparse.Namespace) -> int:
         except EngineStartupError as e:
             print(f"error: the engine failed to start: {e}", file=sys.stderr)
             return 1
-        state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY)
+        try:
+            defaults = load_sampling_defaults(engine_args.generation_config, engine.model_dir)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        log_sampling_defaults(defaults, engine_args.generation_config)
+        state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
+                            sampling_defaults=defaults)
         lifecycle = Lifecycle()
         guarded = RequestGuard(build_app(state), max_body_bytes=args.max_request_body_bytes,
                                send_timeout_s=args.send_timeout)

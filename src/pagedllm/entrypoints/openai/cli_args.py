@@ -70,7 +70,12 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--max-loras", type=int, default=1)
     e.add_argument("--max-lora-rank", type=int, default=16)
-    e.add_argument("--max-logprobs", type=int, default=20)
+    e.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+    e.add_argument("--revision", default=None, help="branch, tag or commit of a hub repo id MODEL")
+    e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
+    e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults from the model's generation_config.json (auto), none (vllm), or DIR's")
     return p
 
 

@@ -112,6 +112,9 @@ async def parse_body(request: Request, model: type[T]) -> T:
     if not isinstance(data, dict):
         raise APIError("The request body must be a JSON object.")
     limits.check_json_depth(data, raw)
+    from pagedllm.entrypoints.openai.fields import check_extra_fields
+
+    check_extra_fields(model, data)
     try:
         req = model.model_validate(data)
     except ValidationError as e:
