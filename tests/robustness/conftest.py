@@ -22,7 +22,7 @@ def robust_env(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 API_KEY = "robust-secret-key"
 SEND_TIMEOUT = 3
-MAX_BODY = 256 << 10
+MAX_BODY = 1 << 20
 
 
 @pytest.fixture(scope="session")

@@ -226,10 +226,13 @@ class AsyncEngine:
                 item = await parent.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.finished:
+                # A local flag: fail_pending() marks the parent finished while we are suspended in `yield`,
+                # and its error, still queued, must be raised, not skipped.
+                finished = item.finished
+                if finished:
                     parent.finished = True
                 yield item
-                if parent.finished:
+                if finished:
                     return
         finally:
             self._forget(request_id, abort=not parent.finished)
