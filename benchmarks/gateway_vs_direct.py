@@ -123,7 +123,8 @@ def main() -> None:
     print(f"{'Prompts / concurrency / in / out:':<40} {args.num_prompts} / {args.concurrency} / "
           f"{args.input_len} / {args.output_len}")
     print(f"{'Direct output throughput (tok/s):':<40} {mean['direct']:.1f}  {[round(x, 1) for x in runs['direct']]}")
-    print(f"{'Gateway output throughput (tok/s):':<40} {mean['gateway']:.1f}  {[round(x, 1) for x in runs['gateway']]}")
+    gateway_runs = [round(x, 1) for x in runs["gateway"]]
+    print(f"{'Gateway output throughput (tok/s):':<40} {mean['gateway']:.1f}  {gateway_runs}")
     print(f"{'Gateway / direct:':<40} {ratio:.3f}  (per round {[round(x, 3) for x in pair_ratios]}; "
           f"target >= 0.95: {'PASS' if ratio >= 0.95 else 'FAIL'})")
     print(f"{'nginx CPU / server CPU (gateway runs):':<40} {cpu['nginx']:.2f} s / {cpu['server']:.1f} s = "
@@ -131,7 +132,8 @@ def main() -> None:
     print("=" * 56)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"runs": runs, "cpu": cpu, "ratio": ratio, "pair_ratios": pair_ratios, "args": vars(args)}, f, indent=2)
+            json.dump({"runs": runs, "cpu": cpu, "ratio": ratio, "pair_ratios": pair_ratios, "args": vars(args)}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":
