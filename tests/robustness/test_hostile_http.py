@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MAX_BODY, SEND_TIMEOUT
+from robust_helpers import MAX_BODY, SEND_TIMEOUT
 from robust_helpers import metric
 
 def _post(server, path: str, content: bytes, content_type: str = "application/json", **headers) -> httpx.Response:
