@@ -19,7 +19,6 @@ _NOT_SUPPORTED_YET: dict[str, Any] = {
     "cpu_offload_gb": 0,
     "enable_lora": False,
     "quantization": None,
-    "speculative_config": None,
 }
 
 
@@ -93,3 +92,15 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
+        self.speculative()  # raises on a bad speculative_config
+
+    def speculative(self) -> Any:
+        """The validated spec_decode.config.SpeculativeConfig, or None without speculative decoding."""
+        return _speculative(self.speculative_config)
+
+
+def _speculative(value: Any) -> Any:
+    """speculative_config (a dict, a JSON string or None) -> spec_decode.config.SpeculativeConfig or None."""
+    from pagedllm.spec_decode.config import SpeculativeConfig
+
+    return SpeculativeConfig.from_user(value)

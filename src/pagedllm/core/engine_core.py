@@ -16,6 +16,7 @@ from pagedllm.core.batch_plan import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.stats import SpecLogger
 
 logger = logging.getLogger("pagedllm")
 
@@ -56,7 +57,10 @@ class EngineCore:
             num_blocks=self.num_blocks,
             enable_prefix_caching=engine_args.enable_prefix_caching,
             async_scheduling=w.async_scheduling,
+            num_speculative_tokens=w.num_speculative_tokens,
+            spec_disable_batch_size=w.spec_disable_batch_size,
         )
+        self._spec_log = SpecLogger(self.scheduler.spec_stats) if w.num_speculative_tokens else None
         self.async_scheduling = w.async_scheduling
         # Async scheduling: the launched step whose results have not been applied yet.
         self._in_flight = None  # (plan, PendingOutput)
@@ -109,8 +113,16 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[EngineCoreOutput]:
+        if self._spec_log is not None:
+            self._spec_log.maybe_log()
         if self.async_scheduling:
-            return self._step_async()
+            if not self.scheduler.spec_active():
+                return self._step_async()
+            # A speculating step needs the drafts its previous step proposed: finish that step first.
+            return self._apply_in_flight() + self._step_sync()
+        return self._step_sync()
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         plan = self.scheduler.schedule()
         if plan.total_num_scheduled_tokens == 0 and not plan.finished_request_ids:
             return self.scheduler.update_from_output(plan, self.worker.empty_output())

@@ -45,6 +45,7 @@ from pagedllm.core.batch_plan import (
 )
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.spec_decode.stats import SpecDecodeStats, draft_room
 
 
 @dataclass
@@ -55,6 +56,11 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative tokens looked up in the prefix cache
     prefix_cache_hits: int  # cumulative tokens found there
     num_preemptions: int  # cumulative
+    # Speculative decoding (cumulative; zeros without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -69,6 +75,8 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: Optional[int] = None,
         async_scheduling: bool = False,
+        num_speculative_tokens: int = 0,
+        spec_disable_batch_size: Optional[int] = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
@@ -93,6 +101,13 @@ class Scheduler:
         # Outputs of requests that schedule() finished (cannot grow); returned by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Speculative decoding: drafts proposed by the runner are scheduled as extra tokens to compute, in steps
+        # with at most spec_disable_batch_size running + waiting requests.
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_disable_batch_size = spec_disable_batch_size
+        self.spec_stats = SpecDecodeStats(num_spec_tokens=num_speculative_tokens)
+        # Request id -> block count after a rollback, sent once in its next CachedRequestData.
+        self._kept_blocks: dict[str, int] = {}
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -131,7 +146,18 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=tuple(self.spec_stats.num_accepted_tokens_per_pos),
         )
+
+    def spec_active(self) -> bool:
+        """Whether this step speculates: configured, and the load is small enough that it pays."""
+        if self.num_speculative_tokens <= 0:
+            return False
+        limit = self.spec_disable_batch_size
+        return limit is None or len(self.running) + len(self.waiting) <= limit
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -155,6 +181,8 @@ class Scheduler:
         """Mark finished and release everything; the caller removes it from running / waiting."""
         request.status = status
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
+        self._kept_blocks.pop(request.request_id, None)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -164,6 +192,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight for it is dropped; it is recomputed
+        request.spec_token_ids = []
+        self._kept_blocks.pop(request.request_id, None)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -202,6 +232,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted: set[str] = set()
         scheduled: list[Request] = []
+        plan.propose_drafts = self.spec_active()
         budget = self._schedule_running(plan, budget, preempted, scheduled)
         if not preempted:
             self._schedule_waiting(plan, budget, scheduled)
@@ -233,6 +264,8 @@ class Scheduler:
             if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
                 i += 1
                 continue
+            drafts = self._drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
+            num_new_tokens += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_new_tokens)
             while new_block_ids is None:
                 if len(self.running) == 1:
@@ -253,13 +286,26 @@ class Scheduler:
                     request_id=request.request_id,
                     new_block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
+                    num_kept_blocks=self._kept_blocks.pop(request.request_id, None),
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            if drafts:
+                plan.scheduled_spec_decode_tokens[request.request_id] = drafts
             scheduled.append(request)
             budget -= num_new_tokens
             i += 1
         return budget
+
+    def _drafts_to_verify(self, request: Request, num_new_tokens: int, budget: int, active: bool) -> list[int]:
+        """The request's proposed drafts that this step verifies (consumed either way: drafts are only valid right
+        after the step that proposed them). Only for a request whose one remaining token is its last."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if (not drafts or not active or num_new_tokens != 1 or request.num_output_placeholders
+                or request.num_computed_tokens != request.num_tokens - 1):
+            return []
+        room = draft_room(request.num_output_tokens, request.num_tokens, request.max_tokens, self.max_model_len)
+        return drafts[:max(0, min(room, budget - 1))]
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request]) -> None:
         kv = self.kv_cache_manager
@@ -311,7 +357,8 @@ class Scheduler:
         logprobs = output.logprobs or [None] * len(output.req_ids)
         finished_any = False
         prompt_logprobs = output.prompt_logprobs
-        for request_id, sampled, token_logprobs in zip(output.req_ids, output.sampled_token_ids, logprobs):
+        for index, (request_id, sampled, token_logprobs) in enumerate(
+                zip(output.req_ids, output.sampled_token_ids, logprobs)):
             request = self.requests.get(request_id)
             plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if plp is not None and request is not None and not sampled:  # a prefill chunk's prompt scores
@@ -329,7 +376,12 @@ class Scheduler:
                 or request.num_computed_tokens < request.num_tokens
             ):
                 continue
+            drafts = plan.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                self._rollback_rejected(request, drafts, len(sampled) - 1)
             new_token_ids = self._append_tokens(request, sampled)
+            if output.spec_token_ids is not None and not request.is_finished:
+                request.spec_token_ids = output.spec_token_ids[index]
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             if request.is_finished:
@@ -349,6 +401,21 @@ class Scheduler:
         if finished_any:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _rollback_rejected(self, request: Request, drafts: list[int], num_accepted: int) -> None:
+        """The step computed K/V for every draft; only the accepted ones count. Rejected drafts' slots are given
+        back: the computed count steps back and blocks holding nothing but rejected drafts are freed (the runner
+        cuts its block table with the next plan). Prefix-cache hashes never covered drafts (they are not tokens)."""
+        self.spec_stats.observe(len(drafts), num_accepted)
+        num_rejected = len(drafts) - num_accepted
+        if num_rejected <= 0:
+            return
+        request.num_computed_tokens -= num_rejected
+        kv = self.kv_cache_manager
+        before = len(kv.req_to_blocks.get(request.request_id, ()))
+        kept = kv.trim(request, request.num_computed_tokens)
+        if kept < before:
+            self._kept_blocks[request.request_id] = kept
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
         """Append tokens one at a time, stopping at the first that ends the request."""

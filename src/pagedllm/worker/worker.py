@@ -133,8 +133,18 @@ class Worker:
             max_num_batched_tokens=self.max_num_batched_tokens,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+        self.speculative = args.speculative()
+        self.num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
+        self.spec_disable_batch_size = self.speculative.disable_by_batch_size if self.speculative else None
+        if self.speculative is not None:
+            from pagedllm.spec_decode.spec_runner import SpecDecodeRunner, build_proposer
+
+            self.runner.spec = SpecDecodeRunner(self.speculative, build_proposer(self.speculative, worker=self),
+                                                self.max_model_len)
         self.num_blocks = self._determine_num_blocks()
         self.runner.initialize_kv_cache(self.num_blocks)
+        if self.speculative is not None:
+            self.runner.spec.initialize(self.num_blocks)
 
     def _determine_num_blocks(self) -> int:
         args = self.args

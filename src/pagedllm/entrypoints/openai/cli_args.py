@@ -57,6 +57,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--max-loras", type=int, default=1)
     e.add_argument("--max-lora-rank", type=int, default=16)
     e.add_argument("--max-logprobs", type=int, default=20)
+    e.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     return p
 
 
