@@ -32,6 +32,14 @@ class SpecDecodeRunner:
         if init is not None:
             init(num_target_blocks)
 
+    def share_blocks(self, num_blocks: int, target_spec) -> int:
+        """Target blocks left when a draft model's KV cache (as many blocks) shares the same memory budget."""
+        spec_of = getattr(self.proposer, "kv_cache_spec", None)
+        if spec_of is None:
+            return num_blocks
+        target, draft = target_spec.bytes_per_block, spec_of().bytes_per_block
+        return max(1, num_blocks * target // (target + draft))
+
     def drop(self, req_ids) -> None:
         drop = getattr(self.proposer, "drop", None)
         if drop is not None:

@@ -142,6 +142,8 @@ class Worker:
             self.runner.spec = SpecDecodeRunner(self.speculative, build_proposer(self.speculative, worker=self),
                                                 self.max_model_len)
         self.num_blocks = self._determine_num_blocks()
+        if self.speculative is not None and args.num_gpu_blocks_override is None:
+            self.num_blocks = self.runner.spec.share_blocks(self.num_blocks, self.runner.kv_cache_spec())
         self.runner.initialize_kv_cache(self.num_blocks)
         if self.speculative is not None:
             self.runner.spec.initialize(self.num_blocks)
