@@ -40,12 +40,20 @@ async def create_completion(request: Request, state: c.ServerState) -> Response:
     model = state.check_model(req.model)
     if req.suffix:
         raise c.APIError("'suffix' is not supported yet.", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise c.APIError("'best_of' other than n is not supported yet.", param="best_of")
+    if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
+        raise c.APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
     engine = state.engine
     tok = state.tokenizer
     prompts = parse_prompts(req.prompt, tok, engine.ready.vocab_size, req.add_special_tokens)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    if req.use_beam_search:
+        from pagedllm.entrypoints.openai import beam_search
+
+        for _, ids in prompts:
+            c.check_context_length(len(ids), max_tokens, state.max_model_len)
+        body = await beam_search.completion_response(req, state, model, req.request_id or random_id("cmpl"),
+                                                     int(time.time()), prompts, max_tokens)
+        return Response(c.dumps(body), media_type="application/json")
     # echo + logprobs also scores the prompt tokens (OpenAI's legacy completions behaviour).
     params = c.build_sampling_params(req, max_tokens, req.logprobs,
                                      prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)

@@ -72,6 +72,10 @@ class _SamplingFields(_Req):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     request_id: Optional[str] = None
+    # vLLM's beam search extension (entrypoints/openai/beam_search.py); early_stopping as in transformers.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
 
 
 class CompletionRequest(_SamplingFields):
@@ -100,6 +104,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: bool = False  # vLLM: echo the last message's content when it has the assistant role
+    best_of: Optional[int] = None  # only with use_beam_search: the beam width
 
 
 class TokenizeRequest(_Req):
