@@ -32,6 +32,13 @@ class SpecDecodeRunner:
         if init is not None:
             init(num_target_blocks)
 
+    def graph_token_sizes(self) -> list[int]:
+        """Token counts of verify steps worth an exact CUDA-graph bucket: (k + 1) x a decode batch size up to the
+        batch size where speculation turns off (other verify steps replay the next larger mixed bucket)."""
+        k1 = self.config.num_speculative_tokens + 1
+        limit = self.config.disable_by_batch_size or 16
+        return [k1 * b for b in (1, 2, 4, 8, 16, 32, 64) if b <= limit]
+
     def share_blocks(self, num_blocks: int, target_spec) -> int:
         """Target blocks left when a draft model's KV cache (as many blocks) shares the same memory budget."""
         spec_of = getattr(self.proposer, "kv_cache_spec", None)

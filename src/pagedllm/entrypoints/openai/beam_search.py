@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from pagedllm.entrypoints.openai import common as c
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.sampling_params import BeamSearchParams
 
 # field -> values that mean "not used"; anything else cannot be honoured by beam search.
@@ -23,28 +24,28 @@ def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int
     """(BeamSearchParams, n) from the request, or a 400 naming the field."""
     n, best_of = req.n, getattr(req, "best_of", None)
     if not isinstance(n, int) or n < 1:
-        raise c.APIError(f"n must be an integer >= 1 with use_beam_search, got {n!r}.", param="n")
+        raise APIError(f"n must be an integer >= 1 with use_beam_search, got {n!r}.", param="n")
     if best_of is not None and best_of < n:
-        raise c.APIError(f"best_of ({best_of}) must be >= n ({n}) with use_beam_search: the beam width is best_of "
+        raise APIError(f"best_of ({best_of}) must be >= n ({n}) with use_beam_search: the beam width is best_of "
                          "and the best n beams are returned.", param="best_of")
     width = best_of if best_of is not None else n
     if width > 64:
-        raise c.APIError(f"The beam width (best_of or n) must be <= 64, got {width}.", param="best_of")
+        raise APIError(f"The beam width (best_of or n) must be <= 64, got {width}.", param="best_of")
     for name, unused in _UNUSED.items():
         value = getattr(req, name, None)
         if value not in unused:
-            raise c.APIError(f"'{name}' cannot be used with use_beam_search (beam search ranks beams by the model's "
+            raise APIError(f"'{name}' cannot be used with use_beam_search (beam search ranks beams by the model's "
                              f"own log-probabilities and returns complete beams).", param=name)
     try:
         params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos),
                                   length_penalty=req.length_penalty, early_stopping=req.early_stopping,
                                   include_stop_str_in_output=bool(req.include_stop_str_in_output))
     except ValueError as e:
-        raise c.APIError(str(e)) from None
+        raise APIError(str(e)) from None
     return params, n
 
 
-async def search(state: c.ServerState, prompt_ids: list[int], params: BeamSearchParams):
+async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchParams):
     from pagedllm.beam_search.driver import run_async
 
     engine = state.engine
@@ -60,7 +61,7 @@ async def search(state: c.ServerState, prompt_ids: list[int], params: BeamSearch
                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
 
 
-async def completion_response(req: Any, state: c.ServerState, model: str, request_id: str, created: int,
+async def completion_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
                               prompts: list, max_tokens: int) -> dict:
     params, n = beam_search_params(req, max_tokens)
     results = await asyncio.gather(*(search(state, ids, params) for _, ids in prompts))
@@ -75,7 +76,7 @@ async def completion_response(req: Any, state: c.ServerState, model: str, reques
             "usage": _usage(num_prompt, num_gen)}
 
 
-async def chat_response(req: Any, state: c.ServerState, model: str, request_id: str, created: int,
+async def chat_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
                         prompt_ids: list[int], max_tokens: Optional[int]) -> dict:
     params, n = beam_search_params(req, max_tokens)
     result = await search(state, prompt_ids, params)
