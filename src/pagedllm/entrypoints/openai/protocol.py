@@ -6,7 +6,7 @@ SamplingParams so the offline API and the server give the same messages.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
