@@ -58,17 +58,20 @@ def test_ngram_greedy_identical(tiny_model_dir, reference, arch, async_schedulin
     assert llm.engine.num_steps < 4 * 40  # fewer steps than one token each
 
 
-def test_ngram_identical_through_chunked_prefill_prefix_hits_and_preemption(tiny_model_dir, reference):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_identical_through_chunked_prefill_prefix_hits_and_preemption(tiny_model_dir, reference, method):
     prompts = _prompts(1)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": tiny_model_dir("llama"),
+                                            "num_speculative_tokens": 3}
     # chunked prefill: 32-token steps
-    llm = _llm(tiny_model_dir("llama"), speculative_config=NGRAM, max_num_batched_tokens=32, max_num_seqs=4)
+    llm = _llm(tiny_model_dir("llama"), speculative_config=spec, max_num_batched_tokens=32, max_num_seqs=4)
     assert _tokens(llm, prompts, GREEDY) == reference("llama", prompts)
     # prefix hits: the same prompts again, from the cache
     hits_before = llm.engine.get_stats().prefix_cache_hits
     assert _tokens(llm, prompts, GREEDY) == reference("llama", prompts)
     assert llm.engine.get_stats().prefix_cache_hits > hits_before
     # preemption: a pool of 24 blocks of 16 tokens for four requests that need ~30
-    small = _llm(tiny_model_dir("llama"), speculative_config=NGRAM, num_gpu_blocks_override=24)
+    small = _llm(tiny_model_dir("llama"), speculative_config=spec, num_gpu_blocks_override=24)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     assert _tokens(small, prompts, params) == reference("llama", prompts, params)
     assert small.engine.get_stats().num_preemptions > 0

@@ -61,6 +61,12 @@ class EngineCore:
             spec_disable_batch_size=w.spec_disable_batch_size,
         )
         self._spec_log = SpecLogger(self.scheduler.spec_stats) if w.num_speculative_tokens else None
+        if w.speculative is not None:
+            sc = w.speculative
+            logger.info("Speculative decoding: %s%s, %d tokens per step, off in steps with more than %s running + "
+                        "waiting requests; acceptance is logged every %.0f s.", sc.method,
+                        f" ({sc.model})" if sc.model else f" (lookup {sc.prompt_lookup_min}..{sc.prompt_lookup_max})",
+                        sc.num_speculative_tokens, sc.disable_by_batch_size, self._spec_log.interval_s)
         self.async_scheduling = w.async_scheduling
         # Async scheduling: the launched step whose results have not been applied yet.
         self._in_flight = None  # (plan, PendingOutput)

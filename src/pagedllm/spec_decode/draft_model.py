@@ -34,6 +34,7 @@ class DraftModelProposer:
         self.block_size = worker.args.block_size
         self.max_model_len = worker.max_model_len
         self.max_num_batched_tokens = worker.max_num_batched_tokens
+        self.max_num_seqs = worker.max_num_seqs
         try:
             path = resolve_model_path(config.model)
             self.model_dir = prepare_model_dir(path, config.draft_load_format)
@@ -66,8 +67,7 @@ class DraftModelProposer:
         """As many blocks as the target's pool (the same tokens fit), plus room for every request's drafts."""
         from pagedllm.worker.kv_cache import allocate_kv_caches
 
-        max_reqs = 1 + num_target_blocks * self.block_size // max(1, self.max_model_len)
-        num_blocks = num_target_blocks + max_reqs * (-(-(self.k + 1) // self.block_size))
+        num_blocks = num_target_blocks + self.max_num_seqs * (1 + -(-(self.k + 1) // self.block_size))
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec(), num_blocks, self.device,
                                             zeroed=self.backend.needs_zeroed_cache)
         for layer, cache in zip(self.model.attn_layers, self.kv_caches):
