@@ -168,7 +168,7 @@ def run_verify(args) -> dict:
         engine.step()  # prefill + first decodes
 
     def block(verify: bool, n: int) -> float:
-        sched.num_speculative_tokens = k if verify else 0
+        sched.spec.k = k if verify else 0
         sync()
         start = time.perf_counter()
         for _ in range(n):
@@ -189,7 +189,8 @@ def run_verify(args) -> dict:
         print(f"[verify k={k}] iter {it}: plain decode step {1e3 * t_plain:.3f} ms   verify step ({k + 1} tokens) "
               f"{1e3 * t_verify:.3f} ms   ratio {t_verify / t_plain:.3f}")
     engine.abort_requests(["r"])
-    print(f"[verify k={k}] median verify/plain step time: {statistics.median(ratios):.3f}")
+    print(f"[verify k={k}] median verify/plain step time: {statistics.median(ratios):.3f} "
+          f"({sched.spec_stats.num_drafts} verify steps ran, {sched.spec_stats.num_draft_tokens} draft tokens)")
     return dict(rows=rows, median_ratio=statistics.median(ratios))
 
 

@@ -45,7 +45,7 @@ from pagedllm.core.batch_plan import (
 )
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.spec_decode.stats import SpecDecodeStats, draft_room
+from pagedllm.spec_decode.scheduling import SpecScheduling
 
 
 @dataclass
@@ -102,12 +102,9 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         # Speculative decoding: drafts proposed by the runner are scheduled as extra tokens to compute, in steps
-        # with at most spec_disable_batch_size running + waiting requests.
-        self.num_speculative_tokens = num_speculative_tokens
-        self.spec_disable_batch_size = spec_disable_batch_size
-        self.spec_stats = SpecDecodeStats(num_spec_tokens=num_speculative_tokens)
-        # Request id -> block count after a rollback, sent once in its next CachedRequestData.
-        self._kept_blocks: dict[str, int] = {}
+        # with at most spec_disable_batch_size running + waiting requests (spec_decode/scheduling.py).
+        self.spec = SpecScheduling(num_speculative_tokens, spec_disable_batch_size, max_model_len)
+        self.spec_stats = self.spec.stats
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -154,10 +151,7 @@ class Scheduler:
 
     def spec_active(self) -> bool:
         """Whether this step speculates: configured, and the load is small enough that it pays."""
-        if self.num_speculative_tokens <= 0:
-            return False
-        limit = self.spec_disable_batch_size
-        return limit is None or len(self.running) + len(self.waiting) <= limit
+        return self.spec.active(len(self.running), len(self.waiting))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -181,8 +175,7 @@ class Scheduler:
         """Mark finished and release everything; the caller removes it from running / waiting."""
         request.status = status
         self.kv_cache_manager.free(request)
-        request.spec_token_ids = []
-        self._kept_blocks.pop(request.request_id, None)
+        self.spec.forget(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -192,8 +185,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight for it is dropped; it is recomputed
-        request.spec_token_ids = []
-        self._kept_blocks.pop(request.request_id, None)
+        self.spec.forget(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -260,7 +252,7 @@ class Scheduler:
             if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
                 i += 1
                 continue
-            drafts = self._drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
+            drafts = self.spec.drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
             num_new_tokens += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_new_tokens)
             while new_block_ids is None:
@@ -282,7 +274,7 @@ class Scheduler:
                     request_id=request.request_id,
                     new_block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
-                    num_kept_blocks=self._kept_blocks.pop(request.request_id, None),
+                    num_kept_blocks=self.spec.kept_blocks.pop(request.request_id, None),
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -292,16 +284,6 @@ class Scheduler:
             budget -= num_new_tokens
             i += 1
         return budget
-
-    def _drafts_to_verify(self, request: Request, num_new_tokens: int, budget: int, active: bool) -> list[int]:
-        """The request's proposed drafts that this step verifies (consumed either way: drafts are only valid right
-        after the step that proposed them). Only for a request whose one remaining token is its last."""
-        drafts, request.spec_token_ids = request.spec_token_ids, []
-        if (not drafts or not active or num_new_tokens != 1 or request.num_output_placeholders
-                or request.num_computed_tokens != request.num_tokens - 1):
-            return []
-        room = draft_room(request.num_output_tokens, request.num_tokens, request.max_tokens, self.max_model_len)
-        return drafts[:max(0, min(room, budget - 1))]
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request]) -> None:
         kv = self.kv_cache_manager
@@ -374,7 +356,7 @@ class Scheduler:
                 continue
             drafts = plan.scheduled_spec_decode_tokens.get(request_id)
             if drafts:
-                self._rollback_rejected(request, drafts, len(sampled) - 1)
+                self.spec.rollback_rejected(request, drafts, len(sampled) - 1, self.kv_cache_manager)
             new_token_ids = self._append_tokens(request, sampled)
             if output.spec_token_ids is not None and not request.is_finished:
                 request.spec_token_ids = output.spec_token_ids[index]
@@ -397,21 +379,6 @@ class Scheduler:
         if finished_any:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
-
-    def _rollback_rejected(self, request: Request, drafts: list[int], num_accepted: int) -> None:
-        """The step computed K/V for every draft; only the accepted ones count. Rejected drafts' slots are given
-        back: the computed count steps back and blocks holding nothing but rejected drafts are freed (the runner
-        cuts its block table with the next plan). Prefix-cache hashes never covered drafts (they are not tokens)."""
-        self.spec_stats.observe(len(drafts), num_accepted)
-        num_rejected = len(drafts) - num_accepted
-        if num_rejected <= 0:
-            return
-        request.num_computed_tokens -= num_rejected
-        kv = self.kv_cache_manager
-        before = len(kv.req_to_blocks.get(request.request_id, ()))
-        kept = kv.trim(request, request.num_computed_tokens)
-        if kept < before:
-            self._kept_blocks[request.request_id] = kept
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
         """Append tokens one at a time, stopping at the first that ends the request."""
