@@ -161,3 +161,21 @@ def test_smollm2_ngram_and_self_draft(smollm2_gguf_path):
     assert draft.generate([text], params, use_tqdm=False)[0].outputs[0].token_ids == plain
     stats = draft.engine.scheduler.spec_stats
     assert stats.num_draft_tokens >= 12 and stats.acceptance_rate > 0.9
+
+
+def test_stop_strings_and_stop_tokens_mid_draft(tiny_model_dir):
+    """Several tokens arrive per step: a stop string or stop token inside them ends the output at the same place."""
+    model = tiny_model_dir("llama")
+    prompts = _prompts(5)[:2]
+    plain, spec = _llm(model), _llm(model, speculative_config=NGRAM)
+    free = plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for out, prompt in zip(free, prompts):
+        text, ids = out.outputs[0].text, out.outputs[0].token_ids
+        stop_text = text[len(text) // 2:len(text) // 2 + 3]
+        for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_text]),
+                       SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[ids[25]])):
+            a = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            b = spec.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason,
+                                                                            b.stop_reason)
+            assert a.finish_reason == "stop"
