@@ -32,6 +32,7 @@ class SpeculativeConfig:
     # Steps with more running requests than this do not speculate (None: never turned off).
     disable_by_batch_size: Optional[int] = DEFAULT_DISABLE_BY_BATCH_SIZE
     draft_load_format: str = "auto"
+    quantization: Optional[str] = None  # the draft's quantization method (None: from its checkpoint)
 
     @property
     def uses_draft_model(self) -> bool:
@@ -100,8 +101,8 @@ class SpeculativeConfig:
         tp = _int(d, "draft_tensor_parallel_size", 1)
         if tp != 1:
             raise ValueError("speculative_config draft_tensor_parallel_size must be 1.")
-        if d.get("quantization") is not None:
-            raise ValueError("speculative_config 'quantization' of the draft model is not supported yet.")
+        if d.get("quantization") is not None and not isinstance(d.get("quantization"), str):
+            raise ValueError("speculative_config 'quantization' must be a method name (e.g. \"gptq\").")
         if d.get("draft_dtype") not in (None, "auto"):
             raise ValueError("speculative_config 'draft_dtype': the draft model runs in the target's dtype; "
                              "leave it out.")
@@ -114,7 +115,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config draft_load_format must be auto, safetensors, gguf or dummy, "
                              f"got {fmt!r}.")
         return cls(method=method, num_speculative_tokens=k, model=d.get("model"), prompt_lookup_max=hi,
-                   prompt_lookup_min=lo, disable_by_batch_size=disable, draft_load_format=fmt)
+                   prompt_lookup_min=lo, disable_by_batch_size=disable, draft_load_format=fmt,
+                   quantization=d.get("quantization"))
 
 
 def _int(d: dict, key: str, default: Optional[int]) -> Optional[int]:

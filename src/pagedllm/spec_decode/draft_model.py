@@ -42,8 +42,14 @@ class DraftModelProposer:
         except (OSError, ValueError) as e:
             raise ValueError(f"speculative_config model {config.model!r} cannot be loaded: {e}") from e
         check_vocab(worker, cfg, self.model_dir)
+        from pagedllm.quantization import resolve_quant_config
+
+        # A quantized draft checkpoint (GPTQ, AWQ, ...) is recognised from its own config, like --model's.
+        quant = resolve_quant_config(config.quantization, cfg, self.model_dir)
+        if quant is not None:
+            quant.check_supported(self.device, self.dtype)
         self.model = get_model(cfg, self.model_dir, dtype=self.dtype, device=self.device,
-                               load_format=config.draft_load_format)
+                               load_format=config.draft_load_format, quant_config=quant)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             from pagedllm.layers.linear import pack_cpu_weights
 
