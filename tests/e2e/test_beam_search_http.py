@@ -70,3 +70,4 @@ def test_best_of_without_beam_search_is_400(http):
     r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
                                                 "n": 1, "best_of": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+

@@ -67,9 +67,10 @@ def _advance_all(searches, owners, logprob_dicts) -> None:
 
 
 async def run_async(generate: Callable, prompt_ids: list[int], params, eos_token_ids: list[int],
-                    decode: Optional[Callable] = None):
+                    decode: Optional[Callable] = None, disconnected: Optional[Callable] = None):
     """The server's beam search over AsyncEngine: generate(prompt_ids, sampling_params) -> final RequestOutput
-    (awaitable). Beams of one step run concurrently, in the same batches as every other request."""
+    (awaitable). Beams of one step run concurrently, in the same batches as every other request. `disconnected`
+    (awaitable -> bool) is asked between steps: a client that left stops the search."""
     import asyncio
 
     search = BeamSearch(prompt_ids, params, eos_token_ids)
@@ -77,6 +78,8 @@ async def run_async(generate: Callable, prompt_ids: list[int], params, eos_token
         pending = search.pending()
         if not pending:
             break
+        if disconnected is not None and await disconnected():
+            raise asyncio.CancelledError("the client disconnected")
         outs = await asyncio.gather(*(generate(seq, step_params(search.num_logprobs)) for _, seq in pending))
         _advance_all([search], [(search, beam) for beam, _ in pending],
                      [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])

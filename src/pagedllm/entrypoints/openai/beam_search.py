@@ -45,7 +45,7 @@ def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int
     return params, n
 
 
-async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchParams):
+async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchParams, disconnected=None):
     from pagedllm.beam_search.driver import run_async
 
     engine = state.engine
@@ -58,13 +58,13 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
 
     tok = state.tokenizer
     return await run_async(one, prompt_ids, params, list(engine.ready.eos_token_ids),
-                           decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+                           decode=lambda ids: tok.decode(ids, skip_special_tokens=True), disconnected=disconnected)
 
 
 async def completion_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
-                              prompts: list, max_tokens: int) -> dict:
+                              prompts: list, max_tokens: int, disconnected=None) -> dict:
     params, n = beam_search_params(req, max_tokens)
-    results = await asyncio.gather(*(search(state, ids, params) for _, ids in prompts))
+    results = await asyncio.gather(*(search(state, ids, params, disconnected) for _, ids in prompts))
     choices, num_prompt, num_gen = [], 0, 0
     for i, ((_, ids), result) in enumerate(zip(prompts, results)):
         num_prompt += len(ids)
@@ -77,9 +77,9 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
 
 
 async def chat_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
-                        prompt_ids: list[int], max_tokens: Optional[int]) -> dict:
+                        prompt_ids: list[int], max_tokens: Optional[int], disconnected=None) -> dict:
     params, n = beam_search_params(req, max_tokens)
-    result = await search(state, prompt_ids, params)
+    result = await search(state, prompt_ids, params, disconnected)
     choices, num_gen = [], 0
     for j, seq in enumerate(result.sequences[:n]):
         num_gen += len(seq.tokens) - len(prompt_ids)

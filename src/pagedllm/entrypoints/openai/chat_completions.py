@@ -36,7 +36,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         beam_max = max_tokens if max_tokens is not None else max(1, state.max_model_len - len(prompt_ids))
         check_context_length(len(prompt_ids), beam_max, state.max_model_len)
         body = await beam_search.chat_response(req, state, model, req.request_id or random_id("chatcmpl"),
-                                               int(time.time()), prompt_ids, beam_max)
+                                               int(time.time()), prompt_ids, beam_max, request.is_disconnected)
         return Response(dumps(body), media_type="application/json")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs)

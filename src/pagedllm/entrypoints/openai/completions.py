@@ -56,7 +56,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         for _, ids in prompts:
             check_context_length(len(ids), max_tokens, state.max_model_len)
         body = await beam_search.completion_response(req, state, model, req.request_id or random_id("cmpl"),
-                                                     int(time.time()), prompts, max_tokens)
+                                                     int(time.time()), prompts, max_tokens, request.is_disconnected)
         return Response(dumps(body), media_type="application/json")
     # echo + logprobs also scores the prompt tokens (OpenAI's legacy completions behaviour).
     params = build_sampling_params(req, max_tokens, req.logprobs,
