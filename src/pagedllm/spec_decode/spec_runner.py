@@ -99,7 +99,9 @@ class SpecDecodeRunner:
             draft_ids.append(NO_DRAFT)
             num_rows.append(n)
             p = state.sampling_params
-            needs_history = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            # Penalties and bad words read the output tokens themselves; seeds and min_tokens only their count.
+            needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                             or bool(getattr(p, "bad_words_token_ids", None)))
             for j in range(n):
                 params.append(p)
                 prompts.append(state.prompt_token_ids)

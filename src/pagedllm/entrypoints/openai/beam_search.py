@@ -17,7 +17,9 @@ from pagedllm.sampling_params import BeamSearchParams
 _UNUSED = {"temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0, 0.0),
            "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
            "repetition_penalty": (None, 1, 1.0), "stop": (None, [], ""), "stop_token_ids": (None, []),
-           "min_tokens": (0, None), "stream": (None, False), "echo": (None, False), "logprobs": (None, False)}
+           "min_tokens": (0, None), "stream": (None, False), "echo": (None, False), "logprobs": (None, False),
+           "logit_bias": (None, {}), "bad_words": (None, []), "allowed_token_ids": (None, []),
+           "prompt_logprobs": (None,), "top_logprobs": (None,)}
 
 
 def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int]:
