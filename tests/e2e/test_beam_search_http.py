@@ -71,3 +71,8 @@ def test_best_of_without_beam_search_is_400(http):
                                                 "n": 1, "best_of": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
 
+
+
+def test_beam_width_beyond_max_logprobs_is_400(http):
+    r = _complete(http, use_beam_search=True, n=11)  # 2 x 11 logprobs per step > the default --max-logprobs 20
+    assert r.status_code == 400 and "max-logprobs" in r.json()["error"]["message"]

@@ -122,3 +122,11 @@ def test_bad_params():
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
     with pytest.raises(ValueError, match="early_stopping"):
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
+
+
+def test_beam_width_beyond_max_logprobs_fails_clearly(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=1 << 24, max_model_len=128, max_logprobs=8)
+    with pytest.raises(ValueError, match="max-logprobs"):
+        llm.beam_search({"prompt_token_ids": [3, 4]}, BeamSearchParams(beam_width=5, max_tokens=2))
+    assert len(llm.beam_search({"prompt_token_ids": [3, 4]}, BeamSearchParams(beam_width=2, max_tokens=2))[0]
+               .sequences) == 2

@@ -31,6 +31,7 @@ def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
     for prompt in prompts:
         _, ids = llm._to_prompt(prompt)
         searches.append(BeamSearch(ids, params, llm.engine.eos_token_ids))
+        searches[-1].check_logprob_limit(llm.engine_args.max_logprobs)
     bar = None
     if use_tqdm:
         from tqdm.auto import tqdm
@@ -67,13 +68,15 @@ def _advance_all(searches, owners, logprob_dicts) -> None:
 
 
 async def run_async(generate: Callable, prompt_ids: list[int], params, eos_token_ids: list[int],
-                    decode: Optional[Callable] = None, disconnected: Optional[Callable] = None):
+                    decode: Optional[Callable] = None, disconnected: Optional[Callable] = None,
+                    max_logprobs: int = -1):
     """The server's beam search over AsyncEngine: generate(prompt_ids, sampling_params) -> final RequestOutput
     (awaitable). Beams of one step run concurrently, in the same batches as every other request. `disconnected`
     (awaitable -> bool) is asked between steps: a client that left stops the search."""
     import asyncio
 
     search = BeamSearch(prompt_ids, params, eos_token_ids)
+    search.check_logprob_limit(max_logprobs)
     while True:
         pending = search.pending()
         if not pending:

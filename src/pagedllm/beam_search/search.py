@@ -74,6 +74,13 @@ class BeamSearch:
         self.num_generated = 0
         self.done = False
 
+    def check_logprob_limit(self, max_logprobs: int) -> None:
+        """Each beam step asks the engine for the top `keep` logprobs: refuse at once when --max-logprobs is lower."""
+        if max_logprobs != -1 and self.keep > max_logprobs:
+            raise ValueError(f"beam_width={self.width} needs the top {self.keep} logprobs of every step, more than "
+                             f"max_logprobs={max_logprobs}; use a beam width of at most {max_logprobs // (self.keep // self.width)} "
+                             "or start the engine with a larger --max-logprobs.")
+
     @property
     def num_logprobs(self) -> int:
         """Top tokens needed per beam: the best `keep` continuations overall are among each beam's best `keep`."""

@@ -59,8 +59,15 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
         return final
 
     tok = state.tokenizer
-    return await run_async(one, prompt_ids, params, list(engine.ready.eos_token_ids),
-                           decode=lambda ids: tok.decode(ids, skip_special_tokens=True), disconnected=disconnected)
+    from pagedllm.beam_search.search import BeamSearch
+
+    eos = list(engine.ready.eos_token_ids)
+    try:  # the beam width needs the top 2 x width logprobs per step: within --max-logprobs?
+        BeamSearch(prompt_ids, params, eos).check_logprob_limit(state.max_logprobs)
+    except ValueError as e:
+        raise APIError(str(e), param="n") from None
+    return await run_async(one, prompt_ids, params, eos, decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                           disconnected=disconnected)
 
 
 async def completion_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
