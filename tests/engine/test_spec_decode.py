@@ -110,7 +110,7 @@ def test_ngram_logprobs_and_seeds(tiny_model_dir):
 
 
 def test_draft_model_self_and_unrelated(tiny_model_dir, reference, tmp_path):
-    from conftest import save_tiny_model, tiny_hf_config
+    from tests.conftest import save_tiny_model, tiny_hf_config
 
     target = tiny_model_dir("llama")
     prompts = _prompts(4)
@@ -128,7 +128,7 @@ def test_draft_model_self_and_unrelated(tiny_model_dir, reference, tmp_path):
 
 
 def test_bad_configs_fail_at_start(tiny_model_dir, tmp_path):
-    from conftest import save_tiny_model, tiny_hf_config
+    from tests.conftest import save_tiny_model, tiny_hf_config
 
     target = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="method"):
