@@ -85,26 +85,28 @@ def random_prompts(llm, n: int, length: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(length)]} for _ in range(n)]
 
 
-def timed_generate(llm, prompts, params) -> tuple[float, int]:
+def timed_generate(llm, prompts, params, one_by_one: bool = False) -> tuple[float, int]:
+    """Wall time and output tokens of the prompts as one batch (or one request at a time: batch 1)."""
     llm.engine.reset_prefix_cache()
     sync()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    groups = [[p] for p in prompts] if one_by_one else [prompts]
+    outs = [o for g in groups for o in llm.generate(g, params, use_tqdm=False)]
     sync()
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def compare_throughput(args, prompts_of, params, label: str) -> dict:
-    plain, spec = make_llm(args, None), make_llm(args, ngram_config(args))
+def compare_throughput(args, prompts_of, params, label: str, engines=None, one_by_one: bool = False) -> dict:
+    plain, spec = engines or (make_llm(args, None), make_llm(args, ngram_config(args)))
     prompts = prompts_of(plain)
-    timed_generate(plain, prompts, params)  # warm-up (compiles, allocator)
-    timed_generate(spec, prompts, params)
+    timed_generate(plain, prompts, params, one_by_one)  # warm-up (compiles, allocator)
+    timed_generate(spec, prompts, params, one_by_one)
     ratios, rows = [], []
     for it in range(args.iters):
         stats = spec.engine.scheduler.spec_stats
         before = (stats.num_draft_tokens, stats.num_accepted_tokens)
-        t_plain, n_plain = timed_generate(plain, prompts, params)
-        t_spec, n_spec = timed_generate(spec, prompts, params)
+        t_plain, n_plain = timed_generate(plain, prompts, params, one_by_one)
+        t_spec, n_spec = timed_generate(spec, prompts, params, one_by_one)
         drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
         rate = accepted / drafted if drafted else 0.0
         r = (n_spec / t_spec) / (n_plain / t_plain)
@@ -122,6 +124,9 @@ def run_ngram(args) -> dict:
     from pagedllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    if args.batch_size == 1:  # the four repeat / edit tasks, one request at a time
+        return compare_throughput(args, lambda llm: chat_prompts(llm, len(TASKS)), params, "ngram batch 1",
+                                  one_by_one=True)
     return compare_throughput(args, lambda llm: chat_prompts(llm, args.batch_size), params,
                               f"ngram batch {args.batch_size}")
 
@@ -139,10 +144,12 @@ def run_sweep(args) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     results = []
+    args.batch_size = 64
+    args.disable_by_batch_size = 0  # force speculation on to measure it
+    engines = (make_llm(args, None), make_llm(args, ngram_config(args)))
     for b in (1, 2, 4, 8, 16, 32, 64):
-        args.batch_size = b
-        args.disable_by_batch_size = 0  # force speculation on to measure it
-        results.append(compare_throughput(args, lambda llm: chat_prompts(llm, b), params, f"sweep batch {b}"))
+        results.append(compare_throughput(args, lambda llm: chat_prompts(llm, b), params, f"sweep batch {b}",
+                                          engines=engines))
     paying = [r for r, b in zip(results, (1, 2, 4, 8, 16, 32, 64)) if r["median_ratio"] >= 1.0]
     print("largest batch where n-gram speculation pays:", max((int(r["label"].split()[-1]) for r in paying),
                                                               default=None))
