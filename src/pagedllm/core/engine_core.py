@@ -131,6 +131,7 @@ class EngineCore:
         requests are finished (aborted), every other request of the step's plans is preempted and recomputed,
         and the error is re-raised for the driver to report; the next step runs as usual."""
         self._step_plans = []
+        self._step_outputs: list[EngineCoreOutput] = []
         if self._spec_log is not None:
             self._spec_log.maybe_log()
         try:
@@ -153,11 +154,14 @@ class EngineCore:
 
     def _update(self, plan, output) -> list[EngineCoreOutput]:
         check_sampled_tokens(output.req_ids, output.sampled_token_ids, self.vocab_size)
-        return self.scheduler.update_from_output(plan, output)
+        outputs = self.scheduler.update_from_output(plan, output)
+        self._step_outputs += outputs  # already applied: a later failure in this step must still deliver them
+        return outputs
 
     def _recover_failed_step(self, e: RequestStepError) -> None:
         failed = set(e.request_ids)
         others = {rid for plan in self._step_plans for rid in plan.num_scheduled_tokens} - failed
+        e.outputs = [o for o in self._step_outputs if o.request_id not in failed]
         self._in_flight = None  # its results are void: its requests are recomputed
         self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
         self.scheduler.preempt_requests(others)

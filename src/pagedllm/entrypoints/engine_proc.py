@@ -140,6 +140,9 @@ class EngineLoop:
                 try:
                     outputs = self.core.step()
                 except RequestStepError as e:  # one request's fault: fail it, keep serving the rest
+                    if e.outputs:
+                        self.out_sock.send(self.enc.encode(self.m.EngineOutputs(
+                            outputs=e.outputs, stats=self._stats(), timestamp=time.time())))
                     for rid in e.request_ids:
                         self.out_sock.send(self.enc.encode(self.m.RequestError(rid, e.message, 500)))
                     self.stats_dirty = True
