@@ -91,7 +91,12 @@ class LLM:
         # Tokenize and validate everything before queuing anything: a bad prompt fails the call cleanly.
         items = [(self._to_prompt(p), sp) for p, sp in zip(prompts, params_list)]
         lora_ids = self._add_loras(lora_request, len(items))
-        return self._run(items, use_tqdm, lora_ids)
+        outputs = self._run(items, use_tqdm, lora_ids)
+        if lora_request is not None:
+            per_prompt = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(outputs)
+            for out, req in zip(outputs, per_prompt):
+                out.lora_request = req
+        return outputs
 
     def _add_loras(self, lora_request: Any, num_prompts: int) -> list[Optional[int]]:
         """One adapter id (or None) per prompt, registering each adapter with the engine (read and validated
