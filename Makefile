@@ -37,7 +37,7 @@ test-fast: setup
 	$(PY) -m pytest -q tests/unit $(ARGS)
 
 test-gpu: setup
-	$(PY) -m pytest -q -m gpu tests/gpu $(ARGS)
+	$(PY) -m pytest -q -m gpu tests $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py $(ARGS)

@@ -1,18 +1,18 @@
-"""Engine configuration: user-facing EngineArgs (vLLM's names) -> one validated, frozen EngineConfig tree.
+"""Engine configuration: EngineArgs, the user-facing options under vLLM's names.
 
-EngineArgs is what `LLM(...)` kwargs, CLI flags and `--config FILE.yaml` fill in. `create_engine_config()`
-resolves the model (default model, GGUF conversion), reads its HF config, picks device and dtype, and
-validates everything once, raising ValueError with a sentence that says what to change.
+`LLM(...)` kwargs, CLI flags and `--config FILE.yaml` fill one EngineArgs. `validate()` checks what needs no
+model (ranges, choices, features not built yet) and raises ValueError with a sentence that says what to change;
+the Worker then resolves the model (models/loader.py), reads its HF config, picks device and dtype
+(dtypes.py) and checks the rest against the model (max_model_len, KV pool size).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
-_DTYPES = {"auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"}
+from pagedllm.dtypes import DTYPE_CHOICES
+
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
     "pipeline_parallel_size": 1,
@@ -73,8 +73,8 @@ class EngineArgs:
             if getattr(self, name) != off:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag}={getattr(self, name)!r} is not supported yet by pagedllm.")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}.")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}.")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}.")
         if self.block_size not in (8, 16, 32, 64, 128):

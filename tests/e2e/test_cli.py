@@ -53,12 +53,69 @@ def test_chat_and_complete_quick(server: Server, e2e_env: dict) -> None:
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
 
 
+class _RecordingProxy:
+    """A pass-through HTTP proxy in front of the real server that keeps every request body it forwards."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+
+        import httpx
+
+        self.bodies: list[dict] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self, method: str) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if raw:
+                    proxy.bodies.append(json.loads(raw))
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
+                with httpx.stream(method, upstream + self.path, content=raw, headers=headers, timeout=120) as r:
+                    self.send_response(r.status_code)
+                    self.send_header("Content-Type", r.headers.get("content-type", "application/json"))
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    for chunk in r.iter_raw():
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+
+            def do_GET(self) -> None:
+                self._forward("GET")
+
+            def do_POST(self) -> None:
+                self._forward("POST")
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 def test_chat_interactive_keeps_history(server: Server, e2e_env: dict) -> None:
-    p = subprocess.run([cli("pagedllm"), "chat", "--url", server.base_url, "--api-key", API_KEY, "--max-tokens", "6",
-                        "--temperature", "0"], input="My name is Ada.\nWhat is my name?\n", capture_output=True,
-                       text=True, timeout=240, env=e2e_env)
+    """The second turn sends the whole conversation: the first question, the answer the user saw, the new one."""
+    proxy = _RecordingProxy(server.url)
+    try:
+        p = subprocess.run([cli("pagedllm"), "chat", "--url", proxy.url + "/v1", "--api-key", API_KEY,
+                            "--max-tokens", "6", "--temperature", "0", "--system-prompt", "Be brief."],
+                           input="My name is Ada.\nWhat is my name?\n", capture_output=True, text=True, timeout=240,
+                           env=e2e_env)
+    finally:
+        proxy.close()
     assert p.returncode == 0, p.stderr[-2000:]
-    assert len([x for x in p.stdout.splitlines() if x.strip()]) >= 2
+    chats = [b for b in proxy.bodies if "messages" in b]
+    assert len(chats) == 2, proxy.bodies
+    first, second = chats[0]["messages"], chats[1]["messages"]
+    assert first == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "My name is Ada."}]
+    assert second[:2] == first and second[3] == {"role": "user", "content": "What is my name?"}
+    assert len(second) == 4 and second[2]["role"] == "assistant" and second[2]["content"]
+    assert second[2]["content"] in p.stdout  # the history holds exactly the answer that was shown
 
 
 def test_client_errors_are_one_line(e2e_env: dict) -> None:

@@ -33,9 +33,9 @@ from pagedllm.kernels.qkv_prep import qkv_prep
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache
 
 
-# Split launches start the longest contexts first from this many requests on (H200, Qwen3-0.6B heads, contexts
-# spread over ~1000 tokens: 48 requests x 2 splits 71 vs 80 us per layer, 64 x 2: 89 vs 95, 32 x 4: 56 vs 58; at 8
-# requests no difference, and at one request the extra dependent load only adds latency; run AD).
+# Split launches start the longest contexts first from this many requests on: with many requests the long ones
+# otherwise start last and set the launch's tail; with few there is no tail to shorten, and the extra dependent
+# load of the order only adds latency (measurements: docs/benchmarks.md, GPU section).
 ORDERED_SPLIT_MIN_REQS = 32
 
 

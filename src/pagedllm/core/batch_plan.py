@@ -50,9 +50,6 @@ class BatchPlan:
     finished_request_ids: set[str] = field(default_factory=set)
     # Ids preempted in this very step (also listed in finished_request_ids).
     preempted_request_ids: set[str] = field(default_factory=set)
-    # Leading blocks shared by every running request (filled only when all of them were scheduled); a hint
-    # for cascade-style attention, unused by the current backends.
-    num_common_prefix_blocks: int = 0
 
     @property
     def is_empty(self) -> bool:

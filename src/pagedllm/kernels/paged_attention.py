@@ -367,13 +367,11 @@ _DECODE_PROGRAMS_PER_SM = 8
 
 # Decode steps whose longest context is at most SHORT_CONTEXT_LEN use at most SHORT_CONTEXT_MAX_SPLITS splits:
 # a split covers >= BLOCK_N positions, so most of 64 splits would be empty there, and empty programs still
-# cost launch slots (H200, batch 1, 8 kv heads: 5.6-6.0 us per layer with 16 splits vs 7.7-8.4 us with 64 for
-# contexts of 130-1000 tokens; at 32k tokens 64 splits take 40 us vs 67 us). CUDA graphs are captured for both.
+# cost launch slots; long contexts need all 64 (docs/benchmarks.md, GPU section). CUDA graphs are captured for both.
 SHORT_CONTEXT_LEN = 2048
 SHORT_CONTEXT_MAX_SPLITS = 16
 # Split decode steps whose longest context is at most TINY_CONTEXT_LEN read K/V in tiles of 32 positions instead of
-# 64: more of the splits get work (H200, batch 1, 32 q / 8 kv heads, 16 splits: 4.3 vs 5.4 us per layer at 160
-# tokens, 4.8 vs 5.4 at 384; from 1024 tokens on, 64 is faster).
+# 64: more of the splits get work; from ~1024 tokens on, 64-position tiles are faster (docs/benchmarks.md).
 TINY_CONTEXT_LEN = 512
 
 

@@ -29,7 +29,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.layers.activation import triton_kernels
-from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
+from pagedllm.layers.weight_utils import copy_weight, set_weight_attrs
 
 ShardId = Union[int, str, None]
 
@@ -162,25 +162,6 @@ class LinearBase(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}"
-
-
-class ReplicatedLinear(LinearBase):
-    """A plain linear layer, the same on every rank."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, **kwargs: Any) -> None:
-        super().__init__(input_size, output_size, **kwargs)
-        self.linear_method.create_weights(self, input_size, [output_size], input_size, output_size,
-                                          self.params_dtype, self.weight_loader)
-        if bias:
-            self._create_bias(output_size, output_dim=None)
-        else:
-            self.register_parameter("bias", None)
-
-    def weight_loader(self, param, loaded_weight, shard_id=None):
-        copy_weight(param.data, loaded_weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):

@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                    ReplicatedLinear, RowParallelLinear)
+                                    RowParallelLinear)
 
 
 @dataclass
@@ -214,6 +214,6 @@ def lora_slices(layer: LinearBase, stacked_params_mapping: list[tuple[str, str, 
     if isinstance(layer, ColumnParallelLinear):
         return [LoRASlice(prefix, 0, layer.output_size_per_partition, layer.output_size, layer.tp_rank,
                           layer.tp_size)]
-    if isinstance(layer, (RowParallelLinear, ReplicatedLinear)):
+    if isinstance(layer, RowParallelLinear):
         return [LoRASlice(prefix, 0, layer.output_size, layer.output_size, 0, 1)]
     return None

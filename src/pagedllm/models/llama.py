@@ -18,7 +18,8 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.weight_utils import load_weights_into, set_default_dtype
+from pagedllm.layers.weight_utils import set_default_dtype
+from pagedllm.models.weight_utils import load_weights_into
 
 logger = logging.getLogger(__name__)
 

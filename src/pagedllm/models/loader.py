@@ -145,12 +145,3 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
             if linear_method is not None:
                 linear_method.process_weights_after_loading(module)
     return model.eval()
-
-
-def load_model(model: Optional[str], *, dtype: torch.dtype, device: Union[str, torch.device] = "cpu",
-               load_format: str = "auto") -> tuple[nn.Module, Any, str]:
-    """Convenience for tests and scripts: resolve, prepare, read config, build. -> (model, hf_config, dir)."""
-    model_dir = prepare_model_dir(resolve_model_path(model), load_format)
-    hf_config = load_hf_config(model_dir)
-    return get_model(hf_config, model_dir, dtype=dtype, device=device, load_format=load_format), hf_config, \
-        model_dir

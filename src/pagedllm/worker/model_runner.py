@@ -79,8 +79,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             # The profiling forward's activation blocks were released to size the KV cache: run it once more so
             # the caching allocator holds a full step's blocks again and the first large prefill does not pay for
-            # cudaMalloc (H200, Qwen3-0.6B, 16k-token step: the first two prefill steps took 47 + 70 ms of device
-            # time without this, 38 + 53 ms with it; run AD in docs/benchmarks.md). The budget already counts them.
+            # cudaMalloc (measured in docs/benchmarks.md, GPU section). The KV budget already counts these blocks.
             self.profile_run()
 
     @torch.inference_mode()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
+from pagedllm.dtypes import DTYPE_CHOICES
+
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
                "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
@@ -33,8 +35,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--startup-timeout", type=float, default=None, help="seconds to wait for the engine to load")
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float",
-                                                         "bf16", "fp16", "fp32"])
+    e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     e.add_argument("--max-model-len", type=int, default=None)
