@@ -54,6 +54,10 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
+    # "1"/"true": POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's variable works too).
+    "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: any(
+        os.environ.get(name, "0").strip().lower() in ("1", "true")
+        for name in ("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")),
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

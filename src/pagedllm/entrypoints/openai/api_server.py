@@ -78,6 +78,7 @@ async def serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.async_engine import AsyncEngine, EngineStartupError
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
+    from pagedllm.entrypoints.openai.lora_models import serve_lora_modules
     from pagedllm.entrypoints.openai.server_state import ServerState
     from pagedllm.metrics import Metrics
 
@@ -100,6 +101,11 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"error: the engine failed to start: {e}", file=sys.stderr)
             return 1
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key)
+        try:
+            state.loras = await serve_lora_modules(engine, names, engine_args, args.lora_modules, metrics)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")
