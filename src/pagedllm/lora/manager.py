@@ -131,6 +131,27 @@ class LoRAManager:
         if slot is not None:
             self.free_slots.append(slot)
 
+    @torch.inference_mode()
+    def warm_up(self, max_num_tokens: int) -> None:
+        """On CUDA, compile the shrink/expand kernel variants a large prefill step uses (decode sizes are compiled by
+        the CUDA-graph capture), so the first adapter request does not wait for the compiler mid-serving."""
+        if self.state.device.type != "cuda":
+            return
+        self.state.clear()
+        self.state.active = True
+        seen = set()
+        for layer in self.layers:
+            key = (layer.in_local, tuple(layer._slice_spans))
+            if key in seen:
+                continue
+            seen.add(key)
+            for num_tokens in sorted({min(1024, max_num_tokens), max_num_tokens}):
+                x = torch.zeros(num_tokens, layer.in_local, dtype=layer.lora_a.dtype, device=self.state.device)
+                out = torch.zeros(num_tokens, layer.out_local, dtype=layer.lora_a.dtype, device=self.state.device)
+                layer.add_delta(x, out)
+        torch.cuda.synchronize(self.state.device)
+        self.state.clear()
+
     # ---- per step --------------------------------------------------------------------------------------
 
     def activate(self, lora_ids: Sequence[Optional[int]]) -> list[int]:

@@ -136,6 +136,8 @@ class Worker:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
         self.runner.lora = self.lora_manager
+        if self.lora_manager is not None:
+            self.lora_manager.warm_up(self.max_num_batched_tokens)
         self.num_blocks = self._determine_num_blocks()
         self.runner.initialize_kv_cache(self.num_blocks)
 
