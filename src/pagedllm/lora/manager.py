@@ -115,7 +115,7 @@ class LoRAManager:
         return list(self.paths)
 
     def _read(self, lora_int_id: int, name: str, path: str) -> LoRAAdapter:
-        adapter = load_adapter(lora_int_id, name, path, self.expected, self.max_lora_rank)
+        adapter = load_adapter(lora_int_id, name, path, self.expected, self.max_lora_rank, self.layers[0].lora_a.dtype)
         self.num_disk_loads += 1
         return adapter
 

@@ -26,7 +26,7 @@ class LoRAError(ValueError):
 
 @dataclass
 class LoRAAdapter:
-    """One adapter in host memory: per PEFT module name, A [r, in] and B*scaling [out, r] (float32)."""
+    """One adapter in host memory: per PEFT module name, A [r, in] and B*scaling [out, r] (the model's dtype)."""
 
     lora_int_id: int
     name: str
@@ -117,9 +117,11 @@ def _pattern_value(patterns: Optional[dict], module: str, default: Any) -> Any:
 
 
 def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tuple[int, int]],
-                 max_lora_rank: int) -> LoRAAdapter:
+                 max_lora_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
     """Read and validate an adapter against the model: `expected` maps each adaptable module's PEFT name
-    (e.g. "model.layers.0.self_attn.q_proj") to its full (in_features, out_features)."""
+    (e.g. "model.layers.0.self_attn.q_proj") to its full (in_features, out_features). The host copy is kept in
+    `dtype` (the model's: a bf16 model's adapters take half the host memory of fp32 ones); the scaling is applied
+    in fp32 first."""
     config = read_adapter_config(path)
     tensors = _load_tensors(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -167,7 +169,7 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
                             f"{max_lora_rank}; start the engine with --max-lora-rank {_next_rank(rank)} or more.")
         alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha_default))
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-        weights[module] = (a.float().contiguous(), (b.float() * scaling).contiguous())
+        weights[module] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
         max_rank = max(max_rank, rank)
     return LoRAAdapter(lora_int_id=lora_int_id, name=name, path=path, rank=max_rank, weights=weights)
 
