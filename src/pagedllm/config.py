@@ -13,11 +13,12 @@ from typing import Any, Optional
 
 from pagedllm.dtypes import DTYPE_CHOICES
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
     "pipeline_parallel_size": 1,
     "cpu_offload_gb": 0,
-    "quantization": None,
     "speculative_config": None,
 }
 
@@ -56,6 +57,7 @@ class EngineArgs:
     disable_log_stats: bool = True
     max_logprobs: int = 20
     max_cpu_loras: Optional[int] = None  # adapters kept in host memory (LRU); None: max_loras
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (= "fp8_e4m3")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -91,6 +93,11 @@ class EngineArgs:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a method name, got {self.quantization!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}.")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
         self._validate_lora()

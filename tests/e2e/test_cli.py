@@ -124,7 +124,7 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
 
 
 @pytest.mark.parametrize("flags,fragment", [
-    (["--quantization", "awq"], "not supported yet"),
+    (["--quantization", "gptq"], "needs a gptq-quantized checkpoint"),
     (["--pipeline-parallel-size", "2"], "not supported yet"),
     (["--cpu-offload-gb", "4"], "not supported yet"),
     (["--lora-modules", "sql=/tmp/sql"], "--lora-modules needs --enable-lora"),
@@ -146,7 +146,7 @@ def test_config_file_errors(e2e_env: dict, tmp_path) -> None:
     assert r.returncode != 0 and "unknown key 'no-such-flag'" in r.stderr
     cfg.write_text("quantization: gptq\n")
     r = run([cli("pagedllm"), "serve", "--config", str(cfg), "--port", str(free_port())], e2e_env, timeout=60)
-    assert r.returncode != 0 and "not supported yet" in r.stderr
+    assert r.returncode != 0 and "needs a gptq-quantized checkpoint" in r.stderr
 
 
 def test_bad_model_path_is_one_clear_line(e2e_env: dict, tmp_path) -> None:
@@ -178,8 +178,8 @@ def test_vllm_shim_commands(server: Server, e2e_env: dict) -> None:
     assert r.returncode == 0 and r.stdout.strip() == "a", r.stderr
     r = run([cli("vllm"), "--version"], e2e_env)
     assert r.returncode == 0
-    r = run([cli("vllm"), "serve", "--quantization", "awq", "--port", str(free_port())], e2e_env, timeout=60)
-    assert r.returncode != 0 and "not supported yet" in r.stderr
+    r = run([cli("vllm"), "serve", "--quantization", "gptq", "--port", str(free_port())], e2e_env, timeout=60)
+    assert r.returncode != 0 and "needs a gptq-quantized checkpoint" in r.stderr
     r = run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--enable-lora", "--max-loras", "0"],
             e2e_env, timeout=60)
     assert r.returncode != 0 and "max_loras must be >= 1" in r.stderr

@@ -197,6 +197,16 @@ def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Ten
     return num_tokens, num_heads, head_size, num_kv_heads
 
 
+def prefill_block_m(dtype: torch.dtype, gqa: int, head_size: int, max_query_len: Optional[int]) -> int:
+    """The prefill kernel's query tile BLOCK_M (= BLOCK_Q query tokens x GQA_PAD heads): the largest that fits,
+    smaller for short query chunks (decodes, speculative rows) when max_query_len is given."""
+    gqa_pad = triton.next_power_of_2(gqa)
+    max_m = 64 if (dtype == torch.float32 or triton.next_power_of_2(head_size) > 128) else 128
+    if max_query_len is None:
+        return max(max_m, gqa_pad, 16)
+    return max(min(max_m, max(16, triton.next_power_of_2(max(1, max_query_len)) * gqa_pad)), gqa_pad, 16)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], already written
@@ -222,10 +232,8 @@ def paged_prefill_attention(
     gqa_pad = triton.next_power_of_2(gqa)
     head_pad = triton.next_power_of_2(head_size)
     is_fp32 = query.dtype == torch.float32
-    max_m = 64 if (is_fp32 or head_pad > 128) else 128
-    # Short query chunks (decodes, speculative rows) get smaller tiles; BLOCK_M = BLOCK_Q * GQA_PAD.
     if block_m is None:
-        block_m = min(max_m, max(16, triton.next_power_of_2(max(1, max_query_len)) * gqa_pad))
+        block_m = prefill_block_m(query.dtype, gqa, head_size, max_query_len)
     block_m = max(block_m, gqa_pad, 16)
     block_q = block_m // gqa_pad
     if block_n is None:

@@ -130,7 +130,7 @@ def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     if unexpected:
         logger.warning("Ignoring %d checkpoint tensor(s) with no matching parameter, e.g. %s.", len(unexpected),
                        ", ".join(unexpected[:5]))
-    missing = sorted(set(params) - loaded)
+    missing = sorted(n for n in set(params) - loaded if not getattr(params[n], "optional_weight", False))
     if missing:
         shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"The checkpoint is missing {len(missing)} weight(s) the model needs: {shown}.")
@@ -158,3 +158,11 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
             values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             values.uniform_(low, high, generator=gen)
             param.data.copy_(values)
+        elif param.dtype in (torch.int32, torch.int8, torch.uint8):  # packed quantized weights: random bits
+            dummy = getattr(param, "dummy_init", None)  # e.g. g_idx must stay a valid group map
+            if dummy is not None:
+                dummy(param)
+                continue
+            info = torch.iinfo(param.dtype)
+            param.data.copy_(torch.randint(info.min, info.max, param.shape, dtype=torch.int64, device=param.device,
+                                           generator=gen).to(param.dtype))

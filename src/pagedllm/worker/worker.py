@@ -81,6 +81,8 @@ class Worker:
         self.device = resolve_device(args.device)
         if args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet by pagedllm.")
+        if args.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported yet by pagedllm.")
         model_path = resolve_model_path(args.model)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
         self.hf_config = load_hf_config(self.model_dir)
@@ -105,12 +107,17 @@ class Worker:
         torch.manual_seed(args.seed)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
+        from pagedllm.quantization import quant_config_for_engine, weight_memory_summary
+
+        self.quant_config = quant_config_for_engine(args, cfg, self.model_dir, self.device, self.dtype)
         start = time.perf_counter()
         self.model = get_model(cfg, self.model_dir, dtype=self.dtype, device=self.device,
-                               load_format=args.load_format)
-        logger.info("Loaded %s (%s) from %s in %.1f s on %s as %s.", cfg.architectures[0] if cfg.architectures
+                               load_format=args.load_format, quant_config=self.quant_config)
+        logger.info("Loaded %s (%s) from %s in %.1f s on %s as %s%s.", cfg.architectures[0] if cfg.architectures
                     else type(self.model).__name__, _count_params(self.model), self.model_dir,
-                    time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""))
+                    time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""),
+                    f", quantization {self.quant_config.name}" if self.quant_config else "")
+        logger.info("Model memory: %s.", weight_memory_summary(self.model))
         if self.device.type == "cpu" and self.dtype == torch.float32:
             # oneDNN-prepacked copies of the weights (faster CPU matmuls) cost a second copy in RAM: only
             # when that copy fits comfortably.

@@ -53,7 +53,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     e.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     e.add_argument("--enforce-eager", action="store_true")
-    e.add_argument("--quantization", "-q", default=None)
+    e.add_argument("--quantization", "-q", default=None,
+                   help="awq, gptq, compressed-tensors (read from config.json when omitted) or online fp8 / int8")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     e.add_argument("--cpu-offload-gb", type=float, default=0)
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")
