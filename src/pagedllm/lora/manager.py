@@ -145,10 +145,11 @@ class LoRAManager:
             if key in seen:
                 continue
             seen.add(key)
-            for num_tokens in sorted({min(1024, max_num_tokens), max_num_tokens}):
-                x = torch.zeros(num_tokens, layer.in_local, dtype=layer.lora_a.dtype, device=self.state.device)
-                out = torch.zeros(num_tokens, layer.out_local, dtype=layer.lora_a.dtype, device=self.state.device)
-                layer.add_delta(x, out)
+            # 1024 tokens: the one-split shrink every step of >= 1024 tokens uses (kernels.lora.shrink_split)
+            num_tokens = min(1024, max_num_tokens)
+            x = torch.zeros(num_tokens, layer.in_local, dtype=layer.lora_a.dtype, device=self.state.device)
+            out = torch.zeros(num_tokens, layer.out_local, dtype=layer.lora_a.dtype, device=self.state.device)
+            layer.add_delta(x, out)
         torch.cuda.synchronize(self.state.device)
         self.state.clear()
 
