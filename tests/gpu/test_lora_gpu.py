@@ -64,6 +64,7 @@ def test_kernels_in_cuda_graph_follow_new_slots():
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama_dir, tmp_path_factory):
+    pytest.importorskip("peft", reason="the engine test makes its adapters with peft (pip install -e '.[test]')")
     from tests.lora.lora_helpers import make_adapter
 
     d = tmp_path_factory.mktemp("gpu-loras")
