@@ -137,7 +137,7 @@ def test_unload_lets_running_requests_finish(lora_server, adapters, prompt_ids):
 
         def run() -> None:
             with lora_server.client() as h2, h2.stream("POST", "/v1/completions", json={
-                    "model": "late", "prompt": list(prompt_ids), "max_tokens": 64, "temperature": 0,
+                    "model": "late", "prompt": list(prompt_ids), "max_tokens": 32, "temperature": 0,
                     "ignore_eos": True, "stream": True}) as r:
                 lines = []
                 for line in r.iter_lines():
@@ -157,7 +157,7 @@ def test_unload_lets_running_requests_finish(lora_server, adapters, prompt_ids):
         t.join(300)
         assert result["status"] == 200 and result["lines"][-1] == "data: [DONE]"
         assert any('"finish_reason":"length"' in line for line in result["lines"])
-        assert sum(1 for line in result["lines"] if '"text":' in line) >= 60  # (+ a possible empty final chunk)
+        assert sum(1 for line in result["lines"] if '"text":' in line) >= 30  # (+ a possible empty final chunk)
         # the adapter can be loaded again under the same name
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapters["late"]})
         assert r.status_code == 200

@@ -63,25 +63,24 @@ def _peft_model(model_dir: str, adapter_dir: str):
 
 def peft_greedy(model_dir: str, adapter_dir: Optional[str], prompt: list[int], max_tokens: int
                 ) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs from transformers (+ PEFT with `adapter_dir`), full forward per step."""
+    """Greedy tokens and their logprobs from transformers (+ PEFT with `adapter_dir`), with its KV cache."""
+    import contextlib
+
     key = (model_dir, adapter_dir, tuple(prompt), max_tokens)
     if key not in _CACHE:
         if adapter_dir is None:
             model = _CACHE.get(("peft", model_dir)) or _hf_model(model_dir, "reference")
         else:
             model = _peft_model(model_dir, adapter_dir)
-        ids = list(prompt)
+        base_only = adapter_dir is None and hasattr(model, "disable_adapter")
         tokens, lps = [], []
-        with torch.inference_mode():
+        with torch.inference_mode(), (model.disable_adapter() if base_only else contextlib.nullcontext()):
+            out = model(input_ids=torch.tensor([prompt]), use_cache=True)
             for _ in range(max_tokens):
-                if adapter_dir is None and hasattr(model, "disable_adapter"):
-                    with model.disable_adapter():
-                        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-                else:
-                    logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                logits = out.logits[0, -1].float()
                 tok = int(torch.argmax(logits))
                 tokens.append(tok)
                 lps.append(float(torch.log_softmax(logits, -1)[tok]))
-                ids.append(tok)
+                out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
         _CACHE[key] = (tokens, lps)
     return _CACHE[key]
