@@ -126,7 +126,7 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
 @pytest.mark.parametrize("flags,fragment", [
     (["--quantization", "gptq"], "needs a gptq-quantized checkpoint"),
     (["--pipeline-parallel-size", "2"], "not supported yet"),
-    (["--cpu-offload-gb", "4"], "not supported yet"),
+    (["--cpu-offload-gb", "4", "--device", "cpu"], "meaningless on the CPU"),
     (["--lora-modules", "sql=/tmp/sql"], "--lora-modules needs --enable-lora"),
     (["--enable-lora", "--lora-modules", "sql"], "must be name=path or a JSON object"),
     (["--enable-lora", "--lora-modules", '{"name": "sql"}'], 'needs "name" and "path"'),
