@@ -90,18 +90,16 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
 
-    from pagedllm.entrypoints.openai.lora_models import LoRAModels, load_lora_adapter, unload_lora_adapter
+    from pagedllm.entrypoints.openai.lora_models import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
+                                                         load_lora_adapter, loras_of, unload_lora_adapter)
 
-    if state.loras is None:  # a server without --enable-lora still answers these routes with a clear error
-        state.loras = LoRAModels(state.engine, state.served_model_names, enabled=False)
-
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=body(LoadLoRAAdapterRequest))
     async def load_lora_route(request: Request) -> Response:
-        return await load_lora_adapter(request, state.loras)
+        return await load_lora_adapter(request, loras_of(state))
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", openapi_extra=body(UnloadLoRAAdapterRequest))
     async def unload_lora_route(request: Request) -> Response:
-        return await unload_lora_adapter(request, state.loras)
+        return await unload_lora_adapter(request, loras_of(state))
 
     @app.post("/tokenize", openapi_extra=body(TokenizeRequest))
     async def tokenize_route(request: Request) -> Response:

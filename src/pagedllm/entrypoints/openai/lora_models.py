@@ -16,10 +16,28 @@ from typing import Any, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict
 
 from pagedllm import envs
-from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.errors import APIError, parse_body
 from pagedllm.lora.request import LoRARequest
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_path: str
+    base_model_name: Optional[str] = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and not needed)."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_int_id: Optional[int] = None
 
 
 @dataclass
@@ -127,16 +145,6 @@ async def serve_lora_modules(engine: Any, base_names: list[str], engine_args: An
     return loras
 
 
-async def _json_body(request: Request) -> dict:
-    try:
-        data = json.loads(await request.body() or b"null")
-    except (ValueError, UnicodeDecodeError):
-        raise APIError("We could not parse the JSON body of your request: it is not valid JSON.")
-    if not isinstance(data, dict):
-        raise APIError("The request body must be a JSON object.")
-    return data
-
-
 def _check_runtime_updates() -> None:
     if not runtime_updates_allowed():
         raise APIError("Loading and unloading LoRA adapters at run time is off: start the server with "
@@ -144,17 +152,24 @@ def _check_runtime_updates() -> None:
                        status=404)
 
 
+def loras_of(state: Any) -> LoRAModels:
+    """The server's LoRAModels; a server built without one (no --enable-lora) answers with a clear 400."""
+    loras = getattr(state, "loras", None)
+    if loras is None:
+        loras = LoRAModels(getattr(state, "engine", None), list(getattr(state, "served_model_names", [])),
+                           enabled=False)
+    return loras
+
+
 async def load_lora_adapter(request: Request, loras: LoRAModels) -> Response:
     _check_runtime_updates()
-    data = await _json_body(request)
-    name = data.get("lora_name")
-    await loras.load(name, data.get("lora_path"), data.get("base_model_name"))
-    return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+    req = await parse_body(request, LoadLoRAAdapterRequest)
+    await loras.load(req.lora_name, req.lora_path, req.base_model_name)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
 
 async def unload_lora_adapter(request: Request, loras: LoRAModels) -> Response:
     _check_runtime_updates()
-    data = await _json_body(request)
-    name = data.get("lora_name")
-    await loras.unload(name)
-    return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+    req = await parse_body(request, UnloadLoRAAdapterRequest)
+    await loras.unload(req.lora_name)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
