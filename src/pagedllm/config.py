@@ -20,7 +20,6 @@ CPU_OFFLOAD_ON_CPU = ("--cpu-offload-gb is meaningless on the CPU: the weights a
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
     "pipeline_parallel_size": 1,
-    "speculative_config": None,
 }
 
 
@@ -115,6 +114,7 @@ class EngineArgs:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")
         self._validate_lora()
+        self.speculative()  # raises on a bad speculative_config
 
     def _validate_lora(self) -> None:
         if not self.enable_lora:
@@ -127,3 +127,14 @@ class EngineArgs:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
         if self.cpu_offload_gb > 0:
             raise ValueError("--enable-lora with --cpu-offload-gb is not supported yet by pagedllm.")
+
+    def speculative(self) -> Any:
+        """The validated spec_decode.config.SpeculativeConfig, or None without speculative decoding."""
+        return _speculative(self.speculative_config)
+
+
+def _speculative(value: Any) -> Any:
+    """speculative_config (a dict, a JSON string or None) -> spec_decode.config.SpeculativeConfig or None."""
+    from pagedllm.spec_decode.config import SpeculativeConfig
+
+    return SpeculativeConfig.from_user(value)

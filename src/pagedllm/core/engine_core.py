@@ -18,6 +18,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_constraints import check_against_engine
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.stats import SpecLogger
 
 logger = logging.getLogger("pagedllm")
 
@@ -59,9 +60,18 @@ class EngineCore:
             enable_prefix_caching=engine_args.enable_prefix_caching,
             async_scheduling=w.async_scheduling,
             enable_chunked_prefill=engine_args.enable_chunked_prefill,
+            num_speculative_tokens=w.num_speculative_tokens,
+            spec_disable_batch_size=w.spec_disable_batch_size,
             max_loras=engine_args.max_loras if engine_args.enable_lora else None,
         )
         self.loras = EngineLoRAs(w.lora_manager, self.scheduler)
+        self._spec_log = SpecLogger(self.scheduler.spec_stats) if w.num_speculative_tokens else None
+        if w.speculative is not None:
+            sc = w.speculative
+            logger.info("Speculative decoding: %s%s, %d tokens per step, off in steps with more than %s running + "
+                        "waiting requests; acceptance is logged every %.0f s.", sc.method,
+                        f" ({sc.model})" if sc.model else f" (lookup {sc.prompt_lookup_min}..{sc.prompt_lookup_max})",
+                        sc.num_speculative_tokens, sc.disable_by_batch_size, self._spec_log.interval_s)
         self.async_scheduling = w.async_scheduling
         if not engine_args.enable_chunked_prefill:
             logger.info("Chunked prefill is off: each prompt runs whole in one step (up to %d tokens per step).",
@@ -138,7 +148,12 @@ class EngineCore:
         self._step_plans = []
         if self.loras.pending_removal:
             self.loras.collect()
+        if self._spec_log is not None:
+            self._spec_log.maybe_log()
         try:
+            if self.async_scheduling and self.scheduler.spec_active():
+                # A speculating step needs the drafts its previous step proposed: finish that step first.
+                return self._apply_in_flight() + self._step_sync()
             return self._step_async() if self.async_scheduling else self._step_sync()
         except RequestStepError as e:
             self._recover_failed_step(e)
