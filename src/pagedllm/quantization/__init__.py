@@ -122,7 +122,8 @@ def weight_memory_summary(model: Any) -> str:
     seen: set[int] = set()
     for module in model.modules():
         method = getattr(module, "linear_method", None)
-        name = "other" if method is None else type(method).__name__.replace("LinearMethod", "").lower() or "?"
+        name = "other" if method is None else getattr(method, "method_name", None) \
+            or type(method).__name__.replace("LinearMethod", "").lower()
         for p in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
             if id(p) in seen:
                 continue

@@ -132,6 +132,7 @@ class CTWNA16Method(PackedIntLinearMethod):
     def __init__(self, scheme: Scheme) -> None:
         super().__init__(scheme.bits, scheme.group_size)
         self.scheme = scheme
+        self.method_name = f"compressed-tensors W{scheme.bits}A16"
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, weight_loader):
@@ -202,6 +203,8 @@ class CTW8A8Method(Fp8LinearMethod):
 
     def __init__(self, scheme: Scheme) -> None:
         self.scheme = scheme
+        self.method_name = ("compressed-tensors FP8" if scheme.kind == "fp8" else "compressed-tensors INT8") + (
+            " W8A16" if scheme.act_dynamic is None else " W8A8")
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, weight_loader):
