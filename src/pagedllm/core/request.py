@@ -80,11 +80,12 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether sampling for this request must see every earlier token (penalties, seeds, min_tokens):
-        such requests are never run one step ahead."""
+        """Whether sampling for this request must see every earlier token (penalties, seeds, min_tokens,
+        multi-token bad words): such requests are never run one step ahead."""
         p = self.sampling_params
         return (p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0)
+                or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+                or any(len(seq) > 1 for seq in p.bad_words_token_ids))
 
     @property
     def max_tokens(self) -> int:

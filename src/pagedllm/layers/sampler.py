@@ -2,7 +2,8 @@
 
 Order of operations (vLLM's):
   1. logprobs of the *raw* logits (log_softmax before any processing), only if someone asked
-  2. min_tokens: forbid EOS / stop ids for rows that have not produced min_tokens yet
+  2. token constraints: allowed_token_ids, bad words, logit_bias (layers/token_constraints.py);
+     min_tokens: forbid EOS / stop ids for rows that have not produced min_tokens yet
   3. penalties: repetition (HF semantics, prompt + output), then frequency / presence (OpenAI, output)
   4. greedy rows take argmax of the penalized logits
   5. temperature -> min_p -> top_k -> top_p
@@ -22,6 +23,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from pagedllm.layers.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
 from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -96,13 +98,15 @@ class SamplingMetadata:
     # row -> generator seeded by (seed, output position) for rows with a seed.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: Optional[int] = None  # None: no row asked for logprobs
+    # allowed_token_ids / bad_words / logit_bias of the rows that have them (layers/token_constraints.py)
+    constraints: Optional[TokenConstraints] = None
 
     @property
     def argmax_only(self) -> bool:
         """The sampled tokens are exactly the argmax of the raw logits: every row greedy, and nothing edits the
-        logits (penalties, min_tokens) or reports them (logprobs)."""
+        logits (penalties, min_tokens, token constraints) or reports them (logprobs)."""
         return (self.all_greedy and self.max_num_logprobs is None and self.no_penalties
-                and self.min_tokens_mask is None)
+                and self.min_tokens_mask is None and self.constraints is None)
 
     @classmethod
     def build(
@@ -193,6 +197,7 @@ class SamplingMetadata:
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(wanted) if wanted else None
+        meta.constraints = build_token_constraints(params, output_token_ids, vocab_size, device)
         return meta
 
 
@@ -218,6 +223,8 @@ class Sampler(torch.nn.Module):
             logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
 
+        if meta.constraints is not None:
+            logits = apply_token_constraints(logits, meta.constraints)
         if meta.min_tokens_mask is not None:
             rows, ids = meta.min_tokens_mask
             logits[rows, ids] = float("-inf")

@@ -22,6 +22,7 @@ _METHODS: dict[str, tuple[str, str]] = {
     "fp8": ("fp8", "Fp8Config"),
     "gptq": ("gptq", "GPTQConfig"),
     "int8": ("int8", "Int8Config"),
+    "gguf": ("gguf", "GGUFConfig"),  # a .gguf's blocks kept packed on CPU (the default there; quantization/gguf.py)
 }
 
 # Spellings found in checkpoints / other engines' flags -> our name.
