@@ -103,6 +103,12 @@ class CompressedTensorsConfig(QuantizationConfig):
     def skipped_checkpoint_suffixes(self) -> tuple[str, ...]:
         return (".weight_shape",)
 
+    def check_supported(self, device: torch.device, act_dtype: torch.dtype) -> None:
+        super().check_supported(device, act_dtype)
+        if any(s.kind == "fp8" and s.act_dynamic is not None for s in self.schemes):
+            from pagedllm.quantization.fp8 import check_fp8_gpu_dtype
+            check_fp8_gpu_dtype(self.name, device, act_dtype)
+
     def _scheme_for(self, name: str) -> Optional[Scheme]:
         for scheme in self.schemes:
             for target in scheme.targets:
