@@ -26,7 +26,9 @@ _METHODS: dict[str, tuple[str, str]] = {
 }
 
 # Spellings found in checkpoints / other engines' flags -> our name.
-_ALIASES = {"compressed_tensors": "compressed-tensors", "w8a16": "int8", "int8_w8a16": "int8"}
+_ALIASES = {"compressed_tensors": "compressed-tensors", "w8a16": "int8", "int8_w8a16": "int8",
+            # vLLM's kernel-specific names for the same checkpoints
+            "gptq_marlin": "gptq", "awq_marlin": "awq", "fp8_e4m3": "fp8"}
 
 
 def register_quantization_config(name: str, module: str, class_name: str) -> None:
