@@ -71,7 +71,8 @@ def test_bad_words_ban_the_last_token_only_after_the_rest(device):
 def test_unconstrained_greedy_batch_keeps_the_shortcut():
     meta = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 2, [[], []], [[], []], [None, None], V, "cpu")
     assert meta.argmax_only and meta.constraints is None
-    for kw in (dict(logit_bias={1: 1.0}), dict(allowed_token_ids=[1]), dict(bad_words=["a"], bad_words_token_ids=[[3]])):
+    for kw in (dict(logit_bias={1: 1.0}), dict(allowed_token_ids=[1]),
+               dict(bad_words=["a"], bad_words_token_ids=[[3]])):
         params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, **kw)]
         assert not SamplingMetadata.build(params, [[], []], [[], []], [None, None], V, "cpu").argmax_only, kw
 

@@ -26,7 +26,6 @@ NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
     "guided_choice": lambda v: v is not None,
     "guided_grammar": lambda v: v is not None,
     "use_beam_search": lambda v: bool(v),
-    "lora_request": lambda v: v is not None,
 }
 
 
