@@ -143,7 +143,12 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
         if load_format == "dummy":
             initialize_dummy_weights(model)
         else:
-            model.load_weights(safetensors_weights_iterator(files))
+            # A method that reads its own weight source (GGUF blocks kept packed) supplies the tensors.
+            prepare = getattr(quant_config, "prepare_model", None)
+            if prepare is not None:
+                prepare(model)
+            own = getattr(quant_config, "weights_iterator", None)
+            model.load_weights(own(hf_config) if own is not None else safetensors_weights_iterator(files))
         for module in model.modules():
             linear_method = getattr(module, "linear_method", None)
             if linear_method is not None:

@@ -11,7 +11,7 @@ import torch
 from pagedllm.config import CPU_OFFLOAD_ON_CPU, EngineArgs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
 from pagedllm.dtypes import DTYPE_ALIASES, torch_dtype
-from pagedllm.worker.kv_cache import available_cpu_memory, cpu_kv_budget
+from pagedllm.worker.kv_cache import available_cpu_memory, cpu_kv_budget, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -95,8 +95,6 @@ class Worker:
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         if args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet by pagedllm.")
-        if args.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported yet by pagedllm.")
         model_path = resolve_model_path(args.model, args.revision, args.download_dir)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
         self.hf_config = load_hf_config(self.model_dir, trust_remote_code=args.trust_remote_code)
@@ -125,9 +123,11 @@ class Worker:
         torch.manual_seed(args.seed)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
-        from pagedllm.quantization import quant_config_for_engine, weight_memory_summary
+        from pagedllm.quantization import weight_memory_summary
+        from pagedllm.quantization.gguf import engine_quant_config
 
-        self.quant_config = quant_config_for_engine(args, cfg, self.model_dir, self.device, self.dtype)
+        # A .gguf on CPU keeps its quantized blocks (quantization/gguf.py); otherwise the seam's resolution.
+        self.quant_config = engine_quant_config(args, cfg, model_path, self.model_dir, self.device, self.dtype)
         if offload and self.quant_config is not None:
             raise ValueError("--cpu-offload-gb with a quantized model is not supported yet by pagedllm.")
         start = time.perf_counter()
@@ -164,8 +164,12 @@ class Worker:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
-            attention_backend=args.attention_backend, enforce_eager=enforce_eager)
+            attention_backend=args.attention_backend, enforce_eager=enforce_eager,
+            kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device))
         self.num_blocks = self._determine_num_blocks()
+        if self.runner.kv_cache_dtype != self.dtype:
+            logger.info("KV cache in %s: %d bytes per token.", str(self.runner.kv_cache_dtype).replace("torch.", ""),
+                        self.runner.kv_cache_spec().bytes_per_token)
         self.runner.initialize_kv_cache(self.num_blocks)
 
     def _determine_num_blocks(self) -> int:
