@@ -131,6 +131,7 @@ def test_continuous_usage_stats_on_every_chunk(http: httpx.Client, path: str, bo
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported yet"),
     (CHAT, {"response_format": {"type": "json_object"}}, "'response_format' is not supported yet"),
     (CMPL, {"use_beam_search": True}, "'use_beam_search' is not supported yet"),
+    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options can only be given when stream is true"),
 ])
 def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragment: str) -> None:
     base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}

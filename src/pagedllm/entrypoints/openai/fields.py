@@ -3,6 +3,7 @@ their field exists on the request model), and everything else (accepted, ignored
 vLLM does, so a typo such as `max_token` shows in the server log)."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
@@ -29,13 +30,14 @@ NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _known(model: type[BaseModel]) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _known(model: type[BaseModel]) -> frozenset[str]:
     names = set()
     for name, info in model.model_fields.items():
         names.add(name)
         if info.alias:
             names.add(info.alias)
-    return names
+    return frozenset(names)
 
 
 def check_extra_fields(model: type[BaseModel], data: dict) -> None:
