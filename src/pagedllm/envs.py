@@ -69,6 +69,8 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "HF_HUB_OFFLINE": lambda: _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(
         os.environ.get("TRANSFORMERS_OFFLINE")),
     "HF_TOKEN": _optional_str("HF_TOKEN"),
+    # Default of `pagedllm serve --api-key` (so a key can come from a secret instead of the command line).
+    "PAGEDLLM_API_KEY": _optional_str("PAGEDLLM_API_KEY"),
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.batch_plan import EngineCoreOutput
+from pagedllm.core.errors import RequestStepError, check_sampled_tokens
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_constraints import check_against_engine
@@ -66,6 +67,7 @@ class EngineCore:
         # Async scheduling: the launched step whose results have not been applied yet.
         self._in_flight = None  # (plan, PendingOutput)
         self.num_steps = 0
+        self._step_plans: list = []  # the plans the current step works on (for recovery from a failed step)
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens = %d tokens of KV cache "
                     "(%.1fx max_model_len %d).", time.perf_counter() - start, self.num_blocks, self.block_size,
                     self.scheduler.num_pool_tokens, self.scheduler.num_pool_tokens / self.max_model_len,
@@ -115,14 +117,37 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[EngineCoreOutput]:
-        if self.async_scheduling:
-            return self._step_async()
+        """One engine step. A RequestStepError (one request's fault) leaves the engine consistent: the failed
+        requests are finished (aborted), every other request of the step's plans is preempted and recomputed,
+        and the error is re-raised for the driver to report; the next step runs as usual."""
+        self._step_plans = []
+        try:
+            return self._step_async() if self.async_scheduling else self._step_sync()
+        except RequestStepError as e:
+            self._recover_failed_step(e)
+            raise
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         plan = self.scheduler.schedule()
         if plan.total_num_scheduled_tokens == 0 and not plan.finished_request_ids:
             return self.scheduler.update_from_output(plan, self.worker.empty_output())
+        self._step_plans.append(plan)
         output = self.worker.execute_model(plan)
         self.num_steps += 1
+        return self._update(plan, output)
+
+    def _update(self, plan, output) -> list[EngineCoreOutput]:
+        check_sampled_tokens(output.req_ids, output.sampled_token_ids, self.vocab_size)
         return self.scheduler.update_from_output(plan, output)
+
+    def _recover_failed_step(self, e: RequestStepError) -> None:
+        failed = set(e.request_ids)
+        others = {rid for plan in self._step_plans for rid in plan.num_scheduled_tokens} - failed
+        self._in_flight = None  # its results are void: its requests are recomputed
+        self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
+        self.scheduler.preempt_requests(others)
+        logger.error("step failed for %d request(s) (%s): %s; %d other request(s) of the step are recomputed",
+                     len(failed), ", ".join(sorted(failed)[:4]), e.message, len(others))
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Schedule and launch step N, then apply step N-1's results while N runs on the device.
@@ -139,6 +164,7 @@ class EngineCore:
             outputs += self._apply_in_flight()
             self.worker.launch(plan)  # nothing to run; the runner still drops finished requests' state
             return outputs + self.scheduler.update_from_output(plan, self.worker.empty_output())
+        self._step_plans.append(plan)
         pending = self.worker.launch(plan)
         self.num_steps += 1
         outputs += self._apply_in_flight()
@@ -149,8 +175,9 @@ class EngineCore:
         if self._in_flight is None:
             return []
         plan, pending = self._in_flight
+        self._step_plans.append(plan)
         self._in_flight = None
-        return self.scheduler.update_from_output(plan, pending.result())
+        return self._update(plan, pending.result())
 
     def _plan_needs_sync(self, plan) -> bool:
         requests = self.scheduler.requests

@@ -156,6 +156,14 @@ class Scheduler:
         for request in to_finish:
             self._finish(request, status)
 
+    def preempt_requests(self, request_ids: Iterable[str]) -> None:
+        """Preempt running requests from outside (recovery from a failed step): blocks freed, recomputed later."""
+        ids = set(request_ids)
+        victims = [r for r in self.running if r.request_id in ids]
+        self.running = [r for r in self.running if r.request_id not in ids]
+        for request in reversed(victims):  # appendleft: keep their order at the front of the queue
+            self._preempt(request)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from running / waiting."""
         request.status = status
