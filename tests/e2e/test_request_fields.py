@@ -128,6 +128,8 @@ def test_continuous_usage_stats_on_every_chunk(http: httpx.Client, path: str, bo
     (CMPL, {"logit_bias": {"999999": 5}}, "logit_bias has token id(s) out of vocabulary"),
     (CMPL, {"logit_bias": {"1": 500}}, "logit_bias values must be in [-100, 100]"),
     (CMPL, {"allowed_token_ids": [10 ** 9]}, "allowed_token_ids has token id(s) out of vocabulary"),
+    (CMPL, {"bad_words": ["x"] * 2000}, "'bad_words' may have at most 1024 words"),
+    (CHAT, {"bad_words": ["x" * 2000]}, "'bad_words' entries may have at most 1024 characters"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported yet"),
     (CHAT, {"response_format": {"type": "json_object"}}, "'response_format' is not supported yet"),
     (CMPL, {"use_beam_search": True}, "'use_beam_search' is not supported yet"),
