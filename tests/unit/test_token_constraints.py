@@ -87,6 +87,8 @@ def test_tokenize_bad_words_spells_both_forms():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(logit_bias={"x": 1.0}), "logit_bias keys must be token ids"),
     (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={str(2 ** 70): 1.0}), "logit_bias keys must be token ids"),
+    (dict(allowed_token_ids=[2 ** 64]), "allowed_token_ids must be a list of non-negative"),
     (dict(logit_bias={1: 101.0}), r"logit_bias values must be in \[-100, 100\]"),
     (dict(logit_bias={1: float("nan")}), "logit_bias values must be finite"),
     (dict(logit_bias=[1, 2]), "logit_bias must be a mapping"),
