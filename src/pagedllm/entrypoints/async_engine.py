@@ -229,7 +229,9 @@ class AsyncEngine:
                 if item.finished:
                     parent.finished = True
                 yield item
-                if parent.finished:
+                # The item's own flag, not parent.finished: fail_pending / abort_nowait set that one while outputs
+                # are still queued ahead of their error, and the error must still reach the caller.
+                if item.finished:
                     return
         finally:
             self._forget(request_id, abort=not parent.finished)
