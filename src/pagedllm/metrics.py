@@ -56,6 +56,32 @@ class Metrics:
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS)
         self.tpot = hist("vllm:time_per_output_token_seconds", "Time per output token in seconds.", _TPOT_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            ["model_name", "position"], registry=r,
+        )
+
+        self.lora_info: Any = None  # vllm:lora_requests_info, with enable_lora (enable_lora_info)
+
+    def enable_lora_info(self, max_loras: int, names_by_id: dict) -> None:
+        """vLLM's `vllm:lora_requests_info`: one sample whose labels name the running and waiting adapters and
+        whose value is the time of the update. `names_by_id` maps engine adapter ids to served names."""
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=self.registry)
+        self._max_loras = str(max_loras)
+        self._lora_names = names_by_id
+        self.lora_info.labels(self._max_loras, "", "").set_to_current_time()
+
+    def _update_lora_info(self, stats: Any) -> None:
+        def names(ids: Any) -> str:
+            return ",".join(self._lora_names.get(i, str(i)) for i in ids)
+
+        self.lora_info.clear()  # only the current combination is exported
+        self.lora_info.labels(self._max_loras, names(getattr(stats, "running_lora_ids", ())),
+                              names(getattr(stats, "waiting_lora_ids", ()))).set_to_current_time()
 
     # ---- recorders ------------------------------------------------------------------------------
 
@@ -64,6 +90,8 @@ class Metrics:
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.gpu_usage.set(stats.kv_cache_usage)
+        if self.lora_info is not None:
+            self._update_lora_info(stats)
         # The engine reports cumulative counts; counters only move forward by the difference.
         for counter, now, before in (
             (self.preemptions, stats.num_preemptions, prev.num_preemptions),
@@ -72,6 +100,20 @@ class Metrics:
         ):
             if now > before:
                 counter.inc(now - before)
+        self._update_spec_decode(stats, prev)
+
+    def _update_spec_decode(self, stats: Any, prev: Any) -> None:
+        for counter, name in ((self.spec_drafts, "spec_num_drafts"), (self.spec_draft_tokens, "spec_num_draft_tokens"),
+                              (self.spec_accepted_tokens, "spec_num_accepted_tokens")):
+            now, before = getattr(stats, name, 0), getattr(prev, name, 0)
+            if now > before:
+                counter.inc(now - before)
+        now_pos = getattr(stats, "spec_num_accepted_tokens_per_pos", ())
+        before_pos = getattr(prev, "spec_num_accepted_tokens_per_pos", ())
+        for pos, now in enumerate(now_pos):
+            before = before_pos[pos] if pos < len(before_pos) else 0
+            if now > before:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(now - before)
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)
