@@ -20,8 +20,9 @@ schedule():
      with FINISHED_LENGTH instead of looping forever.
   2. Only if nothing was preempted this step: waiting requests, FCFS (resumed ones are at the front),
      while budget and max_num_seqs allow: prefix-cache lookup, then a chunk of min(remaining, budget)
-     tokens (with enable_chunked_prefill=False: all remaining tokens, or the request waits). The first one that does not fit stops admission (no preemption for waiting requests),
-     except that a request that does not fit into an otherwise empty pool ends with FINISHED_LENGTH.
+     tokens (with enable_chunked_prefill=False: all remaining tokens, or the request waits). The first one
+     that does not fit stops admission (no preemption for waiting requests), except that a request that
+     does not fit into an otherwise empty pool ends with FINISHED_LENGTH.
 
 Invariants:
   * every running request holds blocks for its computed tokens; waiting requests hold no blocks;
