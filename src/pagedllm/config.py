@@ -19,8 +19,6 @@ CPU_OFFLOAD_ON_CPU = ("--cpu-offload-gb is meaningless on the CPU: the weights a
 
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
-    "enable_lora": False,
-    "speculative_config": None,
 }
 
 
@@ -57,6 +55,7 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     disable_log_stats: bool = True
     max_logprobs: int = 20
+    max_cpu_loras: Optional[int] = None  # adapters kept in host memory (LRU); None: max_loras
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (= "fp8_e4m3")
     # Parallelism (executor/, distributed/): worker processes per rank, engine-core replicas, several nodes.
     data_parallel_size: int = 1
@@ -121,6 +120,8 @@ class EngineArgs:
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")
+        self._validate_lora()
+        self.speculative()  # raises on a bad speculative_config
 
     def validate_parallel(self) -> None:
         for name in ("pipeline_parallel_size", "data_parallel_size", "nnodes"):
@@ -136,3 +137,43 @@ class EngineArgs:
         if self.nnodes > 1 and self.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported yet: run one "
                              "data-parallel server per node group behind a load balancer instead.")
+        self._validate_parallel_combinations()
+
+    def _validate_parallel_combinations(self) -> None:
+        # LoRA and speculative decoding run in the in-process worker only: the executor's worker ranks do not
+        # receive adapters or build the draft model yet, so refuse rather than run them without.
+        multi_rank = self.tensor_parallel_size * self.pipeline_parallel_size > 1 or self.nnodes > 1
+        if not multi_rank and self.distributed_executor_backend in (None, "uni"):
+            return
+        what = (f"tensor_parallel_size={self.tensor_parallel_size}, pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}, nnodes={self.nnodes}, distributed_executor_backend="
+                f"{self.distributed_executor_backend}")
+        if self.enable_lora:
+            raise ValueError(f"--enable-lora with worker processes ({what}) is not supported yet by pagedllm; "
+                             "run LoRA with one in-process rank.")
+        if self.speculative_config is not None:
+            raise ValueError(f"--speculative-config with worker processes ({what}) is not supported yet by "
+                             "pagedllm; run speculative decoding with one in-process rank.")
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}.")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+        if self.cpu_offload_gb > 0:
+            raise ValueError("--enable-lora with --cpu-offload-gb is not supported yet by pagedllm.")
+
+    def speculative(self) -> Any:
+        """The validated spec_decode.config.SpeculativeConfig, or None without speculative decoding."""
+        return _speculative(self.speculative_config)
+
+
+def _speculative(value: Any) -> Any:
+    """speculative_config (a dict, a JSON string or None) -> spec_decode.config.SpeculativeConfig or None."""
+    from pagedllm.spec_decode.config import SpeculativeConfig
+
+    return SpeculativeConfig.from_user(value)

@@ -75,6 +75,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_DIST_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "300")),
     # Seconds the head waits at start for every rank (of every node) to join.
     "PAGEDLLM_NODE_JOIN_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "300")),
+    # "1"/"true": POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's variable works too).
+    "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: _truthy(os.environ.get("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"))
+    or _truthy(os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")),
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

@@ -73,10 +73,44 @@ class Metrics:
             "ttft": hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS),
             "tpot": hist("vllm:time_per_output_token_seconds", "Time per output token in seconds.", _TPOT_BUCKETS),
             "e2e": hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS),
+            "spec_drafts": counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+            "spec_draft_tokens": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+            "spec_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
             "_success_family": Counter("vllm:request_success", "Count of finished requests by finish reason.",
                                        ["model_name", "finished_reason", "engine"], registry=r),
         }
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            ["model_name", "position", "engine"], registry=r,
+        )
         self.engines = [_EngineChildren(families, model_name, str(i)) for i in range(num_engines)]
+        self.lora_info: Any = None  # vllm:lora_requests_info, with enable_lora (enable_lora_info)
+
+    def enable_lora_info(self, max_loras: int, names_by_id: dict) -> None:
+        """vLLM's `vllm:lora_requests_info`: per engine core, one sample whose labels name the running and waiting
+        adapters and whose value is the time of the update. `names_by_id` maps engine adapter ids to served names."""
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters", "engine"],
+                               registry=self.registry)
+        self._max_loras = str(max_loras)
+        self._lora_names = names_by_id
+        self._lora_current: dict[int, tuple] = {}
+        for i in range(len(self.engines)):
+            self._set_lora_info(i, (self._max_loras, "", "", str(i)))
+
+    def _set_lora_info(self, engine: int, labels: tuple) -> None:
+        before = self._lora_current.get(engine)
+        if before is not None and before != labels:
+            self.lora_info.remove(*before)  # only each core's current combination is exported
+        self._lora_current[engine] = labels
+        self.lora_info.labels(*labels).set_to_current_time()
+
+    def _update_lora_info(self, stats: Any, engine: int) -> None:
+        def names(ids: Any) -> str:
+            return ",".join(self._lora_names.get(i, str(i)) for i in ids)
+
+        self._set_lora_info(engine, (self._max_loras, names(getattr(stats, "running_lora_ids", ())),
+                                     names(getattr(stats, "waiting_lora_ids", ())), str(engine)))
 
     # ---- recorders ------------------------------------------------------------------------------
 
@@ -86,6 +120,8 @@ class Metrics:
         e.num_waiting.set(stats.num_waiting)
         e.kv_usage.set(stats.kv_cache_usage)
         e.gpu_usage.set(stats.kv_cache_usage)
+        if self.lora_info is not None:
+            self._update_lora_info(stats, engine)
         # The engine reports cumulative counts; counters only move forward by the difference.
         for counter, now, before in (
             (e.preemptions, stats.num_preemptions, prev.num_preemptions),
@@ -94,6 +130,21 @@ class Metrics:
         ):
             if now > before:
                 counter.inc(now - before)
+        self._update_spec_decode(stats, prev, engine)
+
+    def _update_spec_decode(self, stats: Any, prev: Any, engine: int) -> None:
+        e = self.engines[engine]
+        for counter, name in ((e.spec_drafts, "spec_num_drafts"), (e.spec_draft_tokens, "spec_num_draft_tokens"),
+                              (e.spec_accepted_tokens, "spec_num_accepted_tokens")):
+            now, before = getattr(stats, name, 0), getattr(prev, name, 0)
+            if now > before:
+                counter.inc(now - before)
+        now_pos = getattr(stats, "spec_num_accepted_tokens_per_pos", ())
+        before_pos = getattr(prev, "spec_num_accepted_tokens_per_pos", ())
+        for pos, now in enumerate(now_pos):
+            before = before_pos[pos] if pos < len(before_pos) else 0
+            if now > before:
+                self._spec_per_pos.labels(self.model_name, str(pos), str(engine)).inc(now - before)
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, engine: int = 0) -> None:
         self.engines[engine].ttft.observe(ttft_s)

@@ -10,6 +10,7 @@ import numbers
 from typing import Any, Optional, Sequence
 
 LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias is in [-100, 100]
+_MAX_ID = 2 ** 63  # ids travel to the engine process as msgpack int64
 
 
 def _is_int(v: Any) -> bool:
@@ -28,7 +29,7 @@ def normalize_logit_bias(bias: Any) -> Optional[dict[int, float]]:
             token = int(key) if not isinstance(key, bool) else None
         except (TypeError, ValueError):
             token = None
-        if token is None or (isinstance(key, float) and not key.is_integer()) or token < 0:
+        if token is None or (isinstance(key, float) and not key.is_integer()) or not 0 <= token < _MAX_ID:
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}.")
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
             raise ValueError(f"logit_bias values must be finite numbers, got {value!r} for token {token}.")
@@ -43,7 +44,7 @@ def normalize_allowed_token_ids(ids: Any) -> Optional[list[int]]:
         return None
     if not isinstance(ids, (list, tuple, set)) or not ids:
         raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}.")
-    if any(not _is_int(t) or t < 0 for t in ids):
+    if any(not _is_int(t) or not 0 <= t < _MAX_ID for t in ids):
         raise ValueError("allowed_token_ids must be a list of non-negative integers.")
     return sorted({int(t) for t in ids})
 

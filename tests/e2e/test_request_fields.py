@@ -1,7 +1,7 @@
 """Request fields the server honours, each checked against the offline engine (the same model and settings) or
 against what it promises: logit_bias, bad_words, allowed_token_ids, prompt_logprobs, chat echo, seed on chat,
 stream_options.continuous_usage_stats; the top_logprobs range; unknown fields named in a warning; features of
-other issues refused with a 400."""
+other issues refused with a 400 until their field lands."""
 from __future__ import annotations
 
 import json
@@ -124,13 +124,15 @@ def test_continuous_usage_stats_on_every_chunk(http: httpx.Client, path: str, bo
     (CHAT, {"logprobs": True, "top_logprobs": -1}, "top_logprobs must be between 0 and 20"),
     (CMPL, {"logprobs": 21}, "logprobs must be between 0 and 20"),
     (CMPL, {"prompt_logprobs": 21}, "prompt_logprobs must be between 0 and 20"),
-    (CHAT, {"best_of": 2}, "best_of > n is not supported yet"),
+    (CHAT, {"best_of": 2}, "'best_of' other than n is only supported with use_beam_search"),
     (CMPL, {"logit_bias": {"999999": 5}}, "logit_bias has token id(s) out of vocabulary"),
     (CMPL, {"logit_bias": {"1": 500}}, "logit_bias values must be in [-100, 100]"),
     (CMPL, {"allowed_token_ids": [10 ** 9]}, "allowed_token_ids has token id(s) out of vocabulary"),
+    (CMPL, {"bad_words": ["x"] * 2000}, "'bad_words' may have at most 1024 words"),
+    (CHAT, {"bad_words": ["x" * 2000]}, "'bad_words' entries may have at most 1024 characters"),
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported yet"),
     (CHAT, {"response_format": {"type": "json_object"}}, "'response_format' is not supported yet"),
-    (CMPL, {"use_beam_search": True}, "'use_beam_search' is not supported yet"),
+    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options can only be given when stream is true"),
 ])
 def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragment: str) -> None:
     base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}

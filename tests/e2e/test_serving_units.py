@@ -68,3 +68,22 @@ def test_result_block_format() -> None:
     assert block.splitlines()[0] == "============ Serving Benchmark Result ============"
     assert "Successful requests:                     1" in block and "Failed requests:" in block
     assert "Output token throughput (tok/s):         2.50" in block and "P99 ITL (ms):" in block
+
+
+def test_issue12_flags_reach_engine_args() -> None:
+    ea = to_engine_args(_parse(["acme/tiny", "--revision", "v2", "--download-dir", "/d", "--generation-config", "vllm",
+                                "--max-logprobs", "5", "--no-enable-chunked-prefill", "--trust-remote-code",
+                                "--cpu-offload-gb", "1.5"]))
+    assert (ea.model, ea.revision, ea.download_dir, ea.generation_config, ea.max_logprobs, ea.enable_chunked_prefill,
+            ea.trust_remote_code, ea.cpu_offload_gb) == ("acme/tiny", "v2", "/d", "vllm", 5, False, True, 1.5)
+    defaults = to_engine_args(_parse([]))
+    assert (defaults.generation_config, defaults.max_logprobs, defaults.enable_chunked_prefill) == ("auto", 20, True)
+
+
+def test_messages_carry_token_constraints() -> None:
+    params = SamplingParams(logit_bias={"7": -100, 3: 2.5}, allowed_token_ids=[3, 7, 9], bad_words=["no"],
+                            bad_words_token_ids=[[4, 5]])
+    add = m.input_decoder().decode(m.Encoder().encode(m.AddRequest("r1", [1], params, 0.0)))
+    got = add.sampling_params
+    assert got.logit_bias == {7: -100.0, 3: 2.5} and got.allowed_token_ids == [3, 7, 9]
+    assert got.bad_words == ["no"] and got.bad_words_token_ids == [[4, 5]]

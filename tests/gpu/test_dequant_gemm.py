@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_cases import kernel_test_device
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed with CUDA torch)")
+
+from attention_cases import kernel_test_device  # noqa: E402
 
 DEVICE = kernel_test_device()
 pytestmark = [

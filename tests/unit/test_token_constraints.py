@@ -71,7 +71,8 @@ def test_bad_words_ban_the_last_token_only_after_the_rest(device):
 def test_unconstrained_greedy_batch_keeps_the_shortcut():
     meta = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 2, [[], []], [[], []], [None, None], V, "cpu")
     assert meta.argmax_only and meta.constraints is None
-    for kw in (dict(logit_bias={1: 1.0}), dict(allowed_token_ids=[1]), dict(bad_words=["a"], bad_words_token_ids=[[3]])):
+    for kw in (dict(logit_bias={1: 1.0}), dict(allowed_token_ids=[1]),
+               dict(bad_words=["a"], bad_words_token_ids=[[3]])):
         params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, **kw)]
         assert not SamplingMetadata.build(params, [[], []], [[], []], [None, None], V, "cpu").argmax_only, kw
 
@@ -86,6 +87,8 @@ def test_tokenize_bad_words_spells_both_forms():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(logit_bias={"x": 1.0}), "logit_bias keys must be token ids"),
     (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={str(2 ** 70): 1.0}), "logit_bias keys must be token ids"),
+    (dict(allowed_token_ids=[2 ** 64]), "allowed_token_ids must be a list of non-negative"),
     (dict(logit_bias={1: 101.0}), r"logit_bias values must be in \[-100, 100\]"),
     (dict(logit_bias={1: float("nan")}), "logit_bias values must be finite"),
     (dict(logit_bias=[1, 2]), "logit_bias must be a mapping"),

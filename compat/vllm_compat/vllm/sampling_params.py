@@ -1,1 +1,1 @@
-from pagedllm.sampling_params import SamplingParams  # noqa: F401
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: F401

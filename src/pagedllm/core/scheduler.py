@@ -20,8 +20,9 @@ schedule():
      with FINISHED_LENGTH instead of looping forever.
   2. Only if nothing was preempted this step: waiting requests, FCFS (resumed ones are at the front),
      while budget and max_num_seqs allow: prefix-cache lookup, then a chunk of min(remaining, budget)
-     tokens (with enable_chunked_prefill=False: all remaining tokens, or the request waits). The first one that does not fit stops admission (no preemption for waiting requests),
-     except that a request that does not fit into an otherwise empty pool ends with FINISHED_LENGTH.
+     tokens (with enable_chunked_prefill=False: all remaining tokens, or the request waits). The first one
+     that does not fit stops admission (no preemption for waiting requests), except that a request that
+     does not fit into an otherwise empty pool ends with FINISHED_LENGTH.
 
 Invariants:
   * every running request holds blocks for its computed tokens; waiting requests hold no blocks;
@@ -45,6 +46,7 @@ from pagedllm.core.batch_plan import (
 )
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.spec_decode.scheduling import SpecScheduling
 
 
 @dataclass
@@ -55,6 +57,13 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative tokens looked up in the prefix cache
     prefix_cache_hits: int  # cumulative tokens found there
     num_preemptions: int  # cumulative
+    # Speculative decoding (cumulative; zeros without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    running_lora_ids: tuple = ()  # distinct adapters of running requests
+    waiting_lora_ids: tuple = ()  # distinct adapters of waiting requests
 
 
 class Scheduler:
@@ -70,6 +79,9 @@ class Scheduler:
         long_prefill_token_threshold: Optional[int] = None,
         async_scheduling: bool = False,
         enable_chunked_prefill: bool = True,
+        num_speculative_tokens: int = 0,
+        spec_disable_batch_size: Optional[int] = None,
+        max_loras: Optional[int] = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
@@ -86,6 +98,9 @@ class Scheduler:
         # Async scheduling: schedule() may run while the previous step is still in flight; each request
         # that samples is counted one token ahead (num_output_placeholders) until its token arrives.
         self.async_scheduling = async_scheduling
+        # LoRA: running requests use at most max_loras distinct adapters (the runner's device slots); a waiting
+        # request whose adapter would be one too many is held back, not failed. None: LoRA off.
+        self.max_loras = max_loras
         self.kv_cache_manager = KVCacheManager(
             block_size=block_size, num_blocks=num_blocks, enable_caching=enable_prefix_caching
         )
@@ -98,6 +113,10 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self._max_reqs_this_step = max_num_seqs
+        # Speculative decoding: drafts proposed by the runner are scheduled as extra tokens to compute, in steps
+        # with at most spec_disable_batch_size running + waiting requests (spec_decode/scheduling.py).
+        self.spec = SpecScheduling(num_speculative_tokens, spec_disable_batch_size, max_model_len)
+        self.spec_stats = self.spec.stats
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -136,7 +155,17 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=tuple(self.spec_stats.num_accepted_tokens_per_pos),
+            running_lora_ids=tuple(sorted({r.lora_id for r in self.running if r.lora_id is not None})),
+            waiting_lora_ids=tuple(sorted({r.lora_id for r in self.waiting if r.lora_id is not None})),
         )
+
+    def spec_active(self) -> bool:
+        """Whether this step speculates: configured, and the load is small enough that it pays."""
+        return self.spec.active(len(self.running), len(self.waiting))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -168,6 +197,7 @@ class Scheduler:
         """Mark finished and release everything; the caller removes it from running / waiting."""
         request.status = status
         self.kv_cache_manager.free(request)
+        self.spec.forget(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -177,6 +207,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight for it is dropped; it is recomputed
+        self.spec.forget(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -221,6 +252,7 @@ class Scheduler:
         preempted: set[str] = set()
         scheduled: list[Request] = []
         self._max_reqs_this_step = max_num_reqs or self.max_num_seqs
+        plan.propose_drafts = self.spec_active()
         budget = self._schedule_running(plan, budget, preempted, scheduled)
         if not preempted:
             self._schedule_waiting(plan, budget, scheduled)
@@ -248,6 +280,8 @@ class Scheduler:
             if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
                 i += 1
                 continue
+            drafts = self.spec.drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
+            num_new_tokens += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_new_tokens)
             while new_block_ids is None:
                 if len(self.running) == 1:
@@ -268,19 +302,45 @@ class Scheduler:
                     request_id=request.request_id,
                     new_block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
+                    num_kept_blocks=self.spec.kept_blocks.pop(request.request_id, None),
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            if drafts:
+                plan.scheduled_spec_decode_tokens[request.request_id] = drafts
             scheduled.append(request)
             budget -= num_new_tokens
             i += 1
         return budget
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request]) -> None:
+        if self.max_loras is None:
+            self._admit_waiting(plan, budget, scheduled, None)
+            return
+        # Held back for want of an adapter slot: they keep their place in the queue, later requests go ahead.
+        held: list[Request] = []
+        active = {r.lora_id for r in self.running if r.lora_id is not None}  # grows as requests are admitted
+        try:
+            self._admit_waiting(plan, budget, scheduled, (held, active))
+        finally:
+            self.waiting.extendleft(reversed(held))
+
+    def _lora_held_back(self, request: Request, lora: Optional[tuple[list[Request], set[int]]]) -> bool:
+        """Would admitting `request` make running requests use more than max_loras adapters? (LoRA only)"""
+        if lora is None or request.lora_id is None:
+            return False
+        _, active = lora
+        return request.lora_id not in active and len(active) >= self.max_loras
+
+    def _admit_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request],
+                       lora: Optional[tuple[list[Request], set[int]]]) -> None:
         kv = self.kv_cache_manager
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < self._max_reqs_this_step):
             request = self.waiting[0]
+            if self._lora_held_back(request, lora):
+                lora[0].append(self.waiting.popleft())
+                continue
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
             else:  # every prompt position must be computed to score it: no prefix-cache hits
@@ -300,6 +360,8 @@ class Scheduler:
                 kv.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             self.waiting.popleft()
             self.running.append(request)
+            if lora is not None and request.lora_id is not None:
+                lora[1].add(request.lora_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.first_scheduled_time is None:
@@ -329,7 +391,8 @@ class Scheduler:
         logprobs = output.logprobs or [None] * len(output.req_ids)
         finished_any = False
         prompt_logprobs = output.prompt_logprobs
-        for request_id, sampled, token_logprobs in zip(output.req_ids, output.sampled_token_ids, logprobs):
+        for index, (request_id, sampled, token_logprobs) in enumerate(
+                zip(output.req_ids, output.sampled_token_ids, logprobs)):
             request = self.requests.get(request_id)
             plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if plp is not None and request is not None and not sampled:  # a prefill chunk's prompt scores
@@ -347,7 +410,12 @@ class Scheduler:
                 or request.num_computed_tokens < request.num_tokens
             ):
                 continue
+            drafts = plan.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                self.spec.rollback_rejected(request, drafts, len(sampled) - 1, self.kv_cache_manager)
             new_token_ids = self._append_tokens(request, sampled)
+            if output.spec_token_ids is not None and not request.is_finished:
+                request.spec_token_ids = output.spec_token_ids[index]
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             if request.is_finished:

@@ -233,6 +233,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: Optional[str] = None,
         output_kind: str = "delta",
+        lora_request: Any = None,
     ) -> AsyncIterator[Any]:
         """Yield RequestOutputs (delta / cumulative / final_only) until the request finishes."""
         if self.errored:
@@ -254,7 +255,8 @@ class AsyncEngine:
                                                         engine=engine)
             self.processor.add_request(child.request_id, prompt, prompt_token_ids, child.params,
                                        parent_id=child.parent_id, index=child.index, output_kind=output_kind)
-            adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time()))
+            adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time(),
+                                     lora_id=None if lora_request is None else lora_request.lora_int_id))
         try:
             for add in adds:
                 await self.in_socks[engine].send(self.enc.encode(add))
@@ -262,10 +264,13 @@ class AsyncEngine:
                 item = await parent.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.finished:
+                # A local flag: fail_pending() marks the parent finished while we are suspended in `yield`,
+                # and its error, still queued, must be raised, not skipped.
+                finished = item.finished
+                if finished:
                     parent.finished = True
                 yield item
-                if parent.finished:
+                if finished:
                     return
         finally:
             self._forget(request_id, abort=not parent.finished)
@@ -318,6 +323,40 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
+
+    async def add_lora(self, lora_request: Any) -> None:
+        """Register an adapter in the engine (read and validated there); RequestRejected with the reason if not."""
+        await self._lora_call(lambda seq: m.AddLora(seq, lora_request.lora_name, lora_request.lora_int_id,
+                                                    lora_request.lora_path, lora_request.base_model_name))
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Unregister an adapter; requests already running with it finish first."""
+        await self._lora_call(lambda seq: m.RemoveLora(seq, lora_int_id))
+
+    async def _lora_call(self, make: Any) -> None:
+        """Send the adapter message to every engine core (data parallel: each has its own worker) and wait for
+        all their replies; the first error is the answer."""
+        if self.errored or self._closed:
+            raise EngineDeadError(self.dead_reason or "the engine process is not running")
+        loop = asyncio.get_running_loop()
+        seqs = [next(self._stats_seq) for _ in range(self.num_engines)]
+        futs = []
+        for seq in seqs:
+            futs.append(loop.create_future())
+            self._stats_waiters[seq] = futs[-1]
+        try:
+            for engine, seq in enumerate(seqs):
+                await self.in_socks[engine].send(self.enc.encode(make(seq)))
+            replies = await asyncio.gather(*futs)
+        finally:
+            for seq in seqs:
+                self._stats_waiters.pop(seq, None)
+        for reply in replies:
+            if not isinstance(reply, m.LoraReply):  # an engine died meanwhile (_fail_all)
+                raise EngineDeadError(self.dead_reason or "the engine process is not running")
+        for reply in replies:
+            if reply.error is not None:
+                raise RequestRejected(reply.error, reply.status)
 
     async def get_stats(self, timeout_s: float = 0.5) -> m.SchedulerStatsMsg:
         """Fresh scheduler gauges from the engine (falls back to the last ones seen)."""
@@ -383,6 +422,10 @@ class AsyncEngine:
             reason = f"{which} stopped: {msg.message}"
             logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
             self._fail_all(EngineDeadError(reason))
+        elif isinstance(msg, m.LoraReply):
+            fut = self._stats_waiters.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, m.StatsReply):
             self._update_stats(msg.stats, msg.engine_index)
             fut = self._stats_waiters.get(msg.seq)

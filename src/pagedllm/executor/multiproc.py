@@ -148,6 +148,11 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------ start-up
     remote_workers = False  # the Ray executor places ranks on other machines: TCP, not IPC
+    # LoRA and speculative decoding are refused with worker processes (EngineArgs._validate_parallel_combinations).
+    lora_manager = None
+    speculative = None
+    num_speculative_tokens = 0
+    spec_disable_batch_size = None
 
     def _make_layout(self, args: Any, local_only: bool) -> ParallelLayout:
         return layout_from_args(args, master_port=_free_port() if local_only else None)

@@ -51,6 +51,8 @@ class ModelRunner:
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         self._prev_index: dict[str, int] = {}
         self.stager = HostStager(device)
+        self.lora = None  # lora.manager.LoRAManager when enable_lora (set by the worker)
+        self.spec = None  # spec_decode.spec_runner.SpecDecodeRunner when speculative decoding is configured
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -83,7 +85,8 @@ class ModelRunner:
             if self.attn_backend.supports_mixed_graphs:
                 from pagedllm.worker.mixed_graph import MixedGraphRunner
 
-                self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool)
+                extra = self.spec.graph_token_sizes() if self.spec is not None else ()
+                self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra)
                 self.mixed_graphs.capture()
         if self.device.type == "cuda":
             # The profiling forward's activation blocks were released to size the KV cache: run it once more so
@@ -127,6 +130,8 @@ class ModelRunner:
         """
         batch = self.input_batch
         batch.update(plan)
+        if self.spec is not None and plan.finished_request_ids:
+            self.spec.drop(plan.finished_request_ids)
         if plan.total_num_scheduled_tokens == 0:
             return PendingOutput.empty()
         inp = batch.prepare(plan)
@@ -143,8 +148,13 @@ class ModelRunner:
         want_order = inp.max_query_len == 1 and self.attn_backend.wants_decode_order
         if want_order:
             int32_arrays.append(np.argsort(-inp.seq_lens, kind="stable").astype(np.int32))
-        query_start_loc, seq_lens, block_table, *decode_order = self.stager.stage(int32_arrays, np.int32)
+        num_plain = len(int32_arrays)
+        lora_arrays = self._lora_arrays(inp)
+        staged = self.stager.stage(int32_arrays + lora_arrays[:3], np.int32)
+        query_start_loc, seq_lens, block_table, *decode_order = staged[:num_plain]
         self.stager.next_step()
+        if lora_arrays:  # the step's token -> adapter slot map, into the wrappers' persistent buffers
+            self.lora.state.load(*staged[num_plain:], active=lora_arrays[3])
         metadata = AttentionMetadata(
             num_actual_tokens=len(inp.input_ids),
             num_reqs=len(inp.req_ids),
@@ -176,6 +186,8 @@ class ModelRunner:
             return PendingOutput(self, inp, None, None, None)
         prompt_logprobs = self._prompt_logprobs(inp, hidden)
         self._prev_sampled = None
+        if inp.spec_token_ids and len(sample_rows):
+            return self.spec.verify(self, inp, hidden, prompt_logprobs)
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
@@ -212,6 +224,14 @@ class ModelRunner:
         else:
             host, lp_host = sampled, sampler_out.logprobs
         return PendingOutput(self, inp, host, lp_host, event, prompt_logprobs)
+
+    def _lora_arrays(self, inp) -> list:
+        """[token_slots, sorted_token_ids, slot_starts, any adapter] of the step (loading adapters into device slots
+        as needed), or [] without enable_lora."""
+        if self.lora is None:
+            return []
+        num_scheduled = np.diff(inp.query_start_loc).astype(np.int64)
+        return list(self.lora.step_arrays([s.lora_id for s in inp.states], num_scheduled))
 
     def _prompt_logprobs(self, inp, hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """Score the prompt tokens this step's chunks cover, for requests that asked for prompt_logprobs.
@@ -284,6 +304,8 @@ class ModelRunner:
             if lp is not None and k is not None:
                 output.logprobs[row] = [TokenLogprobs(token_ids=lp_ids[j][:k + 1], logprobs=lp_vals[j][:k + 1],
                                                       ranks=lp_ranks[j][:k + 1])]
+        if self.spec is not None and inp.propose_drafts:
+            output.spec_token_ids = self.spec.propose(self, inp)
         return output
 
 

@@ -100,6 +100,9 @@ class Worker:
         if self.device.type == "cuda" and world.world_size > 1:
             self.device = torch.device("cuda", local_rank)
         pipelined = get_pp_group().world_size > 1
+        # What this process already holds on the GPU before this engine loads anything (another engine of the same
+        # process, e.g. a benchmark's peer): not this engine's, so memory sizing must not count it as its own.
+        self._cuda_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         if args.cpu_offload_gb > 0 and self.device.type != "cuda":
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         model_path = resolve_model_path(args.model, args.revision, args.download_dir)
@@ -168,6 +171,13 @@ class Worker:
             else:
                 logger.info("Not prepacking CPU weights (%.1f GiB): not enough free RAM for a second copy.",
                             weight_bytes / 2**30)
+        self.lora_manager = None
+        if args.enable_lora:
+            from pagedllm.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                                            max_cpu_loras=args.max_cpu_loras,
+                                            max_num_tokens=self.max_num_batched_tokens, device=self.device)
         if pipelined:
             from pagedllm.distributed.pipeline import PipelineStage
 
@@ -181,12 +191,27 @@ class Worker:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=enforce_eager or pipelined,
             kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device))
+        self.runner.lora = self.lora_manager
+        if self.lora_manager is not None:
+            self.lora_manager.warm_up(self.max_num_batched_tokens)
+        self.speculative = args.speculative()
+        self.num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
+        self.spec_disable_batch_size = self.speculative.disable_by_batch_size if self.speculative else None
+        if self.speculative is not None:
+            from pagedllm.spec_decode.spec_runner import SpecDecodeRunner, build_proposer
+
+            self.runner.spec = SpecDecodeRunner(self.speculative, build_proposer(self.speculative, worker=self),
+                                                self.max_model_len)
         # Every rank must hold the same pool: the smallest budget wins.
         self.num_blocks = world.all_reduce_min_int(self._determine_num_blocks())
+        if self.speculative is not None and args.num_gpu_blocks_override is None:
+            self.num_blocks = self.runner.spec.share_blocks(self.num_blocks, self.runner.kv_cache_spec())
         if self.runner.kv_cache_dtype != self.dtype:
             logger.info("KV cache in %s: %d bytes per token.", str(self.runner.kv_cache_dtype).replace("torch.", ""),
                         self.runner.kv_cache_spec().bytes_per_token)
         self.runner.initialize_kv_cache(self.num_blocks)
+        if self.speculative is not None:
+            self.runner.spec.initialize(self.num_blocks)
 
     def _determine_num_blocks(self) -> int:
         args = self.args
@@ -212,11 +237,15 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(self.device)
         free_before, total = torch.cuda.mem_get_info(self.device)
         self.runner.profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_baseline
         torch.cuda.empty_cache()
         free_after, _ = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free_after - torch.cuda.memory_reserved(self.device)
-        budget = args.gpu_memory_utilization * total - peak - max(0, used_by_others) - (256 << 20)
+        # gpu_memory_utilization is this engine's share; what another engine of this process holds is not counted
+        # against it, but the KV cache can only take memory that is free once this engine's activations are back.
+        activations = peak - (torch.cuda.memory_allocated(self.device) - self._cuda_baseline)
+        budget = min(args.gpu_memory_utilization * total - peak - max(0, used_by_others),
+                     free_after - activations) - (256 << 20)
         if args.kv_cache_memory_bytes is not None:
             budget = args.kv_cache_memory_bytes
         num_blocks = int(budget // spec.bytes_per_block)
@@ -260,4 +289,5 @@ class Worker:
 
 def _count_params(model: torch.nn.Module) -> str:
     n = sum(p.numel() for p in model.parameters())
+    n += sum(m.__dict__.get("gguf_numel", 0) for m in model.modules())  # weights kept in GGUF blocks
     return f"{n / 1e9:.2f}B params" if n >= 1e9 else f"{n / 1e6:.0f}M params"

@@ -3,6 +3,7 @@ their field exists on the request model), and everything else (accepted, ignored
 vLLM does, so a typo such as `max_token` shows in the server log)."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
@@ -26,17 +27,17 @@ NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
     "guided_choice": lambda v: v is not None,
     "guided_grammar": lambda v: v is not None,
     "use_beam_search": lambda v: bool(v),
-    "lora_request": lambda v: v is not None,
 }
 
 
-def _known(model: type[BaseModel]) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _known(model: type[BaseModel]) -> frozenset[str]:
     names = set()
     for name, info in model.model_fields.items():
         names.add(name)
         if info.alias:
             names.add(info.alias)
-    return names
+    return frozenset(names)
 
 
 def check_extra_fields(model: type[BaseModel], data: dict) -> None:

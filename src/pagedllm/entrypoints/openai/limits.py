@@ -20,6 +20,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 4096
+MAX_BAD_WORDS = 1024  # each is tokenized twice and matched against the output at every step
+MAX_BAD_WORD_CHARS = 1024
 
 
 def check_json_depth(data: Any, raw: bytes) -> None:
@@ -61,6 +63,13 @@ def check_request_limits(req: Any) -> None:
     stop_ids = getattr(req, "stop_token_ids", None)
     if stop_ids is not None and len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise _refuse("stop_token_ids", "may have", MAX_STOP_TOKEN_IDS, len(stop_ids), " ids")
+    bad_words = getattr(req, "bad_words", None)
+    if bad_words is not None:
+        if len(bad_words) > MAX_BAD_WORDS:
+            raise _refuse("bad_words", "may have", MAX_BAD_WORDS, len(bad_words), " words")
+        longest = max((len(w) for w in bad_words), default=0)
+        if longest > MAX_BAD_WORD_CHARS:
+            raise _refuse("bad_words", "entries may have", MAX_BAD_WORD_CHARS, longest, " characters")
     messages = getattr(req, "messages", None)
     if messages is not None and len(messages) > MAX_MESSAGES:
         raise _refuse("messages", "may have", MAX_MESSAGES, len(messages), " messages")

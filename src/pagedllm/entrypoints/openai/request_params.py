@@ -70,6 +70,8 @@ def check_logprob_fields(req: Any, max_logprobs: int, top_name: str, top: Option
                            f"{value}.", param=name)
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("prompt_logprobs is not available when stream is enabled.", param="prompt_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options can only be given when stream is true.", param="stream_options")
 
 
 def _param_of(message: str) -> Optional[str]:

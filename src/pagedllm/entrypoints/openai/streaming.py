@@ -21,8 +21,12 @@ class ChunkFramer:
     """
 
     def __init__(self, request_id: str, obj: str, created: int, model: str, stream_options: Any) -> None:
-        self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
-        self.include_usage = self.continuous_usage or bool(stream_options and stream_options.include_usage)
+        # stream_options: the request's StreamOptions (or None), or a plain include_usage bool
+        if isinstance(stream_options, bool) or stream_options is None:
+            self.continuous_usage, self.include_usage = False, bool(stream_options)
+        else:
+            self.continuous_usage = bool(stream_options.continuous_usage_stats)
+            self.include_usage = self.continuous_usage or bool(stream_options.include_usage)
         self.head = (b'{"id":' + dumps(request_id) + b',"object":' + dumps(obj) + b',"created":'
                      + str(created).encode() + b',"model":' + dumps(model) + b',"choices":')
         self.tail = b',"usage":null}\n\n' if self.include_usage else b"}\n\n"
