@@ -56,6 +56,8 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     disable_log_stats: bool = True
     max_logprobs: int = 20
+    # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
+    structured_outputs_config: Optional[dict] = None
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -10,6 +10,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 _MAX_LOGPROBS = 20  # OpenAI's limit for top logprobs
 
@@ -40,6 +42,9 @@ class SamplingParams:
     output_kind: str = "cumulative"  # internal: "cumulative" | "delta" | "final_only"
     # Filled by the engine, not the user: the model's extra end-of-sequence ids (e.g. <|eot_id|>).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # The output must match a JSON schema / regex / choice / grammar (structured_output/); a dict is converted.
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = field(default=None, repr=False)  # vLLM's older name
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +62,7 @@ class SamplingParams:
             self.top_k = 0
         if self.best_of is None:
             self.best_of = self.n
+        self._resolve_structured_outputs()
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
@@ -120,6 +126,14 @@ class SamplingParams:
             bad("stop_token_ids must be a list of non-negative integers.")
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             bad(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}.")
+
+    def _resolve_structured_outputs(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("Give structured_outputs or its old name guided_decoding, not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

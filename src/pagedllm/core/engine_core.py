@@ -15,6 +15,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.batch_plan import EngineCoreOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.structured_hooks import StructuredOutputHooks
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -58,6 +59,8 @@ class EngineCore:
             async_scheduling=w.async_scheduling,
         )
         self.async_scheduling = w.async_scheduling
+        # Structured outputs: built on the first request under a grammar (engines without any pay nothing).
+        self.structured = StructuredOutputHooks(self, engine_args)
         # Async scheduling: the launched step whose results have not been applied yet.
         self._in_flight = None  # (plan, PendingOutput)
         self.num_steps = 0
@@ -99,6 +102,8 @@ class EngineCore:
             arrival_time=req.arrival_time if req.arrival_time is not None else time.monotonic(),
             lora_id=req.lora_id,
         )
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured.submit(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -111,9 +116,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.async_scheduling:
             return self._step_async()
+        self.structured.before_schedule()
         plan = self.scheduler.schedule()
         if plan.total_num_scheduled_tokens == 0 and not plan.finished_request_ids:
+            self.structured.idle_wait()
             return self.scheduler.update_from_output(plan, self.worker.empty_output())
+        self.structured.attach_bitmask(plan)
         output = self.worker.execute_model(plan)
         self.num_steps += 1
         return self.scheduler.update_from_output(plan, output)
@@ -126,13 +134,18 @@ class EngineCore:
         the step wait for the previous one first.
         """
         outputs: list[EngineCoreOutput] = []
+        self.structured.before_schedule()
         plan = self.scheduler.schedule()
         if self._in_flight is not None and self._plan_needs_sync(plan):
             outputs = self._apply_in_flight()
         if plan.total_num_scheduled_tokens == 0:
             outputs += self._apply_in_flight()
             self.worker.launch(plan)  # nothing to run; the runner still drops finished requests' state
+            if not outputs:
+                self.structured.idle_wait()
             return outputs + self.scheduler.update_from_output(plan, self.worker.empty_output())
+        # A masked request's previous token is applied by now (it needs sync): its matcher is current.
+        self.structured.attach_bitmask(plan)
         pending = self.worker.launch(plan)
         self.num_steps += 1
         outputs += self._apply_in_flight()
@@ -156,5 +169,10 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def pop_request_errors(self) -> list[tuple[str, str]]:
+        """(request id, message) of requests refused after add_request (a grammar that failed to compile)."""
+        return self.structured.pop_errors()
+
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.worker.shutdown()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -61,6 +61,9 @@ class Request:
     # Monotonic time when first scheduled / first token produced (metrics).
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    # Structured outputs: the request's grammar state (structured_output.RequestStructuredOutput, duck-typed
+    # here: is_ready(), accept(token_ids), is_terminated()); None for unconstrained requests.
+    structured_output: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -80,10 +83,10 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether sampling for this request must see every earlier token (penalties, seeds, min_tokens):
-        such requests are never run one step ahead."""
+        """Whether sampling for this request must see every earlier token (penalties, seeds, min_tokens, a
+        grammar's mask): such requests are never run one step ahead."""
         p = self.sampling_params
-        return (p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
+        return (self.structured_output is not None or p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0)
 
     @property

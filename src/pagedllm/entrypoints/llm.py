@@ -42,6 +42,7 @@ class LLM:
 
             self.tokenizer = get_tokenizer(self.engine_args.tokenizer or self.engine.model_dir,
                                            trust_remote_code=self.engine_args.trust_remote_code)
+            self.engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -152,6 +153,9 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests() or len(finished) < len(order):
                 core_outputs = self.engine.step()
+                errors = self.engine.pop_request_errors()
+                if errors:
+                    raise ValueError(errors[0][1])
                 num_output_tokens += sum(len(o.new_token_ids) for o in core_outputs)
                 request_outputs, to_abort = processor.process_outputs(core_outputs)
                 if to_abort:

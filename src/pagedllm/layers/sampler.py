@@ -11,6 +11,7 @@ Order of operations (vLLM's):
      by (seed, output position), so their tokens do not depend on the rest of the batch and repeat
      after a preemption-recompute.
 
+A grammar's token bitmask (structured outputs), when a row has one, is applied before all of these.
 Every stage is skipped when no row needs it (flags computed on the host by the builder), so an
 all-greedy batch without penalties is a single argmax. The logits are modified in place.
 """
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
+from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
 _MASK64 = (1 << 64) - 1
 
@@ -96,6 +98,9 @@ class SamplingMetadata:
     # row -> generator seeded by (seed, output position) for rows with a seed.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: Optional[int] = None  # None: no row asked for logprobs
+    # Structured outputs: int32 [N, ceil(V / 32)] allowed-token bits per row (all ones for unconstrained rows);
+    # applied first, so every later stage and the logprobs see the masked distribution. Set by the runner.
+    token_bitmask: Optional[torch.Tensor] = None
 
     @property
     def argmax_only(self) -> bool:
@@ -216,6 +221,8 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if logits.dtype != torch.float32:
             logits = logits.float()
+        if meta.token_bitmask is not None:
+            apply_token_bitmask_(logits, meta.token_bitmask)
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
 
         if meta.min_tokens_mask is not None:

@@ -16,6 +16,7 @@ from pagedllm.attention.backend import get_attention_backend
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
 
@@ -173,11 +174,12 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=dev,
         )
+        meta.token_bitmask = step_token_bitmask(plan, inp.req_ids, sample_rows, dev)
         greedy = None
         if meta.argmax_only:
             # Only the argmax is needed: the LM head finds it without fp32 logits (on CPU from an exact bf16
-            # screen; None where no shortcut applies).
-            greedy = getattr(self.model, "greedy_token_ids", lambda hidden: None)(sample_hidden)
+            # screen; None where no shortcut applies), within the grammar's allowed tokens if there is a mask.
+            greedy = greedy_token_ids(self.model, sample_hidden, meta.token_bitmask)
         if greedy is not None:
             sampler_out = SamplerOutput(sampled_token_ids=greedy, logprobs=None)
         else:
