@@ -40,6 +40,27 @@ def json_object_schema() -> dict:
     return {"type": "object"}
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_objects(schema: Any) -> Any:
+    """A copy where object schemas with properties and no "additionalProperties" get false: what xgrammar's
+    strict mode does, so both backends keep the model to the listed properties."""
+    if isinstance(schema, list):
+        return [strict_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema maps are not schemas themselves
+            out[k] = {name: strict_objects(sub) for name, sub in v.items()}
+        else:
+            out[k] = strict_objects(v)
+    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 class RequestGrammar(ABC):
     """One request's matcher. Invariant: it has accepted exactly the request's output tokens so far."""
 
@@ -222,10 +243,7 @@ class GuidanceBackend(GrammarBackend):
         kind = params.kind
         flexible = {"whitespace_flexible": not params.disable_any_whitespace}
         if kind == "json":
-            schema = dict(params.json)
-            if params.disable_additional_properties:
-                schema.setdefault("additionalProperties", False)
-            return m.grammar_from_json_schema(json.dumps(schema), defaults=flexible)
+            return m.grammar_from_json_schema(json.dumps(strict_objects(params.json)), defaults=flexible)
         if kind == "json_object":
             return m.grammar_from_json_schema(json.dumps(json_object_schema()), defaults=flexible)
         if kind == "regex":
