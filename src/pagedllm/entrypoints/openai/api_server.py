@@ -100,6 +100,7 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"error: the engine failed to start: {e}", file=sys.stderr)
             return 1
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key)
+        state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")
