@@ -23,6 +23,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# Optional `vllm` shim (vllm serve/chat/bench, from vllm import LLM). It shadows a real vLLM:
 	# skip it with VLLM_COMPAT=0 (e.g. `make test VLLM_COMPAT=0`).
 	if [ "$(VLLM_COMPAT)" != "0" ]; then $(PIP) install -q -e ./compat/vllm_compat; fi
+	# Quantizer libraries' release archives, NOT installed (they need CUDA / another torch): tests/quantization
+	# runs their own packing and dequantize code from them. Without them those tests skip.
+	mkdir -p .cache/quantizers
+	$(PIP) download -q --no-deps -d .cache/quantizers "autoawq==0.2.9" || echo "warning: autoawq not downloaded"
+	$(PIP) download -q --no-deps --only-binary :all: --python-version 3.11 --platform manylinux2014_x86_64 \
+		-d .cache/quantizers "auto-gptq==0.7.1" || echo "warning: auto-gptq not downloaded"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -37,7 +43,7 @@ test-fast: setup
 	$(PY) -m pytest -q tests/unit $(ARGS)
 
 test-gpu: setup
-	$(PY) -m pytest -q -m gpu tests/gpu $(ARGS)
+	$(PY) -m pytest -q -m gpu tests $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py $(ARGS)

@@ -7,6 +7,7 @@ its continuous batching (`generate_batch`, GPU). Both are credited only the toke
     python benchmarks/offline_throughput.py                       # CPU default
     python benchmarks/offline_throughput.py --model cfgdir --load-format dummy --num-prompts 256 \
         --input-len 100 1024 --output-len 100 1024 --hf none      # GPU shape runs
+    python benchmarks/offline_throughput.py ... --engine vllm    # the same requests on real vLLM (GPU peer)
 """
 from __future__ import annotations
 
@@ -122,6 +123,35 @@ def run_pagedllm(args, reqs):
             "hardware_bound_s": bound}
 
 
+def run_vllm(args, reqs):
+    """The same requests on real vLLM's offline API (where it is importable: the GPU machine with the wheel that
+    ../shared/device/vllm-peer.sh brings), credited the same tokens. Run it in its own process (--engine vllm)."""
+    import vllm
+
+    if not hasattr(vllm, "EngineArgs") or "pagedllm" in getattr(vllm, "__file__", ""):
+        raise SystemExit("--engine vllm needs the real vLLM; the pagedllm-vllm-compat shim is what imports as vllm "
+                         "here (uninstall it, or put the real vLLM first on PYTHONPATH).")
+    kwargs = dict(model=args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+                  max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, skip_tokenizer_init=True)
+    for name in ("max_model_len", "max_num_batched_tokens", "gpu_memory_utilization"):
+        if getattr(args, name):
+            kwargs[name] = getattr(args, name)
+    t0 = time.perf_counter()
+    llm = vllm.LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [vllm.SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, detokenize=False)
+              for _, n in reqs]
+    llm.generate(prompts[:2], [vllm.SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)] * 2,
+                 use_tqdm=False)
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "output_tokens": n_out, "startup_s": startup, "version": vllm.__version__}
+
+
 def run_hf(args, reqs, model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -198,6 +228,8 @@ def main(argv=None):
     p.add_argument("--no-tqdm", action="store_true")
     p.add_argument("--log-compiles", action="store_true", help="print each Triton kernel compilation (GPU)")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm",
+                   help="vllm: the same requests on real vLLM (the peer; one engine per process)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -209,6 +241,15 @@ def main(argv=None):
     special = [t for t in (cfg.bos_token_id, cfg.eos_token_id, getattr(cfg, "pad_token_id", None)) if isinstance(t, int)]
     reqs = make_requests(args.num_prompts, args.input_len, args.output_len, min(cfg.vocab_size, 32000) if cfg.vocab_size > 1000 else cfg.vocab_size,
                          args.seed, special)
+    if args.engine == "vllm":
+        peer = run_vllm(args, reqs)
+        tput = peer["output_tokens"] / peer["elapsed_s"]
+        print(f"vllm {peer['version']}: {peer['output_tokens']} output tokens in {peer['elapsed_s']:.2f} s = "
+              f"{tput:.1f} tok/s (startup {peer['startup_s']:.1f} s)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d"), "args": vars(args), "vllm": peer}, f, indent=2)
+        return peer
     ours = run_pagedllm(args, reqs)
     result = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -1,24 +1,25 @@
-"""Engine configuration: user-facing EngineArgs (vLLM's names) -> one validated, frozen EngineConfig tree.
+"""Engine configuration: EngineArgs, the user-facing options under vLLM's names.
 
-EngineArgs is what `LLM(...)` kwargs, CLI flags and `--config FILE.yaml` fill in. `create_engine_config()`
-resolves the model (default model, GGUF conversion), reads its HF config, picks device and dtype, and
-validates everything once, raising ValueError with a sentence that says what to change.
+`LLM(...)` kwargs, CLI flags and `--config FILE.yaml` fill one EngineArgs. `validate()` checks what needs no
+model (ranges, choices, features not built yet) and raises ValueError with a sentence that says what to change;
+the Worker then resolves the model (models/loader.py), reads its HF config, picks device and dtype
+(dtypes.py) and checks the rest against the model (max_model_len, KV pool size).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
-_DTYPES = {"auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"}
+from pagedllm.dtypes import DTYPE_CHOICES
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
     "pipeline_parallel_size": 1,
     "cpu_offload_gb": 0,
     "enable_lora": False,
-    "quantization": None,
     "speculative_config": None,
 }
 
@@ -56,6 +57,7 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     disable_log_stats: bool = True
     max_logprobs: int = 20
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (= "fp8_e4m3")
     # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
     structured_outputs_config: Optional[dict] = None
 
@@ -75,8 +77,8 @@ class EngineArgs:
             if getattr(self, name) != off:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag}={getattr(self, name)!r} is not supported yet by pagedllm.")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}.")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}.")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}.")
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -93,5 +95,10 @@ class EngineArgs:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a method name, got {self.quantization!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}.")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")

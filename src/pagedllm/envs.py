@@ -46,6 +46,10 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # (A/B benchmarks, debugging).
     "PAGEDLLM_FUSED_QKV": lambda: os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0",
     # "0": the CUDA decode kernel takes requests in batch order instead of longest context first (A/B).
+    # Mixed prefill + decode steps of up to this many tokens replay CUDA graphs (worker/mixed_graph.py); 0: eager.
+    "PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": _int("PAGEDLLM_MIXED_GRAPH_MAX_TOKENS", 4096),
+    # Mixed-step graphs with this one query tile (rows per attention program) instead of the per-step choice.
+    "PAGEDLLM_MIXED_GRAPH_TILE": _int("PAGEDLLM_MIXED_GRAPH_TILE", 0),
     "PAGEDLLM_DECODE_LPT": lambda: os.environ.get("PAGEDLLM_DECODE_LPT", "1") != "0",
     # "0": launch the Triton kernels without programmatic dependent launch (kernels/pdl.py; A/B, debugging).
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1") != "0",

@@ -35,6 +35,9 @@ class AttentionMetadata:
     # Host copies for backends that plan on the CPU (the torch backend); never read in CUDA graphs.
     query_start_loc_cpu: Optional[list[int]] = None
     seq_lens_cpu: Optional[list[int]] = None
+    # Mixed-step CUDA graphs: the prefill kernel's query tile, fixed at capture (the eager launch picks it from
+    # max_query_len, which a graph cannot follow). None outside such graphs.
+    graph_prefill_tile: Optional[int] = None
     # Backend-specific extras (e.g. split-KV workspace) may be attached here.
     extra: Any = None
 

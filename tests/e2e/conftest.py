@@ -46,6 +46,18 @@ def server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory: pytest.TempPath
         stop(proc)
 
 
+@pytest.fixture(scope="session")
+def offline_llm(smollm2_hf_dir: str):
+    """The offline engine on the server's model and settings: the reference the server's outputs must equal."""
+    from pagedllm import LLM
+
+    llm = LLM(model=smollm2_hf_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_memory_bytes=64 << 20)
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.fixture()
 def http(server: Server) -> httpx.Client:
     with server.client() as c:

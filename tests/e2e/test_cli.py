@@ -53,12 +53,69 @@ def test_chat_and_complete_quick(server: Server, e2e_env: dict) -> None:
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
 
 
+class _RecordingProxy:
+    """A pass-through HTTP proxy in front of the real server that keeps every request body it forwards."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+
+        import httpx
+
+        self.bodies: list[dict] = []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self, method: str) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if raw:
+                    proxy.bodies.append(json.loads(raw))
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
+                with httpx.stream(method, upstream + self.path, content=raw, headers=headers, timeout=120) as r:
+                    self.send_response(r.status_code)
+                    self.send_header("Content-Type", r.headers.get("content-type", "application/json"))
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    for chunk in r.iter_raw():
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+
+            def do_GET(self) -> None:
+                self._forward("GET")
+
+            def do_POST(self) -> None:
+                self._forward("POST")
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 def test_chat_interactive_keeps_history(server: Server, e2e_env: dict) -> None:
-    p = subprocess.run([cli("pagedllm"), "chat", "--url", server.base_url, "--api-key", API_KEY, "--max-tokens", "6",
-                        "--temperature", "0"], input="My name is Ada.\nWhat is my name?\n", capture_output=True,
-                       text=True, timeout=240, env=e2e_env)
+    """The second turn sends the whole conversation: the first question, the answer the user saw, the new one."""
+    proxy = _RecordingProxy(server.url)
+    try:
+        p = subprocess.run([cli("pagedllm"), "chat", "--url", proxy.url + "/v1", "--api-key", API_KEY,
+                            "--max-tokens", "6", "--temperature", "0", "--system-prompt", "Be brief."],
+                           input="My name is Ada.\nWhat is my name?\n", capture_output=True, text=True, timeout=240,
+                           env=e2e_env)
+    finally:
+        proxy.close()
     assert p.returncode == 0, p.stderr[-2000:]
-    assert len([x for x in p.stdout.splitlines() if x.strip()]) >= 2
+    chats = [b for b in proxy.bodies if "messages" in b]
+    assert len(chats) == 2, proxy.bodies
+    first, second = chats[0]["messages"], chats[1]["messages"]
+    assert first == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "My name is Ada."}]
+    assert second[:2] == first and second[3] == {"role": "user", "content": "What is my name?"}
+    assert len(second) == 4 and second[2]["role"] == "assistant" and second[2]["content"]
+    assert second[2]["content"] in p.stdout  # the history holds exactly the answer that was shown
 
 
 def test_client_errors_are_one_line(e2e_env: dict) -> None:
@@ -67,7 +124,7 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
 
 
 @pytest.mark.parametrize("flags,fragment", [
-    (["--quantization", "awq"], "not supported yet"),
+    (["--quantization", "gptq"], "needs a gptq-quantized checkpoint"),
     (["--pipeline-parallel-size", "2"], "not supported yet"),
     (["--enable-lora"], "not supported yet"),
     (["--cpu-offload-gb", "4"], "not supported yet"),
@@ -85,7 +142,7 @@ def test_config_file_errors(e2e_env: dict, tmp_path) -> None:
     assert r.returncode != 0 and "unknown key 'no-such-flag'" in r.stderr
     cfg.write_text("quantization: gptq\n")
     r = run([cli("pagedllm"), "serve", "--config", str(cfg), "--port", str(free_port())], e2e_env, timeout=60)
-    assert r.returncode != 0 and "not supported yet" in r.stderr
+    assert r.returncode != 0 and "needs a gptq-quantized checkpoint" in r.stderr
 
 
 def test_bad_model_path_is_one_clear_line(e2e_env: dict, tmp_path) -> None:
@@ -117,8 +174,8 @@ def test_vllm_shim_commands(server: Server, e2e_env: dict) -> None:
     assert r.returncode == 0 and r.stdout.strip() == "a", r.stderr
     r = run([cli("vllm"), "--version"], e2e_env)
     assert r.returncode == 0
-    r = run([cli("vllm"), "serve", "--quantization", "awq", "--port", str(free_port())], e2e_env, timeout=60)
-    assert r.returncode != 0 and "not supported yet" in r.stderr
+    r = run([cli("vllm"), "serve", "--quantization", "gptq", "--port", str(free_port())], e2e_env, timeout=60)
+    assert r.returncode != 0 and "needs a gptq-quantized checkpoint" in r.stderr
     r = run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--enable-lora"], e2e_env, timeout=60)
     assert r.returncode != 0 and "not supported yet" in r.stderr
     r = run([cli("vllm"), "chat", "--url", server.base_url, "--api-key", API_KEY, "--max-tokens", "4", "-q", "Hi"],

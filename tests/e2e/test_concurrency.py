@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, metric
+from e2e_helpers import API_KEY, SERVED_NAME, Server, metric
 
 NUM_CONCURRENT = 32
 MAX_TOKENS = 16
@@ -35,7 +35,7 @@ async def _stream_one(client: httpx.AsyncClient, prompt: str) -> tuple[str, int,
     return "".join(pieces), usage["completion_tokens"], first
 
 
-def test_32_concurrent_streams_equal_offline_engine(server: Server) -> None:
+def test_32_concurrent_streams_equal_offline_engine(server: Server, offline_llm) -> None:
     async def run_all() -> list:
         async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
                                      timeout=300, limits=httpx.Limits(max_connections=64)) as client:
@@ -45,13 +45,9 @@ def test_32_concurrent_streams_equal_offline_engine(server: Server) -> None:
     texts = [r[0] for r in results]
     assert all(r[1] > 0 for r in results)
 
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
-    llm = LLM(model=server.model_dir, max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_memory_bytes=64 << 20)
-    try:
-        offline = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
+    offline = offline_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     expected = [o.outputs[0].text for o in offline]
     mismatches = [(i, texts[i], expected[i]) for i in range(NUM_CONCURRENT) if texts[i] != expected[i]]
     assert not mismatches, mismatches[:3]

@@ -11,7 +11,7 @@ from e2e_helpers import SERVED_NAME
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
-def test_echo_logprobs_full_response(http: httpx.Client) -> None:
+def test_echo_logprobs_full_response(http: httpx.Client, offline_llm) -> None:
     ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     r = http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 3,
                                            "temperature": 0, "echo": True, "logprobs": 2})
@@ -26,6 +26,18 @@ def test_echo_logprobs_full_response(http: httpx.Client) -> None:
     assert all(1 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
     assert "".join(lp["tokens"][:len(ids)]) == PROMPT
     assert lp["text_offset"] == sorted(lp["text_offset"])
+    # the prompt's scores are the offline engine's prompt_logprobs (the chosen token's and the top-2 values)
+    from pagedllm import SamplingParams
+
+    (ref,) = offline_llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=2),
+                                  use_tqdm=False)
+    assert ref.prompt_logprobs[0] is None
+    for i in range(1, len(ids)):
+        want = ref.prompt_logprobs[i]
+        assert abs(lp["token_logprobs"][i] - want[ids[i]].logprob) < 1e-4, i
+        top_want = sorted((v.logprob for v in want.values() if v.rank <= 2), reverse=True)
+        top_got = sorted(lp["top_logprobs"][i].values(), reverse=True)
+        assert len(top_got) >= 2 and all(abs(a - b) < 1e-4 for a, b in zip(top_got, top_want)), i
 
 
 def test_echo_logprobs_stream_matches_full(http: httpx.Client) -> None:

@@ -70,7 +70,9 @@ def test_log_says_how_many_tokens_of_kv_fit(tiny_llama_dir, caplog):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_model_len=100000), "larger than the model's maximum"),
     (dict(max_num_batched_tokens=4, max_num_seqs=8), "must be >= max_num_seqs"),
-    (dict(quantization="awq"), "not supported yet"),
+    (dict(quantization="gptq"), "needs a gptq-quantized checkpoint"),
+    (dict(quantization="no-such-method"), "Unknown quantization method"),
+    (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of"),
     (dict(tensor_parallel_size=2), "not supported yet"),
     (dict(block_size=7), "block_size must be one of"),
 ])

@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed with CUDA torch)")
+
 from attention_cases import build_batch, kernel_test_device, tolerances
 
 DEVICE = kernel_test_device()

@@ -108,14 +108,29 @@ def test_load_weights_returns_loaded_names(tiny_llama_dir):
         model.load_weights(weights.items())
 
 
-def test_batch_of_tokens_is_position_driven(tiny_qwen2_dir):
-    """Hidden states depend only on (token, position) when there is no forward context; the model accepts any
-    T and returns [T, hidden] contiguous."""
-    model = _ours(tiny_qwen2_dir)
-    ids = torch.randint(0, 512, (7,))
+def test_forward_without_context_is_one_causal_sequence_at_the_given_positions(tiny_qwen2_dir):
+    """Without a forward context (no KV cache: profiling, these tests) the model reads its rows as one causal
+    sequence whose rotary positions are the `positions` argument, not the row index: logits equal
+    transformers' given the same position_ids (with a gap), a row never sees later rows, and [T, hidden]
+    comes back contiguous."""
+    hf, model = _hf_model(tiny_qwen2_dir), _ours(tiny_qwen2_dir)
+    ids = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([0, 1, 2, 3, 10, 11, 12])
     with torch.inference_mode():
-        hidden = model(ids, torch.arange(7))
+        hidden = model(ids, positions)
+        ref = hf(ids[None], position_ids=positions[None]).logits[0].float()
+        contiguous_pos = model.compute_logits(model(ids, torch.arange(7)))
     assert hidden.shape == (7, 64) and hidden.is_contiguous()
+    torch.testing.assert_close(model.compute_logits(hidden), ref, atol=ATOL, rtol=0)
+    # the gap matters (so positions really drive rope): rows after it differ from contiguous positions
+    assert torch.allclose(contiguous_pos[:4], ref[:4], atol=ATOL)
+    assert not torch.allclose(contiguous_pos[4:], ref[4:], atol=1e-3)
+    changed = ids.clone()
+    changed[5] = (changed[5] + 1) % 512
+    with torch.inference_mode():
+        other = model(changed, positions)
+    torch.testing.assert_close(other[:5], hidden[:5], atol=1e-6, rtol=0)
+    assert not torch.allclose(other[5:], hidden[5:], atol=1e-4)
 
 
 def test_bfloat16_build(tiny_qwen3_dir):

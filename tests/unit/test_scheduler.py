@@ -484,8 +484,6 @@ def test_prefix_sharing_across_steps_counts_hits():
     assert outs["b"].new_token_ids == [1020]
     st = sched.stats()
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (40, 16)
-    # Blocks 0..3 shared by both running requests.
-    assert plan.num_common_prefix_blocks == 4
 
 
 def test_prefix_sharing_within_one_step():

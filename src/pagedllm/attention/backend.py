@@ -38,6 +38,15 @@ class AttentionBackend:
     wants_decode_order: bool = False
     # Whether the KV pool must start zeroed (kernels whose masked-out lanes still multiply what they read).
     needs_zeroed_cache: bool = True
+    # Whether mixed prefill + decode steps may be captured as CUDA graphs (worker/mixed_graph.py): the backend
+    # then launches such a step from shapes alone, given metadata padded to `num_reqs` rows (padding rows: no
+    # query tokens) and `AttentionMetadata.graph_prefill_tile` set.
+    supports_mixed_graphs: bool = False
+
+    def mixed_graph_tiles(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> list[int]:
+        """The query tiles (rows of a program) to capture mixed-step graphs for, ascending; each step replays the
+        one `worker.mixed_graph.pick_tile` finds cheapest (backends with mixed graphs)."""
+        raise NotImplementedError
 
     def forward(
         self,

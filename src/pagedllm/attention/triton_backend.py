@@ -28,14 +28,15 @@ from pagedllm.kernels.paged_attention import (
     decode_workspace_numel,
     paged_decode_attention,
     paged_prefill_attention,
+    prefill_block_m,
 )
 from pagedllm.kernels.qkv_prep import qkv_prep
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache
 
 
-# Split launches start the longest contexts first from this many requests on (H200, Qwen3-0.6B heads, contexts
-# spread over ~1000 tokens: 48 requests x 2 splits 71 vs 80 us per layer, 64 x 2: 89 vs 95, 32 x 4: 56 vs 58; at 8
-# requests no difference, and at one request the extra dependent load only adds latency; run AD).
+# Split launches start the longest contexts first from this many requests on: with many requests the long ones
+# otherwise start last and set the launch's tail; with few there is no tail to shorten, and the extra dependent
+# load of the order only adds latency (measurements: docs/benchmarks.md, GPU section).
 ORDERED_SPLIT_MIN_REQS = 32
 
 
@@ -47,6 +48,7 @@ def decode_uses_order(num_reqs: int, num_splits: int) -> bool:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_mixed_graphs = True
 
     def __init__(self, max_splits: Optional[int] = None) -> None:
         # Upper bound on split-KV partitions per (request, kv head); PAGEDLLM_DECODE_MAX_SPLITS tunes it.
@@ -99,6 +101,13 @@ class TritonAttentionBackend(AttentionBackend):
             if q_len >= max_query_len:
                 break
             q_len = min(2 * q_len, max_query_len)
+
+    def mixed_graph_tiles(self, dtype, num_heads, num_kv_heads, head_size):
+        # The smallest tile (decode rows waste none of it) and the largest (long prefill chunks read each K/V
+        # block once per tile, so fewer, taller tiles read less).
+        gqa = num_heads // num_kv_heads
+        return sorted({prefill_block_m(dtype, gqa, head_size, max_query_len=1),
+                       prefill_block_m(dtype, gqa, head_size, max_query_len=None)})
 
     def forward(
         self,
@@ -161,5 +170,6 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
-                num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output)
+                num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output,
+                block_m=metadata.graph_prefill_tile)
         return output

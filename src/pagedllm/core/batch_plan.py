@@ -53,9 +53,6 @@ class BatchPlan:
     finished_request_ids: set[str] = field(default_factory=set)
     # Ids preempted in this very step (also listed in finished_request_ids).
     preempted_request_ids: set[str] = field(default_factory=set)
-    # Leading blocks shared by every running request (filled only when all of them were scheduled); a hint
-    # for cascade-style attention, unused by the current backends.
-    num_common_prefix_blocks: int = 0
     grammar_bitmask: Optional[Any] = None  # numpy int32 [len(structured_output_request_ids), ceil(V / 32)]
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
 

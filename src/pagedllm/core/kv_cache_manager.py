@@ -93,15 +93,6 @@ class KVCacheManager:
         self.prefix_cache_queries += num_queried_tokens
         self.prefix_cache_hits += num_hit_tokens
 
-    def get_num_common_prefix_blocks(self, request_id: str, num_requests: int) -> int:
-        """Leading blocks of this request held by exactly num_requests requests (e.g. all running)."""
-        count = 0
-        for block in self.req_to_blocks.get(request_id, ()):
-            if block.ref_cnt != num_requests:
-                break
-            count += 1
-        return count
-
     # ---------------------------------------------------------------- mutations
 
     def allocate_slots(

@@ -216,10 +216,6 @@ class Scheduler:
         plan.finished_request_ids = self._finished_req_ids
         plan.preempted_request_ids = preempted
         self._finished_req_ids = set()
-        if self.running and len(scheduled) == len(self.running):
-            plan.num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
-                self.running[0].request_id, len(self.running)
-            )
         return plan
 
     def _schedule_running(

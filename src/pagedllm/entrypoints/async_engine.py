@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.entrypoints import messages as m
+from pagedllm.entrypoints.parallel_sampling import fan_out
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.async_engine")
@@ -75,12 +76,8 @@ class _Parent:
 
 
 class AsyncEngine:
-    def __init__(self, engine_args: Any, log_level: str = "info", metrics: Any = None,
-                 core_factory: Optional[str] = None) -> None:
-        from pagedllm.entrypoints.engine_proc import DEFAULT_CORE
-
+    def __init__(self, engine_args: Any, log_level: str = "info", metrics: Any = None) -> None:
         self.engine_args = engine_args
-        self.core_factory = core_factory or DEFAULT_CORE
         self.log_level = log_level
         self.metrics = metrics
         self.ctx = zmq.asyncio.Context(io_threads=1)
@@ -119,7 +116,7 @@ class AsyncEngine:
         spawn = multiprocessing.get_context("spawn")
         self.proc = spawn.Process(
             target=run_engine_core,
-            args=(self.engine_args, self.input_addr, self.output_addr, self.log_level, self.core_factory),
+            args=(self.engine_args, self.input_addr, self.output_addr, self.log_level),
             name="pagedllm-engine-core",
             daemon=True,
         )
@@ -213,28 +210,14 @@ class AsyncEngine:
         parent = _Parent(queue=asyncio.Queue())
         self._parents[request_id] = parent
         now = time.monotonic()
-        n = params.n
         adds: list[m.AddRequest] = []
-        for i in range(n):
-            child_params = params
-            engine_id = request_id
-            if n > 1:
-                engine_id = f"{i}_{request_id}"
-                seed = None if params.seed is None else params.seed + i
-                child_params = params.clone(n=1, best_of=1, seed=seed)
-            parent.child_ids.append(engine_id)
-            self._engine_to_parent[engine_id] = request_id
-            self._timing[engine_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids))
-            self.processor.add_request(
-                engine_id,
-                prompt,
-                prompt_token_ids,
-                child_params,
-                parent_id=request_id if n > 1 else None,
-                index=i,
-                output_kind=output_kind,
-            )
-            adds.append(m.AddRequest(engine_id, list(prompt_token_ids), child_params, time.time()))
+        for child in fan_out(request_id, params):
+            parent.child_ids.append(child.request_id)
+            self._engine_to_parent[child.request_id] = request_id
+            self._timing[child.request_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids))
+            self.processor.add_request(child.request_id, prompt, prompt_token_ids, child.params,
+                                       parent_id=child.parent_id, index=child.index, output_kind=output_kind)
+            adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time()))
         try:
             for add in adds:
                 await self.in_sock.send(self.enc.encode(add))
@@ -435,8 +418,3 @@ def _preimport_frontend() -> threading.Thread:
     thread = threading.Thread(target=work, name="pagedllm-preimport", daemon=True)
     thread.start()
     return thread
-
-
-def random_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-

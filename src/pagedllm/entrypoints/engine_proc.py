@@ -22,13 +22,8 @@ logger = logging.getLogger("pagedllm.engine_proc")
 _IDLE_POLL_MS = 1000
 
 
-DEFAULT_CORE = "pagedllm.core.engine_core:EngineCore"
-
-
-def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_level: str = "info",
-                    core_factory: str = DEFAULT_CORE) -> None:
-    """Process entry point (must be importable for the 'spawn' context). `core_factory` ("module:Class")
-    exists so tests can run the whole serving stack against a stand-in engine core."""
+def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_level: str = "info") -> None:
+    """Process entry point (must be importable for the 'spawn' context)."""
     # The API process handles Ctrl-C and tells us to shut down; a second SIGINT must not kill us mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -47,10 +42,9 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
     out_sock.connect(output_addr)
     enc = m.Encoder()
     try:
-        import importlib
+        from pagedllm.core.engine_core import EngineCore
 
-        module, cls = core_factory.split(":")
-        core = getattr(importlib.import_module(module), cls)(engine_args)
+        core = EngineCore(engine_args)
     except BaseException as e:  # noqa: BLE001 - any startup failure must reach the user as one line
         logger.debug("engine startup failed", exc_info=True)
         out_sock.send(enc.encode(m.EngineStartupError(message=_one_line(e))))

@@ -130,6 +130,7 @@ class LLM:
     def _run(self, items, use_tqdm: bool) -> list:
         from pagedllm.core.engine_core import EngineCoreRequest
         from pagedllm.entrypoints.output_processor import OutputProcessor
+        from pagedllm.entrypoints.parallel_sampling import fan_out
 
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
@@ -138,18 +139,11 @@ class LLM:
             for (text, ids), params in items:
                 request_id = str(next(self._counter))
                 order.append(request_id)
-                for index in range(params.n):
-                    child_params = params
-                    child_id = request_id
-                    if params.n > 1:
-                        child_id = f"{index}_{request_id}"
-                        seed = None if params.seed is None else params.seed + index
-                        child_params = params.clone(n=1, best_of=1, seed=seed)
-                    processor.add_request(child_id, text, ids, child_params,
-                                          parent_id=request_id if params.n > 1 else None, index=index,
-                                          output_kind="final_only")
-                    self.engine.add_request(EngineCoreRequest(child_id, ids, child_params))
-                    added.append(child_id)
+                for child in fan_out(request_id, params):
+                    processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
+                                          index=child.index, output_kind="final_only")
+                    self.engine.add_request(EngineCoreRequest(child.request_id, ids, child.params))
+                    added.append(child.request_id)
         except Exception:
             self.engine.abort_requests(added)
             raise

@@ -82,9 +82,8 @@ def gemv_max_rows() -> int:
 
 # Above this many weight elements the kernel is used for one row only. Each extra row costs the kernel a full pass
 # of multiply-adds and a cross-warp reduction over its register tile; on a large weight that outweighs what it gains
-# over cuBLAS (H200, benchmarks/gemv.py --chain-only, run AB: Llama-3-8B layer chain 1.14x cuBLAS at 1 row, but 0.74x
-# at 2 rows and 0.51x at 4; Qwen3-0.6B, whose largest weight has 6.3M elements: 2.34x / 1.86x / 1.38x at 1 / 2 / 4
-# rows, 0.81x at 8, hence PAGEDLLM_GEMV_MAX_ROWS=4).
+# over cuBLAS, and past 4 rows cuBLAS wins at every size, hence PAGEDLLM_GEMV_MAX_ROWS=4 (benchmarks/gemv.py
+# --chain-only; numbers in docs/benchmarks.md, GPU section).
 MULTI_ROW_MAX_WEIGHT = 8 * 1024 * 1024
 
 

@@ -197,6 +197,16 @@ def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Ten
     return num_tokens, num_heads, head_size, num_kv_heads
 
 
+def prefill_block_m(dtype: torch.dtype, gqa: int, head_size: int, max_query_len: Optional[int]) -> int:
+    """The prefill kernel's query tile BLOCK_M (= BLOCK_Q query tokens x GQA_PAD heads): the largest that fits,
+    smaller for short query chunks (decodes, speculative rows) when max_query_len is given."""
+    gqa_pad = triton.next_power_of_2(gqa)
+    max_m = 64 if (dtype == torch.float32 or triton.next_power_of_2(head_size) > 128) else 128
+    if max_query_len is None:
+        return max(max_m, gqa_pad, 16)
+    return max(min(max_m, max(16, triton.next_power_of_2(max(1, max_query_len)) * gqa_pad)), gqa_pad, 16)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], already written
@@ -222,10 +232,8 @@ def paged_prefill_attention(
     gqa_pad = triton.next_power_of_2(gqa)
     head_pad = triton.next_power_of_2(head_size)
     is_fp32 = query.dtype == torch.float32
-    max_m = 64 if (is_fp32 or head_pad > 128) else 128
-    # Short query chunks (decodes, speculative rows) get smaller tiles; BLOCK_M = BLOCK_Q * GQA_PAD.
     if block_m is None:
-        block_m = min(max_m, max(16, triton.next_power_of_2(max(1, max_query_len)) * gqa_pad))
+        block_m = prefill_block_m(query.dtype, gqa, head_size, max_query_len)
     block_m = max(block_m, gqa_pad, 16)
     block_q = block_m // gqa_pad
     if block_n is None:
@@ -367,13 +375,11 @@ _DECODE_PROGRAMS_PER_SM = 8
 
 # Decode steps whose longest context is at most SHORT_CONTEXT_LEN use at most SHORT_CONTEXT_MAX_SPLITS splits:
 # a split covers >= BLOCK_N positions, so most of 64 splits would be empty there, and empty programs still
-# cost launch slots (H200, batch 1, 8 kv heads: 5.6-6.0 us per layer with 16 splits vs 7.7-8.4 us with 64 for
-# contexts of 130-1000 tokens; at 32k tokens 64 splits take 40 us vs 67 us). CUDA graphs are captured for both.
+# cost launch slots; long contexts need all 64 (docs/benchmarks.md, GPU section). CUDA graphs are captured for both.
 SHORT_CONTEXT_LEN = 2048
 SHORT_CONTEXT_MAX_SPLITS = 16
 # Split decode steps whose longest context is at most TINY_CONTEXT_LEN read K/V in tiles of 32 positions instead of
-# 64: more of the splits get work (H200, batch 1, 32 q / 8 kv heads, 16 splits: 4.3 vs 5.4 us per layer at 160
-# tokens, 4.8 vs 5.4 at 384; from 1024 tokens on, 64 is faster).
+# 64: more of the splits get work; from ~1024 tokens on, 64-position tiles are faster (docs/benchmarks.md).
 TINY_CONTEXT_LEN = 512
 
 

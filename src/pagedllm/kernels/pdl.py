@@ -7,8 +7,7 @@ has completed and its memory writes are visible, so no load or store of ours can
 PDL kernel waits for its predecessor before it can finish, ordering stays transitive along the stream, just
 as with ordinary launches. CUDA-graph capture keeps these launches as programmatic edges.
 
-Measured on the H200 (graph replay): a chain of 1-row RMSNorms costs 1.81 instead of 2.07 us per kernel,
-and a Triton kernel that follows a cuBLAS GEMV starts ~1 us sooner.
+What it saves per kernel is measured in docs/benchmarks.md (GPU section).
 
 `PAGEDLLM_PDL=0` turns it off; it is never used below compute capability 9.0 or outside CUDA.
 """

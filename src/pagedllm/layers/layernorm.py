@@ -8,7 +8,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import triton_kernels
-from pagedllm.models.weight_utils import default_weight_loader, set_weight_attrs
+from pagedllm.layers.weight_utils import default_weight_loader, set_weight_attrs
 
 
 class RMSNorm(nn.Module):

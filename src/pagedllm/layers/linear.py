@@ -13,8 +13,11 @@ Sharding, for tensor-parallel size `tp` and rank `r`:
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes the FULL
 checkpoint tensor and copies this rank's slice into `param`. How weights are stored and multiplied is the
-layer's `LinearMethod` (unquantized today; fp8/int8/awq/gptq methods plug in by implementing the same
-three calls).
+layer's `LinearMethod`: `UnquantizedLinearMethod`, or what the model's `quant_config`
+(`pagedllm.quantization.QuantizationConfig`) hands the layer for its `prefix`. The loaders slice any parameter
+by its tags (`input_dim`, `output_dim`, `packed_dim` + `pack_factor`, `per_shard`; see
+`quantization.base.set_quant_param_attrs`), so quantized weights, scales, zero points and g_idx split with
+the weights for merged (qkv, gate_up) and tensor-parallel layers.
 """
 from __future__ import annotations
 
@@ -29,9 +32,28 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.layers.activation import triton_kernels
-from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
+from pagedllm.layers.weight_utils import copy_weight, set_weight_attrs
 
 ShardId = Union[int, str, None]
+
+
+def pack_factor_along(param: torch.Tensor, dim: int) -> int:
+    """How many logical values one element of `param` holds along `dim` (8 for int32-packed 4-bit there)."""
+    return getattr(param, "pack_factor", 1) if getattr(param, "packed_dim", None) == dim else 1
+
+
+def load_replicated(layer: nn.Module, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Load a parameter that every shard of a merged layer shares (GPTQ's g_idx, a [1, out]-less scale): the
+    first shard's copy is taken, later ones must be equal (a merged layer cannot hold two different ones)."""
+    key = next((n for n, p in layer.named_parameters(recurse=False) if p is param), str(id(param)))
+    shared = layer.__dict__.setdefault("_shared_loaded", set())
+    if key in shared and tuple(param.shape) == tuple(loaded_weight.shape) \
+            and not torch.equal(param.data, loaded_weight.to(param.device, param.dtype)):
+        raise ValueError(f"the shards fused into {getattr(layer, 'prefix', '') or 'this layer'} have different "
+                         f"{key} tensors, which one fused layer cannot hold")
+    copy_weight(param.data, loaded_weight.reshape(param.shape) if loaded_weight.numel() == param.numel()
+                and loaded_weight.dim() != param.dim() else loaded_weight)
+    shared.add(key)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -53,7 +75,8 @@ def narrow_shard(loaded_weight: torch.Tensor, dim: int, shard_size: int, shard_i
 
 
 class LinearMethodBase:
-    """How a linear layer stores its weight and computes `x @ W.T + b`. Stateless; one per layer."""
+    """How a linear layer stores its weight and computes `x @ W.T + b`. One per layer (a quantization config
+    may share one instance across layers: keep per-layer state on the layer, not on the method)."""
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
@@ -66,6 +89,10 @@ class LinearMethodBase:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repack weights once all are loaded (e.g. quantize, transpose for a kernel). Optional."""
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """This rank's weight as a dense [out, in] float tensor (references, tests, LoRA merging)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot dequantize its weight.")
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -90,6 +117,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         (the caller then runs `apply` and the activation)."""
         gemv = gemv_kernels(x, layer.weight)
         return None if gemv is None else gemv.gemv(x, layer.weight, bias, gated=True)
+
+    def dequantized_weight(self, layer):
+        return layer.weight
 
 
 def gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
@@ -142,15 +172,18 @@ class LinearBase(nn.Module):
     """Common state: sizes, dtype, tp rank/size and the LinearMethod."""
 
     def __init__(self, input_size: int, output_size: int, params_dtype: Optional[torch.dtype] = None,
-                 linear_method: Optional[LinearMethodBase] = None, prefix: str = "") -> None:
+                 linear_method: Optional[LinearMethodBase] = None, prefix: str = "",
+                 quant_config: Any = None) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.linear_method = linear_method or UnquantizedLinearMethod()
         self.prefix = prefix
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        if linear_method is None and quant_config is not None:
+            linear_method = quant_config.get_linear_method(self, prefix)
+        self.linear_method = linear_method or UnquantizedLinearMethod()
 
     def _create_bias(self, size: int, output_dim: Optional[int]) -> None:
         bias = nn.Parameter(torch.zeros(size, dtype=self.params_dtype), requires_grad=False)
@@ -162,25 +195,6 @@ class LinearBase(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}"
-
-
-class ReplicatedLinear(LinearBase):
-    """A plain linear layer, the same on every rank."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, **kwargs: Any) -> None:
-        super().__init__(input_size, output_size, **kwargs)
-        self.linear_method.create_weights(self, input_size, [output_size], input_size, output_size,
-                                          self.params_dtype, self.weight_loader)
-        if bias:
-            self._create_bias(output_size, output_dim=None)
-        else:
-            self.register_parameter("bias", None)
-
-    def weight_loader(self, param, loaded_weight, shard_id=None):
-        copy_weight(param.data, loaded_weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -203,9 +217,11 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         output_dim = getattr(param, "output_dim", None)
-        if output_dim is not None:
-            loaded_weight = narrow_shard(loaded_weight, output_dim, param.data.shape[output_dim], self.tp_rank,
-                                         self.tp_size)
+        if output_dim is None:
+            load_replicated(self, param, loaded_weight)
+            return
+        loaded_weight = narrow_shard(loaded_weight, output_dim, param.data.shape[output_dim], self.tp_rank,
+                                     self.tp_size)
         copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,20 +231,31 @@ class ColumnParallelLinear(LinearBase):
         return out
 
     def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, dst_offset: int, shard_size: int,
-                    src_shard_index: int, num_src_shards: int) -> None:
-        """Copy slice `src_shard_index` (of `num_src_shards`) of a logical shard to rows [dst_offset, +shard_size)."""
-        output_dim = getattr(param, "output_dim", None)
-        if output_dim is None:  # a replicated parameter (e.g. a per-tensor scale): take it whole
-            copy_weight(param.data, loaded_weight)
+                    src_shard_index: int, num_src_shards: int, shard_index: int = 0) -> None:
+        """Copy slice `src_shard_index` (of `num_src_shards`) of logical shard number `shard_index` to output
+        rows [dst_offset, +shard_size) (logical rows: divided by the pack factor along a packed output dim)."""
+        if getattr(param, "per_shard", False):  # one value per logical shard (per-tensor scales of q/k/v)
+            copy_weight(param.data[shard_index], loaded_weight.reshape(param.data[shard_index].shape))
             return
-        dst = param.data.narrow(output_dim, dst_offset, shard_size)
-        copy_weight(dst, narrow_shard(loaded_weight, output_dim, shard_size, src_shard_index, num_src_shards))
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:  # not split along the output (e.g. g_idx, a group_size=-1 scale): whole, once
+            load_replicated(self, param, loaded_weight)
+            return
+        factor = pack_factor_along(param, output_dim)
+        dst = param.data.narrow(output_dim, dst_offset // factor, shard_size // factor)
+        copy_weight(dst, narrow_shard(loaded_weight, output_dim, shard_size // factor, src_shard_index,
+                                      num_src_shards))
 
     def _load_fused(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_ids: Sequence[ShardId],
                     full_sizes: Sequence[int]) -> None:
         """A checkpoint that already stores the shards fused (e.g. `qkv_proj`): split and load each."""
-        output_dim = getattr(param, "output_dim", 0) or 0
-        for shard_id, part in zip(shard_ids, loaded_weight.split(list(full_sizes), dim=output_dim)):
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None or getattr(param, "per_shard", False):
+            load_replicated(self, param, loaded_weight)
+            return
+        factor = pack_factor_along(param, output_dim)
+        for shard_id, part in zip(shard_ids, loaded_weight.split([s // factor for s in full_sizes],
+                                                                 dim=output_dim)):
             self.weight_loader(param, part, shard_id)
 
 
@@ -248,7 +275,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes), shard_id
         offset = sum(self.output_partition_sizes[:shard_id])
         self._load_shard(param, loaded_weight, offset, self.output_partition_sizes[shard_id], self.tp_rank,
-                         self.tp_size)
+                         self.tp_size, shard_index=shard_id)
 
 
     def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -293,11 +320,11 @@ class QKVParallelLinear(ColumnParallelLinear):
                              (self.total_num_heads * self.head_size, total_kv, total_kv))
             return
         if shard_id == "q":
-            self._load_shard(param, loaded_weight, 0, self.q_size, self.tp_rank, self.tp_size)
+            self._load_shard(param, loaded_weight, 0, self.q_size, self.tp_rank, self.tp_size, shard_index=0)
         elif shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             self._load_shard(param, loaded_weight, offset, self.kv_size, self.tp_rank // self.num_kv_head_replicas,
-                             self.tp_size // self.num_kv_head_replicas)
+                             self.tp_size // self.num_kv_head_replicas, shard_index=1 if shard_id == "k" else 2)
         else:
             raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}.")
 
@@ -320,9 +347,11 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         input_dim = getattr(param, "input_dim", None)
-        if input_dim is not None:
-            loaded_weight = narrow_shard(loaded_weight, input_dim, param.data.shape[input_dim], self.tp_rank,
-                                         self.tp_size)
+        if input_dim is None:
+            load_replicated(self, param, loaded_weight)
+            return
+        loaded_weight = narrow_shard(loaded_weight, input_dim, param.data.shape[input_dim], self.tp_rank,
+                                     self.tp_size)
         copy_weight(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

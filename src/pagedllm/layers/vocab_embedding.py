@@ -19,7 +19,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import cpu_packed_linear, gemv_kernels
-from pagedllm.models.weight_utils import copy_weight, set_weight_attrs
+from pagedllm.layers.weight_utils import copy_weight, set_weight_attrs
 from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
 DEFAULT_VOCAB_PADDING_SIZE = 64

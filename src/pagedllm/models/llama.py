@@ -18,7 +18,8 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.weight_utils import load_weights_into, set_default_dtype
+from pagedllm.layers.weight_utils import set_default_dtype
+from pagedllm.models.weight_utils import load_weights_into
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +29,14 @@ def get_head_dim(config: Any) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, prefix: str = "") -> None:
+    def __init__(self, config: Any, prefix: str = "", quant_config: Any = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias=bias, prefix=f"{prefix}.gate_up_proj")
+                                                       bias=bias, prefix=f"{prefix}.gate_up_proj",
+                                                       quant_config=quant_config)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
-                                           prefix=f"{prefix}.down_proj")
+                                           prefix=f"{prefix}.down_proj", quant_config=quant_config)
         self.act_fn = get_gated_act_fn(config.hidden_act)
         self.fuse_silu = isinstance(self.act_fn, SiluAndMul)
 
@@ -48,20 +50,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "") -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
+                 ) -> None:
         super().__init__()
         self.head_dim = get_head_dim(config)
         total_num_heads = config.num_attention_heads
         total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
         qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_num_heads, total_num_kv_heads,
-                                          bias=qkv_bias, prefix=f"{prefix}.qkv_proj")
+                                          bias=qkv_bias, prefix=f"{prefix}.qkv_proj", quant_config=quant_config)
         self.num_heads = self.qkv_proj.num_heads  # on this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, config.hidden_size, bias=o_bias,
-                                        prefix=f"{prefix}.o_proj")
+                                        prefix=f"{prefix}.o_proj", quant_config=quant_config)
         self.rotary_emb = rotary_emb  # shared by all layers (one cos/sin cache per model)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
                               prefix=f"{prefix}.attn")
@@ -96,10 +99,12 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "") -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
+                 ) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, rotary_emb, prefix=f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, prefix=f"{prefix}.mlp")
+        self.self_attn = self.attention_cls(config, rotary_emb, prefix=f"{prefix}.self_attn",
+                                            quant_config=quant_config)
+        self.mlp = LlamaMLP(config, prefix=f"{prefix}.mlp", quant_config=quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -117,13 +122,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, layer_cls: type = LlamaDecoderLayer, prefix: str = "model") -> None:
+    def __init__(self, config: Any, layer_cls: type = LlamaDecoderLayer, prefix: str = "model",
+                 quant_config: Any = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
         rope_parameters = get_rope_parameters(config)
         self.rotary_emb = get_rope(get_head_dim(config), config.max_position_embeddings, rope_parameters)
-        self.layers = nn.ModuleList(layer_cls(config, self.rotary_emb, prefix=f"{prefix}.layers.{i}")
+        self.layers = nn.ModuleList(layer_cls(config, self.rotary_emb, prefix=f"{prefix}.layers.{i}",
+                                              quant_config=quant_config)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -152,14 +159,17 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     ]
 
-    def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
+        """`quant_config`: a `pagedllm.quantization.QuantizationConfig` (None: unquantized); each linear layer
+        asks it for its method by prefix (`model.layers.{i}.self_attn.qkv_proj`, ...)."""
         super().__init__()
         self.config = hf_config
+        self.quant_config = quant_config
         self.dtype = dtype or torch.get_default_dtype()
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.check_config(hf_config)
         with set_default_dtype(self.dtype):
-            self.model = LlamaModel(hf_config, self.layer_cls, prefix="model")
+            self.model = LlamaModel(hf_config, self.layer_cls, prefix="model", quant_config=quant_config)
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, prefix="lm_head")
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -193,7 +203,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.greedy_token_ids(hidden_states, token_bitmask)
 
     def skip_weight(self, name: str) -> bool:
-        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head."))
+        if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+            return True
+        return self.quant_config is not None and name.endswith(self.quant_config.skipped_checkpoint_suffixes())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of the parameters loaded (ValueError if any is missing)."""

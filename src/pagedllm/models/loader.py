@@ -124,9 +124,11 @@ def load_hf_config(model_dir: str) -> Any:
 
 
 def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
-              device: Union[str, torch.device] = "cpu", load_format: str = "auto") -> nn.Module:
+              device: Union[str, torch.device] = "cpu", load_format: str = "auto",
+              quant_config: Any = None) -> nn.Module:
     """Build the model for `hf_config` directly on `device` in `dtype`, load its weights, and return it in
-    eval mode. `load_format="dummy"` fills random weights instead (no weight files needed)."""
+    eval mode. `load_format="dummy"` fills random weights instead (no weight files needed). `quant_config`
+    (`pagedllm.quantization.resolve_quant_config`) picks each linear layer's method; None: unquantized."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}.")
     model_cls = get_model_class(hf_config)
@@ -134,7 +136,8 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
     # Find the weight files before building, so a bad directory fails fast.
     files = find_weight_files(model_dir) if load_format != "dummy" else []
     with torch.device(device):  # parameters are allocated on the target device, no CPU copy first
-        model = model_cls(hf_config, dtype)
+        model = model_cls(hf_config, dtype) if quant_config is None else \
+            model_cls(hf_config, dtype, quant_config=quant_config)
     with torch.no_grad():
         if load_format == "dummy":
             initialize_dummy_weights(model)
@@ -148,9 +151,15 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
 
 
 def load_model(model: Optional[str], *, dtype: torch.dtype, device: Union[str, torch.device] = "cpu",
-               load_format: str = "auto") -> tuple[nn.Module, Any, str]:
-    """Convenience for tests and scripts: resolve, prepare, read config, build. -> (model, hf_config, dir)."""
+               load_format: str = "auto", quantization: Optional[str] = None) -> tuple[nn.Module, Any, str]:
+    """Convenience for tests and scripts: resolve, prepare, read config, build. -> (model, hf_config, dir).
+    The quantization method is detected from config.json (or forced/added by `quantization`)."""
+    from pagedllm.quantization import resolve_quant_config
+
     model_dir = prepare_model_dir(resolve_model_path(model), load_format)
     hf_config = load_hf_config(model_dir)
-    return get_model(hf_config, model_dir, dtype=dtype, device=device, load_format=load_format), hf_config, \
-        model_dir
+    quant_config = resolve_quant_config(quantization, hf_config, model_dir)
+    if quant_config is not None:
+        quant_config.check_supported(torch.device(device), dtype)
+    return get_model(hf_config, model_dir, dtype=dtype, device=device, load_format=load_format,
+                     quant_config=quant_config), hf_config, model_dir

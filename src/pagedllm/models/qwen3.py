@@ -15,8 +15,9 @@ from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCau
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "") -> None:
-        super().__init__(config, rotary_emb, prefix)
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
+                 ) -> None:
+        super().__init__(config, rotary_emb, prefix, quant_config)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 

@@ -1,9 +1,8 @@
-"""Weight-file plumbing shared by all models: find and iterate checkpoint tensors, copy them into
-parameters, dummy initialization, and the generic HF-name -> fused-parameter loading loop.
+"""Weight-file plumbing shared by all models: find and iterate checkpoint tensors, dummy initialization, and
+the generic HF-name -> fused-parameter loading loop. (Parameter-level helpers: layers/weight_utils.py.)
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import logging
@@ -14,45 +13,12 @@ import torch
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.layers.weight_utils import default_weight_loader
 
 logger = logging.getLogger(__name__)
 
 # (fused param name, checkpoint name, shard id): how HF's separate projections map onto our fused ones.
 StackedParamsMapping = Sequence[tuple[str, str, Any]]
-
-
-def set_weight_attrs(param: torch.Tensor, attrs: Optional[dict[str, Any]]) -> None:
-    """Attach loading metadata (`weight_loader`, `input_dim`, `output_dim`, ...) to a parameter."""
-    for key, value in (attrs or {}).items():
-        if hasattr(param, key) and key != "weight_loader":
-            raise AttributeError(f"Overwriting existing tensor attribute {key!r}.")
-        setattr(param, key, value)
-
-
-def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into a parameter (slice), casting dtype and moving device."""
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"shape mismatch: the checkpoint has {tuple(src.shape)}, the model expects "
-                         f"{tuple(dst.shape)}")
-    dst.copy_(src)
-
-
-def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-    """For parameters that are the same on every rank (norms, ...)."""
-    if loaded_weight.dim() == 0 and param.numel() == 1:  # scalars saved as [] vs [1]
-        loaded_weight = loaded_weight.reshape(param.shape)
-    copy_weight(param.data, loaded_weight)
-
-
-@contextlib.contextmanager
-def set_default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Build modules whose parameters default to `dtype`."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 # ----------------------------------------------------------------------------------------- weight files
@@ -164,7 +130,7 @@ def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     if unexpected:
         logger.warning("Ignoring %d checkpoint tensor(s) with no matching parameter, e.g. %s.", len(unexpected),
                        ", ".join(unexpected[:5]))
-    missing = sorted(set(params) - loaded)
+    missing = sorted(n for n in set(params) - loaded if not getattr(params[n], "optional_weight", False))
     if missing:
         shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"The checkpoint is missing {len(missing)} weight(s) the model needs: {shown}.")
@@ -192,3 +158,11 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
             values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             values.uniform_(low, high, generator=gen)
             param.data.copy_(values)
+        elif param.dtype in (torch.int32, torch.int8, torch.uint8):  # packed quantized weights: random bits
+            dummy = getattr(param, "dummy_init", None)  # e.g. g_idx must stay a valid group map
+            if dummy is not None:
+                dummy(param)
+                continue
+            info = torch.iinfo(param.dtype)
+            param.data.copy_(torch.randint(info.min, info.max, param.shape, dtype=torch.int64, device=param.device,
+                                           generator=gen).to(param.dtype))

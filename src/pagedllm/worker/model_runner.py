@@ -45,6 +45,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
+        self.mixed_graphs = None  # likewise, for mixed prefill + decode steps (worker/mixed_graph.py)
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         self._prev_index: dict[str, int] = {}
         self.stager = HostStager(device)
@@ -76,11 +77,15 @@ class ModelRunner:
 
             self.cuda_graphs = CudaGraphRunner(self)
             self.cuda_graphs.capture()
+            if self.attn_backend.supports_mixed_graphs:
+                from pagedllm.worker.mixed_graph import MixedGraphRunner
+
+                self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool)
+                self.mixed_graphs.capture()
         if self.device.type == "cuda":
             # The profiling forward's activation blocks were released to size the KV cache: run it once more so
             # the caching allocator holds a full step's blocks again and the first large prefill does not pay for
-            # cudaMalloc (H200, Qwen3-0.6B, 16k-token step: the first two prefill steps took 47 + 70 ms of device
-            # time without this, 38 + 53 ms with it; run AD in docs/benchmarks.md). The budget already counts them.
+            # cudaMalloc (measured in docs/benchmarks.md, GPU section). The KV budget already counts these blocks.
             self.profile_run()
 
     @torch.inference_mode()
@@ -156,6 +161,8 @@ class ModelRunner:
         hidden = None
         if self.cuda_graphs is not None and inp.max_query_len == 1:
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
+        if hidden is None and self.mixed_graphs is not None:
+            hidden = self.mixed_graphs.run(input_ids, positions, metadata)
         if hidden is None:
             self.attn_backend.prepare(metadata)
             with set_forward_context(metadata, self.attn_backend):

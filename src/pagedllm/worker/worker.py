@@ -10,16 +10,11 @@ import torch
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
+from pagedllm.dtypes import DTYPE_ALIASES, torch_dtype
 from pagedllm.worker.kv_cache import available_cpu_memory, cpu_kv_budget
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
-
-_DTYPE_NAMES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -32,7 +27,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     if name != "auto":
-        dtype = _DTYPE_NAMES[name]
+        dtype = torch_dtype(name)
         if device.type == "cpu" and dtype == torch.float16:
             logger.warning("float16 on CPU is slow and imprecise; consider --dtype float32.")
         return dtype
@@ -40,7 +35,7 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
         return torch.float32
     config_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     if isinstance(config_dtype, str):
-        config_dtype = _DTYPE_NAMES.get(config_dtype)
+        config_dtype = torch_dtype(config_dtype) if config_dtype in DTYPE_ALIASES else None
     return torch.float16 if config_dtype == torch.float16 else torch.bfloat16
 
 
@@ -66,9 +61,9 @@ def read_eos_token_ids(hf_config, model_dir: str) -> list[int]:
     return ids
 
 
-# Default token budget of one step: 16384 on GPUs with >= 70 GiB (H200, Qwen3-0.6B offline benchmark: 25,223-25,503
-# tok/s vs 24,349-24,647 with 8192 in alternating processes, docs/benchmarks.md run AC: fewer, larger prefill chunks),
-# 8192 elsewhere (smaller GPUs keep more memory for KV; a CPU gains nothing from larger chunks).
+# Default token budget of one step: 16384 on GPUs with >= 70 GiB (fewer, larger prefill chunks raise offline
+# throughput there; docs/benchmarks.md, GPU section), 8192 elsewhere (smaller GPUs keep more memory for KV; a CPU
+# gains nothing from larger chunks).
 LARGE_GPU_BYTES = 70 * 1024 ** 3
 
 
@@ -86,6 +81,8 @@ class Worker:
         self.device = resolve_device(args.device)
         if args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet by pagedllm.")
+        if args.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported yet by pagedllm.")
         model_path = resolve_model_path(args.model)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
         self.hf_config = load_hf_config(self.model_dir)
@@ -110,12 +107,17 @@ class Worker:
         torch.manual_seed(args.seed)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
+        from pagedllm.quantization import quant_config_for_engine, weight_memory_summary
+
+        self.quant_config = quant_config_for_engine(args, cfg, self.model_dir, self.device, self.dtype)
         start = time.perf_counter()
         self.model = get_model(cfg, self.model_dir, dtype=self.dtype, device=self.device,
-                               load_format=args.load_format)
-        logger.info("Loaded %s (%s) from %s in %.1f s on %s as %s.", cfg.architectures[0] if cfg.architectures
+                               load_format=args.load_format, quant_config=self.quant_config)
+        logger.info("Loaded %s (%s) from %s in %.1f s on %s as %s%s.", cfg.architectures[0] if cfg.architectures
                     else type(self.model).__name__, _count_params(self.model), self.model_dir,
-                    time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""))
+                    time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""),
+                    f", quantization {self.quant_config.name}" if self.quant_config else "")
+        logger.info("Model memory: %s.", weight_memory_summary(self.model))
         if self.device.type == "cpu" and self.dtype == torch.float32:
             # oneDNN-prepacked copies of the weights (faster CPU matmuls) cost a second copy in RAM: only
             # when that copy fits comfortably.

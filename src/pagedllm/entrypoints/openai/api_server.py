@@ -78,7 +78,7 @@ async def serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.async_engine import AsyncEngine, EngineStartupError
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
-    from pagedllm.entrypoints.openai.common import ServerState
+    from pagedllm.entrypoints.openai.server_state import ServerState
     from pagedllm.metrics import Metrics
 
     try:

@@ -16,7 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.entrypoints.async_engine import ClientDisconnected, EngineDeadError, RequestRejected
-from pagedllm.entrypoints.openai import common as c
+from pagedllm.entrypoints.openai.errors import APIError, dumps, error_body, error_response, format_validation_error
+from pagedllm.entrypoints.openai.server_state import ServerState
 
 logger = logging.getLogger("pagedllm.api_server")
 
@@ -32,7 +33,7 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
             auth = dict(scope["headers"]).get(b"authorization")
             if auth != self.expected:
-                body = c.dumps(c.error_body(
+                body = dumps(error_body(
                     "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.", 401,
                     "authentication_error", code="invalid_api_key"))
                 await send({"type": "http.response.start", "status": 401,
@@ -44,7 +45,7 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(state: c.ServerState) -> FastAPI:
+def build_app(state: ServerState) -> FastAPI:
     from pagedllm.entrypoints.openai.chat_completions import create_chat_completion
     from pagedllm.entrypoints.openai.completions import create_completion
     from pagedllm.entrypoints.openai.models import list_models
@@ -58,12 +59,12 @@ def build_app(state: c.ServerState) -> FastAPI:
     async def health() -> Response:
         if state.engine.is_healthy():
             return Response(status_code=200)
-        return Response(c.dumps(c.error_body(f"The engine is not running: {state.engine.dead_reason}", 503)),
+        return Response(dumps(error_body(f"The engine is not running: {state.engine.dead_reason}", 503)),
                         status_code=503, media_type="application/json")
 
     @app.get("/version")
     async def version() -> Response:
-        return Response(c.dumps({"version": pagedllm.__version__}), media_type="application/json")
+        return Response(dumps({"version": pagedllm.__version__}), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -101,28 +102,28 @@ def build_app(state: c.ServerState) -> FastAPI:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(c.APIError)
-    async def api_error(_: Request, e: c.APIError) -> Response:
-        return c.error_response(e)
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> Response:
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> Response:
-        return c.error_response(c.format_validation_error(e))
+        return error_response(format_validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> Response:
         message = str(e.detail) if e.detail else "Error"
         if e.status_code == 404:
             message = "Not found: no such route."
-        return c.error_response(c.APIError(message, e.status_code))
+        return error_response(APIError(message, e.status_code))
 
     @app.exception_handler(RequestRejected)
     async def rejected(_: Request, e: RequestRejected) -> Response:
-        return c.error_response(c.APIError(str(e), e.status))
+        return error_response(APIError(str(e), e.status))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError) -> Response:
-        return c.error_response(c.APIError(f"The engine is not running: {e}", 503))
+        return error_response(APIError(f"The engine is not running: {e}", 503))
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(_: Request, e: ClientDisconnected) -> Response:
@@ -131,4 +132,4 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> Response:
         logger.exception("unhandled error")
-        return c.error_response(c.APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
+        return error_response(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))

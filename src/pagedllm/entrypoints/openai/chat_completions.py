@@ -7,30 +7,34 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pagedllm.entrypoints.openai import common as c
-from pagedllm.entrypoints.openai.completions import from_stream_error
+from pagedllm.entrypoints.openai.chat_template import render_chat
+from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
+from pagedllm.entrypoints.openai.logprobs import iter_logprobs, safe_float
+from pagedllm.entrypoints.openai.request_params import build_sampling_params, check_context_length
+from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
+from pagedllm.entrypoints.openai.streaming import DONE, ChunkFramer, error_event, start_disconnect_watch
 
 
-async def create_chat_completion(request: Request, state: c.ServerState) -> Response:
-    req = await c.parse_body(request, ChatCompletionRequest)
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    req = await parse_body(request, ChatCompletionRequest)
     model = state.check_model(req.model)
     engine = state.engine
     if req.top_logprobs is not None and not req.logprobs:
-        raise c.APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
+        raise APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-        raise c.APIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}.", param="top_logprobs")
-    prompt_text, prompt_ids = c.render_chat(
+        raise APIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}.", param="top_logprobs")
+    prompt_text, prompt_ids = render_chat(
         state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
         req.chat_template, req.chat_template_kwargs, req.add_special_tokens)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = c.build_sampling_params(req, max_tokens, logprobs)
-    c.check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
+    params = build_sampling_params(req, max_tokens, logprobs)
+    check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
     gen = engine.generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only")
-    watch = c.start_disconnect_watch(request, engine, [request_id])
+    watch = start_disconnect_watch(request, engine, [request_id])
     created = int(time.time())
     try:
         first = await gen.__anext__()
@@ -47,21 +51,21 @@ async def create_chat_completion(request: Request, state: c.ServerState) -> Resp
             final = out
     finally:
         watch.cancel()
-    return Response(c.dumps(_full_response(req, state, model, request_id, created, len(prompt_ids), final)),
+    return Response(dumps(_full_response(req, state, model, request_id, created, len(prompt_ids), final)),
                     media_type="application/json")
 
 
 def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top_n: int) -> dict:
     content = []
-    for s, lp, tops in c.iter_logprobs(tok, list(token_ids), logprobs):
-        top_items = [{"token": ts, "logprob": c.safe_float(tl), "bytes": list(ts.encode("utf-8"))}
+    for s, lp, tops in iter_logprobs(tok, list(token_ids), logprobs):
+        top_items = [{"token": ts, "logprob": safe_float(tl), "bytes": list(ts.encode("utf-8"))}
                      for ts, tl, rank in tops if rank is None or rank <= top_n][:top_n]
-        content.append({"token": s, "logprob": c.safe_float(lp), "bytes": list(s.encode("utf-8")),
+        content.append({"token": s, "logprob": safe_float(lp), "bytes": list(s.encode("utf-8")),
                         "top_logprobs": top_items})
     return {"content": content}
 
 
-def _full_response(req: ChatCompletionRequest, state: c.ServerState, model: str, request_id: str, created: int,
+def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
                    num_prompt: int, final: Any) -> dict:
     choices = []
     num_gen = 0
@@ -76,17 +80,15 @@ def _full_response(req: ChatCompletionRequest, state: c.ServerState, model: str,
             "choices": choices, "usage": usage}
 
 
-async def _stream(req: ChatCompletionRequest, state: c.ServerState, model: str, request_id: str, created: int,
+async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
                   num_prompt: int, first: Any, gen: AsyncIterator, watch: Any) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    head = (b'{"id":' + c.dumps(request_id) + b',"object":"chat.completion.chunk","created":'
-            + str(created).encode() + b',"model":' + c.dumps(model) + b',"choices":')
-    tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+    framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, include_usage)
     top_n = req.top_logprobs or 0
     num_gen = 0
 
     def frame(choice: dict) -> bytes:
-        return b"data: " + head + c.dumps([choice]) + tail
+        return framer.choices([choice])
 
     def chunks(ro: Any) -> list[bytes]:
         nonlocal num_gen
@@ -114,10 +116,10 @@ async def _stream(req: ChatCompletionRequest, state: c.ServerState, model: str, 
                     yield f
         if include_usage:
             usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen, "total_tokens": num_prompt + num_gen}
-            yield b"data: " + head + b"[]" + b',"usage":' + c.dumps(usage) + b"}\n\n"
+            yield framer.usage(usage)
     except Exception as e:  # noqa: BLE001 - headers are gone; report in-band like vLLM
-        yield from_stream_error(e)
+        yield error_event(e)
     finally:
         watch.cancel()
         await gen.aclose()
-    yield b"data: [DONE]\n\n"
+    yield DONE

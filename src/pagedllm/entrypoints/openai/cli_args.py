@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
+from pagedllm.dtypes import DTYPE_CHOICES
+
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
                "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
@@ -34,8 +36,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--startup-timeout", type=float, default=None, help="seconds to wait for the engine to load")
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float",
-                                                         "bf16", "fp16", "fp32"])
+    e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     e.add_argument("--max-model-len", type=int, default=None)
@@ -51,7 +52,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     e.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     e.add_argument("--enforce-eager", action="store_true")
-    e.add_argument("--quantization", "-q", default=None)
+    e.add_argument("--quantization", "-q", default=None,
+                   help="awq, gptq, compressed-tensors (read from config.json when omitted) or online fp8 / int8")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     e.add_argument("--cpu-offload-gb", type=float, default=0)
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")

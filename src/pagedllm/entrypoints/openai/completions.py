@@ -7,8 +7,12 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pagedllm.entrypoints.openai import common as c
+from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
+from pagedllm.entrypoints.openai.logprobs import iter_logprobs, safe_float, token_str
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
+from pagedllm.entrypoints.openai.request_params import build_sampling_params, check_context_length, check_token_ids
+from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.entrypoints.openai.streaming import DONE, ChunkFramer, error_event, merge_streams, start_disconnect_watch
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -21,43 +25,43 @@ def parse_prompts(prompt: Any, tokenizer: Any, vocab_size: int, add_special_toke
     elif prompt and all(isinstance(t, int) for t in prompt):
         prompt = [prompt]
     if not prompt:
-        raise c.APIError("'prompt' must not be empty.", param="prompt")
+        raise APIError("'prompt' must not be empty.", param="prompt")
     out: list[tuple[Optional[str], list[int]]] = []
     for p in prompt:
         if isinstance(p, str):
             if p == "":
-                raise c.APIError("'prompt' must not be an empty string.", param="prompt")
+                raise APIError("'prompt' must not be an empty string.", param="prompt")
             out.append((p, list(tokenizer.encode(p, add_special_tokens=add_special_tokens))))
         else:
             ids = list(p)
-            c.check_token_ids(ids, vocab_size)
+            check_token_ids(ids, vocab_size)
             out.append((None, ids))
     return out
 
 
-async def create_completion(request: Request, state: c.ServerState) -> Response:
-    req = await c.parse_body(request, CompletionRequest)
+async def create_completion(request: Request, state: ServerState) -> Response:
+    req = await parse_body(request, CompletionRequest)
     model = state.check_model(req.model)
     if req.suffix:
-        raise c.APIError("'suffix' is not supported yet.", param="suffix")
+        raise APIError("'suffix' is not supported yet.", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
-        raise c.APIError("'best_of' other than n is not supported yet.", param="best_of")
+        raise APIError("'best_of' other than n is not supported yet.", param="best_of")
     engine = state.engine
     tok = state.tokenizer
     prompts = parse_prompts(req.prompt, tok, engine.ready.vocab_size, req.add_special_tokens)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     # echo + logprobs also scores the prompt tokens (OpenAI's legacy completions behaviour).
-    params = c.build_sampling_params(req, max_tokens, req.logprobs,
+    params = build_sampling_params(req, max_tokens, req.logprobs,
                                      prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
     for _, ids in prompts:
-        c.check_context_length(len(ids), params.max_tokens, state.max_model_len)
+        check_context_length(len(ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("cmpl")
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id]
     stream = bool(req.stream)
     kind = "delta" if stream else "final_only"
     gens = [engine.generate(text, ids, params, sid, output_kind=kind) for (text, ids), sid in zip(prompts, sub_ids)]
-    watch = c.start_disconnect_watch(request, engine, sub_ids)
-    merged = c.merge_streams(gens)
+    watch = start_disconnect_watch(request, engine, sub_ids)
+    merged = merge_streams(gens)
     created = int(time.time())
     try:
         first = await merged.__anext__()
@@ -74,11 +78,11 @@ async def create_completion(request: Request, state: c.ServerState) -> Response:
             finals[i] = out
     finally:
         watch.cancel()
-    return Response(c.dumps(_full_response(req, state, model, request_id, created, prompts, finals)),
+    return Response(dumps(_full_response(req, state, model, request_id, created, prompts, finals)),
                     media_type="application/json")
 
 
-def _full_response(req: CompletionRequest, state: c.ServerState, model: str, request_id: str, created: int,
+def _full_response(req: CompletionRequest, state: ServerState, model: str, request_id: str, created: int,
                    prompts: list, finals: dict[int, Any]) -> dict:
     tok = state.tokenizer
     choices = []
@@ -105,7 +109,7 @@ def _full_response(req: CompletionRequest, state: c.ServerState, model: str, req
 
 def _prompt_logprobs(tok: Any, ids: list[int], prompt_logprobs: Optional[list]) -> dict:
     """The echoed prompt's part of the logprobs: the first token has no logprob (null), like OpenAI."""
-    first = c.token_str(tok, ids[0], None)
+    first = token_str(tok, ids[0], None)
     head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
     rest = _completion_logprobs(tok, ids[1:], (prompt_logprobs or [None] * len(ids))[1:], len(first))
     return _merge_logprobs(head, rest)
@@ -117,16 +121,16 @@ def _merge_logprobs(a: dict, b: dict) -> dict:
 
 def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], offset: int) -> dict:
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for s, lp, tops in c.iter_logprobs(tok, list(token_ids), logprobs):
+    for s, lp, tops in iter_logprobs(tok, list(token_ids), logprobs):
         result["tokens"].append(s)
-        result["token_logprobs"].append(c.safe_float(lp))
-        result["top_logprobs"].append({ts: c.safe_float(tl) for ts, tl, _ in tops})
+        result["token_logprobs"].append(safe_float(lp))
+        result["top_logprobs"].append({ts: safe_float(tl) for ts, tl, _ in tops})
         result["text_offset"].append(offset)
         offset += len(s)
     return result
 
 
-async def _stream(req: CompletionRequest, state: c.ServerState, model: str, request_id: str, created: int,
+async def _stream(req: CompletionRequest, state: ServerState, model: str, request_id: str, created: int,
                   prompts: list, first: tuple[int, Any], merged: AsyncIterator, watch: Any) -> AsyncIterator[bytes]:
     tok = state.tokenizer
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -134,9 +138,7 @@ async def _stream(req: CompletionRequest, state: c.ServerState, model: str, requ
     echo_pending: set[int] = set()  # echoed choices whose prompt logprobs are still to be sent
     offsets: dict[int, int] = {}
     num_gen = 0
-    head = (b'{"id":' + c.dumps(request_id) + b',"object":"text_completion","created":' + str(created).encode()
-            + b',"model":' + c.dumps(model) + b',"choices":')
-    tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+    framer = ChunkFramer(request_id, "text_completion", created, model, include_usage)
 
     def chunks(i: int, ro: Any) -> list[bytes]:
         nonlocal num_gen
@@ -162,7 +164,7 @@ async def _stream(req: CompletionRequest, state: c.ServerState, model: str, requ
                     lp = _merge_logprobs(_prompt_logprobs(tok, prompts[i][1], ro.prompt_logprobs), lp)
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                       "stop_reason": out.stop_reason}
-            frames.append(b"data: " + head + c.dumps([choice]) + tail)
+            frames.append(framer.choices([choice]))
         return frames
 
     try:
@@ -175,15 +177,10 @@ async def _stream(req: CompletionRequest, state: c.ServerState, model: str, requ
             num_prompt = sum(len(ids) for _, ids in prompts)
             usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen,
                      "total_tokens": num_prompt + num_gen}
-            yield b"data: " + head + b"[]" + b',"usage":' + c.dumps(usage) + b"}\n\n"
+            yield framer.usage(usage)
     except Exception as e:  # noqa: BLE001 - headers are gone; report in-band like vLLM
-        yield from_stream_error(e)
+        yield error_event(e)
     finally:
         watch.cancel()
         await merged.aclose()
-    yield b"data: [DONE]\n\n"
-
-
-def from_stream_error(e: BaseException) -> bytes:
-    status = getattr(e, "status", 500)
-    return b"data: " + c.dumps(c.error_body(str(e), status)) + b"\n\n"
+    yield DONE

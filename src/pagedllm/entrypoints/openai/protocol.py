@@ -5,37 +5,18 @@ SamplingParams so the offline API and the server give the same messages.
 """
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
-class _Resp(BaseModel):
-    model_config = ConfigDict(protected_namespaces=())
-
-
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-# ---- errors --------------------------------------------------------------------------------------
-
-
-class ErrorInfo(_Resp):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
-
-
-class ErrorResponse(_Resp):
-    error: ErrorInfo
 
 
 # ---- shared request pieces -----------------------------------------------------------------------
@@ -117,87 +98,3 @@ class TokenizeRequest(_Req):
 class DetokenizeRequest(_Req):
     model: Optional[str] = None
     tokens: list[int]
-
-
-# ---- responses -----------------------------------------------------------------------------------
-
-
-class UsageInfo(_Resp):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(_Resp):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-
-
-class CompletionChoice(_Resp):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-
-
-class CompletionResponse(_Resp):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class TopLogprob(_Resp):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(_Resp):
-    content: Optional[list[ChatTokenLogprob]] = None
-
-
-class ChatResponseMessage(_Resp):
-    role: str = "assistant"
-    content: Optional[str] = None
-
-
-class ChatChoice(_Resp):
-    index: int
-    message: ChatResponseMessage
-    logprobs: Optional[ChatChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-
-
-class ChatCompletionResponse(_Resp):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class ModelCard(_Resp):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedllm"
-    root: Optional[str] = None
-    parent: Optional[str] = None
-    max_model_len: Optional[int] = None
-
-
-class ModelList(_Resp):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)

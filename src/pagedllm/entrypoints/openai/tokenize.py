@@ -4,19 +4,21 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai import common as c
+from pagedllm.entrypoints.openai.chat_template import render_chat
+from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
+from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 
 
-async def tokenize(request: Request, state: c.ServerState) -> Response:
-    req = await c.parse_body(request, TokenizeRequest)
+async def tokenize(request: Request, state: ServerState) -> Response:
+    req = await parse_body(request, TokenizeRequest)
     state.check_model(req.model)
     tok = state.tokenizer
     if (req.prompt is None) == (req.messages is None):
-        raise c.APIError("Give exactly one of 'prompt' or 'messages'.", param="prompt")
+        raise APIError("Give exactly one of 'prompt' or 'messages'.", param="prompt")
     if req.messages is not None:
         add_special = bool(req.add_special_tokens) if req.add_special_tokens is not None else False
-        _, ids = c.render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
+        _, ids = render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
                                req.chat_template, req.chat_template_kwargs, add_special)
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
@@ -24,14 +26,14 @@ async def tokenize(request: Request, state: c.ServerState) -> Response:
     body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if req.return_token_strs:
         body["token_strs"] = tok.convert_ids_to_tokens(ids)
-    return Response(c.dumps(body), media_type="application/json")
+    return Response(dumps(body), media_type="application/json")
 
 
-async def detokenize(request: Request, state: c.ServerState) -> Response:
-    req = await c.parse_body(request, DetokenizeRequest)
+async def detokenize(request: Request, state: ServerState) -> Response:
+    req = await parse_body(request, DetokenizeRequest)
     state.check_model(req.model)
     vocab = state.engine.ready.vocab_size
     for t in req.tokens:
         if not 0 <= t < vocab:
-            raise c.APIError(f"Token id {t} is out of vocabulary (0..{vocab - 1}).", param="tokens")
-    return Response(c.dumps({"prompt": state.tokenizer.decode(req.tokens)}), media_type="application/json")
+            raise APIError(f"Token id {t} is out of vocabulary (0..{vocab - 1}).", param="tokens")
+    return Response(dumps({"prompt": state.tokenizer.decode(req.tokens)}), media_type="application/json")

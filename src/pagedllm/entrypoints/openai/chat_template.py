@@ -1,0 +1,51 @@
+"""Chat messages -> prompt text and ids through the tokenizer's chat template (transformers)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pagedllm.entrypoints.openai.errors import APIError
+
+
+def message_text(content: Any) -> str:
+    """OpenAI content is a string or a list of parts; only text parts are supported."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text":
+            texts.append(str(part.get("text", "")))
+        else:
+            raise APIError(f"Message content of type {kind!r} is not supported yet; only 'text' parts are.",
+                           param="messages")
+    return "\n".join(texts)
+
+
+def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template: Optional[str] = None,
+                chat_template_kwargs: Optional[dict] = None, add_special_tokens: bool = False
+                ) -> tuple[str, list[int]]:
+    if not messages:
+        raise APIError("'messages' must contain at least one message.", param="messages")
+    conv = []
+    for msg in messages:
+        item = {"role": msg.role, "content": message_text(msg.content)}
+        if msg.name:
+            item["name"] = msg.name
+        conv.append(item)
+    if continue_final_message and add_generation_prompt:
+        raise APIError("continue_final_message and add_generation_prompt cannot both be true.",
+                       param="continue_final_message")
+    try:
+        text = tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=chat_template,
+            **(chat_template_kwargs or {}))
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - template errors come from the request (roles, kwargs)
+        raise APIError(f"Could not apply the chat template: {e}", param="messages")
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return text, list(ids)

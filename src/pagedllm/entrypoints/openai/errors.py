@@ -1,0 +1,96 @@
+"""OpenAI-style errors: APIError, the {"error": {...}} body, and request-body parsing whose failures become
+400s with a message naming the bad field."""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, TypeVar
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
+
+_json = msgspec.json.Encoder()
+
+
+def dumps(obj: Any) -> bytes:
+    return _json.encode(obj)
+
+
+class APIError(Exception):
+    """A client-visible error: mapped to {"error": {...}} with `status`."""
+
+    def __init__(self, message: str, status: int = 400, type_: Optional[str] = None, param: Optional[str] = None,
+                 code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type_ or _default_type(status)
+        self.param = param
+        self.code = code
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status >= 500:
+        return "server_error" if status != 503 else "service_unavailable_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, status: int, type_: Optional[str] = None, param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type_ or _default_type(status), "param": param,
+                      "code": code if code is not None else status}}
+
+
+def error_response(err: APIError) -> Response:
+    return Response(dumps(error_body(err.message, err.status, err.type, err.param, err.code)),
+                    status_code=err.status, media_type="application/json")
+
+
+def format_validation_error(e: ValidationError | Any) -> APIError:
+    errors = e.errors() if hasattr(e, "errors") else []
+    if not errors:
+        return APIError(str(e))
+    first = errors[0]
+    # Drop FastAPI's "body" and pydantic's union-branch tags ("str", "list[int]", ...) from the location.
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p))
+    if first.get("type") == "missing":
+        return APIError(f"Missing required parameter: '{loc}'.", param=loc or None)
+    if first.get("type") == "json_invalid":
+        return APIError("We could not parse the JSON body of your request: it is not valid JSON.")
+    got = first.get("input")
+    got_s = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
+    return APIError(f"Invalid value for '{loc}': {first.get('msg', 'invalid')} (got {got_s}).", param=loc or None)
+
+
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict",
+                                                               "function-after", "function-plain"})
+
+
+def _jsonable(x: Any) -> bool:
+    try:
+        json.dumps(x)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+async def parse_body(request: Request, model: type[T]) -> T:
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError("We could not parse the JSON body of your request: it is not valid JSON.")
+    if not isinstance(data, dict):
+        raise APIError("The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise format_validation_error(e)

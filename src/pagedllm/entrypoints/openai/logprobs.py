@@ -1,0 +1,29 @@
+"""Logprob formatting shared by chat and completions: token strings, per-position (chosen, top-k) entries."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def token_str(tokenizer: Any, token_id: int, lp: Any = None) -> str:
+    s = getattr(lp, "decoded_token", None)
+    if s is None:
+        s = tokenizer.decode([token_id])
+    return s
+
+
+def iter_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list[dict]]):
+    """Yield (token_str, logprob, [(top_str, top_logprob), ...] by rank) per generated position."""
+    if not logprobs:
+        return
+    for tid, entry in zip(token_ids, logprobs):
+        chosen = entry.get(tid) if entry else None
+        lp = float(chosen.logprob) if chosen is not None else float("-inf")
+        tops = []
+        for top_id, top in sorted((entry or {}).items(), key=lambda kv: getattr(kv[1], "rank", 0) or 0):
+            tops.append((token_str(tokenizer, top_id, top), float(top.logprob), getattr(top, "rank", None)))
+        yield token_str(tokenizer, tid, chosen), lp, tops
+
+
+def safe_float(x: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number.
+    return x if x > -9999.0 else -9999.0

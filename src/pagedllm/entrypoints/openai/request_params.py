@@ -1,0 +1,78 @@
+"""Request -> engine inputs: the OpenAI/vLLM sampling fields mapped to SamplingParams, and the prompt checks
+(context length, token ids) every generating endpoint makes."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.sampling_params import SamplingParams
+
+
+def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optional[int],
+                          prompt_logprobs: Optional[int] = None) -> SamplingParams:
+    def opt(v: Any, default: Any) -> Any:
+        return default if v is None else v
+
+    # Integers travel to the engine as msgpack int64: anything wider is a client mistake, not a crash.
+    for name in ("seed", "top_k", "min_tokens", "max_tokens", "n"):
+        v = getattr(req, name, None) if name != "max_tokens" else max_tokens
+        if isinstance(v, int) and not -(2 ** 63) <= v < 2 ** 63:
+            raise APIError(f"{name} is out of range: {v}.", param=name)
+    for t in req.stop_token_ids or []:
+        if not 0 <= t < 2 ** 63:
+            raise APIError(f"stop_token_ids must be non-negative integers below 2**63, got {t}.",
+                           param="stop_token_ids")
+
+    try:
+        return SamplingParams(
+            n=req.n,
+            presence_penalty=opt(req.presence_penalty, 0.0),
+            frequency_penalty=opt(req.frequency_penalty, 0.0),
+            repetition_penalty=opt(req.repetition_penalty, 1.0),
+            temperature=opt(req.temperature, 1.0),
+            top_p=opt(req.top_p, 1.0),
+            top_k=opt(req.top_k, 0),
+            min_p=opt(req.min_p, 0.0),
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e), param=_param_of(str(e)))
+
+
+def _param_of(message: str) -> Optional[str]:
+    word = message.split(" ", 1)[0]
+    return word if word.replace("_", "").isalpha() and word.islower() else None
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: Optional[int], max_model_len: int) -> None:
+    if max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens} tokens in the messages, which leaves no room for the completion. "
+                "Please reduce the length of the messages.", param="messages")
+        return
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {total} "
+            f"tokens ({num_prompt_tokens} in the messages, {max_tokens} in the completion). Please reduce the "
+            "length of the messages or completion.", param="max_tokens")
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    if not ids:
+        raise APIError("The prompt is empty: give at least one token.", param="prompt")
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise APIError(f"Token id {t} is out of vocabulary (0..{vocab_size - 1}).", param="prompt")

@@ -1,0 +1,88 @@
+"""What chat and completions share around a generation: client-disconnect watching, merging several
+output streams, and the Server-Sent-Events framing of chunks, usage, in-band errors and [DONE]."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+
+from pagedllm.entrypoints.openai.errors import dumps, error_body
+
+DONE = b"data: [DONE]\n\n"
+
+
+class ChunkFramer:
+    """SSE `data:` frames of one response's chunks: the fixed id/object/created/model prefix is encoded once."""
+
+    def __init__(self, request_id: str, obj: str, created: int, model: str, include_usage: bool) -> None:
+        self.head = (b'{"id":' + dumps(request_id) + b',"object":' + dumps(obj) + b',"created":'
+                     + str(created).encode() + b',"model":' + dumps(model) + b',"choices":')
+        self.tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+
+    def choices(self, choices: list[dict]) -> bytes:
+        return b"data: " + self.head + dumps(choices) + self.tail
+
+    def usage(self, usage: dict) -> bytes:
+        """The final usage-only chunk (stream_options.include_usage): no choices."""
+        return b"data: " + self.head + b"[]" + b',"usage":' + dumps(usage) + b"}\n\n"
+
+
+def error_event(e: BaseException) -> bytes:
+    """An error after the headers went out is reported in-band, as vLLM does."""
+    status = getattr(e, "status", 500)
+    return b"data: " + dumps(error_body(str(e), status)) + b"\n\n"
+
+
+def start_disconnect_watch(request: Request, engine: Any, request_ids: list[str]) -> asyncio.Task:
+    """Until the returned task is cancelled, a client disconnect aborts `request_ids` at once (their KV
+    blocks are freed in the engine's next loop turn, and their generate() raises ClientDisconnected)."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message.get("type") == "http.disconnect":
+                for rid in request_ids:
+                    engine.abort_nowait(rid)
+                return
+
+    return asyncio.get_running_loop().create_task(watch())
+
+
+async def merge_streams(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators, yielding (which, item) as items arrive."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator[Any]) -> None:
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(gens)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for g in gens:
+            aclose = getattr(g, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()

@@ -1,0 +1,58 @@
+"""Online `--quantization int8` (W8A16): a float checkpoint's linear weights become int8 at load time, one
+symmetric fp32 scale per output channel; activations stay in the model dtype.
+
+    y = (x @ W_q^T) * scale + b        W_q = round(W / scale) in [-127, 127], scale = max|W_row| / 127
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.quantization.base import LinearMethodBase, QuantizationConfig, set_quant_param_attrs
+
+
+class Int8Config(QuantizationConfig):
+    name = "int8"
+    online = True
+    supports_lora = True  # LoRA adds its own float delta; the base weight's storage does not matter
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Int8Config":
+        return cls()
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
+        return Int8LinearMethod()
+
+
+def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in], fp32 scale [out]) with symmetric per-row scales."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8LinearMethod(LinearMethodBase):
+    """Loads the float weight as the unquantized method does, then quantizes it in place."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, weight_loader):
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                                          dtype=params_dtype), requires_grad=False)
+        set_quant_param_attrs(weight, weight_loader=weight_loader, input_dim=1, output_dim=0)
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer):
+        q, scale = quantize_per_channel_int8(layer.weight.data)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.register_buffer("weight_scale", scale, persistent=False)
+
+    def apply(self, layer, x, bias=None):
+        from pagedllm.quantization.kernels import int8_linear
+
+        return int8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def dequantized_weight(self, layer):
+        return layer.weight.float() * layer.weight_scale[:, None]

@@ -1,0 +1,120 @@
+"""The common core of the integer weight-only methods (GPTQ, AWQ, compressed-tensors W4A16/W8A16).
+
+Each method loads its checkpoint's own layout, then `process_weights_after_loading` converts it once to ONE
+internal layout that the torch reference (CPU) and the Triton kernels (CUDA) both read:
+
+    qweight  int32 [K / pack, N]   pack = 32 // bits values along K per int32, value i in bits [i*bits, +bits)
+    scales   [G, N]                the activation dtype
+    zeros    [G, N]                the same dtype: w = (q - zero) * scale  (symmetric: zero = 2**(bits-1))
+    g_idx    int32 [K] or absent   group of each input channel (act-order); absent: k // group_size
+
+K = in features on this rank, N = out features on this rank, G = groups.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from pagedllm.quantization.base import LinearMethodBase
+
+SUPPORTED_BITS = (4, 8)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Optional[Sequence[int]] = None
+                 ) -> torch.Tensor:
+    """int32 packed `32 // bits` unsigned values per element along `dim` -> int32 values, `dim` grown by the
+    pack factor. `order[i]` is the logical position held in bits [i*bits, +bits) (AWQ: 0 2 4 6 1 3 5 7)."""
+    pack = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    moved = packed.movedim(dim, -1)
+    vals = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., M, pack], position i -> order[i]
+    if order is not None:
+        inverse = torch.argsort(torch.tensor(order, device=packed.device))
+        vals = vals[..., inverse]
+    return vals.reshape(*moved.shape[:-1], moved.shape[-1] * pack).movedim(-1, dim)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int, order: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The inverse of unpack_int32: unsigned `values` (< 2**bits) -> int32, `dim` shrunk by the pack factor."""
+    pack = 32 // bits
+    moved = values.to(torch.int64).movedim(dim, -1)
+    if moved.shape[-1] % pack:
+        raise ValueError(f"cannot pack {moved.shape[-1]} values {pack} per int32")
+    grouped = moved.reshape(*moved.shape[:-1], moved.shape[-1] // pack, pack)
+    if order is not None:
+        grouped = grouped[..., list(order)]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
+    word = (grouped << shifts).sum(-1)  # fits in 32 unsigned bits
+    word = torch.where(word >= 2**31, word - 2**32, word)
+    return word.to(torch.int32).movedim(-1, dim)
+
+
+def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                      group_size: int, g_idx: Optional[torch.Tensor] = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The internal layout -> the dense [N, K] weight (the torch reference every kernel is checked against)."""
+    q = unpack_int32(qweight, bits, dim=0)  # [K, N]
+    k = q.shape[0]
+    if g_idx is None:
+        g_idx = torch.arange(k, device=q.device) // group_size
+    g = g_idx.long()
+    w = (q.to(dtype) - zeros.to(dtype)[g]) * scales.to(dtype)[g]
+    return w.t()
+
+
+class PackedIntLinearMethod(LinearMethodBase):
+    """apply() over the internal layout: the CUDA kernels where they apply, else dequantize-and-matmul.
+
+    Subclasses register their checkpoint's parameters in `create_weights` and implement `convert(layer)`, which
+    returns (qweight, scales, zeros, g_idx or None) in the internal layout; it runs once after loading."""
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits = bits
+        self.group_size = group_size  # -1 already resolved to K by subclasses where needed
+
+    def convert(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        qweight, scales, zeros, g_idx = self.convert(layer)
+        for name, _ in list(layer.named_parameters(recurse=False)):
+            if name != "bias":
+                delattr(layer, name)
+        layer.register_parameter("qweight", nn.Parameter(qweight.contiguous(), requires_grad=False))
+        layer.register_parameter("scales", nn.Parameter(scales.to(layer.params_dtype).contiguous(),
+                                                        requires_grad=False))
+        layer.register_parameter("zeros", nn.Parameter(zeros.to(layer.params_dtype).contiguous(),
+                                                       requires_grad=False))
+        if g_idx is not None and not torch.equal(g_idx.long().cpu(), _trivial_g_idx(g_idx.numel(), self.group_size)):
+            layer.register_parameter("g_idx", nn.Parameter(g_idx.to(torch.int32).contiguous(), requires_grad=False))
+        else:
+            layer.g_idx = None
+        layer.quant_bits = self.bits
+        layer.quant_group_size = self.group_size
+
+    def apply(self, layer, x, bias=None):
+        from pagedllm.quantization.kernels import packed_int_linear
+
+        return packed_int_linear(x, layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
+                                 layer.quant_group_size, layer.g_idx, bias)
+
+    def dequantized_weight(self, layer):
+        return dequantize_packed(layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
+                                 layer.quant_group_size, layer.g_idx)
+
+
+def _trivial_g_idx(k: int, group_size: int) -> torch.Tensor:
+    return torch.arange(k) // group_size
+
+
+def check_bits(method: str, bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{method} with bits={bits} is not supported; pagedllm loads 4- and 8-bit {method} "
+                         f"checkpoints.")
+
+
+def check_group_size(method: str, group_size: int) -> None:
+    if group_size != -1 and (group_size < 16 or group_size & (group_size - 1)):
+        raise ValueError(f"{method} with group_size={group_size} is not supported; use -1 or a power of two >= 16.")

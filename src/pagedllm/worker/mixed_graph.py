@@ -1,0 +1,170 @@
+"""Mixed prefill + decode steps as captured CUDA graphs, one per token-count bucket, sharing the decode graphs'
+memory pool.
+
+A mixed step's eager attention launch follows per-step host ints (number of requests, longest query chunk).
+Captured, it follows shapes alone: the prefill kernel (which already finds each program's request by a binary
+search over query_start_loc and lets programs past a request's tiles exit) is launched for `max_reqs` request
+rows and the bucket's token count with a fixed query tile (`AttentionMetadata.graph_prefill_tile`). Rows past
+the step's requests have no query tokens (their query_start_loc entries repeat the token count), so their
+programs exit at once.
+
+A step of n tokens is padded to the smallest bucket >= n: padding tokens carry token 0 at position 0, write
+their K/V into the scratch block (as decode-graph padding does) and belong to no request, so attention never
+reads them and no other row depends on them (every other op is row-wise or a GEMM over rows).
+Static inputs are refreshed by device copies before each replay; the captured forward never syncs with the host.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pagedllm import envs
+from pagedllm.forward_context import AttentionMetadata, set_forward_context
+
+logger = logging.getLogger("pagedllm")
+
+
+def mixed_capture_sizes(max_tokens: int) -> list[int]:
+    """Token buckets: fine steps for small counts (where padding would be a large part of the step), then at most
+    25% padding; the last is `max_tokens`."""
+    sizes = [16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    sizes += list(range(1280, 2049, 256)) + list(range(2560, 8193, 512))
+    sizes = [s for s in sizes if s < max_tokens] + [max_tokens]
+    return sorted(set(sizes))
+
+
+def bucket_for(sizes: list[int], num_tokens: int) -> Optional[int]:
+    """The smallest bucket >= num_tokens, or None when the step is larger than every bucket."""
+    for size in sizes:
+        if size >= num_tokens:
+            return size
+    return None
+
+
+# A program's fixed cost (loading K/V tiles, its loop) in units of query rows, for `pick_tile`.
+_TILE_OVERHEAD_ROWS = 32
+
+
+def pick_tile(tiles: list[int], gqa_pad: int, query_lens: np.ndarray, seq_lens: np.ndarray) -> int:
+    """The tile with the least estimated attention work for a step: each request runs ceil(q / (tile / gqa_pad))
+    programs, each over about its context, costing (tile rows + a fixed overhead) per context position.
+    A tall tile wastes most of its rows on a decode row; a short one re-reads the context per few query tokens."""
+    best, best_cost = tiles[-1], None
+    for tile in tiles:
+        block_q = max(1, tile // gqa_pad)
+        programs = -(-query_lens // block_q)
+        cost = float(np.dot(programs, seq_lens)) * (tile + _TILE_OVERHEAD_ROWS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = tile, cost
+    return best
+
+
+def pad_rows(static: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> torch.Tensor:
+    """Copy `values` into the head of `static` and `fill` the rest up to `size`; returns static[:size]."""
+    n = values.shape[0]
+    static[:n].copy_(values, non_blocking=True)
+    if size > n:
+        static[n:size].fill_(fill)
+    return static[:size]
+
+
+class MixedGraphRunner:
+    """Capture and replay of mixed steps in token buckets (see the module docstring)."""
+
+    def __init__(self, runner, pool=None) -> None:
+        self.runner = runner
+        self.device = runner.device
+        max_tokens = min(runner.max_num_batched_tokens, envs.PAGEDLLM_MIXED_GRAPH_MAX_TOKENS)
+        self.sizes = mixed_capture_sizes(max_tokens) if max_tokens >= 2 else []  # a mixed step has >= 2 tokens
+        self.max_size = self.sizes[-1] if self.sizes else 0
+        self.scratch_slot = runner.scratch_block * runner.block_size
+        first = runner.model.attn_layers[0]
+        self.gqa_pad = 1 << max(0, first.num_heads // first.num_kv_heads - 1).bit_length()
+        self.tiles = runner.attn_backend.mixed_graph_tiles(runner.dtype, first.num_heads, first.num_kv_heads,
+                                                           first.head_size)
+        if envs.PAGEDLLM_MIXED_GRAPH_TILE:  # one fixed tile (A/B benchmarks)
+            self.tiles = [envs.PAGEDLLM_MIXED_GRAPH_TILE]
+        n, reqs, dev = max(self.max_size, 1), runner.max_num_seqs, self.device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
+        self.query_start_loc = torch.zeros(reqs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=dev)
+        self.block_table = torch.full((reqs, runner.max_blocks_per_req), runner.scratch_block, dtype=torch.int32,
+                                      device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (token bucket, tile) -> graph
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool = pool
+        self.num_replays = 0  # steps served by a graph (tests and benchmarks read it)
+
+    def _metadata(self, size: int, tile: int) -> AttentionMetadata:
+        reqs = min(self.runner.max_num_seqs, size)  # every request of a step has at least one token
+        return AttentionMetadata(
+            num_actual_tokens=size, num_reqs=reqs, max_query_len=size, max_seq_len=self.runner.max_model_len,
+            query_start_loc=self.query_start_loc[:reqs + 1], seq_lens=self.seq_lens[:reqs],
+            block_table=self.block_table[:reqs], slot_mapping=self.slot_mapping[:size],
+            graph_prefill_tile=tile)
+
+    def _fill_capture_inputs(self, size: int) -> None:
+        """Requests of at most max_model_len tokens covering the bucket, every K/V write into the scratch slot
+        and every block-table entry naming the scratch block: real kernels, harmless writes."""
+        chunk = min(size, self.runner.max_model_len)
+        starts = list(range(0, size, chunk)) + [size]
+        reqs = min(self.runner.max_num_seqs, size)
+        starts += [size] * (reqs + 1 - len(starts))
+        self.query_start_loc[:reqs + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        self.seq_lens[:reqs].copy_(torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int32))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.sizes:
+            return
+        start = time.perf_counter()
+        model = self.runner.model
+        backend = self.runner.attn_backend
+        for size in reversed(self.sizes):  # largest first so smaller buckets reuse its pool memory
+            self._fill_capture_inputs(size)
+            for tile in self.tiles:
+                md = self._metadata(size, tile)
+                with set_forward_context(md, backend):
+                    backend.prepare(md)
+                    model(self.input_ids[:size], self.positions[:size])  # warm-up: compile outside the capture
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        out = model(self.input_ids[:size], self.positions[:size])
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(size, tile)] = graph
+                self.outputs[(size, tile)] = out
+        torch.cuda.synchronize(self.device)
+        logger.info("Captured %d CUDA graphs for mixed steps of %d..%d tokens (query tiles %s) in %.1f s.",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], self.tiles, time.perf_counter() - start)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            md: AttentionMetadata) -> Optional[torch.Tensor]:
+        n = input_ids.shape[0]
+        size = bucket_for(self.sizes, n)
+        if size is None or md.num_reqs > self.runner.max_num_seqs:
+            return None
+        reqs = min(self.runner.max_num_seqs, size)
+        pad_rows(self.input_ids, input_ids, size, 0)
+        pad_rows(self.positions, positions, size, 0)
+        pad_rows(self.slot_mapping, md.slot_mapping, size, self.scratch_slot)
+        # Rows past the step's requests: no query tokens (start = end = n), so their programs exit at once.
+        pad_rows(self.query_start_loc, md.query_start_loc, reqs + 1, n)
+        pad_rows(self.seq_lens, md.seq_lens, reqs, 0)
+        nb = md.block_table.shape[1]
+        self.block_table[:md.num_reqs, :nb].copy_(md.block_table, non_blocking=True)
+        tile = self.tiles[0]
+        if len(self.tiles) > 1:
+            qsl = np.asarray(md.query_start_loc_cpu)
+            tile = pick_tile(self.tiles, self.gqa_pad, np.diff(qsl), np.asarray(md.seq_lens_cpu))
+        self.runner.attn_backend.prepare(md)
+        self.graphs[(size, tile)].replay()
+        self.num_replays += 1
+        return self.outputs[(size, tile)][:n]

@@ -1,0 +1,204 @@
+"""Quantized checkpoints made in the test from the tiny random models, with the quantizer libraries' own
+packing code where it runs on this CPU:
+
+    gptq_checkpoint(src, dst, bits, group_size, desc_act, sym) -> (dst, reference)   AutoGPTQ's QuantLinear.pack
+
+`reference` is the transformers model of `src` whose linear weights were replaced by what the LIBRARY
+dequantizes (its own forward on an identity input), so our loader+kernels are checked against the
+library's reading of the format, not against our own.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import types
+from typing import Any, Callable
+
+import pytest
+import torch
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Layers that share one input (GPTQ's act-order permutation comes from the input's Hessian: one per input).
+SAME_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
+              "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+
+
+QUANTIZER_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               ".cache", "quantizers")
+
+
+def load_library_file(archive_prefix: str, member: str, name: str) -> Any:
+    """One module file of a quantizer library, executed from its release archive in .cache/quantizers (`make
+    setup` downloads them with pip, --no-deps: installed, they need CUDA or another torch; the files read here
+    import only torch/numpy/transformers)."""
+    import tarfile
+    import zipfile
+
+    archives = sorted(glob.glob(os.path.join(QUANTIZER_CACHE, archive_prefix + "*")))
+    if not archives:
+        pytest.skip(f"{archive_prefix} is not in {QUANTIZER_CACHE} (make setup downloads it)")
+    path = archives[-1]
+    if path.endswith(".whl"):
+        with zipfile.ZipFile(path) as zf:
+            source = zf.read(member).decode()
+    else:
+        with tarfile.open(path) as tf:
+            source = tf.extractfile(next(m for m in tf.getmembers() if m.name.endswith("/" + member))).read().decode()
+    module = types.ModuleType(name)
+    module.__file__ = f"{path}!{member}"
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def hf_model(model_dir: str) -> Any:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _linears(model: Any):
+    for i, layer in enumerate(model.model.layers):
+        for name in LINEARS:
+            parent = layer.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp
+            yield f"model.layers.{i}.{'self_attn' if parent is layer.self_attn else 'mlp'}.{name}", name, \
+                getattr(parent, name)
+
+
+def minmax_quant_params(w: torch.Tensor, g_idx: torch.Tensor, groups: int, bits: int, sym: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's quantizer grid per (output row, group): scales [N, G] (fp16-representable) and int zeros [N, G]."""
+    maxq = 2 ** bits - 1
+    n = w.shape[0]
+    scales, zeros = torch.empty(n, groups), torch.empty(n, groups, dtype=torch.int64)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        lo, hi = cols.min(1).values.clamp(max=0), cols.max(1).values.clamp(min=0)
+        if sym:
+            hi = torch.maximum(lo.abs(), hi)
+            lo = -hi
+        s = ((hi - lo) / maxq).clamp(min=1e-6).half().float()
+        # AutoGPTQ's v1 format cannot store an asymmetric zero of 0 (it packs zero - 1 = -1 and corrupts the
+        # neighbouring nibbles); real quantizers essentially never produce one. Keep zeros >= 1.
+        z = torch.full((n,), (maxq + 1) // 2) if sym else torch.round(-lo / s).long().clamp(1, maxq)
+        scales[:, g], zeros[:, g] = s, z
+    return scales, zeros
+
+
+def gptq_checkpoint(src: str, dst: str, bits: int = 4, group_size: int = 32, desc_act: bool = False,
+                    sym: bool = True, seed: int = 0) -> tuple[str, Any]:
+    lib = load_library_file("auto_gptq-0.7.1", "auto_gptq/nn_modules/qlinear/qlinear_cuda.py", "autogptq_qlinear")
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    model = hf_model(src)
+    gen = torch.Generator().manual_seed(seed)
+    perms: dict[tuple[int, str], torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, torch.Tensor] = {}
+    for full, name, linear in _linears(model):
+        n, k = linear.weight.shape
+        gs = group_size if group_size != -1 else k
+        groups = -(-k // gs)
+        g_idx = torch.arange(k) // gs
+        if desc_act:
+            key = (int(full.split(".")[2]), SAME_INPUT[name])
+            perm = perms.setdefault(key, torch.randperm(k, generator=gen))
+            g_idx = torch.argsort(perm) // gs  # channel perm[j] is the j-th quantized: group j // gs
+        w = linear.weight.data
+        scales, zeros = minmax_quant_params(w, g_idx, groups, bits, sym)
+        q = torch.round(w / scales[:, g_idx]).long() + zeros[:, g_idx]
+        q = q.clamp(0, 2 ** bits - 1)
+        linear.weight.data = ((q - zeros[:, g_idx]) * scales[:, g_idx]).float()  # on the grid: pack is exact
+        ql = lib.QuantLinear(bits, group_size, k, n, bias=linear.bias is not None, weight_dtype=torch.float16)
+        ql.pack(linear, scales, zeros.to(torch.int32), g_idx.to(torch.int32))
+        for part in ("qweight", "qzeros", "scales", "g_idx"):
+            tensors[f"{full}.{part}"] = getattr(ql, part).contiguous()
+        tensors[f"{full}.scales"] = ql.scales.half()  # fp16 on disk, as the library saves it
+        if linear.bias is not None:
+            tensors[f"{full}.bias"] = linear.bias.data.half()
+        quantized[full] = library_dequantized(ql, k)
+    for name, param in model.state_dict().items():
+        if not any(name.startswith(f + ".") for f in quantized) and name not in tensors:
+            tensors[name] = param.half()
+    _write(dst, tensors, {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
+                          "sym": sym, "lm_head": False, "checkpoint_format": "gptq", "damp_percent": 0.01})
+    return dst, reference_model(src, quantized, half_rest=tensors)
+
+
+def library_dequantized(ql: Any, k: int) -> torch.Tensor:
+    """The dense [N, K] weight as the library's own (CPU, torch) forward computes it."""
+    ql = ql.float() if hasattr(ql, "float") else ql
+    ql.scales = ql.scales.float()
+    ql.bias = None
+    with torch.no_grad():
+        return ql(torch.eye(k)).t().contiguous()
+
+
+def reference_model(src: str, weights: dict[str, torch.Tensor], half_rest: dict[str, torch.Tensor]) -> Any:
+    """transformers' model of `src` with these dense linear weights, and every other tensor as stored (fp16)."""
+    model = hf_model(src)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, param in state.items():
+            module = name.rsplit(".", 1)[0]
+            if module in weights and name.endswith(".weight"):
+                param.copy_(weights[module])
+            elif name in half_rest:
+                param.copy_(half_rest[name].float())
+    return model
+
+
+def _write(dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    for f in os.listdir(dst):
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            os.remove(os.path.join(dst, f))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"))
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config
+    config["torch_dtype"] = "float16"
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def logits_of(step: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return step(ids)
+
+
+def awq_checkpoint(src: str, dst: str, group_size: int = 32, seed: int = 0) -> tuple[str, Any]:
+    """AutoAWQ's GEMM layout (4-bit, zero point), packed from the published format (AutoAWQ itself needs CUDA
+    kernels to install) and checked with AutoAWQ's own `dequantize_gemm`, whose output is the reference."""
+    from pagedllm.quantization.awq import AWQ_PACK_ORDER
+    from pagedllm.quantization.packed import pack_int32
+
+    lib = load_library_file("autoawq-0.2.9", "awq/utils/packing_utils.py", "autoawq_packing_utils")
+    assert tuple(lib.AWQ_ORDER) == AWQ_PACK_ORDER
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    model = hf_model(src)
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, torch.Tensor] = {}
+    for full, _, linear in _linears(model):
+        n, k = linear.weight.shape
+        gs = group_size if group_size != -1 else k
+        g_idx = torch.arange(k) // gs
+        scales, zeros = minmax_quant_params(linear.weight.data, g_idx, k // gs, 4, sym=False)
+        q = (torch.round(linear.weight.data / scales[:, g_idx]).long() + zeros[:, g_idx]).clamp(0, 15)
+        grid = ((q - zeros[:, g_idx]) * scales[:, g_idx]).float()  # [N, K]
+        qweight = pack_int32(q.t(), 4, dim=1, order=AWQ_PACK_ORDER)  # [K, N / 8]
+        qzeros = pack_int32(zeros.t(), 4, dim=1, order=AWQ_PACK_ORDER)  # [G, N / 8]
+        tensors[f"{full}.qweight"], tensors[f"{full}.qzeros"] = qweight, qzeros
+        tensors[f"{full}.scales"] = scales.t().contiguous().half()
+        if linear.bias is not None:
+            tensors[f"{full}.bias"] = linear.bias.data.half()
+        dense = lib.dequantize_gemm(qweight, qzeros, tensors[f"{full}.scales"].float(), 4, gs).t()
+        torch.testing.assert_close(dense, grid, atol=1e-6, rtol=1e-6)  # our packing, as AutoAWQ reads it
+        quantized[full] = dense.contiguous()
+    for name, param in model.state_dict().items():
+        if not any(name.startswith(f + ".") for f in quantized) and name not in tensors:
+            tensors[name] = param.half()
+    _write(dst, tensors, {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                          "version": "gemm", "modules_to_not_convert": None})
+    return dst, reference_model(src, quantized, half_rest=tensors)

@@ -1,0 +1,160 @@
+"""The quantization seam: registry and method resolution, start-up refusals, the linear layers' loaders for
+quantized parameters (packed, per-shard, replicated) and the online int8 method end to end."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from pagedllm.models.loader import get_model, load_hf_config, load_model
+from pagedllm.quantization import quant_config_for_engine, resolve_quant_config
+from pagedllm.quantization.base import LinearMethodBase, is_layer_skipped, set_quant_param_attrs
+from tests.quantization.checkpoints import hf_model
+
+PROMPT = torch.randint(2, 512, (32,), generator=torch.Generator().manual_seed(7))
+
+
+def test_registry_imports_no_method_or_torch():
+    code = ("import sys, pagedllm.quantization as q; assert 'torch' not in sys.modules; "
+            "assert not any(m.startswith('pagedllm.quantization.') for m in sys.modules); print(q.quantization_methods())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "gptq" in out and "int8" in out
+
+
+def _with_quant_config(src: str, dst, qc: dict) -> str:
+    shutil.copytree(src, dst)
+    path = dst / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = qc
+    path.write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.mark.parametrize("qc, forced, message", [
+    ({"quant_method": "bitsandbytes"}, None, "quantized with 'bitsandbytes', which pagedllm does not support"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32}, "int8", "does not match the checkpoint"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 32}, None, "bits=3 is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 48}, None, "group_size=48 is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "lm_head": True}, None, "quantized lm_head"),
+])
+def test_checkpoint_method_errors_are_one_sentence(tmp_path, tiny_llama_dir, qc, forced, message):
+    model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", qc)
+    with pytest.raises(ValueError, match=message) as info:
+        resolve_quant_config(forced, load_hf_config(model_dir), model_dir)
+    assert "\n" not in str(info.value)
+
+
+def test_detects_method_from_config_and_autogptq_quantize_config(tmp_path, tiny_llama_dir):
+    model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "a", {"quant_method": "gptq", "bits": 8,
+                                                                    "group_size": -1, "desc_act": True})
+    qc = resolve_quant_config(None, load_hf_config(model_dir), model_dir)
+    assert (qc.name, qc.bits, qc.group_size, qc.desc_act) == ("gptq", 8, -1, True)
+    old = tmp_path / "b"
+    shutil.copytree(tiny_llama_dir, old)
+    (old / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "sym": False}))
+    qc = resolve_quant_config(None, load_hf_config(str(old)), str(old))
+    assert (qc.name, qc.bits, qc.sym) == ("gptq", 4, False)
+    assert resolve_quant_config(None, load_hf_config(tiny_llama_dir), tiny_llama_dir) is None
+
+
+def test_lora_and_device_refusals(tmp_path, tiny_llama_dir):
+    model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", {"quant_method": "gptq", "bits": 4,
+                                                                    "group_size": 32})
+    args = SimpleNamespace(quantization=None, enable_lora=True)
+    with pytest.raises(ValueError, match="LoRA is not supported with quantization method 'gptq'"):
+        quant_config_for_engine(args, load_hf_config(model_dir), model_dir, torch.device("cpu"), torch.float32)
+    qc = resolve_quant_config(None, load_hf_config(model_dir), model_dir)
+    qc.supported_devices = ("cuda",)
+    with pytest.raises(ValueError, match="does not run on cpu"):
+        qc.check_supported(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("prefix, ignored, skipped", [
+    ("lm_head", ["lm_head"], True),
+    ("model.layers.0.mlp.down_proj", ["down_proj"], True),
+    ("model.layers.0.mlp.down_proj", ["model.layers.1"], False),
+    ("model.layers.1.mlp.down_proj", ["model.layers.1"], True),
+    ("model.layers.0.self_attn.qkv_proj", ["re:.*self_attn.[qkv]_proj"], True),
+    ("model.layers.0.self_attn.qkv_proj", ["model.layers.0.self_attn.o_proj"], False),
+])
+def test_is_layer_skipped(prefix, ignored, skipped):
+    assert is_layer_skipped(prefix, ignored) is skipped
+
+
+def test_partly_ignored_fused_layer_is_refused():
+    with pytest.raises(ValueError, match="only some of the layers fused into model.layers.0.self_attn.qkv_proj"):
+        is_layer_skipped("model.layers.0.self_attn.qkv_proj", ["model.layers.0.self_attn.q_proj"])
+
+
+class _PackedOutMethod(LinearMethodBase):
+    """A layout like AWQ's: int32 [in, out / 8] packed along the output, plus one per-tensor scale per shard."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, weight_loader):
+        q = nn.Parameter(torch.zeros(input_size_per_partition, sum(output_partition_sizes) // 8,
+                                     dtype=torch.int32), requires_grad=False)
+        layer.register_parameter("qweight", set_quant_param_attrs(q, weight_loader=weight_loader, input_dim=0,
+                                                                  output_dim=1, packed_dim=1, pack_factor=8))
+        s = nn.Parameter(torch.zeros(len(output_partition_sizes)), requires_grad=False)
+        layer.register_parameter("scale", set_quant_param_attrs(s, weight_loader=weight_loader, per_shard=True))
+
+
+def test_merged_loaders_place_packed_and_per_shard_parts(monkeypatch):
+    from pagedllm.layers import linear
+
+    qkv = linear.QKVParallelLinear(32, 16, 4, 2, bias=False, linear_method=_PackedOutMethod())
+    sizes = {"q": 64, "k": 32, "v": 32}
+    for i, (shard, size) in enumerate(sizes.items()):
+        qkv.weight_loader(qkv.qweight, torch.full((32, size // 8), i + 1, dtype=torch.int32), shard)
+        qkv.weight_loader(qkv.scale, torch.tensor(0.5 * (i + 1)), shard)
+    assert qkv.qweight[:, :8].eq(1).all() and qkv.qweight[:, 8:12].eq(2).all() and qkv.qweight[:, 12:].eq(3).all()
+    assert qkv.scale.tolist() == [0.5, 1.0, 1.5]
+    # tensor parallel rank 1 of 2: its half of q, k and v
+    monkeypatch.setattr(linear, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(linear, "get_tensor_model_parallel_rank", lambda: 1)
+    qkv = linear.QKVParallelLinear(32, 16, 4, 2, bias=False, linear_method=_PackedOutMethod())
+    full = torch.arange(32 * 8, dtype=torch.int32).reshape(32, 8)  # q: 64 outputs = 8 packed columns
+    qkv.weight_loader(qkv.qweight, full, "q")
+    assert torch.equal(qkv.qweight[:, :4], full[:, 4:])
+
+
+def test_online_int8_matches_dequantized_reference_and_greedy(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen2")  # qkv bias, tied embeddings
+    ours, _, _ = load_model(model_dir, dtype=torch.float32, quantization="int8")
+    reference = hf_model(model_dir)
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if isinstance(module, nn.Linear) and "lm_head" not in name:
+                w = module.weight
+                scale = w.abs().amax(1, keepdim=True) / 127
+                w.copy_(torch.round(w / scale).clamp(-127, 127) * scale)
+    with torch.inference_mode():
+        got = ours.compute_logits(ours(PROMPT, torch.arange(len(PROMPT))))
+        want = reference(PROMPT[None]).logits[0]
+        plain = hf_model(model_dir)(PROMPT[None]).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got - plain).abs().max() > 1e-3  # the weights really are int8 (differs from the float model)
+    assert ours.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+
+
+def test_dummy_weights_for_a_quantized_method(tiny_llama_dir):
+    qc = resolve_quant_config("int8", load_hf_config(tiny_llama_dir))
+    model = get_model(load_hf_config(tiny_llama_dir), None, dtype=torch.float32, load_format="dummy",
+                      quant_config=qc)
+    with torch.inference_mode():
+        assert torch.isfinite(model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))).all()
+
+
+def test_engine_logs_weight_memory_per_method(tiny_llama_dir, caplog):
+    from pagedllm import LLM
+
+    caplog.set_level("INFO", logger="pagedllm")
+    LLM(model=tiny_llama_dir, quantization="int8", kv_cache_memory_bytes=1 << 20)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Model memory"))
+    assert "int8 (8 layers)" in line  # 2 layers x (qkv, o, gate_up, down) and "other" in line
