@@ -44,8 +44,9 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 
 
 def strict_objects(schema: Any) -> Any:
-    """A copy where object schemas with properties and no "additionalProperties" get false: what xgrammar's
-    strict mode does, so both backends keep the model to the listed properties."""
+    """A copy where object schemas with properties and no "additionalProperties" get false, so the model keeps to
+    the listed properties (as vLLM's xgrammar strict mode does) while an open {"type": "object"} stays open (strict
+    mode would allow only {}). Applied for both backends alike."""
     if isinstance(schema, list):
         return [strict_objects(s) for s in schema]
     if not isinstance(schema, dict):
@@ -156,8 +157,8 @@ class XGrammarBackend(GrammarBackend):
         kind = params.kind
         try:
             if kind == "json":
-                xgr.Grammar.from_json_schema(json.dumps(params.json), any_whitespace=not params.disable_any_whitespace,
-                                             strict_mode=True)
+                xgr.Grammar.from_json_schema(json.dumps(strict_objects(params.json)),
+                                             any_whitespace=not params.disable_any_whitespace, strict_mode=False)
             elif kind == "regex":
                 xgr.Grammar.from_regex(params.regex)
             elif kind == "grammar":
@@ -171,11 +172,9 @@ class XGrammarBackend(GrammarBackend):
         kind = params.kind
         c = self.compiler
         ws = not params.disable_any_whitespace
-        if kind == "json":
-            return c.compile_json_schema(json.dumps(params.json), any_whitespace=ws,
-                                         strict_mode=True)
-        if kind == "json_object":
-            return c.compile_builtin_json_grammar()
+        if kind in ("json", "json_object"):  # json_object: any object (the builtin JSON grammar takes any value)
+            schema = params.json if kind == "json" else json_object_schema()
+            return c.compile_json_schema(json.dumps(strict_objects(schema)), any_whitespace=ws, strict_mode=False)
         if kind == "regex":
             return c.compile_regex(params.regex)
         if kind == "choice":

@@ -8,11 +8,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.chat_template import render_chat
+from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_grammar, choice_message,
+                                                    plan_request_tools)
 from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, safe_float
 from pagedllm.entrypoints.openai.request_params import build_sampling_params, check_context_length
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
+from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 from pagedllm.entrypoints.openai.streaming import DONE, ChunkFramer, error_event, start_disconnect_watch
 
 
@@ -24,12 +27,14 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         raise APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}.", param="top_logprobs")
+    tool_plan, prepare_tools = plan_request_tools(req, state)
     prompt_text, prompt_ids = render_chat(
         state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-        req.chat_template, req.chat_template_kwargs, req.add_special_tokens)
+        req.chat_template, req.chat_template_kwargs, req.add_special_tokens, prepare_tools=prepare_tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs)
+    apply_tool_grammar(params, tool_plan)
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
@@ -43,7 +48,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         await gen.aclose()
         raise
     if stream:
-        body = _stream(req, state, model, request_id, created, len(prompt_ids), first, gen, watch)
+        body = _stream(req, state, model, request_id, created, len(prompt_ids), first, gen, watch, tool_plan)
         return StreamingResponse(body, media_type="text/event-stream")
     final = first
     try:
@@ -51,7 +56,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
             final = out
     finally:
         watch.cancel()
-    return Response(dumps(_full_response(req, state, model, request_id, created, len(prompt_ids), final)),
+    return Response(dumps(_full_response(req, state, model, request_id, created, len(prompt_ids), final, tool_plan)),
                     media_type="application/json")
 
 
@@ -66,22 +71,24 @@ def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top
 
 
 def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
-                   num_prompt: int, final: Any) -> dict:
+                   num_prompt: int, final: Any, tool_plan: ToolPlan) -> dict:
     choices = []
     num_gen = 0
     for out in sorted(final.outputs, key=lambda o: o.index):
         num_gen += len(out.token_ids)
         lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0) \
             if req.logprobs else None
-        choices.append({"index": out.index, "message": {"role": "assistant", "content": out.text},
-                        "logprobs": lp, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+        message, finish_reason = choice_message(tool_plan, out.text, out.finish_reason)
+        choices.append({"index": out.index, "message": message,
+                        "logprobs": lp, "finish_reason": finish_reason, "stop_reason": out.stop_reason})
     usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen, "total_tokens": num_prompt + num_gen}
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage}
 
 
 async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
-                  num_prompt: int, first: Any, gen: AsyncIterator, watch: Any) -> AsyncIterator[bytes]:
+                  num_prompt: int, first: Any, gen: AsyncIterator, watch: Any,
+                  tool_plan: ToolPlan) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, include_usage)
     top_n = req.top_logprobs or 0
@@ -98,10 +105,15 @@ async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, re
             if not out.text and out.finish_reason is None and not out.token_ids:
                 continue
             lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, top_n) if req.logprobs else None
+            if tool_streams is not None:
+                frames += _tool_frames(frame, tool_streams, out, lp)
+                continue
             delta = {"content": out.text} if out.text or out.finish_reason is None else {}
             frames.append(frame({"index": out.index, "delta": delta, "logprobs": lp,
                                  "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}))
         return frames
+
+    tool_streams = ChoiceStreams(tool_plan) if tool_plan.active else None
 
     try:
         # The role goes first, in its own delta, once per choice (as OpenAI does).
@@ -123,3 +135,14 @@ async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, re
         watch.cancel()
         await gen.aclose()
     yield DONE
+
+
+def _tool_frames(frame: Any, streams: ChoiceStreams, out: Any, lp: Any) -> list[bytes]:
+    """A choice's chunk with tools in play: content held back where a call may start, calls as tool_calls deltas."""
+    deltas, finish_reason = streams.deltas(out.index, out.text, out.finish_reason)
+    frames = [frame({"index": out.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None})
+              for i, d in enumerate(deltas)]
+    if out.finish_reason is not None:
+        frames.append(frame({"index": out.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
+                             "stop_reason": out.stop_reason}))
+    return frames
