@@ -7,7 +7,7 @@ import torch
 
 from pagedllm.layers.sampler import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output.bitmask import allowed_tokens, apply_token_bitmask_
+from pagedllm.structured_output.bitmask import allowed_tokens, apply_token_bitmask_, forbidden_tokens
 
 
 def _random_bitmask(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -23,8 +23,9 @@ def test_unpacking_matches_xgrammar() -> None:
     logits = torch.randn(4, vocab)
     ref = logits.clone()
     xgr.apply_token_bitmask_inplace(ref, bitmask)
-    ours = apply_token_bitmask_(logits.clone(), bitmask)
-    assert torch.equal(torch.isinf(ref), torch.isinf(ours)) and torch.equal(ref, ours)
+    table = logits.clone().masked_fill_(forbidden_tokens(bitmask, vocab), float("-inf"))  # the CUDA path
+    assert torch.equal(ref, table) and torch.isinf(ref).any()
+    assert torch.equal(apply_token_bitmask_(logits.clone(), bitmask), ref)  # the CPU path
     allowed = allowed_tokens(bitmask, vocab)
     for t in (0, 31, 32, 999):
         assert bool(allowed[1, t]) == bool((int(bitmask[1, t // 32]) >> (t % 32)) & 1)
