@@ -185,12 +185,13 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarGrammar(self.xgr.GrammarMatcher(compiled))
 
     def fill_bitmasks(self, grammars: list[RequestGrammar], bitmask: Any) -> None:
-        if len(grammars) < 8:
+        batch_cls = getattr(self.xgr, "BatchGrammarMatcher", None)  # xgrammar >= 0.1.25 fills in parallel
+        if len(grammars) < 8 or batch_cls is None:
             for i, g in enumerate(grammars):
                 g.fill_bitmask(bitmask, i)
             return
         if self.batch_matcher is None:
-            self.batch_matcher = self.xgr.BatchGrammarMatcher(max_threads="auto")
+            self.batch_matcher = batch_cls(max_threads="auto")
         self.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
 
 
