@@ -1,7 +1,7 @@
 """Throughput with every request under a JSON schema vs the same requests unconstrained, one engine, one process,
 interleaved repeats (a shared machine's drift hits both sides alike). Reports output tok/s and the ratio.
 
-The schema (an array of >= 64 objects) is longer than any output, so constrained requests run to max_tokens just
+The schema (an array of >= 128 objects) is longer than any output, so constrained requests run to max_tokens just
 like the unconstrained ones (ignore_eos): both sides generate the same number of tokens per request.
 
     python benchmarks/structured_output_throughput.py                      # CPU: SmolLM2, 32 prompts
@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-SCHEMA = {"type": "array", "minItems": 64, "items": {
+SCHEMA = {"type": "array", "minItems": 128, "items": {
     "type": "object",
     "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                    "name": {"type": "string", "maxLength": 16},

@@ -61,6 +61,8 @@ class EngineCore:
         self.async_scheduling = w.async_scheduling
         # Structured outputs: built on the first request under a grammar (engines without any pay nothing).
         self.structured = StructuredOutputHooks(self, engine_args)
+        # Async scheduling fills grammar masks while the step's forward runs, where the worker supports it.
+        self._overlap_masks = bool(getattr(self.worker, "launch_hook", False))
         # Async scheduling: the launched step whose results have not been applied yet.
         self._in_flight = None  # (plan, PendingOutput)
         self.num_steps = 0
@@ -144,13 +146,32 @@ class EngineCore:
             if not outputs:
                 self.structured.idle_wait()
             return outputs + self.scheduler.update_from_output(plan, self.worker.empty_output())
-        # A masked request's previous token is applied by now (it needs sync): its matcher is current.
+        if self._in_flight is not None and self._overlap_masks and self.structured.plan_has_grammar(plan):
+            return outputs + self._launch_with_mask_overlap(plan)
+        # No step in flight (or it was applied above): the matchers are current.
         self.structured.attach_bitmask(plan)
         pending = self.worker.launch(plan)
         self.num_steps += 1
         outputs += self._apply_in_flight()
         self._in_flight = (plan, pending)
         return outputs
+
+    def _launch_with_mask_overlap(self, plan) -> list[EngineCoreOutput]:
+        """Launch a step whose masked requests still wait for the step in flight: the runner enqueues the forward,
+        then (while the device runs it) we apply the previous step's tokens, advancing the matchers, and fill the
+        bitmask; then it enqueues the masked sampling."""
+        applied: list[EngineCoreOutput] = []
+
+        def before_sampling() -> None:
+            applied.extend(self._apply_in_flight())
+            self.structured.attach_bitmask(plan)
+
+        pending = self.worker.launch(plan, before_sampling=before_sampling)
+        self.num_steps += 1
+        if self._in_flight is not None:  # the runner sampled nothing and skipped the hook
+            applied.extend(self._apply_in_flight())
+        self._in_flight = (plan, pending)
+        return applied
 
     def _apply_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:
@@ -161,7 +182,8 @@ class EngineCore:
 
     def _plan_needs_sync(self, plan) -> bool:
         requests = self.scheduler.requests
-        return any(requests[r].needs_sync for r in plan.num_scheduled_tokens if r in requests)
+        attr = "needs_sync_sampling" if self._overlap_masks else "needs_sync"
+        return any(getattr(requests[r], attr) for r in plan.num_scheduled_tokens if r in requests)
 
     def get_stats(self):
         return self.scheduler.stats()

@@ -85,8 +85,13 @@ class Request:
     def needs_sync(self) -> bool:
         """Whether sampling for this request must see every earlier token (penalties, seeds, min_tokens, a
         grammar's mask): such requests are never run one step ahead."""
+        return self.structured_output is not None or self.needs_sync_sampling
+
+    @property
+    def needs_sync_sampling(self) -> bool:
+        """needs_sync less the grammar mask (which the engine can fill while the step's forward runs)."""
         p = self.sampling_params
-        return (self.structured_output is not None or p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
+        return (p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0)
 
     @property

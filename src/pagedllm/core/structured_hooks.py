@@ -79,6 +79,12 @@ class StructuredOutputHooks:
         if self._compiling and self.manager is not None:
             self.manager.wait_for_compiles([r.structured_output for r in self._compiling.values()], _IDLE_WAIT_S)
 
+    def plan_has_grammar(self, plan: BatchPlan) -> bool:
+        if self.manager is None:
+            return False
+        requests = self.core.scheduler.requests
+        return any(requests[r].structured_output is not None for r in plan.num_scheduled_tokens if r in requests)
+
     def attach_bitmask(self, plan: BatchPlan) -> None:
         if self.manager is None:
             return

@@ -6,7 +6,7 @@ plan's diffs; it never reads scheduler objects. One host sync per step: the samp
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -115,11 +115,14 @@ class ModelRunner:
         return self.launch(plan).result()
 
     @torch.inference_mode()
-    def launch(self, plan: BatchPlan) -> "PendingOutput":
+    def launch(self, plan: BatchPlan, before_sampling: Optional[Callable[[], None]] = None) -> "PendingOutput":
         """Enqueue one step (inputs, forward, sampling) without waiting for the device.
 
         With async scheduling the plan may include tokens sampled by the previous step that the host has not
         seen yet: those input ids are taken on the device from the previous step's sampled ids.
+        before_sampling (structured outputs under async scheduling) runs once the forward is enqueued and before
+        sampling reads the plan's grammar bitmask: the engine applies the previous step's tokens and fills the
+        bitmask there, while the device runs this step's forward.
         """
         batch = self.input_batch
         batch.update(plan)
@@ -169,6 +172,8 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         prompt_logprobs = self._prompt_logprobs(inp, hidden)
         self._prev_sampled = None
+        if before_sampling is not None:
+            before_sampling()
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
