@@ -25,6 +25,7 @@ class StructuredOutputHooks:
         self.manager: Optional[Any] = None
         self.tokenizer: Optional[Any] = None  # the offline LLM hands its tokenizer over (no second load)
         self._compiling: dict[str, Request] = {}
+        self._live: dict[str, Request] = {}  # unfinished requests under a grammar: the per-step work is O(these)
         self._errors: list[tuple[str, str]] = []
         config = getattr(engine_args, "structured_outputs_config", None)
         if config:  # check the flag at start-up, not on the first request
@@ -58,6 +59,7 @@ class StructuredOutputHooks:
         manager = self._get_manager()
         so = manager.submit(manager.apply_defaults(request.sampling_params.structured_outputs))
         self._compiling[request.request_id] = request
+        self._live[request.request_id] = request
         return so
 
     def before_schedule(self) -> None:
@@ -79,23 +81,28 @@ class StructuredOutputHooks:
         if self._compiling and self.manager is not None:
             self.manager.wait_for_compiles([r.structured_output for r in self._compiling.values()], _IDLE_WAIT_S)
 
-    def plan_has_grammar(self, plan: BatchPlan) -> bool:
-        if self.manager is None:
-            return False
+    def _prune(self) -> None:
         requests = self.core.scheduler.requests
-        return any(requests[r].structured_output is not None for r in plan.num_scheduled_tokens if r in requests)
+        for rid in [r for r, req in self._live.items() if requests.get(r) is not req]:
+            del self._live[rid]
+
+    def plan_has_grammar(self, plan: BatchPlan) -> bool:
+        if not self._live:
+            return False
+        scheduled = plan.num_scheduled_tokens
+        return any(rid in scheduled for rid in self._live)
 
     def attach_bitmask(self, plan: BatchPlan) -> None:
-        if self.manager is None:
+        if not self._live:
             return
-        requests = self.core.scheduler.requests
+        self._prune()
+        scheduled = plan.num_scheduled_tokens
         rows: dict[str, int] = {}
         outputs = []
-        for rid in plan.num_scheduled_tokens:
-            request = requests.get(rid)
-            so = None if request is None else request.structured_output
-            # Only requests that sample this step (not mid-prefill) and whose grammar is still open.
-            if so is None or so.grammar is None or request.num_computed_tokens < request.num_tokens \
+        for rid, request in self._live.items():
+            so = request.structured_output
+            # Only scheduled requests that sample this step (not mid-prefill) and whose grammar is still open.
+            if rid not in scheduled or so.grammar is None or request.num_computed_tokens < request.num_tokens \
                     or so.is_terminated():
                 continue
             rows[rid] = len(outputs)
