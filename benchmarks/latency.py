@@ -28,6 +28,8 @@ def main(argv=None):
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (online W8A8); quantized checkpoints are detected")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--hf", choices=["generate", "none"], default="generate")
     p.add_argument("--json", default=None)
@@ -39,6 +41,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, skip_tokenizer_init=True,
               enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch_size, 8),
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_model_len or (args.input_len + args.output_len + 16))
     startup = time.perf_counter() - t0
     engine = llm.engine

@@ -80,7 +80,7 @@ def run_pagedllm(args, reqs):
 
     kwargs = dict(model=args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
                   max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
-                  skip_tokenizer_init=True)
+                  skip_tokenizer_init=True, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     if args.max_num_batched_tokens:
@@ -222,6 +222,8 @@ def main(argv=None):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None, help="e.g. fp8 (online W8A8); quantized checkpoints are detected")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--hf", choices=["generate", "generate_batch", "none"], default="generate")
     p.add_argument("--hf-num-prompts", type=int, default=None, help="run HF on the first N prompts only")

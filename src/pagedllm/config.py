@@ -14,11 +14,12 @@ from typing import Any, Optional
 from pagedllm.dtypes import DTYPE_CHOICES
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+CPU_OFFLOAD_ON_CPU = ("--cpu-offload-gb is meaningless on the CPU: the weights already live in host memory; drop "
+                      "the flag.")
 
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
     "pipeline_parallel_size": 1,
-    "cpu_offload_gb": 0,
     "enable_lora": False,
     "speculative_config": None,
 }
@@ -58,6 +59,9 @@ class EngineArgs:
     disable_log_stats: bool = True
     max_logprobs: int = 20
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (= "fp8_e4m3")
+    generation_config: str = "auto"  # "auto" (the model's generation_config.json) | "vllm" (none) | a directory
+    revision: Optional[str] = None  # hub repo ids: branch, tag or commit
+    download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
     # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
     structured_outputs_config: Optional[dict] = None
 
@@ -102,3 +106,13 @@ class EngineArgs:
                              f"{self.kv_cache_dtype!r}.")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
+        if self.generation_config not in ("auto", "vllm"):
+            from pagedllm.generation_config import load_sampling_defaults
+
+            load_sampling_defaults(self.generation_config, "")  # a DIR must hold a readable generation_config.json
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be >= 0 (0 turns offloading off), got {self.cpu_offload_gb}.")
+        if self.cpu_offload_gb > 0 and self.device == "cpu":
+            raise ValueError(CPU_OFFLOAD_ON_CPU)
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")

@@ -18,6 +18,10 @@ def _optional_str(name: str) -> Callable[[], Optional[str]]:
     return lambda: os.environ.get(name) or None
 
 
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _int(name: str, default: int) -> Callable[[], int]:
     return lambda: int(os.environ.get(name, default))
 
@@ -58,6 +62,15 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
+    # Model hubs (models/model_resolution.py): repo ids go through ModelScope instead of Hugging Face when either
+    # is true; Hugging Face's offline switches (the local cache only) and token.
+    "PAGEDLLM_USE_MODELSCOPE": lambda: _truthy(os.environ.get("PAGEDLLM_USE_MODELSCOPE")),
+    "VLLM_USE_MODELSCOPE": lambda: _truthy(os.environ.get("VLLM_USE_MODELSCOPE")),
+    "HF_HUB_OFFLINE": lambda: _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(
+        os.environ.get("TRANSFORMERS_OFFLINE")),
+    "HF_TOKEN": _optional_str("HF_TOKEN"),
+    # Default of `pagedllm serve --api-key` (so a key can come from a secret instead of the command line).
+    "PAGEDLLM_API_KEY": _optional_str("PAGEDLLM_API_KEY"),
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

@@ -10,10 +10,10 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagedllm.sampling_constraints import normalize_allowed_token_ids, normalize_bad_words, normalize_logit_bias
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
-_MAX_LOGPROBS = 20  # OpenAI's limit for top logprobs
 
 
 @dataclass
@@ -42,6 +42,12 @@ class SamplingParams:
     output_kind: str = "cumulative"  # internal: "cumulative" | "delta" | "final_only"
     # Filled by the engine, not the user: the model's extra end-of-sequence ids (e.g. <|eot_id|>).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Token constraints (sampling_constraints.py): bias added to the logits (OpenAI's logit_bias), the only ids
+    # that may be sampled, and words never to generate (tokenized by the frontend into bad_words_token_ids).
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # The output must match a JSON schema / regex / choice / grammar (structured_output/); a dict is converted.
     structured_outputs: Optional[StructuredOutputsParams] = None
     guided_decoding: Optional[StructuredOutputsParams] = field(default=None, repr=False)  # vLLM's older name
@@ -62,6 +68,9 @@ class SamplingParams:
             self.top_k = 0
         if self.best_of is None:
             self.best_of = self.n
+        self.logit_bias = normalize_logit_bias(self.logit_bias)
+        self.allowed_token_ids = normalize_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = normalize_bad_words(self.bad_words)
         self._resolve_structured_outputs()
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
@@ -94,6 +103,8 @@ class SamplingParams:
             bad(f"n must be an integer >= 1, got {self.n!r}.")
         if self.best_of < self.n:
             bad(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}.")
+        if self.best_of > self.n:  # as vLLM V1: sampling best_of candidates and returning n is not built yet
+            bad(f"best_of > n is not supported yet (got best_of={self.best_of}, n={self.n}).")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -114,10 +125,11 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
-        if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
-            bad(f"logprobs must be an integer in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}.")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
-            bad(f"prompt_logprobs must be an integer in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs!r}.")
+        # The upper bound is the engine's --max-logprobs, checked when the request is added.
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs must be an integer >= 0, got {self.logprobs!r}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings.")
         if self.stop and not self.detokenize:

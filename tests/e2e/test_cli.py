@@ -127,7 +127,7 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
     (["--quantization", "gptq"], "needs a gptq-quantized checkpoint"),
     (["--pipeline-parallel-size", "2"], "not supported yet"),
     (["--enable-lora"], "not supported yet"),
-    (["--cpu-offload-gb", "4"], "not supported yet"),
+    (["--cpu-offload-gb", "4", "--device", "cpu"], "meaningless on the CPU"),
     (["--lora-modules", "sql=/tmp/sql"], "not supported yet"),
 ])
 def test_unsupported_flags_fail_at_start(e2e_env: dict, flags: list[str], fragment: str) -> None:

@@ -28,7 +28,8 @@ def test_dead_engine_fails_requests_and_health(e2e_env: dict, smollm2_hf_dir: st
     log_path = str(tmp_path / "server.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port),
-                                 "--num-gpu-blocks-override", "128"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "--num-gpu-blocks-override", "128",
+                                 "--engine-dead-grace-period", "60"], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(proc, url, timeout_s=120, log_path=log_path)
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)

@@ -202,3 +202,103 @@ def awq_checkpoint(src: str, dst: str, group_size: int = 32, seed: int = 0) -> t
     _write(dst, tensors, {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                           "version": "gemm", "modules_to_not_convert": None})
     return dst, reference_model(src, quantized, half_rest=tensors)
+
+
+def ct_checkpoint(src: str, dst: str, preset: str, **weight_args: Any) -> tuple[str, Any]:
+    """A compressed-tensors checkpoint written by the compressed-tensors library itself (what llmcompressor calls
+    to save): its preset scheme (W4A16, W8A16, W4A16_ASYM, FP8, FP8_DYNAMIC, W8A8...) applied to every Linear
+    but lm_head, min/max weight calibration through its `calculate_qparams`, static input scales calibrated on
+    one prompt, `ModelCompressor.compress_model` + `update_config`. Returns (dst, reference): transformers
+    loading dst with compressed-tensors' own decompression (dense dequantized weights), and - for W8A8 schemes
+    - the library's fake quantization of each linear's input, so the reference computes what W8A8 computes."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = hf_model(src)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    for key, value in weight_args.items():
+        setattr(scheme.weights, key, value)
+    amax = _input_amax(model)  # on the float model: quantization wrappers would run on uninitialized scales
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for name, module in model.named_modules():
+        if getattr(module, "quantization_scheme", None) is None:
+            continue
+        w, args = module.weight.data, module.quantization_scheme.weights
+        if args.strategy == "tensor":
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        elif args.strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        else:
+            grouped = w.reshape(w.shape[0], -1, args.group_size)
+            lo, hi = grouped.amin(-1), grouped.amax(-1)
+        scale, zero = calculate_qparams(lo, hi, args)
+        module.weight_scale.data.copy_(scale)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero)
+        if hasattr(module, "input_scale"):  # static activation scale from one calibration prompt
+            s, _ = calculate_qparams(-amax[name].reshape(1), amax[name].reshape(1),
+                                     module.quantization_scheme.input_activations)
+            module.input_scale.data.copy_(s.reshape(module.input_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for f in os.listdir(dst):
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            os.remove(os.path.join(dst, f))
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    return dst, _ct_reference(dst, scheme)
+
+
+def _input_amax(model: Any) -> dict[str, torch.Tensor]:
+    """max |input| of every Linear over one calibration prompt."""
+    amax: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda m, inp, name=name: amax.__setitem__(name, inp[0].abs().amax()))
+             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        model(torch.randint(2, 512, (1, 48), generator=torch.Generator().manual_seed(11)))
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def _ct_reference(model_dir: str, scheme: Any) -> Any:
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+    reference.eval()
+    act = scheme.input_activations
+    if act is None:
+        return reference
+    with open(os.path.join(model_dir, "config.json")) as f:
+        static = not json.load(f)["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"]
+    scales = {}
+    if static:
+        from safetensors import safe_open
+        with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+            scales = {k[: -len(".input_scale")]: f.get_tensor(k) for k in f.keys() if k.endswith(".input_scale")}
+
+    def quantize_input(module, inputs, name):
+        shape = inputs[0].shape
+        x = inputs[0].reshape(-1, shape[-1])  # [tokens, K]: the library's per-token args expect 2-D
+        if name in scales:  # a fused layer uses its shards' largest static scale (as engines do)
+            group = [v for k, v in scales.items() if k.rsplit(".", 1)[0] == name.rsplit(".", 1)[0]
+                     and SAME_INPUT.get(k.rsplit(".", 1)[1]) == SAME_INPUT[name.rsplit(".", 1)[1]]]
+            scale = torch.stack(group).max().reshape(1, 1)
+        elif act.type == "int":  # amax / 127, the engines' dynamic int8 scale (see quantize_int8_per_token)
+            scale = x.abs().amax(-1, keepdim=True) / 127
+        else:
+            scale, _ = calculate_qparams(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), act)
+        zero = torch.zeros_like(scale, dtype=torch.int8 if act.type == "int" else torch.float8_e4m3fn)
+        return (fake_quantize(x, scale, zero, act).reshape(shape),)
+
+    reference.act_quant_hooks = [  # removable: the weight-only reading of the same checkpoint
+        module.register_forward_pre_hook(lambda m, inp, name=name: quantize_input(m, inp, name))
+        for name, module in reference.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")]
+    return reference

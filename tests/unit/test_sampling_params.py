@@ -45,7 +45,7 @@ def test_clone_keeps_values_and_revalidates():
     (dict(frequency_penalty=-3.0), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
     (dict(logprobs=-1), "logprobs"),
-    (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
+    (dict(logprobs=-2), r"logprobs must be an integer >= 0"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(seed=1.5), "seed must be an integer"),
     (dict(stop=""), "stop must be a non-empty string"),

@@ -561,3 +561,24 @@ def test_core_never_imports_torch():
         "assert 'torch' not in sys.modules, 'core imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------- enable_chunked_prefill=False
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_without_chunked_prefill_a_prompt_runs_whole_or_waits(chunked):
+    sched, runner = make_sched(max_num_batched_tokens=10, enable_chunked_prefill=chunked), FakeRunner()
+    sched.add_request(make_req("a", 6, max_tokens=3))
+    sched.add_request(make_req("b", 8, max_tokens=3))
+    plan, _ = step(sched, runner)
+    # chunked: b's first 4 tokens fill the budget; unchunked: b waits for a step with room for all 8
+    assert plan.num_scheduled_tokens == ({"a": 6, "b": 4} if chunked else {"a": 6})
+    plan, _ = step(sched, runner)
+    assert plan.num_scheduled_tokens == ({"a": 1, "b": 4} if chunked else {"a": 1, "b": 8})
+    run_to_completion(sched, runner)
+    assert not sched.has_unfinished_requests()
+    if not chunked:  # no step ever scheduled part of a prompt
+        sched.add_request(make_req("c", 9, max_tokens=2))
+        plan, _ = step(sched, runner)
+        assert plan.num_scheduled_tokens == {"c": 9}

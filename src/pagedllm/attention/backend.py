@@ -38,6 +38,8 @@ class AttentionBackend:
     wants_decode_order: bool = False
     # Whether the KV pool must start zeroed (kernels whose masked-out lanes still multiply what they read).
     needs_zeroed_cache: bool = True
+    # Whether it reads and writes an FP8 (E4M3) KV pool (`--kv-cache-dtype fp8`).
+    supports_fp8_kv: bool = False
     # Whether mixed prefill + decode steps may be captured as CUDA graphs (worker/mixed_graph.py): the backend
     # then launches such a step from shapes alone, given metadata padded to `num_reqs` rows (padding rows: no
     # query tokens) and `AttentionMetadata.graph_prefill_tile` set.

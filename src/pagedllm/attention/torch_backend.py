@@ -18,12 +18,28 @@ from pagedllm.forward_context import AttentionMetadata
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, num_tokens: int) -> None:
-    """Scatter this step's K/V ([T, KVH, D]) into their slots of the paged cache."""
+    """Scatter this step's K/V ([T, KVH, D]) into their slots of the paged cache (an FP8 cache stores them cast
+    to E4M3, saturating; the Attention layer has already divided them by its per-layer scales)."""
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
     slots = slot_mapping[:num_tokens]
-    flat[0].index_copy_(0, slots, key[:num_tokens])
-    flat[1].index_copy_(0, slots, value[:num_tokens])
+    key, value = key[:num_tokens], value[:num_tokens]
+    if kv_cache.dtype in FP8_KV_DTYPES:  # index_copy_ has no fp8 kernels: move the bytes
+        flat = flat.view(torch.uint8)
+        key, value = key.to(kv_cache.dtype).view(torch.uint8), value.to(kv_cache.dtype).view(torch.uint8)
+    flat[0].index_copy_(0, slots, key)
+    flat[1].index_copy_(0, slots, value)
+
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[blocks] ([n, block_size, KVH, D]) in `dtype` (index_select, not cache[blocks]: advanced indexing is
+    ~20x slower on CPU; an FP8 cache is gathered as bytes and widened)."""
+    if cache.dtype in FP8_KV_DTYPES:
+        return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype).to(dtype)
+    return cache.index_select(0, blocks)
 
 
 def chunk_mask(query_len: int, seq_len: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -82,6 +98,7 @@ class _StepPlan:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_fp8_kv = True
 
     def __init__(self) -> None:
         self._plan_key = None
@@ -103,11 +120,10 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
                 plan.decode = (token_idx, blocks, mask, contiguous)
             # [B, num_blocks, block_size, KVH, D] -> [B, KVH, L, D]
-            # index_select, not key_cache[blocks]: advanced indexing is ~20x slower on CPU.
             shape = (*blocks.shape, *key_cache.shape[1:])
             flat = blocks.reshape(-1)
-            k = key_cache.index_select(0, flat).view(shape).flatten(1, 2).transpose(1, 2)
-            v = value_cache.index_select(0, flat).view(shape).flatten(1, 2).transpose(1, 2)
+            k = gather_blocks(key_cache, flat, query.dtype).view(shape).flatten(1, 2).transpose(1, 2)
+            v = gather_blocks(value_cache, flat, query.dtype).view(shape).flatten(1, 2).transpose(1, 2)
             # One query token per row: the query heads sharing a kv head act as that head's query rows
             # ([B, KVH, group, D]), so no GQA expansion of K/V is needed.
             q = query if contiguous else query[token_idx]
@@ -118,7 +134,7 @@ class TorchAttentionBackend(AttentionBackend):
                 return o  # a pure-decode batch: no scatter needed
             out[token_idx] = o
         for start, end, seq_len, blocks, mask in plan.prefills:
-            k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)  # [1,KVH,S,D]
-            v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+            k = gather_blocks(key_cache, blocks, query.dtype).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+            v = gather_blocks(value_cache, blocks, query.dtype).flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
             out[start:end] = chunk_attention(query[start:end], k, v, mask, scale)
         return out

@@ -48,6 +48,7 @@ def decode_uses_order(num_reqs: int, num_splits: int) -> bool:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_fp8_kv = True  # the kernels widen what they load to the query dtype and narrow what they store
     supports_mixed_graphs = True
 
     def __init__(self, max_splits: Optional[int] = None) -> None:
@@ -86,10 +87,10 @@ class TritonAttentionBackend(AttentionBackend):
         return [b for i, b in enumerate(bounds) if i == len(bounds) - 1 or launch(b) != launch(bounds[i + 1])]
 
     def warmup(self, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
-               device: torch.device, max_query_len: int) -> None:
+               device: torch.device, max_query_len: int, cache_dtype: Optional[torch.dtype] = None) -> None:
         """Compile, at start-up, every variant of the prefill kernel that serving can hit (its tile size
         follows the step's longest query chunk), so no request ever waits for Triton's compiler."""
-        cache = torch.zeros(2, 2, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+        cache = torch.zeros(2, 2, block_size, num_kv_heads, head_size, dtype=cache_dtype or dtype, device=device)
         table = torch.zeros(1, 2, dtype=torch.int32, device=device)
         q_len = 1
         while True:

@@ -13,9 +13,11 @@ from typing import Iterable, Optional
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.batch_plan import EngineCoreOutput
+from pagedllm.core.errors import RequestStepError, check_sampled_tokens
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.structured_hooks import StructuredOutputHooks
+from pagedllm.sampling_constraints import check_against_engine
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -57,15 +59,20 @@ class EngineCore:
             num_blocks=self.num_blocks,
             enable_prefix_caching=engine_args.enable_prefix_caching,
             async_scheduling=w.async_scheduling,
+            enable_chunked_prefill=engine_args.enable_chunked_prefill,
         )
         self.async_scheduling = w.async_scheduling
         # Structured outputs: built on the first request under a grammar (engines without any pay nothing).
         self.structured = StructuredOutputHooks(self, engine_args)
         # Async scheduling fills grammar masks while the step's forward runs, where the worker supports it.
         self._overlap_masks = bool(getattr(self.worker, "launch_hook", False))
+        if not engine_args.enable_chunked_prefill:
+            logger.info("Chunked prefill is off: each prompt runs whole in one step (up to %d tokens per step).",
+                        w.max_num_batched_tokens)
         # Async scheduling: the launched step whose results have not been applied yet.
         self._in_flight = None  # (plan, PendingOutput)
         self.num_steps = 0
+        self._step_plans: list = []  # the plans the current step works on (for recovery from a failed step)
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens = %d tokens of KV cache "
                     "(%.1fx max_model_len %d).", time.perf_counter() - start, self.num_blocks, self.block_size,
                     self.scheduler.num_pool_tokens, self.scheduler.num_pool_tokens / self.max_model_len,
@@ -89,6 +96,7 @@ class EngineCore:
                 f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.num_pool_tokens} "
                 "tokens in total; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
         params = req.sampling_params
+        check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.max_tokens != max_tokens or self.eos_token_ids[1:]:
@@ -116,17 +124,40 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[EngineCoreOutput]:
-        if self.async_scheduling:
-            return self._step_async()
+        """One engine step. A RequestStepError (one request's fault) leaves the engine consistent: the failed
+        requests are finished (aborted), every other request of the step's plans is preempted and recomputed,
+        and the error is re-raised for the driver to report; the next step runs as usual."""
+        self._step_plans = []
+        try:
+            return self._step_async() if self.async_scheduling else self._step_sync()
+        except RequestStepError as e:
+            self._recover_failed_step(e)
+            raise
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         self.structured.before_schedule()
         plan = self.scheduler.schedule()
         if plan.total_num_scheduled_tokens == 0 and not plan.finished_request_ids:
             self.structured.idle_wait()
             return self.scheduler.update_from_output(plan, self.worker.empty_output())
+        self._step_plans.append(plan)
         self.structured.attach_bitmask(plan)
         output = self.worker.execute_model(plan)
         self.num_steps += 1
+        return self._update(plan, output)
+
+    def _update(self, plan, output) -> list[EngineCoreOutput]:
+        check_sampled_tokens(output.req_ids, output.sampled_token_ids, self.vocab_size)
         return self.scheduler.update_from_output(plan, output)
+
+    def _recover_failed_step(self, e: RequestStepError) -> None:
+        failed = set(e.request_ids)
+        others = {rid for plan in self._step_plans for rid in plan.num_scheduled_tokens} - failed
+        self._in_flight = None  # its results are void: its requests are recomputed
+        self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
+        self.scheduler.preempt_requests(others)
+        logger.error("step failed for %d request(s) (%s): %s; %d other request(s) of the step are recomputed",
+                     len(failed), ", ".join(sorted(failed)[:4]), e.message, len(others))
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Schedule and launch step N, then apply step N-1's results while N runs on the device.
@@ -146,6 +177,7 @@ class EngineCore:
             if not outputs:
                 self.structured.idle_wait()
             return outputs + self.scheduler.update_from_output(plan, self.worker.empty_output())
+        self._step_plans.append(plan)
         if self._in_flight is not None and self._overlap_masks and self.structured.plan_has_grammar(plan):
             return outputs + self._launch_with_mask_overlap(plan)
         # No step in flight (or it was applied above): the matchers are current.
@@ -177,8 +209,9 @@ class EngineCore:
         if self._in_flight is None:
             return []
         plan, pending = self._in_flight
+        self._step_plans.append(plan)
         self._in_flight = None
-        return self.scheduler.update_from_output(plan, pending.result())
+        return self._update(plan, pending.result())
 
     def _plan_needs_sync(self, plan) -> bool:
         requests = self.scheduler.requests

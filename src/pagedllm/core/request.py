@@ -83,8 +83,8 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether sampling for this request must see every earlier token (penalties, seeds, min_tokens, a
-        grammar's mask): such requests are never run one step ahead."""
+        """Whether sampling for this request must see every earlier token (penalties, seeds, min_tokens,
+        multi-token bad words, a grammar's mask): such requests are never run one step ahead."""
         return self.structured_output is not None or self.needs_sync_sampling
 
     @property
@@ -92,7 +92,8 @@ class Request:
         """needs_sync less the grammar mask (which the engine can fill while the step's forward runs)."""
         p = self.sampling_params
         return (p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0)
+                or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+                or any(len(seq) > 1 for seq in p.bad_words_token_ids))
 
     @property
     def max_tokens(self) -> int:

@@ -20,7 +20,7 @@ schedule():
      with FINISHED_LENGTH instead of looping forever.
   2. Only if nothing was preempted this step: waiting requests, FCFS (resumed ones are at the front),
      while budget and max_num_seqs allow: prefix-cache lookup, then a chunk of min(remaining, budget)
-     tokens. The first one that does not fit stops admission (no preemption for waiting requests),
+     tokens (with enable_chunked_prefill=False: all remaining tokens, or the request waits). The first one that does not fit stops admission (no preemption for waiting requests),
      except that a request that does not fit into an otherwise empty pool ends with FINISHED_LENGTH.
 
 Invariants:
@@ -69,6 +69,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: Optional[int] = None,
         async_scheduling: bool = False,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
@@ -79,6 +80,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # Off: a request's tokens run in one step or wait for a step with room for all of them (the engine makes
+        # max_num_batched_tokens >= max_model_len so every request fits a step).
+        self.enable_chunked_prefill = enable_chunked_prefill
         # Async scheduling: schedule() may run while the previous step is still in flight; each request
         # that samples is counted one token ahead (num_output_placeholders) until its token arrives.
         self.async_scheduling = async_scheduling
@@ -151,6 +155,14 @@ class Scheduler:
         for request in to_finish:
             self._finish(request, status)
 
+    def preempt_requests(self, request_ids: Iterable[str]) -> None:
+        """Preempt running requests from outside (recovery from a failed step): blocks freed, recomputed later."""
+        ids = set(request_ids)
+        victims = [r for r in self.running if r.request_id in ids]
+        self.running = [r for r in self.running if r.request_id not in ids]
+        for request in reversed(victims):  # appendleft: keep their order at the front of the queue
+            self._preempt(request)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from running / waiting."""
         request.status = status
@@ -183,7 +195,10 @@ class Scheduler:
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, budget: int) -> int:
         if request.num_output_placeholders and self._reaches_limit(request):
             return 0  # the token in flight is its last one: do not compute past it
-        num_tokens = min(request.num_tokens + request.num_output_placeholders - num_computed_tokens, budget)
+        remaining = request.num_tokens + request.num_output_placeholders - num_computed_tokens
+        if not self.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        num_tokens = min(remaining, budget)
         if self.long_prefill_token_threshold is not None:
             num_tokens = min(num_tokens, self.long_prefill_token_threshold)
         return num_tokens
@@ -270,6 +285,8 @@ class Scheduler:
             else:  # every prompt position must be computed to score it: no prefix-cache hits
                 hit_blocks, num_hit_tokens = [], 0
             num_new_tokens = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
+            if num_new_tokens <= 0:
+                break  # no chunked prefill: it waits (FCFS) for a step with room for its whole prompt
             new_block_ids = kv.allocate_slots(request, num_new_tokens, hit_blocks)
             if new_block_ids is None:
                 if self.running:

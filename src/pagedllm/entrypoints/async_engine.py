@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from pagedllm.entrypoints import messages as m
 from pagedllm.entrypoints.parallel_sampling import fan_out
+from pagedllm.sampling_constraints import tokenize_params
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.async_engine")
@@ -211,7 +212,7 @@ class AsyncEngine:
         self._parents[request_id] = parent
         now = time.monotonic()
         adds: list[m.AddRequest] = []
-        for child in fan_out(request_id, params):
+        for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
             parent.child_ids.append(child.request_id)
             self._engine_to_parent[child.request_id] = request_id
             self._timing[child.request_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids))

@@ -124,6 +124,8 @@ class EngineLoop:
     def run(self) -> None:
         import zmq
 
+        from pagedllm.core.errors import RequestStepError
+
         while self.running:
             if not self.core.has_unfinished_requests():
                 if self.stats_dirty:
@@ -138,7 +140,13 @@ class EngineLoop:
             if not self.running:
                 return
             if self.core.has_unfinished_requests():
-                outputs = self.core.step()
+                try:
+                    outputs = self.core.step()
+                except RequestStepError as e:  # one request's fault: fail it, keep serving the rest
+                    for rid in e.request_ids:
+                        self.out_sock.send(self.enc.encode(self.m.RequestError(rid, e.message, 500)))
+                    self.stats_dirty = True
+                    continue
                 self._send_request_errors()
                 if outputs:
                     self.out_sock.send(

@@ -44,9 +44,18 @@ class LLM:
                                            trust_remote_code=self.engine_args.trust_remote_code)
             self.engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
         self._counter = itertools.count()
+        from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
+
+        self.sampling_defaults = load_sampling_defaults(self.engine_args.generation_config, self.engine.model_dir)
+        log_sampling_defaults(self.sampling_defaults, self.engine_args.generation_config)
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() / chat() use when given no SamplingParams: the model's generation-config defaults
+        (--generation-config), else SamplingParams()'s."""
+        return SamplingParams(**self.sampling_defaults)
 
     # ------------------------------------------------------------------ prompts
     def _to_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -83,7 +92,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -131,6 +140,7 @@ class LLM:
         from pagedllm.core.engine_core import EngineCoreRequest
         from pagedllm.entrypoints.output_processor import OutputProcessor
         from pagedllm.entrypoints.parallel_sampling import fan_out
+        from pagedllm.sampling_constraints import tokenize_params
 
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
@@ -139,7 +149,7 @@ class LLM:
             for (text, ids), params in items:
                 request_id = str(next(self._counter))
                 order.append(request_id)
-                for child in fan_out(request_id, params):
+                for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
                     processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
                                           index=child.index, output_kind="final_only")
                     self.engine.add_request(EngineCoreRequest(child.request_id, ids, child.params))

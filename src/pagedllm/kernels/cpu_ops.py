@@ -24,6 +24,8 @@ from pagedllm import envs
 logger = logging.getLogger("pagedllm")
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.cpp")
+# The quantized (GGUF block / int8 row) matmuls, built into the same extension.
+_SOURCES = [_SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "gguf_ops.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -41,8 +43,10 @@ def _cpu_flags() -> str:
 
 
 def _build_name() -> str:
-    with open(_SOURCE, "rb") as f:
-        src = f.read()
+    src = b""
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            src += f.read()
     key = b"|".join([src, torch.__version__.encode(), " ".join(_CFLAGS).encode(), platform.machine().encode(),
                      _cpu_flags().encode(), sys.version.encode()])
     return "pagedllm_cpu_" + hashlib.sha256(key).hexdigest()[:16]
@@ -76,7 +80,7 @@ def _load() -> Any:
         logger.info("Building the pagedllm CPU kernels for this machine (once; about 30 s) in %s", build_dir)
     _ensure_ninja_on_path()
     t0 = time.perf_counter()
-    cpp_extension.load(name=name, sources=[_SOURCE], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+    cpp_extension.load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                        build_directory=build_dir, is_python_module=False, verbose=False)
     if not built:
         logger.info("Built the CPU kernels in %.1f s.", time.perf_counter() - t0)

@@ -28,6 +28,10 @@ class Attention(nn.Module):
         assert self.num_heads % self.num_kv_heads == 0
         self.prefix = prefix
         self.kv_cache: Optional[torch.Tensor] = None
+        # Per-layer scales of an FP8 KV cache: the cache holds K / k_scale and V / v_scale in E4M3. 1.0 unless
+        # set (e.g. from calibration); the fused qkv path handles only 1.0.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # query: [num_tokens, num_heads * head_size]; key/value: [num_tokens, num_kv_heads * head_size]
@@ -38,6 +42,10 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             out = self._no_cache_attention(q, k, v)
+        elif self.k_scale != 1.0 or self.v_scale != 1.0:
+            # softmax(q . (k_scale * k8)) = softmax((scale * k_scale) q . k8); sum p (v_scale * v8) = v_scale * ...
+            out = ctx.attn_backend.forward(q, k / self.k_scale, v / self.v_scale, self.kv_cache, ctx.attn_metadata,
+                                           self.scale * self.k_scale) * self.v_scale
         else:
             out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
@@ -49,7 +57,8 @@ class Attention(nn.Module):
         Returns [num_tokens, num_heads * head_size], or None when the caller must take the unfused path
         (no KV cache bound yet, a backend without the fused path, partial rotary, ...). May modify qkv."""
         ctx = get_forward_context()
-        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
+        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None or self.k_scale != 1.0 \
+                or self.v_scale != 1.0:
             return None
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
                        *(qk_norm if qk_norm is not None else ()))

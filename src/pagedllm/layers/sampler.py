@@ -2,7 +2,8 @@
 
 Order of operations (vLLM's):
   1. logprobs of the *raw* logits (log_softmax before any processing), only if someone asked
-  2. min_tokens: forbid EOS / stop ids for rows that have not produced min_tokens yet
+  2. token constraints: allowed_token_ids, bad words, logit_bias (layers/token_constraints.py);
+     min_tokens: forbid EOS / stop ids for rows that have not produced min_tokens yet
   3. penalties: repetition (HF semantics, prompt + output), then frequency / presence (OpenAI, output)
   4. greedy rows take argmax of the penalized logits
   5. temperature -> min_p -> top_k -> top_p
@@ -23,6 +24,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from pagedllm.layers.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
 from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
@@ -98,6 +100,8 @@ class SamplingMetadata:
     # row -> generator seeded by (seed, output position) for rows with a seed.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: Optional[int] = None  # None: no row asked for logprobs
+    # allowed_token_ids / bad_words / logit_bias of the rows that have them (layers/token_constraints.py)
+    constraints: Optional[TokenConstraints] = None
     # Structured outputs: int32 [N, ceil(V / 32)] allowed-token bits per row (all ones for unconstrained rows);
     # applied first, so every later stage and the logprobs see the masked distribution. Set by the runner.
     token_bitmask: Optional[torch.Tensor] = None
@@ -105,9 +109,9 @@ class SamplingMetadata:
     @property
     def argmax_only(self) -> bool:
         """The sampled tokens are exactly the argmax of the raw logits: every row greedy, and nothing edits the
-        logits (penalties, min_tokens) or reports them (logprobs)."""
+        logits (penalties, min_tokens, token constraints) or reports them (logprobs)."""
         return (self.all_greedy and self.max_num_logprobs is None and self.no_penalties
-                and self.min_tokens_mask is None)
+                and self.min_tokens_mask is None and self.constraints is None)
 
     @classmethod
     def build(
@@ -198,6 +202,7 @@ class SamplingMetadata:
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(wanted) if wanted else None
+        meta.constraints = build_token_constraints(params, output_token_ids, vocab_size, device)
         return meta
 
 
@@ -225,6 +230,8 @@ class Sampler(torch.nn.Module):
             apply_token_bitmask_(logits, meta.token_bitmask)
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
 
+        if meta.constraints is not None:
+            logits = apply_token_constraints(logits, meta.constraints)
         if meta.min_tokens_mask is not None:
             rows, ids = meta.min_tokens_mask
             logits[rows, ids] = float("-inf")

@@ -63,6 +63,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [num_tokens] -> [num_tokens, embedding_dim]
+        if "gguf_type" in self.__dict__:  # rows kept in a GGUF block format (quantization/gguf.py)
+            from pagedllm.quantization.gguf import gguf_embedding
+            return gguf_embedding(input_ids, self.gguf_weight, self.__dict__["gguf_type"], self.embedding_dim,
+                                  self.__dict__["gguf_dtype"])
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
@@ -107,6 +111,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_tokens, org_vocab_size] logits in the product's dtype (the model dtype), all ranks gathered."""
         packed = self.__dict__.get("cpu_packed_weight")
+        if "gguf_type" in self.__dict__:  # a GGUF-packed LM head (quantization/gguf.py)
+            from pagedllm.quantization.gguf import gguf_matmul
+            rows = self.gguf_weight.shape[0]
+            return gguf_matmul(hidden_states, [self.gguf_weight], [self.__dict__["gguf_type"]],
+                               None if self.bias is None else self.bias[:rows], rows)
         gemv = gemv_kernels(hidden_states, self.weight)
         if packed is not None:
             logits = cpu_packed_linear(hidden_states, packed, self.bias)

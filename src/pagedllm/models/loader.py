@@ -1,6 +1,7 @@
 """From a user's `--model` to a ready nn.Module.
 
-    resolve_model_path(model)            None -> the bundled SmolLM2 GGUF; checks the path exists
+    resolve_model_path(model, revision, download_dir)  None -> the bundled SmolLM2 GGUF; a path as is; a hub repo id
+                                         -> its local snapshot (model_resolution.py)
     prepare_model_dir(path, load_format) HF dir as is; .gguf -> converted (once, cached) HF dir
     load_hf_config(model_dir)            transformers config from config.json
     get_model(hf_config, model_dir, dtype=, device=, load_format=)  built on device, weights loaded, eval()
@@ -44,29 +45,23 @@ def default_model_path() -> str:
     return path
 
 
-def resolve_model_path(model: Optional[str]) -> str:
-    """The model's local path: `model` itself (user-expanded), or the default model when None."""
+def resolve_model_path(model: Optional[str], revision: Optional[str] = None,
+                       download_dir: Optional[str] = None) -> str:
+    """The model's local path: the default model when None, `model` itself when it exists, else a hub repo id
+    resolved through models/model_resolution.py (the local cache, or a download)."""
+    from pagedllm.models.model_resolution import local_path, looks_like_repo_id, resolve_repo_id
+
     if model is None:
         return default_model_path()
-    path = os.path.expanduser(model)
-    if os.path.exists(path):
+    path = local_path(model)
+    if path is not None:
+        if revision:
+            logger.warning("--revision %s does not apply to the local path %s; it is used as it is.", revision, path)
         return path
-    cached = _hf_cache_snapshot(model)
-    if cached is not None:
-        return cached
+    if looks_like_repo_id(model):
+        return resolve_repo_id(model, revision, download_dir)
     raise ModelNotFoundError(f"Model path {model!r} does not exist; pass a Hugging Face model directory, a "
-                             f".gguf file, or nothing for the default model.")
-
-
-def _hf_cache_snapshot(model: str) -> Optional[str]:
-    """A repo id ("org/name") already in the local Hugging Face cache; never touches the network."""
-    if model.count("/") != 1 or model.startswith((".", "/", "~")):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(model, local_files_only=True)
-    except Exception:
-        return None
+                             f".gguf file, a Hugging Face repo id, or nothing for the default model.")
 
 
 def prepare_model_dir(model_path: str, load_format: str = "auto") -> str:
@@ -102,8 +97,10 @@ def _convert(gguf_path: str) -> str:
     return convert_gguf_to_hf(gguf_path)
 
 
-def load_hf_config(model_dir: str) -> Any:
-    """transformers.PretrainedConfig from `model_dir/config.json` (ValueError in one sentence if unusable)."""
+def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
+    """transformers.PretrainedConfig from `model_dir/config.json` (ValueError in one sentence if unusable).
+
+    A config whose class lives in the model's own code (`auto_map`) loads only with trust_remote_code."""
     from transformers import AutoConfig
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
@@ -117,8 +114,12 @@ def load_hf_config(model_dir: str) -> Any:
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{config_path} has no model_type; it is not a Hugging Face model config.")
     try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    except Exception as e:  # unknown model_type, bad field values...
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:  # unknown model_type, bad field values, custom code...
+        if not trust_remote_code and ("AutoConfig" in (raw.get("auto_map") or {}) or "trust_remote_code" in str(e)):
+            raise ValueError(f"The model in {model_dir} needs its own code to load its config (auto_map in "
+                             f"config.json): pass --trust-remote-code (trust_remote_code=True) if you trust that "
+                             f"code.") from None
         raise ValueError(f"transformers could not read {config_path} (model_type={raw.get('model_type')!r}): "
                          f"{e}") from None
 
@@ -142,7 +143,12 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
         if load_format == "dummy":
             initialize_dummy_weights(model)
         else:
-            model.load_weights(safetensors_weights_iterator(files))
+            # A method that reads its own weight source (GGUF blocks kept packed) supplies the tensors.
+            prepare = getattr(quant_config, "prepare_model", None)
+            if prepare is not None:
+                prepare(model)
+            own = getattr(quant_config, "weights_iterator", None)
+            model.load_weights(own(hf_config) if own is not None else safetensors_weights_iterator(files))
         for module in model.modules():
             linear_method = getattr(module, "linear_method", None)
             if linear_method is not None:

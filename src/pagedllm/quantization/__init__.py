@@ -18,8 +18,11 @@ from typing import Any, Optional
 # method name -> (module under pagedllm.quantization or a full dotted path, class name)
 _METHODS: dict[str, tuple[str, str]] = {
     "awq": ("awq", "AWQConfig"),
+    "compressed-tensors": ("compressed_tensors", "CompressedTensorsConfig"),
+    "fp8": ("fp8", "Fp8Config"),
     "gptq": ("gptq", "GPTQConfig"),
     "int8": ("int8", "Int8Config"),
+    "gguf": ("gguf", "GGUFConfig"),  # a .gguf's blocks kept packed on CPU (the default there; quantization/gguf.py)
 }
 
 # Spellings found in checkpoints / other engines' flags -> our name.

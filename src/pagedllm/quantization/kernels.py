@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers.activation import triton_kernels
+
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -18,8 +20,70 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def packed_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       bits: int, group_size: int, g_idx: Optional[torch.Tensor] = None,
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """4/8-bit weight-only: the internal layout of `quantization/packed.py`."""
+    """4/8-bit weight-only: the internal layout of `quantization/packed.py` (CUDA: the Triton dequant kernel)."""
     from pagedllm.quantization.packed import dequantize_packed
+
+    if x.is_cuda:
+        kernels = triton_kernels("dequant_gemm")
+        if kernels is not None:
+            return kernels.dequant_matmul(x, qweight, scales, zeros, bits, group_size, g_idx, bias)
 
     w = dequantize_packed(qweight, scales, zeros, bits, group_size, g_idx, dtype=x.dtype)
     return F.linear(x, w, bias)
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantize_fp8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 [M, K], fp32 scale [M, 1]): dynamic per-token scales (or one static scale)."""
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    else:
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8 FP8: weight E4M3 [N, K] with fp32 per-channel scale [N]; activations quantized per token.
+    CUDA: one torch._scaled_mm (row-wise scales). Elsewhere the same arithmetic, emulated in fp32."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x_q, x_scale = quantize_fp8_per_token(x2, input_scale)
+    if x.is_cuda:
+        out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
+                               out_dtype=x.dtype, bias=bias)
+    else:
+        out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale.reshape(1, -1)
+        out = out.to(x.dtype) if bias is None else (out + bias.float()).to(x.dtype)
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def quantize_int8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], fp32 scale [M, 1]), symmetric: scale = amax / 127 (as vLLM's dynamic int8).
+    compressed-tensors' own fake quantization divides by 127.5, which puts every token's largest negative value
+    exactly on a rounding boundary (-127.5), so the last bit of the input decides it; 127 avoids that."""
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    else:
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() / 127.0).clamp(min=1e-12)
+    return torch.round(x.float() / scale).clamp(-128, 127).to(torch.int8), scale.contiguous()
+
+
+def int8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8 INT8: weight int8 [N, K] with fp32 per-channel scale [N]; int8 x int8 -> int32 (torch._int_mm)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x_q, x_scale = quantize_int8_per_token(x2, input_scale)
+    rows = x_q.shape[0]
+    if x.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs more than 16 rows
+        x_q = F.pad(x_q, (0, 0, 0, 32 - rows))
+    acc = torch._int_mm(x_q, weight.t())[:rows]
+    out = acc.float() * x_scale * weight_scale.reshape(1, -1)
+    out = out if bias is None else out + bias.float()
+    return out.to(x.dtype).reshape(*shape[:-1], weight.shape[0])

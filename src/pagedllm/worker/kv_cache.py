@@ -64,3 +64,35 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
         make(2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype, device=device)
         for _ in range(spec.num_layers)
     ]
+
+
+# --kv-cache-dtype: "auto" = the model dtype; fp8 = E4M3 (half of bf16's bytes per token: twice the tokens).
+FP8_KV_NAMES = ("fp8", "fp8_e4m3")
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name not in FP8_KV_NAMES:
+        raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {name!r}.")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major * 10 + minor < 89:
+            raise ValueError(f"--kv-cache-dtype fp8 needs a GPU of compute capability >= 8.9 (FP8 conversions), "
+                             f"this one is {major}.{minor}; use --kv-cache-dtype auto.")
+    return torch.float8_e4m3fn
+
+
+def kv_cache_backend(kv_dtype: torch.dtype, name: Optional[str], device: torch.device) -> Optional[str]:
+    """The attention backend to ask for: on a CPU an FP8 pool goes to the torch backend (the C++ kernels read
+    only the model dtype)."""
+    if name is None and device.type == "cpu" and kv_dtype == torch.float8_e4m3fn:
+        return "torch"
+    return name
+
+
+def check_kv_cache_backend(kv_dtype: torch.dtype, backend) -> None:
+    if kv_dtype == torch.float8_e4m3fn and not backend.supports_fp8_kv:
+        raise ValueError(f"The {backend.name} attention backend cannot use an FP8 KV cache; pass "
+                         f"--attention-backend torch (CPU) or triton (GPU), or --kv-cache-dtype auto.")
+

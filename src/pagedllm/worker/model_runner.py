@@ -18,7 +18,7 @@ from pagedllm.forward_context import AttentionMetadata, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, check_kv_cache_backend, kv_cache_backend
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, hf_config, device: torch.device, dtype: torch.dtype,
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_id: Optional[int], vocab_size: int, attention_backend: Optional[str] = None,
-                 enforce_eager: bool = True) -> None:
+                 enforce_eager: bool = True, kv_cache_dtype: Optional[torch.dtype] = None) -> None:
         self.model = model
         self.hf_config = hf_config
         self.device = device
@@ -39,7 +39,10 @@ class ModelRunner:
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
-        self.attn_backend = get_attention_backend(attention_backend, device)
+        self.kv_cache_dtype = kv_cache_dtype or dtype
+        self.attn_backend = get_attention_backend(kv_cache_backend(self.kv_cache_dtype, attention_backend, device),
+                                                  device)
+        check_kv_cache_backend(self.kv_cache_dtype, self.attn_backend)
         self.sampler = Sampler()
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_req, block_size)
         self.kv_caches: list[torch.Tensor] = []
@@ -55,7 +58,7 @@ class ModelRunner:
         layers = self.model.attn_layers
         first = layers[0]
         return KVCacheSpec(num_layers=len(layers), num_kv_heads=first.num_kv_heads, head_size=first.head_size,
-                           block_size=self.block_size, dtype=self.dtype)
+                           block_size=self.block_size, dtype=self.kv_cache_dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         spec = self.kv_cache_spec()
@@ -70,7 +73,8 @@ class ModelRunner:
         if warmup is not None:
             first = self.model.attn_layers[0]
             warmup(first.num_heads, first.num_kv_heads, first.head_size, self.block_size, self.dtype, self.device,
-                   self.max_num_batched_tokens)
+                   self.max_num_batched_tokens, **({"cache_dtype": self.kv_cache_dtype}
+                                                   if self.kv_cache_dtype != self.dtype else {}))
         self._warm_up_greedy()
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graph import CudaGraphRunner

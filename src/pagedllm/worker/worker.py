@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import CPU_OFFLOAD_ON_CPU, EngineArgs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
 from pagedllm.dtypes import DTYPE_ALIASES, torch_dtype
-from pagedllm.worker.kv_cache import available_cpu_memory, cpu_kv_budget
+from pagedllm.worker.kv_cache import available_cpu_memory, cpu_kv_budget, resolve_kv_cache_dtype
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -67,6 +67,18 @@ def read_eos_token_ids(hf_config, model_dir: str) -> list[int]:
 LARGE_GPU_BYTES = 70 * 1024 ** 3
 
 
+def check_unchunked_budget(args: EngineArgs, budget: int, max_model_len: int) -> int:
+    """Without chunked prefill a whole prompt runs in one step, so a step must hold max_model_len tokens:
+    the default budget grows to it, a smaller explicit one is refused."""
+    if args.max_num_batched_tokens is None:
+        return max(budget, max_model_len)
+    if budget < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}); "
+                         "without chunked prefill every prompt must fit in one step: raise "
+                         "--max-num-batched-tokens, lower --max-model-len, or enable chunked prefill.")
+    return budget
+
+
 def default_batched_tokens(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
         return 16384
@@ -79,13 +91,13 @@ class Worker:
 
         self.args = args
         self.device = resolve_device(args.device)
+        if args.cpu_offload_gb > 0 and self.device.type != "cuda":
+            raise ValueError(CPU_OFFLOAD_ON_CPU)
         if args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet by pagedllm.")
-        if args.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported yet by pagedllm.")
-        model_path = resolve_model_path(args.model)
+        model_path = resolve_model_path(args.model, args.revision, args.download_dir)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
-        self.hf_config = load_hf_config(self.model_dir)
+        self.hf_config = load_hf_config(self.model_dir, trust_remote_code=args.trust_remote_code)
         cfg = self.hf_config
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.vocab_size = cfg.vocab_size
@@ -101,18 +113,36 @@ class Worker:
                                  else self.device.type == "cuda")
         self.max_num_batched_tokens = args.max_num_batched_tokens or max(default_batched_tokens(self.device),
                                                                          self.max_num_seqs)
+        if not args.enable_chunked_prefill:
+            self.max_num_batched_tokens = check_unchunked_budget(args, self.max_num_batched_tokens,
+                                                                 self.max_model_len)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}).")
+        offload = args.cpu_offload_gb > 0
         torch.manual_seed(args.seed)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
-        from pagedllm.quantization import quant_config_for_engine, weight_memory_summary
+        from pagedllm.quantization import weight_memory_summary
+        from pagedllm.quantization.gguf import engine_quant_config
 
-        self.quant_config = quant_config_for_engine(args, cfg, self.model_dir, self.device, self.dtype)
+        # A .gguf on CPU keeps its quantized blocks (quantization/gguf.py); otherwise the seam's resolution.
+        self.quant_config = engine_quant_config(args, cfg, model_path, self.model_dir, self.device, self.dtype)
+        if offload and self.quant_config is not None:
+            raise ValueError("--cpu-offload-gb with a quantized model is not supported yet by pagedllm.")
         start = time.perf_counter()
-        self.model = get_model(cfg, self.model_dir, dtype=self.dtype, device=self.device,
-                               load_format=args.load_format, quant_config=self.quant_config)
+        # With offloading the model is built in host memory first: it may not fit the GPU whole.
+        self.model = get_model(cfg, self.model_dir, dtype=self.dtype,
+                               device=torch.device("cpu") if offload else self.device, load_format=args.load_format,
+                               quant_config=self.quant_config)
+        enforce_eager = args.enforce_eager
+        if offload:
+            from pagedllm.worker.cpu_offload import CpuOffloader
+
+            self.offloader = CpuOffloader(self.model, args.cpu_offload_gb * 2**30, self.device)
+            if not enforce_eager:
+                logger.info("CUDA graphs are off: --cpu-offload-gb copies weights from Python hooks at run time.")
+            enforce_eager = True
         logger.info("Loaded %s (%s) from %s in %.1f s on %s as %s%s.", cfg.architectures[0] if cfg.architectures
                     else type(self.model).__name__, _count_params(self.model), self.model_dir,
                     time.perf_counter() - start, self.device, str(self.dtype).replace("torch.", ""),
@@ -134,8 +164,12 @@ class Worker:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
-            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+            attention_backend=args.attention_backend, enforce_eager=enforce_eager,
+            kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device))
         self.num_blocks = self._determine_num_blocks()
+        if self.runner.kv_cache_dtype != self.dtype:
+            logger.info("KV cache in %s: %d bytes per token.", str(self.runner.kv_cache_dtype).replace("torch.", ""),
+                        self.runner.kv_cache_spec().bytes_per_token)
         self.runner.initialize_kv_cache(self.num_blocks)
 
     def _determine_num_blocks(self) -> int:

@@ -51,34 +51,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """On shutdown, end running requests first (503 / an SSE error event) so no stream is cut off."""
-
-        def __init__(self, config, engine) -> None:
-            super().__init__(config)
-            self.engine = engine
-
-        async def shutdown(self, sockets=None) -> None:
-            self.engine.fail_pending("the server is shutting down")
-            await super().shutdown(sockets=sockets)
-
-    return Server
-
-
-def _Server(config, engine):  # noqa: N802 - reads like the class it builds
-    return _server_class()(config, engine)
-
-
 async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pagedllm import envs
     from pagedllm.entrypoints.async_engine import AsyncEngine, EngineStartupError
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
+    from pagedllm.entrypoints.openai.guards import RequestGuard
+    from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
     from pagedllm.entrypoints.openai.server_state import ServerState
+    from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
     from pagedllm.metrics import Metrics
 
     try:
@@ -99,18 +82,29 @@ async def serve(args: argparse.Namespace) -> int:
         except EngineStartupError as e:
             print(f"error: the engine failed to start: {e}", file=sys.stderr)
             return 1
-        state = ServerState(engine, names, metrics=metrics, api_key=args.api_key)
+        try:
+            defaults = load_sampling_defaults(engine_args.generation_config, engine.model_dir)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        log_sampling_defaults(defaults, engine_args.generation_config)
+        state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
+                            sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
-        app = build_app(state)
+        lifecycle = Lifecycle()
+        guarded = RequestGuard(build_app(state), max_body_bytes=args.max_request_body_bytes,
+                               send_timeout_s=args.send_timeout)
+        app = DrainMiddleware(guarded, lifecycle)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")
-        server = _Server(config, engine)
+        server = server_class()(config, engine, lifecycle, shutdown_timeout=args.shutdown_timeout,
+                                engine_dead_grace_period=args.engine_dead_grace_period)
         host = f"[{args.host}]" if ":" in args.host else args.host
         logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1", names[0], engine.model_dir,
                     engine.max_model_len, host, args.port)
         _SERVING["started"] = True
         await server.serve(sockets=[sock])
-        return 0
+        return lifecycle.exit_code
     finally:
         await engine.shutdown()
         sock.close()

@@ -6,6 +6,7 @@ gives 503 (never a hang).
 """
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any
 
@@ -31,8 +32,9 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
-            auth = dict(scope["headers"]).get(b"authorization")
-            if auth != self.expected:
+            auth = dict(scope["headers"]).get(b"authorization") or b""
+            # constant time: how long the check takes says nothing about how much of the key matched
+            if not hmac.compare_digest(auth, self.expected):
                 body = dumps(error_body(
                     "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.", 401,
                     "authentication_error", code="invalid_api_key"))
@@ -49,6 +51,9 @@ def build_app(state: ServerState) -> FastAPI:
     from pagedllm.entrypoints.openai.chat_completions import create_chat_completion
     from pagedllm.entrypoints.openai.completions import create_completion
     from pagedllm.entrypoints.openai.models import list_models
+    from pagedllm.entrypoints.openai.openapi_bodies import body, install
+    from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                      TokenizeRequest)
     from pagedllm.entrypoints.openai.tokenize import detokenize, tokenize
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__)
@@ -77,22 +82,23 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> Response:
         return await list_models(state)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await create_completion(request, state)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body(TokenizeRequest))
     async def tokenize_route(request: Request) -> Response:
         return await tokenize(request, state)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body(DetokenizeRequest))
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(request, state)
 
+    install(app)
     from fastapi.middleware.cors import CORSMiddleware
 
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
@@ -131,5 +137,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> Response:
+        from pagedllm.entrypoints.openai.guards import ClientTooSlow
+
+        if isinstance(e, ClientTooSlow):  # already logged; the guard closes the connection
+            return Response(status_code=499)
         logger.exception("unhandled error")
         return error_response(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))

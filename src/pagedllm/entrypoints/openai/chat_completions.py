@@ -7,16 +7,18 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.chat_template import render_chat
+from pagedllm.entrypoints.openai.chat_template import message_text, render_chat
 from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_grammar, choice_message,
                                                     plan_request_tools)
 from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
-from pagedllm.entrypoints.openai.logprobs import iter_logprobs, safe_float
-from pagedllm.entrypoints.openai.request_params import build_sampling_params, check_context_length
-from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
+from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
+                                                        check_logprob_fields)
+from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.entrypoints.openai.streaming import (DONE, ChunkFramer, error_event, start_disconnect_watch,
+                                                   usage_dict)
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan
-from pagedllm.entrypoints.openai.streaming import DONE, ChunkFramer, error_event, start_disconnect_watch
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
@@ -25,15 +27,14 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     engine = state.engine
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-        raise APIError(f"top_logprobs must be between 0 and 20, got {req.top_logprobs}.", param="top_logprobs")
+    check_logprob_fields(req, state.max_logprobs, top_name="top_logprobs", top=req.top_logprobs)
     tool_plan, prepare_tools = plan_request_tools(req, state)
     prompt_text, prompt_ids = render_chat(
         state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
         req.chat_template, req.chat_template_kwargs, req.add_special_tokens, prepare_tools=prepare_tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_sampling_params(req, max_tokens, logprobs)
+    params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, state.sampling_defaults)
     apply_tool_grammar(params, tool_plan)
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("chatcmpl")
@@ -70,32 +71,42 @@ def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top
     return {"content": content}
 
 
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's content goes before the answer when it is the assistant's own
+    (the message being continued); otherwise there is nothing to echo."""
+    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+        return ""
+    return message_text(req.messages[-1].content)
+
+
 def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
                    num_prompt: int, final: Any, tool_plan: ToolPlan) -> dict:
     choices = []
     num_gen = 0
+    echo = _echo_text(req)
     for out in sorted(final.outputs, key=lambda o: o.index):
         num_gen += len(out.token_ids)
         lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0) \
             if req.logprobs else None
-        message, finish_reason = choice_message(tool_plan, out.text, out.finish_reason)
+        message, finish_reason = choice_message(tool_plan, echo + out.text, out.finish_reason)
         choices.append({"index": out.index, "message": message,
                         "logprobs": lp, "finish_reason": finish_reason, "stop_reason": out.stop_reason})
-    usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen, "total_tokens": num_prompt + num_gen}
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage}
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_dict(num_prompt, num_gen)}
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, final.prompt_logprobs)
+    return body
 
 
 async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
                   num_prompt: int, first: Any, gen: AsyncIterator, watch: Any,
                   tool_plan: ToolPlan) -> AsyncIterator[bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, include_usage)
+    framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
     top_n = req.top_logprobs or 0
     num_gen = 0
 
     def frame(choice: dict) -> bytes:
-        return framer.choices([choice])
+        return framer.choices([choice], usage_dict(num_prompt, num_gen) if framer.continuous_usage else None)
 
     def chunks(ro: Any) -> list[bytes]:
         nonlocal num_gen
@@ -117,18 +128,20 @@ async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, re
 
     try:
         # The role goes first, in its own delta, once per choice (as OpenAI does).
+        echo = _echo_text(req)
         for i in range(req.n):
             yield frame({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})
+            if echo:
+                yield frame({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
         for f in chunks(first):
             yield f
         if not first.finished:
             async for ro in gen:
                 for f in chunks(ro):
                     yield f
-        if include_usage:
-            usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen, "total_tokens": num_prompt + num_gen}
-            yield framer.usage(usage)
+        if framer.include_usage:
+            yield framer.usage(usage_dict(num_prompt, num_gen))
     except Exception as e:  # noqa: BLE001 - headers are gone; report in-band like vLLM
         yield error_event(e)
     finally:

@@ -10,8 +10,9 @@ from pagedllm.dtypes import DTYPE_CHOICES
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
                "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
-               "disable_log_stats", "startup_timeout", "tool_call_parser", "enable_auto_tool_choice",
-               "guided_decoding_backend"}
+               "disable_log_stats", "startup_timeout",
+               "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout",
+               "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend"}
 
 
 def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argparse.ArgumentParser:
@@ -34,6 +35,16 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
     g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
     g.add_argument("--startup-timeout", type=float, default=None, help="seconds to wait for the engine to load")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (/health is 503 meanwhile)")
+    g.add_argument("--engine-dead-grace-period", type=float, default=5.0,
+                   help="seconds the server keeps answering 503 after the engine process died before it exits "
+                        "with code 1 (negative: never exit)")
+    g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                   help="larger request bodies get 413 (default 8 MiB)")
+    g.add_argument("--send-timeout", type=float, default=60.0,
+                   help="a client that has not read its response for this many seconds is cut off and its "
+                        "request aborted (0: never)")
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
     e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
@@ -60,7 +71,12 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--max-loras", type=int, default=1)
     e.add_argument("--max-lora-rank", type=int, default=16)
-    e.add_argument("--max-logprobs", type=int, default=20)
+    e.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+    e.add_argument("--revision", default=None, help="branch, tag or commit of a hub repo id MODEL")
+    e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
+    e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults from the model's generation_config.json (auto), none (vllm), or DIR's")
     add_structured_output_args(p)
     return p
 

@@ -8,11 +8,13 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
-from pagedllm.entrypoints.openai.logprobs import iter_logprobs, safe_float, token_str
+from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float, token_str
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
-from pagedllm.entrypoints.openai.request_params import build_sampling_params, check_context_length, check_token_ids
+from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
+                                                        check_logprob_fields, check_token_ids)
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.streaming import DONE, ChunkFramer, error_event, merge_streams, start_disconnect_watch
+from pagedllm.entrypoints.openai.streaming import (DONE, ChunkFramer, error_event, merge_streams,
+                                                   start_disconnect_watch, usage_dict)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -49,10 +51,12 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     engine = state.engine
     tok = state.tokenizer
     prompts = parse_prompts(req.prompt, tok, engine.ready.vocab_size, req.add_special_tokens)
-    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    check_logprob_fields(req, state.max_logprobs, top_name="logprobs", top=req.logprobs)
     # echo + logprobs also scores the prompt tokens (OpenAI's legacy completions behaviour).
-    params = build_sampling_params(req, max_tokens, req.logprobs,
-                                     prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+    echo_k = req.logprobs if req.echo and req.logprobs is not None else None
+    prompt_k = max((k for k in (echo_k, req.prompt_logprobs) if k is not None), default=None)
+    params = build_sampling_params(req, req.max_tokens, req.logprobs, prompt_k, state.sampling_defaults,
+                                   default_max_tokens=DEFAULT_MAX_TOKENS)
     for _, ids in prompts:
         check_context_length(len(ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("cmpl")
@@ -99,19 +103,21 @@ def _full_response(req: CompletionRequest, state: ServerState, model: str, reque
                 offset0 = len(prompt_text) if req.echo else 0
                 lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offset0)
                 if req.echo:
-                    lp = _merge_logprobs(_prompt_logprobs(tok, ids, final.prompt_logprobs), lp)
-            choices.append({"index": i * req.n + out.index, "text": body, "logprobs": lp,
-                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
-    usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen, "total_tokens": num_prompt + num_gen}
+                    lp = _merge_logprobs(_prompt_logprobs(tok, ids, final.prompt_logprobs, req.logprobs), lp)
+            choice = {"index": i * req.n + out.index, "text": body, "logprobs": lp,
+                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(tok, final.prompt_logprobs)
+            choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage}
+            "choices": choices, "usage": usage_dict(num_prompt, num_gen)}
 
 
-def _prompt_logprobs(tok: Any, ids: list[int], prompt_logprobs: Optional[list]) -> dict:
+def _prompt_logprobs(tok: Any, ids: list[int], prompt_logprobs: Optional[list], top_n: int) -> dict:
     """The echoed prompt's part of the logprobs: the first token has no logprob (null), like OpenAI."""
     first = token_str(tok, ids[0], None)
     head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
-    rest = _completion_logprobs(tok, ids[1:], (prompt_logprobs or [None] * len(ids))[1:], len(first))
+    rest = _completion_logprobs(tok, ids[1:], (prompt_logprobs or [None] * len(ids))[1:], len(first), top_n)
     return _merge_logprobs(head, rest)
 
 
@@ -119,12 +125,15 @@ def _merge_logprobs(a: dict, b: dict) -> dict:
     return {key: a[key] + b[key] for key in a}
 
 
-def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], offset: int) -> dict:
+def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], offset: int,
+                         top_n: Optional[int] = None) -> dict:
+    """top_n: keep the chosen token and the top_n (prompt logprobs may have been scored with more)."""
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for s, lp, tops in iter_logprobs(tok, list(token_ids), logprobs):
         result["tokens"].append(s)
         result["token_logprobs"].append(safe_float(lp))
-        result["top_logprobs"].append({ts: safe_float(tl) for ts, tl, _ in tops})
+        result["top_logprobs"].append({ts: safe_float(tl) for ts, tl, rank in tops
+                                       if top_n is None or rank is None or rank <= top_n or ts == s})
         result["text_offset"].append(offset)
         offset += len(s)
     return result
@@ -133,12 +142,12 @@ def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list
 async def _stream(req: CompletionRequest, state: ServerState, model: str, request_id: str, created: int,
                   prompts: list, first: tuple[int, Any], merged: AsyncIterator, watch: Any) -> AsyncIterator[bytes]:
     tok = state.tokenizer
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echoed: set[int] = set()
     echo_pending: set[int] = set()  # echoed choices whose prompt logprobs are still to be sent
     offsets: dict[int, int] = {}
     num_gen = 0
-    framer = ChunkFramer(request_id, "text_completion", created, model, include_usage)
+    framer = ChunkFramer(request_id, "text_completion", created, model, req.stream_options)
+    num_prompt = sum(len(ids) for _, ids in prompts)
 
     def chunks(i: int, ro: Any) -> list[bytes]:
         nonlocal num_gen
@@ -161,10 +170,11 @@ async def _stream(req: CompletionRequest, state: ServerState, model: str, reques
                 offsets[index] = offsets.get(index, 0) + sum(len(s) for s in lp["tokens"])
                 if index in echo_pending:
                     echo_pending.discard(index)
-                    lp = _merge_logprobs(_prompt_logprobs(tok, prompts[i][1], ro.prompt_logprobs), lp)
+                    lp = _merge_logprobs(_prompt_logprobs(tok, prompts[i][1], ro.prompt_logprobs, req.logprobs), lp)
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                       "stop_reason": out.stop_reason}
-            frames.append(framer.choices([choice]))
+            frames.append(framer.choices([choice], usage_dict(num_prompt, num_gen) if framer.continuous_usage
+                                         else None))
         return frames
 
     try:
@@ -173,11 +183,8 @@ async def _stream(req: CompletionRequest, state: ServerState, model: str, reques
         async for i, ro in merged:
             for frame in chunks(i, ro):
                 yield frame
-        if include_usage:
-            num_prompt = sum(len(ids) for _, ids in prompts)
-            usage = {"prompt_tokens": num_prompt, "completion_tokens": num_gen,
-                     "total_tokens": num_prompt + num_gen}
-            yield framer.usage(usage)
+        if framer.include_usage:
+            yield framer.usage(usage_dict(num_prompt, num_gen))
     except Exception as e:  # noqa: BLE001 - headers are gone; report in-band like vLLM
         yield error_event(e)
     finally:

@@ -27,3 +27,14 @@ def iter_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list[
 def safe_float(x: float) -> float:
     # JSON has no -inf; OpenAI clients expect a number.
     return x if x > -9999.0 else -9999.0
+
+
+def prompt_logprobs_json(tokenizer: Any, prompt_logprobs: Optional[list]) -> Optional[list]:
+    """vLLM's `prompt_logprobs` field: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's token and the top-k."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(tid): {"logprob": safe_float(float(lp.logprob)), "rank": lp.rank,
+                        "decoded_token": token_str(tokenizer, tid, lp)} for tid, lp in entry.items()}
+            for entry in prompt_logprobs]

@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI-compatible API (the fields OpenAI and vLLM accept; unknown ones ignored).
+"""Pydantic models of the OpenAI-compatible API requests (the fields OpenAI and vLLM accept; unknown ones are
+ignored with a warning naming them, see fields.py).
 
 Request models only check shapes and types; value rules (n >= 1, 0 < top_p <= 1, ...) live in
 SamplingParams so the offline API and the server give the same messages.
@@ -53,6 +54,10 @@ class _SamplingFields(_Req):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     request_id: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = None
     # Structured outputs (entrypoints/openai/structured_request.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* extras.
     response_format: Optional[dict[str, Any]] = None
@@ -93,6 +98,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: bool = False  # vLLM: echo the last message's content when it has the assistant role
+    best_of: Optional[int] = None
     # Tool calling (entrypoints/openai/tool_calling.py)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None

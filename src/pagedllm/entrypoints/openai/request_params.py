@@ -9,19 +9,28 @@ from pagedllm.sampling_params import SamplingParams
 
 
 def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optional[int],
-                          prompt_logprobs: Optional[int] = None) -> SamplingParams:
-    def opt(v: Any, default: Any) -> Any:
-        return default if v is None else v
+                          prompt_logprobs: Optional[int] = None, defaults: Optional[dict] = None,
+                          default_max_tokens: Optional[int] = None) -> SamplingParams:
+    """`defaults`: the model's generation-config values (generation_config.py), used only for fields the
+    request leaves out; then the OpenAI defaults. `max_tokens` None: the model's default, else
+    `default_max_tokens` (None: up to the context length)."""
+    defaults = defaults or {}
+
+    def opt(v: Any, default: Any, name: str = "") -> Any:
+        return v if v is not None else defaults.get(name, default)
+
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens", default_max_tokens)
 
     # Integers travel to the engine as msgpack int64: anything wider is a client mistake, not a crash.
-    for name in ("seed", "top_k", "min_tokens", "max_tokens", "n"):
+    for name in ("seed", "top_k", "min_tokens", "max_tokens", "n", "best_of", "prompt_logprobs"):
         v = getattr(req, name, None) if name != "max_tokens" else max_tokens
         if isinstance(v, int) and not -(2 ** 63) <= v < 2 ** 63:
             raise APIError(f"{name} is out of range: {v}.", param=name)
-    for t in req.stop_token_ids or []:
-        if not 0 <= t < 2 ** 63:
-            raise APIError(f"stop_token_ids must be non-negative integers below 2**63, got {t}.",
-                           param="stop_token_ids")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        for t in getattr(req, name, None) or []:
+            if not 0 <= t < 2 ** 63:
+                raise APIError(f"{name} must be non-negative integers below 2**63, got {t}.", param=name)
 
     structured_outputs = _structured_outputs(req)
     try:
@@ -30,11 +39,11 @@ def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optiona
             n=req.n,
             presence_penalty=opt(req.presence_penalty, 0.0),
             frequency_penalty=opt(req.frequency_penalty, 0.0),
-            repetition_penalty=opt(req.repetition_penalty, 1.0),
-            temperature=opt(req.temperature, 1.0),
-            top_p=opt(req.top_p, 1.0),
-            top_k=opt(req.top_k, 0),
-            min_p=opt(req.min_p, 0.0),
+            repetition_penalty=opt(req.repetition_penalty, 1.0, "repetition_penalty"),
+            temperature=opt(req.temperature, 1.0, "temperature"),
+            top_p=opt(req.top_p, 1.0, "top_p"),
+            top_k=opt(req.top_k, 0, "top_k"),
+            min_p=opt(req.min_p, 0.0, "min_p"),
             seed=req.seed,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
@@ -46,6 +55,10 @@ def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optiona
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            best_of=getattr(req, "best_of", None),
+            logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
         )
     except (ValueError, TypeError) as e:
         raise APIError(str(e), param=_param_of(str(e)))
@@ -62,6 +75,16 @@ def _structured_outputs(req: Any) -> Any:
         return structured_outputs_from_request(req)
     except StructuredRequestError as e:
         raise APIError(str(e), param=e.param) from None
+
+
+def check_logprob_fields(req: Any, max_logprobs: int, top_name: str, top: Optional[int]) -> None:
+    """The logprob counts a request may ask for: 0..--max-logprobs; no prompt_logprobs when streaming (vLLM)."""
+    for name, value in ((top_name, top), ("prompt_logprobs", req.prompt_logprobs)):
+        if value is not None and not 0 <= value <= max_logprobs:
+            raise APIError(f"{name} must be between 0 and {max_logprobs} (the server's --max-logprobs), got "
+                           f"{value}.", param=name)
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("prompt_logprobs is not available when stream is enabled.", param="prompt_logprobs")
 
 
 def _param_of(message: str) -> Optional[str]:

@@ -11,8 +11,10 @@ class ServerState:
     """What the endpoints need: the engine, the served model names, the tokenizer."""
 
     def __init__(self, engine: Any, served_model_names: list[str], metrics: Any = None,
-                 api_key: Optional[str] = None) -> None:
+                 api_key: Optional[str] = None, sampling_defaults: Optional[dict] = None) -> None:
         self.engine = engine
+        # the model's generation-config defaults (--generation-config) for fields a request leaves out
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.served_model_names = served_model_names
         self.metrics = metrics
         self.api_key = api_key
@@ -29,6 +31,12 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def max_logprobs(self) -> int:
+        """--max-logprobs (-1: the vocabulary size)."""
+        limit = getattr(self.engine.engine_args, "max_logprobs", 20)
+        return self.engine.ready.vocab_size if limit == -1 else limit
 
     def check_model(self, name: Optional[str]) -> str:
         if name is None or name == "" or name in self.served_model_names:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 
@@ -14,14 +14,22 @@ DONE = b"data: [DONE]\n\n"
 
 
 class ChunkFramer:
-    """SSE `data:` frames of one response's chunks: the fixed id/object/created/model prefix is encoded once."""
+    """SSE `data:` frames of one response's chunks: the fixed id/object/created/model prefix is encoded once.
 
-    def __init__(self, request_id: str, obj: str, created: int, model: str, include_usage: bool) -> None:
+    stream_options: `include_usage` adds `"usage": null` to every chunk and a final usage-only chunk;
+    `continuous_usage_stats` (vLLM) puts the usage so far on every chunk instead (and implies include_usage).
+    """
+
+    def __init__(self, request_id: str, obj: str, created: int, model: str, stream_options: Any) -> None:
+        self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
+        self.include_usage = self.continuous_usage or bool(stream_options and stream_options.include_usage)
         self.head = (b'{"id":' + dumps(request_id) + b',"object":' + dumps(obj) + b',"created":'
                      + str(created).encode() + b',"model":' + dumps(model) + b',"choices":')
-        self.tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+        self.tail = b',"usage":null}\n\n' if self.include_usage else b"}\n\n"
 
-    def choices(self, choices: list[dict]) -> bytes:
+    def choices(self, choices: list[dict], usage: Optional[dict] = None) -> bytes:
+        if self.continuous_usage and usage is not None:
+            return b"data: " + self.head + dumps(choices) + b',"usage":' + dumps(usage) + b"}\n\n"
         return b"data: " + self.head + dumps(choices) + self.tail
 
     def usage(self, usage: dict) -> bytes:
@@ -86,3 +94,7 @@ async def merge_streams(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[i
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+
+
+def usage_dict(num_prompt: int, num_generated: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_generated, "total_tokens": num_prompt + num_generated}

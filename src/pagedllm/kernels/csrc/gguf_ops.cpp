@@ -1,0 +1,790 @@
+// pagedllm CPU kernels for weights kept in their GGUF (llama.cpp) block formats, plus pagedllm's own
+// per-channel int8 rows (W8A8). Built with cpu_ops.cpp into one extension (kernels/cpu_ops.py).
+//
+// Every supported format is decoded 64 weights ("a chunk") at a time into unsigned bytes q and, per 16
+// weights, a scale a and an offset b, so that weight = a * q + b:
+//   Q8_0 q = int8 ^ 0x80, b = -128 a;  Q4_0 b = -8 a;  Q5_0 b = -16 a;  Q4_1 / Q5_1 b = the block min;
+//   Q4_K / Q5_K a = d * sc, b = -dmin * m (6-bit sub-block scales); Q6_K b = -32 a (16-weight scales).
+// Activations are quantized per 32 values to 16-bit integers held as two int8 digits, x ~= dx (hi + lo / 256)
+// with dx = amax / 127 (|x - dx (hi + lo / 256)| <= dx / 512: near-fp32 logits, so greedy decoding keeps the
+// float model's choices where int8 alone flips near-ties), with dx * sum per 16 kept, so
+//   sum_i w_i x_i ~= sum_g a_g dx_g dot16_g(q, x16) + b_g (dx_g sum16_g(x16)),       x16 = 256 hi + lo,
+// integer dot products (AVX-512 VNNI: vpdpbusd of unsigned q by each signed digit, the hi one shifted by 8;
+// AVX2 / portable: q times the int16 x16) and two float terms.
+// Threads split the output rows; activation rows are processed in tiles that stay in L2 while the thread
+// walks its weight rows, and each decoded weight chunk is multiplied by up to kRows activation rows.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum GgufType : int64_t {  // the ggml type ids, plus pagedllm's own per-channel int8 row
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kI8Row = 1000,  // [float32 scale][K int8]: weight = scale * int8
+};
+
+enum Impl : int64_t { kBest = 0, kAvx2 = 1, kPortable = 2 };
+
+constexpr int64_t kChunk = 64;
+constexpr int kRows = 4;        // activation rows per decoded weight chunk
+constexpr int64_t kTile = 64;   // activation rows per L2 tile
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+struct Chunk {
+  alignas(64) uint8_t q[64];
+  float a[4], b[4];
+};
+
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+
+inline v16u8 ld16(const uint8_t* p) {
+  v16u8 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+inline void st16(uint8_t* p, v16u8 v) { std::memcpy(p, &v, 16); }
+
+// Bits of a 32-bit little-endian mask (Q5_0/Q5_1's fifth bits) spread to 16 bytes, one bit per byte, then
+// shifted to bit 4.
+inline v16u8 high_bits16(uint32_t mask) {
+  v16u8 out;
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<uint8_t>(((mask >> i) & 1u) << 4);
+  return out;
+}
+
+inline void scale_min_k4(const uint8_t* s, int j, float& sc, float& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+inline int64_t block_elems(int64_t type) {
+  return (type == kQ4_K || type == kQ5_K || type == kQ6_K) ? 256 : 32;
+}
+
+inline int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+inline int64_t row_bytes(int64_t type, int64_t k) {
+  if (type == kI8Row) return k + 4;
+  return k / block_elems(type) * block_bytes(type);
+}
+
+// One 32-weight block of a 32-block type into q[0..32), its scale/offset into a[0..1], b[0..1].
+template <int64_t T>
+inline void decode_block32(const uint8_t* blk, uint8_t* q, float* a, float* b) {
+  if constexpr (T == kQ8_0) {
+    const float d = fp16(blk);
+    st16(q, ld16(blk + 2) ^ 0x80);
+    st16(q + 16, ld16(blk + 18) ^ 0x80);
+    a[0] = a[1] = d;
+    b[0] = b[1] = -128.f * d;
+  } else if constexpr (T == kQ4_0 || T == kQ4_1) {
+    const float d = fp16(blk);
+    const float off = T == kQ4_0 ? -8.f * d : fp16(blk + 2);
+    const v16u8 v = ld16(blk + (T == kQ4_0 ? 2 : 4));
+    st16(q, v & 0xF);
+    st16(q + 16, v >> 4);
+    a[0] = a[1] = d;
+    b[0] = b[1] = off;
+  } else {  // Q5_0, Q5_1
+    const float d = fp16(blk);
+    const float off = T == kQ5_0 ? -16.f * d : fp16(blk + 2);
+    const uint8_t* p = blk + (T == kQ5_0 ? 2 : 4);
+    uint32_t qh;
+    std::memcpy(&qh, p, 4);
+    const v16u8 v = ld16(p + 4);
+    st16(q, (v & 0xF) | high_bits16(qh));
+    st16(q + 16, (v >> 4) | high_bits16(qh >> 16));
+    a[0] = a[1] = d;
+    b[0] = b[1] = off;
+  }
+}
+
+// Chunk c (weights [64c, 64c + 64)) of a row of type T with k weights; past k (a row of 32-blocks whose
+// length is an odd multiple of 32) the chunk is zero-filled with a = b = 0.
+template <int64_t T>
+inline void decode_chunk(const uint8_t* row, int64_t c, int64_t k, Chunk& ch) {
+  if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
+    constexpr int64_t bb = T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : 24;
+    decode_block32<T>(row + 2 * c * bb, ch.q, ch.a, ch.b);
+    if (64 * c + 32 < k) {
+      decode_block32<T>(row + (2 * c + 1) * bb, ch.q + 32, ch.a + 2, ch.b + 2);
+    } else {
+      std::memset(ch.q + 32, 0, 32);
+      ch.a[2] = ch.a[3] = ch.b[2] = ch.b[3] = 0.f;
+    }
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const uint8_t* blk = row + (c / 4) * (T == kQ4_K ? 144 : 176);
+    const int j = static_cast<int>(c % 4);
+    const float d = fp16(blk), dmin = fp16(blk + 2);
+    const uint8_t* qs = blk + (T == kQ4_K ? 16 : 48) + 32 * j;
+    const v16u8 v0 = ld16(qs), v1 = ld16(qs + 16);
+    v16u8 lo0 = v0 & 0xF, lo1 = v1 & 0xF, hi0 = v0 >> 4, hi1 = v1 >> 4;
+    if constexpr (T == kQ5_K) {
+      const uint8_t* qh = blk + 16;
+      const v16u8 h0 = ld16(qh), h1 = ld16(qh + 16);
+      lo0 |= ((h0 >> (2 * j)) & 1) << 4;
+      lo1 |= ((h1 >> (2 * j)) & 1) << 4;
+      hi0 |= ((h0 >> (2 * j + 1)) & 1) << 4;
+      hi1 |= ((h1 >> (2 * j + 1)) & 1) << 4;
+    }
+    st16(ch.q, lo0);
+    st16(ch.q + 16, lo1);
+    st16(ch.q + 32, hi0);
+    st16(ch.q + 48, hi1);
+    float sc, m;
+    scale_min_k4(blk + 4, 2 * j, sc, m);
+    ch.a[0] = ch.a[1] = d * sc;
+    ch.b[0] = ch.b[1] = -dmin * m;
+    scale_min_k4(blk + 4, 2 * j + 1, sc, m);
+    ch.a[2] = ch.a[3] = d * sc;
+    ch.b[2] = ch.b[3] = -dmin * m;
+  } else if constexpr (T == kQ6_K) {
+    const uint8_t* blk = row + (c / 4) * 210;
+    const int64_t cc = c % 4, h = cc / 2, n = cc % 2;
+    const uint8_t* ql = blk + 64 * h;
+    const uint8_t* qh = blk + 128 + 32 * h;
+    const int sh = static_cast<int>(4 * n);
+    for (int part = 0; part < 4; ++part) {  // 16 weights each
+      const v16u8 l = ld16(ql + 16 * part);
+      const v16u8 hb = ld16(qh + 16 * (part % 2));
+      const v16u8 lo = n ? (l >> 4) : (l & 0xF);
+      const v16u8 hi = (hb >> (sh + 2 * (part / 2))) & 3;
+      st16(ch.q + 16 * part, lo | (hi << 4));
+    }
+    const float d = fp16(blk + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192) + 4 * cc;
+    for (int g = 0; g < 4; ++g) {
+      ch.a[g] = d * scales[g];
+      ch.b[g] = -32.f * ch.a[g];
+    }
+  } else {  // kI8Row
+    const float s = [&] { float f; std::memcpy(&f, row, 4); return f; }();
+    const uint8_t* w = row + 4 + 64 * c;
+    const int64_t n = std::min<int64_t>(64, k - 64 * c);
+    for (int64_t i = 0; i < n; ++i) ch.q[i] = w[i] ^ 0x80;
+    for (int64_t i = n; i < 64; ++i) ch.q[i] = 0;
+    for (int g = 0; g < 4; ++g) {
+      const bool live = 16 * g < n;
+      ch.a[g] = live ? s : 0.f;
+      ch.b[g] = live ? -128.f * s : 0.f;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Activations: per row, the 16-bit values x16 = 256 hi + lo (padded to a multiple of 64 with zeros) as int16
+// and as its two int8 digits, the step (dx / 256) per 4 values ("lanes", what a 32-bit vpdpbusd lane covers)
+// and step * sum(x16) per 16.
+
+struct ActRows {
+  std::vector<int8_t> hi, lo;
+  std::vector<int16_t> x16;
+  std::vector<float> dx4, s16;
+  int64_t k64 = 0, s_stride = 0;  // s16 rows padded to a multiple of 16 floats (one zmm)
+  const int8_t* xhi(int64_t r) const { return hi.data() + r * k64; }
+  const int8_t* xlo(int64_t r) const { return lo.data() + r * k64; }
+  const int16_t* xw(int64_t r) const { return x16.data() + r * k64; }
+  const float* dx(int64_t r) const { return dx4.data() + r * (k64 / 4); }
+  const float* s(int64_t r) const { return s16.data() + r * s_stride; }
+};
+
+template <typename scalar_t>
+void quantize_rows(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows& act) {
+  act.k64 = (k + 63) / 64 * 64;
+  act.s_stride = (act.k64 / 16 + 15) / 16 * 16;
+  act.hi.assign(m * act.k64, 0);
+  act.lo.assign(m * act.k64, 0);
+  act.x16.assign(m * act.k64, 0);
+  act.dx4.assign(m * act.k64 / 4, 0.f);
+  act.s16.assign(m * act.s_stride, 0.f);
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
+    float buf[32];
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * xs;
+      int8_t* hi = act.hi.data() + r * act.k64;
+      int8_t* lo = act.lo.data() + r * act.k64;
+      int16_t* x16 = act.x16.data() + r * act.k64;
+      float* dx4 = act.dx4.data() + r * (act.k64 / 4);
+      float* s16 = act.s16.data() + r * act.s_stride;
+      for (int64_t b0 = 0; b0 < k; b0 += 32) {
+        const int64_t n = std::min<int64_t>(32, k - b0);
+        float amax = 0.f;
+        for (int64_t i = 0; i < n; ++i) {
+          buf[i] = static_cast<float>(xr[b0 + i]);
+          amax = std::max(amax, std::fabs(buf[i]));
+        }
+        const float d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum[2] = {0, 0};
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = buf[i] * id;  // in [-127, 127]
+          const float h = std::nearbyint(v);
+          const float l = std::min(127.f, std::nearbyint((v - h) * 256.f));
+          hi[b0 + i] = static_cast<int8_t>(h);
+          lo[b0 + i] = static_cast<int8_t>(l);
+          const int32_t w = 256 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
+          x16[b0 + i] = static_cast<int16_t>(w);
+          sum[i / 16] += w;
+        }
+        const float step = d / 256.f;
+        for (int i = 0; i < 8; ++i) dx4[b0 / 4 + i] = step;
+        s16[b0 / 16] = step * sum[0];
+        s16[b0 / 16 + 1] = step * sum[1];
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// out[r, n] for activation rows [m0, m0 + R) and one decoded weight row, three implementations.
+
+template <int R>
+inline void dot_rows_portable(const Chunk* chunks, int64_t nchunks, const ActRows& act, int64_t m0, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    const int16_t* xq = act.xw(m0 + r);
+    const float* dx = act.dx(m0 + r);
+    const float* s = act.s(m0 + r);
+    float total = 0.f;
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const Chunk& ch = chunks[c];
+      for (int g = 0; g < 4; ++g) {
+        int32_t isum = 0;
+        for (int i = 0; i < 16; ++i) isum += static_cast<int32_t>(ch.q[16 * g + i]) * xq[64 * c + 16 * g + i];
+        total += ch.a[g] * dx[16 * c + 4 * g] * static_cast<float>(isum) + ch.b[g] * s[4 * c + g];
+      }
+    }
+    acc[r] = total;
+  }
+}
+
+#if defined(__AVX2__)
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R>
+inline void dot_rows_avx2(const Chunk* chunks, int64_t nchunks, const ActRows& act, int64_t m0, float* out) {
+  __m256 acc[R];
+  __m128 accb[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    accb[r] = _mm_setzero_ps();
+  }
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const Chunk& ch = chunks[c];
+    const __m128 b4 = _mm_loadu_ps(ch.b);
+    __m256i w16[4];
+    for (int g = 0; g < 4; ++g)
+      w16[g] = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(ch.q + 16 * g)));
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xq = act.xw(m0 + r) + 64 * c;
+      const float* dx = act.dx(m0 + r) + 16 * c;
+      for (int g = 0; g < 4; ++g) {
+        const __m256i x16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16 * g));
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(w16[g], x16));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(ch.a[g] * dx[4 * g]), acc[r]);
+      }
+      accb[r] = _mm_fmadd_ps(b4, _mm_loadu_ps(act.s(m0 + r) + 4 * c), accb[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m128 s = accb[r];
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    out[r] = hsum256(acc[r]) + _mm_cvtss_f32(s);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGEDLLM_HAVE_VNNI512 1
+// Per 32-bit lane (4 weights): sum q * (256 hi + lo), the hi digit's products shifted into place.
+inline __m512i dot64(__m512i q, __m512i xh, __m512i xl) {
+  return _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xh), 8), q, xl);
+}
+
+#endif
+
+#if defined(PAGEDLLM_HAVE_VNNI512)
+// Few activation rows: the 32-block formats are decoded straight into registers (no Chunk round trip).
+struct RegChunk {
+  __m512i q;
+  __m512 a;
+  __m128 b;
+};
+
+template <int64_t T>
+constexpr bool has_reg_decode() {
+  return T == kQ8_0 || T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1;
+}
+
+template <int64_t T>
+inline RegChunk decode_reg(const uint8_t* row, int64_t c, bool two) {
+  constexpr int64_t bb = T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : 24;
+  const uint8_t* p0 = row + 2 * c * bb;
+  const uint8_t* p1 = p0 + bb;
+  const float d0 = fp16(p0), d1 = two ? fp16(p1) : 0.f;
+  RegChunk out;
+  out.a = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+  if constexpr (T == kQ8_0) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 2));
+    const __m256i v1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 2)) : _mm256_set1_epi8(-128);
+    out.q = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1), _mm512_set1_epi8(-128));
+    out.b = _mm_setr_ps(-128.f * d0, -128.f * d0, -128.f * d1, -128.f * d1);
+  } else {
+    constexpr int64_t qs_off = (T == kQ4_0) ? 2 : (T == kQ4_1) ? 4 : (T == kQ5_0) ? 6 : 8;
+    const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + qs_off));
+    const __m128i v1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + qs_off)) : _mm_setzero_si128();
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(v0), v1, 1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo0 lo1 hi0 hi1]
+    q = _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(3, 1, 2, 0));         // [lo0 hi0 lo1 hi1]
+    if constexpr (T == kQ5_0 || T == kQ5_1) {
+      uint32_t h0, h1 = 0;
+      std::memcpy(&h0, p0 + qs_off - 4, 4);
+      if (two) std::memcpy(&h1, p1 + qs_off - 4, 4);
+      const __mmask64 mask = static_cast<__mmask64>(h0) | (static_cast<__mmask64>(h1) << 32);
+      q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(mask, _mm512_set1_epi8(0x10)));
+    }
+    out.q = q;
+    float b0, b1;
+    if constexpr (T == kQ4_0) {
+      b0 = -8.f * d0, b1 = -8.f * d1;
+    } else if constexpr (T == kQ5_0) {
+      b0 = -16.f * d0, b1 = -16.f * d1;
+    } else {
+      b0 = fp16(p0 + 2), b1 = two ? fp16(p1 + 2) : 0.f;
+    }
+    out.b = _mm_setr_ps(b0, b0, b1, b1);
+  }
+  return out;
+}
+
+// Activation rows [0, R) times weight rows [0, W) (rows[w] apart by rb bytes), each chunk decoded once into
+// registers; W > 1 gives the few-row case independent accumulation chains.
+template <int64_t T, int R, int W>
+inline void dot_rows_reg(const uint8_t* row, int64_t rb, int64_t k, const ActRows& act, float* out, int64_t os) {
+  __m512 acc[W][R];
+  __m128 accb[W][R];
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) {
+      acc[w][r] = _mm512_setzero_ps();
+      accb[w][r] = _mm_setzero_ps();
+    }
+  const int64_t nchunks = (k + 63) / 64;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const bool two = 64 * c + 32 < k;
+    RegChunk ch[W];
+    for (int w = 0; w < W; ++w) ch[w] = decode_reg<T>(row + w * rb, c, two);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xh = _mm512_loadu_si512(act.xhi(r) + 64 * c), xl = _mm512_loadu_si512(act.xlo(r) + 64 * c);
+      const __m512 dx = _mm512_loadu_ps(act.dx(r) + 16 * c);
+      const __m128 sx = _mm_loadu_ps(act.s(r) + 4 * c);
+      for (int w = 0; w < W; ++w) {
+        const __m512i d = dot64(ch[w].q, xh, xl);
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ch[w].a, dx), acc[w][r]);
+        accb[w][r] = _mm_fmadd_ps(ch[w].b, sx, accb[w][r]);
+      }
+    }
+  }
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) {
+      __m128 s = accb[w][r];
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));
+      out[r * os + w] = _mm512_reduce_add_ps(acc[w][r]) + _mm_cvtss_f32(s);
+    }
+}
+
+// out[r, n] for all m <= kRows activation rows and weight rows [n0, n1).
+template <int64_t T, int R>
+inline void gemm_reg(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t k, const ActRows& act,
+                     float* out, int64_t os) {
+  constexpr int W = R == 1 ? 4 : R == 2 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + W <= n1; n += W) dot_rows_reg<T, R, W>(w + n * rb, rb, k, act, out + n, os);
+  for (; n < n1; ++n) dot_rows_reg<T, R, 1>(w + n * rb, rb, k, act, out + n, os);
+}
+#endif
+
+template <int R>
+inline void dot_rows(int64_t impl, const Chunk* chunks, int64_t nchunks, const ActRows& act, int64_t m0,
+                     float* out) {
+#if defined(PAGEDLLM_HAVE_VNNI512)
+#endif
+#if defined(__AVX2__)
+  if (impl != kPortable) return dot_rows_avx2<R>(chunks, nchunks, act, m0, out);
+#endif
+  dot_rows_portable<R>(chunks, nchunks, act, m0, out);
+}
+
+struct Part {  // one weight matrix writing output columns [col, col + rows)
+  const uint8_t* w;
+  int64_t type, rows, col, rb;
+};
+
+#if defined(PAGEDLLM_HAVE_VNNI512)
+// Many activation rows: W weight rows decoded once per tile into (q, per-lane scales, offsets), then
+// multiplied by R activation rows at a time; the offsets' term is one short vector dot per output.
+struct DecodedRow {
+  std::vector<uint8_t> q;
+  std::vector<float> a16, b;
+  void resize(int64_t nchunks, int64_t nb) {
+    q.resize(nchunks * 64);
+    a16.resize(nchunks * 16);
+    b.assign(nb, 0.f);
+  }
+};
+
+template <int64_t T>
+inline void decode_row(const uint8_t* row, int64_t k, int64_t nchunks, DecodedRow& d) {
+  if constexpr (has_reg_decode<T>()) {
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const RegChunk ch = decode_reg<T>(row, c, 64 * c + 32 < k);
+      _mm512_storeu_si512(d.q.data() + 64 * c, ch.q);
+      _mm512_storeu_ps(d.a16.data() + 16 * c, ch.a);
+      _mm_storeu_ps(d.b.data() + 4 * c, ch.b);
+    }
+    return;
+  }
+  Chunk ch;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    decode_chunk<T>(row, c, k, ch);
+    std::memcpy(d.q.data() + 64 * c, ch.q, 64);
+    for (int l = 0; l < 16; ++l) d.a16[16 * c + l] = ch.a[l / 4];
+    for (int g = 0; g < 4; ++g) d.b[4 * c + g] = ch.b[g];
+  }
+}
+
+template <int W, int R>
+inline void dot_many(const DecodedRow* rows, int64_t nchunks, int64_t nb, const ActRows& act, int64_t m0, float* out,
+                     int64_t os) {
+  __m512 acc[W][R];
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nchunks; ++c) {
+    __m512i q[W];
+    __m512 a[W];
+    for (int w = 0; w < W; ++w) {
+      q[w] = _mm512_loadu_si512(rows[w].q.data() + 64 * c);
+      a[w] = _mm512_loadu_ps(rows[w].a16.data() + 16 * c);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i xh = _mm512_loadu_si512(act.xhi(m0 + r) + 64 * c);
+      const __m512i xl = _mm512_loadu_si512(act.xlo(m0 + r) + 64 * c);
+      const __m512 dx = _mm512_loadu_ps(act.dx(m0 + r) + 16 * c);
+      for (int w = 0; w < W; ++w) {
+        const __m512i d = dot64(q[w], xh, xl);
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(a[w], dx), acc[w][r]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < nb; j += 16)
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_loadu_ps(act.s(m0 + r) + j);
+      for (int w = 0; w < W; ++w) acc[w][r] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[w].b.data() + j), sx, acc[w][r]);
+    }
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) out[r * os + w] = _mm512_reduce_add_ps(acc[w][r]);
+}
+
+template <int W>
+inline void dot_many_rows(const DecodedRow* rows, int64_t nchunks, int64_t nb, const ActRows& act, int64_t m0,
+                          int64_t nr, float* out, int64_t os) {
+  switch (nr) {
+    case 4: return dot_many<W, 4>(rows, nchunks, nb, act, m0, out, os);
+    case 3: return dot_many<W, 3>(rows, nchunks, nb, act, m0, out, os);
+    case 2: return dot_many<W, 2>(rows, nchunks, nb, act, m0, out, os);
+    default: return dot_many<W, 1>(rows, nchunks, nb, act, m0, out, os);
+  }
+}
+
+template <int64_t T>
+void gemm_many(const Part& part, int64_t n0, int64_t n1, int64_t k, const ActRows& act, int64_t m, float* out,
+               int64_t os) {
+  const int64_t nchunks = (k + 63) / 64, nb = act.s_stride;
+  DecodedRow rows[2];
+  for (auto& r : rows) r.resize(nchunks, nb);
+  for (int64_t t0 = 0; t0 < m; t0 += kTile) {
+    const int64_t t1 = std::min(m, t0 + kTile);
+    for (int64_t n = n0; n < n1; n += 2) {
+      const int w = n + 1 < n1 ? 2 : 1;
+      for (int i = 0; i < w; ++i) decode_row<T>(part.w + (n + i) * part.rb, k, nchunks, rows[i]);
+      for (int64_t r = t0; r < t1; r += kRows) {
+        const int64_t nr = std::min<int64_t>(kRows, t1 - r);
+        if (w == 2) dot_many_rows<2>(rows, nchunks, nb, act, r, nr, out + r * os + n, os);
+        else dot_many_rows<1>(rows, nchunks, nb, act, r, nr, out + r * os + n, os);
+      }
+    }
+  }
+}
+#endif
+
+
+// Output rows [n0, n1) of `part`, for all activation rows.
+template <int64_t T>
+void gemm_part(const Part& part, int64_t n0, int64_t n1, int64_t k, const ActRows& act, int64_t m, float* out,
+               int64_t os, const float* bias, int64_t impl, std::vector<Chunk>& chunks) {
+  const int64_t nchunks = (k + 63) / 64;
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  if constexpr (has_reg_decode<T>()) {
+    if (impl == kBest && m <= kRows) {
+      float* o = out + part.col;
+      switch (m) {
+        case 4: gemm_reg<T, 4>(part.w, part.rb, n0, n1, k, act, o, os); break;
+        case 3: gemm_reg<T, 3>(part.w, part.rb, n0, n1, k, act, o, os); break;
+        case 2: gemm_reg<T, 2>(part.w, part.rb, n0, n1, k, act, o, os); break;
+        default: gemm_reg<T, 1>(part.w, part.rb, n0, n1, k, act, o, os); break;
+      }
+      if (bias)
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t n = n0; n < n1; ++n) o[i * os + n] += bias[part.col + n];
+      return;
+    }
+  }
+#endif
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  if (impl == kBest) {
+    float* o = out + part.col;
+    gemm_many<T>(part, n0, n1, k, act, m, o, os);
+    if (bias)
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t n = n0; n < n1; ++n) o[i * os + n] += bias[part.col + n];
+    return;
+  }
+#endif
+  chunks.resize(nchunks);
+  for (int64_t t0 = 0; t0 < m; t0 += kTile) {
+    const int64_t t1 = std::min(m, t0 + kTile);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = part.w + n * part.rb;
+      for (int64_t c = 0; c < nchunks; ++c) decode_chunk<T>(row, c, k, chunks[c]);
+      const float bv = bias ? bias[part.col + n] : 0.f;
+      float res[kRows];
+      for (int64_t r = t0; r < t1; r += kRows) {
+        const int64_t nr = std::min<int64_t>(kRows, t1 - r);
+        switch (nr) {
+          case 4: dot_rows<4>(impl, chunks.data(), nchunks, act, r, res); break;
+          case 3: dot_rows<3>(impl, chunks.data(), nchunks, act, r, res); break;
+          case 2: dot_rows<2>(impl, chunks.data(), nchunks, act, r, res); break;
+          default: dot_rows<1>(impl, chunks.data(), nchunks, act, r, res); break;
+        }
+        for (int64_t i = 0; i < nr; ++i) out[(r + i) * os + part.col + n] = res[i] + bv;
+      }
+    }
+  }
+}
+
+void gemm_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const ActRows& act, int64_t m,
+                   float* out, int64_t os, const float* bias, int64_t impl, std::vector<Chunk>& chunks) {
+  switch (part.type) {
+    case kQ4_0: return gemm_part<kQ4_0>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+    case kQ4_1: return gemm_part<kQ4_1>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+    case kQ5_0: return gemm_part<kQ5_0>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+    case kQ5_1: return gemm_part<kQ5_1>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+    case kQ8_0: return gemm_part<kQ8_0>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+    case kQ4_K: return gemm_part<kQ4_K>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+    case kQ5_K: return gemm_part<kQ5_K>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+    case kQ6_K: return gemm_part<kQ6_K>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+    case kI8Row: return gemm_part<kI8Row>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+    default: TORCH_CHECK(false, "gguf kernels: unsupported type ", part.type);
+  }
+}
+
+void check_type(int64_t type, int64_t k) {
+  TORCH_CHECK(type == kI8Row || block_bytes(type) > 0, "gguf kernels: unsupported weight type ", type);
+  TORCH_CHECK(k > 0 && (type == kI8Row || k % block_elems(type) == 0), "gguf kernels: K=", k, " is not a multiple of the block size ",
+              block_elems(type), " of type ", type);
+}
+
+thread_local ActRows tls_act;
+
+// out [M, sum(rows)] float32 = x [M, K] @ W^T (+ bias), W given as parts (uint8 [rows_i, row_bytes_i]) of
+// GGUF types types[i], their outputs side by side. impl: 0 best available, 1 AVX2, 2 portable C++.
+void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                 const c10::optional<at::Tensor>& bias, int64_t impl) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "gguf_linear: x must be a 2-D CPU "
+              "tensor contiguous in its last dimension");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0),
+              "gguf_linear: out must be float32 [M, N]");
+  TORCH_CHECK(weights.size() == types.size() && !weights.empty(), "gguf_linear: one type per weight part");
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<Part> parts;
+  int64_t total = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    check_type(types[i], k);
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
+                    w.size(1) == row_bytes(types[i], k),
+                "gguf_linear: weight part ", i, " must be contiguous uint8 [rows, ", row_bytes(types[i], k), "]");
+    parts.push_back({w.data_ptr<uint8_t>(), types[i], w.size(0), total, w.size(1)});
+    total += w.size(0);
+  }
+  TORCH_CHECK(out.size(1) == total, "gguf_linear: out has ", out.size(1), " columns, the weights ", total);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == total,
+                "gguf_linear: bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  if (m == 0) return;
+  ActRows& act = tls_act;
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, act);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k, act);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kHalf, "gguf_linear: x must be float32, bfloat16 or float16");
+    quantize_rows(x.data_ptr<c10::Half>(), x.stride(0), m, k, act);
+  }
+  float* op = out.data_ptr<float>();
+  const int64_t os = out.stride(0);
+  // ~64k multiply-adds per thread chunk at least: small products stay on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * m));
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    std::vector<Chunk> chunks;
+    for (const Part& p : parts) {
+      const int64_t lo = std::max(begin, p.col), hi = std::min(end, p.col + p.rows);
+      if (lo < hi) gemm_dispatch(p, lo - p.col, hi - p.col, k, act, m, op, os, bp, impl, chunks);
+    }
+  });
+}
+
+template <int64_t T>
+void dequant_row(const uint8_t* row, int64_t k, float* out) {
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  if constexpr (has_reg_decode<T>()) {
+    for (int64_t c = 0; c * 64 < k; ++c) {
+      const bool two = 64 * c + 32 < k;
+      const RegChunk ch = decode_reg<T>(row, c, two);
+      alignas(64) float a[16], b[4];
+      alignas(64) uint8_t q[64];
+      _mm512_store_ps(a, ch.a);
+      _mm_store_ps(b, ch.b);
+      _mm512_store_si512(q, ch.q);
+      for (int g = 0; g < (two ? 4 : 2); ++g) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * g))));
+        _mm512_storeu_ps(out + 64 * c + 16 * g, _mm512_fmadd_ps(v, _mm512_set1_ps(a[4 * g]), _mm512_set1_ps(b[g])));
+      }
+    }
+    return;
+  }
+#endif
+  Chunk ch;
+  for (int64_t c = 0; c * 64 < k; ++c) {
+    decode_chunk<T>(row, c, k, ch);
+    const int64_t n = std::min<int64_t>(64, k - 64 * c);
+    for (int64_t i = 0; i < n; ++i) out[64 * c + i] = ch.a[i / 16] * ch.q[i] + ch.b[i / 16];
+  }
+}
+
+void dequant_row_dispatch(int64_t type, const uint8_t* row, int64_t k, float* out) {
+  switch (type) {
+    case kQ4_0: return dequant_row<kQ4_0>(row, k, out);
+    case kQ4_1: return dequant_row<kQ4_1>(row, k, out);
+    case kQ5_0: return dequant_row<kQ5_0>(row, k, out);
+    case kQ5_1: return dequant_row<kQ5_1>(row, k, out);
+    case kQ8_0: return dequant_row<kQ8_0>(row, k, out);
+    case kQ4_K: return dequant_row<kQ4_K>(row, k, out);
+    case kQ5_K: return dequant_row<kQ5_K>(row, k, out);
+    case kQ6_K: return dequant_row<kQ6_K>(row, k, out);
+    case kI8Row: return dequant_row<kI8Row>(row, k, out);
+    default: TORCH_CHECK(false, "gguf kernels: unsupported type ", type);
+  }
+}
+
+// out [len(ids), K] float32 = dequantized rows ids of w (uint8 [V, row_bytes]); ids < 0 or >= V is an error.
+// ids = None: every row (out [V, K]).
+void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& ids) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(),
+              "gguf_dequantize_rows: out must be contiguous float32 [rows, K]");
+  const int64_t k = out.size(1);
+  check_type(type, k);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == row_bytes(type, k),
+              "gguf_dequantize_rows: w must be contiguous uint8 [V, ", row_bytes(type, k), "]");
+  const int64_t vocab = w.size(0);
+  const int64_t* idp = nullptr;
+  if (ids.has_value() && ids->defined()) {
+    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->is_contiguous() && ids->numel() == out.size(0),
+                "gguf_dequantize_rows: ids must be contiguous int64 with one id per output row");
+    idp = ids->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(out.size(0) == vocab, "gguf_dequantize_rows: out must have one row per weight row");
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t rb = w.size(1);
+  at::parallel_for(0, out.size(0), std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t src = idp ? idp[r] : r;
+      TORCH_CHECK(src >= 0 && src < vocab, "gguf_dequantize_rows: row id ", src, " out of range [0, ", vocab, ")");
+      dequant_row_dispatch(type, wp + src * rb, k, op + r * k);
+    }
+  });
+}
+
+// The implementations this build has: 2 = AVX-512 VNNI, 1 = AVX2, 0 = portable only.
+int64_t gguf_best_impl() {
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  return 2;
+#elif defined(__AVX2__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor[] weights, int[] types, Tensor? bias, int impl=0) -> ()");
+  m.def("gguf_dequantize_rows(Tensor(a!) out, Tensor w, int type, Tensor? ids) -> ()");
+  m.def("gguf_best_impl", &gguf_best_impl);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize_rows", &gguf_dequantize_rows);
+}

@@ -1,0 +1,87 @@
+"""`--model` -> a local path, as vLLM resolves it: an existing path (directory or .gguf) as is; otherwise a
+repo id on a model hub.
+
+Hugging Face (huggingface_hub): with HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) only the local cache is used;
+otherwise the snapshot is downloaded, with a progress bar, into the cache (or --download-dir), at --revision,
+with HF_TOKEN for private and gated repos. Only what the engine reads is fetched (configs, tokenizer files,
+safetensors, the model's own code). With VLLM_USE_MODELSCOPE / PAGEDLLM_USE_MODELSCOPE the `modelscope` library
+does the same against ModelScope.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Optional
+
+from pagedllm import envs
+
+logger = logging.getLogger(__name__)
+
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.tiktoken", "*.jinja"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def looks_like_repo_id(model: str) -> bool:
+    return bool(_REPO_ID.match(model)) and not model.endswith(".gguf") and ".." not in model
+
+
+def resolve_repo_id(model: str, revision: Optional[str] = None, download_dir: Optional[str] = None) -> str:
+    """The local directory of hub repo `model` (downloading it when allowed); ValueError saying what to do."""
+    if envs.VLLM_USE_MODELSCOPE or envs.PAGEDLLM_USE_MODELSCOPE:
+        return _from_modelscope(model, revision, download_dir)
+    return _from_hugging_face(model, revision, download_dir)
+
+
+def _from_hugging_face(model: str, revision: Optional[str], download_dir: Optional[str]) -> str:
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    kwargs = dict(repo_id=model, revision=revision, cache_dir=download_dir, allow_patterns=ALLOW_PATTERNS,
+                  token=envs.HF_TOKEN)
+    where = download_dir or huggingface_hub.constants.HF_HUB_CACHE
+    at = f" at revision {revision!r}" if revision else ""
+    if envs.HF_HUB_OFFLINE:
+        try:
+            return huggingface_hub.snapshot_download(local_files_only=True, **kwargs)
+        except (errors.LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+            raise ValueError(f"Model {model!r}{at} is not in the local Hugging Face cache ({where}) and "
+                             "HF_HUB_OFFLINE is set: download it first (unset HF_HUB_OFFLINE), or pass a local "
+                             "path.") from None
+    if envs.PAGEDLLM_DISABLE_PROGRESS_BARS:
+        huggingface_hub.utils.disable_progress_bars()
+    logger.info("Resolving %s%s on the Hugging Face Hub (cache: %s).", model, at, where)
+    try:
+        return huggingface_hub.snapshot_download(**kwargs)
+    except errors.GatedRepoError:
+        raise ValueError(f"Model {model!r} is gated on the Hugging Face Hub: accept its terms on its page and "
+                         "set HF_TOKEN to a token of that account.") from None
+    except errors.RepositoryNotFoundError:
+        raise ValueError(f"Model {model!r} was not found on the Hugging Face Hub (nor as a local path); if it is "
+                         "private, set HF_TOKEN.") from None
+    except errors.RevisionNotFoundError:
+        raise ValueError(f"Model {model!r} has no revision {revision!r} on the Hugging Face Hub.") from None
+    except (errors.LocalEntryNotFoundError, OSError) as e:
+        raise ValueError(f"Could not download {model!r} from the Hugging Face Hub ({type(e).__name__}: {e}); "
+                         "check the network, or set HF_HUB_OFFLINE=1 to use the local cache.") from None
+
+
+def _from_modelscope(model: str, revision: Optional[str], download_dir: Optional[str]) -> str:
+    try:
+        from modelscope import snapshot_download
+    except ImportError:
+        raise ValueError("VLLM_USE_MODELSCOPE / PAGEDLLM_USE_MODELSCOPE is set, but the `modelscope` package is "
+                         "not installed: `pip install modelscope`, or unset the variable to use Hugging Face."
+                         ) from None
+    logger.info("Resolving %s on ModelScope.", model)
+    try:
+        return snapshot_download(model, revision=revision, cache_dir=download_dir,
+                                 allow_patterns=ALLOW_PATTERNS)
+    except Exception as e:  # noqa: BLE001 - modelscope raises many kinds; one sentence for the user
+        raise ValueError(f"Could not get {model!r} from ModelScope ({type(e).__name__}: {e}).") from None
+
+
+def local_path(model: str) -> Optional[str]:
+    """`model` as an existing local path (user-expanded), else None."""
+    path = os.path.expanduser(model)
+    return path if os.path.exists(path) else None

@@ -1,0 +1,248 @@
+"""compressed-tensors checkpoints (what llmcompressor writes): config.json's `quantization_config` has
+`config_groups` (each: `targets`, `weights`, `input_activations`, `format`) and an `ignore` list.
+
+Schemes read (per linear layer; N out, K in):
+  W4A16 / W8A16, format pack-quantized: weight_packed int32 [N, K/pack] (signed values + 2**(bits-1), packed
+      along K), weight_scale [N, G], weight_zero_point int32 [N/pack, G] (asymmetric only, packed along N),
+      weight_g_idx [K] (actorder "group"); naive-quantized W8A16 stores weight int8 [N, K] instead.
+  FP8 W8A8, format float-quantized: weight E4M3 [N, K], weight_scale [1] (tensor, one per fused shard) or [N, 1]
+      (channel); activations dynamic per token, or static with input_scale [1]; no activation scheme: weight-only.
+  INT8 W8A8, format int-quantized: weight int8 [N, K], weight_scale as FP8; activations int8 per token.
+Anything else (block / FP4 / MX formats, sparsity, transforms, asymmetric activations, a checkpoint KV scheme)
+is refused at start.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, is_layer_skipped,
+                                        set_quant_param_attrs)
+from pagedllm.quantization.fp8 import Fp8LinearMethod
+from pagedllm.quantization.kernels import int8_w8a8_linear
+from pagedllm.quantization.packed import PackedIntLinearMethod, check_group_size, pack_int32, unpack_int32
+
+SUPPORTED = "W4A16/W8A16 (pack-quantized, naive-quantized), FP8 W8A8 and INT8 W8A8"
+
+
+@dataclass
+class Scheme:
+    kind: str  # "wna16" | "fp8" | "int8_w8a8"
+    fmt: str
+    bits: int
+    strategy: str  # tensor | channel | group
+    group_size: int
+    symmetric: bool
+    actorder: Optional[str]
+    act_dynamic: Optional[bool]  # None: weights only
+    targets: tuple[str, ...]
+
+
+def _parse_scheme(name: str, group: dict[str, Any], fmt: Optional[str]) -> Scheme:
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    if group.get("output_activations"):
+        raise ValueError(f"compressed-tensors group {name!r} quantizes output activations, which is not supported.")
+    wtype, bits, strategy = w.get("type"), int(w.get("num_bits", 0)), w.get("strategy")
+    act_dynamic = None
+    if a:
+        if a.get("type") != wtype or int(a.get("num_bits", 0)) != 8 or not a.get("symmetric", True) \
+                or a.get("strategy") not in ("token", "tensor") or bits != 8:
+            raise ValueError(f"compressed-tensors group {name!r}: activations {a} with weights {w} are not "
+                             f"supported; pagedllm reads {SUPPORTED}.")
+        act_dynamic = bool(a.get("dynamic", True))
+    if wtype == "int" and a is None and bits in (4, 8) and fmt in ("pack-quantized", "naive-quantized") \
+            and strategy in ("group", "channel"):
+        kind = "wna16"
+    elif wtype == "float" and bits == 8 and fmt in ("float-quantized", "naive-quantized") \
+            and strategy in ("tensor", "channel") and w.get("symmetric", True):
+        kind = "fp8"
+    elif wtype == "int" and a is not None and fmt in ("int-quantized", "naive-quantized") \
+            and strategy in ("tensor", "channel") and w.get("symmetric", True):
+        kind = "int8_w8a8"
+    else:
+        raise ValueError(f"compressed-tensors group {name!r} (format {fmt!r}, {bits}-bit {wtype} weights, "
+                         f"strategy {strategy!r}) is not supported; pagedllm reads {SUPPORTED}.")
+    group_size = int(w.get("group_size") or -1) if strategy == "group" else -1
+    if kind == "wna16":
+        check_group_size("compressed-tensors", group_size)
+    return Scheme(kind, fmt, bits, strategy, group_size, bool(w.get("symmetric", True)), w.get("actorder"),
+                  act_dynamic, tuple(group.get("targets") or ()))
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+    supports_lora = False
+
+    def __init__(self, schemes: list[Scheme], ignore: list[str]) -> None:
+        self.schemes = schemes
+        self.ignore = ignore
+        kinds = {s.kind for s in schemes}
+        if kinds & {"fp8"}:
+            self.min_capability = 89  # FP8 tensor cores (weight-only FP8 too: the weights are E4M3 on the GPU)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "CompressedTensorsConfig":
+        for key in ("sparsity_config", "transform_config"):
+            if config.get(key):
+                raise ValueError(f"compressed-tensors checkpoints with a {key} are not supported; use a "
+                                 f"quantization-only checkpoint.")
+        if config.get("kv_cache_scheme"):
+            raise ValueError("compressed-tensors checkpoints with a kv_cache_scheme (calibrated KV scales) are not "
+                             "supported; use --kv-cache-dtype fp8 on a checkpoint without one.")
+        groups = config.get("config_groups") or {}
+        if not groups:
+            raise ValueError("The compressed-tensors quantization_config has no config_groups.")
+        schemes = [_parse_scheme(n, g, g.get("format") or config.get("format")) for n, g in groups.items()]
+        return cls(schemes, list(config.get("ignore") or []))
+
+    def skipped_checkpoint_suffixes(self) -> tuple[str, ...]:
+        return (".weight_shape",)
+
+    def _scheme_for(self, name: str) -> Optional[Scheme]:
+        for scheme in self.schemes:
+            for target in scheme.targets:
+                if target == "Linear" or (target.startswith("re:") and re.match(target[3:], name)) \
+                        or name == target or name.endswith("." + target):
+                    return scheme
+        return None
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
+        if is_layer_skipped(prefix, self.ignore):
+            return None
+        parent, _, leaf = prefix.rpartition(".")
+        names = [f"{parent}.{s}" for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
+        found = {id(s): s for s in (self._scheme_for(n) for n in names)}
+        if len(found) != 1:
+            raise ValueError(f"The layers fused into {prefix} use different compressed-tensors schemes (or only "
+                             f"some are quantized); pagedllm needs one scheme per fused layer.")
+        scheme = next(iter(found.values()))
+        if scheme is None:
+            return None
+        if scheme.kind == "wna16":
+            return CTWNA16Method(scheme)
+        return CTW8A8Method(scheme)
+
+
+class CTWNA16Method(PackedIntLinearMethod):
+    def __init__(self, scheme: Scheme) -> None:
+        super().__init__(scheme.bits, scheme.group_size)
+        self.scheme = scheme
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, weight_loader):
+        s, pack = self.scheme, 32 // self.scheme.bits
+        k, n = input_size_per_partition, sum(output_partition_sizes)
+        group = s.group_size if s.group_size != -1 else input_size
+        sharded_k = k != input_size
+        act_order = s.actorder == "group"
+        split_groups = sharded_k and s.group_size != -1 and not act_order
+        if (split_groups and k % group) or input_size % group:
+            raise ValueError(f"compressed-tensors layer {layer.prefix}: {k} inputs per rank do not hold whole "
+                             f"groups of {group}; use a smaller tensor-parallel size.")
+        if any(size % pack for size in output_partition_sizes) or k % pack:
+            raise ValueError(f"compressed-tensors layer {layer.prefix}: sizes {output_partition_sizes} x {k} per "
+                             f"rank are not multiples of {pack}.")
+        groups = 1 if s.group_size == -1 else (k if split_groups else input_size) // group
+        group_dim = None if sharded_k and not split_groups else 1
+        if s.fmt == "naive-quantized":
+            weight = nn.Parameter(torch.empty(n, k, dtype=torch.int8), requires_grad=False)
+            set_quant_param_attrs(weight, weight_loader=weight_loader, input_dim=1, output_dim=0)
+            layer.register_parameter("weight", weight)
+        else:
+            packed = nn.Parameter(torch.empty(n, k // pack, dtype=torch.int32), requires_grad=False)
+            set_quant_param_attrs(packed, weight_loader=weight_loader, input_dim=1, output_dim=0, packed_dim=1,
+                                  pack_factor=pack)
+            layer.register_parameter("weight_packed", packed)
+        scale = nn.Parameter(torch.empty(n, groups, dtype=params_dtype), requires_grad=False)
+        set_quant_param_attrs(scale, weight_loader=weight_loader, input_dim=group_dim, output_dim=0)
+        layer.register_parameter("weight_scale", scale)
+        if not s.symmetric:
+            if s.fmt == "naive-quantized":
+                zp = nn.Parameter(torch.empty(n, groups, dtype=torch.int8), requires_grad=False)
+                set_quant_param_attrs(zp, weight_loader=weight_loader, input_dim=group_dim, output_dim=0)
+            else:
+                zp = nn.Parameter(torch.empty(n // pack, groups, dtype=torch.int32), requires_grad=False)
+                set_quant_param_attrs(zp, weight_loader=weight_loader, input_dim=group_dim, output_dim=0,
+                                      packed_dim=0, pack_factor=pack)
+            layer.register_parameter("weight_zero_point", zp)
+        if act_order:
+            g_idx = nn.Parameter(torch.empty(k, dtype=torch.int32), requires_grad=False)
+            first = layer.tp_rank * k if sharded_k else 0
+            set_quant_param_attrs(g_idx, weight_loader=weight_loader, input_dim=0, dummy_init=lambda p: p.data.copy_(
+                (torch.arange(p.numel(), device=p.device) + first) // group))
+            layer.register_parameter("weight_g_idx", g_idx)
+        layer.ct_first_group = layer.tp_rank * k // group if split_groups else 0
+        self.group_size = group if s.group_size != -1 else k
+
+    def convert(self, layer):
+        bits, offset = self.bits, 1 << (self.bits - 1)
+        if self.scheme.fmt == "naive-quantized":
+            q = layer.weight.data.to(torch.int32) + offset  # [N, K] unsigned
+        else:
+            q = unpack_int32(layer.weight_packed.data, bits, dim=1)  # already offset
+        scales = layer.weight_scale.data.t()
+        if self.scheme.symmetric:
+            zeros = torch.full_like(scales, offset, dtype=torch.float32)
+        elif self.scheme.fmt == "naive-quantized":
+            zeros = (layer.weight_zero_point.data.to(torch.int32) + offset).t()
+        else:
+            zeros = unpack_int32(layer.weight_zero_point.data, bits, dim=0).t()
+        g_idx = getattr(layer, "weight_g_idx", None)
+        g_idx = None if g_idx is None else g_idx.data.long() - layer.ct_first_group
+        return pack_int32(q.t(), bits, dim=0), scales, zeros, g_idx
+
+
+class CTW8A8Method(Fp8LinearMethod):
+    """FP8 or INT8 weights with per-tensor (per fused shard) or per-channel scales; W8A8, or FP8 weight-only."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, weight_loader):
+        dtype = torch.float8_e4m3fn if self.scheme.kind == "fp8" else torch.int8
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=dtype),
+                              requires_grad=False)
+        set_quant_param_attrs(weight, weight_loader=weight_loader, input_dim=1, output_dim=0)
+        layer.register_parameter("weight", weight)
+        if self.scheme.strategy == "channel":
+            scale = nn.Parameter(torch.empty(weight.shape[0], 1, dtype=torch.float32), requires_grad=False)
+            set_quant_param_attrs(scale, weight_loader=weight_loader, output_dim=0)
+        else:
+            scale = nn.Parameter(torch.empty(len(output_partition_sizes), dtype=torch.float32), requires_grad=False)
+            set_quant_param_attrs(scale, weight_loader=weight_loader, per_shard=True)
+        layer.register_parameter("weight_scale", scale)
+        if self.scheme.act_dynamic is False:
+            input_scale = nn.Parameter(torch.empty(len(output_partition_sizes), dtype=torch.float32),
+                                       requires_grad=False)
+            set_quant_param_attrs(input_scale, weight_loader=weight_loader, per_shard=True)
+            layer.register_parameter("input_scale", input_scale)
+        layer.ct_partition_sizes = list(output_partition_sizes)
+
+    def process_weights_after_loading(self, layer):
+        scale = layer.weight_scale.data
+        if self.scheme.strategy == "channel":
+            scale = scale.reshape(-1)
+        else:  # per-tensor scale of each fused shard -> the same value on each of its rows
+            sizes = torch.tensor(layer.ct_partition_sizes, device=scale.device)
+            scale = torch.repeat_interleave(scale, sizes)
+        del layer.weight_scale
+        layer.register_buffer("weight_scale", scale.float().contiguous(), persistent=False)
+        input_scale = getattr(layer, "input_scale", None)
+        if input_scale is not None:  # one static scale for the fused input: the largest shard's
+            del layer.input_scale
+            layer.input_scale = input_scale.data.max().reshape(1)
+        else:
+            layer.input_scale = None
+
+    def apply(self, layer, x, bias=None):
+        if self.scheme.act_dynamic is None:  # FP8 weight-only: dequantize and multiply in the model dtype
+            return F.linear(x, (layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype)[:, None]), bias)
+        if self.scheme.kind == "int8_w8a8":
+            return int8_w8a8_linear(x, layer.weight, layer.weight_scale, bias, layer.input_scale)
+        return super().apply(layer, x, bias)

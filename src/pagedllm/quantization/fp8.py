@@ -1,0 +1,69 @@
+"""FP8 W8A8: online `--quantization fp8` (a float checkpoint's weights become per-channel E4M3 at load time) and
+the layer method that compressed-tensors FP8 checkpoints share.
+
+    weight E4M3 [N, K], weight_scale fp32 [N] (per output channel); activations: dynamic per-token E4M3 scales
+    (or one static input scale from the checkpoint). y = (x_q @ w_q^T) * x_scale * w_scale + b
+On CUDA the product is one `torch._scaled_mm` (needs FP8 tensor cores: compute capability >= 8.9); on a CPU it
+is emulated in fp32 with the same quantized values (correct, slow).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.quantization.base import LinearMethodBase, QuantizationConfig, set_quant_param_attrs
+from pagedllm.quantization.kernels import FP8_DTYPE, FP8_MAX, fp8_linear
+
+FP8_MIN_CAPABILITY = 89
+
+
+class Fp8Config(QuantizationConfig):
+    name = "fp8"
+    online = True
+    min_capability = FP8_MIN_CAPABILITY
+    supports_lora = True
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
+        if config:  # transformers' FineGrainedFP8 checkpoints (quant_method "fp8", 128x128 block scales)
+            raise ValueError("Block-wise FP8 checkpoints (quant_method 'fp8', weight_block_size "
+                             f"{config.get('weight_block_size')}) are not supported; use a compressed-tensors FP8 "
+                             "checkpoint or --quantization fp8 on the bf16 model.")
+        return cls()
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
+        return Fp8OnlineLinearMethod()
+
+
+def quantize_weight_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (E4M3 [N, K], fp32 scale [N])."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """apply() over (weight E4M3 [N, K], weight_scale fp32 [N], optional static input_scale)."""
+
+    def apply(self, layer, x, bias=None):
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, getattr(layer, "input_scale", None))
+
+    def dequantized_weight(self, layer):
+        return layer.weight.float() * layer.weight_scale[:, None]
+
+
+class Fp8OnlineLinearMethod(Fp8LinearMethod):
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, weight_loader):
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                                          dtype=params_dtype), requires_grad=False)
+        set_quant_param_attrs(weight, weight_loader=weight_loader, input_dim=1, output_dim=0)
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer):
+        q, scale = quantize_weight_fp8_per_channel(layer.weight.data)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.register_buffer("weight_scale", scale, persistent=False)
+        layer.input_scale = None

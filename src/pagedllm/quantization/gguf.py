@@ -1,0 +1,301 @@
+"""`--quantization gguf` on CPU: a .gguf model's weights stay in their GGUF block formats in memory.
+
+Linear layers whose checkpoint tensors are all of a type the C++ kernels multiply directly (Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; kernels/csrc/gguf_ops.cpp) get `GGUFLinearMethod`: the packed rows of each shard
+(q/k/v, gate/up) are kept as uint8 [rows, row_bytes] buffers, one part per type, and `apply` runs one kernel
+call over all parts (activations quantized to int8 once). The token embedding and the LM head are kept packed
+the same way (`prepare_model`): the embedding dequantizes only the rows it looks up. Tensors of other types
+(F16, Q2_K, IQ*, ...) are dequantized at load as before, with a log line naming them.
+
+The weights are read from the .gguf itself (`weights_iterator`), not from the float32 conversion; the
+converted directory still supplies config.json and the tokenizer. The default for a .gguf on CPU; on CUDA the
+model is dequantized at load (there are no GPU GGUF kernels yet).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import LinearMethodBase, MergedColumnParallelLinear, QKVParallelLinear
+from pagedllm.layers.weight_utils import set_weight_attrs
+from pagedllm.quantization.base import QuantizationConfig
+
+logger = logging.getLogger("pagedllm")
+
+_HAVE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+_FUSED_SHARDS = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+                 "gate_up_proj": (("gate_proj", 0), ("up_proj", 1))}
+
+
+def _ops() -> Any:
+    from pagedllm.kernels.cpu_ops import cpu_ops
+    ops = cpu_ops()
+    if ops is None:
+        raise RuntimeError("the pagedllm CPU kernels are unavailable (see the warning above), and GGUF weights "
+                           "kept packed need them; pass --quantization none to dequantize the model at load")
+    return ops
+
+
+# From this many rows on (prefill, large decode batches) a float32 product is faster: blocks of weight rows
+# are dequantized into a reused buffer and multiplied by oneDNN (compute-bound there, where the integer
+# kernel's per-block scaling costs more than the dequantization; docs/benchmarks.md).
+DENSE_MIN_ROWS = 16
+_DENSE_BLOCK_ELEMS = 1 << 21  # 8 MiB of float32 weights per block
+_workspace = threading.local()
+
+
+def _dense_buffer(numel: int) -> torch.Tensor:
+    buf = getattr(_workspace, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _workspace.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
+
+
+def _dense_matmul(x2: torch.Tensor, parts: Sequence[torch.Tensor], types: Sequence[int],
+                  bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    k = x2.shape[1]
+    x2 = x2.contiguous()
+    block_rows = max(1, _DENSE_BLOCK_ELEMS // k)
+    buf = _dense_buffer(min(block_rows, max(p.shape[0] for p in parts)) * k)
+    ops, col = _ops(), 0
+    for part, qtype in zip(parts, types):
+        for r0 in range(0, part.shape[0], block_rows):
+            rows = min(block_rows, part.shape[0] - r0)
+            w = buf[:rows * k].view(rows, k)
+            ops.gguf_dequantize_rows(w, part[r0:r0 + rows], qtype, None)
+            b = None if bias is None else bias[col:col + rows]
+            out[:, col:col + rows] = torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
+            col += rows
+
+
+def gguf_matmul(x: torch.Tensor, parts: Sequence[torch.Tensor], types: Sequence[int],
+                bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """x [..., K] @ (the parts' rows side by side)^T (+ bias), in x's dtype (computed in float32)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    if x2.shape[0] >= DENSE_MIN_ROWS and x2.dtype == torch.float32 and _HAVE_ONEDNN:
+        _dense_matmul(x2, parts, types, bias, out)
+    else:
+        _ops().gguf_linear(out, x2, list(parts), list(types), bias, 0)
+    out = out.reshape(*lead, out_features)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, qtype: int, dim: int, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    out = torch.empty(ids.numel(), dim, dtype=torch.float32)
+    _ops().gguf_dequantize_rows(out, weight, qtype, ids.reshape(-1).to(torch.int64).contiguous())
+    out = out.reshape(*ids.shape, dim)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    """The layer's packed GGUF rows: parts [rows_i, row_bytes_i] uint8 with their GGML types, side by side."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, weight_loader):
+        # A placeholder the checkpoint's tensors are "loaded into": its loader keeps the packed shards.
+        weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        set_weight_attrs(weight, {"weight_loader": self._load_shard})
+        layer.register_parameter("weight", weight)
+        layer.__dict__["_gguf_pending"] = {}
+        layer.__dict__["_gguf_layer"] = (input_size_per_partition, list(output_partition_sizes))
+        weight.__dict__["_gguf_owner"] = layer
+
+    @staticmethod
+    def _load_shard(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        qtype = getattr(loaded, "gguf_type", None)
+        if qtype is None:
+            raise ValueError("this layer keeps GGUF blocks and needs the packed tensor from the .gguf file")
+        param.__dict__["_gguf_owner"].__dict__["_gguf_pending"][shard_id] = (loaded, int(qtype))
+
+    def process_weights_after_loading(self, layer):
+        pending = layer.__dict__.pop("_gguf_pending", {})
+        k, sizes = layer.__dict__["_gguf_layer"]
+        if isinstance(layer, QKVParallelLinear):
+            order: tuple = ("q", "k", "v")
+        elif isinstance(layer, MergedColumnParallelLinear):
+            order = tuple(range(len(sizes)))
+        else:
+            order = (None,)
+        parts, types = [], []
+        for shard, rows in zip(order, sizes):
+            tensor, qtype = pending[shard]
+            if tensor.shape[0] != rows:
+                raise ValueError(f"{layer.prefix}: the GGUF tensor has {tensor.shape[0]} rows, the model expects "
+                                 f"{rows}")
+            if types and types[-1] == qtype:  # same format: one contiguous part (better thread split)
+                parts[-1] = torch.cat([parts[-1], tensor])
+            else:
+                parts.append(tensor)
+                types.append(qtype)
+        for i, part in enumerate(parts):
+            layer.register_buffer(f"gguf_part{i}", part.contiguous(), persistent=False)
+        layer.__dict__["_gguf_types"] = types
+        layer.__dict__["_gguf_out"] = sum(sizes)
+
+    def parts(self, layer) -> list[torch.Tensor]:
+        return [getattr(layer, f"gguf_part{i}") for i in range(len(layer.__dict__["_gguf_types"]))]
+
+    def apply(self, layer, x, bias=None):
+        return gguf_matmul(x, self.parts(layer), layer.__dict__["_gguf_types"], bias, layer.__dict__["_gguf_out"])
+
+    def dequantized_weight(self, layer):
+        k = layer.__dict__["_gguf_layer"][0]
+        rows = []
+        for part, qtype in zip(self.parts(layer), layer.__dict__["_gguf_types"]):
+            out = torch.empty(part.shape[0], k, dtype=torch.float32)
+            _ops().gguf_dequantize_rows(out, part, qtype, None)
+            rows.append(out)
+        return torch.cat(rows)
+
+
+class GGUFConfig(QuantizationConfig):
+    """Keeps a .gguf's tensors packed where the CPU kernels handle their type. Built by the engine for a .gguf
+    model on CPU (the default there) or by `--quantization gguf`; `source` is the .gguf path."""
+
+    name = "gguf"
+    supported_devices = ("cpu",)
+    supported_act_dtypes = (torch.float32, torch.bfloat16)
+    online = True
+
+    def __init__(self, source: Optional[str] = None) -> None:
+        self.source = source
+        self.tensor_types: dict[str, int] = {}
+        if source is not None:
+            from pagedllm.models.gguf_packed import gguf_tensor_types, packed_type_ids
+            self.tensor_types = gguf_tensor_types(source)
+            self._packable = packed_type_ids()
+            self._log_dequantized()
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "GGUFConfig":
+        return cls(config.get("gguf_path"))
+
+    def _log_dequantized(self) -> None:
+        from gguf import GGMLQuantizationType as Q
+        kinds = collections.Counter(Q(t).name for n, t in self.tensor_types.items()
+                                    if t not in self._packable and n.endswith(".weight") and "norm" not in n)
+        if kinds:
+            logger.info("GGUF: %s weight tensor(s) of type(s) %s have no packed CPU kernel; they are dequantized "
+                        "at load.", sum(kinds.values()), ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())))
+
+    def _checkpoint_names(self, prefix: str) -> list[str]:
+        parent, _, leaf = prefix.rpartition(".")
+        shards = _FUSED_SHARDS.get(leaf)
+        if shards is None:
+            return [f"{prefix}.weight"]
+        return [f"{parent}.{name}.weight" for name, _ in shards]
+
+    def keeps(self, name: str) -> bool:
+        return self.tensor_types.get(name) in self._packable if self.source else False
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
+        if getattr(layer, "tp_size", 1) != 1 or not self.source:
+            return None
+        names = self._checkpoint_names(prefix)
+        return GGUFLinearMethod() if all(self.keeps(n) for n in names) else None
+
+    # ---- hooks the loader calls (models/loader.py)
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Swap the embedding's (and the LM head's) float parameter for a placeholder that keeps packed rows."""
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        head = getattr(model, "lm_head", None)
+        tied = head is not None and embed is not None and head.weight is embed.weight
+        for module, name in ((embed, "model.embed_tokens.weight"), (None if tied else head, "lm_head.weight")):
+            if module is None or not self.keeps(name) or module.tp_size != 1:
+                continue
+            targets = [module] + ([head] if tied and module is embed else [])
+            placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+
+            def loader(param, loaded, shard_id=None, targets=targets):
+                if getattr(loaded, "gguf_type", None) is None:
+                    raise ValueError("expected the packed tensor from the .gguf file")
+                if loaded.shape[0] != targets[0].org_vocab_size:
+                    raise ValueError(f"the GGUF tensor has {loaded.shape[0]} rows, the model expects "
+                                     f"{targets[0].org_vocab_size}")
+                for t in targets:
+                    t.register_buffer("gguf_weight", loaded, persistent=False)
+                    t.__dict__["gguf_type"] = int(loaded.gguf_type)
+
+            set_weight_attrs(placeholder, {"weight_loader": loader})
+            for t in targets:
+                t.__dict__["gguf_dtype"] = t.weight.dtype
+                t.weight = placeholder
+
+    def weights_iterator(self, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        from pagedllm.models.gguf_packed import iter_gguf_weights
+        return iter_gguf_weights(self.source, hf_config, lambda name, qtype: self.keeps(name))
+
+
+def packed_weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of packed GGUF buffers, bytes of float parameters), each tensor counted once."""
+    seen: set[int] = set()
+    packed = dense = 0
+    for name, t in list(model.named_buffers()) + list(model.named_parameters()):
+        if id(t) in seen or t.numel() == 0:
+            continue
+        seen.add(id(t))
+        if t.dtype == torch.uint8 and name.rsplit(".", 1)[-1].startswith("gguf_"):
+            packed += t.numel()
+        elif t.is_floating_point():
+            dense += t.numel() * t.element_size()
+    return packed, dense
+
+
+def engine_quant_config(args: Any, hf_config: Any, model_path: str, model_dir: str, device: torch.device,
+                        dtype: torch.dtype) -> Optional[QuantizationConfig]:
+    """The engine's quantization config: GGUF blocks kept packed when the user's model is a .gguf on CPU (the
+    default there; `--quantization gguf` also takes the directory converted from one), `--quantization none`
+    to dequantize at load, else the seam's own resolution."""
+    from pagedllm.models.gguf_packed import gguf_source_path
+    from pagedllm.quantization import normalize_method_name, quant_config_for_engine
+
+    method = normalize_method_name(args.quantization) if args.quantization else None
+    if method == "none":
+        return None
+    source = gguf_source_path(model_dir)
+    if method is None and model_path is not None and os.path.isfile(os.path.join(model_path, "config.json")):
+        source = None  # a Hugging Face directory given as such keeps its float weights by default
+    if method == "gguf":
+        if source is None:
+            raise ValueError("--quantization gguf needs a .gguf model (it keeps the file's quantized blocks); "
+                             "for a Hugging Face checkpoint use --quantization int8 or drop the flag.")
+        if args.load_format == "dummy":
+            raise ValueError("--quantization gguf reads the .gguf's weights; it cannot be combined with "
+                             "load_format='dummy'.")
+        if getattr(args, "enable_lora", False):
+            raise ValueError("LoRA is not supported on GGUF weights kept packed; drop --quantization gguf (the "
+                             "model is then dequantized at load) or --enable-lora.")
+        config = GGUFConfig(source)
+        config.check_supported(device, dtype)
+        _ops()
+        return config
+    if method is None and source is not None and device.type == "cpu" and args.load_format != "dummy":
+        reason = None
+        if dtype not in GGUFConfig.supported_act_dtypes:
+            reason = f"--dtype {str(dtype).replace('torch.', '')}"
+        elif getattr(args, "enable_lora", False):
+            reason = "--enable-lora"
+        else:
+            from pagedllm.kernels.cpu_ops import cpu_ops
+            if cpu_ops() is None:
+                reason = "the CPU kernels are unavailable"
+        if reason is None:
+            return GGUFConfig(source)
+        logger.info("GGUF weights are dequantized at load (%s); the packed CPU path needs float32/bfloat16, no "
+                    "LoRA and the CPU kernels.", reason)
+    return quant_config_for_engine(args, hf_config, model_dir, device, dtype)

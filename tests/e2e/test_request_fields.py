@@ -1,0 +1,149 @@
+"""Request fields the server honours, each checked against the offline engine (the same model and settings) or
+against what it promises: logit_bias, bad_words, allowed_token_ids, prompt_logprobs, chat echo, seed on chat,
+stream_options.continuous_usage_stats; the top_logprobs range; unknown fields named in a warning; features of
+other issues refused with a 400."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from e2e_helpers import SERVED_NAME, Server
+
+from pagedllm import SamplingParams
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+PROMPT = "The capital of France is"
+
+
+def _offline(llm, ids: list[int], **kw):
+    (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(**kw), use_tqdm=False)
+    return out
+
+
+def _ids(http: httpx.Client, text: str) -> list[int]:
+    return http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+def test_logit_bias_moves_the_greedy_token(http: httpx.Client, offline_llm) -> None:
+    ids = _ids(http, PROMPT)
+    greedy = _offline(offline_llm, ids, temperature=0, max_tokens=1).outputs[0].token_ids[0]
+    biased = _offline(offline_llm, ids, temperature=0, max_tokens=4, logit_bias={greedy: -100})
+    assert biased.outputs[0].token_ids[0] != greedy
+    r = http.post(CMPL, json={"prompt": ids, "max_tokens": 4, "temperature": 0, "logit_bias": {str(greedy): -100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == biased.outputs[0].text
+
+
+def test_bad_words_never_appear(http: httpx.Client, offline_llm) -> None:
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8, "temperature": 0}
+    plain = http.post(CHAT, json=body).json()["choices"][0]["message"]["content"]
+    assert "Paris" in plain  # the word to ban is really what the model says
+    r = http.post(CHAT, json=dict(body, bad_words=["Paris"]))
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert "Paris" not in text and text != plain
+
+
+def test_allowed_token_ids_only(http: httpx.Client, offline_llm) -> None:
+    ids = _ids(http, PROMPT)
+    allowed = sorted(set(_ids(http, " one two three four")))
+    ref = _offline(offline_llm, ids, temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(ref.outputs[0].token_ids) <= set(allowed)
+    r = http.post(CMPL, json={"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                              "allowed_token_ids": allowed})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref.outputs[0].text
+
+
+def test_prompt_logprobs_equal_offline(http: httpx.Client, offline_llm) -> None:
+    ids = _ids(http, PROMPT)
+    ref = _offline(offline_llm, ids, max_tokens=1, prompt_logprobs=2).prompt_logprobs
+    r = http.post(CMPL, json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids) == len(ref)
+    for i in range(1, len(ids)):
+        assert set(got[i]) == {str(t) for t in ref[i]}
+        for t, lp in ref[i].items():
+            entry = got[i][str(t)]
+            assert abs(entry["logprob"] - lp.logprob) < 1e-4 and entry["rank"] == lp.rank
+            assert entry["decoded_token"] == lp.decoded_token
+    chat = http.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                 "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    r = http.post(CMPL, json={"prompt": "x", "max_tokens": 1, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and "not available when stream" in r.json()["error"]["message"]
+
+
+def test_chat_echo_prefixes_the_continued_message(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    body = {"messages": messages, "max_tokens": 3, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True}
+    plain = http.post(CHAT, json=body).json()["choices"][0]["message"]["content"]
+    echoed = http.post(CHAT, json=dict(body, echo=True)).json()["choices"][0]["message"]["content"]
+    assert echoed == "My favourite is" + plain
+    r = http.post(CHAT, json=dict(body, echo=True, stream=True))
+    deltas = [c["delta"].get("content", "") for e in r.text.split("\n\n") if e.startswith("data: {")
+              for c in json.loads(e[6:])["choices"]]
+    assert "".join(deltas) == echoed
+    # nothing to echo when the last message is the user's
+    user_only = {"messages": messages[:1], "max_tokens": 2, "temperature": 0}
+    assert http.post(CHAT, json=dict(user_only, echo=True)).json()["choices"][0]["message"]["content"] == \
+        http.post(CHAT, json=user_only).json()["choices"][0]["message"]["content"]
+
+
+def test_seed_on_chat_is_reproducible(http: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 8, "temperature": 1.0}
+    texts = [http.post(CHAT, json=dict(body, seed=s)).json()["choices"][0]["message"]["content"] for s in (7, 7, 8)]
+    assert texts[0] == texts[1] and texts[0] != texts[2]
+
+
+@pytest.mark.parametrize("path,body", [
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}]}),
+    (CMPL, {"prompt": "Hi"}),
+])
+def test_continuous_usage_stats_on_every_chunk(http: httpx.Client, path: str, body: dict) -> None:
+    r = http.post(path, json=dict(body, max_tokens=5, temperature=0, ignore_eos=True, stream=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    prompt = usages[0]["prompt_tokens"]
+    completion = [u["completion_tokens"] for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 5 and chunks[-1]["choices"] == []
+    assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"] for u in usages)
+
+
+@pytest.mark.parametrize("path,body,fragment", [
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be between 0 and 20"),
+    (CHAT, {"logprobs": True, "top_logprobs": -1}, "top_logprobs must be between 0 and 20"),
+    (CMPL, {"logprobs": 21}, "logprobs must be between 0 and 20"),
+    (CMPL, {"prompt_logprobs": 21}, "prompt_logprobs must be between 0 and 20"),
+    (CHAT, {"best_of": 2}, "best_of > n is not supported yet"),
+    (CMPL, {"logit_bias": {"999999": 5}}, "logit_bias has token id(s) out of vocabulary"),
+    (CMPL, {"logit_bias": {"1": 500}}, "logit_bias values must be in [-100, 100]"),
+    (CMPL, {"allowed_token_ids": [10 ** 9]}, "allowed_token_ids has token id(s) out of vocabulary"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported yet"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "'response_format' is not supported yet"),
+    (CMPL, {"use_beam_search": True}, "'use_beam_search' is not supported yet"),
+])
+def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragment: str) -> None:
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}
+    r = http.post(path, json={**base, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_unknown_fields_are_named_in_a_warning(server: Server, http: httpx.Client) -> None:
+    r = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "max_token": 3, "temprature": 0.2, "user": "u1"})
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    while "['max_token', 'temprature']" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = [x for x in server.log().splitlines() if "['max_token', 'temprature']" in x]
+    assert line and "WARNING" in line[0] and "ignored" in line[0], server.log()[-2000:]

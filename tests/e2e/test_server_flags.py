@@ -1,0 +1,72 @@
+"""Serve flags reach the server: --generation-config DIR (defaults only where a request is silent, logged at
+start), --max-logprobs, --no-enable-chunked-prefill, on one real `pagedllm serve` started with them."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+import pytest
+
+from e2e_helpers import cli, stop
+
+from pagedllm import SamplingParams
+from pagedllm.entrypoints.server_process import free_port, wait_healthy
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("flags")
+    (tmp / "gen").mkdir()
+    (tmp / "gen" / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    port = free_port()
+    log_path = str(tmp / "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port), "--generation-config",
+                                 str(tmp / "gen"), "--max-logprobs", "3", "--no-enable-chunked-prefill",
+                                 "--max-model-len", "512", "--max-num-seqs", "4",
+                                 "--kv-cache-memory-bytes", str(64 << 20)],
+                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log_path=log_path)
+        with httpx.Client(base_url=url, timeout=120) as client:
+            yield client, log_path
+    finally:
+        stop(proc)
+
+
+def test_generation_config_dir_defaults(flag_server, offline_llm) -> None:
+    http, log_path = flag_server
+    log = open(log_path).read()
+    assert "{'temperature': 0.0, 'max_tokens': 3}" in log and "Chunked prefill is off" in log
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    greedy = offline_llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=5),
+                                  use_tqdm=False)[0].outputs[0]
+    silent = http.post("/v1/completions", json={"prompt": ids}).json()
+    assert silent["usage"]["completion_tokens"] == 3  # the file's max_new_tokens, not the endpoint's 16
+    assert greedy.text.startswith(silent["choices"][0]["text"])  # the file's temperature 0
+    own = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 5}).json()
+    assert own["usage"]["completion_tokens"] == 5 and own["choices"][0]["text"] == greedy.text
+    sampled = {http.post("/v1/completions", json={"prompt": ids, "max_tokens": 5, "temperature": 1.5,
+                                                  "seed": s}).json()["choices"][0]["text"] for s in range(4)}
+    assert len(sampled) > 1  # the request's own temperature wins over the file's 0
+
+
+def test_max_logprobs_flag(flag_server) -> None:
+    http, _ = flag_server
+    ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                                 "logprobs": True, "top_logprobs": 3})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 4})
+    assert r.status_code == 400 and "between 0 and 3" in r.json()["error"]["message"]
+
+
+def test_long_prompt_runs_without_chunking(flag_server) -> None:
+    http, _ = flag_server
+    r = http.post("/v1/completions", json={"prompt": [1000 + i for i in range(480)], "max_tokens": 4,
+                                           "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 480, "completion_tokens": 4,
+                                                          "total_tokens": 484}

@@ -1,0 +1,55 @@
+"""compressed-tensors checkpoints written by the compressed-tensors library: our loader + CPU path against
+transformers with the library's decompressed weights (and the library's activation fake-quantization for W8A8)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.models.loader import load_model
+from tests.quantization.checkpoints import ct_checkpoint
+
+PROMPT = torch.randint(2, 512, (40,), generator=torch.Generator().manual_seed(13))
+
+
+def _compare(model_dir, reference, atol):
+    ours, _, _ = load_model(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        got = ours.compute_logits(ours(PROMPT, torch.arange(len(PROMPT))))
+        want = reference(PROMPT[None]).logits[0]
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-3)
+    return ours
+
+
+@pytest.mark.parametrize("arch,preset,args,method", [
+    ("llama", "W4A16", {"group_size": 32}, "CTWNA16Method"),
+    ("qwen3", "W4A16_ASYM", {"group_size": 32}, "CTWNA16Method"),
+    ("qwen2", "W8A16", {"group_size": 32}, "CTWNA16Method"),
+    ("llama", "W8A16", {"strategy": "channel", "group_size": None}, "CTWNA16Method"),
+    ("qwen3", "W4A16", {"group_size": 32, "actorder": "weight"}, "CTWNA16Method"),
+])
+def test_weight_only_schemes(tmp_path, tiny_model_dir, arch, preset, args, method):
+    model_dir, reference = ct_checkpoint(tiny_model_dir(arch), str(tmp_path / "ct"), preset, **args)
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert type(ours.model.layers[1].self_attn.qkv_proj.linear_method).__name__ == method
+
+
+@pytest.mark.parametrize("arch,preset", [("llama", "FP8_DYNAMIC"), ("qwen2", "FP8"), ("qwen3", "W8A8")])
+def test_w8a8_schemes(tmp_path, tiny_model_dir, arch, preset):
+    # FP8_DYNAMIC: per-channel weights, dynamic per-token activations; FP8: per-tensor weights (one scale per
+    # fused shard) and a static input scale; W8A8: INT8 per-channel weights, per-token int8 activations.
+    model_dir, reference = ct_checkpoint(tiny_model_dir(arch), str(tmp_path / "ct"), preset)
+    ours, _, _ = load_model(model_dir, dtype=torch.float32)
+    assert ours.model.layers[0].mlp.down_proj.weight.dtype == (torch.int8 if preset == "W8A8"
+                                                               else torch.float8_e4m3fn)
+    with torch.inference_mode():
+        got = ours.compute_logits(ours(PROMPT, torch.arange(len(PROMPT))))
+        want = reference(PROMPT[None]).logits[0]
+        for hook in reference.act_quant_hooks:
+            hook.remove()
+        weight_only = reference(PROMPT[None]).logits[0]
+    # Activation quantization makes results sensitive to last-bit differences upstream (a value on a rounding
+    # boundary flips one step). So: close to the library's W8A8 arithmetic, and far closer to it than to the
+    # weight-only result of the same weights (which shows the activations really are quantized).
+    err, err_weight_only = (got - want).abs().mean(), (got - weight_only).abs().mean()
+    assert (got - want).abs().max() < 0.05 and err < 1e-3, (err, (got - want).abs().max())
+    assert err < 0.2 * err_weight_only, (err, err_weight_only)

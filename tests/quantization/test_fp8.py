@@ -1,0 +1,58 @@
+"""Online --quantization fp8: per-channel E4M3 weights, dynamic per-token E4M3 activations (CPU emulation),
+against transformers with the same quantization applied by plain torch; refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagedllm.models.loader import load_hf_config, load_model
+from pagedllm.quantization import resolve_quant_config
+from tests.quantization.checkpoints import hf_model
+
+PROMPT = torch.randint(2, 512, (32,), generator=torch.Generator().manual_seed(17))
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8_reference(model_dir):
+    """transformers with every linear (not lm_head) as W8A8 FP8: weights per output row, inputs per token."""
+    model = hf_model(model_dir)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and "lm_head" not in name:
+            w = module.weight.data
+            scale = w.abs().amax(1, keepdim=True) / 448
+            module.weight.data = (w / scale).to(E4M3).float() * scale
+
+            def fake_quant_input(m, inputs):
+                x = inputs[0]
+                s = (x.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+                return ((x / s).to(E4M3).float() * s,)
+            module.register_forward_pre_hook(fake_quant_input)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_online_fp8_matches_reference(tiny_model_dir, arch):
+    model_dir = tiny_model_dir(arch)
+    ours, _, _ = load_model(model_dir, dtype=torch.float32, quantization="fp8")
+    assert ours.model.layers[0].self_attn.qkv_proj.weight.dtype == E4M3
+    with torch.inference_mode():
+        got = ours.compute_logits(ours(PROMPT, torch.arange(len(PROMPT))))
+        want = _fp8_reference(model_dir)(PROMPT[None]).logits[0]
+        plain = hf_model(model_dir)(PROMPT[None]).logits[0]
+    err = (got - want).abs().mean()
+    assert err < 1e-3 and (got - want).abs().max() < 0.05, err
+    assert err < 0.2 * (got - plain).abs().mean()  # the quantization is real, and ours is the same one
+
+
+def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch, tiny_llama_dir):
+    qc = resolve_quant_config("fp8", load_hf_config(tiny_llama_dir))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="'fp8' needs a GPU of compute capability >= 8.9, this one is 8.0"):
+        qc.check_supported(torch.device("cuda"), torch.bfloat16)
+
+
+def test_blockwise_fp8_checkpoint_is_refused():
+    from pagedllm.quantization.fp8 import Fp8Config
+    with pytest.raises(ValueError, match="Block-wise FP8 checkpoints"):
+        Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})

@@ -1,0 +1,42 @@
+"""Fixtures of the deployment / robustness tests: the tiny random Llama (fast on 2 CPU cores, 512-token
+context) served by real `pagedllm serve` processes on loopback ports."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def robust_env(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    env = dict(os.environ)
+    env["PAGEDLLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("pagedllm-cache"))
+    env["PAGEDLLM_DISABLE_PROGRESS_BARS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    # The tiny model gains nothing from intra-op threads, and spinning OpenMP threads of several servers
+    # on 2 shared cores slow every step down.
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("PAGEDLLM_API_KEY", None)
+    return env
+
+
+API_KEY = "robust-secret-key"
+SEND_TIMEOUT = 3
+MAX_BODY = 256 << 10
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama_dir: str, robust_env: dict, tmp_path_factory: pytest.TempPathFactory):
+    """One server for the load, hostile-input, auth and fuzzing tests (with an API key)."""
+    from robust_helpers import launch, stop
+
+    log_path = str(tmp_path_factory.mktemp("tiny-server") / "server.log")
+    server = launch(tiny_llama_dir, ["--api-key", API_KEY, "--max-num-seqs", "256", "--send-timeout", str(SEND_TIMEOUT),
+                                     "--max-request-body-bytes", str(MAX_BODY),
+                                     "--kv-cache-memory-bytes", str(256 << 20), "--disable-uvicorn-access-log"],
+                    robust_env, log_path)
+    server.extra["headers"] = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        yield server
+    finally:
+        stop(server.proc)

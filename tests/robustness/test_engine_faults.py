@@ -1,0 +1,66 @@
+"""Engine faults: the engine-core process killed -> /health 503, requests in flight end with an error (an SSE
+error event + [DONE], or a 503), and the API process exits non-zero after --engine-dead-grace-period so an
+orchestrator restarts the replica."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+
+from robust_helpers import completion_body, launch, sse_events, stop
+
+
+def _engine_pid(api_pid: int) -> int:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(api_pid)], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split() if "spawn_main" in open(f"/proc/{p.strip()}/cmdline").read()]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_killed_engine_fails_in_flight_then_the_server_exits_1(tiny_llama_dir: str, robust_env: dict,
+                                                                 tmp_path) -> None:
+    grace = 3.0
+    server = launch(tiny_llama_dir, ["--engine-dead-grace-period", str(grace), "--max-num-seqs", "1"], robust_env,
+                    str(tmp_path / "server.log"))
+    try:
+        results: dict = {}
+        started = threading.Event()
+
+        def streaming() -> None:
+            with httpx.stream("POST", server.url + "/v1/completions", json=completion_body(450, True), timeout=60) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+                results["stream"] = (r.status_code, sse_events(lines))
+
+        def queued() -> None:  # waits behind the stream (one sequence at a time)
+            results["queued"] = httpx.post(server.url + "/v1/completions", json=completion_body(450, False),
+                                           timeout=60)
+
+        threads = [threading.Thread(target=streaming), threading.Thread(target=queued)]
+        threads[0].start()
+        assert started.wait(60)
+        threads[1].start()
+        time.sleep(0.1)
+        killed_at = time.monotonic()
+        os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "a request hung after the engine died"
+        status, events = results["stream"]
+        assert status == 200 and events[-1] == "[DONE]"
+        assert any("error" in e and "engine" in e["error"]["message"] for e in events[:-1] if isinstance(e, dict))
+        assert results["queued"].status_code == 503
+        assert results["queued"].json()["error"]["type"] == "service_unavailable_error"
+        if server.proc.poll() is None:  # still inside the grace period (unless the machine is very slow)
+            assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+        assert server.proc.wait(grace + 30) == 1
+        assert time.monotonic() - killed_at >= grace - 0.5
+        assert "exiting in 3 s so the replica is restarted" in server.log()
+    finally:
+        stop(server.proc, signal.SIGKILL)

@@ -1,0 +1,151 @@
+"""Hostile HTTP against a real server: oversized bodies (413), wrong content types (415), invalid UTF-8 and
+broken JSON (400), clients that never read their stream (cut off after --send-timeout while others are
+served), and a client that disconnects mid-prefill (its KV blocks are freed at once)."""
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import MAX_BODY, SEND_TIMEOUT
+from robust_helpers import metric
+
+def _post(server, path: str, content: bytes, content_type: str = "application/json", **headers) -> httpx.Response:
+    h = {**server.extra["headers"], "Content-Type": content_type, **headers}
+    return httpx.post(server.url + path, content=content, headers=h, timeout=60)
+
+
+def test_body_over_the_limit_is_413(tiny_server) -> None:
+    big = json.dumps({"prompt": "x" * (MAX_BODY + 10), "max_tokens": 1}).encode()
+    r = _post(tiny_server, "/v1/completions", big)
+    assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]["message"]
+    # chunked upload without a Content-Length: refused while reading
+    def chunks():
+        for _ in range(MAX_BODY // 4096 + 2):
+            yield b" " * 4096
+    r = httpx.post(tiny_server.url + "/v1/completions", content=chunks(), timeout=60,
+                   headers={**tiny_server.extra["headers"], "Content-Type": "application/json"})
+    assert r.status_code == 413
+    ok = _post(tiny_server, "/v1/completions", json.dumps({"prompt": "hello world " * 10, "max_tokens": 1}).encode())
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          "application/xml"])
+def test_wrong_content_type_is_415(tiny_server, content_type: str) -> None:
+    r = _post(tiny_server, "/v1/chat/completions", b'{"messages": []}', content_type)
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "\xff\xfe bad", "max_tokens": 1}', b'{"prompt": "\xc3\x28"}',
+                                  b"\xed\xa0\x80", b'\x80{}'])
+def test_invalid_utf8_is_400(tiny_server, body: bytes) -> None:
+    r = _post(tiny_server, "/v1/completions", body)
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("body", [b"{", b"[1, 2]", b'"text"', b"null", b'{"prompt": "a", "max_tokens": 1,}',
+                                  b"NaN", b'{"prompt": "a"' + b" " * 1000])
+def test_broken_json_is_400(tiny_server, body: bytes) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        r = _post(tiny_server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
+
+
+def test_json_with_charset_and_no_content_type_are_accepted(tiny_server) -> None:
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    assert _post(tiny_server, "/v1/completions", body, "application/json; charset=utf-8").status_code == 200
+    r = httpx.post(tiny_server.url + "/v1/completions", content=body, headers=tiny_server.extra["headers"], timeout=60)
+    assert r.status_code == 200
+
+
+def _metrics(server) -> str:
+    return httpx.get(server.url + "/metrics", timeout=30).text
+
+
+def test_client_that_never_reads_is_cut_off_without_stalling_others(tiny_server) -> None:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a tiny window: the server's writes block soon
+    sock.connect(("127.0.0.1", tiny_server.port))
+    # ~8 MB of SSE (16 choices x 450 tokens with 20 logprobs each): more than every buffer on the way holds
+    body = json.dumps({"prompt": "hi", "max_tokens": 450, "ignore_eos": True, "stream": True, "logprobs": 20,
+                       "n": 16}).encode()
+    auth = tiny_server.extra["headers"]["Authorization"].encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+                 + auth + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        latencies = []
+        deadline = time.monotonic() + 240
+        cut = False
+        while not cut and time.monotonic() < deadline:  # others are served meanwhile
+            s = time.monotonic()
+            r = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 8},
+                           headers=tiny_server.extra["headers"], timeout=60)
+            assert r.status_code == 200
+            latencies.append(time.monotonic() - s)
+            cut = "(--send-timeout): cut off" in tiny_server.log()
+            time.sleep(0.1)
+        assert cut, ("the slow client was never cut off", tiny_server.log()[-2000:])
+        assert max(latencies) < SEND_TIMEOUT + 20, latencies
+        sock.settimeout(30)
+        received = b""
+        while True:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break  # the server closed the connection
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received  # cut off, not finished
+        deadline = time.monotonic() + 10
+        while metric(_metrics(tiny_server), "vllm:num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(_metrics(tiny_server), "vllm:num_requests_running") == 0
+        assert metric(_metrics(tiny_server), "vllm:kv_cache_usage_perc") == 0
+    finally:
+        sock.close()
+
+
+def _disconnect_before_first_byte(server, body: dict, wait_s: float) -> bool:
+    """Send a streaming request and hang up after wait_s unless a response byte came (the response starts only
+    after the prompt's prefill). True when it hung up before any byte."""
+    import select
+
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: " + server.extra["headers"]["Authorization"].encode()
+                     + b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        readable, _, _ = select.select([sock], [], [], wait_s)
+        return not readable
+    finally:
+        sock.close()
+
+
+def test_disconnect_mid_prefill_frees_kv_at_once(tiny_server) -> None:
+    rng = random.Random(0)
+    for n in (64, 128, 256):  # enough prompt tokens that the prefill outlasts the wait
+        before = _metrics(tiny_server)
+        aborted0 = metric(before, "vllm:request_success_total", finished_reason="abort")
+        body = {"prompt": [rng.randrange(2, 512) for _ in range(480)], "max_tokens": 30, "n": n, "stream": True}
+        if not _disconnect_before_first_byte(tiny_server, body, 0.05):
+            time.sleep(2)  # it finishes on its own; try a longer prefill
+            continue
+        hung_up = time.monotonic()
+        while True:
+            text = _metrics(tiny_server)
+            freed = (metric(text, "vllm:request_success_total", finished_reason="abort") >= aborted0 + n
+                     and metric(text, "vllm:num_requests_running") == 0
+                     and metric(text, "vllm:num_requests_waiting") == 0
+                     and metric(text, "vllm:kv_cache_usage_perc") == 0)
+            if freed or time.monotonic() > hung_up + 10:
+                break
+            time.sleep(0.02)
+        assert freed, text
+        assert time.monotonic() - hung_up < 5  # at once: the next engine step, not after the generation
+        return
+    pytest.fail("every prefill finished within 50 ms; cannot disconnect mid-prefill")

@@ -1,0 +1,171 @@
+"""The GGUF-block / int8-row CPU kernels (kernels/csrc/gguf_ops.cpp): dequantizers against the `gguf` package's
+own `dequantize`, and every matmul path (AVX-512 VNNI, AVX2, portable) against dequantize-then-matmul, over
+all block types, odd shapes, 1..65 activation rows and 1 or 2 threads.
+
+The int8 activations make the product inexact; the check is the rigorous bound that rounding implies: each x is
+off by at most half its 32-block's step (amax / 127 / 2), so |out - ref| <= sum_i |w_i| * step_i / 2 (+ float
+accumulation slack)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import envs
+from pagedllm.kernels.cpu_ops import cpu_ops
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+I8_ROW = 1000  # pagedllm's per-channel int8 rows: [float32 scale][K int8]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_ops()
+    if ops is None:
+        if not envs.PAGEDLLM_CPU_KERNELS:
+            pytest.skip("PAGEDLLM_CPU_KERNELS=0")
+        pytest.fail("the CPU kernels did not build on this machine (see the log warning)")
+    return ops
+
+
+def impls(ops) -> list[int]:
+    best = ops.gguf_best_impl()  # 2: AVX-512 VNNI, 1: AVX2, 0: portable only
+    return [0, 2] + ([1] if best >= 1 else [])
+
+
+def make_weight(qtype, rows: int, k: int, seed: int) -> np.ndarray:
+    """Packed GGUF rows [rows, row_bytes]: gguf's own quantizer where it has one, else random blocks with
+    small, finite fp16 scales (the K-quant formats: every bit pattern of the quants is valid)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, k)).astype(np.float32)
+    try:
+        return quantize(w, qtype)
+    except NotImplementedError:
+        pass
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, k // elems, nbytes), dtype=np.uint8)
+    scales = (rng.random((rows, k // elems, 2)) * 0.02 + 1e-3).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        blocks[..., 208:210] = scales[..., 0:2]  # d (the int8 sub-scales are random)
+    else:
+        blocks[..., 0:4] = scales.reshape(rows, k // elems, 4)  # d, dmin
+    return blocks.reshape(rows, -1)
+
+
+def int8_rows(rows: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-127, 128, (rows, k), dtype=np.int8)
+    scale = (rng.random(rows) * 0.01 + 1e-4).astype(np.float32)
+    packed = np.concatenate([scale.view(np.uint8).reshape(rows, 4), q.view(np.uint8)], axis=1)
+    return packed, q.astype(np.float32) * scale[:, None]
+
+
+def reference_dequant(packed: np.ndarray, qtype) -> np.ndarray:
+    return np.asarray(dequantize(packed, qtype), dtype=np.float32)
+
+
+def check_product(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None) -> None:
+    x64, w64 = x.double(), w.double()
+    ref = x64 @ w64.T + (0 if bias is None else bias.double())
+    k = x.shape[1]
+    blocks = -(-k // 32)
+    padded = torch.zeros(x.shape[0], blocks * 32, dtype=torch.float64)
+    padded[:, :k] = x64.abs()
+    step = padded.view(x.shape[0], blocks, 32).amax(-1) / 127.0
+    half_step = step.repeat_interleave(32, dim=1)[:, :k] / 512  # two int8 digits: steps of amax / 127 / 256
+    bound = half_step @ w64.abs().T * 1.001 + 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6
+    err = (out.double() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error exceeds the int8-rounding bound by {worst:.3f}x"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf(ops, qtype):
+    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96  # 96: an odd number of 32-blocks (a half chunk)
+    packed = make_weight(qtype, 13, k, seed=int(qtype))
+    out = torch.empty(13, k)
+    ops.gguf_dequantize_rows(out, torch.from_numpy(packed), int(qtype), None)
+    assert torch.equal(out, torch.from_numpy(reference_dequant(packed, qtype)))
+    ids = torch.tensor([12, 0, 5, 5])
+    rows = torch.empty(4, k)
+    ops.gguf_dequantize_rows(rows, torch.from_numpy(packed), int(qtype), ids)
+    assert torch.equal(rows, out[ids])
+
+
+def test_dequantize_rejects_bad_ids_and_shapes(ops):
+    packed = torch.from_numpy(make_weight(Q.Q8_0, 4, 64, seed=1))
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.gguf_dequantize_rows(torch.empty(1, 64), packed, int(Q.Q8_0), torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="multiple of the block size"):
+        ops.gguf_dequantize_rows(torch.empty(4, 48), packed, int(Q.Q8_0), None)
+    with pytest.raises(RuntimeError, match="unsupported"):
+        ops.gguf_dequantize_rows(torch.empty(4, 64), packed, int(Q.Q2_K), None)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_linear_all_paths_against_dequantized_matmul(ops, qtype, threads):
+    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 160  # 160: 2.5 chunks of 64
+    n = 37
+    packed = torch.from_numpy(make_weight(qtype, n, k, seed=int(qtype) + 7))
+    w = torch.from_numpy(reference_dequant(packed.numpy(), qtype))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 2, 3, 4, 5, 7, 17, 64, 65):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            x[0, :7] *= 50  # an outlier block
+            for impl in impls(ops):
+                out = torch.empty(m, n)
+                ops.gguf_linear(out, x, [packed], [int(qtype)], None, impl)
+                check_product(out, x, w)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_linear_parts_of_different_types_bias_and_strided_rows(ops):
+    k = 256
+    parts = [(Q.Q4_1, 48), (Q.Q6_K, 16), (Q.Q8_0, 9)]
+    packed = [torch.from_numpy(make_weight(t, r, k, seed=i)) for i, (t, r) in enumerate(parts)]
+    w = torch.cat([torch.from_numpy(reference_dequant(p.numpy(), t)) for p, (t, _) in zip(packed, parts)])
+    bias = torch.randn(w.shape[0])
+    wide = torch.randn(6, 2 * k)
+    x = wide[:, :k]  # row-strided, as a fused projection's slice is
+    for impl in impls(ops):
+        out = torch.empty(6, w.shape[0])
+        ops.gguf_linear(out, x, packed, [int(t) for t, _ in parts], bias, impl)
+        check_product(out, x, w, bias)
+    for dtype in (torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        out = torch.empty(6, w.shape[0])
+        ops.gguf_linear(out, xd, packed, [int(t) for t, _ in parts], bias, 0)
+        check_product(out, xd.float(), w, bias)
+
+
+@pytest.mark.parametrize("k", [100, 576])
+def test_int8_rows_any_width(ops, k):
+    packed, w = int8_rows(29, k, seed=k)
+    packed = torch.from_numpy(packed)
+    w = torch.from_numpy(w)
+    full = torch.empty(29, k)
+    ops.gguf_dequantize_rows(full, packed, I8_ROW, None)
+    assert torch.equal(full, w)
+    for m in (1, 4, 9):
+        x = torch.randn(m, k)
+        for impl in impls(ops):
+            out = torch.empty(m, 29)
+            ops.gguf_linear(out, x, [packed], [I8_ROW], None, impl)
+            check_product(out, x, w)
+
+
+def test_linear_rejects_mismatched_inputs(ops):
+    packed = torch.from_numpy(make_weight(Q.Q4_0, 8, 64, seed=3))
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        ops.gguf_linear(torch.empty(1, 8), torch.randn(1, 96), [packed], [int(Q.Q4_0)], None, 0)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.gguf_linear(torch.empty(1, 9), torch.randn(1, 64), [packed], [int(Q.Q4_0)], None, 0)
