@@ -80,9 +80,9 @@ def test_greedy_shortcut_and_sampler_path_agree_on_smollm2(smollm2_llm) -> None:
     so = StructuredOutputsParams(json={"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                                        "required": ["city"]})
     prompt = "<|im_start|>user\nName a city in JSON.<|im_end|>\n<|im_start|>assistant\n"
-    fast = smollm2_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so),
+    fast = smollm2_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=so),
                                 use_tqdm=False)[0].outputs[0]
-    slow = smollm2_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so,
+    slow = smollm2_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=so,
                                                          logprobs=0), use_tqdm=False)[0].outputs[0]
     assert fast.token_ids == slow.token_ids
     assert fast.text.startswith('{') and '"city"' in fast.text
