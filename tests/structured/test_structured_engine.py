@@ -142,3 +142,29 @@ def test_guidance_backend(tiny_llama_dir: str) -> None:
     with pytest.raises(ValueError, match="backend must be one of"):
         LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16,
             structured_outputs_config={"backend": "nope"})
+
+
+def test_offline_chat_with_tools_returns_parsed_calls(tiny_llm: LLM) -> None:
+    """LLM.chat(tools=...): tools and earlier calls reach the prompt; a (here grammar-forced) hermes call comes
+    back parsed on the output's tool_calls, the text left as the model wrote it."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+                                                                                   "properties": {}}}}]
+    history = [{"role": "user", "content": "time?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+               {"role": "user", "content": "again?"}]
+    forced = r'<tool_call>\n\{"name": "get_time", "arguments": \{\}\}\n</tool_call>'
+    # A short template that takes tools (the tiny model has 512 positions): the native path, arguments as objects.
+    template = ("{% for t in tools or [] %}{{ t.function.name }};{% endfor %}{% for m in messages %}<|{{ m.role }}|>"
+                "{{ m.content or '' }}{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments"
+                " | tojson }}{% endfor %}<|eos|>{% endfor %}<|assistant|>")
+    out = tiny_llm.chat(history, SamplingParams(temperature=0.0, max_tokens=60,
+                                                structured_outputs=_so(regex=forced)), tools=tools,
+                        chat_template=template, use_tqdm=False)[0]
+    assert out.prompt.startswith("get_time;") and "get_time{}" in out.prompt and "noon" in out.prompt
+    call = out.outputs[0].tool_calls[0]
+    assert (call.name, json.loads(call.arguments)) == ("get_time", {}) and call.id.startswith("call_")
+    plain = tiny_llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_tokens=4),
+                          use_tqdm=False)[0]
+    assert plain.outputs[0].tool_calls is None
