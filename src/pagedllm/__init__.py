@@ -1,9 +1,9 @@
 """pagedllm: a fast LLM inference and serving engine."""
 __version__ = "0.1.0"
 
-from pagedllm.sampling_params import SamplingParams  # noqa: E402
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name):  # lazy: importing pagedllm must not import torch

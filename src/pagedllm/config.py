@@ -21,7 +21,6 @@ _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
     "pipeline_parallel_size": 1,
     "enable_lora": False,
-    "speculative_config": None,
 }
 
 
@@ -116,3 +115,15 @@ class EngineArgs:
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")
+        self.speculative()  # raises on a bad speculative_config
+
+    def speculative(self) -> Any:
+        """The validated spec_decode.config.SpeculativeConfig, or None without speculative decoding."""
+        return _speculative(self.speculative_config)
+
+
+def _speculative(value: Any) -> Any:
+    """speculative_config (a dict, a JSON string or None) -> spec_decode.config.SpeculativeConfig or None."""
+    from pagedllm.spec_decode.config import SpeculativeConfig
+
+    return SpeculativeConfig.from_user(value)

@@ -56,6 +56,13 @@ class Metrics:
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS)
         self.tpot = hist("vllm:time_per_output_token_seconds", "Time per output token in seconds.", _TPOT_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            ["model_name", "position"], registry=r,
+        )
 
     # ---- recorders ------------------------------------------------------------------------------
 
@@ -72,6 +79,20 @@ class Metrics:
         ):
             if now > before:
                 counter.inc(now - before)
+        self._update_spec_decode(stats, prev)
+
+    def _update_spec_decode(self, stats: Any, prev: Any) -> None:
+        for counter, name in ((self.spec_drafts, "spec_num_drafts"), (self.spec_draft_tokens, "spec_num_draft_tokens"),
+                              (self.spec_accepted_tokens, "spec_num_accepted_tokens")):
+            now, before = getattr(stats, name, 0), getattr(prev, name, 0)
+            if now > before:
+                counter.inc(now - before)
+        now_pos = getattr(stats, "spec_num_accepted_tokens_per_pos", ())
+        before_pos = getattr(prev, "spec_num_accepted_tokens_per_pos", ())
+        for pos, now in enumerate(now_pos):
+            before = before_pos[pos] if pos < len(before_pos) else 0
+            if now > before:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(now - before)
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)

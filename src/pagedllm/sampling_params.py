@@ -155,3 +155,35 @@ class SamplingParams:
         from dataclasses import replace
 
         return replace(self, **changes)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams for `LLM.beam_search`, plus transformers' `early_stopping` (True, False or
+    "never"; default False as in transformers). Scores are transformers': a finished beam's cumulative logprob
+    divided by (its generated length ** length_penalty)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: Union[bool, str] = False
+
+    def __post_init__(self) -> None:
+        def is_int(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        if not is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}.")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if not isinstance(self.temperature, numbers.Real) or self.temperature != 0:
+            raise ValueError("Beam search ranks beams by the model's own log-probabilities: temperature must be 0 "
+                             f"(got {self.temperature!r}).")
+        if (not isinstance(self.length_penalty, numbers.Real) or isinstance(self.length_penalty, bool)
+                or not math.isfinite(self.length_penalty)):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}.")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}.")

@@ -1,9 +1,9 @@
 """vLLM-compatible names, forwarded to pagedllm (installed by the optional `pagedllm-vllm-compat` package)."""
 from __future__ import annotations
 
-from pagedllm import SamplingParams, __version__  # noqa: F401
+from pagedllm import BeamSearchParams, SamplingParams, __version__  # noqa: F401
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LoRARequest",
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LoRARequest",
            "__version__"]
 
 

@@ -42,6 +42,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Speculative rollback: when set, the runner first cuts the request's block table to this many blocks
+    # (the scheduler freed the blocks that only held rejected draft tokens), then appends new_block_ids.
+    num_kept_blocks: Optional[int] = None
 
 
 @dataclass
@@ -53,6 +56,11 @@ class BatchPlan:
     finished_request_ids: set[str] = field(default_factory=set)
     # Ids preempted in this very step (also listed in finished_request_ids).
     preempted_request_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: request id -> the draft tokens scheduled after its last token (they are counted in
+    # num_scheduled_tokens); the runner verifies them. propose_drafts: the runner proposes drafts for the next
+    # step (speculation is on for this batch size).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    propose_drafts: bool = False
     grammar_bitmask: Optional[Any] = None  # numpy int32 [len(structured_output_request_ids), ceil(V / 32)]
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
 
@@ -73,7 +81,7 @@ class TokenLogprobs:
 @dataclass
 class ModelOutput:
     # Request ids in batch order, and for each the token ids sampled this step (empty when the
-    # request was mid-prefill, one token otherwise; more once speculative decoding lands).
+    # request was mid-prefill, one token otherwise; 1 + accepted drafts with speculative decoding).
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     # Per request: one TokenLogprobs per sampled token, or None when logprobs were not asked for.
@@ -81,6 +89,8 @@ class ModelOutput:
     # Requests that asked for prompt_logprobs: request id -> (first prompt position covered, one
     # TokenLogprobs per position, whose first token is the actual prompt token at that position).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Speculative decoding: per request (batch order) the drafts proposed for the next step, or None.
+    spec_token_ids: Optional[list[list[int]]] = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.structured_hooks import StructuredOutputHooks
 from pagedllm.sampling_constraints import check_against_engine
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.stats import SpecLogger
 
 logger = logging.getLogger("pagedllm")
 
@@ -60,7 +61,16 @@ class EngineCore:
             enable_prefix_caching=engine_args.enable_prefix_caching,
             async_scheduling=w.async_scheduling,
             enable_chunked_prefill=engine_args.enable_chunked_prefill,
+            num_speculative_tokens=w.num_speculative_tokens,
+            spec_disable_batch_size=w.spec_disable_batch_size,
         )
+        self._spec_log = SpecLogger(self.scheduler.spec_stats) if w.num_speculative_tokens else None
+        if w.speculative is not None:
+            sc = w.speculative
+            logger.info("Speculative decoding: %s%s, %d tokens per step, off in steps with more than %s running + "
+                        "waiting requests; acceptance is logged every %.0f s.", sc.method,
+                        f" ({sc.model})" if sc.model else f" (lookup {sc.prompt_lookup_min}..{sc.prompt_lookup_max})",
+                        sc.num_speculative_tokens, sc.disable_by_batch_size, self._spec_log.interval_s)
         self.async_scheduling = w.async_scheduling
         # Structured outputs: built on the first request under a grammar (engines without any pay nothing).
         self.structured = StructuredOutputHooks(self, engine_args)
@@ -128,7 +138,12 @@ class EngineCore:
         requests are finished (aborted), every other request of the step's plans is preempted and recomputed,
         and the error is re-raised for the driver to report; the next step runs as usual."""
         self._step_plans = []
+        if self._spec_log is not None:
+            self._spec_log.maybe_log()
         try:
+            if self.async_scheduling and self.scheduler.spec_active():
+                # A speculating step needs the drafts its previous step proposed: finish that step first.
+                return self._apply_in_flight() + self._step_sync()
             return self._step_async() if self.async_scheduling else self._step_sync()
         except RequestStepError as e:
             self._recover_failed_step(e)

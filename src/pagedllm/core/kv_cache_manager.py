@@ -154,6 +154,20 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = end
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Speculative rollback: keep only the blocks that hold the request's first num_tokens slots, freeing the
+        rest (they held rejected draft tokens only, never a cached block). Returns the kept block count."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return 0
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(blocks):
+            dropped = blocks[keep:]
+            del blocks[keep:]
+            self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], keep)
+            self.block_pool.free(reversed(dropped))
+        return len(blocks)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks. They are freed tail-first so its last blocks evict first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

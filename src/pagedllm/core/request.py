@@ -61,6 +61,9 @@ class Request:
     # Monotonic time when first scheduled / first token produced (metrics).
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    # Speculative decoding: tokens proposed for the positions after the last one (scheduled as extra tokens to
+    # compute and verified in the next step; never part of all_token_ids).
+    spec_token_ids: list[int] = field(default_factory=list)
     # Structured outputs: the request's grammar state (structured_output.RequestStructuredOutput, duck-typed
     # here: is_ready(), accept(token_ids), is_terminated()); None for unconstrained requests.
     structured_output: Optional[Any] = None

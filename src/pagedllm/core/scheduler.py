@@ -45,6 +45,7 @@ from pagedllm.core.batch_plan import (
 )
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.spec_decode.scheduling import SpecScheduling
 
 
 @dataclass
@@ -55,6 +56,11 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative tokens looked up in the prefix cache
     prefix_cache_hits: int  # cumulative tokens found there
     num_preemptions: int  # cumulative
+    # Speculative decoding (cumulative; zeros without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -70,6 +76,8 @@ class Scheduler:
         long_prefill_token_threshold: Optional[int] = None,
         async_scheduling: bool = False,
         enable_chunked_prefill: bool = True,
+        num_speculative_tokens: int = 0,
+        spec_disable_batch_size: Optional[int] = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
@@ -97,6 +105,10 @@ class Scheduler:
         # Outputs of requests that schedule() finished (cannot grow); returned by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Speculative decoding: drafts proposed by the runner are scheduled as extra tokens to compute, in steps
+        # with at most spec_disable_batch_size running + waiting requests (spec_decode/scheduling.py).
+        self.spec = SpecScheduling(num_speculative_tokens, spec_disable_batch_size, max_model_len)
+        self.spec_stats = self.spec.stats
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -135,7 +147,15 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=tuple(self.spec_stats.num_accepted_tokens_per_pos),
         )
+
+    def spec_active(self) -> bool:
+        """Whether this step speculates: configured, and the load is small enough that it pays."""
+        return self.spec.active(len(self.running), len(self.waiting))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -167,6 +187,7 @@ class Scheduler:
         """Mark finished and release everything; the caller removes it from running / waiting."""
         request.status = status
         self.kv_cache_manager.free(request)
+        self.spec.forget(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -176,6 +197,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight for it is dropped; it is recomputed
+        self.spec.forget(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -217,6 +239,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted: set[str] = set()
         scheduled: list[Request] = []
+        plan.propose_drafts = self.spec_active()
         budget = self._schedule_running(plan, budget, preempted, scheduled)
         if not preempted:
             self._schedule_waiting(plan, budget, scheduled)
@@ -244,6 +267,8 @@ class Scheduler:
             if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
                 i += 1
                 continue
+            drafts = self.spec.drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
+            num_new_tokens += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_new_tokens)
             while new_block_ids is None:
                 if len(self.running) == 1:
@@ -264,9 +289,12 @@ class Scheduler:
                     request_id=request.request_id,
                     new_block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
+                    num_kept_blocks=self.spec.kept_blocks.pop(request.request_id, None),
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            if drafts:
+                plan.scheduled_spec_decode_tokens[request.request_id] = drafts
             scheduled.append(request)
             budget -= num_new_tokens
             i += 1
@@ -329,7 +357,8 @@ class Scheduler:
         logprobs = output.logprobs or [None] * len(output.req_ids)
         finished_any = False
         prompt_logprobs = output.prompt_logprobs
-        for request_id, sampled, token_logprobs in zip(output.req_ids, output.sampled_token_ids, logprobs):
+        for index, (request_id, sampled, token_logprobs) in enumerate(
+                zip(output.req_ids, output.sampled_token_ids, logprobs)):
             request = self.requests.get(request_id)
             plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if plp is not None and request is not None and not sampled:  # a prefill chunk's prompt scores
@@ -347,7 +376,12 @@ class Scheduler:
                 or request.num_computed_tokens < request.num_tokens
             ):
                 continue
+            drafts = plan.scheduled_spec_decode_tokens.get(request_id)
+            if drafts:
+                self.spec.rollback_rejected(request, drafts, len(sampled) - 1, self.kv_cache_manager)
             new_token_ids = self._append_tokens(request, sampled)
+            if output.spec_token_ids is not None and not request.is_finished:
+                request.spec_token_ids = output.spec_token_ids[index]
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             if request.is_finished:

@@ -135,6 +135,23 @@ class LLM:
                     out.tool_calls = extract_tool_calls(plan, out.text, out.finish_reason).tool_calls or None
         return results
 
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any, lora_request: Any = None,
+                    use_tqdm: bool = False) -> list:
+        """vLLM's LLM.beam_search: one BeamSearchOutput per prompt, whose .sequences are the beams, best first
+        (tokens = prompt + generated, logprobs, cum_logprob, text). Scores follow transformers' generate(num_beams,
+        length_penalty, early_stopping). Prompts: strings, token-id lists or {"prompt_token_ids": [...]}."""
+        from pagedllm.beam_search.driver import run_offline
+        from pagedllm.sampling_params import BeamSearchParams
+
+        if lora_request is not None:
+            raise ValueError("beam_search() with a LoRA adapter is not supported yet.")
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam_search() needs a BeamSearchParams, got {type(params).__name__}.")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
+
     # ------------------------------------------------------------------ the loop
     def _run(self, items, use_tqdm: bool) -> list:
         from pagedllm.core.engine_core import EngineCoreRequest

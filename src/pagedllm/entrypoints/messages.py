@@ -27,6 +27,10 @@ class SchedulerStatsMsg(msgspec.Struct, frozen=True):
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
     num_preemptions: int = 0
+    spec_num_drafts: int = 0  # speculative decoding, cumulative
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 # ---- API process -> engine core -------------------------------------------------------------

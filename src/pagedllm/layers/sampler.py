@@ -224,19 +224,7 @@ class Sampler(torch.nn.Module):
     """logits [N, V] float32 + SamplingMetadata -> SamplerOutput. Modifies logits in place."""
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        if meta.token_bitmask is not None:
-            apply_token_bitmask_(logits, meta.token_bitmask)
-        raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
-
-        if meta.constraints is not None:
-            logits = apply_token_constraints(logits, meta.constraints)
-        if meta.min_tokens_mask is not None:
-            rows, ids = meta.min_tokens_mask
-            logits[rows, ids] = float("-inf")
-        if not meta.no_penalties:
-            logits = apply_penalties(logits, meta)
+        logits, raw_logprobs = self.process_logits(logits, meta)
 
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -252,7 +240,35 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Everything before the greedy / random split: (float32 logits with min_tokens and penalties applied,
+        raw logprobs or None). Speculative verification (spec_decode/) shares it with forward()."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if meta.token_bitmask is not None:  # a grammar's allowed tokens (structured outputs), before everything
+            apply_token_bitmask_(logits, meta.token_bitmask)
+        raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+
+        if meta.constraints is not None:
+            logits = apply_token_constraints(logits, meta.constraints)
+        if meta.min_tokens_mask is not None:
+            rows, ids = meta.min_tokens_mask
+            logits[rows, ids] = float("-inf")
+        if not meta.no_penalties:
+            logits = apply_penalties(logits, meta)
+        return logits, raw_logprobs
+
+    @classmethod
+    def _sample(cls, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        probs = cls.probs(logits, meta)
+        if probs.device.type == "cpu":
+            return inverse_cdf_sample(probs, meta.generators)
+        return exponential_race(probs, meta.generators)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from: temperature -> min_p -> top-k / top-p -> softmax (greedy rows
+        get temperature 1 here; callers take their argmax instead). Modifies logits in place."""
         temperature = meta.temperature
         if not meta.all_random:  # greedy rows (temperature 0) are overwritten later; avoid 0-division
             temperature = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
@@ -263,10 +279,7 @@ class Sampler(torch.nn.Module):
             logits = apply_top_k_top_p(logits, None if meta.no_top_k else meta.top_k, meta.top_p)
         elif not meta.no_top_k:
             logits = apply_top_k_only(logits, meta.top_k, meta.max_top_k)
-        probs = logits.softmax(dim=-1)
-        if probs.device.type == "cpu":
-            return inverse_cdf_sample(probs, meta.generators)
-        return exponential_race(probs, meta.generators)
+        return logits.softmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -45,6 +45,9 @@ class StepInputs:
     # Rows whose last input token is one the host has not seen yet (sampled by the step in flight).
     in_flight_rows: np.ndarray
     max_query_len: int
+    # Speculative decoding: draft tokens per request id this step verifies (their inputs follow the last token).
+    spec_token_ids: Optional[dict[str, list[int]]] = None
+    propose_drafts: bool = False
 
 
 class InputBatch:
@@ -67,7 +70,13 @@ class InputBatch:
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.num_kept_blocks is not None:  # speculative rollback freed its tail blocks
+                self.num_blocks[state.row] = min(self.num_blocks[state.row], cached.num_kept_blocks)
             self._append_blocks(state.row, cached.new_block_ids)
+        for req_id, drafts in plan.scheduled_spec_decode_tokens.items():
+            # Draft inputs sit past the last token; the tokens appended after verification overwrite them.
+            state = self.requests[req_id]
+            self.token_ids[state.row, state.num_tokens:state.num_tokens + len(drafts)] = drafts
 
     def _add(self, new: NewRequestData) -> None:
         if new.request_id in self.requests:  # resumed without a finish notice: start over
@@ -101,6 +110,9 @@ class InputBatch:
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
         totals = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        spec = plan.scheduled_spec_decode_tokens
+        if spec:  # a request verifying drafts samples when its computed count reaches its last draft
+            totals += np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs)
         num_sched = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(num_sched, out=query_start_loc[1:])
@@ -119,4 +131,5 @@ class InputBatch:
             req_ids=req_ids, states=states, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
             block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(seq_lens >= totals)[0],
-            in_flight_rows=np.nonzero(seq_lens > totals)[0], max_query_len=int(num_sched.max()))
+            in_flight_rows=np.nonzero(seq_lens > totals)[0], max_query_len=int(num_sched.max()),
+            spec_token_ids=spec or None, propose_drafts=plan.propose_drafts)

@@ -75,11 +75,13 @@ def pad_rows(static: torch.Tensor, values: torch.Tensor, size: int, fill: int) -
 class MixedGraphRunner:
     """Capture and replay of mixed steps in token buckets (see the module docstring)."""
 
-    def __init__(self, runner, pool=None) -> None:
+    def __init__(self, runner, pool=None, extra_sizes=()) -> None:
         self.runner = runner
         self.device = runner.device
         max_tokens = min(runner.max_num_batched_tokens, envs.PAGEDLLM_MIXED_GRAPH_MAX_TOKENS)
         self.sizes = mixed_capture_sizes(max_tokens) if max_tokens >= 2 else []  # a mixed step has >= 2 tokens
+        # Extra exact buckets (speculative verify steps: k + 1 tokens per request) so they replay unpadded.
+        self.sizes = sorted(set(self.sizes) | {s for s in extra_sizes if 2 <= s <= max_tokens})
         self.max_size = self.sizes[-1] if self.sizes else 0
         self.scratch_slot = runner.scratch_block * runner.block_size
         first = runner.model.attn_layers[0]

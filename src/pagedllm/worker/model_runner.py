@@ -52,6 +52,7 @@ class ModelRunner:
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         self._prev_index: dict[str, int] = {}
         self.stager = HostStager(device)
+        self.spec = None  # spec_decode.spec_runner.SpecDecodeRunner when speculative decoding is configured
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -84,7 +85,8 @@ class ModelRunner:
             if self.attn_backend.supports_mixed_graphs:
                 from pagedllm.worker.mixed_graph import MixedGraphRunner
 
-                self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool)
+                extra = self.spec.graph_token_sizes() if self.spec is not None else ()
+                self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra)
                 self.mixed_graphs.capture()
         if self.device.type == "cuda":
             # The profiling forward's activation blocks were released to size the KV cache: run it once more so
@@ -130,6 +132,8 @@ class ModelRunner:
         """
         batch = self.input_batch
         batch.update(plan)
+        if self.spec is not None and plan.finished_request_ids:
+            self.spec.drop(plan.finished_request_ids)
         if plan.total_num_scheduled_tokens == 0:
             return PendingOutput.empty()
         inp = batch.prepare(plan)
@@ -178,6 +182,8 @@ class ModelRunner:
         self._prev_sampled = None
         if before_sampling is not None:
             before_sampling()
+        if inp.spec_token_ids and len(sample_rows):
+            return self.spec.verify(self, inp, hidden, prompt_logprobs)
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
@@ -287,6 +293,8 @@ class ModelRunner:
             if lp is not None and k is not None:
                 output.logprobs[row] = [TokenLogprobs(token_ids=lp_ids[j][:k + 1], logprobs=lp_vals[j][:k + 1],
                                                       ranks=lp_ranks[j][:k + 1])]
+        if self.spec is not None and inp.propose_drafts:
+            output.spec_token_ids = self.spec.propose(self, inp)
         return output
 
 

@@ -166,11 +166,23 @@ class Worker:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=enforce_eager,
             kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device))
+        self.speculative = args.speculative()
+        self.num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
+        self.spec_disable_batch_size = self.speculative.disable_by_batch_size if self.speculative else None
+        if self.speculative is not None:
+            from pagedllm.spec_decode.spec_runner import SpecDecodeRunner, build_proposer
+
+            self.runner.spec = SpecDecodeRunner(self.speculative, build_proposer(self.speculative, worker=self),
+                                                self.max_model_len)
         self.num_blocks = self._determine_num_blocks()
+        if self.speculative is not None and args.num_gpu_blocks_override is None:
+            self.num_blocks = self.runner.spec.share_blocks(self.num_blocks, self.runner.kv_cache_spec())
         if self.runner.kv_cache_dtype != self.dtype:
             logger.info("KV cache in %s: %d bytes per token.", str(self.runner.kv_cache_dtype).replace("torch.", ""),
                         self.runner.kv_cache_spec().bytes_per_token)
         self.runner.initialize_kv_cache(self.num_blocks)
+        if self.speculative is not None:
+            self.runner.spec.initialize(self.num_blocks)
 
     def _determine_num_blocks(self) -> int:
         args = self.args

@@ -33,6 +33,16 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
         req.chat_template, req.chat_template_kwargs, req.add_special_tokens, prepare_tools=prepare_tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
+        raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
+    if req.use_beam_search:
+        from pagedllm.entrypoints.openai import beam_search
+
+        beam_max = max_tokens if max_tokens is not None else max(1, state.max_model_len - len(prompt_ids))
+        check_context_length(len(prompt_ids), beam_max, state.max_model_len)
+        body = await beam_search.chat_response(req, state, model, req.request_id or random_id("chatcmpl"),
+                                               int(time.time()), prompt_ids, beam_max, request.is_disconnected)
+        return Response(dumps(body), media_type="application/json")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, state.sampling_defaults)
     apply_tool_grammar(params, tool_plan)

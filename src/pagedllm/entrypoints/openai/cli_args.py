@@ -77,6 +77,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
     e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults from the model's generation_config.json (auto), none (vllm), or DIR's")
+    e.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     add_structured_output_args(p)
     return p
 

@@ -46,12 +46,21 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     model = state.check_model(req.model)
     if req.suffix:
         raise APIError("'suffix' is not supported yet.", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError("'best_of' other than n is not supported yet.", param="best_of")
+    if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
+        raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
     engine = state.engine
     tok = state.tokenizer
     prompts = parse_prompts(req.prompt, tok, engine.ready.vocab_size, req.add_special_tokens)
     check_logprob_fields(req, state.max_logprobs, top_name="logprobs", top=req.logprobs)
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    if req.use_beam_search:
+        from pagedllm.entrypoints.openai import beam_search
+
+        for _, ids in prompts:
+            check_context_length(len(ids), max_tokens, state.max_model_len)
+        body = await beam_search.completion_response(req, state, model, req.request_id or random_id("cmpl"),
+                                                     int(time.time()), prompts, max_tokens, request.is_disconnected)
+        return Response(dumps(body), media_type="application/json")
     # echo + logprobs also scores the prompt tokens (OpenAI's legacy completions behaviour).
     echo_k = req.logprobs if req.echo and req.logprobs is not None else None
     prompt_k = max((k for k in (echo_k, req.prompt_logprobs) if k is not None), default=None)

@@ -7,7 +7,7 @@ SamplingParams so the offline API and the server give the same messages.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -58,6 +58,10 @@ class _SamplingFields(_Req):
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None
+    # vLLM's beam search extension (entrypoints/openai/beam_search.py); early_stopping as in transformers.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
     # Structured outputs (entrypoints/openai/structured_request.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* extras.
     response_format: Optional[dict[str, Any]] = None
@@ -98,7 +102,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: bool = False  # vLLM: echo the last message's content when it has the assistant role
-    best_of: Optional[int] = None
+    best_of: Optional[int] = None  # only with use_beam_search: the beam width
     # Tool calling (entrypoints/openai/tool_calling.py)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None

@@ -1,0 +1,233 @@
+"""Speculative decoding, with vs without, both engines in the same process, runs interleaved (ratios).
+
+    # 1. SmolLM2 (the GGUF) in bf16, batch 1, repeat / edit prompts: tokens/s with n-gram vs without (target >= 2x)
+    python benchmarks/spec_decode.py ngram --model SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
+    # 2. Llama-3-8B shape: one verify step of k=4 at batch 1 vs one plain decode step (target <= 1.15x)
+    python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b --load-format dummy
+    # 3. Qwen3-0.6B shape, batch 64: throughput with speculation configured vs without (target >= 95%)
+    python benchmarks/spec_decode.py batch --model benchmarks/configs/qwen3-0.6b --load-format dummy
+    # 4. where speculation stops paying (sets speculative_config's disable_by_batch_size): ratio per batch size
+    python benchmarks/spec_decode.py sweep --model SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
+
+Each prints one line per measurement and a final ratio; --json FILE writes them too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+TEXT = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
+        "members agreed to increase spending on public transport, to keep the library open on Sundays, and to "
+        "plant two hundred new trees along the river. The final vote was seven to two.")
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item.price < best.price:
+            best = item
+    return best
+'''
+TASKS = [f"Repeat the following text exactly, word for word:\n\n{TEXT}",
+         f"Rewrite this Python code, renaming the function total_price to compute_total. Output only the code.\n\n{CODE}",
+         f"Copy this code and add a docstring to each function:\n\n{CODE}",
+         f"Correct the spelling in this text and repeat it:\n\n{TEXT.replace('committee', 'comittee')}"]
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_llm(args, spec: dict | None):
+    from pagedllm import LLM
+
+    kw = dict(model=args.model, load_format=args.load_format, dtype=args.dtype,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+              max_num_seqs=max(args.batch_size, 8), seed=0)
+    if args.load_format == "dummy":
+        kw["skip_tokenizer_init"] = True
+    return LLM(speculative_config=spec, **kw)
+
+
+def ngram_config(args) -> dict:
+    c = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if args.disable_by_batch_size is not None:
+        c["disable_by_batch_size"] = None if args.disable_by_batch_size <= 0 else args.disable_by_batch_size
+    return c
+
+
+def chat_prompts(llm, n: int) -> list[dict]:
+    tok = llm.get_tokenizer()
+    out = []
+    for i in range(n):
+        ids = tok.apply_chat_template([{"role": "user", "content": TASKS[i % len(TASKS)]}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+        out.append({"prompt_token_ids": list(ids)})
+    return out
+
+
+def random_prompts(llm, n: int, length: int) -> list[dict]:
+    rng = random.Random(0)
+    vocab = min(llm.engine.vocab_size, 32000)
+    return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(length)]} for _ in range(n)]
+
+
+def timed_generate(llm, prompts, params, one_by_one: bool = False) -> tuple[float, int]:
+    """Wall time and output tokens of the prompts as one batch (or one request at a time: batch 1)."""
+    llm.engine.reset_prefix_cache()
+    sync()
+    start = time.perf_counter()
+    groups = [[p] for p in prompts] if one_by_one else [prompts]
+    outs = [o for g in groups for o in llm.generate(g, params, use_tqdm=False)]
+    sync()
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def compare_throughput(args, prompts_of, params, label: str, engines=None, one_by_one: bool = False) -> dict:
+    plain, spec = engines or (make_llm(args, None), make_llm(args, ngram_config(args)))
+    prompts = prompts_of(plain)
+    timed_generate(plain, prompts, params, one_by_one)  # warm-up (compiles, allocator)
+    timed_generate(spec, prompts, params, one_by_one)
+    ratios, rows = [], []
+    for it in range(args.iters):
+        stats = spec.engine.scheduler.spec_stats
+        before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        t_plain, n_plain = timed_generate(plain, prompts, params, one_by_one)
+        t_spec, n_spec = timed_generate(spec, prompts, params, one_by_one)
+        drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+        rate = accepted / drafted if drafted else 0.0
+        r = (n_spec / t_spec) / (n_plain / t_plain)
+        ratios.append(r)
+        rows.append(dict(iter=it, plain_tok_s=n_plain / t_plain, spec_tok_s=n_spec / t_spec, ratio=r,
+                         acceptance=rate, drafted=drafted))
+        print(f"[{label}] iter {it}: without {n_plain / t_plain:9.1f} tok/s ({n_plain} tokens)   with n-gram "
+              f"{n_spec / t_spec:9.1f} tok/s ({n_spec})   ratio {r:.3f}   acceptance {100 * rate:.1f}% of {drafted}")
+    med = statistics.median(ratios)
+    print(f"[{label}] median ratio with/without: {med:.3f}")
+    return dict(label=label, rows=rows, median_ratio=med)
+
+
+def run_ngram(args) -> dict:
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    if args.batch_size == 1:  # the four repeat / edit tasks, one request at a time
+        return compare_throughput(args, lambda llm: chat_prompts(llm, len(TASKS)), params, "ngram batch 1",
+                                  one_by_one=True)
+    return compare_throughput(args, lambda llm: chat_prompts(llm, args.batch_size), params,
+                              f"ngram batch {args.batch_size}")
+
+
+def run_batch(args) -> dict:
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    return compare_throughput(args, lambda llm: random_prompts(llm, args.batch_size, args.input_len), params,
+                              f"batch {args.batch_size}")
+
+
+def run_sweep(args) -> dict:
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    results = []
+    args.batch_size = 64
+    args.disable_by_batch_size = 0  # force speculation on to measure it
+    engines = (make_llm(args, None), make_llm(args, ngram_config(args)))
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        results.append(compare_throughput(args, lambda llm: chat_prompts(llm, b), params, f"sweep batch {b}",
+                                          engines=engines))
+    paying = [r for r, b in zip(results, (1, 2, 4, 8, 16, 32, 64)) if r["median_ratio"] >= 1.0]
+    print("largest batch where n-gram speculation pays:", max((int(r["label"].split()[-1]) for r in paying),
+                                                              default=None))
+    return dict(sweep=results)
+
+
+def run_verify(args) -> dict:
+    """Per-step time of a k-token verify step vs a plain decode step at batch 1, the same engine, interleaved
+    blocks of steps. Drafts are injected (random weights: n-gram would find none); all are rejected, which does
+    not change the step's cost."""
+    from pagedllm import SamplingParams
+    from pagedllm.core.engine_core import EngineCoreRequest
+
+    spec = ngram_config(args)
+    spec["disable_by_batch_size"] = None
+    llm = make_llm(args, spec)
+    engine, sched = llm.engine, llm.engine.scheduler
+    k = args.k
+    prompt = random_prompts(llm, 1, args.input_len)[0]["prompt_token_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - args.input_len - 8, ignore_eos=True)
+    engine.add_request(EngineCoreRequest("r", prompt, params))
+    for _ in range(3):
+        engine.step()  # prefill + first decodes
+
+    def block(verify: bool, n: int) -> float:
+        sched.spec.k = k if verify else 0
+        sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            for r in sched.running:
+                r.spec_token_ids = [11] * k if verify else []
+            engine.step()
+        sync()
+        return (time.perf_counter() - start) / n
+
+    block(True, 10)
+    block(False, 10)
+    ratios, rows = [], []
+    for it in range(args.iters):
+        t_plain = block(False, args.steps)
+        t_verify = block(True, args.steps)
+        ratios.append(t_verify / t_plain)
+        rows.append(dict(iter=it, plain_ms=1e3 * t_plain, verify_ms=1e3 * t_verify, ratio=t_verify / t_plain))
+        print(f"[verify k={k}] iter {it}: plain decode step {1e3 * t_plain:.3f} ms   verify step ({k + 1} tokens) "
+              f"{1e3 * t_verify:.3f} ms   ratio {t_verify / t_plain:.3f}")
+    engine.abort_requests(["r"])
+    print(f"[verify k={k}] median verify/plain step time: {statistics.median(ratios):.3f} "
+          f"({sched.spec_stats.num_drafts} verify steps ran, {sched.spec_stats.num_draft_tokens} draft tokens)")
+    return dict(rows=rows, median_ratio=statistics.median(ratios))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["ngram", "verify", "batch", "sweep"])
+    p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--steps", type=int, default=100, help="verify: steps per timed block")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine (two engines at once)")
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="speculative_config disable_by_batch_size (0: never turn speculation off)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192)}
+    b, out_len = defaults[args.mode]
+    args.batch_size = args.batch_size or b
+    args.output_len = args.output_len or out_len
+    result = {"ngram": run_ngram, "verify": run_verify, "batch": run_batch, "sweep": run_sweep}[args.mode](args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), result=result), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+from pagedllm.beam_search.search import BeamSearchOutput, BeamSearchSequence  # noqa: F401

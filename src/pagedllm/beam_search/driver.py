@@ -1,0 +1,89 @@
+"""Drive BeamSearch objects with the engine: every step, one max_tokens=1 request per live beam (prompt + beam
+tokens as its prompt; the prefix cache gives back the shared full blocks) asking for the top-k logprobs."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from pagedllm.beam_search.search import BeamSearch
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import SamplingParams
+
+
+def step_params(num_logprobs: int, lora: Any = None) -> SamplingParams:
+    """The request of one beam step: greedy, one token, the raw top-num_logprobs (may exceed the user limit of
+    20 for wide beams: set after validation)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False, logprobs=0)
+    params.logprobs = num_logprobs
+    return params
+
+
+def candidates(logprobs: Optional[dict[int, Logprob]], k: int) -> list[tuple[int, float, Logprob]]:
+    """The k best (token, logprob, Logprob) of one position's logprob dict, best first (ties: lower rank)."""
+    if not logprobs:
+        return []
+    items = sorted(logprobs.items(), key=lambda kv: (-kv[1].logprob, kv[1].rank or 0, kv[0]))
+    return [(t, lp.logprob, lp) for t, lp in items[:k]]
+
+
+def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
+    """LLM.beam_search: every prompt's search advances one token per round of engine steps."""
+    searches = []
+    for prompt in prompts:
+        _, ids = llm._to_prompt(prompt)
+        searches.append(BeamSearch(ids, params, llm.engine.eos_token_ids))
+        searches[-1].check_logprob_limit(llm.engine_args.max_logprobs)
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True)
+    while True:
+        items, owners = [], []
+        for s in searches:
+            for beam, seq in s.pending():
+                items.append(((None, seq), step_params(s.num_logprobs)))
+                owners.append((s, beam))
+        if not items:
+            break
+        outs = llm._run(items, use_tqdm=False)
+        _advance_all(searches, owners, [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    decode = None if llm.tokenizer is None else (lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True))
+    return [s.result(decode) for s in searches]
+
+
+def _advance_all(searches, owners, logprob_dicts) -> None:
+    per_search: dict[int, tuple[dict, dict]] = {}
+    for (s, beam), lp in zip(owners, logprob_dicts):
+        top, record = per_search.setdefault(id(s), ({}, {}))
+        top[beam] = candidates(lp, s.num_logprobs)
+        record[beam] = dict(lp or {})
+    for s in searches:
+        if id(s) in per_search:
+            top, record = per_search[id(s)]
+            s.advance(top, record)
+
+
+async def run_async(generate: Callable, prompt_ids: list[int], params, eos_token_ids: list[int],
+                    decode: Optional[Callable] = None, disconnected: Optional[Callable] = None,
+                    max_logprobs: int = -1):
+    """The server's beam search over AsyncEngine: generate(prompt_ids, sampling_params) -> final RequestOutput
+    (awaitable). Beams of one step run concurrently, in the same batches as every other request. `disconnected`
+    (awaitable -> bool) is asked between steps: a client that left stops the search."""
+    import asyncio
+
+    search = BeamSearch(prompt_ids, params, eos_token_ids)
+    search.check_logprob_limit(max_logprobs)
+    while True:
+        pending = search.pending()
+        if not pending:
+            break
+        if disconnected is not None and await disconnected():
+            raise asyncio.CancelledError("the client disconnected")
+        outs = await asyncio.gather(*(generate(seq, step_params(search.num_logprobs)) for _, seq in pending))
+        _advance_all([search], [(search, beam) for beam, _ in pending],
+                     [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
+    return search.result(decode)

@@ -1,0 +1,102 @@
+"""`use_beam_search: true` on /v1/completions and /v1/chat/completions (vLLM's extension).
+
+The beam width is best_of when given, else n; the best n beams come back as the n choices. Sampling fields that
+beam search cannot honour (temperature, top_p, penalties, stop strings, logprobs, streaming) are refused with a
+400 rather than ignored.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.sampling_params import BeamSearchParams
+
+# field -> values that mean "not used"; anything else cannot be honoured by beam search.
+_UNUSED = {"temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0, 0.0),
+           "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+           "repetition_penalty": (None, 1, 1.0), "stop": (None, [], ""), "stop_token_ids": (None, []),
+           "min_tokens": (0, None), "stream": (None, False), "echo": (None, False), "logprobs": (None, False),
+           "logit_bias": (None, {}), "bad_words": (None, []), "allowed_token_ids": (None, []),
+           "prompt_logprobs": (None,), "top_logprobs": (None,)}
+
+
+def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int]:
+    """(BeamSearchParams, n) from the request, or a 400 naming the field."""
+    n, best_of = req.n, getattr(req, "best_of", None)
+    if not isinstance(n, int) or n < 1:
+        raise APIError(f"n must be an integer >= 1 with use_beam_search, got {n!r}.", param="n")
+    if best_of is not None and best_of < n:
+        raise APIError(f"best_of ({best_of}) must be >= n ({n}) with use_beam_search: the beam width is best_of "
+                         "and the best n beams are returned.", param="best_of")
+    width = best_of if best_of is not None else n
+    if width > 64:
+        raise APIError(f"The beam width (best_of or n) must be <= 64, got {width}.", param="best_of")
+    for name, unused in _UNUSED.items():
+        value = getattr(req, name, None)
+        if value not in unused:
+            raise APIError(f"'{name}' cannot be used with use_beam_search (beam search ranks beams by the model's "
+                             f"own log-probabilities and returns complete beams).", param=name)
+    try:
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos),
+                                  length_penalty=req.length_penalty, early_stopping=req.early_stopping,
+                                  include_stop_str_in_output=bool(req.include_stop_str_in_output))
+    except ValueError as e:
+        raise APIError(str(e)) from None
+    return params, n
+
+
+async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchParams, disconnected=None):
+    from pagedllm.beam_search.driver import run_async
+
+    engine = state.engine
+
+    async def one(seq: list[int], sp) -> Any:
+        final = None
+        async for out in engine.generate(None, seq, sp, output_kind="final_only"):
+            final = out
+        return final
+
+    tok = state.tokenizer
+    from pagedllm.beam_search.search import BeamSearch
+
+    eos = list(engine.ready.eos_token_ids)
+    try:  # the beam width needs the top 2 x width logprobs per step: within --max-logprobs?
+        BeamSearch(prompt_ids, params, eos).check_logprob_limit(state.max_logprobs)
+    except ValueError as e:
+        raise APIError(str(e), param="n") from None
+    return await run_async(one, prompt_ids, params, eos, decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                           disconnected=disconnected)
+
+
+async def completion_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
+                              prompts: list, max_tokens: int, disconnected=None) -> dict:
+    params, n = beam_search_params(req, max_tokens)
+    results = await asyncio.gather(*(search(state, ids, params, disconnected) for _, ids in prompts))
+    choices, num_prompt, num_gen = [], 0, 0
+    for i, ((_, ids), result) in enumerate(zip(prompts, results)):
+        num_prompt += len(ids)
+        for j, seq in enumerate(result.sequences[:n]):
+            num_gen += len(seq.tokens) - len(ids)
+            choices.append({"index": i * n + j, "text": seq.text, "logprobs": None,
+                            "finish_reason": seq.finish_reason, "stop_reason": None})
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": _usage(num_prompt, num_gen)}
+
+
+async def chat_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
+                        prompt_ids: list[int], max_tokens: Optional[int], disconnected=None) -> dict:
+    params, n = beam_search_params(req, max_tokens)
+    result = await search(state, prompt_ids, params, disconnected)
+    choices, num_gen = [], 0
+    for j, seq in enumerate(result.sequences[:n]):
+        num_gen += len(seq.tokens) - len(prompt_ids)
+        choices.append({"index": j, "message": {"role": "assistant", "content": seq.text}, "logprobs": None,
+                        "finish_reason": seq.finish_reason, "stop_reason": None})
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": _usage(len(prompt_ids), num_gen)}
+
+
+def _usage(num_prompt: int, num_gen: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_gen, "total_tokens": num_prompt + num_gen}

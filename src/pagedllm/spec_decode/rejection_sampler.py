@@ -1,0 +1,114 @@
+"""Rejection sampler: verify proposed tokens against the target model in one pass over all rows.
+
+Rows: each request that samples contributes 1 + d rows (d = its number of drafts). Row j of a request is the
+target's distribution after its input token j (input 0 = its last real token, input j >= 1 = draft j); row j < d
+is checked against draft j + 1, and row d is the bonus row.
+
+  * greedy rows accept a draft iff it equals the target's argmax (so output is identical with and without
+    speculation); the first row that does not accept emits its argmax;
+  * random rows accept draft x with probability min(1, p(x) / q(x)) and otherwise emit a sample from
+    norm(max(0, p - q)), which makes every emitted token an exact draw from p (Leviathan et al. 2023). q is
+    one-hot at the draft for deterministic proposers (n-gram, greedy draft model): accept with p(x), resample
+    from p with x removed. The bonus row samples from p.
+
+p is the target distribution after the sampler's own processing (min_tokens, penalties, temperature, min_p,
+top-k, top-p), and seeded rows draw from their own (seed, position) generator, so seeds, penalties and logprobs
+work as without speculation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from pagedllm.layers.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    exponential_race,
+    gather_logprobs,
+    inverse_cdf_sample,
+)
+from pagedllm.sampling_params import _GREEDY_EPS
+
+NO_DRAFT = -1  # draft_token_ids entry of a bonus row
+
+
+@dataclass
+class VerifyOutput:
+    accepted: torch.Tensor  # [N] bool: the row's draft is accepted (always False on bonus rows)
+    final_token_ids: torch.Tensor  # [N] int64: the draft where accepted, else the row's emitted token
+    logprobs: Optional[LogprobsTensors] = None  # of final_token_ids under the raw distribution
+
+
+def _uniform(n: int, generators: dict[int, torch.Generator], device) -> torch.Tensor:
+    u = torch.rand(n, dtype=torch.float32, device=device)
+    for row, gen in generators.items():
+        u[row] = torch.rand(1, generator=gen, dtype=torch.float32, device=device)[0]
+    return u
+
+
+def rejection_sample(
+    logits: Optional[torch.Tensor],  # [N, V] raw target logits (None when greedy_ids covers everything)
+    meta: SamplingMetadata,  # built over the N rows
+    draft_token_ids: torch.Tensor,  # [N] int64, NO_DRAFT on bonus rows
+    draft_probs: Optional[torch.Tensor] = None,  # [N, V] q of the proposer; None = one-hot at the draft
+    greedy_ids: Optional[torch.Tensor] = None,  # [N] argmax of the raw logits, when the caller has it
+) -> VerifyOutput:
+    is_draft = draft_token_ids >= 0
+    safe_draft = draft_token_ids.clamp(min=0)
+    if greedy_ids is not None and meta.argmax_only:
+        accepted = is_draft & (greedy_ids == draft_token_ids)
+        return VerifyOutput(accepted, torch.where(accepted, draft_token_ids, greedy_ids))
+    if logits is None:
+        raise ValueError("rejection_sample needs the logits unless every row is plain greedy.")
+    logits, raw_logprobs = Sampler.process_logits(logits, meta)
+    argmax = logits.argmax(dim=-1)
+    if meta.all_greedy:
+        emitted = argmax
+        accepted = is_draft & (argmax == draft_token_ids)
+    else:
+        probs = Sampler.probs(logits, meta)  # [N, V]
+        p_draft = probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
+        if draft_probs is None:
+            q_draft = torch.ones_like(p_draft)
+            residual = probs.clone()
+            residual.scatter_(1, safe_draft.unsqueeze(1), 0.0)  # max(0, p - onehot) = p without the draft
+        else:
+            q_draft = draft_probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
+            residual = (probs - draft_probs).clamp_(min=0.0)
+        u = _uniform(probs.shape[0], meta.generators, probs.device)
+        accepted_random = is_draft & (u * q_draft < p_draft)  # u < p / q without dividing by q = 0
+        # Bonus rows (and rows whose residual vanished, which only happens when p == q and the draft is then
+        # always accepted) draw from p itself.
+        empty = residual.sum(dim=-1) <= 0
+        use_p = (~is_draft) | empty
+        residual = torch.where(use_p.unsqueeze(1), probs, residual)
+        if residual.device.type == "cpu":
+            sampled = inverse_cdf_sample(residual, meta.generators)
+        else:
+            sampled = exponential_race(residual, meta.generators)
+        greedy_rows = meta.temperature < _GREEDY_EPS
+        emitted = torch.where(greedy_rows, argmax, sampled)
+        accepted = torch.where(greedy_rows, is_draft & (argmax == draft_token_ids), accepted_random)
+    final = torch.where(accepted, draft_token_ids, emitted)
+    lp = None
+    if raw_logprobs is not None:
+        lp = gather_logprobs(raw_logprobs, final, meta.max_num_logprobs)
+    return VerifyOutput(accepted, final, lp)
+
+
+def accepted_tokens(accepted: Sequence[bool], final_token_ids: Sequence[int],
+                    num_rows: Sequence[int]) -> list[list[int]]:
+    """Host side: per request (num_rows[i] = 1 + its drafts), the tokens it emits: its leading accepted drafts
+    and then the first non-accepted row's token (the correction, or the bonus when every draft was accepted)."""
+    out: list[list[int]] = []
+    start = 0
+    for n in num_rows:
+        a = 0
+        while a < n - 1 and accepted[start + a]:
+            a += 1
+        out.append(list(final_token_ids[start:start + a + 1]))
+        start += n
+    return out

@@ -1,0 +1,57 @@
+"""The scheduler's speculative-decoding bookkeeping (pure Python; owned by core.scheduler.Scheduler).
+
+Drafts are more tokens to compute: a caught-up request with drafts is scheduled 1 + len(drafts) tokens. After the
+step, rejected drafts are rolled back: the computed count steps back and blocks that held only rejected slots are
+freed; the runner learns the kept block count with the request's next CachedRequestData.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.spec_decode.stats import SpecDecodeStats, draft_room
+
+
+class SpecScheduling:
+    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: Optional[int], max_model_len: int) -> None:
+        self.k = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats(num_spec_tokens=num_speculative_tokens)
+        self.kept_blocks: dict[str, int] = {}  # request id -> block count after a rollback (sent once)
+
+    def active(self, num_running: int, num_waiting: int) -> bool:
+        """Whether a step speculates: configured, and the load small enough that it pays."""
+        if self.k <= 0:
+            return False
+        limit = self.disable_by_batch_size
+        return limit is None or num_running + num_waiting <= limit
+
+    def forget(self, request: Request) -> None:
+        """Preempted or finished: its drafts and pending rollback mean nothing any more."""
+        request.spec_token_ids = []
+        self.kept_blocks.pop(request.request_id, None)
+
+    def drafts_to_verify(self, request: Request, num_new_tokens: int, budget: int, active: bool) -> list[int]:
+        """The request's proposed drafts this step verifies (consumed either way: drafts are only valid right after
+        the step that proposed them). Only for a request whose one remaining token is its last."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if (not drafts or not active or num_new_tokens != 1 or request.num_output_placeholders
+                or request.num_computed_tokens != request.num_tokens - 1):
+            return []
+        room = draft_room(request.num_output_tokens, request.num_tokens, request.max_tokens, self.max_model_len)
+        return drafts[:max(0, min(room, budget - 1))]
+
+    def rollback_rejected(self, request: Request, drafts: list[int], num_accepted: int, kv: KVCacheManager) -> None:
+        """The step computed K/V for every draft; only the accepted ones count. Prefix-cache hashes never covered
+        drafts (they are not tokens), so nothing cached is touched."""
+        self.stats.observe(len(drafts), num_accepted)
+        num_rejected = len(drafts) - num_accepted
+        if num_rejected <= 0:
+            return
+        request.num_computed_tokens -= num_rejected
+        before = len(kv.req_to_blocks.get(request.request_id, ()))
+        kept = kv.trim(request, request.num_computed_tokens)
+        if kept < before:
+            self.kept_blocks[request.request_id] = kept

@@ -1,0 +1,181 @@
+"""SpecDecodeRunner: the model runner's speculative-decoding side (proposing drafts, verifying them).
+
+The runner calls
+  * verify(...) for a step whose plan scheduled drafts: rows of every position that samples go through the
+    rejection sampler in one pass; the step's host sync returns the accepted tokens per request;
+  * propose(...) after a step's tokens are appended (when the plan says speculation is on): the proposer's
+    drafts for the next step go back to the scheduler in ModelOutput.spec_token_ids;
+  * drop(...) for requests the plan finished (a draft model frees their draft KV blocks).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedllm.core.batch_plan import ModelOutput, TokenLogprobs
+from pagedllm.layers.sampler import SamplingMetadata
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.rejection_sampler import NO_DRAFT, accepted_tokens, rejection_sample
+from pagedllm.spec_decode.stats import draft_room
+
+
+class SpecDecodeRunner:
+    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+
+    def initialize(self, num_target_blocks: int) -> None:
+        """After the target's KV cache exists: a draft model allocates its own."""
+        init = getattr(self.proposer, "initialize", None)
+        if init is not None:
+            init(num_target_blocks)
+
+    def graph_token_sizes(self) -> list[int]:
+        """Token counts of verify steps worth an exact CUDA-graph bucket: (k + 1) x a decode batch size up to the
+        batch size where speculation turns off (other verify steps replay the next larger mixed bucket)."""
+        k1 = self.config.num_speculative_tokens + 1
+        limit = self.config.disable_by_batch_size or 16
+        return [k1 * b for b in (1, 2, 4, 8, 16, 32, 64) if b <= limit]
+
+    def share_blocks(self, num_blocks: int, target_spec) -> int:
+        """Target blocks left when a draft model's KV cache (as many blocks) shares the same memory budget."""
+        spec_of = getattr(self.proposer, "kv_cache_spec", None)
+        if spec_of is None:
+            return num_blocks
+        target, draft = target_spec.bytes_per_block, spec_of().bytes_per_block
+        return max(1, num_blocks * target // (target + draft))
+
+    def drop(self, req_ids) -> None:
+        drop = getattr(self.proposer, "drop", None)
+        if drop is not None:
+            drop(req_ids)
+
+    # ------------------------------------------------------------------ propose
+    def propose(self, runner, inp) -> list[list[int]]:
+        """Drafts for every request of the step that sampled (empty lists elsewhere), in batch order."""
+        batch = runner.input_batch
+        out: list[list[int]] = [[] for _ in inp.req_ids]
+        idx, req_ids, rows, lens, rooms = [], [], [], [], []
+        for r in inp.sample_rows.tolist():
+            state = inp.states[r]
+            if batch.requests.get(state.req_id) is not state:
+                continue
+            room = draft_room(len(state.output_token_ids), state.num_tokens, state.sampling_params.max_tokens,
+                              self.max_model_len)
+            if room <= 0:
+                continue
+            idx.append(r)
+            req_ids.append(state.req_id)
+            rows.append(state.row)
+            lens.append(state.num_tokens)
+            rooms.append(room)
+        if idx:
+            drafts = self.proposer.propose(batch.token_ids, rows, lens, rooms, req_ids=req_ids)
+            for r, d in zip(idx, drafts):
+                out[r] = d
+        return out
+
+    # ------------------------------------------------------------------ verify
+    @torch.inference_mode()
+    def verify(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict):
+        from pagedllm.worker.model_runner import PendingOutput
+
+        spec = inp.spec_token_ids
+        qsl = inp.query_start_loc
+        token_rows: list[int] = []
+        draft_ids: list[int] = []
+        num_rows: list[int] = []
+        params, prompts, outputs, eos = [], [], [], []
+        sample_rows = inp.sample_rows.tolist()
+        for r in sample_rows:
+            state = inp.states[r]
+            drafts = spec.get(state.req_id, [])
+            n = len(drafts) + 1
+            end = int(qsl[r + 1])
+            token_rows.extend(range(end - n, end))
+            draft_ids.extend(drafts)
+            draft_ids.append(NO_DRAFT)
+            num_rows.append(n)
+            p = state.sampling_params
+            # Penalties and bad words read the output tokens themselves; seeds and min_tokens only their count.
+            needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                             or bool(getattr(p, "bad_words_token_ids", None)))
+            for j in range(n):
+                params.append(p)
+                prompts.append(state.prompt_token_ids)
+                # Row j sees the drafts before it as outputs (penalties, min_tokens, the seed's position).
+                if j == 0:
+                    outputs.append(state.output_token_ids)
+                elif needs_history:
+                    outputs.append(state.output_token_ids + drafts[:j])
+                else:
+                    outputs.append(_Len(len(state.output_token_ids) + j))
+                eos.append(None if p.ignore_eos else runner.eos_token_id)
+        dev = runner.device
+        meta = SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
+                                      eos_token_ids=eos, vocab_size=runner.vocab_size, device=dev)
+        idx = torch.tensor(token_rows, dtype=torch.long).to(dev)
+        rows_hidden = hidden.index_select(0, idx)
+        draft_t = torch.tensor(draft_ids, dtype=torch.long).to(dev)
+        greedy = None
+        if meta.argmax_only:
+            greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
+        logits = None if greedy is not None else runner.model.compute_logits(rows_hidden)
+        result = rejection_sample(logits, meta, draft_t, None, greedy)
+        accepted = result.accepted.tolist()  # the step's host sync
+        final = result.final_token_ids.tolist()
+        lp = None if result.logprobs is None else [t.tolist() for t in result.logprobs]
+        emitted = accepted_tokens(accepted, final, num_rows)
+        output = self._output(runner, inp, sample_rows, emitted, num_rows, lp)
+        output.prompt_logprobs = prompt_logprobs
+        pending = PendingOutput(runner, inp, None, None, None, prompt_logprobs)
+        pending._output = output
+        return pending
+
+    def _output(self, runner, inp, sample_rows: list[int], emitted: list[list[int]], num_rows: list[int],
+                lp: Optional[list]) -> ModelOutput:
+        batch = runner.input_batch
+        num_reqs = len(inp.req_ids)
+        output = ModelOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in range(num_reqs)],
+                             logprobs=[None] * num_reqs)
+        start = 0
+        for r, tokens, n in zip(sample_rows, emitted, num_rows):
+            state = inp.states[r]
+            for t in tokens:
+                batch.append_token(state, t)
+            output.sampled_token_ids[r] = tokens
+            k = state.sampling_params.logprobs
+            if lp is not None and k is not None:
+                ids, vals, ranks = lp
+                output.logprobs[r] = [TokenLogprobs(token_ids=ids[j][:k + 1], logprobs=vals[j][:k + 1],
+                                                    ranks=ranks[j][:k + 1])
+                                      for j in range(start, start + len(tokens))]
+            start += n
+        if inp.propose_drafts:
+            output.spec_token_ids = self.propose(runner, inp)
+        return output
+
+
+class _Len:
+    """Stands in for an output-token list where only its length is read (seeds, min_tokens)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def build_proposer(config: SpeculativeConfig, **kwargs):
+    if config.method == "ngram":
+        from pagedllm.spec_decode.ngram_proposer import NgramProposer
+
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    from pagedllm.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer(config, **kwargs)
+

@@ -1,0 +1,46 @@
+"""`pagedllm serve --speculative-config JSON`: a bad config stops the start with its message; a good one serves,
+and /metrics counts drafts and accepted tokens under vLLM's names."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+
+from e2e_helpers import cli, metric, stop
+
+from pagedllm.entrypoints.server_process import free_port, wait_healthy
+
+
+def test_bad_speculative_config_fails_at_start(smollm2_hf_dir, e2e_env):
+    for bad, message in [('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
+                         ('{"method": "medusa", "num_speculative_tokens": 2}', "not supported yet"),
+                         ("{oops", "JSON")]:
+        proc = subprocess.run([cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(free_port()),
+                               "--speculative-config", bad], env=e2e_env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0
+        assert message in proc.stdout + proc.stderr
+
+
+def test_ngram_server_counts_drafts(smollm2_hf_dir, e2e_env, tmp_path):
+    port = free_port()
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    log_path = str(tmp_path / "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port), "--max-model-len",
+                                 "512", "--kv-cache-memory-bytes", str(64 << 20), "--speculative-config", spec],
+                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log_path=log_path)
+        text = "one two three four five six seven eight nine ten " * 3
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Repeat: " + text + "\nRepeat: one two three",
+                                                      "max_tokens": 24, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        m = httpx.get(url + "/metrics", timeout=30).text
+        drafted = metric(m, "vllm:spec_decode_num_draft_tokens_total")
+        accepted = metric(m, "vllm:spec_decode_num_accepted_tokens_total")
+        assert metric(m, "vllm:spec_decode_num_drafts_total") > 0 and drafted > 0 and 0 < accepted <= drafted
+        assert metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    finally:
+        stop(proc)

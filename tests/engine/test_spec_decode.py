@@ -1,0 +1,184 @@
+"""Speculative decoding through the real engine: greedy output is identical with and without it (n-gram and
+draft model; chunked prefill, prefix hits, preemption, sync and async scheduling), sampling keeps its rules,
+a draft model of the target itself accepts ~everything, an unrelated one little, and bad configs fail at start."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def _prompts(seed=0, vocab=512):
+    rng = random.Random(seed)
+    base = [rng.randrange(2, vocab) for _ in range(24)]
+    return [base * 3,  # repeats: n-gram lookup hits
+            base[:12] * 4 + [7, 8],
+            [rng.randrange(2, vocab) for _ in range(70)],  # no repeats
+            base[:5] + [rng.randrange(2, vocab) for _ in range(9)]]
+
+
+def _llm(model, **kw):
+    kw.setdefault("kv_cache_memory_bytes", 1 << 24)
+    kw.setdefault("max_model_len", 256)
+    return LLM(model, **kw)
+
+
+def _tokens(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    cache = {}
+
+    def get(arch, prompts, params=GREEDY, **kw):
+        key = (arch, repr(prompts), repr(params), repr(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = _tokens(_llm(tiny_model_dir(arch), **kw), prompts, params)
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ngram_greedy_identical(tiny_model_dir, reference, arch, async_scheduling):
+    prompts = _prompts()
+    llm = _llm(tiny_model_dir(arch), speculative_config=NGRAM, async_scheduling=async_scheduling, block_size=8)
+    assert _tokens(llm, prompts, GREEDY) == reference(arch, prompts)
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert llm.engine.num_steps < 4 * 40  # fewer steps than one token each
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_identical_through_chunked_prefill_prefix_hits_and_preemption(tiny_model_dir, reference, method):
+    prompts = _prompts(1)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": tiny_model_dir("llama"),
+                                            "num_speculative_tokens": 3}
+    # chunked prefill: 32-token steps
+    llm = _llm(tiny_model_dir("llama"), speculative_config=spec, max_num_batched_tokens=32, max_num_seqs=4)
+    assert _tokens(llm, prompts, GREEDY) == reference("llama", prompts)
+    # prefix hits: the same prompts again, from the cache
+    hits_before = llm.engine.get_stats().prefix_cache_hits
+    assert _tokens(llm, prompts, GREEDY) == reference("llama", prompts)
+    assert llm.engine.get_stats().prefix_cache_hits > hits_before
+    # preemption: a pool of 24 blocks of 16 tokens for four requests that need ~30
+    small = _llm(tiny_model_dir("llama"), speculative_config=spec, num_gpu_blocks_override=24)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    assert _tokens(small, prompts, params) == reference("llama", prompts, params)
+    assert small.engine.get_stats().num_preemptions > 0
+    assert small.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_k=1, max_tokens=30, ignore_eos=True),  # sampled path, one-token support
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=0.0, min_tokens=10, max_tokens=30),
+], ids=["sampled-top_k1", "penalties", "min_tokens"])
+def test_ngram_keeps_sampling_rules(tiny_model_dir, reference, params):
+    prompts = _prompts(2)
+    llm = _llm(tiny_model_dir("llama"), speculative_config=NGRAM)
+    assert _tokens(llm, prompts, params) == reference("llama", prompts, params)
+
+
+def test_ngram_logprobs_and_seeds(tiny_model_dir):
+    prompts = _prompts(3)
+    lp_params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    plain = _llm(tiny_model_dir("llama")).generate([{"prompt_token_ids": p} for p in prompts], lp_params,
+                                                   use_tqdm=False)
+    spec_llm = _llm(tiny_model_dir("llama"), speculative_config=NGRAM)
+    spec = spec_llm.generate([{"prompt_token_ids": p} for p in prompts], lp_params, use_tqdm=False)
+    for a, b in zip(plain, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(b.outputs[0].logprobs) == 20
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=25, ignore_eos=True)
+    first = _tokens(spec_llm, prompts, seeded)
+    assert first == _tokens(spec_llm, prompts, seeded)
+    assert all(len(t) == 25 for t in first)
+
+
+def test_draft_model_self_and_unrelated(tiny_model_dir, reference, tmp_path):
+    from tests.conftest import save_tiny_model, tiny_hf_config
+
+    target = tiny_model_dir("llama")
+    prompts = _prompts(4)
+    me = _llm(target, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3})
+    assert _tokens(me, prompts, GREEDY) == reference("llama", prompts)
+    stats = me.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.95
+    other = save_tiny_model(str(tmp_path / "other"), tiny_hf_config("llama"), seed=1)
+    for async_scheduling in (False, True):
+        llm = _llm(target, async_scheduling=async_scheduling,
+                   speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 3})
+        assert _tokens(llm, prompts, GREEDY) == reference("llama", prompts)
+        stats = llm.engine.scheduler.spec_stats
+        assert stats.num_draft_tokens > 50 and stats.acceptance_rate < 0.3
+
+
+def test_bad_configs_fail_at_start(tiny_model_dir, tmp_path):
+    from tests.conftest import save_tiny_model, tiny_hf_config
+
+    target = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="method"):
+        _llm(target, speculative_config={"method": "lookahead", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=">= 1"):
+        _llm(target, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="needs 'model'"):
+        _llm(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="cannot be loaded|does not exist"):
+        _llm(target, speculative_config={"method": "draft_model", "model": str(tmp_path / "missing"),
+                                         "num_speculative_tokens": 2})
+    cfg = tiny_hf_config("llama")
+    cfg.vocab_size = 600
+    other = save_tiny_model(str(tmp_path / "vocab600"), cfg)
+    with pytest.raises(ValueError, match="vocabulary"):
+        _llm(target, speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 2})
+
+
+def test_smollm2_ngram_and_self_draft(smollm2_gguf_path):
+    text = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank. "
+            "The quick brown fox jumps over")
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    common = dict(max_model_len=512, kv_cache_memory_bytes=1 << 26)
+    ngram = LLM(smollm2_gguf_path, speculative_config=NGRAM, **common)
+    ngram.engine.scheduler.spec.k = 0  # speculation off in the same engine: the plain reference
+    plain = ngram.generate([text], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert ngram.engine.scheduler.spec_stats.num_drafts == 0
+    ngram.engine.scheduler.spec.k = NGRAM["num_speculative_tokens"]
+    assert ngram.generate([text], params, use_tqdm=False)[0].outputs[0].token_ids == plain
+    assert ngram.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    del ngram
+    draft = LLM(smollm2_gguf_path, **common, speculative_config={
+        "method": "draft_model", "model": smollm2_gguf_path, "num_speculative_tokens": 4})
+    assert draft.generate([text], params, use_tqdm=False)[0].outputs[0].token_ids == plain
+    stats = draft.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens >= 8 and stats.acceptance_rate > 0.9
+
+def test_stop_strings_and_stop_tokens_mid_draft(tiny_model_dir):
+    """Several tokens arrive per step: a stop string or stop token inside them ends the output at the same place."""
+    model = tiny_model_dir("llama")
+    prompts = _prompts(5)[:2]
+    plain, spec = _llm(model), _llm(model, speculative_config=NGRAM)
+    free = plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for out, prompt in zip(free, prompts):
+        text, ids = out.outputs[0].text, out.outputs[0].token_ids
+        stop_text = text[len(text) // 2:len(text) // 2 + 3]
+        for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_text]),
+                       SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[ids[25]])):
+            a = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            b = spec.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason,
+                                                                            b.stop_reason)
+            assert a.finish_reason == "stop"

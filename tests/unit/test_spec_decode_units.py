@@ -1,0 +1,261 @@
+"""Speculative decoding parts on their own: config validation, n-gram lookup, the rejection sampler's
+distribution, scheduler accounting (drafts as tokens to compute, rollback of rejected drafts), metrics."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.core.batch_plan import ModelOutput
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.layers.sampler import SamplingMetadata
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.rejection_sampler import NO_DRAFT, accepted_tokens, rejection_sample
+
+
+# ---------------------------------------------------------------- config
+
+def test_config_parses_vllm_forms():
+    c = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 4, 4)
+    c = SpeculativeConfig.from_user('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
+    c = SpeculativeConfig.from_user({"model": "/x", "num_speculative_tokens": 5})
+    assert c.method == "draft_model" and c.model == "/x"
+    assert SpeculativeConfig.from_user(None) is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"method": "bogus", "num_speculative_tokens": 2}, "method"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, ">="),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "colour": "red"}, "Unknown speculative_config key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ("{not json", "JSON"),
+    (["ngram"], "dict"),
+])
+def test_config_errors(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_user(value)
+
+
+def test_engine_args_and_cli_flag():
+    from pagedllm.config import EngineArgs
+    from pagedllm.entrypoints.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "m", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'])
+    from pagedllm.entrypoints.openai.cli_args import to_engine_args
+
+    ea = to_engine_args(args)
+    ea.validate()
+    assert ea.speculative().num_speculative_tokens == 4
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineArgs(speculative_config={"method": "ngram"}).validate()
+
+
+# ---------------------------------------------------------------- n-gram
+
+def test_ngram_proposes_continuation_of_latest_match():
+    prop = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)
+    seqs = [[1, 2, 3, 4, 5, 9, 9, 2, 3],  # suffix [2, 3] (3-gram [9, 2, 3] absent) -> after index 1: 4 5 9
+            [7, 8, 9, 7, 8, 6, 1, 7, 8],  # latest earlier [7, 8] at 3 -> 6 1 7
+            [1, 2, 3, 4, 5, 6, 7, 8, 9],  # no repeat -> nothing
+            [5, 6, 5, 6, 5, 6, 0, 0, 0]]  # length 6 (rest is padding): latest earlier [5, 6] at 2 -> 5 6
+    mat = np.zeros((4, 16), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        mat[i, :len(s)] = s
+    drafts = prop.propose(mat, [0, 1, 2, 3], [9, 9, 9, 6], [3, 3, 3, 3])
+    assert drafts == [[4, 5, 9], [6, 1, 7], [], [5, 6]]
+    # room limits the proposal
+    assert prop.propose(mat, [0], [9], [1]) == [[4]]
+    assert prop.propose(mat, [0], [9], [0]) == [[]]
+
+
+def test_ngram_prefers_longer_match():
+    prop = NgramProposer(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3)
+    seq = [4, 1, 2, 3, 8, 9, 2, 3, 5, 5, 1, 2, 3]  # 3-gram [1, 2, 3] at 1 -> 8 9 (1-gram [3] would give 5 5)
+    mat = np.array([seq], dtype=np.int64)
+    assert prop.propose(mat, [0], [len(seq)], [2]) == [[8, 9]]
+
+
+# ---------------------------------------------------------------- rejection sampler
+
+def _meta(n, vocab, **kw):
+    return SamplingMetadata.build(params=[SamplingParams(**kw)] * n, prompt_token_ids=[[0]] * n,
+                                  output_token_ids=[[]] * n, eos_token_ids=[None] * n, vocab_size=vocab, device="cpu")
+
+
+def _tv(samples: torch.Tensor, p: torch.Tensor) -> float:
+    freq = torch.bincount(samples, minlength=p.numel()).double() / samples.numel()
+    return 0.5 * float((freq - p.double()).abs().sum())
+
+
+TARGET = torch.tensor([2.0, 0.5, 1.0, -1.0, 0.0])  # p = softmax: a known 5-token target
+N = 40_000
+
+
+def test_rejection_sampling_with_one_hot_draft_preserves_target():
+    torch.manual_seed(0)
+    p = TARGET.softmax(-1)
+    logits = TARGET.repeat(N, 1)
+    drafts = torch.full((N,), 3, dtype=torch.long)  # always propose an unlikely token
+    out = rejection_sample(logits.clone(), _meta(N, 5, temperature=1.0), drafts)
+    assert _tv(out.final_token_ids, p) < 0.01
+    # accepted exactly when the emitted token is the draft; acceptance rate ~ p(draft)
+    assert torch.equal(out.accepted, out.final_token_ids == 3)
+    assert abs(out.accepted.double().mean().item() - p[3].item()) < 0.01
+
+
+def test_rejection_sampling_uses_draft_distribution():
+    """Drafts drawn from q != p: the output is p, and a draft is accepted with min(1, p/q), i.e. at the rate
+    sum(min(p, q)) (treating the draft as one-hot instead would accept at the rate E_q[p])."""
+    torch.manual_seed(1)
+    p = TARGET.softmax(-1)
+    q = torch.tensor([0.05, 0.6, 0.05, 0.25, 0.05])
+    drafts = torch.multinomial(q, N, replacement=True)
+    logits = TARGET.repeat(N, 1)
+    out = rejection_sample(logits.clone(), _meta(N, 5, temperature=1.0), drafts, draft_probs=q.repeat(N, 1))
+    assert _tv(out.final_token_ids, p) < 0.01
+    rate, expected, one_hot_rate = out.accepted.double().mean().item(), torch.minimum(p, q).sum().item(), (p * q).sum()
+    assert abs(rate - expected) < 0.01 and abs(expected - one_hot_rate.item()) > 0.1
+    # a sampler that ignored q in the residual (resampling from p after a rejection) would be biased:
+    residual_ignored = torch.where(out.accepted, drafts, torch.multinomial(p, N, replacement=True))
+    assert _tv(residual_ignored, p) > 0.05
+
+
+def test_rejection_sampling_honours_temperature_and_top_k():
+    torch.manual_seed(2)
+    logits = TARGET.repeat(N, 1)
+    drafts = torch.full((N,), 2, dtype=torch.long)
+    out = rejection_sample(logits.clone(), _meta(N, 5, temperature=0.5, top_k=2), drafts)
+    p = torch.zeros(5)
+    top = (TARGET / 0.5)[[0, 2]].softmax(-1)
+    p[0], p[2] = top[0], top[1]
+    assert _tv(out.final_token_ids, p) < 0.01
+
+
+def test_bonus_rows_sample_target_and_greedy_rows_take_argmax():
+    torch.manual_seed(3)
+    logits = TARGET.repeat(N, 1)
+    out = rejection_sample(logits.clone(), _meta(N, 5, temperature=1.0), torch.full((N,), NO_DRAFT))
+    assert not out.accepted.any()
+    assert _tv(out.final_token_ids, TARGET.softmax(-1)) < 0.01
+    greedy = rejection_sample(TARGET.repeat(3, 1), _meta(3, 5, temperature=0.0), torch.tensor([0, 2, NO_DRAFT]))
+    assert greedy.accepted.tolist() == [True, False, False]
+    assert greedy.final_token_ids.tolist() == [0, 0, 0]
+
+
+def test_seeded_rows_repeat():
+    def run():
+        metas = SamplingMetadata.build(params=[SamplingParams(temperature=1.0, seed=7)] * 4,
+                                       prompt_token_ids=[[0]] * 4, output_token_ids=[[], [1], [1, 2], [1, 2, 3]],
+                                       eos_token_ids=[None] * 4, vocab_size=5, device="cpu")
+        return rejection_sample(TARGET.repeat(4, 1), metas, torch.tensor([3, 3, 3, NO_DRAFT])).final_token_ids
+    torch.manual_seed(4)
+    a = run()
+    torch.manual_seed(5)
+    assert torch.equal(a, run())
+
+
+def test_accepted_tokens_per_request():
+    # request 0: 3 drafts, first two accepted -> 2 drafts + correction; request 1: no drafts -> its bonus row
+    accepted = [True, True, False, False, False]
+    final = [10, 11, 99, 13, 42]
+    assert accepted_tokens(accepted, final, [4, 1]) == [[10, 11, 99], [42]]
+    assert accepted_tokens([True, True, False], [5, 6, 7], [3]) == [[5, 6, 7]]  # all accepted + bonus
+
+
+# ---------------------------------------------------------------- scheduler accounting
+
+def _scheduler(**kw):
+    return Scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_blocks=32,
+                     num_speculative_tokens=4, spec_disable_batch_size=kw.pop("limit", 8), **kw)
+
+
+def _request(rid="r", n=7, max_tokens=20):
+    return Request(rid, list(range(2, 2 + n)), SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def test_drafts_are_scheduled_and_rejected_ones_rolled_back():
+    s = _scheduler()
+    req = _request()
+    s.add_request(req)
+    plan = s.schedule()  # prefill of 7 tokens: 2 blocks
+    assert plan.num_scheduled_tokens == {"r": 7} and plan.propose_drafts
+    s.update_from_output(plan, ModelOutput(req_ids=["r"], sampled_token_ids=[[50]], spec_token_ids=[[51, 52, 53, 54]]))
+    assert req.spec_token_ids == [51, 52, 53, 54]
+    plan = s.schedule()  # last token + 4 drafts: positions 7..11 -> 3 blocks
+    assert plan.num_scheduled_tokens == {"r": 5}
+    assert plan.scheduled_spec_decode_tokens == {"r": [51, 52, 53, 54]}
+    assert len(s.kv_cache_manager.req_to_blocks["r"]) == 3 and req.num_computed_tokens == 12
+    # one draft accepted, then the target's correction 60: 3 rejected
+    s.update_from_output(plan, ModelOutput(req_ids=["r"], sampled_token_ids=[[51, 60]], spec_token_ids=[[]]))
+    assert req.output_token_ids == [50, 51, 60]
+    assert req.num_computed_tokens == 9 == req.num_tokens - 1
+    assert len(s.kv_cache_manager.req_to_blocks["r"]) == 3  # positions 0..8 need 3 blocks: nothing to free
+    stats = s.stats()
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (1, 4, 1)
+    assert stats.spec_num_accepted_tokens_per_pos == (1, 0, 0, 0)
+    plan = s.schedule()  # no drafts proposed: plain decode
+    assert plan.num_scheduled_tokens == {"r": 1} and not plan.scheduled_spec_decode_tokens
+
+
+def test_rollback_frees_blocks_and_tells_the_runner():
+    s = _scheduler()
+    req = _request(n=8)
+    s.add_request(req)
+    plan = s.schedule()  # 8 tokens: exactly 2 blocks
+    s.update_from_output(plan, ModelOutput(req_ids=["r"], sampled_token_ids=[[50]], spec_token_ids=[[1, 2, 3, 4]]))
+    plan = s.schedule()  # positions 8..12 (token 50 + 4 drafts) -> blocks 3 and 4 appended
+    assert len(plan.cached_requests[0].new_block_ids) == 2
+    free_before = s.kv_cache_manager.num_free_blocks
+    s.update_from_output(plan, ModelOutput(req_ids=["r"], sampled_token_ids=[[70]], spec_token_ids=[[5]]))
+    # every draft rejected: K/V is valid for positions 0..8 only -> 3 blocks kept, the 4th freed
+    assert req.num_computed_tokens == 9 and len(s.kv_cache_manager.req_to_blocks["r"]) == 3
+    assert s.kv_cache_manager.num_free_blocks == free_before + 1
+    plan = s.schedule()  # token 70 + draft 5: positions 9, 10 fit in 3 blocks; the runner cuts to 3 first
+    cached = plan.cached_requests[0]
+    assert cached.num_kept_blocks == 3 and cached.new_block_ids == []
+    assert plan.scheduled_spec_decode_tokens == {"r": [5]}
+    assert s.kv_cache_manager.block_pool.get_usage() > 0
+
+
+def test_drafts_limited_by_max_tokens_and_turned_off_under_load():
+    s = _scheduler(limit=1)
+    req = _request(max_tokens=3)
+    s.add_request(req)
+    plan = s.schedule()
+    s.update_from_output(plan, ModelOutput(req_ids=["r"], sampled_token_ids=[[50]], spec_token_ids=[[1, 2, 3, 4]]))
+    plan = s.schedule()  # 1 output so far, max 3: at most 1 draft (+1 token) is worth verifying
+    assert plan.scheduled_spec_decode_tokens == {"r": [1]}
+    s.update_from_output(plan, ModelOutput(req_ids=["r"], sampled_token_ids=[[1, 9]], spec_token_ids=[[7]]))
+    assert req.is_finished and req.output_token_ids == [50, 1, 9]
+    # two requests with a limit of one: no speculation, and drafts are not even proposed
+    for rid in ("a", "b"):
+        s.add_request(_request(rid))
+    plan = s.schedule()
+    assert not plan.propose_drafts
+
+
+def test_metrics_export_spec_counters():
+    from pagedllm.core.scheduler import SchedulerStats
+    from pagedllm.metrics import Metrics
+
+    m = Metrics("m")
+    zero = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+    now = SchedulerStats(0, 0, 0.0, 0, 0, 0, spec_num_drafts=3, spec_num_draft_tokens=12,
+                         spec_num_accepted_tokens=7, spec_num_accepted_tokens_per_pos=(3, 2, 1, 1))
+    m.update_scheduler_stats(now, zero)
+    text = m.render().decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
