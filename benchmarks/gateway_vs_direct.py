@@ -35,6 +35,20 @@ def bench(url: str, args: argparse.Namespace, seed: int, num_prompts: int, resul
         return json.load(f)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its children that are alive now (nginx workers, the engine)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    total = 0.0
+    for p in [pid, *[int(x) for x in out.split()]]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def wait_gateway(url: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:
     import httpx
 
@@ -81,12 +95,17 @@ def main() -> None:
             wait_gateway(gateway, nginx)
             bench(direct, args, args.seed + 10_000, 8, os.path.join(tmp, "warm.json"))
             runs: dict[str, list[float]] = {"direct": [], "gateway": []}
+            cpu = {"nginx": 0.0, "server": 0.0}  # CPU seconds spent during the gateway runs
             order = []
             for r in range(args.rounds):
                 order += [("direct", direct), ("gateway", gateway)] if r % 2 == 0 else \
                          [("gateway", gateway), ("direct", direct)]
             for i, (side, url) in enumerate(order):
+                before = (cpu_seconds(nginx.pid), cpu_seconds(server.pid))
                 result = bench(url, args, args.seed + i, args.num_prompts, os.path.join(tmp, f"run{i}.json"))
+                if side == "gateway":
+                    cpu["nginx"] += cpu_seconds(nginx.pid) - before[0]
+                    cpu["server"] += cpu_seconds(server.pid) - before[1]
                 runs[side].append(result["output_throughput"])
                 print(f"run {i:2d} {side:8s} output {result['output_throughput']:8.1f} tok/s, "
                       f"{result['completed']} requests in {result['duration']:.1f} s", flush=True)
@@ -104,13 +123,17 @@ def main() -> None:
     print(f"{'Prompts / concurrency / in / out:':<40} {args.num_prompts} / {args.concurrency} / "
           f"{args.input_len} / {args.output_len}")
     print(f"{'Direct output throughput (tok/s):':<40} {mean['direct']:.1f}  {[round(x, 1) for x in runs['direct']]}")
-    print(f"{'Gateway output throughput (tok/s):':<40} {mean['gateway']:.1f}  {[round(x, 1) for x in runs['gateway']]}")
+    gateway_runs = [round(x, 1) for x in runs["gateway"]]
+    print(f"{'Gateway output throughput (tok/s):':<40} {mean['gateway']:.1f}  {gateway_runs}")
     print(f"{'Gateway / direct:':<40} {ratio:.3f}  (per round {[round(x, 3) for x in pair_ratios]}; "
           f"target >= 0.95: {'PASS' if ratio >= 0.95 else 'FAIL'})")
+    print(f"{'nginx CPU / server CPU (gateway runs):':<40} {cpu['nginx']:.2f} s / {cpu['server']:.1f} s = "
+          f"{cpu['nginx'] / max(cpu['server'], 1e-9):.2%}")
     print("=" * 56)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"runs": runs, "ratio": ratio, "pair_ratios": pair_ratios, "args": vars(args)}, f, indent=2)
+            json.dump({"runs": runs, "cpu": cpu, "ratio": ratio, "pair_ratios": pair_ratios, "args": vars(args)}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ CPU_OFFLOAD_ON_CPU = ("--cpu-offload-gb is meaningless on the CPU: the weights a
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
     "pipeline_parallel_size": 1,
-    "enable_lora": False,
 }
 
 
@@ -57,6 +56,7 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     disable_log_stats: bool = True
     max_logprobs: int = 20
+    max_cpu_loras: Optional[int] = None  # adapters kept in host memory (LRU); None: max_loras
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (= "fp8_e4m3")
     generation_config: str = "auto"  # "auto" (the model's generation_config.json) | "vllm" (none) | a directory
     revision: Optional[str] = None  # hub repo ids: branch, tag or commit
@@ -115,7 +115,20 @@ class EngineArgs:
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")
+        self._validate_lora()
         self.speculative()  # raises on a bad speculative_config
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}.")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+        if self.cpu_offload_gb > 0:
+            raise ValueError("--enable-lora with --cpu-offload-gb is not supported yet by pagedllm.")
 
     def speculative(self) -> Any:
         """The validated spec_decode.config.SpeculativeConfig, or None without speculative decoding."""

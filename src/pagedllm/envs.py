@@ -71,6 +71,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "HF_TOKEN": _optional_str("HF_TOKEN"),
     # Default of `pagedllm serve --api-key` (so a key can come from a secret instead of the command line).
     "PAGEDLLM_API_KEY": _optional_str("PAGEDLLM_API_KEY"),
+    # "1"/"true": POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's variable works too).
+    "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: _truthy(os.environ.get("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"))
+    or _truthy(os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")),
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

@@ -64,6 +64,25 @@ class Metrics:
             ["model_name", "position"], registry=r,
         )
 
+        self.lora_info: Any = None  # vllm:lora_requests_info, with enable_lora (enable_lora_info)
+
+    def enable_lora_info(self, max_loras: int, names_by_id: dict) -> None:
+        """vLLM's `vllm:lora_requests_info`: one sample whose labels name the running and waiting adapters and
+        whose value is the time of the update. `names_by_id` maps engine adapter ids to served names."""
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=self.registry)
+        self._max_loras = str(max_loras)
+        self._lora_names = names_by_id
+        self.lora_info.labels(self._max_loras, "", "").set_to_current_time()
+
+    def _update_lora_info(self, stats: Any) -> None:
+        def names(ids: Any) -> str:
+            return ",".join(self._lora_names.get(i, str(i)) for i in ids)
+
+        self.lora_info.clear()  # only the current combination is exported
+        self.lora_info.labels(self._max_loras, names(getattr(stats, "running_lora_ids", ())),
+                              names(getattr(stats, "waiting_lora_ids", ()))).set_to_current_time()
+
     # ---- recorders ------------------------------------------------------------------------------
 
     def update_scheduler_stats(self, stats: Any, prev: Any) -> None:
@@ -71,6 +90,8 @@ class Metrics:
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.gpu_usage.set(stats.kv_cache_usage)
+        if self.lora_info is not None:
+            self._update_lora_info(stats)
         # The engine reports cumulative counts; counters only move forward by the difference.
         for counter, now, before in (
             (self.preemptions, stats.num_preemptions, prev.num_preemptions),

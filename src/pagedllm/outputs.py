@@ -6,7 +6,7 @@ raw distribution (so a dict holds k or k + 1 entries).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -67,6 +67,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: Optional[int] = None
     metrics: Optional[RequestMetrics] = field(default=None, repr=False)
+    lora_request: Optional[Any] = None  # the LoRARequest it ran with (None: the base model)
 
     def __repr__(self) -> str:
         prompt_ids = self.prompt_token_ids

@@ -126,9 +126,13 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
 @pytest.mark.parametrize("flags,fragment", [
     (["--quantization", "gptq"], "needs a gptq-quantized checkpoint"),
     (["--pipeline-parallel-size", "2"], "not supported yet"),
-    (["--enable-lora"], "not supported yet"),
     (["--cpu-offload-gb", "4", "--device", "cpu"], "meaningless on the CPU"),
-    (["--lora-modules", "sql=/tmp/sql"], "not supported yet"),
+    (["--lora-modules", "sql=/tmp/sql"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "sql"], "must be name=path or a JSON object"),
+    (["--enable-lora", "--lora-modules", '{"name": "sql"}'], 'needs "name" and "path"'),
+    (["--enable-lora", "--max-loras", "0"], "max_loras must be >= 1"),
+    (["--enable-lora", "--max-lora-rank", "16", "--lora-modules", "sql=/no/such/dir"],
+     "--lora-modules sql: LoRA adapter path '/no/such/dir' is not a directory"),
 ])
 def test_unsupported_flags_fail_at_start(e2e_env: dict, flags: list[str], fragment: str) -> None:
     r = run([cli("pagedllm"), "serve", "--port", str(free_port()), *flags], e2e_env, timeout=60)
@@ -176,8 +180,9 @@ def test_vllm_shim_commands(server: Server, e2e_env: dict) -> None:
     assert r.returncode == 0
     r = run([cli("vllm"), "serve", "--quantization", "gptq", "--port", str(free_port())], e2e_env, timeout=60)
     assert r.returncode != 0 and "needs a gptq-quantized checkpoint" in r.stderr
-    r = run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--enable-lora"], e2e_env, timeout=60)
-    assert r.returncode != 0 and "not supported yet" in r.stderr
+    r = run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--enable-lora", "--max-loras", "0"],
+            e2e_env, timeout=60)
+    assert r.returncode != 0 and "max_loras must be >= 1" in r.stderr
     r = run([cli("vllm"), "chat", "--url", server.base_url, "--api-key", API_KEY, "--max-tokens", "4", "-q", "Hi"],
             e2e_env)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]

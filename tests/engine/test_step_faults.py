@@ -27,7 +27,7 @@ def _run(core: EngineCore) -> tuple[dict, list]:
             failures.append(list(e.request_ids))
             for rid in e.request_ids:
                 tokens.pop(rid, None)
-            continue
+            outputs = e.outputs  # what the step had already applied for the others
         for out in outputs:
             if out.request_id in tokens:
                 tokens[out.request_id] += out.new_token_ids

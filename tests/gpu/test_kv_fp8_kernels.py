@@ -17,6 +17,8 @@ pytestmark = [
 ]
 
 E4M3 = torch.float8_e4m3fn
+SMALL = [(0, 19), (21, 5), (40, 1), (3, 1)]
+LARGE = [(0, 300), (900, 64), (2000, 1), (700, 1), (31, 1), (0, 1)]
 
 
 def _check_written(cache, ref_cache):

@@ -204,7 +204,7 @@ def awq_checkpoint(src: str, dst: str, group_size: int = 32, seed: int = 0) -> t
     return dst, reference_model(src, quantized, half_rest=tensors)
 
 
-def ct_checkpoint(src: str, dst: str, preset: str, **weight_args: Any) -> tuple[str, Any]:
+def ct_checkpoint(src: str, dst: str, preset: str, reference: bool = True, **weight_args: Any) -> tuple[str, Any]:
     """A compressed-tensors checkpoint written by the compressed-tensors library itself (what llmcompressor calls
     to save): its preset scheme (W4A16, W8A16, W4A16_ASYM, FP8, FP8_DYNAMIC, W8A8...) applied to every Linear
     but lm_head, min/max weight calibration through its `calculate_qparams`, static input scales calibrated on
@@ -249,7 +249,7 @@ def ct_checkpoint(src: str, dst: str, preset: str, **weight_args: Any) -> tuple[
             os.remove(os.path.join(dst, f))
     model.save_pretrained(dst)
     compressor.update_config(dst)
-    return dst, _ct_reference(dst, scheme)
+    return dst, _ct_reference(dst, scheme) if reference else None
 
 
 def _input_amax(model: Any) -> dict[str, torch.Tensor]:

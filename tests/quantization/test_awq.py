@@ -35,3 +35,6 @@ def test_awq_forced_method_on_gptq_checkpoint_is_refused(tmp_path, tiny_model_di
     with pytest.raises(ValueError, match="--quantization gptq does not match the checkpoint, which is quantized "
                                          "with 'awq'"):
         resolve_quant_config("gptq", load_hf_config(model_dir), model_dir)
+    # vLLM's kernel-specific spelling of the same method is accepted
+    assert resolve_quant_config("awq_marlin", load_hf_config(model_dir), model_dir).name == "awq"
+

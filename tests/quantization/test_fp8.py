@@ -52,6 +52,14 @@ def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch, tiny_llama_dir):
         qc.check_supported(torch.device("cuda"), torch.bfloat16)
 
 
+def test_fp8_in_fp16_on_a_gpu_is_refused(monkeypatch, tiny_llama_dir):
+    qc = resolve_quant_config("fp8", load_hf_config(tiny_llama_dir))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(ValueError, match="computes in bfloat16 on the GPU; pass --dtype bfloat16 instead of float16"):
+        qc.check_supported(torch.device("cuda"), torch.float16)
+    qc.check_supported(torch.device("cuda"), torch.bfloat16)
+
+
 def test_blockwise_fp8_checkpoint_is_refused():
     from pagedllm.quantization.fp8 import Fp8Config
     with pytest.raises(ValueError, match="Block-wise FP8 checkpoints"):

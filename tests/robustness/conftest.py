@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from robust_helpers import API_KEY, MAX_BODY, SEND_TIMEOUT
+
 
 @pytest.fixture(scope="session")
 def robust_env(tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -18,11 +20,6 @@ def robust_env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env["OMP_NUM_THREADS"] = "1"
     env.pop("PAGEDLLM_API_KEY", None)
     return env
-
-
-API_KEY = "robust-secret-key"
-SEND_TIMEOUT = 3
-MAX_BODY = 256 << 10
 
 
 @pytest.fixture(scope="session")

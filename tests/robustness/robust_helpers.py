@@ -15,6 +15,11 @@ import httpx
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
 BIN = os.path.dirname(sys.executable)
+# Settings of the shared `tiny_server` fixture (conftest.py); here because a bare `import conftest` can resolve
+# to another directory's conftest in a mixed run.
+API_KEY = "robust-secret-key"
+SEND_TIMEOUT = 3
+MAX_BODY = 1 << 20
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import API_KEY
+from robust_helpers import API_KEY
 
 WRONG = [None, "Bearer wrong", f"Bearer {API_KEY}x", f"Bearer {API_KEY[:-1]}", f"bearer {API_KEY}", API_KEY,
          f"Basic {API_KEY}", f"Bearer  {API_KEY}"]

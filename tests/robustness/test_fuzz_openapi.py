@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation.modes import GenerationMode
 
-from conftest import API_KEY
+from robust_helpers import API_KEY
 from robust_helpers import launch, stop
 
 # per operation and generation mode (valid, schema-violating): 2 x 50 cases per operation by default

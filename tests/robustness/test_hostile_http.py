@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MAX_BODY, SEND_TIMEOUT
+from robust_helpers import MAX_BODY, SEND_TIMEOUT
 from robust_helpers import metric
 
 def _post(server, path: str, content: bytes, content_type: str = "application/json", **headers) -> httpx.Response:
@@ -109,9 +109,8 @@ def test_client_that_never_reads_is_cut_off_without_stalling_others(tiny_server)
         sock.close()
 
 
-def _disconnect_before_first_byte(server, body: dict, wait_s: float) -> bool:
-    """Send a streaming request and hang up after wait_s unless a response byte came (the response starts only
-    after the prompt's prefill). True when it hung up before any byte."""
+def _send_and_hang_up_once_queued(server, body: dict) -> bool:
+    """Send a request, wait until the engine holds it, hang up. False if a response byte came first."""
     import select
 
     data = json.dumps(body).encode()
@@ -120,32 +119,37 @@ def _disconnect_before_first_byte(server, body: dict, wait_s: float) -> bool:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: " + server.extra["headers"]["Authorization"].encode()
                      + b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
-        readable, _, _ = select.select([sock], [], [], wait_s)
-        return not readable
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if select.select([sock], [], [], 0)[0]:
+                return False
+            text = _metrics(server)
+            if metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") > 0:
+                return True
+        return False
     finally:
         sock.close()
 
 
 def test_disconnect_mid_prefill_frees_kv_at_once(tiny_server) -> None:
+    # 192 distinct 480-token prompts (no prefix-cache sharing): about 11 prefill steps of 8192 tokens
     rng = random.Random(0)
-    for n in (64, 128, 256):  # enough prompt tokens that the prefill outlasts the wait
-        before = _metrics(tiny_server)
-        aborted0 = metric(before, "vllm:request_success_total", finished_reason="abort")
-        body = {"prompt": [rng.randrange(2, 512) for _ in range(480)], "max_tokens": 30, "n": n, "stream": True}
-        if not _disconnect_before_first_byte(tiny_server, body, 0.05):
-            time.sleep(2)  # it finishes on its own; try a longer prefill
-            continue
-        hung_up = time.monotonic()
-        while True:
-            text = _metrics(tiny_server)
-            freed = (metric(text, "vllm:request_success_total", finished_reason="abort") >= aborted0 + n
-                     and metric(text, "vllm:num_requests_running") == 0
-                     and metric(text, "vllm:num_requests_waiting") == 0
-                     and metric(text, "vllm:kv_cache_usage_perc") == 0)
-            if freed or time.monotonic() > hung_up + 10:
-                break
-            time.sleep(0.02)
-        assert freed, text
-        assert time.monotonic() - hung_up < 5  # at once: the next engine step, not after the generation
-        return
-    pytest.fail("every prefill finished within 50 ms; cannot disconnect mid-prefill")
+    prompts = [[rng.randrange(2, 512) for _ in range(480)] for _ in range(192)]
+    before = _metrics(tiny_server)
+    aborted0 = metric(before, "vllm:request_success_total", finished_reason="abort")
+    ttft0 = metric(before, "vllm:time_to_first_token_seconds_count")
+    assert _send_and_hang_up_once_queued(tiny_server, {"prompt": prompts, "max_tokens": 30})
+    hung_up = time.monotonic()
+    while True:
+        text = _metrics(tiny_server)
+        freed = (metric(text, "vllm:request_success_total", finished_reason="abort") >= aborted0 + len(prompts)
+                 and metric(text, "vllm:num_requests_running") == 0
+                 and metric(text, "vllm:num_requests_waiting") == 0
+                 and metric(text, "vllm:kv_cache_usage_perc") == 0)
+        if freed or time.monotonic() > hung_up + 10:
+            break
+        time.sleep(0.02)
+    assert freed, text
+    assert time.monotonic() - hung_up < 5  # at once: the next engine step, not after the generation
+    # some prompts had not produced a first token yet: the request was aborted in the middle of its prefill
+    assert metric(text, "vllm:time_to_first_token_seconds_count") - ttft0 < len(prompts)

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 
-from conftest import API_KEY
+from robust_helpers import API_KEY
 from robust_helpers import metric
 
 import httpx

@@ -63,7 +63,9 @@ class EngineCore:
             enable_chunked_prefill=engine_args.enable_chunked_prefill,
             num_speculative_tokens=w.num_speculative_tokens,
             spec_disable_batch_size=w.spec_disable_batch_size,
+            max_loras=engine_args.max_loras if engine_args.enable_lora else None,
         )
+        self.loras = EngineLoRAs(w.lora_manager, self.scheduler)
         self._spec_log = SpecLogger(self.scheduler.spec_stats) if w.num_speculative_tokens else None
         if w.speculative is not None:
             sc = w.speculative
@@ -105,6 +107,7 @@ class EngineCore:
             raise ValueError(
                 f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.num_pool_tokens} "
                 "tokens in total; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
+        self.loras.check_request(req.lora_id)
         params = req.sampling_params
         check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)
         room = self.max_model_len - num_prompt
@@ -133,11 +136,26 @@ class EngineCore:
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the loop body
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request) -> bool:
+        """Register an adapter (read and validated now; LoRAError, a ValueError, if it cannot be served)."""
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; requests already using it finish first. False if it was not registered."""
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.loras.ids()
+
     def step(self) -> list[EngineCoreOutput]:
         """One engine step. A RequestStepError (one request's fault) leaves the engine consistent: the failed
         requests are finished (aborted), every other request of the step's plans is preempted and recomputed,
         and the error is re-raised for the driver to report; the next step runs as usual."""
         self._step_plans = []
+        self._step_outputs: list[EngineCoreOutput] = []
+        if self.loras.pending_removal:
+            self.loras.collect()
         if self._spec_log is not None:
             self._spec_log.maybe_log()
         try:
@@ -163,11 +181,14 @@ class EngineCore:
 
     def _update(self, plan, output) -> list[EngineCoreOutput]:
         check_sampled_tokens(output.req_ids, output.sampled_token_ids, self.vocab_size)
-        return self.scheduler.update_from_output(plan, output)
+        outputs = self.scheduler.update_from_output(plan, output)
+        self._step_outputs += outputs  # already applied: a later failure in this step must still deliver them
+        return outputs
 
     def _recover_failed_step(self, e: RequestStepError) -> None:
         failed = set(e.request_ids)
         others = {rid for plan in self._step_plans for rid in plan.num_scheduled_tokens} - failed
+        e.outputs = [o for o in self._step_outputs if o.request_id not in failed]
         self._in_flight = None  # its results are void: its requests are recomputed
         self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
         self.scheduler.preempt_requests(others)
@@ -246,3 +267,65 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.worker.shutdown()
+
+
+class EngineLoRAs:
+    """The engine's adapter registry (id -> LoRARequest) over the worker's LoRAManager (None: LoRA off)."""
+
+    def __init__(self, manager, scheduler: Scheduler) -> None:
+        self.manager = manager
+        self.scheduler = scheduler
+        self.requests: dict[int, object] = {}
+        self.pending_removal: set[int] = set()
+
+    def _enabled(self) -> None:
+        if self.manager is None:
+            raise ValueError("LoRA adapters need the engine started with enable_lora=True (--enable-lora).")
+
+    def check_request(self, lora_id: Optional[int]) -> None:
+        if lora_id is None:
+            return
+        self._enabled()
+        if lora_id not in self.requests or lora_id in self.pending_removal:
+            raise ValueError(f"LoRA adapter id {lora_id} is not loaded; add it first (LLM.generate(lora_request=...)"
+                             " or POST /v1/load_lora_adapter).")
+
+    def add(self, lora_request) -> bool:
+        self._enabled()
+        lora_id = lora_request.lora_int_id
+        known = self.requests.get(lora_id)
+        if known is not None and known.lora_path == lora_request.lora_path and lora_id not in self.pending_removal:
+            return False
+        if known is not None and self._in_use(lora_id):
+            raise ValueError(f"LoRA adapter id {lora_id} is in use by running requests with another path; give the "
+                             "new adapter a different lora_int_id.")
+        self.manager.add_lora(lora_id, lora_request.lora_name, lora_request.lora_path)
+        self.requests[lora_id] = lora_request
+        self.pending_removal.discard(lora_id)
+        return True
+
+    def remove(self, lora_id: int) -> bool:
+        if lora_id not in self.requests or lora_id in self.pending_removal:
+            return False
+        if self._in_use(lora_id):
+            self.pending_removal.add(lora_id)  # dropped once its requests are done (collect)
+        else:
+            self._drop(lora_id)
+        return True
+
+    def ids(self) -> set[int]:
+        return set(self.requests) - self.pending_removal
+
+    def collect(self) -> None:
+        in_use = {r.lora_id for r in self.scheduler.requests.values()}
+        for lora_id in list(self.pending_removal):
+            if lora_id not in in_use:
+                self._drop(lora_id)
+
+    def _in_use(self, lora_id: int) -> bool:
+        return any(r.lora_id == lora_id for r in self.scheduler.requests.values())
+
+    def _drop(self, lora_id: int) -> None:
+        self.pending_removal.discard(lora_id)
+        self.requests.pop(lora_id, None)
+        self.manager.remove_lora(lora_id)

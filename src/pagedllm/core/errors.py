@@ -13,6 +13,7 @@ class RequestStepError(RuntimeError):
         super().__init__(message)
         self.request_ids = list(request_ids)
         self.message = message
+        self.outputs: list = []  # set by EngineCore: other requests' outputs this step had already applied
 
 
 def check_sampled_tokens(req_ids: list[str], sampled: list[list[int]], vocab_size: int) -> None:

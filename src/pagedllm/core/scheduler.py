@@ -61,6 +61,8 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    running_lora_ids: tuple = ()  # distinct adapters of running requests
+    waiting_lora_ids: tuple = ()  # distinct adapters of waiting requests
 
 
 class Scheduler:
@@ -78,6 +80,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         num_speculative_tokens: int = 0,
         spec_disable_batch_size: Optional[int] = None,
+        max_loras: Optional[int] = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
@@ -94,6 +97,9 @@ class Scheduler:
         # Async scheduling: schedule() may run while the previous step is still in flight; each request
         # that samples is counted one token ahead (num_output_placeholders) until its token arrives.
         self.async_scheduling = async_scheduling
+        # LoRA: running requests use at most max_loras distinct adapters (the runner's device slots); a waiting
+        # request whose adapter would be one too many is held back, not failed. None: LoRA off.
+        self.max_loras = max_loras
         self.kv_cache_manager = KVCacheManager(
             block_size=block_size, num_blocks=num_blocks, enable_caching=enable_prefix_caching
         )
@@ -151,6 +157,8 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=tuple(self.spec_stats.num_accepted_tokens_per_pos),
+            running_lora_ids=tuple(sorted({r.lora_id for r in self.running if r.lora_id is not None})),
+            waiting_lora_ids=tuple(sorted({r.lora_id for r in self.waiting if r.lora_id is not None})),
         )
 
     def spec_active(self) -> bool:
@@ -301,12 +309,35 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request]) -> None:
+        if self.max_loras is None:
+            self._admit_waiting(plan, budget, scheduled, None)
+            return
+        # Held back for want of an adapter slot: they keep their place in the queue, later requests go ahead.
+        held: list[Request] = []
+        active = {r.lora_id for r in self.running if r.lora_id is not None}  # grows as requests are admitted
+        try:
+            self._admit_waiting(plan, budget, scheduled, (held, active))
+        finally:
+            self.waiting.extendleft(reversed(held))
+
+    def _lora_held_back(self, request: Request, lora: Optional[tuple[list[Request], set[int]]]) -> bool:
+        """Would admitting `request` make running requests use more than max_loras adapters? (LoRA only)"""
+        if lora is None or request.lora_id is None:
+            return False
+        _, active = lora
+        return request.lora_id not in active and len(active) >= self.max_loras
+
+    def _admit_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request],
+                       lora: Optional[tuple[list[Request], set[int]]]) -> None:
         kv = self.kv_cache_manager
         compiling: list[Request] = []  # waiting for their grammar: passed over, kept in order at the front
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.structured_output is not None and not request.structured_output.is_ready():
                 compiling.append(self.waiting.popleft())
+                continue
+            if self._lora_held_back(request, lora):
+                lora[0].append(self.waiting.popleft())
                 continue
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
@@ -327,6 +358,8 @@ class Scheduler:
                 kv.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             self.waiting.popleft()
             self.running.append(request)
+            if lora is not None and request.lora_id is not None:
+                lora[1].add(request.lora_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.first_scheduled_time is None:

@@ -201,6 +201,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: Optional[str] = None,
         output_kind: str = "delta",
+        lora_request: Any = None,
     ) -> AsyncIterator[Any]:
         """Yield RequestOutputs (delta / cumulative / final_only) until the request finishes."""
         if self.errored:
@@ -218,7 +219,8 @@ class AsyncEngine:
             self._timing[child.request_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids))
             self.processor.add_request(child.request_id, prompt, prompt_token_ids, child.params,
                                        parent_id=child.parent_id, index=child.index, output_kind=output_kind)
-            adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time()))
+            adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time(),
+                                     lora_id=None if lora_request is None else lora_request.lora_int_id))
         try:
             for add in adds:
                 await self.in_sock.send(self.enc.encode(add))
@@ -226,10 +228,13 @@ class AsyncEngine:
                 item = await parent.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.finished:
+                # A local flag: fail_pending() marks the parent finished while we are suspended in `yield`,
+                # and its error, still queued, must be raised, not skipped.
+                finished = item.finished
+                if finished:
                     parent.finished = True
                 yield item
-                if parent.finished:
+                if finished:
                     return
         finally:
             self._forget(request_id, abort=not parent.finished)
@@ -270,6 +275,31 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
+
+    async def add_lora(self, lora_request: Any) -> None:
+        """Register an adapter in the engine (read and validated there); RequestRejected with the reason if not."""
+        await self._lora_call(lambda seq: m.AddLora(seq, lora_request.lora_name, lora_request.lora_int_id,
+                                                    lora_request.lora_path, lora_request.base_model_name))
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Unregister an adapter; requests already running with it finish first."""
+        await self._lora_call(lambda seq: m.RemoveLora(seq, lora_int_id))
+
+    async def _lora_call(self, make: Any) -> None:
+        if self.errored or self._closed:
+            raise EngineDeadError(self.dead_reason or "the engine process is not running")
+        seq = next(self._stats_seq)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[seq] = fut
+        try:
+            await self.in_sock.send(self.enc.encode(make(seq)))
+            reply = await fut
+        finally:
+            self._stats_waiters.pop(seq, None)
+        if not isinstance(reply, m.LoraReply):  # the engine died meanwhile (_fail_all)
+            raise EngineDeadError(self.dead_reason or "the engine process is not running")
+        if reply.error is not None:
+            raise RequestRejected(reply.error, reply.status)
 
     async def get_stats(self, timeout_s: float = 0.5) -> m.SchedulerStatsMsg:
         """Fresh scheduler gauges from the engine (falls back to the last ones seen)."""
@@ -323,6 +353,10 @@ class AsyncEngine:
                 parent.finished = True
                 self._forget(parent_id, abort=False)
                 self._abort_engine(parent.child_ids)
+        elif isinstance(msg, m.LoraReply):
+            fut = self._stats_waiters.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, m.StatsReply):
             self._update_stats(msg.stats)
             fut = self._stats_waiters.get(msg.seq)

@@ -143,6 +143,9 @@ class EngineLoop:
                 try:
                     outputs = self.core.step()
                 except RequestStepError as e:  # one request's fault: fail it, keep serving the rest
+                    if e.outputs:
+                        self.out_sock.send(self.enc.encode(self.m.EngineOutputs(
+                            outputs=e.outputs, stats=self._stats(), timestamp=time.time())))
                     for rid in e.request_ids:
                         self.out_sock.send(self.enc.encode(self.m.RequestError(rid, e.message, 500)))
                     self.stats_dirty = True
@@ -179,6 +182,27 @@ class EngineLoop:
             self.out_sock.send(self.enc.encode(m.StatsReply(seq=msg.seq, stats=self._stats())))
         elif isinstance(msg, m.Shutdown):
             self.running = False
+        elif isinstance(msg, (m.AddLora, m.RemoveLora)):
+            self.out_sock.send(self.enc.encode(self._lora(msg)))
+            self.stats_dirty = True
+
+    def _lora(self, msg: Any) -> Any:
+        """Add or remove a LoRA adapter; the reply carries the user's error (400 / 404) or None."""
+        m = self.m
+        try:
+            if isinstance(msg, m.AddLora):
+                from pagedllm.lora.request import LoRARequest
+
+                self.core.add_lora(LoRARequest(lora_name=msg.lora_name, lora_int_id=msg.lora_int_id,
+                                               lora_path=msg.lora_path, base_model_name=msg.base_model_name))
+            elif not self.core.remove_lora(msg.lora_int_id):
+                return m.LoraReply(msg.seq, f"LoRA adapter id {msg.lora_int_id} is not loaded.", 404)
+        except ValueError as e:
+            return m.LoraReply(msg.seq, str(e), 400)
+        except Exception as e:  # noqa: BLE001 - a broken adapter file must not kill the engine
+            logger.exception("LoRA %s failed", type(msg).__name__)
+            return m.LoraReply(msg.seq, _one_line(e), 500)
+        return m.LoraReply(msg.seq)
 
     def _add(self, msg: Any) -> None:
         from pagedllm.core.engine_core import EngineCoreRequest

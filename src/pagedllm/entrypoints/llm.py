@@ -81,8 +81,6 @@ class LLM:
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True, lora_request: Any = None, *,
                  prompt_token_ids: Optional[list[list[int]]] = None) -> list:
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not supported yet by pagedllm.")
         if prompts is None and prompt_token_ids is not None:
             prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
         if prompts is None:
@@ -102,7 +100,32 @@ class LLM:
                                  "or one per prompt.")
         # Tokenize and validate everything before queuing anything: a bad prompt fails the call cleanly.
         items = [(self._to_prompt(p), sp) for p, sp in zip(prompts, params_list)]
-        return self._run(items, use_tqdm)
+        lora_ids = self._add_loras(lora_request, len(items))
+        outputs = self._run(items, use_tqdm, lora_ids)
+        if lora_request is not None:
+            per_prompt = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(outputs)
+            for out, req in zip(outputs, per_prompt):
+                out.lora_request = req
+        return outputs
+
+    def _add_loras(self, lora_request: Any, num_prompts: int) -> list[Optional[int]]:
+        """One adapter id (or None) per prompt, registering each adapter with the engine (read and validated
+        now: a bad adapter fails the call before anything is queued)."""
+        if lora_request is None:
+            return [None] * num_prompts
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != num_prompts:
+                raise ValueError(f"Got {len(lora_request)} lora_requests for {num_prompts} prompts; give one, or one "
+                                 "per prompt (None for the base model).")
+            requests = list(lora_request)
+        else:
+            requests = [lora_request] * num_prompts
+        for req in requests:
+            if req is not None and not hasattr(req, "lora_int_id"):
+                raise ValueError(f"lora_request must be a LoRARequest (or a list of them), got {type(req).__name__}.")
+        for req in {r.lora_int_id: r for r in requests if r is not None}.values():
+            self.engine.add_lora(req)
+        return [None if r is None else r.lora_int_id for r in requests]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -153,7 +176,7 @@ class LLM:
         return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, items, use_tqdm: bool) -> list:
+    def _run(self, items, use_tqdm: bool, lora_ids: Optional[list[Optional[int]]] = None) -> list:
         from pagedllm.core.engine_core import EngineCoreRequest
         from pagedllm.entrypoints.output_processor import OutputProcessor
         from pagedllm.entrypoints.parallel_sampling import fan_out
@@ -163,13 +186,13 @@ class LLM:
         order: list[str] = []
         added: list[str] = []
         try:
-            for (text, ids), params in items:
+            for ((text, ids), params), lora_id in zip(items, lora_ids or [None] * len(items)):
                 request_id = str(next(self._counter))
                 order.append(request_id)
                 for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
                     processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
                                           index=child.index, output_kind="final_only")
-                    self.engine.add_request(EngineCoreRequest(child.request_id, ids, child.params))
+                    self.engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id))
                     added.append(child.request_id)
         except Exception:
             self.engine.abort_requests(added)

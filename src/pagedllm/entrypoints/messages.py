@@ -1,8 +1,8 @@
 """Typed wire messages between the API process and the engine-core process (msgspec + msgpack).
 
 Two ZMQ PUSH/PULL channels, both bound by the API process on ipc:// paths in a private temp dir:
-  * input  (API -> engine): AddRequest | AbortRequests | GetStats | Shutdown
-  * output (engine -> API): EngineReady | EngineStartupError | EngineOutputs | RequestError | StatsReply
+  * input  (API -> engine): AddRequest | AbortRequests | GetStats | Shutdown | AddLora | RemoveLora
+  * output (engine -> API): EngineReady | EngineStartupError | EngineOutputs | RequestError | StatsReply | LoraReply
 
 Every message is a tagged msgspec Struct so the receiving side decodes straight into the right class
 (no RPC by method-name strings). Payload dataclasses (SamplingParams, EngineCoreOutput) travel as-is:
@@ -31,6 +31,8 @@ class SchedulerStatsMsg(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    running_lora_ids: tuple[int, ...] = ()  # distinct adapters of running / waiting requests
+    waiting_lora_ids: tuple[int, ...] = ()
 
 
 # ---- API process -> engine core -------------------------------------------------------------
@@ -56,7 +58,22 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = Union[AddRequest, AbortRequests, GetStats, Shutdown]
+class AddLora(msgspec.Struct, tag="add_lora"):
+    """Register (read + validate) a LoRA adapter; answered by LoraReply with the same seq."""
+
+    seq: int
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    base_model_name: Optional[str] = None
+
+
+class RemoveLora(msgspec.Struct, tag="remove_lora"):
+    seq: int
+    lora_int_id: int
+
+
+EngineInput = Union[AddRequest, AbortRequests, GetStats, Shutdown, AddLora, RemoveLora]
 
 
 # ---- engine core -> API process -------------------------------------------------------------
@@ -95,7 +112,13 @@ class StatsReply(msgspec.Struct, tag="stats"):
     stats: SchedulerStatsMsg
 
 
-EngineOutput = Union[EngineReady, EngineStartupError, EngineOutputs, RequestError, StatsReply]
+class LoraReply(msgspec.Struct, tag="lora_reply"):
+    seq: int
+    error: Optional[str] = None  # None: done
+    status: int = 200
+
+
+EngineOutput = Union[EngineReady, EngineStartupError, EngineOutputs, RequestError, StatsReply, LoraReply]
 
 
 class Encoder:

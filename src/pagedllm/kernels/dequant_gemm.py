@@ -21,22 +21,35 @@ GEMV_MAX_ROWS = 8
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, N, K, group_size,
-                  BITS: tl.constexpr, HAS_GIDX: tl.constexpr):
-    """The dense [BLOCK_K, BLOCK_N] fp32 weight tile (k rows, n columns) of W^T."""
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, K, group_size,
+                  BITS: tl.constexpr, HAS_GIDX: tl.constexpr, GROUP_ALIGNED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The dense [BLOCK_K, BLOCK_N] fp32 weight tile of W^T for k in [k0, k0 + BLOCK_K): each packed word is loaded
+    once and split into its PACK values; with GROUP_ALIGNED (the tile inside one group) one scale/zero row."""
     PACK: tl.constexpr = 32 // BITS
+    n_ok = offs_n < N
+    rows = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=(rows < K // PACK)[:, None] & n_ok[None, :], other=0)  # [BLOCK_K / PACK, BLOCK_N]
+    shifts = tl.arange(0, PACK) * BITS
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BLOCK_K / PACK, PACK, BLOCK_N]
+    q = tl.reshape(q, (BLOCK_K, q.shape[2])).to(tl.float32)  # row r*PACK + i = value i of word r
+    if GROUP_ALIGNED:
+        g = k0 // group_size
+        g_ok = n_ok & (k0 < K)  # a split's last tiles may lie past K
+        s = tl.load(s_ptr + g.to(tl.int64) * N + offs_n, mask=g_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g.to(tl.int64) * N + offs_n, mask=g_ok, other=0.0).to(tl.float32)
+        return (q - z[None, :]) * s[None, :]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
-    mask = k_ok[:, None] & (offs_n < N)[None, :]
-    q = tl.load(qw_ptr + (offs_k[:, None] // PACK).to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
-    q = (q >> ((offs_k[:, None] % PACK) * BITS)) & ((1 << BITS) - 1)
     if HAS_GIDX:
         g = tl.load(g_ptr + offs_k, mask=k_ok, other=0)
     else:
         g = offs_k // group_size
+    mask = k_ok[:, None] & n_ok[None, :]
     gn = g[:, None].to(tl.int64) * N + offs_n[None, :]
     s = tl.load(s_ptr + gn, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + gn, mask=mask, other=0.0).to(tl.float32)
-    return (q.to(tl.float32) - z) * s
+    return (q - z) * s
 
 
 @triton.jit
@@ -45,7 +58,7 @@ def _dequant_matmul_kernel(
     M, N, K, stride_xm, stride_om, group_size,
     BITS: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, K_PER_SPLIT: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -59,7 +72,8 @@ def _dequant_matmul_kernel(
         offs_k = k_start + i + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                     mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, N, K, group_size, BITS, HAS_GIDX)
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, k_start + i, offs_n, N, K, group_size, BITS, HAS_GIDX,
+                          GROUP_ALIGNED, BLOCK_K)
         if USE_DOT:
             acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
         else:
@@ -84,8 +98,9 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def launch_config(m: int, n: int, k: int, num_sms: int) -> dict:
-    """Tile sizes and the K split for an [m, k] x [k, n] product (see the module docstring)."""
+def launch_config(m: int, n: int, k: int, num_sms: int, group_size: int = 0) -> dict:
+    """Tile sizes and the K split for an [m, k] x [k, n] product (see the module docstring). A K tile stays
+    inside one group where it can (one scale/zero row per tile)."""
     if m <= GEMV_MAX_ROWS:
         block_m = triton.next_power_of_2(m)
         block_n = 64
@@ -96,6 +111,8 @@ def launch_config(m: int, n: int, k: int, num_sms: int) -> dict:
         block_n = 64 if m <= 64 else 128
         block_k = 64
         use_dot = True
+    if 32 <= group_size < block_k and group_size & (group_size - 1) == 0:
+        block_k = group_size
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = 1
     while programs * split_k < 2 * num_sms and k // (2 * split_k) >= 4 * block_k:
@@ -118,7 +135,7 @@ def dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*shape[:-1], n)
-    cfg = launch_config(m, n, k, num_sms or (_num_sms(x.device) if x.is_cuda else 8))
+    cfg = launch_config(m, n, k, num_sms or (_num_sms(x.device) if x.is_cuda else 8), group_size)
     split_k = cfg["SPLIT_K"]
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split_k)
@@ -127,7 +144,9 @@ def dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         out, part, m, n, k, x2.stride(0), out.stride(0), group_size,
         BITS=bits, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None and split_k == 1, USE_DOT=cfg["USE_DOT"],
         SPLIT_K=split_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", K_PER_SPLIT=cfg["k_per_split"], num_warps=4)
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", K_PER_SPLIT=cfg["k_per_split"],
+        GROUP_ALIGNED=g_idx is None and group_size % cfg["BLOCK_K"] == 0 and cfg["k_per_split"] % cfg["BLOCK_K"] == 0,
+        num_warps=4)
     if split_k > 1:
         summed = part.sum(0)
         if bias is not None:

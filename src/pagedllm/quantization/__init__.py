@@ -26,7 +26,9 @@ _METHODS: dict[str, tuple[str, str]] = {
 }
 
 # Spellings found in checkpoints / other engines' flags -> our name.
-_ALIASES = {"compressed_tensors": "compressed-tensors", "w8a16": "int8", "int8_w8a16": "int8"}
+_ALIASES = {"compressed_tensors": "compressed-tensors", "w8a16": "int8", "int8_w8a16": "int8",
+            # vLLM's kernel-specific names for the same checkpoints
+            "gptq_marlin": "gptq", "awq_marlin": "awq", "fp8_e4m3": "fp8"}
 
 
 def register_quantization_config(name: str, module: str, class_name: str) -> None:
@@ -123,7 +125,8 @@ def weight_memory_summary(model: Any) -> str:
     seen: set[int] = set()
     for module in model.modules():
         method = getattr(module, "linear_method", None)
-        name = "other" if method is None else type(method).__name__.replace("LinearMethod", "").lower() or "?"
+        name = "other" if method is None else getattr(method, "method_name", None) \
+            or type(method).__name__.replace("LinearMethod", "").lower()
         for p in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
             if id(p) in seen:
                 continue

@@ -103,6 +103,12 @@ class CompressedTensorsConfig(QuantizationConfig):
     def skipped_checkpoint_suffixes(self) -> tuple[str, ...]:
         return (".weight_shape",)
 
+    def check_supported(self, device: torch.device, act_dtype: torch.dtype) -> None:
+        super().check_supported(device, act_dtype)
+        if any(s.kind == "fp8" and s.act_dynamic is not None for s in self.schemes):
+            from pagedllm.quantization.fp8 import check_fp8_gpu_dtype
+            check_fp8_gpu_dtype(self.name, device, act_dtype)
+
     def _scheme_for(self, name: str) -> Optional[Scheme]:
         for scheme in self.schemes:
             for target in scheme.targets:
@@ -132,6 +138,7 @@ class CTWNA16Method(PackedIntLinearMethod):
     def __init__(self, scheme: Scheme) -> None:
         super().__init__(scheme.bits, scheme.group_size)
         self.scheme = scheme
+        self.method_name = f"compressed-tensors W{scheme.bits}A16"
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, weight_loader):
@@ -202,6 +209,8 @@ class CTW8A8Method(Fp8LinearMethod):
 
     def __init__(self, scheme: Scheme) -> None:
         self.scheme = scheme
+        self.method_name = ("compressed-tensors FP8" if scheme.kind == "fp8" else "compressed-tensors INT8") + (
+            " W8A16" if scheme.act_dynamic is None else " W8A8")
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, weight_loader):

@@ -36,6 +36,17 @@ class Fp8Config(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         return Fp8OnlineLinearMethod()
 
+    def check_supported(self, device: torch.device, act_dtype: torch.dtype) -> None:
+        super().check_supported(device, act_dtype)
+        check_fp8_gpu_dtype(self.name, device, act_dtype)
+
+
+def check_fp8_gpu_dtype(name: str, device: torch.device, act_dtype: torch.dtype) -> None:
+    """torch._scaled_mm's row-wise scaling (per-token x per-channel) produces bf16 only."""
+    if device.type == "cuda" and act_dtype != torch.bfloat16:
+        raise ValueError(f"Quantization method {name!r} (FP8 W8A8) computes in bfloat16 on the GPU; pass --dtype "
+                         f"bfloat16 instead of {str(act_dtype).replace('torch.', '')}.")
+
 
 def quantize_weight_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (E4M3 [N, K], fp32 scale [N])."""

@@ -46,13 +46,27 @@ class Int8LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer):
         q, scale = quantize_per_channel_int8(layer.weight.data)
+        if q.is_cuda:  # the 8-bit layout of quantization/packed.py: the Triton dequant kernel streams it
+            from pagedllm.quantization.packed import pack_int32
+
+            del layer.weight
+            layer.qweight = nn.Parameter(pack_int32(q.t().to(torch.int32) + 128, 8, dim=0).contiguous(),
+                                         requires_grad=False)
+            layer.scales = nn.Parameter(scale[None, :].to(layer.params_dtype), requires_grad=False)
+            layer.zeros = nn.Parameter(torch.full_like(layer.scales, 128), requires_grad=False)
+            return
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.register_buffer("weight_scale", scale, persistent=False)
 
     def apply(self, layer, x, bias=None):
-        from pagedllm.quantization.kernels import int8_linear
+        from pagedllm.quantization.kernels import int8_linear, packed_int_linear
 
+        if "qweight" in layer._parameters:
+            return packed_int_linear(x, layer.qweight, layer.scales, layer.zeros, 8, x.shape[-1], None, bias)
         return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
     def dequantized_weight(self, layer):
+        if "qweight" in layer._parameters:
+            from pagedllm.quantization.packed import dequantize_packed
+            return dequantize_packed(layer.qweight, layer.scales, layer.zeros, 8, layer.qweight.shape[0] * 4)
         return layer.weight.float() * layer.weight_scale[:, None]

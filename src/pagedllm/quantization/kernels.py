@@ -21,15 +21,16 @@ def packed_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                       bits: int, group_size: int, g_idx: Optional[torch.Tensor] = None,
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """4/8-bit weight-only: the internal layout of `quantization/packed.py` (CUDA: the Triton dequant kernel)."""
-    from pagedllm.quantization.packed import dequantize_packed
+    from pagedllm.quantization.packed import dequantize_packed_kn
 
     if x.is_cuda:
         kernels = triton_kernels("dequant_gemm")
         if kernels is not None:
             return kernels.dequant_matmul(x, qweight, scales, zeros, bits, group_size, g_idx, bias)
 
-    w = dequantize_packed(qweight, scales, zeros, bits, group_size, g_idx, dtype=x.dtype)
-    return F.linear(x, w, bias)
+    w = dequantize_packed_kn(qweight, scales, zeros, bits, group_size, g_idx, dtype=x.dtype)  # [K, N]
+    out = x @ w
+    return out if bias is None else out + bias
 
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -12,6 +12,7 @@ K = in features on this rank, N = out features on this rank, G = groups.
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -51,17 +52,31 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int, order: Optional[Sequen
     return word.to(torch.int32).movedim(-1, dim)
 
 
+def dequantize_packed_kn(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                         group_size: int, g_idx: Optional[torch.Tensor] = None,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The internal layout -> the dense weight, transposed: [K, N] (what x @ W^T multiplies by), contiguous.
+    Written for the CPU path: one contiguous unpack, then in-place zero/scale per group by broadcasting."""
+    pack = 32 // bits
+    kp, n = qweight.shape
+    if bits == 8 and sys.byteorder == "little":  # the 4 values of a word are its bytes, lowest first
+        q = qweight.contiguous().view(torch.uint8).view(kp, n, 4).transpose(1, 2).reshape(kp * 4, n).to(dtype)
+    else:
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device).view(1, pack, 1)
+        q = ((qweight.reshape(kp, 1, n) >> shifts) & ((1 << bits) - 1)).reshape(kp * pack, n).to(dtype)  # [K, N]
+    if g_idx is None and q.shape[0] == scales.shape[0] * group_size:
+        grouped = q.view(scales.shape[0], group_size, n)
+        grouped.sub_(zeros.to(dtype)[:, None, :]).mul_(scales.to(dtype)[:, None, :])
+        return q
+    g = (g_idx.long() if g_idx is not None else torch.arange(q.shape[0], device=q.device) // group_size)
+    return q.sub_(zeros.to(dtype)[g]).mul_(scales.to(dtype)[g])
+
+
 def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                       group_size: int, g_idx: Optional[torch.Tensor] = None,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The internal layout -> the dense [N, K] weight (the torch reference every kernel is checked against)."""
-    q = unpack_int32(qweight, bits, dim=0)  # [K, N]
-    k = q.shape[0]
-    if g_idx is None:
-        g_idx = torch.arange(k, device=q.device) // group_size
-    g = g_idx.long()
-    w = (q.to(dtype) - zeros.to(dtype)[g]) * scales.to(dtype)[g]
-    return w.t()
+    return dequantize_packed_kn(qweight, scales, zeros, bits, group_size, g_idx, dtype).t()
 
 
 class PackedIntLinearMethod(LinearMethodBase):

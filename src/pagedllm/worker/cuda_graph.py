@@ -47,8 +47,12 @@ class CudaGraphRunner:
                                       device=dev)
         # Per batch size, the max_seq_len buckets with a graph each (see AttentionBackend.graph_seq_len_buckets).
         self.seq_len_buckets: dict[int, list[int]] = {}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, seq-len bucket) -> graph
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (size, seq-len bucket, with LoRA) -> graph
+        self.outputs: dict[tuple, torch.Tensor] = {}
+        # With enable_lora each shape has two graphs: with the LoRA kernels (their token -> slot map lives in the
+        # LoRABatchState's persistent buffers) and without, for steps where no request uses an adapter.
+        self.lora_state = runner.lora.state if getattr(runner, "lora", None) is not None else None
+        self.lora_variants = (False, True) if self.lora_state is not None else (False,)
         self.pool = None
 
     def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
@@ -61,29 +65,39 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        model = self.runner.model
         backend = self.runner.attn_backend
         num_kv_heads = self.runner.kv_cache_spec().num_kv_heads
         for size in reversed(self.sizes):  # largest first so smaller graphs reuse its pool
             buckets = backend.graph_seq_len_buckets(size, num_kv_heads, self.runner.max_model_len, self.device)
             self.seq_len_buckets[size] = buckets
             for bucket in reversed(buckets):
-                md = self._metadata(size, bucket)
-                with set_forward_context(md, backend):
-                    backend.prepare(md)
-                    for _ in range(2):  # warm-up: Triton autotune / compile outside the capture
-                        model(self.input_ids[:size], self.positions[:size])
-                    torch.cuda.synchronize(self.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        out = model(self.input_ids[:size], self.positions[:size])
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[(size, bucket)] = graph
-                self.outputs[(size, bucket)] = out
+                for with_lora in self.lora_variants:
+                    self._capture_one(size, bucket, with_lora)
         torch.cuda.synchronize(self.device)
         logger.info("Captured %d CUDA graphs for decode batch sizes %s..%s in %.1f s.", len(self.graphs),
                     self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+
+    def _capture_one(self, size: int, bucket: int, with_lora: bool) -> None:
+        model = self.runner.model
+        backend = self.runner.attn_backend
+        if self.lora_state is not None:
+            self.lora_state.clear()  # no token has an adapter while capturing: the LoRA kernels exit at once
+            self.lora_state.active = with_lora
+        md = self._metadata(size, bucket)
+        with set_forward_context(md, backend):
+            backend.prepare(md)
+            for _ in range(2):  # warm-up: Triton autotune / compile outside the capture
+                model(self.input_ids[:size], self.positions[:size])
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = model(self.input_ids[:size], self.positions[:size])
+        if self.lora_state is not None:
+            self.lora_state.clear()
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(size, bucket, with_lora)] = graph
+        self.outputs[(size, bucket, with_lora)] = out
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             md: AttentionMetadata) -> Optional[torch.Tensor]:
@@ -109,5 +123,6 @@ class CudaGraphRunner:
             if self.with_order:
                 self.decode_order[n:size].copy_(self.rows[n:size])
         bucket = next(b for b in self.seq_len_buckets[size] if b >= md.max_seq_len)
-        self.graphs[(size, bucket)].replay()
-        return self.outputs[(size, bucket)][:n]
+        key = (size, bucket, self.lora_state is not None and self.lora_state.active)
+        self.graphs[key].replay()
+        return self.outputs[key][:n]

@@ -98,8 +98,11 @@ class MixedGraphRunner:
         self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=dev)
         self.block_table = torch.full((reqs, runner.max_blocks_per_req), runner.scratch_block, dtype=torch.int32,
                                       device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (token bucket, tile) -> graph
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (token bucket, tile, with LoRA) -> graph
+        self.outputs: dict[tuple, torch.Tensor] = {}
+        # With enable_lora, each bucket and tile also has a graph with the LoRA kernels (see cuda_graph.py).
+        self.lora_state = runner.lora.state if getattr(runner, "lora", None) is not None else None
+        self.lora_variants = (False, True) if self.lora_state is not None else (False,)
         self.pool = pool
         self.num_replays = 0  # steps served by a graph (tests and benchmarks read it)
 
@@ -131,18 +134,24 @@ class MixedGraphRunner:
         for size in reversed(self.sizes):  # largest first so smaller buckets reuse its pool memory
             self._fill_capture_inputs(size)
             for tile in self.tiles:
-                md = self._metadata(size, tile)
-                with set_forward_context(md, backend):
-                    backend.prepare(md)
-                    model(self.input_ids[:size], self.positions[:size])  # warm-up: compile outside the capture
-                    torch.cuda.synchronize(self.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        out = model(self.input_ids[:size], self.positions[:size])
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[(size, tile)] = graph
-                self.outputs[(size, tile)] = out
+                for with_lora in self.lora_variants:
+                    if self.lora_state is not None:
+                        self.lora_state.clear()  # no adapter tokens while capturing: the LoRA kernels exit at once
+                        self.lora_state.active = with_lora
+                    md = self._metadata(size, tile)
+                    with set_forward_context(md, backend):
+                        backend.prepare(md)
+                        model(self.input_ids[:size], self.positions[:size])  # warm-up: compile outside the capture
+                        torch.cuda.synchronize(self.device)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=self.pool):
+                            out = model(self.input_ids[:size], self.positions[:size])
+                    if self.pool is None:
+                        self.pool = graph.pool()
+                    self.graphs[(size, tile, with_lora)] = graph
+                    self.outputs[(size, tile, with_lora)] = out
+        if self.lora_state is not None:
+            self.lora_state.clear()
         torch.cuda.synchronize(self.device)
         logger.info("Captured %d CUDA graphs for mixed steps of %d..%d tokens (query tiles %s) in %.1f s.",
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.tiles, time.perf_counter() - start)
@@ -167,6 +176,7 @@ class MixedGraphRunner:
             qsl = np.asarray(md.query_start_loc_cpu)
             tile = pick_tile(self.tiles, self.gqa_pad, np.diff(qsl), np.asarray(md.seq_lens_cpu))
         self.runner.attn_backend.prepare(md)
-        self.graphs[(size, tile)].replay()
+        key = (size, tile, self.lora_state is not None and self.lora_state.active)
+        self.graphs[key].replay()
         self.num_replays += 1
-        return self.outputs[(size, tile)][:n]
+        return self.outputs[key][:n]

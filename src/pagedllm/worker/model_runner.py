@@ -52,6 +52,7 @@ class ModelRunner:
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         self._prev_index: dict[str, int] = {}
         self.stager = HostStager(device)
+        self.lora = None  # lora.manager.LoRAManager when enable_lora (set by the worker)
         self.spec = None  # spec_decode.spec_runner.SpecDecodeRunner when speculative decoding is configured
 
     # ------------------------------------------------------------------ KV cache
@@ -150,8 +151,13 @@ class ModelRunner:
         want_order = inp.max_query_len == 1 and self.attn_backend.wants_decode_order
         if want_order:
             int32_arrays.append(np.argsort(-inp.seq_lens, kind="stable").astype(np.int32))
-        query_start_loc, seq_lens, block_table, *decode_order = self.stager.stage(int32_arrays, np.int32)
+        num_plain = len(int32_arrays)
+        lora_arrays = self._lora_arrays(inp)
+        staged = self.stager.stage(int32_arrays + lora_arrays[:3], np.int32)
+        query_start_loc, seq_lens, block_table, *decode_order = staged[:num_plain]
         self.stager.next_step()
+        if lora_arrays:  # the step's token -> adapter slot map, into the wrappers' persistent buffers
+            self.lora.state.load(*staged[num_plain:], active=lora_arrays[3])
         metadata = AttentionMetadata(
             num_actual_tokens=len(inp.input_ids),
             num_reqs=len(inp.req_ids),
@@ -221,6 +227,14 @@ class ModelRunner:
         else:
             host, lp_host = sampled, sampler_out.logprobs
         return PendingOutput(self, inp, host, lp_host, event, prompt_logprobs)
+
+    def _lora_arrays(self, inp) -> list:
+        """[token_slots, sorted_token_ids, slot_starts, any adapter] of the step (loading adapters into device slots
+        as needed), or [] without enable_lora."""
+        if self.lora is None:
+            return []
+        num_scheduled = np.diff(inp.query_start_loc).astype(np.int64)
+        return list(self.lora.step_arrays([s.lora_id for s in inp.states], num_scheduled))
 
     def _prompt_logprobs(self, inp, hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """Score the prompt tokens this step's chunks cover, for requests that asked for prompt_logprobs.

@@ -159,6 +159,13 @@ class Worker:
             else:
                 logger.info("Not prepacking CPU weights (%.1f GiB): not enough free RAM for a second copy.",
                             weight_bytes / 2**30)
+        self.lora_manager = None
+        if args.enable_lora:
+            from pagedllm.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                                            max_cpu_loras=args.max_cpu_loras,
+                                            max_num_tokens=self.max_num_batched_tokens, device=self.device)
         self.runner = ModelRunner(
             self.model, hf_config=cfg, device=self.device, dtype=self.dtype, block_size=args.block_size,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
@@ -166,6 +173,9 @@ class Worker:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=enforce_eager,
             kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device))
+        self.runner.lora = self.lora_manager
+        if self.lora_manager is not None:
+            self.lora_manager.warm_up(self.max_num_batched_tokens)
         self.speculative = args.speculative()
         self.num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
         self.spec_disable_batch_size = self.speculative.disable_by_batch_size if self.speculative else None

@@ -60,6 +60,7 @@ async def serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
     from pagedllm.entrypoints.openai.guards import RequestGuard
     from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
+    from pagedllm.entrypoints.openai.lora_models import serve_lora_modules
     from pagedllm.entrypoints.openai.server_state import ServerState
     from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
     from pagedllm.metrics import Metrics
@@ -91,6 +92,11 @@ async def serve(args: argparse.Namespace) -> int:
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
+        try:
+            state.loras = await serve_lora_modules(engine, names, engine_args, args.lora_modules, metrics)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         lifecycle = Lifecycle()
         guarded = RequestGuard(build_app(state), max_body_bytes=args.max_request_body_bytes,
                                send_timeout_s=args.send_timeout)

@@ -90,6 +90,17 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
 
+    from pagedllm.entrypoints.openai.lora_models import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
+                                                         load_lora_adapter, loras_of, unload_lora_adapter)
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=body(LoadLoRAAdapterRequest))
+    async def load_lora_route(request: Request) -> Response:
+        return await load_lora_adapter(request, loras_of(state))
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=body(UnloadLoRAAdapterRequest))
+    async def unload_lora_route(request: Request) -> Response:
+        return await unload_lora_adapter(request, loras_of(state))
+
     @app.post("/tokenize", openapi_extra=body(TokenizeRequest))
     async def tokenize_route(request: Request) -> Response:
         return await tokenize(request, state)

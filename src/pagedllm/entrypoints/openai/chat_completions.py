@@ -49,7 +49,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
-    gen = engine.generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only")
+    gen = engine.generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
+                          lora_request=state.lora_request(model))
     watch = start_disconnect_watch(request, engine, [request_id])
     created = int(time.time())
     try:

@@ -28,7 +28,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the API accepts as 'model'; the first is reported")
-    g.add_argument("--lora-modules", nargs="+", default=None, help="name=path LoRA adapters (not supported yet)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
+                   help='LoRA adapters served under their own model names (needs --enable-lora): name=path or '
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -71,6 +73,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--max-loras", type=int, default=1)
     e.add_argument("--max-lora-rank", type=int, default=16)
+    e.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory (default: "
+                                                                     "--max-loras)")
     e.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (-1: no limit)")
     e.add_argument("--revision", default=None, help="branch, tag or commit of a hub repo id MODEL")
@@ -161,6 +165,11 @@ def to_engine_args(args: argparse.Namespace) -> Any:
 
 
 def check_unsupported_server_flags(args: argparse.Namespace) -> None:
+    """Server flags that need no engine: `--lora-modules` must parse and needs --enable-lora."""
+    from pagedllm.entrypoints.openai.lora_models import parse_lora_modules
+
     if args.lora_modules:
-        raise ValueError("--lora-modules is not supported yet by pagedllm.")
+        parse_lora_modules(args.lora_modules)
+        if not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora.")
 

@@ -72,7 +72,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id]
     stream = bool(req.stream)
     kind = "delta" if stream else "final_only"
-    gens = [engine.generate(text, ids, params, sid, output_kind=kind) for (text, ids), sid in zip(prompts, sub_ids)]
+    lora = state.lora_request(model)
+    gens = [engine.generate(text, ids, params, sid, output_kind=kind, lora_request=lora)
+            for (text, ids), sid in zip(prompts, sub_ids)]
     watch = start_disconnect_watch(request, engine, sub_ids)
     merged = merge_streams(gens)
     created = int(time.time())

@@ -25,6 +25,10 @@ class _Refused(Exception):
         self.status, self.message, self.code = status, message, code
 
 
+class _Gone(Exception):
+    pass
+
+
 class RequestGuard:
     def __init__(self, app: Any, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
@@ -39,6 +43,8 @@ class RequestGuard:
         try:
             if scope.get("method", "").encode() in _BODY_METHODS:
                 receive = await self._checked_body(scope, receive)
+        except _Gone:
+            return
         except _Refused as e:
             await _send_error(send, e)
             return
@@ -66,6 +72,8 @@ class RequestGuard:
                 raise self._too_large()
             chunks.append(chunk)
             more = message.get("more_body", False)
+        if tail is not None:  # the client left before its body was complete: nobody to answer
+            raise _Gone()
         body = b"".join(chunks)
         if body:
             _check_json_content_type(headers.get(b"content-type"))

@@ -19,6 +19,7 @@ class ServerState:
         self.metrics = metrics
         self.api_key = api_key
         self.created = int(time.time())
+        self.loras: Any = None  # lora_models.LoRAModels: adapter names the `model` field may name
 
     @property
     def model_name(self) -> str:
@@ -41,4 +42,10 @@ class ServerState:
     def check_model(self, name: Optional[str]) -> str:
         if name is None or name == "" or name in self.served_model_names:
             return self.model_name
+        if self.loras is not None and self.loras.get(name) is not None:
+            return name
         raise APIError(f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found")
+
+    def lora_request(self, model: str) -> Any:
+        """The LoRARequest a checked `model` name routes to (None: the base model)."""
+        return None if self.loras is None else self.loras.get(model)

@@ -1,0 +1,168 @@
+"""Batched multi-LoRA shrink / expand (Punica SGMV style) in Triton, and their torch references.
+
+One step's tokens may use different adapters. Adapter weights live in device slots:
+  A [num_slots, n_slices * R, K]   (R = rank padded to a power of two >= 16; padding rows are zero)
+  B [num_slots, R, N_total]        (R-major so a tile of B is contiguous along the output)
+and the tokens are described by the step's slot metadata:
+  sorted_token_ids [T] int32       token indices grouped by slot (tokens without an adapter are left out)
+  slot_starts [num_slots + 1]      slot s owns sorted_token_ids[slot_starts[s]:slot_starts[s + 1]]
+
+shrink:  h[split, t, :] = partial sums of x[t] @ A[slot(t)]^T        fp32, [SPLIT_K, T, n_slices * R]
+expand:  out[t, off_j:off_j + n_j] += (sum_split h[:, t, j*R:(j+1)*R]) @ B[slot(t), :, off_j:off_j + n_j]
+
+Every program reads its segment bounds from device memory and exits when its token block is past them, so the
+grids depend only on T and the shapes: a captured CUDA graph replays any mix of adapters. The shrink splits K
+across programs (a decode step has few tokens, and one program per token block would read all of A alone);
+each split writes its own partial sums, which the expand adds up, so there is no atomic and no memset.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+
+BLOCK_M = 16
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, N, K, K_PER_SPLIT,
+                   stride_xm, stride_as, stride_an, stride_hs, stride_hm,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    slot = tl.program_id(2)
+    start = tl.load(starts_ptr + slot)
+    end = tl.load(starts_ptr + slot + 1)
+    m0 = start + pid_m * BLOCK_M
+    if m0 < end:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < end
+        tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        k_lo = split * K_PER_SPLIT
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = (offs_k < K) & (offs_k < k_lo + K_PER_SPLIT)
+                xb = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
+                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                ab = tl.load(a_ptr + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_an + offs_k[:, None],
+                             mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+                if IEEE:
+                    acc += tl.dot(xb, ab, input_precision="ieee")
+                else:
+                    acc += tl.dot(xb, ab)
+            tl.store(h_ptr + split * stride_hs + tok[:, None] * stride_hm + offs_n[None, :], acc,
+                     mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, off0, off1, off2, size0, size1, size2,
+                   stride_hs, stride_hm, stride_bs, stride_br, stride_om,
+                   N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2) // N_SLICES
+    j = tl.program_id(2) % N_SLICES
+    start = tl.load(starts_ptr + slot)
+    end = tl.load(starts_ptr + slot + 1)
+    m0 = start + pid_m * BLOCK_M
+    off = tl.where(j == 0, off0, tl.where(j == 1, off1, off2))
+    size = tl.where(j == 0, size0, tl.where(j == 1, size1, size2))
+    n0 = pid_n * BLOCK_N
+    if (m0 < end) & (n0 < size):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < end
+        tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        offs_r = tl.arange(0, R)
+        hs = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for s in range(SPLIT_K):
+            hs += tl.load(h_ptr + s * stride_hs + tok[:, None] * stride_hm + j * R + offs_r[None, :],
+                          mask=mask_m[:, None], other=0.0)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < size
+        bb = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + off + offs_n[None, :],
+                     mask=mask_n[None, :], other=0.0)
+        if IEEE:
+            delta = tl.dot(hs, bb.to(tl.float32), input_precision="ieee")
+        else:
+            delta = tl.dot(hs.to(bb.dtype), bb)
+        out_ptrs = out_ptr + tok[:, None] * stride_om + off + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        cur = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (cur + delta).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def shrink_split(num_tokens: int, k: int) -> int:
+    """K splits of the shrink: many for a few tokens (enough programs to stream A fast), one for large batches."""
+    blocks = triton.cdiv(max(num_tokens, 1), BLOCK_M)
+    split = 1
+    while blocks * split < 64 and k // (split * 2) >= 256:
+        split *= 2
+    return split
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_token_ids: torch.Tensor, slot_starts: torch.Tensor
+                ) -> torch.Tensor:
+    """x [T, K], a [S, NR, K] -> h [SPLIT_K, T, NR] fp32 (rows of tokens without an adapter are left unset)."""
+    num_tokens, k = x.shape
+    num_slots, nr, _ = a.shape
+    assert x.stride(-1) == 1 and a.is_contiguous()
+    split = shrink_split(num_tokens, k)
+    h = torch.empty((split, num_tokens, nr), dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), 64) * 64
+    block_n = min(256, max(16, triton.next_power_of_2(nr)))
+    grid = (triton.cdiv(num_tokens, BLOCK_M), split, num_slots)
+    _shrink_kernel[grid](x, a, h, sorted_token_ids, slot_starts, nr, k, k_per_split, x.stride(0), a.stride(0),
+                         a.stride(1), h.stride(0), h.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64,
+                         IEEE=x.dtype == torch.float32, num_warps=4, **pdl_launch_args(x.device))
+    return h
+
+
+def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_token_ids: torch.Tensor,
+                slot_starts: torch.Tensor, slices: list[tuple[int, int]]) -> None:
+    """out[t, off:off+n] += h(t, slice j) @ B[slot(t), :, off:off+n] for each slice (off, n); in place."""
+    split, num_tokens, _ = h.shape
+    num_slots, r, _ = b.shape
+    assert 1 <= len(slices) <= 3 and out.stride(-1) == 1 and b.is_contiguous()
+    offs = [s[0] for s in slices] + [0] * (3 - len(slices))
+    sizes = [s[1] for s in slices] + [0] * (3 - len(slices))
+    block_n = 128 if max(sizes) >= 128 else max(16, triton.next_power_of_2(max(sizes)))
+    grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(max(sizes), block_n), num_slots * len(slices))
+    _expand_kernel[grid](h, b, out, sorted_token_ids, slot_starts, *offs, *sizes, h.stride(0), h.stride(1),
+                         b.stride(0), b.stride(1), out.stride(0), N_SLICES=len(slices), SPLIT_K=split, R=r,
+                         BLOCK_M=BLOCK_M, BLOCK_N=block_n, IEEE=out.dtype == torch.float32, num_warps=4,
+                         **pdl_launch_args(out.device))
+
+
+# ---- torch references (per token: the plainest statement of the math) ----------------------------------
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """[T, K], [S, NR, K], [T] (slot or -1) -> [T, NR] fp32 (zero rows for tokens without an adapter)."""
+    h = torch.zeros((x.shape[0], a.shape[1]), dtype=torch.float32, device=x.device)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            h[t] = a[slot].float() @ x[t].float()
+    return h
+
+
+def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor,
+                    slices: list[tuple[int, int]]) -> torch.Tensor:
+    """out + the delta, as a new fp32 tensor; h [T, n_slices * R], b [S, R, N_total]."""
+    r = b.shape[1]
+    res = out.float().clone()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot < 0:
+            continue
+        for j, (off, n) in enumerate(slices):
+            res[t, off:off + n] += h[t, j * r:(j + 1) * r] @ b[slot, :, off:off + n].float()
+    return res

@@ -1,0 +1,219 @@
+"""LoRA-aware wrappers around the model's linear layers, and the batched delta they add.
+
+`LoRALinear` keeps the base layer (whatever its LinearMethod: unquantized, fp8, int8, GGUF, ...) and adds,
+for every token of the step at once, `x @ A[slot]^T @ B[slot]` where `slot` is the device slot of that token's
+adapter (or none). Weights are never merged and adapters are never run one at a time:
+  CUDA: kernels/lora.py's shrink + expand (tokens gathered by slot, Punica style)
+  CPU:  one matmul against every slot's A, a mask keeping each token's own slot, one matmul against every B.
+
+A merged layer (qkv_proj = [q; k; v], gate_up_proj = [gate; up]) stacks its slices: A [S, n_slices * R, in],
+B [S, R, out] with slice j's columns at the same output rows as in the base weight.
+
+Tensor parallelism slices the adapter like the base weight: a column-parallel layer keeps A whole and this
+rank's rows of each slice of B; a row-parallel layer keeps this rank's columns of A and all of B, and adds
+its partial delta before the all-reduce (the delta is linear in the partial shrink, so the sum is exact).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+from pagedllm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
+                                    RowParallelLinear)
+
+
+@dataclass
+class LoRASlice:
+    """One logical output of a layer (e.g. the k of qkv_proj) as this rank stores it."""
+
+    peft_name: str  # module name in a PEFT checkpoint, e.g. "model.layers.0.self_attn.k_proj"
+    out_offset: int  # first row of this slice in the layer's local output
+    out_size: int  # rows on this rank
+    full_out: int  # rows in the checkpoint (all ranks)
+    shard_index: int  # which of num_shards equal slices of the checkpoint rows this rank holds
+    num_shards: int
+
+
+class LoRABatchState:
+    """The step's token -> slot map, shared by every LoRALinear of a model.
+
+    On CUDA the tensors are persistent buffers refreshed by device copies before each forward, so captured CUDA
+    graphs replay whatever adapters the next batch uses. `active` (host) is False when no token of the step
+    has an adapter; eager forwards then skip the delta (a graph is captured for each value).
+    """
+
+    def __init__(self, max_num_tokens: int, num_slots: int, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.device = device
+        self.active = False
+        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)  # -1: no adapter
+        self.sorted_token_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        self.slot_starts = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
+
+    def load(self, token_slots: torch.Tensor, sorted_token_ids: torch.Tensor, slot_starts: torch.Tensor,
+             active: bool) -> None:
+        n = token_slots.shape[0]
+        self.token_slots[:n].copy_(token_slots, non_blocking=True)
+        self.sorted_token_ids[:sorted_token_ids.shape[0]].copy_(sorted_token_ids, non_blocking=True)
+        self.slot_starts.copy_(slot_starts, non_blocking=True)
+        self.active = active
+
+    def clear(self) -> None:
+        self.slot_starts.zero_()
+        self.active = False
+
+
+class LoRALinear(nn.Module):
+    """A linear layer plus the batched LoRA delta of device slots 0..num_slots-1."""
+
+    def __init__(self, base: LinearBase, slices: list[LoRASlice], state: LoRABatchState, num_slots: int,
+                 rank: int, row_parallel: bool) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.slices = slices
+        self.state = state
+        self.rank = rank  # padded: a power of two >= 16 (the kernels' tile)
+        self.row_parallel = row_parallel
+        self.in_local = getattr(base, "input_size_per_partition", base.input_size)
+        self.out_local = getattr(base, "output_size_per_partition", base.output_size)
+        dtype = base.params_dtype
+        device = state.device
+        # [S, n_slices * R, in] and [S, R, out]; slots start (and are reset to) zero.
+        self.register_buffer("lora_a", torch.zeros(num_slots, len(slices) * rank, self.in_local, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(num_slots, rank, self.out_local, dtype=dtype, device=device),
+                             persistent=False)
+        self._slice_spans = [(s.out_offset, s.out_size) for s in slices]
+
+    def __getattr__(self, name: str) -> Any:  # the base layer's attributes (sizes, tp rank, linear_method...)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base_layer"], name)
+
+    # ---- slots ----------------------------------------------------------------------------------------
+
+    def expected_shapes(self) -> dict[str, tuple[int, int]]:
+        """PEFT module name -> (in_features, out_features) of the full (unsharded) checkpoint module."""
+        return {s.peft_name: (self.base_layer.input_size, s.full_out) for s in self.slices}
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy an adapter's A / B*scaling (full checkpoint shapes, host) into `slot`; modules it lacks get zeros."""
+        r = self.rank
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        base = self.base_layer
+        for j, s in enumerate(self.slices):
+            pair = weights.get(s.peft_name)
+            if pair is None:
+                continue
+            a, b = pair  # [rank, in], [full_out, rank]
+            rank = a.shape[0]
+            if self.row_parallel:
+                a = a.narrow(1, base.tp_rank * self.in_local, self.in_local)
+            else:
+                b = b.narrow(0, s.shard_index * s.out_size, s.out_size)
+            self.lora_a[slot, j * r:j * r + rank].copy_(a)
+            self.lora_b[slot, :rank, s.out_offset:s.out_offset + s.out_size].copy_(b.t())
+
+    # ---- forward --------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base_layer
+        if not self.row_parallel:
+            out = base.linear_method.apply(base, x, base.bias)  # [T, out_local]
+            if self.state.active:
+                self.add_delta(x, out)
+            return out
+        if not base.input_is_parallel and base.tp_size > 1:
+            x = x.chunk(base.tp_size, dim=-1)[base.tp_rank].contiguous()
+        out = base.linear_method.apply(base, x, base.bias if base.tp_rank == 0 else None)
+        if self.state.active:
+            self.add_delta(x, out)  # this rank's partial delta joins the partial sums before the reduce
+        if base.reduce_results and base.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The base layer's fused gate_up + SiLU only for steps without adapters (the delta must come first)."""
+        if self.state.active:
+            return None
+        fused = getattr(self.base_layer, "silu_and_mul", None)
+        return None if fused is None else fused(x)
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += x @ A[slot(t)]^T @ B[slot(t)] for every token t with an adapter, in place."""
+        state = self.state
+        if x.is_cuda:
+            from pagedllm.layers.activation import triton_kernels
+
+            kernels = triton_kernels("lora")
+            if kernels is not None:
+                x2 = x if x.stride(-1) == 1 else x.contiguous()
+                h = kernels.lora_shrink(x2, self.lora_a, state.sorted_token_ids, state.slot_starts)
+                kernels.lora_expand(h, self.lora_b, out, state.sorted_token_ids, state.slot_starts,
+                                    self._slice_spans)
+                return
+        out += batched_lora_delta(x, self.lora_a, self.lora_b, state.token_slots[:x.shape[0]],
+                                  self._slice_spans).to(out.dtype)
+
+
+def batched_lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+                       slices: list[tuple[int, int]]) -> torch.Tensor:
+    """The delta of every token in two matmuls (the CPU path; also a reference): x [T, in], a [S, n*R, in],
+    b [S, R, out], token_slots [T] (-1 = none) -> [T, out]."""
+    num_slots, nr, _ = a.shape
+    r = b.shape[1]
+    num_tokens = x.shape[0]
+    h = x @ a.reshape(num_slots * nr, -1).t()  # [T, S * n * R]: every slot's shrink
+    own = torch.nn.functional.one_hot((token_slots.long() + 1).clamp(min=0), num_slots + 1)[:, 1:]  # [T, S]
+    h = h.view(num_tokens, num_slots, nr) * own.to(h.dtype)[:, :, None]  # other slots' columns -> 0
+    out = x.new_zeros((num_tokens, b.shape[2]))
+    b_rows = b.reshape(num_slots * r, -1)  # [S * R, out]
+    for j, (off, n) in enumerate(slices):
+        hj = h[:, :, j * r:(j + 1) * r].reshape(num_tokens, num_slots * r)
+        out[:, off:off + n] = hj @ b_rows[:, off:off + n]
+    return out
+
+
+def lora_slices(layer: LinearBase, stacked_params_mapping: list[tuple[str, str, Any]]) -> Optional[list[LoRASlice]]:
+    """The PEFT-named slices of a linear layer (None for a layer LoRA cannot target)."""
+    prefix = getattr(layer, "prefix", "")
+    if not prefix:
+        return None
+    head, _, leaf = prefix.rpartition(".")
+    parts = [(weight, shard) for param, weight, shard in stacked_params_mapping if param == leaf]
+
+    def name(weight: str) -> str:
+        return f"{head}.{weight}" if head else weight
+
+    if isinstance(layer, QKVParallelLinear):
+        if len(parts) != 3:
+            return None
+        by_shard = {shard: weight for weight, shard in parts}
+        kv_full = layer.total_num_kv_heads * layer.head_size
+        reps = layer.num_kv_head_replicas
+        kv_shards = (layer.tp_rank // reps, layer.tp_size // reps)
+        return [LoRASlice(name(by_shard["q"]), 0, layer.q_size, layer.total_num_heads * layer.head_size,
+                          layer.tp_rank, layer.tp_size),
+                LoRASlice(name(by_shard["k"]), layer.q_size, layer.kv_size, kv_full, *kv_shards),
+                LoRASlice(name(by_shard["v"]), layer.q_size + layer.kv_size, layer.kv_size, kv_full, *kv_shards)]
+    if isinstance(layer, MergedColumnParallelLinear):
+        if len(parts) != len(layer.output_sizes):
+            return None
+        by_shard = {shard: weight for weight, shard in parts}
+        slices, offset = [], 0
+        for i, (full, local) in enumerate(zip(layer.output_sizes, layer.output_partition_sizes)):
+            slices.append(LoRASlice(name(by_shard[i]), offset, local, full, layer.tp_rank, layer.tp_size))
+            offset += local
+        return slices
+    if isinstance(layer, ColumnParallelLinear):
+        return [LoRASlice(prefix, 0, layer.output_size_per_partition, layer.output_size, layer.tp_rank,
+                          layer.tp_size)]
+    if isinstance(layer, RowParallelLinear):
+        return [LoRASlice(prefix, 0, layer.output_size, layer.output_size, 0, 1)]
+    return None

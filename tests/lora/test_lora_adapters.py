@@ -1,0 +1,132 @@
+"""Adapter validation (one-sentence refusals), LoRARequest, the offline API's errors, and the scheduler's rule
+that running requests never use more adapters than there are device slots."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.lora.peft import LoRAError
+from tests.lora.lora_helpers import make_adapter
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+               num_gpu_blocks_override=32)
+
+
+@pytest.fixture(scope="module")
+def good(tiny_llama_dir, tmp_path_factory):
+    return make_adapter(tiny_llama_dir, str(tmp_path_factory.mktemp("good") / "a"), r=8, alpha=8,
+                        targets=["q_proj", "down_proj"], seed=1)
+
+
+def edited(src: str, dst, **config) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "adapter_config.json")
+    with open(path) as f:
+        data = json.load(f)
+    data.update(config)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return str(dst)
+
+
+def add(llm: LLM, path: str, lora_id: int = 50):
+    return llm.engine.add_lora(LoRARequest(f"a{lora_id}", lora_id, path))
+
+
+def test_unsupported_adapters_are_refused_with_the_reason(llm, good, tiny_llama_dir, tiny_qwen3_dir, tmp_path):
+    cases = [
+        (make_adapter(tiny_llama_dir, str(tmp_path / "dora"), r=4, alpha=4, targets=["q_proj"], seed=2,
+                      use_dora=True), "DoRA"),
+        (make_adapter(tiny_llama_dir, str(tmp_path / "mts"), r=4, alpha=4, targets=["q_proj"], seed=3,
+                      modules_to_save=["lm_head"]), "modules_to_save"),
+        (make_adapter(tiny_llama_dir, str(tmp_path / "emb"), r=4, alpha=4, targets=["q_proj", "embed_tokens"],
+                      seed=4), "embedding"),
+        (make_adapter(tiny_llama_dir, str(tmp_path / "big"), r=32, alpha=4, targets=["q_proj"], seed=5),
+         "max_lora_rank=16"),
+        # Qwen3's q_proj maps 64 -> 128 features, the tiny Llama's 64 -> 64
+        (make_adapter(tiny_qwen3_dir, str(tmp_path / "other"), r=4, alpha=4, targets=["q_proj"], seed=6),
+         "another base model"),
+        (edited(good, tmp_path / "bias", bias="all"), "bias"),
+        (str(tmp_path / "missing"), "not a directory"),
+    ]
+    for path, words in cases:
+        with pytest.raises(LoRAError, match=words) as info:
+            add(llm, path)
+        assert str(info.value).count(". ") == 0, info.value  # one sentence
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    shutil.copy(os.path.join(good, "adapter_config.json"), empty)
+    with pytest.raises(LoRAError, match="adapter_model.safetensors"):
+        add(llm, str(empty))
+    assert llm.engine.list_loras() == set()  # nothing refused was registered
+
+
+def test_lora_request_and_generate_errors(llm, good, tiny_llama_dir):
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, good)
+    with pytest.raises(ValueError, match="lora_path"):
+        LoRARequest("x", 1)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], lora_request=[LoRARequest("g", 1, good)], use_tqdm=False)
+    with pytest.raises(ValueError, match="LoRARequest"):
+        llm.generate("a", lora_request="g", use_tqdm=False)
+    plain = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate("a", SamplingParams(max_tokens=1), lora_request=LoRARequest("g", 1, good), use_tqdm=False)
+    from vllm.lora.request import LoRARequest as VLLMLoRARequest  # the compat shim: the same class
+
+    assert VLLMLoRARequest is LoRARequest
+
+
+def test_bin_adapter_and_alpha_pattern(llm, good, tmp_path, tiny_llama_dir):
+    """adapter_model.bin loads like safetensors; alpha_pattern changes one module's scaling."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pagedllm.lora.peft import load_adapter
+
+    expected = llm.engine.worker.lora_manager.expected
+    bin_dir = tmp_path / "bin"
+    shutil.copytree(good, bin_dir)
+    tensors = load_file(os.path.join(bin_dir, "adapter_model.safetensors"))
+    os.remove(os.path.join(bin_dir, "adapter_model.safetensors"))
+    torch.save(tensors, os.path.join(bin_dir, "adapter_model.bin"))
+    a = load_adapter(1, "a", good, expected, 16)
+    b = load_adapter(2, "b", str(bin_dir), expected, 16)
+    assert a.weights.keys() == b.weights.keys() and all(
+        torch.equal(a.weights[k][1], b.weights[k][1]) for k in a.weights)
+    patterned = edited(good, tmp_path / "pat", alpha_pattern={"down_proj": 32})
+    c = load_adapter(3, "c", patterned, expected, 16)
+    down = "model.layers.0.mlp.down_proj"
+    q = "model.layers.0.self_attn.q_proj"
+    torch.testing.assert_close(c.weights[down][1], a.weights[down][1] * 4)
+    torch.testing.assert_close(c.weights[q][1], a.weights[q][1])
+
+
+def _req(rid: str, lora_id):
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=4), lora_id=lora_id)
+
+
+def test_scheduler_holds_back_requests_beyond_max_loras():
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_blocks=64,
+                  max_loras=2)
+    for rid, lora in [("a", 1), ("b", 2), ("c", 3), ("d", None), ("e", 1), ("f", 3)]:
+        s.add_request(_req(rid, lora))
+    plan = s.schedule()
+    # c and f (adapter 3, a third one) wait; base and adapters 1/2 go ahead of them; order is kept
+    assert list(plan.num_scheduled_tokens) == ["a", "b", "d", "e"]
+    assert [r.request_id for r in s.waiting] == ["c", "f"]
+    assert s.stats().running_lora_ids == (1, 2) and s.stats().waiting_lora_ids == (3,)
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    plan = s.schedule()
+    assert [n.request_id for n in plan.new_requests] == ["c", "f"]  # adapter 2's slot is free now
+    assert {r.lora_id for r in s.running} == {1, 3, None}

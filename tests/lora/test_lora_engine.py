@@ -1,0 +1,120 @@
+"""Multi-LoRA in the engine (CPU, fp32) against transformers + PEFT with real adapters made by the peft library.
+
+Adapters have non-zero B, different ranks and target modules, one uses rsLoRA. Each adapter's greedy tokens in a
+mixed batch (base requests + 3 adapters, prefix-cache hits, chunked prefill) equal PEFT's for that adapter alone,
+and the base requests' tokens equal the base model's.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from tests.lora.lora_helpers import make_adapter, peft_greedy
+
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (rank, alpha, targets, rsLoRA)
+ADAPTER_SPECS = [(8, 16, ALL7, False), (4, 8, ["q_proj", "v_proj", "down_proj"], True),
+                 (16, 8, ["k_proj", "o_proj", "gate_proj", "up_proj"], False)]
+
+
+@pytest.fixture(scope="module")
+def adapter_factory(tmp_path_factory):
+    made: dict = {}
+
+    def make(model_dir: str) -> list[str]:
+        if model_dir not in made:
+            root = tmp_path_factory.mktemp("loras")
+            made[model_dir] = [make_adapter(model_dir, str(root / f"a{i}"), r=r, alpha=alpha, targets=t, seed=i + 1,
+                                            use_rslora=rs) for i, (r, alpha, t, rs) in enumerate(ADAPTER_SPECS)]
+        return made[model_dir]
+
+    return make
+
+
+def lora_requests(paths: list[str], first_id: int = 1) -> list[LoRARequest]:
+    return [LoRARequest(f"adapter{i}", first_id + i, p) for i, p in enumerate(paths)]
+
+
+def check_mixed_batch(llm: LLM, model_dir: str, paths: list[str], vocab: int, max_tokens: int = 8,
+                      lengths=(5, 40, 9, 23, 3, 36, 12, 40), seed: int = 0):
+    """Base + every adapter, twice each, prompts sharing a 2-block prefix (prefix hits within an adapter)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(2, vocab) for _ in range(32)]
+    prompts = [(prefix if n > 30 else []) + [rng.randrange(2, vocab) for _ in range(n % 30 + 1)] for n in lengths]
+    reqs = ([None] + lora_requests(paths)) * 2
+    reqs = reqs[:len(prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    # Warm the prefix cache for adapter0 and the base model, so the batch below gets hits for those.
+    llm.generate([{"prompt_token_ids": prefix + [5]}] * 2, SamplingParams(max_tokens=1), use_tqdm=False,
+                 lora_request=[None, reqs[1]])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=reqs, use_tqdm=False)
+    for prompt, req, out in zip(prompts, reqs, outs):
+        ref_tokens, ref_lps = peft_greedy(model_dir, None if req is None else req.lora_path, prompt, max_tokens)
+        got = out.outputs[0]
+        who = "base" if req is None else req.lora_name
+        assert got.token_ids == ref_tokens, f"{who}, prompt of {len(prompt)} tokens"
+        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=2e-4, rtol=0)
+        assert out.lora_request is req
+    return prompts, reqs, outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_mixed_batch_matches_peft(arch, tiny_model_dir, adapter_factory):
+    model_dir = tiny_model_dir(arch)
+    paths = adapter_factory(model_dir)
+    llm = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
+              num_gpu_blocks_override=96, max_num_batched_tokens=48, max_num_seqs=8)
+    prompts, reqs, outs = check_mixed_batch(llm, model_dir, paths, vocab=512)
+    # Prefix hits only within the same adapter: the warmed prefix is reused by base and adapter0 requests.
+    for prompt, req, out in zip(prompts, reqs, outs):
+        if len(prompt) > 32 and (req is None or req.lora_int_id == 1):
+            assert out.num_cached_tokens >= 32, (req, out.num_cached_tokens)
+    # The one long prompt of adapter2 shares its prefix with base and adapter0 blocks only: no hit.
+    assert reqs[7].lora_int_id == 3 and len(prompts[7]) > 32 and outs[7].num_cached_tokens == 0
+
+
+def test_prefix_blocks_never_shared_between_adapters(tiny_llama_dir, adapter_factory):
+    paths = adapter_factory(tiny_llama_dir)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              num_gpu_blocks_override=64)
+    a, b = lora_requests(paths[:2])
+    prompt = {"prompt_token_ids": list(range(2, 50))}
+    sp = SamplingParams(max_tokens=1)
+    assert llm.generate(prompt, sp, lora_request=a, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate(prompt, sp, lora_request=b, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].num_cached_tokens == 0
+    # 48 tokens = 3 full blocks; the last one is recomputed to sample from it
+    assert llm.generate(prompt, sp, lora_request=a, use_tqdm=False)[0].num_cached_tokens == 32
+
+
+def test_more_adapters_than_slots_swaps_and_keeps_tokens(tiny_llama_dir, adapter_factory, tmp_path):
+    """4 adapters, 1 device slot and 2 host entries: the scheduler holds requests back, slots and the host cache
+    swap mid-run (adapters are re-read from disk), and every request still gets PEFT's tokens."""
+    paths = adapter_factory(tiny_llama_dir)
+    paths = paths + [make_adapter(tiny_llama_dir, str(tmp_path / "a3"), r=2, alpha=4, targets=["v_proj"], seed=9)]
+    llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2,
+              max_lora_rank=16, num_gpu_blocks_override=96, max_num_seqs=8)
+    rng = random.Random(3)
+    reqs = lora_requests(paths) * 2 + [None, None]
+    rng.shuffle(reqs)
+    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(3, 20))] for _ in reqs]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), lora_request=reqs,
+                        use_tqdm=False)
+    for prompt, req, out in zip(prompts, reqs, outs):
+        assert out.outputs[0].token_ids == peft_greedy(tiny_llama_dir, req and req.lora_path, prompt, 6)[0]
+    manager = llm.engine.worker.lora_manager
+    assert manager.num_slot_loads >= 4 and manager.num_disk_loads > 4  # swapped in and out, re-read from disk
+    assert len(manager.host) <= 2 and len(manager.slot_of) <= 1
+
+
+def test_smollm2_adapters_match_peft(smollm2_hf_dir, adapter_factory):
+    paths = adapter_factory(smollm2_hf_dir)
+    llm = LLM(model=smollm2_hf_dir, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
+              num_gpu_blocks_override=128, max_num_batched_tokens=64, max_num_seqs=8)
+    vocab = llm.engine.vocab_size
+    check_mixed_batch(llm, smollm2_hf_dir, paths, vocab=vocab, max_tokens=4, lengths=(4, 36, 7, 5))
