@@ -91,6 +91,9 @@ class Worker:
 
         self.args = args
         self.device = resolve_device(args.device)
+        # What this process already holds on the GPU before this engine loads anything (another engine of the same
+        # process, e.g. a benchmark's peer): not this engine's, so memory sizing must not count it as its own.
+        self._cuda_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         if args.cpu_offload_gb > 0 and self.device.type != "cuda":
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         if args.tensor_parallel_size != 1:
@@ -218,11 +221,15 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(self.device)
         free_before, total = torch.cuda.mem_get_info(self.device)
         self.runner.profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_baseline
         torch.cuda.empty_cache()
         free_after, _ = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free_after - torch.cuda.memory_reserved(self.device)
-        budget = args.gpu_memory_utilization * total - peak - max(0, used_by_others) - (256 << 20)
+        # gpu_memory_utilization is this engine's share; what another engine of this process holds is not counted
+        # against it, but the KV cache can only take memory that is free once this engine's activations are back.
+        activations = peak - (torch.cuda.memory_allocated(self.device) - self._cuda_baseline)
+        budget = min(args.gpu_memory_utilization * total - peak - max(0, used_by_others),
+                     free_after - activations) - (256 << 20)
         if args.kv_cache_memory_bytes is not None:
             budget = args.kv_cache_memory_bytes
         num_blocks = int(budget // spec.bytes_per_block)
