@@ -145,6 +145,7 @@ class GGUFLinearMethod(LinearMethodBase):
             layer.register_buffer(f"gguf_part{i}", part.contiguous(), persistent=False)
         layer.__dict__["_gguf_types"] = types
         layer.__dict__["_gguf_out"] = sum(sizes)
+        layer.__dict__["gguf_numel"] = k * sum(sizes)  # logical weights, for the parameter count
 
     def parts(self, layer) -> list[torch.Tensor]:
         return [getattr(layer, f"gguf_part{i}") for i in range(len(layer.__dict__["_gguf_types"]))]
@@ -189,8 +190,9 @@ class GGUFConfig(QuantizationConfig):
         kinds = collections.Counter(Q(t).name for n, t in self.tensor_types.items()
                                     if t not in self._packable and n.endswith(".weight") and "norm" not in n)
         if kinds:
-            logger.info("GGUF: %s weight tensor(s) of type(s) %s have no packed CPU kernel; they are dequantized "
-                        "at load.", sum(kinds.values()), ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())))
+            logger.info("GGUF: %s weight tensor(s) of type(s) %s have no packed CPU kernel; they (and the tensors "
+                        "fused with them) are dequantized at load.", sum(kinds.values()),
+                        ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())))
 
     def _checkpoint_names(self, prefix: str) -> list[str]:
         parent, _, leaf = prefix.rpartition(".")
@@ -200,7 +202,17 @@ class GGUFConfig(QuantizationConfig):
         return [f"{parent}.{name}.weight" for name, _ in shards]
 
     def keeps(self, name: str) -> bool:
-        return self.tensor_types.get(name) in self._packable if self.source else False
+        """Whether the checkpoint tensor `name` stays packed: its type has a kernel, and so do the types of all
+        the tensors fused with it into one layer (q/k/v, gate/up)."""
+        if not self.source or self.tensor_types.get(name) not in self._packable:
+            return False
+        module, _, suffix = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        for shards in _FUSED_SHARDS.values():
+            names = [shard for shard, _ in shards]
+            if leaf in names:
+                return all(self.tensor_types.get(f"{parent}.{n}.{suffix}") in self._packable for n in names)
+        return True
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         if getattr(layer, "tp_size", 1) != 1 or not self.source:
@@ -230,6 +242,7 @@ class GGUFConfig(QuantizationConfig):
                 for t in targets:
                     t.register_buffer("gguf_weight", loaded, persistent=False)
                     t.__dict__["gguf_type"] = int(loaded.gguf_type)
+                targets[0].__dict__["gguf_numel"] = targets[0].org_vocab_size * targets[0].embedding_dim
 
             set_weight_attrs(placeholder, {"weight_loader": loader})
             for t in targets:
@@ -280,6 +293,9 @@ def engine_quant_config(args: Any, hf_config: Any, model_path: str, model_dir: s
         if getattr(args, "enable_lora", False):
             raise ValueError("LoRA is not supported on GGUF weights kept packed; drop --quantization gguf (the "
                              "model is then dequantized at load) or --enable-lora.")
+        if getattr(args, "tensor_parallel_size", 1) != 1:
+            raise ValueError("--quantization gguf runs on one CPU process (tensor_parallel_size 1); drop it to "
+                             "dequantize the model at load for tensor parallelism.")
         config = GGUFConfig(source)
         config.check_supported(device, dtype)
         _ops()
@@ -290,6 +306,8 @@ def engine_quant_config(args: Any, hf_config: Any, model_path: str, model_dir: s
             reason = f"--dtype {str(dtype).replace('torch.', '')}"
         elif getattr(args, "enable_lora", False):
             reason = "--enable-lora"
+        elif getattr(args, "tensor_parallel_size", 1) != 1:
+            reason = "tensor parallelism"
         else:
             from pagedllm.kernels.cpu_ops import cpu_ops
             if cpu_ops() is None:

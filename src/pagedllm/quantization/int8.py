@@ -46,6 +46,9 @@ class Int8LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer):
         q, scale = quantize_per_channel_int8(layer.weight.data)
+        from pagedllm.quantization.cpu_w8a8 import attach_w8a8
+        if attach_w8a8(layer, q, scale):  # CPU: rows for the integer kernels, `weight` a view of them
+            return
         if q.is_cuda:  # the 8-bit layout of quantization/packed.py: the Triton dequant kernel streams it
             from pagedllm.quantization.packed import pack_int32
 
@@ -59,6 +62,10 @@ class Int8LinearMethod(LinearMethodBase):
         layer.register_buffer("weight_scale", scale, persistent=False)
 
     def apply(self, layer, x, bias=None):
+        rows = layer.__dict__.get("_buffers", {}).get("w8a8_rows")
+        if rows is not None:
+            from pagedllm.quantization.cpu_w8a8 import w8a8_linear
+            return w8a8_linear(x, rows, bias)
         from pagedllm.quantization.kernels import int8_linear, packed_int_linear
 
         if "qweight" in layer._parameters:

@@ -267,4 +267,5 @@ class Worker:
 
 def _count_params(model: torch.nn.Module) -> str:
     n = sum(p.numel() for p in model.parameters())
+    n += sum(m.__dict__.get("gguf_numel", 0) for m in model.modules())  # weights kept in GGUF blocks
     return f"{n / 1e9:.2f}B params" if n >= 1e9 else f"{n / 1e6:.0f}M params"

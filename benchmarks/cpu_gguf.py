@@ -1,0 +1,162 @@
+"""CPU, GGUF model: pagedllm with the file's blocks kept packed vs the same model dequantized to fp32 vs
+llama.cpp (llama-cpp-python, in its own venv), interleaved round by round in one run, reported as ratios.
+
+    python benchmarks/cpu_gguf.py --llama-python /work/wt/wt21-peers/llama/bin/python --rounds 3
+
+Workloads: `single` = one stream, a 128-token random prompt, 128 tokens out (EOS banned), end-to-end tok/s
+(prefill included) and decode-only tok/s; `batch` = benchmarks/offline_throughput.py's 32-prompt workload
+(inputs and outputs U(16..160), seed 0) on the two pagedllm sides (llama-cpp-python has no batched API).
+The llama.cpp side runs in a child process of `--llama-python` that loads the model once and answers one
+round per request on stdin.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+_CHILD = r'''
+import json, sys, time
+from llama_cpp import Llama
+path, threads, n_in, n_out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_ctx=n_in + n_out + 16, n_threads=threads, n_threads_batch=threads, verbose=False)
+eos = llm.token_eos()
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    prompt = json.loads(line)
+    llm.reset()
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for tok in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, logits_processor=[lambda ids, s: (s.__setitem__(eos, -1e30), s)[1]],
+                            reset=True):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+        if n >= n_out:
+            break
+    end = time.perf_counter()
+    print(json.dumps({"total_s": end - t0, "ttft_s": first - t0, "tokens": n}), flush=True)
+'''
+
+
+def pagedllm_single(llm, prompt, n_out):
+    from pagedllm import SamplingParams
+    from pagedllm.core.engine_core import EngineCoreRequest
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    engine.add_request(EngineCoreRequest(f"s{time.monotonic_ns()}", prompt,
+                                         SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)))
+    t0 = time.perf_counter()
+    stamps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stamps.append(time.perf_counter())
+    return {"total_s": stamps[-1] - t0, "ttft_s": stamps[0] - t0, "tokens": n_out}
+
+
+def pagedllm_batch(llm, reqs):
+    from pagedllm import SamplingParams
+    from pagedllm.core.engine_core import EngineCoreRequest
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    tag = time.monotonic_ns()
+    for i, (ids, n) in enumerate(reqs):
+        engine.add_request(EngineCoreRequest(f"b{tag}-{i}", ids, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                                ignore_eos=True)))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"total_s": time.perf_counter() - t0, "tokens": sum(n for _, n in reqs)}
+
+
+def rate(r):
+    return r["tokens"] / r["total_s"]
+
+
+def decode_rate(r):
+    return (r["tokens"] - 1) / (r["total_s"] - r["ttft_s"])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2 Q4_1)")
+    p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: skip it)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workloads", default="single,batch")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    sys.path.insert(0, HERE)
+    import torch
+
+    from offline_throughput import make_requests
+    from pagedllm import LLM
+    from pagedllm.models.loader import resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    workloads = args.workloads.split(",")
+    common = dict(model=path, max_model_len=1024, kv_cache_memory_bytes=512 << 20, skip_tokenizer_init=True)
+    sides = {}
+    for name, quant in (("packed", None), ("fp32", "none")):
+        t0 = time.perf_counter()
+        sides[name] = LLM(quantization=quant, **common)
+        print(f"[{name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    child = None
+    if args.llama_python and "single" in workloads:
+        child = subprocess.Popen([args.llama_python, "-c", _CHILD, path, str(args.threads), str(args.input_len),
+                                  str(args.output_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert json.loads(child.stdout.readline())["ready"]
+    vocab = sides["packed"].engine.vocab_size
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, min(vocab, 32000)) for _ in range(args.input_len)]
+    reqs = make_requests(32, (16, 160), (16, 160), vocab, 0)
+    results: dict = {"single": {}, "batch": {}}
+    pagedllm_single(sides["packed"], prompt, 8)  # warm-ups
+    pagedllm_single(sides["fp32"], prompt, 8)
+    for rnd in range(args.rounds):
+        if "single" in workloads:
+            for name, llm in sides.items():
+                results["single"].setdefault(name, []).append(pagedllm_single(llm, prompt, args.output_len))
+            if child is not None:
+                child.stdin.write(json.dumps(prompt) + "\n")
+                child.stdin.flush()
+                results["single"].setdefault("llama.cpp", []).append(json.loads(child.stdout.readline()))
+            line = ", ".join(f"{n} {rate(v[-1]):.1f} tok/s (decode {decode_rate(v[-1]):.1f})"
+                             for n, v in results["single"].items())
+            print(f"round {rnd} single: {line}", flush=True)
+        if "batch" in workloads:
+            for name, llm in sides.items():
+                results["batch"].setdefault(name, []).append(pagedllm_batch(llm, reqs))
+            print(f"round {rnd} batch: " + ", ".join(f"{n} {rate(v[-1]):.1f} tok/s"
+                                                       for n, v in results["batch"].items()), flush=True)
+    if child is not None:
+        child.stdin.close()
+        child.wait()
+    summary = {}
+    for wl, by_side in results.items():
+        for name, runs in by_side.items():
+            summary[f"{wl}/{name}"] = max(rate(r) for r in runs)
+    for wl, base in (("single", "llama.cpp"), ("single", "fp32"), ("batch", "fp32")):
+        if f"{wl}/{base}" in summary and f"{wl}/packed" in summary:
+            per_round = [rate(a) / rate(b) for a, b in zip(results[wl]["packed"], results[wl][base])]
+            summary[f"{wl}/packed_over_{base}"] = per_round
+            print(f"{wl}: packed / {base} per round: " + ", ".join(f"{x:.2f}x" for x in per_round))
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M"), "results": results,
+                       "summary": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""SmolLM2's Q4_1 GGUF kept packed on CPU (quantization/gguf.py) against the same model dequantized to fp32:
+memory, greedy agreement (reported), the France answer, mixed batches, prefix hits and preemption, the
+flags; and a tiny llama GGUF with mixed block types (Q/K permutation, fused parts of different types, an
+F16 tensor left dequantized, an untied LM head) against its dequantized twin."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.\nThe sea",
+         "Once upon a time, in a small village at the edge of a great forest, there lived an old",
+         "The three primary colors are", "import numpy as np\n\n# compute the mean of", "Dear Sir or Madam,",
+         "Water boils at a temperature of"]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_gguf_path, smollm2_cache_dir):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
+        packed = LLM(model=smollm2_gguf_path, dtype="float32", num_gpu_blocks_override=256)
+        dense = LLM(model=smollm2_gguf_path, dtype="float32", quantization="none", num_gpu_blocks_override=256)
+    return packed, dense
+
+
+def greedy(llm, prompts, max_tokens=MAX_TOKENS):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def agreement(a, b) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def test_weights_stay_packed_at_about_the_file_size(engines, smollm2_gguf_path):
+    from pagedllm.quantization.gguf import GGUFLinearMethod, packed_weight_bytes
+    packed, dense = engines
+    model = packed.engine.worker.model
+    assert packed.engine.worker.quant_config.name == "gguf" and dense.engine.worker.quant_config is None
+    linears = [m for m in model.modules() if hasattr(m, "linear_method")]
+    assert linears and all(isinstance(m.linear_method, GGUFLinearMethod) for m in linears)
+    assert model.model.embed_tokens.__dict__["gguf_type"] == 8  # Q8_0, shared with the tied LM head
+    packed_bytes, float_bytes = packed_weight_bytes(model)
+    size = os.path.getsize(smollm2_gguf_path)
+    assert 0.9 * size <= packed_bytes + float_bytes <= 1.02 * size
+    dense_bytes = sum(p.numel() * p.element_size() for p in dense.engine.worker.model.parameters())
+    assert dense_bytes > 5 * (packed_bytes + float_bytes)
+
+
+def test_greedy_agrees_with_fp32_and_answers_paris(engines):
+    packed, dense = engines
+    tok = packed.get_tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    got, ref = greedy(packed, prompts), greedy(dense, prompts)
+    share = agreement(got, ref)
+    print(f"\ngreedy agreement, packed Q4_1 vs dequantized fp32: {share:.0%} of {len(prompts)} prompts x "
+          f"{MAX_TOKENS} tokens")
+    assert share >= 0.75
+    for g, r in zip(got, ref):  # where they differ, only after a shared start (a near-tie, not garbage)
+        assert g[:4] == r[:4]
+    chat = packed.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    assert "Paris" in chat[0].outputs[0].text
+
+
+def test_mixed_batch_prefix_hits_and_preemption(engines, smollm2_gguf_path, smollm2_cache_dir, monkeypatch):
+    packed, dense = engines
+    tok = packed.get_tokenizer()
+    shared = tok.encode("You are a helpful assistant. Answer briefly and precisely, in one sentence. " * 2)
+    prompts = [shared + tok.encode(t) for t in TEXTS[:4]]
+    ref = greedy(dense, prompts, 12)
+    alone = [greedy(packed, [p], 12)[0] for p in prompts]
+    before = packed.engine.get_stats().prefix_cache_hits
+    mixed = greedy(packed, prompts, 12)  # one batch of mixed lengths, the shared prefix from the cache
+    assert packed.engine.get_stats().prefix_cache_hits > before
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
+    # 10 blocks of 8 tokens cannot hold 4 requests growing to ~45 tokens each: the newest get preempted
+    small = LLM(model=smollm2_gguf_path, dtype="float32", num_gpu_blocks_override=10, block_size=8,
+                enable_prefix_caching=False)
+    preempted = greedy(small, prompts, 12)
+    assert small.engine.get_stats().num_preemptions > 0
+    for name, run in (("alone", alone), ("mixed", mixed), ("preempted", preempted)):
+        share = agreement(run, ref)
+        print(f"{name}: {share:.0%} of prompts give the fp32 tokens")
+        assert share >= 0.6, name
+    assert agreement(mixed, alone) >= 0.8 and agreement(preempted, alone) >= 0.8
+
+
+def test_flags(engines, tiny_llama_dir):
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        LLM(model=tiny_llama_dir, quantization="gguf", num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="dummy"):
+        LLM(model=engines[0].engine.worker.model_dir, quantization="gguf", load_format="dummy",
+            num_gpu_blocks_override=16)
+    fp = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16)  # a Hugging Face dir: float weights by default
+    assert fp.engine.worker.quant_config is None
+
+
+# ----------------------------------------------------------------------------- a tiny GGUF of mixed types
+
+def _write_mixed_gguf(hf_dir: str, path: str) -> None:
+    """The tiny llama (untied LM head) as a GGUF whose tensors use several block types, q/k permuted the way
+    llama.cpp's converter does; ffn_up stays F16 (no packed kernel: dequantized at load)."""
+    import json
+
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    from tests.models.test_gguf import _TO_GGUF, _llama_cpp_permute
+    Q = gguf.GGMLQuantizationType
+    kinds = {"self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q5_1, "self_attn.v_proj": Q.Q8_0,
+             "self_attn.o_proj": Q.Q5_0, "mlp.gate_proj": Q.Q4_1, "mlp.up_proj": Q.F16, "mlp.down_proj": Q.Q8_0}
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        data = tensor.float().numpy()
+        qtype = Q.F32
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, _, suffix = rest.rpartition(".")
+            if module == "self_attn.q_proj":
+                data = _llama_cpp_permute(data, cfg["num_attention_heads"])
+            elif module == "self_attn.k_proj":
+                data = _llama_cpp_permute(data, cfg["num_key_value_heads"])
+            qtype = kinds.get(module, Q.F32)
+            gguf_name = f"blk.{layer}.{_TO_GGUF[module]}.{suffix}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+            qtype = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K}.get(gguf_name, Q.F32)
+        if qtype == Q.Q6_K:  # gguf has no Q6_K quantizer: store Q8_0 instead, still packed
+            qtype = Q.Q8_0
+        if qtype == Q.F16:
+            writer.add_tensor(gguf_name, data.astype(np.float16))
+        elif qtype == Q.F32:
+            writer.add_tensor(gguf_name, data)
+        else:
+            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tiny_mixed_type_gguf_matches_its_dequantized_twin(tmp_path, monkeypatch, tiny_model_dir, caplog):
+    from pagedllm.quantization.gguf import GGUFLinearMethod
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    hf_dir = tiny_model_dir("llama", tie_word_embeddings=False)
+    path = str(tmp_path / "mixed.gguf")
+    _write_mixed_gguf(hf_dir, path)
+    with caplog.at_level("INFO", logger="pagedllm"):
+        packed = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True)
+    assert any("F16" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
+    dense = LLM(model=path, quantization="none", num_gpu_blocks_override=64, skip_tokenizer_init=True)
+    layer = packed.engine.worker.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.linear_method, GGUFLinearMethod)
+    assert layer.self_attn.qkv_proj.__dict__["_gguf_types"] == [2, 7, 8]  # Q4_0 | Q5_1 | Q8_0 side by side
+    assert not isinstance(layer.mlp.gate_up_proj.linear_method, GGUFLinearMethod)  # up is F16
+    assert "gguf_type" in packed.engine.worker.model.lm_head.__dict__
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (3, 17, 40)]
+    bf16 = LLM(model=path, dtype="bfloat16", num_gpu_blocks_override=64, skip_tokenizer_init=True)
+    assert bf16.engine.worker.quant_config.name == "gguf"
+    out = bf16.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    for llm_a, llm_b in ((packed, dense),):
+        a = llm_a.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True), use_tqdm=False)
+        b = llm_b.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True), use_tqdm=False)
+        for x, y in zip(a, b):
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+            lx = [x.outputs[0].logprobs[i][t].logprob for i, t in enumerate(x.outputs[0].token_ids)]
+            ly = [y.outputs[0].logprobs[i][t].logprob for i, t in enumerate(y.outputs[0].token_ids)]
+            torch.testing.assert_close(torch.tensor(lx), torch.tensor(ly), atol=2e-3, rtol=0)
+
+
+def test_online_int8_on_cpu_runs_on_the_integer_kernels(tiny_llama_dir):
+    from pagedllm.models.loader import load_model
+    model, _, _ = load_model(tiny_llama_dir, dtype=torch.float32, quantization="int8")
+    down = model.model.layers[0].mlp.down_proj
+    rows = down.w8a8_rows
+    assert rows.dtype == torch.uint8 and rows.shape == (down.weight.shape[0], down.weight.shape[1] + 4)
+    assert down.weight.data_ptr() == rows.data_ptr() + 4  # the int8 weight is a view: one copy in RAM
+    x = torch.randn(3, down.weight.shape[1])
+    ref = x @ (down.weight.float() * down.weight_scale[:, None]).T
+    torch.testing.assert_close(down(x), ref, atol=1e-4, rtol=1e-3)
