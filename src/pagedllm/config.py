@@ -67,6 +67,8 @@ class EngineArgs:
     generation_config: str = "auto"  # "auto" (the model's generation_config.json) | "vllm" (none) | a directory
     revision: Optional[str] = None  # hub repo ids: branch, tag or commit
     download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
+    # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
+    structured_outputs_config: Optional[dict] = None
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -32,6 +32,8 @@ class CompletionOutput:
     logprobs: Optional[SampleLogprobs]
     finish_reason: Optional[str] = None  # None while running; "stop" | "length" | "abort"
     stop_reason: Union[int, str, None] = None  # stop string or stop token id; None for EOS / length
+    # LLM.chat(..., tools=[...]): the calls parsed from text (entrypoints/openai/tool_parsers), else None.
+    tool_calls: Optional[list] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from pagedllm.sampling_constraints import normalize_allowed_token_ids, normalize_bad_words, normalize_logit_bias
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -47,6 +48,9 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # The output must match a JSON schema / regex / choice / grammar (structured_output/); a dict is converted.
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = field(default=None, repr=False)  # vLLM's older name
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +71,7 @@ class SamplingParams:
         self.logit_bias = normalize_logit_bias(self.logit_bias)
         self.allowed_token_ids = normalize_allowed_token_ids(self.allowed_token_ids)
         self.bad_words = normalize_bad_words(self.bad_words)
+        self._resolve_structured_outputs()
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
@@ -133,6 +138,14 @@ class SamplingParams:
             bad("stop_token_ids must be a list of non-negative integers.")
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             bad(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}.")
+
+    def _resolve_structured_outputs(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("Give structured_outputs or its old name guided_decoding, not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

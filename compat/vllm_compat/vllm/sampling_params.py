@@ -1,1 +1,2 @@
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: F401
+from pagedllm.structured_output import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401

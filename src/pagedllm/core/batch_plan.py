@@ -1,6 +1,6 @@
 """BatchPlan / ModelOutput: the whole contract between the scheduler and the model runner.
 
-Only ints, lists, strings and SamplingParams cross it. The runner keeps its own per-request state
+Only ints, lists, strings, SamplingParams and one numpy array (the grammar bitmask) cross it. The runner keeps its own per-request state
 (token ids, block table, sampling state) keyed by request_id, and updates it from these diffs:
 
   * new_requests: requests the runner has not seen (first schedule, or resumed after preemption):
@@ -11,6 +11,9 @@ Only ints, lists, strings and SamplingParams cross it. The runner keeps its own 
   * num_scheduled_tokens: how many tokens of each request to compute this step, in batch order
     (the order of the dict is the order of rows in the batch).
   * finished_request_ids: requests to drop (finished, aborted or preempted since the last plan).
+  * grammar_bitmask / structured_output_request_ids: for requests under a grammar that sample this step, an
+    int32 [rows, ceil(vocab / 32)] numpy array of allowed next tokens (bit j of word w: token 32 w + j) and
+    request id -> its row. None / empty when no such request is scheduled.
 
 A request samples a token this step when num_computed_tokens + num_scheduled_tokens reaches its token
 count; a request still in the middle of a chunked prefill does not.
@@ -18,7 +21,7 @@ count; a request still in the middle of a chunked prefill does not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -58,6 +61,8 @@ class BatchPlan:
     # step (speculation is on for this batch size).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     propose_drafts: bool = False
+    grammar_bitmask: Optional[Any] = None  # numpy int32 [len(structured_output_request_ids), ceil(V / 32)]
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -17,6 +17,7 @@ from pagedllm.core.batch_plan import EngineCoreOutput
 from pagedllm.core.errors import RequestStepError, check_sampled_tokens
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.structured_hooks import StructuredOutputHooks
 from pagedllm.sampling_constraints import check_against_engine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.stats import SpecLogger
@@ -79,6 +80,10 @@ class EngineCore:
                         f" ({sc.model})" if sc.model else f" (lookup {sc.prompt_lookup_min}..{sc.prompt_lookup_max})",
                         sc.num_speculative_tokens, sc.disable_by_batch_size, self._spec_log.interval_s)
         self.async_scheduling = w.async_scheduling
+        # Structured outputs: built on the first request under a grammar (engines without any pay nothing).
+        self.structured = StructuredOutputHooks(self, engine_args)
+        # Async scheduling fills grammar masks while the step's forward runs, where the worker supports it.
+        self._overlap_masks = bool(getattr(self.worker, "launch_hook", False))
         if not engine_args.enable_chunked_prefill:
             logger.info("Chunked prefill is off: each prompt runs whole in one step (up to %d tokens per step).",
                         w.max_num_batched_tokens)
@@ -130,6 +135,8 @@ class EngineCore:
             arrival_time=req.arrival_time if req.arrival_time is not None else time.monotonic(),
             lora_id=req.lora_id,
         )
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured.submit(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -180,10 +187,13 @@ class EngineCore:
             raise
 
     def _step_sync(self) -> list[EngineCoreOutput]:
+        self.structured.before_schedule()
         plan = self.scheduler.schedule()
         if plan.total_num_scheduled_tokens == 0 and not plan.finished_request_ids:
+            self.structured.idle_wait()
             return self.scheduler.update_from_output(plan, self.worker.empty_output())
         self._step_plans.append(plan)
+        self.structured.attach_bitmask(plan)
         output = self.worker.execute_model(plan)
         self.num_steps += 1
         return self._update(plan, output)
@@ -213,14 +223,21 @@ class EngineCore:
         the step wait for the previous one first.
         """
         outputs: list[EngineCoreOutput] = []
+        self.structured.before_schedule()
         plan = self.scheduler.schedule()
         if self._in_flight is not None and self._plan_needs_sync(plan):
             outputs = self._apply_in_flight()
         if plan.total_num_scheduled_tokens == 0:
             outputs += self._apply_in_flight()
             self.worker.launch(plan)  # nothing to run; the runner still drops finished requests' state
+            if not outputs:
+                self.structured.idle_wait()
             return outputs + self.scheduler.update_from_output(plan, self.worker.empty_output())
         self._step_plans.append(plan)
+        if self._in_flight is not None and self._overlap_masks and self.structured.plan_has_grammar(plan):
+            return outputs + self._launch_with_mask_overlap(plan)
+        # No step in flight (or it was applied above): the matchers are current.
+        self.structured.attach_bitmask(plan)
         pending = self.worker.launch(plan)
         self.num_steps += 1
         outputs += self._apply_in_flight()
@@ -239,13 +256,18 @@ class EngineCore:
         sched = self.scheduler
         # Spread the requests over the stages: each micro-batch takes its share of them.
         share = max(1, -(-(sched.num_running + sched.num_waiting) // self.num_micro_batches))
+        self.structured.before_schedule()
         while len(self._micro_batches) < self.num_micro_batches:
             plan = sched.schedule(max_num_reqs=share)
             if plan.total_num_scheduled_tokens == 0:
                 if plan.finished_request_ids:
                     self.worker.launch(plan)  # the ranks still drop those requests' state
+                if not self._micro_batches and not outputs:
+                    self.structured.idle_wait()
                 outputs += self.scheduler.update_from_output(plan, self.worker.empty_output())
                 break
+            # A request is in at most one micro-batch in flight, so its matcher has seen every earlier token.
+            self.structured.attach_bitmask(plan)
             self._micro_batches.append((plan, self.worker.launch(plan)))
             self.num_steps += 1
         self._step_plans.extend(p for p, _ in self._micro_batches)
@@ -253,6 +275,23 @@ class EngineCore:
             plan, pending = self._micro_batches.popleft()
             outputs += self._update(plan, pending.result())
         return outputs
+
+    def _launch_with_mask_overlap(self, plan) -> list[EngineCoreOutput]:
+        """Launch a step whose masked requests still wait for the step in flight: the runner enqueues the forward,
+        then (while the device runs it) we apply the previous step's tokens, advancing the matchers, and fill the
+        bitmask; then it enqueues the masked sampling."""
+        applied: list[EngineCoreOutput] = []
+
+        def before_sampling() -> None:
+            applied.extend(self._apply_in_flight())
+            self.structured.attach_bitmask(plan)
+
+        pending = self.worker.launch(plan, before_sampling=before_sampling)
+        self.num_steps += 1
+        if self._in_flight is not None:  # the runner sampled nothing and skipped the hook
+            applied.extend(self._apply_in_flight())
+        self._in_flight = (plan, pending)
+        return applied
 
     def _apply_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:
@@ -264,7 +303,8 @@ class EngineCore:
 
     def _plan_needs_sync(self, plan) -> bool:
         requests = self.scheduler.requests
-        return any(requests[r].needs_sync for r in plan.num_scheduled_tokens if r in requests)
+        attr = "needs_sync_sampling" if self._overlap_masks else "needs_sync"
+        return any(getattr(requests[r], attr) for r in plan.num_scheduled_tokens if r in requests)
 
     def get_stats(self):
         return self.scheduler.stats()
@@ -278,7 +318,12 @@ class EngineCore:
         if check is not None:
             check()
 
+    def pop_request_errors(self) -> list[tuple[str, str]]:
+        """(request id, message) of requests refused after add_request (a grammar that failed to compile)."""
+        return self.structured.pop_errors()
+
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.worker.shutdown()
 
 

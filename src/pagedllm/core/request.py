@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -64,6 +64,9 @@ class Request:
     # Speculative decoding: tokens proposed for the positions after the last one (scheduled as extra tokens to
     # compute and verified in the next step; never part of all_token_ids).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs: the request's grammar state (structured_output.RequestStructuredOutput, duck-typed
+    # here: is_ready(), accept(token_ids), is_terminated()); None for unconstrained requests.
+    structured_output: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -84,7 +87,12 @@ class Request:
     @property
     def needs_sync(self) -> bool:
         """Whether sampling for this request must see every earlier token (penalties, seeds, min_tokens,
-        multi-token bad words): such requests are never run one step ahead."""
+        multi-token bad words, a grammar's mask): such requests are never run one step ahead."""
+        return self.structured_output is not None or self.needs_sync_sampling
+
+    @property
+    def needs_sync_sampling(self) -> bool:
+        """needs_sync less the grammar mask (which the engine can fill while the step's forward runs)."""
         p = self.sampling_params
         return (p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0

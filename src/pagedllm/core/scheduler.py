@@ -335,9 +335,13 @@ class Scheduler:
     def _admit_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request],
                        lora: Optional[tuple[list[Request], set[int]]]) -> None:
         kv = self.kv_cache_manager
+        compiling: list[Request] = []  # waiting for their grammar: passed over, kept in order at the front
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(scheduled) < self._max_reqs_this_step):
             request = self.waiting[0]
+            if request.structured_output is not None and not request.structured_output.is_ready():
+                compiling.append(self.waiting.popleft())
+                continue
             if self._lora_held_back(request, lora):
                 lora[0].append(self.waiting.popleft())
                 continue
@@ -382,6 +386,7 @@ class Scheduler:
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             scheduled.append(request)
             budget -= num_new_tokens
+        self.waiting.extendleft(reversed(compiling))
 
     # ---------------------------------------------------------------- update
 
@@ -439,10 +444,15 @@ class Scheduler:
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
         """Append tokens one at a time, stopping at the first that ends the request."""
         appended = []
+        grammar = request.structured_output
         for token_id in sampled:
             request.append_output_token_ids([token_id])
             appended.append(token_id)
             status = self._check_stop(request, token_id)
+            if grammar is not None and not grammar.accept([token_id]) and status is None:
+                status = RequestStatus.FINISHED_ABORTED  # the mask forbids this; never continue off-grammar
+            if status is None and grammar is not None and grammar.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (its stop token was taken)
             if status is not None:
                 request.status = status
                 break

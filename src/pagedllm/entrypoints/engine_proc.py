@@ -66,6 +66,9 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
         )
     )
     crashed = False
+    structured = getattr(core, "structured", None)
+    if structured is not None:
+        structured.preload()  # in the background: the first request under a grammar does not load the tokenizer
     try:
         EngineLoop(core, in_sock, out_sock, engine_index).run()
     except Exception as e:  # noqa: BLE001
@@ -158,6 +161,7 @@ class EngineLoop:
                         self.out_sock.send(self.enc.encode(self.m.RequestError(rid, e.message, 500)))
                     self.stats_dirty = True
                     continue
+                self._send_request_errors()
                 if outputs:
                     self.out_sock.send(
                         self.enc.encode(
@@ -232,6 +236,11 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine
             logger.exception("add_request failed for %s", msg.request_id)
             self.out_sock.send(self.enc.encode(self.m.RequestError(msg.request_id, _one_line(e), 500)))
+
+    def _send_request_errors(self) -> None:
+        pop = getattr(self.core, "pop_request_errors", None)
+        for request_id, message in (pop() if pop is not None else []):
+            self.out_sock.send(self.enc.encode(self.m.RequestError(request_id, message, 400)))
 
     def _stats(self) -> Any:
         return self.m.stats_to_msg(self.core.get_stats())

@@ -42,6 +42,7 @@ class LLM:
 
             self.tokenizer = get_tokenizer(self.engine_args.tokenizer or self.engine.model_dir,
                                            trust_remote_code=self.engine_args.trust_remote_code)
+            self.engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
         self._counter = itertools.count()
         from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
 
@@ -133,17 +134,29 @@ class LLM:
              chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list:
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given).")
+        from pagedllm.entrypoints.openai.tool_calling import (extract_tool_calls, plan_tools,
+                                                              prepare_conversation)
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        plan = plan_tools(tools, None, None, "auto", template)
         prompts = []
         for conv in conversations:
+            conv, template_tools = prepare_conversation(list(conv), plan, template)
             ids = self.tokenizer.apply_chat_template(
                 conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, tokenize=True,
+                continue_final_message=continue_final_message, tools=template_tools, tokenize=True,
                 **(chat_template_kwargs or {}))
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt": self.tokenizer.decode(ids), "prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        results = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        if plan.active:  # the parsed calls ride along on each output; text stays what the model wrote
+            for result in results:
+                for out in result.outputs:
+                    out.tool_calls = extract_tool_calls(plan, out.text, out.finish_reason).tool_calls or None
+        return results
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any, lora_request: Any = None,
                     use_tqdm: bool = False) -> list:
@@ -196,6 +209,9 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests() or len(finished) < len(order):
                 core_outputs = self.engine.step()
+                errors = self.engine.pop_request_errors()
+                if errors:
+                    raise ValueError(errors[0][1])
                 num_output_tokens += sum(len(o.new_token_ids) for o in core_outputs)
                 request_outputs, to_abort = processor.process_outputs(core_outputs)
                 if to_abort:

@@ -12,6 +12,7 @@ Order of operations (vLLM's):
      by (seed, output position), so their tokens do not depend on the rest of the batch and repeat
      after a preemption-recompute.
 
+A grammar's token bitmask (structured outputs), when a row has one, is applied before all of these.
 Every stage is skipped when no row needs it (flags computed on the host by the builder), so an
 all-greedy batch without penalties is a single argmax. The logits are modified in place.
 """
@@ -25,6 +26,7 @@ import torch
 
 from pagedllm.layers.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
 from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
+from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
 _MASK64 = (1 << 64) - 1
 
@@ -100,6 +102,9 @@ class SamplingMetadata:
     max_num_logprobs: Optional[int] = None  # None: no row asked for logprobs
     # allowed_token_ids / bad_words / logit_bias of the rows that have them (layers/token_constraints.py)
     constraints: Optional[TokenConstraints] = None
+    # Structured outputs: int32 [N, ceil(V / 32)] allowed-token bits per row (all ones for unconstrained rows);
+    # applied first, so every later stage and the logprobs see the masked distribution. Set by the runner.
+    token_bitmask: Optional[torch.Tensor] = None
 
     @property
     def argmax_only(self) -> bool:
@@ -240,6 +245,8 @@ class Sampler(torch.nn.Module):
         raw logprobs or None). Speculative verification (spec_decode/) shares it with forward()."""
         if logits.dtype != torch.float32:
             logits = logits.float()
+        if meta.token_bitmask is not None:  # a grammar's allowed tokens (structured outputs), before everything
+            apply_token_bitmask_(logits, meta.token_bitmask)
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
 
         if meta.constraints is not None:

@@ -20,6 +20,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.linear import cpu_packed_linear, gemv_kernels
 from pagedllm.layers.weight_utils import copy_weight, set_weight_attrs
+from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
@@ -149,15 +150,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.__dict__["cpu_greedy_screen"] = (packed, w.detach().norm(dim=1).float().contiguous())
         return True
 
-    def greedy_token_ids(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+    def greedy_token_ids(self, hidden_states: torch.Tensor,
+                         token_bitmask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """argmax of compute_logits(hidden_states) per row, or None where no shortcut applies.
 
         On CUDA: the argmax of the logits in the model dtype. compute_logits only widens them to fp32, which is
         exact and keeps their order, so the argmax (first index among equal maxima) is the same; it skips
         writing and re-reading fp32 logits. For few rows a split Triton argmax spreads each row over many SMs.
-        On CPU: an exact bf16 screen (below)."""
+        On CPU: an exact bf16 screen (below).
+        token_bitmask (int32 [N, ceil(V/32)], structured outputs): the argmax is taken over the allowed tokens only
+        (forbidden logits, and forbidden screen values, are -inf)."""
         if hidden_states.is_cuda:
             logits = self._logits(hidden_states)
+            if token_bitmask is not None:
+                apply_token_bitmask_(logits, token_bitmask)
             if envs.PAGEDLLM_USE_TRITON_KERNELS and logits.dim() == 2:
                 from pagedllm.kernels.argmax import argmax_rows
 
@@ -172,6 +178,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         packed, norms = screen
         x = hidden_states.contiguous()
         approx = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
+        if token_bitmask is not None:  # a forbidden token is never a candidate (its bound is NaN, never >= thr)
+            apply_token_bitmask_(approx[:, :self.org_vocab_size], token_bitmask)
         hidden = x.shape[1]
         # |approx - logit| <= c |x| |w_t| + out_err |approx|: bf16 rounding of x and w (2^-8 each), fp32
         # accumulation over `hidden` terms, and the bf16 rounding of the output (2^-7, conservatively).
@@ -181,7 +189,10 @@ class ParallelLMHead(VocabParallelEmbedding):
                           _GREEDY_MAX_CANDIDATES)
         missed = (out < 0).nonzero().flatten()
         if missed.numel():  # too many near-ties to screen: those rows take the full fp32 logits
-            out[missed] = self.compute_logits(x.index_select(0, missed)).argmax(dim=-1)
+            logits = self.compute_logits(x.index_select(0, missed))
+            if token_bitmask is not None:
+                apply_token_bitmask_(logits, token_bitmask.index_select(0, missed))
+            out[missed] = logits.argmax(dim=-1)
         return out
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -215,12 +215,13 @@ class LlamaForCausalLM(nn.Module):
         # [N, hidden_size] -> [N, vocab_size] float32
         return self.lm_head.compute_logits(hidden_states)
 
-    def greedy_token_ids(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+    def greedy_token_ids(self, hidden_states: torch.Tensor,
+                         token_bitmask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """argmax of compute_logits without materializing fp32 logits where the LM head can (CUDA; CPU fp32).
 
         A subclass whose compute_logits does more than the LM head (scaling, soft-capping) must override
         this too (returning None is always correct: the runner then computes full logits)."""
-        return self.lm_head.greedy_token_ids(hidden_states)
+        return self.lm_head.greedy_token_ids(hidden_states, token_bitmask)
 
     def skip_weight(self, name: str) -> bool:
         tied_here = self.tie_word_embeddings and self.model.is_first_stage

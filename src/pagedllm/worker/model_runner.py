@@ -6,7 +6,7 @@ plan's diffs; it never reads scheduler objects. One host sync per step: the samp
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from pagedllm.attention.backend import get_attention_backend
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, check_kv_cache_backend, kv_cache_backend
 
@@ -122,11 +123,14 @@ class ModelRunner:
         return self.launch(plan).result()
 
     @torch.inference_mode()
-    def launch(self, plan: BatchPlan) -> "PendingOutput":
+    def launch(self, plan: BatchPlan, before_sampling: Optional[Callable[[], None]] = None) -> "PendingOutput":
         """Enqueue one step (inputs, forward, sampling) without waiting for the device.
 
         With async scheduling the plan may include tokens sampled by the previous step that the host has not
         seen yet: those input ids are taken on the device from the previous step's sampled ids.
+        before_sampling (structured outputs under async scheduling) runs once the forward is enqueued and before
+        sampling reads the plan's grammar bitmask: the engine applies the previous step's tokens and fills the
+        bitmask there, while the device runs this step's forward.
         """
         batch = self.input_batch
         batch.update(plan)
@@ -186,6 +190,8 @@ class ModelRunner:
             return PendingOutput(self, inp, None, None, None)
         prompt_logprobs = self._prompt_logprobs(inp, hidden)
         self._prev_sampled = None
+        if before_sampling is not None:
+            before_sampling()
         if inp.spec_token_ids and len(sample_rows):
             return self.spec.verify(self, inp, hidden, prompt_logprobs)
         if len(sample_rows) == 0:
@@ -200,11 +206,12 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=dev,
         )
+        meta.token_bitmask = step_token_bitmask(plan, inp.req_ids, sample_rows, dev)
         greedy = None
         if meta.argmax_only:
             # Only the argmax is needed: the LM head finds it without fp32 logits (on CPU from an exact bf16
-            # screen; None where no shortcut applies).
-            greedy = getattr(self.model, "greedy_token_ids", lambda hidden: None)(sample_hidden)
+            # screen; None where no shortcut applies), within the grammar's allowed tokens if there is a mask.
+            greedy = greedy_token_ids(self.model, sample_hidden, meta.token_bitmask)
         if greedy is not None:
             sampler_out = SamplerOutput(sampled_token_ids=greedy, logprobs=None)
         else:

@@ -276,8 +276,11 @@ class Worker:
             if state is not None:
                 batch.append_token(state, token)
 
-    def launch(self, plan: BatchPlan):
-        return self.runner.launch(plan)
+    # launch() takes before_sampling (see ModelRunner.launch): the engine may overlap mask filling with the forward.
+    launch_hook = True
+
+    def launch(self, plan: BatchPlan, before_sampling=None):
+        return self.runner.launch(plan, before_sampling)
 
     @staticmethod
     def empty_output() -> ModelOutput:

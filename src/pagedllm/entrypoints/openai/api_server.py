@@ -91,6 +91,7 @@ async def serve(args: argparse.Namespace) -> int:
         log_sampling_defaults(defaults, engine_args.generation_config)
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                             sampling_defaults=defaults)
+        state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
         try:
             state.loras = await serve_lora_modules(engine, names, engine_args, args.lora_modules, metrics)
         except ValueError as e:

@@ -8,6 +8,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.chat_template import message_text, render_chat
+from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_grammar, choice_message,
+                                                    plan_request_tools)
 from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
@@ -16,6 +18,7 @@ from pagedllm.entrypoints.openai.request_params import (build_sampling_params, c
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (DONE, ChunkFramer, error_event, start_disconnect_watch,
                                                    usage_dict)
+from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
@@ -25,9 +28,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
     check_logprob_fields(req, state.max_logprobs, top_name="top_logprobs", top=req.top_logprobs)
+    tool_plan, prepare_tools = plan_request_tools(req, state)
     prompt_text, prompt_ids = render_chat(
         state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-        req.chat_template, req.chat_template_kwargs, req.add_special_tokens)
+        req.chat_template, req.chat_template_kwargs, req.add_special_tokens, prepare_tools=prepare_tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
         raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
@@ -41,6 +45,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         return Response(dumps(body), media_type="application/json")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, state.sampling_defaults)
+    apply_tool_grammar(params, tool_plan)
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
@@ -55,7 +60,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         await gen.aclose()
         raise
     if stream:
-        body = _stream(req, state, model, request_id, created, len(prompt_ids), first, gen, watch)
+        body = _stream(req, state, model, request_id, created, len(prompt_ids), first, gen, watch, tool_plan)
         return StreamingResponse(body, media_type="text/event-stream")
     final = first
     try:
@@ -63,7 +68,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
             final = out
     finally:
         watch.cancel()
-    return Response(dumps(_full_response(req, state, model, request_id, created, len(prompt_ids), final)),
+    return Response(dumps(_full_response(req, state, model, request_id, created, len(prompt_ids), final, tool_plan)),
                     media_type="application/json")
 
 
@@ -86,7 +91,7 @@ def _echo_text(req: ChatCompletionRequest) -> str:
 
 
 def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
-                   num_prompt: int, final: Any) -> dict:
+                   num_prompt: int, final: Any, tool_plan: ToolPlan) -> dict:
     choices = []
     num_gen = 0
     echo = _echo_text(req)
@@ -94,8 +99,9 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
         num_gen += len(out.token_ids)
         lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0) \
             if req.logprobs else None
-        choices.append({"index": out.index, "message": {"role": "assistant", "content": echo + out.text},
-                        "logprobs": lp, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+        message, finish_reason = choice_message(tool_plan, echo + out.text, out.finish_reason)
+        choices.append({"index": out.index, "message": message,
+                        "logprobs": lp, "finish_reason": finish_reason, "stop_reason": out.stop_reason})
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage_dict(num_prompt, num_gen)}
     if req.prompt_logprobs is not None:
@@ -104,7 +110,8 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
 
 
 async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
-                  num_prompt: int, first: Any, gen: AsyncIterator, watch: Any) -> AsyncIterator[bytes]:
+                  num_prompt: int, first: Any, gen: AsyncIterator, watch: Any,
+                  tool_plan: ToolPlan) -> AsyncIterator[bytes]:
     framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
     top_n = req.top_logprobs or 0
     num_gen = 0
@@ -120,10 +127,15 @@ async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, re
             if not out.text and out.finish_reason is None and not out.token_ids:
                 continue
             lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, top_n) if req.logprobs else None
+            if tool_streams is not None:
+                frames += _tool_frames(frame, tool_streams, out, lp)
+                continue
             delta = {"content": out.text} if out.text or out.finish_reason is None else {}
             frames.append(frame({"index": out.index, "delta": delta, "logprobs": lp,
                                  "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}))
         return frames
+
+    tool_streams = ChoiceStreams(tool_plan) if tool_plan.active else None
 
     try:
         # The role goes first, in its own delta, once per choice (as OpenAI does).
@@ -147,3 +159,14 @@ async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, re
         watch.cancel()
         await gen.aclose()
     yield DONE
+
+
+def _tool_frames(frame: Any, streams: ChoiceStreams, out: Any, lp: Any) -> list[bytes]:
+    """A choice's chunk with tools in play: content held back where a call may start, calls as tool_calls deltas."""
+    deltas, finish_reason = streams.deltas(out.index, out.text, out.finish_reason)
+    frames = [frame({"index": out.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None})
+              for i, d in enumerate(deltas)]
+    if out.finish_reason is not None:
+        frames.append(frame({"index": out.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
+                             "stop_reason": out.stop_reason}))
+    return frames

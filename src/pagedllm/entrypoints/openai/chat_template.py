@@ -1,7 +1,7 @@
 """Chat messages -> prompt text and ids through the tokenizer's chat template (transformers)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.entrypoints.openai.errors import APIError
 
@@ -25,8 +25,10 @@ def message_text(content: Any) -> str:
 
 def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: Optional[str] = None,
-                chat_template_kwargs: Optional[dict] = None, add_special_tokens: bool = False
+                chat_template_kwargs: Optional[dict] = None, add_special_tokens: bool = False,
+                prepare_tools: Optional[Callable[[list[dict]], tuple[list[dict], Optional[list]]]] = None
                 ) -> tuple[str, list[int]]:
+    """prepare_tools (tool calling): conversation -> (conversation, tools for the template)."""
     if not messages:
         raise APIError("'messages' must contain at least one message.", param="messages")
     conv = []
@@ -34,7 +36,16 @@ def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool
         item = {"role": msg.role, "content": message_text(msg.content)}
         if msg.name:
             item["name"] = msg.name
+        if getattr(msg, "tool_calls", None):
+            item["tool_calls"] = msg.tool_calls
+        if getattr(msg, "tool_call_id", None):
+            item["tool_call_id"] = msg.tool_call_id
         conv.append(item)
+    tools = None
+    if prepare_tools is not None:
+        conv, tools = prepare_tools(conv)
+    if tools:
+        chat_template_kwargs = dict(chat_template_kwargs or {}, tools=tools)
     if continue_final_message and add_generation_prompt:
         raise APIError("continue_final_message and add_generation_prompt cannot both be true.",
                        param="continue_final_message")

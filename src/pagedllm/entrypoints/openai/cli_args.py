@@ -11,7 +11,8 @@ from pagedllm.dtypes import DTYPE_CHOICES
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
                "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
                "disable_log_stats", "startup_timeout",
-               "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout"}
+               "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout",
+               "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend"}
 
 
 def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argparse.ArgumentParser:
@@ -83,7 +84,35 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     add_parallel_args(p)
+    add_structured_output_args(p)
     return p
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"backend\": \"xgrammar\"}'")
+    return value
+
+
+def add_structured_output_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSER_NAMES
+    from pagedllm.structured_output.backend import BACKENDS
+
+    g = p.add_argument_group("structured outputs and tools")
+    g.add_argument("--structured-outputs-config", type=_json_object, default=None, metavar="JSON",
+                   help='e.g. \'{"backend": "auto|xgrammar|guidance", "disable_any_whitespace": false}\'')
+    g.add_argument("--guided-decoding-backend", default=None, choices=list(BACKENDS),
+                   help="vLLM's older flag: the same as --structured-outputs-config '{\"backend\": ...}'")
+    g.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSER_NAMES),
+                   help="how tool calls are read from model output (auto: from the chat template)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='accepted for vLLM compatibility: tool_choice "auto" works without it')
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -146,6 +175,9 @@ def to_engine_args(args: argparse.Namespace) -> Any:
     kwargs = {k: v for k, v in vars(args).items() if k in names and k not in SERVER_KEYS}
     if args.served_model_name:
         kwargs["served_model_name"] = args.served_model_name[0]
+    if getattr(args, "guided_decoding_backend", None):
+        kwargs["structured_outputs_config"] = dict(kwargs.get("structured_outputs_config") or {},
+                                                   backend=args.guided_decoding_backend)
     return EngineArgs(**kwargs)
 
 

@@ -62,6 +62,16 @@ class _SamplingFields(_Req):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
+    # Structured outputs (entrypoints/openai/structured_request.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* extras.
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -77,6 +87,8 @@ class ChatMessage(_Req):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # role "tool": the call this message answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -91,6 +103,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: bool = False  # vLLM: echo the last message's content when it has the assistant role
     best_of: Optional[int] = None  # only with use_beam_search: the beam width
+    # Tool calling (entrypoints/openai/tool_calling.py)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(_Req):

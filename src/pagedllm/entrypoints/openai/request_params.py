@@ -32,8 +32,10 @@ def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optiona
             if not 0 <= t < 2 ** 63:
                 raise APIError(f"{name} must be non-negative integers below 2**63, got {t}.", param=name)
 
+    structured_outputs = _structured_outputs(req)
     try:
         return SamplingParams(
+            structured_outputs=structured_outputs,
             n=req.n,
             presence_penalty=opt(req.presence_penalty, 0.0),
             frequency_penalty=opt(req.frequency_penalty, 0.0),
@@ -60,6 +62,19 @@ def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optiona
         )
     except (ValueError, TypeError) as e:
         raise APIError(str(e), param=_param_of(str(e)))
+
+
+def _structured_outputs(req: Any) -> Any:
+    from pagedllm.entrypoints.openai.structured_request import StructuredRequestError, structured_outputs_from_request
+
+    backend = getattr(req, "guided_decoding_backend", None)
+    if backend is not None:
+        raise APIError("guided_decoding_backend per request is not supported: the server's backend is chosen at "
+                       "start with --structured-outputs-config '{\"backend\": ...}'.", param="guided_decoding_backend")
+    try:
+        return structured_outputs_from_request(req)
+    except StructuredRequestError as e:
+        raise APIError(str(e), param=e.param) from None
 
 
 def check_logprob_fields(req: Any, max_logprobs: int, top_name: str, top: Optional[int]) -> None:

@@ -1,0 +1,75 @@
+"""The chat endpoint's tool-calling glue: request -> ToolPlan (400s), the grammar of "required" / named choices onto
+SamplingParams, and each choice's message / streamed deltas."""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Optional
+
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.tool_calling import (
+    ToolPlan,
+    ToolRequestError,
+    extract_tool_calls,
+    finish_reason_with_tools,
+    plan_tools,
+    prepare_conversation,
+    tool_structured_outputs,
+)
+from pagedllm.entrypoints.openai.tool_streaming import ToolCallStreamer
+
+
+def chat_template_source(tokenizer: Any, override: Optional[str]) -> Optional[str]:
+    template = override or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one, or the tool-use one if there is one
+        template = template.get("tool_use") or template.get("default")
+    return template if isinstance(template, str) else None
+
+
+def plan_request_tools(req: Any, state: Any) -> tuple[ToolPlan, Any]:
+    """(plan, the prepare_tools hook for render_chat)."""
+    template = chat_template_source(state.tokenizer, req.chat_template)
+    try:
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                          getattr(state, "tool_call_parser", "auto"), template)
+    except ToolRequestError as e:
+        raise APIError(str(e), param=e.param) from None
+    return plan, partial(prepare_conversation, plan=plan, template=template)
+
+
+def apply_tool_grammar(params: Any, plan: ToolPlan) -> None:
+    so = tool_structured_outputs(plan)
+    if so is None:
+        return
+    if params.structured_outputs is not None:
+        raise APIError(f"tool_choice {plan.mode!r} decides the output's format itself: it cannot be combined with "
+                       "response_format / structured_outputs.", param="tool_choice")
+    params.structured_outputs = so
+
+
+def choice_message(plan: ToolPlan, text: str, finish_reason: Optional[str]) -> tuple[dict, Optional[str]]:
+    """(the choice's message, its finish_reason) for a non-streamed response."""
+    if not plan.active:
+        return {"role": "assistant", "content": text}, finish_reason
+    result = extract_tool_calls(plan, text, finish_reason)
+    message: dict = {"role": "assistant", "content": result.content}
+    if result.called:
+        message["tool_calls"] = [c.to_openai() for c in result.tool_calls]
+    return message, finish_reason_with_tools(result, finish_reason)
+
+
+class ChoiceStreams:
+    """One ToolCallStreamer per choice index (streaming only when tools are in play)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.streamers: dict[int, ToolCallStreamer] = {}
+
+    def deltas(self, index: int, text: str, finish_reason: Optional[str]) -> tuple[list[dict], Optional[str]]:
+        s = self.streamers.get(index)
+        if s is None:
+            s = self.streamers[index] = ToolCallStreamer(self.plan)
+        out = s.feed(text)
+        if finish_reason is None:
+            return out, None
+        last, reason = s.finish(finish_reason)
+        return out + last, reason

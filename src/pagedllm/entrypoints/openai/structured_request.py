@@ -1,0 +1,86 @@
+"""Request fields -> StructuredOutputsParams: OpenAI's response_format, vLLM's structured_outputs and its older
+guided_json / guided_regex / guided_choice / guided_grammar / guided_decoding_backend extras.
+
+Shape errors are refused here with the field's name; the spec itself (is the schema valid?) is checked by the
+grammar library in the engine, whose message comes back as a 400 too.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+class StructuredRequestError(ValueError):
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _response_format(rf: Any) -> Optional[dict]:
+    if rf is None:
+        return None
+    rf = rf if isinstance(rf, dict) else rf.model_dump(exclude_none=True)
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise StructuredRequestError("response_format of type 'json_schema' needs a 'json_schema' object with "
+                                         "'name' and 'schema'.", "response_format")
+        schema = spec.get("schema", spec.get("json_schema"))
+        if schema is None:
+            schema = {"type": "object"}  # OpenAI allows a name-only json_schema: any object
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise StructuredRequestError(f"response_format.json_schema.schema is not valid JSON: {e}.",
+                                             "response_format") from None
+        if not isinstance(schema, dict):
+            raise StructuredRequestError("response_format.json_schema.schema must be a JSON schema object.",
+                                         "response_format")
+        return {"json": schema}
+    if kind == "structural_tag":
+        raise StructuredRequestError("response_format of type 'structural_tag' is not supported yet by pagedllm.",
+                                     "response_format")
+    raise StructuredRequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
+                                 f"{kind!r}.", "response_format")
+
+
+def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParams]:
+    """The request's one output constraint, or None. More than one source at once is a 400."""
+    found: list[tuple[str, dict]] = []
+    rf = _response_format(getattr(req, "response_format", None))
+    if rf is not None:
+        found.append(("response_format", rf))
+    so = getattr(req, "structured_outputs", None)
+    if so is not None:
+        if not isinstance(so, dict):
+            raise StructuredRequestError("structured_outputs must be an object.", "structured_outputs")
+        found.append(("structured_outputs", dict(so)))
+    for field, kind in _GUIDED.items():
+        value = getattr(req, field, None)
+        if value is not None:
+            found.append((field, {kind: value}))
+    if getattr(req, "guided_json_object", None):
+        found.append(("guided_json_object", {"json_object": True}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise StructuredRequestError(f"Give one output constraint, not several ({names}).", found[1][0])
+    param, spec = found[0]
+    ws = getattr(req, "guided_whitespace_pattern", None)
+    if ws is not None:
+        spec.setdefault("whitespace_pattern", ws)
+    try:
+        return StructuredOutputsParams.from_dict(spec)
+    except (ValueError, TypeError) as e:
+        raise StructuredRequestError(str(e), param) from None

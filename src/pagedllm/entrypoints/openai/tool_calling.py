@@ -1,0 +1,214 @@
+"""Tool calling around one chat request: check tools / tool_choice, put the tools into the prompt, turn
+"required" and named choices into a grammar, and turn the output back into OpenAI tool calls.
+
+  tool_choice "none"       tools are not shown; the output is content
+  tool_choice "auto"       tools go into the chat template; the parser reads whatever the model writes
+  tool_choice "required"   the grammar forces a JSON list of >= 1 calls [{"name": ..., "arguments": {...}}]
+  named function           the grammar forces that function's arguments (its JSON schema)
+
+Chat templates that do not take `tools` (SmolLM2's) get the tools described in a system message in the hermes
+format, and earlier calls / results written the same way, so every model sees them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedllm.entrypoints.openai.tool_parsers import ExtractedToolCalls, ToolCall, ToolParser, get_tool_parser
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+
+class ToolRequestError(ValueError):
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolPlan:
+    """What one request does with tools (mode: none | auto | required | named)."""
+
+    mode: str
+    tools: list[dict] = field(default_factory=list)
+    named: Optional[str] = None
+    parallel: bool = True
+    parser: Optional[ToolParser] = None
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+
+def _function(tool: Any, i: int) -> dict:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
+            tool.get("function"), dict):
+        raise ToolRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}.", "tools")
+    fn = tool["function"]
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ToolRequestError(f"tools[{i}].function.name must be a non-empty string.", "tools")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ToolRequestError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+    return {"type": "function", "function": fn}
+
+
+def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Optional[bool], parser_name: str,
+               chat_template: Optional[str]) -> ToolPlan:
+    """Validate tools / tool_choice (ToolRequestError -> 400) and decide what to do."""
+    tools = [_function(t, i) for i, t in enumerate(tools or [])]
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function") if tool_choice.get("type", "function") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise ToolRequestError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                                   "'function': {'name': ...}}.", "tool_choice")
+        if not tools:
+            raise ToolRequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if name not in names:
+            raise ToolRequestError(f"tool_choice names the function {name!r}, which is not in tools "
+                                   f"({', '.join(names)}).", "tool_choice")
+        return ToolPlan("named", tools, named=name, parallel=parallel_tool_calls is not False)
+    if tool_choice not in ("none", "auto", "required"):
+        raise ToolRequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}.",
+                               "tool_choice")
+    if tool_choice != "none" and not tools:
+        raise ToolRequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if tool_choice == "none":
+        return ToolPlan("none")
+    plan = ToolPlan(tool_choice, tools, parallel=parallel_tool_calls is not False)
+    if tool_choice == "auto":
+        try:
+            plan.parser = get_tool_parser(parser_name, tools, chat_template)
+        except ValueError as e:
+            raise ToolRequestError(str(e), "tool_choice") from None
+    return plan
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]:
+    """The grammar that enforces a "required" / named tool choice (None for none / auto)."""
+    if plan.mode == "named":
+        tool = next(t for t in plan.tools if t["function"]["name"] == plan.named)
+        return StructuredOutputsParams(json=_parameters(tool))
+    if plan.mode != "required":
+        return None
+    variants = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                                  "arguments": _parameters(t)},
+                 "required": ["name", "arguments"], "additionalProperties": False} for t in plan.tools]
+    schema: dict = {"type": "array", "minItems": 1, "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
+    if not plan.parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+# ---- the prompt ------------------------------------------------------------------------------------------
+
+
+def template_takes_tools(template: Optional[str]) -> bool:
+    return bool(template) and "tools" in template
+
+
+def _hermes_call_text(calls: list[dict]) -> str:
+    parts = []
+    for call in calls:
+        fn = call.get("function", {})
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        parts.append("<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+                     + "\n</tool_call>")
+    return "\n".join(parts)
+
+
+def _tools_system_text(tools: list[dict]) -> str:
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("You can call functions to help with the user's request. The functions you may call are listed "
+            "between <tools> and </tools>, as JSON:\n<tools>\n" + listing + "\n</tools>\n"
+            "To call a function, answer with one JSON object per call, each between <tool_call> and </tool_call>:\n"
+            '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>')
+
+
+def prepare_conversation(conv: list[dict], plan: ToolPlan, template: Optional[str]) -> tuple[list[dict], Optional[list]]:
+    """(messages, tools for apply_chat_template). Assistant tool_calls and tool results pass to templates that know
+    them (arguments as objects, as HF templates expect); other templates get them written in the hermes format."""
+    native = template_takes_tools(template)
+    has_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in conv)
+    if native:
+        out = []
+        for m in conv:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [_with_object_arguments(c) for c in m["tool_calls"]]
+            out.append(m)
+        return out, (plan.tools if plan.active else None)
+    if not plan.active and not has_history:
+        return conv, None
+    out = []
+    for m in conv:
+        m = dict(m)
+        if m.get("tool_calls"):
+            text = _hermes_call_text(m.pop("tool_calls"))
+            m["content"] = ((m.get("content") or "") + "\n" + text).strip()
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": "<tool_response>\n" + (m.get("content") or "") + "\n</tool_response>"}
+        m.pop("tool_call_id", None)
+        if m.get("content") is None:
+            m["content"] = ""
+        out.append(m)
+    if plan.active and plan.mode != "named":
+        text = _tools_system_text(plan.tools)
+        if out and out[0].get("role") == "system":
+            out[0] = dict(out[0], content=(out[0].get("content") or "") + "\n\n" + text)
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out, None
+
+
+def _with_object_arguments(call: dict) -> dict:
+    call = json.loads(json.dumps(call))
+    fn = call.get("function") or {}
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass
+    return call
+
+
+# ---- the output ------------------------------------------------------------------------------------------
+
+
+def extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str]) -> ExtractedToolCalls:
+    """The output of a finished choice as content + calls. Never raises: what does not parse is content."""
+    if not plan.active or finish_reason == "length":
+        return ExtractedToolCalls(content=text)
+    if plan.mode == "named":
+        try:
+            args = json.loads(text)
+        except ValueError:
+            return ExtractedToolCalls(content=text)
+        if not isinstance(args, dict):
+            return ExtractedToolCalls(content=text)
+        # The generated text itself (what streaming sent as argument deltas), not a re-serialization.
+        return ExtractedToolCalls(content=None, tool_calls=[ToolCall(plan.named, text)])
+    if plan.mode == "required":
+        try:
+            items = json.loads(text)
+            calls = [ToolCall(i["name"], json.dumps(i.get("arguments", {}), ensure_ascii=False)) for i in items]
+        except (ValueError, TypeError, KeyError):
+            return ExtractedToolCalls(content=text)
+        return ExtractedToolCalls(content=None, tool_calls=calls)
+    return plan.parser.extract(text)
+
+
+def finish_reason_with_tools(result: ExtractedToolCalls, finish_reason: Optional[str]) -> Optional[str]:
+    return "tool_calls" if result.called and finish_reason == "stop" else finish_reason

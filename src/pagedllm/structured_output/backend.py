@@ -1,0 +1,314 @@
+"""The grammar-library seam: a GrammarBackend compiles StructuredOutputsParams for one tokenizer; a
+RequestGrammar is one request's matcher (advanced with accepted tokens, rolled back for speculation).
+
+Backends (chosen with --structured-outputs-config '{"backend": ...}', measured in docs/benchmarks.md):
+  xgrammar  (default; "auto" picks it, falling back to guidance for a spec xgrammar refuses)
+  guidance  (llguidance)
+Both libraries import lazily: engines that never see a structured request never load them.
+
+Bitmask layout (both libraries): int32 [rows, ceil(vocab_size / 32)], bit j of word w allows token 32 * w + j.
+"""
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from typing import Any, Optional, Sequence
+
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+BACKENDS = ("auto", "xgrammar", "guidance")
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s*\S+?:\d+:\s*")  # xgrammar's "[hh:mm:ss] /path/file.cc:123: "
+
+
+def clean_error(e: BaseException) -> str:
+    text = str(e).strip()
+    text = _CPP_PREFIX.sub("", text)
+    return " ".join(text.split())
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """An EBNF grammar matching exactly one of the strings (JSON string escapes are valid EBNF escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
+
+
+def json_object_schema() -> dict:
+    return {"type": "object"}
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_objects(schema: Any) -> Any:
+    """A copy where object schemas with properties and no "additionalProperties" get false, so the model keeps to
+    the listed properties (as vLLM's xgrammar strict mode does) while an open {"type": "object"} stays open (strict
+    mode would allow only {}). Applied for both backends alike."""
+    if isinstance(schema, list):
+        return [strict_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema maps are not schemas themselves
+            out[k] = {name: strict_objects(sub) for name, sub in v.items()}
+        else:
+            out[k] = strict_objects(v)
+    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+class RequestGrammar(ABC):
+    """One request's matcher. Invariant: it has accepted exactly the request's output tokens so far."""
+
+    @abstractmethod
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance by these tokens; False (and no advance past the first bad one) if one is not allowed."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the allowed next tokens into bitmask[row] (a CPU int32 torch tensor)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted: the request is done."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens (speculative decoding rejects drafts)."""
+
+
+class GrammarBackend(ABC):
+    name = "base"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+
+    @classmethod
+    @abstractmethod
+    def validate(cls, params: StructuredOutputsParams) -> None:
+        """Raise ValueError with the library's reason if the spec is not valid (needs no tokenizer)."""
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar (thread-safe; runs in the manager's compile thread)."""
+
+    @abstractmethod
+    def new_grammar(self, compiled: Any) -> RequestGrammar:
+        ...
+
+    @abstractmethod
+    def fill_bitmasks(self, grammars: list[RequestGrammar], bitmask: Any) -> None:
+        """bitmask[i] = grammars[i]'s next-token mask, for all i (batched / parallel where the library can)."""
+
+    def allocate_bitmask(self, num_rows: int) -> Any:
+        import torch
+
+        return torch.full((num_rows, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------- xgrammar
+
+
+class XGrammarGrammar(RequestGrammar):
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        for t in token_ids:
+            if not self.matcher.accept_token(int(t)):
+                return False
+        return True
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+        self.batch_matcher = None
+
+    @classmethod
+    def validate(cls, params: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
+        kind = params.kind
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(json.dumps(strict_objects(params.json)),
+                                             any_whitespace=not params.disable_any_whitespace, strict_mode=False)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(params.regex)
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(params.grammar)
+            elif kind == "choice":
+                xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
+        except Exception as e:  # noqa: BLE001 - the library raises RuntimeError / its own types
+            raise ValueError(f"Invalid structured_outputs.{kind}: {clean_error(e)}") from None
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        kind = params.kind
+        c = self.compiler
+        ws = not params.disable_any_whitespace
+        if kind in ("json", "json_object"):  # json_object: any object (the builtin JSON grammar takes any value)
+            schema = params.json if kind == "json" else json_object_schema()
+            return c.compile_json_schema(json.dumps(strict_objects(schema)), any_whitespace=ws, strict_mode=False)
+        if kind == "regex":
+            return c.compile_regex(params.regex)
+        if kind == "choice":
+            return c.compile_grammar(choice_ebnf(params.choice))
+        return c.compile_grammar(params.grammar)
+
+    def new_grammar(self, compiled: Any) -> RequestGrammar:
+        return XGrammarGrammar(self.xgr.GrammarMatcher(compiled))
+
+    def fill_bitmasks(self, grammars: list[RequestGrammar], bitmask: Any) -> None:
+        batch_cls = getattr(self.xgr, "BatchGrammarMatcher", None)  # xgrammar >= 0.1.25 fills in parallel
+        if len(grammars) < 8 or batch_cls is None:
+            for i, g in enumerate(grammars):
+                g.fill_bitmask(bitmask, i)
+            return
+        if self.batch_matcher is None:
+            self.batch_matcher = batch_cls(max_threads="auto")
+        self.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+
+
+# ---------------------------------------------------------------------------------------------- llguidance
+
+
+class GuidanceGrammar(RequestGrammar):
+    def __init__(self, matcher: Any, fill: Any) -> None:
+        self.matcher = matcher
+        self._fill = fill
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        for t in token_ids:
+            if not self.matcher.consume_token(int(t)):
+                return False
+        return True
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self._fill(self.matcher, bitmask.numpy() if hasattr(bitmask, "numpy") else bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+
+class GuidanceBackend(GrammarBackend):
+    name = "guidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+
+        self.llg = llguidance
+        self.np = llguidance.numpy
+        self.tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                eos_token=list(stop_token_ids) or None)
+        self.executor = llguidance.LLExecutor(2)
+
+    @staticmethod
+    def grammar_text(params: StructuredOutputsParams) -> str:
+        import llguidance
+
+        m = llguidance.LLMatcher
+        kind = params.kind
+        flexible = {"whitespace_flexible": not params.disable_any_whitespace}
+        if kind == "json":
+            return m.grammar_from_json_schema(json.dumps(strict_objects(params.json)), defaults=flexible)
+        if kind == "json_object":
+            return m.grammar_from_json_schema(json.dumps(json_object_schema()), defaults=flexible)
+        if kind == "regex":
+            return m.grammar_from_regex(params.regex)
+        if kind == "choice":
+            return m.grammar_from_lark(llguidance.gbnf_to_lark(choice_ebnf(params.choice)))
+        text = params.grammar
+        if "::=" in text:  # GBNF / EBNF; Lark otherwise
+            text = llguidance.gbnf_to_lark(text)
+        return m.grammar_from_lark(text)
+
+    @classmethod
+    def validate(cls, params: StructuredOutputsParams) -> None:
+        import llguidance
+
+        try:
+            grammar = cls.grammar_text(params)
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"Invalid structured_outputs.{params.kind}: {clean_error(e)}") from None
+        if is_error:
+            raise ValueError(f"Invalid structured_outputs.{params.kind}: {clean_error(Exception(messages[0]))}")
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        grammar = self.grammar_text(params)
+        probe = self.llg.LLMatcher(self.tok, grammar)  # grammars compile lazily; this checks them for this vocab
+        if probe.is_error():
+            raise ValueError(f"Invalid structured_outputs.{params.kind}: {probe.get_error()}")
+        return grammar
+
+    def new_grammar(self, compiled: Any) -> RequestGrammar:
+        return GuidanceGrammar(self.llg.LLMatcher(self.tok, compiled), self.np.fill_next_token_bitmask)
+
+    def fill_bitmasks(self, grammars: list[RequestGrammar], bitmask: Any) -> None:
+        arr = bitmask.numpy()
+        if len(grammars) < 8:
+            for i, g in enumerate(grammars):
+                self.np.fill_next_token_bitmask(g.matcher, arr, i)
+            return
+        self.np.fill_next_token_bitmask_par(self.executor, [(g.matcher, i) for i, g in enumerate(grammars)], arr)
+
+
+_REGISTRY = {"xgrammar": XGrammarBackend, "guidance": GuidanceBackend}
+
+
+def backend_class(name: str) -> type[GrammarBackend]:
+    if name == "auto":
+        name = "xgrammar"
+    if name not in _REGISTRY:
+        raise ValueError(f"Unknown structured outputs backend {name!r}; choose one of {', '.join(BACKENDS)}.")
+    return _REGISTRY[name]
+
+
+def resolve_backend_name(name: str, params: Optional[StructuredOutputsParams]) -> str:
+    """"auto": xgrammar, unless it refuses a spec that llguidance accepts (e.g. Lark grammars)."""
+    if name != "auto":
+        return name
+    if params is None:
+        return "xgrammar"
+    try:
+        XGrammarBackend.validate(params)
+        return "xgrammar"
+    except ValueError as first:
+        try:
+            GuidanceBackend.validate(params)
+        except ValueError:
+            raise first from None
+        return "guidance"

@@ -1,0 +1,182 @@
+"""StructuredOutputManager: the engine core's side of structured outputs.
+
+  * validate(params): cheap, synchronous, tokenizer-free: a bad schema / regex / grammar is refused in
+    add_request with the library's reason (the server turns it into a 400).
+  * submit(params): compile in a background thread, cached by (backend, spec): equal specs compile once. The
+    request waits in the scheduler's queue (not blocking others) until its grammar is ready.
+  * bitmask(requests): after schedule(), one int32 [rows, ceil(V/32)] array for the requests that sample this
+    step; it travels to the runner in the BatchPlan.
+  * the scheduler advances each request's matcher with the tokens it appends (RequestStructuredOutput.accept).
+
+The tokenizer and the library are loaded on the first structured request, in the compile thread: engines that
+never see one pay nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+from pagedllm.structured_output.backend import (
+    BACKENDS,
+    GrammarBackend,
+    RequestGrammar,
+    backend_class,
+    clean_error,
+    resolve_backend_name,
+)
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm")
+
+
+class RequestStructuredOutput:
+    """Per request (held by core.Request): its compile future, then its matcher.
+
+    Duck-typed for the scheduler (core/ stays free of the grammar libraries): is_ready(), error,
+    accept(token_ids), is_terminated(), rollback(n)."""
+
+    def __init__(self, manager: "StructuredOutputManager", future: Future) -> None:
+        self.manager = manager
+        self.future = future
+        self.grammar: Optional[RequestGrammar] = None
+        self.error: Optional[str] = None
+
+    def is_ready(self) -> bool:
+        if self.grammar is not None:
+            return True
+        if self.error is not None or not self.future.done():
+            return False
+        try:
+            backend, compiled = self.future.result()
+            self.grammar = backend.new_grammar(compiled)
+        except Exception as e:  # noqa: BLE001 - reported to the user by the engine core
+            self.error = clean_error(e)
+            return False
+        return True
+
+    @property
+    def grammar_backend(self) -> GrammarBackend:
+        return self.future.result()[0]
+
+    def accept(self, token_ids: Sequence[int]) -> bool:
+        return self.grammar is not None and self.grammar.accept_tokens(token_ids)
+
+    def is_terminated(self) -> bool:
+        return self.grammar is not None and self.grammar.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        if self.grammar is not None:
+            self.grammar.rollback(num_tokens)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_source: str, vocab_size: int, stop_token_ids: list[int],
+                 config: Optional[dict] = None, trust_remote_code: bool = False) -> None:
+        config = dict(config or {})
+        self.backend_name = config.pop("backend", "auto") or "auto"
+        if self.backend_name not in BACKENDS:
+            raise ValueError(f"--structured-outputs-config backend must be one of {', '.join(BACKENDS)}, got "
+                             f"{self.backend_name!r}.")
+        for key in ("disable_any_whitespace", "disable_additional_properties"):
+            self.__dict__[key] = bool(config.pop(key, False))
+        config.pop("reasoning_parser", None)  # accepted for vLLM compatibility (no reasoning models here)
+        if config:
+            raise ValueError(f"Unknown --structured-outputs-config key(s): {', '.join(sorted(config))}; known: "
+                             "backend, disable_any_whitespace, disable_additional_properties.")
+        self.tokenizer_source = tokenizer_source
+        self.trust_remote_code = trust_remote_code
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._backends: dict[str, GrammarBackend] = {}
+        self._backend_lock = threading.Lock()
+        self._cache: dict[tuple, Future] = {}
+        self._validated: dict[tuple, str] = {}  # spec key -> backend name, for specs that passed validation
+        self._tokenizer: Any = None
+
+    # ------------------------------------------------------------------ requests
+    def apply_defaults(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        if self.disable_any_whitespace and not params.disable_any_whitespace:
+            params.disable_any_whitespace = True
+        if self.disable_additional_properties and not params.disable_additional_properties:
+            params.disable_additional_properties = True
+        return params
+
+    def validate(self, params: StructuredOutputsParams) -> str:
+        """The backend that will compile it; ValueError with the library's reason if the spec is invalid."""
+        key = params.key()
+        name = self._validated.get(key)
+        if name is None:
+            name = resolve_backend_name(self.backend_name, params)
+            if len(self._validated) > 4096:
+                self._validated.clear()
+            self._validated[key] = name
+        return name
+
+    def submit(self, params: StructuredOutputsParams) -> RequestStructuredOutput:
+        backend = self.validate(params)
+        key = (backend,) + params.key()
+        future = self._cache.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
+            future = self._executor.submit(self._compile, backend, params)
+            self._cache[key] = future
+        return RequestStructuredOutput(self, future)
+
+    def preload(self, tokenizer: Any = None) -> None:
+        """Load the tokenizer (or take the caller's) and the default backend in the compile thread now, so the
+        first structured request does not wait for them."""
+        if tokenizer is not None and self._tokenizer is None:
+            self._tokenizer = tokenizer
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
+        name = "xgrammar" if self.backend_name == "auto" else self.backend_name
+        self._executor.submit(self._backend, name)
+
+    def _compile(self, backend_name: str, params: StructuredOutputsParams) -> tuple[GrammarBackend, Any]:
+        backend = self._backend(backend_name)
+        return backend, backend.compile(params)
+
+    def _backend(self, name: str) -> GrammarBackend:
+        with self._backend_lock:
+            if name not in self._backends:
+                if self._tokenizer is None:
+                    from pagedllm.tokenizer import get_tokenizer
+
+                    self._tokenizer = get_tokenizer(self.tokenizer_source, trust_remote_code=self.trust_remote_code)
+                self._backends[name] = backend_class(name)(self._tokenizer, self.vocab_size, self.stop_token_ids)
+                logger.info("Structured outputs: %s backend ready (vocab %d).", name, self.vocab_size)
+            return self._backends[name]
+
+    # ------------------------------------------------------------------ per step
+    def bitmask(self, outputs: list[RequestStructuredOutput]) -> Any:
+        """numpy int32 [len(outputs), ceil(V/32)]: row i = the allowed next tokens of outputs[i]."""
+        by_backend: dict[int, list[int]] = {}
+        for i, so in enumerate(outputs):
+            by_backend.setdefault(id(so.grammar_backend), []).append(i)
+        first = outputs[0].grammar_backend
+        bitmask = first.allocate_bitmask(len(outputs))
+        if len(by_backend) == 1:
+            first.fill_bitmasks([so.grammar for so in outputs], bitmask)
+        else:  # mixed backends in one batch (auto fell back for some specs): fill each group in place
+            for rows in by_backend.values():
+                backend = outputs[rows[0]].grammar_backend
+                part = backend.allocate_bitmask(len(rows))
+                backend.fill_bitmasks([outputs[r].grammar for r in rows], part)
+                bitmask[rows] = part
+        return bitmask.numpy()
+
+    def wait_for_compiles(self, outputs: list[RequestStructuredOutput], timeout: float) -> None:
+        """Block up to timeout for one of these compiles (the engine has nothing else to run)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        pending = [so.future for so in outputs if not so.future.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

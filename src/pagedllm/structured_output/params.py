@@ -1,0 +1,88 @@
+"""StructuredOutputsParams: what one request's output must match (vLLM's names).
+
+Exactly one of json / regex / choice / grammar / json_object / structural_tag is set. The object is plain data
+(it travels inside SamplingParams to the engine process); the grammar engine compiles it there, keyed by
+`key()`, so equal specs share one compiled grammar.
+"""
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    json: Optional[Union[str, dict]] = None  # a JSON schema (object or its JSON text)
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None  # the output is exactly one of these strings
+    grammar: Optional[str] = None  # EBNF (GBNF) or Lark
+    json_object: Optional[bool] = None  # any JSON object
+    structural_tag: Optional[str] = None  # accepted by name only: refused with a message below
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+    disable_additional_properties: bool = False  # objects without "additionalProperties" get false
+    whitespace_pattern: Optional[str] = None  # accepted for vLLM compatibility (outlines only); refused if set
+
+    def __post_init__(self) -> None:
+        if self.json_object is False:
+            self.json_object = None
+        set_kinds = [k for k in _KINDS if getattr(self, k) is not None]
+        if len(set_kinds) != 1:
+            got = ", ".join(set_kinds) if set_kinds else "none"
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object "
+                             f"(got {got}).")
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported yet by pagedllm; use json, regex, "
+                             "choice or grammar.")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is only supported by vLLM's outlines backend; "
+                             "use disable_any_whitespace instead.")
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}.")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string.")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("structured_outputs.grammar must be a non-empty EBNF or Lark grammar.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) is not None)
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical spec text): the compile cache's key."""
+        kind = self.kind
+        if kind == "json":
+            spec: Any = _json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            spec = _json.dumps(self.choice)
+        elif kind == "json_object":
+            spec = ""
+        else:
+            spec = getattr(self, kind)
+        flags = f"{int(self.disable_any_whitespace)}{int(self.disable_additional_properties)}"
+        return kind, f"{flags}|{spec}"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "StructuredOutputsParams":
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"structured_outputs must be an object, got {type(data).__name__}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Unknown structured_outputs field(s): {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}.")
+        return cls(**data)

@@ -1,0 +1,44 @@
+"""The runner's side of structured outputs: the plan's grammar bitmask -> one device tensor per step, in the
+order of the rows that sample (rows of unconstrained requests allow every token)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pagedllm.core.batch_plan import BatchPlan
+from pagedllm.layers.sampler import _to_device
+
+
+def step_token_bitmask(plan: BatchPlan, req_ids: list[str], sample_rows: np.ndarray,
+                       device: torch.device) -> Optional[torch.Tensor]:
+    """int32 [len(sample_rows), W] on device, or None when no sampling row is under a grammar."""
+    if plan.grammar_bitmask is None:
+        return None
+    index = plan.structured_output_request_ids
+    src = np.asarray(plan.grammar_bitmask, dtype=np.int32)
+    picks = [(j, index[req_ids[r]]) for j, r in enumerate(sample_rows.tolist()) if req_ids[r] in index]
+    if not picks:
+        return None
+    if len(picks) == len(sample_rows) and all(j == k for j, k in picks):
+        host = src[:len(picks)]
+    else:
+        host = np.full((len(sample_rows), src.shape[1]), -1, dtype=np.int32)
+        dst_rows, src_rows = zip(*picks)
+        host[list(dst_rows)] = src[list(src_rows)]
+    return _to_device(torch.from_numpy(np.ascontiguousarray(host)), device)
+
+
+def greedy_token_ids(model: torch.nn.Module, hidden: torch.Tensor,
+                     token_bitmask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The model's greedy LM-head shortcut, honouring the bitmask; None where there is none (or it cannot mask)."""
+    fn = getattr(model, "greedy_token_ids", None)
+    if fn is None:
+        return None
+    if token_bitmask is None:
+        return fn(hidden)
+    try:
+        return fn(hidden, token_bitmask=token_bitmask)
+    except TypeError:  # a model whose shortcut knows no mask: the sampler path applies it
+        return None

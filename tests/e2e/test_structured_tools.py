@@ -1,0 +1,157 @@
+"""Structured outputs and tool calling through `pagedllm serve` (SmolLM2) with the real openai SDK and raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from e2e_helpers import API_KEY, SERVED_NAME, Server
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 24}}, "required": ["tz"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture()
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+
+
+def _chat(client, **kw):
+    return client.chat.completions.create(model=SERVED_NAME, temperature=0, **kw)
+
+
+def test_json_schema_response_format_stream_and_not(client: openai.OpenAI) -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    r = _chat(client, messages=msgs, response_format=rf, max_tokens=60)
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       _chat(client, messages=msgs, response_format=rf, max_tokens=60, stream=True) if c.choices)
+    assert streamed == text
+    obj = _chat(client, messages=msgs, response_format={"type": "json_object"}, max_tokens=40)
+    assert obj.choices[0].message.content.lstrip().startswith("{")
+    plain = _chat(client, messages=msgs, response_format={"type": "text"}, max_tokens=5)
+    assert plain.choices[0].message.content
+
+
+def test_regex_choice_grammar_via_vllm_fields(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=SERVED_NAME, prompt="My phone number is", max_tokens=20, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text)
+    r = _chat(client, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=5,
+              extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no") and r.choices[0].finish_reason == "stop"
+    r = _chat(client, messages=[{"role": "user", "content": "Add two numbers."}], max_tokens=20,
+              extra_body={"guided_grammar": 'root ::= num " + " num\nnum ::= [1-9] [0-9]?'})
+    assert re.fullmatch(r"[1-9][0-9]? \+ [1-9][0-9]?", r.choices[0].message.content)
+    r = _chat(client, messages=[{"role": "user", "content": "JSON"}], max_tokens=60,
+              extra_body={"guided_json": PERSON})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_constrained_and_free_requests_batched(server: Server) -> None:
+    """Concurrent requests share steps; the free ones keep exactly their solo tokens."""
+    aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+    free = dict(model=SERVED_NAME, prompt="The capital of France is", max_tokens=12, temperature=0)
+
+    async def run() -> tuple[str, list]:
+        solo = (await aclient.completions.create(**free)).choices[0].text
+        constrained = [aclient.completions.create(model=SERVED_NAME, prompt=f"Person {i}:", max_tokens=40,
+                                                  temperature=0, extra_body={"guided_json": PERSON})
+                       for i in range(2)]
+        together = await asyncio.gather(aclient.completions.create(**free), *constrained,
+                                        aclient.completions.create(**free))
+        await aclient.close()
+        return solo, together
+
+    solo, results = asyncio.run(run())
+    assert results[0].choices[0].text == results[-1].choices[0].text == solo
+    for r in results[1:-1]:
+        jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+def _args(call) -> dict:
+    return json.loads(call.function.arguments)
+
+
+def test_named_tool_choice_gives_a_valid_call_streamed_equal(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = _chat(client, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    (call,) = msg.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(_args(call), WEATHER["function"]["parameters"])
+    with client.chat.completions.stream(model=SERVED_NAME, temperature=0, messages=ASK, tools=[WEATHER, TIME],
+                                        tool_choice=choice, max_tokens=60) as stream:
+        final = stream.get_final_completion()
+    (scall,) = final.choices[0].message.tool_calls
+    assert (scall.function.name, scall.function.arguments) == (call.function.name, call.function.arguments)
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_required_tool_choice_streamed_equal(client: openai.OpenAI) -> None:
+    kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+              max_tokens=80)
+    r = _chat(client, **kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(_args(call), tool["function"]["parameters"])
+    with client.chat.completions.stream(model=SERVED_NAME, temperature=0, **kw) as stream:
+        final = stream.get_final_completion()
+    got = [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls]
+    assert got == [(call.function.name, call.function.arguments)]
+
+
+def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
+    first = _chat(client, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60)
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "sunny"})},
+    ]
+    answer = _chat(client, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=30)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    auto = _chat(client, messages=history, tools=[WEATHER], max_tokens=30)  # "auto" by default with tools
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "nope"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "regex"),
+    ({"guided_grammar": "root ::= missing"}, "missing"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "one output constraint"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"jsn": {}}}, "Unknown structured_outputs field"),
+    ({"tool_choice": "required"}, "`tools` must be set"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "launch"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+      "tool_choice": "required"}, "bogus"),
+])
+def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5, **body})
+        assert r.status_code == 400, r.text
+        assert needle in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": "x", "max_tokens": 3,
+                                              "guided_json": {"type": "object", "properties": {"a": {"type": 5}}}})
+        assert r.status_code == 400, r.text

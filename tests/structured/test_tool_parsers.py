@@ -1,0 +1,169 @@
+"""Each tool-call parser on hand-written outputs of its format, malformed ones included (returned as content),
+tool_choice planning errors, and the streaming helper: its deltas, accumulated the way the OpenAI SDK does,
+equal the non-streamed extraction."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.entrypoints.openai.tool_calling import (
+    ToolRequestError,
+    extract_tool_calls,
+    plan_tools,
+    prepare_conversation,
+    tool_structured_outputs,
+)
+from pagedllm.entrypoints.openai.tool_parsers import detect_tool_parser, get_tool_parser
+from pagedllm.entrypoints.openai.tool_streaming import ToolCallStreamer
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def calls(result) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in result.tool_calls]
+
+
+@pytest.mark.parametrize("parser, text, content, expected", [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "Sure.",
+     [("get_weather", {"city": "Paris"})]),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n<tool_call>'
+               '{"name": "get_time", "arguments": {}}</tool_call>', None,
+     [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": "{}"}', None, [("get_time", {})]),  # unclosed at EOS
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
+     [("get_weather", {"city": "Oslo"})]),
+    ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "X"}}',
+     None, [("get_time", {}), ("get_weather", {"city": "X"})]),
+    ("mistral", 'ok [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lyon"}}]', "ok",
+     [("get_weather", {"city": "Lyon"})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}[TOOL_CALLS]get_time[ARGS]{}', None,
+     [("get_weather", {"city": "Nice"}), ("get_time", {})]),
+    ("pythonic", '[get_weather(city="Bern"), get_time()]', None, [("get_weather", {"city": "Bern"}), ("get_time", {})]),
+    ("pythonic", '<|python_start|>[get_weather(city=null)]<|python_end|>', None, [("get_weather", {"city": None})]),
+])
+def test_parsers_read_their_format(parser: str, text: str, content, expected) -> None:
+    result = get_tool_parser(parser, TOOLS).extract(text)
+    assert calls(result) == expected
+    assert result.content == content
+    assert all(c.id.startswith("call_") for c in result.tool_calls)
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", "<tool_call>{not json}</tool_call>"),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+    ("hermes", '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>'),  # not an offered tool
+    ("hermes", "just words"),
+    ("llama3_json", '{"name": "get_time", "parameters": {}} and then prose'),
+    ("llama3_json", '{"name": "get_time", "parameters": [1, 2]}'),
+    ("mistral", "[TOOL_CALLS][{broken"),
+    ("mistral", "[TOOL_CALLS]get_time[ARGS]not json"),
+    ("pythonic", "[get_weather(city=undefined_name)]"),
+    ("pythonic", "[get_weather('positional')]"),
+    ("pythonic", "[1, 2, 3]"),
+    ("pythonic", "[get_weather(city='x'"),
+])
+def test_malformed_output_is_plain_content(parser: str, text: str) -> None:
+    result = get_tool_parser(parser, TOOLS).extract(text)
+    assert result.tool_calls == [] and result.content == text
+
+
+def test_auto_detection_from_templates() -> None:
+    assert detect_tool_parser("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert detect_tool_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert detect_tool_parser("<|python_tag|>") == "llama3_json"
+    assert detect_tool_parser(None) == "hermes"
+    with pytest.raises(ValueError, match="Unknown tool call parser"):
+        get_tool_parser("nope")
+
+
+@pytest.mark.parametrize("tools, choice, match", [
+    (None, "required", "`tools` must be set"),
+    (None, {"type": "function", "function": {"name": "get_time"}}, "`tools` must be set"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not in tools"),
+    (TOOLS, "sometimes", "tool_choice must be"),
+    ([{"type": "function", "function": {"description": "x"}}], "auto", "name must be"),
+    ([{"type": "retrieval"}], "auto", "tools\\[0\\]"),
+])
+def test_bad_tool_requests(tools, choice, match: str) -> None:
+    with pytest.raises(ToolRequestError, match=match):
+        plan_tools(tools, choice, None, "auto", None)
+
+
+def test_tool_choice_grammars() -> None:
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None, "auto", None)
+    assert tool_structured_outputs(named).json == TOOLS[0]["function"]["parameters"]
+    required = tool_structured_outputs(plan_tools(TOOLS, "required", False, "auto", None)).json
+    assert required["minItems"] == 1 and required["maxItems"] == 1 and len(required["items"]["anyOf"]) == 2
+    assert tool_structured_outputs(plan_tools(TOOLS, "auto", None, "auto", None)) is None
+    assert plan_tools(None, None, None, "auto", None).mode == "none"
+
+
+def test_prompt_for_templates_without_tools() -> None:
+    plan = plan_tools(TOOLS, "auto", None, "auto", None)
+    conv = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                   "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    out, template_tools = prepare_conversation(conv, plan, "{{ messages }}")
+    assert template_tools is None and out[0]["role"] == "system" and "get_weather" in out[0]["content"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in out[2]["content"]
+    assert out[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+    native, template_tools = prepare_conversation(conv, plan, "{% for t in tools %}{% endfor %}")
+    assert template_tools == TOOLS and native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def _accumulate(deltas: list[dict]) -> tuple[str, list[dict]]:
+    """What the OpenAI SDK's stream accumulation does with chat-chunk deltas."""
+    content, tool_calls = "", {}
+    for d in deltas:
+        content += d.get("content") or ""
+        for tc in d.get("tool_calls") or []:
+            slot = tool_calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+            slot["id"] = tc.get("id") or slot["id"]
+            fn = tc.get("function") or {}
+            slot["name"] += fn.get("name") or ""
+            slot["arguments"] += fn.get("arguments") or ""
+    return content, [tool_calls[i] for i in sorted(tool_calls)]
+
+
+def _stream(plan, text: str, finish: str, step: int = 3):
+    s = ToolCallStreamer(plan)
+    deltas = []
+    for i in range(0, len(text), step):
+        deltas += s.feed(text[i:i + step])
+    last, reason = s.finish(finish)
+    return _accumulate(deltas + last), reason, deltas
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    ("hermes", "No tools needed <tool but a lone bracket"),
+    ("llama3_json", '{"name": "get_time", "parameters": {}}'),
+    ("pythonic", 'plain words [not a call'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]'),
+])
+def test_streamed_deltas_equal_the_full_extraction(parser: str, text: str) -> None:
+    plan = plan_tools(TOOLS, "auto", None, parser, None)
+    (content, streamed), reason, deltas = _stream(plan, text, "stop")
+    full = extract_tool_calls(plan, text, "stop")
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in full.tool_calls]
+    assert reason == ("tool_calls" if full.called else "stop")
+    if full.called:
+        assert (content or None) == (full.content + " " if full.content else None) or content.strip() == full.content
+        assert not any("<tool_call>" in (d.get("content") or "") for d in deltas)
+    else:
+        assert content == text
+
+
+def test_named_choice_streams_argument_deltas() -> None:
+    plan = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None, "auto", None)
+    text = '{"city": "Paris"}'
+    (content, streamed), reason, deltas = _stream(plan, text, "stop", step=2)
+    assert content == "" and reason == "tool_calls" and len(deltas) > 3
+    full = extract_tool_calls(plan, text, "stop")
+    assert streamed[0]["name"] == "get_weather" == full.tool_calls[0].name
+    assert streamed[0]["arguments"] == full.tool_calls[0].arguments == text
