@@ -63,7 +63,7 @@ class Int8LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         rows = layer.__dict__.get("_buffers", {}).get("w8a8_rows")
-        if rows is not None:
+        if rows is not None and rows.device.type == "cpu":  # (a model moved to CUDA keeps weight + weight_scale)
             from pagedllm.quantization.cpu_w8a8 import w8a8_linear
             return w8a8_linear(x, rows, bias)
         from pagedllm.quantization.kernels import int8_linear, packed_int_linear
