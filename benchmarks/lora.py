@@ -61,8 +61,8 @@ def make_requests(num, input_range, output_range, vocab, seed=0):
             for _ in range(num)]
 
 
-def free(llm) -> None:
-    del llm
+def release() -> None:
+    """Give back an engine's GPU memory (call after the caller's `del llm`: a reference passed in would keep it)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -99,7 +99,8 @@ def throughput(args, hf_config, adapters) -> dict:
     results = {}
     llm = LLM(**common)
     base_s = timed_generate(llm, reqs, [None] * len(reqs))
-    free(llm)
+    del llm
+    release()
     results["base"] = {"tok_s": total / base_s}
     print(f"base model (no LoRA engine): {total / base_s:,.0f} tok/s", flush=True)
     llm = LLM(**common, enable_lora=True, max_loras=max(args.num_adapters), max_lora_rank=args.rank)
@@ -113,7 +114,8 @@ def throughput(args, hf_config, adapters) -> dict:
         s = timed_generate(llm, reqs, spread)
         results[f"{n}_adapters"] = {"tok_s": total / s, "ratio": base_s / s}
         print(f"{n:>2} adapters (rank {args.rank}): {total / s:,.0f} tok/s = {base_s / s:.3f}x base", flush=True)
-    free(llm)
+    del llm
+    release()
     return results
 
 
@@ -151,7 +153,8 @@ def latency(args, adapters) -> dict:
     b, t = min(base), min(tuned)
     print(f"batch-1 decode: base {b:.3f} ms/step, with a rank-{args.rank} adapter on all 7 projections {t:.3f} "
           f"ms/step = {t / b:.3f}x", flush=True)
-    free(llm)
+    del llm
+    release()
     return {"base_ms": b, "lora_ms": t, "ratio": t / b, "base_runs": base, "lora_runs": tuned}
 
 
