@@ -130,8 +130,6 @@ def test_continuous_usage_stats_on_every_chunk(http: httpx.Client, path: str, bo
     (CMPL, {"allowed_token_ids": [10 ** 9]}, "allowed_token_ids has token id(s) out of vocabulary"),
     (CMPL, {"bad_words": ["x"] * 2000}, "'bad_words' may have at most 1024 words"),
     (CHAT, {"bad_words": ["x" * 2000]}, "'bad_words' entries may have at most 1024 characters"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported yet"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "'response_format' is not supported yet"),
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options can only be given when stream is true"),
 ])
 def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragment: str) -> None:
