@@ -131,3 +131,12 @@ def set_quant_param_attrs(param: torch.Tensor, *, weight_loader: Any, input_dim:
                              "packed_dim": packed_dim, "pack_factor": pack_factor, "per_shard": per_shard,
                              "optional_weight": optional, **extra})
     return param
+
+
+def create_float_weight(layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                        params_dtype: torch.dtype, weight_loader) -> None:
+    """The float weight the unquantized method has, for online methods that quantize it after loading."""
+    weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+                          requires_grad=False)
+    set_quant_param_attrs(weight, weight_loader=weight_loader, input_dim=1, output_dim=0)
+    layer.register_parameter("weight", weight)

@@ -13,7 +13,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.quantization.base import LinearMethodBase, QuantizationConfig, set_quant_param_attrs
+from pagedllm.quantization.base import (LinearMethodBase, QuantizationConfig, create_float_weight,
+                                        set_quant_param_attrs)
 from pagedllm.quantization.kernels import FP8_DTYPE, FP8_MAX, fp8_linear
 
 FP8_MIN_CAPABILITY = 89
@@ -68,10 +69,7 @@ class Fp8LinearMethod(LinearMethodBase):
 class Fp8OnlineLinearMethod(Fp8LinearMethod):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, weight_loader):
-        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition,
-                                          dtype=params_dtype), requires_grad=False)
-        set_quant_param_attrs(weight, weight_loader=weight_loader, input_dim=1, output_dim=0)
-        layer.register_parameter("weight", weight)
+        create_float_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader)
 
     def process_weights_after_loading(self, layer):
         q, scale = quantize_weight_fp8_per_channel(layer.weight.data)
