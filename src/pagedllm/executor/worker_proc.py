@@ -157,8 +157,10 @@ def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any, monitor: Any = Non
         _, seq, plan, tokens = msg
         if tokens and not is_last_stage:
             worker.apply_sampled_tokens(tokens)
-        if pending is not None and not worker.async_scheduling:
-            finish()  # without async scheduling a plan assumes every earlier step's tokens are in the state
+        if pending is not None and (not worker.async_scheduling or _done(pending[1])):
+            # Without async scheduling a plan assumes every earlier step's tokens are in the state. With it, a
+            # finished step's output goes first: the engine core applies it while this rank prepares the plan.
+            finish()
         launched = worker.launch(plan)
         if pending is not None:
             finish()
