@@ -155,7 +155,9 @@ def main(argv=None):
         for name in ("update", "prepare"):
             ph.wrap(runner.input_batch, name, "prepare")
         ph.wrap(runner, "_finish_step", "finish")
-        ph.wrap(runner, "_sampling_metadata", "sampmeta")  # the runner's helper, where it has one
+        ph.wrap(runner, "_sampling_metadata", "sampmeta")  # the runner's general builder, where it has one
+        if hasattr(runner.input_batch, "sampling"):  # the persistent arrays' fast path
+            ph.wrap(runner.input_batch.sampling, "gather", "sampmeta")
         if not hasattr(runner, "_sampling_metadata"):  # older runners build it in launch
             import pagedllm.worker.model_runner as mr
 

@@ -31,11 +31,12 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> Optional[str]:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+# Built once: finish_reason is read for every request in every step.
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
 
 
 @dataclass(eq=False)
