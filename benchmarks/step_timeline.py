@@ -114,6 +114,9 @@ def build_engine(args):
         if model is None:
             raise SystemExit("--host-only needs --model (a directory with a config.json)")
         model = tiny_config_dir(model, args.host_vocab)
+        # One intra-op thread: the host of a GPU step is one thread, and idle OpenMP workers spinning on a shared
+        # machine would make a few small ops look like milliseconds.
+        torch.set_num_threads(1)
         kwargs.update(load_format="dummy", dtype="float32", enforce_eager=True,
                       kv_cache_memory_bytes=1 << 28)
     if args.max_model_len or args.host_only:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,12 +34,14 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
 
 
-async def one_stream(client, url: str, model: str, prompt: str, max_tokens: int) -> list[tuple[float, int]]:
-    """[(arrival time, tokens so far)] for every chunk that carried tokens."""
+async def one_stream(client, url: str, model: str, prompt: str, max_tokens: int, texts: Optional[list] = None
+                     ) -> list[tuple[float, int]]:
+    """[(arrival time, tokens so far)] for every chunk that carried tokens (the text, appended to texts)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     arrivals: list[tuple[float, int]] = []
     seen = 0
+    text = []
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -47,20 +50,25 @@ async def one_stream(client, url: str, model: str, prompt: str, max_tokens: int)
             chunk = json.loads(line[6:])
             usage = chunk.get("usage") or {}
             n = usage.get("completion_tokens", seen)
+            text += [c.get("text", "") for c in chunk.get("choices") or ()]
             if chunk.get("choices") and n > seen:
                 arrivals.append((time.perf_counter(), n))
                 seen = n
+    if texts is not None:
+        texts.append("".join(text))
     return arrivals
 
 
-async def measure(url: str, model: str, num_streams: int, max_tokens: int, prompt: str = "Hello") -> dict:
-    """Start num_streams streams at once; per-stream chunk statistics over all of them."""
+async def measure(url: str, model: str, num_streams: int, max_tokens: int, prompt: str = "Hello",
+                  texts: Optional[list] = None) -> dict:
+    """Start num_streams streams at once; per-stream chunk statistics over all of them (and each stream's text,
+    appended to texts, and its chunk count, in the result's "chunks_per_stream")."""
     import httpx
 
     limits = httpx.Limits(max_connections=num_streams + 8, max_keepalive_connections=num_streams + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
-        streams = await asyncio.gather(*(one_stream(client, url, model, prompt, max_tokens)
+        streams = await asyncio.gather(*(one_stream(client, url, model, prompt, max_tokens, texts)
                                          for _ in range(num_streams)))
         elapsed = time.perf_counter() - start
     gaps, per_chunk, max_burst = [], [], 0
@@ -81,6 +89,7 @@ async def measure(url: str, model: str, num_streams: int, max_tokens: int, promp
         "max_tokens_in_chunk": max_burst,
         "gap_ms_p50": percentile(gaps, 50), "gap_ms_p90": percentile(gaps, 90), "gap_ms_p99": percentile(gaps, 99),
         "gap_ms_max": max(gaps, default=0.0), "output_tok_s": tokens / elapsed,
+        "chunks_per_stream": [len(a) for a in streams],
     }
 
 
@@ -153,6 +162,8 @@ def main() -> None:
         finally:
             stop_server(proc)
     for k, v in result.items():
+        if k == "chunks_per_stream":
+            v = f"min {min(v)} / max {max(v)}"
         print(f"{k:<26} {v:.3f}" if isinstance(v, float) else f"{k:<26} {v}")
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -158,9 +158,15 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=tuple(self.spec_stats.num_accepted_tokens_per_pos),
-            running_lora_ids=tuple(sorted({r.lora_id for r in self.running if r.lora_id is not None})),
-            waiting_lora_ids=tuple(sorted({r.lora_id for r in self.waiting if r.lora_id is not None})),
+            # Without LoRA no request has an adapter: skip the pass over every request (stats go out every step).
+            running_lora_ids=self._lora_ids(self.running),
+            waiting_lora_ids=self._lora_ids(self.waiting),
         )
+
+    def _lora_ids(self, requests: Iterable[Request]) -> tuple:
+        if self.max_loras is None:
+            return ()
+        return tuple(sorted({r.lora_id for r in requests if r.lora_id is not None}))
 
     def spec_active(self) -> bool:
         """Whether this step speculates: configured, and the load is small enough that it pays."""
@@ -226,7 +232,7 @@ class Scheduler:
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, budget: int) -> int:
         if request.num_output_placeholders and self._reaches_limit(request):
             return 0  # the token in flight is its last one: do not compute past it
-        remaining = request.num_tokens + request.num_output_placeholders - num_computed_tokens
+        remaining = len(request.all_token_ids) + request.num_output_placeholders - num_computed_tokens
         if not self.enable_chunked_prefill:
             return remaining if remaining <= budget else 0
         num_tokens = min(remaining, budget)
@@ -237,9 +243,9 @@ class Scheduler:
     def _reaches_limit(self, request: Request) -> bool:
         """Will the tokens already in flight finish this request by length?"""
         pending = request.num_output_placeholders
-        max_tokens = request.max_tokens
-        return ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
-                or request.num_tokens + pending >= self.max_model_len)
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens)
+                or len(request.all_token_ids) + pending >= self.max_model_len)
 
     # ---------------------------------------------------------------- schedule
 
@@ -404,24 +410,22 @@ class Scheduler:
         prompt_logprobs = output.prompt_logprobs
         spec_tokens = plan.scheduled_spec_decode_tokens
         requests = self.requests
+        running_status = RequestStatus.RUNNING
         for index, (request_id, sampled, token_logprobs) in enumerate(
                 zip(output.req_ids, output.sampled_token_ids, logprobs)):
             request = requests.get(request_id)
-            plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
-            if plp is not None and request is not None and not sampled:  # a prefill chunk's prompt scores
-                outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], prompt_logprobs=plp,
-                                                num_cached_tokens=request.num_cached_tokens or 0))
+            if request is None:  # finished or aborted meanwhile
                 continue
-            if request is not None and sampled and request.num_output_placeholders:
+            plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
+            if not sampled:
+                if plp is not None:  # a prefill chunk's prompt scores
+                    outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], prompt_logprobs=plp,
+                                                    num_cached_tokens=request.num_cached_tokens or 0))
+                continue
+            if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            # Skip: finished/aborted meanwhile, preempted, empty, or still mid-prefill (a token
-            # sampled there is not a real next token).
-            if (
-                request is None
-                or request.status != RequestStatus.RUNNING
-                or not sampled
-                or request.num_computed_tokens < len(request.all_token_ids)
-            ):
+            # Skip: preempted, or still mid-prefill (a token sampled there is not a real next token).
+            if request.status != running_status or request.num_computed_tokens < len(request.all_token_ids):
                 continue
             drafts = spec_tokens.get(request_id) if spec_tokens else None
             if drafts:
@@ -436,11 +440,12 @@ class Scheduler:
                 new_token_ids = [token_id]
             else:
                 new_token_ids = self._append_tokens(request, sampled)
-            if output.spec_token_ids is not None and not request.is_finished:
+            finished = request.status.finished
+            if output.spec_token_ids is not None and not finished:
                 request.spec_token_ids = output.spec_token_ids[index]
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            if request.is_finished:
+            if finished:
                 self._finish(request, request.status)
                 finished_any = True
             outputs.append(

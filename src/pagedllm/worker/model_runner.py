@@ -51,7 +51,8 @@ class ModelRunner:
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
         self.mixed_graphs = None  # likewise, for mixed prefill + decode steps (worker/mixed_graph.py)
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
-        self._prev_index: dict[str, int] = {}
+        # Per InputBatch row: where the row's token sits in _prev_sampled (-1: the last launch sampled none for it).
+        self._prev_pos = np.full(max_num_seqs, -1, dtype=np.int64)
         self.stager = HostStager(device)
         self.lora = None  # lora.manager.LoRAManager when enable_lora (set by the worker)
         self.spec = None  # spec_decode.spec_runner.SpecDecodeRunner when speculative decoding is configured
@@ -224,7 +225,8 @@ class ModelRunner:
         sampled = sampler_out.sampled_token_ids
         # Remember where each request's newest token lives on the device for the next launch.
         self._prev_sampled = sampled
-        self._prev_index = {inp.req_ids[r]: j for j, r in enumerate(sample_rows.tolist())}
+        self._prev_pos.fill(-1)
+        self._prev_pos[inp.rows[sample_rows]] = np.arange(len(sample_rows))
         event = None
         if dev.type == "cuda":
             host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
@@ -307,8 +309,11 @@ class ModelRunner:
         last = inp.query_start_loc[1:].astype(np.int64) - 1
         if len(rows) == 0:
             return _EMPTY, _EMPTY
-        src = np.fromiter((self._prev_index[inp.req_ids[r]] for r in rows.tolist()), dtype=np.int64,
-                          count=len(rows))
+        # A row in flight was sampled by the previous launch and still holds its request (a freed row is only
+        # reused by a new request, whose tokens are all known).
+        src = self._prev_pos[inp.rows[rows]]
+        if (src < 0).any():
+            raise RuntimeError("A step needs a token the previous step did not sample; this is a bug.")
         return src, last[rows]
 
     def _finish_step(self, inp, sampled: list[int], lp) -> ModelOutput:
