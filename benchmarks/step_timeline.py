@@ -11,8 +11,8 @@ A step with a large "wait" is device-bound.
 Columns: schedule (Scheduler.schedule), launch (the runner's launch: inputs, forward and sampling enqueued; on
 CPU it also runs them), of which prepare (InputBatch.update + prepare) and sampmeta (the step's sampling
 metadata); apply (Scheduler.update_from_output, which in async mode includes waiting for the step's tokens),
-of which finish (the runner's host side of a finished step); emit (OutputProcessor.process_outputs in delta
-mode, as the API process runs it, with --emit).
+of which finish (the runner's host side of a finished step); emit (OutputProcessor.process_outputs, with
+--emit: delta mode as the API process runs it, or --emit final_only as the offline LLM does).
 
 --host-only isolates the host: a tiny model of the same architecture (one layer, hidden 64, vocab
 --host-vocab) whose forward is skipped (it returns a persistent zero tensor), so a step's wall time on the CPU
@@ -98,7 +98,8 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0, help="0 greedy; the nano-vllm protocol uses 0.6")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
-    p.add_argument("--emit", action="store_true", help="also run the OutputProcessor (delta mode) on each step")
+    p.add_argument("--emit", nargs="?", const="delta", default=None, choices=["delta", "final_only"],
+                   help="also run the OutputProcessor on each step: delta (the API process) or final_only (LLM)")
     p.add_argument("--host-only", action="store_true", help="tiny same-architecture model, forward skipped")
     p.add_argument("--host-vocab", type=int, default=4096)
     p.add_argument("--json", default=None, help="write the per-bucket table as JSON here")
@@ -183,7 +184,7 @@ def main(argv=None):
     for i, (ids, n) in enumerate(reqs):
         eng.add_request(EngineCoreRequest(f"t{i}", ids, params(n)))
         if processor is not None:
-            processor.add_request(f"t{i}", None, ids, params(n), output_kind="delta")
+            processor.add_request(f"t{i}", None, ids, params(n), output_kind=args.emit)
     buckets = defaultdict(lambda: defaultdict(float))  # running-count bucket -> totals
     t_start = time.perf_counter()
     tokens = 0
