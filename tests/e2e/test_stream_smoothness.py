@@ -19,7 +19,7 @@ from pagedllm.entrypoints.server_process import free_port, wait_healthy
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from stream_smoothness import measure  # noqa: E402
 
-STREAMS, TOKENS = 96, 32
+STREAMS, TOKENS = 64, 24
 
 
 @pytest.fixture(scope="module")
