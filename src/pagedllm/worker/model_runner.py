@@ -266,6 +266,8 @@ class ModelRunner:
         Hidden row of position p predicts prompt token p + 1; position 0 is never scored (vLLM gives None).
         Rare and prefill-only, so this syncs with the device; logits are made in slices to bound memory.
         """
+        if not self.input_batch.sampling.prompt_logprobs[inp.rows].any():  # the usual step: nobody asked
+            return {}
         qsl = inp.query_start_loc
         rows: list[int] = []
         targets: list[int] = []
@@ -380,8 +382,17 @@ class HostStager:
         host = buf.numpy()
         for a, start in zip(arrays, offsets):
             host[start:start + a.size] = a.reshape(-1)
-        dev = buf[:total].to(self.device, non_blocking=True)
-        return [dev[offsets[i]:offsets[i] + a.size].view(a.shape) for i, a in enumerate(arrays)]
+        return self.views(buf[:total].to(self.device, non_blocking=True), arrays, offsets)
+
+    @staticmethod
+    def views(packed: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
+        """The staged arrays as views of the packed device buffer: one split call (each torch call costs the
+        host several microseconds), then a reshape only for arrays that are not 1-D."""
+        sizes = []
+        for a, start, end in zip(arrays, offsets, offsets[1:]):
+            sizes += [a.size, end - start - a.size]
+        pieces = packed.split(sizes)[0::2]
+        return [p if a.ndim == 1 else p.view(a.shape) for p, a in zip(pieces, arrays)]
 
     @staticmethod
     def layout(arrays: list[np.ndarray], dtype) -> list[int]:

@@ -48,6 +48,7 @@ class SamplingBatch:
         self.top_k = np.full(max_rows, vocab_size, dtype=np.int64)  # vocab_size: no top-k
         self.logprobs = np.full(max_rows, -1, dtype=np.int64)  # -1: none asked
         self.general = np.zeros(max_rows, dtype=bool)
+        self.prompt_logprobs = np.zeros(max_rows, dtype=bool)  # the row asked for prompt logprobs
 
     def set_row(self, row: int, p: SamplingParams) -> None:
         greedy = p.temperature < _GREEDY_EPS
@@ -58,6 +59,7 @@ class SamplingBatch:
         self.top_k[row] = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.general[row] = needs_general_build(p)
+        self.prompt_logprobs[row] = p.prompt_logprobs is not None
 
     def gather(self, rows: np.ndarray) -> Optional[StepSampling]:
         """The fast path's arrays for these batch rows (in sampling order), or None if a row needs the builder."""
