@@ -126,7 +126,8 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
 @pytest.mark.parametrize("flags,fragment", [
     (["--quantization", "gptq"], "needs a gptq-quantized checkpoint"),
     (["--tensor-parallel-size", "2"], "does not divide the model's 9 attention heads"),
-    (["--enable-lora", "--distributed-executor-backend", "mp"], "not supported yet"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--distributed-executor-backend", "mp"],
+     "not supported yet"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}',
       "--pipeline-parallel-size", "2"], "not supported yet"),
     (["--cpu-offload-gb", "4", "--device", "cpu"], "meaningless on the CPU"),
