@@ -1,0 +1,230 @@
+"""Few-row weight-only GEMV over 4/8-bit weights in the tiled layout (`quantization/tiled.py`), on the CUDA cores.
+
+At decode (1 to a few rows) the product is a pass over the packed weights, so the kernel is written to stream them:
+- each program owns BLOCK_N output columns and a range of K tiles (split-K, so even N = 4096 gives every SM
+  several programs); it loads whole tiles of [16, BLOCK_N] int32 words (16-byte loads along N) and holds the next
+  tile's words in registers while it computes the current one; the first tile is loaded before
+  `griddepcontrol.wait` (weights never depend on the previous kernel: see kernels/gemv.py);
+- the tiled layout puts 16 consecutive input channels in each value plane of a tile, so one plane is one mask
+  (`w & (MASK << s)`) and the 16 activations it multiplies are one contiguous load; the K sum of a plane stays
+  inside each thread (warps split N, not K);
+- unpacking avoids int -> float conversions (a quarter of the FMA rate): OR-ing the masked bits into the mantissa
+  of 2**23 gives the float 2**23 + q * 2**s exactly, and one subtraction of 2**23 + zero * 2**s leaves
+  (q - zero) * 2**s; the 2**-s goes into the group scale, applied once per plane and column;
+- scales and zeros are read once per group (once per tile for group sizes >= a tile) and sums are fp32;
+- the splits of a column block write fp32 partials; the last one to finish (an atomic counter per block, reset
+  by it) adds them in split order, adds the bias and stores the output: one kernel, deterministic, no memset,
+  CUDA-graph safe (the counters live with the layer).
+`quant_gemv_ref` is the torch reference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+
+TILE_WORDS: tl.constexpr = 16
+# Most rows one launch handles (one fp32 accumulator row per input row, unrolled).
+QGEMV_MAX_ROWS = 8
+MAGIC: tl.constexpr = 0x4B000000  # float32 bits of 2**23
+
+
+@triton.jit
+def plane_bits(w, wh, j: tl.constexpr, BITS: tl.constexpr):
+    """Value plane j of a word tile (wh = w >> 16) as the float32 2**23 + q * 2**s, s = BITS * (j % (16 // BITS))
+    (the masked bits OR-ed into the mantissa of 2**23: exact, no int -> float conversion)."""
+    HALF: tl.constexpr = 16 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    SH: tl.constexpr = BITS * (j % HALF)
+    if j < HALF:
+        bits = (w & (MASK << SH)) | MAGIC
+    else:
+        bits = (wh & (MASK << SH)) | MAGIC
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def split_k_store(acc, rows, cols, m_ok, n_ok, part_ptr, cnt_ptr, bias_ptr, out_ptr, M, N, stride_om, pid_n, pid_k,
+                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Store acc [BM, BN] (fp32): directly with one split, else as this split's partial; the last split of a
+    column block to arrive adds all partials in split order (+ bias), stores the output and resets the counter."""
+    mask = m_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(part + pid_k * M * N, acc, mask=mask)
+        # acq_rel: our partial is visible before the count, and the last one sees every partial.
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # unrolled: the loads go out together
+                total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+@triton.jit
+def _qgemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, stride_xm, stride_om,
+    BITS: tl.constexpr, GROUP: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    TILE_K: tl.constexpr = 16 * PACK
+    ONE_GROUP: tl.constexpr = GROUP % TILE_K == 0  # the whole tile is in one group
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    r = tl.arange(0, 16)
+    first = pid_k * TILES_PER_SPLIT
+    w_ptrs = qw_ptr + (first * 16 + r)[:, None].to(tl.int64) * N + cols[None, :]
+    # Weights first (see the module docstring); a split's tiles past the end load nothing.
+    w = tl.load(w_ptrs, mask=n_ok[None, :] & (first < NUM_TILES), other=0, eviction_policy="evict_first")
+    wait_prior_kernel(USE_PDL)
+    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for t in range(TILES_PER_SPLIT):
+        tile = first + t
+        t_ok = tile < NUM_TILES
+        w_next = tl.load(w_ptrs + (t + 1) * 16 * N, mask=n_ok[None, :] & (tile + 1 < NUM_TILES) &
+                         (t + 1 < TILES_PER_SPLIT), other=0, eviction_policy="evict_first")
+        wh = w >> 16
+        k0 = tile * TILE_K
+        if ONE_GROUP:
+            g_off = (k0 // GROUP).to(tl.int64) * N
+            s = tl.load(s_ptr + g_off + cols, mask=n_ok & t_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_off + cols, mask=n_ok & t_ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(PACK):
+            if not ONE_GROUP:
+                if (16 * j) % GROUP == 0:  # a new group starts at this plane
+                    g_off = ((k0 + 16 * j) // GROUP).to(tl.int64) * N
+                    s = tl.load(s_ptr + g_off + cols, mask=n_ok & t_ok, other=0.0).to(tl.float32)
+                    z = tl.load(z_ptr + g_off + cols, mask=n_ok & t_ok, other=0.0).to(tl.float32)
+            SH: tl.constexpr = BITS * (j % (16 // BITS))
+            q = plane_bits(w, wh, j, BITS) - (z * (1 << SH) + 8388608.0)[None, :]  # (q - zero) * 2**SH, exact
+            s_j = s * (1.0 / (1 << SH))
+            k_idx = k0 + 16 * j + r
+            if HAS_PERM:
+                k_idx = tl.load(perm_ptr + k_idx, mask=t_ok, other=0)
+            for m in tl.static_range(BLOCK_M):
+                xv = tl.load(x_ptr + m * stride_xm + k_idx, mask=t_ok & (m < M), other=0.0).to(tl.float32)
+                p = tl.sum(q * xv[:, None], axis=0) * s_j
+                if m == 0:
+                    acc0 += p
+                elif m == 1:
+                    acc1 += p
+                elif m == 2:
+                    acc2 += p
+                elif m == 3:
+                    acc3 += p
+                elif m == 4:
+                    acc4 += p
+                elif m == 5:
+                    acc5 += p
+                elif m == 6:
+                    acc6 += p
+                else:
+                    acc7 += p
+        w = w_next
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.where(rows[:, None] == 0, acc0[None, :], 0.0)
+    if BLOCK_M > 1:
+        acc = tl.where(rows[:, None] == 1, acc1[None, :], acc)
+    if BLOCK_M > 2:
+        acc = tl.where(rows[:, None] == 2, acc2[None, :], acc)
+        acc = tl.where(rows[:, None] == 3, acc3[None, :], acc)
+    if BLOCK_M > 4:
+        acc = tl.where(rows[:, None] == 4, acc4[None, :], acc)
+        acc = tl.where(rows[:, None] == 5, acc5[None, :], acc)
+        acc = tl.where(rows[:, None] == 6, acc6[None, :], acc)
+        acc = tl.where(rows[:, None] == 7, acc7[None, :], acc)
+    split_k_store(acc, rows, cols, rows < M, n_ok, part_ptr, cnt_ptr, bias_ptr, out_ptr, M, N, stride_om,
+                  pid_n, pid_k, SPLIT_K, HAS_BIAS)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+# Launch parameters (benchmarks/quant.py --sweep times alternatives): columns and warps per program, and how many
+# programs per SM the K split aims for.
+CONFIG = {"block_n": 256, "num_warps": 2, "programs_per_sm": 4, "max_split": 16}
+
+
+def split_for(programs: int, num_tiles: int, sms: int, programs_per_sm: int, max_split: int = 16) -> int:
+    """The K split: a power of two, until `programs_per_sm` programs per SM, one tile per split or max_split."""
+    split = 1
+    while programs * split < programs_per_sm * sms and num_tiles // (2 * split) >= 1 and 2 * split <= max_split:
+        split *= 2
+    return split
+
+
+def counters_for(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed split-K counters for a layer of n columns (one per column block of the narrowest block used)."""
+    return torch.zeros(triton.cdiv(n, 32) + 1, dtype=torch.int32, device=device)
+
+
+def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               group_size: int, perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               counters: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
+    """x [M, K] (M <= QGEMV_MAX_ROWS, contiguous rows) @ dequant(W)^T (+ bias) -> [M, N] in x's dtype."""
+    cfg = config or CONFIG
+    m, k = x.shape
+    n = qweight.shape[1]
+    assert m <= QGEMV_MAX_ROWS and x.stride(1) == 1 and qweight.shape[0] * (32 // bits) == k
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_n = min(cfg["block_n"], max(32, triton.next_power_of_2(n)))
+    num_tiles = k // (16 * (32 // bits))
+    n_blocks = triton.cdiv(n, block_n)
+    split = cfg.get("split_k") or split_for(n_blocks, num_tiles, num_sms(x.device), cfg["programs_per_sm"],
+                                              cfg.get("max_split", 16))
+    assert counters.numel() >= n_blocks
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    _qgemv_kernel[(n_blocks, split)](
+        x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
+        out, part, counters, m, n, x.stride(0), out.stride(0),
+        BITS=bits, GROUP=group_size, NUM_TILES=num_tiles, TILES_PER_SPLIT=triton.cdiv(num_tiles, split),
+        SPLIT_K=split, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, HAS_PERM=perm is not None,
+        HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], **pdl_launch_args(x.device))
+    return out
+
+
+def quant_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                   group_size: int, perm: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The same product in fp32 torch over the dense dequantized weight, rounded once to x's dtype."""
+    from pagedllm.quantization.tiled import dequantize_tiled
+
+    w = dequantize_tiled(qweight, scales.float(), zeros.float(), bits, group_size, perm)  # [N, K]
+    out = x.float() @ w.t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
