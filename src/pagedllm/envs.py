@@ -82,6 +82,12 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),
     "LOCAL_RANK": _int("LOCAL_RANK", 0),
+    # 4/8-bit weight-only layers on CUDA: 0 keeps the load-time layout and the general dequant kernel
+    # (kernels/dequant_gemm.py) instead of the tiled layout and its kernels (quantization/tiled.py).
+    "PAGEDLLM_QUANT_TILED": lambda: os.environ.get("PAGEDLLM_QUANT_TILED", "1") != "0",
+    # Most rows for which tiled 4/8-bit layers use the CUDA-core GEMV (kernels/qgemv.py, at most 8); more rows
+    # take the tensor-core kernel (kernels/qgemm.py).
+    "PAGEDLLM_QUANT_GEMV_MAX_ROWS": _int("PAGEDLLM_QUANT_GEMV_MAX_ROWS", 4),
 }
 
 

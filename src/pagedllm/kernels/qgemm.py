@@ -21,11 +21,13 @@ from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 from pagedllm.kernels.qgemv import MAGIC, num_sms, split_for, split_k_store
 
 
-@triton.jit
+# Row and tile counts are not specialized on (one compiled variant serves every batch size of a launch config;
+# the tile loop's trip count stays a constant: the interpreter cannot loop over a scalar argument).
+@triton.jit(do_not_specialize=["M", "NUM_TILES"])
 def _qgemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, stride_xm, stride_om,
-    BITS: tl.constexpr, GROUP: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    M, N, stride_xm, stride_om, NUM_TILES,
+    BITS: tl.constexpr, GROUP: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -105,8 +107,8 @@ def quant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _qgemm_kernel[(m_blocks, n_blocks, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
-        out, part, counters, m, n, x.stride(0), out.stride(0),
-        BITS=bits, GROUP=group_size, NUM_TILES=num_tiles, TILES_PER_SPLIT=triton.cdiv(num_tiles, split),
+        out, part, counters, m, n, x.stride(0), out.stride(0), num_tiles,
+        BITS=bits, GROUP=group_size, TILES_PER_SPLIT=triton.cdiv(num_tiles, split),
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 2), **pdl_launch_args(x.device))

@@ -20,7 +20,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+import logging
+
 import torch
+from torch import nn
+
+from pagedllm import envs
+
+logger = logging.getLogger(__name__)
 
 TILE_WORDS = 16
 
@@ -114,3 +121,30 @@ def dequantize_tiled(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         g[perm.long()] = groups
         groups = g
     return ((q - zeros.to(dtype)[groups]) * scales.to(dtype)[groups]).t()
+
+
+def use_tiled_layout(layer: nn.Module) -> bool:
+    """Convert a loaded layer (internal layout: qweight, scales, zeros, g_idx) to the tiled layout in place, where
+    it applies and PAGEDLLM_QUANT_TILED is on; sets layer.quant_layout = "tiled", quant_perm, quant_counters and
+    quant_gemv_max_rows. Returns whether it did."""
+    bits, group = layer.quant_bits, layer.quant_group_size
+    kp, n = layer.qweight.shape
+    problem = tiled_layout_problem(kp * (32 // bits), n, bits, group, layer.zeros.data, layer.g_idx)
+    if not envs.PAGEDLLM_QUANT_TILED or problem is not None:
+        if problem is not None:
+            logger.debug("%s keeps the general dequant kernel: %s", getattr(layer, "prefix", "layer"), problem)
+        return False
+    from pagedllm.kernels.qgemv import QGEMV_MAX_ROWS, counters_for
+
+    qweight, perm = to_tiled(layer.qweight.data, bits, group, layer.zeros.data,
+                             None if layer.g_idx is None else layer.g_idx.data)
+    layer.qweight = nn.Parameter(qweight, requires_grad=False)
+    if layer.g_idx is not None:
+        del layer.g_idx
+        layer.g_idx = None
+    layer.register_buffer("quant_perm", perm, persistent=False)
+    # Split-K arrival counters (zero between launches; each launch's last program resets its own).
+    layer.register_buffer("quant_counters", counters_for(n, qweight.device), persistent=False)
+    layer.quant_gemv_max_rows = max(0, min(QGEMV_MAX_ROWS, envs.PAGEDLLM_QUANT_GEMV_MAX_ROWS))
+    layer.quant_layout = "tiled"
+    return True
