@@ -111,7 +111,9 @@ class ModelRunner:
         for layer in layers:  # some but not all: calibrate all, one rule for the model
             layer.kv_scales.fill_(1.0)
             layer.kv_scale_source = None
-        self.kv_calibration_pending = True
+        self.kv_calibration_pending = envs.PAGEDLLM_KV_SCALE_CALIBRATION
+        if not self.kv_calibration_pending:
+            logger.info("FP8 KV cache scales: 1.0 (PAGEDLLM_KV_SCALE_CALIBRATION=0)")
 
     @torch.inference_mode()
     def _warm_up_greedy(self) -> None:
