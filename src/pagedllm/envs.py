@@ -87,7 +87,7 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_QUANT_TILED": lambda: os.environ.get("PAGEDLLM_QUANT_TILED", "1") != "0",
     # Most rows for which tiled 4/8-bit layers use the CUDA-core GEMV (kernels/qgemv.py, at most 8); more rows
     # take the tensor-core kernel (kernels/qgemm.py).
-    "PAGEDLLM_QUANT_GEMV_MAX_ROWS": _int("PAGEDLLM_QUANT_GEMV_MAX_ROWS", 4),
+    "PAGEDLLM_QUANT_GEMV_MAX_ROWS": _int("PAGEDLLM_QUANT_GEMV_MAX_ROWS", 2),
     # FP8 KV cache without checkpoint scales: 0 keeps k/v scales at 1.0 instead of calibrating them on the first
     # step (layers/kv_cache_scales.py).
     "PAGEDLLM_KV_SCALE_CALIBRATION": lambda: os.environ.get("PAGEDLLM_KV_SCALE_CALIBRATION", "1") != "0",

@@ -19,6 +19,7 @@ At decode (1 to a few rows) the product is a pass over the packed weights, so th
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -27,23 +28,25 @@ import triton.language as tl
 
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
-TILE_WORDS: tl.constexpr = 16
 # Most rows one launch handles (one fp32 accumulator row per input row, unrolled).
 QGEMV_MAX_ROWS = 8
-MAGIC: tl.constexpr = 0x4B000000  # float32 bits of 2**23
+MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2**23
 
 
 @triton.jit
-def plane_bits(w, wh, j: tl.constexpr, BITS: tl.constexpr):
-    """Value plane j of a word tile (wh = w >> 16) as the float32 2**23 + q * 2**s, s = BITS * (j % (16 // BITS))
-    (the masked bits OR-ed into the mantissa of 2**23: exact, no int -> float conversion)."""
-    HALF: tl.constexpr = 16 // BITS
+def plane_bits(src, j: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Value plane j of a word tile as the float32 2**23 + q * 2**s, s = BITS * (j % (16 // BITS)); `src` is the
+    words for the planes in the low 16 bits, the words >> 16 for the others (the masked bits OR-ed into the mantissa
+    of 2**23: exact, no int -> float conversion). USE_ASM: one `lop3` for the AND and the OR (LLVM emits two)."""
     MASK: tl.constexpr = (1 << BITS) - 1
-    SH: tl.constexpr = BITS * (j % HALF)
-    if j < HALF:
-        bits = (w & (MASK << SH)) | MAGIC
+    SH: tl.constexpr = BITS * (j % (16 // BITS))
+    if USE_ASM:
+        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                         [src, tl.full(src.shape, MASK << SH, tl.int32),
+                                          tl.full(src.shape, MAGIC, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
     else:
-        bits = (wh & (MASK << SH)) | MAGIC
+        bits = (src & (MASK << SH)) | MAGIC
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -75,13 +78,13 @@ def split_k_store(acc, rows, cols, m_ok, n_ok, part_ptr, cnt_ptr, bias_ptr, out_
 
 # Row and tile counts are not specialized on (one compiled variant serves every batch size of a launch config;
 # the tile loop's trip count stays a constant: the interpreter cannot loop over a scalar argument).
-@triton.jit(do_not_specialize=["M", "NUM_TILES"])
+@triton.jit(do_not_specialize=["M", "NUM_CHUNKS"])
 def _qgemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, stride_xm, stride_om, NUM_TILES,
-    BITS: tl.constexpr, GROUP: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    M, N, stride_xm, stride_om, NUM_CHUNKS,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     TILE_K: tl.constexpr = 16 * PACK
@@ -90,11 +93,11 @@ def _qgemv_kernel(
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < N
-    r = tl.arange(0, 16)
-    first = pid_k * TILES_PER_SPLIT
-    w_ptrs = qw_ptr + (first * 16 + r)[:, None].to(tl.int64) * N + cols[None, :]
-    # Weights first (see the module docstring); a split's tiles past the end load nothing.
-    w = tl.load(w_ptrs, mask=n_ok[None, :] & (first < NUM_TILES), other=0, eviction_policy="evict_first")
+    r = tl.arange(0, ROWS)
+    first = pid_k * CHUNKS_PER_SPLIT  # a chunk: ROWS word rows of one tile (ROWS divides 16)
+    w_ptrs = qw_ptr + (first * ROWS + r)[:, None].to(tl.int64) * N + cols[None, :]
+    # Weights first (see the module docstring); a split's chunks past the end load nothing.
+    w = tl.load(w_ptrs, mask=n_ok[None, :] & (first < NUM_CHUNKS), other=0, eviction_policy="evict_first")
     wait_prior_kernel(USE_PDL)
     acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -104,31 +107,34 @@ def _qgemv_kernel(
     acc5 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc6 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for t in range(TILES_PER_SPLIT):
-        tile = first + t
-        t_ok = tile < NUM_TILES
-        w_next = tl.load(w_ptrs + (t + 1) * 16 * N, mask=n_ok[None, :] & (tile + 1 < NUM_TILES) &
-                         (t + 1 < TILES_PER_SPLIT), other=0, eviction_policy="evict_first")
-        wh = w >> 16
-        k0 = tile * TILE_K
+    for t in range(CHUNKS_PER_SPLIT):
+        chunk = first + t
+        c_ok = chunk < NUM_CHUNKS
+        w_next = tl.load(w_ptrs + (t + 1) * ROWS * N, mask=n_ok[None, :] & (chunk + 1 < NUM_CHUNKS) &
+                         (t + 1 < CHUNKS_PER_SPLIT), other=0, eviction_policy="evict_first")
+        k0 = (chunk * ROWS // 16) * TILE_K  # first channel of the chunk's tile
+        k_in = (chunk * ROWS) % 16  # the chunk's first row in its tile
         if ONE_GROUP:
             g_off = (k0 // GROUP).to(tl.int64) * N
-            s = tl.load(s_ptr + g_off + cols, mask=n_ok & t_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g_off + cols, mask=n_ok & t_ok, other=0.0).to(tl.float32)
+            s = tl.load(s_ptr + g_off + cols, mask=n_ok & c_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g_off + cols, mask=n_ok & c_ok, other=0.0).to(tl.float32)
+        src = w
         for j in tl.static_range(PACK):
+            if j == 16 // BITS:
+                src = w >> 16  # the planes in the high half (w is dead from here: no extra registers)
             if not ONE_GROUP:
                 if (16 * j) % GROUP == 0:  # a new group starts at this plane
                     g_off = ((k0 + 16 * j) // GROUP).to(tl.int64) * N
-                    s = tl.load(s_ptr + g_off + cols, mask=n_ok & t_ok, other=0.0).to(tl.float32)
-                    z = tl.load(z_ptr + g_off + cols, mask=n_ok & t_ok, other=0.0).to(tl.float32)
-            SH: tl.constexpr = BITS * (j % (16 // BITS))
-            q = plane_bits(w, wh, j, BITS) - (z * (1 << SH) + 8388608.0)[None, :]  # (q - zero) * 2**SH, exact
-            s_j = s * (1.0 / (1 << SH))
-            k_idx = k0 + 16 * j + r
+                    s = tl.load(s_ptr + g_off + cols, mask=n_ok & c_ok, other=0.0).to(tl.float32)
+                    z = tl.load(z_ptr + g_off + cols, mask=n_ok & c_ok, other=0.0).to(tl.float32)
+            # plane j holds (q << SH) with SH = BITS * (j % (16 // BITS)): (q - zero) * 2**SH, exact
+            q = plane_bits(src, j, BITS, USE_ASM) - (z * (1 << (BITS * (j % (16 // BITS)))) + 8388608.0)[None, :]
+            s_j = s * (1.0 / (1 << (BITS * (j % (16 // BITS)))))
+            k_idx = k0 + 16 * j + k_in + r
             if HAS_PERM:
-                k_idx = tl.load(perm_ptr + k_idx, mask=t_ok, other=0)
+                k_idx = tl.load(perm_ptr + k_idx, mask=c_ok, other=0)
             for m in tl.static_range(BLOCK_M):
-                xv = tl.load(x_ptr + m * stride_xm + k_idx, mask=t_ok & (m < M), other=0.0).to(tl.float32)
+                xv = tl.load(x_ptr + m * stride_xm + k_idx, mask=c_ok & (m < M), other=0.0).to(tl.float32)
                 p = tl.sum(q * xv[:, None], axis=0) * s_j
                 if m == 0:
                     acc0 += p
@@ -166,6 +172,11 @@ def _qgemv_kernel(
 _SM_COUNT: dict[int, int] = {}
 
 
+def use_asm(device: torch.device) -> bool:
+    """Inline PTX only on a real CUDA device (Triton's interpreter cannot run it)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
@@ -175,9 +186,9 @@ def num_sms(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-# Launch parameters (benchmarks/quant.py --sweep times alternatives): columns and warps per program, and how many
-# programs per SM the K split aims for.
-CONFIG = {"block_n": 256, "num_warps": 2, "programs_per_sm": 4, "max_split": 16}
+# Launch parameters (benchmarks/quant.py --sweep times alternatives): columns and warps per program, word rows per
+# load (8 or 16: registers per thread = 2 x rows x 4 words), how many programs per SM the K split aims for.
+CONFIG = {"block_n": 256, "num_warps": 2, "rows": 4, "programs_per_sm": 4, "max_split": 16}
 
 
 def split_for(programs: int, num_tiles: int, sms: int, programs_per_sm: int, max_split: int = 16) -> int:
@@ -205,18 +216,20 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if m == 0 or n == 0:
         return out
     block_n = min(cfg["block_n"], max(32, triton.next_power_of_2(n)))
-    num_tiles = k // (16 * (32 // bits))
+    rows = cfg.get("rows", 4)
+    num_chunks = k // (32 // bits) // rows
     n_blocks = triton.cdiv(n, block_n)
-    split = cfg.get("split_k") or split_for(n_blocks, num_tiles, num_sms(x.device), cfg["programs_per_sm"],
+    split = cfg.get("split_k") or split_for(n_blocks, num_chunks, num_sms(x.device), cfg["programs_per_sm"],
                                               cfg.get("max_split", 16))
     assert counters.numel() >= n_blocks
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _qgemv_kernel[(n_blocks, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
-        out, part, counters, m, n, x.stride(0), out.stride(0), num_tiles,
-        BITS=bits, GROUP=group_size, TILES_PER_SPLIT=triton.cdiv(num_tiles, split),
+        out, part, counters, m, n, x.stride(0), out.stride(0), num_chunks,
+        BITS=bits, GROUP=group_size, ROWS=rows, CHUNKS_PER_SPLIT=triton.cdiv(num_chunks, split),
         SPLIT_K=split, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, HAS_PERM=perm is not None,
-        HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], **pdl_launch_args(x.device))
+        HAS_BIAS=bias is not None, USE_ASM=use_asm(x.device), num_warps=cfg["num_warps"],
+        **pdl_launch_args(x.device))
     return out
 
 
