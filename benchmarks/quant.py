@@ -157,9 +157,9 @@ def sweep(args) -> None:
     """Time launch configs of one tiled kernel per shape and row count; print each and the best."""
     if args.sweep == "gemv":
         kind = "int4-gemv"
-        grid = lambda rows: [dict(block_n=bn, num_warps=w, programs_per_sm=p, max_split=16)  # noqa: E731
-                             for (bn, w), p in itertools.product([(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)],
-                                                                 [2, 4, 8])]
+        grid = lambda rows: [dict(block_n=bn, num_warps=w, rows=r, programs_per_sm=p, max_split=16)  # noqa: E731
+                             for (bn, w), r, p in itertools.product([(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)],
+                                                                    [4, 8], [2, 4, 8])]
     else:
         kind = "int4-gemm"
         grid = lambda rows: [dict(block_m=bm, block_n=bn, num_warps=w, programs_per_sm=p, max_split=16)  # noqa: E731
