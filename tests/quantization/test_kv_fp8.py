@@ -97,3 +97,15 @@ def test_engine_fp8_kv_capacity_and_greedy_agreement(smollm2_gguf_path, caplog):
 def test_cpu_backend_with_fp8_kv_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="The cpu attention backend cannot use an FP8 KV cache"):
         LLM(model=tiny_llama_dir, kv_cache_dtype="fp8", attention_backend="cpu", kv_cache_memory_bytes=1 << 20)
+
+
+def test_fp8_write_saturates():
+    """Values past E4M3's range are stored as +-448 (torch's own cast would give NaN from 480 on)."""
+    from pagedllm.attention.torch_backend import write_kv_cache
+
+    cache = torch.zeros(2, 1, 4, 1, 2, dtype=E4M3)
+    key = torch.tensor([[[1000.0, -600.0]], [[1.0, 2.0]]])
+    write_kv_cache(key, -key, cache, torch.tensor([0, 1]), 2)
+    assert cache[0, 0, 0, 0].float().tolist() == [448.0, -448.0]
+    assert cache[1, 0, 0, 0].float().tolist() == [-448.0, 448.0]
+    assert not cache.float().isnan().any()
