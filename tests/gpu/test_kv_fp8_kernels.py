@@ -71,7 +71,7 @@ def _prompt_logprobs(llm, prompt):
     return torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])])
 
 
-def test_engine_fp8_kv_on_gpu(smollm2_gguf_path):
+def test_engine_fp8_kv_on_gpu(smollm2_gguf_path, monkeypatch):
     """The whole GPU path (calibration step, fused qkv write with scales, CUDA graphs captured before calibration,
     decode/prefill kernels) with an FP8 pool against the bf16 pool, in bf16.
 
@@ -82,6 +82,7 @@ def test_engine_fp8_kv_on_gpu(smollm2_gguf_path):
     engine's own continuations do."""
     from pagedllm import LLM, SamplingParams
 
+    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "1")  # opt-in
     prompts = ["The capital of France is", "Write a haiku about the sea.", "List three colors:"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     engines, tokens, logprobs = {}, {}, {}

@@ -54,10 +54,12 @@ def test_per_layer_scales(monkeypatch):
     for k_scale in (1.0, small):
         layer.kv_cache = torch.zeros_like(batch.kv_cache, dtype=E4M3)
         layer.kv_scales.fill_(k_scale)
+        layer.kv_scale_source = "checkpoint"
         with set_forward_context(batch.metadata, TorchAttentionBackend()):
             outs[k_scale] = layer(q, k, v)
     layer.kv_cache = torch.zeros_like(batch.kv_cache)
     layer.kv_scales.fill_(1.0)
+    layer.kv_scale_source = None
     with set_forward_context(batch.metadata, TorchAttentionBackend()):
         exact = layer(q, k, v)
     assert (outs[small] - exact).abs().max() < 0.2 * (outs[1.0] - exact).abs().max()

@@ -1,6 +1,5 @@
 """FP8 KV-cache scales (layers/kv_cache_scales.py): read from a checkpoint under the exporters' names, else
-calibrated from the first step's K/V; the scaled cache computes what attention over E4M3(K / k_scale) * k_scale
-computes; with calibration off they stay 1.0."""
+calibrated from the first step's K/V (with PAGEDLLM_KV_SCALES=1; without it the cache stays unscaled)."""
 from __future__ import annotations
 
 import os
@@ -40,10 +39,11 @@ def _attn_layers(llm):
 
 
 def test_engine_calibrates_on_first_step(tiny_llama_dir, caplog, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "1")
     caplog.set_level("INFO", logger="pagedllm")
     llm = LLM(model=tiny_llama_dir, kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 20, max_model_len=256)
     layers = _attn_layers(llm)
-    assert all(layer.kv_scale_source is None for layer in layers)
+    assert all(layer.kv_scale_source == "pending" for layer in layers)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first = llm.generate([[5, 6, 7, 8, 9, 10]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert all(layer.kv_scale_source == "calibrated" for layer in layers)
@@ -57,16 +57,17 @@ def test_engine_calibrates_on_first_step(tiny_llama_dir, caplog, monkeypatch):
     full = LLM(model=tiny_llama_dir, kv_cache_memory_bytes=1 << 20, max_model_len=256)
     ref = full.generate([[5, 6, 7, 8, 9, 10]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert ref[:4] == first[:4], (ref, first)
-    monkeypatch.setenv("PAGEDLLM_KV_SCALE_CALIBRATION", "0")
+    monkeypatch.delenv("PAGEDLLM_KV_SCALES")  # the default: unscaled, as before the scales existed
     plain = LLM(model=tiny_llama_dir, kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 20, max_model_len=256)
     plain.generate([[5, 6, 7]], params, use_tqdm=False)
     assert all(layer.kv_scale_source is None and torch.equal(layer.kv_scales, torch.ones(2))
                for layer in _attn_layers(plain))
 
 
-def test_checkpoint_scales_are_loaded(tiny_llama_dir, tmp_path, caplog):
+def test_checkpoint_scales_are_loaded(tiny_llama_dir, tmp_path, caplog, monkeypatch):
     from safetensors.torch import load_file, save_file
 
+    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "1")
     dst = str(tmp_path / "with-kv-scales")
     shutil.copytree(tiny_llama_dir, dst)
     path = os.path.join(dst, "model.safetensors")
@@ -89,3 +90,10 @@ def test_checkpoint_scales_are_loaded(tiny_llama_dir, tmp_path, caplog):
     # The same checkpoint with the model-dtype cache: the scales load (and are unused), nothing is refused.
     LLM(model=dst, kv_cache_memory_bytes=1 << 20, max_model_len=256).generate(
         [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    # Without PAGEDLLM_KV_SCALES the FP8 cache stays unscaled and says why.
+    monkeypatch.delenv("PAGEDLLM_KV_SCALES")
+    caplog.clear()
+    plain = LLM(model=dst, kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 20, max_model_len=256)
+    assert all(layer.kv_scale_source is None and torch.equal(layer.kv_scales, torch.ones(2))
+               for layer in _attn_layers(plain))
+    assert any("scales are not used" in r.getMessage() for r in caplog.records)

@@ -48,6 +48,11 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _tiled_on(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_QUANT_TILED", "1")  # opt-in (its kernels are unverified on a GPU)
+
+
 @pytest.mark.parametrize("name,config,act_order", CASES, ids=[c[0] for c in CASES])
 def test_tiled_layer_equals_internal_layout(name, config, act_order):
     layer = _layer(config, 512, 48, act_order)

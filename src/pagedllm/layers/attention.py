@@ -32,7 +32,8 @@ class Attention(nn.Module):
         # Per-layer scales of an FP8 KV cache (layers/kv_cache_scales.py): the cache holds K / k_scale and
         # V / v_scale in E4M3. A device tensor (k, v), so captured CUDA graphs read the current values.
         self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32), persistent=False)
-        self.kv_scale_source: Optional[str] = None  # "checkpoint" | "calibrated" | None (1.0)
+        # "checkpoint" | "calibrated" | "pending" (calibrated by the first step) | None: unscaled (1.0)
+        self.kv_scale_source: Optional[str] = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # query: [num_tokens, num_heads * head_size]; key/value: [num_tokens, num_kv_heads * head_size]
@@ -43,8 +44,8 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             out = self._no_cache_attention(q, k, v)
-        elif self.kv_cache.dtype == torch.float8_e4m3fn:
-            if getattr(ctx, "calibrate_kv", False) and self.kv_scale_source is None:
+        elif self.kv_cache.dtype == torch.float8_e4m3fn and self.kv_scale_source is not None:
+            if self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
                 real = ctx.attn_metadata.num_actual_tokens
                 self.kv_scales.copy_(calibrated_scales(k[:real], v[:real]))
                 self.kv_scale_source = "calibrated"
@@ -73,8 +74,8 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             return None
-        fp8 = self.kv_cache.dtype == torch.float8_e4m3fn
-        if fp8 and getattr(ctx, "calibrate_kv", False) and self.kv_scale_source is None:
+        fp8 = self.kv_cache.dtype == torch.float8_e4m3fn and self.kv_scale_source is not None  # scaled FP8
+        if fp8 and self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
             return None  # the calibration step takes the unfused path, where K is seen after rope
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
                        *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None)

@@ -9,7 +9,8 @@ Where they come from, in order:
   saturate), and far above its smallest normal (2**-6), so small values keep 3 mantissa bits instead of becoming
   subnormals. With scale 1 that is not so: on SmolLM2 40% of layer 0's V values are below 2**-6.
 Scales are a float32 [2] device tensor per layer (k, v), read by the kernels at run time: the CUDA graphs captured
-before calibration pick up the calibrated values.
+before calibration pick up the calibrated values. Opt-in (PAGEDLLM_KV_SCALES=1) until this path has run on a GPU;
+without it the cache holds K and V unscaled, as before.
 """
 from __future__ import annotations
 
@@ -68,6 +69,6 @@ def calibrated_scales(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def kv_scale_summary(layers: list) -> str:
     """'k_scale 0.0312..0.0934, v_scale 0.0030..0.1198 (calibrated)' for the log (one host sync)."""
     scales = torch.stack([layer.kv_scales for layer in layers]).cpu()
-    sources = sorted({layer.kv_scale_source or "default 1.0" for layer in layers})
+    sources = sorted({layer.kv_scale_source or "unscaled" for layer in layers})
     return (f"k_scale {scales[:, 0].min():.4g}..{scales[:, 0].max():.4g}, v_scale {scales[:, 1].min():.4g}.."
             f"{scales[:, 1].max():.4g} ({', '.join(sources)})")

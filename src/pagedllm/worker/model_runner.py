@@ -98,22 +98,24 @@ class ModelRunner:
             self.profile_run()
 
     def _init_kv_scales(self) -> None:
-        """FP8 cache: the checkpoint's k/v scales where every layer has them, else calibrate on the first step."""
+        """FP8 cache with PAGEDLLM_KV_SCALES=1: the checkpoint's k/v scales where every layer has them, else
+        calibrate on the first step (layers are marked "pending" now, so CUDA graphs capture the scaled path)."""
         self.kv_calibration_pending = False
         if self.kv_cache_dtype != torch.float8_e4m3fn:
             return
         from pagedllm.layers.kv_cache_scales import kv_scale_summary
 
         layers = self.model.attn_layers
-        if all(layer.kv_scale_source == "checkpoint" for layer in layers):
+        enabled = envs.PAGEDLLM_KV_SCALES
+        if enabled and all(layer.kv_scale_source == "checkpoint" for layer in layers):
             logger.info("FP8 KV cache scales from the checkpoint: %s", kv_scale_summary(layers))
             return
-        for layer in layers:  # some but not all: calibrate all, one rule for the model
+        if any(layer.kv_scale_source == "checkpoint" for layer in layers) and not enabled:
+            logger.info("The checkpoint's FP8 KV cache scales are not used (PAGEDLLM_KV_SCALES=1 uses them).")
+        for layer in layers:  # none, or only some layers have checkpoint scales: one rule for the whole model
             layer.kv_scales.fill_(1.0)
-            layer.kv_scale_source = None
-        self.kv_calibration_pending = envs.PAGEDLLM_KV_SCALE_CALIBRATION
-        if not self.kv_calibration_pending:
-            logger.info("FP8 KV cache scales: 1.0 (PAGEDLLM_KV_SCALE_CALIBRATION=0)")
+            layer.kv_scale_source = "pending" if enabled else None
+        self.kv_calibration_pending = enabled
 
     @torch.inference_mode()
     def _warm_up_greedy(self) -> None:
