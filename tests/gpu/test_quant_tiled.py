@@ -1,7 +1,8 @@
 """The tiled-layout 4/8-bit kernels (kernels/qgemv.py: CUDA-core few-row GEMV; kernels/qgemm.py: tensor cores)
 against the torch reference over the same weights. On the GPU: the Qwen3-0.6B and Llama-3-8B layer shapes, rows
 1..512, group sizes 32 / 64 / 128 / -1, 4 and 8 bits, act-order, bias, CUDA-graph replay (the split-K counters
-must be back at zero after every launch). On a CPU in Triton's interpreter at small shapes:
+must be back at zero after every launch). Expected on an H200: the non-model-shape tests well under a minute,
+test_model_shapes 1-2 minutes (mostly Triton compiles). On a CPU in Triton's interpreter at small shapes:
     PAGEDLLM_TEST_DEVICE=cpu TRITON_INTERPRET=1 pytest -m gpu tests/gpu/test_quant_tiled.py -k small"""
 from __future__ import annotations
 
@@ -86,16 +87,23 @@ SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="model shapes: GPU only")
 
 
+# Few row counts and configs: every distinct launch config is a compile, and the GPU host compiles slowly.
 @gpu_only
 @pytest.mark.parametrize("k,n", SHAPES_06B + SHAPES_8B)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 33, 64, 512])
-@pytest.mark.parametrize("bits,group_size,act_order", [(4, 128, False), (8, 128, False), (4, 128, True)])
+@pytest.mark.parametrize("m", [1, 2, 16, 64, 512])
+@pytest.mark.parametrize("bits,group_size,act_order", [(4, 128, False), (4, 128, True)])
 def test_model_shapes(k, n, m, bits, group_size, act_order):
-    _run(_pick(m), m, k, n, bits, group_size, act_order, torch.bfloat16, bias=m == 5)
+    _run(_pick(m), m, k, n, bits, group_size, act_order, torch.bfloat16, bias=m == 16)
 
 
 @gpu_only
-@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("m", [1, 64])
+def test_8bit_model_shape(m):
+    _run(_pick(m), m, 14336, 4096, 8, 128, False, torch.bfloat16)
+
+
+@gpu_only
+@pytest.mark.parametrize("m", [1, 2, 8])
 @pytest.mark.parametrize("group_size", [32, 64, -1])
 def test_group_sizes_gemv(m, group_size):
     _run(quant_gemv, m, 4096, 4096, 4, group_size, False, torch.bfloat16)
