@@ -169,21 +169,16 @@ def _qgemv_kernel(
                   pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def use_asm(device: torch.device) -> bool:
     """Inline PTX only on a real CUDA device (Triton's interpreter cannot run it)."""
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    """The SMs the K split fills (8 off CUDA: small grids for Triton's interpreter)."""
+    from pagedllm.kernels.paged_attention import sm_count
+
+    return sm_count(device) if device.type == "cuda" else 8
 
 
 # Launch parameters (benchmarks/quant.py --sweep times alternatives): columns and warps per program, word rows per
