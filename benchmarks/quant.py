@@ -1,19 +1,27 @@
 """Quantized linear layers vs bf16, per layer of a model shape, measured in the same process (GPU).
 
 For each linear layer shape (K in, N out) of Llama-3-8B (default) or Qwen3-0.6B and each row count, times
-  bf16   the engine's unquantized path (the few-row Triton GEMV up to PAGEDLLM_GEMV_MAX_ROWS rows, else cuBLAS)
-  int4   kernels/dequant_gemm.py over the 4-bit GPTQ/AWQ layout, group 128
-  int8   the same kernel, 8-bit
-  fp8    W8A8: per-token E4M3 activation quantization + torch._scaled_mm with row-wise scales
-and prints microseconds per call (CUDA-graph replays of 20 calls, so launch gaps do not count) and the weight
-bytes streamed per microsecond (GB/s). End-to-end numbers come from benchmarks/latency.py and
-benchmarks/offline_throughput.py with --quantization / --kv-cache-dtype and the configs in benchmarks/configs.
+  bf16      the engine's unquantized path (the few-row Triton GEMV up to PAGEDLLM_GEMV_MAX_ROWS rows, else cuBLAS)
+  int4      the engine's 4-bit path: tiled layout, group 128 (kernels/qgemv.py up to PAGEDLLM_QUANT_GEMV_MAX_ROWS
+            rows, else kernels/qgemm.py)
+  int4-gemv / int4-gemm   each tiled kernel alone (the GEMV only up to 8 rows)
+  int4-old  the general dequant kernel over the load-time layout (kernels/dequant_gemm.py: the default unless PAGEDLLM_QUANT_TILED=1)
+  int8      the tiled path at 8 bits
+  fp8       W8A8: per-token E4M3 activation quantization + torch._scaled_mm with row-wise scales
+Each cell is microseconds per call (CUDA-graph replays, cycling through enough weight copies that no weight is
+served from L2), the weight bytes streamed per second (GB/s, packed weights + scales + zeros) and the speed-up
+over bf16 at that row count (x). End-to-end numbers: benchmarks/latency.py and offline_throughput.py with the
+configs in benchmarks/configs.
 
-    PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --rows 1 64
+    PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --rows 1 2 4 8 16 64 256
+    PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --sweep gemv --rows 1      # launch configs
+    PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --sweep gemm --rows 16 --layers qkv down
 """
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 
 import torch
 
@@ -21,85 +29,172 @@ SHAPES = {
     "8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)},
     "0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)},
 }
+ROTATE_BYTES = 256 << 20  # weight copies per kind: at least this many bytes (H200 L2: 50 MB)
 
 
-def time_us(fn, reps: int = 20, graphs: int = 5) -> float:
-    """Median over `graphs` replays of a CUDA graph holding `reps` calls."""
-    fn()
+def time_us(fn, copies: int, reps: int = 3) -> float:
+    """Median over `reps` replays of a CUDA graph holding max(20, copies) calls (fn(i) uses weight copy i)."""
+    calls = max(20, copies)
+    for i in range(min(calls, 2)):
+        fn(i % copies)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+        for i in range(calls):
+            fn(i % copies)
+    graph.replay()
     times = []
-    for _ in range(graphs):
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return sorted(times)[len(times) // 2]
 
 
-def make_layers(k: int, n: int, device: str):
-    from pagedllm.quantization.fp8 import quantize_weight_fp8_per_channel
+class Layers:
+    """Weight copies of one (K, N) shape in every format; `bytes[kind]` is what one call streams."""
 
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-    layers = {"bf16": (w, w.numel() * 2)}
-    for bits in (4, 8):
-        pack, groups = 32 // bits, k // 128
-        qweight = torch.randint(-2**31, 2**31 - 1, (k // pack, n), device=device, dtype=torch.int32)
-        scales = torch.rand(groups, n, device=device, dtype=torch.bfloat16) * 0.01
-        zeros = torch.full((groups, n), 2 ** (bits - 1), device=device, dtype=torch.bfloat16)
-        layers[f"int{bits}"] = ((qweight, scales, zeros, bits), qweight.numel() * 4 + scales.numel() * 4)
-    wq, ws = quantize_weight_fp8_per_channel(w)
-    layers["fp8"] = ((wq, ws), wq.numel())
-    return layers
+    def __init__(self, k: int, n: int, kinds: list[str], device: str = "cuda") -> None:
+        from pagedllm.kernels.qgemv import counters_for
+        from pagedllm.layers.linear import RowParallelLinear
+        from pagedllm.quantization.fp8 import quantize_weight_fp8_per_channel
+        from pagedllm.quantization.tiled import to_tiled
+
+        self.k, self.n, self.copies, self.bytes = k, n, {}, {}
+        self.counters = counters_for(n, torch.device(device))
+        for kind in kinds:
+            if kind == "bf16":
+                per = n * k * 2
+            elif kind == "fp8":
+                per = n * k + n * 4
+            else:
+                bits = 8 if kind.startswith("int8") else 4
+                per = k * n * bits // 8 + (k // 128) * n * 4
+            count = max(1, math.ceil(ROTATE_BYTES / per))
+            self.bytes[kind] = per
+            copies = []
+            for _ in range(count):
+                if kind == "bf16":
+                    with torch.device(device):
+                        lin = RowParallelLinear(k, n, bias=False, params_dtype=torch.bfloat16)
+                    lin.weight.data.normal_(0, 0.02)
+                    copies.append(lin)
+                elif kind == "fp8":
+                    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+                    copies.append(quantize_weight_fp8_per_channel(w))
+                else:
+                    bits = 8 if kind.startswith("int8") else 4
+                    qweight = torch.randint(-2**31, 2**31 - 1, (k * bits // 32, n), device=device, dtype=torch.int32)
+                    scales = torch.rand(k // 128, n, device=device, dtype=torch.bfloat16) * 0.01
+                    zeros = torch.full((k // 128, n), 2 ** (bits - 1), device=device, dtype=torch.bfloat16)
+                    if kind != "int4-old":
+                        qweight, _ = to_tiled(qweight, bits, 128, zeros, None)
+                    copies.append((qweight, scales, zeros, bits))
+            self.copies[kind] = copies
+
+    def call(self, kind: str, x: torch.Tensor, i: int, config=None):
+        from pagedllm.kernels.dequant_gemm import dequant_matmul
+        from pagedllm.kernels.qgemm import quant_gemm
+        from pagedllm.kernels.qgemv import quant_gemv
+        from pagedllm.quantization.kernels import fp8_linear
+
+        layer = self.copies[kind][i]
+        if kind == "bf16":
+            return layer.linear_method.apply(layer, x)
+        if kind == "fp8":
+            return fp8_linear(x, *layer)
+        qweight, scales, zeros, bits = layer
+        if kind == "int4-old":
+            return dequant_matmul(x, qweight, scales, zeros, bits, 128)
+        if kind in ("int4", "int8"):
+            from pagedllm import envs
+            gemv = x.shape[0] <= min(8, envs.PAGEDLLM_QUANT_GEMV_MAX_ROWS)
+            kind = "int4-gemv" if gemv else "int4-gemm"
+        kernel = quant_gemv if kind == "int4-gemv" else quant_gemm
+        return kernel(x, qweight, scales, zeros, bits, 128, None, None, self.counters, config)
 
 
-def call(kind: str, x: torch.Tensor, layer, linear_module):
-    from pagedllm.kernels.dequant_gemm import dequant_matmul
-    from pagedllm.quantization.kernels import fp8_linear
+def compare(args) -> None:
+    kinds = args.kinds
+    print(f"{'layer':8} {'rows':>5} " + " ".join(f"{k:>22}" for k in kinds))
+    print(f"{'':8} {'':>5} " + " ".join(f"{'us   GB/s     x':>22}" for _ in kinds))
+    totals = {(r, k): 0.0 for r in args.rows for k in kinds}
+    for name, (k, n) in SHAPES[args.model].items():
+        if args.layers and name not in args.layers:
+            continue
+        layers = Layers(k, n, kinds)
+        for rows in args.rows:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            times = {}
+            for kind in kinds:
+                if kind == "int4-gemv" and rows > 8:
+                    continue
+                times[kind] = time_us(lambda i: layers.call(kind, x, i), len(layers.copies[kind]))
+                totals[(rows, kind)] += times[kind]
+            bf16 = times.get("bf16")
+            cells = []
+            for kind in kinds:
+                if kind not in times:
+                    cells.append(f"{'-':>22}")
+                    continue
+                ratio = f"{bf16 / times[kind]:5.2f}x" if bf16 else ""
+                cells.append(f"{times[kind]:8.1f} {layers.bytes[kind] / times[kind] / 1e3:6.0f} {ratio:>6}")
+            print(f"{name:8} {rows:5d} " + " ".join(cells), flush=True)
+    for rows in args.rows:
+        have = [k for k in kinds if not (k == "int4-gemv" and rows > 8)]
+        line = " ".join(f"{k}={totals[(rows, k)]:.1f}us" for k in have)
+        speed = ""
+        if "bf16" in have:
+            speed = "; vs bf16 " + " ".join(f"{k}:{totals[(rows, 'bf16')] / totals[(rows, k)]:.2f}x"
+                                            for k in have if k != "bf16")
+        print(f"one layer (qkv+o+gate_up+down), {rows} rows: {line}{speed}")
 
-    if kind == "bf16":
-        return linear_module.linear_method.apply(linear_module, x)
-    if kind == "fp8":
-        return fp8_linear(x, *layer)
-    qweight, scales, zeros, bits = layer
-    return dequant_matmul(x, qweight, scales, zeros, bits, 128)
+
+def sweep(args) -> None:
+    """Time launch configs of one tiled kernel per shape and row count; print each and the best."""
+    if args.sweep == "gemv":
+        kind = "int4-gemv"
+        grid = lambda rows: [dict(block_n=bn, num_warps=w, rows=r, programs_per_sm=p, max_split=16)  # noqa: E731
+                             for (bn, w), r, p in itertools.product([(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)],
+                                                                    [4, 8], [2, 4, 8])]
+    else:
+        kind = "int4-gemm"
+        grid = lambda rows: [dict(block_m=bm, block_n=bn, num_warps=w, programs_per_sm=p, max_split=16)  # noqa: E731
+                             for bm, (bn, w), p in itertools.product(
+                                 [min(64, max(16, 1 << (rows - 1).bit_length()))] if rows <= 64 else [64, 128],
+                                 [(32, 4), (64, 4), (128, 4), (128, 8)], [1, 2, 4])]
+    for name, (k, n) in SHAPES[args.model].items():
+        if args.layers and name not in args.layers:
+            continue
+        layers = Layers(k, n, [kind])
+        for rows in args.rows:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            results = []
+            for cfg in grid(rows):
+                us = time_us(lambda i: layers.call(kind, x, i, cfg), len(layers.copies[kind]))
+                results.append((us, cfg))
+                print(f"  {name:8} rows={rows:<4} {us:8.1f} us {layers.bytes[kind] / us / 1e3:6.0f} GB/s  {cfg}",
+                      flush=True)
+            us, cfg = min(results, key=lambda r: r[0])
+            print(f"best {name} rows={rows}: {us:.1f} us ({layers.bytes[kind] / us / 1e3:.0f} GB/s) {cfg}", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(SHAPES), default="8b")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 64])
-    p.add_argument("--kinds", nargs="+", default=["bf16", "int4", "int8", "fp8"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--kinds", nargs="+", default=["bf16", "int4", "int4-gemv", "int4-gemm", "int4-old", "int8",
+                                                  "fp8"])
+    p.add_argument("--layers", nargs="+", help="only these layers (qkv o gate_up down)")
+    p.add_argument("--sweep", choices=["gemv", "gemm"], help="time launch configs of one tiled kernel instead")
     args = p.parse_args()
-    from pagedllm.layers.linear import RowParallelLinear
-
-    device = "cuda"
-    print(f"{'layer':8} {'rows':>5} " + " ".join(f"{k + ' us':>10} {'GB/s':>6}" for k in args.kinds))
-    totals = {(r, k): 0.0 for r in args.rows for k in args.kinds}
-    for name, (k, n) in SHAPES[args.model].items():
-        layers = make_layers(k, n, device)
-        with torch.device(device):
-            linear = RowParallelLinear(k, n, bias=False, params_dtype=torch.bfloat16)
-        linear.weight.data.copy_(layers["bf16"][0])
-        for rows in args.rows:
-            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-            cells = []
-            for kind in args.kinds:
-                layer, nbytes = layers[kind]
-                us = time_us(lambda: call(kind, x, layer, linear))
-                totals[(rows, kind)] += us
-                cells.append(f"{us:10.1f} {nbytes / us / 1e3:6.0f}")
-            print(f"{name:8} {rows:5d} " + " ".join(cells))
-    for rows in args.rows:
-        line = " ".join(f"{k}={totals[(rows, k)]:.1f}us" for k in args.kinds)
-        bf16 = totals[(rows, "bf16")]
-        speed = " ".join(f"{k}:{bf16 / totals[(rows, k)]:.2f}x" for k in args.kinds if k != "bf16")
-        print(f"one layer (qkv+o+gate_up+down), {rows} rows: {line}; vs bf16 {speed}")
+    if args.sweep:
+        sweep(args)
+    else:
+        compare(args)
 
 
 if __name__ == "__main__":

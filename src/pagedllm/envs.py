@@ -84,6 +84,16 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),
     "LOCAL_RANK": _int("LOCAL_RANK", 0),
+    # 4/8-bit weight-only layers on CUDA: 1 repacks them into the tiled layout for kernels/qgemv.py and qgemm.py
+    # (quantization/tiled.py). Opt-in until those kernels have run on a GPU; default: the general dequant kernel
+    # (kernels/dequant_gemm.py) over the load-time layout.
+    "PAGEDLLM_QUANT_TILED": lambda: _truthy(os.environ.get("PAGEDLLM_QUANT_TILED")),
+    # Most rows for which tiled 4/8-bit layers use the CUDA-core GEMV (kernels/qgemv.py, at most 8); more rows
+    # take the tensor-core kernel (kernels/qgemm.py).
+    "PAGEDLLM_QUANT_GEMV_MAX_ROWS": _int("PAGEDLLM_QUANT_GEMV_MAX_ROWS", 2),
+    # FP8 KV cache: 1 uses per-layer k/v scales (layers/kv_cache_scales.py), the checkpoint's or, without them,
+    # calibrated on the first step. Opt-in until that path has run on a GPU; default: scales 1.0.
+    "PAGEDLLM_KV_SCALES": lambda: _truthy(os.environ.get("PAGEDLLM_KV_SCALES")),
 }
 
 

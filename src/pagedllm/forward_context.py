@@ -50,6 +50,8 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: Optional[AttentionMetadata]
     attn_backend: Any  # pagedllm.attention.backend.AttentionBackend
+    # This step sets each FP8-cache layer's k/v scales from its K/V (layers/kv_cache_scales.py) before writing.
+    calibrate_kv: bool = False
 
 
 _context: Optional[ForwardContext] = None
@@ -60,10 +62,11 @@ def get_forward_context() -> Optional[ForwardContext]:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: Optional[AttentionMetadata], attn_backend: Any) -> Iterator[None]:
+def set_forward_context(attn_metadata: Optional[AttentionMetadata], attn_backend: Any,
+                        calibrate_kv: bool = False) -> Iterator[None]:
     global _context
     previous = _context
-    _context = ForwardContext(attn_metadata=attn_metadata, attn_backend=attn_backend)
+    _context = ForwardContext(attn_metadata=attn_metadata, attn_backend=attn_backend, calibrate_kv=calibrate_kv)
     try:
         yield
     finally:

@@ -58,22 +58,51 @@ def test_decode_only_batch_fp8(dtype=torch.bfloat16):
     torch.testing.assert_close(out.float(), ref.float(), **_tolerance())
 
 
-@pytest.mark.xfail(reason="k/v scales stay 1.0 (no calibration yet): on the H200 the FP8 pool kept 17, 0 and 10 of 24 "
-                          "greedy tokens before the first difference (2026-12-01); issue 14 stays open for it",
-                   strict=False)
-def test_engine_fp8_kv_on_gpu(smollm2_gguf_path):
-    """The whole GPU path (fused qkv write, CUDA graphs, decode/prefill kernels) with an FP8 pool: greedy tokens
-    stay close to the bf16 pool's."""
+TEXT = ("The sea was calm that morning, and the fishermen pushed their boats into the water before the sun rose over "
+        "the hills. Paris is the capital of France, and Berlin is the capital of Germany. Write a haiku about the sea. "
+        "List three colors: red, green and blue. The quick brown fox jumps over the lazy dog while the children play.")
+
+
+def _prompt_logprobs(llm, prompt):
+    """Log-probability of each prompt token after the ones before it (teacher-forced), [len - 1]."""
+    from pagedllm import SamplingParams
+
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return torch.tensor([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])])
+
+
+def test_engine_fp8_kv_on_gpu(smollm2_gguf_path, monkeypatch):
+    """The whole GPU path (calibration step, fused qkv write with scales, CUDA graphs captured before calibration,
+    decode/prefill kernels) with an FP8 pool against the bf16 pool, in bf16.
+
+    Greedy agreement over a few dozen tokens is not the measure: the haiku prompt's first token flips even between
+    bf16 and fp32 weights (docs/benchmarks.md). What is checked: the teacher-forced log-probabilities of a
+    paragraph stay within FP8's noise of the bf16 pool's, and the FP8 engine's own greedy continuations (decoded
+    under the CUDA graphs, which must read the calibrated scales) score as well under the bf16 engine as the bf16
+    engine's own continuations do."""
     from pagedllm import LLM, SamplingParams
 
+    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "1")  # opt-in
     prompts = ["The capital of France is", "Write a haiku about the sea.", "List three colors:"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    runs = {}
+    engines, tokens, logprobs = {}, {}, {}
     for kv in ("auto", "fp8"):
-        llm = LLM(model=smollm2_gguf_path, kv_cache_dtype=kv, gpu_memory_utilization=0.3, max_model_len=1024)
-        runs[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
+        llm = LLM(model=smollm2_gguf_path, kv_cache_dtype=kv, dtype="bfloat16", gpu_memory_utilization=0.3,
+                  max_model_len=1024)
+        assert llm.engine.worker.runner.cuda_graphs is not None
+        tokens[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        logprobs[kv] = _prompt_logprobs(llm, TEXT)
+        engines[kv] = llm
+    layers = engines["fp8"].engine.worker.runner.model.attn_layers
+    assert all(layer.kv_scale_source == "calibrated" for layer in layers)
+    err = (logprobs["fp8"] - logprobs["auto"]).abs()
     agree = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r))
-             for r, g in zip(runs["auto"], runs["fp8"])]
-    print("fp8 KV greedy agreement on GPU (tokens before the first difference):", agree)
-    assert sum(agree) >= 0.5 * sum(len(r) for r in runs["auto"]), agree
+             for r, g in zip(tokens["auto"], tokens["fp8"])]
+    tok = engines["auto"].get_tokenizer()
+    score = lambda p, ids: _prompt_logprobs(engines["auto"], tok(p)["input_ids"] + list(ids))  # noqa: E731
+    own = torch.cat([score(p, ids)[-len(ids):] for p, ids in zip(prompts, tokens["auto"])]).mean().item()
+    fp8 = torch.cat([score(p, ids)[-len(ids):] for p, ids in zip(prompts, tokens["fp8"])]).mean().item()
+    print(f"fp8 KV on GPU: mean |dlogprob| {err.mean():.4f} (max {err.max():.3f}) over {len(err)} tokens; greedy "
+          f"agreement {agree}; continuation logprob under bf16: bf16's own {own:.3f}, fp8's {fp8:.3f}")
+    assert err.mean() < 0.2, err.mean()
+    assert fp8 > own - 1.0, (fp8, own)

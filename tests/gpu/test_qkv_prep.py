@@ -127,3 +127,25 @@ def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     assert not torch.isnan(out_a).any()
     torch.testing.assert_close(out_a.float(), out_b.float(), **tolerances(dtype))
     _close(cache_a.nan_to_num(0.0), cache_b.nan_to_num(0.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_fp8_cache_with_kv_scales(dtype):
+    """An FP8 cache with per-layer scales: the cache gets E4M3(K / k_scale), E4M3(V / v_scale) and q comes back
+    times k_scale (layers/kv_cache_scales.py)."""
+    num_heads, num_kv_heads, head_size, block_size = 16, 8, 128, 16
+    qkv, positions, cos_sin, cache, slots, _ = _inputs(37, num_heads, num_kv_heads, head_size, block_size, dtype,
+                                                       False)
+    cache = torch.zeros_like(cache).to(torch.float8_e4m3fn)
+    scales = torch.tensor([0.05, 0.04], dtype=torch.float32, device=DEVICE)  # |K|, |V| / scale < 448
+    ref_qkv = qkv.clone()
+    ref_cache = torch.zeros(cache.shape, dtype=dtype, device=DEVICE)
+    ref_q = qkv_prep_ref(ref_qkv, positions, cos_sin, ref_cache, slots, num_heads, num_kv_heads, head_size)
+    q = qkv_prep(qkv, positions, cos_sin, cache, slots, num_heads, num_kv_heads, head_size, kv_scales=scales)
+    _close(q, (ref_q.float() * 0.05).to(dtype), dtype)
+    want = torch.stack([ref_cache[0].float() / 0.05, ref_cache[1].float() / 0.04])
+    # One E4M3 step (1/8 relative) apart at most: the kernel rounds from fp32, the reference from `dtype`. Triton's
+    # interpreter rounds ~1% of float -> E4M3 conversions wrongly (see test_kv_fp8_kernels.py), so there only 98%.
+    got, want = cache.float(), want.to(torch.float8_e4m3fn).float()
+    bad = ((got - want).abs() > 0.13 * want.abs() + 1e-3).float().mean().item()
+    assert bad <= (0.02 if DEVICE == "cpu" else 0.0), bad

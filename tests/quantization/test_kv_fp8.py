@@ -53,10 +53,13 @@ def test_per_layer_scales(monkeypatch):
     outs = {}
     for k_scale in (1.0, small):
         layer.kv_cache = torch.zeros_like(batch.kv_cache, dtype=E4M3)
-        layer.k_scale = layer.v_scale = k_scale
+        layer.kv_scales.fill_(k_scale)
+        layer.kv_scale_source = "checkpoint"
         with set_forward_context(batch.metadata, TorchAttentionBackend()):
             outs[k_scale] = layer(q, k, v)
-    layer.kv_cache, layer.k_scale, layer.v_scale = torch.zeros_like(batch.kv_cache), 1.0, 1.0
+    layer.kv_cache = torch.zeros_like(batch.kv_cache)
+    layer.kv_scales.fill_(1.0)
+    layer.kv_scale_source = None
     with set_forward_context(batch.metadata, TorchAttentionBackend()):
         exact = layer(q, k, v)
     assert (outs[small] - exact).abs().max() < 0.2 * (outs[1.0] - exact).abs().max()
@@ -96,3 +99,15 @@ def test_engine_fp8_kv_capacity_and_greedy_agreement(smollm2_gguf_path, caplog):
 def test_cpu_backend_with_fp8_kv_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="The cpu attention backend cannot use an FP8 KV cache"):
         LLM(model=tiny_llama_dir, kv_cache_dtype="fp8", attention_backend="cpu", kv_cache_memory_bytes=1 << 20)
+
+
+def test_fp8_write_saturates():
+    """Values past E4M3's range are stored as +-448 (torch's own cast would give NaN from 480 on)."""
+    from pagedllm.attention.torch_backend import write_kv_cache
+
+    cache = torch.zeros(2, 1, 4, 1, 2, dtype=E4M3)
+    key = torch.tensor([[[1000.0, -600.0]], [[1.0, 2.0]]])
+    write_kv_cache(key, -key, cache, torch.tensor([0, 1]), 2)
+    assert cache[0, 0, 0, 0].float().tolist() == [448.0, -448.0]
+    assert cache[1, 0, 0, 0].float().tolist() == [-448.0, 448.0]
+    assert not cache.float().isnan().any()

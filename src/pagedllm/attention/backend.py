@@ -30,6 +30,10 @@ class QKVSpec:
     q_norm_weight: Optional[torch.Tensor] = None
     k_norm_weight: Optional[torch.Tensor] = None
     eps: float = 1e-6
+    # An FP8 cache's per-layer (k_scale, v_scale), float32 [2] on the device (read at run time: CUDA-graph safe).
+    # The backend stores K / k_scale, V / v_scale and attends with q * k_scale; the layer multiplies the output by
+    # v_scale. A backend that cannot must return None from forward_qkv when this is set.
+    kv_scales: Optional[torch.Tensor] = None
 
 
 class AttentionBackend:

@@ -25,8 +25,11 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     slots = slot_mapping[:num_tokens]
     key, value = key[:num_tokens], value[:num_tokens]
     if kv_cache.dtype in FP8_KV_DTYPES:  # index_copy_ has no fp8 kernels: move the bytes
+        # Saturate as the GPU kernels' conversion does: torch's cast turns |x| >= 480 into NaN.
+        fmax = torch.finfo(kv_cache.dtype).max
         flat = flat.view(torch.uint8)
-        key, value = key.to(kv_cache.dtype).view(torch.uint8), value.to(kv_cache.dtype).view(torch.uint8)
+        key = key.clamp(-fmax, fmax).to(kv_cache.dtype).view(torch.uint8)
+        value = value.clamp(-fmax, fmax).to(kv_cache.dtype).view(torch.uint8)
     flat[0].index_copy_(0, slots, key)
     flat[1].index_copy_(0, slots, value)
 

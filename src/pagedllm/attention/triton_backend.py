@@ -149,7 +149,8 @@ class TritonAttentionBackend(AttentionBackend):
         if num_tokens == 0 or metadata.num_reqs == 0:
             return output
         query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, spec.num_heads,
-                         spec.num_kv_heads, spec.head_size, spec.q_norm_weight, spec.k_norm_weight, spec.eps)
+                         spec.num_kv_heads, spec.head_size, spec.q_norm_weight, spec.k_norm_weight, spec.eps,
+                         kv_scales=spec.kv_scales)
         return self._attend(query, kv_cache, metadata, spec.scale, output)
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,

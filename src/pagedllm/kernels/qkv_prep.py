@@ -30,12 +30,13 @@ from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 @triton.jit
 def _qkv_prep_kernel(
-    qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, cache_ptr, slot_mapping_ptr,
+    qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, cache_ptr, slot_mapping_ptr, kv_scale_ptr,
     stride_t, stride_cs, eps,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    HAS_KV_SCALE: tl.constexpr,  # FP8 cache scales (k_scale, v_scale): K / k_scale, V / v_scale stored, q * k_scale
     USE_PDL: tl.constexpr,
 ):
     wait_prior_kernel(USE_PDL)
@@ -74,6 +75,13 @@ def _qkv_prep_kernel(
     o2 = tl.where(is_v[:, None], f2, n2 * cos + n1 * sin)
 
     q_mask = mask & is_q[:, None]
+    if HAS_KV_SCALE:
+        # softmax(scale * q . (k_scale * k8)) = softmax(scale * (k_scale * q) . k8): q carries the K scale.
+        k_scale = tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
+        mul = tl.where(is_q, k_scale, tl.where(is_v, 1.0 / v_scale, 1.0 / k_scale))[:, None]
+        o1 = o1 * mul
+        o2 = o2 * mul
     tl.store(base, o1.to(x1.dtype), mask=q_mask)
     tl.store(base + HALF, o2.to(x1.dtype), mask=q_mask)
 
@@ -112,9 +120,11 @@ def qkv_prep(
     q_norm_weight: Optional[torch.Tensor] = None,  # [head_size] (both or neither)
     k_norm_weight: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
+    kv_scales: Optional[torch.Tensor] = None,  # float32 [2]: an FP8 cache's (k_scale, v_scale)
 ) -> torch.Tensor:
     """Normalize (optional) + rotate q in place, write rotated k and v to the cache; returns q as a
-    [num_tokens, num_heads, head_size] view of qkv."""
+    [num_tokens, num_heads, head_size] view of qkv. With kv_scales the cache gets K / k_scale and V / v_scale and
+    q is returned times k_scale (attention over the cache then needs only its output times v_scale)."""
     _check(qkv, num_heads, num_kv_heads, head_size, kv_cache, cos_sin_cache)
     num_tokens = qkv.shape[0]
     q = qkv[:, : num_heads * head_size].view(num_tokens, num_heads, head_size)
@@ -130,11 +140,12 @@ def qkv_prep(
     _qkv_prep_kernel[grid](
         qkv, positions, cos_sin_cache,
         q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
-        kv_cache, slot_mapping,
+        kv_cache, slot_mapping, kv_scales if kv_scales is not None else qkv,
         qkv.stride(0), cos_sin_cache.stride(0), eps,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_Q=num_heads, NUM_KV=num_kv_heads, BLOCK_H=block_h, HEAD_SIZE=head_size, HALF=half,
-        HALF_PAD=half_pad, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm, num_warps=2,
+        HALF_PAD=half_pad, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm,
+        HAS_KV_SCALE=kv_scales is not None, num_warps=2,
         **pdl_launch_args(qkv.device),
     )
     return q

@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedllm.attention.backend import QKVSpec
 from pagedllm.forward_context import get_forward_context
+from pagedllm.layers.kv_cache_scales import calibrated_scales
 
 
 class Attention(nn.Module):
@@ -28,10 +29,11 @@ class Attention(nn.Module):
         assert self.num_heads % self.num_kv_heads == 0
         self.prefix = prefix
         self.kv_cache: Optional[torch.Tensor] = None
-        # Per-layer scales of an FP8 KV cache: the cache holds K / k_scale and V / v_scale in E4M3. 1.0 unless
-        # set (e.g. from calibration); the fused qkv path handles only 1.0.
-        self.k_scale = 1.0
-        self.v_scale = 1.0
+        # Per-layer scales of an FP8 KV cache (layers/kv_cache_scales.py): the cache holds K / k_scale and
+        # V / v_scale in E4M3. A device tensor (k, v), so captured CUDA graphs read the current values.
+        self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32), persistent=False)
+        # "checkpoint" | "calibrated" | "pending" (calibrated by the first step) | None: unscaled (1.0)
+        self.kv_scale_source: Optional[str] = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # query: [num_tokens, num_heads * head_size]; key/value: [num_tokens, num_kv_heads * head_size]
@@ -42,13 +44,26 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             out = self._no_cache_attention(q, k, v)
-        elif self.k_scale != 1.0 or self.v_scale != 1.0:
-            # softmax(q . (k_scale * k8)) = softmax((scale * k_scale) q . k8); sum p (v_scale * v8) = v_scale * ...
-            out = ctx.attn_backend.forward(q, k / self.k_scale, v / self.v_scale, self.kv_cache, ctx.attn_metadata,
-                                           self.scale * self.k_scale) * self.v_scale
+        elif self.kv_cache.dtype == torch.float8_e4m3fn and self.kv_scale_source is not None:
+            if self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
+                real = ctx.attn_metadata.num_actual_tokens
+                self.kv_scales.copy_(calibrated_scales(k[:real], v[:real]))
+                self.kv_scale_source = "calibrated"
+            k_scale, v_scale = self.kv_scales[0], self.kv_scales[1]
+            # softmax(scale q . (k_scale k8)) = softmax(scale (k_scale q) . k8); sum p (v_scale v8) = v_scale sum p v8
+            out = ctx.attn_backend.forward(q * k_scale, k / k_scale, v / v_scale, self.kv_cache, ctx.attn_metadata,
+                                           self.scale) * v_scale
         else:
             out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
+
+    def set_kv_scale(self, which: str, value: float) -> None:
+        """A checkpoint's scale for this layer's FP8 cache ("k" or "v")."""
+        if not value > 0:
+            raise ValueError(f"{self.prefix}: the checkpoint's {which}_scale is {value}; KV-cache scales must be "
+                             f"positive.")
+        self.kv_scales[0 if which == "k" else 1] = value
+        self.kv_scale_source = "checkpoint"
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                     qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> Optional[torch.Tensor]:
@@ -57,13 +72,18 @@ class Attention(nn.Module):
         Returns [num_tokens, num_heads * head_size], or None when the caller must take the unfused path
         (no KV cache bound yet, a backend without the fused path, partial rotary, ...). May modify qkv."""
         ctx = get_forward_context()
-        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None or self.k_scale != 1.0 \
-                or self.v_scale != 1.0:
+        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             return None
+        fp8 = self.kv_cache.dtype == torch.float8_e4m3fn and self.kv_scale_source is not None  # scaled FP8
+        if fp8 and self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
+            return None  # the calibration step takes the unfused path, where K is seen after rope
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
-                       *(qk_norm if qk_norm is not None else ()))
+                       *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None)
         out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache, ctx.attn_metadata, spec)
-        return None if out is None else out.reshape(qkv.shape[0], self.num_heads * self.head_size)
+        if out is None:
+            return None
+        out = out.reshape(qkv.shape[0], self.num_heads * self.head_size)
+        return out * self.kv_scales[1] if fp8 else out
 
     def _no_cache_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Treat the whole input as one causal sequence (used for profiling runs only)."""

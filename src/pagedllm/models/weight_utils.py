@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.layers.kv_cache_scales import checkpoint_kv_scale, load_checkpoint_kv_scale
 from pagedllm.layers.weight_utils import default_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -102,8 +103,13 @@ def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     got_shards: dict[str, set] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
+    modules: Optional[dict[str, nn.Module]] = None
     for name, tensor in weights:
         if skip(name):
+            continue
+        if name.endswith("_scale") and checkpoint_kv_scale(name) is not None:  # an FP8 KV cache's k/v scale
+            modules = modules if modules is not None else dict(model.named_modules())
+            load_checkpoint_kv_scale(modules, name, tensor)
             continue
         target, shard_id = name, None
         for fused, ckpt, sid in stacked_params_mapping:

@@ -34,6 +34,31 @@ def packed_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return out if bias is None else out + bias
 
 
+def tiled_int_linear(x: torch.Tensor, layer: torch.nn.Module, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """4/8-bit weight-only over the tiled layout (`quantization/tiled.py`): the CUDA-core GEMV up to
+    layer.quant_gemv_max_rows rows, else the tensor-core kernel; the dense torch reference off CUDA / without
+    Triton."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    args = (layer.qweight, layer.scales, layer.zeros, layer.quant_bits, layer.quant_group_size, layer.quant_perm)
+    kernel = None
+    if x.is_cuda:
+        rows = x2.shape[0]
+        name = "qgemv" if rows <= layer.quant_gemv_max_rows else "qgemm"
+        module = triton_kernels(name)
+        if module is not None:
+            kernel = module.quant_gemv if name == "qgemv" else module.quant_gemm
+    if kernel is not None:
+        out = kernel(x2, *args, bias, layer.quant_counters)
+    else:
+        from pagedllm.quantization.tiled import dequantize_tiled
+
+        out = F.linear(x2, dequantize_tiled(*args, dtype=x.dtype), bias)
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 

@@ -108,14 +108,26 @@ class PackedIntLinearMethod(LinearMethodBase):
             layer.g_idx = None
         layer.quant_bits = self.bits
         layer.quant_group_size = self.group_size
+        layer.quant_layout = "internal"
+        if layer.qweight.is_cuda:
+            from pagedllm.quantization.tiled import use_tiled_layout
+
+            use_tiled_layout(layer)
 
     def apply(self, layer, x, bias=None):
-        from pagedllm.quantization.kernels import packed_int_linear
+        from pagedllm.quantization.kernels import packed_int_linear, tiled_int_linear
 
+        if layer.quant_layout == "tiled":
+            return tiled_int_linear(x, layer, bias)
         return packed_int_linear(x, layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
                                  layer.quant_group_size, layer.g_idx, bias)
 
     def dequantized_weight(self, layer):
+        if layer.quant_layout == "tiled":
+            from pagedllm.quantization.tiled import dequantize_tiled
+
+            return dequantize_tiled(layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
+                                    layer.quant_group_size, layer.quant_perm)
         return dequantize_packed(layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
                                  layer.quant_group_size, layer.g_idx)
 

@@ -56,6 +56,7 @@ class ModelRunner:
         self.stager = HostStager(device)
         self.lora = None  # lora.manager.LoRAManager when enable_lora (set by the worker)
         self.spec = None  # spec_decode.spec_runner.SpecDecodeRunner when speculative decoding is configured
+        self.kv_calibration_pending = False  # FP8 KV: the first step sets the k/v scales (_init_kv_scales)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -73,6 +74,7 @@ class ModelRunner:
         for layer, cache in zip(self.model.attn_layers, self.kv_caches):
             layer.kv_cache = cache
         self.num_blocks = num_blocks
+        self._init_kv_scales()
         warmup = getattr(self.attn_backend, "warmup", None)
         if warmup is not None:
             first = self.model.attn_layers[0]
@@ -96,6 +98,26 @@ class ModelRunner:
             # the caching allocator holds a full step's blocks again and the first large prefill does not pay for
             # cudaMalloc (measured in docs/benchmarks.md, GPU section). The KV budget already counts these blocks.
             self.profile_run()
+
+    def _init_kv_scales(self) -> None:
+        """FP8 cache with PAGEDLLM_KV_SCALES=1: the checkpoint's k/v scales where every layer has them, else
+        calibrate on the first step (layers are marked "pending" now, so CUDA graphs capture the scaled path)."""
+        self.kv_calibration_pending = False
+        if self.kv_cache_dtype != torch.float8_e4m3fn:
+            return
+        from pagedllm.layers.kv_cache_scales import kv_scale_summary
+
+        layers = self.model.attn_layers
+        enabled = envs.PAGEDLLM_KV_SCALES
+        if enabled and all(layer.kv_scale_source == "checkpoint" for layer in layers):
+            logger.info("FP8 KV cache scales from the checkpoint: %s", kv_scale_summary(layers))
+            return
+        if any(layer.kv_scale_source == "checkpoint" for layer in layers) and not enabled:
+            logger.info("The checkpoint's FP8 KV cache scales are not used (PAGEDLLM_KV_SCALES=1 uses them).")
+        for layer in layers:  # none, or only some layers have checkpoint scales: one rule for the whole model
+            layer.kv_scales.fill_(1.0)
+            layer.kv_scale_source = "pending" if enabled else None
+        self.kv_calibration_pending = enabled
 
     @torch.inference_mode()
     def _warm_up_greedy(self) -> None:
@@ -188,14 +210,20 @@ class ModelRunner:
                 raise RuntimeError("A step needs tokens of a previous step that sampled nothing; this is a bug.")
             input_ids.index_copy_(0, fill_dst_t, self._prev_sampled.index_select(0, fill_src_t))
         hidden = None
-        if self.cuda_graphs is not None and inp.max_query_len == 1:
+        calibrate = self.kv_calibration_pending  # the first step sets FP8 k/v scales from real K/V: eager
+        if self.cuda_graphs is not None and inp.max_query_len == 1 and not calibrate:
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
-        if hidden is None and self.mixed_graphs is not None:
+        if hidden is None and self.mixed_graphs is not None and not calibrate:
             hidden = self.mixed_graphs.run(input_ids, positions, metadata)
         if hidden is None:
             self.attn_backend.prepare(metadata)
-            with set_forward_context(metadata, self.attn_backend):
+            with set_forward_context(metadata, self.attn_backend, calibrate_kv=calibrate):
                 hidden = self.model(input_ids, positions)
+            if calibrate:
+                self.kv_calibration_pending = False
+                from pagedllm.layers.kv_cache_scales import kv_scale_summary
+                logger.info("FP8 KV cache scales from the first step's K/V: %s",
+                            kv_scale_summary(self.model.attn_layers))
         if hidden is None:  # a pipeline stage before the last: the last stage samples
             self._prev_sampled = None
             return PendingOutput(self, inp, None, None, None)
