@@ -778,6 +778,13 @@ int64_t gguf_best_impl() {
 
 }  // namespace
 
+namespace pagedllm_export {  // for cpu_fused.cpp
+void gguf_linear_op(at::Tensor& out, const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                    const c10::optional<at::Tensor>& bias) {
+  ::gguf_linear(out, x, weights, types, bias, kBest);
+}
+}  // namespace pagedllm_export
+
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor[] weights, int[] types, Tensor? bias, int impl=0) -> ()");
   m.def("gguf_dequantize_rows(Tensor(a!) out, Tensor w, int type, Tensor? ids) -> ()");
