@@ -3,7 +3,7 @@
 head's greedy pick (the rest is the engine loop: scheduling, input prep, output processing).
 With --profile it also prints the torch profiler's top ops for a few steps (op counts show dispatch overhead).
 
-    python benchmarks/cpu_decode_profile.py --steps 64 [--quantization none] [--threads 2] [--profile]
+    python benchmarks/cpu_decode_profile.py --steps 64 [--batch 8] [--quantization none] [--threads 2] [--profile]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1, help="streams decoding together")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     import torch
@@ -57,9 +58,10 @@ def main():
     prompt = [rng.randrange(10, 30000) for _ in range(args.input_len)]
     for rnd in range(2):
         engine.reset_prefix_cache()
-        engine.add_request(EngineCoreRequest(f"r{rnd}", prompt, SamplingParams(temperature=0.0,
-                                                                                max_tokens=args.steps + 1,
-                                                                                ignore_eos=True)))
+        for b in range(args.batch):
+            engine.add_request(EngineCoreRequest(f"r{rnd}-{b}", prompt[b:] + prompt[:b],
+                                                 SamplingParams(temperature=0.0, max_tokens=args.steps + 1,
+                                                                ignore_eos=True)))
         engine.step()  # prefill
         for t in timers.values():
             t.clear()
@@ -80,7 +82,7 @@ def main():
         ms = lambda xs: 1e3 * sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
         print(f"round {rnd}: {n} decode steps; median ms: step {ms(steps):.2f}, forward {ms(timers['forward']):.2f}, "
               f"greedy {ms(timers['greedy']):.2f}, rest {ms(steps) - ms(timers['forward']) - ms(timers['greedy']):.2f}"
-              f"; process CPU ms/step {1e3 * cpu / n:.2f}; {n / sum(steps):.1f} tok/s", flush=True)
+              f"; process CPU ms/step {1e3 * cpu / n:.2f}; {args.batch * n / sum(steps):.1f} tok/s", flush=True)
         if prof is not None:
             events = prof.key_averages()
             print(f"torch ops per step: {sum(e.count for e in events) / n:.0f}")
