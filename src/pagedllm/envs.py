@@ -65,6 +65,8 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
+    # "0": CUDA FP8 activations are quantized by the torch ops instead of kernels/quant_act.py's one kernel (A/B).
+    "PAGEDLLM_FUSED_ACT_QUANT": lambda: os.environ.get("PAGEDLLM_FUSED_ACT_QUANT", "1") != "0",
     # Model hubs (models/model_resolution.py): repo ids go through ModelScope instead of Hugging Face when either
     # is true; Hugging Face's offline switches (the local cache only) and token.
     "PAGEDLLM_USE_MODELSCOPE": lambda: _truthy(os.environ.get("PAGEDLLM_USE_MODELSCOPE")),

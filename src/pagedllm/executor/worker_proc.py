@@ -4,6 +4,7 @@ Joins torch.distributed (rendezvous at the master address), builds its Worker (m
 with every rank), says ready to the engine core's executor, then runs the plans it is sent, in order:
 
     ("plan", seq, plan, tokens)  -> launch the step; the output rank sends ("output", seq, ModelOutput)
+    ("control", op, *args)       -> e.g. register a LoRA adapter; every rank answers ("control", rank, ok, value)
     ("shutdown",)                -> exit 0
 
 Any failure (a collective that timed out because a peer died or hangs, an exception) is sent to the executor
@@ -19,10 +20,11 @@ import logging
 import os
 import pickle
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.process_utils import one_line, watch_parent as _watch_parent
 
 logger = logging.getLogger("pagedllm.worker")
 
@@ -56,7 +58,7 @@ def run_worker(spec: WorkerSpec, watch_parent: bool = True) -> int:
                         format=f"%(levelname)s %(asctime)s [rank {spec.rank}] %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("PAGEDLLM_DISABLE_PROGRESS_BARS", "1")
     if watch_parent:
-        _watch_parent()
+        _watch_parent(exit_code=1)
     import zmq
 
     ctx = zmq.Context(io_threads=1)
@@ -79,7 +81,7 @@ def run_worker(spec: WorkerSpec, watch_parent: bool = True) -> int:
     except BaseException as e:  # noqa: BLE001 - whatever it is, the executor must hear it with the rank
         logger.debug("worker failed", exc_info=True)
         try:
-            sock.send(dumps(("error", spec.rank, _one_line(e), isinstance(e, ValueError))))
+            sock.send(dumps(("error", spec.rank, one_line(e), isinstance(e, ValueError))))
         except Exception:  # noqa: BLE001
             pass
         return 1
@@ -154,11 +156,16 @@ def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any, monitor: Any = Non
             if pending is not None:
                 finish()
             return
+        if msg[0] == "control":
+            sock.send(dumps(("control", spec.rank) + _control(worker, msg[1:])))
+            continue
         _, seq, plan, tokens = msg
         if tokens and not is_last_stage:
             worker.apply_sampled_tokens(tokens)
-        if pending is not None and not worker.async_scheduling:
-            finish()  # without async scheduling a plan assumes every earlier step's tokens are in the state
+        if pending is not None and (not worker.async_scheduling or _done(pending[1])):
+            # Without async scheduling a plan assumes every earlier step's tokens are in the state. With it, a
+            # finished step's output goes first: the engine core applies it while this rank prepares the plan.
+            finish()
         launched = worker.launch(plan)
         if pending is not None:
             finish()
@@ -166,31 +173,28 @@ def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any, monitor: Any = Non
             pending = (seq, launched)
 
 
+def _control(worker: Any, msg: tuple) -> tuple[bool, Any]:
+    """(ok, value) of one control request; a ValueError (the user's to fix) comes back as (False, sentence)."""
+    op, args = msg[0], msg[1:]
+    try:
+        manager = worker.lora_manager
+        if manager is None and op.startswith("lora_"):
+            raise ValueError("LoRA adapters need the engine started with enable_lora=True (--enable-lora).")
+        if op == "lora_add":
+            manager.add_lora(*args)
+            return True, None
+        if op == "lora_remove":
+            return True, manager.remove_lora(*args)
+        if op == "lora_list":
+            return True, manager.list_loras()
+        raise ValueError(f"unknown control request {op!r}")
+    except ValueError as e:
+        return False, str(e)
+
+
 def _done(out: Any) -> bool:
     event = getattr(out, "event", None)
     return event is None or event.query()
-
-
-def _watch_parent(interval_s: float = 0.5) -> None:
-    """Exit when the process that started this worker is gone: an orphaned rank would hold its device."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(interval_s)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="pagedllm-worker-watchdog", daemon=True).start()
-
-
-def _one_line(e: BaseException) -> str:
-    """User errors (ValueError: a layout or memory problem) as their sentence, anything else with its type."""
-    lines = str(e).strip().splitlines()
-    text = lines[0] if lines else ""
-    if isinstance(e, ValueError) and text:
-        return text
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 if __name__ == "__main__":
