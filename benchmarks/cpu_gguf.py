@@ -139,6 +139,8 @@ def main():
     from pagedllm.models.loader import resolve_model_path
 
     torch.set_num_threads(args.threads)
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} for every side (the peers' child processes "
+          f"inherit it)", flush=True)
     path = resolve_model_path(args.model)
     workloads = args.workloads.split(",")
     common = dict(model=path, max_model_len=1024, kv_cache_memory_bytes=512 << 20, skip_tokenizer_init=True)

@@ -105,7 +105,9 @@ def main():
     from pagedllm.models.loader import resolve_model_path
     path = resolve_model_path(args.model)
     ours_port, theirs_port = free_port(), free_port()
+    import pagedllm  # noqa: F401  (sets pagedllm's default OMP_WAIT_POLICY, which both servers then get)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    print(f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY')} for both servers", flush=True)
     logs = {name: open(f"/tmp/cpu_gguf_serve_{name}.log", "w") for name in ("pagedllm", "llama.cpp")}
     procs = {
         "pagedllm": subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", path,
