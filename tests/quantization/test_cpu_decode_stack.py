@@ -4,9 +4,6 @@ path of the same GGUF-packed model: tiny llama (q/k permuted), qwen2 (qkv biases
 once; the tokens and their logprobs must be the same, and the fused op must have run."""
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 
@@ -14,54 +11,13 @@ from pagedllm import LLM, SamplingParams
 
 
 def _write_quantized_gguf(hf_dir: str, path: str, arch: str) -> None:
-    import gguf
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
+    from gguf import GGMLQuantizationType as Q
 
-    from tests.models.test_gguf import _TO_GGUF, _llama_cpp_permute
-    Q = gguf.GGMLQuantizationType
-    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    kinds = {"self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q8_0, "self_attn.v_proj": Q.Q8_0,
-             "self_attn.o_proj": Q.Q5_1, "mlp.gate_proj": Q.Q4_1, "mlp.up_proj": Q.Q4_1, "mlp.down_proj": Q.Q8_0}
-    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        data = tensor.float().numpy()
-        qtype = Q.F32
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            module, _, suffix = rest.rpartition(".")
-            if arch == "llama" and module == "self_attn.q_proj":
-                data = _llama_cpp_permute(data, cfg["num_attention_heads"])
-            elif arch == "llama" and module == "self_attn.k_proj":
-                data = _llama_cpp_permute(data, cfg["num_key_value_heads"])
-            if suffix == "weight":
-                qtype = kinds.get(module, Q.F32)
-            gguf_name = f"blk.{layer}.{_TO_GGUF[module]}.{suffix}"
-        else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
-            qtype = Q.Q8_0 if gguf_name != "output_norm.weight" else Q.F32
-        if qtype == Q.F32:
-            writer.add_tensor(gguf_name, data)
-        else:
-            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    from tests.models.test_gguf import _write_tiny_gguf
+    _write_tiny_gguf(hf_dir, path, arch, kinds={
+        "self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q8_0, "self_attn.v_proj": Q.Q8_0,
+        "self_attn.o_proj": Q.Q5_1, "mlp.gate_proj": Q.Q4_1, "mlp.up_proj": Q.Q4_1, "mlp.down_proj": Q.Q8_0,
+        "token_embd": Q.Q8_0, "output": Q.Q8_0})
 
 
 class _CountingOps:
