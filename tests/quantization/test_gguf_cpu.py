@@ -225,3 +225,20 @@ def test_fast_tensor_index_matches_gguf_reader(smollm2_gguf_path, tmp_path, tiny
     truncated.write_bytes(open(mixed, "rb").read()[:-100])
     with pytest.raises(ValueError):
         read_gguf_index(str(truncated))
+
+
+def test_tensor_index_falls_back_to_gguf_reader(smollm2_gguf_path, monkeypatch):
+    import pagedllm.models.gguf_packed as gp
+
+    fast = gp.read_gguf_index(smollm2_gguf_path)
+    gp._index_cache.clear()
+
+    def unsupported(path):
+        raise ValueError("a layout this parser does not handle")
+
+    monkeypatch.setattr(gp, "_parse_index", unsupported)
+    slow = gp.read_gguf_index(smollm2_gguf_path)
+    gp._index_cache.clear()
+    assert slow.arch == fast.arch == "llama"
+    assert [(t.name, t.tensor_type, t.data.shape) for t in slow.tensors] == \
+        [(t.name, t.tensor_type, t.data.shape) for t in fast.tensors]

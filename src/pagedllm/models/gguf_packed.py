@@ -89,9 +89,13 @@ def read_gguf_index(gguf_path: str) -> GGUFIndex:
     if key not in _index_cache:
         try:
             index = _parse_index(gguf_path)
-        except (ValueError, struct.error, IndexError, KeyError, OverflowError) as e:
-            open_gguf(gguf_path)  # raises the one-sentence error for a corrupt / unsupported file
-            raise ValueError(f"Could not index the tensors of {gguf_path}: {type(e).__name__}: {e}") from None
+        except (ValueError, struct.error, IndexError, KeyError, OverflowError):
+            # Something this parser does not handle (a big-endian file, say): gguf's reader, which raises the
+            # one-sentence error for a corrupt or unsupported file.
+            reader = open_gguf(gguf_path)
+            from pagedllm.models.gguf import _field
+            index = GGUFIndex(_field(reader, "general.architecture"),
+                              [GGUFTensor(t.name, int(t.tensor_type), t.data) for t in reader.tensors])
         if index.arch not in SUPPORTED_GGUF_ARCHITECTURES:
             open_gguf(gguf_path)  # the architecture error
         _index_cache.clear()  # one model's map at a time
