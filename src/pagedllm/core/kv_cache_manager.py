@@ -114,8 +114,10 @@ class KVCacheManager:
             # Fast path (most decode steps): the new tokens fit in the blocks the request already holds.
             num_tokens_with_slots = request.num_computed_tokens + num_new_tokens
             if num_tokens_with_slots <= len(blocks) * self.block_size:
-                if self.enable_caching:
-                    self._cache_full_blocks(request, min(num_tokens_with_slots, request.num_tokens))
+                num_known = min(num_tokens_with_slots, len(request.all_token_ids))
+                # Only when a block became full (one decode step in block_size does).
+                if self.enable_caching and num_known // self.block_size > self.num_cached_blocks[request.request_id]:
+                    self._cache_full_blocks(request, num_known)
                 return []
         if new_computed_blocks and blocks:
             raise ValueError("new_computed_blocks is only valid for a request that holds no blocks.")

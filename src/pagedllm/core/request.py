@@ -31,11 +31,12 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> Optional[str]:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+# Built once: finish_reason is read for every request in every step.
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
 
 
 @dataclass(eq=False)
@@ -71,6 +72,10 @@ class Request:
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
+        p = self.sampling_params  # fixed for the request's life: the engine asks every step, so decide once
+        self._sync_sampling = (p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
+                               or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+                               or any(len(seq) > 1 for seq in p.bad_words_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,10 +98,7 @@ class Request:
     @property
     def needs_sync_sampling(self) -> bool:
         """needs_sync less the grammar mask (which the engine can fill while the step's forward runs)."""
-        p = self.sampling_params
-        return (p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-                or any(len(seq) > 1 for seq in p.bad_words_token_ids))
+        return self._sync_sampling
 
     @property
     def max_tokens(self) -> int:

@@ -42,10 +42,9 @@ from pagedllm.core.batch_plan import (
     EngineCoreOutput,
     ModelOutput,
     NewRequestData,
-    TokenLogprobs,
 )
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import _FINISH_REASONS, Request, RequestStatus
 from pagedllm.spec_decode.scheduling import SpecScheduling
 
 
@@ -159,9 +158,15 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=tuple(self.spec_stats.num_accepted_tokens_per_pos),
-            running_lora_ids=tuple(sorted({r.lora_id for r in self.running if r.lora_id is not None})),
-            waiting_lora_ids=tuple(sorted({r.lora_id for r in self.waiting if r.lora_id is not None})),
+            # Without LoRA no request has an adapter: skip the pass over every request (stats go out every step).
+            running_lora_ids=self._lora_ids(self.running),
+            waiting_lora_ids=self._lora_ids(self.waiting),
         )
+
+    def _lora_ids(self, requests: Iterable[Request]) -> tuple:
+        if self.max_loras is None:
+            return ()
+        return tuple(sorted({r.lora_id for r in requests if r.lora_id is not None}))
 
     def spec_active(self) -> bool:
         """Whether this step speculates: configured, and the load is small enough that it pays."""
@@ -227,7 +232,7 @@ class Scheduler:
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, budget: int) -> int:
         if request.num_output_placeholders and self._reaches_limit(request):
             return 0  # the token in flight is its last one: do not compute past it
-        remaining = request.num_tokens + request.num_output_placeholders - num_computed_tokens
+        remaining = len(request.all_token_ids) + request.num_output_placeholders - num_computed_tokens
         if not self.enable_chunked_prefill:
             return remaining if remaining <= budget else 0
         num_tokens = min(remaining, budget)
@@ -238,9 +243,9 @@ class Scheduler:
     def _reaches_limit(self, request: Request) -> bool:
         """Will the tokens already in flight finish this request by length?"""
         pending = request.num_output_placeholders
-        max_tokens = request.max_tokens
-        return ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
-                or request.num_tokens + pending >= self.max_model_len)
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens)
+                or len(request.all_token_ids) + pending >= self.max_model_len)
 
     # ---------------------------------------------------------------- schedule
 
@@ -258,9 +263,11 @@ class Scheduler:
             self._schedule_waiting(plan, budget, scheduled)
 
         # Advance at schedule time: the step that follows computes exactly these tokens.
+        num_scheduled = plan.num_scheduled_tokens
+        async_scheduling = self.async_scheduling
         for request in scheduled:
-            request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
-            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+            if async_scheduling and request.num_computed_tokens >= len(request.all_token_ids):
                 # This step samples a token the next schedule() must already count (async scheduling).
                 request.num_output_placeholders += 1
         plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
@@ -273,14 +280,19 @@ class Scheduler:
         self, plan: BatchPlan, budget: int, preempted: set[str], scheduled: list[Request]
     ) -> int:
         kv = self.kv_cache_manager
+        spec = self.spec
+        kept_blocks = spec.kept_blocks
+        running = self.running  # the same list object throughout (preemption pops from it)
+        max_reqs = self._max_reqs_this_step
         i = 0
-        while i < len(self.running) and budget > 0 and len(scheduled) < self._max_reqs_this_step:
-            request = self.running[i]
+        while i < len(running) and budget > 0 and len(scheduled) < max_reqs:
+            request = running[i]
             num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
                 i += 1
                 continue
-            drafts = self.spec.drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
+            drafts = (spec.drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
+                      if request.spec_token_ids else ())
             num_new_tokens += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_new_tokens)
             while new_block_ids is None:
@@ -302,7 +314,7 @@ class Scheduler:
                     request_id=request.request_id,
                     new_block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
-                    num_kept_blocks=self.spec.kept_blocks.pop(request.request_id, None),
+                    num_kept_blocks=kept_blocks.pop(request.request_id, None) if kept_blocks else None,
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -396,42 +408,52 @@ class Scheduler:
         logprobs = output.logprobs or [None] * len(output.req_ids)
         finished_any = False
         prompt_logprobs = output.prompt_logprobs
+        spec_tokens = plan.scheduled_spec_decode_tokens
+        requests = self.requests
+        running_status = RequestStatus.RUNNING
         for index, (request_id, sampled, token_logprobs) in enumerate(
                 zip(output.req_ids, output.sampled_token_ids, logprobs)):
-            request = self.requests.get(request_id)
+            request = requests.get(request_id)
+            if request is None:  # finished or aborted meanwhile
+                continue
             plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
-            if plp is not None and request is not None and not sampled:  # a prefill chunk's prompt scores
-                outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], prompt_logprobs=plp,
-                                                num_cached_tokens=request.num_cached_tokens or 0))
+            if not sampled:
+                if plp is not None:  # a prefill chunk's prompt scores
+                    outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], prompt_logprobs=plp,
+                                                    num_cached_tokens=request.num_cached_tokens or 0))
                 continue
-            if request is not None and sampled and request.num_output_placeholders:
+            if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            # Skip: finished/aborted meanwhile, preempted, empty, or still mid-prefill (a token
-            # sampled there is not a real next token).
-            if (
-                request is None
-                or request.status != RequestStatus.RUNNING
-                or not sampled
-                or request.num_computed_tokens < request.num_tokens
-            ):
+            # Skip: preempted, or still mid-prefill (a token sampled there is not a real next token).
+            if request.status != running_status or request.num_computed_tokens < len(request.all_token_ids):
                 continue
-            drafts = plan.scheduled_spec_decode_tokens.get(request_id)
+            drafts = spec_tokens.get(request_id) if spec_tokens else None
             if drafts:
                 self.spec.rollback_rejected(request, drafts, len(sampled) - 1, self.kv_cache_manager)
-            new_token_ids = self._append_tokens(request, sampled)
-            if output.spec_token_ids is not None and not request.is_finished:
+            if len(sampled) == 1 and request.structured_output is None:  # one token, no grammar: the usual case
+                token_id = sampled[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    request.status = status
+                new_token_ids = [token_id]
+            else:
+                new_token_ids = self._append_tokens(request, sampled)
+            finished = request.status.finished
+            if output.spec_token_ids is not None and not finished:
                 request.spec_token_ids = output.spec_token_ids[index]
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            if request.is_finished:
+            if finished:
                 self._finish(request, request.status)
                 finished_any = True
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=_truncate(token_logprobs, len(new_token_ids)),
-                    finish_reason=request.status.finish_reason,
+                    new_logprobs=None if token_logprobs is None else token_logprobs[:len(new_token_ids)],
+                    finish_reason=_FINISH_REASONS.get(request.status),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
                     prompt_logprobs=plp,
@@ -460,23 +482,17 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.all_stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        max_tokens = request.max_tokens
-        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
-            request.num_tokens >= self.max_model_len
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and num_output >= max_tokens) or (
+            len(request.all_token_ids) >= self.max_model_len
         ):
             return RequestStatus.FINISHED_LENGTH
         return None
 
-
-def _truncate(
-    token_logprobs: Optional[list[TokenLogprobs]], num_tokens: int
-) -> Optional[list[TokenLogprobs]]:
-    if token_logprobs is None:
-        return None
-    return token_logprobs[:num_tokens]

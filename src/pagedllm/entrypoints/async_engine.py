@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Optional
 
@@ -32,6 +33,7 @@ import zmq.asyncio
 from pagedllm.entrypoints import messages as m
 from pagedllm.entrypoints.dp_router import DPRouter
 from pagedllm.entrypoints.parallel_sampling import fan_out
+from pagedllm.entrypoints.stream_merge import coalesce
 from pagedllm.sampling_constraints import tokenize_params
 from pagedllm.sampling_params import SamplingParams
 
@@ -79,6 +81,7 @@ class _Parent:
     queue: asyncio.Queue
     child_ids: list[str] = field(default_factory=list)
     finished: bool = False
+    held: deque = field(default_factory=deque)  # an error met while coalescing, raised next
 
 
 class AsyncEngine:
@@ -169,6 +172,9 @@ class AsyncEngine:
                 raise EngineStartupError(f"the engine process did not become ready within {startup_timeout_s} s")
         await asyncio.get_running_loop().run_in_executor(None, preimport.join)
         self._load_frontend()
+        from pagedllm.core.engine_core import freeze_startup_objects
+
+        freeze_startup_objects()  # the tokenizer and FastAPI app: a streaming server allocates per chunk
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._output_handler(), name="pagedllm-output-handler"))
         self._tasks.append(loop.create_task(self._watch_engine(), name="pagedllm-engine-watch"))
@@ -261,9 +267,10 @@ class AsyncEngine:
             for add in adds:
                 await self.in_socks[engine].send(self.enc.encode(add))
             while True:
-                item = await parent.queue.get()
+                item = parent.held.popleft() if parent.held else await parent.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                item = coalesce(item, parent.queue, parent.held, output_kind)
                 # A local flag: fail_pending() marks the parent finished while we are suspended in `yield`,
                 # and its error, still queued, must be raised, not skipped.
                 finished = item.finished

@@ -78,6 +78,8 @@ class _RequestState:
     # What the user has already received (delta mode).
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
+    # final_only, no text, no logprobs, no siblings: until it finishes a step only appends its token ids.
+    tokens_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -140,6 +142,8 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
             stop_buffer_len=stop_buffer_len, logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
+            tokens_only=(output_kind == "final_only" and detokenizer is None and parent is None
+                         and not wants_logprobs and params.prompt_logprobs is None),
         )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
@@ -174,9 +178,21 @@ class OutputProcessor:
         results: list[RequestOutput] = []
         to_abort: list[str] = []
         parent_updates: dict[str, list[tuple[_RequestState, Optional[CompletionOutput]]]] = {}
+        requests = self._requests
         for out in outputs:
-            state = self._requests.get(out.request_id)
+            state = requests.get(out.request_id)
             if state is None:  # aborted by the user meanwhile
+                continue
+            if state.tokens_only and out.finish_reason is None:  # nothing to report yet (offline, no tokenizer)
+                new_ids = out.new_token_ids
+                if new_ids:
+                    metrics = state.metrics
+                    if metrics.first_token_time is None:
+                        metrics.first_token_time = now
+                    metrics.last_token_time = now
+                    state.token_ids.extend(new_ids)
+                if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
+                    state.num_cached_tokens = out.num_cached_tokens
                 continue
             stopped_by_string = self._update(state, out, now)
             if stopped_by_string and not out.finished:

@@ -12,6 +12,7 @@ import numpy as np
 
 from pagedllm.core.batch_plan import BatchPlan, NewRequestData
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.sampling_batch import SamplingBatch
 
 
 @dataclass
@@ -48,14 +49,20 @@ class StepInputs:
     # Speculative decoding: draft tokens per request id this step verifies (their inputs follow the last token).
     spec_token_ids: Optional[dict[str, list[int]]] = None
     propose_drafts: bool = False
+    rows: Optional[np.ndarray] = None  # each request's row in the InputBatch's arrays
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int,
+                 vocab_size: int = 0) -> None:
         self.block_size = block_size
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Per row, kept in step with the row's state: tokens known to the runner, and tokens computed.
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling = SamplingBatch(max_num_reqs, vocab_size)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -67,9 +74,10 @@ class InputBatch:
                 self.free_rows.append(state.row)
         for new in plan.new_requests:
             self._add(new)
+        requests, num_computed = self.requests, self.num_computed
         for cached in plan.cached_requests:
-            state = self.requests[cached.request_id]
-            state.num_computed_tokens = cached.num_computed_tokens
+            state = requests[cached.request_id]
+            state.num_computed_tokens = num_computed[state.row] = cached.num_computed_tokens
             if cached.num_kept_blocks is not None:  # speculative rollback freed its tail blocks
                 self.num_blocks[state.row] = min(self.num_blocks[state.row], cached.num_kept_blocks)
             self._append_blocks(state.row, cached.new_block_ids)
@@ -86,6 +94,9 @@ class InputBatch:
         self.token_ids[row, :n] = new.token_ids
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
+        self.num_tokens[row] = n
+        self.num_computed[row] = new.num_computed_tokens
+        self.sampling.set_row(row, new.sampling_params)
         self.requests[new.request_id] = CachedRequestState(
             req_id=new.request_id, row=row, prompt_token_ids=list(new.token_ids[:new.num_prompt_tokens]),
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]), sampling_params=new.sampling_params,
@@ -98,8 +109,21 @@ class InputBatch:
             self.num_blocks[row] = start + len(block_ids)
 
     def append_token(self, state: CachedRequestState, token: int) -> None:
-        self.token_ids[state.row, state.num_tokens] = token
+        row = state.row
+        n = self.num_tokens[row]
+        self.token_ids[row, n] = token
+        self.num_tokens[row] = n + 1
         state.output_token_ids.append(token)
+
+    def append_sampled(self, states: list[CachedRequestState], tokens: list[int]) -> None:
+        """append_token for many rows: one numpy write for the token ids, a list append per row."""
+        if not states:
+            return
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        self.token_ids[rows, self.num_tokens[rows]] = tokens
+        self.num_tokens[rows] += 1
+        for state, token in zip(states, tokens):
+            state.output_token_ids.append(token)
 
     # ------------------------------------------------------------------ step inputs
     def prepare(self, plan: BatchPlan) -> StepInputs:
@@ -108,8 +132,8 @@ class InputBatch:
         states = [requests[r] for r in req_ids]
         num_reqs = len(states)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
-        totals = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        starts = self.num_computed[rows]
+        totals = self.num_tokens[rows]
         spec = plan.scheduled_spec_decode_tokens
         if spec:  # a request verifying drafts samples when its computed count reaches its last draft
             totals += np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs)
@@ -132,4 +156,4 @@ class InputBatch:
             query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
             block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(seq_lens >= totals)[0],
             in_flight_rows=np.nonzero(seq_lens > totals)[0], max_query_len=int(num_sched.max()),
-            spec_token_ids=spec or None, propose_drafts=plan.propose_drafts)
+            spec_token_ids=spec or None, propose_drafts=plan.propose_drafts, rows=rows)

@@ -18,6 +18,7 @@ from pagedllm.forward_context import AttentionMetadata, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.sampling_batch import fast_metadata
 from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, check_kv_cache_backend, kv_cache_backend
 
 logger = logging.getLogger(__name__)
@@ -44,13 +45,14 @@ class ModelRunner:
                                                   device)
         check_kv_cache_backend(self.kv_cache_dtype, self.attn_backend)
         self.sampler = Sampler()
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_req, block_size)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_req, block_size, vocab_size)
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
         self.mixed_graphs = None  # likewise, for mixed prefill + decode steps (worker/mixed_graph.py)
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
-        self._prev_index: dict[str, int] = {}
+        # Per InputBatch row: where the row's token sits in _prev_sampled (-1: the last launch sampled none for it).
+        self._prev_pos = np.full(max_num_seqs, -1, dtype=np.int64)
         self.stager = HostStager(device)
         self.lora = None  # lora.manager.LoRAManager when enable_lora (set by the worker)
         self.spec = None  # spec_decode.spec_runner.SpecDecodeRunner when speculative decoding is configured
@@ -144,10 +146,19 @@ class ModelRunner:
         sample_rows = inp.sample_rows
         all_sample = len(sample_rows) == len(inp.input_ids)  # pure decode: every token samples
         logits_idx = inp.query_start_loc[1:][sample_rows].astype(np.int64) - 1
+        # The sampling rows' parameters from the batch's persistent arrays (None: a row needs the full builder).
+        step_sampling = batch.sampling.gather(inp.rows[sample_rows]) if not inp.spec_token_ids else None
+        int64_arrays = [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx]
+        if step_sampling is not None and step_sampling.top_k is not None:
+            int64_arrays.append(step_sampling.top_k)
         # One async host-to-device copy per dtype from pinned memory (pageable copies would wait for the
         # device to finish the step in flight, defeating async scheduling).
-        input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = self.stager.stage(
-            [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx], np.int64)
+        staged64 = self.stager.stage(int64_arrays, np.int64)
+        input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = staged64[:6]
+        top_k_t = staged64[6] if len(staged64) > 6 else None
+        floats_t = None
+        if step_sampling is not None and step_sampling.floats is not None:
+            floats_t = self.stager.stage([step_sampling.floats], np.float32)[0]
         int32_arrays = [inp.query_start_loc, inp.seq_lens, inp.block_table]
         want_order = inp.max_query_len == 1 and self.attn_backend.wants_decode_order
         if want_order:
@@ -197,15 +208,10 @@ class ModelRunner:
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
-        sample_states = [inp.states[i] for i in sample_rows]
-        meta = SamplingMetadata.build(
-            params=[s.sampling_params for s in sample_states],
-            prompt_token_ids=[s.prompt_token_ids for s in sample_states],
-            output_token_ids=[s.output_token_ids for s in sample_states],
-            eos_token_ids=[None if s.sampling_params.ignore_eos else self.eos_token_id for s in sample_states],
-            vocab_size=self.vocab_size,
-            device=dev,
-        )
+        if step_sampling is not None:
+            meta = fast_metadata(step_sampling, len(sample_rows), self.vocab_size, floats_t, top_k_t)
+        else:
+            meta = self._sampling_metadata(inp, sample_rows)
         meta.token_bitmask = step_token_bitmask(plan, inp.req_ids, sample_rows, dev)
         greedy = None
         if meta.argmax_only:
@@ -219,7 +225,8 @@ class ModelRunner:
         sampled = sampler_out.sampled_token_ids
         # Remember where each request's newest token lives on the device for the next launch.
         self._prev_sampled = sampled
-        self._prev_index = {inp.req_ids[r]: j for j, r in enumerate(sample_rows.tolist())}
+        self._prev_pos.fill(-1)
+        self._prev_pos[inp.rows[sample_rows]] = np.arange(len(sample_rows))
         event = None
         if dev.type == "cuda":
             host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
@@ -231,6 +238,19 @@ class ModelRunner:
         else:
             host, lp_host = sampled, sampler_out.logprobs
         return PendingOutput(self, inp, host, lp_host, event, prompt_logprobs)
+
+    def _sampling_metadata(self, inp, sample_rows: np.ndarray) -> SamplingMetadata:
+        """The general builder, for steps with a row whose sampling depends on its outputs (penalties, seeds,
+        min_tokens, token constraints)."""
+        sample_states = [inp.states[i] for i in sample_rows]
+        return SamplingMetadata.build(
+            params=[s.sampling_params for s in sample_states],
+            prompt_token_ids=[s.prompt_token_ids for s in sample_states],
+            output_token_ids=[s.output_token_ids for s in sample_states],
+            eos_token_ids=[None if s.sampling_params.ignore_eos else self.eos_token_id for s in sample_states],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
 
     def _lora_arrays(self, inp) -> list:
         """[token_slots, sorted_token_ids, slot_starts, any adapter] of the step (loading adapters into device slots
@@ -246,6 +266,8 @@ class ModelRunner:
         Hidden row of position p predicts prompt token p + 1; position 0 is never scored (vLLM gives None).
         Rare and prefill-only, so this syncs with the device; logits are made in slices to bound memory.
         """
+        if not self.input_batch.sampling.prompt_logprobs[inp.rows].any():  # the usual step: nobody asked
+            return {}
         qsl = inp.query_start_loc
         rows: list[int] = []
         targets: list[int] = []
@@ -289,28 +311,41 @@ class ModelRunner:
         last = inp.query_start_loc[1:].astype(np.int64) - 1
         if len(rows) == 0:
             return _EMPTY, _EMPTY
-        src = np.fromiter((self._prev_index[inp.req_ids[r]] for r in rows.tolist()), dtype=np.int64,
-                          count=len(rows))
+        # A row in flight was sampled by the previous launch and still holds its request (a freed row is only
+        # reused by a new request, whose tokens are all known).
+        src = self._prev_pos[inp.rows[rows]]
+        if (src < 0).any():
+            raise RuntimeError("A step needs a token the previous step did not sample; this is a bug.")
         return src, last[rows]
 
     def _finish_step(self, inp, sampled: list[int], lp) -> ModelOutput:
         """Host side of a finished step: append sampled tokens to the runner's state, build ModelOutput."""
         batch = self.input_batch
         num_reqs = len(inp.req_ids)
-        output = ModelOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in range(num_reqs)],
-                             logprobs=[None] * num_reqs)
+        states, requests = inp.states, batch.requests
+        sample_rows = inp.sample_rows.tolist()
+        if len(sample_rows) == num_reqs:  # every request sampled (decode steps)
+            sampled_ids = [[t] for t in sampled]
+            sampled_states = states
+        else:
+            sampled_ids = [[] for _ in range(num_reqs)]
+            for j, row in enumerate(sample_rows):
+                sampled_ids[row] = [sampled[j]]
+            sampled_states = [states[r] for r in sample_rows]
+        output = ModelOutput(req_ids=inp.req_ids, sampled_token_ids=sampled_ids, logprobs=[None] * num_reqs)
+        # Not dropped (finished / preempted) since the launch: their rows take the token.
+        live = [(s, t) for s, t in zip(sampled_states, sampled) if requests.get(s.req_id) is s]
+        if len(live) == len(sampled_states):
+            batch.append_sampled(sampled_states, sampled)
+        elif live:
+            batch.append_sampled(*map(list, zip(*live)))
         if lp is not None:
             lp_ids, lp_vals, lp_ranks = (t.tolist() for t in lp)
-        for j, row in enumerate(inp.sample_rows.tolist()):
-            token = sampled[j]
-            state = inp.states[row]
-            if batch.requests.get(state.req_id) is state:  # not dropped (finished / preempted) meanwhile
-                batch.append_token(state, token)
-            output.sampled_token_ids[row] = [token]
-            k = state.sampling_params.logprobs
-            if lp is not None and k is not None:
-                output.logprobs[row] = [TokenLogprobs(token_ids=lp_ids[j][:k + 1], logprobs=lp_vals[j][:k + 1],
-                                                      ranks=lp_ranks[j][:k + 1])]
+            for j, row in enumerate(sample_rows):
+                k = states[row].sampling_params.logprobs
+                if k is not None:
+                    output.logprobs[row] = [TokenLogprobs(token_ids=lp_ids[j][:k + 1],
+                                                          logprobs=lp_vals[j][:k + 1], ranks=lp_ranks[j][:k + 1])]
         if self.spec is not None and inp.propose_drafts:
             output.spec_token_ids = self.spec.propose(self, inp)
         return output
@@ -347,8 +382,17 @@ class HostStager:
         host = buf.numpy()
         for a, start in zip(arrays, offsets):
             host[start:start + a.size] = a.reshape(-1)
-        dev = buf[:total].to(self.device, non_blocking=True)
-        return [dev[offsets[i]:offsets[i] + a.size].view(a.shape) for i, a in enumerate(arrays)]
+        return self.views(buf[:total].to(self.device, non_blocking=True), arrays, offsets)
+
+    @staticmethod
+    def views(packed: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
+        """The staged arrays as views of the packed device buffer: one split call (each torch call costs the
+        host several microseconds), then a reshape only for arrays that are not 1-D."""
+        sizes = []
+        for a, start, end in zip(arrays, offsets, offsets[1:]):
+            sizes += [a.size, end - start - a.size]
+        pieces = packed.split(sizes)[0::2]
+        return [p if a.ndim == 1 else p.view(a.shape) for p, a in zip(pieces, arrays)]
 
     @staticmethod
     def layout(arrays: list[np.ndarray], dtype) -> list[int]:

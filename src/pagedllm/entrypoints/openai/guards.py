@@ -95,7 +95,11 @@ class RequestGuard:
 
         async def timed(message: dict) -> None:
             try:
-                await asyncio.wait_for(send(message), timeout)
+                if _timeout is not None:  # a timer on this task: no task per write (wait_for makes one on 3.11)
+                    async with _timeout(timeout):
+                        await send(message)
+                else:
+                    await asyncio.wait_for(send(message), timeout)
             except asyncio.TimeoutError:
                 client = scope.get("client") or ("?", 0)
                 logger.warning("client %s:%s did not read its response for %.0f s (--send-timeout): cut off",
@@ -103,6 +107,10 @@ class RequestGuard:
                 raise ClientTooSlow() from None
 
         return timed
+
+
+# asyncio.timeout (Python >= 3.11): every SSE chunk goes through timed(); a streaming server writes thousands a second.
+_timeout = getattr(asyncio, "timeout", None)
 
 
 class ClientTooSlow(Exception):

@@ -1,0 +1,81 @@
+"""The runner's persistent sampling arrays (worker/sampling_batch.py) give the same SamplingMetadata as the
+reference builder (SamplingMetadata.build) for every mix of rows they take, and refuse rows that need it."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.layers.sampler import Sampler, SamplingMetadata
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.sampling_batch import SamplingBatch, fast_metadata
+
+VOCAB = 300
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    kind = rng.random()
+    kw = {}
+    if kind < 0.3:
+        kw["temperature"] = 0.0
+    else:
+        kw["temperature"] = rng.choice([0.6, 1.0, 1.7, 1e-6])
+    if rng.random() < 0.4:
+        kw["top_p"] = rng.choice([0.5, 0.9, 1.0])
+    if rng.random() < 0.4:
+        kw["top_k"] = rng.choice([0, -1, 1, 5, VOCAB - 1, VOCAB, VOCAB + 10])
+    if rng.random() < 0.3:
+        kw["min_p"] = rng.choice([0.0, 0.05, 0.2])
+    if rng.random() < 0.3:
+        kw["logprobs"] = rng.choice([0, 1, 3])
+    return SamplingParams(max_tokens=8, **kw)
+
+
+def _fields(meta: SamplingMetadata) -> dict:
+    out = {}
+    for name, value in vars(meta).items():
+        out[name] = value.tolist() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fast_metadata_equals_builder(seed):
+    rng = random.Random(seed)
+    batch = SamplingBatch(16, VOCAB)
+    params = [_random_params(rng) for _ in range(16)]
+    for row, p in enumerate(params):
+        batch.set_row(row, p)
+    for trial in range(6):
+        rows = np.array(rng.sample(range(16), rng.randint(1, 16)), dtype=np.int64)
+        step = batch.gather(rows)
+        assert step is not None
+        floats = None if step.floats is None else torch.from_numpy(step.floats)
+        top_k = None if step.top_k is None else torch.from_numpy(step.top_k)
+        fast = fast_metadata(step, len(rows), VOCAB, floats, top_k)
+        picked = [params[r] for r in rows]
+        ref = SamplingMetadata.build(params=picked, prompt_token_ids=[[1, 2]] * len(rows),
+                                     output_token_ids=[[3]] * len(rows), eos_token_ids=[0] * len(rows),
+                                     vocab_size=VOCAB, device="cpu")
+        assert _fields(fast) == _fields(ref)
+        logits = torch.randn(len(rows), VOCAB)
+        torch.manual_seed(trial)
+        a = Sampler()(logits.clone(), fast)
+        torch.manual_seed(trial)
+        b = Sampler()(logits.clone(), ref)
+        assert a.sampled_token_ids.tolist() == b.sampled_token_ids.tolist()
+
+
+@pytest.mark.parametrize("general", [dict(seed=3), dict(min_tokens=2), dict(presence_penalty=0.5),
+                                     dict(frequency_penalty=-0.1), dict(repetition_penalty=1.2),
+                                     dict(logit_bias={5: 1.0}), dict(allowed_token_ids=[1, 2]),
+                                     dict(bad_words_token_ids=[[4]])])
+def test_rows_needing_the_builder_are_refused(general):
+    batch = SamplingBatch(4, VOCAB)
+    batch.set_row(0, SamplingParams(temperature=0.7))
+    batch.set_row(1, SamplingParams(temperature=0.7, max_tokens=8, **general))
+    assert batch.gather(np.array([0])) is not None
+    assert batch.gather(np.array([0, 1])) is None
+    batch.set_row(1, SamplingParams())  # the row is reused by a plain request
+    assert batch.gather(np.array([0, 1])) is not None
