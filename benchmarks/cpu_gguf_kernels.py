@@ -50,8 +50,13 @@ def main():
             out = torch.empty(m, n)
             tq = bench(lambda: ops.gguf_linear(out, x, [packed], [int(qt)], None, 0))
             tf = bench(lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""))
-            print(f"{name:10s} {qt.name} [{n} x {k}] rows {m:3d}: packed {tq:8.1f} us  fp32 {tf:8.1f} us  "
-                  f"fp32/packed {tf / tq:.2f}x", flush=True)
+            line = (f"{name:10s} {qt.name} [{n} x {k}] rows {m:3d}: packed {tq:8.1f} us  fp32 {tf:8.1f} us  "
+                    f"fp32/packed {tf / tq:.2f}x")
+            if m >= 16:  # what gguf_matmul does from DENSE_MIN_ROWS: dequantize, then oneDNN unprepacked
+                from pagedllm.quantization.gguf import _dense_matmul
+                td = bench(lambda: _dense_matmul(x, [packed], [int(qt)], None, out))
+                line += f"  dense path {td:8.1f} us"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
         os.environ.get("PAGEDLLM_KERNEL_CACHE_DIR") or os.path.join(_cache_dir(), "cpu_kernels"))),
     # "0": never build or use the C++ CPU kernels (kernels/csrc/cpu_ops.cpp); the plain-torch CPU path runs.
     "PAGEDLLM_CPU_KERNELS": lambda: os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0",
+    # "0": CPU decode steps of GGUF-packed models run layer by layer from Python instead of one C++ call
+    # (models/cpu_decode.py; A/B benchmarks, debugging).
+    "PAGEDLLM_CPU_FUSED_DECODE": lambda: os.environ.get("PAGEDLLM_CPU_FUSED_DECODE", "1") != "0",
     # "0": host-to-device step inputs from pageable memory (only for A/B benchmarks of the pinned path).
     "PAGEDLLM_PINNED_STAGING": lambda: os.environ.get("PAGEDLLM_PINNED_STAGING", "1") != "0",
     # Most split-KV partitions per (request, kv head) in the CUDA decode kernel (tuning; a power of two).

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -143,8 +144,11 @@ def _llama3_rope_freqs(theta, head_dim, p):
     return np.array(out, dtype=np.float32)
 
 
-def _write_tiny_gguf(hf_dir: str, path: str, arch: str) -> None:
+def _write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None) -> None:
+    """kinds: GGML type per module ("self_attn.q_proj", ...; "token_embd" / "output" for the globals) for weights
+    stored quantized (gguf's quantizer); the rest float32."""
     import gguf
+    from gguf.quants import quantize
     from safetensors.torch import load_file
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -174,10 +178,15 @@ def _write_tiny_gguf(hf_dir: str, path: str, arch: str) -> None:
             elif arch == "llama" and module == "self_attn.k_proj":
                 data = _llama_cpp_permute(data, cfg["num_key_value_heads"])
             gguf_name = f"blk.{layer}.{_TO_GGUF[module]}.{suffix}"
+            qtype = (kinds or {}).get(module) if suffix == "weight" else None
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
-        writer.add_tensor(gguf_name, data)
+            qtype = (kinds or {}).get(gguf_name.rsplit(".", 1)[0])
+        if qtype is None:
+            writer.add_tensor(gguf_name, data)
+        else:
+            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

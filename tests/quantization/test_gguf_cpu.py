@@ -206,3 +206,39 @@ def test_online_int8_on_cpu_runs_on_the_integer_kernels(tiny_llama_dir):
     x = torch.randn(3, down.weight.shape[1])
     ref = x @ (down.weight.float() * down.weight_scale[:, None]).T
     torch.testing.assert_close(down(x), ref, atol=1e-4, rtol=1e-3)
+
+
+def test_fast_tensor_index_matches_gguf_reader(smollm2_gguf_path, tmp_path, tiny_model_dir):
+    from gguf import GGUFReader
+
+    from pagedllm.models.gguf_packed import read_gguf_index
+    mixed = str(tmp_path / "mixed.gguf")
+    _write_mixed_gguf(tiny_model_dir("llama", tie_word_embeddings=False), mixed)
+    for path in (smollm2_gguf_path, mixed):
+        ref, index = GGUFReader(path), read_gguf_index(path)
+        assert index.arch == "llama" and len(index.tensors) == len(ref.tensors)
+        for a, b in zip(ref.tensors, index.tensors):
+            assert (a.name, int(a.tensor_type), a.data.shape, a.data.dtype) == \
+                (b.name, b.tensor_type, b.data.shape, b.data.dtype)
+            assert np.array_equal(np.asarray(a.data), b.data)
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(open(mixed, "rb").read()[:-100])
+    with pytest.raises(ValueError):
+        read_gguf_index(str(truncated))
+
+
+def test_tensor_index_falls_back_to_gguf_reader(smollm2_gguf_path, monkeypatch):
+    import pagedllm.models.gguf_packed as gp
+
+    fast = gp.read_gguf_index(smollm2_gguf_path)
+    gp._index_cache.clear()
+
+    def unsupported(path):
+        raise ValueError("a layout this parser does not handle")
+
+    monkeypatch.setattr(gp, "_parse_index", unsupported)
+    slow = gp.read_gguf_index(smollm2_gguf_path)
+    gp._index_cache.clear()
+    assert slow.arch == fast.arch == "llama"
+    assert [(t.name, t.tensor_type, t.data.shape) for t in slow.tensors] == \
+        [(t.name, t.tensor_type, t.data.shape) for t in fast.tensors]

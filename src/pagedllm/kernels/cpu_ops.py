@@ -24,8 +24,9 @@ from pagedllm import envs
 logger = logging.getLogger("pagedllm")
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_ops.cpp")
-# The quantized (GGUF block / int8 row) matmuls, built into the same extension.
-_SOURCES = [_SOURCE, os.path.join(os.path.dirname(__file__), "csrc", "gguf_ops.cpp")]
+# The quantized (GGUF block / int8 row) matmuls and the fused decoder stack, built into the same extension.
+_SOURCES = [_SOURCE] + [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("gguf_ops.cpp",
+                                                                                           "cpu_fused.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {}

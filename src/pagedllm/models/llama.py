@@ -21,6 +21,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.weight_utils import set_default_dtype
+from pagedllm.models import cpu_decode
 from pagedllm.models.weight_utils import load_weights_into
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[IntermediateTensors] = None) -> Any:
         """-> hidden states [T, hidden] on the last stage, else the activations for the next stage."""
+        if intermediate is None and not input_ids.is_cuda:
+            fused = cpu_decode.maybe_run(self, input_ids, positions)  # CPU decode steps: one C++ call
+            if fused is not None:
+                return fused
         if intermediate is None:
             hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
             residual = None

@@ -702,6 +702,30 @@ void greedy_screen(at::Tensor& out, const at::Tensor& approx, const at::Tensor& 
 
 }  // namespace
 
+// The ops above, callable from the other files of this extension (cpu_fused.cpp chains them per layer).
+namespace pagedllm_export {
+void rms_norm_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  ::rms_norm(out, x, weight, eps);
+}
+void add_rms_norm_op(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& x, const at::Tensor& residual,
+                     const at::Tensor& weight, double eps) {
+  ::add_rms_norm(out, residual_out, x, residual, weight, eps);
+}
+void silu_and_mul_op(at::Tensor& out, const at::Tensor& x) { ::silu_and_mul(out, x); }
+void rotary_neox_op(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos_sin) {
+  ::rotary_neox(positions, query, key, cos_sin);
+}
+void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                 const at::Tensor& slot_mapping, int64_t num_tokens) {
+  ::write_kv(key, value, k_cache, v_cache, slot_mapping, num_tokens);
+}
+void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, double scale) {
+  ::paged_attention(out, query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, 0);
+}
+}  // namespace pagedllm_export
+
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual_out, Tensor x, Tensor residual, Tensor weight, "

@@ -617,6 +617,100 @@ void gemm_part(const Part& part, int64_t n0, int64_t n1, int64_t k, const ActRow
   }
 }
 
+#if defined(PAGEDLLM_HAVE_VNNI512)
+// Two or more activation rows (from kFloatMinRows): the integer product costs two vpdpbusd, a shift and a
+// float rescale per 64 weights and row, and it grows with every row; here each 64-weight chunk is dequantized
+// once to float32 in registers and multiplied by up to 8 float32 activation rows (4 FMAs per row), which is
+// also exact in the activations. x: rows of k64 floats, zero past k.
+// The 16 weights [16 h, 16 h + 16) of a 32-weight block as float32.
+template <int64_t T>
+inline __m512 block32_f32(const uint8_t* blk, int h) {
+  const float d = fp16(blk);
+  if constexpr (T == kQ8_0) {
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * h)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d));
+  } else {
+    constexpr int64_t qs_off = (T == kQ4_0) ? 2 : (T == kQ4_1) ? 4 : (T == kQ5_0) ? 6 : 8;
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qs_off));
+    __m128i q = _mm_and_si128(h ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0F));
+    if constexpr (T == kQ5_0 || T == kQ5_1) {
+      uint32_t qh;
+      std::memcpy(&qh, blk + qs_off - 4, 4);
+      q = _mm_or_si128(q, _mm_maskz_mov_epi8(static_cast<__mmask16>(qh >> (16 * h)), _mm_set1_epi8(0x10)));
+    }
+    const float off = T == kQ4_0 ? -8.f * d : T == kQ5_0 ? -16.f * d : fp16(blk + 2);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), _mm512_set1_ps(d), _mm512_set1_ps(off));
+  }
+}
+
+template <int64_t T, int R>
+inline void dot_rows_f32(const uint8_t* row, int64_t k, const float* x, int64_t xs, float* out, int64_t os) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  if constexpr (has_reg_decode<T>()) {
+    constexpr int64_t bb = T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : 24;
+    for (int64_t b = 0; b < k / 32; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        const __m512 w = block32_f32<T>(row + b * bb, h);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * xs + 32 * b + 16 * h), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * os] = _mm512_reduce_add_ps(acc[r]);
+    return;
+  }
+  const int64_t nchunks = (k + 63) / 64;
+  Chunk ch;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    decode_chunk<T>(row, c, k, ch);
+    for (int g = 0; g < 4; ++g) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(ch.q + 16 * g))));
+      const __m512 w = _mm512_fmadd_ps(q, _mm512_set1_ps(ch.a[g]), _mm512_set1_ps(ch.b[g]));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * xs + 64 * c + 16 * g), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * os] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <int64_t T>
+void gemm_f32(const Part& part, int64_t n0, int64_t n1, int64_t k, const float* x, int64_t xs, int64_t m,
+              float* out, int64_t os) {
+  for (int64_t r0 = 0; r0 < m; r0 += 8) {
+    const int64_t nr = std::min<int64_t>(8, m - r0);
+    const float* xr = x + r0 * xs;
+    float* o = out + r0 * os + part.col;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = part.w + n * part.rb;
+      switch (nr) {
+        case 8: dot_rows_f32<T, 8>(row, k, xr, xs, o + n, os); break;
+        case 7: dot_rows_f32<T, 7>(row, k, xr, xs, o + n, os); break;
+        case 6: dot_rows_f32<T, 6>(row, k, xr, xs, o + n, os); break;
+        case 5: dot_rows_f32<T, 5>(row, k, xr, xs, o + n, os); break;
+        case 4: dot_rows_f32<T, 4>(row, k, xr, xs, o + n, os); break;
+        case 3: dot_rows_f32<T, 3>(row, k, xr, xs, o + n, os); break;
+        case 2: dot_rows_f32<T, 2>(row, k, xr, xs, o + n, os); break;
+        default: dot_rows_f32<T, 1>(row, k, xr, xs, o + n, os); break;
+      }
+    }
+  }
+}
+
+void gemm_f32_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const float* x, int64_t xs, int64_t m,
+                       float* out, int64_t os) {
+  switch (part.type) {
+    case kQ4_0: return gemm_f32<kQ4_0>(part, n0, n1, k, x, xs, m, out, os);
+    case kQ4_1: return gemm_f32<kQ4_1>(part, n0, n1, k, x, xs, m, out, os);
+    case kQ5_0: return gemm_f32<kQ5_0>(part, n0, n1, k, x, xs, m, out, os);
+    case kQ5_1: return gemm_f32<kQ5_1>(part, n0, n1, k, x, xs, m, out, os);
+    case kQ8_0: return gemm_f32<kQ8_0>(part, n0, n1, k, x, xs, m, out, os);
+    case kQ4_K: return gemm_f32<kQ4_K>(part, n0, n1, k, x, xs, m, out, os);
+    case kQ5_K: return gemm_f32<kQ5_K>(part, n0, n1, k, x, xs, m, out, os);
+    case kQ6_K: return gemm_f32<kQ6_K>(part, n0, n1, k, x, xs, m, out, os);
+    case kI8Row: return gemm_f32<kI8Row>(part, n0, n1, k, x, xs, m, out, os);
+    default: TORCH_CHECK(false, "gguf kernels: unsupported type ", part.type);
+  }
+}
+#endif
+
 void gemm_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const ActRows& act, int64_t m,
                    float* out, int64_t os, const float* bias, int64_t impl, std::vector<Chunk>& chunks) {
   switch (part.type) {
@@ -640,6 +734,9 @@ void check_type(int64_t type, int64_t k) {
 }
 
 thread_local ActRows tls_act;
+thread_local std::vector<float> tls_xf;
+// From this many activation rows the float32 path (dequantize once, FMAs) beats the integer one.
+constexpr int64_t kFloatMinRows = 2;
 
 // out [M, sum(rows)] float32 = x [M, K] @ W^T (+ bias), W given as parts (uint8 [rows_i, row_bytes_i]) of
 // GGUF types types[i], their outputs side by side. impl: 0 best available, 1 AVX2, 2 portable C++.
@@ -670,6 +767,41 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
     bp = bias->data_ptr<float>();
   }
   if (m == 0) return;
+  float* op = out.data_ptr<float>();
+  const int64_t os = out.stride(0);
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  if (impl == kBest && m >= kFloatMinRows) {
+    std::vector<float>& xf = tls_xf;  // the rows as float32, each padded with zeros to k64
+    const int64_t k64 = (k + 63) / 64 * 64;
+    xf.assign(m * k64, 0.f);
+    for (int64_t r = 0; r < m; ++r) {
+      float* dst = xf.data() + r * k64;
+      if (x.scalar_type() == at::kFloat) {
+        std::memcpy(dst, x.data_ptr<float>() + r * x.stride(0), sizeof(float) * k);
+      } else if (x.scalar_type() == at::kBFloat16) {
+        const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + r * x.stride(0);
+        for (int64_t i = 0; i < k; ++i) dst[i] = static_cast<float>(src[i]);
+      } else {
+        TORCH_CHECK(x.scalar_type() == at::kHalf, "gguf_linear: x must be float32, bfloat16 or float16");
+        const c10::Half* src = x.data_ptr<c10::Half>() + r * x.stride(0);
+        for (int64_t i = 0; i < k; ++i) dst[i] = static_cast<float>(src[i]);
+      }
+    }
+    const float* xp = xf.data();
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * m));
+    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+      for (const Part& p : parts) {
+        const int64_t lo = std::max(begin, p.col), hi = std::min(end, p.col + p.rows);
+        if (lo >= hi) continue;
+        gemm_f32_dispatch(p, lo - p.col, hi - p.col, k, xp, k64, m, op, os);
+        if (bp)
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t n = lo; n < hi; ++n) op[i * os + n] += bp[n];
+      }
+    });
+    return;
+  }
+#endif
   ActRows& act = tls_act;
   if (x.scalar_type() == at::kFloat) {
     quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, act);
@@ -679,8 +811,6 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
     TORCH_CHECK(x.scalar_type() == at::kHalf, "gguf_linear: x must be float32, bfloat16 or float16");
     quantize_rows(x.data_ptr<c10::Half>(), x.stride(0), m, k, act);
   }
-  float* op = out.data_ptr<float>();
-  const int64_t os = out.stride(0);
   // ~64k multiply-adds per thread chunk at least: small products stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * m));
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
@@ -777,6 +907,13 @@ int64_t gguf_best_impl() {
 }
 
 }  // namespace
+
+namespace pagedllm_export {  // for cpu_fused.cpp
+void gguf_linear_op(at::Tensor& out, const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                    const c10::optional<at::Tensor>& bias) {
+  ::gguf_linear(out, x, weights, types, bias, kBest);
+}
+}  // namespace pagedllm_export
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor[] weights, int[] types, Tensor? bias, int impl=0) -> ()");

@@ -1,0 +1,135 @@
+// pagedllm CPU kernels: a whole Llama-style decoder stack in one call, for CPU steps of a few tokens (decode).
+//
+// At batch 1 the per-layer kernels take a few microseconds each, and running them one by one from Python
+// (norms, projections, rope, KV write, attention, views, allocations) costs more than the kernels. This op
+// chains the same kernels (cpu_ops.cpp, gguf_ops.cpp) over every layer in C++, reusing one set of activation
+// buffers for all layers, so a step is one call from Python. Numerics are those of the per-op path exactly.
+//
+// Arguments (built once per model by models/cpu_decode.py):
+//   layout: [num_layers, num_heads, num_kv_heads, head_dim, hidden, intermediate, has_qk_norm], then per layer
+//           and per projection (qkv, o, gate_up, down): [num_parts, has_bias, type_0 .. type_{n-1}]
+//   floats: per layer [input_norm_eps, post_norm_eps, qk_norm_eps, attention_scale], then the final norm eps
+//   weights: per layer [input_norm, post_norm, k_cache, v_cache, (q_norm, k_norm)], then per projection its
+//           packed parts and its bias if any; at the end the final norm's weight.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+namespace pagedllm_export {
+void rms_norm_op(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_op(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& x, const at::Tensor& residual,
+                     const at::Tensor& weight, double eps);
+void silu_and_mul_op(at::Tensor& out, const at::Tensor& x);
+void rotary_neox_op(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos_sin);
+void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                 const at::Tensor& slot_mapping, int64_t num_tokens);
+void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, double scale);
+void gguf_linear_op(at::Tensor& out, const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
+                    const c10::optional<at::Tensor>& bias);
+}  // namespace pagedllm_export
+
+namespace {
+
+using namespace pagedllm_export;
+
+struct Cursor {
+  at::TensorList weights;
+  at::IntArrayRef layout;
+  size_t w = 0, l = 0;
+  int64_t next_int() {
+    TORCH_CHECK(l < layout.size(), "decode_stack: layout too short");
+    return layout[l++];
+  }
+  const at::Tensor& next_tensor() {
+    TORCH_CHECK(w < weights.size(), "decode_stack: weights list too short");
+    return weights[w++];
+  }
+};
+
+// One packed projection: out = x @ W^T (+ bias), W's parts and types read at the cursor.
+void projection(Cursor& cur, at::Tensor& out, const at::Tensor& x) {
+  const int64_t parts = cur.next_int(), has_bias = cur.next_int();
+  TORCH_CHECK(parts > 0 && cur.l + parts <= cur.layout.size() && cur.w + parts + has_bias <= cur.weights.size(),
+              "decode_stack: bad projection entry");
+  at::IntArrayRef types(cur.layout.data() + cur.l, parts);
+  at::TensorList ws(cur.weights.data() + cur.w, parts);
+  cur.l += parts;
+  cur.w += parts;
+  c10::optional<at::Tensor> bias;
+  if (has_bias) bias = cur.next_tensor();
+  gguf_linear_op(out, x, ws, types, bias);
+}
+
+void decode_stack(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& positions, at::TensorList weights,
+                  at::IntArrayRef layout, at::ArrayRef<double> floats, const at::Tensor& slot_mapping,
+                  const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                  const at::Tensor& cos_sin_cache, int64_t num_actual_tokens) {
+  TORCH_CHECK(layout.size() >= 7 && layout[0] >= 1, "decode_stack: layout too short");
+  const int64_t num_layers = layout[0], hq = layout[1], hk = layout[2], d = layout[3], hidden_size = layout[4];
+  const int64_t inter = layout[5], qk_norm = layout[6];
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2 &&
+                  hidden.is_contiguous() && hidden.size(1) == hidden_size && out.sizes() == hidden.sizes() &&
+                  out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "decode_stack: hidden and out must be contiguous float32 [T, hidden]");
+  TORCH_CHECK(static_cast<int64_t>(floats.size()) == 4 * num_layers + 1, "decode_stack: floats has the wrong size");
+  const int64_t t = hidden.size(0);
+  TORCH_CHECK(num_actual_tokens >= 0 && num_actual_tokens <= t, "decode_stack: bad num_actual_tokens");
+  if (t == 0) return;
+  const int64_t q_size = hq * d, kv_size = hk * d, qkv_size = q_size + 2 * kv_size;
+  const auto opts = hidden.options();
+  at::Tensor res = at::empty({t, hidden_size}, opts), xn = at::empty({t, hidden_size}, opts);
+  at::Tensor h = at::empty({t, hidden_size}, opts), qkv = at::empty({t, qkv_size}, opts);
+  at::Tensor attn = at::empty({t, q_size}, opts), gu = at::empty({t, 2 * inter}, opts);
+  at::Tensor act = at::empty({t, inter}, opts);
+  // Views shared by every layer (the buffers are reused).
+  at::Tensor q3 = qkv.as_strided({t, hq, d}, {qkv_size, d, 1}, 0);
+  at::Tensor k3 = qkv.as_strided({t, hk, d}, {qkv_size, d, 1}, q_size);
+  at::Tensor v3 = qkv.as_strided({t, hk, d}, {qkv_size, d, 1}, q_size + kv_size);
+  at::Tensor attn3 = attn.view({t, hq, d});
+  if (num_actual_tokens < t)  // padding rows: attention never writes them
+    std::memset(attn.data_ptr<float>() + num_actual_tokens * q_size, 0,
+                sizeof(float) * (t - num_actual_tokens) * q_size);
+  std::memcpy(res.data_ptr<float>(), hidden.data_ptr<float>(), sizeof(float) * t * hidden_size);
+  Cursor cur{weights, layout, 0, 7};
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const double* f = floats.data() + 4 * i;
+    const at::Tensor& in_norm = cur.next_tensor();
+    const at::Tensor& post_norm = cur.next_tensor();
+    at::Tensor k_cache = cur.next_tensor(), v_cache = cur.next_tensor();
+    if (i == 0) rms_norm_op(xn, res, in_norm, f[0]);
+    else add_rms_norm_op(xn, res, h, res, in_norm, f[0]);
+    const at::Tensor* qk_w[2] = {nullptr, nullptr};
+    if (qk_norm) qk_w[0] = &cur.next_tensor(), qk_w[1] = &cur.next_tensor();
+    projection(cur, qkv, xn);
+    if (qk_norm) {  // per-head RMSNorm of q and k before rope (Qwen3)
+      rms_norm_op(q3, q3, *qk_w[0], f[2]);
+      rms_norm_op(k3, k3, *qk_w[1], f[2]);
+    }
+    rotary_neox_op(positions, q3, k3, cos_sin_cache);
+    write_kv_op(k3, v3, k_cache, v_cache, slot_mapping, num_actual_tokens);
+    paged_attention_op(attn3, q3, k_cache, v_cache, block_table, query_start_loc, seq_lens, f[3]);
+    projection(cur, h, attn);
+    add_rms_norm_op(xn, res, h, res, post_norm, f[1]);
+    projection(cur, gu, xn);
+    silu_and_mul_op(act, gu);
+    projection(cur, h, act);
+  }
+  const at::Tensor& final_norm = cur.next_tensor();
+  TORCH_CHECK(cur.w == weights.size() && cur.l == layout.size(), "decode_stack: weights or layout too long");
+  add_rms_norm_op(out, res, h, res, final_norm, floats[4 * num_layers]);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("decode_stack(Tensor(a!) out, Tensor hidden, Tensor positions, Tensor[] weights, int[] layout, "
+        "float[] floats, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor cos_sin_cache, int num_actual_tokens) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("decode_stack", &decode_stack); }

@@ -1,0 +1,169 @@
+"""CPU decode steps of Llama-style models with GGUF-packed weights in one C++ call (kernels/csrc/cpu_fused.cpp).
+
+A step of a few tokens spends most of its time outside the kernels when each layer's ~15 ops (norms,
+projections, rope, KV write, attention, views, allocations) are dispatched one by one from Python; the
+`decode_stack` op runs the same kernels over every layer in C++. `maybe_run(model, ...)` (called first by
+`LlamaModel.forward`) returns the final hidden states when the step qualifies, else None and the model runs its
+layers as usual; the two paths compute the same numbers (tests/kernels/test_cpu_decode_stack.py).
+
+A model qualifies when every layer is the plain Llama layer (Qwen2's biases and Qwen3's per-head q/k norm
+included) with all four projections kept packed (`GGUFLinearMethod`), float32, one tensor/pipeline-parallel rank;
+a step when it has fewer than `DENSE_MIN_ROWS` tokens (more go through the dense oneDNN path, layer by layer)
+and runs on the CPU attention backend with every KV cache bound. PAGEDLLM_CPU_FUSED_DECODE=0 turns it off.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from pagedllm import envs
+
+logger = logging.getLogger("pagedllm")
+
+_UNSET = object()
+
+
+def maybe_run(model: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+    """The final (normed) hidden states [T, hidden] of `model` (a LlamaModel) for this step, or None."""
+    stack = model.__dict__.get("_cpu_decode_stack", _UNSET)
+    if stack is _UNSET:
+        stack = model.__dict__["_cpu_decode_stack"] = _build(model)
+    if stack is None:
+        return None
+    return stack(input_ids, positions)
+
+
+def _build(model: Any) -> Optional["DecodeStack"]:
+    if not envs.PAGEDLLM_CPU_FUSED_DECODE:
+        return None
+    try:
+        reason = _unsupported(model)
+    except AttributeError as e:  # a model shaped differently from LlamaModel
+        reason = f"unexpected model structure ({e})"
+    if reason is not None:
+        logger.debug("CPU decode stack off: %s", reason)
+        return None
+    from pagedllm.kernels.cpu_ops import cpu_ops
+    ops = cpu_ops()
+    if ops is None or not hasattr(ops, "decode_stack"):
+        return None
+    return DecodeStack(model, ops)
+
+
+def _unsupported(model: Any) -> Optional[str]:
+    """Why `model` cannot use the fused stack, or None."""
+    from pagedllm.layers.activation import SiluAndMul
+    from pagedllm.layers.layernorm import RMSNorm
+    from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from pagedllm.quantization.gguf import GGUFLinearMethod
+
+    if not (model.is_first_stage and model.is_last_stage):
+        return "pipeline parallelism"
+    layers = list(model.layers[model.start_layer:model.end_layer])
+    if not layers or model.rotary_emb.cos_sin_cache.device.type != "cpu":
+        return "no layers on the CPU"
+    norms = [model.norm]
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward \
+                or type(mlp).forward is not LlamaMLP.forward or not isinstance(mlp.act_fn, SiluAndMul):
+            return f"{type(layer).__name__} is not the plain Llama layer"
+        if attn.rotary_emb is not model.rotary_emb:
+            return "per-layer rotary embeddings"
+        if (type(attn).normalize_qk is not LlamaAttention.normalize_qk) != (attn.qk_norm() is not None):
+            return "a q/k normalization the fused stack does not know"
+        projections = ((attn.qkv_proj, QKVParallelLinear), (attn.o_proj, RowParallelLinear),
+                       (mlp.gate_up_proj, MergedColumnParallelLinear), (mlp.down_proj, RowParallelLinear))
+        for proj, cls in projections:
+            if type(proj) is not cls or not isinstance(proj.linear_method, GGUFLinearMethod) or proj.tp_size != 1:
+                return f"{proj.prefix} is not a packed GGUF projection"
+            if proj.bias is not None and proj.bias.dtype != torch.float32:
+                return f"{proj.prefix} has a non-float32 bias"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
+        return "a norm other than float32 RMSNorm"
+    return None
+
+
+class DecodeStack:
+    """The flattened arguments of `decode_stack` for one model; rebuilt when the KV caches are (re)bound."""
+
+    def __init__(self, model: Any, ops: Any) -> None:
+        from pagedllm.quantization.gguf import DENSE_MIN_ROWS
+
+        self.model = model
+        self.ops = ops
+        self.max_tokens = DENSE_MIN_ROWS - 1
+        self.layers = list(model.layers[model.start_layer:model.end_layer])
+        self.attns = [layer.self_attn.attn for layer in self.layers]
+        self.bound: tuple = ()
+        self.weights: list[torch.Tensor] = []
+        self.layout: list[int] = []
+        self.floats: list[float] = []
+        self.cos_sin = model.rotary_emb.cos_sin_cache
+
+    def _bind(self) -> bool:
+        """(Re)build the argument lists for the current KV caches; False if this step cannot use the stack."""
+        caches = tuple(a.kv_cache for a in self.attns)
+        if any(c is None or c.dtype != torch.float32 or c.device.type != "cpu" for c in caches) or any(
+                a.k_scale != 1.0 or a.v_scale != 1.0 for a in self.attns):
+            return False
+        first = self.layers[0].self_attn
+        has_qk_norm = first.qk_norm() is not None
+        layout = [len(self.layers), first.num_heads, first.num_kv_heads, first.head_dim,
+                  self.model.norm.weight.numel(), self.layers[0].mlp.gate_up_proj.output_partition_sizes[0],
+                  int(has_qk_norm)]
+        weights: list[torch.Tensor] = []
+        floats: list[float] = []
+        for layer, cache in zip(self.layers, caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            _, num_blocks, block_size, kv_heads, head_size = cache.shape
+            # The CPU backend's private block layout (attention/cpu_backend.py).
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        cache[0].view(num_blocks, kv_heads, head_size, block_size),
+                        cache[1].view(num_blocks, kv_heads, block_size, head_size)]
+            qk_eps = 0.0
+            if has_qk_norm:
+                q_w, k_w, qk_eps = attn.qk_norm()
+                weights += [q_w, k_w]
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                method = proj.linear_method
+                parts, types = method.parts(proj), proj.__dict__["_gguf_types"]
+                layout += [len(parts), int(proj.bias is not None), *types]
+                weights += parts + ([proj.bias] if proj.bias is not None else [])
+            floats += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
+                       float(qk_eps), attn.attn.scale]
+        weights.append(self.model.norm.weight)
+        floats.append(self.model.norm.variance_epsilon)
+        self.weights, self.layout, self.floats, self.bound = weights, layout, floats, caches
+        return True
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        from pagedllm.attention.cpu_backend import CpuAttentionBackend
+        from pagedllm.forward_context import get_forward_context
+
+        num_tokens = input_ids.shape[0]
+        if not 0 < num_tokens <= self.max_tokens or input_ids.device.type != "cpu":
+            return None
+        ctx = get_forward_context()
+        if ctx is None or ctx.attn_metadata is None or not isinstance(ctx.attn_backend, CpuAttentionBackend):
+            return None
+        if not self.bound or self.attns[0].kv_cache is not self.bound[0] \
+                or self.attns[-1].kv_cache is not self.bound[-1]:
+            if not self._bind():
+                return None
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            return None
+        hidden = self.model.embed_tokens(input_ids)
+        if hidden.dtype != torch.float32:
+            return None
+        hidden = hidden.contiguous()
+        meta = ctx.attn_metadata
+        out = torch.empty_like(hidden)
+        self.ops.decode_stack(out, hidden, positions, self.weights, self.layout, self.floats, meta.slot_mapping,
+                              meta.block_table, meta.query_start_loc, meta.seq_lens, self.cos_sin,
+                              meta.num_actual_tokens)
+        return out

@@ -1,0 +1,62 @@
+"""The fused CPU decode stack (models/cpu_decode.py, kernels/csrc/cpu_fused.cpp) against the layer-by-layer
+path of the same GGUF-packed model: tiny llama (q/k permuted), qwen2 (qkv biases, tied embeddings) and qwen3
+(per-head q/k norm, head_dim != hidden / heads) GGUFs, mixed prompt lengths in one batch, several decoding at
+once; the tokens and their logprobs must be the same, and the fused op must have run."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+
+def _write_quantized_gguf(hf_dir: str, path: str, arch: str) -> None:
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.models.test_gguf import _write_tiny_gguf
+    _write_tiny_gguf(hf_dir, path, arch, kinds={
+        "self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q8_0, "self_attn.v_proj": Q.Q8_0,
+        "self_attn.o_proj": Q.Q5_1, "mlp.gate_proj": Q.Q4_1, "mlp.up_proj": Q.Q4_1, "mlp.down_proj": Q.Q8_0,
+        "token_embd": Q.Q8_0, "output": Q.Q8_0})
+
+
+class _CountingOps:
+    def __init__(self, ops):
+        self.ops, self.calls = ops, 0
+
+    def decode_stack(self, *args):
+        self.calls += 1
+        return self.ops.decode_stack(*args)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch, tiny_model_dir, arch):
+    from pagedllm.models.cpu_decode import DecodeStack
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / f"{arch}.gguf")
+    _write_quantized_gguf(tiny_model_dir(arch), path, arch)
+    llm = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True, max_num_seqs=8)
+    inner = llm.engine.worker.model.model
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (3, 17, 40, 5, 9)]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
+
+    def run():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in outs]
+
+    fused = run()
+    stack = inner.__dict__.get("_cpu_decode_stack")
+    assert isinstance(stack, DecodeStack), "the tiny packed model should qualify for the fused stack"
+    counting = stack.ops = _CountingOps(stack.ops)
+    assert run() == fused
+    assert counting.calls >= 9  # every decode step (<= 5 tokens) went through the one C++ call
+    inner.__dict__["_cpu_decode_stack"] = None  # the layer-by-layer path
+    assert run() == fused
+
+
+def test_fp32_and_unpacked_models_keep_the_layer_path(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, skip_tokenizer_init=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert llm.engine.worker.model.model.__dict__.get("_cpu_decode_stack") is None
