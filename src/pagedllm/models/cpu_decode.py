@@ -109,7 +109,7 @@ class DecodeStack:
         """(Re)build the argument lists for the current KV caches; False if this step cannot use the stack."""
         caches = tuple(a.kv_cache for a in self.attns)
         if any(c is None or c.dtype != torch.float32 or c.device.type != "cpu" for c in caches) or any(
-                a.k_scale != 1.0 or a.v_scale != 1.0 for a in self.attns):
+                a.kv_scale_source is not None for a in self.attns):
             return False
         first = self.layers[0].self_attn
         has_qk_norm = first.qk_norm() is not None
