@@ -62,6 +62,12 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
+    # "0": steps of a few query tokens per request (speculative verify rows) use the prefill attention kernel
+    # instead of the split-KV verify kernel (kernels/verify_attention.py; A/B).
+    "PAGEDLLM_VERIFY_ATTENTION": lambda: os.environ.get("PAGEDLLM_VERIFY_ATTENTION", "1") != "0",
+    # Speculative verify steps of up to this many requests replay CUDA graphs with k + 1 tokens per request
+    # (worker/verify_graph.py); 0: they go through the mixed-step graphs instead.
+    "PAGEDLLM_VERIFY_GRAPH_MAX_REQS": _int("PAGEDLLM_VERIFY_GRAPH_MAX_REQS", 64),
     # Model hubs (models/model_resolution.py): repo ids go through ModelScope instead of Hugging Face when either
     # is true; Hugging Face's offline switches (the local cache only) and token.
     "PAGEDLLM_USE_MODELSCOPE": lambda: _truthy(os.environ.get("PAGEDLLM_USE_MODELSCOPE")),

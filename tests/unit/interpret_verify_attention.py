@@ -1,0 +1,84 @@
+"""The split-KV verify attention kernel (kernels/verify_attention.py) against the torch reference, in Triton's
+interpreter on the CPU: `TRITON_INTERPRET=1 python interpret_verify_attention.py` (run in a subprocess by
+test_verify_attention.py: TRITON_INTERPRET must be set before any kernel is defined). fp32 only: the interpreter
+returns garbage for bf16 tl.dot (the existing decode kernel too); the GPU test covers bf16."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))
+from attention_cases import build_batch  # noqa: E402
+
+from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from pagedllm.forward_context import AttentionMetadata  # noqa: E402
+from pagedllm.kernels.paged_attention import paged_attention_ref  # noqa: E402
+from pagedllm.kernels.verify_attention import paged_verify_attention  # noqa: E402
+
+
+def write_new_kv(b, num_kv_heads, head_size):
+    flat = b.kv_cache.view(2, -1, num_kv_heads, head_size)
+    flat[0, b.metadata.slot_mapping] = b.key
+    flat[1, b.metadata.slot_mapping] = b.value
+
+
+def check(name, out, ref, rows=None):
+    rows = slice(None) if rows is None else rows
+    err = (out[rows].float() - ref[rows].float()).abs().max().item()
+    assert err < 1e-4, (name, err)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    cases = [
+        # (cached, query) per request, heads, kv heads, head size
+        ([(37, 5), (5, 3), (0, 2), (60, 1)], 8, 2, 32),   # spans ending inside a split, a fresh 2-token prompt
+        ([(30, 5), (2, 4)], 6, 2, 16),                    # GQA 3 (padded to 4)
+        ([(45, 8)], 4, 4, 32),                            # no GQA, 8 tokens
+    ]
+    for specs, h, kvh, d in cases:
+        b = build_batch(specs, h, kvh, d, 16, torch.float32, "cpu")
+        write_new_kv(b, kvh, d)
+        md = b.metadata
+        ref = paged_attention_ref(b.query, b.kv_cache, md.block_table, md.seq_lens, md.query_start_loc, b.scale)
+        for splits in (1, 2, 3, 8):
+            out = paged_verify_attention(b.query, b.kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                                         b.scale, num_seqs=len(specs), max_query_len=md.max_query_len,
+                                         num_splits=splits, block_n=16)
+            check(f"{specs} splits={splits}", out, ref)
+    # CUDA-graph padding: request rows past the step's requests have no query tokens and seq_len 0, padding
+    # tokens past the last request belong to no row; the real rows are unchanged.
+    specs = [(20, 5), (7, 2)]
+    b = build_batch(specs, 8, 2, 32, 16, torch.float32, "cpu")
+    write_new_kv(b, 2, 32)
+    md = b.metadata
+    ref = paged_attention_ref(b.query, b.kv_cache, md.block_table, md.seq_lens, md.query_start_loc, b.scale)
+    n = b.query.shape[0]
+    query = torch.cat([b.query, torch.randn(3, 8, 32)])
+    qsl = torch.tensor(md.query_start_loc.tolist() + [n, n], dtype=torch.int32)
+    seq_lens = torch.tensor(md.seq_lens.tolist() + [0, 0], dtype=torch.int32)
+    table = torch.cat([md.block_table, md.block_table[:2]])
+    out = paged_verify_attention(query, b.kv_cache, table, seq_lens, qsl, b.scale, num_seqs=4, max_query_len=5,
+                                 num_splits=2, block_n=16)
+    check("padded", out, ref, slice(0, n))
+    # The backend routes a step whose longest query is a few tokens to this kernel (and gives the reference).
+    backend = TritonAttentionBackend()
+    specs = [(33, 5), (12, 3)]
+    b = build_batch(specs, 8, 2, 32, 16, torch.float32, "cpu")
+    write_new_kv(b, 2, 32)
+    md = b.metadata
+    ref = paged_attention_ref(b.query, b.kv_cache, md.block_table, md.seq_lens, md.query_start_loc, b.scale)
+    calls = []
+    original = backend._attend_verify
+    backend._attend_verify = lambda *a: (calls.append(1), original(*a))
+    out = torch.empty_like(b.query)
+    backend._attend(b.query, b.kv_cache, AttentionMetadata(**{**md.__dict__}), b.scale, out)
+    assert calls, "the backend did not route a 5-token step to the verify kernel"
+    check("backend", out, ref)
+    print("verify attention ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""The speculative verify attention kernel in Triton's interpreter on the CPU (small shapes, fp32); the GPU
+version with bf16 and CUDA-graph replay is tests/gpu/test_verify_gpu.py."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_verify_kernel_in_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "interpret_verify_attention.py")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "verify attention ok" in r.stdout
