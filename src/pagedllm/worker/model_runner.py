@@ -49,6 +49,7 @@ class ModelRunner:
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
         self.mixed_graphs = None  # likewise, for mixed prefill + decode steps (worker/mixed_graph.py)
+        self.verify_graphs = None  # likewise, for speculative verify steps (worker/verify_graph.py)
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         self._prev_index: dict[str, int] = {}
         self.stager = HostStager(device)
@@ -83,10 +84,16 @@ class ModelRunner:
 
             self.cuda_graphs = CudaGraphRunner(self)
             self.cuda_graphs.capture()
+            from pagedllm.worker.verify_graph import build_verify_graphs
+
+            self.verify_graphs = build_verify_graphs(self)
+            if self.verify_graphs is not None:
+                self.verify_graphs.pool = self.cuda_graphs.pool
+                self.verify_graphs.capture()
             if self.attn_backend.supports_mixed_graphs:
                 from pagedllm.worker.mixed_graph import MixedGraphRunner
 
-                extra = self.spec.graph_token_sizes() if self.spec is not None else ()
+                extra = self.spec.graph_token_sizes() if self.spec is not None and self.verify_graphs is None else ()
                 self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra)
                 self.mixed_graphs.capture()
         if self.device.type == "cuda":
@@ -179,6 +186,8 @@ class ModelRunner:
         hidden = None
         if self.cuda_graphs is not None and inp.max_query_len == 1:
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
+        if hidden is None and self.verify_graphs is not None:
+            hidden = self.verify_graphs.run(input_ids, positions, metadata)
         if hidden is None and self.mixed_graphs is not None:
             hidden = self.mixed_graphs.run(input_ids, positions, metadata)
         if hidden is None:
