@@ -62,6 +62,10 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
+    # Linear layers of 2..this many rows that the GEMV does not take (large weights, more rows than
+    # PAGEDLLM_GEMV_MAX_ROWS) use the tensor-core skinny GEMM (kernels/skinny_gemm.py; at most 16) instead of
+    # cuBLAS; 0 turns it off (A/B).
+    "PAGEDLLM_SKINNY_GEMM_MAX_ROWS": _int("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", 16),
     # "0": steps of a few query tokens per request (speculative verify rows) use the prefill attention kernel
     # instead of the split-KV verify kernel (kernels/verify_attention.py; A/B).
     "PAGEDLLM_VERIFY_ATTENTION": lambda: os.environ.get("PAGEDLLM_VERIFY_ATTENTION", "1") != "0",

@@ -104,3 +104,25 @@ def test_engine_verify_graphs_equal_eager(tiny_llama_dir, dtype):
         assert got == want
     else:
         assert [g[:4] for g in got] == [w[:4] for w in want]
+
+
+@pytest.mark.parametrize("m", [2, 5, 8, 16])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (2 * 3072, 1024), (1000, 200)])
+def test_skinny_gemm(m, shape):
+    """The verify rows' linear kernel (bf16, plain / bias / gated) against the fp32 reference, and the layers'
+    dispatch: a large weight at 5 rows goes to it."""
+    from pagedllm.kernels.gemv import _rows_kernel, gemv, gemv_ref
+    from pagedllm.kernels.skinny_gemm import skinny_gemm
+
+    n, k = shape
+    torch.manual_seed(m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for b in (None, bias):
+        torch.testing.assert_close(skinny_gemm(x, w, b).float(), gemv_ref(x, w, b).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(skinny_gemm(x, w, gated=True).float(), gemv_ref(x, w, gated=True).float(),
+                               atol=2e-2, rtol=2e-2)
+    if n * k > 8 * 1024 * 1024 and m >= 2:
+        assert _rows_kernel(m, w) == "skinny"
+        torch.testing.assert_close(gemv(x, w).float(), gemv_ref(x, w).float(), atol=2e-2, rtol=2e-2)

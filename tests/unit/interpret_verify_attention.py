@@ -78,6 +78,28 @@ def main() -> None:
     assert calls, "the backend did not route a 5-token step to the verify kernel"
     check("backend", out, ref)
     print("verify attention ok")
+    check_skinny_gemm()
+    print("skinny gemm ok")
+
+
+def check_skinny_gemm() -> None:
+    """The tensor-core few-row GEMM (verify rows of the linear layers), plain / bias / gated, odd shapes."""
+    from pagedllm.kernels.gemv import gemv_ref
+    from pagedllm.kernels.skinny_gemm import skinny_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k, dtype in [(5, 40, 96, torch.float16), (16, 33, 300, torch.float32), (2, 64, 64, torch.float16)]:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype)
+        for b in (None, bias):
+            got = skinny_gemm(x, w, b, block_k=64)
+            want = gemv_ref(x, w, b)
+            assert (got.float() - want.float()).abs().max().item() < 2e-2, (m, n, k, dtype, b is None)
+        wg = (torch.randn(2 * n, k, generator=gen) / k ** 0.5).to(dtype)
+        got = skinny_gemm(x, wg, None, gated=True, block_k=64)
+        want = gemv_ref(x, wg, None, gated=True)
+        assert (got.float() - want.float()).abs().max().item() < 2e-2, ("gated", m, n, k, dtype)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The speculative verify attention kernel in Triton's interpreter on the CPU (small shapes, fp32); the GPU
+"""The speculative verify attention kernel and the skinny GEMM in Triton's interpreter on the CPU (small shapes, fp32); the GPU
 version with bf16 and CUDA-graph replay is tests/gpu/test_verify_gpu.py."""
 from __future__ import annotations
 
@@ -18,4 +18,4 @@ def test_verify_kernel_in_triton_interpreter():
     r = subprocess.run([sys.executable, os.path.join(HERE, "interpret_verify_attention.py")], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert "verify attention ok" in r.stdout
+    assert "verify attention ok" in r.stdout and "skinny gemm ok" in r.stdout
