@@ -1,5 +1,5 @@
-"""The speculative verify attention kernel and the skinny GEMM in Triton's interpreter on the CPU (small shapes, fp32); the GPU
-version with bf16 and CUDA-graph replay is tests/gpu/test_verify_gpu.py."""
+"""The speculative verify attention kernel and the skinny GEMM in Triton's interpreter on the CPU (small shapes,
+fp32 / fp16); the GPU version with bf16 and CUDA-graph replay is tests/gpu/test_verify_gpu.py."""
 from __future__ import annotations
 
 import importlib.util

@@ -153,8 +153,10 @@ class ModelRunner:
         logits_idx = inp.query_start_loc[1:][sample_rows].astype(np.int64) - 1
         # One async host-to-device copy per dtype from pinned memory (pageable copies would wait for the
         # device to finish the step in flight, defeating async scheduling).
-        input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = self.stager.stage(
-            [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx], np.int64)
+        verifying = bool(inp.spec_token_ids) and len(sample_rows) > 0
+        spec_arrays = self.spec.stage_arrays(inp) if verifying else []  # verify rows + drafts, known before the forward
+        input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t, *spec_staged = self.stager.stage(
+            [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx] + spec_arrays, np.int64)
         int32_arrays = [inp.query_start_loc, inp.seq_lens, inp.block_table]
         want_order = inp.max_query_len == 1 and self.attn_backend.wants_decode_order
         if want_order:
@@ -201,8 +203,8 @@ class ModelRunner:
         self._prev_sampled = None
         if before_sampling is not None:
             before_sampling()
-        if inp.spec_token_ids and len(sample_rows):
-            return self.spec.verify(self, inp, hidden, prompt_logprobs)
+        if verifying:
+            return self.spec.verify(self, inp, hidden, prompt_logprobs, spec_staged)
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
