@@ -18,7 +18,13 @@ from pagedllm.forward_context import AttentionMetadata, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, check_kv_cache_backend, kv_cache_backend
+from pagedllm.worker.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    check_kv_cache_backend,
+    copy_kv_blocks,
+    kv_cache_backend,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +147,8 @@ class ModelRunner:
         """
         batch = self.input_batch
         batch.update(plan)
+        if plan.kv_block_copies:  # before the forward: copy-on-write of partial blocks (beam forks)
+            copy_kv_blocks(self.kv_caches, plan.kv_block_copies, self.device)
         if self.spec is not None and plan.finished_request_ids:
             self.spec.drop(plan.finished_request_ids)
         if plan.total_num_scheduled_tokens == 0:
