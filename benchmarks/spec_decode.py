@@ -61,6 +61,8 @@ def make_llm(args, spec: dict | None):
               max_num_seqs=max(args.batch_size, 8), seed=0)
     if args.load_format == "dummy":
         kw["skip_tokenizer_init"] = True
+    if args.no_async:
+        kw["async_scheduling"] = False
     return LLM(speculative_config=spec, **kw)
 
 
@@ -202,6 +204,12 @@ def run_verify(args) -> dict:
 
     block(True, 10)
     block(False, 10)
+    if args.profile and torch_cuda():
+        # Device time only (kernels, inside graphs too): what the verify step costs the GPU, without the host
+        # work that a speculating step cannot overlap (it waits for the previous step's drafts).
+        d_plain, d_verify = device_ms(lambda: block(False, 20), 20), device_ms(lambda: block(True, 20), 20)
+        print(f"[verify k={k}] device time per step: plain decode {d_plain:.3f} ms   verify {d_verify:.3f} ms   "
+              f"ratio {d_verify / d_plain:.3f}")
     ratios, rows = [], []
     for it in range(args.iters):
         t_plain = block(False, args.steps)
@@ -214,6 +222,22 @@ def run_verify(args) -> dict:
     print(f"[verify k={k}] median verify/plain step time: {statistics.median(ratios):.3f} "
           f"({sched.spec_stats.num_drafts} verify steps ran, {sched.spec_stats.num_draft_tokens} draft tokens)")
     return dict(rows=rows, median_ratio=statistics.median(ratios))
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device_ms(fn, num_steps: int) -> float:
+    """Kernel time per step (ms) of fn() running num_steps steps, from the torch profiler (CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / num_steps / 1e3
 
 
 def main(argv=None) -> None:
@@ -236,6 +260,9 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", choices=["chat", "random"], default=None,
                    help="sweep: the repeat / edit chat tasks (needs a tokenizer) or random token prompts "
                         "(default: random with --load-format dummy)")
+    p.add_argument("--no-async", action="store_true",
+                   help="async_scheduling=False for both engines (verify: both steps pay their host work)")
+    p.add_argument("--profile", action="store_true", help="verify: also print device (kernel) time per step")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192)}
