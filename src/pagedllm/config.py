@@ -142,17 +142,14 @@ class EngineArgs:
         self._validate_parallel_combinations()
 
     def _validate_parallel_combinations(self) -> None:
-        # LoRA and speculative decoding run in the in-process worker only: the executor's worker ranks do not
-        # receive adapters or build the draft model yet, so refuse rather than run them without.
+        # Speculative decoding runs in the in-process worker only: the executor's worker ranks do not build the
+        # draft model or propose yet, so refuse rather than run without it.
         multi_rank = self.tensor_parallel_size * self.pipeline_parallel_size > 1 or self.nnodes > 1
         if not multi_rank and self.distributed_executor_backend in (None, "uni"):
             return
         what = (f"tensor_parallel_size={self.tensor_parallel_size}, pipeline_parallel_size="
                 f"{self.pipeline_parallel_size}, nnodes={self.nnodes}, distributed_executor_backend="
                 f"{self.distributed_executor_backend}")
-        if self.enable_lora:
-            raise ValueError(f"--enable-lora with worker processes ({what}) is not supported yet by pagedllm; "
-                             "run LoRA with one in-process rank.")
         if self.speculative_config is not None:
             raise ValueError(f"--speculative-config with worker processes ({what}) is not supported yet by "
                              "pagedllm; run speculative decoding with one in-process rank.")

@@ -67,3 +67,18 @@ def test_enforce_eager_and_env_turn_mixed_graphs_off(tiny_llama_dir, monkeypatch
     monkeypatch.setenv("PAGEDLLM_MIXED_GRAPH_MAX_TOKENS", "0")
     llm = LLM(model=tiny_llama_dir, device="cuda", num_gpu_blocks_override=32)
     assert llm.engine.worker.runner.mixed_graphs.sizes == []
+
+
+def test_buckets_capped_by_what_a_step_can_hold(tiny_llama_dir):
+    """A step never holds more than max_num_seqs full-length requests: no bucket beyond that (capture used to fail
+    filling inputs for a bucket it could not cover with max_num_seqs requests of max_model_len tokens)."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", device="cuda", max_num_seqs=4, max_model_len=100,
+              max_num_batched_tokens=2048)
+    mixed = llm.engine.worker.runner.mixed_graphs
+    assert mixed.sizes[-1] == 400
+    prompts = random_prompts([90, 95, 80, 99, 3], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    eager = LLM(model=tiny_llama_dir, dtype="float32", device="cuda", max_num_seqs=4, max_model_len=100,
+                max_num_batched_tokens=2048, enforce_eager=True)
+    assert _tokens(llm, prompts, params) == _tokens(eager, prompts, params)
+    assert mixed.num_replays > 0

@@ -93,13 +93,11 @@ def test_hung_worker_times_out_instead_of_hanging(tiny_llama_dir, monkeypatch):
 
 @pytest.mark.parametrize("kwargs", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
                                     dict(distributed_executor_backend="mp"), dict(nnodes=2)])
-def test_lora_and_spec_decode_with_worker_processes_are_refused(kwargs):
+def test_spec_decode_with_worker_processes_is_refused(kwargs):
     from pagedllm.config import EngineArgs
 
-    with pytest.raises(ValueError, match=r"--enable-lora with worker processes .* is not supported yet"):
-        EngineArgs(model="m", enable_lora=True, **kwargs).validate()
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     with pytest.raises(ValueError, match=r"--speculative-config with worker processes .* is not supported yet"):
         EngineArgs(model="m", speculative_config=spec, **kwargs).validate()
-    EngineArgs(model="m", enable_lora=True).validate()  # one in-process rank: both are built
-    EngineArgs(model="m", speculative_config=spec).validate()
+    EngineArgs(model="m", enable_lora=True, **kwargs).validate()  # LoRA runs on worker ranks (test_parallel_lora)
+    EngineArgs(model="m", speculative_config=spec).validate()  # one in-process rank: built

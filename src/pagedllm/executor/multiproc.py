@@ -143,13 +143,14 @@ class MultiprocExecutor:
             raise
         for name, value in facts.items():
             setattr(self, name, value)
+        # Every rank holds its shard of each adapter: registrations go to all of them (see RemoteLoRAs).
+        self.lora_manager = RemoteLoRAs(self) if getattr(args, "enable_lora", False) else None
         logger.info("%d worker ranks ready (tensor_parallel_size=%d, pipeline_parallel_size=%d, %d node(s)).",
                     self.world_size, layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.nnodes)
 
     # ------------------------------------------------------------------ start-up
     remote_workers = False  # the Ray executor places ranks on other machines: TCP, not IPC
-    # LoRA and speculative decoding are refused with worker processes (EngineArgs._validate_parallel_combinations).
-    lora_manager = None
+    # Speculative decoding is refused with worker processes (EngineArgs._validate_parallel_combinations).
     speculative = None
     num_speculative_tokens = 0
     spec_disable_batch_size = None
@@ -204,6 +205,36 @@ class MultiprocExecutor:
         for ident in self._identities:
             self._sock.send_multipart([ident, payload], copy=False)
         return _Done(ModelOutput()) if seq is None else _Pending(self, seq)
+
+    def control(self, *msg: Any) -> Any:
+        """Run one request on every rank, in order with the plans sent before it, and return the output rank's
+        answer. A rank's ValueError (a user error, e.g. an adapter that cannot be served) is raised here as
+        ValueError; the steps in flight keep going."""
+        self._check_alive()
+        payload = dumps(("control",) + msg)
+        for ident in self._identities:
+            self._sock.send_multipart([ident, payload], copy=False)
+        replies: dict[int, tuple] = {}
+        deadline = time.monotonic() + collective_timeout_s() + 30
+        while len(replies) < self.world_size:
+            self._check_alive()
+            got = self._recv(timeout_ms=_POLL_MS)
+            if got is None:
+                self._check_procs()
+                if time.monotonic() > deadline:
+                    self._fail(f"no worker answered '{msg[0]}' within {collective_timeout_s() + 30:.0f} s")
+                continue
+            if got[0] == "output":
+                self._outputs[got[1]] = got[2]
+            elif got[0] == "control":
+                replies[got[1]] = got[2:]
+            elif got[0] == "error":
+                self._fail_from_error(got)
+        for rank in sorted(replies):
+            ok, value = replies[rank]
+            if not ok:
+                raise ValueError(value)
+        return replies[self.layout.output_rank][1]
 
     def execute_model(self, plan: BatchPlan) -> ModelOutput:
         return self.launch(plan).result()
@@ -321,6 +352,22 @@ class MultiprocExecutor:
             self.shutdown()
         except Exception:  # noqa: BLE001
             pass
+
+
+class RemoteLoRAs:
+    """The engine core's view of the ranks' LoRA managers (the in-process Worker's `lora_manager` interface)."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self.executor = executor
+
+    def add_lora(self, lora_int_id: int, name: str, path: str) -> None:
+        self.executor.control("lora_add", lora_int_id, name, path)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return bool(self.executor.control("lora_remove", lora_int_id))
+
+    def list_loras(self) -> list[int]:
+        return list(self.executor.control("lora_list"))
 
 
 def _startup_error(msg: tuple) -> Exception:

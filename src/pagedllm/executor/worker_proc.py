@@ -4,6 +4,7 @@ Joins torch.distributed (rendezvous at the master address), builds its Worker (m
 with every rank), says ready to the engine core's executor, then runs the plans it is sent, in order:
 
     ("plan", seq, plan, tokens)  -> launch the step; the output rank sends ("output", seq, ModelOutput)
+    ("control", op, *args)       -> e.g. register a LoRA adapter; every rank answers ("control", rank, ok, value)
     ("shutdown",)                -> exit 0
 
 Any failure (a collective that timed out because a peer died or hangs, an exception) is sent to the executor
@@ -154,16 +155,40 @@ def _loop(spec: WorkerSpec, worker: Any, sock: Any, zmq: Any, monitor: Any = Non
             if pending is not None:
                 finish()
             return
+        if msg[0] == "control":
+            sock.send(dumps(("control", spec.rank) + _control(worker, msg[1:])))
+            continue
         _, seq, plan, tokens = msg
         if tokens and not is_last_stage:
             worker.apply_sampled_tokens(tokens)
-        if pending is not None and not worker.async_scheduling:
-            finish()  # without async scheduling a plan assumes every earlier step's tokens are in the state
+        if pending is not None and (not worker.async_scheduling or _done(pending[1])):
+            # Without async scheduling a plan assumes every earlier step's tokens are in the state. With it, a
+            # finished step's output goes first: the engine core applies it while this rank prepares the plan.
+            finish()
         launched = worker.launch(plan)
         if pending is not None:
             finish()
         if seq is not None:
             pending = (seq, launched)
+
+
+def _control(worker: Any, msg: tuple) -> tuple[bool, Any]:
+    """(ok, value) of one control request; a ValueError (the user's to fix) comes back as (False, sentence)."""
+    op, args = msg[0], msg[1:]
+    try:
+        manager = worker.lora_manager
+        if manager is None and op.startswith("lora_"):
+            raise ValueError("LoRA adapters need the engine started with enable_lora=True (--enable-lora).")
+        if op == "lora_add":
+            manager.add_lora(*args)
+            return True, None
+        if op == "lora_remove":
+            return True, manager.remove_lora(*args)
+        if op == "lora_list":
+            return True, manager.list_loras()
+        raise ValueError(f"unknown control request {op!r}")
+    except ValueError as e:
+        return False, str(e)
 
 
 def _done(out: Any) -> bool:

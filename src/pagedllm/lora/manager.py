@@ -82,6 +82,11 @@ class LoRAManager:
         self.expected: dict[str, tuple[int, int]] = {}
         for layer in self.layers:
             self.expected.update(layer.expected_shapes())
+        # Pipeline parallel: this stage builds only its decoder layers; the others' modules are theirs to check.
+        decoder = getattr(model, "model", None)
+        start, end = getattr(decoder, "start_layer", None), getattr(decoder, "end_layer", None)
+        num_layers = len(getattr(decoder, "layers", ()))
+        self.local_layers = range(start, end) if start is not None and (start, end) != (0, num_layers) else None
         self.paths: dict[int, tuple[str, str]] = {}  # registered adapters: id -> (name, path)
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU: least recently used first
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> device slot, LRU order
@@ -115,7 +120,8 @@ class LoRAManager:
         return list(self.paths)
 
     def _read(self, lora_int_id: int, name: str, path: str) -> LoRAAdapter:
-        adapter = load_adapter(lora_int_id, name, path, self.expected, self.max_lora_rank, self.layers[0].lora_a.dtype)
+        adapter = load_adapter(lora_int_id, name, path, self.expected, self.max_lora_rank, self.layers[0].lora_a.dtype,
+                               local_layers=self.local_layers)
         self.num_disk_loads += 1
         return adapter
 

@@ -39,6 +39,7 @@ class LoRAAdapter:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
 
 
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.[A-Za-z0-9_\-]+)?\.weight$")
 _EMBED_HINTS = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings")
 
@@ -117,11 +118,13 @@ def _pattern_value(patterns: Optional[dict], module: str, default: Any) -> Any:
 
 
 def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tuple[int, int]],
-                 max_lora_rank: int, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+                 max_lora_rank: int, dtype: torch.dtype = torch.float32,
+                 local_layers: Optional[range] = None) -> LoRAAdapter:
     """Read and validate an adapter against the model: `expected` maps each adaptable module's PEFT name
     (e.g. "model.layers.0.self_attn.q_proj") to its full (in_features, out_features). The host copy is kept in
     `dtype` (the model's: a bf16 model's adapters take half the host memory of fp32 ones); the scaling is applied
-    in fp32 first."""
+    in fp32 first. With `local_layers` (a pipeline stage's decoder layers) modules of other layers are skipped:
+    the stage that holds them checks and keeps them."""
     config = read_adapter_config(path)
     tensors = _load_tensors(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -145,6 +148,10 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     max_rank = 0
     for module, ab in sorted(pairs.items()):
+        if module not in expected and local_layers is not None:
+            layer = _LAYER.search(module)
+            if layer is not None and int(layer.group(1)) not in local_layers:
+                continue
         if module not in expected:
             if any(h in module.rsplit(".", 1)[-1] for h in _EMBED_HINTS):
                 why = "LoRA on the embedding or the LM head is not supported"

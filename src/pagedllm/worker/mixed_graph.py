@@ -78,7 +78,10 @@ class MixedGraphRunner:
     def __init__(self, runner, pool=None, extra_sizes=()) -> None:
         self.runner = runner
         self.device = runner.device
-        max_tokens = min(runner.max_num_batched_tokens, envs.PAGEDLLM_MIXED_GRAPH_MAX_TOKENS)
+        # No step holds more than max_num_seqs full-length requests; larger buckets could not even be filled
+        # with valid capture inputs.
+        max_tokens = min(runner.max_num_batched_tokens, envs.PAGEDLLM_MIXED_GRAPH_MAX_TOKENS,
+                         runner.max_num_seqs * runner.max_model_len)
         self.sizes = mixed_capture_sizes(max_tokens) if max_tokens >= 2 else []  # a mixed step has >= 2 tokens
         # Extra exact buckets (speculative verify steps: k + 1 tokens per request) so they replay unpadded.
         self.sizes = sorted(set(self.sizes) | {s for s in extra_sizes if 2 <= s <= max_tokens})
