@@ -41,7 +41,7 @@ def build_verify_graphs(runner) -> Optional["VerifyGraphRunner"]:
         return None
     limit = spec.config.disable_by_batch_size or runner.max_num_seqs
     max_reqs = min(limit, envs.PAGEDLLM_VERIFY_GRAPH_MAX_REQS, runner.max_num_seqs)
-    if max_reqs < 1:
+    if max_reqs < 1 or spec.config.num_speculative_tokens + 1 > runner.max_model_len:
         return None
     return VerifyGraphRunner(runner, spec.config.num_speculative_tokens + 1, max_reqs)
 
