@@ -102,5 +102,32 @@ def check_skinny_gemm() -> None:
         assert (got.float() - want.float()).abs().max().item() < 2e-2, ("gated", m, n, k, dtype)
 
 
+def check_engine(model_dir: str) -> None:
+    """A speculating engine on the Triton backend (interpreted; unfused qkv and one decode split: the interpreter
+    cannot run the fused kernel's or the split decode's masks) gives the torch backend's plain greedy tokens, its
+    verify steps through the verify kernel."""
+    from pagedllm import LLM, SamplingParams
+
+    assert os.environ.get("PAGEDLLM_FUSED_QKV") == "0" and os.environ.get("PAGEDLLM_DECODE_MAX_SPLITS") == "1"
+    base = [17, 200, 31, 5, 88, 140, 9, 61, 300, 12, 77, 250]
+    prompts = [{"prompt_token_ids": base * 3}, {"prompt_token_ids": base[:5] * 4}]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    calls = []
+    original = TritonAttentionBackend._attend_verify
+    TritonAttentionBackend._attend_verify = lambda self, *a: (calls.append(1), original(self, *a))
+    common = dict(kv_cache_memory_bytes=1 << 22, max_model_len=128)
+    tri = LLM(model_dir, attention_backend="triton", speculative_config=spec, **common)
+    got = [o.outputs[0].token_ids for o in tri.generate(prompts, params, use_tqdm=False)]
+    ref = LLM(model_dir, attention_backend="torch", **common)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert got == want, (got, want)
+    assert calls and tri.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    print("engine ok")
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "engine":
+        check_engine(sys.argv[2])
+    else:
+        main()

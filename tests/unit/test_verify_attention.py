@@ -19,3 +19,12 @@ def test_verify_kernel_in_triton_interpreter():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert "verify attention ok" in r.stdout and "skinny gemm ok" in r.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_speculating_engine_on_interpreted_triton_backend(tiny_llama_dir):
+    env = dict(os.environ, TRITON_INTERPRET="1", PAGEDLLM_FUSED_QKV="0", PAGEDLLM_DECODE_MAX_SPLITS="1")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "interpret_verify_attention.py"), "engine", tiny_llama_dir],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "engine ok" in r.stdout
