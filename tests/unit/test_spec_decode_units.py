@@ -290,3 +290,20 @@ def test_metrics_export_spec_counters():
     assert 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 12.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 7.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0' in text
+
+
+def test_async_waits_for_the_step_in_flight_only_while_drafts_come():
+    from types import SimpleNamespace
+
+    from pagedllm.spec_decode.scheduling import SpecScheduling
+
+    s = SpecScheduling(num_speculative_tokens=4, disable_by_batch_size=16, max_model_len=100)
+    idle = [SimpleNamespace(spec_token_ids=[]), SimpleNamespace(spec_token_ids=[])]
+    assert s.wants_sync(idle)  # nothing applied yet: a first proposing step is waited for
+    s.note_proposals([[], []])  # the proposer found nothing: plain steps keep overlapping
+    assert not s.wants_sync(idle)
+    s.note_proposals(None)  # a step that proposed nothing (mid-prefill, speculation off)
+    assert not s.wants_sync(idle)
+    assert s.wants_sync([SimpleNamespace(spec_token_ids=[5, 6]), idle[0]])  # drafts held: never overlapped
+    s.note_proposals([[], [7]])
+    assert s.wants_sync(idle)

@@ -175,8 +175,10 @@ class EngineCore:
         try:
             if self.num_micro_batches > 1:
                 return self._step_pipelined()
-            if self.async_scheduling and self.scheduler.spec_active():
-                # A speculating step needs the drafts its previous step proposed: finish that step first.
+            sched = self.scheduler
+            if self.async_scheduling and sched.spec_active() and sched.spec.wants_sync(sched.running):
+                # A speculating step needs the drafts its previous step proposed: finish that step first (only
+                # while the proposer finds drafts: otherwise plain steps keep overlapping).
                 return self._apply_in_flight() + self._step_sync()
             return self._step_async() if self.async_scheduling else self._step_sync()
         except RequestStepError as e:

@@ -446,6 +446,8 @@ class Scheduler:
             )
         if finished_any:
             self.running = [r for r in self.running if not r.is_finished]
+        if output.req_ids:
+            self.spec.note_proposals(output.spec_token_ids)
         return outputs
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
