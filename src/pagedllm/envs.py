@@ -72,6 +72,8 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Speculative verify steps of up to this many requests replay CUDA graphs with k + 1 tokens per request
     # (worker/verify_graph.py); 0: they go through the mixed-step graphs instead.
     "PAGEDLLM_VERIFY_GRAPH_MAX_REQS": _int("PAGEDLLM_VERIFY_GRAPH_MAX_REQS", 64),
+    # "0": CUDA FP8 activations are quantized by the torch ops instead of kernels/quant_act.py's one kernel (A/B).
+    "PAGEDLLM_FUSED_ACT_QUANT": lambda: os.environ.get("PAGEDLLM_FUSED_ACT_QUANT", "1") != "0",
     # Model hubs (models/model_resolution.py): repo ids go through ModelScope instead of Hugging Face when either
     # is true; Hugging Face's offline switches (the local cache only) and token.
     "PAGEDLLM_USE_MODELSCOPE": lambda: _truthy(os.environ.get("PAGEDLLM_USE_MODELSCOPE")),

@@ -17,6 +17,11 @@ import sys
 import time
 from typing import Any
 
+from pagedllm.process_utils import one_line, watch_parent
+
+# errors the user can fix, reported as their sentence
+_USER_ERRORS = (ValueError, FileNotFoundError, OSError)
+
 logger = logging.getLogger("pagedllm.engine_proc")
 
 _IDLE_POLL_MS = 1000
@@ -31,7 +36,7 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
     logging.basicConfig(
         level=log_level.upper(), format="%(levelname)s %(asctime)s [engine] %(message)s", datefmt="%H:%M:%S"
     )
-    _start_parent_watchdog()
+    watch_parent(exit_code=0)
     import zmq
 
     from pagedllm.entrypoints import messages as m
@@ -49,7 +54,7 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
         core = EngineCore(engine_args)
     except BaseException as e:  # noqa: BLE001 - any startup failure must reach the user as one line
         logger.debug("engine startup failed", exc_info=True)
-        out_sock.send(enc.encode(m.EngineStartupError(message=_one_line(e))))
+        out_sock.send(enc.encode(m.EngineStartupError(message=one_line(e, _USER_ERRORS))))
         out_sock.close()
         ctx.term()
         sys.exit(1)
@@ -75,7 +80,7 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
         crashed = True
         logger.exception("engine core crashed")
         # Tell the API process why (a worker rank died, ...) before the non-zero exit.
-        out_sock.send(enc.encode(m.EngineDead(message=_one_line(e), engine_index=engine_index)))
+        out_sock.send(enc.encode(m.EngineDead(message=one_line(e, _USER_ERRORS), engine_index=engine_index)))
     finally:
         try:
             core.shutdown()
@@ -85,30 +90,6 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
             ctx.term()
     if crashed:
         os._exit(1)  # at once: library exit handlers must not keep a dead engine's process around
-
-
-def _start_parent_watchdog(interval_s: float = 0.5) -> None:
-    """Exit as soon as the API process is gone, whatever the loop is doing (mid-step, or blocked sending
-    to a peer that will never read): an orphaned engine would hold its memory forever."""
-    import threading
-
-    parent_pid = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(interval_s)
-            if os.getppid() != parent_pid:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="pagedllm-parent-watchdog", daemon=True).start()
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    msg = text[0] if text else ""
-    if isinstance(e, (ValueError, FileNotFoundError, OSError)) and msg:
-        return msg
-    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 class EngineLoop:
@@ -214,7 +195,7 @@ class EngineLoop:
             return m.LoraReply(msg.seq, str(e), 400)
         except Exception as e:  # noqa: BLE001 - a broken adapter file must not kill the engine
             logger.exception("LoRA %s failed", type(msg).__name__)
-            return m.LoraReply(msg.seq, _one_line(e), 500)
+            return m.LoraReply(msg.seq, one_line(e, _USER_ERRORS), 500)
         return m.LoraReply(msg.seq)
 
     def _add(self, msg: Any) -> None:
@@ -235,7 +216,7 @@ class EngineLoop:
             self.stats_dirty = True
         except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine
             logger.exception("add_request failed for %s", msg.request_id)
-            self.out_sock.send(self.enc.encode(self.m.RequestError(msg.request_id, _one_line(e), 500)))
+            self.out_sock.send(self.enc.encode(self.m.RequestError(msg.request_id, one_line(e, _USER_ERRORS), 500)))
 
     def _send_request_errors(self) -> None:
         pop = getattr(self.core, "pop_request_errors", None)

@@ -20,10 +20,11 @@ import logging
 import os
 import pickle
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.process_utils import one_line, watch_parent as _watch_parent
 
 logger = logging.getLogger("pagedllm.worker")
 
@@ -57,7 +58,7 @@ def run_worker(spec: WorkerSpec, watch_parent: bool = True) -> int:
                         format=f"%(levelname)s %(asctime)s [rank {spec.rank}] %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("PAGEDLLM_DISABLE_PROGRESS_BARS", "1")
     if watch_parent:
-        _watch_parent()
+        _watch_parent(exit_code=1)
     import zmq
 
     ctx = zmq.Context(io_threads=1)
@@ -80,7 +81,7 @@ def run_worker(spec: WorkerSpec, watch_parent: bool = True) -> int:
     except BaseException as e:  # noqa: BLE001 - whatever it is, the executor must hear it with the rank
         logger.debug("worker failed", exc_info=True)
         try:
-            sock.send(dumps(("error", spec.rank, _one_line(e), isinstance(e, ValueError))))
+            sock.send(dumps(("error", spec.rank, one_line(e), isinstance(e, ValueError))))
         except Exception:  # noqa: BLE001
             pass
         return 1
@@ -194,28 +195,6 @@ def _control(worker: Any, msg: tuple) -> tuple[bool, Any]:
 def _done(out: Any) -> bool:
     event = getattr(out, "event", None)
     return event is None or event.query()
-
-
-def _watch_parent(interval_s: float = 0.5) -> None:
-    """Exit when the process that started this worker is gone: an orphaned rank would hold its device."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(interval_s)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="pagedllm-worker-watchdog", daemon=True).start()
-
-
-def _one_line(e: BaseException) -> str:
-    """User errors (ValueError: a layout or memory problem) as their sentence, anything else with its type."""
-    lines = str(e).strip().splitlines()
-    text = lines[0] if lines else ""
-    if isinstance(e, ValueError) and text:
-        return text
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 if __name__ == "__main__":

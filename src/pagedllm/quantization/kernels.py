@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pagedllm import envs
 from pagedllm.layers.activation import triton_kernels
 
 
@@ -42,6 +43,10 @@ def quantize_fp8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor]
     """x [M, K] -> (E4M3 [M, K], fp32 scale [M, 1]): dynamic per-token scales (or one static scale)."""
     if static_scale is not None:
         scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    elif x.is_cuda and envs.PAGEDLLM_FUSED_ACT_QUANT:
+        from pagedllm.kernels.quant_act import fp8_per_token
+
+        return fp8_per_token(x)  # one kernel, the same numbers
     else:
         scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
