@@ -126,8 +126,67 @@ def check_engine(model_dir: str) -> None:
     print("engine ok")
 
 
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: replay() runs the forward on the runner's static buffers
+    with the capture-time metadata, as a replayed graph does, into a fixed output tensor."""
+
+    def __init__(self, vg, size: int, bucket: int) -> None:
+        self.vg, self.size, self.bucket = vg, size, bucket
+        tokens = size * vg.query_len
+        self.out = torch.empty(tokens, vg.runner.model.config.hidden_size)
+
+    def replay(self) -> None:
+        from pagedllm.forward_context import set_forward_context
+
+        vg, tokens = self.vg, self.size * self.vg.query_len
+        md = vg._metadata(self.size, self.bucket)
+        with set_forward_context(md, vg.runner.attn_backend):
+            self.out.copy_(vg.runner.model(vg.input_ids[:tokens], vg.positions[:tokens]))
+
+
+def check_verify_graph_runner(model_dir: str) -> None:
+    """VerifyGraphRunner.run's padding (tokens to b x (k + 1), request rows past the step's with no tokens and
+    seq_len 0, padding K/V into the scratch block) with its graphs replaced by eager replays of the same static
+    buffers: the speculating engine still gives the plain greedy tokens, every verify step through the runner."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.worker.kv_cache import allocate_kv_caches
+    from pagedllm.worker.verify_graph import VerifyGraphRunner
+
+    base = [17, 200, 31, 5, 88, 140, 9, 61, 300, 12, 77, 250]
+    prompts = [{"prompt_token_ids": base * 3}, {"prompt_token_ids": base[:5] * 4}, {"prompt_token_ids": base[3:9]}]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    common = dict(kv_cache_memory_bytes=1 << 22, max_model_len=128, max_num_seqs=4)
+    llm = LLM(model_dir, attention_backend="triton", speculative_config=spec, **common)
+    runner = llm.engine.worker.runner
+    # the scratch block past the pool (CPU runs allocate none: no graphs)
+    runner.kv_caches = allocate_kv_caches(runner.kv_cache_spec(), runner.num_blocks + 1, runner.device)
+    for layer, cache in zip(runner.model.attn_layers, runner.kv_caches):
+        layer.kv_cache = cache
+    vg = VerifyGraphRunner(runner, 4, 4)
+    assert vg.sizes == [1, 2, 4]
+    kvh = runner.kv_cache_spec().num_kv_heads
+    for size in vg.sizes:
+        vg.seq_len_buckets[size] = runner.attn_backend.graph_seq_len_buckets(size, kvh, runner.max_model_len,
+                                                                            runner.device)
+        for bucket in vg.seq_len_buckets[size]:
+            graph = _EagerGraph(vg, size, bucket)
+            vg.graphs[(size, bucket, False)] = graph
+            vg.outputs[(size, bucket, False)] = graph.out
+    runner.verify_graphs = vg
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    ref = LLM(model_dir, attention_backend="torch", **common)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert got == want, (got, want)
+    stats = llm.engine.scheduler.spec_stats
+    # (a replay verifies every request's drafts of that step: num_drafts counts request-steps)
+    assert stats.num_accepted_tokens > 0 and vg.num_replays > 0, (vg.num_replays, stats.summary())
+    print("verify graph runner ok")
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "engine":
         check_engine(sys.argv[2])
+        check_verify_graph_runner(sys.argv[2])
     else:
         main()
