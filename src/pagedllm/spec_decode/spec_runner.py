@@ -107,40 +107,25 @@ class SpecDecodeRunner:
             staged = [torch.from_numpy(a).to(runner.device) for a in self.stage_arrays(inp)]
         token_rows_t, draft_t = staged
         sample_rows = inp.sample_rows.tolist()
-        num_rows: list[int] = []
-        params, prompts, outputs, eos = [], [], [], []
-        for r in sample_rows:
-            state = inp.states[r]
-            drafts = spec.get(state.req_id, [])
-            n = len(drafts) + 1
-            num_rows.append(n)
-            p = state.sampling_params
-            # Penalties and bad words read the output tokens themselves; seeds and min_tokens only their count.
-            needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                             or bool(getattr(p, "bad_words_token_ids", None)))
-            e = None if p.ignore_eos else runner.eos_token_id
-            for j in range(n):
-                params.append(p)
-                prompts.append(state.prompt_token_ids)
-                # Row j sees the drafts before it as outputs (penalties, min_tokens, the seed's position).
-                if j == 0:
-                    outputs.append(state.output_token_ids)
-                elif needs_history:
-                    outputs.append(state.output_token_ids + drafts[:j])
-                else:
-                    outputs.append(_Len(len(state.output_token_ids) + j))
-                eos.append(e)
+        states = [inp.states[r] for r in sample_rows]
+        num_rows = [len(spec.get(st.req_id, ())) + 1 for st in states]
         dev = runner.device
-        meta = SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
-                                      eos_token_ids=eos, vocab_size=runner.vocab_size, device=dev)
         rows_hidden = hidden.index_select(0, token_rows_t)
+        # Whether the argmax alone decides every row: one metadata row per request tells (a request's later rows
+        # differ only in their output count, which changes nothing here once row 0 has no min_tokens mask).
+        probe = SamplingMetadata.build(
+            params=[st.sampling_params for st in states], prompt_token_ids=[st.prompt_token_ids for st in states],
+            output_token_ids=[st.output_token_ids for st in states],
+            eos_token_ids=[None if st.sampling_params.ignore_eos else runner.eos_token_id for st in states],
+            vocab_size=runner.vocab_size, device=dev)
         greedy = None
-        if meta.argmax_only:
+        if probe.argmax_only:
             greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
         if greedy is not None:  # every row plain greedy: accept where the draft is the argmax
             accepted, final = greedy == draft_t, greedy
             lp = None
         else:
+            meta = self._row_metadata(runner, states, spec)
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, draft_t, None, None)
             accepted, final, lp = result.accepted, result.final_token_ids, result.logprobs
         packed = torch.stack([final.to(torch.int64), accepted.to(torch.int64)])  # [2, rows]
@@ -154,6 +139,31 @@ class SpecDecodeRunner:
         else:
             host = packed
         return VerifyPending(self, runner, inp, host, lp, event, prompt_logprobs, sample_rows, num_rows)
+
+    @staticmethod
+    def _row_metadata(runner, states, spec) -> SamplingMetadata:
+        """Sampling metadata over every verify row: row j of a request sees the drafts before it as outputs
+        (penalties, min_tokens, the seed's position)."""
+        params, prompts, outputs, eos = [], [], [], []
+        for state in states:
+            drafts = spec.get(state.req_id, [])
+            p = state.sampling_params
+            # Penalties and bad words read the output tokens themselves; seeds and min_tokens only their count.
+            needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                             or bool(getattr(p, "bad_words_token_ids", None)))
+            e = None if p.ignore_eos else runner.eos_token_id
+            for j in range(len(drafts) + 1):
+                params.append(p)
+                prompts.append(state.prompt_token_ids)
+                if j == 0:
+                    outputs.append(state.output_token_ids)
+                elif needs_history:
+                    outputs.append(state.output_token_ids + drafts[:j])
+                else:
+                    outputs.append(_Len(len(state.output_token_ids) + j))
+                eos.append(e)
+        return SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
+                                      eos_token_ids=eos, vocab_size=runner.vocab_size, device=runner.device)
 
     def _output(self, runner, inp, sample_rows: list[int], emitted: list[list[int]], num_rows: list[int],
                 lp: Optional[list]) -> ModelOutput:
