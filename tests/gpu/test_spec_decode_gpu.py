@@ -1,5 +1,5 @@
-"""Speculative decoding and beam search on CUDA: verify steps replay CUDA graphs (worker/verify_graph.py: k + 1
-tokens per request in decode batch buckets), async scheduling stays on, and greedy output equals the same engine
+"""Speculative decoding and beam search on CUDA: verify steps replay CUDA graphs (mixed-step buckets of k + 1
+tokens per request; the opt-in verify graphs are tests/gpu/test_verify_gpu.py), async scheduling stays on, and greedy output equals the same engine
 without speculation."""
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def test_ngram_on_cuda_graphs_equals_plain(tiny_llama_dir, dtype):
     plain = LLM(tiny_llama_dir, **common)
     spec = LLM(tiny_llama_dir, speculative_config=NGRAM, **common)
     runner = spec.engine.worker.runner
-    assert spec.engine.async_scheduling and runner.verify_graphs is not None
-    assert runner.verify_graphs.query_len == 5 and runner.verify_graphs.sizes == [1, 2, 4, 8]
+    assert spec.engine.async_scheduling and runner.mixed_graphs is not None and runner.verify_graphs is None
+    assert {5, 10, 20, 40} <= set(runner.mixed_graphs.sizes)  # exact verify buckets (k + 1) x batch
     got, want = _tokens(spec, _prompts(), params), _tokens(plain, _prompts(), params)
     if dtype == "float32":
         assert got == want
@@ -41,11 +41,11 @@ def test_ngram_on_cuda_graphs_equals_plain(tiny_llama_dir, dtype):
         assert [g[0] for g in got] == [w[0] for w in want] and all(len(g) == 40 for g in got)
     stats = spec.engine.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0
-    # batch 1: every verify step is one draft; each must have replayed a verify graph (2..5 tokens)
-    before_replays, before_drafts = runner.verify_graphs.num_replays, stats.num_drafts
+    # batch 1: every verify step is one draft; each must have replayed a graph (2..5 tokens, exact buckets)
+    before_replays, before_drafts = runner.mixed_graphs.num_replays, stats.num_drafts
     _tokens(spec, _prompts()[:1], params)
     assert stats.num_drafts > before_drafts
-    assert runner.verify_graphs.num_replays - before_replays >= stats.num_drafts - before_drafts
+    assert runner.mixed_graphs.num_replays - before_replays >= stats.num_drafts - before_drafts
 
 
 def test_draft_model_and_sampling_on_cuda(tiny_llama_dir):

@@ -1,6 +1,8 @@
-"""Speculative verify steps on CUDA: the split-KV verify attention kernel against the torch reference (every GQA
-ratio / head size / dtype of the attention kernel tests, every split count), under CUDA-graph replay, and the
-engine's verify graphs (worker/verify_graph.py) giving the eager verify step's tokens."""
+"""Speculative verify steps on CUDA, the OPT-IN path (PAGEDLLM_VERIFY_ATTENTION=1, PAGEDLLM_SKINNY_GEMM_MAX_ROWS=16,
+PAGEDLLM_VERIFY_GRAPH_MAX_REQS=64; set here for every test): the split-KV verify attention kernel against the torch
+reference (three head layouts / dtypes, several split counts), under CUDA-graph replay, the skinny GEMM, and the
+engine's verify graphs (worker/verify_graph.py) giving the eager verify step's tokens. Not yet run on a GPU; it
+compiles few kernel variants (expected well under 2 minutes on the H200 host, most of it Triton compiles)."""
 from __future__ import annotations
 
 import pytest
@@ -18,12 +20,22 @@ from pagedllm.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 from pagedllm.kernels.verify_attention import paged_verify_attention, verify_kernel_applies  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# Llama-3-8B heads in bf16, GQA 8 in fp16, fp32 (exact products): few compiled variants.
+VERIFY_CONFIGS = [CONFIGS[0], CONFIGS[4], CONFIGS[7]]
+VERIFY_IDS = [CONFIG_IDS[0], CONFIG_IDS[4], CONFIG_IDS[7]]
+
+
+@pytest.fixture(autouse=True)
+def _opt_in(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_VERIFY_ATTENTION", "1")
+    monkeypatch.setenv("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", "16")
+    monkeypatch.setenv("PAGEDLLM_VERIFY_GRAPH_MAX_REQS", "64")
 
 # (cached, query): drafted spans ending inside a split, 1-token rows (no drafts) and a fresh short prompt.
 VERIFY_SPECS = [(0, 5), (1, 5), (15, 5), (16, 3), (63, 5), (300, 4), (1000, 5), (4095, 2), (37, 1), (0, 2)]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("cfg", VERIFY_CONFIGS, ids=VERIFY_IDS)
 def test_verify_kernel(cfg):
     head_size, num_heads, num_kv_heads, block_size, dtype = cfg
     batch = build_batch(VERIFY_SPECS, num_heads, num_kv_heads, head_size, block_size, dtype, "cuda")
@@ -31,13 +43,13 @@ def test_verify_kernel(cfg):
     assert verify_kernel_applies(md.max_query_len, num_heads, num_kv_heads, head_size, dtype)
     out = TritonAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache, md, batch.scale)
     _check_cache_and_output(batch, out, dtype)
-    for num_splits in (1, 2, 7, 64):
+    for num_splits in (1, 7, 64):
         out2 = paged_verify_attention(batch.query, batch.kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
                                       batch.scale, num_seqs=md.num_reqs, max_query_len=8, num_splits=num_splits)
         _check_cache_and_output(batch, out2, dtype)
 
 
-@pytest.mark.parametrize("num_seqs", [1, 4, 32])
+@pytest.mark.parametrize("num_seqs", [1, 32])
 def test_verify_kernel_cuda_graph_replay(num_seqs):
     """Capture one launch for num_seqs requests of <= 5 tokens, replay with fewer requests, other spans and
     contexts: padding rows (no query tokens, seq_len 0) write nothing."""
@@ -106,8 +118,8 @@ def test_engine_verify_graphs_equal_eager(tiny_llama_dir, dtype):
         assert [g[:4] for g in got] == [w[:4] for w in want]
 
 
-@pytest.mark.parametrize("m", [2, 5, 8, 16])
-@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (2 * 3072, 1024), (1000, 200)])
+@pytest.mark.parametrize("m", [5, 16])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (1000, 200)])
 def test_skinny_gemm(m, shape):
     """The verify rows' linear kernel (bf16, plain / bias / gated) against the fp32 reference, and the layers'
     dispatch: a large weight at 5 rows goes to it."""

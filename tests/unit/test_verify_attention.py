@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_verify_kernel_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", PAGEDLLM_VERIFY_ATTENTION="1")
     r = subprocess.run([sys.executable, os.path.join(HERE, "interpret_verify_attention.py")], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
@@ -25,7 +25,8 @@ def test_verify_kernel_in_triton_interpreter():
 def test_speculating_engine_on_interpreted_triton_backend(tiny_llama_dir):
     """The engine with speculation on the Triton backend (interpreted) equals the torch backend's plain greedy
     tokens: eagerly, and through VerifyGraphRunner.run's padded static buffers (graphs replaced by eager replays)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PAGEDLLM_FUSED_QKV="0", PAGEDLLM_DECODE_MAX_SPLITS="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", PAGEDLLM_VERIFY_ATTENTION="1", PAGEDLLM_FUSED_QKV="0",
+               PAGEDLLM_DECODE_MAX_SPLITS="1")
     r = subprocess.run([sys.executable, os.path.join(HERE, "interpret_verify_attention.py"), "engine", tiny_llama_dir],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
