@@ -66,6 +66,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # that the GEMV does not take (large weights, more rows than PAGEDLLM_GEMV_MAX_ROWS) use the tensor-core skinny
     # GEMM (kernels/skinny_gemm.py; at most 16) instead of cuBLAS. 0 (default): cuBLAS.
     "PAGEDLLM_SKINNY_GEMM_MAX_ROWS": _int("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", 0),
+    # OPT-IN on GPUs, not yet run on one: "1": a finished request's last partial block is copied into a request that
+    # continues it (beam forks, core/partial_blocks.py) instead of recomputed. Always on for CPU engines.
+    "PAGEDLLM_PARTIAL_BLOCK_COPIES": lambda: os.environ.get("PAGEDLLM_PARTIAL_BLOCK_COPIES", "0") == "1",
     # OPT-IN, not yet run on a GPU: "1": steps of 2..16 query tokens per request (speculative verify rows) use the
     # split-KV verify kernel (kernels/verify_attention.py) instead of the prefill attention kernel.
     "PAGEDLLM_VERIFY_ATTENTION": lambda: os.environ.get("PAGEDLLM_VERIFY_ATTENTION", "0") == "1",

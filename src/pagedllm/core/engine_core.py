@@ -72,6 +72,11 @@ class EngineCore:
             max_loras=engine_args.max_loras if engine_args.enable_lora else None,
         )
         self.loras = EngineLoRAs(w.lora_manager, self.scheduler)
+        from pagedllm import envs
+
+        if not str(getattr(w, "device", "cuda")).startswith("cpu") and not envs.PAGEDLLM_PARTIAL_BLOCK_COPIES:
+            # Partial-block copies (beam forks) have not run on a GPU yet: opt-in there.
+            self.scheduler.kv_cache_manager.disable_partial_blocks()
         self._spec_log = SpecLogger(self.scheduler.spec_stats) if w.num_speculative_tokens else None
         if w.speculative is not None:
             sc = w.speculative

@@ -94,6 +94,11 @@ class KVCacheManager:
             self.record_prefix_cache_lookup(request.num_tokens, num_computed_tokens)
         return hits, num_computed_tokens
 
+    def disable_partial_blocks(self) -> None:
+        """Offer no partial blocks (every request recomputes its tokens past its full-block hits)."""
+        self.partial_blocks = None
+        self.block_pool.partial_cache = None
+
     def partial_block_hit(self, request: Request, num_hit_tokens: int) -> Optional[tuple[int, int]]:
         """After get_computed_blocks' full-block hits: a remembered partial block whose tokens continue the
         request's (leaving at least its last token to compute), as (source block id, tokens it covers). The caller
