@@ -6,6 +6,11 @@ norm, gate_up + SiLU, down) over every layer of the model shape, as one CUDA gra
 loads overlap the kernel before it (programmatic dependent launch), which a kernel alone does not show.
 
     python benchmarks/gemv.py                      # Llama-3-8B and Qwen3-0.6B shapes, 1-4 rows
+    python benchmarks/gemv.py --chain-only --shapes llama3-8b --rows 1 5 8 16   # verify-step rows (k + 1 per request)
+
+"gemv" is `kernels.gemv.gemv` as the layers call it: rows that `_rows_kernel` gives to the tensor-core skinny GEMM
+(kernels/skinny_gemm.py: 2..16 rows where the GEMV does not apply) run that kernel; PAGEDLLM_SKINNY_GEMM_MAX_ROWS=0
+forces the GEMV kernel instead.
     PAGEDLLM_PDL_TRIGGER=0 python benchmarks/gemv.py --chain-only   # A/B of the early launch trigger
 """
 from __future__ import annotations

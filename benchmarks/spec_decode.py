@@ -6,8 +6,11 @@
     python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b --load-format dummy
     # 3. Qwen3-0.6B shape, batch 64: throughput with speculation configured vs without (target >= 95%)
     python benchmarks/spec_decode.py batch --model benchmarks/configs/qwen3-0.6b --load-format dummy
-    # 4. where speculation stops paying (sets speculative_config's disable_by_batch_size): ratio per batch size
+    # 4. where speculation stops paying (sets speculative_config's disable_by_batch_size): ratio per batch size,
+    #    speculation forced on; on the repeat / edit tasks (a real model) or random prompts (a dummy shape)
     python benchmarks/spec_decode.py sweep --model SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
+    python benchmarks/spec_decode.py sweep --model benchmarks/configs/qwen3-0.6b --load-format dummy \
+        --dtype bfloat16 --batch-sizes 1 4 16 32 64 --output-len 128
 
 Each prints one line per measurement and a final ratio; --json FILE writes them too.
 """
@@ -58,6 +61,8 @@ def make_llm(args, spec: dict | None):
               max_num_seqs=max(args.batch_size, 8), seed=0)
     if args.load_format == "dummy":
         kw["skip_tokenizer_init"] = True
+    if args.no_async:
+        kw["async_scheduling"] = False
     return LLM(speculative_config=spec, **kw)
 
 
@@ -140,19 +145,31 @@ def run_batch(args) -> dict:
 
 
 def run_sweep(args) -> dict:
+    """With vs without n-gram speculation (forced on: no disable_by_batch_size) at each batch size, both engines
+    built once: the largest batch where it still pays, and where it costs > 5%, set disable_by_batch_size."""
     from pagedllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
-    results = []
-    args.batch_size = 64
+    sizes = args.batch_sizes or [1, 2, 4, 8, 16, 32, 64]
+    random_in = args.prompts == "random" or (args.prompts is None and args.load_format == "dummy")
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=random_in)
+    args.batch_size = max(sizes)
     args.disable_by_batch_size = 0  # force speculation on to measure it
     engines = (make_llm(args, None), make_llm(args, ngram_config(args)))
-    for b in (1, 2, 4, 8, 16, 32, 64):
-        results.append(compare_throughput(args, lambda llm: chat_prompts(llm, b), params, f"sweep batch {b}",
-                                          engines=engines))
-    paying = [r for r, b in zip(results, (1, 2, 4, 8, 16, 32, 64)) if r["median_ratio"] >= 1.0]
-    print("largest batch where n-gram speculation pays:", max((int(r["label"].split()[-1]) for r in paying),
-                                                              default=None))
+    results = []
+    for b in sizes:
+        prompts_of = (lambda llm, b=b: random_prompts(llm, b, args.input_len)) if random_in else (
+            lambda llm, b=b: chat_prompts(llm, b))
+        r = compare_throughput(args, prompts_of, params, f"sweep batch {b}", engines=engines)
+        r["batch_size"] = b
+        results.append(r)
+    print("batch  with/without  acceptance")
+    for r in results:
+        acc = statistics.median(row["acceptance"] for row in r["rows"])
+        print(f"{r['batch_size']:5d}  {r['median_ratio']:12.3f}  {100 * acc:9.1f}%")
+    paying = [r["batch_size"] for r in results if r["median_ratio"] >= 1.0]
+    costly = [r["batch_size"] for r in results if r["median_ratio"] < 0.95]
+    print("largest batch where n-gram speculation pays:", max(paying, default=None),
+          "| smallest batch where it costs > 5%:", min(costly, default=None))
     return dict(sweep=results)
 
 
@@ -187,6 +204,12 @@ def run_verify(args) -> dict:
 
     block(True, 10)
     block(False, 10)
+    if args.profile and torch_cuda():
+        # Device time only (kernels, inside graphs too): what the verify step costs the GPU, without the host
+        # work that a speculating step cannot overlap (it waits for the previous step's drafts).
+        d_plain, d_verify = device_ms(lambda: block(False, 20), 20), device_ms(lambda: block(True, 20), 20)
+        print(f"[verify k={k}] device time per step: plain decode {d_plain:.3f} ms   verify {d_verify:.3f} ms   "
+              f"ratio {d_verify / d_plain:.3f}")
     ratios, rows = [], []
     for it in range(args.iters):
         t_plain = block(False, args.steps)
@@ -199,6 +222,22 @@ def run_verify(args) -> dict:
     print(f"[verify k={k}] median verify/plain step time: {statistics.median(ratios):.3f} "
           f"({sched.spec_stats.num_drafts} verify steps ran, {sched.spec_stats.num_draft_tokens} draft tokens)")
     return dict(rows=rows, median_ratio=statistics.median(ratios))
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device_ms(fn, num_steps: int) -> float:
+    """Kernel time per step (ms) of fn() running num_steps steps, from the torch profiler (CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / num_steps / 1e3
 
 
 def main(argv=None) -> None:
@@ -217,6 +256,13 @@ def main(argv=None) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine (two engines at once)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculative_config disable_by_batch_size (0: never turn speculation off)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="sweep: batch sizes (default 1..64)")
+    p.add_argument("--prompts", choices=["chat", "random"], default=None,
+                   help="sweep: the repeat / edit chat tasks (needs a tokenizer) or random token prompts "
+                        "(default: random with --load-format dummy)")
+    p.add_argument("--no-async", action="store_true",
+                   help="async_scheduling=False for both engines (verify: both steps pay their host work)")
+    p.add_argument("--profile", action="store_true", help="verify: also print device (kernel) time per step")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192)}

@@ -65,6 +65,19 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
+    # OPT-IN, not yet run on a GPU (docs/benchmarks.md, speculative decoding): linear layers of 2..this many rows
+    # that the GEMV does not take (large weights, more rows than PAGEDLLM_GEMV_MAX_ROWS) use the tensor-core skinny
+    # GEMM (kernels/skinny_gemm.py; at most 16) instead of cuBLAS. 0 (default): cuBLAS.
+    "PAGEDLLM_SKINNY_GEMM_MAX_ROWS": _int("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", 0),
+    # OPT-IN on GPUs, not yet run on one: "1": a finished request's last partial block is copied into a request that
+    # continues it (beam forks, core/partial_blocks.py) instead of recomputed. Always on for CPU engines.
+    "PAGEDLLM_PARTIAL_BLOCK_COPIES": lambda: os.environ.get("PAGEDLLM_PARTIAL_BLOCK_COPIES", "0") == "1",
+    # OPT-IN, not yet run on a GPU: "1": steps of 2..16 query tokens per request (speculative verify rows) use the
+    # split-KV verify kernel (kernels/verify_attention.py) instead of the prefill attention kernel.
+    "PAGEDLLM_VERIFY_ATTENTION": lambda: os.environ.get("PAGEDLLM_VERIFY_ATTENTION", "0") == "1",
+    # OPT-IN, not yet run on a GPU: speculative verify steps of up to this many requests replay CUDA graphs with
+    # k + 1 tokens per request (worker/verify_graph.py). 0 (default): the mixed-step graphs' exact buckets.
+    "PAGEDLLM_VERIFY_GRAPH_MAX_REQS": _int("PAGEDLLM_VERIFY_GRAPH_MAX_REQS", 0),
     # "0": CUDA FP8 activations are quantized by the torch ops instead of kernels/quant_act.py's one kernel (A/B).
     "PAGEDLLM_FUSED_ACT_QUANT": lambda: os.environ.get("PAGEDLLM_FUSED_ACT_QUANT", "1") != "0",
     # Model hubs (models/model_resolution.py): repo ids go through ModelScope instead of Hugging Face when either

@@ -82,6 +82,27 @@ def test_tiny_llama_matches_transformers(eos_llama, width, length_penalty, early
     check(llm, model_dir, prompts, params, [eos])
 
 
+def test_beam_forks_copy_the_last_partial_block(eos_llama):
+    """Beams share their prompt's full blocks through the prefix cache and fork the last partial block by copy: after
+    the first step every beam request computes exactly one token (its newest), and the beams still equal
+    transformers'. Async scheduling (the CUDA default) on the CPU path too."""
+    model_dir, eos, _ = eos_llama
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (13, 6)]
+    for async_scheduling in (False, True):
+        llm = LLM(model_dir, kv_cache_memory_bytes=1 << 24, max_model_len=256, block_size=8,
+                  async_scheduling=async_scheduling)
+        engine, kv = llm.engine, llm.engine.scheduler.kv_cache_manager
+        added = []
+        add = engine.add_request
+        engine.add_request = lambda req: (added.append(len(req.prompt_token_ids)), add(req))[1]
+        check(llm, model_dir, prompts, BeamSearchParams(beam_width=3, max_tokens=9, ignore_eos=True), [eos])
+        computed = kv.prefix_cache_queries - kv.prefix_cache_hits
+        first_step = sum(len(p) for p in prompts)  # each prompt alone, computed in full
+        assert computed == first_step + len(added) - len(prompts), (computed, len(added))
+        assert kv.num_partial_block_copies > 0
+
+
 def test_beams_finish_early_at_eos(eos_llama):
     model_dir, eos, prompts = eos_llama
     llm = LLM(model_dir, kv_cache_memory_bytes=1 << 24, max_model_len=256)

@@ -1,5 +1,6 @@
 """Speculative decoding and beam search on CUDA: verify steps replay CUDA graphs (mixed-step buckets of k + 1
-tokens per request), async scheduling stays on, and greedy output equals the same engine without speculation."""
+tokens per request; the opt-in verify graphs are tests/gpu/test_verify_gpu.py), async scheduling stays on, and greedy output equals the same engine
+without speculation."""
 from __future__ import annotations
 
 import pytest
@@ -30,7 +31,7 @@ def test_ngram_on_cuda_graphs_equals_plain(tiny_llama_dir, dtype):
     plain = LLM(tiny_llama_dir, **common)
     spec = LLM(tiny_llama_dir, speculative_config=NGRAM, **common)
     runner = spec.engine.worker.runner
-    assert spec.engine.async_scheduling and runner.mixed_graphs is not None
+    assert spec.engine.async_scheduling and runner.mixed_graphs is not None and runner.verify_graphs is None
     assert {5, 10, 20, 40} <= set(runner.mixed_graphs.sizes)  # exact verify buckets (k + 1) x batch
     got, want = _tokens(spec, _prompts(), params), _tokens(plain, _prompts(), params)
     if dtype == "float32":
@@ -59,10 +60,15 @@ def test_draft_model_and_sampling_on_cuda(tiny_llama_dir):
     assert _tokens(draft, _prompts(), top1) == _tokens(plain, _prompts(), top1)
 
 
-def test_beam_search_on_cuda_equals_cpu(tiny_llama_dir):
+@pytest.mark.parametrize("copies", ["0", "1"])
+def test_beam_search_on_cuda_equals_cpu(tiny_llama_dir, monkeypatch, copies):
+    """Beams on CUDA equal the CPU's, with and without the opt-in partial-block copies at beam forks."""
+    monkeypatch.setenv("PAGEDLLM_PARTIAL_BLOCK_COPIES", copies)
     params = BeamSearchParams(beam_width=3, max_tokens=8)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 13], seed=8)]
-    gpu = LLM(tiny_llama_dir, dtype="float32", device="cuda", num_gpu_blocks_override=256).beam_search(prompts, params)
+    gpu_llm = LLM(tiny_llama_dir, dtype="float32", device="cuda", num_gpu_blocks_override=256)
+    gpu = gpu_llm.beam_search(prompts, params)
+    assert (gpu_llm.engine.scheduler.kv_cache_manager.num_partial_block_copies > 0) == (copies == "1")
     cpu = LLM(tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 24).beam_search(prompts, params)
     for a, b in zip(gpu, cpu):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]

@@ -242,3 +242,56 @@ def test_usage_and_reset():
     assert m.get_usage() == 0.0
     assert m.reset_prefix_cache() is True
     assert m.get_computed_blocks(req("b", range(9)))[1] == 0
+
+
+# ---------------------------------------------------------------- partial blocks (beam forks)
+
+def test_finished_partial_block_is_offered_to_a_continuation():
+    m = mgr(num_blocks=8)
+    parent = req("p", range(10))  # blocks [0..3] [4..7] full, [8, 9] partial in block 2
+    assert admit(m, parent) == ([0, 1, 2], 0)
+    parent.append_output_token_ids([50])  # sampled, not computed
+    m.free(parent, remember_partial=True)
+    child = req("c", list(range(10)) + [50, 51])
+    hits, num_hit = m.get_computed_blocks(child)
+    assert [b.block_id for b in hits] == [0, 1] and num_hit == 8
+    assert m.partial_block_hit(child, num_hit) == (2, 2)  # block 2 holds tokens 8, 9
+    other = req("o", list(range(8)) + [7, 9, 3])  # differs inside the partial block: no hit
+    assert m.partial_block_hit(other, m.get_computed_blocks(other)[1]) is None
+    lora = req("l", list(range(10)) + [50], lora_id=3)  # another adapter: other K/V
+    assert m.partial_block_hit(lora, 8) is None
+    # the last token is always computed: a request equal to the parent's computed tokens + 1 gets them all but one
+    exact = req("e", list(range(10)) + [50])
+    assert m.partial_block_hit(exact, 8) == (2, 2)
+    short = req("s", list(range(9)) + [4])
+    assert m.partial_block_hit(short, 8) is None  # [8, 4] is not [8, 9]
+
+
+def test_partial_block_forgotten_when_handed_out_and_on_reset():
+    m = mgr(num_blocks=4)
+    parent = req("p", range(6))  # blocks 0 (full) and 1 (2 tokens)
+    admit(m, parent)
+    m.free(parent, remember_partial=True)
+    # the free queue (head first): 2, 3, then the freed blocks tail-first: 1 (partial), 0
+    other = req("x", range(100, 113))  # 4 blocks: takes every free block, block 1 among them
+    assert admit(m, other)[0] == [2, 3, 1, 0]
+    assert len(m.partial_blocks) == 0
+    m.free(other)
+    parent2 = req("p2", range(6))
+    admit(m, parent2)
+    m.free(parent2, remember_partial=True)
+    assert len(m.partial_blocks) == 1
+    assert m.reset_prefix_cache() and len(m.partial_blocks) == 0
+    # preemption (free without remember_partial) and full tails offer nothing
+    full = req("f", range(8))
+    admit(m, full)
+    m.free(full, remember_partial=True)
+    assert len(m.partial_blocks) == 0
+
+
+def test_no_partial_blocks_without_prefix_caching():
+    m = mgr(caching=False)
+    parent = req("p", range(6))
+    admit(m, parent)
+    m.free(parent, remember_partial=True)
+    assert m.partial_block_hit(req("c", list(range(6)) + [1]), 4) is None

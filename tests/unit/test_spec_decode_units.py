@@ -86,6 +86,37 @@ def test_ngram_prefers_longer_match():
     assert prop.propose(mat, [0], [len(seq)], [2]) == [[8, 9]]
 
 
+def test_ngram_index_equals_full_scan_as_sequences_grow():
+    """The per-request incremental index proposes exactly what the full sliding-window scan does, step after step
+    (several tokens appended per step, as after accepted drafts), with the same request ids in different rows,
+    a request moved to another row (rebuilt) and requests dropped."""
+    rng = np.random.default_rng(0)
+    for lo, hi, vocab in [(2, 4, 3), (1, 3, 5), (3, 3, 2)]:
+        prop = NgramProposer(num_speculative_tokens=4, prompt_lookup_min=lo, prompt_lookup_max=hi)
+        mat = np.full((6, 400), -7, dtype=np.int64)  # garbage past each length, as drafts leave in the runner
+        lens = [int(rng.integers(1, 12)) for _ in range(5)]
+        rows = [0, 1, 2, 3, 4]
+        for r, n in zip(rows, lens):
+            mat[r, :n] = rng.integers(0, vocab, n)
+        ids = [f"r{i}" for i in range(5)]
+        for step in range(60):
+            rooms = [int(rng.integers(0, 6)) for _ in rows]
+            got = prop.propose(mat, rows, lens, rooms, req_ids=ids)
+            assert got == prop.propose_scan(mat, rows, lens, rooms), (lo, hi, step)
+            for i, r in enumerate(rows):
+                n = int(rng.integers(1, 6))
+                mat[r, lens[i]:lens[i] + n] = rng.integers(0, vocab, n)
+                lens[i] += n
+            if step == 20:  # request 2 moves to row 5 (preempted and resumed elsewhere)
+                mat[5, :lens[2]] = mat[2, :lens[2]]
+                rows[2] = 5
+            if step == 30:  # request 4 finishes; a new request of the same id starts in its row
+                prop.drop(["r4"])
+                lens[4] = 3
+                mat[4, :3] = rng.integers(0, vocab, 3)
+        assert set(prop._index) == set(ids)
+
+
 # ---------------------------------------------------------------- rejection sampler
 
 def _meta(n, vocab, **kw):
@@ -259,3 +290,20 @@ def test_metrics_export_spec_counters():
     assert 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 12.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 7.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0' in text
+
+
+def test_async_waits_for_the_step_in_flight_only_while_drafts_come():
+    from types import SimpleNamespace
+
+    from pagedllm.spec_decode.scheduling import SpecScheduling
+
+    s = SpecScheduling(num_speculative_tokens=4, disable_by_batch_size=16, max_model_len=100)
+    idle = [SimpleNamespace(spec_token_ids=[]), SimpleNamespace(spec_token_ids=[])]
+    assert s.wants_sync(idle)  # nothing applied yet: a first proposing step is waited for
+    s.note_proposals([[], []])  # the proposer found nothing: plain steps keep overlapping
+    assert not s.wants_sync(idle)
+    s.note_proposals(None)  # a step that proposed nothing (mid-prefill, speculation off)
+    assert not s.wants_sync(idle)
+    assert s.wants_sync([SimpleNamespace(spec_token_ids=[5, 6]), idle[0]])  # drafts held: never overlapped
+    s.note_proposals([[], [7]])
+    assert s.wants_sync(idle)

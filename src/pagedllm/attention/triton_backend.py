@@ -32,6 +32,11 @@ from pagedllm.kernels.paged_attention import (
 )
 from pagedllm.kernels.qkv_prep import qkv_prep
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache
+from pagedllm.kernels.verify_attention import (
+    paged_verify_attention,
+    verify_kernel_applies,
+    verify_workspace_numel,
+)
 
 
 # Split launches start the longest contexts first from this many requests on: with many requests the long ones
@@ -68,6 +73,22 @@ class TritonAttentionBackend(AttentionBackend):
         ws = self._workspaces.get(key)
         if ws is None:
             out_numel, lse_numel = decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
+                                                          self.max_splits)
+            ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
+                  torch.empty(lse_numel, dtype=torch.float32, device=device))
+            self._workspaces[key] = ws
+        return ws
+
+    def reserve_verify_workspace(self, num_heads: int, num_kv_heads: int, head_size: int, max_query_len: int,
+                                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify kernel's split workspace for query spans <= max_query_len (rounded up to a power of two),
+        allocated once (captured graphs keep pointing at it)."""
+        device = torch.device(device)
+        q_pad = 1 << max(0, max_query_len - 1).bit_length()
+        key = ("verify", device, num_kv_heads, num_heads, head_size, q_pad)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            out_numel, lse_numel = verify_workspace_numel(num_kv_heads, num_heads, head_size, q_pad, device,
                                                           self.max_splits)
             ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
                   torch.empty(lse_numel, dtype=torch.float32, device=device))
@@ -169,9 +190,28 @@ class TritonAttentionBackend(AttentionBackend):
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
                 block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len),
                 order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None)
+        elif (metadata.graph_prefill_tile is None and envs.PAGEDLLM_VERIFY_ATTENTION
+              and verify_kernel_applies(metadata.max_query_len, num_heads, num_kv_heads, head_size, query.dtype)):
+            self._attend_verify(query, kv_cache, metadata, scale, output)
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
                 num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output,
                 block_m=metadata.graph_prefill_tile)
         return output
+
+    def _attend_verify(self, query, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
+        """A few query tokens per request (speculative verify rows, short chunks): the split-KV decode shape
+        (kernels/verify_attention.py), with the decode step's split count at this batch size."""
+        num_heads, head_size = query.shape[1], query.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits,
+                                       metadata.max_seq_len)
+        workspace = None
+        if num_splits > 1:
+            workspace = self.reserve_verify_workspace(num_heads, num_kv_heads, head_size, metadata.max_query_len,
+                                                      query.device)
+        paged_verify_attention(
+            query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
+            num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output, workspace=workspace,
+            num_splits=num_splits, block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len))

@@ -63,6 +63,9 @@ class BatchPlan:
     propose_drafts: bool = False
     grammar_bitmask: Optional[Any] = None  # numpy int32 [len(structured_output_request_ids), ceil(V / 32)]
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # (source block id, destination block id): K/V blocks the runner copies before the forward (a finished
+    # request's last partial block continued by a new request, e.g. a beam fork: core/partial_blocks.py).
+    kv_block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -99,6 +99,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # core/partial_blocks.PartialBlockCache (set by the KV manager): free blocks it remembers are forgotten
+        # when handed out again.
+        self.partial_cache = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -159,6 +162,8 @@ class BlockPool:
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.partial_cache is not None:
+            self.partial_cache.evict(block)
         if block.block_hash is not None:
             del self.cached_blocks[block.block_hash]
             block.block_hash = None

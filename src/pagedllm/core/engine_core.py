@@ -73,6 +73,11 @@ class EngineCore:
             max_loras=engine_args.max_loras if engine_args.enable_lora else None,
         )
         self.loras = EngineLoRAs(w.lora_manager, self.scheduler)
+        from pagedllm import envs
+
+        if not str(getattr(w, "device", "cuda")).startswith("cpu") and not envs.PAGEDLLM_PARTIAL_BLOCK_COPIES:
+            # Partial-block copies (beam forks) have not run on a GPU yet: opt-in there.
+            self.scheduler.kv_cache_manager.disable_partial_blocks()
         self._spec_log = SpecLogger(self.scheduler.spec_stats) if w.num_speculative_tokens else None
         if w.speculative is not None:
             sc = w.speculative
@@ -177,8 +182,10 @@ class EngineCore:
         try:
             if self.num_micro_batches > 1:
                 return self._step_pipelined()
-            if self.async_scheduling and self.scheduler.spec_active():
-                # A speculating step needs the drafts its previous step proposed: finish that step first.
+            sched = self.scheduler
+            if self.async_scheduling and sched.spec_active() and sched.spec.wants_sync(sched.running):
+                # A speculating step needs the drafts its previous step proposed: finish that step first (only
+                # while the proposer finds drafts: otherwise plain steps keep overlapping).
                 return self._apply_in_flight() + self._step_sync()
             return self._step_async() if self.async_scheduling else self._step_sync()
         except RequestStepError as e:

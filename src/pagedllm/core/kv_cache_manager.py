@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.partial_blocks import PartialBlockCache
 from pagedllm.core.request import Request
 
 
@@ -42,6 +43,10 @@ class KVCacheManager:
         # Cumulative prefix-cache counters, in tokens (what vLLM exports as prefix_cache_queries/hits).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Finished requests' last partial blocks, offered by copy (beam forks; core/partial_blocks.py).
+        self.partial_blocks = PartialBlockCache() if enable_caching else None
+        self.block_pool.partial_cache = self.partial_blocks
+        self.num_partial_block_copies = 0
 
     # ---------------------------------------------------------------- queries
 
@@ -88,6 +93,26 @@ class KVCacheManager:
         if record_stats:
             self.record_prefix_cache_lookup(request.num_tokens, num_computed_tokens)
         return hits, num_computed_tokens
+
+    def disable_partial_blocks(self) -> None:
+        """Offer no partial blocks (every request recomputes its tokens past its full-block hits)."""
+        self.partial_blocks = None
+        self.block_pool.partial_cache = None
+
+    def partial_block_hit(self, request: Request, num_hit_tokens: int) -> Optional[tuple[int, int]]:
+        """After get_computed_blocks' full-block hits: a remembered partial block whose tokens continue the
+        request's (leaving at least its last token to compute), as (source block id, tokens it covers). The caller
+        allocates slots for those tokens too and plans the copy into the request's block after its hits."""
+        if self.partial_blocks is None or not len(self.partial_blocks) or num_hit_tokens % self.block_size:
+            return None
+        i = num_hit_tokens // self.block_size
+        self.update_block_hashes(request)
+        if i > len(request.block_hashes):
+            return None
+        parent = request.block_hashes[i - 1] if i > 0 else None
+        end = min(request.num_tokens - 1, num_hit_tokens + self.block_size - 1)
+        hit = self.partial_blocks.lookup(parent, request.lora_id, request.all_token_ids[num_hit_tokens:end])
+        return None if hit is None else (hit[0].block_id, hit[1])
 
     def record_prefix_cache_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_queried_tokens
@@ -170,11 +195,31 @@ class KVCacheManager:
             self.block_pool.free(reversed(dropped))
         return len(blocks)
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks. They are freed tail-first so its last blocks evict first."""
+    def free(self, request: Request, remember_partial: bool = False) -> None:
+        """Release the request's blocks. They are freed tail-first so its last blocks evict first.
+        remember_partial (a finished request): its last, partly filled block is offered to later requests."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        partial = self._partial_tail(request, blocks) if remember_partial else None
         self.block_pool.free(reversed(blocks))
+        if partial is not None:
+            self.partial_blocks.remember(*partial)
+
+    def _partial_tail(self, request: Request, blocks: list[KVCacheBlock]):
+        """(block, parent hash, LoRA id, tokens) of the request's last partly filled block of computed tokens."""
+        if self.partial_blocks is None:
+            return None
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        i, m = divmod(computed, self.block_size)
+        if m == 0 or i >= len(blocks) or blocks[i].ref_cnt != 1 or blocks[i].block_hash is not None:
+            return None
+        self.update_block_hashes(request)
+        parent = request.block_hashes[i - 1] if i > 0 else None
+        start = i * self.block_size
+        return blocks[i], parent, request.lora_id, tuple(request.all_token_ids[start:computed])
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        done = self.block_pool.reset_prefix_cache()
+        if done and self.partial_blocks is not None:
+            self.partial_blocks.clear()
+        return done

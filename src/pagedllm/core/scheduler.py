@@ -201,7 +201,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from running / waiting."""
         request.status = status
-        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free(request, remember_partial=True)
         self.spec.forget(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -357,14 +357,17 @@ class Scheduler:
             if self._lora_held_back(request, lora):
                 lora[0].append(self.waiting.popleft())
                 continue
+            partial = None  # (source block, tokens): a finished request's partial block that continues this one
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
+                partial = kv.partial_block_hit(request, num_hit_tokens)
             else:  # every prompt position must be computed to score it: no prefix-cache hits
                 hit_blocks, num_hit_tokens = [], 0
-            num_new_tokens = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
+            num_copied = partial[1] if partial else 0
+            num_new_tokens = self._num_tokens_to_schedule(request, num_hit_tokens + num_copied, budget)
             if num_new_tokens <= 0:
                 break  # no chunked prefill: it waits (FCFS) for a step with room for its whole prompt
-            new_block_ids = kv.allocate_slots(request, num_new_tokens, hit_blocks)
+            new_block_ids = kv.allocate_slots(request, num_copied + num_new_tokens, hit_blocks)
             if new_block_ids is None:
                 if self.running:
                     break  # wait for running requests to free blocks
@@ -372,6 +375,10 @@ class Scheduler:
                 self.waiting.popleft()
                 self._finish_cannot_grow(request)
                 continue
+            if partial:  # copy-on-write at the fork: its first fresh block gets the partial block's K/V
+                plan.kv_block_copies.append((partial[0], new_block_ids[len(hit_blocks)]))
+                kv.num_partial_block_copies += 1
+                num_hit_tokens += num_copied
             if kv.enable_caching:
                 kv.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             self.waiting.popleft()
@@ -461,6 +468,8 @@ class Scheduler:
             )
         if finished_any:
             self.running = [r for r in self.running if not r.is_finished]
+        if output.req_ids:
+            self.spec.note_proposals(output.spec_token_ids)
         return outputs
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:

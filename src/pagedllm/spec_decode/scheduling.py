@@ -20,6 +20,20 @@ class SpecScheduling:
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats(num_spec_tokens=num_speculative_tokens)
         self.kept_blocks: dict[str, int] = {}  # request id -> block count after a rollback (sent once)
+        # Whether the last applied step proposed any draft: under async scheduling only then does the engine wait
+        # for the step in flight (whose drafts the next step verifies); a proposer finding nothing keeps the
+        # overlap of plain async steps. True at start so a first proposing step is waited for.
+        self.expects_drafts = True
+
+    def wants_sync(self, running) -> bool:
+        """Under async scheduling: wait for the step in flight before scheduling the next one, because the next
+        verifies drafts (the last applied step proposed some, or a running request holds drafts: a step with drafts
+        never runs overlapped)."""
+        return self.expects_drafts or any(r.spec_token_ids for r in running)
+
+    def note_proposals(self, spec_token_ids) -> None:
+        """A step's output was applied: its proposals (per request, batch order) or None (nothing proposed)."""
+        self.expects_drafts = bool(spec_token_ids) and any(spec_token_ids)
 
     def active(self, num_running: int, num_waiting: int) -> bool:
         """Whether a step speculates: configured, and the load small enough that it pays."""

@@ -9,8 +9,10 @@ The runner calls
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
+import numpy as np
 import torch
 
 from pagedllm.core.batch_plan import ModelOutput, TokenLogprobs
@@ -78,61 +80,90 @@ class SpecDecodeRunner:
         return out
 
     # ------------------------------------------------------------------ verify
-    @torch.inference_mode()
-    def verify(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict):
-        from pagedllm.worker.model_runner import PendingOutput
-
+    @staticmethod
+    def stage_arrays(inp) -> list[np.ndarray]:
+        """[token rows, draft ids] (int64) of a step with drafts: per sampling request its 1 + d rows (the last
+        1 + d tokens of its query span) and the draft each row is checked against (NO_DRAFT on the bonus row).
+        Known before the forward, so the runner stages them with the step's inputs (no copy after it)."""
         spec = inp.spec_token_ids
-        qsl = inp.query_start_loc
-        token_rows: list[int] = []
-        draft_ids: list[int] = []
-        num_rows: list[int] = []
-        params, prompts, outputs, eos = [], [], [], []
+        sample_rows = inp.sample_rows
+        drafts = [spec.get(inp.req_ids[r], ()) for r in sample_rows.tolist()]
+        counts = np.fromiter((len(d) + 1 for d in drafts), dtype=np.int64, count=len(drafts))
+        total = int(counts.sum())
+        ends = inp.query_start_loc[1:][sample_rows].astype(np.int64)
+        first = np.cumsum(counts) - counts  # each request's first row among the verify rows
+        token_rows = np.repeat(ends - counts, counts) + (np.arange(total, dtype=np.int64) - np.repeat(first, counts))
+        draft_ids = np.fromiter(itertools.chain.from_iterable(itertools.chain(d, (NO_DRAFT,)) for d in drafts),
+                                dtype=np.int64, count=total)
+        return [token_rows, draft_ids]
+
+    @torch.inference_mode()
+    def verify(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict,
+               staged: Optional[list[torch.Tensor]] = None) -> "VerifyPending":
+        """Enqueue the verification of a step's drafts; the returned pending output's result() is the step's one
+        host sync (one packed copy of the emitted ids and acceptances)."""
+        spec = inp.spec_token_ids
+        if staged is None:
+            staged = [torch.from_numpy(a).to(runner.device) for a in self.stage_arrays(inp)]
+        token_rows_t, draft_t = staged
         sample_rows = inp.sample_rows.tolist()
-        for r in sample_rows:
-            state = inp.states[r]
+        states = [inp.states[r] for r in sample_rows]
+        num_rows = [len(spec.get(st.req_id, ())) + 1 for st in states]
+        dev = runner.device
+        rows_hidden = hidden.index_select(0, token_rows_t)
+        # Whether the argmax alone decides every row: one metadata row per request tells (a request's later rows
+        # differ only in their output count, which changes nothing here once row 0 has no min_tokens mask).
+        probe = SamplingMetadata.build(
+            params=[st.sampling_params for st in states], prompt_token_ids=[st.prompt_token_ids for st in states],
+            output_token_ids=[st.output_token_ids for st in states],
+            eos_token_ids=[None if st.sampling_params.ignore_eos else runner.eos_token_id for st in states],
+            vocab_size=runner.vocab_size, device=dev)
+        greedy = None
+        if probe.argmax_only:
+            greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
+        if greedy is not None:  # every row plain greedy: accept where the draft is the argmax
+            accepted, final = greedy == draft_t, greedy
+            lp = None
+        else:
+            meta = self._row_metadata(runner, states, spec)
+            result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, draft_t, None, None)
+            accepted, final, lp = result.accepted, result.final_token_ids, result.logprobs
+        packed = torch.stack([final.to(torch.int64), accepted.to(torch.int64)])  # [2, rows]
+        event = None
+        if dev.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            lp = None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = packed
+        return VerifyPending(self, runner, inp, host, lp, event, prompt_logprobs, sample_rows, num_rows)
+
+    @staticmethod
+    def _row_metadata(runner, states, spec) -> SamplingMetadata:
+        """Sampling metadata over every verify row: row j of a request sees the drafts before it as outputs
+        (penalties, min_tokens, the seed's position)."""
+        params, prompts, outputs, eos = [], [], [], []
+        for state in states:
             drafts = spec.get(state.req_id, [])
-            n = len(drafts) + 1
-            end = int(qsl[r + 1])
-            token_rows.extend(range(end - n, end))
-            draft_ids.extend(drafts)
-            draft_ids.append(NO_DRAFT)
-            num_rows.append(n)
             p = state.sampling_params
             # Penalties and bad words read the output tokens themselves; seeds and min_tokens only their count.
             needs_history = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                              or bool(getattr(p, "bad_words_token_ids", None)))
-            for j in range(n):
+            e = None if p.ignore_eos else runner.eos_token_id
+            for j in range(len(drafts) + 1):
                 params.append(p)
                 prompts.append(state.prompt_token_ids)
-                # Row j sees the drafts before it as outputs (penalties, min_tokens, the seed's position).
                 if j == 0:
                     outputs.append(state.output_token_ids)
                 elif needs_history:
                     outputs.append(state.output_token_ids + drafts[:j])
                 else:
                     outputs.append(_Len(len(state.output_token_ids) + j))
-                eos.append(None if p.ignore_eos else runner.eos_token_id)
-        dev = runner.device
-        meta = SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
-                                      eos_token_ids=eos, vocab_size=runner.vocab_size, device=dev)
-        idx = torch.tensor(token_rows, dtype=torch.long).to(dev)
-        rows_hidden = hidden.index_select(0, idx)
-        draft_t = torch.tensor(draft_ids, dtype=torch.long).to(dev)
-        greedy = None
-        if meta.argmax_only:
-            greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
-        logits = None if greedy is not None else runner.model.compute_logits(rows_hidden)
-        result = rejection_sample(logits, meta, draft_t, None, greedy)
-        accepted = result.accepted.tolist()  # the step's host sync
-        final = result.final_token_ids.tolist()
-        lp = None if result.logprobs is None else [t.tolist() for t in result.logprobs]
-        emitted = accepted_tokens(accepted, final, num_rows)
-        output = self._output(runner, inp, sample_rows, emitted, num_rows, lp)
-        output.prompt_logprobs = prompt_logprobs
-        pending = PendingOutput(runner, inp, None, None, None, prompt_logprobs)
-        pending._output = output
-        return pending
+                eos.append(e)
+        return SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
+                                      eos_token_ids=eos, vocab_size=runner.vocab_size, device=runner.device)
 
     def _output(self, runner, inp, sample_rows: list[int], emitted: list[list[int]], num_rows: list[int],
                 lp: Optional[list]) -> ModelOutput:
@@ -156,6 +187,31 @@ class SpecDecodeRunner:
         if inp.propose_drafts:
             output.spec_token_ids = self.propose(runner, inp)
         return output
+
+
+class VerifyPending:
+    """A launched verify step (PendingOutput's interface): result() waits for the packed [final ids; accepted]
+    copy, then appends the emitted tokens and proposes the next drafts on the host."""
+
+    def __init__(self, spec: SpecDecodeRunner, runner, inp, packed_host: torch.Tensor, logprobs_host, event,
+                 prompt_logprobs: dict, sample_rows: list[int], num_rows: list[int]) -> None:
+        self.spec, self.runner, self.inp = spec, runner, inp
+        self.packed_host, self.logprobs_host, self.event = packed_host, logprobs_host, event
+        self.prompt_logprobs = prompt_logprobs or {}
+        self.sample_rows, self.num_rows = sample_rows, num_rows
+        self._output: Optional[ModelOutput] = None
+
+    def result(self) -> ModelOutput:
+        if self._output is None:
+            if self.event is not None:
+                self.event.synchronize()
+            final, accepted = self.packed_host.tolist()
+            lp = None if self.logprobs_host is None else [t.tolist() for t in self.logprobs_host]
+            emitted = accepted_tokens(accepted, final, self.num_rows)
+            output = self.spec._output(self.runner, self.inp, self.sample_rows, emitted, self.num_rows, lp)
+            output.prompt_logprobs = self.prompt_logprobs
+            self._output = output
+        return self._output
 
 
 class _Len:

@@ -96,3 +96,15 @@ def check_kv_cache_backend(kv_dtype: torch.dtype, backend) -> None:
         raise ValueError(f"The {backend.name} attention backend cannot use an FP8 KV cache; pass "
                          f"--attention-backend torch (CPU) or triton (GPU), or --kv-cache-dtype auto.")
 
+
+
+def copy_kv_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]], device: torch.device) -> None:
+    """Copy whole K/V blocks src -> dst in every layer's cache [2, num_blocks, ...] (BatchPlan.kv_block_copies:
+    a partial block continued by a new request). Whole blocks, so any backend's private in-block layout is kept.
+    All sources are read before any destination is written (a source may also be a destination)."""
+    if not pairs or not kv_caches:
+        return
+    idx = torch.tensor(pairs, dtype=torch.long).t().contiguous().to(device)
+    src, dst = idx[0], idx[1]
+    for cache in kv_caches:
+        cache.index_copy_(1, dst, cache.index_select(1, src))

@@ -18,8 +18,14 @@ from pagedllm.forward_context import AttentionMetadata, set_forward_context
 from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    check_kv_cache_backend,
+    copy_kv_blocks,
+    kv_cache_backend,
+)
 from pagedllm.worker.sampling_batch import fast_metadata
-from pagedllm.worker.kv_cache import KVCacheSpec, allocate_kv_caches, check_kv_cache_backend, kv_cache_backend
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,7 @@ class ModelRunner:
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
         self.mixed_graphs = None  # likewise, for mixed prefill + decode steps (worker/mixed_graph.py)
+        self.verify_graphs = None  # likewise, for speculative verify steps (worker/verify_graph.py)
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         # Per InputBatch row: where the row's token sits in _prev_sampled (-1: the last launch sampled none for it).
         self._prev_pos = np.full(max_num_seqs, -1, dtype=np.int64)
@@ -87,10 +94,16 @@ class ModelRunner:
 
             self.cuda_graphs = CudaGraphRunner(self)
             self.cuda_graphs.capture()
+            from pagedllm.worker.verify_graph import build_verify_graphs
+
+            self.verify_graphs = build_verify_graphs(self)
+            if self.verify_graphs is not None:
+                self.verify_graphs.pool = self.cuda_graphs.pool
+                self.verify_graphs.capture()
             if self.attn_backend.supports_mixed_graphs:
                 from pagedllm.worker.mixed_graph import MixedGraphRunner
 
-                extra = self.spec.graph_token_sizes() if self.spec is not None else ()
+                extra = self.spec.graph_token_sizes() if self.spec is not None and self.verify_graphs is None else ()
                 self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra)
                 self.mixed_graphs.capture()
         if self.device.type == "cuda":
@@ -158,6 +171,8 @@ class ModelRunner:
         """
         batch = self.input_batch
         batch.update(plan)
+        if plan.kv_block_copies:  # before the forward: copy-on-write of partial blocks (beam forks)
+            copy_kv_blocks(self.kv_caches, plan.kv_block_copies, self.device)
         if self.spec is not None and plan.finished_request_ids:
             self.spec.drop(plan.finished_request_ids)
         if plan.total_num_scheduled_tokens == 0:
@@ -175,9 +190,13 @@ class ModelRunner:
             int64_arrays.append(step_sampling.top_k)
         # One async host-to-device copy per dtype from pinned memory (pageable copies would wait for the
         # device to finish the step in flight, defeating async scheduling).
-        staged64 = self.stager.stage(int64_arrays, np.int64)
+        verifying = bool(inp.spec_token_ids) and len(sample_rows) > 0
+        spec_arrays = self.spec.stage_arrays(inp) if verifying else []  # verify rows + drafts, known before the forward
+        num64 = len(int64_arrays)
+        staged64 = self.stager.stage(int64_arrays + spec_arrays, np.int64)
         input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = staged64[:6]
-        top_k_t = staged64[6] if len(staged64) > 6 else None
+        top_k_t = staged64[6] if num64 > 6 else None
+        spec_staged = staged64[num64:]
         floats_t = None
         if step_sampling is not None and step_sampling.floats is not None:
             floats_t = self.stager.stage([step_sampling.floats], np.float32)[0]
@@ -213,6 +232,8 @@ class ModelRunner:
         calibrate = self.kv_calibration_pending  # the first step sets FP8 k/v scales from real K/V: eager
         if self.cuda_graphs is not None and inp.max_query_len == 1 and not calibrate:
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
+        if hidden is None and self.verify_graphs is not None and not calibrate:
+            hidden = self.verify_graphs.run(input_ids, positions, metadata)
         if hidden is None and self.mixed_graphs is not None and not calibrate:
             hidden = self.mixed_graphs.run(input_ids, positions, metadata)
         if hidden is None:
@@ -231,8 +252,8 @@ class ModelRunner:
         self._prev_sampled = None
         if before_sampling is not None:
             before_sampling()
-        if inp.spec_token_ids and len(sample_rows):
-            return self.spec.verify(self, inp, hidden, prompt_logprobs)
+        if verifying:
+            return self.spec.verify(self, inp, hidden, prompt_logprobs, spec_staged)
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
