@@ -48,4 +48,4 @@ def test_concurrent_streams_get_every_token_as_it_comes(tiny_server: str):
     assert texts == [ref["choices"][0]["text"]] * STREAMS  # coalescing a backlog loses and reorders nothing
     # Tokens arrive spread over the generation: even a stream whose backlog was merged gets many chunks.
     assert min(result["chunks_per_stream"]) >= TOKENS // 4, result
-    assert result["tokens_per_chunk"] < 2.0, result
+    assert result["tokens_per_chunk"] < 4.0, result  # a backlog under load merges a few steps, not whole requests
