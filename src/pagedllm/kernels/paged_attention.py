@@ -418,6 +418,24 @@ def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, de
     return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
 
 
+def split_kv_partials(workspace: Optional[tuple[torch.Tensor, torch.Tensor]], rows: int, num_heads: int,
+                      num_splits: int, head_pad: int, device: torch.device):
+    """Split-KV partial outputs and log-sum-exps for `rows` query rows, views of `workspace` (persistent buffers
+    under CUDA graphs) or new tensors, and their strides as the kernels take them."""
+    out_numel = rows * num_heads * num_splits * head_pad
+    lse_numel = rows * num_heads * num_splits
+    if workspace is None:
+        part_out = torch.empty(out_numel, dtype=torch.float32, device=device)
+        part_lse = torch.empty(lse_numel, dtype=torch.float32, device=device)
+    else:
+        part_out, part_lse = workspace
+        assert part_out.numel() >= out_numel and part_lse.numel() >= lse_numel, "split-KV workspace too small"
+    part_out = part_out[:out_numel].view(rows, num_heads, num_splits, head_pad)
+    part_lse = part_lse[:lse_numel].view(rows, num_heads, num_splits)
+    strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
+    return part_out, part_lse, strides
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_tokens >= num_seqs, num_heads, head_size]; row i = request i's token
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], already written
@@ -466,17 +484,8 @@ def paged_decode_attention(
             0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common)
         return output
 
-    out_numel = num_seqs * num_heads * num_splits * head_pad
-    lse_numel = num_seqs * num_heads * num_splits
-    if workspace is None:
-        part_out = torch.empty(out_numel, dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(lse_numel, dtype=torch.float32, device=query.device)
-    else:
-        part_out, part_lse = workspace
-        assert part_out.numel() >= out_numel and part_lse.numel() >= lse_numel, "decode workspace too small"
-    part_out = part_out[:out_numel].view(num_seqs, num_heads, num_splits, head_pad)
-    part_lse = part_lse[:lse_numel].view(num_seqs, num_heads, num_splits)
-    part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
+    part_out, part_lse, part_strides = split_kv_partials(workspace, num_seqs, num_heads, num_splits, head_pad,
+                                                         query.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, num_splits,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,

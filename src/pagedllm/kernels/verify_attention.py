@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.paged_attention import LOG2E, _check_shapes, _dot_precision, decode_block_n, decode_num_splits
+from pagedllm.kernels.paged_attention import (LOG2E, _check_shapes, _dot_precision, decode_block_n, decode_num_splits,
+                                             split_kv_partials)
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 # Most query tokens per request this kernel takes (k + 1 of a verify step; speculation allows k <= 32, but
@@ -217,17 +218,8 @@ def paged_verify_attention(
             *args, output, output, *tail, 1, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
             *cache_strides, 0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common)
         return output
-    out_numel = num_tokens * num_heads * num_splits * head_pad
-    lse_numel = num_tokens * num_heads * num_splits
-    if workspace is None:
-        part_out = torch.empty(out_numel, dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(lse_numel, dtype=torch.float32, device=query.device)
-    else:
-        part_out, part_lse = workspace
-        assert part_out.numel() >= out_numel and part_lse.numel() >= lse_numel, "verify workspace too small"
-    part_out = part_out[:out_numel].view(num_tokens, num_heads, num_splits, head_pad)
-    part_lse = part_lse[:lse_numel].view(num_tokens, num_heads, num_splits)
-    part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
+    part_out, part_lse, part_strides = split_kv_partials(workspace, num_tokens, num_heads, num_splits, head_pad,
+                                                         query.device)
     _verify_kernel[(num_kv_heads, num_seqs, num_splits)](
         *args, part_out, part_lse, *tail, num_splits, query.stride(0), query.stride(1), output.stride(0),
         output.stride(1), *cache_strides, *part_strides, SINGLE_SPLIT=False, **common)
