@@ -84,6 +84,10 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),
     "LOCAL_RANK": _int("LOCAL_RANK", 0),
+    # "1": on CUDA, stage the step's sampling parameters with its other inputs (one pinned copy per dtype) and
+    # take the staged arrays as views from one split call. Off by default until verified on a GPU: the default
+    # CUDA path copies the parameters as SamplingMetadata.build does. The CPU always stages.
+    "PAGEDLLM_STAGE_SAMPLING": lambda: _truthy(os.environ.get("PAGEDLLM_STAGE_SAMPLING")),
 }
 
 

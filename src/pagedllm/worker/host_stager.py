@@ -17,6 +17,7 @@ class HostStager:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = envs.PAGEDLLM_PINNED_STAGING
+        self.split_views = envs.PAGEDLLM_STAGE_SAMPLING  # opt-in on CUDA until verified there
         self.slots: list[dict] = [{}, {}]
         self.k = 0
 
@@ -35,7 +36,10 @@ class HostStager:
         host = buf.numpy()
         for a, start in zip(arrays, offsets):
             host[start:start + a.size] = a.reshape(-1)
-        return self.views(buf[:total].to(self.device, non_blocking=True), arrays, offsets)
+        dev = buf[:total].to(self.device, non_blocking=True)
+        if self.split_views:
+            return self.views(dev, arrays, offsets)
+        return [dev[offsets[i]:offsets[i] + a.size].view(a.shape) for i, a in enumerate(arrays)]
 
     @staticmethod
     def views(packed: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:

@@ -11,10 +11,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backend import get_attention_backend
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
-from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, _to_device, gather_logprobs
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.host_stager import HostStager
 from pagedllm.worker.input_batch import InputBatch
@@ -54,6 +55,7 @@ class ModelRunner:
         # Per InputBatch row: where the row's token sits in _prev_sampled (-1: the last launch sampled none for it).
         self._prev_pos = np.full(max_num_seqs, -1, dtype=np.int64)
         self.stager = HostStager(device)
+        self.stage_sampling = device.type != "cuda" or envs.PAGEDLLM_STAGE_SAMPLING
         self.lora = None  # lora.manager.LoRAManager when enable_lora (set by the worker)
         self.spec = None  # spec_decode.spec_runner.SpecDecodeRunner when speculative decoding is configured
 
@@ -149,7 +151,8 @@ class ModelRunner:
         # The sampling rows' parameters from the batch's persistent arrays (None: a row needs the full builder).
         step_sampling = batch.sampling.gather(inp.rows[sample_rows]) if not inp.spec_token_ids else None
         int64_arrays = [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx]
-        if step_sampling is not None and step_sampling.top_k is not None:
+        stage_sampling = step_sampling is not None and self.stage_sampling
+        if stage_sampling and step_sampling.top_k is not None:
             int64_arrays.append(step_sampling.top_k)
         # One async host-to-device copy per dtype from pinned memory (pageable copies would wait for the
         # device to finish the step in flight, defeating async scheduling).
@@ -157,8 +160,11 @@ class ModelRunner:
         input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = staged64[:6]
         top_k_t = staged64[6] if len(staged64) > 6 else None
         floats_t = None
-        if step_sampling is not None and step_sampling.floats is not None:
+        if stage_sampling and step_sampling.floats is not None:
             floats_t = self.stager.stage([step_sampling.floats], np.float32)[0]
+        elif step_sampling is not None:  # the builder's copies (pinned, non-blocking): the path verified on GPUs
+            floats_t, top_k_t = (None if a is None else _to_device(torch.from_numpy(a), dev)
+                                 for a in (step_sampling.floats, step_sampling.top_k))
         int32_arrays = [inp.query_start_loc, inp.seq_lens, inp.block_table]
         want_order = inp.max_query_len == 1 and self.attn_backend.wants_decode_order
         if want_order:
