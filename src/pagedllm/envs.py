@@ -110,6 +110,10 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # FP8 KV cache: 1 uses per-layer k/v scales (layers/kv_cache_scales.py), the checkpoint's or, without them,
     # calibrated on the first step. Opt-in until that path has run on a GPU; default: scales 1.0.
     "PAGEDLLM_KV_SCALES": lambda: _truthy(os.environ.get("PAGEDLLM_KV_SCALES")),
+    # "1": on CUDA, stage the step's sampling parameters with its other inputs (one pinned copy per dtype) and
+    # take the staged arrays as views from one split call. Off by default until verified on a GPU: the default
+    # CUDA path copies the parameters as SamplingMetadata.build does. The CPU always stages.
+    "PAGEDLLM_STAGE_SAMPLING": lambda: _truthy(os.environ.get("PAGEDLLM_STAGE_SAMPLING")),
 }
 
 

@@ -122,15 +122,20 @@ def test_200_mixed_requests_all_succeed_on_both_replicas(gateway: dict) -> None:
 
 
 def test_sse_passes_through_token_by_token(gateway: dict) -> None:
-    body = completion_body(200, stream=True)
+    body = completion_body(200, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     reads = []  # (arrival time, data events in this network read)
     t0 = time.monotonic()
+    payload = b""
     with httpx.stream("POST", gateway["url"] + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for raw in r.iter_raw():
             reads.append((time.monotonic() - t0, raw.count(b"data: ")))
+            payload += raw
     events = sum(n for _, n in reads)
-    assert events >= 200  # one event per token (+ usage, [DONE])
+    # Every token arrives; an API process that fell behind sends a stream's waiting tokens as one event, so on a
+    # busy machine there may be fewer events than tokens (entrypoints/stream_merge.py), but still many.
+    assert b'"completion_tokens":200' in payload
+    assert events >= 50
     # buffered by the proxy, 200 events of ~200 bytes would come in a handful of reads
     assert len([1 for _, n in reads if n]) >= events // 4, reads[:20]
     first = next(t for t, n in reads if n)

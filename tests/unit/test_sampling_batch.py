@@ -79,3 +79,22 @@ def test_rows_needing_the_builder_are_refused(general):
     assert batch.gather(np.array([0, 1])) is None
     batch.set_row(1, SamplingParams())  # the row is reused by a plain request
     assert batch.gather(np.array([0, 1])) is not None
+
+
+def test_engine_tokens_do_not_depend_on_how_parameters_reach_the_device(tiny_qwen3_dir):
+    """The runner's staged parameters (the CPU default, PAGEDLLM_STAGE_SAMPLING=1 on CUDA) and the builder-style
+    copies (the CUDA default) give the same tokens; so does a batch that needs the general builder."""
+    from pagedllm import LLM
+
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 3 + i]} for i in range(6)]
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=12, ignore_eos=True)
+              for t, p, k in ((0.8, 1.0, 0), (0.6, 0.9, 0), (0.0, 1.0, 0), (1.2, 0.95, 20), (0.7, 1.0, 5),
+                              (0.9, 0.8, 40))]
+    results = []
+    for stage in (True, False):
+        llm = LLM(model=tiny_qwen3_dir, max_model_len=64, seed=0, kv_cache_memory_bytes=8 << 20)
+        llm.engine.worker.runner.stage_sampling = stage
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.engine.shutdown()
+    assert results[0] == results[1]
+    assert len(set(map(tuple, results[0]))) > 1

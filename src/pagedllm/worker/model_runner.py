@@ -15,8 +15,9 @@ from pagedllm import envs
 from pagedllm.attention.backend import get_attention_backend
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
-from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, _to_device, gather_logprobs
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
+from pagedllm.worker.host_stager import HostStager
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import (
     KVCacheSpec,
@@ -61,6 +62,7 @@ class ModelRunner:
         # Per InputBatch row: where the row's token sits in _prev_sampled (-1: the last launch sampled none for it).
         self._prev_pos = np.full(max_num_seqs, -1, dtype=np.int64)
         self.stager = HostStager(device)
+        self.stage_sampling = device.type != "cuda" or envs.PAGEDLLM_STAGE_SAMPLING
         self.lora = None  # lora.manager.LoRAManager when enable_lora (set by the worker)
         self.spec = None  # spec_decode.spec_runner.SpecDecodeRunner when speculative decoding is configured
         self.kv_calibration_pending = False  # FP8 KV: the first step sets the k/v scales (_init_kv_scales)
@@ -186,7 +188,8 @@ class ModelRunner:
         # The sampling rows' parameters from the batch's persistent arrays (None: a row needs the full builder).
         step_sampling = batch.sampling.gather(inp.rows[sample_rows]) if not inp.spec_token_ids else None
         int64_arrays = [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx]
-        if step_sampling is not None and step_sampling.top_k is not None:
+        stage_sampling = step_sampling is not None and self.stage_sampling
+        if stage_sampling and step_sampling.top_k is not None:
             int64_arrays.append(step_sampling.top_k)
         # One async host-to-device copy per dtype from pinned memory (pageable copies would wait for the
         # device to finish the step in flight, defeating async scheduling).
@@ -198,8 +201,11 @@ class ModelRunner:
         top_k_t = staged64[6] if num64 > 6 else None
         spec_staged = staged64[num64:]
         floats_t = None
-        if step_sampling is not None and step_sampling.floats is not None:
+        if stage_sampling and step_sampling.floats is not None:
             floats_t = self.stager.stage([step_sampling.floats], np.float32)[0]
+        elif step_sampling is not None:  # the builder's copies (pinned, non-blocking): the path verified on GPUs
+            floats_t, top_k_t = (None if a is None else _to_device(torch.from_numpy(a), dev)
+                                 for a in (step_sampling.floats, step_sampling.top_k))
         int32_arrays = [inp.query_start_loc, inp.seq_lens, inp.block_table]
         want_order = inp.max_query_len == 1 and self.attn_backend.wants_decode_order
         if want_order:
@@ -401,64 +407,6 @@ class ModelRunner:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-
-
-class HostStager:
-    """Double-buffered pinned host memory: a step's int arrays go to the device in one async copy per dtype.
-
-    Slot k is reused two steps later; by then the step that used it has completed (the engine waits for
-    step N-1's results before launching step N+1), so its copy is done. On CPU the arrays are used as is.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pinned = envs.PAGEDLLM_PINNED_STAGING
-        self.slots: list[dict] = [{}, {}]
-        self.k = 0
-
-    def stage(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
-        if self.device.type != "cuda" or not self.pinned:
-            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(self.device, non_blocking=True)
-                    for a in arrays]
-        offsets = self.layout(arrays, dtype)
-        total = offsets[-1]
-        slot = self.slots[self.k]
-        buf = slot.get(dtype)
-        if buf is None or buf.numel() < total:
-            size = max(total, 2 * (0 if buf is None else buf.numel()), 1024)
-            buf = torch.from_numpy(np.zeros(size, dtype=dtype)).pin_memory()
-            slot[dtype] = buf
-        host = buf.numpy()
-        for a, start in zip(arrays, offsets):
-            host[start:start + a.size] = a.reshape(-1)
-        return self.views(buf[:total].to(self.device, non_blocking=True), arrays, offsets)
-
-    @staticmethod
-    def views(packed: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
-        """The staged arrays as views of the packed device buffer: one split call (each torch call costs the
-        host several microseconds), then a reshape only for arrays that are not 1-D."""
-        sizes = []
-        for a, start, end in zip(arrays, offsets, offsets[1:]):
-            sizes += [a.size, end - start - a.size]
-        pieces = packed.split(sizes)[0::2]
-        return [p if a.ndim == 1 else p.view(a.shape) for p, a in zip(pieces, arrays)]
-
-    @staticmethod
-    def layout(arrays: list[np.ndarray], dtype) -> list[int]:
-        """Element offsets of the arrays in the packed buffer, then the total: each starts 64-byte aligned.
-
-        Triton specializes pointer arguments on 16-byte alignment, so packed arrays whose offsets moved with
-        the batch size (after an int32 array of num_reqs + 1 entries, say) made it compile new kernel
-        variants in the middle of a run.
-        """
-        align = max(1, 64 // np.dtype(dtype).itemsize)
-        offsets = [0]
-        for a in arrays:
-            offsets.append(offsets[-1] + -(-a.size // align) * align)
-        return offsets
-
-    def next_step(self) -> None:
-        self.k ^= 1
 
 
 class PendingOutput:

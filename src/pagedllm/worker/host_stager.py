@@ -1,0 +1,69 @@
+"""HostStager: a step's host int / float arrays to the device in one async copy per dtype, from pinned memory."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm import envs
+
+
+class HostStager:
+    """Double-buffered pinned host memory: a step's int arrays go to the device in one async copy per dtype.
+
+    Slot k is reused two steps later; by then the step that used it has completed (the engine waits for
+    step N-1's results before launching step N+1), so its copy is done. On CPU the arrays are used as is.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = envs.PAGEDLLM_PINNED_STAGING
+        self.split_views = envs.PAGEDLLM_STAGE_SAMPLING  # opt-in on CUDA until verified there
+        self.slots: list[dict] = [{}, {}]
+        self.k = 0
+
+    def stage(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
+        if self.device.type != "cuda" or not self.pinned:
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(self.device, non_blocking=True)
+                    for a in arrays]
+        offsets = self.layout(arrays, dtype)
+        total = offsets[-1]
+        slot = self.slots[self.k]
+        buf = slot.get(dtype)
+        if buf is None or buf.numel() < total:
+            size = max(total, 2 * (0 if buf is None else buf.numel()), 1024)
+            buf = torch.from_numpy(np.zeros(size, dtype=dtype)).pin_memory()
+            slot[dtype] = buf
+        host = buf.numpy()
+        for a, start in zip(arrays, offsets):
+            host[start:start + a.size] = a.reshape(-1)
+        dev = buf[:total].to(self.device, non_blocking=True)
+        if self.split_views:
+            return self.views(dev, arrays, offsets)
+        return [dev[offsets[i]:offsets[i] + a.size].view(a.shape) for i, a in enumerate(arrays)]
+
+    @staticmethod
+    def views(packed: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
+        """The staged arrays as views of the packed device buffer: one split call (each torch call costs the
+        host several microseconds), then a reshape only for arrays that are not 1-D."""
+        sizes = []
+        for a, start, end in zip(arrays, offsets, offsets[1:]):
+            sizes += [a.size, end - start - a.size]
+        pieces = packed.split(sizes)[0::2]
+        return [p if a.ndim == 1 else p.view(a.shape) for p, a in zip(pieces, arrays)]
+
+    @staticmethod
+    def layout(arrays: list[np.ndarray], dtype) -> list[int]:
+        """Element offsets of the arrays in the packed buffer, then the total: each starts 64-byte aligned.
+
+        Triton specializes pointer arguments on 16-byte alignment, so packed arrays whose offsets moved with
+        the batch size (after an int32 array of num_reqs + 1 entries, say) made it compile new kernel
+        variants in the middle of a run.
+        """
+        align = max(1, 64 // np.dtype(dtype).itemsize)
+        offsets = [0]
+        for a in arrays:
+            offsets.append(offsets[-1] + -(-a.size // align) * align)
+        return offsets
+
+    def next_step(self) -> None:
+        self.k ^= 1
