@@ -106,60 +106,16 @@ def test_flags(engines, tiny_llama_dir):
 
 def _write_mixed_gguf(hf_dir: str, path: str) -> None:
     """The tiny llama (untied LM head) as a GGUF whose tensors use several block types, q/k permuted the way
-    llama.cpp's converter does; ffn_up stays F16 (no packed kernel: dequantized at load)."""
-    import json
-
+    llama.cpp's converter does; ffn_up stays F16 (no packed kernel: dequantized at load). The LM head is Q8_0
+    (gguf has no Q6_K quantizer), still packed."""
     import gguf
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
 
-    from tests.models.test_gguf import _TO_GGUF, _llama_cpp_permute
+    from tests.models.test_gguf import _write_tiny_gguf
     Q = gguf.GGMLQuantizationType
-    kinds = {"self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q5_1, "self_attn.v_proj": Q.Q8_0,
-             "self_attn.o_proj": Q.Q5_0, "mlp.gate_proj": Q.Q4_1, "mlp.up_proj": Q.F16, "mlp.down_proj": Q.Q8_0}
-    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        data = tensor.float().numpy()
-        qtype = Q.F32
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            module, _, suffix = rest.rpartition(".")
-            if module == "self_attn.q_proj":
-                data = _llama_cpp_permute(data, cfg["num_attention_heads"])
-            elif module == "self_attn.k_proj":
-                data = _llama_cpp_permute(data, cfg["num_key_value_heads"])
-            qtype = kinds.get(module, Q.F32)
-            gguf_name = f"blk.{layer}.{_TO_GGUF[module]}.{suffix}"
-        else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
-            qtype = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K}.get(gguf_name, Q.F32)
-        if qtype == Q.Q6_K:  # gguf has no Q6_K quantizer: store Q8_0 instead, still packed
-            qtype = Q.Q8_0
-        if qtype == Q.F16:
-            writer.add_tensor(gguf_name, data.astype(np.float16))
-        elif qtype == Q.F32:
-            writer.add_tensor(gguf_name, data)
-        else:
-            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_tiny_gguf(hf_dir, path, "llama", kinds={
+        "self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q5_1, "self_attn.v_proj": Q.Q8_0,
+        "self_attn.o_proj": Q.Q5_0, "mlp.gate_proj": Q.Q4_1, "mlp.up_proj": Q.F16, "mlp.down_proj": Q.Q8_0,
+        "token_embd": Q.Q8_0, "output": Q.Q8_0})
 
 
 def test_tiny_mixed_type_gguf_matches_its_dequantized_twin(tmp_path, monkeypatch, tiny_model_dir, caplog):
