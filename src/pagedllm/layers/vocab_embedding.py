@@ -113,7 +113,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         packed = self.__dict__.get("cpu_packed_weight")
         if "gguf_type" in self.__dict__:  # a GGUF-packed LM head (quantization/gguf.py)
             from pagedllm.quantization.gguf import gguf_matmul
-            rows = self.gguf_weight.shape[0]
+            rows = self.__dict__["gguf_rows"]
             return gguf_matmul(hidden_states, [self.gguf_weight], [self.__dict__["gguf_type"]],
                                None if self.bias is None else self.bias[:rows], rows)
         gemv = gemv_kernels(hidden_states, self.weight)

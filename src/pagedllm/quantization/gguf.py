@@ -51,6 +51,29 @@ _DENSE_BLOCK_ELEMS = 1 << 21  # 8 MiB of float32 weights per block
 _workspace = threading.local()
 
 
+# Tiled layouts (kernels/csrc/gguf_ops.cpp, gguf_tile): the same bytes regrouped by 16 output rows, type id
+# TILED_BASE + the GGML type; what the AVX-512 VNNI kernels read fastest at every row count.
+TILED_BASE = 2000
+_TILEABLE = (2, 3, 6, 7, 8)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+
+
+def is_tiled(qtype: int) -> bool:
+    return qtype > TILED_BASE
+
+
+def logical_rows(tensor: torch.Tensor, qtype: int) -> int:
+    return tensor.shape[0] * 16 if is_tiled(qtype) else tensor.shape[0]
+
+
+def tile_packed(tensor: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
+    """(tensor, qtype) in the tiled layout where this machine's kernels have one for it, else unchanged."""
+    from pagedllm import envs
+    if (not envs.PAGEDLLM_GGUF_TILED or qtype not in _TILEABLE or tensor.shape[0] % 16
+            or _ops().gguf_best_impl() < 2):
+        return tensor, qtype
+    return _ops().gguf_tile(tensor.contiguous(), qtype), TILED_BASE + qtype
+
+
 def _dense_buffer(numel: int) -> torch.Tensor:
     buf = getattr(_workspace, "buf", None)
     if buf is None or buf.numel() < numel:
@@ -85,7 +108,8 @@ def gguf_matmul(x: torch.Tensor, parts: Sequence[torch.Tensor], types: Sequence[
     out = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    if x2.shape[0] >= DENSE_MIN_ROWS and x2.dtype == torch.float32 and _HAVE_ONEDNN:
+    if x2.shape[0] >= DENSE_MIN_ROWS and x2.dtype == torch.float32 and _HAVE_ONEDNN and not any(
+            is_tiled(t) for t in types):
         _dense_matmul(x2, parts, types, bias, out)
     else:
         _ops().gguf_linear(out, x2, list(parts), list(types), bias, 0)
@@ -141,8 +165,9 @@ class GGUFLinearMethod(LinearMethodBase):
             else:
                 parts.append(tensor)
                 types.append(qtype)
-        for i, part in enumerate(parts):
-            layer.register_buffer(f"gguf_part{i}", part.contiguous(), persistent=False)
+        for i, (part, qtype) in enumerate(zip(parts, types)):
+            part, types[i] = tile_packed(part.contiguous(), qtype)
+            layer.register_buffer(f"gguf_part{i}", part, persistent=False)
         layer.__dict__["_gguf_types"] = types
         layer.__dict__["_gguf_out"] = sum(sizes)
         layer.__dict__["gguf_numel"] = k * sum(sizes)  # logical weights, for the parameter count
@@ -157,7 +182,7 @@ class GGUFLinearMethod(LinearMethodBase):
         k = layer.__dict__["_gguf_layer"][0]
         rows = []
         for part, qtype in zip(self.parts(layer), layer.__dict__["_gguf_types"]):
-            out = torch.empty(part.shape[0], k, dtype=torch.float32)
+            out = torch.empty(logical_rows(part, qtype), k, dtype=torch.float32)
             _ops().gguf_dequantize_rows(out, part, qtype, None)
             rows.append(out)
         return torch.cat(rows)
@@ -239,9 +264,12 @@ class GGUFConfig(QuantizationConfig):
                 if loaded.shape[0] != targets[0].org_vocab_size:
                     raise ValueError(f"the GGUF tensor has {loaded.shape[0]} rows, the model expects "
                                      f"{targets[0].org_vocab_size}")
+                rows = loaded.shape[0]
+                packed, qtype = tile_packed(loaded, int(loaded.gguf_type))
                 for t in targets:
-                    t.register_buffer("gguf_weight", loaded, persistent=False)
-                    t.__dict__["gguf_type"] = int(loaded.gguf_type)
+                    t.register_buffer("gguf_weight", packed, persistent=False)
+                    t.__dict__["gguf_type"] = qtype
+                    t.__dict__["gguf_rows"] = rows
                 targets[0].__dict__["gguf_numel"] = targets[0].org_vocab_size * targets[0].embedding_dim
 
             set_weight_attrs(placeholder, {"weight_loader": loader})

@@ -15,6 +15,7 @@
 // walks its weight rows, and each decoded weight chunk is multiplied by up to kRows activation rows.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -215,15 +217,18 @@ inline void decode_chunk(const uint8_t* row, int64_t c, int64_t k, Chunk& ch) {
 // and step * sum(x16) per 16.
 
 struct ActRows {
-  std::vector<int8_t> hi, lo;
+  std::vector<int8_t> hi, lo, hl;  // hl: per 32 values, their 32 hi digits then their 32 lo digits (tiled kernels)
   std::vector<int16_t> x16;
-  std::vector<float> dx4, s16;
-  int64_t k64 = 0, s_stride = 0;  // s16 rows padded to a multiple of 16 floats (one zmm)
+  std::vector<float> dx4, s16, st32, su32;  // st32 / su32: the step and step * sum(x16) per 32 (tiled kernels)
+  int64_t k64 = 0, s_stride = 0, nb32 = 0;  // s16 rows padded to a multiple of 16 floats (one zmm)
   const int8_t* xhi(int64_t r) const { return hi.data() + r * k64; }
   const int8_t* xlo(int64_t r) const { return lo.data() + r * k64; }
+  const int8_t* xhl(int64_t r) const { return hl.data() + 2 * r * k64; }
   const int16_t* xw(int64_t r) const { return x16.data() + r * k64; }
   const float* dx(int64_t r) const { return dx4.data() + r * (k64 / 4); }
   const float* s(int64_t r) const { return s16.data() + r * s_stride; }
+  const float* step32(int64_t r) const { return st32.data() + r * nb32; }
+  const float* sum32(int64_t r) const { return su32.data() + r * nb32; }
 };
 
 template <typename scalar_t>
@@ -268,6 +273,70 @@ void quantize_rows(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows&
         for (int i = 0; i < 8; ++i) dx4[b0 / 4 + i] = step;
         s16[b0 / 16] = step * sum[0];
         s16[b0 / 16 + 1] = step * sum[1];
+
+      }
+    }
+  });
+}
+
+
+// The tiled kernels' activations only (hl, st32, su32), the same numbers as quantize_rows; vectorized.
+template <typename scalar_t>
+void quantize_rows_tiled(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows& act) {
+  act.k64 = (k + 63) / 64 * 64;
+  act.nb32 = act.k64 / 32;
+  act.hl.resize(2 * m * act.k64);
+  act.st32.resize(m * act.nb32);
+  act.su32.resize(m * act.nb32);
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[32];
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * xs;
+      int8_t* hl = act.hl.data() + 2 * r * act.k64;
+      float* st = act.st32.data() + r * act.nb32;
+      float* su = act.su32.data() + r * act.nb32;
+      for (int64_t b0 = 0; b0 < act.k64; b0 += 32) {
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, k - b0));
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (n == 32) std::memcpy(buf, xr + b0, sizeof(buf));
+          else for (int i = 0; i < 32; ++i) buf[i] = i < n ? xr[b0 + i] : 0.f;
+        } else {
+          for (int i = 0; i < 32; ++i) buf[i] = i < n ? static_cast<float>(xr[b0 + i]) : 0.f;
+        }
+#if defined(PAGEDLLM_HAVE_VNNI512)
+        const __m512 v0 = _mm512_load_ps(buf), v1 = _mm512_load_ps(buf + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        int32_t total = 0;
+        for (int h = 0; h < 2; ++h) {
+          const __m512 v = _mm512_mul_ps(h ? v1 : v0, _mm512_set1_ps(id));
+          const __m512 hr = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          const __m512 lr = _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_roundscale_ps(
+              _mm512_mul_ps(_mm512_sub_ps(v, hr), _mm512_set1_ps(256.f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          const __m512i hi = _mm512_cvtps_epi32(hr), lo = _mm512_cvtps_epi32(lr);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(hl + 2 * b0 + 16 * h), _mm512_cvtepi32_epi8(hi));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(hl + 2 * b0 + 32 + 16 * h), _mm512_cvtepi32_epi8(lo));
+          total += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
+        }
+#else
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(buf[i]));
+        const float d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        int32_t total = 0;
+        for (int i = 0; i < 32; ++i) {
+          const float v = buf[i] * id;
+          const float h = std::nearbyint(v);
+          const float l = std::min(127.f, std::nearbyint((v - h) * 256.f));
+          hl[2 * b0 + i] = static_cast<int8_t>(h);
+          hl[2 * b0 + 32 + i] = static_cast<int8_t>(l);
+          total += 256 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
+        }
+#endif
+        const float step = d / 256.f;
+        st[b0 / 32] = step;
+        su[b0 / 32] = step * static_cast<float>(total);
       }
     }
   });
@@ -727,7 +796,265 @@ void gemm_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const Ac
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Tiled layouts (repacked at load by gguf_tile): the weights of 16 output rows ("a group") interleaved so that
+// one zmm holds 4 consecutive weights of each of the 16 rows, one 32-bit lane per row. Activations are then
+// broadcast (4 int8 digits per vpdpbusd) and each instruction feeds 16 outputs with no horizontal sums, so a
+// weight block decoded once serves up to 8 activation rows from registers: at 16-64 rows (decode batches,
+// prefill) this beats both the per-row kernels above and the dequantize-then-oneDNN path.
+// Type id kTiled + T for a base type T in {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0}; tensor [rows / 16, 16 * row_bytes].
+// Per group, per 32-weight block, one tile of exactly 16 blocks' bytes:
+//   4-bit: 4 x 64 B, vector v lane j byte p = q[j][4v + p] | q[j][4v + 16 + p] << 4 (quads v and v + 4);
+//   5-bit: the same plus 8 x 8 B masks, bit 4j + p of mask u = bit 4 of q[j][4u + p];
+//   8-bit: 8 x 64 B, vector u lane j byte p = q[j][4u + p] (Q8_0: int8 ^ 0x80);
+//   then d[16] fp16 and, for Q4_1 / Q5_1, m[16] fp16, as in the file: weight = d q + off, off = m or -c d.
+constexpr int64_t kTiled = 2000;
+
+inline bool tileable(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0; }
+inline bool is_tiled(int64_t t) { return t > kTiled && tileable(t - kTiled); }
+
+template <int64_t T>
+constexpr int qbits() { return T == kQ8_0 ? 8 : (T == kQ5_0 || T == kQ5_1) ? 5 : 4; }
+template <int64_t T>
+constexpr bool tile_has_min() { return T == kQ4_1 || T == kQ5_1; }
+template <int64_t T>
+constexpr int64_t tile_qbytes() { return qbits<T>() == 8 ? 512 : qbits<T>() == 5 ? 320 : 256; }
+template <int64_t T>
+constexpr int64_t tile_bytes() { return tile_qbytes<T>() + (tile_has_min<T>() ? 64 : 32); }
+template <int64_t T>
+constexpr float tile_offset_c() { return T == kQ4_0 ? 8.f : T == kQ5_0 ? 16.f : T == kQ8_0 ? 128.f : 0.f; }
+
+// The unsigned quant of weight kk of row j in a tile.
+template <int64_t T>
+inline int tile_q(const uint8_t* t, int j, int kk) {
+  const int u = kk / 4, p = kk % 4;
+  if constexpr (qbits<T>() == 8) {
+    return t[64 * u + 4 * j + p];
+  } else {
+    const uint8_t byte = t[64 * (u % 4) + 4 * j + p];
+    int q = u < 4 ? (byte & 0xF) : (byte >> 4);
+    if constexpr (qbits<T>() == 5) {
+      uint64_t mask;
+      std::memcpy(&mask, t + 256 + 8 * u, 8);
+      q |= static_cast<int>((mask >> (4 * j + p)) & 1u) << 4;
+    }
+    return q;
+  }
+}
+
+template <int64_t T>
+inline float tile_d(const uint8_t* t, int j) { return fp16(t + tile_qbytes<T>() + 2 * j); }
+
+template <int64_t T>
+inline float tile_off(const uint8_t* t, int j) {
+  if constexpr (tile_has_min<T>()) return fp16(t + tile_qbytes<T>() + 32 + 2 * j);
+  else return -tile_offset_c<T>() * tile_d<T>(t, j);
+}
+
+template <int64_t T>
+void tile_group(const uint8_t* src, int64_t rb, int64_t k, uint8_t* dst) {
+  constexpr int64_t bb = T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : 24;
+  constexpr int64_t QB = tile_qbytes<T>();
+  uint8_t q[16][32];
+  float a[2], b[2];
+  for (int64_t blk = 0; blk < k / 32; ++blk) {
+    uint8_t* t = dst + blk * tile_bytes<T>();
+    std::memset(t, 0, tile_bytes<T>());
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t* s = src + j * rb + blk * bb;
+      decode_block32<T>(s, q[j], a, b);
+      std::memcpy(t + QB + 2 * j, s, 2);                                   // d, as stored
+      if constexpr (tile_has_min<T>()) std::memcpy(t + QB + 32 + 2 * j, s + 2, 2);  // m
+    }
+    for (int j = 0; j < 16; ++j)
+      for (int kk = 0; kk < 32; ++kk) {
+        const int u = kk / 4, p = kk % 4, v = q[j][kk];
+        if constexpr (qbits<T>() == 8) {
+          t[64 * u + 4 * j + p] = static_cast<uint8_t>(v);
+        } else {
+          t[64 * (u % 4) + 4 * j + p] |= static_cast<uint8_t>((v & 0xF) << (u < 4 ? 0 : 4));
+          if constexpr (qbits<T>() == 5)
+            if (v & 0x10) t[256 + 8 * u + (4 * j + p) / 8] |= static_cast<uint8_t>(1u << ((4 * j + p) % 8));
+        }
+      }
+  }
+}
+
+template <int64_t T>
+void dequant_tiled_row(const uint8_t* grp, int j, int64_t k, float* out) {
+  for (int64_t blk = 0; blk < k / 32; ++blk) {
+    const uint8_t* t = grp + blk * tile_bytes<T>();
+    const float d = tile_d<T>(t, j), off = tile_off<T>(t, j);
+    for (int kk = 0; kk < 32; ++kk) out[32 * blk + kk] = std::fma(d, static_cast<float>(tile_q<T>(t, j, kk)), off);
+  }
+}
+
+// Portable: the same integer sums and float formula as the vector kernel, one output at a time.
+template <int64_t T>
+void tiled_rows_portable(const uint8_t* grp, int64_t k, const ActRows& act, int64_t m0, int64_t nr, float* out,
+                         int64_t os) {
+  for (int64_t r = 0; r < nr; ++r) {
+    const int8_t* x = act.xhl(m0 + r);
+    for (int j = 0; j < 16; ++j) {
+      float acc = 0.f;
+      for (int64_t blk = 0; blk < k / 32; ++blk) {
+        const uint8_t* t = grp + blk * tile_bytes<T>();
+        int32_t hi = 0, lo = 0;
+        for (int kk = 0; kk < 32; ++kk) {
+          const int q = tile_q<T>(t, j, kk);
+          hi += q * x[64 * blk + kk];
+          lo += q * x[64 * blk + 32 + kk];
+        }
+        const float tot = static_cast<float>(hi * 256 + lo);
+        acc = std::fma(tot, tile_d<T>(t, j) * act.step32(m0 + r)[blk], acc);
+        acc = std::fma(tile_off<T>(t, j), act.sum32(m0 + r)[blk], acc);
+      }
+      out[r * os + j] = acc;
+    }
+  }
+}
+
+#if defined(PAGEDLLM_HAVE_VNNI512)
+inline __m512i bcast32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The tile's quads v and v + 4 as unsigned bytes.
+template <int64_t T>
+inline void tile_quads(const uint8_t* t, int v, __m512i& qa, __m512i& qb) {
+  if constexpr (qbits<T>() == 8) {
+    qa = _mm512_loadu_si512(t + 64 * v);
+    qb = _mm512_loadu_si512(t + 64 * (v + 4));
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i n = _mm512_loadu_si512(t + 64 * v);
+    qa = _mm512_and_si512(n, m4);
+    qb = _mm512_and_si512(_mm512_srli_epi16(n, 4), m4);
+    if constexpr (qbits<T>() == 5) {
+      uint64_t ma, mb;
+      std::memcpy(&ma, t + 256 + 8 * v, 8);
+      std::memcpy(&mb, t + 256 + 8 * (v + 4), 8);
+      const __m512i b4 = _mm512_set1_epi8(0x10);
+      qa = _mm512_or_si512(qa, _mm512_maskz_mov_epi8(static_cast<__mmask64>(ma), b4));
+      qb = _mm512_or_si512(qb, _mm512_maskz_mov_epi8(static_cast<__mmask64>(mb), b4));
+    }
+  }
+}
+
+// Activation rows [m0, m0 + R) times W consecutive groups (gb bytes apart): out[r, 16 w + j].
+template <int64_t T, int R, int W>
+inline void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0, float* out,
+                       int64_t os) {
+  __m512 acc[W][R];
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < k / 32; ++blk) {
+    __m512i hi[W][R], lo[W][R];
+    for (int w = 0; w < W; ++w)
+      for (int r = 0; r < R; ++r) hi[w][r] = lo[w][r] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      for (int w = 0; w < W; ++w) {
+        __m512i qa, qb;
+        tile_quads<T>(grp + w * gb + blk * tile_bytes<T>(), v, qa, qb);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xh = act.xhl(m0 + r) + 64 * blk + 4 * v;
+          const int8_t* xl = xh + 32;
+          hi[w][r] = _mm512_dpbusd_epi32(hi[w][r], qa, bcast32(xh));
+          lo[w][r] = _mm512_dpbusd_epi32(lo[w][r], qa, bcast32(xl));
+          hi[w][r] = _mm512_dpbusd_epi32(hi[w][r], qb, bcast32(xh + 16));
+          lo[w][r] = _mm512_dpbusd_epi32(lo[w][r], qb, bcast32(xl + 16));
+        }
+      }
+    }
+    for (int w = 0; w < W; ++w) {
+      const uint8_t* t = grp + w * gb + blk * tile_bytes<T>();
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + tile_qbytes<T>())));
+      __m512 off;
+      if constexpr (tile_has_min<T>())
+        off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + tile_qbytes<T>() + 32)));
+      else
+        off = _mm512_mul_ps(d, _mm512_set1_ps(-tile_offset_c<T>()));
+      for (int r = 0; r < R; ++r) {
+        const __m512i tot = _mm512_add_epi32(_mm512_slli_epi32(hi[w][r], 8), lo[w][r]);
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(act.step32(m0 + r)[blk]));
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), scale, acc[w][r]);
+        acc[w][r] = _mm512_fmadd_ps(off, _mm512_set1_ps(act.sum32(m0 + r)[blk]), acc[w][r]);
+      }
+    }
+  }
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * os + 16 * w, acc[w][r]);
+}
+
+template <int64_t T>
+void tiled_part_vnni(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActRows& act, int64_t m, float* out,
+                     int64_t os) {
+  float* o = out + p.col;
+  const int64_t gb = p.rb;
+  for (int64_t t0 = 0; t0 < m; t0 += kTile) {
+    const int64_t t1 = std::min(m, t0 + kTile);
+    int64_t g = g0;
+    if (t1 - t0 <= 2) {  // few rows: several groups at once for independent accumulation chains
+      const int64_t nr = t1 - t0;
+      for (; g + 4 <= g1 && nr == 1; g += 4) tiled_rows<T, 1, 4>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
+      for (; g + 2 <= g1; g += 2) {
+        if (nr == 1) tiled_rows<T, 1, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
+        else tiled_rows<T, 2, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
+      }
+    }
+    const int64_t gs = g;
+    for (int64_t r = t0; r < t1; r += 8)
+    for (g = gs; g < g1; ++g) {
+      const uint8_t* grp = p.w + g * gb;
+      {
+        float* dst = o + r * os + 16 * g;
+        switch (std::min<int64_t>(8, t1 - r)) {
+          case 8: tiled_rows<T, 8, 1>(grp, gb, k, act, r, dst, os); break;
+          case 7: tiled_rows<T, 7, 1>(grp, gb, k, act, r, dst, os); break;
+          case 6: tiled_rows<T, 6, 1>(grp, gb, k, act, r, dst, os); break;
+          case 5: tiled_rows<T, 5, 1>(grp, gb, k, act, r, dst, os); break;
+          case 4: tiled_rows<T, 4, 1>(grp, gb, k, act, r, dst, os); break;
+          case 3: tiled_rows<T, 3, 1>(grp, gb, k, act, r, dst, os); break;
+          case 2: tiled_rows<T, 2, 1>(grp, gb, k, act, r, dst, os); break;
+          default: tiled_rows<T, 1, 1>(grp, gb, k, act, r, dst, os); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
+template <int64_t T>
+void tiled_part(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActRows& act, int64_t m, float* out,
+                int64_t os, int64_t impl) {
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  if (impl == kBest) return tiled_part_vnni<T>(p, g0, g1, k, act, m, out, os);
+#endif
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t r = 0; r < m; r += kTile)
+      tiled_rows_portable<T>(p.w + g * p.rb, k, act, r, std::min<int64_t>(kTile, m - r), out + r * os + p.col + 16 * g,
+                             os);
+}
+
+void tiled_dispatch(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActRows& act, int64_t m, float* out,
+                    int64_t os, int64_t impl) {
+  switch (p.type - kTiled) {
+    case kQ4_0: return tiled_part<kQ4_0>(p, g0, g1, k, act, m, out, os, impl);
+    case kQ4_1: return tiled_part<kQ4_1>(p, g0, g1, k, act, m, out, os, impl);
+    case kQ5_0: return tiled_part<kQ5_0>(p, g0, g1, k, act, m, out, os, impl);
+    case kQ5_1: return tiled_part<kQ5_1>(p, g0, g1, k, act, m, out, os, impl);
+    case kQ8_0: return tiled_part<kQ8_0>(p, g0, g1, k, act, m, out, os, impl);
+    default: TORCH_CHECK(false, "gguf kernels: unsupported tiled type ", p.type);
+  }
+}
+
 void check_type(int64_t type, int64_t k) {
+  if (is_tiled(type)) {
+    TORCH_CHECK(k > 0 && k % 32 == 0, "gguf kernels: K=", k, " is not a multiple of the block size 32 of type ", type);
+    return;
+  }
   TORCH_CHECK(type == kI8Row || block_bytes(type) > 0, "gguf kernels: unsupported weight type ", type);
   TORCH_CHECK(k > 0 && (type == kI8Row || k % block_elems(type) == 0), "gguf kernels: K=", k, " is not a multiple of the block size ",
               block_elems(type), " of type ", type);
@@ -753,11 +1080,14 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
     check_type(types[i], k);
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
-                    w.size(1) == row_bytes(types[i], k),
-                "gguf_linear: weight part ", i, " must be contiguous uint8 [rows, ", row_bytes(types[i], k), "]");
-    parts.push_back({w.data_ptr<uint8_t>(), types[i], w.size(0), total, w.size(1)});
-    total += w.size(0);
+    const bool tiled = is_tiled(types[i]);
+    const int64_t rb = tiled ? 16 * row_bytes(types[i] - kTiled, k) : row_bytes(types[i], k);
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == rb,
+                "gguf_linear: weight part ", i, " must be contiguous uint8 [", tiled ? "rows / 16" : "rows", ", ", rb,
+                "]");
+    const int64_t rows = tiled ? 16 * w.size(0) : w.size(0);
+    parts.push_back({w.data_ptr<uint8_t>(), types[i], rows, total, w.size(1)});
+    total += rows;
   }
   TORCH_CHECK(out.size(1) == total, "gguf_linear: out has ", out.size(1), " columns, the weights ", total);
   const float* bp = nullptr;
@@ -769,10 +1099,15 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
   if (m == 0) return;
   float* op = out.data_ptr<float>();
   const int64_t os = out.stride(0);
+  bool any_tiled = false, any_plain = false;
+  for (const Part& p : parts) (is_tiled(p.type) ? any_tiled : any_plain) = true;
+  bool use_f32 = false;
+  const float* xp = nullptr;
+  const int64_t k64 = (k + 63) / 64 * 64;
 #if defined(PAGEDLLM_HAVE_VNNI512)
-  if (impl == kBest && m >= kFloatMinRows) {
+  use_f32 = impl == kBest && m >= kFloatMinRows && any_plain;
+  if (use_f32) {
     std::vector<float>& xf = tls_xf;  // the rows as float32, each padded with zeros to k64
-    const int64_t k64 = (k + 63) / 64 * 64;
     xf.assign(m * k64, 0.f);
     for (int64_t r = 0; r < m; ++r) {
       float* dst = xf.data() + r * k64;
@@ -787,37 +1122,58 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
         for (int64_t i = 0; i < k; ++i) dst[i] = static_cast<float>(src[i]);
       }
     }
-    const float* xp = xf.data();
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * m));
-    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-      for (const Part& p : parts) {
-        const int64_t lo = std::max(begin, p.col), hi = std::min(end, p.col + p.rows);
-        if (lo >= hi) continue;
-        gemm_f32_dispatch(p, lo - p.col, hi - p.col, k, xp, k64, m, op, os);
-        if (bp)
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t n = lo; n < hi; ++n) op[i * os + n] += bp[n];
-      }
-    });
-    return;
+    xp = xf.data();
   }
 #endif
   ActRows& act = tls_act;
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, act);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k, act);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kHalf, "gguf_linear: x must be float32, bfloat16 or float16");
-    quantize_rows(x.data_ptr<c10::Half>(), x.stride(0), m, k, act);
+  if (any_tiled) {
+    if (x.scalar_type() == at::kFloat) {
+      quantize_rows_tiled(x.data_ptr<float>(), x.stride(0), m, k, act);
+    } else if (x.scalar_type() == at::kBFloat16) {
+      quantize_rows_tiled(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k, act);
+    } else {
+      TORCH_CHECK(x.scalar_type() == at::kHalf, "gguf_linear: x must be float32, bfloat16 or float16");
+      quantize_rows_tiled(x.data_ptr<c10::Half>(), x.stride(0), m, k, act);
+    }
+  }
+  if (any_plain && !use_f32) {
+    if (x.scalar_type() == at::kFloat) {
+      quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, act);
+    } else if (x.scalar_type() == at::kBFloat16) {
+      quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k, act);
+    } else {
+      TORCH_CHECK(x.scalar_type() == at::kHalf, "gguf_linear: x must be float32, bfloat16 or float16");
+      quantize_rows(x.data_ptr<c10::Half>(), x.stride(0), m, k, act);
+    }
   }
   // ~64k multiply-adds per thread chunk at least: small products stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * m));
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     std::vector<Chunk> chunks;
     for (const Part& p : parts) {
+      if (is_tiled(p.type)) {  // the groups whose first column lies in [begin, end)
+        const int64_t groups = p.rows / 16;
+        const int64_t g0 = std::min(groups, begin <= p.col ? 0 : (begin - p.col + 15) / 16);
+        const int64_t g1 = std::min(groups, end <= p.col ? 0 : (end - p.col + 15) / 16);
+        if (g0 >= g1) continue;
+        tiled_dispatch(p, g0, g1, k, act, m, op, os, impl);
+        if (bp)
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t n = p.col + 16 * g0; n < p.col + 16 * g1; ++n) op[i * os + n] += bp[n];
+        continue;
+      }
       const int64_t lo = std::max(begin, p.col), hi = std::min(end, p.col + p.rows);
-      if (lo < hi) gemm_dispatch(p, lo - p.col, hi - p.col, k, act, m, op, os, bp, impl, chunks);
+      if (lo >= hi) continue;
+#if defined(PAGEDLLM_HAVE_VNNI512)
+      if (use_f32) {
+        gemm_f32_dispatch(p, lo - p.col, hi - p.col, k, xp, k64, m, op, os);
+        if (bp)
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t n = lo; n < hi; ++n) op[i * os + n] += bp[n];
+        continue;
+      }
+#endif
+      gemm_dispatch(p, lo - p.col, hi - p.col, k, act, m, op, os, bp, impl, chunks);
     }
   });
 }
@@ -865,6 +1221,44 @@ void dequant_row_dispatch(int64_t type, const uint8_t* row, int64_t k, float* ou
   }
 }
 
+void dequant_tiled_dispatch(int64_t type, const uint8_t* grp, int j, int64_t k, float* out) {
+  switch (type - kTiled) {
+    case kQ4_0: return dequant_tiled_row<kQ4_0>(grp, j, k, out);
+    case kQ4_1: return dequant_tiled_row<kQ4_1>(grp, j, k, out);
+    case kQ5_0: return dequant_tiled_row<kQ5_0>(grp, j, k, out);
+    case kQ5_1: return dequant_tiled_row<kQ5_1>(grp, j, k, out);
+    case kQ8_0: return dequant_tiled_row<kQ8_0>(grp, j, k, out);
+    default: TORCH_CHECK(false, "gguf kernels: unsupported tiled type ", type);
+  }
+}
+
+// The tiled layout (type kTiled + type) of w (uint8 [rows, row_bytes], rows a multiple of 16): the same bytes,
+// rearranged; kTiled + type's rows come back from gguf_dequantize_rows exactly as type's.
+at::Tensor gguf_tile(const at::Tensor& w, int64_t type) {
+  TORCH_CHECK(tileable(type), "gguf_tile: type ", type, " has no tiled layout");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) % 16 == 0 &&
+                  w.size(1) % block_bytes(type) == 0,
+              "gguf_tile: w must be contiguous uint8 [rows, row_bytes] with rows a multiple of 16");
+  const int64_t rb = w.size(1), k = rb / block_bytes(type) * 32, groups = w.size(0) / 16;
+  at::Tensor out = at::empty({groups, 16 * rb}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* s = src + g * 16 * rb;
+      uint8_t* d = dst + g * 16 * rb;
+      switch (type) {
+        case kQ4_0: tile_group<kQ4_0>(s, rb, k, d); break;
+        case kQ4_1: tile_group<kQ4_1>(s, rb, k, d); break;
+        case kQ5_0: tile_group<kQ5_0>(s, rb, k, d); break;
+        case kQ5_1: tile_group<kQ5_1>(s, rb, k, d); break;
+        default: tile_group<kQ8_0>(s, rb, k, d); break;
+      }
+    }
+  });
+  return out;
+}
+
 // out [len(ids), K] float32 = dequantized rows ids of w (uint8 [V, row_bytes]); ids < 0 or >= V is an error.
 // ids = None: every row (out [V, K]).
 void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& ids) {
@@ -872,9 +1266,11 @@ void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, co
               "gguf_dequantize_rows: out must be contiguous float32 [rows, K]");
   const int64_t k = out.size(1);
   check_type(type, k);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == row_bytes(type, k),
-              "gguf_dequantize_rows: w must be contiguous uint8 [V, ", row_bytes(type, k), "]");
-  const int64_t vocab = w.size(0);
+  const bool tiled = is_tiled(type);
+  const int64_t want = tiled ? 16 * row_bytes(type - kTiled, k) : row_bytes(type, k);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == want,
+              "gguf_dequantize_rows: w must be contiguous uint8 [", tiled ? "V / 16" : "V", ", ", want, "]");
+  const int64_t vocab = tiled ? 16 * w.size(0) : w.size(0);
   const int64_t* idp = nullptr;
   if (ids.has_value() && ids->defined()) {
     TORCH_CHECK(ids->scalar_type() == at::kLong && ids->is_contiguous() && ids->numel() == out.size(0),
@@ -890,7 +1286,8 @@ void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, co
     for (int64_t r = begin; r < end; ++r) {
       const int64_t src = idp ? idp[r] : r;
       TORCH_CHECK(src >= 0 && src < vocab, "gguf_dequantize_rows: row id ", src, " out of range [0, ", vocab, ")");
-      dequant_row_dispatch(type, wp + src * rb, k, op + r * k);
+      if (tiled) dequant_tiled_dispatch(type, wp + (src / 16) * rb, static_cast<int>(src % 16), k, op + r * k);
+      else dequant_row_dispatch(type, wp + src * rb, k, op + r * k);
     }
   });
 }
@@ -919,9 +1316,11 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor[] weights, int[] types, Tensor? bias, int impl=0) -> ()");
   m.def("gguf_dequantize_rows(Tensor(a!) out, Tensor w, int type, Tensor? ids) -> ()");
   m.def("gguf_best_impl", &gguf_best_impl);
+  m.def("gguf_tile(Tensor w, int type) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize_rows", &gguf_dequantize_rows);
+  m.impl("gguf_tile", &gguf_tile);
 }
