@@ -27,15 +27,15 @@ def test_auto_dtype_rules():
 
 
 def test_default_step_token_budget(monkeypatch, tiny_llama_dir):
-    """8192 tokens per step on CPU and on GPUs under 70 GiB, 16384 on larger GPUs; an explicit value wins."""
-    assert default_batched_tokens(torch.device("cpu")) == 8192
+    """2048 tokens per step on CPU, 8192 on GPUs under 70 GiB, 16384 on larger GPUs; an explicit value wins."""
+    assert default_batched_tokens(torch.device("cpu")) == 2048
     for gib, expected in [(141, 16384), (80, 16384), (24, 8192)]:
         props = type("Props", (), {"total_memory": gib * 1024 ** 3})()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
         assert default_batched_tokens(torch.device("cuda", 0)) == expected, gib
     monkeypatch.undo()
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
-    assert llm.engine.worker.max_num_batched_tokens == 8192
+    assert llm.engine.worker.max_num_batched_tokens == 2048
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, max_num_batched_tokens=1000)
     assert llm.engine.worker.max_num_batched_tokens == 1000
 

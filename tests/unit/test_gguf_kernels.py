@@ -169,3 +169,91 @@ def test_linear_rejects_mismatched_inputs(ops):
         ops.gguf_linear(torch.empty(1, 8), torch.randn(1, 96), [packed], [int(Q.Q4_0)], None, 0)
     with pytest.raises(RuntimeError, match="columns"):
         ops.gguf_linear(torch.empty(1, 9), torch.randn(1, 64), [packed], [int(Q.Q4_0)], None, 0)
+
+
+# ---- the 16-row tiled layouts (gguf_tile): the file's bytes regrouped for the register-tiled VNNI kernel
+TILEABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+TILED = 2000  # type id offset of a tiled layout
+
+
+@pytest.mark.parametrize("qtype", TILEABLE, ids=lambda t: t.name)
+def test_tiled_layout_dequantizes_exactly_as_the_file(ops, qtype):
+    packed = make_weight(qtype, 48, 96, seed=int(qtype) + 3)
+    tiled = ops.gguf_tile(torch.from_numpy(packed), int(qtype))
+    assert tiled.shape == (3, 16 * packed.shape[1]) and tiled.dtype == torch.uint8  # the same bytes, regrouped
+    out = torch.empty(48, 96)
+    ops.gguf_dequantize_rows(out, tiled, TILED + int(qtype), None)
+    assert torch.equal(out, torch.from_numpy(reference_dequant(packed, qtype)))
+    ids = torch.tensor([47, 0, 17, 17, 31])
+    rows = torch.empty(5, 96)
+    ops.gguf_dequantize_rows(rows, tiled, TILED + int(qtype), ids)
+    assert torch.equal(rows, out[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.gguf_dequantize_rows(torch.empty(1, 96), tiled, TILED + int(qtype), torch.tensor([48]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtype", TILEABLE, ids=lambda t: t.name)
+def test_tiled_linear_against_dequantized_matmul(ops, qtype, threads):
+    k, n = 160, 64  # 5 blocks of 32; 4 groups of 16 rows
+    packed = make_weight(qtype, n, k, seed=int(qtype) + 11)
+    tiled = ops.gguf_tile(torch.from_numpy(packed), int(qtype))
+    w = torch.from_numpy(reference_dequant(packed, qtype))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 2, 3, 5, 8, 9, 17, 64, 65, 130):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            x[0, :7] *= 50  # an outlier block
+            outs = []
+            for impl in impls(ops):
+                out = torch.empty(m, n)
+                ops.gguf_linear(out, x, [tiled], [TILED + int(qtype)], None, impl)
+                check_product(out, x, w)
+                outs.append(out)
+            # The vector kernel and the portable one compute the same integer sums and float terms.
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_parts_beside_row_parts_bias_and_dtypes(ops, threads):
+    """A tiled part whose first output column is not a multiple of 16 (after a 9-row Q6_K part), another after
+    it, bias, a row-strided x and bf16 / fp16 activations: every group written once, by whichever thread."""
+    k = 256
+    parts = [(Q.Q6_K, 9, False), (Q.Q4_1, 48, True), (Q.Q8_0, 32, True), (Q.Q5_0, 7, False)]
+    packed, types, dense = [], [], []
+    for i, (t, rows, tile) in enumerate(parts):
+        p = make_weight(t, rows, k, seed=40 + i)
+        dense.append(torch.from_numpy(reference_dequant(p, t)))
+        packed.append(ops.gguf_tile(torch.from_numpy(p), int(t)) if tile else torch.from_numpy(p))
+        types.append(TILED + int(t) if tile else int(t))
+    w = torch.cat(dense)
+    bias = torch.randn(w.shape[0])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 6, 33):
+            x = torch.randn(m, 2 * k)[:, :k]
+            for impl in impls(ops):
+                out = torch.full((m, w.shape[0]), float("nan"))
+                ops.gguf_linear(out, x, packed, types, bias, impl)
+                check_product(out, x, w, bias)
+            for dtype in (torch.bfloat16, torch.float16):
+                out = torch.empty(m, w.shape[0])
+                ops.gguf_linear(out, x.to(dtype), packed, types, bias, 0)
+                check_product(out, x.to(dtype).float(), w, bias)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_tile_rejects_what_has_no_tiled_layout(ops):
+    q4 = torch.from_numpy(make_weight(Q.Q4_0, 24, 64, seed=5))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.gguf_tile(q4, int(Q.Q4_0))
+    with pytest.raises(RuntimeError, match="no tiled layout"):
+        ops.gguf_tile(torch.from_numpy(make_weight(Q.Q6_K, 16, 256, seed=5)), int(Q.Q6_K))
+    tiled = ops.gguf_tile(q4[:16].contiguous(), int(Q.Q4_0))
+    with pytest.raises(RuntimeError, match="rows / 16"):
+        ops.gguf_linear(torch.empty(1, 16), torch.randn(1, 96), [tiled], [TILED + int(Q.Q4_0)], None, 0)
