@@ -172,30 +172,36 @@ def test_linear_rejects_mismatched_inputs(ops):
 
 
 # ---- the 16-row tiled layouts (gguf_tile): the file's bytes regrouped for the register-tiled VNNI kernel
-TILEABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+TILEABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K]
 TILED = 2000  # type id offset of a tiled layout
 
 
 @pytest.mark.parametrize("qtype", TILEABLE, ids=lambda t: t.name)
 def test_tiled_layout_dequantizes_exactly_as_the_file(ops, qtype):
-    packed = make_weight(qtype, 48, 96, seed=int(qtype) + 3)
+    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    packed = make_weight(qtype, 48, k, seed=int(qtype) + 3)
     tiled = ops.gguf_tile(torch.from_numpy(packed), int(qtype))
-    assert tiled.shape == (3, 16 * packed.shape[1]) and tiled.dtype == torch.uint8  # the same bytes, regrouped
-    out = torch.empty(48, 96)
+    assert tiled.dtype == torch.uint8 and tiled.shape[0] == 3
+    if GGML_QUANT_SIZES[qtype][0] == 32:
+        assert tiled.shape[1] == 16 * packed.shape[1]  # the same bytes, regrouped
+    else:  # K-quants: 6-bit sub-block scales widened to bytes
+        assert 16 * packed.shape[1] < tiled.shape[1] <= 1.03 * 16 * packed.shape[1]
+    out = torch.empty(48, k)
     ops.gguf_dequantize_rows(out, tiled, TILED + int(qtype), None)
     assert torch.equal(out, torch.from_numpy(reference_dequant(packed, qtype)))
     ids = torch.tensor([47, 0, 17, 17, 31])
-    rows = torch.empty(5, 96)
+    rows = torch.empty(5, k)
     ops.gguf_dequantize_rows(rows, tiled, TILED + int(qtype), ids)
     assert torch.equal(rows, out[ids])
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.gguf_dequantize_rows(torch.empty(1, 96), tiled, TILED + int(qtype), torch.tensor([48]))
+        ops.gguf_dequantize_rows(torch.empty(1, k), tiled, TILED + int(qtype), torch.tensor([48]))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qtype", TILEABLE, ids=lambda t: t.name)
 def test_tiled_linear_against_dequantized_matmul(ops, qtype, threads):
-    k, n = 160, 64  # 5 blocks of 32; 4 groups of 16 rows
+    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 160  # 160: 5 blocks of 32
+    n = 64  # 4 groups of 16 rows
     packed = make_weight(qtype, n, k, seed=int(qtype) + 11)
     tiled = ops.gguf_tile(torch.from_numpy(packed), int(qtype))
     w = torch.from_numpy(reference_dequant(packed, qtype))
@@ -222,7 +228,7 @@ def test_tiled_parts_beside_row_parts_bias_and_dtypes(ops, threads):
     """A tiled part whose first output column is not a multiple of 16 (after a 9-row Q6_K part), another after
     it, bias, a row-strided x and bf16 / fp16 activations: every group written once, by whichever thread."""
     k = 256
-    parts = [(Q.Q6_K, 9, False), (Q.Q4_1, 48, True), (Q.Q8_0, 32, True), (Q.Q5_0, 7, False)]
+    parts = [(Q.Q6_K, 9, False), (Q.Q4_1, 48, True), (Q.Q4_K, 16, True), (Q.Q8_0, 32, True), (Q.Q5_0, 7, False)]
     packed, types, dense = [], [], []
     for i, (t, rows, tile) in enumerate(parts):
         p = make_weight(t, rows, k, seed=40 + i)

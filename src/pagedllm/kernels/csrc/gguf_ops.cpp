@@ -800,29 +800,55 @@ void gemm_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const Ac
 // Tiled layouts (repacked at load by gguf_tile): the weights of 16 output rows ("a group") interleaved so that
 // one zmm holds 4 consecutive weights of each of the 16 rows, one 32-bit lane per row. Activations are then
 // broadcast (4 int8 digits per vpdpbusd) and each instruction feeds 16 outputs with no horizontal sums, so a
-// weight block decoded once serves up to 8 activation rows from registers: at 16-64 rows (decode batches,
-// prefill) this beats both the per-row kernels above and the dequantize-then-oneDNN path.
-// Type id kTiled + T for a base type T in {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0}; tensor [rows / 16, 16 * row_bytes].
-// Per group, per 32-weight block, one tile of exactly 16 blocks' bytes:
+// weight block decoded once serves up to 8 activation rows from registers: from one row (decode) to thousands
+// (prefill) this beats both the per-row kernels above and oneDNN's fp32 product.
+// Type id kTiled + T for T in {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K}; tensor [rows / 16, group bytes].
+// Per group, per 32-weight (sub-)block, one tile of quants:
 //   4-bit: 4 x 64 B, vector v lane j byte p = q[j][4v + p] | q[j][4v + 16 + p] << 4 (quads v and v + 4);
 //   5-bit: the same plus 8 x 8 B masks, bit 4j + p of mask u = bit 4 of q[j][4u + p];
 //   8-bit: 8 x 64 B, vector u lane j byte p = q[j][4u + p] (Q8_0: int8 ^ 0x80);
-//   then d[16] fp16 and, for Q4_1 / Q5_1, m[16] fp16, as in the file: weight = d q + off, off = m or -c d.
+// and the 16 rows' scales, weight = d q + off:
+//   32-block types: after the quants d[16] fp16 and, for Q4_1 / Q5_1, m[16] fp16 (off = m, else -c d), so a
+//     group holds exactly its 16 rows' bytes;
+//   Q4_K / Q5_K: per 256-weight super-block a header d[16], dmin[16] fp16, then 8 tiles, each followed by
+//     sc[16], mn[16] (the 6-bit sub-block scales as bytes): d = d sc, off = -dmin mn (2-3% over the file).
+// (Q6_K's 16-weight scales keep it in the row layout.)
 constexpr int64_t kTiled = 2000;
 
-inline bool tileable(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0; }
+inline bool tileable(int64_t t) {
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ5_K;
+}
 inline bool is_tiled(int64_t t) { return t > kTiled && tileable(t - kTiled); }
 
 template <int64_t T>
-constexpr int qbits() { return T == kQ8_0 ? 8 : (T == kQ5_0 || T == kQ5_1) ? 5 : 4; }
+constexpr bool kquant() { return T == kQ4_K || T == kQ5_K; }
+template <int64_t T>
+constexpr int qbits() { return T == kQ8_0 ? 8 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K) ? 5 : 4; }
 template <int64_t T>
 constexpr bool tile_has_min() { return T == kQ4_1 || T == kQ5_1; }
 template <int64_t T>
 constexpr int64_t tile_qbytes() { return qbits<T>() == 8 ? 512 : qbits<T>() == 5 ? 320 : 256; }
+// Bytes from one tile to the next (K-quants: within a super-block).
 template <int64_t T>
-constexpr int64_t tile_bytes() { return tile_qbytes<T>() + (tile_has_min<T>() ? 64 : 32); }
+constexpr int64_t tile_stride() { return tile_qbytes<T>() + (kquant<T>() ? 32 : tile_has_min<T>() ? 64 : 32); }
+template <int64_t T>
+constexpr int64_t superblock_bytes() { return 64 + 8 * tile_stride<T>(); }
 template <int64_t T>
 constexpr float tile_offset_c() { return T == kQ4_0 ? 8.f : T == kQ5_0 ? 16.f : T == kQ8_0 ? 128.f : 0.f; }
+
+inline int64_t tiled_group_bytes(int64_t type, int64_t k) {
+  const int64_t base = type - kTiled;
+  if (base == kQ4_K) return k / 256 * (64 + 8 * (256 + 32));
+  if (base == kQ5_K) return k / 256 * (64 + 8 * (320 + 32));
+  return 16 * row_bytes(base, k);
+}
+inline int64_t tiled_block_elems(int64_t type) { return block_elems(type - kTiled); }
+
+template <int64_t T>
+inline const uint8_t* tile_ptr(const uint8_t* grp, int64_t blk) {
+  if constexpr (kquant<T>()) return grp + (blk / 8) * superblock_bytes<T>() + 64 + (blk % 8) * tile_stride<T>();
+  else return grp + blk * tile_stride<T>();
+}
 
 // The unsigned quant of weight kk of row j in a tile.
 template <int64_t T>
@@ -842,49 +868,87 @@ inline int tile_q(const uint8_t* t, int j, int kk) {
   }
 }
 
+// Row j's scale and offset in block blk (what the scalar paths use; the vector kernel computes the same).
 template <int64_t T>
-inline float tile_d(const uint8_t* t, int j) { return fp16(t + tile_qbytes<T>() + 2 * j); }
+inline void tile_scale(const uint8_t* grp, int64_t blk, int j, float& d, float& off) {
+  const uint8_t* t = tile_ptr<T>(grp, blk);
+  if constexpr (kquant<T>()) {
+    const uint8_t* head = grp + (blk / 8) * superblock_bytes<T>();
+    const uint8_t* s = t + tile_qbytes<T>();
+    d = fp16(head + 2 * j) * static_cast<float>(s[j]);
+    off = -(fp16(head + 32 + 2 * j) * static_cast<float>(s[16 + j]));
+  } else {
+    d = fp16(t + tile_qbytes<T>() + 2 * j);
+    if constexpr (tile_has_min<T>()) off = fp16(t + tile_qbytes<T>() + 32 + 2 * j);
+    else off = -tile_offset_c<T>() * d;
+  }
+}
 
+// One tile's quants from q[16][32] (unsigned, < 2^qbits).
 template <int64_t T>
-inline float tile_off(const uint8_t* t, int j) {
-  if constexpr (tile_has_min<T>()) return fp16(t + tile_qbytes<T>() + 32 + 2 * j);
-  else return -tile_offset_c<T>() * tile_d<T>(t, j);
+inline void pack_tile(const uint8_t (*q)[32], uint8_t* t) {
+  std::memset(t, 0, tile_qbytes<T>());
+  for (int j = 0; j < 16; ++j)
+    for (int kk = 0; kk < 32; ++kk) {
+      const int u = kk / 4, p = kk % 4, v = q[j][kk];
+      if constexpr (qbits<T>() == 8) {
+        t[64 * u + 4 * j + p] = static_cast<uint8_t>(v);
+      } else {
+        t[64 * (u % 4) + 4 * j + p] |= static_cast<uint8_t>((v & 0xF) << (u < 4 ? 0 : 4));
+        if constexpr (qbits<T>() == 5)
+          if (v & 0x10) t[256 + 8 * u + (4 * j + p) / 8] |= static_cast<uint8_t>(1u << ((4 * j + p) % 8));
+      }
+    }
 }
 
 template <int64_t T>
 void tile_group(const uint8_t* src, int64_t rb, int64_t k, uint8_t* dst) {
-  constexpr int64_t bb = T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : 24;
-  constexpr int64_t QB = tile_qbytes<T>();
   uint8_t q[16][32];
-  float a[2], b[2];
-  for (int64_t blk = 0; blk < k / 32; ++blk) {
-    uint8_t* t = dst + blk * tile_bytes<T>();
-    std::memset(t, 0, tile_bytes<T>());
-    for (int j = 0; j < 16; ++j) {
-      const uint8_t* s = src + j * rb + blk * bb;
-      decode_block32<T>(s, q[j], a, b);
-      std::memcpy(t + QB + 2 * j, s, 2);                                   // d, as stored
-      if constexpr (tile_has_min<T>()) std::memcpy(t + QB + 32 + 2 * j, s + 2, 2);  // m
-    }
-    for (int j = 0; j < 16; ++j)
-      for (int kk = 0; kk < 32; ++kk) {
-        const int u = kk / 4, p = kk % 4, v = q[j][kk];
-        if constexpr (qbits<T>() == 8) {
-          t[64 * u + 4 * j + p] = static_cast<uint8_t>(v);
-        } else {
-          t[64 * (u % 4) + 4 * j + p] |= static_cast<uint8_t>((v & 0xF) << (u < 4 ? 0 : 4));
-          if constexpr (qbits<T>() == 5)
-            if (v & 0x10) t[256 + 8 * u + (4 * j + p) / 8] |= static_cast<uint8_t>(1u << ((4 * j + p) % 8));
-        }
+  if constexpr (kquant<T>()) {
+    constexpr int64_t bb = T == kQ4_K ? 144 : 176;
+    Chunk ch;
+    for (int64_t sb = 0; sb < k / 256; ++sb) {
+      uint8_t* head = dst + sb * superblock_bytes<T>();
+      for (int j = 0; j < 16; ++j) {
+        std::memcpy(head + 2 * j, src + j * rb + sb * bb, 2);       // d
+        std::memcpy(head + 32 + 2 * j, src + j * rb + sb * bb + 2, 2);  // dmin
       }
+      for (int sub = 0; sub < 8; ++sub) {
+        uint8_t* t = head + 64 + sub * tile_stride<T>();
+        for (int j = 0; j < 16; ++j) {
+          decode_chunk<T>(src + j * rb, sb * 4 + sub / 2, k, ch);
+          std::memcpy(q[j], ch.q + 32 * (sub % 2), 32);
+          float sc, mn;
+          scale_min_k4(src + j * rb + sb * bb + 4, sub, sc, mn);
+          t[tile_qbytes<T>() + j] = static_cast<uint8_t>(sc);
+          t[tile_qbytes<T>() + 16 + j] = static_cast<uint8_t>(mn);
+        }
+        pack_tile<T>(q, t);
+      }
+    }
+  } else {
+    constexpr int64_t bb = T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : 24;
+    constexpr int64_t QB = tile_qbytes<T>();
+    float a[2], b[2];
+    for (int64_t blk = 0; blk < k / 32; ++blk) {
+      uint8_t* t = dst + blk * tile_stride<T>();
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t* s = src + j * rb + blk * bb;
+        decode_block32<T>(s, q[j], a, b);
+        std::memcpy(t + QB + 2 * j, s, 2);                                            // d, as stored
+        if constexpr (tile_has_min<T>()) std::memcpy(t + QB + 32 + 2 * j, s + 2, 2);  // m
+      }
+      pack_tile<T>(q, t);
+    }
   }
 }
 
 template <int64_t T>
 void dequant_tiled_row(const uint8_t* grp, int j, int64_t k, float* out) {
   for (int64_t blk = 0; blk < k / 32; ++blk) {
-    const uint8_t* t = grp + blk * tile_bytes<T>();
-    const float d = tile_d<T>(t, j), off = tile_off<T>(t, j);
+    const uint8_t* t = tile_ptr<T>(grp, blk);
+    float d, off;
+    tile_scale<T>(grp, blk, j, d, off);
     for (int kk = 0; kk < 32; ++kk) out[32 * blk + kk] = std::fma(d, static_cast<float>(tile_q<T>(t, j, kk)), off);
   }
 }
@@ -898,16 +962,18 @@ void tiled_rows_portable(const uint8_t* grp, int64_t k, const ActRows& act, int6
     for (int j = 0; j < 16; ++j) {
       float acc = 0.f;
       for (int64_t blk = 0; blk < k / 32; ++blk) {
-        const uint8_t* t = grp + blk * tile_bytes<T>();
+        const uint8_t* t = tile_ptr<T>(grp, blk);
         int32_t hi = 0, lo = 0;
         for (int kk = 0; kk < 32; ++kk) {
           const int q = tile_q<T>(t, j, kk);
           hi += q * x[64 * blk + kk];
           lo += q * x[64 * blk + 32 + kk];
         }
+        float d, off;
+        tile_scale<T>(grp, blk, j, d, off);
         const float tot = static_cast<float>(hi * 256 + lo);
-        acc = std::fma(tot, tile_d<T>(t, j) * act.step32(m0 + r)[blk], acc);
-        acc = std::fma(tile_off<T>(t, j), act.sum32(m0 + r)[blk], acc);
+        acc = std::fma(tot, d * act.step32(m0 + r)[blk], acc);
+        acc = std::fma(off, act.sum32(m0 + r)[blk], acc);
       }
       out[r * os + j] = acc;
     }
@@ -943,6 +1009,32 @@ inline void tile_quads(const uint8_t* t, int v, __m512i& qa, __m512i& qb) {
   }
 }
 
+inline __m512 load_fp16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 negate(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
+}
+
+// The 16 rows' scales and offsets of block blk, as tile_scale computes them.
+template <int64_t T>
+inline void tile_scale_vec(const uint8_t* grp, int64_t blk, __m512& d, __m512& off) {
+  const uint8_t* t = tile_ptr<T>(grp, blk);
+  if constexpr (kquant<T>()) {
+    const uint8_t* head = grp + (blk / 8) * superblock_bytes<T>();
+    const uint8_t* s = t + tile_qbytes<T>();
+    d = _mm512_mul_ps(load_fp16x16(head), load_u8x16(s));
+    off = negate(_mm512_mul_ps(load_fp16x16(head + 32), load_u8x16(s + 16)));
+  } else {
+    d = load_fp16x16(t + tile_qbytes<T>());
+    if constexpr (tile_has_min<T>()) off = load_fp16x16(t + tile_qbytes<T>() + 32);
+    else off = _mm512_mul_ps(_mm512_set1_ps(-tile_offset_c<T>()), d);
+  }
+}
+
 // Activation rows [m0, m0 + R) times W consecutive groups (gb bytes apart): out[r, 16 w + j].
 template <int64_t T, int R, int W>
 inline void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0, float* out,
@@ -957,7 +1049,7 @@ inline void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows&
     for (int v = 0; v < 4; ++v) {
       for (int w = 0; w < W; ++w) {
         __m512i qa, qb;
-        tile_quads<T>(grp + w * gb + blk * tile_bytes<T>(), v, qa, qb);
+        tile_quads<T>(tile_ptr<T>(grp + w * gb, blk), v, qa, qb);
         for (int r = 0; r < R; ++r) {
           const int8_t* xh = act.xhl(m0 + r) + 64 * blk + 4 * v;
           const int8_t* xl = xh + 32;
@@ -969,13 +1061,8 @@ inline void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows&
       }
     }
     for (int w = 0; w < W; ++w) {
-      const uint8_t* t = grp + w * gb + blk * tile_bytes<T>();
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + tile_qbytes<T>())));
-      __m512 off;
-      if constexpr (tile_has_min<T>())
-        off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + tile_qbytes<T>() + 32)));
-      else
-        off = _mm512_mul_ps(d, _mm512_set1_ps(-tile_offset_c<T>()));
+      __m512 d, off;
+      tile_scale_vec<T>(grp + w * gb, blk, d, off);
       for (int r = 0; r < R; ++r) {
         const __m512i tot = _mm512_add_epi32(_mm512_slli_epi32(hi[w][r], 8), lo[w][r]);
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(act.step32(m0 + r)[blk]));
@@ -1046,13 +1133,16 @@ void tiled_dispatch(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActR
     case kQ5_0: return tiled_part<kQ5_0>(p, g0, g1, k, act, m, out, os, impl);
     case kQ5_1: return tiled_part<kQ5_1>(p, g0, g1, k, act, m, out, os, impl);
     case kQ8_0: return tiled_part<kQ8_0>(p, g0, g1, k, act, m, out, os, impl);
+    case kQ4_K: return tiled_part<kQ4_K>(p, g0, g1, k, act, m, out, os, impl);
+    case kQ5_K: return tiled_part<kQ5_K>(p, g0, g1, k, act, m, out, os, impl);
     default: TORCH_CHECK(false, "gguf kernels: unsupported tiled type ", p.type);
   }
 }
 
 void check_type(int64_t type, int64_t k) {
   if (is_tiled(type)) {
-    TORCH_CHECK(k > 0 && k % 32 == 0, "gguf kernels: K=", k, " is not a multiple of the block size 32 of type ", type);
+    TORCH_CHECK(k > 0 && k % tiled_block_elems(type) == 0, "gguf kernels: K=", k,
+                " is not a multiple of the block size ", tiled_block_elems(type), " of type ", type);
     return;
   }
   TORCH_CHECK(type == kI8Row || block_bytes(type) > 0, "gguf kernels: unsupported weight type ", type);
@@ -1081,7 +1171,7 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
     const at::Tensor& w = weights[i];
     check_type(types[i], k);
     const bool tiled = is_tiled(types[i]);
-    const int64_t rb = tiled ? 16 * row_bytes(types[i] - kTiled, k) : row_bytes(types[i], k);
+    const int64_t rb = tiled ? tiled_group_bytes(types[i], k) : row_bytes(types[i], k);
     TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == rb,
                 "gguf_linear: weight part ", i, " must be contiguous uint8 [", tiled ? "rows / 16" : "rows", ", ", rb,
                 "]");
@@ -1228,6 +1318,8 @@ void dequant_tiled_dispatch(int64_t type, const uint8_t* grp, int j, int64_t k, 
     case kQ5_0: return dequant_tiled_row<kQ5_0>(grp, j, k, out);
     case kQ5_1: return dequant_tiled_row<kQ5_1>(grp, j, k, out);
     case kQ8_0: return dequant_tiled_row<kQ8_0>(grp, j, k, out);
+    case kQ4_K: return dequant_tiled_row<kQ4_K>(grp, j, k, out);
+    case kQ5_K: return dequant_tiled_row<kQ5_K>(grp, j, k, out);
     default: TORCH_CHECK(false, "gguf kernels: unsupported tiled type ", type);
   }
 }
@@ -1239,19 +1331,22 @@ at::Tensor gguf_tile(const at::Tensor& w, int64_t type) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) % 16 == 0 &&
                   w.size(1) % block_bytes(type) == 0,
               "gguf_tile: w must be contiguous uint8 [rows, row_bytes] with rows a multiple of 16");
-  const int64_t rb = w.size(1), k = rb / block_bytes(type) * 32, groups = w.size(0) / 16;
-  at::Tensor out = at::empty({groups, 16 * rb}, w.options());
+  const int64_t rb = w.size(1), k = rb / block_bytes(type) * block_elems(type), groups = w.size(0) / 16;
+  const int64_t gb = tiled_group_bytes(kTiled + type, k);
+  at::Tensor out = at::empty({groups, gb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* s = src + g * 16 * rb;
-      uint8_t* d = dst + g * 16 * rb;
+      uint8_t* d = dst + g * gb;
       switch (type) {
         case kQ4_0: tile_group<kQ4_0>(s, rb, k, d); break;
         case kQ4_1: tile_group<kQ4_1>(s, rb, k, d); break;
         case kQ5_0: tile_group<kQ5_0>(s, rb, k, d); break;
         case kQ5_1: tile_group<kQ5_1>(s, rb, k, d); break;
+        case kQ4_K: tile_group<kQ4_K>(s, rb, k, d); break;
+        case kQ5_K: tile_group<kQ5_K>(s, rb, k, d); break;
         default: tile_group<kQ8_0>(s, rb, k, d); break;
       }
     }
@@ -1267,7 +1362,7 @@ void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, co
   const int64_t k = out.size(1);
   check_type(type, k);
   const bool tiled = is_tiled(type);
-  const int64_t want = tiled ? 16 * row_bytes(type - kTiled, k) : row_bytes(type, k);
+  const int64_t want = tiled ? tiled_group_bytes(type, k) : row_bytes(type, k);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == want,
               "gguf_dequantize_rows: w must be contiguous uint8 [", tiled ? "V / 16" : "V", ", ", want, "]");
   const int64_t vocab = tiled ? 16 * w.size(0) : w.size(0);
