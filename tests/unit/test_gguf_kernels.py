@@ -172,7 +172,7 @@ def test_linear_rejects_mismatched_inputs(ops):
 
 
 # ---- the 16-row tiled layouts (gguf_tile): the file's bytes regrouped for the register-tiled VNNI kernel
-TILEABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K]
+TILEABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 TILED = 2000  # type id offset of a tiled layout
 
 
@@ -182,7 +182,7 @@ def test_tiled_layout_dequantizes_exactly_as_the_file(ops, qtype):
     packed = make_weight(qtype, 48, k, seed=int(qtype) + 3)
     tiled = ops.gguf_tile(torch.from_numpy(packed), int(qtype))
     assert tiled.dtype == torch.uint8 and tiled.shape[0] == 3
-    if GGML_QUANT_SIZES[qtype][0] == 32:
+    if GGML_QUANT_SIZES[qtype][0] == 32 or qtype == Q.Q6_K:
         assert tiled.shape[1] == 16 * packed.shape[1]  # the same bytes, regrouped
     else:  # K-quants: 6-bit sub-block scales widened to bytes
         assert 16 * packed.shape[1] < tiled.shape[1] <= 1.03 * 16 * packed.shape[1]
@@ -228,7 +228,8 @@ def test_tiled_parts_beside_row_parts_bias_and_dtypes(ops, threads):
     """A tiled part whose first output column is not a multiple of 16 (after a 9-row Q6_K part), another after
     it, bias, a row-strided x and bf16 / fp16 activations: every group written once, by whichever thread."""
     k = 256
-    parts = [(Q.Q6_K, 9, False), (Q.Q4_1, 48, True), (Q.Q4_K, 16, True), (Q.Q8_0, 32, True), (Q.Q5_0, 7, False)]
+    parts = [(Q.Q6_K, 9, False), (Q.Q4_1, 48, True), (Q.Q4_K, 16, True), (Q.Q8_0, 32, True), (Q.Q5_0, 7, False),
+             (Q.Q6_K, 32, True)]
     packed, types, dense = [], [], []
     for i, (t, rows, tile) in enumerate(parts):
         p = make_weight(t, rows, k, seed=40 + i)
@@ -259,7 +260,7 @@ def test_tile_rejects_what_has_no_tiled_layout(ops):
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.gguf_tile(q4, int(Q.Q4_0))
     with pytest.raises(RuntimeError, match="no tiled layout"):
-        ops.gguf_tile(torch.from_numpy(make_weight(Q.Q6_K, 16, 256, seed=5)), int(Q.Q6_K))
+        ops.gguf_tile(torch.from_numpy(make_weight(Q.Q4_0, 16, 64, seed=5)), 1000)  # the int8 rows
     tiled = ops.gguf_tile(q4[:16].contiguous(), int(Q.Q4_0))
     with pytest.raises(RuntimeError, match="rows / 16"):
         ops.gguf_linear(torch.empty(1, 16), torch.randn(1, 96), [tiled], [TILED + int(Q.Q4_0)], None, 0)

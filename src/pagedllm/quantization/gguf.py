@@ -54,7 +54,7 @@ _workspace = threading.local()
 # Tiled layouts (kernels/csrc/gguf_ops.cpp, gguf_tile): the same bytes regrouped by 16 output rows, type id
 # TILED_BASE + the GGML type; what the AVX-512 VNNI kernels read fastest at every row count.
 TILED_BASE = 2000
-_TILEABLE = (2, 3, 6, 7, 8, 12, 13)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K (Q6_K keeps the row layout)
+_TILEABLE = (2, 3, 6, 7, 8, 12, 13, 14)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
 
 
 def is_tiled(qtype: int) -> bool:

@@ -219,7 +219,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, int64_t k, Chunk& ch) {
 struct ActRows {
   std::vector<int8_t> hi, lo, hl;  // hl: per 32 values, their 32 hi digits then their 32 lo digits (tiled kernels)
   std::vector<int16_t> x16;
-  std::vector<float> dx4, s16, st32, su32;  // st32 / su32: the step and step * sum(x16) per 32 (tiled kernels)
+  std::vector<float> dx4, s16, st32, su32, su16;  // st32 / su32: the step and step * sum(x16) per 32 (tiled kernels)
   int64_t k64 = 0, s_stride = 0, nb32 = 0;  // s16 rows padded to a multiple of 16 floats (one zmm)
   const int8_t* xhi(int64_t r) const { return hi.data() + r * k64; }
   const int8_t* xlo(int64_t r) const { return lo.data() + r * k64; }
@@ -229,6 +229,7 @@ struct ActRows {
   const float* s(int64_t r) const { return s16.data() + r * s_stride; }
   const float* step32(int64_t r) const { return st32.data() + r * nb32; }
   const float* sum32(int64_t r) const { return su32.data() + r * nb32; }
+  const float* sum16(int64_t r) const { return su16.data() + 2 * r * nb32; }
 };
 
 template <typename scalar_t>
@@ -288,6 +289,7 @@ void quantize_rows_tiled(const scalar_t* x, int64_t xs, int64_t m, int64_t k, Ac
   act.hl.resize(2 * m * act.k64);
   act.st32.resize(m * act.nb32);
   act.su32.resize(m * act.nb32);
+  act.su16.resize(2 * m * act.nb32);
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     alignas(64) float buf[32];
     for (int64_t r = begin; r < end; ++r) {
@@ -295,6 +297,7 @@ void quantize_rows_tiled(const scalar_t* x, int64_t xs, int64_t m, int64_t k, Ac
       int8_t* hl = act.hl.data() + 2 * r * act.k64;
       float* st = act.st32.data() + r * act.nb32;
       float* su = act.su32.data() + r * act.nb32;
+      float* su16 = act.su16.data() + 2 * r * act.nb32;
       for (int64_t b0 = 0; b0 < act.k64; b0 += 32) {
         const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, k - b0));
         if constexpr (std::is_same_v<scalar_t, float>) {
@@ -308,7 +311,7 @@ void quantize_rows_tiled(const scalar_t* x, int64_t xs, int64_t m, int64_t k, Ac
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float d = amax / 127.f;
         const float id = d > 0.f ? 1.f / d : 0.f;
-        int32_t total = 0;
+        int32_t total = 0, half[2];
         for (int h = 0; h < 2; ++h) {
           const __m512 v = _mm512_mul_ps(h ? v1 : v0, _mm512_set1_ps(id));
           const __m512 hr = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -317,26 +320,30 @@ void quantize_rows_tiled(const scalar_t* x, int64_t xs, int64_t m, int64_t k, Ac
           const __m512i hi = _mm512_cvtps_epi32(hr), lo = _mm512_cvtps_epi32(lr);
           _mm_storeu_si128(reinterpret_cast<__m128i*>(hl + 2 * b0 + 16 * h), _mm512_cvtepi32_epi8(hi));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(hl + 2 * b0 + 32 + 16 * h), _mm512_cvtepi32_epi8(lo));
-          total += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
+          half[h] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
+          total += half[h];
         }
 #else
         float amax = 0.f;
         for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(buf[i]));
         const float d = amax / 127.f;
         const float id = d > 0.f ? 1.f / d : 0.f;
-        int32_t total = 0;
+        int32_t total = 0, half[2] = {0, 0};
         for (int i = 0; i < 32; ++i) {
           const float v = buf[i] * id;
           const float h = std::nearbyint(v);
           const float l = std::min(127.f, std::nearbyint((v - h) * 256.f));
           hl[2 * b0 + i] = static_cast<int8_t>(h);
           hl[2 * b0 + 32 + i] = static_cast<int8_t>(l);
-          total += 256 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
+          half[i / 16] += 256 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
         }
+        total = half[0] + half[1];
 #endif
         const float step = d / 256.f;
         st[b0 / 32] = step;
         su[b0 / 32] = step * static_cast<float>(total);
+        su16[b0 / 16] = step * static_cast<float>(half[0]);
+        su16[b0 / 16 + 1] = step * static_cast<float>(half[1]);
       }
     }
   });
@@ -811,28 +818,38 @@ void gemm_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const Ac
 //   32-block types: after the quants d[16] fp16 and, for Q4_1 / Q5_1, m[16] fp16 (off = m, else -c d), so a
 //     group holds exactly its 16 rows' bytes;
 //   Q4_K / Q5_K: per 256-weight super-block a header d[16], dmin[16] fp16, then 8 tiles, each followed by
-//     sc[16], mn[16] (the 6-bit sub-block scales as bytes): d = d sc, off = -dmin mn (2-3% over the file).
-// (Q6_K's 16-weight scales keep it in the row layout.)
+//     sc[16], mn[16] (the 6-bit sub-block scales as bytes): d = d sc, off = -dmin mn (2-3% over the file);
+//   Q6_K (6-bit: the 4-bit vectors plus masks of bit 4 and of bit 5): per super-block a header d[16] fp16,
+//     then 8 tiles, each followed by the int8 scales of its two halves, sc[16] for weights 0-15 and sc[16]
+//     for 16-31: d = d sc, off = -32 d per half; the halves are the quads of qa and qb, so the kernel keeps
+//     one integer sum per half (exactly the file's size).
 constexpr int64_t kTiled = 2000;
 
 inline bool tileable(int64_t t) {
-  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ5_K;
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
+         t == kQ6_K;
 }
 inline bool is_tiled(int64_t t) { return t > kTiled && tileable(t - kTiled); }
 
 template <int64_t T>
-constexpr bool kquant() { return T == kQ4_K || T == kQ5_K; }
+constexpr bool kquant() { return T == kQ4_K || T == kQ5_K || T == kQ6_K; }
 template <int64_t T>
-constexpr int qbits() { return T == kQ8_0 ? 8 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K) ? 5 : 4; }
+constexpr bool split_halves() { return T == kQ6_K; }  // a scale per 16 weights
+template <int64_t T>
+constexpr int qbits() {
+  return T == kQ8_0 ? 8 : T == kQ6_K ? 6 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K) ? 5 : 4;
+}
 template <int64_t T>
 constexpr bool tile_has_min() { return T == kQ4_1 || T == kQ5_1; }
 template <int64_t T>
-constexpr int64_t tile_qbytes() { return qbits<T>() == 8 ? 512 : qbits<T>() == 5 ? 320 : 256; }
+constexpr int64_t tile_qbytes() { return qbits<T>() == 8 ? 512 : qbits<T>() == 6 ? 384 : qbits<T>() == 5 ? 320 : 256; }
 // Bytes from one tile to the next (K-quants: within a super-block).
 template <int64_t T>
 constexpr int64_t tile_stride() { return tile_qbytes<T>() + (kquant<T>() ? 32 : tile_has_min<T>() ? 64 : 32); }
 template <int64_t T>
-constexpr int64_t superblock_bytes() { return 64 + 8 * tile_stride<T>(); }
+constexpr int64_t superblock_header() { return T == kQ6_K ? 32 : 64; }
+template <int64_t T>
+constexpr int64_t superblock_bytes() { return superblock_header<T>() + 8 * tile_stride<T>(); }
 template <int64_t T>
 constexpr float tile_offset_c() { return T == kQ4_0 ? 8.f : T == kQ5_0 ? 16.f : T == kQ8_0 ? 128.f : 0.f; }
 
@@ -840,13 +857,15 @@ inline int64_t tiled_group_bytes(int64_t type, int64_t k) {
   const int64_t base = type - kTiled;
   if (base == kQ4_K) return k / 256 * (64 + 8 * (256 + 32));
   if (base == kQ5_K) return k / 256 * (64 + 8 * (320 + 32));
+  if (base == kQ6_K) return k / 256 * (32 + 8 * (384 + 32));
   return 16 * row_bytes(base, k);
 }
 inline int64_t tiled_block_elems(int64_t type) { return block_elems(type - kTiled); }
 
 template <int64_t T>
 inline const uint8_t* tile_ptr(const uint8_t* grp, int64_t blk) {
-  if constexpr (kquant<T>()) return grp + (blk / 8) * superblock_bytes<T>() + 64 + (blk % 8) * tile_stride<T>();
+  if constexpr (kquant<T>())
+    return grp + (blk / 8) * superblock_bytes<T>() + superblock_header<T>() + (blk % 8) * tile_stride<T>();
   else return grp + blk * tile_stride<T>();
 }
 
@@ -859,10 +878,15 @@ inline int tile_q(const uint8_t* t, int j, int kk) {
   } else {
     const uint8_t byte = t[64 * (u % 4) + 4 * j + p];
     int q = u < 4 ? (byte & 0xF) : (byte >> 4);
-    if constexpr (qbits<T>() == 5) {
+    if constexpr (qbits<T>() >= 5) {
       uint64_t mask;
       std::memcpy(&mask, t + 256 + 8 * u, 8);
       q |= static_cast<int>((mask >> (4 * j + p)) & 1u) << 4;
+    }
+    if constexpr (qbits<T>() == 6) {
+      uint64_t mask;
+      std::memcpy(&mask, t + 320 + 8 * u, 8);
+      q |= static_cast<int>((mask >> (4 * j + p)) & 1u) << 5;
     }
     return q;
   }
@@ -870,9 +894,14 @@ inline int tile_q(const uint8_t* t, int j, int kk) {
 
 // Row j's scale and offset in block blk (what the scalar paths use; the vector kernel computes the same).
 template <int64_t T>
-inline void tile_scale(const uint8_t* grp, int64_t blk, int j, float& d, float& off) {
+inline void tile_scale(const uint8_t* grp, int64_t blk, int j, float& d, float& off, int half = 0) {
   const uint8_t* t = tile_ptr<T>(grp, blk);
-  if constexpr (kquant<T>()) {
+  if constexpr (T == kQ6_K) {
+    const uint8_t* head = grp + (blk / 8) * superblock_bytes<T>();
+    const int8_t* sc = reinterpret_cast<const int8_t*>(t + tile_qbytes<T>()) + 16 * half;
+    d = fp16(head + 2 * j) * static_cast<float>(sc[j]);
+    off = -32.f * d;
+  } else if constexpr (kquant<T>()) {
     const uint8_t* head = grp + (blk / 8) * superblock_bytes<T>();
     const uint8_t* s = t + tile_qbytes<T>();
     d = fp16(head + 2 * j) * static_cast<float>(s[j]);
@@ -895,8 +924,10 @@ inline void pack_tile(const uint8_t (*q)[32], uint8_t* t) {
         t[64 * u + 4 * j + p] = static_cast<uint8_t>(v);
       } else {
         t[64 * (u % 4) + 4 * j + p] |= static_cast<uint8_t>((v & 0xF) << (u < 4 ? 0 : 4));
-        if constexpr (qbits<T>() == 5)
+        if constexpr (qbits<T>() >= 5)
           if (v & 0x10) t[256 + 8 * u + (4 * j + p) / 8] |= static_cast<uint8_t>(1u << ((4 * j + p) % 8));
+        if constexpr (qbits<T>() == 6)
+          if (v & 0x20) t[320 + 8 * u + (4 * j + p) / 8] |= static_cast<uint8_t>(1u << ((4 * j + p) % 8));
       }
     }
 }
@@ -904,7 +935,24 @@ inline void pack_tile(const uint8_t (*q)[32], uint8_t* t) {
 template <int64_t T>
 void tile_group(const uint8_t* src, int64_t rb, int64_t k, uint8_t* dst) {
   uint8_t q[16][32];
-  if constexpr (kquant<T>()) {
+  if constexpr (T == kQ6_K) {
+    Chunk ch;
+    for (int64_t sb = 0; sb < k / 256; ++sb) {
+      uint8_t* head = dst + sb * superblock_bytes<T>();
+      for (int j = 0; j < 16; ++j) std::memcpy(head + 2 * j, src + j * rb + sb * 210 + 208, 2);  // d
+      for (int sub = 0; sub < 8; ++sub) {
+        uint8_t* t = head + superblock_header<T>() + sub * tile_stride<T>();
+        for (int j = 0; j < 16; ++j) {
+          decode_chunk<T>(src + j * rb, sb * 4 + sub / 2, k, ch);
+          std::memcpy(q[j], ch.q + 32 * (sub % 2), 32);
+          const int8_t* scales = reinterpret_cast<const int8_t*>(src + j * rb + sb * 210 + 192);
+          t[tile_qbytes<T>() + j] = static_cast<uint8_t>(scales[2 * sub]);
+          t[tile_qbytes<T>() + 16 + j] = static_cast<uint8_t>(scales[2 * sub + 1]);
+        }
+        pack_tile<T>(q, t);
+      }
+    }
+  } else if constexpr (kquant<T>()) {
     constexpr int64_t bb = T == kQ4_K ? 144 : 176;
     Chunk ch;
     for (int64_t sb = 0; sb < k / 256; ++sb) {
@@ -948,8 +996,10 @@ void dequant_tiled_row(const uint8_t* grp, int j, int64_t k, float* out) {
   for (int64_t blk = 0; blk < k / 32; ++blk) {
     const uint8_t* t = tile_ptr<T>(grp, blk);
     float d, off;
-    tile_scale<T>(grp, blk, j, d, off);
-    for (int kk = 0; kk < 32; ++kk) out[32 * blk + kk] = std::fma(d, static_cast<float>(tile_q<T>(t, j, kk)), off);
+    for (int kk = 0; kk < 32; ++kk) {
+      if (kk % 16 == 0 && (kk == 0 || split_halves<T>())) tile_scale<T>(grp, blk, j, d, off, kk / 16);
+      out[32 * blk + kk] = std::fma(d, static_cast<float>(tile_q<T>(t, j, kk)), off);
+    }
   }
 }
 
@@ -963,17 +1013,24 @@ void tiled_rows_portable(const uint8_t* grp, int64_t k, const ActRows& act, int6
       float acc = 0.f;
       for (int64_t blk = 0; blk < k / 32; ++blk) {
         const uint8_t* t = tile_ptr<T>(grp, blk);
-        int32_t hi = 0, lo = 0;
+        constexpr int halves = split_halves<T>() ? 2 : 1;
+        int32_t hi[2] = {0, 0}, lo[2] = {0, 0};
         for (int kk = 0; kk < 32; ++kk) {
-          const int q = tile_q<T>(t, j, kk);
-          hi += q * x[64 * blk + kk];
-          lo += q * x[64 * blk + 32 + kk];
+          const int q = tile_q<T>(t, j, kk), h = halves == 2 ? kk / 16 : 0;
+          hi[h] += q * x[64 * blk + kk];
+          lo[h] += q * x[64 * blk + 32 + kk];
         }
-        float d, off;
-        tile_scale<T>(grp, blk, j, d, off);
-        const float tot = static_cast<float>(hi * 256 + lo);
-        acc = std::fma(tot, d * act.step32(m0 + r)[blk], acc);
-        acc = std::fma(off, act.sum32(m0 + r)[blk], acc);
+        for (int h = 0; h < halves; ++h) {
+          float d, off;
+          tile_scale<T>(grp, blk, j, d, off, h);
+          const float tot = static_cast<float>(hi[h] * 256 + lo[h]);
+          acc = std::fma(tot, d * act.step32(m0 + r)[blk], acc);
+        }
+        for (int h = 0; h < halves; ++h) {
+          float d, off;
+          tile_scale<T>(grp, blk, j, d, off, h);
+          acc = std::fma(off, halves == 2 ? act.sum16(m0 + r)[2 * blk + h] : act.sum32(m0 + r)[blk], acc);
+        }
       }
       out[r * os + j] = acc;
     }
@@ -998,13 +1055,21 @@ inline void tile_quads(const uint8_t* t, int v, __m512i& qa, __m512i& qb) {
     const __m512i n = _mm512_loadu_si512(t + 64 * v);
     qa = _mm512_and_si512(n, m4);
     qb = _mm512_and_si512(_mm512_srli_epi16(n, 4), m4);
-    if constexpr (qbits<T>() == 5) {
+    if constexpr (qbits<T>() >= 5) {
       uint64_t ma, mb;
       std::memcpy(&ma, t + 256 + 8 * v, 8);
       std::memcpy(&mb, t + 256 + 8 * (v + 4), 8);
       const __m512i b4 = _mm512_set1_epi8(0x10);
       qa = _mm512_or_si512(qa, _mm512_maskz_mov_epi8(static_cast<__mmask64>(ma), b4));
       qb = _mm512_or_si512(qb, _mm512_maskz_mov_epi8(static_cast<__mmask64>(mb), b4));
+    }
+    if constexpr (qbits<T>() == 6) {
+      uint64_t ma, mb;
+      std::memcpy(&ma, t + 320 + 8 * v, 8);
+      std::memcpy(&mb, t + 320 + 8 * (v + 4), 8);
+      const __m512i b5 = _mm512_set1_epi8(0x20);
+      qa = _mm512_or_si512(qa, _mm512_maskz_mov_epi8(static_cast<__mmask64>(ma), b5));
+      qb = _mm512_or_si512(qb, _mm512_maskz_mov_epi8(static_cast<__mmask64>(mb), b5));
     }
   }
 }
@@ -1021,9 +1086,15 @@ inline __m512 negate(__m512 v) {
 
 // The 16 rows' scales and offsets of block blk, as tile_scale computes them.
 template <int64_t T>
-inline void tile_scale_vec(const uint8_t* grp, int64_t blk, __m512& d, __m512& off) {
+inline void tile_scale_vec(const uint8_t* grp, int64_t blk, __m512& d, __m512& off, int half = 0) {
   const uint8_t* t = tile_ptr<T>(grp, blk);
-  if constexpr (kquant<T>()) {
+  if constexpr (T == kQ6_K) {
+    const uint8_t* head = grp + (blk / 8) * superblock_bytes<T>();
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + tile_qbytes<T>() + 16 * half))));
+    d = _mm512_mul_ps(load_fp16x16(head), sc);
+    off = _mm512_mul_ps(_mm512_set1_ps(-32.f), d);
+  } else if constexpr (kquant<T>()) {
     const uint8_t* head = grp + (blk / 8) * superblock_bytes<T>();
     const uint8_t* s = t + tile_qbytes<T>();
     d = _mm512_mul_ps(load_fp16x16(head), load_u8x16(s));
@@ -1035,17 +1106,20 @@ inline void tile_scale_vec(const uint8_t* grp, int64_t blk, __m512& d, __m512& o
   }
 }
 
-// Activation rows [m0, m0 + R) times W consecutive groups (gb bytes apart): out[r, 16 w + j].
+// Activation rows [m0, m0 + R) times W consecutive groups (gb bytes apart): out[r, 16 w + j]. Q6_K keeps one
+// integer sum per half block (its scales are per 16 weights): qa holds the first half's quads, qb the second's.
 template <int64_t T, int R, int W>
 inline void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0, float* out,
                        int64_t os) {
+  constexpr int H = split_halves<T>() ? 2 : 1;
   __m512 acc[W][R];
   for (int w = 0; w < W; ++w)
     for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < k / 32; ++blk) {
-    __m512i hi[W][R], lo[W][R];
+    __m512i hi[W][R][H], lo[W][R][H];
     for (int w = 0; w < W; ++w)
-      for (int r = 0; r < R; ++r) hi[w][r] = lo[w][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < H; ++h) hi[w][r][h] = lo[w][r][h] = _mm512_setzero_si512();
     for (int v = 0; v < 4; ++v) {
       for (int w = 0; w < W; ++w) {
         __m512i qa, qb;
@@ -1053,21 +1127,26 @@ inline void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows&
         for (int r = 0; r < R; ++r) {
           const int8_t* xh = act.xhl(m0 + r) + 64 * blk + 4 * v;
           const int8_t* xl = xh + 32;
-          hi[w][r] = _mm512_dpbusd_epi32(hi[w][r], qa, bcast32(xh));
-          lo[w][r] = _mm512_dpbusd_epi32(lo[w][r], qa, bcast32(xl));
-          hi[w][r] = _mm512_dpbusd_epi32(hi[w][r], qb, bcast32(xh + 16));
-          lo[w][r] = _mm512_dpbusd_epi32(lo[w][r], qb, bcast32(xl + 16));
+          hi[w][r][0] = _mm512_dpbusd_epi32(hi[w][r][0], qa, bcast32(xh));
+          lo[w][r][0] = _mm512_dpbusd_epi32(lo[w][r][0], qa, bcast32(xl));
+          hi[w][r][H - 1] = _mm512_dpbusd_epi32(hi[w][r][H - 1], qb, bcast32(xh + 16));
+          lo[w][r][H - 1] = _mm512_dpbusd_epi32(lo[w][r][H - 1], qb, bcast32(xl + 16));
         }
       }
     }
     for (int w = 0; w < W; ++w) {
-      __m512 d, off;
-      tile_scale_vec<T>(grp + w * gb, blk, d, off);
+      __m512 d[H], off[H];
+      for (int h = 0; h < H; ++h) tile_scale_vec<T>(grp + w * gb, blk, d[h], off[h], h);
       for (int r = 0; r < R; ++r) {
-        const __m512i tot = _mm512_add_epi32(_mm512_slli_epi32(hi[w][r], 8), lo[w][r]);
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(act.step32(m0 + r)[blk]));
-        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), scale, acc[w][r]);
-        acc[w][r] = _mm512_fmadd_ps(off, _mm512_set1_ps(act.sum32(m0 + r)[blk]), acc[w][r]);
+        const __m512 step = _mm512_set1_ps(act.step32(m0 + r)[blk]);
+        for (int h = 0; h < H; ++h) {
+          const __m512i tot = _mm512_add_epi32(_mm512_slli_epi32(hi[w][r][h], 8), lo[w][r][h]);
+          acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d[h], step), acc[w][r]);
+        }
+        for (int h = 0; h < H; ++h) {
+          const float sx = H == 2 ? act.sum16(m0 + r)[2 * blk + h] : act.sum32(m0 + r)[blk];
+          acc[w][r] = _mm512_fmadd_ps(off[h], _mm512_set1_ps(sx), acc[w][r]);
+        }
       }
     }
   }
@@ -1075,40 +1154,48 @@ inline void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows&
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * os + 16 * w, acc[w][r]);
 }
 
+// Up to 8 rows (4 for Q6_K's doubled sums) against one group.
+template <int64_t T>
+inline void tiled_rows_n(int64_t nr, const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0,
+                         float* out, int64_t os) {
+  if constexpr (!split_halves<T>()) {
+    switch (nr) {
+      case 8: return tiled_rows<T, 8, 1>(grp, gb, k, act, m0, out, os);
+      case 7: return tiled_rows<T, 7, 1>(grp, gb, k, act, m0, out, os);
+      case 6: return tiled_rows<T, 6, 1>(grp, gb, k, act, m0, out, os);
+      case 5: return tiled_rows<T, 5, 1>(grp, gb, k, act, m0, out, os);
+      default: break;
+    }
+  }
+  switch (nr) {
+    case 4: return tiled_rows<T, 4, 1>(grp, gb, k, act, m0, out, os);
+    case 3: return tiled_rows<T, 3, 1>(grp, gb, k, act, m0, out, os);
+    case 2: return tiled_rows<T, 2, 1>(grp, gb, k, act, m0, out, os);
+    default: return tiled_rows<T, 1, 1>(grp, gb, k, act, m0, out, os);
+  }
+}
+
 template <int64_t T>
 void tiled_part_vnni(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActRows& act, int64_t m, float* out,
                      int64_t os) {
+  constexpr int64_t kRowTile = split_halves<T>() ? 4 : 8;
   float* o = out + p.col;
   const int64_t gb = p.rb;
   for (int64_t t0 = 0; t0 < m; t0 += kTile) {
-    const int64_t t1 = std::min(m, t0 + kTile);
+    const int64_t t1 = std::min(m, t0 + kTile), nr = t1 - t0;
     int64_t g = g0;
-    if (t1 - t0 <= 2) {  // few rows: several groups at once for independent accumulation chains
-      const int64_t nr = t1 - t0;
+    if (nr <= 2) {  // few rows: several groups at once for independent accumulation chains
       for (; g + 4 <= g1 && nr == 1; g += 4) tiled_rows<T, 1, 4>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
       for (; g + 2 <= g1; g += 2) {
         if (nr == 1) tiled_rows<T, 1, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
         else tiled_rows<T, 2, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
       }
     }
+    // Row tiles outside: a tile's activation rows stay in L1 while the groups' weights stream from L2.
     const int64_t gs = g;
-    for (int64_t r = t0; r < t1; r += 8)
-    for (g = gs; g < g1; ++g) {
-      const uint8_t* grp = p.w + g * gb;
-      {
-        float* dst = o + r * os + 16 * g;
-        switch (std::min<int64_t>(8, t1 - r)) {
-          case 8: tiled_rows<T, 8, 1>(grp, gb, k, act, r, dst, os); break;
-          case 7: tiled_rows<T, 7, 1>(grp, gb, k, act, r, dst, os); break;
-          case 6: tiled_rows<T, 6, 1>(grp, gb, k, act, r, dst, os); break;
-          case 5: tiled_rows<T, 5, 1>(grp, gb, k, act, r, dst, os); break;
-          case 4: tiled_rows<T, 4, 1>(grp, gb, k, act, r, dst, os); break;
-          case 3: tiled_rows<T, 3, 1>(grp, gb, k, act, r, dst, os); break;
-          case 2: tiled_rows<T, 2, 1>(grp, gb, k, act, r, dst, os); break;
-          default: tiled_rows<T, 1, 1>(grp, gb, k, act, r, dst, os); break;
-        }
-      }
-    }
+    for (int64_t r = t0; r < t1; r += kRowTile)
+      for (g = gs; g < g1; ++g)
+        tiled_rows_n<T>(std::min(kRowTile, t1 - r), p.w + g * gb, gb, k, act, r, o + r * os + 16 * g, os);
   }
 }
 #endif
@@ -1135,6 +1222,7 @@ void tiled_dispatch(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActR
     case kQ8_0: return tiled_part<kQ8_0>(p, g0, g1, k, act, m, out, os, impl);
     case kQ4_K: return tiled_part<kQ4_K>(p, g0, g1, k, act, m, out, os, impl);
     case kQ5_K: return tiled_part<kQ5_K>(p, g0, g1, k, act, m, out, os, impl);
+    case kQ6_K: return tiled_part<kQ6_K>(p, g0, g1, k, act, m, out, os, impl);
     default: TORCH_CHECK(false, "gguf kernels: unsupported tiled type ", p.type);
   }
 }
@@ -1320,6 +1408,7 @@ void dequant_tiled_dispatch(int64_t type, const uint8_t* grp, int j, int64_t k, 
     case kQ8_0: return dequant_tiled_row<kQ8_0>(grp, j, k, out);
     case kQ4_K: return dequant_tiled_row<kQ4_K>(grp, j, k, out);
     case kQ5_K: return dequant_tiled_row<kQ5_K>(grp, j, k, out);
+    case kQ6_K: return dequant_tiled_row<kQ6_K>(grp, j, k, out);
     default: TORCH_CHECK(false, "gguf kernels: unsupported tiled type ", type);
   }
 }
@@ -1347,6 +1436,7 @@ at::Tensor gguf_tile(const at::Tensor& w, int64_t type) {
         case kQ5_1: tile_group<kQ5_1>(s, rb, k, d); break;
         case kQ4_K: tile_group<kQ4_K>(s, rb, k, d); break;
         case kQ5_K: tile_group<kQ5_K>(s, rb, k, d); break;
+        case kQ6_K: tile_group<kQ6_K>(s, rb, k, d); break;
         default: tile_group<kQ8_0>(s, rb, k, d); break;
       }
     }
