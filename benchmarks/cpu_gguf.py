@@ -143,6 +143,8 @@ def main():
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workloads", default="single,batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step for both pagedllm sides (default: the engine's CPU default)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     sys.path.insert(0, HERE)
@@ -157,7 +159,8 @@ def main():
           f"{peer_env(args.peer_omp_wait_policy).get('OMP_WAIT_POLICY', 'unset (their default)')}", flush=True)
     path = resolve_model_path(args.model)
     workloads = args.workloads.split(",")
-    common = dict(model=path, max_model_len=1024, kv_cache_memory_bytes=512 << 20, skip_tokenizer_init=True)
+    common = dict(model=path, max_model_len=1024, kv_cache_memory_bytes=512 << 20, skip_tokenizer_init=True,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
     sides = {}
     for name, quant in (("packed", None), ("fp32", "none")):
         t0 = time.perf_counter()

@@ -34,6 +34,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32])
+    p.add_argument("--fresh-output", action="store_true",
+                   help="allocate the output tensor per call, as the model does (large ones page-fault: glibc "
+                        "maps allocations over 32 MiB afresh each time)")
     p.add_argument("--types", nargs="+", default=None,
                    help="weight types for every shape (default: the file's, Q4_1 layers and a Q8_0 LM head)")
     args = p.parse_args()
@@ -63,11 +66,12 @@ def main():
         for m in args.rows:
             x = torch.randn(m, k)
             out = torch.empty(m, n)
-            tq = bench(lambda: ops.gguf_linear(out, x, [packed], [int(qt)], None, 0))
+            fresh = (lambda: torch.empty(m, n)) if args.fresh_output else (lambda: out)
+            tq = bench(lambda: ops.gguf_linear(fresh(), x, [packed], [int(qt)], None, 0))
             tf = bench(lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""))
             line = f"{name:10s} {qt.name} [{n} x {k}] rows {m:3d}: row layout {tq:8.1f} us"
             if tiled_type >= TILED_BASE:
-                tt = bench(lambda: ops.gguf_linear(out, x, [tiled], [tiled_type], None, 0))
+                tt = bench(lambda: ops.gguf_linear(fresh(), x, [tiled], [tiled_type], None, 0))
                 line += f"  tiled {tt:8.1f} us  fp32 {tf:8.1f} us  fp32/tiled {tf / tt:.2f}x"
             else:
                 line += f"  fp32 {tf:8.1f} us  fp32/row layout {tf / tq:.2f}x"
