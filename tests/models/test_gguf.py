@@ -144,9 +144,9 @@ def _llama3_rope_freqs(theta, head_dim, p):
     return np.array(out, dtype=np.float32)
 
 
-def _write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None) -> None:
+def _write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None, quantizer=None) -> None:
     """kinds: GGML type per module ("self_attn.q_proj", ...; "token_embd" / "output" for the globals) for weights
-    stored quantized (gguf's quantizer); the rest float32."""
+    stored quantized (by quantizer(data, qtype), default gguf's quantizer); the rest float32."""
     import gguf
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -186,7 +186,7 @@ def _write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = 
         if qtype is None:
             writer.add_tensor(gguf_name, data)
         else:
-            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name, (quantizer or quantize)(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

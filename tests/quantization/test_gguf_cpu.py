@@ -165,6 +165,71 @@ def test_tiny_mixed_type_gguf_matches_its_dequantized_twin(tmp_path, monkeypatch
             torch.testing.assert_close(torch.tensor(lx), torch.tensor(ly), atol=2e-3, rtol=0)
 
 
+def _kquant_blocks(data: np.ndarray, qtype) -> np.ndarray:
+    """Valid blocks of a K-quant type (gguf has no quantizer for them) holding random, roughly zero-mean weights
+    of about the tiny model's scale: random quants; Q4_K / Q5_K with one 4-bit sub-block scale a per
+    super-block (all sub-blocks alike) and min 15 with dmin = d a mean(q) / 15 (centred); Q6_K with random int8
+    sub-scales (its quants are centred by the format's -32). Seeded by the tensor's shape."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.constants import GGML_QUANT_SIZES
+    rows, k = data.shape
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(rows * 7919 + k)
+    blocks = rng.integers(0, 256, (rows, k // elems, nbytes), dtype=np.uint8)
+    if qtype == Q.Q6_K:
+        d = (rng.random((rows, k // elems)) * 2e-5 + 2e-5).astype(np.float16)
+        blocks[..., 208:210] = d[..., None].view(np.uint8)
+        return blocks.reshape(rows, -1)
+    a = rng.integers(4, 16, (rows, k // elems)).astype(np.uint8)
+    blocks[..., 4:8] = a[..., None]                                    # sc = a for sub-blocks 0-3
+    blocks[..., 8:12] = 15                                             # mn = 15 for sub-blocks 0-3
+    blocks[..., 12:16] = (a[..., None] & 0xF) | (15 << 4)              # sub-blocks 4-7: sc = a, mn = 15
+    d = rng.random((rows, k // elems)) * 1e-3 + 1e-3
+    mean_q = 7.5 if qtype == Q.Q4_K else 15.5
+    dmin = d * a * mean_q / 15
+    blocks[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
+    blocks[..., 2:4] = dmin.astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_kquant_gguf_tiled_matches_its_dequantized_twin(tmp_path, monkeypatch):
+    """A Q4_K_M-like file (Q4_K, Q5_K and Q6_K layers, a Q6_K LM head): its tensors load tiled, and greedy
+    tokens and logprobs match the same file dequantized to fp32, through prefill, batched and fused decode."""
+    import gguf
+
+    from tests.conftest import save_tiny_model, tiny_hf_config
+    from tests.models.test_gguf import _write_tiny_gguf
+    Q = gguf.GGMLQuantizationType
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tiny_hf_config("llama", tie_word_embeddings=False)
+    cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim = 256, 512, 512, 64  # K-quants: rows of 256
+    hf_dir = save_tiny_model(str(tmp_path / "hf"), cfg)
+    path = str(tmp_path / "kquant.gguf")
+    kinds = {"self_attn.q_proj": Q.Q4_K, "self_attn.k_proj": Q.Q4_K, "self_attn.v_proj": Q.Q6_K,
+             "self_attn.o_proj": Q.Q4_K, "mlp.gate_proj": Q.Q4_K, "mlp.up_proj": Q.Q5_K, "mlp.down_proj": Q.Q6_K,
+             "token_embd": Q.Q4_K, "output": Q.Q6_K}
+    _write_tiny_gguf(hf_dir, path, "llama", kinds=kinds, quantizer=_kquant_blocks)
+    packed = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True)
+    dense = LLM(model=path, quantization="none", num_gpu_blocks_override=64, skip_tokenizer_init=True)
+    model = packed.engine.worker.model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.__dict__["_gguf_types"] == [tiled_id(12), tiled_id(14)]  # q+k | v
+    assert layer.mlp.gate_up_proj.__dict__["_gguf_types"] == [tiled_id(12), tiled_id(13)]
+    assert layer.mlp.down_proj.__dict__["_gguf_types"] == [tiled_id(14)]
+    assert model.lm_head.__dict__["gguf_type"] == tiled_id(14)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (5, 23, 60)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    a = packed.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    b = dense.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert len({t for x in a for t in x.outputs[0].token_ids}) > 3  # a live model, not a constant one
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        lx = [x.outputs[0].logprobs[i][t].logprob for i, t in enumerate(x.outputs[0].token_ids)]
+        ly = [y.outputs[0].logprobs[i][t].logprob for i, t in enumerate(y.outputs[0].token_ids)]
+        torch.testing.assert_close(torch.tensor(lx), torch.tensor(ly), atol=2e-3, rtol=0)
+
+
 def test_online_int8_on_cpu_runs_on_the_integer_kernels(tiny_llama_dir):
     from pagedllm.models.loader import load_model
     model, _, _ = load_model(tiny_llama_dir, dtype=torch.float32, quantization="int8")
