@@ -30,6 +30,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGEDLLM_HAVE_VNNI512 1
+#endif
+
 namespace {
 
 enum GgufType : int64_t {  // the ggml type ids, plus pagedllm's own per-channel int8 row
@@ -106,6 +110,28 @@ inline int64_t block_bytes(int64_t type) {
 inline int64_t row_bytes(int64_t type, int64_t k) {
   if (type == kI8Row) return k + 4;
   return k / block_elems(type) * block_bytes(type);
+}
+
+// f(std::integral_constant<int64_t, T>{}) for the weight type T named by type (the int8 rows too, unless
+// block_types_only); anything else is an error naming `what`.
+template <bool block_types_only = false, class F>
+inline void visit_type(int64_t type, const char* what, F&& f) {
+  using std::integral_constant;
+  switch (type) {
+    case kQ4_0: return f(integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(integral_constant<int64_t, kQ5_1>{});
+    case kQ8_0: return f(integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return f(integral_constant<int64_t, kQ6_K>{});
+    case kI8Row:
+      if constexpr (!block_types_only) return f(integral_constant<int64_t, kI8Row>{});
+      break;
+    default: break;
+  }
+  TORCH_CHECK(false, "gguf kernels: unsupported ", what, "type ", type);
 }
 
 // One 32-weight block of a 32-block type into q[0..32), its scale/offset into a[0..1], b[0..1].
@@ -328,16 +354,20 @@ void quantize_rows_tiled(const scalar_t* x, int64_t xs, int64_t m, int64_t k, Ac
         for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(buf[i]));
         const float d = amax / 127.f;
         const float id = d > 0.f ? 1.f / d : 0.f;
-        int32_t total = 0, half[2] = {0, 0};
-        for (int i = 0; i < 32; ++i) {
-          const float v = buf[i] * id;
-          const float h = std::nearbyint(v);
-          const float l = std::min(127.f, std::nearbyint((v - h) * 256.f));
-          hl[2 * b0 + i] = static_cast<int8_t>(h);
-          hl[2 * b0 + 32 + i] = static_cast<int8_t>(l);
-          half[i / 16] += 256 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
+        int32_t half[2];
+        for (int hh = 0; hh < 2; ++hh) {
+          int32_t sum = 0;
+          for (int i = 16 * hh; i < 16 * hh + 16; ++i) {
+            const float v = buf[i] * id;
+            const float h = std::nearbyint(v);
+            const float l = std::min(127.f, std::nearbyint((v - h) * 256.f));
+            hl[2 * b0 + i] = static_cast<int8_t>(h);
+            hl[2 * b0 + 32 + i] = static_cast<int8_t>(l);
+            sum += 256 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
+          }
+          half[hh] = sum;
         }
-        total = half[0] + half[1];
+        const int32_t total = half[0] + half[1];
 #endif
         const float step = d / 256.f;
         st[b0 / 32] = step;
@@ -413,8 +443,7 @@ inline void dot_rows_avx2(const Chunk* chunks, int64_t nchunks, const ActRows& a
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define PAGEDLLM_HAVE_VNNI512 1
+#if defined(PAGEDLLM_HAVE_VNNI512)
 // Per 32-bit lane (4 weights): sum q * (256 hi + lo), the hi digit's products shifted into place.
 inline __m512i dot64(__m512i q, __m512i xh, __m512i xl) {
   return _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xh), 8), q, xl);
@@ -772,35 +801,15 @@ void gemm_f32(const Part& part, int64_t n0, int64_t n1, int64_t k, const float* 
 
 void gemm_f32_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const float* x, int64_t xs, int64_t m,
                        float* out, int64_t os) {
-  switch (part.type) {
-    case kQ4_0: return gemm_f32<kQ4_0>(part, n0, n1, k, x, xs, m, out, os);
-    case kQ4_1: return gemm_f32<kQ4_1>(part, n0, n1, k, x, xs, m, out, os);
-    case kQ5_0: return gemm_f32<kQ5_0>(part, n0, n1, k, x, xs, m, out, os);
-    case kQ5_1: return gemm_f32<kQ5_1>(part, n0, n1, k, x, xs, m, out, os);
-    case kQ8_0: return gemm_f32<kQ8_0>(part, n0, n1, k, x, xs, m, out, os);
-    case kQ4_K: return gemm_f32<kQ4_K>(part, n0, n1, k, x, xs, m, out, os);
-    case kQ5_K: return gemm_f32<kQ5_K>(part, n0, n1, k, x, xs, m, out, os);
-    case kQ6_K: return gemm_f32<kQ6_K>(part, n0, n1, k, x, xs, m, out, os);
-    case kI8Row: return gemm_f32<kI8Row>(part, n0, n1, k, x, xs, m, out, os);
-    default: TORCH_CHECK(false, "gguf kernels: unsupported type ", part.type);
-  }
+  visit_type(part.type, "", [&](auto t) { gemm_f32<decltype(t)::value>(part, n0, n1, k, x, xs, m, out, os); });
 }
 #endif
 
 void gemm_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const ActRows& act, int64_t m,
                    float* out, int64_t os, const float* bias, int64_t impl, std::vector<Chunk>& chunks) {
-  switch (part.type) {
-    case kQ4_0: return gemm_part<kQ4_0>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
-    case kQ4_1: return gemm_part<kQ4_1>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
-    case kQ5_0: return gemm_part<kQ5_0>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
-    case kQ5_1: return gemm_part<kQ5_1>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
-    case kQ8_0: return gemm_part<kQ8_0>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
-    case kQ4_K: return gemm_part<kQ4_K>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
-    case kQ5_K: return gemm_part<kQ5_K>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
-    case kQ6_K: return gemm_part<kQ6_K>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
-    case kI8Row: return gemm_part<kI8Row>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
-    default: TORCH_CHECK(false, "gguf kernels: unsupported type ", part.type);
-  }
+  visit_type(part.type, "", [&](auto t) {
+    gemm_part<decltype(t)::value>(part, n0, n1, k, act, m, out, os, bias, impl, chunks);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -824,6 +833,9 @@ void gemm_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const Ac
 //     for 16-31: d = d sc, off = -32 d per half; the halves are the quads of qa and qb, so the kernel keeps
 //     one integer sum per half (exactly the file's size).
 constexpr int64_t kTiled = 2000;
+// The tiled kernel's helpers must inline into it (a call passing __m512 through memory costs more than the
+// work), whatever GCC's unit-growth budget decides for this many instantiations.
+#define PAGEDLLM_ALWAYS_INLINE inline __attribute__((always_inline))
 
 inline bool tileable(int64_t t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
@@ -863,7 +875,7 @@ inline int64_t tiled_group_bytes(int64_t type, int64_t k) {
 inline int64_t tiled_block_elems(int64_t type) { return block_elems(type - kTiled); }
 
 template <int64_t T>
-inline const uint8_t* tile_ptr(const uint8_t* grp, int64_t blk) {
+PAGEDLLM_ALWAYS_INLINE const uint8_t* tile_ptr(const uint8_t* grp, int64_t blk) {
   if constexpr (kquant<T>())
     return grp + (blk / 8) * superblock_bytes<T>() + superblock_header<T>() + (blk % 8) * tile_stride<T>();
   else return grp + blk * tile_stride<T>();
@@ -1038,7 +1050,7 @@ void tiled_rows_portable(const uint8_t* grp, int64_t k, const ActRows& act, int6
 }
 
 #if defined(PAGEDLLM_HAVE_VNNI512)
-inline __m512i bcast32(const int8_t* p) {
+PAGEDLLM_ALWAYS_INLINE __m512i bcast32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
@@ -1046,7 +1058,7 @@ inline __m512i bcast32(const int8_t* p) {
 
 // The tile's quads v and v + 4 as unsigned bytes.
 template <int64_t T>
-inline void tile_quads(const uint8_t* t, int v, __m512i& qa, __m512i& qb) {
+PAGEDLLM_ALWAYS_INLINE void tile_quads(const uint8_t* t, int v, __m512i& qa, __m512i& qb) {
   if constexpr (qbits<T>() == 8) {
     qa = _mm512_loadu_si512(t + 64 * v);
     qb = _mm512_loadu_si512(t + 64 * (v + 4));
@@ -1074,19 +1086,19 @@ inline void tile_quads(const uint8_t* t, int v, __m512i& qa, __m512i& qb) {
   }
 }
 
-inline __m512 load_fp16x16(const uint8_t* p) {
+PAGEDLLM_ALWAYS_INLINE __m512 load_fp16x16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 load_u8x16(const uint8_t* p) {
+PAGEDLLM_ALWAYS_INLINE __m512 load_u8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline __m512 negate(__m512 v) {
+PAGEDLLM_ALWAYS_INLINE __m512 negate(__m512 v) {
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
 }
 
 // The 16 rows' scales and offsets of block blk, as tile_scale computes them.
 template <int64_t T>
-inline void tile_scale_vec(const uint8_t* grp, int64_t blk, __m512& d, __m512& off, int half = 0) {
+PAGEDLLM_ALWAYS_INLINE void tile_scale_vec(const uint8_t* grp, int64_t blk, __m512& d, __m512& off, int half = 0) {
   const uint8_t* t = tile_ptr<T>(grp, blk);
   if constexpr (T == kQ6_K) {
     const uint8_t* head = grp + (blk / 8) * superblock_bytes<T>();
@@ -1106,20 +1118,17 @@ inline void tile_scale_vec(const uint8_t* grp, int64_t blk, __m512& d, __m512& o
   }
 }
 
-// Activation rows [m0, m0 + R) times W consecutive groups (gb bytes apart): out[r, 16 w + j]. Q6_K keeps one
-// integer sum per half block (its scales are per 16 weights): qa holds the first half's quads, qb the second's.
+// Activation rows [m0, m0 + R) times W consecutive groups (gb bytes apart): out[r, 16 w + j].
 template <int64_t T, int R, int W>
-inline void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0, float* out,
+PAGEDLLM_ALWAYS_INLINE void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0, float* out,
                        int64_t os) {
-  constexpr int H = split_halves<T>() ? 2 : 1;
   __m512 acc[W][R];
   for (int w = 0; w < W; ++w)
     for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < k / 32; ++blk) {
-    __m512i hi[W][R][H], lo[W][R][H];
+    __m512i hi[W][R], lo[W][R];
     for (int w = 0; w < W; ++w)
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < H; ++h) hi[w][r][h] = lo[w][r][h] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) hi[w][r] = lo[w][r] = _mm512_setzero_si512();
     for (int v = 0; v < 4; ++v) {
       for (int w = 0; w < W; ++w) {
         __m512i qa, qb;
@@ -1127,31 +1136,77 @@ inline void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows&
         for (int r = 0; r < R; ++r) {
           const int8_t* xh = act.xhl(m0 + r) + 64 * blk + 4 * v;
           const int8_t* xl = xh + 32;
-          hi[w][r][0] = _mm512_dpbusd_epi32(hi[w][r][0], qa, bcast32(xh));
-          lo[w][r][0] = _mm512_dpbusd_epi32(lo[w][r][0], qa, bcast32(xl));
-          hi[w][r][H - 1] = _mm512_dpbusd_epi32(hi[w][r][H - 1], qb, bcast32(xh + 16));
-          lo[w][r][H - 1] = _mm512_dpbusd_epi32(lo[w][r][H - 1], qb, bcast32(xl + 16));
+          hi[w][r] = _mm512_dpbusd_epi32(hi[w][r], qa, bcast32(xh));
+          lo[w][r] = _mm512_dpbusd_epi32(lo[w][r], qa, bcast32(xl));
+          hi[w][r] = _mm512_dpbusd_epi32(hi[w][r], qb, bcast32(xh + 16));
+          lo[w][r] = _mm512_dpbusd_epi32(lo[w][r], qb, bcast32(xl + 16));
         }
       }
     }
     for (int w = 0; w < W; ++w) {
-      __m512 d[H], off[H];
-      for (int h = 0; h < H; ++h) tile_scale_vec<T>(grp + w * gb, blk, d[h], off[h], h);
+      __m512 d, off;
+      tile_scale_vec<T>(grp + w * gb, blk, d, off);
       for (int r = 0; r < R; ++r) {
-        const __m512 step = _mm512_set1_ps(act.step32(m0 + r)[blk]);
-        for (int h = 0; h < H; ++h) {
-          const __m512i tot = _mm512_add_epi32(_mm512_slli_epi32(hi[w][r][h], 8), lo[w][r][h]);
-          acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d[h], step), acc[w][r]);
-        }
-        for (int h = 0; h < H; ++h) {
-          const float sx = H == 2 ? act.sum16(m0 + r)[2 * blk + h] : act.sum32(m0 + r)[blk];
-          acc[w][r] = _mm512_fmadd_ps(off[h], _mm512_set1_ps(sx), acc[w][r]);
-        }
+        const __m512i tot = _mm512_add_epi32(_mm512_slli_epi32(hi[w][r], 8), lo[w][r]);
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(act.step32(m0 + r)[blk]));
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), scale, acc[w][r]);
+        acc[w][r] = _mm512_fmadd_ps(off, _mm512_set1_ps(act.sum32(m0 + r)[blk]), acc[w][r]);
       }
     }
   }
   for (int w = 0; w < W; ++w)
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * os + 16 * w, acc[w][r]);
+}
+
+// Q6_K (scales per 16 weights): one integer sum per half block; qa holds the first half's quads, qb the second's.
+template <int64_t T, int R, int W>
+PAGEDLLM_ALWAYS_INLINE void tiled_rows_halves(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0,
+                              float* out, int64_t os) {
+  __m512 acc[W][R];
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < k / 32; ++blk) {
+    __m512i hia[W][R], loa[W][R], hib[W][R], lob[W][R];
+    for (int w = 0; w < W; ++w)
+      for (int r = 0; r < R; ++r) hia[w][r] = loa[w][r] = hib[w][r] = lob[w][r] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      for (int w = 0; w < W; ++w) {
+        __m512i qa, qb;
+        tile_quads<T>(tile_ptr<T>(grp + w * gb, blk), v, qa, qb);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xh = act.xhl(m0 + r) + 64 * blk + 4 * v;
+          const int8_t* xl = xh + 32;
+          hia[w][r] = _mm512_dpbusd_epi32(hia[w][r], qa, bcast32(xh));
+          loa[w][r] = _mm512_dpbusd_epi32(loa[w][r], qa, bcast32(xl));
+          hib[w][r] = _mm512_dpbusd_epi32(hib[w][r], qb, bcast32(xh + 16));
+          lob[w][r] = _mm512_dpbusd_epi32(lob[w][r], qb, bcast32(xl + 16));
+        }
+      }
+    }
+    for (int w = 0; w < W; ++w) {
+      __m512 da, offa, db, offb;
+      tile_scale_vec<T>(grp + w * gb, blk, da, offa, 0);
+      tile_scale_vec<T>(grp + w * gb, blk, db, offb, 1);
+      for (int r = 0; r < R; ++r) {
+        const __m512 step = _mm512_set1_ps(act.step32(m0 + r)[blk]);
+        const __m512i ta = _mm512_add_epi32(_mm512_slli_epi32(hia[w][r], 8), loa[w][r]);
+        const __m512i tb = _mm512_add_epi32(_mm512_slli_epi32(hib[w][r], 8), lob[w][r]);
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_mul_ps(da, step), acc[w][r]);
+        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tb), _mm512_mul_ps(db, step), acc[w][r]);
+        acc[w][r] = _mm512_fmadd_ps(offa, _mm512_set1_ps(act.sum16(m0 + r)[2 * blk]), acc[w][r]);
+        acc[w][r] = _mm512_fmadd_ps(offb, _mm512_set1_ps(act.sum16(m0 + r)[2 * blk + 1]), acc[w][r]);
+      }
+    }
+  }
+  for (int w = 0; w < W; ++w)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * os + 16 * w, acc[w][r]);
+}
+
+template <int64_t T, int R, int W>
+PAGEDLLM_ALWAYS_INLINE void tiled_rows_any(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0, float* out,
+                           int64_t os) {
+  if constexpr (split_halves<T>()) tiled_rows_halves<T, R, W>(grp, gb, k, act, m0, out, os);
+  else tiled_rows<T, R, W>(grp, gb, k, act, m0, out, os);
 }
 
 // Up to 8 rows (4 for Q6_K's doubled sums) against one group.
@@ -1160,18 +1215,18 @@ inline void tiled_rows_n(int64_t nr, const uint8_t* grp, int64_t gb, int64_t k, 
                          float* out, int64_t os) {
   if constexpr (!split_halves<T>()) {
     switch (nr) {
-      case 8: return tiled_rows<T, 8, 1>(grp, gb, k, act, m0, out, os);
-      case 7: return tiled_rows<T, 7, 1>(grp, gb, k, act, m0, out, os);
-      case 6: return tiled_rows<T, 6, 1>(grp, gb, k, act, m0, out, os);
-      case 5: return tiled_rows<T, 5, 1>(grp, gb, k, act, m0, out, os);
+      case 8: return tiled_rows_any<T, 8, 1>(grp, gb, k, act, m0, out, os);
+      case 7: return tiled_rows_any<T, 7, 1>(grp, gb, k, act, m0, out, os);
+      case 6: return tiled_rows_any<T, 6, 1>(grp, gb, k, act, m0, out, os);
+      case 5: return tiled_rows_any<T, 5, 1>(grp, gb, k, act, m0, out, os);
       default: break;
     }
   }
   switch (nr) {
-    case 4: return tiled_rows<T, 4, 1>(grp, gb, k, act, m0, out, os);
-    case 3: return tiled_rows<T, 3, 1>(grp, gb, k, act, m0, out, os);
-    case 2: return tiled_rows<T, 2, 1>(grp, gb, k, act, m0, out, os);
-    default: return tiled_rows<T, 1, 1>(grp, gb, k, act, m0, out, os);
+    case 4: return tiled_rows_any<T, 4, 1>(grp, gb, k, act, m0, out, os);
+    case 3: return tiled_rows_any<T, 3, 1>(grp, gb, k, act, m0, out, os);
+    case 2: return tiled_rows_any<T, 2, 1>(grp, gb, k, act, m0, out, os);
+    default: return tiled_rows_any<T, 1, 1>(grp, gb, k, act, m0, out, os);
   }
 }
 
@@ -1185,10 +1240,10 @@ void tiled_part_vnni(const Part& p, int64_t g0, int64_t g1, int64_t k, const Act
     const int64_t t1 = std::min(m, t0 + kTile), nr = t1 - t0;
     int64_t g = g0;
     if (nr <= 2) {  // few rows: several groups at once for independent accumulation chains
-      for (; g + 4 <= g1 && nr == 1; g += 4) tiled_rows<T, 1, 4>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
+      for (; g + 4 <= g1 && nr == 1; g += 4) tiled_rows_any<T, 1, 4>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
       for (; g + 2 <= g1; g += 2) {
-        if (nr == 1) tiled_rows<T, 1, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
-        else tiled_rows<T, 2, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
+        if (nr == 1) tiled_rows_any<T, 1, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
+        else tiled_rows_any<T, 2, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
       }
     }
     // Row tiles outside: a tile's activation rows stay in L1 while the groups' weights stream from L2.
@@ -1214,17 +1269,9 @@ void tiled_part(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActRows&
 
 void tiled_dispatch(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActRows& act, int64_t m, float* out,
                     int64_t os, int64_t impl) {
-  switch (p.type - kTiled) {
-    case kQ4_0: return tiled_part<kQ4_0>(p, g0, g1, k, act, m, out, os, impl);
-    case kQ4_1: return tiled_part<kQ4_1>(p, g0, g1, k, act, m, out, os, impl);
-    case kQ5_0: return tiled_part<kQ5_0>(p, g0, g1, k, act, m, out, os, impl);
-    case kQ5_1: return tiled_part<kQ5_1>(p, g0, g1, k, act, m, out, os, impl);
-    case kQ8_0: return tiled_part<kQ8_0>(p, g0, g1, k, act, m, out, os, impl);
-    case kQ4_K: return tiled_part<kQ4_K>(p, g0, g1, k, act, m, out, os, impl);
-    case kQ5_K: return tiled_part<kQ5_K>(p, g0, g1, k, act, m, out, os, impl);
-    case kQ6_K: return tiled_part<kQ6_K>(p, g0, g1, k, act, m, out, os, impl);
-    default: TORCH_CHECK(false, "gguf kernels: unsupported tiled type ", p.type);
-  }
+  visit_type<true>(p.type - kTiled, "tiled ", [&](auto t) {
+    tiled_part<decltype(t)::value>(p, g0, g1, k, act, m, out, os, impl);
+  });
 }
 
 void check_type(int64_t type, int64_t k) {
@@ -1385,32 +1432,11 @@ void dequant_row(const uint8_t* row, int64_t k, float* out) {
 }
 
 void dequant_row_dispatch(int64_t type, const uint8_t* row, int64_t k, float* out) {
-  switch (type) {
-    case kQ4_0: return dequant_row<kQ4_0>(row, k, out);
-    case kQ4_1: return dequant_row<kQ4_1>(row, k, out);
-    case kQ5_0: return dequant_row<kQ5_0>(row, k, out);
-    case kQ5_1: return dequant_row<kQ5_1>(row, k, out);
-    case kQ8_0: return dequant_row<kQ8_0>(row, k, out);
-    case kQ4_K: return dequant_row<kQ4_K>(row, k, out);
-    case kQ5_K: return dequant_row<kQ5_K>(row, k, out);
-    case kQ6_K: return dequant_row<kQ6_K>(row, k, out);
-    case kI8Row: return dequant_row<kI8Row>(row, k, out);
-    default: TORCH_CHECK(false, "gguf kernels: unsupported type ", type);
-  }
+  visit_type(type, "", [&](auto t) { dequant_row<decltype(t)::value>(row, k, out); });
 }
 
 void dequant_tiled_dispatch(int64_t type, const uint8_t* grp, int j, int64_t k, float* out) {
-  switch (type - kTiled) {
-    case kQ4_0: return dequant_tiled_row<kQ4_0>(grp, j, k, out);
-    case kQ4_1: return dequant_tiled_row<kQ4_1>(grp, j, k, out);
-    case kQ5_0: return dequant_tiled_row<kQ5_0>(grp, j, k, out);
-    case kQ5_1: return dequant_tiled_row<kQ5_1>(grp, j, k, out);
-    case kQ8_0: return dequant_tiled_row<kQ8_0>(grp, j, k, out);
-    case kQ4_K: return dequant_tiled_row<kQ4_K>(grp, j, k, out);
-    case kQ5_K: return dequant_tiled_row<kQ5_K>(grp, j, k, out);
-    case kQ6_K: return dequant_tiled_row<kQ6_K>(grp, j, k, out);
-    default: TORCH_CHECK(false, "gguf kernels: unsupported tiled type ", type);
-  }
+  visit_type<true>(type - kTiled, "tiled ", [&](auto t) { dequant_tiled_row<decltype(t)::value>(grp, j, k, out); });
 }
 
 // The tiled layout (type kTiled + type) of w (uint8 [rows, row_bytes], rows a multiple of 16): the same bytes,
@@ -1429,16 +1455,7 @@ at::Tensor gguf_tile(const at::Tensor& w, int64_t type) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* s = src + g * 16 * rb;
       uint8_t* d = dst + g * gb;
-      switch (type) {
-        case kQ4_0: tile_group<kQ4_0>(s, rb, k, d); break;
-        case kQ4_1: tile_group<kQ4_1>(s, rb, k, d); break;
-        case kQ5_0: tile_group<kQ5_0>(s, rb, k, d); break;
-        case kQ5_1: tile_group<kQ5_1>(s, rb, k, d); break;
-        case kQ4_K: tile_group<kQ4_K>(s, rb, k, d); break;
-        case kQ5_K: tile_group<kQ5_K>(s, rb, k, d); break;
-        case kQ6_K: tile_group<kQ6_K>(s, rb, k, d); break;
-        default: tile_group<kQ8_0>(s, rb, k, d); break;
-      }
+      visit_type<true>(type, "", [&](auto t) { tile_group<decltype(t)::value>(s, rb, k, d); });
     }
   });
   return out;
