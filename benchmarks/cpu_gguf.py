@@ -143,6 +143,8 @@ def main():
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workloads", default="single,batch")
+    p.add_argument("--int8", action="store_true",
+                   help="also run `--quantization int8` (per-channel W8A8 of the dequantized model) as a side")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step for both pagedllm sides (default: the engine's CPU default)")
     p.add_argument("--json", default=None)
@@ -162,7 +164,7 @@ def main():
     common = dict(model=path, max_model_len=1024, kv_cache_memory_bytes=512 << 20, skip_tokenizer_init=True,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     sides = {}
-    for name, quant in (("packed", None), ("fp32", "none")):
+    for name, quant in (("packed", None), ("fp32", "none")) + ((("int8", "int8"),) if args.int8 else ()):
         t0 = time.perf_counter()
         sides[name] = LLM(quantization=quant, **common)
         print(f"[{name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -190,8 +192,8 @@ def main():
     prompt = [rng.randrange(10, min(vocab, 32000)) for _ in range(args.input_len)]
     reqs = make_requests(32, (16, 160), (16, 160), vocab, 0)
     results: dict = {"single": {}, "batch": {}}
-    pagedllm_single(sides["packed"], prompt, 8)  # warm-ups
-    pagedllm_single(sides["fp32"], prompt, 8)
+    for llm in sides.values():  # warm-ups
+        pagedllm_single(llm, prompt, 8)
     if "batch" in workloads:  # one untimed batch per side: first-touch of the KV cache and the heap's growth
         for llm in sides.values():
             pagedllm_batch(llm, reqs)
@@ -227,11 +229,13 @@ def main():
     for wl, by_side in results.items():
         for name, runs in by_side.items():
             summary[f"{wl}/{name}"] = max(rate(r) for r in runs)
-    for wl, base in (("single", "llama.cpp"), ("single", "fp32"), ("batch", "fp32"), ("batch", "vllm")):
-        if f"{wl}/{base}" in summary and f"{wl}/packed" in summary:
-            per_round = [rate(a) / rate(b) for a, b in zip(results[wl]["packed"], results[wl][base])]
-            summary[f"{wl}/packed_over_{base}"] = per_round
-            print(f"{wl}: packed / {base} per round: " + ", ".join(f"{x:.2f}x" for x in per_round))
+    for wl, side, base in (("single", "packed", "llama.cpp"), ("single", "packed", "fp32"),
+                           ("batch", "packed", "fp32"), ("batch", "packed", "vllm"),
+                           ("single", "int8", "fp32"), ("batch", "int8", "fp32"), ("batch", "int8", "vllm")):
+        if f"{wl}/{base}" in summary and f"{wl}/{side}" in summary:
+            per_round = [rate(a) / rate(b) for a, b in zip(results[wl][side], results[wl][base])]
+            summary[f"{wl}/{side}_over_{base}"] = per_round
+            print(f"{wl}: {side} / {base} per round: " + ", ".join(f"{x:.2f}x" for x in per_round))
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:

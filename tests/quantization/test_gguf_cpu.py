@@ -233,13 +233,25 @@ def test_kquant_gguf_tiled_matches_its_dequantized_twin(tmp_path, monkeypatch):
 def test_online_int8_on_cpu_runs_on_the_integer_kernels(tiny_llama_dir):
     from pagedllm.models.loader import load_model
     model, _, _ = load_model(tiny_llama_dir, dtype=torch.float32, quantization="int8")
+    from pagedllm.quantization.int8 import quantize_per_channel_int8
     down = model.model.layers[0].mlp.down_proj
     rows = down.w8a8_rows
-    assert rows.dtype == torch.uint8 and rows.shape == (down.weight.shape[0], down.weight.shape[1] + 4)
-    assert down.weight.data_ptr() == rows.data_ptr() + 4  # the int8 weight is a view: one copy in RAM
-    x = torch.randn(3, down.weight.shape[1])
-    ref = x @ (down.weight.float() * down.weight_scale[:, None]).T
-    torch.testing.assert_close(down(x), ref, atol=1e-4, rtol=1e-3)
+    n, k = down.__dict__["w8a8_shape"]
+    assert rows.dtype == torch.uint8 and rows.numel() == n * (k + 4)  # one copy in RAM: [scale | K int8] per row
+    if down.__dict__["w8a8_type"] == tiled_id(1000) != 1000:  # regrouped into the VNNI kernels' tiles
+        assert rows.shape == (n // 16, 16 * (k + 4)) and down.weight.numel() == 0
+    else:
+        assert rows.shape == (n, k + 4) and down.weight.data_ptr() == rows.data_ptr() + 4  # weight: a view
+    # The reference: the checkpoint's float weight quantized the same way.
+    from safetensors.torch import load_file
+    import os
+    w = load_file(os.path.join(tiny_llama_dir, "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
+    q, scale = quantize_per_channel_int8(w)
+    dequantized = q.float() * scale[:, None]
+    assert torch.equal(down.linear_method.dequantized_weight(down), dequantized)
+    for m in (1, 3, 17):
+        x = torch.randn(m, k)
+        torch.testing.assert_close(down(x), x @ dequantized.T, atol=1e-4, rtol=1e-3)
 
 
 def test_fast_tensor_index_matches_gguf_reader(smollm2_gguf_path, tmp_path, tiny_model_dir):

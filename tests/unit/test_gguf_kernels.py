@@ -260,7 +260,37 @@ def test_tile_rejects_what_has_no_tiled_layout(ops):
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.gguf_tile(q4, int(Q.Q4_0))
     with pytest.raises(RuntimeError, match="no tiled layout"):
-        ops.gguf_tile(torch.from_numpy(make_weight(Q.Q4_0, 16, 64, seed=5)), 1000)  # the int8 rows
+        ops.gguf_tile(torch.from_numpy(make_weight(Q.Q4_0, 16, 64, seed=5)), int(Q.Q2_K))
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        ops.gguf_tile(torch.from_numpy(int8_rows(16, 100, seed=1)[0]), I8_ROW)
     tiled = ops.gguf_tile(q4[:16].contiguous(), int(Q.Q4_0))
     with pytest.raises(RuntimeError, match="rows / 16"):
         ops.gguf_linear(torch.empty(1, 16), torch.randn(1, 96), [tiled], [TILED + int(Q.Q4_0)], None, 0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k", [96, 576])
+def test_tiled_int8_rows(ops, k, threads):
+    """The int8 rows (--quantization int8 on CPU) tiled: exact dequantization, products within the bound, the
+    vector kernel equal to the portable one."""
+    packed, w = int8_rows(48, k, seed=k + 1)
+    tiled = ops.gguf_tile(torch.from_numpy(packed), I8_ROW)
+    assert tiled.shape == (3, 16 * (k + 4))
+    w = torch.from_numpy(w)
+    full = torch.empty(48, k)
+    ops.gguf_dequantize_rows(full, tiled, TILED + I8_ROW, None)
+    assert torch.equal(full, w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 2, 9, 33):
+            x = torch.randn(m, k)
+            outs = []
+            for impl in impls(ops):
+                out = torch.empty(m, 48)
+                ops.gguf_linear(out, x, [tiled], [TILED + I8_ROW], None, impl)
+                check_product(out, x, w)
+                outs.append(out)
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
+    finally:
+        torch.set_num_threads(old)

@@ -1,8 +1,10 @@
 """`--quantization int8` on CPU through the integer kernels (kernels/csrc/gguf_ops.cpp, its int8-row format).
 
-Each output row is stored as [float32 scale | K int8] in one uint8 buffer; the layer's int8 `weight` becomes a
-view of it (no second copy), so `Int8LinearMethod`'s other paths and `dequantized_weight` keep working. The
-product quantizes activations per 32 values like the GGUF path and multiplies with integer dot products.
+Each output row is stored as [float32 scale | K int8] in one uint8 buffer. On AVX-512 VNNI machines (rows a
+multiple of 16, K of 32) the buffer is regrouped into the kernels' 16-row tiles (`quantization/gguf.py:
+tile_packed`, the same bytes) and `weight` becomes an empty int8 placeholder (`dequantized_weight` reads the
+tiles); elsewhere `weight` is a view of the rows (no second copy). The product quantizes activations per 32
+values like the GGUF path and multiplies with integer dot products.
 """
 from __future__ import annotations
 
@@ -29,13 +31,28 @@ def attach_w8a8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> bool:
     from pagedllm.kernels.cpu_ops import cpu_ops
     if cpu_ops() is None:
         return False
+    from pagedllm.quantization.gguf import tile_packed
     rows = pack_int8_rows(q, scale)
-    layer.register_buffer("w8a8_rows", rows, persistent=False)
-    layer.weight = nn.Parameter(rows[:, 4:].view(torch.int8), requires_grad=False)
+    packed, qtype = tile_packed(rows, I8_ROW)
+    layer.register_buffer("w8a8_rows", packed, persistent=False)
+    layer.__dict__["w8a8_type"] = qtype
+    layer.__dict__["w8a8_shape"] = tuple(q.shape)
+    if qtype == I8_ROW:
+        layer.weight = nn.Parameter(rows[:, 4:].view(torch.int8), requires_grad=False)
+    else:  # the tiles hold the only copy
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)
     layer.register_buffer("weight_scale", scale.to(torch.float32), persistent=False)
     return True
 
 
-def w8a8_linear(x: torch.Tensor, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def w8a8_linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     from pagedllm.quantization.gguf import gguf_matmul
-    return gguf_matmul(x, [rows], [I8_ROW], bias, rows.shape[0])
+    return gguf_matmul(x, [layer.w8a8_rows], [layer.__dict__["w8a8_type"]], bias, layer.__dict__["w8a8_shape"][0])
+
+
+def w8a8_dequantized(layer: nn.Module) -> torch.Tensor:
+    """The layer's weights as float32 [N, K], from the rows or the tiles."""
+    from pagedllm.quantization.gguf import _ops
+    out = torch.empty(layer.__dict__["w8a8_shape"], dtype=torch.float32)
+    _ops().gguf_dequantize_rows(out, layer.w8a8_rows, layer.__dict__["w8a8_type"], None)
+    return out

@@ -54,7 +54,7 @@ _workspace = threading.local()
 # Tiled layouts (kernels/csrc/gguf_ops.cpp, gguf_tile): the same bytes regrouped by 16 output rows, type id
 # TILED_BASE + the GGML type; what the AVX-512 VNNI kernels read fastest at every row count.
 TILED_BASE = 2000
-_TILEABLE = (2, 3, 6, 7, 8, 12, 13, 14)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+_TILEABLE = (2, 3, 6, 7, 8, 12, 13, 14, 1000)  # Q4_0 ... Q6_K, and the int8 rows of quantization/cpu_w8a8.py
 
 
 def is_tiled(qtype: int) -> bool:
@@ -69,7 +69,7 @@ def tile_packed(tensor: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
     """(tensor, qtype) in the tiled layout where this machine's kernels have one for it, else unchanged."""
     from pagedllm import envs
     if (not envs.PAGEDLLM_GGUF_TILED or qtype not in _TILEABLE or tensor.shape[0] % 16
-            or _ops().gguf_best_impl() < 2):
+            or (qtype == 1000 and (tensor.shape[1] - 4) % 32) or _ops().gguf_best_impl() < 2):
         return tensor, qtype
     return _ops().gguf_tile(tensor.contiguous(), qtype), TILED_BASE + qtype
 

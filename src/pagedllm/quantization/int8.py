@@ -63,7 +63,10 @@ class Int8LinearMethod(LinearMethodBase):
         rows = layer.__dict__.get("_buffers", {}).get("w8a8_rows")
         if rows is not None and rows.device.type == "cpu":  # (a model moved to CUDA keeps weight + weight_scale)
             from pagedllm.quantization.cpu_w8a8 import w8a8_linear
-            return w8a8_linear(x, rows, bias)
+            return w8a8_linear(layer, x, bias)
+        if rows is not None and layer.weight.numel() == 0:
+            raise RuntimeError("this int8 layer keeps its weights in the CPU kernels' tiles; load the model on the "
+                               "device it runs on (or set PAGEDLLM_GGUF_TILED=0 before loading)")
         from pagedllm.quantization.kernels import int8_linear, packed_int_linear
 
         if "qweight" in layer._parameters:
@@ -71,6 +74,9 @@ class Int8LinearMethod(LinearMethodBase):
         return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
     def dequantized_weight(self, layer):
+        if "w8a8_rows" in layer._buffers:
+            from pagedllm.quantization.cpu_w8a8 import w8a8_dequantized
+            return w8a8_dequantized(layer)
         if "qweight" in layer._parameters:
             from pagedllm.quantization.packed import dequantize_packed
             return dequantize_packed(layer.qweight, layer.scales, layer.zeros, 8, layer.qweight.shape[0] * 4)

@@ -112,9 +112,9 @@ inline int64_t row_bytes(int64_t type, int64_t k) {
   return k / block_elems(type) * block_bytes(type);
 }
 
-// f(std::integral_constant<int64_t, T>{}) for the weight type T named by type (the int8 rows too, unless
-// block_types_only); anything else is an error naming `what`.
-template <bool block_types_only = false, class F>
+// f(std::integral_constant<int64_t, T>{}) for the weight type T named by type; anything else is an error
+// naming `what`.
+template <class F>
 inline void visit_type(int64_t type, const char* what, F&& f) {
   using std::integral_constant;
   switch (type) {
@@ -126,9 +126,7 @@ inline void visit_type(int64_t type, const char* what, F&& f) {
     case kQ4_K: return f(integral_constant<int64_t, kQ4_K>{});
     case kQ5_K: return f(integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return f(integral_constant<int64_t, kQ6_K>{});
-    case kI8Row:
-      if constexpr (!block_types_only) return f(integral_constant<int64_t, kI8Row>{});
-      break;
+    case kI8Row: return f(integral_constant<int64_t, kI8Row>{});
     default: break;
   }
   TORCH_CHECK(false, "gguf kernels: unsupported ", what, "type ", type);
@@ -831,7 +829,9 @@ void gemm_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const Ac
 //   Q6_K (6-bit: the 4-bit vectors plus masks of bit 4 and of bit 5): per super-block a header d[16] fp16,
 //     then 8 tiles, each followed by the int8 scales of its two halves, sc[16] for weights 0-15 and sc[16]
 //     for 16-31: d = d sc, off = -32 d per half; the halves are the quads of qa and qb, so the kernel keeps
-//     one integer sum per half (exactly the file's size).
+//     one integer sum per half (exactly the file's size);
+//   int8 rows (kI8Row, K a multiple of 32): a header of the 16 rows' fp32 scales, then 8-bit tiles
+//     (int8 ^ 0x80) with no per-tile scales: d = scale, off = -128 d (exactly the rows' bytes).
 constexpr int64_t kTiled = 2000;
 // The tiled kernel's helpers must inline into it (a call passing __m512 through memory costs more than the
 // work), whatever GCC's unit-growth budget decides for this many instantiations.
@@ -839,7 +839,7 @@ constexpr int64_t kTiled = 2000;
 
 inline bool tileable(int64_t t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
-         t == kQ6_K;
+         t == kQ6_K || t == kI8Row;
 }
 inline bool is_tiled(int64_t t) { return t > kTiled && tileable(t - kTiled); }
 
@@ -849,7 +849,7 @@ template <int64_t T>
 constexpr bool split_halves() { return T == kQ6_K; }  // a scale per 16 weights
 template <int64_t T>
 constexpr int qbits() {
-  return T == kQ8_0 ? 8 : T == kQ6_K ? 6 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K) ? 5 : 4;
+  return (T == kQ8_0 || T == kI8Row) ? 8 : T == kQ6_K ? 6 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K) ? 5 : 4;
 }
 template <int64_t T>
 constexpr bool tile_has_min() { return T == kQ4_1 || T == kQ5_1; }
@@ -857,13 +857,17 @@ template <int64_t T>
 constexpr int64_t tile_qbytes() { return qbits<T>() == 8 ? 512 : qbits<T>() == 6 ? 384 : qbits<T>() == 5 ? 320 : 256; }
 // Bytes from one tile to the next (K-quants: within a super-block).
 template <int64_t T>
-constexpr int64_t tile_stride() { return tile_qbytes<T>() + (kquant<T>() ? 32 : tile_has_min<T>() ? 64 : 32); }
+constexpr int64_t tile_stride() {
+  return tile_qbytes<T>() + (T == kI8Row ? 0 : kquant<T>() ? 32 : tile_has_min<T>() ? 64 : 32);
+}
 template <int64_t T>
 constexpr int64_t superblock_header() { return T == kQ6_K ? 32 : 64; }
 template <int64_t T>
 constexpr int64_t superblock_bytes() { return superblock_header<T>() + 8 * tile_stride<T>(); }
 template <int64_t T>
-constexpr float tile_offset_c() { return T == kQ4_0 ? 8.f : T == kQ5_0 ? 16.f : T == kQ8_0 ? 128.f : 0.f; }
+constexpr float tile_offset_c() {
+  return T == kQ4_0 ? 8.f : T == kQ5_0 ? 16.f : (T == kQ8_0 || T == kI8Row) ? 128.f : 0.f;
+}
 
 inline int64_t tiled_group_bytes(int64_t type, int64_t k) {
   const int64_t base = type - kTiled;
@@ -876,6 +880,7 @@ inline int64_t tiled_block_elems(int64_t type) { return block_elems(type - kTile
 
 template <int64_t T>
 PAGEDLLM_ALWAYS_INLINE const uint8_t* tile_ptr(const uint8_t* grp, int64_t blk) {
+  if constexpr (T == kI8Row) return grp + 64 + blk * tile_stride<T>();
   if constexpr (kquant<T>())
     return grp + (blk / 8) * superblock_bytes<T>() + superblock_header<T>() + (blk % 8) * tile_stride<T>();
   else return grp + blk * tile_stride<T>();
@@ -908,7 +913,10 @@ inline int tile_q(const uint8_t* t, int j, int kk) {
 template <int64_t T>
 inline void tile_scale(const uint8_t* grp, int64_t blk, int j, float& d, float& off, int half = 0) {
   const uint8_t* t = tile_ptr<T>(grp, blk);
-  if constexpr (T == kQ6_K) {
+  if constexpr (T == kI8Row) {
+    std::memcpy(&d, grp + 4 * j, 4);
+    off = -128.f * d;
+  } else if constexpr (T == kQ6_K) {
     const uint8_t* head = grp + (blk / 8) * superblock_bytes<T>();
     const int8_t* sc = reinterpret_cast<const int8_t*>(t + tile_qbytes<T>()) + 16 * half;
     d = fp16(head + 2 * j) * static_cast<float>(sc[j]);
@@ -947,7 +955,14 @@ inline void pack_tile(const uint8_t (*q)[32], uint8_t* t) {
 template <int64_t T>
 void tile_group(const uint8_t* src, int64_t rb, int64_t k, uint8_t* dst) {
   uint8_t q[16][32];
-  if constexpr (T == kQ6_K) {
+  if constexpr (T == kI8Row) {
+    for (int j = 0; j < 16; ++j) std::memcpy(dst + 4 * j, src + j * rb, 4);  // the rows' scales
+    for (int64_t blk = 0; blk < k / 32; ++blk) {
+      for (int j = 0; j < 16; ++j)
+        for (int kk = 0; kk < 32; ++kk) q[j][kk] = src[j * rb + 4 + 32 * blk + kk] ^ 0x80;
+      pack_tile<T>(q, dst + 64 + blk * tile_stride<T>());
+    }
+  } else if constexpr (T == kQ6_K) {
     Chunk ch;
     for (int64_t sb = 0; sb < k / 256; ++sb) {
       uint8_t* head = dst + sb * superblock_bytes<T>();
@@ -1100,7 +1115,10 @@ PAGEDLLM_ALWAYS_INLINE __m512 negate(__m512 v) {
 template <int64_t T>
 PAGEDLLM_ALWAYS_INLINE void tile_scale_vec(const uint8_t* grp, int64_t blk, __m512& d, __m512& off, int half = 0) {
   const uint8_t* t = tile_ptr<T>(grp, blk);
-  if constexpr (T == kQ6_K) {
+  if constexpr (T == kI8Row) {
+    d = _mm512_loadu_ps(grp);
+    off = _mm512_mul_ps(_mm512_set1_ps(-128.f), d);
+  } else if constexpr (T == kQ6_K) {
     const uint8_t* head = grp + (blk / 8) * superblock_bytes<T>();
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + tile_qbytes<T>() + 16 * half))));
@@ -1269,7 +1287,7 @@ void tiled_part(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActRows&
 
 void tiled_dispatch(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActRows& act, int64_t m, float* out,
                     int64_t os, int64_t impl) {
-  visit_type<true>(p.type - kTiled, "tiled ", [&](auto t) {
+  visit_type(p.type - kTiled, "tiled ", [&](auto t) {
     tiled_part<decltype(t)::value>(p, g0, g1, k, act, m, out, os, impl);
   });
 }
@@ -1436,17 +1454,20 @@ void dequant_row_dispatch(int64_t type, const uint8_t* row, int64_t k, float* ou
 }
 
 void dequant_tiled_dispatch(int64_t type, const uint8_t* grp, int j, int64_t k, float* out) {
-  visit_type<true>(type - kTiled, "tiled ", [&](auto t) { dequant_tiled_row<decltype(t)::value>(grp, j, k, out); });
+  visit_type(type - kTiled, "tiled ", [&](auto t) { dequant_tiled_row<decltype(t)::value>(grp, j, k, out); });
 }
 
 // The tiled layout (type kTiled + type) of w (uint8 [rows, row_bytes], rows a multiple of 16): the same bytes,
 // rearranged; kTiled + type's rows come back from gguf_dequantize_rows exactly as type's.
 at::Tensor gguf_tile(const at::Tensor& w, int64_t type) {
   TORCH_CHECK(tileable(type), "gguf_tile: type ", type, " has no tiled layout");
+  const bool i8 = type == kI8Row;
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) % 16 == 0 &&
-                  w.size(1) % block_bytes(type) == 0,
-              "gguf_tile: w must be contiguous uint8 [rows, row_bytes] with rows a multiple of 16");
-  const int64_t rb = w.size(1), k = rb / block_bytes(type) * block_elems(type), groups = w.size(0) / 16;
+                  (i8 ? w.size(1) > 4 && (w.size(1) - 4) % 32 == 0 : w.size(1) % block_bytes(type) == 0),
+              "gguf_tile: w must be contiguous uint8 [rows, row_bytes] with rows a multiple of 16",
+              i8 ? " and K a multiple of 32" : "");
+  const int64_t rb = w.size(1), groups = w.size(0) / 16;
+  const int64_t k = i8 ? rb - 4 : rb / block_bytes(type) * block_elems(type);
   const int64_t gb = tiled_group_bytes(kTiled + type, k);
   at::Tensor out = at::empty({groups, gb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
@@ -1455,7 +1476,7 @@ at::Tensor gguf_tile(const at::Tensor& w, int64_t type) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* s = src + g * 16 * rb;
       uint8_t* d = dst + g * gb;
-      visit_type<true>(type, "", [&](auto t) { tile_group<decltype(t)::value>(s, rb, k, d); });
+      visit_type(type, "", [&](auto t) { tile_group<decltype(t)::value>(s, rb, k, d); });
     }
   });
   return out;
