@@ -833,8 +833,8 @@ void gemm_dispatch(const Part& part, int64_t n0, int64_t n1, int64_t k, const Ac
 //   int8 rows (kI8Row, K a multiple of 32): a header of the 16 rows' fp32 scales, then 8-bit tiles
 //     (int8 ^ 0x80) with no per-tile scales: d = scale, off = -128 d (exactly the rows' bytes).
 constexpr int64_t kTiled = 2000;
-// The tiled kernel's helpers must inline into it (a call passing __m512 through memory costs more than the
-// work), whatever GCC's unit-growth budget decides for this many instantiations.
+// The tiled kernel's helpers pass __m512 values: forced inline, however many types and row counts this file
+// instantiates them for (GCC's inlining budget is per file).
 #define PAGEDLLM_ALWAYS_INLINE inline __attribute__((always_inline))
 
 inline bool tileable(int64_t t) {
