@@ -1136,17 +1136,20 @@ PAGEDLLM_ALWAYS_INLINE void tile_scale_vec(const uint8_t* grp, int64_t blk, __m5
   }
 }
 
-// Activation rows [m0, m0 + R) times W consecutive groups (gb bytes apart): out[r, 16 w + j].
+// Activation rows [m0, m0 + R) times W consecutive groups (gb bytes apart): out[r, 16 w + j]. Q6_K (scales per
+// 16 weights) keeps one integer sum per half block (H = 2): qa holds the first half's quads, qb the second's.
 template <int64_t T, int R, int W>
-PAGEDLLM_ALWAYS_INLINE void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0, float* out,
-                       int64_t os) {
+PAGEDLLM_ALWAYS_INLINE void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0,
+                                       float* out, int64_t os) {
+  constexpr int H = split_halves<T>() ? 2 : 1;
   __m512 acc[W][R];
   for (int w = 0; w < W; ++w)
     for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < k / 32; ++blk) {
-    __m512i hi[W][R], lo[W][R];
+    __m512i hi[W][R][H], lo[W][R][H];
     for (int w = 0; w < W; ++w)
-      for (int r = 0; r < R; ++r) hi[w][r] = lo[w][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < H; ++h) hi[w][r][h] = lo[w][r][h] = _mm512_setzero_si512();
     for (int v = 0; v < 4; ++v) {
       for (int w = 0; w < W; ++w) {
         __m512i qa, qb;
@@ -1154,77 +1157,31 @@ PAGEDLLM_ALWAYS_INLINE void tiled_rows(const uint8_t* grp, int64_t gb, int64_t k
         for (int r = 0; r < R; ++r) {
           const int8_t* xh = act.xhl(m0 + r) + 64 * blk + 4 * v;
           const int8_t* xl = xh + 32;
-          hi[w][r] = _mm512_dpbusd_epi32(hi[w][r], qa, bcast32(xh));
-          lo[w][r] = _mm512_dpbusd_epi32(lo[w][r], qa, bcast32(xl));
-          hi[w][r] = _mm512_dpbusd_epi32(hi[w][r], qb, bcast32(xh + 16));
-          lo[w][r] = _mm512_dpbusd_epi32(lo[w][r], qb, bcast32(xl + 16));
+          hi[w][r][0] = _mm512_dpbusd_epi32(hi[w][r][0], qa, bcast32(xh));
+          lo[w][r][0] = _mm512_dpbusd_epi32(lo[w][r][0], qa, bcast32(xl));
+          hi[w][r][H - 1] = _mm512_dpbusd_epi32(hi[w][r][H - 1], qb, bcast32(xh + 16));
+          lo[w][r][H - 1] = _mm512_dpbusd_epi32(lo[w][r][H - 1], qb, bcast32(xl + 16));
         }
       }
     }
     for (int w = 0; w < W; ++w) {
-      __m512 d, off;
-      tile_scale_vec<T>(grp + w * gb, blk, d, off);
-      for (int r = 0; r < R; ++r) {
-        const __m512i tot = _mm512_add_epi32(_mm512_slli_epi32(hi[w][r], 8), lo[w][r]);
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(act.step32(m0 + r)[blk]));
-        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), scale, acc[w][r]);
-        acc[w][r] = _mm512_fmadd_ps(off, _mm512_set1_ps(act.sum32(m0 + r)[blk]), acc[w][r]);
-      }
-    }
-  }
-  for (int w = 0; w < W; ++w)
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * os + 16 * w, acc[w][r]);
-}
-
-// Q6_K (scales per 16 weights): one integer sum per half block; qa holds the first half's quads, qb the second's.
-template <int64_t T, int R, int W>
-PAGEDLLM_ALWAYS_INLINE void tiled_rows_halves(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0,
-                              float* out, int64_t os) {
-  __m512 acc[W][R];
-  for (int w = 0; w < W; ++w)
-    for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < k / 32; ++blk) {
-    __m512i hia[W][R], loa[W][R], hib[W][R], lob[W][R];
-    for (int w = 0; w < W; ++w)
-      for (int r = 0; r < R; ++r) hia[w][r] = loa[w][r] = hib[w][r] = lob[w][r] = _mm512_setzero_si512();
-    for (int v = 0; v < 4; ++v) {
-      for (int w = 0; w < W; ++w) {
-        __m512i qa, qb;
-        tile_quads<T>(tile_ptr<T>(grp + w * gb, blk), v, qa, qb);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xh = act.xhl(m0 + r) + 64 * blk + 4 * v;
-          const int8_t* xl = xh + 32;
-          hia[w][r] = _mm512_dpbusd_epi32(hia[w][r], qa, bcast32(xh));
-          loa[w][r] = _mm512_dpbusd_epi32(loa[w][r], qa, bcast32(xl));
-          hib[w][r] = _mm512_dpbusd_epi32(hib[w][r], qb, bcast32(xh + 16));
-          lob[w][r] = _mm512_dpbusd_epi32(lob[w][r], qb, bcast32(xl + 16));
-        }
-      }
-    }
-    for (int w = 0; w < W; ++w) {
-      __m512 da, offa, db, offb;
-      tile_scale_vec<T>(grp + w * gb, blk, da, offa, 0);
-      tile_scale_vec<T>(grp + w * gb, blk, db, offb, 1);
+      __m512 d[H], off[H];
+      for (int h = 0; h < H; ++h) tile_scale_vec<T>(grp + w * gb, blk, d[h], off[h], h);
       for (int r = 0; r < R; ++r) {
         const __m512 step = _mm512_set1_ps(act.step32(m0 + r)[blk]);
-        const __m512i ta = _mm512_add_epi32(_mm512_slli_epi32(hia[w][r], 8), loa[w][r]);
-        const __m512i tb = _mm512_add_epi32(_mm512_slli_epi32(hib[w][r], 8), lob[w][r]);
-        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_mul_ps(da, step), acc[w][r]);
-        acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tb), _mm512_mul_ps(db, step), acc[w][r]);
-        acc[w][r] = _mm512_fmadd_ps(offa, _mm512_set1_ps(act.sum16(m0 + r)[2 * blk]), acc[w][r]);
-        acc[w][r] = _mm512_fmadd_ps(offb, _mm512_set1_ps(act.sum16(m0 + r)[2 * blk + 1]), acc[w][r]);
+        for (int h = 0; h < H; ++h) {  // the order of tiled_rows_portable's sums
+          const __m512i tot = _mm512_add_epi32(_mm512_slli_epi32(hi[w][r][h], 8), lo[w][r][h]);
+          acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d[h], step), acc[w][r]);
+        }
+        for (int h = 0; h < H; ++h) {
+          const float sx = H == 2 ? act.sum16(m0 + r)[2 * blk + h] : act.sum32(m0 + r)[blk];
+          acc[w][r] = _mm512_fmadd_ps(off[h], _mm512_set1_ps(sx), acc[w][r]);
+        }
       }
     }
   }
   for (int w = 0; w < W; ++w)
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * os + 16 * w, acc[w][r]);
-}
-
-template <int64_t T, int R, int W>
-PAGEDLLM_ALWAYS_INLINE void tiled_rows_any(const uint8_t* grp, int64_t gb, int64_t k, const ActRows& act, int64_t m0, float* out,
-                           int64_t os) {
-  if constexpr (split_halves<T>()) tiled_rows_halves<T, R, W>(grp, gb, k, act, m0, out, os);
-  else tiled_rows<T, R, W>(grp, gb, k, act, m0, out, os);
 }
 
 // Up to 8 rows (4 for Q6_K's doubled sums) against one group.
@@ -1233,18 +1190,18 @@ inline void tiled_rows_n(int64_t nr, const uint8_t* grp, int64_t gb, int64_t k, 
                          float* out, int64_t os) {
   if constexpr (!split_halves<T>()) {
     switch (nr) {
-      case 8: return tiled_rows_any<T, 8, 1>(grp, gb, k, act, m0, out, os);
-      case 7: return tiled_rows_any<T, 7, 1>(grp, gb, k, act, m0, out, os);
-      case 6: return tiled_rows_any<T, 6, 1>(grp, gb, k, act, m0, out, os);
-      case 5: return tiled_rows_any<T, 5, 1>(grp, gb, k, act, m0, out, os);
+      case 8: return tiled_rows<T, 8, 1>(grp, gb, k, act, m0, out, os);
+      case 7: return tiled_rows<T, 7, 1>(grp, gb, k, act, m0, out, os);
+      case 6: return tiled_rows<T, 6, 1>(grp, gb, k, act, m0, out, os);
+      case 5: return tiled_rows<T, 5, 1>(grp, gb, k, act, m0, out, os);
       default: break;
     }
   }
   switch (nr) {
-    case 4: return tiled_rows_any<T, 4, 1>(grp, gb, k, act, m0, out, os);
-    case 3: return tiled_rows_any<T, 3, 1>(grp, gb, k, act, m0, out, os);
-    case 2: return tiled_rows_any<T, 2, 1>(grp, gb, k, act, m0, out, os);
-    default: return tiled_rows_any<T, 1, 1>(grp, gb, k, act, m0, out, os);
+    case 4: return tiled_rows<T, 4, 1>(grp, gb, k, act, m0, out, os);
+    case 3: return tiled_rows<T, 3, 1>(grp, gb, k, act, m0, out, os);
+    case 2: return tiled_rows<T, 2, 1>(grp, gb, k, act, m0, out, os);
+    default: return tiled_rows<T, 1, 1>(grp, gb, k, act, m0, out, os);
   }
 }
 
@@ -1258,10 +1215,10 @@ void tiled_part_vnni(const Part& p, int64_t g0, int64_t g1, int64_t k, const Act
     const int64_t t1 = std::min(m, t0 + kTile), nr = t1 - t0;
     int64_t g = g0;
     if (nr <= 2) {  // few rows: several groups at once for independent accumulation chains
-      for (; g + 4 <= g1 && nr == 1; g += 4) tiled_rows_any<T, 1, 4>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
+      for (; g + 4 <= g1 && nr == 1; g += 4) tiled_rows<T, 1, 4>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
       for (; g + 2 <= g1; g += 2) {
-        if (nr == 1) tiled_rows_any<T, 1, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
-        else tiled_rows_any<T, 2, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
+        if (nr == 1) tiled_rows<T, 1, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
+        else tiled_rows<T, 2, 2>(p.w + g * gb, gb, k, act, t0, o + t0 * os + 16 * g, os);
       }
     }
     // Row tiles outside: a tile's activation rows stay in L1 while the groups' weights stream from L2.
