@@ -1260,6 +1260,17 @@ void check_type(int64_t type, int64_t k) {
               block_elems(type), " of type ", type);
 }
 
+// f(x's elements) as float, BFloat16 or Half pointer: the activation dtypes the kernels take.
+template <class F>
+void with_x_rows(const at::Tensor& x, F&& f) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return f(x.data_ptr<float>());
+    case at::kBFloat16: return f(x.data_ptr<c10::BFloat16>());
+    case at::kHalf: return f(x.data_ptr<c10::Half>());
+    default: TORCH_CHECK(false, "gguf_linear: x must be float32, bfloat16 or float16");
+  }
+}
+
 thread_local ActRows tls_act;
 thread_local std::vector<float> tls_xf;
 // From this many activation rows the float32 path (dequantize once, FMAs) beats the integer one.
@@ -1309,43 +1320,19 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
   if (use_f32) {
     std::vector<float>& xf = tls_xf;  // the rows as float32, each padded with zeros to k64
     xf.assign(m * k64, 0.f);
-    for (int64_t r = 0; r < m; ++r) {
-      float* dst = xf.data() + r * k64;
-      if (x.scalar_type() == at::kFloat) {
-        std::memcpy(dst, x.data_ptr<float>() + r * x.stride(0), sizeof(float) * k);
-      } else if (x.scalar_type() == at::kBFloat16) {
-        const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + r * x.stride(0);
-        for (int64_t i = 0; i < k; ++i) dst[i] = static_cast<float>(src[i]);
-      } else {
-        TORCH_CHECK(x.scalar_type() == at::kHalf, "gguf_linear: x must be float32, bfloat16 or float16");
-        const c10::Half* src = x.data_ptr<c10::Half>() + r * x.stride(0);
+    with_x_rows(x, [&](const auto* xr) {
+      for (int64_t r = 0; r < m; ++r) {
+        float* dst = xf.data() + r * k64;
+        const auto* src = xr + r * x.stride(0);
         for (int64_t i = 0; i < k; ++i) dst[i] = static_cast<float>(src[i]);
       }
-    }
+    });
     xp = xf.data();
   }
 #endif
   ActRows& act = tls_act;
-  if (any_tiled) {
-    if (x.scalar_type() == at::kFloat) {
-      quantize_rows_tiled(x.data_ptr<float>(), x.stride(0), m, k, act);
-    } else if (x.scalar_type() == at::kBFloat16) {
-      quantize_rows_tiled(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k, act);
-    } else {
-      TORCH_CHECK(x.scalar_type() == at::kHalf, "gguf_linear: x must be float32, bfloat16 or float16");
-      quantize_rows_tiled(x.data_ptr<c10::Half>(), x.stride(0), m, k, act);
-    }
-  }
-  if (any_plain && !use_f32) {
-    if (x.scalar_type() == at::kFloat) {
-      quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, act);
-    } else if (x.scalar_type() == at::kBFloat16) {
-      quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k, act);
-    } else {
-      TORCH_CHECK(x.scalar_type() == at::kHalf, "gguf_linear: x must be float32, bfloat16 or float16");
-      quantize_rows(x.data_ptr<c10::Half>(), x.stride(0), m, k, act);
-    }
-  }
+  if (any_tiled) with_x_rows(x, [&](const auto* xr) { quantize_rows_tiled(xr, x.stride(0), m, k, act); });
+  if (any_plain && !use_f32) with_x_rows(x, [&](const auto* xr) { quantize_rows(xr, x.stride(0), m, k, act); });
   // ~64k multiply-adds per thread chunk at least: small products stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * m));
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
