@@ -256,6 +256,60 @@ struct ActRows {
   const float* sum16(int64_t r) const { return su16.data() + 2 * r * nb32; }
 };
 
+// Values [b0, b0 + 32) of a row of k, zero past k, as float32.
+template <typename scalar_t>
+inline void load_block32(const scalar_t* xr, int64_t b0, int64_t k, float* buf) {
+  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, k - b0));
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (n == 32) {
+      std::memcpy(buf, xr + b0, 32 * sizeof(float));
+      return;
+    }
+  }
+  for (int i = 0; i < 32; ++i) buf[i] = i < n ? static_cast<float>(xr[b0 + i]) : 0.f;
+}
+
+// One block of 32 values: the digits hi[i], lo[i] with x ~= d (hi + lo / 256), d = amax / 127, and in half[h]
+// the sum of x16 = 256 hi + lo over values [16 h, 16 h + 16); returns d.
+inline float quantize_block32(const float* buf, int8_t* hi, int8_t* lo, int32_t* half) {
+#if defined(PAGEDLLM_HAVE_VNNI512)
+  const __m512 v0 = _mm512_loadu_ps(buf), v1 = _mm512_loadu_ps(buf + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  for (int h = 0; h < 2; ++h) {
+    const __m512 v = _mm512_mul_ps(h ? v1 : v0, _mm512_set1_ps(id));  // in [-127, 127]
+    const __m512 hr = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 lr = _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_roundscale_ps(
+        _mm512_mul_ps(_mm512_sub_ps(v, hr), _mm512_set1_ps(256.f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m512i hv = _mm512_cvtps_epi32(hr), lv = _mm512_cvtps_epi32(lr);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16 * h), _mm512_cvtepi32_epi8(hv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16 * h), _mm512_cvtepi32_epi8(lv));
+    half[h] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hv, 8), lv));
+  }
+  return d;
+#else
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(buf[i]));
+  const float d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  for (int h = 0; h < 2; ++h) {
+    int32_t sum = 0;
+    for (int i = 16 * h; i < 16 * h + 16; ++i) {
+      const float v = buf[i] * id;  // in [-127, 127]
+      const float hr = std::nearbyint(v);
+      const float lr = std::min(127.f, std::nearbyint((v - hr) * 256.f));
+      hi[i] = static_cast<int8_t>(hr);
+      lo[i] = static_cast<int8_t>(lr);
+      sum += 256 * static_cast<int32_t>(hr) + static_cast<int32_t>(lr);
+    }
+    half[h] = sum;
+  }
+  return d;
+#endif
+}
+
+// The row kernels' activations (hi, lo, x16, dx4, s16).
 template <typename scalar_t>
 void quantize_rows(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows& act) {
   act.k64 = (k + 63) / 64 * 64;
@@ -275,37 +329,20 @@ void quantize_rows(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows&
       float* dx4 = act.dx4.data() + r * (act.k64 / 4);
       float* s16 = act.s16.data() + r * act.s_stride;
       for (int64_t b0 = 0; b0 < k; b0 += 32) {
-        const int64_t n = std::min<int64_t>(32, k - b0);
-        float amax = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          buf[i] = static_cast<float>(xr[b0 + i]);
-          amax = std::max(amax, std::fabs(buf[i]));
-        }
-        const float d = amax / 127.f;
-        const float id = d > 0.f ? 1.f / d : 0.f;
-        int32_t sum[2] = {0, 0};
-        for (int64_t i = 0; i < n; ++i) {
-          const float v = buf[i] * id;  // in [-127, 127]
-          const float h = std::nearbyint(v);
-          const float l = std::min(127.f, std::nearbyint((v - h) * 256.f));
-          hi[b0 + i] = static_cast<int8_t>(h);
-          lo[b0 + i] = static_cast<int8_t>(l);
-          const int32_t w = 256 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
-          x16[b0 + i] = static_cast<int16_t>(w);
-          sum[i / 16] += w;
-        }
-        const float step = d / 256.f;
+        load_block32(xr, b0, k, buf);
+        int32_t half[2];
+        const float step = quantize_block32(buf, hi + b0, lo + b0, half) / 256.f;
+        for (int i = 0; i < 32; ++i) x16[b0 + i] = static_cast<int16_t>(256 * hi[b0 + i] + lo[b0 + i]);
         for (int i = 0; i < 8; ++i) dx4[b0 / 4 + i] = step;
-        s16[b0 / 16] = step * sum[0];
-        s16[b0 / 16 + 1] = step * sum[1];
-
+        s16[b0 / 16] = step * static_cast<float>(half[0]);
+        s16[b0 / 16 + 1] = step * static_cast<float>(half[1]);
       }
     }
   });
 }
 
-
-// The tiled kernels' activations only (hl, st32, su32), the same numbers as quantize_rows; vectorized.
+// The tiled kernels' activations (hl, st32, su32, su16): the same numbers, per 32 values the hi digits then
+// the lo digits.
 template <typename scalar_t>
 void quantize_rows_tiled(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows& act) {
   act.k64 = (k + 63) / 64 * 64;
@@ -315,7 +352,7 @@ void quantize_rows_tiled(const scalar_t* x, int64_t xs, int64_t m, int64_t k, Ac
   act.su32.resize(m * act.nb32);
   act.su16.resize(2 * m * act.nb32);
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
-    alignas(64) float buf[32];
+    float buf[32];
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * xs;
       int8_t* hl = act.hl.data() + 2 * r * act.k64;
@@ -323,53 +360,11 @@ void quantize_rows_tiled(const scalar_t* x, int64_t xs, int64_t m, int64_t k, Ac
       float* su = act.su32.data() + r * act.nb32;
       float* su16 = act.su16.data() + 2 * r * act.nb32;
       for (int64_t b0 = 0; b0 < act.k64; b0 += 32) {
-        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, k - b0));
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          if (n == 32) std::memcpy(buf, xr + b0, sizeof(buf));
-          else for (int i = 0; i < 32; ++i) buf[i] = i < n ? xr[b0 + i] : 0.f;
-        } else {
-          for (int i = 0; i < 32; ++i) buf[i] = i < n ? static_cast<float>(xr[b0 + i]) : 0.f;
-        }
-#if defined(PAGEDLLM_HAVE_VNNI512)
-        const __m512 v0 = _mm512_load_ps(buf), v1 = _mm512_load_ps(buf + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float d = amax / 127.f;
-        const float id = d > 0.f ? 1.f / d : 0.f;
-        int32_t total = 0, half[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m512 v = _mm512_mul_ps(h ? v1 : v0, _mm512_set1_ps(id));
-          const __m512 hr = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          const __m512 lr = _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_roundscale_ps(
-              _mm512_mul_ps(_mm512_sub_ps(v, hr), _mm512_set1_ps(256.f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-          const __m512i hi = _mm512_cvtps_epi32(hr), lo = _mm512_cvtps_epi32(lr);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(hl + 2 * b0 + 16 * h), _mm512_cvtepi32_epi8(hi));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(hl + 2 * b0 + 32 + 16 * h), _mm512_cvtepi32_epi8(lo));
-          half[h] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
-          total += half[h];
-        }
-#else
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(buf[i]));
-        const float d = amax / 127.f;
-        const float id = d > 0.f ? 1.f / d : 0.f;
+        load_block32(xr, b0, k, buf);
         int32_t half[2];
-        for (int hh = 0; hh < 2; ++hh) {
-          int32_t sum = 0;
-          for (int i = 16 * hh; i < 16 * hh + 16; ++i) {
-            const float v = buf[i] * id;
-            const float h = std::nearbyint(v);
-            const float l = std::min(127.f, std::nearbyint((v - h) * 256.f));
-            hl[2 * b0 + i] = static_cast<int8_t>(h);
-            hl[2 * b0 + 32 + i] = static_cast<int8_t>(l);
-            sum += 256 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
-          }
-          half[hh] = sum;
-        }
-        const int32_t total = half[0] + half[1];
-#endif
-        const float step = d / 256.f;
+        const float step = quantize_block32(buf, hl + 2 * b0, hl + 2 * b0 + 32, half) / 256.f;
         st[b0 / 32] = step;
-        su[b0 / 32] = step * static_cast<float>(total);
+        su[b0 / 32] = step * static_cast<float>(half[0] + half[1]);
         su16[b0 / 16] = step * static_cast<float>(half[0]);
         su16[b0 / 16 + 1] = step * static_cast<float>(half[1]);
       }
