@@ -17,19 +17,12 @@ pytestmark = [
 ]
 
 from pagedllm.kernels.dequant_gemm import dequant_matmul, dequant_matmul_ref  # noqa: E402
+from quant_cases import random_packed_weights  # noqa: E402
 
 
 def _weights(k, n, bits, group_size, act_order, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    pack = 32 // bits
-    qweight = torch.randint(-2**31, 2**31 - 1, (k // pack, n), generator=gen, dtype=torch.int64).to(torch.int32)
-    groups = k // group_size
-    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(dtype)
-    zeros = torch.randint(0, 2**bits, (groups, n), generator=gen).to(dtype)
-    g_idx = None
-    if act_order:
-        g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // group_size).to(torch.int32)
-    return [t.to(DEVICE) if t is not None else None for t in (qweight, scales, zeros, g_idx)]
+    return [t.to(DEVICE) if t is not None else None
+            for t in random_packed_weights(k, n, bits, group_size, act_order, dtype, seed)]
 
 
 def _check(m, k, n, bits, group_size, act_order, dtype, bias=False, num_sms=None):

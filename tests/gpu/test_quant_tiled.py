@@ -23,18 +23,13 @@ from pagedllm.kernels.qgemm import quant_gemm  # noqa: E402
 from pagedllm.kernels.qgemv import QGEMV_MAX_ROWS, counters_for, quant_gemv  # noqa: E402
 from pagedllm.quantization.packed import dequantize_packed  # noqa: E402
 from pagedllm.quantization.tiled import to_tiled  # noqa: E402
+from quant_cases import random_packed_weights  # noqa: E402
 
 
 def _weights(k, n, bits, group_size, act_order, dtype, seed=0):
     """Random internal-layout weights -> (tiled qweight, scales, zeros, perm, dense [N, K] fp32 reference)."""
-    gen = torch.Generator().manual_seed(seed)
-    pack = 32 // bits
     group_size = k if group_size == -1 else group_size
-    qweight = torch.randint(-2**31, 2**31 - 1, (k // pack, n), generator=gen, dtype=torch.int64).to(torch.int32)
-    groups = k // group_size
-    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).to(dtype)
-    zeros = torch.randint(0, 2**bits, (groups, n), generator=gen).to(dtype)
-    g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // group_size).to(torch.int32) if act_order else None
+    qweight, scales, zeros, g_idx = random_packed_weights(k, n, bits, group_size, act_order, dtype, seed)
     dense = dequantize_packed(qweight, scales.float(), zeros.float(), bits, group_size, g_idx)
     tiled, perm = to_tiled(qweight, bits, group_size, zeros, g_idx)
     move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
