@@ -112,8 +112,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[num_tokens, org_vocab_size] logits in the product's dtype (the model dtype), all ranks gathered."""
         packed = self.__dict__.get("cpu_packed_weight")
         if "gguf_type" in self.__dict__:  # a GGUF-packed LM head (quantization/gguf.py)
-            from pagedllm.quantization.gguf import gguf_matmul
-            rows = self.__dict__["gguf_rows"]
+            from pagedllm.quantization.gguf import gguf_matmul, logical_rows
+            rows = logical_rows(self.gguf_weight, self.__dict__["gguf_type"])
             return gguf_matmul(hidden_states, [self.gguf_weight], [self.__dict__["gguf_type"]],
                                None if self.bias is None else self.bias[:rows], rows)
         gemv = gemv_kernels(hidden_states, self.weight)

@@ -25,6 +25,7 @@ from torch import nn
 from pagedllm.layers.linear import LinearMethodBase, MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.weight_utils import set_weight_attrs
 from pagedllm.quantization.base import QuantizationConfig
+from pagedllm.quantization.cpu_w8a8 import I8_ROW
 
 logger = logging.getLogger("pagedllm")
 
@@ -54,7 +55,7 @@ _workspace = threading.local()
 # Tiled layouts (kernels/csrc/gguf_ops.cpp, gguf_tile): the same bytes regrouped by 16 output rows, type id
 # TILED_BASE + the GGML type; what the AVX-512 VNNI kernels read fastest at every row count.
 TILED_BASE = 2000
-_TILEABLE = (2, 3, 6, 7, 8, 12, 13, 14, 1000)  # Q4_0 ... Q6_K, and the int8 rows of quantization/cpu_w8a8.py
+_TILEABLE = (2, 3, 6, 7, 8, 12, 13, 14, I8_ROW)  # Q4_0 ... Q6_K, and the int8 rows of quantization/cpu_w8a8.py
 
 
 def is_tiled(qtype: int) -> bool:
@@ -69,7 +70,7 @@ def tile_packed(tensor: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
     """(tensor, qtype) in the tiled layout where this machine's kernels have one for it, else unchanged."""
     from pagedllm import envs
     if (not envs.PAGEDLLM_GGUF_TILED or qtype not in _TILEABLE or tensor.shape[0] % 16
-            or (qtype == 1000 and (tensor.shape[1] - 4) % 32) or _ops().gguf_best_impl() < 2):
+            or (qtype == I8_ROW and (tensor.shape[1] - 4) % 32) or _ops().gguf_best_impl() < 2):
         return tensor, qtype
     return _ops().gguf_tile(tensor.contiguous(), qtype), TILED_BASE + qtype
 
@@ -264,12 +265,10 @@ class GGUFConfig(QuantizationConfig):
                 if loaded.shape[0] != targets[0].org_vocab_size:
                     raise ValueError(f"the GGUF tensor has {loaded.shape[0]} rows, the model expects "
                                      f"{targets[0].org_vocab_size}")
-                rows = loaded.shape[0]
                 packed, qtype = tile_packed(loaded, int(loaded.gguf_type))
                 for t in targets:
                     t.register_buffer("gguf_weight", packed, persistent=False)
                     t.__dict__["gguf_type"] = qtype
-                    t.__dict__["gguf_rows"] = rows
                 targets[0].__dict__["gguf_numel"] = targets[0].org_vocab_size * targets[0].embedding_dim
 
             set_weight_attrs(placeholder, {"weight_loader": loader})
