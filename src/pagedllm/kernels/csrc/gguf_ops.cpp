@@ -850,6 +850,8 @@ template <int64_t T>
 constexpr bool tile_has_min() { return T == kQ4_1 || T == kQ5_1; }
 template <int64_t T>
 constexpr int64_t tile_qbytes() { return qbits<T>() == 8 ? 512 : qbits<T>() == 6 ? 384 : qbits<T>() == 5 ? 320 : 256; }
+// Where bit b (4 or 5) of a 5/6-bit tile's quants starts: 8 masks of 8 bytes after the 4-bit vectors.
+constexpr int64_t bit_plane(int b) { return 256 + 64 * (b - 4); }
 // Bytes from one tile to the next (K-quants: within a super-block).
 template <int64_t T>
 constexpr int64_t tile_stride() {
@@ -890,15 +892,10 @@ inline int tile_q(const uint8_t* t, int j, int kk) {
   } else {
     const uint8_t byte = t[64 * (u % 4) + 4 * j + p];
     int q = u < 4 ? (byte & 0xF) : (byte >> 4);
-    if constexpr (qbits<T>() >= 5) {
+    for (int b = 4; b < qbits<T>(); ++b) {  // bits 4 (and 5) from their mask planes
       uint64_t mask;
-      std::memcpy(&mask, t + 256 + 8 * u, 8);
-      q |= static_cast<int>((mask >> (4 * j + p)) & 1u) << 4;
-    }
-    if constexpr (qbits<T>() == 6) {
-      uint64_t mask;
-      std::memcpy(&mask, t + 320 + 8 * u, 8);
-      q |= static_cast<int>((mask >> (4 * j + p)) & 1u) << 5;
+      std::memcpy(&mask, t + bit_plane(b) + 8 * u, 8);
+      q |= static_cast<int>((mask >> (4 * j + p)) & 1u) << b;
     }
     return q;
   }
@@ -939,10 +936,8 @@ inline void pack_tile(const uint8_t (*q)[32], uint8_t* t) {
         t[64 * u + 4 * j + p] = static_cast<uint8_t>(v);
       } else {
         t[64 * (u % 4) + 4 * j + p] |= static_cast<uint8_t>((v & 0xF) << (u < 4 ? 0 : 4));
-        if constexpr (qbits<T>() >= 5)
-          if (v & 0x10) t[256 + 8 * u + (4 * j + p) / 8] |= static_cast<uint8_t>(1u << ((4 * j + p) % 8));
-        if constexpr (qbits<T>() == 6)
-          if (v & 0x20) t[320 + 8 * u + (4 * j + p) / 8] |= static_cast<uint8_t>(1u << ((4 * j + p) % 8));
+        for (int b = 4; b < qbits<T>(); ++b)
+          if ((v >> b) & 1) t[bit_plane(b) + 8 * u + (4 * j + p) / 8] |= static_cast<uint8_t>(1u << ((4 * j + p) % 8));
       }
     }
 }
@@ -1077,21 +1072,13 @@ PAGEDLLM_ALWAYS_INLINE void tile_quads(const uint8_t* t, int v, __m512i& qa, __m
     const __m512i n = _mm512_loadu_si512(t + 64 * v);
     qa = _mm512_and_si512(n, m4);
     qb = _mm512_and_si512(_mm512_srli_epi16(n, 4), m4);
-    if constexpr (qbits<T>() >= 5) {
+    for (int b = 4; b < qbits<T>(); ++b) {  // bits 4 (and 5) from their mask planes
       uint64_t ma, mb;
-      std::memcpy(&ma, t + 256 + 8 * v, 8);
-      std::memcpy(&mb, t + 256 + 8 * (v + 4), 8);
-      const __m512i b4 = _mm512_set1_epi8(0x10);
-      qa = _mm512_or_si512(qa, _mm512_maskz_mov_epi8(static_cast<__mmask64>(ma), b4));
-      qb = _mm512_or_si512(qb, _mm512_maskz_mov_epi8(static_cast<__mmask64>(mb), b4));
-    }
-    if constexpr (qbits<T>() == 6) {
-      uint64_t ma, mb;
-      std::memcpy(&ma, t + 320 + 8 * v, 8);
-      std::memcpy(&mb, t + 320 + 8 * (v + 4), 8);
-      const __m512i b5 = _mm512_set1_epi8(0x20);
-      qa = _mm512_or_si512(qa, _mm512_maskz_mov_epi8(static_cast<__mmask64>(ma), b5));
-      qb = _mm512_or_si512(qb, _mm512_maskz_mov_epi8(static_cast<__mmask64>(mb), b5));
+      std::memcpy(&ma, t + bit_plane(b) + 8 * v, 8);
+      std::memcpy(&mb, t + bit_plane(b) + 8 * (v + 4), 8);
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << b));
+      qa = _mm512_or_si512(qa, _mm512_maskz_mov_epi8(static_cast<__mmask64>(ma), bit));
+      qb = _mm512_or_si512(qb, _mm512_maskz_mov_epi8(static_cast<__mmask64>(mb), bit));
     }
   }
 }
