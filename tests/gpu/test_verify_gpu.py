@@ -17,7 +17,7 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.kernels.paged_attention import paged_attention_ref  # noqa: E402
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
-from pagedllm.kernels.verify_attention import paged_verify_attention, verify_kernel_applies  # noqa: E402
+from pagedllm.kernels.paged_attention import decode_kernel_applies, paged_decode_attention  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 # Llama-3-8B heads in bf16, GQA 8 in fp16, fp32 (exact products): few compiled variants.
@@ -40,12 +40,13 @@ def test_verify_kernel(cfg):
     head_size, num_heads, num_kv_heads, block_size, dtype = cfg
     batch = build_batch(VERIFY_SPECS, num_heads, num_kv_heads, head_size, block_size, dtype, "cuda")
     md = batch.metadata
-    assert verify_kernel_applies(md.max_query_len, num_heads, num_kv_heads, head_size, dtype)
+    assert decode_kernel_applies(md.max_query_len, num_heads, num_kv_heads, head_size, dtype)
     out = TritonAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache, md, batch.scale)
     _check_cache_and_output(batch, out, dtype)
     for num_splits in (1, 7, 64):
-        out2 = paged_verify_attention(batch.query, batch.kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                                      batch.scale, num_seqs=md.num_reqs, max_query_len=8, num_splits=num_splits)
+        out2 = paged_decode_attention(batch.query, batch.kv_cache, md.block_table, md.seq_lens, batch.scale,
+                                      num_seqs=md.num_reqs, max_query_len=8, num_splits=num_splits,
+                                      query_start_loc=md.query_start_loc)
         _check_cache_and_output(batch, out2, dtype)
 
 
@@ -55,7 +56,7 @@ def test_verify_kernel_cuda_graph_replay(num_seqs):
     contexts: padding rows (no query tokens, seq_len 0) write nothing."""
     num_heads, num_kv_heads, head_size, block_size, dtype, q_len = 32, 8, 128, 16, torch.bfloat16, 5
     backend = TritonAttentionBackend()
-    ws = backend.reserve_verify_workspace(num_heads, num_kv_heads, head_size, q_len, torch.device("cuda"))
+    ws = backend.reserve_workspace(num_heads, num_kv_heads, head_size, torch.device("cuda"), q_len)
     specs = [(600 + 37 * i, q_len) for i in range(num_seqs)]
     batch = build_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, "cuda")
     md = batch.metadata
@@ -65,8 +66,8 @@ def test_verify_kernel_cuda_graph_replay(num_seqs):
     out = torch.zeros_like(q)
 
     def launch():
-        paged_verify_attention(q, batch.kv_cache, table, seq_lens, qsl, batch.scale, num_seqs=num_seqs,
-                               max_query_len=q_len, output=out, workspace=ws, num_splits=4)
+        paged_decode_attention(q, batch.kv_cache, table, seq_lens, batch.scale, num_seqs=num_seqs,
+                               max_query_len=q_len, output=out, workspace=ws, num_splits=4, query_start_loc=qsl)
 
     launch()
     torch.cuda.synchronize()

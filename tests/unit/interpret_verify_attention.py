@@ -1,4 +1,5 @@
-"""The split-KV verify attention kernel (kernels/verify_attention.py) against the torch reference, in Triton's
+"""The split-KV decode kernel with several query tokens per request (speculative verify rows,
+kernels/paged_attention.py) against the torch reference, in Triton's
 interpreter on the CPU: `TRITON_INTERPRET=1 python interpret_verify_attention.py` (run in a subprocess by
 test_verify_attention.py: TRITON_INTERPRET must be set before any kernel is defined). fp32 only: the interpreter
 returns garbage for bf16 tl.dot (the existing decode kernel too); the GPU test covers bf16."""
@@ -15,7 +16,22 @@ from attention_cases import build_batch  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.forward_context import AttentionMetadata  # noqa: E402
 from pagedllm.kernels.paged_attention import paged_attention_ref  # noqa: E402
-from pagedllm.kernels.verify_attention import paged_verify_attention  # noqa: E402
+from pagedllm.kernels.paged_attention import paged_decode_attention  # noqa: E402
+
+
+def count_multi_query_decodes() -> list:
+    """Record every decode-kernel launch of the Triton backend with several query tokens per request."""
+    import pagedllm.attention.triton_backend as tb
+
+    calls, original = [], tb.paged_decode_attention
+
+    def counting(*args, **kwargs):
+        if kwargs.get("max_query_len", 1) > 1:
+            calls.append(kwargs["max_query_len"])
+        return original(*args, **kwargs)
+
+    tb.paged_decode_attention = counting
+    return calls
 
 
 def write_new_kv(b, num_kv_heads, head_size):
@@ -44,9 +60,9 @@ def main() -> None:
         md = b.metadata
         ref = paged_attention_ref(b.query, b.kv_cache, md.block_table, md.seq_lens, md.query_start_loc, b.scale)
         for splits in (1, 2, 3, 8):
-            out = paged_verify_attention(b.query, b.kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                                         b.scale, num_seqs=len(specs), max_query_len=md.max_query_len,
-                                         num_splits=splits, block_n=16)
+            out = paged_decode_attention(b.query, b.kv_cache, md.block_table, md.seq_lens, b.scale,
+                                         num_seqs=len(specs), max_query_len=md.max_query_len, num_splits=splits,
+                                         block_n=16, query_start_loc=md.query_start_loc)
             check(f"{specs} splits={splits}", out, ref)
     # CUDA-graph padding: request rows past the step's requests have no query tokens and seq_len 0, padding
     # tokens past the last request belong to no row; the real rows are unchanged.
@@ -60,8 +76,8 @@ def main() -> None:
     qsl = torch.tensor(md.query_start_loc.tolist() + [n, n], dtype=torch.int32)
     seq_lens = torch.tensor(md.seq_lens.tolist() + [0, 0], dtype=torch.int32)
     table = torch.cat([md.block_table, md.block_table[:2]])
-    out = paged_verify_attention(query, b.kv_cache, table, seq_lens, qsl, b.scale, num_seqs=4, max_query_len=5,
-                                 num_splits=2, block_n=16)
+    out = paged_decode_attention(query, b.kv_cache, table, seq_lens, b.scale, num_seqs=4, max_query_len=5,
+                                 num_splits=2, block_n=16, query_start_loc=qsl)
     check("padded", out, ref, slice(0, n))
     # The backend routes a step whose longest query is a few tokens to this kernel (and gives the reference).
     backend = TritonAttentionBackend()
@@ -70,12 +86,10 @@ def main() -> None:
     write_new_kv(b, 2, 32)
     md = b.metadata
     ref = paged_attention_ref(b.query, b.kv_cache, md.block_table, md.seq_lens, md.query_start_loc, b.scale)
-    calls = []
-    original = backend._attend_verify
-    backend._attend_verify = lambda *a: (calls.append(1), original(*a))
+    calls = count_multi_query_decodes()
     out = torch.empty_like(b.query)
     backend._attend(b.query, b.kv_cache, AttentionMetadata(**{**md.__dict__}), b.scale, out)
-    assert calls, "the backend did not route a 5-token step to the verify kernel"
+    assert calls, "the backend did not route a 5-token step to the decode kernel"
     check("backend", out, ref)
     print("verify attention ok")
     check_skinny_gemm()
@@ -113,9 +127,7 @@ def check_engine(model_dir: str) -> None:
     prompts = [{"prompt_token_ids": base * 3}, {"prompt_token_ids": base[:5] * 4}]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    calls = []
-    original = TritonAttentionBackend._attend_verify
-    TritonAttentionBackend._attend_verify = lambda self, *a: (calls.append(1), original(self, *a))
+    calls = count_multi_query_decodes()
     common = dict(kv_cache_memory_bytes=1 << 22, max_model_len=128)
     tri = LLM(model_dir, attention_backend="triton", speculative_config=spec, **common)
     got = [o.outputs[0].token_ids for o in tri.generate(prompts, params, use_tqdm=False)]

@@ -24,6 +24,7 @@ from pagedllm.kernels.paged_attention import (
     SHORT_CONTEXT_LEN,
     TINY_CONTEXT_LEN,
     decode_block_n,
+    decode_kernel_applies,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
@@ -32,11 +33,6 @@ from pagedllm.kernels.paged_attention import (
 )
 from pagedllm.kernels.qkv_prep import qkv_prep
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache
-from pagedllm.kernels.verify_attention import (
-    paged_verify_attention,
-    verify_kernel_applies,
-    verify_workspace_numel,
-)
 
 
 # Split launches start the longest contexts first from this many requests on: with many requests the long ones
@@ -65,31 +61,17 @@ class TritonAttentionBackend(AttentionBackend):
         # captured graphs keep pointing at them.
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def reserve_workspace(self, num_heads: int, num_kv_heads: int, head_size: int,
-                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocate (once) the worst-case split-KV workspace; call before CUDA-graph capture."""
+    def reserve_workspace(self, num_heads: int, num_kv_heads: int, head_size: int, device: torch.device,
+                          max_query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate (once) the worst-case split-KV workspace for decode launches of up to max_query_len query
+        tokens per request (rounded up to a power of two); call before CUDA-graph capture."""
         device = torch.device(device)
-        key = (device, num_kv_heads, num_heads, head_size)
+        q_pad = 1 << max(0, max_query_len - 1).bit_length()
+        key = (device, num_kv_heads, num_heads, head_size, q_pad)
         ws = self._workspaces.get(key)
         if ws is None:
             out_numel, lse_numel = decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
-                                                          self.max_splits)
-            ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
-                  torch.empty(lse_numel, dtype=torch.float32, device=device))
-            self._workspaces[key] = ws
-        return ws
-
-    def reserve_verify_workspace(self, num_heads: int, num_kv_heads: int, head_size: int, max_query_len: int,
-                                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verify kernel's split workspace for query spans <= max_query_len (rounded up to a power of two),
-        allocated once (captured graphs keep pointing at it)."""
-        device = torch.device(device)
-        q_pad = 1 << max(0, max_query_len - 1).bit_length()
-        key = ("verify", device, num_kv_heads, num_heads, head_size, q_pad)
-        ws = self._workspaces.get(key)
-        if ws is None:
-            out_numel, lse_numel = verify_workspace_numel(num_kv_heads, num_heads, head_size, q_pad, device,
-                                                          self.max_splits)
+                                                          self.max_splits, q_pad)
             ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
                   torch.empty(lse_numel, dtype=torch.float32, device=device))
             self._workspaces[key] = ws
@@ -179,39 +161,29 @@ class TritonAttentionBackend(AttentionBackend):
         """Attention over the cache, which already holds this step's K/V."""
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
-        if metadata.max_query_len == 1:
+        if metadata.max_query_len == 1 or (
+                metadata.graph_prefill_tile is None and envs.PAGEDLLM_VERIFY_ATTENTION
+                and decode_kernel_applies(metadata.max_query_len, num_heads, num_kv_heads, head_size, query.dtype)):
+            # One query token per request, or a few (speculative verify rows, short chunks): the split-KV decode
+            # kernel with the decode step's split count at this batch size.
+            multi_q = metadata.max_query_len > 1
             num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits,
                                            metadata.max_seq_len)
             workspace = None
             if num_splits > 1:
-                workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device)
+                workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device,
+                                                   metadata.max_query_len)
             paged_decode_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, scale,
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
                 block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len),
-                order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None)
-        elif (metadata.graph_prefill_tile is None and envs.PAGEDLLM_VERIFY_ATTENTION
-              and verify_kernel_applies(metadata.max_query_len, num_heads, num_kv_heads, head_size, query.dtype)):
-            self._attend_verify(query, kv_cache, metadata, scale, output)
+                order=(metadata.decode_order if not multi_q and decode_uses_order(metadata.num_reqs, num_splits)
+                       else None),
+                query_start_loc=metadata.query_start_loc if multi_q else None,
+                max_query_len=metadata.max_query_len)
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
                 num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output,
                 block_m=metadata.graph_prefill_tile)
         return output
-
-    def _attend_verify(self, query, kv_cache, metadata: AttentionMetadata, scale: float, output) -> None:
-        """A few query tokens per request (speculative verify rows, short chunks): the split-KV decode shape
-        (kernels/verify_attention.py), with the decode step's split count at this batch size."""
-        num_heads, head_size = query.shape[1], query.shape[2]
-        num_kv_heads = kv_cache.shape[3]
-        num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits,
-                                       metadata.max_seq_len)
-        workspace = None
-        if num_splits > 1:
-            workspace = self.reserve_verify_workspace(num_heads, num_kv_heads, head_size, metadata.max_query_len,
-                                                      query.device)
-        paged_verify_attention(
-            query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
-            num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output, workspace=workspace,
-            num_splits=num_splits, block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len))
