@@ -64,7 +64,11 @@ def split_k_store(acc, rows, cols, m_ok, n_ok, part_ptr, cnt_ptr, bias_ptr, out_
     else:
         part = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
         tl.store(part + pid_k * M * N, acc, mask=mask)
-        # acq_rel: our partial is visible before the count, and the last one sees every partial.
+        # Triton issues a scalar atomic from one thread: the barrier first makes every warp's partial stores
+        # part of what that thread's release publishes (without it a split can count itself done while another
+        # warp's stores are still in flight, and the last split sums a stale partial). acq_rel: our partial is
+        # visible before the count, and the last one sees every partial.
+        tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
