@@ -254,6 +254,32 @@ def test_online_int8_on_cpu_runs_on_the_integer_kernels(tiny_llama_dir):
         torch.testing.assert_close(down(x), x @ dequantized.T, atol=1e-4, rtol=1e-3)
 
 
+def test_online_int8_layer_leaves_the_cpu_kernels_with_the_same_values(tiny_llama_dir):
+    """A model quantized on the CPU (rows or tiles of the integer kernels) and then moved elsewhere rebuilds that
+    device's layout from the very same int8 values and scales (on CUDA, tests/gpu/test_quant_gpu.py moves it)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from pagedllm.models.loader import load_model
+    from pagedllm.quantization.cpu_w8a8 import w8a8_int8_values
+    from pagedllm.quantization.int8 import quantize_per_channel_int8
+    model, _, _ = load_model(tiny_llama_dir, dtype=torch.float32, quantization="int8")
+    w = load_file(os.path.join(tiny_llama_dir, "model.safetensors"))
+    for name in ("mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj"):
+        layer = model.model.layers[1].get_submodule(name)
+        q, scale = w8a8_int8_values(layer)
+        if name == "mlp.down_proj":  # the checkpoint's weight quantized the same way
+            want_q, want_scale = quantize_per_channel_int8(w["model.layers.1.mlp.down_proj.weight"])
+            assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
+        x = torch.randn(5, q.shape[1])
+        before = x @ layer.linear_method.dequantized_weight(layer).T
+        layer.linear_method._leave_cpu_kernels(layer)  # what the first forward after a move does
+        assert "w8a8_rows" not in layer._buffers and layer.weight.dtype == torch.int8
+        assert torch.equal(layer.weight, q) and torch.equal(layer.weight_scale, scale)
+        torch.testing.assert_close(layer(x), before, atol=1e-4, rtol=1e-4)
+
+
 def test_fast_tensor_index_matches_gguf_reader(smollm2_gguf_path, tmp_path, tiny_model_dir):
     from gguf import GGUFReader
 

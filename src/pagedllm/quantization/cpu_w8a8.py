@@ -54,5 +54,21 @@ def w8a8_dequantized(layer: nn.Module) -> torch.Tensor:
     """The layer's weights as float32 [N, K], from the rows or the tiles."""
     from pagedllm.quantization.gguf import _ops
     out = torch.empty(layer.__dict__["w8a8_shape"], dtype=torch.float32)
-    _ops().gguf_dequantize_rows(out, layer.w8a8_rows, layer.__dict__["w8a8_type"], None)
+    _ops().gguf_dequantize_rows(out, layer.w8a8_rows.detach().cpu(), layer.__dict__["w8a8_type"], None)
     return out
+
+
+def w8a8_int8_values(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's int8 weights [N, K] and float32 scales [N] on the CPU, exactly as quantized, from the rows or
+    the tiles (wherever the buffers now are)."""
+    scale = layer.weight_scale.detach().to("cpu", torch.float32)
+    weight = layer._parameters.get("weight")
+    if weight is not None and weight.numel():
+        return weight.detach().cpu(), scale
+    from pagedllm.quantization.gguf import _ops
+    rows = layer.w8a8_rows.detach().cpu()
+    out = torch.empty(layer.__dict__["w8a8_shape"], dtype=torch.float32)
+    _ops().gguf_dequantize_rows(out, rows, layer.__dict__["w8a8_type"], None)
+    # The tiles hold q * scale per row exactly (q in [-127, 127]): dividing gives q back.
+    q = torch.round(out / scale.clamp(min=1e-30)[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale

@@ -47,10 +47,19 @@ class Int8LinearMethod(LinearMethodBase):
         from pagedllm.quantization.cpu_w8a8 import attach_w8a8
         if attach_w8a8(layer, q, scale):  # CPU: rows for the integer kernels, `weight` a view of them
             return
-        if q.is_cuda:  # the 8-bit layout of quantization/packed.py: the Triton dequant kernel streams it
+        self._device_layout(layer, q, scale)
+
+    @staticmethod
+    def _device_layout(layer, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """The layout of a layer off the CPU kernels: on CUDA the 8-bit layout of quantization/packed.py (the
+        Triton dequant kernel streams it), elsewhere int8 [out, in] + per-row scales."""
+        for name in ("weight", "qweight", "scales", "zeros"):
+            layer._parameters.pop(name, None)
+        for name in ("weight_scale", "w8a8_rows"):
+            layer._buffers.pop(name, None)
+        if q.is_cuda:
             from pagedllm.quantization.packed import pack_int32
 
-            del layer.weight
             layer.qweight = nn.Parameter(pack_int32(q.t().to(torch.int32) + 128, 8, dim=0).contiguous(),
                                          requires_grad=False)
             layer.scales = nn.Parameter(scale[None, :].to(layer.params_dtype), requires_grad=False)
@@ -59,14 +68,21 @@ class Int8LinearMethod(LinearMethodBase):
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.register_buffer("weight_scale", scale, persistent=False)
 
+    def _leave_cpu_kernels(self, layer) -> None:
+        """A layer loaded on the CPU (its weights in the integer kernels' rows or tiles) whose model was then
+        moved to another device: rebuild that device's layout from the same int8 values, once."""
+        from pagedllm.quantization.cpu_w8a8 import w8a8_int8_values
+        device = layer.w8a8_rows.device
+        q, scale = w8a8_int8_values(layer)
+        self._device_layout(layer, q.to(device), scale.to(device))
+
     def apply(self, layer, x, bias=None):
-        rows = layer.__dict__.get("_buffers", {}).get("w8a8_rows")
-        if rows is not None and rows.device.type == "cpu":  # (a model moved to CUDA keeps weight + weight_scale)
-            from pagedllm.quantization.cpu_w8a8 import w8a8_linear
-            return w8a8_linear(layer, x, bias)
-        if rows is not None and layer.weight.numel() == 0:
-            raise RuntimeError("this int8 layer keeps its weights in the CPU kernels' tiles; load the model on the "
-                               "device it runs on (or set PAGEDLLM_GGUF_TILED=0 before loading)")
+        rows = layer._buffers.get("w8a8_rows")
+        if rows is not None:
+            if rows.device.type == "cpu":
+                from pagedllm.quantization.cpu_w8a8 import w8a8_linear
+                return w8a8_linear(layer, x, bias)
+            self._leave_cpu_kernels(layer)
         from pagedllm.quantization.kernels import int8_linear, packed_int_linear
 
         if "qweight" in layer._parameters:
