@@ -153,7 +153,7 @@ class _EagerGraph:
         vg, tokens = self.vg, self.size * self.vg.query_len
         md = vg._metadata(self.size, self.bucket)
         with set_forward_context(md, vg.runner.attn_backend):
-            self.out.copy_(vg.runner.model(vg.input_ids[:tokens], vg.positions[:tokens]))
+            self.out.copy_(vg.runner.model(vg.inputs.input_ids[:tokens], vg.inputs.positions[:tokens]))
 
 
 def check_verify_graph_runner(model_dir: str) -> None:
@@ -177,6 +177,8 @@ def check_verify_graph_runner(model_dir: str) -> None:
         layer.kv_cache = cache
     vg = VerifyGraphRunner(runner, 4, 4)
     assert vg.sizes == [1, 2, 4]
+    from pagedllm.worker.graph_inputs import GraphInputs
+    vg.inputs = GraphInputs(runner, vg.tokens_needed, vg.reqs_needed)
     kvh = runner.kv_cache_spec().num_kv_heads
     for size in vg.sizes:
         vg.seq_len_buckets[size] = runner.attn_backend.graph_seq_len_buckets(size, kvh, runner.max_model_len,

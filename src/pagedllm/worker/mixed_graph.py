@@ -24,6 +24,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
+from pagedllm.worker.graph_inputs import GraphInputs
 
 logger = logging.getLogger("pagedllm")
 
@@ -63,15 +64,6 @@ def pick_tile(tiles: list[int], gqa_pad: int, query_lens: np.ndarray, seq_lens: 
     return best
 
 
-def pad_rows(static: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> torch.Tensor:
-    """Copy `values` into the head of `static` and `fill` the rest up to `size`; returns static[:size]."""
-    n = values.shape[0]
-    static[:n].copy_(values, non_blocking=True)
-    if size > n:
-        static[n:size].fill_(fill)
-    return static[:size]
-
-
 class MixedGraphRunner:
     """Capture and replay of mixed steps in token buckets (see the module docstring)."""
 
@@ -86,21 +78,15 @@ class MixedGraphRunner:
         # Extra exact buckets (speculative verify steps: k + 1 tokens per request) so they replay unpadded.
         self.sizes = sorted(set(self.sizes) | {s for s in extra_sizes if 2 <= s <= max_tokens})
         self.max_size = self.sizes[-1] if self.sizes else 0
-        self.scratch_slot = runner.scratch_block * runner.block_size
         first = runner.model.attn_layers[0]
         self.gqa_pad = 1 << max(0, first.num_heads // first.num_kv_heads - 1).bit_length()
         self.tiles = runner.attn_backend.mixed_graph_tiles(runner.dtype, first.num_heads, first.num_kv_heads,
                                                            first.head_size)
         if envs.PAGEDLLM_MIXED_GRAPH_TILE:  # one fixed tile (A/B benchmarks)
             self.tiles = [envs.PAGEDLLM_MIXED_GRAPH_TILE]
-        n, reqs, dev = max(self.max_size, 1), runner.max_num_seqs, self.device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.query_start_loc = torch.zeros(reqs + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=dev)
-        self.block_table = torch.full((reqs, runner.max_blocks_per_req), runner.scratch_block, dtype=torch.int32,
-                                      device=dev)
+        # The static inputs (worker/graph_inputs.py), shared with the verify graphs: set before capture.
+        self.inputs: Optional[GraphInputs] = None
+        self.reqs_needed = runner.max_num_seqs
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (token bucket, tile, with LoRA) -> graph
         self.outputs: dict[tuple, torch.Tensor] = {}
         # With enable_lora, each bucket and tile also has a graph with the LoRA kernels (see cuda_graph.py).
@@ -111,11 +97,7 @@ class MixedGraphRunner:
 
     def _metadata(self, size: int, tile: int) -> AttentionMetadata:
         reqs = min(self.runner.max_num_seqs, size)  # every request of a step has at least one token
-        return AttentionMetadata(
-            num_actual_tokens=size, num_reqs=reqs, max_query_len=size, max_seq_len=self.runner.max_model_len,
-            query_start_loc=self.query_start_loc[:reqs + 1], seq_lens=self.seq_lens[:reqs],
-            block_table=self.block_table[:reqs], slot_mapping=self.slot_mapping[:size],
-            graph_prefill_tile=tile)
+        return self.inputs.metadata(size, reqs, size, self.runner.max_model_len, graph_prefill_tile=tile)
 
     def _fill_capture_inputs(self, size: int) -> None:
         """Requests of at most max_model_len tokens covering the bucket, every K/V write into the scratch slot
@@ -124,13 +106,16 @@ class MixedGraphRunner:
         starts = list(range(0, size, chunk)) + [size]
         reqs = min(self.runner.max_num_seqs, size)
         starts += [size] * (reqs + 1 - len(starts))
-        self.query_start_loc[:reqs + 1].copy_(torch.tensor(starts, dtype=torch.int32))
-        self.seq_lens[:reqs].copy_(torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int32))
+        self.inputs.query_start_loc[:reqs + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        self.inputs.seq_lens[:reqs].copy_(torch.tensor([b - a for a, b in zip(starts, starts[1:])],
+                                                       dtype=torch.int32))
 
     @torch.inference_mode()
     def capture(self) -> None:
         if not self.sizes:
             return
+        if self.inputs is None:
+            self.inputs = GraphInputs(self.runner, self.max_size, self.reqs_needed)
         start = time.perf_counter()
         model = self.runner.model
         backend = self.runner.attn_backend
@@ -144,11 +129,12 @@ class MixedGraphRunner:
                     md = self._metadata(size, tile)
                     with set_forward_context(md, backend):
                         backend.prepare(md)
-                        model(self.input_ids[:size], self.positions[:size])  # warm-up: compile outside the capture
+                        ids, pos = self.inputs.input_ids[:size], self.inputs.positions[:size]
+                        model(ids, pos)  # warm-up: compile outside the capture
                         torch.cuda.synchronize(self.device)
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=self.pool):
-                            out = model(self.input_ids[:size], self.positions[:size])
+                            out = model(ids, pos)
                     if self.pool is None:
                         self.pool = graph.pool()
                     self.graphs[(size, tile, with_lora)] = graph
@@ -165,15 +151,8 @@ class MixedGraphRunner:
         size = bucket_for(self.sizes, n)
         if size is None or md.num_reqs > self.runner.max_num_seqs:
             return None
-        reqs = min(self.runner.max_num_seqs, size)
-        pad_rows(self.input_ids, input_ids, size, 0)
-        pad_rows(self.positions, positions, size, 0)
-        pad_rows(self.slot_mapping, md.slot_mapping, size, self.scratch_slot)
         # Rows past the step's requests: no query tokens (start = end = n), so their programs exit at once.
-        pad_rows(self.query_start_loc, md.query_start_loc, reqs + 1, n)
-        pad_rows(self.seq_lens, md.seq_lens, reqs, 0)
-        nb = md.block_table.shape[1]
-        self.block_table[:md.num_reqs, :nb].copy_(md.block_table, non_blocking=True)
+        self.inputs.load(input_ids, positions, md, size, min(self.runner.max_num_seqs, size))
         tile = self.tiles[0]
         if len(self.tiles) > 1:
             qsl = np.asarray(md.query_start_loc_cpu)

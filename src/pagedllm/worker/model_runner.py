@@ -99,20 +99,33 @@ class ModelRunner:
             from pagedllm.worker.verify_graph import build_verify_graphs
 
             self.verify_graphs = build_verify_graphs(self)
-            if self.verify_graphs is not None:
-                self.verify_graphs.pool = self.cuda_graphs.pool
-                self.verify_graphs.capture()
             if self.attn_backend.supports_mixed_graphs:
                 from pagedllm.worker.mixed_graph import MixedGraphRunner
 
                 extra = self.spec.graph_token_sizes() if self.spec is not None and self.verify_graphs is None else ()
                 self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra)
-                self.mixed_graphs.capture()
+            self._capture_step_graphs()
         if self.device.type == "cuda":
             # The profiling forward's activation blocks were released to size the KV cache: run it once more so
             # the caching allocator holds a full step's blocks again and the first large prefill does not pay for
             # cudaMalloc (measured in docs/benchmarks.md, GPU section). The KV budget already counts these blocks.
             self.profile_run()
+
+    def _capture_step_graphs(self) -> None:
+        """Capture the verify and mixed-step graphs over one set of static inputs sized for both (they never
+        replay at once), in the decode graphs' memory pool."""
+        from pagedllm.worker.graph_inputs import GraphInputs
+
+        runners = [g for g in (self.verify_graphs, self.mixed_graphs) if g is not None]
+        if not runners:
+            return
+        tokens = max(self.verify_graphs.tokens_needed if self.verify_graphs is not None else 0,
+                     self.mixed_graphs.max_size if self.mixed_graphs is not None else 0)
+        inputs = GraphInputs(self, tokens, max(g.reqs_needed for g in runners))
+        for graphs in runners:
+            graphs.inputs = inputs
+            graphs.pool = self.cuda_graphs.pool
+            graphs.capture()
 
     def _init_kv_scales(self) -> None:
         """FP8 cache with PAGEDLLM_KV_SCALES=1: the checkpoint's k/v scales where every layer has them, else

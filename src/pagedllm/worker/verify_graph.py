@@ -4,12 +4,12 @@
 A verify step of r requests (each 1 + its drafts tokens, at most k + 1) is padded to the smallest batch bucket
 b >= r and to b * (k + 1) tokens. The captured forward is the decode step's, with k + 1 rows per request: the
 linear layers see b * (k + 1) rows (the few-row GEMV / skinny-GEMM kernels at small b) and attention runs the
-split-KV verify kernel (kernels/verify_attention.py) with the decode split count of batch b, so the launch
+split-KV decode kernel with k + 1 query tokens per request (kernels/paged_attention.py) with the decode split
+count of batch b, so the launch
 depends on (b, context bucket) only, as for decode graphs (AttentionBackend.graph_seq_len_buckets).
 
-Padding is harmless real work, as in worker/cuda_graph.py and worker/mixed_graph.py: padding tokens (after the
-last request's) carry token 0 at position 0 and write their K/V into the scratch block; request rows past the
-step's have no query tokens (query_start_loc repeats the token count) and seq_len 0, so their programs exit.
+The static inputs and their padding are the mixed-step graphs' (worker/graph_inputs.py: one set of buffers for
+both).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from pagedllm import envs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
 from pagedllm.worker.cuda_graph import capture_sizes
-from pagedllm.worker.mixed_graph import pad_rows
+from pagedllm.worker.graph_inputs import GraphInputs
 
 logger = logging.getLogger("pagedllm")
 
@@ -55,16 +55,9 @@ class VerifyGraphRunner:
         self.query_len = query_len  # k + 1: the most query tokens of one request in a verify step
         self.sizes = verify_capture_sizes(runner.max_num_seqs, max_reqs)
         self.max_size = self.sizes[-1]
-        self.scratch_block = runner.scratch_block
-        self.scratch_slot = runner.scratch_block * runner.block_size
-        n, reqs, dev = self.max_size * query_len, self.max_size, self.device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.query_start_loc = torch.zeros(reqs + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=dev)
-        self.block_table = torch.full((reqs, runner.max_blocks_per_req), self.scratch_block, dtype=torch.int32,
-                                      device=dev)
+        # The static inputs (worker/graph_inputs.py), shared with the mixed-step graphs: set before capture.
+        self.inputs: Optional[GraphInputs] = None
+        self.tokens_needed, self.reqs_needed = self.max_size * query_len, self.max_size
         self.seq_len_buckets: dict[int, list[int]] = {}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (batch bucket, context bucket, with LoRA) -> graph
         self.outputs: dict[tuple, torch.Tensor] = {}
@@ -74,21 +67,19 @@ class VerifyGraphRunner:
         self.num_replays = 0  # steps served by a graph (tests and benchmarks read it)
 
     def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
-        tokens = size * self.query_len
-        return AttentionMetadata(
-            num_actual_tokens=tokens, num_reqs=size, max_query_len=self.query_len, max_seq_len=max_seq_len,
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:tokens])
+        return self.inputs.metadata(size * self.query_len, size, self.query_len, max_seq_len)
 
     @torch.inference_mode()
     def capture(self) -> None:
+        if self.inputs is None:
+            self.inputs = GraphInputs(self.runner, self.tokens_needed, self.reqs_needed)
         start = time.perf_counter()
         backend = self.runner.attn_backend
         num_kv_heads = self.runner.kv_cache_spec().num_kv_heads
         for size in reversed(self.sizes):  # largest first so smaller graphs reuse its pool memory
             # Capture inputs: every request has k + 1 tokens in the scratch block.
-            self.query_start_loc[:size + 1].copy_(torch.arange(size + 1, dtype=torch.int32) * self.query_len)
-            self.seq_lens[:size].fill_(self.query_len)
+            self.inputs.query_start_loc[:size + 1].copy_(torch.arange(size + 1, dtype=torch.int32) * self.query_len)
+            self.inputs.seq_lens[:size].fill_(self.query_len)
             buckets = backend.graph_seq_len_buckets(size, num_kv_heads, self.runner.max_model_len, self.device)
             self.seq_len_buckets[size] = buckets
             for bucket in reversed(buckets):
@@ -111,12 +102,13 @@ class VerifyGraphRunner:
         md = self._metadata(size, bucket)
         with set_forward_context(md, backend):
             backend.prepare(md)
+            ids, pos = self.inputs.input_ids[:tokens], self.inputs.positions[:tokens]
             for _ in range(2):  # warm-up: compile outside the capture
-                model(self.input_ids[:tokens], self.positions[:tokens])
+                model(ids, pos)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = model(self.input_ids[:tokens], self.positions[:tokens])
+                out = model(ids, pos)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[(size, bucket, with_lora)] = graph
@@ -134,15 +126,8 @@ class VerifyGraphRunner:
         size = self.bucket(md.num_reqs, md.max_query_len)
         if size is None:
             return None
-        n, r = input_ids.shape[0], md.num_reqs
-        tokens = size * self.query_len
-        pad_rows(self.input_ids, input_ids, tokens, 0)
-        pad_rows(self.positions, positions, tokens, 0)
-        pad_rows(self.slot_mapping, md.slot_mapping, tokens, self.scratch_slot)
-        pad_rows(self.query_start_loc, md.query_start_loc, size + 1, n)  # padding rows: no query tokens
-        pad_rows(self.seq_lens, md.seq_lens, size, 0)
-        nb = md.block_table.shape[1]
-        self.block_table[:r, :nb].copy_(md.block_table, non_blocking=True)
+        n = input_ids.shape[0]
+        self.inputs.load(input_ids, positions, md, size * self.query_len, size)
         context = next(b for b in self.seq_len_buckets[size] if b >= md.max_seq_len)
         self.runner.attn_backend.prepare(md)
         key = (size, context, self.lora_state is not None and self.lora_state.active)
