@@ -68,19 +68,20 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
-    # OPT-IN, not yet run on a GPU (docs/benchmarks.md, speculative decoding): linear layers of 2..this many rows
-    # that the GEMV does not take (large weights, more rows than PAGEDLLM_GEMV_MAX_ROWS) use the tensor-core skinny
-    # GEMM (kernels/skinny_gemm.py; at most 16) instead of cuBLAS. 0 (default): cuBLAS.
-    "PAGEDLLM_SKINNY_GEMM_MAX_ROWS": _int("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", 0),
-    # OPT-IN on GPUs, not yet run on one: "1": a finished request's last partial block is copied into a request that
-    # continues it (beam forks, core/partial_blocks.py) instead of recomputed. Always on for CPU engines.
-    "PAGEDLLM_PARTIAL_BLOCK_COPIES": lambda: os.environ.get("PAGEDLLM_PARTIAL_BLOCK_COPIES", "0") == "1",
-    # OPT-IN, not yet run on a GPU: "1": steps of 2..16 query tokens per request (speculative verify rows) use the
-    # split-KV verify kernel (kernels/verify_attention.py) instead of the prefill attention kernel.
-    "PAGEDLLM_VERIFY_ATTENTION": lambda: os.environ.get("PAGEDLLM_VERIFY_ATTENTION", "0") == "1",
-    # OPT-IN, not yet run on a GPU: speculative verify steps of up to this many requests replay CUDA graphs with
-    # k + 1 tokens per request (worker/verify_graph.py). 0 (default): the mixed-step graphs' exact buckets.
-    "PAGEDLLM_VERIFY_GRAPH_MAX_REQS": _int("PAGEDLLM_VERIFY_GRAPH_MAX_REQS", 0),
+    # Linear layers of 2..this many rows that the GEMV does not take (large weights, more rows than
+    # PAGEDLLM_GEMV_MAX_ROWS) use the tensor-core skinny GEMM (kernels/skinny_gemm.py; at most 16) instead of
+    # cuBLAS; 0: cuBLAS (A/B benchmarks).
+    "PAGEDLLM_SKINNY_GEMM_MAX_ROWS": _int("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", 16),
+    # "0": on GPUs a request that continues a finished one's last partial block (beam forks, core/partial_blocks.py)
+    # recomputes it instead of copying it (A/B benchmarks). CPU engines always copy.
+    "PAGEDLLM_PARTIAL_BLOCK_COPIES": lambda: os.environ.get("PAGEDLLM_PARTIAL_BLOCK_COPIES", "1") != "0",
+    # "0": steps of 2..16 query tokens per request (speculative verify rows) use the prefill attention kernel
+    # instead of the split-KV decode kernel with several query tokens (A/B benchmarks).
+    "PAGEDLLM_VERIFY_ATTENTION": lambda: os.environ.get("PAGEDLLM_VERIFY_ATTENTION", "1") != "0",
+    # Speculative verify steps of up to this many requests replay CUDA graphs with k + 1 tokens per request
+    # (worker/verify_graph.py; capped by speculation's disable_by_batch_size); 0: the mixed-step graphs' exact
+    # buckets (A/B benchmarks).
+    "PAGEDLLM_VERIFY_GRAPH_MAX_REQS": _int("PAGEDLLM_VERIFY_GRAPH_MAX_REQS", 64),
     # "0": CUDA FP8 activations are quantized by the torch ops instead of kernels/quant_act.py's one kernel (A/B).
     "PAGEDLLM_FUSED_ACT_QUANT": lambda: os.environ.get("PAGEDLLM_FUSED_ACT_QUANT", "1") != "0",
     # Model hubs (models/model_resolution.py): repo ids go through ModelScope instead of Hugging Face when either
@@ -103,20 +104,20 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),
     "LOCAL_RANK": _int("LOCAL_RANK", 0),
-    # 4/8-bit weight-only layers on CUDA: 1 repacks them into the tiled layout for kernels/qgemv.py and qgemm.py
-    # (quantization/tiled.py). Opt-in until those kernels have run on a GPU; default: the general dequant kernel
-    # (kernels/dequant_gemm.py) over the load-time layout.
-    "PAGEDLLM_QUANT_TILED": lambda: _truthy(os.environ.get("PAGEDLLM_QUANT_TILED")),
+    # 4/8-bit weight-only layers on CUDA are repacked into the tiled layout for kernels/qgemv.py and qgemm.py
+    # (quantization/tiled.py); "0" keeps the general dequant kernel (kernels/dequant_gemm.py) over the load-time
+    # layout (A/B benchmarks).
+    "PAGEDLLM_QUANT_TILED": lambda: os.environ.get("PAGEDLLM_QUANT_TILED", "1") != "0",
     # Most rows for which tiled 4/8-bit layers use the CUDA-core GEMV (kernels/qgemv.py, at most 8); more rows
     # take the tensor-core kernel (kernels/qgemm.py).
     "PAGEDLLM_QUANT_GEMV_MAX_ROWS": _int("PAGEDLLM_QUANT_GEMV_MAX_ROWS", 2),
-    # FP8 KV cache: 1 uses per-layer k/v scales (layers/kv_cache_scales.py), the checkpoint's or, without them,
-    # calibrated on the first step. Opt-in until that path has run on a GPU; default: scales 1.0.
-    "PAGEDLLM_KV_SCALES": lambda: _truthy(os.environ.get("PAGEDLLM_KV_SCALES")),
-    # "1": on CUDA, stage the step's sampling parameters with its other inputs (one pinned copy per dtype) and
-    # take the staged arrays as views from one split call. Off by default until verified on a GPU: the default
-    # CUDA path copies the parameters as SamplingMetadata.build does. The CPU always stages.
-    "PAGEDLLM_STAGE_SAMPLING": lambda: _truthy(os.environ.get("PAGEDLLM_STAGE_SAMPLING")),
+    # FP8 KV cache: per-layer k/v scales (layers/kv_cache_scales.py), the checkpoint's or, without them,
+    # calibrated on the first step; "0": scales 1.0 (A/B).
+    "PAGEDLLM_KV_SCALES": lambda: os.environ.get("PAGEDLLM_KV_SCALES", "1") != "0",
+    # On CUDA, the step's sampling parameters are staged with its other inputs (one pinned copy per dtype) and the
+    # staged arrays taken as views from one split call; "0": they are copied as SamplingMetadata.build does (A/B).
+    # The CPU always stages.
+    "PAGEDLLM_STAGE_SAMPLING": lambda: os.environ.get("PAGEDLLM_STAGE_SAMPLING", "1") != "0",
 }
 
 

@@ -82,7 +82,6 @@ def test_engine_fp8_kv_on_gpu(smollm2_gguf_path, monkeypatch):
     engine's own continuations do."""
     from pagedllm import LLM, SamplingParams
 
-    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "1")  # opt-in
     prompts = ["The capital of France is", "Write a haiku about the sea.", "List three colors:"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     engines, tokens, logprobs = {}, {}, {}

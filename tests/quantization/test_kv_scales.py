@@ -1,5 +1,5 @@
 """FP8 KV-cache scales (layers/kv_cache_scales.py): read from a checkpoint under the exporters' names, else
-calibrated from the first step's K/V (with PAGEDLLM_KV_SCALES=1; without it the cache stays unscaled)."""
+calibrated from the first step's K/V (the default; PAGEDLLM_KV_SCALES=0 leaves the cache unscaled)."""
 from __future__ import annotations
 
 import os
@@ -39,7 +39,7 @@ def _attn_layers(llm):
 
 
 def test_engine_calibrates_on_first_step(tiny_llama_dir, caplog, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "1")
+    monkeypatch.delenv("PAGEDLLM_KV_SCALES", raising=False)  # the default: scaled
     caplog.set_level("INFO", logger="pagedllm")
     llm = LLM(model=tiny_llama_dir, kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 20, max_model_len=256)
     layers = _attn_layers(llm)
@@ -57,7 +57,7 @@ def test_engine_calibrates_on_first_step(tiny_llama_dir, caplog, monkeypatch):
     full = LLM(model=tiny_llama_dir, kv_cache_memory_bytes=1 << 20, max_model_len=256)
     ref = full.generate([[5, 6, 7, 8, 9, 10]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert ref[:4] == first[:4], (ref, first)
-    monkeypatch.delenv("PAGEDLLM_KV_SCALES")  # the default: unscaled, as before the scales existed
+    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "0")  # unscaled, as before the scales existed
     plain = LLM(model=tiny_llama_dir, kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 20, max_model_len=256)
     plain.generate([[5, 6, 7]], params, use_tqdm=False)
     assert all(layer.kv_scale_source is None and torch.equal(layer.kv_scales, torch.ones(2))
@@ -67,7 +67,7 @@ def test_engine_calibrates_on_first_step(tiny_llama_dir, caplog, monkeypatch):
 def test_checkpoint_scales_are_loaded(tiny_llama_dir, tmp_path, caplog, monkeypatch):
     from safetensors.torch import load_file, save_file
 
-    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "1")
+    monkeypatch.delenv("PAGEDLLM_KV_SCALES", raising=False)  # the default: scaled
     dst = str(tmp_path / "with-kv-scales")
     shutil.copytree(tiny_llama_dir, dst)
     path = os.path.join(dst, "model.safetensors")
@@ -90,8 +90,8 @@ def test_checkpoint_scales_are_loaded(tiny_llama_dir, tmp_path, caplog, monkeypa
     # The same checkpoint with the model-dtype cache: the scales load (and are unused), nothing is refused.
     LLM(model=dst, kv_cache_memory_bytes=1 << 20, max_model_len=256).generate(
         [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-    # Without PAGEDLLM_KV_SCALES the FP8 cache stays unscaled and says why.
-    monkeypatch.delenv("PAGEDLLM_KV_SCALES")
+    # With PAGEDLLM_KV_SCALES=0 the FP8 cache stays unscaled and says why.
+    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "0")
     caplog.clear()
     plain = LLM(model=dst, kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 20, max_model_len=256)
     assert all(layer.kv_scale_source is None and torch.equal(layer.kv_scales, torch.ones(2))

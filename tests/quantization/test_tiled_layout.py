@@ -50,7 +50,7 @@ CASES = [
 
 @pytest.fixture(autouse=True)
 def _tiled_on(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_QUANT_TILED", "1")  # opt-in (its kernels are unverified on a GPU)
+    monkeypatch.delenv("PAGEDLLM_QUANT_TILED", raising=False)  # the default
 
 
 @pytest.mark.parametrize("name,config,act_order", CASES, ids=[c[0] for c in CASES])

@@ -76,7 +76,7 @@ class EngineCore:
         from pagedllm import envs
 
         if not str(getattr(w, "device", "cuda")).startswith("cpu") and not envs.PAGEDLLM_PARTIAL_BLOCK_COPIES:
-            # Partial-block copies (beam forks) have not run on a GPU yet: opt-in there.
+            # PAGEDLLM_PARTIAL_BLOCK_COPIES=0: beam forks recompute the last partial block (A/B).
             self.scheduler.kv_cache_manager.disable_partial_blocks()
         self._spec_log = SpecLogger(self.scheduler.spec_stats) if w.num_speculative_tokens else None
         if w.speculative is not None:

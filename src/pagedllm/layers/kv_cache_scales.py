@@ -9,8 +9,7 @@ Where they come from, in order:
   saturate), and far above its smallest normal (2**-6), so small values keep 3 mantissa bits instead of becoming
   subnormals. With scale 1 that is not so: on SmolLM2 40% of layer 0's V values are below 2**-6.
 Scales are a float32 [2] device tensor per layer (k, v), read by the kernels at run time: the CUDA graphs captured
-before calibration pick up the calibrated values. Opt-in (PAGEDLLM_KV_SCALES=1) until this path has run on a GPU;
-without it the cache holds K and V unscaled, as before.
+before calibration pick up the calibrated values. PAGEDLLM_KV_SCALES=0 leaves K and V unscaled (A/B).
 """
 from __future__ import annotations
 

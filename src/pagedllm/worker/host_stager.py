@@ -17,7 +17,7 @@ class HostStager:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = envs.PAGEDLLM_PINNED_STAGING
-        self.split_views = envs.PAGEDLLM_STAGE_SAMPLING  # opt-in on CUDA until verified there
+        self.split_views = envs.PAGEDLLM_STAGE_SAMPLING
         self.slots: list[dict] = [{}, {}]
         self.k = 0
 

@@ -128,7 +128,7 @@ class ModelRunner:
             graphs.capture()
 
     def _init_kv_scales(self) -> None:
-        """FP8 cache with PAGEDLLM_KV_SCALES=1: the checkpoint's k/v scales where every layer has them, else
+        """FP8 cache: the checkpoint's k/v scales where every layer has them, else
         calibrate on the first step (layers are marked "pending" now, so CUDA graphs capture the scaled path)."""
         self.kv_calibration_pending = False
         if self.kv_cache_dtype != torch.float8_e4m3fn:
@@ -141,7 +141,7 @@ class ModelRunner:
             logger.info("FP8 KV cache scales from the checkpoint: %s", kv_scale_summary(layers))
             return
         if any(layer.kv_scale_source == "checkpoint" for layer in layers) and not enabled:
-            logger.info("The checkpoint's FP8 KV cache scales are not used (PAGEDLLM_KV_SCALES=1 uses them).")
+            logger.info("The checkpoint's FP8 KV cache scales are not used (PAGEDLLM_KV_SCALES=0).")
         for layer in layers:  # none, or only some layers have checkpoint scales: one rule for the whole model
             layer.kv_scales.fill_(1.0)
             layer.kv_scale_source = "pending" if enabled else None
