@@ -5,7 +5,7 @@ For each linear layer shape (K in, N out) of Llama-3-8B (default) or Qwen3-0.6B 
   int4      the engine's 4-bit path: tiled layout, group 128 (kernels/qgemv.py up to PAGEDLLM_QUANT_GEMV_MAX_ROWS
             rows, else kernels/qgemm.py)
   int4-gemv / int4-gemm   each tiled kernel alone (the GEMV only up to 8 rows)
-  int4-old  the general dequant kernel over the load-time layout (kernels/dequant_gemm.py: the default unless PAGEDLLM_QUANT_TILED=1)
+  int4-old  the general dequant kernel over the load-time layout (kernels/dequant_gemm.py: PAGEDLLM_QUANT_TILED=0)
   int8      the tiled path at 8 bits
   fp8       W8A8: per-token E4M3 activation quantization + torch._scaled_mm with row-wise scales
 Each cell is microseconds per call (CUDA-graph replays, cycling through enough weight copies that no weight is
