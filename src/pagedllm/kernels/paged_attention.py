@@ -70,7 +70,7 @@ def _attend_tile(
     HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BOUNDED: tl.constexpr,  # mask positions >= kv_end (False only when the whole tile is < kv_end)
     CAUSAL: tl.constexpr,  # mask positions > q_pos
-    LIMITED: tl.constexpr = False,  # q_pos is each row's exclusive limit (<= kv_end), and a row may see nothing
+    LIMITED: tl.constexpr,  # q_pos is each row's exclusive limit (<= kv_end), and a row may see nothing
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
@@ -178,12 +178,12 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False)
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False, LIMITED=False)
     for start in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True)
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True, LIMITED=False)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -338,7 +338,7 @@ def _decode_kernel(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
                 stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-                BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False)
+                BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False, LIMITED=False)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
