@@ -219,8 +219,7 @@ def test_no_import_cycles():
     assert not report, "import cycles:\n" + "\n".join(report)
 
 
-def _violations(rule) -> list[str]:
-    _, graph = _graph()
+def _violations(rule, graph: dict[str, list[Import]]) -> list[str]:
     bad = []
     for name, imports in sorted(graph.items()):
         for imp in imports:
@@ -231,47 +230,83 @@ def _violations(rule) -> list[str]:
     return bad
 
 
-def test_core_is_pure_python():
-    def rule(name, target):
-        if not _in(name, "core"):
-            return None
-        if target.split(".")[0] == "torch":
-            return "core/ never imports torch"
-        for package in CORE_FORBIDDEN_PACKAGES:
-            if _in(target, package):
-                return f"core/ never imports {package}/"
+def core_rule(name: str, target: str) -> Optional[str]:
+    if not _in(name, "core"):
         return None
-
-    assert not (bad := _violations(rule)), "\n".join(bad)
-
-
-def test_kernels_are_leaves():
-    def rule(name, target):
-        if not _in(name, "kernels") or target.split(".")[0] != ROOT:
-            return None
-        if _in(target, "kernels") or target in KERNEL_ALLOWED:
-            return None
-        return f"kernels/ imports only kernels/ and {sorted(KERNEL_ALLOWED)}"
-
-    assert not (bad := _violations(rule)), "\n".join(bad)
+    if target.split(".")[0] == "torch":
+        return "core/ never imports torch"
+    for package in CORE_FORBIDDEN_PACKAGES:
+        if _in(target, package):
+            return f"core/ never imports {package}/"
+    return None
 
 
-def test_layers_never_import_models():
-    def rule(name, target):
-        if _in(name, "layers") and _in(target, "models"):
-            return "layers/ never imports models/"
+def kernels_rule(name: str, target: str) -> Optional[str]:
+    if not _in(name, "kernels") or target.split(".")[0] != ROOT:
         return None
-
-    assert not (bad := _violations(rule)), "\n".join(bad)
-
-
-def test_cpu_fast_path_plugs_in_from_outside():
-    def rule(name, target):
-        if target == CPU_DECODE and name not in CPU_DECODE_IMPORTERS:
-            return f"only {sorted(CPU_DECODE_IMPORTERS)} attach the CPU decode stack; models never reach for it"
+    if _in(target, "kernels") or target in KERNEL_ALLOWED:
         return None
+    return f"kernels/ imports only kernels/ and {sorted(KERNEL_ALLOWED)}"
 
-    assert not (bad := _violations(rule)), "\n".join(bad)
+
+def layers_rule(name: str, target: str) -> Optional[str]:
+    if _in(name, "layers") and _in(target, "models"):
+        return "layers/ never imports models/"
+    return None
+
+
+def cpu_decode_rule(name: str, target: str) -> Optional[str]:
+    if target == CPU_DECODE and name not in CPU_DECODE_IMPORTERS:
+        return f"only {sorted(CPU_DECODE_IMPORTERS)} attach the CPU decode stack; models never reach for it"
+    return None
+
+
+RULES = {"core": core_rule, "kernels": kernels_rule, "layers": layers_rule, "cpu_decode": cpu_decode_rule}
+
+
+def test_rules_flag_what_they_forbid(tmp_path):
+    """Each rule reports a breach planted in a fake tree (module level and in a function), and nothing else."""
+    root = tmp_path / ROOT
+    files = {
+        "__init__.py": "",
+        "envs.py": "",
+        "core/__init__.py": "",
+        "core/sched.py": "import torch\ndef f():\n    from pagedllm.worker import runner\n",
+        "kernels/__init__.py": "",
+        "kernels/k.py": "from pagedllm import envs\nfrom pagedllm.kernels import k2\ndef f():\n"
+                        "    from pagedllm.quantization import q\n",
+        "kernels/k2.py": "",
+        "layers/__init__.py": "",
+        "layers/lin.py": "from pagedllm.models.llama import X\n",
+        "models/__init__.py": "",
+        "models/llama.py": "from pagedllm.models import cpu_decode\n",
+        "models/cpu_decode.py": "",
+        "models/loader.py": "from pagedllm.models import cpu_decode\n",
+        "quantization/__init__.py": "",
+        "quantization/q.py": "from pagedllm.kernels import k\n",
+        "worker/__init__.py": "",
+        "worker/runner.py": "",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    _, graph = _graph(tmp_path)
+    found = {key: _violations(rule, graph) for key, rule in RULES.items()}
+    assert [b.split(" (")[0] for b in found["core"]] == ["pagedllm.core.sched imports torch",
+                                                       "pagedllm.core.sched imports pagedllm.worker.runner"]
+    assert "in a function" in found["core"][1]
+    assert [b.split(" (")[0] for b in found["kernels"]] == ["pagedllm.kernels.k imports pagedllm.quantization.q"]
+    assert [b.split(" (")[0] for b in found["layers"]] == ["pagedllm.layers.lin imports pagedllm.models.llama"]
+    assert [b.split(" (")[0] for b in found["cpu_decode"]] == [
+        "pagedllm.models.llama imports pagedllm.models.cpu_decode"]
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_layering(rule):
+    """core/ is pure Python below the model stack; kernels/ are leaves; layers/ never import models/; the CPU decode
+    stack is attached from outside the model (docs/architecture.md, "Layering")."""
+    _, graph = _graph()
+    assert not (bad := _violations(RULES[rule], graph)), "\n".join(bad)
 
 
 @pytest.mark.parametrize("package", ["core", "kernels", "layers", "models", "quantization", "entrypoints"])
