@@ -454,9 +454,8 @@ def paged_decode_attention(
     """One query token per request; split-KV over the context. CUDA-graph capturable when the
     workspace is preallocated (shapes depend only on num_seqs and the model's heads).
 
-    `order` only changes which programs start first (measured on H200 at 256 requests of 200-2048 tokens, one
-    split each: 5-8% less time than batch order, from a shorter tail of long contexts); any permutation is
-    correct."""
+    `order` only changes which programs start first: longest contexts first shortens the tail of long contexts
+    at the end of the grid (docs/benchmarks.md, run S); any permutation is correct."""
     if output is None:
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)

@@ -1,10 +1,10 @@
 """The tiled layout of 4/8-bit weights that `kernels/qgemv.py` and `kernels/qgemm.py` read, and its torch
 reference. `quantization/tiled.py` converts layers into it at load.
 
-The internal layout (`quantization/packed.py`) packs `pack = 32 // bits` neighbouring input channels into one
-int32, so a kernel that unpacks value i of every word gets the channels k = 8r + i: a stride-8 gather of the
-activations for each of the eight values. The tiled layout reorders K inside tiles of TILE_WORDS (16) word rows so that value i of
-the 16 words of a tile holds 16 *consecutive* channels:
+The internal layout (`quantization/packed.py`) packs `pack = 32 // bits` neighbouring input channels into one int32,
+so a kernel that unpacks value i of every word gets the channels k = 8r + i: a stride-8 gather of the activations
+for each of the eight values. The tiled layout reorders K inside tiles of TILE_WORDS (16) word rows so that value i
+of the 16 words of a tile holds 16 *consecutive* channels:
 
     qweight int32 [K / pack, N]    word row t * 16 + r, value i (bits [i*bits, +bits)) = channel
                                    k' = t * 16 * pack + i * 16 + r   (one tile = 16 * pack channels: 128 at 4 bits)

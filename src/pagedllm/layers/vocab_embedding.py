@@ -133,8 +133,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Keep a oneDNN-packed bf16 copy of the (fp32, CPU, unsharded, bias-free) weight and its row norms.
 
         The bf16 product runs at twice the fp32 rate and reads half the bytes; an error bound then narrows
-        the vocabulary to a few candidates whose logits are recomputed exactly (measured on 2 cores: the
-        LM head of SmolLM2 at 18 rows 7.0 ms in fp32 vs 3.4 ms in bf16)."""
+        the vocabulary to a few candidates whose logits are recomputed exactly (the LM head's time halves:
+        docs/benchmarks.md, CPU section)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or self.tp_size != 1 or self.bias is not None:
             return False
