@@ -48,7 +48,7 @@ def main():
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     print(f"implementation: {['portable', 'AVX2', 'AVX-512 VNNI'][ops.gguf_best_impl()]}, threads {args.threads}")
-    from pagedllm.quantization.gguf import TILED_BASE, _dense_matmul, tile_packed
+    from pagedllm.kernels.gguf_ops import TILED_BASE, _dense_matmul, tile_packed
     shapes = [("gate_up", 3072, 576, Q.Q4_1), ("down", 576, 1536, Q.Q4_1), ("lm_head/12", 4096, 576, Q.Q8_0)]
     if args.types:
         shapes = [(name, n, 1536 if name == "down" else 512, Q[t]) if Q[t] in (Q.Q4_K, Q.Q5_K, Q.Q6_K)

@@ -5,7 +5,7 @@ import os as _os
 
 # OpenMP threads (torch's and the C++ CPU kernels') that spin between parallel regions stall every region
 # whenever the machine has other work: a spinning thread burns the slice its preempted sibling needs (a CPU
-# decode step measured 3-7x slower under load; docs/benchmarks.md). Sleeping waits are the default here unless
+# decode step runs several times slower under load; docs/benchmarks.md). Sleeping waits are the default here unless
 # the user chose a policy; libgomp reads this when torch is first imported (importing pagedllm first).
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"

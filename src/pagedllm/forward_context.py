@@ -41,10 +41,6 @@ class AttentionMetadata:
     # Backend-specific extras (e.g. split-KV workspace) may be attached here.
     extra: Any = None
 
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len == 1
-
 
 @dataclass
 class ForwardContext:

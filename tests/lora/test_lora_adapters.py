@@ -87,6 +87,16 @@ def test_lora_request_and_generate_errors(llm, good, tiny_llama_dir):
     assert VLLMLoRARequest is LoRARequest
 
 
+def test_lora_request_has_vllms_accessors(good):
+    """vLLM's LoRARequest API: `adapter_id` / `name` / `path` read the fields, `lora_local_path` is the deprecated
+    spelling of `lora_path`, and the id alone identifies an adapter."""
+    req = LoRARequest("sql", 7, good)
+    assert (req.adapter_id, req.name, req.path) == (7, "sql", good)
+    assert LoRARequest("old", 8, lora_local_path=good).path == good
+    assert req == LoRARequest("renamed", 7, "/elsewhere") and hash(req) == hash(LoRARequest("x", 7, "/y"))
+    assert req != LoRARequest("sql", 8, good)
+
+
 def test_bin_adapter_and_alpha_pattern(llm, good, tmp_path, tiny_llama_dir):
     """adapter_model.bin loads like safetensors; alpha_pattern changes one module's scaling."""
     import torch

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import types
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -161,11 +161,6 @@ def _write(dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict
     config["torch_dtype"] = "float16"
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
-
-
-def logits_of(step: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return step(ids)
 
 
 def awq_checkpoint(src: str, dst: str, group_size: int = 32, seed: int = 0) -> tuple[str, Any]:

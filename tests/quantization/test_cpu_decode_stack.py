@@ -47,16 +47,18 @@ def test_fused_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch, tiny
                 for o in outs]
 
     fused = run()
-    stack = inner.__dict__.get("_cpu_decode_stack")
+    stack = inner.fast_path.stack
     assert isinstance(stack, DecodeStack), "the tiny packed model should qualify for the fused stack"
     counting = stack.ops = _CountingOps(stack.ops)
     assert run() == fused
     assert counting.calls >= 9  # every decode step (<= 5 tokens) went through the one C++ call
-    inner.__dict__["_cpu_decode_stack"] = None  # the layer-by-layer path
+    inner.fast_path = None  # the layer-by-layer path
     assert run() == fused
 
 
 def test_fp32_and_unpacked_models_keep_the_layer_path(tiny_llama_dir):
     llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, skip_tokenizer_init=True)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    assert llm.engine.worker.model.model.__dict__.get("_cpu_decode_stack") is None
+    path = llm.engine.worker.model.model.fast_path
+    assert path is not None, "the loader attaches the decode path to every model built on the CPU"
+    assert path.stack is None  # offered, refused: a float model is not packed

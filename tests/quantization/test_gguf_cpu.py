@@ -110,7 +110,7 @@ def tiled_id(qtype: int) -> int:
     """The type id a packed tensor of qtype has after loading: its tiled layout where this machine has one."""
     from pagedllm import envs
     from pagedllm.kernels.cpu_ops import cpu_ops
-    from pagedllm.quantization.gguf import TILED_BASE
+    from pagedllm.kernels.gguf_ops import TILED_BASE
     return TILED_BASE + qtype if envs.PAGEDLLM_GGUF_TILED and cpu_ops().gguf_best_impl() == 2 else qtype
 
 

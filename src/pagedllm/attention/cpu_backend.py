@@ -18,7 +18,7 @@ from pagedllm.kernels.cpu_ops import cpu_ops
 
 
 # Prefill chunks of at least this many query tokens are attended by a gather + torch's flash-attention SDPA:
-# measured faster than the C++ kernel from ~1k tokens (1.5x at 4k, SmolLM2 heads, 2 cores), slower below.
+# faster than the C++ kernel for long chunks, slower for short ones (docs/benchmarks.md, CPU section).
 LONG_QUERY_LEN = 1024
 
 

@@ -39,7 +39,7 @@ FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cache[blocks] ([n, block_size, KVH, D]) in `dtype` (index_select, not cache[blocks]: advanced indexing is
-    ~20x slower on CPU; an FP8 cache is gathered as bytes and widened)."""
+    much slower on CPU, docs/benchmarks.md; an FP8 cache is gathered as bytes and widened)."""
     if cache.dtype in FP8_KV_DTYPES:
         return cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype).to(dtype)
     return cache.index_select(0, blocks)
@@ -84,8 +84,8 @@ class _StepPlan:
             blocks = metadata.block_table[rows, :num_blocks].long()  # [B, num_blocks]
             pos = torch.arange(num_blocks * block_size, device=device)
             valid = (pos[None, :] < torch.tensor(lens, device=device)[:, None])[:, None, None, :]  # [B,1,1,L]
-            # An additive float mask is ~10% faster than a boolean one in CPU SDPA. It is built in the
-            # model's dtype lazily (the first layer tells it).
+            # An additive float mask is faster than a boolean one in CPU SDPA (docs/benchmarks.md). It is built
+            # in the model's dtype lazily (the first layer tells it).
             mask = valid
             contiguous = token_idx.numel() == qsl[-1] and decode_rows == list(range(len(decode_rows)))
             self.decode = (token_idx, blocks, mask, contiguous)

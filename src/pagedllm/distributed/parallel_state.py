@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 class GroupCoordinator:
     """One process group plus this process's place in it.
 
-    `device_group` carries tensors (NCCL on CUDA, gloo on CPU); `cpu_group` (gloo) carries Python objects.
+    `device_group` carries tensors (NCCL on CUDA, gloo on CPU); `cpu_group` (gloo) the host-side barrier and
+    integer minimum.
     """
 
     ranks: list[int]  # global ranks in the group, in group order
@@ -72,13 +73,6 @@ class GroupCoordinator:
             return x
         dist.broadcast(x, src=self.ranks[src], group=self.device_group)
         return x
-
-    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        if self.world_size == 1:
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=self.ranks[src], group=self.cpu_group)
-        return holder[0]
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -178,18 +172,6 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                                    cpu_group=cpu_group)
     _WORLD = GroupCoordinator(ranks=list(range(world_size)), rank_in_group=rank, device_group=dist.group.WORLD,
                               cpu_group=dist.new_group(list(range(world_size)), backend="gloo", **_GROUP_KWARGS))
-
-
-def model_parallel_is_initialized() -> bool:
-    return _TP is not None
-
-
-def ensure_model_parallel_initialized(tensor_model_parallel_size: int) -> None:
-    if _TP is None:
-        initialize_model_parallel(tensor_model_parallel_size)
-    elif _TP.world_size != tensor_model_parallel_size:
-        raise RuntimeError(f"Tensor parallel group already initialized with size {_TP.world_size}, "
-                           f"expected {tensor_model_parallel_size}.")
 
 
 def get_tp_group() -> GroupCoordinator:

@@ -1,8 +1,9 @@
 """Row-wise argmax over a wide last dimension (greedy sampling from logits), Triton, for few rows.
 
 torch.argmax gives one row to one thread block, so a batch-1 decode step reads 128k-256k logits with a single
-SM (~30 us on H200). Here each row is cut into chunks read by many programs; a second kernel merges the
-chunk winners. The result equals torch.argmax: the first index of the maximum, and NaN counts as the maximum.
+SM, leaving the rest of the GPU idle (docs/benchmarks.md, run T). Here each row is cut into chunks read by many
+programs; a second kernel merges the chunk winners. The result equals torch.argmax: the first index of the
+maximum, and NaN counts as the maximum.
 """
 from __future__ import annotations
 

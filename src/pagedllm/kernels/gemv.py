@@ -60,7 +60,7 @@ def _gemv_kernel(
     x_next = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
     for m in range(M):  # a runtime count: one compiled variant for one row and one for several
         x = x_next.to(tl.float32)
-        # The next row's load is in flight while this row is reduced (each load waits ~1 us on L2).
+        # The next row's load is in flight while this row is reduced, hiding its L2 latency.
         x_next = tl.load(x_ptr + (m + 1) * stride_xm + cols, mask=col_ok & (m + 1 < M), other=0.0)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:

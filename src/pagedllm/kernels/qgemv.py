@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+from pagedllm.kernels.tiled_layout import dequantize_tiled
 
 # Most rows one launch handles (one fp32 accumulator row per input row, unrolled).
 QGEMV_MAX_ROWS = 8
@@ -235,8 +236,6 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 def quant_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                    group_size: int, perm: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The same product in fp32 torch over the dense dequantized weight, rounded once to x's dtype."""
-    from pagedllm.quantization.tiled import dequantize_tiled
-
     w = dequantize_tiled(qweight, scales.float(), zeros.float(), bits, group_size, perm)  # [N, K]
     out = x.float() @ w.t()
     if bias is not None:

@@ -1,8 +1,8 @@
 """One kernel between the qkv projection and attention: optional per-head RMSNorm of q and k (Qwen3),
 neox rotary embedding of q and k, and the write of k and v into the paged KV cache.
 
-Unfused, this is 2-4 launches per layer (q norm, k norm, rotary, KV write); at small batches each is a
-few microseconds of a decode step that is itself ~2-5 ms, so the fusion pays at every batch size.
+Unfused, this is 2-4 launches per layer (q norm, k norm, rotary, KV write); at small batches each launch costs
+a visible share of a decode step, so the fusion pays at every batch size.
 
 Input: the projection output qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_size] (rows may be
 strided). Effects:

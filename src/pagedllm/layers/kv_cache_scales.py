@@ -7,7 +7,8 @@ Where they come from, in order:
 - else the amax of this layer's real K and V in the engine's first step (which holds the first prompt), mapped to
   K_AMAX_TARGET / V_AMAX_TARGET: below E4M3's 448, so later tokens a few times larger still fit (beyond that they
   saturate), and far above its smallest normal (2**-6), so small values keep 3 mantissa bits instead of becoming
-  subnormals. With scale 1 that is not so: on SmolLM2 40% of layer 0's V values are below 2**-6.
+  subnormals. With scale 1 that is not so: many of a small model's V values lie below 2**-6 (docs/benchmarks.md,
+FP8 KV cache).
 Scales are a float32 [2] device tensor per layer (k, v), read by the kernels at run time: the CUDA graphs captured
 before calibration pick up the calibrated values. PAGEDLLM_KV_SCALES=0 leaves K and V unscaled (A/B).
 """

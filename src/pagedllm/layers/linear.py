@@ -131,7 +131,7 @@ def gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
 
 
 # oneDNN's prepacked fp32 linear (the kernel torch.compile's CPU backend uses) beats MKL's sgemm through
-# F.linear on this kind of CPU: ~2x at decode-sized batches, ~1.1x at prefill sizes, ~3x for the LM head.
+# F.linear on this kind of CPU, most at decode-sized batches and for the LM head (docs/benchmarks.md, CPU).
 _PACK_BATCH_HINT = 32
 
 

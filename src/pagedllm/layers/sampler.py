@@ -53,7 +53,8 @@ def _padded_tensor(rows, needed: list[bool], pad_id: int, device) -> torch.Tenso
     """[len(rows), max_len] int64 on device, right-padded with pad_id; rows not needed stay all padding.
 
     rows: lists of ids, or an already padded [N, L] numpy array / tensor (a runner's persistent buffer).
-    numpy row assignment is ~4x faster than torch.tensor on nested lists, which matters for long prompts.
+    numpy row assignment is faster than torch.tensor on nested lists (docs/benchmarks.md), which matters for long
+    prompts.
     """
     if isinstance(rows, np.ndarray):
         rows = torch.from_numpy(rows)
@@ -349,9 +350,9 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """One uniform number per row against the row's cumulative distribution: an exact draw from probs.
 
-    The CPU path: the exponential race needs a logarithm per vocabulary entry (~20 ms for 18 rows of a 49k
-    vocabulary on two cores), this a cumulative sum. Seeded rows draw their number from their own generator,
-    so their samples do not depend on the rest of the batch.
+    The CPU path: the exponential race needs a logarithm per vocabulary entry (costly on a CPU at every
+    sampling step; docs/benchmarks.md, CPU section), this a cumulative sum. Seeded rows draw their number from
+    their own generator, so their samples do not depend on the rest of the batch.
     """
     n = probs.shape[0]
     u = torch.rand(n, dtype=torch.float64)

@@ -18,6 +18,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.kernels import cpu_ops
+from pagedllm.kernels.gguf_ops import gguf_embedding, gguf_matmul, logical_rows
 from pagedllm.layers.linear import cpu_packed_linear, gemv_kernels
 from pagedllm.layers.weight_utils import copy_weight, set_weight_attrs
 from pagedllm.structured_output.bitmask import apply_token_bitmask_
@@ -63,8 +64,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [num_tokens] -> [num_tokens, embedding_dim]
-        if "gguf_type" in self.__dict__:  # rows kept in a GGUF block format (quantization/gguf.py)
-            from pagedllm.quantization.gguf import gguf_embedding
+        if "gguf_type" in self.__dict__:  # rows kept in a GGUF block format (kernels/gguf_ops.py)
             return gguf_embedding(input_ids, self.gguf_weight, self.__dict__["gguf_type"], self.embedding_dim,
                                   self.__dict__["gguf_dtype"])
         if self.tp_size == 1:
@@ -112,7 +112,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[num_tokens, org_vocab_size] logits in the product's dtype (the model dtype), all ranks gathered."""
         packed = self.__dict__.get("cpu_packed_weight")
         if "gguf_type" in self.__dict__:  # a GGUF-packed LM head (quantization/gguf.py)
-            from pagedllm.quantization.gguf import gguf_matmul, logical_rows
             rows = logical_rows(self.gguf_weight, self.__dict__["gguf_type"])
             return gguf_matmul(hidden_states, [self.gguf_weight], [self.__dict__["gguf_type"]],
                                None if self.bias is None else self.bias[:rows], rows)
@@ -134,8 +133,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Keep a oneDNN-packed bf16 copy of the (fp32, CPU, unsharded, bias-free) weight and its row norms.
 
         The bf16 product runs at twice the fp32 rate and reads half the bytes; an error bound then narrows
-        the vocabulary to a few candidates whose logits are recomputed exactly (measured on 2 cores: the
-        LM head of SmolLM2 at 18 rows 7.0 ms in fp32 vs 3.4 ms in bf16)."""
+        the vocabulary to a few candidates whose logits are recomputed exactly (the LM head's time halves:
+        docs/benchmarks.md, CPU section)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or self.tp_size != 1 or self.bias is not None:
             return False

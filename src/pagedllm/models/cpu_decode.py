@@ -2,9 +2,11 @@
 
 A step of a few tokens spends most of its time outside the kernels when each layer's ~15 ops (norms,
 projections, rope, KV write, attention, views, allocations) are dispatched one by one from Python; the
-`decode_stack` op runs the same kernels over every layer in C++. `maybe_run(model, ...)` (called first by
-`LlamaModel.forward`) returns the final hidden states when the step qualifies, else None and the model runs its
-layers as usual; the two paths compute the same numbers (tests/kernels/test_cpu_decode_stack.py).
+`decode_stack` op runs the same kernels over every layer in C++. The loader attaches a `CpuDecodePath` to every
+LlamaModel it builds on the CPU (`attach`: `LlamaModel.fast_path`, which the model's forward calls first; the
+model never imports this module). It returns the final hidden states when the step qualifies, else None and the
+model runs its layers as usual; the two paths compute the same numbers
+(tests/quantization/test_cpu_decode_stack.py).
 
 A model qualifies when every layer is the plain Llama layer (Qwen2's biases and Qwen3's per-head q/k norm
 included) with all four projections kept packed (`GGUFLinearMethod`), float32, one tensor/pipeline-parallel rank;
@@ -19,20 +21,37 @@ from typing import Any, Optional
 import torch
 
 from pagedllm import envs
+from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 logger = logging.getLogger("pagedllm")
 
 _UNSET = object()
 
 
-def maybe_run(model: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
-    """The final (normed) hidden states [T, hidden] of `model` (a LlamaModel) for this step, or None."""
-    stack = model.__dict__.get("_cpu_decode_stack", _UNSET)
-    if stack is _UNSET:
-        stack = model.__dict__["_cpu_decode_stack"] = _build(model)
-    if stack is None:
-        return None
-    return stack(input_ids, positions)
+def attach(model: Any) -> None:
+    """Give a model built on the CPU (a *ForCausalLM around a LlamaModel) the fused decode path."""
+    inner = getattr(model, "model", None)
+    if isinstance(inner, LlamaModel):
+        inner.fast_path = CpuDecodePath(inner)
+
+
+class CpuDecodePath:
+    """`LlamaModel.fast_path`: the stack is built at the first step, once whatever the runner adds after loading
+    (LoRA wrappers, say) is in place, and kept (`stack`: None when the model does not qualify)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.stack: Any = _UNSET
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """The final (normed) hidden states [T, hidden] of the model for this step, or None."""
+        if input_ids.device.type != "cpu":
+            return None
+        if self.stack is _UNSET:
+            self.stack = _build(self.model)
+        if self.stack is None:
+            return None
+        return self.stack(input_ids, positions)
 
 
 def _build(model: Any) -> Optional["DecodeStack"]:
@@ -57,7 +76,6 @@ def _unsupported(model: Any) -> Optional[str]:
     from pagedllm.layers.activation import SiluAndMul
     from pagedllm.layers.layernorm import RMSNorm
     from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
     from pagedllm.quantization.gguf import GGUFLinearMethod
 
     if not (model.is_first_stage and model.is_last_stage):
@@ -92,7 +110,7 @@ class DecodeStack:
     """The flattened arguments of `decode_stack` for one model; rebuilt when the KV caches are (re)bound."""
 
     def __init__(self, model: Any, ops: Any) -> None:
-        from pagedllm.quantization.gguf import DENSE_MIN_ROWS
+        from pagedllm.kernels.gguf_ops import DENSE_MIN_ROWS
 
         self.model = model
         self.ops = ops

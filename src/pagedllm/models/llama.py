@@ -7,7 +7,7 @@ Qwen2 and Qwen3 reuse these classes, overriding only what differs (qkv bias, per
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -21,7 +21,6 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.weight_utils import set_default_dtype
-from pagedllm.models import cpu_decode
 from pagedllm.models.weight_utils import load_weights_into
 
 logger = logging.getLogger(__name__)
@@ -128,6 +127,10 @@ class LlamaModel(nn.Module):
     """The decoder stack; with pipeline parallelism only this stage's layer range [start_layer, end_layer) is
     built (the others are PPMissingLayer), the embedding on the first stage, the final norm on the last."""
 
+    # A whole-stack replacement attached from outside (the loader attaches the CPU decode stack,
+    # models/cpu_decode.py): (input_ids, positions) -> the final hidden states, or None to run the layers.
+    fast_path: Optional[Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]] = None
+
     def __init__(self, config: Any, layer_cls: type = LlamaDecoderLayer, prefix: str = "model",
                  quant_config: Any = None) -> None:
         super().__init__()
@@ -149,8 +152,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[IntermediateTensors] = None) -> Any:
         """-> hidden states [T, hidden] on the last stage, else the activations for the next stage."""
-        if intermediate is None and not input_ids.is_cuda:
-            fused = cpu_decode.maybe_run(self, input_ids, positions)  # CPU decode steps: one C++ call
+        if intermediate is None and self.fast_path is not None:
+            fused = self.fast_path(input_ids, positions)
             if fused is not None:
                 return fused
         if intermediate is None:

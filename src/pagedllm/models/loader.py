@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from pagedllm.models import cpu_decode
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.weight_utils import (find_weight_files, initialize_dummy_weights,
                                           safetensors_weights_iterator)
@@ -153,6 +154,8 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
             linear_method = getattr(module, "linear_method", None)
             if linear_method is not None:
                 linear_method.process_weights_after_loading(module)
+    if device.type == "cpu":
+        cpu_decode.attach(model)  # decode steps of packed models in one C++ call, where the model qualifies
     return model.eval()
 
 

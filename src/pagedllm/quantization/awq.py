@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from pagedllm.quantization.base import QuantizationConfig, is_layer_skipped, set_quant_param_attrs
-from pagedllm.quantization.packed import PackedIntLinearMethod, check_group_size, pack_int32, unpack_int32
+from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
+from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

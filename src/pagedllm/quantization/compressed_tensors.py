@@ -25,7 +25,8 @@ from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, Qu
                                         set_quant_param_attrs)
 from pagedllm.quantization.fp8 import Fp8LinearMethod
 from pagedllm.quantization.kernels import int8_w8a8_linear
-from pagedllm.quantization.packed import PackedIntLinearMethod, check_group_size, pack_int32, unpack_int32
+from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
+from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
 SUPPORTED = "W4A16/W8A16 (pack-quantized, naive-quantized), FP8 W8A8 and INT8 W8A8"
 

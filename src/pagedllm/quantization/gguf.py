@@ -16,114 +16,21 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import threading
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu_ops import cpu_ops
+from pagedllm.kernels.gguf_ops import gguf_matmul, logical_rows, required_ops, tile_packed
 from pagedllm.layers.linear import LinearMethodBase, MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.weight_utils import set_weight_attrs
 from pagedllm.quantization.base import QuantizationConfig
-from pagedllm.quantization.cpu_w8a8 import I8_ROW
 
 logger = logging.getLogger("pagedllm")
 
-_HAVE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
 _FUSED_SHARDS = {"qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
                  "gate_up_proj": (("gate_proj", 0), ("up_proj", 1))}
-
-
-def _ops() -> Any:
-    from pagedllm.kernels.cpu_ops import cpu_ops
-    ops = cpu_ops()
-    if ops is None:
-        raise RuntimeError("the pagedllm CPU kernels are unavailable (see the warning above), and GGUF weights "
-                           "kept packed need them; pass --quantization none to dequantize the model at load")
-    return ops
-
-
-# From this many rows on (prefill, large decode batches) a float32 product is faster: blocks of weight rows
-# are dequantized into a reused buffer and multiplied by oneDNN (compute-bound there, where the integer
-# kernel's per-block scaling costs more than the dequantization; docs/benchmarks.md).
-DENSE_MIN_ROWS = 16
-_DENSE_BLOCK_ELEMS = 1 << 21  # 8 MiB of float32 weights per block
-_workspace = threading.local()
-
-
-# Tiled layouts (kernels/csrc/gguf_ops.cpp, gguf_tile): the same bytes regrouped by 16 output rows, type id
-# TILED_BASE + the GGML type; what the AVX-512 VNNI kernels read fastest at every row count.
-TILED_BASE = 2000
-_TILEABLE = (2, 3, 6, 7, 8, 12, 13, 14, I8_ROW)  # Q4_0 ... Q6_K, and the int8 rows of quantization/cpu_w8a8.py
-
-
-def is_tiled(qtype: int) -> bool:
-    return qtype > TILED_BASE
-
-
-def logical_rows(tensor: torch.Tensor, qtype: int) -> int:
-    return tensor.shape[0] * 16 if is_tiled(qtype) else tensor.shape[0]
-
-
-def tile_packed(tensor: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
-    """(tensor, qtype) in the tiled layout where this machine's kernels have one for it, else unchanged."""
-    from pagedllm import envs
-    if (not envs.PAGEDLLM_GGUF_TILED or qtype not in _TILEABLE or tensor.shape[0] % 16
-            or (qtype == I8_ROW and (tensor.shape[1] - 4) % 32) or _ops().gguf_best_impl() < 2):
-        return tensor, qtype
-    return _ops().gguf_tile(tensor.contiguous(), qtype), TILED_BASE + qtype
-
-
-def _dense_buffer(numel: int) -> torch.Tensor:
-    buf = getattr(_workspace, "buf", None)
-    if buf is None or buf.numel() < numel:
-        buf = _workspace.buf = torch.empty(numel, dtype=torch.float32)
-    return buf
-
-
-def _dense_matmul(x2: torch.Tensor, parts: Sequence[torch.Tensor], types: Sequence[int],
-                  bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
-    k = x2.shape[1]
-    x2 = x2.contiguous()
-    block_rows = max(1, _DENSE_BLOCK_ELEMS // k)
-    buf = _dense_buffer(min(block_rows, max(p.shape[0] for p in parts)) * k)
-    ops, col = _ops(), 0
-    for part, qtype in zip(parts, types):
-        for r0 in range(0, part.shape[0], block_rows):
-            rows = min(block_rows, part.shape[0] - r0)
-            w = buf[:rows * k].view(rows, k)
-            ops.gguf_dequantize_rows(w, part[r0:r0 + rows], qtype, None)
-            b = None if bias is None else bias[col:col + rows]
-            out[:, col:col + rows] = torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
-            col += rows
-
-
-def gguf_matmul(x: torch.Tensor, parts: Sequence[torch.Tensor], types: Sequence[int],
-                bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
-    """x [..., K] @ (the parts' rows side by side)^T (+ bias), in x's dtype (computed in float32)."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
-    if x2.shape[0] >= DENSE_MIN_ROWS and x2.dtype == torch.float32 and _HAVE_ONEDNN and not any(
-            is_tiled(t) for t in types):
-        _dense_matmul(x2, parts, types, bias, out)
-    else:
-        _ops().gguf_linear(out, x2, list(parts), list(types), bias, 0)
-    out = out.reshape(*lead, out_features)
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-
-def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, qtype: int, dim: int, dtype: torch.dtype
-                   ) -> torch.Tensor:
-    out = torch.empty(ids.numel(), dim, dtype=torch.float32)
-    _ops().gguf_dequantize_rows(out, weight, qtype, ids.reshape(-1).to(torch.int64).contiguous())
-    out = out.reshape(*ids.shape, dim)
-    return out if dtype == torch.float32 else out.to(dtype)
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -184,7 +91,7 @@ class GGUFLinearMethod(LinearMethodBase):
         rows = []
         for part, qtype in zip(self.parts(layer), layer.__dict__["_gguf_types"]):
             out = torch.empty(logical_rows(part, qtype), k, dtype=torch.float32)
-            _ops().gguf_dequantize_rows(out, part, qtype, None)
+            required_ops().gguf_dequantize_rows(out, part, qtype, None)
             rows.append(out)
         return torch.cat(rows)
 
@@ -325,7 +232,7 @@ def engine_quant_config(args: Any, hf_config: Any, model_path: str, model_dir: s
                              "dequantize the model at load for tensor parallelism.")
         config = GGUFConfig(source)
         config.check_supported(device, dtype)
-        _ops()
+        required_ops()
         return config
     if method is None and source is not None and device.type == "cpu" and args.load_format != "dummy":
         reason = None
@@ -335,10 +242,8 @@ def engine_quant_config(args: Any, hf_config: Any, model_path: str, model_dir: s
             reason = "--enable-lora"
         elif getattr(args, "tensor_parallel_size", 1) != 1:
             reason = "tensor parallelism"
-        else:
-            from pagedllm.kernels.cpu_ops import cpu_ops
-            if cpu_ops() is None:
-                reason = "the CPU kernels are unavailable"
+        elif cpu_ops() is None:
+            reason = "the CPU kernels are unavailable"
         if reason is None:
             return GGUFConfig(source)
         logger.info("GGUF weights are dequantized at load (%s); the packed CPU path needs float32/bfloat16, no "

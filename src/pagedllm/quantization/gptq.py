@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from pagedllm.quantization.base import QuantizationConfig, is_layer_skipped, set_quant_param_attrs
-from pagedllm.quantization.packed import PackedIntLinearMethod, check_bits, check_group_size, unpack_int32
+from pagedllm.quantization.packed import check_bits, check_group_size, unpack_int32
+from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
 
 class GPTQConfig(QuantizationConfig):

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import envs
+from pagedllm.kernels.tiled_layout import dequantize_tiled
 from pagedllm.layers.activation import triton_kernels
+from pagedllm.quantization.packed import dequantize_packed_kn
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -22,8 +24,6 @@ def packed_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                       bits: int, group_size: int, g_idx: Optional[torch.Tensor] = None,
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """4/8-bit weight-only: the internal layout of `quantization/packed.py` (CUDA: the Triton dequant kernel)."""
-    from pagedllm.quantization.packed import dequantize_packed_kn
-
     if x.is_cuda:
         kernels = triton_kernels("dequant_gemm")
         if kernels is not None:
@@ -35,7 +35,7 @@ def packed_int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 
 def tiled_int_linear(x: torch.Tensor, layer: torch.nn.Module, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """4/8-bit weight-only over the tiled layout (`quantization/tiled.py`): the CUDA-core GEMV up to
+    """4/8-bit weight-only over the tiled layout (`kernels/tiled_layout.py`): the CUDA-core GEMV up to
     layer.quant_gemv_max_rows rows, else the tensor-core kernel; the dense torch reference off CUDA / without
     Triton."""
     shape = x.shape
@@ -53,8 +53,6 @@ def tiled_int_linear(x: torch.Tensor, layer: torch.nn.Module, bias: Optional[tor
     if kernel is not None:
         out = kernel(x2, *args, bias, layer.quant_counters)
     else:
-        from pagedllm.quantization.tiled import dequantize_tiled
-
         out = F.linear(x2, dequantize_tiled(*args, dtype=x.dtype), bias)
     return out.reshape(*shape[:-1], out.shape[-1])
 

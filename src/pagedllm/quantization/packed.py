@@ -1,7 +1,8 @@
-"""The common core of the integer weight-only methods (GPTQ, AWQ, compressed-tensors W4A16/W8A16).
+"""The internal layout of the integer weight-only methods (GPTQ, AWQ, compressed-tensors W4A16/W8A16): packing,
+unpacking, the dense reference, and the checks of what it holds.
 
-Each method loads its checkpoint's own layout, then `process_weights_after_loading` converts it once to ONE
-internal layout that the torch reference (CPU) and the Triton kernels (CUDA) both read:
+Each method loads its checkpoint's own layout, then converts it once (`packed_method.PackedIntLinearMethod`) to
+ONE internal layout that the torch reference (CPU) and the Triton kernels (CUDA) both read:
 
     qweight  int32 [K / pack, N]   pack = 32 // bits values along K per int32, value i in bits [i*bits, +bits)
     scales   [G, N]                the activation dtype
@@ -16,9 +17,6 @@ import sys
 from typing import Optional, Sequence
 
 import torch
-from torch import nn
-
-from pagedllm.quantization.base import LinearMethodBase
 
 SUPPORTED_BITS = (4, 8)
 
@@ -77,63 +75,6 @@ def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The internal layout -> the dense [N, K] weight (the torch reference every kernel is checked against)."""
     return dequantize_packed_kn(qweight, scales, zeros, bits, group_size, g_idx, dtype).t()
-
-
-class PackedIntLinearMethod(LinearMethodBase):
-    """apply() over the internal layout: the CUDA kernels where they apply, else dequantize-and-matmul.
-
-    Subclasses register their checkpoint's parameters in `create_weights` and implement `convert(layer)`, which
-    returns (qweight, scales, zeros, g_idx or None) in the internal layout; it runs once after loading."""
-
-    def __init__(self, bits: int, group_size: int) -> None:
-        self.bits = bits
-        self.group_size = group_size  # -1 already resolved to K by subclasses where needed
-
-    def convert(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        raise NotImplementedError
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        qweight, scales, zeros, g_idx = self.convert(layer)
-        for name, _ in list(layer.named_parameters(recurse=False)):
-            if name != "bias":
-                delattr(layer, name)
-        layer.register_parameter("qweight", nn.Parameter(qweight.contiguous(), requires_grad=False))
-        layer.register_parameter("scales", nn.Parameter(scales.to(layer.params_dtype).contiguous(),
-                                                        requires_grad=False))
-        layer.register_parameter("zeros", nn.Parameter(zeros.to(layer.params_dtype).contiguous(),
-                                                       requires_grad=False))
-        if g_idx is not None and not torch.equal(g_idx.long().cpu(), _trivial_g_idx(g_idx.numel(), self.group_size)):
-            layer.register_parameter("g_idx", nn.Parameter(g_idx.to(torch.int32).contiguous(), requires_grad=False))
-        else:
-            layer.g_idx = None
-        layer.quant_bits = self.bits
-        layer.quant_group_size = self.group_size
-        layer.quant_layout = "internal"
-        if layer.qweight.is_cuda:
-            from pagedllm.quantization.tiled import use_tiled_layout
-
-            use_tiled_layout(layer)
-
-    def apply(self, layer, x, bias=None):
-        from pagedllm.quantization.kernels import packed_int_linear, tiled_int_linear
-
-        if layer.quant_layout == "tiled":
-            return tiled_int_linear(x, layer, bias)
-        return packed_int_linear(x, layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
-                                 layer.quant_group_size, layer.g_idx, bias)
-
-    def dequantized_weight(self, layer):
-        if layer.quant_layout == "tiled":
-            from pagedllm.quantization.tiled import dequantize_tiled
-
-            return dequantize_tiled(layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
-                                    layer.quant_group_size, layer.quant_perm)
-        return dequantize_packed(layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
-                                 layer.quant_group_size, layer.g_idx)
-
-
-def _trivial_g_idx(k: int, group_size: int) -> torch.Tensor:
-    return torch.arange(k) // group_size
 
 
 def check_bits(method: str, bits: int) -> None:

@@ -34,10 +34,6 @@ class SpeculativeConfig:
     draft_load_format: str = "auto"
     quantization: Optional[str] = None  # the draft's quantization method (None: from its checkpoint)
 
-    @property
-    def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
-
     @classmethod
     def from_user(cls, value: Any) -> Optional["SpeculativeConfig"]:
         """Parse a dict, a JSON string, or None. Raises ValueError naming what to change."""

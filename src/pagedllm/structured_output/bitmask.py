@@ -1,7 +1,8 @@
 """Packed token bitmasks on the device: int32 [rows, ceil(V / 32)], bit j of word w allows token 32 w + j.
 
 On CUDA the mask is unpacked with a byte lookup table (a gather and a masked fill: no host sync, no kernel to
-compile); on CPU xgrammar's C++ kernel does it when xgrammar is installed (about 2x faster than the table).
+compile); on CPU xgrammar's C++ kernel does it when xgrammar is installed (faster than the table there:
+docs/benchmarks.md, structured outputs).
 """
 from __future__ import annotations
 

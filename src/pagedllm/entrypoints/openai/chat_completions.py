@@ -7,10 +7,11 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.chat_template import message_text, render_chat
 from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_grammar, choice_message,
                                                     plan_request_tools)
-from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
+from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,

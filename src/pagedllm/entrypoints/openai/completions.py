@@ -7,7 +7,8 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
+from pagedllm.entrypoints.openai.body import parse_body
+from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float, token_str
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,

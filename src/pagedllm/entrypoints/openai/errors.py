@@ -1,16 +1,14 @@
-"""OpenAI-style errors: APIError, the {"error": {...}} body, and request-body parsing whose failures become
-400s with a message naming the bad field."""
+"""OpenAI-style errors: APIError, the {"error": {...}} body, and validation errors as 400s naming the bad field.
+
+A leaf of entrypoints/openai: every other module there may import it (request bodies are parsed in `body.py`)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
 import msgspec
-from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
-
-T = TypeVar("T", bound=BaseModel)
+from pydantic import ValidationError
 
 _json = msgspec.json.Encoder()
 
@@ -80,44 +78,3 @@ def _jsonable(x: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-class _NotFinite(ValueError):
-    pass
-
-
-def _no_constant(name: str) -> float:
-    raise _NotFinite(name)  # NaN / Infinity: Python's json accepts them, JSON does not
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise _NotFinite(text[:40])  # 1e400 overflows to infinity
-    return value
-
-
-async def parse_body(request: Request, model: type[T]) -> T:
-    from pagedllm.entrypoints.openai import limits
-
-    raw = await request.body()
-    try:
-        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError("We could not parse the JSON body of your request: it is not valid JSON.")
-    except _NotFinite as e:
-        raise APIError(f"We could not parse the JSON body of your request: {e} is not a finite JSON number.")
-    except RecursionError:
-        raise limits.too_deep()
-    if not isinstance(data, dict):
-        raise APIError("The request body must be a JSON object.")
-    limits.check_json_depth(data, raw)
-    from pagedllm.entrypoints.openai.fields import check_extra_fields
-
-    check_extra_fields(model, data)
-    try:
-        req = model.model_validate(data)
-    except ValidationError as e:
-        raise format_validation_error(e)
-    limits.check_request_limits(req)
-    return req

@@ -12,6 +12,8 @@ import asyncio
 import logging
 from typing import Any, Optional
 
+from pagedllm.entrypoints.openai.errors import dumps, error_body
+
 logger = logging.getLogger("pagedllm.api_server")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
@@ -150,9 +152,7 @@ def _replay(body: bytes, tail: Optional[dict], receive: Any) -> Any:
 
 
 async def _send_error(send: Any, e: _Refused) -> None:
-    from pagedllm.entrypoints.openai import errors as c
-
-    body = c.dumps(c.error_body(e.message, e.status, code=e.code))
+    body = dumps(error_body(e.message, e.status, code=e.code))
     await send({"type": "http.response.start", "status": e.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

@@ -19,6 +19,8 @@ import logging
 import time
 from typing import Any, Optional
 
+from pagedllm.entrypoints.openai.errors import dumps, error_body
+
 logger = logging.getLogger("pagedllm.api_server")
 
 # Not counted as in-flight work and still answered while draining (probes and scrapes).
@@ -62,9 +64,7 @@ class DrainMiddleware:
 
 
 async def _send_503(send: Any, message: str) -> None:
-    from pagedllm.entrypoints.openai import errors as c
-
-    body = c.dumps(c.error_body(message, 503))
+    body = dumps(error_body(message, 503))
     await send({"type": "http.response.start", "status": 503,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), (b"retry-after", b"1")]})

@@ -19,7 +19,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from pagedllm import envs
-from pagedllm.entrypoints.openai.errors import APIError, parse_body
+from pagedllm.entrypoints.openai.body import parse_body
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.lora.request import LoRARequest
 
 

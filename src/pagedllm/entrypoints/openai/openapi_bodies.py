@@ -1,7 +1,7 @@
 """Declare the real request bodies in the OpenAPI schema (/openapi.json, /docs) without changing how routes
 parse them.
 
-The endpoints read the raw body themselves (errors.parse_body: OpenAI-shaped 400s, limits), so FastAPI sees
+The endpoints read the raw body themselves (body.parse_body: OpenAI-shaped 400s, limits), so FastAPI sees
 no body parameter and would publish none. `body(Model)` goes into a route's `openapi_extra`; `install(app)`
 adds every model so referenced (and the models they use) to the schema's components. The schema is
 generated from the pydantic models, so a field added to a model appears in /docs and in the fuzzing tests

@@ -4,8 +4,9 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
+from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.chat_template import render_chat
-from pagedllm.entrypoints.openai.errors import APIError, dumps, parse_body
+from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 

@@ -1,0 +1,53 @@
+"""A request body -> the endpoint's pydantic model, every failure a 400 naming what is wrong: invalid or
+non-finite JSON, too deep, unknown or unsupported fields (`fields.py`), validation errors, the per-request bounds
+(`limits.py`). Above errors, fields and limits, which never import it."""
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from pagedllm.entrypoints.openai import limits
+from pagedllm.entrypoints.openai.errors import APIError, format_validation_error
+from pagedllm.entrypoints.openai.fields import check_extra_fields
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> float:
+    raise _NotFinite(name)  # NaN / Infinity: Python's json accepts them, JSON does not
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _NotFinite(text[:40])  # 1e400 overflows to infinity
+    return value
+
+
+async def parse_body(request: Request, model: type[T]) -> T:
+    raw = await request.body()
+    try:
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError("We could not parse the JSON body of your request: it is not valid JSON.")
+    except _NotFinite as e:
+        raise APIError(f"We could not parse the JSON body of your request: {e} is not a finite JSON number.")
+    except RecursionError:
+        raise limits.too_deep()
+    if not isinstance(data, dict):
+        raise APIError("The request body must be a JSON object.")
+    limits.check_json_depth(data, raw)
+    check_extra_fields(model, data)
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        raise format_validation_error(e)
+    limits.check_request_limits(req)
+    return req
