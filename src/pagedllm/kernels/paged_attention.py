@@ -522,12 +522,8 @@ def paged_decode_attention(
     seq_len 0 write nothing, so CUDA graphs can pad the request rows). CUDA-graph capturable when the workspace
     is preallocated (shapes depend only on num_seqs, max_query_len and the model's heads).
 
-<<<<<<< HEAD
-    `order` only changes which programs start first; any permutation is correct (docs/benchmarks.md)."""
-=======
     `order` only changes which programs start first: longest contexts first shortens the tail of long contexts
     at the end of the grid (docs/benchmarks.md, run S); any permutation is correct."""
->>>>>>> wp-house
     if output is None:
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)
