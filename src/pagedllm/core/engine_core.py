@@ -355,6 +355,7 @@ class EngineCore:
         self._in_flight = None
         self._micro_batches = deque()
         self._step_plans = []
+        self.failure = None  # its traceback's frames may hold the runner's tensors
         structured = self.__dict__.pop("structured", None)
         try:
             if structured is not None:

@@ -309,8 +309,12 @@ class Worker:
     def shutdown(self) -> None:
         """Free what this worker holds: the KV cache, CUDA graphs and their memory pool, the weights (and a draft
         model, LoRA slots, offloaded layers). Idempotent; the worker runs no steps afterwards."""
+        if self.__dict__.get("_shut_down"):
+            return
+        self._shut_down = True
         device = self.__dict__.get("device")
-        if device is not None and device.type == "cuda":
+        cuda = device is not None and device.type == "cuda"
+        if cuda:
             try:
                 torch.cuda.synchronize(device)  # nothing still running reads what is freed below
             except RuntimeError:  # a failed device: free what can be freed
@@ -318,10 +322,13 @@ class Worker:
         for name in ("runner", "model", "lora_manager", "offloader", "quant_config"):
             self.__dict__[name] = None
         gc.collect()  # the runner, its graphs and the model hold reference cycles
-        if device is not None and device.type == "cuda":
-            release_cuda_memory(device)
-            if "_non_torch_at_sizing" in self.__dict__:
-                self._record_non_torch_left()
+        if cuda:
+            try:
+                release_cuda_memory(device)
+                if "_non_torch_at_sizing" in self.__dict__:
+                    self._record_non_torch_left()
+            except RuntimeError as e:  # a failed device
+                logger.warning("Could not give cached GPU memory back at shutdown: %s", e)
         gguf_packed = sys.modules.get("pagedllm.models.gguf_packed")
         if gguf_packed is not None:  # a .gguf was read: its cached map (which packed CPU weights view) goes too
             gguf_packed.clear_index_cache()
