@@ -397,7 +397,7 @@ def objects_frozen() -> Iterator[None]:
     if gc.get_freeze_count():
         yield
         return
-    gc.freeze()  # no collection first: that would cost a full pass per call; today's garbage waits for the end
+    gc.freeze()  # no collection first (a full pass per call): garbage already there waits for the end
     try:
         yield
     finally:
