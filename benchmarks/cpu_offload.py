@@ -9,7 +9,6 @@ run: offloaded GB, output tok/s, and the ratio to the resident run.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 import time
@@ -40,10 +39,7 @@ def run(model: str, load_format: str, gb: float, prompts: list, out_len: int) ->
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    llm.engine.shutdown()
-    del llm
-    gc.collect()  # the engine holds reference cycles: collect them so its KV cache is freed before the next run
-    torch.cuda.empty_cache()
+    llm.shutdown()  # the GPU back before the next run
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 

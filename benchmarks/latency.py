@@ -84,11 +84,8 @@ def main(argv=None):
     print(f"hardware bound {bound_ms:.2f} ms/step ({weight_bytes / 1e9:.2f} GB weights + {kv_bytes / 1e9:.3f} GB KV "
           f"at {HBM_BYTES_PER_S / 1e12:.1f} TB/s): pagedllm reaches {bound_ms / (decode * 1e3) * 100:.0f}% of it")
     model_dir = engine.model_dir
-    del llm, engine
-    import gc
-
-    gc.collect()  # the engine's reference cycles hold the KV pool until collected
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    del engine
+    llm.shutdown()  # the device back for the transformers run
     if args.hf == "generate":
         from transformers import AutoConfig, AutoModelForCausalLM
 

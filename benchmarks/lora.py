@@ -13,7 +13,6 @@ Each line prints tok/s (or ms/step) and the ratio to the base model measured in 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -61,13 +60,6 @@ def make_requests(num, input_range, output_range, vocab, seed=0):
             for _ in range(num)]
 
 
-def release() -> None:
-    """Give back an engine's GPU memory (call after the caller's `del llm`: a reference passed in would keep it)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def timed_generate(llm, reqs, lora_requests) -> float:
     from pagedllm import SamplingParams
 
@@ -99,8 +91,7 @@ def throughput(args, hf_config, adapters) -> dict:
     results = {}
     llm = LLM(**common)
     base_s = timed_generate(llm, reqs, [None] * len(reqs))
-    del llm
-    release()
+    llm.shutdown()
     results["base"] = {"tok_s": total / base_s}
     print(f"base model (no LoRA engine): {total / base_s:,.0f} tok/s", flush=True)
     llm = LLM(**common, enable_lora=True, max_loras=max(args.num_adapters), max_lora_rank=args.rank)
@@ -114,8 +105,7 @@ def throughput(args, hf_config, adapters) -> dict:
         s = timed_generate(llm, reqs, spread)
         results[f"{n}_adapters"] = {"tok_s": total / s, "ratio": base_s / s}
         print(f"{n:>2} adapters (rank {args.rank}): {total / s:,.0f} tok/s = {base_s / s:.3f}x base", flush=True)
-    del llm
-    release()
+    llm.shutdown()
     return results
 
 
@@ -153,8 +143,7 @@ def latency(args, adapters) -> dict:
     b, t = min(base), min(tuned)
     print(f"batch-1 decode: base {b:.3f} ms/step, with a rank-{args.rank} adapter on all 7 projections {t:.3f} "
           f"ms/step = {t / b:.3f}x", flush=True)
-    del llm
-    release()
+    llm.shutdown()
     return {"base_ms": b, "lora_ms": t, "ratio": t / b, "base_runs": base, "lora_runs": tuned}
 
 

@@ -12,7 +12,6 @@ its continuous batching (`generate_batch`, GPU). Both are credited only the toke
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import random
@@ -117,8 +116,8 @@ def run_pagedllm(args, reqs):
         bound = hardware_bound_s(reqs, sum(p.numel() for p in model.parameters()),
                                  sum(p.numel() * p.element_size() for p in model.parameters()),
                                  llm.engine.worker.runner.kv_cache_spec().bytes_per_token, args.max_num_seqs)
-    del llm, model
-    gc.collect()
+    del model
+    llm.shutdown()
     return {"elapsed_s": elapsed, "output_tokens": n_out, "startup_s": startup, "model_dir": model_dir,
             "hardware_bound_s": bound}
 

@@ -6,12 +6,13 @@ block pool and request bookkeeping it drives are pure Python.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.batch_plan import EngineCoreOutput
@@ -49,9 +50,17 @@ class EngineCore:
                              "offline LLM is one engine core (use tensor_parallel_size / pipeline_parallel_size, "
                              "or one LLM per device).")
         self.engine_args = engine_args
+        self.closed = False
         start = time.perf_counter()
         # The Worker itself for one device (in-process), else a multi-process / Ray executor of ranks.
         self.worker = make_executor(engine_args)
+        try:
+            self._start(engine_args, start)
+        except BaseException:
+            self.shutdown()  # a failed start frees the device memory and worker processes it took
+            raise
+
+    def _start(self, engine_args: EngineArgs, start: float) -> None:
         w = self.worker
         self.model_dir = w.model_dir
         self.max_model_len = w.max_model_len
@@ -101,7 +110,6 @@ class EngineCore:
         self.failure: Optional[Exception] = None
         self.num_steps = 0
         self._step_plans: list = []  # the plans the current step works on (for recovery from a failed step)
-        freeze_startup_objects()
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens = %d tokens of KV cache "
                     "(%.1fx max_model_len %d).", time.perf_counter() - start, self.num_blocks, self.block_size,
                     self.scheduler.num_pool_tokens, self.scheduler.num_pool_tokens / self.max_model_len,
@@ -110,6 +118,8 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue a request. Raises ValueError (a user error) before anything is queued."""
+        if self.closed:
+            raise EngineShutDown()
         prompt = list(req.prompt_token_ids)
         num_prompt = len(prompt)
         if num_prompt == 0:
@@ -147,11 +157,12 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        if not self.closed:  # a shut-down engine has no requests left to abort
+            self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return (self._in_flight is not None or bool(self._micro_batches)
-                or self.scheduler.has_unfinished_requests())
+        return not self.closed and (self._in_flight is not None or bool(self._micro_batches)
+                                    or self.scheduler.has_unfinished_requests())
 
     # ------------------------------------------------------------------ the loop body
     # ------------------------------------------------------------------ LoRA adapters
@@ -171,6 +182,8 @@ class EngineCore:
         requests are finished (aborted), every other request of the step's plans is preempted and recomputed,
         and the error is re-raised for the driver to report; the next step runs as usual. Any other exception
         (a dead or hung worker rank) leaves the engine failed: every later step raises it again."""
+        if self.closed:
+            raise EngineShutDown()
         if self.failure is not None:
             raise self.failure
         self._step_plans = []
@@ -332,16 +345,63 @@ class EngineCore:
         return self.structured.pop_errors()
 
     def shutdown(self) -> None:
-        self.structured.shutdown()
-        self.worker.shutdown()
+        """Stop the engine and let go of everything it holds: the grammar compile thread, the worker (KV cache,
+        CUDA graphs, weights; worker processes exit) and the scheduler's state. Idempotent; step() and
+        add_request() raise EngineShutDown afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        # The step in flight holds the runner (and its device tensors): dropped before the worker frees them.
+        self._in_flight = None
+        self._micro_batches = deque()
+        self._step_plans = []
+        self.failure = None  # its traceback's frames may hold the runner's tensors
+        structured = self.__dict__.pop("structured", None)
+        try:
+            if structured is not None:
+                structured.shutdown()
+        finally:
+            # The adapter registry holds the worker's LoRA manager (and through it the model's layers).
+            self.__dict__.pop("loras", None)
+            self.__dict__.pop("scheduler", None)
+            self.__dict__.pop("_spec_log", None)
+            worker, self.worker = self.worker, None
+            if worker is not None:
+                worker.shutdown()
+
+
+class EngineShutDown(RuntimeError):
+    """The engine was shut down: it runs no more requests."""
+
+    def __init__(self) -> None:
+        super().__init__("This engine was shut down; create a new one to run more requests.")
 
 
 def freeze_startup_objects() -> None:
     """Move everything alive after start-up (model, caches, tokenizer, modules) out of the cyclic collector's
     view: steps allocate thousands of small objects, and each full collection they trigger would otherwise walk
-    all of it, a pause that grows with the heap (docs/benchmarks.md, host work per step)."""
+    all of it, a pause that grows with the heap (docs/benchmarks.md, host work per step).
+
+    For the processes pagedllm owns (the server's engine-core and API processes, which live as long as their
+    engine): frozen objects are never collected again, so a process that builds engines one after another (an
+    offline `LLM`) uses `objects_frozen` around its loop instead."""
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def objects_frozen() -> Iterator[None]:
+    """The same while the block runs (an offline generate loop), then everything is unfrozen: the steps get
+    the short collections, and a deleted engine is collected as usual. Where something is frozen already (the
+    caller manages freezing itself), leaves it alone."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()  # no collection first (a full pass per call): garbage already there waits for the end
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class EngineLoRAs:

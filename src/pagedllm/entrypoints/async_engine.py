@@ -172,9 +172,6 @@ class AsyncEngine:
                 raise EngineStartupError(f"the engine process did not become ready within {startup_timeout_s} s")
         await asyncio.get_running_loop().run_in_executor(None, preimport.join)
         self._load_frontend()
-        from pagedllm.core.engine_core import freeze_startup_objects
-
-        freeze_startup_objects()  # the tokenizer and FastAPI app: a streaming server allocates per chunk
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._output_handler(), name="pagedllm-output-handler"))
         self._tasks.append(loop.create_task(self._watch_engine(), name="pagedllm-engine-watch"))

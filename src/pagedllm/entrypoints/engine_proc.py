@@ -49,9 +49,10 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
     out_sock.connect(output_addr)
     enc = m.Encoder()
     try:
-        from pagedllm.core.engine_core import EngineCore
+        from pagedllm.core.engine_core import EngineCore, freeze_startup_objects
 
         core = EngineCore(engine_args)
+        freeze_startup_objects()  # this process lives as long as its engine: nothing built so far is garbage
     except BaseException as e:  # noqa: BLE001 - any startup failure must reach the user as one line
         logger.debug("engine startup failed", exc_info=True)
         out_sock.send(enc.encode(m.EngineStartupError(message=one_line(e, _USER_ERRORS))))

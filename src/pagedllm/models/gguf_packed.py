@@ -103,6 +103,11 @@ def read_gguf_index(gguf_path: str) -> GGUFIndex:
     return _index_cache[key]
 
 
+def clear_index_cache() -> None:
+    """Forget the cached map (an engine's shutdown): it would keep the file mapped after its weights are gone."""
+    _index_cache.clear()
+
+
 def _parse_index(gguf_path: str) -> GGUFIndex:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 

@@ -178,5 +178,8 @@ class StructuredOutputManager:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def shutdown(self) -> None:
+        """Stop the compile thread: queued compiles are cancelled, a running one is waited for (the thread must
+        not outlive the engine)."""
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None

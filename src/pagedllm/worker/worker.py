@@ -1,9 +1,11 @@
 """Worker: one device's model + KV cache + runner. Resolves the model, picks device/dtype, sizes the pool."""
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -95,6 +97,15 @@ class Worker:
     joined torch.distributed and its model-parallel groups before this is built."""
 
     def __init__(self, args: EngineArgs, local_rank: int = 0) -> None:
+        try:
+            self._start(args, local_rank)
+        except BaseException:
+            # A failed start (no room for the KV cache, a bad checkpoint) frees what it loaded: the traceback the
+            # caller keeps (a notebook's last error) would hold this half-built worker and its weights.
+            self.shutdown()
+            raise
+
+    def _start(self, args: EngineArgs, local_rank: int) -> None:
         from pagedllm.distributed.parallel_state import get_pp_group, get_world_group
         from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir, resolve_model_path
 
@@ -244,7 +255,12 @@ class Worker:
         peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_baseline
         torch.cuda.empty_cache()
         free_after, _ = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free_after - torch.cuda.memory_reserved(self.device)
+        # Device memory outside this process's caching allocator: other processes', this process's CUDA context,
+        # and kernel code, less what earlier engines of this process loaded after sizing their pool (not
+        # another process's: without this a second engine in a process would get a smaller pool than the first).
+        self._non_torch_at_sizing = total - free_after - torch.cuda.memory_reserved(self.device)
+        self._non_torch_known = _LEFT_BY_ENGINES.get(self._device_index(), 0)
+        used_by_others = self._non_torch_at_sizing - self._non_torch_known
         # gpu_memory_utilization is this engine's share; what another engine of this process holds is not counted
         # against it, but the KV cache can only take memory that is free once this engine's activations are back.
         activations = peak - (torch.cuda.memory_allocated(self.device) - self._cuda_baseline)
@@ -291,7 +307,64 @@ class Worker:
         return ModelOutput()
 
     def shutdown(self) -> None:
-        self.runner.kv_caches = []
+        """Free what this worker holds: the KV cache, CUDA graphs and their memory pool, the weights (and a draft
+        model, LoRA slots, offloaded layers). Idempotent; the worker runs no steps afterwards."""
+        if self.__dict__.get("_shut_down"):
+            return
+        self._shut_down = True
+        device = self.__dict__.get("device")
+        cuda = device is not None and device.type == "cuda"
+        if cuda:
+            try:
+                torch.cuda.synchronize(device)  # nothing still running reads what is freed below
+            except RuntimeError:  # a failed device: free what can be freed
+                pass
+        for name in ("runner", "model", "lora_manager", "offloader", "quant_config"):
+            self.__dict__[name] = None
+        gc.collect()  # the runner, its graphs and the model hold reference cycles
+        if cuda:
+            try:
+                release_cuda_memory(device)
+                if "_non_torch_at_sizing" in self.__dict__:
+                    self._record_non_torch_left()
+            except RuntimeError as e:  # a failed device
+                logger.warning("Could not give cached GPU memory back at shutdown: %s", e)
+        gguf_packed = sys.modules.get("pagedllm.models.gguf_packed")
+        if gguf_packed is not None:  # a .gguf was read: its cached map (which packed CPU weights view) goes too
+            gguf_packed.clear_index_cache()
+
+    def _device_index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def _record_non_torch_left(self) -> None:
+        """What non-torch device memory grew by since this engine sized its pool (kernels it loaded later, CUDA's
+        local-memory reservation) stays in the process after it: the next engine must not count it as another
+        process's. The largest such growth any engine saw (engines living side by side see the same kernels)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        grown = non_torch - self._non_torch_at_sizing + self._non_torch_known
+        index = self._device_index()
+        _LEFT_BY_ENGINES[index] = max(_LEFT_BY_ENGINES.get(index, 0), grown, 0)
+
+
+# Per CUDA device index: non-torch device memory that engines of this process loaded after sizing their KV
+# cache and that outlives them (see Worker._record_non_torch_left). Another process's memory changing meanwhile
+# shows here too; the KV budget stays capped by the memory actually free.
+_LEFT_BY_ENGINES: dict[int, int] = {}
+
+
+def release_cuda_memory(device: torch.device) -> None:
+    """Hand what torch caches for this process back to the device and the host: cuBLAS's per-stream
+    workspaces (allocated by the first product on each stream, kept for the process), the caching allocator's
+    free blocks, and pinned host blocks (staging buffers, offloaded layers)."""
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    with torch.cuda.device(device):
+        if clear_workspaces is not None:
+            clear_workspaces()
+        torch.cuda.empty_cache()
+    host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
+    if host_empty_cache is not None:
+        host_empty_cache()
 
 
 def _count_params(model: torch.nn.Module) -> str:

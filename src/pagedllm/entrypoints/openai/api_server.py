@@ -55,6 +55,7 @@ async def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedllm import envs
+    from pagedllm.core.engine_core import freeze_startup_objects
     from pagedllm.entrypoints.async_engine import AsyncEngine, EngineStartupError
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
@@ -101,6 +102,7 @@ async def serve(args: argparse.Namespace) -> int:
         guarded = RequestGuard(build_app(state), max_body_bytes=args.max_request_body_bytes,
                                send_timeout_s=args.send_timeout)
         app = DrainMiddleware(guarded, lifecycle)
+        freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")
         server = server_class()(config, engine, lifecycle, shutdown_timeout=args.shutdown_timeout,
