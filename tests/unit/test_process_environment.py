@@ -93,9 +93,11 @@ def test_torch_imported_first_keeps_libgomp_s_default():
 def _environ_uses(path: str) -> list[str]:
     with open(path) as f:
         tree = ast.parse(f.read(), path)
+    names = {"os"} | {a.asname for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names
+                      if a.name == "os" and a.asname}
     found = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names
                 and node.attr in ("environ", "environb", "getenv", "putenv", "unsetenv")):
             found.append(f"{os.path.relpath(path, SRC)}:{node.lineno} os.{node.attr}")
         if isinstance(node, ast.ImportFrom) and node.module == "os":
