@@ -20,8 +20,8 @@ OMP_WAIT_POLICY.
 """
 from __future__ import annotations
 
-import os
 import contextlib
+import os
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 
