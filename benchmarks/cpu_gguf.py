@@ -22,17 +22,14 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The user's OpenMP wait policy, read before pagedllm sets its own default: the peers run with their own
-# defaults (what their users get) unless the user set one for everybody or passes --peer-omp-wait-policy.
-_USER_OMP_POLICY = os.environ.get("OMP_WAIT_POLICY")
 
 
 def peer_env(policy=None, **extra):
+    """The peers' environment: this one's (pagedllm leaves it alone), so they run with their own OpenMP defaults
+    (what their users get) unless the user exported a policy for everybody or passes --peer-omp-wait-policy."""
     env = dict(os.environ, **extra)
-    env.pop("OMP_WAIT_POLICY", None)
-    chosen = policy or _USER_OMP_POLICY
-    if chosen:
-        env["OMP_WAIT_POLICY"] = chosen
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
     return env
 
 _CHILD = r'''
@@ -150,6 +147,7 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
     sys.path.insert(0, HERE)
+    import pagedllm  # before torch: pagedllm's OpenMP wait policy applies when torch's libgomp loads
     import torch
 
     from offline_throughput import make_requests
@@ -157,7 +155,7 @@ def main():
     from pagedllm.models.loader import resolve_model_path
 
     torch.set_num_threads(args.threads)
-    print(f"OMP_WAIT_POLICY: pagedllm {os.environ.get('OMP_WAIT_POLICY')}, peers "
+    print(f"OpenMP wait policy: pagedllm {pagedllm.openmp.wait_policy()}, peers "
           f"{peer_env(args.peer_omp_wait_policy).get('OMP_WAIT_POLICY', 'unset (their default)')}", flush=True)
     path = resolve_model_path(args.model)
     workloads = args.workloads.split(",")

@@ -23,7 +23,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_USER_OMP_POLICY = os.environ.get("OMP_WAIT_POLICY")  # before pagedllm sets its default (see cpu_gguf.py)
 _WORDS = ("the a river mountain city quiet people music garden winter summer light old new small great story "
           "water road house friend morning evening market teacher child window bridge forest letter journey "
           "village ocean storm bright silver green stone paper simple careful open close remember write read "
@@ -108,12 +107,12 @@ def main():
     from pagedllm.models.loader import resolve_model_path
     path = resolve_model_path(args.model)
     ours_port, theirs_port = free_port(), free_port()
-    import pagedllm  # noqa: F401  (sets pagedllm's default OMP_WAIT_POLICY, which both servers then get)
+    # Both servers get this environment (pagedllm leaves it alone): `pagedllm serve` applies its own OpenMP wait
+    # policy to its own processes, llama.cpp runs with its default unless the user exported one or passes
+    # --peer-omp-wait-policy.
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    peer_env = {k: v for k, v in env.items() if k != "OMP_WAIT_POLICY"}
-    if args.peer_omp_wait_policy or _USER_OMP_POLICY:
-        peer_env["OMP_WAIT_POLICY"] = args.peer_omp_wait_policy or _USER_OMP_POLICY
-    print(f"OMP_WAIT_POLICY: pagedllm {env.get('OMP_WAIT_POLICY')}, llama.cpp "
+    peer_env = dict(env, **({"OMP_WAIT_POLICY": args.peer_omp_wait_policy} if args.peer_omp_wait_policy else {}))
+    print(f"OMP_WAIT_POLICY: pagedllm serve {env.get('OMP_WAIT_POLICY') or 'PASSIVE (its own)'}, llama.cpp "
           f"{peer_env.get('OMP_WAIT_POLICY', 'unset (its default)')}", flush=True)
     logs = {name: open(f"/tmp/cpu_gguf_serve_{name}.log", "w") for name in ("pagedllm", "llama.cpp")}
     procs = {

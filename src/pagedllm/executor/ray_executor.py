@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from pagedllm import envs
 from pagedllm.executor.multiproc import MultiprocExecutor, _free_port, collective_timeout_s
 from pagedllm.executor.parallel_config import ParallelLayout
-from pagedllm.executor.worker_proc import WorkerSpec
+from pagedllm.executor.worker_proc import RANK_DEFAULTS, WorkerSpec
 
 logger = logging.getLogger("pagedllm.executor")
 
@@ -93,7 +94,9 @@ class RayExecutor(MultiprocExecutor):
         ray = self.ray
         cuda = args.device != "cpu" and _cluster_has_gpus(ray)
         # One GPU per rank on GPU clusters; CPU ranks take no CPU reservation (torch threads are set per rank).
-        actor_cls = ray.remote(num_cpus=0, num_gpus=1 if cuda else 0)(_RankActor)
+        # Ray starts the ranks' processes: pagedllm's variables for them go in their runtime environment.
+        actor_cls = ray.remote(num_cpus=0, num_gpus=1 if cuda else 0,
+                               runtime_env={"env_vars": envs.child_vars(**RANK_DEFAULTS)})(_RankActor)
         ranks = {}
         for rank in range(layout.world_size):
             actor = actor_cls.remote()

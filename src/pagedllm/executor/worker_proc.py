@@ -17,7 +17,6 @@ rank's state before the next plan runs (that plan was made after them).
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import sys
 import time
@@ -27,6 +26,11 @@ from typing import Any
 from pagedllm.process_utils import one_line, watch_parent as _watch_parent
 
 logger = logging.getLogger("pagedllm.worker")
+
+
+# What a rank's environment gets unless it sets it (through envs.child_env / child_vars): N ranks would draw N
+# copies of every progress bar.
+RANK_DEFAULTS = {"PAGEDLLM_DISABLE_PROGRESS_BARS": "1"}
 
 
 @dataclass
@@ -56,7 +60,6 @@ def main() -> None:
 def run_worker(spec: WorkerSpec, watch_parent: bool = True) -> int:
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(levelname)s %(asctime)s [rank {spec.rank}] %(message)s", datefmt="%H:%M:%S")
-    os.environ.setdefault("PAGEDLLM_DISABLE_PROGRESS_BARS", "1")
     if watch_parent:
         _watch_parent(exit_code=1)
     import zmq

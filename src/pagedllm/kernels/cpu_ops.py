@@ -53,8 +53,9 @@ def _build_name() -> str:
     return "pagedllm_cpu_" + hashlib.sha256(key).hexdigest()[:16]
 
 
-def _ensure_ninja_on_path() -> None:
-    """torch's extension builder runs `ninja` from PATH; the venv's bin (the `ninja` wheel) may not be on it."""
+def _path_with_ninja() -> str:
+    """PATH with the venv's bin and the `ninja` wheel's directory: torch's extension builder runs `ninja` from
+    PATH, and the venv's bin may not be on it."""
     dirs = [os.path.dirname(sys.executable)]
     try:
         import ninja  # the PyPI package ships the binary
@@ -62,10 +63,9 @@ def _ensure_ninja_on_path() -> None:
         dirs.append(ninja.BIN_DIR)
     except Exception:
         pass
-    path = os.environ.get("PATH", "")
+    path = envs.PATH
     missing = [d for d in dirs if d and d not in path.split(os.pathsep)]
-    if missing:
-        os.environ["PATH"] = os.pathsep.join(missing + [path])
+    return os.pathsep.join(missing + [path]) if missing else path
 
 
 def _load() -> Any:
@@ -79,10 +79,10 @@ def _load() -> Any:
     built = os.path.exists(os.path.join(build_dir, f"{name}.so"))
     if not built:
         logger.info("Building the pagedllm CPU kernels for this machine (once; about 30 s) in %s", build_dir)
-    _ensure_ninja_on_path()
     t0 = time.perf_counter()
-    cpp_extension.load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                       build_directory=build_dir, is_python_module=False, verbose=False)
+    with envs.environ_set({"PATH": _path_with_ninja()}):  # the build takes its environment from os.environ
+        cpp_extension.load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=build_dir, is_python_module=False, verbose=False)
     if not built:
         logger.info("Built the CPU kernels in %.1f s.", time.perf_counter() - t0)
     return torch.ops.pagedllm_cpu

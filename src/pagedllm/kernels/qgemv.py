@@ -19,13 +19,13 @@ At decode (1 to a few rows) the product is a pass over the packed weights, so th
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm import envs
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 from pagedllm.kernels.tiled_layout import dequantize_tiled
 
@@ -176,7 +176,7 @@ def _qgemv_kernel(
 
 def use_asm(device: torch.device) -> bool:
     """Inline PTX only on a real CUDA device (Triton's interpreter cannot run it)."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return device.type == "cuda" and not envs.TRITON_INTERPRET
 
 
 def num_sms(device: torch.device) -> int:

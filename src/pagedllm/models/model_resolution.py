@@ -1,9 +1,13 @@
 """`--model` -> a local path, as vLLM resolves it: an existing path (directory or .gguf) as is; otherwise a
 repo id on a model hub.
 
-Hugging Face (huggingface_hub): with HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) only the local cache is used;
-otherwise the snapshot is downloaded, with a progress bar, into the cache (or --download-dir), at --revision,
-with HF_TOKEN for private and gated repos. Only what the engine reads is fetched (configs, tokenizer files,
+Hugging Face (huggingface_hub 0.30 to 2.x, through its public API only): with HF_HUB_OFFLINE (or
+TRANSFORMERS_OFFLINE) only the local cache is used; otherwise the snapshot is downloaded, with a progress bar,
+into the cache (or --download-dir), at --revision, with HF_TOKEN for private and gated repos, and an unreachable
+hub falls back to the cache. Where the cache is (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)
+and which hub is asked (HF_ENDPOINT) huggingface_hub reads itself, from `huggingface_hub.constants`, which is
+imported here by name: huggingface_hub 2.x does not load that submodule lazily, and nothing else may have
+imported it yet in an engine process. Only what the engine reads is fetched (configs, tokenizer files,
 safetensors, the model's own code). With VLLM_USE_MODELSCOPE / PAGEDLLM_USE_MODELSCOPE the `modelscope` library
 does the same against ModelScope.
 """
@@ -34,25 +38,25 @@ def resolve_repo_id(model: str, revision: Optional[str] = None, download_dir: Op
 
 
 def _from_hugging_face(model: str, revision: Optional[str], download_dir: Optional[str]) -> str:
-    import huggingface_hub
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors, snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
 
     kwargs = dict(repo_id=model, revision=revision, cache_dir=download_dir, allow_patterns=ALLOW_PATTERNS,
                   token=envs.HF_TOKEN)
-    where = download_dir or huggingface_hub.constants.HF_HUB_CACHE
+    where = download_dir or constants.HF_HUB_CACHE
     at = f" at revision {revision!r}" if revision else ""
     if envs.HF_HUB_OFFLINE:
         try:
-            return huggingface_hub.snapshot_download(local_files_only=True, **kwargs)
+            return snapshot_download(local_files_only=True, **kwargs)
         except (errors.LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
             raise ValueError(f"Model {model!r}{at} is not in the local Hugging Face cache ({where}) and "
                              "HF_HUB_OFFLINE is set: download it first (unset HF_HUB_OFFLINE), or pass a local "
                              "path.") from None
     if envs.PAGEDLLM_DISABLE_PROGRESS_BARS:
-        huggingface_hub.utils.disable_progress_bars()
+        disable_progress_bars()
     logger.info("Resolving %s%s on the Hugging Face Hub (cache: %s).", model, at, where)
     try:
-        return huggingface_hub.snapshot_download(**kwargs)
+        return snapshot_download(**kwargs)
     except errors.GatedRepoError:
         raise ValueError(f"Model {model!r} is gated on the Hugging Face Hub: accept its terms on its page and "
                          "set HF_TOKEN to a token of that account.") from None
@@ -61,9 +65,15 @@ def _from_hugging_face(model: str, revision: Optional[str], download_dir: Option
                          "private, set HF_TOKEN.") from None
     except errors.RevisionNotFoundError:
         raise ValueError(f"Model {model!r} has no revision {revision!r} on the Hugging Face Hub.") from None
-    except (errors.LocalEntryNotFoundError, OSError) as e:
-        raise ValueError(f"Could not download {model!r} from the Hugging Face Hub ({type(e).__name__}: {e}); "
-                         "check the network, or set HF_HUB_OFFLINE=1 to use the local cache.") from None
+    except (errors.LocalEntryNotFoundError, OSError) as e:  # HfHubHTTPError is an OSError too
+        raise ValueError(f"Could not download {model!r}{at} from the Hugging Face Hub, and it is not in the local "
+                         f"cache ({where}): {type(e).__name__}: {_first_line(e)}; check the network and HF_ENDPOINT, "
+                         "or pass a local path.") from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else ""
 
 
 def _from_modelscope(model: str, revision: Optional[str], download_dir: Optional[str]) -> str:
