@@ -32,8 +32,9 @@ def make_llm(args, copies: bool):
 
 
 def prompts_for(llm, n: int, length: int, seed: int) -> list[dict]:
-    """Random token prompts (fresh per seed: no prefix-cache hits across iterations)."""
-    vocab = len(llm.tokenizer)
+    """Random token prompts (fresh per seed: no prefix-cache hits across iterations); the model's vocabulary, so a
+    dummy model without a tokenizer works too."""
+    vocab = min(llm.engine.vocab_size, 32000)
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(length)]} for _ in range(n)]
 

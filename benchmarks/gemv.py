@@ -8,9 +8,8 @@ loads overlap the kernel before it (programmatic dependent launch), which a kern
     python benchmarks/gemv.py                      # Llama-3-8B and Qwen3-0.6B shapes, 1-4 rows
     python benchmarks/gemv.py --chain-only --shapes llama3-8b --rows 1 5 8 16   # verify-step rows (k + 1 per request)
 
-"gemv" is `kernels.gemv.gemv` as the layers call it: rows that `_rows_kernel` gives to the tensor-core skinny GEMM
-(kernels/skinny_gemm.py: 2..16 rows where the GEMV does not apply) run that kernel; PAGEDLLM_SKINNY_GEMM_MAX_ROWS=0
-forces the GEMV kernel instead.
+"gemv" is `kernels.gemv.gemv` run at every row count asked for (the layers themselves give it only the rows
+`_rows_kernel` assigns it, and cuBLAS the rest).
     PAGEDLLM_PDL_TRIGGER=0 python benchmarks/gemv.py --chain-only   # A/B of the early launch trigger
 """
 from __future__ import annotations

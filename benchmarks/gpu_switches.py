@@ -1,23 +1,22 @@
-"""Each GPU path that sat behind a switch, measured against the path it replaced, in one run (issue 25).
+"""The GPU paths that sat behind switches (issue 25), each measured against the path it replaced, in one run.
 
-The seven switches (src/pagedllm/envs.py) now default to the new path; `=0` (or 0 rows) selects the old one. This
-driver runs each A/B as its own benchmark command, in a fixed order with a timeout per step, and appends every
-command's output to one log and its key lines to a summary (both under --out), so a run cut short by the device
-limit still returns what it measured.
+Of the seven switches, three remain as A/B switches for paths that won (`=0` selects the old path):
+PAGEDLLM_QUANT_TILED, PAGEDLLM_KV_SCALES, PAGEDLLM_PARTIAL_BLOCK_COPIES; the four that lost were deleted with their
+code (docs/benchmarks.md, "The seven GPU switches"). This driver runs each A/B as its own benchmark command, in a
+fixed order with a timeout per step, and appends every command's output to one log and its key lines to a summary
+(both under --out), so a run cut short by the device limit still returns what it measured.
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_switches.py --out $OUT [--only quant verify ...] [--list]
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_switches.py --out $OUT [--only quant_e2e kv_scales ...] [--list]
 
 Steps (name: what, A/B):
-  quant_layers    8B layer shapes at 1..256 rows: int4 tiled (PAGEDLLM_QUANT_TILED, default) vs int4-old (the
-                  general dequant kernel), bf16 beside them (benchmarks/quant.py)
+  quant_layers    8B layer shapes at 1..256 rows: int4 tiled (default) vs int4-old (the general dequant kernel),
+                  bf16 beside them (benchmarks/quant.py)
   quant_e2e       8B GPTQ int4 g128, batch-1 decode ms/token, tiled vs PAGEDLLM_QUANT_TILED=0 (latency.py)
-  verify          8B, batch 1: a k=4 verify step vs a plain decode step, new path (verify graphs + multi-query
-                  decode attention + skinny GEMM) vs all three off (spec_decode.py verify)
-  verify_parts    the same with one of the three off at a time
-  skinny          32 decoder layers of the 8B shape at 1/5/8/16 rows: few-row kernels vs cuBLAS (gemv.py)
-  stage_sampling  Qwen3-0.6B, 256 prompts, temperature 0.6: PAGEDLLM_STAGE_SAMPLING default vs =0
-  kv_scales       the same with --kv-cache-dtype fp8: calibrated scales (default) vs PAGEDLLM_KV_SCALES=0
+  kv_scales       Qwen3-0.6B nano protocol with --kv-cache-dtype fp8: calibrated scales (default) vs
+                  PAGEDLLM_KV_SCALES=0, as A B A after an untimed warm-up run (the first run of a machine compiles)
   beam            Qwen3-0.6B beam search, width 4: partial-block copies (default) vs PAGEDLLM_PARTIAL_BLOCK_COPIES=0
+  verify          8B, batch 1: a k=4 verify step vs a plain decode step on the default path (spec_decode.py verify)
+  chain           32 decoder layers of the 8B shape at 1/5/8/16 rows: the Triton GEMV vs cuBLAS (gemv.py)
 """
 from __future__ import annotations
 
@@ -32,10 +31,6 @@ import time
 B = os.path.dirname(os.path.abspath(__file__))
 CFG = os.path.join(B, "configs")
 PY = sys.executable
-OFF_VERIFY = {"PAGEDLLM_VERIFY_ATTENTION": "0", "PAGEDLLM_SKINNY_GEMM_MAX_ROWS": "0",
-              "PAGEDLLM_VERIFY_GRAPH_MAX_REQS": "0"}
-# Batch-1 steps: the one prefill runs eagerly instead of capturing every mixed-step bucket first (start-up time).
-NO_MIXED = {"PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": "0"}
 
 
 def lat(model, dtype="bfloat16"):
@@ -43,16 +38,17 @@ def lat(model, dtype="bfloat16"):
             "--batch-size", "1", "--input-len", "128", "--output-len", "256", "--hf", "none", "--iters", "3"]
 
 
-def verify(extra=()):
-    return [PY, f"{B}/spec_decode.py", "verify", "--model", f"{CFG}/llama3-8b", "--load-format", "dummy",
-            "--dtype", "bfloat16", "--steps", "60", "--iters", "3", "--profile", *extra]
-
-
-def nano(extra=()):
+def nano(extra=(), prompts="256"):
     return [PY, f"{B}/offline_throughput.py", "--model", f"{CFG}/qwen3-0.6b", "--load-format", "dummy",
-            "--dtype", "bfloat16", "--num-prompts", "256", "--input-len", "100", "1024", "--output-len", "100",
+            "--dtype", "bfloat16", "--num-prompts", prompts, "--input-len", "100", "1024", "--output-len", "100",
             "1024", "--max-model-len", "2048", "--temperature", "0.6", "--hf", "none", "--no-tqdm", *extra]
 
+
+# Batch-1 steps: the one prefill runs eagerly instead of capturing every mixed-step bucket first (start-up time).
+NO_MIXED = {"PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": "0"}
+FP8 = ["--kv-cache-dtype", "fp8"]
+VERIFY = [PY, f"{B}/spec_decode.py", "verify", "--model", f"{CFG}/llama3-8b", "--load-format", "dummy", "--dtype",
+          "bfloat16", "--steps", "60", "--iters", "3", "--profile"]
 
 # (step, label, env, argv, timeout s)
 STEPS = [
@@ -62,21 +58,16 @@ STEPS = [
     ("quant_e2e", "tiled", NO_MIXED, lat("llama3-8b-gptq-int4"), 150),
     ("quant_e2e", "old (PAGEDLLM_QUANT_TILED=0)", {**NO_MIXED, "PAGEDLLM_QUANT_TILED": "0"},
      lat("llama3-8b-gptq-int4"), 150),
-    ("verify", "new path", NO_MIXED, verify(), 180),
-    ("verify", "old path (all three off)", {**NO_MIXED, **OFF_VERIFY}, verify(), 180),
-    ("skinny", "chain", {}, [PY, f"{B}/gemv.py", "--chain-only", "--shapes", "llama3-8b", "--rows", "1", "5", "8",
-                             "16"], 150),
-    ("stage_sampling", "staged (default)", {}, nano(), 150),
-    ("stage_sampling", "copied (PAGEDLLM_STAGE_SAMPLING=0)", {"PAGEDLLM_STAGE_SAMPLING": "0"}, nano(), 150),
-    ("kv_scales", "fp8 KV, calibrated scales (default)", {}, nano(["--kv-cache-dtype", "fp8"]), 150),
-    ("kv_scales", "fp8 KV, scales 1.0 (PAGEDLLM_KV_SCALES=0)", {"PAGEDLLM_KV_SCALES": "0"},
-     nano(["--kv-cache-dtype", "fp8"]), 150),
+    ("kv_scales", "warm-up (untimed)", {}, nano(FP8, prompts="32"), 150),
+    ("kv_scales", "A: calibrated scales (default)", {}, nano(FP8), 150),
+    ("kv_scales", "B: scales 1.0 (PAGEDLLM_KV_SCALES=0)", {"PAGEDLLM_KV_SCALES": "0"}, nano(FP8), 150),
+    ("kv_scales", "A again", {}, nano(FP8), 150),
     ("beam", "copies vs recompute", {}, [PY, f"{B}/beam_search.py", "--model", f"{CFG}/qwen3-0.6b", "--load-format",
                                          "dummy", "--dtype", "bfloat16", "--beam-width", "4", "--max-tokens", "64",
                                          "--num-prompts", "8"], 150),
-    ("verify_parts", "attention off", {**NO_MIXED, "PAGEDLLM_VERIFY_ATTENTION": "0"}, verify(), 180),
-    ("verify_parts", "skinny GEMM off", {**NO_MIXED, "PAGEDLLM_SKINNY_GEMM_MAX_ROWS": "0"}, verify(), 180),
-    ("verify_parts", "verify graphs off", {**NO_MIXED, "PAGEDLLM_VERIFY_GRAPH_MAX_REQS": "0"}, verify(), 180),
+    ("verify", "default path", {"PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": "64"}, VERIFY, 180),
+    ("chain", "GEMV vs cuBLAS", {}, [PY, f"{B}/gemv.py", "--chain-only", "--shapes", "llama3-8b", "--rows", "1", "5",
+                                     "8", "16"], 150),
 ]
 # Lines worth keeping in the summary: results, ratios, failures.
 KEY = re.compile(r"(ratio|tok/s|ms/token|median|Throughput|throughput|x bf16|us |GB/s|Error|error|Traceback|"

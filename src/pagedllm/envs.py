@@ -84,20 +84,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
-    # Linear layers of 2..this many rows that the GEMV does not take (large weights, more rows than
-    # PAGEDLLM_GEMV_MAX_ROWS) use the tensor-core skinny GEMM (kernels/skinny_gemm.py; at most 16) instead of
-    # cuBLAS; 0: cuBLAS (A/B benchmarks).
-    "PAGEDLLM_SKINNY_GEMM_MAX_ROWS": _int("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", 16),
     # "0": on GPUs a request that continues a finished one's last partial block (beam forks, core/partial_blocks.py)
     # recomputes it instead of copying it (A/B benchmarks). CPU engines always copy.
     "PAGEDLLM_PARTIAL_BLOCK_COPIES": lambda: os.environ.get("PAGEDLLM_PARTIAL_BLOCK_COPIES", "1") != "0",
-    # "0": steps of 2..16 query tokens per request (speculative verify rows) use the prefill attention kernel
-    # instead of the split-KV decode kernel with several query tokens (A/B benchmarks).
-    "PAGEDLLM_VERIFY_ATTENTION": lambda: os.environ.get("PAGEDLLM_VERIFY_ATTENTION", "1") != "0",
-    # Speculative verify steps of up to this many requests replay CUDA graphs with k + 1 tokens per request
-    # (worker/verify_graph.py; capped by speculation's disable_by_batch_size); 0: the mixed-step graphs' exact
-    # buckets (A/B benchmarks).
-    "PAGEDLLM_VERIFY_GRAPH_MAX_REQS": _int("PAGEDLLM_VERIFY_GRAPH_MAX_REQS", 64),
     # "0": CUDA FP8 activations are quantized by the torch ops instead of kernels/quant_act.py's one kernel (A/B).
     "PAGEDLLM_FUSED_ACT_QUANT": lambda: os.environ.get("PAGEDLLM_FUSED_ACT_QUANT", "1") != "0",
     # Model hubs (models/model_resolution.py): repo ids go through ModelScope instead of Hugging Face when either
@@ -139,10 +128,6 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # FP8 KV cache: per-layer k/v scales (layers/kv_cache_scales.py), the checkpoint's or, without them,
     # calibrated on the first step; "0": scales 1.0 (A/B).
     "PAGEDLLM_KV_SCALES": lambda: os.environ.get("PAGEDLLM_KV_SCALES", "1") != "0",
-    # On CUDA, the step's sampling parameters are staged with its other inputs (one pinned copy per dtype) and the
-    # staged arrays taken as views from one split call; "0": they are copied as SamplingMetadata.build does (A/B).
-    # The CPU always stages.
-    "PAGEDLLM_STAGE_SAMPLING": lambda: os.environ.get("PAGEDLLM_STAGE_SAMPLING", "1") != "0",
 }
 
 

@@ -171,29 +171,23 @@ def test_mlp_fused_gemv_equals_cublas_path(monkeypatch):
     assert mlp.gate_up_proj.silu_and_mul(x) is not None  # the fused kernel is taken at 3 rows
     fused = mlp(x)
     monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "0")
-    monkeypatch.setenv("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", "16")
-    skinny = mlp(x)  # the tensor-core few-row GEMM takes 3 rows once the GEMV does not
-    monkeypatch.setenv("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", "0")
     assert mlp.gate_up_proj.silu_and_mul(x) is None
     plain = mlp(x)
-    _close(skinny, plain, torch.bfloat16)
     _close(fused, plain, torch.bfloat16)
 
 
 def test_gemv_applies_rule(monkeypatch):
-    """One row always (any weight size); several rows only for small weights; never fp32, CPU or too many rows.
-    With the skinny GEMM on (the default), 2..16 rows the GEMV does not take go there instead of cuBLAS."""
+    """One row always (any weight size); several rows only for small weights; never fp32, CPU or too many rows;
+    the rest go to cuBLAS."""
     if DEVICE != "cuda":
         pytest.skip("the GEMV is chosen only for CUDA tensors")
     from pagedllm.kernels.gemv import _rows_kernel
 
     monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "4")
-    monkeypatch.setenv("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", "16")
     big_w = torch.empty(MULTI_ROW_MAX_WEIGHT // 1024 + 1, 1024, device=DEVICE, dtype=torch.bfloat16)
     small_w = torch.empty(64, 1024, device=DEVICE, dtype=torch.bfloat16)
-    assert [_rows_kernel(m, big_w) for m in (1, 2, 16, 17)] == ["gemv", "skinny", "skinny", None]
-    assert [_rows_kernel(m, small_w) for m in (1, 4, 5, 16, 17)] == ["gemv", "gemv", "skinny", "skinny", None]
-    monkeypatch.setenv("PAGEDLLM_SKINNY_GEMM_MAX_ROWS", "0")
+    assert [_rows_kernel(m, big_w) for m in (1, 2, 16, 17)] == ["gemv", None, None, None]
+    assert [_rows_kernel(m, small_w) for m in (1, 4, 5, 16)] == ["gemv", "gemv", None, None]
     big = torch.empty(MULTI_ROW_MAX_WEIGHT // 1024 + 1, 1024, device=DEVICE, dtype=torch.bfloat16)
     small = torch.empty(64, 1024, device=DEVICE, dtype=torch.bfloat16)
     x = lambda rows, dtype=torch.bfloat16: torch.empty(rows, 1024, device=DEVICE, dtype=dtype)  # noqa: E731

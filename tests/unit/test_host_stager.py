@@ -31,14 +31,3 @@ def test_cpu_stage_returns_the_arrays():
     ta, tb = stager.stage([a, b], np.int64)
     assert ta.tolist() == [1, 2, 3] and tb.tolist() == [[4, 5], [6, 7]] and ta.dtype == torch.int64
 
-
-def test_views_of_the_packed_buffer():
-    arrays = [np.arange(5), np.arange(6).reshape(2, 3), np.zeros(0, np.int64), np.arange(9) + 100,
-              np.arange(8).reshape(4, 2) + 50]
-    offsets = HostStager.layout(arrays, np.int64)
-    packed = torch.full((offsets[-1],), -1, dtype=torch.int64)
-    for a, start in zip(arrays, offsets):
-        packed[start:start + a.size] = torch.from_numpy(a.reshape(-1))
-    views = HostStager.views(packed, arrays, offsets)
-    assert [v.tolist() for v in views] == [a.tolist() for a in arrays]
-    assert all(v.data_ptr() == packed.data_ptr() + 8 * start for v, start in zip(views, offsets) if v.numel())

@@ -5,8 +5,7 @@ import torch
 
 import numpy as np
 
-from pagedllm.worker.graph_inputs import pad_rows
-from pagedllm.worker.mixed_graph import bucket_for, mixed_capture_sizes, pick_tile
+from pagedllm.worker.mixed_graph import bucket_for, mixed_capture_sizes, pad_rows, pick_tile
 
 
 def test_buckets_end_at_the_budget_and_cover_every_count():

@@ -82,8 +82,8 @@ def test_rows_needing_the_builder_are_refused(general):
 
 
 def test_engine_tokens_do_not_depend_on_how_parameters_reach_the_device(tiny_qwen3_dir):
-    """The runner's staged parameters (the CPU default, PAGEDLLM_STAGE_SAMPLING=1 on CUDA) and the builder-style
-    copies (the CUDA default) give the same tokens; so does a batch that needs the general builder."""
+    """The runner's staged parameters (the CPU path) and the builder-style copies (the CUDA path) give the same
+    tokens; so does a batch that needs the general builder."""
     from pagedllm import LLM
 
     prompts = [{"prompt_token_ids": [5 + i, 9, 17, 3 + i]} for i in range(6)]

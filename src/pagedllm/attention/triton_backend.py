@@ -24,7 +24,6 @@ from pagedllm.kernels.paged_attention import (
     SHORT_CONTEXT_LEN,
     TINY_CONTEXT_LEN,
     decode_block_n,
-    decode_kernel_applies,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
@@ -61,17 +60,15 @@ class TritonAttentionBackend(AttentionBackend):
         # captured graphs keep pointing at them.
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def reserve_workspace(self, num_heads: int, num_kv_heads: int, head_size: int, device: torch.device,
-                          max_query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocate (once) the worst-case split-KV workspace for decode launches of up to max_query_len query
-        tokens per request (rounded up to a power of two); call before CUDA-graph capture."""
+    def reserve_workspace(self, num_heads: int, num_kv_heads: int, head_size: int,
+                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate (once) the worst-case split-KV workspace; call before CUDA-graph capture."""
         device = torch.device(device)
-        q_pad = 1 << max(0, max_query_len - 1).bit_length()
-        key = (device, num_kv_heads, num_heads, head_size, q_pad)
+        key = (device, num_kv_heads, num_heads, head_size)
         ws = self._workspaces.get(key)
         if ws is None:
             out_numel, lse_numel = decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
-                                                          self.max_splits, q_pad)
+                                                          self.max_splits)
             ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
                   torch.empty(lse_numel, dtype=torch.float32, device=device))
             self._workspaces[key] = ws
@@ -161,26 +158,17 @@ class TritonAttentionBackend(AttentionBackend):
         """Attention over the cache, which already holds this step's K/V."""
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
-        if metadata.max_query_len == 1 or (
-                metadata.graph_prefill_tile is None and envs.PAGEDLLM_VERIFY_ATTENTION
-                and decode_kernel_applies(metadata.max_query_len, num_heads, num_kv_heads, head_size, query.dtype)):
-            # One query token per request, or a few (speculative verify rows, short chunks): the split-KV decode
-            # kernel with the decode step's split count at this batch size.
-            multi_q = metadata.max_query_len > 1
+        if metadata.max_query_len == 1:
             num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits,
                                            metadata.max_seq_len)
             workspace = None
             if num_splits > 1:
-                workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device,
-                                                   metadata.max_query_len)
+                workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device)
             paged_decode_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, scale,
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
                 block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len),
-                order=(metadata.decode_order if not multi_q and decode_uses_order(metadata.num_reqs, num_splits)
-                       else None),
-                query_start_loc=metadata.query_start_loc if multi_q else None,
-                max_query_len=metadata.max_query_len)
+                order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None)
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,

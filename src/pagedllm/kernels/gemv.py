@@ -89,14 +89,12 @@ MULTI_ROW_MAX_WEIGHT = 8 * 1024 * 1024
 
 def _rows_kernel(rows: int, weight: torch.Tensor) -> Optional[str]:
     """Which few-row kernel takes `rows` rows of this weight: "gemv" (one row; up to PAGEDLLM_GEMV_MAX_ROWS rows
-    for weights of at most MULTI_ROW_MAX_WEIGHT elements), "skinny" (the tensor-core kernel of kernels/skinny_gemm.py,
-    up to PAGEDLLM_SKINNY_GEMM_MAX_ROWS rows, where the GEMV does not apply), or None (cuBLAS)."""
+    for weights of at most MULTI_ROW_MAX_WEIGHT elements), or None (cuBLAS). (A tensor-core skinny GEMM for 2..16
+    rows lost to cuBLAS on the H200 and was deleted: docs/benchmarks.md, the seven GPU switches.)"""
     if rows == 0:
         return None
     if rows <= gemv_max_rows() and (rows == 1 or weight.numel() <= MULTI_ROW_MAX_WEIGHT):
         return "gemv"
-    if rows <= min(envs.PAGEDLLM_SKINNY_GEMM_MAX_ROWS, 16) and rows > 1:
-        return "skinny"
     return None
 
 
@@ -117,13 +115,8 @@ def gemv_block_n(n: int, k: int) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
          block_n: Optional[int] = None, num_warps: int = 8) -> torch.Tensor:
-    """x: [M, K]; weight: [N, K] (gated: [2 * N', K], gate rows then up rows). Returns [M, N] (gated: [M, N']).
-    Rows that `_rows_kernel` gives to the skinny GEMM go there."""
+    """x: [M, K]; weight: [N, K] (gated: [2 * N', K], gate rows then up rows). Returns [M, N] (gated: [M, N'])."""
     m, k = x.shape
-    if block_n is None and _rows_kernel(m, weight) == "skinny":
-        from pagedllm.kernels.skinny_gemm import skinny_gemm
-
-        return skinny_gemm(x, weight, bias, gated=gated)
     n_total, k_w = weight.shape
     assert k == k_w, (x.shape, weight.shape)
     n = n_total // 2 if gated else n_total

@@ -9,15 +9,13 @@ Two kernels read K/V through each request's block table from the paged cache
   for the whole group; it streams K/V tiles with an online softmax. Programs are laid out over the
   flattened batch without any host-side planning: request i owns program ids
   [query_start_loc[i] // BLOCK_Q + i, ...) and each program finds its request by binary search.
-* `paged_decode_attention`: batches where every request has one query token, or a few (up to
-  DECODE_MAX_QUERY_LEN: speculative verify rows, given with query_start_loc). Split-KV ("flash
-  decoding"): grid (num_kv_heads, num_seqs, num_splits); each program handles the GQA group of one
-  kv head for every query token of its request over one slice of the context, so each K/V tile is
-  read once for all of them, and writes a partial result + log-sum-exp; a second kernel merges the
-  slices. An optional order (rows longest context first) sets which requests' programs start first.
-  The number of splits depends only on host values fixed for a CUDA graph (num_seqs, heads, SM
-  count); each request's slice length is derived on the device from its seq_len, so replays with
-  new seq_lens / block tables need no host work.
+* `paged_decode_attention`: batches where every request has exactly one query token. Split-KV
+  ("flash decoding"): grid (num_kv_heads, num_seqs, num_splits); each program handles the GQA group
+  of one kv head over one slice of the context and writes a partial result + log-sum-exp; a
+  second kernel merges the slices. An optional order (rows longest context first) sets which
+  requests' programs start first. The number of splits depends only on host values fixed for a
+  CUDA graph (num_seqs, heads, SM count); each request's slice length is derived on the device
+  from its seq_len, so replays with new seq_lens / block tables need no host work.
 
 Semantics (shared with the torch backend): request i's query tokens are
 query_start_loc[i]:query_start_loc[i+1], the LAST query_len tokens of a context of seq_lens[i]
@@ -70,7 +68,6 @@ def _attend_tile(
     HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BOUNDED: tl.constexpr,  # mask positions >= kv_end (False only when the whole tile is < kv_end)
     CAUSAL: tl.constexpr,  # mask positions > q_pos
-    LIMITED: tl.constexpr,  # q_pos is each row's exclusive limit (<= kv_end), and a row may see nothing
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
@@ -98,21 +95,14 @@ def _attend_tile(
     v = v.to(q.dtype)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
-    if LIMITED:
-        qk = tl.where(pos[None, :] < q_pos[:, None], qk, float("-inf"))
-    elif CAUSAL:
+    if CAUSAL:
         qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
     elif BOUNDED:
         qk = tl.where(pos_ok[None, :], qk, float("-inf"))
+    # Invariant: the first tile a row sees has at least one visible position, so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    if LIMITED:
-        # A split may end before a row's first visible position: such rows stay at m = -inf, l = 0.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        # Invariant: the first tile a row sees has at least one visible position, so m_new is finite.
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(qk - m_use[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -178,12 +168,12 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False, LIMITED=False)
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False)
     for start in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True, LIMITED=False)
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -271,20 +261,19 @@ def paged_prefill_attention(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_tok", "stride_po_head", "stride_pl_tok",
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_seq", "stride_po_head", "stride_pl_seq",
                                 "stride_pl_head"])
 def _decode_kernel(
     q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, order_ptr,
-    query_start_loc_ptr, scale_log2, num_splits,
+    scale_log2, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
-    stride_po_tok, stride_po_head, stride_po_split,  # part_out [num_tokens, num_heads, num_splits, HEAD_PAD]
-    stride_pl_tok, stride_pl_head,  # part_lse [num_tokens, num_heads, num_splits]
-    GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_po_seq, stride_po_head, stride_po_split,  # part_out [num_seqs, num_heads, num_splits, HEAD_PAD]
+    stride_pl_seq, stride_pl_head,  # part_lse [num_seqs, num_heads, num_splits]
+    GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the normalized output directly
     HAS_ORDER: tl.constexpr,  # order_ptr lists the rows longest context first
-    MULTI_Q: tl.constexpr,  # requests have 1..BLOCK_M // GQA_PAD query tokens (query_start_loc), else one each
     USE_PDL: tl.constexpr,
 ):
     wait_prior_kernel(USE_PDL)
@@ -302,100 +291,70 @@ def _decode_kernel(
     start = split * part_len
     end = tl.minimum(start + part_len, seq_len)
 
-    # Row r = query token r // GQA_PAD of the request, head kv_head * GQA + r % GQA_PAD.
-    rows = tl.arange(0, BLOCK_M)
-    if MULTI_Q:
-        q_start = tl.load(query_start_loc_ptr + seq)
-        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-        tok = rows // GQA_PAD
-        g = rows % GQA_PAD
-        row_ok = (tok < q_len) & (g < GQA)
-        tok64 = (q_start + tok).to(tl.int64)[:, None]  # [BLOCK_M, 1]: each row's token
-    else:  # query row i is request i's token
-        g = rows
-        row_ok = rows < GQA
-        tok64 = seq.to(tl.int64)  # a scalar: every row's token
-    head = kv_head * GQA + g
+    rows = tl.arange(0, GQA_PAD)
+    head = kv_head * GQA + rows
+    row_ok = rows < GQA
     dims = tl.arange(0, HEAD_PAD)
     io_mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
-    q = tl.load(q_ptr + tok64 * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
+    seq64 = seq.to(tl.int64)
+    q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([GQA_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GQA_PAD], tl.float32)
+    acc = tl.zeros([GQA_PAD, HEAD_PAD], tl.float32)
+    bt_row_ptr = block_table_ptr + seq64 * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_head
-    if MULTI_Q:
-        # Causal inside the request's span: token j sees positions < seq_len - q_len + j + 1, within the split.
-        limit = tl.minimum(seq_len - q_len + tok + 1, end)
-        for tile_start in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, limit, cache_ptr, bt_row_ptr, head_off, tile_start, end,
-                stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-                BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False, LIMITED=True)
-    else:
-        for tile_start in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
-                stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-                BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False, LIMITED=False)
+    for tile_start in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
+            stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if SINGLE_SPLIT:
-        tl.store(out_ptr + tok64 * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        # Empty trailing splits write nothing; the reducer skips them. (A vector: Triton's interpreter takes no
-        # scalar in a mask.)
-        has_work = (rows * 0 + start) < end
-        po = part_out_ptr + tok64 * stride_po_tok + head[:, None] * stride_po_head + split * stride_po_split
-        tl.store(po + dims[None, :], out, mask=io_mask & has_work[:, None])
-        # log2-domain log-sum-exp of this slice (-inf: a row that sees none of it; its weight in the merge is 0,
-        # and split 0, which holds position 0, is visible to every row)
-        lse = m_i + tl.log2(l_safe)
-        pl = part_lse_ptr + tok64 * stride_pl_tok + head[:, None] * stride_pl_head + split
-        tl.store(pl, lse[:, None], mask=(row_ok & has_work)[:, None])
+        has_work = start < end  # empty trailing splits write nothing; the reducer skips them
+        po = part_out_ptr + seq64 * stride_po_seq + head[:, None] * stride_po_head + split * stride_po_split
+        tl.store(po + dims[None, :], out, mask=io_mask & has_work)
+        lse = m_i + tl.log2(l_safe)  # log2-domain log-sum-exp of this slice
+        pl = part_lse_ptr + seq64 * stride_pl_seq + head * stride_pl_head + split
+        tl.store(pl, lse, mask=row_ok & has_work)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_po_tok", "stride_po_head", "stride_pl_tok", "stride_pl_head"])
+@triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head"])
 def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, query_start_loc_ptr, num_splits,
-    stride_ot, stride_oh, stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits,
+    stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    MULTI_Q: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_prior_kernel(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    if MULTI_Q:  # grid dim 2: the query token of the request
-        j = tl.program_id(2)
-        q_start = tl.load(query_start_loc_ptr + seq)
-        if j >= tl.load(query_start_loc_ptr + seq + 1) - q_start:
-            return
-        tok64 = (q_start + j).to(tl.int64)
-    else:
-        tok64 = seq.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     part_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, 1)
     num_active = tl.cdiv(seq_len, part_len)  # splits that had work (0 when seq_len == 0)
 
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < num_active
-    lse = tl.load(part_lse_ptr + tok64 * stride_pl_tok + head * stride_pl_head + splits,
+    seq64 = seq.to(tl.int64)
+    lse = tl.load(part_lse_ptr + seq64 * stride_pl_seq + head * stride_pl_head + splits,
                   mask=split_ok, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # 0 for inactive splits and for splits this token sees nothing of
+    w = tl.exp2(lse - lse_max)  # 0 for inactive splits
     denom = tl.sum(w, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
-    po = part_out_ptr + tok64 * stride_po_tok + head * stride_po_head
+    po = part_out_ptr + seq64 * stride_po_seq + head * stride_po_head
     parts = tl.load(po + splits[:, None] * stride_po_split + dims[None, :],
                     mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
     out = tl.sum(parts * w[:, None], 0) / denom
-    tl.store(out_ptr + tok64 * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    tl.store(out_ptr + seq64 * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -451,35 +410,12 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
 
 
 def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, device: torch.device,
-                           max_splits: int = 64, max_query_len: int = 1) -> tuple[int, int]:
-    """Worst-case (part_out, part_lse) element counts over every batch size of launches whose requests have at
-    most max_query_len query tokens; allocate once."""
+                           max_splits: int = 64) -> tuple[int, int]:
+    """Worst-case (part_out, part_lse) element counts over every batch size; allocate once."""
     target = _DECODE_PROGRAMS_PER_SM * sm_count(device)
     # splits > 1 only when num_seqs * kv_heads * splits <= target, so num_seqs * splits <= target / kv_heads.
-    rows = (triton.cdiv(target, num_kv_heads) + 1) * max_query_len
+    rows = triton.cdiv(target, num_kv_heads) + 1
     return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
-
-
-# Most query tokens per request the decode kernel takes (k + 1 of a speculative verify step; longer spans are
-# cheaper in the prefill kernel's taller tiles).
-DECODE_MAX_QUERY_LEN = 16
-
-
-def decode_block_m(max_query_len: int, gqa: int) -> int:
-    """Rows of a decode program: every query token of a request x its GQA group (tl.dot needs >= 16)."""
-    if max_query_len <= 1:
-        return max(16, triton.next_power_of_2(gqa))
-    return max(16, triton.next_power_of_2(max_query_len) * triton.next_power_of_2(gqa))
-
-
-def decode_kernel_applies(max_query_len: int, num_heads: int, num_kv_heads: int, head_size: int,
-                          dtype: torch.dtype) -> bool:
-    """Whether a step whose longest query is max_query_len tokens can take the decode kernel: at most
-    DECODE_MAX_QUERY_LEN tokens, and a tile of at most 128 rows (fp32 or wide heads: 64)."""
-    if not 1 <= max_query_len <= DECODE_MAX_QUERY_LEN:
-        return False
-    max_m = 64 if (dtype == torch.float32 or triton.next_power_of_2(head_size) > 128) else 128
-    return decode_block_m(max_query_len, num_heads // num_kv_heads) <= max_m
 
 
 def split_kv_partials(workspace: Optional[tuple[torch.Tensor, torch.Tensor]], rows: int, num_heads: int,
@@ -501,7 +437,7 @@ def split_kv_partials(workspace: Optional[tuple[torch.Tensor, torch.Tensor]], ro
 
 
 def paged_decode_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    query: torch.Tensor,  # [num_tokens >= num_seqs, num_heads, head_size]; row i = request i's token
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], already written
     block_table: torch.Tensor,  # [>= num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [>= num_seqs] int32
@@ -514,62 +450,50 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     order: Optional[torch.Tensor] = None,  # [>= num_seqs] int32: a permutation of the rows, longest context first
-    query_start_loc: Optional[torch.Tensor] = None,  # [>= num_seqs + 1] int32, with max_query_len > 1
-    max_query_len: int = 1,  # an upper bound of every request's query tokens (<= DECODE_MAX_QUERY_LEN)
 ) -> torch.Tensor:
-    """Split-KV attention over the context for one query token per request (row i = request i's token), or, with
-    query_start_loc and max_query_len > 1, for a few (causal inside the span; requests with no query tokens or
-    seq_len 0 write nothing, so CUDA graphs can pad the request rows). CUDA-graph capturable when the workspace
-    is preallocated (shapes depend only on num_seqs, max_query_len and the model's heads).
+    """One query token per request; split-KV over the context. CUDA-graph capturable when the
+    workspace is preallocated (shapes depend only on num_seqs and the model's heads).
 
     `order` only changes which programs start first: longest contexts first shortens the tail of long contexts
     at the end of the grid (docs/benchmarks.md, run S); any permutation is correct."""
     if output is None:
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)
-    if num_seqs == 0 or num_tokens == 0:
+    if num_seqs == 0:
         return output
-    multi_q = max_query_len > 1
-    assert 1 <= max_query_len <= DECODE_MAX_QUERY_LEN, max_query_len
-    assert not multi_q or query_start_loc is not None, "several query tokens per request need query_start_loc"
-    assert multi_q or num_tokens >= num_seqs, (num_tokens, num_seqs)
+    assert num_tokens >= num_seqs, (num_tokens, num_seqs)
     gqa = num_heads // num_kv_heads
-    block_m = decode_block_m(max_query_len, gqa)
-    gqa_pad = triton.next_power_of_2(gqa) if multi_q else block_m
+    gqa_pad = max(16, triton.next_power_of_2(gqa))  # tl.dot needs M >= 16
     head_pad = triton.next_power_of_2(head_size)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device)
     if block_n is None:
         block_n = decode_block_n(query.dtype, head_size, num_splits)
     launch = pdl_launch_args(query.device)
-    common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
+    common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
                   HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype),
-                  HAS_ORDER=order is not None, MULTI_Q=multi_q, num_warps=num_warps, num_stages=num_stages,
-                  **launch)
+                  HAS_ORDER=order is not None, num_warps=num_warps, num_stages=num_stages, **launch)
     order_arg = seq_lens if order is None else order  # (unread without an order)
-    qsl_arg = seq_lens if query_start_loc is None else query_start_loc  # (unread with one token per request)
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                      block_table.stride(0))
     if num_splits == 1:
         _decode_kernel[(num_kv_heads, num_seqs, 1)](
-            query, output, output, output, kv_cache, block_table, seq_lens, order_arg, qsl_arg, scale * LOG2E, 1,
+            query, output, output, output, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, 1,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
             0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common)
         return output
 
-    rows = num_tokens if multi_q else num_seqs
-    part_out, part_lse, part_strides = split_kv_partials(workspace, rows, num_heads, num_splits, head_pad,
+    part_out, part_lse, part_strides = split_kv_partials(workspace, num_seqs, num_heads, num_splits, head_pad,
                                                          query.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, qsl_arg, scale * LOG2E,
-        num_splits, query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
+        query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, num_splits,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
         *part_strides, SINGLE_SPLIT=False, **common)
-    _decode_reduce_kernel[(num_seqs, num_heads, max_query_len if multi_q else 1)](
-        output, part_out, part_lse, seq_lens, qsl_arg, num_splits,
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        output, part_out, part_lse, seq_lens, num_splits,
         output.stride(0), output.stride(1), *part_strides,
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), MULTI_Q=multi_q, num_warps=4 if head_pad >= 128 else 2,
-        **launch)
+        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if head_pad >= 128 else 2, **launch)
     return output
 
 

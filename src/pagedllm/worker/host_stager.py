@@ -17,7 +17,6 @@ class HostStager:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = envs.PAGEDLLM_PINNED_STAGING
-        self.split_views = envs.PAGEDLLM_STAGE_SAMPLING
         self.slots: list[dict] = [{}, {}]
         self.k = 0
 
@@ -37,19 +36,7 @@ class HostStager:
         for a, start in zip(arrays, offsets):
             host[start:start + a.size] = a.reshape(-1)
         dev = buf[:total].to(self.device, non_blocking=True)
-        if self.split_views:
-            return self.views(dev, arrays, offsets)
         return [dev[offsets[i]:offsets[i] + a.size].view(a.shape) for i, a in enumerate(arrays)]
-
-    @staticmethod
-    def views(packed: torch.Tensor, arrays: list[np.ndarray], offsets: list[int]) -> list[torch.Tensor]:
-        """The staged arrays as views of the packed device buffer: one split call (each torch call costs the
-        host several microseconds), then a reshape only for arrays that are not 1-D."""
-        sizes = []
-        for a, start, end in zip(arrays, offsets, offsets[1:]):
-            sizes += [a.size, end - start - a.size]
-        pieces = packed.split(sizes)[0::2]
-        return [p if a.ndim == 1 else p.view(a.shape) for p, a in zip(pieces, arrays)]
 
     @staticmethod
     def layout(arrays: list[np.ndarray], dtype) -> list[int]:

@@ -24,7 +24,6 @@ import torch
 
 from pagedllm import envs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context
-from pagedllm.worker.graph_inputs import GraphInputs
 
 logger = logging.getLogger("pagedllm")
 
@@ -64,6 +63,52 @@ def pick_tile(tiles: list[int], gqa_pad: int, query_lens: np.ndarray, seq_lens: 
     return best
 
 
+def pad_rows(static: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> torch.Tensor:
+    """Copy `values` into the head of `static` and `fill` the rest up to `size`; returns static[:size]."""
+    n = values.shape[0]
+    static[:n].copy_(values, non_blocking=True)
+    if size > n:
+        static[n:size].fill_(fill)
+    return static[:size]
+
+
+class GraphInputs:
+    """Static buffers for steps of up to `max_tokens` tokens and `max_reqs` requests (see the module docstring)."""
+
+    def __init__(self, runner, max_tokens: int, max_reqs: int) -> None:
+        dev = runner.device
+        self.max_tokens, self.max_reqs = max(max_tokens, 1), max(max_reqs, 1)
+        self.scratch_slot = runner.scratch_block * runner.block_size
+        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(self.max_tokens, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((self.max_tokens,), self.scratch_slot, dtype=torch.long, device=dev)
+        self.query_start_loc = torch.zeros(self.max_reqs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
+        self.block_table = torch.full((self.max_reqs, runner.max_blocks_per_req), runner.scratch_block,
+                                      dtype=torch.int32, device=dev)
+
+    def metadata(self, tokens: int, reqs: int, max_query_len: int, max_seq_len: int,
+                 graph_prefill_tile=None) -> AttentionMetadata:
+        """The metadata a graph is captured with: views of the static buffers."""
+        return AttentionMetadata(
+            num_actual_tokens=tokens, num_reqs=reqs, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            query_start_loc=self.query_start_loc[:reqs + 1], seq_lens=self.seq_lens[:reqs],
+            block_table=self.block_table[:reqs], slot_mapping=self.slot_mapping[:tokens],
+            graph_prefill_tile=graph_prefill_tile)
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, tokens: int,
+             reqs: int) -> None:
+        """A step's inputs into the buffers, padded to `tokens` tokens and `reqs` request rows."""
+        n = input_ids.shape[0]
+        pad_rows(self.input_ids, input_ids, tokens, 0)
+        pad_rows(self.positions, positions, tokens, 0)
+        pad_rows(self.slot_mapping, md.slot_mapping, tokens, self.scratch_slot)
+        pad_rows(self.query_start_loc, md.query_start_loc, reqs + 1, n)  # padding rows: no query tokens
+        pad_rows(self.seq_lens, md.seq_lens, reqs, 0)
+        nb = md.block_table.shape[1]
+        self.block_table[:md.num_reqs, :nb].copy_(md.block_table, non_blocking=True)
+
+
 class MixedGraphRunner:
     """Capture and replay of mixed steps in token buckets (see the module docstring)."""
 
@@ -84,9 +129,7 @@ class MixedGraphRunner:
                                                            first.head_size)
         if envs.PAGEDLLM_MIXED_GRAPH_TILE:  # one fixed tile (A/B benchmarks)
             self.tiles = [envs.PAGEDLLM_MIXED_GRAPH_TILE]
-        # The static inputs (worker/graph_inputs.py), shared with the verify graphs: set before capture.
-        self.inputs: Optional[GraphInputs] = None
-        self.reqs_needed = runner.max_num_seqs
+        self.inputs: Optional[GraphInputs] = None  # the static inputs, allocated at capture
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (token bucket, tile, with LoRA) -> graph
         self.outputs: dict[tuple, torch.Tensor] = {}
         # With enable_lora, each bucket and tile also has a graph with the LoRA kernels (see cuda_graph.py).
@@ -115,7 +158,7 @@ class MixedGraphRunner:
         if not self.sizes:
             return
         if self.inputs is None:
-            self.inputs = GraphInputs(self.runner, self.max_size, self.reqs_needed)
+            self.inputs = GraphInputs(self.runner, self.max_size, self.runner.max_num_seqs)
         start = time.perf_counter()
         model = self.runner.model
         backend = self.runner.attn_backend

@@ -57,12 +57,13 @@ class ModelRunner:
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
         self.mixed_graphs = None  # likewise, for mixed prefill + decode steps (worker/mixed_graph.py)
-        self.verify_graphs = None  # likewise, for speculative verify steps (worker/verify_graph.py)
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         # Per InputBatch row: where the row's token sits in _prev_sampled (-1: the last launch sampled none for it).
         self._prev_pos = np.full(max_num_seqs, -1, dtype=np.int64)
         self.stager = HostStager(device)
-        self.stage_sampling = device.type != "cuda" or envs.PAGEDLLM_STAGE_SAMPLING
+        # The CPU stages a step's sampling parameters with its other inputs; CUDA copies them as
+        # SamplingMetadata.build does (staging them too measured no faster there: docs/benchmarks.md).
+        self.stage_sampling = device.type != "cuda"
         self.lora = None  # lora.manager.LoRAManager when enable_lora (set by the worker)
         self.spec = None  # spec_decode.spec_runner.SpecDecodeRunner when speculative decoding is configured
         self.kv_calibration_pending = False  # FP8 KV: the first step sets the k/v scales (_init_kv_scales)
@@ -96,36 +97,17 @@ class ModelRunner:
 
             self.cuda_graphs = CudaGraphRunner(self)
             self.cuda_graphs.capture()
-            from pagedllm.worker.verify_graph import build_verify_graphs
-
-            self.verify_graphs = build_verify_graphs(self)
             if self.attn_backend.supports_mixed_graphs:
                 from pagedllm.worker.mixed_graph import MixedGraphRunner
 
-                extra = self.spec.graph_token_sizes() if self.spec is not None and self.verify_graphs is None else ()
+                extra = self.spec.graph_token_sizes() if self.spec is not None else ()
                 self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra)
-            self._capture_step_graphs()
+                self.mixed_graphs.capture()
         if self.device.type == "cuda":
             # The profiling forward's activation blocks were released to size the KV cache: run it once more so
             # the caching allocator holds a full step's blocks again and the first large prefill does not pay for
             # cudaMalloc (measured in docs/benchmarks.md, GPU section). The KV budget already counts these blocks.
             self.profile_run()
-
-    def _capture_step_graphs(self) -> None:
-        """Capture the verify and mixed-step graphs over one set of static inputs sized for both (they never
-        replay at once), in the decode graphs' memory pool."""
-        from pagedllm.worker.graph_inputs import GraphInputs
-
-        runners = [g for g in (self.verify_graphs, self.mixed_graphs) if g is not None]
-        if not runners:
-            return
-        tokens = max(self.verify_graphs.tokens_needed if self.verify_graphs is not None else 0,
-                     self.mixed_graphs.max_size if self.mixed_graphs is not None else 0)
-        inputs = GraphInputs(self, tokens, max(g.reqs_needed for g in runners))
-        for graphs in runners:
-            graphs.inputs = inputs
-            graphs.pool = self.cuda_graphs.pool
-            graphs.capture()
 
     def _init_kv_scales(self) -> None:
         """FP8 cache: the checkpoint's k/v scales where every layer has them, else
@@ -251,8 +233,6 @@ class ModelRunner:
         calibrate = self.kv_calibration_pending  # the first step sets FP8 k/v scales from real K/V: eager
         if self.cuda_graphs is not None and inp.max_query_len == 1 and not calibrate:
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
-        if hidden is None and self.verify_graphs is not None and not calibrate:
-            hidden = self.verify_graphs.run(input_ids, positions, metadata)
         if hidden is None and self.mixed_graphs is not None and not calibrate:
             hidden = self.mixed_graphs.run(input_ids, positions, metadata)
         if hidden is None:
