@@ -21,8 +21,9 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about t
 MAX_TOKENS = 16
 # The packed kernels give each activation row two int8 digits per 32-block (error <= amax / 127 / 512 per value,
 # ~1.5e-5 of the block's largest) and sum in another order than torch's fp32 GEMM. Through SmolLM2's 30 layers that
-# moves a log-probability by a few 1e-3 nat at most (docs/benchmarks.md, "GGUF packed vs dequantized"): the bound is
-# that with 2.5x room. Activations with one int8 digit, a dropped block scale or min, or a sign flip miss it by far.
+# moves a log-probability by a few 1e-3 nat at most (docs/benchmarks.md, "Error bounds of the CPU correctness
+# tests"): the bound is that with 2.5x room. Activations with one int8 digit, a dropped block scale or min, or a
+# sign flip miss it by far.
 LOGPROB_ATOL = 1e-2
 
 

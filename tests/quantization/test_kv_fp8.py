@@ -144,7 +144,8 @@ def test_per_layer_scales(monkeypatch):
     # significant bits). Unscaled, the same values are subnormals with fewer bits, and break that bound.
     bound = rounding_bound(batch.query, full_cache, batch.metadata, batch.scale, (small, small / 2))
     assert (errors[small] <= bound * (1 + 1e-6) + 1e-12).all(), (errors[small] / bound).max()
-    print("per-layer scales: scaled", (errors[small] / bound).max().item(), "unscaled", (errors[1.0] / bound).max().item())
+    print(f"per-layer scales: error at most {(errors[small] / bound).max():.2f} of the bound scaled, "
+          f"{(errors[1.0] / bound).max():.1f} unscaled")
     assert (errors[1.0] > bound).any()
 
 
@@ -217,9 +218,10 @@ def test_engine_fp8_kv_equals_full_precision_over_rounded_kv(smollm2_gguf_path, 
 def test_engine_fp8_kv_error_against_full_precision(smollm2_gguf_path, reference):
     """What the format itself costs: the paragraph's teacher-forced log-probabilities with the FP8 cache against
     the full-precision cache. E4M3 keeps 3 mantissa bits (each K/V value within 2^-4 of itself); how that moves
-    a 30-layer model's log-probabilities has no closed form, so the bound is measured (docs/benchmarks.md, "FP8
-    KV cache on the CPU"): 1.5x the measured mean. The same cache with one mantissa bit fewer (E5M2) doubles the
-    mean, past the bound; an FP8 path that is wrong in itself fails the round-trip test above by far more."""
+    a 30-layer model's log-probabilities has no closed form, so the bound is measured (docs/benchmarks.md, "Error
+    bounds of the CPU correctness tests"): 1.5x the measured mean. The same cache with one mantissa bit fewer
+    (E5M2) doubles the mean, past the bound; an FP8 path that is wrong in itself fails the round-trip test above
+    by far more."""
     ref_llm, state = reference
     fp8 = LLM(model=smollm2_gguf_path, kv_cache_memory_bytes=BUDGET, max_model_len=512, kv_cache_dtype="fp8")
     text = fp8.get_tokenizer().encode(TEXT)
