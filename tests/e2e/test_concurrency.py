@@ -73,7 +73,7 @@ def test_disconnect_mid_stream_frees_kv(server: Server) -> None:
             assert metric(during, "vllm:num_requests_running", model_name=SERVED_NAME) == 1
             assert metric(during, "vllm:kv_cache_usage_perc", model_name=SERVED_NAME) > 0
     # the connection is closed mid-stream: the request must be aborted and its blocks freed
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang guard
     while True:
         after = _metrics(server)
         usage = metric(after, "vllm:kv_cache_usage_perc", model_name=SERVED_NAME)

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from e2e_helpers import cli, stop
+from e2e_helpers import cli, metric, stop
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
@@ -47,7 +47,10 @@ def test_dead_engine_fails_requests_and_health(e2e_env: dict, smollm2_hf_dir: st
 
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(1.5)
+        deadline = time.monotonic() + 120  # a hang guard: the kill comes once the engine runs the request
+        while metric(httpx.get(url + "/metrics", timeout=30).text, "vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.02)
         engines = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
         assert len(engines) == 1
         os.kill(engines[0], signal.SIGKILL)

@@ -142,7 +142,7 @@ def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragm
 def test_unknown_fields_are_named_in_a_warning(server: Server, http: httpx.Client) -> None:
     r = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "max_token": 3, "temprature": 0.2, "user": "u1"})
     assert r.status_code == 200
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang guard
     while "['max_token', 'temprature']" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
     line = [x for x in server.log().splitlines() if "['max_token', 'temprature']" in x]

@@ -1,18 +1,21 @@
 """Streaming under many concurrent streams, against the real server (a tiny random Qwen3 with its tokenizer):
-every stream gets every token, in order, with the same text as the request without streaming, and spread over
-the generation (the API process forwards each step's tokens as they come, not in end-of-request bursts).
-The measuring client is benchmarks/stream_smoothness.py, whose numbers docs/benchmarks.md reports."""
+every stream gets every token, in order, with the same text as the request without streaming; and a stream is
+sent while it is generated, not at the end of its request (a hang-up after the first chunk aborts it). Counts and
+order only: how evenly the chunks come depends on the machine and is measured by benchmarks/stream_smoothness.py
+(the client used here), whose numbers docs/benchmarks.md reports."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
-from e2e_helpers import cli, stop
+from e2e_helpers import cli, metric, stop
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
@@ -39,16 +42,42 @@ def tiny_server(tiny_qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
         stop(proc)
 
 
-def test_concurrent_streams_get_every_token_as_it_comes(tiny_server: str):
+def test_concurrent_streams_get_every_token_in_order(tiny_server: str):
     ref = httpx.post(tiny_server + "/v1/completions", timeout=120, json={
         "model": "m", "prompt": "Hello", "max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}).json()
     texts: list[str] = []
     result = asyncio.run(measure(tiny_server, "m", STREAMS, TOKENS, texts=texts))
     assert result["complete_streams"] == STREAMS and result["tokens"] == STREAMS * TOKENS
     assert texts == [ref["choices"][0]["text"]] * STREAMS  # coalescing a backlog loses and reorders nothing
-    # Tokens arrive spread over the generation, not as one end-of-request burst: every stream gets several chunks.
-    # (How many depends on the machine: when the tiny model outruns the API process, a stream's backlog goes out as
-    # one chunk, by design, so a fast idle machine gives fewer and larger chunks than a loaded one; 128 tokens make
-    # a generation long enough that no machine's backlog swallows a whole stream: 24 did on a fast CI machine.)
-    assert min(result["chunks_per_stream"]) >= 2, result
-    assert result["tokens_per_chunk"] <= TOKENS / 2, result
+    # How many chunks a stream gets depends on the machine, by design: when the tiny model outruns the API process,
+    # a stream's backlog goes out as one chunk (a fast idle machine: fewer, larger chunks). That is measured by
+    # benchmarks/stream_smoothness.py (docs/benchmarks.md), not asserted here.
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    return metric(httpx.get(url + "/metrics", timeout=30).text, name, **labels)
+
+
+def test_a_stream_is_sent_while_it_is_generated(tiny_server: str):
+    """Order, not timing: a client that hangs up after its first chunk aborts the request, which therefore had not
+    finished when that chunk arrived (240 tokens are ~240 engine steps, against one hang-up); a server that sent a
+    stream only at the end of its request would finish it (finish reason length, every token generated)."""
+    max_tokens = 240  # --max-model-len 256
+    def finished(reason: str) -> float:
+        return _metric(tiny_server, "vllm:request_success_total", finished_reason=reason)
+
+    aborted0, completed0 = finished("abort"), finished("length")
+    generated0 = _metric(tiny_server, "vllm:generation_tokens_total")
+    body = {"model": "m", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", tiny_server + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+    deadline = time.monotonic() + 120  # a hang guard
+    while finished("abort") == aborted0 and finished("length") == completed0:
+        assert time.monotonic() < deadline, "the request never ended"
+        time.sleep(0.02)
+    assert (finished("abort"), finished("length")) == (aborted0 + 1, completed0), "it ran to its end"
+    assert _metric(tiny_server, "vllm:num_requests_running") == 0
+    assert _metric(tiny_server, "vllm:generation_tokens_total") - generated0 < max_tokens

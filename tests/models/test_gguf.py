@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from typing import Optional
 
 import numpy as np
@@ -85,10 +84,18 @@ def test_smollm2_converted_dir_contents(smollm2_hf_dir):
 
 
 def test_second_prepare_is_a_cache_hit(smollm2_gguf_path, smollm2_hf_dir, smollm2_cache_dir, monkeypatch):
+    import pagedllm.models.gguf as gguf_module
+
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
-    start = time.perf_counter()
+    weights = os.path.join(smollm2_hf_dir, "model.safetensors")
+    written = os.stat(weights).st_mtime_ns
+
+    def no_conversion(path):
+        raise AssertionError(f"a cache hit opened {path} to convert it again")
+
+    monkeypatch.setattr(gguf_module, "open_gguf", no_conversion)  # a hit is a directory lookup, no GGUF read
     assert prepare_model_dir(smollm2_gguf_path) == smollm2_hf_dir
-    assert time.perf_counter() - start < 0.5
+    assert os.stat(weights).st_mtime_ns == written
     parent = os.path.dirname(smollm2_hf_dir)
     assert not [name for name in os.listdir(parent) if ".tmp-" in name]  # no half-written conversions
 

@@ -1,10 +1,9 @@
 """Parallel start-up errors are one sentence; a worker rank that dies or hangs stops the engine with an error
-naming the rank (no hang: every test is bounded by a timeout)."""
+naming the rank (no hang: every test is bounded by a timeout below the engine's default ones)."""
 from __future__ import annotations
 
 import os
 import signal
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +13,8 @@ from pagedllm.core.engine_core import EngineCoreRequest
 from pagedllm.executor.multiproc import WorkerFailed
 from pagedllm.executor.parallel_config import ParallelLayout, check_layout
 
+# The hang guard of every test: below the 300 s defaults of PAGEDLLM_DIST_TIMEOUT_S and
+# PAGEDLLM_NODE_JOIN_TIMEOUT_S, so a test whose short setting is not honoured fails here instead of passing late.
 pytestmark = pytest.mark.timeout(180)
 
 _TINY = dict(device="cpu", enforce_eager=True, max_num_seqs=4, num_gpu_blocks_override=64)
@@ -39,11 +40,9 @@ def test_node_that_never_joins_fails_start(tiny_llama_dir, monkeypatch):
     from pagedllm.entrypoints.server_process import free_port
 
     monkeypatch.setenv("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "8")
-    start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"node\(s\) \[1\] never joined within 8 s: start `pagedllm serve`"):
         LLM(tiny_llama_dir, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=free_port(),
             **_TINY)
-    assert time.monotonic() - start < 60
 
 
 def _engine_with_running_request(model_dir: str, **kwargs) -> LLM:
@@ -69,6 +68,9 @@ def test_killed_worker_stops_the_engine_naming_the_rank(tiny_llama_dir):
     llm = _engine_with_running_request(tiny_llama_dir)
     victim = llm.engine.worker.procs[1]
     os.kill(victim.pid, signal.SIGKILL)
+    # Dead before the next step (a loaded machine may take a while to end it): the engine must name it, not
+    # merely report rank 0's broken connection to it.
+    victim.wait(60)  # a hang guard
     message = _step_until_failure(llm)
     assert f"worker rank 1 (pid {victim.pid}) died with exit code -9" in message
     assert all(p.poll() is not None for p in llm.engine.worker.procs.values())  # no orphaned rank
@@ -81,9 +83,7 @@ def test_hung_worker_times_out_instead_of_hanging(tiny_llama_dir, monkeypatch):
     victim = llm.engine.worker.procs[1]
     os.kill(victim.pid, signal.SIGSTOP)
     try:
-        start = time.monotonic()
         message = _step_until_failure(llm)
-        assert time.monotonic() - start < 60
         assert "worker rank 0 failed" in message and "rank(s) [1] did not answer (dead or hung)" in message
     finally:
         if victim.poll() is None:

@@ -1,7 +1,8 @@
-"""SmolLM2's Q4_1 GGUF kept packed on CPU (quantization/gguf.py) against the same model dequantized to fp32:
-memory, greedy agreement (reported), the France answer, mixed batches, prefix hits and preemption, the
-flags; and a tiny llama GGUF with mixed block types (Q/K permutation, fused parts of different types, an
-F16 tensor left dequantized, an untied LM head) against its dequantized twin."""
+"""SmolLM2's Q4_1 GGUF kept packed on CPU (quantization/gguf.py) against the same file dequantized by the `gguf`
+package to fp32 (dequantize-then-fp32-matmul): memory; log-probabilities within the error of the kernels'
+activation quantization, prefill and decode; greedy tokens identical up to a near-tie; the France answer; mixed
+batches, prefix hits and preemption; the flags; and a tiny llama GGUF with mixed block types (Q/K permutation,
+fused parts of different types, an F16 tensor left dequantized, an untied LM head) against its dequantized twin."""
 from __future__ import annotations
 
 import os
@@ -11,12 +12,19 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.quantization.logprob_checks import assert_same_greedy, greedy, max_logprob_error, teacher_forced
 
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.\nThe sea",
          "Once upon a time, in a small village at the edge of a great forest, there lived an old",
          "The three primary colors are", "import numpy as np\n\n# compute the mean of", "Dear Sir or Madam,",
          "Water boils at a temperature of"]
 MAX_TOKENS = 16
+# The packed kernels give each activation row two int8 digits per 32-block (error <= amax / 127 / 512 per value,
+# ~1.5e-5 of the block's largest) and sum in another order than torch's fp32 GEMM. Through SmolLM2's 30 layers that
+# moves a log-probability by a few 1e-3 nat at most (docs/benchmarks.md, "Error bounds of the CPU correctness
+# tests"): the bound is that with 2.5x room. Activations with one int8 digit, a dropped block scale or min, or a
+# sign flip miss it by far.
+LOGPROB_ATOL = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +34,6 @@ def engines(smollm2_gguf_path, smollm2_cache_dir):
         packed = LLM(model=smollm2_gguf_path, dtype="float32", num_gpu_blocks_override=256)
         dense = LLM(model=smollm2_gguf_path, dtype="float32", quantization="none", num_gpu_blocks_override=256)
     return packed, dense
-
-
-def greedy(llm, prompts, max_tokens=MAX_TOKENS):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def agreement(a, b) -> float:
-    return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
 def test_weights_stay_packed_at_about_the_file_size(engines, smollm2_gguf_path):
@@ -55,19 +53,23 @@ def test_weights_stay_packed_at_about_the_file_size(engines, smollm2_gguf_path):
     assert dense_bytes > 5 * (packed_bytes + float_bytes)
 
 
-def test_greedy_agrees_with_fp32_and_answers_paris(engines):
+def test_logprobs_within_the_activation_rounding_of_fp32(engines):
+    """The prefill path (many rows at once, the text teacher-forced) and the decode path (one row per step, greedy)."""
     packed, dense = engines
     tok = packed.get_tokenizer()
+    ids = tok.encode(" ".join(TEXTS) * 2)
+    errors = [max_logprob_error(a, b) for a, b in zip(teacher_forced(packed, ids), teacher_forced(dense, ids))]
+    print(f"\nteacher-forced |d logprob|, packed Q4_1 vs dequantized fp32, {len(ids)} tokens: max {max(errors):.2e}")
+    assert len(errors) == len(ids) - 1 and max(errors) <= LOGPROB_ATOL, max(errors)
     prompts = [tok.encode(t) for t in TEXTS]
-    got, ref = greedy(packed, prompts), greedy(dense, prompts)
-    share = agreement(got, ref)
-    print(f"\ngreedy agreement, packed Q4_1 vs dequantized fp32: {share:.0%} of {len(prompts)} prompts x "
-          f"{MAX_TOKENS} tokens")
-    assert share >= 0.75
-    for g, r in zip(got, ref):  # where they differ, only after a shared start (a near-tie, not garbage)
-        assert g[:4] == r[:4]
-    chat = packed.chat([{"role": "user", "content": "What is the capital of France?"}],
-                       SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    got, ref = greedy(packed, prompts, MAX_TOKENS), greedy(dense, prompts, MAX_TOKENS)
+    compared = assert_same_greedy(got, ref, LOGPROB_ATOL)
+    print(f"greedy: {compared} of {len(prompts) * MAX_TOKENS} positions compared (the rest follow a near-tie)")
+
+
+def test_answers_paris(engines):
+    chat = engines[0].chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     assert "Paris" in chat[0].outputs[0].text
 
 
@@ -87,11 +89,12 @@ def test_mixed_batch_prefix_hits_and_preemption(engines, smollm2_gguf_path, smol
                 enable_prefix_caching=False)
     preempted = greedy(small, prompts, 12)
     assert small.engine.get_stats().num_preemptions > 0
+    # Batched rows, cached prefixes and recomputed requests change the kernels' row counts and summation order,
+    # never the numbers beyond the activation rounding: each is held to the same bound as a request alone.
     for name, run in (("alone", alone), ("mixed", mixed), ("preempted", preempted)):
-        share = agreement(run, ref)
-        print(f"{name}: {share:.0%} of prompts give the fp32 tokens")
-        assert share >= 0.6, name
-    assert agreement(mixed, alone) >= 0.8 and agreement(preempted, alone) >= 0.8
+        print(f"{name}: {assert_same_greedy(run, ref, LOGPROB_ATOL)} of {4 * 12} positions compared")
+    assert_same_greedy(mixed, alone, LOGPROB_ATOL)
+    assert_same_greedy(preempted, alone, LOGPROB_ATOL)
 
 
 def test_flags(engines, tiny_llama_dir):

@@ -1,6 +1,7 @@
 """Graceful shutdown of a replica, through the container's entry command (deploy/docker-entrypoint.sh, run
 outside Docker) and its health probe (deploy/healthcheck.py): SIGTERM -> /health 503 and new requests 503
-while in-flight requests finish; the process exits 0. Past --shutdown-timeout the rest end with an error."""
+while in-flight requests finish; the process exits 0. Past --shutdown-timeout the rest end with an error.
+Asserted on states, outcomes and their order; every timeout is a hang guard."""
 from __future__ import annotations
 
 import json
@@ -21,12 +22,12 @@ HEALTHCHECK = os.path.join(REPO_ROOT, "deploy", "healthcheck.py")
 
 def _healthcheck(port: int, env: dict) -> int:
     return subprocess.run([sys.executable, HEALTHCHECK], env={**env, "PAGEDLLM_PORT": str(port)},
-                          capture_output=True, timeout=30).returncode
+                          capture_output=True, timeout=120).returncode  # a hang guard
 
 
 def _stream(url: str, body: dict, out: list, started: threading.Event) -> None:
     lines = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:  # a hang guard
         out.append(r.status_code)
         if r.status_code != 200:  # refused before the stream started: one JSON error body
             out.append(json.loads(r.read()))
@@ -48,67 +49,117 @@ def _start_streams(url: str, count: int, body: dict) -> tuple[list, list]:
         results.append((out, started))
         threads.append(t)
     for _, started in results:
-        assert started.wait(60), "a stream did not start"
+        assert started.wait(120), "a stream did not start"  # a hang guard
     return [r[0] for r in results], threads
 
 
+class HeldStream:
+    """A streaming request whose client reads nothing until told to: its response (~8 MB of SSE: 16 choices x
+    450 tokens with 20 logprobs each) cannot fit in the buffers on the way, so it stays in flight, whatever the
+    machine's speed, until read() drains it."""
+
+    N, MAX_TOKENS = 16, 450
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.connect(("127.0.0.1", port))
+        body = json.dumps(completion_body(self.MAX_TOKENS, stream=True, n=self.N, logprobs=20)).encode()
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    def wait_started(self) -> None:
+        import select
+
+        assert select.select([self.sock], [], [], 120)[0], "the held stream's response never started"  # hang guard
+
+    def read(self) -> tuple[bytes, list]:
+        """Everything to the end (the server closes the connection): the status line and the SSE events."""
+        self.sock.settimeout(120)  # a hang guard
+        raw = b""
+        while chunk := self.sock.recv(1 << 20):
+            raw += chunk
+        self.sock.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        data = b""
+        while True:  # chunked transfer encoding
+            size_line, _, body = body.partition(b"\r\n")
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            data, body = data + body[:size], body[size + 2:]
+        return head.split(b"\r\n")[0], sse_events(data.decode().split("\n"))
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: str, robust_env: dict, tmp_path) -> None:
-    server = launch(tiny_llama_dir, ["--shutdown-timeout", "60"], robust_env, str(tmp_path / "server.log"),
-                    command=["sh", ENTRYPOINT])
+    """Order, not timing: a held stream keeps a request in flight for as long as the test likes, so every check of
+    the draining state runs while the server must still be up; then the stream is read to its end."""
+    # --send-timeout 0: the held client is never cut off; --shutdown-timeout: a hang guard far past the drain
+    server = launch(tiny_llama_dir, ["--shutdown-timeout", "300", "--send-timeout", "0"], robust_env,
+                    str(tmp_path / "server.log"), command=["sh", ENTRYPOINT])
     try:
         assert _healthcheck(server.port, robust_env) == 0
-        max_tokens = 400
-        results, threads = _start_streams(server.url, 4, completion_body(max_tokens, stream=True))
+        held = HeldStream(server.port)
+        held.wait_started()
+        max_tokens = 400  # these are read as they come: finished before or after the signal, either is right
+        results, threads = _start_streams(server.url, 3, completion_body(max_tokens, stream=True))
         # `exec` in the entry command: the signal goes straight to pagedllm (proc.pid is the server itself)
         server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while httpx.get(server.url + "/health", timeout=5).status_code != 503:
+        deadline = time.monotonic() + 60  # a hang guard
+        while httpx.get(server.url + "/health", timeout=30).status_code != 503:
             assert time.monotonic() < deadline, "/health did not turn 503 after SIGTERM"
             time.sleep(0.05)
         assert _healthcheck(server.port, robust_env) == 1
-        new = httpx.post(server.url + "/v1/completions", json=completion_body(4, stream=False), timeout=10)
+        new = httpx.post(server.url + "/v1/completions", json=completion_body(4, stream=False), timeout=60)
         assert new.status_code == 503 and "shutting down" in new.json()["error"]["message"]
-        assert server.proc.poll() is None, "the server exited with requests in flight"
+        assert server.proc.poll() is None, "the server exited with a request in flight"
+        status_line, events = held.read()
+        assert status_line == b"HTTP/1.1 200 OK" and events[-1] == "[DONE]", (status_line, events[-3:])
+        assert events[-2]["usage"]["completion_tokens"] == HeldStream.N * HeldStream.MAX_TOKENS
+        finishes = [ch["finish_reason"] for e in events[:-1] for ch in e["choices"] if ch["finish_reason"]]
+        assert finishes == ["length"] * HeldStream.N
         for t in threads:
-            t.join(60)
+            t.join(120)  # a hang guard
         for status, events in results:
             assert status == 200 and events[-1] == "[DONE]"
             usage = events[-2]["usage"]
             assert usage["completion_tokens"] == max_tokens, usage
             finishes = [ch["finish_reason"] for e in events[:-1] for ch in e["choices"] if ch["finish_reason"]]
             assert finishes == ["length"]
-        assert server.proc.wait(30) == 0
+        assert server.proc.wait(60) == 0  # a hang guard
         assert "drained: no requests in flight" in server.log()
     finally:
         stop(server.proc, signal.SIGKILL)
 
 
 def test_shutdown_timeout_ends_what_is_left_with_an_error(tiny_llama_dir: str, robust_env: dict, tmp_path) -> None:
-    # one sequence at a time: the queue of 24 x 400 tokens cannot finish within the 1 s timeout (an idle CI core
-    # runs the tiny model at ~1,600 tok/s: 6 requests could all finish in time)
+    # One sequence at a time: 32 streams x 480 tokens queue ~15,000 decode steps, which no machine runs within the
+    # 1 s timeout (an idle CI core runs the tiny model at ~1,600 tok/s). The signal comes once the first has started.
+    count, max_tokens = 32, 480
     server = launch(tiny_llama_dir, ["--shutdown-timeout", "1", "--max-num-seqs", "1"], robust_env,
                     str(tmp_path / "server.log"))
     try:
         results: list[list] = []
         threads = []
-        for _ in range(24):
+        first = threading.Event()
+        for _ in range(count):
             out: list = []
-            t = threading.Thread(target=_stream, args=(server.url, completion_body(400, stream=True), out,
-                                                       threading.Event()), daemon=True)
+            t = threading.Thread(target=_stream, args=(server.url, completion_body(max_tokens, stream=True), out,
+                                                       first), daemon=True)
             t.start()
             results.append(out)
             threads.append(t)
-        time.sleep(0.5)
-        t0 = time.monotonic()
+        assert first.wait(120), "no stream started"  # a hang guard
         server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(30) == 0
-        assert time.monotonic() - t0 < 15
+        assert server.proc.wait(120) == 0  # a hang guard
         for t in threads:
-            t.join(30)
+            t.join(60)  # a hang guard
             assert not t.is_alive()
         done = in_stream_errors = refused = 0
         for status, events in results:
-            if status == 503:  # still queued when the timeout hit: a 503 before any byte of the stream
+            if status == 503:  # still queued when the timeout hit, or sent after the signal: refused, no stream
                 assert "shutting down" in events["error"]["message"]
                 refused += 1
                 continue
@@ -122,10 +173,12 @@ def test_shutdown_timeout_ends_what_is_left_with_an_error(tiny_llama_dir: str, r
             elif finishes == ["abort"]:  # ended by the timeout, reported as vLLM does
                 in_stream_errors += 1
             else:
-                assert finishes == ["length"] and events[-2]["usage"]["completion_tokens"] == 400, events[-3:]
+                assert finishes == ["length"] and events[-2]["usage"]["completion_tokens"] == max_tokens, events[-3:]
                 done += 1
         counts = (done, in_stream_errors, refused)
-        assert sum(counts) == 24 and in_stream_errors + refused >= 1, counts
+        # The stream running at the timeout ends with an error in the stream (it had started: the first one did
+        # before the signal); everything else either finished or was refused.
+        assert sum(counts) == count and in_stream_errors >= 1, counts
         assert "shutdown timeout: ending" in server.log()
     finally:
         stop(server.proc, signal.SIGKILL)

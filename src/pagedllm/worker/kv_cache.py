@@ -107,4 +107,6 @@ def copy_kv_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]], 
     idx = torch.tensor(pairs, dtype=torch.long).t().contiguous().to(device)
     src, dst = idx[0], idx[1]
     for cache in kv_caches:
+        if cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no FP8 kernels on the CPU: move the bytes
+            cache = cache.view(torch.uint8)
         cache.index_copy_(1, dst, cache.index_select(1, src))
