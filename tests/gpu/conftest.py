@@ -1,3 +1,40 @@
-"""GPU tests run on a CUDA machine (`make test-gpu`, i.e. `pytest -m gpu tests`). Without Triton (CI, CPU-only
-installs) the kernel test modules skip at import with that reason (`pytest.importorskip`), so they show in the
-summary as skipped instead of vanishing; the rest skip without CUDA."""
+"""GPU tests run on a CUDA machine (`make test-gpu`: tests/gpu/run_shards.sh, shard by shard). Without Triton (CI,
+CPU-only installs) the kernel test modules skip at import with that reason (`pytest.importorskip`), so they show in
+the summary as skipped instead of vanishing; the rest skip without CUDA. Every gpu-marked test gets the isolation of
+tests/conftest.py (`_gpu_test_isolation`).
+
+With TRITON_INTERPRET=1 (PAGEDLLM_TEST_DEVICE=cpu: the kernels in Triton's interpreter on a CPU), comparisons are
+tagged as int1 here: Triton 3.9's interpreter tags `a < b` with the operands' dtype (int32), so a scalar comparison
+broadcast against a block mask (`n_ok & (first < NUM_CHUNKS)`) is splat as int32 and every load under that mask
+fails with "mask has unsupported dtype". Compiled kernels are unaffected (comparisons are i1 in the IR)."""
+from __future__ import annotations
+
+import os
+
+
+def _tag_comparisons_as_int1() -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_pagedllm_int1_comparisons", False):
+        return
+
+    def as_int1(compare):
+        def wrapped(self, lhs, rhs):
+            return interpreter.TensorHandle(compare(self, lhs, rhs).data, tl.int1)
+        return wrapped
+
+    for name in dir(builder):
+        if name.startswith(("create_icmp", "create_fcmp")):
+            setattr(builder, name, as_int1(getattr(builder, name)))
+    builder._pagedllm_int1_comparisons = True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        _tag_comparisons_as_int1()

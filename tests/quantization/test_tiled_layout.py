@@ -94,23 +94,15 @@ def test_layout_refusals_keep_internal_layout(monkeypatch):
     assert not use_tiled_layout(layer) and layer.quant_layout == "internal"
 
 
-def _triton_version() -> tuple:
-    from importlib.metadata import version
-
-    return tuple(int(p) for p in version("triton").split(".")[:2])
-
-
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (interpreter)")
-@pytest.mark.skipif(importlib.util.find_spec("triton") is not None and _triton_version() >= (3, 9),
-                    reason="Triton 3.9's interpreter rejects masks that combine a tensor with a scalar comparison "
-                           "(compiled kernels accept them); these kernels are checked with the GPU machine's Triton 3.6")
 def test_kernels_in_triton_interpreter():
     """tests/gpu/test_quant_tiled.py's small cases at 3 rows (GEMV) and 20 (tensor-core kernel), every bit width /
-    group size / act-order case, in Triton's interpreter on this CPU (the whole small set: run that file itself)."""
+    group size / act-order case, in Triton's interpreter on this CPU (the whole small set: run that file itself).
+    On Triton 3.9 the interpreter needs tests/gpu/conftest.py's comparison fix (it loads with that file)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PAGEDLLM_TEST_DEVICE="cpu", TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                            os.path.join(root, "tests", "gpu", "test_quant_tiled.py"), "-k", "small_shapes and (-3] or -20])"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
+    assert "10 passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]  # 2 row counts x 5 cases
