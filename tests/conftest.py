@@ -53,9 +53,9 @@ def _is_gpu_test(item: pytest.Item) -> bool:
 def _gpu_test_isolation(request: pytest.FixtureRequest):
     """Every gpu-marked test leaves the process as it found it (tests/gpu/run_shards.sh runs whole files in one
     process, so a file must pass the same alone or after any other): the variables above, the default dtype and
-    device restored; pending CUDA work finished, so an asynchronous kernel fault fails this test and not the
-    next one. The global RNG is seeded right before each test (pytest_runtest_call) and engines are freed after
-    it (pytest_runtest_protocol)."""
+    device restored; pending CUDA work finished, so an asynchronous kernel fault shows in this test (and stops
+    the run: the CUDA context is lost) instead of failing the next one. The global RNG is seeded right before
+    each test (pytest_runtest_call) and engines are freed after it (pytest_runtest_protocol)."""
     if not _is_gpu_test(request.node):
         yield
         return
@@ -72,7 +72,11 @@ def _gpu_test_isolation(request: pytest.FixtureRequest):
     if torch.get_default_device() != device:  # (setting it, even to the CPU, adds a mode to every torch call)
         torch.set_default_device(None if device.type == "cpu" else device)
     if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:  # an asynchronous fault (illegal address, ...) leaves the context unusable
+            pytest.exit(f"CUDA failed in {request.node.nodeid}; every later test in this process would fail: {e}",
+                        returncode=1)
 
 
 @pytest.hookimpl(wrapper=True)
