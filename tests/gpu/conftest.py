@@ -11,6 +11,28 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+# int32 0x7FC07FC0 reads as NaN in float32, and in both halves as bfloat16 or float16.
+_NAN_WORD = 0x7FC07FC0
+
+
+@pytest.fixture
+def stale_cuda_memory():
+    """Before the test, fill the CUDA caching allocator's free memory with NaN, so an output element a kernel
+    leaves unwritten (in `torch.empty` memory) reads as NaN and fails the comparison, alone or after other tests:
+    alone, a fresh process's memory is often zeros, which hides such a bug; in a long run it holds whatever the
+    previous tests left (an order-dependent failure). Blocks of 1 MiB fill the allocator's small pool, one large
+    block the large pool; freed, both stay cached for the test's allocations."""
+    import torch
+
+    if torch.cuda.is_available():
+        small = [torch.full((1 << 18,), _NAN_WORD, dtype=torch.int32, device="cuda") for _ in range(64)]
+        large = torch.full((1 << 28,), _NAN_WORD, dtype=torch.int32, device="cuda")  # 1 GiB
+        torch.cuda.synchronize()
+        del small, large
+    yield
+
 
 def _tag_comparisons_as_int1() -> None:
     import triton.language as tl
