@@ -10,6 +10,9 @@
 #
 # Environment: GPU_TEST_OUT  output directory (default .cache/gpu-tests): shard-<i>-of-<N>.xml/.log, summary.txt
 #              GPU_SHARD_TIMEOUT  seconds per shard (default 540: inside the GPU machine's 10-minute commands)
+#              GPU_RUN_BUDGET  seconds for the whole call (default none): a shard starts only with >= 120 s left
+#                and gets at most what is left, so `GPU_RUN_BUDGET=570 ... 1/4 2/4 3/4 4/4` runs what fits in one
+#                device command and names the shards left for the next
 #              GPU_SHARDS  shard count when none is named;  PYTHON  interpreter (default python3)
 #              GPU_SITE  extra site directory put on PYTHONPATH (default /tmp/site, where the device's wheels go)
 # It needs no install: the project runs from src/ (PYTHONPATH), with the wheels the GPU machine lacks in GPU_SITE.
@@ -22,13 +25,15 @@ cd "$root"
 python=${PYTHON:-python3}
 out=${GPU_TEST_OUT:-$root/.cache/gpu-tests}
 shard_timeout=${GPU_SHARD_TIMEOUT:-540}
+budget=${GPU_RUN_BUDGET:-}
+t0=$(date +%s)
 site=${GPU_SITE:-/tmp/site}
 specs=()
 pytest_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --) shift; pytest_args=("$@"); break ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) specs+=("$1"); shift ;;
     esac
 done
@@ -62,9 +67,18 @@ for spec in "${specs[@]}"; do
         echo "shard $spec: no files" | tee -a "$out/summary.txt"; continue
     fi
     start=$(date +%s)
-    # SIGINT first: pytest then stops and still writes its XML; SIGKILL 30 s later for a hang in native code.
+    limit=$shard_timeout
+    if [ -n "$budget" ]; then
+        left=$(( budget - (start - t0) ))
+        if [ "$left" -lt 120 ]; then
+            echo "shard $spec: not started ($left s of the run budget left)" | tee -a "$out/summary.txt"
+            status=1; continue
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    # SIGINT first: pytest then stops and still writes its XML; SIGKILL 20 s later for a hang in native code.
     # shellcheck disable=SC2086
-    timeout -s INT -k 30 "$shard_timeout" "$python" -m pytest -m gpu -v -p no:cacheprovider --durations=10 \
+    timeout -s INT -k 20 "$limit" "$python" -m pytest -m gpu -v -p no:cacheprovider --durations=10 \
         -o junit_family=xunit2 --junitxml="$xml" $files ${pytest_args[@]+"${pytest_args[@]}"} >"$log" 2>&1
     rc=$?  # 124 (137 after the KILL): its timeout stopped it
     seconds=$(( $(date +%s) - start ))
