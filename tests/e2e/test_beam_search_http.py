@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import openai
 import pytest
 
-from e2e_helpers import API_KEY, SERVED_NAME, Server
+openai = pytest.importorskip("openai", reason="these tests call the server with the openai SDK")
+
+from e2e_helpers import API_KEY, SERVED_NAME, Server  # noqa: E402
 
 PROMPT = "The capital of France is"
 

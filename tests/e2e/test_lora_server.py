@@ -9,13 +9,14 @@ import subprocess
 import threading
 
 import httpx
-import openai
 import pytest
 
-from e2e_helpers import API_KEY, Server, cli, metric, stop
+openai = pytest.importorskip("openai", reason="these tests call the server with the openai SDK")
 
-from pagedllm.entrypoints.server_process import free_port, wait_healthy
-from tests.lora.lora_helpers import make_adapter, peft_greedy
+from e2e_helpers import API_KEY, Server, cli, metric, stop  # noqa: E402
+
+from pagedllm.entrypoints.server_process import free_port, wait_healthy  # noqa: E402
+from tests.lora.lora_helpers import make_adapter, peft_greedy  # noqa: E402
 
 PROMPT = "The best way to learn a language is"
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

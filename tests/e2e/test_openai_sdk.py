@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
 import pytest
 
-from e2e_helpers import API_KEY, SERVED_NAME, Server
+openai = pytest.importorskip("openai", reason="these tests are of the openai SDK against the server")
+
+from e2e_helpers import API_KEY, SERVED_NAME, Server  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 

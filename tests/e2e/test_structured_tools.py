@@ -5,11 +5,12 @@ import asyncio
 import json
 import re
 
-import jsonschema
-import openai
 import pytest
 
-from e2e_helpers import API_KEY, SERVED_NAME, Server
+jsonschema = pytest.importorskip("jsonschema", reason="validates the structured outputs")
+openai = pytest.importorskip("openai", reason="these tests call the server with the openai SDK")
+
+from e2e_helpers import API_KEY, SERVED_NAME, Server  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -1,5 +1,7 @@
-"""Quantized models on the GPU: every method's CUDA path (Triton dequant matmul, torch._scaled_mm, _int_mm)
-against the same model's CPU path, and the engine with CUDA graphs on a quantized model."""
+"""Quantized models on the GPU: every method's CUDA path (Triton dequant matmul, the tiled GEMV/GEMM, torch._scaled_mm,
+_int_mm) against the same model's CPU path (dummy weights); against the quantizer libraries' own reading of real
+checkpoints (tests/quantization/checkpoints.py: AutoGPTQ's packing, AutoAWQ's dequantization, compressed-tensors'
+compression, of a tiny model's random weights at transformers' init scale, std 0.05); and the engine with CUDA graphs on a quantized model."""
 from __future__ import annotations
 
 import json
@@ -75,3 +77,93 @@ def test_engine_cuda_graphs_on_a_quantized_model(tmp_path, tiny_model_dir):
         tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     assert tokens[True] == tokens[False]
+
+
+# Library checkpoints of a tiny llama wide enough for the tiled layout (every K a multiple of 128): case ->
+# (maker, activation dtype, W8A8). GPTQ and AWQ are fp16 checkpoints; fp16 keeps the arithmetic noise ~10x below
+# bf16's, so the bound below is tight; one bf16 case each for the weight-only formats.
+WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+LIBRARY_CASES = {
+    "gptq-4bit-g128-act-order-asym": (lambda src, dst: _gptq(src, dst, 4, 128, True, False), torch.float16, False),
+    "gptq-4bit-g32": (lambda src, dst: _gptq(src, dst, 4, 32, False, True), torch.float16, False),
+    "gptq-8bit-g-1": (lambda src, dst: _gptq(src, dst, 8, -1, False, True), torch.bfloat16, False),
+    "awq-g64": (lambda src, dst: _awq(src, dst, 64), torch.float16, False),
+    "ct-w4a16-g128": (lambda src, dst: _ct(src, dst, "W4A16", group_size=128), torch.bfloat16, False),
+    "ct-fp8-dynamic": (lambda src, dst: _ct(src, dst, "FP8_DYNAMIC"), torch.bfloat16, True),
+    "ct-w8a8-int8": (lambda src, dst: _ct(src, dst, "W8A8"), torch.float16, True),
+}
+# |CUDA - library reference| over the logits' largest magnitude: max and mean. The reference is fp32, so this is
+# the activation dtype's own error: transformers in bf16 / fp16 on such checkpoints is off by ~1.1% / 0.15%
+# (max) and 0.2% / 0.025% (mean); the bounds leave a factor of ~4.
+TOLERANCE = {torch.bfloat16: (0.04, 0.008), torch.float16: (0.008, 0.001)}
+LIBRARY_PROMPT = torch.randint(2, 512, (40,), generator=torch.Generator().manual_seed(17))
+
+
+def _gptq(src, dst, bits, group_size, desc_act, sym):
+    from tests.quantization.checkpoints import gptq_checkpoint
+    return gptq_checkpoint(src, dst, bits, group_size, desc_act, sym)
+
+
+def _awq(src, dst, group_size):
+    from tests.quantization.checkpoints import awq_checkpoint
+    return awq_checkpoint(src, dst, group_size)
+
+
+def _ct(src, dst, preset, **args):
+    from tests.quantization.checkpoints import ct_checkpoint
+    return ct_checkpoint(src, dst, preset, **args)
+
+
+@pytest.fixture(scope="module")
+def library_checkpoint(tiny_model_dir, tmp_path_factory):
+    """case -> (checkpoint dir, the reference's logits over LIBRARY_PROMPT, the same without activation
+    quantization or None); each made once per module, on the CPU, by the libraries' own code."""
+    made = {}
+
+    def get(case):
+        if case not in made:
+            maker, _, w8a8 = LIBRARY_CASES[case]
+            model_dir, reference = maker(tiny_model_dir("llama", **WIDE), str(tmp_path_factory.mktemp(case) / "m"))
+            with torch.inference_mode():
+                want = reference(LIBRARY_PROMPT[None]).logits[0].float()
+                weight_only = None
+                if w8a8:
+                    for hook in reference.act_quant_hooks:
+                        hook.remove()
+                    weight_only = reference(LIBRARY_PROMPT[None]).logits[0].float()
+            made[case] = (model_dir, want, weight_only)
+        return made[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case,tiled", [(c, False) for c in LIBRARY_CASES] +
+                         [(c, True) for c, (_, _, w8a8) in LIBRARY_CASES.items() if not w8a8])
+def test_cuda_path_matches_library_reference(library_checkpoint, monkeypatch, case, tiled):
+    """Loaded straight onto the GPU (as the engine loads), at 1 and 4 rows (the GEMV / split-K paths) and 40 (the
+    tensor-core path); tiled: the opt-in tiled layout (PAGEDLLM_QUANT_TILED=1), which every linear must take."""
+    monkeypatch.setenv("PAGEDLLM_QUANT_TILED", "1" if tiled else "0")
+    model_dir, want, weight_only = library_checkpoint(case)
+    _, dtype, w8a8 = LIBRARY_CASES[case]
+    cfg = load_hf_config(model_dir)
+    quant = resolve_quant_config(None, cfg, model_dir)
+    quant.check_supported(torch.device("cuda"), dtype)
+    model = get_model(cfg, model_dir, dtype=dtype, device="cuda", quant_config=quant)
+    layouts = [m.quant_layout for m in model.modules() if hasattr(m, "quant_layout")]
+    assert (set(layouts) == {"tiled"}) if tiled else ("tiled" not in layouts), layouts
+    scale = want.abs().max().item()
+    max_tol, mean_tol = TOLERANCE[dtype]
+    ids = LIBRARY_PROMPT.cuda()
+    for rows in (1, 4, 40):
+        with torch.inference_mode():
+            got = model.compute_logits(model(ids[:rows], torch.arange(rows, device="cuda"))).float().cpu()
+        err = (got - want[:rows]).abs()
+        if w8a8:  # activation quantization flips values on rounding boundaries (the CPU path itself is off by
+            # ~0.15% of the scale at 40 rows): the mean, and far closer to W8A8 than to the weight-only result
+            contrast = (got - weight_only[:rows]).abs().mean()
+            assert err.mean() < 0.005 * scale and err.mean() < 0.5 * contrast, (case, rows, err.mean().item(),
+                                                                                 contrast.item(), scale)
+        else:
+            assert err.max() < max_tol * scale and err.mean() < mean_tol * scale, (case, rows, err.max().item(),
+                                                                                    err.mean().item(), scale)
+    del model

@@ -12,11 +12,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(smollm2_hf_dir):
+    """A fresh engine per test: one shared by the module would carry the first test's prefix-cache blocks into
+    the second (other kernels, other results: an order dependence)."""
     llm = LLM(model=smollm2_hf_dir, dtype="float32", device="cuda", num_gpu_blocks_override=512)
     assert llm.engine.worker.runner.cuda_graphs is not None
-    return llm
+    yield llm
+    del llm  # freed before the next test (tests/conftest.py collects)
 
 
 def test_smollm2_fp32_greedy_matches_transformers_on_gpu(llm, smollm2_hf_dir):

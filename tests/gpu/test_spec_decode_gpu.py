@@ -1,12 +1,18 @@
 """Speculative decoding and beam search on CUDA: verify steps replay CUDA graphs (mixed-step buckets of k + 1
-tokens per request), async scheduling stays on, and greedy output equals the same engine
-without speculation."""
+tokens per request), async scheduling stays on, greedy
+output equals the same engine without speculation over whole outputs (fp32: token for token; bf16: up to a near-tie,
+spec_checks.py), and sampled output (temperature 1, nothing filtered) has the target's distribution."""
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 import torch
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
+from spec_checks import (assert_same_up_to_near_ties, chi2_limit, mean_top_prob, rank_fit,
+                         two_sample_chi2)
 from tests.engine.test_correctness import random_prompts
 
 pytestmark = [pytest.mark.gpu,
@@ -16,29 +22,36 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 
 
 def _prompts():
+    """Repetitive prompts (n-gram drafts get accepted) and a random one."""
     base = random_prompts([24], seed=3)[0]
-    return [{"prompt_token_ids": p} for p in (base * 3, base[:10] * 4, random_prompts([40], seed=4)[0])]
+    more = [random_prompts([n], seed=30 + i)[0] * 2 for i, n in enumerate((7, 13, 19, 31, 5))]
+    return [{"prompt_token_ids": p} for p in [base * 3, base[:10] * 4, random_prompts([40], seed=4)[0]] + more]
+
+
+def _outputs(llm, prompts, params):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def _tokens(llm, prompts, params):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.token_ids for o in _outputs(llm, prompts, params)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ngram_on_cuda_graphs_equals_plain(tiny_llama_dir, dtype):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     common = dict(dtype=dtype, device="cuda", num_gpu_blocks_override=256, max_num_seqs=8)
     plain = LLM(tiny_llama_dir, **common)
     spec = LLM(tiny_llama_dir, speculative_config=NGRAM, **common)
     runner = spec.engine.worker.runner
     assert spec.engine.async_scheduling and runner.mixed_graphs is not None
     assert {5, 10, 20, 40} <= set(runner.mixed_graphs.sizes)  # exact verify buckets (k + 1) x batch
-    got, want = _tokens(spec, _prompts(), params), _tokens(plain, _prompts(), params)
     if dtype == "float32":
-        assert got == want
-    else:  # bf16: the verify rows go through other kernels (5-token attention, GEMM vs GEMV), so near-ties of a
-        # random tiny model flip after the first token; the prefill's token comes from the same kernels.
-        assert [g[0] for g in got] == [w[0] for w in want] and all(len(g) == 40 for g in got)
+        assert _tokens(spec, _prompts(), params) == _tokens(plain, _prompts(), params)
+    else:  # the production path (greedy shortcut, no logprobs), then with logprobs to compare those too
+        want = _outputs(plain, _prompts(), with_logprobs)
+        assert_same_up_to_near_ties(_outputs(spec, _prompts(), params), want)
+        assert_same_up_to_near_ties(_outputs(spec, _prompts(), with_logprobs), want, check_logprobs=True)
     stats = spec.engine.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0
     # batch 1: every verify step is one draft; each must have replayed a graph (2..5 tokens, exact buckets)
@@ -46,9 +59,12 @@ def test_ngram_on_cuda_graphs_equals_plain(tiny_llama_dir, dtype):
     _tokens(spec, _prompts()[:1], params)
     assert stats.num_drafts > before_drafts
     assert runner.mixed_graphs.num_replays - before_replays >= stats.num_drafts - before_drafts
+    del plain, spec
 
 
-def test_draft_model_and_sampling_on_cuda(tiny_llama_dir):
+def test_draft_model_greedy_and_top_k_1_on_cuda(tiny_llama_dir):
+    """Whole greedy outputs equal without speculation; temperature 0.9 with top_k=1 takes the sampled rows'
+    path through the rejection sampler (filters, not the argmax shortcut) and must give the same tokens."""
     common = dict(dtype="float32", device="cuda", num_gpu_blocks_override=256, max_num_seqs=8)
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     plain = LLM(tiny_llama_dir, **common)
@@ -58,6 +74,60 @@ def test_draft_model_and_sampling_on_cuda(tiny_llama_dir):
     assert draft.engine.scheduler.spec_stats.acceptance_rate > 0.95
     top1 = SamplingParams(temperature=0.9, top_k=1, max_tokens=30, ignore_eos=True)
     assert _tokens(draft, _prompts(), top1) == _tokens(plain, _prompts(), top1)
+    del plain, draft
+
+
+def _peaked_model(src: str, dst: str, scale: float = 12.0) -> str:
+    """The tiny model with its LM head scaled up: the next-token distributions concentrate (most likely token
+    ~0.45, the top 5 ~0.8), so a few thousand samples show a sampler's bias."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * scale
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+def test_draft_model_sampling_keeps_the_target_distribution(tiny_llama_dir, tmp_path):
+    """bf16, temperature 1, no top-k/top-p, 2000 seeded requests of one prompt, 4 tokens each, the target as its
+    own draft (its drafts are the most likely tokens, accepted with probability p(draft) by a correct sampler):
+    - every emitted token fits the distribution the engine reports for it (rank_fit over the top 5 and the rest),
+      the verified positions (1-3) and the prefill's (0) alike, with and without speculation;
+    - at each position the token histograms with and without speculation agree (two-sample chi-square);
+    - the first draft is accepted about as often as the most likely token's probability.
+    Accepting every draft or resampling from p with the rejected draft included puts more mass on rank 1 at
+    positions 1-3 by many standard deviations, and never accepting fails the acceptance check (each bug was
+    simulated on the CPU engine against this test)."""
+    model = _peaked_model(tiny_llama_dir, str(tmp_path / "peaked"))
+    n = 2000
+    prompt = {"prompt_token_ids": random_prompts([12], seed=21)[0]}
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True, logprobs=5) for i in range(n)]
+    common = dict(dtype="bfloat16", device="cuda", num_gpu_blocks_override=1024, max_num_seqs=256)
+    # disable_by_batch_size None: speculate at any load (by default a batch this large is not speculated)
+    spec_config = {"method": "draft_model", "model": model, "num_speculative_tokens": 3,
+                   "disable_by_batch_size": None}
+    results = {}
+    for name, extra in (("plain", {}), ("spec", {"speculative_config": spec_config})):
+        llm = LLM(model, **common, **extra)
+        results[name] = _outputs(llm, [prompt] * n, params)
+        if name == "spec":
+            stats = llm.engine.scheduler.spec_stats
+        del llm
+    for name, outs in results.items():
+        assert all(len(o.token_ids) == 4 for o in outs)
+        for positions in ([0], [1, 2, 3]):
+            stat, dof, z = rank_fit(outs, positions)
+            assert stat < chi2_limit(dof), (name, positions, stat, dof, z)
+    for j in range(4):
+        stat, dof = two_sample_chi2([o.token_ids[j] for o in results["plain"]],
+                                    [o.token_ids[j] for o in results["spec"]])
+        assert dof >= 5 and stat < chi2_limit(dof), (j, stat, dof)
+    assert stats.num_drafts > n  # (most requests verify drafts in more than one step)
+    first_accepted = stats.num_accepted_tokens_per_pos[0] / stats.num_drafts
+    expected = mean_top_prob(results["spec"], [1, 2, 3])
+    assert 0.2 < expected < 0.8 and abs(first_accepted - expected) < 0.1, (first_accepted, expected)
 
 
 @pytest.mark.parametrize("copies", ["0", "1"])

@@ -8,13 +8,17 @@ from __future__ import annotations
 import os
 
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, given, settings
-from hypothesis.errors import Unsatisfiable
-from schemathesis.generation.modes import GenerationMode
 
-from robust_helpers import API_KEY
-from robust_helpers import launch, stop
+schemathesis = pytest.importorskip("schemathesis", reason="the fuzzer (pip install -e '.[test]')")
+pytest.importorskip("hypothesis", reason="schemathesis generates the cases with it")
+for _dep in ("fastapi", "pydantic", "msgspec", "zmq"):  # absent where only the engine is installed (GPU machine)
+    pytest.importorskip(_dep, reason=f"the OpenAI server's modules need {_dep}")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
+from schemathesis.generation.modes import GenerationMode  # noqa: E402
+
+from robust_helpers import API_KEY  # noqa: E402
+from robust_helpers import launch, stop  # noqa: E402
 
 # per operation and generation mode (valid, schema-violating): 2 x 50 cases per operation by default
 MAX_EXAMPLES = int(os.environ.get("PAGEDLLM_FUZZ_EXAMPLES", "50"))

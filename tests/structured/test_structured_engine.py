@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import pytest
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.structured_output import GuidedDecodingParams, StructuredOutputsParams
+jsonschema = pytest.importorskip("jsonschema", reason="validates the structured outputs")
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.structured_output import GuidedDecodingParams, StructuredOutputsParams  # noqa: E402
 
 # Bounded everywhere (maxLength, integer ranges, enums) so even a random model finishes within max_tokens.
 SCHEMA = {
