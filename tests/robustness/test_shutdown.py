@@ -53,7 +53,9 @@ def _start_streams(url: str, count: int, body: dict) -> tuple[list, list]:
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: str, robust_env: dict, tmp_path) -> None:
-    server = launch(tiny_llama_dir, ["--shutdown-timeout", "60"], robust_env, str(tmp_path / "server.log"),
+    # The entry command runs `pagedllm` from PATH, as in the image: this interpreter's bin directory has it.
+    env = dict(robust_env, PATH=os.pathsep.join([os.path.dirname(sys.executable), robust_env.get("PATH", "")]))
+    server = launch(tiny_llama_dir, ["--shutdown-timeout", "60"], env, str(tmp_path / "server.log"),
                     command=["sh", ENTRYPOINT])
     try:
         assert _healthcheck(server.port, robust_env) == 0
