@@ -96,8 +96,10 @@ class HeldStream:
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: str, robust_env: dict, tmp_path) -> None:
     """Order, not timing: a held stream keeps a request in flight for as long as the test likes, so every check of
     the draining state runs while the server must still be up; then the stream is read to its end."""
+    # The entry command runs `pagedllm` from PATH, as in the image: this interpreter's bin directory has it.
+    env = dict(robust_env, PATH=os.pathsep.join([os.path.dirname(sys.executable), robust_env.get("PATH", "")]))
     # --send-timeout 0: the held client is never cut off; --shutdown-timeout: a hang guard far past the drain
-    server = launch(tiny_llama_dir, ["--shutdown-timeout", "300", "--send-timeout", "0"], robust_env,
+    server = launch(tiny_llama_dir, ["--shutdown-timeout", "300", "--send-timeout", "0"], env,
                     str(tmp_path / "server.log"), command=["sh", ENTRYPOINT])
     try:
         assert _healthcheck(server.port, robust_env) == 0
