@@ -191,8 +191,8 @@ def _attn_scales(llm) -> list[tuple[float, float]]:
 def test_engine_fp8_kv_equals_full_precision_over_rounded_kv(smollm2_gguf_path, reference, monkeypatch, scales):
     """Prefill (the paragraph teacher-forced), prefix hits on FP8 blocks and decode (greedy continuations that
     read every earlier token back from the FP8 cache), against the reference over the same rounding."""
-    if scales == "calibrated":
-        monkeypatch.setenv("PAGEDLLM_KV_SCALES", "1")  # scales from the first step's K/V
+    # calibrated: scales from the first step's K/V (the default); unscaled: PAGEDLLM_KV_SCALES=0
+    monkeypatch.setenv("PAGEDLLM_KV_SCALES", "1" if scales == "calibrated" else "0")
     ref_llm, state = reference
     fp8 = LLM(model=smollm2_gguf_path, kv_cache_memory_bytes=BUDGET, max_model_len=512, kv_cache_dtype="fp8")
     tok = fp8.get_tokenizer()

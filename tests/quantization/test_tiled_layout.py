@@ -167,7 +167,7 @@ def _library_layer(fmt, bits, group_size, act_order, seed=0):
 
 @pytest.mark.parametrize("fmt,bits,group_size,act_order", LIBRARY_CASES, ids=LIBRARY_IDS)
 def test_tiled_layout_dequantizes_to_the_library_weight(fmt, bits, group_size, act_order):
-    from pagedllm.quantization.tiled import dequantize_tiled
+    from pagedllm.kernels.tiled_layout import dequantize_tiled
 
     layer, reference = _library_layer(fmt, bits, group_size, act_order)
     dense = dequantize_tiled(layer.qweight, layer.scales.float(), layer.zeros.float(), layer.quant_bits,
