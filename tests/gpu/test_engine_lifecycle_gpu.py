@@ -22,6 +22,10 @@ ENGINE = dict(model=os.path.join(REPO_ROOT, "benchmarks", "configs", "qwen3-0.6b
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 5000 + 10 for j in range(n)]} for i, n in enumerate((5, 40, 300))]
 # What may stay: a few small blocks in a 2 MiB segment of the caching allocator.
 SLACK = 8 << 20
+# The second engine's budget may be smaller by the CUDA modules the first engine loaded after its own profile run
+# (kernels load lazily into the context and stay there: process memory, not the first engine's); the bug this
+# guards against kept the whole first engine (~125 GiB).
+CONTEXT_GROWTH = 64 << 20
 
 
 def _settle() -> tuple[int, int]:
@@ -63,7 +67,9 @@ def test_a_second_engine_in_one_process_gets_the_whole_gpu():
     _check_memory_back(before, "after shutdown()")
 
     second = LLM(**ENGINE)
-    assert second.engine.num_blocks == num_blocks  # the same KV budget: nothing of the first counted as "others"
+    # The same KV budget: nothing of the first engine counted as "other processes' memory".
+    lost = (num_blocks - second.engine.num_blocks) * second.engine.worker.runner.kv_cache_spec().bytes_per_block
+    assert abs(lost) <= CONTEXT_GROWTH, (num_blocks, second.engine.num_blocks, lost / 2**20)
     assert _run(second) == tokens
     del second
     gc.collect()

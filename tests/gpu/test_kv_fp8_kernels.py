@@ -103,5 +103,6 @@ def test_engine_fp8_kv_on_gpu(smollm2_gguf_path, monkeypatch):
     fp8 = torch.cat([score(p, ids)[-len(ids):] for p, ids in zip(prompts, tokens["fp8"])]).mean().item()
     print(f"fp8 KV on GPU: mean |dlogprob| {err.mean():.4f} (max {err.max():.3f}) over {len(err)} tokens; greedy "
           f"agreement {agree}; continuation logprob under bf16: bf16's own {own:.3f}, fp8's {fp8:.3f}")
-    assert err.mean() < 0.2, err.mean()
-    assert fp8 > own - 1.0, (fp8, own)
+    assert err.mean() < 0.15, err.mean()
+    assert err.max() < 1.5, err.max()
+    assert fp8 > own - 0.25, (fp8, own)
