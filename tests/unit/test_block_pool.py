@@ -118,3 +118,29 @@ def test_reset_prefix_cache_only_when_idle():
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(7) is None and b.block_hash is None
     assert pool.num_free_blocks == 2
+
+
+def test_block_states_follow_every_operation():
+    """One byte per block (the dashboard's grid): free, cached (free, evictable), used, shared."""
+    from pagedllm.core.block_pool import CACHED, FREE, SHARED, USED
+
+    pool = BlockPool(5)
+    assert pool.block_states == bytearray([FREE] * 5)
+    a = pool.allocate(3)  # 0, 1, 2
+    pool.cache_block(a[0], b"h0")
+    pool.touch([a[0]])  # a second request shares block 0
+    assert list(pool.block_states) == [SHARED, USED, USED, FREE, FREE]
+    pool.free(a)  # block 0 goes back to one reference; 1 and 2 are free, 1 never cached
+    assert list(pool.block_states) == [USED, FREE, FREE, FREE, FREE]
+    pool.free([a[0]])
+    assert list(pool.block_states) == [CACHED, FREE, FREE, FREE, FREE]
+    pool.touch([pool.get_cached_block(b"h0")])  # a prefix hit takes the cached block back
+    assert pool.block_states[0] == USED
+    pool.free([a[0]])
+    assert pool.reset_prefix_cache()
+    assert pool.block_states == bytearray([FREE] * 5)
+    pool.cache_block(pool.allocate(1)[0], b"h1")  # block 3 (the queue's head), cached
+    pool.free([pool.blocks[3]])
+    assert pool.block_states[3] == CACHED
+    got = pool.allocate(5)  # evicts the cached block too
+    assert pool.block_states == bytearray([USED] * 5) and pool.get_cached_block(b"h1") is None and len(got) == 5

@@ -10,6 +10,11 @@ The free queue is in eviction order: allocation takes from the head, freed block
 the least recently freed cached block is evicted first (LRU). A freed request's blocks are appended
 tail-first (see KVCacheManager.free), so its last blocks -- the least likely to be shared -- go first.
 
+`block_states` holds one byte per block, kept up to date by the operations below (one store per block they
+touch), so a snapshot of the pool (the dashboard's grid) is a copy of it instead of a walk over the blocks:
+FREE (ref_cnt 0, nothing cached), CACHED (ref_cnt 0, a cached prefix: evictable), USED (one request),
+SHARED (several requests).
+
 Invariants:
   * block in free queue  <=>  block.ref_cnt == 0
   * cached_blocks[h] is b  =>  b.block_hash == h; a block with a block_hash is in cached_blocks
@@ -20,6 +25,9 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from pagedllm.core.block_hash import BlockHash
+
+# block_states values
+FREE, CACHED, USED, SHARED = 0, 1, 2, 3
 
 
 class KVCacheBlock:
@@ -98,6 +106,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.block_states = bytearray(num_blocks)  # all FREE
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # core/partial_blocks.PartialBlockCache (set by the KV manager): free blocks it remembers are forgotten
         # when handed out again.
@@ -124,28 +133,36 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"Cannot allocate {num_blocks} blocks: only {self.num_free_blocks} free.")
         out = []
+        states = self.block_states
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
+            states[block.block_id] = USED
             out.append(block)
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (prefix-cache hit), pulling free ones out of the free queue."""
+        states = self.block_states
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            states[block.block_id] = USED if block.ref_cnt == 1 else SHARED
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the order given; blocks reaching 0 join the tail."""
+        states = self.block_states
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"Block {block.block_id} freed more often than allocated.")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+                states[block.block_id] = FREE if block.block_hash is None else CACHED
+            elif block.ref_cnt == 1:
+                states[block.block_id] = USED
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Register a now-full, in-use block under block_hash; False if caching is off or it is taken.
@@ -176,4 +193,5 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        self.block_states[:] = bytes(self.num_blocks)  # no block in use: all FREE
         return True
