@@ -65,6 +65,21 @@ def test_nginx_accepts_the_gateway_config(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_nginx_passes_the_dashboard_stream_unbuffered() -> None:
+    """/dashboard has its own location: unbuffered (its event stream never ends), one replica per client address
+    (the page and its stream show one engine); nginx -t above checks the syntax, test_nginx_gateway.py the stream."""
+    import re
+
+    text = open(os.path.join(DEPLOY, "nginx", "conf.d", "pagedllm.conf")).read()
+    location = re.search(r"location /dashboard \{(.*?)\}", text, re.S)
+    assert location is not None, "no 'location /dashboard' in deploy/nginx/conf.d/pagedllm.conf"
+    for directive in ("proxy_buffering off;", "proxy_cache off;", "proxy_pass http://pagedllm_dashboard;"):
+        assert directive in location.group(1), directive
+    upstream = re.search(r"upstream pagedllm_dashboard \{(.*?)\}", text, re.S)
+    assert upstream is not None
+    assert "hash $remote_addr consistent;" in upstream.group(1) and "include conf.d/upstreams.inc;" in upstream.group(1)
+
+
 def test_compose_runs_replicas_behind_nginx() -> None:
     compose = yaml.safe_load(open(os.path.join(DEPLOY, "docker-compose.yml")))
     app, gw = compose["services"]["pagedllm"], compose["services"]["nginx"]

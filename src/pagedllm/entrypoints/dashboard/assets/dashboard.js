@@ -111,19 +111,20 @@
     const left = 44, bottom = 4, top = 8;
     let max = 0;
     lines.forEach((l) => l.values.forEach((v) => { if (v > max) max = v; }));
-    max = niceMax(max);
+    const scale = niceScale(max);
+    max = scale.max;
     ctx.font = "11px system-ui, sans-serif";
     ctx.fillStyle = css("--muted");
     ctx.strokeStyle = css("--line");
     ctx.lineWidth = 1;
-    for (let k = 0; k <= 4; k++) {
-      const y = top + (h - top - bottom) * (1 - k / 4);
+    for (let k = 0; k <= scale.ticks; k++) {
+      const y = top + (h - top - bottom) * (1 - k / scale.ticks);
       ctx.beginPath();
       ctx.moveTo(left, Math.round(y) + 0.5);
       ctx.lineTo(w, Math.round(y) + 0.5);
       ctx.stroke();
-      const label = (max * k / 4);
-      ctx.fillText(label >= 1000 ? (label / 1000).toFixed(1) + "k" : String(+label.toFixed(1)), 2, y + 4);
+      const label = max * k / scale.ticks;
+      ctx.fillText(label >= 1000 ? +(label / 1000).toFixed(1) + "k" : String(+label.toFixed(2)), 2, y + 4);
     }
     const span = MAX_POINTS - 1;
     lines.forEach((l) => {
@@ -143,11 +144,13 @@
     canvas.dataset.unit = unit;
   }
 
-  function niceMax(v) {
-    if (v <= 0) return 1;
+  // the axis' top (1, 2, 2.5 or 5 times a power of ten) and a tick count that gives round steps (whole ones up to 5)
+  function niceScale(v) {
+    if (v <= 0) return { max: 1, ticks: 1 };
     const p = Math.pow(10, Math.floor(Math.log10(v)));
-    for (const m of [1, 2, 2.5, 5, 10]) if (v <= m * p) return m * p;
-    return 10 * p;
+    const [m, ticks] = [[1, 5], [2, 4], [2.5, 5], [5, 5], [10, 5]].find(([x]) => v <= x * p);
+    const max = m * p;
+    return { max, ticks: Number.isInteger(max) && max <= 5 ? max : ticks };
   }
 
   function showEngine(model) {
