@@ -83,6 +83,8 @@ class DashboardFeed:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="pagedllm-dashboard")
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
             try:
                 if self.listeners:
@@ -95,9 +97,12 @@ class DashboardFeed:
                 logger.exception("dashboard sampling failed")
             assert self._wake is not None
             self._wake.clear()
+            # a steady rate: the next update is due one interval after the last was due (not after it finished);
+            # when a tick took longer (the engine core answers between steps) the next one starts at once
+            due = max(due + (self.interval_s if self.listeners else self.idle_interval_s), loop.time())
             try:
-                await asyncio.wait_for(self._wake.wait(),
-                                       timeout=self.interval_s if self.listeners else self.idle_interval_s)
+                await asyncio.wait_for(self._wake.wait(), timeout=due - loop.time())
+                due = loop.time()  # a page joined: update now
             except asyncio.TimeoutError:
                 pass
 

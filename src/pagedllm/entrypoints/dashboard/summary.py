@@ -129,8 +129,8 @@ def grid_cells(states: bytes, max_cells: int) -> tuple[bytes, int]:
     a = a.reshape(cells, k)
     # counts per state, highest state first so argmax's first-maximum rule prefers the busier state
     order = np.arange(len(STATE_NAMES) - 1, -1, -1, dtype=np.uint8)
-    counts = (a[:, :, None] == order[None, None, :]).sum(axis=1)
-    return order[counts.argmax(axis=1)].astype(np.uint8).tobytes(), k
+    counts = np.stack([(a == v).sum(axis=1, dtype=np.int32) for v in order], axis=1)
+    return order[counts.argmax(axis=1)].tobytes(), k
 
 
 def b64(data: bytes) -> str:
