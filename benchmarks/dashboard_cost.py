@@ -120,35 +120,15 @@ def stop_listeners(proc: subprocess.Popen) -> dict:
 
 
 def micro() -> None:
-    """CPU time of the dashboard's parts, per call, at pool sizes up to an H200's: the block pool's state stores
-    (paid by every allocate / free, dashboard open or not), the engine core's DashboardReply, and the API process's
-    grid cells + JSON. Thread CPU time, best of 5 repeats."""
+    """CPU time of the dashboard's parts per update, at pool sizes up to an H200's: the engine core's DashboardReply
+    and the API process's grid cells + JSON. Thread CPU time, best of 5 repeats. (What block_states adds to the block
+    pool's own operations, paid dashboard open or not: benchmarks/block_pool_ops.py.)"""
     import base64
 
-    from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+    from pagedllm.core.block_pool import BlockPool
     from pagedllm.entrypoints import messages as m
     from pagedllm.entrypoints.dashboard import summary
     from pagedllm.entrypoints.dashboard.engine_side import dashboard_reply
-
-    class PlainPool(BlockPool):
-        """BlockPool's allocate / free without the block_states stores: the baseline of their cost."""
-
-        def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
-            out = []
-            for _ in range(num_blocks):
-                block = self.free_block_queue.popleft()
-                self._evict(block)
-                block.ref_cnt = 1
-                out.append(block)
-            return out
-
-        def free(self, blocks) -> None:
-            for block in blocks:
-                if block.ref_cnt <= 0:
-                    raise ValueError
-                block.ref_cnt -= 1
-                if block.ref_cnt == 0:
-                    self.free_block_queue.append(block)
 
     def best(fn, repeats: int = 5) -> float:
         times = []
@@ -157,16 +137,6 @@ def micro() -> None:
             fn()
             times.append(time.thread_time() - t)
         return min(times)
-
-    print("block pool: allocate + free of 64 blocks, 2,000 times (ns per block and op)")
-    for cls in (PlainPool, BlockPool):
-        pool = cls(100_000)
-
-        def churn() -> None:
-            for _ in range(2000):
-                pool.free(pool.allocate(64))
-
-        print(f"  {cls.__name__:10s} {best(churn) / (2000 * 64 * 2) * 1e9:7.1f} ns")
 
     class Sched:
         def __init__(self, pool: BlockPool) -> None:
