@@ -9,7 +9,8 @@ hits), allocate 28 fresh blocks (which evicts cached ones once the pool has turn
 free all 32 tail-first. Best of `--repeats` runs of 2,000 requests each (the minimum: the run least disturbed by other
 processes): each operation by time.perf_counter around it (less the cost of reading the clock twice, measured first),
 the whole run also in thread CPU time. The garbage collector is off while timing (its pauses would land on whichever
-operation happened to allocate).
+operation happened to allocate). A second table times whole calls of a few sizes (0, 1, 4 and 32 blocks: a decode
+step's allocate(1), a request without prefix hits' touch([]), ...), where a call's fixed cost shows.
 """
 from __future__ import annotations
 
@@ -85,6 +86,26 @@ def run(module: types.ModuleType, num_blocks: int, overhead_s: float) -> dict[st
     return spent
 
 
+def per_call(module: types.ModuleType, n: int) -> dict[str, float]:
+    """Seconds per call pair: allocate(n) + free(those), and touch(n cached free blocks) + free(them)."""
+    import timeit
+
+    pool = module.BlockPool(10_000)
+    out = {}
+    out["allocate + free"] = min(timeit.repeat(lambda: pool.free(pool.allocate(n)), number=5000, repeat=3)) / 5000
+    blocks = pool.allocate(n)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, ("call", i))
+    pool.free(blocks)
+
+    def touch_free() -> None:
+        pool.touch(blocks)
+        pool.free(blocks)
+
+    out["touch + free"] = min(timeit.repeat(touch_free, number=5000, repeat=3)) / 5000
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--against", action="append", default=[], help="a git revision whose core/block_pool.py is timed "
@@ -117,6 +138,25 @@ def main() -> None:
         total = 1e9 * spent["run"] / (REQUESTS * (PREFIX + FRESH))
         print(f"  {name:16s}" + "".join(f"{c:13.1f}" for c in cells) + f"{total:13.1f}")
     print("  (whole run: thread CPU time per block of a request, the clock reads and cached-block lookups included)")
+    sizes = (0, 1, 4, 32)
+    calls: dict[tuple[str, int], dict[str, float]] = {}
+    gc.disable()
+    try:
+        for _ in range(args.repeats):
+            for name, module in sides.items():
+                for n in sizes:
+                    got = per_call(module, n)
+                    mine = calls.setdefault((name, n), got)
+                    for k, v in got.items():
+                        mine[k] = min(mine[k], v)
+    finally:
+        gc.enable()
+    print(f"ns per call pair, best of {args.repeats}, by blocks per call")
+    print(f"  {'':16s}" + "".join(f"{f'alloc+free {n}':>15s}" for n in sizes)
+          + "".join(f"{f'touch+free {n}':>15s}" for n in sizes))
+    for name in sides:
+        print(f"  {name:16s}" + "".join(f"{1e9 * calls[(name, n)]['allocate + free']:15.0f}" for n in sizes)
+              + "".join(f"{1e9 * calls[(name, n)]['touch + free']:15.0f}" for n in sizes))
 
 
 if __name__ == "__main__":
