@@ -4,8 +4,8 @@ While at least one page listens, the sampler runs every `interval_s` (0.25 s): i
 `DashboardReply` (the KV block states; `engine_side.py`), reads the scheduler gauges the engine cores already send
 with every output batch (`AsyncEngine.last_stats`) and the Prometheus collectors of /metrics, and renders one JSON
 event that every listener gets (a slow listener skips to the newest event instead of queueing). With no page open it
-only reads the collectors every `idle_interval_s` (5 s), so a page opened later has its last minute of latency and
-throughput at once. Nothing here runs per engine step or per token.
+only reads the collectors every `idle_interval_s` (5 s), from the server's start (`start()`), so a page opened later
+has its last minute of latency and throughput at once. Nothing here runs per engine step or per token.
 """
 from __future__ import annotations
 
@@ -74,6 +74,11 @@ class DashboardFeed:
                 yield f"data: {data}\n\n"
         finally:
             self.listeners.discard(listener)
+
+    def start(self) -> None:
+        """Start sampling now (the server does, at start): a page opened later has its last minute at once, the
+        requests that ran before any page was open included. Needs the running event loop."""
+        self._ensure_running()
 
     def _ensure_running(self) -> None:
         if self._wake is not None:
