@@ -18,12 +18,10 @@ import httpx
 import jsonschema
 import pytest
 
+from browser import chromium
 from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, metric
 
 HANG_GUARD_S = 120
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache",
                          "test-artifacts")
 
@@ -277,19 +275,6 @@ def test_dashboard_needs_the_key(server: Server) -> None:
 # ---- the page in a real browser ------------------------------------------------------------------------------------
 
 
-def _chromium():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed (it is in pyproject's [test] extra)")
-    if not os.path.exists(CHROMIUM):
-        reason = "Debian's chromium is not installed (.ci/run installs it as root: apt-get install chromium)"
-        if os.geteuid() != 0:
-            reason += "; this is not root, so it could not be installed"
-        pytest.skip(reason)
-    return sync_playwright
-
-
 def png_size_and_colors(data: bytes) -> tuple[int, int, int]:
     """(width, height, distinct byte values of the pixel data) of a PNG, by the stdlib alone."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -309,7 +294,6 @@ def test_page_in_chromium_shows_the_engine_live(server: Server, http: httpx.Clie
     """Log in through the key form, then while requests run the grid shows blocks in use and the numbers move;
     after them the grid's blocks are free or cached and the generated-token total is /metrics' own. No console
     errors. The screenshot is kept in .cache/test-artifacts/dashboard.png."""
-    sync_playwright = _chromium()
     stop_load = threading.Event()
     sent: list[int] = []
 
@@ -323,60 +307,53 @@ def test_page_in_chromium_shows_the_engine_live(server: Server, http: httpx.Clie
             sent.append(r.status_code)
 
     problems: list[str] = []
-    with sync_playwright() as p:
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(server.url + "/dashboard")
+        assert page.locator("#api-key").count() == 1  # the key form (the page answered 401)
+        page.on("console", lambda m: problems.append(f"{m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.fill("#api-key", API_KEY)
+        page.click("button[type=submit]")
+        page.wait_for_selector("#kv-grid[data-cells]", timeout=HANG_GUARD_S * 1000)
+
+        def attr(selector: str, name: str) -> int:
+            return int(page.get_attribute(selector, name) or 0)
+
+        def wait_until(check: Callable[[], bool], what: str) -> None:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not check():
+                assert time.monotonic() < deadline, f"the page never showed {what}"
+                page.wait_for_timeout(100)
+
+        cells = attr("#kv-grid", "data-cells")
+        assert cells == int(page.inner_text("#kv-used").split("/")[1].replace(",", ""))
+        gen_before = page.inner_text("#tp-gen-total")
+        updates_before = attr("body", "data-updates")
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
         try:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, timeout=60_000)
-        except Exception as e:  # noqa: BLE001 - a Chromium that cannot start here is a skip, with its reason
-            pytest.skip(f"Chromium cannot be launched here: {str(e).splitlines()[0]}")
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(server.url + "/dashboard")
-            assert page.locator("#api-key").count() == 1  # the key form (the page answered 401)
-            page.on("console", lambda m: problems.append(f"{m.type}: {m.text}") if m.type == "error" else None)
-            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-            page.fill("#api-key", API_KEY)
-            page.click("button[type=submit]")
-            page.wait_for_selector("#kv-grid[data-cells]", timeout=HANG_GUARD_S * 1000)
-
-            def attr(selector: str, name: str) -> int:
-                return int(page.get_attribute(selector, name) or 0)
-
-            def wait_until(check: Callable[[], bool], what: str) -> None:
-                deadline = time.monotonic() + HANG_GUARD_S
-                while not check():
-                    assert time.monotonic() < deadline, f"the page never showed {what}"
-                    page.wait_for_timeout(100)
-
-            cells = attr("#kv-grid", "data-cells")
-            assert cells == int(page.inner_text("#kv-used").split("/")[1].replace(",", ""))
-            gen_before = page.inner_text("#tp-gen-total")
-            updates_before = attr("body", "data-updates")
-            threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
-            for t in threads:
-                t.start()
-            try:
-                wait_until(lambda: attr("#kv-grid", "data-used") > 0 and int(page.inner_text("#req-running")) > 0,
-                           "blocks in use and running requests")
-                busy_shot = page.locator("#kv-grid").screenshot()
-                page.screenshot(path=_artifact("dashboard.png"), full_page=True)
-            finally:
-                stop_load.set()
-                for t in threads:
-                    t.join(HANG_GUARD_S)
-            assert sent and set(sent) == {200}
-            expected = f"{generation_tokens_total(http):,}"
-            wait_until(lambda: page.inner_text("#tp-gen-total") == expected and attr("#kv-grid", "data-used") == 0,
-                       f"{expected} generated tokens and no block in use")
-            assert page.inner_text("#tp-gen-total") != gen_before
-            assert attr("body", "data-updates") > updates_before
-            assert attr("#kv-grid", "data-cached") > 0  # the finished requests' prefixes stay cached
-            assert page.locator("#kv-grid").screenshot() != busy_shot  # the grid was redrawn
-            assert page.text_content("#status") == "running"
-            assert page.inner_text("#model-name") == SERVED_NAME
-            assert page.inner_text("#ttft-p50") not in ("", "\u2013")
-            assert page.locator("#lora-off").is_visible() and page.locator("#spec-off").is_visible()
+            wait_until(lambda: attr("#kv-grid", "data-used") > 0 and int(page.inner_text("#req-running")) > 0,
+                       "blocks in use and running requests")
+            busy_shot = page.locator("#kv-grid").screenshot()
+            page.screenshot(path=_artifact("dashboard.png"), full_page=True)
         finally:
-            browser.close()
+            stop_load.set()
+            for t in threads:
+                t.join(HANG_GUARD_S)
+        assert sent and set(sent) == {200}
+        expected = f"{generation_tokens_total(http):,}"
+        wait_until(lambda: page.inner_text("#tp-gen-total") == expected and attr("#kv-grid", "data-used") == 0,
+                   f"{expected} generated tokens and no block in use")
+        assert page.inner_text("#tp-gen-total") != gen_before
+        assert attr("body", "data-updates") > updates_before
+        assert attr("#kv-grid", "data-cached") > 0  # the finished requests' prefixes stay cached
+        assert page.locator("#kv-grid").screenshot() != busy_shot  # the grid was redrawn
+        assert page.text_content("#status") == "running"
+        assert page.inner_text("#model-name") == SERVED_NAME
+        assert page.inner_text("#ttft-p50") not in ("", "\u2013")
+        assert page.locator("#lora-off").is_visible() and page.locator("#spec-off").is_visible()
     assert not problems, problems
     width, height, colors = png_size_and_colors(open(_artifact("dashboard.png"), "rb").read())
     assert width == 1400 and height >= 1000 and colors > 16  # a page, not a blank
