@@ -1,11 +1,14 @@
 """Constants and helpers shared by the e2e tests (the fixtures live in conftest.py)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import httpx
 
@@ -61,3 +64,19 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in rest for k, v in labels.items()):
             return float(value)
     return 0.0
+
+
+def dashboard_event(http: httpx.Client, predicate: Callable[[dict], bool], what: str,
+                    hang_guard_s: float = 120) -> dict:
+    """The first event of /dashboard/events (read as a page reads it) for which predicate holds. The stream sends an
+    event ~4 times a second (a comment line when the engine is slow), so the hang guard is checked as it runs."""
+    deadline = time.monotonic() + hang_guard_s
+    with http.stream("GET", "/dashboard/events", timeout=hang_guard_s) as r:
+        assert r.status_code == 200, r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[len("data: "):])
+                if predicate(event):
+                    return event
+            assert time.monotonic() < deadline, f"no dashboard event with {what} (hang guard)"
+    raise AssertionError("the dashboard's event stream ended")

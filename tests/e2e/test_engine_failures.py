@@ -3,6 +3,7 @@ cannot hold is a 400, and a killed engine process gives /health 503 and errors (
 new requests."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -64,5 +65,10 @@ def test_dead_engine_fails_requests_and_health(e2e_env: dict, smollm2_hf_dir: st
         assert new.status_code == 503 and new.json()["error"]["type"] == "service_unavailable_error"
         stream = httpx.post(url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=10)
         assert stream.status_code == 503
+        # the dashboard still answers, and says why
+        with httpx.stream("GET", url + "/dashboard/events", timeout=30) as r:
+            assert r.status_code == 200
+            event = next(json.loads(x[len("data: "):]) for x in r.iter_lines() if x.startswith("data: "))
+        assert event["status"] == "engine_dead" and "engine" in event["status_detail"], event["status_detail"]
     finally:
         stop(proc)

@@ -1,6 +1,6 @@
 """`pagedllm serve --enable-lora`: adapters from --lora-modules (both forms) listed and routed by "model", run-time
 load/unload behind VLLM_ALLOW_RUNTIME_LORA_UPDATING, every error with its status, an unload that lets running
-requests finish, and vllm:lora_requests_info. Adapters are real PEFT adapters made on SmolLM2 here; each one's
+requests finish, vllm:lora_requests_info, and the dashboard's per-adapter panel. Adapters are real PEFT adapters made on SmolLM2 here; each one's
 greedy text equals transformers + PEFT's."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="these tests call the server with the openai SDK")
 
-from e2e_helpers import API_KEY, Server, cli, metric, stop  # noqa: E402
+from browser import dashboard_page  # noqa: E402
+from e2e_helpers import API_KEY, Server, cli, dashboard_event, metric, stop  # noqa: E402
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy  # noqa: E402
 from tests.lora.lora_helpers import make_adapter, peft_greedy  # noqa: E402
@@ -179,3 +180,45 @@ def test_runtime_routes_off_without_the_variable_and_lora_off(http):
     assert r.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in r.json()["error"]["message"]
     r = http.post("/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 1})
     assert r.status_code == 404
+
+
+def test_dashboard_lora_panel(lora_server, prompt_ids):
+    """The dashboard's LoRA panel: every adapter /v1/models lists, with its path; requests on one counted as running
+    on that adapter while they run (the engine core's per-adapter counts), the base model apart; nothing once done;
+    and the page in Chromium draws those rows."""
+    with lora_server.client() as http:
+        cards = {m["id"]: m for m in http.get("/v1/models").json()["data"] if m["parent"] is not None}
+        seen = threading.Event()
+        statuses: list[int] = []
+
+        def load() -> None:  # "sql" requests until the dashboard has shown one running (at most 20)
+            with lora_server.client() as h2:
+                for _ in range(20):
+                    statuses.append(complete(h2, "sql", prompt_ids, max_tokens=32).status_code)
+                    if seen.is_set():
+                        return
+
+        t = threading.Thread(target=load)
+        t.start()
+        try:
+            busy = dashboard_event(http, lambda e: any(a["name"] == "sql" and a["running"] == 1
+                                                       for a in e["lora"]["adapters"]), "a request running on sql")
+        finally:
+            seen.set()
+            t.join(300)
+        assert statuses and set(statuses) == {200}
+        lora = busy["lora"]
+        assert lora["max_loras"] == 2 and lora["active"] == 1 and lora["base_running"] == 0
+        assert {a["name"]: a["path"] for a in lora["adapters"]} == {name: c["root"] for name, c in cards.items()}
+        ids = [a["id"] for a in lora["adapters"]]
+        assert ids == sorted(set(ids)) and ids[0] >= 1  # 0 is the base model
+        assert all(a["running"] == 0 for a in lora["adapters"] if a["name"] != "sql")
+        idle = dashboard_event(http, lambda e: e["requests"]["running"] + e["requests"]["waiting"] == 0,
+                               "no request left")
+        assert all(a["running"] == a["waiting"] == 0 for a in idle["lora"]["adapters"])
+    # the page draws the panel: a row for the base model, then one per adapter in id order
+    with dashboard_page(lora_server.url, API_KEY) as page:
+        page.wait_for_selector("#lora-table:not(.hidden) tbody tr")
+        rows = page.locator("#lora-table tbody tr th").all_inner_texts()
+        assert rows == ["(base model)"] + [a["name"] for a in idle["lora"]["adapters"]]
+        assert page.locator("#lora-off").is_hidden() and page.locator("#spec-off").is_visible()

@@ -1,5 +1,5 @@
 """Serve flags reach the server: --generation-config DIR (defaults only where a request is silent, logged at
-start), --max-logprobs, --no-enable-chunked-prefill, on one real `pagedllm serve` started with them."""
+start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, on one real `pagedllm serve` started with them."""
 from __future__ import annotations
 
 import json
@@ -27,7 +27,7 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
         proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port), "--generation-config",
                                  str(tmp / "gen"), "--max-logprobs", "3", "--no-enable-chunked-prefill",
                                  "--max-model-len", "512", "--max-num-seqs", "4",
-                                 "--kv-cache-memory-bytes", str(64 << 20)],
+                                 "--kv-cache-memory-bytes", str(64 << 20), "--no-dashboard"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -70,3 +70,11 @@ def test_long_prompt_runs_without_chunking(flag_server) -> None:
                                            "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 480, "completion_tokens": 4,
                                                           "total_tokens": 484}
+
+
+def test_no_dashboard_flag(flag_server) -> None:
+    http, log_path = flag_server
+    for path in ("/dashboard", "/dashboard/events", "/dashboard/assets/dashboard.js"):
+        r = http.get(path)
+        assert r.status_code == 404 and r.json()["error"]["message"] == "Not found: no such route.", path
+    assert "Dashboard:" not in open(log_path).read()  # the start-up line that names the page's URL

@@ -23,6 +23,13 @@ def test_messages_round_trip() -> None:
     out = EngineCoreOutput("r1", [5], [TokenLogprobs([5, 6], [-0.1, -2.0], [1, 2])], "stop", 9, 16)
     msg = m.output_decoder().decode(enc.encode(m.EngineOutputs([out], m.SchedulerStatsMsg(1, 2, 0.25), 1.0)))
     assert isinstance(msg, m.EngineOutputs) and msg.outputs == [out] and msg.stats.kv_cache_usage == 0.25
+    ask = m.input_decoder().decode(enc.encode(m.GetDashboard(7, with_info=True)))
+    assert isinstance(ask, m.GetDashboard) and ask.seq == 7 and ask.with_info
+    reply = m.output_decoder().decode(enc.encode(m.DashboardReply(7, bytes([0, 1, 2, 3]), 2, {"device": "cpu"},
+                                                                  1, {0: (1, 2), 5: (3, 0)})))
+    assert isinstance(reply, m.DashboardReply) and reply.block_states == b"\x00\x01\x02\x03"
+    assert (reply.num_preempted, reply.info, reply.engine_index, reply.lora_requests) == \
+        (2, {"device": "cpu"}, 1, {0: (1, 2), 5: (3, 0)})
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -35,6 +42,7 @@ def test_defaults_match_vllm() -> None:
         ("127.0.0.1", 8000, 16, 256, 0.9, "auto", 0)
     assert a.enable_prefix_caching is True and a.model is None
     assert _parse(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert a.dashboard is True and _parse(["--no-dashboard"]).dashboard is False
 
 
 def test_config_yaml_command_line_wins(tmp_path) -> None:

@@ -1,13 +1,16 @@
 """`pagedllm serve --speculative-config JSON`: a bad config stops the start with its message; a good one serves,
-and /metrics counts drafts and accepted tokens under vLLM's names."""
+/metrics counts drafts and accepted tokens under vLLM's names, and the dashboard's speculative-decoding panel shows
+the same counts (in its events and, drawn, in Chromium)."""
 from __future__ import annotations
 
 import json
 import subprocess
 
 import httpx
+import pytest
 
-from e2e_helpers import cli, metric, stop
+from browser import dashboard_page
+from e2e_helpers import cli, dashboard_event, metric, stop
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
@@ -41,6 +44,24 @@ def test_ngram_server_counts_drafts(smollm2_hf_dir, e2e_env, tmp_path):
         drafted = metric(m, "vllm:spec_decode_num_draft_tokens_total")
         accepted = metric(m, "vllm:spec_decode_num_accepted_tokens_total")
         assert metric(m, "vllm:spec_decode_num_drafts_total") > 0 and drafted > 0 and 0 < accepted <= drafted
-        assert metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+        pos0 = metric(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0")
+        assert pos0 > 0
+        drafts = metric(m, "vllm:spec_decode_num_drafts_total")
+        # the dashboard's panel: the same counters (both come from the engine's stats), once it has the last stats
+        with httpx.Client(base_url=url) as http:
+            event = dashboard_event(http, lambda e: e["spec_decode"] is not None
+                                    and e["spec_decode"]["drafts_total"] == drafts, f"{drafts} drafts")
+        spec = event["spec_decode"]
+        assert event["model"]["speculative"] == "ngram x4"
+        assert (spec["draft_tokens_total"], spec["accepted_tokens_total"]) == (drafted, accepted)
+        assert spec["acceptance_rate_total"] == pytest.approx(accepted / drafted)
+        assert spec["mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+        assert len(spec["per_position"]) == 4 and spec["per_position"][0] == pytest.approx(pos0 / drafts, abs=1e-4)
+        assert spec["per_position"] == sorted(spec["per_position"], reverse=True)  # a later position needs the earlier
+        assert 0 < spec["acceptance_rate"] <= 1  # the last minute holds this request's drafts
+        with dashboard_page(url) as page:  # the page in Chromium draws the panel
+            page.wait_for_selector("#spec-on:not(.hidden)")
+            assert page.inner_text("#spec-drafted") == f"{int(drafted):,}" and page.locator("#spec-off").is_hidden()
+            assert page.locator("#spec-positions .pos").count() == 4 and page.locator("#lora-off").is_visible()
     finally:
         stop(proc)

@@ -65,6 +65,21 @@ def test_nginx_accepts_the_gateway_config(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_nginx_passes_the_dashboard_stream_unbuffered() -> None:
+    """/dashboard has its own location: unbuffered (its event stream never ends), one replica per client address
+    (the page and its stream show one engine); nginx -t above checks the syntax, test_nginx_gateway.py the stream."""
+    import re
+
+    text = open(os.path.join(DEPLOY, "nginx", "conf.d", "pagedllm.conf")).read()
+    location = re.search(r"location /dashboard \{(.*?)\}", text, re.S)
+    assert location is not None, "no 'location /dashboard' in deploy/nginx/conf.d/pagedllm.conf"
+    for directive in ("proxy_buffering off;", "proxy_cache off;", "proxy_pass http://pagedllm_dashboard;"):
+        assert directive in location.group(1), directive
+    upstream = re.search(r"upstream pagedllm_dashboard \{(.*?)\}", text, re.S)
+    assert upstream is not None
+    assert "hash $remote_addr consistent;" in upstream.group(1) and "include conf.d/upstreams.inc;" in upstream.group(1)
+
+
 def test_compose_runs_replicas_behind_nginx() -> None:
     compose = yaml.safe_load(open(os.path.join(DEPLOY, "docker-compose.yml")))
     app, gw = compose["services"]["pagedllm"], compose["services"]["nginx"]
@@ -101,3 +116,26 @@ def test_kubernetes_manifests() -> None:
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
     rules = yaml.safe_load(open(os.path.join(DEPLOY, "k8s", "prometheus-adapter-rules.yaml")))
     assert "vllm:num_requests_waiting" in rules["rules"]["custom"][0]["seriesQuery"]
+
+
+def test_the_dashboard_ships_in_the_wheel() -> None:
+    """The page loads nothing from elsewhere (no CDN): every file of its assets/ is package data (pyproject's
+    [tool.setuptools.package-data], what the wheel the Dockerfiles install holds), and the page names only those."""
+    import fnmatch
+    import re
+    import tomllib
+
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["pagedllm"]
+    assets = os.path.join(REPO_ROOT, "src", "pagedllm", "entrypoints", "dashboard", "assets")
+    names = sorted(os.listdir(assets))
+    assert {"dashboard.html", "dashboard.js", "dashboard.css", "login.html", "login.js"} <= set(names)
+    for name in names:
+        assert any(fnmatch.fnmatch(f"entrypoints/dashboard/assets/{name}", g) for g in globs), name
+        text = open(os.path.join(assets, name)).read()
+        assert not re.search(r"https?://|url\(\s*['\"]?//|@import", text), f"{name} loads from elsewhere"
+    for page in ("dashboard.html", "login.html"):
+        refs = re.findall(r'(?:src|href)="([^"]*)"', open(os.path.join(assets, page)).read())
+        assert refs, page
+        for ref in refs:
+            assert ref == "data:," or (ref.startswith("dashboard/assets/") and ref.split("/")[-1] in names), ref

@@ -1,6 +1,6 @@
 """Real nginx, started from the repository's gateway config (deploy/nginx), in front of two real CPU replicas
-on loopback ports: requests spread over both, the rate limit's burst, SSE passed through token by token, and a
-replica killed mid-run costing only what it had in flight. Asserted on counts and order; the timeouts are hang
+on loopback ports: requests spread over both, the rate limit's burst, SSE passed through token by token (the
+completions' and the dashboard's), and a replica killed mid-run costing only what it had in flight. Asserted on counts and order; the timeouts are hang
 guards."""
 from __future__ import annotations
 
@@ -154,6 +154,42 @@ def test_sse_passes_through_token_by_token(gateway: dict) -> None:
     whole = httpx.post(gateway["url"] + "/v1/completions", timeout=120,
                        json=completion_body(max_tokens, stream=False, temperature=0.0)).json()
     assert "".join(ch["text"] for e in chunks for ch in e["choices"]) == whole["choices"][0]["text"]
+
+
+def test_dashboard_stream_passes_through_as_it_comes(gateway: dict) -> None:
+    """GET /dashboard and its event stream through the gateway: the page, then events in order, each passed on while
+    the stream is open (it never ends, so a proxy that held responses until their end would pass nothing). The
+    events count the pages listening on their replica: a second listener opened on that replica directly shows in
+    the gateway stream's events while it is open, and its leaving once it has closed (count-based, no timing)."""
+    import json
+
+    page = httpx.get(gateway["url"] + "/dashboard", timeout=30)
+    assert page.status_code == 200 and 'id="kv-grid"' in page.text
+    deadline = time.monotonic() + 120  # a hang guard
+    seqs = []
+    with httpx.stream("GET", gateway["url"] + "/dashboard/events", timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+
+        def next_event() -> dict:
+            for line in lines:
+                assert time.monotonic() < deadline, "the stream stalled (hang guard)"
+                if line.startswith("data: "):
+                    event = json.loads(line[len("data: "):])
+                    seqs.append(event["seq"])
+                    return event
+            raise AssertionError("the stream ended")
+
+        first = next_event()
+        assert first["clients"] == 1
+        replica = next(url for url, _, proc, _ in gateway["replicas"] if proc.pid == first["model"]["api_pid"])
+        with httpx.stream("GET", replica + "/dashboard/events", timeout=60) as direct:
+            assert any(line.startswith("data: ") for line in direct.iter_lines())  # it listens now
+            while next_event()["clients"] != 2:
+                pass
+        while next_event()["clients"] != 1:
+            pass
+    assert seqs == sorted(set(seqs)) and len(seqs) >= 3
 
 
 async def _burst(url: str, count: int) -> tuple[list[int], float]:

@@ -118,3 +118,97 @@ def test_reset_prefix_cache_only_when_idle():
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(7) is None and b.block_hash is None
     assert pool.num_free_blocks == 2
+
+
+def test_block_states_follow_every_operation():
+    """One byte per block (the dashboard's grid): free, cached (free, evictable), used, shared."""
+    from pagedllm.core.block_pool import CACHED, FREE, SHARED, USED
+
+    pool = BlockPool(5)
+    assert pool.block_states == bytearray([FREE] * 5)
+    a = pool.allocate(3)  # 0, 1, 2
+    pool.cache_block(a[0], b"h0")
+    pool.touch([a[0]])  # a second request shares block 0
+    assert list(pool.block_states) == [SHARED, USED, USED, FREE, FREE]
+    pool.free(a)  # block 0 goes back to one reference; 1 and 2 are free, 1 never cached
+    assert list(pool.block_states) == [USED, FREE, FREE, FREE, FREE]
+    pool.free([a[0]])
+    assert list(pool.block_states) == [CACHED, FREE, FREE, FREE, FREE]
+    pool.touch([pool.get_cached_block(b"h0")])  # a prefix hit takes the cached block back
+    assert pool.block_states[0] == USED
+    pool.free([a[0]])
+    assert pool.reset_prefix_cache()
+    assert pool.block_states == bytearray([FREE] * 5)
+    pool.cache_block(pool.allocate(1)[0], b"h1")  # block 3 (the queue's head), cached
+    pool.free([pool.blocks[3]])
+    assert pool.block_states[3] == CACHED
+    got = pool.allocate(5)  # evicts the cached block too
+    assert pool.block_states == bytearray([USED] * 5) and pool.get_cached_block(b"h1") is None and len(got) == 5
+
+
+def test_free_stops_at_a_block_freed_too_often_with_the_ones_before_it_freed():
+    pool = BlockPool(4)
+    a = pool.allocate(3)  # 0, 1, 2
+    pool.free([a[1]])
+    with pytest.raises(ValueError, match="Block 1 freed more often"):
+        pool.free([a[2], a[1], a[0]])
+    # block 2 went back before the error, block 0 was never reached: the queue stays linked and counted
+    assert pool.free_block_queue.block_ids() == [3, 1, 2] and pool.num_free_blocks == 3 and a[0].ref_cnt == 1
+    assert ids(pool.allocate(3)) == [3, 1, 2]
+
+
+def test_random_operations_against_a_plain_model():
+    """allocate / touch / free / cache_block / reset at random: the free queue's order, the ref counts, the hash map and
+    block_states equal a plain list-and-dict model of the pool after every operation."""
+    import random
+
+    from pagedllm.core.block_pool import CACHED, FREE, SHARED, USED
+
+    rng = random.Random(0)
+    n = 24
+    pool = BlockPool(n)
+    queue = list(range(n))  # the model: free ids head first, ref counts, cached hash per block
+    refs, hashes = [0] * n, [None] * n
+    held: list[list[int]] = []  # the model's "requests": the block ids each holds
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.35 and queue:
+            k = rng.randrange(0, len(queue) + 1)
+            got = ids(pool.allocate(k))
+            assert got == queue[:k]
+            for i in got:
+                refs[i] = 1
+                hashes[i] = None  # evicted
+            del queue[:k]
+            held.append(got)
+        elif op < 0.5:
+            cached = [i for i in range(n) if hashes[i] is not None]
+            hits = rng.sample(cached, rng.randrange(0, len(cached) + 1)) if cached else []
+            pool.touch([pool.blocks[i] for i in hits])
+            for i in hits:
+                if refs[i] == 0:
+                    queue.remove(i)
+                refs[i] += 1
+            held.append(hits)
+        elif op < 0.65 and held:
+            mine = rng.choice(held)
+            full = [i for i in mine if hashes[i] is None and rng.random() < 0.7]
+            for i in full:
+                h = ("h", step, i)
+                assert pool.cache_block(pool.blocks[i], h)
+                hashes[i] = h
+        elif op < 0.97 and held:
+            mine = held.pop(rng.randrange(len(held)))
+            pool.free(reversed([pool.blocks[i] for i in mine]))
+            for i in reversed(mine):
+                refs[i] -= 1
+                if refs[i] == 0:
+                    queue.append(i)
+        elif not held:
+            assert pool.reset_prefix_cache()
+            hashes = [None] * n
+        assert pool.free_block_queue.block_ids() == queue and pool.num_free_blocks == len(queue)
+        assert [b.ref_cnt for b in pool.blocks] == refs
+        assert {h: b.block_id for h, b in pool.cached_blocks.items()} == {h: i for i, h in enumerate(hashes) if h}
+        assert list(pool.block_states) == [SHARED if r > 1 else USED if r == 1 else CACHED if hashes[i] else FREE
+                                           for i, r in enumerate(refs)]

@@ -539,13 +539,19 @@ def test_random_workload_under_memory_pressure(caching):
         prompt = shared[: rng.randrange(13)] + [rng.randrange(500) for _ in range(rng.randrange(1, 20))]
         reqs.append(make_req(f"r{i}", prompt, max_tokens=rng.randrange(1, 15)))
     pending = list(reqs)
+    pool = sched.kv_cache_manager.block_pool
+    seen_states = set()
     for _ in range(2000):
         if pending and rng.random() < 0.5:
             sched.add_request(pending.pop(0))
         if not pending and not sched.has_unfinished_requests():
             break
         step(sched, runner)
+        # the pool's per-block state bytes (the dashboard's grid) agree with the blocks themselves
+        assert pool.block_states == block_states_of(pool)
+        seen_states.update(pool.block_states)
     assert not pending and not sched.has_unfinished_requests()
+    assert seen_states == ({0, 1, 2, 3} if caching else {0, 2})
     for r in reqs:
         n = r.num_prompt_tokens
         assert r.output_token_ids == [1000 + n + k for k in range(r.max_tokens)]
@@ -553,6 +559,14 @@ def test_random_workload_under_memory_pressure(caching):
     assert sched.kv_cache_manager.num_free_blocks == 24
     st = sched.stats()
     assert st.num_preemptions > 0 and (st.prefix_cache_hits > 0) == caching
+
+
+def block_states_of(pool):
+    """The reference for BlockPool.block_states: one walk over the blocks."""
+    from pagedllm.core.block_pool import CACHED, FREE, SHARED, USED
+
+    return bytearray(SHARED if b.ref_cnt > 1 else USED if b.ref_cnt == 1 else CACHED if b.block_hash is not None
+                     else FREE for b in pool.blocks)
 
 
 def test_core_never_imports_torch():

@@ -10,6 +10,12 @@ The free queue is in eviction order: allocation takes from the head, freed block
 the least recently freed cached block is evicted first (LRU). A freed request's blocks are appended
 tail-first (see KVCacheManager.free), so its last blocks -- the least likely to be shared -- go first.
 
+`block_states` holds one byte per block, kept up to date by the operations below, so a snapshot of the pool (the
+dashboard's grid) is a copy of it instead of a walk over the blocks: FREE (ref_cnt 0, nothing cached), CACHED (ref_cnt
+0, a cached prefix: evictable), USED (one request), SHARED (several requests). It costs one byte store per block in
+loops the operations run anyway, paid for by running those loops without a method call per block
+(benchmarks/block_pool_ops.py; numbers in docs/benchmarks.md).
+
 Invariants:
   * block in free queue  <=>  block.ref_cnt == 0
   * cached_blocks[h] is b  =>  b.block_hash == h; a block with a block_hash is in cached_blocks
@@ -20,6 +26,9 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from pagedllm.core.block_hash import BlockHash
+
+# block_states values
+FREE, CACHED, USED, SHARED = 0, 1, 2, 3
 
 
 class KVCacheBlock:
@@ -61,6 +70,22 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The first n free blocks, head first, unlinked in one pass (the head is relinked once, not per block)."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"Cannot take {n} blocks: only {self.num_free_blocks} free.")
+        out = []
+        node = self._head.next_free
+        for _ in range(n):
+            out.append(node)
+            nxt = node.next_free
+            node.prev_free = node.next_free = None
+            node = nxt
+        self._head.next_free = node
+        node.prev_free = self._head
+        self.num_free_blocks -= n
+        return out
+
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
@@ -98,6 +123,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.block_states = bytearray(num_blocks)  # all FREE
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # core/partial_blocks.PartialBlockCache (set by the KV manager): free blocks it remembers are forgotten
         # when handed out again.
@@ -123,29 +149,72 @@ class BlockPool:
         """Take num_blocks blocks from the head of the free queue, evicting their cached contents."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"Cannot allocate {num_blocks} blocks: only {self.num_free_blocks} free.")
-        out = []
-        for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            self._evict(block)
+        if num_blocks == 0:
+            return []
+        out = self.free_block_queue.popleft_n(num_blocks)
+        states, partial, cached = self.block_states, self.partial_cache, self.cached_blocks
+        for block in out:
+            # evicted: its partial-block entry and its cached hash stop being offered
+            if partial is not None:
+                partial.evict(block)
+            if block.block_hash is not None:
+                del cached[block.block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
-            out.append(block)
+            states[block.block_id] = USED
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (prefix-cache hit), pulling free ones out of the free queue."""
-        for block in blocks:
-            if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
-            block.ref_cnt += 1
+        states = self.block_states
+        n = 0
+        try:
+            for block in blocks:
+                ref = block.ref_cnt
+                if ref == 0:
+                    # removed from the free queue (FreeBlockQueue.remove, unlinked here: no call per block)
+                    prev, nxt = block.prev_free, block.next_free
+                    if prev is None or nxt is None:
+                        raise ValueError(f"Block {block.block_id} is not in the free queue.")
+                    prev.next_free = nxt
+                    nxt.prev_free = prev
+                    block.prev_free = block.next_free = None
+                    n += 1
+                    states[block.block_id] = USED
+                elif ref == 1:
+                    states[block.block_id] = SHARED
+                block.ref_cnt = ref + 1
+        finally:
+            if n:
+                self.free_block_queue.num_free_blocks -= n
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the order given; blocks reaching 0 join the tail."""
-        for block in blocks:
-            if block.ref_cnt <= 0:
-                raise ValueError(f"Block {block.block_id} freed more often than allocated.")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+        states = self.block_states
+        queue = self.free_block_queue
+        tail = queue._tail
+        last = tail.prev_free
+        n = 0
+        try:
+            for block in blocks:
+                ref = block.ref_cnt - 1
+                if ref < 0:
+                    raise ValueError(f"Block {block.block_id} freed more often than allocated.")
+                block.ref_cnt = ref
+                if ref == 0:
+                    # appended to the free queue (FreeBlockQueue.append, linked here: no call per block)
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
+                    n += 1
+                    states[block.block_id] = FREE if block.block_hash is None else CACHED
+                elif ref == 1:
+                    states[block.block_id] = USED
+        finally:
+            if n:
+                last.next_free = tail
+                tail.prev_free = last
+                queue.num_free_blocks += n
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Register a now-full, in-use block under block_hash; False if caching is off or it is taken.
@@ -161,13 +230,6 @@ class BlockPool:
         self.cached_blocks[block_hash] = block
         return True
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        if self.partial_cache is not None:
-            self.partial_cache.evict(block)
-        if block.block_hash is not None:
-            del self.cached_blocks[block.block_hash]
-            block.block_hash = None
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Only allowed while no block is in use (else returns False),
         so no running request holds a block whose cached status would silently change."""
@@ -176,4 +238,5 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        self.block_states[:] = bytes(self.num_blocks)  # no block in use: all FREE
         return True

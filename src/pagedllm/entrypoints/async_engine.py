@@ -384,6 +384,29 @@ class AsyncEngine:
             for seq in seqs:
                 self._stats_waiters.pop(seq, None)
 
+    @property
+    def engine_stats(self) -> list:
+        """The newest scheduler stats of each engine core, in engine order."""
+        return list(self._engine_stats)
+
+    async def dashboard_replies(self, with_info: bool = False, timeout_s: float = 1.0) -> list:
+        """Every engine core's DashboardReply (the KV block states, ...; entrypoints/dashboard), in engine order;
+        None for a core that did not answer within timeout_s (it answers between steps)."""
+        if self.errored or self._closed:
+            return [None] * self.num_engines
+        loop = asyncio.get_running_loop()
+        seqs = [next(self._stats_seq) for _ in range(self.num_engines)]
+        futs = [loop.create_future() for _ in seqs]
+        self._stats_waiters.update(zip(seqs, futs))
+        try:
+            for engine, seq in enumerate(seqs):
+                await self.in_socks[engine].send(self.enc.encode(m.GetDashboard(seq, with_info)))
+            await asyncio.wait(futs, timeout=timeout_s)
+            return [f.result() if f.done() and isinstance(f.result(), m.DashboardReply) else None for f in futs]
+        finally:
+            for seq in seqs:
+                self._stats_waiters.pop(seq, None)
+
     # ---- background tasks -----------------------------------------------------------------------
 
     async def _output_handler(self) -> None:
@@ -427,6 +450,10 @@ class AsyncEngine:
             logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
             self._fail_all(EngineDeadError(reason))
         elif isinstance(msg, m.LoraReply):
+            fut = self._stats_waiters.get(msg.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, m.DashboardReply):
             fut = self._stats_waiters.get(msg.seq)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

@@ -180,6 +180,10 @@ class EngineLoop:
         elif isinstance(msg, (m.AddLora, m.RemoveLora)):
             self.out_sock.send(self.enc.encode(self._lora(msg)))
             self.stats_dirty = True
+        elif isinstance(msg, m.GetDashboard):
+            from pagedllm.entrypoints.dashboard.engine_side import dashboard_reply
+
+            self.out_sock.send(self.enc.encode(dashboard_reply(self.core, msg, self.engine_index)))
 
     def _lora(self, msg: Any) -> Any:
         """Add or remove a LoRA adapter; the reply carries the user's error (400 / 404) or None."""

@@ -1,9 +1,9 @@
 """Typed wire messages between the API process and the engine-core process (msgspec + msgpack).
 
 Two ZMQ PUSH/PULL channels, both bound by the API process on ipc:// paths in a private temp dir:
-  * input  (API -> engine): AddRequest | AbortRequests | GetStats | Shutdown | AddLora | RemoveLora
+  * input  (API -> engine): AddRequest | AbortRequests | GetStats | Shutdown | AddLora | RemoveLora | GetDashboard
   * output (engine -> API): EngineReady | EngineStartupError | EngineOutputs | RequestError | StatsReply | LoraReply |
-    EngineDead
+    EngineDead | DashboardReply
 With data parallelism there is one input channel per engine core and one shared output channel; outputs and
 stats carry the sending core's `engine_index`.
 
@@ -76,7 +76,14 @@ class RemoveLora(msgspec.Struct, tag="remove_lora"):
     lora_int_id: int
 
 
-EngineInput = Union[AddRequest, AbortRequests, GetStats, Shutdown, AddLora, RemoveLora]
+class GetDashboard(msgspec.Struct, tag="get_dashboard"):
+    """What the dashboard page needs beyond the stats (entrypoints/dashboard): answered by DashboardReply."""
+
+    seq: int
+    with_info: bool = False  # also the engine's static facts (device, dtype, versions, ...)
+
+
+EngineInput = Union[AddRequest, AbortRequests, GetStats, Shutdown, AddLora, RemoveLora, GetDashboard]
 
 
 # ---- engine core -> API process -------------------------------------------------------------
@@ -131,8 +138,17 @@ class LoraReply(msgspec.Struct, tag="lora_reply"):
     engine_index: int = 0
 
 
+class DashboardReply(msgspec.Struct, tag="dashboard"):
+    seq: int
+    block_states: bytes  # one byte per KV block: core/block_pool's FREE / CACHED / USED / SHARED
+    num_preempted: int = 0  # waiting requests that were preempted (they start again when blocks free up)
+    info: Optional[dict[str, Union[str, int]]] = None  # static facts, when asked (with_info)
+    engine_index: int = 0
+    lora_requests: Optional[dict[int, tuple[int, int]]] = None  # adapter id (0: base) -> (running, waiting)
+
+
 EngineOutput = Union[EngineReady, EngineStartupError, EngineOutputs, RequestError, StatsReply, LoraReply,
-                     EngineDead]
+                     EngineDead, DashboardReply]
 
 
 class Encoder:

@@ -99,7 +99,10 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         lifecycle = Lifecycle()
-        guarded = RequestGuard(build_app(state), max_body_bytes=args.max_request_body_bytes,
+        state.lifecycle = lifecycle
+        state.dashboard = args.dashboard
+        fastapi_app = build_app(state)
+        guarded = RequestGuard(fastapi_app, max_body_bytes=args.max_request_body_bytes,
                                send_timeout_s=args.send_timeout)
         app = DrainMiddleware(guarded, lifecycle)
         freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
@@ -110,6 +113,9 @@ async def serve(args: argparse.Namespace) -> int:
         host = f"[{args.host}]" if ":" in args.host else args.host
         logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1", names[0], engine.model_dir,
                     engine.max_model_len, host, args.port)
+        if state.dashboard:
+            fastapi_app.state.dashboard.start()  # reads the counters every 5 s until a page opens
+            logger.info("Dashboard: http://%s:%d/dashboard", host, args.port)
         _SERVING["started"] = True
         await server.serve(sockets=[sock])
         return lifecycle.exit_code

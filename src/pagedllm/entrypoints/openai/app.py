@@ -110,6 +110,10 @@ def build_app(state: ServerState) -> FastAPI:
         return await detokenize(request, state)
 
     install(app)
+    if getattr(state, "dashboard", True):  # --no-dashboard turns it off
+        from pagedllm.entrypoints.dashboard.routes import install as install_dashboard
+
+        install_dashboard(app, state)
     from fastapi.middleware.cors import CORSMiddleware
 
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])

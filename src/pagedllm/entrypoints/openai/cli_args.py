@@ -12,7 +12,7 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
                "disable_log_stats", "startup_timeout",
                "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout",
-               "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend"}
+               "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard"}
 
 
 def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argparse.ArgumentParser:
@@ -47,6 +47,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--send-timeout", type=float, default=60.0,
                    help="a client that has not read its response for this many seconds is cut off and its "
                         "request aborted (0: never)")
+    g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="the live page at /dashboard (KV pool, requests, throughput, latency; behind --api-key)")
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
     e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)

@@ -25,6 +25,8 @@ logger = logging.getLogger("pagedllm.api_server")
 
 # Not counted as in-flight work and still answered while draining (probes and scrapes).
 _PROBE_PATHS = ("/health", "/metrics", "/version")
+# Live views that never end by themselves: not in-flight work (a drain does not wait for them; they end when it starts).
+_LIVE_PATHS = ("/dashboard/events",)
 ENGINE_DEAD_EXIT_CODE = 1
 
 
@@ -53,7 +55,7 @@ class DrainMiddleware:
         if self.lifecycle.draining and path not in ("/metrics", "/version"):
             await _send_503(send, "The server is shutting down; retry on another replica.")
             return
-        if path in _PROBE_PATHS:
+        if path in _PROBE_PATHS or path in _LIVE_PATHS:
             await self.app(scope, receive, send)
             return
         self.lifecycle.in_flight += 1

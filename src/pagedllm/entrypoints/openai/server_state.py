@@ -20,6 +20,8 @@ class ServerState:
         self.api_key = api_key
         self.created = int(time.time())
         self.loras: Any = None  # lora_models.LoRAModels: adapter names the `model` field may name
+        self.dashboard = True  # GET /dashboard (--no-dashboard: off)
+        self.lifecycle: Any = None  # lifecycle.Lifecycle, set by the server (the dashboard's stream ends on drain)
 
     @property
     def model_name(self) -> str:
