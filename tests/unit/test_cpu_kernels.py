@@ -271,3 +271,25 @@ def test_greedy_screen_falls_back_when_too_many_candidates(ops, monkeypatch):
     monkeypatch.setattr(vocab_embedding, "_GREEDY_MAX_CANDIDATES", 2)
     x = torch.randn(5, 64)
     assert torch.equal(head.greedy_token_ids(x), head.compute_logits(x).argmax(dim=-1))
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_start(ops, tmp_path):
+    """torch's extension builder guards a build directory with a plain `lock` file; a build killed midway leaves
+    it behind, and the next start used to wait on it forever. Now the stale file is removed (under a flock that
+    dies with its process) and the kernels load."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from pagedllm.kernels.cpu_ops import _build_name
+
+    name = _build_name()
+    shutil.copytree(os.path.join(envs.PAGEDLLM_KERNEL_CACHE_DIR, name), tmp_path / name)
+    (tmp_path / name / "lock").write_text("")
+    code = "from pagedllm.kernels.cpu_ops import cpu_ops; import sys; sys.exit(0 if cpu_ops() is not None else 3)"
+    env = dict(os.environ, PAGEDLLM_KERNEL_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left by a CPU-kernel build that did not finish" in done.stderr
+    assert not (tmp_path / name / "lock").exists()

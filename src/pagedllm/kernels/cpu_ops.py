@@ -8,6 +8,8 @@ second start, or another process, loads it in well under a second.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -15,7 +17,7 @@ import platform
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -68,6 +70,24 @@ def _path_with_ninja() -> str:
     return os.pathsep.join(missing + [path]) if missing else path
 
 
+@contextlib.contextmanager
+def _build_dir_flock(build_dir: str) -> Iterator[None]:
+    """Serialize builders of one build directory with flock, which the kernel drops when a process dies.
+    torch's own lock is a file that a build killed midway (Ctrl-C, a killed test run) leaves behind, after which
+    every later start waits on it forever; holding the flock means no other pagedllm process is building here, so
+    such a file is stale and is removed."""
+    with open(os.path.join(build_dir, "pagedllm.flock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                logger.warning("Removing %s, left by a CPU-kernel build that did not finish.", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _load() -> Any:
     if platform.system() != "Linux":
         raise RuntimeError("the CPU kernels are built for Linux only")
@@ -80,7 +100,8 @@ def _load() -> Any:
     if not built:
         logger.info("Building the pagedllm CPU kernels for this machine (once; about 30 s) in %s", build_dir)
     t0 = time.perf_counter()
-    with envs.environ_set({"PATH": _path_with_ninja()}):  # the build takes its environment from os.environ
+    with _build_dir_flock(build_dir), \
+            envs.environ_set({"PATH": _path_with_ninja()}):  # the build takes its environment from os.environ
         cpp_extension.load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=build_dir, is_python_module=False, verbose=False)
     if not built:
