@@ -146,8 +146,13 @@ def _single_figure(results: Sequence[Any], name: str, title: str) -> Any:
 
 def serve_title(metrics: dict, model: str, max_concurrency: Optional[int], request_rate: float) -> str:
     rate = "inf" if request_rate == float("inf") else f"{request_rate:g}"
-    return (f"{model}: {metrics['completed']} requests, concurrency {max_concurrency or 'unlimited'}, rate {rate}/s; "
+    return (f"{short_name(model)}: {metrics['completed']} requests, concurrency {max_concurrency or 'unlimited'}, rate {rate}/s; "
             f"{metrics['output_throughput']:.1f} output tok/s")
+
+
+def short_name(model: str) -> str:
+    """A served name that is a path (a model served without --served-model-name): its last part."""
+    return os.path.basename(model.rstrip("/")) if os.sep in model else model
 
 
 # ---- a sweep --------------------------------------------------------------------------------------------------

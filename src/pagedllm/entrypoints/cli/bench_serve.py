@@ -424,10 +424,11 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"sweep": records} if sweep else records[0], f, indent=2)
         print(f"Saved results to {path}", file=sys.stderr)
     if plotting:
-        from pagedllm.entrypoints.cli.bench_plots import serve_title, write_serve_plots, write_sweep_plots
+        from pagedllm.entrypoints.cli.bench_plots import (serve_title, short_name, write_serve_plots,
+                                                          write_sweep_plots)
 
         if sweep:
-            title = (f"{model}: {args.num_prompts} requests per rate, concurrency "
+            title = (f"{short_name(model)}: {args.num_prompts} requests per rate, concurrency "
                      f"{args.max_concurrency or 'unlimited'}")
             written = write_sweep_plots(runs, title, args.plot, args.plot_dir)
         else:
