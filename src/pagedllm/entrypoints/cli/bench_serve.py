@@ -376,11 +376,12 @@ def format_sweep_table(rows: list[tuple[float, dict]]) -> str:
     return "\n".join([" Request-rate sweep ".center(len(out[0]), "="), *out, "=" * len(out[0])])
 
 
-def _result_record(args: argparse.Namespace, metrics: dict, model: str, base_url: str, rate: float) -> dict:
+def _result_record(args: argparse.Namespace, metrics: dict, model: str, base_url: str, rate: float,
+                   seed: int) -> dict:
     return dict(metrics, model=model, base_url=base_url, num_prompts=args.num_prompts,
                 max_concurrency=args.max_concurrency, request_rate=str(rate),
                 random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-                random_range_ratio=args.random_range_ratio, seed=args.seed, date=time.strftime("%Y%m%d-%H%M%S"))
+                random_range_ratio=args.random_range_ratio, seed=seed, date=time.strftime("%Y%m%d-%H%M%S"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -419,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_sweep_table([(rate, m) for rate, m, _ in runs]), flush=True)
     if args.save_result or args.result_filename:
         path = args.result_filename or f"bench-{'sweep' if sweep else 'serve'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        records = [_result_record(args, m, model, base_url, rate) for rate, m, _ in runs]
+        records = [_result_record(args, m, model, base_url, rate, args.seed + i) for i, (rate, m, _) in enumerate(runs)]
         with open(path, "w") as f:
             json.dump({"sweep": records} if sweep else records[0], f, indent=2)
         print(f"Saved results to {path}", file=sys.stderr)
