@@ -3,19 +3,59 @@
 `auto` (the default) reads the model directory's file, a DIR reads DIR/generation_config.json, `vllm` uses none.
 Only the values the file sets are taken, and they apply only to fields a request leaves out: temperature, top_p,
 top_k, min_p, repetition_penalty, and max_new_tokens (as max_tokens). Pure Python.
+
+A GGUF carries no sampling values, so the GGUF converter (models/gguf.py) writes the ones a known model's authors
+recommend (`recommended_sampling`, matched on the identity the GGUF states) into the converted directory's file,
+with `SOURCE_KEY` saying where they come from; `auto` then reads them like any other model's.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 logger = logging.getLogger("pagedllm")
 
 # generation_config.json key -> SamplingParams field
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+# Written next to the values by the GGUF converter: where recommended defaults come from (for the start log).
+SOURCE_KEY = "pagedllm_sampling_defaults_source"
+
+
+@dataclass(frozen=True)
+class KnownModelDefaults:
+    organization: str  # GGUF general.organization, compared case-insensitively
+    basename: str  # GGUF general.basename, compared case-insensitively
+    values: dict  # generation_config.json keys
+    source: str  # where the authors say so
+
+
+# Models whose authors recommend sampling values that their own generation_config.json does not carry. Only
+# instruct-tuned files match (a base model has no chat recipe to follow).
+KNOWN_MODEL_DEFAULTS = (
+    # HuggingFaceTB/SmolLM2-{135M,360M,1.7B}-Instruct: the model cards' "How to use" generates with
+    # `temperature=0.2, top_p=0.9, do_sample=True`; their generation_config.json holds only bos/eos/pad ids, so
+    # without this the bundled default model samples at temperature 1.0 (and answers in a mix of languages).
+    KnownModelDefaults("HuggingFaceTB", "SmolLM2", {"temperature": 0.2, "top_p": 0.9},
+                       "the SmolLM2-Instruct model card (HuggingFaceTB)"),
+)
+
+
+def recommended_sampling(organization: Optional[str], basename: Optional[str], name: Optional[str] = None,
+                         finetune: Optional[str] = None) -> Optional[KnownModelDefaults]:
+    """The known recommendation for a model of this identity (GGUF general.* fields), or None. Instruct-tuned:
+    a finetune named, or "instruct" in the name."""
+    instruct = bool(finetune) or "instruct" in (name or "").lower()
+    for known in KNOWN_MODEL_DEFAULTS:
+        if (instruct and (organization or "").lower() == known.organization.lower()
+                and (basename or "").lower() == known.basename.lower()):
+            return known
+    return None
 
 
 def load_sampling_defaults(mode: str, model_dir: str) -> dict[str, Any]:
@@ -40,9 +80,23 @@ def load_sampling_defaults(mode: str, model_dir: str) -> dict[str, Any]:
     return {ours: raw[theirs] for theirs, ours in FIELDS.items() if raw.get(theirs) is not None}
 
 
-def log_sampling_defaults(defaults: dict[str, Any], mode: str) -> None:
+def sampling_defaults_source(mode: str, model_dir: str) -> Optional[str]:
+    """Where the defaults of `auto` come from when the GGUF converter wrote a known model's recommendation."""
+    if mode != "auto":
+        return None
+    try:
+        with open(os.path.join(model_dir, "generation_config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return raw.get(SOURCE_KEY) if isinstance(raw, dict) else None
+
+
+def log_sampling_defaults(defaults: dict[str, Any], mode: str, model_dir: Optional[str] = None) -> None:
+    source = sampling_defaults_source(mode, model_dir) if model_dir else None
     if defaults:
-        logger.info("Sampling defaults from the model's generation config (used where a request does not set "
-                    "them; --generation-config vllm turns them off): %s", defaults)
+        logger.info("Sampling defaults from the model's generation config%s (used where a request does not set "
+                    "them; --generation-config vllm turns them off): %s",
+                    f", as recommended by {source}" if source else "", defaults)
     else:
         logger.info("No sampling defaults from a generation config (--generation-config %s).", mode)

@@ -80,7 +80,10 @@ def test_smollm2_converted_dir_contents(smollm2_hf_dir):
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
     assert tokenizer.eos_token == "<|im_end|>"
     with open(os.path.join(smollm2_hf_dir, "generation_config.json")) as f:
-        assert json.load(f)["eos_token_id"] == 2
+        generation = json.load(f)
+    assert generation["eos_token_id"] == 2
+    # The bundled model's GGUF carries no sampling values: the conversion writes its authors' recommendation.
+    assert (generation["temperature"], generation["top_p"], generation["do_sample"]) == (0.2, 0.9, True)
 
 
 def test_second_prepare_is_a_cache_hit(smollm2_gguf_path, smollm2_hf_dir, smollm2_cache_dir, monkeypatch):
@@ -151,9 +154,11 @@ def _llama3_rope_freqs(theta, head_dim, p):
     return np.array(out, dtype=np.float32)
 
 
-def _write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None, quantizer=None) -> None:
+def _write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None, quantizer=None,
+                     identity: Optional[dict] = None) -> None:
     """kinds: GGML type per module ("self_attn.q_proj", ...; "token_embd" / "output" for the globals) for weights
-    stored quantized (by quantizer(data, qtype), default gguf's quantizer); the rest float32."""
+    stored quantized (by quantizer(data, qtype), default gguf's quantizer); the rest float32. identity: general.*
+    metadata (organization, basename, name, finetune)."""
     import gguf
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -173,6 +178,8 @@ def _write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = 
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
+    for key, value in (identity or {}).items():
+        getattr(writer, f"add_{key}")(value)
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope["rope_theta"], head_dim, rope))
     for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
@@ -198,6 +205,27 @@ def _write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+@pytest.mark.parametrize("identity, expected", [
+    ({"organization": "HuggingFaceTB", "basename": "SmolLM2", "name": "SmolLM2 135M Instruct", "finetune": "Instruct"},
+     {"temperature": 0.2, "top_p": 0.9}),
+    ({"organization": "huggingfacetb", "basename": "smollm2", "finetune": "8k-lc100k-mix1-ep2"},  # the bundled file's
+     {"temperature": 0.2, "top_p": 0.9}),
+    ({"organization": "HuggingFaceTB", "basename": "SmolLM2", "name": "SmolLM2 135M"}, {}),  # the base model
+    ({"organization": "acme", "basename": "SmolLM2", "finetune": "Instruct"}, {}),
+    ({}, {}),
+])
+def test_recommended_sampling_follows_the_gguf_identity(tmp_path, fresh_cache, tiny_model_dir, identity, expected):
+    """Keyed on the model's identity as the GGUF states it, never on the file's name (all named alike here)."""
+    from pagedllm.generation_config import SOURCE_KEY, load_sampling_defaults
+    gguf_path = str(tmp_path / "SmolLM2-135M-Instruct.gguf")
+    _write_tiny_gguf(tiny_model_dir("llama"), gguf_path, "llama", identity=identity)
+    converted = prepare_model_dir(gguf_path)
+    assert load_sampling_defaults("auto", converted) == expected
+    with open(os.path.join(converted, "generation_config.json")) as f:
+        assert (SOURCE_KEY in json.load(f)) == bool(expected)
+    assert load_sampling_defaults("vllm", converted) == {}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

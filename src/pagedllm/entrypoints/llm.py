@@ -59,7 +59,7 @@ class LLM:
             from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
 
             self.sampling_defaults = load_sampling_defaults(self.engine_args.generation_config, engine.model_dir)
-            log_sampling_defaults(self.sampling_defaults, self.engine_args.generation_config)
+            log_sampling_defaults(self.sampling_defaults, self.engine_args.generation_config, engine.model_dir)
         except BaseException:
             self.shutdown()  # a tokenizer or generation config that fails to load must not keep the engine
             raise

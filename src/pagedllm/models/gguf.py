@@ -1,7 +1,8 @@
 """GGUF (llama.cpp) -> Hugging Face checkpoint directory, converted once and cached.
 
-The converted directory holds config.json, generation_config.json, tokenizer files (with the chat
-template) and float32 safetensors (sharded past ~2 GB), so everything downstream (loader, tokenizer,
+The converted directory holds config.json, generation_config.json (with the sampling defaults a known
+model's authors recommend, since a GGUF carries none: generation_config.recommended_sampling), tokenizer files
+(with the chat template) and float32 safetensors (sharded past ~2 GB), so everything downstream (loader, tokenizer,
 chat template) sees an ordinary HF model directory.
 
 Weights are dequantized with `gguf.quants.dequantize`; llama.cpp's converter permutes the Q/K rows of
@@ -26,10 +27,12 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from pagedllm import envs
+from pagedllm.generation_config import SOURCE_KEY, recommended_sampling
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+# 2: generation_config.json also holds a known model's recommended sampling defaults.
+CONVERTER_VERSION = 2
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MAX_SHARD_BYTES = 2 * 1024 ** 3
 
@@ -244,8 +247,16 @@ def _write_generation_config(reader: Any, config: Any, out_dir: str) -> None:
         extra = _field(reader, key)
         if extra is not None and extra not in eos_ids:
             eos_ids.append(extra)
+    sampling: dict[str, Any] = {}
+    known = recommended_sampling(*(_field(reader, f"general.{key}")
+                                   for key in ("organization", "basename", "name", "finetune")))
+    if known is not None:
+        sampling = dict(known.values, do_sample=True, **{SOURCE_KEY: known.source})
+        logger.info("Sampling defaults for %s, as recommended by %s: %s", _field(reader, "general.name"),
+                    known.source, known.values)
     GenerationConfig(bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
-                     eos_token_id=eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)).save_pretrained(out_dir)
+                     eos_token_id=eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+                     **sampling).save_pretrained(out_dir)
 
 
 def _write_tokenizer(reader: Any, gguf_path: str, out_dir: str) -> None:

@@ -3,6 +3,11 @@
 Random prompts of exact token lengths are drawn from the model's vocabulary (the model's tokenizer when
 it is readable locally, else token ids seen through the server's /tokenize) and sent as token-id prompts
 to /v1/completions, so every server sees exactly the same tokens. Prints vLLM's result block.
+
+`--plot FILE` / `--plot-dir DIR` draw the latency distributions and the throughput over time (bench_plots.py,
+matplotlib). Several request rates (`--request-rate 1,2,4,inf`, or `pagedllm bench sweep`) run one after another,
+each with its own prompts (seed + its index: no prefix-cache hits from the rate before), and print a table of
+throughput and latency per rate; the plot is then the throughput-latency curve.
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dataset-name", default="random", choices=["random"])
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    p.add_argument("--request-rate", type=request_rates, default=[float("inf")], metavar="RATE[,RATE...]",
+                   help="requests/s (Poisson); inf = all at once; several, comma-separated: a sweep")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -49,7 +55,39 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--result-filename", "--save-result-file", dest="result_filename", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per request")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="write the latency distributions and throughput over time (a sweep: its curves) as a PNG; "
+                        "needs matplotlib (pip install 'pagedllm[plot]')")
+    p.add_argument("--plot-dir", default=None, metavar="DIR",
+                   help="write one PNG per plot into DIR (ttft, tpot, itl, e2el, throughput, summary; a sweep: "
+                        "sweep.png and rate-<r>.png)")
     return p
+
+
+SWEEP_RATES = "1,2,4,8,inf"
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_args(p)
+    p.set_defaults(request_rate=request_rates(SWEEP_RATES))
+    p.description = ("run `bench serve` at each request rate (--request-rate, default " + SWEEP_RATES + "), print "
+                     "throughput and latency per rate, and plot the throughput-latency curve with --plot")
+    return p
+
+
+def request_rates(text: str) -> list[float]:
+    """"8" -> [8.0]; "1,2,inf" -> [1.0, 2.0, inf]; argparse's error for anything not a positive rate."""
+    rates = []
+    for part in str(text).split(","):
+        try:
+            rate = float(part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a request rate (a number of requests/s, "
+                                             "or inf)") from None
+        if not rate > 0:
+            raise argparse.ArgumentTypeError(f"request rates must be > 0 (or inf), got {part.strip()}")
+        rates.append(rate)
+    return rates
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------
@@ -96,12 +134,14 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    start_time: float = 0.0  # time.perf_counter() when the request was sent
+    chunk_times: list[float] = field(default_factory=list)  # perf_counter() of each streamed piece
 
 
 async def _one_request(client: Any, url: str, payload: dict, headers: dict, prompt_len: int,
                        chat: bool) -> RequestResult:
     res = RequestResult(prompt_len=prompt_len)
-    start = time.perf_counter()
+    start = res.start_time = time.perf_counter()
     last = start
     usage_tokens = None
     num_chunks = 0
@@ -129,6 +169,7 @@ async def _one_request(client: Any, url: str, payload: dict, headers: dict, prom
                 if not piece:
                     continue
                 now = time.perf_counter()
+                res.chunk_times.append(now)
                 if num_chunks == 0:
                     res.ttft = now - start
                 else:
@@ -297,7 +338,64 @@ def _token_pool(args: argparse.Namespace, base_url: str, root: Optional[str]) ->
     return sorted(set(r.json()["tokens"])), None
 
 
+def _sampled_requests(args: argparse.Namespace, pool: list[int], tok: Any, seed: int) -> list[BenchRequest]:
+    requests = sample_random_requests(pool, args.num_prompts, args.random_input_len, args.random_output_len,
+                                      args.random_range_ratio, seed)
+    if args.backend == "openai-chat":
+        for r in requests:
+            r.prompt = tok.decode(r.prompt_token_ids)
+    return requests
+
+
+def _one_rate(args: argparse.Namespace, base_url: str, model: str, requests: list[BenchRequest], rate: float,
+              seed: int) -> tuple[dict, list]:
+    print(f"Benchmarking {model} at {base_url}: {len(requests)} prompts, max concurrency "
+          f"{args.max_concurrency}, request rate {rate}", file=sys.stderr)
+    metrics, results = asyncio.run(run_benchmark(
+        base_url, model, requests, max_concurrency=args.max_concurrency, request_rate=rate,
+        api_key=args.api_key, ignore_eos=args.ignore_eos, temperature=args.temperature, backend=args.backend,
+        endpoint=args.endpoint, seed=seed, disable_tqdm=args.disable_tqdm, timeout=args.timeout))
+    print(format_result(metrics, args.max_concurrency, rate, args.percentile_metrics,
+                        args.metric_percentiles), flush=True)
+    if metrics["errors"]:
+        print("First errors: " + "; ".join(metrics["errors"][:3]), file=sys.stderr)
+    return metrics, results
+
+
+def format_sweep_table(rows: list[tuple[float, dict]]) -> str:
+    head = ("rate (req/s)", "ok", "failed", "duration s", "req/s", "out tok/s", "TTFT med ms", "TTFT P99 ms",
+            "TPOT med ms", "TPOT P99 ms", "ITL med ms", "ITL P99 ms")
+    lines = [head]
+    for rate, m in rows:
+        lines.append(("inf" if rate == float("inf") else f"{rate:g}", str(m["completed"]), str(m["failed"]),
+                      f"{m['duration']:.2f}", f"{m['request_throughput']:.2f}", f"{m['output_throughput']:.1f}",
+                      *(f"{m[f'{stat}_{name}_ms']:.1f}" for name in ("ttft", "tpot", "itl")
+                        for stat in ("median", "p99"))))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
+    return "\n".join([" Request-rate sweep ".center(len(out[0]), "="), *out, "=" * len(out[0])])
+
+
+def _result_record(args: argparse.Namespace, metrics: dict, model: str, base_url: str, rate: float,
+                   seed: int) -> dict:
+    return dict(metrics, model=model, base_url=base_url, num_prompts=args.num_prompts,
+                max_concurrency=args.max_concurrency, request_rate=str(rate),
+                random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+                random_range_ratio=args.random_range_ratio, seed=seed, date=time.strftime("%Y%m%d-%H%M%S"))
+
+
 def run(args: argparse.Namespace) -> int:
+    plotting = bool(args.plot or args.plot_dir)
+    if plotting:  # before anything runs: a missing matplotlib costs no benchmark and writes nothing
+        from pagedllm.entrypoints.cli.bench_plots import PlotUnavailable, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotUnavailable as e:
+            print(e, file=sys.stderr)
+            return 2
+    rates: list[float] = list(args.request_rate)
+    sweep = getattr(args, "sweep", False) or len(rates) > 1
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     if base_url.rstrip("/").endswith("/v1"):
         base_url = base_url.rstrip("/")[:-3]
@@ -309,34 +407,43 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or (models[0]["id"] if models else None)
     root = next((m.get("root") for m in models if m.get("id") == model), None)
     pool, tok = _token_pool(args, base_url, root)
-    requests = sample_random_requests(pool, args.num_prompts, args.random_input_len, args.random_output_len,
-                                      args.random_range_ratio, args.seed)
-    if args.backend == "openai-chat":
-        if tok is None:
-            print("error: --backend openai-chat needs --tokenizer (to turn random tokens into text)", file=sys.stderr)
-            return 1
-        for r in requests:
-            r.prompt = tok.decode(r.prompt_token_ids)
-    print(f"Benchmarking {model} at {base_url}: {len(requests)} prompts, max concurrency "
-          f"{args.max_concurrency}, request rate {args.request_rate}", file=sys.stderr)
-    metrics, _ = asyncio.run(run_benchmark(
-        base_url, model, requests, max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-        api_key=args.api_key, ignore_eos=args.ignore_eos, temperature=args.temperature, backend=args.backend,
-        endpoint=args.endpoint, seed=args.seed, disable_tqdm=args.disable_tqdm, timeout=args.timeout))
-    print(format_result(metrics, args.max_concurrency, args.request_rate, args.percentile_metrics,
-                        args.metric_percentiles), flush=True)
-    if metrics["errors"]:
-        print("First errors: " + "; ".join(metrics["errors"][:3]), file=sys.stderr)
+    if args.backend == "openai-chat" and tok is None:
+        print("error: --backend openai-chat needs --tokenizer (to turn random tokens into text)", file=sys.stderr)
+        return 1
+    runs = []
+    for i, rate in enumerate(rates):
+        seed = args.seed + i  # each rate its own prompts: none is a prefix-cache hit of the rate before
+        requests = _sampled_requests(args, pool, tok, seed)
+        metrics, results = _one_rate(args, base_url, model, requests, rate, seed)
+        runs.append((rate, metrics, results))
+    if sweep:
+        print(format_sweep_table([(rate, m) for rate, m, _ in runs]), flush=True)
     if args.save_result or args.result_filename:
-        path = args.result_filename or f"bench-serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        result = dict(metrics, model=model, base_url=base_url, num_prompts=args.num_prompts,
-                      max_concurrency=args.max_concurrency, request_rate=str(args.request_rate),
-                      random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-                      random_range_ratio=args.random_range_ratio, seed=args.seed, date=time.strftime("%Y%m%d-%H%M%S"))
+        path = args.result_filename or f"bench-{'sweep' if sweep else 'serve'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        records = [_result_record(args, m, model, base_url, rate, args.seed + i) for i, (rate, m, _) in enumerate(runs)]
         with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({"sweep": records} if sweep else records[0], f, indent=2)
         print(f"Saved results to {path}", file=sys.stderr)
-    return 0 if metrics["completed"] == len(requests) else 1
+    if plotting:
+        from pagedllm.entrypoints.cli.bench_plots import (serve_title, short_name, write_serve_plots,
+                                                          write_sweep_plots)
+
+        if sweep:
+            title = (f"{short_name(model)}: {args.num_prompts} requests per rate, concurrency "
+                     f"{args.max_concurrency or 'unlimited'}")
+            written = write_sweep_plots(runs, title, args.plot, args.plot_dir)
+        else:
+            rate, metrics, results = runs[0]
+            written = write_serve_plots(results, serve_title(metrics, model, args.max_concurrency, rate),
+                                        args.plot, args.plot_dir)
+        print("Wrote " + ", ".join(written), file=sys.stderr)
+    return 0 if all(m["completed"] == args.num_prompts for _, m, _ in runs) else 1
 
 
-__all__ = ["BenchRequest", "sample_random_requests", "vocab_token_pool", "run_benchmark", "format_result", "asdict"]
+def run_sweep(args: argparse.Namespace) -> int:
+    args.sweep = True
+    return run(args)
+
+
+__all__ = ["BenchRequest", "sample_random_requests", "vocab_token_pool", "run_benchmark", "format_result",
+           "format_sweep_table", "request_rates", "asdict"]

@@ -1,4 +1,4 @@
-"""`pagedllm` console script: serve | chat | complete | bench {serve,throughput,latency} | --version.
+"""`pagedllm` console script: serve | chat | complete | bench {serve,sweep,throughput,latency} | --version.
 
 Each subcommand registers its own flags and imports its heavy modules only when it runs, so
 `pagedllm --help` stays fast (no torch, no transformers, no FastAPI).
@@ -34,6 +34,8 @@ SUBCOMMANDS = [
 BENCH = [
     _Sub("serve", "load-test a running server (streaming; TTFT / TPOT / ITL)", f"{_PKG}.bench_serve:add_args",
          f"{_PKG}.bench_serve:run"),
+    _Sub("sweep", "bench serve at several request rates (default 1,2,4,8,inf): table + throughput-latency plot",
+         f"{_PKG}.bench_serve:add_sweep_args", f"{_PKG}.bench_serve:run_sweep"),
     _Sub("throughput", "offline throughput of the engine (pagedllm.LLM)", f"{_PKG}.bench_offline:add_throughput_args",
          f"{_PKG}.bench_offline:run_throughput"),
     _Sub("latency", "offline latency of one batch (time per step)", f"{_PKG}.bench_offline:add_latency_args",
@@ -55,7 +57,7 @@ def build_parser(prog: str = "pagedllm") -> argparse.ArgumentParser:
         p = subs.add_parser(sub.name, help=sub.help, description=sub.help)
         sub._load(sub.add_args)(p)
         p.set_defaults(_run=sub.run, _sub=sub)
-    bench = subs.add_parser("bench", help="benchmarks: serve | throughput | latency")
+    bench = subs.add_parser("bench", help="benchmarks: serve | sweep | throughput | latency")
     bench_subs = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     for sub in BENCH:
         p = bench_subs.add_parser(sub.name, help=sub.help, description=sub.help)

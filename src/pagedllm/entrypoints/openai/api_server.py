@@ -89,7 +89,7 @@ async def serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        log_sampling_defaults(defaults, engine_args.generation_config)
+        log_sampling_defaults(defaults, engine_args.generation_config, engine.model_dir)
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
