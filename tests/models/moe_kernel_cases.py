@@ -10,12 +10,15 @@ TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(ato
 
 
 def make_case(tokens: int, experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str, seed: int = 0):
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], router logits [T, E]; outputs of order one."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], router logits [T, E]; outputs of order one. Each token's logits are
+    a permutation of evenly spaced values (spacing above a bf16 ulp): no ties, so the top-k is unambiguous in every
+    dtype."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
     w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
-    logits = torch.randn(tokens, experts, generator=g) * 2
+    ranks = torch.argsort(torch.rand(tokens, experts, generator=g), dim=-1).float()
+    logits = (ranks - experts / 2) * (6.0 / experts)
     return tuple(t.to(device=device, dtype=dtype) for t in (x, w13, w2, logits))
 
 
