@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM
+from pagedllm.layers.fused_moe import FusedMoE
 from tests.engine.test_correctness import check_against_hf, random_prompts
 from tests.models.moe_helpers import MOE_ARCHS, tiny_moe_dir  # noqa: F401 - the fixture
 
@@ -14,6 +15,8 @@ from tests.models.moe_helpers import MOE_ARCHS, tiny_moe_dir  # noqa: F401 - the
 def test_mixed_batch_matches_hf(arch, tiny_moe_dir):
     model_dir = tiny_moe_dir(arch)
     llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64)
+    experts = [m for m in llm.engine.worker.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all("cpu_packed_experts" in m.__dict__ for m in experts)  # the prepacked CPU path runs
     prompts = random_prompts([1, 5, 17, 33, 64, 3], seed=11)
     check_against_hf(llm, model_dir, prompts, [12, 7, 20, 9, 15, 24])
 

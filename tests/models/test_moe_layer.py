@@ -30,6 +30,27 @@ def test_batched_cpu_path_matches_per_token_reference(tokens, experts, top_k):
     torch.testing.assert_close(experts_forward_dense(x, w13, w2, weights, ids), out, atol=1e-5, rtol=1e-5)
 
 
+def test_prepacked_cpu_experts_match_the_parameters():
+    """The worker's oneDNN-prepacked expert copies (pack_cpu_weights, CPU float32) compute what the parameters do,
+    and the layer uses them."""
+    from pagedllm.layers.linear import pack_cpu_weights
+
+    layer = _layer(experts=8, hidden=64, inter=48)
+    layer.gate_up_proj.data.normal_(std=0.1)
+    layer.down_proj.data.normal_(std=0.1)
+    x, logits = torch.randn(11, 64), torch.randn(11, 8)
+    unpacked = layer(x, logits)
+    if pack_cpu_weights(layer) == 0:
+        pytest.skip("this torch build has no oneDNN linear")
+    assert len(layer.__dict__["cpu_packed_experts"][0]) == 8
+    assert "cpu_packed_experts" not in layer.state_dict()
+    weights, ids = route_native(logits, 2, True)
+    packed = experts_forward_native(x, layer.gate_up_proj, layer.down_proj, weights, ids,
+                                    layer.__dict__["cpu_packed_experts"])
+    torch.testing.assert_close(packed, unpacked, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer(x, logits), packed, atol=0, rtol=0)
+
+
 def test_batched_cpu_path_bfloat16_close_to_fp32():
     x, w13, w2, logits = make_case(33, 8, 64, 48, torch.float32, "cpu", seed=5)
     weights, ids = route_native(logits, 2, renormalize=True)

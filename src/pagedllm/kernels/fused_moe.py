@@ -296,7 +296,7 @@ def _block_coords(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["M", "TOP_K"])
+@triton.jit(do_not_specialize=["M", "TOP_K", "num_pid_m"])
 def _grouped_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                             M, N, K, TOP_K, num_pid_m,
                             stride_xm, stride_we, stride_wn, stride_om,
@@ -337,7 +337,7 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, n
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "num_pid_m"])
 def _grouped_down_kernel(a_ptr, w_ptr, topk_w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                          M, N, K, num_pid_m,
                          stride_am, stride_we, stride_wn, stride_om,

@@ -11,7 +11,7 @@ Forward (`FusedMoE.forward(x, router_logits)`):
   routing: softmax of the router logits in fp32, top-k, renormalized over the k when the config says so
   CUDA (Triton): kernels/fused_moe.py, graph-capturable (no host sync, sizes fixed by the token count)
   CPU (and CUDA without Triton): `experts_forward_native`: assignments sorted by expert, one pair of matmuls
-  per expert that got tokens, the weighted results added back per token (index_add, fp32).
+  per expert that got tokens, the weighted results summed per token in fp32.
 
 Checkpoint layouts the loader takes (`weight_loader(param, tensor, shard_id, expert_id)`):
   per expert (the hub's Mixtral w1/w3/w2, Qwen's gate_proj/up_proj/down_proj): shard "gate"/"up" [I_full, H],
@@ -30,7 +30,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_reduce)
 from pagedllm.layers.activation import SiluAndMul, triton_kernels
-from pagedllm.layers.linear import narrow_shard
+from pagedllm.layers.linear import cpu_pack_weight, cpu_packed_linear, narrow_shard
 from pagedllm.layers.weight_utils import copy_weight, set_weight_attrs
 
 SHARDS = ("gate", "up", "down")
@@ -46,9 +46,10 @@ def route_native(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
 
 
 def experts_forward_native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                           topk_ids: torch.Tensor) -> torch.Tensor:
+                           topk_ids: torch.Tensor, packed: Optional[tuple[list, list]] = None) -> torch.Tensor:
     """x [T, H] -> [T, H]: the assignments grouped by expert, one gate_up and one down matmul per expert that has
-    any, each result scaled by its routing weight and added to its token's row in fp32."""
+    any, each result scaled by its routing weight and its token's k results summed in fp32. `packed`: every
+    expert's oneDNN-prepacked gate_up and down weights (CPU float32: `FusedMoE.pack_cpu_weights`)."""
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
@@ -64,13 +65,17 @@ def experts_forward_native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if count == 0:
             continue
         rows = slice(start, start + count)
-        act = act_fn(F.linear(xs[rows], w13[e]))  # [count, I]
-        torch.mm(act, w2[e].t(), out=ys[rows])  # [count, H]
+        if packed is not None:
+            act = act_fn(cpu_packed_linear(xs[rows], packed[0][e], None))  # [count, I]
+            ys[rows] = cpu_packed_linear(act, packed[1][e], None)  # [count, H]
+        else:
+            act = act_fn(F.linear(xs[rows], w13[e]))
+            torch.mm(act, w2[e].t(), out=ys[rows])
         start += count
     scaled = ys.float() * topk_weights.reshape(-1)[order].float()[:, None]
-    out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, scaled)
-    return out.to(x.dtype)
+    # back to assignment order, then each token's k rows summed (index_add_ with repeated rows is far slower on CPU)
+    per_assignment = torch.empty_like(scaled).index_copy_(0, order, scaled)
+    return per_assignment.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 def experts_forward_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -178,10 +183,22 @@ class FusedMoE(nn.Module):
             elif torch.cuda.is_current_stream_capturing():
                 out = experts_forward_dense(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         if out is None:
-            out = experts_forward_native(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+            out = experts_forward_native(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                                         self.__dict__.get("cpu_packed_experts") if x.dtype == torch.float32 else None)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+    def pack_cpu_weights(self) -> int:
+        """oneDNN-prepacked copies of every expert's weights for the CPU path (called by
+        `linear.pack_cpu_weights`: MKL's sgemm is several times slower at the few rows an expert gets per step);
+        they live beside the parameters, not in the state dict. Returns how many weights were packed."""
+        gate_up = [cpu_pack_weight(self.gate_up_proj[e]) for e in range(self.num_experts)]
+        down = [cpu_pack_weight(self.down_proj[e]) for e in range(self.num_experts)]
+        if any(p is None for p in gate_up + down):
+            return 0
+        self.__dict__["cpu_packed_experts"] = (gate_up, down)
+        return len(gate_up) + len(down)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "

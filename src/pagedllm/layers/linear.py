@@ -154,6 +154,10 @@ def pack_cpu_weights(model: nn.Module) -> int:
     The packed copy lives beside the parameter (not in state_dict) and is what decode steps multiply by."""
     count = 0
     for module in model.modules():
+        pack_own = getattr(module, "pack_cpu_weights", None)  # a layer of several weights (the MoE experts)
+        if callable(pack_own):
+            count += pack_own()
+            continue
         weight = getattr(module, "weight", None)
         is_linear = isinstance(getattr(module, "linear_method", None), UnquantizedLinearMethod)
         if weight is None or not (is_linear or hasattr(module, "compute_logits")):
