@@ -155,7 +155,7 @@ def test_engine_reads_the_moe_gguf_itself(tmp_path, monkeypatch, tiny_moe_dir):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_dir, p, 8)[0] for p in prompts]
 
 
-def test_q8_0_moe_gguf_keeps_attention_packed_and_dequantizes_experts(tmp_path, monkeypatch, tiny_moe_dir):
+def test_q8_0_moe_gguf_keeps_attention_packed_and_dequantizes_experts(tmp_path, monkeypatch, tiny_moe_dir, caplog):
     import gguf
 
     from pagedllm.quantization.gguf import GGUFLinearMethod
@@ -163,7 +163,10 @@ def test_q8_0_moe_gguf_keeps_attention_packed_and_dequantizes_experts(tmp_path, 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     gguf_path = str(tmp_path / "tiny-q8.gguf")
     write_moe_gguf(tiny_moe_dir("mixtral"), gguf_path, "mixtral", qtype=gguf.GGMLQuantizationType.Q8_0)
-    packed = LLM(model=gguf_path, num_gpu_blocks_override=64, skip_tokenizer_init=True)
+    with caplog.at_level("INFO", logger="pagedllm"):
+        packed = LLM(model=gguf_path, num_gpu_blocks_override=64, skip_tokenizer_init=True)
+    # 2 layers x (router + gate, up, down experts)
+    assert any("8 mixture-of-experts tensor(s)" in r.getMessage() for r in caplog.records)
     dense = LLM(model=gguf_path, quantization="none", num_gpu_blocks_override=64, skip_tokenizer_init=True)
     layer = packed.engine.worker.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.linear_method, GGUFLinearMethod)

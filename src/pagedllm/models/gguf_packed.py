@@ -12,6 +12,7 @@ of whole rows, so it is undone on the packed rows exactly as on the dequantized 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from typing import Any, Callable, Iterator, Optional
@@ -21,6 +22,8 @@ import torch
 
 from pagedllm.models.gguf import (SUPPORTED_GGUF_ARCHITECTURES, _SKIPPED_TENSORS, _hf_name, _unpermute_rope_rows,
                                   is_moe_dense_tensor, moe_tensor_shape, open_gguf)
+
+logger = logging.getLogger("pagedllm")
 
 # The block formats the CPU kernels multiply directly (kernels/csrc/gguf_ops.cpp), by GGML type name.
 PACKED_TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -187,6 +190,7 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
     index = read_gguf_index(gguf_path)
     arch = index.arch
     pbar = _maybe_bar(len(index.tensors), show_progress)
+    moe_dequantized = 0
     try:
         for tensor in index.tensors:
             if pbar is not None:
@@ -195,7 +199,10 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
             if name is None or tensor.name in _SKIPPED_TENSORS:
                 continue
             qtype = int(tensor.tensor_type)
-            packed = keep(name, qtype) and not is_moe_dense_tensor(name)  # no packed MoE kernel yet
+            packed = keep(name, qtype)
+            if packed and is_moe_dense_tensor(name):  # no packed MoE kernel yet
+                packed = False
+                moe_dequantized += 1
             if packed:
                 data = np.array(tensor.data, dtype=np.uint8)  # [rows, row_bytes], an owned copy of the blocks
             else:
@@ -211,3 +218,6 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
     finally:
         if pbar is not None:
             pbar.close()
+    if moe_dequantized:
+        logger.info("GGUF: %d mixture-of-experts tensor(s) (experts, routers) are dequantized at load: there is no "
+                    "packed MoE kernel yet.", moe_dequantized)
