@@ -26,6 +26,7 @@ def main() -> None:
     check_route(2, 8, 1, True, f32, "cpu", seed=2)  # top-1: weight 1
     check_align(7, 8, 2, 16, "cpu")
     check_align(75, 64, 8, 16, "cpu", seed=1)  # 600 assignments: several programs, each counting and placing
+    check_align(75, 64, 8, 32, "cpu", seed=4, skew=True)  # several programs, runs spanning programs, unused experts
     check_align(300, 8, 2, 32, "cpu", seed=2, skew=True)  # unused experts, one long run
     check_align(1, 8, 2, 16, "cpu", seed=3)
     for path in ("gemv", "grouped"):
