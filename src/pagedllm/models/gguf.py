@@ -207,14 +207,15 @@ def _moe_config(arch: str, meta: Any, tensors: dict, kwargs: dict) -> Any:
         return MixtralConfig(architectures=["MixtralForCausalLM"], num_local_experts=int(meta("expert_count")),
                              sliding_window=None, **experts, **kwargs)
     dense = [i for i in range(kwargs["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
-    experts.update(num_experts=int(meta("expert_count")), moe_intermediate_size=int(meta("expert_feed_forward_length")),
-                   mlp_only_layers=dense, decoder_sparse_step=1)
+    experts.update(num_experts=int(meta("expert_count")), mlp_only_layers=dense, decoder_sparse_step=1,
+                   moe_intermediate_size=int(meta("expert_feed_forward_length")))
     if arch == "qwen3moe":
-        return Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=bool(meta("expert_weights_norm", True)),
-                              attention_bias="blk.0.attn_q.bias" in tensors, **experts, **kwargs)
-    return Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], norm_topk_prob=bool(meta("expert_weights_norm", False)),
+        return Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], attention_bias="blk.0.attn_q.bias" in tensors,
+                              norm_topk_prob=bool(meta("expert_weights_norm", True)), **experts, **kwargs)
+    return Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], qkv_bias="blk.0.attn_q.bias" in tensors,
+                          norm_topk_prob=bool(meta("expert_weights_norm", False)),
                           shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0) or 0),
-                          qkv_bias="blk.0.attn_q.bias" in tensors, **experts, **kwargs)
+                          **experts, **kwargs)
 
 
 def _rope_scaling(reader: Any, arch: str, tensors: dict, rope_theta: float, head_dim: int) -> Optional[dict]:
