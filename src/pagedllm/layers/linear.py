@@ -154,6 +154,10 @@ def pack_cpu_weights(model: nn.Module) -> int:
     The packed copy lives beside the parameter (not in state_dict) and is what decode steps multiply by."""
     count = 0
     for module in model.modules():
+        pack_own = getattr(module, "pack_cpu_weights", None)  # a layer of several weights (the MoE experts)
+        if callable(pack_own):
+            count += pack_own()
+            continue
         weight = getattr(module, "weight", None)
         is_linear = isinstance(getattr(module, "linear_method", None), UnquantizedLinearMethod)
         if weight is None or not (is_linear or hasattr(module, "compute_logits")):
@@ -363,3 +367,23 @@ class RowParallelLinear(LinearBase):
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+
+class ReplicatedLinear(LinearBase):
+    """Y = X A^T with the whole weight on every rank: layers too small to split (MoE routers, the shared expert's
+    gate), whose output every rank needs in full. Never quantized by the models that use it."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, **kwargs)
+        self.linear_method.create_weights(self, input_size, [output_size], input_size, output_size,
+                                          self.params_dtype, self.weight_loader)
+        if bias:
+            self._create_bias(output_size, output_dim=None)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        copy_weight(param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_method.apply(self, x, self.bias)  # [num_tokens, output_size]

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 # 2: generation_config.json also holds a known model's recommended sampling defaults.
 CONVERTER_VERSION = 2
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")  # llama: also Mixtral
 MAX_SHARD_BYTES = 2 * 1024 ** 3
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
@@ -50,6 +51,22 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Mixture of experts. Expert tensors are stacked over experts in the file ([E, rows, cols]); these names are the
+# stacked ones the MoE models load directly (models/moe.py). The conversion to a HF directory writes the hub's
+# per-expert tensors instead (`_hub_expert_tensors`), so transformers reads it too.
+_MOE_LAYER_TENSORS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_LAYER_TENSORS.update(_MOE_LAYER_TENSORS)
+# Mixtral GGUFs from before llama.cpp stacked the experts (2024-04): blk.N.ffn_gate.E.weight, one per expert.
+_PER_EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SKIPPED_TENSORS = ("rope_freqs.weight",)  # folded into config.json's rope parameters instead
 
@@ -149,7 +166,7 @@ def build_hf_config(reader: Any) -> Any:
     kwargs: dict[str, Any] = dict(
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # GGUF shapes are [hidden, vocab]
         hidden_size=hidden_size,
-        intermediate_size=int(meta("feed_forward_length")),
+        intermediate_size=int(meta("feed_forward_length") or meta("expert_feed_forward_length")),
         num_hidden_layers=int(meta("block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(num_kv_heads),
@@ -165,7 +182,9 @@ def build_hf_config(reader: Any) -> Any:
     rope_scaling = _rope_scaling(reader, arch, tensors, rope_theta, head_dim)
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
-    if arch == "llama":
+    if arch in ("qwen2moe", "qwen3moe") or (arch == "llama" and meta("expert_count")):
+        config = _moe_config(arch, meta, tensors, kwargs)
+    elif arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config = LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
     elif arch == "qwen2":
@@ -175,6 +194,28 @@ def build_hf_config(reader: Any) -> Any:
         config = Qwen3Config(architectures=["Qwen3ForCausalLM"], **kwargs)
     _set_config_dtype(config, _source_dtype(reader))
     return config
+
+
+def _moe_config(arch: str, meta: Any, tensors: dict, kwargs: dict) -> Any:
+    """Mixtral (llama architecture with experts), Qwen2-MoE or Qwen3-MoE. A layer without a router tensor is
+    dense (Qwen-MoE's mlp_only_layers); llama.cpp renormalizes the top-k weights of Mixtral and Qwen3-MoE and not
+    Qwen2-MoE's unless the file says otherwise (expert_weights_norm)."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    experts = dict(num_experts_per_tok=int(meta("expert_used_count")))
+    if arch == "llama":
+        return MixtralConfig(architectures=["MixtralForCausalLM"], num_local_experts=int(meta("expert_count")),
+                             sliding_window=None, **experts, **kwargs)
+    dense = [i for i in range(kwargs["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    experts.update(num_experts=int(meta("expert_count")), mlp_only_layers=dense, decoder_sparse_step=1,
+                   moe_intermediate_size=int(meta("expert_feed_forward_length")))
+    if arch == "qwen3moe":
+        return Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], attention_bias="blk.0.attn_q.bias" in tensors,
+                              norm_topk_prob=bool(meta("expert_weights_norm", True)), **experts, **kwargs)
+    return Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], qkv_bias="blk.0.attn_q.bias" in tensors,
+                          norm_topk_prob=bool(meta("expert_weights_norm", False)),
+                          shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0) or 0),
+                          **experts, **kwargs)
 
 
 def _rope_scaling(reader: Any, arch: str, tensors: dict, rope_theta: float, head_dim: int) -> Optional[dict]:
@@ -284,9 +325,46 @@ def _hf_name(gguf_name: str) -> Optional[str]:
     if base.startswith("blk."):
         _, layer, tensor = base.split(".", 2)
         hf = _LAYER_TENSORS.get(tensor)
+        if hf is None and tensor.rpartition(".")[0] in _PER_EXPERT_TENSORS and tensor.rpartition(".")[2].isdigit():
+            kind, _, expert = tensor.rpartition(".")
+            hf = f"mlp.experts.{expert}.{_PER_EXPERT_TENSORS[kind]}"
         return f"model.layers.{layer}.{hf}.{suffix}" if hf else None
     hf = _GLOBAL_TENSORS.get(base)
     return f"{hf}.{suffix}" if hf else None
+
+
+def is_moe_dense_tensor(hf_name: str) -> bool:
+    """Tensors the MoE models hold in float whatever the file's type (routers, experts, the shared expert's gate):
+    the CPU path that keeps GGUF blocks packed dequantizes them at load (models/gguf_packed.py)."""
+    return ".mlp.experts." in hf_name or hf_name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))
+
+
+def moe_tensor_shape(hf_name: str, data: np.ndarray) -> np.ndarray:
+    """llama.cpp's converter squeezes Qwen2-MoE's shared expert gate [1, H] to [H]; HF's shape back."""
+    if hf_name.endswith(".mlp.shared_expert_gate.weight") and data.ndim == 1:
+        return data.reshape(1, -1)
+    return data
+
+
+_MIXTRAL_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MIXTRAL_HUB_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _hub_expert_tensors(name: str, data: np.ndarray, architecture: str) -> Iterator[tuple[str, np.ndarray]]:
+    """The hub's names for a tensor: stacked experts split into one tensor per expert; Mixtral's block is
+    `block_sparse_moe`, its experts' gate / up / down `w1` / `w3` / `w2`."""
+    head, sep, tail = name.rpartition(".mlp.experts.")
+    if sep and tail in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+        for e in range(data.shape[0]):  # copies: safetensors refuses tensors that share memory
+            yield from _hub_expert_tensors(f"{head}.mlp.experts.{e}.{tail}", data[e].copy(), architecture)
+        return
+    if architecture == "MixtralForCausalLM":
+        match = _MIXTRAL_EXPERT.match(name)
+        if match is not None:
+            name = f"{match[1]}.block_sparse_moe.experts.{match[2]}.{_MIXTRAL_HUB_NAMES[match[3]]}.weight"
+        elif name.endswith(".mlp.gate.weight"):
+            name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    yield name, data
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -316,7 +394,7 @@ def _iter_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, np.ndarray
             data = _unpermute_rope_rows(data, config.num_attention_heads)
         elif arch == "llama" and ".self_attn.k_proj." in name:
             data = _unpermute_rope_rows(data, config.num_key_value_heads)
-        yield name, data
+        yield from _hub_expert_tensors(name, moe_tensor_shape(name, data), config.architectures[0])
 
 
 def write_safetensors(tensors: Iterator[tuple[str, np.ndarray]], out_dir: str, total: Optional[int] = None,

@@ -3,7 +3,8 @@
 `gguf_tensor_types(path)` maps the Hugging Face names of the file's tensors to their GGML types, so a
 quantization config can decide per layer whether it stays packed. `iter_gguf_weights(path, hf_config, keep)`
 yields (HF name, tensor): a uint8 [rows, row_bytes] tensor of the file's blocks (tagged `gguf_type`) where
-`keep(name, type)` says so, else the float32 dequantization (as the converted checkpoint holds it).
+`keep(name, type)` says so, else the float32 dequantization (as the converted checkpoint holds it). Mixture-of-
+experts routers and experts are always dequantized, and their experts yielded stacked ([E, rows, cols]).
 
 llama.cpp's converter permutes the Q/K rows of `llama` models for its interleaved rope; that is a permutation
 of whole rows, so it is undone on the packed rows exactly as on the dequantized ones (models/gguf.py).
@@ -11,6 +12,7 @@ of whole rows, so it is undone on the packed rows exactly as on the dequantized 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from typing import Any, Callable, Iterator, Optional
@@ -19,7 +21,9 @@ import numpy as np
 import torch
 
 from pagedllm.models.gguf import (SUPPORTED_GGUF_ARCHITECTURES, _SKIPPED_TENSORS, _hf_name, _unpermute_rope_rows,
-                                  open_gguf)
+                                  is_moe_dense_tensor, moe_tensor_shape, open_gguf)
+
+logger = logging.getLogger("pagedllm")
 
 # The block formats the CPU kernels multiply directly (kernels/csrc/gguf_ops.cpp), by GGML type name.
 PACKED_TYPE_NAMES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -186,6 +190,7 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
     index = read_gguf_index(gguf_path)
     arch = index.arch
     pbar = _maybe_bar(len(index.tensors), show_progress)
+    moe_dequantized = 0
     try:
         for tensor in index.tensors:
             if pbar is not None:
@@ -195,6 +200,9 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
                 continue
             qtype = int(tensor.tensor_type)
             packed = keep(name, qtype)
+            if packed and is_moe_dense_tensor(name):  # no packed MoE kernel yet
+                packed = False
+                moe_dequantized += 1
             if packed:
                 data = np.array(tensor.data, dtype=np.uint8)  # [rows, row_bytes], an owned copy of the blocks
             else:
@@ -203,10 +211,13 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
                 data = _unpermute_rope_rows(data, hf_config.num_attention_heads)
             elif arch == "llama" and ".self_attn.k_proj." in name:
                 data = _unpermute_rope_rows(data, hf_config.num_key_value_heads)
-            out = torch.from_numpy(np.ascontiguousarray(data))
+            out = torch.from_numpy(np.ascontiguousarray(moe_tensor_shape(name, data)))
             if packed:
                 out.gguf_type = qtype
             yield name, out
     finally:
         if pbar is not None:
             pbar.close()
+    if moe_dequantized:
+        logger.info("GGUF: %d mixture-of-experts tensor(s) (experts, routers) are dequantized at load: there is no "
+                    "packed MoE kernel yet.", moe_dequantized)

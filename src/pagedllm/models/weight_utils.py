@@ -7,7 +7,7 @@ import glob
 import json
 import logging
 import os
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -89,11 +89,13 @@ def _maybe_bar(total: int, show: bool, desc: str = "Loading weights") -> Any:
 
 def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                       stacked_params_mapping: StackedParamsMapping,
-                      skip: Callable[[str], bool] = lambda name: False) -> set[str]:
+                      skip: Callable[[str], bool] = lambda name: False,
+                      loaded_elsewhere: Collection[str] = ()) -> set[str]:
     """Load HF-named tensors into `model`'s (possibly fused, possibly sharded) parameters.
 
     Returns the set of parameter names loaded. Raises ValueError naming what is missing if any parameter
-    (or any shard of a fused one) was not in `weights`. Unknown checkpoint tensors are logged and ignored.
+    (or any shard of a fused one) was not in `weights`, except those in `loaded_elsewhere` (a caller that loads
+    and checks them itself: the MoE models' stacked experts). Unknown checkpoint tensors are logged and ignored.
     """
     params = dict(model.named_parameters())
     # fused param -> every shard id it needs (e.g. qkv_proj -> {q, k, v})
@@ -136,7 +138,8 @@ def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     if unexpected:
         logger.warning("Ignoring %d checkpoint tensor(s) with no matching parameter, e.g. %s.", len(unexpected),
                        ", ".join(unexpected[:5]))
-    missing = sorted(n for n in set(params) - loaded if not getattr(params[n], "optional_weight", False))
+    missing = sorted(n for n in set(params) - loaded - set(loaded_elsewhere)
+                     if not getattr(params[n], "optional_weight", False))
     if missing:
         shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"The checkpoint is missing {len(missing)} weight(s) the model needs: {shown}.")

@@ -1,0 +1,262 @@
+"""Mixture-of-experts on the GPU: the fused MoE layer, batch-1 decode, and offline throughput (bf16, dummy weights).
+
+    python benchmarks/moe.py kernel --shape qwen3-30b-a3b            # the layer alone, CUDA-graph replays, per
+    python benchmarks/moe.py kernel --shape mixtral-8x7b --sweep     #   token count; --sweep tries grouped tiles
+    python benchmarks/moe.py kernel --shape qwen3-30b-a3b --peer vllm  # vLLM's fused_experts beside ours
+    python benchmarks/moe.py decode --model benchmarks/configs/qwen3-30b-a3b            # batch-1 decode ms/step
+    python benchmarks/moe.py decode --model benchmarks/configs/qwen3-30b-a3b --engine vllm   # the same on vLLM
+    python benchmarks/moe.py throughput --model benchmarks/configs/mixtral-8x7b [--engine vllm]  # 512 x 512/256
+
+kernel: one MoE layer (router logits -> routing kernel -> experts) captured in a CUDA graph per token count and
+  replayed; reports microseconds per layer and the memory-bound time of the bytes it must read (the distinct
+  experts the step routes to, 3 * H * I weights each, plus activations) at HBM_BYTES_PER_S.
+decode: one request of --input-len prompt tokens; ms/step = (time for 32 + N output tokens - time for 32) / N,
+  the same for both engines (prefill and start-up cancel), against the active-weight bound: every non-expert
+  weight, k experts per MoE layer, one embedding row and the average KV context read once per step.
+throughput: offline_throughput.py's protocol with --num-prompts 512 --input-len 512 512 --output-len 256 256.
+vLLM runs in its own process (`--engine vllm` / `--peer vllm`: the wheel ../shared/device/vllm-peer.sh brings).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HBM_BYTES_PER_S = 4.3e12  # measured H200 copy bandwidth (the other benchmarks' constant)
+SHAPES = {  # experts, top-k, hidden, intermediate (per expert)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+def _graph_time_us(fn, iters: int) -> float:
+    """Mean microseconds per call of fn replayed from a CUDA graph (captured after a warm-up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def _vllm_fused_experts():
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+    except Exception as e:  # not installed, or an API this script does not know
+        print(f"vLLM's fused_experts is not importable here ({type(e).__name__}: {e}); skipping the peer.")
+        return None
+    return fused_experts
+
+
+def run_kernel(args) -> list[dict]:
+    from pagedllm.kernels.fused_moe import fused_moe, grouped_config, moe_route
+
+    experts, top_k, hidden, inter = SHAPES[args.shape]
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda") * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device="cuda") * inter ** -0.5).to(dtype)
+    peer = _vllm_fused_experts() if args.peer == "vllm" else None
+    rows = []
+    print(f"{args.shape}: E={experts} top-{top_k} H={hidden} I={inter}, {dtype}; us per layer (graph replays)")
+    for tokens in args.tokens:
+        x = torch.randn(tokens, hidden, device="cuda").to(dtype)
+        logits = torch.randn(tokens, experts, device="cuda").to(dtype)
+        _, ids = moe_route(logits, top_k, True)
+        active = int(torch.unique(ids).numel())
+        bytes_read = active * 3 * hidden * inter * w13.element_size() + 2 * x.numel() * x.element_size()
+        bound_us = bytes_read / HBM_BYTES_PER_S * 1e6
+        row = {"tokens": tokens, "active_experts": active, "bound_us": bound_us}
+        m = tokens * top_k
+        paths = ["gemv", "grouped"] if m <= 64 else ["grouped"]
+        for path in paths:
+            configs = [None]
+            if args.sweep and path == "grouped":
+                base = grouped_config(m, experts, dtype)
+                configs = [None] + [dict(base, BLOCK_M=bm, BLOCK_N=bn, GATE_BLOCK_N=gbn, BLOCK_K=bk, num_warps=w)
+                                    for bm in (16, 32, 64) for bn, gbn in ((64, 32), (64, 64), (128, 64))
+                                    for bk in (64, 128) for w in (4, 8)]
+            best = None
+            for cfg in configs:
+                def layer(cfg=cfg, path=path):
+                    weights, topk_ids = moe_route(logits, top_k, True)
+                    return fused_moe(x, w13, w2, weights, topk_ids, path=path, config=cfg)
+                try:
+                    us = _graph_time_us(layer, args.iters)
+                except Exception as e:  # a tile config that does not fit (shared memory): skip it
+                    print(f"  T={tokens} {path} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            row[f"{path}_us"] = best[0]
+            if args.sweep and path == "grouped":
+                row["best_config"] = best[1]
+        if peer is not None:
+            def vllm_layer():
+                weights, topk_ids = moe_route(logits, top_k, True)
+                return peer(x, w13, w2, weights, topk_ids)
+            try:
+                row["vllm_us"] = _graph_time_us(vllm_layer, args.iters)
+            except Exception as e:
+                print(f"  vLLM fused_experts failed at T={tokens}: {type(e).__name__}: {str(e)[:160]}")
+        ours = min(v for k, v in row.items() if k in ("gemv_us", "grouped_us"))
+        flops = 2 * m * 3 * hidden * inter
+        extra = f", vLLM {row['vllm_us']:8.1f} us" if "vllm_us" in row else ""
+        per_path = ", ".join("%s %.1f" % (p, row[p + "_us"]) for p in paths)
+        print(f"  T={tokens:6d}  experts hit {active:4d}  ours {ours:8.1f} us ({per_path})  bound {bound_us:7.1f} us "
+              f"-> {ours / bound_us:5.2f}x bound, {flops / ours / 1e6:7.1f} TFLOP/s{extra}"
+              + (f"  best {row['best_config']}" if row.get("best_config") else ""), flush=True)
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ decode
+
+def active_weight_bytes(cfg, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(bytes one batch-1 decode step must read: non-expert weights, k of E experts per MoE layer, one embedding row;
+    all weight bytes) from the config alone (the same number for both engines)."""
+    from pagedllm.models.llama import get_head_dim
+    from pagedllm.models.qwen3_moe import is_sparse_layer, num_experts
+
+    h = cfg.hidden_size
+    hd = get_head_dim(cfg)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    attn = h * hd * (2 * heads + 2 * kv_heads) + 2 * h
+    mixtral = cfg.architectures[0] == "MixtralForCausalLM"
+    active = total = 0
+    for i in range(cfg.num_hidden_layers):
+        active += attn
+        total += attn
+        sparse = mixtral or is_sparse_layer(cfg, i)
+        if not sparse:
+            active += 3 * h * cfg.intermediate_size
+            total += 3 * h * cfg.intermediate_size
+            continue
+        e = cfg.num_local_experts if mixtral else num_experts(cfg)
+        inter = cfg.intermediate_size if mixtral else cfg.moe_intermediate_size
+        shared = 3 * h * (getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+        active += e * h + cfg.num_experts_per_tok * 3 * h * inter + shared
+        total += e * h + e * 3 * h * inter + shared
+    head = cfg.vocab_size * h
+    active += head + h + h
+    total += head * (1 if cfg.tie_word_embeddings else 2) + h
+    return active * dtype_bytes, total * dtype_bytes
+
+
+def run_decode(args) -> dict:
+    from pagedllm.models.loader import load_hf_config
+
+    cfg = load_hf_config(args.model)
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, min(cfg.vocab_size, 32000)) for _ in range(args.input_len)]
+    short, long = 32, 32 + args.output_len
+    max_len = args.input_len + long + 16
+    if args.engine == "vllm":
+        import vllm
+        llm = vllm.LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                       max_model_len=max_len, max_num_seqs=8, seed=0)
+
+        def timed(n: int) -> float:
+            params = vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            return time.perf_counter() - t
+        version = f"vllm {vllm.__version__}"
+    else:
+        from pagedllm import LLM, SamplingParams
+        llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                  max_model_len=max_len, max_num_seqs=8, seed=0, enforce_eager=args.enforce_eager)
+
+        def timed(n: int) -> float:
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+        version = "pagedllm"
+    timed(short)  # warm-up (compiles, graphs, the prompt in the prefix cache for every timed run alike)
+    t_short = min(timed(short) for _ in range(args.iters))
+    t_long = min(timed(long) for _ in range(args.iters))
+    ms_per_step = (t_long - t_short) / args.output_len * 1e3
+    active, total = active_weight_bytes(cfg)
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * 2
+    kv = kv_per_token * (args.input_len + 32 + args.output_len / 2)
+    bound_ms = (active + kv) / HBM_BYTES_PER_S * 1e3
+    result = {"engine": version, "model": args.model, "decode_ms_per_step": ms_per_step, "bound_ms": bound_ms,
+              "ratio_to_bound": ms_per_step / bound_ms, "active_weight_gb": active / 1e9,
+              "all_weight_gb": total / 1e9}
+    print(f"{version}: batch-1 decode {ms_per_step:.3f} ms/step; active-weight memory-bound {bound_ms:.3f} ms "
+          f"({active / 1e9:.2f} GB of {total / 1e9:.1f} GB weights + {kv / 1e9:.3f} GB KV at "
+          f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s) -> {ms_per_step / bound_ms:.2f}x the bound", flush=True)
+    return result
+
+
+def run_throughput(args) -> None:
+    sys.path.insert(0, HERE)
+    import offline_throughput
+
+    argv = ["--model", args.model, "--load-format", "dummy", "--dtype", "bfloat16", "--num-prompts", "512",
+            "--input-len", "512", "512", "--output-len", "256", "256", "--max-num-seqs", str(args.max_num_seqs),
+            "--hf", "none", "--no-tqdm", "--engine", args.engine]
+    if args.json:
+        argv += ["--json", args.json]
+    offline_throughput.main(argv)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    k = sub.add_parser("kernel")
+    k.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    k.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    k.add_argument("--iters", type=int, default=50)
+    k.add_argument("--sweep", action="store_true", help="also try grouped tile configs (slow: one capture each)")
+    k.add_argument("--peer", choices=["none", "vllm"], default="none")
+    d = sub.add_parser("decode")
+    d.add_argument("--model", default=os.path.join(HERE, "configs", "qwen3-30b-a3b"))
+    d.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
+    d.add_argument("--input-len", type=int, default=128)
+    d.add_argument("--output-len", type=int, default=256)
+    d.add_argument("--iters", type=int, default=3)
+    d.add_argument("--enforce-eager", action="store_true")
+    t = sub.add_parser("throughput")
+    t.add_argument("--model", default=os.path.join(HERE, "configs", "qwen3-30b-a3b"))
+    t.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
+    t.add_argument("--max-num-seqs", type=int, default=512)
+    for sp in (k, d, t):
+        sp.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    if args.cmd == "throughput":
+        run_throughput(args)
+        return
+    result = run_kernel(args) if args.cmd == "kernel" else run_decode(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "args": vars(args), "result": result}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+"""Fused mixture-of-experts on CUDA (Triton) and the torch references its tests compare against.
+
+Shapes: T tokens, H hidden, E experts, I intermediate size (per tensor-parallel rank), k experts per token,
+M = T * k assignments (assignment m = t * k + j is token t's j-th expert).
+  x [T, H]; w13 [E, 2I, H] (rows: gate then up); w2 [E, H, I]
+  topk_weights float32 [T, k]; topk_ids int32 [T, k]
+
+One layer is
+  route       router logits [T, E] -> softmax (fp32) -> top-k -> optional renormalization    1 launch
+  then, for few assignments (decode; M <= gemv_max_assignments: each picked expert is read once anyway),
+    gemv gate_up + SiLU-and-mul   grid (M, I / BLOCK_N): act[m] = silu(x[t] @ W1[e]^T) * (x[t] @ W3[e]^T)
+    gemv down                     grid (M, H / BLOCK_N): y[m] = w[m] * (act[m] @ W2[e]^T)
+  or, for more (prefill, large batches: experts shared by many tokens),
+    align       assignments sorted by expert, each expert's run padded to BLOCK_M       2 launches
+    grouped gate_up + SiLU-and-mul   one launch over all experts' row blocks (tl.dot)
+    grouped down + routing weight    one launch over all experts' row blocks
+  and finally out[t] = sum_j y[t * k + j] (torch sum over [T, k, H]).
+
+Everything is device-side with sizes fixed by T: the sorted-id buffer is allocated at its worst case
+(M + E * (BLOCK_M - 1)), grids cover it, and programs whose row block lies past the padded total (read from
+device memory) exit at once. No host sync, no data-dependent shape: a CUDA graph captures the whole layer.
+
+Numerics (both paths, and `fused_moe_ref`): products summed in fp32; gate and up rounded to the activation dtype,
+silu(gate) rounded, times up rounded (as `silu_and_mul` after a linear layer); the down product times the routing
+weight in fp32, rounded once per assignment; the k rows summed in fp32 and rounded once.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+
+
+# ------------------------------------------------------------------------------------------------ routing
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, E_PAD)
+    ok = experts < E
+    x = tl.load(logits_ptr + t * stride_t + experts, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(ok, p, -1.0)  # below every probability: never picked
+    slots = tl.arange(0, K_PAD)
+    vals = tl.zeros([K_PAD], dtype=tl.float32)
+    idxs = tl.zeros([K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):  # descending, as torch.topk; the lowest index among equal values
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, experts, E_PAD), axis=0)
+        idx = tl.minimum(idx, E - 1)  # non-finite logits match nothing: never index past the experts
+        vals = tl.where(slots == j, best, vals)
+        idxs = tl.where(slots == j, idx, idxs)
+        p = tl.where(experts == idx, -1.0, p)
+    if RENORMALIZE:
+        vals = vals / tl.sum(vals, axis=0)  # slots >= TOP_K hold 0
+    keep = slots < TOP_K
+    tl.store(weights_ptr + t * TOP_K + slots, vals, mask=keep)
+    tl.store(ids_ptr + t * TOP_K + slots, idxs, mask=keep)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (any float dtype) -> (topk_weights float32 [T, k], topk_ids int32 [T, k])."""
+    num_tokens, num_experts = router_logits.shape
+    assert 1 <= top_k <= num_experts, (top_k, num_experts)
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            router_logits, weights, ids, router_logits.stride(0), num_experts, TOP_K=top_k,
+            K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=max(2, triton.next_power_of_2(num_experts)),
+            RENORMALIZE=renormalize, num_warps=1 if num_experts <= 64 else 2, **pdl_launch_args(weights.device))
+    return weights, ids
+
+
+def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' routers (Mixtral, Qwen2/3-MoE): softmax in fp32, top-k, optional renormalization."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+# ------------------------------------------------------------------------------ sort by expert + align
+
+@triton.jit(do_not_specialize=["M"])
+def _align_count_kernel(ids_ptr, counts_ptr, M, ROWS: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    """counts[p, e] = how many of program p's ROWS assignments go to expert e."""
+    wait_prior_kernel(USE_PDL)
+    p = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for s in range(0, ROWS, SUB):
+        offs = p * ROWS + s + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < M, other=E_PAD)  # E_PAD matches no expert
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + p * E_PAD + experts, counts)
+
+
+@triton.jit(do_not_specialize=["M", "P"])
+def _align_place_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, M, E, P,
+                        BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr, P_SUB: tl.constexpr,
+                        E_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """Each program places its own assignments; program 0 also writes the padding, block owners and total.
+
+    Expert e's run starts at pad_start[e] (the padded sizes of the experts before it); an assignment's place in
+    the run is the number of earlier assignments (in index order) to the same expert: a stable sort."""
+    wait_prior_kernel(USE_PDL)
+    p = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    before = tl.zeros([E_PAD], dtype=tl.int32)  # this expert's assignments in programs before p
+    for q0 in range(0, P, P_SUB):
+        qs = q0 + tl.arange(0, P_SUB)
+        c = tl.load(counts_ptr + qs[:, None] * E_PAD + experts[None, :], mask=(qs < P)[:, None], other=0)
+        total += tl.sum(c, axis=0)
+        before += tl.sum(tl.where((qs < p)[:, None], c, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    running = pad_start + before
+    for s in range(0, ROWS, SUB):
+        offs = p * ROWS + s + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < M, other=E_PAD)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [SUB, E_PAD]
+        earlier = tl.cumsum(onehot, axis=0) - onehot  # same-expert assignments before this one in the piece
+        dest = tl.sum(onehot * (earlier + running[None, :]), axis=1)
+        tl.store(sorted_ptr + dest, offs, mask=offs < M)
+        running += tl.sum(onehot, axis=0)
+    if p == 0:
+        num_post = tl.sum(padded, axis=0)
+        tl.store(num_post_ptr, num_post)
+        # The padding slots of every run hold M (no assignment); they are disjoint from the slots placed above.
+        lanes = tl.arange(0, BLOCK_M)
+        pad_pos = (pad_start + total)[:, None] + lanes[None, :]
+        tl.store(sorted_ptr + pad_pos, M, mask=lanes[None, :] < (padded - total)[:, None])
+        # Block b belongs to the expert whose run covers it: the number of runs that end at or before it.
+        ends = tl.where(experts < E, pad_end // BLOCK_M, 1 << 30)
+        num_blocks = num_post // BLOCK_M
+        for b0 in range(0, num_blocks, SUB):
+            blocks = b0 + tl.arange(0, SUB)
+            owner = tl.sum((ends[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+            tl.store(expert_ids_ptr + blocks, owner, mask=blocks < num_blocks)
+
+
+def max_padded_rows(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """The sorted-id buffer's worst case: every expert's run rounded up to a block."""
+    return num_assignments + num_experts * (block_m - 1)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Assignments grouped by expert, each expert's run padded to a multiple of `block_m`.
+
+    -> sorted_ids int32 [max_padded_rows] (assignment indices, M in padding slots; entries past num_post are
+       unset), expert_ids int32 [max_padded_rows / block_m] (the expert of each row block; unset past num_post),
+       num_post int32 [1] (the padded total, on the device)."""
+    flat = topk_ids.reshape(-1)
+    if flat.dtype != torch.int32 or not flat.is_contiguous():
+        flat = flat.to(torch.int32).contiguous()
+    m = flat.numel()
+    rows = max_padded_rows(m, num_experts, block_m)
+    dev = flat.device
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(triton.cdiv(rows, block_m), dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pad = max(2, triton.next_power_of_2(num_experts))
+    sub = max(16, min(1024, 8192 // e_pad))  # one [SUB, E_PAD] one-hot piece in registers
+    per_program = max(sub, triton.next_power_of_2(triton.cdiv(max(m, 1), 128)))  # at most ~128 programs
+    programs = max(1, triton.cdiv(m, per_program))
+    counts = torch.empty((programs, e_pad), dtype=torch.int32, device=dev)
+    launch = pdl_launch_args(dev)
+    _align_count_kernel[(programs,)](flat, counts, m, ROWS=per_program, SUB=sub, E_PAD=e_pad, num_warps=4,
+                                     **launch)
+    _align_place_kernel[(programs,)](flat, counts, sorted_ids, expert_ids, num_post, m, num_experts, programs,
+                                     BLOCK_M=block_m, ROWS=per_program, SUB=sub,
+                                     P_SUB=max(1, min(1024, 8192 // e_pad)), E_PAD=e_pad, num_warps=4, **launch)
+    return sorted_ids, expert_ids, num_post
+
+
+def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """-> (sorted_ids [num_post], expert_ids [num_post / block_m], num_post): a stable sort by expert, padded."""
+    flat = topk_ids.reshape(-1).long()
+    m = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    order = torch.sort(flat, stable=True).indices
+    num_post = int(padded.sum())
+    sorted_ids = torch.full((num_post,), m, dtype=torch.int32)
+    expert_ids = torch.empty(num_post // block_m, dtype=torch.int32)
+    done = 0
+    for e in range(num_experts):
+        c = int(counts[e])
+        s = int(starts[e])
+        sorted_ids[s:s + c] = order[done:done + c].to(torch.int32)
+        expert_ids[s // block_m:(s + int(padded[e])) // block_m] = e
+        done += c
+    return sorted_ids, expert_ids, num_post
+
+
+# ------------------------------------------------------------------------------- few assignments: GEMV
+
+@triton.jit(do_not_specialize=["TOP_K"])
+def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K,
+                         stride_xm, stride_we, stride_wn, stride_om,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)
+    m = tl.program_id(0)
+    token = (m // TOP_K).to(tl.int64)
+    expert = tl.load(ids_ptr + m).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    x_ptrs = x_ptr + token * stride_xm + cols
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        col_ok = cols < K - k0
+        x = tl.load(x_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        w_mask = row_ok[:, None] & col_ok[None, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        acc_g += g.to(tl.float32) * x[None, :]
+        acc_u += u.to(tl.float32) * x[None, :]
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    gate = tl.sum(acc_g, axis=1).to(out_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    y = act * tl.sum(acc_u, axis=1).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ty), mask=row_ok)
+
+
+@triton.jit
+def _gemv_down_kernel(a_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, N, K,
+                      stride_am, stride_we, stride_wn, stride_om,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)
+    m = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + m).to(tl.int64)
+    weight = tl.load(topk_w_ptr + m)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    a_ptrs = a_ptr + m * stride_am + cols
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        col_ok = cols < K - k0
+        a = tl.load(a_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * a[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1) * weight
+    tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _gemv_blocks(rows_per_program_target: int, num_assignments: int, n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): ~8k weight elements per program step, and enough programs to cover the SMs
+    (at batch 1 only k experts' rows are in flight)."""
+    block_k = min(512, max(16, triton.next_power_of_2(k)))
+    block_n = max(4, min(rows_per_program_target, 8192 // block_k))
+    while block_n > 4 and num_assignments * triton.cdiv(n, block_n) < 1024:
+        block_n //= 2
+    return block_n, block_k
+
+
+# -------------------------------------------------------------------- many assignments: grouped GEMM
+
+@triton.jit
+def _block_coords(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped program order: GROUP_M row blocks share each column tile while it is in L2."""
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["M", "TOP_K", "num_pid_m"])
+def _grouped_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                            M, N, K, TOP_K, num_pid_m,
+                            stride_xm, stride_we, stride_wn, stride_om,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)
+    pid_m, pid_n = _block_coords(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # assignment ids, M = padding
+    row_ok = rows < M
+    tokens = (rows // TOP_K).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    gate = acc_g.to(out_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    y = act * acc_u.to(out_ty).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :], y.to(out_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "num_pid_m"])
+def _grouped_down_kernel(a_ptr, w_ptr, topk_w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                         M, N, K, num_pid_m,
+                         stride_am, stride_we, stride_wn, stride_om,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)
+    pid_m, pid_n = _block_coords(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(topk_w_ptr + rows64, mask=row_ok, other=0.0)
+    y = acc * weight[:, None]
+    tl.store(out_ptr + rows64[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+def grouped_config(num_assignments: int, num_experts: int, dtype: torch.dtype) -> dict:
+    """Tile sizes by how many rows an expert gets on average (GATE_BLOCK_N: the gate_up kernel holds two
+    accumulators, gate and up)."""
+    per_expert = num_assignments / num_experts
+    if dtype == torch.float32:  # fp32 (tests, references): FMA dots, smaller tiles
+        return dict(BLOCK_M=16 if per_expert <= 16 else 32, BLOCK_N=64, GATE_BLOCK_N=32, BLOCK_K=32, GROUP_M=8,
+                    num_warps=4, num_stages=2)
+    if per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, GATE_BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    if per_expert <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, GATE_BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, GATE_BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+# ------------------------------------------------------------------------------------------ the layer op
+
+def gemv_max_assignments(num_experts: int, top_k: int) -> int:
+    """Up to this many assignments the per-assignment GEMV path runs (few tokens, experts rarely shared)."""
+    return max(top_k, num_experts // 8)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, path: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights fp32 [T, k], topk_ids int32 [T, k] -> [T, H].
+
+    path: "gemv" | "grouped" | None (by the assignment count); config: grouped tile sizes (benchmarks sweep it)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, k_w = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    assert k_w == hidden and w2.shape == (num_experts, hidden, inter), (x.shape, w13.shape, w2.shape)
+    assert w13.stride(-1) == 1 and w2.stride(-1) == 1
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    topk_ids = topk_ids.to(torch.int32).contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+    m = num_tokens * top_k
+    act = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_tokens, top_k, hidden), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.sum(dim=1)
+    launch = pdl_launch_args(x.device)
+    if path is None:
+        path = "gemv" if m <= gemv_max_assignments(num_experts, top_k) else "grouped"
+    if path == "gemv":
+        block_n, block_k = _gemv_blocks(16, m, inter, hidden)
+        _gemv_gate_up_kernel[(m, triton.cdiv(inter, block_n))](
+            x, w13, topk_ids, act, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **launch)
+        block_n, block_k = _gemv_blocks(16, m, hidden, inter)
+        _gemv_down_kernel[(m, triton.cdiv(hidden, block_n))](
+            act, w2, topk_ids, topk_weights, y, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), hidden,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **launch)
+        return y.sum(dim=1)
+    if path != "grouped":
+        raise ValueError(f"fused_moe path must be 'gemv', 'grouped' or None, got {path!r}")
+    cfg = dict(grouped_config(m, num_experts, x.dtype), **(config or {}))
+    block_m = cfg["BLOCK_M"]
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, block_m)
+    num_pid_m = expert_ids.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    common = dict(BLOCK_M=block_m, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], DOT_PRECISION=precision,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
+    gate_bn = cfg["GATE_BLOCK_N"]
+    _grouped_gate_up_kernel[(num_pid_m * triton.cdiv(inter, gate_bn),)](
+        x, w13, act, sorted_ids, expert_ids, num_post, m, inter, hidden, top_k, num_pid_m,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), BLOCK_N=gate_bn, **common)
+    down_bn = cfg["BLOCK_N"]
+    _grouped_down_kernel[(num_pid_m * triton.cdiv(hidden, down_bn),)](
+        act, w2, topk_weights, y, sorted_ids, expert_ids, num_post, m, hidden, inter, num_pid_m,
+        act.stride(0), w2.stride(0), w2.stride(1), hidden, BLOCK_N=down_bn, **common)
+    return y.sum(dim=1)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The plain statement (one expert at a time, fp32 products, the kernels' rounding points)."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    dt = x.dtype
+    y = torch.zeros(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        gu = x[tok].float() @ w13[e].float().t()
+        gate, up = gu[:, :inter].to(dt).float(), gu[:, inter:].to(dt).float()
+        act = (torch.nn.functional.silu(gate).to(dt).float() * up).to(dt).float()
+        out = (act @ w2[e].float().t()) * topk_weights[tok, slot].float()[:, None]
+        y[tok, slot] = out.to(dt).float()
+    return y.sum(dim=1).to(dt)

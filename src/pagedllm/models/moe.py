@@ -1,0 +1,157 @@
+"""What the mixture-of-experts families share: the sparse block (router + experts + optional shared expert), a
+decoder layer whose MLP is that block (or a dense MLP where the config says), and the loading of per-expert or
+stacked checkpoint tensors into the experts' stacked parameters.
+
+A family (models/mixtral.py, qwen2_moe.py, qwen3_moe.py) picks its attention class and says, per layer, what
+its MLP is (`MoEDecoderLayer.moe_spec`); the rest (embedding, rope, norms, LM head, pipeline stages, the KV
+cache binding) is the Llama stack.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.pipeline import stage_weights
+from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pagedllm.models.weight_utils import load_weights_into
+
+# model.layers.3.mlp.experts.7.w1.weight (hub Mixtral), ...experts.7.gate_proj.weight (hub Qwen)
+_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj|"
+                         r"gate_up_proj)\.weight$")
+# ...experts.gate_up_proj / ...experts.down_proj (transformers 5), ...experts.gate_proj.weight (GGUF, stacked)
+_STACKED = re.compile(r"^(?P<module>.+\.experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
+_SHARD_OF = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down",
+             "gate_up_proj": "gate_up"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """One layer's sparse MLP, read from the config by the family."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # divide the top-k probabilities by their sum
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
+
+
+def layer_index(prefix: str) -> int:
+    """`model.layers.7` -> 7 (LlamaModel names every layer so)."""
+    return int(prefix.rsplit(".", 1)[-1])
+
+
+def expert_target(name: str) -> Optional[tuple[str, str, Optional[int]]]:
+    """(experts module name, shard, expert id or None for stacked) of a checkpoint tensor name, else None."""
+    match = _PER_EXPERT.match(name)
+    if match is not None:
+        return match["module"], _SHARD_OF[match["proj"]], int(match["expert"])
+    match = _STACKED.match(name)
+    if match is not None:
+        return match["module"], _SHARD_OF[match["proj"]], None
+    return None
+
+
+class SparseMoeBlock(nn.Module):
+    """x -> sum over the top-k experts of p_e * expert_e(x) (+ sigmoid(g . x) * shared_expert(x))."""
+
+    def __init__(self, config: Any, spec: MoESpec, prefix: str, quant_config: Any = None) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.gate = ReplicatedLinear(hidden, spec.num_experts, bias=False, prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(spec.num_experts, spec.top_k, hidden, spec.intermediate_size, spec.renormalize,
+                                prefix=f"{prefix}.experts")
+        self.shared_expert: Optional[LlamaMLP] = None
+        self.shared_expert_gate: Optional[ReplicatedLinear] = None
+        if spec.shared_expert_intermediate_size:
+            shared = types.SimpleNamespace(hidden_size=hidden, hidden_act=config.hidden_act, mlp_bias=False,
+                                           intermediate_size=spec.shared_expert_intermediate_size)
+            self.shared_expert = LlamaMLP(shared, prefix=f"{prefix}.shared_expert", quant_config=quant_config)
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, hidden] -> [T, hidden]; router logits [T, E] in the model dtype (as transformers)
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """The Llama layer (same forward: fused residual norms) with `moe_spec`'s MLP."""
+
+    attention_cls: type = LlamaAttention
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
+                 ) -> None:
+        nn.Module.__init__(self)  # not LlamaDecoderLayer.__init__: it would build a dense MLP first
+        self.self_attn = self.attention_cls(config, rotary_emb, prefix=f"{prefix}.self_attn",
+                                            quant_config=quant_config)
+        spec = self.moe_spec(config, layer_index(prefix))
+        self.mlp = (SparseMoeBlock(config, spec, f"{prefix}.mlp", quant_config) if spec is not None else
+                    LlamaMLP(config, prefix=f"{prefix}.mlp", quant_config=quant_config))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    @classmethod
+    def moe_spec(cls, config: Any, index: int) -> Optional[MoESpec]:
+        """Layer `index`'s sparse MLP, or None for a dense one (config.intermediate_size)."""
+        raise NotImplementedError
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Loads experts from per-expert or stacked checkpoint tensors; everything else as Llama."""
+
+    layer_cls: type = MoEDecoderLayer
+    # (old, new) substrings of checkpoint names, applied first (Mixtral's hub `block_sparse_moe` -> `mlp`)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
+        if quant_config is not None and not getattr(quant_config, "online", False):
+            raise ValueError(f"{type(self).__name__}: quantized mixture-of-experts checkpoints "
+                             f"({quant_config.name}) are not supported yet; use the float checkpoint (online "
+                             f"--quantization fp8/int8 quantizes the attention layers, the experts stay in "
+                             f"--dtype).")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{type(self).__name__}: experts with hidden_act={act!r} are not supported; the fused "
+                             f"MoE layer implements SiLU experts.")
+        super().__init__(hf_config, dtype, quant_config)
+
+    def expert_modules(self) -> dict[str, FusedMoE]:
+        return {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        experts = self.expert_modules()
+
+        def non_expert(stream: Iterable[tuple[str, torch.Tensor]]):
+            for name, tensor in stream:
+                for old, new in self.checkpoint_renames:
+                    name = name.replace(old, new)
+                target = expert_target(name)
+                module = experts.get(target[0]) if target is not None else None
+                if module is None:
+                    yield name, tensor
+                    continue
+                _, shard, expert_id = target
+                param = module.down_proj if shard == "down" else module.gate_up_proj
+                try:
+                    module.weight_loader(param, tensor, shard, expert_id)
+                except ValueError as e:
+                    raise ValueError(f"Cannot load checkpoint weight {name!r}: {e}.") from None
+
+        expert_params = {f"{name}.{p}" for name in experts for p in ("gate_up_proj", "down_proj")}
+        loaded = load_weights_into(self, non_expert(stage_weights(self, weights)), self.stacked_params_mapping,
+                                   skip=self.skip_weight, loaded_elsewhere=expert_params)
+        missing = [f"{name} {shard}" for name, module in experts.items() for shard in module.missing_shards()]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
+            raise ValueError(f"The checkpoint is missing {len(missing)} expert weight(s) the model needs: {shown}.")
+        return loaded | expert_params
