@@ -17,11 +17,18 @@ class Attention(nn.Module):
 
     The model runner binds `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_size]) after
     allocating the pool; until then (memory profiling) attention runs on the batch alone.
+
+    `sliding_window` (None: full attention) has transformers' meaning: a query at position p sees the keys at
+    positions p - sliding_window < k <= p, i.e. the last `sliding_window` tokens including itself.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", sliding_window: Optional[int] = None) -> None:
         super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"{prefix or 'Attention'}: sliding_window must be a positive integer or None, got "
+                             f"{sliding_window!r}.")
+        self.sliding_window = sliding_window
         self.num_heads = num_heads  # heads on this tensor-parallel rank
         self.head_size = head_size
         self.scale = scale

@@ -7,6 +7,7 @@ Qwen2 and Qwen3 reuse these classes, overriding only what differs (qkv bias, per
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -28,6 +29,29 @@ logger = logging.getLogger(__name__)
 
 def get_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_index(prefix: str) -> int:
+    """The decoder layer number in a module prefix such as "model.layers.3.self_attn"."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", prefix)
+    if match is None:
+        raise ValueError(f"No layer index in the module prefix {prefix!r}.")
+    return int(match.group(1))
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
+    """The attention window of decoder layer `layer_idx` as transformers applies it (None: full attention).
+
+    `layer_types` (Qwen2/Qwen3 build it from use_sliding_window + max_window_layers; Gemma, Ministral, ...) picks
+    the layers whose type is "sliding_attention". Mistral's model ignores `layer_types` and applies the window to
+    every layer. `use_sliding_window: false` turns the window off."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and getattr(config, "model_type", None) != "mistral":
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    return int(window)
 
 
 class LlamaMLP(nn.Module):
@@ -69,7 +93,8 @@ class LlamaAttention(nn.Module):
                                         prefix=f"{prefix}.o_proj", quant_config=quant_config)
         self.rotary_emb = rotary_emb  # shared by all layers (one cos/sin cache per model)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
-                              prefix=f"{prefix}.attn")
+                              prefix=f"{prefix}.attn",
+                              sliding_window=layer_sliding_window(config, layer_index(prefix)))
 
     @staticmethod
     def projection_biases(config: Any) -> tuple[bool, bool]:
