@@ -59,9 +59,10 @@ class Attention(nn.Module):
             k_scale, v_scale = self.kv_scales[0], self.kv_scales[1]
             # softmax(scale q . (k_scale k8)) = softmax(scale (k_scale q) . k8); sum p (v_scale v8) = v_scale sum p v8
             out = ctx.attn_backend.forward(q * k_scale, k / k_scale, v / v_scale, self.kv_cache, ctx.attn_metadata,
-                                           self.scale) * v_scale
+                                           self.scale, sliding_window=self.sliding_window) * v_scale
         else:
-            out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
+            out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale,
+                                           sliding_window=self.sliding_window)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def set_kv_scale(self, which: str, value: float) -> None:
@@ -85,7 +86,8 @@ class Attention(nn.Module):
         if fp8 and self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
             return None  # the calibration step takes the unfused path, where K is seen after rope
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
-                       *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None)
+                       *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None,
+                       sliding_window=self.sliding_window)
         out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache, ctx.attn_metadata, spec)
         if out is None:
             return None
@@ -93,9 +95,24 @@ class Attention(nn.Module):
         return out * self.kv_scales[1] if fp8 else out
 
     def _no_cache_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Treat the whole input as one causal sequence (used for profiling runs only)."""
+        """Treat the whole input as one causal sequence (profiling runs, and model tests without an engine)."""
         # [1, heads, tokens, head_size]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        gqa = self.num_heads != self.num_kv_heads
+        window, num_tokens = self.sliding_window, q.shape[0]
+        if window is None or window >= num_tokens:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            return out.squeeze(0).transpose(0, 1)
+        # Queries in chunks, each over its keys only, so no [tokens, tokens] mask is ever built.
+        out = torch.empty_like(qh)
+        chunk = max(window, 256)
+        for start in range(0, num_tokens, chunk):
+            end = min(start + chunk, num_tokens)
+            key_start = max(0, start - window + 1)
+            qpos = torch.arange(start, end, device=q.device)[:, None]
+            kpos = torch.arange(key_start, end, device=q.device)[None, :]
+            mask = (kpos <= qpos) & (kpos > qpos - window)
+            out[:, :, start:end] = F.scaled_dot_product_attention(
+                qh[:, :, start:end], kh[:, :, key_start:end], vh[:, :, key_start:end], attn_mask=mask,
+                scale=self.scale, enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)

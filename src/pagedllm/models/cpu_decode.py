@@ -147,6 +147,7 @@ class DecodeStack:
             if has_qk_norm:
                 q_w, k_w, qk_eps = attn.qk_norm()
                 weights += [q_w, k_w]
+            layout.append(attn.attn.sliding_window or 0)  # the layer's window, ahead of its projections
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 method = proj.linear_method
                 parts, types = method.parts(proj), proj.__dict__["_gguf_types"]

@@ -7,7 +7,8 @@
 //
 // Arguments (built once per model by models/cpu_decode.py):
 //   layout: [num_layers, num_heads, num_kv_heads, head_dim, hidden, intermediate, has_qk_norm], then per layer
-//           and per projection (qkv, o, gate_up, down): [num_parts, has_bias, type_0 .. type_{n-1}]
+//           its sliding window (0: none) and per projection (qkv, o, gate_up, down):
+//           [num_parts, has_bias, type_0 .. type_{n-1}]
 //   floats: per layer [input_norm_eps, post_norm_eps, qk_norm_eps, attention_scale], then the final norm eps
 //   weights: per layer [input_norm, post_norm, k_cache, v_cache, (q_norm, k_norm)], then per projection its
 //           packed parts and its bias if any; at the end the final norm's weight.
@@ -28,7 +29,7 @@ void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
                  const at::Tensor& slot_mapping, int64_t num_tokens);
 void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                        const at::Tensor& seq_lens, double scale);
+                        const at::Tensor& seq_lens, double scale, int64_t window);
 void gguf_linear_op(at::Tensor& out, const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
                     const c10::optional<at::Tensor>& bias);
 }  // namespace pagedllm_export
@@ -98,6 +99,7 @@ void decode_stack(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& p
   Cursor cur{weights, layout, 0, 7};
   for (int64_t i = 0; i < num_layers; ++i) {
     const double* f = floats.data() + 4 * i;
+    const int64_t window = cur.next_int();
     const at::Tensor& in_norm = cur.next_tensor();
     const at::Tensor& post_norm = cur.next_tensor();
     at::Tensor k_cache = cur.next_tensor(), v_cache = cur.next_tensor();
@@ -112,7 +114,7 @@ void decode_stack(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& p
     }
     rotary_neox_op(positions, q3, k3, cos_sin_cache);
     write_kv_op(k3, v3, k_cache, v_cache, slot_mapping, num_actual_tokens);
-    paged_attention_op(attn3, q3, k_cache, v_cache, block_table, query_start_loc, seq_lens, f[3]);
+    paged_attention_op(attn3, q3, k_cache, v_cache, block_table, query_start_loc, seq_lens, f[3], window);
     projection(cur, h, attn);
     add_rms_norm_op(xn, res, h, res, post_norm, f[1]);
     projection(cur, gu, xn);
