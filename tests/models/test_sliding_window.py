@@ -19,6 +19,8 @@ def test_layer_windows_follow_transformers_configs():
 
     assert _layer_windows(MistralConfig(num_hidden_layers=3, sliding_window=16)) == [16, 16, 16]
     assert _layer_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [None, None]
+    from transformers import LlamaConfig
+    assert _layer_windows(LlamaConfig(num_hidden_layers=2, sliding_window=16)) == [None, None]  # HF Llama has none
     # Qwen2/Qwen3: sliding layers are those from max_window_layers on, only with use_sliding_window
     assert _layer_windows(Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=8,
                                       max_window_layers=2)) == [None, None, 8, 8]

@@ -32,7 +32,8 @@ def dense_attention(q, k, v, scale, window):
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
 
-def _window_batch(backend, reqs, window, heads, kv_heads, head_size, block_size, dtype, seed, stale="nan"):
+def _window_batch(backend, reqs, window, heads, kv_heads, head_size, block_size, dtype, seed, stale="nan",
+                  cache_dtype=None):
     """Write each request's context through `backend` (step 1), make the table entries of blocks before each
     row's window stale, then attend the last query_len tokens (step 2). Returns (output, dense reference)."""
     g = torch.Generator().manual_seed(seed)
@@ -45,12 +46,14 @@ def _window_batch(backend, reqs, window, heads, kv_heads, head_size, block_size,
     for i, n in enumerate(blocks_of):
         table[i, :n] = perm[used:used + n].int()
         used += n
-    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_size, dtype=dtype)
+    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_size, dtype=cache_dtype or dtype)
     kv_cache[:, poison] = float("nan")
     total = sum(s for _, s in reqs)
     keys = torch.randn(total, kv_heads, head_size, generator=g).to(dtype)
     values = torch.randn(total, kv_heads, head_size, generator=g).to(dtype)
     query = torch.randn(total, heads, head_size, generator=g).to(dtype)
+    # what the cache holds (an FP8 cache rounds K/V to E4M3)
+    cached_k, cached_v = (t if cache_dtype is None else t.to(cache_dtype).to(dtype) for t in (keys, values))
     starts = [sum(s for _, s in reqs[:i]) for i in range(len(reqs))]
     scale = head_size ** -0.5
     out = None
@@ -84,7 +87,7 @@ def _window_batch(backend, reqs, window, heads, kv_heads, head_size, block_size,
             for i in keep:
                 q_len, seq_len = reqs[i]
                 ctx = slice(starts[i], starts[i] + seq_len)
-                refs.append(dense_attention(query[ctx][-q_len:], keys[ctx], values[ctx], scale, window))
+                refs.append(dense_attention(query[ctx][-q_len:], cached_k[ctx], cached_v[ctx], scale, window))
             return out, torch.cat(refs).to(dtype)
     raise AssertionError("no query tokens")
 
@@ -170,3 +173,10 @@ def test_kernel_reference_matches_dense():
     for window in (1, 16, 37):
         out, ref = _window_batch(RefBackend(), REQS, window, 4, 2, 32, 16, torch.float32, window)
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_windowed_fp8_cache_on_the_torch_backend():
+    """An FP8 KV cache (on a CPU the torch backend's): the window over the E4M3 values the cache holds."""
+    out, ref = _window_batch(TorchAttentionBackend(), REQS, 16, 4, 2, 32, 16, torch.float32, 4,
+                             cache_dtype=torch.float8_e4m3fn)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])

@@ -160,16 +160,26 @@ class TorchAttentionBackend(AttentionBackend):
     supports_fp8_kv = True
 
     def __init__(self) -> None:
-        self._plan_key = None
-        self._plan = None
+        # metadata id -> (metadata, plan): the step's metadata and its KV groups' (attention/backend.py); the
+        # metadata is kept so its id is not reused while cached.
+        self._plans: dict[int, tuple[AttentionMetadata, _StepPlan]] = {}
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        self._plans.clear()
+
+    def _plan_for(self, metadata: AttentionMetadata, block_size: int) -> _StepPlan:
+        found = self._plans.get(id(metadata))
+        if found is None or found[0] is not metadata:
+            if len(self._plans) >= 16:  # callers that never call prepare (tests): keep the cache small
+                self._plans.clear()
+            found = self._plans[id(metadata)] = (metadata, _StepPlan(metadata, block_size))
+        return found[1]
 
     def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None):
         num_tokens = metadata.num_actual_tokens
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, num_tokens)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if self._plan_key is not metadata:
-            self._plan_key, self._plan = metadata, _StepPlan(metadata, key_cache.shape[1])
-        decode, prefills = self._plan.layout(sliding_window)
+        decode, prefills = self._plan_for(metadata, key_cache.shape[1]).layout(sliding_window)
         out = torch.empty_like(query)
         if num_tokens < query.shape[0]:
             out[num_tokens:].zero_()

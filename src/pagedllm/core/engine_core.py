@@ -80,6 +80,7 @@ class EngineCore:
             num_speculative_tokens=w.num_speculative_tokens,
             spec_disable_batch_size=w.spec_disable_batch_size,
             max_loras=engine_args.max_loras if engine_args.enable_lora else None,
+            kv_group_windows=getattr(w, "kv_group_windows", (None,)),
         )
         self.loras = EngineLoRAs(w.lora_manager, self.scheduler)
         from pagedllm import envs
@@ -130,10 +131,10 @@ class EngineCore:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
                 f"{num_prompt} tokens, which leaves no room for any output. Please shorten the prompt.")
-        if num_prompt > self.scheduler.num_pool_tokens:
+        if num_prompt > self.scheduler.max_request_tokens:
             raise ValueError(
-                f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.num_pool_tokens} "
-                "tokens in total; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
+                f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.max_request_tokens} "
+                "tokens of one request; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
         self.loras.check_request(req.lora_id)
         params = req.sampling_params
         check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)

@@ -29,6 +29,8 @@ class Attention(nn.Module):
             raise ValueError(f"{prefix or 'Attention'}: sliding_window must be a positive integer or None, got "
                              f"{sliding_window!r}.")
         self.sliding_window = sliding_window
+        # The KV-cache group whose block table this layer reads (core/kv_cache_groups.py; set by the runner).
+        self.kv_group = 0
         self.num_heads = num_heads  # heads on this tensor-parallel rank
         self.head_size = head_size
         self.scale = scale
@@ -52,17 +54,18 @@ class Attention(nn.Module):
         if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             out = self._no_cache_attention(q, k, v)
         elif self.kv_cache.dtype == torch.float8_e4m3fn and self.kv_scale_source is not None:
+            md = ctx.attn_metadata.for_group(self.kv_group)
             if self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
-                real = ctx.attn_metadata.num_actual_tokens
+                real = md.num_actual_tokens
                 self.kv_scales.copy_(calibrated_scales(k[:real], v[:real]))
                 self.kv_scale_source = "calibrated"
             k_scale, v_scale = self.kv_scales[0], self.kv_scales[1]
             # softmax(scale q . (k_scale k8)) = softmax(scale (k_scale q) . k8); sum p (v_scale v8) = v_scale sum p v8
-            out = ctx.attn_backend.forward(q * k_scale, k / k_scale, v / v_scale, self.kv_cache, ctx.attn_metadata,
+            out = ctx.attn_backend.forward(q * k_scale, k / k_scale, v / v_scale, self.kv_cache, md,
                                            self.scale, sliding_window=self.sliding_window) * v_scale
         else:
-            out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale,
-                                           sliding_window=self.sliding_window)
+            out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata.for_group(self.kv_group),
+                                           self.scale, sliding_window=self.sliding_window)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def set_kv_scale(self, which: str, value: float) -> None:
@@ -88,7 +91,8 @@ class Attention(nn.Module):
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
                        *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None,
                        sliding_window=self.sliding_window)
-        out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache, ctx.attn_metadata, spec)
+        out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache,
+                                           ctx.attn_metadata.for_group(self.kv_group), spec)
         if out is None:
             return None
         out = out.reshape(qkv.shape[0], self.num_heads * self.head_size)

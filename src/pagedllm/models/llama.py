@@ -44,9 +44,12 @@ def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
 
     `layer_types` (Qwen2/Qwen3 build it from use_sliding_window + max_window_layers; Gemma, Ministral, ...) picks
     the layers whose type is "sliding_attention". Mistral's model ignores `layer_types` and applies the window to
-    every layer. `use_sliding_window: false` turns the window off."""
+    every layer; Llama's has no window (a stray `sliding_window` in its config.json is ignored).
+    `use_sliding_window: false` turns the window off."""
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    if getattr(config, "model_type", None) == "llama":
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and getattr(config, "model_type", None) != "mistral":
@@ -231,13 +234,12 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
-        """Warn about config features the engine does not implement."""
-        window = getattr(hf_config, "sliding_window", None)
-        uses_window = getattr(hf_config, "use_sliding_window", True)
-        if window and uses_window and window < hf_config.max_position_embeddings:
-            logger.warning("%s: sliding_window=%d is ignored (full attention is used); outputs differ from the "
-                           "reference only for sequences longer than %d tokens.",
-                           cls.__name__, window, window)
+        """Refuse config features the engine does not implement (none known here)."""
+
+    def kv_layer_windows(self) -> list[Optional[int]]:
+        """Every decoder layer's sliding window (None: full attention), including layers of other pipeline stages:
+        the KV-cache groups (core/kv_cache_groups.py) are the same on every stage."""
+        return [layer_sliding_window(self.config, i) for i in range(self.config.num_hidden_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[IntermediateTensors] = None) -> Any:

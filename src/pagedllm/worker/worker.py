@@ -13,7 +13,12 @@ import torch
 from pagedllm.config import CPU_OFFLOAD_ON_CPU, EngineArgs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
 from pagedllm.dtypes import DTYPE_ALIASES, torch_dtype
-from pagedllm.worker.kv_cache import available_cpu_memory, cpu_kv_budget, resolve_kv_cache_dtype
+from pagedllm.worker.kv_cache import (
+    available_cpu_memory,
+    cpu_kv_budget,
+    model_kv_cache_groups,
+    resolve_kv_cache_dtype,
+)
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -193,6 +198,9 @@ class Worker:
             self.lora_manager = LoRAManager(self.model, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                                             max_cpu_loras=args.max_cpu_loras,
                                             max_num_tokens=self.max_num_batched_tokens, device=self.device)
+        # Which layers share a block table (sliding windows): the scheduler keeps one block list per group.
+        self.kv_groups = model_kv_cache_groups(self.model, self.max_model_len)
+        self.kv_group_windows = self.kv_groups.windows
         if pipelined:
             from pagedllm.distributed.pipeline import PipelineStage
 
@@ -205,7 +213,8 @@ class Worker:
             max_num_batched_tokens=self.max_num_batched_tokens,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=enforce_eager or pipelined,
-            kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device))
+            kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device),
+            kv_groups=self.kv_groups)
         self.runner.lora = self.lora_manager
         if self.lora_manager is not None:
             self.lora_manager.warm_up(self.max_num_batched_tokens)
