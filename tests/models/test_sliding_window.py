@@ -43,3 +43,37 @@ def test_models_pass_each_layer_its_window(tmp_path):
                                max_window_layers=1)
     model = get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu")
     assert [a.sliding_window for a in model.attn_layers] == [None, 16]
+
+
+def _no_cache_logits(model, ids):
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(ids.shape[0])))
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("mistral", dict(sliding_window=24)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=20, max_window_layers=1, num_hidden_layers=3)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=20, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+])
+def test_logits_match_transformers_past_the_window(tmp_path, arch, overrides):
+    """A prompt 12x the window, no KV cache (the model's own path, queries in chunks over their windows): logits
+    equal transformers' in fp32; with the window removed they do not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = save_swa_model(str(tmp_path), arch, **overrides)
+    ours = get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(3))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf(ids[None], use_cache=False).logits[0]
+    out = _no_cache_logits(ours, ids)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    config = AutoConfig.from_pretrained(model_dir)
+    if arch == "mistral":
+        config.sliding_window = None
+    else:
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+    full = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        assert (full(ids[None], use_cache=False).logits[0] - out).abs().max() > 1e-2

@@ -164,15 +164,16 @@ class TritonAttentionBackend(AttentionBackend):
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         if metadata.max_query_len == 1:
-            num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits,
-                                           metadata.max_seq_len)
+            # A query sees at most its window: split and tile for that (host values, fixed in a captured graph).
+            keys = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
+            num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits, keys)
             workspace = None
             if num_splits > 1:
                 workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device)
             paged_decode_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, scale,
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
-                block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len),
+                block_n=decode_block_n(query.dtype, head_size, num_splits, keys),
                 order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None,
                 sliding_window=sliding_window)
         else:

@@ -111,6 +111,11 @@ class EngineCore:
         self.failure: Optional[Exception] = None
         self.num_steps = 0
         self._step_plans: list = []  # the plans the current step works on (for recovery from a failed step)
+        windows = self.scheduler.kv_cache_manager.group_windows
+        if any(w is not None for w in windows):
+            logger.info("Sliding-window KV cache: %d block table(s) per request, windows %s (blocks before a "
+                        "window are freed).", len(windows), ", ".join("full" if w is None else str(w)
+                                                                      for w in windows))
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens = %d tokens of KV cache "
                     "(%.1fx max_model_len %d).", time.perf_counter() - start, self.num_blocks, self.block_size,
                     self.scheduler.num_pool_tokens, self.scheduler.num_pool_tokens / self.max_model_len,

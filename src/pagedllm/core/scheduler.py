@@ -108,6 +108,7 @@ class Scheduler:
             group_windows=kv_group_windows,
         )
         self._groups = self.kv_cache_manager.num_groups > 1
+        self._max_request_tokens: Optional[int] = None
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last one is preempted first
@@ -140,7 +141,9 @@ class Scheduler:
     @property
     def max_request_tokens(self) -> int:
         """The longest request the pool can hold by itself (sliding-window layers hold only their window)."""
-        return self.kv_cache_manager.max_request_tokens(self.max_num_batched_tokens)
+        if self._max_request_tokens is None:
+            self._max_request_tokens = self.kv_cache_manager.max_request_tokens(self.max_num_batched_tokens)
+        return self._max_request_tokens
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
