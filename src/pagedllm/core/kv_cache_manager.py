@@ -76,6 +76,11 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, BlockList] = self.group_blocks[0]
         # Leading entries of a sliding group's list already freed, per request (where the next freeing starts).
         self.group_freed: list[dict[str, int]] = [{} for _ in self.group_windows]
+        # Several groups: each request's lists in group order (the same list objects as in group_blocks), and the
+        # sliding groups by window (groups of one window free the same entries at the same step).
+        self._req_lists: dict[str, list[BlockList]] = {}
+        self._window_groups = [(w, [g for g in self.sliding_groups if self.group_windows[g] == w])
+                               for w in dict.fromkeys(self.group_windows[g] for g in self.sliding_groups)]
         self.num_cached_blocks: dict[str, int] = {}  # the same for every group: blocks fill up together
         # Cumulative prefix-cache counters, in tokens (what vLLM exports as prefix_cache_queries/hits).
         self.prefix_cache_queries = 0
@@ -250,7 +255,9 @@ class KVCacheManager:
         if self.num_groups > 1:
             return self._allocate_groups(request, num_new_tokens, new_computed_blocks)
         blocks = self.req_to_blocks.get(request.request_id)
-        if blocks is not None and self.sliding_window is not None:
+        window = self.sliding_window
+        if blocks is not None and window is not None and (request.num_computed_tokens - window + 1) // self.block_size \
+                > self.group_freed[0].get(request.request_id, 0):  # a block fell out of the window
             self._free_before_window(0, request.request_id, blocks, request.num_computed_tokens)
         if blocks is not None and not new_computed_blocks:
             # Fast path (most decode steps): the new tokens fit in the blocks the request already holds.
@@ -291,23 +298,27 @@ class KVCacheManager:
                          new_computed_blocks: Sequence[BlockList]) -> Optional[list[list[int]]]:
         """allocate_slots for several groups: the same number of fresh blocks for each, all or nothing."""
         rid = request.request_id
-        lists = [blocks.get(rid) for blocks in self.group_blocks]
-        held = lists[0] is not None
+        lists = self._req_lists.get(rid)
         hits = new_computed_blocks if new_computed_blocks and new_computed_blocks[0] else None
-        if hits is not None and held and lists[0]:
-            raise ValueError("new_computed_blocks is only valid for a request that holds no blocks.")
-        if held:
-            for g in self.sliding_groups:
-                self._free_before_window(g, rid, lists[g], request.num_computed_tokens)
+        bs = self.block_size
+        if lists is not None:
+            if hits is not None and lists[0]:
+                raise ValueError("new_computed_blocks is only valid for a request that holds no blocks.")
+            computed = request.num_computed_tokens
+            for window, groups in self._window_groups:  # what the step's first query no longer sees
+                end = min(len(lists[0]), max(0, computed - window + 1) // bs)
+                if end > self.group_freed[groups[0]].get(rid, 0):
+                    for g in groups:
+                        self._free_before_window(g, rid, lists[g], computed)
         num_hit = len(hits[0]) if hits is not None else 0
-        num_tokens_with_slots = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
-        have = len(lists[0]) if held else num_hit
-        num_new_blocks = max(0, cdiv(num_tokens_with_slots, self.block_size) - have)
-        if num_new_blocks == 0 and held and hits is None:
-            num_known = min(num_tokens_with_slots, len(request.all_token_ids))
-            if self.enable_caching and num_known // self.block_size > self.num_cached_blocks[rid]:
-                self._cache_full_blocks(request, num_known)
-            return [[] for _ in self.group_windows]
+        num_tokens_with_slots = request.num_computed_tokens + num_hit * bs + num_new_tokens
+        have = len(lists[0]) if lists is not None else num_hit
+        num_new_blocks = max(0, -(-num_tokens_with_slots // bs) - have)
+        if num_new_blocks == 0 and lists is not None and hits is None:  # most decode steps
+            if self.enable_caching and min(num_tokens_with_slots, len(request.all_token_ids)) // bs \
+                    > self.num_cached_blocks[rid]:
+                self._cache_full_blocks(request, min(num_tokens_with_slots, len(request.all_token_ids)))
+            return [[]] * self.num_groups  # (one shared empty list: callers only read it)
         num_evictable_hits = 0 if hits is None else sum(
             1 for group in hits for b in group if b is not None and b.ref_cnt == 0)
         if num_new_blocks * self.num_groups + num_evictable_hits > self.block_pool.num_free_blocks:
@@ -316,11 +327,13 @@ class KVCacheManager:
             for group in hits:
                 self.block_pool.touch(b for b in group if b is not None)
         fresh = self.block_pool.allocate(num_new_blocks * self.num_groups)
+        if lists is None:
+            lists = self._req_lists[rid] = []
+            for g, blocks in enumerate(self.group_blocks):
+                lists.append(blocks.setdefault(rid, []))
         out = []
         for g, blocks in enumerate(lists):
             appended = (list(hits[g]) if hits is not None else []) + fresh[g * num_new_blocks:(g + 1) * num_new_blocks]
-            if blocks is None:
-                blocks = self.group_blocks[g][rid] = []
             blocks.extend(appended)
             out.append([NULL_BLOCK_ID if b is None else b.block_id for b in appended])
         if rid not in self.num_cached_blocks:
@@ -393,6 +406,7 @@ class KVCacheManager:
             self.block_pool.free(b for b in reversed(group.pop(rid, [])) if b is not None)
         for freed in self.group_freed:
             freed.pop(rid, None)
+        self._req_lists.pop(rid, None)
         if partial is not None:
             self.partial_blocks.remember(*partial)
 
