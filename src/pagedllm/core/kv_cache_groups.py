@@ -36,6 +36,13 @@ class KVCacheGroups:
         return sorted({self.layer_slot[i] for i in layers})
 
 
+def blocks_needed(group_windows: Sequence[Optional[int]], tokens: int, chunk_tokens: int, block_size: int) -> int:
+    """Block ids one request of `tokens` tokens holds at most, computed at most chunk_tokens at a time: every block
+    in a full group; in a sliding group at most a chunk plus the window (the blocks before are freed)."""
+    n = -(-tokens // block_size)
+    return sum(n if w is None else min(n, -(-(w + chunk_tokens) // block_size) + 1) for w in group_windows)
+
+
 def effective_window(window: Optional[int], max_model_len: int) -> Optional[int]:
     """A window that never hides a key of a max_model_len sequence is full attention for the KV manager."""
     return window if window is not None and window < max_model_len else None

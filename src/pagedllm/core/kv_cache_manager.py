@@ -38,6 +38,7 @@ from typing import Optional, Sequence, Union
 
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_groups import blocks_needed
 from pagedllm.core.partial_blocks import PartialBlockCache
 from pagedllm.core.request import Request
 
@@ -127,18 +128,12 @@ class KVCacheManager:
         every block; a sliding group at most a chunk plus its window (blocks before it are freed), so a pool of
         sliding groups alone may hold any length."""
         bs, num_blocks = self.block_size, self.num_blocks
-        window_blocks = [cdiv(self.group_windows[g] + chunk_tokens, bs) + 1 for g in self.sliding_groups]
-
-        def need(tokens: int) -> int:
-            n = cdiv(tokens, bs)
-            return len(self.full_groups) * n + sum(min(n, w) for w in window_blocks)
-
-        if not self.full_groups and sum(window_blocks) <= num_blocks:
+        if not self.full_groups and blocks_needed(self.group_windows, 1 << 62, chunk_tokens, bs) <= num_blocks:
             return 1 << 62
-        lo, hi = 0, num_blocks * bs  # need(lo) <= num_blocks; the answer is below hi + 1
+        lo, hi = 0, num_blocks * bs  # blocks_needed(lo) <= num_blocks; the answer is below hi + 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if need(mid) <= num_blocks:
+            if blocks_needed(self.group_windows, mid, chunk_tokens, bs) <= num_blocks:
                 lo = mid
             else:
                 hi = mid - 1

@@ -59,7 +59,9 @@ def model_kv_cache_groups(model: Any, max_model_len: int) -> KVCacheGroups:
         index = attn_layer_index(layer, i)
         if index >= len(windows) or windows[index] != layer.sliding_window:
             raise ValueError(f"{layer.prefix}: its sliding window ({layer.sliding_window}) differs from the "
-                             f"model's kv_layer_windows() ({windows[index] if index < len(windows) else 'none'}).")
+                             f"model's ({windows[index] if index < len(windows) else 'not listed'}); a model whose "
+                             f"windows do not follow models.llama.layer_sliding_window (or that runs as pipeline "
+                             f"stages) must list every layer's in kv_layer_windows().")
     return kv_cache_groups(windows, max_model_len)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from pagedllm.config import CPU_OFFLOAD_ON_CPU, EngineArgs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
+from pagedllm.core.kv_cache_groups import blocks_needed
 from pagedllm.dtypes import DTYPE_ALIASES, torch_dtype
 from pagedllm.worker.kv_cache import (
     available_cpu_memory,
@@ -246,13 +247,15 @@ class Worker:
             return self._cuda_num_blocks(spec)
         budget = cpu_kv_budget(args.kv_cache_memory_bytes)
         # Never take more than the whole batch could use at full length.
-        most = self.max_num_seqs * (-(-self.max_model_len // spec.block_size)) + 1
+        one_sequence = self._blocks_per_sequence(spec.block_size)
+        most = self.max_num_seqs * one_sequence + 1
         num_blocks = min(budget // spec.bytes_per_block, most)
-        if num_blocks * spec.block_size < self.max_model_len and num_blocks < most:
+        if num_blocks < one_sequence and num_blocks < most:
             raise ValueError(
                 f"The KV cache budget ({budget / 2**30:.2f} GiB, {spec.bytes_per_token} bytes per token) holds "
-                f"only {num_blocks * spec.block_size} tokens, less than one sequence of max_model_len="
-                f"{self.max_model_len}; raise kv_cache_memory_bytes or lower --max-model-len.")
+                f"only {num_blocks} blocks of {spec.block_size} tokens, less than one sequence of max_model_len="
+                f"{self.max_model_len} needs ({one_sequence}); raise kv_cache_memory_bytes or lower "
+                f"--max-model-len.")
         return max(1, int(num_blocks))
 
     def _cuda_num_blocks(self, spec) -> int:
@@ -278,7 +281,7 @@ class Worker:
         if args.kv_cache_memory_bytes is not None:
             budget = args.kv_cache_memory_bytes
         num_blocks = int(budget // spec.bytes_per_block)
-        need_blocks = -(-self.max_model_len // spec.block_size)
+        need_blocks = self._blocks_per_sequence(spec.block_size)
         if num_blocks < need_blocks:
             gib = 2**30
             short = (need_blocks - max(num_blocks, 0)) * spec.bytes_per_block / gib
@@ -292,6 +295,10 @@ class Worker:
         logger.info("GPU memory: total %.1f GiB, weights+activations peak %.2f GiB, KV budget %.2f GiB.",
                     total / 2**30, peak / 2**30, budget / 2**30)
         return num_blocks
+
+    def _blocks_per_sequence(self, block_size: int) -> int:
+        """Block ids one max_model_len sequence holds (in every KV-cache group; sliding ones only their window)."""
+        return blocks_needed(self.kv_group_windows, self.max_model_len, self.max_num_batched_tokens, block_size)
 
     def execute_model(self, plan: BatchPlan) -> ModelOutput:
         return self.runner.execute_model(plan)
