@@ -6,6 +6,7 @@ Outside a forward (e.g. memory profiling, weight loading) it is None and attenti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -40,6 +41,21 @@ class AttentionMetadata:
     graph_prefill_tile: Optional[int] = None
     # Backend-specific extras (e.g. split-KV workspace) may be attached here.
     extra: Any = None
+    # Several KV-cache groups (core/kv_cache_groups.py): per group the same batch with that group's block_table
+    # and slot_mapping (index 0: this object). An `Attention` layer of group g attends with kv_groups[g].
+    kv_groups: Optional[list["AttentionMetadata"]] = None
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        return self if group == 0 or self.kv_groups is None else self.kv_groups[group]
+
+
+def with_kv_groups(metadata: AttentionMetadata, block_tables, slot_mappings) -> AttentionMetadata:
+    """Attach groups 1..'s metadata (their block tables and slot mappings) to group 0's; returns metadata."""
+    if block_tables:
+        metadata.kv_groups = [metadata] + [
+            dataclasses.replace(metadata, block_table=table, slot_mapping=slots, kv_groups=None)
+            for table, slots in zip(block_tables, slot_mappings)]
+    return metadata
 
 
 @dataclass

@@ -37,6 +37,21 @@ def test_parallel_layout_matches_one_rank(tiny_model_dir, arch, tp, pp):
     assert got == expected
 
 
+@pytest.fixture(scope="module")
+def sliding_qwen2_dir(tmp_path_factory):
+    """Layer 0 full attention, layer 1 a 12-token window: two KV-cache groups, one per pipeline stage at pp=2."""
+    from tests.models.swa_helpers import save_swa_model
+    return save_swa_model(str(tmp_path_factory.mktemp("qwen2-swa")), "qwen2", use_sliding_window=True,
+                          sliding_window=12, max_window_layers=1)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
+def test_sliding_window_groups_across_stages_match_one_rank(sliding_qwen2_dir, tp, pp):
+    expected = _expected(sliding_qwen2_dir)
+    assert expected["preempted"] and expected["prefix_hits"]
+    assert _run(sliding_qwen2_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp) == expected
+
+
 def test_smollm2_tp3_and_pp2_match_one_rank(smollm2_hf_dir):
     """The real model: 9 heads / 3 KV heads / 30 layers -> TP=3, and PP=2 with 15 layers per stage."""
     from pagedllm import SamplingParams

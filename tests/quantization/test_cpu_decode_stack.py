@@ -62,3 +62,43 @@ def test_fp32_and_unpacked_models_keep_the_layer_path(tiny_llama_dir):
     path = llm.engine.worker.model.model.fast_path
     assert path is not None, "the loader attaches the decode path to every model built on the CPU"
     assert path.stack is None  # offered, refused: a float model is not packed
+
+
+def test_fused_stack_with_sliding_windows_and_kv_groups(tmp_path, monkeypatch, tiny_model_dir):
+    """A packed qwen2 whose second layer slides (window 12, the first is full: two KV-cache groups, two block
+    tables): the fused stack gives the layer path's tokens and logprobs, and the window changes them."""
+    import json
+    import os
+
+    from pagedllm.models.loader import prepare_model_dir
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "qwen2.gguf")
+    _write_quantized_gguf(tiny_model_dir("qwen2"), path, "qwen2")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (60, 17, 45)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in outs]
+
+    full = run(LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True, block_size=8))
+    converted = prepare_model_dir(path)  # what a GGUF with a window in its metadata converts to
+    with open(os.path.join(converted, "config.json")) as f:
+        config = json.load(f)
+    config.update(use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    config.pop("layer_types", None)
+    with open(os.path.join(converted, "config.json"), "w") as f:
+        json.dump(config, f)
+    llm = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True, block_size=8)
+    assert [a.sliding_window for a in llm.engine.worker.model.attn_layers] == [None, 12]
+    assert llm.engine.scheduler.kv_cache_manager.group_windows == (None, 12)
+    fused = run(llm)
+    inner = llm.engine.worker.model.model
+    counting = inner.fast_path.stack.ops = _CountingOps(inner.fast_path.stack.ops)
+    assert run(llm) == fused and counting.calls >= 11
+    inner.fast_path = None
+    assert run(llm) == fused
+    assert [t for t, _ in fused] != [t for t, _ in full]  # the window matters for these prompts

@@ -3,7 +3,9 @@
 A backend owns two jobs for one layer and one flattened batch (see forward_context.AttentionMetadata):
   1. write the new tokens' K/V into the paged cache at `slot_mapping`;
   2. compute causal attention of each request's query tokens over its whole context read through its
-     block table (prefix-cached blocks, earlier chunks, and this step's tokens alike).
+     block table (prefix-cached blocks, earlier chunks, and this step's tokens alike), or with a sliding window
+     over its last `sliding_window` positions only: table entries of blocks wholly before a row's window may be
+     stale (the KV manager freed those blocks), so a backend must not read them.
 
 KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size] (index 0 = K, 1 = V).
 """
@@ -34,6 +36,8 @@ class QKVSpec:
     # The backend stores K / k_scale, V / v_scale and attends with q * k_scale; the layer multiplies the output by
     # v_scale. A backend that cannot must return None from forward_qkv when this is set.
     kv_scales: Optional[torch.Tensor] = None
+    # Sliding-window attention (None: full): a query at position p sees keys p - sliding_window < k <= p.
+    sliding_window: Optional[int] = None
 
 
 class AttentionBackend:
@@ -62,6 +66,7 @@ class AttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: Optional[int] = None,  # a query at position p sees keys p - sliding_window < k <= p
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         raise NotImplementedError
 

@@ -9,10 +9,12 @@ The torch backend (attention/torch_backend.py) computes the same thing and is wh
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pagedllm.attention.backend import AttentionBackend
-from pagedllm.attention.torch_backend import chunk_attention, chunk_mask
+from pagedllm.attention.torch_backend import chunk_attention, chunk_mask, effective_window, window_key_start
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.cpu_ops import cpu_ops
 
@@ -35,7 +37,7 @@ class CpuAttentionBackend(AttentionBackend):
                                "built here (see the warning above); use attention_backend='torch'.")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         # The pool is [2, blocks, block_size, Hk, D]; this backend keeps each block head-major with K
         # transposed (see cpu_ops.cpp), a private layout of the same size.
@@ -54,14 +56,18 @@ class CpuAttentionBackend(AttentionBackend):
                          if qsl[i + 1] - qsl[i] >= LONG_QUERY_LEN]
         self.ops.paged_attention(out, query, key_cache, value_cache, metadata.block_table,
                                  metadata.query_start_loc, metadata.seq_lens, scale,
-                                 LONG_QUERY_LEN if long_rows else 0)
+                                 LONG_QUERY_LEN if long_rows else 0, sliding_window or 0)
         for start, end, seq_len, row in long_rows:
-            # A long prefill chunk: gather its context out of the block layout, then torch's SDPA.
-            blocks = metadata.block_table[row, :-(-seq_len // block_size)].long()
+            # A long prefill chunk: gather its context (within the window) out of the block layout, then SDPA.
+            window = effective_window(sliding_window, seq_len)
+            key_start = window_key_start(seq_len, end - start, window)
+            first_block = key_start // block_size
+            blocks = metadata.block_table[row, first_block:-(-seq_len // block_size)].long()
             n = blocks.numel() * block_size
-            # K blocks [kv_heads, D, block_size], V blocks [kv_heads, block_size, D] -> [1, kv_heads, seq_len, D]
-            k = key_cache.index_select(0, blocks).permute(1, 0, 3, 2).reshape(kv_heads, n, head_size)[:, :seq_len]
-            v = value_cache.index_select(0, blocks).permute(1, 0, 2, 3).reshape(kv_heads, n, head_size)[:, :seq_len]
+            keys = slice(key_start - first_block * block_size, seq_len - first_block * block_size)
+            # K blocks [kv_heads, D, block_size], V blocks [kv_heads, block_size, D] -> [1, kv_heads, keys, D]
+            k = key_cache.index_select(0, blocks).permute(1, 0, 3, 2).reshape(kv_heads, n, head_size)[:, keys]
+            v = value_cache.index_select(0, blocks).permute(1, 0, 2, 3).reshape(kv_heads, n, head_size)[:, keys]
             out[start:end] = chunk_attention(query[start:end], k.unsqueeze(0), v.unsqueeze(0),
-                                             chunk_mask(end - start, seq_len, query.device), scale)
+                                             chunk_mask(end - start, seq_len, query.device, window, key_start), scale)
         return out

@@ -6,7 +6,8 @@ Only ints, lists, strings, SamplingParams and one numpy array (the grammar bitma
   * new_requests: requests the runner has not seen (first schedule, or resumed after preemption):
     sent in full, with every token id known so far and the full block table.
   * cached_requests: requests the runner already holds: only the blocks appended this step and the
-    computed-token count at the start of the step. Tokens the runner sampled itself in the previous
+    computed-token count at the start of the step. Blocks a sliding window left behind are freed without a
+    word: the runner's table keeps their ids, which no backend reads (attention/backend.py). Tokens the runner sampled itself in the previous
     step are already in its state; it appends what it samples.
   * num_scheduled_tokens: how many tokens of each request to compute this step, in batch order
     (the order of the dict is the order of rows in the batch).
@@ -35,6 +36,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_id: Optional[int] = None
+    # Models with several KV-cache groups (core/kv_cache_groups.py): the block ids of groups 1.. (block_ids is
+    # group 0's). None with one group.
+    group_block_ids: Optional[list[list[int]]] = None
 
 
 @dataclass
@@ -45,6 +49,9 @@ class CachedRequestData:
     # Speculative rollback: when set, the runner first cuts the request's block table to this many blocks
     # (the scheduler freed the blocks that only held rejected draft tokens), then appends new_block_ids.
     num_kept_blocks: Optional[int] = None
+    # Several KV-cache groups: the blocks appended to groups 1.. (new_block_ids is group 0's; every group's list
+    # has the same length). None with one group.
+    group_new_block_ids: Optional[list[list[int]]] = None
 
 
 @dataclass

@@ -80,6 +80,7 @@ class EngineCore:
             num_speculative_tokens=w.num_speculative_tokens,
             spec_disable_batch_size=w.spec_disable_batch_size,
             max_loras=engine_args.max_loras if engine_args.enable_lora else None,
+            kv_group_windows=getattr(w, "kv_group_windows", (None,)),
         )
         self.loras = EngineLoRAs(w.lora_manager, self.scheduler)
         from pagedllm import envs
@@ -110,6 +111,11 @@ class EngineCore:
         self.failure: Optional[Exception] = None
         self.num_steps = 0
         self._step_plans: list = []  # the plans the current step works on (for recovery from a failed step)
+        windows = self.scheduler.kv_cache_manager.group_windows
+        if any(w is not None for w in windows):
+            logger.info("Sliding-window KV cache: %d block table(s) per request, windows %s (blocks before a "
+                        "window are freed).", len(windows), ", ".join("full" if w is None else str(w)
+                                                                      for w in windows))
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens = %d tokens of KV cache "
                     "(%.1fx max_model_len %d).", time.perf_counter() - start, self.num_blocks, self.block_size,
                     self.scheduler.num_pool_tokens, self.scheduler.num_pool_tokens / self.max_model_len,
@@ -130,10 +136,10 @@ class EngineCore:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
                 f"{num_prompt} tokens, which leaves no room for any output. Please shorten the prompt.")
-        if num_prompt > self.scheduler.num_pool_tokens:
+        if num_prompt > self.scheduler.max_request_tokens:
             raise ValueError(
-                f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.num_pool_tokens} "
-                "tokens in total; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
+                f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.max_request_tokens} "
+                "tokens of one request; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
         self.loras.check_request(req.lora_id)
         params = req.sampling_params
         check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)

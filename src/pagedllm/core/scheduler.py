@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 from pagedllm.core.batch_plan import (
     BatchPlan,
@@ -81,7 +81,10 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         spec_disable_batch_size: Optional[int] = None,
         max_loras: Optional[int] = None,
+        kv_group_windows: Sequence[Optional[int]] = (None,),
     ) -> None:
+        """kv_group_windows: the sliding window of each KV-cache group (core/kv_cache_groups.py; None: full
+        attention); the default is one group of full-attention layers."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
         if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
@@ -101,8 +104,11 @@ class Scheduler:
         # request whose adapter would be one too many is held back, not failed. None: LoRA off.
         self.max_loras = max_loras
         self.kv_cache_manager = KVCacheManager(
-            block_size=block_size, num_blocks=num_blocks, enable_caching=enable_prefix_caching
+            block_size=block_size, num_blocks=num_blocks, enable_caching=enable_prefix_caching,
+            group_windows=kv_group_windows,
         )
+        self._groups = self.kv_cache_manager.num_groups > 1
+        self._max_request_tokens: Optional[int] = None
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last one is preempted first
@@ -131,6 +137,13 @@ class Scheduler:
     def num_pool_tokens(self) -> int:
         """Tokens the whole KV pool can hold (no block is reserved)."""
         return self.kv_cache_manager.num_blocks * self.block_size
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request the pool can hold by itself (sliding-window layers hold only their window)."""
+        if self._max_request_tokens is None:
+            self._max_request_tokens = self.kv_cache_manager.max_request_tokens(self.max_num_batched_tokens)
+        return self._max_request_tokens
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -309,12 +322,16 @@ class Scheduler:
                 new_block_ids = kv.allocate_slots(request, num_new_tokens)
             if new_block_ids is None:
                 break  # request was the last running one: nothing after it is left to schedule
+            group_ids = None
+            if self._groups:
+                new_block_ids, *group_ids = new_block_ids
             plan.cached_requests.append(
                 CachedRequestData(
                     request_id=request.request_id,
                     new_block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
                     num_kept_blocks=kept_blocks.pop(request.request_id, None) if kept_blocks else None,
+                    group_new_block_ids=group_ids,
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -400,6 +417,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
                     lora_id=request.lora_id,
+                    group_block_ids=kv.get_group_block_ids(request.request_id),
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens

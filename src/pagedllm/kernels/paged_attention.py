@@ -21,6 +21,9 @@ Semantics (shared with the torch backend): request i's query tokens are
 query_start_loc[i]:query_start_loc[i+1], the LAST query_len tokens of a context of seq_lens[i]
 tokens already in the cache; query token j sees context positions < seq_len - query_len + j + 1;
 query head h reads kv head h // (num_heads // num_kv_heads). A request with seq_len 0 yields zeros.
+With a sliding window W (transformers' mask) a query at position p sees only positions p - W < k <= p; both
+kernels then start at the first position a program's rows can see and never read the blocks before it (the KV
+manager may have freed them: their block-table entries are stale).
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ import triton.language as tl
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 LOG2E = 1.4426950408889634
+# The `window` the kernels get without a sliding window: larger than any context, so it never hides a key.
+NO_WINDOW = 1 << 30
+
+
+def kernel_window(sliding_window: Optional[int]) -> int:
+    return NO_WINDOW if sliding_window is None else int(sliding_window)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,7 +69,7 @@ def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 def _attend_tile(
     acc, m_i, l_i,  # running state: [M, HEAD_PAD] fp32, [M] fp32 (log2 units), [M] fp32
     q,  # [M, HEAD_PAD] in the input dtype
-    q_pos,  # [M] absolute position of each query row (used when CAUSAL)
+    q_pos,  # [M] absolute position of each query row (used when CAUSAL or WINDOWED)
     cache_ptr, bt_row_ptr, head_off,  # K cache base, this request's block-table row, kv-head offset
     start, kv_end,  # tile covers positions start + [0, BLOCK_N); positions >= kv_end are masked
     stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
@@ -68,18 +77,24 @@ def _attend_tile(
     HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BOUNDED: tl.constexpr,  # mask positions >= kv_end (False only when the whole tile is < kv_end)
     CAUSAL: tl.constexpr,  # mask positions > q_pos
+    kv_lo=0, window=0,  # WINDOWED: positions < kv_lo are never read; row r sees only positions > q_pos[r] - window
+    WINDOWED: tl.constexpr = False,
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
     # Physical block of each position; the cache offset is int64 (caches exceed 2^31 elements).
-    if BOUNDED:
+    if WINDOWED:
+        # Blocks before the window may be freed: neither their table entries nor their slots are read.
+        pos_ok = (pos < kv_end) & (pos >= kv_lo)
+        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+    elif BOUNDED:
         pos_ok = pos < kv_end
         blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
     else:
         blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE)
     offs = blk.to(tl.int64) * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_slot + head_off
     ptrs = cache_ptr + offs[:, None] + dims[None, :]
-    if BOUNDED:
+    if BOUNDED or WINDOWED:
         # V must be zeroed (not just ignored) past kv_end: stale cache memory may hold NaNs.
         kv_mask = pos_ok[:, None] & (dims < HEAD_SIZE)[None, :]
         k = tl.load(ptrs, mask=kv_mask, other=0.0)
@@ -95,14 +110,25 @@ def _attend_tile(
     v = v.to(q.dtype)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
-    if CAUSAL:
+    if WINDOWED:
+        seen = pos_ok[None, :] & (pos[None, :] > q_pos[:, None] - window)
+        if CAUSAL:
+            seen = seen & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(seen, qk, float("-inf"))
+    elif CAUSAL:
         qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
     elif BOUNDED:
         qk = tl.where(pos_ok[None, :], qk, float("-inf"))
-    # Invariant: the first tile a row sees has at least one visible position, so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if WINDOWED:
+        # A row may see nothing of its first tiles (its window starts further on): m stays -inf, and the
+        # exponentials use 0 instead so they give 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        # Invariant: the first tile a row sees has at least one visible position, so m_new is finite.
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -117,15 +143,16 @@ def _attend_tile(
 # Integer arguments that change from step to step (batch size, the block table's width, split counts) are not
 # specialized on: Triton would otherwise compile a variant for value 1 and for multiples of 16, seconds each on
 # a slow host, in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _prefill_kernel(
     q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2, num_seqs,
+    scale_log2, num_seqs, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    WINDOWED: tl.constexpr = False,  # a sliding window (`window` positions)
 ):
     wait_prior_kernel(USE_PDL)
     pid_q = tl.program_id(0)
@@ -164,12 +191,27 @@ def _prefill_kernel(
     # Keys every row of the tile sees: positions <= ctx_len + q_block*BLOCK_Q (the first row's).
     kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last row's limit (<= seq_len)
     full_end = (ctx_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
-    for start in range(0, full_end, BLOCK_N):
+    mid_start = 0
+    causal_start = full_end
+    if WINDOWED:
+        # The first row sees positions from kv_lo on; every row sees all of [kv_end - window, its causal limit].
+        # Tiles before mid_start are masked by window (and causally), the rest as without a window.
+        kv_lo = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0)
+        mid_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N,
+                               tl.cdiv(kv_end, BLOCK_N) * BLOCK_N)
+        for start in range(kv_lo // BLOCK_N * BLOCK_N, mid_start, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
+                stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
+                BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
+                kv_lo=kv_lo, window=window, WINDOWED=True)
+        causal_start = tl.maximum(full_end, mid_start)
+    for start in range(mid_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False)
-    for start in range(full_end, kv_end, BLOCK_N):
+    for start in range(causal_start, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
@@ -221,8 +263,10 @@ def paged_prefill_attention(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Causal attention for any mixture of prefill chunks and decodes (no host syncs)."""
+    """Causal attention for any mixture of prefill chunks and decodes (no host syncs), optionally within a sliding
+    window (a query at position p sees keys p - sliding_window < k <= p)."""
     if output is None:
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)
@@ -245,12 +289,12 @@ def paged_prefill_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, output, kv_cache, block_table, seq_lens, query_start_loc,
-        scale * LOG2E, num_seqs,
+        scale * LOG2E, num_seqs, kernel_window(sliding_window),
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         GQA=gqa, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        DOT_PRECISION=_dot_precision(query.dtype),
+        DOT_PRECISION=_dot_precision(query.dtype), WINDOWED=sliding_window is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(query.device),
     )
     return output
@@ -262,10 +306,10 @@ def paged_prefill_attention(
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_seq", "stride_po_head", "stride_pl_seq",
-                                "stride_pl_head"])
+                                "stride_pl_head", "window"])
 def _decode_kernel(
     q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, order_ptr,
-    scale_log2, num_splits,
+    scale_log2, num_splits, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     stride_po_seq, stride_po_head, stride_po_split,  # part_out [num_seqs, num_heads, num_splits, HEAD_PAD]
@@ -286,9 +330,11 @@ def _decode_kernel(
         seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each split covers a BLOCK_N-aligned slice; the reduce kernel recomputes the same numbers.
-    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * part_len
+    # The query (at seq_len - 1) sees [lo, seq_len): all of it without a sliding window (window = NO_WINDOW).
+    lo = tl.maximum(seq_len - window, 0)
+    # Each split covers a slice of a multiple of BLOCK_N positions from lo; the reduce kernel recomputes the same.
+    part_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * part_len
     end = tl.minimum(start + part_len, seq_len)
 
     rows = tl.arange(0, GQA_PAD)
@@ -324,9 +370,10 @@ def _decode_kernel(
         tl.store(pl, lse, mask=row_ok & has_work)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head"])
+@triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head",
+                                "window"])
 def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits,
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits, window,
     stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -335,8 +382,9 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    part_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, 1)
-    num_active = tl.cdiv(seq_len, part_len)  # splits that had work (0 when seq_len == 0)
+    num_keys = seq_len - tl.maximum(seq_len - window, 0)  # the keys the query sees (its window)
+    part_len = tl.maximum(tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N, 1)
+    num_active = tl.cdiv(num_keys, part_len)  # splits that had work (0 when seq_len == 0)
 
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < num_active
@@ -450,6 +498,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     order: Optional[torch.Tensor] = None,  # [>= num_seqs] int32: a permutation of the rows, longest context first
+    sliding_window: Optional[int] = None,  # the query (at seq_len - 1) sees only the last sliding_window keys
 ) -> torch.Tensor:
     """One query token per request; split-KV over the context. CUDA-graph capturable when the
     workspace is preallocated (shapes depend only on num_seqs and the model's heads).
@@ -474,11 +523,12 @@ def paged_decode_attention(
                   HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype),
                   HAS_ORDER=order is not None, num_warps=num_warps, num_stages=num_stages, **launch)
     order_arg = seq_lens if order is None else order  # (unread without an order)
+    window = kernel_window(sliding_window)
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                      block_table.stride(0))
     if num_splits == 1:
         _decode_kernel[(num_kv_heads, num_seqs, 1)](
-            query, output, output, output, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, 1,
+            query, output, output, output, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, 1, window,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
             0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common)
         return output
@@ -487,10 +537,11 @@ def paged_decode_attention(
                                                          query.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, num_splits,
+        window,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
         *part_strides, SINGLE_SPLIT=False, **common)
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        output, part_out, part_lse, seq_lens, num_splits,
+        output, part_out, part_lse, seq_lens, num_splits, window,
         output.stride(0), output.stride(1), *part_strides,
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if head_pad >= 128 else 2, **launch)
@@ -510,8 +561,10 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float,
     num_seqs: Optional[int] = None,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Pure-torch reference (per-request loop, fp32 math). Rows of no request stay zero."""
+    """Pure-torch reference (per-request loop, fp32 math). Rows of no request stay zero. With a sliding window
+    only the blocks holding a row's visible keys are read."""
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     gqa = num_heads // num_kv_heads
@@ -525,16 +578,22 @@ def paged_attention_ref(
         q_len = q1 - q0
         if q_len == 0 or seq_len == 0:
             continue
-        blocks = block_table[i, : math.ceil(seq_len / block_size)].long()
-        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
+        key_start = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        first_block = key_start // block_size
+        blocks = block_table[i, first_block: math.ceil(seq_len / block_size)].long()
+        keys = slice(key_start - first_block * block_size, seq_len - first_block * block_size)
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_size)[keys].float()
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_size)[keys].float()
         k = k.repeat_interleave(gqa, dim=1)  # [seq_len, num_heads, head_size]
         v = v.repeat_interleave(gqa, dim=1)
         q = query[q0:q1].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        k_pos = torch.arange(key_start, seq_len, device=query.device)
+        hidden = k_pos[None, None, :] > q_pos[None, :, None]
+        if sliding_window is not None:
+            hidden |= k_pos[None, None, :] <= q_pos[None, :, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

@@ -17,11 +17,20 @@ class Attention(nn.Module):
 
     The model runner binds `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_size]) after
     allocating the pool; until then (memory profiling) attention runs on the batch alone.
+
+    `sliding_window` (None: full attention) has transformers' meaning: a query at position p sees the keys at
+    positions p - sliding_window < k <= p, i.e. the last `sliding_window` tokens including itself.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", sliding_window: Optional[int] = None) -> None:
         super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"{prefix or 'Attention'}: sliding_window must be a positive integer or None, got "
+                             f"{sliding_window!r}.")
+        self.sliding_window = sliding_window
+        # The KV-cache group whose block table this layer reads (core/kv_cache_groups.py; set by the runner).
+        self.kv_group = 0
         self.num_heads = num_heads  # heads on this tensor-parallel rank
         self.head_size = head_size
         self.scale = scale
@@ -45,16 +54,18 @@ class Attention(nn.Module):
         if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             out = self._no_cache_attention(q, k, v)
         elif self.kv_cache.dtype == torch.float8_e4m3fn and self.kv_scale_source is not None:
+            md = ctx.attn_metadata.for_group(self.kv_group)
             if self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
-                real = ctx.attn_metadata.num_actual_tokens
+                real = md.num_actual_tokens
                 self.kv_scales.copy_(calibrated_scales(k[:real], v[:real]))
                 self.kv_scale_source = "calibrated"
             k_scale, v_scale = self.kv_scales[0], self.kv_scales[1]
             # softmax(scale q . (k_scale k8)) = softmax(scale (k_scale q) . k8); sum p (v_scale v8) = v_scale sum p v8
-            out = ctx.attn_backend.forward(q * k_scale, k / k_scale, v / v_scale, self.kv_cache, ctx.attn_metadata,
-                                           self.scale) * v_scale
+            out = ctx.attn_backend.forward(q * k_scale, k / k_scale, v / v_scale, self.kv_cache, md,
+                                           self.scale, sliding_window=self.sliding_window) * v_scale
         else:
-            out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
+            out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata.for_group(self.kv_group),
+                                           self.scale, sliding_window=self.sliding_window)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def set_kv_scale(self, which: str, value: float) -> None:
@@ -78,17 +89,34 @@ class Attention(nn.Module):
         if fp8 and self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
             return None  # the calibration step takes the unfused path, where K is seen after rope
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
-                       *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None)
-        out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache, ctx.attn_metadata, spec)
+                       *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None,
+                       sliding_window=self.sliding_window)
+        out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache,
+                                           ctx.attn_metadata.for_group(self.kv_group), spec)
         if out is None:
             return None
         out = out.reshape(qkv.shape[0], self.num_heads * self.head_size)
         return out * self.kv_scales[1] if fp8 else out
 
     def _no_cache_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Treat the whole input as one causal sequence (used for profiling runs only)."""
+        """Treat the whole input as one causal sequence (profiling runs, and model tests without an engine)."""
         # [1, heads, tokens, head_size]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        gqa = self.num_heads != self.num_kv_heads
+        window, num_tokens = self.sliding_window, q.shape[0]
+        if window is None or window >= num_tokens:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            return out.squeeze(0).transpose(0, 1)
+        # Queries in chunks, each over its keys only, so no [tokens, tokens] mask is ever built.
+        out = torch.empty_like(qh)
+        chunk = max(window, 256)
+        for start in range(0, num_tokens, chunk):
+            end = min(start + chunk, num_tokens)
+            key_start = max(0, start - window + 1)
+            qpos = torch.arange(start, end, device=q.device)[:, None]
+            kpos = torch.arange(key_start, end, device=q.device)[None, :]
+            mask = (kpos <= qpos) & (kpos > qpos - window)
+            out[:, :, start:end] = F.scaled_dot_product_attention(
+                qh[:, :, start:end], kh[:, :, key_start:end], vh[:, :, key_start:end], attn_mask=mask,
+                scale=self.scale, enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)

@@ -147,6 +147,8 @@ class DecodeStack:
             if has_qk_norm:
                 q_w, k_w, qk_eps = attn.qk_norm()
                 weights += [q_w, k_w]
+            # the layer's window and KV-cache group, ahead of its projections
+            layout += [attn.attn.sliding_window or 0, attn.attn.kv_group]
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 method = proj.linear_method
                 parts, types = method.parts(proj), proj.__dict__["_gguf_types"]
@@ -180,8 +182,9 @@ class DecodeStack:
             return None
         hidden = hidden.contiguous()
         meta = ctx.attn_metadata
+        groups = meta.kv_groups or [meta]
         out = torch.empty_like(hidden)
-        self.ops.decode_stack(out, hidden, positions, self.weights, self.layout, self.floats, meta.slot_mapping,
-                              meta.block_table, meta.query_start_loc, meta.seq_lens, self.cos_sin,
-                              meta.num_actual_tokens)
+        self.ops.decode_stack(out, hidden, positions, self.weights, self.layout, self.floats,
+                              [g.slot_mapping for g in groups], [g.block_table for g in groups],
+                              meta.query_start_loc, meta.seq_lens, self.cos_sin, meta.num_actual_tokens)
         return out

@@ -7,6 +7,7 @@ Qwen2 and Qwen3 reuse these classes, overriding only what differs (qkv bias, per
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -28,6 +29,32 @@ logger = logging.getLogger(__name__)
 
 def get_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_index(prefix: str) -> int:
+    """The decoder layer number in a module prefix such as "model.layers.3.self_attn"."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", prefix)
+    if match is None:
+        raise ValueError(f"No layer index in the module prefix {prefix!r}.")
+    return int(match.group(1))
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
+    """The attention window of decoder layer `layer_idx` as transformers applies it (None: full attention).
+
+    `layer_types` (Qwen2/Qwen3 build it from use_sliding_window + max_window_layers; Gemma, Ministral, ...) picks
+    the layers whose type is "sliding_attention". Mistral's model ignores `layer_types` and applies the window to
+    every layer; Llama's has no window (a stray `sliding_window` in its config.json is ignored).
+    `use_sliding_window: false` turns the window off."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    if getattr(config, "model_type", None) == "llama":
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and getattr(config, "model_type", None) != "mistral":
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    return int(window)
 
 
 class LlamaMLP(nn.Module):
@@ -69,7 +96,8 @@ class LlamaAttention(nn.Module):
                                         prefix=f"{prefix}.o_proj", quant_config=quant_config)
         self.rotary_emb = rotary_emb  # shared by all layers (one cos/sin cache per model)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
-                              prefix=f"{prefix}.attn")
+                              prefix=f"{prefix}.attn",
+                              sliding_window=layer_sliding_window(config, layer_index(prefix)))
 
     @staticmethod
     def projection_biases(config: Any) -> tuple[bool, bool]:
@@ -206,13 +234,12 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
-        """Warn about config features the engine does not implement."""
-        window = getattr(hf_config, "sliding_window", None)
-        uses_window = getattr(hf_config, "use_sliding_window", True)
-        if window and uses_window and window < hf_config.max_position_embeddings:
-            logger.warning("%s: sliding_window=%d is ignored (full attention is used); outputs differ from the "
-                           "reference only for sequences longer than %d tokens.",
-                           cls.__name__, window, window)
+        """Refuse config features the engine does not implement (none known here)."""
+
+    def kv_layer_windows(self) -> list[Optional[int]]:
+        """Every decoder layer's sliding window (None: full attention), including layers of other pipeline stages:
+        the KV-cache groups (core/kv_cache_groups.py) are the same on every stage."""
+        return [layer_sliding_window(self.config, i) for i in range(self.config.num_hidden_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[IntermediateTensors] = None) -> Any:

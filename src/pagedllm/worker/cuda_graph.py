@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from pagedllm.forward_context import AttentionMetadata, set_forward_context
+from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
 
 logger = logging.getLogger("pagedllm")
 
@@ -43,8 +43,12 @@ class CudaGraphRunner:
         self.with_order = runner.attn_backend.wants_decode_order
         self.rows = torch.arange(n, dtype=torch.int32, device=dev)
         self.decode_order = self.rows.clone()
-        self.block_table = torch.full((n, runner.max_blocks_per_req), self.scratch_block, dtype=torch.int32,
-                                      device=dev)
+        # One table per KV-cache group (sliding windows: core/kv_cache_groups.py); [0] is group 0's.
+        self.block_tables = torch.full((runner.num_kv_groups, n, runner.max_blocks_per_req), self.scratch_block,
+                                       dtype=torch.int32, device=dev)
+        self.block_table = self.block_tables[0]
+        self.group_slot_mappings = torch.full((runner.num_kv_groups - 1, n), self.scratch_block * bs,
+                                              dtype=torch.long, device=dev)
         # Per batch size, the max_seq_len buckets with a graph each (see AttentionBackend.graph_seq_len_buckets).
         self.seq_len_buckets: dict[int, list[int]] = {}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (size, seq-len bucket, with LoRA) -> graph
@@ -56,11 +60,13 @@ class CudaGraphRunner:
         self.pool = None
 
     def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        md = AttentionMetadata(
             num_actual_tokens=size, num_reqs=size, max_query_len=1, max_seq_len=max_seq_len,
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
             decode_order=self.decode_order[:size] if self.with_order else None)
+        return with_kv_groups(md, [t[:size] for t in self.block_tables[1:]],
+                              [s[:size] for s in self.group_slot_mappings])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -110,6 +116,10 @@ class CudaGraphRunner:
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
+        for g in range(1, len(self.block_tables)):
+            group = md.for_group(g)
+            self.block_tables[g, :n, :nb].copy_(group.block_table, non_blocking=True)
+            self.group_slot_mappings[g - 1, :n].copy_(group.slot_mapping, non_blocking=True)
         self.block_table[:n, :nb].copy_(md.block_table, non_blocking=True)
         if self.with_order:  # (batch order when the caller gave none)
             self.decode_order[:n].copy_(self.rows[:n] if md.decode_order is None else md.decode_order,
@@ -119,7 +129,8 @@ class CudaGraphRunner:
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(self.scratch_block * self.runner.block_size)
             self.seq_lens[n:size].fill_(1)
-            self.block_table[n:size, 0].fill_(self.scratch_block)
+            self.block_tables[:, n:size, 0].fill_(self.scratch_block)
+            self.group_slot_mappings[:, n:size].fill_(self.scratch_block * self.runner.block_size)
             if self.with_order:
                 self.decode_order[n:size].copy_(self.rows[n:size])
         bucket = next(b for b in self.seq_len_buckets[size] if b >= md.max_seq_len)

@@ -50,14 +50,20 @@ class StepInputs:
     spec_token_ids: Optional[dict[str, list[int]]] = None
     propose_drafts: bool = False
     rows: Optional[np.ndarray] = None  # each request's row in the InputBatch's arrays
+    # Several KV-cache groups (core/kv_cache_groups.py): groups 1..'s slot mappings and block tables (the fields
+    # above are group 0's). None with one group.
+    group_slot_mappings: Optional[list[np.ndarray]] = None
+    group_block_tables: Optional[list[np.ndarray]] = None
 
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, num_kv_groups: int = 1) -> None:
         self.block_size = block_size
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        # One table per KV-cache group; every group of a row holds the same number of entries.
+        self.block_tables = np.zeros((num_kv_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.block_table = self.block_tables[0]
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         # Per row, kept in step with the row's state: tokens known to the runner, and tokens computed.
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
@@ -80,7 +86,7 @@ class InputBatch:
             state.num_computed_tokens = num_computed[state.row] = cached.num_computed_tokens
             if cached.num_kept_blocks is not None:  # speculative rollback freed its tail blocks
                 self.num_blocks[state.row] = min(self.num_blocks[state.row], cached.num_kept_blocks)
-            self._append_blocks(state.row, cached.new_block_ids)
+            self._append_blocks(state.row, cached.new_block_ids, cached.group_new_block_ids)
         for req_id, drafts in plan.scheduled_spec_decode_tokens.items():
             # Draft inputs sit past the last token; the tokens appended after verification overwrite them.
             state = self.requests[req_id]
@@ -93,7 +99,7 @@ class InputBatch:
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
         self.num_blocks[row] = 0
-        self._append_blocks(row, new.block_ids)
+        self._append_blocks(row, new.block_ids, new.group_block_ids)
         self.num_tokens[row] = n
         self.num_computed[row] = new.num_computed_tokens
         self.sampling.set_row(row, new.sampling_params)
@@ -102,11 +108,14 @@ class InputBatch:
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]), sampling_params=new.sampling_params,
             num_computed_tokens=new.num_computed_tokens, lora_id=new.lora_id)
 
-    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def _append_blocks(self, row: int, block_ids: list[int], group_ids: Optional[list[list[int]]] = None) -> None:
         if block_ids:
             start = self.num_blocks[row]
-            self.block_table[row, start:start + len(block_ids)] = block_ids
-            self.num_blocks[row] = start + len(block_ids)
+            end = start + len(block_ids)
+            self.block_table[row, start:end] = block_ids
+            for g, ids in enumerate(group_ids or (), 1):
+                self.block_tables[g, row, start:end] = ids
+            self.num_blocks[row] = end
 
     def append_token(self, state: CachedRequestState, token: int) -> None:
         row = state.row
@@ -149,11 +158,17 @@ class InputBatch:
             positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], num_sched)
         input_ids = self.token_ids[token_rows, positions]
         bs = self.block_size
-        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        block_idx, offset = positions // bs, positions % bs
+        slot_mapping = self.block_table[token_rows, block_idx].astype(np.int64) * bs + offset
         max_blocks = int((seq_lens.max() + bs - 1) // bs)
+        group_slots = group_tables = None
+        if len(self.block_tables) > 1:
+            group_slots = [t[token_rows, block_idx].astype(np.int64) * bs + offset for t in self.block_tables[1:]]
+            group_tables = [t[rows, :max_blocks] for t in self.block_tables[1:]]
         return StepInputs(
             req_ids=req_ids, states=states, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
             block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(seq_lens >= totals)[0],
             in_flight_rows=np.nonzero(seq_lens > totals)[0], max_query_len=int(num_sched.max()),
-            spec_token_ids=spec or None, propose_drafts=plan.propose_drafts, rows=rows)
+            spec_token_ids=spec or None, propose_drafts=plan.propose_drafts, rows=rows,
+            group_slot_mappings=group_slots, group_block_tables=group_tables)

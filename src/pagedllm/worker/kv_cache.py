@@ -1,6 +1,8 @@
 """KV pool sizing and allocation.
 
-The pool is one [2, num_blocks, block_size, num_kv_heads, head_size] tensor per layer. Its size comes from
+The pool is one [2, num_blocks, block_size, num_kv_heads, head_size] tensor per layer, or with several KV-cache
+groups (layers with different sliding windows) one per slot, shared by a layer of each group
+(core/kv_cache_groups.py). Its size comes from
 a memory budget: on CUDA `gpu_memory_utilization` x total memory minus what the weights and a profiled peak
 forward already take; on CPU `kv_cache_memory_bytes` (default: a share of available RAM, at most 4 GiB).
 `num_gpu_blocks_override` (vLLM's name) forces the block count.
@@ -9,10 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+
+from pagedllm.core.kv_cache_groups import KVCacheGroups, kv_cache_groups
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,29 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         return self.bytes_per_block // self.block_size
+
+
+def attn_layer_index(layer: Any, default: int) -> int:
+    """A model layer's number from its Attention's prefix ("model.layers.3.self_attn.attn"), else `default`."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", getattr(layer, "prefix", "") or "")
+    return int(match.group(1)) if match else default
+
+
+def model_kv_cache_groups(model: Any, max_model_len: int) -> KVCacheGroups:
+    """The KV-cache groups of a model: from every layer's window (`model.kv_layer_windows()`, which pipeline stages
+    need: they hold only some layers), else from the layers it holds; a layer whose Attention disagrees with the
+    model's list is a bug in the model."""
+    layers = model.attn_layers
+    listing = getattr(model, "kv_layer_windows", None)
+    windows = list(listing()) if listing is not None else [layer.sliding_window for layer in layers]
+    for i, layer in enumerate(layers):
+        index = attn_layer_index(layer, i)
+        if index >= len(windows) or windows[index] != layer.sliding_window:
+            raise ValueError(f"{layer.prefix}: its sliding window ({layer.sliding_window}) differs from the "
+                             f"model's ({windows[index] if index < len(windows) else 'not listed'}); a model whose "
+                             f"windows do not follow models.llama.layer_sliding_window (or that runs as pipeline "
+                             f"stages) must list every layer's in kv_layer_windows().")
+    return kv_cache_groups(windows, max_model_len)
 
 
 def available_cpu_memory() -> int:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pagedllm import envs
-from pagedllm.forward_context import AttentionMetadata, set_forward_context
+from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
 
 logger = logging.getLogger("pagedllm")
 
@@ -84,17 +84,23 @@ class GraphInputs:
         self.slot_mapping = torch.full((self.max_tokens,), self.scratch_slot, dtype=torch.long, device=dev)
         self.query_start_loc = torch.zeros(self.max_reqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
-        self.block_table = torch.full((self.max_reqs, runner.max_blocks_per_req), runner.scratch_block,
-                                      dtype=torch.int32, device=dev)
+        # One table and slot mapping per KV-cache group (core/kv_cache_groups.py); [0] is group 0's.
+        self.block_tables = torch.full((runner.num_kv_groups, self.max_reqs, runner.max_blocks_per_req),
+                                       runner.scratch_block, dtype=torch.int32, device=dev)
+        self.block_table = self.block_tables[0]
+        self.group_slot_mappings = torch.full((runner.num_kv_groups - 1, self.max_tokens), self.scratch_slot,
+                                              dtype=torch.long, device=dev)
 
     def metadata(self, tokens: int, reqs: int, max_query_len: int, max_seq_len: int,
                  graph_prefill_tile=None) -> AttentionMetadata:
         """The metadata a graph is captured with: views of the static buffers."""
-        return AttentionMetadata(
+        md = AttentionMetadata(
             num_actual_tokens=tokens, num_reqs=reqs, max_query_len=max_query_len, max_seq_len=max_seq_len,
             query_start_loc=self.query_start_loc[:reqs + 1], seq_lens=self.seq_lens[:reqs],
             block_table=self.block_table[:reqs], slot_mapping=self.slot_mapping[:tokens],
             graph_prefill_tile=graph_prefill_tile)
+        return with_kv_groups(md, [t[:reqs] for t in self.block_tables[1:]],
+                              [s[:tokens] for s in self.group_slot_mappings])
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, tokens: int,
              reqs: int) -> None:
@@ -107,6 +113,10 @@ class GraphInputs:
         pad_rows(self.seq_lens, md.seq_lens, reqs, 0)
         nb = md.block_table.shape[1]
         self.block_table[:md.num_reqs, :nb].copy_(md.block_table, non_blocking=True)
+        for g in range(1, len(self.block_tables)):
+            group = md.for_group(g)
+            pad_rows(self.group_slot_mappings[g - 1], group.slot_mapping, tokens, self.scratch_slot)
+            self.block_tables[g, :md.num_reqs, :nb].copy_(group.block_table, non_blocking=True)
 
 
 class MixedGraphRunner:

@@ -14,7 +14,8 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.backend import get_attention_backend
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
-from pagedllm.forward_context import AttentionMetadata, set_forward_context
+from pagedllm.core.kv_cache_groups import KVCacheGroups
+from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
 from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, _to_device, gather_logprobs
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.host_stager import HostStager
@@ -22,6 +23,8 @@ from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import (
     KVCacheSpec,
     allocate_kv_caches,
+    attn_layer_index,
+    model_kv_cache_groups,
     check_kv_cache_backend,
     copy_kv_blocks,
     kv_cache_backend,
@@ -35,7 +38,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, hf_config, device: torch.device, dtype: torch.dtype,
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_id: Optional[int], vocab_size: int, attention_backend: Optional[str] = None,
-                 enforce_eager: bool = True, kv_cache_dtype: Optional[torch.dtype] = None) -> None:
+                 enforce_eager: bool = True, kv_cache_dtype: Optional[torch.dtype] = None,
+                 kv_groups: Optional[KVCacheGroups] = None) -> None:
+        """kv_groups: the model's KV-cache groups (core/kv_cache_groups.py; by default from the layers' windows)."""
         self.model = model
         self.hf_config = hf_config
         self.device = device
@@ -52,7 +57,15 @@ class ModelRunner:
                                                   device)
         check_kv_cache_backend(self.kv_cache_dtype, self.attn_backend)
         self.sampler = Sampler()
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_req, block_size, vocab_size)
+        self.kv_groups = kv_groups or model_kv_cache_groups(model, max_model_len)
+        # Each of this stage's layers: its KV tensor (an index into kv_caches) and its group.
+        indices = [attn_layer_index(layer, i) for i, layer in enumerate(model.attn_layers)]
+        self.kv_slots = self.kv_groups.slots_of(indices)
+        self.layer_cache_index = [self.kv_slots.index(self.kv_groups.layer_slot[i]) for i in indices]
+        self.layer_group = [self.kv_groups.layer_group[i] for i in indices]
+        self.num_kv_groups = self.kv_groups.num_groups
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_req, block_size, vocab_size,
+                                      num_kv_groups=self.num_kv_groups)
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
@@ -70,9 +83,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_spec(self) -> KVCacheSpec:
-        layers = self.model.attn_layers
-        first = layers[0]
-        return KVCacheSpec(num_layers=len(layers), num_kv_heads=first.num_kv_heads, head_size=first.head_size,
+        first = self.model.attn_layers[0]
+        # One tensor per slot this stage's layers use (per layer with a single KV-cache group).
+        return KVCacheSpec(num_layers=len(self.kv_slots), num_kv_heads=first.num_kv_heads, head_size=first.head_size,
                            block_size=self.block_size, dtype=self.kv_cache_dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -81,8 +94,9 @@ class ModelRunner:
         self.scratch_block = num_blocks
         self.kv_caches = allocate_kv_caches(spec, num_blocks + (0 if self.enforce_eager else 1), self.device,
                                             zeroed=self.attn_backend.needs_zeroed_cache)
-        for layer, cache in zip(self.model.attn_layers, self.kv_caches):
-            layer.kv_cache = cache
+        for layer, index, group in zip(self.model.attn_layers, self.layer_cache_index, self.layer_group):
+            layer.kv_cache = self.kv_caches[index]
+            layer.kv_group = group
         self.num_blocks = num_blocks
         self._init_kv_scales()
         warmup = getattr(self.attn_backend, "warmup", None)
@@ -90,7 +104,8 @@ class ModelRunner:
             first = self.model.attn_layers[0]
             warmup(first.num_heads, first.num_kv_heads, first.head_size, self.block_size, self.dtype, self.device,
                    self.max_num_batched_tokens, **({"cache_dtype": self.kv_cache_dtype}
-                                                   if self.kv_cache_dtype != self.dtype else {}))
+                                                   if self.kv_cache_dtype != self.dtype else {}),
+                   sliding_windows=tuple({layer.sliding_window for layer in self.model.attn_layers}))
         self._warm_up_greedy()
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graph import CudaGraphRunner
@@ -191,10 +206,12 @@ class ModelRunner:
         verifying = bool(inp.spec_token_ids) and len(sample_rows) > 0
         spec_arrays = self.spec.stage_arrays(inp) if verifying else []  # verify rows + drafts, known before the forward
         num64 = len(int64_arrays)
-        staged64 = self.stager.stage(int64_arrays + spec_arrays, np.int64)
+        group_slots = inp.group_slot_mappings or []
+        staged64 = self.stager.stage(int64_arrays + spec_arrays + group_slots, np.int64)
         input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = staged64[:6]
         top_k_t = staged64[6] if num64 > 6 else None
-        spec_staged = staged64[num64:]
+        spec_staged = staged64[num64:num64 + len(spec_arrays)]
+        group_slots_t = staged64[num64 + len(spec_arrays):]
         floats_t = None
         if stage_sampling and step_sampling.floats is not None:
             floats_t = self.stager.stage([step_sampling.floats], np.float32)[0]
@@ -207,8 +224,11 @@ class ModelRunner:
             int32_arrays.append(np.argsort(-inp.seq_lens, kind="stable").astype(np.int32))
         num_plain = len(int32_arrays)
         lora_arrays = self._lora_arrays(inp)
-        staged = self.stager.stage(int32_arrays + lora_arrays[:3], np.int32)
+        group_tables = inp.group_block_tables or []
+        staged = self.stager.stage(int32_arrays + group_tables + lora_arrays[:3], np.int32)
         query_start_loc, seq_lens, block_table, *decode_order = staged[:num_plain]
+        group_tables_t = staged[num_plain:num_plain + len(group_tables)]
+        num_plain += len(group_tables)
         self.stager.next_step()
         if lora_arrays:  # the step's token -> adapter slot map, into the wrappers' persistent buffers
             self.lora.state.load(*staged[num_plain:], active=lora_arrays[3])
@@ -225,6 +245,7 @@ class ModelRunner:
             query_start_loc_cpu=inp.query_start_loc.tolist(),
             seq_lens_cpu=inp.seq_lens.tolist(),
         )
+        with_kv_groups(metadata, group_tables_t, group_slots_t)
         if len(fill_src):
             if self._prev_sampled is None:
                 raise RuntimeError("A step needs tokens of a previous step that sampled nothing; this is a bug.")

@@ -12,8 +12,14 @@ import torch
 
 from pagedllm.config import CPU_OFFLOAD_ON_CPU, EngineArgs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
+from pagedllm.core.kv_cache_groups import blocks_needed
 from pagedllm.dtypes import DTYPE_ALIASES, torch_dtype
-from pagedllm.worker.kv_cache import available_cpu_memory, cpu_kv_budget, resolve_kv_cache_dtype
+from pagedllm.worker.kv_cache import (
+    available_cpu_memory,
+    cpu_kv_budget,
+    model_kv_cache_groups,
+    resolve_kv_cache_dtype,
+)
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -193,6 +199,9 @@ class Worker:
             self.lora_manager = LoRAManager(self.model, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                                             max_cpu_loras=args.max_cpu_loras,
                                             max_num_tokens=self.max_num_batched_tokens, device=self.device)
+        # Which layers share a block table (sliding windows): the scheduler keeps one block list per group.
+        self.kv_groups = model_kv_cache_groups(self.model, self.max_model_len)
+        self.kv_group_windows = self.kv_groups.windows
         if pipelined:
             from pagedllm.distributed.pipeline import PipelineStage
 
@@ -205,7 +214,8 @@ class Worker:
             max_num_batched_tokens=self.max_num_batched_tokens,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=enforce_eager or pipelined,
-            kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device))
+            kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device),
+            kv_groups=self.kv_groups)
         self.runner.lora = self.lora_manager
         if self.lora_manager is not None:
             self.lora_manager.warm_up(self.max_num_batched_tokens)
@@ -237,13 +247,15 @@ class Worker:
             return self._cuda_num_blocks(spec)
         budget = cpu_kv_budget(args.kv_cache_memory_bytes)
         # Never take more than the whole batch could use at full length.
-        most = self.max_num_seqs * (-(-self.max_model_len // spec.block_size)) + 1
+        one_sequence = self._blocks_per_sequence(spec.block_size)
+        most = self.max_num_seqs * one_sequence + 1
         num_blocks = min(budget // spec.bytes_per_block, most)
-        if num_blocks * spec.block_size < self.max_model_len and num_blocks < most:
+        if num_blocks < one_sequence and num_blocks < most:
             raise ValueError(
                 f"The KV cache budget ({budget / 2**30:.2f} GiB, {spec.bytes_per_token} bytes per token) holds "
-                f"only {num_blocks * spec.block_size} tokens, less than one sequence of max_model_len="
-                f"{self.max_model_len}; raise kv_cache_memory_bytes or lower --max-model-len.")
+                f"only {num_blocks} blocks of {spec.block_size} tokens, less than one sequence of max_model_len="
+                f"{self.max_model_len} needs ({one_sequence}); raise kv_cache_memory_bytes or lower "
+                f"--max-model-len.")
         return max(1, int(num_blocks))
 
     def _cuda_num_blocks(self, spec) -> int:
@@ -269,7 +281,7 @@ class Worker:
         if args.kv_cache_memory_bytes is not None:
             budget = args.kv_cache_memory_bytes
         num_blocks = int(budget // spec.bytes_per_block)
-        need_blocks = -(-self.max_model_len // spec.block_size)
+        need_blocks = self._blocks_per_sequence(spec.block_size)
         if num_blocks < need_blocks:
             gib = 2**30
             short = (need_blocks - max(num_blocks, 0)) * spec.bytes_per_block / gib
@@ -283,6 +295,10 @@ class Worker:
         logger.info("GPU memory: total %.1f GiB, weights+activations peak %.2f GiB, KV budget %.2f GiB.",
                     total / 2**30, peak / 2**30, budget / 2**30)
         return num_blocks
+
+    def _blocks_per_sequence(self, block_size: int) -> int:
+        """Block ids one max_model_len sequence holds (in every KV-cache group; sliding ones only their window)."""
+        return blocks_needed(self.kv_group_windows, self.max_model_len, self.max_num_batched_tokens, block_size)
 
     def execute_model(self, plan: BatchPlan) -> ModelOutput:
         return self.runner.execute_model(plan)

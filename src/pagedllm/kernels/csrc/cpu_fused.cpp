@@ -7,10 +7,13 @@
 //
 // Arguments (built once per model by models/cpu_decode.py):
 //   layout: [num_layers, num_heads, num_kv_heads, head_dim, hidden, intermediate, has_qk_norm], then per layer
-//           and per projection (qkv, o, gate_up, down): [num_parts, has_bias, type_0 .. type_{n-1}]
+//           its sliding window (0: none), its KV-cache group and per projection (qkv, o, gate_up, down):
+//           [num_parts, has_bias, type_0 .. type_{n-1}]
 //   floats: per layer [input_norm_eps, post_norm_eps, qk_norm_eps, attention_scale], then the final norm eps
 //   weights: per layer [input_norm, post_norm, k_cache, v_cache, (q_norm, k_norm)], then per projection its
 //           packed parts and its bias if any; at the end the final norm's weight.
+//   slot_mappings, block_tables: one per KV-cache group (layers with different sliding windows read different
+//           block tables: core/kv_cache_groups.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -28,7 +31,7 @@ void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
                  const at::Tensor& slot_mapping, int64_t num_tokens);
 void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                        const at::Tensor& seq_lens, double scale);
+                        const at::Tensor& seq_lens, double scale, int64_t window);
 void gguf_linear_op(at::Tensor& out, const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
                     const c10::optional<at::Tensor>& bias);
 }  // namespace pagedllm_export
@@ -66,9 +69,11 @@ void projection(Cursor& cur, at::Tensor& out, const at::Tensor& x) {
 }
 
 void decode_stack(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& positions, at::TensorList weights,
-                  at::IntArrayRef layout, at::ArrayRef<double> floats, const at::Tensor& slot_mapping,
-                  const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                  at::IntArrayRef layout, at::ArrayRef<double> floats, at::TensorList slot_mappings,
+                  at::TensorList block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                   const at::Tensor& cos_sin_cache, int64_t num_actual_tokens) {
+  TORCH_CHECK(!slot_mappings.empty() && slot_mappings.size() == block_tables.size(),
+              "decode_stack: one slot mapping and one block table per KV-cache group");
   TORCH_CHECK(layout.size() >= 7 && layout[0] >= 1, "decode_stack: layout too short");
   const int64_t num_layers = layout[0], hq = layout[1], hk = layout[2], d = layout[3], hidden_size = layout[4];
   const int64_t inter = layout[5], qk_norm = layout[6];
@@ -98,6 +103,11 @@ void decode_stack(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& p
   Cursor cur{weights, layout, 0, 7};
   for (int64_t i = 0; i < num_layers; ++i) {
     const double* f = floats.data() + 4 * i;
+    const int64_t window = cur.next_int();
+    const int64_t group = cur.next_int();
+    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(block_tables.size()), "decode_stack: bad KV-cache group");
+    const at::Tensor& slot_mapping = slot_mappings[group];
+    const at::Tensor& block_table = block_tables[group];
     const at::Tensor& in_norm = cur.next_tensor();
     const at::Tensor& post_norm = cur.next_tensor();
     at::Tensor k_cache = cur.next_tensor(), v_cache = cur.next_tensor();
@@ -112,7 +122,7 @@ void decode_stack(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& p
     }
     rotary_neox_op(positions, q3, k3, cos_sin_cache);
     write_kv_op(k3, v3, k_cache, v_cache, slot_mapping, num_actual_tokens);
-    paged_attention_op(attn3, q3, k_cache, v_cache, block_table, query_start_loc, seq_lens, f[3]);
+    paged_attention_op(attn3, q3, k_cache, v_cache, block_table, query_start_loc, seq_lens, f[3], window);
     projection(cur, h, attn);
     add_rms_norm_op(xn, res, h, res, post_norm, f[1]);
     projection(cur, gu, xn);
@@ -128,7 +138,7 @@ void decode_stack(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& p
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("decode_stack(Tensor(a!) out, Tensor hidden, Tensor positions, Tensor[] weights, int[] layout, "
-        "float[] floats, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
+        "float[] floats, Tensor[] slot_mappings, Tensor[] block_tables, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor cos_sin_cache, int num_actual_tokens) -> ()");
 }
 

@@ -359,7 +359,9 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 //
 // Request r owns query tokens [qsl[r], qsl[r+1]); they are the last query_len of its seq_lens[r] tokens, whose
 // K/V are already in the cache at block_table[r, :]. Query token i of the chunk attends causally to the first
-// (seq_len - query_len + i + 1) tokens. Work items are (request, kv head, tile of up to kTile query tokens):
+// (seq_len - query_len + i + 1) tokens; with a sliding window (window > 0) only to the last `window` of them
+// (transformers' mask: key k is seen from position p when p - window < k <= p), and blocks wholly before the
+// window are never read (they may have been freed and handed to another request). Work items are (request, kv head, tile of up to kTile query tokens):
 // each K/V block read serves all tile x group query rows. Items are handed out dynamically, heaviest first, so
 // long prefill tiles and short decodes balance over the threads. Softmax is the online (streaming) form over
 // chunks of 16 keys: 16 scores per FMA from the transposed K, vector exp, then P @ V into the accumulator.
@@ -438,7 +440,7 @@ template <typename scalar_t>
 void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const scalar_t* q, int64_t qs0,
                  int64_t qs1, const scalar_t* kc, const scalar_t* vc, const int32_t* bt, int64_t bts0,
                  const int32_t* qsl, const int32_t* seq_lens, int64_t heads, int64_t group, int64_t d,
-                 int64_t block_size, int64_t num_blocks, float scale, std::vector<float>& work) {
+                 int64_t block_size, int64_t num_blocks, float scale, int64_t window, std::vector<float>& work) {
   const int64_t nq = it.q_end - it.q_begin, nh = it.head_end - it.head_begin;
   const int64_t per_head = nq * group, rows = per_head * nh;  // row r = hh * per_head + i * group + g
   const int64_t q_start = qsl[it.req], q_len = qsl[it.req + 1] - q_start;
@@ -446,6 +448,8 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
   // Keys visible to query token q_begin + i: first_visible + i.
   const int64_t first_visible = ctx_before + (it.q_begin - q_start) + 1;
   const int64_t max_keys = first_visible + nq - 1;
+  // With a window, query token q_begin + i sees keys [first_visible + i - window, first_visible + i).
+  const int64_t min_key = window > 0 ? std::max<int64_t>(0, first_visible - window) : 0;
   work.resize(rows * d * 2 + rows * 2 + 16);
   float* qbuf = work.data();
   float* acc = qbuf + rows * d;
@@ -466,7 +470,7 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
   const int32_t* table = bt + it.req * bts0;
   const int64_t per_block = heads * d * block_size;
   const int64_t head_span = d * block_size;  // one head's K (or V) in a block
-  for (int64_t kb = 0; kb * block_size < max_keys; ++kb) {
+  for (int64_t kb = min_key / block_size; kb * block_size < max_keys; ++kb) {
     const int64_t blk = table[kb];
     TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention: block id ", blk, " outside the cache");
     const int64_t n = std::min(block_size, max_keys - kb * block_size);
@@ -484,8 +488,10 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
         const int64_t key0 = kb * block_size + c0;  // position of this chunk's first key
         for (int64_t i = 0; i < nq; ++i) {
           const int64_t visible = std::min(cn, first_visible + i - key0);
-          if (visible <= 0) continue;
-          const v16i live = kLane < static_cast<int>(visible);
+          // lanes before `skip` lie before this query's window
+          const int64_t skip = window > 0 ? std::max<int64_t>(0, first_visible + i - window - key0) : 0;
+          if (visible <= skip) continue;
+          const v16i live = (kLane < static_cast<int>(visible)) & (kLane >= static_cast<int>(skip));
           for (int64_t g0 = 0; g0 < group; g0 += 4) {
             const int64_t rows_here = std::min<int64_t>(4, group - g0);
             const int64_t r0 = hh * per_head + i * group + g0;
@@ -524,7 +530,7 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
               float pj[16];
               std::memcpy(pj, &p, sizeof(pj));
               const scalar_t* pf_v = (i == 0 && g0 == 0 && rr == 0 && next_vb != nullptr) ? next_vb + c0 * d : nullptr;
-              pv_accumulate<scalar_t>(acc + r * d, alpha, pj, visible, vb + c0 * d, d, pf_v);
+              pv_accumulate<scalar_t>(acc + r * d, alpha, pj + skip, visible - skip, vb + (c0 + skip) * d, d, pf_v);
             }
           }
         }
@@ -547,7 +553,7 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
 // prefill chunks a gather + torch's flash-attention kernel is faster than this one.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale, int64_t skip_query_len) {
+                     double scale, int64_t skip_query_len, int64_t window) {
   check_last_dim_contiguous(out, "out");
   check_last_dim_contiguous(query, "query");
   check_cpu(k_cache, "k_cache");
@@ -571,6 +577,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int64_t group = query.size(1) / kv_heads, max_blocks = block_table.size(1);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: no sliding window)");
   std::vector<Item> items;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t q_begin = qsl[r], q_end = qsl[r + 1], q_len = q_end - q_begin;
@@ -580,12 +587,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     if (skip_query_len > 0 && q_len >= skip_query_len) continue;
     if (q_len == 1) {
       // A decode: one item over all kv heads, so each block is read as one contiguous span per K and V.
-      items.push_back({r, 0, kv_heads, q_begin, q_end, lens[r] * kv_heads});
+      const int64_t keys = window > 0 ? std::min<int64_t>(lens[r], window) : lens[r];
+      items.push_back({r, 0, kv_heads, q_begin, q_end, keys * kv_heads});
       continue;
     }
     for (int64_t t = q_begin; t < q_end; t += kTile) {
       const int64_t t_end = std::min(q_end, t + kTile);
-      const int64_t keys = lens[r] - q_len + (t_end - q_begin);
+      int64_t keys = lens[r] - q_len + (t_end - q_begin);
+      if (window > 0) keys = std::min<int64_t>(keys, window + (t_end - t));
       for (int64_t h = 0; h < kv_heads; ++h) items.push_back({r, h, h + 1, t, t_end, keys * (t_end - t)});
     }
   }
@@ -609,7 +618,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         attend_item<scalar_t>(items[i], op, out.stride(0), out.stride(1), qp, query.stride(0), query.stride(1), kc,
                               vc, bt, block_table.stride(0), qsl, lens, kv_heads, group, d,
-                              block_size, k_cache.size(0), static_cast<float>(scale), work);
+                              block_size, k_cache.size(0), static_cast<float>(scale), window, work);
       }
     });
   });
@@ -721,8 +730,8 @@ void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
 }
 void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                        const at::Tensor& seq_lens, double scale) {
-  ::paged_attention(out, query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, 0);
+                        const at::Tensor& seq_lens, double scale, int64_t window) {
+  ::paged_attention(out, query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, 0, window);
 }
 }  // namespace pagedllm_export
 
@@ -737,7 +746,7 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("greedy_screen(Tensor(a!) out, Tensor approx, Tensor x, Tensor weight, Tensor w_norms, int vocab, "
         "float c, float out_err, int max_candidates) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, int skip_query_len=0) -> ()");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int skip_query_len=0, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
