@@ -17,6 +17,19 @@ SERVED_NAME = "smol"
 MAX_MODEL_LEN = 1024
 BIN = os.path.dirname(sys.executable)
 
+# Modules whose servers also run with 2 API server processes (`--api-server-count 2`): a representative part of the
+# suite (the SDK, raw HTTP, concurrency and disconnects, LoRA routing), so CI's time stays in bounds; the whole
+# suite runs against N processes with PAGEDLLM_TEST_API_SERVERS=N.
+TWO_API_SERVER_MODULES = ("test_openai_sdk.py", "test_concurrency.py", "test_http.py", "test_lora_server.py")
+
+
+def api_server_counts(module_file: str) -> list[int]:
+    """The --api-server-count values a module's servers run with."""
+    forced = os.environ.get("PAGEDLLM_TEST_API_SERVERS")
+    if forced:
+        return [int(forced)]
+    return [1, 2] if os.path.basename(module_file) in TWO_API_SERVER_MODULES else [1]
+
 
 def cli(name: str) -> str:
     return os.path.join(BIN, name)
@@ -29,6 +42,7 @@ class Server:
     model_dir: str
     proc: subprocess.Popen
     log_path: str
+    api_servers: int = 1  # --api-server-count
 
     @property
     def base_url(self) -> str:
