@@ -230,7 +230,7 @@ class APIServerSupervisor:
             if code is not None:
                 return code
             self.serving = True
-            if self.signals:  # a signal during start-up's last moment
+            if self.signals:  # stopped while the first processes served already: they drain
                 self.stopping = True
                 self._signal_apis()
             return self._supervise()
@@ -249,6 +249,10 @@ class APIServerSupervisor:
         ready: dict[int, dict] = {}
         dead_engines: set[int] = set()
         while len(ready) < self.count:
+            if self.signals and ready:  # some processes serve clients already: they drain, the others stop
+                logger.info("%s during start-up: draining the %d API server process(es) serving already",
+                            signal.Signals(self.last_signal).name, len(ready))
+                return None
             if self.signals:  # stopped before serving: the shell's code for death by that signal
                 return 128 + int(self.last_signal)
             conns = [r for i, r in enumerate(self.reports) if i not in ready]
