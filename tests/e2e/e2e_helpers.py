@@ -17,10 +17,12 @@ SERVED_NAME = "smol"
 MAX_MODEL_LEN = 1024
 BIN = os.path.dirname(sys.executable)
 
-# Modules whose servers also run with 2 API server processes (`--api-server-count 2`): a representative part of the
-# suite (the SDK, raw HTTP, concurrency and disconnects, LoRA routing), so CI's time stays in bounds; the whole
-# suite runs against N processes with PAGEDLLM_TEST_API_SERVERS=N.
-TWO_API_SERVER_MODULES = ("test_openai_sdk.py", "test_concurrency.py", "test_http.py", "test_lora_server.py")
+# Modules whose servers also run with 2 API server processes (`--api-server-count 2`): every module of the shared
+# server but the CLI's (one more server start, ~10 s, and their own tests' time), and the LoRA server. The modules
+# that start servers of their own run with one; PAGEDLLM_TEST_API_SERVERS=N runs every server with N processes.
+TWO_API_SERVER_MODULES = ("test_openai_sdk.py", "test_concurrency.py", "test_http.py", "test_request_fields.py",
+                          "test_structured_tools.py", "test_beam_search_http.py", "test_echo_logprobs.py",
+                          "test_lora_server.py")
 
 
 def api_server_counts(module_file: str) -> list[int]:

@@ -218,8 +218,9 @@ class AsyncEngine:
         # One of several API processes: the engine cores serve the others still; the supervisor stops them.
         alive = [(i, p) for i, p in enumerate(self.procs) if p.is_alive()]
         for i, _ in alive:
-            try:  # never wait here: a core that is exiting has no socket left to take it (PUSH would block)
-                self.in_socks[i].send(self.enc.encode(m.Shutdown()), flags=zmq.DONTWAIT)
+            try:  # never wait here: a core that is exiting has no socket left to take it (PUSH would block);
+                # awaited so that "no peer" (Again) is caught here, not logged as a future nobody read
+                await self.in_socks[i].send(self.enc.encode(m.Shutdown()), flags=zmq.DONTWAIT)
             except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + 5
