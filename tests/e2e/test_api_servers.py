@@ -296,3 +296,44 @@ def _gone(pid: int) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_two_api_processes_over_two_data_parallel_engine_cores(tiny_llama_dir: str, e2e_env: dict,
+                                                                tmp_path) -> None:
+    """Each API process sends to both engine cores and each core answers both processes: every request's text
+    equals the offline engine's, both cores and both processes took some, and the sums match."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = [f"The quick brown fox {i} jumps" + " again" * (i % 4) for i in range(32)]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = str(tmp_path / "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--device", "cpu",
+                                 "--served-model-name", "tiny", "--data-parallel-size", "2", "--enforce-eager",
+                                 "--api-server-count", "2", "--kv-cache-memory-bytes", str(16 << 20)],
+                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+    try:
+        wait_healthy(proc, url, timeout_s=240, log_path=log_path)
+
+        async def run_all() -> list[str]:  # 32 at once: 32 connections
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+                outs = await asyncio.gather(*(c.completions.create(model="tiny", prompt=p, max_tokens=8,
+                                                                   temperature=0) for p in prompts))
+            return [o.choices[0].text for o in outs]
+
+        texts = asyncio.run(run_all())
+        llm = LLM(tiny_llama_dir, device="cpu", enforce_eager=True)
+        expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
+                                                              use_tqdm=False)]
+        llm.shutdown()
+        assert texts == expected
+        text = httpx.get(url + "/metrics", timeout=30).text
+        per_core = [metric(text, "vllm:generation_tokens_total", engine=str(i)) for i in (0, 1)]
+        assert min(per_core) > 0 and sum(per_core) == 32 * 8, per_core
+        per_process = [metric(text, "pagedllm:api_server_requests_total", api_server=str(i)) for i in (0, 1)]
+        assert min(per_process) > 0 and sum(per_process) == 32, per_process
+        names = _process_names(proc.pid)
+        assert {"pagedllm-api-0", "pagedllm-api-1", "pagedllm-core-0", "pagedllm-core-1"} <= set(names), names
+    finally:
+        stop(proc)
