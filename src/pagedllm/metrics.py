@@ -109,6 +109,7 @@ class Metrics:
         self._stats: list[Any] = [None] * num_engines  # the latest SchedulerStats of each engine core
         self._stats_time = [time.time()] * num_engines
         self.lora_info = False  # vllm:lora_requests_info, with enable_lora (enable_lora_info)
+        self._merged: Optional[CollectorRegistry] = None  # view() with several API processes
         self.registry.register(_EngineCollector(self))
 
     def enable_lora_info(self, max_loras: int, names_by_id: dict) -> None:
@@ -139,15 +140,21 @@ class Metrics:
         if tpot_s is not None:
             e.tpot.observe(tpot_s)
 
-    def render(self) -> bytes:
+    def view(self) -> CollectorRegistry:
+        """What /metrics shows, as a registry to collect() from: with several API processes, the sums over them
+        (read from the multiprocess files at each collect) and this process's collectors."""
         if self.multiprocess_dir is None:
-            return generate_latest(self.registry)
-        from prometheus_client.multiprocess import MultiProcessCollector
+            return self.registry
+        if self._merged is None:
+            from prometheus_client.multiprocess import MultiProcessCollector
 
-        merged = CollectorRegistry()
-        MultiProcessCollector(merged, path=self.multiprocess_dir)
-        merged.register(_RegistryView(self.registry))
-        return generate_latest(merged)
+            self._merged = CollectorRegistry()
+            MultiProcessCollector(self._merged, path=self.multiprocess_dir)
+            self._merged.register(_RegistryView(self.registry))
+        return self._merged
+
+    def render(self) -> bytes:
+        return generate_latest(self.view())
 
 
 class _RegistryView:

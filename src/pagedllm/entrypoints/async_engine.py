@@ -416,7 +416,7 @@ class AsyncEngine:
         self._stats_waiters.update(zip(seqs, futs))
         try:
             for engine, seq in enumerate(seqs):
-                await self.in_socks[engine].send(self.enc.encode(m.GetDashboard(seq, with_info)))
+                await self.in_socks[engine].send(self.enc.encode(m.GetDashboard(seq, with_info, self.client_index)))
             await asyncio.wait(futs, timeout=timeout_s)
             return [f.result() if f.done() and isinstance(f.result(), m.DashboardReply) else None for f in futs]
         finally:

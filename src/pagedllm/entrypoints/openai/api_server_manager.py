@@ -291,6 +291,8 @@ class APIServerSupervisor:
                     "(pids %s) over %d engine core(s) (pids %s)", info["name"], info["model_dir"],
                     info["max_model_len"], host, args.port, self.count, ", ".join(str(p.pid) for p in self.apis),
                     self.num_engines, ", ".join(str(p.pid) for p in self.engines))
+        if getattr(args, "dashboard", False):
+            logger.info("Dashboard: http://%s:%d/dashboard", host, args.port)
         return None
 
     @staticmethod
