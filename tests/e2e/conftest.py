@@ -12,7 +12,7 @@ import subprocess
 import httpx
 import pytest
 
-from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, api_server_counts, cli, stop
+from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, api_server_counts, cli, stop, wait_all_serving
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
@@ -51,7 +51,9 @@ def server(request: pytest.FixtureRequest, smollm2_hf_dir: str, e2e_env: dict,
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path=log_path)
-        yield Server(url, port, smollm2_hf_dir, proc, log_path, api_servers)
+        server = Server(url, port, smollm2_hf_dir, proc, log_path, api_servers)
+        wait_all_serving(server)
+        yield server
     finally:
         stop(proc)
 

@@ -58,6 +58,19 @@ class Server:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120, **kw)
 
 
+def wait_all_serving(server: "Server", timeout_s: float = 120) -> None:
+    """With several API server processes /health answers once the first listens; the supervisor's "Serving" line
+    says all of them do (tests that count per process wait for it)."""
+    import time
+
+    if server.api_servers < 2:
+        return
+    deadline = time.monotonic() + timeout_s  # a hang guard
+    while f"with {server.api_servers} API server processes" not in server.log():
+        assert server.proc.poll() is None and time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.05)
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)

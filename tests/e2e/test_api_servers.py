@@ -19,7 +19,8 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="these tests call the server with the openai SDK too")
 
-from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, cli, metric, stop  # noqa: E402
+from e2e_helpers import (API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, cli, metric, stop,  # noqa: E402
+                         wait_all_serving)
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy  # noqa: E402
 
@@ -36,12 +37,14 @@ def _start(smollm2_hf_dir: str, env: dict, log_path: str, *flags: str) -> Server
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
+    server = Server(url, port, smollm2_hf_dir, proc, log_path, api_servers=2)
     try:
         wait_healthy(proc, url, log_path=log_path)
+        wait_all_serving(server)
     except BaseException:
         stop(proc)
         raise
-    return Server(url, port, smollm2_hf_dir, proc, log_path, api_servers=2)
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +318,7 @@ def test_two_api_processes_over_two_data_parallel_engine_cores(tiny_llama_dir: s
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     try:
         wait_healthy(proc, url, timeout_s=240, log_path=log_path)
+        wait_all_serving(Server(url, port, tiny_llama_dir, proc, log_path, api_servers=2))
 
         async def run_all() -> list[str]:  # 32 at once: 32 connections
             async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as c:

@@ -14,7 +14,8 @@ import pytest
 openai = pytest.importorskip("openai", reason="these tests call the server with the openai SDK")
 
 from browser import dashboard_page  # noqa: E402
-from e2e_helpers import API_KEY, Server, api_server_counts, cli, dashboard_event, metric, stop  # noqa: E402
+from e2e_helpers import (API_KEY, Server, api_server_counts, cli, dashboard_event, metric, stop,  # noqa: E402
+                         wait_all_serving)
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy  # noqa: E402
 from tests.lora.lora_helpers import make_adapter, peft_greedy  # noqa: E402
@@ -55,7 +56,9 @@ def lora_server(request, smollm2_hf_dir, adapters, e2e_env, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path=log_path)
-        yield Server(url, port, smollm2_hf_dir, proc, log_path, request.param)
+        server = Server(url, port, smollm2_hf_dir, proc, log_path, request.param)
+        wait_all_serving(server)
+        yield server
     finally:
         stop(proc)
 

@@ -72,8 +72,8 @@ def _startup_error(report: Any, message: str, code: int) -> int:
 
 
 async def serve(args: argparse.Namespace, client: Any = None, report: Any = None) -> int:
-    """Serve HTTP until stopped; the exit code. `client` (an ipc.ClientSpec) and `report` (a pipe to the
-    supervisor): this is one of several API server processes."""
+    """Serve HTTP until stopped; the exit code. `client` (an ipc.ClientSpec) and `report` (a pipe to and from
+    the supervisor): this is one of several API server processes."""
     import uvicorn
 
     from pagedllm import envs
@@ -143,6 +143,9 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
             if client is None:
                 logger.info("Dashboard: http://%s:%d/dashboard", host, args.port)
         _SERVING["started"] = True
+        if report is not None:  # every API process listens at once, when the supervisor says (after all prepared)
+            report.send(("prepared",))
+            await asyncio.get_running_loop().run_in_executor(None, report.recv)
         await server.serve(sockets=[sock])
         return lifecycle.exit_code
     finally:

@@ -219,13 +219,13 @@ class APIServerSupervisor:
             # gets it at start (and pagedllm's own runtime variables, as the engine cores do).
             with envs.environ_set({**envs.child_vars(), "PROMETHEUS_MULTIPROC_DIR": layout.metrics_dir}):
                 for c in range(self.count):
-                    reader, writer = spawn.Pipe(duplex=False)
-                    proc = spawn.Process(target=self.child_target, args=(args, ClientSpec(c, layout), writer),
+                    ours, theirs = spawn.Pipe()
+                    proc = spawn.Process(target=self.child_target, args=(args, ClientSpec(c, layout), theirs),
                                          name=f"pagedllm-api-server-{c}", daemon=True)
                     proc.start()
-                    writer.close()
+                    theirs.close()
                     self.apis.append(proc)
-                    self.reports.append(reader)
+                    self.reports.append(ours)
             code = self._wait_started(args)
             if code is not None:
                 return code
@@ -245,8 +245,12 @@ class APIServerSupervisor:
             shutil.rmtree(directory, ignore_errors=True)
 
     def _wait_started(self, args: argparse.Namespace) -> Optional[int]:
-        """Until every API process serves (None), or the exit code of a failed start (the error printed once)."""
+        """Until every API process serves (None), or the exit code of a failed start (the error printed once).
+        Each reports "prepared" (engine cores ready, tokenizer and app built), waits for "go", listens, reports
+        "ready": all of them start listening together, so the first clients (a benchmark's connections, kept for
+        its whole run) are spread over all of them, not given to whichever was first."""
         ready: dict[int, dict] = {}
+        prepared: set[int] = set()
         dead_engines: set[int] = set()
         while len(ready) < self.count:
             if self.signals and ready:  # some processes serve clients already: they drain, the others stop
@@ -284,6 +288,12 @@ class APIServerSupervisor:
                     _, code, message = report
                     print(f"error: {message}", file=sys.stderr)
                     return code
+                if report[0] == "prepared":
+                    prepared.add(i)
+                    if len(prepared) == self.count:
+                        for conn in self.reports:
+                            conn.send(("go",))
+                    continue
                 ready[i] = report[1]
         info = ready[0]
         host = f"[{args.host}]" if ":" in args.host else args.host
