@@ -187,7 +187,8 @@ class _EngineCollector:
                 family.add_metric([m.model_name, engine], float(getattr(stats, field, 0) if stats else 0))
             yield family
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted tokens per draft position.", labels=["model_name", "position", "engine"])
+                                      "Accepted tokens per draft position.",
+                                      labels=["model_name", "position", "engine"])
         for engine, stats in engines:
             for pos, count in enumerate(getattr(stats, "spec_num_accepted_tokens_per_pos", ()) if stats else ()):
                 if count:

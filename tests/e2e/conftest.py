@@ -47,7 +47,8 @@ def server(request: pytest.FixtureRequest, smollm2_hf_dir: str, e2e_env: dict,
     log_path = str(tmp / "server.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--config", str(config), "--port", str(port),
-                                 "--api-server-count", str(api_servers)], stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+                                 "--api-server-count", str(api_servers)],
+                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path=log_path)

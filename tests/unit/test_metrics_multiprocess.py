@@ -33,7 +33,8 @@ if mode != "record":
 
 
 def _run(mode: str, directory: str, index: int, requests: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO_ROOT, "src"), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([os.path.join(REPO_ROOT, "src"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     if mode != "single":
         env["PROMETHEUS_MULTIPROC_DIR"] = directory
     out = subprocess.run([sys.executable, "-c", _RECORD, mode, directory, str(index), str(requests)], env=env,

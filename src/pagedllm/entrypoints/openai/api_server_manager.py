@@ -270,8 +270,8 @@ class APIServerSupervisor:
                         # Its one-line reason reaches the API processes first (sent before it exited); they report
                         # it. Without one (killed), they learn of the exit from here.
                         dead_engines.add(i)
-                        self._notify_engine_dead(i, f"its process exited with {_describe_exit(self.engines[i].exitcode)}"
-                                                    " during startup")
+                        code = _describe_exit(self.engines[i].exitcode)
+                        self._notify_engine_dead(i, f"its process exited with {code} during startup")
                         continue
                     report = self._read_report(self.reports[i])
                     if report is None:
