@@ -1,7 +1,7 @@
 """Serving overhead: `pagedllm bench serve` at concurrency 32 against `pagedllm serve`, vs the offline engine
 (`pagedllm.LLM`) on the very same prompts. Prints both output throughputs and their ratio (target >= 0.85).
 
-    python benchmarks/serve_vs_offline.py [--model M] [--num-prompts 32] [--concurrency 32]
+    python benchmarks/serve_vs_offline.py [--model M] [--num-prompts 32] [--concurrency 32] [--api-server-count N]
 
 Prompts: 32 random-token prompts, input and output lengths uniform in 16..160 (mean 88, range ratio 72/88),
 ignore_eos, greedy. The server run and the offline run never overlap (the server is stopped first).
@@ -121,6 +121,8 @@ def main() -> None:
     p.add_argument("--synthetic-tokenizer", action="store_true",
                    help="build a byte-level tokenizer of the model's vocabulary size (config-only model dirs)")
     p.add_argument("--target", type=float, default=0.90, help="server / offline ratio to pass (issue 15: 0.90)")
+    p.add_argument("--api-server-count", type=int, default=None,
+                   help="the server's API server processes (default: the server's own default for the machine)")
     args = p.parse_args()
     if args.synthetic_tokenizer:
         args.tokenizer = make_synthetic_tokenizer(args.model)
@@ -132,11 +134,12 @@ def main() -> None:
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
             engine_flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    server_flags = [] if args.api_server_count is None else ["--api-server-count", str(args.api_server_count)]
     if args.kv_cache_memory_bytes:  # 0: size the KV pool from --gpu-memory-utilization (GPU)
         engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
         engine_flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     with tempfile.TemporaryDirectory(prefix="pagedllm-serve-bench-") as tmp:
-        served = run_server_side(args, engine_flags, tmp)
+        served = run_server_side(args, engine_flags + server_flags, tmp)
     offline = run_offline_side(args, engine_kwargs)
     if served["total_output_tokens"] != offline["total_output_tokens"]:
         print(f"warning: output tokens differ: server {served['total_output_tokens']} vs offline "
@@ -144,6 +147,8 @@ def main() -> None:
     ratio = served["output_throughput"] / offline["output_throughput"]
     print("{s:{c}^{n}}".format(s=" Server vs offline ", n=50, c="="))
     print(f"{'Prompts / concurrency:':<40} {args.num_prompts} / {args.concurrency}")
+    if args.api_server_count is not None:
+        print(f"{'API server processes:':<40} {args.api_server_count}")
     print(f"{'Output tokens (server / offline):':<40} {served['total_output_tokens']} / {offline['total_output_tokens']}")
     print(f"{'Offline output throughput (tok/s):':<40} {offline['output_throughput']:.2f}")
     print(f"{'Server output throughput (tok/s):':<40} {served['output_throughput']:.2f}")

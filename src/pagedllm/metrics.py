@@ -1,16 +1,25 @@
 """Prometheus metrics with vLLM's names (so existing Grafana dashboards work), labelled by model_name and engine.
 
-Lives in the API process. Gauges and the engine's cumulative counters (preemptions, prefix cache) are
-refreshed from the SchedulerStats the engine core sends; token counters and latency histograms are
-recorded by AsyncEngine as outputs arrive.
+Lives in the API process. Token counters and latency histograms are recorded by AsyncEngine as outputs arrive.
+What the engine core reports (gauges, and its cumulative counts: preemptions, prefix cache, speculative decoding,
+aborted requests) is rendered at scrape time from the latest SchedulerStats of each engine core, which the
+/metrics route refreshes first: a counter's value is the engine's own running total, so every API process that
+answers a scrape shows the same one.
+
+Several API server processes (`--api-server-count`): each records its requests in prometheus_client's
+multiprocess mode (`multiprocess_dir`, one file per process, summed at scrape by whichever process answers), so
+counters and histograms add up over processes; `pagedllm:api_server_requests_total{api_server}` says how many
+HTTP requests each process took.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the /metrics route
 from prometheus_client import disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # the *_created series only add noise for dashboards
 
@@ -22,9 +31,27 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
 
+# The engine core's gauges and running totals: (metric name, help, SchedulerStats field).
+_ENGINE_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in the running batch.", "num_running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be scheduled.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    ("vllm:gpu_cache_usage_perc", "KV-cache usage (older name of kv_cache_usage_perc).", "kv_cache_usage"),
+)
+_ENGINE_COUNTERS = (
+    ("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+    ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", "prefix_cache_hits"),
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_num_accepted_tokens"),
+    ("pagedllm:engine_aborted_requests", "Requests the engine core finished as aborted: client disconnects, stop "
+     "strings found by an API process, requests ended at shutdown.", "num_aborted"),
+)
+
 
 class _EngineChildren:
-    """One engine core's labelled children of every family."""
+    """One engine core's labelled children of every family the API process records."""
 
     def __init__(self, families: dict[str, Any], model_name: str, engine: str) -> None:
         for name, family in families.items():
@@ -44,15 +71,21 @@ class _EngineChildren:
 
 class Metrics:
     """Every series is labelled by model_name and engine (the data-parallel engine core's index, "0" with one
-    core), like vLLM; dashboards sum over `engine` for the server's totals."""
+    core), like vLLM; dashboards sum over `engine` for the server's totals.
 
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None, num_engines: int = 1) -> None:
+    `multiprocess_dir`: this is one of several API server processes (index `api_server`), started with
+    PROMETHEUS_MULTIPROC_DIR set to that directory (prometheus_client reads it at import)."""
+
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None, num_engines: int = 1,
+                 multiprocess_dir: Optional[str] = None, api_server: int = 0) -> None:
+        # What render() exports: the families below (one process) or the multiprocess files, plus collectors.
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
-        r, lbl = self.registry, ["model_name", "engine"]
-
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, lbl, registry=r)
+        self.multiprocess_dir = multiprocess_dir
+        # Several processes: the families' values live in the shared files, read back at scrape, so they are
+        # kept out of the rendered registry (it would show this process's share besides the sum).
+        r = CollectorRegistry() if multiprocess_dir else self.registry
+        lbl = ["model_name", "engine"]
 
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, lbl, registry=r)
@@ -61,90 +94,37 @@ class Metrics:
             return Histogram(name, doc, lbl, buckets=buckets, registry=r)
 
         families = {
-            "num_running": gauge("vllm:num_requests_running", "Number of requests in the running batch."),
-            "num_waiting": gauge("vllm:num_requests_waiting", "Number of requests waiting to be scheduled."),
-            "kv_usage": gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
-            "gpu_usage": gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (older name of kv_cache_usage_perc)."),
             "prompt_tokens": counter("vllm:prompt_tokens", "Number of prefill tokens processed."),
             "generation_tokens": counter("vllm:generation_tokens", "Number of generation tokens processed."),
-            "preemptions": counter("vllm:num_preemptions", "Cumulative number of preemptions."),
-            "prefix_queries": counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens."),
-            "prefix_hits": counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens."),
             "ttft": hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS),
             "tpot": hist("vllm:time_per_output_token_seconds", "Time per output token in seconds.", _TPOT_BUCKETS),
             "e2e": hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS),
-            "spec_drafts": counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
-            "spec_draft_tokens": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
-            "spec_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
             "_success_family": Counter("vllm:request_success", "Count of finished requests by finish reason.",
                                        ["model_name", "finished_reason", "engine"], registry=r),
         }
-        self._spec_per_pos = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-            ["model_name", "position", "engine"], registry=r,
-        )
         self.engines = [_EngineChildren(families, model_name, str(i)) for i in range(num_engines)]
-        self.lora_info: Any = None  # vllm:lora_requests_info, with enable_lora (enable_lora_info)
+        self.api_server_requests = Counter(
+            "pagedllm:api_server_requests", "HTTP requests (health probes and scrapes aside) taken by each API "
+            "server process.", ["model_name", "api_server"], registry=r).labels(model_name, str(api_server))
+        self._stats: list[Any] = [None] * num_engines  # the latest SchedulerStats of each engine core
+        self._stats_time = [time.time()] * num_engines
+        self.lora_info = False  # vllm:lora_requests_info, with enable_lora (enable_lora_info)
+        self._merged: Optional[CollectorRegistry] = None  # view() with several API processes
+        self.registry.register(_EngineCollector(self))
 
     def enable_lora_info(self, max_loras: int, names_by_id: dict) -> None:
         """vLLM's `vllm:lora_requests_info`: per engine core, one sample whose labels name the running and waiting
         adapters and whose value is the time of the update. `names_by_id` maps engine adapter ids to served names."""
-        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters", "engine"],
-                               registry=self.registry)
         self._max_loras = str(max_loras)
         self._lora_names = names_by_id
-        self._lora_current: dict[int, tuple] = {}
-        for i in range(len(self.engines)):
-            self._set_lora_info(i, (self._max_loras, "", "", str(i)))
-
-    def _set_lora_info(self, engine: int, labels: tuple) -> None:
-        before = self._lora_current.get(engine)
-        if before is not None and before != labels:
-            self.lora_info.remove(*before)  # only each core's current combination is exported
-        self._lora_current[engine] = labels
-        self.lora_info.labels(*labels).set_to_current_time()
-
-    def _update_lora_info(self, stats: Any, engine: int) -> None:
-        def names(ids: Any) -> str:
-            return ",".join(self._lora_names.get(i, str(i)) for i in ids)
-
-        self._set_lora_info(engine, (self._max_loras, names(getattr(stats, "running_lora_ids", ())),
-                                     names(getattr(stats, "waiting_lora_ids", ())), str(engine)))
+        self.lora_info = True
 
     # ---- recorders ------------------------------------------------------------------------------
 
-    def update_scheduler_stats(self, stats: Any, prev: Any, engine: int = 0) -> None:
-        e = self.engines[engine]
-        e.num_running.set(stats.num_running)
-        e.num_waiting.set(stats.num_waiting)
-        e.kv_usage.set(stats.kv_cache_usage)
-        e.gpu_usage.set(stats.kv_cache_usage)
-        if self.lora_info is not None:
-            self._update_lora_info(stats, engine)
-        # The engine reports cumulative counts; counters only move forward by the difference.
-        for counter, now, before in (
-            (e.preemptions, stats.num_preemptions, prev.num_preemptions),
-            (e.prefix_queries, stats.prefix_cache_queries, prev.prefix_cache_queries),
-            (e.prefix_hits, stats.prefix_cache_hits, prev.prefix_cache_hits),
-        ):
-            if now > before:
-                counter.inc(now - before)
-        self._update_spec_decode(stats, prev, engine)
-
-    def _update_spec_decode(self, stats: Any, prev: Any, engine: int) -> None:
-        e = self.engines[engine]
-        for counter, name in ((e.spec_drafts, "spec_num_drafts"), (e.spec_draft_tokens, "spec_num_draft_tokens"),
-                              (e.spec_accepted_tokens, "spec_num_accepted_tokens")):
-            now, before = getattr(stats, name, 0), getattr(prev, name, 0)
-            if now > before:
-                counter.inc(now - before)
-        now_pos = getattr(stats, "spec_num_accepted_tokens_per_pos", ())
-        before_pos = getattr(prev, "spec_num_accepted_tokens_per_pos", ())
-        for pos, now in enumerate(now_pos):
-            before = before_pos[pos] if pos < len(before_pos) else 0
-            if now > before:
-                self._spec_per_pos.labels(self.model_name, str(pos), str(engine)).inc(now - before)
+    def update_scheduler_stats(self, stats: Any, prev: Any = None, engine: int = 0) -> None:
+        """The engine core's latest gauges and totals (rendered at the next scrape)."""
+        self._stats[engine] = stats
+        self._stats_time[engine] = time.time()
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, engine: int = 0) -> None:
         self.engines[engine].ttft.observe(ttft_s)
@@ -160,5 +140,72 @@ class Metrics:
         if tpot_s is not None:
             e.tpot.observe(tpot_s)
 
+    def view(self) -> CollectorRegistry:
+        """What /metrics shows, as a registry to collect() from: with several API processes, the sums over them
+        (read from the multiprocess files at each collect) and this process's collectors."""
+        if self.multiprocess_dir is None:
+            return self.registry
+        if self._merged is None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self._merged = CollectorRegistry()
+            MultiProcessCollector(self._merged, path=self.multiprocess_dir)
+            self._merged.register(_RegistryView(self.registry))
+        return self._merged
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.view())
+
+
+class _RegistryView:
+    """Another registry's metrics, as one collector."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Any:
+        return self.registry.collect()
+
+
+class _EngineCollector:
+    """The engine cores' gauges and running totals from their latest SchedulerStats, at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Any:
+        m = self.metrics
+        engines = [(str(i), s) for i, s in enumerate(m._stats)]
+        for name, doc, field in _ENGINE_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+            for engine, stats in engines:
+                family.add_metric([m.model_name, engine], float(getattr(stats, field, 0) if stats else 0))
+            yield family
+        for name, doc, field in _ENGINE_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+            for engine, stats in engines:
+                family.add_metric([m.model_name, engine], float(getattr(stats, field, 0) if stats else 0))
+            yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.",
+                                      labels=["model_name", "position", "engine"])
+        for engine, stats in engines:
+            for pos, count in enumerate(getattr(stats, "spec_num_accepted_tokens_per_pos", ()) if stats else ()):
+                if count:
+                    per_pos.add_metric([m.model_name, str(pos), engine], float(count))
+        yield per_pos
+        if m.lora_info:
+            yield self._lora_info(engines)
+
+    def _lora_info(self, engines: list) -> Any:
+        m = self.metrics
+
+        def names(ids: Any) -> str:
+            return ",".join(m._lora_names.get(i, str(i)) for i in ids)
+
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters", "engine"])
+        for i, (engine, stats) in enumerate(engines):
+            family.add_metric([m._max_loras, names(getattr(stats, "running_lora_ids", ())),
+                               names(getattr(stats, "waiting_lora_ids", ())), engine], m._stats_time[i])
+        return family

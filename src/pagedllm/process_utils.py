@@ -1,4 +1,5 @@
-"""Helpers shared by the engine process (entrypoints/engine_proc.py) and the worker ranks (executor/worker_proc.py)."""
+"""Helpers shared by the server's processes: the engine process (entrypoints/engine_proc.py), the worker ranks
+(executor/worker_proc.py) and the API server processes."""
 from __future__ import annotations
 
 import os
@@ -27,3 +28,19 @@ def one_line(e: BaseException, user_errors: tuple[type, ...] = (ValueError,)) ->
     if isinstance(e, user_errors) and text:
         return text
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def set_process_name(name: str) -> None:
+    """Name this process in `ps -o comm` / top (Linux; at most 15 characters): the server's processes all run
+    the same `python -c ... spawn_main` command line. A no-op where prctl is missing."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15] + b"\0", 0, 0, 0)  # 15 = PR_SET_NAME
+    except (OSError, AttributeError):
+        pass

@@ -12,7 +12,7 @@ import subprocess
 import httpx
 import pytest
 
-from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, cli, stop
+from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, api_server_counts, cli, stop, wait_all_serving
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
@@ -26,9 +26,19 @@ def e2e_env(smollm2_cache_dir: str) -> dict:
     return env
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test of the shared server runs with `server` parametrized by its --api-server-count (1, and 2 for
+    the modules of TWO_API_SERVER_MODULES): tests of one count run together, one server at a time."""
+    if "server" in metafunc.fixturenames:
+        counts = api_server_counts(str(metafunc.definition.path))
+        metafunc.parametrize("server", counts, indirect=True, ids=[f"api{n}" for n in counts])
+
+
 @pytest.fixture(scope="session")
-def server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory: pytest.TempPathFactory) -> Server:
-    tmp = tmp_path_factory.mktemp("server")
+def server(request: pytest.FixtureRequest, smollm2_hf_dir: str, e2e_env: dict,
+           tmp_path_factory: pytest.TempPathFactory) -> Server:
+    api_servers = getattr(request, "param", 1)
+    tmp = tmp_path_factory.mktemp(f"server-api{api_servers}")
     config = tmp / "serve.yaml"
     # port 1 in the file: the command line's --port must win
     config.write_text(f"api-key: {API_KEY}\nserved-model-name: [{SERVED_NAME}, smol-alias]\n"
@@ -36,12 +46,15 @@ def server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory: pytest.TempPath
     port = free_port()
     log_path = str(tmp / "server.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--config", str(config), "--port", str(port)],
+        proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--config", str(config), "--port", str(port),
+                                 "--api-server-count", str(api_servers)],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path=log_path)
-        yield Server(url, port, smollm2_hf_dir, proc, log_path)
+        server = Server(url, port, smollm2_hf_dir, proc, log_path, api_servers)
+        wait_all_serving(server)
+        yield server
     finally:
         stop(proc)
 

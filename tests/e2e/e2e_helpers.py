@@ -17,6 +17,21 @@ SERVED_NAME = "smol"
 MAX_MODEL_LEN = 1024
 BIN = os.path.dirname(sys.executable)
 
+# Modules whose servers also run with 2 API server processes (`--api-server-count 2`): every module of the shared
+# server but the CLI's (one more server start, ~10 s, and their own tests' time), and the LoRA server. The modules
+# that start servers of their own run with one; PAGEDLLM_TEST_API_SERVERS=N runs every server with N processes.
+TWO_API_SERVER_MODULES = ("test_openai_sdk.py", "test_concurrency.py", "test_http.py", "test_request_fields.py",
+                          "test_structured_tools.py", "test_beam_search_http.py", "test_echo_logprobs.py",
+                          "test_lora_server.py")
+
+
+def api_server_counts(module_file: str) -> list[int]:
+    """The --api-server-count values a module's servers run with."""
+    forced = os.environ.get("PAGEDLLM_TEST_API_SERVERS")
+    if forced:
+        return [int(forced)]
+    return [1, 2] if os.path.basename(module_file) in TWO_API_SERVER_MODULES else [1]
+
 
 def cli(name: str) -> str:
     return os.path.join(BIN, name)
@@ -29,6 +44,7 @@ class Server:
     model_dir: str
     proc: subprocess.Popen
     log_path: str
+    api_servers: int = 1  # --api-server-count
 
     @property
     def base_url(self) -> str:
@@ -40,6 +56,19 @@ class Server:
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120, **kw)
+
+
+def wait_all_serving(server: "Server", timeout_s: float = 120) -> None:
+    """With several API server processes /health answers once the first listens; the supervisor's "Serving" line
+    says all of them do (tests that count per process wait for it)."""
+    import time
+
+    if server.api_servers < 2:
+        return
+    deadline = time.monotonic() + timeout_s  # a hang guard
+    while f"with {server.api_servers} API server processes" not in server.log():
+        assert server.proc.poll() is None and time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.05)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -14,7 +14,8 @@ import pytest
 openai = pytest.importorskip("openai", reason="these tests call the server with the openai SDK")
 
 from browser import dashboard_page  # noqa: E402
-from e2e_helpers import API_KEY, Server, cli, dashboard_event, metric, stop  # noqa: E402
+from e2e_helpers import (API_KEY, Server, api_server_counts, cli, dashboard_event, metric, stop,  # noqa: E402
+                         wait_all_serving)
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy  # noqa: E402
 from tests.lora.lora_helpers import make_adapter, peft_greedy  # noqa: E402
@@ -38,8 +39,9 @@ def adapters(smollm2_hf_dir, tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module")
-def lora_server(smollm2_hf_dir, adapters, e2e_env, tmp_path_factory):
+@pytest.fixture(scope="module", params=api_server_counts(__file__), ids=lambda n: f"lora-api{n}")
+def lora_server(request, smollm2_hf_dir, adapters, e2e_env, tmp_path_factory):
+    """With 2 API processes too: each has its own name table, kept in step through the engine core."""
     tmp = tmp_path_factory.mktemp("lora-server")
     port = free_port()
     log_path = str(tmp / "server.log")
@@ -48,13 +50,15 @@ def lora_server(smollm2_hf_dir, adapters, e2e_env, tmp_path_factory):
     cmd = [cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port), "--api-key", API_KEY,
            "--served-model-name", "smol", "--dtype", "float32", "--max-model-len", "512",
            "--kv-cache-memory-bytes", str(128 << 20), "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-           "--lora-modules", f"sql={adapters['sql']}", chat_json]
+           "--lora-modules", f"sql={adapters['sql']}", chat_json, "--api-server-count", str(request.param)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path=log_path)
-        yield Server(url, port, smollm2_hf_dir, proc, log_path)
+        server = Server(url, port, smollm2_hf_dir, proc, log_path, request.param)
+        wait_all_serving(server)
+        yield server
     finally:
         stop(proc)
 
@@ -163,6 +167,32 @@ def test_unload_lets_running_requests_finish(lora_server, adapters, prompt_ids):
         # the adapter can be loaded again under the same name
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapters["late"]})
         assert r.status_code == 200
+
+
+def test_a_run_time_load_routes_on_every_api_process(lora_server, adapters, prompt_ids, smollm2_hf_dir):
+    """Loaded through one connection (one API process), the name routes on every connection at once (each of
+    these on its own, so with 2 API processes both take some), and an unload is as quick."""
+    def fresh(model: str) -> httpx.Response:
+        with httpx.Client(base_url=lora_server.url, timeout=120,
+                          headers={"Authorization": f"Bearer {API_KEY}", "Connection": "close"}) as h:
+            return complete(h, model, prompt_ids, max_tokens=3)
+
+    before = {}
+    with lora_server.client() as http:
+        before = {p: metric(http.get("/metrics").text, "pagedllm:api_server_requests_total", api_server=p)
+                  for p in map(str, range(lora_server.api_servers))}
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "late-again", "lora_path": adapters["late"]})
+        assert r.status_code == 200, r.text
+    want = expected_text(smollm2_hf_dir, adapters["late"], prompt_ids, 3)
+    texts = [fresh("late-again").json()["choices"][0]["text"] for _ in range(24)]
+    assert texts == [want] * 24
+    with lora_server.client() as http:
+        text = http.get("/metrics").text
+        taken = [metric(text, "pagedllm:api_server_requests_total", api_server=p) - before[p] for p in before]
+        assert min(taken) >= 1, taken  # every API process served the adapter
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "late-again"})
+        assert r.status_code == 200, r.text
+    assert [fresh("late-again").status_code for _ in range(8)] == [404] * 8
 
 
 def test_lora_requests_info_metric(lora_server, prompt_ids):

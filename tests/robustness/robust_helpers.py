@@ -42,6 +42,10 @@ def launch(model_dir: str, flags: Iterable[str], env: dict, log_path: str, comma
     until /health is 200."""
     port = port or free_port()
     env = dict(env)
+    forced = os.environ.get("PAGEDLLM_TEST_API_SERVERS")  # run the suite against N API server processes
+    flags = list(flags)
+    if forced and "--api-server-count" not in flags:
+        flags += ["--api-server-count", forced]
     if command is None:
         argv = [os.path.join(BIN, "pagedllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), *flags]
     else:

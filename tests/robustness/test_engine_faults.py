@@ -14,9 +14,10 @@ import httpx
 from robust_helpers import completion_body, launch, metric, sse_events, stop
 
 
-def _engine_pid(api_pid: int) -> int:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(api_pid)], capture_output=True, text=True).stdout
-    pids = [int(p) for p in out.split() if "spawn_main" in open(f"/proc/{p.strip()}/cmdline").read()]
+def _engine_pid(server_pid: int) -> int:
+    """The engine core among the server's children (the API server processes too, with --api-server-count > 1)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server_pid)], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split() if open(f"/proc/{p.strip()}/comm").read().startswith("pagedllm-core")]
     assert len(pids) == 1, pids
     return pids[0]
 

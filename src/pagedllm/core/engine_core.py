@@ -457,6 +457,13 @@ class EngineLoRAs:
     def ids(self) -> set[int]:
         return set(self.requests) - self.pending_removal
 
+    def id_of_name(self, name: str) -> Optional[int]:
+        """The id of the registered adapter called `name` (None: none is)."""
+        for lora_id, request in self.requests.items():
+            if lora_id not in self.pending_removal and getattr(request, "lora_name", None) == name:
+                return lora_id
+        return None
+
     def collect(self) -> None:
         in_use = {r.lora_id for r in self.scheduler.requests.values()}
         for lora_id in list(self.pending_removal):

@@ -61,6 +61,7 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    num_aborted: int = 0  # cumulative: requests finished from outside as aborted (disconnects, stop strings)
     running_lora_ids: tuple = ()  # distinct adapters of running requests
     waiting_lora_ids: tuple = ()  # distinct adapters of waiting requests
 
@@ -117,6 +118,7 @@ class Scheduler:
         # Outputs of requests that schedule() finished (cannot grow); returned by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self.num_aborted = 0
         self._max_reqs_this_step = max_num_seqs
         # Speculative decoding: drafts proposed by the runner are scheduled as extra tokens to compute, in steps
         # with at most spec_disable_batch_size running + waiting requests (spec_decode/scheduling.py).
@@ -171,6 +173,7 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=tuple(self.spec_stats.num_accepted_tokens_per_pos),
+            num_aborted=self.num_aborted,
             # Without LoRA no request has an adapter: skip the pass over every request (stats go out every step).
             running_lora_ids=self._lora_ids(self.running),
             waiting_lora_ids=self._lora_ids(self.waiting),
@@ -198,6 +201,8 @@ class Scheduler:
         if not to_finish:
             return
         ids = {r.request_id for r in to_finish}
+        if status == RequestStatus.FINISHED_ABORTED:
+            self.num_aborted += len(to_finish)
         self.running = [r for r in self.running if r.request_id not in ids]
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
         for request in to_finish:

@@ -8,6 +8,11 @@ and records metrics. A watcher task notices a dead engine process and fails ever
 
 Invariant: a request id is in `_queues` from the moment it is sent until its final output was queued
 (or it failed / was aborted); a caller that leaves `generate()` early aborts its engine requests.
+
+One of several API server processes (`client`, --api-server-count > 1): the supervisor started the engine
+cores; this process binds its own channels (entrypoints/ipc.py), tags what it sends with its client_index, gets
+only its own requests' outputs, and learns of a dead engine core from the supervisor (EngineDead on its output
+channel) instead of watching the process.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import zmq.asyncio
 from pagedllm import envs
 from pagedllm.entrypoints import messages as m
 from pagedllm.entrypoints.dp_router import DPRouter
+from pagedllm.entrypoints.ipc import ClientSpec, IPCLayout
 from pagedllm.entrypoints.parallel_sampling import fan_out
 from pagedllm.entrypoints.stream_merge import coalesce
 from pagedllm.sampling_constraints import tokenize_params
@@ -84,17 +90,27 @@ class _Parent:
 
 
 class AsyncEngine:
-    def __init__(self, engine_args: Any, log_level: str = "info", metrics: Any = None) -> None:
+    def __init__(self, engine_args: Any, log_level: str = "info", metrics: Any = None,
+                 client: Optional[ClientSpec] = None) -> None:
         self.engine_args = engine_args
         self.log_level = log_level
         self.metrics = metrics
+        self.client = client
+        self.client_index = 0 if client is None else client.index
         self.ctx = zmq.asyncio.Context(io_threads=1)
-        self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
         # Data parallel: one engine-core process per replica, each with its own input channel; one output channel.
         self.num_engines = max(1, int(getattr(engine_args, "data_parallel_size", 1) or 1))
-        self.input_addrs = [f"ipc://{self._tmpdir}/input{i}.sock" for i in range(self.num_engines)]
+        if client is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
+            layout = IPCLayout(self._tmpdir, num_clients=1, num_engines=self.num_engines)
+        else:  # the supervisor's directory (it removes it)
+            self._tmpdir = None
+            layout = client.layout
+        self.input_addrs = [layout.input(self.client_index, i) for i in range(self.num_engines)]
         self.input_addr = self.input_addrs[0]
-        self.output_addr = f"ipc://{self._tmpdir}/output.sock"
+        self.output_addr = layout.output(self.client_index)
+        # Several API processes: called with each LoraEvent (another process loaded / unloaded an adapter).
+        self.lora_listener: Optional[Any] = None
         self.in_socks = []
         for addr in self.input_addrs:
             sock = self.ctx.socket(zmq.PUSH)
@@ -129,23 +145,12 @@ class AsyncEngine:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     async def start(self, startup_timeout_s: Optional[float] = None) -> None:
-        """Spawn the engine process and wait for its readiness handshake (or its one-line error)."""
-        from pagedllm.entrypoints.engine_proc import run_engine_core
-
-        spawn = multiprocessing.get_context("spawn")
-        for i in range(self.num_engines):
-            args = replica_args(self.engine_args, i)
-            # A spawned child takes os.environ as it is at start(): its own variables are set for that moment.
-            with envs.environ_set({**envs.child_vars(), **replica_devices(self.engine_args, i)}):
-                proc = spawn.Process(
-                    target=run_engine_core,
-                    args=(args, self.input_addrs[i], self.output_addr, self.log_level, i),
-                    name=f"pagedllm-engine-core-{i}" if self.num_engines > 1 else "pagedllm-engine-core",
-                    daemon=True,
-                )
-                proc.start()
-            self.procs.append(proc)
-        self.proc = self.procs[0]
+        """Spawn the engine process and wait for its readiness handshake (or its one-line error). One of several
+        API processes spawns nothing: it waits for every engine core's handshake."""
+        if self.client is None:
+            self.procs = start_engine_cores(self.engine_args, self.log_level, [[a] for a in self.input_addrs],
+                                            [self.output_addr])
+            self.proc = self.procs[0]
         # transformers takes seconds to import: overlap it with the model load (joined before first use,
         # as two threads importing transformers at once can see a half-initialised module)
         preimport = _preimport_frontend()
@@ -161,6 +166,8 @@ class AsyncEngine:
                 if isinstance(msg, m.EngineReady):
                     self.ready = self.ready or msg
                     num_ready += 1
+                if isinstance(msg, m.EngineDead):  # the supervisor saw an engine core die
+                    raise EngineStartupError(f"engine core {msg.engine_index} stopped: {msg.message}")
                 continue
             for i, proc in enumerate(self.procs):
                 if not proc.is_alive():
@@ -174,7 +181,8 @@ class AsyncEngine:
         self._load_frontend()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._output_handler(), name="pagedllm-output-handler"))
-        self._tasks.append(loop.create_task(self._watch_engine(), name="pagedllm-engine-watch"))
+        if self.procs:
+            self._tasks.append(loop.create_task(self._watch_engine(), name="pagedllm-engine-watch"))
 
     def _load_frontend(self) -> None:
         from pagedllm.entrypoints.output_processor import OutputProcessor
@@ -197,6 +205,8 @@ class AsyncEngine:
         return self.ready.model_dir
 
     def is_healthy(self) -> bool:
+        if self.client is not None:  # the supervisor watches the engine cores and says when one died
+            return not self.errored and self.ready is not None
         return not self.errored and bool(self.procs) and all(p.is_alive() for p in self.procs)
 
     async def shutdown(self) -> None:
@@ -205,10 +215,12 @@ class AsyncEngine:
         self._closed = True
         for t in self._tasks:
             t.cancel()
+        # One of several API processes: the engine cores serve the others still; the supervisor stops them.
         alive = [(i, p) for i, p in enumerate(self.procs) if p.is_alive()]
         for i, _ in alive:
-            try:  # never wait here: a core that is exiting has no socket left to take it (PUSH would block)
-                self.in_socks[i].send(self.enc.encode(m.Shutdown()), flags=zmq.DONTWAIT)
+            try:  # never wait here: a core that is exiting has no socket left to take it (PUSH would block);
+                # awaited so that "no peer" (Again) is caught here, not logged as a future nobody read
+                await self.in_socks[i].send(self.enc.encode(m.Shutdown()), flags=zmq.DONTWAIT)
             except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + 5
@@ -225,7 +237,8 @@ class AsyncEngine:
             sock.close(0)
         self.out_sock.close(0)
         self.ctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -259,7 +272,8 @@ class AsyncEngine:
             self.processor.add_request(child.request_id, prompt, prompt_token_ids, child.params,
                                        parent_id=child.parent_id, index=child.index, output_kind=output_kind)
             adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time(),
-                                     lora_id=None if lora_request is None else lora_request.lora_int_id))
+                                     lora_id=None if lora_request is None else lora_request.lora_int_id,
+                                     client_index=self.client_index))
         try:
             for add in adds:
                 await self.in_socks[engine].send(self.enc.encode(add))
@@ -313,7 +327,7 @@ class AsyncEngine:
         for rid in engine_ids:
             by_engine.setdefault(self._engine_of.get(rid, 0), []).append(rid)
         for engine, ids in by_engine.items():
-            self.in_socks[engine].send(self.enc.encode(m.AbortRequests(ids)), copy=False)
+            self.in_socks[engine].send(self.enc.encode(m.AbortRequests(ids, self.client_index)), copy=False)
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort a running generate() from outside it (e.g. on client disconnect): its KV blocks are freed
@@ -328,14 +342,16 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
-    async def add_lora(self, lora_request: Any) -> None:
-        """Register an adapter in the engine (read and validated there); RequestRejected with the reason if not."""
+    async def add_lora(self, lora_request: Any, announce: bool = False) -> None:
+        """Register an adapter in the engine (read and validated there); RequestRejected with the reason if not.
+        `announce` (a run-time load): with several API processes, it returns once every one routes the name."""
         await self._lora_call(lambda seq: m.AddLora(seq, lora_request.lora_name, lora_request.lora_int_id,
-                                                    lora_request.lora_path, lora_request.base_model_name))
+                                                    lora_request.lora_path, lora_request.base_model_name,
+                                                    client_index=self.client_index, announce=announce))
 
     async def remove_lora(self, lora_int_id: int) -> None:
         """Unregister an adapter; requests already running with it finish first."""
-        await self._lora_call(lambda seq: m.RemoveLora(seq, lora_int_id))
+        await self._lora_call(lambda seq: m.RemoveLora(seq, lora_int_id, client_index=self.client_index))
 
     async def _lora_call(self, make: Any) -> None:
         """Send the adapter message to every engine core (data parallel: each has its own worker) and wait for
@@ -375,7 +391,7 @@ class AsyncEngine:
             futs.append(fut)
         try:
             for engine, seq in enumerate(seqs):
-                await self.in_socks[engine].send(self.enc.encode(m.GetStats(seq)))
+                await self.in_socks[engine].send(self.enc.encode(m.GetStats(seq, self.client_index)))
             await asyncio.wait_for(asyncio.gather(*futs), timeout_s)
             return self.last_stats
         except asyncio.TimeoutError:
@@ -400,7 +416,7 @@ class AsyncEngine:
         self._stats_waiters.update(zip(seqs, futs))
         try:
             for engine, seq in enumerate(seqs):
-                await self.in_socks[engine].send(self.enc.encode(m.GetDashboard(seq, with_info)))
+                await self.in_socks[engine].send(self.enc.encode(m.GetDashboard(seq, with_info, self.client_index)))
             await asyncio.wait(futs, timeout=timeout_s)
             return [f.result() if f.done() and isinstance(f.result(), m.DashboardReply) else None for f in futs]
         finally:
@@ -445,6 +461,8 @@ class AsyncEngine:
                 self._abort_engine(parent.child_ids)
                 self._forget(parent_id, abort=False)
         elif isinstance(msg, m.EngineDead):
+            if self.errored and self.client is not None:  # the core said why; the supervisor then saw it exit
+                return
             which = "the engine core" if self.num_engines == 1 else f"engine core {msg.engine_index}"
             reason = f"{which} stopped: {msg.message}"
             logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
@@ -462,6 +480,19 @@ class AsyncEngine:
             fut = self._stats_waiters.get(msg.seq)
             if fut is not None and not fut.done():
                 fut.set_result(msg.stats)
+        elif isinstance(msg, m.LoraEvent):
+            self._lora_event(msg)
+
+    def _lora_event(self, msg: m.LoraEvent) -> None:
+        """Another API process loaded or unloaded an adapter: route its name here too, then say so (its client
+        gets the answer once every process did)."""
+        try:
+            if self.lora_listener is not None:
+                self.lora_listener(msg)
+        finally:
+            if not self.errored and not self._closed:
+                self.in_socks[msg.engine_index].send(
+                    self.enc.encode(m.LoraApplied(msg.origin, msg.seq, self.client_index)), copy=False)
 
     def _process(self, outputs: list[Any]) -> None:
         now = time.monotonic()
@@ -544,6 +575,32 @@ class AsyncEngine:
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_result(self.last_stats)
+
+
+def start_engine_cores(engine_args: Any, log_level: str, input_addrs: list[list[str]],
+                       output_addrs: list[str]) -> list[multiprocessing.process.BaseProcess]:
+    """Spawn one engine-core process per data-parallel replica; core i connects to input_addrs[i] (one per API
+    process, and the supervisor's control channel) and to every output address (one per API process)."""
+    from pagedllm.entrypoints.engine_proc import run_engine_core
+
+    spawn = multiprocessing.get_context("spawn")
+    num_engines = len(input_addrs)
+    procs = []
+    for i in range(num_engines):
+        args = replica_args(engine_args, i)
+        inputs = input_addrs[i][0] if len(input_addrs[i]) == 1 else input_addrs[i]
+        outputs = output_addrs[0] if len(output_addrs) == 1 else output_addrs
+        # A spawned child takes os.environ as it is at start(): its own variables are set for that moment.
+        with envs.environ_set({**envs.child_vars(), **replica_devices(engine_args, i)}):
+            proc = spawn.Process(
+                target=run_engine_core,
+                args=(args, inputs, outputs, log_level, i),
+                name=f"pagedllm-engine-core-{i}" if num_engines > 1 else "pagedllm-engine-core",
+                daemon=True,
+            )
+            proc.start()
+        procs.append(proc)
+    return procs
 
 
 def replica_args(engine_args: Any, index: int) -> Any:

@@ -2,7 +2,9 @@
 
 Runs in a child started with multiprocessing's 'spawn' context (a clean interpreter: no inherited
 threads, locks or CUDA state). Talks to the API process over two ZMQ PUSH/PULL sockets carrying the
-typed messages of `messages.py`.
+typed messages of `messages.py`. With several API server processes (`--api-server-count`) it has one output
+socket per API process and one input socket connected to all of them (and to the supervisor's control
+channel): each request's outputs go back to the process that sent it (its `client_index`).
 
 Loop invariant: while requests are unfinished the loop never blocks on the socket (it only drains what
 has already arrived, so new HTTP requests join the batch at the very next step); when idle it blocks on
@@ -15,9 +17,9 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Union
 
-from pagedllm.process_utils import one_line, watch_parent
+from pagedllm.process_utils import one_line, set_process_name, watch_parent
 
 # errors the user can fix, reported as their sentence
 _USER_ERRORS = (ValueError, FileNotFoundError, OSError)
@@ -27,12 +29,14 @@ logger = logging.getLogger("pagedllm.engine_proc")
 _IDLE_POLL_MS = 1000
 
 
-def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_level: str = "info",
-                    engine_index: int = 0) -> None:
+def run_engine_core(engine_args: Any, input_addr: Union[str, list[str]], output_addr: Union[str, list[str]],
+                    log_level: str = "info", engine_index: int = 0) -> None:
     """Process entry point (must be importable for the 'spawn' context); `engine_index` is the data-parallel
-    replica's number (0 with one engine core)."""
+    replica's number (0 with one engine core). A list of input addresses: one input socket connected to each;
+    a list of output addresses: one output socket per API server process, in client_index order."""
     # The API process handles Ctrl-C and tells us to shut down; a second SIGINT must not kill us mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_process_name(f"pagedllm-core-{engine_index}")
     logging.basicConfig(
         level=log_level.upper(), format="%(levelname)s %(asctime)s [engine] %(message)s", datefmt="%H:%M:%S"
     )
@@ -43,11 +47,27 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
 
     ctx = zmq.Context(io_threads=1)
     in_sock = ctx.socket(zmq.PULL)
-    in_sock.connect(input_addr)
-    out_sock = ctx.socket(zmq.PUSH)
-    out_sock.setsockopt(zmq.LINGER, 2000)
-    out_sock.connect(output_addr)
+    for addr in [input_addr] if isinstance(input_addr, str) else input_addr:
+        in_sock.connect(addr)
+    out_socks = []
+    for addr in [output_addr] if isinstance(output_addr, str) else output_addr:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(addr)
+        out_socks.append(sock)
     enc = m.Encoder()
+
+    def broadcast(msg: Any) -> None:
+        frame = enc.encode(msg)
+        for sock in out_socks:
+            sock.send(frame)
+
+    def close() -> None:
+        in_sock.close(linger=0)
+        for sock in out_socks:
+            sock.close()
+        ctx.term()
+
     try:
         from pagedllm.core.engine_core import EngineCore, freeze_startup_objects
 
@@ -55,20 +75,17 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
         freeze_startup_objects()  # this process lives as long as its engine: nothing built so far is garbage
     except BaseException as e:  # noqa: BLE001 - any startup failure must reach the user as one line
         logger.debug("engine startup failed", exc_info=True)
-        out_sock.send(enc.encode(m.EngineStartupError(message=one_line(e, _USER_ERRORS))))
-        out_sock.close()
-        ctx.term()
+        broadcast(m.EngineStartupError(message=one_line(e, _USER_ERRORS)))
+        close()
         sys.exit(1)
 
-    out_sock.send(
-        enc.encode(
-            m.EngineReady(
-                model_dir=str(core.model_dir),
-                max_model_len=int(core.max_model_len),
-                vocab_size=int(core.vocab_size),
-                eos_token_ids=[int(t) for t in core.eos_token_ids],
-                pid=os.getpid(),
-            )
+    broadcast(
+        m.EngineReady(
+            model_dir=str(core.model_dir),
+            max_model_len=int(core.max_model_len),
+            vocab_size=int(core.vocab_size),
+            eos_token_ids=[int(t) for t in core.eos_token_ids],
+            pid=os.getpid(),
         )
     )
     crashed = False
@@ -76,27 +93,30 @@ def run_engine_core(engine_args: Any, input_addr: str, output_addr: str, log_lev
     if structured is not None:
         structured.preload()  # in the background: the first request under a grammar does not load the tokenizer
     try:
-        EngineLoop(core, in_sock, out_sock, engine_index).run()
+        EngineLoop(core, in_sock, out_socks[0], engine_index, out_socks=out_socks).run()
     except Exception as e:  # noqa: BLE001
         crashed = True
         logger.exception("engine core crashed")
-        # Tell the API process why (a worker rank died, ...) before the non-zero exit.
-        out_sock.send(enc.encode(m.EngineDead(message=one_line(e, _USER_ERRORS), engine_index=engine_index)))
+        # Tell the API process(es) why (a worker rank died, ...) before the non-zero exit.
+        broadcast(m.EngineDead(message=one_line(e, _USER_ERRORS), engine_index=engine_index))
     finally:
         try:
             core.shutdown()
         finally:
-            in_sock.close(linger=0)
-            out_sock.close()
-            ctx.term()
+            close()
     if crashed:
         os._exit(1)  # at once: library exit handlers must not keep a dead engine's process around
 
 
 class EngineLoop:
-    """The busy loop around one EngineCore (kept separate from process setup so tests can drive it)."""
+    """The busy loop around one EngineCore (kept separate from process setup so tests can drive it).
 
-    def __init__(self, core: Any, in_sock: Any, out_sock: Any, engine_index: int = 0) -> None:
+    With several API server processes (`out_socks` has one socket per client_index) it remembers which process
+    sent each running request and sends each step's outputs as one message per process that has some; with one,
+    every output goes to `out_sock` as before and nothing is looked up per output."""
+
+    def __init__(self, core: Any, in_sock: Any, out_sock: Any, engine_index: int = 0,
+                 out_socks: Any = None) -> None:
         from pagedllm.entrypoints import messages as m
 
         self.m = m
@@ -104,6 +124,12 @@ class EngineLoop:
         self.core = core
         self.in_sock = in_sock
         self.out_sock = out_sock
+        self.out_socks = list(out_socks) if out_socks else [out_sock]
+        self.multi = len(self.out_socks) > 1
+        self._client_of: dict[str, int] = {}  # running request id -> client_index (several API processes only)
+        self._gone: set[int] = set()  # API processes that died: nothing more is sent to them
+        # Run-time LoRA loads / unloads waiting for the other API processes: (origin, seq) -> (waiting, reply)
+        self._lora_waits: dict[tuple[int, int], tuple[set[int], Any]] = {}
         self.enc = m.Encoder()
         self.dec = m.input_decoder()
         self.parent_pid = os.getppid()
@@ -136,24 +162,55 @@ class EngineLoop:
                 try:
                     outputs = self.core.step()
                 except RequestStepError as e:  # one request's fault: fail it, keep serving the rest
+                    owners = [(rid, self._owner(rid)) for rid in e.request_ids]  # before their outputs forget them
                     if e.outputs:
-                        self.out_sock.send(self.enc.encode(self.m.EngineOutputs(
-                            outputs=e.outputs, stats=self._stats(), timestamp=time.time())))
-                    for rid in e.request_ids:
-                        self.out_sock.send(self.enc.encode(self.m.RequestError(rid, e.message, 500)))
+                        self._send_outputs(e.outputs)
+                    for rid, client in owners:
+                        self._client_of.pop(rid, None)
+                        self._send_to(client, self.m.RequestError(rid, e.message, 500))
                     self.stats_dirty = True
                     continue
                 self._send_request_errors()
                 if outputs:
-                    self.out_sock.send(
-                        self.enc.encode(
-                            self.m.EngineOutputs(outputs=outputs, stats=self._stats(), timestamp=time.time(),
-                                                 engine_index=self.engine_index)
-                        )
-                    )
+                    self._send_outputs(outputs)
                     self.stats_dirty = False
                 else:
                     self.stats_dirty = True
+
+    def _send_outputs(self, outputs: list) -> None:
+        m = self.m
+        if not self.multi:
+            self.out_sock.send(self.enc.encode(m.EngineOutputs(outputs=outputs, stats=self._stats(),
+                                                               timestamp=time.time(), engine_index=self.engine_index)))
+            return
+        by_client: dict[int, list] = {}
+        client_of = self._client_of
+        for out in outputs:
+            client = client_of.pop(out.request_id, -1) if out.finish_reason is not None \
+                else client_of.get(out.request_id, -1)
+            if client >= 0:  # -1: aborted meanwhile, nobody waits for it
+                by_client.setdefault(client, []).append(out)
+        stats, now = self._stats(), time.time()
+        for client, outs in by_client.items():
+            self._send_to(client, m.EngineOutputs(outputs=outs, stats=stats, timestamp=now,
+                                                  engine_index=self.engine_index))
+
+    def _owner(self, request_id: str, forget: bool = False) -> int:
+        """The client_index that sent a running request (0 with one API process; -1: unknown)."""
+        if not self.multi:
+            return 0
+        return self._client_of.pop(request_id, -1) if forget else self._client_of.get(request_id, -1)
+
+    def _send_to(self, client: int, msg: Any) -> None:
+        if client < 0 or client in self._gone:
+            return
+        self.out_socks[client].send(self.enc.encode(msg))
+
+    def _broadcast(self, msg: Any) -> None:
+        frame = self.enc.encode(msg)
+        for client, sock in enumerate(self.out_socks):
+            if client not in self._gone:
+                sock.send(frame)
 
     def _drain(self, zmq: Any) -> None:
         while True:
@@ -170,20 +227,74 @@ class EngineLoop:
         if isinstance(msg, m.AddRequest):
             self._add(msg)
         elif isinstance(msg, m.AbortRequests):
-            self.core.abort_requests(list(msg.request_ids))
+            ids = list(msg.request_ids)
+            if self.multi:  # only the sender's own requests: another process may use the same id
+                ids = [rid for rid in ids if self._client_of.get(rid) == msg.client_index]
+                for rid in ids:
+                    del self._client_of[rid]
+            self.core.abort_requests(ids)
             self.stats_dirty = True
         elif isinstance(msg, m.GetStats):
-            self.out_sock.send(self.enc.encode(m.StatsReply(seq=msg.seq, stats=self._stats(),
-                                                            engine_index=self.engine_index)))
+            self._send_to(msg.client_index, m.StatsReply(seq=msg.seq, stats=self._stats(),
+                                                         engine_index=self.engine_index))
         elif isinstance(msg, m.Shutdown):
             self.running = False
         elif isinstance(msg, (m.AddLora, m.RemoveLora)):
-            self.out_sock.send(self.enc.encode(self._lora(msg)))
+            self._lora_message(msg)
             self.stats_dirty = True
         elif isinstance(msg, m.GetDashboard):
             from pagedllm.entrypoints.dashboard.engine_side import dashboard_reply
 
-            self.out_sock.send(self.enc.encode(dashboard_reply(self.core, msg, self.engine_index)))
+            self._send_to(msg.client_index, dashboard_reply(self.core, msg, self.engine_index))
+        elif isinstance(msg, m.LoraApplied):
+            self._lora_applied(msg.origin, msg.seq, msg.client_index)
+        elif isinstance(msg, m.ClientGone):
+            self._client_gone(msg.client_index)
+
+    def _client_gone(self, client: int) -> None:
+        """An API process died: abort what it was waiting for and stop sending to it (its socket has no reader;
+        the messages would pile up until a send blocks the loop)."""
+        self._gone.add(client)
+        ids = [rid for rid, c in self._client_of.items() if c == client]
+        for rid in ids:
+            del self._client_of[rid]
+        if ids:
+            logger.warning("API server %d is gone: aborting its %d request(s)", client, len(ids))
+            self.core.abort_requests(ids)
+            self.stats_dirty = True
+        for key in list(self._lora_waits):
+            self._lora_applied(key[0], key[1], client)
+
+    def _lora_message(self, msg: Any) -> None:
+        m = self.m
+        reply = self._lora(msg)
+        others = [c for c in range(len(self.out_socks)) if c != msg.client_index and c not in self._gone]
+        announce = self.multi and reply.error is None and others and (
+            isinstance(msg, m.RemoveLora) or msg.announce)
+        if not announce:
+            self._send_to(msg.client_index, reply)
+            return
+        # The other API processes route the name (or stop routing it) before the loading one answers its client.
+        if isinstance(msg, m.AddLora):
+            event = m.LoraEvent(origin=msg.client_index, seq=msg.seq, added=True, lora_int_id=msg.lora_int_id,
+                                lora_name=msg.lora_name, lora_path=msg.lora_path,
+                                base_model_name=msg.base_model_name, engine_index=self.engine_index)
+        else:
+            event = m.LoraEvent(origin=msg.client_index, seq=msg.seq, added=False, lora_int_id=msg.lora_int_id,
+                                engine_index=self.engine_index)
+        self._lora_waits[(msg.client_index, msg.seq)] = (set(others), reply)
+        for client in others:
+            self._send_to(client, event)
+
+    def _lora_applied(self, origin: int, seq: int, client: int) -> None:
+        wait = self._lora_waits.get((origin, seq))
+        if wait is None:
+            return
+        waiting, reply = wait
+        waiting.discard(client)
+        if not waiting:
+            del self._lora_waits[(origin, seq)]
+            self._send_to(origin, reply)
 
     def _lora(self, msg: Any) -> Any:
         """Add or remove a LoRA adapter; the reply carries the user's error (400 / 404) or None."""
@@ -192,6 +303,12 @@ class EngineLoop:
             if isinstance(msg, m.AddLora):
                 from pagedllm.lora.request import LoRARequest
 
+                if self.multi and msg.announce:
+                    # Two API processes may load one name at once: the engine core is where they meet.
+                    owner = self.core.loras.id_of_name(msg.lora_name)
+                    if owner is not None and owner != msg.lora_int_id:
+                        return m.LoraReply(msg.seq, f"The lora adapter '{msg.lora_name}' has already been loaded.",
+                                           400)
                 self.core.add_lora(LoRARequest(lora_name=msg.lora_name, lora_int_id=msg.lora_int_id,
                                                lora_path=msg.lora_path, base_model_name=msg.base_model_name))
             elif not self.core.remove_lora(msg.lora_int_id):
@@ -217,21 +334,25 @@ class EngineLoop:
                 )
             )
         except ValueError as e:
-            self.out_sock.send(self.enc.encode(self.m.RequestError(msg.request_id, str(e), 400)))
+            self._send_to(msg.client_index, self.m.RequestError(msg.request_id, str(e), 400))
             self.stats_dirty = True
+            return
         except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine
             logger.exception("add_request failed for %s", msg.request_id)
-            self.out_sock.send(self.enc.encode(self.m.RequestError(msg.request_id, one_line(e, _USER_ERRORS), 500)))
+            self._send_to(msg.client_index, self.m.RequestError(msg.request_id, one_line(e, _USER_ERRORS), 500))
+            return
+        if self.multi:
+            self._client_of[msg.request_id] = msg.client_index
 
     def _send_request_errors(self) -> None:
         pop = getattr(self.core, "pop_request_errors", None)
         for request_id, message in (pop() if pop is not None else []):
-            self.out_sock.send(self.enc.encode(self.m.RequestError(request_id, message, 400)))
+            self._send_to(self._owner(request_id, forget=True), self.m.RequestError(request_id, message, 400))
 
     def _stats(self) -> Any:
         return self.m.stats_to_msg(self.core.get_stats())
 
     def _send_stats_outputs(self) -> None:
-        self.out_sock.send(self.enc.encode(self.m.EngineOutputs(outputs=[], stats=self._stats(), timestamp=time.time(),
-                                                                engine_index=self.engine_index)))
+        self._broadcast(self.m.EngineOutputs(outputs=[], stats=self._stats(), timestamp=time.time(),
+                                             engine_index=self.engine_index))
         self.stats_dirty = False

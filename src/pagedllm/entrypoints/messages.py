@@ -5,7 +5,11 @@ Two ZMQ PUSH/PULL channels, both bound by the API process on ipc:// paths in a p
   * output (engine -> API): EngineReady | EngineStartupError | EngineOutputs | RequestError | StatsReply | LoraReply |
     EngineDead | DashboardReply
 With data parallelism there is one input channel per engine core and one shared output channel; outputs and
-stats carry the sending core's `engine_index`.
+stats carry the sending core's `engine_index`. With several API server processes (`--api-server-count`) each
+one has its own input channel to every engine core and its own output channel: what it sends carries its
+`client_index`, and the engine core sends each request's outputs (and each reply) to the process that sent it
+(entrypoints/ipc.py lays out the addresses; the supervisor, openai/api_server_manager.py, has a control channel
+to each engine core and a voice on each API process's output channel).
 
 Every message is a tagged msgspec Struct so the receiving side decodes straight into the right class
 (no RPC by method-name strings). Payload dataclasses (SamplingParams, EngineCoreOutput) travel as-is:
@@ -34,6 +38,7 @@ class SchedulerStatsMsg(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    num_aborted: int = 0  # requests the engine finished as aborted (disconnects, stop strings), cumulative
     running_lora_ids: tuple[int, ...] = ()  # distinct adapters of running / waiting requests
     waiting_lora_ids: tuple[int, ...] = ()
 
@@ -47,14 +52,17 @@ class AddRequest(msgspec.Struct, tag="add"):
     sampling_params: SamplingParams
     arrival_time: Optional[float] = None
     lora_id: Optional[int] = None
+    client_index: int = 0  # the API server process that sent it (its outputs go back there)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+    client_index: int = 0  # only this process's requests of these ids are aborted
 
 
 class GetStats(msgspec.Struct, tag="get_stats"):
     seq: int  # echoed back in StatsReply so the caller can match its answer
+    client_index: int = 0
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -69,11 +77,15 @@ class AddLora(msgspec.Struct, tag="add_lora"):
     lora_int_id: int
     lora_path: str
     base_model_name: Optional[str] = None
+    client_index: int = 0
+    # A run-time load: the other API server processes learn the name (LoraEvent) before the reply goes out.
+    announce: bool = False
 
 
 class RemoveLora(msgspec.Struct, tag="remove_lora"):
     seq: int
     lora_int_id: int
+    client_index: int = 0
 
 
 class GetDashboard(msgspec.Struct, tag="get_dashboard"):
@@ -81,9 +93,25 @@ class GetDashboard(msgspec.Struct, tag="get_dashboard"):
 
     seq: int
     with_info: bool = False  # also the engine's static facts (device, dtype, versions, ...)
+    client_index: int = 0
 
 
-EngineInput = Union[AddRequest, AbortRequests, GetStats, Shutdown, AddLora, RemoveLora, GetDashboard]
+class LoraApplied(msgspec.Struct, tag="lora_applied"):
+    """An API server process has applied a LoraEvent (the engine core answers the loading process after all)."""
+
+    origin: int  # client_index of the process whose load / unload it was
+    seq: int
+    client_index: int
+
+
+class ClientGone(msgspec.Struct, tag="client_gone"):
+    """From the supervisor: an API server process died; its requests are aborted and nothing more goes to it."""
+
+    client_index: int
+
+
+EngineInput = Union[AddRequest, AbortRequests, GetStats, Shutdown, AddLora, RemoveLora, GetDashboard, LoraApplied,
+                    ClientGone]
 
 
 # ---- engine core -> API process -------------------------------------------------------------
@@ -147,8 +175,22 @@ class DashboardReply(msgspec.Struct, tag="dashboard"):
     lora_requests: Optional[dict[int, tuple[int, int]]] = None  # adapter id (0: base) -> (running, waiting)
 
 
+class LoraEvent(msgspec.Struct, tag="lora_event"):
+    """To the other API server processes: an adapter was loaded (added) or unloaded by `origin`; answered by
+    LoraApplied so that the loading process replies only once every process routes the name."""
+
+    origin: int
+    seq: int
+    added: bool
+    lora_int_id: int
+    lora_name: str = ""
+    lora_path: str = ""
+    base_model_name: Optional[str] = None
+    engine_index: int = 0
+
+
 EngineOutput = Union[EngineReady, EngineStartupError, EngineOutputs, RequestError, StatsReply, LoraReply,
-                     EngineDead, DashboardReply]
+                     EngineDead, DashboardReply, LoraEvent]
 
 
 class Encoder:

@@ -132,7 +132,8 @@ class DashboardFeed:
 
     def _registry(self) -> Any:
         metrics = getattr(self.state, "metrics", None)
-        return getattr(metrics, "registry", None)
+        view = getattr(metrics, "view", None)  # with several API processes: the sums over all of them
+        return view() if view is not None else getattr(metrics, "registry", None)
 
     def _stats(self) -> list:
         return self.state.engine.engine_stats

@@ -4,6 +4,9 @@
 Order of start: parse flags -> validate (unsupported features fail here, before any loading) -> bind the
 port (a busy port fails at once) -> spawn the engine-core process and wait for its ready handshake (a
 startup error is printed as one line, exit code 1) -> load the tokenizer -> serve HTTP.
+
+With `--api-server-count N` > 1 this process supervises N API server processes instead
+(api_server_manager.py); each runs `serve()` below as one client of the engine cores (`run_api_child`).
 """
 from __future__ import annotations
 
@@ -12,19 +15,22 @@ import asyncio
 import logging
 import socket
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 logger = logging.getLogger("pagedllm.api_server")
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
-def setup_logging(level: str) -> None:
+def setup_logging(level: str, tag: str = "") -> None:
+    """`tag`: a name in front of every line (which API server process of several wrote it)."""
     level = "DEBUG" if level == "trace" else level.upper()
     root = logging.getLogger("pagedllm")
     if not root.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+        prefix = f"[{tag}] " if tag else ""
+        handler.setFormatter(logging.Formatter(f"%(levelname)s %(asctime)s {prefix}%(name)s: %(message)s",
+                                               "%H:%M:%S"))
         root.addHandler(handler)
     root.setLevel(level)
     root.propagate = False
@@ -38,10 +44,14 @@ def served_names(args: argparse.Namespace) -> list[str]:
     return [DEFAULT_SERVED_NAME]
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """Bound, not listening (uvicorn listens once the server starts). `reuse_port`: one of several API server
+    processes on one port (the kernel spreads new connections over their listening sockets)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -51,7 +61,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(args: argparse.Namespace) -> int:
+def _startup_error(report: Any, message: str, code: int) -> int:
+    """Say why the server cannot start: on stderr, or (one of several API processes) to the supervisor, which
+    says it once."""
+    if report is None:
+        print(f"error: {message}", file=sys.stderr)
+    else:
+        report.send(("error", code, message))
+    return code
+
+
+async def serve(args: argparse.Namespace, client: Any = None, report: Any = None) -> int:
+    """Serve HTTP until stopped; the exit code. `client` (an ipc.ClientSpec) and `report` (a pipe to and from
+    the supervisor): this is one of several API server processes."""
     import uvicorn
 
     from pagedllm import envs
@@ -71,34 +93,33 @@ async def serve(args: argparse.Namespace) -> int:
         engine_args.validate()
         check_unsupported_server_flags(args)
     except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _startup_error(report, str(e), 2)
     names = served_names(args)
-    sock = bind_socket(args.host, args.port)
-    metrics = Metrics(names[0], num_engines=engine_args.data_parallel_size)
+    sock = bind_socket(args.host, args.port, reuse_port=client is not None)
+    index, count = (0, 1) if client is None else (client.index, client.layout.num_clients)
+    metrics = Metrics(names[0], num_engines=engine_args.data_parallel_size, api_server=index,
+                      multiprocess_dir=None if client is None else client.layout.metrics_dir)
     engine = AsyncEngine(engine_args, log_level=args.log_level if args.log_level != "trace" else "debug",
-                         metrics=metrics)
+                         metrics=metrics, client=client)
     try:
         try:
             await engine.start(startup_timeout_s=args.startup_timeout)
         except EngineStartupError as e:
-            print(f"error: the engine failed to start: {e}", file=sys.stderr)
-            return 1
+            return _startup_error(report, f"the engine failed to start: {e}", 1)
         try:
             defaults = load_sampling_defaults(engine_args.generation_config, engine.model_dir)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return _startup_error(report, str(e), 2)
         log_sampling_defaults(defaults, engine_args.generation_config, engine.model_dir)
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
         try:
-            state.loras = await serve_lora_modules(engine, names, engine_args, args.lora_modules, metrics)
+            state.loras = await serve_lora_modules(engine, names, engine_args, args.lora_modules, metrics,
+                                                   client_index=index, num_clients=count)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        lifecycle = Lifecycle()
+            return _startup_error(report, str(e), 1)
+        lifecycle = Lifecycle(count_request=metrics.api_server_requests.inc)
         state.lifecycle = lifecycle
         state.dashboard = args.dashboard
         fastapi_app = build_app(state)
@@ -108,15 +129,23 @@ async def serve(args: argparse.Namespace) -> int:
         freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")
+        ready = None if report is None else (lambda: report.send(("ready", {
+            "name": names[0], "model_dir": engine.model_dir, "max_model_len": engine.max_model_len})))
         server = server_class()(config, engine, lifecycle, shutdown_timeout=args.shutdown_timeout,
-                                engine_dead_grace_period=args.engine_dead_grace_period)
+                                engine_dead_grace_period=args.engine_dead_grace_period, on_started=ready,
+                                supervised=client is not None)
         host = f"[{args.host}]" if ":" in args.host else args.host
-        logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1", names[0], engine.model_dir,
-                    engine.max_model_len, host, args.port)
+        if client is None:  # several API processes: the supervisor says it once all of them serve
+            logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1", names[0], engine.model_dir,
+                        engine.max_model_len, host, args.port)
         if state.dashboard:
             fastapi_app.state.dashboard.start()  # reads the counters every 5 s until a page opens
-            logger.info("Dashboard: http://%s:%d/dashboard", host, args.port)
+            if client is None:
+                logger.info("Dashboard: http://%s:%d/dashboard", host, args.port)
         _SERVING["started"] = True
+        if report is not None:  # every API process listens at once, when the supervisor says (after all prepared)
+            report.send(("prepared",))
+            await asyncio.get_running_loop().run_in_executor(None, report.recv)
         await server.serve(sockets=[sock])
         return lifecycle.exit_code
     finally:
@@ -131,11 +160,50 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if (getattr(args, "node_rank", 0) or 0) > 0:
         return run_worker_node(args)
+    count = api_server_count(args)
+    if count is None:
+        return 2
+    if count > 1:
+        from pagedllm.entrypoints.openai.api_server_manager import serve_with_api_servers
+        from pagedllm.entrypoints.openai.cli_args import to_engine_args
+
+        return serve_with_api_servers(args, to_engine_args(args), count, run_api_child, bind_socket)
     try:
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
         # uvicorn re-raises Ctrl-C / SIGINT after its graceful shutdown: that is a normal stop, not a failure.
         return 0 if _SERVING["started"] else 130
+
+
+def api_server_count(args: argparse.Namespace) -> Optional[int]:
+    """How many API server processes to run (None: the flags are wrong, said on stderr)."""
+    from pagedllm.entrypoints.openai.api_server_manager import resolve_api_server_count
+    from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
+
+    try:
+        engine_args = to_engine_args(args)
+        engine_args.validate()
+        check_unsupported_server_flags(args)
+        return resolve_api_server_count(args, engine_args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def run_api_child(args: argparse.Namespace, client: Any, report: Any) -> None:
+    """Entry point of one of several API server processes (spawned by api_server_manager)."""
+    import signal
+
+    from pagedllm.process_utils import set_process_name, watch_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor too, which sends SIGTERM
+    set_process_name(f"pagedllm-api-{client.index}")
+    watch_parent(exit_code=1)  # the supervisor is gone: nobody watches the engine cores for this process
+    setup_logging(args.log_level, tag=f"api {client.index}")
+    _SERVING["started"] = True
+    code = asyncio.run(serve(args, client=client, report=report))
+    report.close()
+    sys.exit(code)
 
 
 def run_worker_node(args: argparse.Namespace) -> int:

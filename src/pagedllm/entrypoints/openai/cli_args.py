@@ -12,7 +12,8 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
                "disable_log_stats", "startup_timeout",
                "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout",
-               "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard"}
+               "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard",
+               "api_server_count"}
 
 
 def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argparse.ArgumentParser:
@@ -44,6 +45,10 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                         "with code 1 (negative: never exit)")
     g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                    help="larger request bodies get 413 (default 8 MiB)")
+    g.add_argument("--api-server-count", "-asc", type=int, default=None, metavar="N",
+                   help="API server processes sharing the port over the same engine (each tokenizes, detokenizes "
+                        "and streams for its own clients). Default: 1 on machines with fewer than 4 cores or when "
+                        "the model runs on the CPU, else one per 2 cores the engine leaves free, at most 4")
     g.add_argument("--send-timeout", type=float, default=60.0,
                    help="a client that has not read its response for this many seconds is cut off and its "
                         "request aborted (0: never)")

@@ -11,6 +11,10 @@ A second signal stops at once (uvicorn's own shutdown: running requests end with
 Engine death: when the engine-core process is gone, `/health` is 503 and requests fail at once; after
 `--engine-dead-grace-period` seconds the API process exits with code 1, so an orchestrator restarts the
 replica instead of it serving 503 forever (a negative value keeps it up).
+
+Several API server processes (`--api-server-count`): the supervisor gets the signals and sends each process
+SIGTERM (a second signal: a second SIGTERM), so each one drains as above; they ignore SIGINT themselves (Ctrl-C
+reaches the whole process group, and would count twice).
 """
 from __future__ import annotations
 
@@ -33,10 +37,11 @@ ENGINE_DEAD_EXIT_CODE = 1
 class Lifecycle:
     """Shared by the ASGI guard (counts requests, refuses new ones while draining) and the server."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_request: Any = None) -> None:
         self.draining = False
         self.in_flight = 0
         self.exit_code = 0
+        self.count_request = count_request  # called once per HTTP request that is not a probe (metrics)
 
 
 class DrainMiddleware:
@@ -58,6 +63,8 @@ class DrainMiddleware:
         if path in _PROBE_PATHS or path in _LIVE_PATHS:
             await self.app(scope, receive, send)
             return
+        if self.lifecycle.count_request is not None:
+            self.lifecycle.count_request()
         self.lifecycle.in_flight += 1
         try:
             await self.app(scope, receive, send)
@@ -80,12 +87,14 @@ def server_class() -> type:
         """uvicorn.Server with the drain above and the engine-death exit."""
 
         def __init__(self, config: Any, engine: Any, lifecycle: Lifecycle, shutdown_timeout: float,
-                     engine_dead_grace_period: float) -> None:
+                     engine_dead_grace_period: float, on_started: Any = None, supervised: bool = False) -> None:
             super().__init__(config)
             self.engine = engine
             self.lifecycle = lifecycle
             self.shutdown_timeout = shutdown_timeout
             self.engine_dead_grace_period = engine_dead_grace_period
+            self.on_started = on_started  # called once the socket listens
+            self.supervised = supervised  # one of several API processes: signals come from the supervisor
             self._loop: Optional[asyncio.AbstractEventLoop] = None
             self._tasks: list[asyncio.Task] = []
 
@@ -93,8 +102,14 @@ def server_class() -> type:
             await super().startup(sockets=sockets)
             self._loop = asyncio.get_running_loop()
             self._tasks.append(self._loop.create_task(self._watch_engine(), name="pagedllm-engine-exit"))
+            if self.on_started is not None and self.started:
+                self.on_started()
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            import signal
+
+            if self.supervised and sig == signal.SIGINT:
+                return  # Ctrl-C: the supervisor got it too and sends SIGTERM
             # Runs in the signal handler: hand over to the loop. Not recorded in uvicorn's captured signals
             # (which it re-raises at exit), so a drained stop exits 0.
             if self.lifecycle.draining or self._loop is None:

@@ -1,6 +1,11 @@
 """The server's LoRA adapters: `--lora-modules`, the names the `model` field routes to, and the run-time
 load/unload routes (`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`).
 
+With several API server processes each has its LoRAModels: all load the `--lora-modules` adapters with the same
+ids (1, 2, ...; the engine registers an id and path once); a run-time load takes an id of its own process's
+sequence (ids do not collide across processes) and returns once every other process routes the name (the engine
+core sends them a LoraEvent, `apply_event`, and answers after all of them applied it).
+
 Names live here (the API process); the engine knows adapters by integer id, assigned here in load order.
 Loading reads and validates the adapter in the engine before the name is served, so a bad path or an
 unsupported adapter is a 400 with the reason and nothing is registered. Unloading removes the name at once
@@ -91,10 +96,29 @@ class LoRAModels:
         self.names_by_id: dict[int, str] = {}  # also after unload (metrics of requests still running)
         self._pending: set[str] = set()
         self._ids = itertools.count(1)
+        self._announce = False  # set by share_ids: other API processes learn of run-time loads
         self._lock = asyncio.Lock()
 
     def get(self, name: Optional[str]) -> Optional[LoRARequest]:
         return self.adapters.get(name) if name else None
+
+    def share_ids(self, client_index: int, num_clients: int) -> None:
+        """Run-time loads of API process `client_index` of `num_clients` take ids no other process takes."""
+        start = max(self.names_by_id, default=0) + 1 + client_index
+        self._ids = itertools.count(start, num_clients)
+        self._announce = num_clients > 1
+
+    def apply_event(self, event: Any) -> None:
+        """Another API process loaded (event.added) or unloaded an adapter (a messages.LoraEvent)."""
+        if event.added:
+            request = LoRARequest(lora_name=event.lora_name, lora_int_id=event.lora_int_id,
+                                  lora_path=event.lora_path, base_model_name=event.base_model_name)
+            self.adapters[event.lora_name] = request
+            self.names_by_id[event.lora_int_id] = event.lora_name
+        else:
+            for name, request in list(self.adapters.items()):
+                if request.lora_int_id == event.lora_int_id:
+                    del self.adapters[name]
 
     async def load(self, name: Any, path: Any, base_model_name: Optional[str] = None) -> LoRARequest:
         if not self.enabled:
@@ -109,7 +133,10 @@ class LoRAModels:
             async with self._lock:  # ids in load order; one adapter read at a time
                 request = LoRARequest(lora_name=name, lora_int_id=next(self._ids), lora_path=path,
                                       base_model_name=base_model_name)
-                await self.engine.add_lora(request)
+                if self._announce:
+                    await self.engine.add_lora(request, announce=True)
+                else:
+                    await self.engine.add_lora(request)
         finally:
             self._pending.discard(name)
         self.adapters[name] = request
@@ -133,14 +160,18 @@ class LoRAModels:
 
 
 async def serve_lora_modules(engine: Any, base_names: list[str], engine_args: Any, values: Optional[list[str]],
-                             metrics: Any = None) -> LoRAModels:
-    """The server's LoRAModels with the `--lora-modules` adapters loaded (ValueError naming the one that failed)."""
+                             metrics: Any = None, client_index: int = 0, num_clients: int = 1) -> LoRAModels:
+    """The server's LoRAModels with the `--lora-modules` adapters loaded (ValueError naming the one that failed);
+    API process `client_index` of `num_clients`."""
     loras = LoRAModels(engine, base_names, enabled=bool(engine_args.enable_lora))
     for module in parse_lora_modules(values):
         try:
             await loras.load(module.name, module.path, module.base_model_name)
         except (APIError, ValueError) as e:
             raise ValueError(f"--lora-modules {module.name}: {e}")
+    if num_clients > 1:
+        loras.share_ids(client_index, num_clients)
+        engine.lora_listener = loras.apply_event
     if metrics is not None and loras.enabled:
         metrics.enable_lora_info(engine_args.max_loras, loras.names_by_id)
     return loras
