@@ -27,6 +27,7 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_CACHE_DIR = os.path.join(REPO_ROOT, ".cache", "pagedllm-test")  # .cache/ is git-ignored
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+FAMILY_ARCHS = ("gemma2", "gemma3", "phi3", "phi3_plain")  # tests/models/family_configs.py
 TINY_VOCAB_SIZE = 512
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -126,11 +127,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]):
 
 def tiny_hf_config(arch: str, tie_word_embeddings: Optional[bool] = None, rope_scaling: Any = _DEFAULT) -> Any:
     """The transformers config of a tiny model: llama (llama3 rope scaling), mistral, qwen2 (qkv bias,
-    tied embeddings), qwen3 (head_dim 32 != hidden/heads, q/k norm)."""
+    tied embeddings), qwen3 (head_dim 32 != hidden/heads, q/k norm); gemma2, gemma3, phi3, phi3_plain from
+    tests/models/family_configs.py."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    if arch in FAMILY_ARCHS:  # gemma2, gemma3, phi3, phi3_plain (tests/models/family_configs.py)
+        from tests.models.family_configs import family_config
+        return family_config(arch, common, tie_word_embeddings)
     if arch == "llama":
         rope = LLAMA3_ROPE if rope_scaling is _DEFAULT else rope_scaling
         cfg = LlamaConfig(**common, rope_scaling=rope, architectures=["LlamaForCausalLM"],
@@ -179,6 +184,9 @@ def save_tiny_model(path: str, config: Any, sharded: bool = False, seed: int = 0
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if getattr(config, "model_type", None) in ("gemma2", "gemma3_text", "phi3"):
+        from tests.models.family_configs import randomize_norms
+        randomize_norms(model, seed)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "1GB")
     build_tiny_tokenizer(config.vocab_size).save_pretrained(path)
     return path

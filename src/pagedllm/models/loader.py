@@ -127,10 +127,12 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
 
 def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
               device: Union[str, torch.device] = "cpu", load_format: str = "auto",
-              quant_config: Any = None) -> nn.Module:
+              quant_config: Any = None, max_model_len: Optional[int] = None) -> nn.Module:
     """Build the model for `hf_config` directly on `device` in `dtype`, load its weights, and return it in
     eval mode. `load_format="dummy"` fills random weights instead (no weight files needed). `quant_config`
-    (`pagedllm.quantization.resolve_quant_config`) picks each linear layer's method; None: unquantized."""
+    (`pagedllm.quantization.resolve_quant_config`) picks each linear layer's method; None: unquantized.
+    `max_model_len`: the engine's context length, for the modules whose numbers depend on it (LongRoPE's short or
+    long factors: `set_context_len`); None: the model's max_position_embeddings."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}.")
     model_cls = get_model_class(hf_config)
@@ -154,6 +156,10 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
             linear_method = getattr(module, "linear_method", None)
             if linear_method is not None:
                 linear_method.process_weights_after_loading(module)
+    if max_model_len is not None:
+        for module in model.modules():
+            if hasattr(module, "set_context_len"):
+                module.set_context_len(max_model_len)
     if device.type == "cpu":
         cpu_decode.attach(model)  # decode steps of packed models in one C++ call, where the model qualifies
     return model.eval()
