@@ -5,25 +5,12 @@ hits, preemption, Phi-3's LongRoPE on each side of its original context, and pro
 window (Gemma 2 / Gemma 3 local layers)."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.engine.test_correctness import check_against_hf, hf_greedy, random_prompts
 
 LENGTHS, MAX_TOKENS = [1, 5, 17, 33, 64, 3], [12, 7, 20, 9, 15, 24]
-
-
-def _windows_supported() -> bool:
-    """Whether the attention backends mask by sliding window (the sliding-window work of issue 30, branch wp-swa);
-    until then the long-prompt tests below are expected to fail."""
-    from pagedllm.attention.torch_backend import TorchAttentionBackend
-    return "sliding_window" in inspect.signature(TorchAttentionBackend.forward).parameters
-
-
-needs_windows = pytest.mark.xfail(not _windows_supported(), strict=True,
-                                  reason="the attention backends do not mask by sliding window yet (wp-swa)")
 
 
 @pytest.mark.parametrize("arch,backend", [("gemma2", "cpu"), ("gemma2", "torch"), ("gemma3", "cpu"),
@@ -115,7 +102,6 @@ def test_window_changes_the_reference(windowed_dirs, tiny_model_dir):
         assert hf_greedy(model_dir, prompt, 12)[0] != hf_greedy(tiny_model_dir(arch), prompt, 12)[0], arch
 
 
-@needs_windows
 @pytest.mark.parametrize("arch,backend", [("gemma2", "cpu"), ("gemma2", "torch"), ("gemma3", "cpu"),
                                           ("gemma3", "torch")])
 def test_past_the_window_matches_hf(windowed_dirs, arch, backend):
@@ -124,7 +110,6 @@ def test_past_the_window_matches_hf(windowed_dirs, arch, backend):
     check_against_hf(llm, model_dir, random_prompts([60, 3, 41, 17, 70], seed=8), [12, 30, 9, 20, 6])
 
 
-@needs_windows
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_past_the_window_chunked_and_prefix_hits(windowed_dirs, arch):
     model_dir = windowed_dirs[arch]

@@ -191,3 +191,14 @@ def test_bidirectional_gemma3_is_refused(tmp_path):
     model_dir = save_tiny_model(str(tmp_path), config)
     with pytest.raises(ValueError, match="use_bidirectional_attention=True .* not supported"):
         _ours(model_dir)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_past_the_window_matches_transformers(tmp_path, arch):
+    """A 16-token window and 60-token prompts: the local layers see only their window (Gemma 2's with capped
+    logits), the global ones everything."""
+    from tests.conftest import save_tiny_model, tiny_hf_config
+    config = tiny_hf_config(arch)
+    config.sliding_window = 16
+    ours = check_against_hf(save_tiny_model(str(tmp_path), config), 60)
+    assert {a.sliding_window for a in ours.attn_layers} == {16, None}
