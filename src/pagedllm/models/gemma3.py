@@ -9,8 +9,9 @@
   * no attention logit soft-capping (transformers' Gemma 3 ignores `attn_logit_softcapping`); the final logit
     soft-capping only when the config sets it (Gemma 3 checkpoints do not).
 
-`Gemma3ForConditionalGeneration` configs (the multimodal release) are served as their text model: the loader
-gives this class the `text_config` and the checkpoint's language-model tensors (models/loader.py).
+`Gemma3ForConditionalGeneration` checkpoints (the multimodal release, 4B and up) are served as their text model:
+the loader gives that class the `text_config` (models/loader.served_text_config); it loads the language model's
+tensors under their causal-LM names and skips the vision tower's. Image inputs are not supported.
 """
 from __future__ import annotations
 

@@ -22,6 +22,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 
+# Multimodal checkpoints served as their text model: the loader hands the model class the config's text_config
+# (models/loader.served_text_config); the class maps the checkpoint's language-model tensor names.
+TEXT_MODEL_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+
 # config.model_type -> architecture, for configs saved without `architectures`.
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
