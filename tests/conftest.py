@@ -292,7 +292,7 @@ def gemma3_270m_gguf_path() -> str:
 
 @pytest.fixture(scope="session")
 def gemma3_270m_hf_dir(gemma3_270m_gguf_path: str, smollm2_cache_dir: str) -> str:
-    """That GGUF converted by pagedllm (config, Gemma's tokenizer from the file, fp32 weights), cached like SmolLM2's."""
+    """That GGUF converted by pagedllm (config, Gemma's tokenizer from the file, fp32 weights), cached as SmolLM2's."""
     from pagedllm.models.loader import prepare_model_dir
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)

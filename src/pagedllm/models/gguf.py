@@ -161,8 +161,8 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 # ----------------------------------------------------------------------------------------------- config
 
 def build_hf_config(reader: Any) -> Any:
-    """A transformers config (Llama / Mixtral / Qwen2(Moe) / Qwen3(Moe) / Gemma2 / Gemma3Text / Phi3Config) from the GGUF metadata and
-    tensor shapes."""
+    """A transformers config (Llama / Mixtral / Qwen2(Moe) / Qwen3(Moe) / Gemma2 / Gemma3Text / Phi3Config) from the
+    GGUF metadata and tensor shapes."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     arch = _field(reader, "general.architecture")
