@@ -28,24 +28,24 @@ LOGPROB_ATOL = 1e-2
 
 @pytest.fixture(scope="module")
 def reference(gemma3_270m_gguf_path):
-    """transformers on the same file in fp32: {prompt: (its token ids, greedy tokens, their logprobs)}, computed
-    with a full forward per step (no cache: the plainest reference)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """transformers on the same file in fp32: {prompt: (its token ids, greedy tokens, their logprobs)} from its own
+    greedy `generate` (no EOS stop, as the engine's ignore_eos), the raw logits of every step."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     folder, name = os.path.split(gemma3_270m_gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    config = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = {}
     with torch.inference_mode():
         for text in PROMPTS:
             ids = tokenizer(text).input_ids
-            seq, tokens, logprobs = list(ids), [], []
-            for _ in range(MAX_TOKENS):
-                logits = model(torch.tensor([seq])).logits[0, -1].float()
-                token = int(logits.argmax())
-                tokens.append(token)
-                logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-                seq.append(token)
+            gen = model.generate(torch.tensor([ids]), generation_config=config, output_logits=True,
+                                 return_dict_in_generate=True)
+            tokens = gen.sequences[0, len(ids):].tolist()
+            logits = torch.stack(gen.logits)[:, 0].float()  # [MAX_TOKENS, vocab]
+            assert len(tokens) == MAX_TOKENS and torch.equal(logits.argmax(-1), torch.tensor(tokens))
+            logprobs = torch.log_softmax(logits, -1)[torch.arange(MAX_TOKENS), tokens].tolist()
             out[text] = (ids, tokens, logprobs)
     return tokenizer, out
 
