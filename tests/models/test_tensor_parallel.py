@@ -35,7 +35,9 @@ def _rank_main(rank: int, world_size: int, init_file: str, model_dir: str, out_p
         ps.destroy_distributed_environment()
 
 
-@pytest.mark.parametrize("arch,tp", [("qwen2", 2), ("qwen3", 4)])  # qwen3 tp=4 > 2 kv heads: replicated
+# qwen3 tp=4 > 2 kv heads: replicated; gemma3: per-head q/k norms, two ropes, Gemma norms; phi3: the fused qkv_proj /
+# gate_up_proj checkpoint tensors split per rank, LongRoPE, partial rotary
+@pytest.mark.parametrize("arch,tp", [("qwen2", 2), ("qwen3", 4), ("gemma3", 2), ("phi3", 2)])
 def test_tensor_parallel_matches_single_rank(tmp_path, tiny_model_dir, arch, tp):
     model_dir = tiny_model_dir(arch)
     out_path = str(tmp_path / "logits.pt")

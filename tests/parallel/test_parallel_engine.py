@@ -27,8 +27,10 @@ def _expected(model_dir: str) -> dict:
     return _reference[model_dir]
 
 
-@pytest.mark.parametrize("arch,tp,pp", [("llama", 2, 1), ("qwen2", 1, 2), ("qwen2", 2, 2)],
-                         ids=["llama-tp2", "qwen2-pp2", "qwen2-tp2xpp2"])
+# gemma2-pp2: the scaled embedding on the first stage, the tied LM head and the final soft-cap on the last, Gemma's
+# four norms per layer with the residual carried between stages, soft-capped attention
+@pytest.mark.parametrize("arch,tp,pp", [("llama", 2, 1), ("qwen2", 1, 2), ("qwen2", 2, 2), ("gemma2", 1, 2)],
+                         ids=["llama-tp2", "qwen2-pp2", "qwen2-tp2xpp2", "gemma2-pp2"])
 def test_parallel_layout_matches_one_rank(tiny_model_dir, arch, tp, pp):
     model_dir = tiny_model_dir(arch)
     expected = _expected(model_dir)

@@ -52,6 +52,9 @@ class AttentionBackend:
     # then launches such a step from shapes alone, given metadata padded to `num_reqs` rows (padding rows: no
     # query tokens) and `AttentionMetadata.graph_prefill_tile` set.
     supports_mixed_graphs: bool = False
+    # Whether `forward` takes `logits_soft_cap` (cap * tanh(scores / cap) before the softmax; Gemma 2). The layer
+    # passes it only when set; a model needing it is refused at start on a backend without it.
+    supports_logits_soft_cap: bool = False
 
     def mixed_graph_tiles(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> list[int]:
         """The query tiles (rows of a program) to capture mixed-step graphs for, ascending; each step replays the

@@ -29,6 +29,8 @@ class CpuAttentionBackend(AttentionBackend):
     # The kernels read only slots that were written (invisible lanes are selected away, never multiplied),
     # so the pool may start as uninitialized memory.
     needs_zeroed_cache = False
+    # Soft-capped layers (Gemma 2) are attended in torch from a gather of their blocks (the C++ kernel does not cap).
+    supports_logits_soft_cap = True
 
     def __init__(self) -> None:
         self.ops = cpu_ops()
@@ -37,7 +39,8 @@ class CpuAttentionBackend(AttentionBackend):
                                "built here (see the warning above); use attention_backend='torch'.")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
+                logits_soft_cap: Optional[float] = None) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         # The pool is [2, blocks, block_size, Hk, D]; this backend keeps each block head-major with K
         # transposed (see cpu_ops.cpp), a private layout of the same size.
@@ -49,14 +52,17 @@ class CpuAttentionBackend(AttentionBackend):
         if num_tokens < query.shape[0]:
             out[num_tokens:].zero_()
         long_rows = []
-        if metadata.max_query_len >= LONG_QUERY_LEN:
+        # With a soft cap every row takes the gather path below (torch's attention with capped logits).
+        min_gathered = 1 if logits_soft_cap is not None else LONG_QUERY_LEN
+        if metadata.max_query_len >= min_gathered:
             qsl = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
             seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
             long_rows = [(qsl[i], qsl[i + 1], seq_lens[i], i) for i in range(metadata.num_reqs)
-                         if qsl[i + 1] - qsl[i] >= LONG_QUERY_LEN]
-        self.ops.paged_attention(out, query, key_cache, value_cache, metadata.block_table,
-                                 metadata.query_start_loc, metadata.seq_lens, scale,
-                                 LONG_QUERY_LEN if long_rows else 0, sliding_window or 0)
+                         if qsl[i + 1] - qsl[i] >= min_gathered]
+        if logits_soft_cap is None:
+            self.ops.paged_attention(out, query, key_cache, value_cache, metadata.block_table,
+                                     metadata.query_start_loc, metadata.seq_lens, scale,
+                                     LONG_QUERY_LEN if long_rows else 0, sliding_window or 0)
         for start, end, seq_len, row in long_rows:
             # A long prefill chunk: gather its context (within the window) out of the block layout, then SDPA.
             window = effective_window(sliding_window, seq_len)
@@ -69,5 +75,6 @@ class CpuAttentionBackend(AttentionBackend):
             k = key_cache.index_select(0, blocks).permute(1, 0, 3, 2).reshape(kv_heads, n, head_size)[:, keys]
             v = value_cache.index_select(0, blocks).permute(1, 0, 2, 3).reshape(kv_heads, n, head_size)[:, keys]
             out[start:end] = chunk_attention(query[start:end], k.unsqueeze(0), v.unsqueeze(0),
-                                             chunk_mask(end - start, seq_len, query.device, window, key_start), scale)
+                                             chunk_mask(end - start, seq_len, query.device, window, key_start), scale,
+                                             logits_soft_cap)
         return out

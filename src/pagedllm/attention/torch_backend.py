@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.soft_cap import sdpa_for
 from pagedllm.forward_context import AttentionMetadata
 
 
@@ -72,12 +72,12 @@ def chunk_mask(query_len: int, seq_len: int, device: torch.device, window: Optio
 
 
 def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
-                    scale: float) -> torch.Tensor:
+                    scale: float, logits_soft_cap: Optional[float] = None) -> torch.Tensor:
     """One request's query chunk [Q, H, D] over its whole context key/value [1, KVH, S, D] with torch's SDPA
-    (`mask` from chunk_mask); returns [Q, H, D]."""
+    (`mask` from chunk_mask; soft-capped logits with a cap: attention/soft_cap.py); returns [Q, H, D]."""
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-    o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                       enable_gqa=q.shape[1] != key.shape[1])
+    o = sdpa_for(logits_soft_cap)(q, key, value, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                  enable_gqa=q.shape[1] != key.shape[1])
     return o.squeeze(0).transpose(0, 1)
 
 
@@ -158,6 +158,7 @@ class _StepPlan:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_fp8_kv = True
+    supports_logits_soft_cap = True
 
     def __init__(self) -> None:
         # metadata id -> (metadata, plan): the step's metadata and its KV groups' (attention/backend.py); the
@@ -175,7 +176,7 @@ class TorchAttentionBackend(AttentionBackend):
             found = self._plans[id(metadata)] = (metadata, _StepPlan(metadata, block_size))
         return found[1]
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None):
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None):
         num_tokens = metadata.num_actual_tokens
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, num_tokens)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -198,7 +199,7 @@ class TorchAttentionBackend(AttentionBackend):
             q = query if contiguous else query[token_idx]
             b, num_heads, head_size = q.shape
             q = q.view(b, k.shape[1], num_heads // k.shape[1], head_size)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(b, num_heads, head_size)
+            o = sdpa_for(logits_soft_cap)(q, k, v, attn_mask=mask, scale=scale).reshape(b, num_heads, head_size)
             if contiguous and o.shape[0] == query.shape[0]:
                 return o  # a pure-decode batch: no scatter needed
             out[token_idx] = o
@@ -206,5 +207,5 @@ class TorchAttentionBackend(AttentionBackend):
             k = gather_blocks(key_cache, blocks, query.dtype).flatten(0, 1)[skip:skip + num_keys]
             v = gather_blocks(value_cache, blocks, query.dtype).flatten(0, 1)[skip:skip + num_keys]
             out[start:end] = chunk_attention(query[start:end], k.transpose(0, 1).unsqueeze(0),
-                                             v.transpose(0, 1).unsqueeze(0), mask, scale)
+                                             v.transpose(0, 1).unsqueeze(0), mask, scale, logits_soft_cap)
         return out

@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.backend import QKVSpec
+from pagedllm.attention.soft_cap import sdpa_for
 from pagedllm.forward_context import get_forward_context
 from pagedllm.layers.kv_cache_scales import calibrated_scales
 
@@ -20,11 +20,21 @@ class Attention(nn.Module):
 
     `sliding_window` (None: full attention) has transformers' meaning: a query at position p sees the keys at
     positions p - sliding_window < k <= p, i.e. the last `sliding_window` tokens including itself.
+    `logits_soft_cap` (None: off; Gemma 2's attn_logit_softcapping) replaces each scaled score s by
+    cap * tanh(s / cap) before the softmax (attention/soft_cap.py); backends without `supports_logits_soft_cap`
+    are refused at start (`check_backend_features`).
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
-                 prefix: str = "", sliding_window: Optional[int] = None) -> None:
+                 prefix: str = "", sliding_window: Optional[int] = None,
+                 logits_soft_cap: Optional[float] = None) -> None:
         super().__init__()
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"{prefix or 'Attention'}: logits_soft_cap must be positive or None, got "
+                             f"{logits_soft_cap!r}.")
+        self.logits_soft_cap = logits_soft_cap
+        # Passed to the backend only when set: backends that never soft-cap need not take the keyword.
+        self._soft_cap_kwargs = {} if logits_soft_cap is None else {"logits_soft_cap": logits_soft_cap}
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"{prefix or 'Attention'}: sliding_window must be a positive integer or None, got "
                              f"{sliding_window!r}.")
@@ -62,10 +72,11 @@ class Attention(nn.Module):
             k_scale, v_scale = self.kv_scales[0], self.kv_scales[1]
             # softmax(scale q . (k_scale k8)) = softmax(scale (k_scale q) . k8); sum p (v_scale v8) = v_scale sum p v8
             out = ctx.attn_backend.forward(q * k_scale, k / k_scale, v / v_scale, self.kv_cache, md,
-                                           self.scale, sliding_window=self.sliding_window) * v_scale
+                                           self.scale, sliding_window=self.sliding_window,
+                                           **self._soft_cap_kwargs) * v_scale
         else:
             out = ctx.attn_backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata.for_group(self.kv_group),
-                                           self.scale, sliding_window=self.sliding_window)
+                                           self.scale, sliding_window=self.sliding_window, **self._soft_cap_kwargs)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def set_kv_scale(self, which: str, value: float) -> None:
@@ -83,7 +94,7 @@ class Attention(nn.Module):
         Returns [num_tokens, num_heads * head_size], or None when the caller must take the unfused path
         (no KV cache bound yet, a backend without the fused path, partial rotary, ...). May modify qkv."""
         ctx = get_forward_context()
-        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
+        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None or self.logits_soft_cap is not None:
             return None
         fp8 = self.kv_cache.dtype == torch.float8_e4m3fn and self.kv_scale_source is not None  # scaled FP8
         if fp8 and self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
@@ -100,12 +111,13 @@ class Attention(nn.Module):
 
     def _no_cache_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Treat the whole input as one causal sequence (profiling runs, and model tests without an engine)."""
+        sdpa = sdpa_for(self.logits_soft_cap)
         # [1, heads, tokens, head_size]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         gqa = self.num_heads != self.num_kv_heads
         window, num_tokens = self.sliding_window, q.shape[0]
         if window is None or window >= num_tokens:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            out = sdpa(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=gqa)
             return out.squeeze(0).transpose(0, 1)
         # Queries in chunks, each over its keys only, so no [tokens, tokens] mask is ever built.
         out = torch.empty_like(qh)
@@ -116,7 +128,16 @@ class Attention(nn.Module):
             qpos = torch.arange(start, end, device=q.device)[:, None]
             kpos = torch.arange(key_start, end, device=q.device)[None, :]
             mask = (kpos <= qpos) & (kpos > qpos - window)
-            out[:, :, start:end] = F.scaled_dot_product_attention(
+            out[:, :, start:end] = sdpa(
                 qh[:, :, start:end], kh[:, :, key_start:end], vh[:, :, key_start:end], attn_mask=mask,
                 scale=self.scale, enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)
+
+
+def check_backend_features(layers: list[Attention], backend: object) -> None:
+    """Refuse, at start, a model whose attention layers need what the chosen backend cannot compute."""
+    if any(layer.logits_soft_cap is not None for layer in layers) and \
+            not getattr(backend, "supports_logits_soft_cap", False):
+        raise ValueError(f"This model soft-caps its attention logits (attn_logit_softcapping, Gemma 2), which the "
+                         f"{getattr(backend, 'name', backend)} attention backend does not support yet; run it on "
+                         f"the CPU, or pass --attention-backend torch.")

@@ -63,3 +63,37 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (Gemma 2 / 3, incl. their per-head q/k norms): y = (x / rms(x)) * (1 + w), the product taken
+    in float32 and only then cast to the input dtype (HF's Gemma*RMSNorm; Llama's casts before the product).
+
+    The checkpoint holds w; the parameter holds 1 + w in float32 (the loader adds 1 to w rounded to the model dtype,
+    as HF computes `1.0 + weight.float()`), so in float32 models the fused kernels apply it as a plain RMSNorm
+    weight with HF's numerics. Other dtypes take the float32 product in torch (the kernels round x / rms(x) to the
+    activation dtype before the weight)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        self.model_dtype = torch.get_default_dtype()
+        super().__init__(hidden_size, eps, params_dtype=torch.float32)
+        set_weight_attrs(self.weight, {"weight_loader": self._load_offset_weight})
+
+    def _load_offset_weight(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        default_weight_loader(param, loaded_weight.to(self.model_dtype).to(torch.float32) + 1.0)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if x.dtype == torch.float32:
+            return super().forward(x, residual)
+        return self.forward_native(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+                       ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon)
+        out = (xf * self.weight).to(x.dtype)
+        return out if residual is None else (out, residual)

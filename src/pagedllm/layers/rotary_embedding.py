@@ -6,7 +6,8 @@ index_select plus elementwise math (no per-token Python).
 
 Scaling types (HF `rope_scaling` / transformers-5 `rope_parameters`): default, linear, dynamic (NTK; as in
 vLLM the base is scaled once for the extended length, because cached keys cannot be re-rotated when the
-sequence grows), llama3 (HF's exact formula) and yarn.
+sequence grows), llama3 (HF's exact formula), yarn and longrope (Phi-3 / Phi-4's "su": short factors for
+contexts within original_max_position_embeddings, the long ones beyond; see `LongRopeEmbedding`).
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
         params["rope_theta"] = float(getattr(hf_config, "rope_theta", None) or 10000.0)
     if params.get("partial_rotary_factor") is None:
         params["partial_rotary_factor"] = getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    if params["rope_type"] in ("longrope", "su") and params.get("original_max_position_embeddings") is None:
+        # transformers < 5 keeps it on the config (Phi-3), not in rope_scaling
+        params["original_max_position_embeddings"] = getattr(hf_config, "original_max_position_embeddings", None)
     return params
 
 
@@ -99,6 +103,33 @@ def _yarn_inv_freq(base: float, rotary_dim: int, p: dict[str, Any], max_position
     return inv_freq, float(attention_factor)
 
 
+def cos_sin_rows(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float) -> torch.Tensor:
+    """[len(positions), rotary_dim] = cat(cos, sin) of positions x inv_freq (float32), times the scaling."""
+    inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [positions, rotary_dim / 2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
+
+
+def _longrope(base: float, rotary_dim: int, p: dict[str, Any], max_position: int
+              ) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """(short inv_freq, long inv_freq, original context, attention scaling) of LongRoPE, as HF computes them."""
+    original = p.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_type 'longrope' needs original_max_position_embeddings in the config.")
+    factor = p.get("factor") or max_position / original
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    factors = []
+    for key in ("short_factor", "long_factor"):
+        values = p.get(key)
+        if values is None or len(values) != rotary_dim // 2:
+            raise ValueError(f"rope_type 'longrope' needs {key} with rotary_dim / 2 = {rotary_dim // 2} values.")
+        factors.append(1.0 / (torch.tensor(values, dtype=torch.float32) * base ** exponent))
+    return factors[0], factors[1], int(original), float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin cache [max_position, rotary_dim] (cos half | sin half), float32, on the build device.
 
@@ -112,10 +143,7 @@ class RotaryEmbedding(nn.Module):
         self.head_size = head_size
         self.rotary_dim = rotary_dim
         self.max_position = max_position
-        positions = torch.arange(max_position, dtype=torch.float32)
-        inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, rotary_dim / 2]
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
+        cache = cos_sin_rows(torch.arange(max_position, dtype=torch.float32), inv_freq, attention_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -189,7 +217,49 @@ def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any],
         original = p.get("original_max_position_embeddings")
         if original and p.get("factor"):
             cache_len = max(max_position, int(original * p["factor"]))
+    elif rope_type in ("longrope", "su"):
+        return _longrope_cache(head_size, rotary_dim, max_position, base, p)
     else:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, dynamic, "
-                         f"llama3, yarn.")
+                         f"llama3, yarn, longrope.")
     return RotaryEmbedding(head_size, rotary_dim, cache_len, inv_freq, attention_scaling)
+
+
+def _longrope_cache(head_size: int, rotary_dim: int, max_position: int, base: float, p: dict[str, Any]
+                    ) -> "LongRopeEmbedding":
+    short, long, original, scaling = _longrope(base, rotary_dim, p, max_position)
+    return LongRopeEmbedding(head_size, rotary_dim, max_position, short, long, original, scaling)
+
+
+class LongRopeEmbedding(RotaryEmbedding):
+    """LongRoPE: the short factors for contexts within original_max_position_embeddings, the long ones beyond.
+
+    transformers picks them per forward by the sequence's length: a sequence that grows past the original context
+    is recomputed with the long factors for every position (Phi3ForCausalLM drops its KV cache at that step). A
+    paged cache cannot re-rotate the keys it holds, so, as vLLM and llama.cpp do, the choice is made once for the
+    engine's context length (`set_context_len`, called by the loader with max_model_len; by default the model's
+    max_position_embeddings): beyond the original context every position uses the long factors, which is
+    transformers' result for every sequence longer than the original context; within it the short ones, which is
+    transformers' result for every sequence. Both are scaled by the same attention factor, as in transformers."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, short_inv_freq: torch.Tensor,
+                 long_inv_freq: torch.Tensor, original_max_position: int, attention_scaling: float) -> None:
+        use_long = max_position > original_max_position
+        super().__init__(head_size, rotary_dim, max_position, long_inv_freq if use_long else short_inv_freq,
+                         attention_scaling)
+        self.use_long = use_long
+        self.original_max_position = original_max_position
+        self.short_inv_freq, self.long_inv_freq = short_inv_freq, long_inv_freq  # plain attributes: CPU float32
+        self.attention_scaling = attention_scaling
+
+    def set_context_len(self, context_len: int) -> None:
+        """Use the factors transformers would use for a sequence of `context_len` tokens."""
+        use_long = context_len > self.original_max_position
+        if use_long != self.use_long:
+            self.use_long = use_long
+            positions = torch.arange(self.max_position, device=self.cos_sin_cache.device)
+            self.cos_sin_cache.copy_(cos_sin_rows(positions, self.long_inv_freq if use_long else self.short_inv_freq,
+                                                  self.attention_scaling))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {'long' if self.use_long else 'short'} factors"

@@ -7,7 +7,10 @@ chat template) sees an ordinary HF model directory.
 
 Weights are dequantized with `gguf.quants.dequantize`; llama.cpp's converter permutes the Q/K rows of
 `llama`-architecture models for its interleaved rope, so those are permuted back to HF's rotate-half layout
-(qwen2/qwen3 use neox rope in llama.cpp and are stored unpermuted).
+(qwen2/qwen3/gemma2/gemma3/phi3 use neox rope in llama.cpp and are stored unpermuted). Gemma's norm weights are
+stored as 1 + w (ggml's norm multiplies by its weight), so 1 is subtracted back, as transformers' GGUF loader does.
+Per architecture the tensor names differ where the layouts do (`_ARCH_LAYER_TENSORS`): Gemma's `ffn_norm` is the
+pre-feed-forward norm, Phi-3's `attn_qkv` / `ffn_up` are its fused qkv_proj / gate_up_proj.
 
 Cache layout: `<PAGEDLLM_CACHE_DIR>/gguf/<file stem>-<key>/` where key hashes (converter version, absolute
 path, size, mtime). A conversion is written to a temporary sibling and renamed into place, so the cache
@@ -34,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 # 2: generation_config.json also holds a known model's recommended sampling defaults.
 CONVERTER_VERSION = 2
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")  # llama: also Mixtral
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3",
+                               "phi3")  # llama: also Mixtral
 MAX_SHARD_BYTES = 2 * 1024 ** 3
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
@@ -67,8 +71,19 @@ _MOE_LAYER_TENSORS = {
 _LAYER_TENSORS.update(_MOE_LAYER_TENSORS)
 # Mixtral GGUFs from before llama.cpp stacked the experts (2024-04): blk.N.ffn_gate.E.weight, one per expert.
 _PER_EXPERT_TENSORS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                        "post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_TENSORS = {
+    "gemma2": _GEMMA_LAYER_TENSORS,
+    "gemma3": _GEMMA_LAYER_TENSORS,
+    # Phi-3's up tensor holds [gate; up] (2 x feed_forward_length rows), as the HF checkpoint's gate_up_proj.
+    "phi3": {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_GEMMA_ARCHS = ("gemma2", "gemma3")
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_SKIPPED_TENSORS = ("rope_freqs.weight",)  # folded into config.json's rope parameters instead
+# folded into config.json's rope parameters instead (llama3's rope_freqs; Phi-3's LongRoPE factors)
+_SKIPPED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def gguf_cache_dir(gguf_path: str) -> str:
@@ -146,7 +161,8 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 # ----------------------------------------------------------------------------------------------- config
 
 def build_hf_config(reader: Any) -> Any:
-    """A transformers config (Llama/Qwen2/Qwen3Config) from the GGUF metadata and tensor shapes."""
+    """A transformers config (Llama / Mixtral / Qwen2(Moe) / Qwen3(Moe) / Gemma2 / Gemma3Text / Phi3Config) from the
+    GGUF metadata and tensor shapes."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     arch = _field(reader, "general.architecture")
@@ -160,7 +176,11 @@ def build_hf_config(reader: Any) -> Any:
     if isinstance(num_kv_heads, list):  # per-layer list in some files; these archs use one value
         num_kv_heads = max(num_kv_heads)
     hidden_size = int(meta("embedding_length"))
-    head_dim = int(meta("attention.key_length", 0) or meta("rope.dimension_count", 0) or hidden_size // num_heads)
+    if arch == "phi3":  # rope.dimension_count is the rotated part (Phi-4-mini: 96 of 128)
+        head_dim = int(meta("attention.key_length", 0) or hidden_size // num_heads)
+    else:
+        head_dim = int(meta("attention.key_length", 0) or meta("rope.dimension_count", 0) or
+                       hidden_size // num_heads)
     rope_theta = float(meta("rope.freq_base", 10000.0))
     max_position = int(meta("context_length", 2048))
     kwargs: dict[str, Any] = dict(
@@ -189,9 +209,13 @@ def build_hf_config(reader: Any) -> Any:
         config = LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
     elif arch == "qwen2":
         config = Qwen2Config(architectures=["Qwen2ForCausalLM"], **kwargs)
-    else:
+    elif arch == "qwen3":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config = Qwen3Config(architectures=["Qwen3ForCausalLM"], **kwargs)
+    elif arch in _GEMMA_ARCHS:
+        config = _gemma_config(reader, arch, kwargs)
+    else:
+        config = _phi3_config(reader, tensors, kwargs)
     _set_config_dtype(config, _source_dtype(reader))
     return config
 
@@ -216,6 +240,61 @@ def _moe_config(arch: str, meta: Any, tensors: dict, kwargs: dict) -> Any:
                           norm_topk_prob=bool(meta("expert_weights_norm", False)),
                           shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0) or 0),
                           **experts, **kwargs)
+
+
+def _layer_types(reader: Any, arch: str, num_layers: int, default_pattern: int) -> list[str]:
+    """Local (sliding_attention) and global layers: the file's sliding_window_pattern (a period, or one flag per
+    layer) else llama.cpp's fixed period for the architecture (Gemma 2: 2, Gemma 3: 6; the last of each period
+    is global)."""
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, list):
+        local = [bool(p) for p in pattern][:num_layers]
+    else:
+        local = [i % int(pattern) < int(pattern) - 1 for i in range(num_layers)]
+    return ["sliding_attention" if is_local else "full_attention" for is_local in local]
+
+
+def _gemma_config(reader: Any, arch: str, kwargs: dict[str, Any]) -> Any:
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    def meta(suffix: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{suffix}", default)
+
+    layers, head_dim = kwargs["num_hidden_layers"], kwargs["head_dim"]
+    # llama.cpp scales queries by hidden / heads for the 27B models (46 / 62 layers) and head_dim otherwise,
+    # which is what their configs' query_pre_attn_scalar says; the file does not store it.
+    big = layers == (46 if arch == "gemma2" else 62)
+    kwargs.update(
+        query_pre_attn_scalar=kwargs["hidden_size"] // kwargs["num_attention_heads"] if big else head_dim,
+        sliding_window=meta("attention.sliding_window"), hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=meta("final_logit_softcapping"), attn_logit_softcapping=meta("attn_logit_softcapping"),
+        layer_types=_layer_types(reader, arch, layers, 2 if arch == "gemma2" else 6))
+    if arch == "gemma2":
+        return Gemma2Config(architectures=["Gemma2ForCausalLM"], **kwargs)
+    # The local layers' base: the file's freq_base_swa, else the 10 000 every Gemma 3 uses (llama.cpp's default).
+    kwargs["rope_local_base_freq"] = float(meta("rope.freq_base_swa", 10000.0))
+    return Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], **kwargs)
+
+
+def _phi3_config(reader: Any, tensors: dict, kwargs: dict[str, Any]) -> Any:
+    from transformers import Phi3Config
+
+    rotary_dim = int(_field(reader, "phi3.rope.dimension_count", 0) or kwargs["head_dim"])
+    if rotary_dim != kwargs["head_dim"]:
+        kwargs["partial_rotary_factor"] = rotary_dim / kwargs["head_dim"]
+    original = _field(reader, "phi3.rope.scaling.original_context_length")
+    kwargs["original_max_position_embeddings"] = int(original or kwargs["max_position_embeddings"])
+    kwargs["sliding_window"] = _field(reader, "phi3.attention.sliding_window") or None  # 0: none (Phi-4)
+    if "rope_factors_long.weight" in tensors and "rope_factors_short.weight" in tensors:
+        from gguf.quants import dequantize
+
+        def factors(name: str) -> list[float]:
+            t = tensors[name]
+            return [float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1)]
+
+        kwargs["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
+                                  "short_factor": factors("rope_factors_short.weight")}
+    return Phi3Config(architectures=["Phi3ForCausalLM"], **kwargs)
 
 
 def _rope_scaling(reader: Any, arch: str, tensors: dict, rope_theta: float, head_dim: int) -> Optional[dict]:
@@ -320,11 +399,11 @@ def _write_tokenizer(reader: Any, gguf_path: str, out_dir: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ weights
 
-def _hf_name(gguf_name: str) -> Optional[str]:
+def _hf_name(gguf_name: str, arch: Optional[str] = None) -> Optional[str]:
     base, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
     if base.startswith("blk."):
         _, layer, tensor = base.split(".", 2)
-        hf = _LAYER_TENSORS.get(tensor)
+        hf = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS).get(tensor)
         if hf is None and tensor.rpartition(".")[0] in _PER_EXPERT_TENSORS and tensor.rpartition(".")[2].isdigit():
             kind, _, expert = tensor.rpartition(".")
             hf = f"mlp.experts.{expert}.{_PER_EXPERT_TENSORS[kind]}"
@@ -367,6 +446,20 @@ def _hub_expert_tensors(name: str, data: np.ndarray, architecture: str) -> Itera
     yield name, data
 
 
+def to_hf_layout(arch: str, name: str, data: np.ndarray, config: Any, packed: bool = False) -> np.ndarray:
+    """A GGUF tensor (dequantized, or its packed rows) under HF name `name` -> the HF checkpoint's values/rows:
+    llama's Q/K rows unpermuted (a row permutation, so packed rows too), Gemma's 1 + w norms back to w."""
+    if arch == "llama" and ".self_attn.q_proj." in name:
+        return _unpermute_rope_rows(data, config.num_attention_heads)
+    if arch == "llama" and ".self_attn.k_proj." in name:
+        return _unpermute_rope_rows(data, config.num_key_value_heads)
+    if arch in _GEMMA_ARCHS and name.endswith("norm.weight"):
+        if packed:
+            raise ValueError(f"{name}: a Gemma norm weight must be a float tensor")
+        return data - np.float32(1.0)
+    return data
+
+
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute`: per head, rows interleaved (pairs) -> two halves (HF rotate_half)."""
     shape = w.shape
@@ -379,7 +472,7 @@ def _iter_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, np.ndarray
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         if name is None:
             logger.warning("Skipping GGUF tensor %s: no Hugging Face equivalent.", tensor.name)
             continue
@@ -390,10 +483,7 @@ def _iter_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, np.ndarray
                              f"installed gguf package cannot dequantize; upgrade gguf.") from None
         # numpy shape is GGUF's reversed: [out, in] like HF.
         data = np.array(data, dtype=np.float32)  # an owned, writable copy (not a view of the memmap)
-        if arch == "llama" and ".self_attn.q_proj." in name:
-            data = _unpermute_rope_rows(data, config.num_attention_heads)
-        elif arch == "llama" and ".self_attn.k_proj." in name:
-            data = _unpermute_rope_rows(data, config.num_key_value_heads)
+        data = to_hf_layout(arch, name, data, config)
         yield from _hub_expert_tensors(name, moe_tensor_shape(name, data), config.architectures[0])
 
 

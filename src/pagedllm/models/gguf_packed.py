@@ -7,7 +7,8 @@ yields (HF name, tensor): a uint8 [rows, row_bytes] tensor of the file's blocks 
 experts routers and experts are always dequantized, and their experts yielded stacked ([E, rows, cols]).
 
 llama.cpp's converter permutes the Q/K rows of `llama` models for its interleaved rope; that is a permutation
-of whole rows, so it is undone on the packed rows exactly as on the dequantized ones (models/gguf.py).
+of whole rows, so it is undone on the packed rows exactly as on the dequantized ones (models/gguf.py
+`to_hf_layout`, which also turns Gemma's stored 1 + w norms back into w).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from pagedllm.models.gguf import (SUPPORTED_GGUF_ARCHITECTURES, _SKIPPED_TENSORS, _hf_name, _unpermute_rope_rows,
-                                  is_moe_dense_tensor, moe_tensor_shape, open_gguf)
+from pagedllm.models.gguf import (SUPPORTED_GGUF_ARCHITECTURES, _SKIPPED_TENSORS, _hf_name, is_moe_dense_tensor,
+                                  moe_tensor_shape, open_gguf, to_hf_layout)
 
 logger = logging.getLogger("pagedllm")
 
@@ -52,8 +53,9 @@ def gguf_source_path(model_dir: Optional[str]) -> Optional[str]:
 def gguf_tensor_types(gguf_path: str) -> dict[str, int]:
     """HF tensor name -> GGML type id, for the tensors the model loads."""
     out = {}
-    for tensor in read_gguf_index(gguf_path).tensors:
-        name = _hf_name(tensor.name)
+    index = read_gguf_index(gguf_path)
+    for tensor in index.tensors:
+        name = _hf_name(tensor.name, index.arch)
         if name is not None and tensor.name not in _SKIPPED_TENSORS:
             out[name] = tensor.tensor_type
     return out
@@ -195,7 +197,7 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
         for tensor in index.tensors:
             if pbar is not None:
                 pbar.update(1)
-            name = _hf_name(tensor.name)
+            name = _hf_name(tensor.name, arch)
             if name is None or tensor.name in _SKIPPED_TENSORS:
                 continue
             qtype = int(tensor.tensor_type)
@@ -207,10 +209,7 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
                 data = np.array(tensor.data, dtype=np.uint8)  # [rows, row_bytes], an owned copy of the blocks
             else:
                 data = np.array(dequantize(tensor.data, GGMLQuantizationType(qtype)), dtype=np.float32)
-            if arch == "llama" and ".self_attn.q_proj." in name:
-                data = _unpermute_rope_rows(data, hf_config.num_attention_heads)
-            elif arch == "llama" and ".self_attn.k_proj." in name:
-                data = _unpermute_rope_rows(data, hf_config.num_key_value_heads)
+            data = to_hf_layout(arch, name, data, hf_config, packed)
             out = torch.from_numpy(np.ascontiguousarray(moe_tensor_shape(name, data)))
             if packed:
                 out.gguf_type = qtype

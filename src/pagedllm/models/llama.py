@@ -204,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     layer_cls: type = LlamaDecoderLayer
+    model_cls: type = LlamaModel  # the decoder stack (Gemma's scales its embeddings and norms differently)
     # (our fused parameter, HF checkpoint name, shard id)
     stacked_params_mapping = [
         ("qkv_proj", "q_proj", "q"),
@@ -223,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.check_config(hf_config)
         with set_default_dtype(self.dtype):
-            self.model = LlamaModel(hf_config, self.layer_cls, prefix="model", quant_config=quant_config)
+            self.model = self.model_cls(hf_config, self.layer_cls, prefix="model", quant_config=quant_config)
             self.lm_head = (ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, prefix="lm_head")
                             if self.model.is_last_stage else PPMissingLayer())
         if self.tie_word_embeddings and self.model.is_first_stage and self.model.is_last_stage:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pagedllm.models import cpu_decode
-from pagedllm.models.registry import get_model_class
+from pagedllm.models.registry import TEXT_MODEL_ARCHITECTURES, get_model_class
 from pagedllm.models.weight_utils import (find_weight_files, initialize_dummy_weights,
                                           safetensors_weights_iterator)
 
@@ -115,7 +115,7 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{config_path} has no model_type; it is not a Hugging Face model config.")
     try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        return served_text_config(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code))
     except Exception as e:  # unknown model_type, bad field values, custom code...
         if not trust_remote_code and ("AutoConfig" in (raw.get("auto_map") or {}) or "trust_remote_code" in str(e)):
             raise ValueError(f"The model in {model_dir} needs its own code to load its config (auto_map in "
@@ -125,12 +125,29 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
                          f"{e}") from None
 
 
+def served_text_config(config: Any) -> Any:
+    """A multimodal checkpoint served as its text model (registry.TEXT_MODEL_ARCHITECTURES: Gemma 3's) is described
+    by its text_config, which the engine reads like any causal LM's (vocab_size, max_position_embeddings, ...); it
+    keeps the checkpoint's architecture, whose class reads the language model's tensors under their own names."""
+    architectures = getattr(config, "architectures", None) or []
+    text = getattr(config, "text_config", None)
+    if not architectures or architectures[0] not in TEXT_MODEL_ARCHITECTURES or text is None:
+        return config
+    text.architectures = [architectures[0]]
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
+
+
 def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
               device: Union[str, torch.device] = "cpu", load_format: str = "auto",
-              quant_config: Any = None) -> nn.Module:
+              quant_config: Any = None, max_model_len: Optional[int] = None) -> nn.Module:
     """Build the model for `hf_config` directly on `device` in `dtype`, load its weights, and return it in
     eval mode. `load_format="dummy"` fills random weights instead (no weight files needed). `quant_config`
-    (`pagedllm.quantization.resolve_quant_config`) picks each linear layer's method; None: unquantized."""
+    (`pagedllm.quantization.resolve_quant_config`) picks each linear layer's method; None: unquantized.
+    `max_model_len`: the engine's context length, for the modules whose numbers depend on it (LongRoPE's short or
+    long factors: `set_context_len`); None: the model's max_position_embeddings."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}.")
     model_cls = get_model_class(hf_config)
@@ -154,6 +171,10 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
             linear_method = getattr(module, "linear_method", None)
             if linear_method is not None:
                 linear_method.process_weights_after_loading(module)
+    if max_model_len is not None:
+        for module in model.modules():
+            if hasattr(module, "set_context_len"):
+                module.set_context_len(max_model_len)
     if device.type == "cpu":
         cpu_decode.attach(model)  # decode steps of packed models in one C++ call, where the model qualifies
     return model.eval()

@@ -16,13 +16,23 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),  # its text model only
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
+
+# Multimodal checkpoints served as their text model: the loader hands the model class the config's text_config
+# (models/loader.served_text_config); the class maps the checkpoint's language-model tensor names.
+TEXT_MODEL_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
 # config.model_type -> architecture, for configs saved without `architectures`.
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                       "qwen3_moe": "Qwen3MoeForCausalLM"}
+                       "qwen3_moe": "Qwen3MoeForCausalLM",
+                       "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       "gemma3": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

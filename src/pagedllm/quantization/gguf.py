@@ -63,6 +63,8 @@ class GGUFLinearMethod(LinearMethodBase):
         else:
             order = (None,)
         parts, types = [], []
+        if None in pending and len(order) > 1:  # a fused checkpoint tensor (Phi-3's attn_qkv, ffn_up)
+            order, sizes = (None,), [sum(sizes)]
         for shard, rows in zip(order, sizes):
             tensor, qtype = pending[shard]
             if tensor.shape[0] != rows:
@@ -130,7 +132,7 @@ class GGUFConfig(QuantizationConfig):
     def _checkpoint_names(self, prefix: str) -> list[str]:
         parent, _, leaf = prefix.rpartition(".")
         shards = _FUSED_SHARDS.get(leaf)
-        if shards is None:
+        if shards is None or f"{prefix}.weight" in self.tensor_types:  # stored fused (Phi-3)
             return [f"{prefix}.weight"]
         return [f"{parent}.{name}.weight" for name, _ in shards]
 

@@ -49,7 +49,8 @@ class DraftModelProposer:
         if quant is not None:
             quant.check_supported(self.device, self.dtype)
         self.model = get_model(cfg, self.model_dir, dtype=self.dtype, device=self.device,
-                               load_format=config.draft_load_format, quant_config=quant)
+                               load_format=config.draft_load_format, quant_config=quant,
+                               max_model_len=self.max_model_len)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             from pagedllm.layers.linear import pack_cpu_weights
 

@@ -16,6 +16,7 @@ from pagedllm.attention.backend import get_attention_backend
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
+from pagedllm.layers.attention import check_backend_features
 from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, _to_device, gather_logprobs
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.host_stager import HostStager
@@ -56,6 +57,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(kv_cache_backend(self.kv_cache_dtype, attention_backend, device),
                                                   device)
         check_kv_cache_backend(self.kv_cache_dtype, self.attn_backend)
+        check_backend_features(model.attn_layers, self.attn_backend)
         self.sampler = Sampler()
         self.kv_groups = kv_groups or model_kv_cache_groups(model, max_model_len)
         # Each of this stage's layers: its KV tensor (an index into kv_caches) and its group.

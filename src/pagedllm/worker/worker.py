@@ -167,7 +167,7 @@ class Worker:
         # With offloading the model is built in host memory first: it may not fit the GPU whole.
         self.model = get_model(cfg, self.model_dir, dtype=self.dtype,
                                device=torch.device("cpu") if offload else self.device, load_format=args.load_format,
-                               quant_config=self.quant_config)
+                               quant_config=self.quant_config, max_model_len=self.max_model_len)
         enforce_eager = args.enforce_eager
         if offload:
             from pagedllm.worker.cpu_offload import CpuOffloader

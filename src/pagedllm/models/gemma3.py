@@ -1,0 +1,106 @@
+"""Gemma 3 (text): Gemma 2's layout (models/gemma2.py) with
+
+  * a (1 + w) RMSNorm over each q and k head before rope (like Qwen3's q/k norm, in Gemma's form);
+  * two rope bases: global layers use rope_parameters["full_attention"] (rope_theta, and the linear scaling of
+    the 4B+ models), local sliding-window layers rope_parameters["sliding_attention"] (`rope_local_base_freq`,
+    10 000, unscaled), each layer with its own cos/sin cache;
+  * local and global layers from `layer_types` (5 local : 1 global; older configs: `sliding_window_pattern`,
+    which transformers' config turns into layer_types);
+  * no attention logit soft-capping (transformers' Gemma 3 ignores `attn_logit_softcapping`); the final logit
+    soft-capping only when the config sets it (Gemma 3 checkpoints do not).
+
+`Gemma3ForConditionalGeneration` checkpoints (the multimodal release, 4B and up) are served as their text model:
+the loader gives that class the `text_config` (models/loader.served_text_config); it loads the language model's
+tensors under their causal-LM names and skips the vision tower's. Image inputs are not supported.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Iterable, Optional
+
+import torch
+
+from pagedllm.layers.layernorm import GemmaRMSNorm
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
+from pagedllm.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2Model
+from pagedllm.models.llama import get_head_dim
+
+
+def local_rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope of the sliding-window layers: transformers >= 5 keeps it in rope_parameters["sliding_attention"],
+    older versions as rope_local_base_freq (without scaling)."""
+    per_type = getattr(config, "rope_parameters", None)
+    if isinstance(per_type, dict) and isinstance(per_type.get("sliding_attention"), dict):
+        return get_rope_parameters(types.SimpleNamespace(rope_parameters=per_type["sliding_attention"]))
+    base = getattr(config, "rope_local_base_freq", None) or 10000.0
+    return {"rope_type": "default", "rope_theta": float(base), "partial_rotary_factor": 1.0}
+
+
+class Gemma3Attention(Gemma2Attention):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
+                 ) -> None:
+        super().__init__(config, rotary_emb, prefix, quant_config)
+        self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    @staticmethod
+    def attn_logit_softcap(config: Any) -> Optional[float]:
+        return None
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = q.shape[0]
+        # [T, heads * head_dim] -> per-head norm over head_dim -> [T, heads * head_dim]
+        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
+        return q, k
+
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        # The (1 + w) float32 weights: a fused kernel applies them only where it runs in float32 (the Triton
+        # path declines a weight whose dtype differs from the activations').
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon
+
+
+class Gemma3DecoderLayer(Gemma2DecoderLayer):
+    attention_cls = Gemma3Attention
+
+
+class Gemma3Model(Gemma2Model):
+    def __init__(self, config: Any, layer_cls: type = Gemma3DecoderLayer, prefix: str = "model",
+                 quant_config: Any = None) -> None:
+        super().__init__(config, layer_cls, prefix, quant_config)
+        # self.rotary_emb (LlamaModel's, from the "full_attention" parameters) serves the global layers.
+        self.local_rotary_emb = get_rope(get_head_dim(config), config.max_position_embeddings,
+                                         local_rope_parameters(config))
+        for i in range(self.start_layer, self.end_layer):
+            if config.layer_types[i] == "sliding_attention":
+                self.layers[i].self_attn.rotary_emb = self.local_rotary_emb
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    layer_cls = Gemma3DecoderLayer
+    model_cls = Gemma3Model
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a multimodal Gemma 3 checkpoint (images are not supported): built from its text_config,
+    loading the language model's tensors under their causal-LM names and skipping the vision tower's."""
+
+    _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))
+    _SKIPPED = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+    def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
+        super().__init__(getattr(hf_config, "text_config", None) or hf_config, dtype, quant_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(self._SKIPPED):
+                    continue
+                for old, new in self._PREFIXES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                yield name, tensor
+
+        return super().load_weights(renamed())

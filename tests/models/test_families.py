@@ -1,0 +1,232 @@
+"""Gemma 2, Gemma 3 and Phi-3 models against transformers on tiny random checkpoints (tests/models/family_configs.py;
+fp32, one sequence, no KV cache), and checks that each family feature really runs: soft-capping, the local rope,
+LongRoPE's short / long factors, partial rotary, the Gemma norm, bf16."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from pagedllm.models.loader import get_model, load_hf_config
+
+ATOL = 1e-4
+
+
+def _hf(model_dir: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def _ours(model_dir: str, dtype=torch.float32, max_model_len: Optional[int] = None):
+    return get_model(load_hf_config(model_dir), model_dir, dtype=dtype, device="cpu", max_model_len=max_model_len)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(ids.shape[0])))
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy(step_logits, prompt: torch.Tensor, n: int) -> list[int]:
+    ids = prompt.clone()
+    for _ in range(n):
+        ids = torch.cat([ids, step_logits(ids)[-1].argmax().view(1)])
+    return ids[len(prompt):].tolist()
+
+
+def check_against_hf(model_dir: str, prompt_len: int, num_new_tokens: int = 6, max_model_len: Optional[int] = None):
+    hf, ours = _hf(model_dir), _ours(model_dir, max_model_len=max_model_len)
+    ids = _ids(prompt_len)
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0].float()
+    out = _logits(ours, ids)
+    assert out.dtype == torch.float32 and out.shape == (prompt_len, 512)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4)
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    with torch.inference_mode():
+        hf_tokens = _greedy(lambda x: hf(x[None]).logits[0], ids, num_new_tokens)
+    assert _greedy(lambda x: _logits(ours, x), ids, num_new_tokens) == hf_tokens
+    return ours
+
+
+@pytest.mark.parametrize("arch,prompt_len,max_model_len", [
+    ("gemma2", 48, None), ("gemma3", 48, None), ("phi3_plain", 48, None),
+    ("phi3", 26, 32),   # within the original context: the short factors, as transformers for a short sequence
+    ("phi3", 48, None),  # past it (engine context 256): the long factors, as transformers for a long sequence
+])
+def test_matches_transformers(tiny_model_dir, arch, prompt_len, max_model_len):
+    ours = check_against_hf(tiny_model_dir(arch), prompt_len, max_model_len=max_model_len)
+    n = ours.config.num_hidden_layers
+    assert [a.prefix for a in ours.attn_layers] == [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_layers(tiny_model_dir, arch):
+    ours = _ours(tiny_model_dir(arch))
+    config = ours.config
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight  # tied
+    assert [a.sliding_window for a in ours.attn_layers] == [
+        512 if t == "sliding_attention" else None for t in config.layer_types]
+    assert {a.scale for a in ours.attn_layers} == {24 ** -0.5}  # query_pre_attn_scalar, not head_dim (32)
+    norm = ours.model.layers[0].input_layernorm
+    assert norm.weight.dtype == torch.float32
+    from safetensors.torch import load_file
+    import os
+    w = load_file(os.path.join(tiny_model_dir(arch), "model.safetensors"))["model.layers.0.input_layernorm.weight"]
+    assert torch.equal(norm.weight, w + 1)  # (1 + w), w not zero (family_configs.randomize_norms)
+    if arch == "gemma2":
+        assert [a.logits_soft_cap for a in ours.attn_layers] == [1.0] * 4 and ours.final_logit_softcap == 2.0
+    else:
+        assert [a.logits_soft_cap for a in ours.attn_layers] == [None] * 6 and ours.final_logit_softcap is None
+        local = ours.model.local_rotary_emb
+        assert [layer.self_attn.rotary_emb is local for layer in ours.model.layers] == [True] * 5 + [False]
+        assert ours.model.layers[5].self_attn.rotary_emb is ours.model.rotary_emb
+
+
+def test_gemma2_soft_caps_change_the_result(tiny_model_dir):
+    """Guard against a cap silently not applied: without either cap the logits move well past the tolerance."""
+    ids = _ids(48)
+    model = _ours(tiny_model_dir("gemma2"))
+    capped = _logits(model, ids)
+    model.final_logit_softcap = None
+    uncapped_final = _logits(model, ids)
+    assert (uncapped_final - capped).abs().max() > 0.1
+    assert torch.equal(torch.tanh(uncapped_final / 2.0) * 2.0, capped)
+    for attn in model.attn_layers:
+        attn.logits_soft_cap, attn._soft_cap_kwargs = None, {}
+    assert (_logits(model, ids) - uncapped_final).abs().max() > 0.01
+
+
+def test_gemma3_local_rope_is_its_own(tiny_model_dir):
+    """The local layers rotate with base 1e4 unscaled, the global one with 1e6 and linear scaling x2."""
+    from pagedllm.layers.rotary_embedding import get_rope
+    model = _ours(tiny_model_dir("gemma3"))
+    local, full = model.model.local_rotary_emb, model.model.rotary_emb
+    assert torch.equal(local.cos_sin_cache, get_rope(32, 512, {"rope_type": "default", "rope_theta": 1e4})
+                       .cos_sin_cache)
+    assert torch.equal(full.cos_sin_cache, get_rope(32, 512, {"rope_type": "linear", "factor": 2.0,
+                                                              "rope_theta": 1e6}).cos_sin_cache)
+    ids = _ids(48)
+    before = _logits(model, ids)
+    for layer in model.model.layers[:5]:
+        layer.self_attn.rotary_emb = full
+    assert (_logits(model, ids) - before).abs().max() > 1e-3
+
+
+def test_phi3_longrope_and_partial_rotary(tiny_model_dir):
+    from pagedllm.layers.rotary_embedding import LongRopeEmbedding
+    model_dir = tiny_model_dir("phi3")
+    long_ctx, short_ctx = _ours(model_dir), _ours(model_dir, max_model_len=32)
+    rope = long_ctx.model.rotary_emb
+    assert isinstance(rope, LongRopeEmbedding) and rope.rotary_dim == 12 and rope.head_size == 16
+    assert rope.use_long and not short_ctx.model.rotary_emb.use_long
+    scaling = (1 + torch.log(torch.tensor(8.0)) / torch.log(torch.tensor(32.0))) ** 0.5  # factor 256 / 32
+    torch.testing.assert_close(rope.cos_sin_cache[0, :6], torch.full((6,), float(scaling)))
+    ids = _ids(26)
+    assert (_logits(long_ctx, ids) - _logits(short_ctx, ids)).abs().max() > 1e-3
+    rope.set_context_len(32)  # switching back rebuilds the same short cache
+    assert torch.equal(rope.cos_sin_cache, short_ctx.model.rotary_emb.cos_sin_cache)
+
+
+def test_phi3_fused_checkpoint_tensors_load_as_shards(tiny_model_dir):
+    """qkv_proj / gate_up_proj arrive fused and land on our fused parameters unchanged (one rank)."""
+    import os
+    from safetensors.torch import load_file
+    model_dir = tiny_model_dir("phi3_plain")
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in tensors and "model.layers.0.mlp.gate_up_proj.weight" in tensors
+    model = _ours(model_dir)
+    layer = model.model.layers[0]
+    assert torch.equal(layer.self_attn.qkv_proj.weight, tensors["model.layers.0.self_attn.qkv_proj.weight"])
+    assert torch.equal(layer.mlp.gate_up_proj.weight, tensors["model.layers.0.mlp.gate_up_proj.weight"])
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_bfloat16_matches_transformers_bfloat16(tiny_model_dir, arch):
+    """bf16: Gemma's norms in float32 then cast, the embedding scale rounded to bf16, as transformers computes."""
+    model_dir = tiny_model_dir(arch)
+    ours, hf = _ours(model_dir, dtype=torch.bfloat16), _hf(model_dir, dtype=torch.bfloat16)
+    assert ours.model.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert ours.model.embed_scale == float(torch.tensor(64 ** 0.5, dtype=torch.bfloat16))
+    ids = _ids(24)
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0].float()
+    got = _logits(ours, ids)
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    fp32 = _logits(_ours(model_dir), ids)
+    assert (got - fp32).abs().max() < 0.1 * fp32.abs().max()
+
+
+def test_gemma_norm_matches_transformers():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from pagedllm.layers.layernorm import GemmaRMSNorm
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = Gemma3RMSNorm(64, eps=1e-6).to(dtype)
+        ref.weight.data.normal_()
+        torch.set_default_dtype(dtype)
+        try:
+            ours = GemmaRMSNorm(64, eps=1e-6)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        ours.weight.weight_loader(ours.weight, ref.weight.data)
+        x, residual = torch.randn(7, 64, dtype=dtype), torch.randn(7, 64, dtype=dtype)
+        with torch.no_grad():
+            assert torch.equal(ours.forward_native(x), ref(x))
+            torch.testing.assert_close(ours(x), ref(x))
+            out, new_residual = ours(x, residual)
+            assert torch.equal(new_residual, x + residual)
+            torch.testing.assert_close(out, ref(x + residual))
+
+
+def test_bidirectional_gemma3_is_refused(tmp_path):
+    from tests.conftest import save_tiny_model, tiny_hf_config
+    config = tiny_hf_config("gemma3")
+    config.use_bidirectional_attention = True
+    model_dir = save_tiny_model(str(tmp_path), config)
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True .* not supported"):
+        _ours(model_dir)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_past_the_window_matches_transformers(tmp_path, arch):
+    """A 16-token window and 60-token prompts: the local layers see only their window (Gemma 2's with capped
+    logits), the global ones everything."""
+    from tests.conftest import save_tiny_model, tiny_hf_config
+    config = tiny_hf_config(arch)
+    config.sliding_window = 16
+    ours = check_against_hf(save_tiny_model(str(tmp_path), config), 60)
+    assert {a.sliding_window for a in ours.attn_layers} == {16, None}
+
+
+def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, tiny_model_dir):
+    """A multimodal Gemma 3 checkpoint (a tiny SigLIP tower, language model = the tiny gemma3): pagedllm builds the
+    text model from text_config, reads the language model's tensors under their saved names, skips the vision
+    tower's, and gives transformers' Gemma3ForConditionalGeneration logits on a text-only prompt."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from tests.conftest import build_tiny_tokenizer, tiny_hf_config
+    from tests.models.family_configs import randomize_norms
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=tiny_hf_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, boi_token_index=508, eoi_token_index=509, image_token_index=510,
+                          architectures=["Gemma3ForConditionalGeneration"])
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    randomize_norms(hf.model.language_model)
+    hf.save_pretrained(str(tmp_path))
+    build_tiny_tokenizer().save_pretrained(str(tmp_path))
+    served = load_hf_config(str(tmp_path))
+    assert served.architectures == ["Gemma3ForConditionalGeneration"] and served.vocab_size == 512
+    ours = _ours(str(tmp_path))
+    assert type(ours).__name__ == "Gemma3ForConditionalGeneration" and len(ours.attn_layers) == 6
+    ids = _ids(40)
+    with torch.inference_mode():
+        ref = hf(input_ids=ids[None]).logits[0].float()
+    torch.testing.assert_close(_logits(ours, ids), ref, atol=ATOL, rtol=1e-4)
