@@ -52,7 +52,9 @@ def test_dead_engine_fails_requests_and_health(e2e_env: dict, smollm2_hf_dir: st
         while metric(httpx.get(url + "/metrics", timeout=30).text, "vllm:num_requests_running") < 1:
             assert time.monotonic() < deadline, "the long request never started"
             time.sleep(0.02)
-        engines = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        # the engine core, by its process name (with --api-server-count > 1, the default on GPU machines of 4+
+        # cores, the server's children are API processes too)
+        engines = [p for p in _children(proc.pid) if open(f"/proc/{p}/comm").read().startswith("pagedllm-core")]
         assert len(engines) == 1
         os.kill(engines[0], signal.SIGKILL)
         t.join(30)

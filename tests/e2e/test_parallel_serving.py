@@ -30,6 +30,11 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def _comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode(errors="replace")
@@ -70,7 +75,7 @@ def test_data_parallel_server(tiny_llama_dir, e2e_env, tmp_path):
         assert min(per_core) > 0 and sum(per_core) == 32 * 8, per_core  # both cores served
         assert metric(text, "vllm:request_success_total", engine="1", finished_reason="length") > 0
 
-        cores = [p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)]
+        cores = [p for p in _children(proc.pid) if _comm(p).startswith("pagedllm-core")]  # not API processes
         workers = [w for c in cores for w in _children(c) if "pagedllm.executor.worker_proc" in _cmdline(w)]
         assert len(cores) == 2 and len(workers) == 2
         for pid in cores + workers:  # pagedllm's own processes: its variables given at their start
