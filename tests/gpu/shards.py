@@ -29,8 +29,8 @@ EXPECTED_S = {
     "tests/gpu/test_dequant_gemm.py": 98,
     "tests/gpu/test_engine_gpu.py": 26,
     "tests/gpu/test_engine_lifecycle_gpu.py": 21,
-    "tests/gpu/test_families_gpu.py": 90,  # an estimate (not run yet): 8 CUDA + 7 CPU engines, graph captures
-    "tests/gpu/test_fused_moe_gpu.py": 180,  # estimate: ~100 Triton variants (routing, align, experts) + 6 engines
+    "tests/gpu/test_families_gpu.py": 120,  # estimate: its run on the H200 was cut off after ~40 s (compiles)
+    "tests/gpu/test_fused_moe_gpu.py": 225,
     "tests/gpu/test_kv_fp8_kernels.py": 59,
     "tests/gpu/test_lora_gpu.py": 16,
     "tests/gpu/test_mixed_graphs.py": 42,
@@ -38,8 +38,8 @@ EXPECTED_S = {
     "tests/gpu/test_quant_act.py": 2,
     "tests/gpu/test_quant_gpu.py": 61,
     "tests/gpu/test_quant_tiled.py": 148,
-    "tests/gpu/test_sliding_window_engine_gpu.py": 90,  # estimate (not measured yet): ~12 tiny engines with graphs
-    "tests/gpu/test_sliding_window_kernels.py": 60,  # estimate: windowed prefill/decode variants per config
+    "tests/gpu/test_sliding_window_engine_gpu.py": 60,  # 33 s measured for its first 6 tests
+    "tests/gpu/test_sliding_window_kernels.py": 83,
     "tests/gpu/test_small_kernels.py": 14,
     "tests/gpu/test_smollm2_gpu.py": 47,
     "tests/gpu/test_spec_decode_gpu.py": 9,
