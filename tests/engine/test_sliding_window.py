@@ -169,7 +169,8 @@ def test_mixed_sliding_and_full_layers_match_hf(mixed_dir):
     # prefix hits across groups: the full group needs every block, the sliding ones their window
     shared = prompts[0]
     outs = check_against_hf(llm, mixed_dir, [shared + [3, 4, 5], shared[:50] + [9]], [9, 9])
-    assert [o.num_cached_tokens >= n for o, n in zip(outs, (88, 48))] == [True, True], [o.num_cached_tokens for o in outs]
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[0] >= 88 and cached[1] >= 48, cached
 
 
 def test_mixed_layers_bound_only_the_sliding_groups(mixed_dir):

@@ -7,8 +7,8 @@ Only ints, lists, strings, SamplingParams and one numpy array (the grammar bitma
     sent in full, with every token id known so far and the full block table.
   * cached_requests: requests the runner already holds: only the blocks appended this step and the
     computed-token count at the start of the step. Blocks a sliding window left behind are freed without a
-    word: the runner's table keeps their ids, which no backend reads (attention/backend.py). Tokens the runner sampled itself in the previous
-    step are already in its state; it appends what it samples.
+    word: the runner's table keeps their ids, which no backend reads (attention/backend.py). Tokens the runner
+    sampled itself in the previous step are already in its state; it appends what it samples.
   * num_scheduled_tokens: how many tokens of each request to compute this step, in batch order
     (the order of the dict is the order of rows in the batch).
   * finished_request_ids: requests to drop (finished, aborted or preempted since the last plan).

@@ -411,7 +411,8 @@ class KVCacheManager:
             return None
         computed = min(request.num_computed_tokens, request.num_tokens)
         i, m = divmod(computed, self.block_size)
-        if m == 0 or i >= len(blocks) or blocks[i] is None or blocks[i].ref_cnt != 1 or blocks[i].block_hash is not None:
+        if m == 0 or i >= len(blocks) or blocks[i] is None or blocks[i].ref_cnt != 1 \
+                or blocks[i].block_hash is not None:
             return None
         self.update_block_hashes(request)
         parent = request.block_hashes[i - 1] if i > 0 else None
