@@ -302,4 +302,5 @@ def _ct_reference(model_dir: str, scheme: Any) -> Any:
         module.register_forward_pre_hook(lambda m, inp, name=name: quantize_input(m, inp, name))
         for name, module in reference.named_modules()
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")]
+    assert reference.act_quant_hooks, "no linear layer of the reference got its activation quantization"
     return reference
