@@ -273,6 +273,12 @@ def _ct_reference(model_dir: str, scheme: Any) -> Any:
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                      quantization_config=CompressedTensorsConfig(dequantize=True))
     reference.eval()
+    # Some transformers versions (5.17) keep the library's fake-quantizing forward on every Linear after
+    # decompression, others (5.24) drop it: turn it off, so the activation quantization below is the only one and
+    # removing its hooks really gives the weight-only reading, whatever the version.
+    for module in reference.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            module.quantization_enabled = False
     act = scheme.input_activations
     if act is None:
         return reference
@@ -304,3 +310,20 @@ def _ct_reference(model_dir: str, scheme: Any) -> Any:
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")]
     assert reference.act_quant_hooks, "no linear layer of the reference got its activation quantization"
     return reference
+
+
+def w8a8_layer_errors(ours: Any, reference: Any, layer: str, dtype: torch.dtype, device: str,
+                      rows: int) -> tuple[float, float, float]:
+    """One W8A8 linear (e.g. "model.layers.0.mlp.down_proj", a layer ours keeps unfused) on one input of `rows`
+    tokens in `dtype`, ours on `device` against the library reference's same linear in fp32 (with its activation
+    quantization hook, and without it): (mean |ours - W8A8|, mean |ours - weight-only|, max |W8A8|). A single
+    layer shows the activation quantization itself, which a whole model's half-precision noise hides: over a tiny
+    model in bf16 a rounding flip upstream moves the logits as much as quantizing every activation does."""
+    ref_linear = reference.get_submodule(layer)
+    our_linear = ours.get_submodule(layer)
+    x = (torch.randn(rows, ref_linear.in_features, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
+    with torch.inference_mode():
+        got = our_linear(x.to(device)).float().cpu()
+        want = ref_linear(x.float())
+        weight_only = torch.nn.functional.linear(x.float(), ref_linear.weight, ref_linear.bias)  # no hook
+    return (got - want).abs().mean().item(), (got - weight_only).abs().mean().item(), want.abs().max().item()

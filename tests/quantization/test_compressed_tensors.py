@@ -53,3 +53,20 @@ def test_w8a8_schemes(tmp_path, tiny_model_dir, arch, preset):
     err, err_weight_only = (got - want).abs().mean(), (got - weight_only).abs().mean()
     assert (got - want).abs().max() < 0.05 and err < 1e-3, (err, (got - want).abs().max())
     assert err < 0.2 * err_weight_only, (err, err_weight_only)
+
+
+@pytest.mark.parametrize("preset,dtype", [("FP8_DYNAMIC", torch.bfloat16), ("W8A8", torch.float16),
+                                          ("W8A8", torch.float32)])
+def test_w8a8_linear_matches_library_quantization(tmp_path, tiny_model_dir, preset, dtype):
+    """One linear layer in the activation dtype users run (bf16 / fp16): far closer to the library's W8A8
+    arithmetic than to the weight-only product of the same weights, at 1, 4 and 40 rows."""
+    from pagedllm.models.loader import get_model, load_hf_config
+    from pagedllm.quantization import resolve_quant_config
+    from tests.quantization.checkpoints import w8a8_layer_errors
+
+    model_dir, reference = ct_checkpoint(tiny_model_dir("llama"), str(tmp_path / "ct"), preset)
+    cfg = load_hf_config(model_dir)
+    ours = get_model(cfg, model_dir, dtype=dtype, device="cpu", quant_config=resolve_quant_config(None, cfg, model_dir))
+    for rows in (1, 4, 40):
+        err, contrast, scale = w8a8_layer_errors(ours, reference, "model.layers.0.mlp.down_proj", dtype, "cpu", rows)
+        assert err < 0.1 * contrast and err < 0.001 * scale, (preset, dtype, rows, err, contrast, scale)
