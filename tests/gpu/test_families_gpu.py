@@ -1,7 +1,7 @@
 """Gemma 2, Gemma 3 and Phi-3 on CUDA (run on the device): in fp32 the engine's tokens (Triton attention, fused qkv
 path, CUDA graphs) equal the CPU engine's and transformers', the logprobs within fp32 tolerance; Gemma 3 past its
-sliding window; Gemma 2's soft-capped attention, which the Triton kernels do not compute yet, refused on the default
-backend with the way out, and correct through it (the torch backend, eager); bf16 graphs equal bf16 eager."""
+sliding window; Gemma 2's soft-capped attention on the Triton kernels and the torch backend; bf16 graphs equal bf16
+eager."""
 from __future__ import annotations
 
 import pytest
@@ -52,15 +52,24 @@ def test_gemma3_past_the_window_on_cuda(tmp_path):
                              block_size=16)
 
 
-def test_gemma2_soft_cap_needs_the_torch_backend_on_cuda(tiny_model_dir):
-    model_dir = tiny_model_dir("gemma2")
-    with pytest.raises(ValueError, match="soft-caps its attention logits .* triton attention backend"):
-        LLM(model=model_dir, dtype="float32", device="cuda", num_gpu_blocks_override=64)
-    _cuda_matches_cpu_and_hf(model_dir, random_prompts(LENGTHS, seed=1), MAX_TOKENS, attention_backend="torch",
-                             enforce_eager=True)
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_gemma2_soft_capped_on_cuda(tiny_model_dir, backend):
+    """Attention logits soft-capped at 1.0 (reached by the random activations): the Triton kernels (default: fused
+    qkv path, CUDA graphs) and the torch backend give the CPU engine's and transformers' tokens."""
+    kwargs = {} if backend is None else {"attention_backend": backend, "enforce_eager": True}
+    _cuda_matches_cpu_and_hf(tiny_model_dir("gemma2"), random_prompts(LENGTHS, seed=1), MAX_TOKENS, **kwargs)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_gemma2_past_the_window_on_cuda(tmp_path):
+    from tests.conftest import save_tiny_model, tiny_hf_config
+    config = tiny_hf_config("gemma2")
+    config.sliding_window = 16
+    model_dir = save_tiny_model(str(tmp_path), config)
+    _cuda_matches_cpu_and_hf(model_dir, random_prompts([60, 3, 41, 17, 70], seed=8), [12, 30, 9, 20, 6],
+                             block_size=16)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
 def test_bf16_cuda_graphs_equal_eager(tiny_model_dir, arch):
     model_dir = tiny_model_dir(arch)
     prompts = random_prompts([3, 30, 11, 50, 7, 1, 19, 2, 44], seed=9)

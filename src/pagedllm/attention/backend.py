@@ -38,6 +38,9 @@ class QKVSpec:
     kv_scales: Optional[torch.Tensor] = None
     # Sliding-window attention (None: full): a query at position p sees keys p - sliding_window < k <= p.
     sliding_window: Optional[int] = None
+    # Soft-capped scores (None: off; Gemma 2): s -> c * tanh(s / c) before the softmax. A backend without
+    # `supports_logits_soft_cap` must return None from forward_qkv when this is set.
+    logits_soft_cap: Optional[float] = None
 
 
 class AttentionBackend:

@@ -1,8 +1,7 @@
 """Attention with its logits soft-capped (Gemma 2's attn_logit_softcapping): softmax(cap * tanh(scale q.k / cap)),
 in plain torch as transformers' eager attention computes it (torch's SDPA has no hook between the scores and the
 softmax). `soft_capped_sdpa` takes F.scaled_dot_product_attention's arguments, so the torch and CPU backends and
-the no-cache path swap it in for SDPA where a layer caps; the Triton kernels do not cap yet (a model that needs it
-is refused at start on a backend without `supports_logits_soft_cap`)."""
+the no-cache path swap it in for SDPA where a layer caps (the Triton kernels cap in their own score tiles)."""
 from __future__ import annotations
 
 import functools

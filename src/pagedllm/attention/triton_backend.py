@@ -50,6 +50,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_fp8_kv = True  # the kernels widen what they load to the query dtype and narrow what they store
     supports_mixed_graphs = True
+    supports_logits_soft_cap = True
 
     def __init__(self, max_splits: Optional[int] = None) -> None:
         # Upper bound on split-KV partitions per (request, kv head); PAGEDLLM_DECODE_MAX_SPLITS tunes it.
@@ -88,21 +89,23 @@ class TritonAttentionBackend(AttentionBackend):
 
     def warmup(self, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
                device: torch.device, max_query_len: int, cache_dtype: Optional[torch.dtype] = None,
-               sliding_windows: tuple = (None,)) -> None:
+               sliding_windows: tuple = (None,), soft_caps: tuple = (None,)) -> None:
         """Compile, at start-up, every variant of the prefill kernel that serving can hit (its tile size
-        follows the step's longest query chunk; layers with a sliding window use a variant of their own), so no
-        request ever waits for Triton's compiler."""
+        follows the step's longest query chunk; layers with a sliding window or a logits soft cap use variants of
+        their own), so no request ever waits for Triton's compiler."""
         cache = torch.zeros(2, 2, block_size, num_kv_heads, head_size, dtype=cache_dtype or dtype, device=device)
         table = torch.zeros(1, 2, dtype=torch.int32, device=device)
         q_len = 1
         while True:
             tokens = min(q_len, 2 * block_size)
             query = torch.zeros(tokens, num_heads, head_size, dtype=dtype, device=device)
-            for window in {w is not None for w in sliding_windows}:  # the window's value is not specialized on
+            # Neither the window's nor the cap's value is specialized on: one variant per (windowed, capped).
+            for window, cap in {(w is not None, c is not None) for w in sliding_windows for c in soft_caps}:
                 paged_prefill_attention(query, cache, table,
                                         torch.tensor([tokens], dtype=torch.int32, device=device),
                                         torch.tensor([0, tokens], dtype=torch.int32, device=device), 1.0,
-                                        num_seqs=1, max_query_len=q_len, sliding_window=block_size if window else None)
+                                        num_seqs=1, max_query_len=q_len, sliding_window=block_size if window else None,
+                                        logits_soft_cap=50.0 if cap else None)
             if q_len >= max_query_len:
                 break
             q_len = min(2 * q_len, max_query_len)
@@ -124,13 +127,14 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         output: Optional[torch.Tensor] = None,  # [num_tokens, num_heads, head_size]
         sliding_window: Optional[int] = None,
+        logits_soft_cap: Optional[float] = None,
     ) -> torch.Tensor:
         if output is None:
             output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if query.shape[0] == 0 or metadata.num_reqs == 0:
             return output
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
-        return self._attend(query, kv_cache, metadata, scale, output, sliding_window)
+        return self._attend(query, kv_cache, metadata, scale, output, sliding_window, logits_soft_cap)
 
     def forward_qkv(
         self,
@@ -156,10 +160,11 @@ class TritonAttentionBackend(AttentionBackend):
         query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, spec.num_heads,
                          spec.num_kv_heads, spec.head_size, spec.q_norm_weight, spec.k_norm_weight, spec.eps,
                          kv_scales=spec.kv_scales)
-        return self._attend(query, kv_cache, metadata, spec.scale, output, spec.sliding_window)
+        return self._attend(query, kv_cache, metadata, spec.scale, output, spec.sliding_window, spec.logits_soft_cap)
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                output: torch.Tensor, sliding_window: Optional[int] = None) -> torch.Tensor:
+                output: torch.Tensor, sliding_window: Optional[int] = None,
+                logits_soft_cap: Optional[float] = None) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
@@ -175,10 +180,10 @@ class TritonAttentionBackend(AttentionBackend):
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
                 block_n=decode_block_n(query.dtype, head_size, num_splits, keys),
                 order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None,
-                sliding_window=sliding_window)
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
                 num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output,
-                block_m=metadata.graph_prefill_tile, sliding_window=sliding_window)
+                block_m=metadata.graph_prefill_tile, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         return output

@@ -23,7 +23,8 @@ tokens already in the cache; query token j sees context positions < seq_len - qu
 query head h reads kv head h // (num_heads // num_kv_heads). A request with seq_len 0 yields zeros.
 With a sliding window W (transformers' mask) a query at position p sees only positions p - W < k <= p; both
 kernels then start at the first position a program's rows can see and never read the blocks before it (the KV
-manager may have freed them: their block-table entries are stale).
+manager may have freed them: their block-table entries are stale). With a logits soft cap c (Gemma 2) each scaled
+score s becomes c * tanh(s / c) before the softmax.
 """
 from __future__ import annotations
 
@@ -45,9 +46,20 @@ def kernel_window(sliding_window: Optional[int]) -> int:
     return NO_WINDOW if sliding_window is None else int(sliding_window)
 
 
+def kernel_soft_cap(logits_soft_cap: Optional[float]) -> float:
+    """The cap in the kernels' log2 units (their scores are s * log2(e)); 0.0 without one (never read)."""
+    return 0.0 if logits_soft_cap is None else float(logits_soft_cap) * LOG2E
+
+
 # ----------------------------------------------------------------------------------------------
 # shared pieces
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # exp-based, so the interpreter runs it too; saturates to +-1 (exp overflows to inf or underflows to 0)
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
 
 
 @triton.jit
@@ -79,6 +91,8 @@ def _attend_tile(
     CAUSAL: tl.constexpr,  # mask positions > q_pos
     kv_lo=0, window=0,  # WINDOWED: positions < kv_lo are never read; row r sees only positions > q_pos[r] - window
     WINDOWED: tl.constexpr = False,
+    soft_cap_log2=0.0,  # SOFT_CAP: the cap c in log2 units (c * log2(e)); scores s become c * tanh(s / c)
+    SOFT_CAP: tl.constexpr = False,
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
@@ -110,6 +124,8 @@ def _attend_tile(
     v = v.to(q.dtype)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
+    if SOFT_CAP:  # qk = s * log2(e), so c * tanh(s / c) * log2(e) = cap * tanh(qk / cap) with cap = c * log2(e)
+        qk = soft_cap_log2 * _tanh(qk / soft_cap_log2)
     if WINDOWED:
         seen = pos_ok[None, :] & (pos[None, :] > q_pos[:, None] - window)
         if CAUSAL:
@@ -146,13 +162,14 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _prefill_kernel(
     q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2, num_seqs, window,
+    scale_log2, num_seqs, window, soft_cap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     WINDOWED: tl.constexpr = False,  # a sliding window (`window` positions)
+    SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
 ):
     wait_prior_kernel(USE_PDL)
     pid_q = tl.program_id(0)
@@ -204,18 +221,20 @@ def _prefill_kernel(
                 acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
                 stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
                 BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
-                kv_lo=kv_lo, window=window, WINDOWED=True)
+                kv_lo=kv_lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
         causal_start = tl.maximum(full_end, mid_start)
     for start in range(mid_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False)
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False,
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
     for start in range(causal_start, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True)
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -264,9 +283,10 @@ def paged_prefill_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention for any mixture of prefill chunks and decodes (no host syncs), optionally within a sliding
-    window (a query at position p sees keys p - sliding_window < k <= p)."""
+    window (a query at position p sees keys p - sliding_window < k <= p) and with soft-capped scores."""
     if output is None:
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)
@@ -289,13 +309,13 @@ def paged_prefill_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, output, kv_cache, block_table, seq_lens, query_start_loc,
-        scale * LOG2E, num_seqs, kernel_window(sliding_window),
+        scale * LOG2E, num_seqs, kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap),
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         GQA=gqa, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         DOT_PRECISION=_dot_precision(query.dtype), WINDOWED=sliding_window is not None,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(query.device),
+        SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(query.device),
     )
     return output
 
@@ -309,7 +329,7 @@ def paged_prefill_attention(
                                 "stride_pl_head", "window"])
 def _decode_kernel(
     q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, order_ptr,
-    scale_log2, num_splits, window,
+    scale_log2, num_splits, window, soft_cap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     stride_po_seq, stride_po_head, stride_po_split,  # part_out [num_seqs, num_heads, num_splits, HEAD_PAD]
@@ -319,6 +339,7 @@ def _decode_kernel(
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the normalized output directly
     HAS_ORDER: tl.constexpr,  # order_ptr lists the rows longest context first
     USE_PDL: tl.constexpr,
+    SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): programs are dispatched kv head fastest, so with an order every head
@@ -354,7 +375,8 @@ def _decode_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
-            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False)
+            BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -499,6 +521,7 @@ def paged_decode_attention(
     num_stages: int = 3,
     order: Optional[torch.Tensor] = None,  # [>= num_seqs] int32: a permutation of the rows, longest context first
     sliding_window: Optional[int] = None,  # the query (at seq_len - 1) sees only the last sliding_window keys
+    logits_soft_cap: Optional[float] = None,  # scores s become c * tanh(s / c) (Gemma 2)
 ) -> torch.Tensor:
     """One query token per request; split-KV over the context. CUDA-graph capturable when the
     workspace is preallocated (shapes depend only on num_seqs and the model's heads).
@@ -521,15 +544,16 @@ def paged_decode_attention(
     launch = pdl_launch_args(query.device)
     common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
                   HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype),
-                  HAS_ORDER=order is not None, num_warps=num_warps, num_stages=num_stages, **launch)
+                  HAS_ORDER=order is not None, SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
+                  num_stages=num_stages, **launch)
     order_arg = seq_lens if order is None else order  # (unread without an order)
-    window = kernel_window(sliding_window)
+    window, soft_cap = kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap)
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                      block_table.stride(0))
     if num_splits == 1:
         _decode_kernel[(num_kv_heads, num_seqs, 1)](
             query, output, output, output, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, 1, window,
-            query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
+            soft_cap, query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
             0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common)
         return output
 
@@ -537,7 +561,7 @@ def paged_decode_attention(
                                                          query.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, num_splits,
-        window,
+        window, soft_cap,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
         *part_strides, SINGLE_SPLIT=False, **common)
     _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -562,9 +586,10 @@ def paged_attention_ref(
     scale: float,
     num_seqs: Optional[int] = None,
     sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
 ) -> torch.Tensor:
     """Pure-torch reference (per-request loop, fp32 math). Rows of no request stay zero. With a sliding window
-    only the blocks holding a row's visible keys are read."""
+    only the blocks holding a row's visible keys are read; with a soft cap c scores s become c * tanh(s / c)."""
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     gqa = num_heads // num_kv_heads
@@ -588,6 +613,8 @@ def paged_attention_ref(
         v = v.repeat_interleave(gqa, dim=1)
         q = query[q0:q1].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(key_start, seq_len, device=query.device)
         hidden = k_pos[None, None, :] > q_pos[None, :, None]

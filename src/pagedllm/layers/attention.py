@@ -94,14 +94,14 @@ class Attention(nn.Module):
         Returns [num_tokens, num_heads * head_size], or None when the caller must take the unfused path
         (no KV cache bound yet, a backend without the fused path, partial rotary, ...). May modify qkv."""
         ctx = get_forward_context()
-        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None or self.logits_soft_cap is not None:
+        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             return None
         fp8 = self.kv_cache.dtype == torch.float8_e4m3fn and self.kv_scale_source is not None  # scaled FP8
         if fp8 and self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
             return None  # the calibration step takes the unfused path, where K is seen after rope
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
                        *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None,
-                       sliding_window=self.sliding_window)
+                       sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache,
                                            ctx.attn_metadata.for_group(self.kv_group), spec)
         if out is None:

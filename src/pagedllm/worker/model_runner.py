@@ -107,7 +107,8 @@ class ModelRunner:
             warmup(first.num_heads, first.num_kv_heads, first.head_size, self.block_size, self.dtype, self.device,
                    self.max_num_batched_tokens, **({"cache_dtype": self.kv_cache_dtype}
                                                    if self.kv_cache_dtype != self.dtype else {}),
-                   sliding_windows=tuple({layer.sliding_window for layer in self.model.attn_layers}))
+                   sliding_windows=tuple({layer.sliding_window for layer in self.model.attn_layers}),
+                   soft_caps=tuple({layer.logits_soft_cap for layer in self.model.attn_layers}))
         self._warm_up_greedy()
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graph import CudaGraphRunner
