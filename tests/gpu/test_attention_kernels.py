@@ -6,7 +6,8 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed with CUDA torch)")
 
-from attention_cases import build_batch, kernel_test_device, tolerances
+from attention_cases import (build_batch, capture_graph, config_ids, decode_graph_inputs, kernel_test_device,
+                             reference, tolerances)
 
 DEVICE = kernel_test_device()
 pytestmark = [
@@ -16,7 +17,6 @@ pytestmark = [
 ]
 
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from pagedllm.forward_context import AttentionMetadata  # noqa: E402
 from pagedllm.kernels.paged_attention import (  # noqa: E402
     paged_attention_ref,
     paged_decode_attention,
@@ -38,7 +38,7 @@ CONFIGS = [
     (128, 32, 8, 16, FP32),
     (64, 8, 1, 32, FP32),  # MQA-like GQA 8
 ]
-CONFIG_IDS = [f"d{d}-h{h}-kv{kv}-bs{bs}-{str(dt).split('.')[-1]}" for d, h, kv, bs, dt in CONFIGS]
+CONFIG_IDS = config_ids(CONFIGS)
 
 # (cached_len, query_len): fresh prefills, prefix-cache hits / later chunks, decodes, block edges.
 MIXED_SPECS = [(0, 37), (100, 50), (500, 1), (0, 1), (31, 200), (16, 16), (1000, 129), (3, 1), (0, 300),
@@ -46,10 +46,7 @@ MIXED_SPECS = [(0, 37), (100, 50), (500, 1), (0, 1), (31, 200), (16, 16), (1000,
 
 
 def _check_cache_and_output(batch, out, dtype):
-    md = batch.metadata
-    ref_cache = batch.kv_cache.clone()
-    reshape_and_cache_ref(batch.key, batch.value, ref_cache, md.slot_mapping)
-    ref = paged_attention_ref(batch.query, ref_cache, md.block_table, md.seq_lens, md.query_start_loc, batch.scale)
+    ref, ref_cache = reference(batch)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), ref.float(), **tolerances(dtype))
     return ref_cache
@@ -176,24 +173,10 @@ def test_decode_zero_length_rows_give_zeros(dtype):
 def test_decode_cuda_graph_replay(num_seqs):
     """Capture one decode forward, then replay it with new seq_lens, block tables and inputs."""
     num_heads, num_kv_heads, head_size, block_size, dtype = 32, 8, 128, 16, BF16
-    max_blocks = 4096 // block_size
-    num_blocks = num_seqs * max_blocks + 1
-    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"),
-                          dtype=dtype, device="cuda")
-    # Static input buffers (what a model runner keeps for one graph bucket).
-    q = torch.zeros(num_seqs, num_heads, head_size, dtype=dtype, device="cuda")
-    k = torch.zeros(num_seqs, num_kv_heads, head_size, dtype=dtype, device="cuda")
-    v = torch.zeros_like(k)
-    seq_lens = torch.ones(num_seqs, dtype=torch.int32, device="cuda")
-    block_table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device="cuda")
-    slot_mapping = torch.zeros(num_seqs, dtype=torch.int64, device="cuda")
-    qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-    md = AttentionMetadata(num_actual_tokens=num_seqs, num_reqs=num_seqs, max_query_len=1, max_seq_len=4096,
-                           query_start_loc=qsl, seq_lens=seq_lens, block_table=block_table,
-                           slot_mapping=slot_mapping)
-    backend = TritonAttentionBackend()
-    backend.reserve_workspace(num_heads, num_kv_heads, head_size, torch.device("cuda"))
+    q, k, v, kv_cache, out, md, backend = decode_graph_inputs(num_seqs, num_heads, num_kv_heads, head_size,
+                                                              block_size, dtype, 4096)
+    seq_lens, block_table, slot_mapping, qsl = md.seq_lens, md.block_table, md.slot_mapping, md.query_start_loc
+    num_blocks, max_blocks = kv_cache.shape[1], block_table.shape[1]
     scale = head_size ** -0.5
 
     def fill(step: int) -> None:
@@ -220,15 +203,7 @@ def test_decode_cuda_graph_replay(num_seqs):
         v.copy_(torch.randn_like(v, dtype=torch.float32))
 
     fill(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.forward(q, k, v, kv_cache, md, scale, output=out)  # warm-up: compiles the kernels
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.forward(q, k, v, kv_cache, md, scale, output=out)
+    graph = capture_graph(lambda: backend.forward(q, k, v, kv_cache, md, scale, output=out))
     for step in range(1, 4):
         fill(step)
         graph.replay()

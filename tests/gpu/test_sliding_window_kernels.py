@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed with CUDA torch)")
 
-from attention_cases import build_batch, kernel_test_device, tolerances
+from attention_cases import (build_batch, capture_graph, config_ids, decode_graph_inputs, kernel_test_device,
+                             reference, tolerances)
 
 DEVICE = kernel_test_device()
 pytestmark = [
@@ -35,7 +36,7 @@ INTERPRETED = DEVICE != "cuda"
 CONFIGS = [(64, 8, 2, 16, FP32)] if INTERPRETED else [
     (128, 32, 8, 16, BF16), (64, 32, 4, 32, BF16), (96, 12, 4, 16, BF16), (128, 16, 2, 16, torch.float16),
     (128, 32, 8, 16, FP32), (64, 8, 1, 32, FP32)]
-CONFIG_IDS = [f"d{d}-h{h}-kv{kv}-bs{bs}-{str(dt).split('.')[-1]}" for d, h, kv, bs, dt in CONFIGS]
+CONFIG_IDS = config_ids(CONFIGS)
 # (cached_len, query_len): chunks longer than the window, after cached context, decodes before / past the window.
 MIXED = [(0, 37), (100, 50), (500, 1), (0, 1), (31, 70), (16, 16), (3, 1), (63, 2), (200, 130)]
 WINDOWS = [1, 16, 45, 128] if not INTERPRETED else [16, 45]
@@ -52,21 +53,13 @@ def _stale_before_window(batch, window):
     md.block_table = table.to(md.block_table.device)
 
 
-def _reference(batch, window):
-    md = batch.metadata
-    ref_cache = batch.kv_cache.clone()
-    reshape_and_cache_ref(batch.key, batch.value, ref_cache, md.slot_mapping)
-    return paged_attention_ref(batch.query, ref_cache, md.block_table, md.seq_lens, md.query_start_loc, batch.scale,
-                               sliding_window=window)
-
-
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_windowed_mixed_batch(cfg, window):
     head_size, num_heads, num_kv_heads, block_size, dtype = cfg
     batch = build_batch(MIXED, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
     _stale_before_window(batch, window)
-    ref = _reference(batch, window)
+    ref, _ = reference(batch, window)
     out = TritonAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
                                            batch.scale, sliding_window=window)
     assert not torch.isnan(out).any()
@@ -87,7 +80,7 @@ def test_windowed_decode(cfg, window):
     lens = [1, 2, 15, 16, 17, 63, 64, 65, 129, 300] + ([1000, 4097] if not INTERPRETED else [])
     batch = build_batch([(n - 1, 1) for n in lens], num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
     _stale_before_window(batch, window)
-    ref = _reference(batch, window)
+    ref, _ = reference(batch, window)
     md = batch.metadata
     reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, md.slot_mapping)
     by_len = torch.argsort(md.seq_lens, descending=True, stable=True).to(torch.int32)
@@ -106,7 +99,7 @@ def test_windowed_decode(cfg, window):
 def test_window_wider_than_every_context_is_full_attention():
     head_size, num_heads, num_kv_heads, block_size, dtype = CONFIGS[0]
     batch = build_batch(MIXED, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
-    ref = _reference(batch, None)
+    ref, _ = reference(batch, None)
     out = TritonAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
                                            batch.scale, sliding_window=10_000)
     torch.testing.assert_close(out.float(), ref.float(), **tolerances(dtype))
@@ -158,24 +151,11 @@ def test_windowed_fused_qkv_path_matches_unfused():
 @pytest.mark.skipif(INTERPRETED, reason="CUDA graphs need a GPU")
 def test_windowed_decode_cuda_graph_replay():
     """A decode forward with a window captured once, replayed with new lengths and tables (stale before windows)."""
-    from pagedllm.forward_context import AttentionMetadata
-
     num_seqs, num_heads, num_kv_heads, head_size, block_size, dtype, window = 8, 32, 8, 128, 16, BF16, 100
-    max_blocks = 1024 // block_size
-    num_blocks = num_seqs * max_blocks + 1
-    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device="cuda")
-    q = torch.zeros(num_seqs, num_heads, head_size, dtype=dtype, device="cuda")
-    k = torch.zeros(num_seqs, num_kv_heads, head_size, dtype=dtype, device="cuda")
-    v = torch.zeros_like(k)
-    seq_lens = torch.ones(num_seqs, dtype=torch.int32, device="cuda")
-    block_table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device="cuda")
-    slot_mapping = torch.zeros(num_seqs, dtype=torch.int64, device="cuda")
-    qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-    md = AttentionMetadata(num_actual_tokens=num_seqs, num_reqs=num_seqs, max_query_len=1, max_seq_len=1024,
-                           query_start_loc=qsl, seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping)
-    backend = TritonAttentionBackend()
-    backend.reserve_workspace(num_heads, num_kv_heads, head_size, torch.device("cuda"))
+    q, k, v, kv_cache, out, md, backend = decode_graph_inputs(num_seqs, num_heads, num_kv_heads, head_size,
+                                                              block_size, dtype, 1024)
+    seq_lens, block_table, slot_mapping, qsl = md.seq_lens, md.block_table, md.slot_mapping, md.query_start_loc
+    num_blocks, max_blocks = kv_cache.shape[1], block_table.shape[1]
     scale = head_size ** -0.5
 
     def fill(step: int) -> None:
@@ -197,15 +177,7 @@ def test_windowed_decode_cuda_graph_replay():
             t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
 
     fill(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.forward(q, k, v, kv_cache, md, scale, output=out, sliding_window=window)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.forward(q, k, v, kv_cache, md, scale, output=out, sliding_window=window)
+    graph = capture_graph(lambda: backend.forward(q, k, v, kv_cache, md, scale, output=out, sliding_window=window))
     for step in range(1, 4):
         fill(step)
         graph.replay()

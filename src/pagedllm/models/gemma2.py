@@ -26,7 +26,8 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, layer_index, layer_sliding_window
+from pagedllm.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, layer_index,
+                                   layer_sliding_window)
 
 
 class GemmaMLP(nn.Module):
@@ -59,20 +60,19 @@ class Gemma2Attention(LlamaAttention):
         return float(cap) if cap else None
 
 
-class Gemma2DecoderLayer(nn.Module):
+class Gemma2DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with Gemma's MLP and norms, two more norms and its own forward."""
+
     attention_cls = Gemma2Attention
+    mlp_cls = GemmaMLP
+    norm_cls = GemmaRMSNorm
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
                  ) -> None:
-        super().__init__()
-        self.self_attn = self.attention_cls(config, rotary_emb, prefix=f"{prefix}.self_attn",
-                                            quant_config=quant_config)
-        self.mlp = GemmaMLP(config, prefix=f"{prefix}.mlp", quant_config=quant_config)
+        super().__init__(config, rotary_emb, prefix, quant_config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = self.norm_cls(hidden, eps)
+        self.post_feedforward_layernorm = self.norm_cls(hidden, eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor]:

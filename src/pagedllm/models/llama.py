@@ -127,16 +127,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_cls = LlamaAttention
+    # What a family swaps (Gemma: its MLP and (1 + w) norms; MoE families: `build_mlp`).
+    attention_cls: type = LlamaAttention
+    mlp_cls: type = LlamaMLP
+    norm_cls: type = RMSNorm
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
                  ) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, rotary_emb, prefix=f"{prefix}.self_attn",
                                             quant_config=quant_config)
-        self.mlp = LlamaMLP(config, prefix=f"{prefix}.mlp", quant_config=quant_config)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = self.build_mlp(config, f"{prefix}.mlp", quant_config)
+        self.input_layernorm = self.norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+
+    def build_mlp(self, config: Any, prefix: str, quant_config: Any) -> nn.Module:
+        """The layer's MLP (`prefix` is its own, `...layers.N.mlp`)."""
+        return self.mlp_cls(config, prefix=prefix, quant_config=quant_config)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,10 +18,8 @@ from torch import nn
 
 from pagedllm.distributed.pipeline import stage_weights
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ReplicatedLinear
-from pagedllm.layers.rotary_embedding import RotaryEmbedding
-from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, layer_index
 from pagedllm.models.weight_utils import load_weights_into
 
 # model.layers.3.mlp.experts.7.w1.weight (hub Mixtral), ...experts.7.gate_proj.weight (hub Qwen)
@@ -41,11 +39,6 @@ class MoESpec:
     intermediate_size: int  # each expert's
     renormalize: bool  # divide the top-k probabilities by their sum
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
-
-
-def layer_index(prefix: str) -> int:
-    """`model.layers.7` -> 7 (LlamaModel names every layer so)."""
-    return int(prefix.rsplit(".", 1)[-1])
 
 
 def expert_target(name: str) -> Optional[tuple[str, str, Optional[int]]]:
@@ -87,18 +80,11 @@ class SparseMoeBlock(nn.Module):
 class MoEDecoderLayer(LlamaDecoderLayer):
     """The Llama layer (same forward: fused residual norms) with `moe_spec`'s MLP."""
 
-    attention_cls: type = LlamaAttention
-
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
-                 ) -> None:
-        nn.Module.__init__(self)  # not LlamaDecoderLayer.__init__: it would build a dense MLP first
-        self.self_attn = self.attention_cls(config, rotary_emb, prefix=f"{prefix}.self_attn",
-                                            quant_config=quant_config)
+    def build_mlp(self, config: Any, prefix: str, quant_config: Any) -> nn.Module:
         spec = self.moe_spec(config, layer_index(prefix))
-        self.mlp = (SparseMoeBlock(config, spec, f"{prefix}.mlp", quant_config) if spec is not None else
-                    LlamaMLP(config, prefix=f"{prefix}.mlp", quant_config=quant_config))
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if spec is None:
+            return super().build_mlp(config, prefix, quant_config)  # a dense layer: LlamaMLP
+        return SparseMoeBlock(config, spec, prefix, quant_config)
 
     @classmethod
     def moe_spec(cls, config: Any, index: int) -> Optional[MoESpec]:

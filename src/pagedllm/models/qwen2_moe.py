@@ -3,11 +3,12 @@ plus a shared expert every token takes (`shared_expert`, a SwiGLU MLP of `shared
 scaled by sigmoid(`shared_expert_gate` . x)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from pagedllm.models.moe import MoEDecoderLayer, MoEForCausalLM, MoESpec
 from pagedllm.models.qwen2 import Qwen2Attention
-from pagedllm.models.qwen3_moe import is_sparse_layer, num_experts
+from pagedllm.models.qwen3_moe import Qwen3MoeDecoderLayer
 
 
 class Qwen2MoeAttention(Qwen2Attention):
@@ -21,12 +22,11 @@ class Qwen2MoeDecoderLayer(MoEDecoderLayer):
 
     @classmethod
     def moe_spec(cls, config: Any, index: int) -> Optional[MoESpec]:
-        if not is_sparse_layer(config, index):
+        spec = Qwen3MoeDecoderLayer.moe_spec(config, index)  # same routing; only the shared expert is added
+        if spec is None:
             return None
-        return MoESpec(num_experts=num_experts(config), top_k=config.num_experts_per_tok,
-                       intermediate_size=config.moe_intermediate_size,
-                       renormalize=bool(getattr(config, "norm_topk_prob", False)),
-                       shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        return dataclasses.replace(
+            spec, shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
