@@ -84,7 +84,7 @@ def config_ids(configs) -> list[str]:
     return [f"d{d}-h{h}-kv{kv}-bs{bs}-{str(dt).split('.')[-1]}" for d, h, kv, bs, dt in configs]
 
 
-def reference(batch: Batch, sliding_window=None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(batch: Batch, sliding_window=None, logits_soft_cap=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(attention output, KV cache) of the torch references: the batch's new K/V written into a copy of its cache
     (the batch's own cache is left as it is), then attention over that copy."""
     # Imported here: they need triton, and test modules on CPU-only installs import build_batch from this file.
@@ -95,7 +95,7 @@ def reference(batch: Batch, sliding_window=None) -> tuple[torch.Tensor, torch.Te
     ref_cache = batch.kv_cache.clone()
     reshape_and_cache_ref(batch.key, batch.value, ref_cache, md.slot_mapping)
     out = paged_attention_ref(batch.query, ref_cache, md.block_table, md.seq_lens, md.query_start_loc, batch.scale,
-                              sliding_window=sliding_window)
+                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return out, ref_cache
 
 

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed with CUDA torch)")
 
-from attention_cases import build_batch, kernel_test_device, tolerances
+from attention_cases import build_batch, kernel_test_device, reference, tolerances
 
 DEVICE = kernel_test_device()
 pytestmark = [
@@ -20,11 +20,7 @@ pytestmark = [
 
 from pagedllm.attention.backend import QKVSpec  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from pagedllm.kernels.paged_attention import (  # noqa: E402
-    paged_attention_ref,
-    paged_decode_attention,
-    paged_prefill_attention,
-)
+from pagedllm.kernels.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache_ref  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -46,21 +42,13 @@ def _batch(specs, cfg):
     return batch
 
 
-def _reference(batch, window=None, cap=CAP):
-    md = batch.metadata
-    ref_cache = batch.kv_cache.clone()
-    reshape_and_cache_ref(batch.key, batch.value, ref_cache, md.slot_mapping)
-    return paged_attention_ref(batch.query, ref_cache, md.block_table, md.seq_lens, md.query_start_loc, batch.scale,
-                               sliding_window=window, logits_soft_cap=cap)
-
-
 @pytest.mark.parametrize("window", [None, 45])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_soft_capped_mixed_batch(cfg, window):
     dtype = cfg[4]
     batch = _batch(MIXED, cfg)
-    ref = _reference(batch, window)
-    uncapped = _reference(batch, window, cap=None)
+    ref, _ = reference(batch, window, CAP)
+    uncapped, _ = reference(batch, window)
     assert (ref.float() - uncapped.float()).abs().max() > 0.3  # the cap changes the answer
     out = TritonAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
                                            batch.scale, sliding_window=window, logits_soft_cap=CAP)
@@ -80,7 +68,7 @@ def test_soft_capped_decode(cfg, window):
     dtype = cfg[4]
     lens = [1, 2, 15, 16, 17, 63, 64, 65, 129, 300] + ([1000, 4097] if not INTERPRETED else [])
     batch = _batch([(n - 1, 1) for n in lens], cfg)
-    ref = _reference(batch, window)
+    ref, _ = reference(batch, window, CAP)
     md = batch.metadata
     reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, md.slot_mapping)
     by_len = torch.argsort(md.seq_lens, descending=True, stable=True).to(torch.int32)
