@@ -15,7 +15,8 @@ ATOL = 1e-4
 
 def _hf(model_dir: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    # eager: transformers versions that run Gemma 2 on SDPA (5.17) drop its attention soft-capping
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
 
 
 def _ours(model_dir: str, dtype=torch.float32, max_model_len: Optional[int] = None):

@@ -132,7 +132,7 @@ def test_family_gguf_round_trip(tmp_path, fresh_cache, tiny_model_dir, arch):
             {k: want[k] for k in ("rope_type", "partial_rotary_factor", "rope_theta")}
         np.testing.assert_allclose(got["long_factor"], want["long_factor"], rtol=1e-6)
         np.testing.assert_allclose(got["short_factor"], want["short_factor"], rtol=1e-6)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     # phi3: 40 tokens > the original context of 32, where transformers and pagedllm (max_model_len 256) use the
     # long factors; gemma: within the window (512), which the file states
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
