@@ -3,7 +3,7 @@
 # own pytest process under its own timeout, so a hang ends that shard and not the run. One summary line per shard;
 # JUnit XML and the full log per shard in the output directory.
 #
-#   bash tests/gpu/run_shards.sh                  all shards in sequence (GPU_SHARDS of them, default 4)
+#   bash tests/gpu/run_shards.sh                  all shards in sequence (GPU_SHARDS of them, default 6)
 #   bash tests/gpu/run_shards.sh 2/4              one shard (a later command runs 3/4: shards are stable)
 #   bash tests/gpu/run_shards.sh 1/4 2/4 -- -x    several; what follows -- goes to pytest
 #   make test-gpu SHARD=2/4                       the same through the venv
@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 if [ ${#specs[@]} -eq 0 ]; then
-    n=${GPU_SHARDS:-4}
+    n=${GPU_SHARDS:-6}
     for i in $(seq 1 "$n"); do specs+=("$i/$n"); done
 fi
 

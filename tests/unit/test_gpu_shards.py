@@ -1,5 +1,5 @@
 """tests/gpu/shards.py, which splits the GPU suite for tests/gpu/run_shards.sh: every gpu test file in exactly one
-shard for any shard count, an estimate for each (none stale), the default four shards inside the budget, and the
+shard for any shard count, an estimate for each (none stale), the default six shards inside the budget, and the
 summary line read from JUnit XML or, for a shard its timeout stopped, from the log."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_every_file_in_exactly_one_shard(n):
 
 def test_default_shards_balanced_within_budget():
     shards = _shards()
-    loads = [shards.expected_s(s) for s in shards.plan(4)]
+    loads = [shards.expected_s(s) for s in shards.plan(6)]
     assert max(loads) <= shards.SHARD_BUDGET_S and max(loads) - min(loads) <= max(shards.EXPECTED_S.values())
     with pytest.raises(ValueError):
         shards.parse_shard("5/4")
