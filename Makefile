@@ -59,7 +59,8 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q tests/unit $(ARGS)
 
-# The GPU suite in shards of whole files, each in its own process under a timeout (tests/gpu/run_shards.sh):
+# The GPU suite in shards of whole files, each under a timeout (tests/gpu/run_shards.sh), the files that may share
+# the GPU in pytest-xdist workers (GPU_TEST_WORKERS, default min(8, cores / 2); 1: one plain process per shard):
 # SHARD=2/4 runs one shard, unset all of them in sequence; GPU_TEST_OUT=dir keeps each shard's JUnit XML and log;
 # ARGS go to pytest. Where there is no venv (the GPU machine): bash tests/gpu/run_shards.sh [2/4].
 SHARD ?=
