@@ -51,7 +51,7 @@ pytest_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --) shift; pytest_args=("$@"); break ;;
-        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;  # the header above
         *) specs+=("$1"); shift ;;
     esac
 done

@@ -320,3 +320,5 @@ def test_script_dry_run_keeps_the_budget_and_rejects_bad_shards(tmp_path):
     assert rc == 1 and "shard 3/2: not a shard (i/N with 1 <= i <= N)" in lines
     rc, lines, _ = _dry_run(tmp_path, "1/2", GPU_TEST_WORKERS="lots")
     assert rc == 2 and any("GPU_TEST_WORKERS must be a whole number" in line for line in lines)
+    rc, lines, _ = _dry_run(tmp_path, "-h")
+    assert rc == 0 and lines[0].startswith("# The GPU suite") and "Exit status" in lines[-1]
