@@ -203,7 +203,7 @@ def plan(n: int, workers: int = 1) -> list[list[str]]:
     """n shards of whole files. With one worker: balanced on EXPECTED_S, longest first onto the least loaded shard
     (the plan of before xdist). With more: serial files and parallel files in shards of their own (a shard holding
     both pays two start-ups), k shards for the serial ones and n - k for the parallel ones, k chosen for the
-    shortest longest shard, then the least time in all; longest shard first. One shard holds both kinds."""
+    shortest longest shard, then the least time in all; longest shard first. A single shard holds both kinds."""
     if n < 1:
         raise ValueError("the number of shards must be at least 1")
     if workers < 1:
