@@ -1,19 +1,18 @@
-"""GGUF -> HF conversion: the real SmolLM2 GGUF against transformers' own GGUF loading, tiny GGUFs written
-here (llama with llama.cpp's Q/K permutation and llama3 rope_freqs, qwen2 with biases + tied embeddings,
-qwen3 with q/k norms) round-tripped against the HF originals, the cache, and corrupt files."""
+"""GGUF -> HF conversion: the real SmolLM2 GGUF against transformers' own GGUF loading, tiny GGUFs
+(tests/models/gguf_writer.py: llama with llama.cpp's Q/K permutation and llama3 rope_freqs, qwen2 with biases +
+tied embeddings, qwen3 with q/k norms) round-tripped against the HF originals, the cache, and corrupt files."""
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import Optional
 
-import numpy as np
 import pytest
 import torch
 
 from pagedllm.models.llama import get_head_dim
 from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir
+from tests.models.gguf_writer import write_tiny_gguf
 
 
 @pytest.fixture
@@ -124,88 +123,7 @@ def test_truncated_gguf(tmp_path, fresh_cache, smollm2_gguf_path):
 
 
 # ---------------------------------------------------------------------------- tiny GGUFs written from HF dirs
-
-# HF name (after model.layers.N.) -> llama.cpp tensor name (after blk.N.); independent of pagedllm's table.
-_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-            "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-            "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-            "mlp.down_proj": "ffn_down"}
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf's Q/K permutation for its interleaved rope."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _llama3_rope_freqs(theta, head_dim, p):
-    """The divisors llama.cpp's converter stores as rope_freqs.weight for llama3 rope scaling."""
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * theta ** (i / head_dim)
-        if wavelen < p["original_max_position_embeddings"] / p["high_freq_factor"]:
-            out.append(1.0)
-        elif wavelen > p["original_max_position_embeddings"] / p["low_freq_factor"]:
-            out.append(p["factor"])
-        else:
-            smooth = ((p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"])
-                      / (p["high_freq_factor"] - p["low_freq_factor"]))
-            out.append(1 / ((1 - smooth) / p["factor"] + smooth))
-    return np.array(out, dtype=np.float32)
-
-
-def _write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None, quantizer=None,
-                     identity: Optional[dict] = None) -> None:
-    """kinds: GGML type per module ("self_attn.q_proj", ...; "token_embd" / "output" for the globals) for weights
-    stored quantized (by quantizer(data, qtype), default gguf's quantizer); the rest float32. identity: general.*
-    metadata (organization, basename, name, finetune)."""
-    import gguf
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
-    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    rope = cfg["rope_parameters"]
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    for key, value in (identity or {}).items():
-        getattr(writer, f"add_{key}")(value)
-    if rope.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope["rope_theta"], head_dim, rope))
-    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        data = tensor.float().numpy()
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            module, _, suffix = rest.rpartition(".")
-            if arch == "llama" and module == "self_attn.q_proj":
-                data = _llama_cpp_permute(data, cfg["num_attention_heads"])
-            elif arch == "llama" and module == "self_attn.k_proj":
-                data = _llama_cpp_permute(data, cfg["num_key_value_heads"])
-            gguf_name = f"blk.{layer}.{_TO_GGUF[module]}.{suffix}"
-            qtype = (kinds or {}).get(module) if suffix == "weight" else None
-        else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
-            qtype = (kinds or {}).get(gguf_name.rsplit(".", 1)[0])
-        if qtype is None:
-            writer.add_tensor(gguf_name, data)
-        else:
-            writer.add_tensor(gguf_name, (quantizer or quantize)(data, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
+# (by tests/models/gguf_writer.py)
 
 @pytest.mark.parametrize("identity, expected", [
     ({"organization": "HuggingFaceTB", "basename": "SmolLM2", "name": "SmolLM2 135M Instruct", "finetune": "Instruct"},
@@ -220,7 +138,7 @@ def test_recommended_sampling_follows_the_gguf_identity(tmp_path, fresh_cache, t
     """Keyed on the model's identity as the GGUF states it, never on the file's name (all named alike here)."""
     from pagedllm.generation_config import SOURCE_KEY, load_sampling_defaults
     gguf_path = str(tmp_path / "SmolLM2-135M-Instruct.gguf")
-    _write_tiny_gguf(tiny_model_dir("llama"), gguf_path, "llama", identity=identity)
+    write_tiny_gguf(tiny_model_dir("llama"), gguf_path, "llama", identity=identity)
     converted = prepare_model_dir(gguf_path)
     assert load_sampling_defaults("auto", converted) == expected
     with open(os.path.join(converted, "generation_config.json")) as f:
@@ -233,7 +151,7 @@ def test_tiny_gguf_round_trip(tmp_path, fresh_cache, tiny_model_dir, arch):
     from transformers import AutoModelForCausalLM
     hf_dir = tiny_model_dir(arch)
     gguf_path = str(tmp_path / f"tiny-{arch}.gguf")
-    _write_tiny_gguf(hf_dir, gguf_path, arch)
+    write_tiny_gguf(hf_dir, gguf_path, arch)
     converted = prepare_model_dir(gguf_path)
     assert converted.startswith(str(fresh_cache))
     source = load_hf_config(hf_dir)

@@ -5,8 +5,6 @@ model of the same weights; the same files with quantized blocks kept packed on t
 twin; and the converter's config rules that the file does not state (Gemma's query scale, layer pattern)."""
 from __future__ import annotations
 
-import json
-import os
 from typing import Optional
 
 import numpy as np
@@ -15,6 +13,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir
+from tests.models.gguf_writer import (GLOBAL_TENSORS, add_tensor, checkpoint_tensors, config_head_dim, gguf_writer,
+                                      read_config)
 
 # HF name (after model.layers.N.) -> llama.cpp tensor name (after blk.N.), per family; independent of pagedllm's
 # tables (llama.cpp's convert_hf_to_gguf / gguf's tensor_mapping).
@@ -25,75 +25,46 @@ _GEMMA = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_atte
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 _PHI3 = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
          "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
 
 
 def write_family_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None) -> None:
     """The HF checkpoint in hf_dir as llama.cpp's converter writes it for arch (gemma2 | gemma3 | phi3). kinds: GGML
     type per GGUF tensor kind ("attn_q", "token_embd", ...) for weights stored quantized; the rest float32."""
     import gguf
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
 
-    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or hidden // heads
+    cfg = read_config(hf_dir)
+    head_dim = config_head_dim(cfg)
     rope = cfg["rope_parameters"]
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    if arch in ("gemma2", "gemma3"):
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        writer.add_sliding_window(cfg["sliding_window"])
-        if arch == "gemma2":
-            writer.add_rope_freq_base(rope["rope_theta"])
-            writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
-            writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-        else:
-            full = rope["full_attention"]
-            writer.add_rope_freq_base(full["rope_theta"])
-            if full["rope_type"] == "linear":
+    gemma = arch in ("gemma2", "gemma3")
+    rope_theta = rope["full_attention"]["rope_theta"] if arch == "gemma3" else rope["rope_theta"]
+    with gguf_writer(path, arch, cfg, head_dim if gemma else None, rope_theta) as writer:
+        if gemma:
+            writer.add_sliding_window(cfg["sliding_window"])
+            if arch == "gemma2":
+                writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+                writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+            elif rope["full_attention"]["rope_type"] == "linear":
                 writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-                writer.add_rope_scaling_factor(full["factor"])
-    else:
-        rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-        writer.add_rope_dimension_count(rotary)
-        writer.add_rope_freq_base(rope["rope_theta"])
-        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
-        writer.add_sliding_window(cfg.get("sliding_window") or 0)
-        if rope.get("rope_type") == "longrope":
-            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
-            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    table = _PHI3 if arch == "phi3" else _GEMMA
-    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        data = tensor.float().numpy()
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            module, _, suffix = rest.rpartition(".")
-            gguf_name = f"blk.{layer}.{table[module]}.{suffix}"
+                writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
         else:
-            gguf_name = _GLOBAL[name]
-        if arch != "phi3" and gguf_name.endswith("norm.weight"):
-            data = data + 1.0  # llama.cpp stores Gemma's (1 + w)
-        kind = gguf_name.split(".")[-2]
-        qtype = (kinds or {}).get(kind) if gguf_name.endswith(".weight") and "norm" not in kind else None
-        if qtype is None:
-            writer.add_tensor(gguf_name, data)
-        else:
-            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+            writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+            writer.add_sliding_window(cfg.get("sliding_window") or 0)
+            if rope.get("rope_type") == "longrope":
+                writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+                writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        table = _PHI3 if arch == "phi3" else _GEMMA
+        for name, parts, data in checkpoint_tensors(hf_dir):
+            if parts is not None:
+                layer, module, suffix = parts
+                gguf_name = f"blk.{layer}.{table[module]}.{suffix}"
+            else:
+                gguf_name = GLOBAL_TENSORS[name]
+            if gemma and gguf_name.endswith("norm.weight"):
+                data = data + 1.0  # llama.cpp stores Gemma's (1 + w)
+            kind = gguf_name.split(".")[-2]
+            qtype = (kinds or {}).get(kind) if gguf_name.endswith(".weight") and "norm" not in kind else None
+            add_tensor(writer, gguf_name, data, qtype)
 
 
 @pytest.fixture
@@ -179,27 +150,13 @@ def test_family_gguf_packed_matches_its_dequantized_twin(tmp_path, fresh_cache, 
 
 def _config_only_gguf(path: str, arch: str, layers: int, pattern=None) -> None:
     """Metadata and a token embedding only: enough for the converter's config."""
-    import gguf
-
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(layers)
-    writer.add_context_length(128)
-    writer.add_embedding_length(96)
-    writer.add_feed_forward_length(64)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_key_length(16)
-    writer.add_value_length(16)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_sliding_window(8)
-    if pattern is not None:
-        writer.add_sliding_window_pattern(pattern)
-    writer.add_tensor("token_embd.weight", np.zeros((32, 96), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    cfg = {"num_hidden_layers": layers, "max_position_embeddings": 128, "hidden_size": 96, "intermediate_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6}  # no bos / eos
+    with gguf_writer(path, arch, cfg, head_dim=16, rope_theta=10000.0) as writer:
+        writer.add_sliding_window(8)
+        if pattern is not None:
+            writer.add_sliding_window_pattern(pattern)
+        writer.add_tensor("token_embd.weight", np.zeros((32, 96), dtype=np.float32))
 
 
 @pytest.mark.parametrize("arch,layers,scalar", [("gemma2", 46, 24), ("gemma2", 26, 16), ("gemma3", 62, 24),

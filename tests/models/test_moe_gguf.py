@@ -6,8 +6,6 @@ directory (hub per-expert names, which transformers loads too), the CPU path rea
 Q8_0 file whose experts and routers are dequantized at load while the attention stays packed."""
 from __future__ import annotations
 
-import json
-import os
 import re
 from typing import Optional
 
@@ -19,17 +17,10 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir
 from pagedllm.models.qwen3_moe import is_sparse_layer
+from tests.models.gguf_writer import (GLOBAL_TENSORS, LLAMA_LAYER_TENSORS, add_tensor, checkpoint_tensors,
+                                      config_head_dim, gguf_writer, llama_layer_tensor, read_config)
 from tests.models.moe_helpers import tiny_moe_dir  # noqa: F401 - the fixture
-from tests.models.test_gguf import _llama_cpp_permute
 
-# HF name (after model.layers.N.) -> llama.cpp tensor name (after blk.N.); independent of pagedllm's tables.
-_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-            "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-            "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
-            "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-            "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
 _EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 _GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
@@ -37,69 +28,39 @@ _GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2mo
 
 def write_moe_gguf(hf_dir: str, path: str, arch: str, per_expert: bool = False, qtype: Optional[int] = None) -> None:
     """qtype: the GGML type of every 2-D / 3-D weight (None: float32)."""
-    import gguf
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
-
-    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    cfg = read_config(hf_dir)
     gguf_arch = _GGUF_ARCH[arch]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer = gguf.GGUFWriter(path, gguf_arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_bos_token_id(cfg["bos_token_id"])
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    writer.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
-    writer.add_expert_used_count(cfg["num_experts_per_tok"])
-    if arch != "mixtral":
-        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if arch == "qwen2_moe":
-        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    with gguf_writer(path, gguf_arch, cfg, config_head_dim(cfg), cfg["rope_parameters"]["rope_theta"]) as writer:
+        writer.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if arch != "mixtral":
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if arch == "qwen2_moe":
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
-    def add(name: str, data: np.ndarray) -> None:
-        if qtype is None or data.ndim < 2:
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+        def add(name: str, data: np.ndarray) -> None:
+            add_tensor(writer, name, data, qtype if data.ndim >= 2 else None)
 
-    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    for name, tensor in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        data = tensor.float().numpy()
-        if not name.startswith("model.layers."):
-            add({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}[name], data)
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        module, _, suffix = rest.rpartition(".")
-        match = _EXPERT.match(module)
-        if match is not None:
-            experts.setdefault((layer, _EXPERT_KIND[match[2]]), {})[int(match[1])] = data
-            continue
-        if gguf_arch == "llama" and module == "self_attn.q_proj":
-            data = _llama_cpp_permute(data, cfg["num_attention_heads"])
-        elif gguf_arch == "llama" and module == "self_attn.k_proj":
-            data = _llama_cpp_permute(data, cfg["num_key_value_heads"])
-        if module == "mlp.shared_expert_gate":
-            data = data.reshape(-1)  # llama.cpp's converter squeezes [1, H] to [H]
-        add(f"blk.{layer}.{_TO_GGUF[module]}.{suffix}", data)
-    for (layer, kind), by_expert in sorted(experts.items()):
-        if per_expert:
-            for e, data in sorted(by_expert.items()):
-                add(f"blk.{layer}.ffn_{kind}.{e}.weight", data)
-        else:
-            add(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([by_expert[e] for e in sorted(by_expert)]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+        for name, parts, data in checkpoint_tensors(hf_dir):
+            if parts is None:
+                add(GLOBAL_TENSORS[name], data)
+                continue
+            layer, module, suffix = parts
+            match = _EXPERT.match(module)
+            if match is not None:
+                experts.setdefault((layer, _EXPERT_KIND[match[2]]), {})[int(match[1])] = data
+                continue
+            data = llama_layer_tensor(gguf_arch, cfg, module, data)
+            if module == "mlp.shared_expert_gate":
+                data = data.reshape(-1)  # llama.cpp's converter squeezes [1, H] to [H]
+            add(f"blk.{layer}.{LLAMA_LAYER_TENSORS[module]}.{suffix}", data)
+        for (layer, kind), by_expert in sorted(experts.items()):
+            if per_expert:
+                for e, data in sorted(by_expert.items()):
+                    add(f"blk.{layer}.ffn_{kind}.{e}.weight", data)
+            else:
+                add(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([by_expert[e] for e in sorted(by_expert)]))
 
 
 def _hf_logits(model_dir: str, ids: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from pagedllm import LLM, SamplingParams
 def _write_quantized_gguf(hf_dir: str, path: str, arch: str) -> None:
     from gguf import GGMLQuantizationType as Q
 
-    from tests.models.test_gguf import _write_tiny_gguf
-    _write_tiny_gguf(hf_dir, path, arch, kinds={
+    from tests.models.gguf_writer import write_tiny_gguf
+    write_tiny_gguf(hf_dir, path, arch, kinds={
         "self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q8_0, "self_attn.v_proj": Q.Q8_0,
         "self_attn.o_proj": Q.Q5_1, "mlp.gate_proj": Q.Q4_1, "mlp.up_proj": Q.Q4_1, "mlp.down_proj": Q.Q8_0,
         "token_embd": Q.Q8_0, "output": Q.Q8_0})

@@ -123,9 +123,9 @@ def _write_mixed_gguf(hf_dir: str, path: str) -> None:
     (gguf has no Q6_K quantizer), still packed."""
     import gguf
 
-    from tests.models.test_gguf import _write_tiny_gguf
+    from tests.models.gguf_writer import write_tiny_gguf
     Q = gguf.GGMLQuantizationType
-    _write_tiny_gguf(hf_dir, path, "llama", kinds={
+    write_tiny_gguf(hf_dir, path, "llama", kinds={
         "self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q5_1, "self_attn.v_proj": Q.Q8_0,
         "self_attn.o_proj": Q.Q5_0, "mlp.gate_proj": Q.Q4_1, "mlp.up_proj": Q.F16, "mlp.down_proj": Q.Q8_0,
         "token_embd": Q.Q8_0, "output": Q.Q8_0})
@@ -201,7 +201,7 @@ def test_kquant_gguf_tiled_matches_its_dequantized_twin(tmp_path, monkeypatch):
     import gguf
 
     from tests.conftest import save_tiny_model, tiny_hf_config
-    from tests.models.test_gguf import _write_tiny_gguf
+    from tests.models.gguf_writer import write_tiny_gguf
     Q = gguf.GGMLQuantizationType
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     cfg = tiny_hf_config("llama", tie_word_embeddings=False)
@@ -211,7 +211,7 @@ def test_kquant_gguf_tiled_matches_its_dequantized_twin(tmp_path, monkeypatch):
     kinds = {"self_attn.q_proj": Q.Q4_K, "self_attn.k_proj": Q.Q4_K, "self_attn.v_proj": Q.Q6_K,
              "self_attn.o_proj": Q.Q4_K, "mlp.gate_proj": Q.Q4_K, "mlp.up_proj": Q.Q5_K, "mlp.down_proj": Q.Q6_K,
              "token_embd": Q.Q4_K, "output": Q.Q6_K}
-    _write_tiny_gguf(hf_dir, path, "llama", kinds=kinds, quantizer=_kquant_blocks)
+    write_tiny_gguf(hf_dir, path, "llama", kinds=kinds, quantizer=_kquant_blocks)
     packed = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True)
     dense = LLM(model=path, quantization="none", num_gpu_blocks_override=64, skip_tokenizer_init=True)
     model = packed.engine.worker.model
