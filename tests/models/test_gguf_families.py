@@ -67,13 +67,6 @@ def write_family_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] =
             add_tensor(writer, gguf_name, data, qtype)
 
 
-@pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(cache))
-    return cache
-
-
 def _family_dir(tiny_model_dir, arch: str) -> str:
     # A GGUF does not store query_pre_attn_scalar: llama.cpp uses head_dim below the 27B models, so the tiny Gemmas
     # here have that value (the tiny default, 24, is checked against transformers in test_families.py).
