@@ -17,22 +17,20 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _server import start_server  # noqa: E402
+
+from pagedllm.entrypoints.server_process import free_port  # noqa: E402
+
 _WORDS = ("the a river mountain city quiet people music garden winter summer light old new small great story "
           "water road house friend morning evening market teacher child window bridge forest letter journey "
           "village ocean storm bright silver green stone paper simple careful open close remember write read "
           "build travel listen follow learn begin finish across under between before after because while").split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 600.0) -> float:
@@ -106,7 +104,7 @@ def main():
     args = p.parse_args()
     from pagedllm.models.loader import resolve_model_path
     path = resolve_model_path(args.model)
-    ours_port, theirs_port = free_port(), free_port()
+    theirs_port = free_port()
     # Both servers get this environment (pagedllm leaves it alone): `pagedllm serve` applies its own OpenMP wait
     # policy to its own processes, llama.cpp runs with its default unless the user exported one or passes
     # --peer-omp-wait-policy.
@@ -114,17 +112,18 @@ def main():
     peer_env = dict(env, **({"OMP_WAIT_POLICY": args.peer_omp_wait_policy} if args.peer_omp_wait_policy else {}))
     print(f"OMP_WAIT_POLICY: pagedllm serve {env.get('OMP_WAIT_POLICY') or 'PASSIVE (its own)'}, llama.cpp "
           f"{peer_env.get('OMP_WAIT_POLICY', 'unset (its default)')}", flush=True)
-    logs = {name: open(f"/tmp/cpu_gguf_serve_{name}.log", "w") for name in ("pagedllm", "llama.cpp")}
+    # Both started at once, waited for below (wait_ready: the time each takes to serve /v1/models).
+    ours = start_server(path, args.pagedllm_args.split(), "/tmp/cpu_gguf_serve_pagedllm.log", quiet=False, env=env,
+                        wait=False)
+    peer_log = open("/tmp/cpu_gguf_serve_llama.cpp.log", "w")
     procs = {
-        "pagedllm": subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", path,
-                                      "--port", str(ours_port), *args.pagedllm_args.split()],
-                                     env=env, stdout=logs["pagedllm"], stderr=subprocess.STDOUT),
+        "pagedllm": ours.proc,
         "llama.cpp": subprocess.Popen([args.llama_python, "-m", "llama_cpp.server", "--model", path, "--port",
                                        str(theirs_port), "--n_threads", str(args.threads), "--n_threads_batch",
                                        str(args.threads), "--n_ctx", "4096", "--verbose", "False"],
-                                      env=peer_env, stdout=logs["llama.cpp"], stderr=subprocess.STDOUT),
+                                      env=peer_env, stdout=peer_log, stderr=subprocess.STDOUT),
     }
-    urls = {"pagedllm": f"http://127.0.0.1:{ours_port}", "llama.cpp": f"http://127.0.0.1:{theirs_port}"}
+    urls = {"pagedllm": ours.url, "llama.cpp": f"http://127.0.0.1:{theirs_port}"}
     results: dict = {}
     try:
         for name, proc in procs.items():

@@ -23,9 +23,7 @@ import sys
 import tempfile
 import time
 
-from pagedllm.entrypoints.server_process import free_port, wait_healthy
-
-PAGEDLLM = [sys.executable, "-m", "pagedllm.entrypoints.cli.main"]
+from _server import bench, cpu_seconds, server_cpu, start_server
 
 # N listeners on /dashboard/events until SIGTERM; prints {"events": total, "seconds": s, "bytes": b} at the end.
 LISTENERS = r"""
@@ -59,36 +57,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def bench(url: str, args: argparse.Namespace, seed: int, num_prompts: int, result: str) -> dict:
-    cmd = [*PAGEDLLM, "bench", "serve", "--base-url", url, "--num-prompts", str(num_prompts),
-           "--max-concurrency", str(args.concurrency), "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
-           "--save-result", "--result-filename", result]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(result) as f:
-        return json.load(f)
-
-
-def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of one process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def server_cpu(pid: int) -> tuple[float, float]:
-    """(API process, engine-core process and other live children) CPU seconds."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return process_cpu(pid), sum(process_cpu(int(x)) for x in out.split())
-
-
-def cpu_seconds(pid: int) -> float:
-    return sum(server_cpu(pid))
 
 
 def idle_cost(pid: int, url: str, clients: int, seconds: float) -> dict:
@@ -187,16 +155,12 @@ def main() -> None:
     cpu_per_token: dict[str, list[float]] = {"none": [], "open": []}
     listened: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="pagedllm-dashboard-bench-") as tmp:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = open(os.path.join(tmp, "server.log"), "w")
-        server = subprocess.Popen([*PAGEDLLM, "serve", *([args.model] if args.model else []), "--port", str(port),
-                                   "--disable-uvicorn-access-log", "--log-level", "warning", "--max-model-len",
-                                   str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
-                                   "--max-num-seqs", str(max(args.concurrency, 32)), *args.serve_arg],
-                                  stdout=log, stderr=subprocess.STDOUT)
+        served = start_server(args.model, ["--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
+                                           str(args.kv_cache_memory_bytes), "--max-num-seqs",
+                                           str(max(args.concurrency, 32)), *args.serve_arg],
+                              os.path.join(tmp, "server.log"))
+        server, url = served.proc, served.url
         try:
-            wait_healthy(server, url, timeout_s=600, log_path=log.name)
             bench(url, args, args.seed + 10_000, 8, os.path.join(tmp, "warm.json"))
             # the sampler's first start (and the page's first event) happen before the measured runs
             stop_listeners(start_listeners(url, 1))
@@ -224,9 +188,7 @@ def main() -> None:
                 print(f"run {i:2d} {side:5s} output {result['output_throughput']:8.1f} tok/s, {result['completed']} "
                       f"requests in {result['duration']:.1f} s, server CPU {spent:.1f} s{extra}", flush=True)
         finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(60)
-            log.close()
+            served.stop()
     mean = {side: sum(v) / len(v) for side, v in runs.items()}
     ratio = mean["open"] / mean["none"]
     pair_ratios = [o / n for n, o in zip(runs["none"], runs["open"])]

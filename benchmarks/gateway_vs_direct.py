@@ -15,38 +15,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
-from pagedllm.entrypoints.server_process import free_port, nginx_gateway_config, start_nginx, wait_healthy
+from _server import bench, cpu_seconds, start_server
 
-PAGEDLLM = [sys.executable, "-m", "pagedllm.entrypoints.cli.main"]
+from pagedllm.entrypoints.server_process import free_port, nginx_gateway_config, start_nginx
+
 NGINX_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "nginx")
-
-
-def bench(url: str, args: argparse.Namespace, seed: int, num_prompts: int, result: str) -> dict:
-    cmd = [*PAGEDLLM, "bench", "serve", "--base-url", url, "--num-prompts", str(num_prompts),
-           "--max-concurrency", str(args.concurrency), "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
-           "--save-result", "--result-filename", result]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(result) as f:
-        return json.load(f)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its children that are alive now (nginx workers, the engine)."""
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    total = 0.0
-    for p in [pid, *[int(x) for x in out.split()]]:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 def wait_gateway(url: str, proc: subprocess.Popen, timeout_s: float = 30) -> None:
@@ -79,17 +55,15 @@ def main() -> None:
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="pagedllm-gateway-bench-") as tmp:
-        port, listen = free_port(), free_port()
-        direct, gateway = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{listen}"
-        log = open(os.path.join(tmp, "server.log"), "w")
-        server = subprocess.Popen([*PAGEDLLM, "serve", *([args.model] if args.model else []), "--port", str(port),
-                                   "--disable-uvicorn-access-log", "--log-level", "warning", "--max-model-len",
-                                   str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
-                                   "--max-num-seqs", str(max(args.concurrency, 32))],
-                                  stdout=log, stderr=subprocess.STDOUT)
+        served = start_server(args.model, ["--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
+                                           str(args.kv_cache_memory_bytes), "--max-num-seqs",
+                                           str(max(args.concurrency, 32))],
+                              os.path.join(tmp, "server.log"))
+        server, port, direct = served.proc, served.port, served.url
+        listen = free_port()
+        gateway = f"http://127.0.0.1:{listen}"
         nginx = None
         try:
-            wait_healthy(server, direct, timeout_s=600, log_path=log.name)
             nginx = start_nginx(nginx_gateway_config(NGINX_DIR, os.path.join(tmp, "nginx"), listen, [port]),
                                 os.path.join(tmp, "nginx.log"))
             wait_gateway(gateway, nginx)
@@ -113,9 +87,7 @@ def main() -> None:
             if nginx is not None:
                 nginx.send_signal(signal.SIGTERM)
                 nginx.wait(10)
-            server.send_signal(signal.SIGTERM)
-            server.wait(60)
-            log.close()
+            served.stop()
     mean = {side: sum(v) / len(v) for side, v in runs.items()}
     ratio = mean["gateway"] / mean["direct"]
     pair_ratios = [g / d for d, g in zip(runs["direct"], runs["gateway"])]

@@ -25,32 +25,23 @@ import sys
 import tempfile
 import time
 
-from pagedllm.entrypoints.server_process import free_port, wait_healthy
+from _server import bench_serve_cmd, start_server
 
-PAGEDLLM = [sys.executable, "-m", "pagedllm.entrypoints.cli.main"]  # works without the console script too
 MEAN_LEN = 88
 RANGE_RATIO = 72 / 88  # lengths in [16, 160]
 
 
 def bench_cmd(url: str, num_prompts: int, concurrency: int, seed: int, result: str) -> list[str]:
-    return [*PAGEDLLM, "bench", "serve", "--base-url", url,
-            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-            "--random-input-len", str(MEAN_LEN), "--random-output-len", str(MEAN_LEN),
-            "--random-range-ratio", str(RANGE_RATIO), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
-            "--save-result", "--result-filename", result]
+    return bench_serve_cmd(url, num_prompts, concurrency, MEAN_LEN, MEAN_LEN, seed, result,
+                           extra=["--random-range-ratio", str(RANGE_RATIO)])
 
 
 def run_server_side(args: argparse.Namespace, engine_flags: list[str], tmp: str) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [*PAGEDLLM, "serve", *([args.model] if args.model else []),
-           "--port", str(port), "--disable-uvicorn-access-log", "--log-level", "warning", *engine_flags]
     tok = ["--tokenizer", args.tokenizer] if args.tokenizer else []
-    cmd += tok
-    log = open(os.path.join(tmp, "server.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = start_server(args.model, [*engine_flags, *tok], os.path.join(tmp, "server.log"),
+                          stop_signal=signal.SIGINT, stop_wait_s=30)
+    url = server.url
     try:
-        wait_healthy(proc, url, timeout_s=600)
         # warm-up (different seed: no prefix-cache hits for the measured prompts)
         subprocess.run(bench_cmd(url, 4, 4, args.seed + 1000, os.path.join(tmp, "warm.json")) + tok, check=True,
                        stdout=subprocess.DEVNULL)
@@ -61,12 +52,7 @@ def run_server_side(args: argparse.Namespace, engine_flags: list[str], tmp: str)
         with open(result) as f:
             return json.load(f)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.stop()
 
 
 def run_offline_side(args: argparse.Namespace, engine_kwargs: dict) -> dict:

@@ -18,13 +18,13 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _server import start_server  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -109,31 +109,6 @@ def tiny_model_dir(vocab: int = 2048) -> str:
     return out
 
 
-def start_server(model: str, flags: list[str], log_path: str):
-    from pagedllm.entrypoints.server_process import free_port, wait_healthy
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model, "--port", str(port),
-           "--disable-uvicorn-access-log", "--log-level", "warning", "--served-model-name", "m", *flags]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(proc, url, timeout_s=600, log_path=log_path)
-    except BaseException:
-        stop_server(proc)
-        raise
-    return proc, url
-
-
-def stop_server(proc) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: a tiny random model with a synthetic tokenizer")
@@ -155,12 +130,13 @@ def main() -> None:
         flags += ["--tokenizer", make_synthetic_tokenizer(model)]
     flags += args.extra.split()
     with tempfile.TemporaryDirectory(prefix="pagedllm-stream-") as tmp:
-        proc, url = start_server(model, flags, os.path.join(tmp, "server.log"))
+        server = start_server(model, ["--served-model-name", "m", *flags], os.path.join(tmp, "server.log"),
+                              stop_signal=signal.SIGINT, stop_wait_s=30)
         try:
-            asyncio.run(measure(url, "m", 4, 4))  # warm-up
-            result = asyncio.run(measure(url, "m", args.streams, args.max_tokens))
+            asyncio.run(measure(server.url, "m", 4, 4))  # warm-up
+            result = asyncio.run(measure(server.url, "m", args.streams, args.max_tokens))
         finally:
-            stop_server(proc)
+            server.stop()
     for k, v in result.items():
         if k == "chunks_per_stream":
             v = f"min {min(v)} / max {max(v)}"
