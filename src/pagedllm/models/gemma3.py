@@ -21,9 +21,9 @@ from typing import Any, Iterable, Optional
 import torch
 
 from pagedllm.layers.layernorm import GemmaRMSNorm
-from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
+from pagedllm.layers.rotary_embedding import get_rope, get_rope_parameters
 from pagedllm.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2Model
-from pagedllm.models.llama import get_head_dim
+from pagedllm.models.llama import PerHeadQKNorm, get_head_dim
 
 
 def local_rope_parameters(config: Any) -> dict[str, Any]:
@@ -36,28 +36,14 @@ def local_rope_parameters(config: Any) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": float(base), "partial_rotary_factor": 1.0}
 
 
-class Gemma3Attention(Gemma2Attention):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
-                 ) -> None:
-        super().__init__(config, rotary_emb, prefix, quant_config)
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+class Gemma3Attention(PerHeadQKNorm, Gemma2Attention):
+    # (1 + w) q/k norms: their float32 weights reach a fused kernel (`qk_norm`) only where it runs in float32 (the
+    # Triton path declines a weight whose dtype differs from the activations').
+    qk_norm_cls = GemmaRMSNorm
 
     @staticmethod
     def attn_logit_softcap(config: Any) -> Optional[float]:
         return None
-
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens = q.shape[0]
-        # [T, heads * head_dim] -> per-head norm over head_dim -> [T, heads * head_dim]
-        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
-        return q, k
-
-    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        # The (1 + w) float32 weights: a fused kernel applies them only where it runs in float32 (the Triton
-        # path declines a weight whose dtype differs from the activations').
-        return self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):

@@ -126,6 +126,30 @@ class LlamaAttention(nn.Module):
         return None
 
 
+class PerHeadQKNorm:
+    """Mixed in before an attention class (Qwen3, Gemma 3): an RMSNorm (`qk_norm_cls`) over each q and each k head
+    before rope, `normalize_qk` for the layer-by-layer path and `qk_norm` for the fused kernels."""
+
+    qk_norm_cls: type = RMSNorm
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str = "", quant_config: Any = None
+                 ) -> None:
+        super().__init__(config, rotary_emb, prefix, quant_config)
+        self.q_norm = self.qk_norm_cls(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = self.qk_norm_cls(self.head_dim, eps=config.rms_norm_eps)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = q.shape[0]
+        # [T, heads * head_dim] -> per-head norm over head_dim -> [T, heads * head_dim]
+        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, -1)
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, -1)
+        return q, k
+
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        assert self.q_norm.variance_epsilon == self.k_norm.variance_epsilon
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon
+
+
 class LlamaDecoderLayer(nn.Module):
     # What a family swaps (Gemma: its MLP and (1 + w) norms; MoE families: `build_mlp`).
     attention_cls: type = LlamaAttention
