@@ -20,7 +20,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.distributed.pipeline import IntermediateTensors
 from pagedllm.layers.activation import get_gated_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import GemmaRMSNorm
@@ -78,19 +77,15 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # As in Llama the residual stream is carried separately and added inside the next norm:
         # HF's `residual + post_norm(sublayer(pre_norm(h)))`, twice, in the same order of additions.
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.input_norm(hidden_states, residual)
         hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
 
 class Gemma2Model(LlamaModel):
-    """LlamaModel with Gemma's final norm and scaled embeddings (the CPU decode stack never applies: its layers are
-    not Llama's)."""
+    """LlamaModel with Gemma's final norm and scaled embeddings (the CPU decode stack declines it at the first step:
+    its layers are not Llama's)."""
 
     def __init__(self, config: Any, layer_cls: type = Gemma2DecoderLayer, prefix: str = "model",
                  quant_config: Any = None) -> None:
@@ -100,19 +95,8 @@ class Gemma2Model(LlamaModel):
         # sqrt(hidden) as HF multiplies by it: a tensor in the model dtype (built under the model's default dtype)
         self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype()))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: Optional[IntermediateTensors] = None) -> Any:
-        if intermediate is None:
-            hidden_states = self.embed_tokens(input_ids) * self.embed_scale  # [T, hidden]
-            residual = None
-        else:
-            hidden_states, residual = intermediate.hidden_states, intermediate.residual
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if not self.is_last_stage:
-            return IntermediateTensors(hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale  # [T, hidden]
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

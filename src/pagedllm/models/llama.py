@@ -169,14 +169,17 @@ class LlamaDecoderLayer(nn.Module):
         """The layer's MLP (`prefix` is its own, `...layers.N.mlp`)."""
         return self.mlp_cls(config, prefix=prefix, quant_config=quant_config)
 
+    def input_norm(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_layernorm of the stream, the stream): the residual stream is carried separately and added inside
+        the next norm (fused add + norm); the first layer gets none."""
+        if residual is None:
+            return self.input_layernorm(hidden_states), hidden_states
+        return self.input_layernorm(hidden_states, residual)
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately and added inside the next norm (fused add + norm).
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.input_norm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
@@ -208,6 +211,10 @@ class LlamaModel(nn.Module):
                                     for i in range(n))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input: the token embeddings [T, hidden] (Gemma scales them)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[IntermediateTensors] = None) -> Any:
         """-> hidden states [T, hidden] on the last stage, else the activations for the next stage."""
@@ -216,7 +223,7 @@ class LlamaModel(nn.Module):
             if fused is not None:
                 return fused
         if intermediate is None:
-            hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+            hidden_states = self.embed(input_ids)  # [T, hidden]
             residual = None
         else:
             hidden_states, residual = intermediate.hidden_states, intermediate.residual
