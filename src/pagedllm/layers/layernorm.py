@@ -51,15 +51,19 @@ class RMSNorm(nn.Module):
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                        ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        x, residual, xf = self._add_and_normalize(x, residual)
+        out = self.weight * xf.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def _add_and_normalize(self, x: torch.Tensor, residual: Optional[torch.Tensor]
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """(x + residual, the new residual (None without one), x / rms(x) in float32): what every RMSNorm does
+        before its weight, which the subclasses apply in their own dtype."""
         if residual is not None:
             x = x + residual
             residual = x
-        orig_dtype = x.dtype
         xf = x.to(torch.float32)
-        variance = xf.pow(2).mean(dim=-1, keepdim=True)
-        xf = xf * torch.rsqrt(variance + self.variance_epsilon)
-        out = self.weight * xf.to(orig_dtype)
-        return out if residual is None else (out, residual)
+        return x, residual, xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
@@ -90,10 +94,6 @@ class GemmaRMSNorm(RMSNorm):
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                        ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon)
+        x, residual, xf = self._add_and_normalize(x, residual)
         out = (xf * self.weight).to(x.dtype)
         return out if residual is None else (out, residual)
