@@ -21,6 +21,17 @@ def watch_parent(exit_code: int, interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="pagedllm-parent-watchdog", daemon=True).start()
 
 
+def end_process(proc, grace_s: float = 3) -> None:
+    """A multiprocessing child still alive after its shutdown was asked for: SIGTERM, then SIGKILL, each given
+    grace_s to take effect."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(grace_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(grace_s)
+
+
 def one_line(e: BaseException, user_errors: tuple[type, ...] = (ValueError,)) -> str:
     """An error as one line for another process: a user error as its sentence, anything else with its type."""
     lines = str(e).strip().splitlines()

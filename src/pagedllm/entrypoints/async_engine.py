@@ -39,6 +39,7 @@ from pagedllm.entrypoints.dp_router import DPRouter
 from pagedllm.entrypoints.ipc import ClientSpec, IPCLayout
 from pagedllm.entrypoints.parallel_sampling import fan_out
 from pagedllm.entrypoints.stream_merge import coalesce
+from pagedllm.process_utils import end_process
 from pagedllm.sampling_constraints import tokenize_params
 from pagedllm.sampling_params import SamplingParams
 
@@ -227,12 +228,7 @@ class AsyncEngine:
         while any(p.is_alive() for _, p in alive) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for _, proc in alive:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(3)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(3)
+            end_process(proc)
         for sock in self.in_socks:
             sock.close(0)
         self.out_sock.close(0)

@@ -371,6 +371,8 @@ class APIServerSupervisor:
 
     def _stop_all(self) -> None:
         """API processes first (they may still drain), then the engine cores (Shutdown, then signals)."""
+        from pagedllm.process_utils import end_process
+
         deadline = time.monotonic() + 5
         for proc in self.apis:  # after a normal run they have all exited
             if proc.is_alive():
@@ -386,12 +388,7 @@ class APIServerSupervisor:
         for proc in self.engines:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.engines:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(3)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(3)
+            end_process(proc)
 
 
 def serve_with_api_servers(args: argparse.Namespace, engine_args: Any, count: int, child_target: Callable,
