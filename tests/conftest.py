@@ -28,6 +28,17 @@ import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_CACHE_DIR = os.path.join(REPO_ROOT, ".cache", "pagedllm-test")  # .cache/ is git-ignored
+
+
+def skip_without_onednn_bf16() -> None:
+    """Skip the calling test where torch's oneDNN has no bf16 linear on this CPU (it needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; AVX2-only machines lack it): the LM head's bf16 greedy screen is not built there."""
+    import torch
+
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except (RuntimeError, AttributeError) as e:
+        pytest.skip(f"no bf16 oneDNN linear on this CPU, so no greedy screen: {str(e).splitlines()[0]}")
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 FAMILY_ARCHS = ("gemma2", "gemma3", "phi3", "phi3_plain")  # tests/models/family_configs.py
 TINY_VOCAB_SIZE = 512

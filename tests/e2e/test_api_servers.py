@@ -49,7 +49,9 @@ def _start(smollm2_hf_dir: str, env: dict, log_path: str, *flags: str) -> Server
 
 @pytest.fixture(scope="module")
 def api2(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory: pytest.TempPathFactory):
-    server = _start(smollm2_hf_dir, e2e_env, str(tmp_path_factory.mktemp("api2") / "server.log"))
+    # A drain long enough for the last test's streams to finish on a loaded machine (not the 30 s default).
+    server = _start(smollm2_hf_dir, e2e_env, str(tmp_path_factory.mktemp("api2") / "server.log"),
+                    "--shutdown-timeout", "600")
     try:
         yield server
     finally:

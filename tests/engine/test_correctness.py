@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.conftest import skip_without_onednn_bf16
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 _hf_cache: dict = {}
@@ -80,10 +81,7 @@ def test_mixed_batch_matches_hf(arch, tiny_model_dir):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plain_greedy_matches_hf(arch, tiny_model_dir):
     """Greedy without logprobs takes the CPU LM head's bf16-screened argmax: still HF's tokens exactly."""
-    try:  # the screen needs oneDNN's bf16 linear, which needs AVX512-BW/VL/DQ or AVX-NE-CONVERT
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
-    except (RuntimeError, AttributeError) as e:
-        pytest.skip(f"no bf16 oneDNN linear on this CPU, so no greedy screen: {str(e).splitlines()[0]}")
+    skip_without_onednn_bf16()
     model_dir = tiny_model_dir(arch)
     llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64)
     model = llm.engine.worker.model

@@ -14,6 +14,7 @@ from pagedllm.kernels.cpu_ops import cpu_ops
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary_embedding import get_rope
+from tests.conftest import skip_without_onednn_bf16
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +239,7 @@ def test_paged_attention_rejects_a_block_id_outside_the_pool(ops):
 
 
 def test_greedy_screen_equals_full_argmax_including_ties(ops):
+    skip_without_onednn_bf16()
     from pagedllm.layers.linear import pack_cpu_weights
     from pagedllm.layers.vocab_embedding import ParallelLMHead
 
@@ -260,6 +262,7 @@ def test_greedy_screen_equals_full_argmax_including_ties(ops):
 
 
 def test_greedy_screen_falls_back_when_too_many_candidates(ops, monkeypatch):
+    skip_without_onednn_bf16()
     from pagedllm.layers import vocab_embedding
     from pagedllm.layers.linear import pack_cpu_weights
     from pagedllm.layers.vocab_embedding import ParallelLMHead
