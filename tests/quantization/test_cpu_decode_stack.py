@@ -1,7 +1,10 @@
 """The fused CPU decode stack (models/cpu_decode.py, kernels/csrc/cpu_fused.cpp) against the layer-by-layer
-path of the same GGUF-packed model: tiny llama (q/k permuted), qwen2 (qkv biases, tied embeddings) and qwen3
-(per-head q/k norm, head_dim != hidden / heads) GGUFs, mixed prompt lengths in one batch, several decoding at
-once; the tokens and their logprobs must be the same, and the fused op must have run."""
+path of the same GGUF-packed model: tiny llama (q/k permuted), qwen2 (qkv biases, tied embeddings), qwen3
+(per-head q/k norm, head_dim != hidden / heads) and gemma3 (Gemma's layer: (1 + w) norms around attention and MLP,
+GeGLU, scaled embeddings, q/k norms, query_pre_attn_scalar; 5 local : 1 global layers with two rope bases, a
+window of 12 and so two KV-cache groups) GGUFs, mixed prompt lengths in one batch, several decoding at once; the
+tokens and their logprobs must be the same, and the fused op must have run. Gemma 2 (soft-capped attention logits)
+keeps the layer path."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,15 +12,32 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
+# Gemma's tiny GGUFs: a GGUF does not store query_pre_attn_scalar (llama.cpp takes head_dim, 32 here), and a
+# window shorter than the prompts so the local layers' mask and block table matter.
+_GEMMA_SIZES = {"query_pre_attn_scalar": 32, "sliding_window": 12}
+
 
 def _write_quantized_gguf(hf_dir: str, path: str, arch: str) -> None:
     from gguf import GGMLQuantizationType as Q
 
+    if arch.startswith("gemma"):
+        from tests.models.test_gguf_families import write_family_gguf
+        write_family_gguf(hf_dir, path, arch, kinds={
+            "attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q4_1,
+            "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0})
+        return
     from tests.models.gguf_writer import write_tiny_gguf
     write_tiny_gguf(hf_dir, path, arch, kinds={
         "self_attn.q_proj": Q.Q4_0, "self_attn.k_proj": Q.Q8_0, "self_attn.v_proj": Q.Q8_0,
         "self_attn.o_proj": Q.Q5_1, "mlp.gate_proj": Q.Q4_1, "mlp.up_proj": Q.Q4_1, "mlp.down_proj": Q.Q8_0,
         "token_embd": Q.Q8_0, "output": Q.Q8_0})
+
+
+def _packed_gguf(tmp_path, tiny_model_dir, arch: str) -> str:
+    path = str(tmp_path / f"{arch}.gguf")
+    hf_dir = tiny_model_dir(arch, **_GEMMA_SIZES) if arch.startswith("gemma") else tiny_model_dir(arch)
+    _write_quantized_gguf(hf_dir, path, arch)
+    return path
 
 
 class _CountingOps:
@@ -29,19 +49,26 @@ class _CountingOps:
         return self.ops.decode_stack(*args)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_fused_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch, tiny_model_dir, arch):
     from pagedllm.models.cpu_decode import DecodeStack
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    path = str(tmp_path / f"{arch}.gguf")
-    _write_quantized_gguf(tiny_model_dir(arch), path, arch)
-    llm = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True, max_num_seqs=8)
+    path = _packed_gguf(tmp_path, tiny_model_dir, arch)
+    llm = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True, max_num_seqs=8, block_size=8)
     inner = llm.engine.worker.model.model
+    if arch == "gemma3":  # the local layers' window, their own rope cache and KV-cache group
+        attns = [layer.self_attn for layer in inner.layers]
+        assert [a.attn.sliding_window for a in attns] == [12] * 5 + [None]
+        assert llm.engine.scheduler.kv_cache_manager.group_windows == (12,) * 5 + (None,)  # one layer per group
+        assert attns[0].rotary_emb is not attns[5].rotary_emb
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 500, n).tolist() for n in (3, 17, 40, 5, 9)]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
 
     def run():
+        # No prefix hits from the run before: a shorter prefill chunk can take another matmul path
+        # (dense oneDNN vs packed), whose logprobs differ in the last digits.
+        assert llm.engine.reset_prefix_cache()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
                 for o in outs]
@@ -80,6 +107,9 @@ def test_fused_stack_with_sliding_windows_and_kv_groups(tmp_path, monkeypatch, t
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
 
     def run(llm):
+        # No prefix hits from the run before: a shorter prefill chunk can take another matmul path
+        # (dense oneDNN vs packed), whose logprobs differ in the last digits.
+        assert llm.engine.reset_prefix_cache()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
                 for o in outs]
@@ -102,3 +132,11 @@ def test_fused_stack_with_sliding_windows_and_kv_groups(tmp_path, monkeypatch, t
     inner.fast_path = None
     assert run(llm) == fused
     assert [t for t, _ in fused] != [t for t, _ in full]  # the window matters for these prompts
+
+
+def test_gemma2_soft_capped_attention_keeps_the_layer_path(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(model=_packed_gguf(tmp_path, tiny_model_dir, "gemma2"), num_gpu_blocks_override=64,
+              skip_tokenizer_init=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert llm.engine.worker.model.model.fast_path.stack is None

@@ -61,6 +61,16 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # CPU, tanh form (Gemma): one C++ kernel, the one the fused CPU decode stack runs too.
+        if self.approximate == "tanh" and not x.is_cuda and x.dim() == 2:
+            ops = cpu_ops.usable(x)
+            if ops is not None and x.stride(-1) == 1:
+                out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+                ops.gelu_tanh_and_mul(out, x)
+                return out
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
 

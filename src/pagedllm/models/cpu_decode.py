@@ -9,9 +9,11 @@ model runs its layers as usual; the two paths compute the same numbers
 (tests/quantization/test_cpu_decode_stack.py).
 
 A model qualifies when every layer is the plain Llama layer (Qwen2's biases and Qwen3's per-head q/k norm
-included) with all four projections kept packed (`GGUFLinearMethod`), float32, one tensor/pipeline-parallel rank;
-a step when it has fewer than `DENSE_MIN_ROWS` tokens (more go through the dense oneDNN path, layer by layer)
-and runs on the CPU attention backend with every KV cache bound. PAGEDLLM_CPU_FUSED_DECODE=0 turns it off.
+included) or every layer is Gemma's (models/gemma2.py: Gemma 3's q/k norms and per-layer rope bases included,
+Gemma 2's soft-capped attention not: the C++ attention kernel does not cap), with all four projections kept packed
+(`GGUFLinearMethod`), float32, one tensor/pipeline-parallel rank; a step when it has fewer than `DENSE_MIN_ROWS`
+tokens (more go through the dense oneDNN path, layer by layer) and runs on the CPU attention backend with every KV
+cache bound. PAGEDLLM_CPU_FUSED_DECODE=0 turns it off.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from pagedllm import envs
+from pagedllm.models.gemma2 import Gemma2DecoderLayer, GemmaMLP
 from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 logger = logging.getLogger("pagedllm")
@@ -71,11 +74,35 @@ def _build(model: Any) -> Optional["DecodeStack"]:
     return DecodeStack(model, ops)
 
 
+def _layer_kind(layer: Any) -> Optional[str]:
+    """"llama" or "gemma" for the layer forwards the stack reproduces, else None."""
+    from pagedllm.layers.activation import GeluAndMul, SiluAndMul
+
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn).forward is not LlamaAttention.forward:
+        return None
+    if type(layer).forward is LlamaDecoderLayer.forward and type(mlp).forward is LlamaMLP.forward \
+            and isinstance(mlp.act_fn, SiluAndMul):
+        return "llama"
+    if type(layer).forward is Gemma2DecoderLayer.forward and type(mlp).forward is GemmaMLP.forward \
+            and type(mlp.act_fn) is GeluAndMul and mlp.act_fn.approximate == "tanh":
+        return "gemma"
+    return None
+
+
+def _layer_norms(layer: Any, kind: str) -> list[Any]:
+    """The layer's norms in the order `decode_stack` takes them."""
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if kind == "gemma":
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    return norms
+
+
 def _unsupported(model: Any) -> Optional[str]:
     """Why `model` cannot use the fused stack, or None."""
-    from pagedllm.layers.activation import SiluAndMul
-    from pagedllm.layers.layernorm import RMSNorm
+    from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
     from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from pagedllm.layers.rotary_embedding import RotaryEmbedding
     from pagedllm.quantization.gguf import GGUFLinearMethod
 
     if not (model.is_first_stage and model.is_last_stage):
@@ -83,16 +110,26 @@ def _unsupported(model: Any) -> Optional[str]:
     layers = list(model.layers[model.start_layer:model.end_layer])
     if not layers or model.rotary_emb.cos_sin_cache.device.type != "cpu":
         return "no layers on the CPU"
+    kinds = {_layer_kind(layer) for layer in layers}
+    if None in kinds or len(kinds) != 1:
+        return f"{type(layers[0]).__name__} is not a layer the fused stack knows"
+    kind = kinds.pop()
+    # Gemma's (1 + w) norms hold 1 + w in float32: in a float32 model they are plain RMSNorms to the kernels.
+    norm_types = (RMSNorm,) if kind == "llama" else (GemmaRMSNorm,)
     norms = [model.norm]
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward \
-                or type(mlp).forward is not LlamaMLP.forward or not isinstance(mlp.act_fn, SiluAndMul):
-            return f"{type(layer).__name__} is not the plain Llama layer"
-        if attn.rotary_emb is not model.rotary_emb:
-            return "per-layer rotary embeddings"
-        if (type(attn).normalize_qk is not LlamaAttention.normalize_qk) != (attn.qk_norm() is not None):
+        rope = attn.rotary_emb
+        if type(rope).forward is not RotaryEmbedding.forward or rope.cos_sin_cache.dtype != torch.float32 \
+                or rope.cos_sin_cache.device.type != "cpu":
+            return "a rotary embedding other than the neox-style C++ one"
+        if attn.attn.logits_soft_cap is not None:
+            return "soft-capped attention logits"
+        qk = attn.qk_norm()
+        if (type(attn).normalize_qk is not LlamaAttention.normalize_qk) != (qk is not None):
             return "a q/k normalization the fused stack does not know"
+        if qk is not None and (qk[0].dtype != torch.float32 or qk[1].dtype != torch.float32):
+            return "non-float32 q/k norm weights"
         projections = ((attn.qkv_proj, QKVParallelLinear), (attn.o_proj, RowParallelLinear),
                        (mlp.gate_up_proj, MergedColumnParallelLinear), (mlp.down_proj, RowParallelLinear))
         for proj, cls in projections:
@@ -100,9 +137,9 @@ def _unsupported(model: Any) -> Optional[str]:
                 return f"{proj.prefix} is not a packed GGUF projection"
             if proj.bias is not None and proj.bias.dtype != torch.float32:
                 return f"{proj.prefix} has a non-float32 bias"
-        norms += [layer.input_layernorm, layer.post_attention_layernorm]
-    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
-        return "a norm other than float32 RMSNorm"
+        norms += _layer_norms(layer, kind)
+    if any(type(n) not in norm_types or n.weight.dtype != torch.float32 for n in norms):
+        return "a norm other than the layers' float32 RMSNorm"
     return None
 
 
@@ -116,12 +153,12 @@ class DecodeStack:
         self.ops = ops
         self.max_tokens = DENSE_MIN_ROWS - 1
         self.layers = list(model.layers[model.start_layer:model.end_layer])
+        self.kind = _layer_kind(self.layers[0])
         self.attns = [layer.self_attn.attn for layer in self.layers]
         self.bound: tuple = ()
         self.weights: list[torch.Tensor] = []
         self.layout: list[int] = []
         self.floats: list[float] = []
-        self.cos_sin = model.rotary_emb.cos_sin_cache
 
     def _bind(self) -> bool:
         """(Re)build the argument lists for the current KV caches; False if this step cannot use the stack."""
@@ -131,17 +168,19 @@ class DecodeStack:
             return False
         first = self.layers[0].self_attn
         has_qk_norm = first.qk_norm() is not None
+        gemma = self.kind == "gemma"
         layout = [len(self.layers), first.num_heads, first.num_kv_heads, first.head_dim,
                   self.model.norm.weight.numel(), self.layers[0].mlp.gate_up_proj.output_partition_sizes[0],
-                  int(has_qk_norm)]
+                  int(has_qk_norm), int(gemma)]
         weights: list[torch.Tensor] = []
         floats: list[float] = []
         for layer, cache in zip(self.layers, caches):
             attn, mlp = layer.self_attn, layer.mlp
             _, num_blocks, block_size, kv_heads, head_size = cache.shape
+            norms = _layer_norms(layer, self.kind)
+            weights += [n.weight for n in norms]
             # The CPU backend's private block layout (attention/cpu_backend.py).
-            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        cache[0].view(num_blocks, kv_heads, head_size, block_size),
+            weights += [attn.rotary_emb.cos_sin_cache, cache[0].view(num_blocks, kv_heads, head_size, block_size),
                         cache[1].view(num_blocks, kv_heads, block_size, head_size)]
             qk_eps = 0.0
             if has_qk_norm:
@@ -154,8 +193,8 @@ class DecodeStack:
                 parts, types = method.parts(proj), proj.__dict__["_gguf_types"]
                 layout += [len(parts), int(proj.bias is not None), *types]
                 weights += parts + ([proj.bias] if proj.bias is not None else [])
-            floats += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
-                       float(qk_eps), attn.attn.scale]
+            eps = [n.variance_epsilon for n in norms] + [0.0] * (4 - len(norms))
+            floats += eps + [float(qk_eps), attn.attn.scale]
         weights.append(self.model.norm.weight)
         floats.append(self.model.norm.variance_epsilon)
         self.weights, self.layout, self.floats, self.bound = weights, layout, floats, caches
@@ -177,7 +216,7 @@ class DecodeStack:
                 return None
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             return None
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.model.embed(input_ids)
         if hidden.dtype != torch.float32:
             return None
         hidden = hidden.contiguous()
@@ -186,5 +225,5 @@ class DecodeStack:
         out = torch.empty_like(hidden)
         self.ops.decode_stack(out, hidden, positions, self.weights, self.layout, self.floats,
                               [g.slot_mapping for g in groups], [g.block_table for g in groups],
-                              meta.query_start_loc, meta.seq_lens, self.cos_sin, meta.num_actual_tokens)
+                              meta.query_start_loc, meta.seq_lens, meta.num_actual_tokens)
         return out

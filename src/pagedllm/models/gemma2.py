@@ -84,8 +84,8 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
 
 
 class Gemma2Model(LlamaModel):
-    """LlamaModel with Gemma's final norm and scaled embeddings (the CPU decode stack declines it at the first step:
-    its layers are not Llama's)."""
+    """LlamaModel with Gemma's final norm and scaled embeddings (`embed`: the CPU decode stack embeds through it
+    too)."""
 
     def __init__(self, config: Any, layer_cls: type = Gemma2DecoderLayer, prefix: str = "model",
                  quant_config: Any = None) -> None:

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -249,6 +250,62 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
     const int64_t xs = x.stride(0), os = out.stride(0);
     at::parallel_for(0, rows, grain_rows(3 * d), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) silu_and_mul_row(op + r * os, xp + r * xs, d);
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// out[t, i] = gelu_tanh(x[t, i]) * x[t, d + i] (Gemma's GeGLU). gelu_tanh(g) = 0.5 g (1 + tanh(u)) with
+// u = sqrt(2 / pi) (g + 0.044715 g^3), computed as g * sigmoid(2u) = g / (1 + exp(-2u)): the same function
+// without tanh's cancellation near -1, and vexp's clamping gives the right limits (0 and g) for large |g|.
+
+constexpr float kGeluTanhTwoC = 2.f * 0.7978845608028654f;  // 2 sqrt(2 / pi)
+
+inline v16f gelu_tanh16(v16f g) { return g / (1.f + vexp(-(kGeluTanhTwoC * (g + 0.044715f * g * g * g)))); }
+
+inline float gelu_tanh1(float g) {
+  float lanes[16] = {g};
+  float out[16];
+  store16(out, gelu_tanh16(load16(lanes)));  // the vector formula, so a tail element rounds like the others
+  return out[0];
+}
+
+template <typename scalar_t>
+inline void gelu_tanh_and_mul_row(scalar_t* o, const scalar_t* g, int64_t d) {
+  const scalar_t* u = g + d;
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const v16f act = gelu_tanh16(load16(g + i));
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      store16(o + i, act * load16(u + i));
+    } else {
+      float tmp[16];
+      store16(tmp, act);
+      for (int j = 0; j < 16; ++j) {
+        const float a = static_cast<float>(static_cast<scalar_t>(tmp[j]));
+        o[i + j] = static_cast<scalar_t>(a * static_cast<float>(u[i + j]));
+      }
+    }
+  }
+  for (; i < d; ++i) {
+    const float a = static_cast<float>(static_cast<scalar_t>(gelu_tanh1(static_cast<float>(g[i]))));
+    o[i] = static_cast<scalar_t>(a * static_cast<float>(u[i]));
+  }
+}
+
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x) {
+  check_last_dim_contiguous(x, "x");
+  check_last_dim_contiguous(out, "out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0) && x.size(1) == 2 * out.size(1) &&
+                  out.scalar_type() == x.scalar_type(),
+              "gelu_tanh_and_mul: bad shapes or dtypes");
+  const int64_t rows = x.size(0), d = out.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_tanh_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, grain_rows(3 * d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) gelu_tanh_and_mul_row(op + r * os, xp + r * xs, d);
     });
   });
 }
@@ -721,6 +778,7 @@ void add_rms_norm_op(at::Tensor& out, at::Tensor& residual_out, const at::Tensor
   ::add_rms_norm(out, residual_out, x, residual, weight, eps);
 }
 void silu_and_mul_op(at::Tensor& out, const at::Tensor& x) { ::silu_and_mul(out, x); }
+void gelu_tanh_and_mul_op(at::Tensor& out, const at::Tensor& x) { ::gelu_tanh_and_mul(out, x); }
 void rotary_neox_op(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& cos_sin) {
   ::rotary_neox(positions, query, key, cos_sin);
 }
@@ -740,6 +798,7 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual_out, Tensor x, Tensor residual, Tensor weight, "
         "float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_neox(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int num_tokens) -> ()");
@@ -753,6 +812,7 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rotary_neox", &rotary_neox);
   m.impl("write_kv", &write_kv);
   m.impl("paged_attention", &paged_attention);
