@@ -11,7 +11,7 @@ from pagedllm import envs
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.cpu_ops import cpu_ops
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary_embedding import get_rope
 from tests.conftest import skip_without_onednn_bf16
@@ -66,6 +66,22 @@ def test_silu_and_mul(ops, dtype, width):
     out = torch.empty(11, width, dtype=dtype)
     ops.silu_and_mul(out, x)
     torch.testing.assert_close(out, SiluAndMul.forward_native(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1536, 24, 37])
+def test_gelu_tanh_and_mul(ops, dtype, width):
+    """Gemma's GeGLU: the kernel (which GeluAndMul("tanh") runs on the CPU) against torch's gelu; a strided input."""
+    wide = torch.randn(11, 2 * width + 5, dtype=dtype) * 4
+    x = wide[:, :2 * width]
+    x[0, 0], x[0, 1], x[1, 0] = -200.0, 200.0, -9.0  # exp over- and underflow; gelu's tail near 0
+    act = GeluAndMul("tanh")
+    ref = act.forward_native(x)
+    out = torch.empty(11, width, dtype=dtype)
+    ops.gelu_tanh_and_mul(out, x)
+    # g * sigmoid(2u) and torch's 0.5 g (1 + tanh(u)) round differently
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    assert torch.equal(act(x), out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
