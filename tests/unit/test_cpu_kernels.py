@@ -116,7 +116,7 @@ def _mixed_batch(rng, num_reqs, block_size, max_ctx):
     return reqs
 
 
-def _run_backend(backend, reqs, heads, kv_heads, head_size, block_size, dtype, seed, fill=0.0):
+def _run_backend(backend, reqs, heads, kv_heads, head_size, block_size, dtype, seed, fill=0.0, **attn_kwargs):
     """Write every request's whole context through the backend, then attend the last query_len tokens."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for _, s in reqs) + 3
@@ -159,7 +159,7 @@ def _run_backend(backend, reqs, heads, kv_heads, head_size, block_size, dtype, s
                                query_start_loc=qsl, seq_lens=torch.tensor([seq_lens[i] for i in keep], dtype=torch.int32),
                                block_table=table[keep].contiguous(), slot_mapping=slots,
                                query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=[seq_lens[i] for i in keep])
-        out = backend.forward(query[idx], keys[idx], values[idx], kv_cache, md, head_size ** -0.5)
+        out = backend.forward(query[idx], keys[idx], values[idx], kv_cache, md, head_size ** -0.5, **attn_kwargs)
     return out
 
 
@@ -182,6 +182,25 @@ def test_paged_attention_long_context_and_single_token(ops):
         ours = _run_backend(CpuAttentionBackend(), reqs, 8, 2, 64, 16, torch.float32, 0)
         ref = _run_backend(TorchAttentionBackend(), reqs, 8, 2, 64, 16, torch.float32, 0)
         torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("soft_cap", [0.5, 3.0, 50.0])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_soft_cap_matches_torch_backend(ops, soft_cap, window):
+    """Gemma 2's capped scores in the C++ kernel (short rows) and the gathered SDPA path (a long chunk) against the
+    torch backend's soft_capped_sdpa: caps that saturate most scores (0.5), some (3) and almost none (50)."""
+    from pagedllm.attention import cpu_backend
+    from pagedllm.attention.cpu_backend import CpuAttentionBackend
+    rng = random.Random(int(soft_cap * 10) + (window or 0))
+    reqs = _mixed_batch(rng, 7, 16, 200) + [(cpu_backend.LONG_QUERY_LEN, cpu_backend.LONG_QUERY_LEN + 30), (1, 1)]
+    kwargs = dict(logits_soft_cap=soft_cap, sliding_window=window)
+    for heads, kv_heads, head_size in ((8, 2, 64), (4, 1, 256)):
+        ours = _run_backend(CpuAttentionBackend(), reqs, heads, kv_heads, head_size, 16, torch.float32, 3, **kwargs)
+        ref = _run_backend(TorchAttentionBackend(), reqs, heads, kv_heads, head_size, 16, torch.float32, 3, **kwargs)
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5, msg=lambda m: f"{reqs}: {m}")
+        uncapped = _run_backend(TorchAttentionBackend(), reqs, heads, kv_heads, head_size, 16, torch.float32, 3,
+                                sliding_window=window)
+        assert soft_cap > 10 or not torch.allclose(ours, uncapped, atol=1e-3)  # the cap changes the result
 
 
 def test_long_prefill_chunks_take_the_sdpa_path_and_match(ops):

@@ -29,7 +29,7 @@ class CpuAttentionBackend(AttentionBackend):
     # The kernels read only slots that were written (invisible lanes are selected away, never multiplied),
     # so the pool may start as uninitialized memory.
     needs_zeroed_cache = False
-    # Soft-capped layers (Gemma 2) are attended in torch from a gather of their blocks (the C++ kernel does not cap).
+    # Soft-capped layers (Gemma 2): the C++ kernel caps its scores, the gathered long chunks cap in torch.
     supports_logits_soft_cap = True
 
     def __init__(self) -> None:
@@ -52,17 +52,14 @@ class CpuAttentionBackend(AttentionBackend):
         if num_tokens < query.shape[0]:
             out[num_tokens:].zero_()
         long_rows = []
-        # With a soft cap every row takes the gather path below (torch's attention with capped logits).
-        min_gathered = 1 if logits_soft_cap is not None else LONG_QUERY_LEN
-        if metadata.max_query_len >= min_gathered:
+        if metadata.max_query_len >= LONG_QUERY_LEN:
             qsl = metadata.query_start_loc_cpu or metadata.query_start_loc.tolist()
             seq_lens = metadata.seq_lens_cpu or metadata.seq_lens.tolist()
             long_rows = [(qsl[i], qsl[i + 1], seq_lens[i], i) for i in range(metadata.num_reqs)
-                         if qsl[i + 1] - qsl[i] >= min_gathered]
-        if logits_soft_cap is None:
-            self.ops.paged_attention(out, query, key_cache, value_cache, metadata.block_table,
-                                     metadata.query_start_loc, metadata.seq_lens, scale,
-                                     LONG_QUERY_LEN if long_rows else 0, sliding_window or 0)
+                         if qsl[i + 1] - qsl[i] >= LONG_QUERY_LEN]
+        self.ops.paged_attention(out, query, key_cache, value_cache, metadata.block_table,
+                                 metadata.query_start_loc, metadata.seq_lens, scale,
+                                 LONG_QUERY_LEN if long_rows else 0, sliding_window or 0, logits_soft_cap or 0.0)
         for start, end, seq_len, row in long_rows:
             # A long prefill chunk: gather its context (within the window) out of the block layout, then SDPA.
             window = effective_window(sliding_window, seq_len)

@@ -9,8 +9,8 @@ model runs its layers as usual; the two paths compute the same numbers
 (tests/quantization/test_cpu_decode_stack.py).
 
 A model qualifies when every layer is the plain Llama layer (Qwen2's biases and Qwen3's per-head q/k norm
-included) or every layer is Gemma's (models/gemma2.py: Gemma 3's q/k norms and per-layer rope bases included,
-Gemma 2's soft-capped attention not: the C++ attention kernel does not cap), with all four projections kept packed
+included) or every layer is Gemma's (models/gemma2.py: Gemma 2's soft-capped attention logits, Gemma 3's q/k norms
+and per-layer rope bases included), with all four projections kept packed
 (`GGUFLinearMethod`), float32, one tensor/pipeline-parallel rank; a step when it has fewer than `DENSE_MIN_ROWS`
 tokens (more go through the dense oneDNN path, layer by layer) and runs on the CPU attention backend with every KV
 cache bound. PAGEDLLM_CPU_FUSED_DECODE=0 turns it off.
@@ -123,8 +123,6 @@ def _unsupported(model: Any) -> Optional[str]:
         if type(rope).forward is not RotaryEmbedding.forward or rope.cos_sin_cache.dtype != torch.float32 \
                 or rope.cos_sin_cache.device.type != "cpu":
             return "a rotary embedding other than the neox-style C++ one"
-        if attn.attn.logits_soft_cap is not None:
-            return "soft-capped attention logits"
         qk = attn.qk_norm()
         if (type(attn).normalize_qk is not LlamaAttention.normalize_qk) != (qk is not None):
             return "a q/k normalization the fused stack does not know"
@@ -194,7 +192,7 @@ class DecodeStack:
                 layout += [len(parts), int(proj.bias is not None), *types]
                 weights += parts + ([proj.bias] if proj.bias is not None else [])
             eps = [n.variance_epsilon for n in norms] + [0.0] * (4 - len(norms))
-            floats += eps + [float(qk_eps), attn.attn.scale]
+            floats += eps + [float(qk_eps), attn.attn.scale, attn.attn.logits_soft_cap or 0.0]
         weights.append(self.model.norm.weight)
         floats.append(self.model.norm.variance_epsilon)
         self.weights, self.layout, self.floats, self.bound = weights, layout, floats, caches

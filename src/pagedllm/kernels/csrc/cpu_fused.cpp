@@ -14,7 +14,8 @@
 //           layer its sliding window (0: none), its KV-cache group and per projection (qkv, o, gate_up, down):
 //           [num_parts, has_bias, type_0 .. type_{n-1}]
 //   floats: per layer [input_norm_eps, post_attention_norm_eps, pre_ffn_norm_eps, post_ffn_norm_eps,
-//           qk_norm_eps, attention_scale] (unused ones 0), then the final norm eps
+//           qk_norm_eps, attention_scale, attention_logit_soft_cap] (unused ones and no cap: 0), then the final
+//           norm eps
 //   weights: per layer [input_norm, post_attention_norm, (pre_ffn_norm, post_ffn_norm: gemma), cos_sin_cache,
 //           k_cache, v_cache, (q_norm, k_norm)], then per projection its packed parts and its bias if any; at the
 //           end the final norm's weight. Each layer has its own rope cache (Gemma 3's local layers rotate with
@@ -39,7 +40,7 @@ void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
                  const at::Tensor& slot_mapping, int64_t num_tokens);
 void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                        const at::Tensor& seq_lens, double scale, int64_t window);
+                        const at::Tensor& seq_lens, double scale, int64_t window, double soft_cap);
 void gguf_linear_op(at::Tensor& out, const at::Tensor& x, at::TensorList weights, at::IntArrayRef types,
                     const c10::optional<at::Tensor>& bias);
 }  // namespace pagedllm_export
@@ -80,7 +81,7 @@ void decode_stack(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& p
                   at::IntArrayRef layout, at::ArrayRef<double> floats, at::TensorList slot_mappings,
                   at::TensorList block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                   int64_t num_actual_tokens) {
-  constexpr int64_t kHeader = 8, kFloats = 6;  // layout header entries, floats per layer
+  constexpr int64_t kHeader = 8, kFloats = 7;  // layout header entries, floats per layer
   TORCH_CHECK(!slot_mappings.empty() && slot_mappings.size() == block_tables.size(),
               "decode_stack: one slot mapping and one block table per KV-cache group");
   TORCH_CHECK(static_cast<int64_t>(layout.size()) >= kHeader && layout[0] >= 1, "decode_stack: layout too short");
@@ -136,7 +137,7 @@ void decode_stack(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& p
     }
     rotary_neox_op(positions, q3, k3, cos_sin);
     write_kv_op(k3, v3, k_cache, v_cache, slot_mapping, num_actual_tokens);
-    paged_attention_op(attn3, q3, k_cache, v_cache, block_table, query_start_loc, seq_lens, f[5], window);
+    paged_attention_op(attn3, q3, k_cache, v_cache, block_table, query_start_loc, seq_lens, f[5], window, f[6]);
     projection(cur, h, attn);
     if (gemma) {  // residual + post_attention_norm(attn), then the pre-feed-forward norm of that sum
       rms_norm_op(h, h, post_norm, f[1]);

@@ -98,6 +98,23 @@ inline v16f vexp(v16f x) {
   return y * pow2n;
 }
 
+inline v16f vabs(v16f x);
+
+// tanh(x) for float lanes, ~1-2 ulp: the odd polynomial of Cephes' tanhf below |x| = 0.625, where
+// 1 - 2 / (exp(2|x|) + 1) would cancel, that formula above (vexp's clamp gives exactly +-1 far out).
+inline v16f vtanh(v16f x) {
+  const v16f ax = vabs(x), z = x * x;
+  v16f p = v16f{} - 5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const v16f small = p * z * x + x;
+  v16f big = 1.f - 2.f / (vexp(ax + ax) + 1.f);
+  big = x < v16f{} ? -big : big;
+  return ax < v16f{} + 0.625f ? small : big;
+}
+
 inline float bf16_bits_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float f;
@@ -422,6 +439,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 // each K/V block read serves all tile x group query rows. Items are handed out dynamically, heaviest first, so
 // long prefill tiles and short decodes balance over the threads. Softmax is the online (streaming) form over
 // chunks of 16 keys: 16 scores per FMA from the transposed K, vector exp, then P @ V into the accumulator.
+// With soft_cap > 0 (Gemma 2's attn_logit_softcapping) each scaled score s becomes cap * tanh(s / cap) first.
 
 constexpr int64_t kTile = 16;
 
@@ -497,7 +515,8 @@ template <typename scalar_t>
 void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const scalar_t* q, int64_t qs0,
                  int64_t qs1, const scalar_t* kc, const scalar_t* vc, const int32_t* bt, int64_t bts0,
                  const int32_t* qsl, const int32_t* seq_lens, int64_t heads, int64_t group, int64_t d,
-                 int64_t block_size, int64_t num_blocks, float scale, int64_t window, std::vector<float>& work) {
+                 int64_t block_size, int64_t num_blocks, float scale, int64_t window, float soft_cap,
+                 std::vector<float>& work) {
   const int64_t nq = it.q_end - it.q_begin, nh = it.head_end - it.head_begin;
   const int64_t per_head = nq * group, rows = per_head * nh;  // row r = hh * per_head + i * group + g
   const int64_t q_start = qsl[it.req], q_len = qsl[it.req + 1] - q_start;
@@ -577,6 +596,7 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
             }
             for (int64_t rr = 0; rr < rows_here; ++rr) {
               const int64_t r = r0 + rr;
+              if (soft_cap > 0.f) s[rr] = vtanh(s[rr] / soft_cap) * soft_cap;  // Gemma 2: cap * tanh(s / cap)
               const v16f sr = live ? s[rr] : v16f{} - std::numeric_limits<float>::infinity();
               const float new_m = std::max(m[r], hmax(sr));
               v16f p = vexp(sr - new_m);
@@ -610,7 +630,7 @@ void attend_item(const Item& it, scalar_t* out, int64_t os0, int64_t os1, const 
 // prefill chunks a gather + torch's flash-attention kernel is faster than this one.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale, int64_t skip_query_len, int64_t window) {
+                     double scale, int64_t skip_query_len, int64_t window, double soft_cap) {
   check_last_dim_contiguous(out, "out");
   check_last_dim_contiguous(query, "query");
   check_cpu(k_cache, "k_cache");
@@ -635,6 +655,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: no sliding window)");
+  TORCH_CHECK(soft_cap >= 0, "paged_attention: soft_cap must be >= 0 (0: no soft-capping)");
   std::vector<Item> items;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t q_begin = qsl[r], q_end = qsl[r + 1], q_len = q_end - q_begin;
@@ -675,7 +696,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         attend_item<scalar_t>(items[i], op, out.stride(0), out.stride(1), qp, query.stride(0), query.stride(1), kc,
                               vc, bt, block_table.stride(0), qsl, lens, kv_heads, group, d,
-                              block_size, k_cache.size(0), static_cast<float>(scale), window, work);
+                              block_size, k_cache.size(0), static_cast<float>(scale), window,
+                              static_cast<float>(soft_cap), work);
       }
     });
   });
@@ -788,8 +810,9 @@ void write_kv_op(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
 }
 void paged_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                        const at::Tensor& seq_lens, double scale, int64_t window) {
-  ::paged_attention(out, query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, 0, window);
+                        const at::Tensor& seq_lens, double scale, int64_t window, double soft_cap) {
+  ::paged_attention(out, query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, 0, window,
+                    soft_cap);
 }
 }  // namespace pagedllm_export
 
@@ -805,7 +828,8 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("greedy_screen(Tensor(a!) out, Tensor approx, Tensor x, Tensor weight, Tensor w_norms, int vocab, "
         "float c, float out_err, int max_candidates) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, int skip_query_len=0, int window=0) -> ()");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int skip_query_len=0, int window=0, "
+        "float soft_cap=0.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
