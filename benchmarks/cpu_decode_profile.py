@@ -4,6 +4,10 @@ head's greedy pick (the rest is the engine loop: scheduling, input prep, output 
 With --profile it also prints the torch profiler's top ops for a few steps (op counts show dispatch overhead).
 
     python benchmarks/cpu_decode_profile.py --steps 64 [--batch 8] [--quantization none] [--threads 2] [--profile]
+        [--model FILE.gguf] [--layer-path]
+
+The LM head is timed as "greedy" (the argmax shortcut) plus "logits" (compute_logits: the full logits, what a
+packed GGUF LM head takes). --layer-path turns the fused CPU decode stack off (each layer from Python).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ def main():
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=1, help="streams decoding together")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--layer-path", action="store_true", help="the fused CPU decode stack off")
     args = p.parse_args()
     import torch
 
@@ -34,9 +39,12 @@ def main():
     engine = llm.engine
     runner = engine.engine_core.executor.worker.model_runner if hasattr(engine, "engine_core") else None
     model = _find_model(engine)
-    timers = {"forward": [], "greedy": []}
+    timers = {"forward": [], "greedy": [], "logits": []}
     orig_forward = model.forward
     orig_greedy = getattr(model, "greedy_token_ids", None)
+    orig_logits = model.compute_logits
+    if args.layer_path:
+        model.model.fast_path = None
 
     def timed_forward(*a, **kw):
         t0 = time.perf_counter()
@@ -50,7 +58,14 @@ def main():
         timers["greedy"].append(time.perf_counter() - t0)
         return out
 
+    def timed_logits(*a, **kw):
+        t0 = time.perf_counter()
+        out = orig_logits(*a, **kw)
+        timers["logits"].append(time.perf_counter() - t0)
+        return out
+
     model.forward = timed_forward
+    model.compute_logits = timed_logits
     if orig_greedy is not None:
         model.greedy_token_ids = timed_greedy
     del runner
@@ -79,14 +94,22 @@ def main():
         if prof is not None:
             prof.__exit__(None, None, None)
         n = len(steps)
-        ms = lambda xs: 1e3 * sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+        ms = lambda xs: 1e3 * sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
+        head = ms(timers['greedy']) + ms(timers['logits'])
         print(f"round {rnd}: {n} decode steps; median ms: step {ms(steps):.2f}, forward {ms(timers['forward']):.2f}, "
-              f"greedy {ms(timers['greedy']):.2f}, rest {ms(steps) - ms(timers['forward']) - ms(timers['greedy']):.2f}"
-              f"; process CPU ms/step {1e3 * cpu / n:.2f}; {args.batch * n / sum(steps):.1f} tok/s", flush=True)
+              f"greedy {ms(timers['greedy']):.2f}, logits {ms(timers['logits']):.2f}, "
+              f"rest {ms(steps) - ms(timers['forward']) - head:.2f}"
+              f"; process CPU ms/step {1e3 * cpu / n:.2f}; {args.batch * n / sum(steps):.1f} tok/s; "
+              f"{_load()}", flush=True)
         if prof is not None:
             events = prof.key_averages()
             print(f"torch ops per step: {sum(e.count for e in events) / n:.0f}")
             print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def _load():
+    with open("/proc/loadavg") as f:
+        return "load " + " ".join(f.read().split()[:3])
 
 
 def _find_model(engine):

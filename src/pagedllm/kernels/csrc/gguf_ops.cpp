@@ -436,6 +436,211 @@ inline void dot_rows_avx2(const Chunk* chunks, int64_t nchunks, const ActRows& a
 }
 #endif
 
+#if defined(__AVX2__) && !defined(PAGEDLLM_HAVE_VNNI512)
+// The best path of AVX2 machines for a few activation rows (decode steps): each 64-weight chunk is decoded
+// straight into registers (four 16-weight groups of bytes, a scale and an offset per group), widened to int16
+// and multiplied by the int16 activations x16 (vpmaddwd: exact integer sums), then scaled in float once per
+// 32 weights (per 16 for Q6_K). Q8_0 stays signed (no offset term). The chunk path above stores each decoded
+// chunk and loads it back, and spreads Q5's fifth bits one byte at a time.
+struct RegChunk2 {
+  __m128i q[4];
+  alignas(16) float a_own[4], b_own[4];
+  const float* a = a_own;  // the four groups' scales and offsets (the K-quants point into SuperScales)
+  const float* b = b_own;
+};
+
+// A K-quant super-block's 16 group scales and offsets (per 16 weights), computed once for its four chunks.
+struct SuperScales {
+  alignas(16) float a[16], b[16];
+};
+
+constexpr bool is_kquant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+
+template <int64_t T>
+inline void super_scales(const uint8_t* blk, SuperScales& s) {
+  if constexpr (T == kQ4_K || T == kQ5_K) {
+    const float d = fp16(blk), dmin = fp16(blk + 2);
+    for (int sb = 0; sb < 8; ++sb) {
+      float sc, mn;
+      scale_min_k4(blk + 4, sb, sc, mn);
+      s.a[2 * sb] = s.a[2 * sb + 1] = d * sc;
+      s.b[2 * sb] = s.b[2 * sb + 1] = -dmin * mn;
+    }
+  } else if constexpr (T == kQ6_K) {
+    const float d = fp16(blk + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    for (int g = 0; g < 16; ++g) {
+      s.a[g] = d * scales[g];
+      s.b[g] = -32.f * s.a[g];
+    }
+  }
+}
+
+// Bit i of mask as 0x10 in byte i, for i < 16 (Q5_0/Q5_1's fifth bits, 16 weights at a time).
+inline __m128i high_bits16_sse(uint32_t mask) {
+  const __m128i bytes = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(mask)),
+                                         _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bytes, bit), bit), _mm_set1_epi8(0x10));
+}
+
+inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
+inline __m128i high_nibbles(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
+inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+// Bit `bit` of each byte moved to bit 4 (the 16-bit shift's carries from the next byte are masked away).
+inline __m128i bit_to_4(__m128i v, int bit) {
+  return _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(bit)), _mm_set1_epi8(1)), 4);
+}
+
+// Chunk c of a row; for the K-quants `sup` holds the chunk's super-block scales (super_scales).
+template <int64_t T>
+inline void decode_avx2(const uint8_t* row, int64_t c, int64_t k, const SuperScales& sup, RegChunk2& ch) {
+  if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ4_1 || T == kQ5_0 || T == kQ5_1) {
+    constexpr int64_t bb = T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : 24;
+    for (int h = 0; h < 2; ++h) {
+      if (h == 1 && 64 * c + 32 >= k) {  // a row of an odd number of 32-blocks: the last chunk's second half
+        ch.q[2] = ch.q[3] = _mm_setzero_si128();
+        ch.a_own[2] = ch.a_own[3] = ch.b_own[2] = ch.b_own[3] = 0.f;
+        break;
+      }
+      const uint8_t* blk = row + (2 * c + h) * bb;
+      const float d = fp16(blk);
+      float off = 0.f;
+      if constexpr (T == kQ8_0) {
+        ch.q[2 * h] = load128(blk + 2);
+        ch.q[2 * h + 1] = load128(blk + 18);
+      } else if constexpr (T == kQ4_0 || T == kQ4_1) {
+        const __m128i v = load128(blk + (T == kQ4_0 ? 2 : 4));
+        ch.q[2 * h] = low_nibbles(v);
+        ch.q[2 * h + 1] = high_nibbles(v);
+        off = T == kQ4_0 ? -8.f * d : fp16(blk + 2);
+      } else {
+        const uint8_t* p = blk + (T == kQ5_0 ? 2 : 4);
+        uint32_t qh;
+        std::memcpy(&qh, p, 4);
+        const __m128i v = load128(p + 4);
+        ch.q[2 * h] = _mm_or_si128(low_nibbles(v), high_bits16_sse(qh));
+        ch.q[2 * h + 1] = _mm_or_si128(high_nibbles(v), high_bits16_sse(qh >> 16));
+        off = T == kQ5_0 ? -16.f * d : fp16(blk + 2);
+      }
+      ch.a_own[2 * h] = ch.a_own[2 * h + 1] = d;
+      ch.b_own[2 * h] = ch.b_own[2 * h + 1] = off;
+    }
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const uint8_t* blk = row + (c / 4) * (T == kQ4_K ? 144 : 176);
+    const int j = static_cast<int>(c % 4);
+    const uint8_t* qs = blk + (T == kQ4_K ? 16 : 48) + 32 * j;
+    const __m128i v0 = load128(qs), v1 = load128(qs + 16);
+    ch.q[0] = low_nibbles(v0);
+    ch.q[1] = low_nibbles(v1);
+    ch.q[2] = high_nibbles(v0);
+    ch.q[3] = high_nibbles(v1);
+    if constexpr (T == kQ5_K) {
+      const __m128i h0 = load128(blk + 16), h1 = load128(blk + 32);
+      ch.q[0] = _mm_or_si128(ch.q[0], bit_to_4(h0, 2 * j));
+      ch.q[1] = _mm_or_si128(ch.q[1], bit_to_4(h1, 2 * j));
+      ch.q[2] = _mm_or_si128(ch.q[2], bit_to_4(h0, 2 * j + 1));
+      ch.q[3] = _mm_or_si128(ch.q[3], bit_to_4(h1, 2 * j + 1));
+    }
+    ch.a = sup.a + 4 * j;
+    ch.b = sup.b + 4 * j;
+  } else if constexpr (T == kQ6_K) {
+    const uint8_t* blk = row + (c / 4) * 210;
+    const int64_t cc = c % 4, h = cc / 2, n = cc % 2;
+    const uint8_t* ql = blk + 64 * h;
+    const uint8_t* qh = blk + 128 + 32 * h;
+    const __m128i three = _mm_set1_epi8(3);
+    for (int part = 0; part < 4; ++part) {  // 16 weights each; the 16-bit shifts never carry into kept bits
+      const __m128i l = load128(ql + 16 * part), hb = load128(qh + 16 * (part % 2));
+      const __m128i lo = n ? high_nibbles(l) : low_nibbles(l);
+      const int sh = static_cast<int>(4 * n + 2 * (part / 2));
+      const __m128i hi = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(sh)), three);
+      ch.q[part] = _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
+    }
+    ch.a = sup.a + 4 * cc;
+    ch.b = sup.b + 4 * cc;
+  } else {  // int8 rows: the chunk decoder, then into registers
+    Chunk tmp;
+    decode_chunk<T>(row, c, k, tmp);
+    for (int g = 0; g < 4; ++g) {
+      ch.q[g] = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp.q + 16 * g));
+      ch.a_own[g] = tmp.a[g];
+      ch.b_own[g] = tmp.b[g];
+    }
+  }
+}
+
+// out[r * os] for activation rows [m0, m0 + R) and one weight row; two accumulators per row (the chunk's
+// halves) so consecutive FMAs do not wait on each other.
+template <int64_t T, int R>
+inline void dot_rows_avx2_reg(const uint8_t* row, int64_t k, const ActRows& act, int64_t m0, float* out,
+                              int64_t os) {
+  constexpr bool kSigned = T == kQ8_0;
+  constexpr bool kPer16 = T == kQ6_K || T == kI8Row;  // scales (or a partial chunk) per 16 weights
+  __m256 acc0[R], acc1[R];
+  __m128 accb[R];
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = acc1[r] = _mm256_setzero_ps();
+    accb[r] = _mm_setzero_ps();
+  }
+  const int64_t nchunks = (k + 63) / 64;
+  SuperScales sup;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    if constexpr (is_kquant(T)) {
+      if (c % 4 == 0) super_scales<T>(row + (c / 4) * block_bytes(T), sup);
+    }
+    RegChunk2 ch;
+    decode_avx2<T>(row, c, k, sup, ch);
+    __m256i w[4];
+    for (int g = 0; g < 4; ++g) w[g] = kSigned ? _mm256_cvtepi8_epi16(ch.q[g]) : _mm256_cvtepu8_epi16(ch.q[g]);
+    const __m128 b4 = _mm_loadu_ps(ch.b);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* x = act.xw(m0 + r) + 64 * c;
+      const float* dx = act.dx(m0 + r) + 16 * c;
+      __m256i p[4];
+      for (int g = 0; g < 4; ++g)
+        p[g] = _mm256_madd_epi16(w[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * g)));
+      if constexpr (kPer16) {
+        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[0]), _mm256_set1_ps(ch.a[0] * dx[0]), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2]), _mm256_set1_ps(ch.a[2] * dx[8]), acc1[r]);
+        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[1]), _mm256_set1_ps(ch.a[1] * dx[4]), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[3]), _mm256_set1_ps(ch.a[3] * dx[12]), acc1[r]);
+      } else {  // one scale per 32 weights (a and the activation step)
+        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[0], p[1])), _mm256_set1_ps(ch.a[0] * dx[0]),
+                                  acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[2], p[3])), _mm256_set1_ps(ch.a[2] * dx[8]),
+                                  acc1[r]);
+      }
+      if constexpr (!kSigned) accb[r] = _mm_fmadd_ps(b4, _mm_loadu_ps(act.s(m0 + r) + 4 * c), accb[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m128 sb = accb[r];
+    sb = _mm_add_ps(sb, _mm_movehl_ps(sb, sb));
+    sb = _mm_add_ss(sb, _mm_movehdup_ps(sb));
+    out[r * os] = hsum256(_mm256_add_ps(acc0[r], acc1[r])) + _mm_cvtss_f32(sb);
+  }
+}
+
+// out[r, n] for activation rows [0, m) and weight rows [n0, n1), kRows activation rows per decode.
+template <int64_t T>
+inline void gemm_avx2_reg(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t k, const ActRows& act,
+                          int64_t m, float* out, int64_t os) {
+  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+    const int64_t nr = std::min<int64_t>(kRows, m - r0);
+    float* o = out + r0 * os;
+    for (int64_t n = n0; n < n1; ++n) {
+      switch (nr) {
+        case 4: dot_rows_avx2_reg<T, 4>(w + n * rb, k, act, r0, o + n, os); break;
+        case 3: dot_rows_avx2_reg<T, 3>(w + n * rb, k, act, r0, o + n, os); break;
+        case 2: dot_rows_avx2_reg<T, 2>(w + n * rb, k, act, r0, o + n, os); break;
+        default: dot_rows_avx2_reg<T, 1>(w + n * rb, k, act, r0, o + n, os); break;
+      }
+    }
+  }
+}
+#endif
+
 #if defined(PAGEDLLM_HAVE_VNNI512)
 // Per 32-bit lane (4 weights): sum q * (256 hi + lo), the hi digit's products shifted into place.
 inline __m512i dot64(__m512i q, __m512i xh, __m512i xl) {
@@ -681,6 +886,16 @@ void gemm_part(const Part& part, int64_t n0, int64_t n1, int64_t k, const ActRow
           for (int64_t n = n0; n < n1; ++n) o[i * os + n] += bias[part.col + n];
       return;
     }
+  }
+#endif
+#if defined(__AVX2__) && !defined(PAGEDLLM_HAVE_VNNI512)
+  if (impl == kBest) {
+    float* o = out + part.col;
+    gemm_avx2_reg<T>(part.w, part.rb, n0, n1, k, act, m, o, os);
+    if (bias)
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t n = n0; n < n1; ++n) o[i * os + n] += bias[part.col + n];
+    return;
   }
 #endif
 #if defined(PAGEDLLM_HAVE_VNNI512)
