@@ -476,12 +476,19 @@ inline void super_scales(const uint8_t* blk, SuperScales& s) {
   }
 }
 
-// Bit i of mask as 0x10 in byte i, for i < 16 (Q5_0/Q5_1's fifth bits, 16 weights at a time).
-inline __m128i high_bits16_sse(uint32_t mask) {
-  const __m128i bytes = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(mask)),
-                                         _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-  const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bytes, bit), bit), _mm_set1_epi8(0x10));
+// Bit i of mask as 0x10 in byte i (Q5_0/Q5_1's fifth bits, 32 weights at a time): each byte picks its mask byte,
+// then its own bit.
+inline __m256i high_bits32(uint32_t mask) {
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(mask)),
+                                            _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+inline void split256(__m256i v, __m128i* q) {
+  q[0] = _mm256_castsi256_si128(v);
+  q[1] = _mm256_extracti128_si256(v, 1);
 }
 
 inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
@@ -519,8 +526,8 @@ inline void decode_avx2(const uint8_t* row, int64_t c, int64_t k, const SuperSca
         uint32_t qh;
         std::memcpy(&qh, p, 4);
         const __m128i v = load128(p + 4);
-        ch.q[2 * h] = _mm_or_si128(low_nibbles(v), high_bits16_sse(qh));
-        ch.q[2 * h + 1] = _mm_or_si128(high_nibbles(v), high_bits16_sse(qh >> 16));
+        const __m256i nibbles = _mm256_set_m128i(high_nibbles(v), low_nibbles(v));
+        split256(_mm256_or_si256(nibbles, high_bits32(qh)), ch.q + 2 * h);
         off = T == kQ5_0 ? -16.f * d : fp16(blk + 2);
       }
       ch.a_own[2 * h] = ch.a_own[2 * h + 1] = d;
@@ -530,11 +537,10 @@ inline void decode_avx2(const uint8_t* row, int64_t c, int64_t k, const SuperSca
     const uint8_t* blk = row + (c / 4) * (T == kQ4_K ? 144 : 176);
     const int j = static_cast<int>(c % 4);
     const uint8_t* qs = blk + (T == kQ4_K ? 16 : 48) + 32 * j;
-    const __m128i v0 = load128(qs), v1 = load128(qs + 16);
-    ch.q[0] = low_nibbles(v0);
-    ch.q[1] = low_nibbles(v1);
-    ch.q[2] = high_nibbles(v0);
-    ch.q[3] = high_nibbles(v1);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    split256(_mm256_and_si256(v, nib), ch.q);
+    split256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), ch.q + 2);
     if constexpr (T == kQ5_K) {
       const __m128i h0 = load128(blk + 16), h1 = load128(blk + 32);
       ch.q[0] = _mm_or_si128(ch.q[0], bit_to_4(h0, 2 * j));
@@ -548,15 +554,26 @@ inline void decode_avx2(const uint8_t* row, int64_t c, int64_t k, const SuperSca
     const uint8_t* blk = row + (c / 4) * 210;
     const int64_t cc = c % 4, h = cc / 2, n = cc % 2;
     const uint8_t* ql = blk + 64 * h;
-    const uint8_t* qh = blk + 128 + 32 * h;
-    const __m128i three = _mm_set1_epi8(3);
-    for (int part = 0; part < 4; ++part) {  // 16 weights each; the 16-bit shifts never carry into kept bits
-      const __m128i l = load128(ql + 16 * part), hb = load128(qh + 16 * (part % 2));
-      const __m128i lo = n ? high_nibbles(l) : low_nibbles(l);
-      const int sh = static_cast<int>(4 * n + 2 * (part / 2));
-      const __m128i hi = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(sh)), three);
-      ch.q[part] = _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i l01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i l23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+    const __m256i nib = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(0x30);
+    // low 4 bits from ql's low or high nibbles, bits 4-5 from qh's bit pair 2n (weights 0-31) or 2n + 1 (32-63),
+    // moved into place by 16-bit shifts whose carries from the next byte are masked away
+    __m256i lo01, lo23, hi01, hi23;
+    if (n) {
+      lo01 = _mm256_and_si256(_mm256_srli_epi16(l01, 4), nib);
+      lo23 = _mm256_and_si256(_mm256_srli_epi16(l23, 4), nib);
+      hi01 = _mm256_and_si256(hb, two_bits);
+      hi23 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), two_bits);
+    } else {
+      lo01 = _mm256_and_si256(l01, nib);
+      lo23 = _mm256_and_si256(l23, nib);
+      hi01 = _mm256_and_si256(_mm256_slli_epi16(hb, 4), two_bits);
+      hi23 = _mm256_and_si256(_mm256_slli_epi16(hb, 2), two_bits);
     }
+    split256(_mm256_or_si256(lo01, hi01), ch.q);
+    split256(_mm256_or_si256(lo23, hi23), ch.q + 2);
     ch.a = sup.a + 4 * cc;
     ch.b = sup.b + 4 * cc;
   } else {  // int8 rows: the chunk decoder, then into registers
