@@ -27,6 +27,7 @@ def main():
     p.add_argument("--profile", action="store_true")
     p.add_argument("--layer-path", action="store_true", help="the fused CPU decode stack off")
     args = p.parse_args()
+    import pagedllm  # noqa: F401  before torch: pagedllm's OpenMP wait policy applies when torch's libgomp loads
     import torch
 
     from pagedllm import LLM, SamplingParams
