@@ -118,3 +118,31 @@ def test_smollm2_adapters_match_peft(smollm2_hf_dir, adapter_factory):
               num_gpu_blocks_override=128, max_num_batched_tokens=64, max_num_seqs=8)
     vocab = llm.engine.vocab_size
     check_mixed_batch(llm, smollm2_hf_dir, paths, vocab=vocab, max_tokens=4, lengths=(4, 36, 7, 5))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_adapters_matches_peft(tiny_llama_dir, adapter_factory, method):
+    """Speculative decoding with adapters and base requests in one batch: drafts are verified with each request's
+    own adapter, so every request gets PEFT's greedy tokens and logprobs, and drafts do get accepted."""
+    paths = adapter_factory(tiny_llama_dir)
+    spec = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+            if method == "ngram" else {"model": tiny_llama_dir, "num_speculative_tokens": 3})
+    llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
+              num_gpu_blocks_override=96, max_num_seqs=8, speculative_config=spec)
+    rng = random.Random(5)
+    base = [rng.randrange(2, 512) for _ in range(10)]
+    # Repeating prompts: the n-gram lookup proposes drafts; the adapters' answers differ from the base model's.
+    prompts = [base * 3, base[:6] * 4, [rng.randrange(2, 512) for _ in range(15)], base * 2 + [3, 4]] * 2
+    reqs = [None] + lora_requests(paths) + lora_requests(paths) + [None]
+    max_tokens = 12
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1),
+                        lora_request=reqs, use_tqdm=False)
+    for prompt, req, out in zip(prompts, reqs, outs):
+        ref_tokens, ref_lps = peft_greedy(tiny_llama_dir, req and req.lora_path, prompt, max_tokens)
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens, f"{'base' if req is None else req.lora_name}, prompt {len(prompt)}"
+        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=2e-4, rtol=0)
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
