@@ -165,11 +165,16 @@ ROUND_TRIP_ATOL = 1e-4
 def reference(smollm2_gguf_path):
     """A full-precision engine whose attention layers see K/V as an E4M3 cache at state["scales"] (per layer
     (k_scale, v_scale)) gives them back, or unrounded when that is None: attention(k_scale q, E4M3(K / k_scale),
-    E4M3(V / v_scale)) * v_scale, as Attention.forward orders a scaled cache's arithmetic. No prefix caching:
-    each call computes its K/V under the current state."""
-    llm = LLM(model=smollm2_gguf_path, kv_cache_memory_bytes=BUDGET, max_model_len=512, attention_backend="torch",
-              enable_prefix_caching=False)
+    E4M3(V / v_scale)) * v_scale, as Attention.forward orders a scaled cache's arithmetic. Prefix caching as in
+    the FP8 engine, so a prompt's prefill computes the same rows on both (the packed GGUF kernels' rounding can
+    depend on how many rows a product has); set_scales forgets the cached blocks, computed under the old state."""
+    llm = LLM(model=smollm2_gguf_path, kv_cache_memory_bytes=BUDGET, max_model_len=512, attention_backend="torch")
     state = {"scales": None}
+
+    def set_scales(scales):
+        state["scales"] = scales
+        assert llm.reset_prefix_cache()
+    state["set"] = set_scales
     for i, layer in enumerate(llm.engine.worker.runner.model.attn_layers):
         def rounded(q, k, v, forward=layer.forward, i=i):
             if state["scales"] is None:
@@ -200,7 +205,7 @@ def test_engine_fp8_kv_equals_full_precision_over_rounded_kv(smollm2_gguf_path, 
     got = teacher_forced(fp8, text)  # the first step: calibrates the scales where asked
     layers = fp8.engine.worker.runner.model.attn_layers
     assert all(layer.kv_scale_source == (None if scales == "unscaled" else "calibrated") for layer in layers)
-    state["scales"] = _attn_scales(fp8)
+    state["set"](_attn_scales(fp8))
     assert (state["scales"] == [(1.0, 1.0)] * len(layers)) == (scales == "unscaled")
     try:
         ref = teacher_forced(ref_llm, text)
@@ -212,7 +217,7 @@ def test_engine_fp8_kv_equals_full_precision_over_rounded_kv(smollm2_gguf_path, 
         assert fp8.engine.get_stats().prefix_cache_hits > hits
         assert assert_same_greedy(got_greedy, greedy(ref_llm, prompts, 24), ROUND_TRIP_ATOL) == 24 * len(prompts)
     finally:
-        state["scales"] = None
+        state["set"](None)
 
 
 def test_engine_fp8_kv_error_against_full_precision(smollm2_gguf_path, reference):

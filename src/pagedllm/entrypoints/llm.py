@@ -89,6 +89,10 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's name). False, and nothing forgotten, while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() / chat() use when given no SamplingParams: the model's generation-config defaults
         (--generation-config), else SamplingParams()'s."""
