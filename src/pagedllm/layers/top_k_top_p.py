@@ -1,0 +1,169 @@
+"""Top-k / top-p without a full sort: each row's cutoff logit, found by a bucket search.
+
+A row keeps {logits >= cutoff}: the set the sort-based reference (`sampler.apply_top_k_top_p_sort`) keeps.
+  * top-k: the cutoff is the k-th largest logit; every token tied with it stays.
+  * top-p: within the top-k set S (every token without top-k), a token stays iff the mass of S strictly above it
+    is < p * mass(S): the smallest set of top tokens whose mass reaches p, with every token tied at the cutoff
+    kept (the reference keeps every logit >= the one where its ascending cumulative sum passes 1 - p).
+Both cutoffs are "the largest value v whose weight (count, or mass) of tokens >= v reaches a target". A pass
+splits a bracket of values into buckets, sums the weight per bucket and keeps the bucket where the cumulative
+weight from the top crosses the target; the bucket's tokens (few, once the bracket is narrow) are then ranked
+exactly. Equal floats always fall in the same bucket, so ties at the cutoff are kept whole, as the reference
+keeps them. The sums differ from the reference's float32 cumulative sum in rounding only: the kept sets differ
+only for a row whose cutoff mass is within rounding of p (tests/unit/test_top_k_top_p.py checks both).
+
+Top-p's search starts at a lower bound that is always below the cutoff: the tokens under m + log((1 - p) / V)
+(m the row's max) weigh less than (1 - p) of the row together, since each weighs less than (1 - p) / V of the
+max token's weight, which is part of S. So the first bucket pass spans a few dozen nats however far the tail goes.
+
+This is the torch path (the CPU's, and CUDA's without Triton): it reads the number of candidates on the host.
+CUDA uses the Triton kernel (kernels/top_k_top_p.py), which searches the same way with no host sync.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_BUCKETS = 2048  # buckets per pass
+_CANDIDATES = 512  # the crossing bucket is ranked exactly (torch.topk) once no row has more tokens in it
+_PASSES = 3  # bucket passes before ranking the crossing bucket whatever its size (a row of ties cannot narrow)
+_TOPK_DIRECT = 1024  # top-k up to this size reads the k-th value from torch.topk (sort-free) instead
+_CHUNK_ELEMENTS = 1 << 21  # rows are processed in chunks of about this many logits: small temporaries stay cached
+
+
+def top_k_top_p_cutoff_torch(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+                             max_top_k: int = 0) -> torch.Tensor:
+    """logits [N, V] float32; top_k [N] int64 (>= V: none) or None; top_p [N] float32 (1: none) or None;
+    max_top_k: the largest top_k below V (0: unknown). -> cutoff [N] float32, -inf where the row keeps all."""
+    n, vocab = logits.shape
+    cutoff = logits.new_full((n,), float("-inf"))
+    if n == 0:
+        return cutoff
+    chunk = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    for start in range(0, n, chunk):
+        rows = slice(start, min(n, start + chunk))
+        cutoff[rows] = _chunk_cutoff(logits[rows], None if top_k is None else top_k[rows],
+                                     None if top_p is None else top_p[rows], max_top_k)
+    return cutoff
+
+
+def _chunk_cutoff(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+                  max_top_k: int) -> torch.Tensor:
+    n, vocab = x.shape
+    neg_inf = float("-inf")
+    cutoff = x.new_full((n,), neg_inf)
+    row_max = x.amax(dim=1)
+    if top_k is not None and bool((top_k < vocab).any()):
+        has_k = top_k < vocab
+        if 0 < max_top_k <= _TOPK_DIRECT:
+            kth = x.topk(max_top_k, dim=1).values.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)
+        else:
+            finite = x > neg_inf
+            kth = _search_rows(x, None, finite, top_k.to(x.dtype), row_max, _finite_min(x, finite))
+            # Fewer finite logits than k (min_p masked the rest): the k-th largest is -inf, which keeps all.
+            kth = torch.where(finite.sum(1) < top_k, neg_inf, kth)
+        cutoff = torch.where(has_k, kth, cutoff)
+    if top_p is not None and bool((top_p < 1.0).any()):
+        sel = (top_p < 1.0).nonzero().squeeze(1)
+        xs, p, below = x[sel], top_p[sel], cutoff[sel]
+        m = row_max[sel]
+        weight = (xs - m.unsqueeze(1)).exp_()  # the max token weighs exactly 1
+        in_set = xs >= below.unsqueeze(1)
+        target = p * weight.masked_fill(~in_set, 0.0).sum(1)
+        # The lower bound (module docstring), one nat lower for rounding, and never below the top-k cutoff.
+        bound = torch.maximum(below, m + torch.log((1.0 - p) / xs.shape[1]) - 1.0)
+        bound = torch.maximum(bound, _finite_min(xs, xs > neg_inf))
+        member = xs >= bound.unsqueeze(1)
+        cutoff[sel] = _search_rows(xs, weight, member, target, m, bound)
+    return cutoff
+
+
+def _finite_min(x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    return x.masked_fill(~finite, float("inf")).amin(dim=1).clamp(max=torch.finfo(x.dtype).max)
+
+
+def _search_rows(x: torch.Tensor, weight: Optional[torch.Tensor], member: torch.Tensor, target: torch.Tensor,
+                 hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The largest member value v whose weight of member tokens >= v reaches target (weight None: counts).
+    hi is each row's max logit (the weights are exp(x - hi)), lo a bound below its member values. A row whose members never reach the target (rounding) gets the
+    smallest value of the bucket it ended in: its kept set is then larger by that rounding only."""
+    n = x.shape[0]
+    r = torch.arange(n, device=x.device)
+    row_max = hi
+    above = x.new_zeros(n)  # weight of the member tokens above the current bracket
+    count = None
+    for level in range(_PASSES):
+        width = hi - lo
+        scale = torch.where(width > 0, _BUCKETS / width, torch.zeros_like(width))
+        # Bucket 0 holds the largest values; the float ops are monotone, so equal values share a bucket.
+        pos = (hi.unsqueeze(1) - x).mul_(scale.unsqueeze(1)).clamp_(0, _BUCKETS - 1)
+        idx = pos.to(torch.int64).masked_fill_(~member, _BUCKETS)  # non-members: a dump column
+        del pos
+        counts = x.new_zeros(n, _BUCKETS + 1).scatter_add_(1, idx, x.new_ones(1).expand_as(x))[:, :_BUCKETS]
+        sums = counts if weight is None else x.new_zeros(n, _BUCKETS + 1).scatter_add_(1, idx, weight)[:, :_BUCKETS]
+        cum = sums.cumsum(1) + above.unsqueeze(1)
+        b = (cum < target.unsqueeze(1)).sum(1)
+        # Only a non-empty bucket can hold the cutoff; rounding can point next to one.
+        nonempty = counts > 0
+        first = nonempty.to(torch.int8).argmax(1)
+        last = _BUCKETS - 1 - nonempty.flip(1).to(torch.int8).argmax(1)
+        b = torch.minimum(torch.maximum(b, first), last)
+        above = cum[r, b] - sums[r, b]
+        count = counts[r, b]
+        member = idx == b.unsqueeze(1)
+        del idx
+        if level == _PASSES - 1 or int(count.max()) <= _CANDIDATES:
+            break
+        vals = x.masked_fill(~member, float("inf"))
+        lo = vals.amin(1)
+        hi = vals.masked_fill_(~member, float("-inf")).amax(1)
+        del vals
+        if bool((hi == lo).all()):  # only ties left: nothing to narrow
+            break
+    width = max(1, int(count.max()))
+    cand = x.masked_fill(~member, float("-inf")).topk(width, dim=1).values  # descending
+    valid = torch.arange(width, device=x.device).unsqueeze(0) < count.unsqueeze(1)
+    if weight is None:
+        cand_w = valid.to(x.dtype)
+    else:
+        # The same float ops as the weights summed above (exp(x - max)), so the sums agree.
+        cand_w = (cand - row_max.unsqueeze(1)).exp_().masked_fill_(~valid, 0.0)
+    exclusive = cand_w.cumsum(1) - cand_w
+    # Weight strictly above a candidate: everything before the first of its ties.
+    neg = (-cand).contiguous()
+    first_tie = torch.searchsorted(neg, neg, right=False)
+    strictly_above = above.unsqueeze(1) + exclusive.gather(1, first_tie)
+    kept = (strictly_above < target.unsqueeze(1)) & valid
+    num_kept = kept.sum(1).clamp_(min=1)
+    return cand.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
+
+
+def mask_below(logits: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
+    """Set every logit below its row's cutoff to -inf, in place."""
+    return logits.masked_fill_(logits < cutoff.unsqueeze(1), float("-inf"))
+
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+                      max_top_k: int = 0) -> torch.Tensor:
+    """Mask, in place, every logit outside its row's top-k / top-p set (module docstring) to -inf. CUDA with
+    Triton finds the cutoffs in one kernel launch; elsewhere the torch search does."""
+    if logits.is_cuda and _triton_cutoff() is not None:
+        cutoff = _triton_cutoff()(logits, top_k, top_p)
+    else:
+        cutoff = top_k_top_p_cutoff_torch(logits, top_k, top_p, max_top_k)
+    return mask_below(logits, cutoff)
+
+
+_KERNEL = []
+
+
+def _triton_cutoff():
+    if not _KERNEL:
+        try:
+            from pagedllm.kernels.top_k_top_p import top_k_top_p_cutoff
+        except ImportError:  # no Triton: the torch path
+            top_k_top_p_cutoff = None
+        _KERNEL.append(top_k_top_p_cutoff)
+    return _KERNEL[0]
