@@ -35,7 +35,7 @@ def test_cutoff_keeps_the_sort_reference_set(kind):
     got = top_k_top_p_cutoff_torch(logits, k, p, _max_top_k(k, vocab))
     ref = apply_top_k_top_p_sort(logits.clone(), k, p)
     ambiguous = check_cutoffs(logits, k, p, got, reference_support=ref.softmax(-1) > 0)
-    assert ambiguous <= n // 4, ambiguous
+    assert ambiguous <= n // 8, ambiguous
 
 
 @pytest.mark.parametrize("case", ["top_k_only", "top_p_only", "large_k"])

@@ -61,7 +61,8 @@ def exact_cutoff(row: torch.Tensor, k: int, p: float) -> tuple[float, bool]:
     strictly_above = exclusive[first_tie]
     kept = strictly_above < target
     cutoff = float(vals[int(kept.sum()) - 1])
-    ambiguous = bool(((strictly_above - target).abs() <= AMBIGUOUS * total).any())
+    # The top tie group (nothing above it) is kept by every implementation, however small p is.
+    ambiguous = bool((((strictly_above - target).abs() <= AMBIGUOUS * total) & (strictly_above > 0)).any())
     return cutoff, ambiguous
 
 
