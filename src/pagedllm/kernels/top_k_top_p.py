@@ -5,9 +5,9 @@ reference, and the sort-based `sampler.apply_top_k_top_p_sort`). Here each progr
 bracket [lo, hi] of *keys*: a float's bits mapped to an int32 that orders like the float (-0.0 taken as +0.0,
 so the keys of equal values are equal). A pass reads the row once, splits the bracket into NB buckets of
 2^s keys, and sums per bucket the weight (1 for top-k's count, exp(x - max) for top-p's mass), with the
-smallest and largest key seen in it; the bucket where the weight of the tokens from the top reaches the target
-becomes the next bracket, shrunk to the keys actually present. The search ends when the bracket holds one key:
-its value is the cutoff. The keys span 32 bits and each pass removes at least log2(NB) of them (the bucket
+smallest and largest key present in the bracket; the bucket where the weight of the tokens from the top reaches
+the target becomes the next bracket, clipped to those keys. The search ends when the bracket holds one key
+(or one distinct key is left in it): its value is the cutoff. The keys span 32 bits and each pass removes at least log2(NB) of them (the bucket
 width is the smallest power of two that fits the bracket in NB buckets), so MAX_PASSES = 32 / log2(NB) passes
 always end it: the bound is exact, not a guess, and `converged` (returned for the tests) is always true.
 
@@ -47,9 +47,10 @@ def _value(key):
 @triton.jit
 def _search(row_ptr, vocab, lo, hi, target_scale, row_max, floor_key,
             MASS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, MAX_PASSES: tl.constexpr):
-    """Narrow [lo, hi] (int64 keys, inclusive) to the largest key whose weight of tokens at or above it reaches the
-    target. Counts (MASS False): target = target_scale. Mass: target = target_scale x the mass of the tokens at or
-    above floor_key (the top-k set), summed in the same pass as the buckets. Returns (lo, hi, passes)."""
+    """Narrow [lo, hi] (int64 keys, inclusive, holding the answer) to the largest key whose weight of tokens at or
+    above it reaches the target. Counts (MASS False): target = target_scale. Mass: target = target_scale x the
+    mass of the tokens at or above floor_key (the top-k set), summed in the same pass as the buckets (every
+    weight in the bracket is > 0: it starts a few dozen nats below the max). Returns (lo, hi, passes)."""
     offs = tl.arange(0, BLOCK)
     buckets = tl.arange(0, NB)
     shifts = tl.arange(0, 64).to(tl.int64)
@@ -57,13 +58,13 @@ def _search(row_ptr, vocab, lo, hi, target_scale, row_max, floor_key,
     for _ in range(MAX_PASSES):
         if lo < hi:
             passes += 1
-            # The smallest s with (hi - lo) >> s < NB.
+            # The smallest s with (hi - lo) >> s < NB: buckets of 2^s keys.
             s = tl.sum((((hi - lo) >> shifts) >= NB).to(tl.int64), axis=0)
             acc_w = tl.zeros([BLOCK, NB], dtype=tl.float32)
-            acc_lo = tl.full([BLOCK, NB], _INT32_MAX, dtype=tl.int32)
-            acc_hi = tl.full([BLOCK, NB], _INT32_MIN, dtype=tl.int32)
             acc_above = tl.zeros([BLOCK], dtype=tl.float32)
             acc_set = tl.zeros([BLOCK], dtype=tl.float32)
+            acc_lo = tl.full([BLOCK], _INT32_MAX, dtype=tl.int32)  # the keys present in the bracket
+            acc_hi = tl.full([BLOCK], _INT32_MIN, dtype=tl.int32)
             for start in range(0, vocab, BLOCK):
                 cols = start + offs
                 ok = cols < vocab
@@ -77,15 +78,15 @@ def _search(row_ptr, vocab, lo, hi, target_scale, row_max, floor_key,
                     w = tl.where(ok, 1.0, 0.0)
                 acc_above += tl.where(key64 > hi, w, 0.0)
                 inside = ok & (key64 >= lo) & (key64 <= hi)
-                if tl.max(inside.to(tl.int32), axis=0) > 0:
+                acc_lo = tl.minimum(acc_lo, tl.where(inside, key, _INT32_MAX))
+                acc_hi = tl.maximum(acc_hi, tl.where(inside, key, _INT32_MIN))
+                if tl.max(inside.to(tl.int32), axis=0) > 0:  # a narrow bracket skips most blocks
                     bucket = ((key64 - lo) >> s).to(tl.int32)
                     hit = (bucket[:, None] == buckets[None, :]) & inside[:, None]
                     acc_w += tl.where(hit, w[:, None], 0.0)
-                    acc_lo = tl.minimum(acc_lo, tl.where(hit, key[:, None], _INT32_MAX))
-                    acc_hi = tl.maximum(acc_hi, tl.where(hit, key[:, None], _INT32_MIN))
             sums = tl.sum(acc_w, axis=0)
-            b_lo = tl.min(acc_lo, axis=0)
-            b_hi = tl.max(acc_hi, axis=0)
+            data_lo = tl.min(acc_lo, axis=0).to(tl.int64)
+            data_hi = tl.max(acc_hi, axis=0).to(tl.int64)
             above = tl.sum(acc_above, axis=0)
             if MASS:
                 target = target_scale * tl.sum(acc_set, axis=0)
@@ -93,14 +94,17 @@ def _search(row_ptr, vocab, lo, hi, target_scale, row_max, floor_key,
                 target = target_scale
             # Weight of the tokens at or above each bucket: above + the buckets from it up.
             from_top = above + tl.sum(tl.where(buckets[None, :] >= buckets[:, None], sums[None, :], 0.0), axis=1)
-            nonempty = b_lo <= b_hi
+            nonempty = sums > 0
             reach = tl.max(tl.where(nonempty & (from_top >= target), buckets, -1), axis=0)
             # Rounding can leave no bucket reaching the target: the lowest non-empty one then (a superset by a
             # rounding's worth of mass).
             lowest = tl.min(tl.where(nonempty, buckets, NB), axis=0)
-            chosen = tl.where(reach >= 0, reach, lowest)
-            lo = tl.sum(tl.where(buckets == chosen, b_lo, 0), axis=0).to(tl.int64)
-            hi = tl.sum(tl.where(buckets == chosen, b_hi, 0), axis=0).to(tl.int64)
+            chosen = tl.where(reach >= 0, reach, lowest).to(tl.int64)
+            new_lo = tl.maximum(lo + (chosen << s), data_lo)
+            new_hi = tl.minimum(lo + ((chosen + 1) << s) - 1, data_hi)
+            # One key left in the bracket: it is the answer.
+            lo = tl.where(data_lo == data_hi, data_lo, new_lo)
+            hi = tl.where(data_lo == data_hi, data_hi, new_hi)
     return lo, hi, passes
 
 
@@ -155,7 +159,7 @@ def _top_k_top_p_cutoff_kernel(x_ptr, stride_x, vocab, k_ptr, p_ptr, cutoff_ptr,
     tl.store(converged_ptr + row, converged)
 
 
-_BLOCK = 256
+_BLOCK = 512
 _NB = 16
 _MAX_PASSES = 8  # 32 key bits / log2(_NB)
 

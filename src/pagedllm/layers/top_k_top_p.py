@@ -28,7 +28,7 @@ import torch
 _BUCKETS = 2048  # buckets per pass
 _CANDIDATES = 512  # the crossing bucket is ranked exactly (torch.topk) once no row has more tokens in it
 _PASSES = 3  # bucket passes before ranking the crossing bucket whatever its size (a row of ties cannot narrow)
-_TOPK_DIRECT = 1024  # top-k up to this size reads the k-th value from torch.topk (sort-free) instead
+_TOPK_DIRECT = 8192  # top-k up to this size reads the k-th value from torch.topk (a partial selection) instead
 _CHUNK_ELEMENTS = 1 << 21  # rows are processed in chunks of about this many logits: small temporaries stay cached
 
 
@@ -60,7 +60,10 @@ def _chunk_cutoff(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optiona
             kth = x.topk(max_top_k, dim=1).values.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)
         else:
             finite = x > neg_inf
-            kth = _search_rows(x, None, finite, top_k.to(x.dtype), row_max, _finite_min(x, finite))
+            low = x.amin(1)
+            if bool((low == neg_inf).any()):
+                low = x.masked_fill(~finite, float("inf")).amin(1)
+            kth = _search_rows(x, None, finite, top_k.to(x.dtype), row_max, low)
             # Fewer finite logits than k (min_p masked the rest): the k-th largest is -inf, which keeps all.
             kth = torch.where(finite.sum(1) < top_k, neg_inf, kth)
         cutoff = torch.where(has_k, kth, cutoff)
@@ -69,18 +72,17 @@ def _chunk_cutoff(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optiona
         xs, p, below = x[sel], top_p[sel], cutoff[sel]
         m = row_max[sel]
         weight = (xs - m.unsqueeze(1)).exp_()  # the max token weighs exactly 1
-        in_set = xs >= below.unsqueeze(1)
-        target = p * weight.masked_fill(~in_set, 0.0).sum(1)
-        # The lower bound (module docstring), one nat lower for rounding, and never below the top-k cutoff.
+        if bool((below > neg_inf).any()):
+            target = p * torch.where(xs >= below.unsqueeze(1), weight, 0.0).sum(1)
+        else:
+            target = p * weight.sum(1)
+        # The lower bound (module docstring), one nat lower for rounding, never below the top-k cutoff, nor below
+        # the row's smallest logit (a flat row then spreads over every bucket).
         bound = torch.maximum(below, m + torch.log((1.0 - p) / xs.shape[1]) - 1.0)
-        bound = torch.maximum(bound, _finite_min(xs, xs > neg_inf))
+        bound = torch.maximum(bound, xs.amin(1))
         member = xs >= bound.unsqueeze(1)
         cutoff[sel] = _search_rows(xs, weight, member, target, m, bound)
     return cutoff
-
-
-def _finite_min(x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-    return x.masked_fill(~finite, float("inf")).amin(dim=1).clamp(max=torch.finfo(x.dtype).max)
 
 
 def _search_rows(x: torch.Tensor, weight: Optional[torch.Tensor], member: torch.Tensor, target: torch.Tensor,
