@@ -39,7 +39,7 @@ def test_cutoff_keeps_the_sort_reference_set(kind):
 
 
 @pytest.mark.parametrize("case", ["top_k_only", "top_p_only", "large_k"])
-def test_cutoff_single_filter(case):
+def test_cutoff_single_filter(case, monkeypatch):
     gen = torch.Generator().manual_seed(11)
     n, vocab = 32, 3000
     logits = make_logits(n, vocab, "ties", gen)
@@ -50,7 +50,8 @@ def test_cutoff_single_filter(case):
     elif case == "top_p_only":
         p = torch.tensor([1e-7, 0.9, 0.99, 1.0] * (n // 4))
     else:  # top-k past the direct torch.topk size: the counting search
-        k = torch.randint(tkp._TOPK_DIRECT + 1, vocab, (n,), generator=gen)
+        monkeypatch.setattr(tkp, "_TOPK_DIRECT", 64)
+        k = torch.randint(65, vocab, (n,), generator=gen)
     got = top_k_top_p_cutoff_torch(logits, None if case == "top_p_only" else k,
                                    None if case != "top_p_only" else p, _max_top_k(k, vocab))
     check_cutoffs(logits, k, p, got)

@@ -85,44 +85,54 @@ def _chunk_cutoff(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optiona
     return cutoff
 
 
+def _bucket_pass(x: torch.Tensor, weight: Optional[torch.Tensor], member: torch.Tensor, target: torch.Tensor,
+                 above: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor):
+    """One pass: split [lo, hi] into _BUCKETS buckets, keep the one where the weight from the top (above + the
+    buckets over it) reaches target. -> (its members, the weight above it, its token count)."""
+    n = x.shape[0]
+    r = torch.arange(n, device=x.device)
+    width = hi - lo
+    scale = torch.where(width > 0, _BUCKETS / width, torch.zeros_like(width))
+    # Bucket 0 holds the largest values; the float ops are monotone, so equal values share a bucket.
+    pos = (hi.unsqueeze(1) - x).mul_(scale.unsqueeze(1)).clamp_(0, _BUCKETS - 1)
+    idx = pos.to(torch.int64).masked_fill_(~member, _BUCKETS)  # non-members: a dump column
+    del pos
+    counts = x.new_zeros(n, _BUCKETS + 1).scatter_add_(1, idx, x.new_ones(1).expand_as(x))[:, :_BUCKETS]
+    sums = counts if weight is None else x.new_zeros(n, _BUCKETS + 1).scatter_add_(1, idx, weight)[:, :_BUCKETS]
+    cum = sums.cumsum(1) + above.unsqueeze(1)
+    b = (cum < target.unsqueeze(1)).sum(1)
+    # Only a non-empty bucket can hold the cutoff; rounding can point next to one.
+    nonempty = counts > 0
+    first = nonempty.to(torch.int8).argmax(1)
+    last = _BUCKETS - 1 - nonempty.flip(1).to(torch.int8).argmax(1)
+    b = torch.minimum(torch.maximum(b, first), last)
+    return idx == b.unsqueeze(1), cum[r, b] - sums[r, b], counts[r, b].to(torch.int64)
+
+
 def _search_rows(x: torch.Tensor, weight: Optional[torch.Tensor], member: torch.Tensor, target: torch.Tensor,
                  hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """The largest member value v whose weight of member tokens >= v reaches target (weight None: counts).
-    hi is each row's max logit (the weights are exp(x - hi)), lo a bound below its member values. A row whose members never reach the target (rounding) gets the
-    smallest value of the bucket it ended in: its kept set is then larger by that rounding only."""
-    n = x.shape[0]
-    r = torch.arange(n, device=x.device)
+    hi is each row's max logit (the weights are exp(x - hi)), lo a bound below its member values. A row whose
+    members never reach the target (rounding) gets the smallest value of its last bucket: a superset by that
+    rounding. A row's arithmetic never depends on the other rows (a seeded request samples the same token
+    whatever the batch): a row is split again only for its own count."""
     row_max = hi
-    above = x.new_zeros(n)  # weight of the member tokens above the current bracket
-    count = None
-    for level in range(_PASSES):
-        width = hi - lo
-        scale = torch.where(width > 0, _BUCKETS / width, torch.zeros_like(width))
-        # Bucket 0 holds the largest values; the float ops are monotone, so equal values share a bucket.
-        pos = (hi.unsqueeze(1) - x).mul_(scale.unsqueeze(1)).clamp_(0, _BUCKETS - 1)
-        idx = pos.to(torch.int64).masked_fill_(~member, _BUCKETS)  # non-members: a dump column
-        del pos
-        counts = x.new_zeros(n, _BUCKETS + 1).scatter_add_(1, idx, x.new_ones(1).expand_as(x))[:, :_BUCKETS]
-        sums = counts if weight is None else x.new_zeros(n, _BUCKETS + 1).scatter_add_(1, idx, weight)[:, :_BUCKETS]
-        cum = sums.cumsum(1) + above.unsqueeze(1)
-        b = (cum < target.unsqueeze(1)).sum(1)
-        # Only a non-empty bucket can hold the cutoff; rounding can point next to one.
-        nonempty = counts > 0
-        first = nonempty.to(torch.int8).argmax(1)
-        last = _BUCKETS - 1 - nonempty.flip(1).to(torch.int8).argmax(1)
-        b = torch.minimum(torch.maximum(b, first), last)
-        above = cum[r, b] - sums[r, b]
-        count = counts[r, b]
-        member = idx == b.unsqueeze(1)
-        del idx
-        if level == _PASSES - 1 or int(count.max()) <= _CANDIDATES:
+    member, above, count = _bucket_pass(x, weight, member, target, x.new_zeros(x.shape[0]), hi, lo)
+    for _ in range(_PASSES - 1):
+        again = (count > _CANDIDATES).nonzero().squeeze(1)
+        if again.numel() == 0:
             break
-        vals = x.masked_fill(~member, float("inf"))
-        lo = vals.amin(1)
-        hi = vals.masked_fill_(~member, float("-inf")).amax(1)
-        del vals
-        if bool((hi == lo).all()):  # only ties left: nothing to narrow
+        m_again = member[again]
+        x_again = x[again]
+        lo = x_again.masked_fill(~m_again, float("inf")).amin(1)
+        hi = x_again.masked_fill(~m_again, float("-inf")).amax(1)
+        narrow = hi > lo  # a bucket of ties cannot be split
+        again, m_again, x_again, lo, hi = again[narrow], m_again[narrow], x_again[narrow], lo[narrow], hi[narrow]
+        if again.numel() == 0:
             break
+        w_again = None if weight is None else weight[again]
+        m_new, a_new, c_new = _bucket_pass(x_again, w_again, m_again, target[again], above[again], hi, lo)
+        member[again], above[again], count[again] = m_new, a_new, c_new
     width = max(1, int(count.max()))
     cand = x.masked_fill(~member, float("-inf")).topk(width, dim=1).values  # descending
     valid = torch.arange(width, device=x.device).unsqueeze(0) < count.unsqueeze(1)
