@@ -25,15 +25,16 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from pagedllm.layers.top_k_top_p import apply_top_k_top_p
+from pagedllm import envs
 from pagedllm.layers.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
+from pagedllm.layers.top_k_top_p import apply_top_k_top_p
 from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
 _MASK64 = (1 << 64) - 1
 # "cutoff": top-k / top-p by a per-row cutoff found without sorting (layers/top_k_top_p.py), the default;
-# "sort": the sort-based reference below (tests, and the A/B of benchmarks/sampler_cost.py).
-TOP_K_TOP_P_IMPL = "cutoff"
+# "sort": the sort-based reference below (tests, PAGEDLLM_TOP_K_TOP_P=sort, benchmarks/sampler_cost.py's A/B).
+TOP_K_TOP_P_IMPL = envs.PAGEDLLM_TOP_K_TOP_P
 
 
 def _mix_seed(seed: int, position: int) -> int:

@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from pagedllm import envs
+
 _BUCKETS = 2048  # buckets per pass
 _CANDIDATES = 512  # the crossing bucket is ranked exactly (torch.topk) once no row has more tokens in it
 _PASSES = 3  # bucket passes before ranking the crossing bucket whatever its size (a row of ties cannot narrow)
@@ -161,7 +163,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p
                       max_top_k: int = 0) -> torch.Tensor:
     """Mask, in place, every logit outside its row's top-k / top-p set (module docstring) to -inf. CUDA with
     Triton finds the cutoffs in one kernel launch; elsewhere the torch search does."""
-    if logits.is_cuda and _triton_cutoff() is not None:
+    if logits.is_cuda and envs.PAGEDLLM_USE_TRITON_KERNELS and _triton_cutoff() is not None:
         cutoff = _triton_cutoff()(logits, top_k, top_p)
     else:
         cutoff = top_k_top_p_cutoff_torch(logits, top_k, top_p, max_top_k)
