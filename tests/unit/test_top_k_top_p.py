@@ -153,7 +153,7 @@ def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, mi
     assert chi2 < critical, (chi2, dof, counts / n, expected)
 
 
-def test_seeded_row_independent_of_the_batch():
+def test_seeded_row_independent_of_the_batch(monkeypatch):
     """A seeded row draws the same token alone and among rows whose filters take other paths of the search
     (small and large top-k, top-p, greedy), and when the global RNG moved."""
     gen = torch.Generator().manual_seed(5)
@@ -178,6 +178,10 @@ def test_seeded_row_independent_of_the_batch():
     assert draw(others[:2] + [seeded] + others[2:], 2, 2) == alone
     assert draw([seeded] + others, 0, 3) == alone
     assert draw(others[::-1] + [seeded], 4, 4) == alone
+    monkeypatch.setattr(tkp, "_TOPK_DIRECT", 100)  # the top-k 2000 row moves the batch to the counting search
+    assert draw(others + [seeded], 4, 5) == alone
+    monkeypatch.setattr(tkp, "_CANDIDATES", 4)  # and rows split again (the seeded row's own count decides)
+    assert draw([seeded] + others, 0, 6) == alone
     draws = {draw([SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=s)], 0, 1) for s in range(30)}
     assert len(draws) > 2  # the seed matters
 
