@@ -86,7 +86,7 @@ def filter_fn(meta: SamplingMetadata, impl: str):
         if top_p is not None:
             return lambda x: apply_top_k_top_p_sort(x, top_k, top_p)
         return lambda x: apply_top_k_only(x, top_k, meta.max_top_k)
-    return lambda x: apply_top_k_top_p(x, top_k, top_p, meta.max_top_k)
+    return lambda x: apply_top_k_top_p(x, top_k, top_p)
 
 
 def step_fn(meta: SamplingMetadata, impl: str):

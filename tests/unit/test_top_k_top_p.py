@@ -21,18 +21,13 @@ from tests.unit.top_k_top_p_cases import check_cutoffs, make_logits, row_params,
 KINDS = ["normal", "ties", "peaked", "cold", "hot", "masked"]
 
 
-def _max_top_k(k, vocab):
-    limited = k[k < vocab]
-    return int(limited.max()) if limited.numel() else 0
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_cutoff_keeps_the_sort_reference_set(kind):
     gen = torch.Generator().manual_seed(KINDS.index(kind))
     n, vocab = 48, 1000
     logits = make_logits(n, vocab, kind, gen)
     k, p = row_params(n, vocab, gen)
-    got = top_k_top_p_cutoff_torch(logits, k, p, _max_top_k(k, vocab))
+    got = top_k_top_p_cutoff_torch(logits, k, p)
     ref = apply_top_k_top_p_sort(logits.clone(), k, p)
     ambiguous = check_cutoffs(logits, k, p, got, reference_support=ref.softmax(-1) > 0)
     assert ambiguous <= n // 8, ambiguous
@@ -53,7 +48,7 @@ def test_cutoff_single_filter(case, monkeypatch):
         monkeypatch.setattr(tkp, "_TOPK_DIRECT", 64)
         k = torch.randint(65, vocab, (n,), generator=gen)
     got = top_k_top_p_cutoff_torch(logits, None if case == "top_p_only" else k,
-                                   None if case != "top_p_only" else p, _max_top_k(k, vocab))
+                                   None if case != "top_p_only" else p)
     check_cutoffs(logits, k, p, got)
     if case != "top_p_only":  # counts are exact: identical to torch.topk's k-th value
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k.clamp(max=vocab) - 1).unsqueeze(1)).squeeze(1)
@@ -72,7 +67,7 @@ def test_cutoff_narrows_in_several_passes(monkeypatch):
     k[::2] = torch.randint(1, vocab, (n // 2,), generator=gen)
     p = torch.rand(n, generator=gen)
     monkeypatch.setattr(tkp, "_TOPK_DIRECT", 0)
-    got = top_k_top_p_cutoff_torch(logits, k, p, _max_top_k(k, vocab))
+    got = top_k_top_p_cutoff_torch(logits, k, p)
     check_cutoffs(logits, k, p, got)
 
 

@@ -290,7 +290,7 @@ class Sampler(torch.nn.Module):
             elif top_k is not None:
                 logits = apply_top_k_only(logits, top_k, meta.max_top_k)
         elif top_k is not None or top_p is not None:
-            logits = apply_top_k_top_p(logits, top_k, top_p, meta.max_top_k)
+            logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
 
 

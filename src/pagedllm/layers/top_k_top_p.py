@@ -34,10 +34,11 @@ _TOPK_DIRECT = 8192  # top-k up to this size reads the k-th value from torch.top
 _CHUNK_ELEMENTS = 1 << 21  # rows are processed in chunks of about this many logits: small temporaries stay cached
 
 
-def top_k_top_p_cutoff_torch(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
-                             max_top_k: int = 0) -> torch.Tensor:
-    """logits [N, V] float32; top_k [N] int64 (>= V: none) or None; top_p [N] float32 (1: none) or None;
-    max_top_k: the largest top_k below V (0: unknown). -> cutoff [N] float32, -inf where the row keeps all."""
+def top_k_top_p_cutoff_torch(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                             top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """logits [N, V] float32; top_k [N] int64 (>= V: none) or None; top_p [N] float32 (1: none) or None
+    -> cutoff [N] float32, -inf where the row keeps all. Which way a row goes depends on its own top_k / top_p
+    only, so its arithmetic (and a seeded request's token) does not depend on the rest of the batch."""
     n, vocab = logits.shape
     cutoff = logits.new_full((n,), float("-inf"))
     if n == 0:
@@ -46,38 +47,48 @@ def top_k_top_p_cutoff_torch(logits: torch.Tensor, top_k: Optional[torch.Tensor]
     for start in range(0, n, chunk):
         rows = slice(start, min(n, start + chunk))
         cutoff[rows] = _chunk_cutoff(logits[rows], None if top_k is None else top_k[rows],
-                                     None if top_p is None else top_p[rows], max_top_k)
+                                     None if top_p is None else top_p[rows])
     return cutoff
 
 
-def _chunk_cutoff(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
-                  max_top_k: int) -> torch.Tensor:
+def _chunk_cutoff(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
     n, vocab = x.shape
     neg_inf = float("-inf")
     cutoff = x.new_full((n,), neg_inf)
-    row_max = x.amax(dim=1)
-    if top_k is not None and bool((top_k < vocab).any()):
-        has_k = top_k < vocab
-        if 0 < max_top_k <= _TOPK_DIRECT:
-            kth = x.topk(max_top_k, dim=1).values.gather(1, (top_k.clamp(1, max_top_k) - 1).unsqueeze(1)).squeeze(1)
-        else:
-            finite = x > neg_inf
-            low = x.amin(1)
-            if bool((low == neg_inf).any()):
-                low = x.masked_fill(~finite, float("inf")).amin(1)
-            kth = _search_rows(x, None, finite, top_k.to(x.dtype), row_max, low)
-            # Fewer finite logits than k (min_p masked the rest): the k-th largest is -inf, which keeps all.
-            kth = torch.where(finite.sum(1) < top_k, neg_inf, kth)
-        cutoff = torch.where(has_k, kth, cutoff)
-    if top_p is not None and bool((top_p < 1.0).any()):
-        sel = (top_p < 1.0).nonzero().squeeze(1)
+    has_k = top_k < vocab if top_k is not None else torch.zeros(n, dtype=torch.bool, device=x.device)
+    has_p = top_p < 1.0 if top_p is not None else torch.zeros(n, dtype=torch.bool, device=x.device)
+    p_done = torch.zeros(n, dtype=torch.bool, device=x.device)
+    small = has_k & (top_k <= _TOPK_DIRECT) if top_k is not None else has_k
+    if bool(small.any()):
+        # The k-th value from torch.topk; rows that also have top-p rank their top k values exactly.
+        rows = small.nonzero().squeeze(1)
+        ks = top_k[rows]
+        vals = x[rows].topk(int(ks.max()), dim=1).values
+        kth = vals.gather(1, (ks - 1).unsqueeze(1)).squeeze(1)
+        cutoff[rows] = kth
+        both = has_p[rows]
+        if bool(both.any()):
+            sub = rows[both]
+            cutoff[sub] = _top_p_within_top_k(x[sub], vals[both], ks[both], kth[both], top_p[sub])
+            p_done[sub] = True
+    large = has_k & ~small
+    if bool(large.any()):
+        rows = large.nonzero().squeeze(1)
+        xs = x[rows]
+        finite = xs > neg_inf
+        low = xs.amin(1)
+        if bool((low == neg_inf).any()):
+            low = xs.masked_fill(~finite, float("inf")).amin(1)
+        kth = _search_rows(xs, None, finite, top_k[rows].to(x.dtype), xs.amax(1), low)
+        # Fewer finite logits than k (min_p masked the rest): the k-th largest is -inf, which keeps all.
+        cutoff[rows] = torch.where(finite.sum(1) < top_k[rows], neg_inf, kth)
+    rest = has_p & ~p_done
+    if bool(rest.any()):
+        sel = rest.nonzero().squeeze(1)
         xs, p, below = x[sel], top_p[sel], cutoff[sel]
-        m = row_max[sel]
+        m = xs.amax(1)
         weight = (xs - m.unsqueeze(1)).exp_()  # the max token weighs exactly 1
-        if bool((below > neg_inf).any()):
-            target = p * torch.where(xs >= below.unsqueeze(1), weight, 0.0).sum(1)
-        else:
-            target = p * weight.sum(1)
+        target = p * torch.where(xs >= below.unsqueeze(1), weight, 0.0).sum(1)
         # The lower bound (module docstring), one nat lower for rounding, never below the top-k cutoff, nor below
         # the row's smallest logit (a flat row then spreads over every bucket).
         bound = torch.maximum(below, m + torch.log((1.0 - p) / xs.shape[1]) - 1.0)
@@ -85,6 +96,19 @@ def _chunk_cutoff(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optiona
         member = xs >= bound.unsqueeze(1)
         cutoff[sel] = _search_rows(xs, weight, member, target, m, bound)
     return cutoff
+
+
+def _top_p_within_top_k(x: torch.Tensor, vals: torch.Tensor, k: torch.Tensor, kth: torch.Tensor,
+                        p: torch.Tensor) -> torch.Tensor:
+    """Top-p of rows whose top-k values are known (vals [n, >= k] descending): the set's mass is theirs plus the
+    tokens tied with the k-th value beyond the first k (counted over the row), so no pass over the row's weights."""
+    width = vals.shape[1]
+    first_k = torch.arange(width, device=x.device).unsqueeze(0) < k.unsqueeze(1)
+    m = vals[:, :1]
+    w = (vals - m).exp_().masked_fill_(~first_k, 0.0)
+    ties_beyond = (x >= kth.unsqueeze(1)).sum(1) - k  # every token >= the k-th value is in the set
+    total = w.sum(1) + ties_beyond.to(x.dtype) * (kth - m.squeeze(1)).exp()
+    return _rank_candidates(vals, w, first_k, x.new_zeros(x.shape[0]), p * total)
 
 
 def _bucket_pass(x: torch.Tensor, weight: Optional[torch.Tensor], member: torch.Tensor, target: torch.Tensor,
@@ -143,6 +167,13 @@ def _search_rows(x: torch.Tensor, weight: Optional[torch.Tensor], member: torch.
     else:
         # The same float ops as the weights summed above (exp(x - max)), so the sums agree.
         cand_w = (cand - row_max.unsqueeze(1)).exp_().masked_fill_(~valid, 0.0)
+    return _rank_candidates(cand, cand_w, valid, above, target)
+
+
+def _rank_candidates(cand: torch.Tensor, cand_w: torch.Tensor, valid: torch.Tensor, above: torch.Tensor,
+                     target: torch.Tensor) -> torch.Tensor:
+    """cand [n, c] descending (valid: a prefix of each row), cand_w their weights (0 where not valid), above the
+    weight of the tokens above them -> the smallest candidate whose weight strictly above is < target."""
     exclusive = cand_w.cumsum(1) - cand_w
     # Weight strictly above a candidate: everything before the first of its ties.
     neg = (-cand).contiguous()
@@ -159,14 +190,14 @@ def mask_below(logits: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
 
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
-                      max_top_k: int = 0) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """Mask, in place, every logit outside its row's top-k / top-p set (module docstring) to -inf. CUDA with
     Triton finds the cutoffs in one kernel launch; elsewhere the torch search does."""
     if logits.is_cuda and envs.PAGEDLLM_USE_TRITON_KERNELS and _triton_cutoff() is not None:
         cutoff = _triton_cutoff()(logits, top_k, top_p)
     else:
-        cutoff = top_k_top_p_cutoff_torch(logits, top_k, top_p, max_top_k)
+        cutoff = top_k_top_p_cutoff_torch(logits, top_k, top_p)
     return mask_below(logits, cutoff)
 
 
