@@ -15,6 +15,8 @@ only for a row whose cutoff mass is within rounding of p (tests/unit/test_top_k_
 Top-p's search starts at a lower bound that is always below the cutoff: the tokens under m + log((1 - p) / V)
 (m the row's max) weigh less than (1 - p) of the row together, since each weighs less than (1 - p) / V of the
 max token's weight, which is part of S. So the first bucket pass spans a few dozen nats however far the tail goes.
+A row with both filters and a top-k up to _TOPK_DIRECT skips the buckets: torch.topk gives its k top values,
+which it ranks directly (Qwen3's top_k 20 / top_p 0.95 touches the rest of the row twice: topk and one count).
 
 This is the torch path (the CPU's, and CUDA's without Triton): it reads the number of candidates on the host.
 CUDA uses the Triton kernel (kernels/top_k_top_p.py), which searches the same way with no host sync.
@@ -28,8 +30,8 @@ import torch
 from pagedllm import envs
 
 _BUCKETS = 2048  # buckets per pass
-_CANDIDATES = 512  # the crossing bucket is ranked exactly (torch.topk) once no row has more tokens in it
-_PASSES = 3  # bucket passes before ranking the crossing bucket whatever its size (a row of ties cannot narrow)
+_CANDIDATES = 512  # a row whose crossing bucket holds more tokens is split again before ranking it (torch.topk)
+_PASSES = 3  # bucket passes before ranking the crossing bucket whatever its size (a bucket of ties cannot narrow)
 _TOPK_DIRECT = 8192  # top-k up to this size reads the k-th value from torch.topk (a partial selection) instead
 _CHUNK_ELEMENTS = 1 << 21  # rows are processed in chunks of about this many logits: small temporaries stay cached
 
@@ -189,7 +191,6 @@ def mask_below(logits: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < cutoff.unsqueeze(1), float("-inf"))
 
 
-
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """Mask, in place, every logit outside its row's top-k / top-p set (module docstring) to -inf. CUDA with
@@ -201,7 +202,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     return mask_below(logits, cutoff)
 
 
-_KERNEL = []
+_KERNEL = []  # the Triton entry point, or None without Triton: imported on first CUDA use
 
 
 def _triton_cutoff():
