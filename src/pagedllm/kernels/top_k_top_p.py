@@ -46,7 +46,8 @@ def _value(key):
 
 @triton.jit
 def _search(row_ptr, vocab, lo, hi, target_scale, row_max, floor_key,
-            MASS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, MAX_PASSES: tl.constexpr):
+            MASS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, MAX_PASSES: tl.constexpr,
+            NUM_STAGES: tl.constexpr):
     """Narrow [lo, hi] (int64 keys, inclusive, holding the answer) to the largest key whose weight of tokens at or
     above it reaches the target. Counts (MASS False): target = target_scale. Mass: target = target_scale x the
     mass of the tokens at or above floor_key (the top-k set), summed in the same pass as the buckets (every
@@ -65,7 +66,7 @@ def _search(row_ptr, vocab, lo, hi, target_scale, row_max, floor_key,
             acc_set = tl.zeros([BLOCK], dtype=tl.float32)
             acc_lo = tl.full([BLOCK], _INT32_MAX, dtype=tl.int32)  # the keys present in the bracket
             acc_hi = tl.full([BLOCK], _INT32_MIN, dtype=tl.int32)
-            for start in range(0, vocab, BLOCK):
+            for start in tl.range(0, vocab, BLOCK, num_stages=NUM_STAGES):
                 cols = start + offs
                 ok = cols < vocab
                 v = tl.load(row_ptr + cols, mask=ok, other=float("-inf"))
@@ -111,7 +112,7 @@ def _search(row_ptr, vocab, lo, hi, target_scale, row_max, floor_key,
 @triton.jit(do_not_specialize=["vocab"])
 def _top_k_top_p_cutoff_kernel(x_ptr, stride_x, vocab, k_ptr, p_ptr, cutoff_ptr, passes_ptr, converged_ptr,
                                HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-                               MAX_PASSES: tl.constexpr):
+                               MAX_PASSES: tl.constexpr, NUM_STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK)
@@ -139,7 +140,7 @@ def _top_k_top_p_cutoff_kernel(x_ptr, stride_x, vocab, k_ptr, p_ptr, cutoff_ptr,
         k = tl.load(k_ptr + row)
         if k < vocab:
             lo, hi, n = _search(row_ptr, vocab, key_lo, key_hi, k.to(tl.float32), row_max, key_lo,
-                                False, BLOCK, NB, MAX_PASSES)
+                                False, BLOCK, NB, MAX_PASSES, NUM_STAGES)
             cutoff = _value(lo)
             floor_key = lo
             passes += n
@@ -150,7 +151,8 @@ def _top_k_top_p_cutoff_kernel(x_ptr, stride_x, vocab, k_ptr, p_ptr, cutoff_ptr,
             # layers/top_k_top_p.py: every token below this bound together weighs less than 1 - p of the set.
             bound = tl.maximum(cutoff, row_max + tl.log((1.0 - p) / vocab) - 1.0)
             lo0 = tl.maximum(_key(bound).to(tl.int64), floor_key)
-            lo, hi, n = _search(row_ptr, vocab, lo0, key_hi, p, row_max, floor_key, True, BLOCK, NB, MAX_PASSES)
+            lo, hi, n = _search(row_ptr, vocab, lo0, key_hi, p, row_max, floor_key, True, BLOCK, NB, MAX_PASSES,
+                                NUM_STAGES)
             cutoff = _value(lo)
             passes += n
             converged = converged & (lo == hi).to(tl.int32)
@@ -159,9 +161,13 @@ def _top_k_top_p_cutoff_kernel(x_ptr, stride_x, vocab, k_ptr, p_ptr, cutoff_ptr,
     tl.store(converged_ptr + row, converged)
 
 
+# The tile: 127 registers at 512 x 16 with 8 warps (two programs per SM), no spills (ptxas, sm_90).
 _BLOCK = 512
 _NB = 16
 _MAX_PASSES = 8  # 32 key bits / log2(_NB)
+# Software pipelining of the search passes' loads (tl.range num_stages): 1 = none. 3 pipelines them through
+# cp.async (185 registers, one program per SM); which wins is for a GPU measurement (docs/benchmarks.md).
+_NUM_STAGES = 1
 
 
 def top_k_top_p_cutoff(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
@@ -178,5 +184,5 @@ def top_k_top_p_cutoff(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_
         _top_k_top_p_cutoff_kernel[(n,)](
             logits, logits.stride(0), vocab, cutoff if top_k is None else top_k, cutoff if top_p is None else top_p,
             cutoff, passes, converged, HAS_K=top_k is not None, HAS_P=top_p is not None, BLOCK=_BLOCK, NB=_NB,
-            MAX_PASSES=_MAX_PASSES, num_warps=8)
+            MAX_PASSES=_MAX_PASSES, NUM_STAGES=_NUM_STAGES, num_warps=8)
     return (cutoff, passes, converged) if with_stats else cutoff

@@ -23,11 +23,14 @@ CUDA uses the Triton kernel (kernels/top_k_top_p.py), which searches the same wa
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from pagedllm import envs
+
+logger = logging.getLogger(__name__)
 
 _BUCKETS = 2048  # buckets per pass
 _CANDIDATES = 512  # a row whose crossing bucket holds more tokens is split again before ranking it (torch.topk)
@@ -195,9 +198,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """Mask, in place, every logit outside its row's top-k / top-p set (module docstring) to -inf. CUDA with
     Triton finds the cutoffs in one kernel launch; elsewhere the torch search does."""
+    cutoff = None
     if logits.is_cuda and envs.PAGEDLLM_USE_TRITON_KERNELS and _triton_cutoff() is not None:
-        cutoff = _triton_cutoff()(logits, top_k, top_p)
-    else:
+        try:
+            cutoff = _triton_cutoff()(logits, top_k, top_p)
+        except Exception:  # noqa: BLE001  a Triton that cannot build the kernel: the torch search, from now on
+            logger.exception("The top-k / top-p kernel failed; using the torch search instead")
+            _KERNEL[0] = None
+    if cutoff is None:
         cutoff = top_k_top_p_cutoff_torch(logits, top_k, top_p)
     return mask_below(logits, cutoff)
 
