@@ -116,11 +116,19 @@ def _top_k_top_p_cutoff_kernel(x_ptr, stride_x, vocab, k_ptr, p_ptr, cutoff_ptr,
     row = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK)
+    k = vocab
+    p = 1.0
+    if HAS_K:
+        k = tl.load(k_ptr + row)
+    if HAS_P:
+        p = tl.load(p_ptr + row)
+    # A row without a filter (greedy, or temperature only) reads nothing.
+    end = tl.where((k < vocab) | (p < 1.0), vocab, 0)
     # Statistics: the max, and the smallest / largest key (the top-k bracket).
     acc_max = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     acc_klo = tl.full([BLOCK], _INT32_MAX, dtype=tl.int32)
     acc_khi = tl.full([BLOCK], _INT32_MIN, dtype=tl.int32)
-    for start in range(0, vocab, BLOCK):
+    for start in range(0, end, BLOCK):
         cols = start + offs
         ok = cols < vocab
         v = tl.load(row_ptr + cols, mask=ok, other=float("-inf"))
@@ -137,7 +145,6 @@ def _top_k_top_p_cutoff_kernel(x_ptr, stride_x, vocab, k_ptr, p_ptr, cutoff_ptr,
     passes = 0
     converged = 1
     if HAS_K:
-        k = tl.load(k_ptr + row)
         if k < vocab:
             lo, hi, n = _search(row_ptr, vocab, key_lo, key_hi, k.to(tl.float32), row_max, key_lo,
                                 False, BLOCK, NB, MAX_PASSES, NUM_STAGES)
@@ -146,7 +153,6 @@ def _top_k_top_p_cutoff_kernel(x_ptr, stride_x, vocab, k_ptr, p_ptr, cutoff_ptr,
             passes += n
             converged = converged & (lo == hi).to(tl.int32)
     if HAS_P:
-        p = tl.load(p_ptr + row)
         if p < 1.0:
             # layers/top_k_top_p.py: every token below this bound together weighs less than 1 - p of the set.
             bound = tl.maximum(cutoff, row_max + tl.log((1.0 - p) / vocab) - 1.0)
