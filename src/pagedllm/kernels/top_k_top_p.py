@@ -167,12 +167,12 @@ def _top_k_top_p_cutoff_kernel(x_ptr, stride_x, vocab, k_ptr, p_ptr, cutoff_ptr,
     tl.store(converged_ptr + row, converged)
 
 
-# The tile: 127 registers at 512 x 16 with 8 warps (two programs per SM), no spills (ptxas, sm_90).
+# The tile: 512 x 16 with 8 warps fits two programs per SM without spilling (ptxas for sm_90: docs/benchmarks.md).
 _BLOCK = 512
 _NB = 16
 _MAX_PASSES = 8  # 32 key bits / log2(_NB)
 # Software pipelining of the search passes' loads (tl.range num_stages): 1 = none. 3 pipelines them through
-# cp.async (185 registers, one program per SM); which wins is for a GPU measurement (docs/benchmarks.md).
+# cp.async at the price of one program per SM; which wins is for a GPU measurement (docs/benchmarks.md).
 _NUM_STAGES = 1
 
 
