@@ -7,14 +7,15 @@ so the keys of equal values are equal). A pass reads the row once, splits the br
 2^s keys, and sums per bucket the weight (1 for top-k's count, exp(x - max) for top-p's mass), with the
 smallest and largest key present in the bracket; the bucket where the weight of the tokens from the top reaches
 the target becomes the next bracket, clipped to those keys. The search ends when the bracket holds one key
-(or one distinct key is left in it): its value is the cutoff. The keys span 32 bits and each pass removes at least log2(NB) of them (the bucket
-width is the smallest power of two that fits the bracket in NB buckets), so MAX_PASSES = 32 / log2(NB) passes
-always end it: the bound is exact, not a guess, and `converged` (returned for the tests) is always true.
+(or one distinct key is left in it): its value is the cutoff. The keys span 32 bits and each pass removes at
+least log2(NB) of them (the bucket width is the smallest power of two that fits the bracket in NB buckets), so
+MAX_PASSES = 32 / log2(NB) passes always end it: the bound is exact, not a guess, and `converged` (returned for
+the tests) is always true.
 
 Per row: one statistics pass (max, smallest and largest key), then up to MAX_PASSES for top-k (rows with a
 top-k) and up to MAX_PASSES for top-p (rows with top_p < 1, within the top-k set; its bracket starts at the
-bound of layers/top_k_top_p.py, a few dozen nats below the max). Blocks of the row with no token in the bracket
-skip the bucket sums, so a narrow bracket costs about the read.
+bound of layers/top_k_top_p.py, a few dozen nats below the max). A row with neither reads nothing. Blocks of
+the row with no token in the bracket skip the bucket sums, so a narrow bracket costs about the read.
 """
 from __future__ import annotations
 
