@@ -60,6 +60,7 @@ EXPECTED_S = {
     "tests/gpu/test_top_k_top_p_kernel.py": 30,  # estimated (not run on a GPU yet): small kernels, 3 x 256 x 152k
     "tests/unit/test_sampler.py": 1,
     "tests/unit/test_token_constraints.py": 1,
+    "tests/unit/test_top_k_top_p.py": 5,  # estimated (not run on a GPU yet): its CUDA cases, small tensors
 }
 DEFAULT_S = 60  # a gpu test file not in the table yet
 
@@ -99,6 +100,7 @@ CONCURRENCY = {
     "tests/models/test_tensor_parallel.py": PARALLEL,  # its one gpu test (NCCL) needs 2 GPUs, ranks of one file
     "tests/unit/test_sampler.py": PARALLEL,  # sampler on small tensors
     "tests/unit/test_token_constraints.py": PARALLEL,  # sampler on small tensors
+    "tests/unit/test_top_k_top_p.py": PARALLEL,  # sampler on small tensors
 }
 # Each shard's own start-up on the H200 host, beyond its files' test times: the interpreter, torch, transformers and
 # pagedllm imports, collection (measured 2026-12-02: 359 s of wall time for 273 s of tests in one shard).

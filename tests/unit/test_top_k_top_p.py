@@ -19,6 +19,13 @@ from pagedllm.sampling_params import SamplingParams
 from tests.unit.top_k_top_p_cases import check_cutoffs, make_logits, row_params, support
 
 KINDS = ["normal", "ties", "peaked", "cold", "hot", "masked"]
+# The sampler-level tests also run on CUDA (the Triton kernel and the exponential race) on the GPU machine.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _skip_without(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -126,18 +133,20 @@ def _expected(row, temperature, top_k, top_p, min_p):
     return q / q.sum()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
     (0.7, 6, 0.85, 0.0), (1.0, 8, 1.0, 0.05), (1.5, 3, 0.9, 0.0), (1.0, 8, 0.6, 0.1)])
-def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, min_p):
+def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, min_p, device):
     """Chi-square of 30k draws against the exact filtered distribution (well-separated logits, so no cutoff is
     near a rounding; fixed seeds, and a critical value far in the tail: 1e-6 at these degrees of freedom)."""
+    _skip_without(device)
     torch.manual_seed(1234)
     row = torch.tensor([2.1, 1.7, 1.2, 0.9, 0.3, -0.4, -1.1, -2.0])
     expected = _expected(row, temperature, top_k, top_p, min_p)
     n = 30000
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * n
-    meta = SamplingMetadata.build(params, [[]] * n, [[]] * n, [None] * n, row.numel(), "cpu")
-    out = Sampler()(row.expand(n, -1).contiguous(), meta).sampled_token_ids
+    meta = SamplingMetadata.build(params, [[]] * n, [[]] * n, [None] * n, row.numel(), device)
+    out = Sampler()(row.expand(n, -1).contiguous().to(device), meta).sampled_token_ids.cpu()
     counts = torch.bincount(out, minlength=row.numel()).double()
     support_ = expected > 0
     assert counts[~support_].sum() == 0, counts
@@ -148,9 +157,11 @@ def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, mi
     assert chi2 < critical, (chi2, dof, counts / n, expected)
 
 
-def test_seeded_row_independent_of_the_batch(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_independent_of_the_batch(monkeypatch, device):
     """A seeded row draws the same token alone and among rows whose filters take other paths of the search
     (small and large top-k, top-p, greedy), and when the global RNG moved."""
+    _skip_without(device)
     gen = torch.Generator().manual_seed(5)
     vocab = 3000
     row = make_logits(1, vocab, "normal", gen)[0]
@@ -166,8 +177,8 @@ def test_seeded_row_independent_of_the_batch(monkeypatch):
         logits[at] = row
         outputs = [[1]] * n
         outputs[at] = history[0]
-        meta = SamplingMetadata.build(batch, [[]] * n, outputs, [None] * n, vocab, "cpu")
-        return int(Sampler()(logits, meta).sampled_token_ids[at])
+        meta = SamplingMetadata.build(batch, [[]] * n, outputs, [None] * n, vocab, device)
+        return int(Sampler()(logits.to(device), meta).sampled_token_ids[at])
 
     alone = draw([seeded], 0, 1)
     assert draw(others[:2] + [seeded] + others[2:], 2, 2) == alone
