@@ -57,8 +57,10 @@ EXPECTED_S = {
     "tests/gpu/test_structured_outputs_gpu.py": 2,  # 2026-12-01, its jsonschema case skipped then
     "tests/models/test_models_gpu.py": 2,  # 2026-12-01
     "tests/models/test_tensor_parallel.py": 5,  # 2026-12-01; its NCCL test needs 2 GPUs (skips on one)
+    "tests/gpu/test_top_k_top_p_kernel.py": 30,  # estimated (not run on a GPU yet): small kernels, 3 x 256 x 152k
     "tests/unit/test_sampler.py": 1,
     "tests/unit/test_token_constraints.py": 1,
+    "tests/unit/test_top_k_top_p.py": 5,  # estimated (not run on a GPU yet): its CUDA cases, small tensors
 }
 DEFAULT_S = 60  # a gpu test file not in the table yet
 
@@ -93,10 +95,12 @@ CONCURRENCY = {
     "tests/gpu/test_soft_cap_kernels.py": PARALLEL,  # kernels
     "tests/gpu/test_spec_decode_gpu.py": PARALLEL,  # override engines (the draft shares the override's pool)
     "tests/gpu/test_structured_outputs_gpu.py": PARALLEL,  # override engines (the override wins over 0.3)
+    "tests/gpu/test_top_k_top_p_kernel.py": PARALLEL,  # kernels, logits up to 256 x 152k
     "tests/models/test_models_gpu.py": PARALLEL,  # models without an engine
     "tests/models/test_tensor_parallel.py": PARALLEL,  # its one gpu test (NCCL) needs 2 GPUs, ranks of one file
     "tests/unit/test_sampler.py": PARALLEL,  # sampler on small tensors
     "tests/unit/test_token_constraints.py": PARALLEL,  # sampler on small tensors
+    "tests/unit/test_top_k_top_p.py": PARALLEL,  # sampler on small tensors
 }
 # Each shard's own start-up on the H200 host, beyond its files' test times: the interpreter, torch, transformers and
 # pagedllm imports, collection (measured 2026-12-02: 359 s of wall time for 273 s of tests in one shard).

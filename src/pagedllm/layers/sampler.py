@@ -6,7 +6,8 @@ Order of operations (vLLM's):
      min_tokens: forbid EOS / stop ids for rows that have not produced min_tokens yet
   3. penalties: repetition (HF semantics, prompt + output), then frequency / presence (OpenAI, output)
   4. greedy rows take argmax of the penalized logits
-  5. temperature -> min_p -> top_k -> top_p
+  5. temperature -> min_p -> top_k -> top_p (top-k / top-p as one per-row cutoff logit found without a full
+     sort: layers/top_k_top_p.py; `apply_top_k_top_p_sort` is the sort-based reference)
   6. sample with the exponential race: argmax(probs / E), E ~ Exp(1) i.i.d., which draws from
      probs exactly and is a handful of kernels. Seeded rows draw E from their own generator, seeded
      by (seed, output position), so their tokens do not depend on the rest of the batch and repeat
@@ -24,11 +25,16 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.layers.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
+from pagedllm.layers.top_k_top_p import apply_top_k_top_p
 from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
 _MASK64 = (1 << 64) - 1
+# "cutoff": top-k / top-p by a per-row cutoff found without sorting (layers/top_k_top_p.py), the default;
+# "sort": the sort-based reference below (tests, PAGEDLLM_TOP_K_TOP_P=sort, benchmarks/sampler_cost.py's A/B).
+TOP_K_TOP_P_IMPL = envs.PAGEDLLM_TOP_K_TOP_P
 
 
 def _mix_seed(seed: int, position: int) -> int:
@@ -276,10 +282,15 @@ class Sampler(torch.nn.Module):
         logits.div_(temperature.unsqueeze(1))
         if not meta.no_min_p:
             logits = apply_min_p(logits, meta.min_p)
-        if not meta.no_top_p:
-            logits = apply_top_k_top_p(logits, None if meta.no_top_k else meta.top_k, meta.top_p)
-        elif not meta.no_top_k:
-            logits = apply_top_k_only(logits, meta.top_k, meta.max_top_k)
+        top_k = None if meta.no_top_k else meta.top_k
+        top_p = None if meta.no_top_p else meta.top_p
+        if TOP_K_TOP_P_IMPL == "sort":  # the reference (A/B: benchmarks/sampler_cost.py)
+            if top_p is not None:
+                logits = apply_top_k_top_p_sort(logits, top_k, top_p)
+            elif top_k is not None:
+                logits = apply_top_k_only(logits, top_k, meta.max_top_k)
+        elif top_k is not None or top_p is not None:
+            logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
 
 
@@ -320,9 +331,10 @@ def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) 
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: torch.Tensor) -> torch.Tensor:
-    """Sort once (ascending), apply top-k then top-p (smallest set with mass >= p) in sorted order, and
-    turn the result into a per-row cutoff logit (cheaper than scattering the sorted row back)."""
+def apply_top_k_top_p_sort(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: torch.Tensor) -> torch.Tensor:
+    """The sort-based reference of top-k / top-p (the sampler uses layers/top_k_top_p.py, which keeps the same
+    set without sorting). Sort once (ascending), apply top-k then top-p (smallest set with mass >= p) in sorted
+    order, and turn the result into a per-row cutoff logit (cheaper than scattering the sorted row back)."""
     vocab = logits.shape[1]
     sorted_logits = logits.sort(dim=-1, descending=False).values  # [N, V]
     if top_k is not None:

@@ -1,0 +1,165 @@
+"""The sampler's cost per step: top-k / top-p by the per-row cutoff (layers/top_k_top_p.py, the default; the Triton
+kernel on CUDA) against the sort-based reference, alone and as the whole sampler step (temperature, min_p, the
+filters, softmax, the draw), at 1 / 64 / 256 rows x a Qwen-sized vocabulary (151,936).
+
+    python benchmarks/sampler_cost.py [--device cpu|cuda] [--rows 1,64,256] [--vocab 151936] [--logits llm,normal]
+                                      [--configs ...] [--repeats N] [--warmup N] [--json out.json]
+
+Configurations (every row the same parameters): `temp` (temperature 0.6 only: no filter, the floor of a step),
+`top_p` (0.6 / top_p 0.9), `qwen` (0.6 / top_k 20 / top_p 0.95: Qwen3's recommended sampling), `min_p` (1.0 /
+min_p 0.05 / top_p 0.9), `top_k_large` (1.0 / top_k 5000). Logits: `llm` (a normal body with std 2 and eight
+tokens lifted by up to 12 nats, as a language model's row looks), `normal` (randn x 2: flat, the search's harder
+case and the sort's same case). Timing: CUDA events on CUDA (after `--warmup` calls, which compile the kernels),
+time.perf_counter on the CPU; each call gets a fresh copy of the logits (the sampler works in place), made outside
+the timed region; the table gives the median of `--repeats`. Prints a table and writes JSON (default
+sampler_cost.json in the current directory).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+import pagedllm  # noqa: E402,F401  (before torch: its OpenMP wait policy)
+import torch  # noqa: E402
+
+from pagedllm.layers import sampler as sampler_mod  # noqa: E402
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, apply_top_k_only, apply_top_k_top_p_sort  # noqa: E402
+from pagedllm.layers.top_k_top_p import apply_top_k_top_p  # noqa: E402
+from pagedllm.sampling_params import SamplingParams  # noqa: E402
+
+CONFIGS = {
+    "temp": dict(temperature=0.6),
+    "top_p": dict(temperature=0.6, top_p=0.9),
+    "qwen": dict(temperature=0.6, top_k=20, top_p=0.95),
+    "min_p": dict(temperature=1.0, min_p=0.05, top_p=0.9),
+    "top_k_large": dict(temperature=1.0, top_k=5000),
+}
+
+
+def make_logits(rows: int, vocab: int, kind: str, device: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, vocab, generator=gen) * 2.0
+    if kind == "llm":
+        top = torch.randint(0, vocab, (rows, 8), generator=gen)
+        x.scatter_add_(1, top, torch.rand(rows, 8, generator=gen) * 12.0)
+    return x.to(device)
+
+
+def timed(fn, base: torch.Tensor, repeats: int, warmup: int) -> list[float]:
+    """Milliseconds of fn(copy of base), each call on a fresh copy made outside the timed region."""
+    cuda = base.is_cuda
+    out = []
+    for i in range(warmup + repeats):
+        x = base.clone()
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(x)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t = time.perf_counter()
+            fn(x)
+            ms = (time.perf_counter() - t) * 1e3
+        if i >= warmup:
+            out.append(ms)
+    return out
+
+
+def filter_fn(meta: SamplingMetadata, impl: str):
+    """Top-k / top-p alone, on logits already divided by the temperature (min_p not included)."""
+    top_k = None if meta.no_top_k else meta.top_k
+    top_p = None if meta.no_top_p else meta.top_p
+    if impl == "sort":
+        if top_p is not None:
+            return lambda x: apply_top_k_top_p_sort(x, top_k, top_p)
+        return lambda x: apply_top_k_only(x, top_k, meta.max_top_k)
+    return lambda x: apply_top_k_top_p(x, top_k, top_p)
+
+
+def step_fn(meta: SamplingMetadata, impl: str):
+    def run(x):
+        sampler_mod.TOP_K_TOP_P_IMPL = impl
+        try:
+            return Sampler()(x, meta).sampled_token_ids
+        finally:
+            sampler_mod.TOP_K_TOP_P_IMPL = "cutoff"
+    return run
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rows", default="1,64,256")
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--logits", default="llm,normal")
+    parser.add_argument("--configs", default="temp,top_p,qwen,min_p,top_k_large")
+    parser.add_argument("--parts", default="filter,step", help="filter: top-k / top-p alone; step: the whole sampler")
+    parser.add_argument("--repeats", type=int, default=None, help="default 20 on CUDA, 3 on the CPU")
+    parser.add_argument("--warmup", type=int, default=None, help="default 5 on CUDA, 1 on the CPU")
+    parser.add_argument("--json", default="sampler_cost.json")
+    args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    repeats = args.repeats or (20 if cuda else 3)
+    warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
+
+    results = []
+    header = f"{'logits':7} {'config':12} {'rows':>5} {'part':7} {'sort ms':>10} {'cutoff ms':>10} {'speed-up':>9}"
+    print(header)
+    print("-" * len(header))
+    for kind in args.logits.split(","):
+        for rows in [int(r) for r in args.rows.split(",")]:
+            base = make_logits(rows, args.vocab, kind, args.device)
+            for name in args.configs.split(","):
+                params = [SamplingParams(**CONFIGS[name])] * rows
+                meta = SamplingMetadata.build(params, [[]] * rows, [[]] * rows, [None] * rows, args.vocab,
+                                              args.device)
+                for part in args.parts.split(","):
+                    if part == "filter" and meta.no_top_k and meta.no_top_p:
+                        continue
+                    scaled = base / CONFIGS[name]["temperature"] if part == "filter" else base
+                    row = {"logits": kind, "config": name, "rows": rows, "part": part}
+                    for impl in ("sort", "cutoff"):
+                        fn = (filter_fn if part == "filter" else step_fn)(meta, impl)
+                        ms = timed(fn, scaled, repeats, warmup)
+                        row[impl] = {"median_ms": statistics.median(ms), "min_ms": min(ms), "all_ms": ms}
+                    results.append(row)
+                    s, c = row["sort"]["median_ms"], row["cutoff"]["median_ms"]
+                    print(f"{kind:7} {name:12} {rows:5d} {part:7} {s:10.3f} {c:10.3f} {s / c:8.2f}x", flush=True)
+            del base
+
+    machine = {"device": args.device, "torch": torch.__version__, "python": platform.python_version(),
+               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+               "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    if cuda:
+        machine["gpu"] = torch.cuda.get_device_name()
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": git_commit(), "vocab": args.vocab, "repeats": repeats, "warmup": warmup,
+           "machine": machine, "results": results}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

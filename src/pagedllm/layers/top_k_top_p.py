@@ -1,0 +1,223 @@
+"""Top-k / top-p without a full sort: each row's cutoff logit, found by a bucket search.
+
+A row keeps {logits >= cutoff}: the set the sort-based reference (`sampler.apply_top_k_top_p_sort`) keeps.
+  * top-k: the cutoff is the k-th largest logit; every token tied with it stays.
+  * top-p: within the top-k set S (every token without top-k), a token stays iff the mass of S strictly above it
+    is < p * mass(S): the smallest set of top tokens whose mass reaches p, with every token tied at the cutoff
+    kept (the reference keeps every logit >= the one where its ascending cumulative sum passes 1 - p).
+Both cutoffs are "the largest value v whose weight (count, or mass) of tokens >= v reaches a target". A pass
+splits a bracket of values into buckets, sums the weight per bucket and keeps the bucket where the cumulative
+weight from the top crosses the target; the bucket's tokens (few, once the bracket is narrow) are then ranked
+exactly. Equal floats always fall in the same bucket, so ties at the cutoff are kept whole, as the reference
+keeps them. The sums differ from the reference's float32 cumulative sum in rounding only: the kept sets differ
+only for a row whose cutoff mass is within rounding of p (tests/unit/test_top_k_top_p.py checks both).
+
+Top-p's search starts at a lower bound that is always below the cutoff: the tokens under m + log((1 - p) / V)
+(m the row's max) weigh less than (1 - p) of the row together, since each weighs less than (1 - p) / V of the
+max token's weight, which is part of S. So the first bucket pass spans a few dozen nats however far the tail goes.
+A row with both filters and a top-k up to _TOPK_DIRECT skips the buckets: torch.topk gives its k top values,
+which it ranks directly (Qwen3's top_k 20 / top_p 0.95 touches the rest of the row twice: topk and one count).
+
+This is the torch path (the CPU's, and CUDA's without Triton): it reads the number of candidates on the host.
+CUDA uses the Triton kernel (kernels/top_k_top_p.py), which searches the same way with no host sync.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from pagedllm import envs
+
+logger = logging.getLogger(__name__)
+
+_BUCKETS = 2048  # buckets per pass
+_CANDIDATES = 512  # a row whose crossing bucket holds more tokens is split again before ranking it (torch.topk)
+_PASSES = 3  # bucket passes before ranking the crossing bucket whatever its size (a bucket of ties cannot narrow)
+_TOPK_DIRECT = 8192  # top-k up to this size reads the k-th value from torch.topk (a partial selection) instead
+_CHUNK_ELEMENTS = 1 << 21  # rows are processed in chunks of about this many logits: small temporaries stay cached
+
+
+def top_k_top_p_cutoff_torch(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                             top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """logits [N, V] float32; top_k [N] int64 (>= V: none) or None; top_p [N] float32 (1: none) or None
+    -> cutoff [N] float32, -inf where the row keeps all. Which way a row goes depends on its own top_k / top_p
+    only, so its arithmetic (and a seeded request's token) does not depend on the rest of the batch."""
+    n, vocab = logits.shape
+    cutoff = logits.new_full((n,), float("-inf"))
+    if n == 0:
+        return cutoff
+    chunk = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    for start in range(0, n, chunk):
+        rows = slice(start, min(n, start + chunk))
+        cutoff[rows] = _chunk_cutoff(logits[rows], None if top_k is None else top_k[rows],
+                                     None if top_p is None else top_p[rows])
+    return cutoff
+
+
+def _chunk_cutoff(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    n, vocab = x.shape
+    neg_inf = float("-inf")
+    cutoff = x.new_full((n,), neg_inf)
+    has_k = top_k < vocab if top_k is not None else torch.zeros(n, dtype=torch.bool, device=x.device)
+    has_p = top_p < 1.0 if top_p is not None else torch.zeros(n, dtype=torch.bool, device=x.device)
+    p_done = torch.zeros(n, dtype=torch.bool, device=x.device)
+    small = has_k & (top_k <= _TOPK_DIRECT) if top_k is not None else has_k
+    if bool(small.any()):
+        # The k-th value from torch.topk; rows that also have top-p rank their top k values exactly.
+        rows = small.nonzero().squeeze(1)
+        ks = top_k[rows]
+        vals = x[rows].topk(int(ks.max()), dim=1).values
+        kth = vals.gather(1, (ks - 1).unsqueeze(1)).squeeze(1)
+        cutoff[rows] = kth
+        both = has_p[rows]
+        if bool(both.any()):
+            sub = rows[both]
+            cutoff[sub] = _top_p_within_top_k(x[sub], vals[both], ks[both], kth[both], top_p[sub])
+            p_done[sub] = True
+    large = has_k & ~small
+    if bool(large.any()):
+        rows = large.nonzero().squeeze(1)
+        xs = x[rows]
+        finite = xs > neg_inf
+        low = xs.amin(1)
+        if bool((low == neg_inf).any()):
+            low = xs.masked_fill(~finite, float("inf")).amin(1)
+        kth = _search_rows(xs, None, finite, top_k[rows].to(x.dtype), xs.amax(1), low)
+        # Fewer finite logits than k (min_p masked the rest): the k-th largest is -inf, which keeps all.
+        cutoff[rows] = torch.where(finite.sum(1) < top_k[rows], neg_inf, kth)
+    rest = has_p & ~p_done
+    if bool(rest.any()):
+        sel = rest.nonzero().squeeze(1)
+        xs, p, below = x[sel], top_p[sel], cutoff[sel]
+        m = xs.amax(1)
+        weight = (xs - m.unsqueeze(1)).exp_()  # the max token weighs exactly 1
+        target = p * torch.where(xs >= below.unsqueeze(1), weight, 0.0).sum(1)
+        # The lower bound (module docstring), one nat lower for rounding, never below the top-k cutoff, nor below
+        # the row's smallest logit (a flat row then spreads over every bucket).
+        bound = torch.maximum(below, m + torch.log((1.0 - p) / xs.shape[1]) - 1.0)
+        bound = torch.maximum(bound, xs.amin(1))
+        member = xs >= bound.unsqueeze(1)
+        cutoff[sel] = _search_rows(xs, weight, member, target, m, bound)
+    return cutoff
+
+
+def _top_p_within_top_k(x: torch.Tensor, vals: torch.Tensor, k: torch.Tensor, kth: torch.Tensor,
+                        p: torch.Tensor) -> torch.Tensor:
+    """Top-p of rows whose top-k values are known (vals [n, >= k] descending): the set's mass is theirs plus the
+    tokens tied with the k-th value beyond the first k (counted over the row), so no pass over the row's weights."""
+    width = vals.shape[1]
+    first_k = torch.arange(width, device=x.device).unsqueeze(0) < k.unsqueeze(1)
+    m = vals[:, :1]
+    w = (vals - m).exp_().masked_fill_(~first_k, 0.0)
+    ties_beyond = (x >= kth.unsqueeze(1)).sum(1) - k  # every token >= the k-th value is in the set
+    total = w.sum(1) + ties_beyond.to(x.dtype) * (kth - m.squeeze(1)).exp()
+    return _rank_candidates(vals, w, first_k, x.new_zeros(x.shape[0]), p * total)
+
+
+def _bucket_pass(x: torch.Tensor, weight: Optional[torch.Tensor], member: torch.Tensor, target: torch.Tensor,
+                 above: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor):
+    """One pass: split [lo, hi] into _BUCKETS buckets, keep the one where the weight from the top (above + the
+    buckets over it) reaches target. -> (its members, the weight above it, its token count)."""
+    n = x.shape[0]
+    r = torch.arange(n, device=x.device)
+    width = hi - lo
+    scale = torch.where(width > 0, _BUCKETS / width, torch.zeros_like(width))
+    # Bucket 0 holds the largest values; the float ops are monotone, so equal values share a bucket.
+    pos = (hi.unsqueeze(1) - x).mul_(scale.unsqueeze(1)).clamp_(0, _BUCKETS - 1)
+    idx = pos.to(torch.int64).masked_fill_(~member, _BUCKETS)  # non-members: a dump column
+    del pos
+    counts = x.new_zeros(n, _BUCKETS + 1).scatter_add_(1, idx, x.new_ones(1).expand_as(x))[:, :_BUCKETS]
+    sums = counts if weight is None else x.new_zeros(n, _BUCKETS + 1).scatter_add_(1, idx, weight)[:, :_BUCKETS]
+    cum = sums.cumsum(1) + above.unsqueeze(1)
+    b = (cum < target.unsqueeze(1)).sum(1)
+    # Only a non-empty bucket can hold the cutoff; rounding can point next to one.
+    nonempty = counts > 0
+    first = nonempty.to(torch.int8).argmax(1)
+    last = _BUCKETS - 1 - nonempty.flip(1).to(torch.int8).argmax(1)
+    b = torch.minimum(torch.maximum(b, first), last)
+    return idx == b.unsqueeze(1), cum[r, b] - sums[r, b], counts[r, b].to(torch.int64)
+
+
+def _search_rows(x: torch.Tensor, weight: Optional[torch.Tensor], member: torch.Tensor, target: torch.Tensor,
+                 hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The largest member value v whose weight of member tokens >= v reaches target (weight None: counts).
+    hi is each row's max logit (the weights are exp(x - hi)), lo a bound below its member values. A row whose
+    members never reach the target (rounding) gets the smallest value of its last bucket: a superset by that
+    rounding. A row's arithmetic never depends on the other rows (a seeded request samples the same token
+    whatever the batch): a row is split again only for its own count."""
+    row_max = hi
+    member, above, count = _bucket_pass(x, weight, member, target, x.new_zeros(x.shape[0]), hi, lo)
+    for _ in range(_PASSES - 1):
+        again = (count > _CANDIDATES).nonzero().squeeze(1)
+        if again.numel() == 0:
+            break
+        m_again = member[again]
+        x_again = x[again]
+        lo = x_again.masked_fill(~m_again, float("inf")).amin(1)
+        hi = x_again.masked_fill(~m_again, float("-inf")).amax(1)
+        narrow = hi > lo  # a bucket of ties cannot be split
+        again, m_again, x_again, lo, hi = again[narrow], m_again[narrow], x_again[narrow], lo[narrow], hi[narrow]
+        if again.numel() == 0:
+            break
+        w_again = None if weight is None else weight[again]
+        m_new, a_new, c_new = _bucket_pass(x_again, w_again, m_again, target[again], above[again], hi, lo)
+        member[again], above[again], count[again] = m_new, a_new, c_new
+    width = max(1, int(count.max()))
+    cand = x.masked_fill(~member, float("-inf")).topk(width, dim=1).values  # descending
+    valid = torch.arange(width, device=x.device).unsqueeze(0) < count.unsqueeze(1)
+    if weight is None:
+        cand_w = valid.to(x.dtype)
+    else:
+        # The same float ops as the weights summed above (exp(x - max)), so the sums agree.
+        cand_w = (cand - row_max.unsqueeze(1)).exp_().masked_fill_(~valid, 0.0)
+    return _rank_candidates(cand, cand_w, valid, above, target)
+
+
+def _rank_candidates(cand: torch.Tensor, cand_w: torch.Tensor, valid: torch.Tensor, above: torch.Tensor,
+                     target: torch.Tensor) -> torch.Tensor:
+    """cand [n, c] descending (valid: a prefix of each row), cand_w their weights (0 where not valid), above the
+    weight of the tokens above them -> the smallest candidate whose weight strictly above is < target."""
+    exclusive = cand_w.cumsum(1) - cand_w
+    # Weight strictly above a candidate: everything before the first of its ties.
+    neg = (-cand).contiguous()
+    first_tie = torch.searchsorted(neg, neg, right=False)
+    strictly_above = above.unsqueeze(1) + exclusive.gather(1, first_tie)
+    kept = (strictly_above < target.unsqueeze(1)) & valid
+    num_kept = kept.sum(1).clamp_(min=1)
+    return cand.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
+
+
+def mask_below(logits: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
+    """Set every logit below its row's cutoff to -inf, in place."""
+    return logits.masked_fill_(logits < cutoff.unsqueeze(1), float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mask, in place, every logit outside its row's top-k / top-p set (module docstring) to -inf. CUDA with
+    Triton finds the cutoffs in one kernel launch; elsewhere the torch search does."""
+    cutoff = None
+    if logits.is_cuda and envs.PAGEDLLM_USE_TRITON_KERNELS and _triton_cutoff() is not None:
+        try:
+            cutoff = _triton_cutoff()(logits, top_k, top_p)
+        except Exception:  # noqa: BLE001  a Triton that cannot build the kernel: the torch search, from now on
+            logger.exception("The top-k / top-p kernel failed; using the torch search instead")
+            _KERNEL[0] = None
+    if cutoff is None:
+        cutoff = top_k_top_p_cutoff_torch(logits, top_k, top_p)
+    return mask_below(logits, cutoff)
+
+
+_KERNEL = []  # the Triton entry point, or None without Triton: imported on first CUDA use
+
+
+def _triton_cutoff():
+    if not _KERNEL:
+        try:
+            from pagedllm.kernels.top_k_top_p import top_k_top_p_cutoff
+        except ImportError:  # no Triton: the torch path
+            top_k_top_p_cutoff = None
+        _KERNEL.append(top_k_top_p_cutoff)
+    return _KERNEL[0]

@@ -1,0 +1,209 @@
+"""Top-k / top-p without a full sort (layers/top_k_top_p.py) against the sort-based reference and an exact float64
+cutoff; the sampler's distribution on a tiny vocabulary; seeded rows whatever the batch; the Triton kernel in the
+interpreter."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedllm.layers import sampler as sampler_mod
+from pagedllm.layers import top_k_top_p as tkp
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p_sort
+from pagedllm.layers.top_k_top_p import top_k_top_p_cutoff_torch
+from pagedllm.sampling_params import SamplingParams
+from tests.unit.top_k_top_p_cases import check_cutoffs, make_logits, row_params, support
+
+KINDS = ["normal", "ties", "peaked", "cold", "hot", "masked"]
+# The sampler-level tests also run on CUDA (the Triton kernel and the exponential race) on the GPU machine.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _skip_without(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cutoff_keeps_the_sort_reference_set(kind):
+    gen = torch.Generator().manual_seed(KINDS.index(kind))
+    n, vocab = 48, 1000
+    logits = make_logits(n, vocab, kind, gen)
+    k, p = row_params(n, vocab, gen)
+    got = top_k_top_p_cutoff_torch(logits, k, p)
+    ref = apply_top_k_top_p_sort(logits.clone(), k, p)
+    ambiguous = check_cutoffs(logits, k, p, got, reference_support=ref.softmax(-1) > 0)
+    assert ambiguous <= n // 8, ambiguous
+
+
+@pytest.mark.parametrize("case", ["top_k_only", "top_p_only", "large_k"])
+def test_cutoff_single_filter(case, monkeypatch):
+    gen = torch.Generator().manual_seed(11)
+    n, vocab = 32, 3000
+    logits = make_logits(n, vocab, "ties", gen)
+    k = torch.full((n,), vocab)
+    p = torch.ones(n)
+    if case == "top_k_only":
+        k = torch.tensor([1, 5, 17, vocab] * (n // 4))
+    elif case == "top_p_only":
+        p = torch.tensor([1e-7, 0.9, 0.99, 1.0] * (n // 4))
+    else:  # top-k past the direct torch.topk size: the counting search
+        monkeypatch.setattr(tkp, "_TOPK_DIRECT", 64)
+        k = torch.randint(65, vocab, (n,), generator=gen)
+    got = top_k_top_p_cutoff_torch(logits, None if case == "top_p_only" else k,
+                                   None if case != "top_p_only" else p)
+    check_cutoffs(logits, k, p, got)
+    if case != "top_p_only":  # counts are exact: identical to torch.topk's k-th value
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k.clamp(max=vocab) - 1).unsqueeze(1)).squeeze(1)
+        assert torch.equal(torch.where(k < vocab, kth, float("-inf")), got)
+
+
+def test_cutoff_narrows_in_several_passes(monkeypatch):
+    """A crossing bucket too large to rank directly is split again (and a row of ties stops the splitting)."""
+    monkeypatch.setattr(tkp, "_BUCKETS", 16)
+    monkeypatch.setattr(tkp, "_CANDIDATES", 8)
+    gen = torch.Generator().manual_seed(12)
+    n, vocab = 16, 4000
+    logits = make_logits(n, vocab, "hot", gen)
+    logits[3] = 0.25  # one value: ties only
+    k = torch.full((n,), vocab)
+    k[::2] = torch.randint(1, vocab, (n // 2,), generator=gen)
+    p = torch.rand(n, generator=gen)
+    monkeypatch.setattr(tkp, "_TOPK_DIRECT", 0)
+    got = top_k_top_p_cutoff_torch(logits, k, p)
+    check_cutoffs(logits, k, p, got)
+
+
+def _params_mix():
+    return [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.8, min_p=0.05),
+        SamplingParams(temperature=1e-3, top_p=0.95),
+        SamplingParams(temperature=50.0, top_k=1),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=0.9, top_p=1e-6),
+        SamplingParams(temperature=2.0, top_k=300, top_p=0.5, min_p=0.01),
+        SamplingParams(temperature=1.0),
+    ]
+
+
+def _probs(logits, params, impl, monkeypatch):
+    monkeypatch.setattr(sampler_mod, "TOP_K_TOP_P_IMPL", impl)
+    n, vocab = logits.shape
+    meta = SamplingMetadata.build(params, [[]] * n, [[]] * n, [None] * n, vocab, "cpu")
+    return Sampler.probs(logits.clone(), meta)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "peaked"])
+def test_sampler_probs_match_the_sort_path(kind, monkeypatch):
+    """The whole processing (temperature, min_p, top-k, top-p) with mixed per-row parameters: the same
+    distribution, support for support, as the sort path."""
+    gen = torch.Generator().manual_seed(20 + KINDS.index(kind))
+    params = _params_mix() * 3
+    logits = make_logits(len(params), 512, kind, gen)
+    new = _probs(logits, params, "cutoff", monkeypatch)
+    ref = _probs(logits, params, "sort", monkeypatch)
+    assert torch.equal(new > 0, ref > 0)
+    torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-7)
+
+
+def _expected(row, temperature, top_k, top_p, min_p):
+    """The filtered distribution in float64, straight from the definitions."""
+    x = row.double() / temperature
+    probs = x.softmax(-1)
+    keep = probs >= probs.max() * min_p
+    order = torch.argsort(x, descending=True, stable=True).tolist()
+    top = set(order[:top_k])
+    keep &= torch.tensor([i in top for i in range(len(row))])
+    q = torch.where(keep, probs, 0.0)
+    q = q / q.sum()
+    mass, chosen = 0.0, set()
+    for i in torch.argsort(q, descending=True, stable=True).tolist():
+        if mass >= top_p:
+            break
+        chosen.add(i)
+        mass += float(q[i])
+    q = torch.where(torch.tensor([i in chosen for i in range(len(row))]), q, 0.0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (0.7, 6, 0.85, 0.0), (1.0, 8, 1.0, 0.05), (1.5, 3, 0.9, 0.0), (1.0, 8, 0.6, 0.1)])
+def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, min_p, device):
+    """Chi-square of 30k draws against the exact filtered distribution (well-separated logits, so no cutoff is
+    near a rounding; fixed seeds, and a critical value far in the tail: 1e-6 at these degrees of freedom)."""
+    _skip_without(device)
+    torch.manual_seed(1234)
+    row = torch.tensor([2.1, 1.7, 1.2, 0.9, 0.3, -0.4, -1.1, -2.0])
+    expected = _expected(row, temperature, top_k, top_p, min_p)
+    n = 30000
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * n
+    meta = SamplingMetadata.build(params, [[]] * n, [[]] * n, [None] * n, row.numel(), device)
+    out = Sampler()(row.expand(n, -1).contiguous().to(device), meta).sampled_token_ids.cpu()
+    counts = torch.bincount(out, minlength=row.numel()).double()
+    support_ = expected > 0
+    assert counts[~support_].sum() == 0, counts
+    e = expected[support_] * n
+    chi2 = float(((counts[support_] - e) ** 2 / e).sum())
+    dof = int(support_.sum()) - 1
+    critical = {1: 23.9, 2: 27.6, 3: 30.7, 4: 33.4, 5: 35.9, 6: 38.3, 7: 40.5}[dof]
+    assert chi2 < critical, (chi2, dof, counts / n, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_independent_of_the_batch(monkeypatch, device):
+    """A seeded row draws the same token alone and among rows whose filters take other paths of the search
+    (small and large top-k, top-p, greedy), and when the global RNG moved."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(5)
+    vocab = 3000
+    row = make_logits(1, vocab, "normal", gen)[0]
+    history = [[7, 8, 9]]
+    seeded = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=77)
+    others = [SamplingParams(temperature=1.0, top_k=2000), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, top_p=0.3), SamplingParams(temperature=0.5, min_p=0.1)]
+
+    def draw(batch, at, torch_seed):
+        torch.manual_seed(torch_seed)
+        n = len(batch)
+        logits = make_logits(n, vocab, "normal", torch.Generator().manual_seed(torch_seed))
+        logits[at] = row
+        outputs = [[1]] * n
+        outputs[at] = history[0]
+        meta = SamplingMetadata.build(batch, [[]] * n, outputs, [None] * n, vocab, device)
+        return int(Sampler()(logits.to(device), meta).sampled_token_ids[at])
+
+    alone = draw([seeded], 0, 1)
+    assert draw(others[:2] + [seeded] + others[2:], 2, 2) == alone
+    assert draw([seeded] + others, 0, 3) == alone
+    assert draw(others[::-1] + [seeded], 4, 4) == alone
+    monkeypatch.setattr(tkp, "_TOPK_DIRECT", 100)  # the top-k 2000 row moves the batch to the counting search
+    assert draw(others + [seeded], 4, 5) == alone
+    monkeypatch.setattr(tkp, "_CANDIDATES", 4)  # and rows split again (the seeded row's own count decides)
+    assert draw([seeded] + others, 0, 6) == alone
+    draws = {draw([SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=s)], 0, 1) for s in range(30)}
+    assert len(draws) > 2  # the seed matters
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (interpreter)")
+def test_kernel_in_triton_interpreter():
+    """tests/gpu/test_top_k_top_p_kernel.py's small cases in Triton's interpreter on this CPU."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PAGEDLLM_TEST_DEVICE="cpu", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           os.path.join(root, "tests", "gpu", "test_top_k_top_p_kernel.py"), "-k", "small"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_support_helper_drops_zero_probabilities():
+    logits = torch.tensor([[0.0, -200.0, 1.0]])
+    assert support(logits, torch.tensor([float("-inf")])).tolist() == [[True, False, True]]
