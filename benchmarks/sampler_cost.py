@@ -95,7 +95,7 @@ def step_fn(meta: SamplingMetadata, impl: str):
         try:
             return Sampler()(x, meta).sampled_token_ids
         finally:
-            sampler_mod.TOP_K_TOP_P_IMPL = "cutoff"
+            sampler_mod.TOP_K_TOP_P_IMPL = "auto"
     return run
 
 

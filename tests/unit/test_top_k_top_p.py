@@ -136,10 +136,11 @@ def _expected(row, temperature, top_k, top_p, min_p):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
     (0.7, 6, 0.85, 0.0), (1.0, 8, 1.0, 0.05), (1.5, 3, 0.9, 0.0), (1.0, 8, 0.6, 0.1)])
-def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, min_p, device):
+def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, min_p, device, monkeypatch):
     """Chi-square of 30k draws against the exact filtered distribution (well-separated logits, so no cutoff is
     near a rounding; fixed seeds, and a critical value far in the tail: 1e-6 at these degrees of freedom)."""
     _skip_without(device)
+    monkeypatch.setattr(sampler_mod, "TOP_K_TOP_P_IMPL", "cutoff")  # CUDA's default is still the sort
     torch.manual_seed(1234)
     row = torch.tensor([2.1, 1.7, 1.2, 0.9, 0.3, -0.4, -1.1, -2.0])
     expected = _expected(row, temperature, top_k, top_p, min_p)
@@ -162,6 +163,7 @@ def test_seeded_row_independent_of_the_batch(monkeypatch, device):
     """A seeded row draws the same token alone and among rows whose filters take other paths of the search
     (small and large top-k, top-p, greedy), and when the global RNG moved."""
     _skip_without(device)
+    monkeypatch.setattr(sampler_mod, "TOP_K_TOP_P_IMPL", "cutoff")  # CUDA's default is still the sort
     gen = torch.Generator().manual_seed(5)
     vocab = 3000
     row = make_logits(1, vocab, "normal", gen)[0]
@@ -207,3 +209,13 @@ def test_kernel_in_triton_interpreter():
 def test_support_helper_drops_zero_probabilities():
     logits = torch.tensor([[0.0, -200.0, 1.0]])
     assert support(logits, torch.tensor([float("-inf")])).tolist() == [[True, False, True]]
+
+
+def test_impl_switch_refuses_a_typo(monkeypatch):
+    from pagedllm import envs
+
+    monkeypatch.setenv("PAGEDLLM_TOP_K_TOP_P", "cutof")
+    with pytest.raises(ValueError, match="PAGEDLLM_TOP_K_TOP_P='cutof': expected one of auto, cutoff, sort"):
+        envs.PAGEDLLM_TOP_K_TOP_P
+    monkeypatch.setenv("PAGEDLLM_TOP_K_TOP_P", "Sort")
+    assert envs.PAGEDLLM_TOP_K_TOP_P == "sort"

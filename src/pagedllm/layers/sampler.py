@@ -32,8 +32,9 @@ from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
 _MASK64 = (1 << 64) - 1
-# "cutoff": top-k / top-p by a per-row cutoff found without sorting (layers/top_k_top_p.py), the default;
-# "sort": the sort-based reference below (tests, PAGEDLLM_TOP_K_TOP_P=sort, benchmarks/sampler_cost.py's A/B).
+# "cutoff": top-k / top-p by a per-row cutoff found without sorting (layers/top_k_top_p.py); "sort": the sort-based
+# reference below (tests, benchmarks/sampler_cost.py's A/B); "auto" (default): the cutoff on the CPU, the sort on
+# CUDA, where the cutoff kernel has not run on a GPU yet (PAGEDLLM_TOP_K_TOP_P=cutoff opts in).
 TOP_K_TOP_P_IMPL = envs.PAGEDLLM_TOP_K_TOP_P
 
 
@@ -284,7 +285,10 @@ class Sampler(torch.nn.Module):
             logits = apply_min_p(logits, meta.min_p)
         top_k = None if meta.no_top_k else meta.top_k
         top_p = None if meta.no_top_p else meta.top_p
-        if TOP_K_TOP_P_IMPL == "sort":  # the reference (A/B: benchmarks/sampler_cost.py)
+        impl = TOP_K_TOP_P_IMPL
+        if impl == "auto":
+            impl = "sort" if logits.is_cuda else "cutoff"
+        if impl == "sort":  # the reference (A/B: benchmarks/sampler_cost.py)
             if top_p is not None:
                 logits = apply_top_k_top_p_sort(logits, top_k, top_p)
             elif top_k is not None:
