@@ -17,7 +17,7 @@ tokenizers' decode() ignores it too), so both strategies match `tokenizer.decode
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 try:  # tokenizers >= 0.21
     from tokenizers.decoders import DecodeStream
@@ -104,9 +104,10 @@ class _StreamDecoder:
                 break
         for token_id in suffix:
             self.stream.step(self.backend, token_id)
+        self._step = self.stream.step
 
     def step(self, token_id: int) -> str:
-        return self.stream.step(self.backend, token_id) or ""
+        return self._step(self.backend, token_id) or ""
 
 
 class IncrementalDetokenizer:
@@ -124,7 +125,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
-        self.output_text = ""
+        self._pieces: list[str] = []  # every delta returned, joined on demand (no copy of the text per token)
         self._token_strs = token_str_cache if token_str_cache is not None else _token_str_cache(tokenizer)
         if use_decode_stream is None:
             use_decode_stream = DecodeStream is not None and getattr(tokenizer, "is_fast", False)
@@ -138,23 +139,33 @@ class IncrementalDetokenizer:
         context = self.prompt_token_ids + self.token_ids
         return _OffsetDecoder(self.tokenizer, context, self.skip_special_tokens, self.spaces_between_special_tokens)
 
-    def update(self, new_token_ids: Iterable[int]) -> str:
+    @property
+    def output_text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def update(self, new_token_ids: Sequence[int]) -> str:
         """Append new output token ids; return the text they complete (may be "")."""
-        delta: list[str] = []
-        for token_id in new_token_ids:
-            try:
-                text = self._decoder.step(token_id)
-            except Exception:
-                # DecodeStream refuses sequences whose decoded prefix changes; continue with the offset
-                # method, seeded with everything decoded so far.
-                if not isinstance(self._decoder, _StreamDecoder):
-                    raise
-                self._decoder = self._offset_decoder()
-                text = self._decoder.step(token_id)
-            self.token_ids.append(token_id)
-            delta.append(text)
-        text = "".join(delta)
-        self.output_text += text
+        if len(new_token_ids) == 1:  # the common case: one token per step
+            text = self._step(new_token_ids[0])
+        else:
+            text = "".join([self._step(token_id) for token_id in new_token_ids])
+        if text:
+            self._pieces.append(text)
+        return text
+
+    def _step(self, token_id: int) -> str:
+        try:
+            text = self._decoder.step(token_id)
+        except Exception:
+            # DecodeStream refuses sequences whose decoded prefix changes; continue with the offset
+            # method, seeded with everything decoded so far.
+            if not isinstance(self._decoder, _StreamDecoder):
+                raise
+            self._decoder = self._offset_decoder()
+            text = self._decoder.step(token_id)
+        self.token_ids.append(token_id)
         return text
 
     def decode_token(self, token_id: int) -> str:

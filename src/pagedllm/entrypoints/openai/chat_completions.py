@@ -5,7 +5,7 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.chat_template import message_text, render_chat
@@ -17,8 +17,8 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_i
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields)
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.streaming import (DONE, ChunkFramer, error_event, start_disconnect_watch,
-                                                   usage_dict)
+from pagedllm.entrypoints.openai.streaming import (DONE, ChunkFramer, SSEResponse, error_event,
+                                                   start_disconnect_watch, usage_dict)
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 
 
@@ -50,8 +50,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
-    gen = engine.generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
-                          lora_request=state.lora_request(model))
+    # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
+    generate = engine.generate_batches if stream else engine.generate
+    gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
+                   lora_request=state.lora_request(model))
     watch = start_disconnect_watch(request, engine, [request_id])
     created = int(time.time())
     try:
@@ -62,7 +64,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         raise
     if stream:
         body = _stream(req, state, model, request_id, created, len(prompt_ids), first, gen, watch, tool_plan)
-        return StreamingResponse(body, media_type="text/event-stream")
+        return SSEResponse(body)
     final = first
     try:
         async for out in gen:
@@ -138,28 +140,32 @@ async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, re
 
     tool_streams = ChoiceStreams(tool_plan) if tool_plan.active else None
 
+    # One write per batch: the frames of the steps that arrived since the last write (a step: several frames
+    # with n > 1 or tool-call deltas), each step its own chunk.
+    pending = b""  # frames not yet written (the role frames stay in front of an error of the first step)
     try:
         # The role goes first, in its own delta, once per choice (as OpenAI does).
         echo = _echo_text(req)
         for i in range(req.n):
-            yield frame({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
+            pending += frame({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None})
             if echo:
-                yield frame({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
-        for f in chunks(first):
-            yield f
-        if not first.finished:
-            async for ro in gen:
-                for f in chunks(ro):
-                    yield f
-        if framer.include_usage:
-            yield framer.usage(usage_dict(num_prompt, num_gen))
+                pending += frame({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
+        pending += b"".join([f for ro in first for f in chunks(ro)])
+        yield pending
+        pending = b""
+        if not first[-1].finished:
+            async for batch in gen:
+                frames = chunks(batch[0]) if len(batch) == 1 else [f for ro in batch for f in chunks(ro)]
+                if frames:
+                    yield frames[0] if len(frames) == 1 else b"".join(frames)
+        tail = framer.usage(usage_dict(num_prompt, num_gen)) if framer.include_usage else b""
     except Exception as e:  # noqa: BLE001 - headers are gone; report in-band like vLLM
-        yield error_event(e)
+        tail = error_event(e)
     finally:
         watch.cancel()
         await gen.aclose()
-    yield DONE
+    yield pending + tail + DONE
 
 
 def _tool_frames(frame: Any, streams: ChoiceStreams, out: Any, lp: Any) -> list[bytes]:

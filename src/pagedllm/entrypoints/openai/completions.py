@@ -5,7 +5,7 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.errors import APIError, dumps
@@ -14,7 +14,7 @@ from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, check_token_ids)
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.streaming import (DONE, ChunkFramer, error_event, merge_streams,
+from pagedllm.entrypoints.openai.streaming import (DONE, ChunkFramer, SSEResponse, error_event, merge_streams,
                                                    start_disconnect_watch, usage_dict)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -74,7 +74,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     stream = bool(req.stream)
     kind = "delta" if stream else "final_only"
     lora = state.lora_request(model)
-    gens = [engine.generate(text, ids, params, sid, output_kind=kind, lora_request=lora)
+    # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
+    generate = engine.generate_batches if stream else engine.generate
+    gens = [generate(text, ids, params, sid, output_kind=kind, lora_request=lora)
             for (text, ids), sid in zip(prompts, sub_ids)]
     watch = start_disconnect_watch(request, engine, sub_ids)
     merged = merge_streams(gens)
@@ -87,7 +89,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         raise
     if stream:
         body = _stream(req, state, model, request_id, created, prompts, first, merged, watch)
-        return StreamingResponse(body, media_type="text/event-stream")
+        return SSEResponse(body)
     try:
         finals: dict[int, Any] = {first[0]: first[1]}
         async for i, out in merged:
@@ -189,17 +191,21 @@ async def _stream(req: CompletionRequest, state: ServerState, model: str, reques
                                          else None))
         return frames
 
+    # One write per batch: the frames of the steps that arrived since the last write (a step: several frames
+    # with n > 1), each step its own chunk.
     try:
-        for frame in chunks(*first):
-            yield frame
-        async for i, ro in merged:
-            for frame in chunks(i, ro):
-                yield frame
-        if framer.include_usage:
-            yield framer.usage(usage_dict(num_prompt, num_gen))
+        i, batch = first
+        frames = [f for ro in batch for f in chunks(i, ro)]
+        if frames:
+            yield b"".join(frames)
+        async for i, batch in merged:
+            frames = chunks(i, batch[0]) if len(batch) == 1 else [f for ro in batch for f in chunks(i, ro)]
+            if frames:
+                yield frames[0] if len(frames) == 1 else b"".join(frames)
+        tail = framer.usage(usage_dict(num_prompt, num_gen)) if framer.include_usage else b""
     except Exception as e:  # noqa: BLE001 - headers are gone; report in-band like vLLM
-        yield error_event(e)
+        tail = error_event(e)
     finally:
         watch.cancel()
         await merged.aclose()
-    yield DONE
+    yield tail + DONE

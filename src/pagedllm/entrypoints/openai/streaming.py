@@ -1,5 +1,6 @@
 """What chat and completions share around a generation: client-disconnect watching, merging several
-output streams, and the Server-Sent-Events framing of chunks, usage, in-band errors and [DONE]."""
+output streams, the Server-Sent-Events framing of chunks, usage, in-band errors and [DONE], and the response
+that writes them."""
 from __future__ import annotations
 
 import asyncio
@@ -7,10 +8,44 @@ import contextlib
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.errors import dumps, error_body
+from pagedllm.entrypoints.openai.guards import RAW_SEND_KEY
 
 DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+class SSEResponse(Response):
+    """A text/event-stream response: each item of `body` (the SSE frames of one engine step) is one write.
+
+    Unlike StreamingResponse it runs in the request's own task (no task group and no second reader of the
+    client's messages: start_disconnect_watch already turns a disconnect into an abort, which ends `body`), and
+    it sends the body to scope["pagedllm.send"] (RequestGuard's send: the send timeout, then uvicorn), past the
+    framework middlewares' per-message wrappers; the response start still goes through them (CORS headers)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        self.body_iterator = body
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = list(_SSE_HEADERS)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        raw = scope.get(RAW_SEND_KEY, send)
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            async for frames in self.body_iterator:
+                await raw({"type": "http.response.body", "body": frames, "more_body": True})
+        finally:  # also when a write failed (--send-timeout): the body's own cleanup aborts the request
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        await raw({"type": "http.response.body", "body": b"", "more_body": False})
+        if self.background is not None:
+            await self.background()
 
 
 class ChunkFramer:
