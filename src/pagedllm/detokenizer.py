@@ -99,7 +99,11 @@ class _StreamDecoder:
         suffix = prompt_ids[-4:]
         for length in range(4, min(len(prompt_ids), _MAX_STREAM_PRIMING) + 1):
             candidate = prompt_ids[-length:]
-            if _REPLACEMENT not in tokenizer.decode(candidate, skip_special_tokens=skip_special_tokens):
+            try:  # the Rust tokenizer itself: transformers' decode() costs milliseconds in argument checks
+                text = self.backend.decode(candidate, skip_special_tokens=skip_special_tokens)
+            except Exception:  # noqa: BLE001 - ids the backend refuses: the slow path says what is wrong
+                text = tokenizer.decode(candidate, skip_special_tokens=skip_special_tokens)
+            if _REPLACEMENT not in text:
                 suffix = candidate
                 break
         for token_id in suffix:
