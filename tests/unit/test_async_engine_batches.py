@@ -5,6 +5,7 @@ after the outputs before it; a consumer that leaves early aborts its request in 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 
@@ -38,6 +39,12 @@ def _engine() -> tuple[AsyncEngine, _InputChannel]:
     return engine, channel
 
 
+def _close(engine: AsyncEngine) -> None:
+    """What shutdown() does without engine cores: close the sockets (a bare term() waits for them forever)."""
+    engine.ctx.destroy(linger=0)
+    shutil.rmtree(engine._tmpdir, ignore_errors=True)
+
+
 def _step(engine: AsyncEngine, request_id: str, token: int, finished: bool = False) -> None:
     """One engine step's message for one request, through the decoder, as it arrives from the engine core."""
     out = EngineCoreOutput(request_id, [token], finish_reason="length" if finished else None)
@@ -64,7 +71,7 @@ def test_steps_that_arrive_together_stay_separate_chunks_in_order() -> None:
         batches.append(await gen.__anext__())
         with pytest.raises(StopAsyncIteration):
             await gen.__anext__()
-        engine.ctx.term()
+        _close(engine)
         return batches
 
     batches = asyncio.run(run())
@@ -84,7 +91,7 @@ def test_an_error_comes_after_the_outputs_before_it() -> None:
         batch = await first
         with pytest.raises(EngineDeadError) as info:
             await gen.__anext__()
-        engine.ctx.term()
+        _close(engine)
         return batch, info.value
 
     batch, error = asyncio.run(run())
@@ -102,7 +109,7 @@ def test_generate_yields_each_step_and_leaving_early_aborts() -> None:
         _step(engine, "r", 12)
         got = [(await first).outputs[0].token_ids, (await gen.__anext__()).outputs[0].token_ids]
         await gen.aclose()  # the client went away before the request finished
-        engine.ctx.term()
+        _close(engine)
         return got, channel.sent
 
     got, sent = asyncio.run(run())
