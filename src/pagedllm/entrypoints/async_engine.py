@@ -481,13 +481,15 @@ class AsyncEngine:
     # ---- background tasks -----------------------------------------------------------------------
 
     async def _output_handler(self) -> None:
+        drain = zmq.Socket.shadow(self.out_sock.underlying).recv
         try:
             while True:
                 frames = [await self.out_sock.recv()]
-                # Drain whatever else is already here so a slow consumer catches up in one pass.
+                # Drain whatever else is already here so a slow consumer catches up in one pass, through a plain
+                # (synchronous) view of the same socket: a non-blocking read needs no future and no poller event.
                 while len(frames) < 64:
                     try:
-                        frames.append(self.out_sock.recv(zmq.NOBLOCK).result())
+                        frames.append(drain(zmq.NOBLOCK))
                     except zmq.Again:
                         break
                 for frame in frames:
