@@ -16,6 +16,7 @@ tokenizers' decode() ignores it too), so both strategies match `tokenizer.decode
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
@@ -108,10 +109,11 @@ class _StreamDecoder:
                 break
         for token_id in suffix:
             self.stream.step(self.backend, token_id)
-        self._step = self.stream.step
+        # token id -> its text or None (not "": the caller maps it), straight into Rust: one call per token
+        self.step_or_none = functools.partial(self.stream.step, self.backend)
 
     def step(self, token_id: int) -> str:
-        return self._step(self.backend, token_id) or ""
+        return self.step_or_none(token_id) or ""
 
 
 class IncrementalDetokenizer:
@@ -136,8 +138,10 @@ class IncrementalDetokenizer:
         self._decoder: Any
         if use_decode_stream:
             self._decoder = _StreamDecoder(tokenizer, self.prompt_token_ids, skip_special_tokens)
+            self._step_or_none = self._decoder.step_or_none
         else:
             self._decoder = self._offset_decoder()
+            self._step_or_none = self._decoder.step
 
     def _offset_decoder(self) -> _OffsetDecoder:
         context = self.prompt_token_ids + self.token_ids
@@ -151,26 +155,38 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Append new output token ids; return the text they complete (may be "")."""
-        if len(new_token_ids) == 1:  # the common case: one token per step
-            text = self._step(new_token_ids[0])
+        if len(new_token_ids) == 1:  # the common case: one token per step, in as few Python calls as it takes
+            token_id = new_token_ids[0]
+            try:
+                text = self._step_or_none(token_id) or ""
+            except Exception as e:
+                text = self._after_failed_step(token_id, e)
+            self.token_ids.append(token_id)
         else:
             text = "".join([self._step(token_id) for token_id in new_token_ids])
+        return self._pieces_add(text)
+
+    def _pieces_add(self, text: str) -> str:
         if text:
             self._pieces.append(text)
         return text
 
     def _step(self, token_id: int) -> str:
         try:
-            text = self._decoder.step(token_id)
-        except Exception:
-            # DecodeStream refuses sequences whose decoded prefix changes; continue with the offset
-            # method, seeded with everything decoded so far.
-            if not isinstance(self._decoder, _StreamDecoder):
-                raise
-            self._decoder = self._offset_decoder()
-            text = self._decoder.step(token_id)
+            text = self._step_or_none(token_id) or ""
+        except Exception as e:
+            text = self._after_failed_step(token_id, e)
         self.token_ids.append(token_id)
         return text
+
+    def _after_failed_step(self, token_id: int, error: Exception) -> str:
+        """A step raised `error`. DecodeStream refuses sequences whose decoded prefix changes; continue with the
+        offset method, seeded with everything decoded so far. The offset method's errors are the caller's."""
+        if not isinstance(self._decoder, _StreamDecoder):
+            raise error
+        self._decoder = self._offset_decoder()
+        self._step_or_none = self._decoder.step
+        return self._decoder.step(token_id)
 
     def decode_token(self, token_id: int) -> str:
         """The token on its own as text (for logprobs); cached per tokenizer."""
