@@ -15,7 +15,9 @@ tokenizer, 49,152 ids), while the engine steps are fast enough that a run takes 
 
 Only the API processes' CPU time is counted (user + system, all their threads, from /proc via psutil), read
 after a warm-up and again after the measured streams; the engine core's and the clients' are printed beside it.
-How much one token costs depends on how many tokens a chunk carries (a server that falls behind sends fewer,
+The API process also spends CPU when nothing happens (uvicorn's tick, the engine watchers: per second, not per
+token), which a slow engine (a long run) would charge to each token: it is measured alone after the warm-up
+(--idle-seconds) and taken out in the "net of idle" figure. How much one token costs depends on how many tokens a chunk carries (a server that falls behind sends fewer,
 larger chunks), so tokens per chunk is printed too: compare runs at ~1 token per chunk.
 """
 from __future__ import annotations
@@ -200,13 +202,21 @@ async def warm_and_measure(url: str, args: argparse.Namespace, apis: list, cores
         bodies = request_bodies(args.streams * args.requests_per_stream, args.max_tokens, args.range_ratio,
                                 args.chat, args.seed)
         me = psutil.Process()
+        # What the API process spends with nothing to do (uvicorn's tick, the engine watchers: per second, not
+        # per token): measured on its own, and taken out of the per-token figure ("net"), so that a slow engine
+        # (a long run) does not count as API cost per token.
+        idle0, t0 = cpu_seconds(apis), time.perf_counter()
+        await asyncio.sleep(args.idle_seconds)
+        idle_rate = (cpu_seconds(apis) - idle0) / (time.perf_counter() - t0)
         if profile:
             proc.send_signal(signal.SIGUSR1)
         api0, core0, me0, sys0 = cpu_seconds(apis), cpu_seconds(cores), cpu_seconds([me]), cpu_seconds(apis, True)
         tokens, chunks, elapsed = await drive(client, url, args.streams, bodies, args.chat)
         api1, core1, me1, sys1 = cpu_seconds(apis), cpu_seconds(cores), cpu_seconds([me]), cpu_seconds(apis, True)
     api_s = api1 - api0
-    return {"api_processes": len(apis), "requests": len(bodies), "tokens": tokens, "chunks": chunks,
+    net_s = max(0.0, api_s - idle_rate * elapsed)
+    return {"api_idle_cpu_per_s": idle_rate, "api_net_us_per_token": net_s / max(1, tokens) * 1e6,
+            "api_processes": len(apis), "requests": len(bodies), "tokens": tokens, "chunks": chunks,
             "seconds": elapsed, "output_tok_s": tokens / elapsed, "api_cpu_s": api_s, "api_system_cpu_s": sys1 - sys0,
             "api_us_per_token": api_s / max(1, tokens) * 1e6, "api_us_per_chunk": api_s / max(1, chunks) * 1e6,
             "api_us_per_request": api_s / max(1, len(bodies)) * 1e6,
@@ -258,6 +268,8 @@ def main() -> None:
                    help="run --src NAME as if these packages were not installed (e.g. before=uvloop,httptools)")
     p.add_argument("--rounds", type=int, default=1, help="rounds over the --src trees")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--idle-seconds", type=float, default=10.0,
+                   help="measure the API processes' idle CPU rate this long after the warm-up")
     p.add_argument("--profile", default=None, help="cProfile the API process (one --src, one API process) into FILE")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--output-json", default=None)
@@ -284,6 +296,7 @@ def main() -> None:
                 res = measure(src, args, tmp, f"{name}-{r}", args.profile)
                 results[name].append(res)
                 print(f"[round {r}] {name:<10} {res['api_us_per_token']:8.1f} us/token  "
+                      f"(net of idle {res['api_net_us_per_token']:6.1f}; idle {res['api_idle_cpu_per_s'] * 1e3:.1f} ms/s)  "
                       f"{res['api_us_per_chunk']:8.1f} us/chunk  {res['api_us_per_request']:7.0f} us/request  "
                       f"{res['tokens_per_chunk']:.2f} tok/chunk  "
                       f"api {res['api_cpu_s']:.2f} s (kernel {res['api_system_cpu_s']:.2f})  engine {res['engine_cpu_s']:.2f} s  "
@@ -292,15 +305,16 @@ def main() -> None:
     print(f"\nAPI tier CPU per streamed token ({args.streams} streams x {args.requests_per_stream} requests, "
           f"{args.max_tokens} tokens on average, "
           f"{'chat' if args.chat else 'completions'}, {args.api_server_count} API process(es)); median of rounds:")
-    medians = {}
+    medians, nets = {}, {}
     for name, runs in results.items():
         medians[name] = statistics.median(x["api_us_per_token"] for x in runs)
-        print(f"  {name:<10} {medians[name]:8.1f} us/token   (rounds: "
-              + ", ".join(f"{x['api_us_per_token']:.1f}" for x in runs) + ")  tokens/chunk "
-              + ", ".join(f"{x['tokens_per_chunk']:.2f}" for x in runs))
+        nets[name] = statistics.median(x["api_net_us_per_token"] for x in runs)
+        print(f"  {name:<10} {medians[name]:8.1f} us/token, net of idle {nets[name]:8.1f}   (rounds: "
+              + ", ".join(f"{x['api_us_per_token']:.1f} / {x['api_net_us_per_token']:.1f}" for x in runs)
+              + ")  tokens/chunk " + ", ".join(f"{x['tokens_per_chunk']:.2f}" for x in runs))
     if len(medians) == 2:
         (a, va), (b, vb) = medians.items()
-        print(f"  {a} / {b}: {va / vb:.2f}x")
+        print(f"  {a} / {b}: {va / vb:.2f}x, net of idle {nets[a] / max(nets[b], 1e-9):.2f}x")
     if args.profile:
         print_profile(args.profile, args.top)
     if args.output_json:
