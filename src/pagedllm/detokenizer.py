@@ -16,8 +16,9 @@ tokenizers' decode() ignores it too), so both strategies match `tokenizer.decode
 """
 from __future__ import annotations
 
+import functools
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 try:  # tokenizers >= 0.21
     from tokenizers.decoders import DecodeStream
@@ -99,14 +100,20 @@ class _StreamDecoder:
         suffix = prompt_ids[-4:]
         for length in range(4, min(len(prompt_ids), _MAX_STREAM_PRIMING) + 1):
             candidate = prompt_ids[-length:]
-            if _REPLACEMENT not in tokenizer.decode(candidate, skip_special_tokens=skip_special_tokens):
+            try:  # the Rust tokenizer itself: transformers' decode() costs milliseconds in argument checks
+                text = self.backend.decode(candidate, skip_special_tokens=skip_special_tokens)
+            except Exception:  # noqa: BLE001 - ids the backend refuses: the slow path says what is wrong
+                text = tokenizer.decode(candidate, skip_special_tokens=skip_special_tokens)
+            if _REPLACEMENT not in text:
                 suffix = candidate
                 break
         for token_id in suffix:
             self.stream.step(self.backend, token_id)
+        # token id -> its text or None (not "": the caller maps it), straight into Rust: one call per token
+        self.step_or_none = functools.partial(self.stream.step, self.backend)
 
     def step(self, token_id: int) -> str:
-        return self.stream.step(self.backend, token_id) or ""
+        return self.step_or_none(token_id) or ""
 
 
 class IncrementalDetokenizer:
@@ -124,38 +131,62 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
-        self.output_text = ""
+        self._pieces: list[str] = []  # every delta returned, joined on demand (no copy of the text per token)
         self._token_strs = token_str_cache if token_str_cache is not None else _token_str_cache(tokenizer)
         if use_decode_stream is None:
             use_decode_stream = DecodeStream is not None and getattr(tokenizer, "is_fast", False)
         self._decoder: Any
         if use_decode_stream:
             self._decoder = _StreamDecoder(tokenizer, self.prompt_token_ids, skip_special_tokens)
+            self._step_or_none = self._decoder.step_or_none
         else:
             self._decoder = self._offset_decoder()
+            self._step_or_none = self._decoder.step
 
     def _offset_decoder(self) -> _OffsetDecoder:
         context = self.prompt_token_ids + self.token_ids
         return _OffsetDecoder(self.tokenizer, context, self.skip_special_tokens, self.spaces_between_special_tokens)
 
-    def update(self, new_token_ids: Iterable[int]) -> str:
+    @property
+    def output_text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def update(self, new_token_ids: Sequence[int]) -> str:
         """Append new output token ids; return the text they complete (may be "")."""
-        delta: list[str] = []
-        for token_id in new_token_ids:
+        if len(new_token_ids) == 1:  # the common case: one token per step, in as few Python calls as it takes
+            token_id = new_token_ids[0]
             try:
-                text = self._decoder.step(token_id)
-            except Exception:
-                # DecodeStream refuses sequences whose decoded prefix changes; continue with the offset
-                # method, seeded with everything decoded so far.
-                if not isinstance(self._decoder, _StreamDecoder):
-                    raise
-                self._decoder = self._offset_decoder()
-                text = self._decoder.step(token_id)
+                text = self._step_or_none(token_id) or ""
+            except Exception as e:
+                text = self._after_failed_step(token_id, e)
             self.token_ids.append(token_id)
-            delta.append(text)
-        text = "".join(delta)
-        self.output_text += text
+        else:
+            text = "".join([self._step(token_id) for token_id in new_token_ids])
+        return self._pieces_add(text)
+
+    def _pieces_add(self, text: str) -> str:
+        if text:
+            self._pieces.append(text)
         return text
+
+    def _step(self, token_id: int) -> str:
+        try:
+            text = self._step_or_none(token_id) or ""
+        except Exception as e:
+            text = self._after_failed_step(token_id, e)
+        self.token_ids.append(token_id)
+        return text
+
+    def _after_failed_step(self, token_id: int, error: Exception) -> str:
+        """A step raised `error`. DecodeStream refuses sequences whose decoded prefix changes; continue with the
+        offset method, seeded with everything decoded so far. The offset method's errors are the caller's."""
+        if not isinstance(self._decoder, _StreamDecoder):
+            raise error
+        self._decoder = self._offset_decoder()
+        self._step_or_none = self._decoder.step
+        return self._decoder.step(token_id)
 
     def decode_token(self, token_id: int) -> str:
         """The token on its own as text (for logprobs); cached per tokenizer."""

@@ -38,6 +38,13 @@ def test_bench_serve_prints_result_block(server: Server, e2e_env: dict, tmp_path
         assert line in r.stdout, (line, r.stdout)
     saved = json.loads(out.read_text())
     assert saved["completed"] == 6 and saved["total_output_tokens"] == 36 and saved["output_throughput"] > 0
+    # tokens per chunk: every engine step is its own chunk of one token (counts, the same on any machine; a token
+    # whose text is empty, e.g. half a UTF-8 character, is credited to the next chunk with text)
+    for line in ("Tokens per Chunk", "Mean tokens per chunk:", "Median tokens per chunk:", "P99 tokens per chunk:",
+                 "Max tokens per chunk:"):
+        assert line in r.stdout, (line, r.stdout)
+    assert saved["chunk_tokens_measured"] and saved["median_tokens_per_chunk"] == 1
+    assert 1 <= saved["mean_tokens_per_chunk"] <= 1.5 and saved["max_tokens_per_chunk"] <= 2, saved
 
 
 def test_chat_and_complete_quick(server: Server, e2e_env: dict) -> None:

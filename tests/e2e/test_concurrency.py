@@ -106,3 +106,72 @@ def test_metrics_move(server: Server, http: httpx.Client) -> None:
     for name in ("vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total"):
         assert f"{name}{{" in after_text
     assert 'model_name="smol"' in after_text
+
+
+CHUNK_STREAMS = 12
+CHUNK_TOKENS = 24
+
+
+async def _tokens_per_chunk_raw(client: httpx.AsyncClient, i: int, chat: bool) -> list[int]:
+    """Tokens each chunk of one raw-HTTP stream carried (the difference of its continuous usage to the one before)."""
+    body = {"model": SERVED_NAME, "max_tokens": CHUNK_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": PROMPTS[i]}]
+    else:
+        body["prompt"] = PROMPTS[i]
+    counts, seen = [], 0
+    async with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                done = chunk["usage"]["completion_tokens"]
+                if done > seen:
+                    counts.append(done - seen)
+                    seen = done
+    return counts
+
+
+async def _tokens_per_chunk_sdk(client, i: int) -> list[int]:
+    """The same through the openai SDK's streaming chat (continuous_usage_stats is vLLM's, passed through)."""
+    stream = await client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=CHUNK_TOKENS,
+        temperature=0, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True})
+    counts, seen = [], 0
+    async for chunk in stream:
+        if chunk.choices and chunk.usage is not None and chunk.usage.completion_tokens > seen:
+            counts.append(chunk.usage.completion_tokens - seen)
+            seen = chunk.usage.completion_tokens
+    return counts
+
+
+def test_concurrent_streams_come_a_token_or_two_per_chunk(server: Server) -> None:
+    """Streams stream: with CHUNK_STREAMS streams at once (completions and chat over raw HTTP, chat through the
+    openai SDK), every stream gets all its tokens in chunks of one or two tokens, never in lumps. Each engine step's
+    output is its own chunk even when the API process writes several at once, so this holds however busy the
+    machine is (counts, not times)."""
+    import openai
+
+    async def run_all() -> list[list[int]]:
+        sdk = openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=300)
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                     timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+            jobs = []
+            for i in range(CHUNK_STREAMS):
+                kind = i % 3
+                jobs.append(_tokens_per_chunk_sdk(sdk, i) if kind == 2 else
+                            _tokens_per_chunk_raw(client, i, chat=kind == 1))
+            try:
+                return await asyncio.gather(*jobs)
+            finally:
+                await sdk.close()
+
+    per_stream = asyncio.run(run_all())
+    assert [sum(c) for c in per_stream] == [CHUNK_TOKENS] * CHUNK_STREAMS
+    every = [n for counts in per_stream for n in counts]
+    assert max(every) <= 2, per_stream
+    assert len(every) >= 0.9 * CHUNK_STREAMS * CHUNK_TOKENS, per_stream  # nearly one chunk per token

@@ -79,6 +79,13 @@ def test_result_block_format() -> None:
     assert block.splitlines()[0] == "============ Serving Benchmark Result ============"
     assert "Successful requests:                     1" in block and "Failed requests:" in block
     assert "Output token throughput (tok/s):         2.50" in block and "P99 ITL (ms):" in block
+    assert "Tokens per Chunk" not in block  # no chunk carried its usage: not measured, not printed as zeros
+    lumps = RequestResult(True, 10, 12, 0.1, 0.5, [0.1] * 4, chunk_tokens=[1, 1, 1, 1, 8])
+    m = summarize([lumps, RequestResult(True, 10, 3, 0.1, 0.2, [0.05] * 2, chunk_tokens=[1, 1, 1])], 2.0)
+    assert (m["mean_tokens_per_chunk"], m["median_tokens_per_chunk"], m["max_tokens_per_chunk"]) == (15 / 8, 1, 8)
+    assert 1 < m["p99_tokens_per_chunk"] <= 8
+    block = format_result(m, 4, float("inf"))
+    assert "Max tokens per chunk:                    8" in block and "Mean tokens per chunk:                   1.88" in block
 
 
 def test_issue12_flags_reach_engine_args() -> None:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from robust_helpers import MAX_BODY, SEND_TIMEOUT
+from robust_helpers import API_KEY, MAX_BODY, SEND_TIMEOUT
 from robust_helpers import metric
 
 def _post(server, path: str, content: bytes, content_type: str = "application/json", **headers) -> httpx.Response:
@@ -33,6 +33,38 @@ def test_body_over_the_limit_is_413(tiny_server) -> None:
     assert r.status_code == 413
     ok = _post(tiny_server, "/v1/completions", json.dumps({"prompt": "hello world " * 10, "max_tokens": 1}).encode())
     assert ok.status_code == 200
+
+
+def test_oversized_bodies_get_their_413_every_time(tiny_server) -> None:
+    """The server refuses before reading the body, while the client is still sending: the answer must reach the
+    client every time (the rest of the body is read and dropped before the close, as nginx's lingering close),
+    never a reset (httpx.RemoteProtocolError: "peer closed connection without sending complete message body").
+    Bodies of several sizes, with a Content-Length, chunked, and through the openai SDK; 18 tries in all."""
+    import openai
+
+    def check(r: httpx.Response) -> None:
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+
+    sizes = [MAX_BODY + 1, 2 * MAX_BODY, 5 << 20, 12 << 20]
+    with httpx.Client(timeout=60) as client:
+        for size in sizes * 3:  # 12 tries with a Content-Length
+            check(client.post(tiny_server.url + "/v1/completions", content=b" " * size,
+                              headers={**tiny_server.extra["headers"], "Content-Type": "application/json"}))
+        for size in (2 * MAX_BODY, 12 << 20, 12 << 20):  # chunked: refused once past the limit, mid-body
+            def chunks(size: int = size):
+                for _ in range(size // 65536):
+                    yield b" " * 65536
+            check(client.post(tiny_server.url + "/v1/completions", content=chunks(),
+                              headers={**tiny_server.extra["headers"], "Content-Type": "application/json"}))
+    sdk = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    for size in (2 * MAX_BODY, 12 << 20, 12 << 20):
+        with pytest.raises(openai.APIStatusError) as info:
+            sdk.completions.create(model="x", prompt="x" * size, max_tokens=1)
+        assert info.value.status_code == 413, info.value
+    # and the server still serves, on each of its API processes (connections are spread over them)
+    for _ in range(4):
+        ok = _post(tiny_server, "/v1/completions", json.dumps({"prompt": "hello", "max_tokens": 1}).encode())
+        assert ok.status_code == 200
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",

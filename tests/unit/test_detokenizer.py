@@ -137,10 +137,33 @@ def test_falls_back_when_decode_stream_fails(tokenizer, monkeypatch):
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Test:"), use_decode_stream=True)
     detok.update(ids[:2])
 
-    def fail(self, token_id):
+    def fail(token_id):
         raise Exception("Invalid prefix encountered")
 
-    monkeypatch.setattr(mod._StreamDecoder, "step", fail)
-    detok.update(ids[2:])
+    # DecodeStream.step refuses from now on (one token at a time and several at once both meet it)
+    monkeypatch.setattr(detok, "_step_or_none", fail)
+    detok.update(ids[2:3])
+    assert isinstance(detok._decoder, mod._OffsetDecoder)
+    detok.update(ids[3:])
     assert isinstance(detok._decoder, mod._OffsetDecoder)
     assert detok.output_text == tokenizer.decode(ids)
+
+
+def test_falls_back_when_decode_stream_fails_mid_batch(tokenizer, monkeypatch):
+    """Several tokens in one update, the stream refusing from the second on: the offset method takes over there."""
+    from pagedllm import detokenizer as mod
+
+    ids = tokenizer.encode("Fallback 🎉 works fine", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Test:"), use_decode_stream=True)
+    real, calls = detok._step_or_none, []
+
+    def fail_after_first(token_id):
+        calls.append(token_id)
+        if len(calls) > 1:
+            raise Exception("Invalid prefix encountered")
+        return real(token_id)
+
+    monkeypatch.setattr(detok, "_step_or_none", fail_after_first)
+    detok.update(ids)
+    assert isinstance(detok._decoder, mod._OffsetDecoder)
+    assert detok.output_text == tokenizer.decode(ids) and detok.token_ids == ids

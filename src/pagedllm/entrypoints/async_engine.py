@@ -1,12 +1,15 @@
 """AsyncEngine: the API-process side of the engine-core process.
 
-Owns the engine-core child process and the two ZMQ sockets to it. `generate()` sends one typed request
-(or n child requests, f"{i}_{parent}") and yields RequestOutputs from a per-request asyncio queue. One
-output-handler task reads everything the engine sends, runs the OutputProcessor (incremental
-detokenization, stop strings, n>1 aggregation), feeds the queues, sends aborts for stop-string hits,
-and records metrics. A watcher task notices a dead engine process and fails every pending request.
+Owns the engine-core child process and the two ZMQ sockets to it. `generate_batches()` sends one typed
+request (or n child requests, f"{i}_{parent}") and yields what arrived for it, as lists of RequestOutputs (one
+per engine step, never merged: a stream sends each step as its own chunk, and a consumer that fell behind
+writes several at once); `generate()` yields them one by one. One output-handler task reads everything the
+engine sends, runs the OutputProcessor (incremental detokenization, stop strings, n>1 aggregation), appends to
+each request's pending list (waking its consumer only when it waits), sends aborts for stop-string hits, and
+records metrics (token counts once per step). A watcher task notices a dead engine process and fails every
+pending request.
 
-Invariant: a request id is in `_queues` from the moment it is sent until its final output was queued
+Invariant: a request id is in `_parents` from the moment it is sent until its final output was delivered
 (or it failed / was aborted); a caller that leaves `generate()` early aborts its engine requests.
 
 One of several API server processes (`client`, --api-server-count > 1): the supervisor started the engine
@@ -38,7 +41,6 @@ from pagedllm.entrypoints import messages as m
 from pagedllm.entrypoints.dp_router import DPRouter
 from pagedllm.entrypoints.ipc import ClientSpec, IPCLayout
 from pagedllm.entrypoints.parallel_sampling import fan_out
-from pagedllm.entrypoints.stream_merge import coalesce
 from pagedllm.process_utils import end_process
 from pagedllm.sampling_constraints import tokenize_params
 from pagedllm.sampling_params import SamplingParams
@@ -84,10 +86,19 @@ class _ReqTiming:
 
 @dataclass
 class _Parent:
-    queue: asyncio.Queue
+    """One generate() call: what arrived for it and not yet taken (RequestOutputs, or an exception to raise),
+    and the future its consumer waits on while there is nothing (push: the handler wakes it once per step)."""
+
+    pending: deque = field(default_factory=deque)
+    waiter: Optional[asyncio.Future] = None
     child_ids: list[str] = field(default_factory=list)
     finished: bool = False
-    held: deque = field(default_factory=deque)  # an error met while coalescing, raised next
+
+    def put(self, item: Any) -> None:
+        self.pending.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class AsyncEngine:
@@ -247,17 +258,82 @@ class AsyncEngine:
         output_kind: str = "delta",
         lora_request: Any = None,
     ) -> AsyncIterator[Any]:
-        """Yield RequestOutputs (delta / cumulative / final_only) until the request finishes."""
+        """Yield RequestOutputs (delta: one per engine step; cumulative: the latest at each wake-up; final_only:
+        the last) until the request finishes."""
+        batches = self.generate_batches(prompt, prompt_token_ids, params, request_id, output_kind, lora_request)
+        try:
+            async for batch in batches:
+                if output_kind != "delta":
+                    yield batch[-1]
+                    continue
+                for item in batch:
+                    yield item
+        finally:  # leaving early must abort the request now, not when the collector finds the generator
+            await batches.aclose()
+
+    async def generate_batches(
+        self,
+        prompt: Optional[str],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: Optional[str] = None,
+        output_kind: str = "delta",
+        lora_request: Any = None,
+    ) -> AsyncIterator[list]:
+        """Yield every RequestOutput that arrived since the last yield, in order, as a non-empty list, until the
+        request finishes (the last list ends with the finished output). An error (engine death, a refused
+        request, a disconnect) is raised after the outputs that came before it."""
         if self.errored:
             raise EngineDeadError(self.dead_reason or "the engine process is not running")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._parents:
             raise RequestRejected(f"request id {request_id!r} is already running")
-        parent = _Parent(queue=asyncio.Queue())
+        parent = _Parent()
         self._parents[request_id] = parent
+        engine, adds = self._add_children(request_id, parent, prompt, prompt_token_ids, params, output_kind,
+                                          lora_request)
+        loop = asyncio.get_running_loop()
+        pending = parent.pending
+        try:
+            for add in adds:
+                await self.in_socks[engine].send(self.enc.encode(add))
+            while True:
+                if not pending:
+                    parent.waiter = loop.create_future()
+                    try:
+                        await parent.waiter
+                    finally:
+                        parent.waiter = None
+                batch: list = []
+                finished = False
+                while pending:
+                    item = pending[0]
+                    if isinstance(item, BaseException):
+                        if batch:  # the outputs before it go out first
+                            break
+                        pending.popleft()
+                        raise item
+                    pending.popleft()
+                    batch.append(item)
+                    if item.finished:
+                        finished = True
+                        break
+                # A local flag: fail_pending() marks the parent finished while we are suspended in `yield`,
+                # and its error, still pending, must be raised, not skipped.
+                if finished:
+                    parent.finished = True
+                yield batch
+                if finished:
+                    return
+        finally:
+            self._forget(request_id, abort=not parent.finished)
+
+    def _add_children(self, request_id: str, parent: _Parent, prompt: Optional[str], prompt_token_ids: list[int],
+                      params: SamplingParams, output_kind: str, lora_request: Any) -> tuple[int, list]:
+        """Register the request's engine requests (n > 1: one per sample) with the OutputProcessor and the
+        bookkeeping; -> (the engine core that gets them, their AddRequest messages)."""
         now = time.monotonic()
-        n = params.n
-        engine = self.router.choose(prompt_token_ids, n) if self.num_engines > 1 else 0
+        engine = self.router.choose(prompt_token_ids, params.n) if self.num_engines > 1 else 0
         adds: list[m.AddRequest] = []
         for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
             parent.child_ids.append(child.request_id)
@@ -270,24 +346,7 @@ class AsyncEngine:
             adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time(),
                                      lora_id=None if lora_request is None else lora_request.lora_int_id,
                                      client_index=self.client_index))
-        try:
-            for add in adds:
-                await self.in_socks[engine].send(self.enc.encode(add))
-            while True:
-                item = parent.held.popleft() if parent.held else await parent.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                item = coalesce(item, parent.queue, parent.held, output_kind)
-                # A local flag: fail_pending() marks the parent finished while we are suspended in `yield`,
-                # and its error, still queued, must be raised, not skipped.
-                finished = item.finished
-                if finished:
-                    parent.finished = True
-                yield item
-                if finished:
-                    return
-        finally:
-            self._forget(request_id, abort=not parent.finished)
+        return engine, adds
 
     def _forget(self, request_id: str, abort: bool) -> None:
         parent = self._parents.pop(request_id, None)
@@ -333,7 +392,7 @@ class AsyncEngine:
             return
         self._forget(request_id, abort=not parent.finished)
         parent.finished = True
-        parent.queue.put_nowait(ClientDisconnected(request_id))
+        parent.put(ClientDisconnected(request_id))
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
@@ -422,13 +481,15 @@ class AsyncEngine:
     # ---- background tasks -----------------------------------------------------------------------
 
     async def _output_handler(self) -> None:
+        drain = zmq.Socket.shadow(self.out_sock.underlying).recv
         try:
             while True:
                 frames = [await self.out_sock.recv()]
-                # Drain whatever else is already here so a slow consumer catches up in one pass.
+                # Drain whatever else is already here so a slow consumer catches up in one pass, through a plain
+                # (synchronous) view of the same socket: a non-blocking read needs no future and no poller event.
                 while len(frames) < 64:
                     try:
-                        frames.append(self.out_sock.recv(zmq.NOBLOCK).result())
+                        frames.append(drain(zmq.NOBLOCK))
                     except zmq.Again:
                         break
                 for frame in frames:
@@ -444,13 +505,13 @@ class AsyncEngine:
             if msg.stats is not None:
                 self._update_stats(msg.stats, msg.engine_index)
             if msg.outputs:
-                self._process(msg.outputs)
+                self._process(msg.outputs, msg.engine_index)
         elif isinstance(msg, m.RequestError):
             parent_id = self._engine_to_parent.get(msg.request_id)
             self._timing.pop(msg.request_id, None)
             if parent_id is not None and parent_id in self._parents:
                 parent = self._parents[parent_id]
-                parent.queue.put_nowait(RequestRejected(msg.message, msg.status))
+                parent.put(RequestRejected(msg.message, msg.status))
                 # Siblings of a refused child are pointless: abort them (and drop everyone's detokenizer state;
                 # aborting the refused id itself is a no-op in the engine).
                 parent.finished = True
@@ -490,15 +551,17 @@ class AsyncEngine:
                 self.in_socks[msg.engine_index].send(
                     self.enc.encode(m.LoraApplied(msg.origin, msg.seq, self.client_index)), copy=False)
 
-    def _process(self, outputs: list[Any]) -> None:
+    def _process(self, outputs: list[Any], engine: int = 0) -> None:
+        """One engine step's outputs (all from engine core `engine`): timing and metrics, then the
+        OutputProcessor, then each request's pending list."""
         now = time.monotonic()
-        for out in outputs:
-            self._record_timing(out, now)
+        self._record_timing(outputs, now, engine)
         request_outputs, to_abort = self.processor.process_outputs(outputs)
+        parents = self._parents
         for ro in request_outputs:
-            parent = self._parents.get(ro.request_id)
+            parent = parents.get(ro.request_id)
             if parent is not None:
-                parent.queue.put_nowait(ro)
+                parent.put(ro)
         if to_abort:
             to_abort = list(to_abort)
             if not self.errored:
@@ -506,22 +569,26 @@ class AsyncEngine:
             for rid in to_abort:
                 self._finish_timing(rid, "stop", now)
 
-    def _record_timing(self, out: Any, now: float) -> None:
-        t = self._timing.get(out.request_id)
-        if t is None:
-            return
-        n_new = len(out.new_token_ids)
-        if n_new:
-            if t.first_token is None:
-                t.first_token = now
-                if self.metrics is not None:
-                    self.metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
-            t.last_token = now
-            t.num_generated += n_new
-            if self.metrics is not None:
-                self.metrics.add_generation_tokens(n_new, t.engine)
-        if out.finish_reason is not None:
-            self._finish_timing(out.request_id, out.finish_reason, now)
+    def _record_timing(self, outputs: list[Any], now: float, engine: int) -> None:
+        timing, metrics = self._timing, self.metrics
+        new_tokens = 0
+        for out in outputs:
+            t = timing.get(out.request_id)
+            if t is None:
+                continue
+            n_new = len(out.new_token_ids)
+            if n_new:
+                if t.first_token is None:
+                    t.first_token = now
+                    if metrics is not None:
+                        metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
+                t.last_token = now
+                t.num_generated += n_new
+                new_tokens += n_new
+            if out.finish_reason is not None:
+                self._finish_timing(out.request_id, out.finish_reason, now)
+        if new_tokens and metrics is not None:  # one counter update per step, not per request
+            metrics.add_generation_tokens(new_tokens, engine)
 
     def _finish_timing(self, engine_id: str, reason: str, now: float) -> None:
         t = self._timing.pop(engine_id, None)
@@ -560,14 +627,14 @@ class AsyncEngine:
             parent = self._parents[request_id]
             self._forget(request_id, abort=not parent.finished)
             parent.finished = True
-            parent.queue.put_nowait(EngineDeadError(reason))
+            parent.put(EngineDeadError(reason))
 
     def _fail_all(self, err: BaseException) -> None:
         self.errored = True
         self.dead_reason = str(err)
         for parent in list(self._parents.values()):
             parent.finished = True
-            parent.queue.put_nowait(err)
+            parent.put(err)
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_result(self.last_stats)

@@ -12,8 +12,8 @@ one has its own input channel to every engine core and its own output channel: w
 to each engine core and a voice on each API process's output channel).
 
 Every message is a tagged msgspec Struct so the receiving side decodes straight into the right class
-(no RPC by method-name strings). Payload dataclasses (SamplingParams, EngineCoreOutput) travel as-is:
-msgspec encodes dataclasses field by field and rebuilds them on decode.
+(no RPC by method-name strings). Payloads travel as-is: SamplingParams (a dataclass, encoded field by field)
+and EngineCoreOutput (a Struct, encoded as an array: one step's outputs are the hot message).
 """
 from __future__ import annotations
 

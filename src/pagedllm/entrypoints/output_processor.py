@@ -80,6 +80,9 @@ class _RequestState:
     num_sent_tokens: int = 0
     # final_only, no text, no logprobs, no siblings: until it finishes a step only appends its token ids.
     tokens_only: bool = False
+    # delta, no stop strings, no logprobs, no siblings (a plain stream): a step's output is its new ids and the
+    # text they complete; nothing accumulates (_plain_output).
+    plain: bool = False
 
     @property
     def finished(self) -> bool:
@@ -144,6 +147,8 @@ class OutputProcessor:
             cumulative_logprob=0.0 if wants_logprobs else None,
             tokens_only=(output_kind == "final_only" and detokenizer is None and parent is None
                          and not wants_logprobs and params.prompt_logprobs is None),
+            plain=(output_kind == "delta" and parent is None and not wants_logprobs and not params.stop
+                   and params.prompt_logprobs is None),
         )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
@@ -183,6 +188,11 @@ class OutputProcessor:
             state = requests.get(out.request_id)
             if state is None:  # aborted by the user meanwhile
                 continue
+            if state.plain:
+                result = self._plain_output(state, out, now)
+                if result is not None:
+                    results.append(result)
+                continue
             if state.tokens_only and out.finish_reason is None:  # nothing to report yet (offline, no tokenizer)
                 new_ids = out.new_token_ids
                 if new_ids:
@@ -209,6 +219,32 @@ class OutputProcessor:
             if result is not None:
                 results.append(result)
         return results, to_abort
+
+    def _plain_output(self, state: _RequestState, out: EngineCoreOutput, now: float) -> Optional[RequestOutput]:
+        """A plain stream's step (see _RequestState.plain): the same output _update + _make_completion give in
+        delta mode, without keeping the text and ids it already sent."""
+        new_ids = out.new_token_ids
+        text = ""
+        metrics = state.metrics
+        if new_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            state.num_sent_tokens += len(new_ids)
+            if state.detokenizer is not None:
+                text = state.detokenizer.update(new_ids)
+        if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
+            state.num_cached_tokens = out.num_cached_tokens
+        finish_reason = out.finish_reason
+        if finish_reason is not None:
+            state.finish_reason, state.stop_reason = finish_reason, out.stop_reason
+            metrics.finished_time = now
+            del self._requests[state.request_id]
+        elif not new_ids:
+            return None
+        completion = CompletionOutput(state.index, text, list(new_ids), None, None, finish_reason, out.stop_reason)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, None, [completion],
+                             finish_reason is not None, state.num_cached_tokens, metrics)
 
     def _update(self, state: _RequestState, out: EngineCoreOutput, now: float) -> bool:
         """Append tokens, text and logprobs; set the finish state. True when a stop string ended it."""

@@ -2,7 +2,10 @@
 
 Random prompts of exact token lengths are drawn from the model's vocabulary (the model's tokenizer when
 it is readable locally, else token ids seen through the server's /tokenize) and sent as token-id prompts
-to /v1/completions, so every server sees exactly the same tokens. Prints vLLM's result block.
+to /v1/completions, so every server sees exactly the same tokens. Prints vLLM's result block, and how many
+tokens each streamed chunk carried (from the usage every chunk has with `stream_options.continuous_usage_stats`,
+which vLLM and pagedllm send; `--no-chunk-usage` asks for it only at the end, as plain OpenAI servers need): a
+server that falls behind sends few chunks of many tokens, a stream that streams one or two tokens per chunk.
 
 `--plot FILE` / `--plot-dir DIR` draw the latency distributions and the throughput over time (bench_plots.py,
 matplotlib). Several request rates (`--request-rate 1,2,4,inf`, or `pagedllm bench sweep`) run one after another,
@@ -49,6 +52,9 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chunk-usage", dest="chunk_usage", action="store_false",
+                   help="do not ask for the usage on every chunk (continuous_usage_stats): servers that refuse it; "
+                        "tokens per chunk are then not measured")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     p.add_argument("--metric-percentiles", default="99")
     p.add_argument("--save-result", action="store_true", help="write the results as JSON")
@@ -136,6 +142,9 @@ class RequestResult:
     error: str = ""
     start_time: float = 0.0  # time.perf_counter() when the request was sent
     chunk_times: list[float] = field(default_factory=list)  # perf_counter() of each streamed piece
+    # tokens each streamed piece carried (its usage's completion_tokens minus the previous one's); empty when the
+    # server did not send the usage on every chunk
+    chunk_tokens: list[int] = field(default_factory=list)
 
 
 async def _one_request(client: Any, url: str, payload: dict, headers: dict, prompt_len: int,
@@ -145,6 +154,8 @@ async def _one_request(client: Any, url: str, payload: dict, headers: dict, prom
     last = start
     usage_tokens = None
     num_chunks = 0
+    counted = 0  # completion tokens already credited to a chunk
+    per_chunk_usage = True  # every content chunk so far carried its usage
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
@@ -160,8 +171,9 @@ async def _one_request(client: Any, url: str, payload: dict, headers: dict, prom
                 if "error" in obj:
                     res.error = str(obj["error"].get("message"))
                     return res
-                if obj.get("usage"):
-                    usage_tokens = obj["usage"].get("completion_tokens")
+                usage = obj.get("usage")
+                if usage:
+                    usage_tokens = usage.get("completion_tokens")
                 choices = obj.get("choices") or []
                 if not choices:
                     continue
@@ -170,6 +182,11 @@ async def _one_request(client: Any, url: str, payload: dict, headers: dict, prom
                     continue
                 now = time.perf_counter()
                 res.chunk_times.append(now)
+                if usage and usage_tokens is not None and per_chunk_usage:
+                    res.chunk_tokens.append(usage_tokens - counted)
+                    counted = usage_tokens
+                else:
+                    per_chunk_usage = False
                 if num_chunks == 0:
                     res.ttft = now - start
                 else:
@@ -181,6 +198,8 @@ async def _one_request(client: Any, url: str, payload: dict, headers: dict, prom
         return res
     res.latency = time.perf_counter() - start
     res.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
+    if not per_chunk_usage:
+        res.chunk_tokens = []
     res.success = True
     return res
 
@@ -205,7 +224,8 @@ def _mean(values: list[float]) -> float:
 async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], *, max_concurrency: Optional[int],
                         request_rate: float = float("inf"), api_key: Optional[str] = None, ignore_eos: bool = False,
                         temperature: float = 0.0, backend: str = "openai", endpoint: Optional[str] = None,
-                        seed: int = 0, disable_tqdm: bool = False, timeout: float = 3600.0) -> tuple[dict, list]:
+                        seed: int = 0, disable_tqdm: bool = False, timeout: float = 3600.0,
+                        chunk_usage: bool = True) -> tuple[dict, list]:
     import httpx
 
     chat = backend == "openai-chat"
@@ -223,8 +243,9 @@ async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
 
         async def go(req: BenchRequest) -> RequestResult:
+            stream_options = {"include_usage": True, **({"continuous_usage_stats": True} if chunk_usage else {})}
             payload: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "temperature": temperature,
-                                       "stream": True, "stream_options": {"include_usage": True}}
+                                       "stream": True, "stream_options": stream_options}
             if ignore_eos:
                 payload["ignore_eos"] = True
             if chat:
@@ -271,6 +292,14 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         out[f"std_{name}_ms"] = (_mean([(v - _mean(values)) ** 2 for v in values]) ** 0.5) * 1000 if values else 0.0
         for p in (90, 95, 99):
             out[f"p{p}_{name}_ms"] = _percentile(values, p) * 1000
+    # Tokens per chunk, over every content chunk of the requests whose every chunk carried its usage.
+    per_chunk = [n for r in ok for n in r.chunk_tokens]
+    out["chunk_tokens_measured"] = bool(per_chunk)
+    out["mean_tokens_per_chunk"] = _mean(per_chunk)
+    out["median_tokens_per_chunk"] = _percentile(per_chunk, 50)
+    for p in (90, 99):
+        out[f"p{p}_tokens_per_chunk"] = _percentile(per_chunk, p)
+    out["max_tokens_per_chunk"] = max(per_chunk, default=0)
     return out
 
 
@@ -307,6 +336,12 @@ def format_result(m: dict, max_concurrency: Optional[int], request_rate: float,
             if key not in m:
                 m[key] = 0.0
             row(f"P{p} {short} (ms):", m[key], ".2f")
+    if m.get("chunk_tokens_measured"):
+        lines.append("{s:{c}^{n}}".format(s="Tokens per Chunk", n=50, c="-"))
+        row("Mean tokens per chunk:", m["mean_tokens_per_chunk"], ".2f")
+        row("Median tokens per chunk:", m["median_tokens_per_chunk"], ".2f")
+        row("P99 tokens per chunk:", m["p99_tokens_per_chunk"], ".2f")
+        row("Max tokens per chunk:", m["max_tokens_per_chunk"])
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -354,7 +389,8 @@ def _one_rate(args: argparse.Namespace, base_url: str, model: str, requests: lis
     metrics, results = asyncio.run(run_benchmark(
         base_url, model, requests, max_concurrency=args.max_concurrency, request_rate=rate,
         api_key=args.api_key, ignore_eos=args.ignore_eos, temperature=args.temperature, backend=args.backend,
-        endpoint=args.endpoint, seed=seed, disable_tqdm=args.disable_tqdm, timeout=args.timeout))
+        endpoint=args.endpoint, seed=seed, disable_tqdm=args.disable_tqdm, timeout=args.timeout,
+        chunk_usage=getattr(args, "chunk_usage", True)))
     print(format_result(metrics, args.max_concurrency, rate, args.percentile_metrics,
                         args.metric_percentiles), flush=True)
     if metrics["errors"]:
@@ -364,13 +400,14 @@ def _one_rate(args: argparse.Namespace, base_url: str, model: str, requests: lis
 
 def format_sweep_table(rows: list[tuple[float, dict]]) -> str:
     head = ("rate (req/s)", "ok", "failed", "duration s", "req/s", "out tok/s", "TTFT med ms", "TTFT P99 ms",
-            "TPOT med ms", "TPOT P99 ms", "ITL med ms", "ITL P99 ms")
+            "TPOT med ms", "TPOT P99 ms", "ITL med ms", "ITL P99 ms", "tok/chunk P99")
     lines = [head]
     for rate, m in rows:
         lines.append(("inf" if rate == float("inf") else f"{rate:g}", str(m["completed"]), str(m["failed"]),
                       f"{m['duration']:.2f}", f"{m['request_throughput']:.2f}", f"{m['output_throughput']:.1f}",
                       *(f"{m[f'{stat}_{name}_ms']:.1f}" for name in ("ttft", "tpot", "itl")
-                        for stat in ("median", "p99"))))
+                        for stat in ("median", "p99")),
+                      f"{m['p99_tokens_per_chunk']:.1f}" if m.get("chunk_tokens_measured") else "-"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
     return "\n".join([" Request-rate sweep ".center(len(out[0]), "="), *out, "=" * len(out[0])])

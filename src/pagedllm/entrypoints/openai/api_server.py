@@ -123,9 +123,10 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         state.lifecycle = lifecycle
         state.dashboard = args.dashboard
         fastapi_app = build_app(state)
-        guarded = RequestGuard(fastapi_app, max_body_bytes=args.max_request_body_bytes,
-                               send_timeout_s=args.send_timeout)
-        app = DrainMiddleware(guarded, lifecycle)
+        # The guard is outermost: every early answer inside it (the drain's 503, the key's 401) comes after the
+        # request body was read, and its own refusals read the rest of the body before closing.
+        app = RequestGuard(DrainMiddleware(fastapi_app, lifecycle), max_body_bytes=args.max_request_body_bytes,
+                           send_timeout_s=args.send_timeout)
         freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")
@@ -156,6 +157,21 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
 _SERVING = {"started": False}
 
 
+def run_loop(main: Any) -> Any:
+    """asyncio.run on uvloop when it is installed (a faster event loop: each streamed chunk is a few callbacks
+    and a socket write), else on asyncio's own loop. uvicorn's `loop` setting does not apply here: the server runs
+    inside this loop, beside the engine client."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main)
+    uvloop.install()  # Python 3.10: through the event loop policy
+    return asyncio.run(main)
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if (getattr(args, "node_rank", 0) or 0) > 0:
@@ -169,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
         return serve_with_api_servers(args, to_engine_args(args), count, run_api_child, bind_socket)
     try:
-        return asyncio.run(serve(args))
+        return run_loop(serve(args))
     except KeyboardInterrupt:
         # uvicorn re-raises Ctrl-C / SIGINT after its graceful shutdown: that is a normal stop, not a failure.
         return 0 if _SERVING["started"] else 130
@@ -201,7 +217,7 @@ def run_api_child(args: argparse.Namespace, client: Any, report: Any) -> None:
     watch_parent(exit_code=1)  # the supervisor is gone: nobody watches the engine cores for this process
     setup_logging(args.log_level, tag=f"api {client.index}")
     _SERVING["started"] = True
-    code = asyncio.run(serve(args, client=client, report=report))
+    code = run_loop(serve(args, client=client, report=report))
     report.close()
     sys.exit(code)
 

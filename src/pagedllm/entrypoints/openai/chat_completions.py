@@ -5,7 +5,7 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.chat_template import message_text, render_chat
@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_i
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields)
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.streaming import (DONE, ChunkFramer, error_event, start_disconnect_watch,
+from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, start_disconnect_watch,
                                                    usage_dict)
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 
@@ -50,8 +50,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
-    gen = engine.generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
-                          lora_request=state.lora_request(model))
+    # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
+    generate = engine.generate_batches if stream else engine.generate
+    gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
+                   lora_request=state.lora_request(model))
     watch = start_disconnect_watch(request, engine, [request_id])
     created = int(time.time())
     try:
@@ -61,8 +63,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         await gen.aclose()
         raise
     if stream:
-        body = _stream(req, state, model, request_id, created, len(prompt_ids), first, gen, watch, tool_plan)
-        return StreamingResponse(body, media_type="text/event-stream")
+        framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
+        return SSEResponse(_ChatStream(req, state, len(prompt_ids), gen, first, watch, framer, tool_plan))
     final = first
     try:
         async for out in gen:
@@ -110,56 +112,62 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
     return body
 
 
-async def _stream(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
-                  num_prompt: int, first: Any, gen: AsyncIterator, watch: Any,
-                  tool_plan: ToolPlan) -> AsyncIterator[bytes]:
-    framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
-    top_n = req.top_logprobs or 0
-    num_gen = 0
+class _ChatStream(SSEStream):
+    """The SSE chunks of a streamed chat completion: the role first (and the echo), then one chunk per choice
+    per engine step."""
 
-    def frame(choice: dict) -> bytes:
-        return framer.choices([choice], usage_dict(num_prompt, num_gen) if framer.continuous_usage else None)
+    def __init__(self, req: ChatCompletionRequest, state: ServerState, num_prompt: int, batches: AsyncIterator,
+                 first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan) -> None:
+        super().__init__(batches, first, watch, framer)
+        self.req, self.tok, self.num_prompt, self.num_gen = req, state.tokenizer, num_prompt, 0
+        self.top_n = req.top_logprobs or 0
+        self.tool_streams = ChoiceStreams(tool_plan) if tool_plan.active else None
+        # A running choice of a plain stream (no logprobs, no tools) is a template and its text.
+        self.plain = not req.logprobs and self.tool_streams is None
+        self.templates = [framer.template(b'{"index":%d,"delta":{"content":' % i, b"}") for i in range(req.n)]
 
-    def chunks(ro: Any) -> list[bytes]:
-        nonlocal num_gen
+    def usage(self) -> dict:
+        return usage_dict(self.num_prompt, self.num_gen)
+
+    def frame(self, choice: dict) -> bytes:
+        return self.framer.choices([choice], self.usage() if self.framer.continuous_usage else None)
+
+    def prefix(self) -> bytes:
+        """The role goes first, in its own delta, once per choice (as OpenAI does)."""
+        echo = _echo_text(self.req)
+        frames = []
+        for i in range(self.req.n):
+            frames.append(self.frame({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}))
+            if echo:
+                frames.append(self.frame({"index": i, "delta": {"content": echo}, "logprobs": None,
+                                          "finish_reason": None}))
+        return b"".join(frames)
+
+    def frames(self, batch: list) -> bytes:
+        if len(batch) == 1:
+            return self.chunks(batch[0])
+        return b"".join([self.chunks(ro) for ro in batch])
+
+    def chunks(self, ro: Any) -> bytes:
+        """The frames of one engine step's output (one per choice that has news; tool calls may add some)."""
         frames = []
         for out in ro.outputs:
-            num_gen += len(out.token_ids)
+            self.num_gen += len(out.token_ids)
             if not out.text and out.finish_reason is None and not out.token_ids:
                 continue
-            lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, top_n) if req.logprobs else None
-            if tool_streams is not None:
-                frames += _tool_frames(frame, tool_streams, out, lp)
+            if self.plain and out.finish_reason is None:
+                before, after = self.templates[out.index]
+                frames.append(before + dumps(out.text) + after + self.framer.end(self.num_prompt, self.num_gen))
+                continue
+            lp = _chat_logprobs(self.tok, out.token_ids, out.logprobs, self.top_n) if self.req.logprobs else None
+            if self.tool_streams is not None:
+                frames += _tool_frames(self.frame, self.tool_streams, out, lp)
                 continue
             delta = {"content": out.text} if out.text or out.finish_reason is None else {}
-            frames.append(frame({"index": out.index, "delta": delta, "logprobs": lp,
-                                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}))
-        return frames
-
-    tool_streams = ChoiceStreams(tool_plan) if tool_plan.active else None
-
-    try:
-        # The role goes first, in its own delta, once per choice (as OpenAI does).
-        echo = _echo_text(req)
-        for i in range(req.n):
-            yield frame({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
-            if echo:
-                yield frame({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
-        for f in chunks(first):
-            yield f
-        if not first.finished:
-            async for ro in gen:
-                for f in chunks(ro):
-                    yield f
-        if framer.include_usage:
-            yield framer.usage(usage_dict(num_prompt, num_gen))
-    except Exception as e:  # noqa: BLE001 - headers are gone; report in-band like vLLM
-        yield error_event(e)
-    finally:
-        watch.cancel()
-        await gen.aclose()
-    yield DONE
+            frames.append(self.frame({"index": out.index, "delta": delta, "logprobs": lp,
+                                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}))
+        return frames[0] if len(frames) == 1 else b"".join(frames)
 
 
 def _tool_frames(frame: Any, streams: ChoiceStreams, out: Any, lp: Any) -> list[bytes]:

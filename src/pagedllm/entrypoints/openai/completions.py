@@ -5,7 +5,7 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.errors import APIError, dumps
@@ -14,7 +14,7 @@ from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, check_token_ids)
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.streaming import (DONE, ChunkFramer, error_event, merge_streams,
+from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, merge_streams,
                                                    start_disconnect_watch, usage_dict)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -74,10 +74,13 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     stream = bool(req.stream)
     kind = "delta" if stream else "final_only"
     lora = state.lora_request(model)
-    gens = [engine.generate(text, ids, params, sid, output_kind=kind, lora_request=lora)
+    # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
+    generate = engine.generate_batches if stream else engine.generate
+    gens = [generate(text, ids, params, sid, output_kind=kind, lora_request=lora)
             for (text, ids), sid in zip(prompts, sub_ids)]
     watch = start_disconnect_watch(request, engine, sub_ids)
-    merged = merge_streams(gens)
+    # One prompt's stream is read as it is (one generator less per chunk); several are interleaved, as (i, item).
+    merged = gens[0] if stream and len(gens) == 1 else merge_streams(gens)
     created = int(time.time())
     try:
         first = await merged.__anext__()
@@ -86,8 +89,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         await merged.aclose()
         raise
     if stream:
-        body = _stream(req, state, model, request_id, created, prompts, first, merged, watch)
-        return StreamingResponse(body, media_type="text/event-stream")
+        framer = ChunkFramer(request_id, "text_completion", created, model, req.stream_options)
+        return SSEResponse(_CompletionStream(req, state, prompts, merged, first, watch, framer))
     try:
         finals: dict[int, Any] = {first[0]: first[1]}
         async for i, out in merged:
@@ -151,55 +154,67 @@ def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list
     return result
 
 
-async def _stream(req: CompletionRequest, state: ServerState, model: str, request_id: str, created: int,
-                  prompts: list, first: tuple[int, Any], merged: AsyncIterator, watch: Any) -> AsyncIterator[bytes]:
-    tok = state.tokenizer
-    echoed: set[int] = set()
-    echo_pending: set[int] = set()  # echoed choices whose prompt logprobs are still to be sent
-    offsets: dict[int, int] = {}
-    num_gen = 0
-    framer = ChunkFramer(request_id, "text_completion", created, model, req.stream_options)
-    num_prompt = sum(len(ids) for _, ids in prompts)
+class _CompletionStream(SSEStream):
+    """The SSE chunks of a streamed completion; one prompt's items are batches of RequestOutputs, several
+    prompts' are (prompt index, batch)."""
 
-    def chunks(i: int, ro: Any) -> list[bytes]:
-        nonlocal num_gen
+    def __init__(self, req: CompletionRequest, state: ServerState, prompts: list, batches: AsyncIterator,
+                 first: Any, watch: Any, framer: ChunkFramer) -> None:
+        super().__init__(batches, first, watch, framer)
+        self.req, self.tok, self.prompts = req, state.tokenizer, prompts
+        self.multi = len(prompts) > 1
+        self.echoed: set[int] = set()
+        self.echo_pending: set[int] = set()  # echoed choices whose prompt logprobs are still to be sent
+        self.offsets: dict[int, int] = {}
+        self.num_gen = 0
+        self.num_prompt = sum(len(ids) for _, ids in prompts)
+        # A running choice of a plain stream (no logprobs, no echo) is a template and its text.
+        self.plain = req.logprobs is None and not req.echo
+        self.templates = [framer.template(b'{"index":%d,"text":' % index) for index in range(len(prompts) * req.n)]
+
+    def usage(self) -> dict:
+        return usage_dict(self.num_prompt, self.num_gen)
+
+    def frames(self, item: Any) -> bytes:
+        i, batch = item if self.multi else (0, item)
+        if len(batch) == 1:
+            return self.chunks(i, batch[0])
+        return b"".join([self.chunks(i, ro) for ro in batch])
+
+    def chunks(self, i: int, ro: Any) -> bytes:
+        """The frames of one engine step's output (one per choice that has news)."""
+        req, n = self.req, self.req.n
         frames = []
         for out in ro.outputs:
-            index = i * req.n + out.index
+            index = i * n + out.index
+            self.num_gen += len(out.token_ids)
+            if self.plain and out.finish_reason is None:
+                if out.text or out.token_ids:
+                    before, after = self.templates[index]
+                    frames.append(before + dumps(out.text) + after + self.framer.end(self.num_prompt, self.num_gen))
+                continue
             text = out.text
-            num_gen += len(out.token_ids)
-            if req.echo and index not in echoed:
-                echoed.add(index)
-                echo_pending.add(index)
-                p_text, p_ids = prompts[i]
-                text = (p_text if p_text is not None else tok.decode(p_ids)) + text
-                offsets[index] = len(text) - len(out.text)
+            if req.echo and index not in self.echoed:
+                self.echoed.add(index)
+                self.echo_pending.add(index)
+                p_text, p_ids = self.prompts[i]
+                text = (p_text if p_text is not None else self.tok.decode(p_ids)) + text
+                self.offsets[index] = len(text) - len(out.text)
             if not text and out.finish_reason is None and not out.token_ids:
                 continue
             lp = None
             if req.logprobs is not None:
-                lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(s) for s in lp["tokens"])
-                if index in echo_pending:
-                    echo_pending.discard(index)
-                    lp = _merge_logprobs(_prompt_logprobs(tok, prompts[i][1], ro.prompt_logprobs, req.logprobs), lp)
+                lp = self._logprobs(i, index, ro, out)
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                       "stop_reason": out.stop_reason}
-            frames.append(framer.choices([choice], usage_dict(num_prompt, num_gen) if framer.continuous_usage
-                                         else None))
-        return frames
+            frames.append(self.framer.choices([choice], self.usage() if self.framer.continuous_usage else None))
+        return frames[0] if len(frames) == 1 else b"".join(frames)
 
-    try:
-        for frame in chunks(*first):
-            yield frame
-        async for i, ro in merged:
-            for frame in chunks(i, ro):
-                yield frame
-        if framer.include_usage:
-            yield framer.usage(usage_dict(num_prompt, num_gen))
-    except Exception as e:  # noqa: BLE001 - headers are gone; report in-band like vLLM
-        yield error_event(e)
-    finally:
-        watch.cancel()
-        await merged.aclose()
-    yield DONE
+    def _logprobs(self, i: int, index: int, ro: Any, out: Any) -> dict:
+        tok, offsets = self.tok, self.offsets
+        lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + sum(len(s) for s in lp["tokens"])
+        if index in self.echo_pending:
+            self.echo_pending.discard(index)
+            lp = _merge_logprobs(_prompt_logprobs(tok, self.prompts[i][1], ro.prompt_logprobs, self.req.logprobs), lp)
+        return lp

@@ -1,15 +1,24 @@
-"""HTTP-level guards in front of the app (pure ASGI, before any route runs):
+"""HTTP-level guards in front of the app (pure ASGI, before any route runs, outermost of the server's layers):
 
 - a request body over `--max-request-body-bytes` is refused with 413, from its Content-Length before a byte
   of it is read, or as soon as a chunked body passes the limit;
 - a POST body that is not JSON by its Content-Type gets 415, and one that is not valid UTF-8 gets 400;
+- an error answered before the client has sent its whole body gets a lingering close, as nginx does: the
+  answer goes out, the rest of the body is read and dropped (for at most LINGER_TOTAL_S, LINGER_READ_S without
+  data, LINGER_MAX_BYTES), then the connection closes. Closing a socket with unread data makes the kernel send a
+  reset, and a client still sending would see the reset instead of the answer. Every other layer (the drain's
+  503, the API key's 401, routes) runs after the body was read here, so its early answers are safe too;
 - a client that stops reading its response (a stream nobody consumes) is cut off when one write has waited
   `--send-timeout` seconds: its request is aborted (KV freed), and the engine never waits for it.
+
+The send it hands down is also in scope["pagedllm.send"]: streaming responses send their body there, past the
+framework's per-message wrappers (which only look at the response start).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import dumps, error_body
@@ -19,12 +28,18 @@ logger = logging.getLogger("pagedllm.api_server")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 DEFAULT_SEND_TIMEOUT_S = 60.0
 _BODY_METHODS = (b"POST", b"PUT", b"PATCH")
+# Lingering close after an early answer (nginx: lingering_time 30 s, lingering_timeout 5 s).
+LINGER_TOTAL_S = 30.0
+LINGER_READ_S = 5.0
+LINGER_MAX_BYTES = 1 << 30
+RAW_SEND_KEY = "pagedllm.send"
 
 
 class _Refused(Exception):
     def __init__(self, status: int, message: str, code: Optional[str] = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+        self.body_unread = False  # the client may still be sending: answer with a lingering close
 
 
 class _Gone(Exception):
@@ -42,23 +57,29 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = dict(scope.get("headers") or [])
         try:
-            if scope.get("method", "").encode() in _BODY_METHODS:
-                receive = await self._checked_body(scope, receive)
+            if _has_body(scope, headers):
+                receive = await self._checked_body(scope, headers, receive)
         except _Gone:
             return
         except _Refused as e:
-            await _send_error(send, e)
+            await refuse(send, receive, e.status, e.message, e.code,
+                         linger=e.body_unread and headers.get(b"expect", b"").lower() != b"100-continue")
             return
+        timed, watch = self._timed_send(scope, send)
+        scope[RAW_SEND_KEY] = timed
         try:
-            await self.app(scope, receive, self._timed_send(scope, send))
+            await self.app(scope, receive, timed)
         except BaseException as e:  # noqa: BLE001 - only a cut-off slow client is absorbed here
             if not _is_too_slow(e):
                 raise
             # Returning with the response unfinished makes uvicorn close the connection.
+        finally:
+            if watch is not None:
+                watch.close()
 
-    async def _checked_body(self, scope: dict, receive: Any) -> Any:
-        headers = dict(scope.get("headers") or [])
+    async def _checked_body(self, scope: dict, headers: dict, receive: Any) -> Any:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise self._too_large()
@@ -70,14 +91,16 @@ class RequestGuard:
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
             more = message.get("more_body", False)
+            if size > self.max_body_bytes:
+                refused = self._too_large()
+                refused.body_unread = more
+                raise refused
+            chunks.append(chunk)
         if tail is not None:  # the client left before its body was complete: nobody to answer
             raise _Gone()
         body = b"".join(chunks)
-        if body:
+        if body and scope.get("method", "").encode() in _BODY_METHODS:
             _check_json_content_type(headers.get(b"content-type"))
             try:
                 body.decode("utf-8")
@@ -87,32 +110,73 @@ class RequestGuard:
         return _replay(body, tail, receive)
 
     def _too_large(self) -> _Refused:
-        return _Refused(413, f"The request body is larger than the server's limit of {self.max_body_bytes} bytes "
-                             "(--max-request-body-bytes).", code="request_too_large")
+        refused = _Refused(413, f"The request body is larger than the server's limit of {self.max_body_bytes} "
+                                "bytes (--max-request-body-bytes).", code="request_too_large")
+        refused.body_unread = True
+        return refused
 
-    def _timed_send(self, scope: dict, send: Any) -> Any:
-        timeout = self.send_timeout_s
-        if timeout <= 0:
-            return send
+    def _timed_send(self, scope: dict, send: Any) -> tuple[Any, Optional["_SendWatch"]]:
+        if self.send_timeout_s <= 0:
+            return send, None
+        watch = _SendWatch(self.send_timeout_s, scope)
+        return watch.wrap(send), watch
+
+
+class _SendWatch:
+    """--send-timeout for one request without a timer per write (a stream writes thousands of chunks a second):
+    each write only notes when it started; one timer per request, re-armed lazily, cuts off a write that has
+    waited `timeout` seconds by cancelling the task blocked in it, which then raises ClientTooSlow."""
+
+    def __init__(self, timeout: float, scope: dict) -> None:
+        self.timeout = timeout
+        self.scope = scope
+        self.loop = asyncio.get_running_loop()
+        self.started: Optional[float] = None  # loop time the write in progress began; None: no write waits
+        self.task: Optional[asyncio.Task] = None  # the task doing that write
+        self.expired = False
+        self.timer: Optional[asyncio.TimerHandle] = None
+
+    def wrap(self, send: Any) -> Any:
+        loop, current_task = self.loop, asyncio.current_task
 
         async def timed(message: dict) -> None:
+            if self.expired:
+                raise ClientTooSlow()
+            self.task = current_task()
+            self.started = loop.time()
+            if self.timer is None:
+                self.timer = loop.call_at(self.started + self.timeout, self._check)
             try:
-                if _timeout is not None:  # a timer on this task: no task per write (wait_for makes one on 3.11)
-                    async with _timeout(timeout):
-                        await send(message)
-                else:
-                    await asyncio.wait_for(send(message), timeout)
-            except asyncio.TimeoutError:
-                client = scope.get("client") or ("?", 0)
-                logger.warning("client %s:%s did not read its response for %.0f s (--send-timeout): cut off",
-                               client[0], client[1], timeout)
+                await send(message)
+            except asyncio.CancelledError:
+                if not self.expired:
+                    raise
+                uncancel = getattr(self.task, "uncancel", None)  # Python >= 3.11: the cancel was ours
+                if uncancel is not None:
+                    uncancel()
                 raise ClientTooSlow() from None
+            finally:
+                self.started = None
 
         return timed
 
+    def _check(self) -> None:
+        now = self.loop.time()
+        started = self.started
+        if started is not None and now - started >= self.timeout and self.task is not None:
+            client = self.scope.get("client") or ("?", 0)
+            logger.warning("client %s:%s did not read its response for %.0f s (--send-timeout): cut off",
+                           client[0], client[1], self.timeout)
+            self.expired = True
+            self.timer = None
+            self.task.cancel()
+            return
+        self.timer = self.loop.call_at((started if started is not None else now) + self.timeout, self._check)
 
-# asyncio.timeout (Python >= 3.11): every SSE chunk goes through timed(); a streaming server writes thousands a second.
-_timeout = getattr(asyncio, "timeout", None)
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 class ClientTooSlow(Exception):
@@ -151,9 +215,45 @@ def _replay(body: bytes, tail: Optional[dict], receive: Any) -> Any:
     return replayed
 
 
-async def _send_error(send: Any, e: _Refused) -> None:
-    body = dumps(error_body(e.message, e.status, code=e.code))
-    await send({"type": "http.response.start", "status": e.status,
+def _has_body(scope: dict, headers: dict) -> bool:
+    """Whether the request may carry a body: a POST / PUT / PATCH, or any request that announces one."""
+    if scope.get("method", "").encode() in _BODY_METHODS or b"transfer-encoding" in headers:
+        return True
+    length = headers.get(b"content-length")
+    return length is not None and length not in (b"0", b"")
+
+
+async def refuse(send: Any, receive: Any, status: int, message: str, code: Optional[str] = None,
+                 linger: bool = False, extra_headers: tuple = ()) -> None:
+    """An error answer that closes the connection. `linger`: the client may still be sending its body, so the
+    answer goes out complete (its Content-Length is exact), then the body is read and dropped, and only then is
+    the response ended (uvicorn closes the connection at that moment)."""
+    body = dumps(error_body(message, status, code=code))
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+                            (b"connection", b"close"), *extra_headers]})
+    if not linger:
+        await send({"type": "http.response.body", "body": body})
+        return
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    await drain_body(receive)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def drain_body(receive: Any) -> bool:
+    """Read and drop what the client still sends of its body, within the lingering bounds. True when the body
+    ended (or the client left) within them."""
+    deadline = time.monotonic() + LINGER_TOTAL_S
+    size = 0
+    while size <= LINGER_MAX_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            message = await asyncio.wait_for(receive(), min(LINGER_READ_S, left))
+        except asyncio.TimeoutError:
+            return False
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return True
+        size += len(message.get("body", b""))
+    return False

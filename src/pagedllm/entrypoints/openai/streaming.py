@@ -1,5 +1,6 @@
 """What chat and completions share around a generation: client-disconnect watching, merging several
-output streams, and the Server-Sent-Events framing of chunks, usage, in-band errors and [DONE]."""
+output streams, the Server-Sent-Events framing of chunks, usage, in-band errors and [DONE], and the response
+that writes them."""
 from __future__ import annotations
 
 import asyncio
@@ -7,10 +8,105 @@ import contextlib
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.errors import dumps, error_body
+from pagedllm.entrypoints.openai.guards import RAW_SEND_KEY
 
 DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+class SSEStream:
+    """One streamed generation as SSE bytes, for SSEResponse: prefix() (frames before any output, e.g. the
+    role), frames(item) for the first item and for every later item of `batches` (an item: the outputs that
+    arrived since the last write, one chunk per engine step), then tail(error): the usage chunk and [DONE], or
+    the error in-band (headers are gone) and [DONE]. close() stops the disconnect watch and the generation
+    (aborting it in the engine if it did not finish)."""
+
+    def __init__(self, batches: AsyncIterator, first: Any, watch: asyncio.Task, framer: "ChunkFramer") -> None:
+        self.batches = batches
+        self.first = first
+        self.watch = watch
+        self.framer = framer
+
+    def prefix(self) -> bytes:
+        return b""
+
+    def frames(self, item: Any) -> bytes:
+        raise NotImplementedError
+
+    def usage(self) -> dict:
+        raise NotImplementedError
+
+    def tail(self, error: Optional[BaseException]) -> bytes:
+        if error is not None:
+            return error_event(error) + DONE
+        return (self.framer.usage(self.usage()) if self.framer.include_usage else b"") + DONE
+
+    async def close(self) -> None:
+        self.watch.cancel()
+        await self.batches.aclose()
+
+
+class SSEResponse(Response):
+    """A text/event-stream response: one write per item of the stream (the frames of the engine steps that
+    arrived since the last write).
+
+    The writing runs in a task of its own: a task resumed once per chunk should be shallow, and the request's
+    task sits under a dozen middleware frames, each resumed with it. The bytes go to scope["pagedllm.send"]
+    (RequestGuard's send: the send timeout, then uvicorn), past the framework middlewares' per-message wrappers;
+    the response start still goes through them (CORS headers). No second reader of the client's messages:
+    start_disconnect_watch already turns a disconnect into an abort, which ends the stream."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, stream: SSEStream) -> None:
+        self.stream = stream
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = list(_SSE_HEADERS)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        raw = scope.get(RAW_SEND_KEY, send)
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        # Cancelling this task (a forced shutdown) cancels the writer it awaits.
+        await asyncio.get_running_loop().create_task(self._write(raw))
+        if self.background is not None:
+            await self.background()
+
+    async def _write(self, raw: Any) -> None:
+        stream = self.stream
+        try:
+            pending, error = stream.prefix(), None
+            try:
+                pending += stream.frames(stream.first)
+            except Exception as e:  # noqa: BLE001 - reported in-band
+                error = e
+            if error is None:
+                if pending:
+                    await raw({"type": "http.response.body", "body": pending, "more_body": True})
+                    pending = b""
+                error = await self._write_items(raw, stream)
+            await raw({"type": "http.response.body", "body": pending + stream.tail(error), "more_body": False})
+        finally:  # also when a write failed (--send-timeout): stops the generation, aborting it in the engine
+            await stream.close()
+
+    @staticmethod
+    async def _write_items(raw: Any, stream: SSEStream) -> Optional[BaseException]:
+        """Write every later item; the generation's error, if one ended it (a failed write raises instead)."""
+        items = stream.batches.__aiter__()
+        frames = stream.frames
+        while True:
+            try:
+                item = await items.__anext__()
+                body = frames(item)
+            except StopAsyncIteration:
+                return None
+            except Exception as e:  # noqa: BLE001 - the engine died, the request was refused, ...: in-band
+                return e
+            if body:
+                await raw({"type": "http.response.body", "body": body, "more_body": True})
 
 
 class ChunkFramer:
@@ -30,6 +126,20 @@ class ChunkFramer:
         self.head = (b'{"id":' + dumps(request_id) + b',"object":' + dumps(obj) + b',"created":'
                      + str(created).encode() + b',"model":' + dumps(model) + b',"choices":')
         self.tail = b',"usage":null}\n\n' if self.include_usage else b"}\n\n"
+
+    def template(self, before_text: bytes, after_text: bytes = b"") -> tuple[bytes, bytes]:
+        """(before, after) the JSON string of a running choice's text: its frame is before + dumps(text) + after
+        + end(usage), byte for byte what choices() writes for it. `before_text`: the choice up to the text (e.g.
+        b'{"index":0,"text":'); `after_text`: what closes an object the text sits in (chat: the delta's b"}")."""
+        return (b"data: " + self.head + b"[" + before_text,
+                after_text + b',"logprobs":null,"finish_reason":null,"stop_reason":null}]')
+
+    def end(self, num_prompt: int, num_generated: int) -> bytes:
+        """What follows a template's choices: the usage so far with continuous_usage_stats, else the tail."""
+        if not self.continuous_usage:
+            return self.tail
+        return b',"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
+            num_prompt, num_generated, num_prompt + num_generated)
 
     def choices(self, choices: list[dict], usage: Optional[dict] = None) -> bytes:
         if self.continuous_usage and usage is not None:

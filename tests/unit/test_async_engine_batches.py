@@ -1,0 +1,118 @@
+"""What the API process's AsyncEngine hands a stream (entrypoints/async_engine.py), fed engine-core messages as
+the engine core sends them: each engine step's output stays its own RequestOutput (outputs that arrived while
+the consumer was busy come together as one batch, in order, never merged into one chunk); an error is raised
+after the outputs before it; a consumer that leaves early aborts its request in the engine core."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.batch_plan import EngineCoreOutput
+from pagedllm.entrypoints import messages as m
+from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.entrypoints.output_processor import OutputProcessor
+from pagedllm.sampling_params import SamplingParams
+
+
+class _InputChannel:
+    """Stands in for the socket to the engine core: records the messages (the engine core would decode them)."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.decoder = m.input_decoder()
+
+    def send(self, frame: bytes, *args, **kwargs):
+        self.sent.append(self.decoder.decode(frame))
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+def _engine() -> tuple[AsyncEngine, _InputChannel]:
+    engine = AsyncEngine(EngineArgs(model="unused"))
+    channel = _InputChannel()
+    engine.in_socks = [channel]
+    engine.processor = OutputProcessor(None)  # token ids only: no tokenizer needed
+    return engine, channel
+
+
+def _close(engine: AsyncEngine) -> None:
+    """What shutdown() does without engine cores: close the sockets (a bare term() waits for them forever)."""
+    engine.ctx.destroy(linger=0)
+    shutil.rmtree(engine._tmpdir, ignore_errors=True)
+
+
+def _step(engine: AsyncEngine, request_id: str, token: int, finished: bool = False) -> None:
+    """One engine step's message for one request, through the decoder, as it arrives from the engine core."""
+    out = EngineCoreOutput(request_id, [token], finish_reason="length" if finished else None)
+    frame = m.Encoder().encode(m.EngineOutputs(outputs=[out], stats=m.SchedulerStatsMsg()))
+    engine._handle_output(engine.dec.decode(frame))
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(max_tokens=8, detokenize=False)
+
+
+def test_steps_that_arrive_together_stay_separate_chunks_in_order() -> None:
+    async def run() -> list:
+        engine, _ = _engine()
+        gen = engine.generate_batches(None, [1, 2, 3], _params(), "r", "delta")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the request is sent; nothing arrived yet
+        _step(engine, "r", 11)
+        batches = [await first]
+        for token in (12, 13, 14):  # three steps while the consumer does not read
+            _step(engine, "r", token)
+        batches.append(await gen.__anext__())
+        _step(engine, "r", 15, finished=True)
+        batches.append(await gen.__anext__())
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()
+        _close(engine)
+        return batches
+
+    batches = asyncio.run(run())
+    assert [[ro.outputs[0].token_ids for ro in batch] for batch in batches] == [[[11]], [[12], [13], [14]], [[15]]]
+    assert [[ro.finished for ro in batch] for batch in batches] == [[False], [False, False, False], [True]]
+
+
+def test_an_error_comes_after_the_outputs_before_it() -> None:
+    async def run() -> tuple[list, BaseException]:
+        engine, _ = _engine()
+        gen = engine.generate_batches(None, [1, 2, 3], _params(), "r", "delta")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)
+        _step(engine, "r", 11)
+        _step(engine, "r", 12)
+        engine._handle_output(m.EngineDead(message="killed", engine_index=0))
+        batch = await first
+        with pytest.raises(EngineDeadError) as info:
+            await gen.__anext__()
+        _close(engine)
+        return batch, info.value
+
+    batch, error = asyncio.run(run())
+    assert [ro.outputs[0].token_ids for ro in batch] == [[11], [12]]
+    assert "killed" in str(error)
+
+
+def test_generate_yields_each_step_and_leaving_early_aborts() -> None:
+    async def run() -> tuple[list, list]:
+        engine, channel = _engine()
+        gen = engine.generate(None, [1, 2, 3], _params(), "r", "delta")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)
+        _step(engine, "r", 11)
+        _step(engine, "r", 12)
+        got = [(await first).outputs[0].token_ids, (await gen.__anext__()).outputs[0].token_ids]
+        await gen.aclose()  # the client went away before the request finished
+        _close(engine)
+        return got, channel.sent
+
+    got, sent = asyncio.run(run())
+    assert got == [[11], [12]]
+    assert [type(msg).__name__ for msg in sent] == ["AddRequest", "AbortRequests"]
+    assert sent[1].request_ids == ["r"]

@@ -1,0 +1,43 @@
+"""The SSE frames of a streamed response (entrypoints/openai/streaming.py): the pre-built template of a running
+plain choice gives byte for byte the frame the general path writes from a dict, for completions and chat, with
+and without include_usage / continuous_usage_stats, for texts JSON must escape."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from pagedllm.entrypoints.openai.errors import dumps
+from pagedllm.entrypoints.openai.streaming import ChunkFramer, usage_dict
+
+TEXTS = ["", "Hello", ' "quoted" \\ back', "line\nbreak\ttab", "é🎉\u2028", "</script>", "\x00\x1f"]
+OPTIONS = [None, True, SimpleNamespace(include_usage=False, continuous_usage_stats=False),
+           SimpleNamespace(include_usage=True, continuous_usage_stats=False),
+           SimpleNamespace(include_usage=False, continuous_usage_stats=True)]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["none", "bool", "off", "usage", "continuous"])
+@pytest.mark.parametrize("index", [0, 3])
+def test_completion_template_is_the_dict_frame(options, index: int) -> None:
+    framer = ChunkFramer("cmpl-1", "text_completion", 1700000000, 'm "q"', options)
+    before, after = framer.template(b'{"index":%d,"text":' % index)
+    for num_gen, text in enumerate(TEXTS, start=1):
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        usage = usage_dict(7, num_gen) if framer.continuous_usage else None
+        frame = before + dumps(text) + after + framer.end(7, num_gen)
+        assert frame == framer.choices([choice], usage)
+        body = json.loads(frame[len(b"data: "):])
+        assert body["choices"][0]["text"] == text and frame.endswith(b"}\n\n")
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["none", "bool", "off", "usage", "continuous"])
+def test_chat_template_is_the_dict_frame(options) -> None:
+    framer = ChunkFramer("chatcmpl-1", "chat.completion.chunk", 1700000000, "m", options)
+    for index in (0, 1):
+        before, after = framer.template(b'{"index":%d,"delta":{"content":' % index, b"}")
+        for num_gen, text in enumerate(TEXTS, start=1):
+            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
+                      "stop_reason": None}
+            usage = usage_dict(3, num_gen) if framer.continuous_usage else None
+            assert before + dumps(text) + after + framer.end(3, num_gen) == framer.choices([choice], usage)
