@@ -165,10 +165,10 @@ def test_int8_rows_any_width(ops, k):
 
 @pytest.mark.parametrize("qtype", TYPES + ["i8row"], ids=lambda t: getattr(t, "name", t))
 def test_one_activation_row_bits_do_not_depend_on_row_grouping(ops, qtype):
-    """A decode step's product (one activation row) takes four weight rows per pass on AVX2 and the rest one by
-    one: every output must have the same bits however its rows were grouped (thread splits, a part's tail, a
-    batch of several activation rows), and stay within the rounding bound of the reference."""
-    n = 11  # two groups of four and a tail of three
+    """A decode step's product (one activation row): every output must have the same bits however its rows were
+    grouped (thread splits, a part's slices at any offset, a batch of several activation rows), and stay within
+    the rounding bound of the reference."""
+    n = 11
     if qtype == "i8row":
         k = 100
         packed, w = (torch.from_numpy(a) for a in int8_rows(n, k, seed=5))

@@ -587,102 +587,71 @@ inline void decode_avx2(const uint8_t* row, int64_t c, int64_t k, const SuperSca
   }
 }
 
-// The lane sums of four vectors, each as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); a vector passed
-// several times gets the same bits in each lane, so a sum does not depend on what it was grouped with.
-inline __m128 hsum4x256(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-inline __m128 hsum4x128(__m128 a, __m128 b, __m128 c, __m128 d) {
-  return _mm_hadd_ps(_mm_hadd_ps(a, b), _mm_hadd_ps(c, d));
-}
-
-// out[r * os + w] for activation rows [m0, m0 + R) and W weight rows (rows[w]). One accumulator per (weight
-// row, activation row) and a fixed reduction order: an output's bits are the same whatever W and R it was
-// computed with (thread splits and batch sizes group rows differently). W > 1 amortizes the per-row reduction
-// (k is only 640-2048 here) and gives the core W independent accumulation chains.
-template <int64_t T, int W, int R>
-inline void dot_avx2_reg(const uint8_t* const* rows, int64_t k, const ActRows& act, int64_t m0, float* out,
-                         int64_t os) {
+// out[r * os] for activation rows [m0, m0 + R) and one weight row; two accumulators per row (the chunk's
+// halves) so consecutive FMAs do not wait on each other.
+template <int64_t T, int R>
+inline void dot_rows_avx2_reg(const uint8_t* row, int64_t k, const ActRows& act, int64_t m0, float* out,
+                              int64_t os) {
   constexpr bool kSigned = T == kQ8_0;
   constexpr bool kPer16 = T == kQ6_K || T == kI8Row;  // scales (or a partial chunk) per 16 weights
-  __m256 acc[W][R];
-  __m128 accb[W][R];
-  for (int w = 0; w < W; ++w)
-    for (int r = 0; r < R; ++r) {
-      acc[w][r] = _mm256_setzero_ps();
-      accb[w][r] = _mm_setzero_ps();
-    }
+  __m256 acc0[R], acc1[R];
+  __m128 accb[R];
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = acc1[r] = _mm256_setzero_ps();
+    accb[r] = _mm_setzero_ps();
+  }
   const int64_t nchunks = (k + 63) / 64;
-  SuperScales sup[is_kquant(T) ? W : 1];
+  SuperScales sup;
   for (int64_t c = 0; c < nchunks; ++c) {
-    for (int w = 0; w < W; ++w) {
-      if constexpr (is_kquant(T)) {
-        if (c % 4 == 0) super_scales<T>(rows[w] + (c / 4) * block_bytes(T), sup[w]);
+    if constexpr (is_kquant(T)) {
+      if (c % 4 == 0) super_scales<T>(row + (c / 4) * block_bytes(T), sup);
+    }
+    RegChunk2 ch;
+    decode_avx2<T>(row, c, k, sup, ch);
+    __m256i w[4];
+    for (int g = 0; g < 4; ++g) w[g] = kSigned ? _mm256_cvtepi8_epi16(ch.q[g]) : _mm256_cvtepu8_epi16(ch.q[g]);
+    const __m128 b4 = _mm_loadu_ps(ch.b);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* x = act.xw(m0 + r) + 64 * c;
+      const float* dx = act.dx(m0 + r) + 16 * c;
+      __m256i p[4];
+      for (int g = 0; g < 4; ++g)
+        p[g] = _mm256_madd_epi16(w[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * g)));
+      if constexpr (kPer16) {
+        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[0]), _mm256_set1_ps(ch.a[0] * dx[0]), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2]), _mm256_set1_ps(ch.a[2] * dx[8]), acc1[r]);
+        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[1]), _mm256_set1_ps(ch.a[1] * dx[4]), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[3]), _mm256_set1_ps(ch.a[3] * dx[12]), acc1[r]);
+      } else {  // one scale per 32 weights (a and the activation step)
+        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[0], p[1])), _mm256_set1_ps(ch.a[0] * dx[0]),
+                                  acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[2], p[3])), _mm256_set1_ps(ch.a[2] * dx[8]),
+                                  acc1[r]);
       }
-      RegChunk2 ch;
-      decode_avx2<T>(rows[w], c, k, sup[is_kquant(T) ? w : 0], ch);
-      __m256i wv[4];
-      for (int g = 0; g < 4; ++g) wv[g] = kSigned ? _mm256_cvtepi8_epi16(ch.q[g]) : _mm256_cvtepu8_epi16(ch.q[g]);
-      const __m128 b4 = _mm_loadu_ps(ch.b);
-      for (int r = 0; r < R; ++r) {
-        const int16_t* x = act.xw(m0 + r) + 64 * c;
-        const float* dx = act.dx(m0 + r) + 16 * c;
-        __m256i p[4];
-        for (int g = 0; g < 4; ++g)
-          p[g] = _mm256_madd_epi16(wv[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * g)));
-        __m256 a = acc[w][r];
-        if constexpr (kPer16) {
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[0]), _mm256_set1_ps(ch.a[0] * dx[0]), a);
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[1]), _mm256_set1_ps(ch.a[1] * dx[4]), a);
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2]), _mm256_set1_ps(ch.a[2] * dx[8]), a);
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[3]), _mm256_set1_ps(ch.a[3] * dx[12]), a);
-        } else {  // one scale per 32 weights (a and the activation step)
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[0], p[1])), _mm256_set1_ps(ch.a[0] * dx[0]), a);
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[2], p[3])), _mm256_set1_ps(ch.a[2] * dx[8]), a);
-        }
-        acc[w][r] = a;
-        if constexpr (!kSigned) accb[w][r] = _mm_fmadd_ps(b4, _mm_loadu_ps(act.s(m0 + r) + 4 * c), accb[w][r]);
-      }
+      if constexpr (!kSigned) accb[r] = _mm_fmadd_ps(b4, _mm_loadu_ps(act.s(m0 + r) + 4 * c), accb[r]);
     }
   }
-  constexpr int w1 = W > 1 ? 1 : 0, w2 = W > 2 ? 2 : 0, w3 = W > 3 ? 3 : 0;
   for (int r = 0; r < R; ++r) {
-    const __m128 sum = _mm_add_ps(hsum4x256(acc[0][r], acc[w1][r], acc[w2][r], acc[w3][r]),
-                                  hsum4x128(accb[0][r], accb[w1][r], accb[w2][r], accb[w3][r]));
-    alignas(16) float res[4];
-    _mm_store_ps(res, sum);
-    for (int w = 0; w < W; ++w) out[r * os + w] = res[w];
+    __m128 sb = accb[r];
+    sb = _mm_add_ps(sb, _mm_movehl_ps(sb, sb));
+    sb = _mm_add_ss(sb, _mm_movehdup_ps(sb));
+    out[r * os] = hsum256(_mm256_add_ps(acc0[r], acc1[r])) + _mm_cvtss_f32(sb);
   }
 }
 
-// out[r, n] for activation rows [0, m) and weight rows [n0, n1): one activation row (a decode step) takes four
-// weight rows per pass, more rows up to kRows activation rows per decoded chunk.
+// out[r, n] for activation rows [0, m) and weight rows [n0, n1), kRows activation rows per decode.
 template <int64_t T>
 inline void gemm_avx2_reg(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t k, const ActRows& act,
                           int64_t m, float* out, int64_t os) {
-  if (m == 1) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-      const uint8_t* rows[4] = {w + n * rb, w + (n + 1) * rb, w + (n + 2) * rb, w + (n + 3) * rb};
-      dot_avx2_reg<T, 4, 1>(rows, k, act, 0, out + n, os);
-    }
-    for (; n < n1; ++n) {
-      const uint8_t* rows[1] = {w + n * rb};
-      dot_avx2_reg<T, 1, 1>(rows, k, act, 0, out + n, os);
-    }
-    return;
-  }
   for (int64_t r0 = 0; r0 < m; r0 += kRows) {
     const int64_t nr = std::min<int64_t>(kRows, m - r0);
     float* o = out + r0 * os;
     for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* rows[1] = {w + n * rb};
       switch (nr) {
-        case 4: dot_avx2_reg<T, 1, 4>(rows, k, act, r0, o + n, os); break;
-        case 3: dot_avx2_reg<T, 1, 3>(rows, k, act, r0, o + n, os); break;
-        case 2: dot_avx2_reg<T, 1, 2>(rows, k, act, r0, o + n, os); break;
-        default: dot_avx2_reg<T, 1, 1>(rows, k, act, r0, o + n, os); break;
+        case 4: dot_rows_avx2_reg<T, 4>(w + n * rb, k, act, r0, o + n, os); break;
+        case 3: dot_rows_avx2_reg<T, 3>(w + n * rb, k, act, r0, o + n, os); break;
+        case 2: dot_rows_avx2_reg<T, 2>(w + n * rb, k, act, r0, o + n, os); break;
+        default: dot_rows_avx2_reg<T, 1>(w + n * rb, k, act, r0, o + n, os); break;
       }
     }
   }
@@ -1706,7 +1675,7 @@ void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, co
 
 // Q5_0 rows [rows, nb * 22] as Q8_0 rows [rows, nb * 34] holding the same values: each block keeps its fp16
 // scale d and its 5-bit quants q become the int8 q - 16 (d * (q - 16) either way). On AVX2 machines the Q8_0
-// kernel reads them at about a third of Q5_0's cost (no fifth-bit expansion), for 55% more bytes.
+// kernel reads them at about half of Q5_0's cost (no fifth-bit expansion, no offset term), for 55% more bytes.
 at::Tensor gguf_q5_0_to_q8_0(const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) % 22 == 0,
               "gguf_q5_0_to_q8_0: w must be contiguous uint8 [rows, blocks * 22]");
