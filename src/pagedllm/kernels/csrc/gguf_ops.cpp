@@ -24,6 +24,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1549,7 +1550,7 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
   if (any_plain && !use_f32) with_x_rows(x, [&](const auto* xr) { quantize_rows(xr, x.stride(0), m, k, act); });
   // ~64k multiply-adds per thread chunk at least: small products stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * m));
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+  auto rows = [&](int64_t begin, int64_t end) {
     std::vector<Chunk> chunks;
     for (const Part& p : parts) {
       if (is_tiled(p.type)) {  // the groups whose first column lies in [begin, end)
@@ -1576,6 +1577,19 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
 #endif
       gemm_dispatch(p, lo - p.col, hi - p.col, k, act, m, op, os, bp, impl, chunks);
     }
+  };
+  // Threads take pieces of about an eighth of their share from a shared counter instead of one fixed share
+  // each: on a shared machine a thread descheduled mid-product no longer holds up the step while the other
+  // idles. Each output is computed the same way whichever thread takes its rows.
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || total <= grain || at::in_parallel_region()) {
+    rows(0, total);
+    return;
+  }
+  const int64_t piece = std::max(grain, (total + 8 * threads - 1) / (8 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(piece); b < total; b = next.fetch_add(piece)) rows(b, std::min(total, b + piece));
   });
 }
 
