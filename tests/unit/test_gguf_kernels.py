@@ -353,3 +353,52 @@ def test_tiled_int8_rows(ops, k, threads):
             assert all(torch.equal(outs[0], o) for o in outs[1:])
     finally:
         torch.set_num_threads(old)
+
+
+# ---- exact greedy token of a packed Q8_0 LM head (AVX2 machines without VNNI): int8 screen + exact candidates
+def _greedy_ops(ops):
+    if ops.gguf_best_impl() != 1:
+        pytest.skip("the Q8_0 greedy screen is built for AVX2 machines without AVX-512 VNNI")
+    return ops
+
+
+@pytest.mark.parametrize("vocab,k", [(1, 32), (37, 96), (5000, 640), (20011, 256)])
+def test_q8_0_greedy_screen_matches_full_logits_argmax(ops, vocab, k):
+    ops = _greedy_ops(ops)
+    packed = torch.from_numpy(make_weight(Q.Q8_0, vocab, k, seed=vocab))
+    norms = ops.gguf_row_norms_q8_0(packed, k)
+    w = torch.from_numpy(reference_dequant(packed.numpy(), Q.Q8_0)).double()
+    torch.testing.assert_close(norms.double(), w.norm(dim=1), rtol=1e-6, atol=0)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for trial in range(6):
+                x = torch.randn(1, k, generator=torch.Generator().manual_seed(trial))
+                if trial % 2:
+                    x[0, trial % k] *= 80  # an outlier dimension, as Gemma's hidden states have
+                if trial == 4:  # the hidden state along one token's row: a clear winner
+                    x = w[vocab // 2].float()[None].clone()
+                logits = torch.empty(1, vocab)
+                ops.gguf_linear(logits, x, [packed], [int(Q.Q8_0)], None, 0)
+                assert ops.gguf_greedy_q8_0(x, packed, norms, 256) == int(logits.argmax())
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_q8_0_greedy_screen_ties_and_too_many_candidates(ops):
+    ops = _greedy_ops(ops)
+    k = 64
+    rows = make_weight(Q.Q8_0, 50, k, seed=9)
+    rows[31] = rows[7]  # an exact tie: the lower id wins, as torch's argmax
+    rows[44] = rows[7]
+    packed = torch.from_numpy(rows)
+    norms = ops.gguf_row_norms_q8_0(packed, k)
+    x = torch.from_numpy(reference_dequant(rows[7:8], Q.Q8_0))
+    logits = torch.empty(1, 50)
+    ops.gguf_linear(logits, x, [packed], [int(Q.Q8_0)], None, 0)
+    assert int(logits.argmax()) == 7
+    assert ops.gguf_greedy_q8_0(x, packed, norms, 256) == 7
+    same = torch.from_numpy(np.repeat(rows[:1], 300, axis=0))  # 300 identical rows: every one a candidate
+    assert ops.gguf_greedy_q8_0(x, same, ops.gguf_row_norms_q8_0(same, k), 256) == -1
+    assert ops.gguf_greedy_q8_0(x, same, ops.gguf_row_norms_q8_0(same, k), 300) == 0
