@@ -67,9 +67,6 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": keep GGUF Q5_0 linear layers as Q5_0 on AVX2 machines without VNNI (A/B benchmarks; default: widened
     # to Q8_0 at load, kernels/gguf_ops.py widen_packed).
     "PAGEDLLM_GGUF_WIDEN_Q5_0": lambda: os.environ.get("PAGEDLLM_GGUF_WIDEN_Q5_0", "1") != "0",
-    # "0": greedy decode steps of a packed Q8_0 LM head (AVX2 machines) compute the full logits instead of the
-    # exact int8 screen (A/B benchmarks; layers/vocab_embedding.py).
-    "PAGEDLLM_GGUF_GREEDY_SCREEN": lambda: os.environ.get("PAGEDLLM_GGUF_GREEDY_SCREEN", "1") != "0",
     # "0": host-to-device step inputs from pageable memory (only for A/B benchmarks of the pinned path).
     "PAGEDLLM_PINNED_STAGING": lambda: os.environ.get("PAGEDLLM_PINNED_STAGING", "1") != "0",
     # Most split-KV partitions per (request, kv head) in the CUDA decode kernel (tuning; a power of two).

@@ -17,7 +17,7 @@ from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_gather,
                                                  tensor_model_parallel_all_reduce)
-from pagedllm.kernels import cpu_ops, gguf_ops
+from pagedllm.kernels import cpu_ops
 from pagedllm.kernels.gguf_ops import gguf_embedding, gguf_matmul, logical_rows
 from pagedllm.layers.linear import cpu_packed_linear, gemv_kernels
 from pagedllm.layers.weight_utils import copy_weight, set_weight_attrs
@@ -168,8 +168,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
                 return argmax_rows(logits)
             return logits.argmax(dim=-1)
-        if "gguf_type" in self.__dict__:
-            return self._gguf_greedy(hidden_states, token_bitmask)
         screen = self.__dict__.get("cpu_greedy_screen")
         if screen is None or hidden_states.dim() != 2 or hidden_states.dtype != torch.float32:
             return None
@@ -195,25 +193,6 @@ class ParallelLMHead(VocabParallelEmbedding):
                 apply_token_bitmask_(logits, token_bitmask.index_select(0, missed))
             out[missed] = logits.argmax(dim=-1)
         return out
-
-    def _gguf_greedy(self, hidden_states: torch.Tensor, token_bitmask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """A packed Q8_0 head on AVX2 machines without VNNI: one decode row's exact argmax through an int8
-        screen and the candidates recomputed by the row kernel (kernels/csrc/gguf_ops.cpp: gguf_greedy_q8_0),
-        the same token as the argmax of compute_logits. None elsewhere (the runner takes the full logits)."""
-        if (self.__dict__["gguf_type"] != gguf_ops.Q8_0 or token_bitmask is not None or self.bias is not None
-                or hidden_states.dim() != 2 or hidden_states.shape[0] != 1 or self.tp_size != 1
-                or not envs.PAGEDLLM_GGUF_GREEDY_SCREEN):
-            return None
-        ops = cpu_ops.usable(hidden_states)
-        if ops is None or ops.gguf_best_impl() != 1 or hidden_states.shape[1] % 32:
-            return None
-        norms = self.__dict__.get("gguf_row_norms")
-        if norms is None:  # once: the rows' L2 norms (1 MB for Gemma 3's 262k-token head)
-            norms = self.__dict__["gguf_row_norms"] = ops.gguf_row_norms_q8_0(self.gguf_weight,
-                                                                               hidden_states.shape[1])
-        token = ops.gguf_greedy_q8_0(hidden_states.float().contiguous(), self.gguf_weight, norms,
-                                     _GREEDY_MAX_CANDIDATES)
-        return None if token < 0 else torch.tensor([token], dtype=torch.int64)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not called directly; use compute_logits(hidden_states).")

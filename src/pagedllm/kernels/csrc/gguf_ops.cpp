@@ -26,7 +26,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -1688,138 +1687,6 @@ void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, co
   });
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Exact greedy token of a Q8_0 LM head for one activation row (AVX2 without VNNI). The row kernel's logit of
-// token t is E_t ~ w_t . x'' with x'' = step (256 hi + lo) the two-digit activations. A screen takes the hi
-// digits alone, x' = step 256 hi (llama.cpp's int8 product: one maddubs per 32 weights instead of the 16-bit
-// products), s_t ~ w_t . x'. With f = x'' - x' (the lo digits) |E_t - s_t| <= |f| |w_t| (Cauchy-Schwarz) plus
-// both sums' float rounding (< 1e-5 |w_t| (|x''| + |x'|)), so B_t bounds the distance, the argmax m of E has
-// s_m + B_m >= E_m >= max_t (s_t - B_t), and the candidates passing that test are recomputed by the row
-// kernel itself: the same bits as the full logits, the largest wins (lowest id on ties, as torch's argmax).
-// Returns -1 where the candidates are more than max_candidates (the caller takes the full logits).
-
-// sum_i |w_t,i|^2 of each Q8_0 row (dequantized values), as float32 [rows].
-at::Tensor gguf_row_norms_q8_0(const at::Tensor& w, int64_t k) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && k % 32 == 0 &&
-                  w.size(1) == k / 32 * 34,
-              "gguf_row_norms_q8_0: w must be contiguous uint8 Q8_0 rows [rows, K / 32 * 34]");
-  at::Tensor out = at::empty({w.size(0)}, at::TensorOptions().dtype(at::kFloat));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t rb = w.size(1), nb = k / 32;
-  at::parallel_for(0, w.size(0), 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      double sum = 0.0;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wp + r * rb + b * 34;
-        const double d = fp16(blk);
-        int64_t sq = 0;
-        for (int i = 0; i < 32; ++i) {
-          const int q = static_cast<int8_t>(blk[2 + i]);
-          sq += q * q;
-        }
-        sum += d * d * static_cast<double>(sq);
-      }
-      op[r] = static_cast<float>(std::sqrt(sum));
-    }
-  });
-  return out;
-}
-
-#if defined(__AVX2__) && !defined(PAGEDLLM_HAVE_VNNI512)
-// s_t for one Q8_0 row: per 32 weights maddubs(|w|, sign(hi, w)) then one float scale.
-inline float screen_q8_0(const uint8_t* row, int64_t nb, const int8_t* hi, const float* dx4) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const uint8_t* b0 = row + b * 34;
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 36));
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + 32 * b));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + 32 * b + 32));
-    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
-    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones);
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(b0) * dx4[8 * b]), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(fp16(b0 + 34) * dx4[8 * b + 8]), acc1);
-  }
-  for (; b < nb; ++b) {
-    const uint8_t* b0 = row + b * 34;
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + 32 * b));
-    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(b0) * dx4[8 * b]), acc0);
-  }
-  return 256.f * hsum256(_mm256_add_ps(acc0, acc1));
-}
-#endif
-
-int64_t gguf_greedy_q8_0(const at::Tensor& x, const at::Tensor& w, const at::Tensor& norms, int64_t max_candidates) {
-#if defined(__AVX2__) && !defined(PAGEDLLM_HAVE_VNNI512)
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(),
-              "gguf_greedy_q8_0: x must be contiguous float32 [1, K]");
-  const int64_t k = x.size(1), vocab = w.size(0);
-  TORCH_CHECK(k % 32 == 0 && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
-                  w.size(1) == k / 32 * 34 && norms.scalar_type() == at::kFloat && norms.is_contiguous() &&
-                  norms.numel() == vocab,
-              "gguf_greedy_q8_0: w must be Q8_0 rows [V, K / 32 * 34] with float32 norms [V]");
-  ActRows act;  // the same activations gguf_linear quantizes for this row
-  quantize_rows(x.data_ptr<float>(), k, 1, k, act);
-  const int8_t* hi = act.xhi(0);
-  const int16_t* x16 = act.xw(0);
-  const float* dx4 = act.dx(0);
-  double f2 = 0.0, xa2 = 0.0, xs2 = 0.0;  // |f|^2, |x''|^2, |x'|^2
-  for (int64_t i = 0; i < k; ++i) {
-    const double step = dx4[i / 4];
-    const double full = step * x16[i], coarse = step * 256.0 * hi[i];
-    f2 += (full - coarse) * (full - coarse);
-    xa2 += full * full;
-    xs2 += coarse * coarse;
-  }
-  const float coef = static_cast<float>((std::sqrt(f2) * 1.001 + 1e-5 * (std::sqrt(xa2) + std::sqrt(xs2))) * 1.0001);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* np = norms.data_ptr<float>();
-  const int64_t rb = w.size(1), nb = k / 32;
-  std::vector<float> lower(vocab), upper(vocab);
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  const int64_t piece = std::max<int64_t>(1024, (vocab + 8 * threads - 1) / (8 * threads));
-  std::atomic<int64_t> next{0};
-  std::vector<float> best(threads, -std::numeric_limits<float>::infinity());
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t b = next.fetch_add(piece); b < vocab; b = next.fetch_add(piece)) {
-        const int64_t e = std::min(vocab, b + piece);
-        for (int64_t r = b; r < e; ++r) {
-          const float sv = screen_q8_0(wp + r * rb, nb, hi, dx4), bound = coef * np[r];
-          lower[r] = sv - bound;
-          upper[r] = sv + bound;
-          mx = std::max(mx, lower[r]);
-        }
-      }
-      best[t] = mx;
-    }
-  });
-  const float thr = *std::max_element(best.begin(), best.end());
-  int64_t arg = -1, count = 0;
-  float val = 0.f;
-  for (int64_t r = 0; r < vocab; ++r) {
-    if (!(upper[r] >= thr)) continue;
-    if (++count > max_candidates) return -1;
-    float e;
-    dot_rows_avx2_reg<kQ8_0, 1>(wp + r * rb, k, act, 0, &e, 1);
-    if (arg < 0 || e > val) {
-      arg = r;
-      val = e;
-    }
-  }
-  return arg;
-#else
-  TORCH_CHECK(false, "gguf_greedy_q8_0: built for AVX2 machines without AVX-512 VNNI only");
-  return -1;
-#endif
-}
-
 // Q5_0 rows [rows, nb * 22] as Q8_0 rows [rows, nb * 34] holding the same values: each block keeps its fp16
 // scale d and its 5-bit quants q become the int8 q - 16 (d * (q - 16) either way). On AVX2 machines the Q8_0
 // kernel reads them at about half of Q5_0's cost (no fifth-bit expansion, no offset term), for 55% more bytes.
@@ -1875,8 +1742,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("gguf_best_impl", &gguf_best_impl);
   m.def("gguf_tile(Tensor w, int type) -> Tensor");
   m.def("gguf_q5_0_to_q8_0(Tensor w) -> Tensor");
-  m.def("gguf_row_norms_q8_0(Tensor w, int k) -> Tensor");
-  m.def("gguf_greedy_q8_0(Tensor x, Tensor w, Tensor norms, int max_candidates) -> int");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
@@ -1884,6 +1749,4 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("gguf_dequantize_rows", &gguf_dequantize_rows);
   m.impl("gguf_tile", &gguf_tile);
   m.impl("gguf_q5_0_to_q8_0", &gguf_q5_0_to_q8_0);
-  m.impl("gguf_row_norms_q8_0", &gguf_row_norms_q8_0);
-  m.impl("gguf_greedy_q8_0", &gguf_greedy_q8_0);
 }
