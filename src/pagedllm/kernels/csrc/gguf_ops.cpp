@@ -46,6 +46,7 @@ enum Impl : int64_t { kBest = 0, kAvx2 = 1, kPortable = 2 };
 
 constexpr int64_t kChunk = 64;
 constexpr int kRows = 4;        // activation rows per decoded weight chunk
+constexpr int64_t kPrefetchRows = 8;  // AVX2 register path: weight rows prefetched ahead
 constexpr int64_t kTile = 64;   // activation rows per L2 tile
 
 inline float fp16(const uint8_t* p) {
@@ -648,6 +649,10 @@ inline void gemm_avx2_reg(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, 
     const int64_t nr = std::min<int64_t>(kRows, m - r0);
     float* o = out + r0 * os;
     for (int64_t n = n0; n < n1; ++n) {
+      if (n + kPrefetchRows < n1) {  // a row kPrefetchRows ahead, so the stream never waits on DRAM at a row start
+        const char* ahead = reinterpret_cast<const char*>(w + (n + kPrefetchRows) * rb);
+        for (int64_t off = 0; off < rb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      }
       switch (nr) {
         case 4: dot_rows_avx2_reg<T, 4>(w + n * rb, k, act, r0, o + n, os); break;
         case 3: dot_rows_avx2_reg<T, 3>(w + n * rb, k, act, r0, o + n, os); break;
