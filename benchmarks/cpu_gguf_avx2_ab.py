@@ -2,10 +2,12 @@
 interleaved: each layer type of the real file, and Q5_0 vs the same rows widened to Q8_0 at load
 (`kernels/gguf_ops.py: widen_packed`). Random weights of the model's shapes and types.
 
-    python benchmarks/cpu_gguf_avx2_ab.py [--threads 1] [--reps 9]
+    python benchmarks/cpu_gguf_avx2_ab.py [--threads 1] [--reps 9] [--lm-head]
 
 Times are the calling thread's CPU time per call (best of --reps rounds of 30 calls), so other jobs on a
-shared machine distort them less than wall time; the weights fit the caches.
+shared machine distort them less than wall time; the weights fit the caches. --lm-head times instead the
+262,144 x 640 Q8_0 LM head (178 MB, streamed from memory; best of --reps rounds of 3 calls): run it with two
+source trees' PYTHONPATH to compare builds.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--lm-head", action="store_true")
     args = p.parse_args()
     import pagedllm  # noqa: F401  before torch (OpenMP wait policy)
     import torch
@@ -46,6 +49,19 @@ def main():
                 blocks[..., 0:4] = sc.reshape(n, k // elems, 4)
             return torch.from_numpy(blocks.reshape(n, -1))
 
+    if args.lm_head:
+        head = make(Q.Q8_0, 262144, 640)
+        x = torch.randn(1, 640)
+        out = torch.empty(1, 262144)
+        best = 1e9
+        for _ in range(args.reps):
+            t = time.thread_time()
+            for _ in range(3):
+                ops.gguf_linear(out, x, [head], [int(Q.Q8_0)], None, 0)
+            best = min(best, (time.thread_time() - t) / 3)
+        print(f"LM head Q8_0 [262144 x 640], one activation row, threads {args.threads}: {best * 1e3:.2f} ms "
+              f"(the calling thread's CPU time); {_load()}")
+        return
     # (name, type, N, K): q / gate_up Q5_0, o_proj / down Q4_K, down Q6_K (per layer of the real file)
     cases = [("q_proj Q5_0", Q.Q5_0, 1024, 640), ("gate_up Q5_0", Q.Q5_0, 4096, 640),
              ("o_proj Q4_K", Q.Q4_K, 640, 1024), ("down Q4_K", Q.Q4_K, 640, 2048), ("down Q6_K", Q.Q6_K, 640, 2048),
