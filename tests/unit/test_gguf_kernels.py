@@ -165,9 +165,10 @@ def test_int8_rows_any_width(ops, k):
 
 @pytest.mark.parametrize("qtype", TYPES + ["i8row"], ids=lambda t: getattr(t, "name", t))
 def test_one_activation_row_bits_do_not_depend_on_row_grouping(ops, qtype):
-    """A decode step's product (one activation row): every output must have the same bits however its rows were
-    grouped (thread splits, a part's slices at any offset, a batch of several activation rows), and stay within
-    the rounding bound of the reference."""
+    """A decode step's product (one activation row) on the AVX2 register path: every output must have the same
+    bits however its rows were grouped (threads taking pieces of the rows, a part's slices at any offset, a
+    batch of several activation rows), and stay within the rounding bound of the reference. (The VNNI kernels
+    switch to float products from 2 activation rows: there only the bound is checked.)"""
     n = 11
     if qtype == "i8row":
         k = 100
@@ -189,6 +190,8 @@ def test_one_activation_row_bits_do_not_depend_on_row_grouping(ops, qtype):
             ops.gguf_linear(full, x[:1], [packed], [type_id], None, 0)
             results.append(full)
         check_product(results[0], x[:1], w)
+        if ops.gguf_best_impl() != 1:
+            return
         assert torch.equal(results[0], results[1])
         for start, stop in ((0, 1), (1, 4), (3, 11), (5, 10), (10, 11)):  # tails and groups at other offsets
             part = torch.empty(1, stop - start)
