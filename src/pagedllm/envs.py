@@ -71,6 +71,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": GGUF weights kept packed stay in the file's row layout instead of the 16-row tiles the AVX-512 VNNI
     # kernels read fastest (kernels/csrc/gguf_ops.cpp; A/B benchmarks).
     "PAGEDLLM_GGUF_TILED": lambda: os.environ.get("PAGEDLLM_GGUF_TILED", "1") != "0",
+    # "0": keep GGUF Q5_0 linear layers as Q5_0 on AVX2 machines without VNNI (A/B benchmarks; default: widened
+    # to Q8_0 at load, kernels/gguf_ops.py widen_packed).
+    "PAGEDLLM_GGUF_WIDEN_Q5_0": lambda: os.environ.get("PAGEDLLM_GGUF_WIDEN_Q5_0", "1") != "0",
     # "0": host-to-device step inputs from pageable memory (only for A/B benchmarks of the pinned path).
     "PAGEDLLM_PINNED_STAGING": lambda: os.environ.get("PAGEDLLM_PINNED_STAGING", "1") != "0",
     # Most split-KV partitions per (request, kv head) in the CUDA decode kernel (tuning; a power of two).

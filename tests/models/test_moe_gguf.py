@@ -26,8 +26,11 @@ _EXPERT_KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", 
 _GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
 
 
-def write_moe_gguf(hf_dir: str, path: str, arch: str, per_expert: bool = False, qtype: Optional[int] = None) -> None:
-    """qtype: the GGML type of every 2-D / 3-D weight (None: float32)."""
+def write_moe_gguf(hf_dir: str, path: str, arch: str, per_expert: bool = False, qtype: Optional[int] = None,
+                   expert_qtype: Optional[int] = None, quantizer=None) -> None:
+    """qtype: the GGML type of every 2-D / 3-D weight (None: float32); expert_qtype: the experts' (default
+    qtype); quantizer(data, qtype): the blocks' writer (default gguf's; it has none for the K-quants)."""
+    expert_qtype = qtype if expert_qtype is None else expert_qtype
     cfg = read_config(hf_dir)
     gguf_arch = _GGUF_ARCH[arch]
     with gguf_writer(path, gguf_arch, cfg, config_head_dim(cfg), cfg["rope_parameters"]["rope_theta"]) as writer:
@@ -38,8 +41,16 @@ def write_moe_gguf(hf_dir: str, path: str, arch: str, per_expert: bool = False, 
         if arch == "qwen2_moe":
             writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
-        def add(name: str, data: np.ndarray) -> None:
-            add_tensor(writer, name, data, qtype if data.ndim >= 2 else None)
+        def add(name: str, data: np.ndarray, kind: Optional[int] = qtype) -> None:
+            if kind is not None and data.ndim == 3:  # stacked experts: quantized row by row
+                blocks = add_rows(data.reshape(-1, data.shape[-1]), kind)
+                writer.add_tensor(name, blocks.reshape(data.shape[0], data.shape[1], -1), raw_dtype=kind)
+                return
+            add_tensor(writer, name, data, kind if data.ndim >= 2 else None, quantizer=quantizer)
+
+        def add_rows(rows: np.ndarray, kind: int) -> np.ndarray:
+            from gguf.quants import quantize
+            return (quantizer or quantize)(np.ascontiguousarray(rows), kind)
 
         experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
         for name, parts, data in checkpoint_tensors(hf_dir):
@@ -58,9 +69,10 @@ def write_moe_gguf(hf_dir: str, path: str, arch: str, per_expert: bool = False, 
         for (layer, kind), by_expert in sorted(experts.items()):
             if per_expert:
                 for e, data in sorted(by_expert.items()):
-                    add(f"blk.{layer}.ffn_{kind}.{e}.weight", data)
+                    add(f"blk.{layer}.ffn_{kind}.{e}.weight", data, expert_qtype)
             else:
-                add(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([by_expert[e] for e in sorted(by_expert)]))
+                add(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([by_expert[e] for e in sorted(by_expert)]),
+                    expert_qtype)
 
 
 def _hf_logits(model_dir: str, ids: torch.Tensor) -> torch.Tensor:

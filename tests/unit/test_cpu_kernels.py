@@ -165,7 +165,9 @@ def _run_backend(backend, reqs, heads, kv_heads, head_size, block_size, dtype, s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_size,block_size", [
-    (9, 3, 64, 16), (4, 4, 64, 16), (8, 1, 128, 32), (32, 8, 128, 16), (4, 2, 80, 8), (6, 2, 96, 32)])
+    (9, 3, 64, 16), (4, 4, 64, 16), (8, 1, 128, 32), (32, 8, 128, 16), (4, 2, 80, 8), (6, 2, 96, 32),
+    # Gemma 3 270M's heads; a head size with tails of 8 and 4 dims (the AVX2 loops' edges)
+    (4, 1, 256, 16), (6, 3, 20, 16)])
 def test_paged_attention_matches_torch_backend(ops, dtype, heads, kv_heads, head_size, block_size):
     from pagedllm.attention.cpu_backend import CpuAttentionBackend
     rng = random.Random(heads * 1000 + head_size + block_size)

@@ -163,6 +163,68 @@ def test_int8_rows_any_width(ops, k):
             check_product(out, x, w)
 
 
+@pytest.mark.parametrize("qtype", TYPES + ["i8row"], ids=lambda t: getattr(t, "name", t))
+def test_one_activation_row_bits_do_not_depend_on_row_grouping(ops, qtype):
+    """A decode step's product (one activation row) on the AVX2 register path: every output must have the same
+    bits however its rows were grouped (threads taking pieces of the rows, a part's slices at any offset, a
+    batch of several activation rows), and stay within the rounding bound of the reference. (The VNNI kernels
+    switch to float products from 2 activation rows: there only the bound is checked.)"""
+    n = 11
+    if qtype == "i8row":
+        k = 100
+        packed, w = (torch.from_numpy(a) for a in int8_rows(n, k, seed=5))
+        type_id = I8_ROW
+    else:
+        k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96  # 96: the last chunk half empty
+        packed = torch.from_numpy(make_weight(qtype, n, k, seed=int(qtype) + 3))
+        w = torch.from_numpy(reference_dequant(packed.numpy(), qtype))
+        type_id = int(qtype)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(2))
+    x[0, 3] *= 40
+    old = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = torch.empty(1, n)
+            ops.gguf_linear(full, x[:1], [packed], [type_id], None, 0)
+            results.append(full)
+        check_product(results[0], x[:1], w)
+        if ops.gguf_best_impl() != 1:
+            return
+        assert torch.equal(results[0], results[1])
+        for start, stop in ((0, 1), (1, 4), (3, 11), (5, 10), (10, 11)):  # tails and groups at other offsets
+            part = torch.empty(1, stop - start)
+            ops.gguf_linear(part, x[:1], [packed[start:stop].contiguous()], [type_id], None, 0)
+            assert torch.equal(part, results[0][:, start:stop]), (start, stop)
+        pair = torch.empty(2, n)
+        ops.gguf_linear(pair, x, [packed], [type_id], None, 0)
+        assert torch.equal(pair[:1], results[0])
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("rows,k", [(1, 32), (7, 96), (33, 640), (5, 2048)])
+def test_q5_0_widened_to_q8_0_holds_the_same_values(ops, rows, k):
+    from pagedllm.kernels.gguf_ops import widen_packed
+    rng = np.random.default_rng(rows + k)
+    data = rng.standard_normal((rows, k)).astype(np.float32)
+    data[0, :5] *= 30
+    packed = quantize(data, Q.Q5_0)
+    wide = ops.gguf_q5_0_to_q8_0(torch.from_numpy(packed))
+    assert wide.shape == (rows, k // 32 * 34)
+    assert np.array_equal(reference_dequant(wide.numpy(), Q.Q8_0), reference_dequant(packed, Q.Q5_0))
+    tensor, qtype = widen_packed(torch.from_numpy(packed), int(Q.Q5_0))
+    if ops.gguf_best_impl() == 1 and envs.PAGEDLLM_GGUF_WIDEN_Q5_0:  # AVX2 without VNNI: the Q8_0 kernels
+        assert qtype == int(Q.Q8_0) and torch.equal(tensor, wide)
+    else:
+        assert qtype == int(Q.Q5_0) and np.array_equal(tensor.numpy(), packed)
+    x = torch.randn(3, k)
+    out = torch.empty(3, rows)
+    ops.gguf_linear(out, x, [wide], [int(Q.Q8_0)], None, 0)
+    check_product(out, x, torch.from_numpy(reference_dequant(packed, Q.Q5_0)))
+
+
 def test_linear_rejects_mismatched_inputs(ops):
     packed = torch.from_numpy(make_weight(Q.Q4_0, 8, 64, seed=3))
     with pytest.raises(RuntimeError, match="contiguous uint8"):

@@ -59,6 +59,18 @@ def tile_packed(tensor: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
     return required_ops().gguf_tile(tensor.contiguous(), qtype), TILED_BASE + qtype
 
 
+Q5_0, Q8_0 = 6, 8
+
+
+def widen_packed(tensor: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
+    """(tensor, qtype) of a linear layer's packed rows in the format this machine multiplies fastest: on AVX2
+    machines without AVX-512 VNNI (the row kernels) Q5_0 becomes Q8_0, the same values (gguf_q5_0_to_q8_0);
+    else unchanged. The VNNI machines' tiles decode Q5_0 as cheaply as Q8_0."""
+    if qtype != Q5_0 or not envs.PAGEDLLM_GGUF_WIDEN_Q5_0 or required_ops().gguf_best_impl() != 1:
+        return tensor, qtype
+    return required_ops().gguf_q5_0_to_q8_0(tensor.contiguous()), Q8_0
+
+
 def _dense_buffer(numel: int) -> torch.Tensor:
     buf = getattr(_workspace, "buf", None)
     if buf is None or buf.numel() < numel:

@@ -140,6 +140,21 @@ def served_text_config(config: Any) -> Any:
     return text
 
 
+def refuse_checkpoint_quantization(hf_config: Any, model_dir: Optional[str], model_name: Optional[str] = None
+                                   ) -> None:
+    """Before anything is built or read: a quantized checkpoint (config.json's quantization_config, AutoGPTQ's
+    quantize_config.json) whose model class cannot hold that format (`refuse_checkpoint_quantization` on the
+    class, e.g. the mixture-of-experts families) is refused in one sentence naming the model and the format."""
+    from pagedllm.quantization import checkpoint_quant_config
+
+    checkpoint_quant = checkpoint_quant_config(hf_config, model_dir)
+    if not checkpoint_quant:
+        return
+    refuse = getattr(get_model_class(hf_config), "refuse_checkpoint_quantization", None)
+    if refuse is not None:
+        refuse(model_name or model_dir or "the model", checkpoint_quant)
+
+
 def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
               device: Union[str, torch.device] = "cpu", load_format: str = "auto",
               quant_config: Any = None, max_model_len: Optional[int] = None) -> nn.Module:
@@ -188,6 +203,7 @@ def load_model(model: Optional[str], *, dtype: torch.dtype, device: Union[str, t
 
     model_dir = prepare_model_dir(resolve_model_path(model), load_format)
     hf_config = load_hf_config(model_dir)
+    refuse_checkpoint_quantization(hf_config, model_dir, model)
     quant_config = resolve_quant_config(quantization, hf_config, model_dir)
     if quant_config is not None:
         quant_config.check_supported(torch.device(device), dtype)

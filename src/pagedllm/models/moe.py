@@ -9,6 +9,7 @@ cache binding) is the Llama stack.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import types
 from typing import Any, Iterable, Optional
@@ -22,6 +23,8 @@ from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, layer_index
 from pagedllm.models.weight_utils import load_weights_into
 
+logger = logging.getLogger(__name__)
+
 # model.layers.3.mlp.experts.7.w1.weight (hub Mixtral), ...experts.7.gate_proj.weight (hub Qwen)
 _PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj|"
                          r"gate_up_proj)\.weight$")
@@ -29,6 +32,21 @@ _PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>w
 _STACKED = re.compile(r"^(?P<module>.+\.experts)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _SHARD_OF = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down",
              "gate_up_proj": "gate_up"}
+
+
+def describe_checkpoint_quantization(qc: dict[str, Any]) -> str:
+    """'gptq (4-bit, group size 128)' and the like, from a checkpoint's quantization_config, for messages."""
+    method = str(qc.get("quant_method") or "an unnamed method")
+    details = []
+    if qc.get("bits") or qc.get("w_bit"):
+        details.append(f"{qc.get('bits') or qc.get('w_bit')}-bit")
+    if qc.get("group_size") or qc.get("q_group_size"):
+        details.append(f"group size {qc.get('group_size') or qc.get('q_group_size')}")
+    if qc.get("weight_block_size"):
+        details.append(f"weight blocks {qc['weight_block_size']}")
+    if qc.get("format") and method == "compressed-tensors":
+        details.append(f"format {qc['format']}")
+    return method + (f" ({', '.join(details)})" if details else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +119,33 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
         if quant_config is not None and not getattr(quant_config, "online", False):
-            raise ValueError(f"{type(self).__name__}: quantized mixture-of-experts checkpoints "
-                             f"({quant_config.name}) are not supported yet; use the float checkpoint (online "
-                             f"--quantization fp8/int8 quantizes the attention layers, the experts stay in "
-                             f"--dtype).")
+            # the loader refuses such checkpoints first (refuse_checkpoint_quantization); this guards direct builds
+            raise ValueError(self.quantization_refusal(getattr(hf_config, "name_or_path", "") or "the model",
+                                                       {"quant_method": quant_config.name}))
+        if quant_config is not None:
+            logger.info("%s: --quantization %s quantizes the attention (and dense MLP) layers; the experts and "
+                        "routers stay in %s (no quantized expert kernels yet).", type(self).__name__,
+                        quant_config.name, str(dtype or torch.get_default_dtype()).replace("torch.", ""))
         act = getattr(hf_config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"{type(self).__name__}: experts with hidden_act={act!r} are not supported; the fused "
                              f"MoE layer implements SiLU experts.")
         super().__init__(hf_config, dtype, quant_config)
+
+    @classmethod
+    def quantization_refusal(cls, model: str, checkpoint_quant: dict[str, Any]) -> str:
+        return (f"{model} ({cls.__name__}) is a mixture-of-experts checkpoint quantized with "
+                f"{describe_checkpoint_quantization(checkpoint_quant)}, which pagedllm cannot load yet: its "
+                f"experts have no quantized kernels; use the float (bf16/fp16) checkpoint, optionally with online "
+                f"--quantization fp8 or int8 (attention quantized, experts kept in --dtype), or a GGUF of the model "
+                f"(its experts are dequantized at load).")
+
+    @classmethod
+    def refuse_checkpoint_quantization(cls, model: str, checkpoint_quant: dict[str, Any]) -> None:
+        """Called by the loader before anything is built, with the checkpoint's quantization_config: no
+        quantized format reaches the experts' float loaders (they would crash on qweight / scales or load
+        wrong values)."""
+        raise ValueError(cls.quantization_refusal(model, checkpoint_quant))
 
     def expert_modules(self) -> dict[str, FusedMoE]:
         return {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.cpu_ops import cpu_ops
-from pagedllm.kernels.gguf_ops import gguf_matmul, logical_rows, required_ops, tile_packed
+from pagedllm.kernels.gguf_ops import gguf_matmul, logical_rows, required_ops, tile_packed, widen_packed
 from pagedllm.layers.linear import LinearMethodBase, MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.weight_utils import set_weight_attrs
 from pagedllm.quantization.base import QuantizationConfig
@@ -70,6 +70,7 @@ class GGUFLinearMethod(LinearMethodBase):
             if tensor.shape[0] != rows:
                 raise ValueError(f"{layer.prefix}: the GGUF tensor has {tensor.shape[0]} rows, the model expects "
                                  f"{rows}")
+            tensor, qtype = widen_packed(tensor, qtype)
             if types and types[-1] == qtype:  # same format: one contiguous part (better thread split)
                 parts[-1] = torch.cat([parts[-1], tensor])
             else:

@@ -113,7 +113,8 @@ class Worker:
 
     def _start(self, args: EngineArgs, local_rank: int) -> None:
         from pagedllm.distributed.parallel_state import get_pp_group, get_world_group
-        from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir, resolve_model_path
+        from pagedllm.models.loader import (get_model, load_hf_config, prepare_model_dir, refuse_checkpoint_quantization,
+                                            resolve_model_path)
 
         self.args = args
         self.device = resolve_device(args.device)
@@ -159,6 +160,7 @@ class Worker:
         from pagedllm.quantization import weight_memory_summary
         from pagedllm.quantization.gguf import engine_quant_config
 
+        refuse_checkpoint_quantization(cfg, self.model_dir, args.model)
         # A .gguf on CPU keeps its quantized blocks (quantization/gguf.py); otherwise the seam's resolution.
         self.quant_config = engine_quant_config(args, cfg, model_path, self.model_dir, self.device, self.dtype)
         if offload and self.quant_config is not None:

@@ -21,6 +21,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX2_ATTENTION 1
+#endif
+
 namespace {
 
 // Rows per thread chunk so each chunk has at least ~32k values of work: smaller inputs stay on the calling
@@ -447,11 +452,66 @@ struct Item {
   int64_t req, head_begin, head_end, q_begin, q_end, cost;  // kv heads [head_begin, head_end)
 };
 
+#if defined(PAGEDLLM_AVX2_ATTENTION)
+// AVX2 machines without AVX-512, float32 KV: the two loops below in ymm halves. GCC lowers the 16-lane vector
+// type's scalar broadcasts and accumulators there through the stack (spills on every FMA); written with
+// intrinsics the decode attention runs several times faster (docs/benchmarks.md, Gemma 3 270M).
+template <int R>
+inline void qk16_avx2(const float* q, int64_t d, const float* kt, int64_t block_size, v16f* out,
+                      const float* prefetch_kt) {
+  __m256 lo[R], hi[R];  // one accumulator pair per row: 2R independent FMA chains
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < d; ++e) {
+    if (prefetch_kt != nullptr) __builtin_prefetch(prefetch_kt + e * block_size);
+    const __m256 k0 = _mm256_loadu_ps(kt + e * block_size), k1 = _mm256_loadu_ps(kt + e * block_size + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qe = _mm256_broadcast_ss(q + r * d + e);
+      lo[r] = _mm256_fmadd_ps(qe, k0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(qe, k1, hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float tmp[16];
+    _mm256_store_ps(tmp, lo[r]);
+    _mm256_store_ps(tmp + 8, hi[r]);
+    std::memcpy(&out[r], tmp, sizeof(tmp));
+  }
+}
+
+inline void pv_accumulate_avx2(float* a, float alpha, const float* p, int64_t n, const float* v, int64_t d) {
+  const __m256 al = _mm256_set1_ps(alpha);
+  int64_t e = 0;
+  for (; e + 64 <= d; e += 64) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_mul_ps(_mm256_loadu_ps(a + e + 8 * i), al);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_broadcast_ss(p + j);
+      const float* vr = v + j * d + e;
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(a + e + 8 * i, acc[i]);
+  }
+  for (; e + 8 <= d; e += 8) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a + e), al);
+    for (int64_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + j * d + e), acc);
+    _mm256_storeu_ps(a + e, acc);
+  }
+  for (; e < d; ++e) {
+    float a0 = a[e] * alpha;
+    for (int64_t j = 0; j < n; ++j) a0 += p[j] * v[j * d + e];
+    a[e] = a0;
+  }
+}
+#endif
+
 // Scores of R query rows (R <= 4) against 16 keys of a transposed K block: K loaded once per dim, two
 // accumulators per row so the FMA chains overlap instead of waiting on each other's latency.
 template <int R, typename scalar_t>
 inline void qk16(const float* q, int64_t d, const scalar_t* kt, int64_t block_size, v16f* out,
                  const scalar_t* prefetch_kt) {
+#if defined(PAGEDLLM_AVX2_ATTENTION)
+  if constexpr (std::is_same_v<scalar_t, float>) return qk16_avx2<R>(q, d, kt, block_size, out, prefetch_kt);
+#endif
   v16f a[R], b[R];
   for (int r = 0; r < R; ++r) a[r] = b[r] = v16f{};
   int64_t e = 0;
@@ -482,6 +542,9 @@ inline void pv_accumulate(float* a, float alpha, const float* p, int64_t n, cons
     const int64_t bytes = n * d * static_cast<int64_t>(sizeof(scalar_t));
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(pv + off);
   }
+#if defined(PAGEDLLM_AVX2_ATTENTION)
+  if constexpr (std::is_same_v<scalar_t, float>) return pv_accumulate_avx2(a, alpha, p, n, v, d);
+#endif
   int64_t e = 0;
   for (; e + 64 <= d; e += 64) {
     v16f a0 = load16(a + e) * alpha, a1 = load16(a + e + 16) * alpha;
