@@ -39,11 +39,9 @@ class SiluAndMul(nn.Module):
             kernels = triton_kernels("activation")
             if kernels is not None:
                 return kernels.silu_and_mul(x)
-        elif x.dim() == 2:
-            ops = cpu_ops.usable(x)
-            if ops is not None and x.stride(-1) == 1:
-                out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
-                ops.silu_and_mul(out, x)
+        else:
+            out = _cpu_gated(x, "silu_and_mul")
+            if out is not None:
                 return out
         return self.forward_native(x)
 
@@ -51,6 +49,18 @@ class SiluAndMul(nn.Module):
     def forward_native(x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+def _cpu_gated(x: torch.Tensor, op: str) -> Optional[torch.Tensor]:
+    """[gate | up] through the C++ CPU kernel `op` (2-D, last dim contiguous), or None where it does not apply."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    ops = cpu_ops.usable(x)
+    if ops is None:
+        return None
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    getattr(ops, op)(out, x)
+    return out
 
 
 class GeluAndMul(nn.Module):
@@ -62,11 +72,9 @@ class GeluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # CPU, tanh form (Gemma): one C++ kernel, the one the fused CPU decode stack runs too.
-        if self.approximate == "tanh" and not x.is_cuda and x.dim() == 2:
-            ops = cpu_ops.usable(x)
-            if ops is not None and x.stride(-1) == 1:
-                out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
-                ops.gelu_tanh_and_mul(out, x)
+        if self.approximate == "tanh" and not x.is_cuda:
+            out = _cpu_gated(x, "gelu_tanh_and_mul")
+            if out is not None:
                 return out
         return self.forward_native(x)
 

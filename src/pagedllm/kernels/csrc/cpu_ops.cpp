@@ -259,21 +259,28 @@ inline void silu_and_mul_row(scalar_t* o, const scalar_t* g, int64_t d) {
   }
 }
 
-void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+// out[t, :] = act(x[t, :d]) * x[t, d:] for a gated activation, its row function given per scalar type.
+template <typename RowFn>
+void gated_and_mul(at::Tensor& out, const at::Tensor& x, const char* name, RowFn row_fn) {
   check_last_dim_contiguous(x, "x");
   check_last_dim_contiguous(out, "out");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0) && x.size(1) == 2 * out.size(1) &&
                   out.scalar_type() == x.scalar_type(),
-              "silu_and_mul: bad shapes or dtypes");
+              name, ": bad shapes or dtypes");
   const int64_t rows = x.size(0), d = out.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gated_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), os = out.stride(0);
     at::parallel_for(0, rows, grain_rows(3 * d), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) silu_and_mul_row(op + r * os, xp + r * xs, d);
+      for (int64_t r = begin; r < end; ++r) row_fn(op + r * os, xp + r * xs, d);
     });
   });
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  gated_and_mul(out, x, "silu_and_mul",
+                [](auto* o, const auto* g, int64_t d) { silu_and_mul_row(o, g, d); });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -316,20 +323,8 @@ inline void gelu_tanh_and_mul_row(scalar_t* o, const scalar_t* g, int64_t d) {
 }
 
 void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x) {
-  check_last_dim_contiguous(x, "x");
-  check_last_dim_contiguous(out, "out");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0) && x.size(1) == 2 * out.size(1) &&
-                  out.scalar_type() == x.scalar_type(),
-              "gelu_tanh_and_mul: bad shapes or dtypes");
-  const int64_t rows = x.size(0), d = out.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gelu_tanh_and_mul", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t xs = x.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, grain_rows(3 * d), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) gelu_tanh_and_mul_row(op + r * os, xp + r * xs, d);
-    });
-  });
+  gated_and_mul(out, x, "gelu_tanh_and_mul",
+                [](auto* o, const auto* g, int64_t d) { gelu_tanh_and_mul_row(o, g, d); });
 }
 
 // ---------------------------------------------------------------------------------------------------------
