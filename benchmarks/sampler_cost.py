@@ -1,5 +1,5 @@
-"""The sampler's cost per step: top-k / top-p by the per-row cutoff (layers/top_k_top_p.py, the default; the Triton
-kernel on CUDA) against the sort-based reference, alone and as the whole sampler step (temperature, min_p, the
+"""The sampler's cost per step: top-k / top-p by the per-row cutoff search (layers/top_k_top_p.py: the CPU's default;
+on CUDA the same torch search, for comparison only) against the sort-based reference (CUDA's default), alone and as the whole sampler step (temperature, min_p, the
 filters, softmax, the draw), at 1 / 64 / 256 rows x a Qwen-sized vocabulary (151,936).
 
     python benchmarks/sampler_cost.py [--device cpu|cuda] [--rows 1,64,256] [--vocab 151936] [--logits llm,normal]

@@ -42,13 +42,6 @@ def _int(name: str, default: int) -> Callable[[], int]:
     return lambda: int(os.environ.get(name, default))
 
 
-def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
-    value = os.environ.get(name, default).strip().lower() or default
-    if value not in allowed:  # a typo is refused, not silently read as the default
-        raise ValueError(f"{name}={os.environ[name]!r}: expected one of {', '.join(allowed)}.")
-    return value
-
-
 _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Where converted GGUF models (and other derived artifacts) are cached.
     "PAGEDLLM_CACHE_DIR": _cache_dir,
@@ -97,9 +90,6 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": on GPUs a request that continues a finished one's last partial block (beam forks, core/partial_blocks.py)
     # recomputes it instead of copying it (A/B benchmarks). CPU engines always copy.
     "PAGEDLLM_PARTIAL_BLOCK_COPIES": lambda: os.environ.get("PAGEDLLM_PARTIAL_BLOCK_COPIES", "1") != "0",
-    # top-k / top-p: "cutoff" the per-row cutoff search (layers/top_k_top_p.py), "sort" the sort-based reference,
-    # unset: the cutoff on the CPU, the sort on CUDA until the cutoff kernel is measured on a GPU (A/B benchmarks).
-    "PAGEDLLM_TOP_K_TOP_P": lambda: _choice("PAGEDLLM_TOP_K_TOP_P", ("auto", "cutoff", "sort"), "auto"),
     # "0": CUDA FP8 activations are quantized by the torch ops instead of kernels/quant_act.py's one kernel (A/B).
     "PAGEDLLM_FUSED_ACT_QUANT": lambda: os.environ.get("PAGEDLLM_FUSED_ACT_QUANT", "1") != "0",
     # Model hubs (models/model_resolution.py): repo ids go through ModelScope instead of Hugging Face when either

@@ -1,12 +1,7 @@
 """Top-k / top-p without a full sort (layers/top_k_top_p.py) against the sort-based reference and an exact float64
-cutoff; the sampler's distribution on a tiny vocabulary; seeded rows whatever the batch; the Triton kernel in the
-interpreter."""
+cutoff; the sampler's distribution on a tiny vocabulary; seeded rows whatever the batch (on CUDA too, where the
+sampler takes the sort)."""
 from __future__ import annotations
-
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +14,7 @@ from pagedllm.sampling_params import SamplingParams
 from tests.unit.top_k_top_p_cases import check_cutoffs, make_logits, row_params, support
 
 KINDS = ["normal", "ties", "peaked", "cold", "hot", "masked"]
-# The sampler-level tests also run on CUDA (the Triton kernel and the exponential race) on the GPU machine.
+# The sampler-level tests also run on CUDA (its default: the sort and the exponential race) on the GPU machine.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -136,11 +131,10 @@ def _expected(row, temperature, top_k, top_p, min_p):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
     (0.7, 6, 0.85, 0.0), (1.0, 8, 1.0, 0.05), (1.5, 3, 0.9, 0.0), (1.0, 8, 0.6, 0.1)])
-def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, min_p, device, monkeypatch):
+def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, min_p, device):
     """Chi-square of 30k draws against the exact filtered distribution (well-separated logits, so no cutoff is
     near a rounding; fixed seeds, and a critical value far in the tail: 1e-6 at these degrees of freedom)."""
     _skip_without(device)
-    monkeypatch.setattr(sampler_mod, "TOP_K_TOP_P_IMPL", "cutoff")  # CUDA's default is still the sort
     torch.manual_seed(1234)
     row = torch.tensor([2.1, 1.7, 1.2, 0.9, 0.3, -0.4, -1.1, -2.0])
     expected = _expected(row, temperature, top_k, top_p, min_p)
@@ -163,7 +157,6 @@ def test_seeded_row_independent_of_the_batch(monkeypatch, device):
     """A seeded row draws the same token alone and among rows whose filters take other paths of the search
     (small and large top-k, top-p, greedy), and when the global RNG moved."""
     _skip_without(device)
-    monkeypatch.setattr(sampler_mod, "TOP_K_TOP_P_IMPL", "cutoff")  # CUDA's default is still the sort
     gen = torch.Generator().manual_seed(5)
     vocab = 3000
     row = make_logits(1, vocab, "normal", gen)[0]
@@ -194,28 +187,6 @@ def test_seeded_row_independent_of_the_batch(monkeypatch, device):
     assert len(draws) > 2  # the seed matters
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (interpreter)")
-def test_kernel_in_triton_interpreter():
-    """tests/gpu/test_top_k_top_p_kernel.py's small cases in Triton's interpreter on this CPU."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PAGEDLLM_TEST_DEVICE="cpu", TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                           os.path.join(root, "tests", "gpu", "test_top_k_top_p_kernel.py"), "-k", "small"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
-
-
 def test_support_helper_drops_zero_probabilities():
     logits = torch.tensor([[0.0, -200.0, 1.0]])
     assert support(logits, torch.tensor([float("-inf")])).tolist() == [[True, False, True]]
-
-
-def test_impl_switch_refuses_a_typo(monkeypatch):
-    from pagedllm import envs
-
-    monkeypatch.setenv("PAGEDLLM_TOP_K_TOP_P", "cutof")
-    with pytest.raises(ValueError, match="PAGEDLLM_TOP_K_TOP_P='cutof': expected one of auto, cutoff, sort"):
-        envs.PAGEDLLM_TOP_K_TOP_P
-    monkeypatch.setenv("PAGEDLLM_TOP_K_TOP_P", "Sort")
-    assert envs.PAGEDLLM_TOP_K_TOP_P == "sort"

@@ -1,4 +1,4 @@
-"""Shared by tests/unit/test_top_k_top_p.py and tests/gpu/test_top_k_top_p_kernel.py: logits with the hard cases
+"""For tests/unit/test_top_k_top_p.py: logits with the hard cases
 (ties at the cutoff, extreme temperatures, -inf tokens), per-row top-k / top-p, and the exact float64 cutoff with
 its ambiguity (a row whose top-p cutoff mass lies within float32 rounding of p, where float32 sums in different
 orders may rightly disagree by a token). Not a test module."""

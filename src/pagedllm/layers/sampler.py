@@ -25,17 +25,16 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from pagedllm import envs
 from pagedllm.layers.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
 from pagedllm.layers.top_k_top_p import apply_top_k_top_p
 from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
 _MASK64 = (1 << 64) - 1
-# "cutoff": top-k / top-p by a per-row cutoff found without sorting (layers/top_k_top_p.py); "sort": the sort-based
-# reference below (tests, benchmarks/sampler_cost.py's A/B); "auto" (default): the cutoff on the CPU, the sort on
-# CUDA, where the cutoff kernel has not run on a GPU yet (PAGEDLLM_TOP_K_TOP_P=cutoff opts in).
-TOP_K_TOP_P_IMPL = envs.PAGEDLLM_TOP_K_TOP_P
+# Top-k / top-p: "auto" takes the per-row cutoff search (layers/top_k_top_p.py) on the CPU, where it wins, and the
+# sort below on CUDA, where it wins (docs/benchmarks.md, "Sampling"). "cutoff" / "sort" force one: the tests' and
+# benchmarks/sampler_cost.py's A/B, not a user setting.
+TOP_K_TOP_P_IMPL = "auto"
 
 
 def _mix_seed(seed: int, position: int) -> int:

@@ -18,19 +18,16 @@ max token's weight, which is part of S. So the first bucket pass spans a few doz
 A row with both filters and a top-k up to _TOPK_DIRECT skips the buckets: torch.topk gives its k top values,
 which it ranks directly (Qwen3's top_k 20 / top_p 0.95 touches the rest of the row twice: topk and one count).
 
-This is the torch path (the CPU's, and CUDA's without Triton): it reads the number of candidates on the host.
-CUDA uses the Triton kernel (kernels/top_k_top_p.py), which searches the same way with no host sync.
+This is the CPU's path: it reads the number of candidates on the host, which costs nothing there. CUDA keeps the
+sort (`sampler.apply_top_k_top_p_sort`): a one-program-per-row Triton version of this search lost to it at every
+measured batch on the H200 (docs/benchmarks.md, "Sampling") and was deleted.
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
-from pagedllm import envs
-
-logger = logging.getLogger(__name__)
 
 _BUCKETS = 2048  # buckets per pass
 _CANDIDATES = 512  # a row whose crossing bucket holds more tokens is split again before ranking it (torch.topk)
@@ -196,28 +193,5 @@ def mask_below(logits: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
-    """Mask, in place, every logit outside its row's top-k / top-p set (module docstring) to -inf. CUDA with
-    Triton finds the cutoffs in one kernel launch; elsewhere the torch search does."""
-    cutoff = None
-    if logits.is_cuda and envs.PAGEDLLM_USE_TRITON_KERNELS and _triton_cutoff() is not None:
-        try:
-            cutoff = _triton_cutoff()(logits, top_k, top_p)
-        except Exception:  # noqa: BLE001  a Triton that cannot build the kernel: the torch search, from now on
-            logger.exception("The top-k / top-p kernel failed; using the torch search instead")
-            _KERNEL[0] = None
-    if cutoff is None:
-        cutoff = top_k_top_p_cutoff_torch(logits, top_k, top_p)
-    return mask_below(logits, cutoff)
-
-
-_KERNEL = []  # the Triton entry point, or None without Triton: imported on first CUDA use
-
-
-def _triton_cutoff():
-    if not _KERNEL:
-        try:
-            from pagedllm.kernels.top_k_top_p import top_k_top_p_cutoff
-        except ImportError:  # no Triton: the torch path
-            top_k_top_p_cutoff = None
-        _KERNEL.append(top_k_top_p_cutoff)
-    return _KERNEL[0]
+    """Mask, in place, every logit outside its row's top-k / top-p set (module docstring) to -inf."""
+    return mask_below(logits, top_k_top_p_cutoff_torch(logits, top_k, top_p))
