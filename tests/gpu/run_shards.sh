@@ -30,10 +30,12 @@
 #              GPU_SHARDS  shard count when none is named;  PYTHON  interpreter (default python3)
 #              GPU_SITE  extra site directory put on PYTHONPATH (default /tmp/site, where the device's wheels go)
 #              GPU_DRY_RUN=1  print each step's command instead of running it (no build, no output files)
+#              GPU_ALLOW_MISSING=1  run although `shards.py preflight` finds a package, the SmolLM2 GGUF or a quantizer
+#                archive missing (otherwise: exit 3 before any shard)
 # It needs no install: the project runs from src/ (PYTHONPATH), with the wheels the GPU machine lacks in GPU_SITE.
 # Triton's compiled kernels are cached in .cache/triton (unless TRITON_CACHE_DIR is set), so a later shard on the
 # same machine does not compile them again; concurrent workers share it (Triton writes each file under a temporary
-# name and renames it into place). Exit status: 0 when every shard ran clean, else 1 (2: bad GPU_TEST_WORKERS).
+# name and renames it into place). Exit status: 0 when every shard ran clean, else 1 (2: bad GPU_TEST_WORKERS; 3: preflight found something missing).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -87,6 +89,14 @@ if [ -n "$dry" ]; then
     echo "dry run: $workers worker(s)${keep_order:+ ($keep_order)}, shards ${specs[*]}"
 else
     mkdir -p "$out" "$TRITON_CACHE_DIR"
+    # A machine without the wheels, the model or the quantizer archives would fail hundreds of tests for it, after
+    # minutes: stop here instead (GPU_ALLOW_MISSING=1 runs anyway).
+    if ! missing=$("$python" tests/gpu/shards.py preflight) && [ "${GPU_ALLOW_MISSING:-0}" != 1 ]; then
+        echo "$missing" | tee "$out/summary.txt"
+        echo "not running: carry what is missing (tests/gpu/device_prepare.sh says how), or GPU_ALLOW_MISSING=1" \
+            | tee -a "$out/summary.txt"
+        exit 3
+    fi
     # The C++ CPU kernels (the CPU paths some GPU tests compare with) are built once per machine, before any
     # shard's clock starts; a build failure only leaves the plain-torch CPU path (logged).
     timeout 300 "$python" -c "from pagedllm.kernels.cpu_ops import cpu_ops; cpu_ops()" >"$out/cpu-kernels.log" 2>&1 \

