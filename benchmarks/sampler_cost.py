@@ -1,9 +1,12 @@
-"""The sampler's cost per step: top-k / top-p by the per-row cutoff search (layers/top_k_top_p.py: the CPU's default;
-on CUDA the same torch search, for comparison only) against the sort-based reference (CUDA's default), alone and as the whole sampler step (temperature, min_p, the
-filters, softmax, the draw), at 1 / 64 / 256 rows x a Qwen-sized vocabulary (151,936).
+"""The sampler's cost per step at 1 / 64 / 256 rows x a Qwen-sized vocabulary (151,936), alone and as the whole
+sampler step (temperature, min_p, the filters, softmax, the draw), for each way of applying top-k / top-p
+(layers/top_k_top_p.py): `sort` (the reference, CUDA's default), `cutoff` (the per-row bucket search, the CPU's
+default), `prefix` (each row's 1024 largest logits by torch.topk, or the batch's largest top-k, and the sort for
+the rows they cannot settle).
 
     python benchmarks/sampler_cost.py [--device cpu|cuda] [--rows 1,64,256] [--vocab 151936] [--logits llm,normal]
-                                      [--configs ...] [--repeats N] [--warmup N] [--json out.json]
+                                      [--configs ...] [--impls sort,cutoff,prefix] [--repeats N] [--warmup N]
+                                      [--json out.json]
 
 Configurations (every row the same parameters): `temp` (temperature 0.6 only: no filter, the floor of a step),
 `top_p` (0.6 / top_p 0.9), `qwen` (0.6 / top_k 20 / top_p 0.95: Qwen3's recommended sampling), `min_p` (1.0 /
@@ -34,7 +37,7 @@ import torch  # noqa: E402
 
 from pagedllm.layers import sampler as sampler_mod  # noqa: E402
 from pagedllm.layers.sampler import Sampler, SamplingMetadata, apply_top_k_only, apply_top_k_top_p_sort  # noqa: E402
-from pagedllm.layers.top_k_top_p import apply_top_k_top_p  # noqa: E402
+from pagedllm.layers.top_k_top_p import apply_top_k_top_p, apply_top_k_top_p_prefix  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 
 CONFIGS = {
@@ -86,6 +89,8 @@ def filter_fn(meta: SamplingMetadata, impl: str):
         if top_p is not None:
             return lambda x: apply_top_k_top_p_sort(x, top_k, top_p)
         return lambda x: apply_top_k_only(x, top_k, meta.max_top_k)
+    if impl == "prefix":
+        return lambda x: apply_top_k_top_p_prefix(x, top_k, top_p, meta.max_top_k)
     return lambda x: apply_top_k_top_p(x, top_k, top_p)
 
 
@@ -117,6 +122,9 @@ def main() -> None:
     parser.add_argument("--parts", default="filter,step", help="filter: top-k / top-p alone; step: the whole sampler")
     parser.add_argument("--repeats", type=int, default=None, help="default 20 on CUDA, 3 on the CPU")
     parser.add_argument("--warmup", type=int, default=None, help="default 5 on CUDA, 1 on the CPU")
+    parser.add_argument("--impls", default="sort,cutoff,prefix",
+                        help="sort (the reference, first), cutoff (the bucket search), prefix (torch.topk's 1024 "
+                             "largest per row, the sort for rows they cannot settle)")
     parser.add_argument("--json", default="sampler_cost.json")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
@@ -124,7 +132,11 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
 
     results = []
-    header = f"{'logits':7} {'config':12} {'rows':>5} {'part':7} {'sort ms':>10} {'cutoff ms':>10} {'speed-up':>9}"
+    impls = args.impls.split(",")
+    if impls[0] != "sort" or not set(impls) <= {"sort", "cutoff", "prefix"}:
+        parser.error("--impls: sort first, then any of cutoff, prefix")
+    header = f"{'logits':7} {'config':12} {'rows':>5} {'part':7} " + " ".join(
+        f"{i + ' ms':>10}" + ("" if i == "sort" else f" {'x sort':>7}") for i in impls)
     print(header)
     print("-" * len(header))
     for kind in args.logits.split(","):
@@ -139,13 +151,15 @@ def main() -> None:
                         continue
                     scaled = base / CONFIGS[name]["temperature"] if part == "filter" else base
                     row = {"logits": kind, "config": name, "rows": rows, "part": part}
-                    for impl in ("sort", "cutoff"):
+                    for impl in impls:
                         fn = (filter_fn if part == "filter" else step_fn)(meta, impl)
                         ms = timed(fn, scaled, repeats, warmup)
                         row[impl] = {"median_ms": statistics.median(ms), "min_ms": min(ms), "all_ms": ms}
                     results.append(row)
-                    s, c = row["sort"]["median_ms"], row["cutoff"]["median_ms"]
-                    print(f"{kind:7} {name:12} {rows:5d} {part:7} {s:10.3f} {c:10.3f} {s / c:8.2f}x", flush=True)
+                    s = row["sort"]["median_ms"]
+                    cells = " ".join(f"{row[i]['median_ms']:10.3f}" + (
+                        "" if i == "sort" else f" {s / row[i]['median_ms']:6.2f}x") for i in impls)
+                    print(f"{kind:7} {name:12} {rows:5d} {part:7} {cells}", flush=True)
             del base
 
     machine = {"device": args.device, "torch": torch.__version__, "python": platform.python_version(),

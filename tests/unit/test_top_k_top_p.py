@@ -9,7 +9,8 @@ import torch
 from pagedllm.layers import sampler as sampler_mod
 from pagedllm.layers import top_k_top_p as tkp
 from pagedllm.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p_sort
-from pagedllm.layers.top_k_top_p import top_k_top_p_cutoff_torch
+from pagedllm.layers.top_k_top_p import (apply_top_k_top_p_prefix, top_k_top_p_cutoff_prefix,
+                                           top_k_top_p_cutoff_torch)
 from pagedllm.sampling_params import SamplingParams
 from tests.unit.top_k_top_p_cases import check_cutoffs, make_logits, row_params, support
 
@@ -33,6 +34,66 @@ def test_cutoff_keeps_the_sort_reference_set(kind):
     ref = apply_top_k_top_p_sort(logits.clone(), k, p)
     ambiguous = check_cutoffs(logits, k, p, got, reference_support=ref.softmax(-1) > 0)
     assert ambiguous <= n // 8, ambiguous
+
+
+@pytest.mark.parametrize("width", [1000, 64, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_cutoff_exact_rows_and_the_sorted_rest(kind, width):
+    """The prefix path: a row it calls exact keeps the exact set from its `width` largest logits alone; the rows it
+    cannot settle (a top-k past the prefix, a top-p crossing or a tie group past it) go to the sort, and every row
+    ends with the exact set. Narrow prefixes force both kinds of row."""
+    gen = torch.Generator().manual_seed(30 + KINDS.index(kind))
+    n, vocab = 48, 1000
+    logits = make_logits(n, vocab, kind, gen)
+    k, p = row_params(n, vocab, gen)
+    cutoff, exact = top_k_top_p_cutoff_prefix(logits, k, p, width=width)
+    if width >= vocab:
+        assert exact.all()
+    elif width == 8:  # rows with top_k 334 and rows of a broad top-p cannot be settled by 8 values
+        assert not exact.all() and exact.any()
+    assert bool((~exact[(k > width) & (k < vocab)]).all())
+    rows = exact.nonzero().squeeze(1)
+    check_cutoffs(logits[rows], k[rows], p[rows], cutoff[rows])
+    masked = apply_top_k_top_p_prefix(logits.clone(), k, p)
+    ref = apply_top_k_top_p_sort(logits.clone(), k, p)
+    assert torch.isfinite(masked.max(dim=1).values).all()  # the top token always stays
+    check_cutoffs(logits, k, p, torch.where(torch.isfinite(masked), logits, float("inf")).min(dim=1).values,
+                  reference_support=ref.softmax(-1) > 0)
+
+
+@pytest.mark.parametrize("only", ["top_k", "top_p"])
+def test_prefix_cutoff_with_one_filter(only):
+    gen = torch.Generator().manual_seed(41)
+    n, vocab = 32, 3000
+    logits = make_logits(n, vocab, "ties", gen)
+    k = torch.tensor([1, 5, 17, vocab] * (n // 4)) if only == "top_k" else torch.full((n,), vocab)
+    p = torch.tensor([1e-7, 0.9, 0.99, 1.0] * (n // 4)) if only == "top_p" else torch.ones(n)
+    cutoff, exact = top_k_top_p_cutoff_prefix(logits, k if only == "top_k" else None, p if only == "top_p" else None,
+                                              width=256)
+    rows = exact.nonzero().squeeze(1)
+    check_cutoffs(logits[rows], k[rows], p[rows], cutoff[rows])
+    if only == "top_k":  # counts are exact: torch.topk's k-th value on every row
+        assert exact.all()
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k.clamp(max=vocab) - 1).unsqueeze(1)).squeeze(1)
+        assert torch.equal(torch.where(k < vocab, kth, float("-inf")), cutoff)
+    masked = apply_top_k_top_p_prefix(logits.clone(), k if only == "top_k" else None, p if only == "top_p" else None)
+    check_cutoffs(logits, k, p, torch.where(torch.isfinite(masked), logits, float("inf")).min(dim=1).values)
+
+
+def test_prefix_widens_to_the_batchs_largest_top_k(monkeypatch):
+    """With the batch's largest top-k given, top-k rows past the default prefix are settled without the sort."""
+    monkeypatch.setattr(tkp, "_PREFIX", 8)
+    sorted_rows = []
+    monkeypatch.setattr(tkp, "top_k_top_p_cutoff_sort", lambda x, k, p: sorted_rows.append(x.shape[0]) or
+                        torch.full((x.shape[0],), float("-inf")))
+    gen = torch.Generator().manual_seed(43)
+    logits = make_logits(16, 2000, "normal", gen)
+    k = torch.tensor([300, 5, 2000, 40] * 4)
+    masked = tkp.apply_top_k_top_p_prefix(logits.clone(), k, None, max_top_k=300)
+    assert sorted_rows == []
+    check_cutoffs(logits, k, torch.ones(16), torch.where(torch.isfinite(masked), logits, float("inf")).min(1).values)
+    tkp.apply_top_k_top_p_prefix(logits.clone(), k, None)  # without it: the rows of top-k 300 and 40 are sorted
+    assert sorted_rows == [8]
 
 
 @pytest.mark.parametrize("case", ["top_k_only", "top_p_only", "large_k"])
@@ -102,10 +163,11 @@ def test_sampler_probs_match_the_sort_path(kind, monkeypatch):
     gen = torch.Generator().manual_seed(20 + KINDS.index(kind))
     params = _params_mix() * 3
     logits = make_logits(len(params), 512, kind, gen)
-    new = _probs(logits, params, "cutoff", monkeypatch)
     ref = _probs(logits, params, "sort", monkeypatch)
-    assert torch.equal(new > 0, ref > 0)
-    torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-7)
+    for impl in ("cutoff", "prefix"):
+        new = _probs(logits, params, impl, monkeypatch)
+        assert torch.equal(new > 0, ref > 0), impl
+        torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-7)
 
 
 def _expected(row, temperature, top_k, top_p, min_p):

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from pagedllm.layers.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
-from pagedllm.layers.top_k_top_p import apply_top_k_top_p
+from pagedllm.layers.top_k_top_p import (apply_top_k_top_p, apply_top_k_top_p_prefix, mask_below,
+                                           top_k_top_p_cutoff_sort)
 from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
@@ -292,6 +293,8 @@ class Sampler(torch.nn.Module):
                 logits = apply_top_k_top_p_sort(logits, top_k, top_p)
             elif top_k is not None:
                 logits = apply_top_k_only(logits, top_k, meta.max_top_k)
+        elif impl == "prefix" and (top_k is not None or top_p is not None):
+            logits = apply_top_k_top_p_prefix(logits, top_k, top_p, meta.max_top_k)
         elif top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
@@ -335,19 +338,8 @@ def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) 
 
 
 def apply_top_k_top_p_sort(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: torch.Tensor) -> torch.Tensor:
-    """The sort-based reference of top-k / top-p (the sampler uses layers/top_k_top_p.py, which keeps the same
-    set without sorting). Sort once (ascending), apply top-k then top-p (smallest set with mass >= p) in sorted
-    order, and turn the result into a per-row cutoff logit (cheaper than scattering the sorted row back)."""
-    vocab = logits.shape[1]
-    sorted_logits = logits.sort(dim=-1, descending=False).values  # [N, V]
-    if top_k is not None:
-        threshold = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))  # k-th largest value
-        sorted_logits.masked_fill_(sorted_logits < threshold, float("-inf"))
-    cum_probs = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
-    # Drop the low tail whose total mass is <= 1 - p; the most likely token always stays.
-    num_dropped = (cum_probs <= (1.0 - top_p).unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(max=vocab - 1)
-    cutoff = sorted_logits.gather(1, num_dropped)  # [N, 1] smallest kept logit
-    return logits.masked_fill_(logits < cutoff, float("-inf"))
+    """The sort-based reference of top-k / top-p (`top_k_top_p_cutoff_sort`), masking in place."""
+    return mask_below(logits, top_k_top_p_cutoff_sort(logits, top_k, top_p))
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -33,6 +33,7 @@ _BUCKETS = 2048  # buckets per pass
 _CANDIDATES = 512  # a row whose crossing bucket holds more tokens is split again before ranking it (torch.topk)
 _PASSES = 3  # bucket passes before ranking the crossing bucket whatever its size (a bucket of ties cannot narrow)
 _TOPK_DIRECT = 8192  # top-k up to this size reads the k-th value from torch.topk (a partial selection) instead
+_PREFIX = 1024  # the prefix path's width: each row's largest logits it ranks (torch.topk)
 _CHUNK_ELEMENTS = 1 << 21  # rows are processed in chunks of about this many logits: small temporaries stay cached
 
 
@@ -184,6 +185,80 @@ def _rank_candidates(cand: torch.Tensor, cand_w: torch.Tensor, valid: torch.Tens
     kept = (strictly_above < target.unsqueeze(1)) & valid
     num_kept = kept.sum(1).clamp_(min=1)
     return cand.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
+
+
+def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+                              width: int = _PREFIX) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cutoffs from each row's `width` largest logits (torch.topk, a partial selection) without a host sync:
+    (cutoff [N], exact [N] bool). A row is exact when its top-k is within the prefix and its top-p crossing is
+    found there (or its set ends there); the others need the whole row (`apply_top_k_top_p_prefix` sorts them).
+    Top-p's mass of a row without top-k is summed over the whole row; with top-k, over the prefix's top-k set."""
+    n, vocab = logits.shape
+    w = min(vocab, width)
+    vals = logits.topk(w, dim=1).values  # descending
+    cutoff = logits.new_full((n,), float("-inf"))
+    exact = torch.ones(n, dtype=torch.bool, device=logits.device)
+    if top_k is not None:
+        has_k = top_k < vocab
+        kth = vals.gather(1, (top_k.clamp(1, w) - 1).unsqueeze(1)).squeeze(1)
+        cutoff = torch.where(has_k, kth, cutoff)
+        exact &= ~has_k | (top_k <= w)
+    if top_p is not None:
+        has_p = top_p < 1.0
+        top = vals[:, :1]
+        e = (vals - top).exp_()
+        if top_k is not None:
+            e.masked_fill_(vals < cutoff.unsqueeze(1), 0.0)  # outside the top-k set (cutoff -inf: none)
+            # Ties with the k-th value past the prefix belong to the set too: their mass is not in the prefix.
+            beyond = (vals[:, -1] >= cutoff) & (w < vocab)
+        else:
+            beyond = torch.full((n,), w < vocab, dtype=torch.bool, device=logits.device)
+        cum = e.cumsum(dim=1)
+        mass = cum[:, -1]
+        if w < vocab:
+            if top_k is None:
+                mass = (logits - top).exp_().sum(dim=1)
+            else:  # a row without top-k: its set is the whole row
+                mass = torch.where(has_k, mass, (logits - top).exp_().sum(dim=1))
+                exact &= ~(has_p & has_k & beyond)
+        # Kept: every position whose mass strictly above (the exclusive sum) is below p x mass; a prefix of rows.
+        kept = ((cum - e) < (top_p * mass).unsqueeze(1)).sum(dim=1)
+        cut = vals.gather(1, (kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        cutoff = torch.where(has_p, torch.maximum(cut, cutoff), cutoff)
+        # The crossing is inside the prefix when a position there is not kept, or the set ends inside it.
+        exact &= ~has_p | (kept < w) | ~beyond
+    return cutoff, exact
+
+
+def top_k_top_p_cutoff_sort(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                            top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """The sort-based cutoffs (the reference): sort each row once (ascending), apply top-k, then drop the low tail
+    whose total mass is <= 1 - p; the smallest kept logit is the row's cutoff [N]."""
+    vocab = logits.shape[1]
+    sorted_logits = logits.sort(dim=-1, descending=False).values  # [N, V]
+    cutoff = logits.new_full((logits.shape[0], 1), float("-inf"))
+    if top_k is not None:
+        cutoff = sorted_logits.gather(1, (vocab - top_k.clamp(max=vocab)).unsqueeze(1))  # k-th largest value
+        sorted_logits.masked_fill_(sorted_logits < cutoff, float("-inf"))
+    if top_p is not None:
+        cum_probs = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+        # The most likely token always stays.
+        num_dropped = (cum_probs <= (1.0 - top_p).unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(max=vocab - 1)
+        cutoff = sorted_logits.gather(1, num_dropped)
+    return cutoff.squeeze(1)
+
+
+def apply_top_k_top_p_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+                             max_top_k: int = 0) -> torch.Tensor:
+    """Mask, in place, every logit outside its row's top-k / top-p set: the prefix cutoffs, the sort for the rows
+    they cannot settle (one host sync: whether there are any). max_top_k (a host int, 0: unknown) widens the
+    prefix to the batch's largest top-k, so top-k rows never need the sort."""
+    cutoff, exact = top_k_top_p_cutoff_prefix(logits, top_k, top_p, width=max(_PREFIX, max_top_k))
+    if not bool(exact.all()):
+        rows = (~exact).nonzero().squeeze(1)
+        cutoff[rows] = top_k_top_p_cutoff_sort(logits[rows], None if top_k is None else top_k[rows],
+                                               None if top_p is None else top_p[rows])
+    return mask_below(logits, cutoff)
 
 
 def mask_below(logits: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
