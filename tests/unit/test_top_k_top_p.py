@@ -72,6 +72,8 @@ def test_prefix_cutoff_with_one_filter(only):
                                               width=256)
     rows = exact.nonzero().squeeze(1)
     check_cutoffs(logits[rows], k[rows], p[rows], cutoff[rows])
+    if only == "top_p":  # a crossing at the first token is found in the prefix; top_p 1 needs no search
+        assert exact[(p < 1e-6) | (p == 1.0)].all()
     if only == "top_k":  # counts are exact: torch.topk's k-th value on every row
         assert exact.all()
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k.clamp(max=vocab) - 1).unsqueeze(1)).squeeze(1)
@@ -190,13 +192,15 @@ def _expected(row, temperature, top_k, top_p, min_p):
     return q / q.sum()
 
 
+@pytest.mark.parametrize("impl", ["auto", "prefix"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
     (0.7, 6, 0.85, 0.0), (1.0, 8, 1.0, 0.05), (1.5, 3, 0.9, 0.0), (1.0, 8, 0.6, 0.1)])
-def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, min_p, device):
+def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, min_p, device, impl, monkeypatch):
     """Chi-square of 30k draws against the exact filtered distribution (well-separated logits, so no cutoff is
     near a rounding; fixed seeds, and a critical value far in the tail: 1e-6 at these degrees of freedom)."""
     _skip_without(device)
+    monkeypatch.setattr(sampler_mod, "TOP_K_TOP_P_IMPL", impl)
     torch.manual_seed(1234)
     row = torch.tensor([2.1, 1.7, 1.2, 0.9, 0.3, -0.4, -1.1, -2.0])
     expected = _expected(row, temperature, top_k, top_p, min_p)
@@ -214,11 +218,15 @@ def test_sampled_distribution_on_a_tiny_vocabulary(temperature, top_k, top_p, mi
     assert chi2 < critical, (chi2, dof, counts / n, expected)
 
 
+@pytest.mark.parametrize("impl", ["auto", "prefix"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_seeded_row_independent_of_the_batch(monkeypatch, device):
+def test_seeded_row_independent_of_the_batch(monkeypatch, device, impl):
     """A seeded row draws the same token alone and among rows whose filters take other paths of the search
-    (small and large top-k, top-p, greedy), and when the global RNG moved."""
+    (small and large top-k, top-p, greedy), and when the global RNG moved. The prefix path: a top-k of 2000 in the
+    batch widens the prefix past its default."""
     _skip_without(device)
+    monkeypatch.setattr(sampler_mod, "TOP_K_TOP_P_IMPL", impl)
+    monkeypatch.setattr(tkp, "_PREFIX", 256)  # the seeded row's top-p is settled in 256 values or sorted
     gen = torch.Generator().manual_seed(5)
     vocab = 3000
     row = make_logits(1, vocab, "normal", gen)[0]

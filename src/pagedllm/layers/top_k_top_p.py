@@ -190,14 +190,20 @@ def _rank_candidates(cand: torch.Tensor, cand_w: torch.Tensor, valid: torch.Tens
 def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
                               width: int = _PREFIX) -> tuple[torch.Tensor, torch.Tensor]:
     """The cutoffs from each row's `width` largest logits (torch.topk, a partial selection) without a host sync:
-    (cutoff [N], exact [N] bool). A row is exact when its top-k is within the prefix and its top-p crossing is
-    found there (or its set ends there); the others need the whole row (`apply_top_k_top_p_prefix` sorts them).
-    Top-p's mass of a row without top-k is summed over the whole row; with top-k, over the prefix's top-k set."""
+    (cutoff [N], exact [N] bool). The rows not exact need the whole row (`apply_top_k_top_p_prefix` sorts them).
+
+    A row reads only its first `bound` values: min(width, _PREFIX), or its own top-k where larger, so its result
+    and whether it is exact depend on its own logits and parameters, not on a wider prefix another row asked for
+    (a seeded request draws the same token whatever the batch). Top-k: exact when k <= width (the k-th value).
+    Top-p within a top-k set: exact when the set (ties with the k-th value included) ends within the bound; the
+    set's mass is then summed there. Top-p over the whole row: its mass is summed over the row, and the row is
+    exact when the crossing lies within the bound."""
     n, vocab = logits.shape
     w = min(vocab, width)
     vals = logits.topk(w, dim=1).values  # descending
     cutoff = logits.new_full((n,), float("-inf"))
     exact = torch.ones(n, dtype=torch.bool, device=logits.device)
+    has_k = None
     if top_k is not None:
         has_k = top_k < vocab
         kth = vals.gather(1, (top_k.clamp(1, w) - 1).unsqueeze(1)).squeeze(1)
@@ -205,28 +211,36 @@ def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor
         exact &= ~has_k | (top_k <= w)
     if top_p is not None:
         has_p = top_p < 1.0
+        settle = min(w, _PREFIX)
+        bound = torch.full((n,), settle, dtype=torch.int64, device=logits.device)
+        if has_k is not None:
+            bound = torch.where(has_k, top_k.clamp(max=w), bound).clamp_(min=settle)
         top = vals[:, :1]
         e = (vals - top).exp_()
-        if top_k is not None:
+        e.masked_fill_(torch.arange(w, device=logits.device) >= bound.unsqueeze(1), 0.0)  # past the row's bound
+        if has_k is not None:
             e.masked_fill_(vals < cutoff.unsqueeze(1), 0.0)  # outside the top-k set (cutoff -inf: none)
-            # Ties with the k-th value past the prefix belong to the set too: their mass is not in the prefix.
-            beyond = (vals[:, -1] >= cutoff) & (w < vocab)
-        else:
-            beyond = torch.full((n,), w < vocab, dtype=torch.bool, device=logits.device)
         cum = e.cumsum(dim=1)
+        # Whether the row's set ends within its bound: the whole row fits, or (top-k) the value after the bound is
+        # below the k-th (ties with it past the bound belong to the set too).
+        ends = bound >= vocab
+        if has_k is not None:
+            after = vals.gather(1, bound.clamp(max=w - 1).unsqueeze(1)).squeeze(1)
+            ends |= has_k & (bound < w) & (after < cutoff)
         mass = cum[:, -1]
         if w < vocab:
-            if top_k is None:
-                mass = (logits - top).exp_().sum(dim=1)
-            else:  # a row without top-k: its set is the whole row
-                mass = torch.where(has_k, mass, (logits - top).exp_().sum(dim=1))
-                exact &= ~(has_p & has_k & beyond)
-        # Kept: every position whose mass strictly above (the exclusive sum) is below p x mass; a prefix of rows.
-        kept = ((cum - e) < (top_p * mass).unsqueeze(1)).sum(dim=1)
+            full = (logits - top).exp_().sum(dim=1)
+            mass = full if has_k is None else torch.where(has_k, mass, full)
+        # Kept: the positions whose mass strictly above (the exclusive sum) is below p x mass, a prefix of each row.
+        kept = ((cum - e) < (top_p * mass).unsqueeze(1)) & (torch.arange(w, device=logits.device) <
+                                                             bound.unsqueeze(1))
+        kept = kept.sum(dim=1)
         cut = vals.gather(1, (kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         cutoff = torch.where(has_p, torch.maximum(cut, cutoff), cutoff)
-        # The crossing is inside the prefix when a position there is not kept, or the set ends inside it.
-        exact &= ~has_p | (kept < w) | ~beyond
+        settled = (kept < bound) | ends
+        if has_k is not None:
+            settled = torch.where(has_k, ends, settled)
+        exact &= ~has_p | settled
     return cutoff, exact
 
 
