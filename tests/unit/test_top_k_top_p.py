@@ -96,6 +96,15 @@ def test_prefix_widens_to_the_batchs_largest_top_k(monkeypatch):
     check_cutoffs(logits, k, torch.ones(16), torch.where(torch.isfinite(masked), logits, float("inf")).min(1).values)
     tkp.apply_top_k_top_p_prefix(logits.clone(), k, None)  # without it: the rows of top-k 300 and 40 are sorted
     assert sorted_rows == [8]
+    # Qwen3's top-k 20 / top-p 0.95 never needs the sort.
+    sorted_rows.clear()
+    monkeypatch.setattr(tkp, "_PREFIX", 64)
+    logits = make_logits(16, 2000, "peaked", gen)
+    k = torch.full((16,), 20)
+    p = torch.full((16,), 0.95)
+    masked = tkp.apply_top_k_top_p_prefix(logits.clone(), k, p, max_top_k=20)
+    assert sorted_rows == []
+    check_cutoffs(logits, k, p, torch.where(torch.isfinite(masked), logits, float("inf")).min(1).values)
 
 
 @pytest.mark.parametrize("case", ["top_k_only", "top_p_only", "large_k"])

@@ -192,7 +192,7 @@ def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor
     """The cutoffs from each row's `width` largest logits (torch.topk, a partial selection) without a host sync:
     (cutoff [N], exact [N] bool). The rows not exact need the whole row (`apply_top_k_top_p_prefix` sorts them).
 
-    A row reads only its first `bound` values: min(width, _PREFIX), or its own top-k where larger, so its result
+    A row reads only its first `bound` values: min(width - 1, _PREFIX), or its own top-k where larger, so its result
     and whether it is exact depend on its own logits and parameters, not on a wider prefix another row asked for
     (a seeded request draws the same token whatever the batch). Top-k: exact when k <= width (the k-th value).
     Top-p within a top-k set: exact when the set (ties with the k-th value included) ends within the bound; the
@@ -211,7 +211,7 @@ def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor
         exact &= ~has_k | (top_k <= w)
     if top_p is not None:
         has_p = top_p < 1.0
-        settle = min(w, _PREFIX)
+        settle = w if w == vocab else min(w - 1, _PREFIX)  # one value past the bound shows where a set ends
         bound = torch.full((n,), settle, dtype=torch.int64, device=logits.device)
         if has_k is not None:
             bound = torch.where(has_k, top_k.clamp(max=w), bound).clamp_(min=settle)
@@ -267,7 +267,7 @@ def apply_top_k_top_p_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor]
     """Mask, in place, every logit outside its row's top-k / top-p set: the prefix cutoffs, the sort for the rows
     they cannot settle (one host sync: whether there are any). max_top_k (a host int, 0: unknown) widens the
     prefix to the batch's largest top-k, so top-k rows never need the sort."""
-    cutoff, exact = top_k_top_p_cutoff_prefix(logits, top_k, top_p, width=max(_PREFIX, max_top_k))
+    cutoff, exact = top_k_top_p_cutoff_prefix(logits, top_k, top_p, width=max(_PREFIX, max_top_k) + 1)
     if not bool(exact.all()):
         rows = (~exact).nonzero().squeeze(1)
         cutoff[rows] = top_k_top_p_cutoff_sort(logits[rows], None if top_k is None else top_k[rows],
