@@ -90,7 +90,7 @@ def filter_fn(meta: SamplingMetadata, impl: str):
             return lambda x: apply_top_k_top_p_sort(x, top_k, top_p)
         return lambda x: apply_top_k_only(x, top_k, meta.max_top_k)
     if impl == "prefix":
-        return lambda x: apply_top_k_top_p_prefix(x, top_k, top_p, meta.max_top_k)
+        return lambda x: apply_top_k_top_p_prefix(x, top_k, top_p, meta.max_top_k, meta.top_p_within_top_k)
     return lambda x: apply_top_k_top_p(x, top_k, top_p)
 
 

@@ -105,6 +105,30 @@ def test_prefix_widens_to_the_batchs_largest_top_k(monkeypatch):
     masked = tkp.apply_top_k_top_p_prefix(logits.clone(), k, p, max_top_k=20)
     assert sorted_rows == []
     check_cutoffs(logits, k, p, torch.where(torch.isfinite(masked), logits, float("inf")).min(1).values)
+    masked = tkp.apply_top_k_top_p_prefix(logits.clone(), k, p, max_top_k=20, top_p_within_top_k=True)
+    assert sorted_rows == []
+    check_cutoffs(logits, k, p, torch.where(torch.isfinite(masked), logits, float("inf")).min(1).values)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_top_p_within_top_k_needs_no_sort(kind, monkeypatch):
+    """Every top-p row with a top-k: a prefix of the batch's largest top-k settles every row, also when the k-th
+    value's ties run far past k (their mass counted over the row), without the sort or a host sync."""
+    monkeypatch.setattr(tkp, "top_k_top_p_cutoff_sort", lambda *a: pytest.fail("sorted"))
+    gen = torch.Generator().manual_seed(50 + KINDS.index(kind))
+    n, vocab = 48, 1000
+    logits = make_logits(n, vocab, kind, gen)
+    k = torch.randint(1, 60, (n,), generator=gen)
+    k[::3] = 12
+    for r in range(0, n, 3):  # a tie group of 390 at the 12th value: 378 of them past k
+        order = logits[r].argsort(descending=True)
+        logits[r, order[11:401]] = float(logits[r, order[11]])
+    p = torch.where(torch.rand(n, generator=gen) < 0.2, 1.0, torch.rand(n, generator=gen)).to(torch.float32)
+    masked = tkp.apply_top_k_top_p_prefix(logits.clone(), k, p, max_top_k=int(k.max()), top_p_within_top_k=True)
+    got = torch.where(torch.isfinite(masked), logits, float("inf")).min(1).values
+    ref = apply_top_k_top_p_sort(logits.clone(), k, p)
+    ambiguous = check_cutoffs(logits, k, p, got, reference_support=ref.softmax(-1) > 0)
+    assert ambiguous <= n // 8, ambiguous
 
 
 @pytest.mark.parametrize("case", ["top_k_only", "top_p_only", "large_k"])

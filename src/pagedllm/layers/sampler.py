@@ -92,6 +92,7 @@ class SamplingMetadata:
     top_p: Optional[torch.Tensor] = None  # [N] float32 in (0, 1]
     top_k: Optional[torch.Tensor] = None  # [N] int64; rows without top-k hold vocab_size
     max_top_k: int = 0  # max over rows that use top-k (host int: no device sync to size torch.topk)
+    top_p_within_top_k: bool = False  # every sampled row with a top-p also has a top-k (host knowledge)
     min_p: Optional[torch.Tensor] = None  # [N] float32
     no_top_p: bool = True
     no_top_k: bool = True
@@ -162,6 +163,7 @@ class SamplingMetadata:
                 ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
                 meta.max_top_k = max(k for k in ks if k < vocab_size)
                 meta.top_k = _to_device(torch.tensor(ks, dtype=torch.int64), device)
+            meta.top_p_within_top_k = all(0 < p.top_k < vocab_size for p in sampled if p.top_p < 1.0)
         need_rep = any(p.repetition_penalty != 1.0 for p in params)
         need_freq_pres = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
         if need_rep or need_freq_pres:
@@ -294,7 +296,7 @@ class Sampler(torch.nn.Module):
             elif top_k is not None:
                 logits = apply_top_k_only(logits, top_k, meta.max_top_k)
         elif impl == "prefix" and (top_k is not None or top_p is not None):
-            logits = apply_top_k_top_p_prefix(logits, top_k, top_p, meta.max_top_k)
+            logits = apply_top_k_top_p_prefix(logits, top_k, top_p, meta.max_top_k, meta.top_p_within_top_k)
         elif top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)

@@ -192,12 +192,14 @@ def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor
     """The cutoffs from each row's `width` largest logits (torch.topk, a partial selection) without a host sync:
     (cutoff [N], exact [N] bool). The rows not exact need the whole row (`apply_top_k_top_p_prefix` sorts them).
 
-    A row reads only its first `bound` values: min(width - 1, _PREFIX), or its own top-k where larger, so its result
-    and whether it is exact depend on its own logits and parameters, not on a wider prefix another row asked for
-    (a seeded request draws the same token whatever the batch). Top-k: exact when k <= width (the k-th value).
-    Top-p within a top-k set: exact when the set (ties with the k-th value included) ends within the bound; the
-    set's mass is then summed there. Top-p over the whole row: its mass is summed over the row, and the row is
-    exact when the crossing lies within the bound."""
+    A row reads only its own first `bound` values, so its result depends on its own logits and parameters, not on
+    a wider prefix another row asked for (a seeded request draws the same token whatever the batch):
+      * top-k (k <= width, else not exact): the k-th value; with top-p, the bound is k: the set's mass is the
+        prefix's k values plus, counted over the row, the ties with the k-th value past them (they are in the set
+        and weigh what the k-th does), and a crossing not found in the k values puts the cutoff at the k-th value.
+        Always exact.
+      * top-p over the whole row: the bound is min(width, _PREFIX); the mass is summed over the row; exact when
+        the crossing lies within the bound (or the bound holds the whole row)."""
     n, vocab = logits.shape
     w = min(vocab, width)
     vals = logits.topk(w, dim=1).values  # descending
@@ -206,40 +208,33 @@ def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor
     has_k = None
     if top_k is not None:
         has_k = top_k < vocab
-        kth = vals.gather(1, (top_k.clamp(1, w) - 1).unsqueeze(1)).squeeze(1)
+        k = top_k.clamp(1, w)
+        kth = vals.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
         cutoff = torch.where(has_k, kth, cutoff)
         exact &= ~has_k | (top_k <= w)
     if top_p is not None:
         has_p = top_p < 1.0
-        settle = w if w == vocab else min(w - 1, _PREFIX)  # one value past the bound shows where a set ends
-        bound = torch.full((n,), settle, dtype=torch.int64, device=logits.device)
+        pos = torch.arange(w, device=logits.device)
+        bound = torch.full((n,), min(w, _PREFIX) if w < vocab else w, dtype=torch.int64, device=logits.device)
         if has_k is not None:
-            bound = torch.where(has_k, top_k.clamp(max=w), bound).clamp_(min=settle)
+            bound = torch.where(has_k, k, bound)
         top = vals[:, :1]
-        e = (vals - top).exp_()
-        e.masked_fill_(torch.arange(w, device=logits.device) >= bound.unsqueeze(1), 0.0)  # past the row's bound
-        if has_k is not None:
-            e.masked_fill_(vals < cutoff.unsqueeze(1), 0.0)  # outside the top-k set (cutoff -inf: none)
+        e = (vals - top).exp_().masked_fill_(pos >= bound.unsqueeze(1), 0.0)
         cum = e.cumsum(dim=1)
-        # Whether the row's set ends within its bound: the whole row fits, or (top-k) the value after the bound is
-        # below the k-th (ties with it past the bound belong to the set too).
-        ends = bound >= vocab
-        if has_k is not None:
-            after = vals.gather(1, bound.clamp(max=w - 1).unsqueeze(1)).squeeze(1)
-            ends |= has_k & (bound < w) & (after < cutoff)
         mass = cum[:, -1]
         if w < vocab:
-            full = (logits - top).exp_().sum(dim=1)
-            mass = full if has_k is None else torch.where(has_k, mass, full)
+            mass = (logits - top).exp_().sum(dim=1)  # the rows without top-k: the whole row
+        if has_k is not None:
+            ties = (logits >= kth.unsqueeze(1)).sum(dim=1) - k  # past the k values, tied with the k-th
+            set_mass = cum[:, -1] + ties * (kth - top.squeeze(1)).exp()
+            mass = torch.where(has_k, set_mass, mass)
         # Kept: the positions whose mass strictly above (the exclusive sum) is below p x mass, a prefix of each row.
-        kept = ((cum - e) < (top_p * mass).unsqueeze(1)) & (torch.arange(w, device=logits.device) <
-                                                             bound.unsqueeze(1))
-        kept = kept.sum(dim=1)
+        kept = (((cum - e) < (top_p * mass).unsqueeze(1)) & (pos < bound.unsqueeze(1))).sum(dim=1)
         cut = vals.gather(1, (kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         cutoff = torch.where(has_p, torch.maximum(cut, cutoff), cutoff)
-        settled = (kept < bound) | ends
+        settled = (kept < bound) | (bound >= vocab)
         if has_k is not None:
-            settled = torch.where(has_k, ends, settled)
+            settled |= has_k
         exact &= ~has_p | settled
     return cutoff, exact
 
@@ -263,11 +258,15 @@ def top_k_top_p_cutoff_sort(logits: torch.Tensor, top_k: Optional[torch.Tensor],
 
 
 def apply_top_k_top_p_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
-                             max_top_k: int = 0) -> torch.Tensor:
-    """Mask, in place, every logit outside its row's top-k / top-p set: the prefix cutoffs, the sort for the rows
-    they cannot settle (one host sync: whether there are any). max_top_k (a host int, 0: unknown) widens the
-    prefix to the batch's largest top-k, so top-k rows never need the sort."""
-    cutoff, exact = top_k_top_p_cutoff_prefix(logits, top_k, top_p, width=max(_PREFIX, max_top_k) + 1)
+                             max_top_k: int = 0, top_p_within_top_k: bool = False) -> torch.Tensor:
+    """Mask, in place, every logit outside its row's top-k / top-p set by the prefix cutoffs. max_top_k (a host
+    int, 0: unknown) widens the prefix to the batch's largest top-k. top_p_within_top_k (host knowledge: every row
+    with a top-p also has a top-k) makes every row exact with a prefix of max_top_k values and no host sync;
+    otherwise the rows the prefix cannot settle are sorted (one host sync: whether there are any)."""
+    if top_p_within_top_k and top_k is not None and max_top_k > 0:
+        cutoff, _ = top_k_top_p_cutoff_prefix(logits, top_k, top_p, width=max_top_k)
+        return mask_below(logits, cutoff)
+    cutoff, exact = top_k_top_p_cutoff_prefix(logits, top_k, top_p, width=max(_PREFIX, max_top_k))
     if not bool(exact.all()):
         rows = (~exact).nonzero().squeeze(1)
         cutoff[rows] = top_k_top_p_cutoff_sort(logits[rows], None if top_k is None else top_k[rows],
