@@ -82,26 +82,27 @@ class SpecDecodeRunner:
         return out
 
     # ------------------------------------------------------------------ verify
-    @staticmethod
-    def verify_rows(inp) -> "VerifyRows":
+    def verify_rows(self, runner, inp) -> "VerifyRows":
         """The verify rows of a step with drafts: per sampling request its 1 + d rows (the last 1 + d tokens of its
         query span) and the draft each row is checked against (NO_DRAFT on the bonus row). Known before the
-        forward, so the runner stages token_rows and draft_ids with the step's inputs (no copy after it)."""
+        forward, so the runner stages what the device needs of them with the step's inputs (`device_arrays`)."""
         spec, req_ids = inp.spec_token_ids, inp.req_ids
         sample_rows = inp.sample_rows
-        drafts = [spec.get(req_ids[r], ()) for r in sample_rows.tolist()]
-        counts = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts)) + 1
-        starts = np.cumsum(counts) - counts  # each request's first row among the verify rows
-        total = int(starts[-1] + counts[-1]) if len(counts) else 0
-        ends = inp.query_start_loc[1:][sample_rows].astype(np.int64)
-        token_rows = np.arange(total, dtype=np.int64) + np.repeat(ends - counts - starts, counts)
-        draft_ids = np.full(total, NO_DRAFT, dtype=np.int64)
-        if total > len(counts):
-            # Draft rows are every row but each request's last (its bonus row).
-            draft_ids[np.flatnonzero(np.repeat(starts + counts - 1, counts) != np.arange(total))] = np.fromiter(
-                itertools.chain.from_iterable(drafts), dtype=np.int64, count=total - len(counts))
-        return VerifyRows(token_rows=token_rows, draft_ids=draft_ids, starts=starts, counts=counts,
-                          every_token=total == len(inp.input_ids))
+        token_rows: list[int] = []
+        draft_ids: list[int] = []
+        starts: list[int] = []
+        # Lists, not numpy: a few requests of at most k + 1 rows each, where numpy's per-call cost dominates.
+        for r, end in zip(sample_rows.tolist(), inp.query_start_loc[1:][sample_rows].tolist()):
+            drafts = spec.get(req_ids[r], ())
+            starts.append(len(draft_ids))
+            token_rows.extend(range(end - len(drafts) - 1, end))
+            draft_ids.extend(drafts)
+            draft_ids.append(NO_DRAFT)
+        starts_a = np.array(starts, dtype=np.int64)
+        return VerifyRows(token_rows=np.array(token_rows, dtype=np.int64), draft_ids=np.array(draft_ids, dtype=np.int64),
+                          starts=starts_a, counts=np.diff(starts_a, append=len(draft_ids)),
+                          every_token=len(token_rows) == len(inp.input_ids),
+                          greedy=self._all_plain_greedy(runner, inp))
 
     def _host_slot(self, runner) -> tuple[torch.Tensor, "torch.cuda.Event"]:
         """A pinned [2, rows] int64 buffer and its event, reused across steps (a verify result hands them back once
@@ -120,16 +121,20 @@ class SpecDecodeRunner:
         All-greedy steps need no device work past the argmax: a row's emitted token is its argmax whether or not
         its draft is accepted, and a draft is accepted iff it equals that argmax, which the host checks against
         the drafts it already holds."""
-        token_rows_t, draft_t = staged
+        staged = iter(staged)
+        token_rows_t = None if rows.every_token else next(staged)
+        draft_t = None if rows.greedy else next(staged)
         sample_rows = inp.sample_rows.tolist()
         rows_hidden = hidden if rows.every_token else hidden.index_select(0, token_rows_t)
         greedy = None
-        if self._all_plain_greedy(runner, inp):
+        if rows.greedy:
             greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
         lp = None
         if greedy is not None:
             final, accepted = greedy, None
         else:
+            if draft_t is None:  # a model without the argmax shortcut
+                draft_t = torch.from_numpy(rows.draft_ids).to(runner.device)
             states = [inp.states[r] for r in sample_rows]
             meta = self._row_metadata(runner, states, inp.spec_token_ids)
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, draft_t, None, None)
@@ -211,6 +216,12 @@ class VerifyRows:
     starts: np.ndarray  # [sampling requests] int64: a request's first row
     counts: np.ndarray  # [sampling requests] int64: its 1 + number of drafts
     every_token: bool  # the rows are all of the step's tokens in order (token_rows = arange)
+    greedy: bool  # every row plain greedy (SpecDecodeRunner._all_plain_greedy): the argmax decides
+
+    def device_arrays(self) -> list[np.ndarray]:
+        """What the device needs: the token rows unless they are every token, the drafts unless all greedy (the
+        host checks those against the argmax)."""
+        return ([] if self.every_token else [self.token_rows]) + ([] if self.greedy else [self.draft_ids])
 
 
 class VerifyPending:

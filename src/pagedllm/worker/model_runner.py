@@ -207,8 +207,8 @@ class ModelRunner:
         # One async host-to-device copy per dtype from pinned memory (pageable copies would wait for the
         # device to finish the step in flight, defeating async scheduling).
         verifying = bool(inp.spec_token_ids) and len(sample_rows) > 0
-        verify_rows = self.spec.verify_rows(inp) if verifying else None  # known before the forward: staged with it
-        spec_arrays = [verify_rows.token_rows, verify_rows.draft_ids] if verifying else []
+        verify_rows = self.spec.verify_rows(self, inp) if verifying else None  # known before the forward
+        spec_arrays = verify_rows.device_arrays() if verifying else []
         num64 = len(int64_arrays)
         group_slots = inp.group_slot_mappings or []
         staged64 = self.stager.stage(int64_arrays + spec_arrays + group_slots, np.int64)
