@@ -91,16 +91,18 @@ class SpecDecodeRunner:
         token_rows: list[int] = []
         draft_ids: list[int] = []
         starts: list[int] = []
+        counts: list[int] = []
         # Lists, not numpy: a few requests of at most k + 1 rows each, where numpy's per-call cost dominates.
         for r, end in zip(sample_rows.tolist(), inp.query_start_loc[1:][sample_rows].tolist()):
             drafts = spec.get(req_ids[r], ())
+            n = len(drafts) + 1
             starts.append(len(draft_ids))
-            token_rows.extend(range(end - len(drafts) - 1, end))
+            counts.append(n)
+            token_rows.extend(range(end - n, end))
             draft_ids.extend(drafts)
             draft_ids.append(NO_DRAFT)
-        starts_a = np.array(starts, dtype=np.int64)
         return VerifyRows(token_rows=np.array(token_rows, dtype=np.int64), draft_ids=np.array(draft_ids, dtype=np.int64),
-                          starts=starts_a, counts=np.diff(starts_a, append=len(draft_ids)),
+                          starts=np.array(starts, dtype=np.int64), counts=np.array(counts, dtype=np.int64),
                           every_token=len(token_rows) == len(inp.input_ids),
                           greedy=self._all_plain_greedy(runner, inp))
 
