@@ -4,6 +4,8 @@
     python benchmarks/spec_decode.py ngram --model SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
     # 2. Llama-3-8B shape: one verify step of k=4 at batch 1 vs one plain decode step (target <= 1.15x)
     python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b --load-format dummy
+    #    + --host-profile 50: eager ops and host syncs per plain / verify step, and the host functions a verify
+    #      step adds (cProfile); --profile: kernel time per step
     # 3. Qwen3-0.6B shape, batch 64: throughput with speculation configured vs without (target >= 95%)
     python benchmarks/spec_decode.py batch --model benchmarks/configs/qwen3-0.6b --load-format dummy
     # 4. where speculation stops paying (sets speculative_config's disable_by_batch_size): ratio per batch size,
