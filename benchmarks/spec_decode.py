@@ -4,6 +4,8 @@
     python benchmarks/spec_decode.py ngram --model SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
     # 2. Llama-3-8B shape: one verify step of k=4 at batch 1 vs one plain decode step (target <= 1.15x)
     python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b --load-format dummy
+    #    + --host-profile 50: eager ops and host syncs per plain / verify step, and the host functions a verify
+    #      step adds (cProfile); --profile: kernel time per step
     # 3. Qwen3-0.6B shape, batch 64: throughput with speculation configured vs without (target >= 95%)
     python benchmarks/spec_decode.py batch --model benchmarks/configs/qwen3-0.6b --load-format dummy
     # 4. where speculation stops paying (sets speculative_config's disable_by_batch_size): ratio per batch size,
@@ -204,6 +206,10 @@ def run_verify(args) -> dict:
 
     block(True, 10)
     block(False, 10)
+    if args.host_profile:
+        host = {name: host_profile(lambda n, v=v: block(v, n), name, args.host_profile)
+                for name, v in (("plain", False), ("verify", True))}
+        print_host_diff(host, k)
     if args.profile and torch_cuda():
         # Device time only (kernels, inside graphs too): what the verify step costs the GPU, without the host
         # work that a speculating step cannot overlap (it waits for the previous step's drafts).
@@ -221,7 +227,118 @@ def run_verify(args) -> dict:
     engine.abort_requests(["r"])
     print(f"[verify k={k}] median verify/plain step time: {statistics.median(ratios):.3f} "
           f"({sched.spec_stats.num_drafts} verify steps ran, {sched.spec_stats.num_draft_tokens} draft tokens)")
-    return dict(rows=rows, median_ratio=statistics.median(ratios))
+    out = dict(rows=rows, median_ratio=statistics.median(ratios))
+    if args.host_profile:
+        out["host"] = {name: {key: v for key, v in h.items() if key != "funcs"} for name, h in host.items()}
+    return out
+
+
+class _OpCounter:
+    """Counts the eager torch ops a block of steps dispatches (CUDA-graph replays dispatch none), and among them
+    the host syncs: on CUDA each op that reads a device value on the host (item / tolist / .cpu() / nonzero,
+    i.e. aten._local_scalar_dense and copies to the host) and each event / stream / device synchronize. On the
+    CPU (no device) the same ops are counted as the syncs they would be on a GPU."""
+
+    SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique2"}
+
+    def __init__(self):
+        import collections
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.ops = collections.Counter()
+        self.syncs = collections.Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket)
+                counter.ops[name] += 1
+                if name in _OpCounter.SYNC_OPS or _to_host(name, args, kwargs or {}):
+                    counter.syncs[name] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        import torch
+
+        self._patched = []
+        if torch.cuda.is_available():  # explicit waits do not dispatch: count them by wrapping
+            for owner, attr in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                                (torch.cuda, "synchronize")):
+                orig = getattr(owner, attr)
+                self._patched.append((owner, attr, orig))
+                setattr(owner, attr, self._counting(orig, f"{getattr(owner, '__name__', 'cuda')}.{attr}"))
+        self.mode.__enter__()
+        return self
+
+    def _counting(self, orig, label):
+        def wrapped(*a, **kw):
+            self.syncs[label] += 1
+            return orig(*a, **kw)
+        return wrapped
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for owner, attr, orig in self._patched:
+            setattr(owner, attr, orig)
+
+
+def _to_host(name: str, args, kwargs) -> bool:
+    """A copy from a device tensor into host memory (copy_ into a CPU tensor, .to("cpu") / .cpu())."""
+    import torch
+
+    if name == "aten.copy_" and len(args) >= 2:
+        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+    if name == "aten._to_copy" and args and isinstance(args[0], torch.Tensor):
+        dev = kwargs.get("device")
+        return args[0].device.type != "cpu" and dev is not None and torch.device(dev).type == "cpu"
+    return False
+
+
+def host_profile(run_steps, label: str, n: int) -> dict:
+    """Host cost of n steps: eager ops and host syncs per step (dispatch counter), wall ms per step, and the
+    pagedllm functions' own time per step (cProfile; inflated by the profiler, read as shares)."""
+    import cProfile
+    import pstats
+
+    with _OpCounter() as c:
+        run_steps(n)
+    sync()
+    start = time.perf_counter()
+    run_steps(n)
+    sync()
+    wall = (time.perf_counter() - start) / n * 1e3
+    prof = cProfile.Profile()
+    prof.enable()
+    run_steps(n)
+    prof.disable()
+    funcs = {}
+    for (file, line, fn), (_, ncalls, tottime, cumtime, _) in pstats.Stats(prof).stats.items():
+        if "pagedllm" in file or file.startswith("~"):
+            key = f"{file.split('src/pagedllm/')[-1]}:{line}({fn})" if "pagedllm" in file else fn
+            funcs[key] = (ncalls / n, 1e3 * tottime / n, 1e3 * cumtime / n)
+    ops, syncs = sum(c.ops.values()) / n, sum(c.syncs.values()) / n
+    print(f"[host {label}] {ops:.1f} eager ops/step, {syncs:.1f} host syncs/step "
+          f"({', '.join(f'{k} {v / n:g}' for k, v in c.syncs.most_common())}), wall {wall:.3f} ms/step")
+    print(f"[host {label}] ops/step: " + ", ".join(f"{k} {v / n:g}" for k, v in c.ops.most_common()))
+    return dict(ops=ops, syncs=syncs, wall_ms=wall, op_counts={k: v / n for k, v in c.ops.items()},
+                sync_counts={k: v / n for k, v in c.syncs.items()}, funcs=funcs)
+
+
+def print_host_diff(host: dict, k: int, top: int = 25) -> None:
+    """The functions whose cumulative host time per step grows most from a plain step to a verify step."""
+    plain, verify = host["plain"]["funcs"], host["verify"]["funcs"]
+    rows = []
+    for key, (calls, tot, cum) in verify.items():
+        p = plain.get(key, (0.0, 0.0, 0.0))
+        rows.append((cum - p[2], tot - p[1], calls, p[0], key))
+    rows.sort(reverse=True)
+    print(f"[host k={k}] verify - plain, per step (cProfile ms; cum = with callees):")
+    print(f"{'d cum ms':>9} {'d own ms':>9} {'calls':>6} {'(plain)':>7}  function")
+    for d_cum, d_tot, calls, p_calls, key in rows[:top]:
+        print(f"{d_cum:9.3f} {d_tot:9.3f} {calls:6.1f} {p_calls:7.1f}  {key}")
 
 
 def torch_cuda() -> bool:
@@ -263,6 +380,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-async", action="store_true",
                    help="async_scheduling=False for both engines (verify: both steps pay their host work)")
     p.add_argument("--profile", action="store_true", help="verify: also print device (kernel) time per step")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="verify: count eager ops and host syncs per step over STEPS plain and STEPS verify steps, "
+                        "and list the host functions whose time grows most in a verify step (cProfile)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192)}

@@ -58,6 +58,15 @@ def test_ngram_greedy_identical(tiny_model_dir, reference, arch, async_schedulin
     assert llm.engine.num_steps < 4 * 40  # fewer steps than one token each
 
 
+def test_ngram_greedy_identical_without_the_argmax_shortcut(tiny_model_dir, reference):
+    """bf16 on the CPU: the LM head has no exact argmax shortcut there, so all-greedy verify steps take the
+    sampler's path (drafts copied to the device when needed) and must still match the plain engine."""
+    prompts = _prompts()
+    llm = _llm(tiny_model_dir("llama"), speculative_config=NGRAM, dtype="bfloat16")
+    assert _tokens(llm, prompts, GREEDY) == reference("llama", prompts, dtype="bfloat16")
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_identical_through_chunked_prefill_prefix_hits_and_preemption(tiny_model_dir, reference, method):
     prompts = _prompts(1)

@@ -5,7 +5,7 @@ import torch
 
 import numpy as np
 
-from pagedllm.worker.mixed_graph import bucket_for, mixed_capture_sizes, pad_rows, pick_tile
+from pagedllm.worker.mixed_graph import bucket_for, mixed_capture_sizes, pick_tile
 
 
 def test_buckets_end_at_the_budget_and_cover_every_count():
@@ -20,11 +20,57 @@ def test_buckets_end_at_the_budget_and_cover_every_count():
     assert all(bucket_for(mixed_capture_sizes(8192), n) <= 1.25 * n for n in range(256, 8193))
 
 
-def test_padding_rows_point_at_the_scratch_slot():
-    static = torch.full((16,), 7, dtype=torch.long)
-    out = pad_rows(static, torch.tensor([3, 4, 5]), 8, fill=99)
-    assert out.tolist() == [3, 4, 5, 99, 99, 99, 99, 99]
-    assert static[8:].tolist() == [7] * 8  # beyond the bucket: untouched
+def _graph_inputs(num_kv_groups=1):
+    from types import SimpleNamespace
+
+    from pagedllm.worker.mixed_graph import GraphInputs
+
+    runner = SimpleNamespace(device=torch.device("cpu"), scratch_block=50, block_size=4, max_blocks_per_req=6,
+                             num_kv_groups=num_kv_groups)
+    return GraphInputs(runner, max_tokens=16, max_reqs=4)
+
+
+def _step(num_tokens, query_lens, seed):
+    from pagedllm.forward_context import AttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 1000, (num_tokens,), generator=g)
+    qsl = torch.tensor([0] + list(np.cumsum(query_lens)), dtype=torch.int32)
+    md = AttentionMetadata(num_actual_tokens=num_tokens, num_reqs=len(query_lens), max_query_len=max(query_lens),
+                           max_seq_len=32, query_start_loc=qsl,
+                           seq_lens=torch.tensor([q + 7 for q in query_lens], dtype=torch.int32),
+                           block_table=torch.randint(0, 40, (len(query_lens), 2), generator=g, dtype=torch.int32),
+                           slot_mapping=torch.randint(0, 160, (num_tokens,), generator=g))
+    return ids, ids + 1, md
+
+
+def test_padding_rows_point_at_the_scratch_slot_whatever_came_before():
+    """Padding (tokens past the step: token 0, position 0, the scratch slot; request rows past it: no query tokens)
+    is right after loads of other layouts, and a load laid out as the one before launches no fill."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Fills.count += "fill" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    inputs = _graph_inputs()
+    layouts = [(5, [5]), (3, [2, 1]), (8, [4, 4]), (5, [5]), (5, [5]), (3, [2, 1])]
+    for i, (n, qlens) in enumerate(layouts):
+        ids, pos, md = _step(n, qlens, i)
+        Fills.count = 0
+        with Fills():
+            inputs.load(ids, pos, md, 8, 4)
+        repeated = i > 0 and layouts[i - 1] == (n, qlens)
+        assert (Fills.count == 0) == repeated
+        assert inputs.input_ids[:8].tolist() == ids.tolist() + [0] * (8 - n)
+        assert inputs.positions[:8].tolist() == pos.tolist() + [0] * (8 - n)
+        assert inputs.slot_mapping[:8].tolist() == md.slot_mapping.tolist() + [50 * 4] * (8 - n)
+        assert inputs.query_start_loc[:5].tolist() == md.query_start_loc.tolist() + [n] * (4 - len(qlens))
+        assert inputs.seq_lens[:4].tolist() == md.seq_lens.tolist() + [0] * (4 - len(qlens))
+        assert inputs.input_ids[8:].tolist() == [0] * 8  # beyond the bucket: untouched
 
 
 def test_tile_choice_follows_the_step():
@@ -40,14 +86,9 @@ def test_tile_choice_follows_the_step():
 def test_graph_inputs_keep_a_table_and_slot_mapping_per_kv_group():
     """Several KV-cache groups (sliding windows): the static buffers hold each group's table and slots, and the
     metadata a graph is captured with reads them through kv_groups."""
-    from types import SimpleNamespace
-
     from pagedllm.forward_context import AttentionMetadata, with_kv_groups
-    from pagedllm.worker.mixed_graph import GraphInputs
 
-    runner = SimpleNamespace(device=torch.device("cpu"), scratch_block=50, block_size=4, max_blocks_per_req=6,
-                             num_kv_groups=3)
-    inputs = GraphInputs(runner, max_tokens=16, max_reqs=4)
+    inputs = _graph_inputs(num_kv_groups=3)
     captured = inputs.metadata(8, 3, 8, 24)
     assert len(captured.kv_groups) == 3 and captured.for_group(2).block_table.data_ptr() == \
         inputs.block_tables[2].data_ptr()

@@ -13,7 +13,7 @@ from pagedllm.layers.sampler import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
-from pagedllm.spec_decode.rejection_sampler import NO_DRAFT, accepted_tokens, rejection_sample
+from pagedllm.spec_decode.rejection_sampler import NO_DRAFT, accepted_tokens, emitted_counts, rejection_sample
 
 
 # ---------------------------------------------------------------- config
@@ -202,6 +202,23 @@ def test_accepted_tokens_per_request():
     final = [10, 11, 99, 13, 42]
     assert accepted_tokens(accepted, final, [4, 1]) == [[10, 11, 99], [42]]
     assert accepted_tokens([True, True, False], [5, 6, 7], [3]) == [[5, 6, 7]]  # all accepted + bonus
+    # a bonus row ends its request's run even if flagged: the next request's rows are its own
+    assert accepted_tokens([True, True, True, False], [1, 2, 3, 4], [2, 2]) == [[1, 2], [3, 4]]
+
+
+def test_emitted_counts_match_a_loop_over_requests():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        counts = rng.integers(1, 6, size=rng.integers(1, 8))
+        starts = np.cumsum(counts) - counts
+        accepted = rng.random(int(counts.sum())) < 0.7
+        expected = []
+        for s, n in zip(starts, counts):
+            a = 0
+            while a < n - 1 and accepted[s + a]:
+                a += 1
+            expected.append(a + 1)
+        assert emitted_counts(accepted, starts, counts).tolist() == expected
 
 
 # ---------------------------------------------------------------- scheduler accounting

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from pagedllm.layers.sampler import (
@@ -99,16 +100,21 @@ def rejection_sample(
     return VerifyOutput(accepted, final, lp)
 
 
+def emitted_counts(accepted: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Host side: per request (counts[i] rows from starts[i], the last one its bonus row) how many tokens it emits:
+    its leading accepted drafts + 1 (the first non-accepted row's token: the correction, or the bonus when every
+    draft was accepted). One search over the non-accepted rows, no loop over requests."""
+    stops = ~np.asarray(accepted, dtype=bool)
+    stops[starts + counts - 1] = True  # a bonus row ends its request's run whatever it says
+    first = np.flatnonzero(stops)
+    return first[np.searchsorted(first, starts)] - starts + 1
+
+
 def accepted_tokens(accepted: Sequence[bool], final_token_ids: Sequence[int],
                     num_rows: Sequence[int]) -> list[list[int]]:
-    """Host side: per request (num_rows[i] = 1 + its drafts), the tokens it emits: its leading accepted drafts
-    and then the first non-accepted row's token (the correction, or the bonus when every draft was accepted)."""
-    out: list[list[int]] = []
-    start = 0
-    for n in num_rows:
-        a = 0
-        while a < n - 1 and accepted[start + a]:
-            a += 1
-        out.append(list(final_token_ids[start:start + a + 1]))
-        start += n
-    return out
+    """Per request (num_rows[i] = 1 + its drafts), the tokens it emits (emitted_counts over lists)."""
+    num_rows = np.asarray(num_rows, dtype=np.int64)
+    starts = np.cumsum(num_rows) - num_rows
+    counts = emitted_counts(np.array(accepted, dtype=bool), starts, num_rows)
+    final = list(final_token_ids)
+    return [final[s:s + n] for s, n in zip(starts.tolist(), counts.tolist())]

@@ -10,6 +10,7 @@ The runner calls
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from pagedllm.core.batch_plan import ModelOutput, TokenLogprobs
 from pagedllm.layers.sampler import SamplingMetadata
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.rejection_sampler import NO_DRAFT, accepted_tokens, rejection_sample
+from pagedllm.spec_decode.rejection_sampler import NO_DRAFT, emitted_counts, rejection_sample
 from pagedllm.spec_decode.stats import draft_room
 
 
@@ -27,6 +28,7 @@ class SpecDecodeRunner:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self._free_slots: list = []  # CUDA: pinned result buffers + events that verify steps reuse
 
     def initialize(self, num_target_blocks: int) -> None:
         """After the target's KV cache exists: a draft model allocates its own."""
@@ -80,65 +82,85 @@ class SpecDecodeRunner:
         return out
 
     # ------------------------------------------------------------------ verify
-    @staticmethod
-    def stage_arrays(inp) -> list[np.ndarray]:
-        """[token rows, draft ids] (int64) of a step with drafts: per sampling request its 1 + d rows (the last
-        1 + d tokens of its query span) and the draft each row is checked against (NO_DRAFT on the bonus row).
-        Known before the forward, so the runner stages them with the step's inputs (no copy after it)."""
-        spec = inp.spec_token_ids
+    def verify_rows(self, runner, inp) -> "VerifyRows":
+        """The verify rows of a step with drafts: per sampling request its 1 + d rows (the last 1 + d tokens of its
+        query span) and the draft each row is checked against (NO_DRAFT on the bonus row). Known before the
+        forward, so the runner stages what the device needs of them with the step's inputs (`device_arrays`)."""
+        spec, req_ids = inp.spec_token_ids, inp.req_ids
         sample_rows = inp.sample_rows
-        drafts = [spec.get(inp.req_ids[r], ()) for r in sample_rows.tolist()]
-        counts = np.fromiter((len(d) + 1 for d in drafts), dtype=np.int64, count=len(drafts))
-        total = int(counts.sum())
-        ends = inp.query_start_loc[1:][sample_rows].astype(np.int64)
-        first = np.cumsum(counts) - counts  # each request's first row among the verify rows
-        token_rows = np.repeat(ends - counts, counts) + (np.arange(total, dtype=np.int64) - np.repeat(first, counts))
-        draft_ids = np.fromiter(itertools.chain.from_iterable(itertools.chain(d, (NO_DRAFT,)) for d in drafts),
-                                dtype=np.int64, count=total)
-        return [token_rows, draft_ids]
+        token_rows: list[int] = []
+        draft_ids: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        # Lists, not numpy: a few requests of at most k + 1 rows each, where numpy's per-call cost dominates.
+        for r, end in zip(sample_rows.tolist(), inp.query_start_loc[1:][sample_rows].tolist()):
+            drafts = spec.get(req_ids[r], ())
+            n = len(drafts) + 1
+            starts.append(len(draft_ids))
+            counts.append(n)
+            token_rows.extend(range(end - n, end))
+            draft_ids.extend(drafts)
+            draft_ids.append(NO_DRAFT)
+        return VerifyRows(token_rows=np.array(token_rows, dtype=np.int64), draft_ids=np.array(draft_ids, dtype=np.int64),
+                          starts=np.array(starts, dtype=np.int64), counts=np.array(counts, dtype=np.int64),
+                          every_token=len(token_rows) == len(inp.input_ids),
+                          greedy=self._all_plain_greedy(runner, inp))
+
+    def _host_slot(self, runner) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+        """A pinned [2, rows] int64 buffer and its event, reused across steps (a verify result hands them back once
+        read; one still unread, e.g. a dropped step's, is never reused)."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        rows = max(runner.max_num_batched_tokens, 1)
+        return torch.empty((2, rows), dtype=torch.int64, pin_memory=True), torch.cuda.Event()
 
     @torch.inference_mode()
-    def verify(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict,
-               staged: Optional[list[torch.Tensor]] = None) -> "VerifyPending":
+    def verify(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict, staged: list[torch.Tensor],
+               rows: "VerifyRows") -> "VerifyPending":
         """Enqueue the verification of a step's drafts; the returned pending output's result() is the step's one
-        host sync (one packed copy of the emitted ids and acceptances)."""
-        spec = inp.spec_token_ids
-        if staged is None:
-            staged = [torch.from_numpy(a).to(runner.device) for a in self.stage_arrays(inp)]
-        token_rows_t, draft_t = staged
+        host sync (one copy of the emitted ids, and of the acceptances when the rows are not all greedy).
+
+        All-greedy steps need no device work past the argmax: a row's emitted token is its argmax whether or not
+        its draft is accepted, and a draft is accepted iff it equals that argmax, which the host checks against
+        the drafts it already holds."""
+        staged = iter(staged)
+        token_rows_t = None if rows.every_token else next(staged)
+        draft_t = None if rows.greedy else next(staged)
         sample_rows = inp.sample_rows.tolist()
-        states = [inp.states[r] for r in sample_rows]
-        num_rows = [len(spec.get(st.req_id, ())) + 1 for st in states]
-        dev = runner.device
-        rows_hidden = hidden.index_select(0, token_rows_t)
-        # Whether the argmax alone decides every row: one metadata row per request tells (a request's later rows
-        # differ only in their output count, which changes nothing here once row 0 has no min_tokens mask).
-        probe = SamplingMetadata.build(
-            params=[st.sampling_params for st in states], prompt_token_ids=[st.prompt_token_ids for st in states],
-            output_token_ids=[st.output_token_ids for st in states],
-            eos_token_ids=[None if st.sampling_params.ignore_eos else runner.eos_token_id for st in states],
-            vocab_size=runner.vocab_size, device=dev)
+        rows_hidden = hidden if rows.every_token else hidden.index_select(0, token_rows_t)
         greedy = None
-        if probe.argmax_only:
+        if rows.greedy:
             greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
-        if greedy is not None:  # every row plain greedy: accept where the draft is the argmax
-            accepted, final = greedy == draft_t, greedy
-            lp = None
+        lp = None
+        if greedy is not None:
+            final, accepted = greedy, None
         else:
-            meta = self._row_metadata(runner, states, spec)
+            if draft_t is None:  # a model without the argmax shortcut
+                draft_t = torch.from_numpy(rows.draft_ids).to(runner.device)
+            states = [inp.states[r] for r in sample_rows]
+            meta = self._row_metadata(runner, states, inp.spec_token_ids)
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, draft_t, None, None)
-            accepted, final, lp = result.accepted, result.final_token_ids, result.logprobs
-        packed = torch.stack([final.to(torch.int64), accepted.to(torch.int64)])  # [2, rows]
-        event = None
-        if dev.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
+            final, accepted, lp = result.final_token_ids, result.accepted, result.logprobs
+        slot = None
+        if runner.device.type == "cuda":
+            n = final.shape[0]
+            slot = self._host_slot(runner)
+            buf, event = slot
+            final = buf[0, :n].copy_(final, non_blocking=True)
+            if accepted is not None:
+                accepted = buf[1, :n].copy_(accepted, non_blocking=True)
             lp = None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp)
-            event = torch.cuda.Event()
             event.record()
-        else:
-            host = packed
-        return VerifyPending(self, runner, inp, host, lp, event, prompt_logprobs, sample_rows, num_rows)
+        return VerifyPending(self, runner, inp, final, accepted, lp, slot, prompt_logprobs, sample_rows, rows)
+
+    @staticmethod
+    def _all_plain_greedy(runner, inp) -> bool:
+        """Every verifying request greedy without logprobs, penalties, min_tokens, seeds or token constraints (the
+        batch's per-row arrays): the argmax alone decides each row. Rows the arrays send to the general builder
+        take the sampler's path, which gives the same tokens for greedy rows."""
+        s = runner.input_batch.sampling
+        brows = inp.rows[inp.sample_rows]
+        return bool(s.greedy[brows].all()) and not s.general[brows].any() and not (s.logprobs[brows] >= 0).any()
 
     @staticmethod
     def _row_metadata(runner, states, spec) -> SamplingMetadata:
@@ -165,50 +187,71 @@ class SpecDecodeRunner:
         return SamplingMetadata.build(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
                                       eos_token_ids=eos, vocab_size=runner.vocab_size, device=runner.device)
 
-    def _output(self, runner, inp, sample_rows: list[int], emitted: list[list[int]], num_rows: list[int],
-                lp: Optional[list]) -> ModelOutput:
+    def _output(self, runner, inp, sample_rows: list[int], final: list[int], num_emitted: list[int],
+                rows: "VerifyRows", lp: Optional[list]) -> ModelOutput:
         batch = runner.input_batch
         num_reqs = len(inp.req_ids)
         output = ModelOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in range(num_reqs)],
                              logprobs=[None] * num_reqs)
-        start = 0
-        for r, tokens, n in zip(sample_rows, emitted, num_rows):
+        for r, start, n in zip(sample_rows, rows.starts.tolist(), num_emitted):
             state = inp.states[r]
-            for t in tokens:
-                batch.append_token(state, t)
+            tokens = final[start:start + n]
+            batch.append_tokens(state, tokens)
             output.sampled_token_ids[r] = tokens
             k = state.sampling_params.logprobs
             if lp is not None and k is not None:
                 ids, vals, ranks = lp
                 output.logprobs[r] = [TokenLogprobs(token_ids=ids[j][:k + 1], logprobs=vals[j][:k + 1],
                                                     ranks=ranks[j][:k + 1])
-                                      for j in range(start, start + len(tokens))]
-            start += n
+                                      for j in range(start, start + n)]
         if inp.propose_drafts:
             output.spec_token_ids = self.propose(runner, inp)
         return output
 
 
-class VerifyPending:
-    """A launched verify step (PendingOutput's interface): result() waits for the packed [final ids; accepted]
-    copy, then appends the emitted tokens and proposes the next drafts on the host."""
+@dataclass
+class VerifyRows:
+    """The rows a verify step samples (SpecDecodeRunner.verify_rows)."""
 
-    def __init__(self, spec: SpecDecodeRunner, runner, inp, packed_host: torch.Tensor, logprobs_host, event,
-                 prompt_logprobs: dict, sample_rows: list[int], num_rows: list[int]) -> None:
+    token_rows: np.ndarray  # [rows] int64: each row's index among the step's tokens
+    draft_ids: np.ndarray  # [rows] int64: the draft the row checks, NO_DRAFT on bonus rows
+    starts: np.ndarray  # [sampling requests] int64: a request's first row
+    counts: np.ndarray  # [sampling requests] int64: its 1 + number of drafts
+    every_token: bool  # the rows are all of the step's tokens in order (token_rows = arange)
+    greedy: bool  # every row plain greedy (SpecDecodeRunner._all_plain_greedy): the argmax decides
+
+    def device_arrays(self) -> list[np.ndarray]:
+        """What the device needs: the token rows unless they are every token, the drafts unless all greedy (the
+        host checks those against the argmax)."""
+        return ([] if self.every_token else [self.token_rows]) + ([] if self.greedy else [self.draft_ids])
+
+
+class VerifyPending:
+    """A launched verify step (PendingOutput's interface): result() waits for the emitted ids (and acceptances),
+    then appends the emitted tokens and proposes the next drafts on the host."""
+
+    def __init__(self, spec: SpecDecodeRunner, runner, inp, final: torch.Tensor, accepted: Optional[torch.Tensor],
+                 logprobs_host, slot, prompt_logprobs: dict, sample_rows: list[int], rows: VerifyRows) -> None:
         self.spec, self.runner, self.inp = spec, runner, inp
-        self.packed_host, self.logprobs_host, self.event = packed_host, logprobs_host, event
+        # Host tensors once `slot`'s event has fired (CUDA: views of its pinned buffer); accepted None: all greedy.
+        self.final, self.accepted, self.logprobs_host, self.slot = final, accepted, logprobs_host, slot
         self.prompt_logprobs = prompt_logprobs or {}
-        self.sample_rows, self.num_rows = sample_rows, num_rows
+        self.sample_rows, self.rows = sample_rows, rows
         self._output: Optional[ModelOutput] = None
 
     def result(self) -> ModelOutput:
         if self._output is None:
-            if self.event is not None:
-                self.event.synchronize()
-            final, accepted = self.packed_host.tolist()
+            rows = self.rows
+            if self.slot is not None:
+                self.slot[1].synchronize()
+            final = self.final.numpy().copy()
+            accepted = final == rows.draft_ids if self.accepted is None else self.accepted.numpy() != 0
+            if self.slot is not None:
+                self.spec._free_slots.append(self.slot)  # read: the buffer may serve a later step
             lp = None if self.logprobs_host is None else [t.tolist() for t in self.logprobs_host]
-            emitted = accepted_tokens(accepted, final, self.num_rows)
-            output = self.spec._output(self.runner, self.inp, self.sample_rows, emitted, self.num_rows, lp)
+            num_emitted = emitted_counts(accepted, rows.starts, rows.counts)
+            output = self.spec._output(self.runner, self.inp, self.sample_rows, final.tolist(), num_emitted.tolist(),
+                                       rows, lp)
             output.prompt_logprobs = self.prompt_logprobs
             self._output = output
         return self._output

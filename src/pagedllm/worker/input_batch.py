@@ -124,6 +124,14 @@ class InputBatch:
         self.num_tokens[row] = n + 1
         state.output_token_ids.append(token)
 
+    def append_tokens(self, state: CachedRequestState, tokens: list[int]) -> None:
+        """append_token for several tokens of one row (a verify step's emitted tokens): one numpy write."""
+        row = state.row
+        n = self.num_tokens[row]
+        self.token_ids[row, n:n + len(tokens)] = tokens
+        self.num_tokens[row] = n + len(tokens)
+        state.output_token_ids.extend(tokens)
+
     def append_sampled(self, states: list[CachedRequestState], tokens: list[int]) -> None:
         """append_token for many rows: one numpy write for the token ids, a list append per row."""
         if not states:

@@ -63,15 +63,6 @@ def pick_tile(tiles: list[int], gqa_pad: int, query_lens: np.ndarray, seq_lens: 
     return best
 
 
-def pad_rows(static: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> torch.Tensor:
-    """Copy `values` into the head of `static` and `fill` the rest up to `size`; returns static[:size]."""
-    n = values.shape[0]
-    static[:n].copy_(values, non_blocking=True)
-    if size > n:
-        static[n:size].fill_(fill)
-    return static[:size]
-
-
 class GraphInputs:
     """Static buffers for steps of up to `max_tokens` tokens and `max_reqs` requests (see the module docstring)."""
 
@@ -90,6 +81,21 @@ class GraphInputs:
         self.block_table = self.block_tables[0]
         self.group_slot_mappings = torch.full((runner.num_kv_groups - 1, self.max_tokens), self.scratch_slot,
                                               dtype=torch.long, device=dev)
+        # Per buffer, the (rows copied, rows padded to, fill) of the last load: a step laid out as the one before
+        # (every verify step of a batch, say) finds its padding already in place and skips the fill launches.
+        self._padding: dict[object, tuple[int, int, int]] = {}
+
+    def forget_padding(self) -> None:
+        """Something other than load() wrote the buffers (capture inputs): the next load fills its padding."""
+        self._padding.clear()
+
+    def _pad(self, key, static: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> None:
+        n = values.shape[0]
+        static[:n].copy_(values, non_blocking=True)
+        layout = (n, size, fill)
+        if size > n and self._padding.get(key) != layout:
+            static[n:size].fill_(fill)
+        self._padding[key] = layout
 
     def metadata(self, tokens: int, reqs: int, max_query_len: int, max_seq_len: int,
                  graph_prefill_tile=None) -> AttentionMetadata:
@@ -106,16 +112,17 @@ class GraphInputs:
              reqs: int) -> None:
         """A step's inputs into the buffers, padded to `tokens` tokens and `reqs` request rows."""
         n = input_ids.shape[0]
-        pad_rows(self.input_ids, input_ids, tokens, 0)
-        pad_rows(self.positions, positions, tokens, 0)
-        pad_rows(self.slot_mapping, md.slot_mapping, tokens, self.scratch_slot)
-        pad_rows(self.query_start_loc, md.query_start_loc, reqs + 1, n)  # padding rows: no query tokens
-        pad_rows(self.seq_lens, md.seq_lens, reqs, 0)
+        self._pad("input_ids", self.input_ids, input_ids, tokens, 0)
+        self._pad("positions", self.positions, positions, tokens, 0)
+        self._pad("slot_mapping", self.slot_mapping, md.slot_mapping, tokens, self.scratch_slot)
+        self._pad("query_start_loc", self.query_start_loc, md.query_start_loc, reqs + 1, n)  # padding: no queries
+        self._pad("seq_lens", self.seq_lens, md.seq_lens, reqs, 0)
         nb = md.block_table.shape[1]
         self.block_table[:md.num_reqs, :nb].copy_(md.block_table, non_blocking=True)
         for g in range(1, len(self.block_tables)):
             group = md.for_group(g)
-            pad_rows(self.group_slot_mappings[g - 1], group.slot_mapping, tokens, self.scratch_slot)
+            self._pad(("group_slots", g), self.group_slot_mappings[g - 1], group.slot_mapping, tokens,
+                      self.scratch_slot)
             self.block_tables[g, :md.num_reqs, :nb].copy_(group.block_table, non_blocking=True)
 
 
@@ -155,6 +162,7 @@ class MixedGraphRunner:
     def _fill_capture_inputs(self, size: int) -> None:
         """Requests of at most max_model_len tokens covering the bucket, every K/V write into the scratch slot
         and every block-table entry naming the scratch block: real kernels, harmless writes."""
+        self.inputs.forget_padding()
         chunk = min(size, self.runner.max_model_len)
         starts = list(range(0, size, chunk)) + [size]
         reqs = min(self.runner.max_num_seqs, size)

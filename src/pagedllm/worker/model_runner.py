@@ -207,7 +207,8 @@ class ModelRunner:
         # One async host-to-device copy per dtype from pinned memory (pageable copies would wait for the
         # device to finish the step in flight, defeating async scheduling).
         verifying = bool(inp.spec_token_ids) and len(sample_rows) > 0
-        spec_arrays = self.spec.stage_arrays(inp) if verifying else []  # verify rows + drafts, known before the forward
+        verify_rows = self.spec.verify_rows(self, inp) if verifying else None  # known before the forward
+        spec_arrays = verify_rows.device_arrays() if verifying else []
         num64 = len(int64_arrays)
         group_slots = inp.group_slot_mappings or []
         staged64 = self.stager.stage(int64_arrays + spec_arrays + group_slots, np.int64)
@@ -276,7 +277,7 @@ class ModelRunner:
         if before_sampling is not None:
             before_sampling()
         if verifying:
-            return self.spec.verify(self, inp, hidden, prompt_logprobs, spec_staged)
+            return self.spec.verify(self, inp, hidden, prompt_logprobs, spec_staged, verify_rows)
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
