@@ -290,6 +290,25 @@ def test_seeded_row_independent_of_the_batch(monkeypatch, device, impl):
     assert len(draws) > 2  # the seed matters
 
 
+def test_the_choice_per_device_and_batch():
+    """CPU: the bucket search. CUDA: the prefix path where every top-p row has a top-k and the batch is large
+    enough for torch.topk to beat the sort; the sort otherwise (top-p alone would need a host sync)."""
+    def choice(params, rows, cuda):
+        meta = SamplingMetadata.build(params * rows, [[]] * rows, [[]] * rows, [None] * rows, 1000, "cpu")
+        return sampler_mod.top_k_top_p_impl(meta, rows, cuda)
+
+    qwen = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95)]
+    many = sampler_mod.PREFIX_MIN_ROWS
+    assert choice(qwen, many, cuda=False) == "cutoff"
+    assert choice(qwen, many, cuda=True) == "prefix"
+    assert choice(qwen, many - 1, cuda=True) == "sort"
+    assert choice([SamplingParams(temperature=0.6, top_p=0.9)], many, cuda=True) == "sort"
+    assert choice(qwen + [SamplingParams(temperature=0.6, top_p=0.9)], many, cuda=True) == "sort"
+    # a greedy row's top-p is never applied to its token: it does not send the batch to the sort
+    assert choice(qwen + [SamplingParams(temperature=0.0, top_p=0.9)], many, cuda=True) == "prefix"
+    assert choice([SamplingParams(temperature=0.6, top_k=20)], many, cuda=True) == "sort"  # top-k alone: topk
+
+
 def test_support_helper_drops_zero_probabilities():
     logits = torch.tensor([[0.0, -200.0, 1.0]])
     assert support(logits, torch.tensor([float("-inf")])).tolist() == [[True, False, True]]

@@ -32,10 +32,12 @@ from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 from pagedllm.structured_output.bitmask import apply_token_bitmask_
 
 _MASK64 = (1 << 64) - 1
-# Top-k / top-p: "auto" takes the per-row cutoff search (layers/top_k_top_p.py) on the CPU, where it wins, and the
-# sort below on CUDA, where it wins (docs/benchmarks.md, "Sampling"). "cutoff" / "sort" force one: the tests' and
-# benchmarks/sampler_cost.py's A/B, not a user setting.
+# Top-k / top-p (layers/top_k_top_p.py; measured in docs/benchmarks.md, "Sampling"): "auto" takes the per-row cutoff
+# search on the CPU; on CUDA the prefix path (torch.topk of the batch's largest top-k, no sort, no host sync) where
+# top-p is used, every top-p row has a top-k and the batch has PREFIX_MIN_ROWS rows or more (below, torch.topk over
+# few long rows is slower than the whole sort), else the sort. "cutoff" / "sort" / "prefix" force one: the tests' and sampler_cost.py's A/B.
 TOP_K_TOP_P_IMPL = "auto"
+PREFIX_MIN_ROWS = 64
 
 
 def _mix_seed(seed: int, position: int) -> int:
@@ -287,9 +289,7 @@ class Sampler(torch.nn.Module):
             logits = apply_min_p(logits, meta.min_p)
         top_k = None if meta.no_top_k else meta.top_k
         top_p = None if meta.no_top_p else meta.top_p
-        impl = TOP_K_TOP_P_IMPL
-        if impl == "auto":
-            impl = "sort" if logits.is_cuda else "cutoff"
+        impl = top_k_top_p_impl(meta, logits.shape[0], logits.is_cuda)
         if impl == "sort":  # the reference (A/B: benchmarks/sampler_cost.py)
             if top_p is not None:
                 logits = apply_top_k_top_p_sort(logits, top_k, top_p)
@@ -300,6 +300,17 @@ class Sampler(torch.nn.Module):
         elif top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
+
+
+def top_k_top_p_impl(meta: SamplingMetadata, rows: int, cuda: bool) -> str:
+    """How this step applies top-k / top-p: TOP_K_TOP_P_IMPL, or for "auto" the measured choice (above)."""
+    if TOP_K_TOP_P_IMPL != "auto":
+        return TOP_K_TOP_P_IMPL
+    if not cuda:
+        return "cutoff"
+    # Top-k alone stays on the sort branch, whose torch.topk of the largest top-k is the prefix path's read.
+    prefix = not meta.no_top_p and not meta.no_top_k and meta.top_p_within_top_k and rows >= PREFIX_MIN_ROWS
+    return "prefix" if prefix else "sort"
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

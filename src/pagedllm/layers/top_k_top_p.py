@@ -188,7 +188,7 @@ def _rank_candidates(cand: torch.Tensor, cand_w: torch.Tensor, valid: torch.Tens
 
 
 def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
-                              width: int = _PREFIX) -> tuple[torch.Tensor, torch.Tensor]:
+                              width: int = _PREFIX, whole_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The cutoffs from each row's `width` largest logits (torch.topk, a partial selection) without a host sync:
     (cutoff [N], exact [N] bool). The rows not exact need the whole row (`apply_top_k_top_p_prefix` sorts them).
 
@@ -199,7 +199,8 @@ def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor
         and weigh what the k-th does), and a crossing not found in the k values puts the cutoff at the k-th value.
         Always exact.
       * top-p over the whole row: the bound is min(width, _PREFIX); the mass is summed over the row; exact when
-        the crossing lies within the bound (or the bound holds the whole row)."""
+        the crossing lies within the bound (or the bound holds the whole row). whole_rows=False: the caller needs
+        no such row exact (every top-p row it cares about has a top-k), which saves the pass over the row."""
     n, vocab = logits.shape
     w = min(vocab, width)
     vals = logits.topk(w, dim=1).values  # descending
@@ -222,7 +223,7 @@ def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor
         e = (vals - top).exp_().masked_fill_(pos >= bound.unsqueeze(1), 0.0)
         cum = e.cumsum(dim=1)
         mass = cum[:, -1]
-        if w < vocab:
+        if w < vocab and whole_rows:
             mass = (logits - top).exp_().sum(dim=1)  # the rows without top-k: the whole row
         if has_k is not None:
             ties = (logits >= kth.unsqueeze(1)).sum(dim=1) - k  # past the k values, tied with the k-th
@@ -232,7 +233,7 @@ def top_k_top_p_cutoff_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor
         kept = (((cum - e) < (top_p * mass).unsqueeze(1)) & (pos < bound.unsqueeze(1))).sum(dim=1)
         cut = vals.gather(1, (kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         cutoff = torch.where(has_p, torch.maximum(cut, cutoff), cutoff)
-        settled = (kept < bound) | (bound >= vocab)
+        settled = ((kept < bound) & (whole_rows or w == vocab)) | (bound >= vocab)
         if has_k is not None:
             settled |= has_k
         exact &= ~has_p | settled
@@ -264,7 +265,7 @@ def apply_top_k_top_p_prefix(logits: torch.Tensor, top_k: Optional[torch.Tensor]
     with a top-p also has a top-k) makes every row exact with a prefix of max_top_k values and no host sync;
     otherwise the rows the prefix cannot settle are sorted (one host sync: whether there are any)."""
     if top_p_within_top_k and top_k is not None and max_top_k > 0:
-        cutoff, _ = top_k_top_p_cutoff_prefix(logits, top_k, top_p, width=max_top_k)
+        cutoff, _ = top_k_top_p_cutoff_prefix(logits, top_k, top_p, width=max_top_k, whole_rows=False)
         return mask_below(logits, cutoff)
     cutoff, exact = top_k_top_p_cutoff_prefix(logits, top_k, top_p, width=max(_PREFIX, max_top_k))
     if not bool(exact.all()):
