@@ -36,6 +36,7 @@ class StepSampling:
     all_random: bool
     max_top_k: int
     max_num_logprobs: Optional[int]
+    top_p_within_top_k: bool = False  # every sampled row with a top-p has a top-k (SamplingMetadata's)
 
 
 class SamplingBatch:
@@ -72,6 +73,7 @@ class SamplingBatch:
         floats: list[np.ndarray] = []
         top_k = None
         max_top_k = 0
+        within = False
         if not all_greedy:
             sampled = ~greedy
             names.append("temperature")
@@ -89,11 +91,12 @@ class SamplingBatch:
             if limited[sampled].any():
                 top_k = ks
                 max_top_k = int(ks[limited].max())
+            within = bool(limited[sampled & (top_p < 1.0)].all())
         lp = self.logprobs[rows]
         max_lp = int(lp.max()) if len(lp) else -1
         return StepSampling(names=names, floats=np.stack(floats) if floats else None, top_k=top_k,
                             all_greedy=all_greedy, all_random=all_random, max_top_k=max_top_k,
-                            max_num_logprobs=max_lp if max_lp >= 0 else None)
+                            max_num_logprobs=max_lp if max_lp >= 0 else None, top_p_within_top_k=within)
 
 
 def fast_metadata(step: StepSampling, num_rows: int, vocab_size: int, floats: Optional[torch.Tensor],
@@ -109,4 +112,5 @@ def fast_metadata(step: StepSampling, num_rows: int, vocab_size: int, floats: Op
     meta.no_top_p = meta.top_p is None
     meta.no_min_p = meta.min_p is None
     meta.max_num_logprobs = step.max_num_logprobs
+    meta.top_p_within_top_k = step.top_p_within_top_k
     return meta
