@@ -182,3 +182,32 @@ def test_only_a_running_plain_stream_goes_direct() -> None:
         return got
 
     assert asyncio.run(run()) == [True, False, False, False]
+
+
+def test_an_engine_process_exit_fails_pending_requests_and_sets_dead() -> None:
+    """The watcher wakes on the process's sentinel (no polling): here a pipe whose writer closes, as a dead
+    child's sentinel does."""
+    import os
+    from types import SimpleNamespace
+
+    async def run() -> tuple[BaseException, bool, bool]:
+        engine, _ = _engine()
+        read_fd, write_fd = os.pipe()
+        proc = SimpleNamespace(sentinel=read_fd, exitcode=None, is_alive=lambda: True, join=lambda timeout: None)
+        engine.procs = [proc]
+        watch = asyncio.ensure_future(engine._watch_engine())
+        gen = engine.generate_batches(None, [1, 2, 3], _params(), "r", "delta")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        alive_before = not engine.dead.is_set()
+        proc.exitcode = -9
+        os.close(write_fd)
+        with pytest.raises(EngineDeadError) as info:
+            await asyncio.wait_for(first, 5)
+        await asyncio.wait_for(watch, 5)
+        os.close(read_fd)
+        _close(engine)
+        return info.value, alive_before, engine.dead.is_set()
+
+    error, alive_before, dead = asyncio.run(run())
+    assert alive_before and dead and "exit code -9" in str(error)

@@ -181,6 +181,7 @@ class AsyncEngine:
         self.processor: Any = None
         self.errored = False
         self.dead_reason = ""
+        self.dead = asyncio.Event()  # set with errored: what waits for the engine's death awaits it
         self.last_stats = m.SchedulerStatsMsg()
         self._engine_stats = [m.SchedulerStatsMsg() for _ in range(self.num_engines)]
         self._parents: dict[str, _Parent] = {}
@@ -671,19 +672,43 @@ class AsyncEngine:
             self.metrics.update_scheduler_stats(stats, prev, engine)
 
     async def _watch_engine(self) -> None:
+        """Wakes when an engine process exits (its sentinel becomes readable): an idle API process spends
+        nothing on it; polled where the loop cannot watch a file descriptor."""
         assert self.procs
-        while True:
-            await asyncio.sleep(0.2)
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future = loop.create_future()
+        watched = []
+        try:
             for i, proc in enumerate(self.procs):
-                if not proc.is_alive():
-                    await asyncio.sleep(0.2)  # its EngineDead message (if it sent one) says more
-                    if self.errored:
-                        return
-                    which = "the engine process" if self.num_engines == 1 else f"engine core {i}"
-                    reason = f"{which} died (exit code {proc.exitcode})"
-                    logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
-                    self._fail_all(EngineDeadError(reason))
-                    return
+                loop.add_reader(proc.sentinel, lambda i=i: exited.done() or exited.set_result(i))
+                watched.append(proc.sentinel)
+        except (NotImplementedError, OSError, ValueError):
+            for fd in watched:
+                loop.remove_reader(fd)
+            watched = []
+        try:
+            while not exited.done():
+                if watched:
+                    await exited
+                    break
+                await asyncio.sleep(0.2)
+                for i, proc in enumerate(self.procs):
+                    if not proc.is_alive():
+                        exited.set_result(i)
+                        break
+        finally:
+            for fd in watched:
+                loop.remove_reader(fd)
+        i = exited.result()
+        await asyncio.sleep(0.2)  # its EngineDead message (if it sent one) says more
+        if self.errored:
+            return
+        proc = self.procs[i]
+        proc.join(1.0)  # the sentinel fires as it exits: its exit code follows
+        which = "the engine process" if self.num_engines == 1 else f"engine core {i}"
+        reason = f"{which} died (exit code {proc.exitcode})"
+        logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
+        self._fail_all(EngineDeadError(reason))
 
     def fail_pending(self, reason: str) -> None:
         """End every running request now with a 503 (server shutdown): streams close with an error event
@@ -697,6 +722,7 @@ class AsyncEngine:
     def _fail_all(self, err: BaseException) -> None:
         self.errored = True
         self.dead_reason = str(err)
+        self.dead.set()
         for parent in list(self._parents.values()):
             parent.finished = True
             parent.put(err)
