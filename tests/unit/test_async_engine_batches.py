@@ -116,3 +116,98 @@ def test_generate_yields_each_step_and_leaving_early_aborts() -> None:
     assert got == [[11], [12]]
     assert [type(msg).__name__ for msg in sent] == ["AddRequest", "AbortRequests"]
     assert sent[1].request_ids == ["r"]
+
+
+def test_a_plain_stream_is_written_by_the_handler_only_while_its_writer_waits() -> None:
+    """AsyncEngine.stream_directly: running steps go to the stream's frame + write while its consumer waits with
+    nothing pending and the connection takes writes (one write per handler pass); otherwise, and for the
+    finished output, they go the usual way. Whatever the path, the order is the engine's."""
+    async def run() -> tuple[list, list]:
+        engine, _ = _engine()
+        gen = engine.generate_batches(None, [1, 2, 3], _params(), "r", "delta")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)
+        _step(engine, "r", 11)
+        log: list = []  # what reached the client, in order: ("direct", bytes) or ("writer", token ids)
+        writable = [True]
+        stop = engine.stream_directly("r", lambda text, n: b"<%d%s>" % (n, text.encode()),
+                                      lambda: writable[0], lambda body: log.append(("direct", body)))
+        assert stop is not None
+        log.append(("writer", [ro.outputs[0].token_ids for ro in await first]))
+        nxt = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the writer waits: the next steps are the handler's to write
+        _step(engine, "r", 12)
+        _step(engine, "r", 13)
+        assert log[1:] == []  # framed, not yet written: the pass goes on
+        engine._flush_direct()
+        writable[0] = False  # the client stopped reading: the writer takes the step and waits for the client
+        _step(engine, "r", 14)
+        engine._flush_direct()
+        writable[0] = True
+        _step(engine, "r", 15)  # the writer has not run yet (14 is pending): this one queues behind it
+        engine._flush_direct()
+        log.append(("writer", [ro.outputs[0].token_ids for ro in await nxt]))
+        nxt = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)
+        _step(engine, "r", 16)
+        _step(engine, "r", 17, finished=True)  # the finished output is always the writer's (usage, [DONE])
+        engine._flush_direct()
+        log.append(("writer", [ro.outputs[0].token_ids for ro in await nxt]))
+        stop()
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()
+        _close(engine)
+        return log
+
+    log = asyncio.run(run())
+    assert log == [("writer", [[11]]), ("direct", b"<1><1>"), ("writer", [[14], [15]]), ("direct", b"<1>"),
+                   ("writer", [[17]])]
+
+
+def test_only_a_running_plain_stream_goes_direct() -> None:
+    async def run() -> list:
+        engine, _ = _engine()
+        got = []
+        for rid, params in (("plain", _params()), ("n2", SamplingParams(max_tokens=8, n=2, detokenize=False)),
+                            ("lp", SamplingParams(max_tokens=8, logprobs=1, detokenize=False))):
+            gen = engine.generate_batches(None, [1, 2, 3], params, rid, "delta")
+            task = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0)
+            got.append(engine.stream_directly(rid, None, None, None) is not None)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        got.append(engine.stream_directly("gone", None, None, None) is not None)
+        _close(engine)
+        return got
+
+    assert asyncio.run(run()) == [True, False, False, False]
+
+
+def test_an_engine_process_exit_fails_pending_requests_and_sets_dead() -> None:
+    """The watcher wakes on the process's sentinel (no polling): here a pipe whose writer closes, as a dead
+    child's sentinel does."""
+    import os
+    from types import SimpleNamespace
+
+    async def run() -> tuple[BaseException, bool, bool]:
+        engine, _ = _engine()
+        read_fd, write_fd = os.pipe()
+        proc = SimpleNamespace(sentinel=read_fd, exitcode=None, is_alive=lambda: True, join=lambda timeout: None)
+        engine.procs = [proc]
+        watch = asyncio.ensure_future(engine._watch_engine())
+        gen = engine.generate_batches(None, [1, 2, 3], _params(), "r", "delta")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        alive_before = not engine.dead.is_set()
+        proc.exitcode = -9
+        os.close(write_fd)
+        with pytest.raises(EngineDeadError) as info:
+            await asyncio.wait_for(first, 5)
+        await asyncio.wait_for(watch, 5)
+        os.close(read_fd)
+        _close(engine)
+        return info.value, alive_before, engine.dead.is_set()
+
+    error, alive_before, dead = asyncio.run(run())
+    assert alive_before and dead and "exit code -9" in str(error)

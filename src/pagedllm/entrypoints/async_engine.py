@@ -101,6 +101,43 @@ class _Parent:
             waiter.set_result(None)
 
 
+class _DirectSink:
+    """A plain stream's running steps, framed and written by the output handler itself (no RequestOutput, no
+    wake-up of the stream's writer, no generator hop) while that writer waits with nothing pending and its
+    connection takes writes; otherwise the step goes the usual way (pending list, writer), so the order of
+    what a client receives never changes. A handler pass's frames of one stream go out in one write at its
+    end (flush), as the writer, woken once per pass, would write them."""
+
+    __slots__ = ("parent", "frame", "writable", "write", "buf", "dirty")
+
+    def __init__(self, parent: _Parent, frame: Any, writable: Any, write: Any, dirty: list) -> None:
+        self.parent, self.frame, self.writable, self.write, self.dirty = parent, frame, writable, write, dirty
+        self.buf: list[bytes] = []
+
+    def __call__(self, text: str, num_tokens: int) -> bool:
+        parent = self.parent
+        waiter = parent.waiter
+        if waiter is None or waiter.done() or parent.pending:
+            return False
+        buf = self.buf
+        if not buf:
+            if not self.writable():  # the client is not reading (flow control): the writer waits for it
+                return False
+            self.dirty.append(self)
+        try:
+            buf.append(self.frame(text, num_tokens))
+        except Exception:  # noqa: BLE001 - the usual path reports it in-band, for this request only
+            if not buf:
+                self.dirty.remove(self)
+            return False
+        return True
+
+    def flush(self) -> None:
+        buf = self.buf
+        self.buf = []
+        self.write(buf[0] if len(buf) == 1 else b"".join(buf))
+
+
 class AsyncEngine:
     def __init__(self, engine_args: Any, log_level: str = "info", metrics: Any = None,
                  client: Optional[ClientSpec] = None) -> None:
@@ -144,6 +181,7 @@ class AsyncEngine:
         self.processor: Any = None
         self.errored = False
         self.dead_reason = ""
+        self.dead = asyncio.Event()  # set with errored: what waits for the engine's death awaits it
         self.last_stats = m.SchedulerStatsMsg()
         self._engine_stats = [m.SchedulerStatsMsg() for _ in range(self.num_engines)]
         self._parents: dict[str, _Parent] = {}
@@ -153,6 +191,7 @@ class AsyncEngine:
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self._dirty: list[_DirectSink] = []  # direct sinks with frames of the current handler pass
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -394,6 +433,20 @@ class AsyncEngine:
         parent.finished = True
         parent.put(ClientDisconnected(request_id))
 
+    def stream_directly(self, request_id: str, frame: Any, writable: Any, write: Any) -> Optional[Any]:
+        """Let the output handler write a plain stream's running steps itself (_DirectSink): frame(text,
+        number of new tokens) -> bytes, writable() -> whether the connection takes a write now, write(bytes).
+        -> a function that ends it (call it before the stream's last write), or None when the request is not a
+        running plain stream."""
+        parent = self._parents.get(request_id)
+        if parent is None or parent.finished or self.processor is None:
+            return None
+        sink = _DirectSink(parent, frame, writable, write, self._dirty)
+        if not self.processor.set_sink(request_id, sink):
+            return None
+        processor = self.processor
+        return lambda: processor.clear_sink(request_id, sink)
+
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
@@ -492,13 +545,26 @@ class AsyncEngine:
                         frames.append(drain(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-                for frame in frames:
-                    self._handle_output(self.dec.decode(frame))
+                try:
+                    for frame in frames:
+                        self._handle_output(self.dec.decode(frame))
+                finally:
+                    if self._dirty:
+                        self._flush_direct()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
             logger.exception("output handler failed")
             self._fail_all(EngineDeadError(f"output handler failed: {e}"))
+
+    def _flush_direct(self) -> None:
+        dirty = self._dirty
+        for sink in dirty:
+            try:
+                sink.flush()
+            except Exception:  # noqa: BLE001 - one connection's failure is its stream's business, not the handler's
+                logger.debug("direct stream write failed", exc_info=True)
+        dirty.clear()
 
     def _handle_output(self, msg: Any) -> None:
         if isinstance(msg, m.EngineOutputs):
@@ -606,19 +672,43 @@ class AsyncEngine:
             self.metrics.update_scheduler_stats(stats, prev, engine)
 
     async def _watch_engine(self) -> None:
+        """Wakes when an engine process exits (its sentinel becomes readable): an idle API process spends
+        nothing on it; polled where the loop cannot watch a file descriptor."""
         assert self.procs
-        while True:
-            await asyncio.sleep(0.2)
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future = loop.create_future()
+        watched = []
+        try:
             for i, proc in enumerate(self.procs):
-                if not proc.is_alive():
-                    await asyncio.sleep(0.2)  # its EngineDead message (if it sent one) says more
-                    if self.errored:
-                        return
-                    which = "the engine process" if self.num_engines == 1 else f"engine core {i}"
-                    reason = f"{which} died (exit code {proc.exitcode})"
-                    logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
-                    self._fail_all(EngineDeadError(reason))
-                    return
+                loop.add_reader(proc.sentinel, lambda i=i: exited.done() or exited.set_result(i))
+                watched.append(proc.sentinel)
+        except (NotImplementedError, OSError, ValueError):
+            for fd in watched:
+                loop.remove_reader(fd)
+            watched = []
+        try:
+            while not exited.done():
+                if watched:
+                    await exited
+                    break
+                await asyncio.sleep(0.2)
+                for i, proc in enumerate(self.procs):
+                    if not proc.is_alive():
+                        exited.set_result(i)
+                        break
+        finally:
+            for fd in watched:
+                loop.remove_reader(fd)
+        i = exited.result()
+        await asyncio.sleep(0.2)  # its EngineDead message (if it sent one) says more
+        if self.errored:
+            return
+        proc = self.procs[i]
+        proc.join(1.0)  # the sentinel fires as it exits: its exit code follows
+        which = "the engine process" if self.num_engines == 1 else f"engine core {i}"
+        reason = f"{which} died (exit code {proc.exitcode})"
+        logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
+        self._fail_all(EngineDeadError(reason))
 
     def fail_pending(self, reason: str) -> None:
         """End every running request now with a 503 (server shutdown): streams close with an error event
@@ -632,6 +722,7 @@ class AsyncEngine:
     def _fail_all(self, err: BaseException) -> None:
         self.errored = True
         self.dead_reason = str(err)
+        self.dead.set()
         for parent in list(self._parents.values()):
             parent.finished = True
             parent.put(err)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.core.batch_plan import EngineCoreOutput, TokenLogprobs
 from pagedllm.detokenizer import IncrementalDetokenizer
@@ -83,6 +83,9 @@ class _RequestState:
     # delta, no stop strings, no logprobs, no siblings (a plain stream): a step's output is its new ids and the
     # text they complete; nothing accumulates (_plain_output).
     plain: bool = False
+    # A plain stream's writer, while it can take a running step's (text, number of new ids) directly: True when
+    # it took them (no RequestOutput is built), False to have them reported as usual (set_sink).
+    sink: Optional[Callable[[str, int], bool]] = None
 
     @property
     def finished(self) -> bool:
@@ -170,6 +173,21 @@ class OutputProcessor:
                         self._parents.pop(state.parent.request_id, None)
         return dropped
 
+    def set_sink(self, request_id: str, sink: Optional[Callable[[str, int], bool]]) -> bool:
+        """Hand a plain stream's running steps to `sink` (None: stop). False when the request is not a running
+        plain stream (then nothing changes)."""
+        state = self._requests.get(request_id)
+        if state is None or not state.plain:
+            return False
+        state.sink = sink
+        return True
+
+    def clear_sink(self, request_id: str, sink: Callable[[str, int], bool]) -> None:
+        """Stop handing the request's steps to `sink` (if it is still the request's sink: ids can be reused)."""
+        state = self._requests.get(request_id)
+        if state is not None and state.sink is sink:
+            state.sink = None
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -241,6 +259,8 @@ class OutputProcessor:
             metrics.finished_time = now
             del self._requests[state.request_id]
         elif not new_ids:
+            return None
+        elif state.sink is not None and state.sink(text, len(new_ids)):
             return None
         completion = CompletionOutput(state.index, text, list(new_ids), None, None, finish_reason, out.stop_reason)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, None, [completion],

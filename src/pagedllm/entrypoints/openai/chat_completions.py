@@ -64,7 +64,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         raise
     if stream:
         framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
-        return SSEResponse(_ChatStream(req, state, len(prompt_ids), gen, first, watch, framer, tool_plan))
+        return SSEResponse(_ChatStream(req, state, len(prompt_ids), gen, first, watch, framer, tool_plan, request_id))
     final = first
     try:
         async for out in gen:
@@ -117,7 +117,7 @@ class _ChatStream(SSEStream):
     per engine step."""
 
     def __init__(self, req: ChatCompletionRequest, state: ServerState, num_prompt: int, batches: AsyncIterator,
-                 first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan) -> None:
+                 first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan, request_id: str) -> None:
         super().__init__(batches, first, watch, framer)
         self.req, self.tok, self.num_prompt, self.num_gen = req, state.tokenizer, num_prompt, 0
         self.top_n = req.top_logprobs or 0
@@ -125,6 +125,8 @@ class _ChatStream(SSEStream):
         # A running choice of a plain stream (no logprobs, no tools) is a template and its text.
         self.plain = not req.logprobs and self.tool_streams is None
         self.templates = [framer.template(b'{"index":%d,"delta":{"content":' % i, b"}") for i in range(req.n)]
+        if self.plain and req.n == 1:
+            self.direct = (state.engine, request_id)
 
     def usage(self) -> dict:
         return usage_dict(self.num_prompt, self.num_gen)
@@ -148,6 +150,11 @@ class _ChatStream(SSEStream):
         if len(batch) == 1:
             return self.chunks(batch[0])
         return b"".join([self.chunks(ro) for ro in batch])
+
+    def direct_frame(self, text: str, num_tokens: int) -> bytes:
+        self.num_gen += num_tokens
+        before, after = self.templates[0]
+        return before + dumps(text) + after + self.framer.end(self.num_prompt, self.num_gen)
 
     def chunks(self, ro: Any) -> bytes:
         """The frames of one engine step's output (one per choice that has news; tool calls may add some)."""

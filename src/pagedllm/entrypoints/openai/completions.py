@@ -90,7 +90,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         raise
     if stream:
         framer = ChunkFramer(request_id, "text_completion", created, model, req.stream_options)
-        return SSEResponse(_CompletionStream(req, state, prompts, merged, first, watch, framer))
+        return SSEResponse(_CompletionStream(req, state, prompts, merged, first, watch, framer, request_id))
     try:
         finals: dict[int, Any] = {first[0]: first[1]}
         async for i, out in merged:
@@ -159,7 +159,7 @@ class _CompletionStream(SSEStream):
     prompts' are (prompt index, batch)."""
 
     def __init__(self, req: CompletionRequest, state: ServerState, prompts: list, batches: AsyncIterator,
-                 first: Any, watch: Any, framer: ChunkFramer) -> None:
+                 first: Any, watch: Any, framer: ChunkFramer, request_id: str) -> None:
         super().__init__(batches, first, watch, framer)
         self.req, self.tok, self.prompts = req, state.tokenizer, prompts
         self.multi = len(prompts) > 1
@@ -171,6 +171,8 @@ class _CompletionStream(SSEStream):
         # A running choice of a plain stream (no logprobs, no echo) is a template and its text.
         self.plain = req.logprobs is None and not req.echo
         self.templates = [framer.template(b'{"index":%d,"text":' % index) for index in range(len(prompts) * req.n)]
+        if self.plain and not self.multi and req.n == 1:
+            self.direct = (state.engine, request_id)
 
     def usage(self) -> dict:
         return usage_dict(self.num_prompt, self.num_gen)
@@ -180,6 +182,11 @@ class _CompletionStream(SSEStream):
         if len(batch) == 1:
             return self.chunks(i, batch[0])
         return b"".join([self.chunks(i, ro) for ro in batch])
+
+    def direct_frame(self, text: str, num_tokens: int) -> bytes:
+        self.num_gen += num_tokens
+        before, after = self.templates[0]
+        return before + dumps(text) + after + self.framer.end(self.num_prompt, self.num_gen)
 
     def chunks(self, i: int, ro: Any) -> bytes:
         """The frames of one engine step's output (one per choice that has news)."""

@@ -12,7 +12,8 @@
   `--send-timeout` seconds: its request is aborted (KV freed), and the engine never waits for it.
 
 The send it hands down is also in scope["pagedllm.send"]: streaming responses send their body there, past the
-framework's per-message wrappers (which only look at the response start).
+framework's per-message wrappers (which only look at the response start). The server's own send is in
+scope["pagedllm.server_send"], for `direct_writer`.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ LINGER_TOTAL_S = 30.0
 LINGER_READ_S = 5.0
 LINGER_MAX_BYTES = 1 << 30
 RAW_SEND_KEY = "pagedllm.send"
+SERVER_SEND_KEY = "pagedllm.server_send"
 
 
 class _Refused(Exception):
@@ -69,6 +71,7 @@ class RequestGuard:
             return
         timed, watch = self._timed_send(scope, send)
         scope[RAW_SEND_KEY] = timed
+        scope[SERVER_SEND_KEY] = send
         try:
             await self.app(scope, receive, timed)
         except BaseException as e:  # noqa: BLE001 - only a cut-off slow client is absorbed here
@@ -177,6 +180,33 @@ class _SendWatch:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+
+def direct_writer(send: Any) -> Optional[tuple[Any, Any]]:
+    """(writable, write) for a started chunked response of uvicorn's httptools protocol, whose send is `send`:
+    writable() says whether a body chunk can go out now without waiting (the client reads: no flow-control
+    pause; still connected), write(body) writes it as send({"type": "http.response.body", "body": body,
+    "more_body": True}) would, without an awaitable and a message dict per chunk. None for any other server
+    or response (then only send writes)."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or type(cycle).__name__ != "RequestResponseCycle":
+        return None
+    try:
+        if (not cycle.response_started or cycle.response_complete or cycle.chunked_encoding is not True
+                or cycle.scope.get("method") == "HEAD"):
+            return None
+        flow, transport = cycle.flow, cycle.transport
+    except AttributeError:  # another uvicorn version's internals: keep to send
+        return None
+
+    def writable() -> bool:
+        return not flow.write_paused and not cycle.disconnected
+
+    def write(body: bytes) -> None:
+        if body and not cycle.disconnected:  # a gone client's bytes are dropped, as send drops them
+            transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+    return writable, write
 
 
 class ClientTooSlow(Exception):

@@ -144,9 +144,35 @@ def server_class() -> type:
                 logger.info("drained: no requests in flight")
             self.should_exit = True
 
+        @property
+        def should_exit(self) -> bool:
+            return self._should_exit
+
+        @should_exit.setter
+        def should_exit(self, value: bool) -> None:
+            # Setting it (a signal handler, the drain, the engine's death) wakes main_loop at once.
+            self._should_exit = value
+            wake, loop = getattr(self, "_wake", None), getattr(self, "_loop", None)
+            if value and wake is not None and loop is not None:
+                loop.call_soon_threadsafe(wake.set)
+
+        async def main_loop(self) -> None:
+            """uvicorn's main loop wakes 10 times a second to refresh its date header (once a second) and to see
+            should_exit; this one ticks once a second and is woken by should_exit, so an idle server sleeps."""
+            self._wake = asyncio.Event()
+            while not await self.on_tick(0):
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+                self._wake.clear()
+
         async def _watch_engine(self) -> None:
             if self.engine_dead_grace_period < 0:
                 return
+            dead = getattr(self.engine, "dead", None)
+            if dead is not None:
+                await dead.wait()
             while not self.engine.errored:
                 await asyncio.sleep(0.2)
             logger.error("the engine process is not running (%s); exiting in %.0f s so the replica is restarted",

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.errors import dumps, error_body
-from pagedllm.entrypoints.openai.guards import RAW_SEND_KEY
+from pagedllm.entrypoints.openai.guards import RAW_SEND_KEY, SERVER_SEND_KEY, direct_writer
 
 DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
@@ -24,11 +24,19 @@ class SSEStream:
     the error in-band (headers are gone) and [DONE]. close() stops the disconnect watch and the generation
     (aborting it in the engine if it did not finish)."""
 
+    # A plain stream (one request, one choice, no logprobs, tools or echo) sets (engine, request id): its
+    # running steps may then be framed by direct_frame and written by the engine's output handler itself.
+    direct: Optional[tuple[Any, str]] = None
+
     def __init__(self, batches: AsyncIterator, first: Any, watch: asyncio.Task, framer: "ChunkFramer") -> None:
         self.batches = batches
         self.first = first
         self.watch = watch
         self.framer = framer
+
+    def direct_frame(self, text: str, num_tokens: int) -> bytes:
+        """The frame of a running step of the plain stream's only choice, byte for byte what frames() writes."""
+        raise NotImplementedError
 
     def prefix(self) -> bytes:
         return b""
@@ -71,12 +79,13 @@ class SSEResponse(Response):
         raw = scope.get(RAW_SEND_KEY, send)
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         # Cancelling this task (a forced shutdown) cancels the writer it awaits.
-        await asyncio.get_running_loop().create_task(self._write(raw))
+        await asyncio.get_running_loop().create_task(self._write(raw, scope.get(SERVER_SEND_KEY)))
         if self.background is not None:
             await self.background()
 
-    async def _write(self, raw: Any) -> None:
+    async def _write(self, raw: Any, server_send: Any) -> None:
         stream = self.stream
+        stop_direct = None
         try:
             pending, error = stream.prefix(), None
             try:
@@ -87,9 +96,15 @@ class SSEResponse(Response):
                 if pending:
                     await raw({"type": "http.response.body", "body": pending, "more_body": True})
                     pending = b""
+                stop_direct = _start_direct(stream, server_send)
                 error = await self._write_items(raw, stream)
+            if stop_direct is not None:
+                stop_direct()
+                stop_direct = None
             await raw({"type": "http.response.body", "body": pending + stream.tail(error), "more_body": False})
         finally:  # also when a write failed (--send-timeout): stops the generation, aborting it in the engine
+            if stop_direct is not None:
+                stop_direct()
             await stream.close()
 
     @staticmethod
@@ -107,6 +122,19 @@ class SSEResponse(Response):
                 return e
             if body:
                 await raw({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def _start_direct(stream: SSEStream, server_send: Any) -> Optional[Any]:
+    """Hand a plain stream's running steps to the engine's output handler (AsyncEngine.stream_directly) when
+    the server's connection allows synchronous writes (guards.direct_writer); -> the function that ends it."""
+    if stream.direct is None or server_send is None:
+        return None
+    writer = direct_writer(server_send)
+    if writer is None:
+        return None
+    engine, request_id = stream.direct
+    start = getattr(engine, "stream_directly", None)
+    return None if start is None else start(request_id, stream.direct_frame, *writer)
 
 
 class ChunkFramer:
