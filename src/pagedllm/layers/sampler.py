@@ -35,7 +35,8 @@ _MASK64 = (1 << 64) - 1
 # Top-k / top-p (layers/top_k_top_p.py; measured in docs/benchmarks.md, "Sampling"): "auto" takes the per-row cutoff
 # search on the CPU; on CUDA the prefix path (torch.topk of the batch's largest top-k, no sort, no host sync) where
 # top-p is used, every top-p row has a top-k and the batch has PREFIX_MIN_ROWS rows or more (below, torch.topk over
-# few long rows is slower than the whole sort), else the sort. "cutoff" / "sort" / "prefix" force one: the tests' and sampler_cost.py's A/B.
+# few long rows is slower than the whole sort), else the sort. "cutoff" / "sort" / "prefix" force one: the tests'
+# and sampler_cost.py's A/B.
 TOP_K_TOP_P_IMPL = "auto"
 PREFIX_MIN_ROWS = 64
 

@@ -18,9 +18,10 @@ max token's weight, which is part of S. So the first bucket pass spans a few doz
 A row with both filters and a top-k up to _TOPK_DIRECT skips the buckets: torch.topk gives its k top values,
 which it ranks directly (Qwen3's top_k 20 / top_p 0.95 touches the rest of the row twice: topk and one count).
 
-This is the CPU's path: it reads the number of candidates on the host, which costs nothing there. CUDA keeps the
-sort (`sampler.apply_top_k_top_p_sort`): a one-program-per-row Triton version of this search lost to it at every
-measured batch on the H200 (docs/benchmarks.md, "Sampling") and was deleted.
+This search is the CPU's path: it reads the number of candidates on the host, which costs nothing there (a
+one-program-per-row Triton version lost to the sort on the H200 and was deleted). CUDA takes the prefix path below
+(each row's largest logits by torch.topk, no host sync) or the sort, as `sampler.top_k_top_p_impl` chooses
+(docs/benchmarks.md, "Sampling").
 """
 from __future__ import annotations
 

@@ -151,11 +151,6 @@ class _ChatStream(SSEStream):
             return self.chunks(batch[0])
         return b"".join([self.chunks(ro) for ro in batch])
 
-    def direct_frame(self, text: str, num_tokens: int) -> bytes:
-        self.num_gen += num_tokens
-        before, after = self.templates[0]
-        return before + dumps(text) + after + self.framer.end(self.num_prompt, self.num_gen)
-
     def chunks(self, ro: Any) -> bytes:
         """The frames of one engine step's output (one per choice that has news; tool calls may add some)."""
         frames = []

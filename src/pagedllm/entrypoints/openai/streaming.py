@@ -35,8 +35,11 @@ class SSEStream:
         self.framer = framer
 
     def direct_frame(self, text: str, num_tokens: int) -> bytes:
-        """The frame of a running step of the plain stream's only choice, byte for byte what frames() writes."""
-        raise NotImplementedError
+        """The frame of a running step of the plain stream's only choice, byte for byte what frames() writes
+        (from the subclass's pre-built templates and token counts: chat and completions keep the same ones)."""
+        self.num_gen += num_tokens
+        before, after = self.templates[0]
+        return before + dumps(text) + after + self.framer.end(self.num_prompt, self.num_gen)
 
     def prefix(self) -> bytes:
         return b""
