@@ -60,6 +60,10 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--save-result", action="store_true", help="write the results as JSON")
     p.add_argument("--result-filename", "--save-result-file", dest="result_filename", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--client-processes", type=positive_int, default=None, metavar="N",
+                   help="client processes sharing the requests and the concurrency (default: one per 128 concurrent "
+                        "streams, at most a quarter of the cores): one Python process cannot read tens of thousands "
+                        "of chunks a second")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per request")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write the latency distributions and throughput over time (a sweep: its curves) as a PNG; "
@@ -79,6 +83,16 @@ def add_sweep_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.description = ("run `bench serve` at each request rate (--request-rate, default " + SWEEP_RATES + "), print "
                      "throughput and latency per rate, and plot the throughput-latency curve with --plot")
     return p
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def request_rates(text: str) -> list[float]:
@@ -221,54 +235,89 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], *, max_concurrency: Optional[int],
-                        request_rate: float = float("inf"), api_key: Optional[str] = None, ignore_eos: bool = False,
-                        temperature: float = 0.0, backend: str = "openai", endpoint: Optional[str] = None,
-                        seed: int = 0, disable_tqdm: bool = False, timeout: float = 3600.0,
-                        chunk_usage: bool = True) -> tuple[dict, list]:
-    import httpx
+def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], *, max_concurrency: Optional[int],
+                  request_rate: float = float("inf"), api_key: Optional[str] = None, ignore_eos: bool = False,
+                  temperature: float = 0.0, backend: str = "openai", endpoint: Optional[str] = None,
+                  seed: int = 0, disable_tqdm: bool = False, timeout: float = 3600.0,
+                  chunk_usage: bool = True, client_processes: Optional[int] = None) -> tuple[dict, list]:
+    """Stream every request to the server; (metrics, RequestResults). A plain-HTTP server is driven by
+    bench_client's raw client in `client_processes` processes (None: bench_client.client_processes_for the
+    concurrency); an https one through httpx, in this process."""
+    from pagedllm.entrypoints.cli import bench_client
 
     chat = backend == "openai-chat"
     url = base_url.rstrip("/") + (endpoint or ("/v1/chat/completions" if chat else "/v1/completions"))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = max_concurrency or len(requests) or 1
-    semaphore = asyncio.Semaphore(limit)
+    stream_options = {"include_usage": True, **({"continuous_usage_stats": True} if chunk_usage else {})}
+    payloads = []
+    for req in requests:
+        payload: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "temperature": temperature,
+                                   "stream": True, "stream_options": stream_options}
+        if ignore_eos:
+            payload["ignore_eos"] = True
+        if chat:
+            payload["messages"] = [{"role": "user", "content": req.prompt or ""}]
+        else:
+            payload["prompt"] = req.prompt_token_ids
+        payloads.append(payload)
+    prompt_lens = [len(r.prompt_token_ids) for r in requests]
     bar = None
     if not disable_tqdm:
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), desc="bench serve", dynamic_ncols=True, file=sys.stderr)
+
+    def progress(done: int) -> None:
+        bar.update(done - bar.n)
+
+    try:
+        if bench_client.plain_http_target(url, headers) is None:
+            if client_processes not in (None, 1):
+                raise ValueError(f"--client-processes > 1 needs a plain http:// server URL, not {base_url}")
+            results, duration = asyncio.run(_run_httpx(url, headers, payloads, prompt_lens, chat, limit,
+                                                       request_rate, seed, timeout, bar))
+            stats = None
+        else:
+            processes = client_processes or bench_client.client_processes_for(limit)
+            results, duration, stats = bench_client.run_processes(
+                url, headers, payloads, prompt_lens, chat=chat, limit=limit, request_rate=request_rate, seed=seed,
+                timeout=timeout, processes=processes, progress=progress if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    metrics = summarize(results, duration)
+    if stats is not None:
+        metrics["client_processes"] = stats.processes
+        metrics["client_busiest_cpu"] = stats.busiest
+    return metrics, results
+
+
+async def _run_httpx(url: str, headers: dict, payloads: list[dict], prompt_lens: list[int], chat: bool, limit: int,
+                     request_rate: float, seed: int, timeout: float, bar: Any) -> tuple[list, float]:
+    import httpx
+
+    semaphore = asyncio.Semaphore(limit)
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
 
-        async def go(req: BenchRequest) -> RequestResult:
-            stream_options = {"include_usage": True, **({"continuous_usage_stats": True} if chunk_usage else {})}
-            payload: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "temperature": temperature,
-                                       "stream": True, "stream_options": stream_options}
-            if ignore_eos:
-                payload["ignore_eos"] = True
-            if chat:
-                payload["messages"] = [{"role": "user", "content": req.prompt or ""}]
-            else:
-                payload["prompt"] = req.prompt_token_ids
+        async def go(payload: dict, prompt_len: int) -> RequestResult:
             async with semaphore:
-                r = await _one_request(client, url, payload, headers, len(req.prompt_token_ids), chat)
+                r = await _one_request(client, url, payload, headers, prompt_len, chat)
             if bar is not None:
                 bar.update(1)
             return r
 
         tasks = []
         start = time.perf_counter()
-        for req in requests:
-            tasks.append(asyncio.create_task(go(req)))
+        for payload, prompt_len in zip(payloads, prompt_lens):
+            tasks.append(asyncio.create_task(go(payload, prompt_len)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
-    return summarize(results, duration), results
+    return list(results), duration
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -342,6 +391,10 @@ def format_result(m: dict, max_concurrency: Optional[int], request_rate: float,
         row("Median tokens per chunk:", m["median_tokens_per_chunk"], ".2f")
         row("P99 tokens per chunk:", m["p99_tokens_per_chunk"], ".2f")
         row("Max tokens per chunk:", m["max_tokens_per_chunk"])
+    if "client_processes" in m:
+        from pagedllm.entrypoints.cli.bench_client import ClientStats
+
+        lines.append("Client: " + ClientStats(m["client_processes"], m["client_busiest_cpu"]).describe())
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -386,11 +439,11 @@ def _one_rate(args: argparse.Namespace, base_url: str, model: str, requests: lis
               seed: int) -> tuple[dict, list]:
     print(f"Benchmarking {model} at {base_url}: {len(requests)} prompts, max concurrency "
           f"{args.max_concurrency}, request rate {rate}", file=sys.stderr)
-    metrics, results = asyncio.run(run_benchmark(
+    metrics, results = run_benchmark(
         base_url, model, requests, max_concurrency=args.max_concurrency, request_rate=rate,
         api_key=args.api_key, ignore_eos=args.ignore_eos, temperature=args.temperature, backend=args.backend,
         endpoint=args.endpoint, seed=seed, disable_tqdm=args.disable_tqdm, timeout=args.timeout,
-        chunk_usage=getattr(args, "chunk_usage", True)))
+        chunk_usage=getattr(args, "chunk_usage", True), client_processes=getattr(args, "client_processes", None))
     print(format_result(metrics, args.max_concurrency, rate, args.percentile_metrics,
                         args.metric_percentiles), flush=True)
     if metrics["errors"]:
@@ -436,6 +489,9 @@ def run(args: argparse.Namespace) -> int:
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     if base_url.rstrip("/").endswith("/v1"):
         base_url = base_url.rstrip("/")[:-3]
+    if (args.client_processes or 1) > 1 and not base_url.startswith("http://"):
+        print(f"error: --client-processes > 1 needs a plain http:// server URL, not {base_url}", file=sys.stderr)
+        return 2
     try:
         models = _server_info(base_url, args.api_key)
     except Exception as e:  # noqa: BLE001
