@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 26's served workload on the lent H200 beside real vLLM (benchmarks/serve_vs_vllm.py), in device calls:
+#
+#   1. here: ../shared/device/vllm-peer.sh (-> .vpeer1..8), and .carry_srv/ = SmolLM2's tokenizer files
+#      (benchmarks/api_tier_cost.py's tiny_smollm2_dir writes them);
+#   2. on the device, one call per piece, back to back: mkdir -p /tmp/vc && cp .vpeerN/* /tmp/vc/
+#   3. on the device: bash benchmarks/gpu_serve_peer.sh pagedllm   (carry .whl and .carry_srv; installs vLLM too)
+#      then at once:  bash benchmarks/gpu_serve_peer.sh vllm
+#
+# Each part writes its logs and JSON as one archive under $OUT and prints the table.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+part=${1:?pagedllm or vllm}
+workloads=${WORKLOADS:-"--workload 1024x256 --workload 4096x1024"}
+source tests/gpu/device_prepare.sh
+model=/tmp/serve-model
+if [ ! -f $model/config.json ]; then
+    mkdir -p $model && cp benchmarks/configs/qwen3-0.6b/config.json $model/ && cp .carry_srv/* $model/
+fi
+if ls /tmp/vc/part_* >/dev/null 2>&1 && [ ! -d /tmp/vsite/vllm ]; then
+    cat /tmp/vc/part_* > /tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite \
+        /tmp/vllm-0.24.0-*.whl /tmp/vc/*.whl || echo "vLLM install failed"
+fi
+work=/tmp/serve-$part
+rm -rf $work
+case $part in
+    pagedllm)
+        timeout ${PART_TIMEOUT:-540} python3 benchmarks/serve_vs_vllm.py --model $model $workloads \
+            --servers ${SERVERS:-pagedllm,pagedllm:1} --offline --start-timeout 240 --step-timeout 150 --out $work ;;
+    vllm)
+        timeout ${PART_TIMEOUT:-540} python3 benchmarks/serve_vs_vllm.py --model $model $workloads --servers vllm \
+            --vllm-python "env PYTHONPATH=/tmp/vsite VLLM_CACHE_ROOT=/tmp/vcache python3" --start-timeout 300 \
+            --step-timeout 150 --out $work ;;
+    *) echo "unknown part $part"; exit 2 ;;
+esac
+rc=$?
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+tar czf "$OUT/serve-$part.tgz" -C /tmp "serve-$part" 2>/dev/null
+exit $rc
