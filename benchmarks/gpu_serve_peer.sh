@@ -11,9 +11,9 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-part=${1:?pagedllm or vllm}
+what=${1:?pagedllm or vllm}
 workloads=${WORKLOADS:-"--workload 1024x256 --workload 4096x1024"}
-source tests/gpu/device_prepare.sh
+source tests/gpu/device_prepare.sh  # (it uses $part: ours is $what)
 model=/tmp/serve-model
 if [ ! -f $model/config.json ]; then
     mkdir -p $model && cp benchmarks/configs/qwen3-0.6b/config.json $model/ && cp .carry_srv/* $model/
@@ -23,9 +23,9 @@ if ls /tmp/vc/part_* >/dev/null 2>&1 && [ ! -d /tmp/vsite/vllm ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite \
         /tmp/vllm-0.24.0-*.whl /tmp/vc/*.whl || echo "vLLM install failed"
 fi
-work=/tmp/serve-$part
+work=/tmp/serve-$what
 rm -rf $work
-case $part in
+case $what in
     pagedllm)
         timeout ${PART_TIMEOUT:-540} python3 benchmarks/serve_vs_vllm.py --model $model $workloads \
             --servers ${SERVERS:-pagedllm,pagedllm:1} --offline --start-timeout 240 --step-timeout 150 --out $work ;;
@@ -33,9 +33,9 @@ case $part in
         timeout ${PART_TIMEOUT:-540} python3 benchmarks/serve_vs_vllm.py --model $model $workloads --servers vllm \
             --vllm-python "env PYTHONPATH=/tmp/vsite VLLM_CACHE_ROOT=/tmp/vcache python3" --start-timeout 300 \
             --step-timeout 150 --out $work ;;
-    *) echo "unknown part $part"; exit 2 ;;
+    *) echo "unknown part $what"; exit 2 ;;
 esac
 rc=$?
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-tar czf "$OUT/serve-$part.tgz" -C /tmp "serve-$part" 2>/dev/null
+tar czf "$OUT/serve-$what.tgz" -C /tmp "serve-$what" 2>/dev/null
 exit $rc
