@@ -28,7 +28,7 @@ rm -rf $work
 case $what in
     pagedllm)
         timeout ${PART_TIMEOUT:-540} python3 benchmarks/serve_vs_vllm.py --model $model $workloads \
-            --servers ${SERVERS:-pagedllm,pagedllm:1} --offline --start-timeout 240 --step-timeout 150 --out $work ;;
+            --servers ${SERVERS:-pagedllm,pagedllm:1} --offline ${KV_BYTES:+--kv-cache-memory-bytes $KV_BYTES} --start-timeout 240 --step-timeout 150 --out $work ;;
     vllm)
         timeout ${PART_TIMEOUT:-540} python3 benchmarks/serve_vs_vllm.py --model $model $workloads --servers vllm \
             --vllm-python "env PYTHONPATH=/tmp/vsite VLLM_CACHE_ROOT=/tmp/vcache python3" --start-timeout 300 \

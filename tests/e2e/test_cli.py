@@ -47,6 +47,24 @@ def test_bench_serve_prints_result_block(server: Server, e2e_env: dict, tmp_path
     assert 1 <= saved["mean_tokens_per_chunk"] <= 1.5 and saved["max_tokens_per_chunk"] <= 2, saved
 
 
+def test_bench_serve_in_two_client_processes(server: Server, e2e_env: dict, tmp_path) -> None:
+    out = tmp_path / "result.json"
+    r = run([cli("pagedllm"), "bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "8",
+             "--max-concurrency", "4", "--random-input-len", "16", "--random-output-len", "5", "--ignore-eos",
+             "--seed", "2", "--client-processes", "2", "--save-result", "--result-filename", str(out)], e2e_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Client: 2 client processes, the busiest at" in r.stdout, r.stdout
+    saved = json.loads(out.read_text())
+    assert saved["completed"] == 8 and saved["failed"] == 0 and saved["total_output_tokens"] == 40
+    assert saved["client_processes"] == 2 and saved["median_tokens_per_chunk"] == 1
+    # several processes need the raw plain-HTTP client: an https server is refused up front, not half-run
+    r = run([cli("pagedllm"), "bench", "serve", "--base-url", "https://127.0.0.1:1", "--num-prompts", "1",
+             "--client-processes", "2"], e2e_env)
+    assert r.returncode == 2 and "--client-processes > 1 needs a plain http:// server URL" in r.stderr
+    r = run([cli("pagedllm"), "bench", "serve", "--base-url", server.url, "--client-processes", "0"], e2e_env)
+    assert r.returncode == 2 and "must be at least 1" in r.stderr
+
+
 def test_chat_and_complete_quick(server: Server, e2e_env: dict) -> None:
     r = run([cli("pagedllm"), "chat", "--url", server.base_url, "--api-key", API_KEY, "--max-tokens", "8",
              "--temperature", "0", "-q", "What is the capital of France?"], e2e_env)

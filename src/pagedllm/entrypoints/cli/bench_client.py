@@ -136,6 +136,7 @@ class _Connection(asyncio.Protocol):
         self._pending = b""  # the body after the last complete event
         self._error_body = bytearray()
         self._now = 0.0
+        self.answered = False  # bytes of the current request's response arrived
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -153,6 +154,7 @@ class _Connection(asyncio.Protocol):
         if self._parser is None:
             return  # nothing asked for: a server speaking out of turn; the next request starts a fresh parser
         self._now = time.monotonic()
+        self.answered = True
         try:
             self._parser.feed_data(data)
         except self._httptools.HttpParserUpgrade:
@@ -203,6 +205,7 @@ class _Connection(asyncio.Protocol):
         self._pending = b""
         self._error_body = bytearray()
         self.reusable = False
+        self.answered = False
         self._done = asyncio.get_running_loop().create_future()
         self.transport.write(request)  # type: ignore[union-attr]
         return self._done
@@ -227,14 +230,15 @@ class _Pool:
         self.target = target
         self.idle: list[_Connection] = []
 
-    async def get(self) -> _Connection:
-        while self.idle:
+    async def get(self, fresh: bool = False) -> tuple[_Connection, bool]:
+        """(a connection, whether it was used before)."""
+        while self.idle and not fresh:
             conn = self.idle.pop()
             if not conn.closed:
-                return conn
+                return conn, True
         _, conn = await asyncio.get_running_loop().create_connection(_Connection, self.target.host,
                                                                      self.target.port)
-        return conn
+        return conn, False
 
     def put(self, conn: _Connection) -> None:
         if conn.reusable and not conn.closed:
@@ -266,8 +270,16 @@ async def _one_raw(pool: _Pool, payload: dict, prompt_len: int, chat: bool, time
     recorder = StreamRecorder(res, chat, decode)
     conn: Optional[_Connection] = None
     try:
-        conn = await pool.get()
-        status = await asyncio.wait_for(conn.start(request, recorder), timeout)
+        for attempt in range(2):
+            conn, reused = await pool.get(fresh=attempt > 0)
+            try:
+                status = await asyncio.wait_for(conn.start(request, recorder), timeout)
+                break
+            except ConnectionError:
+                # A kept-alive connection the server closed meanwhile (its keep-alive timeout) fails before any
+                # answer: send again, once, on a new connection.
+                if not reused or conn.answered or attempt:
+                    raise
         if status != 200:
             res.error = f"HTTP {status}: {conn.error_text()}"
         else:
