@@ -88,14 +88,14 @@ def role_of(p: Any, root_pid: int) -> str:
     return "other"
 
 
-def cpu_by_role(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """CPU cores busy per role over `seconds` (processes present at the end; ones that started meanwhile count
-    from zero)."""
+def cpu_by_role(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds spent per role between two tree_cpu snapshots (processes present at the end; ones that started
+    meanwhile count from zero)."""
     roles: dict[str, float] = {}
     for pid, (role, t) in after.items():
         t0 = before.get(pid, (role, 0.0))[1]
         roles[role] = roles.get(role, 0.0) + (t - t0)
-    return {k: round(v / seconds, 3) for k, v in roles.items()} if seconds > 0 else {}
+    return {k: round(v, 3) for k, v in roles.items()}
 
 
 def start(cmd: list[str], log_path: str, env: Optional[dict], timeout_s: float) -> tuple[subprocess.Popen, str]:
@@ -171,16 +171,20 @@ def run_server(kind: str, args: argparse.Namespace, n: int, c: int, seed: int, o
             subprocess.run(bench_cmd(url, min(2 * c, 256), min(c, 128), seed + 1000, warm), check=True,
                            stdout=subprocess.DEVNULL, timeout=args.step_timeout)
             result = os.path.join(out, f"{tag}.json")
-            before, tb = tree_cpu(proc.pid), time.monotonic()
+            before = tree_cpu(proc.pid)
             done = subprocess.run(bench_cmd(url, n, c, seed, result), capture_output=True, text=True,
                                   timeout=args.step_timeout)
-            record["server_cpu_cores"] = cpu_by_role(before, tree_cpu(proc.pid), time.monotonic() - tb)
+            # CPU seconds over the client's whole life (its start-up too: the server idles then) per second of
+            # the measured run
+            record["server_cpu_s"] = cpu_by_role(before, tree_cpu(proc.pid))
             print(done.stdout, flush=True)
             if done.returncode != 0:
                 record["error"] = f"bench exit {done.returncode}: {done.stderr[-1500:]}"
             if os.path.exists(result):
                 with open(result) as f:
                     record["result"] = json.load(f)
+                seconds = record["result"]["duration"]
+                record["server_cpu_cores"] = {k: round(v / seconds, 2) for k, v in record["server_cpu_s"].items()}
     except Exception as e:  # noqa: BLE001
         record["error"] = f"bench: {e}"[:2000]
     finally:
