@@ -134,7 +134,7 @@ def stop(proc: subprocess.Popen, wait_s: float = 60) -> None:
 
 def kv_flags(args: argparse.Namespace) -> list[str]:
     """pagedllm's KV pool: sized from --gpu-memory-utilization unless --kv-cache-memory-bytes is given (the CPU)."""
-    return ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes or 0)]
+    return ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)] if args.kv_cache_memory_bytes else []
 
 
 def server_cmd(kind: str, args: argparse.Namespace, c: int) -> tuple[list[str], Optional[dict]]:
@@ -200,7 +200,7 @@ def run_offline_child(args: argparse.Namespace) -> None:
     n, c = args.offline_child
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=c, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes or 0)
+              **({"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}))
     pool = vocab_token_pool(llm.get_tokenizer())
 
     def go(reqs: list) -> list:

@@ -287,6 +287,12 @@ class Worker:
         if num_blocks < need_blocks:
             gib = 2**30
             short = (need_blocks - max(num_blocks, 0)) * spec.bytes_per_block / gib
+            if args.kv_cache_memory_bytes is not None:
+                raise ValueError(
+                    f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes} ({budget / gib:.2f} GiB) holds {num_blocks} "
+                    f"KV blocks of {spec.block_size} tokens, less than one sequence of max_model_len="
+                    f"{self.max_model_len} needs ({need_blocks}: {short:.2f} GiB more). Raise it, or leave it out "
+                    f"to size the pool from --gpu-memory-utilization.")
             raise ValueError(
                 f"Not enough GPU memory for the KV cache of one sequence of max_model_len={self.max_model_len}: "
                 f"weights + peak activations take {peak / gib:.2f} GiB, other processes {max(0, used_by_others) / gib:.2f} "
