@@ -15,7 +15,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
@@ -30,6 +30,23 @@ def client_processes_for(concurrency: int, cpus: Optional[int] = None) -> int:
     (the server under test needs the rest when it runs on the same machine), at least one."""
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
     return max(1, min(math.ceil(max(1, concurrency) / STREAMS_PER_PROCESS), cpus // 4, 8))
+
+
+@dataclass
+class RequestResult:
+    """What one streamed request gave: its timings, tokens and chunks (bench_serve.summarize reads these)."""
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+    start_time: float = 0.0  # when the request was sent (the client's clock)
+    chunk_times: list[float] = field(default_factory=list)  # when each streamed piece arrived
+    # tokens each streamed piece carried (its usage's completion_tokens minus the previous one's); empty when the
+    # server did not send the usage on every chunk
+    chunk_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -262,8 +279,6 @@ def _request_bytes(target: Target, body: bytes) -> bytes:
 
 async def _one_raw(pool: _Pool, payload: dict, prompt_len: int, chat: bool, timeout: float, encode: Any,
                    decode: Any) -> Any:
-    from pagedllm.entrypoints.cli.bench_serve import RequestResult
-
     res = RequestResult(prompt_len=prompt_len)
     request = _request_bytes(pool.target, encode(payload))
     res.start_time = time.monotonic()

@@ -20,8 +20,10 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
+
+from pagedllm.entrypoints.cli import bench_client
 
 _SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog while the committee debated the annual budget for roads, "
@@ -145,20 +147,7 @@ def vocab_token_pool(tokenizer: Any) -> list[int]:
 # ---- one request -----------------------------------------------------------------------------------------
 
 
-@dataclass
-class RequestResult:
-    success: bool = False
-    prompt_len: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
-    start_time: float = 0.0  # time.perf_counter() when the request was sent
-    chunk_times: list[float] = field(default_factory=list)  # perf_counter() of each streamed piece
-    # tokens each streamed piece carried (its usage's completion_tokens minus the previous one's); empty when the
-    # server did not send the usage on every chunk
-    chunk_tokens: list[int] = field(default_factory=list)
+RequestResult = bench_client.RequestResult  # one record of a request, whichever client read it
 
 
 async def _one_request(client: Any, url: str, payload: dict, headers: dict, prompt_len: int,
@@ -243,8 +232,6 @@ def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], *, ma
     """Stream every request to the server; (metrics, RequestResults). A plain-HTTP server is driven by
     bench_client's raw client in `client_processes` processes (None: bench_client.client_processes_for the
     concurrency); an https one through httpx, in this process."""
-    from pagedllm.entrypoints.cli import bench_client
-
     chat = backend == "openai-chat"
     url = base_url.rstrip("/") + (endpoint or ("/v1/chat/completions" if chat else "/v1/completions"))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
