@@ -3,8 +3,8 @@
 Owns the engine-core child process and the two ZMQ sockets to it. `generate_batches()` sends one typed
 request (or n child requests, f"{i}_{parent}") and yields what arrived for it, as lists of RequestOutputs (one
 per engine step, never merged: a stream sends each step as its own chunk, and a consumer that fell behind
-writes several at once); `generate()` yields them one by one. One output-handler task reads everything the
-engine sends, runs the OutputProcessor (incremental detokenization, stop strings, n>1 aggregation), appends to
+writes several at once); `generate()` yields them one by one. One output reader (a callback on the output socket's
+descriptor, no task) reads everything the engine sends, runs the OutputProcessor (incremental detokenization, stop strings, n>1 aggregation), appends to
 each request's pending list (waking its consumer only when it waits), sends aborts for stop-string hits, and
 records metrics (token counts once per step). A watcher task notices a dead engine process and fails every
 pending request.
@@ -231,7 +231,7 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, preimport.join)
         self._load_frontend()
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._output_handler(), name="pagedllm-output-handler"))
+        self._start_output_reader(loop)
         if self.procs:
             self._tasks.append(loop.create_task(self._watch_engine(), name="pagedllm-engine-watch"))
 
@@ -266,6 +266,7 @@ class AsyncEngine:
         self._closed = True
         for t in self._tasks:
             t.cancel()
+        self._stop_output_reader()
         # One of several API processes: the engine cores serve the others still; the supervisor stops them.
         alive = [(i, p) for i, p in enumerate(self.procs) if p.is_alive()]
         for i, _ in alive:
@@ -533,28 +534,44 @@ class AsyncEngine:
 
     # ---- background tasks -----------------------------------------------------------------------
 
-    async def _output_handler(self) -> None:
-        drain = zmq.Socket.shadow(self.out_sock.underlying).recv
+    def _start_output_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's outputs in a reader callback of the output socket's file descriptor: no task resumed,
+        no future and no poller bookkeeping per engine step (zmq.asyncio's recv costs those). The asyncio socket
+        served the start-up; its own reader on the descriptor is replaced (nothing awaits it any more)."""
+        self._out_sync = zmq.Socket.shadow(self.out_sock.underlying)
+        self._out_fd = self._out_sync.getsockopt(zmq.FD)
+        loop.remove_reader(self._out_fd)
+        loop.add_reader(self._out_fd, self._on_outputs)
+        self._out_loop = loop
+        self._on_outputs()  # what arrived before the reader was in place (the descriptor signals edges only)
+
+    def _stop_output_reader(self) -> None:
+        loop = getattr(self, "_out_loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._out_fd)
+        self._out_loop = None
+
+    def _on_outputs(self) -> None:
+        """Everything the engine sent, until its socket has nothing more (ZMQ's descriptor is edge-triggered: it
+        signals again only after the socket was read empty); a stream's frames of up to 64 messages are written
+        together (_flush_direct), as the writer, woken once per pass, would."""
+        sock, decode, handle = self._out_sync, self.dec.decode, self._handle_output
+        recv, events, pollin = sock.recv, sock.getsockopt, zmq.POLLIN
         try:
-            while True:
-                frames = [await self.out_sock.recv()]
-                # Drain whatever else is already here so a slow consumer catches up in one pass, through a plain
-                # (synchronous) view of the same socket: a non-blocking read needs no future and no poller event.
-                while len(frames) < 64:
-                    try:
-                        frames.append(drain(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
+            while events(zmq.EVENTS) & pollin:
                 try:
-                    for frame in frames:
-                        self._handle_output(self.dec.decode(frame))
+                    for _ in range(64):
+                        handle(decode(recv(zmq.NOBLOCK)))
+                        if not events(zmq.EVENTS) & pollin:
+                            break
+                except zmq.Again:
+                    pass
                 finally:
                     if self._dirty:
                         self._flush_direct()
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001
             logger.exception("output handler failed")
+            self._stop_output_reader()
             self._fail_all(EngineDeadError(f"output handler failed: {e}"))
 
     def _flush_direct(self) -> None:
