@@ -167,6 +167,7 @@ class AsyncEngine:
             sock.bind(addr)
             self.in_socks.append(sock)
         self.in_sock = self.in_socks[0]
+        self._in_sync = [zmq.Socket.shadow(sock.underlying) for sock in self.in_socks]  # non-blocking sends
         self.router = DPRouter(self.num_engines, block_size=int(getattr(engine_args, "block_size", 16) or 16))
         self._engine_of: dict[str, int] = {}  # engine request id -> engine core index
         self.procs: list[multiprocessing.process.BaseProcess] = []
@@ -335,8 +336,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         pending = parent.pending
         try:
-            for add in adds:
-                await self.in_socks[engine].send(self.enc.encode(add))
+            await self._send_adds(engine, adds)
             while True:
                 if not pending:
                     parent.waiter = loop.create_future()
@@ -367,6 +367,18 @@ class AsyncEngine:
                     return
         finally:
             self._forget(request_id, abort=not parent.finished)
+
+    async def _send_adds(self, engine: int, adds: list) -> None:
+        """Straight into the socket when it takes them now (the usual case: no future, no poller event); what it
+        cannot take at once (no peer yet, a full queue) waits in order on the asyncio socket."""
+        sync, encode = self._in_sync[engine], self.enc.encode
+        for i, add in enumerate(adds):
+            try:
+                sync.send(encode(add), zmq.NOBLOCK)
+            except zmq.Again:
+                for rest in adds[i:]:
+                    await self.in_socks[engine].send(encode(rest))
+                return
 
     def _add_children(self, request_id: str, parent: _Parent, prompt: Optional[str], prompt_token_ids: list[int],
                       params: SamplingParams, output_kind: str, lora_request: Any) -> tuple[int, list]:
