@@ -171,7 +171,9 @@ class AsyncEngine:
         self.router = DPRouter(self.num_engines, block_size=int(getattr(engine_args, "block_size", 16) or 16))
         self._engine_of: dict[str, int] = {}  # engine request id -> engine core index
         self.procs: list[multiprocessing.process.BaseProcess] = []
-        self.out_sock = self.ctx.socket(zmq.PULL)
+        # A plain (synchronous) socket: the output handler reads it in a reader callback of its descriptor
+        # (_start_output_reader); an asyncio socket's own watcher would compete for the descriptor's edges.
+        self.out_sock = zmq.Socket(self.ctx, zmq.PULL)
         self.out_sock.setsockopt(zmq.LINGER, 0)
         self.out_sock.bind(self.output_addr)
         self.enc = m.Encoder()
@@ -209,8 +211,9 @@ class AsyncEngine:
         deadline = None if startup_timeout_s is None else time.monotonic() + startup_timeout_s
         num_ready = 0
         while num_ready < self.num_engines:
-            if await self.out_sock.poll(int(_STARTUP_POLL_S * 1000)):
-                msg = self.dec.decode(await self.out_sock.recv())
+            frame = await self._recv_during_startup(_STARTUP_POLL_S)
+            if frame is not None:
+                msg = self.dec.decode(frame)
                 if isinstance(msg, m.EngineStartupError):
                     for proc in self.procs:
                         proc.join(5 if proc.exitcode is not None else 0.1)
@@ -546,13 +549,22 @@ class AsyncEngine:
 
     # ---- background tasks -----------------------------------------------------------------------
 
+    async def _recv_during_startup(self, timeout_s: float) -> Optional[bytes]:
+        """The next message from the engine cores within timeout_s, else None (start-up only: polled)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.out_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    return None
+                await asyncio.sleep(0.01)
+
     def _start_output_reader(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the engine's outputs in a reader callback of the output socket's file descriptor: no task resumed,
-        no future and no poller bookkeeping per engine step (zmq.asyncio's recv costs those). The asyncio socket
-        served the start-up; its own reader on the descriptor is replaced (nothing awaits it any more)."""
-        self._out_sync = zmq.Socket.shadow(self.out_sock.underlying)
+        no future and no poller bookkeeping per engine step (zmq.asyncio's recv costs those)."""
+        self._out_sync = self.out_sock
         self._out_fd = self._out_sync.getsockopt(zmq.FD)
-        loop.remove_reader(self._out_fd)
         loop.add_reader(self._out_fd, self._on_outputs)
         self._out_loop = loop
         self._on_outputs()  # what arrived before the reader was in place (the descriptor signals edges only)
