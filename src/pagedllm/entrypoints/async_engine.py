@@ -3,8 +3,8 @@
 Owns the engine-core child process and the two ZMQ sockets to it. `generate_batches()` sends one typed
 request (or n child requests, f"{i}_{parent}") and yields what arrived for it, as lists of RequestOutputs (one
 per engine step, never merged: a stream sends each step as its own chunk, and a consumer that fell behind
-writes several at once); `generate()` yields them one by one. One output-handler task reads everything the
-engine sends, runs the OutputProcessor (incremental detokenization, stop strings, n>1 aggregation), appends to
+writes several at once); `generate()` yields them one by one. One output reader (a callback on the output socket's
+descriptor, no task) reads everything the engine sends, runs the OutputProcessor (incremental detokenization, stop strings, n>1 aggregation), appends to
 each request's pending list (waking its consumer only when it waits), sends aborts for stop-string hits, and
 records metrics (token counts once per step). A watcher task notices a dead engine process and fails every
 pending request.
@@ -167,10 +167,13 @@ class AsyncEngine:
             sock.bind(addr)
             self.in_socks.append(sock)
         self.in_sock = self.in_socks[0]
+        self._in_sync = [zmq.Socket.shadow(sock.underlying) for sock in self.in_socks]  # non-blocking sends
         self.router = DPRouter(self.num_engines, block_size=int(getattr(engine_args, "block_size", 16) or 16))
         self._engine_of: dict[str, int] = {}  # engine request id -> engine core index
         self.procs: list[multiprocessing.process.BaseProcess] = []
-        self.out_sock = self.ctx.socket(zmq.PULL)
+        # A plain (synchronous) socket: the output handler reads it in a reader callback of its descriptor
+        # (_start_output_reader); an asyncio socket's own watcher would compete for the descriptor's edges.
+        self.out_sock = zmq.Socket(self.ctx, zmq.PULL)
         self.out_sock.setsockopt(zmq.LINGER, 0)
         self.out_sock.bind(self.output_addr)
         self.enc = m.Encoder()
@@ -208,8 +211,9 @@ class AsyncEngine:
         deadline = None if startup_timeout_s is None else time.monotonic() + startup_timeout_s
         num_ready = 0
         while num_ready < self.num_engines:
-            if await self.out_sock.poll(int(_STARTUP_POLL_S * 1000)):
-                msg = self.dec.decode(await self.out_sock.recv())
+            frame = await self._recv_during_startup(_STARTUP_POLL_S)
+            if frame is not None:
+                msg = self.dec.decode(frame)
                 if isinstance(msg, m.EngineStartupError):
                     for proc in self.procs:
                         proc.join(5 if proc.exitcode is not None else 0.1)
@@ -231,7 +235,7 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, preimport.join)
         self._load_frontend()
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._output_handler(), name="pagedllm-output-handler"))
+        self._start_output_reader(loop)
         if self.procs:
             self._tasks.append(loop.create_task(self._watch_engine(), name="pagedllm-engine-watch"))
 
@@ -266,6 +270,7 @@ class AsyncEngine:
         self._closed = True
         for t in self._tasks:
             t.cancel()
+        self._stop_output_reader()
         # One of several API processes: the engine cores serve the others still; the supervisor stops them.
         alive = [(i, p) for i, p in enumerate(self.procs) if p.is_alive()]
         for i, _ in alive:
@@ -334,8 +339,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         pending = parent.pending
         try:
-            for add in adds:
-                await self.in_socks[engine].send(self.enc.encode(add))
+            await self._send_adds(engine, adds)
             while True:
                 if not pending:
                     parent.waiter = loop.create_future()
@@ -366,6 +370,18 @@ class AsyncEngine:
                     return
         finally:
             self._forget(request_id, abort=not parent.finished)
+
+    async def _send_adds(self, engine: int, adds: list) -> None:
+        """Straight into the socket when it takes them now (the usual case: no future, no poller event); what it
+        cannot take at once (no peer yet, a full queue) waits in order on the asyncio socket."""
+        sync, encode = self._in_sync[engine], self.enc.encode
+        for i, add in enumerate(adds):
+            try:
+                sync.send(encode(add), zmq.NOBLOCK)
+            except zmq.Again:
+                for rest in adds[i:]:
+                    await self.in_socks[engine].send(encode(rest))
+                return
 
     def _add_children(self, request_id: str, parent: _Parent, prompt: Optional[str], prompt_token_ids: list[int],
                       params: SamplingParams, output_kind: str, lora_request: Any) -> tuple[int, list]:
@@ -533,28 +549,53 @@ class AsyncEngine:
 
     # ---- background tasks -----------------------------------------------------------------------
 
-    async def _output_handler(self) -> None:
-        drain = zmq.Socket.shadow(self.out_sock.underlying).recv
+    async def _recv_during_startup(self, timeout_s: float) -> Optional[bytes]:
+        """The next message from the engine cores within timeout_s, else None (start-up only: polled)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.out_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    return None
+                await asyncio.sleep(0.01)
+
+    def _start_output_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the engine's outputs in a reader callback of the output socket's file descriptor: no task resumed,
+        no future and no poller bookkeeping per engine step (zmq.asyncio's recv costs those)."""
+        self._out_sync = self.out_sock
+        self._out_fd = self._out_sync.getsockopt(zmq.FD)
+        loop.add_reader(self._out_fd, self._on_outputs)
+        self._out_loop = loop
+        self._on_outputs()  # what arrived before the reader was in place (the descriptor signals edges only)
+
+    def _stop_output_reader(self) -> None:
+        loop = getattr(self, "_out_loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._out_fd)
+        self._out_loop = None
+
+    def _on_outputs(self) -> None:
+        """Everything the engine sent, until its socket has nothing more (ZMQ's descriptor is edge-triggered: it
+        signals again only after the socket was read empty); a stream's frames of up to 64 messages are written
+        together (_flush_direct), as the writer, woken once per pass, would."""
+        sock, decode, handle = self._out_sync, self.dec.decode, self._handle_output
+        recv, events, pollin = sock.recv, sock.getsockopt, zmq.POLLIN
         try:
-            while True:
-                frames = [await self.out_sock.recv()]
-                # Drain whatever else is already here so a slow consumer catches up in one pass, through a plain
-                # (synchronous) view of the same socket: a non-blocking read needs no future and no poller event.
-                while len(frames) < 64:
-                    try:
-                        frames.append(drain(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
+            while events(zmq.EVENTS) & pollin:
                 try:
-                    for frame in frames:
-                        self._handle_output(self.dec.decode(frame))
+                    for _ in range(64):
+                        handle(decode(recv(zmq.NOBLOCK)))
+                        if not events(zmq.EVENTS) & pollin:
+                            break
+                except zmq.Again:
+                    pass
                 finally:
                     if self._dirty:
                         self._flush_direct()
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001
             logger.exception("output handler failed")
+            self._stop_output_reader()
             self._fail_all(EngineDeadError(f"output handler failed: {e}"))
 
     def _flush_direct(self) -> None:

@@ -82,6 +82,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
     from pagedllm.entrypoints.openai.guards import RequestGuard
+    from pagedllm.entrypoints.openai.hot_routes import HotRoutes
     from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
     from pagedllm.entrypoints.openai.lora_models import serve_lora_modules
     from pagedllm.entrypoints.openai.server_state import ServerState
@@ -125,7 +126,9 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         fastapi_app = build_app(state)
         # The guard is outermost: every early answer inside it (the drain's 503, the key's 401) comes after the
         # request body was read, and its own refusals read the rest of the body before closing.
-        app = RequestGuard(DrainMiddleware(fastapi_app, lifecycle), max_body_bytes=args.max_request_body_bytes,
+        # HotRoutes: the generating routes without the framework's per-request layers (hot_routes.py).
+        app = RequestGuard(DrainMiddleware(HotRoutes(fastapi_app, state), lifecycle),
+                           max_body_bytes=args.max_request_body_bytes,
                            send_timeout_s=args.send_timeout)
         freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +23,27 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 logger = logging.getLogger("pagedllm.api_server")
 
 
+def api_key_refused(scope: dict, expected: bytes) -> bool:
+    """Whether a request lacks the key: /v1/* (but CORS preflights) needs `Authorization: Bearer KEY`."""
+    if not scope["path"].startswith("/v1") or scope.get("method") == "OPTIONS":
+        return False
+    auth = b""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            auth = value  # the last one, as a dict of the headers would keep
+    # constant time: how long the check takes says nothing about how much of the key matched
+    return not hmac.compare_digest(auth, expected)
+
+
+async def send_api_key_refusal(send: Any) -> None:
+    body = dumps(error_body("Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.", 401,
+                            "authentication_error", code="invalid_api_key"))
+    await send({"type": "http.response.start", "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class APIKeyMiddleware:
     """Pure ASGI (no per-request task, unlike BaseHTTPMiddleware): /v1/* needs `Authorization: Bearer KEY`."""
 
@@ -31,19 +52,9 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
-            auth = dict(scope["headers"]).get(b"authorization") or b""
-            # constant time: how long the check takes says nothing about how much of the key matched
-            if not hmac.compare_digest(auth, self.expected):
-                body = dumps(error_body(
-                    "Incorrect API key provided: pass it as 'Authorization: Bearer <key>'.", 401,
-                    "authentication_error", code="invalid_api_key"))
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode()),
-                                        (b"www-authenticate", b"Bearer")]})
-                await send({"type": "http.response.body", "body": body})
-                return
+        if scope["type"] == "http" and api_key_refused(scope, self.expected):
+            await send_api_key_refusal(send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -122,39 +133,46 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> Response:
+def handled_error_response(e: BaseException) -> Optional[Response]:
+    """The answer to an exception a route raised before its response started (the app's exception handlers and
+    the hot routes share it); None for an unexpected one (internal_error_response)."""
+    if isinstance(e, APIError):
         return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> Response:
+    if isinstance(e, RequestValidationError):
         return error_response(format_validation_error(e))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
+    if isinstance(e, StarletteHTTPException):
         message = str(e.detail) if e.detail else "Error"
         if e.status_code == 404:
             message = "Not found: no such route."
         return error_response(APIError(message, e.status_code))
-
-    @app.exception_handler(RequestRejected)
-    async def rejected(_: Request, e: RequestRejected) -> Response:
+    if isinstance(e, RequestRejected):
         return error_response(APIError(str(e), e.status))
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> Response:
+    if isinstance(e, EngineDeadError):
         return error_response(APIError(f"The engine is not running: {e}", 503))
-
-    @app.exception_handler(ClientDisconnected)
-    async def disconnected(_: Request, e: ClientDisconnected) -> Response:
+    if isinstance(e, ClientDisconnected):
         return Response(status_code=499)
+    return None
+
+
+def internal_error_response(e: BaseException) -> Response:
+    from pagedllm.entrypoints.openai.guards import ClientTooSlow
+
+    if isinstance(e, ClientTooSlow):  # already logged; the guard closes the connection
+        return Response(status_code=499)
+    logger.exception("unhandled error", exc_info=e)
+    return error_response(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def handled(_: Request, e: Exception) -> Response:
+        response = handled_error_response(e)
+        assert response is not None
+        return response
+
+    for exc in (APIError, RequestValidationError, StarletteHTTPException, RequestRejected, EngineDeadError,
+                ClientDisconnected):
+        app.add_exception_handler(exc, handled)
 
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> Response:
-        from pagedllm.entrypoints.openai.guards import ClientTooSlow
-
-        if isinstance(e, ClientTooSlow):  # already logged; the guard closes the connection
-            return Response(status_code=499)
-        logger.exception("unhandled error")
-        return error_response(APIError(f"Internal server error: {type(e).__name__}: {e}", 500))
+        return internal_error_response(e)

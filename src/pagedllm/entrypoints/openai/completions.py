@@ -25,7 +25,7 @@ def parse_prompts(prompt: Any, tokenizer: Any, vocab_size: int, add_special_toke
     """-> [(text or None, token ids)] for str | [str] | [int] | [[int]]."""
     if isinstance(prompt, str):
         prompt = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
+    elif prompt and isinstance(prompt[0], int):  # the model's validation allows no mix of ints and others
         prompt = [prompt]
     if not prompt:
         raise APIError("'prompt' must not be empty.", param="prompt")
