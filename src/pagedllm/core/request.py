@@ -80,7 +80,8 @@ class Request:
                                or any(len(seq) > 1 for seq in p.bad_words_token_ids))
         # The scheduler's per-step fast paths ask these instead of walking the sampling parameters: the tokens
         # that may stop the request (EOS unless ignored, stop ids; min_tokens is checked only for these), and the
-        # length of all_token_ids at which max_tokens ends it (max_model_len is the scheduler's own check).
+        # length of all_token_ids at which it ends by length (max_tokens here; Scheduler.add_request caps it at
+        # max_model_len).
         stop_ids = set(p.all_stop_token_ids)
         if not p.ignore_eos and self.eos_token_id is not None:
             stop_ids.add(self.eos_token_id)

@@ -128,6 +128,9 @@ class Scheduler:
         # with at most spec_disable_batch_size running + waiting requests (spec_decode/scheduling.py).
         self.spec = SpecScheduling(num_speculative_tokens, spec_disable_batch_size, max_model_len)
         self.spec_stats = self.spec.stats
+        # The inline per-row fast paths of _schedule_running and update_from_output (False: every row takes the
+        # general path, the reference the tests compare them with).
+        self.fast_paths = True
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -159,6 +162,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
+        request.length_limit = min(request.length_limit, self.max_model_len)  # (the fast paths' one test)
         request.sync_counted = (request.needs_sync, request.needs_sync_sampling)
         self.num_needs_sync += request.sync_counted[0]
         self.num_needs_sync_sampling += request.sync_counted[1]
@@ -316,48 +320,48 @@ class Scheduler:
         running = self.running  # the same list object throughout (preemption pops from it)
         max_reqs = self._max_reqs_this_step
         async_scheduling = self.async_scheduling
-        max_model_len = self.max_model_len
         # The usual row, a request decoding one token with room left in its last block, is planned inline below:
         # the same result as the general path (_num_tokens_to_schedule, allocate_slots) without its calls. Only
         # for the single full-attention block list; sliding windows and several KV-cache groups go the general way.
-        fast_kv = kv.num_groups == 1 and kv.sliding_window is None
+        fast_kv = self.fast_paths and kv.num_groups == 1 and kv.sliding_window is None
         req_blocks = kv.req_to_blocks
         num_cached_blocks = kv.num_cached_blocks
         caching = kv.enable_caching
         bs = self.block_size
         cached_requests = plan.cached_requests
         num_scheduled = plan.num_scheduled_tokens
-        i = 0
-        while i < len(running) and budget > 0 and len(scheduled) < max_reqs:
-            request = running[i]
-            computed = request.num_computed_tokens
-            pending = request.num_output_placeholders
-            num_all = len(request.all_token_ids)
-            if pending and (num_all + pending >= request.length_limit or num_all + pending >= max_model_len):
-                i += 1  # the token in flight is its last one: do not compute past it (_reaches_limit)
-                continue
-            if fast_kv and num_all + pending - computed == 1 and not request.spec_token_ids:
-                rid = request.request_id
-                blocks = req_blocks.get(rid)
-                if blocks is not None and computed < len(blocks) * bs:  # its slot is in a block it holds
-                    if caching:
-                        num_known = computed + 1 if computed + 1 < num_all else num_all
-                        if num_known // bs > num_cached_blocks[rid]:  # a block became full
-                            kv._cache_full_blocks(request, num_known)
-                    cached_requests.append(CachedRequestData(
-                        rid, [], computed, kept_blocks.pop(rid, None) if kept_blocks else None))
-                    num_scheduled[rid] = 1
-                    computed += 1
-                    request.num_computed_tokens = computed
-                    if async_scheduling and computed >= num_all:
-                        request.num_output_placeholders = pending + 1
-                    scheduled.append(request)
-                    budget -= 1
-                    i += 1
-                    continue
-            num_new_tokens = self._num_tokens_to_schedule(request, computed, budget)
+        num_planned = len(scheduled)
+        # (A for loop over the list itself: preemption pops victims from its end, which the loop then never reaches.)
+        for request in running:
+            if budget <= 0 or num_planned >= max_reqs:
+                break
+            if fast_kv:
+                computed = request.num_computed_tokens
+                pending = request.num_output_placeholders
+                num_all = len(request.all_token_ids)
+                if pending and num_all + pending >= request.length_limit:
+                    continue  # the token in flight is its last one: do not compute past it (_reaches_limit)
+                if num_all + pending - computed == 1 and not request.spec_token_ids:
+                    rid = request.request_id
+                    blocks = req_blocks.get(rid)
+                    if blocks is not None and computed < len(blocks) * bs:  # its slot is in a block it holds
+                        if caching:
+                            num_known = computed + 1 if computed + 1 < num_all else num_all
+                            if num_known // bs > num_cached_blocks[rid]:  # a block became full
+                                kv._cache_full_blocks(request, num_known)
+                        cached_requests.append(CachedRequestData(
+                            rid, [], computed, kept_blocks.pop(rid, None) if kept_blocks else None))
+                        num_scheduled[rid] = 1
+                        computed += 1
+                        request.num_computed_tokens = computed
+                        if async_scheduling and computed >= num_all:
+                            request.num_output_placeholders = pending + 1
+                        scheduled.append(request)
+                        num_planned += 1
+                        budget -= 1
+                        continue
+            num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
-                i += 1
                 continue
             drafts = (spec.drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
                       if request.spec_token_ids else ())
@@ -393,11 +397,11 @@ class Scheduler:
             if drafts:
                 plan.scheduled_spec_decode_tokens[request.request_id] = drafts
             scheduled.append(request)
+            num_planned += 1
             budget -= num_new_tokens
             request.num_computed_tokens += num_new_tokens
             if async_scheduling and request.num_computed_tokens >= len(request.all_token_ids):
                 request.num_output_placeholders += 1  # this step samples a token the next schedule() must count
-            i += 1
         return budget
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request]) -> None:
@@ -493,8 +497,8 @@ class Scheduler:
             return outputs
         logprobs = output.logprobs
         finished: list[Request] = []
-        if (output.prompt_logprobs or plan.scheduled_spec_decode_tokens or output.spec_token_ids is not None
-                or (logprobs and logprobs.count(None) != len(logprobs))):
+        if (not self.fast_paths or output.prompt_logprobs or plan.scheduled_spec_decode_tokens
+                or output.spec_token_ids is not None or (logprobs and logprobs.count(None) != len(logprobs))):
             for index, (request_id, sampled, token_logprobs) in enumerate(
                     zip(req_ids, output.sampled_token_ids, logprobs or [None] * len(req_ids))):
                 self._update_request(request_id, index, sampled, token_logprobs, plan, output, outputs, finished)
@@ -504,13 +508,13 @@ class Scheduler:
             # that may end the request (a stop id, or its length limit) takes _check_stop's full rules.
             requests = self.requests
             running_status = RequestStatus.RUNNING
-            max_model_len = self.max_model_len
-            for index, (request_id, sampled) in enumerate(zip(req_ids, output.sampled_token_ids)):
+            for request_id, sampled in zip(req_ids, output.sampled_token_ids):
                 request = requests.get(request_id)
                 if request is None or not sampled:  # finished or aborted meanwhile / mid-prefill
                     continue
                 if len(sampled) != 1 or request.structured_output is not None:
-                    self._update_request(request_id, index, sampled, None, plan, output, outputs, finished)
+                    # (the index only matters for drafts, which this step has none of)
+                    self._update_request(request_id, -1, sampled, None, plan, output, outputs, finished)
                     continue
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= 1
@@ -522,8 +526,7 @@ class Scheduler:
                 request.output_token_ids.append(token_id)
                 all_ids.append(token_id)
                 finish_reason = None
-                if token_id in request.stop_ids or len(all_ids) >= request.length_limit \
-                        or len(all_ids) >= max_model_len:
+                if token_id in request.stop_ids or len(all_ids) >= request.length_limit:
                     status = self._check_stop(request, token_id)
                     if status is not None:
                         request.status = status
@@ -532,7 +535,7 @@ class Scheduler:
                         finished.append(request)
                 if request.first_token_time is None:
                     request.first_token_time = time.monotonic()
-                outputs.append(EngineCoreOutput(request_id, [token_id], finish_reason=finish_reason,
+                outputs.append(EngineCoreOutput(request_id, sampled, finish_reason=finish_reason,
                                                 stop_reason=request.stop_reason,
                                                 num_cached_tokens=request.num_cached_tokens or 0))
         if finished:  # (freed as they finished, in batch order: the free queue's order is the same as ever)
