@@ -1,7 +1,7 @@
 """OutputProcessor: stop strings, delta streaming without leaks, n aggregation, logprob formatting."""
 import importlib.util
-import random
 import os
+import random
 
 import pytest
 
