@@ -67,6 +67,21 @@ def skip_forward(model: torch.nn.Module, max_tokens: int) -> None:
     model.forward = forward
 
 
+def skip_lm_head(model: torch.nn.Module, max_rows: int, vocab: int) -> None:
+    """Greedy steps: the LM head's argmax becomes a slice of a persistent pool of random ids, a new slice each step
+    (device work on a GPU; on this CPU it would cost about as much as the host work measured). Ids from 256 on:
+    in --detokenize's synthetic tokenizer those are whole ASCII tokens, which decode as text does (ids below are
+    single bytes, whose incomplete characters would grow the detokenizer's window)."""
+    low = 256 if vocab > 512 else 0
+    pool = torch.randint(low, vocab - 1, (max_rows + 4093,), generator=torch.Generator().manual_seed(0))
+    offset = [0]
+
+    def greedy_token_ids(hidden_states, token_bitmask=None):
+        start = offset[0] = (offset[0] + 1) % 4093
+        return pool[start:start + hidden_states.shape[0]]
+    model.greedy_token_ids = greedy_token_ids
+
+
 class Phases:
     def __init__(self) -> None:
         self.t = defaultdict(float)
@@ -103,6 +118,10 @@ def parse_args(argv):
                    help="also run the OutputProcessor on each step: delta (the API process) or final_only (LLM)")
     p.add_argument("--host-only", action="store_true", help="tiny same-architecture model, forward skipped")
     p.add_argument("--host-vocab", type=int, default=4096)
+    p.add_argument("--skip-lm-head", action="store_true",
+                   help="with --host-only, greedy: the LM head's argmax returns fixed random ids (no vocab product)")
+    p.add_argument("--detokenize", action="store_true",
+                   help="--emit with a synthetic byte-level tokenizer of the vocab (the offline LLM detokenizes)")
     p.add_argument("--json", default=None, help="write the per-bucket table as JSON here")
     p.add_argument("--clock", choices=["wall", "process"], default="wall",
                    help="process: CPU time of this process (with --host-only on a busy CPU machine)")
@@ -134,6 +153,8 @@ def build_engine(args):
     if args.host_only:
         runner = llm.engine.worker.runner
         skip_forward(runner.model, runner.max_num_batched_tokens)
+        if args.skip_lm_head:
+            skip_lm_head(runner.model, runner.max_num_batched_tokens, args.host_vocab)
     return llm
 
 
@@ -156,6 +177,16 @@ def main(argv=None):
     eng.reset_prefix_cache()  # no prefix hits from the warm-up
 
     ph = Phases()
+    step_kind = ["mixed"]  # "decode": the step's plan computes one token per request (set by schedule)
+    schedule = eng.scheduler.schedule
+
+    def schedule_and_classify(*a, **k):
+        plan = schedule(*a, **k)
+        n = len(plan.num_scheduled_tokens)
+        if n:
+            step_kind[0] = "decode" if plan.total_num_scheduled_tokens == n else "mixed"
+        return plan
+    eng.scheduler.schedule = schedule_and_classify
     ph.wrap(eng.scheduler, "schedule", "schedule")
     ph.wrap(eng.scheduler, "update_from_output", "apply")
     ph.wrap(eng.worker, "launch", "launch")
@@ -172,7 +203,14 @@ def main(argv=None):
             import pagedllm.worker.model_runner as mr
 
             ph.wrap(mr.SamplingMetadata, "build", "sampmeta")  # a bound classmethod, set back as a function
-    processor = OutputProcessor(None) if args.emit else None
+    tokenizer = None
+    if args.emit and args.detokenize:
+        from structured_output_throughput import synthetic_tokenizer
+
+        from pagedllm.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer(synthetic_tokenizer(vocab))
+    processor = OutputProcessor(tokenizer) if args.emit else None
     events = []  # (bucket, start event, end event) per launch, CUDA only
     current_bucket = [1]
     if torch.cuda.is_available() and not args.host_only:
@@ -185,7 +223,7 @@ def main(argv=None):
                 return launch(*a, **k)
             finally:
                 end.record()
-                events.append((current_bucket[0], start, end))
+                events.append(((current_bucket[0], step_kind[0]), start, end))
         eng.worker.launch = launch_with_events
     for i, (ids, n) in enumerate(reqs):
         eng.add_request(EngineCoreRequest(f"t{i}", ids, params(n)))
@@ -194,24 +232,29 @@ def main(argv=None):
     buckets = defaultdict(lambda: defaultdict(float))  # running-count bucket -> totals
     t_start = CLOCK[0]()
     tokens = 0
-    while eng.has_unfinished_requests():
-        running = len(eng.scheduler.running)
-        # Set before the step, so the launch inside it records this step's bucket with its events.
-        b = current_bucket[0] = 1 << max(0, (max(running, 1) - 1).bit_length())  # 1, 2, 4, ..., 256
-        ph.t.clear()
-        t0 = CLOCK[0]()
-        outs = eng.step()
-        if processor is not None:
-            t1 = CLOCK[0]()
-            processor.process_outputs(outs)
-            ph.t["emit"] += CLOCK[0]() - t1
-        dt = CLOCK[0]() - t0
-        tokens += sum(len(o.new_token_ids) for o in outs)
-        acc = buckets[b]
-        acc["steps"] += 1
-        acc["wall"] += dt
-        for k, v in ph.t.items():
-            acc[k] += v
+    # As LLM.generate runs its loop: the start-up objects out of the collector's full passes.
+    from pagedllm.core.engine_core import objects_frozen
+
+    with objects_frozen():
+        while eng.has_unfinished_requests():
+            running = len(eng.scheduler.running)
+            # Set before the step, so the launch inside it records this step's bucket with its events.
+            b = current_bucket[0] = 1 << max(0, (max(running, 1) - 1).bit_length())  # 1, 2, 4, ..., 256
+            ph.t.clear()
+            t0 = CLOCK[0]()
+            outs = eng.step()
+            if processor is not None:
+                t1 = CLOCK[0]()
+                processor.process_outputs(outs)
+                ph.t["emit"] += CLOCK[0]() - t1
+            dt = CLOCK[0]() - t0
+            tokens += sum(len(o.new_token_ids) for o in outs)
+            acc = buckets[(b, step_kind[0])]
+            acc["steps"] += 1
+            acc["rows"] += running
+            acc["wall"] += dt
+            for k, v in ph.t.items():
+                acc[k] += v
     total = CLOCK[0]() - t_start
     if events:
         torch.cuda.synchronize()
@@ -228,17 +271,28 @@ COLUMNS = ("schedule", "launch", "prepare", "sampmeta", "apply", "finish", "emit
 
 def report(buckets, tokens, total, json_path=None) -> None:
     print(f"{tokens} output tokens in {total:.2f} s = {tokens / total:.0f} tok/s")
-    print(f"{'running<=':>9} {'steps':>6} {'wall ms/step':>12} " + " ".join(f"{c:>8}" for c in COLUMNS)
-          + f" {'share':>6}")
+    print(f"{'running<=':>13} {'steps':>6} {'wall ms/step':>12} {'us/row':>7} "
+          + " ".join(f"{c:>8}" for c in COLUMNS) + f" {'share':>6}")
     table = {}
+    # Every decode step of the run in one row too: us/row is then host time per row-step of decoding (requests
+    # that finish together land in smaller buckets, with their final work).
+    total_decode = defaultdict(float)
+    for (_, kind), a in buckets.items():
+        if kind == "decode":
+            for k, v in a.items():
+                total_decode[k] += v
+    if total_decode:
+        buckets = dict(buckets)
+        buckets[(0, "decode")] = total_decode
     for b in sorted(buckets):
         a = buckets[b]
         n = a["steps"]
         a["other"] = a["wall"] - a["schedule"] - a["launch"] - a["apply"] - a["emit"]
-        row = {"steps": int(n), "wall_ms": a["wall"] / n * 1e3, "share": a["wall"] / total}
+        row = {"steps": int(n), "wall_ms": a["wall"] / n * 1e3, "share": a["wall"] / total,
+               "us_per_row": a["wall"] / max(a["rows"], 1) * 1e6}
         row.update({c: a[c] / n * 1e3 for c in COLUMNS})
-        table[b] = row
-        print(f"{b:>9} {int(n):>6} {row['wall_ms']:>12.3f} " + " ".join(f"{row[c]:>8.3f}" for c in COLUMNS)
+        table[f"{b[0] or 'all'} {b[1]}"] = row
+        print(f"{b[0] or 'all':>6} {b[1]:>6} {int(n):>6} {row['wall_ms']:>12.3f} {row['us_per_row']:>7.1f} " + " ".join(f"{row[c]:>8.3f}" for c in COLUMNS)
               + f" {row['share'] * 100:>5.0f}%")
     if json_path:
         with open(json_path, "w") as f:

@@ -1,6 +1,7 @@
 """OutputProcessor: stop strings, delta streaming without leaks, n aggregation, logprob formatting."""
 import importlib.util
 import os
+import random
 
 import pytest
 
@@ -238,3 +239,27 @@ def test_repr_is_readable(tokenizer):
     text = repr(outs[0])
     assert "request_id='r'" in text and "' there'" in text and "40 tokens" in text
     assert "finish_reason=length" in text
+
+
+def test_final_only_text_decoded_at_the_end_equals_step_by_step(tokenizer):
+    """final_only without stop strings keeps only token ids while running and decodes them when the request
+    finishes: the text, ids and finish state equal cumulative mode's last output (decoded step by step), also for
+    children of an n > 1 parent and for ids that end mid-character."""
+    rng = random.Random(0)
+    texts = ["Hello world, this is a test.", " 🎉 émojis and ünïcode 中文", "one\ntwo  three\tfour"]
+    for trial in range(12):
+        ids = encode(tokenizer, rng.choice(texts))
+        ids += [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 6))]  # bytes, specials, anything
+        per_step = rng.choice([1, 1, 2, 3])
+        finals = {}
+        for kind in ("cumulative", "final_only"):
+            proc = OutputProcessor(tokenizer)
+            parent = {"parent_id": "p", "index": 0} if trial % 3 == 0 else {}
+            proc.add_request("0_p" if parent else "r", "Say", encode(tokenizer, "Say"), SamplingParams(max_tokens=99),
+                             output_kind=kind, **parent)
+            last = None
+            for outs, _ in stream(proc, "0_p" if parent else "r", ids, finish_reason="length", per_step=per_step):
+                last = outs[-1] if outs else last
+            assert last.finished and not proc.has_unfinished()
+            finals[kind] = last.outputs[0]
+        assert finals["final_only"] == finals["cumulative"]

@@ -330,7 +330,10 @@ class EngineCore:
         return self._update(plan, pending.result())
 
     def _plan_needs_sync(self, plan) -> bool:
-        requests = self.scheduler.requests
+        sched = self.scheduler
+        if not (sched.num_needs_sync_sampling if self._overlap_masks else sched.num_needs_sync):
+            return False  # no unfinished request needs it (the usual case: no pass over the plan)
+        requests = sched.requests
         attr = "needs_sync_sampling" if self._overlap_masks else "needs_sync"
         return any(getattr(requests[r], attr) for r in plan.num_scheduled_tokens if r in requests)
 

@@ -68,6 +68,8 @@ class Request:
     # Structured outputs: the request's grammar state (structured_output.RequestStructuredOutput, duck-typed
     # here: is_ready(), accept(token_ids), is_terminated()); None for unconstrained requests.
     structured_output: Optional[Any] = None
+    # (needs_sync, needs_sync_sampling) when the scheduler counted the request in (Scheduler.num_needs_sync).
+    sync_counted: tuple[bool, bool] = (False, False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -76,6 +78,15 @@ class Request:
         self._sync_sampling = (p.seed is not None or p.min_tokens > 0 or p.presence_penalty != 0.0
                                or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
                                or any(len(seq) > 1 for seq in p.bad_words_token_ids))
+        # The scheduler's per-step fast paths ask these instead of walking the sampling parameters: the tokens
+        # that may stop the request (EOS unless ignored, stop ids; min_tokens is checked only for these), and the
+        # length of all_token_ids at which it ends by length (max_tokens here; Scheduler.add_request caps it at
+        # max_model_len).
+        stop_ids = set(p.all_stop_token_ids)
+        if not p.ignore_eos and self.eos_token_id is not None:
+            stop_ids.add(self.eos_token_id)
+        self.stop_ids = frozenset(stop_ids)
+        self.length_limit = len(self.prompt_token_ids) + p.max_tokens if p.max_tokens is not None else 1 << 62
 
     @property
     def num_prompt_tokens(self) -> int:

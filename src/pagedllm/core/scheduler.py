@@ -119,11 +119,18 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.num_aborted = 0
+        # Unfinished requests that need_sync / need_sync_sampling (counted when added): while both are 0 no plan
+        # can hold one, and the engine core skips asking each scheduled request (EngineCore._plan_needs_sync).
+        self.num_needs_sync = 0
+        self.num_needs_sync_sampling = 0
         self._max_reqs_this_step = max_num_seqs
         # Speculative decoding: drafts proposed by the runner are scheduled as extra tokens to compute, in steps
         # with at most spec_disable_batch_size running + waiting requests (spec_decode/scheduling.py).
         self.spec = SpecScheduling(num_speculative_tokens, spec_disable_batch_size, max_model_len)
         self.spec_stats = self.spec.stats
+        # The inline per-row fast paths of _schedule_running and update_from_output (False: every row takes the
+        # general path, the reference the tests compare them with).
+        self.fast_paths = True
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -155,6 +162,10 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
+        request.length_limit = min(request.length_limit, self.max_model_len)  # (the fast paths' one test)
+        request.sync_counted = (request.needs_sync, request.needs_sync_sampling)
+        self.num_needs_sync += request.sync_counted[0]
+        self.num_needs_sync_sampling += request.sync_counted[1]
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -223,6 +234,9 @@ class Scheduler:
         self.spec.forget(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        needs_sync, needs_sync_sampling = request.sync_counted
+        self.num_needs_sync -= needs_sync
+        self.num_needs_sync_sampling -= needs_sync_sampling
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it at the front of the waiting queue."""
@@ -276,14 +290,15 @@ class Scheduler:
         scheduled: list[Request] = []
         self._max_reqs_this_step = max_num_reqs or self.max_num_seqs
         plan.propose_drafts = self.spec_active()
-        budget = self._schedule_running(plan, budget, preempted, scheduled)
+        budget = self._schedule_running(plan, budget, preempted, scheduled)  # (these advance as they are planned)
+        num_running_scheduled = len(scheduled)
         if not preempted:
             self._schedule_waiting(plan, budget, scheduled)
 
         # Advance at schedule time: the step that follows computes exactly these tokens.
         num_scheduled = plan.num_scheduled_tokens
         async_scheduling = self.async_scheduling
-        for request in scheduled:
+        for request in scheduled[num_running_scheduled:]:
             request.num_computed_tokens += num_scheduled[request.request_id]
             if async_scheduling and request.num_computed_tokens >= len(request.all_token_ids):
                 # This step samples a token the next schedule() must already count (async scheduling).
@@ -297,17 +312,56 @@ class Scheduler:
     def _schedule_running(
         self, plan: BatchPlan, budget: int, preempted: set[str], scheduled: list[Request]
     ) -> int:
+        """Plan the running requests, in order, and advance each one's computed count as it is planned (a request
+        planned here is never preempted later in the step: victims are taken from the end of the list)."""
         kv = self.kv_cache_manager
         spec = self.spec
         kept_blocks = spec.kept_blocks
         running = self.running  # the same list object throughout (preemption pops from it)
         max_reqs = self._max_reqs_this_step
-        i = 0
-        while i < len(running) and budget > 0 and len(scheduled) < max_reqs:
-            request = running[i]
+        async_scheduling = self.async_scheduling
+        # The usual row, a request decoding one token with room left in its last block, is planned inline below:
+        # the same result as the general path (_num_tokens_to_schedule, allocate_slots) without its calls. Only
+        # for the single full-attention block list; sliding windows and several KV-cache groups go the general way.
+        fast_kv = self.fast_paths and kv.num_groups == 1 and kv.sliding_window is None
+        req_blocks = kv.req_to_blocks
+        num_cached_blocks = kv.num_cached_blocks
+        caching = kv.enable_caching
+        bs = self.block_size
+        cached_requests = plan.cached_requests
+        num_scheduled = plan.num_scheduled_tokens
+        num_planned = len(scheduled)
+        # (A for loop over the list itself: preemption pops victims from its end, which the loop then never reaches.)
+        for request in running:
+            if budget <= 0 or num_planned >= max_reqs:
+                break
+            if fast_kv:
+                computed = request.num_computed_tokens
+                pending = request.num_output_placeholders
+                num_all = len(request.all_token_ids)
+                if pending and num_all + pending >= request.length_limit:
+                    continue  # the token in flight is its last one: do not compute past it (_reaches_limit)
+                if num_all + pending - computed == 1 and not request.spec_token_ids:
+                    rid = request.request_id
+                    blocks = req_blocks.get(rid)
+                    if blocks is not None and computed < len(blocks) * bs:  # its slot is in a block it holds
+                        if caching:
+                            num_known = computed + 1 if computed + 1 < num_all else num_all
+                            if num_known // bs > num_cached_blocks[rid]:  # a block became full
+                                kv._cache_full_blocks(request, num_known)
+                        cached_requests.append(CachedRequestData(
+                            rid, [], computed, kept_blocks.pop(rid, None) if kept_blocks else None))
+                        num_scheduled[rid] = 1
+                        computed += 1
+                        request.num_computed_tokens = computed
+                        if async_scheduling and computed >= num_all:
+                            request.num_output_placeholders = pending + 1
+                        scheduled.append(request)
+                        num_planned += 1
+                        budget -= 1
+                        continue
             num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
-                i += 1
                 continue
             drafts = (spec.drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
                       if request.spec_token_ids else ())
@@ -330,7 +384,7 @@ class Scheduler:
             group_ids = None
             if self._groups:
                 new_block_ids, *group_ids = new_block_ids
-            plan.cached_requests.append(
+            cached_requests.append(
                 CachedRequestData(
                     request_id=request.request_id,
                     new_block_ids=new_block_ids,
@@ -339,12 +393,15 @@ class Scheduler:
                     group_new_block_ids=group_ids,
                 )
             )
-            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            num_scheduled[request.request_id] = num_new_tokens
             if drafts:
                 plan.scheduled_spec_decode_tokens[request.request_id] = drafts
             scheduled.append(request)
+            num_planned += 1
             budget -= num_new_tokens
-            i += 1
+            request.num_computed_tokens += num_new_tokens
+            if async_scheduling and request.num_computed_tokens >= len(request.all_token_ids):
+                request.num_output_placeholders += 1  # this step samples a token the next schedule() must count
         return budget
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request]) -> None:
@@ -435,65 +492,114 @@ class Scheduler:
     def update_from_output(self, plan: BatchPlan, output: ModelOutput) -> list[EngineCoreOutput]:
         """Append the sampled tokens, apply stop rules, free finished requests, report per request."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        logprobs = output.logprobs or [None] * len(output.req_ids)
-        finished_any = False
-        prompt_logprobs = output.prompt_logprobs
-        spec_tokens = plan.scheduled_spec_decode_tokens
-        requests = self.requests
-        running_status = RequestStatus.RUNNING
-        for index, (request_id, sampled, token_logprobs) in enumerate(
-                zip(output.req_ids, output.sampled_token_ids, logprobs)):
-            request = requests.get(request_id)
-            if request is None:  # finished or aborted meanwhile
-                continue
-            plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
-            if not sampled:
-                if plp is not None:  # a prefill chunk's prompt scores
-                    outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], prompt_logprobs=plp,
-                                                    num_cached_tokens=request.num_cached_tokens or 0))
-                continue
-            if request.num_output_placeholders:
-                request.num_output_placeholders -= 1
-            # Skip: preempted, or still mid-prefill (a token sampled there is not a real next token).
-            if request.status != running_status or request.num_computed_tokens < len(request.all_token_ids):
-                continue
-            drafts = spec_tokens.get(request_id) if spec_tokens else None
-            if drafts:
-                self.spec.rollback_rejected(request, drafts, len(sampled) - 1, self.kv_cache_manager)
-            if len(sampled) == 1 and request.structured_output is None:  # one token, no grammar: the usual case
+        req_ids = output.req_ids
+        if not req_ids:
+            return outputs
+        logprobs = output.logprobs
+        finished: list[Request] = []
+        if (not self.fast_paths or output.prompt_logprobs or plan.scheduled_spec_decode_tokens
+                or output.spec_token_ids is not None or (logprobs and logprobs.count(None) != len(logprobs))):
+            for index, (request_id, sampled, token_logprobs) in enumerate(
+                    zip(req_ids, output.sampled_token_ids, logprobs or [None] * len(req_ids))):
+                self._update_request(request_id, index, sampled, token_logprobs, plan, output, outputs, finished)
+        else:
+            # The usual step (no logprobs, prompt logprobs or drafts): a request that sampled one token and has no
+            # grammar is applied inline, the same as _update_request does; any other goes through it. A token
+            # that may end the request (a stop id, or its length limit) takes _check_stop's full rules.
+            requests = self.requests
+            running_status = RequestStatus.RUNNING
+            for request_id, sampled in zip(req_ids, output.sampled_token_ids):
+                request = requests.get(request_id)
+                if request is None or not sampled:  # finished or aborted meanwhile / mid-prefill
+                    continue
+                if len(sampled) != 1 or request.structured_output is not None:
+                    # (the index only matters for drafts, which this step has none of)
+                    self._update_request(request_id, -1, sampled, None, plan, output, outputs, finished)
+                    continue
+                if request.num_output_placeholders:
+                    request.num_output_placeholders -= 1
+                all_ids = request.all_token_ids
+                # Skip: preempted, or still mid-prefill (a token sampled there is not a real next token).
+                if request.status != running_status or request.num_computed_tokens < len(all_ids):
+                    continue
                 token_id = sampled[0]
                 request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
-                status = self._check_stop(request, token_id)
-                if status is not None:
-                    request.status = status
-                new_token_ids = [token_id]
+                all_ids.append(token_id)
+                finish_reason = None
+                if token_id in request.stop_ids or len(all_ids) >= request.length_limit:
+                    status = self._check_stop(request, token_id)
+                    if status is not None:
+                        request.status = status
+                        finish_reason = _FINISH_REASONS[status]
+                        self._finish(request, status)
+                        finished.append(request)
+                if request.first_token_time is None:
+                    request.first_token_time = time.monotonic()
+                outputs.append(EngineCoreOutput(request_id, sampled, finish_reason=finish_reason,
+                                                stop_reason=request.stop_reason,
+                                                num_cached_tokens=request.num_cached_tokens or 0))
+        if finished:  # (freed as they finished, in batch order: the free queue's order is the same as ever)
+            running = self.running
+            if len(finished) * 8 < len(running):  # a few: list.remove is a C scan
+                for request in finished:
+                    running.remove(request)
             else:
-                new_token_ids = self._append_tokens(request, sampled)
-            finished = request.status.finished
-            if output.spec_token_ids is not None and not finished:
-                request.spec_token_ids = output.spec_token_ids[index]
-            if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
-            if finished:
-                self._finish(request, request.status)
-                finished_any = True
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=None if token_logprobs is None else token_logprobs[:len(new_token_ids)],
-                    finish_reason=_FINISH_REASONS.get(request.status),
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens or 0,
-                    prompt_logprobs=plp,
-                )
-            )
-        if finished_any:
-            self.running = [r for r in self.running if not r.is_finished]
-        if output.req_ids:
-            self.spec.note_proposals(output.spec_token_ids)
+                self.running = [r for r in running if not r.is_finished]
+        self.spec.note_proposals(output.spec_token_ids)
         return outputs
+
+    def _update_request(self, request_id: str, index: int, sampled: list[int], token_logprobs, plan: BatchPlan,
+                        output: ModelOutput, outputs: list[EngineCoreOutput], finished: list[Request]) -> None:
+        """Apply one request's row of a step (any case); a request it finishes is freed and listed in `finished`
+        (the caller takes those out of the running list)."""
+        request = self.requests.get(request_id)
+        if request is None:  # finished or aborted meanwhile
+            return
+        prompt_logprobs = output.prompt_logprobs
+        plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
+        if not sampled:
+            if plp is not None:  # a prefill chunk's prompt scores
+                outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], prompt_logprobs=plp,
+                                                num_cached_tokens=request.num_cached_tokens or 0))
+            return
+        if request.num_output_placeholders:
+            request.num_output_placeholders -= 1
+        # Skip: preempted, or still mid-prefill (a token sampled there is not a real next token).
+        if request.status != RequestStatus.RUNNING or request.num_computed_tokens < len(request.all_token_ids):
+            return
+        spec_tokens = plan.scheduled_spec_decode_tokens
+        drafts = spec_tokens.get(request_id) if spec_tokens else None
+        if drafts:
+            self.spec.rollback_rejected(request, drafts, len(sampled) - 1, self.kv_cache_manager)
+        if len(sampled) == 1 and request.structured_output is None:  # one token, no grammar
+            token_id = sampled[0]
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                request.status = status
+            new_token_ids = [token_id]
+        else:
+            new_token_ids = self._append_tokens(request, sampled)
+        is_finished = request.status.finished
+        if output.spec_token_ids is not None and not is_finished:
+            request.spec_token_ids = output.spec_token_ids[index]
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        if is_finished:
+            self._finish(request, request.status)
+            finished.append(request)
+        outputs.append(
+            EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=new_token_ids,
+                new_logprobs=None if token_logprobs is None else token_logprobs[:len(new_token_ids)],
+                finish_reason=_FINISH_REASONS.get(request.status),
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens or 0,
+                prompt_logprobs=plp,
+            )
+        )
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
         """Append tokens one at a time, stopping at the first that ends the request."""

@@ -78,7 +78,8 @@ class _RequestState:
     # What the user has already received (delta mode).
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
-    # final_only, no text, no logprobs, no siblings: until it finishes a step only appends its token ids.
+    # final_only, no stop strings, no logprobs: until it finishes a step only appends its token ids (the text, if
+    # any, is decoded when it finishes: the same incremental steps, in one pass).
     tokens_only: bool = False
     # delta, no stop strings, no logprobs, no siblings (a plain stream): a step's output is its new ids and the
     # text they complete; nothing accumulates (_plain_output).
@@ -148,8 +149,8 @@ class OutputProcessor:
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
             stop_buffer_len=stop_buffer_len, logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
-            tokens_only=(output_kind == "final_only" and detokenizer is None and parent is None
-                         and not wants_logprobs and params.prompt_logprobs is None),
+            tokens_only=(output_kind == "final_only" and not params.stop and not wants_logprobs
+                         and params.prompt_logprobs is None),
             plain=(output_kind == "delta" and parent is None and not wants_logprobs and not params.stop
                    and params.prompt_logprobs is None),
         )
@@ -211,17 +212,20 @@ class OutputProcessor:
                 if result is not None:
                     results.append(result)
                 continue
-            if state.tokens_only and out.finish_reason is None:  # nothing to report yet (offline, no tokenizer)
-                new_ids = out.new_token_ids
-                if new_ids:
-                    metrics = state.metrics
-                    if metrics.first_token_time is None:
-                        metrics.first_token_time = now
-                    metrics.last_token_time = now
-                    state.token_ids.extend(new_ids)
-                if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
-                    state.num_cached_tokens = out.num_cached_tokens
-                continue
+            if state.tokens_only:
+                if out.finish_reason is None:  # nothing to report yet (offline)
+                    new_ids = out.new_token_ids
+                    if new_ids:
+                        metrics = state.metrics
+                        if metrics.first_token_time is None:
+                            metrics.first_token_time = now
+                        metrics.last_token_time = now
+                        state.token_ids.extend(new_ids)
+                    if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
+                        state.num_cached_tokens = out.num_cached_tokens
+                    continue
+                if state.detokenizer is not None and state.token_ids:  # the text of the tokens kept so far
+                    state.text = state.detokenizer.update(state.token_ids)
             stopped_by_string = self._update(state, out, now)
             if stopped_by_string and not out.finished:
                 to_abort.append(out.request_id)

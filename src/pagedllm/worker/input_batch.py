@@ -50,6 +50,9 @@ class StepInputs:
     spec_token_ids: Optional[dict[str, list[int]]] = None
     propose_drafts: bool = False
     rows: Optional[np.ndarray] = None  # each request's row in the InputBatch's arrays
+    # InputBatch.num_dropped when the step was prepared: unchanged when its result comes, every row still holds
+    # the request it held (no row was freed or reused since).
+    dropped_epoch: int = 0
     # Several KV-cache groups (core/kv_cache_groups.py): groups 1..'s slot mappings and block tables (the fields
     # above are group 0's). None with one group.
     group_slot_mappings: Optional[list[np.ndarray]] = None
@@ -71,6 +74,7 @@ class InputBatch:
         self.sampling = SamplingBatch(max_num_reqs, vocab_size)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
+        self.num_dropped = 0  # requests whose state left the batch so far (finished, preempted, restarted)
 
     # ------------------------------------------------------------------ diffs
     def update(self, plan: BatchPlan) -> None:
@@ -78,15 +82,22 @@ class InputBatch:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.free_rows.append(state.row)
+                self.num_dropped += 1
         for new in plan.new_requests:
             self._add(new)
-        requests, num_computed = self.requests, self.num_computed
+        requests = self.requests
+        rows, computed = [], []  # written into num_computed at once (a numpy write per row costs more)
         for cached in plan.cached_requests:
             state = requests[cached.request_id]
-            state.num_computed_tokens = num_computed[state.row] = cached.num_computed_tokens
+            state.num_computed_tokens = n = cached.num_computed_tokens
+            rows.append(state.row)
+            computed.append(n)
             if cached.num_kept_blocks is not None:  # speculative rollback freed its tail blocks
                 self.num_blocks[state.row] = min(self.num_blocks[state.row], cached.num_kept_blocks)
-            self._append_blocks(state.row, cached.new_block_ids, cached.group_new_block_ids)
+            if cached.new_block_ids:
+                self._append_blocks(state.row, cached.new_block_ids, cached.group_new_block_ids)
+        if rows:
+            self.num_computed[rows] = computed
         for req_id, drafts in plan.scheduled_spec_decode_tokens.items():
             # Draft inputs sit past the last token; the tokens appended after verification overwrite them.
             state = self.requests[req_id]
@@ -95,6 +106,7 @@ class InputBatch:
     def _add(self, new: NewRequestData) -> None:
         if new.request_id in self.requests:  # resumed without a finish notice: start over
             self.free_rows.append(self.requests.pop(new.request_id).row)
+            self.num_dropped += 1
         row = self.free_rows.pop()
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
@@ -132,11 +144,14 @@ class InputBatch:
         self.num_tokens[row] = n + len(tokens)
         state.output_token_ids.extend(tokens)
 
-    def append_sampled(self, states: list[CachedRequestState], tokens: list[int]) -> None:
-        """append_token for many rows: one numpy write for the token ids, a list append per row."""
+    def append_sampled(self, states: list[CachedRequestState], tokens: list[int],
+                       rows: Optional[np.ndarray] = None) -> None:
+        """append_token for many rows: one numpy write for the token ids, a list append per row. rows: the states'
+        rows, when the caller has them."""
         if not states:
             return
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        if rows is None:
+            rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         self.token_ids[rows, self.num_tokens[rows]] = tokens
         self.num_tokens[rows] += 1
         for state, token in zip(states, tokens):
@@ -179,4 +194,4 @@ class InputBatch:
             block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(seq_lens >= totals)[0],
             in_flight_rows=np.nonzero(seq_lens > totals)[0], max_query_len=int(num_sched.max()),
             spec_token_ids=spec or None, propose_drafts=plan.propose_drafts, rows=rows,
-            group_slot_mappings=group_slots, group_block_tables=group_tables)
+            group_slot_mappings=group_slots, group_block_tables=group_tables, dropped_epoch=self.num_dropped)

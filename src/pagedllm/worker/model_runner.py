@@ -407,11 +407,15 @@ class ModelRunner:
             sampled_states = [states[r] for r in sample_rows]
         output = ModelOutput(req_ids=inp.req_ids, sampled_token_ids=sampled_ids, logprobs=[None] * num_reqs)
         # Not dropped (finished / preempted) since the launch: their rows take the token.
-        live = [(s, t) for s, t in zip(sampled_states, sampled) if requests.get(s.req_id) is s]
-        if len(live) == len(sampled_states):
-            batch.append_sampled(sampled_states, sampled)
-        elif live:
-            batch.append_sampled(*map(list, zip(*live)))
+        if batch.num_dropped == inp.dropped_epoch:  # none was (the usual step): every row is live
+            batch.append_sampled(sampled_states, sampled,
+                                 inp.rows if len(sample_rows) == num_reqs else inp.rows[inp.sample_rows])
+        else:
+            live = [(s, t) for s, t in zip(sampled_states, sampled) if requests.get(s.req_id) is s]
+            if len(live) == len(sampled_states):
+                batch.append_sampled(sampled_states, sampled)
+            elif live:
+                batch.append_sampled(*map(list, zip(*live)))
         if lp is not None:
             lp_ids, lp_vals, lp_ranks = (t.tolist() for t in lp)
             for j, row in enumerate(sample_rows):
