@@ -2,7 +2,9 @@
 # Issue 26's served workload on the lent H200 beside real vLLM (benchmarks/serve_vs_vllm.py), in device calls:
 #
 #   1. here: ../shared/device/vllm-peer.sh (-> .vpeer1..8), and .carry_srv/ = SmolLM2's tokenizer files
-#      (benchmarks/api_tier_cost.py's tiny_smollm2_dir writes them);
+#      (benchmarks/api_tier_cost.py's tiny_smollm2_dir writes them); `vllm serve` (0.24) also imports three
+#      packages vllm-peer.sh does not fetch: `pip download --no-deps --only-binary=:all: --python-version 3.12
+#      --platform any -d .carry_v model-hosting-container-standards jmespath supervisor` (carry .carry_v with .whl);
 #   2. on the device, one call per piece, back to back: mkdir -p /tmp/vc && cp .vpeerN/* /tmp/vc/
 #   3. on the device: bash benchmarks/gpu_serve_peer.sh pagedllm   (carry .whl and .carry_srv; installs vLLM too)
 #      then at once:  bash benchmarks/gpu_serve_peer.sh vllm
@@ -22,6 +24,9 @@ if ls /tmp/vc/part_* >/dev/null 2>&1 && [ ! -d /tmp/vsite/vllm ]; then
     cat /tmp/vc/part_* > /tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite \
         /tmp/vllm-0.24.0-*.whl /tmp/vc/*.whl || echo "vLLM install failed"
+fi
+if [ -d /tmp/vsite/vllm ] && [ -d .carry_v ] && [ ! -d /tmp/vsite/model_hosting_container_standards ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite .carry_v/*.whl
 fi
 work=/tmp/serve-$what
 rm -rf $work
