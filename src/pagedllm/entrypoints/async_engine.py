@@ -173,7 +173,7 @@ class AsyncEngine:
         self.procs: list[multiprocessing.process.BaseProcess] = []
         # A plain (synchronous) socket: the output handler reads it in a reader callback of its descriptor
         # (_start_output_reader); an asyncio socket's own watcher would compete for the descriptor's edges.
-        self.out_sock = zmq.Socket(self.ctx, zmq.PULL)
+        self.out_sock = self.ctx.socket(zmq.PULL, socket_class=zmq.Socket)  # the context tracks it (destroy)
         self.out_sock.setsockopt(zmq.LINGER, 0)
         self.out_sock.bind(self.output_addr)
         self.enc = m.Encoder()
