@@ -163,28 +163,8 @@ class IncrementalDetokenizer:
                 text = self._after_failed_step(token_id, e)
             self.token_ids.append(token_id)
         else:
-            text = self._update_many(new_token_ids)
+            text = "".join([self._step(token_id) for token_id in new_token_ids])
         return self._pieces_add(text)
-
-    def _update_many(self, token_ids: Sequence[int]) -> str:
-        """Several tokens (a finished request's whole output, decoded at the end): the same steps, one loop."""
-        step = self._step_or_none
-        texts: list[str] = []
-        done = 0
-        try:
-            for token_id in token_ids:
-                texts.append(step(token_id) or "")
-                done += 1
-        except Exception as e:
-            self.token_ids.extend(token_ids[:done])
-            texts.append(self._after_failed_step(token_ids[done], e))
-            self.token_ids.append(token_ids[done])
-            rest = token_ids[done + 1:]
-            if rest:
-                texts.append(self._update_many(rest))
-            return "".join(texts)
-        self.token_ids.extend(token_ids)
-        return "".join(texts)
 
     def _pieces_add(self, text: str) -> str:
         if text:
