@@ -152,58 +152,24 @@ RequestResult = bench_client.RequestResult  # one record of a request, whichever
 
 async def _one_request(client: Any, url: str, payload: dict, headers: dict, prompt_len: int,
                        chat: bool) -> RequestResult:
+    """One streaming request through an httpx client; its SSE events recorded as the raw client records them."""
     res = RequestResult(prompt_len=prompt_len)
-    start = res.start_time = time.perf_counter()
-    last = start
-    usage_tokens = None
-    num_chunks = 0
-    counted = 0  # completion tokens already credited to a chunk
-    per_chunk_usage = True  # every content chunk so far carried its usage
+    res.start_time = time.perf_counter()
+    recorder = bench_client.StreamRecorder(res, chat, json.loads)
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                 return res
             async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error = str(obj["error"].get("message"))
-                    return res
-                usage = obj.get("usage")
-                if usage:
-                    usage_tokens = usage.get("completion_tokens")
-                choices = obj.get("choices") or []
-                if not choices:
-                    continue
-                piece = choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")
-                if not piece:
-                    continue
-                now = time.perf_counter()
-                res.chunk_times.append(now)
-                if usage and usage_tokens is not None and per_chunk_usage:
-                    res.chunk_tokens.append(usage_tokens - counted)
-                    counted = usage_tokens
-                else:
-                    per_chunk_usage = False
-                if num_chunks == 0:
-                    res.ttft = now - start
-                else:
-                    res.itl.append(now - last)
-                last = now
-                num_chunks += 1
+                if line.startswith("data:"):
+                    recorder.on_data(line[5:].strip().encode(), time.perf_counter())
+                    if recorder.done:
+                        break
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         res.error = f"{type(e).__name__}: {e}"
         return res
-    res.latency = time.perf_counter() - start
-    res.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
-    if not per_chunk_usage:
-        res.chunk_tokens = []
-    res.success = True
+    recorder.finish(time.perf_counter())
     return res
 
 
