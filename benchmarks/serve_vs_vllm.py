@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _server import PAGEDLLM, QUIET  # noqa: E402
+from _server import PAGEDLLM, QUIET, bench_serve_cmd  # noqa: E402
 
 MEAN_LEN = 88
 RANGE_RATIO = 0.818
@@ -47,10 +47,8 @@ def parse_workload(text: str) -> tuple[int, int]:
 
 
 def bench_cmd(url: str, n: int, c: int, seed: int, result: str) -> list[str]:
-    return [*PAGEDLLM, "bench", "serve", "--base-url", url, "--num-prompts", str(n), "--max-concurrency", str(c),
-            "--random-input-len", str(MEAN_LEN), "--random-output-len", str(MEAN_LEN), "--random-range-ratio",
-            str(RANGE_RATIO), "--ignore-eos", "--seed", str(seed), "--disable-tqdm", "--save-result",
-            "--result-filename", result]
+    return bench_serve_cmd(url, n, c, MEAN_LEN, MEAN_LEN, seed, result,
+                           extra=["--random-range-ratio", str(RANGE_RATIO)])
 
 
 def tree_cpu(pid: int) -> dict[int, tuple[str, float]]:
