@@ -91,9 +91,7 @@ class Layers:
                     scales = torch.rand(k // 128, n, device=device, dtype=torch.bfloat16) * 0.01
                     zeros = torch.full((k // 128, n), 2 ** (bits - 1), device=device, dtype=torch.bfloat16)
                     if kind != "int4-old":
-                        qweight, _ = to_tiled(qweight, bits, 128, zeros, None)  # column-major storage
-                        if kind.endswith("-rm"):
-                            qweight = qweight.contiguous()  # the row-major storage of earlier runs
+                        qweight, _ = to_tiled(qweight, bits, 128, zeros, None)
                     copies.append((qweight, scales, zeros, bits))
             self.copies[kind] = copies
 
@@ -114,14 +112,8 @@ class Layers:
         if kind in ("int4", "int8"):
             from pagedllm import envs
             gemv = x.shape[0] <= min(8, envs.PAGEDLLM_QUANT_GEMV_MAX_ROWS)
-            return (quant_gemv if gemv else quant_gemm)(x, qweight, scales, zeros, bits, 128, None, None,
-                                                        self.counters, config)
-        if kind == "int4-cols":
-            config = {"kernel": "cols", **(config or {})}
-        elif kind.startswith("int4-gemv"):
-            from pagedllm.kernels.qgemv import CONFIG
-            config = {"kernel": "split", **(config or CONFIG)}
-        kernel = quant_gemm if kind.startswith("int4-gemm") else quant_gemv
+            kind = "int4-gemv" if gemv else "int4-gemm"
+        kernel = quant_gemv if kind == "int4-gemv" else quant_gemm
         return kernel(x, qweight, scales, zeros, bits, 128, None, None, self.counters, config)
 
 
@@ -138,7 +130,7 @@ def compare(args) -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             times = {}
             for kind in kinds:
-                if kind.startswith("int4-gemv") and rows > 8 or kind == "int4-cols" and rows > 4:
+                if kind == "int4-gemv" and rows > 8:
                     continue
                 times[kind] = time_us(lambda i: layers.call(kind, x, i), len(layers.copies[kind]))
                 totals[(rows, kind)] += times[kind]
@@ -152,7 +144,7 @@ def compare(args) -> None:
                 cells.append(f"{times[kind]:8.1f} {layers.bytes[kind] / times[kind] / 1e3:6.0f} {ratio:>6}")
             print(f"{name:8} {rows:5d} " + " ".join(cells), flush=True)
     for rows in args.rows:
-        have = [k for k in kinds if not (k.startswith("int4-gemv") and rows > 8 or k == "int4-cols" and rows > 4)]
+        have = [k for k in kinds if not (k == "int4-gemv" and rows > 8)]
         line = " ".join(f"{k}={totals[(rows, k)]:.1f}us" for k in have)
         speed = ""
         if "bf16" in have:
@@ -168,10 +160,6 @@ def sweep(args) -> None:
         grid = lambda rows: [dict(block_n=bn, num_warps=w, rows=r, programs_per_sm=p, max_split=16)  # noqa: E731
                              for (bn, w), r, p in itertools.product([(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)],
                                                                     [4, 8], [2, 4, 8])]
-    elif args.sweep == "cols":
-        kind = "int4-cols"
-        grid = lambda rows: [dict(words=wd, num_warps=w)  # noqa: E731
-                             for wd, w in itertools.product([1024, 2048, 4096, 8192, 16384], [4, 8])]
     else:
         kind = "int4-gemm"
         grid = lambda rows: [dict(block_m=bm, block_n=bn, num_warps=w, programs_per_sm=p, max_split=16)  # noqa: E731
@@ -198,10 +186,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(SHAPES), default="8b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--kinds", nargs="+", default=["bf16", "int4", "int4-cols", "int4-gemv", "int4-gemv-rm", "int4-gemm",
-                                                  "int4-gemm-rm", "int4-old", "int8", "fp8"])
+    p.add_argument("--kinds", nargs="+", default=["bf16", "int4", "int4-gemv", "int4-gemm", "int4-old", "int8",
+                                                  "fp8"])
     p.add_argument("--layers", nargs="+", help="only these layers (qkv o gate_up down)")
-    p.add_argument("--sweep", choices=["gemv", "cols", "gemm"], help="time launch configs of one tiled kernel instead")
+    p.add_argument("--sweep", choices=["gemv", "gemm"], help="time launch configs of one tiled kernel instead")
     args = p.parse_args()
     if args.sweep:
         sweep(args)

@@ -26,7 +26,7 @@ from pagedllm.kernels.qgemv import MAGIC, num_sms, split_for, split_k_store
 @triton.jit(do_not_specialize=["M", "NUM_TILES"])
 def _qgemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, stride_xm, stride_om, stride_wk, stride_wn, NUM_TILES,
+    M, N, stride_xm, stride_om, NUM_TILES,
     BITS: tl.constexpr, GROUP: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
@@ -46,7 +46,7 @@ def _qgemm_kernel(
     shifts = (planes * BITS)[:, None, None]
     kk = tl.arange(0, TILE_K)
     first = pid_k * TILES_PER_SPLIT
-    w_ptrs = qw_ptr + (first * 16 + r)[:, None].to(tl.int64) * stride_wk + cols[None, :].to(tl.int64) * stride_wn
+    w_ptrs = qw_ptr + (first * 16 + r)[:, None].to(tl.int64) * N + cols[None, :]
     w = tl.load(w_ptrs, mask=n_ok[None, :] & (first < NUM_TILES), other=0, eviction_policy="evict_first")
     wait_prior_kernel(USE_PDL)
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
@@ -54,7 +54,7 @@ def _qgemm_kernel(
     for t in range(TILES_PER_SPLIT):
         tile = first + t
         t_ok = tile < NUM_TILES
-        w_next = tl.load(w_ptrs + (t + 1) * 16 * stride_wk, mask=n_ok[None, :] & (tile + 1 < NUM_TILES) &
+        w_next = tl.load(w_ptrs + (t + 1) * 16 * N, mask=n_ok[None, :] & (tile + 1 < NUM_TILES) &
                          (t + 1 < TILES_PER_SPLIT), other=0, eviction_policy="evict_first")
         k0 = tile * TILE_K
         g_off = ((k0 + 16 * planes) // GROUP).to(tl.int64)[:, None] * N + cols[None, :]  # [PACK, BLOCK_N]
@@ -107,7 +107,7 @@ def quant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _qgemm_kernel[(m_blocks, n_blocks, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
-        out, part, counters, m, n, x.stride(0), out.stride(0), qweight.stride(0), qweight.stride(1), num_tiles,
+        out, part, counters, m, n, x.stride(0), out.stride(0), num_tiles,
         BITS=bits, GROUP=group_size, TILES_PER_SPLIT=triton.cdiv(num_tiles, split),
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],

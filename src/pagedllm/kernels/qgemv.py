@@ -86,7 +86,7 @@ def split_k_store(acc, rows, cols, m_ok, n_ok, part_ptr, cnt_ptr, bias_ptr, out_
 @triton.jit(do_not_specialize=["M", "NUM_CHUNKS"])
 def _qgemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, stride_xm, stride_om, stride_wk, stride_wn, NUM_CHUNKS,
+    M, N, stride_xm, stride_om, NUM_CHUNKS,
     BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, USE_PDL: tl.constexpr,
@@ -100,7 +100,7 @@ def _qgemv_kernel(
     n_ok = cols < N
     r = tl.arange(0, ROWS)
     first = pid_k * CHUNKS_PER_SPLIT  # a chunk: ROWS word rows of one tile (ROWS divides 16)
-    w_ptrs = qw_ptr + (first * ROWS + r)[:, None].to(tl.int64) * stride_wk + cols[None, :].to(tl.int64) * stride_wn
+    w_ptrs = qw_ptr + (first * ROWS + r)[:, None].to(tl.int64) * N + cols[None, :]
     # Weights first (see the module docstring); a split's chunks past the end load nothing.
     w = tl.load(w_ptrs, mask=n_ok[None, :] & (first < NUM_CHUNKS), other=0, eviction_policy="evict_first")
     wait_prior_kernel(USE_PDL)
@@ -115,7 +115,7 @@ def _qgemv_kernel(
     for t in range(CHUNKS_PER_SPLIT):
         chunk = first + t
         c_ok = chunk < NUM_CHUNKS
-        w_next = tl.load(w_ptrs + (t + 1) * ROWS * stride_wk, mask=n_ok[None, :] & (chunk + 1 < NUM_CHUNKS) &
+        w_next = tl.load(w_ptrs + (t + 1) * ROWS * N, mask=n_ok[None, :] & (chunk + 1 < NUM_CHUNKS) &
                          (t + 1 < CHUNKS_PER_SPLIT), other=0, eviction_policy="evict_first")
         k0 = (chunk * ROWS // 16) * TILE_K  # first channel of the chunk's tile
         k_in = (chunk * ROWS) % 16  # the chunk's first row in its tile
@@ -174,88 +174,6 @@ def _qgemv_kernel(
                   pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
-# Row and column counts are not specialized on: one compiled variant per layer shape and row block.
-@triton.jit(do_not_specialize=["M", "N"])
-def _qgemv_cols_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
-    M, N, stride_xm, stride_om, stride_wn, stride_sg,
-    NUM_TILES: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, BLOCK_M: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_ASM: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """Whole columns per program (the column-major storage of the tiled layout: each column's words contiguous):
-    one load of [BLOCK_N, TILES, 16] words before the PDL wait, every value plane multiplied by its activations
-    pre-scaled by 2**-s (so the unpacked q * 2**s times them is q * x exactly), zero points applied once per tile
-    through the tile's activation sum, scales once per tile. GROUP is a multiple of a tile."""
-    PACK: tl.constexpr = 32 // BITS
-    TILE_K: tl.constexpr = 16 * PACK
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
-    t = tl.arange(0, TILES)
-    t_ok = t < NUM_TILES
-    r = tl.arange(0, 16)
-    word = t[:, None] * 16 + r[None, :]  # [TILES, 16]
-    w_ptrs = qw_ptr + cols[:, None, None].to(tl.int64) * stride_wn + word[None, :, :]
-    w = tl.load(w_ptrs, mask=n_ok[:, None, None] & t_ok[None, :, None], other=0, eviction_policy="evict_first")
-    sz_off = ((t * TILE_K) // GROUP)[None, :] * stride_sg + cols[:, None]  # [BLOCK_N, TILES]
-    sz_ok = n_ok[:, None] & t_ok[None, :]
-    s = tl.load(s_ptr + sz_off, mask=sz_ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + sz_off, mask=sz_ok, other=0.0).to(tl.float32)
-    wait_prior_kernel(USE_PDL)
-    k_base = t[:, None] * TILE_K + r[None, :]  # channel of plane 0 of each word
-    x_ok = t_ok[:, None] & (r[None, :] < 16)  # full shape
-    acc0 = tl.zeros([BLOCK_N, TILES, 16], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, TILES, 16], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, TILES, 16], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, TILES, 16], dtype=tl.float32)
-    xs0 = tl.zeros([TILES, 16], dtype=tl.float32)
-    xs1 = tl.zeros([TILES, 16], dtype=tl.float32)
-    xs2 = tl.zeros([TILES, 16], dtype=tl.float32)
-    xs3 = tl.zeros([TILES, 16], dtype=tl.float32)
-    src = w
-    for j in tl.static_range(PACK):
-        if j == 16 // BITS:
-            src = w >> 16
-        f = plane_bits(src, j, BITS, USE_ASM) - 8388608.0  # q * 2**s, exact
-        k_idx = k_base + 16 * j
-        if HAS_PERM:
-            k_idx = tl.load(perm_ptr + k_idx, mask=x_ok, other=0)
-        for m in tl.static_range(BLOCK_M):
-            # rows past M read the last row (their results are not stored)
-            xv = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k_idx, mask=x_ok, other=0.0).to(tl.float32)
-            if m == 0:
-                xs0 += xv
-                acc0 += f * (xv * (1.0 / (1 << (BITS * (j % (16 // BITS))))))[None, :, :]
-            elif m == 1:
-                xs1 += xv
-                acc1 += f * (xv * (1.0 / (1 << (BITS * (j % (16 // BITS))))))[None, :, :]
-            elif m == 2:
-                xs2 += xv
-                acc2 += f * (xv * (1.0 / (1 << (BITS * (j % (16 // BITS))))))[None, :, :]
-            else:
-                xs3 += xv
-                acc3 += f * (xv * (1.0 / (1 << (BITS * (j % (16 // BITS))))))[None, :, :]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
-    out_ty = out_ptr.dtype.element_ty
-    for m in tl.static_range(BLOCK_M):
-        if m == 0:
-            acc, xs = acc0, xs0
-        elif m == 1:
-            acc, xs = acc1, xs1
-        elif m == 2:
-            acc, xs = acc2, xs2
-        else:
-            acc, xs = acc3, xs3
-        # per column and tile: scale * (sum q * x - zero * sum x)
-        part = (tl.sum(acc, axis=2) - z * tl.sum(xs, axis=1)[None, :]) * s
-        y = tl.sum(part, axis=1)
-        if HAS_BIAS:
-            y += bias
-        tl.store(out_ptr + m * stride_om + cols, y.to(out_ty), mask=n_ok & (cols * 0 + m < M))
-
-
 def use_asm(device: torch.device) -> bool:
     """Inline PTX only on a real CUDA device (Triton's interpreter cannot run it)."""
     return device.type == "cuda" and not envs.TRITON_INTERPRET
@@ -289,14 +207,9 @@ def counters_for(n: int, device: torch.device) -> torch.Tensor:
 def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                group_size: int, perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                counters: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
-    """x [M, K] (M <= QGEMV_MAX_ROWS, contiguous rows) @ dequant(W)^T (+ bias) -> [M, N] in x's dtype: the
-    whole-column kernel where it applies (`cols_layout_applies`, M <= COLS_MAX_ROWS), else the split-K one.
-    config["kernel"] ("cols" / "split") picks one with that kernel's launch parameters."""
-    m, k = x.shape
-    kind = (config or {}).get("kernel")
-    if kind == "cols" or (kind is None and m <= COLS_MAX_ROWS and cols_layout_applies(qweight, bits, group_size)):
-        return quant_gemv_cols(x, qweight, scales, zeros, bits, group_size, perm, bias, config)
+    """x [M, K] (M <= QGEMV_MAX_ROWS, contiguous rows) @ dequant(W)^T (+ bias) -> [M, N] in x's dtype."""
     cfg = config or CONFIG
+    m, k = x.shape
     n = qweight.shape[1]
     assert m <= QGEMV_MAX_ROWS and x.stride(1) == 1 and qweight.shape[0] * (32 // bits) == k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -312,46 +225,11 @@ def quant_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _qgemv_kernel[(n_blocks, split)](
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
-        out, part, counters, m, n, x.stride(0), out.stride(0), qweight.stride(0), qweight.stride(1), num_chunks,
+        out, part, counters, m, n, x.stride(0), out.stride(0), num_chunks,
         BITS=bits, GROUP=group_size, ROWS=rows, CHUNKS_PER_SPLIT=triton.cdiv(num_chunks, split),
         SPLIT_K=split, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None, USE_ASM=use_asm(x.device), num_warps=cfg["num_warps"],
         **pdl_launch_args(x.device))
-    return out
-
-
-# Launch parameters of the whole-column kernel: words (int32) loaded per program and warps per program.
-COLS_CONFIG = {"words": 4096, "num_warps": 4}
-COLS_MAX_ROWS = 4
-
-
-def cols_layout_applies(qweight: torch.Tensor, bits: int, group_size: int) -> bool:
-    """Whether `quant_gemv_cols` reads this tiled weight: column-major storage and groups of whole tiles."""
-    return qweight.stride(0) == 1 and group_size % (16 * (32 // bits)) == 0
-
-
-def quant_gemv_cols(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                    group_size: int, perm: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                    config: Optional[dict] = None) -> torch.Tensor:
-    """x [M, K] (M <= COLS_MAX_ROWS) @ dequant(W)^T (+ bias) -> [M, N]; W tiled, stored column-major
-    (`cols_layout_applies`)."""
-    cfg = {**COLS_CONFIG, **(config or {})}
-    m, k = x.shape
-    kw, n = qweight.shape
-    assert m <= COLS_MAX_ROWS and x.stride(1) == 1 and kw * (32 // bits) == k
-    assert cols_layout_applies(qweight, bits, group_size) and scales.stride(1) == 1 and zeros.stride() == scales.stride()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    num_tiles = kw // 16
-    tiles = triton.next_power_of_2(num_tiles)
-    block_n = cfg.get("block_n") or max(1, min(triton.next_power_of_2(n), cfg["words"] // (tiles * 16)))
-    _qgemv_cols_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else scales,
-        out, m, n, x.stride(0), out.stride(0), qweight.stride(1), scales.stride(0),
-        NUM_TILES=num_tiles, BITS=bits, GROUP=group_size, BLOCK_N=block_n, TILES=tiles,
-        BLOCK_M=triton.next_power_of_2(m), HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        USE_ASM=use_asm(x.device), num_warps=cfg["num_warps"], **pdl_launch_args(x.device))
     return out
 
 

@@ -72,9 +72,7 @@ def to_tiled(qweight: torch.Tensor, bits: int, group_size: int, zeros: torch.Ten
     tiles = k // tile_k(bits)
     # channel t*16*pack + i*16 + r -> word row t*16 + r, value i
     q = q.view(tiles, pack, TILE_WORDS, n).transpose(1, 2).reshape(kp, pack, n)
-    # Stored column-major (each output column's words contiguous, `.t()` of a contiguous [N, K / pack]): the few-row
-    # kernel streams whole columns; the others read it through strides.
-    return pack_kn(q, bits).t().contiguous().t(), perm
+    return pack_kn(q, bits).contiguous(), perm
 
 
 def use_tiled_layout(layer: nn.Module) -> bool:
