@@ -1,0 +1,99 @@
+"""The tensor-core int4 GEMV (kernels/qgemv_mma.py) on the GPU: correctness against the fp32 reference, then its
+time per 8B layer at 1..8 rows beside bf16 and the tiled int4 path (benchmarks/quant.py's timing: CUDA-graph
+replays over enough weight copies that nothing is served from L2), and a launch-config sweep.
+
+    PYTHONUNBUFFERED=1 python benchmarks/qgemv_mma.py [--rows 1 2 4 8] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from quant import ROTATE_BYTES, SHAPES, Layers, time_us  # noqa: E402
+
+from pagedllm.kernels.qgemv_mma import dequantize_mma, quant_gemv_mma, to_mma_layout  # noqa: E402
+
+
+def weights(k, n, group, dtype, perm=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
+    g = k // group
+    scales = (torch.rand(g, n, device="cuda", generator=gen) * 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (g, n), device="cuda", generator=gen).to(dtype)
+    p = torch.randperm(k, device="cuda", generator=gen).to(torch.int32) if perm else None
+    return to_mma_layout(q), scales, zeros, p
+
+
+def check() -> bool:
+    ok = True
+    cases = [(k, n, m, 128, torch.bfloat16, False, False) for k, n in SHAPES["8b"].values() for m in (1, 3, 8)]
+    cases += [(k, n, 2, 128, torch.bfloat16, False, False) for k, n in SHAPES["0.6b"].values()]
+    cases += [(4096, 4096, 5, 128, torch.float16, False, True), (4096, 1024, 1, 128, torch.bfloat16, True, False),
+              (4096, 1024, 4, 128, torch.float16, True, True), (1024, 512, 2, 1024, torch.bfloat16, False, False),
+              (4096, 512, 7, 64, torch.bfloat16, False, True), (14336, 256, 8, 256, torch.bfloat16, True, False)]
+    for k, n, m, group, dtype, perm, bias in cases:
+        words, scales, zeros, p = weights(k, n, group, dtype, perm)
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        b = torch.randn(n, device="cuda").to(dtype) if bias else None
+        dense = dequantize_mma(words, scales, zeros, group, p)
+        ref = x.float() @ dense.t() + (b.float() if bias else 0)
+        for cfg in ({"warps": 4, "unit": 1}, {"warps": 8, "unit": 2}):
+            out = quant_gemv_mma(x, words, scales, zeros, group, p, b, cfg)
+            torch.cuda.synchronize()
+            err = (out.float() - ref).abs().max().item()
+            scale = ref.abs().max().item()
+            good = err <= 1e-2 * scale
+            ok &= good
+            print(f"check k={k} n={n} m={m} g={group} {dtype} perm={perm} bias={bias} {cfg}: "
+                  f"max err {err:.4g} of {scale:.4g} {'OK' if good else 'BAD'}", flush=True)
+    return ok
+
+
+def bench(rows, sweep):
+    configs = [{"warps": w, "unit": u} for w in (4, 8, 16) for u in (1, 2)] if sweep else [{}]
+    totals = {}
+    for name, (k, n) in SHAPES["8b"].items():
+        layers = Layers(k, n, ["bf16", "int4"])
+        per = k * n // 2 + (k // 128) * n * 4
+        copies = [weights(k, n, 128, torch.bfloat16, seed=i) for i in range(max(1, math.ceil(ROTATE_BYTES / per)))]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = time_us(lambda i: layers.call("bf16", x, i), len(layers.copies["bf16"]))
+            t_int4 = time_us(lambda i: layers.call("int4", x, i), len(layers.copies["int4"]))
+            best = None
+            for cfg in configs:
+                t = time_us(lambda i: quant_gemv_mma(x, *copies[i][:3], 128, None, None, cfg), len(copies))
+                if sweep:
+                    print(f"  {name:8} rows={m} mma {cfg}: {t:.1f} us ({per / t / 1e3:.0f} GB/s)", flush=True)
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            t_mma, cfg = best
+            for key, v in (("bf16", t_bf16), ("int4", t_int4), ("mma", t_mma)):
+                totals[(m, key)] = totals.get((m, key), 0.0) + v
+            print(f"{name:8} rows={m}: bf16 {t_bf16:.1f} us, int4 tiled {t_int4:.1f} us ({per / t_int4 / 1e3:.0f} GB/s), "
+                  f"mma {t_mma:.1f} us ({per / t_mma / 1e3:.0f} GB/s) {cfg}; mma vs bf16 {t_bf16 / t_mma:.2f}x",
+                  flush=True)
+    for m in rows:
+        b, i, q = totals[(m, "bf16")], totals[(m, "int4")], totals[(m, "mma")]
+        print(f"one layer, {m} rows: bf16 {b:.1f} us, int4 tiled {i:.1f} us ({b / i:.2f}x), mma {q:.1f} us "
+              f"({b / q:.2f}x bf16, {i / q:.2f}x tiled)", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--no-check", action="store_true")
+    args = p.parse_args()
+    if not args.no_check:
+        print("correctness:", "all OK" if check() else "FAILURES", flush=True)
+    bench(args.rows, args.sweep)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+// Few-row (1..8) 4-bit weight-only GEMV on the tensor cores (kernels/qgemv_mma.py compiles it with NVRTC).
+//
+// Swap-AB: out^T[n, m] = W[n, k] x^T[k, m], one mma.m16n8k16 per 16 output columns x 16 channels: the 8 columns of
+// the MMA's B operand are the (up to 8) input rows, so 1 row costs what 8 cost. The weights are repacked at load
+// (kernels/qgemv_mma.py: to_mma_layout) so that one 16-byte load per lane holds its A fragments for 4 MMAs (64
+// channels: one "chunk"), nibbles placed so that one lop3 makes a bf16x2 / f16x2 pair (OFF + q) exactly. The zero
+// point and OFF are taken off by a second MMA per fragment whose A is the constant -(OFF + zero) of each row (the
+// tensor cores do the subtraction; products are exact, sums fp32); the group scale multiplies each unit's sum.
+//
+// Compile-time parameters (#define before this file): WARPS, UNIT (chunks per unit; a unit never crosses a group),
+// IS_FP16, HAS_PERM, HAS_BIAS.
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#if IS_FP16
+#define MAGIC 0x64006400u  // f16 1024.0 in each half: 1024 + q is exact
+#define OFF 1024.0f
+#else
+#define MAGIC 0x43004300u  // bf16 128.0 in each half: 128 + q is exact
+#define OFF 128.0f
+#endif
+
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+__device__ __forceinline__ float to_f32(u16 h) {
+#if IS_FP16
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return __uint_as_float(((u32)h) << 16);
+#endif
+}
+
+__device__ __forceinline__ u16 from_f32(float f) {
+    u16 h;
+#if IS_FP16
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+    return h;
+}
+
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if IS_FP16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// -(OFF + zero) of a row, in both halves of a register (exact: zero is an integer below 2**8).
+__device__ __forceinline__ u32 neg_zero_pair(u16 zbits) {
+    u16 h = from_f32(-(OFF + to_f32(zbits)));
+    return ((u32)h << 16) | h;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __restrict__ scales,
+          const u16* __restrict__ zeros, const int* __restrict__ perm, const u16* __restrict__ bias,
+          u16* __restrict__ out, int M, int N, int K, int stride_x, int stride_o, int group_chunks) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int nt = blockIdx.x;
+    const int chunks = K >> 6;
+    const int units = chunks / UNIT;
+    const int n_lo = nt * 16 + g, n_hi = n_lo + 8;
+    // this lane's 16-byte word group of chunk c: qw[(nt * chunks + c) * 32 + lane]
+    const uint4* wbase = qw + (size_t)nt * chunks * 32 + lane;
+
+    uint4 w_cur[UNIT];
+    u16 s_lo = 0, s_hi = 0, z_lo = 0, z_hi = 0;
+    int u = warp;
+    if (u < units) {
+#pragma unroll
+        for (int i = 0; i < UNIT; i++) w_cur[i] = __ldg(wbase + (size_t)(u * UNIT + i) * 32);
+        const int grp = u * UNIT / group_chunks;
+        s_lo = scales[(size_t)grp * N + n_lo]; s_hi = scales[(size_t)grp * N + n_hi];
+        z_lo = zeros[(size_t)grp * N + n_lo]; z_hi = zeros[(size_t)grp * N + n_hi];
+    }
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
+#endif
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const bool row_ok = g < M;
+    const u16* xrow = x + (size_t)(row_ok ? g : 0) * stride_x + 16 * t;
+    for (; u < units; u += WARPS) {
+        // the next unit's weights, scales and zeros are in flight while this one computes
+        uint4 w_nxt[UNIT];
+        u16 s_lo2 = 0, s_hi2 = 0, z_lo2 = 0, z_hi2 = 0;
+        const int un = u + WARPS;
+        if (un < units) {
+#pragma unroll
+            for (int i = 0; i < UNIT; i++) w_nxt[i] = __ldg(wbase + (size_t)(un * UNIT + i) * 32);
+            const int grp = un * UNIT / group_chunks;
+            s_lo2 = scales[(size_t)grp * N + n_lo]; s_hi2 = scales[(size_t)grp * N + n_hi];
+            z_lo2 = zeros[(size_t)grp * N + n_lo]; z_hi2 = zeros[(size_t)grp * N + n_hi];
+        }
+        const u32 za = neg_zero_pair(z_lo), zb = neg_zero_pair(z_hi);
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < UNIT; i++) {
+            const int c = u * UNIT + i;
+            u32 xr[8];
+            if (row_ok) {
+#if HAS_PERM
+                const int* p = perm + c * 64 + 16 * t;
+                const u16* xr0 = x + (size_t)g * stride_x;
+#pragma unroll
+                for (int e = 0; e < 8; e++)
+                    xr[e] = (u32)__ldg(xr0 + __ldg(p + 2 * e)) | ((u32)__ldg(xr0 + __ldg(p + 2 * e + 1)) << 16);
+#else
+                const uint4 v0 = __ldg((const uint4*)(xrow + c * 64));
+                const uint4 v1 = __ldg((const uint4*)(xrow + c * 64 + 8));
+                xr[0] = v0.x; xr[1] = v0.y; xr[2] = v0.z; xr[3] = v0.w;
+                xr[4] = v1.x; xr[5] = v1.y; xr[6] = v1.z; xr[7] = v1.w;
+#endif
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) xr[e] = 0u;
+            }
+            const u32 words[4] = {w_cur[i].x, w_cur[i].y, w_cur[i].z, w_cur[i].w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const u32 w = words[j];
+                const u32 a0 = lop3_and_or(w, 0x000F000Fu, MAGIC);
+                const u32 a1 = lop3_and_or(w >> 4, 0x000F000Fu, MAGIC);
+                const u32 a2 = lop3_and_or(w >> 8, 0x000F000Fu, MAGIC);
+                const u32 a3 = lop3_and_or(w >> 12, 0x000F000Fu, MAGIC);
+                mma(d, a0, a1, a2, a3, xr[2 * j], xr[2 * j + 1]);
+                mma(d, za, zb, za, zb, xr[2 * j], xr[2 * j + 1]);
+            }
+        }
+        const float sl = to_f32(s_lo), sh = to_f32(s_hi);
+        acc[0] += sl * d[0]; acc[1] += sl * d[1];
+        acc[2] += sh * d[2]; acc[3] += sh * d[3];
+#pragma unroll
+        for (int i = 0; i < UNIT; i++) w_cur[i] = w_nxt[i];
+        s_lo = s_lo2; s_hi = s_hi2; z_lo = z_lo2; z_hi = z_hi2;
+    }
+    // the warps' partial sums (each warp took every WARPS-th unit) added in warp order: deterministic
+    __shared__ float red[WARPS][32][4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) red[warp][lane][e] = acc[e];
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float v = red[0][lane][e];
+#pragma unroll
+            for (int w2 = 1; w2 < WARPS; w2++) v += red[w2][lane][e];
+            // c0: (row n_lo, input row 2t), c1: (n_lo, 2t + 1), c2: (n_hi, 2t), c3: (n_hi, 2t + 1)
+            const int n = (e < 2) ? n_lo : n_hi;
+            const int m = 2 * t + (e & 1);
+            if (m < M) {
+#if HAS_BIAS
+                v += to_f32(bias[n]);
+#endif
+                out[(size_t)m * stride_o + n] = from_f32(v);
+            }
+        }
+    }
+}

@@ -1,0 +1,117 @@
+"""Few-row 4-bit weight-only GEMV on the tensor cores (CUDA C++ in csrc/qgemv_mma.cu, compiled at first use with
+NVRTC through torch), over its own weight layout ("mma").
+
+Why: the CUDA-core GEMVs (kernels/qgemv.py) spend ~3-4 instructions per weight unpacking and multiplying, which on
+an H200 caps them near 1.5-1.8 TB/s of int4; here one lop3 per two weights makes the MMA operand and the tensor
+cores do the rest (the zero point included), so the pass is a stream of weights. 1 to 8 input rows cost the same
+(they are the MMA's 8 columns).
+
+The layout, made from the q values in layout-channel order (after the act-order permutation, as in the tiled
+layout): int32 [N / 16, K / 64, 32, 4]; word j of lane l = 4 g + t in (column tile nt, chunk c) holds nibble e =
+q[nt * 16 + g + 8 * (e & 1)][c * 64 + 16 t + 4 j + 2 * ((e >> 1) & 1) + (e >> 2)]. Scales and zeros stay [G, N] in
+the activation dtype; `perm` (act-order) maps layout channels to input channels.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+CHUNK = 64  # channels per chunk: one 16-byte load per lane, four MMAs
+MAX_ROWS = 8
+_NIBBLE_ROW = [e & 1 for e in range(8)]
+_NIBBLE_K = [2 * ((e >> 1) & 1) + (e >> 2) for e in range(8)]
+
+
+def mma_layout_problem(k: int, n: int, bits: int, group_size: int) -> Optional[str]:
+    """Why the mma layout cannot hold this weight (None: it can)."""
+    if bits != 4:
+        return "4-bit weights only"
+    if n % 16 or k % CHUNK:
+        return f"needs N % 16 == 0 and K % {CHUNK} == 0 (N={n}, K={k})"
+    if group_size % CHUNK and group_size != k:
+        return f"group_size {group_size} is not a multiple of {CHUNK}"
+    return None
+
+
+def to_mma_layout(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] integers 0..15 (layout-channel order) -> int32 [N / 16, K / 64, 32, 4]."""
+    n, k = q.shape
+    qv = q.to(torch.int32).view(n // 16, 2, 8, k // CHUNK, 4, 4, 4)  # (nt, h, g, c, t, j, ko)
+    qv = qv.permute(0, 3, 2, 4, 5, 1, 6)  # (nt, c, g, t, j, h, ko)
+    word = torch.zeros(qv.shape[:5], dtype=torch.int32, device=q.device)
+    for e in range(8):
+        word |= qv[..., _NIBBLE_ROW[e], _NIBBLE_K[e]] << (4 * e)
+    return word.reshape(n // 16, k // CHUNK, 32, 4).contiguous()
+
+
+def from_mma_layout(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_mma_layout: int32 [N / 16, K / 64, 32, 4] -> q [N, K] (layout-channel order)."""
+    nt, c = words.shape[:2]
+    w = words.view(nt, c, 8, 4, 4)  # (nt, c, g, t, j)
+    q = torch.zeros(nt, c, 8, 4, 4, 2, 4, dtype=torch.int32, device=words.device)
+    for e in range(8):
+        q[..., _NIBBLE_ROW[e], _NIBBLE_K[e]] = (w >> (4 * e)) & 15
+    return q.permute(0, 5, 2, 1, 3, 4, 6).reshape(nt * 16, c * CHUNK)  # (nt, h, g, c, t, j, ko)
+
+
+def dequantize_mma(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   perm: Optional[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense [N, K] weight (input-channel order) of an mma-layout layer."""
+    q = from_mma_layout(words).to(dtype)  # [N, K'] layout order
+    k = q.shape[1]
+    groups = torch.arange(k, device=q.device) // group_size
+    w = (q - zeros.to(dtype)[groups].t()) * scales.to(dtype)[groups].t()
+    if perm is not None:
+        out = torch.empty_like(w)
+        out[:, perm.long()] = w
+        w = out
+    return w
+
+
+@functools.lru_cache(maxsize=None)
+def _source() -> str:
+    with open(os.path.join(os.path.dirname(__file__), "csrc", "qgemv_mma.cu")) as f:
+        return f.read()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(warps: int, unit: int, fp16: bool, has_perm: bool, has_bias: bool, device_index: int):
+    compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
+    if compile_kernel is None:
+        raise RuntimeError("torch.cuda._compile_kernel (NVRTC) is not in this torch")
+    defines = (f"#define WARPS {warps}\n#define UNIT {unit}\n#define IS_FP16 {int(fp16)}\n"
+               f"#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
+    with torch.cuda.device(device_index):
+        major, minor = torch.cuda.get_device_capability(device_index)
+        return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
+
+
+CONFIG = {"warps": 8, "unit": 2}
+
+
+def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int, perm: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                   config: Optional[dict] = None) -> torch.Tensor:
+    """x [M, K] (M <= 8, fp16/bf16, contiguous rows) @ dequant(W)^T (+ bias) -> [M, N]."""
+    cfg = {**CONFIG, **(config or {})}
+    m, k = x.shape
+    nt, chunks = words.shape[:2]
+    n = nt * 16
+    assert m <= MAX_ROWS and k == chunks * CHUNK and x.dtype in (torch.float16, torch.bfloat16)
+    assert scales.dtype == x.dtype and zeros.dtype == x.dtype and x.stride(1) == 1 and x.stride(0) % 8 == 0
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    group_chunks = (k if group_size == -1 else group_size) // CHUNK
+    unit = cfg["unit"]
+    while group_chunks % unit:
+        unit //= 2
+    kernel = _kernel(cfg["warps"], unit, x.dtype == torch.float16, perm is not None, bias is not None,
+                     x.device.index if x.device.index is not None else torch.cuda.current_device())
+    kernel(grid=(nt, 1, 1), block=(32 * cfg["warps"], 1, 1),
+           args=[words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
+                 out, m, n, k, x.stride(0), out.stride(0), group_chunks])
+    return out

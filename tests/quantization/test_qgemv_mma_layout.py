@@ -1,0 +1,73 @@
+"""kernels/qgemv_mma.py's weight layout: the round trip, and an emulation of what csrc/qgemv_mma.cu does with it on
+the CPU (each lane's lop3 unpacking and the mma.m16n8k16 fragment maps of the PTX ISA), which must give x @ W^T.
+The kernel itself runs in tests/gpu/test_qgemv_mma_gpu.py."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.kernels.qgemv_mma import CHUNK, dequantize_mma, from_mma_layout, to_mma_layout
+
+
+def test_layout_round_trip():
+    q = torch.randint(0, 16, (48, 256), generator=torch.Generator().manual_seed(0))
+    words = to_mma_layout(q)
+    assert words.shape == (3, 4, 32, 4) and words.dtype == torch.int32
+    assert torch.equal(from_mma_layout(words), q.to(torch.int32))
+
+
+def _emulate(words, x, scales, zeros, group_size, off=128.0):
+    """out[m, n] as the kernel computes it: per chunk and lane, A fragments from the word's nibble pairs (bits 0-3 /
+    16-19 of w, w >> 4, w >> 8, w >> 12), B fragments from 16 consecutive channels of row g, and the fragment maps
+    a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..), b0 (2t..2t+1, col g), b1 (2t+8.., g),
+    c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1)."""
+    nt, chunks = words.shape[:2]
+    m_rows = x.shape[0]
+    xp = torch.zeros(8, x.shape[1], dtype=torch.float64)
+    xp[:m_rows] = x.double()
+    out = torch.zeros(8, nt * 16, dtype=torch.float64)
+    for tile in range(nt):
+        for c in range(chunks):
+            grp = c * CHUNK // group_size
+            d = torch.zeros(16, 8, dtype=torch.float64)
+            for j in range(4):
+                a = torch.zeros(16, 16, dtype=torch.float64)
+                b = torch.zeros(16, 8, dtype=torch.float64)
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    w = int(words[tile, c, lane, j]) & 0xFFFFFFFF
+                    regs = [(w >> (4 * r)) & 0x000F000F for r in range(4)]  # a0..a3: (lo, hi) = (bits 0-3, 16-19)
+                    for r, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+                        a[row, col] = off + (regs[r] & 0xF)
+                        a[row, col + 1] = off + ((regs[r] >> 16) & 0xF)
+                    xs = xp[g, c * CHUNK + 16 * t: c * CHUNK + 16 * t + 16]  # the lane's 16 channels of row g
+                    b[2 * t, g], b[2 * t + 1, g] = xs[4 * j], xs[4 * j + 1]  # b0 = xr[2j]
+                    b[2 * t + 8, g], b[2 * t + 9, g] = xs[4 * j + 2], xs[4 * j + 3]  # b1 = xr[2j + 1]
+                z = zeros[grp, tile * 16: tile * 16 + 16].double()
+                d += a @ b - (off + z)[:, None] * b.sum(0)[None, :]  # the second MMA: A = -(off + zero) per row
+            out[:, tile * 16: tile * 16 + 16] += (d * scales[grp, tile * 16: tile * 16 + 16].double()[:, None]).t()
+    return out[:m_rows]
+
+
+def test_kernel_fragment_maps_give_the_product():
+    gen = torch.Generator().manual_seed(1)
+    n, k, group = 32, 256, 128
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = torch.rand(k // group, n, generator=gen) * 0.1
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).double()
+    x = torch.randn(3, k, generator=gen)
+    words = to_mma_layout(q)
+    dense = dequantize_mma(words, scales, zeros, group, None, dtype=torch.float64)
+    torch.testing.assert_close(dense, (q.double() - zeros.t().repeat_interleave(group, 1))
+                               * scales.double().t().repeat_interleave(group, 1))
+    torch.testing.assert_close(_emulate(words, x, scales, zeros, group), x.double() @ dense.t())
+
+
+def test_dequantize_with_act_order_perm():
+    gen = torch.Generator().manual_seed(2)
+    n, k, group = 16, 128, 64
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales, zeros = torch.rand(2, n, generator=gen), torch.randint(0, 16, (2, n), generator=gen).float()
+    perm = torch.randperm(k, generator=gen)
+    dense = dequantize_mma(to_mma_layout(q), scales, zeros, group, perm)
+    layout = dequantize_mma(to_mma_layout(q), scales, zeros, group, None)
+    torch.testing.assert_close(dense[:, perm], layout)  # layout channel j is input channel perm[j]
