@@ -11,6 +11,7 @@
 // IS_FP16, HAS_PERM, HAS_BIAS.
 typedef unsigned int u32;
 typedef unsigned short u16;
+typedef unsigned long long u64;
 
 #if IS_FP16
 #define MAGIC 0x64006400u  // f16 1024.0 in each half: 1024 + q is exact
@@ -77,24 +78,24 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
     const int units = chunks / UNIT;
     const int n_lo = nt * 16 + g, n_hi = n_lo + 8;
     // this lane's 16-byte word group of chunk c: qw[(nt * chunks + c) * 32 + lane]
-    const uint4* wbase = qw + (size_t)nt * chunks * 32 + lane;
+    const uint4* wbase = qw + (u64)nt * chunks * 32 + lane;
 
     uint4 w_cur[UNIT];
     u16 s_lo = 0, s_hi = 0, z_lo = 0, z_hi = 0;
     int u = warp;
     if (u < units) {
 #pragma unroll
-        for (int i = 0; i < UNIT; i++) w_cur[i] = __ldg(wbase + (size_t)(u * UNIT + i) * 32);
+        for (int i = 0; i < UNIT; i++) w_cur[i] = __ldg(wbase + (u64)(u * UNIT + i) * 32);
         const int grp = u * UNIT / group_chunks;
-        s_lo = scales[(size_t)grp * N + n_lo]; s_hi = scales[(size_t)grp * N + n_hi];
-        z_lo = zeros[(size_t)grp * N + n_lo]; z_hi = zeros[(size_t)grp * N + n_hi];
+        s_lo = scales[(u64)grp * N + n_lo]; s_hi = scales[(u64)grp * N + n_hi];
+        z_lo = zeros[(u64)grp * N + n_lo]; z_hi = zeros[(u64)grp * N + n_hi];
     }
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 #endif
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     const bool row_ok = g < M;
-    const u16* xrow = x + (size_t)(row_ok ? g : 0) * stride_x + 16 * t;
+    const u16* xrow = x + (u64)(row_ok ? g : 0) * stride_x + 16 * t;
     for (; u < units; u += WARPS) {
         // the next unit's weights, scales and zeros are in flight while this one computes
         uint4 w_nxt[UNIT];
@@ -102,10 +103,10 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
         const int un = u + WARPS;
         if (un < units) {
 #pragma unroll
-            for (int i = 0; i < UNIT; i++) w_nxt[i] = __ldg(wbase + (size_t)(un * UNIT + i) * 32);
+            for (int i = 0; i < UNIT; i++) w_nxt[i] = __ldg(wbase + (u64)(un * UNIT + i) * 32);
             const int grp = un * UNIT / group_chunks;
-            s_lo2 = scales[(size_t)grp * N + n_lo]; s_hi2 = scales[(size_t)grp * N + n_hi];
-            z_lo2 = zeros[(size_t)grp * N + n_lo]; z_hi2 = zeros[(size_t)grp * N + n_hi];
+            s_lo2 = scales[(u64)grp * N + n_lo]; s_hi2 = scales[(u64)grp * N + n_hi];
+            z_lo2 = zeros[(u64)grp * N + n_lo]; z_hi2 = zeros[(u64)grp * N + n_hi];
         }
         const u32 za = neg_zero_pair(z_lo), zb = neg_zero_pair(z_hi);
         float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -116,7 +117,7 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
             if (row_ok) {
 #if HAS_PERM
                 const int* p = perm + c * 64 + 16 * t;
-                const u16* xr0 = x + (size_t)g * stride_x;
+                const u16* xr0 = x + (u64)g * stride_x;
 #pragma unroll
                 for (int e = 0; e < 8; e++)
                     xr[e] = (u32)__ldg(xr0 + __ldg(p + 2 * e)) | ((u32)__ldg(xr0 + __ldg(p + 2 * e + 1)) << 16);
@@ -167,7 +168,7 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
 #if HAS_BIAS
                 v += to_f32(bias[n]);
 #endif
-                out[(size_t)m * stride_o + n] = from_f32(v);
+                out[(u64)m * stride_o + n] = from_f32(v);
             }
         }
     }
