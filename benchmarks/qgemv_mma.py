@@ -33,6 +33,7 @@ def check() -> bool:
     ok = True
     cases = [(k, n, m, 128, torch.bfloat16, False, False) for k, n in SHAPES["8b"].values() for m in (1, 3, 8)]
     cases += [(k, n, 2, 128, torch.bfloat16, False, False) for k, n in SHAPES["0.6b"].values()]
+    cases += [(4096, 6144, m, 128, torch.bfloat16, False, m == 20) for m in (12, 20, 64, 100, 300)]
     cases += [(4096, 4096, 5, 128, torch.float16, False, True), (4096, 1024, 1, 128, torch.bfloat16, True, False),
               (4096, 1024, 4, 128, torch.float16, True, True), (1024, 512, 2, 1024, torch.bfloat16, False, False),
               (4096, 512, 7, 64, torch.bfloat16, False, True), (14336, 256, 8, 256, torch.bfloat16, True, False)]
@@ -42,7 +43,9 @@ def check() -> bool:
         b = torch.randn(n, device="cuda").to(dtype) if bias else None
         dense = dequantize_mma(words, scales, zeros, group, p)
         ref = x.float() @ dense.t() + (b.float() if bias else 0)
-        for cfg in ({"warps": 4, "unit": 1}, {"warps": 8, "unit": 2}):
+        for cfg in ({"warps": 4, "unit": 1}, {"warps": 8, "unit": 2}, {"warps": 16, "unit": 2, "mt": 1}):
+            if cfg.get("mt") == 1 and m > 8:
+                continue
             out = quant_gemv_mma(x, words, scales, zeros, group, p, b, cfg)
             torch.cuda.synchronize()
             err = (out.float() - ref).abs().max().item()
@@ -56,6 +59,7 @@ def check() -> bool:
 
 def bench(rows, sweep):
     configs = [{"warps": w, "unit": u} for w in (4, 8, 16) for u in (1, 2)] if sweep else [{}]
+    big = [{"warps": w, "unit": 2} for w in (4, 8)]
     totals = {}
     for name, (k, n) in SHAPES["8b"].items():
         layers = Layers(k, n, ["bf16", "int4"])
@@ -66,9 +70,9 @@ def bench(rows, sweep):
             t_bf16 = time_us(lambda i: layers.call("bf16", x, i), len(layers.copies["bf16"]))
             t_int4 = time_us(lambda i: layers.call("int4", x, i), len(layers.copies["int4"]))
             best = None
-            for cfg in configs:
+            for cfg in (configs if m <= 8 else big):
                 t = time_us(lambda i: quant_gemv_mma(x, *copies[i][:3], 128, None, None, cfg), len(copies))
-                if sweep:
+                if sweep and m <= 8:
                     print(f"  {name:8} rows={m} mma {cfg}: {t:.1f} us ({per / t / 1e3:.0f} GB/s)", flush=True)
                 if best is None or t < best[0]:
                     best = (t, cfg)
@@ -86,7 +90,7 @@ def bench(rows, sweep):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()

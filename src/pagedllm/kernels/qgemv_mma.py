@@ -4,7 +4,7 @@ NVRTC through torch), over its own weight layout ("mma").
 Why: the CUDA-core GEMVs (kernels/qgemv.py) spend ~3-4 instructions per weight unpacking and multiplying, which on
 an H200 caps them near 1.5-1.8 TB/s of int4; here one lop3 per two weights makes the MMA operand and the tensor
 cores do the rest (the zero point included), so the pass is a stream of weights. 1 to 8 input rows cost the same
-(they are the MMA's 8 columns).
+(they are the MMA's 8 columns); more rows take row tiles of 8 (MT per block, blocks over row blocks of 8 * MT).
 
 The layout, made from the q values in layout-channel order (after the act-order permutation, as in the tiled
 layout): int32 [N / 16, K / 64, 32, 4]; word j of lane l = 4 g + t in (column tile nt, chunk c) holds nibble e =
@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 
 CHUNK = 64  # channels per chunk: one 16-byte load per lane, four MMAs
-MAX_ROWS = 8
 _NIBBLE_ROW = [e & 1 for e in range(8)]
 _NIBBLE_K = [2 * ((e >> 1) & 1) + (e >> 2) for e in range(8)]
 
@@ -78,11 +77,11 @@ def _source() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(warps: int, unit: int, fp16: bool, has_perm: bool, has_bias: bool, device_index: int):
+def _kernel(warps: int, unit: int, mt: int, fp16: bool, has_perm: bool, has_bias: bool, device_index: int):
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
     if compile_kernel is None:
         raise RuntimeError("torch.cuda._compile_kernel (NVRTC) is not in this torch")
-    defines = (f"#define WARPS {warps}\n#define UNIT {unit}\n#define IS_FP16 {int(fp16)}\n"
+    defines = (f"#define WARPS {warps}\n#define UNIT {unit}\n#define MT {mt}\n#define IS_FP16 {int(fp16)}\n"
                f"#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
     with torch.cuda.device(device_index):
         major, minor = torch.cuda.get_device_capability(device_index)
@@ -92,16 +91,21 @@ def _kernel(warps: int, unit: int, fp16: bool, has_perm: bool, has_bias: bool, d
 CONFIG = {"warps": 8, "unit": 2}
 
 
+def _next_pow2(v: int) -> int:
+    return 1 << (max(1, v) - 1).bit_length()
+
+
 def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                    group_size: int, perm: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                    config: Optional[dict] = None) -> torch.Tensor:
-    """x [M, K] (M <= 8, fp16/bf16, contiguous rows) @ dequant(W)^T (+ bias) -> [M, N]."""
+    """x [M, K] (fp16/bf16, rows 16-byte aligned) @ dequant(W)^T (+ bias) -> [M, N]."""
     cfg = {**CONFIG, **(config or {})}
     m, k = x.shape
     nt, chunks = words.shape[:2]
     n = nt * 16
-    assert m <= MAX_ROWS and k == chunks * CHUNK and x.dtype in (torch.float16, torch.bfloat16)
-    assert scales.dtype == x.dtype and zeros.dtype == x.dtype and x.stride(1) == 1 and x.stride(0) % 8 == 0
+    assert k == chunks * CHUNK and x.dtype in (torch.float16, torch.bfloat16)
+    assert scales.dtype == x.dtype and zeros.dtype == x.dtype and x.stride(1) == 1
+    assert (x.stride(0) % 8 == 0 or m == 1) and x.data_ptr() % 16 == 0, "rows must be 16-byte aligned"
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -109,9 +113,11 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     unit = cfg["unit"]
     while group_chunks % unit:
         unit //= 2
-    kernel = _kernel(cfg["warps"], unit, x.dtype == torch.float16, perm is not None, bias is not None,
+    mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
+    warps = min(cfg["warps"], 64 // mt)  # the reduction's shared memory: warps * mt * 512 bytes
+    kernel = _kernel(warps, unit, mt, x.dtype == torch.float16, perm is not None, bias is not None,
                      x.device.index if x.device.index is not None else torch.cuda.current_device())
-    kernel(grid=(nt, 1, 1), block=(32 * cfg["warps"], 1, 1),
+    kernel(grid=(nt, (m + 8 * mt - 1) // (8 * mt), 1), block=(32 * warps, 1, 1),
            args=[words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
                  out, m, n, k, x.stride(0), out.stride(0), group_chunks])
     return out

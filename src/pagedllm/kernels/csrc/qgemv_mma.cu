@@ -8,7 +8,7 @@
 // tensor cores do the subtraction; products are exact, sums fp32); the group scale multiplies each unit's sum.
 //
 // Compile-time parameters (#define before this file): WARPS, UNIT (chunks per unit; a unit never crosses a group),
-// IS_FP16, HAS_PERM, HAS_BIAS.
+// MT (row tiles of 8 per block: a block takes 8 * MT rows, blockIdx.y the row block), IS_FP16, HAS_PERM, HAS_BIAS.
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -74,6 +74,7 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nt = blockIdx.x;
+    const int m0 = blockIdx.y * 8 * MT;
     const int chunks = K >> 6;
     const int units = chunks / UNIT;
     const int n_lo = nt * 16 + g, n_hi = n_lo + 8;
@@ -93,9 +94,17 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 #endif
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    const bool row_ok = g < M;
-    const u16* xrow = x + (u64)(row_ok ? g : 0) * stride_x + 16 * t;
+    float acc[MT][4];
+    bool row_ok[MT];
+    const u16* xrow[MT];  // row starts (a row past M points at row 0 and is never read)
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        const int m = m0 + 8 * mt + g;
+        row_ok[mt] = m < M;
+        xrow[mt] = x + (u64)(row_ok[mt] ? m : 0) * stride_x;
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[mt][e] = 0.f;
+    }
     for (; u < units; u += WARPS) {
         // the next unit's weights, scales and zeros are in flight while this one computes
         uint4 w_nxt[UNIT];
@@ -109,27 +118,39 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
             z_lo2 = zeros[(u64)grp * N + n_lo]; z_hi2 = zeros[(u64)grp * N + n_hi];
         }
         const u32 za = neg_zero_pair(z_lo), zb = neg_zero_pair(z_hi);
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        float d[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) d[mt][e] = 0.f;
 #pragma unroll
         for (int i = 0; i < UNIT; i++) {
             const int c = u * UNIT + i;
-            u32 xr[8];
-            if (row_ok) {
+            // the lane's 16 channels [c * 64 + 16 t, +16) of its row of each row tile (zeros past M)
+            u32 xr[MT][8];
 #if HAS_PERM
-                const int* p = perm + c * 64 + 16 * t;
-                const u16* xr0 = x + (u64)g * stride_x;
+            const int* p = perm + c * 64 + 16 * t;
+            int pk[16];
 #pragma unroll
-                for (int e = 0; e < 8; e++)
-                    xr[e] = (u32)__ldg(xr0 + __ldg(p + 2 * e)) | ((u32)__ldg(xr0 + __ldg(p + 2 * e + 1)) << 16);
-#else
-                const uint4 v0 = __ldg((const uint4*)(xrow + c * 64));
-                const uint4 v1 = __ldg((const uint4*)(xrow + c * 64 + 8));
-                xr[0] = v0.x; xr[1] = v0.y; xr[2] = v0.z; xr[3] = v0.w;
-                xr[4] = v1.x; xr[5] = v1.y; xr[6] = v1.z; xr[7] = v1.w;
+            for (int e = 0; e < 16; e++) pk[e] = __ldg(p + e);
 #endif
-            } else {
 #pragma unroll
-                for (int e = 0; e < 8; e++) xr[e] = 0u;
+            for (int mt = 0; mt < MT; mt++) {
+                if (row_ok[mt]) {
+#if HAS_PERM
+#pragma unroll
+                    for (int e = 0; e < 8; e++)
+                        xr[mt][e] = (u32)__ldg(xrow[mt] + pk[2 * e]) | ((u32)__ldg(xrow[mt] + pk[2 * e + 1]) << 16);
+#else
+                    const uint4 v0 = __ldg((const uint4*)(xrow[mt] + c * 64 + 16 * t));
+                    const uint4 v1 = __ldg((const uint4*)(xrow[mt] + c * 64 + 16 * t + 8));
+                    xr[mt][0] = v0.x; xr[mt][1] = v0.y; xr[mt][2] = v0.z; xr[mt][3] = v0.w;
+                    xr[mt][4] = v1.x; xr[mt][5] = v1.y; xr[mt][6] = v1.z; xr[mt][7] = v1.w;
+#endif
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; e++) xr[mt][e] = 0u;
+                }
             }
             const u32 words[4] = {w_cur[i].x, w_cur[i].y, w_cur[i].z, w_cur[i].w};
 #pragma unroll
@@ -139,37 +160,44 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
                 const u32 a1 = lop3_and_or(w >> 4, 0x000F000Fu, MAGIC);
                 const u32 a2 = lop3_and_or(w >> 8, 0x000F000Fu, MAGIC);
                 const u32 a3 = lop3_and_or(w >> 12, 0x000F000Fu, MAGIC);
-                mma(d, a0, a1, a2, a3, xr[2 * j], xr[2 * j + 1]);
-                mma(d, za, zb, za, zb, xr[2 * j], xr[2 * j + 1]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma(d[mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
+                    mma(d[mt], za, zb, za, zb, xr[mt][2 * j], xr[mt][2 * j + 1]);
+                }
             }
         }
         const float sl = to_f32(s_lo), sh = to_f32(s_hi);
-        acc[0] += sl * d[0]; acc[1] += sl * d[1];
-        acc[2] += sh * d[2]; acc[3] += sh * d[3];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            acc[mt][0] += sl * d[mt][0]; acc[mt][1] += sl * d[mt][1];
+            acc[mt][2] += sh * d[mt][2]; acc[mt][3] += sh * d[mt][3];
+        }
 #pragma unroll
         for (int i = 0; i < UNIT; i++) w_cur[i] = w_nxt[i];
         s_lo = s_lo2; s_hi = s_hi2; z_lo = z_lo2; z_hi = z_hi2;
     }
     // the warps' partial sums (each warp took every WARPS-th unit) added in warp order: deterministic
-    __shared__ float red[WARPS][32][4];
+    __shared__ float red[WARPS][MT * 4][32];
 #pragma unroll
-    for (int e = 0; e < 4; e++) red[warp][lane][e] = acc[e];
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) red[warp][mt * 4 + e][lane] = acc[mt][e];
     __syncthreads();
-    if (warp == 0) {
+    // warp w finishes entries w, w + WARPS, ... of the 4 * MT per lane
+    for (int idx = warp; idx < MT * 4; idx += WARPS) {
+        float v = red[0][idx][lane];
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float v = red[0][lane][e];
-#pragma unroll
-            for (int w2 = 1; w2 < WARPS; w2++) v += red[w2][lane][e];
-            // c0: (row n_lo, input row 2t), c1: (n_lo, 2t + 1), c2: (n_hi, 2t), c3: (n_hi, 2t + 1)
-            const int n = (e < 2) ? n_lo : n_hi;
-            const int m = 2 * t + (e & 1);
-            if (m < M) {
+        for (int w2 = 1; w2 < WARPS; w2++) v += red[w2][idx][lane];
+        // c0: (column n_lo, row 2t), c1: (n_lo, 2t + 1), c2: (n_hi, 2t), c3: (n_hi, 2t + 1) of row tile idx / 4
+        const int e = idx & 3;
+        const int n = (e < 2) ? n_lo : n_hi;
+        const int m = m0 + 8 * (idx >> 2) + 2 * t + (e & 1);
+        if (m < M) {
 #if HAS_BIAS
-                v += to_f32(bias[n]);
+            v += to_f32(bias[n]);
 #endif
-                out[(u64)m * stride_o + n] = from_f32(v);
-            }
+            out[(u64)m * stride_o + n] = from_f32(v);
         }
     }
 }
