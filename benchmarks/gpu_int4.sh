@@ -37,6 +37,7 @@ e2e)
     lat bf16 llama3-8b bfloat16
     lat gptq llama3-8b-gptq-int4 bfloat16
     lat awq llama3-8b-awq-int4 float16
-    step tests 200 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_quant_tiled.py
+    step tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_qgemv_mma_gpu.py \
+        tests/gpu/test_quant_tiled.py tests/gpu/test_quant_gpu.py
     ;;
 esac

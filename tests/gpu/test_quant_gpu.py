@@ -138,7 +138,8 @@ def library_checkpoint(tiny_model_dir, tmp_path_factory):
                          [(c, True) for c, (_, _, w8a8) in LIBRARY_CASES.items() if not w8a8])
 def test_cuda_path_matches_library_reference(library_checkpoint, monkeypatch, case, tiled):
     """Loaded straight onto the GPU (as the engine loads), at 1 and 4 rows (the GEMV / split-K paths) and 40 (the
-    tensor-core path); tiled: the opt-in tiled layout (PAGEDLLM_QUANT_TILED=1), which every linear must take."""
+    tensor-core path); tiled: the CUDA layouts (the default; "mma" for the 4-bit layers the tensor-core GEMV holds,
+    else "tiled"), which every linear must take; without: PAGEDLLM_QUANT_TILED=0, the internal layout everywhere."""
     monkeypatch.setenv("PAGEDLLM_QUANT_TILED", "1" if tiled else "0")
     model_dir, want, reference = library_checkpoint(case)
     _, dtype, w8a8 = LIBRARY_CASES[case]
@@ -147,7 +148,7 @@ def test_cuda_path_matches_library_reference(library_checkpoint, monkeypatch, ca
     quant.check_supported(torch.device("cuda"), dtype)
     model = get_model(cfg, model_dir, dtype=dtype, device="cuda", quant_config=quant)
     layouts = [m.quant_layout for m in model.modules() if hasattr(m, "quant_layout")]
-    assert (set(layouts) == {"tiled"}) if tiled else ("tiled" not in layouts), layouts
+    assert (set(layouts) <= {"tiled", "mma"}) if tiled else (set(layouts) == {"internal"}), layouts
     scale = want.abs().max().item()
     max_tol, mean_tol = TOLERANCE[dtype]
     ids = LIBRARY_PROMPT.cuda()

@@ -71,3 +71,62 @@ def test_dequantize_with_act_order_perm():
     dense = dequantize_mma(to_mma_layout(q), scales, zeros, group, perm)
     layout = dequantize_mma(to_mma_layout(q), scales, zeros, group, None)
     torch.testing.assert_close(dense[:, perm], layout)  # layout channel j is input channel perm[j]
+
+
+# ---------------------------------------------------------------- the layer conversion (quantization/tiled.py)
+import pytest  # noqa: E402
+
+from pagedllm.layers.linear import RowParallelLinear  # noqa: E402
+from pagedllm.quantization.awq import AWQConfig  # noqa: E402
+from pagedllm.quantization.gptq import GPTQConfig  # noqa: E402
+from pagedllm.quantization.tiled import mma_layout_unsupported, use_mma_layout  # noqa: E402
+
+
+def _layer(config, k, n, act_order=False, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    layer = RowParallelLinear(k, n, bias=False, params_dtype=dtype, quant_config=config, prefix="proj")
+    for name, p in layer.named_parameters():
+        if name == "g_idx":
+            continue
+        if p.dtype == torch.int32:
+            p.data.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, dtype=torch.int64).to(torch.int32))
+        else:
+            p.data.copy_(torch.rand(p.shape, generator=gen) * 0.02 + 0.001)
+    if act_order:
+        layer.g_idx.data.copy_(torch.argsort(torch.randperm(k, generator=gen)) // config.group_size)
+    layer.linear_method.process_weights_after_loading(layer)
+    return layer
+
+
+MMA_CASES = [
+    ("gptq g128 sym", GPTQConfig(4, 128, desc_act=False, sym=True), False),
+    ("gptq g64 act-order asym", GPTQConfig(4, 64, desc_act=True, sym=False), True),
+    ("gptq g-1", GPTQConfig(4, -1, desc_act=False, sym=False), False),
+    ("awq g128", AWQConfig(4, 128, zero_point=True), False),
+]
+
+
+@pytest.mark.parametrize("name,config,act_order", MMA_CASES, ids=[c[0] for c in MMA_CASES])
+def test_mma_layer_equals_internal_layout(name, config, act_order):
+    """A loaded layer converted to the mma layout dequantizes to exactly the same weight and computes the same
+    product (off CUDA through the dense reference; tests/gpu/test_qgemv_mma_gpu.py runs the kernel)."""
+    layer = _layer(config, 512, 48, act_order)
+    assert layer.quant_layout == "internal"  # CPU: loaded as is
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    dense = layer.linear_method.dequantized_weight(layer).float().clone()
+    want = layer.linear_method.apply(layer, x)
+    assert use_mma_layout(layer)
+    assert layer.quant_layout == "mma" and layer.g_idx is None and (layer.quant_perm is not None) == act_order
+    assert layer.qweight.shape == (3, 8, 32, 4)
+    torch.testing.assert_close(layer.linear_method.dequantized_weight(layer).float(), dense, atol=0, rtol=0)
+    torch.testing.assert_close(layer.linear_method.apply(layer, x).float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_mma_layout_refusals():
+    """What the kernel cannot hold keeps its layout (the tiled / internal kernels take it), with the reason."""
+    assert "4-bit" in mma_layout_unsupported(_layer(GPTQConfig(8, 128, desc_act=False, sym=True), 512, 48))
+    assert "group_size 32" in mma_layout_unsupported(_layer(GPTQConfig(4, 32, desc_act=False, sym=True), 512, 48))
+    assert "N % 16" in mma_layout_unsupported(_layer(GPTQConfig(4, 128, desc_act=False, sym=True), 512, 40))
+    fp32 = _layer(GPTQConfig(4, 128, desc_act=False, sym=True), 512, 48, dtype=torch.float32)
+    assert "float32 scales" in mma_layout_unsupported(fp32)
+    assert not use_mma_layout(fp32) and fp32.quant_layout == "internal"

@@ -61,7 +61,7 @@ def dequantize_mma(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     """The dense [N, K] weight (input-channel order) of an mma-layout layer."""
     q = from_mma_layout(words).to(dtype)  # [N, K'] layout order
     k = q.shape[1]
-    groups = torch.arange(k, device=q.device) // group_size
+    groups = torch.arange(k, device=q.device) // (k if group_size == -1 else group_size)
     w = (q - zeros.to(dtype)[groups].t()) * scales.to(dtype)[groups].t()
     if perm is not None:
         out = torch.empty_like(w)
@@ -86,6 +86,18 @@ def _kernel(warps: int, unit: int, mt: int, fp16: bool, has_perm: bool, has_bias
     with torch.cuda.device(device_index):
         major, minor = torch.cuda.get_device_capability(device_index)
         return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
+
+
+def kernel_available(device: torch.device) -> Optional[str]:
+    """Why the kernel cannot run on `device` (None: it can): mma.m16n8k16 with bf16 needs compute capability 8.0,
+    NVRTC comes through torch.cuda._compile_kernel."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "needs compute capability >= 8.0"
+    if getattr(torch.cuda, "_compile_kernel", None) is None:
+        return "this torch has no torch.cuda._compile_kernel (NVRTC)"
+    return None
 
 
 CONFIG = {"warps": 8, "unit": 2}

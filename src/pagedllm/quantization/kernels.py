@@ -57,6 +57,23 @@ def tiled_int_linear(x: torch.Tensor, layer: torch.nn.Module, bias: Optional[tor
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
+def mma_int_linear(x: torch.Tensor, layer: torch.nn.Module, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """4-bit weight-only over the mma layout (`kernels/qgemv_mma.py`): the tensor-core kernel on CUDA for fp16 / bf16
+    activations of the scales' dtype, else the dense torch reference."""
+    from pagedllm.kernels.qgemv_mma import dequantize_mma, quant_gemv_mma
+
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    args = (layer.qweight, layer.scales, layer.zeros, layer.quant_group_size, layer.quant_perm)
+    if x.is_cuda and x.dtype == layer.scales.dtype:
+        if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+            x2 = x2.contiguous()
+        out = quant_gemv_mma(x2, *args, bias)
+    else:
+        out = F.linear(x2, dequantize_mma(*args, dtype=x.dtype), bias)
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 

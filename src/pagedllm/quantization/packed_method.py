@@ -8,11 +8,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.kernels.qgemv_mma import dequantize_mma
 from pagedllm.kernels.tiled_layout import dequantize_tiled
 from pagedllm.quantization.base import LinearMethodBase
-from pagedllm.quantization.kernels import packed_int_linear, tiled_int_linear
+from pagedllm.quantization.kernels import mma_int_linear, packed_int_linear, tiled_int_linear
 from pagedllm.quantization.packed import dequantize_packed
-from pagedllm.quantization.tiled import use_tiled_layout
+from pagedllm.quantization.tiled import use_mma_layout, use_tiled_layout
 
 
 class PackedIntLinearMethod(LinearMethodBase):
@@ -45,16 +46,20 @@ class PackedIntLinearMethod(LinearMethodBase):
         layer.quant_bits = self.bits
         layer.quant_group_size = self.group_size
         layer.quant_layout = "internal"
-        if layer.qweight.is_cuda:
+        if layer.qweight.is_cuda and not use_mma_layout(layer):
             use_tiled_layout(layer)
 
     def apply(self, layer, x, bias=None):
+        if layer.quant_layout == "mma":
+            return mma_int_linear(x, layer, bias)
         if layer.quant_layout == "tiled":
             return tiled_int_linear(x, layer, bias)
         return packed_int_linear(x, layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
                                  layer.quant_group_size, layer.g_idx, bias)
 
     def dequantized_weight(self, layer):
+        if layer.quant_layout == "mma":
+            return dequantize_mma(layer.qweight, layer.scales, layer.zeros, layer.quant_group_size, layer.quant_perm)
         if layer.quant_layout == "tiled":
             return dequantize_tiled(layer.qweight, layer.scales, layer.zeros, layer.quant_bits,
                                     layer.quant_group_size, layer.quant_perm)

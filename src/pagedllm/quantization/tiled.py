@@ -1,4 +1,5 @@
-"""The CUDA kernels' layout of 4/8-bit weights ("tiled"), made once at load time from the internal layout.
+"""The CUDA kernels' layouts of 4/8-bit weights ("mma" for 4-bit weights the tensor-core GEMV holds, else "tiled"),
+made once at load time from the internal layout.
 
 The layout itself (what the kernels read, and its torch reference `dequantize_tiled`) is defined in
 `kernels/tiled_layout.py`; this module decides which layers it applies to and converts them. Where the layout does
@@ -73,6 +74,54 @@ def to_tiled(qweight: torch.Tensor, bits: int, group_size: int, zeros: torch.Ten
     # channel t*16*pack + i*16 + r -> word row t*16 + r, value i
     q = q.view(tiles, pack, TILE_WORDS, n).transpose(1, 2).reshape(kp, pack, n)
     return pack_kn(q, bits).contiguous(), perm
+
+
+def _layout_q(layer: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The layer's q values [K, N] in layout-channel order (act-order: channels sorted by group) and the perm."""
+    bits = layer.quant_bits
+    kp, n = layer.qweight.shape
+    q = unpack_kn(layer.qweight.data, bits).reshape(kp * (32 // bits), n)
+    if layer.g_idx is None:
+        return q, None
+    perm = _act_order_perm(layer.g_idx.data, layer.quant_group_size, layer.zeros.shape[0])
+    return q.index_select(0, perm), perm.to(torch.int32).contiguous()
+
+
+def mma_layout_unsupported(layer: nn.Module) -> Optional[str]:
+    """Why a loaded 4-bit layer cannot take the mma layout (None: it can)."""
+    from pagedllm.kernels.qgemv_mma import mma_layout_problem
+
+    bits, group = layer.quant_bits, layer.quant_group_size
+    kp, n = layer.qweight.shape
+    k = kp * (32 // bits)
+    problem = mma_layout_problem(k, n, bits, group) or tiled_layout_problem(k, n, bits, group, layer.zeros.data,
+                                                                          layer.g_idx)
+    if problem is None and layer.scales.dtype not in (torch.float16, torch.bfloat16):
+        problem = f"{layer.scales.dtype} scales (the kernel reads fp16 / bf16)"
+    if problem is None and layer.qweight.is_cuda:
+        from pagedllm.kernels.qgemv_mma import kernel_available
+
+        problem = kernel_available(layer.qweight.device)
+    return problem
+
+
+def use_mma_layout(layer: nn.Module) -> bool:
+    """Convert a loaded layer (internal layout) to the tensor-core GEMV's layout (`kernels/qgemv_mma.py`) in place,
+    where it applies; sets layer.quant_layout = "mma" and quant_perm. Returns whether it did."""
+    problem = mma_layout_unsupported(layer)
+    if not envs.PAGEDLLM_QUANT_TILED or problem is not None:  # =0: every layer keeps the internal layout (the A/B)
+        logger.debug("%s: no mma layout: %s", getattr(layer, "prefix", "layer"), problem)
+        return False
+    from pagedllm.kernels.qgemv_mma import to_mma_layout
+
+    q, perm = _layout_q(layer)
+    layer.qweight = nn.Parameter(to_mma_layout(q.t()), requires_grad=False)
+    if layer.g_idx is not None:
+        del layer.g_idx
+        layer.g_idx = None
+    layer.register_buffer("quant_perm", perm, persistent=False)
+    layer.quant_layout = "mma"
+    return True
 
 
 def use_tiled_layout(layer: nn.Module) -> bool:

@@ -1,0 +1,118 @@
+"""The tensor-core int4 GEMV (kernels/qgemv_mma.py, csrc/qgemv_mma.cu) on the GPU against the fp32 product of the
+dequantized weight: the Qwen3-0.6B and Llama-3-8B layer shapes, 1..300 rows (row tiles of 8, several row blocks),
+group sizes 64 / 128 / 256 / whole K, act-order, bias, fp16 and bf16, launch configs, CUDA-graph replay, and a
+layer converted at load (quantization/tiled.py: use_mma_layout) against its internal layout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from pagedllm.kernels.qgemv_mma import dequantize_mma, quant_gemv_mma, to_mma_layout  # noqa: E402
+
+SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024),  # Qwen3-0.6B qkv, o, gate_up, down
+          (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # Llama-3-8B
+
+
+def _run(m, k, n, group=128, dtype=torch.bfloat16, perm=False, bias=False, config=None, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
+    groups = k // (k if group == -1 else group)
+    scales = (torch.rand(groups, n, device="cuda", generator=gen) * 0.02).to(dtype)
+    zeros = torch.randint(0, 16, (groups, n), device="cuda", generator=gen).to(dtype)
+    p = torch.randperm(k, device="cuda", generator=gen).to(torch.int32) if perm else None
+    words = to_mma_layout(q)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    b = torch.randn(n, device="cuda", generator=gen).to(dtype) if bias else None
+    ref = x.float() @ dequantize_mma(words, scales, zeros, group, p).t() + (b.float() if bias else 0)
+    out = quant_gemv_mma(x, words, scales, zeros, group, p, b, config)
+    assert out.shape == (m, n) and out.dtype == dtype
+    err = (out.float() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= 1e-2 * scale, (err, scale)
+    return out
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_model_shapes(k, n, m):
+    _run(m, k, n, bias=m == 5)
+
+
+@pytest.mark.parametrize("m", [9, 16, 33, 64, 100, 300])
+def test_row_tiles_and_blocks(m):
+    _run(m, 4096, 1024, perm=m == 33, bias=m == 100)
+
+
+@pytest.mark.parametrize("group", [64, 128, 256, -1])
+@pytest.mark.parametrize("perm", [False, True])
+def test_group_sizes_and_act_order(group, perm):
+    _run(3, 2048, 512, group=group, perm=perm)
+
+
+@pytest.mark.parametrize("m", [1, 7, 40])
+def test_fp16(m):
+    _run(m, 4096, 2048, dtype=torch.float16, bias=True, perm=m == 7)
+
+
+@pytest.mark.parametrize("config", [{"warps": 1, "unit": 1}, {"warps": 4, "unit": 2}, {"warps": 16, "unit": 4},
+                                    {"warps": 8, "unit": 2, "mt": 2}])
+def test_launch_configs(config):
+    _run(6, 4096, 768, group=256, config=config)
+
+
+def test_cuda_graph_replay():
+    """Captured once, replayed on new inputs: the same answers as eager calls (no state between launches)."""
+    k, n = 4096, 2048
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    words = to_mma_layout(torch.randint(0, 16, (n, k), device="cuda", generator=gen))
+    scales = (torch.rand(k // 128, n, device="cuda", generator=gen) * 0.02).bfloat16()
+    zeros = torch.full((k // 128, n), 8.0, device="cuda").bfloat16()
+    x = torch.randn(2, k, device="cuda", generator=gen).bfloat16()
+    quant_gemv_mma(x, words, scales, zeros, 128)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quant_gemv_mma(x, words, scales, zeros, 128)
+    for _ in range(3):
+        x.copy_(torch.randn(2, k, device="cuda", generator=gen).bfloat16())
+        graph.replay()
+        torch.testing.assert_close(out, quant_gemv_mma(x, words, scales, zeros, 128), atol=0, rtol=0)
+
+
+def test_layer_converted_at_load_matches_internal_layout(monkeypatch):
+    """A GPTQ layer loaded onto the GPU takes the mma layout; its product equals the internal layout's (the
+    general dequant kernel, PAGEDLLM_QUANT_TILED=0) at decode and prefill row counts."""
+    from pagedllm.layers.linear import RowParallelLinear
+    from pagedllm.quantization.gptq import GPTQConfig
+
+    def layer(act_order):
+        gen = torch.Generator().manual_seed(0)
+        with torch.device("cuda"):
+            lin = RowParallelLinear(1024, 512, bias=False, params_dtype=torch.bfloat16,
+                                    quant_config=GPTQConfig(4, 128, desc_act=act_order, sym=False), prefix="proj")
+        for name, p in lin.named_parameters():
+            if p.dtype == torch.int32 and name != "g_idx":
+                p.data.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, dtype=torch.int64).to(torch.int32))
+            elif name != "g_idx":
+                p.data.copy_(torch.rand(p.shape, generator=gen) * 0.02 + 0.001)
+        if act_order:
+            lin.g_idx.data.copy_(torch.argsort(torch.randperm(1024, generator=gen)).cuda() // 128)
+        lin.linear_method.process_weights_after_loading(lin)
+        return lin
+
+    for act_order in (False, True):
+        monkeypatch.setenv("PAGEDLLM_QUANT_TILED", "1")
+        fast = layer(act_order)
+        assert fast.quant_layout == "mma"
+        monkeypatch.setenv("PAGEDLLM_QUANT_TILED", "0")
+        slow = layer(act_order)
+        assert slow.quant_layout == "internal"
+        for rows in (1, 4, 40):
+            x = torch.randn(rows, 1024, device="cuda").bfloat16()
+            want = slow.linear_method.apply(slow, x).float()
+            got = fast.linear_method.apply(fast, x).float()
+            assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
