@@ -76,16 +76,28 @@ def _source() -> str:
         return f.read()
 
 
+ROW_TILES = (1, 2, 4, 8)  # MT variants: 8 * MT rows per block
+
+
+def _warps(warps: int, mt: int) -> int:
+    return min(warps, 64 // mt)  # the reduction's shared memory: warps * mt * 512 bytes
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(warps: int, unit: int, mt: int, fp16: bool, has_perm: bool, has_bias: bool, device_index: int):
+def _kernels(warps: int, unit: int, fp16: bool, has_perm: bool, has_bias: bool, device_index: int) -> dict:
+    """Every row-tile variant at once, so that the first (eager) call compiles what later row counts need: a
+    compile (module load) inside CUDA-graph capture is not allowed."""
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
     if compile_kernel is None:
         raise RuntimeError("torch.cuda._compile_kernel (NVRTC) is not in this torch")
-    defines = (f"#define WARPS {warps}\n#define UNIT {unit}\n#define MT {mt}\n#define IS_FP16 {int(fp16)}\n"
-               f"#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
+    major, minor = torch.cuda.get_device_capability(device_index)
+    kernels = {}
     with torch.cuda.device(device_index):
-        major, minor = torch.cuda.get_device_capability(device_index)
-        return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
+        for mt in ROW_TILES:
+            defines = (f"#define WARPS {_warps(warps, mt)}\n#define UNIT {unit}\n#define MT {mt}\n"
+                       f"#define IS_FP16 {int(fp16)}\n#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
+            kernels[mt] = compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
+    return kernels
 
 
 def kernel_available(device: torch.device) -> Optional[str]:
@@ -126,9 +138,9 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     while group_chunks % unit:
         unit //= 2
     mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
-    warps = min(cfg["warps"], 64 // mt)  # the reduction's shared memory: warps * mt * 512 bytes
-    kernel = _kernel(warps, unit, mt, x.dtype == torch.float16, perm is not None, bias is not None,
-                     x.device.index if x.device.index is not None else torch.cuda.current_device())
+    warps = _warps(cfg["warps"], mt)
+    kernel = _kernels(cfg["warps"], unit, x.dtype == torch.float16, perm is not None, bias is not None,
+                      x.device.index if x.device.index is not None else torch.cuda.current_device())[mt]
     kernel(grid=(nt, (m + 8 * mt - 1) // (8 * mt), 1), block=(32 * warps, 1, 1),
            args=[words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
                  out, m, n, k, x.stride(0), out.stride(0), group_chunks])
