@@ -13,6 +13,7 @@ the activation dtype; `perm` (act-order) maps layout channels to input channels.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from typing import Optional
@@ -112,6 +113,39 @@ def kernel_available(device: torch.device) -> Optional[str]:
     return None
 
 
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
+    """cuLaunchKernelEx with programmatic stream serialization (kernels/pdl.py): the kernel may start while the one
+    before it finishes; it loads its weights, then `griddepcontrol.wait`s before reading x."""
+    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    keep, ptrs = [], []
+    for a in args:
+        c = ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
+        keep.append(c)
+        ptrs.append(ctypes.cast(ctypes.byref(c), ctypes.c_void_p))
+    arg_array = (ctypes.c_void_p * len(ptrs))(*ptrs)
+    attr = _LaunchAttr()
+    attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value = (1).to_bytes(4, "little") + bytes(60)
+    cfg = _LaunchConfig(*grid, *block, 0, torch.cuda.current_stream().cuda_stream, ctypes.pointer(attr), 1)
+    err = libcuda.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, arg_array, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
+
+
 CONFIG = {"warps": 8, "unit": 2}
 
 
@@ -141,7 +175,13 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     warps = _warps(cfg["warps"], mt)
     kernel = _kernels(cfg["warps"], unit, x.dtype == torch.float16, perm is not None, bias is not None,
                       x.device.index if x.device.index is not None else torch.cuda.current_device())[mt]
-    kernel(grid=(nt, (m + 8 * mt - 1) // (8 * mt), 1), block=(32 * warps, 1, 1),
-           args=[words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
-                 out, m, n, k, x.stride(0), out.stride(0), group_chunks])
+    grid, block = (nt, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
+    args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
+            out, m, n, k, x.stride(0), out.stride(0), group_chunks]
+    from pagedllm.kernels.pdl import use_pdl  # (imports triton: not at module level, the CPU path has none)
+
+    if use_pdl(x.device):
+        _launch_pdl(kernel, grid, block, args)
+    else:
+        kernel(grid=grid, block=block, args=args)
     return out
