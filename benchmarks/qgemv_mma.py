@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quant import ROTATE_BYTES, SHAPES, Layers, time_us  # noqa: E402
 
-from pagedllm.kernels.qgemv_mma import dequantize_mma, quant_gemv_mma, to_mma_layout  # noqa: E402
+from pagedllm.kernels.qgemv_mma import dense_weight, dequantize_mma, quant_gemv_mma, to_mma_layout  # noqa: E402
 
 
 def weights(k, n, group, dtype, perm=False, seed=0):
@@ -58,8 +58,8 @@ def check() -> bool:
 
 
 def bench(rows, sweep):
-    configs = [{"warps": w, "unit": u} for w in (4, 8, 16) for u in (1, 2)] if sweep else [{}]
-    big = [{"warps": w, "unit": 2} for w in (4, 8)]
+    configs = [{}] + ([{"warps": w, "unit": u} for w in (4, 8, 16) for u in (1, 2)] if sweep else [])
+    big = [{}]
     totals = {}
     for name, (k, n) in SHAPES["8b"].items():
         layers = Layers(k, n, ["bf16", "int4"])
@@ -77,20 +77,25 @@ def bench(rows, sweep):
                 if best is None or t < best[0]:
                     best = (t, cfg)
             t_mma, cfg = best
-            for key, v in (("bf16", t_bf16), ("int4", t_int4), ("mma", t_mma)):
+            t_dense = float("nan")
+            if m > 8:  # the many-rows path: dequantize into the buffer, then cuBLAS
+                t_dense = time_us(lambda i: torch.nn.functional.linear(x, dense_weight(*copies[i][:3], 128)),
+                                  len(copies))
+            for key, v in (("bf16", t_bf16), ("int4", t_int4), ("mma", t_mma), ("dense", t_dense)):
                 totals[(m, key)] = totals.get((m, key), 0.0) + v
             print(f"{name:8} rows={m}: bf16 {t_bf16:.1f} us, int4 tiled {t_int4:.1f} us ({per / t_int4 / 1e3:.0f} GB/s), "
-                  f"mma {t_mma:.1f} us ({per / t_mma / 1e3:.0f} GB/s) {cfg}; mma vs bf16 {t_bf16 / t_mma:.2f}x",
+                  f"mma {t_mma:.1f} us ({per / t_mma / 1e3:.0f} GB/s) {cfg}; mma vs bf16 {t_bf16 / t_mma:.2f}x; "
+                  f"dequant + cuBLAS {t_dense:.1f} us",
                   flush=True)
     for m in rows:
-        b, i, q = totals[(m, "bf16")], totals[(m, "int4")], totals[(m, "mma")]
+        b, i, q, d = (totals[(m, key)] for key in ("bf16", "int4", "mma", "dense"))
         print(f"one layer, {m} rows: bf16 {b:.1f} us, int4 tiled {i:.1f} us ({b / i:.2f}x), mma {q:.1f} us "
-              f"({b / q:.2f}x bf16, {i / q:.2f}x tiled)", flush=True)
+              f"({b / q:.2f}x bf16, {i / q:.2f}x tiled), dequant + cuBLAS {d:.1f} us ({b / d:.2f}x bf16)", flush=True)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()

@@ -12,7 +12,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from pagedllm.kernels.qgemv_mma import dequantize_mma, quant_gemv_mma, to_mma_layout  # noqa: E402
+from pagedllm.kernels.qgemv_mma import dense_weight, dequantize_mma, quant_gemv_mma, to_mma_layout  # noqa: E402
 
 SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024),  # Qwen3-0.6B qkv, o, gate_up, down
           (4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # Llama-3-8B
@@ -65,6 +65,21 @@ def test_launch_configs(config):
     _run(6, 4096, 768, group=256, config=config)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [64, 128, -1])
+def test_dense_weight_of_the_many_rows_path(dtype, group):
+    """csrc/qgemv_mma.cu's dequant_mma: exactly the fp32 dequantized weight rounded once to the dtype."""
+    k, n = 2048, 768
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    groups = k // (k if group == -1 else group)
+    words = to_mma_layout(torch.randint(0, 16, (n, k), device="cuda", generator=gen))
+    scales = (torch.rand(groups, n, device="cuda", generator=gen) * 0.02).to(dtype)
+    zeros = torch.randint(0, 16, (groups, n), device="cuda", generator=gen).to(dtype)
+    got = dense_weight(words, scales, zeros, group)
+    assert got.shape == (n, k) and got.dtype == dtype
+    torch.testing.assert_close(got, dequantize_mma(words, scales, zeros, group, None).to(dtype), atol=0, rtol=0)
+
+
 def test_cuda_graph_replay():
     """Captured once, replayed on new inputs: the same answers as eager calls (no state between launches)."""
     k, n = 4096, 2048
@@ -111,7 +126,7 @@ def test_layer_converted_at_load_matches_internal_layout(monkeypatch):
         monkeypatch.setenv("PAGEDLLM_QUANT_TILED", "0")
         slow = layer(act_order)
         assert slow.quant_layout == "internal"
-        for rows in (1, 4, 40):
+        for rows in (1, 4, 40, 300):
             x = torch.randn(rows, 1024, device="cuda").bfloat16()
             want = slow.linear_method.apply(slow, x).float()
             got = fast.linear_method.apply(fast, x).float()

@@ -101,6 +101,35 @@ def _kernels(warps: int, unit: int, fp16: bool, has_perm: bool, has_bias: bool, 
     return kernels
 
 
+@functools.lru_cache(maxsize=None)
+def _dequant_kernel(fp16: bool, device_index: int):
+    defines = f"#define WARPS 1\n#define UNIT 1\n#define MT 1\n#define IS_FP16 {int(fp16)}\n#define HAS_PERM 0\n#define HAS_BIAS 0\n"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(defines + _source(), "dequant_mma", compute_capability=f"{major}{minor}")
+
+
+# Dense-weight buffers of the many-rows path, one per (device, dtype, shape), kept for the process: a CUDA graph
+# that captured one keeps its address, so a buffer is never replaced.
+_SCRATCH: dict = {}
+
+
+def dense_weight(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The layer's dense weight [N, K] in the scales' dtype and layout-channel order (csrc/qgemv_mma.cu:
+    dequant_mma), in a buffer shared by every layer of that shape."""
+    nt, chunks = words.shape[:2]
+    n, k = nt * 16, chunks * CHUNK
+    key = (words.device, scales.dtype, n, k)
+    out = _SCRATCH.get(key)
+    if out is None:
+        out = _SCRATCH[key] = torch.empty(n, k, dtype=scales.dtype, device=words.device)
+    group_chunks = (k if group_size == -1 else group_size) // CHUNK
+    kernel = _dequant_kernel(scales.dtype == torch.float16,
+                             words.device.index if words.device.index is not None else torch.cuda.current_device())
+    kernel(grid=((nt * chunks + 3) // 4, 1, 1), block=(128, 1, 1), args=[words, scales, zeros, out, n, k, group_chunks])
+    return out
+
+
 def kernel_available(device: torch.device) -> Optional[str]:
     """Why the kernel cannot run on `device` (None: it can): mma.m16n8k16 with bf16 needs compute capability 8.0,
     NVRTC comes through torch.cuda._compile_kernel."""
@@ -146,7 +175,19 @@ def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
 
-CONFIG = {"warps": 8, "unit": 2}
+CONFIG = {"warps": None, "unit": 2}  # warps None: by the grid (`default_warps`)
+# Most rows the GEMV takes; above, the weight is dequantized into a buffer and multiplied by cuBLAS
+# (benchmarks/qgemv_mma.py measures both; numbers in docs/benchmarks.md).
+MMA_MAX_ROWS = 32
+
+
+def default_warps(column_tiles: int) -> int:
+    """Warps per block (they split K): about 4096 warps in all, 4 to 16 per block (benchmarks/qgemv_mma.py --sweep:
+    the best per 8B layer at 1 row)."""
+    warps = 16
+    while warps > 4 and column_tiles * warps > 4096:
+        warps //= 2
+    return warps
 
 
 def _next_pow2(v: int) -> int:
@@ -172,8 +213,9 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     while group_chunks % unit:
         unit //= 2
     mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
-    warps = _warps(cfg["warps"], mt)
-    kernel = _kernels(cfg["warps"], unit, x.dtype == torch.float16, perm is not None, bias is not None,
+    base_warps = cfg["warps"] or default_warps(nt)
+    warps = _warps(base_warps, mt)
+    kernel = _kernels(base_warps, unit, x.dtype == torch.float16, perm is not None, bias is not None,
                       x.device.index if x.device.index is not None else torch.cuda.current_device())[mt]
     grid, block = (nt, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,

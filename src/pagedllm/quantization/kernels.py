@@ -58,14 +58,19 @@ def tiled_int_linear(x: torch.Tensor, layer: torch.nn.Module, bias: Optional[tor
 
 
 def mma_int_linear(x: torch.Tensor, layer: torch.nn.Module, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """4-bit weight-only over the mma layout (`kernels/qgemv_mma.py`): the tensor-core kernel on CUDA for fp16 / bf16
-    activations of the scales' dtype, else the dense torch reference."""
-    from pagedllm.kernels.qgemv_mma import dequantize_mma, quant_gemv_mma
+    """4-bit weight-only over the mma layout (`kernels/qgemv_mma.py`): on CUDA for fp16 / bf16 activations of the
+    scales' dtype the tensor-core GEMV up to MMA_MAX_ROWS rows, above that the weight dequantized into a buffer and
+    one cuBLAS GEMM (act-order: the activations permuted instead of the weight); else the dense torch reference."""
+    from pagedllm.kernels.qgemv_mma import MMA_MAX_ROWS, dense_weight, dequantize_mma, quant_gemv_mma
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     args = (layer.qweight, layer.scales, layer.zeros, layer.quant_group_size, layer.quant_perm)
-    if x.is_cuda and x.dtype == layer.scales.dtype:
+    if x.is_cuda and x.dtype == layer.scales.dtype and x2.shape[0] > MMA_MAX_ROWS:
+        if layer.quant_perm is not None:
+            x2 = x2.index_select(1, layer.quant_perm)
+        out = F.linear(x2, dense_weight(*args[:4]), bias)
+    elif x.is_cuda and x.dtype == layer.scales.dtype:
         if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
             x2 = x2.contiguous()
         out = quant_gemv_mma(x2, *args, bias)

@@ -201,3 +201,39 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
         }
     }
 }
+
+// The dense weight [N, K] (layout-channel order, the activation dtype) of an mma-layout layer: the path for many
+// rows (dequantize once, then one cuBLAS GEMM). One warp per (column tile, chunk): each lane writes 16
+// consecutive channels of its two rows (g, g + 8) as two 32-byte runs.
+extern "C" __global__ void __launch_bounds__(128)
+dequant_mma(const uint4* __restrict__ qw, const u16* __restrict__ scales, const u16* __restrict__ zeros,
+            u16* __restrict__ out, int N, int K, int group_chunks) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int chunks = K >> 6;
+    const int id = blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (id >= (N >> 4) * chunks) return;
+    const int nt = id / chunks, c = id % chunks;
+    const uint4 w4 = __ldg(qw + (u64)id * 32 + lane);
+    const u32 words[4] = {w4.x, w4.y, w4.z, w4.w};
+    const int grp = c / group_chunks;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {  // row g (nibbles 0, 4, 2, 6 of each word), row g + 8 (1, 5, 3, 7)
+        const int n = nt * 16 + g + 8 * h;
+        const float s = to_f32(scales[(u64)grp * N + n]), z = to_f32(zeros[(u64)grp * N + n]);
+        u32 packed[8];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const u32 ww = words[j] >> (4 * h);  // row g + 8's nibbles sit one position (4 bits) higher
+            const float v0 = ((float)((ww >> 0) & 15) - z) * s;   // k + 0: nibble 0 (h = 1: nibble 1)
+            const float v1 = ((float)((ww >> 16) & 15) - z) * s;  // k + 1: nibble 4 (5)
+            const float v2 = ((float)((ww >> 8) & 15) - z) * s;   // k + 2: nibble 2 (3)
+            const float v3 = ((float)((ww >> 24) & 15) - z) * s;  // k + 3: nibble 6 (7)
+            packed[2 * j] = (u32)from_f32(v0) | ((u32)from_f32(v1) << 16);
+            packed[2 * j + 1] = (u32)from_f32(v2) | ((u32)from_f32(v3) << 16);
+        }
+        uint4* dst = (uint4*)(out + (u64)n * K + c * 64 + 16 * t);
+        dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+}
