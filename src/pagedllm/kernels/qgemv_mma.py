@@ -178,7 +178,7 @@ def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
 CONFIG = {"warps": None, "unit": 2}  # warps None: by the grid (`default_warps`)
 # Most rows the GEMV takes; above, the weight is dequantized into a buffer and multiplied by cuBLAS
 # (benchmarks/qgemv_mma.py measures both; numbers in docs/benchmarks.md).
-MMA_MAX_ROWS = 32
+MMA_MAX_ROWS = 64
 
 
 def default_warps(column_tiles: int) -> int:
@@ -192,6 +192,24 @@ def default_warps(column_tiles: int) -> int:
 
 def _next_pow2(v: int) -> int:
     return 1 << (max(1, v) - 1).bit_length()
+
+
+def _unit(unit: int, group_chunks: int) -> int:
+    """Chunks per unit: at most `unit`, dividing the group (a unit never spans two groups)."""
+    while group_chunks % unit:
+        unit //= 2
+    return unit
+
+
+def prepare(words: torch.Tensor, dtype: torch.dtype, group_size: int, has_perm: bool, has_bias: bool) -> None:
+    """Compile (NVRTC) what a layer's calls will launch, at load time: a compile inside CUDA-graph capture fails."""
+    if words.device.type != "cuda":
+        return
+    index = words.device.index if words.device.index is not None else torch.cuda.current_device()
+    k = words.shape[1] * CHUNK
+    unit = _unit(CONFIG["unit"], (k if group_size == -1 else group_size) // CHUNK)
+    _kernels(default_warps(words.shape[0]), unit, dtype == torch.float16, has_perm, has_bias, index)
+    _dequant_kernel(dtype == torch.float16, index)
 
 
 def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -209,9 +227,7 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     if m == 0:
         return out
     group_chunks = (k if group_size == -1 else group_size) // CHUNK
-    unit = cfg["unit"]
-    while group_chunks % unit:
-        unit //= 2
+    unit = _unit(cfg["unit"], group_chunks)
     mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
     base_warps = cfg["warps"] or default_warps(nt)
     warps = _warps(base_warps, mt)

@@ -112,10 +112,12 @@ def use_mma_layout(layer: nn.Module) -> bool:
     if not envs.PAGEDLLM_QUANT_TILED or problem is not None:  # =0: every layer keeps the internal layout (the A/B)
         logger.debug("%s: no mma layout: %s", getattr(layer, "prefix", "layer"), problem)
         return False
-    from pagedllm.kernels.qgemv_mma import to_mma_layout
+    from pagedllm.kernels.qgemv_mma import prepare, to_mma_layout
 
     q, perm = _layout_q(layer)
     layer.qweight = nn.Parameter(to_mma_layout(q.t()), requires_grad=False)
+    prepare(layer.qweight, layer.scales.dtype, layer.quant_group_size, perm is not None,
+            getattr(layer, "bias", None) is not None)
     if layer.g_idx is not None:
         del layer.g_idx
         layer.g_idx = None
