@@ -2,8 +2,9 @@
 
 For each linear layer shape (K in, N out) of Llama-3-8B (default) or Qwen3-0.6B and each row count, times
   bf16      the engine's unquantized path (the few-row Triton GEMV up to PAGEDLLM_GEMV_MAX_ROWS rows, else cuBLAS)
-  int4      the engine's 4-bit path: tiled layout, group 128 (kernels/qgemv.py up to PAGEDLLM_QUANT_GEMV_MAX_ROWS
-            rows, else kernels/qgemm.py)
+  int4      the tiled 4-bit path, group 128 (kernels/qgemv.py up to PAGEDLLM_QUANT_GEMV_MAX_ROWS rows, else
+            kernels/qgemm.py): what 4-bit layers the mma layout cannot hold take (the mma path itself:
+            benchmarks/qgemv_mma.py)
   int4-gemv / int4-gemm   each tiled kernel alone (the GEMV only up to 8 rows)
   int4-old  the general dequant kernel over the load-time layout (kernels/dequant_gemm.py: PAGEDLLM_QUANT_TILED=0)
   int8      the tiled path at 8 bits

@@ -121,9 +121,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),
     "LOCAL_RANK": _int("LOCAL_RANK", 0),
-    # 4/8-bit weight-only layers on CUDA are repacked into the tiled layout for kernels/qgemv.py and qgemm.py
-    # (quantization/tiled.py); "0" keeps the general dequant kernel (kernels/dequant_gemm.py) over the load-time
-    # layout (A/B benchmarks).
+    # 4/8-bit weight-only layers on CUDA are repacked at load into the mma layout (kernels/qgemv_mma.py) or the tiled
+    # one (kernels/qgemv.py, qgemm.py) (quantization/tiled.py); "0" keeps the general dequant kernel
+    # (kernels/dequant_gemm.py) over the load-time layout for every layer (A/B benchmarks).
     "PAGEDLLM_QUANT_TILED": lambda: os.environ.get("PAGEDLLM_QUANT_TILED", "1") != "0",
     # Most rows for which tiled 4/8-bit layers use the CUDA-core GEMV (kernels/qgemv.py, at most 8); more rows
     # take the tensor-core kernel (kernels/qgemm.py).
