@@ -76,26 +76,14 @@ def test_dequantize_with_act_order_perm():
 # ---------------------------------------------------------------- the layer conversion (quantization/tiled.py)
 import pytest  # noqa: E402
 
-from pagedllm.layers.linear import RowParallelLinear  # noqa: E402
 from pagedllm.quantization.awq import AWQConfig  # noqa: E402
 from pagedllm.quantization.gptq import GPTQConfig  # noqa: E402
 from pagedllm.quantization.tiled import mma_layout_unsupported, use_mma_layout  # noqa: E402
+from tests.quantization.test_tiled_layout import _layer as tiled_layer  # noqa: E402
 
 
-def _layer(config, k, n, act_order=False, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    layer = RowParallelLinear(k, n, bias=False, params_dtype=dtype, quant_config=config, prefix="proj")
-    for name, p in layer.named_parameters():
-        if name == "g_idx":
-            continue
-        if p.dtype == torch.int32:
-            p.data.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, dtype=torch.int64).to(torch.int32))
-        else:
-            p.data.copy_(torch.rand(p.shape, generator=gen) * 0.02 + 0.001)
-    if act_order:
-        layer.g_idx.data.copy_(torch.argsort(torch.randperm(k, generator=gen)) // config.group_size)
-    layer.linear_method.process_weights_after_loading(layer)
-    return layer
+def _layer(config, k, n, act_order=False, dtype=torch.bfloat16):
+    return tiled_layer(config, k, n, act_order, dtype=dtype)
 
 
 MMA_CASES = [

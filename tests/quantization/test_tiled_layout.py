@@ -28,9 +28,9 @@ def _random_fill(layer, gen):
             p.data.copy_(torch.rand(p.shape, generator=gen) * 0.02 + 0.001)
 
 
-def _layer(config, k, n, act_order=False, seed=0):
+def _layer(config, k, n, act_order=False, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    layer = RowParallelLinear(k, n, bias=False, params_dtype=torch.float32, quant_config=config, prefix="proj")
+    layer = RowParallelLinear(k, n, bias=False, params_dtype=dtype, quant_config=config, prefix="proj")
     _random_fill(layer, gen)
     if act_order:
         layer.g_idx.data.copy_(torch.argsort(torch.randperm(k, generator=gen)) // config.group_size)

@@ -67,6 +67,22 @@ __device__ __forceinline__ u32 neg_zero_pair(u16 zbits) {
     return ((u32)h << 16) | h;
 }
 
+// One unit's weights (UNIT 16-byte words of the lane), and the scales and zeros of its group for the lane's two
+// columns.
+struct Unit {
+    uint4 w[UNIT];
+    u16 s_lo, s_hi, z_lo, z_hi;
+};
+
+__device__ __forceinline__ void load_unit(Unit& un, const uint4* wbase, const u16* scales, const u16* zeros, int u,
+                                          int group_chunks, int N, int n_lo, int n_hi) {
+#pragma unroll
+    for (int i = 0; i < UNIT; i++) un.w[i] = __ldg(wbase + (u64)(u * UNIT + i) * 32);
+    const u64 row = (u64)(u * UNIT / group_chunks) * N;
+    un.s_lo = scales[row + n_lo]; un.s_hi = scales[row + n_hi];
+    un.z_lo = zeros[row + n_lo]; un.z_hi = zeros[row + n_hi];
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __restrict__ scales,
           const u16* __restrict__ zeros, const int* __restrict__ perm, const u16* __restrict__ bias,
@@ -81,16 +97,9 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
     // this lane's 16-byte word group of chunk c: qw[(nt * chunks + c) * 32 + lane]
     const uint4* wbase = qw + (u64)nt * chunks * 32 + lane;
 
-    uint4 w_cur[UNIT];
-    u16 s_lo = 0, s_hi = 0, z_lo = 0, z_hi = 0;
+    Unit cur;
     int u = warp;
-    if (u < units) {
-#pragma unroll
-        for (int i = 0; i < UNIT; i++) w_cur[i] = __ldg(wbase + (u64)(u * UNIT + i) * 32);
-        const int grp = u * UNIT / group_chunks;
-        s_lo = scales[(u64)grp * N + n_lo]; s_hi = scales[(u64)grp * N + n_hi];
-        z_lo = zeros[(u64)grp * N + n_lo]; z_hi = zeros[(u64)grp * N + n_hi];
-    }
+    if (u < units) load_unit(cur, wbase, scales, zeros, u, group_chunks, N, n_lo, n_hi);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 #endif
@@ -107,17 +116,9 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
     }
     for (; u < units; u += WARPS) {
         // the next unit's weights, scales and zeros are in flight while this one computes
-        uint4 w_nxt[UNIT];
-        u16 s_lo2 = 0, s_hi2 = 0, z_lo2 = 0, z_hi2 = 0;
-        const int un = u + WARPS;
-        if (un < units) {
-#pragma unroll
-            for (int i = 0; i < UNIT; i++) w_nxt[i] = __ldg(wbase + (u64)(un * UNIT + i) * 32);
-            const int grp = un * UNIT / group_chunks;
-            s_lo2 = scales[(u64)grp * N + n_lo]; s_hi2 = scales[(u64)grp * N + n_hi];
-            z_lo2 = zeros[(u64)grp * N + n_lo]; z_hi2 = zeros[(u64)grp * N + n_hi];
-        }
-        const u32 za = neg_zero_pair(z_lo), zb = neg_zero_pair(z_hi);
+        Unit nxt;
+        if (u + WARPS < units) load_unit(nxt, wbase, scales, zeros, u + WARPS, group_chunks, N, n_lo, n_hi);
+        const u32 za = neg_zero_pair(cur.z_lo), zb = neg_zero_pair(cur.z_hi);
         float d[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
@@ -152,7 +153,7 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
                     for (int e = 0; e < 8; e++) xr[mt][e] = 0u;
                 }
             }
-            const u32 words[4] = {w_cur[i].x, w_cur[i].y, w_cur[i].z, w_cur[i].w};
+            const u32 words[4] = {cur.w[i].x, cur.w[i].y, cur.w[i].z, cur.w[i].w};
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 const u32 w = words[j];
@@ -167,15 +168,13 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
                 }
             }
         }
-        const float sl = to_f32(s_lo), sh = to_f32(s_hi);
+        const float sl = to_f32(cur.s_lo), sh = to_f32(cur.s_hi);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
             acc[mt][0] += sl * d[mt][0]; acc[mt][1] += sl * d[mt][1];
             acc[mt][2] += sh * d[mt][2]; acc[mt][3] += sh * d[mt][3];
         }
-#pragma unroll
-        for (int i = 0; i < UNIT; i++) w_cur[i] = w_nxt[i];
-        s_lo = s_lo2; s_hi = s_hi2; z_lo = z_lo2; z_hi = z_hi2;
+        cur = nxt;
     }
     // the warps' partial sums (each warp took every WARPS-th unit) added in warp order: deterministic
     __shared__ float red[WARPS][MT * 4][32];
