@@ -115,9 +115,15 @@ def use_mma_layout(layer: nn.Module) -> bool:
     from pagedllm.kernels.qgemv_mma import prepare, to_mma_layout
 
     q, perm = _layout_q(layer)
-    layer.qweight = nn.Parameter(to_mma_layout(q.t()), requires_grad=False)
-    prepare(layer.qweight, layer.scales.dtype, layer.quant_group_size, perm is not None,
-            getattr(layer, "bias", None) is not None)
+    words = to_mma_layout(q.t())
+    try:
+        prepare(words, layer.scales.dtype, layer.quant_group_size, perm is not None,
+                getattr(layer, "bias", None) is not None)
+    except Exception as e:  # e.g. no NVRTC library beside this torch: the tiled kernels take the layer
+        logger.warning("%s: the tensor-core int4 GEMV did not compile (%s); using the tiled kernels",
+                       getattr(layer, "prefix", "layer"), e)
+        return False
+    layer.qweight = nn.Parameter(words, requires_grad=False)
     if layer.g_idx is not None:
         del layer.g_idx
         layer.g_idx = None
