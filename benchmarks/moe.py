@@ -6,6 +6,8 @@
     python benchmarks/moe.py decode --model benchmarks/configs/qwen3-30b-a3b            # batch-1 decode ms/step
     python benchmarks/moe.py decode --model benchmarks/configs/qwen3-30b-a3b --engine vllm   # the same on vLLM
     python benchmarks/moe.py throughput --model benchmarks/configs/mixtral-8x7b [--engine vllm]  # 512 x 512/256
+    python benchmarks/moe.py rows --model benchmarks/configs/mixtral-8x7b [--engine vllm]  # decode + throughput,
+                                                                    # one engine start for both
 
 kernel: one MoE layer (router logits -> routing kernel -> experts) captured in a CUDA graph per token count and
   replayed; reports microseconds per layer and the memory-bound time of the bytes it must read (the distinct
@@ -14,6 +16,8 @@ decode: one request of --input-len prompt tokens; ms/step = (time for 32 + N out
   the same for both engines (prefill and start-up cancel), against the active-weight bound: every non-expert
   weight, k experts per MoE layer, one embedding row and the average KV context read once per step.
 throughput: offline_throughput.py's protocol with --num-prompts 512 --input-len 512 512 --output-len 256 256.
+rows: the decode row and then 512 x 512 in / 256 out at --temperature (0.6, the nano-vllm protocol's) from one
+  engine (max_num_seqs 512), so that each engine pays its start-up (vLLM: torch.compile, graphs) once.
 vLLM runs in its own process (`--engine vllm` / `--peer vllm`: the wheel ../shared/device/vllm-peer.sh brings).
 """
 from __future__ import annotations
@@ -164,38 +168,41 @@ def active_weight_bytes(cfg, dtype_bytes: int = 2) -> tuple[int, int]:
     return active * dtype_bytes, total * dtype_bytes
 
 
-def run_decode(args) -> dict:
-    from pagedllm.models.loader import load_hf_config
-
-    cfg = load_hf_config(args.model)
-    rng = random.Random(0)
-    prompt = [rng.randrange(10, min(cfg.vocab_size, 32000)) for _ in range(args.input_len)]
-    short, long = 32, 32 + args.output_len
-    max_len = args.input_len + long + 16
+def _engine(args, max_num_seqs: int, max_len: int):
+    """(generate(prompts, [(max_tokens, temperature)]) -> output token count, version, shutdown) for --engine."""
     if args.engine == "vllm":
         import vllm
         llm = vllm.LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                       max_model_len=max_len, max_num_seqs=8, seed=0)
+                       max_model_len=max_len, max_num_seqs=max_num_seqs, seed=0)
 
-        def timed(n: int) -> float:
-            params = vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-            return time.perf_counter() - t
-        version = f"vllm {vllm.__version__}"
-    else:
-        from pagedllm import LLM, SamplingParams
-        llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                  max_model_len=max_len, max_num_seqs=8, seed=0, enforce_eager=args.enforce_eager)
+        def generate(prompts, wants) -> int:
+            params = [vllm.SamplingParams(temperature=t, max_tokens=n, ignore_eos=True, detokenize=False)
+                      for n, t in wants]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+        return generate, f"vllm {vllm.__version__}", llm.reset_prefix_cache, lambda: None
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              max_model_len=max_len, max_num_seqs=max_num_seqs, seed=0, enforce_eager=args.enforce_eager)
 
-        def timed(n: int) -> float:
-            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    def generate(prompts, wants) -> int:
+        params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True) for n, t in wants]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t
-        version = "pagedllm"
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+    return generate, "pagedllm", llm.engine.reset_prefix_cache, llm.shutdown
+
+
+def _decode_row(args, cfg, generate, version) -> dict:
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, min(cfg.vocab_size, 32000)) for _ in range(args.input_len)]
+    short, long = 32, 32 + args.output_len
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        generate([prompt], [(n, 0.0)])
+        return time.perf_counter() - t
     timed(short)  # warm-up (compiles, graphs, the prompt in the prefix cache for every timed run alike)
     t_short = min(timed(short) for _ in range(args.iters))
     t_long = min(timed(long) for _ in range(args.iters))
@@ -205,12 +212,49 @@ def run_decode(args) -> dict:
         getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * 2
     kv = kv_per_token * (args.input_len + 32 + args.output_len / 2)
     bound_ms = (active + kv) / HBM_BYTES_PER_S * 1e3
-    result = {"engine": version, "model": args.model, "decode_ms_per_step": ms_per_step, "bound_ms": bound_ms,
-              "ratio_to_bound": ms_per_step / bound_ms, "active_weight_gb": active / 1e9,
-              "all_weight_gb": total / 1e9}
     print(f"{version}: batch-1 decode {ms_per_step:.3f} ms/step; active-weight memory-bound {bound_ms:.3f} ms "
           f"({active / 1e9:.2f} GB of {total / 1e9:.1f} GB weights + {kv / 1e9:.3f} GB KV at "
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s) -> {ms_per_step / bound_ms:.2f}x the bound", flush=True)
+    return {"engine": version, "model": args.model, "decode_ms_per_step": ms_per_step, "bound_ms": bound_ms,
+            "ratio_to_bound": ms_per_step / bound_ms, "active_weight_gb": active / 1e9,
+            "all_weight_gb": total / 1e9}
+
+
+def run_decode(args) -> dict:
+    from pagedllm.models.loader import load_hf_config
+
+    cfg = load_hf_config(args.model)
+    generate, version, _, shutdown = _engine(args, 8, args.input_len + 32 + args.output_len + 16)
+    result = _decode_row(args, cfg, generate, version)
+    shutdown()
+    return result
+
+
+def run_rows(args) -> dict:
+    """The decode row, then 512 x 512/256 (offline_throughput.py's requests) from the same engine."""
+    sys.path.insert(0, HERE)
+    from offline_throughput import make_requests
+    from pagedllm.models.loader import load_hf_config
+
+    cfg = load_hf_config(args.model)
+    max_len = max(512 + 256, args.input_len + 32 + args.output_len) + 16
+    t0 = time.perf_counter()
+    generate, version, reset_prefix_cache, shutdown = _engine(args, args.max_num_seqs, max_len)
+    startup = time.perf_counter() - t0
+    result = _decode_row(args, cfg, generate, version)
+    special = [t for t in (cfg.bos_token_id, cfg.eos_token_id) if isinstance(t, int)]
+    reqs = make_requests(args.num_prompts, (512, 512), (256, 256), min(cfg.vocab_size, 32000), 0, special)
+    generate([ids for ids, _ in reqs[:2]], [(4, args.temperature)] * 2)  # warm the sampling path
+    reset_prefix_cache()  # no prefix hits from the decode row or the warm-up
+    t = time.perf_counter()
+    n_out = generate([ids for ids, _ in reqs], [(n, args.temperature) for _, n in reqs])
+    elapsed = time.perf_counter() - t
+    assert n_out == sum(n for _, n in reqs), f"{version} produced {n_out} tokens, not the {sum(n for _, n in reqs)} asked"
+    result.update(throughput_tok_s=n_out / elapsed, throughput_elapsed_s=elapsed, output_tokens=n_out,
+                  startup_s=startup, temperature=args.temperature, num_prompts=args.num_prompts)
+    print(f"{version}: {args.num_prompts} x 512 in / 256 out at temperature {args.temperature}: {n_out} tokens in "
+          f"{elapsed:.2f} s = {n_out / elapsed:.1f} tok/s (start-up {startup:.1f} s)", flush=True)
+    shutdown()
     return result
 
 
@@ -246,13 +290,23 @@ def main(argv=None) -> None:
     t.add_argument("--model", default=os.path.join(HERE, "configs", "qwen3-30b-a3b"))
     t.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
     t.add_argument("--max-num-seqs", type=int, default=512)
-    for sp in (k, d, t):
+    r = sub.add_parser("rows")
+    r.add_argument("--model", default=os.path.join(HERE, "configs", "qwen3-30b-a3b"))
+    r.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
+    r.add_argument("--input-len", type=int, default=128)
+    r.add_argument("--output-len", type=int, default=256)
+    r.add_argument("--iters", type=int, default=3)
+    r.add_argument("--max-num-seqs", type=int, default=512)
+    r.add_argument("--num-prompts", type=int, default=512)
+    r.add_argument("--temperature", type=float, default=0.6)
+    r.add_argument("--enforce-eager", action="store_true")
+    for sp in (k, d, t, r):
         sp.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.cmd == "throughput":
         run_throughput(args)
         return
-    result = run_kernel(args) if args.cmd == "kernel" else run_decode(args)
+    result = {"kernel": run_kernel, "decode": run_decode, "rows": run_rows}[args.cmd](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "args": vars(args), "result": result}, f, indent=2)

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 30's speed rows on the lent H200 beside real vLLM, in device calls (each step under its own timeout, its log
+# and JSON under $OUT, a failed step recorded and the rest run):
+#
+#   1. here: ../shared/device/vllm-peer.sh (-> .vpeer1..8); on the device one call per piece, back to back, each
+#      carrying only that folder: mkdir -p /tmp/vc && cp .vpeerN/* /tmp/vc/
+#   2. on the device (carry .whl; the first call installs vLLM from /tmp/vc into /tmp/vsite):
+#        bash benchmarks/gpu_moe_peer.sh STEP [STEP ...]
+#
+# Steps:
+#   kernel-SHAPE          benchmarks/moe.py kernel --peer vllm (SHAPE: qwen3-30b-a3b, mixtral-8x7b)
+#   rows-CONFIG-ENGINE    benchmarks/moe.py rows (batch-1 decode + 512 x 512/256 at temperature 0.6, one engine start)
+#                         CONFIG: a dir under benchmarks/configs; ENGINE: pagedllm or vllm
+#   nano-CONFIG-ENGINE    offline_throughput.py's nano-vllm protocol (256 prompts, 100..1024 in / out, temperature 0.6)
+#   serve                 issue 26's 1024x256 and 4096x1024 rows of pagedllm serve (carry .carry_srv too)
+# STEP_TIMEOUT (s, default 300) bounds each step.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+source tests/gpu/device_prepare.sh
+if ls /tmp/vc/part_* >/dev/null 2>&1 && [ ! -d /tmp/vsite/vllm ]; then
+    cat /tmp/vc/part_* > /tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite \
+        /tmp/vllm-0.24.0-*.whl /tmp/vc/*.whl || echo "vLLM install failed"
+fi
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+vllm_env=(env PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_CACHE_ROOT=/tmp/vcache)
+status=0
+for step in "$@"; do
+    log="$out/$step.log"
+    t0=$(date +%s)
+    echo "=== $step ($(date -u +%H:%M:%S))" | tee -a "$out/steps.txt"
+    case $step in
+        kernel-*)
+            cmd=("${vllm_env[@]}" python3 benchmarks/moe.py kernel --shape "${step#kernel-}" --peer vllm
+                 --tokens 1 2 4 8 16 64 256 1024 4096 --json "$out/$step.json") ;;
+        rows-*|nano-*)
+            rest=${step#*-}; engine=${rest##*-}; config=benchmarks/configs/${rest%-*}
+            env_=(env); [ "$engine" = vllm ] && env_=("${vllm_env[@]}")
+            if [ "${step%%-*}" = rows ]; then
+                cmd=("${env_[@]}" python3 benchmarks/moe.py rows --model "$config" --engine "$engine"
+                     --json "$out/$step.json")
+            else
+                cmd=("${env_[@]}" python3 benchmarks/offline_throughput.py --model "$config" --load-format dummy
+                     --dtype bfloat16 --num-prompts 256 --input-len 100 1024 --output-len 100 1024
+                     --max-model-len 2048 --temperature 0.6 --hf none --no-tqdm --engine "$engine"
+                     --json "$out/$step.json")
+            fi ;;
+        serve)
+            cmd=(env OUT="$out" WORKLOADS="--workload 1024x256 --workload 4096x1024" SERVERS=pagedllm
+                 KV_BYTES=42949672960 PART_TIMEOUT=$(( ${STEP_TIMEOUT:-300} - 10 ))
+                 bash benchmarks/gpu_serve_peer.sh pagedllm) ;;
+        *) echo "unknown step $step" | tee -a "$out/steps.txt"; status=2; continue ;;
+    esac
+    timeout -k 10 "${STEP_TIMEOUT:-300}" "${cmd[@]}" > "$log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    echo "=== $step rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
+    grep -E "ms/step|tok/s|T= |failed|Error|error:" "$log" | grep -v "^INFO" | tail -25
+    # a killed engine may leave its workers: nothing of one step may hold the GPU for the next
+    pkill -f "benchmarks/(moe|offline_throughput|serve_vs_vllm).py" 2>/dev/null; pkill -f "vllm serve" 2>/dev/null
+    pkill -f "pagedllm serve" 2>/dev/null; pkill -f EngineCore 2>/dev/null; sleep 1
+done
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+exit $status
