@@ -98,9 +98,16 @@ def run_kernel(args) -> list[dict]:
             configs = [None]
             if args.sweep and path == "grouped":
                 base = grouped_config(m, experts, dtype)
-                configs = [None] + [dict(base, BLOCK_M=bm, BLOCK_N=bn, GATE_BLOCK_N=gbn, BLOCK_K=bk, num_warps=w)
-                                    for bm in (16, 32, 64) for bn, gbn in ((64, 32), (64, 64), (128, 64))
-                                    for bk in (64, 128) for w in (4, 8)]
+                if args.sweep == "wide":  # the large tiles of prefill-sized token counts
+                    configs = [None] + [dict(base, BLOCK_M=bm, BLOCK_N=bn, GATE_BLOCK_N=gbn, BLOCK_K=64,
+                                             num_warps=w, num_stages=st)
+                                        for bm in (64, 128) for bn, gbn in ((128, 64), (128, 128), (256, 128))
+                                        for w in (4, 8) for st in (3, 4)]
+                else:
+                    configs = [None] + [dict(base, BLOCK_M=bm, BLOCK_N=bn, GATE_BLOCK_N=gbn, BLOCK_K=bk,
+                                             num_warps=w)
+                                        for bm in (16, 32, 64) for bn, gbn in ((64, 32), (64, 64), (128, 64))
+                                        for bk in (64, 128) for w in (4, 8)]
             best = None
             for cfg in configs:
                 def layer(cfg=cfg, path=path):
@@ -111,6 +118,8 @@ def run_kernel(args) -> list[dict]:
                 except Exception as e:  # a tile config that does not fit (shared memory): skip it
                     print(f"  T={tokens} {path} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                     continue
+                if args.sweep:
+                    print(f"    T={tokens} {path} {us:8.1f} us {cfg or 'default'}", flush=True)
                 if best is None or us < best[0]:
                     best = (us, cfg)
             row[f"{path}_us"] = best[0]
@@ -277,7 +286,8 @@ def main(argv=None) -> None:
     k.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     k.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     k.add_argument("--iters", type=int, default=50)
-    k.add_argument("--sweep", action="store_true", help="also try grouped tile configs (slow: one capture each)")
+    k.add_argument("--sweep", nargs="?", const="small", choices=["small", "wide"], default=None,
+                   help="also try grouped tile configs (slow: one capture each); wide: the large prefill tiles")
     k.add_argument("--peer", choices=["none", "vllm"], default="none")
     d = sub.add_parser("decode")
     d.add_argument("--model", default=os.path.join(HERE, "configs", "qwen3-30b-a3b"))

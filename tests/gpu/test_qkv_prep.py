@@ -33,8 +33,11 @@ CASES = [
     (10, 2, 80, 32, FP32, True),
     (9, 3, 64, 16, FP32, False),  # SmolLM2-135M
     (8, 8, 128, 16, FP32, True),
+    (8, 4, 256, 16, BF16, "gemma"),  # Gemma 3 4B: float32 (1 + w) weights, the product in float32
+    (4, 1, 256, 32, FP16, "gemma"),  # Gemma 3 1B
 ]
-IDS = [f"h{h}-kv{kv}-d{d}-bs{bs}-{str(dt).split('.')[-1]}{'-norm' if n else ''}" for h, kv, d, bs, dt, n in CASES]
+IDS = [f"h{h}-kv{kv}-d{d}-bs{bs}-{str(dt).split('.')[-1]}{'-' + n if isinstance(n, str) else '-norm' if n else ''}"
+       for h, kv, d, bs, dt, n in CASES]
 
 
 def _inputs(num_tokens, num_heads, num_kv_heads, head_size, block_size, dtype, qk_norm, seed=0):
@@ -50,7 +53,9 @@ def _inputs(num_tokens, num_heads, num_kv_heads, head_size, block_size, dtype, q
         slots[1] = -1  # padding row: no cache write
     norms = None
     if qk_norm:
-        norms = tuple((1 + 0.2 * torch.randn(head_size, generator=gen)).to(dtype).to(DEVICE) for _ in range(2))
+        # Gemma's norms hold 1 + w in float32 (layers/layernorm.GemmaRMSNorm)
+        weight_dtype = FP32 if qk_norm == "gemma" else dtype
+        norms = tuple((1 + 0.2 * torch.randn(head_size, generator=gen)).to(weight_dtype).to(DEVICE) for _ in range(2))
     rope = get_rope(head_size, 8192, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 8192})
@@ -91,7 +96,7 @@ def test_qkv_prep_matches_unfused_reference(case, num_tokens):
 
 @pytest.mark.parametrize("specs", [[(0, 37), (100, 50), (500, 1)], [(n - 1, 1) for n in (1, 17, 64, 65, 1000)]],
                          ids=["mixed", "decode"])
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, True, "gemma"])
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     """forward_qkv (one kernel before attention) == norm + rope + forward (separate kernels)."""
@@ -108,7 +113,9 @@ def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     cos_sin = rope.cos_sin_cache.to(DEVICE)
     norms = (None, None, 1e-6)
     if qk_norm:
-        norms = tuple((1 + 0.2 * torch.randn(head_size, generator=gen)).to(dtype).to(DEVICE) for _ in range(2)) + (1e-6,)
+        weight_dtype = FP32 if qk_norm == "gemma" else dtype  # Gemma's (1 + w) weights are float32
+        norms = tuple((1 + 0.2 * torch.randn(head_size, generator=gen)).to(weight_dtype).to(DEVICE)
+                      for _ in range(2)) + (1e-6,)
     backend = TritonAttentionBackend()
 
     cache_a = batch.kv_cache.clone()
@@ -120,7 +127,9 @@ def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     q, k, v = (t.reshape(num_tokens, -1, head_size) for t in qkv.split(
         [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1))
     if qk_norm:
-        q, k = rms_norm_ref(q, norms[0], norms[2]), rms_norm_ref(k, norms[1], norms[2])
+        gemma = qk_norm == "gemma" and dtype != FP32  # HF's Gemma norm: the product in float32, one rounding
+        q, k = rms_norm_ref(q, norms[0], norms[2], gemma), rms_norm_ref(k, norms[1], norms[2], gemma)
+        q, k = q.to(dtype), k.to(dtype)
     q, k = apply_rotary_ref(positions, q, k, cos_sin, head_size)
     cache_b = batch.kv_cache.clone()
     out_b = backend.forward(q, k, v, cache_b, md, batch.scale)

@@ -197,3 +197,44 @@ def test_gemv_applies_rule(monkeypatch):
     assert not gemv_applies(x(1).cpu(), small.cpu())
     monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "0")
     assert not gemv_applies(x(1), small)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1152), (9, 2560), (2, 3, 256)])
+def test_gemma_rms_norm_matches_hf(shape, dtype, residual):
+    """Gemma's (1 + w) norm through the kernel's float32 product equals transformers' Gemma3RMSNorm (and the layer
+    takes the kernel on CUDA, not the torch ops)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from pagedllm.layers.layernorm import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(shape, generator=gen)).to(dtype).to(DEVICE)
+    res = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    w = (0.3 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    hf = Gemma3RMSNorm(shape[-1], eps=1e-6).to(DEVICE)
+    hf.weight.data = w.to(DEVICE)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the model dtype the layer rounds w to before adding 1, as HF's weight is
+    try:
+        ours = GemmaRMSNorm(shape[-1], eps=1e-6)
+    finally:
+        torch.set_default_dtype(default)
+    ours.weight.weight_loader(ours.weight, w)
+    ours = ours.to(DEVICE)
+    summed = x + res
+    expected = hf(summed if residual else x)
+    got = ours(x, res) if residual else ours(x)
+    if residual:
+        got, new_res = got
+        assert torch.equal(new_res, summed)
+    assert got.dtype == dtype and got.shape == x.shape
+    # HF's numerics: one rounding of a float32 product (the sum of squares in another order moves few by one ulp)
+    _close(got, expected, dtype)
+    if dtype != torch.float32:
+        assert (got != expected).float().mean().item() < 0.01
+    if DEVICE == "cuda":  # the layer's CUDA path is the kernel: the same bits as calling it directly
+        direct = (fused_add_rms_norm(x, res, ours.weight, 1e-6, fp32_product=True)[0] if residual
+                  else rms_norm(x, ours.weight, 1e-6, fp32_product=True))
+        assert torch.equal(got, direct)

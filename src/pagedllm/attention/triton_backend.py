@@ -150,9 +150,10 @@ class TritonAttentionBackend(AttentionBackend):
         Rotates q in place inside qkv."""
         if not envs.PAGEDLLM_FUSED_QKV or cos_sin_cache.shape[-1] != spec.head_size or qkv.stride(-1) != 1:
             return None
-        if spec.q_norm_weight is not None and (spec.q_norm_weight.dtype != qkv.dtype
-                                               or spec.k_norm_weight.dtype != qkv.dtype):
-            return None
+        if spec.q_norm_weight is not None and (
+                spec.q_norm_weight.dtype != spec.k_norm_weight.dtype
+                or spec.q_norm_weight.dtype not in (qkv.dtype, torch.float32)):
+            return None  # (float32 weights: Gemma's (1 + w) norms, taken in float32 by the kernel)
         num_tokens = qkv.shape[0]
         output = torch.empty(num_tokens, spec.num_heads, spec.head_size, dtype=qkv.dtype, device=qkv.device)
         if num_tokens == 0 or metadata.num_reqs == 0:

@@ -3,7 +3,9 @@
 Numerics follow HF's LlamaRMSNorm exactly: the input is upcast to fp32, normalized, cast back to
 the input dtype, and only then multiplied by the weight (a product rounded to the output dtype).
 The fused variant first adds the residual in the input dtype (as HF's `residual + hidden_states`),
-returns that sum as the new residual, and normalizes it.
+returns that sum as the new residual, and normalizes it. With `fp32_product` (Gemma's (1 + w) norms, whose
+float32 weight already holds 1 + w) the normalized value is not rounded before the weight: the product is taken
+in float32 and rounded once to the input dtype, as HF's Gemma*RMSNorm computes it.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ def _rms_norm_kernel(
     hidden, eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    FP32_PRODUCT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_prior_kernel(USE_PDL)
@@ -35,20 +38,22 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / hidden
-    normed = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+    normed = xf * tl.rsqrt(var + eps)
+    if not FP32_PRODUCT:
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
+    y = normed * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, fp32_product: bool = False):
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), (weight.shape, hidden)
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = x.dtype if fp32_product else torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
     if residual is not None:
         r2 = residual.reshape(-1, hidden)
@@ -63,33 +68,36 @@ def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
         _rms_norm_kernel[(rows,)](
             x2, r2, weight, out, r_out,
             x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0),
-            hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+            hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, FP32_PRODUCT=fp32_product,
+            num_warps=num_warps,
             **pdl_launch_args(x.device),
         )
     out = out.view(*x.shape[:-1], hidden)
     return out, (r_out.view(*x.shape[:-1], hidden) if residual is not None else None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_product: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim. x: [..., hidden]; weight: [hidden]. Returns a new tensor."""
-    return _launch(x, None, weight, eps)[0]
+    return _launch(x, None, weight, eps, fp32_product)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, fp32_product: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual; returns (rms_norm(residual'), residual'). Inputs are not modified."""
     assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
-    out, new_residual = _launch(x, residual, weight, eps)
+    out, new_residual = _launch(x, residual, weight, eps, fp32_product)
     return out, new_residual
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_product: bool = False) -> torch.Tensor:
     xf = x.float()
-    var = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if fp32_product:
+        return (normed * weight.float()).to(x.dtype)
+    return weight * normed.to(x.dtype)
 
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float, fp32_product: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = x + residual
-    return rms_norm_ref(new_residual, weight, eps), new_residual
+    return rms_norm_ref(new_residual, weight, eps, fp32_product), new_residual

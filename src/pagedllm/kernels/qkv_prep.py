@@ -13,7 +13,8 @@ strided). Effects:
 Rows whose slot is negative write nothing to the cache (see reshape_and_cache.py for the padding contract).
 
 Numerics follow the unfused kernels: the norm rounds x * rsqrt(mean(x^2) + eps) to the activation dtype,
-multiplies by the weight and rounds again (HF's RMSNorm); the rotation is done in fp32 from that value and
+multiplies by the weight and rounds again (HF's RMSNorm) or, with float32 norm weights on lower-precision
+activations (Gemma 3's (1 + w) q/k norms), multiplies in float32 and rounds once (HF's Gemma3RMSNorm); the rotation is done in fp32 from that value and
 rounded once. Only the order in which the squares are summed differs (two half-head sums), so a value can land
 one rounding away. Only rotary_dim == head_size is supported (callers fall back otherwise).
 """
@@ -36,6 +37,7 @@ def _qkv_prep_kernel(
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FP32_PRODUCT: tl.constexpr,  # the norm's product in float32, rounded once (Gemma's (1 + w) norms)
     HAS_KV_SCALE: tl.constexpr,  # FP8 cache scales (k_scale, v_scale): K / k_scale, V / v_scale stored, q * k_scale
     USE_PDL: tl.constexpr,
 ):
@@ -63,8 +65,12 @@ def _qkv_prep_kernel(
         wk2 = tl.load(k_w_ptr + HALF + cols, mask=col_ok, other=0.0).to(tl.float32)
         w1 = tl.where(is_q[:, None], wq1[None, :], wk1[None, :])
         w2 = tl.where(is_q[:, None], wq2[None, :], wk2[None, :])
-        n1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
-        n2 = ((f2 * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+        if FP32_PRODUCT:
+            n1 = (f1 * rstd * w1).to(x1.dtype).to(tl.float32)
+            n2 = (f2 * rstd * w2).to(x1.dtype).to(tl.float32)
+        else:
+            n1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+            n2 = ((f2 * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
     else:
         n1 = f1
         n2 = f2
@@ -130,6 +136,9 @@ def qkv_prep(
     q = qkv[:, : num_heads * head_size].view(num_tokens, num_heads, head_size)
     has_norm = q_norm_weight is not None
     assert has_norm == (k_norm_weight is not None)
+    # float32 weights on bf16/fp16 activations are Gemma's (1 + w) norms: HF takes their product in float32
+    fp32_product = has_norm and q_norm_weight.dtype == torch.float32 and qkv.dtype != torch.float32
+    assert not has_norm or k_norm_weight.dtype == q_norm_weight.dtype, (q_norm_weight.dtype, k_norm_weight.dtype)
     if num_tokens == 0:
         return q
     total_heads = num_heads + 2 * num_kv_heads
@@ -144,7 +153,7 @@ def qkv_prep(
         qkv.stride(0), cos_sin_cache.stride(0), eps,
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_Q=num_heads, NUM_KV=num_kv_heads, BLOCK_H=block_h, HEAD_SIZE=head_size, HALF=half,
-        HALF_PAD=half_pad, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm,
+        HALF_PAD=half_pad, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm, FP32_PRODUCT=fp32_product,
         HAS_KV_SCALE=kv_scales is not None, num_warps=2,
         **pdl_launch_args(qkv.device),
     )
@@ -167,8 +176,9 @@ def qkv_prep_ref(
     q = q.reshape(num_tokens, num_heads, head_size)
     k = k.reshape(num_tokens, num_kv_heads, head_size)
     if q_norm_weight is not None:
-        q = rms_norm_ref(q, q_norm_weight, eps)
-        k = rms_norm_ref(k, k_norm_weight, eps)
+        fp32_product = q_norm_weight.dtype == torch.float32 and qkv.dtype != torch.float32
+        q = rms_norm_ref(q, q_norm_weight, eps, fp32_product)
+        k = rms_norm_ref(k, k_norm_weight, eps, fp32_product)
     q, k = apply_rotary_ref(positions, q, k, cos_sin_cache, head_size)
     reshape_and_cache_ref(k, v.reshape(num_tokens, num_kv_heads, head_size), kv_cache, slot_mapping)
     qkv[:, :q_size] = q.reshape(num_tokens, q_size)

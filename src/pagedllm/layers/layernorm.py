@@ -74,9 +74,10 @@ class GemmaRMSNorm(RMSNorm):
     in float32 and only then cast to the input dtype (HF's Gemma*RMSNorm; Llama's casts before the product).
 
     The checkpoint holds w; the parameter holds 1 + w in float32 (the loader adds 1 to w rounded to the model dtype,
-    as HF computes `1.0 + weight.float()`), so in float32 models the fused kernels apply it as a plain RMSNorm
-    weight with HF's numerics. Other dtypes take the float32 product in torch (the kernels round x / rms(x) to the
-    activation dtype before the weight)."""
+    as HF computes `1.0 + weight.float()`), so the fused kernels apply it as a plain RMSNorm weight: in float32
+    models on every device; on CUDA in every dtype through the Triton kernel's float32 product (`fp32_product`).
+    Other dtypes on the CPU take the float32 product in torch (the C++ kernel rounds x / rms(x) to the activation
+    dtype before the weight)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         self.model_dtype = torch.get_default_dtype()
@@ -90,6 +91,12 @@ class GemmaRMSNorm(RMSNorm):
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if x.dtype == torch.float32:
             return super().forward(x, residual)
+        if x.is_cuda:
+            kernels = triton_kernels("norm")
+            if kernels is not None:
+                if residual is None:
+                    return kernels.rms_norm(x, self.weight, self.variance_epsilon, fp32_product=True)
+                return kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon, fp32_product=True)
         return self.forward_native(x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None

@@ -37,8 +37,8 @@ def local_rope_parameters(config: Any) -> dict[str, Any]:
 
 
 class Gemma3Attention(PerHeadQKNorm, Gemma2Attention):
-    # (1 + w) q/k norms: their float32 weights reach a fused kernel (`qk_norm`) only where it runs in float32 (the
-    # Triton path declines a weight whose dtype differs from the activations').
+    # (1 + w) q/k norms: their float32 weights reach the fused kernels (`qk_norm`), which take a float32 weight's
+    # product in float32 (Triton's qkv_prep) or run in float32 models only (the CPU decode stack).
     qk_norm_cls = GemmaRMSNorm
 
     @staticmethod
