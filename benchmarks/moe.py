@@ -96,6 +96,10 @@ def run_kernel(args) -> list[dict]:
         paths = ["gemv", "grouped"] if m <= 64 else ["grouped"]
         for path in paths:
             configs = [None]
+            if args.sweep and path == "gemv":
+                configs = [None] + [dict(GATE_BLOCK_N=gbn, GATE_BLOCK_K=bk, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+                                    for gbn in (2, 4, 8) for bn in (4, 8, 16) for bk in (256, 512)
+                                    for w in (2, 4)]
             if args.sweep and path == "grouped":
                 base = grouped_config(m, experts, dtype)
                 if args.sweep == "wide":  # the large tiles of prefill-sized token counts
@@ -123,8 +127,8 @@ def run_kernel(args) -> list[dict]:
                 if best is None or us < best[0]:
                     best = (us, cfg)
             row[f"{path}_us"] = best[0]
-            if args.sweep and path == "grouped":
-                row["best_config"] = best[1]
+            if args.sweep:
+                row[f"best_{path}_config"] = best[1]
         if peer is not None:
             def vllm_layer():
                 weights, topk_ids = moe_route(logits, top_k, True)
@@ -139,7 +143,8 @@ def run_kernel(args) -> list[dict]:
         per_path = ", ".join("%s %.1f" % (p, row[p + "_us"]) for p in paths)
         print(f"  T={tokens:6d}  experts hit {active:4d}  ours {ours:8.1f} us ({per_path})  bound {bound_us:7.1f} us "
               f"-> {ours / bound_us:5.2f}x bound, {flops / ours / 1e6:7.1f} TFLOP/s{extra}"
-              + (f"  best {row['best_config']}" if row.get("best_config") else ""), flush=True)
+              + "".join(f"  best {p} {row[f'best_{p}_config']}" for p in paths if row.get(f"best_{p}_config")),
+              flush=True)
         rows.append(row)
     return rows
 

@@ -35,6 +35,8 @@ def main() -> None:
     check_fused(33, 6, 3, 48, 72, f32, "cpu", seed=2)  # auto: grouped
     check_fused(20, 4, 2, 32, 32, f32, "cpu", path="grouped", seed=3,
                 config=dict(BLOCK_M=16, BLOCK_N=16, GATE_BLOCK_N=16, BLOCK_K=16, GROUP_M=2))  # several groups
+    check_fused(3, 8, 2, 80, 48, f32, "cpu", path="gemv", seed=4,  # the sweep's gemv tiles: K in several steps,
+                config=dict(GATE_BLOCK_N=2, GATE_BLOCK_K=32, BLOCK_N=8, BLOCK_K=16, num_warps=2))  # masked tails
     print("fused moe kernels ok")
 
 

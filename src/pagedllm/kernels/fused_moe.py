@@ -399,7 +399,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, path: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights fp32 [T, k], topk_ids int32 [T, k] -> [T, H].
 
-    path: "gemv" | "grouped" | None (by the assignment count); config: grouped tile sizes (benchmarks sweep it)."""
+    path: "gemv" | "grouped" | None (by the assignment count); config: tile sizes for the path taken (benchmarks
+    sweep them; gemv: GATE_BLOCK_N / GATE_BLOCK_K, BLOCK_N / BLOCK_K of the down kernel, num_warps)."""
     num_tokens, hidden = x.shape
     num_experts, two_i, k_w = w13.shape
     inter = two_i // 2
@@ -419,14 +420,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if path is None:
         path = "gemv" if m <= gemv_max_assignments(num_experts, top_k) else "grouped"
     if path == "gemv":
+        cfg = config or {}
         block_n, block_k = _gemv_blocks(16, m, inter, hidden)
+        block_n, block_k = cfg.get("GATE_BLOCK_N", block_n), cfg.get("GATE_BLOCK_K", block_k)
         _gemv_gate_up_kernel[(m, triton.cdiv(inter, block_n))](
             x, w13, topk_ids, act, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **launch)
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", 4), **launch)
         block_n, block_k = _gemv_blocks(16, m, hidden, inter)
+        block_n, block_k = cfg.get("BLOCK_N", block_n), cfg.get("BLOCK_K", block_k)
         _gemv_down_kernel[(m, triton.cdiv(hidden, block_n))](
             act, w2, topk_ids, topk_weights, y, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), hidden,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **launch)
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", 4), **launch)
         return y.sum(dim=1)
     if path != "grouped":
         raise ValueError(f"fused_moe path must be 'gemv', 'grouped' or None, got {path!r}")
