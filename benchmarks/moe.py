@@ -101,7 +101,7 @@ def run_kernel(args) -> list[dict]:
                                     for gbn in (2, 4, 8) for bn in (4, 8, 16) for bk in (256, 512)
                                     for w in (2, 4)]
             if args.sweep and path == "grouped":
-                base = grouped_config(m, experts, dtype)
+                base = grouped_config(m, experts, dtype, inter)
                 if args.sweep == "wide":  # the large tiles of prefill-sized token counts
                     configs = [None] + [dict(base, BLOCK_M=bm, BLOCK_N=bn, GATE_BLOCK_N=gbn, BLOCK_K=64,
                                              num_warps=w, num_stages=st)

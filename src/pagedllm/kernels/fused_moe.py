@@ -370,9 +370,9 @@ def _grouped_down_kernel(a_ptr, w_ptr, topk_w_ptr, out_ptr, sorted_ptr, expert_i
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-def grouped_config(num_assignments: int, num_experts: int, dtype: torch.dtype) -> dict:
+def grouped_config(num_assignments: int, num_experts: int, dtype: torch.dtype, inter: int = 0) -> dict:
     """Tile sizes by how many rows an expert gets on average (GATE_BLOCK_N: the gate_up kernel holds two
-    accumulators, gate and up)."""
+    accumulators, gate and up); inter, the down projection's K, widens its tiles where K is short."""
     per_expert = num_assignments / num_experts
     if dtype == torch.float32:  # fp32 (tests, references): FMA dots, smaller tiles
         return dict(BLOCK_M=16 if per_expert <= 16 else 32, BLOCK_N=64, GATE_BLOCK_N=32, BLOCK_K=32, GROUP_M=8,
@@ -384,8 +384,10 @@ def grouped_config(num_assignments: int, num_experts: int, dtype: torch.dtype) -
         return dict(BLOCK_M=32, BLOCK_N=128, GATE_BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
     if per_expert <= 128:
         return dict(BLOCK_M=64, BLOCK_N=128, GATE_BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    # prefill-sized groups: the large tiles, 8 warps, a deeper pipeline
-    return dict(BLOCK_M=128, BLOCK_N=128, GATE_BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+    # prefill-sized groups: the large tiles, 8 warps, a deeper pipeline; a short down K (Qwen3-MoE's 768) has few
+    # steps to hide each tile's start behind, so its tiles span more of N
+    return dict(BLOCK_M=128, BLOCK_N=256 if 0 < inter <= 1024 else 128, GATE_BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
+                num_warps=8, num_stages=4)
 
 
 # ------------------------------------------------------------------------------------------ the layer op
@@ -434,7 +436,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return y.sum(dim=1)
     if path != "grouped":
         raise ValueError(f"fused_moe path must be 'gemv', 'grouped' or None, got {path!r}")
-    cfg = dict(grouped_config(m, num_experts, x.dtype), **(config or {}))
+    cfg = dict(grouped_config(m, num_experts, x.dtype, inter), **(config or {}))
     block_m = cfg["BLOCK_M"]
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, block_m)
     num_pid_m = expert_ids.numel()
