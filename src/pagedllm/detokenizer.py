@@ -330,6 +330,16 @@ class IncrementalDetokenizer:
             text = "".join([self._step(token_id) for token_id in new_token_ids])
         return self._pieces_add(text)
 
+    def step_text(self, token_id: int) -> str:
+        """update([token_id]) for a caller that keeps the text itself (a plain stream sends it and forgets it):
+        the delta, not added to output_text."""
+        try:
+            text = self._step_or_none(token_id) or ""
+        except Exception as e:
+            text = self._after_failed_step(token_id, e)
+        self.token_ids.append(token_id)
+        return text
+
     def _pieces_add(self, text: str) -> str:
         if text:
             self._pieces.append(text)
