@@ -615,6 +615,12 @@ class AsyncEngine:
         if isinstance(msg, m.EngineOutputs):
             if msg.stats is not None:
                 self._update_stats(msg.stats, msg.engine_index)
+            if msg.step_ids:
+                if msg.outputs and self.processor is not None and self.processor.has_parents():
+                    # n > 1: a parent's children must meet in one process_outputs call (one RequestOutput)
+                    self._process(msg.all_outputs(), msg.engine_index)
+                    return
+                self._process_step(msg.step_ids, msg.step_tokens, msg.step_cached, msg.engine_index)
             if msg.outputs:
                 self._process(msg.outputs, msg.engine_index)
         elif isinstance(msg, m.RequestError):
@@ -667,7 +673,31 @@ class AsyncEngine:
         OutputProcessor, then each request's pending list."""
         now = time.monotonic()
         self._record_timing(outputs, now, engine)
-        request_outputs, to_abort = self.processor.process_outputs(outputs)
+        self._deliver(*self.processor.process_outputs(outputs), now)
+
+    def _process_step(self, ids: list[str], tokens: list[int], cached: list[int], engine: int = 0) -> None:
+        """_process for a step's columns (EngineOutputs.step_ids: running requests, one new token each): the
+        timing of _record_timing for them, then OutputProcessor.process_step."""
+        now = time.monotonic()
+        timing, metrics = self._timing, self.metrics
+        new_tokens = 0
+        for rid in ids:
+            t = timing.get(rid)
+            if t is None:
+                continue
+            if t.first_token is None:
+                t.first_token = now
+                if metrics is not None:
+                    metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
+            t.last_token = now
+            t.num_generated += 1
+            new_tokens += 1
+        if new_tokens and metrics is not None:
+            metrics.add_generation_tokens(new_tokens, engine)
+        self._deliver(*self.processor.process_step(ids, tokens, cached, now), now)
+
+    def _deliver(self, request_outputs: list, to_abort: list, now: float) -> None:
+        """The OutputProcessor's results to each request's pending list; stop-string aborts to the engine."""
         parents = self._parents
         for ro in request_outputs:
             parent = parents.get(ro.request_id)

@@ -189,6 +189,10 @@ class OutputProcessor:
         if state is not None and state.sink is sink:
             state.sink = None
 
+    def has_parents(self) -> bool:
+        """Whether a request with several samples (n > 1) is running."""
+        return bool(self._parents)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -196,9 +200,45 @@ class OutputProcessor:
         return len(self._requests)
 
     # ------------------------------------------------------------------ the step
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process_step(self, ids: list[str], tokens: list[int], cached: list[int],
+                     now: Optional[float] = None) -> tuple[list[RequestOutput], list[str]]:
+        """process_outputs for a step's columns (messages.EngineOutputs.step_ids: each request running, one new
+        token, its num_cached_tokens): a direct stream's step here, in one loop; any other request's output is
+        rebuilt as its EngineCoreOutput and goes through process_outputs (all of them in one call)."""
+        if now is None:
+            now = time.monotonic()
+        results: list[RequestOutput] = []
+        others: list[EngineCoreOutput] = []
+        requests = self._requests
+        for request_id, token_id, num_cached in zip(ids, tokens, cached):
+            state = requests.get(request_id)
+            if state is None:  # aborted by the user meanwhile
+                continue
+            sink = state.sink  # only a plain stream has one
+            if sink is None:
+                others.append(EngineCoreOutput(request_id, [token_id], num_cached_tokens=num_cached))
+                continue
+            metrics = state.metrics  # what _plain_output does for a running one-token step
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            state.num_sent_tokens += 1
+            if num_cached > state.num_cached_tokens:
+                state.num_cached_tokens = num_cached
+            text = state.detokenizer.step_text(token_id) if state.detokenizer is not None else ""
+            if not sink(text, 1):
+                results.append(self._plain_request_output(state, text, [token_id], None, None))
+        if not others:
+            return results, []
+        more, to_abort = self.process_outputs(others, now)
+        results.extend(more)
+        return results, to_abort
+
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        now: Optional[float] = None) -> tuple[list[RequestOutput], list[str]]:
         """Apply one engine step's outputs. Returns (outputs for the user, engine ids to abort)."""
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
         parent_updates: dict[str, list[tuple[_RequestState, Optional[CompletionOutput]]]] = {}
