@@ -148,3 +148,15 @@ def test_no_table_when_the_tokenizer_decodes_differently(monkeypatch, tiny_token
         backend_tokenizer = Lying()
 
     assert mod._build_byte_table(Wrapper(), True) is None
+
+
+def test_gemma_sentencepiece_keeps_decode_stream(gemma3_270m_gguf_path):
+    """A real tokenizer that is not byte-level BPE (Gemma 3: sentencepiece-style, byte fallback): no table."""
+    from pagedllm.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(gemma3_270m_gguf_path)
+    assert byte_table(tok, True) is None and byte_table(tok, False) is None
+    ids = tok.encode("Héllo wörld 🎉", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode("Say:", add_special_tokens=False))
+    assert isinstance(detok._decoder, mod._StreamDecoder)
+    assert "".join(detok.update([t]) for t in ids) == tok.decode(ids)
