@@ -13,7 +13,8 @@ The default model is a tiny random Llama (2 layers, hidden 64) with SmolLM2-135M
 tokenizer (taken from the bundled GGUF): the API process does exactly the work it does for SmolLM2 (a real BPE
 tokenizer, 49,152 ids), while the engine steps are fast enough that a run takes seconds, not minutes.
 
-Only the API processes' CPU time is counted (user + system, all their threads, from /proc via psutil), read
+Only the API processes' CPU time is counted (user + system, all their threads: the scheduler's nanosecond run
+times from /proc/PID/task/*/schedstat where the kernel has them, else psutil's 10 ms ticks; --ticks forces those), read
 after a warm-up and again after the measured streams; the engine core's and the clients' are printed beside it.
 The API process also spends CPU when nothing happens (uvicorn's tick, the engine watchers: per second, not per
 token), which a slow engine (a long run) would charge to each token: it is measured alone after the warm-up
@@ -131,11 +132,31 @@ def server_processes(pid: int) -> tuple[list, list]:
 
 
 def cpu_seconds(procs: list, system_only: bool = False) -> float:
+    """User + system CPU (or system only) from /proc/PID/stat through psutil: clock ticks (10 ms)."""
     total = 0.0
     for p in procs:
         t = p.cpu_times()
         total += t.system if system_only else t.user + t.system
     return total
+
+
+def cpu_seconds_ns(procs: list) -> Optional[float]:
+    """The same CPU time at nanosecond resolution: the scheduler's run time of every live thread
+    (/proc/PID/task/TID/schedstat, first field). A run of ~0.1 s of API CPU is a dozen psutil ticks, so the
+    tick alone is +-8%; this is not. None where the kernel has no schedstat (then the ticks are used).
+    A thread that ends between the two reads is not counted (the API process keeps its threads)."""
+    total = 0
+    try:
+        for p in procs:
+            for tid in os.listdir(f"/proc/{p.pid}/task"):
+                try:
+                    with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                except FileNotFoundError:  # the thread just ended
+                    continue
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
 
 
 async def one_stream(client, url: str, body: dict, chat: bool) -> tuple[int, int]:
@@ -205,14 +226,19 @@ async def warm_and_measure(url: str, args: argparse.Namespace, apis: list, cores
         # What the API process spends with nothing to do (uvicorn's tick, the engine watchers: per second, not
         # per token): measured on its own, and taken out of the per-token figure ("net"), so that a slow engine
         # (a long run) does not count as API cost per token.
-        idle0, t0 = cpu_seconds(apis), time.perf_counter()
+        # The API figures read the scheduler's nanosecond run times where there are (cpu_seconds_ns), else ticks.
+        precise = cpu_seconds_ns(apis) is not None and not args.ticks
+        api_cpu = (lambda: cpu_seconds_ns(apis)) if precise else (lambda: cpu_seconds(apis))
+        idle0, t0 = api_cpu(), time.perf_counter()
         await asyncio.sleep(args.idle_seconds)
-        idle_rate = (cpu_seconds(apis) - idle0) / (time.perf_counter() - t0)
+        idle_rate = (api_cpu() - idle0) / (time.perf_counter() - t0)
         if profile:
             proc.send_signal(signal.SIGUSR1)
-        api0, core0, me0, sys0 = cpu_seconds(apis), cpu_seconds(cores), cpu_seconds([me]), cpu_seconds(apis, True)
+        api0, core0, me0, sys0 = api_cpu(), cpu_seconds(cores), cpu_seconds([me]), cpu_seconds(apis, True)
+        tick0 = cpu_seconds(apis)
         tokens, chunks, elapsed = await drive(client, url, args.streams, bodies, args.chat)
-        api1, core1, me1, sys1 = cpu_seconds(apis), cpu_seconds(cores), cpu_seconds([me]), cpu_seconds(apis, True)
+        api1, core1, me1, sys1 = api_cpu(), cpu_seconds(cores), cpu_seconds([me]), cpu_seconds(apis, True)
+        tick1 = cpu_seconds(apis)
     api_s = api1 - api0
     net_s = max(0.0, api_s - idle_rate * elapsed)
     return {"api_idle_cpu_per_s": idle_rate, "api_net_us_per_token": net_s / max(1, tokens) * 1e6,
@@ -220,7 +246,8 @@ async def warm_and_measure(url: str, args: argparse.Namespace, apis: list, cores
             "seconds": elapsed, "output_tok_s": tokens / elapsed, "api_cpu_s": api_s, "api_system_cpu_s": sys1 - sys0,
             "api_us_per_token": api_s / max(1, tokens) * 1e6, "api_us_per_chunk": api_s / max(1, chunks) * 1e6,
             "api_us_per_request": api_s / max(1, len(bodies)) * 1e6,
-            "tokens_per_chunk": tokens / max(1, chunks), "engine_cpu_s": core1 - core0, "client_cpu_s": me1 - me0}
+            "tokens_per_chunk": tokens / max(1, chunks), "engine_cpu_s": core1 - core0, "client_cpu_s": me1 - me0,
+            "api_cpu_s_ticks": tick1 - tick0, "api_cpu_source": "schedstat" if precise else "ticks"}
 
 
 def measure(src: Optional[str], args: argparse.Namespace, tmp: str, tag: str, profile: Optional[str] = None) -> dict:
@@ -272,6 +299,8 @@ def main() -> None:
                    help="measure the API processes' idle CPU rate this long after the warm-up")
     p.add_argument("--profile", default=None, help="cProfile the API process (one --src, one API process) into FILE")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--ticks", action="store_true",
+                   help="API CPU from psutil's 10 ms ticks only (as before schedstat was read)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     trees = [tuple(s.split("=", 1)) if "=" in s else (s, s) for s in args.src] or [("current", None)]
@@ -299,7 +328,7 @@ def main() -> None:
                       f"(net of idle {res['api_net_us_per_token']:6.1f}; idle {res['api_idle_cpu_per_s'] * 1e3:.1f} ms/s)  "
                       f"{res['api_us_per_chunk']:8.1f} us/chunk  {res['api_us_per_request']:7.0f} us/request  "
                       f"{res['tokens_per_chunk']:.2f} tok/chunk  "
-                      f"api {res['api_cpu_s']:.2f} s (kernel {res['api_system_cpu_s']:.2f})  engine {res['engine_cpu_s']:.2f} s  "
+                      f"api {res['api_cpu_s']:.3f} s ({res['api_cpu_source']}; ticks {res['api_cpu_s_ticks']:.2f}, kernel {res['api_system_cpu_s']:.2f})  engine {res['engine_cpu_s']:.2f} s  "
                       f"client {res['client_cpu_s']:.2f} s  {res['tokens']} tokens in {res['seconds']:.1f} s "
                       f"({res['output_tok_s']:.0f} tok/s)", flush=True)
     print(f"\nAPI tier CPU per streamed token ({args.streams} streams x {args.requests_per_stream} requests, "

@@ -17,6 +17,7 @@ tokenizers' decode() ignores it too), so both strategies match `tokenizer.decode
 from __future__ import annotations
 
 import functools
+import random
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
@@ -116,6 +117,166 @@ class _StreamDecoder:
         return self.step_or_none(token_id) or ""
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte <-> printable character map (what tokenizers' ByteLevel pre-tokenizer / decoder use)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class _ByteTable:
+    """A byte-level BPE tokenizer's ids as bytes, for one skip_special_tokens setting.
+
+    Valid only where tokenizers' decode(ids) is exactly String::from_utf8_lossy of the ids' bytes concatenated
+    (the ByteLevel decoder and nothing else): `byte_table` builds it only after checking that against the
+    tokenizer itself, every id alone and mixed sequences, and returns None otherwise.
+      raw:   id -> its bytes (b"" for a skipped special token)
+      texts: id -> its text, for ids whose bytes are whole valid UTF-8 not ending in U+FFFD (a step of such a
+             token with nothing held back emits exactly that text)
+    """
+
+    __slots__ = ("raw", "texts", "backend", "skip_special_tokens", "__weakref__")
+
+    def __init__(self, raw: dict[int, bytes], backend: Any, skip_special_tokens: bool) -> None:
+        self.raw = raw
+        self.backend = backend
+        self.skip_special_tokens = skip_special_tokens
+        texts: dict[int, str] = {}
+        for token_id, data in raw.items():
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if text and not text.endswith(_REPLACEMENT):
+                texts[token_id] = text
+        self.texts = texts
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """An id outside the table (the model's vocabulary can be larger than the tokenizer's): tokenizers drops
+        ids it has no token for, so it has no bytes; anything else (a negative id, ...) raises like the backend."""
+        data = self.raw.get(token_id)
+        if data is not None:
+            return data
+        if self.backend.decode([token_id], skip_special_tokens=self.skip_special_tokens) != "":
+            raise ValueError(f"token id {token_id} is not in the byte table")
+        return b""
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        return b"".join([self.token_bytes(i) for i in ids]).decode("utf-8", "replace")
+
+
+_byte_tables: "weakref.WeakKeyDictionary[Any, dict[bool, Optional[_ByteTable]]]" = weakref.WeakKeyDictionary()
+
+
+def byte_table(tokenizer: Any, skip_special_tokens: bool) -> Optional[_ByteTable]:
+    """The tokenizer's _ByteTable for this skip setting (built and checked once per tokenizer), or None where it
+    cannot be shown to decode exactly like the tokenizer (not byte-level BPE, another decoder, a mismatch)."""
+    try:
+        tables = _byte_tables.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: not cached, so not worth building per request
+        return None
+    if skip_special_tokens not in tables:
+        try:
+            tables[skip_special_tokens] = _build_byte_table(tokenizer, skip_special_tokens)
+        except Exception:  # noqa: BLE001 - anything unexpected: the tokenizer's own decoding stays in charge
+            tables[skip_special_tokens] = None
+    return tables[skip_special_tokens]
+
+
+def _build_byte_table(tokenizer: Any, skip: bool) -> Optional[_ByteTable]:
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or DecodeStream is None or type(backend.decoder) is not decoders.ByteLevel:
+        return None
+    chars = _byte_level_chars()
+    size = backend.get_vocab_size(with_added_tokens=True)
+    added = backend.get_added_tokens_decoder()
+    special = {tok.content for tok in added.values() if tok.special}
+    raw: dict[int, bytes] = {}
+    for token_id in range(size):
+        token = backend.id_to_token(token_id)
+        if token is None or (skip and token in special):
+            raw[token_id] = b""
+            continue
+        try:  # the ByteLevel decoder: each character's byte, or the token's own UTF-8 if one has none
+            raw[token_id] = bytes([chars[c] for c in token])
+        except KeyError:
+            raw[token_id] = token.encode("utf-8")
+    table = _ByteTable(raw, backend, skip)
+    # The proof that decode(ids) == from_utf8_lossy(bytes of ids): every id alone ...
+    ids = list(range(size))
+    decoded = backend.decode_batch([[i] for i in ids], skip_special_tokens=skip)
+    for token_id, text in zip(ids, decoded):
+        if raw[token_id].decode("utf-8", "replace") != text:
+            return None
+    # ... and sequences mixing added tokens, single bytes (halves of characters) and anything else.
+    rng = random.Random(0)
+    pool = [i for i in ids if len(raw[i]) == 1][:256] + list(added) + rng.sample(ids, min(size, 256))
+    for _ in range(64):
+        seq = [rng.choice(pool) for _ in range(rng.randint(2, 24))]
+        if table.text_of(seq) != backend.decode(seq, skip_special_tokens=skip):
+            return None
+    return table
+
+
+class _ByteTableDecoder:
+    """DecodeStream's steps on a byte table, in Python (no window re-decoded per token).
+
+    Why it is the same: DecodeStream emits decode(window)[len(prefix):] once that is longer than the prefix and
+    does not end in U+FFFD. After it emitted (or was primed with ids that decode without U+FFFD), the window's
+    bytes end on a whole character and its prefix is their decoding, so with decode(ids) == from_utf8_lossy of
+    the bytes, what it emits next is lossy(bytes since that point), at the first step where that is non-empty and
+    does not end in U+FFFD. So the whole state is those bytes (`pending`)."""
+
+    __slots__ = ("step_or_none",)
+
+    def __init__(self, table: _ByteTable) -> None:
+        texts_get = table.texts.get
+        token_bytes = table.token_bytes
+        pending = b""
+
+        def step_or_none(token_id: int) -> Optional[str]:
+            nonlocal pending
+            if not pending:
+                text = texts_get(token_id)
+                if text is not None:
+                    return text
+            data = pending + token_bytes(token_id)
+            text = data.decode("utf-8", "replace")
+            if text and text[-1] != _REPLACEMENT:
+                pending = b""
+                return text
+            pending = data
+            return None
+
+        self.step_or_none = step_or_none
+
+    @staticmethod
+    def primed(tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> Optional["_ByteTableDecoder"]:
+        """One for a request whose prompt ends as _StreamDecoder would prime it cleanly (the same choice of
+        prompt suffix, on the table); None where _StreamDecoder must do it (no table, a dirty suffix)."""
+        table = byte_table(tokenizer, skip_special_tokens)
+        if table is None:
+            return None
+        try:
+            for length in range(4, min(len(prompt_ids), _MAX_STREAM_PRIMING) + 1):
+                if _REPLACEMENT not in table.text_of(prompt_ids[-length:]):
+                    return _ByteTableDecoder(table)
+            if len(prompt_ids) < 4 and _REPLACEMENT not in table.text_of(prompt_ids):
+                return _ByteTableDecoder(table)  # a short prompt: _StreamDecoder primes with all of it
+        except Exception:  # noqa: BLE001 - ids the table refuses: _StreamDecoder as before
+            return None
+        return None
+
+
 class IncrementalDetokenizer:
     """Turns a request's output token ids into text as they arrive.
 
@@ -125,7 +286,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True, *, use_decode_stream: Optional[bool] = None,
-                 token_str_cache: Optional[dict[int, str]] = None) -> None:
+                 token_str_cache: Optional[dict[int, str]] = None, use_byte_table: bool = True) -> None:
         self.tokenizer = tokenizer
         self.prompt_token_ids = list(prompt_token_ids)
         self.skip_special_tokens = skip_special_tokens
@@ -137,7 +298,10 @@ class IncrementalDetokenizer:
             use_decode_stream = DecodeStream is not None and getattr(tokenizer, "is_fast", False)
         self._decoder: Any
         if use_decode_stream:
-            self._decoder = _StreamDecoder(tokenizer, self.prompt_token_ids, skip_special_tokens)
+            # Byte-level BPE: the same steps from a byte table (_ByteTableDecoder); else tokenizers' DecodeStream.
+            self._decoder = ((use_byte_table and
+                              _ByteTableDecoder.primed(tokenizer, self.prompt_token_ids, skip_special_tokens))
+                             or _StreamDecoder(tokenizer, self.prompt_token_ids, skip_special_tokens))
             self._step_or_none = self._decoder.step_or_none
         else:
             self._decoder = self._offset_decoder()
@@ -166,6 +330,16 @@ class IncrementalDetokenizer:
             text = "".join([self._step(token_id) for token_id in new_token_ids])
         return self._pieces_add(text)
 
+    def step_text(self, token_id: int) -> str:
+        """update([token_id]) for a caller that keeps the text itself (a plain stream sends it and forgets it):
+        the delta, not added to output_text."""
+        try:
+            text = self._step_or_none(token_id) or ""
+        except Exception as e:
+            text = self._after_failed_step(token_id, e)
+        self.token_ids.append(token_id)
+        return text
+
     def _pieces_add(self, text: str) -> str:
         if text:
             self._pieces.append(text)
@@ -182,7 +356,7 @@ class IncrementalDetokenizer:
     def _after_failed_step(self, token_id: int, error: Exception) -> str:
         """A step raised `error`. DecodeStream refuses sequences whose decoded prefix changes; continue with the
         offset method, seeded with everything decoded so far. The offset method's errors are the caller's."""
-        if not isinstance(self._decoder, _StreamDecoder):
+        if not isinstance(self._decoder, (_StreamDecoder, _ByteTableDecoder)):
             raise error
         self._decoder = self._offset_decoder()
         self._step_or_none = self._decoder.step

@@ -63,7 +63,7 @@ class Wires:
         while left:
             msg = self.recv(client)
             if isinstance(msg, self.m.EngineOutputs):
-                for out in msg.outputs:
+                for out in msg.all_outputs():
                     tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
                     if out.finish_reason is not None:
                         left.discard(out.request_id)
@@ -128,7 +128,7 @@ def test_a_gone_process_has_its_requests_aborted_and_gets_nothing_more(wires: Wi
     assert stats.num_aborted == 1 and stats.num_running == 0
     while wires.pending(1):  # what was already on its way before ClientGone
         msg = wires.recv(1)
-        assert isinstance(msg, m.EngineOutputs) and {o.request_id for o in msg.outputs} <= {"long"}
+        assert isinstance(msg, m.EngineOutputs) and {o.request_id for o in msg.all_outputs()} <= {"long"}
     wires.send(1, m.GetStats(seq=1, client_index=1))  # a gone process's late message is not answered
     wires.stats(0)  # (the loop has handled it once it answers this)
     assert not wires.pending(1)

@@ -45,11 +45,24 @@ def _close(engine: AsyncEngine) -> None:
     shutil.rmtree(engine._tmpdir, ignore_errors=True)
 
 
+_COLUMNS = [True]
+
+
+@pytest.fixture(autouse=True, params=["columns", "structs"])
+def _wire_form(request):
+    """Every test twice: running steps as the engine core sends them (messages.step_outputs: columns), and each
+    as its own EngineCoreOutput (the form every other output keeps)."""
+    _COLUMNS[0] = request.param == "columns"
+    yield
+
+
 def _step(engine: AsyncEngine, request_id: str, token: int, finished: bool = False) -> None:
     """One engine step's message for one request, through the decoder, as it arrives from the engine core."""
     out = EngineCoreOutput(request_id, [token], finish_reason="length" if finished else None)
-    frame = m.Encoder().encode(m.EngineOutputs(outputs=[out], stats=m.SchedulerStatsMsg()))
-    engine._handle_output(engine.dec.decode(frame))
+    msg = (m.step_outputs([out], m.SchedulerStatsMsg(), 0.0, 0) if _COLUMNS[0]
+           else m.EngineOutputs(outputs=[out], stats=m.SchedulerStatsMsg()))
+    assert bool(msg.step_ids) == (_COLUMNS[0] and not finished)
+    engine._handle_output(engine.dec.decode(m.Encoder().encode(msg)))
 
 
 def _params() -> SamplingParams:
@@ -211,3 +224,52 @@ def test_an_engine_process_exit_fails_pending_requests_and_sets_dead() -> None:
 
     error, alive_before, dead = asyncio.run(run())
     assert alive_before and dead and "exit code -9" in str(error)
+
+
+def test_columns_and_structs_give_the_same_outputs_n2_mixed() -> None:
+    """A step whose outputs come partly as columns, partly as Structs (one child of an n=2 request finishing,
+    the other running; a plain request running): the same RequestOutputs as the Structs alone (the children of
+    one parent meet in one RequestOutput)."""
+    def run(columns: bool) -> list:
+        async def go() -> list:
+            engine, _ = _engine()
+            gens = {rid: engine.generate_batches(None, [1, 2, 3], params, rid, "delta")
+                    for rid, params in (("p", _params()), ("n", SamplingParams(max_tokens=8, n=2,
+                                                                                   detokenize=False)))}
+            tasks = {rid: asyncio.ensure_future(g.__anext__()) for rid, g in gens.items()}
+            await asyncio.sleep(0)
+            steps = [[EngineCoreOutput("p", [5]), EngineCoreOutput("0_n", [6]), EngineCoreOutput("1_n", [7])],
+                     [EngineCoreOutput("p", [8]), EngineCoreOutput("0_n", [9], finish_reason="length"),
+                      EngineCoreOutput("1_n", [10])],
+                     [EngineCoreOutput("p", [11], finish_reason="stop", stop_reason=2),
+                      EngineCoreOutput("1_n", [12], finish_reason="length")]]
+            for outs in steps:
+                msg = (m.step_outputs(outs, None, 0.0, 0) if columns else m.EngineOutputs(outputs=outs))
+                engine._handle_output(engine.dec.decode(m.Encoder().encode(msg)))
+            got = []
+            for rid, g in gens.items():
+                batch = await tasks[rid]
+                async for more in g:
+                    batch += more
+                got.append([(ro.request_id, ro.finished, [(c.index, c.token_ids, c.finish_reason, c.stop_reason)
+                                                          for c in ro.outputs]) for ro in batch])
+            _close(engine)
+            return got
+        return asyncio.run(go())
+
+    assert run(True) == run(False)
+    assert run(False)[1][0][2] == [(0, [6], None, None), (1, [7], None, None)]
+
+
+def test_step_outputs_round_trip() -> None:
+    from pagedllm.core.batch_plan import TokenLogprobs
+
+    outs = [EngineCoreOutput("a", [1], num_cached_tokens=16), EngineCoreOutput("b", [2, 3]),
+            EngineCoreOutput("c", [4], finish_reason="length"), EngineCoreOutput("d", [], num_cached_tokens=3),
+            EngineCoreOutput("e", [5], new_logprobs=[TokenLogprobs([5], [-0.5], [1])]),
+            EngineCoreOutput("f", [6], stop_reason=7), EngineCoreOutput("g", [8])]
+    msg = m.output_decoder().decode(m.Encoder().encode(m.step_outputs(outs, m.SchedulerStatsMsg(), 1.5, 2)))
+    assert msg.step_ids == ["a", "g"] and msg.step_tokens == [1, 8] and msg.step_cached == [16, 0]
+    assert [o.request_id for o in msg.outputs] == ["b", "c", "d", "e", "f"]
+    assert sorted(msg.all_outputs(), key=lambda o: o.request_id) == outs
+    assert (msg.timestamp, msg.engine_index) == (1.5, 2)

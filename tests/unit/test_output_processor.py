@@ -263,3 +263,56 @@ def test_final_only_text_decoded_at_the_end_equals_step_by_step(tokenizer):
             assert last.finished and not proc.has_unfinished()
             finals[kind] = last.outputs[0]
         assert finals["final_only"] == finals["cumulative"]
+
+
+def _summary(results):
+    return [(ro.request_id, ro.finished, ro.num_cached_tokens,
+             [(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason, c.logprobs) for c in ro.outputs])
+            for ro in results]
+
+
+def test_process_step_equals_process_outputs(tokenizer):
+    """The columns of a step (process_step) give what the same outputs as EngineCoreOutputs give, for every kind
+    of request: plain streams with and without a direct sink (one refusing), stop strings, logprobs asked for,
+    n = 2, cumulative and final_only; a request aborted meanwhile is skipped."""
+    ids = encode(tokenizer, "Streaming 🎉 text, with a stop word somewhere: STOP and more text after it.")
+    prompt = encode(tokenizer, "Prompt:")
+    kinds = [("plain", SamplingParams(max_tokens=100), "delta", None),
+             ("sink", SamplingParams(max_tokens=100), "delta", None),
+             ("refuse", SamplingParams(max_tokens=100), "delta", None),
+             ("stop", SamplingParams(stop=["STOP"], max_tokens=100), "delta", None),
+             ("lp", SamplingParams(logprobs=1, max_tokens=100), "delta", None),
+             ("cum", SamplingParams(max_tokens=100), "cumulative", None),
+             ("final", SamplingParams(max_tokens=100), "final_only", None),
+             ("0_par", SamplingParams(max_tokens=100), "delta", "par"),
+             ("1_par", SamplingParams(max_tokens=100), "delta", "par"),
+             ("gone", SamplingParams(max_tokens=100), "delta", None)]
+
+    def run(columns):
+        proc = OutputProcessor(tokenizer)
+        taken = []
+        for rid, params, kind, parent in kinds:
+            proc.add_request(rid, None, prompt, params, output_kind=kind, parent_id=parent,
+                             index=int(rid[0]) if parent else 0)
+        assert proc.set_sink("sink", lambda text, n: taken.append((text, n)) or True)
+        assert proc.set_sink("refuse", lambda text, n: False)
+        proc.abort_requests(["gone"])
+        got = []
+        for step, token in enumerate(ids):
+            cached = 4 if step == 0 else 0
+            outs = [EngineCoreOutput(rid, [token], num_cached_tokens=cached) for rid, *_ in kinds
+                    if rid != "lp"]
+            lp = [EngineCoreOutput("lp", [token], new_logprobs=[TokenLogprobs([token], [-0.5], [1])])]
+            if columns:
+                r1, a1 = proc.process_step([o.request_id for o in outs], [token] * len(outs), [cached] * len(outs))
+                r2, a2 = proc.process_outputs(lp)
+                got.append((sorted(_summary(r1 + r2)), sorted(a1 + a2)))
+            else:
+                r, a = proc.process_outputs(outs + lp)
+                got.append((sorted(_summary(r)), sorted(a)))
+        return got, taken
+
+    assert run(True) == run(False)
+    got, taken = run(True)
+    assert "".join(t for t, _ in taken) == tokenizer.decode(ids) and all(n == 1 for _, n in taken)
+    assert any(aborts == ["stop"] for _, aborts in got)

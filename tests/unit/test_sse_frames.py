@@ -41,3 +41,22 @@ def test_chat_template_is_the_dict_frame(options) -> None:
                       "stop_reason": None}
             usage = usage_dict(3, num_gen) if framer.continuous_usage else None
             assert before + dumps(text) + after + framer.end(3, num_gen) == framer.choices([choice], usage)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["none", "bool", "off", "usage", "continuous"])
+def test_direct_framer_is_direct_frame(options) -> None:
+    """SSEStream.direct_framer (the closure the output handler calls per token) writes byte for byte what
+    direct_frame writes, and counts the tokens the same (the usage chunk at the end reads num_gen)."""
+    from pagedllm.entrypoints.openai.streaming import SSEStream
+
+    def stream() -> SSEStream:
+        s = SSEStream(None, None, None, ChunkFramer("cmpl-1", "text_completion", 1700000000, "m", options))
+        s.templates = [s.framer.template(b'{"index":0,"text":')]
+        s.num_prompt, s.num_gen = 5, 1
+        return s
+
+    a, b = stream(), stream()
+    frame = b.direct_framer()
+    for n, text in enumerate(TEXTS, start=1):
+        assert frame(text, n) == a.direct_frame(text, n)
+        assert a.num_gen == b.num_gen

@@ -240,6 +240,7 @@ class AsyncEngine:
             self._tasks.append(loop.create_task(self._watch_engine(), name="pagedllm-engine-watch"))
 
     def _load_frontend(self) -> None:
+        from pagedllm.detokenizer import byte_table
         from pagedllm.entrypoints.output_processor import OutputProcessor
         from pagedllm.tokenizer import get_tokenizer
 
@@ -248,6 +249,7 @@ class AsyncEngine:
         self.tokenizer = get_tokenizer(getattr(args, "tokenizer", None) or self.ready.model_dir,
                                        trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
         self.processor = OutputProcessor(self.tokenizer)
+        byte_table(self.tokenizer, True)  # built now, not in the first request (skip_special_tokens' default)
 
     @property
     def max_model_len(self) -> int:
@@ -601,8 +603,10 @@ class AsyncEngine:
     def _flush_direct(self) -> None:
         dirty = self._dirty
         for sink in dirty:
+            buf = sink.buf  # _DirectSink.flush, inline: one call less per stream and pass
+            sink.buf = []
             try:
-                sink.flush()
+                sink.write(buf[0] if len(buf) == 1 else b"".join(buf))
             except Exception:  # noqa: BLE001 - one connection's failure is its stream's business, not the handler's
                 logger.debug("direct stream write failed", exc_info=True)
         dirty.clear()
@@ -611,6 +615,12 @@ class AsyncEngine:
         if isinstance(msg, m.EngineOutputs):
             if msg.stats is not None:
                 self._update_stats(msg.stats, msg.engine_index)
+            if msg.step_ids:
+                if msg.outputs and self.processor is not None and self.processor.has_parents():
+                    # n > 1: a parent's children must meet in one process_outputs call (one RequestOutput)
+                    self._process(msg.all_outputs(), msg.engine_index)
+                    return
+                self._process_step(msg.step_ids, msg.step_tokens, msg.step_cached, msg.engine_index)
             if msg.outputs:
                 self._process(msg.outputs, msg.engine_index)
         elif isinstance(msg, m.RequestError):
@@ -663,7 +673,31 @@ class AsyncEngine:
         OutputProcessor, then each request's pending list."""
         now = time.monotonic()
         self._record_timing(outputs, now, engine)
-        request_outputs, to_abort = self.processor.process_outputs(outputs)
+        self._deliver(*self.processor.process_outputs(outputs), now)
+
+    def _process_step(self, ids: list[str], tokens: list[int], cached: list[int], engine: int = 0) -> None:
+        """_process for a step's columns (EngineOutputs.step_ids: running requests, one new token each): the
+        timing of _record_timing for them, then OutputProcessor.process_step."""
+        now = time.monotonic()
+        timing, metrics = self._timing, self.metrics
+        new_tokens = 0
+        for rid in ids:
+            t = timing.get(rid)
+            if t is None:
+                continue
+            if t.first_token is None:
+                t.first_token = now
+                if metrics is not None:
+                    metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
+            t.last_token = now
+            t.num_generated += 1
+            new_tokens += 1
+        if new_tokens and metrics is not None:
+            metrics.add_generation_tokens(new_tokens, engine)
+        self._deliver(*self.processor.process_step(ids, tokens, cached, now), now)
+
+    def _deliver(self, request_outputs: list, to_abort: list, now: float) -> None:
+        """The OutputProcessor's results to each request's pending list; stop-string aborts to the engine."""
         parents = self._parents
         for ro in request_outputs:
             parent = parents.get(ro.request_id)

@@ -180,8 +180,8 @@ class EngineLoop:
     def _send_outputs(self, outputs: list) -> None:
         m = self.m
         if not self.multi:
-            self.out_sock.send(self.enc.encode(m.EngineOutputs(outputs=outputs, stats=self._stats(),
-                                                               timestamp=time.time(), engine_index=self.engine_index)))
+            self.out_sock.send(self.enc.encode(m.step_outputs(outputs, self._stats(), time.time(),
+                                                              self.engine_index)))
             return
         by_client: dict[int, list] = {}
         client_of = self._client_of
@@ -192,8 +192,7 @@ class EngineLoop:
                 by_client.setdefault(client, []).append(out)
         stats, now = self._stats(), time.time()
         for client, outs in by_client.items():
-            self._send_to(client, m.EngineOutputs(outputs=outs, stats=stats, timestamp=now,
-                                                  engine_index=self.engine_index))
+            self._send_to(client, m.step_outputs(outs, stats, now, self.engine_index))
 
     def _owner(self, request_id: str, forget: bool = False) -> int:
         """The client_index that sent a running request (0 with one API process; -1: unknown)."""

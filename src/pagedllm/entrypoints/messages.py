@@ -132,10 +132,43 @@ class EngineStartupError(msgspec.Struct, tag="startup_error"):
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
+    """One engine step's outputs for one API process. The usual output of a decode step (one running request,
+    one new token, no logprobs) travels as three columns (step_ids, step_tokens, step_cached: request id, the
+    token, num_cached_tokens), not as an EngineCoreOutput each: decoding a list of ids and a list of ints costs a
+    fraction of a Struct per request. Every other output is in `outputs`. A request is in one or the other, once.
+    all_outputs() gives the step as EngineCoreOutputs, whichever way they came."""
+
     outputs: list[EngineCoreOutput]
     stats: Optional[SchedulerStatsMsg] = None
     timestamp: float = 0.0  # time.time() in the engine process when the step finished
     engine_index: int = 0  # which data-parallel engine core sent it
+    step_ids: list[str] = []
+    step_tokens: list[int] = []
+    step_cached: list[int] = []
+
+    def all_outputs(self) -> list[EngineCoreOutput]:
+        return self.outputs + [EngineCoreOutput(rid, [token], num_cached_tokens=cached)
+                               for rid, token, cached in zip(self.step_ids, self.step_tokens, self.step_cached)]
+
+
+def step_outputs(outputs: list[EngineCoreOutput], stats: Optional[SchedulerStatsMsg], timestamp: float,
+                 engine_index: int) -> EngineOutputs:
+    """The EngineOutputs of a step: each output that EngineCoreOutput(request_id, [token], num_cached_tokens=n)
+    rebuilds exactly (running, one token, nothing else) into the columns, the others as they are."""
+    rest: list[EngineCoreOutput] = []
+    ids: list[str] = []
+    tokens: list[int] = []
+    cached: list[int] = []
+    for out in outputs:
+        new = out.new_token_ids
+        if (len(new) == 1 and out.finish_reason is None and out.new_logprobs is None and out.stop_reason is None
+                and out.prompt_logprobs is None and type(new[0]) is int):
+            ids.append(out.request_id)
+            tokens.append(new[0])
+            cached.append(out.num_cached_tokens)
+        else:
+            rest.append(out)
+    return EngineOutputs(rest, stats, timestamp, engine_index, ids, tokens, cached)
 
 
 class EngineDead(msgspec.Struct, tag="engine_dead"):

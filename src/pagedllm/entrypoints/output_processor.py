@@ -189,6 +189,10 @@ class OutputProcessor:
         if state is not None and state.sink is sink:
             state.sink = None
 
+    def has_parents(self) -> bool:
+        """Whether a request with several samples (n > 1) is running."""
+        return bool(self._parents)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -196,9 +200,45 @@ class OutputProcessor:
         return len(self._requests)
 
     # ------------------------------------------------------------------ the step
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process_step(self, ids: list[str], tokens: list[int], cached: list[int],
+                     now: Optional[float] = None) -> tuple[list[RequestOutput], list[str]]:
+        """process_outputs for a step's columns (messages.EngineOutputs.step_ids: each request running, one new
+        token, its num_cached_tokens): a direct stream's step here, in one loop; any other request's output is
+        rebuilt as its EngineCoreOutput and goes through process_outputs (all of them in one call)."""
+        if now is None:
+            now = time.monotonic()
+        results: list[RequestOutput] = []
+        others: list[EngineCoreOutput] = []
+        requests = self._requests
+        for request_id, token_id, num_cached in zip(ids, tokens, cached):
+            state = requests.get(request_id)
+            if state is None:  # aborted by the user meanwhile
+                continue
+            sink = state.sink  # only a plain stream has one
+            if sink is None:
+                others.append(EngineCoreOutput(request_id, [token_id], num_cached_tokens=num_cached))
+                continue
+            metrics = state.metrics  # what _plain_output does for a running one-token step
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            state.num_sent_tokens += 1
+            if num_cached > state.num_cached_tokens:
+                state.num_cached_tokens = num_cached
+            text = state.detokenizer.step_text(token_id) if state.detokenizer is not None else ""
+            if not sink(text, 1):
+                results.append(self._plain_request_output(state, text, [token_id], None, None))
+        if not others:
+            return results, []
+        more, to_abort = self.process_outputs(others, now)
+        results.extend(more)
+        return results, to_abort
+
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        now: Optional[float] = None) -> tuple[list[RequestOutput], list[str]]:
         """Apply one engine step's outputs. Returns (outputs for the user, engine ids to abort)."""
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
         parent_updates: dict[str, list[tuple[_RequestState, Optional[CompletionOutput]]]] = {}
@@ -208,6 +248,22 @@ class OutputProcessor:
             if state is None:  # aborted by the user meanwhile
                 continue
             if state.plain:
+                sink = state.sink
+                new_ids = out.new_token_ids
+                if sink is not None and out.finish_reason is None and len(new_ids) == 1:
+                    # A direct stream's running step of one token (the common case), in this loop: what
+                    # _plain_output does for it, the text straight to the sink.
+                    metrics = state.metrics
+                    if metrics.first_token_time is None:
+                        metrics.first_token_time = now
+                    metrics.last_token_time = now
+                    state.num_sent_tokens += 1
+                    if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
+                        state.num_cached_tokens = out.num_cached_tokens
+                    text = state.detokenizer.step_text(new_ids[0]) if state.detokenizer is not None else ""
+                    if not sink(text, 1):
+                        results.append(self._plain_request_output(state, text, new_ids, None, None))
+                    continue
                 result = self._plain_output(state, out, now)
                 if result is not None:
                     results.append(result)
@@ -254,7 +310,8 @@ class OutputProcessor:
             metrics.last_token_time = now
             state.num_sent_tokens += len(new_ids)
             if state.detokenizer is not None:
-                text = state.detokenizer.update(new_ids)
+                detokenizer = state.detokenizer
+                text = detokenizer.step_text(new_ids[0]) if len(new_ids) == 1 else detokenizer.update(new_ids)
         if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
             state.num_cached_tokens = out.num_cached_tokens
         finish_reason = out.finish_reason
@@ -266,9 +323,14 @@ class OutputProcessor:
             return None
         elif state.sink is not None and state.sink(text, len(new_ids)):
             return None
-        completion = CompletionOutput(state.index, text, list(new_ids), None, None, finish_reason, out.stop_reason)
+        return self._plain_request_output(state, text, new_ids, finish_reason, out.stop_reason)
+
+    @staticmethod
+    def _plain_request_output(state: _RequestState, text: str, new_ids: Any, finish_reason: Optional[str],
+                              stop_reason: Any) -> RequestOutput:
+        completion = CompletionOutput(state.index, text, list(new_ids), None, None, finish_reason, stop_reason)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, None, [completion],
-                             finish_reason is not None, state.num_cached_tokens, metrics)
+                             finish_reason is not None, state.num_cached_tokens, state.metrics)
 
     def _update(self, state: _RequestState, out: EngineCoreOutput, now: float) -> bool:
         """Append tokens, text and logprobs; set the finish state. True when a stop string ended it."""

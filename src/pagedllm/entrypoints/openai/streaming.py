@@ -41,6 +41,21 @@ class SSEStream:
         before, after = self.templates[0]
         return before + dumps(text) + after + self.framer.end(self.num_prompt, self.num_gen)
 
+    def direct_framer(self) -> Any:
+        """direct_frame as one closure, for the engine's output handler (called once per token): without
+        continuous usage stats a frame's end is fixed, so it is joined to the template once."""
+        if self.framer.continuous_usage:
+            return self.direct_frame
+        before, after = self.templates[0]
+        after += self.framer.end(self.num_prompt, self.num_gen)
+        encode = dumps
+
+        def frame(text: str, num_tokens: int) -> bytes:
+            self.num_gen += num_tokens
+            return before + encode(text) + after
+
+        return frame
+
     def prefix(self) -> bytes:
         return b""
 
@@ -137,7 +152,7 @@ def _start_direct(stream: SSEStream, server_send: Any) -> Optional[Any]:
         return None
     engine, request_id = stream.direct
     start = getattr(engine, "stream_directly", None)
-    return None if start is None else start(request_id, stream.direct_frame, *writer)
+    return None if start is None else start(request_id, stream.direct_framer(), *writer)
 
 
 class ChunkFramer:
