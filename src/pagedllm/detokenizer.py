@@ -327,7 +327,7 @@ class IncrementalDetokenizer:
                 text = self._after_failed_step(token_id, e)
             self.token_ids.append(token_id)
         else:
-            text = "".join([self._step(token_id) for token_id in new_token_ids])
+            text = "".join([self.step_text(token_id) for token_id in new_token_ids])
         return self._pieces_add(text)
 
     def step_text(self, token_id: int) -> str:
@@ -343,14 +343,6 @@ class IncrementalDetokenizer:
     def _pieces_add(self, text: str) -> str:
         if text:
             self._pieces.append(text)
-        return text
-
-    def _step(self, token_id: int) -> str:
-        try:
-            text = self._step_or_none(token_id) or ""
-        except Exception as e:
-            text = self._after_failed_step(token_id, e)
-        self.token_ids.append(token_id)
         return text
 
     def _after_failed_step(self, token_id: int, error: Exception) -> str:
