@@ -679,21 +679,15 @@ class AsyncEngine:
         """_process for a step's columns (EngineOutputs.step_ids: running requests, one new token each): the
         timing of _record_timing for them, then OutputProcessor.process_step."""
         now = time.monotonic()
-        timing, metrics = self._timing, self.metrics
+        timing = self._timing
         new_tokens = 0
         for rid in ids:
             t = timing.get(rid)
-            if t is None:
-                continue
-            if t.first_token is None:
-                t.first_token = now
-                if metrics is not None:
-                    metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
-            t.last_token = now
-            t.num_generated += 1
-            new_tokens += 1
-        if new_tokens and metrics is not None:
-            metrics.add_generation_tokens(new_tokens, engine)
+            if t is not None:
+                self._count_tokens(t, 1, now)
+                new_tokens += 1
+        if new_tokens and self.metrics is not None:
+            self.metrics.add_generation_tokens(new_tokens, engine)
         self._deliver(*self.processor.process_step(ids, tokens, cached, now), now)
 
     def _deliver(self, request_outputs: list, to_abort: list, now: float) -> None:
@@ -719,17 +713,21 @@ class AsyncEngine:
                 continue
             n_new = len(out.new_token_ids)
             if n_new:
-                if t.first_token is None:
-                    t.first_token = now
-                    if metrics is not None:
-                        metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
-                t.last_token = now
-                t.num_generated += n_new
+                self._count_tokens(t, n_new, now)
                 new_tokens += n_new
             if out.finish_reason is not None:
                 self._finish_timing(out.request_id, out.finish_reason, now)
         if new_tokens and metrics is not None:  # one counter update per step, not per request
             metrics.add_generation_tokens(new_tokens, engine)
+
+    def _count_tokens(self, t: "_ReqTiming", n_new: int, now: float) -> None:
+        """A request's timing after n_new (> 0) tokens arrived at `now`: its first token observed once."""
+        if t.first_token is None:
+            t.first_token = now
+            if self.metrics is not None:
+                self.metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
+        t.last_token = now
+        t.num_generated += n_new
 
     def _finish_timing(self, engine_id: str, reason: str, now: float) -> None:
         t = self._timing.pop(engine_id, None)

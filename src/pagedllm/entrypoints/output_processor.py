@@ -214,20 +214,12 @@ class OutputProcessor:
             state = requests.get(request_id)
             if state is None:  # aborted by the user meanwhile
                 continue
-            sink = state.sink  # only a plain stream has one
-            if sink is None:
+            if state.sink is None:  # only a plain stream has one
                 others.append(EngineCoreOutput(request_id, [token_id], num_cached_tokens=num_cached))
                 continue
-            metrics = state.metrics  # what _plain_output does for a running one-token step
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            state.num_sent_tokens += 1
-            if num_cached > state.num_cached_tokens:
-                state.num_cached_tokens = num_cached
-            text = state.detokenizer.step_text(token_id) if state.detokenizer is not None else ""
-            if not sink(text, 1):
-                results.append(self._plain_request_output(state, text, [token_id], None, None))
+            result = self._direct_step(state, token_id, num_cached, now)
+            if result is not None:
+                results.append(result)
         if not others:
             return results, []
         more, to_abort = self.process_outputs(others, now)
@@ -248,21 +240,12 @@ class OutputProcessor:
             if state is None:  # aborted by the user meanwhile
                 continue
             if state.plain:
-                sink = state.sink
                 new_ids = out.new_token_ids
-                if sink is not None and out.finish_reason is None and len(new_ids) == 1:
-                    # A direct stream's running step of one token (the common case), in this loop: what
-                    # _plain_output does for it, the text straight to the sink.
-                    metrics = state.metrics
-                    if metrics.first_token_time is None:
-                        metrics.first_token_time = now
-                    metrics.last_token_time = now
-                    state.num_sent_tokens += 1
-                    if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
-                        state.num_cached_tokens = out.num_cached_tokens
-                    text = state.detokenizer.step_text(new_ids[0]) if state.detokenizer is not None else ""
-                    if not sink(text, 1):
-                        results.append(self._plain_request_output(state, text, new_ids, None, None))
+                if state.sink is not None and out.finish_reason is None and len(new_ids) == 1:
+                    # A direct stream's running step of one token (the common case), in this loop.
+                    result = self._direct_step(state, new_ids[0], out.num_cached_tokens, now)
+                    if result is not None:
+                        results.append(result)
                     continue
                 result = self._plain_output(state, out, now)
                 if result is not None:
@@ -324,6 +307,22 @@ class OutputProcessor:
         elif state.sink is not None and state.sink(text, len(new_ids)):
             return None
         return self._plain_request_output(state, text, new_ids, finish_reason, out.stop_reason)
+
+    def _direct_step(self, state: _RequestState, token_id: int, num_cached: int, now: float
+                     ) -> Optional[RequestOutput]:
+        """What _plain_output does for a direct stream's running step of one token: its text straight to the sink;
+        a RequestOutput only when the sink declines it (the writer's queued path)."""
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        state.num_sent_tokens += 1
+        if num_cached > state.num_cached_tokens:
+            state.num_cached_tokens = num_cached
+        text = state.detokenizer.step_text(token_id) if state.detokenizer is not None else ""
+        if state.sink(text, 1):
+            return None
+        return self._plain_request_output(state, text, [token_id], None, None)
 
     @staticmethod
     def _plain_request_output(state: _RequestState, text: str, new_ids: Any, finish_reason: Optional[str],

@@ -18,6 +18,9 @@ class RMSNorm(nn.Module):
     stream) and returns `(norm(x + residual), x + residual)`, so layers never materialize the add twice.
     """
 
+    # The weight's product taken in float32 and rounded once (Gemma), not after rounding x / rms(x) (Llama).
+    fp32_product = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.hidden_size = hidden_size
@@ -34,8 +37,9 @@ class RMSNorm(nn.Module):
             kernels = triton_kernels("norm")  # one fused kernel instead of ~7 elementwise ones
             if kernels is not None:
                 if residual is None:
-                    return kernels.rms_norm(x, self.weight, self.variance_epsilon)
-                return kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+                    return kernels.rms_norm(x, self.weight, self.variance_epsilon, self.fp32_product)
+                return kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon,
+                                                  self.fp32_product)
         elif x.dim() == 2 or (x.dim() == 3 and residual is None):
             ops = cpu_ops.usable(x)
             if ops is not None and self.weight.dtype == x.dtype and x.stride(-1) == 1 and (residual is None or (
@@ -79,6 +83,8 @@ class GemmaRMSNorm(RMSNorm):
     Other dtypes on the CPU take the float32 product in torch (the C++ kernel rounds x / rms(x) to the activation
     dtype before the weight)."""
 
+    fp32_product = True  # RMSNorm.forward: the Triton kernels' float32 product; the CPU kernel needs x in float32
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         self.model_dtype = torch.get_default_dtype()
         super().__init__(hidden_size, eps, params_dtype=torch.float32)
@@ -86,18 +92,6 @@ class GemmaRMSNorm(RMSNorm):
 
     def _load_offset_weight(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight.to(self.model_dtype).to(torch.float32) + 1.0)
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        if x.dtype == torch.float32:
-            return super().forward(x, residual)
-        if x.is_cuda:
-            kernels = triton_kernels("norm")
-            if kernels is not None:
-                if residual is None:
-                    return kernels.rms_norm(x, self.weight, self.variance_epsilon, fp32_product=True)
-                return kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon, fp32_product=True)
-        return self.forward_native(x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                        ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
