@@ -13,6 +13,10 @@
 #                         CONFIG: a dir under benchmarks/configs; ENGINE: pagedllm or vllm
 #   nano-CONFIG-ENGINE    offline_throughput.py's nano-vllm protocol (256 prompts, 100..1024 in / out, temperature 0.6)
 #   serve                 issue 26's 1024x256 and 4096x1024 rows of pagedllm serve (carry .carry_srv too)
+#   profile-CONFIG-BATCH  profile_step.py: a decode step at BATCH running requests, kernels by device time
+#   prefill-CONFIG        profile_step.py --prefill: one full prefill step of 64 prompts
+#   timeline-CONFIG       step_timeline.py on rows' 512 x 512/256 at temperature 0.6 (time per step kind)
+#   sweep-SHAPE           benchmarks/moe.py kernel --sweep at 1-8 tokens (the GEMV tiles) and 64-4096 (grouped)
 # STEP_TIMEOUT (s, default 300) bounds each step.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,6 +51,20 @@ for step in "$@"; do
                      --max-model-len 2048 --temperature 0.6 --hf none --no-tqdm --engine "$engine"
                      --json "$out/$step.json")
             fi ;;
+        profile-*)
+            rest=${step#profile-}; batch=${rest##*-}; config=benchmarks/configs/${rest%-*}
+            cmd=(python3 benchmarks/profile_step.py --model "$config" --load-format dummy --batch "$batch"
+                 --input-len $([ "$batch" -le 8 ] && echo 128 || echo 512) --steps 20) ;;
+        prefill-*)
+            cmd=(python3 benchmarks/profile_step.py --model "benchmarks/configs/${step#prefill-}" --load-format dummy
+                 --batch 64 --prefill) ;;
+        timeline-*)
+            cmd=(python3 benchmarks/step_timeline.py --model "benchmarks/configs/${step#timeline-}" --load-format dummy
+                 --num-prompts 512 --input-len 512 512 --output-len 256 256 --max-num-seqs 512 --max-model-len 800
+                 --temperature 0.6 --json "$out/$step.json") ;;
+        sweep-*)
+            cmd=(python3 benchmarks/moe.py kernel --shape "${step#sweep-}" --tokens 1 2 4 8 64 256 1024 4096 --sweep
+                 --json "$out/$step.json") ;;
         serve)
             cmd=(env OUT="$out" WORKLOADS="--workload 1024x256 --workload 4096x1024" SERVERS=pagedllm
                  KV_BYTES=42949672960 PART_TIMEOUT=$(( ${STEP_TIMEOUT:-300} - 10 ))
@@ -59,7 +77,7 @@ for step in "$@"; do
     echo "=== $step rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
     grep -E "ms/step|tok/s|T= |failed|Error|error:" "$log" | grep -v "^INFO" | tail -25
     # a killed engine may leave its workers: nothing of one step may hold the GPU for the next
-    pkill -f "benchmarks/(moe|offline_throughput|serve_vs_vllm).py" 2>/dev/null; pkill -f "vllm serve" 2>/dev/null
+    pkill -f "benchmarks/(moe|offline_throughput|serve_vs_vllm|profile_step|step_timeline).py" 2>/dev/null; pkill -f "vllm serve" 2>/dev/null
     pkill -f "pagedllm serve" 2>/dev/null; pkill -f EngineCore 2>/dev/null; sleep 1
 done
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
