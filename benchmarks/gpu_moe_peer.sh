@@ -16,7 +16,8 @@
 #   profile-CONFIG-BATCH  profile_step.py: a decode step at BATCH running requests, kernels by device time
 #   prefill-CONFIG        profile_step.py --prefill: one full prefill step of 64 prompts
 #   timeline-CONFIG       step_timeline.py on rows' 512 x 512/256 at temperature 0.6 (time per step kind)
-#   sweep-SHAPE           benchmarks/moe.py kernel --sweep at 1-8 tokens (the GEMV tiles) and 64-4096 (grouped)
+#   sweep-SHAPE           benchmarks/moe.py kernel --sweep at 1 token (the GEMV tiles)
+#   layer-SHAPE           benchmarks/moe.py kernel --torch-grouped at 1-16384 tokens (no peer: vLLM not needed)
 # STEP_TIMEOUT (s, default 300) bounds each step.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -63,8 +64,10 @@ for step in "$@"; do
                  --num-prompts 512 --input-len 512 512 --output-len 256 256 --max-num-seqs 512 --max-model-len 800
                  --temperature 0.6 --json "$out/$step.json") ;;
         sweep-*)
-            cmd=(python3 benchmarks/moe.py kernel --shape "${step#sweep-}" --tokens 1 2 4 8 64 256 1024 4096 --sweep
-                 --json "$out/$step.json") ;;
+            cmd=(python3 benchmarks/moe.py kernel --shape "${step#sweep-}" --tokens 1 --sweep --json "$out/$step.json") ;;
+        layer-*)
+            cmd=(python3 benchmarks/moe.py kernel --shape "${step#layer-}" --torch-grouped
+                 --tokens 1 2 4 8 16 64 256 512 1024 4096 16384 --json "$out/$step.json") ;;
         serve)
             cmd=(env OUT="$out" WORKLOADS="--workload 1024x256 --workload 4096x1024" SERVERS=pagedllm
                  KV_BYTES=42949672960 PART_TIMEOUT=$(( ${STEP_TIMEOUT:-300} - 10 ))

@@ -74,7 +74,7 @@ def _vllm_fused_experts():
 
 
 def run_kernel(args) -> list[dict]:
-    from pagedllm.kernels.fused_moe import fused_moe, grouped_config, moe_route
+    from pagedllm.kernels.fused_moe import fused_moe_routed, grouped_config, moe_route
 
     experts, top_k, hidden, inter = SHAPES[args.shape]
     dtype = torch.bfloat16
@@ -93,13 +93,19 @@ def run_kernel(args) -> list[dict]:
         bound_us = bytes_read / HBM_BYTES_PER_S * 1e6
         row = {"tokens": tokens, "active_experts": active, "bound_us": bound_us}
         m = tokens * top_k
-        paths = ["gemv", "grouped"] if m <= 64 else ["grouped"]
+        paths = (["gemv"] if m <= 64 else []) + ["grouped"] + (["torch"] if args.torch_grouped else [])
         for path in paths:
             configs = [None]
             if args.sweep and path == "gemv":
-                configs = [None] + [dict(GATE_BLOCK_N=gbn, GATE_BLOCK_K=bk, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-                                    for gbn in (2, 4, 8) for bn in (4, 8, 16) for bk in (256, 512)
-                                    for w in (2, 4)]
+                # the two kernels' tiles one at a time (the other at its default): gate_up rows x K step, then
+                # down rows x K step; K steps up to the whole row (one unrolled load of it)
+                gate_k = [bk for bk in (512, 1024, 2048, 4096) if bk <= 2 * hidden]
+                down_k = [bk for bk in (512, 1024, 2048) if bk <= 2 * inter]
+                configs = [None] + [dict(GATE_BLOCK_N=gbn, GATE_BLOCK_K=bk, GATE_num_warps=w)
+                                    for gbn in (2, 4, 8, 16) for bk in gate_k for w in (4, 8)
+                                    if gbn * bk <= 16384] + \
+                                   [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+                                    for bn in (2, 4, 8, 16) for bk in down_k for w in (4, 8) if bn * bk <= 16384]
             if args.sweep and path == "grouped":
                 base = grouped_config(m, experts, dtype, inter)
                 if args.sweep == "wide":  # the large tiles of prefill-sized token counts
@@ -115,8 +121,7 @@ def run_kernel(args) -> list[dict]:
             best = None
             for cfg in configs:
                 def layer(cfg=cfg, path=path):
-                    weights, topk_ids = moe_route(logits, top_k, True)
-                    return fused_moe(x, w13, w2, weights, topk_ids, path=path, config=cfg)
+                    return fused_moe_routed(x, logits, w13, w2, top_k, True, path=path, config=cfg)
                 try:
                     us = _graph_time_us(layer, args.iters)
                 except Exception as e:  # a tile config that does not fit (shared memory): skip it
@@ -137,7 +142,7 @@ def run_kernel(args) -> list[dict]:
                 row["vllm_us"] = _graph_time_us(vllm_layer, args.iters)
             except Exception as e:
                 print(f"  vLLM fused_experts failed at T={tokens}: {type(e).__name__}: {str(e)[:160]}")
-        ours = min(v for k, v in row.items() if k in ("gemv_us", "grouped_us"))
+        ours = min(v for k, v in row.items() if k in ("gemv_us", "grouped_us", "torch_us"))
         flops = 2 * m * 3 * hidden * inter
         extra = f", vLLM {row['vllm_us']:8.1f} us" if "vllm_us" in row else ""
         per_path = ", ".join("%s %.1f" % (p, row[p + "_us"]) for p in paths)
@@ -294,6 +299,8 @@ def main(argv=None) -> None:
     k.add_argument("--sweep", nargs="?", const="small", choices=["small", "wide"], default=None,
                    help="also try grouped tile configs (slow: one capture each); wide: the large prefill tiles")
     k.add_argument("--peer", choices=["none", "vllm"], default="none")
+    k.add_argument("--torch-grouped", action="store_true",
+                   help="also time the experts through torch._grouped_mm (path 'torch')")
     d, t, r = sub.add_parser("decode"), sub.add_parser("throughput"), sub.add_parser("rows")
     for sp in (d, t, r):
         sp.add_argument("--model", default=os.path.join(HERE, "configs", "qwen3-30b-a3b"))

@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="the fused MoE kernels need Triton")
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from tests.engine.test_correctness import check_against_hf, random_prompts  # noqa: E402
 from tests.models.moe_helpers import MOE_ARCHS, tiny_moe_dir  # noqa: E402,F401 - the fixture
-from tests.models.moe_kernel_cases import check_align, check_fused, check_route  # noqa: E402
+from tests.models.moe_kernel_cases import check_align, check_fused, check_fused_routed, check_route  # noqa: E402
 
 TOKENS = [1, 7, 64, 512]
 EXPERTS = [(8, 2), (64, 8), (128, 8)]
@@ -42,17 +42,29 @@ def test_align(tokens, experts, top_k, block_m, stale_cuda_memory):
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_fused_moe_matches_reference(tokens, experts, top_k, dtype, stale_cuda_memory):
     """hidden 1024, intermediate 352 (not a multiple of the 64-wide tiles): every path the layer may take."""
-    paths = [None, "grouped"] + (["gemv"] if tokens * top_k <= 64 else [])
+    paths = [None, "grouped", "torch"] + (["gemv"] if tokens * top_k <= 64 else [])
     for path in paths:
         check_fused(tokens, experts, top_k, 1024, 352, dtype, "cuda", path=path, seed=tokens)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("experts,top_k", EXPERTS + [(60, 4)])
+@pytest.mark.parametrize("tokens", [1, 2, 7])
+def test_fused_moe_routed(tokens, experts, top_k, renormalize, stale_cuda_memory):
+    """The routing inside the GEMV gate_up kernel: the reference's routing and experts, and bit for bit what
+    routing first gives."""
+    for path in (None, "gemv"):
+        check_fused_routed(tokens, experts, top_k, 1024, 352, torch.bfloat16, "cuda", renormalize=renormalize,
+                           path=path, seed=tokens)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 64, 512])
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-tp8"])
 def test_real_layer_shapes(shape, tokens, stale_cuda_memory):
     experts, top_k, hidden, inter = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-tp8": (8, 2, 4096, 1792)}[shape]
-    for path in [None, "grouped"] + (["gemv"] if tokens <= 2 else []):
+    for path in [None, "grouped", "torch"] + (["gemv"] if tokens <= 2 else []):
         check_fused(tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda", path=path, seed=tokens)
+    check_fused_routed(tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda", seed=tokens)
 
 
 def test_fp32_kernels_match_reference():

@@ -17,7 +17,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
     from tests.gpu.conftest import _tag_comparisons_as_int1  # noqa: F401 - importing it tags the comparisons
     from tests.lora.interpret_kernels import patch_interpreter_for_numpy2
-    from tests.models.moe_kernel_cases import check_align, check_fused, check_route
+    from tests.models.moe_kernel_cases import check_align, check_fused, check_fused_routed, check_route
 
     patch_interpreter_for_numpy2()
     f32 = torch.float32
@@ -37,6 +37,13 @@ def main() -> None:
                 config=dict(BLOCK_M=16, BLOCK_N=16, GATE_BLOCK_N=16, BLOCK_K=16, GROUP_M=2))  # several groups
     check_fused(3, 8, 2, 80, 48, f32, "cpu", path="gemv", seed=4,  # the sweep's gemv tiles: K in several steps,
                 config=dict(GATE_BLOCK_N=2, GATE_BLOCK_K=32, BLOCK_N=8, BLOCK_K=16, num_warps=2))  # masked tails
+    check_fused(7, 8, 2, 64, 40, f32, "cpu", path="torch", seed=1)  # torch._grouped_mm between the passes
+    check_fused_routed(1, 8, 2, 80, 48, f32, "cpu")  # the routing inside the gate_up kernel
+    check_fused_routed(2, 16, 4, 64, 40, f32, "cpu", renormalize=False, path="gemv", seed=5,
+                       config=dict(GATE_BLOCK_N=4, GATE_BLOCK_K=32, BLOCK_N=2, BLOCK_K=16))  # K in several steps
+    check_fused_routed(1, 60, 4, 48, 24, f32, "cpu", seed=6)  # experts not a power of two
+    check_fused_routed(5, 8, 2, 48, 24, f32, "cpu", seed=7)  # auto: grouped, routed first
+    check_fused_routed(5, 8, 2, 48, 24, f32, "cpu", path="gemv", seed=8)  # gemv with several tokens
     print("fused moe kernels ok")
 
 

@@ -76,6 +76,24 @@ def check_fused(tokens: int, experts: int, top_k: int, hidden: int, inter: int, 
         torch.testing.assert_close(ref.double().cpu(), dense, **{k: 2 * v for k, v in TOLERANCE[dtype].items()})
 
 
+def check_fused_routed(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+                       device: str, renormalize: bool = True, path=None, seed: int = 0, config=None) -> None:
+    """The layer from the router logits (`fused_moe_routed`: on the GEMV path the routing runs inside the gate_up
+    kernel) equals the reference routing followed by the reference experts, and the same as `fused_moe` after
+    `moe_route` bit for bit (the same kernels' arithmetic)."""
+    from pagedllm.kernels.fused_moe import fused_moe, fused_moe_ref, fused_moe_routed, moe_route, moe_route_ref
+
+    x, w13, w2, logits = make_case(tokens, experts, hidden, inter, dtype, device, seed)
+    out = fused_moe_routed(x, logits, w13, w2, top_k, renormalize, path=path, config=config)
+    assert out.shape == (tokens, hidden) and out.dtype == dtype
+    ref_w, ref_ids = moe_route_ref(logits, top_k, renormalize)
+    ref = fused_moe_ref(x, w13, w2, ref_w, ref_ids)
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **TOLERANCE[dtype])
+    weights, ids = moe_route(logits, top_k, renormalize)
+    routed_first = fused_moe(x, w13, w2, weights, ids, path=path, config=config)
+    assert torch.equal(out.cpu(), routed_first.cpu())
+
+
 def per_token_reference(x, w13, w2, weights, ids) -> torch.Tensor:
     """sum_j w_j * down_e(silu(gate_e x) * up_e x), token by token, in x's dtype."""
     inter = w13.shape[1] // 2

@@ -8,13 +8,14 @@ M = T * k assignments (assignment m = t * k + j is token t's j-th expert).
 One layer is
   route       router logits [T, E] -> softmax (fp32) -> top-k -> optional renormalization    1 launch
   then, for few assignments (decode; M <= gemv_max_assignments: each picked expert is read once anyway),
-    gemv gate_up + SiLU-and-mul   grid (M, I / BLOCK_N): act[m] = silu(x[t] @ W1[e]^T) * (x[t] @ W3[e]^T)
-    gemv down                     grid (M, H / BLOCK_N): y[m] = w[m] * (act[m] @ W2[e]^T)
+    gemv gate_up + SiLU-and-mul   grid (M, I / BLOCK_N): act[m] = silu(x[t] @ W1[e]^T) * (x[t] @ W3[e]^T);
+                                  `fused_moe_routed` computes the routing here too (no route launch)
+    gemv down + sum               grid (T, H / BLOCK_N): out[t] = sum_j w[m] * (act[m] @ W2[e]^T), m = t * k + j
   or, for more (prefill, large batches: experts shared by many tokens),
     align       assignments sorted by expert, each expert's run padded to BLOCK_M       2 launches
     grouped gate_up + SiLU-and-mul   one launch over all experts' row blocks (tl.dot)
     grouped down + routing weight    one launch over all experts' row blocks
-  and finally out[t] = sum_j y[t * k + j] (torch sum over [T, k, H]).
+    out[t] = sum_j y[t * k + j]      (torch sum over [T, k, H])
 
 Everything is device-side with sizes fixed by T: the sorted-id buffer is allocated at its worst case
 (M + E * (BLOCK_M - 1)), grids cover it, and programs whose row block lies past the padded total (read from
@@ -38,11 +39,9 @@ from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 # ------------------------------------------------------------------------------------------------ routing
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  USE_PDL: tl.constexpr):
-    wait_prior_kernel(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
+def _top_k_of_row(logits_ptr, t, stride_t, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                  RENORMALIZE: tl.constexpr):
+    """Token t's routing: (weights [K_PAD] fp32, expert ids [K_PAD] int32, slots); slots >= TOP_K hold 0."""
     experts = tl.arange(0, E_PAD)
     ok = experts < E
     x = tl.load(logits_ptr + t * stride_t + experts, mask=ok, other=float("-inf")).to(tl.float32)
@@ -61,9 +60,24 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E,
         p = tl.where(experts == idx, -1.0, p)
     if RENORMALIZE:
         vals = vals / tl.sum(vals, axis=0)  # slots >= TOP_K hold 0
+    return vals, idxs, slots
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    vals, idxs, slots = _top_k_of_row(logits_ptr, t, stride_t, E, TOP_K, K_PAD, E_PAD, RENORMALIZE)
     keep = slots < TOP_K
     tl.store(weights_ptr + t * TOP_K + slots, vals, mask=keep)
     tl.store(ids_ptr + t * TOP_K + slots, idxs, mask=keep)
+
+
+def _route_meta(num_experts: int, top_k: int) -> dict:
+    return dict(TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
+                E_PAD=max(2, triton.next_power_of_2(num_experts)))
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +90,7 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](
-            router_logits, weights, ids, router_logits.stride(0), num_experts, TOP_K=top_k,
-            K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=max(2, triton.next_power_of_2(num_experts)),
+            router_logits, weights, ids, router_logits.stride(0), num_experts, **_route_meta(num_experts, top_k),
             RENORMALIZE=renormalize, num_warps=1 if num_experts <= 64 else 2, **pdl_launch_args(weights.device))
     return weights, ids
 
@@ -213,33 +226,44 @@ def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: 
 
 # ------------------------------------------------------------------------------- few assignments: GEMV
 
-@triton.jit(do_not_specialize=["TOP_K"])
-def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K,
-                         stride_xm, stride_we, stride_wn, stride_om,
+@triton.jit
+def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, N, E,
+                         stride_xm, stride_lt, stride_we, stride_wn, stride_om,
+                         K: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                         ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """act[m] = silu(x[t] @ W1[e]^T) * (x[t] @ W3[e]^T) for assignment m = t * TOP_K + j, rows of one block.
+    ROUTE: e comes from the router logits (the routing computed here, by every program of the token: a few
+    hundred flops), and each assignment's first program writes (e, weight) for the down kernel; else from ids."""
     wait_prior_kernel(USE_PDL)
     m = tl.program_id(0)
     token = (m // TOP_K).to(tl.int64)
-    expert = tl.load(ids_ptr + m).to(tl.int64)
+    if ROUTE:
+        vals, idxs, slots = _top_k_of_row(logits_ptr, token, stride_lt, E, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+        mine = slots == m % TOP_K
+        expert = tl.sum(tl.where(mine, idxs, 0), axis=0)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + m, expert)
+            tl.store(weights_ptr + m, tl.sum(tl.where(mine, vals, 0.0), axis=0))
+        expert = expert.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + m).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    u_ptrs = g_ptrs + N * stride_wn
-    x_ptrs = x_ptr + token * stride_xm + cols
+    g_base = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+    x_base = x_ptr + token * stride_xm
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        col_ok = cols < K - k0
-        x = tl.load(x_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every step's loads can be in flight at once
+        col = k0 + cols
+        col_ok = col < K
+        x = tl.load(x_base + col, mask=col_ok, other=0.0).to(tl.float32)
         w_mask = row_ok[:, None] & col_ok[None, :]
-        g = tl.load(g_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        g = tl.load(g_base + col[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(g_base + N * stride_wn + col[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         acc_g += g.to(tl.float32) * x[None, :]
         acc_u += u.to(tl.float32) * x[None, :]
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
     gate = tl.sum(acc_g, axis=1).to(out_ty).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
@@ -248,28 +272,35 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, TOP_K,
 
 
 @triton.jit
-def _gemv_down_kernel(a_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, N, K,
-                      stride_am, stride_we, stride_wn, stride_om,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_down_sum_kernel(a_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, N,
+                          stride_am, stride_we, stride_wn, stride_om,
+                          K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """out[t] = sum_j round(w[m] * (act[m] @ W2[e_m]^T)) over token t's assignments m = t * TOP_K + j: the down
+    products and the sum over the k experts in one pass (no [T, k, H] intermediate, no separate sum)."""
     wait_prior_kernel(USE_PDL)
-    m = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + m).to(tl.int64)
-    weight = tl.load(topk_w_ptr + m)
+    t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    a_ptrs = a_ptr + m * stride_am + cols
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        col_ok = cols < K - k0
-        a = tl.load(a_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * a[None, :]
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    y = tl.sum(acc, axis=1) * weight
-    tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    out_ty = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        m = t * TOP_K + j
+        expert = tl.load(ids_ptr + m).to(tl.int64)
+        weight = tl.load(topk_w_ptr + m)
+        w_base = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+        a_base = a_ptr + m * stride_am
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            col = k0 + cols
+            col_ok = col < K
+            a = tl.load(a_base + col, mask=col_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_base + col[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc += w.to(tl.float32) * a[None, :]
+        total += (tl.sum(acc, axis=1) * weight).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + t * stride_om + rows, total.to(out_ty), mask=row_ok)
 
 
 def _gemv_blocks(rows_per_program_target: int, num_assignments: int, n: int, k: int) -> tuple[int, int]:
@@ -397,45 +428,62 @@ def gemv_max_assignments(num_experts: int, top_k: int) -> int:
     return max(top_k, num_experts // 8)
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, path: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights fp32 [T, k], topk_ids int32 [T, k] -> [T, H].
+def _gemv_down_blocks(num_tokens: int, n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the down-and-sum kernel: one program per (token, row block) walks all k experts, so
+    the row blocks are narrow enough to give the SMs ~1024 programs."""
+    block_k = min(1024, max(16, triton.next_power_of_2(k)))
+    block_n = max(2, min(16, 4096 // block_k))
+    while block_n > 2 and num_tokens * triton.cdiv(n, block_n) < 1024:
+        block_n //= 2
+    return block_n, block_k
 
-    path: "gemv" | "grouped" | None (by the assignment count); config: tile sizes for the path taken (benchmarks
-    sweep them; gemv: GATE_BLOCK_N / GATE_BLOCK_K, BLOCK_N / BLOCK_K of the down kernel, num_warps)."""
+
+def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int, int]:
     num_tokens, hidden = x.shape
     num_experts, two_i, k_w = w13.shape
     inter = two_i // 2
-    top_k = topk_ids.shape[1]
     assert k_w == hidden and w2.shape == (num_experts, hidden, inter), (x.shape, w13.shape, w2.shape)
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    topk_ids = topk_ids.to(torch.int32).contiguous()
-    topk_weights = topk_weights.to(torch.float32).contiguous()
+    return num_tokens, hidden, num_experts, inter
+
+
+def _gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, config: Optional[dict], router_logits: Optional[torch.Tensor] = None,
+                  renormalize: bool = False) -> torch.Tensor:
+    """Two launches: gate_up + SiLU-and-mul per assignment (with router_logits: the routing too, written into
+    topk_weights / topk_ids), then down + routing weight + the sum over each token's k experts."""
+    num_tokens, hidden, num_experts, inter = _check_shapes(x, w13, w2)
+    top_k = topk_ids.shape[1]
+    m = num_tokens * top_k
+    cfg = config or {}
+    launch = pdl_launch_args(x.device)
+    act = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    route = router_logits is not None
+    logits = router_logits if route else topk_weights  # an unused pointer when not routing
+    block_n, block_k = _gemv_blocks(16, m, inter, hidden)
+    block_n, block_k = cfg.get("GATE_BLOCK_N", block_n), cfg.get("GATE_BLOCK_K", block_k)
+    _gemv_gate_up_kernel[(m, triton.cdiv(inter, block_n))](
+        x, w13, topk_ids, topk_weights, logits, act, inter, num_experts,
+        x.stride(0), logits.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        K=hidden, **_route_meta(num_experts, top_k), ROUTE=route, RENORMALIZE=renormalize,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("GATE_num_warps", cfg.get("num_warps", 4)), **launch)
+    block_n, block_k = _gemv_down_blocks(num_tokens, hidden, inter)
+    block_n, block_k = cfg.get("BLOCK_N", block_n), cfg.get("BLOCK_K", block_k)
+    _gemv_down_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        act, w2, topk_ids, topk_weights, out, hidden, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        K=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", 4), **launch)
+    return out
+
+
+def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, config: Optional[dict]) -> torch.Tensor:
+    num_tokens, hidden, num_experts, inter = _check_shapes(x, w13, w2)
+    top_k = topk_ids.shape[1]
     m = num_tokens * top_k
     act = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_tokens, top_k, hidden), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y.sum(dim=1)
     launch = pdl_launch_args(x.device)
-    if path is None:
-        path = "gemv" if m <= gemv_max_assignments(num_experts, top_k) else "grouped"
-    if path == "gemv":
-        cfg = config or {}
-        block_n, block_k = _gemv_blocks(16, m, inter, hidden)
-        block_n, block_k = cfg.get("GATE_BLOCK_N", block_n), cfg.get("GATE_BLOCK_K", block_k)
-        _gemv_gate_up_kernel[(m, triton.cdiv(inter, block_n))](
-            x, w13, topk_ids, act, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", 4), **launch)
-        block_n, block_k = _gemv_blocks(16, m, hidden, inter)
-        block_n, block_k = cfg.get("BLOCK_N", block_n), cfg.get("BLOCK_K", block_k)
-        _gemv_down_kernel[(m, triton.cdiv(hidden, block_n))](
-            act, w2, topk_ids, topk_weights, y, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), hidden,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", 4), **launch)
-        return y.sum(dim=1)
-    if path != "grouped":
-        raise ValueError(f"fused_moe path must be 'gemv', 'grouped' or None, got {path!r}")
     cfg = dict(grouped_config(m, num_experts, x.dtype, inter), **(config or {}))
     block_m = cfg["BLOCK_M"]
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, block_m)
@@ -452,6 +500,78 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         act, w2, topk_weights, y, sorted_ids, expert_ids, num_post, m, hidden, inter, num_pid_m,
         act.stride(0), w2.stride(0), w2.stride(1), hidden, BLOCK_N=down_bn, **common)
     return y.sum(dim=1)
+
+
+def _torch_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts as two calls of torch's grouped GEMM (CUTLASS on sm90, bf16) over the assignments sorted by
+    expert; the activation between them and the weighted sum after as separate passes. Device-side only."""
+    from pagedllm.kernels.activation import silu_and_mul
+
+    num_tokens, hidden, num_experts, inter = _check_shapes(x, w13, w2)
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = x.index_select(0, order // top_k)
+    act = silu_and_mul(torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs))
+    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [M, H] in expert order
+    back = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
+    per_assignment = y.index_select(0, back).view(num_tokens, top_k, hidden)
+    scaled = (per_assignment.float() * topk_weights.float()[:, :, None]).to(x.dtype)
+    return scaled.sum(dim=1)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, path: Optional[str] = None, config: Optional[dict] = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights fp32 [T, k], topk_ids int32 [T, k] -> [T, H].
+
+    path: "gemv" | "grouped" | "torch" (torch._grouped_mm) | None (by the assignment count); config: tile sizes
+    for the path taken (benchmarks sweep them; gemv: GATE_BLOCK_N / GATE_BLOCK_K of the gate_up kernel, BLOCK_N /
+    BLOCK_K of the down kernel, num_warps / GATE_num_warps)."""
+    num_tokens, hidden, num_experts, inter = _check_shapes(x, w13, w2)
+    top_k = topk_ids.shape[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    topk_ids = topk_ids.to(torch.int32).contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+    m = num_tokens * top_k
+    if m == 0:
+        return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if path is None:
+        path = "gemv" if m <= gemv_max_assignments(num_experts, top_k) else "grouped"
+    if path == "gemv":
+        return _gemv_experts(x, w13, w2, topk_weights, topk_ids, config)
+    if path == "grouped":
+        return _grouped_experts(x, w13, w2, topk_weights, topk_ids, config)
+    if path == "torch":
+        return _torch_grouped_experts(x, w13, w2, topk_weights, topk_ids)
+    raise ValueError(f"fused_moe path must be 'gemv', 'grouped', 'torch' or None, got {path!r}")
+
+
+def fused_moe_routed(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     top_k: int, renormalize: bool, path: Optional[str] = None,
+                     config: Optional[dict] = None) -> torch.Tensor:
+    """The whole layer from the router logits [T, E]: on the GEMV path the routing runs inside the gate_up
+    kernel (two launches in all), else `moe_route` first."""
+    num_tokens, hidden, num_experts, inter = _check_shapes(x, w13, w2)
+    assert router_logits.shape == (num_tokens, num_experts), (router_logits.shape, x.shape, num_experts)
+    assert 1 <= top_k <= num_experts, (top_k, num_experts)
+    m = num_tokens * top_k
+    if path is None:
+        path = "gemv" if 0 < m <= gemv_max_assignments(num_experts, top_k) else "grouped"
+    if path != "gemv" or m == 0:
+        weights, ids = moe_route(router_logits, top_k, renormalize)
+        return fused_moe(x, w13, w2, weights, ids, path=path, config=config)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=x.device)
+    return _gemv_experts(x, w13, w2, weights, ids, config, router_logits=router_logits, renormalize=renormalize)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

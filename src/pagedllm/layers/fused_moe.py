@@ -9,7 +9,8 @@ product for the tokens routed to it, and the partial sums are all-reduced once p
 
 Forward (`FusedMoE.forward(x, router_logits)`):
   routing: softmax of the router logits in fp32, top-k, renormalized over the k when the config says so
-  CUDA (Triton): kernels/fused_moe.py, graph-capturable (no host sync, sizes fixed by the token count)
+  CUDA (Triton): kernels/fused_moe.py's `fused_moe_routed`, graph-capturable (no host sync, sizes fixed by the
+  token count; at decode sizes the routing runs inside the first expert kernel)
   CPU (and CUDA without Triton): `experts_forward_native`: assignments sorted by expert, one pair of matmuls
   per expert that got tokens, the weighted results summed per token in fp32.
 
@@ -165,22 +166,16 @@ class FusedMoE(nn.Module):
 
     # ---- forward
 
-    def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if router_logits.is_cuda:
-            kernels = triton_kernels("fused_moe")
-            if kernels is not None:
-                return kernels.moe_route(router_logits, self.top_k, self.renormalize)
-        return route_native(router_logits, self.top_k, self.renormalize)
-
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # x [T, H], router_logits [T, E] -> [T, H] (summed over ranks when reduce_results)
-        topk_weights, topk_ids = self.select_experts(router_logits)
+        kernels = triton_kernels("fused_moe") if x.is_cuda else None
         out = None
-        if x.is_cuda:
-            kernels = triton_kernels("fused_moe")
-            if kernels is not None:
-                out = kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-            elif torch.cuda.is_current_stream_capturing():
+        if kernels is not None:  # the routing inside the experts' kernels where they can take it
+            out = kernels.fused_moe_routed(x, router_logits, self.gate_up_proj, self.down_proj, self.top_k,
+                                           self.renormalize)
+        else:
+            topk_weights, topk_ids = route_native(router_logits, self.top_k, self.renormalize)
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 out = experts_forward_dense(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         if out is None:
             out = experts_forward_native(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
