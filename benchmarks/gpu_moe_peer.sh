@@ -17,7 +17,7 @@
 #   prefill-CONFIG        profile_step.py --prefill: one full prefill step of 64 prompts
 #   timeline-CONFIG       step_timeline.py on rows' 512 x 512/256 at temperature 0.6 (time per step kind)
 #   sweep-SHAPE           benchmarks/moe.py kernel --sweep at 1 token (the GEMV tiles)
-#   layer-SHAPE           benchmarks/moe.py kernel --torch-grouped at 1-16384 tokens (no peer: vLLM not needed)
+#   layer-SHAPE           benchmarks/moe.py kernel --torch-grouped at 1-16384 tokens (LAYER_TOKENS; no peer)
 # STEP_TIMEOUT (s, default 300) bounds each step.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -67,7 +67,7 @@ for step in "$@"; do
             cmd=(python3 benchmarks/moe.py kernel --shape "${step#sweep-}" --tokens 1 --sweep --json "$out/$step.json") ;;
         layer-*)
             cmd=(python3 benchmarks/moe.py kernel --shape "${step#layer-}" --torch-grouped
-                 --tokens 1 2 4 8 16 64 256 512 1024 4096 16384 --json "$out/$step.json") ;;
+                 --tokens ${LAYER_TOKENS:-1 2 4 8 16 64 256 512 1024 4096 16384} --json "$out/$step.json") ;;
         serve)
             cmd=(env OUT="$out" WORKLOADS="--workload 1024x256 --workload 4096x1024" SERVERS=pagedllm
                  KV_BYTES=42949672960 PART_TIMEOUT=$(( ${STEP_TIMEOUT:-300} - 10 ))

@@ -67,6 +67,21 @@ def test_real_layer_shapes(shape, tokens, stale_cuda_memory):
     check_fused_routed(tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda", seed=tokens)
 
 
+def test_torch_grouped_mm_for_large_experts(stale_cuda_memory):
+    """Experts of intermediate size >= 4096 with ~1024+ rows each (a Mixtral prefill chunk) take torch's grouped
+    GEMM by default on the H200 (bf16), and it matches the reference; fp16 and small experts keep Triton."""
+    from pagedllm.kernels.fused_moe import torch_grouped_pays
+
+    x = torch.empty(4096, 1024, dtype=torch.bfloat16, device="cuda")
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert torch_grouped_pays(4096 * 2, 8, 4096, x)
+    assert not torch_grouped_pays(4096 * 2, 8, 4096, x.half())
+    assert not torch_grouped_pays(4096 * 8, 128, 768, x)
+    assert not torch_grouped_pays(1024 * 2, 8, 4096, x)
+    check_fused(4096, 8, 2, 1024, 4096, torch.bfloat16, "cuda", path=None, seed=3)
+    check_fused_routed(4096, 8, 2, 1024, 4096, torch.bfloat16, "cuda", seed=4)
+
+
 def test_fp32_kernels_match_reference():
     """fp32 (the tests' engines): ieee dots, the tight tolerance."""
     for tokens, path in ((1, "gemv"), (7, None), (64, None), (300, "grouped")):

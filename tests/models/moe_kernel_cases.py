@@ -79,9 +79,9 @@ def check_fused(tokens: int, experts: int, top_k: int, hidden: int, inter: int, 
 def check_fused_routed(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
                        device: str, renormalize: bool = True, path=None, seed: int = 0, config=None) -> None:
     """The layer from the router logits (`fused_moe_routed`: on the GEMV path the routing runs inside the gate_up
-    kernel) equals the reference routing followed by the reference experts, and the same as `fused_moe` after
-    `moe_route` bit for bit (the same kernels' arithmetic)."""
-    from pagedllm.kernels.fused_moe import fused_moe, fused_moe_ref, fused_moe_routed, moe_route, moe_route_ref
+    kernel) equals the reference routing followed by the reference experts. (Not bit for bit what `moe_route`
+    then `fused_moe` give: the softmax's sums reduce in another order with another warp count.)"""
+    from pagedllm.kernels.fused_moe import fused_moe_ref, fused_moe_routed, moe_route_ref
 
     x, w13, w2, logits = make_case(tokens, experts, hidden, inter, dtype, device, seed)
     out = fused_moe_routed(x, logits, w13, w2, top_k, renormalize, path=path, config=config)
@@ -89,9 +89,6 @@ def check_fused_routed(tokens: int, experts: int, top_k: int, hidden: int, inter
     ref_w, ref_ids = moe_route_ref(logits, top_k, renormalize)
     ref = fused_moe_ref(x, w13, w2, ref_w, ref_ids)
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **TOLERANCE[dtype])
-    weights, ids = moe_route(logits, top_k, renormalize)
-    routed_first = fused_moe(x, w13, w2, weights, ids, path=path, config=config)
-    assert torch.equal(out.cpu(), routed_first.cpu())
 
 
 def per_token_reference(x, w13, w2, weights, ids) -> torch.Tensor:

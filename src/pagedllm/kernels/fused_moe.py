@@ -16,6 +16,8 @@ One layer is
     grouped gate_up + SiLU-and-mul   one launch over all experts' row blocks (tl.dot)
     grouped down + routing weight    one launch over all experts' row blocks
     out[t] = sum_j y[t * k + j]      (torch sum over [T, k, H])
+  or, for large experts with ~1024+ rows each (`torch_grouped_pays`: Mixtral's prefill), torch's grouped GEMM
+  (CUTLASS) on the assignments gathered in expert order, silu_and_mul between, one weighted-sum pass after.
 
 Everything is device-side with sizes fixed by T: the sorted-id buffer is allocated at its worst case
 (M + E * (BLOCK_M - 1)), grids cover it, and programs whose row block lies past the padded total (read from
@@ -23,7 +25,8 @@ device memory) exit at once. No host sync, no data-dependent shape: a CUDA graph
 
 Numerics (both paths, and `fused_moe_ref`): products summed in fp32; gate and up rounded to the activation dtype,
 silu(gate) rounded, times up rounded (as `silu_and_mul` after a linear layer); the down product times the routing
-weight in fp32, rounded once per assignment; the k rows summed in fp32 and rounded once.
+weight in fp32, rounded once per assignment; the k rows summed in fp32 and rounded once. (The torch path rounds
+the down product once more, before the weight.)
 """
 from __future__ import annotations
 
@@ -303,14 +306,11 @@ def _gemv_down_sum_kernel(a_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, N,
     tl.store(out_ptr + t * stride_om + rows, total.to(out_ty), mask=row_ok)
 
 
-def _gemv_blocks(rows_per_program_target: int, num_assignments: int, n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): ~8k weight elements per program step, and enough programs to cover the SMs
-    (at batch 1 only k experts' rows are in flight)."""
-    block_k = min(512, max(16, triton.next_power_of_2(k)))
-    block_n = max(4, min(rows_per_program_target, 8192 // block_k))
-    while block_n > 4 and num_assignments * triton.cdiv(n, block_n) < 1024:
-        block_n //= 2
-    return block_n, block_k
+def _gemv_gate_up_blocks(k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the gate_up kernel: K steps of up to 2048 columns (a whole Qwen3-MoE row), 2-4 rows
+    of gate and of up per program (16k weight elements in flight; chosen by the H200 sweeps of benchmarks/moe.py)."""
+    block_k = min(2048, max(16, triton.next_power_of_2(k)))
+    return max(2, min(4, 8192 // block_k)), block_k
 
 
 # -------------------------------------------------------------------- many assignments: grouped GEMM
@@ -428,14 +428,14 @@ def gemv_max_assignments(num_experts: int, top_k: int) -> int:
     return max(top_k, num_experts // 8)
 
 
-def _gemv_down_blocks(num_tokens: int, n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of the down-and-sum kernel: one program per (token, row block) walks all k experts, so
-    the row blocks are narrow enough to give the SMs ~1024 programs."""
-    block_k = min(1024, max(16, triton.next_power_of_2(k)))
+def _gemv_down_blocks(num_tokens: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the down-and-sum kernel: one program per (token, row block) walks all k
+    experts, so the row blocks are narrow enough to give the SMs ~1024 programs; long rows take 8 warps."""
+    block_k = min(2048, max(16, triton.next_power_of_2(k)))
     block_n = max(2, min(16, 4096 // block_k))
     while block_n > 2 and num_tokens * triton.cdiv(n, block_n) < 1024:
         block_n //= 2
-    return block_n, block_k
+    return block_n, block_k, 8 if k >= 4096 else 4
 
 
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int, int]:
@@ -461,18 +461,18 @@ def _gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     route = router_logits is not None
     logits = router_logits if route else topk_weights  # an unused pointer when not routing
-    block_n, block_k = _gemv_blocks(16, m, inter, hidden)
+    block_n, block_k = _gemv_gate_up_blocks(hidden)
     block_n, block_k = cfg.get("GATE_BLOCK_N", block_n), cfg.get("GATE_BLOCK_K", block_k)
     _gemv_gate_up_kernel[(m, triton.cdiv(inter, block_n))](
         x, w13, topk_ids, topk_weights, logits, act, inter, num_experts,
         x.stride(0), logits.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         K=hidden, **_route_meta(num_experts, top_k), ROUTE=route, RENORMALIZE=renormalize,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("GATE_num_warps", cfg.get("num_warps", 4)), **launch)
-    block_n, block_k = _gemv_down_blocks(num_tokens, hidden, inter)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("GATE_num_warps", 4), **launch)
+    block_n, block_k, warps = _gemv_down_blocks(num_tokens, hidden, inter)
     block_n, block_k = cfg.get("BLOCK_N", block_n), cfg.get("BLOCK_K", block_k)
     _gemv_down_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         act, w2, topk_ids, topk_weights, out, hidden, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        K=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", 4), **launch)
+        K=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", warps), **launch)
     return out
 
 
@@ -502,10 +502,37 @@ def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     return y.sum(dim=1)
 
 
+@triton.jit
+def _combine_kernel(y_ptr, rows_ptr, topk_w_ptr, out_ptr, N, stride_y, stride_o,
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t] = sum_j round(w[m] * y[rows[m]]), m = t * TOP_K + j: each assignment's down product (in expert order,
+    at row rows[m]) weighted and summed per token in one pass."""
+    wait_prior_kernel(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    out_ty = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        m = t * TOP_K + j
+        row = tl.load(rows_ptr + m)
+        y = tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+        total += (y * tl.load(topk_w_ptr + m)).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, total.to(out_ty), mask=ok)
+
+
+def torch_grouped_pays(num_assignments: int, num_experts: int, inter: int, x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM (CUTLASS, sm90, bf16) beats the Triton grouped kernels: large experts with
+    ~1024+ rows each (Mixtral's prefill chunks; the H200 rows of benchmarks/moe.py). Elsewhere torch's version
+    loses or falls back to a per-group loop that syncs with the host."""
+    return (x.dtype == torch.bfloat16 and x.is_cuda and hasattr(torch, "_grouped_mm") and inter >= 4096
+            and num_assignments >= 1024 * num_experts and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
 def _torch_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor) -> torch.Tensor:
-    """The experts as two calls of torch's grouped GEMM (CUTLASS on sm90, bf16) over the assignments sorted by
-    expert; the activation between them and the weighted sum after as separate passes. Device-side only."""
+    """The experts as two calls of torch's grouped GEMM over the assignments sorted by expert, the activation
+    between them and the weighted sum over each token's k experts after (`_combine_kernel`). Device-side only."""
     from pagedllm.kernels.activation import silu_and_mul
 
     num_tokens, hidden, num_experts, inter = _check_shapes(x, w13, w2)
@@ -515,13 +542,15 @@ def _torch_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    rows = x.index_select(0, order // top_k)
-    act = silu_and_mul(torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs))
+    act = silu_and_mul(torch._grouped_mm(x.index_select(0, order // top_k), w13.transpose(1, 2), offs=offs))
     y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [M, H] in expert order
-    back = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
-    per_assignment = y.index_select(0, back).view(num_tokens, top_k, hidden)
-    scaled = (per_assignment.float() * topk_weights.float()[:, :, None]).to(x.dtype)
-    return scaled.sum(dim=1)
+    rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    block_n = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        y, rows, topk_weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_N=block_n, num_warps=4,
+        **pdl_launch_args(x.device))
+    return out
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -529,8 +558,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights fp32 [T, k], topk_ids int32 [T, k] -> [T, H].
 
     path: "gemv" | "grouped" | "torch" (torch._grouped_mm) | None (by the assignment count); config: tile sizes
-    for the path taken (benchmarks sweep them; gemv: GATE_BLOCK_N / GATE_BLOCK_K of the gate_up kernel, BLOCK_N /
-    BLOCK_K of the down kernel, num_warps / GATE_num_warps)."""
+    for the path taken (benchmarks sweep them; gemv: GATE_BLOCK_N / GATE_BLOCK_K / GATE_num_warps of the gate_up
+    kernel, BLOCK_N / BLOCK_K / num_warps of the down kernel)."""
     num_tokens, hidden, num_experts, inter = _check_shapes(x, w13, w2)
     top_k = topk_ids.shape[1]
     if x.stride(-1) != 1:
@@ -541,7 +570,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if m == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if path is None:
-        path = "gemv" if m <= gemv_max_assignments(num_experts, top_k) else "grouped"
+        path = ("gemv" if m <= gemv_max_assignments(num_experts, top_k) else
+                "torch" if torch_grouped_pays(m, num_experts, inter, x) else "grouped")
     if path == "gemv":
         return _gemv_experts(x, w13, w2, topk_weights, topk_ids, config)
     if path == "grouped":
@@ -560,8 +590,8 @@ def fused_moe_routed(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
     assert router_logits.shape == (num_tokens, num_experts), (router_logits.shape, x.shape, num_experts)
     assert 1 <= top_k <= num_experts, (top_k, num_experts)
     m = num_tokens * top_k
-    if path is None:
-        path = "gemv" if 0 < m <= gemv_max_assignments(num_experts, top_k) else "grouped"
+    if path is None and 0 < m <= gemv_max_assignments(num_experts, top_k):
+        path = "gemv"
     if path != "gemv" or m == 0:
         weights, ids = moe_route(router_logits, top_k, renormalize)
         return fused_moe(x, w13, w2, weights, ids, path=path, config=config)
