@@ -68,7 +68,7 @@ def test_real_layer_shapes(shape, tokens, stale_cuda_memory):
 
 
 def test_torch_grouped_mm_for_large_experts(stale_cuda_memory):
-    """Experts of intermediate size >= 4096 with ~1024+ rows each (a Mixtral prefill chunk) take torch's grouped
+    """Experts of intermediate size >= 4096 with ~512+ rows each (a Mixtral prefill chunk) take torch's grouped
     GEMM by default on the H200 (bf16), and it matches the reference; fp16 and small experts keep Triton."""
     from pagedllm.kernels.fused_moe import torch_grouped_pays
 
@@ -77,7 +77,7 @@ def test_torch_grouped_mm_for_large_experts(stale_cuda_memory):
         assert torch_grouped_pays(4096 * 2, 8, 4096, x)
     assert not torch_grouped_pays(4096 * 2, 8, 4096, x.half())
     assert not torch_grouped_pays(4096 * 8, 128, 768, x)
-    assert not torch_grouped_pays(1024 * 2, 8, 4096, x)
+    assert not torch_grouped_pays(1024 * 2, 8, 4096, x)  # 256 rows per expert: Triton's
     check_fused(4096, 8, 2, 1024, 4096, torch.bfloat16, "cuda", path=None, seed=3)
     check_fused_routed(4096, 8, 2, 1024, 4096, torch.bfloat16, "cuda", seed=4)
 

@@ -16,7 +16,7 @@ One layer is
     grouped gate_up + SiLU-and-mul   one launch over all experts' row blocks (tl.dot)
     grouped down + routing weight    one launch over all experts' row blocks
     out[t] = sum_j y[t * k + j]      (torch sum over [T, k, H])
-  or, for large experts with ~1024+ rows each (`torch_grouped_pays`: Mixtral's prefill), torch's grouped GEMM
+  or, for large experts with ~512+ rows each (`torch_grouped_pays`: Mixtral's prefill), torch's grouped GEMM
   (CUTLASS) on the assignments gathered in expert order, silu_and_mul between, one weighted-sum pass after.
 
 Everything is device-side with sizes fixed by T: the sorted-id buffer is allocated at its worst case
@@ -424,8 +424,9 @@ def grouped_config(num_assignments: int, num_experts: int, dtype: torch.dtype, i
 # ------------------------------------------------------------------------------------------ the layer op
 
 def gemv_max_assignments(num_experts: int, top_k: int) -> int:
-    """Up to this many assignments the per-assignment GEMV path runs (few tokens, experts rarely shared)."""
-    return max(top_k, num_experts // 8)
+    """Up to this many assignments the per-assignment GEMV path runs (few tokens, experts rarely shared): two
+    tokens' worth at least (Mixtral at 2 tokens, 3 experts hit: the GEMV path beat the grouped one on the H200)."""
+    return max(2 * top_k, num_experts // 8)
 
 
 def _gemv_down_blocks(num_tokens: int, n: int, k: int) -> tuple[int, int, int]:
@@ -523,10 +524,10 @@ def _combine_kernel(y_ptr, rows_ptr, topk_w_ptr, out_ptr, N, stride_y, stride_o,
 
 def torch_grouped_pays(num_assignments: int, num_experts: int, inter: int, x: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM (CUTLASS, sm90, bf16) beats the Triton grouped kernels: large experts with
-    ~1024+ rows each (Mixtral's prefill chunks; the H200 rows of benchmarks/moe.py). Elsewhere torch's version
+    ~512+ rows each (Mixtral's prefill chunks; the H200 rows of benchmarks/moe.py). Elsewhere torch's version
     loses or falls back to a per-group loop that syncs with the host."""
     return (x.dtype == torch.bfloat16 and x.is_cuda and hasattr(torch, "_grouped_mm") and inter >= 4096
-            and num_assignments >= 1024 * num_experts and torch.cuda.get_device_capability(x.device) == (9, 0))
+            and num_assignments >= 512 * num_experts and torch.cuda.get_device_capability(x.device) == (9, 0))
 
 
 def _torch_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
