@@ -7,6 +7,7 @@ Prefill: the mixed kernel on fresh prompts and on chunks with cached prefixes, i
 with torch SDPA (causal, contiguous) as the peer for fresh prompts.
 
     PYTHONPATH=src python3 benchmarks/kernels_attention.py [--sweep] [--quick] [--spread]
+    PYTHONPATH=src python3 benchmarks/kernels_attention.py --gqa-sweep 32/4 --batches 64 256 512 --ctx 530
 """
 from __future__ import annotations
 
@@ -219,12 +220,65 @@ def spread_table(num_heads: int = 16, num_kv_heads: int = 8) -> None:
                           flush=True)
 
 
+def gqa_sweep(heads: str, batches: list[int], ctx: int) -> None:
+    """Decode at one head layout (`--gqa-sweep 32/4`: Qwen3-30B-A3B's 8 query heads per kv head) and batch sizes of
+    a throughput run, every context ctx +- 5%: tile width x pipeline stages x warps x splits, against the default
+    the engine picks (`decode_num_splits`, `decode_block_n`, 4 warps, 3 stages)."""
+    import itertools
+    import random
+
+    from pagedllm.kernels.paged_attention import decode_block_n
+
+    num_heads, num_kv_heads = (int(v) for v in heads.split("/"))
+    max_tokens = max(batches) * int(ctx * 1.05 + BS)
+    num_blocks = max_tokens // BS + 1
+    cache = torch.empty(2, num_blocks, BS, num_kv_heads, D, dtype=DTYPE, device=DEV).normal_()
+    print(f"\n## Decode sweep, {num_heads} q / {num_kv_heads} kv heads, contexts {ctx} +- 5% (us; * = default)")
+    print("| batch | splits | block_n | warps | stages | time (us) | KV GB/s | % of 4.3 TB/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in batches:
+        rng = random.Random(batch)
+        lens = [rng.randint(int(ctx * 0.95), int(ctx * 1.05)) for _ in range(batch)]
+        nblk = triton.cdiv(max(lens), BS)
+        perm = torch.randperm(num_blocks - 1, device=DEV)[: batch * nblk] + 1
+        block_table = perm.view(batch, nblk).to(torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        q = torch.randn(batch, num_heads, D, device=DEV, dtype=DTYPE)
+        out = torch.empty_like(q)
+        kv = sum(lens) * num_kv_heads * D * 4
+        auto_splits = decode_num_splits(batch, num_kv_heads, DEV, 64, max(lens))
+        auto_bn = decode_block_n(DTYPE, D, auto_splits, max(lens))
+        ws = (torch.empty(batch * num_heads * 8 * D, device=DEV), torch.empty(batch * num_heads * 8, device=DEV))
+        for splits, block_n, warps, stages in itertools.product(sorted({1, 2, 4, auto_splits}), (32, 64),
+                                                                 (4, 8), (1, 2, 3)):
+            if splits > 8:
+                continue
+            try:
+                ms = _graph_ms(lambda: paged_decode_attention(
+                    q, cache, block_table, seq_lens, D ** -0.5, num_seqs=batch, output=out, workspace=ws,
+                    num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
+                print(f"| {batch} | {splits} | {block_n} | {warps} | {stages} | {type(e).__name__} | | |", flush=True)
+                continue
+            gbs = kv / ms / 1e6
+            star = "*" if (splits, block_n, warps, stages) == (auto_splits, auto_bn, 4, 3) else ""
+            print(f"| {batch} | {splits} | {block_n} | {warps} | {stages} | {ms * 1e3:.1f}{star} | {gbs:.0f} | "
+                  f"{100 * gbs / PEAK_GBS:.0f}% |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--gqa-sweep", metavar="Q/KV", default=None,
+                    help="only the decode sweep at this head layout, e.g. 32/4 (with --batches, --ctx)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512])
+    ap.add_argument("--ctx", type=int, default=530)
     ap.add_argument("--sweep", action="store_true", help="also run the tuning sweeps")
     ap.add_argument("--quick", action="store_true", help="fewer decode points")
     ap.add_argument("--spread", action="store_true", help="only the spread-context decode table (Qwen3-0.6B heads)")
     args = ap.parse_args()
+    if args.gqa_sweep:
+        gqa_sweep(args.gqa_sweep, args.batches, args.ctx)
+        return
     if args.spread:
         spread_table()
         return
