@@ -275,19 +275,30 @@ class MultiprocExecutor:
         return pickle.loads(payload)
 
     def _check_procs(self, starting: bool = False) -> None:
-        for rank, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
-                # Its own error message (if it sent one) says more: read what is already here.
-                msg = self._recv(timeout_ms=200)
-                if msg is not None and msg[0] == "error":
-                    if starting:
-                        raise _startup_error(msg)
-                    self._fail(f"worker rank {msg[1]} failed: {msg[2]}")
-                text = f"worker rank {rank} (pid {proc.pid}) died with exit code {code}"
+        dead = {rank: (proc, code) for rank, proc in self.procs.items() if (code := proc.poll()) is not None}
+        if not dead:
+            return
+        # A dead rank's own error message (if it sent one) says more. Errors of the other ranks are usually
+        # their broken connection to it, so they never stand in for it.
+        errors: dict[int, str] = {}
+        wait_ms = 200
+        while (msg := self._recv(timeout_ms=wait_ms)) is not None:
+            wait_ms = 20
+            if msg[0] == "error":
+                errors.setdefault(msg[1], msg)
+        for rank in sorted(dead):
+            if rank in errors:
                 if starting:
-                    raise RuntimeError(text + " during start-up.")
-                self._fail(text)
+                    raise _startup_error(errors[rank])
+                self._fail(f"worker rank {rank} failed: {errors[rank][2]}")
+        if starting and errors:  # start-up errors are causes (a bad setting, too little memory), not echoes
+            raise _startup_error(errors[min(errors)])
+        rank = min(dead)
+        proc, code = dead[rank]
+        text = f"worker rank {rank} (pid {proc.pid}) died with exit code {code}"
+        if starting:
+            raise RuntimeError(text + " during start-up.")
+        self._fail(text)
 
     def _fail_from_error(self, msg: tuple) -> None:
         """A rank reported a failure; often it is the victim (a collective with a dead or hung peer failed), so
