@@ -39,6 +39,15 @@ def _stream(url: str, body: dict, out: list, started: threading.Event) -> None:
     out.append(sse_events(lines))
 
 
+def _gauge(url: str, name: str) -> float:
+    """The sum of a Prometheus gauge's samples on /metrics (0 before the first engine step reports it)."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def _start_streams(url: str, count: int, body: dict) -> tuple[list, list]:
     results, threads = [], []
     for _ in range(count):
@@ -138,7 +147,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: str, rob
 
 def test_shutdown_timeout_ends_what_is_left_with_an_error(tiny_llama_dir: str, robust_env: dict, tmp_path) -> None:
     # One sequence at a time: 32 streams x 480 tokens queue ~15,000 decode steps, which no machine runs within the
-    # 1 s timeout (an idle CI core runs the tiny model at ~1,600 tok/s). The signal comes once the first has started.
+    # 1 s timeout (an idle CI core runs the tiny model at ~1,600 tok/s). The signal comes once most are queued.
     count, max_tokens = 32, 480
     server = launch(tiny_llama_dir, ["--shutdown-timeout", "1", "--max-num-seqs", "1"], robust_env,
                     str(tmp_path / "server.log"))
@@ -154,6 +163,13 @@ def test_shutdown_timeout_ends_what_is_left_with_an_error(tiny_llama_dir: str, r
             results.append(out)
             threads.append(t)
         assert first.wait(120), "no stream started"  # a hang guard
+        # Signal only once most requests are queued behind the running one: a request still on its way when the
+        # signal comes is refused, and on a fast machine the first 480 tokens can end well within the 1 s timeout,
+        # leaving nothing running when it hits.
+        deadline = time.monotonic() + 120  # a hang guard
+        while _gauge(server.url, "vllm:num_requests_waiting") < count - 8:
+            assert time.monotonic() < deadline, "the requests were not queued"
+            time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(120) == 0  # a hang guard
         for t in threads:
