@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from robust_helpers import REPO_ROOT, completion_body, launch, sse_events, stop
+from robust_helpers import REPO_ROOT, completion_body, launch, metric, sse_events, stop
 
 ENTRYPOINT = os.path.join(REPO_ROOT, "deploy", "docker-entrypoint.sh")
 HEALTHCHECK = os.path.join(REPO_ROOT, "deploy", "healthcheck.py")
@@ -37,15 +37,6 @@ def _stream(url: str, body: dict, out: list, started: threading.Event) -> None:
             if line.startswith("data: "):
                 started.set()
     out.append(sse_events(lines))
-
-
-def _gauge(url: str, name: str) -> float:
-    """The sum of a Prometheus gauge's samples on /metrics (0 before the first engine step reports it)."""
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _start_streams(url: str, count: int, body: dict) -> tuple[list, list]:
@@ -167,7 +158,7 @@ def test_shutdown_timeout_ends_what_is_left_with_an_error(tiny_llama_dir: str, r
         # signal comes is refused, and on a fast machine the first 480 tokens can end well within the 1 s timeout,
         # leaving nothing running when it hits.
         deadline = time.monotonic() + 120  # a hang guard
-        while _gauge(server.url, "vllm:num_requests_waiting") < count - 8:
+        while metric(httpx.get(server.url + "/metrics", timeout=30).text, "vllm:num_requests_waiting") < count - 8:
             assert time.monotonic() < deadline, "the requests were not queued"
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)

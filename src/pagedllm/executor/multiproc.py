@@ -280,7 +280,7 @@ class MultiprocExecutor:
             return
         # A dead rank's own error message (if it sent one) says more. Errors of the other ranks are usually
         # their broken connection to it, so they never stand in for it.
-        errors: dict[int, str] = {}
+        errors: dict[int, tuple] = {}  # rank -> its first error message
         wait_ms = 200
         while (msg := self._recv(timeout_ms=wait_ms)) is not None:
             wait_ms = 20
