@@ -6,6 +6,9 @@ The fused variant first adds the residual in the input dtype (as HF's `residual 
 returns that sum as the new residual, and normalizes it. With `fp32_product` (Gemma's (1 + w) norms, whose
 float32 weight already holds 1 + w) the normalized value is not rounded before the weight: the product is taken
 in float32 and rounded once to the input dtype, as HF's Gemma*RMSNorm computes it.
+
+`rms_norm_shrink` also multiplies each normalized row by a per-row slice of a projection (a LoRA adapter's A of
+the layer the norm feeds), so a decode step's shrink costs no launch of its own.
 """
 from __future__ import annotations
 
@@ -44,6 +47,79 @@ def _rms_norm_kernel(
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     y = normed * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_shrink_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, a_ptr, slot_ptr, h_ptr,
+    stride_x, stride_r, stride_o, stride_ro, stride_as, stride_an, stride_hm,
+    hidden, eps, NR,
+    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, FP32_PRODUCT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Program (row, p): the norm of `row` (every program of the row computes it; the first one stores it) and
+    h[row, p*BLOCK_P:(p+1)*BLOCK_P] = A[slot(row)][those rows] @ norm(row), fp32 (zeros for rows without a slot)."""
+    row = tl.program_id(0).to(tl.int64)
+    pid_p = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = offs_p < NR
+    # The slot table and A are written before the forward starts, never by the previous kernel: load A before
+    # the PDL wait, overlapping the previous kernel's tail.
+    slot = tl.load(slot_ptr + row)
+    a = tl.load(a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + offs_p[:, None] * stride_an + cols[None, :],
+                mask=p_ok[:, None] & mask[None, :] & (slot >= 0), other=0.0)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    wait_prior_kernel(USE_PDL)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        if pid_p == 0:
+            tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / hidden
+    normed = xf * tl.rsqrt(var + eps)
+    if not FP32_PRODUCT:
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = (normed * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if pid_p == 0:
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    # The projection reads what the next layer reads: the norm's output rounded to its dtype.
+    h = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
+    tl.store(h_ptr + row * stride_hm + offs_p, h, mask=p_ok)
+
+
+# Projection weight elements held by one program of rms_norm_shrink (registers), as the GEMV's tile.
+_SHRINK_TILE_ELEMENTS = 16384
+
+
+def rms_norm_shrink(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, fp32_product: bool,
+                    a: torch.Tensor, token_slots: torch.Tensor):
+    """(RMSNorm of x (+ residual), the new residual or None, h): h [1, T, NR] fp32 = A[slot(t)] @ out[t] for each
+    row t of x [T, hidden] (a [S, NR, hidden] contiguous, token_slots [>= T] int32, -1: no adapter, zeros)."""
+    hidden = x.shape[-1]
+    assert x.dim() == 2 and weight.shape == (hidden,) and a.is_contiguous() and a.shape[2] == hidden, (x.shape, a.shape)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    rows, nr = x2.shape[0], a.shape[1]
+    out_dtype = x.dtype if fp32_product else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
+    h = torch.empty((1, rows, nr), dtype=torch.float32, device=x.device)
+    if residual is not None:
+        r2 = residual if residual.stride(-1) == 1 else residual.contiguous()
+        r_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    else:
+        r2, r_out = x2, out
+    if rows > 0:
+        block = triton.next_power_of_2(hidden)
+        block_p = max(1, min(triton.next_power_of_2(nr), _SHRINK_TILE_ELEMENTS // block))
+        _rms_norm_shrink_kernel[(rows, triton.cdiv(nr, block_p))](
+            x2, r2, weight, out, r_out, a, token_slots, h,
+            x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), a.stride(0), a.stride(1), h.stride(1),
+            hidden, eps, nr, BLOCK=block, BLOCK_P=block_p, HAS_RESIDUAL=residual is not None,
+            FP32_PRODUCT=fp32_product, num_warps=8, **pdl_launch_args(x.device))
+    return out, (r_out if residual is not None else None), h
 
 
 def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, fp32_product: bool = False):

@@ -20,6 +20,9 @@ class RMSNorm(nn.Module):
 
     # The weight's product taken in float32 and rounded once (Gemma), not after rounding x / rms(x) (Llama).
     fp32_product = False
+    # The module this norm's output feeds alone, when it has input-side work the norm kernel can do
+    # (`norm_and_shrink(norm, x, residual)`: LoRA's shrink); set by lora/manager.py.
+    shrink_consumer = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
@@ -34,6 +37,10 @@ class RMSNorm(nn.Module):
         # x, residual: [..., hidden_size] in the model dtype. CUDA: one Triton kernel; CPU: one C++ kernel
         # (kernels/csrc/cpu_ops.cpp) instead of ~7 elementwise ops each.
         if x.is_cuda:
+            if self.shrink_consumer is not None:
+                fused = self.shrink_consumer.norm_and_shrink(self, x, residual)
+                if fused is not None:
+                    return fused
             kernels = triton_kernels("norm")  # one fused kernel instead of ~7 elementwise ones
             if kernels is not None:
                 if residual is None:

@@ -3,7 +3,10 @@
 `LoRALinear` keeps the base layer (whatever its LinearMethod: unquantized, fp8, int8, GGUF, ...) and adds,
 for every token of the step at once, `x @ A[slot]^T @ B[slot]` where `slot` is the device slot of that token's
 adapter (or none). Weights are never merged and adapters are never run one at a time:
-  CUDA: kernels/lora.py's shrink + expand (tokens gathered by slot, Punica style)
+  CUDA: kernels/lora.py's shrink + expand (tokens gathered by slot, Punica style); on decode steps of a few rows
+        the expand runs in the base layer's GEMV epilogue (kernels/gemv.py, `LoRADelta`) and, for a layer fed by
+        a norm alone (qkv, gate_up), the shrink in the norm kernel (`norm_and_shrink`): two launches per decoder
+        layer beyond the base model's instead of eight plus the unfused SiLU.
   CPU:  one matmul against every slot's A, a mask keeping each token's own slot, one matmul against every B.
 
 A merged layer (qkv_proj = [q; k; v], gate_up_proj = [gate; up]) stacks its slices: A [S, n_slices * R, in],
@@ -22,8 +25,15 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+from pagedllm.layers.activation import triton_kernels
 from pagedllm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+                                    RowParallelLinear, UnquantizedLinearMethod, gemv_kernels)
+
+# Decode-step fusions (expand in the GEMV, shrink in the norm); False runs the separate shrink / expand kernels.
+# For A/B tests and benchmarks only.
+FUSED_DECODE = True
+# Most rows for which a norm computes its consumer's shrink (beyond, the shrink kernel reads A once per slot).
+NORM_SHRINK_MAX_ROWS = 8
 
 
 @dataclass
@@ -88,6 +98,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(num_slots, rank, self.out_local, dtype=dtype, device=device),
                              persistent=False)
         self._slice_spans = [(s.out_offset, s.out_size) for s in slices]
+        self._pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (a norm's output, its shrink)
 
     def __getattr__(self, name: str) -> Any:  # the base layer's attributes (sizes, tp rank, linear_method...)
         try:
@@ -125,36 +136,85 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
         if not self.row_parallel:
-            out = base.linear_method.apply(base, x, base.bias)  # [T, out_local]
-            if self.state.active:
-                self.add_delta(x, out)
+            out = self._fused_gemv(x, base.bias) if self.state.active else None
+            if out is None:
+                out = base.linear_method.apply(base, x, base.bias)  # [T, out_local]
+                if self.state.active:
+                    self.add_delta(x, out)
             return out
         if not base.input_is_parallel and base.tp_size > 1:
             x = x.chunk(base.tp_size, dim=-1)[base.tp_rank].contiguous()
-        out = base.linear_method.apply(base, x, base.bias if base.tp_rank == 0 else None)
-        if self.state.active:
-            self.add_delta(x, out)  # this rank's partial delta joins the partial sums before the reduce
+        bias = base.bias if base.tp_rank == 0 else None
+        out = self._fused_gemv(x, bias) if self.state.active else None
+        if out is None:
+            out = base.linear_method.apply(base, x, bias)
+            if self.state.active:
+                self.add_delta(x, out)  # this rank's partial delta joins the partial sums before the reduce
         if base.reduce_results and base.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The base layer's fused gate_up + SiLU only for steps without adapters (the delta must come first)."""
+        """The base layer's fused gate_up + SiLU; with adapters only where the GEMV adds the delta itself (the delta
+        must come before the activation)."""
         if self.state.active:
-            return None
+            return self._fused_gemv(x, self.base_layer.bias, gated=True)
         fused = getattr(self.base_layer, "silu_and_mul", None)
         return None if fused is None else fused(x)
+
+    def _fused_gemv(self, x: torch.Tensor, bias: Optional[torch.Tensor], gated: bool = False
+                    ) -> Optional[torch.Tensor]:
+        """base(x) + the delta in one few-row GEMV (None where that kernel does not take this layer and x)."""
+        base = self.base_layer
+        if not (FUSED_DECODE and x.is_cuda and type(base.linear_method) is UnquantizedLinearMethod):
+            return None
+        gemv = gemv_kernels(x, base.weight)
+        if gemv is None:
+            return None
+        spans = self._slice_spans
+        if gated and not (len(spans) == 2 and spans[1] == (spans[0][1], spans[0][1])
+                          and 2 * spans[0][1] == self.out_local):
+            return None
+        h = self._shrink(x)
+        if h is None:
+            return None
+        delta = gemv.LoRADelta(h, self.lora_b, self.state.token_slots, tuple(off for off, _ in spans[1:]))
+        return gemv.gemv(x, base.weight, bias, gated=gated, lora=delta)
+
+    def _shrink(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """x's shrink partial sums [SPLIT, T, n_slices * R]: the one the norm before computed, else the kernel's."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is x:
+            return pending[1]
+        kernels = triton_kernels("lora")
+        if kernels is None:
+            return None
+        x2 = x if x.stride(-1) == 1 else x.contiguous()
+        return kernels.lora_shrink(x2, self.lora_a, self.state.sorted_token_ids, self.state.slot_starts)
+
+    def norm_and_shrink(self, norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """`norm(x, residual)` (the RMSNorm whose output is this layer's input alone) with this layer's shrink
+        computed by the same kernel on few-row CUDA steps with adapters; None where that does not apply (the norm
+        then runs alone). The shrink waits for `forward` / `silu_and_mul`, which take it only for that output."""
+        state = self.state
+        if not (state.active and FUSED_DECODE and x.dim() == 2 and 0 < x.shape[0] <= NORM_SHRINK_MAX_ROWS
+                and (residual is None or residual.shape == x.shape) and x.shape[1] == self.in_local):
+            return None
+        kernels = triton_kernels("norm")
+        if kernels is None:
+            return None
+        out, new_residual, h = kernels.rms_norm_shrink(x, residual, norm.weight, norm.variance_epsilon,
+                                                       norm.fp32_product, self.lora_a, state.token_slots)
+        self._pending = (out, h)
+        return out if residual is None else (out, new_residual)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += x @ A[slot(t)]^T @ B[slot(t)] for every token t with an adapter, in place."""
         state = self.state
         if x.is_cuda:
-            from pagedllm.layers.activation import triton_kernels
-
             kernels = triton_kernels("lora")
             if kernels is not None:
-                x2 = x if x.stride(-1) == 1 else x.contiguous()
-                h = kernels.lora_shrink(x2, self.lora_a, state.sorted_token_ids, state.slot_starts)
+                h = self._shrink(x)
                 kernels.lora_expand(h, self.lora_b, out, state.sorted_token_ids, state.slot_starts,
                                     self._slice_spans)
                 return

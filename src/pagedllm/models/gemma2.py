@@ -73,6 +73,9 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         self.pre_feedforward_layernorm = self.norm_cls(hidden, eps)
         self.post_feedforward_layernorm = self.norm_cls(hidden, eps)
 
+    def norm_feeds(self) -> list[tuple[str, str]]:
+        return [("input_layernorm", "self_attn.qkv_proj"), ("pre_feedforward_layernorm", "mlp.gate_up_proj")]
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # As in Llama the residual stream is carried separately and added inside the next norm:

@@ -169,6 +169,11 @@ class LlamaDecoderLayer(nn.Module):
         """The layer's MLP (`prefix` is its own, `...layers.N.mlp`)."""
         return self.mlp_cls(config, prefix=prefix, quant_config=quant_config)
 
+    def norm_feeds(self) -> list[tuple[str, str]]:
+        """(norm, linear layer) pairs, as attribute paths, where the norm's output is that layer's input and nothing
+        else's: LoRA computes such a layer's adapter shrink inside the norm kernel (lora/layers.py)."""
+        return [("input_layernorm", "self_attn.qkv_proj"), ("post_attention_layernorm", "mlp.gate_up_proj")]
+
     def input_norm(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_layernorm of the stream, the stream): the residual stream is carried separately and added inside
