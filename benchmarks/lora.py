@@ -110,6 +110,20 @@ def throughput(args, hf_config, adapters) -> dict:
 
 
 def latency(args, adapters) -> dict:
+    if not args.ab:
+        return latency_one(args, adapters)
+    from pagedllm.lora import layers
+
+    results = {}
+    for fused in (True, False):  # an engine each: CUDA graphs capture whichever path is set at start
+        layers.FUSED_DECODE = fused
+        print(f"LoRA decode fusions {'on' if fused else 'off (separate shrink / expand kernels)'}:", flush=True)
+        results["fused" if fused else "separate"] = latency_one(args, adapters)
+    layers.FUSED_DECODE = True
+    return results
+
+
+def latency_one(args, adapters) -> dict:
     from pagedllm import LLM, LoRARequest, SamplingParams
     from pagedllm.core.engine_core import EngineCoreRequest
 
@@ -160,6 +174,8 @@ def main(argv=None):
     p.add_argument("--latency-input", type=int, default=128)
     p.add_argument("--latency-output", type=int, default=256)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--ab", action="store_true",
+                   help="latency: also measure with the decode-step fusions off (lora.layers.FUSED_DECODE)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 

@@ -1,6 +1,7 @@
 """LoRA on CUDA: the Triton shrink/expand kernels against their torch references (ranks 8-64, bf16/fp16, mixed
 slots, tokens without an adapter, CUDA-graph padding rows), and the engine's LoRA tokens on the GPU (eager and
-CUDA graphs) equal to the CPU path's and to transformers + PEFT in fp32."""
+CUDA graphs) equal to the CPU path's and to transformers + PEFT in fp32; the decode-step fusions (expand in the GEMV,
+shrink in the norm) against references, in a CUDA graph, and in the engine against the separate kernels."""
 from __future__ import annotations
 
 import random
@@ -91,3 +92,131 @@ def test_engine_lora_tokens_on_gpu_match_peft(tiny_llama_dir, adapters, enforce_
                         use_tqdm=False)
     for p, r, o in zip(prompts, reqs, outs):
         assert o.outputs[0].token_ids == peft_greedy(tiny_llama_dir, r and r.lora_path, p, 10)[0]
+
+
+# ---- decode-step fusions: the expand in the GEMV's epilogue, the shrink in the norm ----------------------------
+
+FUSED_GEMV_CASES = [  # (rows, slots, K, slices, gated, shrink splits)
+    (1, 2, 4096, [4096, 1024, 1024], False, 1),  # 8B qkv, its shrink from the norm
+    (1, 4, 4096, [4096], False, 16),  # 8B o_proj after the split-K shrink
+    (1, 2, 4096, [14336, 14336], True, 1),  # 8B gate_up + SiLU
+    (1, 2, 14336, [4096], False, 32),  # 8B down_proj
+    (3, 3, 896, [896, 128, 128], False, 1),  # a 0.5B qkv, several rows, several slots
+    (4, 2, 896, [4864, 4864], True, 8),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("case", FUSED_GEMV_CASES)
+def test_fused_gemv_matches_reference(case, rank, dtype, stale_cuda_memory):
+    from tests.lora.lora_kernel_cases import check_fused_gemv_case
+
+    rows, slots, k, slices, gated, split = case
+    check_fused_gemv_case(rows, slots, k, slices, rank, rank, dtype, "cuda", gated=gated, split=split,
+                          bias=rows == 3, seed=rank + rows)
+
+
+NORM_SHRINK_CASES = [  # (rows, slots, hidden, slices, residual, fp32 product)
+    (1, 2, 4096, 3, True, False),
+    (1, 2, 4096, 2, False, False),
+    (8, 4, 896, 3, True, False),
+    (3, 2, 2048, 2, True, True),  # Gemma's (1 + w) norm
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("case", NORM_SHRINK_CASES)
+def test_norm_shrink_matches_reference(case, rank, dtype, stale_cuda_memory):
+    from tests.lora.lora_kernel_cases import check_norm_shrink_case
+
+    rows, slots, hidden, n_slices, residual, fp32_product = case
+    check_norm_shrink_case(rows, slots, hidden, n_slices, rank, rank, dtype, "cuda", residual=residual,
+                           fp32_product=fp32_product, seed=rank)
+
+
+def test_fused_decode_kernels_in_cuda_graph_follow_new_slots():
+    """Norm + shrink and GEMV + expand captured while no row has an adapter replay a later step's slots."""
+    from pagedllm.kernels import gemv as g
+    from pagedllm.kernels import norm
+    from tests.lora.lora_kernel_cases import build_case
+
+    x, a, b, slots, spans, res = build_case(2, 3, 1024, [1024, 256, 256], 16, 16, torch.bfloat16, "cuda", seed=5)
+    res = res[:, :1024].contiguous()
+    weight = torch.ones(1024, dtype=torch.bfloat16, device="cuda")
+    w = (torch.randn(1536, 1024, device="cuda") / 32).to(torch.bfloat16)
+    slot_buf = torch.full((2,), -1, dtype=torch.int32, device="cuda")
+
+    def step():
+        out, _, h = norm.rms_norm_shrink(x, res, weight, 1e-6, False, a, slot_buf)
+        return g.gemv(out, w, lora=g.LoRADelta(h, b, slot_buf, (1024, 1280))), out, h
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, normed, h = step()
+    slot_buf.copy_(torch.tensor([2, -1], dtype=torch.int32))
+    graph.replay()
+    slots = torch.tensor([2, -1], dtype=torch.int32)
+    expected = g.gemv_ref(normed.cpu(), w.cpu(), lora=g.LoRADelta(h.cpu(), b.cpu(), slots, (1024, 1280))).float()
+    torch.testing.assert_close(y.float().cpu(), expected, atol=3e-2, rtol=3e-2)
+    assert torch.all(h[0, 1] == 0) and torch.any(h[0, 0] != 0)
+    plain = g.gemv_ref(normed.cpu(), w.cpu()).float()
+    torch.testing.assert_close(y[1].float().cpu(), plain[1], atol=3e-2, rtol=3e-2)  # no adapter: no delta
+    assert not torch.allclose(y[0].float().cpu(), plain[0], atol=1e-3), "row 0's delta is missing"
+
+
+def _greedy_with_logprobs(model_dir, adapters, fused: bool, enforce_eager: bool, monkeypatch):
+    from pagedllm import LLM, LoRARequest, SamplingParams
+    from pagedllm.lora import layers as lora_layers
+
+    monkeypatch.setattr(lora_layers, "FUSED_DECODE", fused)
+    calls = {"gemv": 0, "norm": 0}
+    fused_gemv, norm_and_shrink = lora_layers.LoRALinear._fused_gemv, lora_layers.LoRALinear.norm_and_shrink
+
+    def count_gemv(self, *args, **kwargs):
+        out = fused_gemv(self, *args, **kwargs)
+        calls["gemv"] += out is not None
+        return out
+
+    def count_norm(self, *args, **kwargs):
+        out = norm_and_shrink(self, *args, **kwargs)
+        calls["norm"] += out is not None
+        return out
+
+    monkeypatch.setattr(lora_layers.LoRALinear, "_fused_gemv", count_gemv)
+    monkeypatch.setattr(lora_layers.LoRALinear, "norm_and_shrink", count_norm)
+    llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", num_gpu_blocks_override=64, max_num_seqs=4,
+              enable_lora=True, max_loras=3, max_lora_rank=16, enforce_eager=enforce_eager)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 11, 8)]
+    reqs = [LoRARequest(f"l{i}", i + 1, p) for i, p in enumerate(adapters)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+                        lora_request=reqs, use_tqdm=False)
+    llm.shutdown()
+    return [o.outputs[0] for o in outs], calls
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_engine_fused_decode_matches_separate_kernels(tiny_llama_dir, adapters, enforce_eager, monkeypatch):
+    """bf16 decode of three adapters at once (all 7 projections; q/v only; o/down only): the fused kernels give the
+    separate shrink / expand kernels' tokens and logprobs (up to bf16 rounding: a token may differ only where
+    the separate path's top two were within rounding of each other)."""
+    ref, ref_calls = _greedy_with_logprobs(tiny_llama_dir, adapters, False, enforce_eager, monkeypatch)
+    got, calls = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
+    assert ref_calls == {"gemv": 0, "norm": 0}
+    assert calls["gemv"] > 0 and calls["norm"] > 0, calls
+    compared = 0
+    for r, g in zip(ref, got):
+        for step, (rt, gt) in enumerate(zip(r.token_ids, g.token_ids)):
+            top = sorted(r.logprobs[step].values(), key=lambda lp: -lp.logprob)
+            if rt != gt:
+                assert top[0].logprob - top[1].logprob < 0.05, (step, rt, gt, top)
+                break
+            assert abs(r.logprobs[step][rt].logprob - g.logprobs[step][gt].logprob) < 0.05
+            compared += 1
+    assert compared >= 24, compared

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 28's LoRA rows on the lent H200, in device calls (carry .whl: ../shared/device/fetch-wheels.sh):
+#
+#   bash benchmarks/gpu_lora.sh tests       # tests/gpu/test_lora_gpu.py, then 8B batch-1 latency rank 16, fused vs not
+#   bash benchmarks/gpu_lora.sh latency64   # 8B batch-1 latency rank 64, fused vs not
+#   bash benchmarks/gpu_lora.sh throughput  # Qwen3-0.6B rank 16 and 64: base, 1 / 4 / 16 adapters
+#   bash benchmarks/gpu_lora.sh throughput8b  # Llama-3-8B rank 16: 4 and 16 adapters (128 requests)
+#
+# Each step has its own timeout; logs and JSON go to $OUT (or /tmp/lora-out), the summary lines to stdout.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+what=${1:?tests, latency64, throughput or throughput8b}
+source tests/gpu/device_prepare.sh
+out=${OUT:-/tmp/lora-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+step() {  # step NAME TIMEOUT CMD...
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc $((SECONDS - t0)) s"
+    grep -E "^(batch-1|LoRA|base|[ 0-9]+ adapters|Traceback|RuntimeError|.*Error:|FAILED|ERROR)|passed|failed" \
+        "$out/$name.log" | tail -30
+}
+case $what in
+tests)
+    step tests 280 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py
+    step latency16 280 python benchmarks/lora.py latency --model benchmarks/configs/llama3-8b --rank 16 --ab \
+        --json "$out/latency16.json"
+    ;;
+latency64)
+    step latency64 280 python benchmarks/lora.py latency --model benchmarks/configs/llama3-8b --rank 64 --ab \
+        --json "$out/latency64.json"
+    ;;
+throughput)
+    step tput16 250 python benchmarks/lora.py throughput --model benchmarks/configs/qwen3-0.6b --rank 16 \
+        --json "$out/tput16.json"
+    step tput64 250 python benchmarks/lora.py throughput --model benchmarks/configs/qwen3-0.6b --rank 64 \
+        --json "$out/tput64.json"
+    ;;
+throughput8b)
+    step tput8b 500 python benchmarks/lora.py throughput --model benchmarks/configs/llama3-8b --rank 16 \
+        --num-adapters 4 16 --num-prompts 128 --json "$out/tput8b.json"
+    ;;
+esac
