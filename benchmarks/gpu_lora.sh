@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 28's LoRA rows on the lent H200, in device calls (carry .whl: ../shared/device/fetch-wheels.sh):
 #
-#   bash benchmarks/gpu_lora.sh tests       # tests/gpu/test_lora_gpu.py, then 8B batch-1 latency rank 16, fused vs not
+#   bash benchmarks/gpu_lora.sh tests       # tests/gpu/test_lora_gpu.py, the kernels of a layer (lora_parts.py), then
+#                                           # 8B batch-1 latency rank 16, fused vs not
 #   bash benchmarks/gpu_lora.sh latency64   # 8B batch-1 latency rank 64, fused vs not
 #   bash benchmarks/gpu_lora.sh throughput  # Qwen3-0.6B rank 16 and 64: base, 1 / 4 / 16 adapters
 #   bash benchmarks/gpu_lora.sh throughput8b  # Llama-3-8B rank 16: 4 and 16 adapters (128 requests)
@@ -21,12 +22,13 @@ step() {  # step NAME TIMEOUT CMD...
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     local rc=$?
     echo "== $name rc=$rc $((SECONDS - t0)) s"
-    grep -E "^(batch-1|LoRA|base|[ 0-9]+ adapters|Traceback|RuntimeError|.*Error:|FAILED|ERROR)|passed|failed" \
+    grep -E "^(batch-1|LoRA|base|chain|gemv|norm|shrink|expand|silu|regs|[ 0-9]+ adapters|Traceback|RuntimeError|.*Error:|FAILED|ERROR)|passed|failed" \
         "$out/$name.log" | tail -30
 }
 case $what in
 tests)
     step tests 280 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py
+    step parts 150 python benchmarks/lora_parts.py --json "$out/parts16.json"
     step latency16 280 python benchmarks/lora.py latency --model benchmarks/configs/llama3-8b --rank 16 --ab \
         --json "$out/latency16.json"
     ;;

@@ -117,6 +117,16 @@ def test_fused_gemv_matches_reference(case, rank, dtype, stale_cuda_memory):
                           bias=rows == 3, seed=rank + rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("case", [(1, 2, 4096, 1), (1, 1, 14336, 1), (5, 3, 896, 3), (16, 4, 4096, 2)])
+def test_shrink_rows_matches_reference(case, rank, dtype):
+    from tests.lora.lora_kernel_cases import check_shrink_rows_case
+
+    tokens, slots, k, n_slices = case
+    check_shrink_rows_case(tokens, slots, k, n_slices, rank, rank, dtype, "cuda", seed=rank + tokens)
+
+
 NORM_SHRINK_CASES = [  # (rows, slots, hidden, slices, residual, fp32 product)
     (1, 2, 4096, 3, True, False),
     (1, 2, 4096, 2, False, False),
@@ -169,13 +179,17 @@ def test_fused_decode_kernels_in_cuda_graph_follow_new_slots():
     assert not torch.allclose(y[0].float().cpu(), plain[0], atol=1e-3), "row 0's delta is missing"
 
 
+from pagedllm.lora import layers as lora_layers  # noqa: E402
+
+_FUSED_GEMV, _NORM_AND_SHRINK = lora_layers.LoRALinear._fused_gemv, lora_layers.LoRALinear.norm_and_shrink
+
+
 def _greedy_with_logprobs(model_dir, adapters, fused: bool, enforce_eager: bool, monkeypatch):
     from pagedllm import LLM, LoRARequest, SamplingParams
-    from pagedllm.lora import layers as lora_layers
 
     monkeypatch.setattr(lora_layers, "FUSED_DECODE", fused)
     calls = {"gemv": 0, "norm": 0}
-    fused_gemv, norm_and_shrink = lora_layers.LoRALinear._fused_gemv, lora_layers.LoRALinear.norm_and_shrink
+    fused_gemv, norm_and_shrink = _FUSED_GEMV, _NORM_AND_SHRINK
 
     def count_gemv(self, *args, **kwargs):
         out = fused_gemv(self, *args, **kwargs)

@@ -131,3 +131,20 @@ def check_norm_shrink_case(rows, num_slots, hidden, num_slices, rank, max_rank, 
     ref_h = lora_shrink_ref(out.cpu(), a.cpu(), slots)  # of the norm's own (rounded) output, as the layer reads it
     torch.testing.assert_close(h[0].cpu(), ref_h, atol=tol * 5, rtol=tol * 5)
     assert torch.all(h[0].cpu()[slots < 0] == 0)
+
+
+def check_shrink_rows_case(num_tokens, num_slots, k, num_slices, rank, max_rank, dtype, device, seed=0) -> None:
+    """kernels/lora.lora_shrink_rows (few tokens, split-K, the last split folds): h equals the reference shrink,
+    twice in a row (the per-token counters are left at zero for the next call)."""
+    from pagedllm.kernels import lora as kernels
+
+    x, a, _, slots, _, _ = build_case(num_tokens, num_slots, k, [8] * num_slices, rank, max_rank, dtype, device, seed)
+    counters = torch.zeros(num_tokens + 3, dtype=torch.int32, device=device)
+    ref = kernels.lora_shrink_ref(x.cpu(), a.cpu(), slots)
+    has = slots >= 0
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(2):
+        h = kernels.lora_shrink_rows(x, a, slots.to(device), counters)
+        assert h.shape == (1, num_tokens, a.shape[1])
+        torch.testing.assert_close(h[0].cpu()[has], ref[has], atol=tol, rtol=tol)
+        assert torch.all(counters.cpu() == 0), counters

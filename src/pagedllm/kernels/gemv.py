@@ -46,6 +46,36 @@ def _lora_h(h_ptr, stride_hs, row_off, offs, mask, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _lora_b(b_ptr, slot_ptr, m, M, rows, row_ok, offs_r, stride_bs, stride_br, up_cols,
+            R: tl.constexpr, GATED: tl.constexpr):
+    """Row m's slot (-1 past M or without an adapter) and its B tile(s) [BLOCK_N, R] for the output rows."""
+    slot = tl.load(slot_ptr + m, mask=m < M, other=-1)
+    r_ok = (offs_r < R) & (slot >= 0)
+    b_mask = row_ok[:, None] & r_ok[None, :]
+    b_ptrs = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_r[None, :] * stride_br + rows[:, None]
+    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    b_up = b
+    if GATED:
+        b_up = tl.load(b_ptrs + up_cols, mask=b_mask, other=0.0)
+    return r_ok, b_mask, b, b_up
+
+
+@triton.jit
+def _lora_hrow(h_ptr, stride_hs, stride_hm, m, r_ok, b_mask, h_cols, offs_r,
+               R: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr, N_SLICES: tl.constexpr):
+    """Row m's shrink, summed over splits: [R] (gate's when GATED, or the one slice), or [BLOCK_N, R] per output
+    row's slice; and the up slice's [R] when GATED."""
+    if N_SLICES > 1 and not GATED:
+        h = _lora_h(h_ptr, stride_hs, m * stride_hm, h_cols, b_mask, SPLIT)
+    else:
+        h = _lora_h(h_ptr, stride_hs, m * stride_hm, offs_r, r_ok, SPLIT)
+    h_up = h
+    if GATED:
+        h_up = _lora_h(h_ptr, stride_hs, m * stride_hm + R, offs_r, r_ok, SPLIT)
+    return h, h_up
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, h_ptr, b_ptr, slot_ptr,
     M, stride_xm, stride_wn, stride_om, up_offset,
@@ -72,11 +102,18 @@ def _gemv_kernel(
             bias_up = tl.load(bias_ptr + N + rows, mask=row_ok, other=0.0).to(tl.float32)
     if LORA:
         offs_r = tl.arange(0, R)
-        if N_SLICES > 1 and not GATED:  # which slice (q / k / v ...) each output row belongs to
-            h_cols = ((rows >= lora_s1).to(tl.int32) + (rows >= lora_s2).to(tl.int32))[:, None] * R + offs_r[None, :]
+        # which slice (q / k / v ...) each output row belongs to: its columns of h
+        h_cols = ((rows >= lora_s1).to(tl.int32) + (rows >= lora_s2).to(tl.int32))[:, None] * R + offs_r[None, :]
+        # The slot table and B are written before the forward starts, never by the previous kernel: the first
+        # row's B tile is loaded before the wait too, so the epilogue waits for nothing but h.
+        r_ok, b_mask, b_tile, b_up = _lora_b(b_ptr, slot_ptr, 0, M, rows, row_ok, offs_r, stride_bs, stride_br, N,
+                                             R, GATED)
     wait_prior_kernel(USE_PDL)
     out_ty = out_ptr.dtype.element_ty
     x_next = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    if LORA:
+        h_next, h_up_next = _lora_hrow(h_ptr, stride_hs, stride_hm, 0, r_ok, b_mask, h_cols, offs_r, R, SPLIT, GATED,
+                                       N_SLICES)
     for m in range(M):  # a runtime count: one compiled variant for one row and one for several
         x = x_next.to(tl.float32)
         # The next row's load is in flight while this row is reduced, hiding its L2 latency.
@@ -89,26 +126,17 @@ def _gemv_kernel(
             if HAS_BIAS:
                 acc_up += bias_up
         if LORA:
-            # The step's slot table is written before the forward starts (never by the previous kernel).
-            slot = tl.load(slot_ptr + m)
-            r_ok = (offs_r < R) & (slot >= 0)
-            b_mask = row_ok[:, None] & r_ok[None, :]
-            b_ptrs = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_r[None, :] * stride_br + rows[:, None]
-            if GATED:  # [gate; up]: slice 0 feeds the gate rows, slice 1 (columns N.. of B) the up rows
-                h_gate = _lora_h(h_ptr, stride_hs, m * stride_hm, offs_r, r_ok, SPLIT)
-                h_up = _lora_h(h_ptr, stride_hs, m * stride_hm + R, offs_r, r_ok, SPLIT)
-                b_gate = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)
-                b_up = tl.load(b_ptrs + N, mask=b_mask, other=0.0).to(tl.float32)
-                acc += tl.sum(b_gate * h_gate[None, :], axis=1)
-                acc_up += tl.sum(b_up * h_up[None, :], axis=1)
-            elif N_SLICES == 1:
-                h_row = _lora_h(h_ptr, stride_hs, m * stride_hm, offs_r, r_ok, SPLIT)
-                b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)
-                acc += tl.sum(b_tile * h_row[None, :], axis=1)
+            h, h_up, b_cur, b_up_cur = h_next, h_up_next, b_tile, b_up
+            r_ok, b_mask, b_tile, b_up = _lora_b(b_ptr, slot_ptr, m + 1, M, rows, row_ok, offs_r, stride_bs,
+                                                 stride_br, N, R, GATED)
+            h_next, h_up_next = _lora_hrow(h_ptr, stride_hs, stride_hm, m + 1, r_ok, b_mask, h_cols, offs_r, R,
+                                           SPLIT, GATED, N_SLICES)
+            if N_SLICES > 1 and not GATED:
+                acc += tl.sum(b_cur.to(tl.float32) * h, axis=1)
             else:
-                h_rows = _lora_h(h_ptr, stride_hs, m * stride_hm, h_cols, b_mask, SPLIT)
-                b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)
-                acc += tl.sum(b_tile * h_rows, axis=1)
+                acc += tl.sum(b_cur.to(tl.float32) * h[None, :], axis=1)
+            if GATED:
+                acc_up += tl.sum(b_up_cur.to(tl.float32) * h_up[None, :], axis=1)
         if GATED:
             gate = acc.to(out_ty).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)

@@ -101,6 +101,64 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, off0, off1, of
         tl.store(out_ptrs, (cur + delta).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _shrink_rows_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, h_ptr, counter_ptr, NR, K,
+                        stride_xm, stride_as, stride_an, stride_ps, stride_pm, stride_hm,
+                        KS: tl.constexpr, NR_PAD: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (split, t): token t's partial shrink over K slice `split`, A's slice loaded before the PDL wait (the
+    slot table and A are written before the forward starts); the last program of t to finish (a counter per
+    token, reset by that program) adds the partials up in split order into h[t]."""
+    split = tl.program_id(0)
+    t = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    offs_n = tl.arange(0, NR_PAD)
+    offs_k = split * KS + tl.arange(0, KS)
+    n_ok = offs_n < NR
+    k_ok = offs_k < K
+    a = tl.load(a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + offs_n[:, None] * stride_an + offs_k[None, :],
+                mask=n_ok[:, None] & k_ok[None, :] & (slot >= 0), other=0.0)
+    wait_prior_kernel(USE_PDL)
+    if slot >= 0:
+        x = tl.load(x_ptr + t * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        part = tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+        tl.store(part_ptr + split * stride_ps + t * stride_pm + offs_n, part, mask=n_ok)
+        done = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            acc = tl.zeros((NR_PAD,), dtype=tl.float32)
+            for s in range(SPLIT):
+                acc += tl.load(part_ptr + s * stride_ps + t * stride_pm + offs_n, mask=n_ok, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(h_ptr + t * stride_hm + offs_n, acc, mask=n_ok)
+            tl.atomic_xchg(counter_ptr + t, 0)
+
+
+# Most tokens for lora_shrink_rows (a decode step's few rows); a counter per token.
+SHRINK_ROWS_MAX = 16
+# A elements per program of lora_shrink_rows (registers).
+_ROWS_A_TILE = 8192
+
+
+def lora_shrink_rows(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, counters: torch.Tensor
+                     ) -> torch.Tensor:
+    """The shrink of a few tokens (<= SHRINK_ROWS_MAX), summed: x [T, K], a [S, NR, K], token_slots [>= T] (-1: none),
+    counters [>= T] int32 zeros (left zero) -> h [1, T, NR] fp32 (rows without an adapter unset)."""
+    num_tokens, k = x.shape
+    nr = a.shape[1]
+    assert num_tokens <= SHRINK_ROWS_MAX and counters.numel() >= num_tokens and x.stride(-1) == 1
+    assert a.is_contiguous() and a.shape[2] == k, (a.shape, x.shape)
+    nr_pad = max(16, triton.next_power_of_2(nr))
+    ks = max(16, min(triton.next_power_of_2(triton.cdiv(k, 32)), _ROWS_A_TILE // nr_pad))
+    split = triton.cdiv(k, ks)
+    part = torch.empty((split, num_tokens, nr), dtype=torch.float32, device=x.device)
+    h = torch.empty((1, num_tokens, nr), dtype=torch.float32, device=x.device)
+    if num_tokens:
+        _shrink_rows_kernel[(split, num_tokens)](
+            x, a, token_slots, part, h, counters, nr, k, x.stride(0), a.stride(0), a.stride(1), part.stride(0),
+            part.stride(1), h.stride(1), KS=ks, NR_PAD=nr_pad, SPLIT=split, num_warps=4,
+            **pdl_launch_args(x.device))
+    return h
+
+
 def shrink_split(num_tokens: int, k: int) -> int:
     """K splits of the shrink: many for a few tokens (enough programs to stream A fast), one for large batches."""
     blocks = triton.cdiv(max(num_tokens, 1), BLOCK_M)

@@ -63,6 +63,8 @@ class LoRABatchState:
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)  # -1: no adapter
         self.sorted_token_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.slot_starts = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
+        # kernels/lora.lora_shrink_rows' per-token split counters (zero between kernels)
+        self.split_counters = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
 
     def load(self, token_slots: torch.Tensor, sorted_token_ids: torch.Tensor, slot_starts: torch.Tensor,
              active: bool) -> None:
@@ -190,7 +192,10 @@ class LoRALinear(nn.Module):
         if kernels is None:
             return None
         x2 = x if x.stride(-1) == 1 else x.contiguous()
-        return kernels.lora_shrink(x2, self.lora_a, self.state.sorted_token_ids, self.state.slot_starts)
+        state = self.state
+        if FUSED_DECODE and x2.shape[0] <= kernels.SHRINK_ROWS_MAX:
+            return kernels.lora_shrink_rows(x2, self.lora_a, state.token_slots, state.split_counters)
+        return kernels.lora_shrink(x2, self.lora_a, state.sorted_token_ids, state.slot_starts)
 
     def norm_and_shrink(self, norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor]):
         """`norm(x, residual)` (the RMSNorm whose output is this layer's input alone) with this layer's shrink
