@@ -27,9 +27,9 @@ step() {  # step NAME TIMEOUT CMD...
 }
 case $what in
 tests)
-    step tests 280 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py
+    step tests 330 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py
     step parts 150 python benchmarks/lora_parts.py --json "$out/parts16.json"
-    step latency16 280 python benchmarks/lora.py latency --model benchmarks/configs/llama3-8b --rank 16 --ab \
+    step latency16 330 python benchmarks/lora.py latency --model benchmarks/configs/llama3-8b --rank 16 --ab \
         --json "$out/latency16.json"
     ;;
 latency64)

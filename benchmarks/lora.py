@@ -114,12 +114,15 @@ def latency(args, adapters) -> dict:
         return latency_one(args, adapters)
     from pagedllm.lora import layers
 
+    defaults = layers.FUSED_DECODE, layers.GEMV_EPILOGUE
     results = {}
-    for fused in (True, False):  # an engine each: CUDA graphs capture whichever path is set at start
-        layers.FUSED_DECODE = fused
-        print(f"LoRA decode fusions {'on' if fused else 'off (separate shrink / expand kernels)'}:", flush=True)
-        results["fused" if fused else "separate"] = latency_one(args, adapters)
-    layers.FUSED_DECODE = True
+    # an engine each: CUDA graphs capture whichever path is set at start
+    for name, fused, epilogue in (("rows", True, ""), ("row-epilogue", True, "row"), ("all-epilogue", True, "all"),
+                                  ("separate", False, "")):
+        layers.FUSED_DECODE, layers.GEMV_EPILOGUE = fused, epilogue
+        print(f"LoRA decode path {name} (FUSED_DECODE={fused}, GEMV_EPILOGUE={epilogue!r}):", flush=True)
+        results[name] = latency_one(args, adapters)
+    layers.FUSED_DECODE, layers.GEMV_EPILOGUE = defaults
     return results
 
 
@@ -175,7 +178,7 @@ def main(argv=None):
     p.add_argument("--latency-output", type=int, default=256)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--ab", action="store_true",
-                   help="latency: also measure with the decode-step fusions off (lora.layers.FUSED_DECODE)")
+                   help="latency: each decode path of lora.layers (FUSED_DECODE, GEMV_EPILOGUE), an engine each")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 

@@ -73,6 +73,7 @@ def main() -> None:
     counters = torch.zeros(16, dtype=torch.int32, device=dev)
     h_o = lora.lora_shrink(attn, a_o, sorted_ids, starts)
     h_down = lora.lora_shrink(act, a_down, sorted_ids, starts)
+    h_o1, h_down1 = h_o[:1], h_down[:1]
 
     def delta(h, b, spans=()):
         return g.LoRADelta(h, b, slots, tuple(spans))
@@ -98,6 +99,9 @@ def main() -> None:
         "shrink qkv": lambda: lora.lora_shrink(x, a_qkv, sorted_ids, starts),
         "shrink_rows o": lambda: lora.lora_shrink_rows(attn, a_o, slots, counters),
         "shrink_rows down": lambda: lora.lora_shrink_rows(act, a_down, slots, counters),
+        "expand_rows qkv": lambda: lora.lora_expand_rows(h_qkv, b_qkv, out_qkv, slots, (hd, hd + kv)),
+        "expand_rows o": lambda: lora.lora_expand_rows(h_o1, b_o, out_o, slots),
+        "expand_rows gate_up+silu": lambda: lora.lora_expand_rows(h_gu, b_gu, rnd_gu, slots, silu=True),
         "expand o": lambda: lora.lora_expand(h_o, b_o, out_o, sorted_ids, starts, [(0, hd)]),
         "expand qkv": lambda: lora.lora_expand(h_qkv, b_qkv, out_qkv, sorted_ids, starts, qkv_spans),
     }
@@ -142,12 +146,54 @@ def main() -> None:
         g.gemv(y, w_gu, gated=True, lora=delta(h, b_gu))
         g.gemv(act, w_down, lora=delta(lora.lora_shrink(act, a_down, sorted_ids, starts), b_down))
 
+    for reg in (80, 72, 64):  # the LoRA GEMV held to the base GEMV's occupancy
+        kernels[f"gemv qkv +lora maxnreg {reg}"] = (
+            lambda reg=reg: g.gemv(x, w_qkv, lora=delta(h_qkv, b_qkv, (hd, hd + kv)), maxnreg=reg))
+        kernels[f"gemv o +lora (split 1) maxnreg {reg}"] = lambda reg=reg: g.gemv(attn, w_o, lora=delta(h_o1, b_o),
+                                                                                  maxnreg=reg)
+        kernels[f"gemv gate_up+silu +lora maxnreg {reg}"] = (
+            lambda reg=reg: g.gemv(x, w_gu, gated=True, lora=delta(h_gu, b_gu), maxnreg=reg))
+        kernels[f"gemv down +lora (split 1) maxnreg {reg}"] = (
+            lambda reg=reg: g.gemv(act, w_down, lora=delta(h_down1, b_down), maxnreg=reg))
+
+    def chain_rows(down_epilogue: bool):  # shrinks in the norms / few-row shrinks, expands apart (gate_up's with SiLU)
+        def run():
+            y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_qkv, slots)
+            lora.lora_expand_rows(h, b_qkv, g.gemv(y, w_qkv), slots, (hd, hd + kv))
+            h = lora.lora_shrink_rows(attn, a_o, slots, counters)
+            lora.lora_expand_rows(h, b_o, g.gemv(attn, w_o), slots)
+            y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_gu, slots)
+            lora.lora_expand_rows(h, b_gu, g.gemv(y, w_gu), slots, silu=True)
+            h = lora.lora_shrink_rows(act, a_down, slots, counters)
+            if down_epilogue:
+                g.gemv(act, w_down, lora=delta(h, b_down))
+            else:
+                lora.lora_expand_rows(h, b_down, g.gemv(act, w_down), slots)
+        return run
+
+    def chain_fused_reg(reg):
+        def run():
+            y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_qkv, slots)
+            g.gemv(y, w_qkv, lora=delta(h, b_qkv, (hd, hd + kv)), maxnreg=reg)
+            g.gemv(attn, w_o, lora=delta(lora.lora_shrink_rows(attn, a_o, slots, counters), b_o), maxnreg=reg)
+            y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_gu, slots)
+            g.gemv(y, w_gu, gated=True, lora=delta(h, b_gu), maxnreg=reg)
+            g.gemv(act, w_down, lora=delta(lora.lora_shrink_rows(act, a_down, slots, counters), b_down), maxnreg=reg)
+        return run
+
     results = {}
     for name, fn in kernels.items():
-        results[name] = timed(fn, args.reps)
+        try:
+            results[name] = timed(fn, args.reps)
+        except Exception as e:  # e.g. a launch option this Triton lacks
+            print(f"{name:32s} failed: {e!r}"[:300], flush=True)
+            continue
         print(f"{name:32s} {results[name]:8.2f} us", flush=True)
     for name, fn in (("chain base", chain_base), ("chain separate", chain_separate), ("chain fused", chain_fused),
-                     ("chain fused, split-K shrink", chain_fused_split_shrink)):
+                     ("chain fused, split-K shrink", chain_fused_split_shrink),
+                     ("chain rows (expands apart)", chain_rows(False)),
+                     ("chain rows, down's expand in its GEMV", chain_rows(True)),
+                     ("chain fused maxnreg 80", chain_fused_reg(80)), ("chain fused maxnreg 72", chain_fused_reg(72))):
         results[name] = timed(fn, max(1, args.reps // 5))
         print(f"{name:32s} {results[name]:8.2f} us", flush=True)
     for kname, kern in (("gemv", g._gemv_kernel), ("norm_shrink", norm._rms_norm_shrink_kernel),

@@ -127,6 +127,18 @@ def test_shrink_rows_matches_reference(case, rank, dtype):
     check_shrink_rows_case(tokens, slots, k, n_slices, rank, rank, dtype, "cuda", seed=rank + tokens)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("case", [(1, 2, [4096, 1024, 1024], 1, False), (1, 1, [4096], 16, False),
+                                  (1, 2, [14336, 14336], 1, True), (5, 3, [896, 128, 128], 2, False),
+                                  (16, 4, [4864, 4864], 1, True)])
+def test_expand_rows_matches_reference(case, rank, dtype, stale_cuda_memory):
+    from tests.lora.lora_kernel_cases import check_expand_rows_case
+
+    tokens, slots, slices, split, silu = case
+    check_expand_rows_case(tokens, slots, slices, rank, rank, dtype, "cuda", split=split, silu=silu, seed=rank)
+
+
 NORM_SHRINK_CASES = [  # (rows, slots, hidden, slices, residual, fp32 product)
     (1, 2, 4096, 3, True, False),
     (1, 2, 4096, 2, False, False),
@@ -181,15 +193,16 @@ def test_fused_decode_kernels_in_cuda_graph_follow_new_slots():
 
 from pagedllm.lora import layers as lora_layers  # noqa: E402
 
-_FUSED_GEMV, _NORM_AND_SHRINK = lora_layers.LoRALinear._fused_gemv, lora_layers.LoRALinear.norm_and_shrink
+_FEW_ROWS, _NORM_AND_SHRINK = lora_layers.LoRALinear._few_rows, lora_layers.LoRALinear.norm_and_shrink
 
 
-def _greedy_with_logprobs(model_dir, adapters, fused: bool, enforce_eager: bool, monkeypatch):
+def _greedy_with_logprobs(model_dir, adapters, fused: bool, epilogue: str, enforce_eager: bool, monkeypatch):
     from pagedllm import LLM, LoRARequest, SamplingParams
 
     monkeypatch.setattr(lora_layers, "FUSED_DECODE", fused)
+    monkeypatch.setattr(lora_layers, "GEMV_EPILOGUE", epilogue)
     calls = {"gemv": 0, "norm": 0}
-    fused_gemv, norm_and_shrink = _FUSED_GEMV, _NORM_AND_SHRINK
+    fused_gemv, norm_and_shrink = _FEW_ROWS, _NORM_AND_SHRINK
 
     def count_gemv(self, *args, **kwargs):
         out = fused_gemv(self, *args, **kwargs)
@@ -201,7 +214,7 @@ def _greedy_with_logprobs(model_dir, adapters, fused: bool, enforce_eager: bool,
         calls["norm"] += out is not None
         return out
 
-    monkeypatch.setattr(lora_layers.LoRALinear, "_fused_gemv", count_gemv)
+    monkeypatch.setattr(lora_layers.LoRALinear, "_few_rows", count_gemv)
     monkeypatch.setattr(lora_layers.LoRALinear, "norm_and_shrink", count_norm)
     llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", num_gpu_blocks_override=64, max_num_seqs=4,
               enable_lora=True, max_loras=3, max_lora_rank=16, enforce_eager=enforce_eager)
@@ -215,13 +228,16 @@ def _greedy_with_logprobs(model_dir, adapters, fused: bool, enforce_eager: bool,
     return [o.outputs[0] for o in outs], calls
 
 
+@pytest.mark.parametrize("epilogue", ["", "all"])
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_engine_fused_decode_matches_separate_kernels(tiny_llama_dir, adapters, enforce_eager, monkeypatch):
-    """bf16 decode of three adapters at once (all 7 projections; q/v only; o/down only): the fused kernels give the
-    separate shrink / expand kernels' tokens and logprobs (up to bf16 rounding: a token may differ only where
-    the separate path's top two were within rounding of each other)."""
-    ref, ref_calls = _greedy_with_logprobs(tiny_llama_dir, adapters, False, enforce_eager, monkeypatch)
-    got, calls = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
+def test_engine_fused_decode_matches_separate_kernels(tiny_llama_dir, adapters, enforce_eager, epilogue,
+                                                      monkeypatch):
+    """bf16 decode of three adapters at once (all 7 projections; q/v only; o/down only): the few-row path (shrinks
+    in the norms, few-token shrink / expand kernels, or the expand in the GEMV: `epilogue`) gives the separate
+    shrink / expand kernels' tokens and logprobs (up to bf16 rounding: a token may differ only where the separate
+    path's top two were within rounding of each other)."""
+    ref, ref_calls = _greedy_with_logprobs(tiny_llama_dir, adapters, False, "", enforce_eager, monkeypatch)
+    got, calls = _greedy_with_logprobs(tiny_llama_dir, adapters, True, epilogue, enforce_eager, monkeypatch)
     assert ref_calls == {"gemv": 0, "norm": 0}
     assert calls["gemv"] > 0 and calls["norm"] > 0, calls
     compared = 0

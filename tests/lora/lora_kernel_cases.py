@@ -148,3 +148,31 @@ def check_shrink_rows_case(num_tokens, num_slots, k, num_slices, rank, max_rank,
         assert h.shape == (1, num_tokens, a.shape[1])
         torch.testing.assert_close(h[0].cpu()[has], ref[has], atol=tol, rtol=tol)
         assert torch.all(counters.cpu() == 0), counters
+
+
+def check_expand_rows_case(num_tokens, num_slots, slices, rank, max_rank, dtype, device, split=1, silu=False,
+                           seed=0) -> None:
+    """kernels/lora.lora_expand_rows against lora_expand_ref (in place), or with `silu` against the reference expand
+    followed by SiLU-and-mul with the unfused layers' roundings."""
+    from pagedllm.kernels import lora as kernels
+
+    assert not silu or (len(slices) == 2 and slices[0] == slices[1])
+    x, a, b, slots, spans, out = build_case(num_tokens, num_slots, 32, slices, rank, max_rank, dtype, device, seed)
+    ref_h = kernels.lora_shrink_ref(x.cpu(), a.cpu(), slots)
+    h = _split_partials(ref_h, split, seed)
+    h[:, slots < 0] = float("nan")  # rows without an adapter: never read
+    expected = kernels.lora_expand_ref(ref_h, b.cpu(), out.cpu(), slots, spans)  # fp32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got = out.clone()
+    starts = tuple(off for off, _ in spans[1:])
+    act = kernels.lora_expand_rows(h.to(device), b, got, slots.to(device), () if silu else starts, silu=silu)
+    if not silu:
+        assert act is None
+        torch.testing.assert_close(got.float().cpu(), expected, atol=tol * 4, rtol=tol)
+        assert torch.equal(got.cpu()[slots < 0], out.cpu()[slots < 0]), "rows without an adapter changed"
+        return
+    assert torch.equal(got, out), "silu=True must leave out as it was"
+    n = slices[0]
+    gate, up = expected[:, :n].to(dtype).float(), expected[:, n:].to(dtype).float()
+    ref_act = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype).float()
+    torch.testing.assert_close(act.float().cpu(), ref_act, atol=tol * 4, rtol=tol * 2)

@@ -198,7 +198,8 @@ def gemv_block_n(n: int, k: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
-         block_n: Optional[int] = None, num_warps: int = 8, lora: Optional[LoRADelta] = None) -> torch.Tensor:
+         block_n: Optional[int] = None, num_warps: int = 8, lora: Optional[LoRADelta] = None,
+         maxnreg: Optional[int] = None) -> torch.Tensor:
     """x: [M, K]; weight: [N, K] (gated: [2 * N', K], gate rows then up rows). Returns [M, N] (gated: [M, N'])."""
     m, k = x.shape
     n_total, k_w = weight.shape
@@ -228,7 +229,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         m, x.stride(0), weight.stride(0), out.stride(0), n * weight.stride(0), *lora_strides,
         N=n, K=k, BLOCK_N=block_n, K_PAD=triton.next_power_of_2(k),
         GATED=gated, HAS_BIAS=bias is not None, LORA=lora is not None, SPLIT=split, R=rank, N_SLICES=n_slices,
-        num_warps=num_warps, **pdl_launch_args(x.device))
+        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}), **pdl_launch_args(x.device))
     return out
 
 

@@ -17,6 +17,8 @@ each split writes its own partial sums, which the expand adds up, so there is no
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -157,6 +159,77 @@ def lora_shrink_rows(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor
             part.stride(1), h.stride(1), KS=ks, NR_PAD=nr_pad, SPLIT=split, num_warps=4,
             **pdl_launch_args(x.device))
     return h
+
+
+@triton.jit
+def _expand_rows_kernel(h_ptr, b_ptr, out_ptr, act_ptr, slot_ptr, N, s1, s2,
+                        stride_hs, stride_hm, stride_bs, stride_br, stride_om, stride_am,
+                        R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SILU: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    """Program (column block, t): out[t, cols] += h[t] @ B[slot(t)][:, cols], each column with its slice's h (slices
+    start at columns s1, s2). SILU: out holds [gate; up] (N columns each); act[t, cols] = silu(gate + its delta)
+    * (up + its delta), rounded as the unfused layers round. B is loaded before the PDL wait (the slot table and B
+    are written before the forward starts)."""
+    pid = tl.program_id(0)
+    t = tl.program_id(1)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < N
+    offs_r = tl.arange(0, R)
+    slot = tl.load(slot_ptr + t)
+    has = slot >= 0
+    mask = (offs_r[:, None] < R) & c_ok[None, :] & has
+    b_ptrs = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + cols[None, :]
+    b = tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        b_up = tl.load(b_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        h_rows = offs_r[:, None] + 0 * cols[None, :]
+    else:
+        h_rows = ((cols >= s1).to(tl.int32) + (cols >= s2).to(tl.int32))[None, :] * R + offs_r[:, None]
+    wait_prior_kernel(USE_PDL)
+    h = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+    h_up = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+    for s in range(SPLIT):
+        h += tl.load(h_ptr + s * stride_hs + t * stride_hm + h_rows, mask=mask, other=0.0)
+        if SILU:
+            h_up += tl.load(h_ptr + s * stride_hs + t * stride_hm + R + h_rows, mask=mask, other=0.0)
+    out_ty = out_ptr.dtype.element_ty
+    out_ptrs = out_ptr + t * stride_om + cols
+    if SILU:
+        gate = (tl.load(out_ptrs, mask=c_ok, other=0.0).to(tl.float32) + tl.sum(b * h, axis=0)).to(out_ty)
+        up = (tl.load(out_ptrs + N, mask=c_ok, other=0.0).to(tl.float32) + tl.sum(b_up * h_up, axis=0)).to(out_ty)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32) * up.to(tl.float32)
+        tl.store(act_ptr + t * stride_am + cols, act.to(out_ty), mask=c_ok)
+    else:
+        cur = tl.load(out_ptrs, mask=c_ok & has, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (cur + tl.sum(b * h, axis=0)).to(out_ty), mask=c_ok & has)
+
+
+# Output columns per program of lora_expand_rows.
+_EXPAND_ROWS_BLOCK_N = 128
+
+
+def lora_expand_rows(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor,
+                     slice_starts: tuple[int, ...] = (), silu: bool = False) -> Optional[torch.Tensor]:
+    """The expand of a few tokens (<= SHRINK_ROWS_MAX): h [SPLIT, >= T, n_slices * R] fp32, b [S, R, N_total],
+    out [T, N_total], token_slots [>= T] (-1: none). Adds each token's delta to out in place (slices start at
+    `slice_starts`), or with `silu` (out = [gate; up], 2 slices of N_total / 2) returns silu(gate') * up' [T, N/2]
+    of the adapted gate' and up' (out is left as it was)."""
+    num_tokens, n_total = out.shape
+    split, _, nr = h.shape
+    r = b.shape[1]
+    assert num_tokens <= SHRINK_ROWS_MAX and b.is_contiguous() and b.shape[2] == n_total and out.stride(-1) == 1
+    n = n_total // 2 if silu else n_total
+    starts = [n] if silu else list(slice_starts)
+    assert nr == (len(starts) + 1) * r and len(starts) <= 2 and h.stride(-1) == 1, (h.shape, b.shape, starts)
+    starts += [n_total] * (2 - len(starts))
+    act = torch.empty((num_tokens, n), dtype=out.dtype, device=out.device) if silu else out
+    if num_tokens:
+        _expand_rows_kernel[(triton.cdiv(n, _EXPAND_ROWS_BLOCK_N), num_tokens)](
+            h, b, out, act, token_slots, n, starts[0], starts[1], h.stride(0), h.stride(1), b.stride(0), b.stride(1),
+            out.stride(0), act.stride(0), R=r, SPLIT=split, BLOCK_N=_EXPAND_ROWS_BLOCK_N, SILU=silu, num_warps=4,
+            **pdl_launch_args(out.device))
+    return act if silu else None
 
 
 def shrink_split(num_tokens: int, k: int) -> int:

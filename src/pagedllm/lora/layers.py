@@ -34,6 +34,9 @@ from pagedllm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColu
 FUSED_DECODE = True
 # Most rows for which a norm computes its consumer's shrink (beyond, the shrink kernel reads A once per slot).
 NORM_SHRINK_MAX_ROWS = 8
+# The expand in the few-row GEMV's epilogue: "all" where the GEMV applies, "row" only where each of its programs
+# holds one weight row (long K: the epilogue does not lower its occupancy), "" never (a separate expand kernel).
+GEMV_EPILOGUE = "row"
 
 
 @dataclass
@@ -138,7 +141,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
         if not self.row_parallel:
-            out = self._fused_gemv(x, base.bias) if self.state.active else None
+            out = self._few_rows(x, base.bias) if self.state.active else None
             if out is None:
                 out = base.linear_method.apply(base, x, base.bias)  # [T, out_local]
                 if self.state.active:
@@ -147,7 +150,7 @@ class LoRALinear(nn.Module):
         if not base.input_is_parallel and base.tp_size > 1:
             x = x.chunk(base.tp_size, dim=-1)[base.tp_rank].contiguous()
         bias = base.bias if base.tp_rank == 0 else None
-        out = self._fused_gemv(x, bias) if self.state.active else None
+        out = self._few_rows(x, bias) if self.state.active else None
         if out is None:
             out = base.linear_method.apply(base, x, bias)
             if self.state.active:
@@ -157,30 +160,50 @@ class LoRALinear(nn.Module):
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The base layer's fused gate_up + SiLU; with adapters only where the GEMV adds the delta itself (the delta
-        must come before the activation)."""
+        """The base layer's fused gate_up + SiLU; with adapters, the few-row path's expand + SiLU (the delta must come
+        before the activation), else None (the caller runs forward and the activation)."""
         if self.state.active:
-            return self._fused_gemv(x, self.base_layer.bias, gated=True)
+            return self._few_rows(x, self.base_layer.bias, gated=True)
         fused = getattr(self.base_layer, "silu_and_mul", None)
         return None if fused is None else fused(x)
 
-    def _fused_gemv(self, x: torch.Tensor, bias: Optional[torch.Tensor], gated: bool = False
-                    ) -> Optional[torch.Tensor]:
-        """base(x) + the delta in one few-row GEMV (None where that kernel does not take this layer and x)."""
-        base = self.base_layer
-        if not (FUSED_DECODE and x.is_cuda and type(base.linear_method) is UnquantizedLinearMethod):
+    def _few_rows(self, x: torch.Tensor, bias: Optional[torch.Tensor], gated: bool = False
+                  ) -> Optional[torch.Tensor]:
+        """A decode step's few rows on CUDA: the shrink (the norm's, or the few-token kernel's), the base layer,
+        then the expand (gated: with SiLU-and-mul), or the expand in the base GEMV's epilogue where that pays
+        (`_fused_gemv`). None where this path does not apply."""
+        if not (FUSED_DECODE and x.is_cuda and x.dim() == 2 and 0 < x.shape[0]):
             return None
-        gemv = gemv_kernels(x, base.weight)
-        if gemv is None:
+        kernels = triton_kernels("lora")
+        if kernels is None or x.shape[0] > kernels.SHRINK_ROWS_MAX:
             return None
         spans = self._slice_spans
         if gated and not (len(spans) == 2 and spans[1] == (spans[0][1], spans[0][1])
                           and 2 * spans[0][1] == self.out_local):
             return None
+        out = self._fused_gemv(x, bias, gated)
+        if out is not None:
+            return out
         h = self._shrink(x)
-        if h is None:
+        base = self.base_layer
+        out = base.linear_method.apply(base, x, bias)
+        slots = self.state.token_slots
+        if gated:
+            return kernels.lora_expand_rows(h, self.lora_b, out, slots, silu=True)
+        kernels.lora_expand_rows(h, self.lora_b, out, slots, tuple(off for off, _ in spans[1:]))
+        return out
+
+    def _fused_gemv(self, x: torch.Tensor, bias: Optional[torch.Tensor], gated: bool) -> Optional[torch.Tensor]:
+        """base(x) + the delta in one few-row GEMV, where GEMV_EPILOGUE allows it and that kernel takes this layer
+        and x; else None."""
+        base = self.base_layer
+        if not GEMV_EPILOGUE or type(base.linear_method) is not UnquantizedLinearMethod:
             return None
-        delta = gemv.LoRADelta(h, self.lora_b, self.state.token_slots, tuple(off for off, _ in spans[1:]))
+        gemv = gemv_kernels(x, base.weight)
+        if gemv is None or (GEMV_EPILOGUE == "row" and gemv.gemv_block_n(base.weight.shape[0], x.shape[1]) > 1):
+            return None
+        delta = gemv.LoRADelta(self._shrink(x), self.lora_b, self.state.token_slots,
+                               tuple(off for off, _ in self._slice_spans[1:]))
         return gemv.gemv(x, base.weight, bias, gated=gated, lora=delta)
 
     def _shrink(self, x: torch.Tensor) -> Optional[torch.Tensor]:
