@@ -140,3 +140,29 @@ def test_scheduler_holds_back_requests_beyond_max_loras():
     plan = s.schedule()
     assert [n.request_id for n in plan.new_requests] == ["c", "f"]  # adapter 2's slot is free now
     assert {r.lora_id for r in s.running} == {1, 3, None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3"])
+def test_norms_point_at_the_layer_their_output_feeds(arch, tiny_model_dir):
+    """The norm whose output is a wrapped layer's only input gets it as `shrink_consumer` (few-row CUDA steps compute
+    that layer's LoRA shrink in the norm kernel); other norms get none, and the link is no submodule."""
+    from pagedllm.lora.layers import LoRALinear
+
+    llm = LLM(model=tiny_model_dir(arch), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+              num_gpu_blocks_override=16)
+    try:
+        layers = llm.engine.worker.model.model.layers
+        mlp_norm = "pre_feedforward_layernorm" if arch == "gemma2" else "post_attention_layernorm"
+        for layer in layers:
+            qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+            assert isinstance(qkv, LoRALinear) and isinstance(gate_up, LoRALinear)
+            assert layer.input_layernorm.shrink_consumer is qkv
+            assert getattr(layer, mlp_norm).shrink_consumer is gate_up
+            if arch == "gemma2":  # its post-attention norm feeds the residual stream, not a projection
+                assert layer.post_attention_layernorm.shrink_consumer is None
+                assert layer.post_feedforward_layernorm.shrink_consumer is None
+            for norm in (layer.input_layernorm, getattr(layer, mlp_norm)):
+                assert not list(norm.children())
+        assert llm.engine.worker.model.model.norm.shrink_consumer is None
+    finally:
+        llm.shutdown()
