@@ -27,7 +27,7 @@ step() {  # step NAME TIMEOUT CMD...
 }
 case $what in
 tests)
-    step tests 330 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py
+    step tests 330 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py tests/gpu/test_small_kernels.py
     step parts 150 python benchmarks/lora_parts.py --json "$out/parts16.json"
     step latency16 330 python benchmarks/lora.py latency --model benchmarks/configs/llama3-8b --rank 16 --ab \
         --json "$out/latency16.json"

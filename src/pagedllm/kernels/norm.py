@@ -20,6 +20,16 @@ from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 
 @triton.jit
+def _normalize(x, w, hidden, eps, FP32_PRODUCT: tl.constexpr):
+    """x / rms(x) * w in float32 (x rounded to its dtype after the division unless FP32_PRODUCT)."""
+    xf = x.to(tl.float32)
+    normed = xf * tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    if not FP32_PRODUCT:
+        normed = normed.to(x.dtype).to(tl.float32)
+    return normed * w.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
@@ -39,13 +49,8 @@ def _rms_norm_kernel(
         # Round the sum to the activation dtype first, like the unfused model code.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / hidden
-    normed = xf * tl.rsqrt(var + eps)
-    if not FP32_PRODUCT:
-        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    y = normed * w.to(tl.float32)
+    y = _normalize(x, w, hidden, eps, FP32_PRODUCT)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -78,12 +83,7 @@ def _rms_norm_shrink_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         if pid_p == 0:
             tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / hidden
-    normed = xf * tl.rsqrt(var + eps)
-    if not FP32_PRODUCT:
-        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-    y = (normed * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    y = _normalize(x, w, hidden, eps, FP32_PRODUCT).to(out_ptr.dtype.element_ty)
     if pid_p == 0:
         tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
     # The projection reads what the next layer reads: the norm's output rounded to its dtype.
