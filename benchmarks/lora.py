@@ -114,15 +114,13 @@ def latency(args, adapters) -> dict:
         return latency_one(args, adapters)
     from pagedllm.lora import layers
 
-    defaults = layers.FUSED_DECODE, layers.GEMV_EPILOGUE
+    default = layers.FUSED_DECODE
     results = {}
-    # an engine each: CUDA graphs capture whichever path is set at start
-    for name, fused, epilogue in (("rows", True, ""), ("row-epilogue", True, "row"), ("all-epilogue", True, "all"),
-                                  ("separate", False, "")):
-        layers.FUSED_DECODE, layers.GEMV_EPILOGUE = fused, epilogue
-        print(f"LoRA decode path {name} (FUSED_DECODE={fused}, GEMV_EPILOGUE={epilogue!r}):", flush=True)
+    for name, fused in (("rows", True), ("separate", False)):  # an engine each: graphs capture the path set at start
+        layers.FUSED_DECODE = fused
+        print(f"LoRA decode path {name} (lora.layers.FUSED_DECODE={fused}):", flush=True)
         results[name] = latency_one(args, adapters)
-    layers.FUSED_DECODE, layers.GEMV_EPILOGUE = defaults
+    layers.FUSED_DECODE = default
     return results
 
 
@@ -178,7 +176,7 @@ def main(argv=None):
     p.add_argument("--latency-output", type=int, default=256)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--ab", action="store_true",
-                   help="latency: each decode path of lora.layers (FUSED_DECODE, GEMV_EPILOGUE), an engine each")
+                   help="latency: the few-row path and the general kernels (lora.layers.FUSED_DECODE), an engine each")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 

@@ -5,8 +5,9 @@ Llama-3-8B shapes, timed as CUDA-graph replays (programmatic dependent launch as
 
 Prints us per kernel (the kernel repeated `reps` times in one graph) and per layer chain:
   base      norm, qkv GEMV, o GEMV, norm, gate_up+SiLU GEMV, down GEMV (no adapter)
-  separate  base + a shrink and an expand kernel per projection, gate_up and SiLU apart (FUSED_DECODE off)
-  fused     the expand in each GEMV, the qkv / gate_up shrink in the norm, o / down shrink kernels (the default)
+  separate  base + the general shrink and expand kernels per projection, gate_up and SiLU apart (FUSED_DECODE off)
+  rows      the few-row path (the default): qkv / gate_up shrink in the norm, few-token shrink for o / down, a
+            few-token expand per projection (gate_up's with the SiLU-and-mul)
 and each kernel's registers and spills.
 """
 from __future__ import annotations
@@ -72,28 +73,18 @@ def main() -> None:
     h_gu = torch.zeros(1, 1, 2 * r, device=dev)
     counters = torch.zeros(16, dtype=torch.int32, device=dev)
     h_o = lora.lora_shrink(attn, a_o, sorted_ids, starts)
-    h_down = lora.lora_shrink(act, a_down, sorted_ids, starts)
-    h_o1, h_down1 = h_o[:1], h_down[:1]
-
-    def delta(h, b, spans=()):
-        return g.LoRADelta(h, b, slots, tuple(spans))
+    h_o1 = h_o[:1]
 
     kernels = {
         "norm": lambda: norm.fused_add_rms_norm(x, res, nw, 1e-5),
         "norm+shrink qkv": lambda: norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_qkv, slots),
         "norm+shrink gate_up": lambda: norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_gu, slots),
         "gemv qkv": lambda: g.gemv(x, w_qkv),
-        "gemv qkv +lora": lambda: g.gemv(x, w_qkv, lora=delta(h_qkv, b_qkv, (hd, hd + kv))),
         "gemv o": lambda: g.gemv(attn, w_o),
-        f"gemv o +lora (split {h_o.shape[0]})": lambda: g.gemv(attn, w_o, lora=delta(h_o, b_o)),
-        "gemv o +lora (split 1)": lambda: g.gemv(attn, w_o, lora=delta(h_o[:1], b_o)),
         "gemv gate_up+silu": lambda: g.gemv(x, w_gu, gated=True),
-        "gemv gate_up+silu +lora": lambda: g.gemv(x, w_gu, gated=True, lora=delta(h_gu, b_gu)),
         "gemv gate_up": lambda: g.gemv(x, w_gu),
         "silu_and_mul": lambda: activation.silu_and_mul(rnd_gu),
         "gemv down": lambda: g.gemv(act, w_down),
-        f"gemv down +lora (split {h_down.shape[0]})": lambda: g.gemv(act, w_down, lora=delta(h_down, b_down)),
-        "gemv down +lora (split 1)": lambda: g.gemv(act, w_down, lora=delta(h_down[:1], b_down)),
         "shrink o": lambda: lora.lora_shrink(attn, a_o, sorted_ids, starts),
         "shrink down": lambda: lora.lora_shrink(act, a_down, sorted_ids, starts),
         "shrink qkv": lambda: lora.lora_shrink(x, a_qkv, sorted_ids, starts),
@@ -130,70 +121,25 @@ def main() -> None:
         d = g.gemv(act, w_down)
         lora.lora_expand(lora.lora_shrink(act, a_down, sorted_ids, starts), b_down, d, sorted_ids, starts, [(0, hd)])
 
-    def chain_fused():
+    def chain_rows():
         y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_qkv, slots)
-        g.gemv(y, w_qkv, lora=delta(h, b_qkv, (hd, hd + kv)))
-        g.gemv(attn, w_o, lora=delta(lora.lora_shrink_rows(attn, a_o, slots, counters), b_o))
+        lora.lora_expand_rows(h, b_qkv, g.gemv(y, w_qkv), slots, (hd, hd + kv))
+        h = lora.lora_shrink_rows(attn, a_o, slots, counters)
+        lora.lora_expand_rows(h, b_o, g.gemv(attn, w_o), slots)
         y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_gu, slots)
-        g.gemv(y, w_gu, gated=True, lora=delta(h, b_gu))
-        g.gemv(act, w_down, lora=delta(lora.lora_shrink_rows(act, a_down, slots, counters), b_down))
-
-    def chain_fused_split_shrink():  # the o / down shrink by the split-K kernel, partials summed in the GEMV
-        y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_qkv, slots)
-        g.gemv(y, w_qkv, lora=delta(h, b_qkv, (hd, hd + kv)))
-        g.gemv(attn, w_o, lora=delta(lora.lora_shrink(attn, a_o, sorted_ids, starts), b_o))
-        y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_gu, slots)
-        g.gemv(y, w_gu, gated=True, lora=delta(h, b_gu))
-        g.gemv(act, w_down, lora=delta(lora.lora_shrink(act, a_down, sorted_ids, starts), b_down))
-
-    for reg in (80, 72, 64):  # the LoRA GEMV held to the base GEMV's occupancy
-        kernels[f"gemv qkv +lora maxnreg {reg}"] = (
-            lambda reg=reg: g.gemv(x, w_qkv, lora=delta(h_qkv, b_qkv, (hd, hd + kv)), maxnreg=reg))
-        kernels[f"gemv o +lora (split 1) maxnreg {reg}"] = lambda reg=reg: g.gemv(attn, w_o, lora=delta(h_o1, b_o),
-                                                                                  maxnreg=reg)
-        kernels[f"gemv gate_up+silu +lora maxnreg {reg}"] = (
-            lambda reg=reg: g.gemv(x, w_gu, gated=True, lora=delta(h_gu, b_gu), maxnreg=reg))
-        kernels[f"gemv down +lora (split 1) maxnreg {reg}"] = (
-            lambda reg=reg: g.gemv(act, w_down, lora=delta(h_down1, b_down), maxnreg=reg))
-
-    def chain_rows(down_epilogue: bool):  # shrinks in the norms / few-row shrinks, expands apart (gate_up's with SiLU)
-        def run():
-            y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_qkv, slots)
-            lora.lora_expand_rows(h, b_qkv, g.gemv(y, w_qkv), slots, (hd, hd + kv))
-            h = lora.lora_shrink_rows(attn, a_o, slots, counters)
-            lora.lora_expand_rows(h, b_o, g.gemv(attn, w_o), slots)
-            y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_gu, slots)
-            lora.lora_expand_rows(h, b_gu, g.gemv(y, w_gu), slots, silu=True)
-            h = lora.lora_shrink_rows(act, a_down, slots, counters)
-            if down_epilogue:
-                g.gemv(act, w_down, lora=delta(h, b_down))
-            else:
-                lora.lora_expand_rows(h, b_down, g.gemv(act, w_down), slots)
-        return run
-
-    def chain_fused_reg(reg):
-        def run():
-            y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_qkv, slots)
-            g.gemv(y, w_qkv, lora=delta(h, b_qkv, (hd, hd + kv)), maxnreg=reg)
-            g.gemv(attn, w_o, lora=delta(lora.lora_shrink_rows(attn, a_o, slots, counters), b_o), maxnreg=reg)
-            y, rr, h = norm.rms_norm_shrink(x, res, nw, 1e-5, False, a_gu, slots)
-            g.gemv(y, w_gu, gated=True, lora=delta(h, b_gu), maxnreg=reg)
-            g.gemv(act, w_down, lora=delta(lora.lora_shrink_rows(act, a_down, slots, counters), b_down), maxnreg=reg)
-        return run
+        lora.lora_expand_rows(h, b_gu, g.gemv(y, w_gu), slots, silu=True)
+        h = lora.lora_shrink_rows(act, a_down, slots, counters)
+        lora.lora_expand_rows(h, b_down, g.gemv(act, w_down), slots)
 
     results = {}
     for name, fn in kernels.items():
         try:
             results[name] = timed(fn, args.reps)
-        except Exception as e:  # e.g. a launch option this Triton lacks
+        except Exception as e:  # report and go on with the others
             print(f"{name:32s} failed: {e!r}"[:300], flush=True)
             continue
         print(f"{name:32s} {results[name]:8.2f} us", flush=True)
-    for name, fn in (("chain base", chain_base), ("chain separate", chain_separate), ("chain fused", chain_fused),
-                     ("chain fused, split-K shrink", chain_fused_split_shrink),
-                     ("chain rows (expands apart)", chain_rows(False)),
-                     ("chain rows, down's expand in its GEMV", chain_rows(True)),
-                     ("chain fused maxnreg 80", chain_fused_reg(80)), ("chain fused maxnreg 72", chain_fused_reg(72))):
+    for name, fn in (("chain base", chain_base), ("chain separate", chain_separate), ("chain rows", chain_rows)):
         results[name] = timed(fn, max(1, args.reps // 5))
         print(f"{name:32s} {results[name]:8.2f} us", flush=True)
     for kname, kern in (("gemv", g._gemv_kernel), ("norm_shrink", norm._rms_norm_shrink_kernel),

@@ -1,7 +1,8 @@
 """LoRA on CUDA: the Triton shrink/expand kernels against their torch references (ranks 8-64, bf16/fp16, mixed
 slots, tokens without an adapter, CUDA-graph padding rows), and the engine's LoRA tokens on the GPU (eager and
-CUDA graphs) equal to the CPU path's and to transformers + PEFT in fp32; the decode-step fusions (expand in the GEMV,
-shrink in the norm) against references, in a CUDA graph, and in the engine against the separate kernels."""
+CUDA graphs) equal to the CPU path's and to transformers + PEFT in fp32; the few-row path's kernels (shrink in the
+norm, few-token shrink, expand + SiLU) against references, in a CUDA graph, and in the engine against the general
+kernels."""
 from __future__ import annotations
 
 import random
@@ -94,27 +95,7 @@ def test_engine_lora_tokens_on_gpu_match_peft(tiny_llama_dir, adapters, enforce_
         assert o.outputs[0].token_ids == peft_greedy(tiny_llama_dir, r and r.lora_path, p, 10)[0]
 
 
-# ---- decode-step fusions: the expand in the GEMV's epilogue, the shrink in the norm ----------------------------
-
-FUSED_GEMV_CASES = [  # (rows, slots, K, slices, gated, shrink splits)
-    (1, 2, 4096, [4096, 1024, 1024], False, 1),  # 8B qkv, its shrink from the norm
-    (1, 4, 4096, [4096], False, 16),  # 8B o_proj after the split-K shrink
-    (1, 2, 4096, [14336, 14336], True, 1),  # 8B gate_up + SiLU
-    (1, 2, 14336, [4096], False, 32),  # 8B down_proj
-    (3, 3, 896, [896, 128, 128], False, 1),  # a 0.5B qkv, several rows, several slots
-    (4, 2, 896, [4864, 4864], True, 8),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rank", [16, 64])
-@pytest.mark.parametrize("case", FUSED_GEMV_CASES)
-def test_fused_gemv_matches_reference(case, rank, dtype, stale_cuda_memory):
-    from tests.lora.lora_kernel_cases import check_fused_gemv_case
-
-    rows, slots, k, slices, gated, split = case
-    check_fused_gemv_case(rows, slots, k, slices, rank, rank, dtype, "cuda", gated=gated, split=split,
-                          bias=rows == 3, seed=rank + rows)
+# ---- the few-row path: the shrink in the norm, few-token shrink and expand (+ SiLU) kernels ----------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -158,37 +139,50 @@ def test_norm_shrink_matches_reference(case, rank, dtype, stale_cuda_memory):
                            fp32_product=fp32_product, seed=rank)
 
 
-def test_fused_decode_kernels_in_cuda_graph_follow_new_slots():
-    """Norm + shrink and GEMV + expand captured while no row has an adapter replay a later step's slots."""
-    from pagedllm.kernels import gemv as g
-    from pagedllm.kernels import norm
+def test_few_row_kernels_in_cuda_graph_follow_new_slots():
+    """Norm + shrink, GEMV, expand + SiLU, few-token shrink and expand captured while no row has an adapter replay a
+    later step's slots (the slot table is read at replay)."""
+    from pagedllm.kernels import lora, norm
     from tests.lora.lora_kernel_cases import build_case
 
-    x, a, b, slots, spans, res = build_case(2, 3, 1024, [1024, 256, 256], 16, 16, torch.bfloat16, "cuda", seed=5)
+    x, a, b, _, _, res = build_case(2, 3, 1024, [512, 512], 16, 16, torch.bfloat16, "cuda", seed=5)
     res = res[:, :1024].contiguous()
     weight = torch.ones(1024, dtype=torch.bfloat16, device="cuda")
-    w = (torch.randn(1536, 1024, device="cuda") / 32).to(torch.bfloat16)
+    w = (torch.randn(1024, 1024, device="cuda") / 32).to(torch.bfloat16)  # gate_up of 512 + 512
+    a_down = (torch.randn(3, 16, 512, device="cuda") * 0.1).to(torch.bfloat16)
+    b_down = (torch.randn(3, 16, 1024, device="cuda") * 0.1).to(torch.bfloat16)
     slot_buf = torch.full((2,), -1, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
 
     def step():
-        out, _, h = norm.rms_norm_shrink(x, res, weight, 1e-6, False, a, slot_buf)
-        return g.gemv(out, w, lora=g.LoRADelta(h, b, slot_buf, (1024, 1280))), out, h
+        y, _, h = norm.rms_norm_shrink(x, res, weight, 1e-6, False, a, slot_buf)
+        gate_up = y @ w.t()
+        act = lora.lora_expand_rows(h, b, gate_up, slot_buf, silu=True)
+        h_down = lora.lora_shrink_rows(act, a_down, slot_buf, counters)
+        out = act.new_zeros((2, 1024))  # a stand-in for the down projection's output: zeros, then its delta
+        lora.lora_expand_rows(h_down, b_down, out, slot_buf)
+        return y, gate_up, act, out
 
     for _ in range(2):
         step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, normed, h = step()
-    slot_buf.copy_(torch.tensor([2, -1], dtype=torch.int32))
-    graph.replay()
+        y, gate_up, act, out = step()
     slots = torch.tensor([2, -1], dtype=torch.int32)
-    expected = g.gemv_ref(normed.cpu(), w.cpu(), lora=g.LoRADelta(h.cpu(), b.cpu(), slots, (1024, 1280))).float()
-    torch.testing.assert_close(y.float().cpu(), expected, atol=3e-2, rtol=3e-2)
-    assert torch.all(h[0, 1] == 0) and torch.any(h[0, 0] != 0)
-    plain = g.gemv_ref(normed.cpu(), w.cpu()).float()
-    torch.testing.assert_close(y[1].float().cpu(), plain[1], atol=3e-2, rtol=3e-2)  # no adapter: no delta
-    assert not torch.allclose(y[0].float().cpu(), plain[0], atol=1e-3), "row 0's delta is missing"
+    slot_buf.copy_(slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_h = lora.lora_shrink_ref(y.cpu(), a.cpu(), slots)
+    ref_gu = lora.lora_expand_ref(ref_h, b.cpu(), gate_up.cpu(), slots, [(0, 512), (512, 512)])
+    ref_act = (torch.nn.functional.silu(ref_gu[:, :512].to(torch.bfloat16).float()).to(torch.bfloat16).float()
+               * ref_gu[:, 512:].to(torch.bfloat16).float())
+    torch.testing.assert_close(act.float().cpu(), ref_act, atol=3e-2, rtol=3e-2)
+    ref_down = lora.lora_expand_ref(lora.lora_shrink_ref(act.cpu(), a_down.cpu(), slots), b_down.cpu(),
+                                    torch.zeros(2, 1024), slots, [(0, 1024)])
+    torch.testing.assert_close(out.float().cpu(), ref_down, atol=3e-2, rtol=3e-2)
+    assert torch.all(out[1] == 0) and torch.any(out[0] != 0), "row 1 has no adapter; row 0's delta is missing"
+    assert torch.all(counters == 0)
 
 
 from pagedllm.lora import layers as lora_layers  # noqa: E402
@@ -196,17 +190,16 @@ from pagedllm.lora import layers as lora_layers  # noqa: E402
 _FEW_ROWS, _NORM_AND_SHRINK = lora_layers.LoRALinear._few_rows, lora_layers.LoRALinear.norm_and_shrink
 
 
-def _greedy_with_logprobs(model_dir, adapters, fused: bool, epilogue: str, enforce_eager: bool, monkeypatch):
+def _greedy_with_logprobs(model_dir, adapters, fused: bool, enforce_eager: bool, monkeypatch):
     from pagedllm import LLM, LoRARequest, SamplingParams
 
     monkeypatch.setattr(lora_layers, "FUSED_DECODE", fused)
-    monkeypatch.setattr(lora_layers, "GEMV_EPILOGUE", epilogue)
-    calls = {"gemv": 0, "norm": 0}
-    fused_gemv, norm_and_shrink = _FEW_ROWS, _NORM_AND_SHRINK
+    calls = {"rows": 0, "norm": 0}
+    few_rows, norm_and_shrink = _FEW_ROWS, _NORM_AND_SHRINK
 
-    def count_gemv(self, *args, **kwargs):
-        out = fused_gemv(self, *args, **kwargs)
-        calls["gemv"] += out is not None
+    def count_rows(self, *args, **kwargs):
+        out = few_rows(self, *args, **kwargs)
+        calls["rows"] += out is not None
         return out
 
     def count_norm(self, *args, **kwargs):
@@ -214,7 +207,7 @@ def _greedy_with_logprobs(model_dir, adapters, fused: bool, epilogue: str, enfor
         calls["norm"] += out is not None
         return out
 
-    monkeypatch.setattr(lora_layers.LoRALinear, "_few_rows", count_gemv)
+    monkeypatch.setattr(lora_layers.LoRALinear, "_few_rows", count_rows)
     monkeypatch.setattr(lora_layers.LoRALinear, "norm_and_shrink", count_norm)
     llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", num_gpu_blocks_override=64, max_num_seqs=4,
               enable_lora=True, max_loras=3, max_lora_rank=16, enforce_eager=enforce_eager)
@@ -228,18 +221,16 @@ def _greedy_with_logprobs(model_dir, adapters, fused: bool, epilogue: str, enfor
     return [o.outputs[0] for o in outs], calls
 
 
-@pytest.mark.parametrize("epilogue", ["", "all"])
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_engine_fused_decode_matches_separate_kernels(tiny_llama_dir, adapters, enforce_eager, epilogue,
-                                                      monkeypatch):
+def test_engine_few_row_path_matches_general_kernels(tiny_llama_dir, adapters, enforce_eager, monkeypatch):
     """bf16 decode of three adapters at once (all 7 projections; q/v only; o/down only): the few-row path (shrinks
-    in the norms, few-token shrink / expand kernels, or the expand in the GEMV: `epilogue`) gives the separate
-    shrink / expand kernels' tokens and logprobs (up to bf16 rounding: a token may differ only where the separate
-    path's top two were within rounding of each other)."""
-    ref, ref_calls = _greedy_with_logprobs(tiny_llama_dir, adapters, False, "", enforce_eager, monkeypatch)
-    got, calls = _greedy_with_logprobs(tiny_llama_dir, adapters, True, epilogue, enforce_eager, monkeypatch)
-    assert ref_calls == {"gemv": 0, "norm": 0}
-    assert calls["gemv"] > 0 and calls["norm"] > 0, calls
+    in the norms, few-token shrink / expand kernels) gives the general shrink / expand kernels' tokens and
+    logprobs (up to bf16 rounding: a token may differ only where the general path's top two were within rounding
+    of each other)."""
+    ref, ref_calls = _greedy_with_logprobs(tiny_llama_dir, adapters, False, enforce_eager, monkeypatch)
+    got, calls = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
+    assert ref_calls == {"rows": 0, "norm": 0}
+    assert calls["rows"] > 0 and calls["norm"] > 0, calls
     compared = 0
     for r, g in zip(ref, got):
         for step, (rt, gt) in enumerate(zip(r.token_ids, g.token_ids)):

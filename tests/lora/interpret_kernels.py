@@ -32,8 +32,7 @@ def main() -> None:
     sys.path.insert(0, here)
     sys.path.insert(0, os.path.join(os.path.dirname(here), "gpu"))
     import conftest  # noqa: F401  (tests/gpu: the interpreter's comparisons tagged as int1)
-    from lora_kernel_cases import (check_case, check_expand_rows_case, check_fused_gemv_case, check_norm_shrink_case,
-                                   check_shrink_rows_case)
+    from lora_kernel_cases import check_case, check_expand_rows_case, check_norm_shrink_case, check_shrink_rows_case
 
     f32 = torch.float32
     check_case(5, 3, 64, [32, 16, 16], 8, 16, f32, "cpu", pad_rows=3)  # qkv-like slices, padding rows
@@ -41,11 +40,7 @@ def main() -> None:
     check_case(40, 4, 300, [40, 40], 12, 16, f32, "cpu", seed=2, none_frac=0.0)  # gate_up-like, all adapted
     check_case(3, 2, 64, [16], 16, 32, f32, "cpu", seed=3, none_frac=1.0)  # no token has an adapter
     check_case(2, 2, 1024, [24], 8, 16, f32, "cpu", seed=4)  # few tokens, long K: split-K shrink
-    # The decode-step fusions: the expand in the GEMV's epilogue, the shrink in the norm.
-    check_fused_gemv_case(1, 2, 64, [32, 16, 16], 8, 16, f32, "cpu")  # qkv: three slices, one row
-    check_fused_gemv_case(3, 3, 96, [40, 24, 24], 16, 16, f32, "cpu", split=4, bias=True, seed=1)  # K padded
-    check_fused_gemv_case(2, 2, 64, [48, 48], 12, 32, f32, "cpu", gated=True, split=2, seed=2)  # gate_up + SiLU
-    check_fused_gemv_case(4, 2, 128, [40], 16, 16, f32, "cpu", split=8, seed=3)  # o / down: one slice
+    # The few-row path: the shrink in the norm, the few-token shrink and expand (+ SiLU).
     check_norm_shrink_case(3, 2, 96, 3, 8, 16, f32, "cpu")
     check_norm_shrink_case(2, 3, 64, 2, 16, 16, f32, "cpu", residual=False, seed=1)
     check_norm_shrink_case(4, 2, 80, 1, 4, 16, f32, "cpu", fp32_product=True, seed=2)

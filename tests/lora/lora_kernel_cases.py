@@ -74,37 +74,6 @@ def _split_partials(h: torch.Tensor, split: int, seed: int) -> torch.Tensor:
     return h * (frac / frac.sum(0))
 
 
-def check_fused_gemv_case(rows, num_slots, k, slices, rank, max_rank, dtype, device, gated=False, split=1,
-                          bias=False, seed=0) -> None:
-    """kernels/gemv.py with a LoRADelta against gemv_ref and against base + the engine's CPU delta (fp32)."""
-    from pagedllm.kernels import gemv as g
-    from pagedllm.kernels.lora import lora_shrink_ref
-    from pagedllm.lora.layers import batched_lora_delta
-
-    assert not gated or (len(slices) == 2 and slices[0] == slices[1])
-    x, a, b, slots, spans, _ = build_case(rows, num_slots, k, slices, rank, max_rank, dtype, device, seed)
-    gen = torch.Generator().manual_seed(seed + 100)
-    n_total = sum(slices)
-    w = (torch.randn(n_total, k, generator=gen) / k ** 0.5).to(dtype).to(device)
-    bias_t = (torch.randn(n_total, generator=gen) * 0.1).to(dtype).to(device) if bias else None
-    h = _split_partials(lora_shrink_ref(x.cpu(), a.cpu(), slots), split, seed)
-    h[:, slots < 0] = float("nan")  # rows without an adapter: never read
-    starts = () if gated else tuple(off for off, _ in spans[1:])
-    delta = g.LoRADelta(h.to(device), b, slots.to(device), starts)
-    got = g.gemv(x, w, bias_t, gated=gated, lora=delta).float().cpu()
-    cpu_delta = g.LoRADelta(h, b.cpu(), slots, starts)
-    expected = g.gemv_ref(x.cpu(), w.cpu(), None if bias_t is None else bias_t.cpu(), gated, lora=cpu_delta).float()
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
-    # An independent statement of the same math: base product + the engine's CPU delta (then the activation).
-    y = x.cpu().float() @ w.cpu().float().t() + (0 if bias_t is None else bias_t.cpu().float())
-    y = y + batched_lora_delta(x.cpu().float(), a.cpu().float(), b.cpu().float(), slots, spans)
-    if gated:
-        n = n_total // 2
-        y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
-    torch.testing.assert_close(got, y, atol=tol * 3, rtol=tol * 3)
-
-
 def check_norm_shrink_case(rows, num_slots, hidden, num_slices, rank, max_rank, dtype, device, residual=True,
                            fp32_product=False, seed=0) -> None:
     """kernels/norm.rms_norm_shrink: the norm (and new residual) equal rms_norm's, h the shrink of that output."""

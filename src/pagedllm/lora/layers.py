@@ -3,10 +3,11 @@
 `LoRALinear` keeps the base layer (whatever its LinearMethod: unquantized, fp8, int8, GGUF, ...) and adds,
 for every token of the step at once, `x @ A[slot]^T @ B[slot]` where `slot` is the device slot of that token's
 adapter (or none). Weights are never merged and adapters are never run one at a time:
-  CUDA: kernels/lora.py's shrink + expand (tokens gathered by slot, Punica style); on decode steps of a few rows
-        the expand runs in the base layer's GEMV epilogue (kernels/gemv.py, `LoRADelta`) and, for a layer fed by
-        a norm alone (qkv, gate_up), the shrink in the norm kernel (`norm_and_shrink`): two launches per decoder
-        layer beyond the base model's instead of eight plus the unfused SiLU.
+  CUDA: kernels/lora.py's shrink + expand (tokens gathered by slot, Punica style); on steps of a few rows
+        (decode, verify) the few-token shrink / expand kernels, which load A / B before the PDL wait, gate_up's
+        expand applying the SiLU-and-mul, and for a layer fed by a norm alone (qkv, gate_up) the shrink computed by
+        the norm kernel (`norm_and_shrink`): five launches per decoder layer beyond the base model's instead of
+        eight plus the unfused SiLU.
   CPU:  one matmul against every slot's A, a mask keeping each token's own slot, one matmul against every B.
 
 A merged layer (qkv_proj = [q; k; v], gate_up_proj = [gate; up]) stacks its slices: A [S, n_slices * R, in],
@@ -27,16 +28,13 @@ from torch import nn
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.layers.activation import triton_kernels
 from pagedllm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear, UnquantizedLinearMethod, gemv_kernels)
+                                    RowParallelLinear)
 
-# Decode-step fusions (expand in the GEMV, shrink in the norm); False runs the separate shrink / expand kernels.
-# For A/B tests and benchmarks only.
+# The few-row path (shrink in the norm, few-token shrink / expand kernels); False runs the general shrink / expand
+# kernels at every size. For A/B tests and benchmarks only.
 FUSED_DECODE = True
 # Most rows for which a norm computes its consumer's shrink (beyond, the shrink kernel reads A once per slot).
 NORM_SHRINK_MAX_ROWS = 8
-# The expand in the few-row GEMV's epilogue: "all" where the GEMV applies, "row" only where each of its programs
-# holds one weight row (long K: the epilogue does not lower its occupancy), "" never (a separate expand kernel).
-GEMV_EPILOGUE = "row"
 
 
 @dataclass
@@ -169,9 +167,8 @@ class LoRALinear(nn.Module):
 
     def _few_rows(self, x: torch.Tensor, bias: Optional[torch.Tensor], gated: bool = False
                   ) -> Optional[torch.Tensor]:
-        """A decode step's few rows on CUDA: the shrink (the norm's, or the few-token kernel's), the base layer,
-        then the expand (gated: with SiLU-and-mul), or the expand in the base GEMV's epilogue where that pays
-        (`_fused_gemv`). None where this path does not apply."""
+        """A step's few rows on CUDA: the shrink (the norm's, or the few-token kernel's), the base layer, then the
+        few-token expand (gated: with SiLU-and-mul). None where this path does not apply."""
         if not (FUSED_DECODE and x.is_cuda and x.dim() == 2 and 0 < x.shape[0]):
             return None
         kernels = triton_kernels("lora")
@@ -181,9 +178,6 @@ class LoRALinear(nn.Module):
         if gated and not (len(spans) == 2 and spans[1] == (spans[0][1], spans[0][1])
                           and 2 * spans[0][1] == self.out_local):
             return None
-        out = self._fused_gemv(x, bias, gated)
-        if out is not None:
-            return out
         h = self._shrink(x)
         base = self.base_layer
         out = base.linear_method.apply(base, x, bias)
@@ -192,19 +186,6 @@ class LoRALinear(nn.Module):
             return kernels.lora_expand_rows(h, self.lora_b, out, slots, silu=True)
         kernels.lora_expand_rows(h, self.lora_b, out, slots, tuple(off for off, _ in spans[1:]))
         return out
-
-    def _fused_gemv(self, x: torch.Tensor, bias: Optional[torch.Tensor], gated: bool) -> Optional[torch.Tensor]:
-        """base(x) + the delta in one few-row GEMV, where GEMV_EPILOGUE allows it and that kernel takes this layer
-        and x; else None."""
-        base = self.base_layer
-        if not GEMV_EPILOGUE or type(base.linear_method) is not UnquantizedLinearMethod:
-            return None
-        gemv = gemv_kernels(x, base.weight)
-        if gemv is None or (GEMV_EPILOGUE == "row" and gemv.gemv_block_n(base.weight.shape[0], x.shape[1]) > 1):
-            return None
-        delta = gemv.LoRADelta(self._shrink(x), self.lora_b, self.state.token_slots,
-                               tuple(off for off, _ in self._slice_spans[1:]))
-        return gemv.gemv(x, base.weight, bias, gated=gated, lora=delta)
 
     def _shrink(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """x's shrink partial sums [SPLIT, T, n_slices * R]: the one the norm before computed, else the kernel's."""
