@@ -14,6 +14,11 @@ Every program reads its segment bounds from device memory and exits when its tok
 grids depend only on T and the shapes: a captured CUDA graph replays any mix of adapters. The shrink splits K
 across programs (a decode step has few tokens, and one program per token block would read all of A alone);
 each split writes its own partial sums, which the expand adds up, so there is no atomic and no memset.
+
+Steps of a few rows (decode, verify: <= SHRINK_ROWS_MAX tokens) use `lora_shrink_rows` / `lora_expand_rows`
+instead: a program per (K slice or column block, token), reading the token's slot from `token_slots` [T] (-1: no
+adapter), so A / B can be loaded before the PDL wait; the shrink's last split per token folds the partial sums
+(a counter per token), and gate_up's expand applies the SiLU-and-mul. Measured in docs/benchmarks.md (Multi-LoRA).
 """
 from __future__ import annotations
 
