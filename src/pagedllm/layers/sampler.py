@@ -12,6 +12,8 @@ Order of operations (vLLM's):
      probs exactly and is a handful of kernels. Seeded rows draw E from their own generator, seeded
      by (seed, output position), so their tokens do not depend on the rest of the batch and repeat
      after a preemption-recompute.
+On CUDA, steps 4-6 are one kernel (`sample_on_device`, kernels/sampling.py): the same distribution, drawn by
+Gumbel-max with top-k / top-p applied by rejection instead of masking, keyed per row by the same seeds.
 
 A grammar's token bitmask (structured outputs), when a row has one, is applied before all of these.
 Every stage is skipped when no row needs it (flags computed on the host by the builder), so an
@@ -39,6 +41,14 @@ _MASK64 = (1 << 64) - 1
 # and sampler_cost.py's A/B.
 TOP_K_TOP_P_IMPL = "auto"
 PREFIX_MIN_ROWS = 64
+# CUDA draws random rows in one kernel (kernels/sampling.py: temperature, min_p, top-k, top-p and the draw, no sort,
+# no [N, V] temporaries) unless this is False (the A/B of benchmarks/sampler_cost.py). A top-k up to
+# DEVICE_TOPK_CUTOFF_MAX reaches it as a cutoff logit from torch.topk; a larger one is applied by the kernel's
+# rejection test, except in a batch that also has top-p (the top-p mass must then be taken within each row's
+# top-k set, which that test does not know): such a batch takes the general path.
+DEVICE_SAMPLING = True
+_DEVICE_SAMPLING_TYPES = ("cuda",)  # Triton's interpreter test adds "cpu"
+DEVICE_TOPK_CUTOFF_MAX = 1024
 
 
 def _mix_seed(seed: int, position: int) -> int:
@@ -109,8 +119,10 @@ class SamplingMetadata:
     output_token_ids: Optional[torch.Tensor] = None  # [N, Lo] int64; only for penalties
     # (row indices [M], token ids [M]): logits to set to -inf this step (min_tokens not yet reached).
     min_tokens_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-    # row -> generator seeded by (seed, output position) for rows with a seed.
+    # row -> generator seeded by (seed, output position) for rows with a seed; seeds: the same rows' generator seeds
+    # (the device sampler's per-row keys).
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    seeds: dict[int, int] = field(default_factory=dict)
     max_num_logprobs: Optional[int] = None  # None: no row asked for logprobs
     # allowed_token_ids / bad_words / logit_bias of the rows that have them (layers/token_constraints.py)
     constraints: Optional[TokenConstraints] = None
@@ -210,7 +222,8 @@ class SamplingMetadata:
         for i, (p, g) in enumerate(zip(params, greedy)):
             if p.seed is not None and not g:
                 gen = torch.Generator(device=dev)
-                gen.manual_seed(_mix_seed(p.seed, len(output_token_ids[i])))
+                meta.seeds[i] = _mix_seed(p.seed, len(output_token_ids[i]))
+                gen.manual_seed(meta.seeds[i])
                 meta.generators[i] = gen
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -241,6 +254,8 @@ class Sampler(torch.nn.Module):
 
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
+        elif (sampled := sample_on_device(logits, meta)) is not None:
+            pass
         else:
             greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
             sampled = self._sample(logits, meta)
@@ -301,6 +316,41 @@ class Sampler(torch.nn.Module):
         elif top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
+
+
+def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> Optional[torch.Tensor]:
+    """Tokens of a CUDA batch drawn by the one-kernel sampler (kernels/sampling.py), or None where it does not
+    apply (the CPU, DEVICE_SAMPLING off, a top-k above DEVICE_TOPK_CUTOFF_MAX in a batch with top-p). Greedy rows
+    get their argmax. The logits are not modified."""
+    if not (DEVICE_SAMPLING and logits.device.type in _DEVICE_SAMPLING_TYPES and TOP_K_TOP_P_IMPL == "auto"):
+        return None
+    cutoff = top_k = None
+    if not meta.no_top_k:
+        if meta.max_top_k <= DEVICE_TOPK_CUTOFF_MAX:
+            # The k-th largest raw logit (the temperature keeps the order): rows keep logits >= it, ties included.
+            kth = logits.topk(meta.max_top_k, dim=1).values.gather(
+                1, (meta.top_k.clamp(max=meta.max_top_k) - 1).unsqueeze(1)).squeeze(1)
+            cutoff = kth.masked_fill_(meta.top_k >= meta.vocab_size, float("-inf"))
+        elif meta.no_top_p:
+            top_k = meta.top_k
+        else:
+            return None
+    from pagedllm.kernels.sampling import sample_rows
+
+    seeds = None
+    if meta.seeds:
+        host = torch.full((logits.shape[0],), -1, dtype=torch.int64)
+        for row, seed in meta.seeds.items():
+            host[row] = seed
+        seeds = _to_device(host, logits.device)
+    # Rows without a seed: one key per step from torch's generator (torch.manual_seed makes runs repeat, and every
+    # tensor-parallel rank, seeded alike, draws the same tokens).
+    step_seed = int(torch.randint(1 << 40, 1 << 62, (1,)).item())
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    return sample_rows(logits, meta.temperature, step_seed, seeds=seeds,
+                       min_p=None if meta.no_min_p else meta.min_p, top_k=top_k,
+                       top_p=None if meta.no_top_p else meta.top_p, cutoff=cutoff, greedy_eps=_GREEDY_EPS)
 
 
 def top_k_top_p_impl(meta: SamplingMetadata, rows: int, cuda: bool) -> str:

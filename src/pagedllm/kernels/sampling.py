@@ -1,0 +1,194 @@
+"""Sampling on the GPU in one kernel per step: temperature, min_p, top-k, top-p and the draw, without a sort.
+
+One program per row reads the row's logits a few times; nothing of size [N, V] is written. A row draws with the
+Gumbel-max trick (the argmax of x - log(E), E ~ Exp(1), x = logit / temperature), an exact draw from
+softmax(x) over the tokens it may take, as the exponential race of `layers/sampler.py` is. Top-k and top-p are
+applied by rejection, never by finding the kept set: a drawn token is accepted when fewer than k tokens lie
+strictly above it and their mass is below p times the row's (the reference's kept set is exactly the tokens that
+pass both tests, ties at the cutoff included, `layers/top_k_top_p.py`). Conditioned on acceptance the draw is one
+from the kept set, so the result is distributed as the reference's. A rejected token s proves every token not
+above it is outside the set too, so the next draw is restricted to tokens above s, or above a pivot halfway to
+the row's maximum when the pivot also fails the test (the dual pivot of FlashInfer's top-p sampler); the row's
+largest token always passes, so a row ends after a few rounds. A top-k small enough for torch.topk arrives as a
+per-row cutoff logit instead (the kept set then is {logit >= cutoff}, and top-p's mass is taken within it).
+
+E comes from 32 Philox bits per token and round, keyed by a per-row seed: a seeded request's (seed, output
+position) key (`sampler._mix_seed`), so its token does not depend on the batch, else the step's seed mixed with
+the row index. E is never 0 (a 0 would let any token win): the upper half of the uniform range is taken through
+1 - u, computed exactly from the bits.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+_TWO_M32 = tl.constexpr(2.3283064365386963e-10)  # 2 ** -32
+_HALF = tl.constexpr(2147483648)  # 2 ** 31
+_ROW_MIX = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64: spreads row seeds apart
+
+
+@triton.jit
+def _exp1(seed, cols):
+    """E ~ Exp(1) per column from Philox(seed, column); never 0, exact down to 2 ** -32."""
+    bits = tl.randint(seed, cols)  # uint32
+    lower = bits < _HALF
+    u = (bits.to(tl.float32) + 0.5) * _TWO_M32  # (bits + 0.5) / 2^32, taken when u <= 1/2
+    w = ((~bits).to(tl.float32) + 0.5) * _TWO_M32  # 1 - u, exact where u is close to 1
+    upper = tl.where(w < 0.0009765625, w + w * w * (0.5 + w * 0.3333333432674408), -tl.log(1.0 - w))
+    return tl.where(lower, -tl.log(u), upper)
+
+
+@triton.jit
+def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr, HAS_CUTOFF: tl.constexpr):
+    """Index of max(x - noise * log(E)) over the row's tokens with x >= floor, logit >= cut and x > lo."""
+    offs = tl.arange(0, BLOCK)
+    best: tl.float32 = float("-inf")
+    best_i: tl.int32 = 0
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        inside = cols < V
+        logit = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        x = logit * inv_t
+        ok = inside & (x > lo) & (x >= floor) & (x > float("-inf"))
+        if HAS_CUTOFF:
+            ok = ok & (logit >= cut)
+        score = tl.where(ok, x - noise * tl.log(_exp1(seed, cols)), float("-inf"))
+        top = tl.max(score, 0)
+        at = tl.argmax(score, 0) + start
+        take = top > best  # strictly: the first chunk's index wins a tie (greedy rows equal torch.argmax)
+        best_i = tl.where(take, at, best_i)
+        best = tl.where(take, top, best)
+    return best_i
+
+
+@triton.jit(do_not_specialize=["stride", "step_seed"])
+def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_ptr, top_k_ptr, top_p_ptr,
+                   cutoff_ptr, out_ptr, greedy_eps, BLOCK: tl.constexpr, HAS_SEEDS: tl.constexpr,
+                   HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+                   HAS_CUTOFF: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride
+    offs = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+
+    temperature = tl.load(temp_ptr + row)
+    greedy = temperature < greedy_eps
+    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
+    noise = tl.where(greedy, 0.0, 1.0)  # a greedy row takes the plain argmax
+    seed = step_seed + row * _ROW_MIX
+    if HAS_SEEDS:
+        own = tl.load(seeds_ptr + row)
+        seed = tl.where(own >= 0, own, seed)
+    cut: tl.float32 = neg_inf
+    if HAS_CUTOFF:
+        cut = tl.where(greedy, neg_inf, tl.load(cutoff_ptr + row))
+    k: tl.int32 = V
+    use_k = greedy & (~greedy)  # False
+    if HAS_TOP_K:
+        k = tl.minimum(tl.load(top_k_ptr + row), V).to(tl.int32)
+        use_k = (k < V) & (~greedy)
+    p: tl.float32 = 1.0
+    use_p = greedy & (~greedy)
+    if HAS_TOP_P:
+        p = tl.load(top_p_ptr + row)
+        use_p = (p < 1.0) & (~greedy)
+
+    # min_p keeps x >= max(x) + log(min_p): the row's max first.
+    floor: tl.float32 = neg_inf
+    if HAS_MIN_P:
+        top: tl.float32 = neg_inf
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            x = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32) * inv_t
+            top = tl.maximum(top, tl.max(x, 0))
+        min_p = tl.load(min_p_ptr + row)
+        floor = tl.where(greedy | (min_p <= 0.0), neg_inf, top + tl.log(min_p))
+
+    best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, neg_inf, BLOCK, HAS_CUTOFF)
+
+    if HAS_TOP_K or HAS_TOP_P:
+        if use_k | use_p:
+            # The candidates' max and mass (top-p's mass is taken after min_p and the cutoff, as the reference's).
+            m: tl.float32 = neg_inf
+            z: tl.float32 = 0.0
+            for start in range(0, V, BLOCK):
+                cols = start + offs
+                logit = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32)
+                x = logit * inv_t
+                ok = (x >= floor) & (x > neg_inf)
+                if HAS_CUTOFF:
+                    ok = ok & (logit >= cut)
+                new_m = tl.maximum(m, tl.max(tl.where(ok, x, neg_inf), 0))
+                scale = tl.where(new_m == m, 1.0, tl.exp(m - new_m))
+                z = z * scale + tl.sum(tl.where(ok, tl.exp(x - new_m), 0.0), 0)
+                m = new_m
+            target = p * z
+            hi = m
+            rounds: tl.int32 = 0
+            active: tl.int32 = (m > neg_inf).to(tl.int32)  # nothing to draw from: keep the first draw
+            while active != 0:
+                xs = tl.load(row_ptr + best_i).to(tl.float32) * inv_t
+                pivot = xs + (hi - xs) * 0.5
+                mass_s: tl.float32 = 0.0
+                count_s: tl.int32 = 0
+                mass_p: tl.float32 = 0.0
+                count_p: tl.int32 = 0
+                for start in range(0, V, BLOCK):
+                    cols = start + offs
+                    logit = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32)
+                    x = logit * inv_t
+                    ok = (x >= floor) & (x > neg_inf)
+                    if HAS_CUTOFF:
+                        ok = ok & (logit >= cut)
+                    weight = tl.where(ok, tl.exp(x - m), 0.0)
+                    above_s = ok & (x > xs)
+                    above_p = ok & (x > pivot)
+                    mass_s += tl.sum(tl.where(above_s, weight, 0.0), 0)
+                    count_s += tl.sum(above_s.to(tl.int32), 0)
+                    mass_p += tl.sum(tl.where(above_p, weight, 0.0), 0)
+                    count_p += tl.sum(above_p.to(tl.int32), 0)
+                keep_s = ((count_s < k) | (~use_k)) & ((mass_s < target) | (~use_p))
+                active = (~keep_s).to(tl.int32)
+                if active != 0:
+                    # Every token not above s fails too; so does every token not above the pivot if it fails.
+                    keep_p = ((count_p < k) | (~use_k)) & ((mass_p < target) | (~use_p))
+                    lo = tl.where(keep_p, xs, pivot)
+                    hi = tl.where(keep_p, pivot, hi)
+                    rounds += 1
+                    best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed + rounds, floor, cut, lo, BLOCK,
+                                          HAS_CUTOFF)
+    tl.store(out_ptr + row, best_i.to(tl.int64))
+
+
+BLOCK = 2048
+NUM_WARPS = 8
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
+                seeds: Optional[torch.Tensor] = None, min_p: Optional[torch.Tensor] = None,
+                top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None,
+                cutoff: Optional[torch.Tensor] = None, greedy_eps: float = 1e-5) -> torch.Tensor:
+    """One token per row of logits [N, V] (float32 / bfloat16 / float16, last dim contiguous) -> int64 [N].
+
+    temperature [N] float32 (below greedy_eps: the row's argmax, first index on ties); step_seed an int in
+    [2**32, 2**62) keying the rows without a seed; seeds [N] int64 (-1: none) the per-row keys of seeded rows;
+    min_p / top_p [N] float32; top_k [N] int64 (>= V: none); cutoff [N] float32: a row keeps only logits >= it
+    (a top-k found by torch.topk; -inf: none). When both top_k and top_p are given, top_p's mass is taken over
+    every token (pass a top-k as cutoff instead to take it within the top-k set, as the reference does)."""
+
+    n, vocab = logits.shape
+    assert logits.stride(1) == 1 and (1 << 32) <= step_seed < (1 << 62)
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    dummy = temperature
+    _sample_kernel[(n,)](
+        logits, logits.stride(0), vocab, temperature, dummy if seeds is None else seeds, step_seed,
+        dummy if min_p is None else min_p, dummy if top_k is None else top_k, dummy if top_p is None else top_p,
+        dummy if cutoff is None else cutoff, out, greedy_eps, BLOCK=BLOCK, HAS_SEEDS=seeds is not None,
+        HAS_MIN_P=min_p is not None, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
+        HAS_CUTOFF=cutoff is not None, num_warps=NUM_WARPS)
+    return out

@@ -1,0 +1,74 @@
+"""The device sampler (kernels/sampling.py) in Triton's interpreter on the CPU:
+`TRITON_INTERPRET=1 python interpret_sampling.py` (run by test_device_sampling.py; a script because TRITON_INTERPRET
+must be set before any kernel is defined). Small draws: the interpreter runs ~100 programs a second."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+N_DRAWS = 300
+
+
+def check_sampler_wiring() -> None:
+    """Sampler() on a mixed batch through sample_on_device: greedy rows take the argmax, every token is inside its
+    row's reference set, a seeded row's token does not depend on the batch."""
+    from device_sampling_cases import llm_row, reference_probs
+
+    from pagedllm.layers import sampler as sampler_mod
+    from pagedllm.layers.sampler import Sampler, SamplingMetadata
+    from pagedllm.sampling_params import SamplingParams
+
+    vocab = 64
+    rows = torch.stack([llm_row(vocab, seed=s) for s in range(6)])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=7), SamplingParams(temperature=1.2, min_p=0.1),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, top_k=2)]
+    sampler_mod._DEVICE_SAMPLING_TYPES = ("cuda", "cpu")
+    try:
+        def run(idx):
+            ps = [params[i] for i in idx]
+            meta = SamplingMetadata.build(ps, [[]] * len(ps), [[1, 2]] * len(ps), [None] * len(ps), vocab, "cpu")
+            assert sampler_mod.sample_on_device(rows[idx].clone(), meta) is not None
+            return Sampler()(rows[idx].clone(), meta).sampled_token_ids
+        out = run(list(range(6)))
+        for i, p in enumerate(params):
+            if p.temperature == 0:
+                assert out[i] == rows[i].argmax()
+            else:
+                probs = reference_probs(rows[i], p.temperature, p.top_k, p.top_p, p.min_p)
+                assert probs[out[i]] > 0, (i, out[i])
+        assert run([2])[0] == out[2] == run([5, 2, 0])[1]
+    finally:
+        sampler_mod._DEVICE_SAMPLING_TYPES = ("cuda",)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)
+    sys.path[:0] = [here, os.path.join(tests, "gpu"), os.path.join(tests, "lora")]
+    from interpret_kernels import patch_interpreter_for_numpy2
+
+    patch_interpreter_for_numpy2()
+    import conftest  # noqa: F401  (tests/gpu: the interpreter's comparisons tagged as int1)
+    import pagedllm.kernels.sampling as kernel
+    from device_sampling_cases import INTERPRETER_CASES, check_distribution, check_greedy_rows, \
+        check_masked_and_seeded, llm_row
+
+    kernel.BLOCK = 32
+    np.seterr(all="ignore")  # -inf - -inf in lanes the kernel masks
+    check_greedy_rows("cpu")
+    check_masked_and_seeded("cpu", vocab=160)
+    check_sampler_wiring()
+    row = llm_row(24)
+    for case in INTERPRETER_CASES:
+        stat = check_distribution(row, N_DRAWS, "cpu", **case)
+        print(f"{case}: chi2/dof {stat:.2f}", flush=True)
+    print("device sampling ok")
+
+
+if __name__ == "__main__":
+    main()
