@@ -1,11 +1,12 @@
 """The sampler's cost per step at 1 / 64 / 256 rows x a Qwen-sized vocabulary (151,936), alone and as the whole
 sampler step (temperature, min_p, the filters, softmax, the draw), for each way of applying top-k / top-p
-(layers/top_k_top_p.py): `sort` (the reference, CUDA's default), `cutoff` (the per-row bucket search, the CPU's
-default), `prefix` (each row's 1024 largest logits by torch.topk, or the batch's largest top-k, and the sort for
-the rows they cannot settle).
+(layers/top_k_top_p.py) in the general path: `sort` (the reference), `cutoff` (the per-row bucket search, the
+CPU's default), `prefix` (each row's 1024 largest logits by torch.topk, or the batch's largest top-k, and the sort
+for the rows they cannot settle); and on CUDA `device`, the one-kernel sampler (kernels/sampling.py, CUDA's default:
+its step only, it has no separate filter).
 
     python benchmarks/sampler_cost.py [--device cpu|cuda] [--rows 1,64,256] [--vocab 151936] [--logits llm,normal]
-                                      [--configs ...] [--impls sort,cutoff,prefix] [--repeats N] [--warmup N]
+                                      [--configs ...] [--impls sort,cutoff,prefix,device] [--repeats N] [--warmup N]
                                       [--json out.json]
 
 Configurations (every row the same parameters): `temp` (temperature 0.6 only: no filter, the floor of a step),
@@ -96,11 +97,14 @@ def filter_fn(meta: SamplingMetadata, impl: str):
 
 def step_fn(meta: SamplingMetadata, impl: str):
     def run(x):
-        sampler_mod.TOP_K_TOP_P_IMPL = impl
+        # "device": the one-kernel sampler (kernels/sampling.py, CUDA's default); the others: the general path
+        sampler_mod.TOP_K_TOP_P_IMPL = "auto" if impl == "device" else impl
+        sampler_mod.DEVICE_SAMPLING = impl == "device"
         try:
             return Sampler()(x, meta).sampled_token_ids
         finally:
             sampler_mod.TOP_K_TOP_P_IMPL = "auto"
+            sampler_mod.DEVICE_SAMPLING = True
     return run
 
 
@@ -122,9 +126,10 @@ def main() -> None:
     parser.add_argument("--parts", default="filter,step", help="filter: top-k / top-p alone; step: the whole sampler")
     parser.add_argument("--repeats", type=int, default=None, help="default 20 on CUDA, 3 on the CPU")
     parser.add_argument("--warmup", type=int, default=None, help="default 5 on CUDA, 1 on the CPU")
-    parser.add_argument("--impls", default="sort,cutoff,prefix",
-                        help="sort (the reference, first), cutoff (the bucket search), prefix (torch.topk's 1024 "
-                             "largest per row, the sort for rows they cannot settle)")
+    parser.add_argument("--impls", default=None,
+                        help="sort (the general path's reference, first), cutoff (the bucket search), prefix "
+                             "(torch.topk's 1024 largest per row, the sort for rows they cannot settle), device (the "
+                             "one-kernel sampler, CUDA only); default sort,cutoff,prefix and on CUDA also device")
     parser.add_argument("--json", default="sampler_cost.json")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
@@ -132,9 +137,11 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
 
     results = []
-    impls = args.impls.split(",")
-    if impls[0] != "sort" or not set(impls) <= {"sort", "cutoff", "prefix"}:
-        parser.error("--impls: sort first, then any of cutoff, prefix")
+    impls = (args.impls or ("sort,cutoff,prefix,device" if cuda else "sort,cutoff,prefix")).split(",")
+    if impls[0] != "sort" or not set(impls) <= {"sort", "cutoff", "prefix", "device"}:
+        parser.error("--impls: sort first, then any of cutoff, prefix, device")
+    if "device" in impls and not cuda:
+        parser.error("--impls device: the device sampler runs on CUDA")
     header = f"{'logits':7} {'config':12} {'rows':>5} {'part':7} " + " ".join(
         f"{i + ' ms':>10}" + ("" if i == "sort" else f" {'x sort':>7}") for i in impls)
     print(header)
@@ -152,13 +159,16 @@ def main() -> None:
                     scaled = base / CONFIGS[name]["temperature"] if part == "filter" else base
                     row = {"logits": kind, "config": name, "rows": rows, "part": part}
                     for impl in impls:
+                        if part == "filter" and impl == "device":  # the kernel has no filter-only part
+                            continue
                         fn = (filter_fn if part == "filter" else step_fn)(meta, impl)
                         ms = timed(fn, scaled, repeats, warmup)
                         row[impl] = {"median_ms": statistics.median(ms), "min_ms": min(ms), "all_ms": ms}
                     results.append(row)
                     s = row["sort"]["median_ms"]
-                    cells = " ".join(f"{row[i]['median_ms']:10.3f}" + (
-                        "" if i == "sort" else f" {s / row[i]['median_ms']:6.2f}x") for i in impls)
+                    cells = " ".join((f"{row[i]['median_ms']:10.3f}" + (
+                        "" if i == "sort" else f" {s / row[i]['median_ms']:6.2f}x")) if i in row
+                        else f"{'-':>10}" + ("" if i == "sort" else f" {'':7}") for i in impls)
                     print(f"{kind:7} {name:12} {rows:5d} {part:7} {cells}", flush=True)
             del base
 
