@@ -92,10 +92,14 @@ def run_pagedllm(args, reqs):
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
-    params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, seed=None)
-              for _, n in reqs]
-    # Warm-up (not timed): a couple of tiny requests.
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
+    if args.device_sampling != "auto":  # A/B of the one-kernel CUDA sampler (the engine runs in this process)
+        from pagedllm.layers import sampler as sampler_mod
+
+        sampler_mod.DEVICE_SAMPLING = args.device_sampling == "on"
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    params = [SamplingParams(**sampling, max_tokens=n, ignore_eos=True, seed=None) for _, n in reqs]
+    # Warm-up (not timed): a couple of tiny requests, sampled as the run samples (the sampler's kernels compile).
+    llm.generate(prompts[:2], [SamplingParams(**sampling, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
     if not llm.engine.reset_prefix_cache():  # the timed run must get no prefix-cache hits from the warm-up
         print("warning: the prefix cache could not be reset after the warm-up", file=sys.stderr)
     if torch.cuda.is_available():
@@ -139,8 +143,8 @@ def run_vllm(args, reqs):
     llm = vllm.LLM(**kwargs)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
-    params = [vllm.SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, detokenize=False)
-              for _, n in reqs]
+    params = [vllm.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=n,
+                                  ignore_eos=True, detokenize=False) for _, n in reqs]
     llm.generate(prompts[:2], [vllm.SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)] * 2,
                  use_tqdm=False)
     llm.reset_prefix_cache()
@@ -216,6 +220,10 @@ def main(argv=None):
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 160], metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: none (pagedllm's and vLLM's 'off' alike)")
+    p.add_argument("--device-sampling", choices=["auto", "on", "off"], default="auto",
+                   help="on CUDA, the one-kernel sampler (kernels/sampling.py: the default) or the general path")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)

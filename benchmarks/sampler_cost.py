@@ -108,6 +108,34 @@ def step_fn(meta: SamplingMetadata, impl: str):
     return run
 
 
+def sweep(args, repeats: int, warmup: int) -> None:
+    """The device sampler's step (kernels/sampling.py) at each launch shape of --sweep: ms per config and rows."""
+    from pagedllm.kernels import sampling as kernel
+
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.sweep.split(",")]
+    results = []
+    print(f"{'logits':7} {'config':12} {'rows':>5} " + " ".join(f"{f'{b}x{w} ms':>11}" for b, w in shapes))
+    for kind in args.logits.split(","):
+        for rows in [int(r) for r in args.rows.split(",")]:
+            base = make_logits(rows, args.vocab, kind, args.device)
+            for name in args.configs.split(","):
+                params = [SamplingParams(**CONFIGS[name])] * rows
+                meta = SamplingMetadata.build(params, [[]] * rows, [[]] * rows, [None] * rows, args.vocab,
+                                              args.device)
+                cells = []
+                for block, warps in shapes:
+                    kernel.BLOCK, kernel.NUM_WARPS = block, warps
+                    ms = statistics.median(timed(step_fn(meta, "device"), base, repeats, warmup))
+                    results.append({"logits": kind, "config": name, "rows": rows, "block": block, "warps": warps,
+                                    "median_ms": ms})
+                    cells.append(f"{ms:11.3f}")
+                print(f"{kind:7} {name:12} {rows:5d} " + " ".join(cells), flush=True)
+    with open(args.json, "w") as f:
+        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "commit": git_commit(), "vocab": args.vocab, "sweep": results}, f, indent=1)
+    print(f"wrote {args.json}")
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -130,12 +158,17 @@ def main() -> None:
                         help="sort (the general path's reference, first), cutoff (the bucket search), prefix "
                              "(torch.topk's 1024 largest per row, the sort for rows they cannot settle), device (the "
                              "one-kernel sampler, CUDA only); default sort,cutoff,prefix and on CUDA also device")
+    parser.add_argument("--sweep", default=None, metavar="BLOCKxWARPS,...",
+                        help="time only the device sampler's step, once per launch shape (e.g. 1024x4,2048x8)")
     parser.add_argument("--json", default="sampler_cost.json")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     repeats = args.repeats or (20 if cuda else 3)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
 
+    if args.sweep:
+        sweep(args, repeats, warmup)
+        return
     results = []
     impls = (args.impls or ("sort,cutoff,prefix,device" if cuda else "sort,cutoff,prefix")).split(",")
     if impls[0] != "sort" or not set(impls) <= {"sort", "cutoff", "prefix", "device"}:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 29's device sampler on the lent H200, in device calls (carry .whl: ../shared/device/fetch-wheels.sh):
+#
+#   bash benchmarks/gpu_sampling.sh tests   # its GPU tests (and the LoRA CUDA-graph test), the launch sweep, the cost
+#                                           # table (sort / prefix / device at 1, 64, 256 rows)
+#   bash benchmarks/gpu_sampling.sh nano    # the nano-vllm protocol at temperature 0.6: device sampler on / off,
+#                                           # greedy; Qwen3's top_k 20 / top_p 0.95 on / off
+#
+# Each step has its own timeout; logs and JSON go to $OUT (or /tmp/sampling-out), the summary lines to stdout.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+what=${1:?tests or nano}
+source tests/gpu/device_prepare.sh
+out=${OUT:-/tmp/sampling-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+step() {  # step NAME TIMEOUT CMD...
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc $((SECONDS - t0)) s"
+    grep -E "^(llm|normal|pagedllm:|hardware|Traceback|RuntimeError|.*Error:|FAILED|ERROR)|passed|failed" \
+        "$out/$name.log" | tail -40
+}
+nano() {  # nano NAME TIMEOUT ARGS...
+    local name=$1 limit=$2; shift 2
+    step "$name" "$limit" python benchmarks/offline_throughput.py --model benchmarks/configs/qwen3-0.6b \
+        --load-format dummy --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --max-model-len 2048 \
+        --hf none --no-tqdm --json "$out/$name.json" "$@"
+}
+case $what in
+tests)
+    step tests 240 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_device_sampling_gpu.py \
+        "tests/gpu/test_lora_gpu.py::test_few_row_kernels_in_cuda_graph_follow_new_slots"
+    step sweep 120 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,64,256 \
+        --configs temp,top_p,qwen --sweep 1024x4,2048x8,4096x8,4096x16 --repeats 10 --json "$out/sweep.json"
+    step cost 200 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,64,256 \
+        --impls sort,prefix,device --json "$out/cost.json"
+    ;;
+nano)
+    nano nano-t06-device 150 --temperature 0.6 --device-sampling on
+    nano nano-t06-general 150 --temperature 0.6 --device-sampling off
+    nano nano-greedy 150 --temperature 0
+    nano nano-qwen-device 150 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling on
+    nano nano-qwen-general 150 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling off
+    ;;
+esac
