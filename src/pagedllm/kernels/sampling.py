@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 _TWO_M32 = tl.constexpr(2.3283064365386963e-10)  # 2 ** -32
-_HALF = tl.constexpr(2147483648)  # 2 ** 31
 _ROW_MIX = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64: spreads row seeds apart
 
 
@@ -34,7 +33,7 @@ _ROW_MIX = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64: sp
 def _exp1(seed, cols):
     """E ~ Exp(1) per column from Philox(seed, column); never 0, exact down to 2 ** -32."""
     bits = tl.randint(seed, cols)  # uint32
-    lower = bits < _HALF
+    lower = (bits >> 31) == 0
     u = (bits.to(tl.float32) + 0.5) * _TWO_M32  # (bits + 0.5) / 2^32, taken when u <= 1/2
     w = ((~bits).to(tl.float32) + 0.5) * _TWO_M32  # 1 - u, exact where u is close to 1
     upper = tl.where(w < 0.0009765625, w + w * w * (0.5 + w * 0.3333333432674408), -tl.log(1.0 - w))
