@@ -82,17 +82,21 @@ def test_sampler_cuda_path_against_general_path():
     assert run([2])[0] == fused[2] == run([4, 2, 0, 1])[1]
 
 
-def test_large_top_k_with_top_p_takes_the_general_path():
-    """A top-k above DEVICE_TOPK_CUTOFF_MAX in a batch with top-p: the kernel cannot take top-p within the top-k
-    set, so sample_on_device declines (None) and the general path samples."""
+def test_large_top_k_with_top_p():
+    """A top-k above DEVICE_TOPK_CUTOFF_MAX in a batch with top-p still takes the kernel (its cutoff from torch.topk,
+    so top-p's mass is taken within the top-k set): every token in the reference's set, and a seeded row's token
+    the same as in a batch without such a row."""
     vocab = 8000
     k = sampler_mod.DEVICE_TOPK_CUTOFF_MAX + 1
-    ps = [SamplingParams(temperature=1.0, top_k=k, top_p=0.9)]
-    meta = SamplingMetadata.build(ps, [[]], [[]], [None], vocab, "cuda")
-    logits = llm_row(vocab).cuda().unsqueeze(0)
-    assert sampler_mod.sample_on_device(logits.clone(), meta) is None
-    token = Sampler()(logits.clone(), meta).sampled_token_ids.cpu()
-    assert reference_probs(logits[0].cpu(), 1.0, k, 0.9)[token[0]] > 0
+    rows = (llm_row(vocab, seed=2) * 0.5).cuda().repeat(64, 1)
+    ps = [SamplingParams(temperature=1.0, top_k=k, top_p=0.7)] * 63 + [SamplingParams(temperature=1.0, top_p=0.7,
+                                                                                      seed=9)]
+    meta = SamplingMetadata.build(ps, [[]] * 64, [[]] * 64, [None] * 64, vocab, "cuda")
+    tokens = sampler_mod.sample_on_device(rows, meta).cpu()
+    ref = reference_probs(rows[0].cpu(), 1.0, k, 0.7)
+    assert (ref[tokens[:63]] > 0).all()
+    alone = SamplingMetadata.build(ps[63:], [[]], [[]], [None], vocab, "cuda")
+    assert sampler_mod.sample_on_device(rows[:1], alone)[0].item() == tokens[63].item()
 
 
 def test_step_seed_keys_unseeded_rows():

@@ -58,7 +58,7 @@ def main() -> None:
     from device_sampling_cases import INTERPRETER_CASES, check_distribution, check_greedy_rows, \
         check_masked_and_seeded, llm_row
 
-    kernel.BLOCK = 32
+    kernel.BLOCK = 64
     np.seterr(all="ignore")  # -inf - -inf in lanes the kernel masks
     check_greedy_rows("cpu")
     check_masked_and_seeded("cpu", vocab=160)

@@ -12,7 +12,7 @@ the row's maximum when the pivot also fails the test (the dual pivot of FlashInf
 largest token always passes, so a row ends after a few rounds. A top-k small enough for torch.topk arrives as a
 per-row cutoff logit instead (the kept set then is {logit >= cutoff}, and top-p's mass is taken within it).
 
-E comes from 32 Philox bits per token and round, keyed by a per-row seed: a seeded request's (seed, output
+E comes from 32 Philox bits per token and round (one Philox call per four tokens), keyed by a per-row seed: a seeded request's (seed, output
 position) key (`sampler._mix_seed`), so its token does not depend on the batch, else the step's seed mixed with
 the row index. E is never 0 (a 0 would let any token win): the upper half of the uniform range is taken through
 1 - u, computed exactly from the bits.
@@ -30,9 +30,8 @@ _ROW_MIX = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64: sp
 
 
 @triton.jit
-def _exp1(seed, cols):
-    """E ~ Exp(1) per column from Philox(seed, column); never 0, exact down to 2 ** -32."""
-    bits = tl.randint(seed, cols)  # uint32
+def _exp1(bits):
+    """E ~ Exp(1) from 32 random bits (uint32); never 0, exact down to 2 ** -32."""
     lower = (bits >> 31) == 0
     u = (bits.to(tl.float32) + 0.5) * _TWO_M32  # (bits + 0.5) / 2^32, taken when u <= 1/2
     w = ((~bits).to(tl.float32) + 0.5) * _TWO_M32  # 1 - u, exact where u is close to 1
@@ -41,25 +40,41 @@ def _exp1(seed, cols):
 
 
 @triton.jit
+def _gumbel_part(row_ptr, cols, bits, V, inv_t, noise, floor, cut, lo, best, best_i, HAS_CUTOFF: tl.constexpr):
+    """(best, best_i) updated with max(x - noise * log(E)) over these columns' candidates."""
+    inside = cols < V
+    logit = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    x = logit * inv_t
+    ok = inside & (x > lo) & (x >= floor) & (x > float("-inf"))
+    if HAS_CUTOFF:
+        ok = ok & (logit >= cut)
+    score = tl.where(ok, x - noise * tl.log(_exp1(bits)), float("-inf"))
+    top = tl.max(score, 0)
+    at = tl.argmax(score, 0) + tl.min(cols, 0)
+    take = top > best  # strictly: the earlier part's index wins a tie (greedy rows equal torch.argmax)
+    return tl.where(take, top, best), tl.where(take, at, best_i)
+
+
+@triton.jit
 def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr, HAS_CUTOFF: tl.constexpr):
-    """Index of max(x - noise * log(E)) over the row's tokens with x >= floor, logit >= cut and x > lo."""
-    offs = tl.arange(0, BLOCK)
+    """Index of max(x - noise * log(E)) over the row's tokens with x >= floor, logit >= cut and x > lo.
+
+    One Philox call gives four 32-bit numbers: counter c of a BLOCK-wide chunk keys columns c, c + BLOCK / 4, ...
+    (the four quarters of the chunk), so a column's E depends only on the seed, BLOCK and the column."""
+    QUARTER: tl.constexpr = BLOCK // 4
+    offs = tl.arange(0, QUARTER)
     best: tl.float32 = float("-inf")
     best_i: tl.int32 = 0
     for start in range(0, V, BLOCK):
+        b0, b1, b2, b3 = tl.randint4x(seed, start // 4 + offs)
         cols = start + offs
-        inside = cols < V
-        logit = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        x = logit * inv_t
-        ok = inside & (x > lo) & (x >= floor) & (x > float("-inf"))
-        if HAS_CUTOFF:
-            ok = ok & (logit >= cut)
-        score = tl.where(ok, x - noise * tl.log(_exp1(seed, cols)), float("-inf"))
-        top = tl.max(score, 0)
-        at = tl.argmax(score, 0) + start
-        take = top > best  # strictly: the first chunk's index wins a tie (greedy rows equal torch.argmax)
-        best_i = tl.where(take, at, best_i)
-        best = tl.where(take, top, best)
+        best, best_i = _gumbel_part(row_ptr, cols, b0, V, inv_t, noise, floor, cut, lo, best, best_i, HAS_CUTOFF)
+        best, best_i = _gumbel_part(row_ptr, cols + QUARTER, b1, V, inv_t, noise, floor, cut, lo, best, best_i,
+                                    HAS_CUTOFF)
+        best, best_i = _gumbel_part(row_ptr, cols + 2 * QUARTER, b2, V, inv_t, noise, floor, cut, lo, best, best_i,
+                                    HAS_CUTOFF)
+        best, best_i = _gumbel_part(row_ptr, cols + 3 * QUARTER, b3, V, inv_t, noise, floor, cut, lo, best, best_i,
+                                    HAS_CUTOFF)
     return best_i
 
 

@@ -42,10 +42,10 @@ _MASK64 = (1 << 64) - 1
 TOP_K_TOP_P_IMPL = "auto"
 PREFIX_MIN_ROWS = 64
 # CUDA draws random rows in one kernel (kernels/sampling.py: temperature, min_p, top-k, top-p and the draw, no sort,
-# no [N, V] temporaries) unless this is False (the A/B of benchmarks/sampler_cost.py). A top-k up to
-# DEVICE_TOPK_CUTOFF_MAX reaches it as a cutoff logit from torch.topk; a larger one is applied by the kernel's
-# rejection test, except in a batch that also has top-p (the top-p mass must then be taken within each row's
-# top-k set, which that test does not know): such a batch takes the general path.
+# no [N, V] temporaries) unless this is False (the A/B of benchmarks/sampler_cost.py). A top-k reaches it as a
+# cutoff logit from torch.topk when it is at most DEVICE_TOPK_CUTOFF_MAX or the batch has top-p (whose mass is then
+# taken within each row's top-k set); a larger top-k in a batch without top-p is applied by the kernel's rejection
+# test instead. Every batch of a CUDA engine takes the kernel, so a seeded row's tokens never depend on its company.
 DEVICE_SAMPLING = True
 _DEVICE_SAMPLING_TYPES = ("cuda",)  # Triton's interpreter test adds "cpu"
 DEVICE_TOPK_CUTOFF_MAX = 1024
@@ -320,21 +320,19 @@ class Sampler(torch.nn.Module):
 
 def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> Optional[torch.Tensor]:
     """Tokens of a CUDA batch drawn by the one-kernel sampler (kernels/sampling.py), or None where it does not
-    apply (the CPU, DEVICE_SAMPLING off, a top-k above DEVICE_TOPK_CUTOFF_MAX in a batch with top-p). Greedy rows
-    get their argmax. The logits are not modified."""
+    apply (the CPU, DEVICE_SAMPLING off, a general-path TOP_K_TOP_P_IMPL forced). Greedy rows get their argmax.
+    The logits are not modified."""
     if not (DEVICE_SAMPLING and logits.device.type in _DEVICE_SAMPLING_TYPES and TOP_K_TOP_P_IMPL == "auto"):
         return None
     cutoff = top_k = None
     if not meta.no_top_k:
-        if meta.max_top_k <= DEVICE_TOPK_CUTOFF_MAX:
+        if meta.max_top_k <= DEVICE_TOPK_CUTOFF_MAX or not meta.no_top_p:
             # The k-th largest raw logit (the temperature keeps the order): rows keep logits >= it, ties included.
             kth = logits.topk(meta.max_top_k, dim=1).values.gather(
                 1, (meta.top_k.clamp(max=meta.max_top_k) - 1).unsqueeze(1)).squeeze(1)
             cutoff = kth.masked_fill_(meta.top_k >= meta.vocab_size, float("-inf"))
-        elif meta.no_top_p:
-            top_k = meta.top_k
         else:
-            return None
+            top_k = meta.top_k
     from pagedllm.kernels.sampling import sample_rows
 
     seeds = None
