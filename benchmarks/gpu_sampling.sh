@@ -5,12 +5,13 @@
 #                                           # table (sort / prefix / device at 1, 64, 256 rows)
 #   bash benchmarks/gpu_sampling.sh nano    # the nano-vllm protocol at temperature 0.6: device sampler on / off,
 #                                           # greedy; Qwen3's top_k 20 / top_p 0.95 on / off
+#   bash benchmarks/gpu_sampling.sh all     # tests, then the nano runs of temperature 0.6 and Qwen3's sampling
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/sampling-out), the summary lines to stdout.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests or nano}
+what=${1:?tests, nano or all}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/sampling-out}
 mkdir -p "$out"
@@ -30,14 +31,22 @@ nano() {  # nano NAME TIMEOUT ARGS...
         --load-format dummy --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --max-model-len 2048 \
         --hf none --no-tqdm --json "$out/$name.json" "$@"
 }
-case $what in
-tests)
+tests() {
     step tests 240 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_device_sampling_gpu.py \
         "tests/gpu/test_lora_gpu.py::test_few_row_kernels_in_cuda_graph_follow_new_slots"
-    step sweep 120 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,64,256 \
-        --configs temp,top_p,qwen --sweep 1024x4,2048x8,4096x8,4096x16 --repeats 10 --json "$out/sweep.json"
-    step cost 200 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,64,256 \
+    step sweep 60 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,64,256 \
+        --configs temp,top_p,qwen --sweep 1024x4,2048x8,4096x16 --repeats 10 --json "$out/sweep.json"
+    step cost 100 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,64,256 \
         --impls sort,prefix,device --json "$out/cost.json"
+}
+case $what in
+tests) tests ;;
+all)
+    tests
+    nano nano-t06-device 110 --temperature 0.6 --device-sampling on
+    nano nano-t06-general 110 --temperature 0.6 --device-sampling off
+    nano nano-qwen-device 110 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling on
+    nano nano-qwen-general 110 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling off
     ;;
 nano)
     nano nano-t06-device 150 --temperature 0.6 --device-sampling on

@@ -41,7 +41,7 @@ def _exp1(bits):
 
 @triton.jit
 def _gumbel_part(row_ptr, cols, bits, V, inv_t, noise, floor, cut, lo, best, best_i, HAS_CUTOFF: tl.constexpr):
-    """(best, best_i) updated with max(x - noise * log(E)) over these columns' candidates."""
+    """Each lane's (best, best_i) updated with x - noise * log(E) of its column, if that column is a candidate."""
     inside = cols < V
     logit = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
     x = logit * inv_t
@@ -49,22 +49,23 @@ def _gumbel_part(row_ptr, cols, bits, V, inv_t, noise, floor, cut, lo, best, bes
     if HAS_CUTOFF:
         ok = ok & (logit >= cut)
     score = tl.where(ok, x - noise * tl.log(_exp1(bits)), float("-inf"))
-    top = tl.max(score, 0)
-    at = tl.argmax(score, 0) + tl.min(cols, 0)
-    take = top > best  # strictly: the earlier part's index wins a tie (greedy rows equal torch.argmax)
-    return tl.where(take, top, best), tl.where(take, at, best_i)
+    take = score > best  # strictly: a lane keeps its first column of a tie (greedy rows equal torch.argmax)
+    return tl.where(take, score, best), tl.where(take, cols, best_i)
 
 
 @triton.jit
 def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr, HAS_CUTOFF: tl.constexpr):
-    """Index of max(x - noise * log(E)) over the row's tokens with x >= floor, logit >= cut and x > lo.
+    """Index of max(x - noise * log(E)) over the row's tokens with x >= floor, logit >= cut and x > lo (the first
+    index of a tie; 0 when there is no candidate).
 
     One Philox call gives four 32-bit numbers: counter c of a BLOCK-wide chunk keys columns c, c + BLOCK / 4, ...
-    (the four quarters of the chunk), so a column's E depends only on the seed, BLOCK and the column."""
+    (the four quarters of the chunk), so a column's E depends only on the seed, BLOCK and the column. Each lane
+    keeps its own best across the row, reduced once at the end (a block-wide reduction per chunk would cost more
+    than the chunk's loads)."""
     QUARTER: tl.constexpr = BLOCK // 4
     offs = tl.arange(0, QUARTER)
-    best: tl.float32 = float("-inf")
-    best_i: tl.int32 = 0
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_i = tl.zeros([QUARTER], tl.int32)
     for start in range(0, V, BLOCK):
         b0, b1, b2, b3 = tl.randint4x(seed, start // 4 + offs)
         cols = start + offs
@@ -75,7 +76,20 @@ def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.const
                                     HAS_CUTOFF)
         best, best_i = _gumbel_part(row_ptr, cols + 3 * QUARTER, b3, V, inv_t, noise, floor, cut, lo, best, best_i,
                                     HAS_CUTOFF)
-    return best_i
+    top = tl.max(best, 0)
+    first = tl.min(tl.where(best == top, best_i, 2147483647), 0)
+    return tl.where(top > float("-inf"), first, 0)
+
+
+@triton.jit
+def _candidates(row_ptr, cols, V, inv_t, floor, cut, HAS_CUTOFF: tl.constexpr):
+    """(x, ok): the columns' temperature-scaled logits and whether each may be drawn (min_p, cutoff, not -inf)."""
+    logit = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = logit * inv_t
+    ok = (x >= floor) & (x > float("-inf"))
+    if HAS_CUTOFF:
+        ok = ok & (logit >= cut)
+    return x, ok
 
 
 @triton.jit(do_not_specialize=["stride", "step_seed"])
@@ -113,32 +127,30 @@ def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_
     # min_p keeps x >= max(x) + log(min_p): the row's max first.
     floor: tl.float32 = neg_inf
     if HAS_MIN_P:
-        top: tl.float32 = neg_inf
+        lane_top = tl.full([BLOCK], neg_inf, tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + offs
             x = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32) * inv_t
-            top = tl.maximum(top, tl.max(x, 0))
+            lane_top = tl.maximum(lane_top, x)
         min_p = tl.load(min_p_ptr + row)
-        floor = tl.where(greedy | (min_p <= 0.0), neg_inf, top + tl.log(min_p))
+        floor = tl.where(greedy | (min_p <= 0.0), neg_inf, tl.max(lane_top, 0) + tl.log(min_p))
 
     best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, neg_inf, BLOCK, HAS_CUTOFF)
 
     if HAS_TOP_K or HAS_TOP_P:
         if use_k | use_p:
-            # The candidates' max and mass (top-p's mass is taken after min_p and the cutoff, as the reference's).
-            m: tl.float32 = neg_inf
-            z: tl.float32 = 0.0
+            # The candidates' max and mass (top-p's mass is taken after min_p and the cutoff, as the reference's):
+            # each lane a running max and a sum rescaled to it, combined at the end.
+            lane_m = tl.full([BLOCK], neg_inf, tl.float32)
+            lane_z = tl.zeros([BLOCK], tl.float32)
             for start in range(0, V, BLOCK):
-                cols = start + offs
-                logit = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32)
-                x = logit * inv_t
-                ok = (x >= floor) & (x > neg_inf)
-                if HAS_CUTOFF:
-                    ok = ok & (logit >= cut)
-                new_m = tl.maximum(m, tl.max(tl.where(ok, x, neg_inf), 0))
-                scale = tl.where(new_m == m, 1.0, tl.exp(m - new_m))
-                z = z * scale + tl.sum(tl.where(ok, tl.exp(x - new_m), 0.0), 0)
-                m = new_m
+                x, ok = _candidates(row_ptr, start + offs, V, inv_t, floor, cut, HAS_CUTOFF)
+                x = tl.where(ok, x, neg_inf)
+                new_m = tl.maximum(lane_m, x)
+                lane_z = tl.where(ok, lane_z * tl.exp(lane_m - new_m) + tl.exp(x - new_m), lane_z)
+                lane_m = new_m
+            m = tl.max(lane_m, 0)
+            z = tl.sum(tl.where(lane_m > neg_inf, lane_z * tl.exp(lane_m - m), 0.0), 0)
             target = p * z
             hi = m
             rounds: tl.int32 = 0
@@ -146,24 +158,23 @@ def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_
             while active != 0:
                 xs = tl.load(row_ptr + best_i).to(tl.float32) * inv_t
                 pivot = xs + (hi - xs) * 0.5
-                mass_s: tl.float32 = 0.0
-                count_s: tl.int32 = 0
-                mass_p: tl.float32 = 0.0
-                count_p: tl.int32 = 0
+                lane_mass_s = tl.zeros([BLOCK], tl.float32)
+                lane_count_s = tl.zeros([BLOCK], tl.int32)
+                lane_mass_p = tl.zeros([BLOCK], tl.float32)
+                lane_count_p = tl.zeros([BLOCK], tl.int32)
                 for start in range(0, V, BLOCK):
-                    cols = start + offs
-                    logit = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32)
-                    x = logit * inv_t
-                    ok = (x >= floor) & (x > neg_inf)
-                    if HAS_CUTOFF:
-                        ok = ok & (logit >= cut)
+                    x, ok = _candidates(row_ptr, start + offs, V, inv_t, floor, cut, HAS_CUTOFF)
                     weight = tl.where(ok, tl.exp(x - m), 0.0)
                     above_s = ok & (x > xs)
                     above_p = ok & (x > pivot)
-                    mass_s += tl.sum(tl.where(above_s, weight, 0.0), 0)
-                    count_s += tl.sum(above_s.to(tl.int32), 0)
-                    mass_p += tl.sum(tl.where(above_p, weight, 0.0), 0)
-                    count_p += tl.sum(above_p.to(tl.int32), 0)
+                    lane_mass_s += tl.where(above_s, weight, 0.0)
+                    lane_count_s += above_s.to(tl.int32)
+                    lane_mass_p += tl.where(above_p, weight, 0.0)
+                    lane_count_p += above_p.to(tl.int32)
+                mass_s = tl.sum(lane_mass_s, 0)
+                count_s = tl.sum(lane_count_s, 0)
+                mass_p = tl.sum(lane_mass_p, 0)
+                count_p = tl.sum(lane_count_p, 0)
                 keep_s = ((count_s < k) | (~use_k)) & ((mass_s < target) | (~use_p))
                 active = (~keep_s).to(tl.int32)
                 if active != 0:
