@@ -35,7 +35,7 @@ tests() {
     step tests 240 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_device_sampling_gpu.py \
         "tests/gpu/test_lora_gpu.py::test_few_row_kernels_in_cuda_graph_follow_new_slots"
     step sweep 60 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,64,256 \
-        --configs temp,top_p,qwen --sweep 1024x4,2048x8,4096x16 --repeats 10 --json "$out/sweep.json"
+        --configs temp,top_p,qwen --sweep 2048x8,4096x16,8192x16,8192x32 --repeats 10 --json "$out/sweep.json"
     step cost 100 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,64,256 \
         --impls sort,prefix,device --json "$out/cost.json"
 }

@@ -123,12 +123,14 @@ def sweep(args, repeats: int, warmup: int) -> None:
                 meta = SamplingMetadata.build(params, [[]] * rows, [[]] * rows, [None] * rows, args.vocab,
                                               args.device)
                 cells = []
+                default_launch = kernel.LAUNCH
                 for block, warps in shapes:
-                    kernel.BLOCK, kernel.NUM_WARPS = block, warps
+                    kernel.LAUNCH = ((1 << 30, block, warps),)
                     ms = statistics.median(timed(step_fn(meta, "device"), base, repeats, warmup))
                     results.append({"logits": kind, "config": name, "rows": rows, "block": block, "warps": warps,
                                     "median_ms": ms})
                     cells.append(f"{ms:11.3f}")
+                    kernel.LAUNCH = default_launch
                 print(f"{kind:7} {name:12} {rows:5d} " + " ".join(cells), flush=True)
     with open(args.json, "w") as f:
         json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -45,6 +45,24 @@ def check_sampler_wiring() -> None:
         sampler_mod._DEVICE_SAMPLING_TYPES = ("cuda",)
 
 
+def check_launch_shape_free(kernel) -> None:
+    """The draws do not depend on the launch shape (BLOCK, warps): only on the seeds and GROUP. The shape follows
+    the batch size, so a seeded row would otherwise change with its company."""
+    from device_sampling_cases import STEP_SEED, llm_row
+
+    vocab, n = 300, 6
+    logits = torch.stack([llm_row(vocab, seed=s) * 0.3 for s in range(n)])
+    temperature = torch.full((n,), 1.0)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.9, 1.0, 0.3])
+    seeds = torch.tensor([5, -1, 7, 8, -1, 9])
+    runs = []
+    for block in (32, 64, 128):
+        kernel.LAUNCH = ((1 << 30, block, 1),)
+        runs.append(kernel.sample_rows(logits, temperature, STEP_SEED, seeds=seeds, top_p=top_p).tolist())
+    assert runs[0] == runs[1] == runs[2], runs
+    kernel.LAUNCH = ((1 << 30, 64, 1),)
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     here = os.path.dirname(os.path.abspath(__file__))
@@ -58,7 +76,9 @@ def main() -> None:
     from device_sampling_cases import INTERPRETER_CASES, check_distribution, check_greedy_rows, \
         check_masked_and_seeded, llm_row
 
-    kernel.BLOCK = 64
+    kernel.GROUP = 32  # small chunks: several per row, as on a GPU, at the interpreter's pace
+    kernel.LAUNCH = ((1 << 30, 64, 1),)
+    check_launch_shape_free(kernel)
     np.seterr(all="ignore")  # -inf - -inf in lanes the kernel masks
     check_greedy_rows("cpu")
     check_masked_and_seeded("cpu", vocab=160)

@@ -54,21 +54,24 @@ def _gumbel_part(row_ptr, cols, bits, V, inv_t, noise, floor, cut, lo, best, bes
 
 
 @triton.jit
-def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr, HAS_CUTOFF: tl.constexpr):
+def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                 HAS_CUTOFF: tl.constexpr):
     """Index of max(x - noise * log(E)) over the row's tokens with x >= floor, logit >= cut and x > lo (the first
     index of a tie; 0 when there is no candidate).
 
-    One Philox call gives four 32-bit numbers: counter c of a BLOCK-wide chunk keys columns c, c + BLOCK / 4, ...
-    (the four quarters of the chunk), so a column's E depends only on the seed, BLOCK and the column. Each lane
-    keeps its own best across the row, reduced once at the end (a block-wide reduction per chunk would cost more
-    than the chunk's loads)."""
-    QUARTER: tl.constexpr = BLOCK // 4
-    offs = tl.arange(0, QUARTER)
-    best = tl.full([QUARTER], float("-inf"), tl.float32)
-    best_i = tl.zeros([QUARTER], tl.int32)
+    One Philox call gives four 32-bit numbers: in each group of GROUP columns, counter c keys the columns at
+    c, c + GROUP / 4, c + GROUP / 2 and c + 3 GROUP / 4 of the group (counters run on across groups), so a column's E
+    depends only on the seed, GROUP and the column, not on the launch shape (BLOCK, a multiple of GROUP, and the
+    warps may follow the batch size). Each lane keeps its own best across the row, reduced once at the end (a
+    block-wide reduction per chunk would cost more than the chunk's loads)."""
+    QUARTER: tl.constexpr = GROUP // 4
+    offs = tl.arange(0, BLOCK // 4)
+    col0 = (offs // QUARTER) * GROUP + offs % QUARTER  # the first quarter's columns of each group in the chunk
+    best = tl.full([BLOCK // 4], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK // 4], tl.int32)
     for start in range(0, V, BLOCK):
         b0, b1, b2, b3 = tl.randint4x(seed, start // 4 + offs)
-        cols = start + offs
+        cols = start + col0
         best, best_i = _gumbel_part(row_ptr, cols, b0, V, inv_t, noise, floor, cut, lo, best, best_i, HAS_CUTOFF)
         best, best_i = _gumbel_part(row_ptr, cols + QUARTER, b1, V, inv_t, noise, floor, cut, lo, best, best_i,
                                     HAS_CUTOFF)
@@ -94,7 +97,7 @@ def _candidates(row_ptr, cols, V, inv_t, floor, cut, HAS_CUTOFF: tl.constexpr):
 
 @triton.jit(do_not_specialize=["stride", "step_seed"])
 def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_ptr, top_k_ptr, top_p_ptr,
-                   cutoff_ptr, out_ptr, greedy_eps, BLOCK: tl.constexpr, HAS_SEEDS: tl.constexpr,
+                   cutoff_ptr, out_ptr, greedy_eps, BLOCK: tl.constexpr, GROUP: tl.constexpr, HAS_SEEDS: tl.constexpr,
                    HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
                    HAS_CUTOFF: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -135,7 +138,7 @@ def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_
         min_p = tl.load(min_p_ptr + row)
         floor = tl.where(greedy | (min_p <= 0.0), neg_inf, tl.max(lane_top, 0) + tl.log(min_p))
 
-    best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, neg_inf, BLOCK, HAS_CUTOFF)
+    best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, neg_inf, BLOCK, GROUP, HAS_CUTOFF)
 
     if HAS_TOP_K or HAS_TOP_P:
         if use_k | use_p:
@@ -183,13 +186,14 @@ def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_
                     lo = tl.where(keep_p, xs, pivot)
                     hi = tl.where(keep_p, pivot, hi)
                     rounds += 1
-                    best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed + rounds, floor, cut, lo, BLOCK,
+                    best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed + rounds, floor, cut, lo, BLOCK, GROUP,
                                           HAS_CUTOFF)
     tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
-BLOCK = 2048
-NUM_WARPS = 8
+GROUP = 1024  # the random numbers' column grouping (fixed: seeded draws must not depend on the launch shape)
+# (BLOCK, warps) by rows: few rows stream each row with a whole SM's loads in flight; many rows share the SMs.
+LAUNCH = ((64, 8192, 32), (1 << 30, 2048, 8))
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
@@ -210,10 +214,12 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
     if n == 0:
         return out
     dummy = temperature
+    block, warps = next((b, w) for rows, b, w in LAUNCH if n <= rows)
+    assert block % GROUP == 0
     _sample_kernel[(n,)](
         logits, logits.stride(0), vocab, temperature, dummy if seeds is None else seeds, step_seed,
         dummy if min_p is None else min_p, dummy if top_k is None else top_k, dummy if top_p is None else top_p,
-        dummy if cutoff is None else cutoff, out, greedy_eps, BLOCK=BLOCK, HAS_SEEDS=seeds is not None,
+        dummy if cutoff is None else cutoff, out, greedy_eps, BLOCK=block, GROUP=GROUP, HAS_SEEDS=seeds is not None,
         HAS_MIN_P=min_p is not None, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
-        HAS_CUTOFF=cutoff is not None, num_warps=NUM_WARPS)
+        HAS_CUTOFF=cutoff is not None, num_warps=warps)
     return out
