@@ -47,6 +47,7 @@ all)
     nano nano-t06-general 110 --temperature 0.6 --device-sampling off
     nano nano-qwen-device 110 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling on
     nano nano-qwen-general 110 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling off
+    nano nano-greedy 100 --temperature 0
     ;;
 nano)
     nano nano-t06-device 150 --temperature 0.6 --device-sampling on
