@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_sampling.sh nano    # the nano-vllm protocol at temperature 0.6: device sampler on / off,
 #                                           # greedy; Qwen3's top_k 20 / top_p 0.95 on / off
 #   bash benchmarks/gpu_sampling.sh all     # tests, then the nano runs of temperature 0.6 and Qwen3's sampling
+#   bash benchmarks/gpu_sampling.sh small   # the kernel vs the general path at 1-128 rows; the nano runs again
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/sampling-out), the summary lines to stdout.
 set -uo pipefail
@@ -41,6 +42,15 @@ tests() {
 }
 case $what in
 tests) tests ;;
+small)  # the plain-batch threshold: temperature alone at few rows, the kernel vs the general path; nano again
+    step tests 240 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_device_sampling_gpu.py
+    step small 100 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,2,4,8,16,32,64,128 \
+        --configs temp,top_p --parts step --impls sort,kernel,device --json "$out/small.json"
+    nano nano-t06-device-2 110 --temperature 0.6 --device-sampling on
+    nano nano-t06-general-2 110 --temperature 0.6 --device-sampling off
+    nano nano-qwen-device-2 110 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling on
+    nano nano-qwen-general-2 110 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling off
+    ;;
 all)
     tests
     nano nano-t06-device 110 --temperature 0.6 --device-sampling on

@@ -3,7 +3,7 @@ sampler step (temperature, min_p, the filters, softmax, the draw), for each way 
 (layers/top_k_top_p.py) in the general path: `sort` (the reference), `cutoff` (the per-row bucket search, the
 CPU's default), `prefix` (each row's 1024 largest logits by torch.topk, or the batch's largest top-k, and the sort
 for the rows they cannot settle); and on CUDA `device`, the one-kernel sampler (kernels/sampling.py, CUDA's default:
-its step only, it has no separate filter).
+its step only, it has no separate filter; `kernel`: the kernel even where CUDA takes the general path).
 
     python benchmarks/sampler_cost.py [--device cpu|cuda] [--rows 1,64,256] [--vocab 151936] [--logits llm,normal]
                                       [--configs ...] [--impls sort,cutoff,prefix,device] [--repeats N] [--warmup N]
@@ -97,14 +97,19 @@ def filter_fn(meta: SamplingMetadata, impl: str):
 
 def step_fn(meta: SamplingMetadata, impl: str):
     def run(x):
-        # "device": the one-kernel sampler (kernels/sampling.py, CUDA's default); the others: the general path
-        sampler_mod.TOP_K_TOP_P_IMPL = "auto" if impl == "device" else impl
-        sampler_mod.DEVICE_SAMPLING = impl == "device"
+        # "device": CUDA's default (the one-kernel sampler, kernels/sampling.py, or the general path for a small
+        # plain batch); "kernel": the kernel whatever the batch; the others: the general path
+        sampler_mod.TOP_K_TOP_P_IMPL = "auto" if impl in ("device", "kernel") else impl
+        sampler_mod.DEVICE_SAMPLING = impl in ("device", "kernel")
+        plain_min = sampler_mod.DEVICE_PLAIN_MIN_ROWS
+        if impl == "kernel":
+            sampler_mod.DEVICE_PLAIN_MIN_ROWS = 0
         try:
             return Sampler()(x, meta).sampled_token_ids
         finally:
             sampler_mod.TOP_K_TOP_P_IMPL = "auto"
             sampler_mod.DEVICE_SAMPLING = True
+            sampler_mod.DEVICE_PLAIN_MIN_ROWS = plain_min
     return run
 
 
@@ -126,7 +131,7 @@ def sweep(args, repeats: int, warmup: int) -> None:
                 default_launch = kernel.LAUNCH
                 for block, warps in shapes:
                     kernel.LAUNCH = ((1 << 30, block, warps),)
-                    ms = statistics.median(timed(step_fn(meta, "device"), base, repeats, warmup))
+                    ms = statistics.median(timed(step_fn(meta, "kernel"), base, repeats, warmup))
                     results.append({"logits": kind, "config": name, "rows": rows, "block": block, "warps": warps,
                                     "median_ms": ms})
                     cells.append(f"{ms:11.3f}")
@@ -159,7 +164,8 @@ def main() -> None:
     parser.add_argument("--impls", default=None,
                         help="sort (the general path's reference, first), cutoff (the bucket search), prefix "
                              "(torch.topk's 1024 largest per row, the sort for rows they cannot settle), device (the "
-                             "one-kernel sampler, CUDA only); default sort,cutoff,prefix and on CUDA also device")
+                             "one-kernel sampler where CUDA takes it, CUDA only), kernel (the kernel for every batch); default "
+                             "sort,cutoff,prefix and on CUDA also device")
     parser.add_argument("--sweep", default=None, metavar="BLOCKxWARPS,...",
                         help="time only the device sampler's step, once per launch shape (e.g. 1024x4,2048x8)")
     parser.add_argument("--json", default="sampler_cost.json")
@@ -173,9 +179,9 @@ def main() -> None:
         return
     results = []
     impls = (args.impls or ("sort,cutoff,prefix,device" if cuda else "sort,cutoff,prefix")).split(",")
-    if impls[0] != "sort" or not set(impls) <= {"sort", "cutoff", "prefix", "device"}:
-        parser.error("--impls: sort first, then any of cutoff, prefix, device")
-    if "device" in impls and not cuda:
+    if impls[0] != "sort" or not set(impls) <= {"sort", "cutoff", "prefix", "device", "kernel"}:
+        parser.error("--impls: sort first, then any of cutoff, prefix, device, kernel")
+    if {"device", "kernel"} & set(impls) and not cuda:
         parser.error("--impls device: the device sampler runs on CUDA")
     header = f"{'logits':7} {'config':12} {'rows':>5} {'part':7} " + " ".join(
         f"{i + ' ms':>10}" + ("" if i == "sort" else f" {'x sort':>7}") for i in impls)
@@ -194,7 +200,7 @@ def main() -> None:
                     scaled = base / CONFIGS[name]["temperature"] if part == "filter" else base
                     row = {"logits": kind, "config": name, "rows": rows, "part": part}
                     for impl in impls:
-                        if part == "filter" and impl == "device":  # the kernel has no filter-only part
+                        if part == "filter" and impl in ("device", "kernel"):  # the kernel has no filter part
                             continue
                         fn = (filter_fn if part == "filter" else step_fn)(meta, impl)
                         ms = timed(fn, scaled, repeats, warmup)
