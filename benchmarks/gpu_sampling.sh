@@ -43,13 +43,13 @@ tests() {
 case $what in
 tests) tests ;;
 small)  # the plain-batch threshold: temperature alone at few rows, the kernel vs the general path; nano again
-    step tests 240 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_device_sampling_gpu.py
-    step small 100 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,2,4,8,16,32,64,128 \
-        --configs temp,top_p --parts step --impls sort,kernel,device --json "$out/small.json"
-    nano nano-t06-device-2 110 --temperature 0.6 --device-sampling on
-    nano nano-t06-general-2 110 --temperature 0.6 --device-sampling off
-    nano nano-qwen-device-2 110 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling on
-    nano nano-qwen-general-2 110 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling off
+    step tests 90 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_device_sampling_gpu.py
+    step small 40 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,8,32,64,128,256 \
+        --configs temp,top_p,qwen --parts step --impls sort,kernel,device --json "$out/small.json"
+    nano nano-t06-device-2 70 --temperature 0.6 --device-sampling on
+    nano nano-qwen-device-2 60 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling on
+    nano nano-t06-general-2 50 --temperature 0.6 --device-sampling off
+    nano nano-qwen-general-2 50 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling off
     ;;
 all)
     tests

@@ -40,22 +40,19 @@ def _exp1(bits):
 
 
 @triton.jit
-def _gumbel_part(row_ptr, cols, bits, V, inv_t, noise, floor, cut, lo, best, best_i, HAS_CUTOFF: tl.constexpr):
+def _gumbel_part(row_ptr, cols, bits, V, inv_t, noise, floor, cut, lo, best, best_i):
     """Each lane's (best, best_i) updated with x - noise * log(E) of its column, if that column is a candidate."""
     inside = cols < V
     logit = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
     x = logit * inv_t
-    ok = inside & (x > lo) & (x >= floor) & (x > float("-inf"))
-    if HAS_CUTOFF:
-        ok = ok & (logit >= cut)
+    ok = inside & (x > lo) & (x >= floor) & (x > float("-inf")) & (logit >= cut)
     score = tl.where(ok, x - noise * tl.log(_exp1(bits)), float("-inf"))
     take = score > best  # strictly: a lane keeps its first column of a tie (greedy rows equal torch.argmax)
     return tl.where(take, score, best), tl.where(take, cols, best_i)
 
 
 @triton.jit
-def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                 HAS_CUTOFF: tl.constexpr):
+def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """Index of max(x - noise * log(E)) over the row's tokens with x >= floor, logit >= cut and x > lo (the first
     index of a tie; 0 when there is no candidate).
 
@@ -72,34 +69,36 @@ def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.const
     for start in range(0, V, BLOCK):
         b0, b1, b2, b3 = tl.randint4x(seed, start // 4 + offs)
         cols = start + col0
-        best, best_i = _gumbel_part(row_ptr, cols, b0, V, inv_t, noise, floor, cut, lo, best, best_i, HAS_CUTOFF)
-        best, best_i = _gumbel_part(row_ptr, cols + QUARTER, b1, V, inv_t, noise, floor, cut, lo, best, best_i,
-                                    HAS_CUTOFF)
-        best, best_i = _gumbel_part(row_ptr, cols + 2 * QUARTER, b2, V, inv_t, noise, floor, cut, lo, best, best_i,
-                                    HAS_CUTOFF)
-        best, best_i = _gumbel_part(row_ptr, cols + 3 * QUARTER, b3, V, inv_t, noise, floor, cut, lo, best, best_i,
-                                    HAS_CUTOFF)
+        best, best_i = _gumbel_part(row_ptr, cols, b0, V, inv_t, noise, floor, cut, lo, best, best_i)
+        best, best_i = _gumbel_part(row_ptr, cols + QUARTER, b1, V, inv_t, noise, floor, cut, lo, best, best_i)
+        best, best_i = _gumbel_part(row_ptr, cols + 2 * QUARTER, b2, V, inv_t, noise, floor, cut, lo, best, best_i)
+        best, best_i = _gumbel_part(row_ptr, cols + 3 * QUARTER, b3, V, inv_t, noise, floor, cut, lo, best, best_i)
     top = tl.max(best, 0)
     first = tl.min(tl.where(best == top, best_i, 2147483647), 0)
     return tl.where(top > float("-inf"), first, 0)
 
 
 @triton.jit
-def _candidates(row_ptr, cols, V, inv_t, floor, cut, HAS_CUTOFF: tl.constexpr):
+def _candidates(row_ptr, cols, V, inv_t, floor, cut):
     """(x, ok): the columns' temperature-scaled logits and whether each may be drawn (min_p, cutoff, not -inf)."""
     logit = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     x = logit * inv_t
-    ok = (x >= floor) & (x > float("-inf"))
-    if HAS_CUTOFF:
-        ok = ok & (logit >= cut)
-    return x, ok
+    return x, (x >= floor) & (x > float("-inf")) & (logit >= cut)
 
 
-@triton.jit(do_not_specialize=["stride", "step_seed"])
+# Which optional per-row parameters a launch passes (a runtime bit set, not constexpr: one compiled kernel per
+# launch shape serves every batch, so no batch meets a compile in the middle of serving).
+_SEEDS = tl.constexpr(1)
+_MIN_P = tl.constexpr(2)
+_TOP_K = tl.constexpr(4)
+_TOP_P = tl.constexpr(8)
+_CUTOFF = tl.constexpr(16)
+
+
+@triton.jit(do_not_specialize=["stride", "step_seed", "temp_ptr", "seeds_ptr", "min_p_ptr", "top_k_ptr", "top_p_ptr",
+                               "cutoff_ptr", "out_ptr", "flags"])
 def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_ptr, top_k_ptr, top_p_ptr,
-                   cutoff_ptr, out_ptr, greedy_eps, BLOCK: tl.constexpr, GROUP: tl.constexpr, HAS_SEEDS: tl.constexpr,
-                   HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-                   HAS_CUTOFF: tl.constexpr):
+                   cutoff_ptr, out_ptr, flags, greedy_eps, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride
     offs = tl.arange(0, BLOCK)
@@ -110,84 +109,82 @@ def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     noise = tl.where(greedy, 0.0, 1.0)  # a greedy row takes the plain argmax
     seed = step_seed + row * _ROW_MIX
-    if HAS_SEEDS:
+    if (flags & _SEEDS) != 0:
         own = tl.load(seeds_ptr + row)
         seed = tl.where(own >= 0, own, seed)
     cut: tl.float32 = neg_inf
-    if HAS_CUTOFF:
+    if (flags & _CUTOFF) != 0:
         cut = tl.where(greedy, neg_inf, tl.load(cutoff_ptr + row))
     k: tl.int32 = V
-    use_k = greedy & (~greedy)  # False
-    if HAS_TOP_K:
+    if (flags & _TOP_K) != 0:
         k = tl.minimum(tl.load(top_k_ptr + row), V).to(tl.int32)
-        use_k = (k < V) & (~greedy)
+    use_k = (k < V) & (~greedy)
     p: tl.float32 = 1.0
-    use_p = greedy & (~greedy)
-    if HAS_TOP_P:
+    if (flags & _TOP_P) != 0:
         p = tl.load(top_p_ptr + row)
-        use_p = (p < 1.0) & (~greedy)
+    use_p = (p < 1.0) & (~greedy)
 
     # min_p keeps x >= max(x) + log(min_p): the row's max first.
     floor: tl.float32 = neg_inf
-    if HAS_MIN_P:
+    min_p: tl.float32 = 0.0
+    if (flags & _MIN_P) != 0:
+        min_p = tl.load(min_p_ptr + row)
+    if (min_p > 0.0) & (~greedy):
         lane_top = tl.full([BLOCK], neg_inf, tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + offs
             x = tl.load(row_ptr + cols, mask=cols < V, other=neg_inf).to(tl.float32) * inv_t
             lane_top = tl.maximum(lane_top, x)
-        min_p = tl.load(min_p_ptr + row)
-        floor = tl.where(greedy | (min_p <= 0.0), neg_inf, tl.max(lane_top, 0) + tl.log(min_p))
+        floor = tl.max(lane_top, 0) + tl.log(min_p)
 
-    best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, neg_inf, BLOCK, GROUP, HAS_CUTOFF)
+    best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, neg_inf, BLOCK, GROUP)
 
-    if HAS_TOP_K or HAS_TOP_P:
-        if use_k | use_p:
-            # The candidates' max and mass (top-p's mass is taken after min_p and the cutoff, as the reference's):
-            # each lane a running max and a sum rescaled to it, combined at the end.
-            lane_m = tl.full([BLOCK], neg_inf, tl.float32)
-            lane_z = tl.zeros([BLOCK], tl.float32)
+    if use_k | use_p:
+        # The candidates' max and mass (top-p's mass is taken after min_p and the cutoff, as the reference's):
+        # each lane a running max and a sum rescaled to it, combined at the end.
+        lane_m = tl.full([BLOCK], neg_inf, tl.float32)
+        lane_z = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            x, ok = _candidates(row_ptr, start + offs, V, inv_t, floor, cut)
+            x = tl.where(ok, x, neg_inf)
+            new_m = tl.maximum(lane_m, x)
+            lane_z = tl.where(ok, lane_z * tl.exp(lane_m - new_m) + tl.exp(x - new_m), lane_z)
+            lane_m = new_m
+        m = tl.max(lane_m, 0)
+        z = tl.sum(tl.where(lane_m > neg_inf, lane_z * tl.exp(lane_m - m), 0.0), 0)
+        target = p * z
+        hi = m
+        rounds: tl.int32 = 0
+        active: tl.int32 = (m > neg_inf).to(tl.int32)  # nothing to draw from: keep the first draw
+        while active != 0:
+            xs = tl.load(row_ptr + best_i).to(tl.float32) * inv_t
+            pivot = xs + (hi - xs) * 0.5
+            lane_mass_s = tl.zeros([BLOCK], tl.float32)
+            lane_count_s = tl.zeros([BLOCK], tl.int32)
+            lane_mass_p = tl.zeros([BLOCK], tl.float32)
+            lane_count_p = tl.zeros([BLOCK], tl.int32)
             for start in range(0, V, BLOCK):
-                x, ok = _candidates(row_ptr, start + offs, V, inv_t, floor, cut, HAS_CUTOFF)
-                x = tl.where(ok, x, neg_inf)
-                new_m = tl.maximum(lane_m, x)
-                lane_z = tl.where(ok, lane_z * tl.exp(lane_m - new_m) + tl.exp(x - new_m), lane_z)
-                lane_m = new_m
-            m = tl.max(lane_m, 0)
-            z = tl.sum(tl.where(lane_m > neg_inf, lane_z * tl.exp(lane_m - m), 0.0), 0)
-            target = p * z
-            hi = m
-            rounds: tl.int32 = 0
-            active: tl.int32 = (m > neg_inf).to(tl.int32)  # nothing to draw from: keep the first draw
-            while active != 0:
-                xs = tl.load(row_ptr + best_i).to(tl.float32) * inv_t
-                pivot = xs + (hi - xs) * 0.5
-                lane_mass_s = tl.zeros([BLOCK], tl.float32)
-                lane_count_s = tl.zeros([BLOCK], tl.int32)
-                lane_mass_p = tl.zeros([BLOCK], tl.float32)
-                lane_count_p = tl.zeros([BLOCK], tl.int32)
-                for start in range(0, V, BLOCK):
-                    x, ok = _candidates(row_ptr, start + offs, V, inv_t, floor, cut, HAS_CUTOFF)
-                    weight = tl.where(ok, tl.exp(x - m), 0.0)
-                    above_s = ok & (x > xs)
-                    above_p = ok & (x > pivot)
-                    lane_mass_s += tl.where(above_s, weight, 0.0)
-                    lane_count_s += above_s.to(tl.int32)
-                    lane_mass_p += tl.where(above_p, weight, 0.0)
-                    lane_count_p += above_p.to(tl.int32)
-                mass_s = tl.sum(lane_mass_s, 0)
-                count_s = tl.sum(lane_count_s, 0)
-                mass_p = tl.sum(lane_mass_p, 0)
-                count_p = tl.sum(lane_count_p, 0)
-                keep_s = ((count_s < k) | (~use_k)) & ((mass_s < target) | (~use_p))
-                active = (~keep_s).to(tl.int32)
-                if active != 0:
-                    # Every token not above s fails too; so does every token not above the pivot if it fails.
-                    keep_p = ((count_p < k) | (~use_k)) & ((mass_p < target) | (~use_p))
-                    lo = tl.where(keep_p, xs, pivot)
-                    hi = tl.where(keep_p, pivot, hi)
-                    rounds += 1
-                    best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed + rounds, floor, cut, lo, BLOCK, GROUP,
-                                          HAS_CUTOFF)
+                x, ok = _candidates(row_ptr, start + offs, V, inv_t, floor, cut)
+                weight = tl.where(ok, tl.exp(x - m), 0.0)
+                above_s = ok & (x > xs)
+                above_p = ok & (x > pivot)
+                lane_mass_s += tl.where(above_s, weight, 0.0)
+                lane_count_s += above_s.to(tl.int32)
+                lane_mass_p += tl.where(above_p, weight, 0.0)
+                lane_count_p += above_p.to(tl.int32)
+            mass_s = tl.sum(lane_mass_s, 0)
+            count_s = tl.sum(lane_count_s, 0)
+            mass_p = tl.sum(lane_mass_p, 0)
+            count_p = tl.sum(lane_count_p, 0)
+            keep_s = ((count_s < k) | (~use_k)) & ((mass_s < target) | (~use_p))
+            active = (~keep_s).to(tl.int32)
+            if active != 0:
+                # Every token not above s fails too; so does every token not above the pivot if it fails.
+                keep_p = ((count_p < k) | (~use_k)) & ((mass_p < target) | (~use_p))
+                lo = tl.where(keep_p, xs, pivot)
+                hi = tl.where(keep_p, pivot, hi)
+                rounds += 1
+                best_i = _gumbel_pass(row_ptr, V, inv_t, noise, seed + rounds, floor, cut, lo, BLOCK, GROUP)
     tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
@@ -207,19 +204,27 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
     min_p / top_p [N] float32; top_k [N] int64 (>= V: none); cutoff [N] float32: a row keeps only logits >= it
     (a top-k found by torch.topk; -inf: none). When both top_k and top_p are given, top_p's mass is taken over
     every token (pass a top-k as cutoff instead to take it within the top-k set, as the reference does)."""
-
     n, vocab = logits.shape
     assert logits.stride(1) == 1 and (1 << 32) <= step_seed < (1 << 62)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    dummy = temperature
     block, warps = next((b, w) for rows, b, w in LAUNCH if n <= rows)
     assert block % GROUP == 0
+    flags = sum(flag.value for flag, given in ((_SEEDS, seeds), (_MIN_P, min_p), (_TOP_K, top_k), (_TOP_P, top_p),
+                                               (_CUTOFF, cutoff)) if given is not None)
+    # Absent parameters point at a tensor of the same dtype that the kernel never reads (its flag is off).
     _sample_kernel[(n,)](
-        logits, logits.stride(0), vocab, temperature, dummy if seeds is None else seeds, step_seed,
-        dummy if min_p is None else min_p, dummy if top_k is None else top_k, dummy if top_p is None else top_p,
-        dummy if cutoff is None else cutoff, out, greedy_eps, BLOCK=block, GROUP=GROUP, HAS_SEEDS=seeds is not None,
-        HAS_MIN_P=min_p is not None, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
-        HAS_CUTOFF=cutoff is not None, num_warps=warps)
+        logits, logits.stride(0), vocab, temperature, out if seeds is None else seeds, step_seed,
+        temperature if min_p is None else min_p, out if top_k is None else top_k,
+        temperature if top_p is None else top_p, temperature if cutoff is None else cutoff, out, flags, greedy_eps,
+        BLOCK=block, GROUP=GROUP, num_warps=warps)
     return out
+
+
+def warm_up(vocab: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    """Compile the kernel for every launch shape now (one variant each), not at a batch size first met in serving."""
+    bounds = [rows for rows, _, _ in LAUNCH]
+    for n in {min(bounds[0], 1)} | {prev + 1 for prev in bounds[:-1]}:
+        logits = torch.zeros(n, vocab, dtype=dtype, device=device)
+        sample_rows(logits, torch.ones(n, device=device), 1 << 40)

@@ -50,7 +50,7 @@ DEVICE_SAMPLING = True
 # A batch of fewer rows with temperature alone and no seeded row takes the general path: one program per row leaves
 # most SMs idle there, where the general path's kernels spread each row over many (docs/benchmarks.md, "Sampling").
 # Seeded rows always take the kernel, so their tokens do not depend on the batch.
-DEVICE_PLAIN_MIN_ROWS = 32
+DEVICE_PLAIN_MIN_ROWS = 64
 _DEVICE_SAMPLING_TYPES = ("cuda",)  # Triton's interpreter test adds "cpu"
 DEVICE_TOPK_CUTOFF_MAX = 1024
 
@@ -357,6 +357,14 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> Optional[t
     return sample_rows(logits, meta.temperature, step_seed, seeds=seeds,
                        min_p=None if meta.no_min_p else meta.min_p, top_k=top_k,
                        top_p=None if meta.no_top_p else meta.top_p, cutoff=cutoff, greedy_eps=_GREEDY_EPS)
+
+
+def warm_up_device_sampling(vocab_size: int, device: torch.device) -> None:
+    """Compile the device sampler at start-up (CUDA), so no batch meets a Triton compile in the middle of serving."""
+    if DEVICE_SAMPLING and torch.device(device).type in _DEVICE_SAMPLING_TYPES:
+        from pagedllm.kernels.sampling import warm_up
+
+        warm_up(vocab_size, torch.device(device))
 
 
 def top_k_top_p_impl(meta: SamplingMetadata, rows: int, cuda: bool) -> str:

@@ -17,7 +17,8 @@ from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
 from pagedllm.layers.attention import check_backend_features
-from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, _to_device, gather_logprobs
+from pagedllm.layers.sampler import (Sampler, SamplerOutput, SamplingMetadata, _to_device, gather_logprobs,
+                                     warm_up_device_sampling)
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.host_stager import HostStager
 from pagedllm.worker.input_batch import InputBatch
@@ -149,12 +150,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_greedy(self) -> None:
-        """On CUDA, run the greedy LM-head path once so its kernels are compiled at start-up, not in the middle of
-        serving (the split argmax is first used when a batch shrinks to a few rows)."""
+        """On CUDA, run the greedy LM-head path and the device sampler once so their kernels are compiled at start-up,
+        not in the middle of serving (the split argmax is first used when a batch shrinks to a few rows)."""
         lm_head = getattr(self.model, "lm_head", None)
         if self.device.type != "cuda" or lm_head is None or not hasattr(self.model, "greedy_token_ids"):
             return
         self.model.greedy_token_ids(torch.zeros(1, lm_head.embedding_dim, dtype=self.dtype, device=self.device))
+        warm_up_device_sampling(self.vocab_size, self.device)  # and the sampler's kernel
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
