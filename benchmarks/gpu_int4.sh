@@ -14,15 +14,8 @@ what=${1:?kernels or e2e}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/int4-out}
 mkdir -p "$out"
-step() {  # step NAME TIMEOUT CMD...
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    local rc=$?
-    echo "== $name rc=$rc $((SECONDS - t0)) s"
-    grep -E "^(one layer|best|check.*BAD|correctness|qkv|o |gate_up|down|pagedllm:|Traceback|RuntimeError|  [a-z_]+ +rows=1 mma|hardware|.*passed|.*failed|FAILED|Error|.*Error:)" \
-        "$out/$name.log" | tail -40
-}
+STEP_SUMMARY="one layer|best|check.*BAD|correctness|qkv|o |gate_up|down|pagedllm:|  [a-z_]+ +rows=1 mma|hardware"
+source benchmarks/gpu_step.sh
 lat() {  # lat NAME CONFIG DTYPE
     step "lat-$1" 170 python benchmarks/latency.py --model "benchmarks/configs/$2" --load-format dummy --dtype "$3" \
         --batch-size 1 --input-len 128 --output-len 256 --hf none

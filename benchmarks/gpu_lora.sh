@@ -16,15 +16,8 @@ source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/lora-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-step() {  # step NAME TIMEOUT CMD...
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    local rc=$?
-    echo "== $name rc=$rc $((SECONDS - t0)) s"
-    grep -E "^(batch-1|LoRA|base|chain|gemv|norm|shrink|expand|silu|regs|[ 0-9]+ adapters|Traceback|RuntimeError|.*Error:|FAILED|ERROR)|passed|failed" \
-        "$out/$name.log" | tail -30
-}
+STEP_SUMMARY="batch-1|LoRA|base|chain|gemv|norm|shrink|expand|silu|regs|[ 0-9]+ adapters"
+source benchmarks/gpu_step.sh
 case $what in
 tests)
     step tests 330 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py tests/gpu/test_small_kernels.py

@@ -17,15 +17,8 @@ source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/sampling-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-step() {  # step NAME TIMEOUT CMD...
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    local rc=$?
-    echo "== $name rc=$rc $((SECONDS - t0)) s"
-    grep -E "^(llm|normal|pagedllm:|hardware|Traceback|RuntimeError|.*Error:|FAILED|ERROR)|passed|failed" \
-        "$out/$name.log" | tail -40
-}
+STEP_SUMMARY="llm|normal|pagedllm:|hardware"
+source benchmarks/gpu_step.sh
 nano() {  # nano NAME TIMEOUT ARGS...
     local name=$1 limit=$2; shift 2
     step "$name" "$limit" python benchmarks/offline_throughput.py --model benchmarks/configs/qwen3-0.6b \

@@ -113,13 +113,8 @@ def step_fn(meta: SamplingMetadata, impl: str):
     return run
 
 
-def sweep(args, repeats: int, warmup: int) -> None:
-    """The device sampler's step (kernels/sampling.py) at each launch shape of --sweep: ms per config and rows."""
-    from pagedllm.kernels import sampling as kernel
-
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.sweep.split(",")]
-    results = []
-    print(f"{'logits':7} {'config':12} {'rows':>5} " + " ".join(f"{f'{b}x{w} ms':>11}" for b, w in shapes))
+def cases(args):
+    """(logits kind, rows, config name, logits, metadata) for every combination the arguments name."""
     for kind in args.logits.split(","):
         for rows in [int(r) for r in args.rows.split(",")]:
             base = make_logits(rows, args.vocab, kind, args.device)
@@ -127,16 +122,27 @@ def sweep(args, repeats: int, warmup: int) -> None:
                 params = [SamplingParams(**CONFIGS[name])] * rows
                 meta = SamplingMetadata.build(params, [[]] * rows, [[]] * rows, [None] * rows, args.vocab,
                                               args.device)
-                cells = []
-                default_launch = kernel.LAUNCH
-                for block, warps in shapes:
-                    kernel.LAUNCH = ((1 << 30, block, warps),)
-                    ms = statistics.median(timed(step_fn(meta, "kernel"), base, repeats, warmup))
-                    results.append({"logits": kind, "config": name, "rows": rows, "block": block, "warps": warps,
-                                    "median_ms": ms})
-                    cells.append(f"{ms:11.3f}")
-                    kernel.LAUNCH = default_launch
-                print(f"{kind:7} {name:12} {rows:5d} " + " ".join(cells), flush=True)
+                yield kind, rows, name, base, meta
+
+
+def sweep(args, repeats: int, warmup: int) -> None:
+    """The device sampler's step (kernels/sampling.py) at each launch shape of --sweep: ms per config and rows."""
+    from pagedllm.kernels import sampling as kernel
+
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.sweep.split(",")]
+    results = []
+    print(f"{'logits':7} {'config':12} {'rows':>5} " + " ".join(f"{f'{b}x{w} ms':>11}" for b, w in shapes))
+    for kind, rows, name, base, meta in cases(args):
+        cells = []
+        default_launch = kernel.LAUNCH
+        for block, warps in shapes:
+            kernel.LAUNCH = ((1 << 30, block, warps),)
+            ms = statistics.median(timed(step_fn(meta, "kernel"), base, repeats, warmup))
+            results.append({"logits": kind, "config": name, "rows": rows, "block": block, "warps": warps,
+                            "median_ms": ms})
+            cells.append(f"{ms:11.3f}")
+            kernel.LAUNCH = default_launch
+        print(f"{kind:7} {name:12} {rows:5d} " + " ".join(cells), flush=True)
     with open(args.json, "w") as f:
         json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "commit": git_commit(), "vocab": args.vocab, "sweep": results}, f, indent=1)
@@ -187,31 +193,24 @@ def main() -> None:
         f"{i + ' ms':>10}" + ("" if i == "sort" else f" {'x sort':>7}") for i in impls)
     print(header)
     print("-" * len(header))
-    for kind in args.logits.split(","):
-        for rows in [int(r) for r in args.rows.split(",")]:
-            base = make_logits(rows, args.vocab, kind, args.device)
-            for name in args.configs.split(","):
-                params = [SamplingParams(**CONFIGS[name])] * rows
-                meta = SamplingMetadata.build(params, [[]] * rows, [[]] * rows, [None] * rows, args.vocab,
-                                              args.device)
-                for part in args.parts.split(","):
-                    if part == "filter" and meta.no_top_k and meta.no_top_p:
-                        continue
-                    scaled = base / CONFIGS[name]["temperature"] if part == "filter" else base
-                    row = {"logits": kind, "config": name, "rows": rows, "part": part}
-                    for impl in impls:
-                        if part == "filter" and impl in ("device", "kernel"):  # the kernel has no filter part
-                            continue
-                        fn = (filter_fn if part == "filter" else step_fn)(meta, impl)
-                        ms = timed(fn, scaled, repeats, warmup)
-                        row[impl] = {"median_ms": statistics.median(ms), "min_ms": min(ms), "all_ms": ms}
-                    results.append(row)
-                    s = row["sort"]["median_ms"]
-                    cells = " ".join((f"{row[i]['median_ms']:10.3f}" + (
-                        "" if i == "sort" else f" {s / row[i]['median_ms']:6.2f}x")) if i in row
-                        else f"{'-':>10}" + ("" if i == "sort" else f" {'':7}") for i in impls)
-                    print(f"{kind:7} {name:12} {rows:5d} {part:7} {cells}", flush=True)
-            del base
+    for kind, rows, name, base, meta in cases(args):
+        for part in args.parts.split(","):
+            if part == "filter" and meta.no_top_k and meta.no_top_p:
+                continue
+            scaled = base / CONFIGS[name]["temperature"] if part == "filter" else base
+            row = {"logits": kind, "config": name, "rows": rows, "part": part}
+            for impl in impls:
+                if part == "filter" and impl in ("device", "kernel"):  # the kernel has no filter part
+                    continue
+                fn = (filter_fn if part == "filter" else step_fn)(meta, impl)
+                ms = timed(fn, scaled, repeats, warmup)
+                row[impl] = {"median_ms": statistics.median(ms), "min_ms": min(ms), "all_ms": ms}
+            results.append(row)
+            s = row["sort"]["median_ms"]
+            cells = " ".join((f"{row[i]['median_ms']:10.3f}" + (
+                "" if i == "sort" else f" {s / row[i]['median_ms']:6.2f}x")) if i in row
+                else f"{'-':>10}" + ("" if i == "sort" else f" {'':7}") for i in impls)
+            print(f"{kind:7} {name:12} {rows:5d} {part:7} {cells}", flush=True)
 
     machine = {"device": args.device, "torch": torch.__version__, "python": platform.python_version(),
                "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
