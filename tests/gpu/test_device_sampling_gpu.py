@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "unit"))
 from device_sampling_cases import (DISTRIBUTION_CASES, check_distribution, check_greedy_rows,  # noqa: E402
-                                   check_masked_and_seeded, draw, llm_row, reference_probs)
+                                   check_masked_and_seeded, check_non_finite_rows, draw, llm_row, reference_probs)
 
 from pagedllm.layers import sampler as sampler_mod  # noqa: E402
 from pagedllm.layers.sampler import Sampler, SamplingMetadata  # noqa: E402
@@ -29,6 +29,10 @@ def test_distribution_matches_reference(case):
 
 def test_greedy_rows():
     check_greedy_rows("cuda")
+
+
+def test_non_finite_rows():
+    check_non_finite_rows("cuda")
 
 
 def test_masked_and_seeded():

@@ -128,6 +128,23 @@ def check_greedy_rows(device: str) -> None:
     assert out[1] == 17 and out[4] == 123
 
 
+def check_non_finite_rows(device: str) -> None:
+    """A row with +inf or NaN logits ends (no endless rejection rounds) and returns a column of the row; an +inf
+    logit wins the draw as it wins the argmax."""
+    vocab = 100
+    logits = torch.stack([llm_row(vocab, seed=s) for s in range(4)])
+    logits[0, 7] = float("inf")
+    logits[1, 3] = float("nan")
+    logits[2, :] = float("nan")
+    logits[3, 11] = float("inf")
+    n = logits.shape[0]
+    out = sample_rows(logits.to(device), torch.full((n,), 0.8, device=device), STEP_SEED,
+                      top_p=torch.full((n,), 0.9, device=device), min_p=torch.full((n,), 0.1, device=device),
+                      top_k=torch.full((n,), 5, dtype=torch.int64, device=device)).cpu()
+    assert ((out >= 0) & (out < vocab)).all(), out
+    assert out[0] == 7 and out[3] == 11, out
+
+
 def check_masked_and_seeded(device: str, vocab: int = 1000) -> None:
     """-inf logits are never drawn; a seeded row's token is a function of its key alone (any batch position or
     company); without keys, rows differ from one step seed to the next."""

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+_MAX_ROUNDS = tl.constexpr(256)
 _TWO_M32 = tl.constexpr(2.3283064365386963e-10)  # 2 ** -32
 _ROW_MIX = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64: spreads row seeds apart
 
@@ -155,7 +156,8 @@ def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_
         target = p * z
         hi = m
         rounds: tl.int32 = 0
-        active: tl.int32 = (m > neg_inf).to(tl.int32)  # nothing to draw from: keep the first draw
+        # Nothing to draw from, or a row whose mass is not a number (an inf or NaN logit): keep the first draw.
+        active: tl.int32 = ((m > neg_inf) & (target == target) & (m < float("inf"))).to(tl.int32)
         while active != 0:
             xs = tl.load(row_ptr + best_i).to(tl.float32) * inv_t
             pivot = xs + (hi - xs) * 0.5
@@ -177,7 +179,9 @@ def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_
             mass_p = tl.sum(lane_mass_p, 0)
             count_p = tl.sum(lane_count_p, 0)
             keep_s = ((count_s < k) | (~use_k)) & ((mass_s < target) | (~use_p))
-            active = (~keep_s).to(tl.int32)
+            # Each round removes at least the drawn token, so a row always ends; the cap only bounds a row whose
+            # sums went wrong in float arithmetic (it keeps the last draw).
+            active = ((~keep_s) & (rounds < _MAX_ROUNDS)).to(tl.int32)
             if active != 0:
                 # Every token not above s fails too; so does every token not above the pivot if it fails.
                 keep_p = ((count_p < k) | (~use_k)) & ((mass_p < target) | (~use_p))
