@@ -39,7 +39,7 @@ EXPECTED_S = {
     "tests/gpu/test_attention_kernels.py": 80,
     "tests/gpu/test_cpu_offload_gpu.py": 29,
     "tests/gpu/test_dequant_gemm.py": 94,
-    "tests/gpu/test_device_sampling_gpu.py": 30,  # estimate: not measured yet
+    "tests/gpu/test_device_sampling_gpu.py": 30,  # 2026-12-03: 8-17 s of tests after ~40 s of start-up and compiles
     "tests/gpu/test_engine_gpu.py": 23,
     "tests/gpu/test_engine_lifecycle_gpu.py": 25,
     "tests/gpu/test_families_gpu.py": 90,
@@ -78,6 +78,7 @@ CONCURRENCY = {
     "tests/gpu/test_attention_kernels.py": PARALLEL,  # kernels; stale_cuda_memory: 1 GiB per process
     "tests/gpu/test_cpu_offload_gpu.py": PARALLEL,  # override engines; compares memory_allocated (this process's)
     "tests/gpu/test_dequant_gemm.py": PARALLEL,  # kernels, weights up to 14336 x 4096
+    "tests/gpu/test_device_sampling_gpu.py": PARALLEL,  # the sampler kernel, logits up to 512 x 151936
     # override engines, and one at gpu_memory_utilization=0.005 that must fail sizing: other processes' memory
     # only lowers its budget further
     "tests/gpu/test_engine_gpu.py": PARALLEL,
