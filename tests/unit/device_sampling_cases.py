@@ -11,7 +11,7 @@ import math
 import torch
 
 from pagedllm.kernels.sampling import sample_rows
-from pagedllm.layers.sampler import apply_min_p, apply_top_k_only, apply_top_k_top_p_sort
+from pagedllm.layers.sampler import apply_min_p, apply_top_k_only, apply_top_k_top_p_sort, top_k_threshold
 
 STEP_SEED = (1 << 40) + 12345
 
@@ -46,9 +46,7 @@ def reference_probs(row: torch.Tensor, temperature: float, top_k: int = 0, top_p
 
 def kth_cutoff(logits: torch.Tensor, top_k: torch.Tensor, vocab: int) -> torch.Tensor:
     """What `sampler.sample_on_device` passes for a small top-k: the k-th largest raw logit (-inf: no top-k)."""
-    max_k = int(top_k[top_k < vocab].max())
-    kth = logits.topk(max_k, dim=1).values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1)).squeeze(1)
-    return kth.masked_fill_(top_k >= vocab, float("-inf"))
+    return top_k_threshold(logits, top_k, int(top_k[top_k < vocab].max())).squeeze(1)
 
 
 def draw(row: torch.Tensor, n: int, device: str, temperature: float, top_k: int = 0, top_p: float = 1.0,

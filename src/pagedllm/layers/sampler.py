@@ -45,7 +45,8 @@ PREFIX_MIN_ROWS = 64
 # no [N, V] temporaries) unless this is False (the A/B of benchmarks/sampler_cost.py). A top-k reaches it as a
 # cutoff logit from torch.topk when it is at most DEVICE_TOPK_CUTOFF_MAX or the batch has top-p (whose mass is then
 # taken within each row's top-k set); a larger top-k in a batch without top-p is applied by the kernel's rejection
-# test instead. Every batch of a CUDA engine takes the kernel, so a seeded row's tokens never depend on its company.
+# test instead. Every batch with a filter or a seeded row takes the kernel (so a seeded row's tokens never depend
+# on its company); small plain batches do not (DEVICE_PLAIN_MIN_ROWS).
 DEVICE_SAMPLING = True
 # A batch of fewer rows with temperature alone and no seeded row takes the general path: one program per row leaves
 # most SMs idle there, where the general path's kernels spread each row over many (docs/benchmarks.md, "Sampling").
@@ -336,9 +337,7 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> Optional[t
     if not meta.no_top_k:
         if meta.max_top_k <= DEVICE_TOPK_CUTOFF_MAX or not meta.no_top_p:
             # The k-th largest raw logit (the temperature keeps the order): rows keep logits >= it, ties included.
-            kth = logits.topk(meta.max_top_k, dim=1).values.gather(
-                1, (meta.top_k.clamp(max=meta.max_top_k) - 1).unsqueeze(1)).squeeze(1)
-            cutoff = kth.masked_fill_(meta.top_k >= meta.vocab_size, float("-inf"))
+            cutoff = top_k_threshold(logits, meta.top_k, meta.max_top_k).squeeze(1)
         else:
             top_k = meta.top_k
     from pagedllm.kernels.sampling import sample_rows
@@ -407,12 +406,14 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """Keep each row's top_k logits (ties with the k-th are kept) using torch.topk, not a sort."""
-    vocab = logits.shape[1]
+    return logits.masked_fill_(logits < top_k_threshold(logits, top_k, max_top_k), float("-inf"))
+
+
+def top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """[N, 1]: each row's k-th largest logit (torch.topk of the batch's largest top-k); -inf for rows without top-k."""
     top_vals = logits.topk(max_top_k, dim=-1).values  # [N, max_top_k], descending
-    k_index = (top_k.clamp(max=max_top_k) - 1).unsqueeze(1)
-    threshold = top_vals.gather(1, k_index)  # [N, 1]
-    threshold.masked_fill_((top_k >= vocab).unsqueeze(1), float("-inf"))  # rows without top-k
-    return logits.masked_fill_(logits < threshold, float("-inf"))
+    threshold = top_vals.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+    return threshold.masked_fill_((top_k >= logits.shape[1]).unsqueeze(1), float("-inf"))
 
 
 def apply_top_k_top_p_sort(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: torch.Tensor) -> torch.Tensor:
