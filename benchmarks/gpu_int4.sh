@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
 # Issue 27's int4 rows on the lent H200, in device calls (carry .whl: ../shared/device/fetch-wheels.sh):
 #
-#   bash benchmarks/gpu_int4.sh mma       # the tensor-core GEMV (benchmarks/qgemv_mma.py: checks, sweep, vs bf16 / tiled; its tests)
+#   bash benchmarks/gpu_int4.sh mma       # the tensor-core GEMV (benchmarks/qgemv_mma.py: checks, vs bf16 / tiled; its tests)
+#   bash benchmarks/gpu_int4.sh sweep     # its launch variants per 8B layer at 1 and 16 rows (checks first)
 #   bash benchmarks/gpu_int4.sh kernels   # per-layer kernels (quant.py)
 #   bash benchmarks/gpu_int4.sh tests     # the quantization GPU tests (tiled kernels, library checkpoints)
-#   bash benchmarks/gpu_int4.sh e2e       # 8B batch-1 decode (latency.py): bf16, GPTQ int4, AWQ int4
+#   bash benchmarks/gpu_int4.sh e2e       # 8B decode (latency.py) at batch 1, 16 and 64: bf16, GPTQ int4, AWQ int4
 #
+# Several modes in one call run in order: `bash benchmarks/gpu_int4.sh sweep mma e2e`.
 # Each step has its own timeout; logs go to $OUT (or /tmp/int4-out) and the summary lines to stdout.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?kernels or e2e}
+[ $# -gt 0 ] || { echo "usage: gpu_int4.sh MODE..." >&2; exit 2; }
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/int4-out}
 mkdir -p "$out"
-STEP_SUMMARY="one layer|best|check.*BAD|correctness|qkv|o |gate_up|down|pagedllm:|  [a-z_]+ +rows=1 mma|hardware"
+STEP_SUMMARY="one layer|sweep one|best|check.*BAD|correctness|qkv|o |gate_up|down|pagedllm:|hardware|Avg latency"
 source benchmarks/gpu_step.sh
-lat() {  # lat NAME CONFIG DTYPE
-    step "lat-$1" 170 python benchmarks/latency.py --model "benchmarks/configs/$2" --load-format dummy --dtype "$3" \
-        --batch-size 1 --input-len 128 --output-len 256 --hf none
+lat() {  # lat NAME CONFIG DTYPE BATCH
+    step "lat-$1-b$4" 170 python benchmarks/latency.py --model "benchmarks/configs/$2" --load-format dummy --dtype "$3" \
+        --batch-size "$4" --input-len 128 --output-len 256 --hf none
 }
+for what in "$@"; do
 case $what in
 mma)
-    step mma 330 python benchmarks/qgemv_mma.py ${SWEEP:+--sweep}
+    step mma 330 python benchmarks/qgemv_mma.py --rows 1 2 4 8 16 32 64 256
     step mma-tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_qgemv_mma_gpu.py
+    ;;
+sweep)
+    step sweep 420 python benchmarks/qgemv_mma.py --sweep 1 16
     ;;
 kernels)
     step layers 240 python benchmarks/quant.py --model 8b --rows 1 2 4 16 64
@@ -32,8 +38,12 @@ tests)
     step tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_quant_tiled.py tests/gpu/test_quant_gpu.py
     ;;
 e2e)
-    lat bf16 llama3-8b bfloat16
-    lat gptq llama3-8b-gptq-int4 bfloat16
-    lat awq llama3-8b-awq-int4 float16
+    for b in 1 16; do
+        lat bf16 llama3-8b bfloat16 $b
+        lat gptq llama3-8b-gptq-int4 bfloat16 $b
+    done
+    lat awq llama3-8b-awq-int4 float16 1
     ;;
+*) echo "unknown mode $what" >&2; exit 2 ;;
 esac
+done

@@ -2,7 +2,7 @@
 time per 8B layer at 1..8 rows beside bf16 and the tiled int4 path (benchmarks/quant.py's timing: CUDA-graph
 replays over enough weight copies that nothing is served from L2), and a launch-config sweep.
 
-    PYTHONUNBUFFERED=1 python benchmarks/qgemv_mma.py [--rows 1 2 4 8] [--sweep]
+    PYTHONUNBUFFERED=1 python benchmarks/qgemv_mma.py [--rows 1 2 4 8] [--sweep [ROWS ...]] [--no-check]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quant import ROTATE_BYTES, SHAPES, Layers, time_us  # noqa: E402
 
-from pagedllm.kernels.qgemv_mma import dense_weight, dequantize_mma, quant_gemv_mma, to_mma_layout  # noqa: E402
+from pagedllm.kernels.qgemv_mma import _next_pow2, dense_weight, dequantize_mma, quant_gemv_mma, to_mma_layout  # noqa: E402
 
 
 def weights(k, n, group, dtype, perm=False, seed=0):
@@ -43,7 +43,9 @@ def check() -> bool:
         b = torch.randn(n, device="cuda").to(dtype) if bias else None
         dense = dequantize_mma(words, scales, zeros, group, p)
         ref = x.float() @ dense.t() + (b.float() if bias else 0)
-        for cfg in ({"warps": 4, "unit": 1}, {"warps": 8, "unit": 2}, {"warps": 16, "unit": 2, "mt": 1}):
+        for cfg in ({"warps": 4, "unit": 1}, {"warps": 8, "unit": 2}, {"warps": 16, "unit": 2, "mt": 1},
+                    {"warps": 8, "depth": 6, "l2pf": True, "ldna": True}, {"warps": 4, "unit": 1, "depth": 8, "mt": 1},
+                    {"depth": 4, "l2pf": True, "zsub": True}, {"warps": 16, "depth": 2, "zsub": True}):
             if cfg.get("mt") == 1 and m > 8:
                 continue
             out = quant_gemv_mma(x, words, scales, zeros, group, p, b, cfg)
@@ -57,9 +59,33 @@ def check() -> bool:
     return ok
 
 
-def bench(rows, sweep):
-    configs = [{}] + ([{"warps": w, "unit": u} for w in (4, 8, 16) for u in (1, 2)] if sweep else [])
-    big = [{}]
+def sweep(rows):
+    """Every launch variant per 8B layer at `rows` (one row tile: 8 rows or fewer, else the tile count given), and
+    the sum over the four layers per variant, best first."""
+    variants = [{"warps": w, "depth": d, "l2pf": pf} for w in (None, 8) for d in (2, 4, 6, 8) for pf in (False, True)]
+    variants += [{"warps": w, "depth": d, "l2pf": True} for w in (4, 16) for d in (4, 8)]
+    variants += [{"warps": None, "depth": d, "l2pf": True, "ldna": True} for d in (4, 6)]
+    variants += [{"warps": None, "unit": 1, "depth": d, "l2pf": True} for d in (8, 12)]
+    variants += [{"warps": w, "depth": d, "l2pf": True, "zsub": True} for w in (None, 8) for d in (2, 4, 6)]
+    for m in rows:
+        mt = min(8, _next_pow2((m + 7) // 8))
+        totals = {}
+        for name, (k, n) in SHAPES["8b"].items():
+            per = k * n // 2 + (k // 128) * n * 4
+            copies = [weights(k, n, 128, torch.bfloat16, seed=i) for i in range(max(1, math.ceil(ROTATE_BYTES / per)))]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for i, v in enumerate(variants):
+                cfg = {**v, "mt": mt}
+                if mt > 1 and v.get("depth", 2) > 4:
+                    continue
+                t = time_us(lambda j: quant_gemv_mma(x, *copies[j][:3], 128, None, None, cfg), len(copies))
+                totals[i] = totals.get(i, 0.0) + t
+                print(f"  sweep {name:8} rows={m} {v}: {t:.1f} us ({per / t / 1e3:.0f} GB/s)", flush=True)
+        for i, t in sorted(totals.items(), key=lambda kv: kv[1])[:12]:
+            print(f"sweep one layer rows={m} {variants[i]}: {t:.1f} us", flush=True)
+
+
+def bench(rows):
     totals = {}
     for name, (k, n) in SHAPES["8b"].items():
         layers = Layers(k, n, ["bf16", "int4"])
@@ -69,14 +95,7 @@ def bench(rows, sweep):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16 = time_us(lambda i: layers.call("bf16", x, i), len(layers.copies["bf16"]))
             t_int4 = time_us(lambda i: layers.call("int4", x, i), len(layers.copies["int4"]))
-            best = None
-            for cfg in (configs if m <= 8 else big):
-                t = time_us(lambda i: quant_gemv_mma(x, *copies[i][:3], 128, None, None, cfg), len(copies))
-                if sweep and m <= 8:
-                    print(f"  {name:8} rows={m} mma {cfg}: {t:.1f} us ({per / t / 1e3:.0f} GB/s)", flush=True)
-                if best is None or t < best[0]:
-                    best = (t, cfg)
-            t_mma, cfg = best
+            t_mma = time_us(lambda i: quant_gemv_mma(x, *copies[i][:3], 128), len(copies))
             t_dense = float("nan")
             if m > 8:  # the many-rows path: dequantize into the buffer, then cuBLAS
                 t_dense = time_us(lambda i: torch.nn.functional.linear(x, dense_weight(*copies[i][:3], 128)),
@@ -84,7 +103,7 @@ def bench(rows, sweep):
             for key, v in (("bf16", t_bf16), ("int4", t_int4), ("mma", t_mma), ("dense", t_dense)):
                 totals[(m, key)] = totals.get((m, key), 0.0) + v
             print(f"{name:8} rows={m}: bf16 {t_bf16:.1f} us, int4 tiled {t_int4:.1f} us ({per / t_int4 / 1e3:.0f} GB/s), "
-                  f"mma {t_mma:.1f} us ({per / t_mma / 1e3:.0f} GB/s) {cfg}; mma vs bf16 {t_bf16 / t_mma:.2f}x; "
+                  f"mma {t_mma:.1f} us ({per / t_mma / 1e3:.0f} GB/s); mma vs bf16 {t_bf16 / t_mma:.2f}x; "
                   f"dequant + cuBLAS {t_dense:.1f} us",
                   flush=True)
     for m in rows:
@@ -96,12 +115,16 @@ def bench(rows, sweep):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
-    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep", type=int, nargs="*", metavar="ROWS",
+                   help="launch variants per layer at these row counts (default 1 and 16) instead of the table")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
     if not args.no_check:
         print("correctness:", "all OK" if check() else "FAILURES", flush=True)
-    bench(args.rows, args.sweep)
+    if args.sweep is not None:
+        sweep(args.sweep or [1, 16])
+    else:
+        bench(args.rows)
 
 
 if __name__ == "__main__":

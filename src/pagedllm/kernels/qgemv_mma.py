@@ -84,21 +84,32 @@ def _warps(warps: int, mt: int) -> int:
     return min(warps, 64 // mt)  # the reduction's shared memory: warps * mt * 512 bytes
 
 
+def _depth(depth: int, mt: int) -> int:
+    """Units in flight per warp for row tile count `mt`: `depth` at one tile, fewer as the accumulators take the
+    registers (nvcc -Xptxas -v: ~30 registers per unit at UNIT 2)."""
+    return max(2, depth // mt)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernels(warps: int, unit: int, fp16: bool, has_perm: bool, has_bias: bool, device_index: int) -> dict:
-    """Every row-tile variant at once, so that the first (eager) call compiles what later row counts need: a
-    compile (module load) inside CUDA-graph capture is not allowed."""
+def _compile(warps: int, unit: int, depth: int, l2pf: bool, ldna: bool, zsub: bool, fp16: bool, has_perm: bool,
+             has_bias: bool, device_index: int, mt: int):
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
     if compile_kernel is None:
         raise RuntimeError("torch.cuda._compile_kernel (NVRTC) is not in this torch")
     major, minor = torch.cuda.get_device_capability(device_index)
-    kernels = {}
+    defines = (f"#define WARPS {_warps(warps, mt)}\n#define UNIT {unit}\n#define MT {mt}\n#define DEPTH {_depth(depth, mt)}\n"
+               f"#define L2PF {int(l2pf)}\n#define LDNA {int(ldna)}\n#define ZSUB {int(zsub)}\n#define IS_FP16 {int(fp16)}\n"
+               f"#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
     with torch.cuda.device(device_index):
-        for mt in ROW_TILES:
-            defines = (f"#define WARPS {_warps(warps, mt)}\n#define UNIT {unit}\n#define MT {mt}\n"
-                       f"#define IS_FP16 {int(fp16)}\n#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
-            kernels[mt] = compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
-    return kernels
+        return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
+
+
+def _kernels(warps: int, unit: int, depth: int, l2pf: bool, ldna: bool, zsub: bool, fp16: bool, has_perm: bool,
+             has_bias: bool, device_index: int) -> dict:
+    """Every row-tile variant at once, so that the first (eager) call compiles what later row counts need: a
+    compile (module load) inside CUDA-graph capture is not allowed."""
+    return {mt: _compile(warps, unit, depth, l2pf, ldna, zsub, fp16, has_perm, has_bias, device_index, mt)
+            for mt in ROW_TILES}
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,7 +186,10 @@ def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
 
-CONFIG = {"warps": None, "unit": 2}  # warps None: by the grid (`default_warps`)
+# warps None: by the grid (`default_warps`); depth: units in flight per warp at one row tile (`_depth`); l2pf: a bulk
+# L2 prefetch of each block's weights at its start; ldna: weight loads that skip L1; zsub: the zero point taken off
+# the A registers instead of by a second MMA (csrc/qgemv_mma.cu)
+CONFIG = {"warps": None, "unit": 2, "depth": 2, "l2pf": False, "ldna": False, "zsub": False}
 # Most rows the GEMV takes; above, the weight is dequantized into a buffer and multiplied by cuBLAS
 # (benchmarks/qgemv_mma.py measures both; numbers in docs/benchmarks.md).
 MMA_MAX_ROWS = 64
@@ -208,7 +222,8 @@ def prepare(words: torch.Tensor, dtype: torch.dtype, group_size: int, has_perm: 
     index = words.device.index if words.device.index is not None else torch.cuda.current_device()
     k = words.shape[1] * CHUNK
     unit = _unit(CONFIG["unit"], (k if group_size == -1 else group_size) // CHUNK)
-    _kernels(default_warps(words.shape[0]), unit, dtype == torch.float16, has_perm, has_bias, index)
+    _kernels(default_warps(words.shape[0]), unit, CONFIG["depth"], CONFIG["l2pf"], CONFIG["ldna"], CONFIG["zsub"],
+             dtype == torch.float16, has_perm, has_bias, index)
     _dequant_kernel(dtype == torch.float16, index)
 
 
@@ -231,8 +246,10 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
     base_warps = cfg["warps"] or default_warps(nt)
     warps = _warps(base_warps, mt)
-    kernel = _kernels(base_warps, unit, x.dtype == torch.float16, perm is not None, bias is not None,
-                      x.device.index if x.device.index is not None else torch.cuda.current_device())[mt]
+    variant = (base_warps, unit, cfg["depth"], bool(cfg["l2pf"]), bool(cfg["ldna"]), bool(cfg["zsub"]), x.dtype == torch.float16,
+               perm is not None, bias is not None, x.device.index if x.device.index is not None else torch.cuda.current_device())
+    # a row tile given by the caller compiles that variant alone (benchmark sweeps); else every one at once
+    kernel = _compile(*variant, mt) if cfg.get("mt") else _kernels(*variant)[mt]
     grid, block = (nt, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
             out, m, n, k, x.stride(0), out.stride(0), group_chunks]

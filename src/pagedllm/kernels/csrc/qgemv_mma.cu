@@ -8,7 +8,22 @@
 // tensor cores do the subtraction; products are exact, sums fp32); the group scale multiplies each unit's sum.
 //
 // Compile-time parameters (#define before this file): WARPS, UNIT (chunks per unit; a unit never crosses a group),
+// DEPTH (units of a warp in flight: a ring of registers, all issued before the wait on the previous kernel), L2PF
+// (the block's weights asked of L2 at once by one bulk prefetch per warp), LDNA (weight loads skip L1, which keeps x),
+// ZSUB (the zero point subtracted in the A registers instead of by a second MMA per fragment),
 // MT (row tiles of 8 per block: a block takes 8 * MT rows, blockIdx.y the row block), IS_FP16, HAS_PERM, HAS_BIAS.
+#ifndef DEPTH
+#define DEPTH 2
+#endif
+#ifndef L2PF
+#define L2PF 0
+#endif
+#ifndef LDNA
+#define LDNA 0
+#endif
+#ifndef ZSUB
+#define ZSUB 0  // 1: the zero point and OFF taken off the A registers by one paired add (exact), not a second MMA
+#endif
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -61,10 +76,32 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 #endif
 }
 
+// a + b per half, rounded once: exact here ((OFF + q) - (OFF + zero) is an integer of at most 4 bits)
+__device__ __forceinline__ u32 add_pair(u32 a, u32 b) {
+    u32 r;
+#if IS_FP16
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+    asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#endif
+    return r;
+}
+
 // -(OFF + zero) of a row, in both halves of a register (exact: zero is an integer below 2**8).
 __device__ __forceinline__ u32 neg_zero_pair(u16 zbits) {
     u16 h = from_f32(-(OFF + to_f32(zbits)));
     return ((u32)h << 16) | h;
+}
+
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
+#if LDNA
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
 }
 
 // One unit's weights (UNIT 16-byte words of the lane), and the scales and zeros of its group for the lane's two
@@ -77,10 +114,78 @@ struct Unit {
 __device__ __forceinline__ void load_unit(Unit& un, const uint4* wbase, const u16* scales, const u16* zeros, int u,
                                           int group_chunks, int N, int n_lo, int n_hi) {
 #pragma unroll
-    for (int i = 0; i < UNIT; i++) un.w[i] = __ldg(wbase + (u64)(u * UNIT + i) * 32);
+    for (int i = 0; i < UNIT; i++) un.w[i] = ld_weights(wbase + (u64)(u * UNIT + i) * 32);
     const u64 row = (u64)(u * UNIT / group_chunks) * N;
     un.s_lo = scales[row + n_lo]; un.s_hi = scales[row + n_hi];
     un.z_lo = zeros[row + n_lo]; un.z_hi = zeros[row + n_hi];
+}
+
+// acc += one unit's product: its UNIT chunks against the lane's x of every row tile, the group scale applied once.
+__device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un, int u, const u16* const (&xrow)[MT],
+                                             const bool (&row_ok)[MT], const int* __restrict__ perm, int t) {
+    const u32 za = neg_zero_pair(un.z_lo), zb = neg_zero_pair(un.z_hi);
+    float d[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) d[mt][e] = 0.f;
+#pragma unroll
+    for (int i = 0; i < UNIT; i++) {
+        const int c = u * UNIT + i;
+        // the lane's 16 channels [c * 64 + 16 t, +16) of its row of each row tile (zeros past M)
+        u32 xr[MT][8];
+#if HAS_PERM
+        const int* p = perm + c * 64 + 16 * t;
+        int pk[16];
+#pragma unroll
+        for (int e = 0; e < 16; e++) pk[e] = __ldg(p + e);
+#endif
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            if (row_ok[mt]) {
+#if HAS_PERM
+#pragma unroll
+                for (int e = 0; e < 8; e++)
+                    xr[mt][e] = (u32)__ldg(xrow[mt] + pk[2 * e]) | ((u32)__ldg(xrow[mt] + pk[2 * e + 1]) << 16);
+#else
+                const uint4 v0 = __ldg((const uint4*)(xrow[mt] + c * 64 + 16 * t));
+                const uint4 v1 = __ldg((const uint4*)(xrow[mt] + c * 64 + 16 * t + 8));
+                xr[mt][0] = v0.x; xr[mt][1] = v0.y; xr[mt][2] = v0.z; xr[mt][3] = v0.w;
+                xr[mt][4] = v1.x; xr[mt][5] = v1.y; xr[mt][6] = v1.z; xr[mt][7] = v1.w;
+#endif
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) xr[mt][e] = 0u;
+            }
+        }
+        const u32 words[4] = {un.w[i].x, un.w[i].y, un.w[i].z, un.w[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const u32 w = words[j];
+            // A fragments: a0 / a2 are column n_lo's (row g of the MMA), a1 / a3 column n_hi's
+            const u32 a0 = lop3_and_or(w, 0x000F000Fu, MAGIC);
+            const u32 a1 = lop3_and_or(w >> 4, 0x000F000Fu, MAGIC);
+            const u32 a2 = lop3_and_or(w >> 8, 0x000F000Fu, MAGIC);
+            const u32 a3 = lop3_and_or(w >> 12, 0x000F000Fu, MAGIC);
+#if ZSUB
+            const u32 b0 = add_pair(a0, za), b1 = add_pair(a1, zb), b2 = add_pair(a2, za), b3 = add_pair(a3, zb);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) mma(d[mt], b0, b1, b2, b3, xr[mt][2 * j], xr[mt][2 * j + 1]);
+#else
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma(d[mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
+                mma(d[mt], za, zb, za, zb, xr[mt][2 * j], xr[mt][2 * j + 1]);
+            }
+#endif
+        }
+    }
+    const float sl = to_f32(un.s_lo), sh = to_f32(un.s_hi);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        acc[mt][0] += sl * d[mt][0]; acc[mt][1] += sl * d[mt][1];
+        acc[mt][2] += sh * d[mt][2]; acc[mt][3] += sh * d[mt][3];
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -97,9 +202,20 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
     // this lane's 16-byte word group of chunk c: qw[(nt * chunks + c) * 32 + lane]
     const uint4* wbase = qw + (u64)nt * chunks * 32 + lane;
 
-    Unit cur;
-    int u = warp;
-    if (u < units) load_unit(cur, wbase, scales, zeros, u, group_chunks, N, n_lo, n_hi);
+#if L2PF && __CUDA_ARCH__ >= 900
+    if (lane == 0) {  // warp w asks L2 for the w-th slice of the column tile's weights (contiguous, 16-byte multiples)
+        const u32 bytes = (u32)chunks * 512u;
+        const u32 lo = (bytes / WARPS * warp) & ~15u, hi = warp == WARPS - 1 ? bytes : (bytes / WARPS * (warp + 1)) & ~15u;
+        if (hi > lo)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                         :: "l"((const char*)(qw + (u64)nt * chunks * 32) + lo), "r"(hi - lo) : "memory");
+    }
+#endif
+    // DEPTH units of this warp in flight (u = warp + d * WARPS in slot d), asked for before the previous kernel ends
+    Unit buf[DEPTH];
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++)
+        if (warp + d * WARPS < units) load_unit(buf[d], wbase, scales, zeros, warp + d * WARPS, group_chunks, N, n_lo, n_hi);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 #endif
@@ -114,67 +230,17 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[mt][e] = 0.f;
     }
-    for (; u < units; u += WARPS) {
-        // the next unit's weights, scales and zeros are in flight while this one computes
-        Unit nxt;
-        if (u + WARPS < units) load_unit(nxt, wbase, scales, zeros, u + WARPS, group_chunks, N, n_lo, n_hi);
-        const u32 za = neg_zero_pair(cur.z_lo), zb = neg_zero_pair(cur.z_hi);
-        float d[MT][4];
+    for (int u0 = warp; u0 < units; u0 += DEPTH * WARPS) {
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) d[mt][e] = 0.f;
-#pragma unroll
-        for (int i = 0; i < UNIT; i++) {
-            const int c = u * UNIT + i;
-            // the lane's 16 channels [c * 64 + 16 t, +16) of its row of each row tile (zeros past M)
-            u32 xr[MT][8];
-#if HAS_PERM
-            const int* p = perm + c * 64 + 16 * t;
-            int pk[16];
-#pragma unroll
-            for (int e = 0; e < 16; e++) pk[e] = __ldg(p + e);
-#endif
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                if (row_ok[mt]) {
-#if HAS_PERM
-#pragma unroll
-                    for (int e = 0; e < 8; e++)
-                        xr[mt][e] = (u32)__ldg(xrow[mt] + pk[2 * e]) | ((u32)__ldg(xrow[mt] + pk[2 * e + 1]) << 16);
-#else
-                    const uint4 v0 = __ldg((const uint4*)(xrow[mt] + c * 64 + 16 * t));
-                    const uint4 v1 = __ldg((const uint4*)(xrow[mt] + c * 64 + 16 * t + 8));
-                    xr[mt][0] = v0.x; xr[mt][1] = v0.y; xr[mt][2] = v0.z; xr[mt][3] = v0.w;
-                    xr[mt][4] = v1.x; xr[mt][5] = v1.y; xr[mt][6] = v1.z; xr[mt][7] = v1.w;
-#endif
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; e++) xr[mt][e] = 0u;
-                }
-            }
-            const u32 words[4] = {cur.w[i].x, cur.w[i].y, cur.w[i].z, cur.w[i].w};
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const u32 w = words[j];
-                const u32 a0 = lop3_and_or(w, 0x000F000Fu, MAGIC);
-                const u32 a1 = lop3_and_or(w >> 4, 0x000F000Fu, MAGIC);
-                const u32 a2 = lop3_and_or(w >> 8, 0x000F000Fu, MAGIC);
-                const u32 a3 = lop3_and_or(w >> 12, 0x000F000Fu, MAGIC);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma(d[mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
-                    mma(d[mt], za, zb, za, zb, xr[mt][2 * j], xr[mt][2 * j + 1]);
-                }
+        for (int d = 0; d < DEPTH; d++) {
+            const int u = u0 + d * WARPS;
+            if (u < units) {
+                unit_product(acc, buf[d], u, xrow, row_ok, perm, t);
+                // the slot just used takes the unit DEPTH steps ahead: DEPTH - 1 stay in flight meanwhile
+                if (u + DEPTH * WARPS < units)
+                    load_unit(buf[d], wbase, scales, zeros, u + DEPTH * WARPS, group_chunks, N, n_lo, n_hi);
             }
         }
-        const float sl = to_f32(cur.s_lo), sh = to_f32(cur.s_hi);
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            acc[mt][0] += sl * d[mt][0]; acc[mt][1] += sl * d[mt][1];
-            acc[mt][2] += sh * d[mt][2]; acc[mt][3] += sh * d[mt][3];
-        }
-        cur = nxt;
     }
     // the warps' partial sums (each warp took every WARPS-th unit) added in warp order: deterministic
     __shared__ float red[WARPS][MT * 4][32];
