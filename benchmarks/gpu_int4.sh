@@ -29,7 +29,7 @@ mma)
     step mma-tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_qgemv_mma_gpu.py
     ;;
 sweep)
-    step sweep 420 python benchmarks/qgemv_mma.py --sweep 1 16
+    step sweep 270 python benchmarks/qgemv_mma.py --no-check --sweep 1 16
     ;;
 kernels)
     step layers 240 python benchmarks/quant.py --model 8b --rows 1 2 4 16 64
