@@ -62,11 +62,10 @@ def check() -> bool:
 def sweep(rows):
     """Every launch variant per 8B layer at `rows` (one row tile: 8 rows or fewer, else the tile count given), and
     the sum over the four layers per variant, best first."""
-    variants = [{"warps": w, "depth": d, "l2pf": pf} for w in (None, 8) for d in (2, 4, 6, 8) for pf in (False, True)]
-    variants += [{"warps": w, "depth": d, "l2pf": True} for w in (4, 16) for d in (4, 8)]
-    variants += [{"warps": None, "depth": d, "l2pf": True, "ldna": True} for d in (4, 6)]
-    variants += [{"warps": None, "unit": 1, "depth": d, "l2pf": True} for d in (8, 12)]
-    variants += [{"warps": w, "depth": d, "l2pf": True, "zsub": True} for w in (None, 8) for d in (2, 4, 6)]
+    variants = [{"warps": w, "depth": d, **z} for w in (None, 8) for d in (2, 3)
+                for z in ({}, {"zsub": True}, {"zsub": True, "extra": (("SPLITACC", 1),)}, {"extra": (("SPLITACC", 1),)})]
+    variants += [{"warps": None, "depth": 2, "zsub": True, "extra": (("OCC", o),)} for o in (40, 48)]
+    variants += [{"warps": w, "depth": 2, "zsub": True} for w in (2, 4, 16)]
     for m in rows:
         mt = min(8, _next_pow2((m + 7) // 8))
         totals = {}
@@ -112,13 +111,29 @@ def bench(rows):
               f"({b / q:.2f}x bf16, {i / q:.2f}x tiled), dequant + cuBLAS {d:.1f} us ({b / d:.2f}x bf16)", flush=True)
 
 
+def once(rows: int, layer: str, cfg: dict) -> None:
+    """A few eager calls of one 8B layer's GEMV (for a profiler: `ncu --kernel-name qgemv_mma ...`)."""
+    k, n = SHAPES["8b"][layer]
+    words, scales, zeros, _ = weights(k, n, 128, torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(8):
+        quant_gemv_mma(x, words, scales, zeros, 128, None, None, cfg)
+    torch.cuda.synchronize()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
     p.add_argument("--sweep", type=int, nargs="*", metavar="ROWS",
                    help="launch variants per layer at these row counts (default 1 and 16) instead of the table")
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--once", nargs=2, metavar=("ROWS", "LAYER"), help="eager calls of one layer, for a profiler")
+    p.add_argument("--config", default="{}", help="the launch config of --once (a Python dict)")
     args = p.parse_args()
+    if args.once:
+        import ast
+        once(int(args.once[0]), args.once[1], ast.literal_eval(args.config))
+        return
     if not args.no_check:
         print("correctness:", "all OK" if check() else "FAILURES", flush=True)
     if args.sweep is not None:

@@ -91,24 +91,25 @@ def _depth(depth: int, mt: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(warps: int, unit: int, depth: int, l2pf: bool, ldna: bool, zsub: bool, fp16: bool, has_perm: bool,
-             has_bias: bool, device_index: int, mt: int):
+def _compile(warps: int, unit: int, depth: int, l2pf: bool, ldna: bool, zsub: bool, extra: tuple, fp16: bool,
+             has_perm: bool, has_bias: bool, device_index: int, mt: int):
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
     if compile_kernel is None:
         raise RuntimeError("torch.cuda._compile_kernel (NVRTC) is not in this torch")
     major, minor = torch.cuda.get_device_capability(device_index)
     defines = (f"#define WARPS {_warps(warps, mt)}\n#define UNIT {unit}\n#define MT {mt}\n#define DEPTH {_depth(depth, mt)}\n"
                f"#define L2PF {int(l2pf)}\n#define LDNA {int(ldna)}\n#define ZSUB {int(zsub)}\n#define IS_FP16 {int(fp16)}\n"
-               f"#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
+               f"#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n"
+               + "".join(f"#define {name} {value}\n" for name, value in extra))
     with torch.cuda.device(device_index):
         return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
 
 
-def _kernels(warps: int, unit: int, depth: int, l2pf: bool, ldna: bool, zsub: bool, fp16: bool, has_perm: bool,
-             has_bias: bool, device_index: int) -> dict:
+def _kernels(warps: int, unit: int, depth: int, l2pf: bool, ldna: bool, zsub: bool, extra: tuple, fp16: bool,
+             has_perm: bool, has_bias: bool, device_index: int) -> dict:
     """Every row-tile variant at once, so that the first (eager) call compiles what later row counts need: a
     compile (module load) inside CUDA-graph capture is not allowed."""
-    return {mt: _compile(warps, unit, depth, l2pf, ldna, zsub, fp16, has_perm, has_bias, device_index, mt)
+    return {mt: _compile(warps, unit, depth, l2pf, ldna, zsub, extra, fp16, has_perm, has_bias, device_index, mt)
             for mt in ROW_TILES}
 
 
@@ -189,7 +190,8 @@ def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
 # warps None: by the grid (`default_warps`); depth: units in flight per warp at one row tile (`_depth`); l2pf: a bulk
 # L2 prefetch of each block's weights at its start; ldna: weight loads that skip L1; zsub: the zero point taken off
 # the A registers instead of by a second MMA (csrc/qgemv_mma.cu)
-CONFIG = {"warps": None, "unit": 2, "depth": 2, "l2pf": False, "ldna": False, "zsub": False}
+# extra: more (NAME, value) compile-time parameters (SPLITACC, OCC: benchmark variants)
+CONFIG = {"warps": None, "unit": 2, "depth": 2, "l2pf": False, "ldna": False, "zsub": False, "extra": ()}
 # Most rows the GEMV takes; above, the weight is dequantized into a buffer and multiplied by cuBLAS
 # (benchmarks/qgemv_mma.py measures both; numbers in docs/benchmarks.md).
 MMA_MAX_ROWS = 64
@@ -223,7 +225,7 @@ def prepare(words: torch.Tensor, dtype: torch.dtype, group_size: int, has_perm: 
     k = words.shape[1] * CHUNK
     unit = _unit(CONFIG["unit"], (k if group_size == -1 else group_size) // CHUNK)
     _kernels(default_warps(words.shape[0]), unit, CONFIG["depth"], CONFIG["l2pf"], CONFIG["ldna"], CONFIG["zsub"],
-             dtype == torch.float16, has_perm, has_bias, index)
+             tuple(CONFIG["extra"]), dtype == torch.float16, has_perm, has_bias, index)
     _dequant_kernel(dtype == torch.float16, index)
 
 
@@ -246,7 +248,8 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
     base_warps = cfg["warps"] or default_warps(nt)
     warps = _warps(base_warps, mt)
-    variant = (base_warps, unit, cfg["depth"], bool(cfg["l2pf"]), bool(cfg["ldna"]), bool(cfg["zsub"]), x.dtype == torch.float16,
+    variant = (base_warps, unit, cfg["depth"], bool(cfg["l2pf"]), bool(cfg["ldna"]), bool(cfg["zsub"]),
+               tuple(cfg["extra"]), x.dtype == torch.float16,
                perm is not None, bias is not None, x.device.index if x.device.index is not None else torch.cuda.current_device())
     # a row tile given by the caller compiles that variant alone (benchmark sweeps); else every one at once
     kernel = _compile(*variant, mt) if cfg.get("mt") else _kernels(*variant)[mt]

@@ -21,6 +21,12 @@
 #ifndef LDNA
 #define LDNA 0
 #endif
+#ifndef SPLITACC
+#define SPLITACC 0  // 1: two MMA accumulators per row tile (even and odd fragments): two dependency chains, not one
+#endif
+#ifndef OCC
+#define OCC 0  // > 0: warps per SM the compiler keeps registers for (__launch_bounds__'s blocks per SM)
+#endif
 #ifndef ZSUB
 #define ZSUB 0  // 1: the zero point and OFF taken off the A registers by one paired add (exact), not a second MMA
 #endif
@@ -124,11 +130,11 @@ __device__ __forceinline__ void load_unit(Unit& un, const uint4* wbase, const u1
 __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un, int u, const u16* const (&xrow)[MT],
                                              const bool (&row_ok)[MT], const int* __restrict__ perm, int t) {
     const u32 za = neg_zero_pair(un.z_lo), zb = neg_zero_pair(un.z_hi);
-    float d[MT][4];
+    float d[MT][4], d2[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) d[mt][e] = 0.f;
+        for (int e = 0; e < 4; e++) d[mt][e] = d2[mt][e] = 0.f;
 #pragma unroll
     for (int i = 0; i < UNIT; i++) {
         const int c = u * UNIT + i;
@@ -170,12 +176,13 @@ __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un
 #if ZSUB
             const u32 b0 = add_pair(a0, za), b1 = add_pair(a1, zb), b2 = add_pair(a2, za), b3 = add_pair(a3, zb);
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) mma(d[mt], b0, b1, b2, b3, xr[mt][2 * j], xr[mt][2 * j + 1]);
+            for (int mt = 0; mt < MT; mt++)
+                mma((SPLITACC && (j & 1)) ? d2[mt] : d[mt], b0, b1, b2, b3, xr[mt][2 * j], xr[mt][2 * j + 1]);
 #else
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 mma(d[mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
-                mma(d[mt], za, zb, za, zb, xr[mt][2 * j], xr[mt][2 * j + 1]);
+                mma(SPLITACC ? d2[mt] : d[mt], za, zb, za, zb, xr[mt][2 * j], xr[mt][2 * j + 1]);
             }
 #endif
         }
@@ -183,12 +190,21 @@ __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un
     const float sl = to_f32(un.s_lo), sh = to_f32(un.s_hi);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
+#if SPLITACC
+#pragma unroll
+        for (int e = 0; e < 4; e++) d[mt][e] += d2[mt][e];
+#endif
         acc[mt][0] += sl * d[mt][0]; acc[mt][1] += sl * d[mt][1];
         acc[mt][2] += sh * d[mt][2]; acc[mt][3] += sh * d[mt][3];
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+#if OCC
+#define BOUNDS __launch_bounds__(WARPS * 32, (OCC + WARPS - 1) / WARPS)
+#else
+#define BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+extern "C" __global__ void BOUNDS
 qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __restrict__ scales,
           const u16* __restrict__ zeros, const int* __restrict__ perm, const u16* __restrict__ bias,
           u16* __restrict__ out, int M, int N, int K, int stride_x, int stride_o, int group_chunks) {
