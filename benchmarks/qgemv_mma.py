@@ -44,8 +44,7 @@ def check() -> bool:
         dense = dequantize_mma(words, scales, zeros, group, p)
         ref = x.float() @ dense.t() + (b.float() if bias else 0)
         for cfg in ({"warps": 4, "unit": 1}, {"warps": 8, "unit": 2}, {"warps": 16, "unit": 2, "mt": 1},
-                    {"warps": 8, "depth": 6, "l2pf": True, "ldna": True}, {"warps": 4, "unit": 1, "depth": 8, "mt": 1},
-                    {"depth": 4, "l2pf": True, "zsub": True}, {"warps": 16, "depth": 2, "zsub": True}):
+                    {"warps": 8, "depth": 6}, {"warps": 4, "unit": 1, "depth": 8, "mt": 1}):
             if cfg.get("mt") == 1 and m > 8:
                 continue
             out = quant_gemv_mma(x, words, scales, zeros, group, p, b, cfg)
@@ -62,10 +61,7 @@ def check() -> bool:
 def sweep(rows):
     """Every launch variant per 8B layer at `rows` (one row tile: 8 rows or fewer, else the tile count given), and
     the sum over the four layers per variant, best first."""
-    variants = [{"warps": w, "depth": d, **z} for w in (None, 8) for d in (2, 3)
-                for z in ({}, {"zsub": True}, {"zsub": True, "extra": (("SPLITACC", 1),)}, {"extra": (("SPLITACC", 1),)})]
-    variants += [{"warps": None, "depth": 2, "zsub": True, "extra": (("OCC", o),)} for o in (40, 48)]
-    variants += [{"warps": w, "depth": 2, "zsub": True} for w in (2, 4, 16)]
+    variants = [{"warps": w, "depth": d} for w in (None, 4, 8, 16) for d in (2, 3, 4)]
     for m in rows:
         mt = min(8, _next_pow2((m + 7) // 8))
         totals = {}

@@ -91,26 +91,27 @@ def _depth(depth: int, mt: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(warps: int, unit: int, depth: int, l2pf: bool, ldna: bool, zsub: bool, extra: tuple, fp16: bool,
-             has_perm: bool, has_bias: bool, device_index: int, mt: int):
+def _compile(warps: int, unit: int, depth: int, fp16: bool, has_perm: bool, has_bias: bool, device_index: int,
+             mt: int):
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
     if compile_kernel is None:
         raise RuntimeError("torch.cuda._compile_kernel (NVRTC) is not in this torch")
     major, minor = torch.cuda.get_device_capability(device_index)
     defines = (f"#define WARPS {_warps(warps, mt)}\n#define UNIT {unit}\n#define MT {mt}\n#define DEPTH {_depth(depth, mt)}\n"
-               f"#define L2PF {int(l2pf)}\n#define LDNA {int(ldna)}\n#define ZSUB {int(zsub)}\n#define IS_FP16 {int(fp16)}\n"
-               f"#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n"
-               + "".join(f"#define {name} {value}\n" for name, value in extra))
+               f"#define IS_FP16 {int(fp16)}\n#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
     with torch.cuda.device(device_index):
         return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
 
 
-def _kernels(warps: int, unit: int, depth: int, l2pf: bool, ldna: bool, zsub: bool, extra: tuple, fp16: bool,
-             has_perm: bool, has_bias: bool, device_index: int) -> dict:
+def _kernels(warps: Optional[int], column_tiles: int, unit: int, depth: int, fp16: bool, has_perm: bool,
+             has_bias: bool, device_index: int) -> dict:
     """Every row-tile variant at once, so that the first (eager) call compiles what later row counts need: a
-    compile (module load) inside CUDA-graph capture is not allowed."""
-    return {mt: _compile(warps, unit, depth, l2pf, ldna, zsub, extra, fp16, has_perm, has_bias, device_index, mt)
-            for mt in ROW_TILES}
+    compile (module load) inside CUDA-graph capture is not allowed. Values: (kernel, warps per block)."""
+    kernels = {}
+    for mt in ROW_TILES:
+        base = warps or default_warps(column_tiles, mt)
+        kernels[mt] = (_compile(base, unit, depth, fp16, has_perm, has_bias, device_index, mt), _warps(base, mt))
+    return kernels
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,19 +188,19 @@ def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
 
-# warps None: by the grid (`default_warps`); depth: units in flight per warp at one row tile (`_depth`); l2pf: a bulk
-# L2 prefetch of each block's weights at its start; ldna: weight loads that skip L1; zsub: the zero point taken off
-# the A registers instead of by a second MMA (csrc/qgemv_mma.cu)
-# extra: more (NAME, value) compile-time parameters (SPLITACC, OCC: benchmark variants)
-CONFIG = {"warps": None, "unit": 2, "depth": 2, "l2pf": False, "ldna": False, "zsub": False, "extra": ()}
+# warps None: by the grid and the row tiles (`default_warps`); depth: units in flight per warp at one row tile
+# (`_depth`; deeper rings measured slower: docs/benchmarks.md)
+CONFIG = {"warps": None, "unit": 2, "depth": 2}
 # Most rows the GEMV takes; above, the weight is dequantized into a buffer and multiplied by cuBLAS
 # (benchmarks/qgemv_mma.py measures both; numbers in docs/benchmarks.md).
 MMA_MAX_ROWS = 64
 
 
-def default_warps(column_tiles: int) -> int:
-    """Warps per block (they split K): about 4096 warps in all, 4 to 16 per block (benchmarks/qgemv_mma.py --sweep:
-    the best per 8B layer at 1 row)."""
+def default_warps(column_tiles: int, mt: int = 1) -> int:
+    """Warps per block (they split K). One row tile: about 4096 warps in all, 4 to 16 per block; more row tiles: 8
+    (benchmarks/qgemv_mma.py --sweep: the best per 8B layer at 1 and at 16 rows)."""
+    if mt > 1:
+        return 8
     warps = 16
     while warps > 4 and column_tiles * warps > 4096:
         warps //= 2
@@ -224,8 +225,8 @@ def prepare(words: torch.Tensor, dtype: torch.dtype, group_size: int, has_perm: 
     index = words.device.index if words.device.index is not None else torch.cuda.current_device()
     k = words.shape[1] * CHUNK
     unit = _unit(CONFIG["unit"], (k if group_size == -1 else group_size) // CHUNK)
-    _kernels(default_warps(words.shape[0]), unit, CONFIG["depth"], CONFIG["l2pf"], CONFIG["ldna"], CONFIG["zsub"],
-             tuple(CONFIG["extra"]), dtype == torch.float16, has_perm, has_bias, index)
+    _kernels(CONFIG["warps"], words.shape[0], unit, CONFIG["depth"], dtype == torch.float16, has_perm, has_bias,
+             index)
     _dequant_kernel(dtype == torch.float16, index)
 
 
@@ -246,13 +247,12 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     group_chunks = (k if group_size == -1 else group_size) // CHUNK
     unit = _unit(cfg["unit"], group_chunks)
     mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
-    base_warps = cfg["warps"] or default_warps(nt)
-    warps = _warps(base_warps, mt)
-    variant = (base_warps, unit, cfg["depth"], bool(cfg["l2pf"]), bool(cfg["ldna"]), bool(cfg["zsub"]),
-               tuple(cfg["extra"]), x.dtype == torch.float16,
-               perm is not None, bias is not None, x.device.index if x.device.index is not None else torch.cuda.current_device())
-    # a row tile given by the caller compiles that variant alone (benchmark sweeps); else every one at once
-    kernel = _compile(*variant, mt) if cfg.get("mt") else _kernels(*variant)[mt]
+    fp16, index = x.dtype == torch.float16, x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if cfg.get("mt"):  # a row tile given by the caller compiles that variant alone (benchmark sweeps)
+        base = cfg["warps"] or default_warps(nt, mt)
+        kernel, warps = _compile(base, unit, cfg["depth"], fp16, perm is not None, bias is not None, index, mt), _warps(base, mt)
+    else:  # every row-tile variant at once
+        kernel, warps = _kernels(cfg["warps"], nt, unit, cfg["depth"], fp16, perm is not None, bias is not None, index)[mt]
     grid, block = (nt, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
             out, m, n, k, x.stride(0), out.stride(0), group_chunks]

@@ -3,32 +3,15 @@
 // Swap-AB: out^T[n, m] = W[n, k] x^T[k, m], one mma.m16n8k16 per 16 output columns x 16 channels: the 8 columns of
 // the MMA's B operand are the (up to 8) input rows, so 1 row costs what 8 cost. The weights are repacked at load
 // (kernels/qgemv_mma.py: to_mma_layout) so that one 16-byte load per lane holds its A fragments for 4 MMAs (64
-// channels: one "chunk"), nibbles placed so that one lop3 makes a bf16x2 / f16x2 pair (OFF + q) exactly. The zero
-// point and OFF are taken off by a second MMA per fragment whose A is the constant -(OFF + zero) of each row (the
-// tensor cores do the subtraction; products are exact, sums fp32); the group scale multiplies each unit's sum.
+// channels: one "chunk"), nibbles placed so that one lop3 makes a bf16x2 / f16x2 pair (OFF + q) exactly, and one
+// paired add of -(OFF + zero) makes the MMA's A operand q - zero exactly (an integer of at most 5 bits: the products
+// are exact, sums fp32); the group scale multiplies each unit's sum.
 //
 // Compile-time parameters (#define before this file): WARPS, UNIT (chunks per unit; a unit never crosses a group),
-// DEPTH (units of a warp in flight: a ring of registers, all issued before the wait on the previous kernel), L2PF
-// (the block's weights asked of L2 at once by one bulk prefetch per warp), LDNA (weight loads skip L1, which keeps x),
-// ZSUB (the zero point subtracted in the A registers instead of by a second MMA per fragment),
+// DEPTH (units of a warp in flight: a ring of registers, all asked for before the wait on the previous kernel),
 // MT (row tiles of 8 per block: a block takes 8 * MT rows, blockIdx.y the row block), IS_FP16, HAS_PERM, HAS_BIAS.
 #ifndef DEPTH
 #define DEPTH 2
-#endif
-#ifndef L2PF
-#define L2PF 0
-#endif
-#ifndef LDNA
-#define LDNA 0
-#endif
-#ifndef SPLITACC
-#define SPLITACC 0  // 1: two MMA accumulators per row tile (even and odd fragments): two dependency chains, not one
-#endif
-#ifndef OCC
-#define OCC 0  // > 0: warps per SM the compiler keeps registers for (__launch_bounds__'s blocks per SM)
-#endif
-#ifndef ZSUB
-#define ZSUB 0  // 1: the zero point and OFF taken off the A registers by one paired add (exact), not a second MMA
 #endif
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -99,17 +82,6 @@ __device__ __forceinline__ u32 neg_zero_pair(u16 zbits) {
     return ((u32)h << 16) | h;
 }
 
-__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
-#if LDNA
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#else
-    return __ldg(p);
-#endif
-}
-
 // One unit's weights (UNIT 16-byte words of the lane), and the scales and zeros of its group for the lane's two
 // columns.
 struct Unit {
@@ -120,7 +92,7 @@ struct Unit {
 __device__ __forceinline__ void load_unit(Unit& un, const uint4* wbase, const u16* scales, const u16* zeros, int u,
                                           int group_chunks, int N, int n_lo, int n_hi) {
 #pragma unroll
-    for (int i = 0; i < UNIT; i++) un.w[i] = ld_weights(wbase + (u64)(u * UNIT + i) * 32);
+    for (int i = 0; i < UNIT; i++) un.w[i] = __ldg(wbase + (u64)(u * UNIT + i) * 32);
     const u64 row = (u64)(u * UNIT / group_chunks) * N;
     un.s_lo = scales[row + n_lo]; un.s_hi = scales[row + n_hi];
     un.z_lo = zeros[row + n_lo]; un.z_hi = zeros[row + n_hi];
@@ -130,11 +102,11 @@ __device__ __forceinline__ void load_unit(Unit& un, const uint4* wbase, const u1
 __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un, int u, const u16* const (&xrow)[MT],
                                              const bool (&row_ok)[MT], const int* __restrict__ perm, int t) {
     const u32 za = neg_zero_pair(un.z_lo), zb = neg_zero_pair(un.z_hi);
-    float d[MT][4], d2[MT][4];
+    float d[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) d[mt][e] = d2[mt][e] = 0.f;
+        for (int e = 0; e < 4; e++) d[mt][e] = 0.f;
 #pragma unroll
     for (int i = 0; i < UNIT; i++) {
         const int c = u * UNIT + i;
@@ -168,43 +140,24 @@ __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const u32 w = words[j];
-            // A fragments: a0 / a2 are column n_lo's (row g of the MMA), a1 / a3 column n_hi's
-            const u32 a0 = lop3_and_or(w, 0x000F000Fu, MAGIC);
-            const u32 a1 = lop3_and_or(w >> 4, 0x000F000Fu, MAGIC);
-            const u32 a2 = lop3_and_or(w >> 8, 0x000F000Fu, MAGIC);
-            const u32 a3 = lop3_and_or(w >> 12, 0x000F000Fu, MAGIC);
-#if ZSUB
-            const u32 b0 = add_pair(a0, za), b1 = add_pair(a1, zb), b2 = add_pair(a2, za), b3 = add_pair(a3, zb);
+            // A fragments q - zero: a0 / a2 are column n_lo's (row g of the MMA), a1 / a3 column n_hi's
+            const u32 a0 = add_pair(lop3_and_or(w, 0x000F000Fu, MAGIC), za);
+            const u32 a1 = add_pair(lop3_and_or(w >> 4, 0x000F000Fu, MAGIC), zb);
+            const u32 a2 = add_pair(lop3_and_or(w >> 8, 0x000F000Fu, MAGIC), za);
+            const u32 a3 = add_pair(lop3_and_or(w >> 12, 0x000F000Fu, MAGIC), zb);
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-                mma((SPLITACC && (j & 1)) ? d2[mt] : d[mt], b0, b1, b2, b3, xr[mt][2 * j], xr[mt][2 * j + 1]);
-#else
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                mma(d[mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
-                mma(SPLITACC ? d2[mt] : d[mt], za, zb, za, zb, xr[mt][2 * j], xr[mt][2 * j + 1]);
-            }
-#endif
+            for (int mt = 0; mt < MT; mt++) mma(d[mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
         }
     }
     const float sl = to_f32(un.s_lo), sh = to_f32(un.s_hi);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-#if SPLITACC
-#pragma unroll
-        for (int e = 0; e < 4; e++) d[mt][e] += d2[mt][e];
-#endif
         acc[mt][0] += sl * d[mt][0]; acc[mt][1] += sl * d[mt][1];
         acc[mt][2] += sh * d[mt][2]; acc[mt][3] += sh * d[mt][3];
     }
 }
 
-#if OCC
-#define BOUNDS __launch_bounds__(WARPS * 32, (OCC + WARPS - 1) / WARPS)
-#else
-#define BOUNDS __launch_bounds__(WARPS * 32)
-#endif
-extern "C" __global__ void BOUNDS
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
 qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __restrict__ scales,
           const u16* __restrict__ zeros, const int* __restrict__ perm, const u16* __restrict__ bias,
           u16* __restrict__ out, int M, int N, int K, int stride_x, int stride_o, int group_chunks) {
@@ -218,15 +171,6 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
     // this lane's 16-byte word group of chunk c: qw[(nt * chunks + c) * 32 + lane]
     const uint4* wbase = qw + (u64)nt * chunks * 32 + lane;
 
-#if L2PF && __CUDA_ARCH__ >= 900
-    if (lane == 0) {  // warp w asks L2 for the w-th slice of the column tile's weights (contiguous, 16-byte multiples)
-        const u32 bytes = (u32)chunks * 512u;
-        const u32 lo = (bytes / WARPS * warp) & ~15u, hi = warp == WARPS - 1 ? bytes : (bytes / WARPS * (warp + 1)) & ~15u;
-        if (hi > lo)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                         :: "l"((const char*)(qw + (u64)nt * chunks * 32) + lo), "r"(hi - lo) : "memory");
-    }
-#endif
     // DEPTH units of this warp in flight (u = warp + d * WARPS in slot d), asked for before the previous kernel ends
     Unit buf[DEPTH];
 #pragma unroll
