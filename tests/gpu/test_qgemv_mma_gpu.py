@@ -54,6 +54,12 @@ def test_group_sizes_and_act_order(group, perm):
     _run(3, 2048, 512, group=group, perm=perm)
 
 
+@pytest.mark.parametrize("m", [2, 20])
+def test_groups_of_three_chunks(m):
+    """Group 192 (3 chunks, not a power of two): the kernel's group index takes the division path, units of 1 chunk."""
+    _run(m, 1536, 512, group=192, perm=m == 20, bias=True)
+
+
 @pytest.mark.parametrize("m", [1, 7, 40])
 def test_fp16(m):
     _run(m, 4096, 2048, dtype=torch.float16, bias=True, perm=m == 7)

@@ -16,9 +16,10 @@ def test_layout_round_trip():
 
 
 def _emulate(words, x, scales, zeros, group_size, off=128.0):
-    """out[m, n] as the kernel computes it: per chunk and lane, A fragments from the word's nibble pairs (bits 0-3 /
-    16-19 of w, w >> 4, w >> 8, w >> 12) as (off + q), plus -(off + zero) of the fragment's row (a0 / a2: row g's
-    zero, a1 / a3: row g + 8's: `add_pair` with za / zb), B fragments from 16 consecutive channels of row g, and the fragment maps
+    """out[m, n] as the kernel computes it: per chunk and lane, A fragments from the word's nibble pairs: a0 = w &
+    0x000F000F and a2 = (w >> 8) & 0x000F000F as (off + q), a1 = w & 0x00F000F0 and a3 = (w >> 8) & 0x00F000F0 as
+    (off + 16 q), plus -(off + zero) (a0 / a2: row g's zero) or -(off + 16 zero) (a1 / a3: row g + 8's), and row g + 8's
+    scale divided by 16; B fragments from 16 consecutive channels of row g, and the fragment maps
     a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..), b0 (2t..2t+1, col g), b1 (2t+8.., g),
     c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1)."""
     nt, chunks = words.shape[:2]
@@ -37,16 +38,19 @@ def _emulate(words, x, scales, zeros, group_size, off=128.0):
                 for lane in range(32):
                     g, t = lane // 4, lane % 4
                     w = int(words[tile, c, lane, j]) & 0xFFFFFFFF
-                    regs = [(w >> (4 * r)) & 0x000F000F for r in range(4)]  # a0..a3: (lo, hi) = (bits 0-3, 16-19)
+                    regs = [w & 0x000F000F, w & 0x00F000F0, (w >> 8) & 0x000F000F, (w >> 8) & 0x00F000F0]  # a0..a3
                     for r, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
-                        neg_zero = -(off + z[g + 8 * (r & 1)])  # za for a0 / a2, zb for a1 / a3
-                        a[row, col] = (off + (regs[r] & 0xF)) + neg_zero
-                        a[row, col + 1] = (off + ((regs[r] >> 16) & 0xF)) + neg_zero
+                        mult = 16 if r & 1 else 1  # a1 / a3 hold their nibbles 4 bits up: 16 q
+                        neg_zero = -(off + mult * z[row])  # za for a0 / a2, zb for a1 / a3
+                        a[row, col] = (off + (regs[r] & 0xFFFF)) + neg_zero
+                        a[row, col + 1] = (off + (regs[r] >> 16)) + neg_zero
                     xs = xp[g, c * CHUNK + 16 * t: c * CHUNK + 16 * t + 16]  # the lane's 16 channels of row g
                     b[2 * t, g], b[2 * t + 1, g] = xs[4 * j], xs[4 * j + 1]  # b0 = xr[2j]
                     b[2 * t + 8, g], b[2 * t + 9, g] = xs[4 * j + 2], xs[4 * j + 3]  # b1 = xr[2j + 1]
                 d += a @ b
-            out[:, tile * 16: tile * 16 + 16] += (d * scales[grp, tile * 16: tile * 16 + 16].double()[:, None]).t()
+            scale = scales[grp, tile * 16: tile * 16 + 16].double().clone()
+            scale[8:] /= 16  # column n_hi's products are 16 (q - zero) x
+            out[:, tile * 16: tile * 16 + 16] += (d * scale[:, None]).t()
     return out[:m_rows]
 
 

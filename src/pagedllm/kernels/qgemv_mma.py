@@ -211,6 +211,17 @@ def _next_pow2(v: int) -> int:
     return 1 << (max(1, v) - 1).bit_length()
 
 
+def _group_shift(group_size: int, k: int) -> int:
+    """The kernel's group of chunk c: c >> shift (groups of a power of two chunks; one group over K: 30), else
+    c / -shift."""
+    if group_size == -1 or group_size >= k:
+        return 30
+    group_chunks = group_size // CHUNK
+    if group_chunks & (group_chunks - 1) == 0:
+        return group_chunks.bit_length() - 1
+    return -group_chunks
+
+
 def _unit(unit: int, group_chunks: int) -> int:
     """Chunks per unit: at most `unit`, dividing the group (a unit never spans two groups)."""
     while group_chunks % unit:
@@ -255,7 +266,7 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
         kernel, warps = _kernels(cfg["warps"], nt, unit, cfg["depth"], fp16, perm is not None, bias is not None, index)[mt]
     grid, block = (nt, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
-            out, m, n, k, x.stride(0), out.stride(0), group_chunks]
+            out, m, n, k, x.stride(0), out.stride(0), _group_shift(group_size, k)]
     from pagedllm.kernels.pdl import use_pdl  # (imports triton: not at module level, the CPU path has none)
 
     if use_pdl(x.device):

@@ -3,9 +3,11 @@
 // Swap-AB: out^T[n, m] = W[n, k] x^T[k, m], one mma.m16n8k16 per 16 output columns x 16 channels: the 8 columns of
 // the MMA's B operand are the (up to 8) input rows, so 1 row costs what 8 cost. The weights are repacked at load
 // (kernels/qgemv_mma.py: to_mma_layout) so that one 16-byte load per lane holds its A fragments for 4 MMAs (64
-// channels: one "chunk"), nibbles placed so that one lop3 makes a bf16x2 / f16x2 pair (OFF + q) exactly, and one
-// paired add of -(OFF + zero) makes the MMA's A operand q - zero exactly (an integer of at most 5 bits: the products
-// are exact, sums fp32); the group scale multiplies each unit's sum.
+// channels: one "chunk"), nibbles placed so that one lop3 makes a bf16x2 / f16x2 pair exactly: (OFF + q) for the
+// column n_lo's fragments, from the low nibble of a byte, and (OFF + 16 q) for column n_hi's, from the high nibble in
+// place (no shift). One paired add of -(OFF + zero) (-(OFF + 16 zero)) makes the MMA's A operand q - zero (16 (q -
+// zero)) exactly: the products are exact, sums fp32, and column n_hi's scale is divided by 16 (a power of two: the
+// result is the same). The group scale multiplies each unit's sum.
 //
 // Compile-time parameters (#define before this file): WARPS, UNIT (chunks per unit; a unit never crosses a group),
 // DEPTH (units of a warp in flight: a ring of registers, all asked for before the wait on the previous kernel),
@@ -76,9 +78,9 @@ __device__ __forceinline__ u32 add_pair(u32 a, u32 b) {
     return r;
 }
 
-// -(OFF + zero) of a row, in both halves of a register (exact: zero is an integer below 2**8).
-__device__ __forceinline__ u32 neg_zero_pair(u16 zbits) {
-    u16 h = from_f32(-(OFF + to_f32(zbits)));
+// -(OFF + mult * zero) of a row, in both halves of a register (exact: zero is an integer below 16, mult 1 or 16).
+__device__ __forceinline__ u32 neg_zero_pair(u16 zbits, float mult) {
+    u16 h = from_f32(-(OFF + mult * to_f32(zbits)));
     return ((u32)h << 16) | h;
 }
 
@@ -90,18 +92,20 @@ struct Unit {
 };
 
 __device__ __forceinline__ void load_unit(Unit& un, const uint4* wbase, const u16* scales, const u16* zeros, int u,
-                                          int group_chunks, int N, int n_lo, int n_hi) {
+                                          int group_shift, int N, int n_lo, int n_hi) {
 #pragma unroll
     for (int i = 0; i < UNIT; i++) un.w[i] = __ldg(wbase + (u64)(u * UNIT + i) * 32);
-    const u64 row = (u64)(u * UNIT / group_chunks) * N;
+    // the unit's group: chunks >> group_shift, or chunks / -group_shift where a group is not a power-of-two chunks
+    const int c = u * UNIT;
+    const u64 row = (u64)(group_shift >= 0 ? c >> group_shift : c / -group_shift) * N;
     un.s_lo = scales[row + n_lo]; un.s_hi = scales[row + n_hi];
     un.z_lo = zeros[row + n_lo]; un.z_hi = zeros[row + n_hi];
 }
 
 // acc += one unit's product: its UNIT chunks against the lane's x of every row tile, the group scale applied once.
 __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un, int u, const u16* const (&xrow)[MT],
-                                             const bool (&row_ok)[MT], const int* __restrict__ perm, int t) {
-    const u32 za = neg_zero_pair(un.z_lo), zb = neg_zero_pair(un.z_hi);
+                                             const int* __restrict__ perm, int t) {
+    const u32 za = neg_zero_pair(un.z_lo, 1.f), zb = neg_zero_pair(un.z_hi, 16.f);
     float d[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -110,7 +114,7 @@ __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un
 #pragma unroll
     for (int i = 0; i < UNIT; i++) {
         const int c = u * UNIT + i;
-        // the lane's 16 channels [c * 64 + 16 t, +16) of its row of each row tile (zeros past M)
+        // the lane's 16 channels [c * 64 + 16 t, +16) of its row of each row tile
         u32 xr[MT][8];
 #if HAS_PERM
         const int* p = perm + c * 64 + 16 * t;
@@ -120,36 +124,32 @@ __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un
 #endif
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
-            if (row_ok[mt]) {
 #if HAS_PERM
 #pragma unroll
-                for (int e = 0; e < 8; e++)
-                    xr[mt][e] = (u32)__ldg(xrow[mt] + pk[2 * e]) | ((u32)__ldg(xrow[mt] + pk[2 * e + 1]) << 16);
+            for (int e = 0; e < 8; e++)
+                xr[mt][e] = (u32)__ldg(xrow[mt] + pk[2 * e]) | ((u32)__ldg(xrow[mt] + pk[2 * e + 1]) << 16);
 #else
-                const uint4 v0 = __ldg((const uint4*)(xrow[mt] + c * 64 + 16 * t));
-                const uint4 v1 = __ldg((const uint4*)(xrow[mt] + c * 64 + 16 * t + 8));
-                xr[mt][0] = v0.x; xr[mt][1] = v0.y; xr[mt][2] = v0.z; xr[mt][3] = v0.w;
-                xr[mt][4] = v1.x; xr[mt][5] = v1.y; xr[mt][6] = v1.z; xr[mt][7] = v1.w;
+            const uint4* xv = (const uint4*)xrow[mt] + c * 8;  // xrow[mt] includes the lane's 16 t
+            const uint4 v0 = __ldg(xv), v1 = __ldg(xv + 1);
+            xr[mt][0] = v0.x; xr[mt][1] = v0.y; xr[mt][2] = v0.z; xr[mt][3] = v0.w;
+            xr[mt][4] = v1.x; xr[mt][5] = v1.y; xr[mt][6] = v1.z; xr[mt][7] = v1.w;
 #endif
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; e++) xr[mt][e] = 0u;
-            }
         }
         const u32 words[4] = {un.w[i].x, un.w[i].y, un.w[i].z, un.w[i].w};
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const u32 w = words[j];
-            // A fragments q - zero: a0 / a2 are column n_lo's (row g of the MMA), a1 / a3 column n_hi's
+            // A fragments: a0 / a2 column n_lo's (row g of the MMA) q - zero, a1 / a3 column n_hi's 16 (q - zero)
+            const u32 w8 = w >> 8;
             const u32 a0 = add_pair(lop3_and_or(w, 0x000F000Fu, MAGIC), za);
-            const u32 a1 = add_pair(lop3_and_or(w >> 4, 0x000F000Fu, MAGIC), zb);
-            const u32 a2 = add_pair(lop3_and_or(w >> 8, 0x000F000Fu, MAGIC), za);
-            const u32 a3 = add_pair(lop3_and_or(w >> 12, 0x000F000Fu, MAGIC), zb);
+            const u32 a1 = add_pair(lop3_and_or(w, 0x00F000F0u, MAGIC), zb);
+            const u32 a2 = add_pair(lop3_and_or(w8, 0x000F000Fu, MAGIC), za);
+            const u32 a3 = add_pair(lop3_and_or(w8, 0x00F000F0u, MAGIC), zb);
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) mma(d[mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
         }
     }
-    const float sl = to_f32(un.s_lo), sh = to_f32(un.s_hi);
+    const float sl = to_f32(un.s_lo), sh = to_f32(un.s_hi) * 0.0625f;  // n_hi's products are 16x
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         acc[mt][0] += sl * d[mt][0]; acc[mt][1] += sl * d[mt][1];
@@ -160,7 +160,7 @@ __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __restrict__ scales,
           const u16* __restrict__ zeros, const int* __restrict__ perm, const u16* __restrict__ bias,
-          u16* __restrict__ out, int M, int N, int K, int stride_x, int stride_o, int group_chunks) {
+          u16* __restrict__ out, int M, int N, int K, int stride_x, int stride_o, int group_shift) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nt = blockIdx.x;
@@ -175,18 +175,18 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
     Unit buf[DEPTH];
 #pragma unroll
     for (int d = 0; d < DEPTH; d++)
-        if (warp + d * WARPS < units) load_unit(buf[d], wbase, scales, zeros, warp + d * WARPS, group_chunks, N, n_lo, n_hi);
+        if (warp + d * WARPS < units) load_unit(buf[d], wbase, scales, zeros, warp + d * WARPS, group_shift, N, n_lo, n_hi);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 #endif
     float acc[MT][4];
-    bool row_ok[MT];
-    const u16* xrow[MT];  // row starts (a row past M points at row 0 and is never read)
+    // the lane's row of each row tile: a row past M reads row 0, and its MMA column (independent of the others) is
+    // never stored
+    const u16* xrow[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         const int m = m0 + 8 * mt + g;
-        row_ok[mt] = m < M;
-        xrow[mt] = x + (u64)(row_ok[mt] ? m : 0) * stride_x;
+        xrow[mt] = x + (u64)(m < M ? m : 0) * stride_x + (HAS_PERM ? 0 : 16 * t);
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[mt][e] = 0.f;
     }
@@ -195,10 +195,10 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
         for (int d = 0; d < DEPTH; d++) {
             const int u = u0 + d * WARPS;
             if (u < units) {
-                unit_product(acc, buf[d], u, xrow, row_ok, perm, t);
+                unit_product(acc, buf[d], u, xrow, perm, t);
                 // the slot just used takes the unit DEPTH steps ahead: DEPTH - 1 stay in flight meanwhile
                 if (u + DEPTH * WARPS < units)
-                    load_unit(buf[d], wbase, scales, zeros, u + DEPTH * WARPS, group_chunks, N, n_lo, n_hi);
+                    load_unit(buf[d], wbase, scales, zeros, u + DEPTH * WARPS, group_shift, N, n_lo, n_hi);
             }
         }
     }
