@@ -3,6 +3,10 @@ the CPU (each lane's lop3 unpacking and the mma.m16n8k16 fragment maps of the PT
 The kernel itself runs in tests/gpu/test_qgemv_mma_gpu.py."""
 from __future__ import annotations
 
+import functools
+
+import pytest
+
 import torch
 
 from pagedllm.kernels.qgemv_mma import CHUNK, dequantize_mma, from_mma_layout, to_mma_layout
@@ -15,13 +19,21 @@ def test_layout_round_trip():
     assert torch.equal(from_mma_layout(words), q.to(torch.int32))
 
 
-def _emulate(words, x, scales, zeros, group_size, off=128.0):
+@functools.lru_cache(maxsize=None)
+def _half(bits: int, fp16: bool) -> float:
+    """The value of a 16-bit pattern as the kernel's lop3 makes it (the MMA operand's real encoding)."""
+    return torch.tensor([bits - (1 << 16) if bits >= 1 << 15 else bits], dtype=torch.int16).view(
+        torch.float16 if fp16 else torch.bfloat16).item()
+
+
+def _emulate(words, x, scales, zeros, group_size, fp16=False):
     """out[m, n] as the kernel computes it: per chunk and lane, A fragments from the word's nibble pairs: a0 = w &
-    0x000F000F and a2 = (w >> 8) & 0x000F000F as (off + q), a1 = w & 0x00F000F0 and a3 = (w >> 8) & 0x00F000F0 as
-    (off + 16 q), plus -(off + zero) (a0 / a2: row g's zero) or -(off + 16 zero) (a1 / a3: row g + 8's), and row g + 8's
-    scale divided by 16; B fragments from 16 consecutive channels of row g, and the fragment maps
+    0x000F000F and a2 = (w >> 8) & 0x000F000F as (off + q); a1 / a3 = (w >> 4) / (w >> 12) & 0x000F000F (bf16), or in
+    place for f16, w & 0x00F000F0 / (w >> 8) & 0x00F000F0 as (off + 16 q); plus -(off + zero) (a0 / a2: row g's zero)
+    or -(off + mult zero) (a1 / a3: row g + 8's), and row g + 8's scale divided by mult; B fragments from 16 consecutive channels of row g, and the fragment maps
     a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..), b0 (2t..2t+1, col g), b1 (2t+8.., g),
     c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1)."""
+    off, hi_mult, magic = (1024.0, 16, 0x6400) if fp16 else (128.0, 1, 0x4300)
     nt, chunks = words.shape[:2]
     m_rows = x.shape[0]
     xp = torch.zeros(8, x.shape[1], dtype=torch.float64)
@@ -38,23 +50,27 @@ def _emulate(words, x, scales, zeros, group_size, off=128.0):
                 for lane in range(32):
                     g, t = lane // 4, lane % 4
                     w = int(words[tile, c, lane, j]) & 0xFFFFFFFF
-                    regs = [w & 0x000F000F, w & 0x00F000F0, (w >> 8) & 0x000F000F, (w >> 8) & 0x00F000F0]  # a0..a3
+                    if fp16:  # a1 / a3 hold their nibbles 4 bits up: 16 q
+                        regs = [w & 0x000F000F, w & 0x00F000F0, (w >> 8) & 0x000F000F, (w >> 8) & 0x00F000F0]
+                    else:
+                        regs = [(w >> (4 * r)) & 0x000F000F for r in range(4)]
                     for r, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
-                        mult = 16 if r & 1 else 1  # a1 / a3 hold their nibbles 4 bits up: 16 q
+                        mult = hi_mult if r & 1 else 1
                         neg_zero = -(off + mult * z[row])  # za for a0 / a2, zb for a1 / a3
-                        a[row, col] = (off + (regs[r] & 0xFFFF)) + neg_zero
-                        a[row, col + 1] = (off + (regs[r] >> 16)) + neg_zero
+                        a[row, col] = _half(magic | (regs[r] & 0xFFFF), fp16) + neg_zero
+                        a[row, col + 1] = _half(magic | (regs[r] >> 16), fp16) + neg_zero
                     xs = xp[g, c * CHUNK + 16 * t: c * CHUNK + 16 * t + 16]  # the lane's 16 channels of row g
                     b[2 * t, g], b[2 * t + 1, g] = xs[4 * j], xs[4 * j + 1]  # b0 = xr[2j]
                     b[2 * t + 8, g], b[2 * t + 9, g] = xs[4 * j + 2], xs[4 * j + 3]  # b1 = xr[2j + 1]
                 d += a @ b
             scale = scales[grp, tile * 16: tile * 16 + 16].double().clone()
-            scale[8:] /= 16  # column n_hi's products are 16 (q - zero) x
+            scale[8:] /= hi_mult  # column n_hi's products are hi_mult (q - zero) x
             out[:, tile * 16: tile * 16 + 16] += (d * scale[:, None]).t()
     return out[:m_rows]
 
 
-def test_kernel_fragment_maps_give_the_product():
+@pytest.mark.parametrize("fp16", [False, True])
+def test_kernel_fragment_maps_give_the_product(fp16):
     gen = torch.Generator().manual_seed(1)
     n, k, group = 32, 256, 128
     q = torch.randint(0, 16, (n, k), generator=gen)
@@ -65,7 +81,7 @@ def test_kernel_fragment_maps_give_the_product():
     dense = dequantize_mma(words, scales, zeros, group, None, dtype=torch.float64)
     torch.testing.assert_close(dense, (q.double() - zeros.t().repeat_interleave(group, 1))
                                * scales.double().t().repeat_interleave(group, 1))
-    torch.testing.assert_close(_emulate(words, x, scales, zeros, group), x.double() @ dense.t())
+    torch.testing.assert_close(_emulate(words, x, scales, zeros, group, fp16), x.double() @ dense.t())
 
 
 def test_dequantize_with_act_order_perm():
@@ -80,7 +96,6 @@ def test_dequantize_with_act_order_perm():
 
 
 # ---------------------------------------------------------------- the layer conversion (quantization/tiled.py)
-import pytest  # noqa: E402
 
 from pagedllm.quantization.awq import AWQConfig  # noqa: E402
 from pagedllm.quantization.gptq import GPTQConfig  # noqa: E402

@@ -3,11 +3,11 @@
 // Swap-AB: out^T[n, m] = W[n, k] x^T[k, m], one mma.m16n8k16 per 16 output columns x 16 channels: the 8 columns of
 // the MMA's B operand are the (up to 8) input rows, so 1 row costs what 8 cost. The weights are repacked at load
 // (kernels/qgemv_mma.py: to_mma_layout) so that one 16-byte load per lane holds its A fragments for 4 MMAs (64
-// channels: one "chunk"), nibbles placed so that one lop3 makes a bf16x2 / f16x2 pair exactly: (OFF + q) for the
-// column n_lo's fragments, from the low nibble of a byte, and (OFF + 16 q) for column n_hi's, from the high nibble in
-// place (no shift). One paired add of -(OFF + zero) (-(OFF + 16 zero)) makes the MMA's A operand q - zero (16 (q -
-// zero)) exactly: the products are exact, sums fp32, and column n_hi's scale is divided by 16 (a power of two: the
-// result is the same). The group scale multiplies each unit's sum.
+// channels: one "chunk"), nibbles placed so that one lop3 makes a bf16x2 / f16x2 pair (OFF + q) exactly; for f16
+// (10 mantissa bits) column n_hi's fragments take the high nibble of a byte in place, (OFF + 16 q), which saves two
+// shifts per word (bf16's 7 mantissa bits cannot hold it). One paired add of -(OFF + zero) (-(OFF + 16 zero)) makes
+// the MMA's A operand q - zero (16 (q - zero)) exactly: the products are exact, sums fp32, and a 16x column's scale
+// is divided by 16 (a power of two: the result is the same). The group scale multiplies each unit's sum.
 //
 // Compile-time parameters (#define before this file): WARPS, UNIT (chunks per unit; a unit never crosses a group),
 // DEPTH (units of a warp in flight: a ring of registers, all asked for before the wait on the previous kernel),
@@ -20,11 +20,13 @@ typedef unsigned short u16;
 typedef unsigned long long u64;
 
 #if IS_FP16
-#define MAGIC 0x64006400u  // f16 1024.0 in each half: 1024 + q is exact
+#define MAGIC 0x64006400u  // f16 1024.0 in each half: 1024 + q and 1024 + 16 q are exact
 #define OFF 1024.0f
+#define HI_MULT 16.0f      // column n_hi's nibbles used in place, 4 bits up
 #else
 #define MAGIC 0x43004300u  // bf16 128.0 in each half: 128 + q is exact
 #define OFF 128.0f
+#define HI_MULT 1.0f
 #endif
 
 __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
@@ -105,7 +107,7 @@ __device__ __forceinline__ void load_unit(Unit& un, const uint4* wbase, const u1
 // acc += one unit's product: its UNIT chunks against the lane's x of every row tile, the group scale applied once.
 __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un, int u, const u16* const (&xrow)[MT],
                                              const int* __restrict__ perm, int t) {
-    const u32 za = neg_zero_pair(un.z_lo, 1.f), zb = neg_zero_pair(un.z_hi, 16.f);
+    const u32 za = neg_zero_pair(un.z_lo, 1.f), zb = neg_zero_pair(un.z_hi, HI_MULT);
     float d[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -139,17 +141,22 @@ __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const u32 w = words[j];
-            // A fragments: a0 / a2 column n_lo's (row g of the MMA) q - zero, a1 / a3 column n_hi's 16 (q - zero)
+            // A fragments: a0 / a2 column n_lo's (row g of the MMA) q - zero, a1 / a3 column n_hi's HI_MULT (q - zero)
             const u32 w8 = w >> 8;
             const u32 a0 = add_pair(lop3_and_or(w, 0x000F000Fu, MAGIC), za);
-            const u32 a1 = add_pair(lop3_and_or(w, 0x00F000F0u, MAGIC), zb);
             const u32 a2 = add_pair(lop3_and_or(w8, 0x000F000Fu, MAGIC), za);
+#if IS_FP16
+            const u32 a1 = add_pair(lop3_and_or(w, 0x00F000F0u, MAGIC), zb);
             const u32 a3 = add_pair(lop3_and_or(w8, 0x00F000F0u, MAGIC), zb);
+#else
+            const u32 a1 = add_pair(lop3_and_or(w >> 4, 0x000F000Fu, MAGIC), zb);
+            const u32 a3 = add_pair(lop3_and_or(w >> 12, 0x000F000Fu, MAGIC), zb);
+#endif
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) mma(d[mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
         }
     }
-    const float sl = to_f32(un.s_lo), sh = to_f32(un.s_hi) * 0.0625f;  // n_hi's products are 16x
+    const float sl = to_f32(un.s_lo), sh = to_f32(un.s_hi) * (1.0f / HI_MULT);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         acc[mt][0] += sl * d[mt][0]; acc[mt][1] += sl * d[mt][1];
