@@ -2,8 +2,8 @@
 NVRTC through torch), over its own weight layout ("mma").
 
 Why: the CUDA-core GEMVs (kernels/qgemv.py) spend ~3-4 instructions per weight unpacking and multiplying, which on
-an H200 caps them near 1.5-1.8 TB/s of int4; here one lop3 per two weights makes the MMA operand and the tensor
-cores do the rest (the zero point included), so the pass is a stream of weights. 1 to 8 input rows cost the same
+an H200 caps them near 1.5-1.8 TB/s of int4; here one lop3 and one paired add (the zero point) per two weights make
+the MMA operand and the tensor cores do the rest, so the pass is a stream of weights. 1 to 8 input rows cost the same
 (they are the MMA's 8 columns); more rows take row tiles of 8 (MT per block, blocks over row blocks of 8 * MT).
 
 The layout, made from the q values in layout-channel order (after the act-order permutation, as in the tiled
