@@ -2,7 +2,7 @@
 # Issue 27's int4 rows on the lent H200, in device calls (carry .whl: ../shared/device/fetch-wheels.sh):
 #
 #   bash benchmarks/gpu_int4.sh mma       # the tensor-core GEMV (benchmarks/qgemv_mma.py: checks, vs bf16 / tiled; its tests)
-#   bash benchmarks/gpu_int4.sh sweep     # its launch variants per 8B layer at 1 and 16 rows (checks first)
+#   bash benchmarks/gpu_int4.sh sweep     # its launch variants per 8B layer at 1, 16, 32 and 64 rows (no checks)
 #   bash benchmarks/gpu_int4.sh kernels   # per-layer kernels (quant.py)
 #   bash benchmarks/gpu_int4.sh tests     # the quantization GPU tests (tiled kernels, library checkpoints)
 #   bash benchmarks/gpu_int4.sh e2e       # 8B decode (latency.py) at batch 1, 16 and 64: bf16, GPTQ int4, AWQ int4
@@ -29,7 +29,7 @@ mma)
     step mma-tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_qgemv_mma_gpu.py
     ;;
 sweep)
-    step sweep 270 python benchmarks/qgemv_mma.py --no-check --sweep 1 16
+    step sweep 420 python benchmarks/qgemv_mma.py --no-check --sweep 1 16 32 64
     ;;
 kernels)
     step layers 240 python benchmarks/quant.py --model 8b --rows 1 2 4 16 64

@@ -44,7 +44,8 @@ def check() -> bool:
         dense = dequantize_mma(words, scales, zeros, group, p)
         ref = x.float() @ dense.t() + (b.float() if bias else 0)
         for cfg in ({"warps": 4, "unit": 1}, {"warps": 8, "unit": 2}, {"warps": 16, "unit": 2, "mt": 1},
-                    {"warps": 8, "depth": 6}, {"warps": 4, "unit": 1, "depth": 8, "mt": 1}):
+                    {"warps": 8, "depth": 6}, {"warps": 4, "unit": 1, "depth": 8, "mt": 1}, {"warps": 4, "ct": 4},
+                    {"warps": 2, "ct": 2, "depth": 3}):
             if cfg.get("mt") == 1 and m > 8:
                 continue
             out = quant_gemv_mma(x, words, scales, zeros, group, p, b, cfg)
@@ -61,7 +62,9 @@ def check() -> bool:
 def sweep(rows):
     """Every launch variant per 8B layer at `rows` (one row tile: 8 rows or fewer, else the tile count given), and
     the sum over the four layers per variant, best first."""
-    variants = [{"warps": w, "depth": d} for w in (None, 4, 8, 16) for d in (2, 3, 4)]
+    variants = [{"warps": w, "depth": d} for w in (None, 4, 8, 16) for d in (2, 3)]
+    # column tiles per block sharing each x fragment: x is re-read from L2 once per block, which dominates at 16+ rows
+    variants += [{"warps": w, "ct": ct, "unit": u} for w in (None, 2, 4, 8) for ct in (2, 4, 8) for u in (2, 1)]
     for m in rows:
         mt = min(8, _next_pow2((m + 7) // 8))
         totals = {}
@@ -71,7 +74,7 @@ def sweep(rows):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             for i, v in enumerate(variants):
                 cfg = {**v, "mt": mt}
-                if mt > 1 and v.get("depth", 2) > 4:
+                if mt > 1 and v.get("depth", 2) > 4 or mt * v.get("ct", 1) > 16:
                     continue
                 t = time_us(lambda j: quant_gemv_mma(x, *copies[j][:3], 128, None, None, cfg), len(copies))
                 totals[i] = totals.get(i, 0.0) + t

@@ -67,11 +67,12 @@ def test_fp16(m):
 
 @pytest.mark.parametrize("config", [{"warps": 1, "unit": 1}, {"warps": 4, "unit": 2}, {"warps": 16, "unit": 4},
                                     {"warps": 8, "unit": 2, "mt": 2}, {"warps": 4, "depth": 8},
-                                    {"warps": 16, "unit": 1, "depth": 3}])
+                                    {"warps": 16, "unit": 1, "depth": 3}, {"warps": 4, "ct": 2},
+                                    {"warps": 2, "ct": 4, "depth": 3}, {"ct": 8, "mt": 2}, {"ct": 3}])
 @pytest.mark.parametrize("m", [6, 20])
 def test_launch_configs(config, m):
-    """Every launch variant (warps, unit, units in flight) gives the product; K = 4096 leaves some warps fewer
-    units than others at depth > 2."""
+    """Every launch variant (warps, unit, units in flight, column tiles per block) gives the product; K = 4096
+    leaves some warps fewer units than others at depth > 2; ct 3 (not a power of two) divides the 48 tiles."""
     _run(m, 4096, 768, group=256, config=config, perm=m == 20)
 
 

@@ -92,25 +92,26 @@ def _depth(depth: int, mt: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _compile(warps: int, unit: int, depth: int, fp16: bool, has_perm: bool, has_bias: bool, device_index: int,
-             mt: int):
+             mt: int, ct: int = 1):
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
     if compile_kernel is None:
         raise RuntimeError("torch.cuda._compile_kernel (NVRTC) is not in this torch")
     major, minor = torch.cuda.get_device_capability(device_index)
-    defines = (f"#define WARPS {_warps(warps, mt)}\n#define UNIT {unit}\n#define MT {mt}\n#define DEPTH {_depth(depth, mt)}\n"
+    defines = (f"#define WARPS {_warps(warps, mt * ct)}\n#define UNIT {unit}\n#define MT {mt}\n#define CT {ct}\n"
+               f"#define DEPTH {_depth(depth, mt * ct)}\n"
                f"#define IS_FP16 {int(fp16)}\n#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
     with torch.cuda.device(device_index):
         return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
 
 
 def _kernels(warps: Optional[int], column_tiles: int, unit: int, depth: int, fp16: bool, has_perm: bool,
-             has_bias: bool, device_index: int) -> dict:
+             has_bias: bool, device_index: int, ct: int = 1) -> dict:
     """Every row-tile variant at once, so that the first (eager) call compiles what later row counts need: a
     compile (module load) inside CUDA-graph capture is not allowed. Values: (kernel, warps per block)."""
     kernels = {}
     for mt in ROW_TILES:
         base = warps or default_warps(column_tiles, mt)
-        kernels[mt] = (_compile(base, unit, depth, fp16, has_perm, has_bias, device_index, mt), _warps(base, mt))
+        kernels[mt] = (_compile(base, unit, depth, fp16, has_perm, has_bias, device_index, mt, ct), _warps(base, mt * ct))
     return kernels
 
 
@@ -189,8 +190,9 @@ def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
 
 
 # warps None: by the grid and the row tiles (`default_warps`); depth: units in flight per warp at one row tile
-# (`_depth`; deeper rings measured slower: docs/benchmarks.md)
-CONFIG = {"warps": None, "unit": 2, "depth": 2}
+# (`_depth`; deeper rings measured slower: docs/benchmarks.md); ct: column tiles per block sharing each x fragment
+# (`_column_tiles`; 1 until measured on a GPU: benchmarks/qgemv_mma.py --sweep has the variants)
+CONFIG = {"warps": None, "unit": 2, "depth": 2, "ct": 1}
 # Most rows the GEMV takes; above, the weight is dequantized into a buffer and multiplied by cuBLAS
 # (benchmarks/qgemv_mma.py measures both; numbers in docs/benchmarks.md).
 MMA_MAX_ROWS = 64
@@ -205,6 +207,13 @@ def default_warps(column_tiles: int, mt: int = 1) -> int:
     while warps > 4 and column_tiles * warps > 4096:
         warps //= 2
     return warps
+
+
+def _column_tiles(ct: int, column_tiles: int) -> int:
+    """Column tiles per block: at most `ct`, dividing the layer's tiles."""
+    while column_tiles % ct:
+        ct //= 2
+    return max(1, ct)
 
 
 def _next_pow2(v: int) -> int:
@@ -237,7 +246,7 @@ def prepare(words: torch.Tensor, dtype: torch.dtype, group_size: int, has_perm: 
     k = words.shape[1] * CHUNK
     unit = _unit(CONFIG["unit"], (k if group_size == -1 else group_size) // CHUNK)
     _kernels(CONFIG["warps"], words.shape[0], unit, CONFIG["depth"], dtype == torch.float16, has_perm, has_bias,
-             index)
+             index, _column_tiles(CONFIG["ct"], words.shape[0]))
     _dequant_kernel(dtype == torch.float16, index)
 
 
@@ -259,12 +268,15 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     unit = _unit(cfg["unit"], group_chunks)
     mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
     fp16, index = x.dtype == torch.float16, x.device.index if x.device.index is not None else torch.cuda.current_device()
+    ct = _column_tiles(cfg["ct"], nt)
     if cfg.get("mt"):  # a row tile given by the caller compiles that variant alone (benchmark sweeps)
         base = cfg["warps"] or default_warps(nt, mt)
-        kernel, warps = _compile(base, unit, cfg["depth"], fp16, perm is not None, bias is not None, index, mt), _warps(base, mt)
+        kernel = _compile(base, unit, cfg["depth"], fp16, perm is not None, bias is not None, index, mt, ct)
+        warps = _warps(base, mt * ct)
     else:  # every row-tile variant at once
-        kernel, warps = _kernels(cfg["warps"], nt, unit, cfg["depth"], fp16, perm is not None, bias is not None, index)[mt]
-    grid, block = (nt, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
+        kernel, warps = _kernels(cfg["warps"], nt, unit, cfg["depth"], fp16, perm is not None, bias is not None, index,
+                                 ct)[mt]
+    grid, block = (nt // ct, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
             out, m, n, k, x.stride(0), out.stride(0), _group_shift(group_size, k)]
     from pagedllm.kernels.pdl import use_pdl  # (imports triton: not at module level, the CPU path has none)

@@ -11,9 +11,14 @@
 //
 // Compile-time parameters (#define before this file): WARPS, UNIT (chunks per unit; a unit never crosses a group),
 // DEPTH (units of a warp in flight: a ring of registers, all asked for before the wait on the previous kernel),
-// MT (row tiles of 8 per block: a block takes 8 * MT rows, blockIdx.y the row block), IS_FP16, HAS_PERM, HAS_BIAS.
+// MT (row tiles of 8 per block: a block takes 8 * MT rows, blockIdx.y the row block), CT (column tiles per block:
+// each x fragment a warp loads serves CT tiles, so a block re-reads x for CT * 16 columns, not 16), IS_FP16,
+// HAS_PERM, HAS_BIAS.
 #ifndef DEPTH
 #define DEPTH 2
+#endif
+#ifndef CT
+#define CT 1
 #endif
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -89,30 +94,42 @@ __device__ __forceinline__ u32 neg_zero_pair(u16 zbits, float mult) {
 // One unit's weights (UNIT 16-byte words of the lane), and the scales and zeros of its group for the lane's two
 // columns.
 struct Unit {
-    uint4 w[UNIT];
-    u16 s_lo, s_hi, z_lo, z_hi;
+    uint4 w[CT][UNIT];
+    u16 s_lo[CT], s_hi[CT], z_lo[CT], z_hi[CT];
 };
 
-__device__ __forceinline__ void load_unit(Unit& un, const uint4* wbase, const u16* scales, const u16* zeros, int u,
-                                          int group_shift, int N, int n_lo, int n_hi) {
+// wbase: the block's first column tile (tile ct's words follow at ct * tile_words); n_lo: the lane's column of it
+__device__ __forceinline__ void load_unit(Unit& un, const uint4* wbase, u64 tile_words, const u16* scales,
+                                          const u16* zeros, int u, int group_shift, int N, int n_lo) {
 #pragma unroll
-    for (int i = 0; i < UNIT; i++) un.w[i] = __ldg(wbase + (u64)(u * UNIT + i) * 32);
+    for (int ct = 0; ct < CT; ct++)
+#pragma unroll
+        for (int i = 0; i < UNIT; i++) un.w[ct][i] = __ldg(wbase + ct * tile_words + (u64)(u * UNIT + i) * 32);
     // the unit's group: chunks >> group_shift, or chunks / -group_shift where a group is not a power-of-two chunks
     const int c = u * UNIT;
     const u64 row = (u64)(group_shift >= 0 ? c >> group_shift : c / -group_shift) * N;
-    un.s_lo = scales[row + n_lo]; un.s_hi = scales[row + n_hi];
-    un.z_lo = zeros[row + n_lo]; un.z_hi = zeros[row + n_hi];
+#pragma unroll
+    for (int ct = 0; ct < CT; ct++) {
+        const u64 n = row + n_lo + 16 * ct;
+        un.s_lo[ct] = scales[n]; un.s_hi[ct] = scales[n + 8];
+        un.z_lo[ct] = zeros[n]; un.z_hi[ct] = zeros[n + 8];
+    }
 }
 
 // acc += one unit's product: its UNIT chunks against the lane's x of every row tile, the group scale applied once.
-__device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un, int u, const u16* const (&xrow)[MT],
-                                             const int* __restrict__ perm, int t) {
-    const u32 za = neg_zero_pair(un.z_lo, 1.f), zb = neg_zero_pair(un.z_hi, HI_MULT);
-    float d[MT][4];
+__device__ __forceinline__ void unit_product(float (&acc)[CT][MT][4], const Unit& un, int u,
+                                             const u16* const (&xrow)[MT], const int* __restrict__ perm, int t) {
+    u32 za[CT], zb[CT];
+    float d[CT][MT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
+    for (int ct = 0; ct < CT; ct++) {
+        za[ct] = neg_zero_pair(un.z_lo[ct], 1.f);
+        zb[ct] = neg_zero_pair(un.z_hi[ct], HI_MULT);
 #pragma unroll
-        for (int e = 0; e < 4; e++) d[mt][e] = 0.f;
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) d[ct][mt][e] = 0.f;
+    }
 #pragma unroll
     for (int i = 0; i < UNIT; i++) {
         const int c = u * UNIT + i;
@@ -137,30 +154,36 @@ __device__ __forceinline__ void unit_product(float (&acc)[MT][4], const Unit& un
             xr[mt][4] = v1.x; xr[mt][5] = v1.y; xr[mt][6] = v1.z; xr[mt][7] = v1.w;
 #endif
         }
-        const u32 words[4] = {un.w[i].x, un.w[i].y, un.w[i].z, un.w[i].w};
+#pragma unroll
+        for (int ct = 0; ct < CT; ct++) {
+        const u32 words[4] = {un.w[ct][i].x, un.w[ct][i].y, un.w[ct][i].z, un.w[ct][i].w};
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const u32 w = words[j];
             // A fragments: a0 / a2 column n_lo's (row g of the MMA) q - zero, a1 / a3 column n_hi's HI_MULT (q - zero)
             const u32 w8 = w >> 8;
-            const u32 a0 = add_pair(lop3_and_or(w, 0x000F000Fu, MAGIC), za);
-            const u32 a2 = add_pair(lop3_and_or(w8, 0x000F000Fu, MAGIC), za);
+            const u32 a0 = add_pair(lop3_and_or(w, 0x000F000Fu, MAGIC), za[ct]);
+            const u32 a2 = add_pair(lop3_and_or(w8, 0x000F000Fu, MAGIC), za[ct]);
 #if IS_FP16
-            const u32 a1 = add_pair(lop3_and_or(w, 0x00F000F0u, MAGIC), zb);
-            const u32 a3 = add_pair(lop3_and_or(w8, 0x00F000F0u, MAGIC), zb);
+            const u32 a1 = add_pair(lop3_and_or(w, 0x00F000F0u, MAGIC), zb[ct]);
+            const u32 a3 = add_pair(lop3_and_or(w8, 0x00F000F0u, MAGIC), zb[ct]);
 #else
-            const u32 a1 = add_pair(lop3_and_or(w >> 4, 0x000F000Fu, MAGIC), zb);
-            const u32 a3 = add_pair(lop3_and_or(w >> 12, 0x000F000Fu, MAGIC), zb);
+            const u32 a1 = add_pair(lop3_and_or(w >> 4, 0x000F000Fu, MAGIC), zb[ct]);
+            const u32 a3 = add_pair(lop3_and_or(w >> 12, 0x000F000Fu, MAGIC), zb[ct]);
 #endif
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) mma(d[mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
+            for (int mt = 0; mt < MT; mt++) mma(d[ct][mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
+        }
         }
     }
-    const float sl = to_f32(un.s_lo), sh = to_f32(un.s_hi) * (1.0f / HI_MULT);
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        acc[mt][0] += sl * d[mt][0]; acc[mt][1] += sl * d[mt][1];
-        acc[mt][2] += sh * d[mt][2]; acc[mt][3] += sh * d[mt][3];
+    for (int ct = 0; ct < CT; ct++) {
+        const float sl = to_f32(un.s_lo[ct]), sh = to_f32(un.s_hi[ct]) * (1.0f / HI_MULT);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            acc[ct][mt][0] += sl * d[ct][mt][0]; acc[ct][mt][1] += sl * d[ct][mt][1];
+            acc[ct][mt][2] += sh * d[ct][mt][2]; acc[ct][mt][3] += sh * d[ct][mt][3];
+        }
     }
 }
 
@@ -170,23 +193,24 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
           u16* __restrict__ out, int M, int N, int K, int stride_x, int stride_o, int group_shift) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int nt = blockIdx.x;
+    const int nt = blockIdx.x * CT;  // the block's first column tile
     const int m0 = blockIdx.y * 8 * MT;
     const int chunks = K >> 6;
     const int units = chunks / UNIT;
-    const int n_lo = nt * 16 + g, n_hi = n_lo + 8;
-    // this lane's 16-byte word group of chunk c: qw[(nt * chunks + c) * 32 + lane]
-    const uint4* wbase = qw + (u64)nt * chunks * 32 + lane;
+    const int n_lo = nt * 16 + g;
+    // this lane's 16-byte word group of chunk c: qw[(nt * chunks + c) * 32 + lane]; tile nt + ct's at ct * tile_words
+    const u64 tile_words = (u64)chunks * 32;
+    const uint4* wbase = qw + (u64)nt * tile_words + lane;
 
     // DEPTH units of this warp in flight (u = warp + d * WARPS in slot d), asked for before the previous kernel ends
     Unit buf[DEPTH];
 #pragma unroll
     for (int d = 0; d < DEPTH; d++)
-        if (warp + d * WARPS < units) load_unit(buf[d], wbase, scales, zeros, warp + d * WARPS, group_shift, N, n_lo, n_hi);
+        if (warp + d * WARPS < units) load_unit(buf[d], wbase, tile_words, scales, zeros, warp + d * WARPS, group_shift, N, n_lo);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 #endif
-    float acc[MT][4];
+    float acc[CT][MT][4];
     // the lane's row of each row tile: a row past M reads row 0, and its MMA column (independent of the others) is
     // never stored
     const u16* xrow[MT];
@@ -195,7 +219,9 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
         const int m = m0 + 8 * mt + g;
         xrow[mt] = x + (u64)(m < M ? m : 0) * stride_x + (HAS_PERM ? 0 : 16 * t);
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[mt][e] = 0.f;
+        for (int ct = 0; ct < CT; ct++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[ct][mt][e] = 0.f;
     }
     for (int u0 = warp; u0 < units; u0 += DEPTH * WARPS) {
 #pragma unroll
@@ -205,26 +231,29 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
                 unit_product(acc, buf[d], u, xrow, perm, t);
                 // the slot just used takes the unit DEPTH steps ahead: DEPTH - 1 stay in flight meanwhile
                 if (u + DEPTH * WARPS < units)
-                    load_unit(buf[d], wbase, scales, zeros, u + DEPTH * WARPS, group_shift, N, n_lo, n_hi);
+                    load_unit(buf[d], wbase, tile_words, scales, zeros, u + DEPTH * WARPS, group_shift, N, n_lo);
             }
         }
     }
     // the warps' partial sums (each warp took every WARPS-th unit) added in warp order: deterministic
-    __shared__ float red[WARPS][MT * 4][32];
+    __shared__ float red[WARPS][CT * MT * 4][32];
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
+    for (int ct = 0; ct < CT; ct++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) red[warp][mt * 4 + e][lane] = acc[mt][e];
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) red[warp][(ct * MT + mt) * 4 + e][lane] = acc[ct][mt][e];
     __syncthreads();
-    // warp w finishes entries w, w + WARPS, ... of the 4 * MT per lane
-    for (int idx = warp; idx < MT * 4; idx += WARPS) {
+    // warp w finishes entries w, w + WARPS, ... of the 4 * MT * CT per lane
+    for (int idx = warp; idx < CT * MT * 4; idx += WARPS) {
         float v = red[0][idx][lane];
 #pragma unroll
         for (int w2 = 1; w2 < WARPS; w2++) v += red[w2][idx][lane];
-        // c0: (column n_lo, row 2t), c1: (n_lo, 2t + 1), c2: (n_hi, 2t), c3: (n_hi, 2t + 1) of row tile idx / 4
+        // c0: (column n_lo, row 2t), c1: (n_lo, 2t + 1), c2: (n_hi, 2t), c3: (n_hi, 2t + 1) of entry idx / 4's
+        // column tile idx / (4 MT) and row tile idx / 4 % MT
         const int e = idx & 3;
-        const int n = (e < 2) ? n_lo : n_hi;
-        const int m = m0 + 8 * (idx >> 2) + 2 * t + (e & 1);
+        const int n = n_lo + 16 * (idx / (4 * MT)) + ((e < 2) ? 0 : 8);
+        const int m = m0 + 8 * ((idx >> 2) % MT) + 2 * t + (e & 1);
         if (m < M) {
 #if HAS_BIAS
             v += to_f32(bias[n]);
