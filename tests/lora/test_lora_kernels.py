@@ -2,23 +2,17 @@
 (small shapes; the GPU versions of these cases are tests/gpu/test_lora_gpu.py)."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
 import sys
 
-import pytest
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_kernels_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "interpret_kernels.py")], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "lora kernels ok" in r.stdout
+    assert "lora kernels ok" in run_interpreted(os.path.join(HERE, "interpret_kernels.py"), timeout=300)
 
 
 def test_cpu_batched_delta_matches_reference():

@@ -3,16 +3,14 @@ transformers' own router modules, its loaders for every checkpoint layout, and t
 interpreter (fp32) against their torch references."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from pagedllm.layers.fused_moe import FusedMoE, experts_forward_dense, experts_forward_native, route_native
 from tests.models.moe_kernel_cases import make_case, per_token_reference
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -139,10 +137,6 @@ def test_tensor_parallel_size_must_divide_the_expert_intermediate_size(monkeypat
         _layer()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_kernels_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "interpret_fused_moe.py")], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert "fused moe kernels ok" in r.stdout
+    assert "fused moe kernels ok" in run_interpreted(os.path.join(HERE, "interpret_fused_moe.py"))

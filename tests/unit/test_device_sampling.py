@@ -3,20 +3,13 @@ the sort-based reference, greedy rows, masked tokens, seeded rows independent of
 (tests/unit/interpret_sampling.py; the large draws run on the GPU: tests/gpu/test_device_sampling_gpu.py)."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
 
-import pytest
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 def test_device_sampler_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "interpret_sampling.py")], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "device sampling ok" in r.stdout
+    assert "device sampling ok" in run_interpreted(os.path.join(HERE, "interpret_sampling.py"))
