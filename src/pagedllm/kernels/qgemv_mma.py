@@ -104,15 +104,20 @@ def _compile(warps: int, unit: int, depth: int, fp16: bool, has_perm: bool, has_
         return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
 
 
+def _variant(warps: Optional[int], column_tiles: int, unit: int, depth: int, fp16: bool, has_perm: bool,
+             has_bias: bool, device_index: int, mt: int, ct: int) -> tuple:
+    """(kernel, warps per block) of one row-tile count; warps None: `default_warps`."""
+    base = warps or default_warps(column_tiles, mt)
+    return _compile(base, unit, depth, fp16, has_perm, has_bias, device_index, mt, ct), _warps(base, mt * ct)
+
+
+@functools.lru_cache(maxsize=None)
 def _kernels(warps: Optional[int], column_tiles: int, unit: int, depth: int, fp16: bool, has_perm: bool,
              has_bias: bool, device_index: int, ct: int = 1) -> dict:
     """Every row-tile variant at once, so that the first (eager) call compiles what later row counts need: a
     compile (module load) inside CUDA-graph capture is not allowed. Values: (kernel, warps per block)."""
-    kernels = {}
-    for mt in ROW_TILES:
-        base = warps or default_warps(column_tiles, mt)
-        kernels[mt] = (_compile(base, unit, depth, fp16, has_perm, has_bias, device_index, mt, ct), _warps(base, mt * ct))
-    return kernels
+    return {mt: _variant(warps, column_tiles, unit, depth, fp16, has_perm, has_bias, device_index, mt, ct)
+            for mt in ROW_TILES}
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,15 +272,12 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     group_chunks = (k if group_size == -1 else group_size) // CHUNK
     unit = _unit(cfg["unit"], group_chunks)
     mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
-    fp16, index = x.dtype == torch.float16, x.device.index if x.device.index is not None else torch.cuda.current_device()
+    fp16 = x.dtype == torch.float16
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     ct = _column_tiles(cfg["ct"], nt)
-    if cfg.get("mt"):  # a row tile given by the caller compiles that variant alone (benchmark sweeps)
-        base = cfg["warps"] or default_warps(nt, mt)
-        kernel = _compile(base, unit, cfg["depth"], fp16, perm is not None, bias is not None, index, mt, ct)
-        warps = _warps(base, mt * ct)
-    else:  # every row-tile variant at once
-        kernel, warps = _kernels(cfg["warps"], nt, unit, cfg["depth"], fp16, perm is not None, bias is not None, index,
-                                 ct)[mt]
+    key = (cfg["warps"], nt, unit, cfg["depth"], fp16, perm is not None, bias is not None, index)
+    # a row tile given by the caller compiles that variant alone (benchmark sweeps); else every one at once
+    kernel, warps = _variant(*key, mt, ct) if cfg.get("mt") else _kernels(*key, ct)[mt]
     grid, block = (nt // ct, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
             out, m, n, k, x.stride(0), out.stride(0), _group_shift(group_size, k)]

@@ -74,7 +74,7 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 #endif
 }
 
-// a + b per half, rounded once: exact here ((OFF + q) - (OFF + zero) is an integer of at most 4 bits)
+// a + b per half, rounded once: exact here ((OFF + q) - (OFF + zero) is an integer in [-15, 15], times HI_MULT)
 __device__ __forceinline__ u32 add_pair(u32 a, u32 b) {
     u32 r;
 #if IS_FP16
@@ -91,8 +91,8 @@ __device__ __forceinline__ u32 neg_zero_pair(u16 zbits, float mult) {
     return ((u32)h << 16) | h;
 }
 
-// One unit's weights (UNIT 16-byte words of the lane), and the scales and zeros of its group for the lane's two
-// columns.
+// One unit's weights (UNIT 16-byte words of the lane per column tile), and the scales and zeros of its group for
+// the lane's two columns of each of the block's CT tiles.
 struct Unit {
     uint4 w[CT][UNIT];
     u16 s_lo[CT], s_hi[CT], z_lo[CT], z_hi[CT];
@@ -156,24 +156,24 @@ __device__ __forceinline__ void unit_product(float (&acc)[CT][MT][4], const Unit
         }
 #pragma unroll
         for (int ct = 0; ct < CT; ct++) {
-        const u32 words[4] = {un.w[ct][i].x, un.w[ct][i].y, un.w[ct][i].z, un.w[ct][i].w};
+            const u32 words[4] = {un.w[ct][i].x, un.w[ct][i].y, un.w[ct][i].z, un.w[ct][i].w};
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const u32 w = words[j];
-            // A fragments: a0 / a2 column n_lo's (row g of the MMA) q - zero, a1 / a3 column n_hi's HI_MULT (q - zero)
-            const u32 w8 = w >> 8;
-            const u32 a0 = add_pair(lop3_and_or(w, 0x000F000Fu, MAGIC), za[ct]);
-            const u32 a2 = add_pair(lop3_and_or(w8, 0x000F000Fu, MAGIC), za[ct]);
+            for (int j = 0; j < 4; j++) {
+                const u32 w = words[j];
+                // A: a0 / a2 column n_lo's (row g of the MMA) q - zero, a1 / a3 column n_hi's HI_MULT (q - zero)
+                const u32 w8 = w >> 8;
+                const u32 a0 = add_pair(lop3_and_or(w, 0x000F000Fu, MAGIC), za[ct]);
+                const u32 a2 = add_pair(lop3_and_or(w8, 0x000F000Fu, MAGIC), za[ct]);
 #if IS_FP16
-            const u32 a1 = add_pair(lop3_and_or(w, 0x00F000F0u, MAGIC), zb[ct]);
-            const u32 a3 = add_pair(lop3_and_or(w8, 0x00F000F0u, MAGIC), zb[ct]);
+                const u32 a1 = add_pair(lop3_and_or(w, 0x00F000F0u, MAGIC), zb[ct]);
+                const u32 a3 = add_pair(lop3_and_or(w8, 0x00F000F0u, MAGIC), zb[ct]);
 #else
-            const u32 a1 = add_pair(lop3_and_or(w >> 4, 0x000F000Fu, MAGIC), zb[ct]);
-            const u32 a3 = add_pair(lop3_and_or(w >> 12, 0x000F000Fu, MAGIC), zb[ct]);
+                const u32 a1 = add_pair(lop3_and_or(w >> 4, 0x000F000Fu, MAGIC), zb[ct]);
+                const u32 a3 = add_pair(lop3_and_or(w >> 12, 0x000F000Fu, MAGIC), zb[ct]);
 #endif
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) mma(d[ct][mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
-        }
+                for (int mt = 0; mt < MT; mt++) mma(d[ct][mt], a0, a1, a2, a3, xr[mt][2 * j], xr[mt][2 * j + 1]);
+            }
         }
     }
 #pragma unroll
@@ -206,7 +206,8 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
     Unit buf[DEPTH];
 #pragma unroll
     for (int d = 0; d < DEPTH; d++)
-        if (warp + d * WARPS < units) load_unit(buf[d], wbase, tile_words, scales, zeros, warp + d * WARPS, group_shift, N, n_lo);
+        if (warp + d * WARPS < units)
+            load_unit(buf[d], wbase, tile_words, scales, zeros, warp + d * WARPS, group_shift, N, n_lo);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 #endif
