@@ -139,3 +139,13 @@ def test_mma_layout_refusals():
     fp32 = _layer(GPTQConfig(4, 128, desc_act=False, sym=True), 512, 48, dtype=torch.float32)
     assert "float32 scales" in mma_layout_unsupported(fp32)
     assert not use_mma_layout(fp32) and fp32.quant_layout == "internal"
+
+
+def test_unknown_launch_options_are_refused():
+    """A launch option the kernel does not have (e.g. one of the dropped sweep variants) is refused, not ignored."""
+    from pagedllm.kernels.qgemv_mma import quant_gemv_mma
+
+    words = to_mma_layout(torch.zeros(16, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="unknown qgemv_mma launch options \\['l2pf'\\]"):
+        quant_gemv_mma(torch.zeros(1, 64, dtype=torch.bfloat16), words, torch.ones(1, 16, dtype=torch.bfloat16),
+                       torch.zeros(1, 16, dtype=torch.bfloat16), -1, config={"l2pf": True, "depth": 3})

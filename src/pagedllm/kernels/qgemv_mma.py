@@ -259,6 +259,9 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
                    group_size: int, perm: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                    config: Optional[dict] = None) -> torch.Tensor:
     """x [M, K] (fp16/bf16, rows 16-byte aligned) @ dequant(W)^T (+ bias) -> [M, N]."""
+    unknown = set(config or ()) - set(CONFIG) - {"mt"}
+    if unknown:
+        raise ValueError(f"unknown qgemv_mma launch options {sorted(unknown)}; known: {sorted(CONFIG)} and mt")
     cfg = {**CONFIG, **(config or {})}
     m, k = x.shape
     nt, chunks = words.shape[:2]
