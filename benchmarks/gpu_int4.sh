@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu_int4.sh sweep     # its launch variants per 8B layer at 1, 16, 32 and 64 rows (no checks)
 #   bash benchmarks/gpu_int4.sh kernels   # per-layer kernels (quant.py)
 #   bash benchmarks/gpu_int4.sh tests     # the quantization GPU tests (tiled kernels, library checkpoints)
-#   bash benchmarks/gpu_int4.sh e2e       # 8B decode (latency.py) at batch 1, 16 and 64: bf16, GPTQ int4, AWQ int4
+#   bash benchmarks/gpu_int4.sh e2e       # 8B decode (latency.py) at batch 1 and 16: bf16, GPTQ int4, AWQ int4
+#   bash benchmarks/gpu_int4.sh e2e-wide  # 8B decode at batch 64 and 32: bf16, GPTQ int4 (the GEMV's 4 and 8 row tiles)
+#   bash benchmarks/gpu_int4.sh table     # the GEMV per 8B layer at 1, 16, 32 and 64 rows and its GPU tests, no checks
 #
 # Several modes in one call run in order: `bash benchmarks/gpu_int4.sh sweep mma e2e`.
 # Each step has its own timeout; logs go to $OUT (or /tmp/int4-out) and the summary lines to stdout.
@@ -43,6 +45,16 @@ e2e)
         lat gptq llama3-8b-gptq-int4 bfloat16 $b
     done
     lat awq llama3-8b-awq-int4 float16 1
+    ;;
+e2e-wide)
+    for b in 64 32; do
+        lat gptq llama3-8b-gptq-int4 bfloat16 $b
+        lat bf16 llama3-8b bfloat16 $b
+    done
+    ;;
+table)
+    step mma-tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_qgemv_mma_gpu.py
+    step table 200 python benchmarks/qgemv_mma.py --no-check --rows 1 16 32 64
     ;;
 *) echo "unknown mode $what" >&2; exit 2 ;;
 esac

@@ -62,7 +62,7 @@ def check() -> bool:
 def sweep(rows):
     """Every launch variant per 8B layer at `rows` (one row tile: 8 rows or fewer, else the tile count given), and
     the sum over the four layers per variant, best first."""
-    variants = [{"warps": w, "depth": d} for w in (None, 4, 8, 16) for d in (2, 3)]
+    variants = [{}, {"warps": 4}, {"warps": 8}, {"warps": 16}]
     # column tiles per block sharing each x fragment: x is re-read from L2 once per block, which dominates at 16+ rows
     variants += [{"warps": w, "ct": ct, "unit": u} for w in (None, 2, 4, 8) for ct in (2, 4, 8) for u in (2, 1)]
     for m in rows:

@@ -104,19 +104,27 @@ def _compile(warps: int, unit: int, depth: int, fp16: bool, has_perm: bool, has_
         return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
 
 
-def _variant(warps: Optional[int], column_tiles: int, unit: int, depth: int, fp16: bool, has_perm: bool,
-             has_bias: bool, device_index: int, mt: int, ct: int) -> tuple:
-    """(kernel, warps per block) of one row-tile count; warps None: `default_warps`."""
+def _variant(warps: Optional[int], column_tiles: int, unit: Optional[int], depth: int, fp16: bool, has_perm: bool,
+             has_bias: bool, device_index: int, ct: Optional[int], group_chunks: int, mt: int) -> tuple:
+    """(kernel, warps per block, column tiles per block) of one row-tile count; None: the defaults
+    (`default_warps`, `default_tiling`)."""
+    if ct is None or unit is None:
+        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        default_ct, default_unit = default_tiling(column_tiles, mt, sms)
+        ct = default_ct if ct is None else ct
+        unit = default_unit if unit is None else unit
+    ct, unit = _column_tiles(ct, column_tiles), _unit(unit, group_chunks)
     base = warps or default_warps(column_tiles, mt)
-    return _compile(base, unit, depth, fp16, has_perm, has_bias, device_index, mt, ct), _warps(base, mt * ct)
+    return _compile(base, unit, depth, fp16, has_perm, has_bias, device_index, mt, ct), _warps(base, mt * ct), ct
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(warps: Optional[int], column_tiles: int, unit: int, depth: int, fp16: bool, has_perm: bool,
-             has_bias: bool, device_index: int, ct: int = 1) -> dict:
+def _kernels(warps: Optional[int], column_tiles: int, unit: Optional[int], depth: int, fp16: bool, has_perm: bool,
+             has_bias: bool, device_index: int, ct: Optional[int], group_chunks: int) -> dict:
     """Every row-tile variant at once, so that the first (eager) call compiles what later row counts need: a
-    compile (module load) inside CUDA-graph capture is not allowed. Values: (kernel, warps per block)."""
-    return {mt: _variant(warps, column_tiles, unit, depth, fp16, has_perm, has_bias, device_index, mt, ct)
+    compile (module load) inside CUDA-graph capture is not allowed. Values: (kernel, warps, column tiles per block)."""
+    return {mt: _variant(warps, column_tiles, unit, depth, fp16, has_perm, has_bias, device_index, ct, group_chunks,
+                         mt)
             for mt in ROW_TILES}
 
 
@@ -195,9 +203,9 @@ def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
 
 
 # warps None: by the grid and the row tiles (`default_warps`); depth: units in flight per warp at one row tile
-# (`_depth`; deeper rings measured slower: docs/benchmarks.md); ct: column tiles per block sharing each x fragment
-# (`_column_tiles`; 1 until measured on a GPU: benchmarks/qgemv_mma.py --sweep has the variants)
-CONFIG = {"warps": None, "unit": 2, "depth": 2, "ct": 1}
+# (`_depth`; deeper rings measured slower: docs/benchmarks.md); ct: column tiles per block sharing each x fragment,
+# unit: chunks per load (None: by the row tiles and the grid, `default_tiling`)
+CONFIG = {"warps": None, "unit": None, "depth": 2, "ct": None}
 # Most rows the GEMV takes; above, the weight is dequantized into a buffer and multiplied by cuBLAS
 # (benchmarks/qgemv_mma.py measures both; numbers in docs/benchmarks.md).
 MMA_MAX_ROWS = 64
@@ -212,6 +220,18 @@ def default_warps(column_tiles: int, mt: int = 1) -> int:
     while warps > 4 and column_tiles * warps > 4096:
         warps //= 2
     return warps
+
+
+def default_tiling(column_tiles: int, mt: int, sms: int) -> tuple:
+    """(column tiles per block, chunks per unit) for `mt` row tiles on a GPU of `sms` multiprocessors. From 4 row
+    tiles on, x is read from L2 once per block and a block of two column tiles halves that; at 8 row tiles the
+    registers then afford units of one chunk, and only when the halved grid still covers every SM (the sweep of
+    benchmarks/qgemv_mma.py: docs/benchmarks.md, round 4)."""
+    if mt == 4:
+        return 2, 2
+    if mt >= 8 and column_tiles // 2 > sms:
+        return 2, 1
+    return 1, 2
 
 
 def _column_tiles(ct: int, column_tiles: int) -> int:
@@ -249,9 +269,8 @@ def prepare(words: torch.Tensor, dtype: torch.dtype, group_size: int, has_perm: 
         return
     index = words.device.index if words.device.index is not None else torch.cuda.current_device()
     k = words.shape[1] * CHUNK
-    unit = _unit(CONFIG["unit"], (k if group_size == -1 else group_size) // CHUNK)
-    _kernels(CONFIG["warps"], words.shape[0], unit, CONFIG["depth"], dtype == torch.float16, has_perm, has_bias,
-             index, _column_tiles(CONFIG["ct"], words.shape[0]))
+    _kernels(CONFIG["warps"], words.shape[0], CONFIG["unit"], CONFIG["depth"], dtype == torch.float16, has_perm,
+             has_bias, index, CONFIG["ct"], (k if group_size == -1 else group_size) // CHUNK)
     _dequant_kernel(dtype == torch.float16, index)
 
 
@@ -273,14 +292,12 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     if m == 0:
         return out
     group_chunks = (k if group_size == -1 else group_size) // CHUNK
-    unit = _unit(cfg["unit"], group_chunks)
     mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
-    fp16 = x.dtype == torch.float16
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    ct = _column_tiles(cfg["ct"], nt)
-    key = (cfg["warps"], nt, unit, cfg["depth"], fp16, perm is not None, bias is not None, index)
+    key = (cfg["warps"], nt, cfg["unit"], cfg["depth"], x.dtype == torch.float16, perm is not None, bias is not None,
+           index, cfg["ct"], group_chunks)
     # a row tile given by the caller compiles that variant alone (benchmark sweeps); else every one at once
-    kernel, warps = _variant(*key, mt, ct) if cfg.get("mt") else _kernels(*key, ct)[mt]
+    kernel, warps, ct = _variant(*key, mt) if cfg.get("mt") else _kernels(*key)[mt]
     grid, block = (nt // ct, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
             out, m, n, k, x.stride(0), out.stride(0), _group_shift(group_size, k)]
