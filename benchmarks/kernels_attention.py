@@ -220,6 +220,29 @@ def spread_table(num_heads: int = 16, num_kv_heads: int = 8) -> None:
                           flush=True)
 
 
+def few_rows_table(batches: list[int], ctxs: list[int]) -> None:
+    """Decode at a few requests with short contexts (a chat at batch 1): every split count and both K/V tile widths,
+    8B heads, each time the split kernel plus its reduce (`--few-rows`)."""
+    bench = DecodeBench(max(batches) * max(ctxs) + BS)
+    print(f"\n## Decode, few requests, short contexts, {H} q / {KVH} kv heads (us; * = the engine's choice)")
+    print("| batch | context | splits | block_n | time (us) | KV GB/s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    from pagedllm.kernels.paged_attention import decode_block_n
+
+    for batch in batches:
+        for ctx in ctxs:
+            auto = decode_num_splits(batch, KVH, DEV, 64, ctx)
+            auto_bn = decode_block_n(DTYPE, D, auto, ctx)
+            for splits in sorted({1, 2, 4, 8, 16, auto}):
+                if batch * KVH * splits > 8 * 132:
+                    continue
+                for block_n in (32, 64):
+                    ms = bench.run(batch, ctx, num_splits=splits, block_n=block_n)
+                    star = "*" if (splits, block_n) == (auto, auto_bn) else ""
+                    print(f"| {batch} | {ctx} | {splits} | {block_n} | {ms * 1e3:.1f}{star} | "
+                          f"{kv_bytes(batch, ctx) / ms / 1e6:.0f} |", flush=True)
+
+
 def gqa_sweep(heads: str, batches: list[int], ctx: int) -> None:
     """Decode at one head layout (`--gqa-sweep 32/4`: Qwen3-30B-A3B's 8 query heads per kv head) and batch sizes of
     a throughput run, every context ctx +- 5%: tile width x pipeline stages x warps x splits, against the default
@@ -274,10 +297,16 @@ def main():
     ap.add_argument("--ctx", type=int, default=530)
     ap.add_argument("--sweep", action="store_true", help="also run the tuning sweeps")
     ap.add_argument("--quick", action="store_true", help="fewer decode points")
+    ap.add_argument("--few-rows", action="store_true",
+                    help="only the few-requests short-context decode table (with --batches, --ctxs)")
+    ap.add_argument("--ctxs", type=int, nargs="+", default=[128, 384, 1024, 2048])
     ap.add_argument("--spread", action="store_true", help="only the spread-context decode table (Qwen3-0.6B heads)")
     args = ap.parse_args()
     if args.gqa_sweep:
         gqa_sweep(args.gqa_sweep, args.batches, args.ctx)
+        return
+    if args.few_rows:
+        few_rows_table(args.batches, args.ctxs)
         return
     if args.spread:
         spread_table()
