@@ -7,6 +7,7 @@
 #                                           # greedy; Qwen3's top_k 20 / top_p 0.95 on / off
 #   bash benchmarks/gpu_sampling.sh all     # tests, then the nano runs of temperature 0.6 and Qwen3's sampling
 #   bash benchmarks/gpu_sampling.sh small   # the kernel vs the general path at 1-128 rows; the nano runs again
+#   bash benchmarks/gpu_sampling.sh split   # the split variant for few plain rows: tests, cost at 1-64 rows, 8B batch 1
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/sampling-out), the summary lines to stdout.
 set -uo pipefail
@@ -43,6 +44,16 @@ small)  # the plain-batch threshold: temperature alone at few rows, the kernel v
     nano nano-qwen-device-2 60 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling on
     nano nano-t06-general-2 50 --temperature 0.6 --device-sampling off
     nano nano-qwen-general-2 50 --temperature 0.6 --top-k 20 --top-p 0.95 --device-sampling off
+    ;;
+split)  # few plain rows: the split variant (device) vs one program per row (kernel) vs the general path (sort)
+    step tests 150 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_device_sampling_gpu.py
+    step split 60 python benchmarks/sampler_cost.py --device cuda --logits llm --rows 1,4,16,32,63,64 \
+        --configs temp --parts step --impls sort,kernel,device --json "$out/split.json"
+    for s in "greedy 0 auto" "t06-device 0.6 on" "t06-general 0.6 off"; do
+        set -- $s
+        step "lat-8b-$1" 120 python benchmarks/latency.py --model benchmarks/configs/llama3-8b --load-format dummy \
+            --dtype bfloat16 --batch-size 1 --temperature "$2" --device-sampling "$3" --hf none
+    done
     ;;
 all)
     tests

@@ -27,6 +27,9 @@ def main(argv=None):
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    p.add_argument("--device-sampling", choices=["auto", "on", "off"], default="auto",
+                   help="A/B of the CUDA sampler kernel (off: the general path of torch ops)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", default=None, help="e.g. fp8 (online W8A8); quantized checkpoints are detected")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
@@ -44,11 +47,15 @@ def main(argv=None):
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_model_len or (args.input_len + args.output_len + 16))
     startup = time.perf_counter() - t0
+    if args.device_sampling != "auto":  # the engine runs in this process
+        from pagedllm.layers import sampler as sampler_mod
+
+        sampler_mod.DEVICE_SAMPLING = args.device_sampling == "on"
     engine = llm.engine
     rng = random.Random(0)
     vocab = min(engine.vocab_size, 32000)
     prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     def one_run(tag):

@@ -3,7 +3,7 @@ sampler step (temperature, min_p, the filters, softmax, the draw), for each way 
 (layers/top_k_top_p.py) in the general path: `sort` (the reference), `cutoff` (the per-row bucket search, the
 CPU's default), `prefix` (each row's 1024 largest logits by torch.topk, or the batch's largest top-k, and the sort
 for the rows they cannot settle); and on CUDA `device`, the one-kernel sampler (kernels/sampling.py, CUDA's default:
-its step only, it has no separate filter; `kernel`: the kernel even where CUDA takes the general path).
+its step only, it has no separate filter; `kernel`: its one-program variant even where CUDA splits a few plain rows).
 
     python benchmarks/sampler_cost.py [--device cpu|cuda] [--rows 1,64,256] [--vocab 151936] [--logits llm,normal]
                                       [--configs ...] [--impls sort,cutoff,prefix,device] [--repeats N] [--warmup N]
@@ -97,19 +97,21 @@ def filter_fn(meta: SamplingMetadata, impl: str):
 
 def step_fn(meta: SamplingMetadata, impl: str):
     def run(x):
-        # "device": CUDA's default (the one-kernel sampler, kernels/sampling.py, or the general path for a small
-        # plain batch); "kernel": the kernel whatever the batch; the others: the general path
+        # "device": CUDA's default (the one-kernel sampler, kernels/sampling.py, its split variant for a few plain
+        # rows); "kernel": the one-program kernel whatever the batch; the others: the general path
+        from pagedllm.kernels import sampling as kernel
+
         sampler_mod.TOP_K_TOP_P_IMPL = "auto" if impl in ("device", "kernel") else impl
         sampler_mod.DEVICE_SAMPLING = impl in ("device", "kernel")
-        plain_min = sampler_mod.DEVICE_PLAIN_MIN_ROWS
+        split_max = kernel.SPLIT_MAX_ROWS
         if impl == "kernel":
-            sampler_mod.DEVICE_PLAIN_MIN_ROWS = 0
+            kernel.SPLIT_MAX_ROWS = 0
         try:
             return Sampler()(x, meta).sampled_token_ids
         finally:
             sampler_mod.TOP_K_TOP_P_IMPL = "auto"
             sampler_mod.DEVICE_SAMPLING = True
-            sampler_mod.DEVICE_PLAIN_MIN_ROWS = plain_min
+            kernel.SPLIT_MAX_ROWS = split_max
     return run
 
 
@@ -170,7 +172,8 @@ def main() -> None:
     parser.add_argument("--impls", default=None,
                         help="sort (the general path's reference, first), cutoff (the bucket search), prefix "
                              "(torch.topk's 1024 largest per row, the sort for rows they cannot settle), device (the "
-                             "one-kernel sampler where CUDA takes it, CUDA only), kernel (the kernel for every batch); default "
+                             "one-kernel sampler as CUDA runs it, CUDA only), kernel (its one-program variant for every batch); "
+                             "default "
                              "sort,cutoff,prefix and on CUDA also device")
     parser.add_argument("--sweep", default=None, metavar="BLOCKxWARPS,...",
                         help="time only the device sampler's step, once per launch shape (e.g. 1024x4,2048x8)")

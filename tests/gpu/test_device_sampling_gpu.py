@@ -119,3 +119,10 @@ def test_step_seed_keys_unseeded_rows():
     b = run()
     c = run()
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("vocab", [5000, 151936])
+def test_split_rows_match_one_program(vocab):
+    from device_sampling_cases import check_split_rows_match_one_program
+
+    check_split_rows_match_one_program("cuda", vocab)

@@ -174,3 +174,41 @@ def check_masked_and_seeded(device: str, vocab: int = 1000) -> None:
     c = sample_rows(batch.to(device), temps.to(device), STEP_SEED).cpu()
     assert torch.equal(a, c)
     assert not torch.equal(a, b)
+
+
+def check_split_rows_match_one_program(device: str, vocab: int = 300) -> None:
+    """A few rows with temperature alone (seeded or not) take the split variant, each row cut between programs:
+    its tokens are the one-program kernel's, token for token (the same score per column, the same first index of a
+    tie), for greedy, +inf, NaN and fully masked rows too, in fp32 and bf16."""
+    import pagedllm.kernels.sampling as kernel
+
+    n = 40
+    logits = torch.stack([llm_row(vocab, seed=s) * 0.3 for s in range(n)])
+    logits[0, 17] = logits[0, vocab - 3] = 50.0  # greedy row with a tie across parts: 17 wins
+    logits[1, :] = float("-inf")
+    logits[1, vocab - 1] = 0.0  # the only candidate, in the last part
+    logits[2, :] = float("-inf")  # nothing to draw: 0
+    logits[3, vocab // 2] = float("inf")
+    logits[4, 5] = float("nan")
+    logits[5, ::3] = float("-inf")
+    temps = torch.tensor([0.0, 1.0, 0.7, 0.9, 1.1, 2.0] + [(0.0, 0.5, 1.0, 1.5)[i % 4] for i in range(n - 6)])
+    seeds = torch.tensor([-1 if i % 3 else 1000 + i for i in range(n)])
+    assert kernel.SPLIT_MAX_ROWS >= n
+    default = kernel.SPLIT_MAX_ROWS
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(device=device, dtype=dtype)
+        for rows in (1, 3, n):
+            for step_seed, with_seeds in ((STEP_SEED, False), (STEP_SEED + 7, True)):
+                args = (x[:rows], temps[:rows].to(device), step_seed)
+                kw = {"seeds": seeds[:rows].to(device)} if with_seeds else {}
+                split = sample_rows(*args, **kw).cpu()
+                kernel.SPLIT_MAX_ROWS = 0
+                try:
+                    one = sample_rows(*args, **kw).cpu()
+                finally:
+                    kernel.SPLIT_MAX_ROWS = default
+                assert torch.equal(split, one), (dtype, rows, with_seeds, split.tolist(), one.tolist())
+                assert split[0] == 17
+                if rows > 3:
+                    assert split[1] == vocab - 1 and split[2] == 0 and split[3] == vocab // 2
+                    assert split[4] != 5 and split[5] % 3 != 0

@@ -74,10 +74,12 @@ def main() -> None:
     import conftest  # noqa: F401  (tests/gpu: the interpreter's comparisons tagged as int1)
     import pagedllm.kernels.sampling as kernel
     from device_sampling_cases import INTERPRETER_CASES, check_distribution, check_greedy_rows, \
-        check_masked_and_seeded, check_non_finite_rows, llm_row
+        check_masked_and_seeded, check_non_finite_rows, check_split_rows_match_one_program, llm_row
 
     kernel.GROUP = 32  # small chunks: several per row, as on a GPU, at the interpreter's pace
     kernel.LAUNCH = ((1 << 30, 64, 1),)
+    kernel.SPLIT_BLOCK = 64  # a 300-token row in five parts
+    check_split_rows_match_one_program("cpu")
     check_launch_shape_free(kernel)
     np.seterr(all="ignore")  # -inf - -inf in lanes the kernel masks
     check_greedy_rows("cpu")

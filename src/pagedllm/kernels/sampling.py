@@ -25,6 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.argmax import _MAX_PARTS, _argmax_merge_kernel
+from pagedllm.kernels.paged_attention import sm_count
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+
 _MAX_ROUNDS = tl.constexpr(256)
 _TWO_M32 = tl.constexpr(2.3283064365386963e-10)  # 2 ** -32
 _ROW_MIX = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64: spreads row seeds apart
@@ -53,29 +57,37 @@ def _gumbel_part(row_ptr, cols, bits, V, inv_t, noise, floor, cut, lo, best, bes
 
 
 @triton.jit
-def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-    """Index of max(x - noise * log(E)) over the row's tokens with x >= floor, logit >= cut and x > lo (the first
-    index of a tie; 0 when there is no candidate).
+def _gumbel_best(row_ptr, start, end, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """(max, first index of it) of x - noise * log(E) over the candidate columns in [start, end) (start a multiple
+    of BLOCK; max -inf when there is none).
 
     One Philox call gives four 32-bit numbers: in each group of GROUP columns, counter c keys the columns at
     c, c + GROUP / 4, c + GROUP / 2 and c + 3 GROUP / 4 of the group (counters run on across groups), so a column's E
-    depends only on the seed, GROUP and the column, not on the launch shape (BLOCK, a multiple of GROUP, and the
-    warps may follow the batch size). Each lane keeps its own best across the row, reduced once at the end (a
-    block-wide reduction per chunk would cost more than the chunk's loads)."""
+    depends only on the seed, GROUP and the column, not on the launch shape (BLOCK, a multiple of GROUP, the warps,
+    or how the row is split between programs). Each lane keeps its own best across the range, reduced once at the
+    end (a block-wide reduction per chunk would cost more than the chunk's loads)."""
     QUARTER: tl.constexpr = GROUP // 4
     offs = tl.arange(0, BLOCK // 4)
     col0 = (offs // QUARTER) * GROUP + offs % QUARTER  # the first quarter's columns of each group in the chunk
     best = tl.full([BLOCK // 4], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK // 4], tl.int32)
-    for start in range(0, V, BLOCK):
-        b0, b1, b2, b3 = tl.randint4x(seed, start // 4 + offs)
-        cols = start + col0
+    for chunk in range(start, end, BLOCK):
+        b0, b1, b2, b3 = tl.randint4x(seed, chunk // 4 + offs)
+        cols = chunk + col0
         best, best_i = _gumbel_part(row_ptr, cols, b0, V, inv_t, noise, floor, cut, lo, best, best_i)
         best, best_i = _gumbel_part(row_ptr, cols + QUARTER, b1, V, inv_t, noise, floor, cut, lo, best, best_i)
         best, best_i = _gumbel_part(row_ptr, cols + 2 * QUARTER, b2, V, inv_t, noise, floor, cut, lo, best, best_i)
         best, best_i = _gumbel_part(row_ptr, cols + 3 * QUARTER, b3, V, inv_t, noise, floor, cut, lo, best, best_i)
     top = tl.max(best, 0)
-    first = tl.min(tl.where(best == top, best_i, 2147483647), 0)
+    return top, tl.min(tl.where(best == top, best_i, 2147483647), 0)
+
+
+@triton.jit
+def _gumbel_pass(row_ptr, V, inv_t, noise, seed, floor, cut, lo, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """Index of max(x - noise * log(E)) over the row's tokens with x >= floor, logit >= cut and x > lo (the first
+    index of a tie; 0 when there is no candidate)."""
+    top, first = _gumbel_best(row_ptr, 0, V, V, inv_t, noise, seed, floor, cut, lo, BLOCK, GROUP)
     return tl.where(top > float("-inf"), first, 0)
 
 
@@ -96,15 +108,9 @@ _TOP_P = tl.constexpr(8)
 _CUTOFF = tl.constexpr(16)
 
 
-@triton.jit(do_not_specialize=["stride", "step_seed", "temp_ptr", "seeds_ptr", "min_p_ptr", "top_k_ptr", "top_p_ptr",
-                               "cutoff_ptr", "out_ptr", "flags"])
-def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_ptr, top_k_ptr, top_p_ptr,
-                   cutoff_ptr, out_ptr, flags, greedy_eps, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride
-    offs = tl.arange(0, BLOCK)
-    neg_inf = float("-inf")
-
+@triton.jit
+def _row_draw(row, temp_ptr, seeds_ptr, step_seed, flags, greedy_eps):
+    """(greedy, 1 / temperature, noise scale, Philox seed) of a row."""
     temperature = tl.load(temp_ptr + row)
     greedy = temperature < greedy_eps
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
@@ -113,6 +119,38 @@ def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_
     if (flags & _SEEDS) != 0:
         own = tl.load(seeds_ptr + row)
         seed = tl.where(own >= 0, own, seed)
+    return greedy, inv_t, noise, seed
+
+
+@triton.jit(do_not_specialize=["stride", "step_seed", "temp_ptr", "seeds_ptr", "chunk", "num_parts", "flags"])
+def _sample_split_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, flags, greedy_eps, chunk,
+                         part_val_ptr, part_idx_ptr, num_parts, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """A few rows with temperature alone (and seeds): each row's columns cut into `num_parts` ranges of `chunk`
+    (a multiple of BLOCK), one program each; every part's best (score, first index) goes to the partials, which
+    the argmax merge (kernels/argmax.py) reduces. The scores are the one-program kernel's, column for column, so
+    the token is the same as there."""
+    wait_prior_kernel(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    greedy, inv_t, noise, seed = _row_draw(row, temp_ptr, seeds_ptr, step_seed, flags, greedy_eps)
+    neg_inf = float("-inf")
+    start = part * chunk
+    top, first = _gumbel_best(logits_ptr + row * stride, start, tl.minimum(start + chunk, V), V, inv_t, noise, seed,
+                              neg_inf, neg_inf, neg_inf, BLOCK, GROUP)
+    tl.store(part_val_ptr + row * num_parts + part, top)
+    tl.store(part_idx_ptr + row * num_parts + part, tl.where(top > neg_inf, first, 0))
+
+
+@triton.jit(do_not_specialize=["stride", "step_seed", "temp_ptr", "seeds_ptr", "min_p_ptr", "top_k_ptr", "top_p_ptr",
+                               "cutoff_ptr", "out_ptr", "flags"])
+def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_ptr, top_k_ptr, top_p_ptr,
+                   cutoff_ptr, out_ptr, flags, greedy_eps, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride
+    offs = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+    greedy, inv_t, noise, seed = _row_draw(row, temp_ptr, seeds_ptr, step_seed, flags, greedy_eps)
     cut: tl.float32 = neg_inf
     if (flags & _CUTOFF) != 0:
         cut = tl.where(greedy, neg_inf, tl.load(cutoff_ptr + row))
@@ -195,6 +233,11 @@ def _sample_kernel(logits_ptr, stride, V, temp_ptr, seeds_ptr, step_seed, min_p_
 GROUP = 1024  # the random numbers' column grouping (fixed: seeded draws must not depend on the launch shape)
 # (BLOCK, warps) by rows: few rows stream each row with a whole SM's loads in flight; many rows share the SMs.
 LAUNCH = ((64, 8192, 32), (1 << 30, 2048, 8))
+# Batches of at most SPLIT_MAX_ROWS rows with temperature alone (seeded or not) spread each row over many programs
+# (`_sample_split_kernel`, SPLIT_BLOCK columns per step, about two programs per SM in all): one program per row
+# leaves most SMs idle there.
+SPLIT_MAX_ROWS = 63
+SPLIT_BLOCK = 2048
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
@@ -213,10 +256,13 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    block, warps = next((b, w) for rows, b, w in LAUNCH if n <= rows)
-    assert block % GROUP == 0
     flags = sum(flag.value for flag, given in ((_SEEDS, seeds), (_MIN_P, min_p), (_TOP_K, top_k), (_TOP_P, top_p),
                                                (_CUTOFF, cutoff)) if given is not None)
+    if (flags & ~_SEEDS.value) == 0 and n <= SPLIT_MAX_ROWS and vocab < 2 ** 31 - SPLIT_BLOCK:
+        _sample_split(logits, temperature, step_seed, seeds, greedy_eps, out)
+        return out
+    block, warps = next((b, w) for rows, b, w in LAUNCH if n <= rows)
+    assert block % GROUP == 0
     # Absent parameters point at a tensor of the same dtype that the kernel never reads (its flag is off).
     _sample_kernel[(n,)](
         logits, logits.stride(0), vocab, temperature, out if seeds is None else seeds, step_seed,
@@ -226,9 +272,28 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
     return out
 
 
+def _sample_split(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int, seeds: Optional[torch.Tensor],
+                  greedy_eps: float, out: torch.Tensor) -> None:
+    n, vocab = logits.shape
+    assert SPLIT_BLOCK % GROUP == 0
+    parts = max(1, min(triton.cdiv(vocab, SPLIT_BLOCK), triton.cdiv(2 * sm_count(logits.device), n), _MAX_PARTS))
+    chunk = triton.cdiv(triton.cdiv(vocab, parts), SPLIT_BLOCK) * SPLIT_BLOCK
+    parts = triton.cdiv(vocab, chunk)
+    part_val = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(n, parts, dtype=torch.int32, device=logits.device)
+    launch = pdl_launch_args(logits.device)
+    _sample_split_kernel[(n, parts)](
+        logits, logits.stride(0), vocab, temperature, out if seeds is None else seeds, step_seed,
+        _SEEDS.value if seeds is not None else 0, greedy_eps, chunk, part_val, part_idx, parts,
+        BLOCK=SPLIT_BLOCK, GROUP=GROUP, num_warps=4, **launch)
+    _argmax_merge_kernel[(n,)](part_val, part_idx, out, parts, PARTS_PAD=_MAX_PARTS, num_warps=1, **launch)
+
+
 def warm_up(vocab: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
     """Compile the kernel for every launch shape now (one variant each), not at a batch size first met in serving."""
     bounds = [rows for rows, _, _ in LAUNCH]
     for n in {min(bounds[0], 1)} | {prev + 1 for prev in bounds[:-1]}:
         logits = torch.zeros(n, vocab, dtype=dtype, device=device)
+        # a filter keeps these on the one-program kernel; without one, the few rows take the split kernel
+        sample_rows(logits, torch.ones(n, device=device), 1 << 40, top_p=torch.ones(n, device=device))
         sample_rows(logits, torch.ones(n, device=device), 1 << 40)

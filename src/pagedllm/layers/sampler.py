@@ -45,13 +45,9 @@ PREFIX_MIN_ROWS = 64
 # no [N, V] temporaries) unless this is False (the A/B of benchmarks/sampler_cost.py). A top-k reaches it as a
 # cutoff logit from torch.topk when it is at most DEVICE_TOPK_CUTOFF_MAX or the batch has top-p (whose mass is then
 # taken within each row's top-k set); a larger top-k in a batch without top-p is applied by the kernel's rejection
-# test instead. Every batch with a filter or a seeded row takes the kernel (so a seeded row's tokens never depend
-# on its company); small plain batches do not (DEVICE_PLAIN_MIN_ROWS).
+# test instead. A few rows with temperature alone spread each row over many programs (the kernel's split variant:
+# the same draws), so every random batch takes the kernel and a seeded row's token never depends on its company.
 DEVICE_SAMPLING = True
-# A batch of fewer rows with temperature alone and no seeded row takes the general path: one program per row leaves
-# most SMs idle there, where the general path's kernels spread each row over many (docs/benchmarks.md, "Sampling").
-# Seeded rows always take the kernel, so their tokens do not depend on the batch.
-DEVICE_PLAIN_MIN_ROWS = 64
 _DEVICE_SAMPLING_TYPES = ("cuda",)  # Triton's interpreter test adds "cpu"
 DEVICE_TOPK_CUTOFF_MAX = 1024
 
@@ -325,13 +321,10 @@ class Sampler(torch.nn.Module):
 
 def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> Optional[torch.Tensor]:
     """Tokens of a CUDA batch drawn by the one-kernel sampler (kernels/sampling.py), or None where it does not
-    apply (the CPU, DEVICE_SAMPLING off, a general-path TOP_K_TOP_P_IMPL forced, a small plain batch). Greedy rows
+    apply (the CPU, DEVICE_SAMPLING off, a general-path TOP_K_TOP_P_IMPL forced). Greedy rows
     get their argmax.
     The logits are not modified."""
     if not (DEVICE_SAMPLING and logits.device.type in _DEVICE_SAMPLING_TYPES and TOP_K_TOP_P_IMPL == "auto"):
-        return None
-    if (logits.shape[0] < DEVICE_PLAIN_MIN_ROWS and meta.no_top_k and meta.no_top_p and meta.no_min_p
-            and not meta.seeds):
         return None
     cutoff = top_k = None
     if not meta.no_top_k:
