@@ -9,6 +9,9 @@ For each linear layer shape (K in, N out) of Llama-3-8B (default) or Qwen3-0.6B 
   int4-old  the general dequant kernel over the load-time layout (kernels/dequant_gemm.py: PAGEDLLM_QUANT_TILED=0)
   int8      the tiled path at 8 bits
   fp8       W8A8: per-token E4M3 activation quantization + torch._scaled_mm with row-wise scales
+  w8a8      W8A8 INT8 (compressed-tensors int8 checkpoints): per-token int8 activations, the int8 tensor-core GEMM
+            with the scales in its epilogue (kernels/quant_act.py + kernels/int8_gemm.py)
+  w8a8-torch  the same in torch (quantize, torch._int_mm, scale): what ran before the kernels
 Each cell is microseconds per call (CUDA-graph replays, cycling through enough weight copies that no weight is
 served from L2), the weight bytes streamed per second (GB/s, packed weights + scales + zeros) and the speed-up
 over bf16 at that row count (x). End-to-end numbers: benchmarks/latency.py and offline_throughput.py with the
@@ -69,7 +72,7 @@ class Layers:
         for kind in kinds:
             if kind == "bf16":
                 per = n * k * 2
-            elif kind == "fp8":
+            elif kind in ("fp8", "w8a8", "w8a8-torch"):
                 per = n * k + n * 4
             else:
                 bits = 8 if kind.startswith("int8") else 4
@@ -86,6 +89,11 @@ class Layers:
                 elif kind == "fp8":
                     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
                     copies.append(quantize_weight_fp8_per_channel(w))
+                elif kind.startswith("w8a8"):
+                    from pagedllm.kernels.int8_gemm import counters_for as int8_counters
+
+                    w = torch.randint(-128, 128, (n, k), device=device, dtype=torch.int8)
+                    copies.append((w, torch.rand(n, device=device) * 1e-3, int8_counters(n, torch.device(device))))
                 else:
                     bits = 8 if kind.startswith("int8") else 4
                     qweight = torch.randint(-2**31, 2**31 - 1, (k * bits // 32, n), device=device, dtype=torch.int32)
@@ -107,6 +115,14 @@ class Layers:
             return layer.linear_method.apply(layer, x)
         if kind == "fp8":
             return fp8_linear(x, *layer)
+        if kind == "w8a8":
+            from pagedllm.quantization.kernels import int8_w8a8_linear
+
+            return int8_w8a8_linear(x, layer[0], layer[1], None, None, layer[2])
+        if kind == "w8a8-torch":
+            from pagedllm.quantization.kernels import int8_w8a8_linear_torch
+
+            return int8_w8a8_linear_torch(x, layer[0], layer[1])
         qweight, scales, zeros, bits = layer
         if kind == "int4-old":
             return dequant_matmul(x, qweight, scales, zeros, bits, 128)

@@ -1,12 +1,16 @@
-"""Dynamic per-token FP8 (E4M3) quantization of activations in one kernel (Triton).
+"""Dynamic per-token FP8 (E4M3) or INT8 quantization of activations in one kernel (Triton).
 
 The torch form (abs, amax, upcast, divide, clamp, cast) launches six kernels and moves several fp32 copies of
 the activations per linear layer, which in a long prefill costs a good part of what the FP8 matmul saves. Here
 one program per row reads the row twice (amax, then scale and cast) and writes only the E4M3 values and the
 row's scale. Numerics equal the torch reference `quantization.kernels.quantize_fp8_per_token`: the scale is
-amax / 448 in fp32 (at least 1e-12), each value is x / scale in fp32, clamped, rounded to nearest even.
+amax / 448 in fp32 (at least 1e-12), each value is x / scale in fp32, clamped, rounded to nearest even. INT8
+(`int8_per_token`) equals `quantization.kernels.quantize_int8_per_token`: scale amax / 127, x / scale rounded half
+to even (torch.round), clamped to [-128, 127]; or one static scale.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -42,6 +46,73 @@ def _fp8_per_token_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, K,
             q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
             tl.store(q_row + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _round_half_even(v):
+    r = tl.floor(v + 0.5)  # exact: |v| <= 128 here
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _int8_row(x, scale):
+    # IEEE division as torch's; clamped first (the bounds are integers, so clamp and round commute)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -128.0), 127.0)
+    return _round_half_even(v).to(tl.int8)
+
+
+@triton.jit
+def _int8_per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K,
+                           BLOCK: tl.constexpr, SINGLE: tl.constexpr, STATIC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:  # the whole row in registers: one read
+        mask = cols < K
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 127.0), 1e-12)
+        tl.store(q_row + cols, _int8_row(x, scale), mask=mask)
+    else:
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, K, BLOCK):
+                mask = start + cols < K
+                x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                acc = tl.maximum(acc, tl.abs(x))
+            scale = tl.maximum(tl.math.div_rn(tl.max(acc, 0), 127.0), 1e-12)
+        for start in range(0, K, BLOCK):
+            mask = start + cols < K
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + start + cols, _int8_row(x, scale), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def int8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16/fp32, last dim contiguous) -> (int8 [M, K], fp32 scale [M, 1]); static_scale: one fp32
+    scale for every row instead of each row's amax / 127."""
+    assert x.dim() == 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    single = k <= 8192
+    block = triton.next_power_of_2(k) if single else 2048
+    static = static_scale is not None
+    _int8_per_token_kernel[(rows,)](x, q, scale, static_scale.float().reshape(1) if static else scale,
+                                    x.stride(0), q.stride(0), k, BLOCK=block, SINGLE=single, STATIC=static,
+                                    num_warps=8 if block >= 4096 else 4)
+    return q, scale
 
 
 def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,15 +126,32 @@ def quantize_int8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor
 
 
 def int8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """W8A8 INT8: weight int8 [N, K] with fp32 per-channel scale [N]; int8 x int8 -> int32 (torch._int_mm)."""
+                     bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
+                     counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8 INT8: weight int8 [N, K] with fp32 per-channel scale [N]; activations quantized per token (or by one
+    static scale). CUDA: two Triton kernels (kernels/quant_act.int8_per_token, kernels/int8_gemm: int8 tensor cores,
+    the scales in the epilogue; `counters` the layer's split-K counters); elsewhere the same arithmetic in torch."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if x.is_cuda and triton_kernels("int8_gemm") is not None:
+        from pagedllm.kernels.int8_gemm import int8_gemm
+        from pagedllm.kernels.quant_act import int8_per_token
+
+        x_q, x_scale = int8_per_token(x2, input_scale)
+        out = int8_gemm(x_q, x_scale, weight, weight_scale, bias, x.dtype, counters)
+        return out.reshape(*shape[:-1], weight.shape[0])
+    return int8_w8a8_linear_torch(x2, weight, weight_scale, bias, input_scale).reshape(*shape[:-1], weight.shape[0])
+
+
+def int8_w8a8_linear_torch(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None
+                           ) -> torch.Tensor:
+    """The torch form of `int8_w8a8_linear` for x2 [M, K]: torch._int_mm and elementwise ops."""
     x_q, x_scale = quantize_int8_per_token(x2, input_scale)
     rows = x_q.shape[0]
-    if x.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs more than 16 rows
+    if x2.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs more than 16 rows
         x_q = F.pad(x_q, (0, 0, 0, 32 - rows))
     acc = torch._int_mm(x_q, weight.t())[:rows]
     out = acc.float() * x_scale * weight_scale.reshape(1, -1)
     out = out if bias is None else out + bias.float()
-    return out.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
+    return out.to(x2.dtype)

@@ -1,0 +1,144 @@
+"""W8A8 INT8 on CUDA in two kernels per linear layer (Triton): the activations quantized per token
+(`kernels/quant_act.int8_per_token`), then int8 x int8 on the tensor cores with int32 accumulation and the scales,
+the bias and the cast in the GEMM's epilogue.
+
+The torch form (`quantization.kernels.int8_w8a8_linear` off CUDA) is a dozen kernels per layer (abs, amax, divide,
+round, clamp, cast; torch._int_mm; two scale multiplies, the bias, the cast), each a launch and a pass over [M, K] or
+[M, N] in fp32. The result here is the same: int32 sums are exact in any order, and the epilogue does the torch
+form's fp32 operations in its order ((acc * x_scale) * w_scale, + bias, cast).
+
+Few rows leave few output tiles, so the K loop is split between programs (SPLIT_K): each split stores its int32
+partial, and the last split of a tile to arrive (a counter per tile, reset by it) adds them and runs the epilogue.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.paged_attention import sm_count
+
+
+@triton.jit
+def _epilogue(acc, rows, cols, m_ok, n_ok, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, stride_om,
+              HAS_BIAS: tl.constexpr):
+    xs = tl.load(a_scale_ptr + rows, mask=m_ok, other=0.0)
+    ws = tl.load(b_scale_ptr + cols, mask=n_ok, other=0.0)
+    out = acc.to(tl.float32) * xs[:, None]
+    out = out * ws[None, :]
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
+                      M, N, K, stride_am, stride_bn, stride_om, K_PER_SPLIT,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # GROUP_M row tiles walk the column tiles together: their weight tiles are read from L2 once per group
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rows < M
+    n_ok = cols < N
+    rk = tl.arange(0, BLOCK_K)
+    k0 = pid_k * K_PER_SPLIT
+    # rows past M and columns past N read row / column 0 (their results are never stored): no masks in the loop
+    a_ptrs = a_ptr + tl.where(m_ok, rows, 0)[:, None].to(tl.int64) * stride_am + (k0 + rk)[None, :]
+    b_ptrs = b_ptr + tl.where(n_ok, cols, 0)[None, :].to(tl.int64) * stride_bn + (k0 + rk)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k in range(0, K_PER_SPLIT, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = k0 + k + rk < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if SPLIT_K == 1:
+        _epilogue(acc, rows, cols, m_ok, n_ok, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, stride_om, HAS_BIAS)
+    else:
+        tile = pid_m * num_n + pid_n
+        part = part_ptr + (tile * BLOCK_M * BLOCK_N).to(tl.int64) * SPLIT_K \
+            + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(part + pid_k * BLOCK_M * BLOCK_N, acc)
+        # every warp's partial stored before the one thread's counting atomic publishes it (acq_rel)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part + s * BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            _epilogue(total, rows, cols, m_ok, n_ok, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, stride_om,
+                      HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+def counters_for(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed split-K counters for a layer of n output columns (one per output tile of a split launch)."""
+    return torch.zeros(triton.cdiv(n, 32) + 1, dtype=torch.int32, device=device)
+
+
+def launch_config(m: int, n: int, k: int, sms: int) -> dict:
+    """Tile sizes, warps, stages and the K split for an [m, k] x [k, n] product: 16-64-row tiles for few rows,
+    128 x 128 above; the K split (few rows only) until about two programs per SM."""
+    if m <= 16:
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
+    elif m <= 32:
+        cfg = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
+    elif m <= 64:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    split = 1
+    if triton.cdiv(m, cfg["BLOCK_M"]) == 1:
+        steps = triton.cdiv(k, cfg["BLOCK_K"])
+        while tiles * split * 2 <= 2 * sms and steps // (2 * split) >= 2 and split < 16:
+            split *= 2
+    cfg["SPLIT_K"] = split
+    return cfg
+
+
+def int8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+              bias: Optional[torch.Tensor], out_dtype: torch.dtype, counters: Optional[torch.Tensor] = None,
+              config: Optional[dict] = None) -> torch.Tensor:
+    """a int8 [M, K] (row scales a_scale fp32 [M] or [M, 1]) x b int8 [N, K] (column scales b_scale fp32 [N])
+    (+ bias [N]) -> [M, N] in out_dtype. counters: `counters_for(N)` (the layer's, zero between launches); without
+    them the K loop is not split."""
+    m, k = a.shape
+    n = b.shape[0]
+    assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = dict(config or launch_config(m, n, k, sm_count(a.device)))
+    if counters is None or triton.cdiv(n, cfg["BLOCK_N"]) > counters.numel() or m > cfg["BLOCK_M"]:
+        cfg["SPLIT_K"] = 1  # the counters count one row of output tiles
+    split = cfg.pop("SPLIT_K")
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    part = out
+    if split > 1:
+        part = torch.empty(tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.int32, device=a.device)
+    _int8_gemm_kernel[(tiles, split)](
+        a, b, out, a_scale, b_scale, out if bias is None else bias, part, out if counters is None else counters,
+        m, n, k, a.stride(0), b.stride(0), out.stride(0), k_per_split,
+        GROUP_M=8, SPLIT_K=split, HAS_BIAS=bias is not None, EVEN_K=k % k_per_split == 0, **cfg)
+    return out

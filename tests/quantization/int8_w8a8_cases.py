@@ -1,0 +1,75 @@
+"""Checks of the CUDA W8A8 INT8 kernels (kernels/quant_act.int8_per_token, kernels/int8_gemm) against the torch
+form of `quantization.kernels` (shared by the interpreter run in CI, tests/quantization/interpret_int8.py, and
+the GPU tests, tests/gpu/test_int8_w8a8_gpu.py)."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.quantization.kernels import quantize_int8_per_token
+
+
+def check_activation_quant(device: str, ks=(64, 300, 9000)) -> None:
+    """Per-token int8 quantization equals the torch reference exactly: the scale (amax / 127), every value,
+    ties rounded to even, the clamp, a zero row, and one static scale (values past the int8 range clamp)."""
+    from pagedllm.kernels.quant_act import int8_per_token
+
+    gen = torch.Generator().manual_seed(0)
+    for k in ks:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(5, k, generator=gen) * 3
+            x[1] = 0.0
+            # row 2: amax 127 -> scale exactly 1, so x / scale is x: halves are ties, both parities
+            x[2, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, -126.5])
+            x[2, 8:] = x[2, 8:].clamp(-100, 100).round() + 0.5
+            x = x.to(dtype)
+            want_q, want_s = quantize_int8_per_token(x)
+            q, s = int8_per_token(x.to(device))
+            assert torch.equal(s.cpu(), want_s), (k, dtype)
+            assert torch.equal(q.cpu(), want_q), (k, dtype, (q.cpu().int() - want_q.int()).abs().max())
+            static = torch.tensor([0.01])
+            want_q, want_s = quantize_int8_per_token(x, static)
+            q, s = int8_per_token(x.to(device), static.to(device))
+            assert torch.equal(q.cpu(), want_q) and torch.equal(s.cpu(), want_s.expand(x.shape[0], 1)), (k, dtype)
+            assert (want_q == 127).any() and (want_q == -128).any()  # the static scale clamps
+
+
+def reference_linear(x_q, x_scale, weight, weight_scale, bias, dtype):
+    """The torch form's arithmetic: exact int32 sums (here int64 on any device), then its fp32 epilogue."""
+    acc = (x_q.long() @ weight.long().t()).to(torch.int32)
+    out = acc.float() * x_scale.reshape(-1, 1) * weight_scale.reshape(1, -1)
+    out = out if bias is None else out + bias.float()
+    return out.to(dtype)
+
+
+GPU_OUTPUTS = ((torch.bfloat16, False), (torch.float16, True), (torch.bfloat16, True))
+# Triton's interpreter narrows fp32 to bf16 by truncation (a GPU rounds to nearest): fp32 and fp16 there
+INTERPRETER_OUTPUTS = ((torch.float32, False), (torch.float16, True), (torch.float32, True))
+
+
+def check_gemm(device: str, shapes, configs, exact_bias: bool = True, outputs=GPU_OUTPUTS) -> None:
+    """int8_gemm against `reference_linear`: rows past a tile, columns past a tile, K not a multiple of the K step,
+    split K (the counters back at zero after every call), with and without bias, in each (out dtype, bias) of
+    `outputs`. Exact without bias; with bias exact where `exact_bias` (a GPU may fuse the scale product and the
+    bias add into one FMA)."""
+    from pagedllm.kernels.int8_gemm import counters_for, int8_gemm
+
+    gen = torch.Generator().manual_seed(1)
+    for m, n, k in shapes:
+        x_q = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        x_scale = torch.rand(m, 1, generator=gen) * 0.01 + 1e-4
+        w_scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+        bias = torch.randn(n, generator=gen)
+        counters = counters_for(n, torch.device(device))
+        for cfg in configs:
+            for dtype, with_bias in outputs:
+                b = bias.to(dtype) if with_bias else None
+                want = reference_linear(x_q, x_scale, w, w_scale, b, dtype)
+                got = int8_gemm(x_q.to(device), x_scale.to(device), w.to(device), w_scale.to(device),
+                                None if b is None else b.to(device), dtype, counters, cfg).cpu()
+                label = (m, n, k, cfg, dtype, with_bias)
+                if with_bias and not exact_bias:
+                    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3, msg=str(label))
+                else:
+                    assert torch.equal(got, want), (label, (got.float() - want.float()).abs().max())
+                assert int(counters.abs().sum()) == 0, label

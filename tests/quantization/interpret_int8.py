@@ -1,0 +1,30 @@
+"""The W8A8 INT8 kernels in Triton's interpreter on the CPU: `TRITON_INTERPRET=1 python interpret_int8.py` (run by
+test_int8_w8a8_kernels.py; the model-shape checks run on the GPU: tests/gpu/test_int8_w8a8_gpu.py)."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)
+    sys.path[:0] = [here, os.path.join(tests, "lora"), os.path.join(tests, "gpu")]
+    from interpret_kernels import patch_interpreter_for_numpy2
+
+    patch_interpreter_for_numpy2()
+    import conftest  # noqa: F401  (tests/gpu: the interpreter's comparisons tagged as int1)
+    from int8_w8a8_cases import INTERPRETER_OUTPUTS, check_activation_quant, check_gemm
+
+    check_activation_quant("cpu", ks=(64, 300, 9000))
+    print("activation quant ok", flush=True)
+    small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+    check_gemm("cpu", [(1, 48, 64), (5, 100, 200), (16, 64, 96), (37, 70, 128)],
+               [dict(small, SPLIT_K=1), dict(small, SPLIT_K=2), dict(small, SPLIT_K=4),
+                dict(small, BLOCK_M=32, SPLIT_K=1)], outputs=INTERPRETER_OUTPUTS)
+    print("int8 gemm ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
