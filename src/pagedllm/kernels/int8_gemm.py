@@ -67,7 +67,7 @@ def _int8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
             k_ok = k0 + k + rk < K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # (Triton 3.6 asks for it with an int32 accumulator)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if SPLIT_K == 1:
