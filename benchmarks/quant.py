@@ -20,6 +20,7 @@ configs in benchmarks/configs.
     PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --rows 1 2 4 8 16 64 256
     PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --sweep gemv --rows 1      # launch configs
     PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --sweep gemm --rows 16 --layers qkv down
+    PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --sweep int8 --rows 64 256          # W8A8 INT8 GEMM configs
 """
 from __future__ import annotations
 
@@ -116,9 +117,11 @@ class Layers:
         if kind == "fp8":
             return fp8_linear(x, *layer)
         if kind == "w8a8":
-            from pagedllm.quantization.kernels import int8_w8a8_linear
+            from pagedllm.kernels.int8_gemm import int8_gemm
+            from pagedllm.kernels.quant_act import int8_per_token
 
-            return int8_w8a8_linear(x, layer[0], layer[1], None, None, layer[2])
+            x_q, x_scale = int8_per_token(x)
+            return int8_gemm(x_q, x_scale, layer[0], layer[1], None, x.dtype, layer[2], config)
         if kind == "w8a8-torch":
             from pagedllm.quantization.kernels import int8_w8a8_linear_torch
 
@@ -177,6 +180,13 @@ def sweep(args) -> None:
         grid = lambda rows: [dict(block_n=bn, num_warps=w, rows=r, programs_per_sm=p, max_split=16)  # noqa: E731
                              for (bn, w), r, p in itertools.product([(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)],
                                                                     [4, 8], [2, 4, 8])]
+    elif args.sweep == "int8":  # the W8A8 INT8 GEMM's tiles, warps, stages and K split (kernels/int8_gemm.py)
+        kind = "w8a8"
+        bms = lambda rows: [16, 32, 64] if rows <= 64 else [64, 128]  # noqa: E731
+        grid = lambda rows: [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk)  # noqa: E731
+                             for bm, bn, bk, w, st, sk in itertools.product(bms(rows), [64, 128], [128, 256], [4, 8],
+                                                                           [3, 4], [1, 2, 4])
+                             if (sk == 1 or rows <= bm) and bm * bn * bk <= 128 * 128 * 128]
     else:
         kind = "int4-gemm"
         grid = lambda rows: [dict(block_m=bm, block_n=bn, num_warps=w, programs_per_sm=p, max_split=16)  # noqa: E731
@@ -206,7 +216,8 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["bf16", "int4", "int4-gemv", "int4-gemm", "int4-old", "int8",
                                                   "fp8"])
     p.add_argument("--layers", nargs="+", help="only these layers (qkv o gate_up down)")
-    p.add_argument("--sweep", choices=["gemv", "gemm"], help="time launch configs of one tiled kernel instead")
+    p.add_argument("--sweep", choices=["gemv", "gemm", "int8"],
+                   help="time launch configs of one kernel instead (the tiled GEMV / GEMM, the W8A8 INT8 GEMM)")
     args = p.parse_args()
     if args.sweep:
         sweep(args)

@@ -34,8 +34,9 @@ def check_activation_quant(device: str, ks=(64, 300, 9000)) -> None:
 
 
 def reference_linear(x_q, x_scale, weight, weight_scale, bias, dtype):
-    """The torch form's arithmetic: exact int32 sums (here int64 on any device), then its fp32 epilogue."""
-    acc = (x_q.long() @ weight.long().t()).to(torch.int32)
+    """The torch form's arithmetic: exact int32 sums, then its fp32 epilogue. The sums in float64 on the tensors'
+    device (exact: at most 128 * 128 * K < 2 ** 53), which is fast on a GPU where an int64 matmul is not."""
+    acc = (x_q.double() @ weight.double().t()).to(torch.int32)
     out = acc.float() * x_scale.reshape(-1, 1) * weight_scale.reshape(1, -1)
     out = out if bias is None else out + bias.float()
     return out.to(dtype)
@@ -63,10 +64,10 @@ def check_gemm(device: str, shapes, configs, exact_bias: bool = True, outputs=GP
         counters = counters_for(n, torch.device(device))
         for cfg in configs:
             for dtype, with_bias in outputs:
-                b = bias.to(dtype) if with_bias else None
-                want = reference_linear(x_q, x_scale, w, w_scale, b, dtype)
-                got = int8_gemm(x_q.to(device), x_scale.to(device), w.to(device), w_scale.to(device),
-                                None if b is None else b.to(device), dtype, counters, cfg).cpu()
+                b = bias.to(dtype=dtype, device=device) if with_bias else None
+                args = (x_q.to(device), x_scale.to(device), w.to(device), w_scale.to(device), b)
+                want = reference_linear(*args, dtype).cpu()
+                got = int8_gemm(*args[:4], b, dtype, counters, cfg).cpu()
                 label = (m, n, k, cfg, dtype, with_bias)
                 if with_bias and not exact_bias:
                     torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3, msg=str(label))
