@@ -2,7 +2,7 @@
 
 The torch form (abs, amax, upcast, divide, clamp, cast) launches six kernels and moves several fp32 copies of
 the activations per linear layer, which in a long prefill costs a good part of what the FP8 matmul saves. Here
-one program per row reads the row twice (amax, then scale and cast) and writes only the E4M3 values and the
+one program per row reads the row twice (amax, then scale and cast) and writes only the quantized values and the
 row's scale. Numerics equal the torch reference `quantization.kernels.quantize_fp8_per_token`: the scale is
 amax / 448 in fp32 (at least 1e-12), each value is x / scale in fp32, clamped, rounded to nearest even. INT8
 (`int8_per_token`) equals `quantization.kernels.quantize_int8_per_token`: scale amax / 127, x / scale rounded half
@@ -20,35 +20,6 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _fp8_per_token_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, K,
-                          FP8_MAX: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * stride_q
-    cols = tl.arange(0, BLOCK)
-    if SINGLE:  # the whole row in registers: one read
-        mask = cols < K
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), 0)
-        scale = tl.maximum(amax / FP8_MAX, 1e-12)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    else:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, K, BLOCK):
-            mask = start + cols < K
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(x))
-        scale = tl.maximum(tl.max(acc, 0) / FP8_MAX, 1e-12)
-        for start in range(0, K, BLOCK):
-            mask = start + cols < K
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-            tl.store(q_row + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
-
-
-@triton.jit
 def _round_half_even(v):
     r = tl.floor(v + 0.5)  # exact: |v| <= 128 here
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
@@ -56,15 +27,17 @@ def _round_half_even(v):
 
 
 @triton.jit
-def _int8_row(x, scale):
-    # IEEE division as torch's; clamped first (the bounds are integers, so clamp and round commute)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -128.0), 127.0)
-    return _round_half_even(v).to(tl.int8)
+def _quantize(x, scale, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """x / scale (IEEE division, as torch's) clamped to the format's range; for int8 also rounded half to even
+    (clamped first: the bounds are integers, so clamp and round commute). The cast is the caller's."""
+    if INT8:
+        return _round_half_even(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -128.0), 127.0))
+    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
 
 
 @triton.jit
-def _int8_per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K,
-                           BLOCK: tl.constexpr, SINGLE: tl.constexpr, STATIC: tl.constexpr):
+def _per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K, QMAX: tl.constexpr,
+                      INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -75,8 +48,8 @@ def _int8_per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride
         if STATIC:
             scale = tl.load(static_ptr)
         else:
-            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 127.0), 1e-12)
-        tl.store(q_row + cols, _int8_row(x, scale), mask=mask)
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), QMAX), 1e-12)
+        tl.store(q_row + cols, _quantize(x, scale, QMAX, INT8).to(q_ptr.dtype.element_ty), mask=mask)
     else:
         if STATIC:
             scale = tl.load(static_ptr)
@@ -86,47 +59,42 @@ def _int8_per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride
                 mask = start + cols < K
                 x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
                 acc = tl.maximum(acc, tl.abs(x))
-            scale = tl.maximum(tl.math.div_rn(tl.max(acc, 0), 127.0), 1e-12)
+            scale = tl.maximum(tl.math.div_rn(tl.max(acc, 0), QMAX), 1e-12)
         for start in range(0, K, BLOCK):
             mask = start + cols < K
             x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + start + cols, _int8_row(x, scale), mask=mask)
+            tl.store(q_row + start + cols, _quantize(x, scale, QMAX, INT8).to(q_ptr.dtype.element_ty),
+                     mask=mask)
     tl.store(scale_ptr + row, scale)
+
+
+def _per_token(x: torch.Tensor, dtype: torch.dtype, static_scale: Optional[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    assert x.dim() == 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=dtype, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    single = k <= 8192
+    block = triton.next_power_of_2(k) if single else 2048
+    int8 = dtype == torch.int8
+    static = static_scale is not None
+    _per_token_kernel[(rows,)](x, q, scale, static_scale.float().reshape(1) if static else scale, x.stride(0),
+                               q.stride(0), k, QMAX=127.0 if int8 else FP8_MAX, INT8=int8, STATIC=static,
+                               BLOCK=block, SINGLE=single, num_warps=8 if block >= 4096 else 4)
+    return q, scale
 
 
 def int8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16/fp32, last dim contiguous) -> (int8 [M, K], fp32 scale [M, 1]); static_scale: one fp32
     scale for every row instead of each row's amax / 127."""
-    assert x.dim() == 2
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, k = x.shape
-    q = torch.empty((rows, k), dtype=torch.int8, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows == 0:
-        return q, scale
-    single = k <= 8192
-    block = triton.next_power_of_2(k) if single else 2048
-    static = static_scale is not None
-    _int8_per_token_kernel[(rows,)](x, q, scale, static_scale.float().reshape(1) if static else scale,
-                                    x.stride(0), q.stride(0), k, BLOCK=block, SINGLE=single, STATIC=static,
-                                    num_warps=8 if block >= 4096 else 4)
-    return q, scale
+    return _per_token(x, torch.int8, static_scale)
 
 
 def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16/fp32, last dim contiguous) -> (E4M3 [M, K], fp32 scale [M, 1])."""
-    assert x.dim() == 2
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, k = x.shape
-    q = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows == 0:
-        return q, scale
-    single = k <= 8192
-    block = triton.next_power_of_2(k) if single else 2048
-    _fp8_per_token_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), k, FP8_MAX=FP8_MAX, BLOCK=block,
-                                   SINGLE=single, num_warps=8 if block >= 4096 else 4)
-    return q, scale
+    return _per_token(x, torch.float8_e4m3fn, None)
