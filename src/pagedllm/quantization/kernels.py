@@ -2,6 +2,7 @@
 on CUDA, the Triton kernels where they apply. Each function computes `x @ dequant(W)^T + bias`."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -133,7 +134,7 @@ def int8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     the scales in the epilogue; `counters` the layer's split-K counters); elsewhere the same arithmetic in torch."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x.is_cuda and triton_kernels("int8_gemm") is not None:
+    if x.is_cuda and _int8_tensor_cores(x.device) and triton_kernels("int8_gemm") is not None:
         from pagedllm.kernels.int8_gemm import int8_gemm
         from pagedllm.kernels.quant_act import int8_per_token
 
@@ -141,6 +142,12 @@ def int8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         out = int8_gemm(x_q, x_scale, weight, weight_scale, bias, x.dtype, counters)
         return out.reshape(*shape[:-1], weight.shape[0])
     return int8_w8a8_linear_torch(x2, weight, weight_scale, bias, input_scale).reshape(*shape[:-1], weight.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_tensor_cores(device: torch.device) -> bool:
+    """Triton's int8 dot is built for compute capability 8.0 and up; older GPUs keep the torch form."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def int8_w8a8_linear_torch(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
