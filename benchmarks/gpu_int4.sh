@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_int4.sh table     # the GEMV per 8B layer at 1, 16, 32 and 64 rows and its GPU tests, no checks
 #   bash benchmarks/gpu_int4.sh int8      # W8A8 INT8 (and the FP8 activation quantization): GPU tests, the GEMM's
 #                                         # launch sweep at 64 and 256 rows, the per-layer table against bf16
+#   bash benchmarks/gpu_int4.sh int8-e2e  # 8B decode at batch 64 and 1: W8A8 INT8 (compressed-tensors config) vs bf16
 #
 # Several modes in one call run in order: `bash benchmarks/gpu_int4.sh sweep mma e2e`.
 # Each step has its own timeout; logs go to $OUT (or /tmp/int4-out) and the summary lines to stdout.
@@ -59,6 +60,12 @@ int8)
         tests/gpu/test_quant_act.py
     step int8-sweep 240 python benchmarks/quant.py --model 8b --sweep int8 --rows 64 256
     step int8-table 150 python benchmarks/quant.py --model 8b --kinds bf16 w8a8 w8a8-torch fp8 --rows 1 16 64 256 1024
+    ;;
+int8-e2e)  # 8B decode with compressed-tensors W8A8 INT8 (dummy weights) against bf16
+    for b in 64 1; do
+        lat w8a8 llama3-8b-w8a8-int8 bfloat16 $b
+        lat bf16 llama3-8b bfloat16 $b
+    done
     ;;
 table)
     step mma-tests 200 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_qgemv_mma_gpu.py
