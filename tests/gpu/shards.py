@@ -44,6 +44,7 @@ EXPECTED_S = {
     "tests/gpu/test_engine_lifecycle_gpu.py": 25,
     "tests/gpu/test_families_gpu.py": 90,
     "tests/gpu/test_fused_moe_gpu.py": 242,
+    "tests/gpu/test_int8_w8a8_gpu.py": 120,  # 2026-12-03: not yet run whole (its first two tests: ~100 s, a slow CPU reference since replaced)
     "tests/gpu/test_kv_fp8_kernels.py": 49,
     "tests/gpu/test_lora_gpu.py": 60,  # 2026-12-03: ~140 cases, one Triton compile each
     "tests/gpu/test_mixed_graphs.py": 50,
@@ -85,6 +86,7 @@ CONCURRENCY = {
     "tests/gpu/test_engine_lifecycle_gpu.py": SERIAL,  # 0.9 engines, asserts a pool over half the GPU
     "tests/gpu/test_families_gpu.py": PARALLEL,  # override engines
     "tests/gpu/test_fused_moe_gpu.py": PARALLEL,  # kernels, override engines (its NCCL test needs 2 GPUs)
+    "tests/gpu/test_int8_w8a8_gpu.py": PARALLEL,  # kernels, weights up to 6144 x 14336
     "tests/gpu/test_kv_fp8_kernels.py": SERIAL,  # two SmolLM2 engines at gpu_memory_utilization=0.3 at once
     "tests/gpu/test_lora_gpu.py": PARALLEL,  # kernels, override engines
     "tests/gpu/test_mixed_graphs.py": SERIAL,  # test_buckets_capped_by_what_a_step_can_hold: two engines at 0.9
