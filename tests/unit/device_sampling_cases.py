@@ -176,13 +176,15 @@ def check_masked_and_seeded(device: str, vocab: int = 1000) -> None:
     assert not torch.equal(a, b)
 
 
-def check_split_rows_match_one_program(device: str, vocab: int = 300) -> None:
+def check_split_rows_match_one_program(device: str, vocab: int = 300, n: int = 40) -> None:
     """A few rows with temperature alone (seeded or not) take the split variant, each row cut between programs:
     its tokens are the one-program kernel's, token for token (the same score per column, the same first index of a
-    tie), for greedy, +inf, NaN and fully masked rows too, in fp32 and bf16."""
+    tie), for greedy, +inf, NaN and fully masked rows too, in fp32 and bf16. `n` rows in the largest batch: the six
+    special rows above, then plain rows cycling through temperatures 0 / 0.5 / 1 / 1.5, every third one seeded
+    (n >= 14 meets each temperature twice and seeded rows greedy and not)."""
     import pagedllm.kernels.sampling as kernel
 
-    n = 40
+    assert n >= 14, n
     logits = torch.stack([llm_row(vocab, seed=s) * 0.3 for s in range(n)])
     logits[0, 17] = logits[0, vocab - 3] = 50.0  # greedy row with a tie across parts: 17 wins
     logits[1, :] = float("-inf")
