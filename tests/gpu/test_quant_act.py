@@ -11,7 +11,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _reference(x: torch.Tensor):
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / 448.0).clamp(min=1e-12)
+    from pagedllm.quantization.kernels import FP8_INV_MAX
+
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() * FP8_INV_MAX).clamp(min=1e-12)
     return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 

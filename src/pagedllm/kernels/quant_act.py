@@ -4,9 +4,10 @@ The torch form (abs, amax, upcast, divide, clamp, cast) launches six kernels and
 the activations per linear layer, which in a long prefill costs a good part of what the FP8 matmul saves. Here
 one program per row reads the row twice (amax, then scale and cast) and writes only the quantized values and the
 row's scale. Numerics equal the torch reference `quantization.kernels.quantize_fp8_per_token`: the scale is
-amax / 448 in fp32 (at least 1e-12), each value is x / scale in fp32, clamped, rounded to nearest even. INT8
-(`int8_per_token`) equals `quantization.kernels.quantize_int8_per_token`: scale amax / 127, x / scale rounded half
-to even (torch.round), clamped to [-128, 127]; or one static scale.
+amax times the fp32 reciprocal of 448 (at least 1e-12), each value is x / scale in fp32 (IEEE division), clamped,
+rounded to nearest even. INT8 (`int8_per_token`) equals `quantization.kernels.quantize_int8_per_token`: scale amax
+times the fp32 reciprocal of 127, x / scale rounded half to even (torch.round), clamped to [-128, 127]; or one
+static scale.
 """
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
+
+
+def _inverse(qmax: float) -> float:
+    """1 / qmax rounded to fp32 (exact as a Python float). The scale is amax times it, not amax / qmax: torch's
+    CUDA division by a Python number multiplies by the reciprocal, its CPU division does not, so the reference
+    spells the product out and both devices and this kernel agree bit for bit."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32))
 
 
 @triton.jit
@@ -37,7 +45,8 @@ def _quantize(x, scale, QMAX: tl.constexpr, INT8: tl.constexpr):
 
 @triton.jit
 def _per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K, QMAX: tl.constexpr,
-                      INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+                      INV_QMAX: tl.constexpr, INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+                      SINGLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -48,7 +57,7 @@ def _per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K
         if STATIC:
             scale = tl.load(static_ptr)
         else:
-            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), QMAX), 1e-12)
+            scale = tl.maximum(tl.max(tl.abs(x), 0) * INV_QMAX, 1e-12)
         tl.store(q_row + cols, _quantize(x, scale, QMAX, INT8).to(q_ptr.dtype.element_ty), mask=mask)
     else:
         if STATIC:
@@ -59,7 +68,7 @@ def _per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K
                 mask = start + cols < K
                 x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
                 acc = tl.maximum(acc, tl.abs(x))
-            scale = tl.maximum(tl.math.div_rn(tl.max(acc, 0), QMAX), 1e-12)
+            scale = tl.maximum(tl.max(acc, 0) * INV_QMAX, 1e-12)
         for start in range(0, K, BLOCK):
             mask = start + cols < K
             x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -81,9 +90,10 @@ def _per_token(x: torch.Tensor, dtype: torch.dtype, static_scale: Optional[torch
     single = k <= 8192
     block = triton.next_power_of_2(k) if single else 2048
     int8 = dtype == torch.int8
+    qmax = 127.0 if int8 else FP8_MAX
     static = static_scale is not None
     _per_token_kernel[(rows,)](x, q, scale, static_scale.float().reshape(1) if static else scale, x.stride(0),
-                               q.stride(0), k, QMAX=127.0 if int8 else FP8_MAX, INT8=int8, STATIC=static,
+                               q.stride(0), k, QMAX=qmax, INV_QMAX=_inverse(qmax), INT8=int8, STATIC=static,
                                BLOCK=block, SINGLE=single, num_warps=8 if block >= 4096 else 4)
     return q, scale
 

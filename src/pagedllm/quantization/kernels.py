@@ -82,6 +82,11 @@ def mma_int_linear(x: torch.Tensor, layer: torch.nn.Module, bias: Optional[torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# Per-token scales are amax times these fp32 reciprocals (exact as Python floats): torch's CUDA division by a Python
+# number multiplies by the reciprocal and its CPU division divides, so the product is spelled out to give the same
+# bits on both devices and in the Triton kernels (kernels/quant_act.py).
+FP8_INV_MAX = float(torch.tensor(1.0) / torch.tensor(FP8_MAX))
+INT8_INV_MAX = float(torch.tensor(1.0) / torch.tensor(127.0))
 
 
 def quantize_fp8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
@@ -94,7 +99,7 @@ def quantize_fp8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor]
 
         return fp8_per_token(x)  # one kernel, the same numbers
     else:
-        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() * FP8_INV_MAX).clamp(min=1e-12)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
 
 
@@ -122,7 +127,7 @@ def quantize_int8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor
     if static_scale is not None:
         scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     else:
-        scale = (x.abs().amax(dim=-1, keepdim=True).float() / 127.0).clamp(min=1e-12)
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() * INT8_INV_MAX).clamp(min=1e-12)
     return torch.round(x.float() / scale).clamp(-128, 127).to(torch.int8), scale.contiguous()
 
 
