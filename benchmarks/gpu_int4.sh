@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_int4.sh int8      # W8A8 INT8 (and the FP8 activation quantization): GPU tests, the GEMM's
 #                                         # launch sweep at 64 and 256 rows, the per-layer table against bf16
 #   bash benchmarks/gpu_int4.sh int8-e2e  # 8B decode at batch 64 and 1: W8A8 INT8 (compressed-tensors config) vs bf16
+#   bash benchmarks/gpu_int4.sh w8a8      # INT8 and FP8 W8A8 GEMMs: GPU tests, few-row sweeps, per-layer table
+#   bash benchmarks/gpu_int4.sh w8a8-e2e  # 8B decode at batch 64 and 1: W8A8 INT8, FP8 (online) and bf16
 #
 # Several modes in one call run in order: `bash benchmarks/gpu_int4.sh sweep mma e2e`.
 # Each step has its own timeout; logs go to $OUT (or /tmp/int4-out) and the summary lines to stdout.
@@ -23,9 +25,9 @@ out=${OUT:-/tmp/int4-out}
 mkdir -p "$out"
 STEP_SUMMARY="one layer|sweep one|best|check.*BAD|correctness|qkv|o |gate_up|down|pagedllm:|hardware|Avg latency"
 source benchmarks/gpu_step.sh
-lat() {  # lat NAME CONFIG DTYPE BATCH
+lat() {  # lat NAME CONFIG DTYPE BATCH [latency.py options]
     step "lat-$1-b$4" 170 python benchmarks/latency.py --model "benchmarks/configs/$2" --load-format dummy --dtype "$3" \
-        --batch-size "$4" --input-len 128 --output-len 256 --hf none
+        --batch-size "$4" --input-len 128 --output-len 256 --hf none "${@:5}"
 }
 for what in "$@"; do
 case $what in
@@ -60,6 +62,21 @@ int8)
         tests/gpu/test_quant_act.py
     step int8-sweep 240 python benchmarks/quant.py --model 8b --sweep int8 --rows 64 256
     step int8-table 150 python benchmarks/quant.py --model 8b --kinds bf16 w8a8 w8a8-torch fp8 --rows 1 16 64 256 1024
+    ;;
+w8a8)  # both 8-bit GEMMs (INT8, FP8): GPU tests, few-row launch sweeps, the per-layer table with both FP8 GEMMs
+    step w8a8-tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_int8_w8a8_gpu.py \
+        tests/gpu/test_quant_act.py
+    step w8a8-sweep-int8 150 python benchmarks/quant.py --model 8b --sweep int8 --rows 1 16
+    step w8a8-sweep-fp8 200 python benchmarks/quant.py --model 8b --sweep fp8 --rows 1 16 64
+    step w8a8-table 150 python benchmarks/quant.py --model 8b --kinds bf16 w8a8 fp8 fp8-triton fp8-scaled-mm \
+        --rows 1 16 64 128 256 1024
+    ;;
+w8a8-e2e)  # 8B decode at batch 64 and 1: W8A8 INT8 (compressed-tensors) and FP8 (online) against bf16
+    for b in 64 1; do
+        lat w8a8 llama3-8b-w8a8-int8 bfloat16 $b
+        lat fp8 llama3-8b bfloat16 $b --quantization fp8
+        lat bf16 llama3-8b bfloat16 $b
+    done
     ;;
 int8-e2e)  # 8B decode with compressed-tensors W8A8 INT8 (dummy weights) against bf16
     for b in 64 1; do

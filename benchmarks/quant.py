@@ -8,9 +8,11 @@ For each linear layer shape (K in, N out) of Llama-3-8B (default) or Qwen3-0.6B 
   int4-gemv / int4-gemm   each tiled kernel alone (the GEMV only up to 8 rows)
   int4-old  the general dequant kernel over the load-time layout (kernels/dequant_gemm.py: PAGEDLLM_QUANT_TILED=0)
   int8      the tiled path at 8 bits
-  fp8       W8A8: per-token E4M3 activation quantization + torch._scaled_mm with row-wise scales
+  fp8       W8A8 FP8 as the engine runs it: per-token E4M3 activation quantization, then the Triton GEMM of
+            kernels/w8a8_gemm.py up to FP8_TRITON_MAX_ROWS rows, torch._scaled_mm (row-wise scales) above
+  fp8-triton / fp8-scaled-mm   each GEMM alone at every row count
   w8a8      W8A8 INT8 (compressed-tensors int8 checkpoints): per-token int8 activations, the int8 tensor-core GEMM
-            with the scales in its epilogue (kernels/quant_act.py + kernels/int8_gemm.py)
+            with the scales in its epilogue (kernels/quant_act.py + kernels/w8a8_gemm.py)
   w8a8-torch  the same in torch (quantize, torch._int_mm, scale): what ran before the kernels
 Each cell is microseconds per call (CUDA-graph replays, cycling through enough weight copies that no weight is
 served from L2), the weight bytes streamed per second (GB/s, packed weights + scales + zeros) and the speed-up
@@ -21,6 +23,7 @@ configs in benchmarks/configs.
     PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --sweep gemv --rows 1      # launch configs
     PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --sweep gemm --rows 16 --layers qkv down
     PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --sweep int8 --rows 64 256          # W8A8 INT8 GEMM configs
+    PYTHONUNBUFFERED=1 python benchmarks/quant.py --model 8b --sweep fp8 --rows 1 16              # its FP8 form
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ class Layers:
         for kind in kinds:
             if kind == "bf16":
                 per = n * k * 2
-            elif kind in ("fp8", "w8a8", "w8a8-torch"):
+            elif kind in ("fp8", "fp8-triton", "fp8-scaled-mm", "w8a8", "w8a8-torch"):
                 per = n * k + n * 4
             else:
                 bits = 8 if kind.startswith("int8") else 4
@@ -87,14 +90,16 @@ class Layers:
                         lin = RowParallelLinear(k, n, bias=False, params_dtype=torch.bfloat16)
                     lin.weight.data.normal_(0, 0.02)
                     copies.append(lin)
-                elif kind == "fp8":
+                elif kind.startswith("fp8"):
+                    from pagedllm.kernels.w8a8_gemm import counters_for as w8a8_counters
+
                     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-                    copies.append(quantize_weight_fp8_per_channel(w))
+                    copies.append((*quantize_weight_fp8_per_channel(w), w8a8_counters(n, torch.device(device))))
                 elif kind.startswith("w8a8"):
-                    from pagedllm.kernels.int8_gemm import counters_for as int8_counters
+                    from pagedllm.kernels.w8a8_gemm import counters_for as w8a8_counters
 
                     w = torch.randint(-128, 128, (n, k), device=device, dtype=torch.int8)
-                    copies.append((w, torch.rand(n, device=device) * 1e-3, int8_counters(n, torch.device(device))))
+                    copies.append((w, torch.rand(n, device=device) * 1e-3, w8a8_counters(n, torch.device(device))))
                 else:
                     bits = 8 if kind.startswith("int8") else 4
                     qweight = torch.randint(-2**31, 2**31 - 1, (k * bits // 32, n), device=device, dtype=torch.int32)
@@ -114,14 +119,22 @@ class Layers:
         layer = self.copies[kind][i]
         if kind == "bf16":
             return layer.linear_method.apply(layer, x)
-        if kind == "fp8":
-            return fp8_linear(x, *layer)
+        if kind == "fp8":  # as the engine: the Triton GEMM for a few rows, torch._scaled_mm above
+            return fp8_linear(x, layer[0], layer[1], None, None, layer[2])
+        if kind == "fp8-scaled-mm":
+            return fp8_linear(x, layer[0], layer[1], backend="scaled_mm")
+        if kind == "fp8-triton":
+            from pagedllm.kernels.quant_act import fp8_per_token
+            from pagedllm.kernels.w8a8_gemm import w8a8_gemm
+
+            x_q, x_scale = fp8_per_token(x)
+            return w8a8_gemm(x_q, x_scale, layer[0], layer[1], None, x.dtype, layer[2], config)
         if kind == "w8a8":
-            from pagedllm.kernels.int8_gemm import int8_gemm
+            from pagedllm.kernels.w8a8_gemm import w8a8_gemm
             from pagedllm.kernels.quant_act import int8_per_token
 
             x_q, x_scale = int8_per_token(x)
-            return int8_gemm(x_q, x_scale, layer[0], layer[1], None, x.dtype, layer[2], config)
+            return w8a8_gemm(x_q, x_scale, layer[0], layer[1], None, x.dtype, layer[2], config)
         if kind == "w8a8-torch":
             from pagedllm.quantization.kernels import int8_w8a8_linear_torch
 
@@ -180,12 +193,12 @@ def sweep(args) -> None:
         grid = lambda rows: [dict(block_n=bn, num_warps=w, rows=r, programs_per_sm=p, max_split=16)  # noqa: E731
                              for (bn, w), r, p in itertools.product([(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)],
                                                                     [4, 8], [2, 4, 8])]
-    elif args.sweep == "int8":  # the W8A8 INT8 GEMM's tiles, warps, stages and K split (kernels/int8_gemm.py)
-        kind = "w8a8"
-        bms = lambda rows: [16, 32, 64] if rows <= 64 else [64, 128]  # noqa: E731
+    elif args.sweep in ("int8", "fp8"):  # the W8A8 GEMM's tiles, warps, stages and K split (kernels/w8a8_gemm.py)
+        kind = "w8a8" if args.sweep == "int8" else "fp8-triton"
+        bms = lambda rows: [16] if rows <= 16 else [32, 64] if rows <= 64 else [64, 128]  # noqa: E731
         grid = lambda rows: [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk)  # noqa: E731
                              for bm, bn, bk, w, st, sk in itertools.product(bms(rows), [64, 128], [128, 256], [4, 8],
-                                                                           [3, 4], [1, 2, 4])
+                                                                           [3, 4], [1, 2, 4, 8])
                              if (sk == 1 or rows <= bm) and bm * bn * bk <= 128 * 128 * 128]
     else:
         kind = "int4-gemm"
@@ -216,7 +229,7 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["bf16", "int4", "int4-gemv", "int4-gemm", "int4-old", "int8",
                                                   "fp8"])
     p.add_argument("--layers", nargs="+", help="only these layers (qkv o gate_up down)")
-    p.add_argument("--sweep", choices=["gemv", "gemm", "int8"],
+    p.add_argument("--sweep", choices=["gemv", "gemm", "int8", "fp8"],
                    help="time launch configs of one kernel instead (the tiled GEMV / GEMM, the W8A8 INT8 GEMM)")
     args = p.parse_args()
     if args.sweep:

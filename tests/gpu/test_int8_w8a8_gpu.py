@@ -1,4 +1,4 @@
-"""The W8A8 INT8 kernels on the GPU (kernels/quant_act.int8_per_token, kernels/int8_gemm) at model-layer shapes,
+"""The W8A8 kernels on the GPU (INT8; the GEMM also on FP8) (kernels/quant_act.int8_per_token, kernels/w8a8_gemm) at model-layer shapes,
 with the engine's launch configs, against the torch form (the same checks run in Triton's interpreter in CI:
 tests/quantization/test_int8_w8a8_kernels.py)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quantization"))
-from int8_w8a8_cases import check_activation_quant, check_gemm  # noqa: E402
+from int8_w8a8_cases import check_activation_quant, check_fp8_gemm, check_gemm  # noqa: E402
 
 
 def test_activation_quant_matches_torch():
@@ -29,7 +29,7 @@ def test_gemm_default_launches_match_torch(n, k):
 def test_linear_against_torch_form():
     """int8_w8a8_linear on CUDA (the two kernels) equals its torch form (torch._int_mm), dynamic and static
     activation scales, 3-D input."""
-    from pagedllm.kernels.int8_gemm import counters_for
+    from pagedllm.kernels.w8a8_gemm import counters_for
     from pagedllm.quantization.kernels import int8_w8a8_linear, int8_w8a8_linear_torch
 
     gen = torch.Generator().manual_seed(2)
@@ -42,3 +42,34 @@ def test_linear_against_torch_form():
             got = int8_w8a8_linear(x, w, ws, None, static, counters)
             want = int8_w8a8_linear_torch(x.reshape(-1, 1024), w, ws, None, static).reshape(2, rows, 512)
             assert torch.equal(got, want), (rows, static)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 tensor cores: compute capability 8.9+")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 3000)])
+def test_fp8_gemm_default_launches(n, k):
+    check_fp8_gemm("cuda", [(m, n, k) for m in (1, 7, 16, 33, 64, 200)], [None])
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 tensor cores: compute capability 8.9+")
+def test_fp8_linear_triton_against_scaled_mm():
+    """fp8_linear's Triton GEMM (a few rows) and torch._scaled_mm give the same product to fp32 summation order:
+    dynamic and static activation scales, bias, 3-D input; the split-K counters back at zero."""
+    from pagedllm.kernels.w8a8_gemm import counters_for
+    from pagedllm.quantization.fp8 import quantize_weight_fp8_per_channel
+    from pagedllm.quantization.kernels import fp8_linear
+
+    gen = torch.Generator().manual_seed(4)
+    w, ws = quantize_weight_fp8_per_channel((torch.randn(1536, 4096, generator=gen) * 0.02).cuda())
+    bias = (torch.randn(1536, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+    counters = counters_for(1536, torch.device("cuda"))
+    for rows in (1, 9, 32):
+        x = (torch.randn(2, rows, 4096, generator=gen) * 2).to(torch.bfloat16).cuda()
+        for static in (None, torch.tensor([0.02], device="cuda")):
+            for b in (None, bias):
+                got = fp8_linear(x, w, ws, b, static, counters, backend="triton")
+                want = fp8_linear(x, w, ws, b, static, backend="scaled_mm")
+                assert got.shape == want.shape == (2, rows, 1536)
+                torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2e-3)
+                assert int(counters.abs().sum()) == 0

@@ -1,5 +1,5 @@
-"""Checks of the CUDA W8A8 INT8 kernels (kernels/quant_act.int8_per_token, kernels/int8_gemm) against the torch
-form of `quantization.kernels` (shared by the interpreter run in CI, tests/quantization/interpret_int8.py, and
+"""Checks of the CUDA W8A8 kernels (kernels/quant_act.int8_per_token, kernels/w8a8_gemm for int8 and FP8) against
+the torch form of `quantization.kernels` (shared by the interpreter run in CI, tests/quantization/interpret_int8.py, and
 the GPU tests, tests/gpu/test_int8_w8a8_gpu.py)."""
 from __future__ import annotations
 
@@ -48,11 +48,11 @@ INTERPRETER_OUTPUTS = ((torch.float32, False), (torch.float16, True), (torch.flo
 
 
 def check_gemm(device: str, shapes, configs, exact_bias: bool = True, outputs=GPU_OUTPUTS) -> None:
-    """int8_gemm against `reference_linear`: rows past a tile, columns past a tile, K not a multiple of the K step,
+    """w8a8_gemm (int8) against `reference_linear`: rows past a tile, columns past a tile, K not a multiple of the K step,
     split K (the counters back at zero after every call), with and without bias, in each (out dtype, bias) of
     `outputs`. Exact without bias; with bias exact where `exact_bias` (a GPU may fuse the scale product and the
     bias add into one FMA)."""
-    from pagedllm.kernels.int8_gemm import counters_for, int8_gemm
+    from pagedllm.kernels.w8a8_gemm import counters_for, w8a8_gemm
 
     gen = torch.Generator().manual_seed(1)
     for m, n, k in shapes:
@@ -67,10 +67,40 @@ def check_gemm(device: str, shapes, configs, exact_bias: bool = True, outputs=GP
                 b = bias.to(dtype=dtype, device=device) if with_bias else None
                 args = (x_q.to(device), x_scale.to(device), w.to(device), w_scale.to(device), b)
                 want = reference_linear(*args, dtype).cpu()
-                got = int8_gemm(*args[:4], b, dtype, counters, cfg).cpu()
+                got = w8a8_gemm(*args[:4], b, dtype, counters, cfg).cpu()
                 label = (m, n, k, cfg, dtype, with_bias)
                 if with_bias and not exact_bias:
                     torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3, msg=str(label))
                 else:
                     assert torch.equal(got, want), (label, (got.float() - want.float()).abs().max())
+                assert int(counters.abs().sum()) == 0, label
+
+
+def check_fp8_gemm(device: str, shapes, configs, outputs=GPU_OUTPUTS) -> None:
+    """w8a8_gemm on E4M3 operands against float64 sums of the same values with the torch form's epilogue: rows and
+    columns past a tile, K past the K step, split K (counters back at zero). FP8 sums are fp32 in the tensor cores'
+    order, so the bound is fp32 accumulation over |x| |w| plus the output's rounding."""
+    from pagedllm.kernels.w8a8_gemm import counters_for, w8a8_gemm
+
+    gen = torch.Generator().manual_seed(3)
+    for m, n, k in shapes:
+        x_q = (torch.randn(m, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+        x_scale = torch.rand(m, 1, generator=gen) * 0.01 + 1e-4
+        w_scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+        bias = torch.randn(n, generator=gen)
+        sums = x_q.double() @ w.double().t()
+        bound = (x_q.double().abs() @ w.double().abs().t()) * 2.0 ** -20 * x_scale.double() * w_scale.double()
+        counters = counters_for(n, torch.device(device))
+        for cfg in configs:
+            for dtype, with_bias in outputs:
+                b = bias.to(dtype) if with_bias else None
+                want = sums.float() * x_scale * w_scale.reshape(1, -1)
+                want = want if b is None else want + b.float()
+                got = w8a8_gemm(x_q.to(device), x_scale.to(device), w.to(device), w_scale.to(device),
+                                None if b is None else b.to(device), dtype, counters, cfg).cpu()
+                rounding = want.abs() * {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}.get(dtype, 2.0 ** -22)
+                err = (got.double() - want.double()).abs()
+                label = (m, n, k, cfg, dtype, with_bias)
+                assert (err <= bound + rounding.double() + 1e-6).all(), (label, float((err - bound).max()))
                 assert int(counters.abs().sum()) == 0, label

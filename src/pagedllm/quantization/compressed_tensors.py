@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, is_layer_skipped,
                                         set_quant_param_attrs)
-from pagedllm.quantization.fp8 import Fp8LinearMethod
+from pagedllm.quantization.fp8 import Fp8LinearMethod, add_w8a8_counters
 from pagedllm.quantization.kernels import int8_w8a8_linear
 from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
@@ -249,14 +249,13 @@ class CTW8A8Method(Fp8LinearMethod):
             layer.input_scale = input_scale.data.max().reshape(1)
         else:
             layer.input_scale = None
-        if self.scheme.kind == "int8_w8a8":  # the CUDA GEMM's split-K arrival counters (kernels/int8_gemm.py)
-            layer.register_buffer("int8_counters", torch.zeros(layer.weight.shape[0] // 32 + 2, dtype=torch.int32,
-                                                               device=layer.weight.device), persistent=False)
+        if self.scheme.act_dynamic is not None:  # W8A8: the CUDA GEMM's split-K counters
+            add_w8a8_counters(layer)
 
     def apply(self, layer, x, bias=None):
         if self.scheme.act_dynamic is None:  # FP8 weight-only: dequantize and multiply in the model dtype
             return F.linear(x, (layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype)[:, None]), bias)
         if self.scheme.kind == "int8_w8a8":
             return int8_w8a8_linear(x, layer.weight, layer.weight_scale, bias, layer.input_scale,
-                                    getattr(layer, "int8_counters", None))
+                                    getattr(layer, "w8a8_counters", None))
         return super().apply(layer, x, bias)

@@ -3,8 +3,9 @@ the layer method that compressed-tensors FP8 checkpoints share.
 
     weight E4M3 [N, K], weight_scale fp32 [N] (per output channel); activations: dynamic per-token E4M3 scales
     (or one static input scale from the checkpoint). y = (x_q @ w_q^T) * x_scale * w_scale + b
-On CUDA the product is one `torch._scaled_mm` (needs FP8 tensor cores: compute capability >= 8.9); on a CPU it
-is emulated in fp32 with the same quantized values (correct, slow).
+On CUDA (FP8 tensor cores: compute capability >= 8.9) the product is the Triton FP8 GEMM of kernels/w8a8_gemm.py
+for a few rows and one `torch._scaled_mm` above; on a CPU it is emulated in fp32 with the same quantized values
+(correct, slow).
 """
 from __future__ import annotations
 
@@ -56,11 +57,19 @@ def quantize_weight_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor,
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def add_w8a8_counters(layer: nn.Module) -> None:
+    """The layer's split-K arrival counters for the CUDA W8A8 GEMM (kernels/w8a8_gemm.py: one per 32 output
+    columns and one spare, zero between launches)."""
+    layer.register_buffer("w8a8_counters", torch.zeros(layer.weight.shape[0] // 32 + 2, dtype=torch.int32,
+                                                        device=layer.weight.device), persistent=False)
+
+
 class Fp8LinearMethod(LinearMethodBase):
     """apply() over (weight E4M3 [N, K], weight_scale fp32 [N], optional static input_scale)."""
 
     def apply(self, layer, x, bias=None):
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias, getattr(layer, "input_scale", None))
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, getattr(layer, "input_scale", None),
+                          getattr(layer, "w8a8_counters", None))
 
     def dequantized_weight(self, layer):
         return layer.weight.float() * layer.weight_scale[:, None]
@@ -76,3 +85,4 @@ class Fp8OnlineLinearMethod(Fp8LinearMethod):
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.register_buffer("weight_scale", scale, persistent=False)
         layer.input_scale = None
+        add_w8a8_counters(layer)

@@ -103,16 +103,32 @@ def quantize_fp8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor]
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
 
 
+# Up to this many rows the CUDA FP8 product is the Triton GEMM (kernels/w8a8_gemm.py); above, torch._scaled_mm
+# (cuBLAS), which is faster once the tiles fill the GPU.
+FP8_TRITON_MAX_ROWS = 64
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
+               counters: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
     """W8A8 FP8: weight E4M3 [N, K] with fp32 per-channel scale [N]; activations quantized per token.
-    CUDA: one torch._scaled_mm (row-wise scales). Elsewhere the same arithmetic, emulated in fp32."""
+    CUDA: the Triton FP8 GEMM (scales and bias in its epilogue; `counters` the layer's split-K counters) up to
+    FP8_TRITON_MAX_ROWS rows, one torch._scaled_mm (row-wise scales) above; backend "triton" / "scaled_mm" forces
+    one (benchmarks, tests). Elsewhere the same arithmetic, emulated in fp32."""
+    if backend not in (None, "triton", "scaled_mm"):
+        raise ValueError(f"unknown FP8 GEMM backend {backend!r} (triton, scaled_mm)")
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     x_q, x_scale = quantize_fp8_per_token(x2, input_scale)
     if x.is_cuda:
-        out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
-                               out_dtype=x.dtype, bias=bias)
+        triton_gemm = backend == "triton" or (backend is None and x2.shape[0] <= FP8_TRITON_MAX_ROWS)
+        if triton_gemm and triton_kernels("w8a8_gemm") is not None:
+            from pagedllm.kernels.w8a8_gemm import w8a8_gemm
+
+            out = w8a8_gemm(x_q, x_scale, weight, weight_scale, bias, x.dtype, counters)
+        else:
+            out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
+                                   out_dtype=x.dtype, bias=bias)
     else:
         out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale.reshape(1, -1)
         out = out.to(x.dtype) if bias is None else (out + bias.float()).to(x.dtype)
@@ -135,16 +151,16 @@ def int8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                      bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
                      counters: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W8A8 INT8: weight int8 [N, K] with fp32 per-channel scale [N]; activations quantized per token (or by one
-    static scale). CUDA: two Triton kernels (kernels/quant_act.int8_per_token, kernels/int8_gemm: int8 tensor cores,
+    static scale). CUDA: two Triton kernels (kernels/quant_act.int8_per_token, kernels/w8a8_gemm: int8 tensor cores,
     the scales in the epilogue; `counters` the layer's split-K counters); elsewhere the same arithmetic in torch."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x.is_cuda and _int8_tensor_cores(x.device) and triton_kernels("int8_gemm") is not None:
-        from pagedllm.kernels.int8_gemm import int8_gemm
+    if x.is_cuda and _int8_tensor_cores(x.device) and triton_kernels("w8a8_gemm") is not None:
+        from pagedllm.kernels.w8a8_gemm import w8a8_gemm
         from pagedllm.kernels.quant_act import int8_per_token
 
         x_q, x_scale = int8_per_token(x2, input_scale)
-        out = int8_gemm(x_q, x_scale, weight, weight_scale, bias, x.dtype, counters)
+        out = w8a8_gemm(x_q, x_scale, weight, weight_scale, bias, x.dtype, counters)
         return out.reshape(*shape[:-1], weight.shape[0])
     return int8_w8a8_linear_torch(x2, weight, weight_scale, bias, input_scale).reshape(*shape[:-1], weight.shape[0])
 

@@ -1,14 +1,17 @@
-"""W8A8 INT8 on CUDA in two kernels per linear layer (Triton): the activations quantized per token
-(`kernels/quant_act.int8_per_token`), then int8 x int8 on the tensor cores with int32 accumulation and the scales,
-the bias and the cast in the GEMM's epilogue.
+"""W8A8 (INT8 or FP8 E4M3) on CUDA in two kernels per linear layer (Triton): the activations quantized per token
+(`kernels/quant_act`), then 8-bit x 8-bit on the tensor cores (int32 accumulation for int8, fp32 for FP8) with the
+scales, the bias and the cast in the GEMM's epilogue.
 
 The torch form (`quantization.kernels.int8_w8a8_linear` off CUDA) is a dozen kernels per layer (abs, amax, divide,
 round, clamp, cast; torch._int_mm; two scale multiplies, the bias, the cast), each a launch and a pass over [M, K] or
 [M, N] in fp32. The result here is the same: int32 sums are exact in any order, and the epilogue does the torch
-form's fp32 operations in its order ((acc * x_scale) * w_scale, + bias, cast).
+form's fp32 operations in its order ((acc * x_scale) * w_scale, + bias, cast). FP8 products are exact in fp32 and
+summed in the tensor cores' order, so FP8 results match torch._scaled_mm to rounding, not bit for bit; at few rows
+this kernel replaces it (cuBLAS's FP8 GEMM is slower than bf16 there).
 
-Few rows leave few output tiles, so the K loop is split between programs (SPLIT_K): each split stores its int32
-partial, and the last split of a tile to arrive (a counter per tile, reset by it) adds them and runs the epilogue.
+Few rows leave few output tiles, so the K loop is split between programs (SPLIT_K): each split stores its partial
+(int32 or fp32), and the last split of a tile to arrive (a counter per tile, reset by it) adds them in split order
+(deterministic) and runs the epilogue.
 """
 from __future__ import annotations
 
@@ -35,10 +38,10 @@ def _epilogue(acc, rows, cols, m_ok, n_ok, a_scale_ptr, b_scale_ptr, bias_ptr, o
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
+def _w8a8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
                       M, N, K, stride_am, stride_bn, stride_om, K_PER_SPLIT,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FLOAT: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -58,7 +61,7 @@ def _int8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     # rows past M and columns past N read row / column 0 (their results are never stored): no masks in the loop
     a_ptrs = a_ptr + tl.where(m_ok, rows, 0)[:, None].to(tl.int64) * stride_am + (k0 + rk)[None, :]
     b_ptrs = b_ptr + tl.where(n_ok, cols, 0)[None, :].to(tl.int64) * stride_bn + (k0 + rk)[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32 if FLOAT else tl.int32)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -67,7 +70,10 @@ def _int8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
             k_ok = k0 + k + rk < K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # (Triton 3.6 asks for it with an int32 accumulator)
+        if FLOAT:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # (Triton 3.6 asks for it with an int32 accumulator)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if SPLIT_K == 1:
@@ -81,7 +87,7 @@ def _int8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32 if FLOAT else tl.int32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part + s * BLOCK_M * BLOCK_N, cache_modifier=".cg")
             _epilogue(total, rows, cols, m_ok, n_ok, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, stride_om,
@@ -95,41 +101,47 @@ def counters_for(n: int, device: torch.device) -> torch.Tensor:
 
 
 def launch_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Tile sizes, warps, stages and the K split for an [m, k] x [k, n] product: 16-64-row tiles for few rows,
-    128 x 128 above unless that leaves SMs without a tile; the K split (one row of tiles only) until about
-    two programs per SM."""
-    if m <= 16:
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
-    elif m <= 32:
-        cfg = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
-    elif m <= 64:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    else:
+    """Tile sizes, warps, stages and the K split for an [m, k] x [k, n] product (from the H200 sweep of 8B layers,
+    `benchmarks/quant.py --sweep int8`): one row of 16-64-row tiles for few rows, 128-column tiles where they
+    still give every SM one, else 64 columns and a deeper K step; 128 x 128 above 64 rows where that gives every
+    SM two tiles, else 64-row tiles; the K split (one row of tiles only) while the programs fit one wave."""
+    if m <= 64:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        if m > 32 and triton.cdiv(n, 128) >= sms:
+            cfg = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
+        else:
+            cfg = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
+    elif triton.cdiv(m, 128) * triton.cdiv(n, 128) >= 2 * sms:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
-        # fewer tiles than SMs left SMs idle (8B down / o at 256 rows: 64 tiles, 0.6x bf16): smaller tiles
-        if triton.cdiv(m, 128) * triton.cdiv(n, 128) < sms:
-            cfg.update(BLOCK_M=64, num_warps=4, num_stages=4)
-            if triton.cdiv(m, 64) * triton.cdiv(n, 128) < sms:
-                cfg.update(BLOCK_N=64)
+    elif k >= 8192:  # a long K keeps 64 x 128 tiles busy
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     split = 1
-    if triton.cdiv(m, cfg["BLOCK_M"]) == 1:
+    if m > 16 and triton.cdiv(m, cfg["BLOCK_M"]) == 1:
         steps = triton.cdiv(k, cfg["BLOCK_K"])
-        while tiles * split * 2 <= 2 * sms and steps // (2 * split) >= 2 and split < 16:
+        while tiles * split * 2 <= sms and steps // (2 * split) >= 2 and split < 16:
+            split *= 2
+    elif m <= 16:  # (the split for 1-16 rows as first measured: up to about two programs per SM)
+        steps = triton.cdiv(k, cfg["BLOCK_K"])
+        while tiles * split <= sms and steps // (2 * split) >= 2 and split < 16:
             split *= 2
     cfg["SPLIT_K"] = split
     return cfg
 
 
-def int8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
               bias: Optional[torch.Tensor], out_dtype: torch.dtype, counters: Optional[torch.Tensor] = None,
               config: Optional[dict] = None) -> torch.Tensor:
-    """a int8 [M, K] (row scales a_scale fp32 [M] or [M, 1]) x b int8 [N, K] (column scales b_scale fp32 [N])
-    (+ bias [N]) -> [M, N] in out_dtype. counters: `counters_for(N)` (the layer's, zero between launches); without
+    """a [M, K] (row scales a_scale fp32 [M] or [M, 1]) x b [N, K] (column scales b_scale fp32 [N]), both int8 or
+    both float8_e4m3fn, (+ bias [N]) -> [M, N] in out_dtype. counters: `counters_for(N)` (the layer's, zero between launches); without
     them the K loop is not split."""
     m, k = a.shape
     n = b.shape[0]
     assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
+    assert a.dtype == b.dtype and a.dtype in (torch.int8, torch.float8_e4m3fn), (a.dtype, b.dtype)
+    floating = a.dtype != torch.int8
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
@@ -142,9 +154,10 @@ def int8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     part = out
     if split > 1:
-        part = torch.empty(tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.int32, device=a.device)
-    _int8_gemm_kernel[(tiles, split)](
+        part = torch.empty(tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32 if floating else torch.int32, device=a.device)
+    _w8a8_gemm_kernel[(tiles, split)](
         a, b, out, a_scale, b_scale, out if bias is None else bias, part, out if counters is None else counters,
         m, n, k, a.stride(0), b.stride(0), out.stride(0), k_per_split,
-        GROUP_M=8, SPLIT_K=split, HAS_BIAS=bias is not None, EVEN_K=k % k_per_split == 0, **cfg)
+        GROUP_M=8, SPLIT_K=split, HAS_BIAS=bias is not None, EVEN_K=k % k_per_split == 0, FLOAT=floating,
+        **cfg)
     return out
