@@ -66,12 +66,19 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
+        elif FLOAT:  # masked FP8 lanes filled with 0 bits (+0.0): Triton cannot cast a 0 constant to FP8
+            k_ok = k0 + k + rk < K
+            a = tl.load(a_ptrs.to(tl.pointer_type(tl.uint8)), mask=k_ok[None, :], other=0).to(
+                a_ptr.dtype.element_ty, bitcast=True)
+            b = tl.load(b_ptrs.to(tl.pointer_type(tl.uint8)), mask=k_ok[:, None], other=0).to(
+                b_ptr.dtype.element_ty, bitcast=True)
         else:
             k_ok = k0 + k + rk < K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0)
         if FLOAT:
-            acc = tl.dot(a, b, acc)
+            # Hopper's FP8 tensor cores sum in reduced precision: each 32-deep step goes to the fp32 accumulator
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=32)
         else:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # (Triton 3.6 asks for it with an int32 accumulator)
         a_ptrs += BLOCK_K
