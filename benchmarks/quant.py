@@ -10,9 +10,10 @@ For each linear layer shape (K in, N out) of Llama-3-8B (default) or Qwen3-0.6B 
   int8      the tiled path at 8 bits
   fp8       W8A8 FP8 as the engine runs it: per-token E4M3 activation quantization, then the Triton GEMM of
             kernels/w8a8_gemm.py up to FP8_TRITON_MAX_ROWS rows, torch._scaled_mm (row-wise scales) above
-  fp8-triton / fp8-scaled-mm   each GEMM alone at every row count
+  fp8-triton / fp8-scaled-mm   the tiled Triton GEMM / cuBLAS alone at every row count; fp8-gemv the Triton GEMV
   w8a8      W8A8 INT8 (compressed-tensors int8 checkpoints): per-token int8 activations, the int8 tensor-core GEMM
-            with the scales in its epilogue (kernels/quant_act.py + kernels/w8a8_gemm.py)
+            with the scales in its epilogue (kernels/quant_act.py + kernels/w8a8_gemm.py; its GEMV at 1-2 rows)
+  w8a8-tiles / w8a8-gemv   the tiled GEMM / the GEMV alone at every row count
   w8a8-torch  the same in torch (quantize, torch._int_mm, scale): what ran before the kernels
 Each cell is microseconds per call (CUDA-graph replays, cycling through enough weight copies that no weight is
 served from L2), the weight bytes streamed per second (GB/s, packed weights + scales + zeros) and the speed-up
@@ -76,7 +77,7 @@ class Layers:
         for kind in kinds:
             if kind == "bf16":
                 per = n * k * 2
-            elif kind in ("fp8", "fp8-triton", "fp8-scaled-mm", "w8a8", "w8a8-torch"):
+            elif kind.startswith(("fp8", "w8a8")):
                 per = n * k + n * 4
             else:
                 bits = 8 if kind.startswith("int8") else 4
@@ -123,17 +124,16 @@ class Layers:
             return fp8_linear(x, layer[0], layer[1], None, None, layer[2])
         if kind == "fp8-scaled-mm":
             return fp8_linear(x, layer[0], layer[1], backend="scaled_mm")
-        if kind == "fp8-triton":
-            from pagedllm.kernels.quant_act import fp8_per_token
-            from pagedllm.kernels.w8a8_gemm import w8a8_gemm
+        if kind.startswith(("fp8-", "w8a8")) and kind != "w8a8-torch":  # the Triton kernels of w8a8_gemm.py
+            from pagedllm.kernels.paged_attention import sm_count
+            from pagedllm.kernels.quant_act import fp8_per_token, int8_per_token
+            from pagedllm.kernels.w8a8_gemm import launch_config, w8a8_gemm
 
-            x_q, x_scale = fp8_per_token(x)
-            return w8a8_gemm(x_q, x_scale, layer[0], layer[1], None, x.dtype, layer[2], config)
-        if kind == "w8a8":
-            from pagedllm.kernels.w8a8_gemm import w8a8_gemm
-            from pagedllm.kernels.quant_act import int8_per_token
-
-            x_q, x_scale = int8_per_token(x)
+            x_q, x_scale = (fp8_per_token if kind.startswith("fp8") else int8_per_token)(x)
+            if kind.endswith("-gemv"):
+                config = dict(GEMV=True)
+            elif kind.endswith("-tiles") or (kind == "fp8-triton" and config is None):
+                config = launch_config(x.shape[0], layer[0].shape[0], x.shape[1], sm_count(x.device))
             return w8a8_gemm(x_q, x_scale, layer[0], layer[1], None, x.dtype, layer[2], config)
         if kind == "w8a8-torch":
             from pagedllm.quantization.kernels import int8_w8a8_linear_torch

@@ -23,7 +23,8 @@ def test_activation_quant_matches_torch():
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 3000)])
 def test_gemm_default_launches_match_torch(n, k):
-    check_gemm("cuda", [(m, n, k) for m in (1, 7, 16, 33, 64, 200, 1024)], [None], exact_bias=False)
+    check_gemm("cuda", [(m, n, k) for m in (1, 2, 7, 16, 33, 64, 200, 1024)], [None], exact_bias=False)
+    check_gemm("cuda", [(m, n, k) for m in (3, 8)], [dict(GEMV=True)], exact_bias=False)  # the GEMV past its rows
 
 
 def test_linear_against_torch_form():
@@ -48,7 +49,7 @@ def test_linear_against_torch_form():
                     reason="FP8 tensor cores: compute capability 8.9+")
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 3000)])
 def test_fp8_gemm_default_launches(n, k):
-    check_fp8_gemm("cuda", [(m, n, k) for m in (1, 7, 16, 33, 64, 200)], [None])
+    check_fp8_gemm("cuda", [(m, n, k) for m in (1, 2, 7, 16, 33, 64, 200)], [None])
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),

@@ -48,10 +48,10 @@ INTERPRETER_OUTPUTS = ((torch.float32, False), (torch.float16, True), (torch.flo
 
 
 def check_gemm(device: str, shapes, configs, exact_bias: bool = True, outputs=GPU_OUTPUTS) -> None:
-    """w8a8_gemm (int8) against `reference_linear`: rows past a tile, columns past a tile, K not a multiple of the K step,
-    split K (the counters back at zero after every call), with and without bias, in each (out dtype, bias) of
-    `outputs`. Exact without bias; with bias exact where `exact_bias` (a GPU may fuse the scale product and the
-    bias add into one FMA)."""
+    """w8a8_gemm (int8; tiles or the GEMV) against `reference_linear`: rows past a tile, columns past a tile, K not
+    a multiple of the K step, split K (the counters back at zero after every call), with and without bias, in each
+    (out dtype, bias) of `outputs`. Exact without bias; with bias exact where `exact_bias` (a GPU may fuse the
+    scale product and the bias add into one FMA)."""
     from pagedllm.kernels.w8a8_gemm import counters_for, w8a8_gemm
 
     gen = torch.Generator().manual_seed(1)

@@ -12,6 +12,11 @@ this kernel replaces it (cuBLAS's FP8 GEMM is slower than bf16 there).
 Few rows leave few output tiles, so the K loop is split between programs (SPLIT_K): each split stores its partial
 (int32 or fp32), and the last split of a tile to arrive (a counter per tile, reset by it) adds them in split order
 (deterministic) and runs the epilogue.
+
+At one or two rows a tensor-core tile is mostly padding and the product is a pass over the weight: a GEMV
+(`_w8a8_gemv_kernel`, the layout of kernels/gemv.py) holds whole weight rows in registers, loads them before the
+programmatic-dependent-launch wait (they overlap the activation quantization before it), and sums each row's
+products on the CUDA cores: int8 in int32 (the same exact sums), FP8 in fp32.
 """
 from __future__ import annotations
 
@@ -22,6 +27,11 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.paged_attention import sm_count
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+
+# The GEMV takes up to this many rows; each program holds GEMV_TILE_BYTES of weight rows (a K up to that many).
+W8A8_GEMV_MAX_ROWS = 2
+GEMV_TILE_BYTES = 32768
 
 
 @triton.jit
@@ -102,6 +112,47 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
+@triton.jit
+def _w8a8_gemv_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, stride_am, stride_bn, stride_om,
+                      N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
+                      FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, K_PAD)
+    n_ok = cols < N
+    k_ok = rk < K
+    # 8-bit values loaded as bytes (a masked FP8 load cannot be filled with a 0 constant), reinterpreted after
+    b_bytes = tl.load(b_ptr.to(tl.pointer_type(tl.uint8)) + cols.to(tl.int64)[:, None] * stride_bn + rk[None, :],
+                      mask=n_ok[:, None] & k_ok[None, :], other=0, eviction_policy="evict_first")
+    ws = tl.load(b_scale_ptr + cols, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+    wait_prior_kernel(USE_PDL)
+    b = b_bytes.to(b_ptr.dtype.element_ty, bitcast=True)
+    a_row = a_ptr.to(tl.pointer_type(tl.uint8))
+    for m in range(M):
+        a = tl.load(a_row + m * stride_am + rk, mask=k_ok, other=0).to(a_ptr.dtype.element_ty, bitcast=True)
+        if FLOAT:
+            acc = tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+        else:
+            acc = tl.sum(b.to(tl.int32) * a.to(tl.int32)[None, :], axis=1)
+        out = acc.to(tl.float32) * tl.load(a_scale_ptr + m)
+        out = out * ws
+        if HAS_BIAS:
+            out = out + bias
+        tl.store(out_ptr + m * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _gemv(a, a_scale, b, b_scale, bias, out, block_n: Optional[int] = None, num_warps: int = 8) -> None:
+    m, k = a.shape
+    n = b.shape[0]
+    k_pad = triton.next_power_of_2(k)
+    block_n = block_n or max(1, min(triton.next_power_of_2(n), GEMV_TILE_BYTES // k_pad))
+    _w8a8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        a, b, out, a_scale, b_scale, out if bias is None else bias, m, a.stride(0), b.stride(0), out.stride(0),
+        N=n, K=k, BLOCK_N=block_n, K_PAD=k_pad, FLOAT=a.dtype != torch.int8, HAS_BIAS=bias is not None,
+        num_warps=num_warps, **pdl_launch_args(a.device))
+
+
 def counters_for(n: int, device: torch.device) -> torch.Tensor:
     """Zeroed split-K counters for a layer of n output columns (one per output tile of a split launch)."""
     return torch.zeros(triton.cdiv(n, 32) + 1, dtype=torch.int32, device=device)
@@ -141,16 +192,25 @@ def launch_config(m: int, n: int, k: int, sms: int) -> dict:
 def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
               bias: Optional[torch.Tensor], out_dtype: torch.dtype, counters: Optional[torch.Tensor] = None,
               config: Optional[dict] = None) -> torch.Tensor:
-    """a [M, K] (row scales a_scale fp32 [M] or [M, 1]) x b [N, K] (column scales b_scale fp32 [N]), both int8 or
-    both float8_e4m3fn, (+ bias [N]) -> [M, N] in out_dtype. counters: `counters_for(N)` (the layer's, zero between launches); without
-    them the K loop is not split."""
+    """a [M, K] (row scales a_scale fp32 [M] or [M, 1], contiguous) x b [N, K] (column scales b_scale fp32 [N]),
+    both int8 or both float8_e4m3fn, (+ bias [N]) -> [M, N] in out_dtype. counters: `counters_for(N)` (the
+    layer's, zero between launches); without them the K loop is not split. config: a `launch_config` dict for
+    the tiled kernel, or {"GEMV": True[, "BLOCK_N": n, "num_warps": w]} for the GEMV (benchmarks, tests); by
+    default the GEMV up to W8A8_GEMV_MAX_ROWS rows where a weight row fits its tile."""
     m, k = a.shape
     n = b.shape[0]
     assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
     assert a.dtype == b.dtype and a.dtype in (torch.int8, torch.float8_e4m3fn), (a.dtype, b.dtype)
+    assert a_scale.numel() == m and a_scale.is_contiguous(), a_scale.shape
     floating = a.dtype != torch.int8
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
+        return out
+    if config is not None and config.get("GEMV"):
+        _gemv(a, a_scale, b, b_scale, bias, out, config.get("BLOCK_N"), config.get("num_warps", 8))
+        return out
+    if config is None and m <= W8A8_GEMV_MAX_ROWS and triton.next_power_of_2(k) <= GEMV_TILE_BYTES:
+        _gemv(a, a_scale, b, b_scale, bias, out)
         return out
     cfg = dict(config or launch_config(m, n, k, sm_count(a.device)))
     if counters is None or triton.cdiv(n, cfg["BLOCK_N"]) > counters.numel() or m > cfg["BLOCK_M"]:
@@ -161,7 +221,8 @@ def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     part = out
     if split > 1:
-        part = torch.empty(tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32 if floating else torch.int32, device=a.device)
+        part = torch.empty(tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"],
+                           dtype=torch.float32 if floating else torch.int32, device=a.device)
     _w8a8_gemm_kernel[(tiles, split)](
         a, b, out, a_scale, b_scale, out if bias is None else bias, part, out if counters is None else counters,
         m, n, k, a.stride(0), b.stride(0), out.stride(0), k_per_split,
