@@ -12,7 +12,7 @@ For each linear layer shape (K in, N out) of Llama-3-8B (default) or Qwen3-0.6B 
             kernels/w8a8_gemm.py up to FP8_TRITON_MAX_ROWS rows, torch._scaled_mm (row-wise scales) above
   fp8-triton / fp8-scaled-mm   the tiled Triton GEMM / cuBLAS alone at every row count; fp8-gemv the Triton GEMV
   w8a8      W8A8 INT8 (compressed-tensors int8 checkpoints): per-token int8 activations, the int8 tensor-core GEMM
-            with the scales in its epilogue (kernels/quant_act.py + kernels/w8a8_gemm.py; its GEMV at 1-2 rows)
+            with the scales in its epilogue (kernels/quant_act.py + kernels/w8a8_gemm.py; its GEMV at 1 row)
   w8a8-tiles / w8a8-gemv   the tiled GEMM / the GEMV alone at every row count
   w8a8-torch  the same in torch (quantize, torch._int_mm, scale): what ran before the kernels
 Each cell is microseconds per call (CUDA-graph replays, cycling through enough weight copies that no weight is

@@ -13,7 +13,7 @@ Few rows leave few output tiles, so the K loop is split between programs (SPLIT_
 (int32 or fp32), and the last split of a tile to arrive (a counter per tile, reset by it) adds them in split order
 (deterministic) and runs the epilogue.
 
-At one or two rows a tensor-core tile is mostly padding and the product is a pass over the weight: a GEMV
+At one row a tensor-core tile is mostly padding and the product is a pass over the weight: a GEMV
 (`_w8a8_gemv_kernel`, the layout of kernels/gemv.py) holds whole weight rows in registers, loads them before the
 programmatic-dependent-launch wait (they overlap the activation quantization before it), and sums each row's
 products on the CUDA cores: int8 in int32 (the same exact sums), FP8 in fp32.
@@ -29,8 +29,9 @@ import triton.language as tl
 from pagedllm.kernels.paged_attention import sm_count
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
-# The GEMV takes up to this many rows; each program holds GEMV_TILE_BYTES of weight rows (a K up to that many).
-W8A8_GEMV_MAX_ROWS = 2
+# The GEMV takes up to this many rows (from two on, its sums on the CUDA cores cost more than the tiles' padding:
+# docs/benchmarks.md); each program holds GEMV_TILE_BYTES of weight rows (a K up to that many).
+W8A8_GEMV_MAX_ROWS = 1
 GEMV_TILE_BYTES = 32768
 
 
