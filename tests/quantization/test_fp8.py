@@ -52,10 +52,18 @@ def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch, tiny_llama_dir):
         qc.check_supported(torch.device("cuda"), torch.bfloat16)
 
 
-def test_fp8_in_fp16_on_a_gpu_is_refused(monkeypatch, tiny_llama_dir):
+def test_fp8_in_fp16_on_a_gpu_needs_the_triton_kernels(monkeypatch, tiny_llama_dir):
+    """fp16 FP8 layers run the Triton GEMM at every size (torch._scaled_mm's row-wise scales give bf16 only), so
+    fp16 is refused only where those kernels are off."""
+    import pagedllm.quantization.fp8 as fp8
+
     qc = resolve_quant_config("fp8", load_hf_config(tiny_llama_dir))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    with pytest.raises(ValueError, match="computes in bfloat16 on the GPU; pass --dtype bfloat16 instead of float16"):
+    qc.check_supported(torch.device("cuda"), torch.float16)
+    qc.check_supported(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr(fp8, "triton_kernels", lambda module: None)
+    with pytest.raises(ValueError, match="computes in bfloat16 on the GPU without the Triton kernels .*"
+                                         "pass --dtype bfloat16 instead of float16"):
         qc.check_supported(torch.device("cuda"), torch.float16)
     qc.check_supported(torch.device("cuda"), torch.bfloat16)
 

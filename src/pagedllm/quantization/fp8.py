@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.quantization.base import (LinearMethodBase, QuantizationConfig, create_float_weight,
                                         set_quant_param_attrs)
+from pagedllm.layers.activation import triton_kernels
 from pagedllm.quantization.kernels import FP8_DTYPE, FP8_MAX, fp8_linear
 
 FP8_MIN_CAPABILITY = 89
@@ -44,10 +45,12 @@ class Fp8Config(QuantizationConfig):
 
 
 def check_fp8_gpu_dtype(name: str, device: torch.device, act_dtype: torch.dtype) -> None:
-    """torch._scaled_mm's row-wise scaling (per-token x per-channel) produces bf16 only."""
-    if device.type == "cuda" and act_dtype != torch.bfloat16:
-        raise ValueError(f"Quantization method {name!r} (FP8 W8A8) computes in bfloat16 on the GPU; pass --dtype "
-                         f"bfloat16 instead of {str(act_dtype).replace('torch.', '')}.")
+    """fp16 / fp32 FP8 layers need the Triton GEMM on CUDA: torch._scaled_mm's row-wise scaling (per-token x
+    per-channel) produces bf16 only."""
+    if device.type == "cuda" and act_dtype != torch.bfloat16 and triton_kernels("w8a8_gemm") is None:
+        raise ValueError(f"Quantization method {name!r} (FP8 W8A8) computes in bfloat16 on the GPU without the "
+                         f"Triton kernels (PAGEDLLM_USE_TRITON_KERNELS=0 or no triton); pass --dtype bfloat16 "
+                         f"instead of {str(act_dtype).replace('torch.', '')}.")
 
 
 def quantize_weight_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,7 +104,7 @@ def quantize_fp8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor]
 
 
 # Up to this many rows the CUDA FP8 product is the Triton GEMM (kernels/w8a8_gemm.py); above, torch._scaled_mm
-# (cuBLAS), which is faster once the tiles fill the GPU.
+# (cuBLAS), which is faster once the tiles fill the GPU but produces bf16 only (fp16 / fp32 models keep Triton).
 FP8_TRITON_MAX_ROWS = 64
 
 
@@ -113,15 +113,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                counters: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
     """W8A8 FP8: weight E4M3 [N, K] with fp32 per-channel scale [N]; activations quantized per token.
     CUDA: the Triton FP8 GEMM (scales and bias in its epilogue; `counters` the layer's split-K counters) up to
-    FP8_TRITON_MAX_ROWS rows, one torch._scaled_mm (row-wise scales) above; backend "triton" / "scaled_mm" forces
-    one (benchmarks, tests). Elsewhere the same arithmetic, emulated in fp32."""
+    FP8_TRITON_MAX_ROWS rows and at every size for fp16 / fp32 activations, one torch._scaled_mm (row-wise scales,
+    bf16 out) above; backend "triton" / "scaled_mm" forces one (benchmarks, tests). Elsewhere the same
+    arithmetic, emulated in fp32."""
     if backend not in (None, "triton", "scaled_mm"):
         raise ValueError(f"unknown FP8 GEMM backend {backend!r} (triton, scaled_mm)")
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     x_q, x_scale = quantize_fp8_per_token(x2, input_scale)
     if x.is_cuda:
-        triton_gemm = backend == "triton" or (backend is None and x2.shape[0] <= FP8_TRITON_MAX_ROWS)
+        triton_gemm = backend == "triton" or (backend is None and (x2.shape[0] <= FP8_TRITON_MAX_ROWS
+                                                                    or x.dtype != torch.bfloat16))
         if triton_gemm and triton_kernels("w8a8_gemm") is not None:
             from pagedllm.kernels.w8a8_gemm import w8a8_gemm
 
