@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_int4.sh int8-e2e  # 8B decode at batch 64 and 1: W8A8 INT8 (compressed-tensors config) vs bf16
 #   bash benchmarks/gpu_int4.sh w8a8      # INT8 and FP8 W8A8 GEMMs: GPU tests, few-row sweeps, per-layer table
 #   bash benchmarks/gpu_int4.sh w8a8-e2e  # 8B decode at batch 64 and 1: W8A8 INT8, FP8 (online) and bf16
+#   bash benchmarks/gpu_int4.sh w8a8-words # the int8 GEMV on int32 words (dp4a): GPU tests, one row per layer
 #
 # Several modes in one call run in order: `bash benchmarks/gpu_int4.sh sweep mma e2e`.
 # Each step has its own timeout; logs go to $OUT (or /tmp/int4-out) and the summary lines to stdout.
@@ -70,6 +71,10 @@ w8a8)  # both 8-bit GEMMs (INT8, FP8): GPU tests, few-row launch sweeps, the per
     step w8a8-sweep-fp8 200 python benchmarks/quant.py --model 8b --sweep fp8 --rows 1 16 64
     step w8a8-table 150 python benchmarks/quant.py --model 8b --kinds bf16 w8a8 fp8 fp8-triton fp8-scaled-mm \
         --rows 1 16 64 128 256 1024
+    ;;
+w8a8-words)  # the int8 GEMV on int32 words (dp4a): its GPU tests, then one row per layer against the byte GEMV
+    step words-tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_int8_w8a8_gpu.py
+    step words-table 120 python benchmarks/quant.py --model 8b --kinds bf16 w8a8-gemv w8a8-words fp8-gemv --rows 1 2
     ;;
 w8a8-e2e)  # 8B decode at batch 64 and 1: W8A8 INT8 (compressed-tensors) and FP8 (online) against bf16
     for b in 64 1; do

@@ -13,7 +13,8 @@ For each linear layer shape (K in, N out) of Llama-3-8B (default) or Qwen3-0.6B 
   fp8-triton / fp8-scaled-mm   the tiled Triton GEMM / cuBLAS alone at every row count; fp8-gemv the Triton GEMV
   w8a8      W8A8 INT8 (compressed-tensors int8 checkpoints): per-token int8 activations, the int8 tensor-core GEMM
             with the scales in its epilogue (kernels/quant_act.py + kernels/w8a8_gemm.py; its GEMV at 1 row)
-  w8a8-tiles / w8a8-gemv   the tiled GEMM / the GEMV alone at every row count
+  w8a8-tiles / w8a8-gemv   the tiled GEMM / the GEMV alone at every row count; w8a8-words the GEMV on int32 words
+            (dp4a, kernels/w8a8_gemm.GEMV_WORDS)
   w8a8-torch  the same in torch (quantize, torch._int_mm, scale): what ran before the kernels
 Each cell is microseconds per call (CUDA-graph replays, cycling through enough weight copies that no weight is
 served from L2), the weight bytes streamed per second (GB/s, packed weights + scales + zeros) and the speed-up
@@ -132,6 +133,8 @@ class Layers:
             x_q, x_scale = (fp8_per_token if kind.startswith("fp8") else int8_per_token)(x)
             if kind.endswith("-gemv"):
                 config = dict(GEMV=True)
+            elif kind == "w8a8-words":
+                config = dict(GEMV=True, WORDS=True)
             elif kind.endswith("-tiles") or (kind == "fp8-triton" and config is None):
                 config = launch_config(x.shape[0], layer[0].shape[0], x.shape[1], sm_count(x.device))
             return w8a8_gemm(x_q, x_scale, layer[0], layer[1], None, x.dtype, layer[2], config)

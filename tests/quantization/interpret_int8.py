@@ -22,8 +22,8 @@ def main() -> None:
     small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
     check_gemm("cpu", [(1, 48, 64), (5, 100, 200), (16, 64, 96), (37, 70, 128)],
                [dict(small, SPLIT_K=1), dict(small, SPLIT_K=2), dict(small, SPLIT_K=4),
-                dict(small, BLOCK_M=32, SPLIT_K=1), dict(GEMV=True, BLOCK_N=4)],
-               outputs=INTERPRETER_OUTPUTS)
+                dict(small, BLOCK_M=32, SPLIT_K=1), dict(GEMV=True, BLOCK_N=4),
+                dict(GEMV=True, BLOCK_N=4, WORDS=True)], outputs=INTERPRETER_OUTPUTS)
     print("int8 gemm ok", flush=True)
     check_fp8_gemm("cpu", [(1, 48, 64), (5, 100, 200), (37, 70, 128)],
                    [dict(small, SPLIT_K=1), dict(small, SPLIT_K=4), dict(small, BLOCK_M=32, SPLIT_K=1),

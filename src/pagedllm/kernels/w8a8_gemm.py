@@ -16,7 +16,8 @@ Few rows leave few output tiles, so the K loop is split between programs (SPLIT_
 At one row a tensor-core tile is mostly padding and the product is a pass over the weight: a GEMV
 (`_w8a8_gemv_kernel`, the layout of kernels/gemv.py) holds whole weight rows in registers, loads them before the
 programmatic-dependent-launch wait (they overlap the activation quantization before it), and sums each row's
-products on the CUDA cores: int8 in int32 (the same exact sums), FP8 in fp32.
+products on the CUDA cores: int8 in int32 (exact: the same results; or four bytes per instruction, dp4a on int32
+words, GEMV_WORDS), FP8 in fp32.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm import envs
 from pagedllm.kernels.paged_attention import sm_count
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
@@ -33,6 +35,9 @@ from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 # docs/benchmarks.md); each program holds GEMV_TILE_BYTES of weight rows (a K up to that many).
 W8A8_GEMV_MAX_ROWS = 1
 GEMV_TILE_BYTES = 32768
+# The int8 GEMV on int32 words with dp4a (exact in Triton's interpreter, not yet run on a GPU: off by default until
+# tests/gpu/test_int8_w8a8_gpu.py and `quant.py --kinds w8a8-gemv w8a8-words` have run on one; config WORDS forces it).
+GEMV_WORDS = False
 
 
 @triton.jit
@@ -114,28 +119,48 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
 
 
 @triton.jit
+def _dp4a(a, b, USE_ASM: tl.constexpr):
+    """Per int32 word: the sum of the products of its four signed bytes (PTX dp4a; off CUDA the same in shifts)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, tl.zeros_like(a)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        s = ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+        return s + ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24)
+
+
+@triton.jit
 def _w8a8_gemv_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, stride_am, stride_bn, stride_om,
                       N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
-                      FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+                      FLOAT: tl.constexpr, WORDS: tl.constexpr, USE_ASM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """WORDS (int8, K and the strides multiples of 4): weights and activations read as int32 words of four bytes,
+    each word pair one dp4a (K_PAD, K and the strides are then in words); else byte by byte."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, K_PAD)
     n_ok = cols < N
     k_ok = rk < K
     # 8-bit values loaded as bytes (a masked FP8 load cannot be filled with a 0 constant), reinterpreted after
-    b_bytes = tl.load(b_ptr.to(tl.pointer_type(tl.uint8)) + cols.to(tl.int64)[:, None] * stride_bn + rk[None, :],
-                      mask=n_ok[:, None] & k_ok[None, :], other=0, eviction_policy="evict_first")
+    unit = tl.int32 if WORDS else tl.uint8
+    b_raw = tl.load(b_ptr.to(tl.pointer_type(unit)) + cols.to(tl.int64)[:, None] * stride_bn + rk[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0, eviction_policy="evict_first")
     ws = tl.load(b_scale_ptr + cols, mask=n_ok, other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
     wait_prior_kernel(USE_PDL)
-    b = b_bytes.to(b_ptr.dtype.element_ty, bitcast=True)
-    a_row = a_ptr.to(tl.pointer_type(tl.uint8))
+    a_row = a_ptr.to(tl.pointer_type(unit))
     for m in range(M):
-        a = tl.load(a_row + m * stride_am + rk, mask=k_ok, other=0).to(a_ptr.dtype.element_ty, bitcast=True)
-        if FLOAT:
-            acc = tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+        a_raw = tl.load(a_row + m * stride_am + rk, mask=k_ok, other=0)
+        if WORDS:
+            acc = tl.sum(_dp4a(b_raw, a_raw[None, :], USE_ASM), axis=1)
+        elif FLOAT:
+            a = a_raw.to(a_ptr.dtype.element_ty, bitcast=True)
+            acc = tl.sum(b_raw.to(b_ptr.dtype.element_ty, bitcast=True).to(tl.float32) * a.to(tl.float32)[None, :],
+                         axis=1)
         else:
-            acc = tl.sum(b.to(tl.int32) * a.to(tl.int32)[None, :], axis=1)
+            a = a_raw.to(a_ptr.dtype.element_ty, bitcast=True)
+            acc = tl.sum(b_raw.to(b_ptr.dtype.element_ty, bitcast=True).to(tl.int32) * a.to(tl.int32)[None, :],
+                         axis=1)
         out = acc.to(tl.float32) * tl.load(a_scale_ptr + m)
         out = out * ws
         if HAS_BIAS:
@@ -143,14 +168,20 @@ def _w8a8_gemv_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
         tl.store(out_ptr + m * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _gemv(a, a_scale, b, b_scale, bias, out, block_n: Optional[int] = None, num_warps: int = 8) -> None:
+def _gemv(a, a_scale, b, b_scale, bias, out, block_n: Optional[int] = None, num_warps: int = 8,
+          words: Optional[bool] = None) -> None:
     m, k = a.shape
     n = b.shape[0]
     k_pad = triton.next_power_of_2(k)
     block_n = block_n or max(1, min(triton.next_power_of_2(n), GEMV_TILE_BYTES // k_pad))
+    if words is None:
+        words = (GEMV_WORDS and a.dtype == torch.int8 and k % 4 == 0 and a.stride(0) % 4 == 0 and b.stride(0) % 4 == 0
+                 and a.data_ptr() % 4 == 0 and b.data_ptr() % 4 == 0)
+    unit = 4 if words else 1
     _w8a8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        a, b, out, a_scale, b_scale, out if bias is None else bias, m, a.stride(0), b.stride(0), out.stride(0),
-        N=n, K=k, BLOCK_N=block_n, K_PAD=k_pad, FLOAT=a.dtype != torch.int8, HAS_BIAS=bias is not None,
+        a, b, out, a_scale, b_scale, out if bias is None else bias, m, a.stride(0) // unit, b.stride(0) // unit,
+        out.stride(0), N=n, K=k // unit, BLOCK_N=block_n, K_PAD=max(1, k_pad // unit), FLOAT=a.dtype != torch.int8,
+        WORDS=words, USE_ASM=a.is_cuda and not envs.TRITON_INTERPRET, HAS_BIAS=bias is not None,
         num_warps=num_warps, **pdl_launch_args(a.device))
 
 
@@ -196,8 +227,8 @@ def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     """a [M, K] (row scales a_scale fp32 [M] or [M, 1], contiguous) x b [N, K] (column scales b_scale fp32 [N]),
     both int8 or both float8_e4m3fn, (+ bias [N]) -> [M, N] in out_dtype. counters: `counters_for(N)` (the
     layer's, zero between launches); without them the K loop is not split. config: a `launch_config` dict for
-    the tiled kernel, or {"GEMV": True[, "BLOCK_N": n, "num_warps": w]} for the GEMV (benchmarks, tests); by
-    default the GEMV up to W8A8_GEMV_MAX_ROWS rows where a weight row fits its tile."""
+    the tiled kernel, or {"GEMV": True[, "BLOCK_N": n, "num_warps": w, "WORDS": bool]} for the GEMV (benchmarks,
+    tests); by default the GEMV up to W8A8_GEMV_MAX_ROWS rows where a weight row fits its tile."""
     m, k = a.shape
     n = b.shape[0]
     assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
@@ -208,7 +239,8 @@ def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     if m == 0 or n == 0:
         return out
     if config is not None and config.get("GEMV"):
-        _gemv(a, a_scale, b, b_scale, bias, out, config.get("BLOCK_N"), config.get("num_warps", 8))
+        _gemv(a, a_scale, b, b_scale, bias, out, config.get("BLOCK_N"), config.get("num_warps", 8),
+              config.get("WORDS"))
         return out
     if config is None and m <= W8A8_GEMV_MAX_ROWS and triton.next_power_of_2(k) <= GEMV_TILE_BYTES:
         _gemv(a, a_scale, b, b_scale, bias, out)
