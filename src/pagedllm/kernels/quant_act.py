@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+
 FP8_MAX = 448.0
 
 
@@ -46,7 +48,10 @@ def _quantize(x, scale, QMAX: tl.constexpr, INT8: tl.constexpr):
 @triton.jit
 def _per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K, QMAX: tl.constexpr,
                       INV_QMAX: tl.constexpr, INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
-                      SINGLE: tl.constexpr):
+                      SINGLE: tl.constexpr, USE_PDL: tl.constexpr):
+    # Launched with PDL: its launch overlaps the kernel before it, and it lets the GEMM after it start and load
+    # its weights while it runs (kernels/pdl.py)
+    wait_prior_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -94,7 +99,8 @@ def _per_token(x: torch.Tensor, dtype: torch.dtype, static_scale: Optional[torch
     static = static_scale is not None
     _per_token_kernel[(rows,)](x, q, scale, static_scale.float().reshape(1) if static else scale, x.stride(0),
                                q.stride(0), k, QMAX=qmax, INV_QMAX=_inverse(qmax), INT8=int8, STATIC=static,
-                               BLOCK=block, SINGLE=single, num_warps=8 if block >= 4096 else 4)
+                               BLOCK=block, SINGLE=single, num_warps=8 if block >= 4096 else 4,
+                               **pdl_launch_args(x.device))
     return q, scale
 
 

@@ -57,7 +57,9 @@ def _epilogue(acc, rows, cols, m_ok, n_ok, a_scale_ptr, b_scale_ptr, bias_ptr, o
 def _w8a8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, part_ptr, cnt_ptr,
                       M, N, K, stride_am, stride_bn, stride_om, K_PER_SPLIT,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FLOAT: tl.constexpr):
+                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FLOAT: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    wait_prior_kernel(USE_PDL)  # (PDL: the launch overlaps the activation quantization before it)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -260,5 +262,5 @@ def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
         a, b, out, a_scale, b_scale, out if bias is None else bias, part, out if counters is None else counters,
         m, n, k, a.stride(0), b.stride(0), out.stride(0), k_per_split,
         GROUP_M=8, SPLIT_K=split, HAS_BIAS=bias is not None, EVEN_K=k % k_per_split == 0, FLOAT=floating,
-        **cfg)
+        **cfg, **pdl_launch_args(a.device))
     return out
