@@ -1,4 +1,5 @@
-"""The W8A8 kernels (INT8; the GEMM also on FP8) in Triton's interpreter on the CPU: `TRITON_INTERPRET=1 python interpret_int8.py` (run by
+"""The W8A8 kernels (INT8; the GEMM and GEMV also on FP8) in Triton's interpreter on the CPU:
+`TRITON_INTERPRET=1 python interpret_int8.py` (run by
 test_int8_w8a8_kernels.py; the model-shape checks run on the GPU: tests/gpu/test_int8_w8a8_gpu.py)."""
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ def main() -> None:
     small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
     check_gemm("cpu", [(1, 48, 64), (5, 100, 200), (16, 64, 96), (37, 70, 128)],
                [dict(small, SPLIT_K=1), dict(small, SPLIT_K=2), dict(small, SPLIT_K=4),
-                dict(small, BLOCK_M=32, SPLIT_K=1), dict(GEMV=True, BLOCK_N=4),
-                dict(GEMV=True, BLOCK_N=4, WORDS=True)], outputs=INTERPRETER_OUTPUTS)
+                dict(small, BLOCK_M=32, SPLIT_K=1)], outputs=INTERPRETER_OUTPUTS)
+    # the GEMV, byte by byte and on int32 words (dp4a): one row, and several rows past a column block
+    check_gemm("cpu", [(1, 48, 64), (3, 70, 200)],
+               [dict(GEMV=True, BLOCK_N=4), dict(GEMV=True, BLOCK_N=4, WORDS=True)], outputs=INTERPRETER_OUTPUTS)
     print("int8 gemm ok", flush=True)
     check_fp8_gemm("cpu", [(1, 48, 64), (5, 100, 200), (37, 70, 128)],
-                   [dict(small, SPLIT_K=1), dict(small, SPLIT_K=4), dict(small, BLOCK_M=32, SPLIT_K=1),
-                    dict(GEMV=True, BLOCK_N=4)],
+                   [dict(small, SPLIT_K=1), dict(small, SPLIT_K=4), dict(small, BLOCK_M=32, SPLIT_K=1)],
                    outputs=INTERPRETER_OUTPUTS)
+    check_fp8_gemm("cpu", [(1, 48, 64), (3, 70, 200)], [dict(GEMV=True, BLOCK_N=4)], outputs=INTERPRETER_OUTPUTS)
     print("fp8 gemm ok", flush=True)
 
 
