@@ -1,5 +1,5 @@
-"""The W8A8 kernels on the GPU (INT8; the GEMM also on FP8) (kernels/quant_act.int8_per_token, kernels/w8a8_gemm) at model-layer shapes,
-with the engine's launch configs, against the torch form (the same checks run in Triton's interpreter in CI:
+"""The W8A8 kernels on the GPU (kernels/quant_act.int8_per_token; kernels/w8a8_gemm for INT8 and FP8) at
+model-layer shapes, with the engine's launch configs, against the torch form (the same checks run in Triton's interpreter in CI:
 tests/quantization/test_int8_w8a8_kernels.py)."""
 from __future__ import annotations
 
