@@ -53,8 +53,10 @@ setup: $(VENV)/.installed
 serve: setup
 	$(VENV)/bin/pagedllm serve $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
+# Two pytest-xdist workers (CI has 2 cores), each taking whole files (module fixtures built once), the longest files
+# first (tests/conftest.py); ARGS="-n 0" runs it in one process.
 test: setup
-	$(PY) -m pytest -q -x --durations=15 tests $(ARGS)
+	$(PY) -m pytest -q -x --durations=15 -n 2 --dist loadfile --no-loadscope-reorder tests $(ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q tests/unit $(ARGS)

