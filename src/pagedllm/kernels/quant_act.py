@@ -25,8 +25,12 @@ FP8_MAX = 448.0
 def _inverse(qmax: float) -> float:
     """1 / qmax rounded to fp32 (exact as a Python float). The scale is amax times it, not amax / qmax: torch's
     CUDA division by a Python number multiplies by the reciprocal, its CPU division does not, so the reference
-    spells the product out and both devices and this kernel agree bit for bit."""
+    spells the product out and both devices and this kernel agree bit for bit (the same values as
+    `quantization.kernels.FP8_INV_MAX` / `INT8_INV_MAX`, which this leaf cannot import)."""
     return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32))
+
+
+_INV_QMAX = {127.0: _inverse(127.0), FP8_MAX: _inverse(FP8_MAX)}  # once, not per launch
 
 
 @triton.jit
@@ -98,7 +102,7 @@ def _per_token(x: torch.Tensor, dtype: torch.dtype, static_scale: Optional[torch
     qmax = 127.0 if int8 else FP8_MAX
     static = static_scale is not None
     _per_token_kernel[(rows,)](x, q, scale, static_scale.float().reshape(1) if static else scale, x.stride(0),
-                               q.stride(0), k, QMAX=qmax, INV_QMAX=_inverse(qmax), INT8=int8, STATIC=static,
+                               q.stride(0), k, QMAX=qmax, INV_QMAX=_INV_QMAX[qmax], INT8=int8, STATIC=static,
                                BLOCK=block, SINGLE=single, num_warps=8 if block >= 4096 else 4,
                                **pdl_launch_args(x.device))
     return q, scale

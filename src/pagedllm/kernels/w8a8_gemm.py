@@ -211,13 +211,11 @@ def launch_config(m: int, n: int, k: int, sms: int) -> dict:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     split = 1
-    if m > 16 and triton.cdiv(m, cfg["BLOCK_M"]) == 1:
+    if triton.cdiv(m, cfg["BLOCK_M"]) == 1:
+        # programs up to one wave, or about two per SM for 1-16 rows (as first measured there)
+        most = sms if m <= 16 else sms // 2
         steps = triton.cdiv(k, cfg["BLOCK_K"])
-        while tiles * split * 2 <= sms and steps // (2 * split) >= 2 and split < 16:
-            split *= 2
-    elif m <= 16:  # (the split for 1-16 rows as first measured: up to about two programs per SM)
-        steps = triton.cdiv(k, cfg["BLOCK_K"])
-        while tiles * split <= sms and steps // (2 * split) >= 2 and split < 16:
+        while tiles * split <= most and steps // (2 * split) >= 2 and split < 16:
             split *= 2
     cfg["SPLIT_K"] = split
     return cfg

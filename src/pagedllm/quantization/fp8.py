@@ -14,9 +14,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from pagedllm.layers.activation import triton_kernels
 from pagedllm.quantization.base import (LinearMethodBase, QuantizationConfig, create_float_weight,
                                         set_quant_param_attrs)
-from pagedllm.layers.activation import triton_kernels
 from pagedllm.quantization.kernels import FP8_DTYPE, FP8_MAX, fp8_linear
 
 FP8_MIN_CAPABILITY = 89
@@ -61,10 +61,12 @@ def quantize_weight_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def add_w8a8_counters(layer: nn.Module) -> None:
-    """The layer's split-K arrival counters for the CUDA W8A8 GEMM (kernels/w8a8_gemm.py: one per 32 output
-    columns and one spare, zero between launches)."""
-    layer.register_buffer("w8a8_counters", torch.zeros(layer.weight.shape[0] // 32 + 2, dtype=torch.int32,
-                                                        device=layer.weight.device), persistent=False)
+    """The layer's split-K arrival counters for the CUDA W8A8 GEMM (`kernels/w8a8_gemm.counters_for`), where that
+    GEMM runs (a CUDA weight, the Triton kernels on); elsewhere none (the product is not split)."""
+    kernels = triton_kernels("w8a8_gemm") if layer.weight.is_cuda else None
+    if kernels is not None:
+        layer.register_buffer("w8a8_counters", kernels.counters_for(layer.weight.shape[0], layer.weight.device),
+                              persistent=False)
 
 
 class Fp8LinearMethod(LinearMethodBase):
