@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_int4.sh w8a8      # INT8 and FP8 W8A8 GEMMs: GPU tests, few-row sweeps, per-layer table
 #   bash benchmarks/gpu_int4.sh w8a8-e2e  # 8B decode at batch 64 and 1: W8A8 INT8, FP8 (online) and bf16
 #   bash benchmarks/gpu_int4.sh w8a8-words # the int8 GEMV on int32 words (dp4a): GPU tests, one row per layer
+#   bash benchmarks/gpu_int4.sh w8a8-tput # 8B offline 1000 x 512 in / 256 out, temperature 0.8: bf16, FP8, INT8 W8A8
 #
 # Several modes in one call run in order: `bash benchmarks/gpu_int4.sh sweep mma e2e`.
 # Each step has its own timeout; logs go to $OUT (or /tmp/int4-out) and the summary lines to stdout.
@@ -75,6 +76,16 @@ w8a8)  # both 8-bit GEMMs (INT8, FP8): GPU tests, few-row launch sweeps, the per
 w8a8-words)  # the int8 GEMV on int32 words (dp4a): its GPU tests, then one row per layer against the byte GEMV
     step words-tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_int8_w8a8_gpu.py
     step words-table 120 python benchmarks/quant.py --model 8b --kinds bf16 w8a8-gemv w8a8-words fp8-gemv --rows 1 2
+    ;;
+w8a8-tput)  # issue 27's throughput row: 8B offline, 1000 x 512 in / 256 out at temperature 0.8
+    tput() {  # tput NAME CONFIG [offline_throughput.py options]
+        step "tput-$1" 200 python benchmarks/offline_throughput.py --model "benchmarks/configs/$2" --load-format dummy \
+            --dtype bfloat16 --num-prompts 1000 --input-len 512 512 --output-len 256 256 --temperature 0.8 --hf none \
+            --no-tqdm "${@:3}"
+    }
+    tput fp8 llama3-8b --quantization fp8
+    tput bf16 llama3-8b
+    tput w8a8 llama3-8b-w8a8-int8
     ;;
 w8a8-e2e)  # 8B decode at batch 64 and 1: W8A8 INT8 (compressed-tensors) and FP8 (online) against bf16
     for b in 64 1; do
