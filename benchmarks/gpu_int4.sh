@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_int4.sh w8a8      # INT8 and FP8 W8A8 GEMMs: GPU tests, few-row sweeps, per-layer table
 #   bash benchmarks/gpu_int4.sh w8a8-e2e  # 8B decode at batch 64 and 1: W8A8 INT8, FP8 (online) and bf16
 #   bash benchmarks/gpu_int4.sh w8a8-words # the int8 GEMV on int32 words (dp4a): GPU tests, one row per layer
+#   bash benchmarks/gpu_int4.sh breakdown # where the 8B offline run's device time goes (kernel_breakdown.py): bf16, FP8
 #   bash benchmarks/gpu_int4.sh w8a8-tput # 8B offline 1000 x 512 in / 256 out, temperature 0.8: bf16, FP8, INT8 W8A8
 #
 # Several modes in one call run in order: `bash benchmarks/gpu_int4.sh sweep mma e2e`.
@@ -86,6 +87,15 @@ w8a8-tput)  # issue 27's throughput row: 8B offline, 1000 x 512 in / 256 out at 
     tput fp8 llama3-8b --quantization fp8
     tput bf16 llama3-8b
     tput w8a8 llama3-8b-w8a8-int8
+    ;;
+breakdown)  # kernel time by kind, 8B 250 x 512 in / 256 out at temperature 0.8: FP8 and bf16 (logs: the whole table)
+    for q in fp8 none; do
+        qa=(); [ $q = none ] || qa=(--quantization $q)
+        step "breakdown-$q" 240 python benchmarks/kernel_breakdown.py --model benchmarks/configs/llama3-8b \
+            --load-format dummy --num-prompts 250 --input-len 512 --output-len 256 --temperature 0.8 --top 40 \
+            --json "$out/breakdown-$q.json" "${qa[@]}"
+        sed -n '/^wall/,$p' "$out/breakdown-$q.log" | head -60
+    done
     ;;
 w8a8-e2e)  # 8B decode at batch 64 and 1: W8A8 INT8 (compressed-tensors) and FP8 (online) against bf16
     for b in 64 1; do

@@ -1,0 +1,114 @@
+"""Where an offline run's device time goes, by kernel and by kind of kernel (torch profiler, CUDA activity).
+
+    python benchmarks/kernel_breakdown.py --model benchmarks/configs/llama3-8b --load-format dummy \
+        --num-prompts 250 --input-len 512 --output-len 256 --temperature 0.8 [--quantization fp8]
+
+Runs one warm-up generate, then the timed one under the profiler (kernels inside CUDA-graph replays included),
+and prints: wall time, the sum of kernel time (device busy), each kind's share (GEMM, activation quantization,
+attention, norms, ...) and the top kernels with their count and mean. Profiling adds host time, so the wall
+time here is not a throughput figure; the kernel sums are what to compare between two configurations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import time
+from collections import defaultdict
+
+import torch
+
+KINDS = [  # first match wins
+    ("activation quant", r"quant_act|per_token_quant|dynamic.*quant"),
+    ("gemm fp8/int8", r"w8a8|scaled_mm|f8f8|e4m3|int8_gemm|_int_mm|i8i8|s8s8|imma"),
+    ("gemv/gemm int4", r"qgemv|qgemm|gptq|awq|int4|marlin|dequant"),
+    ("attention", r"attention|attn|flash|paged|fmha"),
+    ("gemm bf16", r"gemm|gemv|nvjet|cutlass|xmma|matmul|splitk|sm90|sm80|ampere|hopper"),
+    ("norm", r"rms|norm"),
+    ("rope", r"rope|rotary"),
+    ("activation", r"silu|gelu|act_and_mul|swiglu"),
+    ("sampling", r"sampl|argmax|topk|top_k|softmax|multinomial|exponential|gumbel|penalt"),
+    ("embedding", r"embed|index_select|gather"),
+    ("copy/fill", r"copy|memcpy|memset|fill|cat|elementwise"),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, low):
+            return kind
+    return "other"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--num-prompts", type=int, default=250)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--json", default=None, help="write the per-kernel table here")
+    args = p.parse_args()
+    from pagedllm import LLM, SamplingParams
+
+    kwargs = dict(model=args.model, dtype=args.dtype, load_format=args.load_format, skip_tokenizer_init=True,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    if args.max_num_seqs:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(**kwargs)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(args.input_len)]}
+               for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    llm.engine.reset_prefix_cache()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    from torch.profiler import ProfilerActivity, profile
+
+    # off CUDA (a check of this script) the CPU ops stand in for the kernels
+    on_cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        wall = time.perf_counter() - t0
+    per = defaultdict(lambda: [0, 0.0])  # name -> [count, us]
+    for ev in prof.events():
+        if on_cuda and ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        dur = ev.time_range.elapsed_us()
+        per[ev.name][0] += 1
+        per[ev.name][1] += dur
+    busy = sum(us for _, us in per.values()) / 1e6
+    by_kind = defaultdict(float)
+    for name, (_, us) in per.items():
+        by_kind[kind_of(name)] += us / 1e6
+    print(f"wall {wall:.2f} s under the profiler; kernels {busy:.2f} s ({busy / wall:.0%} of wall)")
+    print(f"{'kind':<20} {'s':>8} {'share':>7}")
+    for kind, s in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"{kind:<20} {s:8.3f} {s / busy:7.1%}")
+    print(f"\n{'kernel':<90} {'count':>8} {'total s':>8} {'mean us':>9} kind")
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])
+    for name, (n, us) in rows[:args.top]:
+        print(f"{name[:90]:<90} {n:8d} {us / 1e6:8.3f} {us / n:9.1f} {kind_of(name)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"wall_s": wall, "busy_s": busy, "kinds": by_kind,
+                       "kernels": [[name, n, us] for name, (n, us) in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
