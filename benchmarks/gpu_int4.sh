@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_int4.sh w8a8-e2e  # 8B decode at batch 64 and 1: W8A8 INT8, FP8 (online) and bf16
 #   bash benchmarks/gpu_int4.sh w8a8-words # the int8 GEMV on int32 words (dp4a): GPU tests, one row per layer
 #   bash benchmarks/gpu_int4.sh breakdown # where the 8B offline run's device time goes (kernel_breakdown.py): bf16, FP8
+#   bash benchmarks/gpu_int4.sh int8-wide # INT8 W8A8: GPU tests, the words GEMV's rows, the tiles' sweep at 256 and
+#                                         # 1024 rows (wider tiles), 8B decode at batch 1 and 4
 #   bash benchmarks/gpu_int4.sh w8a8-tput # 8B offline 1000 x 512 in / 256 out, temperature 0.8: bf16, FP8, INT8 W8A8
 #
 # Several modes in one call run in order: `bash benchmarks/gpu_int4.sh sweep mma e2e`.
@@ -96,6 +98,13 @@ breakdown)  # kernel time by kind, 8B 250 x 512 in / 256 out at temperature 0.8:
             --json "$out/breakdown-$q.json" "${qa[@]}"
         sed -n '/^wall/,$p' "$out/breakdown-$q.log" | head -60
     done
+    ;;
+int8-wide)
+    step int8w-tests 240 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_int8_w8a8_gpu.py
+    step int8w-table 90 python benchmarks/quant.py --model 8b --kinds bf16 w8a8 w8a8-tiles --rows 1 2 4 5
+    step int8w-sweep 220 python benchmarks/quant.py --model 8b --sweep int8 --rows 256 1024
+    lat w8a8 llama3-8b-w8a8-int8 bfloat16 1
+    lat w8a8 llama3-8b-w8a8-int8 bfloat16 4
     ;;
 w8a8-e2e)  # 8B decode at batch 64 and 1: W8A8 INT8 (compressed-tensors) and FP8 (online) against bf16
     for b in 64 1; do

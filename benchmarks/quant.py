@@ -13,8 +13,8 @@ For each linear layer shape (K in, N out) of Llama-3-8B (default) or Qwen3-0.6B 
   fp8-triton / fp8-scaled-mm   the tiled Triton GEMM / cuBLAS alone at every row count; fp8-gemv the Triton GEMV
   w8a8      W8A8 INT8 (compressed-tensors int8 checkpoints): per-token int8 activations, the int8 tensor-core GEMM
             with the scales in its epilogue (kernels/quant_act.py + kernels/w8a8_gemm.py; its GEMV at 1 row)
-  w8a8-tiles / w8a8-gemv   the tiled GEMM / the GEMV alone at every row count; w8a8-words the GEMV on int32 words
-            (dp4a, kernels/w8a8_gemm.GEMV_WORDS)
+  w8a8-tiles / w8a8-gemv   the tiled GEMM / the GEMV byte by byte alone at every row count; w8a8-words the GEMV
+            on int32 words (dp4a, kernels/w8a8_gemm.GEMV_WORDS: the engine's up to W8A8_GEMV_WORDS_MAX_ROWS rows)
   w8a8-torch  the same in torch (quantize, torch._int_mm, scale): what ran before the kernels
 Each cell is microseconds per call (CUDA-graph replays, cycling through enough weight copies that no weight is
 served from L2), the weight bytes streamed per second (GB/s, packed weights + scales + zeros) and the speed-up
@@ -132,7 +132,7 @@ class Layers:
 
             x_q, x_scale = (fp8_per_token if kind.startswith("fp8") else int8_per_token)(x)
             if kind.endswith("-gemv"):
-                config = dict(GEMV=True)
+                config = dict(GEMV=True, WORDS=False)  # int8 byte by byte (FP8 has no other form)
             elif kind == "w8a8-words":
                 config = dict(GEMV=True, WORDS=True)
             elif kind.endswith("-tiles") or (kind == "fp8-triton" and config is None):
@@ -199,10 +199,15 @@ def sweep(args) -> None:
     elif args.sweep in ("int8", "fp8"):  # the W8A8 GEMM's tiles, warps, stages and K split (kernels/w8a8_gemm.py)
         kind = "w8a8" if args.sweep == "int8" else "fp8-triton"
         bms = lambda rows: [16] if rows <= 16 else [32, 64] if rows <= 64 else [64, 128]  # noqa: E731
-        grid = lambda rows: [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk)  # noqa: E731
-                             for bm, bn, bk, w, st, sk in itertools.product(bms(rows), [64, 128], [128, 256], [4, 8],
-                                                                           [3, 4], [1, 2, 4, 8])
-                             if (sk == 1 or rows <= bm) and bm * bn * bk <= 128 * 128 * 128]
+        few = lambda rows: [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=sk)  # noqa: E731
+                            for bm, bn, bk, w, st, sk in itertools.product(bms(rows), [64, 128], [128, 256], [4, 8],
+                                                                          [3, 4], [1, 2, 4, 8])
+                            if (sk == 1 or rows <= bm) and bm * bn * bk <= 128 * 128 * 128]
+        # above 64 rows: no K split, and wider tiles (128 x 256) and shallower K steps too
+        many = lambda rows: [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=1)  # noqa: E731
+                             for bm, bn, bk, w, st in itertools.product([64, 128], [128, 256], [64, 128], [4, 8],
+                                                                        [3, 4])]
+        grid = lambda rows: few(rows) if rows <= 64 else many(rows)  # noqa: E731
     else:
         kind = "int4-gemm"
         grid = lambda rows: [dict(block_m=bm, block_n=bn, num_warps=w, programs_per_sm=p, max_split=16)  # noqa: E731

@@ -26,7 +26,10 @@ def main() -> None:
                 dict(small, BLOCK_M=32, SPLIT_K=1)], outputs=INTERPRETER_OUTPUTS)
     # the GEMV, byte by byte and on int32 words (dp4a): one row, and several rows past a column block
     check_gemm("cpu", [(1, 48, 64), (3, 70, 200)],
-               [dict(GEMV=True, BLOCK_N=4), dict(GEMV=True, BLOCK_N=4, WORDS=True)], outputs=INTERPRETER_OUTPUTS)
+               [dict(GEMV=True, BLOCK_N=4, WORDS=False), dict(GEMV=True, BLOCK_N=4, WORDS=True)],
+               outputs=INTERPRETER_OUTPUTS)
+    # the default choice: words up to 4 rows where K is a multiple of 4, else the byte GEMV at 1 row and the tiles
+    check_gemm("cpu", [(4, 40, 64), (2, 40, 66), (1, 40, 66)], [None], outputs=INTERPRETER_OUTPUTS)
     print("int8 gemm ok", flush=True)
     check_fp8_gemm("cpu", [(1, 48, 64), (5, 100, 200), (37, 70, 128)],
                    [dict(small, SPLIT_K=1), dict(small, SPLIT_K=4), dict(small, BLOCK_M=32, SPLIT_K=1)],

@@ -16,7 +16,7 @@ Few rows leave few output tiles, so the K loop is split between programs (SPLIT_
 At one row a tensor-core tile is mostly padding and the product is a pass over the weight: a GEMV
 (`_w8a8_gemv_kernel`, the layout of kernels/gemv.py) holds whole weight rows in registers, loads them before the
 programmatic-dependent-launch wait (they overlap the activation quantization before it), and sums each row's
-products on the CUDA cores: int8 in int32 (exact: the same results; or four bytes per instruction, dp4a on int32
+products on the CUDA cores: int8 in int32 (exact: the same results), four bytes per instruction (dp4a on int32
 words, GEMV_WORDS), FP8 in fp32.
 """
 from __future__ import annotations
@@ -31,13 +31,14 @@ from pagedllm import envs
 from pagedllm.kernels.paged_attention import sm_count
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
-# The GEMV takes up to this many rows (from two on, its sums on the CUDA cores cost more than the tiles' padding:
-# docs/benchmarks.md); each program holds GEMV_TILE_BYTES of weight rows (a K up to that many).
+# The GEMV takes up to this many rows (FP8, or int8 byte by byte: from two on, its sums on the CUDA cores cost
+# more than the tiles' padding), or up to W8A8_GEMV_WORDS_MAX_ROWS for int8 on int32 words, four products per
+# dp4a (ahead of the tiles up to four rows; docs/benchmarks.md). Each program holds GEMV_TILE_BYTES of weight rows
+# (a K up to that many). GEMV_WORDS False keeps int8 byte by byte.
 W8A8_GEMV_MAX_ROWS = 1
+W8A8_GEMV_WORDS_MAX_ROWS = 4
 GEMV_TILE_BYTES = 32768
-# The int8 GEMV on int32 words with dp4a (exact in Triton's interpreter, not yet run on a GPU: off by default until
-# tests/gpu/test_int8_w8a8_gpu.py and `quant.py --kinds w8a8-gemv w8a8-words` have run on one; config WORDS forces it).
-GEMV_WORDS = False
+GEMV_WORDS = True
 
 
 @triton.jit
@@ -170,6 +171,13 @@ def _w8a8_gemv_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
         tl.store(out_ptr + m * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+def _words_fit(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the int8 GEMV can read a and b as int32 words (K, the row strides and the bases multiples of 4)."""
+    k = a.shape[1]
+    return (GEMV_WORDS and a.dtype == torch.int8 and k % 4 == 0 and a.stride(0) % 4 == 0 and b.stride(0) % 4 == 0
+            and a.data_ptr() % 4 == 0 and b.data_ptr() % 4 == 0)
+
+
 def _gemv(a, a_scale, b, b_scale, bias, out, block_n: Optional[int] = None, num_warps: int = 8,
           words: Optional[bool] = None) -> None:
     m, k = a.shape
@@ -177,8 +185,7 @@ def _gemv(a, a_scale, b, b_scale, bias, out, block_n: Optional[int] = None, num_
     k_pad = triton.next_power_of_2(k)
     block_n = block_n or max(1, min(triton.next_power_of_2(n), GEMV_TILE_BYTES // k_pad))
     if words is None:
-        words = (GEMV_WORDS and a.dtype == torch.int8 and k % 4 == 0 and a.stride(0) % 4 == 0 and b.stride(0) % 4 == 0
-                 and a.data_ptr() % 4 == 0 and b.data_ptr() % 4 == 0)
+        words = _words_fit(a, b)
     unit = 4 if words else 1
     _w8a8_gemv_kernel[(triton.cdiv(n, block_n),)](
         a, b, out, a_scale, b_scale, out if bias is None else bias, m, a.stride(0) // unit, b.stride(0) // unit,
@@ -228,7 +235,8 @@ def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     both int8 or both float8_e4m3fn, (+ bias [N]) -> [M, N] in out_dtype. counters: `counters_for(N)` (the
     layer's, zero between launches); without them the K loop is not split. config: a `launch_config` dict for
     the tiled kernel, or {"GEMV": True[, "BLOCK_N": n, "num_warps": w, "WORDS": bool]} for the GEMV (benchmarks,
-    tests); by default the GEMV up to W8A8_GEMV_MAX_ROWS rows where a weight row fits its tile."""
+    tests); by default the GEMV up to W8A8_GEMV_MAX_ROWS rows (int8 on words: W8A8_GEMV_WORDS_MAX_ROWS) where a
+    weight row fits its tile."""
     m, k = a.shape
     n = b.shape[0]
     assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
@@ -242,7 +250,8 @@ def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
         _gemv(a, a_scale, b, b_scale, bias, out, config.get("BLOCK_N"), config.get("num_warps", 8),
               config.get("WORDS"))
         return out
-    if config is None and m <= W8A8_GEMV_MAX_ROWS and triton.next_power_of_2(k) <= GEMV_TILE_BYTES:
+    if config is None and triton.next_power_of_2(k) <= GEMV_TILE_BYTES and (
+            m <= W8A8_GEMV_MAX_ROWS or (m <= W8A8_GEMV_WORDS_MAX_ROWS and _words_fit(a, b))):
         _gemv(a, a_scale, b, b_scale, bias, out)
         return out
     cfg = dict(config or launch_config(m, n, k, sm_count(a.device)))
