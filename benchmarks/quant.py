@@ -136,7 +136,8 @@ class Layers:
             elif kind == "w8a8-words":
                 config = dict(GEMV=True, WORDS=True)
             elif kind.endswith("-tiles") or (kind == "fp8-triton" and config is None):
-                config = launch_config(x.shape[0], layer[0].shape[0], x.shape[1], sm_count(x.device))
+                config = launch_config(x.shape[0], layer[0].shape[0], x.shape[1], sm_count(x.device),
+                                       kind.startswith("fp8"))
             return w8a8_gemm(x_q, x_scale, layer[0], layer[1], None, x.dtype, layer[2], config)
         if kind == "w8a8-torch":
             from pagedllm.quantization.kernels import int8_w8a8_linear_torch

@@ -77,9 +77,10 @@ def _w8a8_gemm_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     n_ok = cols < N
     rk = tl.arange(0, BLOCK_K)
     k0 = pid_k * K_PER_SPLIT
-    # rows past M and columns past N read row / column 0 (their results are never stored): no masks in the loop
-    a_ptrs = a_ptr + tl.where(m_ok, rows, 0)[:, None].to(tl.int64) * stride_am + (k0 + rk)[None, :]
-    b_ptrs = b_ptr + tl.where(n_ok, cols, 0)[None, :].to(tl.int64) * stride_bn + (k0 + rk)[:, None]
+    # rows past M and columns past N read rows / columns wrapped around (their results are never stored): no masks
+    # in the loop, and no address read by many rows of a tile (all reading row 0 made 72 rows twice as slow as 128)
+    a_ptrs = a_ptr + (rows % M)[:, None].to(tl.int64) * stride_am + (k0 + rk)[None, :]
+    b_ptrs = b_ptr + (cols % N)[None, :].to(tl.int64) * stride_bn + (k0 + rk)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32 if FLOAT else tl.int32)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
@@ -199,20 +200,31 @@ def counters_for(n: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(triton.cdiv(n, 32) + 1, dtype=torch.int32, device=device)
 
 
-def launch_config(m: int, n: int, k: int, sms: int) -> dict:
+def launch_config(m: int, n: int, k: int, sms: int, fp8: bool = False) -> dict:
     """Tile sizes, warps, stages and the K split for an [m, k] x [k, n] product (from the H200 sweep of 8B layers,
     `benchmarks/quant.py --sweep int8`): one row of 16-64-row tiles for few rows, 128-column tiles where they
-    still give every SM one, else 64 columns and a deeper K step; 128 x 128 above 64 rows where that gives every
-    SM two tiles, else 64-row tiles; the K split (one row of tiles only) while the programs fit one wave."""
+    still give every SM one, else 64 columns and a deeper K step. Above 64 rows (int8: `--sweep int8 --rows 256
+    1024` and an A/B of the rules at 128-1024 rows) the largest of 128 x 128, 64 x 128 tiles that still gives every
+    SM one, else 64-row tiles (a 256-deep K step for a long K); FP8 keeps 128 x 128 tiles for two per SM. The K
+    split (one row of tiles only) while the programs fit one wave."""
     if m <= 64:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         if m > 32 and triton.cdiv(n, 128) >= sms:
             cfg = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
         else:
             cfg = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
-    elif triton.cdiv(m, 128) * triton.cdiv(n, 128) >= 2 * sms:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
-    elif k >= 8192:  # a long K keeps 64 x 128 tiles busy
+    elif fp8:  # (the fp32 promotion every 32-deep step: larger tiles lose)
+        if triton.cdiv(m, 128) * triton.cdiv(n, 128) >= 2 * sms:
+            cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+        elif k >= 8192:
+            cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_warps=4, num_stages=4)
+        else:
+            cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    elif triton.cdiv(m, 128) * triton.cdiv(n, 128) >= sms:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
+    elif triton.cdiv(m, 64) * triton.cdiv(n, 128) >= sms:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
+    elif k >= 8192:  # few tiles: a long K keeps them busy with a deeper step
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_warps=4, num_stages=4)
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -254,7 +266,7 @@ def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
             m <= W8A8_GEMV_MAX_ROWS or (m <= W8A8_GEMV_WORDS_MAX_ROWS and _words_fit(a, b))):
         _gemv(a, a_scale, b, b_scale, bias, out)
         return out
-    cfg = dict(config or launch_config(m, n, k, sm_count(a.device)))
+    cfg = dict(config or launch_config(m, n, k, sm_count(a.device), floating))
     if counters is None or triton.cdiv(n, cfg["BLOCK_N"]) > counters.numel() or m > cfg["BLOCK_M"]:
         cfg["SPLIT_K"] = 1  # the counters count one row of output tiles
     split = cfg.pop("SPLIT_K")
