@@ -7,6 +7,9 @@ Runs one warm-up generate, then the timed one under the profiler (kernels inside
 and prints: wall time, the sum of kernel time (device busy), each kind's share (GEMM, activation quantization,
 attention, norms, ...) and the top kernels with their count and mean. Profiling adds host time, so the wall
 time here is not a throughput figure; the kernel sums are what to compare between two configurations.
+A kernel launched with programmatic dependent launch (kernels/pdl.py) starts while the one before it finishes and
+waits for it, so its time includes that overlap: with PDL on, the sum can pass the wall time and a small PDL
+kernel after a long one looks long (PAGEDLLM_PDL=0 gives each kernel its own time, at some cost in launches).
 """
 from __future__ import annotations
 
@@ -19,18 +22,18 @@ from collections import defaultdict
 
 import torch
 
-KINDS = [  # first match wins
-    ("activation quant", r"quant_act|per_token_quant|dynamic.*quant"),
-    ("gemm fp8/int8", r"w8a8|scaled_mm|f8f8|e4m3|int8_gemm|_int_mm|i8i8|s8s8|imma"),
+KINDS = [  # first match wins (pagedllm's Triton kernels by name, cuBLAS's by its kernel names: "qq" = FP8 inputs)
+    ("activation quant", r"quant_act|_per_token_kernel|per_token_quant|dynamic.*quant"),
+    ("attention", r"^_prefill_kernel|^_decode_kernel|^_decode_reduce|verify_attention|attention|attn|flash|fmha"),
+    ("gemm fp8/int8", r"w8a8|scaled_mm|f8f8|e4m3|int8_gemm|_int_mm|i8i8|s8s8|imma|nvjet_sm\d+_qq"),
     ("gemv/gemm int4", r"qgemv|qgemm|gptq|awq|int4|marlin|dequant"),
-    ("attention", r"attention|attn|flash|paged|fmha"),
     ("gemm bf16", r"gemm|gemv|nvjet|cutlass|xmma|matmul|splitk|sm90|sm80|ampere|hopper"),
     ("norm", r"rms|norm"),
-    ("rope", r"rope|rotary"),
+    ("rope", r"rope|rotary|qkv_prep"),
     ("activation", r"silu|gelu|act_and_mul|swiglu"),
     ("sampling", r"sampl|argmax|topk|top_k|softmax|multinomial|exponential|gumbel|penalt"),
     ("embedding", r"embed|index_select|gather"),
-    ("copy/fill", r"copy|memcpy|memset|fill|cat|elementwise"),
+    ("copy/fill", r"copy|memcpy|memset|fill|elementwise"),
 ]
 
 
