@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quantization"))
-from int8_w8a8_cases import check_activation_quant, check_fp8_gemm, check_gemm  # noqa: E402
+from int8_w8a8_cases import check_activation_quant, check_fp8_gemm, check_gemm, check_norm_quant  # noqa: E402
 
 
 def test_activation_quant_matches_torch():
@@ -78,3 +78,53 @@ def test_fp8_linear_triton_against_scaled_mm():
                 # the outputs are ~2.5: up to one bf16 step (1/64) apart where the two summation orders round apart
                 torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2)
                 assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 tensor cores: compute capability 8.9+")
+def test_norm_quant_matches_two_kernels():
+    """kernels/norm.rms_norm_quant at model hidden sizes equals the norm then quant_act's kernel, bit for bit (every
+    activation dtype: Triton's interpreter in CI)."""
+    check_norm_quant("cuda", hiddens=(4096, 5120), rows=7, dtypes=(torch.bfloat16,))
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 tensor cores: compute capability 8.9+")
+def test_norms_quantize_for_their_w8a8_layers(tiny_llama_dir, monkeypatch):
+    """An FP8 model on CUDA: each decoder layer's two norms quantize for qkv_proj / gate_up_proj (linked at load),
+    so only o_proj and down_proj run the activation kernel (half the calls), and the greedy tokens are those of
+    the unfused model."""
+    import gc
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.kernels import quant_act
+    from pagedllm.layers import layernorm
+
+    calls = []
+    per_token = quant_act._per_token
+
+    def counted(*args):
+        calls.append(1)
+        return per_token(*args)
+
+    monkeypatch.setattr(quant_act, "_per_token", counted)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 3, 17, 2, 11, 30, 8], [40, 2, 2, 7], [3] * 20)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(layernorm, "FUSE_NORM_QUANT", fuse)
+        llm = LLM(model=tiny_llama_dir, dtype="bfloat16", device="cuda", quantization="fp8", enforce_eager=True,
+                  num_gpu_blocks_override=64)
+        layers = llm.engine.worker.model.model.layers
+        for layer in layers:
+            assert (layer.input_layernorm.quant_consumer is layer.self_attn.qkv_proj) == fuse
+            assert (layer.post_attention_layernorm.quant_consumer is layer.mlp.gate_up_proj) == fuse
+        calls.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[fuse] = ([list(o.outputs[0].token_ids) for o in outs], len(calls))
+        assert not any("_prequantized" in m.__dict__ for m in llm.engine.worker.model.modules())  # all taken
+        del llm, layers, outs
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert got[True][0] == got[False][0]
+    assert got[False][1] > 0 and got[True][1] * 2 == got[False][1], got

@@ -33,6 +33,39 @@ def check_activation_quant(device: str, ks=(64, 300, 9000)) -> None:
             assert (want_q == 127).any() and (want_q == -128).any()  # the static scale clamps
 
 
+def check_norm_quant(device: str, hiddens=(64, 300), rows: int = 5,
+                     dtypes=(torch.float32, torch.bfloat16, torch.float16)) -> None:
+    """kernels/norm.rms_norm_quant equals its two kernels (the norm, then quant_act's per-token quantization of its
+    output) bit for bit: the output, the new residual, the quantized values and the scales; int8 and FP8, with and
+    without the residual, Llama's and Gemma's (float32 product) norms, every activation dtype, a zero row."""
+    from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_quant
+    from pagedllm.kernels.quant_act import fp8_per_token, int8_per_token
+
+    gen = torch.Generator().manual_seed(4)
+    for hidden in hiddens:
+        for dtype in dtypes:
+            x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype).to(device)
+            w = (torch.randn(hidden, generator=gen) * 0.5 + 1).to(dtype).to(device)
+            r = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+            x[1] = 0
+            r[1] = 0
+            for quant_dtype, quantize in ((torch.int8, int8_per_token), (torch.float8_e4m3fn, fp8_per_token)):
+                for residual in (None, r):
+                    for fp32_product in (False, True):
+                        label = (hidden, dtype, quant_dtype, residual is not None, fp32_product)
+                        out, new_res, (q, scale) = rms_norm_quant(x, residual, w, 1e-6, fp32_product, quant_dtype)
+                        if residual is None:
+                            want, want_res = rms_norm(x, w, 1e-6, fp32_product), None
+                        else:
+                            want, want_res = fused_add_rms_norm(x, residual, w, 1e-6, fp32_product)
+                        assert torch.equal(out, want), label
+                        assert new_res is None if residual is None else torch.equal(new_res, want_res), label
+                        want_q, want_scale = quantize(want)
+                        assert torch.equal(scale, want_scale), label
+                        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), label
+                        assert scale[1].item() == torch.tensor(1e-12).item(), label  # the zero row
+
+
 def reference_linear(x_q, x_scale, weight, weight_scale, bias, dtype):
     """The torch form's arithmetic: exact int32 sums, then its fp32 epilogue. The sums in float64 on the tensors'
     device (exact: at most 128 * 128 * K < 2 ** 53), which is fast on a GPU where an int64 matmul is not."""

@@ -1,4 +1,5 @@
-"""The W8A8 kernels (INT8; the GEMM and GEMV also on FP8) in Triton's interpreter on the CPU:
+"""The W8A8 kernels (INT8; the GEMM and GEMV also on FP8; the norm that quantizes its output) in Triton's
+interpreter on the CPU:
 `TRITON_INTERPRET=1 python interpret_int8.py` (run by
 test_int8_w8a8_kernels.py; the model-shape checks run on the GPU: tests/gpu/test_int8_w8a8_gpu.py)."""
 from __future__ import annotations
@@ -16,10 +17,12 @@ def main() -> None:
 
     patch_interpreter_for_numpy2()
     import conftest  # noqa: F401  (tests/gpu: the interpreter's comparisons tagged as int1)
-    from int8_w8a8_cases import INTERPRETER_OUTPUTS, check_activation_quant, check_fp8_gemm, check_gemm
+    from int8_w8a8_cases import INTERPRETER_OUTPUTS, check_activation_quant, check_fp8_gemm, check_gemm, check_norm_quant
 
     check_activation_quant("cpu", ks=(64, 300, 9000))
     print("activation quant ok", flush=True)
+    check_norm_quant("cpu")
+    print("norm + activation quant ok", flush=True)
     small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
     check_gemm("cpu", [(1, 48, 64), (5, 100, 200), (16, 64, 96), (37, 70, 128)],
                [dict(small, SPLIT_K=1), dict(small, SPLIT_K=2), dict(small, SPLIT_K=4),

@@ -9,6 +9,10 @@ in float32 and rounded once to the input dtype, as HF's Gemma*RMSNorm computes i
 
 `rms_norm_shrink` also multiplies each normalized row by a per-row slice of a projection (a LoRA adapter's A of
 the layer the norm feeds), so a decode step's shrink costs no launch of its own.
+
+`rms_norm_quant` also quantizes each output row per token (FP8 E4M3 or int8, the numbers of
+`kernels/quant_act`'s kernel applied to the output) for the W8A8 layer the norm feeds: no launch and no pass over
+the activations of its own.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+from pagedllm.kernels.quant_act import _INV_QMAX, FP8_MAX, _quantize
 
 
 @triton.jit
@@ -31,12 +36,16 @@ def _normalize(x, w, hidden, eps, FP32_PRODUCT: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, q_ptr, scale_ptr,
+    stride_x, stride_r, stride_o, stride_ro, stride_q,
     hidden, eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     FP32_PRODUCT: tl.constexpr,
+    QUANT: tl.constexpr,  # the output also quantized per token: int8 (INT8) or FP8 E4M3, QMAX 127.0 / 448.0
+    INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+    INV_QMAX: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_prior_kernel(USE_PDL)
@@ -50,8 +59,14 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    y = _normalize(x, w, hidden, eps, FP32_PRODUCT)
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = _normalize(x, w, hidden, eps, FP32_PRODUCT).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if QUANT:  # the stored values, quantized as quant_act's kernel would after this one (the same bits)
+        yf = tl.where(mask, y.to(tl.float32), 0.0)
+        scale = tl.maximum(tl.max(tl.abs(yf), 0) * INV_QMAX, 1e-12)
+        tl.store(q_ptr + row * stride_q + cols, _quantize(yf, scale, QMAX, INT8).to(q_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(scale_ptr + row, scale)
 
 
 @triton.jit
@@ -122,7 +137,8 @@ def rms_norm_shrink(x: torch.Tensor, residual, weight: torch.Tensor, eps: float,
     return out, (r_out if residual is not None else None), h
 
 
-def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, fp32_product: bool = False):
+def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, fp32_product: bool = False,
+            quant_dtype=None):
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), (weight.shape, hidden)
     x2 = x.reshape(-1, hidden)
@@ -138,18 +154,24 @@ def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, fp32_pr
         r_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     else:
         r2, r_out = x2, out
+    quant = None
+    if quant_dtype is not None:
+        assert quant_dtype in (torch.int8, torch.float8_e4m3fn), quant_dtype
+        quant = (torch.empty((rows, hidden), dtype=quant_dtype, device=x.device),
+                 torch.empty((rows, 1), dtype=torch.float32, device=x.device))
     if rows > 0:
         block = triton.next_power_of_2(hidden)
         num_warps = min(16, max(1, block // 256))
+        qmax = 127.0 if quant_dtype == torch.int8 else FP8_MAX
         _rms_norm_kernel[(rows,)](
-            x2, r2, weight, out, r_out,
-            x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0),
+            x2, r2, weight, out, r_out, out if quant is None else quant[0], out if quant is None else quant[1],
+            x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), hidden if quant is None else quant[0].stride(0),
             hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, FP32_PRODUCT=fp32_product,
-            num_warps=num_warps,
+            QUANT=quant is not None, INT8=quant_dtype == torch.int8, QMAX=qmax, INV_QMAX=_INV_QMAX[qmax], num_warps=num_warps,
             **pdl_launch_args(x.device),
         )
     out = out.view(*x.shape[:-1], hidden)
-    return out, (r_out.view(*x.shape[:-1], hidden) if residual is not None else None)
+    return out, (r_out.view(*x.shape[:-1], hidden) if residual is not None else None), quant
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_product: bool = False) -> torch.Tensor:
@@ -157,11 +179,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_product: bo
     return _launch(x, None, weight, eps, fp32_product)[0]
 
 
+def rms_norm_quant(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, fp32_product: bool,
+                   quant_dtype: torch.dtype):
+    """`rms_norm` (residual None) or `fused_add_rms_norm`, the output also quantized per token into quant_dtype
+    (torch.float8_e4m3fn or torch.int8, dynamic scales: what kernels/quant_act gives for that output, bit for bit).
+    -> (out [..., hidden], new residual or None, (x_q [rows, hidden], x_scale fp32 [rows, 1]))."""
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
+    return _launch(x, residual, weight, eps, fp32_product, quant_dtype)
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float, fp32_product: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual; returns (rms_norm(residual'), residual'). Inputs are not modified."""
     assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
-    out, new_residual = _launch(x, residual, weight, eps, fp32_product)
+    out, new_residual, _ = _launch(x, residual, weight, eps, fp32_product)
     return out, new_residual
 
 

@@ -11,6 +11,11 @@ from pagedllm.layers.activation import triton_kernels
 from pagedllm.layers.weight_utils import default_weight_loader, set_weight_attrs
 
 
+# Whether link_norm_quant links norms to the W8A8 layers they feed (False: each layer quantizes its own input, one
+# kernel more per layer; the same numbers).
+FUSE_NORM_QUANT = True
+
+
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), normalized in float32 and cast back before the scale (as HF).
 
@@ -23,6 +28,9 @@ class RMSNorm(nn.Module):
     # The module this norm's output feeds alone, when it has input-side work the norm kernel can do
     # (`norm_and_shrink(norm, x, residual)`: LoRA's shrink); set by lora/manager.py.
     shrink_consumer = None
+    # The W8A8 layer this norm's output feeds alone: on CUDA the norm kernel also quantizes its output per token
+    # for it (kernels/norm.rms_norm_quant), which the layer takes instead of quantizing; set by link_norm_quant.
+    quant_consumer = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
@@ -39,6 +47,10 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             if self.shrink_consumer is not None:
                 fused = self.shrink_consumer.norm_and_shrink(self, x, residual)
+                if fused is not None:
+                    return fused
+            if self.quant_consumer is not None:
+                fused = self._norm_and_quantize(x, residual)
                 if fused is not None:
                     return fused
             kernels = triton_kernels("norm")  # one fused kernel instead of ~7 elementwise ones
@@ -59,6 +71,19 @@ class RMSNorm(nn.Module):
                 ops.add_rms_norm(out, new_residual, x, residual, self.weight, self.variance_epsilon)
                 return out, new_residual
         return self.forward_native(x, residual)
+
+    def _norm_and_quantize(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """The CUDA norm whose kernel also quantizes its output for `quant_consumer` (left on that layer, with the
+        output it belongs to: quantization.kernels.take_prequantized); None where that does not apply."""
+        layer = self.quant_consumer
+        dtype = layer.linear_method.norm_quant_dtype(layer)
+        kernels = triton_kernels("norm")
+        if dtype is None or kernels is None or (residual is not None and residual.shape != x.shape):
+            return None
+        out, new_residual, quantized = kernels.rms_norm_quant(x, residual, self.weight, self.variance_epsilon,
+                                                              self.fp32_product, dtype)
+        layer.__dict__["_prequantized"] = (out, quantized)
+        return out if residual is None else (out, new_residual)
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                        ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -100,8 +125,46 @@ class GemmaRMSNorm(RMSNorm):
     def _load_offset_weight(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight.to(self.model_dtype).to(torch.float32) + 1.0)
 
+    def _norm_and_quantize(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """The CUDA norm whose kernel also quantizes its output for `quant_consumer` (left on that layer, with the
+        output it belongs to: quantization.kernels.take_prequantized); None where that does not apply."""
+        layer = self.quant_consumer
+        dtype = layer.linear_method.norm_quant_dtype(layer)
+        kernels = triton_kernels("norm")
+        if dtype is None or kernels is None or (residual is not None and residual.shape != x.shape):
+            return None
+        out, new_residual, quantized = kernels.rms_norm_quant(x, residual, self.weight, self.variance_epsilon,
+                                                              self.fp32_product, dtype)
+        layer.__dict__["_prequantized"] = (out, quantized)
+        return out if residual is None else (out, new_residual)
+
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                        ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         x, residual, xf = self._add_and_normalize(x, residual)
         out = (xf * self.weight).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+def link_norm_quant(model: nn.Module) -> int:
+    """Point each RMSNorm whose output feeds one W8A8 layer alone (a decoder layer's `norm_feeds`) at that layer,
+    where the layer's method takes its input quantized by the norm (`norm_quant_dtype`: dynamic per-token
+    activations on CUDA): the norm kernel then quantizes too, and the layer skips its own quantization kernel.
+    Returns how many norms were linked."""
+    linked = 0
+    if not FUSE_NORM_QUANT:
+        return 0
+    for module in model.modules():
+        feeds = getattr(module, "norm_feeds", None)
+        if not callable(feeds):
+            continue
+        for norm_path, layer_path in feeds():
+            try:
+                norm, layer = module.get_submodule(norm_path), module.get_submodule(layer_path)
+            except AttributeError:  # e.g. a MoE block where a dense MLP would be
+                continue
+            wants = getattr(getattr(layer, "linear_method", None), "norm_quant_dtype", None)
+            if (isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward and callable(wants)
+                    and wants(layer) is not None):
+                norm.__dict__["quant_consumer"] = layer  # a plain reference, not a submodule of the norm
+                linked += 1
+    return linked

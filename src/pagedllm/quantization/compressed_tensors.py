@@ -24,7 +24,7 @@ from torch import nn
 from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, is_layer_skipped,
                                         set_quant_param_attrs)
 from pagedllm.quantization.fp8 import Fp8LinearMethod, add_w8a8_counters
-from pagedllm.quantization.kernels import int8_w8a8_linear
+from pagedllm.quantization.kernels import int8_cuda_path, int8_w8a8_linear, take_prequantized
 from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
@@ -257,5 +257,14 @@ class CTW8A8Method(Fp8LinearMethod):
             return F.linear(x, (layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype)[:, None]), bias)
         if self.scheme.kind == "int8_w8a8":
             return int8_w8a8_linear(x, layer.weight, layer.weight_scale, bias, layer.input_scale,
-                                    getattr(layer, "w8a8_counters", None))
+                                    getattr(layer, "w8a8_counters", None), take_prequantized(layer, x))
         return super().apply(layer, x, bias)
+
+    def norm_quant_dtype(self, layer) -> Optional[torch.dtype]:
+        if self.scheme.act_dynamic is None:  # weight-only
+            return None
+        if self.scheme.kind == "int8_w8a8":
+            if layer.input_scale is None and int8_cuda_path(layer.weight.device):
+                return torch.int8
+            return None
+        return super().norm_quant_dtype(layer)

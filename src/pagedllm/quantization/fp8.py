@@ -14,10 +14,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.layers.activation import triton_kernels
 from pagedllm.quantization.base import (LinearMethodBase, QuantizationConfig, create_float_weight,
                                         set_quant_param_attrs)
-from pagedllm.quantization.kernels import FP8_DTYPE, FP8_MAX, fp8_linear
+from pagedllm.quantization.kernels import FP8_DTYPE, FP8_MAX, fp8_linear, take_prequantized
 
 FP8_MIN_CAPABILITY = 89
 
@@ -74,7 +75,14 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, getattr(layer, "input_scale", None),
-                          getattr(layer, "w8a8_counters", None))
+                          getattr(layer, "w8a8_counters", None), prequantized=take_prequantized(layer, x))
+
+    def norm_quant_dtype(self, layer) -> Optional[torch.dtype]:
+        """The dtype an RMSNorm whose output feeds this layer alone quantizes that output into, in its own kernel
+        (per token, dynamic: layers/layernorm.link_norm_quant), or None: dynamic activations on CUDA only."""
+        if layer.weight.is_cuda and getattr(layer, "input_scale", None) is None and envs.PAGEDLLM_FUSED_ACT_QUANT:
+            return FP8_DTYPE
+        return None
 
     def dequantized_weight(self, layer):
         return layer.weight.float() * layer.weight_scale[:, None]

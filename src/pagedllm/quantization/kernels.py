@@ -108,19 +108,28 @@ def quantize_fp8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor]
 FP8_TRITON_MAX_ROWS = 64
 
 
+def take_prequantized(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(x_q, x_scale) of x where the RMSNorm that produced x quantized it for this W8A8 layer (kernels/norm.
+    rms_norm_quant; the norm is linked by layers/layernorm.link_norm_quant), else None. The norm leaves its output
+    tensor beside them, so they are taken for that very tensor only, and never twice."""
+    pre = layer.__dict__.pop("_prequantized", None)
+    return pre[1] if pre is not None and pre[0] is x else None
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
-               counters: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+               counters: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+               prequantized: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """W8A8 FP8: weight E4M3 [N, K] with fp32 per-channel scale [N]; activations quantized per token.
     CUDA: the Triton FP8 GEMM (scales and bias in its epilogue; `counters` the layer's split-K counters) up to
     FP8_TRITON_MAX_ROWS rows and at every size for fp16 / fp32 activations, one torch._scaled_mm (row-wise scales,
     bf16 out) above; backend "triton" / "scaled_mm" forces one (benchmarks, tests). Elsewhere the same
-    arithmetic, emulated in fp32."""
+    arithmetic, emulated in fp32. prequantized: x's (E4M3 [M, K], scale [M, 1]) already made (`take_prequantized`)."""
     if backend not in (None, "triton", "scaled_mm"):
         raise ValueError(f"unknown FP8 GEMM backend {backend!r} (triton, scaled_mm)")
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    x_q, x_scale = quantize_fp8_per_token(x2, input_scale)
+    x_q, x_scale = prequantized if prequantized is not None else quantize_fp8_per_token(x2, input_scale)
     if x.is_cuda:
         triton_gemm = backend == "triton" or (backend is None and (x2.shape[0] <= FP8_TRITON_MAX_ROWS
                                                                     or x.dtype != torch.bfloat16))
@@ -151,20 +160,27 @@ def quantize_int8_per_token(x: torch.Tensor, static_scale: Optional[torch.Tensor
 
 def int8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
-                     counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     counters: Optional[torch.Tensor] = None,
+                     prequantized: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """W8A8 INT8: weight int8 [N, K] with fp32 per-channel scale [N]; activations quantized per token (or by one
     static scale). CUDA: two Triton kernels (kernels/quant_act.int8_per_token, kernels/w8a8_gemm: int8 tensor cores,
-    the scales in the epilogue; `counters` the layer's split-K counters); elsewhere the same arithmetic in torch."""
+    the scales in the epilogue; `counters` the layer's split-K counters), or the GEMM alone on `prequantized`
+    (`take_prequantized`); elsewhere the same arithmetic in torch."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x.is_cuda and _int8_tensor_cores(x.device) and triton_kernels("w8a8_gemm") is not None:
+    if int8_cuda_path(x.device):
         from pagedllm.kernels.w8a8_gemm import w8a8_gemm
         from pagedllm.kernels.quant_act import int8_per_token
 
-        x_q, x_scale = int8_per_token(x2, input_scale)
+        x_q, x_scale = prequantized if prequantized is not None else int8_per_token(x2, input_scale)
         out = w8a8_gemm(x_q, x_scale, weight, weight_scale, bias, x.dtype, counters)
         return out.reshape(*shape[:-1], weight.shape[0])
     return int8_w8a8_linear_torch(x2, weight, weight_scale, bias, input_scale).reshape(*shape[:-1], weight.shape[0])
+
+
+def int8_cuda_path(device: torch.device) -> bool:
+    """Whether `int8_w8a8_linear` runs its Triton kernels on `device`."""
+    return device.type == "cuda" and _int8_tensor_cores(device) and triton_kernels("w8a8_gemm") is not None
 
 
 @functools.lru_cache(maxsize=None)
