@@ -125,19 +125,6 @@ class GemmaRMSNorm(RMSNorm):
     def _load_offset_weight(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight.to(self.model_dtype).to(torch.float32) + 1.0)
 
-    def _norm_and_quantize(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
-        """The CUDA norm whose kernel also quantizes its output for `quant_consumer` (left on that layer, with the
-        output it belongs to: quantization.kernels.take_prequantized); None where that does not apply."""
-        layer = self.quant_consumer
-        dtype = layer.linear_method.norm_quant_dtype(layer)
-        kernels = triton_kernels("norm")
-        if dtype is None or kernels is None or (residual is not None and residual.shape != x.shape):
-            return None
-        out, new_residual, quantized = kernels.rms_norm_quant(x, residual, self.weight, self.variance_epsilon,
-                                                              self.fp32_product, dtype)
-        layer.__dict__["_prequantized"] = (out, quantized)
-        return out if residual is None else (out, new_residual)
-
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                        ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         x, residual, xf = self._add_and_normalize(x, residual)
@@ -145,14 +132,9 @@ class GemmaRMSNorm(RMSNorm):
         return out if residual is None else (out, residual)
 
 
-def link_norm_quant(model: nn.Module) -> int:
-    """Point each RMSNorm whose output feeds one W8A8 layer alone (a decoder layer's `norm_feeds`) at that layer,
-    where the layer's method takes its input quantized by the norm (`norm_quant_dtype`: dynamic per-token
-    activations on CUDA): the norm kernel then quantizes too, and the layer skips its own quantization kernel.
-    Returns how many norms were linked."""
-    linked = 0
-    if not FUSE_NORM_QUANT:
-        return 0
+def fed_norms(model: nn.Module):
+    """(norm, layer) for every RMSNorm whose output is one layer's input alone (each decoder layer's `norm_feeds`),
+    where the norm is a plain RMSNorm forward (its kernel can do the layer's input-side work)."""
     for module in model.modules():
         feeds = getattr(module, "norm_feeds", None)
         if not callable(feeds):
@@ -162,9 +144,20 @@ def link_norm_quant(model: nn.Module) -> int:
                 norm, layer = module.get_submodule(norm_path), module.get_submodule(layer_path)
             except AttributeError:  # e.g. a MoE block where a dense MLP would be
                 continue
-            wants = getattr(getattr(layer, "linear_method", None), "norm_quant_dtype", None)
-            if (isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward and callable(wants)
-                    and wants(layer) is not None):
-                norm.__dict__["quant_consumer"] = layer  # a plain reference, not a submodule of the norm
-                linked += 1
+            if isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward:
+                yield norm, layer
+
+
+def link_norm_quant(model: nn.Module) -> int:
+    """Point each RMSNorm whose output feeds one W8A8 layer alone (`fed_norms`) at that layer, where the layer's
+    method takes its input quantized by the norm (`norm_quant_dtype`: dynamic per-token activations on CUDA): the
+    norm kernel then quantizes too, and the layer skips its own quantization kernel. Returns how many were linked."""
+    if not FUSE_NORM_QUANT:
+        return 0
+    linked = 0
+    for norm, layer in fed_norms(model):
+        wants = getattr(getattr(layer, "linear_method", None), "norm_quant_dtype", None)
+        if callable(wants) and wants(layer) is not None:
+            norm.__dict__["quant_consumer"] = layer  # a plain reference, not a submodule of the norm
+            linked += 1
     return linked

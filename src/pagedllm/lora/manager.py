@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import fed_norms
 from pagedllm.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from pagedllm.lora.layers import LoRABatchState, LoRALinear, lora_slices
 from pagedllm.lora.peft import LoRAAdapter, LoRAError, load_adapter
@@ -61,17 +61,9 @@ def wrap_lora_layers(model: nn.Module, state: LoRABatchState, num_slots: int, ra
 def link_norms(model: nn.Module) -> None:
     """Point each RMSNorm whose output feeds one wrapped layer alone (the decoder layer's `norm_feeds`) at it, so
     few-row steps compute that layer's shrink in the norm kernel."""
-    for module in model.modules():
-        feeds = getattr(module, "norm_feeds", None)
-        if not callable(feeds):
-            continue
-        for norm_path, layer_path in feeds():
-            try:
-                norm, layer = module.get_submodule(norm_path), module.get_submodule(layer_path)
-            except AttributeError:  # e.g. a MoE block where a dense MLP would be
-                continue
-            if isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward and isinstance(layer, LoRALinear):
-                norm.__dict__["shrink_consumer"] = layer  # a plain reference, not a submodule of the norm
+    for norm, layer in fed_norms(model):
+        if isinstance(layer, LoRALinear):
+            norm.__dict__["shrink_consumer"] = layer  # a plain reference, not a submodule of the norm
 
 
 def check_supported(layer: LinearBase) -> None:
