@@ -63,12 +63,48 @@ _LONG_FILES_FIRST = ("tests/engine/test_gemma3_270m.py", "tests/unit/test_device
                      "tests/quantization/test_tiled_layout.py", "tests/parallel/test_parallel_failures.py")
 
 
+def _shared_server_count(item: pytest.Item) -> Optional[int]:
+    """The --api-server-count of the e2e session server (tests/e2e/conftest.py `server`) an item runs against."""
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("server") if callspec is not None and "server" in item.fixturenames else None
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own ordering (a session fixture's parameters one after the other)
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     rank = {path: i for i, path in enumerate(_LONG_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(os.path.relpath(str(item.path), REPO_ROOT), len(rank)))  # stable
+    # The session server's tests of every file together, one server count after the other: pytest orders a session
+    # fixture's parameters within a file only, so each file would start both servers again. They run as one work
+    # unit of one worker (pytest_xdist_make_scheduler), at the place of the first of them.
+    shared = [item for item in items if _shared_server_count(item) is not None]
+    if shared:
+        first = items.index(shared[0])
+        rest = [item for item in items if _shared_server_count(item) is None]
+        items[:] = rest[:first] + sorted(shared, key=_shared_server_count) + rest[first:]
+
+
+_SHARED_SERVER_UNIT = "tests/e2e (the session server's tests)"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile`, except that the tests of the e2e session server (their ids carry its parameter, `api1` /
+    `api2`, tests/e2e/conftest.py) are one work unit: one worker starts each server once."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    import re
+
+    from xdist.scheduler import LoadFileScheduling
+
+    shared_id = re.compile(r"\[(?:.*-)?api\d+(?:-.*)?\]$")
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _SHARED_SERVER_UNIT if path.startswith("tests/e2e/") and shared_id.search(nodeid) else path
+
+    return SharedServerScheduling(config, log)
 
 
 def pytest_sessionstart(session) -> None:
