@@ -204,10 +204,12 @@ def sweep(args) -> None:
                             for bm, bn, bk, w, st, sk in itertools.product(bms(rows), [64, 128], [128, 256], [4, 8],
                                                                           [3, 4], [1, 2, 4, 8])
                             if (sk == 1 or rows <= bm) and bm * bn * bk <= 128 * 128 * 128]
-        # above 64 rows: no K split, and wider tiles (128 x 256) and shallower K steps too
+        # above 64 rows: no K split, wider tiles (128 x 256, 256 rows: each weight tile read once up to 256 rows)
+        # and shallower K steps too
         many = lambda rows: [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, SPLIT_K=1)  # noqa: E731
-                             for bm, bn, bk, w, st in itertools.product([64, 128], [128, 256], [64, 128], [4, 8],
-                                                                        [3, 4])]
+                             for bm, bn, bk, w, st in itertools.product([64, 128, 256], [64, 128, 256], [64, 128],
+                                                                        [4, 8], [3, 4])
+                             if bm * bn <= 256 * 128 and bm <= max(64, rows)]
         grid = lambda rows: few(rows) if rows <= 64 else many(rows)  # noqa: E731
     else:
         kind = "int4-gemm"
