@@ -3,9 +3,10 @@
     python benchmarks/kernel_breakdown.py --model benchmarks/configs/llama3-8b --load-format dummy \
         --num-prompts 250 --input-len 512 --output-len 256 --temperature 0.8 [--quantization fp8]
 
-Runs one warm-up generate, then the timed one under the profiler (kernels inside CUDA-graph replays included),
-and prints: wall time, the sum of kernel time (device busy), each kind's share (GEMM, activation quantization,
-attention, norms, ...) and the top kernels with their count and mean. Profiling adds host time, so the wall
+Runs one warm-up generate, then under the profiler (kernels inside CUDA-graph replays included) the prompts'
+prefill alone (one output token each) and the whole run, and prints for each: wall time, the sum of kernel time
+(device busy), each kind's share (GEMM, activation quantization, attention, norms, ...) and the top kernels with
+their count and mean; then the decode phase's kinds as the difference. Profiling adds host time, so the wall
 time here is not a throughput figure; the kernel sums are what to compare between two configurations.
 A kernel launched with programmatic dependent launch (kernels/pdl.py) starts while the one before it finishes and
 waits for it, so its time includes that overlap: with PDL on, the sum can pass the wall time and a small PDL
@@ -78,7 +79,26 @@ def main():
                  use_tqdm=False)
     llm.engine.reset_prefix_cache()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
+    # the prefill alone first (each prompt with one output token), then the whole run: decode ~ the difference
+    runs = {}
+    for phase, phase_params in (("prefill", SamplingParams(temperature=args.temperature, max_tokens=1,
+                                                           ignore_eos=True)), ("all", params)):
+        llm.engine.reset_prefix_cache()  # no prefix-cache hits from the run before
+        sync()
+        runs[phase] = profiled(llm, prompts, phase_params, sync)
+    report = {}
+    for phase, (wall, per) in runs.items():
+        report[phase] = print_table(phase, wall, per, args.top if phase == "all" else min(args.top, 12))
+    print("\ndecode ~ all - prefill, s by kind:")
+    for kind in sorted(report["all"]["kinds"], key=lambda k: -report["all"]["kinds"][k]):
+        print(f"{kind:<20} {report['all']['kinds'][kind] - report['prefill']['kinds'].get(kind, 0.0):8.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def profiled(llm, prompts, params, sync) -> tuple[float, dict]:
+    """(wall s, kernel name -> [count, us]) of one generate under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     # off CUDA (a check of this script) the CPU ops stand in for the kernels
@@ -88,30 +108,29 @@ def main():
         llm.generate(prompts, params, use_tqdm=False)
         sync()
         wall = time.perf_counter() - t0
-    per = defaultdict(lambda: [0, 0.0])  # name -> [count, us]
+    per = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if on_cuda and ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        dur = ev.time_range.elapsed_us()
         per[ev.name][0] += 1
-        per[ev.name][1] += dur
+        per[ev.name][1] += ev.time_range.elapsed_us()
+    return wall, per
+
+
+def print_table(phase: str, wall: float, per: dict, top: int) -> dict:
     busy = sum(us for _, us in per.values()) / 1e6
     by_kind = defaultdict(float)
     for name, (_, us) in per.items():
         by_kind[kind_of(name)] += us / 1e6
-    print(f"wall {wall:.2f} s under the profiler; kernels {busy:.2f} s ({busy / wall:.0%} of wall)")
+    print(f"\n== {phase}: wall {wall:.2f} s under the profiler; kernels {busy:.2f} s ({busy / wall:.0%} of wall)")
     print(f"{'kind':<20} {'s':>8} {'share':>7}")
     for kind, s in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"{kind:<20} {s:8.3f} {s / busy:7.1%}")
     print(f"\n{'kernel':<90} {'count':>8} {'total s':>8} {'mean us':>9} kind")
     rows = sorted(per.items(), key=lambda kv: -kv[1][1])
-    for name, (n, us) in rows[:args.top]:
+    for name, (n, us) in rows[:top]:
         print(f"{name[:90]:<90} {n:8d} {us / 1e6:8.3f} {us / n:9.1f} {kind_of(name)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"wall_s": wall, "busy_s": busy, "kinds": by_kind,
-                       "kernels": [[name, n, us] for name, (n, us) in rows]}, f, indent=1)
-
+    return {"wall_s": wall, "busy_s": busy, "kinds": dict(by_kind), "kernels": [[name, n, us] for name, (n, us) in rows]}
 
 if __name__ == "__main__":
     main()
