@@ -88,6 +88,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
 _SHARED_SERVER_UNIT = "tests/e2e (the session server's tests)"
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin it is never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`--dist loadfile`, except that the tests of the e2e session server (their ids carry its parameter, `api1` /
     `api2`, tests/e2e/conftest.py) are one work unit: one worker starts each server once."""
