@@ -21,6 +21,7 @@ def test_norms_linked_to_the_layers_they_feed_alone(tiny_llama_dir, monkeypatch)
     for layer in layers:
         assert layer.input_layernorm.quant_consumer is layer.self_attn.qkv_proj
         assert layer.post_attention_layernorm.quant_consumer is layer.mlp.gate_up_proj
+        assert layer.input_layernorm.quant_dtype == layer.post_attention_layernorm.quant_dtype == FP8_DTYPE
     assert model.model.norm.quant_consumer is None  # the final norm feeds the LM head, no W8A8 layer
     fresh, _, _ = load_model(tiny_llama_dir, dtype=torch.float32, quantization="fp8")
     monkeypatch.setattr(layernorm, "FUSE_NORM_QUANT", False)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
-from pagedllm.kernels.quant_act import _INV_QMAX, FP8_MAX, _quantize
+from pagedllm.kernels.quant_act import _INV_QMAX, FP8_MAX, _quantize, _row_scale
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
     if QUANT:  # the stored values, quantized as quant_act's kernel would after this one (the same bits)
         yf = tl.where(mask, y.to(tl.float32), 0.0)
-        scale = tl.maximum(tl.max(tl.abs(yf), 0) * INV_QMAX, 1e-12)
+        scale = _row_scale(tl.abs(yf), INV_QMAX)
         tl.store(q_ptr + row * stride_q + cols, _quantize(yf, scale, QMAX, INT8).to(q_ptr.dtype.element_ty),
                  mask=mask)
         tl.store(scale_ptr + row, scale)
@@ -165,9 +165,10 @@ def _launch(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, fp32_pr
         qmax = 127.0 if quant_dtype == torch.int8 else FP8_MAX
         _rms_norm_kernel[(rows,)](
             x2, r2, weight, out, r_out, out if quant is None else quant[0], out if quant is None else quant[1],
-            x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0), hidden if quant is None else quant[0].stride(0),
-            hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, FP32_PRODUCT=fp32_product,
-            QUANT=quant is not None, INT8=quant_dtype == torch.int8, QMAX=qmax, INV_QMAX=_INV_QMAX[qmax], num_warps=num_warps,
+            x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0),
+            hidden if quant is None else quant[0].stride(0), hidden, eps, BLOCK=block,
+            HAS_RESIDUAL=residual is not None, FP32_PRODUCT=fp32_product, QUANT=quant is not None,
+            INT8=quant_dtype == torch.int8, QMAX=qmax, INV_QMAX=_INV_QMAX[qmax], num_warps=num_warps,
             **pdl_launch_args(x.device),
         )
     out = out.view(*x.shape[:-1], hidden)

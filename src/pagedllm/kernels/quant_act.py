@@ -41,6 +41,12 @@ def _round_half_even(v):
 
 
 @triton.jit
+def _row_scale(amax, INV_QMAX: tl.constexpr):
+    """A row's dynamic scale from its per-lane |x| maxima (reduced here): amax * (1 / qmax), at least 1e-12."""
+    return tl.maximum(tl.max(amax, 0) * INV_QMAX, 1e-12)
+
+
+@triton.jit
 def _quantize(x, scale, QMAX: tl.constexpr, INT8: tl.constexpr):
     """x / scale (IEEE division, as torch's) clamped to the format's range; for int8 also rounded half to even
     (clamped first: the bounds are integers, so clamp and round commute). The cast is the caller's."""
@@ -66,7 +72,7 @@ def _per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K
         if STATIC:
             scale = tl.load(static_ptr)
         else:
-            scale = tl.maximum(tl.max(tl.abs(x), 0) * INV_QMAX, 1e-12)
+            scale = _row_scale(tl.abs(x), INV_QMAX)
         tl.store(q_row + cols, _quantize(x, scale, QMAX, INT8).to(q_ptr.dtype.element_ty), mask=mask)
     else:
         if STATIC:
@@ -77,7 +83,7 @@ def _per_token_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, stride_x, stride_q, K
                 mask = start + cols < K
                 x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
                 acc = tl.maximum(acc, tl.abs(x))
-            scale = tl.maximum(tl.max(acc, 0) * INV_QMAX, 1e-12)
+            scale = _row_scale(acc, INV_QMAX)
         for start in range(0, K, BLOCK):
             mask = start + cols < K
             x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)

@@ -29,8 +29,10 @@ class RMSNorm(nn.Module):
     # (`norm_and_shrink(norm, x, residual)`: LoRA's shrink); set by lora/manager.py.
     shrink_consumer = None
     # The W8A8 layer this norm's output feeds alone: on CUDA the norm kernel also quantizes its output per token
-    # for it (kernels/norm.rms_norm_quant), which the layer takes instead of quantizing; set by link_norm_quant.
+    # into quant_dtype for it (kernels/norm.rms_norm_quant), which the layer takes instead of quantizing; both set
+    # by link_norm_quant (the layer method's choice, made once at load).
     quant_consumer = None
+    quant_dtype = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
@@ -75,14 +77,12 @@ class RMSNorm(nn.Module):
     def _norm_and_quantize(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
         """The CUDA norm whose kernel also quantizes its output for `quant_consumer` (left on that layer, with the
         output it belongs to: quantization.kernels.take_prequantized); None where that does not apply."""
-        layer = self.quant_consumer
-        dtype = layer.linear_method.norm_quant_dtype(layer)
         kernels = triton_kernels("norm")
-        if dtype is None or kernels is None or (residual is not None and residual.shape != x.shape):
+        if kernels is None or (residual is not None and residual.shape != x.shape):
             return None
         out, new_residual, quantized = kernels.rms_norm_quant(x, residual, self.weight, self.variance_epsilon,
-                                                              self.fp32_product, dtype)
-        layer.__dict__["_prequantized"] = (out, quantized)
+                                                              self.fp32_product, self.quant_dtype)
+        self.quant_consumer.__dict__["_prequantized"] = (out, quantized)
         return out if residual is None else (out, new_residual)
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
@@ -157,7 +157,9 @@ def link_norm_quant(model: nn.Module) -> int:
     linked = 0
     for norm, layer in fed_norms(model):
         wants = getattr(getattr(layer, "linear_method", None), "norm_quant_dtype", None)
-        if callable(wants) and wants(layer) is not None:
+        dtype = wants(layer) if callable(wants) else None
+        if dtype is not None:
             norm.__dict__["quant_consumer"] = layer  # a plain reference, not a submodule of the norm
+            norm.__dict__["quant_dtype"] = dtype
             linked += 1
     return linked
