@@ -6,12 +6,16 @@
 #   bash benchmarks/gpu_lora.sh latency64   # 8B batch-1 latency rank 64, fused vs not
 #   bash benchmarks/gpu_lora.sh throughput  # Qwen3-0.6B rank 16 and 64: base, 1 / 4 / 16 adapters
 #   bash benchmarks/gpu_lora.sh throughput8b  # Llama-3-8B rank 16: 4 and 16 adapters (128 requests)
+#   bash benchmarks/gpu_lora.sh breakdown   # Qwen3-0.6B, 256 x 512/512 greedy: device time by kernel kind, base and
+#                                           # 4 adapters rank 16 (kernel_breakdown.py), then the throughput rows
+#   bash benchmarks/gpu_lora.sh general     # the general kernels' GPU tests, Qwen3-0.6B throughput rank 16, the
+#                                           # breakdown with 4 adapters, 8B throughput rank 16, 0.6B rank 64
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/lora-out), the summary lines to stdout.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, latency64, throughput or throughput8b}
+what=${1:?tests, latency64, throughput, throughput8b or breakdown}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/lora-out}
 mkdir -p "$out"
@@ -38,5 +42,25 @@ throughput)
 throughput8b)
     step tput8b 500 python benchmarks/lora.py throughput --model benchmarks/configs/llama3-8b --rank 16 \
         --num-adapters 4 16 --num-prompts 128 --json "$out/tput8b.json"
+    ;;
+breakdown|general)
+    kb=(python benchmarks/kernel_breakdown.py --model benchmarks/configs/qwen3-0.6b --load-format dummy
+        --num-prompts 256 --input-len 512 --output-len 512 --temperature 0 --max-model-len 1100 --max-num-seqs 256
+        --top 40)
+    if [ "$what" = general ]; then
+        step tests 200 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py
+        step tput16 200 python benchmarks/lora.py throughput --model benchmarks/configs/qwen3-0.6b --rank 16 \
+            --num-adapters 4 16 --json "$out/tput16.json"
+        step kb-lora4 240 "${kb[@]}" --lora-adapters 4 --lora-rank 16 --json "$out/kb-lora4.json"
+        step tput8b 240 python benchmarks/lora.py throughput --model benchmarks/configs/llama3-8b --rank 16 \
+            --num-adapters 4 16 --num-prompts 128 --json "$out/tput8b.json"
+        step tput64 150 python benchmarks/lora.py throughput --model benchmarks/configs/qwen3-0.6b --rank 64 \
+            --num-adapters 4 16 --json "$out/tput64.json"
+    else
+        step kb-base 200 "${kb[@]}" --json "$out/kb-base.json"
+        step kb-lora4 240 "${kb[@]}" --lora-adapters 4 --lora-rank 16 --json "$out/kb-lora4.json"
+        step tput16 200 python benchmarks/lora.py throughput --model benchmarks/configs/qwen3-0.6b --rank 16 \
+            --num-adapters 4 16 --json "$out/tput16.json"
+    fi
     ;;
 esac

@@ -2,6 +2,8 @@
 
     python benchmarks/kernel_breakdown.py --model benchmarks/configs/llama3-8b --load-format dummy \
         --num-prompts 250 --input-len 512 --output-len 256 --temperature 0.8 [--quantization fp8]
+    python benchmarks/kernel_breakdown.py --model benchmarks/configs/qwen3-0.6b --load-format dummy \
+        --lora-adapters 4 --lora-rank 16      # requests spread over 4 dummy adapters (lora.py's), max_loras 16
 
 Runs one warm-up generate, then under the profiler (kernels inside CUDA-graph replays included) the prompts'
 prefill alone (one output token each) and the whole run, and prints for each: wall time, the sum of kernel time
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import time
@@ -24,6 +27,7 @@ from collections import defaultdict
 import torch
 
 KINDS = [  # first match wins (pagedllm's Triton kernels by name, cuBLAS's by its kernel names: "qq" = FP8 inputs)
+    ("lora", r"lora|_shrink|_expand"),
     ("activation quant", r"quant_act|_per_token_kernel|per_token_quant|dynamic.*quant"),
     ("attention", r"^_prefill_kernel|^_decode_kernel|^_decode_reduce|verify_attention|attention|attn|flash|fmha"),
     ("gemm fp8/int8", r"w8a8|scaled_mm|f8f8|e4m3|int8_gemm|_int_mm|i8i8|s8s8|imma|nvjet_sm\d+_qq"),
@@ -59,7 +63,11 @@ def main():
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--lora-adapters", type=int, default=0,
+                   help="spread the requests over this many dummy adapters (an engine with enable_lora, max_loras 16)")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--json", default=None, help="write the per-kernel table here")
     args = p.parse_args()
     from pagedllm import LLM, SamplingParams
@@ -70,13 +78,19 @@ def main():
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    lora_requests = None
+    if args.lora_adapters:
+        lora_requests = dummy_adapters(args, kwargs)
     llm = LLM(**kwargs)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(args.input_len)]}
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:8], SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
+    warm = prompts[:max(8, args.lora_adapters)]
+    llm.generate(warm, SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True),
+                 lora_request=lora_requests[:len(warm)] if lora_requests else None, use_tqdm=False)
     llm.engine.reset_prefix_cache()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     # the prefill alone first (each prompt with one output token), then the whole run: decode ~ the difference
@@ -85,7 +99,7 @@ def main():
                                                            ignore_eos=True)), ("all", params)):
         llm.engine.reset_prefix_cache()  # no prefix-cache hits from the run before
         sync()
-        runs[phase] = profiled(llm, prompts, phase_params, sync)
+        runs[phase] = profiled(llm, prompts, phase_params, sync, lora_requests)
     report = {}
     for phase, (wall, per) in runs.items():
         report[phase] = print_table(phase, wall, per, args.top if phase == "all" else min(args.top, 12))
@@ -97,7 +111,28 @@ def main():
             json.dump(report, f, indent=1)
 
 
-def profiled(llm, prompts, params, sync) -> tuple[float, dict]:
+def dummy_adapters(args, kwargs: dict) -> list:
+    """lora.py's random PEFT adapters on every projection, one request each in turn (round robin)."""
+    import sys
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from pagedllm import LoRARequest
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from lora import write_dummy_adapter
+
+    hf_config = AutoConfig.from_pretrained(args.model)
+    root = tempfile.mkdtemp(prefix="kb-lora-")
+    adapters = [LoRARequest(f"a{i}", i + 1, write_dummy_adapter(os.path.join(root, f"a{i}"), hf_config,
+                                                                  args.lora_rank, seed=i))
+                for i in range(args.lora_adapters)]
+    kwargs.update(enable_lora=True, max_loras=max(16, args.lora_adapters), max_lora_rank=args.lora_rank)
+    return [adapters[i % len(adapters)] for i in range(max(args.num_prompts, len(adapters)))]
+
+
+def profiled(llm, prompts, params, sync, lora_requests=None) -> tuple[float, dict]:
     """(wall s, kernel name -> [count, us]) of one generate under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -105,7 +140,8 @@ def profiled(llm, prompts, params, sync) -> tuple[float, dict]:
     on_cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, params, lora_request=lora_requests[:len(prompts)] if lora_requests else None,
+                     use_tqdm=False)
         sync()
         wall = time.perf_counter() - t0
     per = defaultdict(lambda: [0, 0.0])

@@ -17,7 +17,9 @@ SHAPES = [  # (tokens, slots, K, slices)
     (1, 1, 1024, [2048, 512, 512]),  # batch-1 decode, qkv
     (7, 4, 896, [4864, 4864]),  # gate_up of a Qwen2-0.5B-like shape
     (64, 4, 4096, [4096]),  # o_proj of an 8B shape
-    (300, 16, 2048, [1024]),  # prefill-sized, 16 adapters
+    (300, 16, 2048, [1024]),  # 300 tokens, 16 adapters
+    (1500, 5, 1024, [2048, 512, 512]),  # prefill-sized: 64-row blocks
+    (40, 64, 1024, [1024]),  # most of 64 slots empty: blocks span slots with gaps
 ]
 
 

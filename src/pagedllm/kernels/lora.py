@@ -10,8 +10,10 @@ and the tokens are described by the step's slot metadata:
 shrink:  h[split, t, :] = partial sums of x[t] @ A[slot(t)]^T        fp32, [SPLIT_K, T, n_slices * R]
 expand:  out[t, off_j:off_j + n_j] += (sum_split h[:, t, j*R:(j+1)*R]) @ B[slot(t), :, off_j:off_j + n_j]
 
-Every program reads its segment bounds from device memory and exits when its token block is past them, so the
-grids depend only on T and the shapes: a captured CUDA graph replays any mix of adapters. The shrink splits K
+Programs cover blocks of the sorted tokens (not blocks per slot: a grid with a slot axis launched num_slots times
+the programs, nearly all of them empty at prefill sizes); each finds its rows' slots from the segment bounds in
+device memory and exits when its block is past the last segment, so the grids depend only on T and the shapes: a
+captured CUDA graph replays any mix of adapters. The shrink splits K
 across programs (a decode step has few tokens, and one program per token block would read all of A alone);
 each split writes its own partial sums, which the expand adds up, so there is no atomic and no memset.
 
@@ -34,76 +36,97 @@ BLOCK_M = 16
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, N, K, K_PER_SPLIT,
-                   stride_xm, stride_as, stride_an, stride_hs, stride_hm,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    wait_prior_kernel(USE_PDL)
-    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    slot = tl.program_id(2)
-    start = tl.load(starts_ptr + slot)
-    end = tl.load(starts_ptr + slot + 1)
-    m0 = start + pid_m * BLOCK_M
-    if m0 < end:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < end
-        tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        k_lo = split * K_PER_SPLIT
-        for n0 in range(0, N, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = (offs_k < K) & (offs_k < k_lo + K_PER_SPLIT)
-                xb = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
-                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                ab = tl.load(a_ptr + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_an + offs_k[:, None],
-                             mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-                if IEEE:
-                    acc += tl.dot(xb, ab, input_precision="ieee")
-                else:
-                    acc += tl.dot(xb, ab)
-            tl.store(h_ptr + split * stride_hs + tok[:, None] * stride_hm + offs_n[None, :], acc,
-                     mask=mask_m[:, None] & mask_n[None, :])
+def _segment_slots(starts_ptr, pos, S, S_PAD: tl.constexpr):
+    """The slot of each sorted position: slot s owns [starts[s], starts[s + 1]); S past the last segment."""
+    s_idx = tl.arange(0, S_PAD)
+    ends = tl.load(starts_ptr + 1 + s_idx, mask=s_idx < S, other=2147483647)
+    return tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, off0, off1, off2, size0, size1, size2,
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, N, K, K_PER_SPLIT, S,
+                   stride_xm, stride_as, stride_an, stride_hs, stride_hm,
+                   S_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row block, K split) over the sorted tokens: each slot with rows in the block (usually one) has its
+    A multiplied by those rows."""
+    wait_prior_kernel(USE_PDL)
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    total = tl.load(starts_ptr + S)
+    m0 = pid_m * BLOCK_M
+    if m0 < total:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        valid = offs_m < total
+        tok = tl.load(sorted_ptr + offs_m, mask=valid, other=0).to(tl.int64)
+        row_slot = tl.where(valid, _segment_slots(starts_ptr, offs_m, S, S_PAD), S)
+        slot = tl.min(row_slot, 0)
+        last = tl.max(tl.where(valid, row_slot, -1), 0)
+        k_lo = split * K_PER_SPLIT
+        while slot <= last:
+            mask_m = row_slot == slot
+            for n0 in range(0, N, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < N
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    mask_k = (offs_k < K) & (offs_k < k_lo + K_PER_SPLIT)
+                    xb = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
+                                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                    ab = tl.load(a_ptr + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_an
+                                 + offs_k[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+                    if IEEE:
+                        acc += tl.dot(xb, ab, input_precision="ieee")
+                    else:
+                        acc += tl.dot(xb, ab)
+                tl.store(h_ptr + split * stride_hs + tok[:, None] * stride_hm + offs_n[None, :], acc,
+                         mask=mask_m[:, None] & mask_n[None, :])
+            slot = tl.min(tl.where(row_slot > slot, row_slot, S), 0)  # the block's next slot (S: none left)
+
+
+@triton.jit
+def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, off0, off1, off2, size0, size1, size2, S,
                    stride_hs, stride_hm, stride_bs, stride_br, stride_om,
-                   N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+                   N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, R: tl.constexpr, S_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row block, column block, slice) over the sorted tokens: each row's delta from its own slot's B
+    (a block's rows usually share one), added to out once."""
     wait_prior_kernel(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.program_id(2) // N_SLICES
-    j = tl.program_id(2) % N_SLICES
-    start = tl.load(starts_ptr + slot)
-    end = tl.load(starts_ptr + slot + 1)
-    m0 = start + pid_m * BLOCK_M
+    j = tl.program_id(2)
+    total = tl.load(starts_ptr + S)
+    m0 = pid_m * BLOCK_M
     off = tl.where(j == 0, off0, tl.where(j == 1, off1, off2))
     size = tl.where(j == 0, size0, tl.where(j == 1, size1, size2))
     n0 = pid_n * BLOCK_N
-    if (m0 < end) & (n0 < size):
+    if (m0 < total) & (n0 < size):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < end
-        tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        valid = offs_m < total
+        tok = tl.load(sorted_ptr + offs_m, mask=valid, other=0).to(tl.int64)
+        row_slot = tl.where(valid, _segment_slots(starts_ptr, offs_m, S, S_PAD), S)
         offs_r = tl.arange(0, R)
         hs = tl.zeros((BLOCK_M, R), dtype=tl.float32)
         for s in range(SPLIT_K):
             hs += tl.load(h_ptr + s * stride_hs + tok[:, None] * stride_hm + j * R + offs_r[None, :],
-                          mask=mask_m[:, None], other=0.0)
+                          mask=valid[:, None], other=0.0)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < size
-        bb = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + off + offs_n[None, :],
-                     mask=mask_n[None, :], other=0.0)
-        if IEEE:
-            delta = tl.dot(hs, bb.to(tl.float32), input_precision="ieee")
-        else:
-            delta = tl.dot(hs.to(bb.dtype), bb)
+        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        slot = tl.min(row_slot, 0)
+        last = tl.max(tl.where(valid, row_slot, -1), 0)
+        while slot <= last:
+            hsel = tl.where((row_slot == slot)[:, None], hs, 0.0)
+            bb = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + off
+                         + offs_n[None, :], mask=mask_n[None, :], other=0.0)
+            if IEEE:
+                delta += tl.dot(hsel, bb.to(tl.float32), input_precision="ieee")
+            else:
+                delta += tl.dot(hsel.to(bb.dtype), bb)
+            slot = tl.min(tl.where(row_slot > slot, row_slot, S), 0)
         out_ptrs = out_ptr + tok[:, None] * stride_om + off + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
+        mask = valid[:, None] & mask_n[None, :]
         cur = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptrs, (cur + delta).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -239,11 +262,17 @@ def lora_expand_rows(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, token_
 
 def shrink_split(num_tokens: int, k: int) -> int:
     """K splits of the shrink: many for a few tokens (enough programs to stream A fast), one for large batches."""
-    blocks = triton.cdiv(max(num_tokens, 1), BLOCK_M)
+    blocks = triton.cdiv(max(num_tokens, 1), block_m(num_tokens))
     split = 1
     while blocks * split < 64 and k // (split * 2) >= 256:
         split *= 2
     return split
+
+
+def block_m(num_tokens: int) -> int:
+    """Sorted tokens per program of the general kernels: small blocks for decode-sized steps, larger ones for
+    prefill-sized steps (fewer programs, each B / A tile reused by more rows)."""
+    return BLOCK_M if num_tokens <= 1024 else 64
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_token_ids: torch.Tensor, slot_starts: torch.Tensor
@@ -251,15 +280,17 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_token_ids: torch.Tensor
     """x [T, K], a [S, NR, K] -> h [SPLIT_K, T, NR] fp32 (rows of tokens without an adapter are left unset)."""
     num_tokens, k = x.shape
     num_slots, nr, _ = a.shape
-    assert x.stride(-1) == 1 and a.is_contiguous()
+    assert x.stride(-1) == 1 and a.is_contiguous() and slot_starts.numel() == num_slots + 1
     split = shrink_split(num_tokens, k)
     h = torch.empty((split, num_tokens, nr), dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, split), 64) * 64
     block_n = min(256, max(16, triton.next_power_of_2(nr)))
-    grid = (triton.cdiv(num_tokens, BLOCK_M), split, num_slots)
-    _shrink_kernel[grid](x, a, h, sorted_token_ids, slot_starts, nr, k, k_per_split, x.stride(0), a.stride(0),
-                         a.stride(1), h.stride(0), h.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64,
-                         IEEE=x.dtype == torch.float32, num_warps=4, **pdl_launch_args(x.device))
+    bm = block_m(num_tokens)
+    grid = (triton.cdiv(num_tokens, bm), split)
+    _shrink_kernel[grid](x, a, h, sorted_token_ids, slot_starts, nr, k, k_per_split, num_slots, x.stride(0),
+                         a.stride(0), a.stride(1), h.stride(0), h.stride(1), S_PAD=triton.next_power_of_2(num_slots),
+                         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=64, IEEE=x.dtype == torch.float32, num_warps=4,
+                         **pdl_launch_args(x.device))
     return h
 
 
@@ -269,14 +300,16 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_toke
     split, num_tokens, _ = h.shape
     num_slots, r, _ = b.shape
     assert 1 <= len(slices) <= 3 and out.stride(-1) == 1 and b.is_contiguous()
+    assert slot_starts.numel() == num_slots + 1
     offs = [s[0] for s in slices] + [0] * (3 - len(slices))
     sizes = [s[1] for s in slices] + [0] * (3 - len(slices))
     block_n = 128 if max(sizes) >= 128 else max(16, triton.next_power_of_2(max(sizes)))
-    grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(max(sizes), block_n), num_slots * len(slices))
-    _expand_kernel[grid](h, b, out, sorted_token_ids, slot_starts, *offs, *sizes, h.stride(0), h.stride(1),
-                         b.stride(0), b.stride(1), out.stride(0), N_SLICES=len(slices), SPLIT_K=split, R=r,
-                         BLOCK_M=BLOCK_M, BLOCK_N=block_n, IEEE=out.dtype == torch.float32, num_warps=4,
-                         **pdl_launch_args(out.device))
+    bm = block_m(num_tokens)
+    grid = (triton.cdiv(num_tokens, bm), triton.cdiv(max(sizes), block_n), len(slices))
+    _expand_kernel[grid](h, b, out, sorted_token_ids, slot_starts, *offs, *sizes, num_slots, h.stride(0),
+                         h.stride(1), b.stride(0), b.stride(1), out.stride(0), N_SLICES=len(slices), SPLIT_K=split,
+                         R=r, S_PAD=triton.next_power_of_2(num_slots), BLOCK_M=bm, BLOCK_N=block_n,
+                         IEEE=out.dtype == torch.float32, num_warps=4, **pdl_launch_args(out.device))
 
 
 # ---- torch references (per token: the plainest statement of the math) ----------------------------------
