@@ -10,6 +10,7 @@
 #                                           # 4 adapters rank 16 (kernel_breakdown.py), then the throughput rows
 #   bash benchmarks/gpu_lora.sh general     # the general kernels' GPU tests, Qwen3-0.6B throughput rank 16, the
 #                                           # breakdown with 4 adapters, 8B throughput rank 16, 0.6B rank 64
+#   bash benchmarks/gpu_lora.sh breakdown16 # the breakdown with 16 adapters: Qwen3-0.6B, then Llama-3-8B (128 x 512/512)
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/lora-out), the summary lines to stdout.
 set -uo pipefail
@@ -42,6 +43,14 @@ throughput)
 throughput8b)
     step tput8b 500 python benchmarks/lora.py throughput --model benchmarks/configs/llama3-8b --rank 16 \
         --num-adapters 4 16 --num-prompts 128 --json "$out/tput8b.json"
+    ;;
+breakdown16)
+    kb=(python benchmarks/kernel_breakdown.py --load-format dummy --input-len 512 --output-len 512 --temperature 0
+        --max-model-len 1100 --top 40 --lora-adapters 16 --lora-rank 16)
+    step kb-lora16 200 "${kb[@]}" --model benchmarks/configs/qwen3-0.6b --num-prompts 256 --max-num-seqs 256 \
+        --json "$out/kb-lora16.json"
+    step kb8b-lora16 240 "${kb[@]}" --model benchmarks/configs/llama3-8b --num-prompts 128 --max-num-seqs 256 \
+        --json "$out/kb8b-lora16.json"
     ;;
 breakdown|general)
     kb=(python benchmarks/kernel_breakdown.py --model benchmarks/configs/qwen3-0.6b --load-format dummy

@@ -10,10 +10,10 @@ and the tokens are described by the step's slot metadata:
 shrink:  h[split, t, :] = partial sums of x[t] @ A[slot(t)]^T        fp32, [SPLIT_K, T, n_slices * R]
 expand:  out[t, off_j:off_j + n_j] += (sum_split h[:, t, j*R:(j+1)*R]) @ B[slot(t), :, off_j:off_j + n_j]
 
-Programs cover blocks of the sorted tokens (not blocks per slot: a grid with a slot axis launched num_slots times
-the programs, nearly all of them empty at prefill sizes); each finds its rows' slots from the segment bounds in
-device memory and exits when its block is past the last segment, so the grids depend only on T and the shapes: a
-captured CUDA graph replays any mix of adapters. The shrink splits K
+Each slot's segment is cut into row blocks of its own, numbered across slots (at most cdiv(T, BLOCK_M) + S
+blocks; a grid with a slot axis instead launched S times the programs, nearly all of them empty at prefill sizes):
+a program finds its slot and rows from the segment bounds in device memory and exits past the last block, so the
+grids depend only on T and the shapes, and a captured CUDA graph replays any mix of adapters. The shrink splits K
 across programs (a decode step has few tokens, and one program per token block would read all of A alone);
 each split writes its own partial sums, which the expand adds up, so there is no atomic and no memset.
 
@@ -36,11 +36,20 @@ BLOCK_M = 16
 
 
 @triton.jit
-def _segment_slots(starts_ptr, pos, S, S_PAD: tl.constexpr):
-    """The slot of each sorted position: slot s owns [starts[s], starts[s + 1]); S past the last segment."""
+def _slot_block(starts_ptr, pid_m, S, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row block pid_m when each slot's segment of the sorted tokens is cut into BLOCK_M-row blocks of its own:
+    (slot, first sorted position, end of the slot's segment); first == end past the last block."""
     s_idx = tl.arange(0, S_PAD)
-    ends = tl.load(starts_ptr + 1 + s_idx, mask=s_idx < S, other=2147483647)
-    return tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)
+    s_ok = s_idx < S
+    lo = tl.load(starts_ptr + s_idx, mask=s_ok, other=0)
+    hi = tl.load(starts_ptr + 1 + s_idx, mask=s_ok, other=0)
+    nb = tl.where(s_ok, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+    block_end = tl.cumsum(nb, 0)
+    slot = tl.sum((block_end <= pid_m).to(tl.int32), 0)
+    pick = s_idx == slot
+    first = tl.sum(tl.where(pick, lo + (pid_m - (block_end - nb)) * BLOCK_M, 0), 0)
+    end = tl.sum(tl.where(pick, hi, 0), 0)
+    return slot, first, end
 
 
 @triton.jit
@@ -48,41 +57,32 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, N, K, K_PER_SPLI
                    stride_xm, stride_as, stride_an, stride_hs, stride_hm,
                    S_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (row block, K split) over the sorted tokens: each slot with rows in the block (usually one) has its
-    A multiplied by those rows."""
+    """Program (row block of one slot, K split)."""
     wait_prior_kernel(USE_PDL)
-    pid_m = tl.program_id(0)
     split = tl.program_id(1)
-    total = tl.load(starts_ptr + S)
-    m0 = pid_m * BLOCK_M
-    if m0 < total:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        valid = offs_m < total
-        tok = tl.load(sorted_ptr + offs_m, mask=valid, other=0).to(tl.int64)
-        row_slot = tl.where(valid, _segment_slots(starts_ptr, offs_m, S, S_PAD), S)
-        slot = tl.min(row_slot, 0)
-        last = tl.max(tl.where(valid, row_slot, -1), 0)
+    slot, first, end = _slot_block(starts_ptr, tl.program_id(0), S, S_PAD, BLOCK_M)
+    if first < end:
+        offs_m = first + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < end
+        tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
         k_lo = split * K_PER_SPLIT
-        while slot <= last:
-            mask_m = row_slot == slot
-            for n0 in range(0, N, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < N
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    mask_k = (offs_k < K) & (offs_k < k_lo + K_PER_SPLIT)
-                    xb = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
-                                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                    ab = tl.load(a_ptr + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_an
-                                 + offs_k[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-                    if IEEE:
-                        acc += tl.dot(xb, ab, input_precision="ieee")
-                    else:
-                        acc += tl.dot(xb, ab)
-                tl.store(h_ptr + split * stride_hs + tok[:, None] * stride_hm + offs_n[None, :], acc,
-                         mask=mask_m[:, None] & mask_n[None, :])
-            slot = tl.min(tl.where(row_slot > slot, row_slot, S), 0)  # the block's next slot (S: none left)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = (offs_k < K) & (offs_k < k_lo + K_PER_SPLIT)
+                xb = tl.load(x_ptr + tok[:, None] * stride_xm + offs_k[None, :],
+                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                ab = tl.load(a_ptr + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_an + offs_k[:, None],
+                             mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+                if IEEE:
+                    acc += tl.dot(xb, ab, input_precision="ieee")
+                else:
+                    acc += tl.dot(xb, ab)
+            tl.store(h_ptr + split * stride_hs + tok[:, None] * stride_hm + offs_n[None, :], acc,
+                     mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -90,43 +90,33 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, off0, off1, of
                    stride_hs, stride_hm, stride_bs, stride_br, stride_om,
                    N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, R: tl.constexpr, S_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (row block, column block, slice) over the sorted tokens: each row's delta from its own slot's B
-    (a block's rows usually share one), added to out once."""
+    """Program (row block of one slot, column block, slice)."""
     wait_prior_kernel(USE_PDL)
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     j = tl.program_id(2)
-    total = tl.load(starts_ptr + S)
-    m0 = pid_m * BLOCK_M
     off = tl.where(j == 0, off0, tl.where(j == 1, off1, off2))
     size = tl.where(j == 0, size0, tl.where(j == 1, size1, size2))
     n0 = pid_n * BLOCK_N
-    if (m0 < total) & (n0 < size):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        valid = offs_m < total
-        tok = tl.load(sorted_ptr + offs_m, mask=valid, other=0).to(tl.int64)
-        row_slot = tl.where(valid, _segment_slots(starts_ptr, offs_m, S, S_PAD), S)
+    slot, first, end = _slot_block(starts_ptr, tl.program_id(0), S, S_PAD, BLOCK_M)
+    if (first < end) & (n0 < size):
+        offs_m = first + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < end
+        tok = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
         offs_r = tl.arange(0, R)
         hs = tl.zeros((BLOCK_M, R), dtype=tl.float32)
         for s in range(SPLIT_K):
             hs += tl.load(h_ptr + s * stride_hs + tok[:, None] * stride_hm + j * R + offs_r[None, :],
-                          mask=valid[:, None], other=0.0)
+                          mask=mask_m[:, None], other=0.0)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < size
-        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        slot = tl.min(row_slot, 0)
-        last = tl.max(tl.where(valid, row_slot, -1), 0)
-        while slot <= last:
-            hsel = tl.where((row_slot == slot)[:, None], hs, 0.0)
-            bb = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + off
-                         + offs_n[None, :], mask=mask_n[None, :], other=0.0)
-            if IEEE:
-                delta += tl.dot(hsel, bb.to(tl.float32), input_precision="ieee")
-            else:
-                delta += tl.dot(hsel.to(bb.dtype), bb)
-            slot = tl.min(tl.where(row_slot > slot, row_slot, S), 0)
+        bb = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br + off + offs_n[None, :],
+                     mask=mask_n[None, :], other=0.0)
+        if IEEE:
+            delta = tl.dot(hs, bb.to(tl.float32), input_precision="ieee")
+        else:
+            delta = tl.dot(hs.to(bb.dtype), bb)
         out_ptrs = out_ptr + tok[:, None] * stride_om + off + offs_n[None, :]
-        mask = valid[:, None] & mask_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
         cur = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptrs, (cur + delta).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -261,10 +251,11 @@ def lora_expand_rows(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, token_
 
 
 def shrink_split(num_tokens: int, k: int) -> int:
-    """K splits of the shrink: many for a few tokens (enough programs to stream A fast), one for large batches."""
+    """K splits of the shrink: enough programs to stream A fast for a few tokens, one for large batches (the expand
+    adds the splits' partial sums up, so at most 16)."""
     blocks = triton.cdiv(max(num_tokens, 1), block_m(num_tokens))
     split = 1
-    while blocks * split < 64 and k // (split * 2) >= 256:
+    while blocks * split < 128 and k // (split * 2) >= 128 and split < 16:
         split *= 2
     return split
 
@@ -286,7 +277,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_token_ids: torch.Tensor
     k_per_split = triton.cdiv(triton.cdiv(k, split), 64) * 64
     block_n = min(256, max(16, triton.next_power_of_2(nr)))
     bm = block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, bm), split)
+    grid = (triton.cdiv(num_tokens, bm) + num_slots, split)
     _shrink_kernel[grid](x, a, h, sorted_token_ids, slot_starts, nr, k, k_per_split, num_slots, x.stride(0),
                          a.stride(0), a.stride(1), h.stride(0), h.stride(1), S_PAD=triton.next_power_of_2(num_slots),
                          BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=64, IEEE=x.dtype == torch.float32, num_warps=4,
@@ -305,7 +296,7 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_toke
     sizes = [s[1] for s in slices] + [0] * (3 - len(slices))
     block_n = 128 if max(sizes) >= 128 else max(16, triton.next_power_of_2(max(sizes)))
     bm = block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, bm), triton.cdiv(max(sizes), block_n), len(slices))
+    grid = (triton.cdiv(num_tokens, bm) + num_slots, triton.cdiv(max(sizes), block_n), len(slices))
     _expand_kernel[grid](h, b, out, sorted_token_ids, slot_starts, *offs, *sizes, num_slots, h.stride(0),
                          h.stride(1), b.stride(0), b.stride(1), out.stride(0), N_SLICES=len(slices), SPLIT_K=split,
                          R=r, S_PAD=triton.next_power_of_2(num_slots), BLOCK_M=bm, BLOCK_N=block_n,
