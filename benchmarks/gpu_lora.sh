@@ -10,6 +10,8 @@
 #                                           # 4 adapters rank 16 (kernel_breakdown.py), then the throughput rows
 #   bash benchmarks/gpu_lora.sh general     # the general kernels' GPU tests, Qwen3-0.6B throughput rank 16, the
 #                                           # breakdown with 4 adapters, 8B throughput rank 16, 0.6B rank 64
+#   bash benchmarks/gpu_lora.sh slots       # the general kernels' GPU tests and the engine's, Qwen3-0.6B and 8B
+#                                           # throughput rank 16 (4 and 16 adapters)
 #   bash benchmarks/gpu_lora.sh breakdown16 # the breakdown with 16 adapters: Qwen3-0.6B, then Llama-3-8B (128 x 512/512)
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/lora-out), the summary lines to stdout.
@@ -42,6 +44,14 @@ throughput)
     ;;
 throughput8b)
     step tput8b 500 python benchmarks/lora.py throughput --model benchmarks/configs/llama3-8b --rank 16 \
+        --num-adapters 4 16 --num-prompts 128 --json "$out/tput8b.json"
+    ;;
+slots)
+    step tests 150 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py \
+        -k "kernels_match or fp32_exact or graph_follow_new or engine_lora"
+    step tput16 200 python benchmarks/lora.py throughput --model benchmarks/configs/qwen3-0.6b --rank 16 \
+        --num-adapters 4 16 --json "$out/tput16.json"
+    step tput8b 240 python benchmarks/lora.py throughput --model benchmarks/configs/llama3-8b --rank 16 \
         --num-adapters 4 16 --num-prompts 128 --json "$out/tput8b.json"
     ;;
 breakdown16)
