@@ -149,23 +149,28 @@ class LoRAManager:
 
     @torch.inference_mode()
     def warm_up(self, max_num_tokens: int) -> None:
-        """On CUDA, compile the shrink/expand kernel variants a large prefill step uses (decode sizes are compiled by
-        the CUDA-graph capture), so the first adapter request does not wait for the compiler mid-serving."""
+        """On CUDA, compile the shrink / expand kernel variants that steps outside the CUDA graphs use (a variant per
+        row-block size and K-split count, which follow the step's token count), so that no adapter request waits
+        for the compiler mid-serving; the graphs' sizes compile at capture. The smallest token count of each
+        variant runs once per layer shape, before the KV cache is sized."""
         if self.state.device.type != "cuda":
             return
+        from pagedllm.kernels import lora as kernels
+
         self.state.clear()
         self.state.active = True
-        seen = set()
-        for layer in self.layers:
-            key = (layer.in_local, tuple(layer._slice_spans))
-            if key in seen:
-                continue
-            seen.add(key)
-            # 1024 tokens: the one-split shrink every step of >= 1024 tokens uses (kernels.lora.shrink_split)
-            num_tokens = min(1024, max_num_tokens)
-            x = torch.zeros(num_tokens, layer.in_local, dtype=layer.lora_a.dtype, device=self.state.device)
-            out = torch.zeros(num_tokens, layer.out_local, dtype=layer.lora_a.dtype, device=self.state.device)
-            layer.add_delta(x, out)
+        shapes = {(layer.in_local, tuple(layer._slice_spans)): layer for layer in self.layers}
+        for layer in shapes.values():
+            seen = set()
+            for num_tokens in range(kernels.SHRINK_ROWS_MAX + 1, max_num_tokens + 1):
+                key = (kernels.block_m(num_tokens), kernels.shrink_split(num_tokens, layer.in_local))
+                if key in seen:
+                    continue
+                seen.add(key)
+                x = torch.zeros(num_tokens, layer.in_local, dtype=layer.lora_a.dtype, device=self.state.device)
+                out = torch.zeros(num_tokens, layer.out_local, dtype=layer.lora_a.dtype, device=self.state.device)
+                layer.add_delta(x, out)
+                del x, out
         torch.cuda.synchronize(self.state.device)
         self.state.clear()
 
