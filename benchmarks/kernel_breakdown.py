@@ -58,8 +58,9 @@ def main():
     p.add_argument("--quantization", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--num-prompts", type=int, default=250)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--input-len", type=int, nargs="+", default=[512],
+                   help="tokens per prompt: one value, or LO HI (uniform, as offline_throughput.py's nano protocol)")
+    p.add_argument("--output-len", type=int, nargs="+", default=[256], help="one value, or LO HI")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -85,9 +86,13 @@ def main():
         lora_requests = dummy_adapters(args, kwargs)
     llm = LLM(**kwargs)
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(args.input_len)]}
+    def length(bounds: list[int]) -> int:
+        return rng.randint(bounds[0], bounds[-1])
+
+    prompts = [{"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(length(args.input_len))]}
                for _ in range(args.num_prompts)]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=args.temperature, max_tokens=length(args.output_len), ignore_eos=True)
+              for _ in prompts]
     warm = prompts[:max(8, args.lora_adapters)]
     llm.generate(warm, SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True),
                  lora_request=lora_requests[:len(warm)] if lora_requests else None, use_tqdm=False)

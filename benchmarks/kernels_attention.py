@@ -8,6 +8,7 @@ with torch SDPA (causal, contiguous) as the peer for fresh prompts.
 
     PYTHONPATH=src python3 benchmarks/kernels_attention.py [--sweep] [--quick] [--spread]
     PYTHONPATH=src python3 benchmarks/kernels_attention.py --gqa-sweep 32/4 --batches 64 256 512 --ctx 530
+    PYTHONPATH=src python3 benchmarks/kernels_attention.py --gqa-sweep 16/8 --batches 256 --ctx 768 --kv-dtype fp8
 """
 from __future__ import annotations
 
@@ -243,10 +244,11 @@ def few_rows_table(batches: list[int], ctxs: list[int]) -> None:
                           f"{kv_bytes(batch, ctx) / ms / 1e6:.0f} |", flush=True)
 
 
-def gqa_sweep(heads: str, batches: list[int], ctx: int) -> None:
+def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto") -> None:
     """Decode at one head layout (`--gqa-sweep 32/4`: Qwen3-30B-A3B's 8 query heads per kv head) and batch sizes of
     a throughput run, every context ctx +- 5%: tile width x pipeline stages x warps x splits, against the default
-    the engine picks (`decode_num_splits`, `decode_block_n`, 4 warps, 3 stages)."""
+    the engine picks (`decode_num_splits`, `decode_block_n`, 4 warps, 3 stages). `--kv-dtype fp8`: an E4M3 cache
+    (the kernels widen what they load), with 128-position tiles tried too."""
     import itertools
     import random
 
@@ -256,7 +258,12 @@ def gqa_sweep(heads: str, batches: list[int], ctx: int) -> None:
     max_tokens = max(batches) * int(ctx * 1.05 + BS)
     num_blocks = max_tokens // BS + 1
     cache = torch.empty(2, num_blocks, BS, num_kv_heads, D, dtype=DTYPE, device=DEV).normal_()
-    print(f"\n## Decode sweep, {num_heads} q / {num_kv_heads} kv heads, contexts {ctx} +- 5% (us; * = default)")
+    fp8 = kv_dtype == "fp8"
+    if fp8:
+        cache = cache.to(torch.float8_e4m3fn)
+    elem = cache.element_size()
+    print(f"\n## Decode sweep, {num_heads} q / {num_kv_heads} kv heads, {cache.dtype} cache, contexts {ctx} +- 5% "
+          "(us; * = default)")
     print("| batch | splits | block_n | warps | stages | time (us) | KV GB/s | % of 4.3 TB/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in batches:
@@ -268,12 +275,12 @@ def gqa_sweep(heads: str, batches: list[int], ctx: int) -> None:
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
         q = torch.randn(batch, num_heads, D, device=DEV, dtype=DTYPE)
         out = torch.empty_like(q)
-        kv = sum(lens) * num_kv_heads * D * 4
+        kv = sum(lens) * num_kv_heads * D * 2 * elem
         auto_splits = decode_num_splits(batch, num_kv_heads, DEV, 64, max(lens))
         auto_bn = decode_block_n(DTYPE, D, auto_splits, max(lens))
         ws = (torch.empty(batch * num_heads * 8 * D, device=DEV), torch.empty(batch * num_heads * 8, device=DEV))
-        for splits, block_n, warps, stages in itertools.product(sorted({1, 2, 4, auto_splits}), (32, 64),
-                                                                 (4, 8), (1, 2, 3)):
+        for splits, block_n, warps, stages in itertools.product(sorted({1, 2, 4, auto_splits}),
+                                                                 (32, 64, 128) if fp8 else (32, 64), (4, 8), (1, 2, 3)):
             if splits > 8:
                 continue
             try:
@@ -295,6 +302,7 @@ def main():
                     help="only the decode sweep at this head layout, e.g. 32/4 (with --batches, --ctx)")
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--ctx", type=int, default=530)
+    ap.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="the cache of --gqa-sweep")
     ap.add_argument("--sweep", action="store_true", help="also run the tuning sweeps")
     ap.add_argument("--quick", action="store_true", help="fewer decode points")
     ap.add_argument("--few-rows", action="store_true",
@@ -303,7 +311,7 @@ def main():
     ap.add_argument("--spread", action="store_true", help="only the spread-context decode table (Qwen3-0.6B heads)")
     args = ap.parse_args()
     if args.gqa_sweep:
-        gqa_sweep(args.gqa_sweep, args.batches, args.ctx)
+        gqa_sweep(args.gqa_sweep, args.batches, args.ctx, args.kv_dtype)
         return
     if args.few_rows:
         few_rows_table(args.batches, args.ctxs)
