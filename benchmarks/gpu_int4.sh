@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_int4.sh int8-wide # INT8 W8A8: GPU tests, the words GEMV's rows, the tiles' sweep at 256 and
 #                                         # 1024 rows (wider tiles), 8B decode at batch 1 and 4
 #   bash benchmarks/gpu_int4.sh w8a8-tput # 8B offline 1000 x 512 in / 256 out, temperature 0.8: bf16, FP8, INT8 W8A8
+#   bash benchmarks/gpu_int4.sh fp8kv     # the FP8 KV cache's decode kernel: the tile sweep at the Qwen3-0.6B heads
+#                                         # (E4M3 and bf16 caches), then the nano protocol's kernels by kind, both caches
 #
 # Several modes in one call run in order: `bash benchmarks/gpu_int4.sh sweep mma e2e`.
 # Each step has its own timeout; logs go to $OUT (or /tmp/int4-out) and the summary lines to stdout.
@@ -89,6 +91,19 @@ w8a8-tput)  # issue 27's throughput row: 8B offline, 1000 x 512 in / 256 out at 
     tput fp8 llama3-8b --quantization fp8
     tput bf16 llama3-8b
     tput w8a8 llama3-8b-w8a8-int8
+    ;;
+fp8kv)  # issue 27's FP8 KV row: the decode kernel is most of a nano run's device time
+    for kv in fp8 auto; do
+        step "attn-sweep-$kv" 200 python benchmarks/kernels_attention.py --gqa-sweep 16/8 --batches 64 256 --ctx 768 \
+            --kv-dtype $kv
+        grep "\*" "$out/attn-sweep-$kv.log" | head -8
+    done
+    for kv in fp8 auto; do
+        step "nano-kb-$kv" 240 python benchmarks/kernel_breakdown.py --model benchmarks/configs/qwen3-0.6b \
+            --load-format dummy --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 \
+            --max-model-len 2048 --kv-cache-dtype $kv --top 25 --json "$out/nano-kb-$kv.json"
+        grep -A12 "^== all" "$out/nano-kb-$kv.log"
+    done
     ;;
 breakdown)  # kernel time by kind, 8B 250 x 512 in / 256 out at temperature 0.8: FP8 and bf16 (logs: the whole table)
     for q in fp8 none; do
