@@ -169,7 +169,11 @@ class _ByteTable:
         return b""
 
     def text_of(self, ids: Sequence[int]) -> str:
-        return b"".join([self.token_bytes(i) for i in ids]).decode("utf-8", "replace")
+        get = self.raw.get
+        parts = [get(i) for i in ids]
+        if None in parts:  # an id outside the table: token_bytes says what it is
+            parts = [self.token_bytes(i) for i in ids]
+        return b"".join(parts).decode("utf-8", "replace")
 
 
 _byte_tables: "weakref.WeakKeyDictionary[Any, dict[bool, Optional[_ByteTable]]]" = weakref.WeakKeyDictionary()

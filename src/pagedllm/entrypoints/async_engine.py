@@ -138,6 +138,11 @@ class _DirectSink:
         self.write(buf[0] if len(buf) == 1 else b"".join(buf))
 
 
+# pyzmq's option and flag enums as plain ints: IntEnum / IntFlag arithmetic and conversion run Python code on every
+# call of the output handler's per-pass socket reads.
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
+
 class AsyncEngine:
     def __init__(self, engine_args: Any, log_level: str = "info", metrics: Any = None,
                  client: Optional[ClientSpec] = None) -> None:
@@ -379,7 +384,7 @@ class AsyncEngine:
         sync, encode = self._in_sync[engine], self.enc.encode
         for i, add in enumerate(adds):
             try:
-                sync.send(encode(add), zmq.NOBLOCK)
+                sync.send(encode(add), _NOBLOCK)
             except zmq.Again:
                 for rest in adds[i:]:
                     await self.in_socks[engine].send(encode(rest))
@@ -582,13 +587,13 @@ class AsyncEngine:
         signals again only after the socket was read empty); a stream's frames of up to 64 messages are written
         together (_flush_direct), as the writer, woken once per pass, would."""
         sock, decode, handle = self._out_sync, self.dec.decode, self._handle_output
-        recv, events, pollin = sock.recv, sock.getsockopt, zmq.POLLIN
+        recv, events = sock.recv, sock.getsockopt
         try:
-            while events(zmq.EVENTS) & pollin:
+            while events(_EVENTS) & _POLLIN:
                 try:
                     for _ in range(64):
-                        handle(decode(recv(zmq.NOBLOCK)))
-                        if not events(zmq.EVENTS) & pollin:
+                        handle(decode(recv(_NOBLOCK)))
+                        if not events(_EVENTS) & _POLLIN:
                             break
                 except zmq.Again:
                     pass

@@ -31,10 +31,20 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# One decoder for every body: json.loads with hooks builds a JSONDecoder per call.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+
+
+def _loads(raw: bytes) -> object:
+    """json.loads(raw, parse_constant=..., parse_float=...) with the shared decoder: the same bytes -> str step
+    (UTF-8, -16 or -32 by json's own detection) and the same errors."""
+    return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+
+
 async def parse_body(request: Request, model: type[T]) -> T:
     raw = await request.body()
     try:
-        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float) if raw else None
+        data = _loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise APIError("We could not parse the JSON body of your request: it is not valid JSON.")
     except _NotFinite as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import field_or_none
 
 MAX_JSON_DEPTH = 64
 MAX_N = 256
@@ -49,10 +50,10 @@ def _refuse(field: str, what: str, limit: int, got: int, unit: str = "") -> APIE
 
 def check_request_limits(req: Any) -> None:
     """Limits on the fields a request model has (any endpoint's: fields it lacks are skipped)."""
-    n = getattr(req, "n", None)
+    n = field_or_none(req, "n")
     if isinstance(n, int) and n > MAX_N:
         raise _refuse("n", "must be", MAX_N, n)
-    stop = getattr(req, "stop", None)
+    stop = field_or_none(req, "stop")
     if isinstance(stop, list):
         if len(stop) > MAX_STOP_STRINGS:
             raise _refuse("stop", "may have", MAX_STOP_STRINGS, len(stop), " strings")
@@ -60,20 +61,20 @@ def check_request_limits(req: Any) -> None:
     if isinstance(stop, str) and len(stop) > MAX_STOP_STRING_CHARS:
         raise APIError(f"'stop' strings may be at most {MAX_STOP_STRING_CHARS} characters long (got {len(stop)}).",
                        param="stop")
-    stop_ids = getattr(req, "stop_token_ids", None)
+    stop_ids = field_or_none(req, "stop_token_ids")
     if stop_ids is not None and len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise _refuse("stop_token_ids", "may have", MAX_STOP_TOKEN_IDS, len(stop_ids), " ids")
-    bad_words = getattr(req, "bad_words", None)
+    bad_words = field_or_none(req, "bad_words")
     if bad_words is not None:
         if len(bad_words) > MAX_BAD_WORDS:
             raise _refuse("bad_words", "may have", MAX_BAD_WORDS, len(bad_words), " words")
         longest = max((len(w) for w in bad_words), default=0)
         if longest > MAX_BAD_WORD_CHARS:
             raise _refuse("bad_words", "entries may have", MAX_BAD_WORD_CHARS, longest, " characters")
-    messages = getattr(req, "messages", None)
+    messages = field_or_none(req, "messages")
     if messages is not None and len(messages) > MAX_MESSAGES:
         raise _refuse("messages", "may have", MAX_MESSAGES, len(messages), " messages")
-    prompt = getattr(req, "prompt", None)
+    prompt = field_or_none(req, "prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > MAX_PROMPTS:
             raise _refuse("prompt", "may have", MAX_PROMPTS, len(prompt), " prompts")

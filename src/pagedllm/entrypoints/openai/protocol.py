@@ -20,6 +20,22 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_NAMES: dict[type, frozenset[str]] = {}
+
+
+def field_or_none(req: Any, name: str) -> Any:
+    """getattr(req, name, None), where a request model that lacks `name` (e.g. `messages` of a completions
+    request) answers None at once: pydantic's __getattr__ raises and catches an AttributeError for it, which
+    costs more than the rest of a field check."""
+    cls = type(req)
+    names = _NAMES.get(cls)
+    if names is None:
+        if not issubclass(cls, BaseModel):
+            return getattr(req, name, None)
+        names = _NAMES[cls] = frozenset(cls.model_fields) | frozenset(dir(cls))
+    return getattr(req, name, None) if name in names else None
+
+
 # ---- shared request pieces -----------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import field_or_none
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -15,20 +16,18 @@ def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optiona
     request leaves out; then the OpenAI defaults. `max_tokens` None: the model's default, else
     `default_max_tokens` (None: up to the context length)."""
     defaults = defaults or {}
-
-    def opt(v: Any, default: Any, name: str = "") -> Any:
-        return v if v is not None else defaults.get(name, default)
-
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens", default_max_tokens)
 
     # Integers travel to the engine as msgpack int64: anything wider is a client mistake, not a crash.
-    for name in ("seed", "top_k", "min_tokens", "max_tokens", "n", "best_of", "prompt_logprobs"):
-        v = getattr(req, name, None) if name != "max_tokens" else max_tokens
+    best_of = field_or_none(req, "best_of")  # chat and completions have it; other callers may not
+    for name, v in (("seed", req.seed), ("top_k", req.top_k), ("min_tokens", req.min_tokens),
+                    ("max_tokens", max_tokens), ("n", req.n), ("best_of", best_of),
+                    ("prompt_logprobs", req.prompt_logprobs)):
         if isinstance(v, int) and not -(2 ** 63) <= v < 2 ** 63:
             raise APIError(f"{name} is out of range: {v}.", param=name)
-    for name in ("stop_token_ids", "allowed_token_ids"):
-        for t in getattr(req, name, None) or []:
+    for name, ids in (("stop_token_ids", req.stop_token_ids), ("allowed_token_ids", req.allowed_token_ids)):
+        for t in ids or ():
             if not 0 <= t < 2 ** 63:
                 raise APIError(f"{name} must be non-negative integers below 2**63, got {t}.", param=name)
 
@@ -37,13 +36,13 @@ def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optiona
         return SamplingParams(
             structured_outputs=structured_outputs,
             n=req.n,
-            presence_penalty=opt(req.presence_penalty, 0.0),
-            frequency_penalty=opt(req.frequency_penalty, 0.0),
-            repetition_penalty=opt(req.repetition_penalty, 1.0, "repetition_penalty"),
-            temperature=opt(req.temperature, 1.0, "temperature"),
-            top_p=opt(req.top_p, 1.0, "top_p"),
-            top_k=opt(req.top_k, 0, "top_k"),
-            min_p=opt(req.min_p, 0.0, "min_p"),
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, defaults.get("repetition_penalty", 1.0)),
+            temperature=_or(req.temperature, defaults.get("temperature", 1.0)),
+            top_p=_or(req.top_p, defaults.get("top_p", 1.0)),
+            top_k=_or(req.top_k, defaults.get("top_k", 0)),
+            min_p=_or(req.min_p, defaults.get("min_p", 0.0)),
             seed=req.seed,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
@@ -55,7 +54,7 @@ def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optiona
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            best_of=getattr(req, "best_of", None),
+            best_of=best_of,
             logit_bias=req.logit_bias,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
@@ -64,10 +63,14 @@ def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optiona
         raise APIError(str(e), param=_param_of(str(e)))
 
 
+def _or(v: Any, default: Any) -> Any:
+    return v if v is not None else default
+
+
 def _structured_outputs(req: Any) -> Any:
     from pagedllm.entrypoints.openai.structured_request import StructuredRequestError, structured_outputs_from_request
 
-    backend = getattr(req, "guided_decoding_backend", None)
+    backend = field_or_none(req, "guided_decoding_backend")
     if backend is not None:
         raise APIError("guided_decoding_backend per request is not supported: the server's backend is chosen at "
                        "start with --structured-outputs-config '{\"backend\": ...}'.", param="guided_decoding_backend")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from pagedllm.entrypoints.openai.protocol import field_or_none
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -57,19 +58,19 @@ def _response_format(rf: Any) -> Optional[dict]:
 def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParams]:
     """The request's one output constraint, or None. More than one source at once is a 400."""
     found: list[tuple[str, dict]] = []
-    rf = _response_format(getattr(req, "response_format", None))
+    rf = _response_format(field_or_none(req, "response_format"))
     if rf is not None:
         found.append(("response_format", rf))
-    so = getattr(req, "structured_outputs", None)
+    so = field_or_none(req, "structured_outputs")
     if so is not None:
         if not isinstance(so, dict):
             raise StructuredRequestError("structured_outputs must be an object.", "structured_outputs")
         found.append(("structured_outputs", dict(so)))
     for field, kind in _GUIDED.items():
-        value = getattr(req, field, None)
+        value = field_or_none(req, field)
         if value is not None:
             found.append((field, {kind: value}))
-    if getattr(req, "guided_json_object", None):
+    if field_or_none(req, "guided_json_object"):
         found.append(("guided_json_object", {"json_object": True}))
     if not found:
         return None
@@ -77,7 +78,7 @@ def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParam
         names = ", ".join(name for name, _ in found)
         raise StructuredRequestError(f"Give one output constraint, not several ({names}).", found[1][0])
     param, spec = found[0]
-    ws = getattr(req, "guided_whitespace_pattern", None)
+    ws = field_or_none(req, "guided_whitespace_pattern")
     if ws is not None:
         spec.setdefault("whitespace_pattern", ws)
     try:
