@@ -88,8 +88,8 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, starts_ptr, N, K, K_PER_SPLI
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, off0, off1, off2, size0, size1, size2, S,
                    stride_hs, stride_hm, stride_bs, stride_br, stride_om,
-                   N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, R: tl.constexpr, S_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+                   SPLIT_K: tl.constexpr, R: tl.constexpr, S_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (row block of one slot, column block, slice)."""
     wait_prior_kernel(USE_PDL)
     pid_n = tl.program_id(1)
@@ -298,7 +298,7 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_toke
     bm = block_m(num_tokens)
     grid = (triton.cdiv(num_tokens, bm) + num_slots, triton.cdiv(max(sizes), block_n), len(slices))
     _expand_kernel[grid](h, b, out, sorted_token_ids, slot_starts, *offs, *sizes, num_slots, h.stride(0),
-                         h.stride(1), b.stride(0), b.stride(1), out.stride(0), N_SLICES=len(slices), SPLIT_K=split,
+                         h.stride(1), b.stride(0), b.stride(1), out.stride(0), SPLIT_K=split,
                          R=r, S_PAD=triton.next_power_of_2(num_slots), BLOCK_M=bm, BLOCK_N=block_n,
                          IEEE=out.dtype == torch.float32, num_warps=4, **pdl_launch_args(out.device))
 
