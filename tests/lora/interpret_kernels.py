@@ -43,6 +43,7 @@ def main() -> None:
     check_case(12, 16, 64, [16, 16], 8, 16, f32, "cpu", seed=7)  # most slots empty: blocks span slots with gaps
     check_case(50, 7, 64, [24], 16, 16, f32, "cpu", seed=6, none_frac=0.2)  # row blocks across segment bounds
     check_case(1100, 5, 32, [32, 16], 8, 16, f32, "cpu", seed=5)  # a prefill-sized step: 64-row blocks
+    check_case(20, 1, 64, [16, 16], 8, 16, f32, "cpu", seed=8)  # max_loras 1: a one-lane slot table
     # The few-row path: the shrink in the norm, the few-token shrink and expand (+ SiLU).
     check_norm_shrink_case(3, 2, 96, 3, 8, 16, f32, "cpu")
     check_norm_shrink_case(2, 3, 64, 2, 16, 16, f32, "cpu", residual=False, seed=1)
