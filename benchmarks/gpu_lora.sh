@@ -12,6 +12,8 @@
 #                                           # breakdown with 4 adapters, 8B throughput rank 16, 0.6B rank 64
 #   bash benchmarks/gpu_lora.sh slots       # the general kernels' GPU tests and the engine's, Qwen3-0.6B and 8B
 #                                           # throughput rank 16 (4 and 16 adapters)
+#   bash benchmarks/gpu_lora.sh normshrink  # Qwen3-0.6B / 8B throughput rank 16 with the norm computing the qkv / gate_up
+#                                           # shrink up to 256 rows (the A/B of lora.layers.NORM_SHRINK_MAX_ROWS, now 8)
 #   bash benchmarks/gpu_lora.sh breakdown16 # the breakdown with 16 adapters: Qwen3-0.6B, then Llama-3-8B (128 x 512/512)
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/lora-out), the summary lines to stdout.
@@ -53,6 +55,12 @@ slots)
         --num-adapters 4 16 --json "$out/tput16.json"
     step tput8b 240 python benchmarks/lora.py throughput --model benchmarks/configs/llama3-8b --rank 16 \
         --num-adapters 4 16 --num-prompts 128 --json "$out/tput8b.json"
+    ;;
+normshrink)
+    for rows in 8 256; do
+        step "tput16-ns$rows" 200 python benchmarks/lora.py throughput --model benchmarks/configs/qwen3-0.6b \
+            --rank 16 --num-adapters 4 16 --norm-shrink-max-rows $rows --json "$out/tput16-ns$rows.json"
+    done
     ;;
 breakdown16)
     kb=(python benchmarks/kernel_breakdown.py --load-format dummy --input-len 512 --output-len 512 --temperature 0

@@ -177,8 +177,15 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--ab", action="store_true",
                    help="latency: the few-row path and the general kernels (lora.layers.FUSED_DECODE), an engine each")
+    p.add_argument("--norm-shrink-max-rows", type=int, default=None,
+                   help="A/B: most rows for which the RMSNorm computes the qkv / gate_up shrink "
+                        "(lora.layers.NORM_SHRINK_MAX_ROWS; beyond, the general shrink kernel)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.norm_shrink_max_rows is not None:
+        from pagedllm.lora import layers
+
+        layers.NORM_SHRINK_MAX_ROWS = args.norm_shrink_max_rows
 
     from pagedllm.models.loader import load_hf_config
 
