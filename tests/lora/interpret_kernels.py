@@ -48,6 +48,7 @@ def main() -> None:
     check_norm_shrink_case(3, 2, 96, 3, 8, 16, f32, "cpu")
     check_norm_shrink_case(2, 3, 64, 2, 16, 16, f32, "cpu", residual=False, seed=1)
     check_norm_shrink_case(4, 2, 80, 1, 4, 16, f32, "cpu", fp32_product=True, seed=2)
+    check_norm_shrink_case(40, 3, 64, 2, 8, 16, f32, "cpu", seed=3)  # multi-row steps (the A/B above 8 rows)
     check_shrink_rows_case(3, 2, 1000, 1, 16, 16, f32, "cpu")  # o / down: K not a multiple of the slice
     check_shrink_rows_case(2, 3, 256, 3, 8, 16, f32, "cpu", seed=1)
     check_expand_rows_case(3, 2, [200, 40, 40], 8, 16, f32, "cpu")  # qkv: columns of a block in two slices
