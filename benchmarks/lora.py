@@ -110,9 +110,18 @@ def throughput(args, hf_config, adapters) -> dict:
 
 
 def latency(args, adapters) -> dict:
+    from pagedllm.lora import layers
+
+    if args.ab_fold:  # the few-row path with down_proj's shrink separate, then folded into gate_up's expand + SiLU
+        results = {}
+        for name, fold in (("rows", False), ("fold", True)):
+            layers.FOLD_DOWN_SHRINK = fold
+            print(f"LoRA few-row path, lora.layers.FOLD_DOWN_SHRINK={fold}:", flush=True)
+            results[name] = latency_one(args, adapters)
+        layers.FOLD_DOWN_SHRINK = False
+        return results
     if not args.ab:
         return latency_one(args, adapters)
-    from pagedllm.lora import layers
 
     default = layers.FUSED_DECODE
     results = {}
@@ -177,6 +186,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--ab", action="store_true",
                    help="latency: the few-row path and the general kernels (lora.layers.FUSED_DECODE), an engine each")
+    p.add_argument("--ab-fold", action="store_true",
+                   help="latency: down_proj's shrink separate and folded into gate_up's expand + SiLU "
+                        "(lora.layers.FOLD_DOWN_SHRINK), an engine each")
     p.add_argument("--norm-shrink-max-rows", type=int, default=None,
                    help="A/B: most rows for which the RMSNorm computes the qkv / gate_up shrink "
                         "(lora.layers.NORM_SHRINK_MAX_ROWS; beyond, the general shrink kernel)")

@@ -122,6 +122,17 @@ def test_expand_rows_matches_reference(case, rank, dtype, stale_cuda_memory):
     check_expand_rows_case(tokens, slots, slices, rank, rank, dtype, "cuda", split=split, silu=silu, seed=rank)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("case", [(1, 2, 14336, 1), (16, 4, 4864, 2), (3, 3, 3072, 1)])
+def test_expand_silu_fold_matches_reference(case, rank, dtype, stale_cuda_memory):
+    """gate_up's expand + SiLU that also computes down_proj's shrink (lora.layers.FOLD_DOWN_SHRINK)."""
+    from tests.lora.lora_kernel_cases import check_expand_silu_fold_case
+
+    tokens, slots, n, split = case
+    check_expand_silu_fold_case(tokens, slots, n, rank, rank, rank, dtype, "cuda", split=split, seed=rank)
+
+
 NORM_SHRINK_CASES = [  # (rows, slots, hidden, slices, residual, fp32 product)
     (1, 2, 4096, 3, True, False),
     (1, 2, 4096, 2, False, False),
@@ -243,3 +254,30 @@ def test_engine_few_row_path_matches_general_kernels(tiny_llama_dir, adapters, e
             assert abs(r.logprobs[step][rt].logprob - g.logprobs[step][gt].logprob) < 0.05
             compared += 1
     assert compared >= 24, compared
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_engine_down_shrink_fold_matches_separate_shrink(tiny_llama_dir, adapters, enforce_eager, monkeypatch):
+    """The few-row path with down_proj's shrink computed by gate_up's expand + SiLU kernel gives the separate
+    few-token shrink's tokens and logprobs (up to the fp32 summation order of the shrink)."""
+    ref, _ = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
+    monkeypatch.setattr(lora_layers, "FOLD_DOWN_SHRINK", True)
+    folds = {"n": 0}
+    from pagedllm.kernels import lora as lora_kernels
+
+    original = lora_kernels.lora_expand_silu_fold
+
+    def counted(*args, **kwargs):
+        folds["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lora_kernels, "lora_expand_silu_fold", counted)
+    got, _ = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
+    assert folds["n"] > 0, folds  # (at least while capturing the graphs)
+    for r, g in zip(ref, got):
+        for step, (rt, gt) in enumerate(zip(r.token_ids, g.token_ids)):
+            top = sorted(r.logprobs[step].values(), key=lambda lp: -lp.logprob)
+            if rt != gt:
+                assert top[0].logprob - top[1].logprob < 0.02, (step, rt, gt, top)
+                break
+            assert abs(r.logprobs[step][rt].logprob - g.logprobs[step][gt].logprob) < 0.02

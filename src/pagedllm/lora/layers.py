@@ -35,6 +35,10 @@ from pagedllm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColu
 FUSED_DECODE = True
 # Most rows for which a norm computes its consumer's shrink (beyond, the shrink kernel reads A once per slot).
 NORM_SHRINK_MAX_ROWS = 8
+# The few-row path's gate_up expand + SiLU also computes down_proj's shrink of the activation (one launch less per
+# decoder layer). Off until measured on a GPU against the separate few-token shrink (benchmarks/lora.py latency
+# --fold-down-shrink, benchmarks/gpu_lora.sh fold).
+FOLD_DOWN_SHRINK = False
 
 
 @dataclass
@@ -183,6 +187,12 @@ class LoRALinear(nn.Module):
         out = base.linear_method.apply(base, x, bias)
         slots = self.state.token_slots
         if gated:
+            down = self.__dict__.get("fold_consumer")  # set by manager.link_folds: the MLP's down_proj
+            if FOLD_DOWN_SHRINK and down is not None and down.lora_a.shape[2] == spans[0][1]:
+                act, h2 = kernels.lora_expand_silu_fold(h, self.lora_b, out, slots, down.lora_a,
+                                                        self.state.split_counters)
+                down._pending = (act, h2)  # taken by down_proj for this activation only
+                return act
             return kernels.lora_expand_rows(h, self.lora_b, out, slots, silu=True)
         kernels.lora_expand_rows(h, self.lora_b, out, slots, tuple(off for off, _ in spans[1:]))
         return out
