@@ -133,6 +133,18 @@ def test_expand_silu_fold_matches_reference(case, rank, dtype, stale_cuda_memory
     check_expand_silu_fold_case(tokens, slots, n, rank, rank, rank, dtype, "cuda", split=split, seed=rank)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("case", [(1, 2, 32, 8, 128, 16), (16, 4, 32, 8, 128, 8), (5, 3, 16, 8, 64, 4)])
+def test_output_shrink_matches_reference(case, rank, dtype):
+    """o_proj's shrink computed by the split-KV decode attention's reduce kernel (lora.layers.FOLD_O_SHRINK)."""
+    from tests.lora.lora_kernel_cases import check_output_shrink_case
+
+    tokens, slots, heads, kv_heads, head_size, splits = case
+    check_output_shrink_case(tokens, slots, heads, kv_heads, head_size, rank, rank, dtype, "cuda", num_splits=splits,
+                             seed=rank)
+
+
 NORM_SHRINK_CASES = [  # (rows, slots, hidden, slices, residual, fp32 product)
     (1, 2, 4096, 3, True, False),
     (1, 2, 4096, 2, False, False),
@@ -256,24 +268,34 @@ def test_engine_few_row_path_matches_general_kernels(tiny_llama_dir, adapters, e
     assert compared >= 24, compared
 
 
+@pytest.mark.parametrize("folds", [("FOLD_DOWN_SHRINK",), ("FOLD_O_SHRINK",), ("FOLD_DOWN_SHRINK", "FOLD_O_SHRINK")])
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_engine_down_shrink_fold_matches_separate_shrink(tiny_llama_dir, adapters, enforce_eager, monkeypatch):
-    """The few-row path with down_proj's shrink computed by gate_up's expand + SiLU kernel gives the separate
-    few-token shrink's tokens and logprobs (up to the fp32 summation order of the shrink)."""
+def test_engine_shrink_folds_match_separate_shrinks(tiny_llama_dir, adapters, enforce_eager, folds, monkeypatch):
+    """The few-row path with down_proj's shrink computed by gate_up's expand + SiLU kernel and / or o_proj's by the
+    decode attention's reduce kernel gives the separate few-token shrinks' tokens and logprobs (up to the fp32
+    summation order of the shrink)."""
     ref, _ = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
-    monkeypatch.setattr(lora_layers, "FOLD_DOWN_SHRINK", True)
-    folds = {"n": 0}
+    for flag in folds:
+        monkeypatch.setattr(lora_layers, flag, True)
     from pagedllm.kernels import lora as lora_kernels
+    from pagedllm.lora.layers import LoRALinear
 
-    original = lora_kernels.lora_expand_silu_fold
+    calls = {"down": 0, "o": 0}
+    fold_down, take = lora_kernels.lora_expand_silu_fold, LoRALinear.take_output_shrink
 
-    def counted(*args, **kwargs):
-        folds["n"] += 1
-        return original(*args, **kwargs)
+    def counted_down(*args, **kwargs):
+        calls["down"] += 1
+        return fold_down(*args, **kwargs)
 
-    monkeypatch.setattr(lora_kernels, "lora_expand_silu_fold", counted)
+    def counted_o(self, *args, **kwargs):
+        calls["o"] += 1
+        return take(self, *args, **kwargs)
+
+    monkeypatch.setattr(lora_kernels, "lora_expand_silu_fold", counted_down)
+    monkeypatch.setattr(LoRALinear, "take_output_shrink", counted_o)
     got, _ = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
-    assert folds["n"] > 0, folds  # (at least while capturing the graphs)
+    assert (calls["down"] > 0) == ("FOLD_DOWN_SHRINK" in folds), calls  # (graphs: at least while capturing)
+    assert (calls["o"] > 0) == ("FOLD_O_SHRINK" in folds), calls
     for r, g in zip(ref, got):
         for step, (rt, gt) in enumerate(zip(r.token_ids, g.token_ids)):
             top = sorted(r.logprobs[step].values(), key=lambda lp: -lp.logprob)

@@ -168,3 +168,39 @@ def check_expand_silu_fold_case(num_tokens, num_slots, n, rank, max_rank, nr2, d
         ref_h2 = kernels.lora_shrink_ref(act.cpu(), a2.cpu(), slots)
         torch.testing.assert_close(h2[0].cpu()[has], ref_h2[has], atol=tol, rtol=tol)
         assert torch.all(counters.cpu() == 0), counters
+
+
+def check_output_shrink_case(num_tokens, num_slots, num_heads, num_kv_heads, head_size, rank, max_rank, dtype, device,
+                             num_splits=2, seed=0) -> None:
+    """kernels/paged_attention.paged_decode_attention(shrink=): the split-KV reduce also computes o_proj's LoRA shrink
+    of its output; the output equals the launch without it, bit for bit, and h the reference shrink of that output,
+    twice in a row (the counters left at zero). One split (no reduce kernel) leaves the shrink undone."""
+    from pagedllm.kernels import lora as kernels
+    from pagedllm.kernels.paged_attention import OutputShrink, paged_decode_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    block_size, max_ctx = 4, 24
+    blocks_per_seq = max_ctx // block_size
+    num_blocks = num_tokens * blocks_per_seq + 1
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen).to(dtype).to(device)
+    block_table = (torch.randperm(num_blocks - 1, generator=gen)[:num_tokens * blocks_per_seq] + 1).view(
+        num_tokens, blocks_per_seq).to(torch.int32).to(device)
+    seq_lens = torch.randint(1, max_ctx + 1, (num_tokens,), generator=gen).to(torch.int32).to(device)
+    q = torch.randn(num_tokens, num_heads, head_size, generator=gen).to(dtype).to(device)
+    width = num_heads * head_size
+    _, a, _, slots, _, _ = build_case(num_tokens, num_slots, width, [8], rank, max_rank, dtype, device, seed)
+    counters = torch.zeros(num_tokens + 1, dtype=torch.int32, device=device)
+    scale = head_size ** -0.5
+    want = paged_decode_attention(q, cache, block_table, seq_lens, scale, num_tokens, num_splits=num_splits)
+    has = slots >= 0
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(2):
+        shrink = OutputShrink(a, slots.to(device), counters, torch.zeros(1, num_tokens, a.shape[1], device=device))
+        got = paged_decode_attention(q, cache, block_table, seq_lens, scale, num_tokens, num_splits=num_splits,
+                                     shrink=shrink)
+        assert torch.equal(got, want), "the fold changed the attention output"
+        assert shrink.done == (num_splits > 1)
+        if shrink.done:
+            ref = kernels.lora_shrink_ref(got.reshape(num_tokens, width).cpu(), a.cpu(), slots)
+            torch.testing.assert_close(shrink.h[0].cpu()[has], ref[has], atol=tol, rtol=tol)
+        assert torch.all(counters.cpu() == 0), counters

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -41,6 +41,9 @@ class QKVSpec:
     # Soft-capped scores (None: off; Gemma 2): s -> c * tanh(s / c) before the softmax. A backend without
     # `supports_logits_soft_cap` must return None from forward_qkv when this is set.
     logits_soft_cap: Optional[float] = None
+    # A LoRA shrink of the output its consumer (o_proj) wants (kernels/paged_attention.OutputShrink): a backend may
+    # compute it on the way and set its `done`; one that does not leaves it to the consumer.
+    output_shrink: Optional[Any] = None
 
 
 class AttentionBackend:

@@ -161,11 +161,12 @@ class TritonAttentionBackend(AttentionBackend):
         query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, spec.num_heads,
                          spec.num_kv_heads, spec.head_size, spec.q_norm_weight, spec.k_norm_weight, spec.eps,
                          kv_scales=spec.kv_scales)
-        return self._attend(query, kv_cache, metadata, spec.scale, output, spec.sliding_window, spec.logits_soft_cap)
+        return self._attend(query, kv_cache, metadata, spec.scale, output, spec.sliding_window, spec.logits_soft_cap,
+                            spec.output_shrink)
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                 output: torch.Tensor, sliding_window: Optional[int] = None,
-                logits_soft_cap: Optional[float] = None) -> torch.Tensor:
+                logits_soft_cap: Optional[float] = None, output_shrink=None) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
@@ -181,7 +182,7 @@ class TritonAttentionBackend(AttentionBackend):
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
                 block_n=decode_block_n(query.dtype, head_size, num_splits, keys),
                 order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, shrink=output_shrink)
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,

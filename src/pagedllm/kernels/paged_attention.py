@@ -29,6 +29,7 @@ score s becomes c * tanh(s / c) before the softmax.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -397,12 +398,25 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits, window,
     stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
+    a_ptr, slot_ptr, fold_part_ptr, h_ptr, counter_ptr, NR, stride_as, stride_an, stride_fp_head, stride_fp_seq,
+    stride_hm,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FOLD: tl.constexpr = False,  # also the consumer's shrink of the output (OutputShrink)
+    NR_PAD: tl.constexpr = 16, NUM_HEADS: tl.constexpr = 1,
 ):
-    wait_prior_kernel(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    if FOLD:  # the token's slot and A's columns of this head are written before the forward: load them first
+        slot = tl.load(slot_ptr + seq)
+        offs_q = tl.arange(0, NR_PAD)
+        q_ok = offs_q < NR
+        a = tl.load(a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + offs_q[:, None] * stride_an
+                    + head * HEAD_SIZE + dims[None, :], mask=q_ok[:, None] & dim_ok[None, :] & (slot >= 0),
+                    other=0.0).to(tl.float32)
+    wait_prior_kernel(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_keys = seq_len - tl.maximum(seq_len - window, 0)  # the keys the query sees (its window)
     part_len = tl.maximum(tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N, 1)
@@ -418,13 +432,37 @@ def _decode_reduce_kernel(
     w = tl.exp2(lse - lse_max)  # 0 for inactive splits
     denom = tl.sum(w, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
-    dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims < HEAD_SIZE
     po = part_out_ptr + seq64 * stride_po_seq + head * stride_po_head
     parts = tl.load(po + splits[:, None] * stride_po_split + dims[None, :],
                     mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / denom
-    tl.store(out_ptr + seq64 * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    out = (tl.sum(parts * w[:, None], 0) / denom).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + seq64 * stride_ot + head * stride_oh + dims, out, mask=dim_ok)
+    if FOLD:
+        if slot >= 0:  # this head's share of A[slot] @ out[seq]; the last head of the row adds them up in order
+            part = tl.sum(a * out.to(tl.float32)[None, :], axis=1)
+            tl.store(fold_part_ptr + head * stride_fp_head + seq * stride_fp_seq + offs_q, part, mask=q_ok)
+            done = tl.atomic_add(counter_ptr + seq, 1, sem="acq_rel")
+            if done == NUM_HEADS - 1:
+                acc = tl.zeros((NR_PAD,), dtype=tl.float32)
+                for hd in range(NUM_HEADS):
+                    acc += tl.load(fold_part_ptr + hd * stride_fp_head + seq * stride_fp_seq + offs_q, mask=q_ok,
+                                   other=0.0, cache_modifier=".cg")
+                tl.store(h_ptr + seq * stride_hm + offs_q, acc, mask=q_ok)
+                tl.atomic_xchg(counter_ptr + seq, 0)
+
+
+@dataclass
+class OutputShrink:
+    """A LoRA shrink of the attention output [T, num_heads * head_size] that the split-KV reduce computes on the
+    way (`paged_decode_attention(shrink=)`): h[0, t] = a[token_slots[t]] @ out[t] (fp32, of the rounded output) for
+    each row t with a slot (>= 0). `done` tells the caller whether it was computed (a launch without the reduce
+    kernel, one split, leaves it to the consumer)."""
+
+    a: torch.Tensor  # [S, NR, num_heads * head_size], contiguous
+    token_slots: torch.Tensor  # [>= T] int32, -1: no adapter
+    counters: torch.Tensor  # [>= T] int32 zeros, left zero
+    h: torch.Tensor  # [1, >= T, NR] fp32
+    done: bool = False
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -522,6 +560,7 @@ def paged_decode_attention(
     order: Optional[torch.Tensor] = None,  # [>= num_seqs] int32: a permutation of the rows, longest context first
     sliding_window: Optional[int] = None,  # the query (at seq_len - 1) sees only the last sliding_window keys
     logits_soft_cap: Optional[float] = None,  # scores s become c * tanh(s / c) (Gemma 2)
+    shrink: Optional[OutputShrink] = None,  # computed by the reduce kernel when the launch splits the context
 ) -> torch.Tensor:
     """One query token per request; split-KV over the context. CUDA-graph capturable when the
     workspace is preallocated (shapes depend only on num_seqs and the model's heads).
@@ -564,11 +603,21 @@ def paged_decode_attention(
         window, soft_cap,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
         *part_strides, SINGLE_SPLIT=False, **common)
+    fold_args, fold_meta = (output, seq_lens, output, output, seq_lens, 0, 0, 0, 0, 0, 0), {}  # (unread)
+    if shrink is not None:
+        a, h = shrink.a, shrink.h
+        assert a.is_contiguous() and a.shape[2] == num_heads * head_size and shrink.counters.numel() >= num_seqs
+        nr = a.shape[1]
+        fold_part = torch.empty((num_heads, num_seqs, nr), dtype=torch.float32, device=query.device)
+        fold_args = (a, shrink.token_slots, fold_part, h, shrink.counters, nr, a.stride(0), a.stride(1),
+                     fold_part.stride(0), fold_part.stride(1), h.stride(1))
+        fold_meta = dict(FOLD=True, NR_PAD=max(16, triton.next_power_of_2(nr)), NUM_HEADS=num_heads)
+        shrink.done = True
     _decode_reduce_kernel[(num_seqs, num_heads)](
         output, part_out, part_lse, seq_lens, num_splits, window,
-        output.stride(0), output.stride(1), *part_strides,
+        output.stride(0), output.stride(1), *part_strides, *fold_args,
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if head_pad >= 128 else 2, **launch)
+        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if head_pad >= 128 else 2, **fold_meta, **launch)
     return output
 
 

@@ -99,14 +99,21 @@ class Attention(nn.Module):
         fp8 = self.kv_cache.dtype == torch.float8_e4m3fn and self.kv_scale_source is not None  # scaled FP8
         if fp8 and self.kv_scale_source == "pending" and getattr(ctx, "calibrate_kv", False):
             return None  # the calibration step takes the unfused path, where K is seen after rope
+        width = self.num_heads * self.head_size
+        # o_proj wrapped by LoRA (lora.manager.link_attention_outputs) may have its shrink computed on the way
+        consumer = self.__dict__.get("shrink_consumer")
+        shrink = None if consumer is None or fp8 else consumer.attention_output_shrink(qkv.shape[0], width)
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
                        *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None,
-                       sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+                       sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                       output_shrink=shrink)
         out = ctx.attn_backend.forward_qkv(qkv, positions, cos_sin_cache, self.kv_cache,
                                            ctx.attn_metadata.for_group(self.kv_group), spec)
         if out is None:
             return None
-        out = out.reshape(qkv.shape[0], self.num_heads * self.head_size)
+        out = out.reshape(qkv.shape[0], width)
+        if shrink is not None and shrink.done:
+            consumer.take_output_shrink(out, shrink)
         return out * self.kv_scales[1] if fp8 else out
 
     def _no_cache_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -35,10 +35,12 @@ from pagedllm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColu
 FUSED_DECODE = True
 # Most rows for which a norm computes its consumer's shrink (beyond, the shrink kernel reads A once per slot).
 NORM_SHRINK_MAX_ROWS = 8
-# The few-row path's gate_up expand + SiLU also computes down_proj's shrink of the activation (one launch less per
-# decoder layer). Off until measured on a GPU against the separate few-token shrink (benchmarks/lora.py latency
-# --fold-down-shrink, benchmarks/gpu_lora.sh fold).
+# The few-row path's gate_up expand + SiLU also computes down_proj's shrink of the activation, and the split-KV
+# decode attention's reduce kernel o_proj's shrink of its output (a launch less per decoder layer each). Off until
+# measured on a GPU against the separate few-token shrinks (benchmarks/lora.py latency --ab-fold,
+# benchmarks/gpu_lora.sh fold).
 FOLD_DOWN_SHRINK = False
+FOLD_O_SHRINK = False
 
 
 @dataclass
@@ -226,6 +228,23 @@ class LoRALinear(nn.Module):
                                                        norm.fp32_product, self.lora_a, state.token_slots)
         self._pending = (out, h)
         return out if residual is None else (out, new_residual)
+
+    def attention_output_shrink(self, num_tokens: int, width: int) -> Optional[Any]:
+        """For o_proj: a `kernels.paged_attention.OutputShrink` the decode attention before it may compute on
+        few-row CUDA steps with adapters (FOLD_O_SHRINK), else None."""
+        state = self.state
+        if not (FOLD_O_SHRINK and FUSED_DECODE and state.active and state.device.type == "cuda"
+                and self.lora_a.shape[2] == width):
+            return None
+        kernels, attention = triton_kernels("lora"), triton_kernels("paged_attention")
+        if kernels is None or attention is None or not 0 < num_tokens <= kernels.SHRINK_ROWS_MAX:
+            return None
+        h = torch.empty((1, num_tokens, self.lora_a.shape[1]), dtype=torch.float32, device=state.device)
+        return attention.OutputShrink(self.lora_a, state.token_slots, state.split_counters, h)
+
+    def take_output_shrink(self, out: torch.Tensor, shrink: Any) -> None:
+        """The attention computed this layer's shrink of `out` (its next input): forward takes it for that tensor."""
+        self._pending = (out, shrink.h)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += x @ A[slot(t)]^T @ B[slot(t)] for every token t with an adapter, in place."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import fed_norms
 from pagedllm.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from pagedllm.lora.layers import LoRABatchState, LoRALinear, lora_slices
@@ -56,6 +57,7 @@ def wrap_lora_layers(model: nn.Module, state: LoRABatchState, num_slots: int, ra
         raise ValueError(f"enable_lora: {type(model).__name__} has no linear layer LoRA can adapt.")
     link_norms(model)
     link_folds(model)
+    link_attention_outputs(model)
     return wrapped
 
 
@@ -74,6 +76,15 @@ def link_folds(model: nn.Module) -> None:
         gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
         if getattr(module, "fuse_silu", False) and isinstance(gate_up, LoRALinear) and isinstance(down, LoRALinear):
             gate_up.__dict__["fold_consumer"] = down  # a plain reference, not a submodule
+
+
+def link_attention_outputs(model: nn.Module) -> None:
+    """Point each attention layer whose output feeds a wrapped o_proj at it, so that few-row decode steps may
+    compute o_proj's shrink in the attention's split-KV reduce kernel (layers.FOLD_O_SHRINK)."""
+    for module in model.modules():
+        attn, o_proj = getattr(module, "attn", None), getattr(module, "o_proj", None)
+        if isinstance(attn, Attention) and isinstance(o_proj, LoRALinear):
+            attn.__dict__["shrink_consumer"] = o_proj  # a plain reference, not a submodule
 
 
 def check_supported(layer: LinearBase) -> None:
