@@ -137,9 +137,23 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir: str, rob
 
 
 def test_shutdown_timeout_ends_what_is_left_with_an_error(tiny_llama_dir: str, robust_env: dict, tmp_path) -> None:
+    # The stream running when the timeout hits ends with an error event. A request whose first token has not gone out
+    # yet then (between two requests of the one sequence slot) is refused instead, so a run may end none in its
+    # stream: up to three runs, each checked in full, until one does.
+    for attempt in range(3):
+        counts = _shutdown_timeout_run(tiny_llama_dir, robust_env, tmp_path / f"run{attempt}")
+        if counts[1] >= 1:
+            break
+    assert counts[1] >= 1, f"no run ended a running stream with an error: {counts}"
+
+
+def _shutdown_timeout_run(tiny_llama_dir: str, robust_env: dict, tmp_path) -> tuple[int, int, int]:
+    """One server, SIGTERM with a 1 s timeout while 32 streams queue: every stream finished, ended with an error
+    in the stream, or was refused with a 503; -> (finished, ended in the stream, refused)."""
     # One sequence at a time: 32 streams x 480 tokens queue ~15,000 decode steps, which no machine runs within the
     # 1 s timeout (an idle CI core runs the tiny model at ~1,600 tok/s). The signal comes once most are queued.
     count, max_tokens = 32, 480
+    tmp_path.mkdir(parents=True, exist_ok=True)
     server = launch(tiny_llama_dir, ["--shutdown-timeout", "1", "--max-num-seqs", "1"], robust_env,
                     str(tmp_path / "server.log"))
     try:
@@ -185,9 +199,9 @@ def test_shutdown_timeout_ends_what_is_left_with_an_error(tiny_llama_dir: str, r
                 assert finishes == ["length"] and events[-2]["usage"]["completion_tokens"] == max_tokens, events[-3:]
                 done += 1
         counts = (done, in_stream_errors, refused)
-        # The stream running at the timeout ends with an error in the stream (it had started: the first one did
-        # before the signal); everything else either finished or was refused.
-        assert sum(counts) == count and in_stream_errors >= 1, counts
+        # Everything either finished, ended with an error in its stream, or was refused.
+        assert sum(counts) == count, counts
         assert "shutdown timeout: ending" in server.log()
+        return counts
     finally:
         stop(server.proc, signal.SIGKILL)
