@@ -122,6 +122,22 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, sorted_ptr, starts_ptr, off0, off1, of
 
 
 @triton.jit
+def store_partial_and_fold(part, part_ptr, index, stride_part, row_off, offs, ok, h_row_ptr, counter_ptr,
+                           NUM: tl.constexpr, PAD: tl.constexpr):
+    """Store one program's partial sums of a row (part_ptr + index * stride_part + row_off + offs) and count it in the
+    row's counter: the last of the row's NUM programs adds the NUM partials up in index order into h_row_ptr + offs
+    (the same sum whatever order they finished in) and resets the counter for the next kernel."""
+    tl.store(part_ptr + index * stride_part + row_off + offs, part, mask=ok)
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if done == NUM - 1:
+        acc = tl.zeros((PAD,), dtype=tl.float32)
+        for i in range(NUM):
+            acc += tl.load(part_ptr + i * stride_part + row_off + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(h_row_ptr + offs, acc, mask=ok)
+        tl.atomic_xchg(counter_ptr, 0)
+
+
+@triton.jit
 def _shrink_rows_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, h_ptr, counter_ptr, NR, K,
                         stride_xm, stride_as, stride_an, stride_ps, stride_pm, stride_hm,
                         KS: tl.constexpr, NR_PAD: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
@@ -141,15 +157,8 @@ def _shrink_rows_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, h_ptr, counter_ptr, NR
     if slot >= 0:
         x = tl.load(x_ptr + t * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         part = tl.sum(a.to(tl.float32) * x[None, :], axis=1)
-        tl.store(part_ptr + split * stride_ps + t * stride_pm + offs_n, part, mask=n_ok)
-        done = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel")
-        if done == SPLIT - 1:
-            acc = tl.zeros((NR_PAD,), dtype=tl.float32)
-            for s in range(SPLIT):
-                acc += tl.load(part_ptr + s * stride_ps + t * stride_pm + offs_n, mask=n_ok, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(h_ptr + t * stride_hm + offs_n, acc, mask=n_ok)
-            tl.atomic_xchg(counter_ptr + t, 0)
+        store_partial_and_fold(part, part_ptr, split, stride_ps, t * stride_pm, offs_n, n_ok, h_ptr + t * stride_hm,
+                               counter_ptr + t, SPLIT, NR_PAD)
 
 
 # Most tokens for lora_shrink_rows (a decode step's few rows); a counter per token.
@@ -230,15 +239,8 @@ def _expand_rows_kernel(h_ptr, b_ptr, out_ptr, act_ptr, slot_ptr, N, s1, s2,
         if FOLD:
             if has:
                 part = tl.sum(a2 * tl.where(c_ok, act.to(tl.float32), 0.0)[None, :], axis=1)
-                tl.store(part2_ptr + pid * stride_p2c + t * stride_p2m + offs_q, part, mask=q_ok)
-                done = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel")
-                if done == NUM_C - 1:
-                    acc = tl.zeros((NR2_PAD,), dtype=tl.float32)
-                    for c in range(NUM_C):
-                        acc += tl.load(part2_ptr + c * stride_p2c + t * stride_p2m + offs_q, mask=q_ok, other=0.0,
-                                       cache_modifier=".cg")
-                    tl.store(h2_ptr + t * stride_h2m + offs_q, acc, mask=q_ok)
-                    tl.atomic_xchg(counter_ptr + t, 0)
+                store_partial_and_fold(part, part2_ptr, pid, stride_p2c, t * stride_p2m, offs_q, q_ok,
+                                       h2_ptr + t * stride_h2m, counter_ptr + t, NUM_C, NR2_PAD)
     else:
         cur = tl.load(out_ptrs, mask=c_ok & has, other=0.0).to(tl.float32)
         tl.store(out_ptrs, (cur + tl.sum(b * h, axis=0)).to(out_ty), mask=c_ok & has)

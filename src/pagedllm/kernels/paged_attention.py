@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.lora import store_partial_and_fold
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 LOG2E = 1.4426950408889634
@@ -440,15 +441,8 @@ def _decode_reduce_kernel(
     if FOLD:
         if slot >= 0:  # this head's share of A[slot] @ out[seq]; the last head of the row adds them up in order
             part = tl.sum(a * out.to(tl.float32)[None, :], axis=1)
-            tl.store(fold_part_ptr + head * stride_fp_head + seq * stride_fp_seq + offs_q, part, mask=q_ok)
-            done = tl.atomic_add(counter_ptr + seq, 1, sem="acq_rel")
-            if done == NUM_HEADS - 1:
-                acc = tl.zeros((NR_PAD,), dtype=tl.float32)
-                for hd in range(NUM_HEADS):
-                    acc += tl.load(fold_part_ptr + hd * stride_fp_head + seq * stride_fp_seq + offs_q, mask=q_ok,
-                                   other=0.0, cache_modifier=".cg")
-                tl.store(h_ptr + seq * stride_hm + offs_q, acc, mask=q_ok)
-                tl.atomic_xchg(counter_ptr + seq, 0)
+            store_partial_and_fold(part, fold_part_ptr, head, stride_fp_head, seq * stride_fp_seq, offs_q, q_ok,
+                                   h_ptr + seq * stride_hm, counter_ptr + seq, NUM_HEADS, NR_PAD)
 
 
 @dataclass
