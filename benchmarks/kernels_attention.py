@@ -244,11 +244,23 @@ def few_rows_table(batches: list[int], ctxs: list[int]) -> None:
                           f"{kv_bytes(batch, ctx) / ms / 1e6:.0f} |", flush=True)
 
 
-def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto") -> None:
+def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto", quick: bool = False,
+              fp8_reads: tuple[str, ...] = ("default",)) -> None:
     """Decode at one head layout (`--gqa-sweep 32/4`: Qwen3-30B-A3B's 8 query heads per kv head) and batch sizes of
     a throughput run, every context ctx +- 5%: tile width x pipeline stages x warps x splits, against the default
     the engine picks (`decode_num_splits`, `decode_block_n`, 4 warps, 3 stages). `--kv-dtype fp8`: an E4M3 cache
-    (the kernels widen what they load), with 128-position tiles tried too."""
+    (the kernels widen what they load), with 128-position tiles tried too; `--fp8-read fp16 bf16 fp16-kt ...` sweeps
+    each way the kernels may read it (paged_attention.FP8_KV_COMPUTE / FP8_K_TRANSPOSED). `--quick`: 4 warps only."""
+    from pagedllm.kernels import paged_attention
+
+    for read in fp8_reads:
+        if read != "default":
+            paged_attention.FP8_KV_COMPUTE = read.split("-")[0]
+            paged_attention.FP8_K_TRANSPOSED = read.endswith("-kt")
+        _gqa_sweep_one(heads, batches, ctx, kv_dtype, quick, read)
+
+
+def _gqa_sweep_one(heads: str, batches: list[int], ctx: int, kv_dtype: str, quick: bool, read: str) -> None:
     import itertools
     import random
 
@@ -263,7 +275,7 @@ def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto") 
         cache = cache.to(torch.float8_e4m3fn)
     elem = cache.element_size()
     print(f"\n## Decode sweep, {num_heads} q / {num_kv_heads} kv heads, {cache.dtype} cache, contexts {ctx} +- 5% "
-          "(us; * = default)")
+          f"(us; * = default{'' if read == 'default' else '; read as ' + read})")
     print("| batch | splits | block_n | warps | stages | time (us) | KV GB/s | % of 4.3 TB/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in batches:
@@ -279,8 +291,9 @@ def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto") 
         auto_splits = decode_num_splits(batch, num_kv_heads, DEV, 64, max(lens))
         auto_bn = decode_block_n(DTYPE, D, auto_splits, max(lens))
         ws = (torch.empty(batch * num_heads * 8 * D, device=DEV), torch.empty(batch * num_heads * 8, device=DEV))
-        for splits, block_n, warps, stages in itertools.product(sorted({1, 2, 4, auto_splits}),
-                                                                 (32, 64, 128) if fp8 else (32, 64), (4, 8), (1, 2, 3)):
+        tiles, warp_counts = (32, 64, 128) if fp8 else (32, 64), (4,) if quick else (4, 8)
+        for splits, block_n, warps, stages in itertools.product(sorted({1, 2, 4, auto_splits}), tiles, warp_counts,
+                                                                 (1, 2, 3)):
             if splits > 8:
                 continue
             try:
@@ -303,6 +316,9 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--ctx", type=int, default=530)
     ap.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="the cache of --gqa-sweep")
+    ap.add_argument("--fp8-read", nargs="+", default=["default"],
+                    choices=["default", "fp16", "bf16", "fp16-kt", "bf16-kt"],
+                    help="--gqa-sweep --kv-dtype fp8: how the kernels read the E4M3 cache (each in turn)")
     ap.add_argument("--sweep", action="store_true", help="also run the tuning sweeps")
     ap.add_argument("--quick", action="store_true", help="fewer decode points")
     ap.add_argument("--few-rows", action="store_true",
@@ -311,7 +327,7 @@ def main():
     ap.add_argument("--spread", action="store_true", help="only the spread-context decode table (Qwen3-0.6B heads)")
     args = ap.parse_args()
     if args.gqa_sweep:
-        gqa_sweep(args.gqa_sweep, args.batches, args.ctx, args.kv_dtype)
+        gqa_sweep(args.gqa_sweep, args.batches, args.ctx, args.kv_dtype, args.quick, tuple(args.fp8_read))
         return
     if args.few_rows:
         few_rows_table(args.batches, args.ctxs)

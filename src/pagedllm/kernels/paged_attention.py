@@ -79,6 +79,27 @@ def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+# How a bf16 query reads an E4M3 cache. "fp16": the tiles compute in fp16 (E4M3 widens to fp16 in one conversion
+# instruction per pair, to bf16 in two steps; every E4M3 value is exact in fp16, and q and p gain precision);
+# "bf16": the cache widens to the query's dtype. FP8_K_TRANSPOSED loads K as [dims, positions] for the score dot.
+# Module switches for the A/B (benchmarks/kernels_attention.py --fp8-read).
+FP8_KV_COMPUTE = "fp16"
+FP8_K_TRANSPOSED = False
+
+
+def fp8_read_args(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
+    """The kernels' Q_FP16 / K_T constants for a query and cache dtype (both off unless the cache is E4M3)."""
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    return dict(Q_FP16=fp8 and query_dtype == torch.bfloat16 and FP8_KV_COMPUTE == "fp16",
+                K_T=fp8 and FP8_K_TRANSPOSED)
+
+
+@triton.jit
+def _fp16_query(q):
+    # fp16's range ends at 65504 (bf16's does not): clamp rather than overflow to inf.
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i,  # running state: [M, HEAD_PAD] fp32, [M] fp32 (log2 units), [M] fp32
@@ -95,6 +116,7 @@ def _attend_tile(
     WINDOWED: tl.constexpr = False,
     soft_cap_log2=0.0,  # SOFT_CAP: the cap c in log2 units (c * log2(e)); scores s become c * tanh(s / c)
     SOFT_CAP: tl.constexpr = False,
+    K_T: tl.constexpr = False,  # load K as [HEAD_PAD, BLOCK_N] (no transpose before the dot)
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
@@ -110,22 +132,35 @@ def _attend_tile(
         blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE)
     offs = blk.to(tl.int64) * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_slot + head_off
     ptrs = cache_ptr + offs[:, None] + dims[None, :]
+    if K_T:
+        k_ptrs = cache_ptr + offs[None, :] + dims[:, None]
+    else:
+        k_ptrs = ptrs
     if BOUNDED or WINDOWED:
         # V must be zeroed (not just ignored) past kv_end: stale cache memory may hold NaNs.
         kv_mask = pos_ok[:, None] & (dims < HEAD_SIZE)[None, :]
-        k = tl.load(ptrs, mask=kv_mask, other=0.0)
+        if K_T:
+            k = tl.load(k_ptrs, mask=(dims < HEAD_SIZE)[:, None] & pos_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(ptrs + stride_c_kv, mask=kv_mask, other=0.0)
     elif HEAD_PAD != HEAD_SIZE:
         kv_mask = (pos >= 0)[:, None] & (dims < HEAD_SIZE)[None, :]
-        k = tl.load(ptrs, mask=kv_mask, other=0.0)
+        if K_T:
+            k = tl.load(k_ptrs, mask=(dims < HEAD_SIZE)[:, None] & (pos >= 0)[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(ptrs + stride_c_kv, mask=kv_mask, other=0.0)
     else:
-        k = tl.load(ptrs)
+        k = tl.load(k_ptrs)
         v = tl.load(ptrs + stride_c_kv)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
 
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
+    if K_T:
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if SOFT_CAP:  # qk = s * log2(e), so c * tanh(s / c) * log2(e) = cap * tanh(qk / cap) with cap = c * log2(e)
         qk = soft_cap_log2 * _tanh(qk / soft_cap_log2)
     if WINDOWED:
@@ -172,6 +207,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     WINDOWED: tl.constexpr = False,  # a sliding window (`window` positions)
     SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
+    Q_FP16: tl.constexpr = False, K_T: tl.constexpr = False,  # how an E4M3 cache is read (fp8_read_args)
 ):
     wait_prior_kernel(USE_PDL)
     pid_q = tl.program_id(0)
@@ -199,6 +235,8 @@ def _prefill_kernel(
     tok64 = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=io_mask, other=0.0)
+    if Q_FP16:
+        q = _fp16_query(q)
     q_pos = ctx_len + tok
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -223,20 +261,20 @@ def _prefill_kernel(
                 acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
                 stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
                 BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
-                kv_lo=kv_lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
+                kv_lo=kv_lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T)
         causal_start = tl.maximum(full_end, mid_start)
     for start in range(mid_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T)
     for start in range(causal_start, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -317,7 +355,8 @@ def paged_prefill_attention(
         GQA=gqa, GQA_PAD=gqa_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         DOT_PRECISION=_dot_precision(query.dtype), WINDOWED=sliding_window is not None,
-        SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(query.device),
+        SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps, num_stages=num_stages,
+        **fp8_read_args(query.dtype, kv_cache.dtype), **pdl_launch_args(query.device),
     )
     return output
 
@@ -342,6 +381,7 @@ def _decode_kernel(
     HAS_ORDER: tl.constexpr,  # order_ptr lists the rows longest context first
     USE_PDL: tl.constexpr,
     SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
+    Q_FP16: tl.constexpr = False, K_T: tl.constexpr = False,  # how an E4M3 cache is read (fp8_read_args)
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): programs are dispatched kv head fastest, so with an order every head
@@ -367,6 +407,8 @@ def _decode_kernel(
     io_mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
     seq64 = seq.to(tl.int64)
     q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
+    if Q_FP16:
+        q = _fp16_query(q)
 
     m_i = tl.full([GQA_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GQA_PAD], tl.float32)
@@ -378,7 +420,7 @@ def _decode_kernel(
             acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -578,7 +620,7 @@ def paged_decode_attention(
     common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
                   HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype),
                   HAS_ORDER=order is not None, SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
-                  num_stages=num_stages, **launch)
+                  num_stages=num_stages, **fp8_read_args(query.dtype, kv_cache.dtype), **launch)
     order_arg = seq_lens if order is None else order  # (unread without an order)
     window, soft_cap = kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap)
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
