@@ -32,7 +32,7 @@ cd "$root"
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/int4-out}
 mkdir -p "$out"
-STEP_SUMMARY="one layer|sweep one|best|check.*BAD|correctness|qkv|o |gate_up|down|pagedllm:|hardware|Avg latency"
+STEP_SUMMARY="Throughput|one layer|sweep one|best|check.*BAD|correctness|qkv|o |gate_up|down|pagedllm:|hardware|Avg latency"
 source benchmarks/gpu_step.sh
 lat() {  # lat NAME CONFIG DTYPE BATCH [latency.py options]
     step "lat-$1-b$4" 170 python benchmarks/latency.py --model "benchmarks/configs/$2" --load-format dummy --dtype "$3" \
@@ -115,12 +115,19 @@ p.FP8_KV_COMPUTE, p.FP8_K_TRANSPOSED = '$1', $2
 sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/test_kv_fp8_kernels.py']))"
     done
     step fp8-read-sweep 240 python benchmarks/kernels_attention.py --gqa-sweep 16/8 --batches 64 256 --ctx 768 \
-        --kv-dtype fp8 --quick --fp8-read bf16 fp16 bf16-kt fp16-kt
+        --kv-dtype fp8 --quick --fp8-read ${FP8_READS:-bf16 fp16 bf16-kt fp16-kt}
     grep -E "^#|\*" "$out/fp8-read-sweep.log"
     step nano-kb-fp8 150 python benchmarks/kernel_breakdown.py --model benchmarks/configs/qwen3-0.6b \
         --load-format dummy --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 \
         --max-model-len 2048 --kv-cache-dtype fp8 --top 25 --json "$out/nano-kb-fp8.json"
     grep -A4 "^== all" "$out/nano-kb-fp8.log"
+    ;;
+nano-kv)  # the nano protocol end to end, E4M3 vs bf16 cache (offline_throughput.py, 256 requests, 100..1024 in/out)
+    for kv in fp8 auto; do
+        step "nano-$kv" 200 python benchmarks/offline_throughput.py --model benchmarks/configs/qwen3-0.6b \
+            --load-format dummy --dtype bfloat16 --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
+            --temperature 0.6 --hf none --kv-cache-dtype $kv
+    done
     ;;
 breakdown)  # kernel time by kind, 8B 250 x 512 in / 256 out at temperature 0.8: FP8 and bf16 (logs: the whole table)
     for q in fp8 none; do

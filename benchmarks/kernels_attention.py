@@ -264,7 +264,7 @@ def _gqa_sweep_one(heads: str, batches: list[int], ctx: int, kv_dtype: str, quic
     import itertools
     import random
 
-    from pagedllm.kernels.paged_attention import decode_block_n
+    from pagedllm.kernels.paged_attention import decode_block_n, decode_num_stages
 
     num_heads, num_kv_heads = (int(v) for v in heads.split("/"))
     max_tokens = max(batches) * int(ctx * 1.05 + BS)
@@ -289,7 +289,8 @@ def _gqa_sweep_one(heads: str, batches: list[int], ctx: int, kv_dtype: str, quic
         out = torch.empty_like(q)
         kv = sum(lens) * num_kv_heads * D * 2 * elem
         auto_splits = decode_num_splits(batch, num_kv_heads, DEV, 64, max(lens))
-        auto_bn = decode_block_n(DTYPE, D, auto_splits, max(lens))
+        auto_bn = decode_block_n(DTYPE, D, auto_splits, max(lens), cache.dtype)
+        auto_stages = decode_num_stages(cache.dtype, auto_splits)
         ws = (torch.empty(batch * num_heads * 8 * D, device=DEV), torch.empty(batch * num_heads * 8, device=DEV))
         tiles, warp_counts = (32, 64, 128) if fp8 else (32, 64), (4,) if quick else (4, 8)
         for splits, block_n, warps, stages in itertools.product(sorted({1, 2, 4, auto_splits}), tiles, warp_counts,
@@ -304,7 +305,7 @@ def _gqa_sweep_one(heads: str, batches: list[int], ctx: int, kv_dtype: str, quic
                 print(f"| {batch} | {splits} | {block_n} | {warps} | {stages} | {type(e).__name__} | | |", flush=True)
                 continue
             gbs = kv / ms / 1e6
-            star = "*" if (splits, block_n, warps, stages) == (auto_splits, auto_bn, 4, 3) else ""
+            star = "*" if (splits, block_n, warps, stages) == (auto_splits, auto_bn, 4, auto_stages) else ""
             print(f"| {batch} | {splits} | {block_n} | {warps} | {stages} | {ms * 1e3:.1f}{star} | {gbs:.0f} | "
                   f"{100 * gbs / PEAK_GBS:.0f}% |", flush=True)
 

@@ -221,7 +221,7 @@ def test_decode_cuda_graph_replay(num_seqs):
 def test_decode_splits_follow_the_context_bucket():
     """Short contexts cap the split count (empty split programs are not free); graphs are captured per bucket."""
     from pagedllm.kernels.paged_attention import (SHORT_CONTEXT_LEN, SHORT_CONTEXT_MAX_SPLITS, TINY_CONTEXT_LEN,
-                                                  decode_block_n, decode_num_splits)
+                                                  decode_block_n, decode_num_splits, decode_num_stages)
 
     dev = torch.device(DEVICE)
     full = decode_num_splits(1, 8, dev, 64)
@@ -234,6 +234,12 @@ def test_decode_splits_follow_the_context_bucket():
     assert decode_block_n(torch.bfloat16, 128, 16, TINY_CONTEXT_LEN) == 32
     assert decode_block_n(torch.bfloat16, 128, 16, TINY_CONTEXT_LEN + 1) == 64
     assert decode_block_n(torch.bfloat16, 128, 1, 100) == 64  # one split per request: full tiles
+    # An E4M3 cache: tiles of twice the positions (the same bytes), 2 pipeline stages when the context is split.
+    fp8 = torch.float8_e4m3fn
+    assert decode_block_n(torch.bfloat16, 128, 2, 4096, fp8) == 128
+    assert decode_block_n(torch.bfloat16, 128, 16, TINY_CONTEXT_LEN, fp8) == 32
+    assert decode_num_stages(fp8, 2) == 2 and decode_num_stages(fp8, 1) == 3
+    assert decode_num_stages(torch.bfloat16, 2) == 3
     assert backend.graph_seq_len_buckets(1, 8, 8192, dev) == [TINY_CONTEXT_LEN, SHORT_CONTEXT_LEN, 8192]
     assert backend.graph_seq_len_buckets(1, 8, 1024, dev) == [TINY_CONTEXT_LEN, 1024]
     assert backend.graph_seq_len_buckets(1, 8, 400, dev) == [400]

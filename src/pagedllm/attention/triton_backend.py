@@ -180,7 +180,7 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, scale,
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
-                block_n=decode_block_n(query.dtype, head_size, num_splits, keys),
+                block_n=decode_block_n(query.dtype, head_size, num_splits, keys, kv_cache.dtype),
                 order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, shrink=output_shrink)
         else:

@@ -527,13 +527,20 @@ SHORT_CONTEXT_MAX_SPLITS = 16
 TINY_CONTEXT_LEN = 512
 
 
-def decode_block_n(dtype: torch.dtype, head_size: int, num_splits: int, max_seq_len: Optional[int] = None) -> int:
-    """K/V positions per tile of the decode kernel."""
+def decode_block_n(dtype: torch.dtype, head_size: int, num_splits: int, max_seq_len: Optional[int] = None,
+                   cache_dtype: Optional[torch.dtype] = None) -> int:
+    """K/V positions per tile of the decode kernel (an E4M3 cache: twice as many, the same bytes per tile)."""
     if dtype == torch.float32 or triton.next_power_of_2(head_size) > 128:
         return 32
     if num_splits > 1 and max_seq_len is not None and max_seq_len <= TINY_CONTEXT_LEN:
         return 32
-    return 64
+    return 128 if cache_dtype == torch.float8_e4m3fn else 64
+
+
+def decode_num_stages(cache_dtype: torch.dtype, num_splits: int) -> int:
+    """Pipeline stages of the decode kernel: 3, or 2 for an E4M3 cache's 128-position tiles when the context is
+    split (the sweep of kernels_attention.py --gqa-sweep --kv-dtype fp8)."""
+    return 2 if cache_dtype == torch.float8_e4m3fn and num_splits > 1 else 3
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 64,
@@ -592,7 +599,7 @@ def paged_decode_attention(
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: Optional[int] = None,  # decode_num_stages
     order: Optional[torch.Tensor] = None,  # [>= num_seqs] int32: a permutation of the rows, longest context first
     sliding_window: Optional[int] = None,  # the query (at seq_len - 1) sees only the last sliding_window keys
     logits_soft_cap: Optional[float] = None,  # scores s become c * tanh(s / c) (Gemma 2)
@@ -615,7 +622,9 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device)
     if block_n is None:
-        block_n = decode_block_n(query.dtype, head_size, num_splits)
+        block_n = decode_block_n(query.dtype, head_size, num_splits, cache_dtype=kv_cache.dtype)
+    if num_stages is None:
+        num_stages = decode_num_stages(kv_cache.dtype, num_splits)
     launch = pdl_launch_args(query.device)
     common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
                   HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype),
