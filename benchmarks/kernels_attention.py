@@ -288,7 +288,7 @@ def _gqa_sweep_one(heads: str, batches: list[int], ctx: int, kv_dtype: str, quic
         q = torch.randn(batch, num_heads, D, device=DEV, dtype=DTYPE)
         out = torch.empty_like(q)
         kv = sum(lens) * num_kv_heads * D * 2 * elem
-        auto_splits = decode_num_splits(batch, num_kv_heads, DEV, 64, max(lens))
+        auto_splits = decode_num_splits(batch, num_kv_heads, DEV, 64, max(lens), cache.dtype)
         auto_bn = decode_block_n(DTYPE, D, auto_splits, max(lens), cache.dtype)
         auto_stages = decode_num_stages(cache.dtype, auto_splits)
         ws = (torch.empty(batch * num_heads * 8 * D, device=DEV), torch.empty(batch * num_heads * 8, device=DEV))

@@ -173,7 +173,8 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.max_query_len == 1:
             # A query sees at most its window: split and tile for that (host values, fixed in a captured graph).
             keys = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
-            num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits, keys)
+            num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits, keys,
+                                           kv_cache.dtype)
             workspace = None
             if num_splits > 1:
                 workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device)

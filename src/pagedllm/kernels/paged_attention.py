@@ -544,14 +544,15 @@ def decode_num_stages(cache_dtype: torch.dtype, num_splits: int) -> int:
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 64,
-                      max_seq_len: Optional[int] = None) -> int:
+                      max_seq_len: Optional[int] = None, cache_dtype: Optional[torch.dtype] = None) -> int:
     """Splits per (request, kv head): the largest power of two keeping num_seqs * kv_heads * splits
-    <= 8 programs per SM (powers of two cut typical contexts into even slices), at most
-    SHORT_CONTEXT_MAX_SPLITS when every context is <= SHORT_CONTEXT_LEN (max_seq_len, an upper bound).
+    <= 8 programs per SM (16 with an E4M3 cache, whose tiles wait on conversions more than on memory), powers of two
+    cutting typical contexts into even slices, at most SHORT_CONTEXT_MAX_SPLITS when every context is <=
+    SHORT_CONTEXT_LEN (max_seq_len, an upper bound).
 
-    Depends only on values fixed for a captured CUDA graph (batch size, heads, device, context bucket).
+    Depends only on values fixed for a captured CUDA graph (batch size, heads, device, cache, context bucket).
     """
-    target = _DECODE_PROGRAMS_PER_SM * sm_count(device)
+    target = _DECODE_PROGRAMS_PER_SM * sm_count(device) * (2 if cache_dtype == torch.float8_e4m3fn else 1)
     ratio = target // max(1, num_seqs * num_kv_heads)
     if ratio <= 1:
         return 1
@@ -562,8 +563,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
 
 def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, device: torch.device,
                            max_splits: int = 64) -> tuple[int, int]:
-    """Worst-case (part_out, part_lse) element counts over every batch size; allocate once."""
-    target = _DECODE_PROGRAMS_PER_SM * sm_count(device)
+    """Worst-case (part_out, part_lse) element counts over every batch size and cache dtype; allocate once."""
+    target = 2 * _DECODE_PROGRAMS_PER_SM * sm_count(device)
     # splits > 1 only when num_seqs * kv_heads * splits <= target, so num_seqs * splits <= target / kv_heads.
     rows = triton.cdiv(target, num_kv_heads) + 1
     return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
@@ -620,7 +621,7 @@ def paged_decode_attention(
     gqa_pad = max(16, triton.next_power_of_2(gqa))  # tl.dot needs M >= 16
     head_pad = triton.next_power_of_2(head_size)
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, cache_dtype=kv_cache.dtype)
     if block_n is None:
         block_n = decode_block_n(query.dtype, head_size, num_splits, cache_dtype=kv_cache.dtype)
     if num_stages is None:
