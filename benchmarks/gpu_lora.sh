@@ -12,8 +12,8 @@
 #                                           # breakdown with 4 adapters, 8B throughput rank 16, 0.6B rank 64
 #   bash benchmarks/gpu_lora.sh slots       # the general kernels' GPU tests and the engine's, Qwen3-0.6B and 8B
 #                                           # throughput rank 16 (4 and 16 adapters)
-#   bash benchmarks/gpu_lora.sh fold        # the shrink folds' GPU tests, then 8B batch-1 latency rank 16 with the o /
-#                                           # down shrinks separate vs folded (attention reduce / gate_up expand + SiLU)
+#   bash benchmarks/gpu_lora.sh fold        # the o fold's GPU tests, then 8B batch-1 latency rank 16 with o_proj's
+#                                           # shrink separate vs folded into the attention's reduce
 #   bash benchmarks/gpu_lora.sh normshrink  # Qwen3-0.6B / 8B throughput rank 16 with the norm computing the qkv / gate_up
 #                                           # shrink up to 256 rows (the A/B of lora.layers.NORM_SHRINK_MAX_ROWS, now 8)
 #   bash benchmarks/gpu_lora.sh breakdown16 # the breakdown with 16 adapters: Qwen3-0.6B, then Llama-3-8B (128 x 512/512)
@@ -60,7 +60,7 @@ slots)
     ;;
 fold)
     step fold-tests 200 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py \
-        -k "silu_fold or output_shrink or shrink_folds"
+        -k "output_shrink"
     step fold-latency 450 python benchmarks/lora.py latency --model benchmarks/configs/llama3-8b --rank 16 --ab-fold \
         --json "$out/fold-latency.json"
     ;;

@@ -112,14 +112,13 @@ def throughput(args, hf_config, adapters) -> dict:
 def latency(args, adapters) -> dict:
     from pagedllm.lora import layers
 
-    if args.ab_fold:  # the few-row path with the o / down shrinks separate, then folded into the kernels before
-        results = {}
-        for name, down, o in (("rows", False, False), ("fold-down", True, False), ("fold-o", False, True),
-                              ("fold-both", True, True)):
-            layers.FOLD_DOWN_SHRINK, layers.FOLD_O_SHRINK = down, o
-            print(f"LoRA few-row path {name} (lora.layers.FOLD_DOWN_SHRINK={down}, FOLD_O_SHRINK={o}):", flush=True)
+    if args.ab_fold:  # the few-row path with o_proj's shrink separate, then folded into the attention's reduce
+        results, default = {}, layers.FOLD_O_SHRINK
+        for name, o in (("rows", False), ("fold-o", True)):
+            layers.FOLD_O_SHRINK = o
+            print(f"LoRA few-row path {name} (lora.layers.FOLD_O_SHRINK={o}):", flush=True)
             results[name] = latency_one(args, adapters)
-        layers.FOLD_DOWN_SHRINK = layers.FOLD_O_SHRINK = False
+        layers.FOLD_O_SHRINK = default
         return results
     if not args.ab:
         return latency_one(args, adapters)
@@ -188,8 +187,8 @@ def main(argv=None):
     p.add_argument("--ab", action="store_true",
                    help="latency: the few-row path and the general kernels (lora.layers.FUSED_DECODE), an engine each")
     p.add_argument("--ab-fold", action="store_true",
-                   help="latency: the o / down shrinks separate and folded into the decode attention's reduce / "
-                        "gate_up's expand + SiLU (lora.layers.FOLD_O_SHRINK, FOLD_DOWN_SHRINK), an engine each")
+                   help="latency: o_proj's shrink separate and folded into the decode attention's reduce "
+                        "(lora.layers.FOLD_O_SHRINK), an engine each")
     p.add_argument("--norm-shrink-max-rows", type=int, default=None,
                    help="A/B: most rows for which the RMSNorm computes the qkv / gate_up shrink "
                         "(lora.layers.NORM_SHRINK_MAX_ROWS; beyond, the general shrink kernel)")

@@ -124,17 +124,6 @@ def test_expand_rows_matches_reference(case, rank, dtype, stale_cuda_memory):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rank", [16, 64])
-@pytest.mark.parametrize("case", [(1, 2, 14336, 1), (16, 4, 4864, 2), (3, 3, 3072, 1)])
-def test_expand_silu_fold_matches_reference(case, rank, dtype, stale_cuda_memory):
-    """gate_up's expand + SiLU that also computes down_proj's shrink (lora.layers.FOLD_DOWN_SHRINK)."""
-    from tests.lora.lora_kernel_cases import check_expand_silu_fold_case
-
-    tokens, slots, n, split = case
-    check_expand_silu_fold_case(tokens, slots, n, rank, rank, rank, dtype, "cuda", split=split, seed=rank)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("case", [(1, 2, 32, 8, 128, 16), (16, 4, 32, 8, 128, 8), (5, 3, 16, 8, 64, 4)])
 def test_output_shrink_matches_reference(case, rank, dtype):
     """o_proj's shrink computed by the split-KV decode attention's reduce kernel (lora.layers.FOLD_O_SHRINK)."""
@@ -275,32 +264,25 @@ def _same_tokens_and_logprobs(ref, got, margin: float) -> int:
     return compared
 
 
-@pytest.mark.parametrize("folds", [("FOLD_DOWN_SHRINK",), ("FOLD_O_SHRINK",), ("FOLD_DOWN_SHRINK", "FOLD_O_SHRINK")])
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_engine_shrink_folds_match_separate_shrinks(tiny_llama_dir, adapters, enforce_eager, folds, monkeypatch):
-    """The few-row path with down_proj's shrink computed by gate_up's expand + SiLU kernel and / or o_proj's by the
-    decode attention's reduce kernel gives the separate few-token shrinks' tokens and logprobs (up to the fp32
-    summation order of the shrink)."""
-    ref, _ = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
-    for flag in folds:
-        monkeypatch.setattr(lora_layers, flag, True)
-    from pagedllm.kernels import lora as lora_kernels
+def test_engine_output_shrink_fold_matches_separate_shrink(tiny_llama_dir, adapters, enforce_eager, monkeypatch):
+    """The few-row path with o_proj's shrink computed by the decode attention's reduce kernel (the default,
+    lora.layers.FOLD_O_SHRINK) gives the separate few-token shrink's tokens and logprobs (up to the fp32 summation
+    order of the shrink)."""
     from pagedllm.lora.layers import LoRALinear
 
-    calls = {"down": 0, "o": 0}
-    fold_down, take = lora_kernels.lora_expand_silu_fold, LoRALinear.take_output_shrink
-
-    def counted_down(*args, **kwargs):
-        calls["down"] += 1
-        return fold_down(*args, **kwargs)
+    assert lora_layers.FOLD_O_SHRINK
+    monkeypatch.setattr(lora_layers, "FOLD_O_SHRINK", False)
+    ref, _ = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
+    monkeypatch.setattr(lora_layers, "FOLD_O_SHRINK", True)
+    calls = {"o": 0}
+    take = LoRALinear.take_output_shrink
 
     def counted_o(self, *args, **kwargs):
         calls["o"] += 1
         return take(self, *args, **kwargs)
 
-    monkeypatch.setattr(lora_kernels, "lora_expand_silu_fold", counted_down)
     monkeypatch.setattr(LoRALinear, "take_output_shrink", counted_o)
     got, _ = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
-    assert (calls["down"] > 0) == ("FOLD_DOWN_SHRINK" in folds), calls  # (graphs: at least while capturing)
-    assert (calls["o"] > 0) == ("FOLD_O_SHRINK" in folds), calls
+    assert calls["o"] > 0, calls  # (graphs: at least while capturing)
     _same_tokens_and_logprobs(ref, got, 0.02)

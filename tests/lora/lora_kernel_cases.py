@@ -147,29 +147,6 @@ def check_expand_rows_case(num_tokens, num_slots, slices, rank, max_rank, dtype,
     torch.testing.assert_close(act.float().cpu(), ref_act, atol=tol * 4, rtol=tol * 2)
 
 
-def check_expand_silu_fold_case(num_tokens, num_slots, n, rank, max_rank, nr2, dtype, device, split=1, seed=0) -> None:
-    """kernels/lora.lora_expand_silu_fold: act equal to lora_expand_rows(silu=True)'s, bit for bit, and h2 the
-    reference shrink of that act by A2 (the down projection's A), twice in a row (the counters left at zero)."""
-    from pagedllm.kernels import lora as kernels
-
-    x, a, b, slots, _, out = build_case(num_tokens, num_slots, 32, [n, n], rank, max_rank, dtype, device, seed)
-    ref_h = kernels.lora_shrink_ref(x.cpu(), a.cpu(), slots)
-    h = _split_partials(ref_h, split, seed).to(device)
-    gen = torch.Generator().manual_seed(seed + 11)
-    a2 = (torch.randn(num_slots, nr2, n, generator=gen) * 0.1).to(dtype).to(device)
-    counters = torch.zeros(num_tokens + 2, dtype=torch.int32, device=device)
-    want_act = kernels.lora_expand_rows(h, b, out.clone(), slots.to(device), silu=True)
-    has = slots >= 0
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for _ in range(2):
-        act, h2 = kernels.lora_expand_silu_fold(h, b, out.clone(), slots.to(device), a2, counters)
-        assert torch.equal(act, want_act), "the fold changed the activation"
-        assert h2.shape == (1, num_tokens, nr2)
-        ref_h2 = kernels.lora_shrink_ref(act.cpu(), a2.cpu(), slots)
-        torch.testing.assert_close(h2[0].cpu()[has], ref_h2[has], atol=tol, rtol=tol)
-        assert torch.all(counters.cpu() == 0), counters
-
-
 def check_output_shrink_case(num_tokens, num_slots, num_heads, num_kv_heads, head_size, rank, max_rank, dtype, device,
                              num_splits=2, seed=0) -> None:
     """kernels/paged_attention.paged_decode_attention(shrink=): the split-KV reduce also computes o_proj's LoRA shrink

@@ -191,16 +191,12 @@ def lora_shrink_rows(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor
 @triton.jit
 def _expand_rows_kernel(h_ptr, b_ptr, out_ptr, act_ptr, slot_ptr, N, s1, s2,
                         stride_hs, stride_hm, stride_bs, stride_br, stride_om, stride_am,
-                        a2_ptr, part2_ptr, h2_ptr, counter_ptr, NR2, stride_a2s, stride_a2n, stride_p2c, stride_p2m,
-                        stride_h2m,
                         R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SILU: tl.constexpr,
-                        FOLD: tl.constexpr, NR2_PAD: tl.constexpr, NUM_C: tl.constexpr, USE_PDL: tl.constexpr):
+                        USE_PDL: tl.constexpr):
     """Program (column block, t): out[t, cols] += h[t] @ B[slot(t)][:, cols], each column with its slice's h (slices
     start at columns s1, s2). SILU: out holds [gate; up] (N columns each); act[t, cols] = silu(gate + its delta)
     * (up + its delta), rounded as the unfused layers round. B is loaded before the PDL wait (the slot table and B
-    are written before the forward starts). FOLD (with SILU): also the next layer's shrink of act, A2[slot(t)] @
-    act[t], from partial sums per column block that the last program of t (a counter per token, reset by it) adds up
-    in block order into h2[t]; A2's tile is loaded before the wait too."""
+    are written before the forward starts)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,11 +212,6 @@ def _expand_rows_kernel(h_ptr, b_ptr, out_ptr, act_ptr, slot_ptr, N, s1, s2,
         h_rows = offs_r[:, None] + 0 * cols[None, :]
     else:
         h_rows = ((cols >= s1).to(tl.int32) + (cols >= s2).to(tl.int32))[None, :] * R + offs_r[:, None]
-    if FOLD:
-        offs_q = tl.arange(0, NR2_PAD)
-        q_ok = offs_q < NR2
-        a2 = tl.load(a2_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_a2s + offs_q[:, None] * stride_a2n
-                     + cols[None, :], mask=q_ok[:, None] & c_ok[None, :] & has, other=0.0).to(tl.float32)
     wait_prior_kernel(USE_PDL)
     h = tl.zeros((R, BLOCK_N), dtype=tl.float32)
     h_up = tl.zeros((R, BLOCK_N), dtype=tl.float32)
@@ -236,11 +227,6 @@ def _expand_rows_kernel(h_ptr, b_ptr, out_ptr, act_ptr, slot_ptr, N, s1, s2,
         g = gate.to(tl.float32)
         act = ((g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32) * up.to(tl.float32)).to(out_ty)
         tl.store(act_ptr + t * stride_am + cols, act, mask=c_ok)
-        if FOLD:
-            if has:
-                part = tl.sum(a2 * tl.where(c_ok, act.to(tl.float32), 0.0)[None, :], axis=1)
-                store_partial_and_fold(part, part2_ptr, pid, stride_p2c, t * stride_p2m, offs_q, q_ok,
-                                       h2_ptr + t * stride_h2m, counter_ptr + t, NUM_C, NR2_PAD)
     else:
         cur = tl.load(out_ptrs, mask=c_ok & has, other=0.0).to(tl.float32)
         tl.store(out_ptrs, (cur + tl.sum(b * h, axis=0)).to(out_ty), mask=c_ok & has)
@@ -256,18 +242,6 @@ def lora_expand_rows(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, token_
     out [T, N_total], token_slots [>= T] (-1: none). Adds each token's delta to out in place (slices start at
     `slice_starts`), or with `silu` (out = [gate; up], 2 slices of N_total / 2) returns silu(gate') * up' [T, N/2]
     of the adapted gate' and up' (out is left as it was)."""
-    return _expand_rows(h, b, out, token_slots, slice_starts, silu, None)[0]
-
-
-def lora_expand_silu_fold(h: torch.Tensor, b: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor,
-                          a2: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """lora_expand_rows(silu=True) that also computes the next layer's shrink of the activation (the down
-    projection's A2 [S, NR2, N_total / 2]): -> (act [T, N/2], h2 [1, T, NR2] fp32, rows without an adapter unset).
-    counters [>= T] int32 zeros (left zero), as lora_shrink_rows'."""
-    return _expand_rows(h, b, out, token_slots, (), True, (a2, counters))
-
-
-def _expand_rows(h, b, out, token_slots, slice_starts, silu, fold):
     num_tokens, n_total = out.shape
     split, _, nr = h.shape
     r = b.shape[1]
@@ -277,26 +251,12 @@ def _expand_rows(h, b, out, token_slots, slice_starts, silu, fold):
     assert nr == (len(starts) + 1) * r and len(starts) <= 2 and h.stride(-1) == 1, (h.shape, b.shape, starts)
     starts += [n_total] * (2 - len(starts))
     act = torch.empty((num_tokens, n), dtype=out.dtype, device=out.device) if silu else out
-    num_c = triton.cdiv(n, _EXPAND_ROWS_BLOCK_N)
-    h2 = None
-    if fold is not None:
-        a2, counters = fold
-        assert a2.is_contiguous() and a2.shape[2] == n and counters.numel() >= num_tokens, (a2.shape, n)
-        nr2 = a2.shape[1]
-        part2 = torch.empty((num_c, num_tokens, nr2), dtype=torch.float32, device=out.device)
-        h2 = torch.empty((1, num_tokens, nr2), dtype=torch.float32, device=out.device)
-        fold_args = (a2, part2, h2, counters, nr2, a2.stride(0), a2.stride(1), part2.stride(0), part2.stride(1),
-                     h2.stride(1))
-        nr2_pad = max(16, triton.next_power_of_2(nr2))
-    else:
-        fold_args = (out, out, out, token_slots, 0, 0, 0, 0, 0, 0)  # (unread)
-        nr2_pad = 16
     if num_tokens:
-        _expand_rows_kernel[(num_c, num_tokens)](
+        _expand_rows_kernel[(triton.cdiv(n, _EXPAND_ROWS_BLOCK_N), num_tokens)](
             h, b, out, act, token_slots, n, starts[0], starts[1], h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-            out.stride(0), act.stride(0), *fold_args, R=r, SPLIT=split, BLOCK_N=_EXPAND_ROWS_BLOCK_N, SILU=silu,
-            FOLD=fold is not None, NR2_PAD=nr2_pad, NUM_C=num_c, num_warps=4, **pdl_launch_args(out.device))
-    return (act if silu else None), h2
+            out.stride(0), act.stride(0), R=r, SPLIT=split, BLOCK_N=_EXPAND_ROWS_BLOCK_N, SILU=silu, num_warps=4,
+            **pdl_launch_args(out.device))
+    return act if silu else None
 
 
 def shrink_split(num_tokens: int, k: int) -> int:

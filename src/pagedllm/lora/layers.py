@@ -35,12 +35,9 @@ from pagedllm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColu
 FUSED_DECODE = True
 # Most rows for which a norm computes its consumer's shrink (beyond, the shrink kernel reads A once per slot).
 NORM_SHRINK_MAX_ROWS = 8
-# The few-row path's gate_up expand + SiLU also computes down_proj's shrink of the activation, and the split-KV
-# decode attention's reduce kernel o_proj's shrink of its output (a launch less per decoder layer each). Off until
-# measured on a GPU against the separate few-token shrinks (benchmarks/lora.py latency --ab-fold,
-# benchmarks/gpu_lora.sh fold).
-FOLD_DOWN_SHRINK = False
-FOLD_O_SHRINK = False
+# The split-KV decode attention's reduce kernel computes o_proj's shrink of its output on few-row steps (a launch
+# less per decoder layer). False: the separate few-token shrink (the A/B: benchmarks/lora.py latency --ab-fold).
+FOLD_O_SHRINK = True
 
 
 @dataclass
@@ -189,12 +186,6 @@ class LoRALinear(nn.Module):
         out = base.linear_method.apply(base, x, bias)
         slots = self.state.token_slots
         if gated:
-            down = self.__dict__.get("fold_consumer")  # set by manager.link_folds: the MLP's down_proj
-            if FOLD_DOWN_SHRINK and down is not None and down.lora_a.shape[2] == spans[0][1]:
-                act, h2 = kernels.lora_expand_silu_fold(h, self.lora_b, out, slots, down.lora_a,
-                                                        self.state.split_counters)
-                down._pending = (act, h2)  # taken by down_proj for this activation only
-                return act
             return kernels.lora_expand_rows(h, self.lora_b, out, slots, silu=True)
         kernels.lora_expand_rows(h, self.lora_b, out, slots, tuple(off for off, _ in spans[1:]))
         return out

@@ -56,7 +56,6 @@ def wrap_lora_layers(model: nn.Module, state: LoRABatchState, num_slots: int, ra
     if not wrapped:
         raise ValueError(f"enable_lora: {type(model).__name__} has no linear layer LoRA can adapt.")
     link_norms(model)
-    link_folds(model)
     link_attention_outputs(model)
     return wrapped
 
@@ -67,15 +66,6 @@ def link_norms(model: nn.Module) -> None:
     for norm, layer in fed_norms(model):
         if isinstance(layer, LoRALinear):
             norm.__dict__["shrink_consumer"] = layer  # a plain reference, not a submodule of the norm
-
-
-def link_folds(model: nn.Module) -> None:
-    """Point each gated MLP's wrapped gate_up_proj at its wrapped down_proj, so that few-row steps may compute the
-    down projection's shrink in gate_up's expand + SiLU kernel (layers.FOLD_DOWN_SHRINK)."""
-    for module in model.modules():
-        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if getattr(module, "fuse_silu", False) and isinstance(gate_up, LoRALinear) and isinstance(down, LoRALinear):
-            gate_up.__dict__["fold_consumer"] = down  # a plain reference, not a submodule
 
 
 def link_attention_outputs(model: nn.Module) -> None:
