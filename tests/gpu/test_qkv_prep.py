@@ -138,6 +138,40 @@ def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     _close(cache_a.nan_to_num(0.0), cache_b.nan_to_num(0.0), dtype)
 
 
+@pytest.mark.parametrize("specs", [[(0, 37), (100, 50), (500, 1)], [(n - 1, 1) for n in (1, 17, 64, 65, 1000)],
+                                   [(n - 1, 1) for n in [700] * 40]], ids=["mixed", "decode", "decode-one-split"])
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=["bf16", "fp16", "fp32"])
+def test_backend_fused_path_with_kv_scales_matches_unfused(specs, dtype):
+    """An FP8 cache with per-layer scales through forward_qkv (the kernels multiply their output by v_scale: prefill,
+    decode with one split and split, i.e. the reduce) == the unfused path: forward(q * k_scale, k / k_scale,
+    v / v_scale) times v_scale, as Attention.forward runs it."""
+    num_heads, num_kv_heads, head_size, block_size = 16, 8, 128, 16
+    batch = build_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
+    md = batch.metadata
+    num_tokens = batch.query.shape[0]
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.cat([torch.arange(seq_len - query_len, seq_len) for (_, query_len), seq_len
+                           in zip(specs, md.seq_lens_cpu)]).to(DEVICE)
+    rope = get_rope(head_size, 8192, {"rope_type": "default", "rope_theta": 1e6})
+    cos_sin = rope.cos_sin_cache.to(DEVICE)
+    scales = torch.tensor([0.05, 0.04], dtype=torch.float32, device=DEVICE)  # |K|, |V| / scale < 448
+    backend = TritonAttentionBackend()
+
+    cache_a = batch.kv_cache.to(torch.float8_e4m3fn)
+    cache_b = cache_a.clone()
+    spec = QKVSpec(num_heads, num_kv_heads, head_size, batch.scale, kv_scales=scales)
+    out_a = backend.forward_qkv(qkv.clone(), positions, cos_sin, cache_a, md, spec)
+    assert out_a is not None and not torch.isnan(out_a).any()
+
+    q, k, v = (t.reshape(num_tokens, -1, head_size) for t in qkv.split(
+        [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1))
+    q, k = apply_rotary_ref(positions, q, k, cos_sin, head_size)
+    out_b = backend.forward(q * 0.05, k / 0.05, v / 0.04, cache_b, md, batch.scale) * 0.04
+    # The fused path narrows K / k_scale from fp32, the unfused from `dtype`: an E4M3 step apart here and there.
+    torch.testing.assert_close(out_a.float(), out_b.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_fp8_cache_with_kv_scales(dtype):
     """An FP8 cache with per-layer scales: the cache gets E4M3(K / k_scale), E4M3(V / v_scale) and q comes back

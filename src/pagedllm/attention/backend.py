@@ -33,8 +33,8 @@ class QKVSpec:
     k_norm_weight: Optional[torch.Tensor] = None
     eps: float = 1e-6
     # An FP8 cache's per-layer (k_scale, v_scale), float32 [2] on the device (read at run time: CUDA-graph safe).
-    # The backend stores K / k_scale, V / v_scale and attends with q * k_scale; the layer multiplies the output by
-    # v_scale. A backend that cannot must return None from forward_qkv when this is set.
+    # The backend stores K / k_scale, V / v_scale, attends with q * k_scale and returns the output times v_scale.
+    # A backend that cannot must return None from forward_qkv when this is set.
     kv_scales: Optional[torch.Tensor] = None
     # Sliding-window attention (None: full): a query at position p sees keys p - sliding_window < k <= p.
     sliding_window: Optional[int] = None

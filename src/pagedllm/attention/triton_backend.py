@@ -161,13 +161,15 @@ class TritonAttentionBackend(AttentionBackend):
         query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, spec.num_heads,
                          spec.num_kv_heads, spec.head_size, spec.q_norm_weight, spec.k_norm_weight, spec.eps,
                          kv_scales=spec.kv_scales)
+        out_scale = spec.kv_scales[1:2] if spec.kv_scales is not None else None  # v_scale, in the kernels' store
         return self._attend(query, kv_cache, metadata, spec.scale, output, spec.sliding_window, spec.logits_soft_cap,
-                            spec.output_shrink)
+                            spec.output_shrink, out_scale)
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                 output: torch.Tensor, sliding_window: Optional[int] = None,
-                logits_soft_cap: Optional[float] = None, output_shrink=None) -> torch.Tensor:
-        """Attention over the cache, which already holds this step's K/V."""
+                logits_soft_cap: Optional[float] = None, output_shrink=None,
+                out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V (the output times out_scale, if given)."""
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         if metadata.max_query_len == 1:
@@ -183,10 +185,12 @@ class TritonAttentionBackend(AttentionBackend):
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
                 block_n=decode_block_n(query.dtype, head_size, num_splits, keys, kv_cache.dtype),
                 order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, shrink=output_shrink)
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, shrink=output_shrink,
+                out_scale=out_scale)
         else:
             paged_prefill_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
                 num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output,
-                block_m=metadata.graph_prefill_tile, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                block_m=metadata.graph_prefill_tile, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                out_scale=out_scale)
         return output

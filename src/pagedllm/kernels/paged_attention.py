@@ -198,7 +198,7 @@ def _attend_tile(
 # a slow host, in the middle of serving.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _prefill_kernel(
-    q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    q_ptr, out_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr, out_scale_ptr,
     scale_log2, num_seqs, window, soft_cap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
@@ -208,6 +208,7 @@ def _prefill_kernel(
     WINDOWED: tl.constexpr = False,  # a sliding window (`window` positions)
     SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
     Q_FP16: tl.constexpr = False, K_T: tl.constexpr = False,  # how an E4M3 cache is read (fp8_read_args)
+    OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (an FP8 cache's v_scale)
 ):
     wait_prior_kernel(USE_PDL)
     pid_q = tl.program_id(0)
@@ -278,8 +279,18 @@ def _prefill_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if OUT_SCALE:
+        out = out * tl.load(out_scale_ptr)
     tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _scale_arg(out_scale: Optional[torch.Tensor], placeholder: torch.Tensor) -> torch.Tensor:
+    """The kernels' out_scale_ptr: the float32 scale, or any tensor when there is none (OUT_SCALE off: unread)."""
+    if out_scale is None:
+        return placeholder
+    assert out_scale.dtype == torch.float32 and out_scale.numel() >= 1 and out_scale.device == placeholder.device
+    return out_scale
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -324,6 +335,7 @@ def paged_prefill_attention(
     num_stages: Optional[int] = None,
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
+    out_scale: Optional[torch.Tensor] = None,  # float32 [1] on the device: the output is multiplied by it
 ) -> torch.Tensor:
     """Causal attention for any mixture of prefill chunks and decodes (no host syncs), optionally within a sliding
     window (a query at position p sees keys p - sliding_window < k <= p) and with soft-capped scores."""
@@ -348,7 +360,7 @@ def paged_prefill_attention(
         num_stages = 1 if is_fp32 else 3
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        query, output, kv_cache, block_table, seq_lens, query_start_loc,
+        query, output, kv_cache, block_table, seq_lens, query_start_loc, _scale_arg(out_scale, output),
         scale * LOG2E, num_seqs, kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap),
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
@@ -356,7 +368,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         DOT_PRECISION=_dot_precision(query.dtype), WINDOWED=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps, num_stages=num_stages,
-        **fp8_read_args(query.dtype, kv_cache.dtype), **pdl_launch_args(query.device),
+        OUT_SCALE=out_scale is not None, **fp8_read_args(query.dtype, kv_cache.dtype), **pdl_launch_args(query.device),
     )
     return output
 
@@ -369,7 +381,7 @@ def paged_prefill_attention(
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_seq", "stride_po_head", "stride_pl_seq",
                                 "stride_pl_head", "window"])
 def _decode_kernel(
-    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, order_ptr,
+    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, order_ptr, out_scale_ptr,
     scale_log2, num_splits, window, soft_cap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
@@ -382,6 +394,7 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,
     SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
     Q_FP16: tl.constexpr = False, K_T: tl.constexpr = False,  # how an E4M3 cache is read (fp8_read_args)
+    OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (SINGLE_SPLIT; else the reduce applies it)
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): programs are dispatched kv head fastest, so with an order every head
@@ -425,6 +438,8 @@ def _decode_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if SINGLE_SPLIT:
+        if OUT_SCALE:
+            out = out * tl.load(out_scale_ptr)
         tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
@@ -439,7 +454,7 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head",
                                 "window"])
 def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, num_splits, window,
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, out_scale_ptr, num_splits, window,
     stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
     a_ptr, slot_ptr, fold_part_ptr, h_ptr, counter_ptr, NR, stride_as, stride_an, stride_fp_head, stride_fp_seq,
     stride_hm,
@@ -447,6 +462,7 @@ def _decode_reduce_kernel(
     USE_PDL: tl.constexpr,
     FOLD: tl.constexpr = False,  # also the consumer's shrink of the output (OutputShrink)
     NR_PAD: tl.constexpr = 16, NUM_HEADS: tl.constexpr = 1,
+    OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (an FP8 cache's v_scale)
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -478,7 +494,10 @@ def _decode_reduce_kernel(
     po = part_out_ptr + seq64 * stride_po_seq + head * stride_po_head
     parts = tl.load(po + splits[:, None] * stride_po_split + dims[None, :],
                     mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
-    out = (tl.sum(parts * w[:, None], 0) / denom).to(out_ptr.dtype.element_ty)
+    out = tl.sum(parts * w[:, None], 0) / denom
+    if OUT_SCALE:
+        out = out * tl.load(out_scale_ptr)
+    out = out.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + seq64 * stride_ot + head * stride_oh + dims, out, mask=dim_ok)
     if FOLD:
         if slot >= 0:  # this head's share of A[slot] @ out[seq]; the last head of the row adds them up in order
@@ -605,6 +624,7 @@ def paged_decode_attention(
     sliding_window: Optional[int] = None,  # the query (at seq_len - 1) sees only the last sliding_window keys
     logits_soft_cap: Optional[float] = None,  # scores s become c * tanh(s / c) (Gemma 2)
     shrink: Optional[OutputShrink] = None,  # computed by the reduce kernel when the launch splits the context
+    out_scale: Optional[torch.Tensor] = None,  # float32 [1] on the device: the output is multiplied by it
 ) -> torch.Tensor:
     """One query token per request; split-KV over the context. CUDA-graph capturable when the
     workspace is preallocated (shapes depend only on num_seqs and the model's heads).
@@ -630,23 +650,25 @@ def paged_decode_attention(
     common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
                   HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype),
                   HAS_ORDER=order is not None, SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
-                  num_stages=num_stages, **fp8_read_args(query.dtype, kv_cache.dtype), **launch)
+                  num_stages=num_stages, OUT_SCALE=out_scale is not None, **fp8_read_args(query.dtype, kv_cache.dtype),
+                  **launch)
+    scale_arg = _scale_arg(out_scale, output)
     order_arg = seq_lens if order is None else order  # (unread without an order)
     window, soft_cap = kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap)
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                      block_table.stride(0))
     if num_splits == 1:
         _decode_kernel[(num_kv_heads, num_seqs, 1)](
-            query, output, output, output, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, 1, window,
-            soft_cap, query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
+            query, output, output, output, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E, 1,
+            window, soft_cap, query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
             0, 0, 0, 0, 0, SINGLE_SPLIT=True, **common)
         return output
 
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_seqs, num_heads, num_splits, head_pad,
                                                          query.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale * LOG2E, num_splits,
-        window, soft_cap,
+        query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E,
+        num_splits, window, soft_cap,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
         *part_strides, SINGLE_SPLIT=False, **common)
     fold_args, fold_meta = (output, seq_lens, output, output, seq_lens, 0, 0, 0, 0, 0, 0), {}  # (unread)
@@ -660,10 +682,10 @@ def paged_decode_attention(
         fold_meta = dict(FOLD=True, NR_PAD=max(16, triton.next_power_of_2(nr)), NUM_HEADS=num_heads)
         shrink.done = True
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        output, part_out, part_lse, seq_lens, num_splits, window,
+        output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
         output.stride(0), output.stride(1), *part_strides, *fold_args,
-        BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4 if head_pad >= 128 else 2, **fold_meta, **launch)
+        BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        OUT_SCALE=out_scale is not None, num_warps=4 if head_pad >= 128 else 2, **fold_meta, **launch)
     return output
 
 

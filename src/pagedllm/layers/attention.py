@@ -102,7 +102,7 @@ class Attention(nn.Module):
         width = self.num_heads * self.head_size
         # o_proj wrapped by LoRA (lora.manager.link_attention_outputs) may have its shrink computed on the way
         consumer = self.__dict__.get("shrink_consumer")
-        shrink = None if consumer is None or fp8 else consumer.attention_output_shrink(qkv.shape[0], width)
+        shrink = None if consumer is None else consumer.attention_output_shrink(qkv.shape[0], width)
         spec = QKVSpec(self.num_heads, self.num_kv_heads, self.head_size, self.scale,
                        *(qk_norm if qk_norm is not None else ()), kv_scales=self.kv_scales if fp8 else None,
                        sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
@@ -114,7 +114,7 @@ class Attention(nn.Module):
         out = out.reshape(qkv.shape[0], width)
         if shrink is not None and shrink.done:
             consumer.take_output_shrink(out, shrink)
-        return out * self.kv_scales[1] if fp8 else out
+        return out  # (an FP8 cache's v_scale applied by the backend: QKVSpec.kv_scales)
 
     def _no_cache_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Treat the whole input as one causal sequence (profiling runs, and model tests without an engine)."""
