@@ -32,7 +32,7 @@ def main() -> None:
     sys.path.insert(0, here)
     sys.path.insert(0, os.path.join(os.path.dirname(here), "gpu"))
     import conftest  # noqa: F401  (tests/gpu: the interpreter's comparisons tagged as int1)
-    from lora_kernel_cases import (check_case, check_expand_rows_case, check_norm_shrink_case,
+    from lora_kernel_cases import (check_case, check_expand_rows_case, check_gemv_lora_case, check_norm_shrink_case,
                                    check_output_shrink_case, check_shrink_rows_case)
 
     f32 = torch.float32
@@ -55,6 +55,9 @@ def main() -> None:
     check_expand_rows_case(3, 2, [200, 40, 40], 8, 16, f32, "cpu")  # qkv: columns of a block in two slices
     check_expand_rows_case(2, 3, [150], 16, 16, f32, "cpu", split=4, seed=1)
     check_expand_rows_case(4, 2, [130, 130], 12, 16, f32, "cpu", silu=True, seed=2)  # gate_up: expand + SiLU
+    check_gemv_lora_case(3, 2, 48, [40, 12, 12], 8, 16, f32, "cpu", split=2)  # qkv: the expand in the base GEMV
+    check_gemv_lora_case(2, 3, 64, [24, 24], 16, 16, f32, "cpu", gated=True, bias=True, seed=1)  # gate_up + SiLU
+    check_gemv_lora_case(1, 2, 100, [30], 4, 8, f32, "cpu", seed=2)  # one row (o / down), K not a power of two
     check_output_shrink_case(3, 2, 4, 2, 16, 8, 16, f32, "cpu")  # o_proj's shrink in the decode attention's reduce
     check_output_shrink_case(2, 3, 4, 4, 32, 16, 16, f32, "cpu", num_splits=1, seed=1)  # one split: not done
     print("lora kernels ok")

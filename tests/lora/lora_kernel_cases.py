@@ -147,6 +147,39 @@ def check_expand_rows_case(num_tokens, num_slots, slices, rank, max_rank, dtype,
     torch.testing.assert_close(act.float().cpu(), ref_act, atol=tol * 4, rtol=tol * 2)
 
 
+def check_gemv_lora_case(num_tokens, num_slots, k, slices, rank, max_rank, dtype, device, split=1, gated=False,
+                         bias=False, seed=0) -> None:
+    """kernels/gemv.gemv(lora=): the base layer's GEMV with each row's LoRA delta added before the rounding (and, gated,
+    before the SiLU-and-mul) against x @ W^T (+ bias) + the reference delta, rounded as the kernel rounds."""
+    from pagedllm.kernels import gemv as gemv_kernels
+    from pagedllm.kernels import lora as kernels
+
+    assert not gated or (len(slices) == 2 and slices[0] == slices[1])
+    x, a, b, slots, spans, _ = build_case(num_tokens, num_slots, k, slices, rank, max_rank, dtype, device, seed)
+    n_total = sum(slices)
+    gen = torch.Generator().manual_seed(seed + 5)
+    w = (torch.randn(n_total, k, generator=gen) * k ** -0.5).to(dtype).to(device)
+    bias_t = (torch.randn(n_total, generator=gen) * 0.1).to(dtype).to(device) if bias else None
+    ref_h = kernels.lora_shrink_ref(x.cpu(), a.cpu(), slots)
+    h = _split_partials(ref_h, split, seed)
+    h[:, slots < 0] = float("nan")  # rows without an adapter: never read
+    base = x.cpu().float() @ w.cpu().float().t() + (bias_t.cpu().float() if bias else 0.0)
+    full = kernels.lora_expand_ref(ref_h, b.cpu(), base, slots, spans)  # fp32: base + delta
+    starts = () if gated else tuple(off for off, _ in spans[1:])
+    lora = gemv_kernels.GemvLoRA(h.to(device), b, slots.to(device), starts)
+    got = gemv_kernels.gemv(x, w, bias_t, gated=gated, lora=lora).float().cpu()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    if gated:
+        n = slices[0]
+        gate, up = full[:, :n].to(dtype).float(), full[:, n:].to(dtype).float()
+        want = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype).float()
+    else:
+        want = full.to(dtype).float()
+    torch.testing.assert_close(got, want, atol=tol * 4, rtol=tol * 2)
+    plain = gemv_kernels.gemv(x, w, bias_t, gated=gated).float().cpu()  # rows without an adapter: the plain GEMV
+    assert torch.equal(got[slots < 0], plain[slots < 0]), "rows without an adapter changed"
+
+
 def check_output_shrink_case(num_tokens, num_slots, num_heads, num_kv_heads, head_size, rank, max_rank, dtype, device,
                              num_splits=2, seed=0) -> None:
     """kernels/paged_attention.paged_decode_attention(shrink=): the split-KV reduce also computes o_proj's LoRA shrink

@@ -7,7 +7,9 @@ registers) and multiplies it by every input row. Two things make it faster than 
   so under programmatic dependent launch the first wave of programs streams weights while the kernel before
   it (an RMSNorm, the attention reduce) is still running;
 - `gated=True` computes `silu(x @ W_gate^T) * (x @ W_up^T)` from a merged [gate; up] weight, which saves the
-  separate activation kernel and a round trip of the intermediate activations.
+  separate activation kernel and a round trip of the intermediate activations;
+- `lora=` adds each row's LoRA delta (its slot's B times the shrink the kernel before computed) before the rounding
+  and the activation: a LoRA step's expand costs no launch of its own.
 
 Loading before the wait assumes the weights are constant while a forward runs (nothing in the engine writes them
 after loading); a kernel that wrote a weight right before this one would race with those loads.
@@ -18,6 +20,7 @@ linear layer does). Sums are in a different order than cuBLAS's, so results diff
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -33,13 +36,28 @@ _TILE_ELEMENTS = 16384
 GEMV_MAX_K = 16384
 
 
+@dataclass
+class GemvLoRA:
+    """A LoRA delta for `gemv` to add: h [SPLIT, >= M, n_slices * R] fp32 (the shrink, summed over SPLIT; rows
+    without an adapter may hold anything), b [S, R, N_total] (B * scaling per slot, N_total the weight's rows),
+    token_slots [>= M] int32 (-1: no adapter), slice_starts: the output columns where the 2nd / 3rd slice start
+    (gated: the gate is slice 0, the up projection slice 1)."""
+
+    h: torch.Tensor
+    b: torch.Tensor
+    token_slots: torch.Tensor
+    slice_starts: tuple[int, ...] = ()
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     M, stride_xm, stride_wn, stride_om, up_offset,
+    h_ptr, b_ptr, slot_ptr, s1, s2, stride_hs, stride_hm, stride_bs, stride_br,
     N: tl.constexpr, K: tl.constexpr,
     BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    LORA: tl.constexpr = False, R: tl.constexpr = 16, H_SPLIT: tl.constexpr = 1,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, K_PAD)
@@ -55,6 +73,20 @@ def _gemv_kernel(
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if GATED:
             bias_up = tl.load(bias_ptr + N + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if LORA:
+        # The slot table and B are written before the forward starts: row 0's B tile loads before the wait too.
+        offs_r = tl.arange(0, R)
+        b_mask = (offs_r < R)[:, None] & row_ok[None, :]
+        b_ptrs = b_ptr + offs_r[:, None] * stride_br + rows[None, :]  # [R, BLOCK_N]; + the slot's offset
+        if GATED:
+            h_idx = offs_r[:, None] + 0 * rows[None, :]  # the gate's shrink; the up's is R further
+        else:
+            h_idx = ((rows >= s1).to(tl.int32) + (rows >= s2).to(tl.int32))[None, :] * R + offs_r[:, None]
+        slot = tl.load(slot_ptr)
+        b = tl.load(b_ptrs + tl.maximum(slot, 0).to(tl.int64) * stride_bs, mask=b_mask & (slot >= 0), other=0.0)
+        if GATED:
+            b_up = tl.load(b_ptrs + tl.maximum(slot, 0).to(tl.int64) * stride_bs + N, mask=b_mask & (slot >= 0),
+                           other=0.0)
     wait_prior_kernel(USE_PDL)
     out_ty = out_ptr.dtype.element_ty
     x_next = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
@@ -69,6 +101,25 @@ def _gemv_kernel(
             acc_up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
             if HAS_BIAS:
                 acc_up += bias_up
+        if LORA:
+            if m > 0:
+                slot = tl.load(slot_ptr + m)
+                b = tl.load(b_ptrs + tl.maximum(slot, 0).to(tl.int64) * stride_bs, mask=b_mask & (slot >= 0),
+                            other=0.0)
+                if GATED:
+                    b_up = tl.load(b_ptrs + tl.maximum(slot, 0).to(tl.int64) * stride_bs + N,
+                                   mask=b_mask & (slot >= 0), other=0.0)
+            h_mask = b_mask & (slot >= 0)  # a row without an adapter: h unset, B zeros
+            h = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+            for sp in range(H_SPLIT):
+                h += tl.load(h_ptr + sp * stride_hs + m * stride_hm + h_idx, mask=h_mask, other=0.0)
+            acc += tl.sum(b.to(tl.float32) * h, axis=0)
+            if GATED:
+                h_up = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+                for sp in range(H_SPLIT):
+                    h_up += tl.load(h_ptr + sp * stride_hs + m * stride_hm + R + h_idx, mask=h_mask, other=0.0)
+                acc_up += tl.sum(b_up.to(tl.float32) * h_up, axis=0)
+        if GATED:
             gate = acc.to(out_ty).to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
             acc = act * acc_up.to(out_ty).to(tl.float32)
@@ -114,8 +165,9 @@ def gemv_block_n(n: int, k: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
-         block_n: Optional[int] = None, num_warps: int = 8) -> torch.Tensor:
-    """x: [M, K]; weight: [N, K] (gated: [2 * N', K], gate rows then up rows). Returns [M, N] (gated: [M, N'])."""
+         block_n: Optional[int] = None, num_warps: int = 8, lora: Optional[GemvLoRA] = None) -> torch.Tensor:
+    """x: [M, K]; weight: [N, K] (gated: [2 * N', K], gate rows then up rows). Returns [M, N] (gated: [M, N']),
+    with `lora`'s delta added to each row before the rounding (and the activation)."""
     m, k = x.shape
     n_total, k_w = weight.shape
     assert k == k_w, (x.shape, weight.shape)
@@ -128,11 +180,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         block_n = gemv_block_n(n, k) // (2 if gated else 1) or 1
     if bias is not None:
         assert bias.shape == (n_total,) and bias.stride(0) == 1, bias.shape
+    lora_args, lora_meta = (x, x, x, 0, 0, 0, 0, 0, 0), {}  # (unread)
+    if lora is not None:
+        h, b, slots = lora.h, lora.b, lora.token_slots
+        r = b.shape[1]
+        starts = [n] if gated else list(lora.slice_starts)
+        assert b.is_contiguous() and b.shape[2] == n_total and h.stride(-1) == 1 and slots.numel() >= m, (
+            b.shape, h.shape, n_total)
+        assert h.shape[1] >= m and h.shape[2] == (len(starts) + 1) * r and len(starts) <= 2, (h.shape, starts, r)
+        assert r == triton.next_power_of_2(r), r
+        starts += [n_total] * (2 - len(starts))
+        lora_args = (h, b, slots, starts[0], starts[1], h.stride(0), h.stride(1), b.stride(0), b.stride(1))
+        lora_meta = dict(LORA=True, R=r, H_SPLIT=h.shape[0])
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
-        m, x.stride(0), weight.stride(0), out.stride(0), n * weight.stride(0),
+        m, x.stride(0), weight.stride(0), out.stride(0), n * weight.stride(0), *lora_args,
         N=n, K=k, BLOCK_N=block_n, K_PAD=triton.next_power_of_2(k),
-        GATED=gated, HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_launch_args(x.device))
+        GATED=gated, HAS_BIAS=bias is not None, num_warps=num_warps, **lora_meta, **pdl_launch_args(x.device))
     return out
 
 

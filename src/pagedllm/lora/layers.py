@@ -28,7 +28,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.layers.activation import triton_kernels
 from pagedllm.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+                                    RowParallelLinear, UnquantizedLinearMethod, gemv_kernels)
 
 # The few-row path (shrink in the norm, few-token shrink / expand kernels); False runs the general shrink / expand
 # kernels at every size. For A/B tests and benchmarks only.
@@ -38,6 +38,10 @@ NORM_SHRINK_MAX_ROWS = 8
 # The split-KV decode attention's reduce kernel computes o_proj's shrink of its output on few-row steps (a launch
 # less per decoder layer). False: the separate few-token shrink (the A/B: benchmarks/lora.py latency --ab-fold).
 FOLD_O_SHRINK = True
+# The few-row path's expand in the base layer's GEMV (kernels/gemv.py, `lora=`) where that kernel takes the base
+# layer (unquantized, <= PAGEDLLM_GEMV_MAX_ROWS rows): no expand launch of its own. Off until measured on a GPU
+# against the separate expand (benchmarks/lora.py latency --ab-gemv, benchmarks/gpu_lora.sh gemv).
+GEMV_EXPAND = False
 
 
 @dataclass
@@ -183,8 +187,14 @@ class LoRALinear(nn.Module):
             return None
         h = self._shrink(x)
         base = self.base_layer
-        out = base.linear_method.apply(base, x, bias)
         slots = self.state.token_slots
+        if GEMV_EXPAND and type(base.linear_method) is UnquantizedLinearMethod:
+            gemv = gemv_kernels(x, base.weight)
+            if gemv is not None:
+                starts = () if gated else tuple(off for off, _ in spans[1:])
+                return gemv.gemv(x, base.weight, bias, gated=gated,
+                                 lora=gemv.GemvLoRA(h, self.lora_b, slots, starts))
+        out = base.linear_method.apply(base, x, bias)
         if gated:
             return kernels.lora_expand_rows(h, self.lora_b, out, slots, silu=True)
         kernels.lora_expand_rows(h, self.lora_b, out, slots, tuple(off for off, _ in spans[1:]))
