@@ -14,6 +14,8 @@
 #                                           # throughput rank 16 (4 and 16 adapters)
 #   bash benchmarks/gpu_lora.sh fold        # the o fold's GPU tests, then 8B batch-1 latency rank 16 with o_proj's
 #                                           # shrink separate vs folded into the attention's reduce
+#   bash benchmarks/gpu_lora.sh gemv        # the GEMV + expand GEMV tests, then 8B batch-1 latency rank 16 with the expands
+#                                           # separate vs in the base GEMVs' epilogues (lora.layers.GEMV_EXPAND)
 #   bash benchmarks/gpu_lora.sh normshrink  # Qwen3-0.6B / 8B throughput rank 16 with the norm computing the qkv / gate_up
 #                                           # shrink up to 256 rows (the A/B of lora.layers.NORM_SHRINK_MAX_ROWS, now 8)
 #   bash benchmarks/gpu_lora.sh breakdown16 # the breakdown with 16 adapters: Qwen3-0.6B, then Llama-3-8B (128 x 512/512)
@@ -63,6 +65,12 @@ fold)
         -k "output_shrink"
     step fold-latency 450 python benchmarks/lora.py latency --model benchmarks/configs/llama3-8b --rank 16 --ab-fold \
         --json "$out/fold-latency.json"
+    ;;
+gemv)
+    step gemv-tests 200 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_lora_gpu.py \
+        -k "gemv_lora or gemv_expand"
+    step gemv-latency 300 python benchmarks/lora.py latency --model benchmarks/configs/llama3-8b --rank 16 --ab-gemv \
+        --json "$out/gemv-latency.json"
     ;;
 normshrink)
     for rows in 8 256; do

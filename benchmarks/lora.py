@@ -112,6 +112,14 @@ def throughput(args, hf_config, adapters) -> dict:
 def latency(args, adapters) -> dict:
     from pagedllm.lora import layers
 
+    if args.ab_gemv:  # the few-row path with the expands separate, then in the base GEMVs' epilogues
+        results, default = {}, layers.GEMV_EXPAND
+        for name, on in (("expand-kernels", False), ("gemv-expand", True)):
+            layers.GEMV_EXPAND = on
+            print(f"LoRA few-row path {name} (lora.layers.GEMV_EXPAND={on}):", flush=True)
+            results[name] = latency_one(args, adapters)
+        layers.GEMV_EXPAND = default
+        return results
     if args.ab_fold:  # the few-row path with o_proj's shrink separate, then folded into the attention's reduce
         results, default = {}, layers.FOLD_O_SHRINK
         for name, o in (("rows", False), ("fold-o", True)):
@@ -186,6 +194,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--ab", action="store_true",
                    help="latency: the few-row path and the general kernels (lora.layers.FUSED_DECODE), an engine each")
+    p.add_argument("--ab-gemv", action="store_true",
+                   help="latency: the few-row expands as kernels of their own and in the base GEMVs' epilogues "
+                        "(lora.layers.GEMV_EXPAND), an engine each")
     p.add_argument("--ab-fold", action="store_true",
                    help="latency: o_proj's shrink separate and folded into the decode attention's reduce "
                         "(lora.layers.FOLD_O_SHRINK), an engine each")

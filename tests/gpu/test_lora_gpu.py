@@ -122,6 +122,27 @@ def test_expand_rows_matches_reference(case, rank, dtype, stale_cuda_memory):
     check_expand_rows_case(tokens, slots, slices, rank, rank, dtype, "cuda", split=split, silu=silu, seed=rank)
 
 
+GEMV_LORA_CASES = [  # (rows, slots, K, slices, gated, bias): the 8B layer shapes at one row, a few rows
+    (1, 2, 4096, [4096, 1024, 1024], False, False),  # qkv
+    (1, 2, 4096, [14336, 14336], True, False),  # gate_up + SiLU
+    (1, 2, 14336, [4096], False, False),  # down
+    (4, 3, 896, [896, 128, 128], False, True),  # Qwen2-0.5B-like qkv with bias, four rows
+    (3, 2, 1024, [3072, 3072], True, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("case", GEMV_LORA_CASES)
+def test_gemv_lora_matches_reference(case, rank, dtype):
+    """The base GEMV with the LoRA expand in its epilogue (lora.layers.GEMV_EXPAND)."""
+    from tests.lora.lora_kernel_cases import check_gemv_lora_case
+
+    rows, slots, k, slices, gated, bias = case
+    check_gemv_lora_case(rows, slots, k, slices, rank, rank, dtype, "cuda", split=2 if rows > 1 else 1, gated=gated,
+                         bias=bias, seed=rank)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("case", [(1, 2, 32, 8, 128, 16), (16, 4, 32, 8, 128, 8), (5, 3, 16, 8, 64, 4)])
@@ -262,6 +283,28 @@ def _same_tokens_and_logprobs(ref, got, margin: float) -> int:
             assert abs(r.logprobs[step][rt].logprob - g.logprobs[step][gt].logprob) < margin
             compared += 1
     return compared
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_engine_gemv_expand_matches_separate_expand(tiny_llama_dir, adapters, enforce_eager, monkeypatch):
+    """The few-row path with the expand in the base GEMV's epilogue (lora.layers.GEMV_EXPAND) gives the separate
+    expand kernels' tokens and logprobs (up to one rounding: the delta joins before the base output is rounded)."""
+    from pagedllm.kernels import gemv as gemv_kernels
+
+    monkeypatch.setattr(lora_layers, "GEMV_EXPAND", False)
+    ref, _ = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
+    monkeypatch.setattr(lora_layers, "GEMV_EXPAND", True)
+    calls = {"lora": 0}
+    plain = gemv_kernels.gemv
+
+    def counted(*args, **kwargs):
+        calls["lora"] += kwargs.get("lora") is not None
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "gemv", counted)
+    got, _ = _greedy_with_logprobs(tiny_llama_dir, adapters, True, enforce_eager, monkeypatch)
+    assert calls["lora"] > 0, calls  # (graphs: at least while capturing)
+    _same_tokens_and_logprobs(ref, got, 0.02)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
