@@ -15,6 +15,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from tests.quantization.logprob_checks import assert_same_greedy, greedy, max_logprob_error, teacher_forced
+from tests.triton_interpreter import needs_triton, run_interpreted
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "gpu"))
 from attention_cases import build_batch  # noqa: E402
@@ -270,3 +271,11 @@ def test_fp8_write_saturates():
     assert cache[0, 0, 0, 0].float().tolist() == [448.0, -448.0]
     assert cache[1, 0, 0, 0].float().tolist() == [-448.0, 448.0]
     assert not cache.float().isnan().any()
+
+
+@needs_triton
+def test_decode_kernel_fp8_reads_in_triton_interpreter():
+    """The decode kernel's fp16 read of an E4M3 cache, V read as 32-bit words or not (paged_attention.FP8_V_WORDS),
+    with an output scale, in Triton's interpreter: bit-identical to each other, close to the torch reference."""
+    assert "fp8 decode ok" in run_interpreted(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                           "interpret_fp8_decode.py"), timeout=300)

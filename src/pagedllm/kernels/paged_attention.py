@@ -29,6 +29,7 @@ score s becomes c * tanh(s / c) before the softmax.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -100,6 +101,40 @@ def _fp16_query(q):
     return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
+# An E4M3 V tile as 32-bit words: the P @ V dot needs V's positions (its reduction axis) packed in each register, a
+# transpose that Triton does for 8-bit tiles with one shared-memory byte load per element (LDS.U8; sm_90 SASS of
+# the decode kernel). Widened to fp16 in the load layout first, the tile goes through shared memory as fp16
+# (STS.128, then ldmatrix.trans) like a 16-bit cache's, and the kernel needs fewer registers.
+FP8_V_WORDS = False  # off until measured on a GPU (kernels_attention.py --fp8-read fp16-vw)
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _e4m3_words_to_f16(w):
+    """w: uint32 [R, C], four E4M3 bytes each (byte j = element 4c + j) -> fp16 [R, 4C]."""
+    if _INTERPRETED:  # no inline asm in the interpreter: s.eeee.mmm -> s.0eeee.mmm0000000 = value * 2^-8
+        o0 = ((((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True) * 256.0)
+        o1 = ((((w & 0x8000)) | ((w & 0x7F00) >> 1)).to(tl.uint16).to(tl.float16, bitcast=True) * 256.0)
+        o2 = ((((w >> 8) & 0x8000) | ((w >> 9) & 0x3F80)).to(tl.uint16).to(tl.float16, bitcast=True) * 256.0)
+        o3 = ((((w >> 16) & 0x8000) | ((w >> 17) & 0x3F80)).to(tl.uint16).to(tl.float16, bitcast=True) * 256.0)
+    else:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            .reg .b32 r0, r1;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 r0, lo;
+            cvt.rn.f16x2.e4m3x2 r1, hi;
+            mov.b32 {$0, $1}, r0;
+            mov.b32 {$2, $3}, r1;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    # tl.join stacks on a new minor axis: element 4c + 2x + y of the row is [c, x, y] = o_{2x+y}
+    v = tl.join(tl.join(o0, o2), tl.join(o1, o3))
+    return tl.reshape(v, [w.shape[0], w.shape[1] * 4])
+
+
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i,  # running state: [M, HEAD_PAD] fp32, [M] fp32 (log2 units), [M] fp32
@@ -117,6 +152,7 @@ def _attend_tile(
     soft_cap_log2=0.0,  # SOFT_CAP: the cap c in log2 units (c * log2(e)); scores s become c * tanh(s / c)
     SOFT_CAP: tl.constexpr = False,
     K_T: tl.constexpr = False,  # load K as [HEAD_PAD, BLOCK_N] (no transpose before the dot)
+    V_WORDS: tl.constexpr = False,  # an E4M3 V read as 32-bit words and widened to fp16 before its layout change
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
@@ -155,7 +191,19 @@ def _attend_tile(
         k = tl.load(k_ptrs)
         v = tl.load(ptrs + stride_c_kv)
     k = k.to(q.dtype)
-    v = v.to(q.dtype)
+    if V_WORDS:  # (the E4M3 loads of v above are dead code then, removed by the compiler)
+        words = tl.arange(0, HEAD_PAD // 4)
+        vw_base = (cache_ptr + stride_c_kv + offs[:, None]).to(tl.pointer_type(tl.uint32), bitcast=True)
+        vw_ptrs = vw_base + words[None, :]
+        if BOUNDED or WINDOWED:
+            vw = tl.load(vw_ptrs, mask=pos_ok[:, None] & (words < HEAD_SIZE // 4)[None, :], other=0)
+        elif HEAD_PAD != HEAD_SIZE:
+            vw = tl.load(vw_ptrs, mask=(pos >= 0)[:, None] & (words < HEAD_SIZE // 4)[None, :], other=0)
+        else:
+            vw = tl.load(vw_ptrs)
+        v = _e4m3_words_to_f16(vw)
+    else:
+        v = v.to(q.dtype)
 
     if K_T:
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
@@ -395,6 +443,7 @@ def _decode_kernel(
     SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
     Q_FP16: tl.constexpr = False, K_T: tl.constexpr = False,  # how an E4M3 cache is read (fp8_read_args)
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (SINGLE_SPLIT; else the reduce applies it)
+    V_WORDS: tl.constexpr = False,  # (Q_FP16 only: V widens to fp16)
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): programs are dispatched kv head fastest, so with an order every head
@@ -433,7 +482,7 @@ def _decode_kernel(
             acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T, V_WORDS=V_WORDS)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -652,6 +701,9 @@ def paged_decode_attention(
                   HAS_ORDER=order is not None, SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
                   num_stages=num_stages, OUT_SCALE=out_scale is not None, **fp8_read_args(query.dtype, kv_cache.dtype),
                   **launch)
+    # V as 32-bit words: whole words per position (head_size % 4) at 4-byte aligned addresses
+    common["V_WORDS"] = (common["Q_FP16"] and FP8_V_WORDS and head_size % 4 == 0 and kv_cache.data_ptr() % 4 == 0
+                         and all(st % 4 == 0 for st in kv_cache.stride()[:4]))
     scale_arg = _scale_arg(out_scale, output)
     order_arg = seq_lens if order is None else order  # (unread without an order)
     window, soft_cap = kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap)
