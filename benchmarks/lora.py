@@ -110,34 +110,28 @@ def throughput(args, hf_config, adapters) -> dict:
 
 
 def latency(args, adapters) -> dict:
+    if args.ab_gemv:  # the few-row path with the expands separate, then in the base GEMVs' epilogues
+        return _ab_switch(args, adapters, "GEMV_EXPAND", (("expand-kernels", False), ("gemv-expand", True)))
+    if args.ab_fold:  # the few-row path with o_proj's shrink separate, then folded into the attention's reduce
+        return _ab_switch(args, adapters, "FOLD_O_SHRINK", (("rows", False), ("fold-o", True)))
+    if args.ab:  # the few-row path, then the general kernels at every size
+        return _ab_switch(args, adapters, "FUSED_DECODE", (("rows", True), ("separate", False)))
+    return latency_one(args, adapters)
+
+
+def _ab_switch(args, adapters, switch: str, runs) -> dict:
+    """Batch-1 latency with lora.layers.<switch> set to each (name, value) of `runs` in turn, an engine each (graphs
+    capture the path set at start); the switch is restored after."""
     from pagedllm.lora import layers
 
-    if args.ab_gemv:  # the few-row path with the expands separate, then in the base GEMVs' epilogues
-        results, default = {}, layers.GEMV_EXPAND
-        for name, on in (("expand-kernels", False), ("gemv-expand", True)):
-            layers.GEMV_EXPAND = on
-            print(f"LoRA few-row path {name} (lora.layers.GEMV_EXPAND={on}):", flush=True)
+    results, default = {}, getattr(layers, switch)
+    try:
+        for name, value in runs:
+            setattr(layers, switch, value)
+            print(f"LoRA few-row path {name} (lora.layers.{switch}={value}):", flush=True)
             results[name] = latency_one(args, adapters)
-        layers.GEMV_EXPAND = default
-        return results
-    if args.ab_fold:  # the few-row path with o_proj's shrink separate, then folded into the attention's reduce
-        results, default = {}, layers.FOLD_O_SHRINK
-        for name, o in (("rows", False), ("fold-o", True)):
-            layers.FOLD_O_SHRINK = o
-            print(f"LoRA few-row path {name} (lora.layers.FOLD_O_SHRINK={o}):", flush=True)
-            results[name] = latency_one(args, adapters)
-        layers.FOLD_O_SHRINK = default
-        return results
-    if not args.ab:
-        return latency_one(args, adapters)
-
-    default = layers.FUSED_DECODE
-    results = {}
-    for name, fused in (("rows", True), ("separate", False)):  # an engine each: graphs capture the path set at start
-        layers.FUSED_DECODE = fused
-        print(f"LoRA decode path {name} (lora.layers.FUSED_DECODE={fused}):", flush=True)
-        results[name] = latency_one(args, adapters)
-    layers.FUSED_DECODE = default
+    finally:
+        setattr(layers, switch, default)
     return results
 
 

@@ -94,23 +94,32 @@ def test_qkv_prep_matches_unfused_reference(case, num_tokens):
     assert torch.equal(cache[1][~torch.isnan(cache[1])], v_ref)
 
 
+def _fused_case(specs, dtype, seed):
+    """A batch of (cached, query) specs at the Qwen3-0.6B heads (16 q / 8 kv, head size 128, block size 16), a qkv
+    projection output for its tokens, each token's position and a rope cache -> (batch, qkv, positions, cos_sin,
+    the generator for more inputs)."""
+    num_heads, num_kv_heads, head_size = 16, 8, 128
+    batch = build_batch(specs, num_heads, num_kv_heads, head_size, 16, dtype, DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = batch.query.shape[0]
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=gen).to(dtype).to(DEVICE)
+    # Each token's absolute position: a request's query tokens are the last ones of its context.
+    positions = torch.cat([torch.arange(seq_len - query_len, seq_len) for (_, query_len), seq_len
+                           in zip(specs, batch.metadata.seq_lens_cpu)]).to(DEVICE)
+    rope = get_rope(head_size, 8192, {"rope_type": "default", "rope_theta": 1e6})
+    return batch, qkv, positions, rope.cos_sin_cache.to(DEVICE), gen
+
+
 @pytest.mark.parametrize("specs", [[(0, 37), (100, 50), (500, 1)], [(n - 1, 1) for n in (1, 17, 64, 65, 1000)]],
                          ids=["mixed", "decode"])
 @pytest.mark.parametrize("qk_norm", [False, True, "gemma"])
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     """forward_qkv (one kernel before attention) == norm + rope + forward (separate kernels)."""
-    num_heads, num_kv_heads, head_size, block_size = 16, 8, 128, 16
-    batch = build_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
+    num_heads, num_kv_heads, head_size = 16, 8, 128
+    batch, qkv, positions, cos_sin, gen = _fused_case(specs, dtype, seed=1)
     md = batch.metadata
-    num_tokens = batch.query.shape[0]
-    gen = torch.Generator().manual_seed(1)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=gen).to(dtype).to(DEVICE)
-    # Each token's absolute position: a request's query tokens are the last ones of its context.
-    positions = torch.cat([torch.arange(seq_len - query_len, seq_len) for (_, query_len), seq_len
-                           in zip(specs, md.seq_lens_cpu)]).to(DEVICE)
-    rope = get_rope(head_size, 8192, {"rope_type": "default", "rope_theta": 1e6})
-    cos_sin = rope.cos_sin_cache.to(DEVICE)
+    num_tokens = qkv.shape[0]
     norms = (None, None, 1e-6)
     if qk_norm:
         weight_dtype = FP32 if qk_norm == "gemma" else dtype  # Gemma's (1 + w) weights are float32
@@ -138,23 +147,22 @@ def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     _close(cache_a.nan_to_num(0.0), cache_b.nan_to_num(0.0), dtype)
 
 
-@pytest.mark.parametrize("specs", [[(0, 37), (100, 50), (500, 1)], [(n - 1, 1) for n in (1, 17, 64, 65, 1000)],
-                                   [(n - 1, 1) for n in [700] * 40]], ids=["mixed", "decode", "decode-one-split"])
+# Prefill chunks, split decodes, and decodes of one split each (140 requests x 8 kv heads: more programs than
+# decode_num_splits splits over an E4M3 cache on an H200).
+KV_SCALE_SPECS = {"mixed": [(0, 37), (100, 50), (500, 1)], "decode": [(n - 1, 1) for n in (1, 17, 64, 65, 1000)],
+                  "decode-one-split": [(63, 1)] * 140}
+
+
+@pytest.mark.parametrize("specs", list(KV_SCALE_SPECS.values()), ids=list(KV_SCALE_SPECS))
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=["bf16", "fp16", "fp32"])
 def test_backend_fused_path_with_kv_scales_matches_unfused(specs, dtype):
     """An FP8 cache with per-layer scales through forward_qkv (the kernels multiply their output by v_scale: prefill,
     decode with one split and split, i.e. the reduce) == the unfused path: forward(q * k_scale, k / k_scale,
     v / v_scale) times v_scale, as Attention.forward runs it."""
-    num_heads, num_kv_heads, head_size, block_size = 16, 8, 128, 16
-    batch = build_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
+    num_heads, num_kv_heads, head_size = 16, 8, 128
+    batch, qkv, positions, cos_sin, _ = _fused_case(specs, dtype, seed=2)
     md = batch.metadata
-    num_tokens = batch.query.shape[0]
-    gen = torch.Generator().manual_seed(2)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=gen).to(dtype).to(DEVICE)
-    positions = torch.cat([torch.arange(seq_len - query_len, seq_len) for (_, query_len), seq_len
-                           in zip(specs, md.seq_lens_cpu)]).to(DEVICE)
-    rope = get_rope(head_size, 8192, {"rope_type": "default", "rope_theta": 1e6})
-    cos_sin = rope.cos_sin_cache.to(DEVICE)
+    num_tokens = qkv.shape[0]
     scales = torch.tensor([0.05, 0.04], dtype=torch.float32, device=DEVICE)  # |K|, |V| / scale < 448
     backend = TritonAttentionBackend()
 
