@@ -29,7 +29,6 @@ score s becomes c * tanh(s / c) before the softmax.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm import envs
 from pagedllm.kernels.lora import store_partial_and_fold
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
@@ -106,7 +106,7 @@ def _fp16_query(q):
 # the decode kernel). Widened to fp16 in the load layout first, the tile goes through shared memory as fp16
 # (STS.128, then ldmatrix.trans) like a 16-bit cache's, and the kernel needs fewer registers.
 FP8_V_WORDS = False  # off until measured on a GPU (kernels_attention.py --fp8-read fp16-vw)
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERPRETED = tl.constexpr(envs.TRITON_INTERPRET)
 
 
 @triton.jit
