@@ -18,7 +18,7 @@
 #   bash benchmarks/gpu_int4.sh int8-wide # INT8 W8A8: GPU tests, the words GEMV's rows, the tiles' sweep at 256 and
 #                                         # 1024 rows (wider tiles), 8B decode at batch 1 and 4
 #   bash benchmarks/gpu_int4.sh w8a8-tput # 8B offline 1000 x 512 in / 256 out, temperature 0.8: bf16, FP8, INT8 W8A8
-#   bash benchmarks/gpu_int4.sh fp8read   # the E4M3 cache's reads (FP8_READS: fp16 fp16-vw bf16 fp16-kt ...): the FP8
+#   bash benchmarks/gpu_int4.sh fp8read   # the E4M3 cache's reads (FP8_READS: fp16 fp16-vw bf16): the FP8
 #                                         # kernel tests with each, the tile sweep of each, the nano breakdown (default)
 #   bash benchmarks/gpu_int4.sh fp8kv     # the FP8 KV cache's decode kernel: the tile sweep at the Qwen3-0.6B heads
 #                                         # (E4M3 and bf16 caches), then the nano protocol's kernels by kind, both caches
@@ -108,10 +108,10 @@ fp8kv)  # issue 27's FP8 KV row: the decode kernel is most of a nano run's devic
     done
     ;;
 fp8read)  # how the kernels read an E4M3 cache: the FP8 tests with each read, the sweep of each, the nano breakdown
-    for read in ${FP8_TEST_READS:-fp16,False,False fp16,False,True}; do  # compute,K transposed,V words
+    for read in ${FP8_TEST_READS:-fp16,False fp16,True}; do  # compute,V words
         set -- ${read//,/ }
-        step "fp8-tests-$1-kt$2-vw$3" 150 python -c "import sys, pytest; import pagedllm.kernels.paged_attention as p
-p.FP8_KV_COMPUTE, p.FP8_K_TRANSPOSED, p.FP8_V_WORDS = '$1', $2, $3
+        step "fp8-tests-$1-vw$2" 150 python -c "import sys, pytest; import pagedllm.kernels.paged_attention as p
+p.FP8_KV_COMPUTE, p.FP8_V_WORDS = '$1', $2
 sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/test_kv_fp8_kernels.py',
                       'tests/gpu/test_qkv_prep.py', '-k', 'fp8 or kv_scales']))"
     done

@@ -15,8 +15,7 @@ needed: each variant is compiled ahead of time for sm_90 (H100 / H200) with Trit
 A markdown table on stdout; --json writes every number (with the whole opcode histogram of the loop). Variants are
 the cartesian product of --cache x --reads (E4M3 only) x --block-n x --stages; --block-n / --stages default to the
 launcher's decode_block_n / decode_num_stages. Reads of an E4M3 cache: fp16 (Q_FP16, the default), bf16 (widen to
-the bf16 query's dtype), fp16-vw (Q_FP16 with V read as 32-bit words, V_WORDS), fp16-kt / bf16-kt (K loaded
-transposed, K_T).
+the bf16 query's dtype), fp16-vw (Q_FP16 with V read as 32-bit words, V_WORDS).
 
     python benchmarks/kernel_sass.py --cache bf16 fp8 --block-n 64 128 --stages 3 --reads fp16 bf16 fp16-vw \\
         [--heads 16/8] [--head-size 128] [--block-size 16] [--warps 4] [--single-split] [--json PATH] [--dump DIR]
@@ -49,9 +48,8 @@ SMEM_ALLOC_UNIT = 128
 WARPS_PER_SM = 64
 CTAS_PER_SM = 32
 
-# E4M3 reads: (Q_FP16, K_T, V_WORDS)
-READS = {"fp16": (True, False, False), "bf16": (False, False, False), "fp16-vw": (True, False, True),
-         "fp16-kt": (True, True, False), "bf16-kt": (False, True, False)}
+# E4M3 reads: (Q_FP16, V_WORDS)
+READS = {"fp16": (True, False), "bf16": (False, False), "fp16-vw": (True, True)}
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 TRITON_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.float8_e4m3fn: "*fp8e4nv"}
@@ -107,11 +105,11 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
     num_heads, num_kv_heads = args.num_heads, args.num_kv_heads
     gqa = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(args.head_size)
-    q_fp16, k_t, v_words = READS[v.read] if v.cache == "fp8" else (False, False, False)
+    q_fp16, v_words = READS[v.read] if v.cache == "fp8" else (False, False)
     const = dict(GQA=gqa, GQA_PAD=max(16, triton.next_power_of_2(gqa)), BLOCK_N=v.block_n,
                  BLOCK_SIZE=args.block_size, HEAD_SIZE=args.head_size, HEAD_PAD=head_pad,
                  DOT_PRECISION=pa._dot_precision(QUERY_DTYPE), SINGLE_SPLIT=args.single_split, HAS_ORDER=False,
-                 USE_PDL=False, SOFT_CAP=False, Q_FP16=q_fp16, K_T=k_t,
+                 USE_PDL=False, SOFT_CAP=False, Q_FP16=q_fp16,
                  # the engine passes an E4M3 cache's v_scale (triton_backend.py)
                  OUT_SCALE=v.cache == "fp8", V_WORDS=v_words)
     splits = 1 if args.single_split else SPLITS

@@ -249,15 +249,14 @@ def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto", 
     """Decode at one head layout (`--gqa-sweep 32/4`: Qwen3-30B-A3B's 8 query heads per kv head) and batch sizes of
     a throughput run, every context ctx +- 5%: tile width x pipeline stages x warps x splits, against the default
     the engine picks (`decode_num_splits`, `decode_block_n`, 4 warps, 3 stages). `--kv-dtype fp8`: an E4M3 cache
-    (the kernels widen what they load), with 128-position tiles and 5 stages tried too; `--fp8-read fp16 bf16 fp16-kt
-    fp16-vw ...` sweeps each way the kernels may read it (paged_attention.FP8_KV_COMPUTE / FP8_K_TRANSPOSED /
-    FP8_V_WORDS). `--quick`: 4 warps only."""
+    (the kernels widen what they load), with 128-position tiles and 5 stages tried too; `--fp8-read fp16 bf16
+    fp16-vw` sweeps each way the kernels may read it (paged_attention.FP8_KV_COMPUTE / FP8_V_WORDS). `--quick`: 4
+    warps only."""
     from pagedllm.kernels import paged_attention
 
     for read in fp8_reads:
         if read != "default":
             paged_attention.FP8_KV_COMPUTE = read.split("-")[0]
-            paged_attention.FP8_K_TRANSPOSED = read.endswith("-kt")
             paged_attention.FP8_V_WORDS = read.endswith("-vw")
         _gqa_sweep_one(heads, batches, ctx, kv_dtype, quick, read)
 
@@ -321,7 +320,7 @@ def main():
     ap.add_argument("--ctx", type=int, default=530)
     ap.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="the cache of --gqa-sweep")
     ap.add_argument("--fp8-read", nargs="+", default=["default"],
-                    choices=["default", "fp16", "bf16", "fp16-kt", "bf16-kt", "fp16-vw"],
+                    choices=["default", "fp16", "bf16", "fp16-vw"],
                     help="--gqa-sweep --kv-dtype fp8: how the kernels read the E4M3 cache (each in turn)")
     ap.add_argument("--sweep", action="store_true", help="also run the tuning sweeps")
     ap.add_argument("--quick", action="store_true", help="fewer decode points")

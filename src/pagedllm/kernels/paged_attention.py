@@ -82,17 +82,14 @@ def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 # How a bf16 query reads an E4M3 cache. "fp16": the tiles compute in fp16 (E4M3 widens to fp16 in one conversion
 # instruction per pair, to bf16 in two steps; every E4M3 value is exact in fp16, and q and p gain precision);
-# "bf16": the cache widens to the query's dtype. FP8_K_TRANSPOSED loads K as [dims, positions] for the score dot.
-# Module switches for the A/B (benchmarks/kernels_attention.py --fp8-read).
+# "bf16": the cache widens to the query's dtype (the A/B: benchmarks/kernels_attention.py --fp8-read).
 FP8_KV_COMPUTE = "fp16"
-FP8_K_TRANSPOSED = False
 
 
 def fp8_read_args(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
-    """The kernels' Q_FP16 / K_T constants for a query and cache dtype (both off unless the cache is E4M3)."""
-    fp8 = cache_dtype == torch.float8_e4m3fn
-    return dict(Q_FP16=fp8 and query_dtype == torch.bfloat16 and FP8_KV_COMPUTE == "fp16",
-                K_T=fp8 and FP8_K_TRANSPOSED)
+    """The kernels' Q_FP16 constant for a query and cache dtype (off unless the cache is E4M3)."""
+    return dict(Q_FP16=cache_dtype == torch.float8_e4m3fn and query_dtype == torch.bfloat16
+                and FP8_KV_COMPUTE == "fp16")
 
 
 @triton.jit
@@ -151,7 +148,6 @@ def _attend_tile(
     WINDOWED: tl.constexpr = False,
     soft_cap_log2=0.0,  # SOFT_CAP: the cap c in log2 units (c * log2(e)); scores s become c * tanh(s / c)
     SOFT_CAP: tl.constexpr = False,
-    K_T: tl.constexpr = False,  # load K as [HEAD_PAD, BLOCK_N] (no transpose before the dot)
     V_WORDS: tl.constexpr = False,  # an E4M3 V read as 32-bit words and widened to fp16 before its layout change
 ):
     pos = start + tl.arange(0, BLOCK_N)
@@ -168,27 +164,17 @@ def _attend_tile(
         blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE)
     offs = blk.to(tl.int64) * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_slot + head_off
     ptrs = cache_ptr + offs[:, None] + dims[None, :]
-    if K_T:
-        k_ptrs = cache_ptr + offs[None, :] + dims[:, None]
-    else:
-        k_ptrs = ptrs
     if BOUNDED or WINDOWED:
         # V must be zeroed (not just ignored) past kv_end: stale cache memory may hold NaNs.
         kv_mask = pos_ok[:, None] & (dims < HEAD_SIZE)[None, :]
-        if K_T:
-            k = tl.load(k_ptrs, mask=(dims < HEAD_SIZE)[:, None] & pos_ok[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(ptrs, mask=kv_mask, other=0.0)
         v = tl.load(ptrs + stride_c_kv, mask=kv_mask, other=0.0)
     elif HEAD_PAD != HEAD_SIZE:
         kv_mask = (pos >= 0)[:, None] & (dims < HEAD_SIZE)[None, :]
-        if K_T:
-            k = tl.load(k_ptrs, mask=(dims < HEAD_SIZE)[:, None] & (pos >= 0)[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(ptrs, mask=kv_mask, other=0.0)
         v = tl.load(ptrs + stride_c_kv, mask=kv_mask, other=0.0)
     else:
-        k = tl.load(k_ptrs)
+        k = tl.load(ptrs)
         v = tl.load(ptrs + stride_c_kv)
     k = k.to(q.dtype)
     if V_WORDS:  # (the E4M3 loads of v above are dead code then, removed by the compiler)
@@ -205,10 +191,7 @@ def _attend_tile(
     else:
         v = v.to(q.dtype)
 
-    if K_T:
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
-    else:
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
     if SOFT_CAP:  # qk = s * log2(e), so c * tanh(s / c) * log2(e) = cap * tanh(qk / cap) with cap = c * log2(e)
         qk = soft_cap_log2 * _tanh(qk / soft_cap_log2)
     if WINDOWED:
@@ -255,7 +238,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     WINDOWED: tl.constexpr = False,  # a sliding window (`window` positions)
     SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
-    Q_FP16: tl.constexpr = False, K_T: tl.constexpr = False,  # how an E4M3 cache is read (fp8_read_args)
+    Q_FP16: tl.constexpr = False,  # a bf16 query reads an E4M3 cache in fp16 (fp8_read_args)
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (an FP8 cache's v_scale)
 ):
     wait_prior_kernel(USE_PDL)
@@ -310,20 +293,20 @@ def _prefill_kernel(
                 acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
                 stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
                 BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
-                kv_lo=kv_lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T)
+                kv_lo=kv_lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
         causal_start = tl.maximum(full_end, mid_start)
     for start in range(mid_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
     for start in range(causal_start, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -441,7 +424,7 @@ def _decode_kernel(
     HAS_ORDER: tl.constexpr,  # order_ptr lists the rows longest context first
     USE_PDL: tl.constexpr,
     SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
-    Q_FP16: tl.constexpr = False, K_T: tl.constexpr = False,  # how an E4M3 cache is read (fp8_read_args)
+    Q_FP16: tl.constexpr = False,  # a bf16 query reads an E4M3 cache in fp16 (fp8_read_args)
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (SINGLE_SPLIT; else the reduce applies it)
     V_WORDS: tl.constexpr = False,  # (Q_FP16 only: V widens to fp16)
 ):
@@ -482,7 +465,7 @@ def _decode_kernel(
             acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, K_T=K_T, V_WORDS=V_WORDS)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
