@@ -6,7 +6,7 @@ into src/."""
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.fused_moe import _top_k_of_row
+from pagedllm.kernels.fused_moe import _gate_up_rows
 from pagedllm.kernels.pdl import wait_prior_kernel
 
 
@@ -42,6 +42,22 @@ def _top_k_of_row_warp(logits_ptr, t, stride_t, E, TOP_K: tl.constexpr, K_PAD: t
 
 
 @triton.jit
+def _route_in_warps(logits_ptr, ids_ptr, weights_ptr, m, stride_lt, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                    E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, COPIES: tl.constexpr):
+    """Assignment m's (token, expert) from the router logits, routed inside each warp (_top_k_of_row_warp); the
+    assignment's first program writes (expert, weight) for the down kernel, as _gemv_gate_up_kernel's ROUTE does."""
+    token = (m // TOP_K).to(tl.int64)
+    vals, idxs, slots = _top_k_of_row_warp(logits_ptr, token, stride_lt, E, TOP_K, K_PAD, E_PAD, RENORMALIZE,
+                                           COPIES, False)
+    mine = slots == m % TOP_K
+    expert = tl.max(tl.sum(tl.where(mine, idxs, 0), axis=1), axis=0)  # (rows equal: the max is any)
+    if tl.program_id(1) == 0:
+        tl.store(ids_ptr + m, expert)
+        tl.store(weights_ptr + m, tl.max(tl.sum(tl.where(mine, vals, 0.0), axis=1), axis=0))
+    return token, expert.to(tl.int64)
+
+
+@triton.jit
 def gate_up_warp_route(x_ptr, w_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, N, E,
                        stride_xm, stride_lt, stride_we, stride_wn, stride_om,
                        K: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
@@ -51,36 +67,10 @@ def gate_up_warp_route(x_ptr, w_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, 
     """_gemv_gate_up_kernel with the routing reduced inside each warp (_top_k_of_row_warp)."""
     wait_prior_kernel(USE_PDL)
     m = tl.program_id(0)
-    token = (m // TOP_K).to(tl.int64)
-    vals, idxs, slots = _top_k_of_row_warp(logits_ptr, token, stride_lt, E, TOP_K, K_PAD, E_PAD, RENORMALIZE,
-                                           COPIES, False)
-    mine = slots == m % TOP_K
-    expert = tl.max(tl.sum(tl.where(mine, idxs, 0), axis=1), axis=0)  # (rows equal: the max is any)
-    if tl.program_id(1) == 0:
-        tl.store(ids_ptr + m, expert)
-        tl.store(weights_ptr + m, tl.max(tl.sum(tl.where(mine, vals, 0.0), axis=1), axis=0))
-    expert = expert.to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    cols = tl.arange(0, BLOCK_K)
-    g_base = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
-    x_base = x_ptr + token * stride_xm
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        col = k0 + cols
-        col_ok = col < K
-        x = tl.load(x_base + col, mask=col_ok, other=0.0).to(tl.float32)
-        w_mask = row_ok[:, None] & col_ok[None, :]
-        g = tl.load(g_base + col[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        u = tl.load(g_base + N * stride_wn + col[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        acc_g += g.to(tl.float32) * x[None, :]
-        acc_u += u.to(tl.float32) * x[None, :]
-    out_ty = out_ptr.dtype.element_ty
-    gate = tl.sum(acc_g, axis=1).to(out_ty).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-    y = act * tl.sum(acc_u, axis=1).to(out_ty).to(tl.float32)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ty), mask=row_ok)
+    token, expert = _route_in_warps(logits_ptr, ids_ptr, weights_ptr, m, stride_lt, E, TOP_K, K_PAD, E_PAD,
+                                    RENORMALIZE, COPIES)
+    _gate_up_rows(x_ptr, w_ptr, out_ptr, m, token, expert, N, stride_xm, stride_we, stride_wn, stride_om, K, BLOCK_N,
+                  BLOCK_K)
 
 
 @triton.jit
@@ -190,15 +180,8 @@ def gate_up_warp_route_fenced(x_ptr, w_ptr, ids_ptr, weights_ptr, logits_ptr, ou
     """gate_up_warp_route for K == BLOCK_K: gate and up tiles in two loads, then a barrier before any use."""
     wait_prior_kernel(USE_PDL)
     m = tl.program_id(0)
-    token = (m // TOP_K).to(tl.int64)
-    vals, idxs, slots = _top_k_of_row_warp(logits_ptr, token, stride_lt, E, TOP_K, K_PAD, E_PAD, RENORMALIZE,
-                                           COPIES, False)
-    mine = slots == m % TOP_K
-    expert = tl.max(tl.sum(tl.where(mine, idxs, 0), axis=1), axis=0)
-    if tl.program_id(1) == 0:
-        tl.store(ids_ptr + m, expert)
-        tl.store(weights_ptr + m, tl.max(tl.sum(tl.where(mine, vals, 0.0), axis=1), axis=0))
-    expert = expert.to(tl.int64)
+    token, expert = _route_in_warps(logits_ptr, ids_ptr, weights_ptr, m, stride_lt, E, TOP_K, K_PAD, E_PAD,
+                                    RENORMALIZE, COPIES)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     col = tl.arange(0, BLOCK_K)
@@ -214,45 +197,6 @@ def gate_up_warp_route_fenced(x_ptr, w_ptr, ids_ptr, weights_ptr, logits_ptr, ou
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
     y = act * tl.sum(u.to(tl.float32) * x[None, :], axis=1).to(out_ty).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ty), mask=row_ok)
-
-
-def proposed_cases(gate_up_case, down_case):
-    out = []
-    # Qwen3 down: all experts at once, BLOCK_K 256 x 3 unrolled steps (768 = 3 x 256: no masked lanes) or 1024
-    for bn in (2, 4):
-        for bk in (256, 1024):
-            out.append(down_case("qwen3-30b-a3b", 1, fn=down_all_experts, block_n=bn, block_k=bk, warps=4,
-                                 tag="all-experts"))
-    out.append(down_case("qwen3-30b-a3b", 1, fn=down_all_experts, block_n=8, block_k=256, warps=8,
-                         tag="all-experts"))
-    out.append(down_case("qwen3-30b-a3b", 2, fn=down_all_experts, block_n=4, block_k=256, warps=4,
-                         tag="all-experts"))
-    # Mixtral down with the same kernel (must not lose its ~44 KB per CTA in flight)
-    for bn, bk, w in ((2, 2048, 8), (2, 1024, 4), (1, 2048, 4)):
-        out.append(down_case("mixtral-8x7b", 1, fn=down_all_experts, block_n=bn, block_k=bk, warps=w,
-                             tag="all-experts"))
-    # gate_up: the routing inside each warp
-    out.append(gate_up_case("qwen3-30b-a3b", 1, fn=gate_up_warp_route, tag="warp-route"))
-    out.append(gate_up_case("qwen3-30b-a3b", 1, fn=gate_up_warp_route, block_n=8, warps=8, tag="warp-route",
-                            extra=dict(COPIES=8)))
-    out.append(gate_up_case("qwen3-30b-a3b", 1, block_n=8, warps=8, tag="launcher-kernel"))
-    out.append(gate_up_case("mixtral-8x7b", 1, fn=gate_up_warp_route, tag="warp-route"))
-    # fenced: one load group, then a barrier
-    for bn, w in ((2, 4), (4, 4), (4, 8), (2, 2)):
-        out.append(down_case("qwen3-30b-a3b", 1, fn=down_all_fenced, block_n=bn, block_k=1024, warps=w,
-                             tag="all-fenced"))
-    out.append(down_case("qwen3-30b-a3b", 2, fn=down_all_fenced, block_n=4, block_k=1024, warps=4, tag="all-fenced"))
-    for bn, w in ((4, 4), (2, 4), (8, 8)):
-        out.append(gate_up_case("qwen3-30b-a3b", 1, fn=gate_up_warp_route_fenced, block_n=bn, warps=w,
-                                tag="warp-route-fenced", extra=dict(COPIES=w)))
-    # down with the routing (and weight loads) before the PDL wait: one K step of 1024 (768 masked)
-    for bn in (2, 4):
-        name, fn, ints, const, warps, grid, wb = down_case("qwen3-30b-a3b", 1, fn=down_route_prefetch, block_n=bn,
-                                                           block_k=1024, warps=4, tag="route-prefetch")
-        ints.update(E=128, stride_lt=128)
-        const.update(E_PAD=128, RENORMALIZE=True)
-        out.append((name, fn, ints, const, warps, grid, wb))
-    return out
 
 
 @triton.jit
@@ -303,11 +247,43 @@ def down_chunks_fenced(a_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, N,
     tl.store(out_ptr + t * stride_om + rows, tl.sum(y, axis=0).to(out_ty), mask=row_ok)
 
 
-_base_cases = proposed_cases
-
-
-def proposed_cases(gate_up_case, down_case):  # noqa: F811
-    out = _base_cases(gate_up_case, down_case)
+def proposed_cases(gate_up_case, down_case):
+    out = []
+    # Qwen3 down: all experts at once, BLOCK_K 256 x 3 unrolled steps (768 = 3 x 256: no masked lanes) or 1024
+    for bn in (2, 4):
+        for bk in (256, 1024):
+            out.append(down_case("qwen3-30b-a3b", 1, fn=down_all_experts, block_n=bn, block_k=bk, warps=4,
+                                 tag="all-experts"))
+    out.append(down_case("qwen3-30b-a3b", 1, fn=down_all_experts, block_n=8, block_k=256, warps=8,
+                         tag="all-experts"))
+    out.append(down_case("qwen3-30b-a3b", 2, fn=down_all_experts, block_n=4, block_k=256, warps=4,
+                         tag="all-experts"))
+    # Mixtral down with the same kernel (must not lose its ~44 KB per CTA in flight)
+    for bn, bk, w in ((2, 2048, 8), (2, 1024, 4), (1, 2048, 4)):
+        out.append(down_case("mixtral-8x7b", 1, fn=down_all_experts, block_n=bn, block_k=bk, warps=w,
+                             tag="all-experts"))
+    # gate_up: the routing inside each warp
+    out.append(gate_up_case("qwen3-30b-a3b", 1, fn=gate_up_warp_route, tag="warp-route"))
+    out.append(gate_up_case("qwen3-30b-a3b", 1, fn=gate_up_warp_route, block_n=8, warps=8, tag="warp-route",
+                            extra=dict(COPIES=8)))
+    out.append(gate_up_case("qwen3-30b-a3b", 1, block_n=8, warps=8, tag="launcher-kernel"))
+    out.append(gate_up_case("mixtral-8x7b", 1, fn=gate_up_warp_route, tag="warp-route"))
+    # fenced: one load group, then a barrier
+    for bn, w in ((2, 4), (4, 4), (4, 8), (2, 2)):
+        out.append(down_case("qwen3-30b-a3b", 1, fn=down_all_fenced, block_n=bn, block_k=1024, warps=w,
+                             tag="all-fenced"))
+    out.append(down_case("qwen3-30b-a3b", 2, fn=down_all_fenced, block_n=4, block_k=1024, warps=4, tag="all-fenced"))
+    for bn, w in ((4, 4), (2, 4), (8, 8)):
+        out.append(gate_up_case("qwen3-30b-a3b", 1, fn=gate_up_warp_route_fenced, block_n=bn, warps=w,
+                                tag="warp-route-fenced", extra=dict(COPIES=w)))
+    # down with the routing (and weight loads) before the PDL wait: one K step of 1024 (768 masked)
+    for bn in (2, 4):
+        name, fn, ints, const, warps, grid, wb = down_case("qwen3-30b-a3b", 1, fn=down_route_prefetch, block_n=bn,
+                                                           block_k=1024, warps=4, tag="route-prefetch")
+        ints.update(E=128, stride_lt=128)
+        const.update(E_PAD=128, RENORMALIZE=True)
+        out.append((name, fn, ints, const, warps, grid, wb))
+    # down, K in chunks of 256 (768 = 3 x 256), every chunk's loads before the barrier
     for bn, w in ((2, 4), (4, 4), (4, 8), (2, 8)):
         out.append(down_case("qwen3-30b-a3b", 1, fn=down_chunks_fenced, block_n=bn, block_k=256, warps=w,
                              tag="chunks-fenced"))

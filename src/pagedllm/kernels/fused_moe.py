@@ -230,27 +230,9 @@ def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: 
 # ------------------------------------------------------------------------------- few assignments: GEMV
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, N, E,
-                         stride_xm, stride_lt, stride_we, stride_wn, stride_om,
-                         K: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                         ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """act[m] = silu(x[t] @ W1[e]^T) * (x[t] @ W3[e]^T) for assignment m = t * TOP_K + j, rows of one block.
-    ROUTE: e comes from the router logits (the routing computed here, by every program of the token: a few
-    hundred flops), and each assignment's first program writes (e, weight) for the down kernel; else from ids."""
-    wait_prior_kernel(USE_PDL)
-    m = tl.program_id(0)
-    token = (m // TOP_K).to(tl.int64)
-    if ROUTE:
-        vals, idxs, slots = _top_k_of_row(logits_ptr, token, stride_lt, E, TOP_K, K_PAD, E_PAD, RENORMALIZE)
-        mine = slots == m % TOP_K
-        expert = tl.sum(tl.where(mine, idxs, 0), axis=0)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + m, expert)
-            tl.store(weights_ptr + m, tl.sum(tl.where(mine, vals, 0.0), axis=0))
-        expert = expert.to(tl.int64)
-    else:
-        expert = tl.load(ids_ptr + m).to(tl.int64)
+def _gate_up_rows(x_ptr, w_ptr, out_ptr, m, token, expert, N, stride_xm, stride_we, stride_wn, stride_om,
+                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act[m, rows] = silu(x[token] @ W1[expert]^T) * (x[token] @ W3[expert]^T) for this program's block of rows."""
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -272,6 +254,32 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
     y = act * tl.sum(acc_u, axis=1).to(out_ty).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, y.to(out_ty), mask=row_ok)
+
+
+@triton.jit
+def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr, N, E,
+                         stride_xm, stride_lt, stride_we, stride_wn, stride_om,
+                         K: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                         ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """act[m] = silu(x[t] @ W1[e]^T) * (x[t] @ W3[e]^T) for assignment m = t * TOP_K + j, rows of one block.
+    ROUTE: e comes from the router logits (the routing computed here, by every program of the token: a few
+    hundred flops), and each assignment's first program writes (e, weight) for the down kernel; else from ids."""
+    wait_prior_kernel(USE_PDL)
+    m = tl.program_id(0)
+    token = (m // TOP_K).to(tl.int64)
+    if ROUTE:
+        vals, idxs, slots = _top_k_of_row(logits_ptr, token, stride_lt, E, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+        mine = slots == m % TOP_K
+        expert = tl.sum(tl.where(mine, idxs, 0), axis=0)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + m, expert)
+            tl.store(weights_ptr + m, tl.sum(tl.where(mine, vals, 0.0), axis=0))
+        expert = expert.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + m).to(tl.int64)
+    _gate_up_rows(x_ptr, w_ptr, out_ptr, m, token, expert, N, stride_xm, stride_we, stride_wn, stride_om, K, BLOCK_N,
+                  BLOCK_K)
 
 
 @triton.jit
