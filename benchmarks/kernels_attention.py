@@ -329,6 +329,8 @@ def main():
     ap.add_argument("--ctxs", type=int, nargs="+", default=[128, 384, 1024, 2048])
     ap.add_argument("--spread", action="store_true", help="only the spread-context decode table (Qwen3-0.6B heads)")
     args = ap.parse_args()
+    if args.fp8_read != ["default"] and not (args.gqa_sweep and args.kv_dtype == "fp8"):
+        ap.error("--fp8-read applies to --gqa-sweep with --kv-dtype fp8 (the ways an E4M3 cache is read)")
     if args.gqa_sweep:
         gqa_sweep(args.gqa_sweep, args.batches, args.ctx, args.kv_dtype, args.quick, tuple(args.fp8_read))
         return

@@ -199,6 +199,9 @@ def main(argv=None):
                         "(lora.layers.NORM_SHRINK_MAX_ROWS; beyond, the general shrink kernel)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    abs_given = [name for name in ("ab", "ab_gemv", "ab_fold") if getattr(args, name)]
+    if len(abs_given) > 1 or (abs_given and args.mode != "latency"):
+        p.error("--ab, --ab-gemv and --ab-fold are latency A/Bs, one per run")
     if args.norm_shrink_max_rows is not None:
         from pagedllm.lora import layers
 
