@@ -20,6 +20,8 @@
 #   bash benchmarks/gpu_int4.sh w8a8-tput # 8B offline 1000 x 512 in / 256 out, temperature 0.8: bf16, FP8, INT8 W8A8
 #   bash benchmarks/gpu_int4.sh fp8read   # the E4M3 cache's reads (FP8_READS: fp16 fp16-vw bf16): the FP8
 #                                         # kernel tests with each, the tile sweep of each, the nano breakdown (default)
+#   bash benchmarks/gpu_int4.sh nano-vw   # nano end to end: E4M3 with V read as 32-bit words, E4M3, bf16 cache
+#                                         # (FP8_BREAKDOWN=0 skips fp8read's nano breakdown)
 #   bash benchmarks/gpu_int4.sh fp8kv     # the FP8 KV cache's decode kernel: the tile sweep at the Qwen3-0.6B heads
 #                                         # (E4M3 and bf16 caches), then the nano protocol's kernels by kind, both caches
 #
@@ -118,6 +120,7 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
     step fp8-read-sweep 240 python benchmarks/kernels_attention.py --gqa-sweep 16/8 --batches 64 256 --ctx 768 \
         --kv-dtype fp8 --quick --fp8-read ${FP8_READS:-fp16 fp16-vw}
     grep -E "^#|\*" "$out/fp8-read-sweep.log"
+    [ "${FP8_BREAKDOWN:-1}" = 1 ] || continue
     step nano-kb-fp8 150 python benchmarks/kernel_breakdown.py --model benchmarks/configs/qwen3-0.6b \
         --load-format dummy --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 \
         --max-model-len 2048 --kv-cache-dtype fp8 --top 25 --json "$out/nano-kb-fp8.json"
@@ -128,6 +131,15 @@ nano-kv)  # the nano protocol end to end, E4M3 vs bf16 cache (offline_throughput
         step "nano-$kv" 200 python benchmarks/offline_throughput.py --model benchmarks/configs/qwen3-0.6b \
             --load-format dummy --dtype bfloat16 --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
             --temperature 0.6 --hf none --kv-cache-dtype $kv
+    done
+    ;;
+nano-vw)  # the nano protocol end to end: E4M3 with V read as words (paged_attention.FP8_V_WORDS), E4M3, bf16
+    for kv in fp8-vw fp8 auto; do
+        step "nano-$kv" 200 python -c "import runpy, sys; import pagedllm.kernels.paged_attention as p
+p.FP8_V_WORDS = '$kv' == 'fp8-vw'
+sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" benchmarks/offline_throughput.py \
+            --model benchmarks/configs/qwen3-0.6b --load-format dummy --dtype bfloat16 --num-prompts 256 \
+            --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --hf none --kv-cache-dtype ${kv%-vw}
     done
     ;;
 breakdown)  # kernel time by kind, 8B 250 x 512 in / 256 out at temperature 0.8: FP8 and bf16 (logs: the whole table)
