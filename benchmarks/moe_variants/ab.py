@@ -137,8 +137,8 @@ def main():
 
 
 def fm_time(fn, iters):
-    sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-    from moe import _graph_time_us  # benchmarks/moe.py, run from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from moe import _graph_time_us  # benchmarks/moe.py
     return _graph_time_us(fn, iters)
 
 

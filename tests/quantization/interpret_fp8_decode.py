@@ -46,7 +46,7 @@ def main() -> None:
     ref = pa.paged_attention_ref(q, cache, table, seq_lens, torch.arange(len(lens) + 1, dtype=torch.int32),
                                  scale).float() * 0.5
     assert pa.FP8_KV_COMPUTE == "fp16"
-    outs = {}
+    outs, default = {}, pa.FP8_V_WORDS
     for words in (False, True):
         pa.FP8_V_WORDS = words
         for block_n in (128, 64):
@@ -56,7 +56,7 @@ def main() -> None:
             err = (out - ref).abs().max().item()
             assert err < 3e-2, (words, block_n, err)
             outs[words, block_n] = out
-    pa.FP8_V_WORDS = False
+    pa.FP8_V_WORDS = default
     for block_n in (128, 64):
         assert torch.equal(outs[True, block_n], outs[False, block_n]), block_n
     print("fp8 decode ok")

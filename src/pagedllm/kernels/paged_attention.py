@@ -102,7 +102,7 @@ def _fp16_query(q):
 # transpose that Triton does for 8-bit tiles with one shared-memory byte load per element (LDS.U8; sm_90 SASS of
 # the decode kernel). Widened to fp16 in the load layout first, the tile goes through shared memory as fp16
 # (STS.128, then ldmatrix.trans) like a 16-bit cache's, and the kernel needs fewer registers.
-FP8_V_WORDS = False  # off until measured on a GPU (kernels_attention.py --fp8-read fp16-vw)
+FP8_V_WORDS = True  # False: the byte read (the A/B: kernels_attention.py --fp8-read fp16 fp16-vw)
 _INTERPRETED = tl.constexpr(envs.TRITON_INTERPRET)
 
 

@@ -39,9 +39,9 @@ NORM_SHRINK_MAX_ROWS = 8
 # less per decoder layer). False: the separate few-token shrink (the A/B: benchmarks/lora.py latency --ab-fold).
 FOLD_O_SHRINK = True
 # The few-row path's expand in the base layer's GEMV (kernels/gemv.py, `lora=`) where that kernel takes the base
-# layer (unquantized, <= PAGEDLLM_GEMV_MAX_ROWS rows): no expand launch of its own. Off until measured on a GPU
-# against the separate expand (benchmarks/lora.py latency --ab-gemv, benchmarks/gpu_lora.sh gemv).
-GEMV_EXPAND = False
+# layer (unquantized, <= PAGEDLLM_GEMV_MAX_ROWS rows): no expand launch of its own. False: the separate expand
+# kernels (the A/B: benchmarks/lora.py latency --ab-gemv, benchmarks/gpu_lora.sh gemv).
+GEMV_EXPAND = True
 
 
 @dataclass
