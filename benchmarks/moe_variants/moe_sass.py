@@ -1,8 +1,8 @@
-"""sm_90 machine-code analysis of the MoE GEMV kernels (pagedllm kernels/fused_moe.py) at few tokens, plus the
-proposed variants (moe_variants.py): grid and waves, registers, CTAs per SM, the weight loads each thread has
+"""sm_90 machine-code analysis of the MoE GEMV kernels (pagedllm kernels/fused_moe.py) at few tokens, as the
+launcher runs them (fused_moe.gemv_plan) and with the K-step loops (fused_moe.FENCED_GEMV off): grid and waves, registers, CTAs per SM, the weight loads each thread has
 outstanding at once (a walk of the SASS) and the bytes in flight per SM. Reuses benchmarks/kernel_sass.py; no GPU.
 
-    PYTHONPATH=src python benchmarks/moe_variants/moe_sass.py [--which launcher|proposed|all] [--only REGEX] \
+    PYTHONPATH=src python benchmarks/moe_variants/moe_sass.py [--which launcher|loops|all] [--only REGEX] \
         [--dump DIR] [--json F]
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 warnings.filterwarnings("ignore")
 
@@ -26,7 +25,6 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kernel_sass as ks  # noqa: E402
 from pagedllm.kernels import fused_moe as fm  # noqa: E402
-import moe_variants as mv  # noqa: E402
 
 SMS = 132
 SHAPES = {"qwen3-30b-a3b": dict(H=2048, I=768, E=128, k=8), "mixtral-8x7b": dict(H=4096, I=14336, E=8, k=2)}
@@ -195,12 +193,22 @@ def down_case(shape, T, fn=None, block_n=None, block_k=None, warps=None, extra=N
 
 def cases(which):
     out = []
-    if which in ("all", "launcher"):
+    for fenced, tag in ((True, "launcher"), (False, "loops")):
+        if which not in ("all", tag):
+            continue
+        fm.FENCED_GEMV = fenced
         for shape in SHAPES:
+            s = SHAPES[shape]
             for T in (1, 2):
-                out += [gate_up_case(shape, T), down_case(shape, T)]
-    if which in ("all", "proposed"):
-        out += mv.proposed_cases(gate_up_case, down_case)
+                gate, down = fm.gemv_plan(T, s["H"], s["I"], s["k"])
+                g_tag, d_tag = (f"{tag}{' fenced' if d['FENCED'] else ''}" for d in (gate, down))
+                out.append(gate_up_case(shape, T, block_n=gate["BLOCK_N"], block_k=gate["BLOCK_K"],
+                                        warps=gate["num_warps"], tag=g_tag,
+                                        extra=dict(FENCED=gate["FENCED"], COPIES=gate["num_warps"])))
+                out.append(down_case(shape, T, fn=fm._gemv_down_fenced_kernel if down["FENCED"] else None,
+                                     block_n=down["BLOCK_N"], block_k=down["BLOCK_K"], warps=down["num_warps"],
+                                     tag=d_tag))
+    fm.FENCED_GEMV = True
     return out
 
 
@@ -228,7 +236,7 @@ def table(rows):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--which", default="all", choices=["all", "launcher", "proposed"])
+    p.add_argument("--which", default="all", choices=["all", "launcher", "loops"])
     p.add_argument("--dump", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--only", default=None, help="regex on the case name")

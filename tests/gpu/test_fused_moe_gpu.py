@@ -14,7 +14,8 @@ pytest.importorskip("triton", reason="the fused MoE kernels need Triton")
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from tests.engine.test_correctness import check_against_hf, random_prompts  # noqa: E402
 from tests.models.moe_helpers import MOE_ARCHS, tiny_moe_dir  # noqa: E402,F401 - the fixture
-from tests.models.moe_kernel_cases import check_align, check_fused, check_fused_routed, check_route  # noqa: E402
+from tests.models.moe_kernel_cases import (check_align, check_fenced_equals_loops, check_fused,  # noqa: E402
+                                           check_fused_routed, check_route)
 
 TOKENS = [1, 7, 64, 512]
 EXPERTS = [(8, 2), (64, 8), (128, 8)]
@@ -65,6 +66,18 @@ def test_real_layer_shapes(shape, tokens, stale_cuda_memory):
     for path in [None, "grouped", "torch"] + (["gemv"] if tokens <= 2 else []):
         check_fused(tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda", path=path, seed=tokens)
     check_fused_routed(tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda", seed=tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-tp8", "mixtral-8x7b-gate", "ragged"])
+def test_fenced_gemvs_equal_loops(shape, tokens, stale_cuda_memory):
+    """fused_moe.FENCED_GEMV at the shapes it is for (Qwen3-30B-A3B: both kernels) and beside them."""
+    experts, top_k, hidden, inter, fenced = {"qwen3-30b-a3b": (128, 8, 2048, 768, (True, True)),
+                                             "mixtral-tp8": (8, 2, 4096, 1792, (False, True)),
+                                             "mixtral-8x7b-gate": (8, 2, 4096, 1024, (False, True)),
+                                             "ragged": (60, 4, 1000, 352, (True, True))}[shape]
+    for dtype in DTYPES:
+        check_fenced_equals_loops(tokens, experts, top_k, hidden, inter, dtype, "cuda", fenced, seed=tokens)
 
 
 def test_torch_grouped_mm_for_large_experts(stale_cuda_memory):

@@ -179,9 +179,14 @@ def test_backend_fused_path_with_kv_scales_matches_unfused(specs, dtype):
         [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1))
     q, k = apply_rotary_ref(positions, q, k, cos_sin, head_size)
     out_b = backend.forward(q * ks, k / ks, v / vs, cache_b, md, batch.scale) * vs
-    # The fused path narrows K / k_scale from fp32 (after the rope), the unfused from `dtype`: K an E4M3 step apart
-    # here and there, which moves the scores a little.
-    torch.testing.assert_close(out_a.float(), out_b.float(), atol=2e-2, rtol=2e-2)
+    # The fused path narrows K / k_scale from fp32 (after the rope), the unfused from `dtype`: in 16-bit dtypes K
+    # is an E4M3 step apart here and there (~0.05% of the outputs move by up to ~0.06); fp32 agrees everywhere.
+    a, b = out_a.float(), out_b.float()
+    if dtype == FP32:
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    else:
+        far = ((a - b).abs() > 2e-2 + 2e-2 * b.abs()).float().mean().item()
+        assert far <= 2e-3 and (a - b).abs().max().item() < 0.15, (far, (a - b).abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32])

@@ -17,7 +17,8 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
     from tests.gpu.conftest import _tag_comparisons_as_int1  # noqa: F401 - importing it tags the comparisons
     from tests.lora.interpret_kernels import patch_interpreter_for_numpy2
-    from tests.models.moe_kernel_cases import check_align, check_fused, check_fused_routed, check_route
+    from tests.models.moe_kernel_cases import (check_align, check_fenced_equals_loops, check_fused, check_fused_routed,
+                                               check_route)
 
     patch_interpreter_for_numpy2()
     f32 = torch.float32
@@ -44,6 +45,9 @@ def main() -> None:
     check_fused_routed(1, 60, 4, 48, 24, f32, "cpu", seed=6)  # experts not a power of two
     check_fused_routed(5, 8, 2, 48, 24, f32, "cpu", seed=7)  # auto: grouped, routed first
     check_fused_routed(5, 8, 2, 48, 24, f32, "cpu", path="gemv", seed=8)  # gemv with several tokens
+    check_fenced_equals_loops(1, 8, 2, 80, 48, f32, "cpu", (True, True))  # masked tile tails
+    check_fenced_equals_loops(2, 16, 8, 64, 40, f32, "cpu", (True, True), seed=1)  # top-8: narrower down rows
+    check_fenced_equals_loops(1, 8, 2, 4096, 24, f32, "cpu", (False, True), seed=2)  # gate_up in two K steps
     print("fused moe kernels ok")
 
 

@@ -91,6 +91,26 @@ def check_fused_routed(tokens: int, experts: int, top_k: int, hidden: int, inter
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **TOLERANCE[dtype])
 
 
+def check_fenced_equals_loops(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+                              device: str, fenced: tuple, seed: int = 0) -> None:
+    """The GEMV path's fenced kernels (fused_moe.FENCED_GEMV: a program's whole weight tile loaded before its
+    products) give the K-step loops' outputs and routing bit for bit; `fenced` says which of (gate_up, down) the
+    shapes put on them, as gemv_plan must pick."""
+    from pagedllm.kernels import fused_moe as fm
+
+    x, w13, w2, logits = make_case(tokens, experts, hidden, inter, dtype, device, seed)
+    default, outs = fm.FENCED_GEMV, {}
+    try:
+        for on in (False, True):
+            fm.FENCED_GEMV = on
+            gate, down = fm.gemv_plan(tokens, hidden, inter, top_k)
+            assert (gate["FENCED"], down["FENCED"]) == (fenced if on else (False, False)), (gate, down)
+            outs[on] = fm.fused_moe_routed(x, logits, w13, w2, top_k, True, path="gemv")
+    finally:
+        fm.FENCED_GEMV = default
+    assert torch.equal(outs[True], outs[False]), (outs[True] - outs[False]).abs().max()
+
+
 def per_token_reference(x, w13, w2, weights, ids) -> torch.Tensor:
     """sum_j w_j * down_e(silu(gate_e x) * up_e x), token by token, in x's dtype."""
     inter = w13.shape[1] // 2

@@ -67,6 +67,33 @@ def _top_k_of_row(logits_ptr, t, stride_t, E, TOP_K: tl.constexpr, K_PAD: tl.con
 
 
 @triton.jit
+def _top_k_of_row_warps(logits_ptr, t, stride_t, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                        RENORMALIZE: tl.constexpr, COPIES: tl.constexpr):
+    """_top_k_of_row on a [COPIES, E_PAD] tile, COPIES = num_warps: every warp holds the whole row and routes it
+    itself, so each max / min / sum reduces within a warp (shuffles: no shared memory, no CTA barrier before the
+    weight loads). Returns [COPIES, K_PAD] tensors whose rows are equal."""
+    experts = tl.arange(0, E_PAD)[None, :] + tl.zeros([COPIES, 1], dtype=tl.int32)
+    ok = experts < E
+    x = tl.load(logits_ptr + t * stride_t + experts, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.where(ok, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+    p = tl.where(ok, p, -1.0)
+    slots = tl.arange(0, K_PAD)[None, :] + tl.zeros([COPIES, 1], dtype=tl.int32)
+    vals = tl.zeros([COPIES, K_PAD], dtype=tl.float32)
+    idxs = tl.zeros([COPIES, K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):  # as _top_k_of_row, per row
+        best = tl.max(p, axis=1)[:, None]
+        idx = tl.min(tl.where(p == best, experts, E_PAD), axis=1)[:, None]
+        idx = tl.minimum(idx, E - 1)
+        vals = tl.where(slots == j, best, vals)
+        idxs = tl.where(slots == j, idx, idxs)
+        p = tl.where(experts == idx, -1.0, p)
+    if RENORMALIZE:
+        vals = vals / tl.sum(vals, axis=1)[:, None]
+    return vals, idxs, slots
+
+
+@triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                   USE_PDL: tl.constexpr):
@@ -229,26 +256,46 @@ def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: 
 
 # ------------------------------------------------------------------------------- few assignments: GEMV
 
+# Where a program's weights fit one tile (gate_up: hidden <= BLOCK_K; down: intermediate <= BLOCK_K), the GEMVs
+# load every weight of the program, then pass a CTA barrier, then load the activations and multiply: ptxas
+# otherwise interleaves the loads with the products and keeps only a few in flight (sm_90 code:
+# benchmarks/moe_variants/moe_sass.py). False: the K-step loops (the A/B: benchmarks/moe_variants/ab.py).
+FENCED_GEMV = True
+_FENCED_MAX_ELEMENTS = 16384  # weight elements a fenced program holds (in registers, over its 4 warps)
+
+
 @triton.jit
 def _gate_up_rows(x_ptr, w_ptr, out_ptr, m, token, expert, N, stride_xm, stride_we, stride_wn, stride_om,
-                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """act[m, rows] = silu(x[token] @ W1[expert]^T) * (x[token] @ W3[expert]^T) for this program's block of rows."""
+                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FENCED: tl.constexpr = False):
+    """act[m, rows] = silu(x[token] @ W1[expert]^T) * (x[token] @ W3[expert]^T) for this program's block of rows.
+    FENCED (K <= BLOCK_K): both weight tiles loaded, then a CTA barrier, then x and the products (see FENCED_GEMV)."""
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     g_base = w_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     x_base = x_ptr + token * stride_xm
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every step's loads can be in flight at once
-        col = k0 + cols
-        col_ok = col < K
-        x = tl.load(x_base + col, mask=col_ok, other=0.0).to(tl.float32)
+    if FENCED:
+        col_ok = cols < K
         w_mask = row_ok[:, None] & col_ok[None, :]
-        g = tl.load(g_base + col[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        u = tl.load(g_base + N * stride_wn + col[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        acc_g += g.to(tl.float32) * x[None, :]
-        acc_u += u.to(tl.float32) * x[None, :]
+        g = tl.load(g_base + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(g_base + N * stride_wn + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        tl.debug_barrier()  # x loads below it: no product can be scheduled above the weight loads
+        x = tl.load(x_base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc_g = g.to(tl.float32) * x[None, :]
+        acc_u = u.to(tl.float32) * x[None, :]
+    else:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every step's loads can be in flight at once
+            col = k0 + cols
+            col_ok = col < K
+            x = tl.load(x_base + col, mask=col_ok, other=0.0).to(tl.float32)
+            w_mask = row_ok[:, None] & col_ok[None, :]
+            g = tl.load(g_base + col[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            u = tl.load(g_base + N * stride_wn + col[None, :], mask=w_mask, other=0.0,
+                        eviction_policy="evict_first")
+            acc_g += g.to(tl.float32) * x[None, :]
+            acc_u += u.to(tl.float32) * x[None, :]
     out_ty = out_ptr.dtype.element_ty
     gate = tl.sum(acc_g, axis=1).to(out_ty).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
@@ -261,25 +308,28 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, weights_ptr, logits_ptr, out_ptr
                          stride_xm, stride_lt, stride_we, stride_wn, stride_om,
                          K: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                          ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                         COPIES: tl.constexpr = 4, FENCED: tl.constexpr = False):
     """act[m] = silu(x[t] @ W1[e]^T) * (x[t] @ W3[e]^T) for assignment m = t * TOP_K + j, rows of one block.
-    ROUTE: e comes from the router logits (the routing computed here, by every program of the token: a few
-    hundred flops), and each assignment's first program writes (e, weight) for the down kernel; else from ids."""
+    ROUTE: e comes from the router logits (the routing computed here, by every warp of every program of the token: a
+    few hundred flops; COPIES = num_warps), and each assignment's first program writes (e, weight) for the down
+    kernel; else from ids."""
     wait_prior_kernel(USE_PDL)
     m = tl.program_id(0)
     token = (m // TOP_K).to(tl.int64)
     if ROUTE:
-        vals, idxs, slots = _top_k_of_row(logits_ptr, token, stride_lt, E, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+        vals, idxs, slots = _top_k_of_row_warps(logits_ptr, token, stride_lt, E, TOP_K, K_PAD, E_PAD, RENORMALIZE,
+                                                COPIES)
         mine = slots == m % TOP_K
-        expert = tl.sum(tl.where(mine, idxs, 0), axis=0)
+        expert = tl.max(tl.sum(tl.where(mine, idxs, 0), axis=1), axis=0)  # (the rows are equal: any of them)
         if tl.program_id(1) == 0:
             tl.store(ids_ptr + m, expert)
-            tl.store(weights_ptr + m, tl.sum(tl.where(mine, vals, 0.0), axis=0))
+            tl.store(weights_ptr + m, tl.max(tl.sum(tl.where(mine, vals, 0.0), axis=1), axis=0))
         expert = expert.to(tl.int64)
     else:
         expert = tl.load(ids_ptr + m).to(tl.int64)
     _gate_up_rows(x_ptr, w_ptr, out_ptr, m, token, expert, N, stride_xm, stride_we, stride_wn, stride_om, K, BLOCK_N,
-                  BLOCK_K)
+                  BLOCK_K, FENCED)
 
 
 @triton.jit
@@ -312,6 +362,36 @@ def _gemv_down_sum_kernel(a_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, N,
             acc += w.to(tl.float32) * a[None, :]
         total += (tl.sum(acc, axis=1) * weight).to(out_ty).to(tl.float32)
     tl.store(out_ptr + t * stride_om + rows, total.to(out_ty), mask=row_ok)
+
+
+@triton.jit
+def _gemv_down_fenced_kernel(a_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, N,
+                             stride_am, stride_we, stride_wn, stride_om,
+                             K: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """_gemv_down_sum_kernel for K <= BLOCK_K (a whole row in one tile): the token's k experts' [BLOCK_N, K]
+    weights in one [K_PAD, BLOCK_N, BLOCK_K] load, a CTA barrier, then the activations and the products, so every
+    weight byte of the program is requested before the first is used (see FENCED_GEMV). The same rounding: each
+    expert's product times its weight rounded, then the fp32 sum over the experts."""
+    wait_prior_kernel(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    slots = tl.arange(0, K_PAD)
+    s_ok = slots < TOP_K
+    m = t * TOP_K + slots
+    experts = tl.load(ids_ptr + m, mask=s_ok, other=0).to(tl.int64)
+    weights = tl.load(topk_w_ptr + m, mask=s_ok, other=0.0)
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    w = tl.load(w_ptr + experts[:, None, None] * stride_we + rows.to(tl.int64)[None, :, None] * stride_wn
+                + cols[None, None, :], mask=s_ok[:, None, None] & row_ok[None, :, None] & col_ok[None, None, :],
+                other=0.0, eviction_policy="evict_first")
+    tl.debug_barrier()  # the activations load below it: no product can be scheduled above a weight load
+    a = tl.load(a_ptr + m[:, None] * stride_am + cols[None, :], mask=s_ok[:, None] & col_ok[None, :], other=0.0)
+    out_ty = out_ptr.dtype.element_ty
+    y = (tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2) * weights[:, None]).to(out_ty)
+    tl.store(out_ptr + t * stride_om + rows, tl.sum(y.to(tl.float32), axis=0).to(out_ty), mask=row_ok)
 
 
 def _gemv_k_step(k: int) -> int:
@@ -453,6 +533,26 @@ def _gemv_down_blocks(num_tokens: int, n: int, k: int) -> tuple[int, int, int]:
     return block_n, block_k, 8 if k >= 4096 else 4
 
 
+def gemv_plan(num_tokens: int, hidden: int, inter: int, top_k: int, config: Optional[dict] = None
+              ) -> tuple[dict, dict]:
+    """The GEMV path's launch parameters: (gate_up's, down's) BLOCK_N / BLOCK_K / num_warps / FENCED, from the
+    shapes or the config's overrides (fused_moe's docstring)."""
+    cfg = config or {}
+    block_n, block_k = _gemv_gate_up_blocks(hidden)
+    block_n, block_k = cfg.get("GATE_BLOCK_N", block_n), cfg.get("GATE_BLOCK_K", block_k)
+    gate = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("GATE_num_warps", 4),
+                FENCED=FENCED_GEMV and block_k >= hidden and 2 * block_n * block_k <= _FENCED_MAX_ELEMENTS)
+    block_n, block_k, warps = _gemv_down_blocks(num_tokens, hidden, inter)
+    block_n, block_k = cfg.get("BLOCK_N", block_n), cfg.get("BLOCK_K", block_k)
+    k_pad = max(2, triton.next_power_of_2(top_k))
+    if FENCED_GEMV and block_k >= inter and "BLOCK_N" not in cfg:  # narrower rows: the tile fits the registers
+        while block_n > 1 and k_pad * block_n * block_k > _FENCED_MAX_ELEMENTS:
+            block_n //= 2
+    down = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", warps),
+                FENCED=FENCED_GEMV and block_k >= inter and k_pad * block_n * block_k <= _FENCED_MAX_ELEMENTS)
+    return gate, down
+
+
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int, int]:
     num_tokens, hidden = x.shape
     num_experts, two_i, k_w = w13.shape
@@ -470,24 +570,23 @@ def _gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     num_tokens, hidden, num_experts, inter = _check_shapes(x, w13, w2)
     top_k = topk_ids.shape[1]
     m = num_tokens * top_k
-    cfg = config or {}
     launch = pdl_launch_args(x.device)
     act = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     route = router_logits is not None
     logits = router_logits if route else topk_weights  # an unused pointer when not routing
-    block_n, block_k = _gemv_gate_up_blocks(hidden)
-    block_n, block_k = cfg.get("GATE_BLOCK_N", block_n), cfg.get("GATE_BLOCK_K", block_k)
-    _gemv_gate_up_kernel[(m, triton.cdiv(inter, block_n))](
+    meta = _route_meta(num_experts, top_k)
+    gate, down = gemv_plan(num_tokens, hidden, inter, top_k, config)
+    _gemv_gate_up_kernel[(m, triton.cdiv(inter, gate["BLOCK_N"]))](
         x, w13, topk_ids, topk_weights, logits, act, inter, num_experts,
         x.stride(0), logits.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K=hidden, **_route_meta(num_experts, top_k), ROUTE=route, RENORMALIZE=renormalize,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("GATE_num_warps", 4), **launch)
-    block_n, block_k, warps = _gemv_down_blocks(num_tokens, hidden, inter)
-    block_n, block_k = cfg.get("BLOCK_N", block_n), cfg.get("BLOCK_K", block_k)
-    _gemv_down_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-        act, w2, topk_ids, topk_weights, out, hidden, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        K=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", warps), **launch)
+        K=hidden, **meta, ROUTE=route, RENORMALIZE=renormalize, COPIES=gate["num_warps"], **gate, **launch)
+    args = (act, w2, topk_ids, topk_weights, out, hidden, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
+    grid = (num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))
+    if down.pop("FENCED"):
+        _gemv_down_fenced_kernel[grid](*args, K=inter, TOP_K=top_k, K_PAD=meta["K_PAD"], **down, **launch)
+    else:
+        _gemv_down_sum_kernel[grid](*args, K=inter, TOP_K=top_k, **down, **launch)
     return out
 
 
