@@ -95,7 +95,7 @@ def check_fenced_equals_loops(tokens: int, experts: int, top_k: int, hidden: int
                               device: str, fenced: tuple, seed: int = 0) -> None:
     """The GEMV path's fenced kernels (fused_moe.FENCED_GEMV: a program's whole weight tile loaded before its
     products) give the K-step loops' outputs and routing bit for bit; `fenced` says which of (gate_up, down) the
-    shapes put on them, as gemv_plan must pick."""
+    shapes and the dtype put on them, as gemv_plan must pick."""
     from pagedllm.kernels import fused_moe as fm
 
     x, w13, w2, logits = make_case(tokens, experts, hidden, inter, dtype, device, seed)
@@ -103,7 +103,7 @@ def check_fenced_equals_loops(tokens: int, experts: int, top_k: int, hidden: int
     try:
         for on in (False, True):
             fm.FENCED_GEMV = on
-            gate, down = fm.gemv_plan(tokens, hidden, inter, top_k)
+            gate, down = fm.gemv_plan(tokens, hidden, inter, top_k, weight_bytes=w13.element_size())
             assert (gate["FENCED"], down["FENCED"]) == (fenced if on else (False, False)), (gate, down)
             outs[on] = fm.fused_moe_routed(x, logits, w13, w2, top_k, True, path="gemv")
     finally:

@@ -261,7 +261,7 @@ def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: 
 # otherwise interleaves the loads with the products and keeps only a few in flight (sm_90 code:
 # benchmarks/moe_variants/moe_sass.py). False: the K-step loops (the A/B: benchmarks/moe_variants/ab.py).
 FENCED_GEMV = True
-_FENCED_MAX_ELEMENTS = 16384  # weight elements a fenced program holds (in registers, over its 4 warps)
+_FENCED_MAX_BYTES = 32768  # weights a fenced program holds in registers (16,384 16-bit values over 4 warps)
 
 
 @triton.jit
@@ -533,23 +533,24 @@ def _gemv_down_blocks(num_tokens: int, n: int, k: int) -> tuple[int, int, int]:
     return block_n, block_k, 8 if k >= 4096 else 4
 
 
-def gemv_plan(num_tokens: int, hidden: int, inter: int, top_k: int, config: Optional[dict] = None
-              ) -> tuple[dict, dict]:
+def gemv_plan(num_tokens: int, hidden: int, inter: int, top_k: int, config: Optional[dict] = None,
+              weight_bytes: int = 2) -> tuple[dict, dict]:
     """The GEMV path's launch parameters: (gate_up's, down's) BLOCK_N / BLOCK_K / num_warps / FENCED, from the
-    shapes or the config's overrides (fused_moe's docstring)."""
+    shapes, the weights' element size and the config's overrides (fused_moe's docstring)."""
     cfg = config or {}
+    most = _FENCED_MAX_BYTES // weight_bytes  # weight elements of a fenced program
     block_n, block_k = _gemv_gate_up_blocks(hidden)
     block_n, block_k = cfg.get("GATE_BLOCK_N", block_n), cfg.get("GATE_BLOCK_K", block_k)
     gate = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("GATE_num_warps", 4),
-                FENCED=FENCED_GEMV and block_k >= hidden and 2 * block_n * block_k <= _FENCED_MAX_ELEMENTS)
+                FENCED=FENCED_GEMV and block_k >= hidden and 2 * block_n * block_k <= most)
     block_n, block_k, warps = _gemv_down_blocks(num_tokens, hidden, inter)
     block_n, block_k = cfg.get("BLOCK_N", block_n), cfg.get("BLOCK_K", block_k)
     k_pad = max(2, triton.next_power_of_2(top_k))
     if FENCED_GEMV and block_k >= inter and "BLOCK_N" not in cfg:  # narrower rows: the tile fits the registers
-        while block_n > 1 and k_pad * block_n * block_k > _FENCED_MAX_ELEMENTS:
+        while block_n > 1 and k_pad * block_n * block_k > most:
             block_n //= 2
     down = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg.get("num_warps", warps),
-                FENCED=FENCED_GEMV and block_k >= inter and k_pad * block_n * block_k <= _FENCED_MAX_ELEMENTS)
+                FENCED=FENCED_GEMV and block_k >= inter and k_pad * block_n * block_k <= most)
     return gate, down
 
 
@@ -576,7 +577,7 @@ def _gemv_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     route = router_logits is not None
     logits = router_logits if route else topk_weights  # an unused pointer when not routing
     meta = _route_meta(num_experts, top_k)
-    gate, down = gemv_plan(num_tokens, hidden, inter, top_k, config)
+    gate, down = gemv_plan(num_tokens, hidden, inter, top_k, config, w13.element_size())
     _gemv_gate_up_kernel[(m, triton.cdiv(inter, gate["BLOCK_N"]))](
         x, w13, topk_ids, topk_weights, logits, act, inter, num_experts,
         x.stride(0), logits.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
