@@ -9,6 +9,8 @@ replays (as benchmarks/moe.py) beside the bound (the picked experts' weights rea
     # GPU:
     PYTHONPATH=src python benchmarks/moe_variants/ab.py --shape qwen3-30b-a3b --tokens 1 2
     PYTHONPATH=src python benchmarks/moe_variants/ab.py --shape mixtral-8x7b --tokens 1
+    # the router's logits from the post-attention norm's kernel vs its own GEMV (norm + router + experts):
+    PYTHONPATH=src python benchmarks/moe_variants/ab.py --norm-router --shape qwen3-30b-a3b --tokens 1 2 8
 """
 from __future__ import annotations
 
@@ -32,7 +34,12 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--check-only", action="store_true")
+    p.add_argument("--norm-router", action="store_true",
+                   help="instead: the post-attention norm + router + experts, the router's logits from the norm's "
+                        "kernel (models/moe.NORM_ROUTER) vs the router's own GEMV")
     a = p.parse_args()
+    if a.norm_router:
+        return norm_router_ab(a)
     E, k, H, I, renorm = SHAPES[a.shape]
     E = a.experts or E
     dev = "cpu" if INTERP else "cuda"
@@ -63,6 +70,42 @@ def main():
                 line += f"  {us:7.2f} us ({us / bound:.2f}x the {bound:.1f} us bound)"
             print(line, flush=True)
         fm.FENCED_GEMV = default
+
+
+def norm_router_ab(a):
+    """The norm, the router and the experts as a decoder layer runs them (models/moe.SparseMoeBlock, RMSNorm), the
+    router fused into the norm (its shrink_consumer link) or not."""
+    from pagedllm.layers.layernorm import RMSNorm
+    from pagedllm.models.moe import MoESpec, SparseMoeBlock
+    import types
+
+    E, k, H, I, renorm = SHAPES[a.shape]
+    E = a.experts or E
+    dev = "cpu" if INTERP else "cuda"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        block = SparseMoeBlock(types.SimpleNamespace(hidden_size=H, hidden_act="silu"),
+                               MoESpec(num_experts=E, top_k=k, intermediate_size=I, renormalize=renorm), "mlp")
+        norm = RMSNorm(H, eps=1e-6)
+    block, norm = block.to(torch.bfloat16), norm.to(torch.bfloat16)
+    with torch.no_grad():
+        for w, scale in ((block.gate.weight, 3 * H ** -0.5), (block.experts.gate_up_proj, H ** -0.5),
+                         (block.experts.down_proj, I ** -0.5)):
+            w.copy_(torch.randn(w.shape, device=dev) * scale)
+    for T in a.tokens:
+        x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+        res = torch.randn(T, H, device=dev).to(torch.bfloat16)
+        outs = {}
+        for fused in (False, True):
+            norm.__dict__["shrink_consumer"] = block if fused else None
+            layer = lambda: block(norm(x, res)[0])  # noqa: E731
+            outs[fused] = out = layer()
+            line = f"T={T} router {'in the norm' if fused else 'alone      '}"
+            if fused:
+                line += f": max|out - alone| {(out.float() - outs[False].float()).abs().max().item():.3e}"
+            if not a.check_only and not INTERP:
+                line += f"  {graph_time_us(layer, a.iters):7.2f} us (norm + router + experts)"
+            print(line, flush=True)
 
 
 def graph_time_us(fn, iters):

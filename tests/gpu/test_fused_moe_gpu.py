@@ -15,7 +15,7 @@ from pagedllm import LLM, SamplingParams  # noqa: E402
 from tests.engine.test_correctness import check_against_hf, random_prompts  # noqa: E402
 from tests.models.moe_helpers import MOE_ARCHS, tiny_moe_dir  # noqa: E402,F401 - the fixture
 from tests.models.moe_kernel_cases import (check_align, check_fenced_equals_loops, check_fused,  # noqa: E402
-                                           check_fused_routed, check_route)
+                                           check_fused_routed, check_norm_router, check_route)
 
 TOKENS = [1, 7, 64, 512]
 EXPERTS = [(8, 2), (64, 8), (128, 8)]
@@ -78,6 +78,15 @@ def test_fenced_gemvs_equal_loops(shape, tokens, stale_cuda_memory):
                                              "ragged": (60, 4, 1000, 352, (True, True))}[shape]
     for dtype in DTYPES:
         check_fenced_equals_loops(tokens, experts, top_k, hidden, inter, dtype, "cuda", fenced, seed=tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_router_in_the_norm(shape, tokens, stale_cuda_memory):
+    """models/moe.NORM_ROUTER at the real router shapes (small experts: the router does not depend on them)."""
+    experts, top_k, hidden = {"qwen3-30b-a3b": (128, 8, 2048), "mixtral-8x7b": (8, 2, 4096)}[shape]
+    for dtype in DTYPES + [torch.float32]:
+        check_norm_router(tokens, experts, top_k, hidden, 64, dtype, "cuda", seed=tokens)
 
 
 def test_torch_grouped_mm_for_large_experts(stale_cuda_memory):

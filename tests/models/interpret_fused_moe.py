@@ -18,7 +18,7 @@ def main() -> None:
     from tests.gpu.conftest import _tag_comparisons_as_int1  # noqa: F401 - importing it tags the comparisons
     from tests.lora.interpret_kernels import patch_interpreter_for_numpy2
     from tests.models.moe_kernel_cases import (check_align, check_fenced_equals_loops, check_fused, check_fused_routed,
-                                               check_route)
+                                               check_norm_router, check_route)
 
     patch_interpreter_for_numpy2()
     f32 = torch.float32
@@ -48,6 +48,8 @@ def main() -> None:
     check_fenced_equals_loops(1, 8, 2, 80, 48, f32, "cpu", (True, True))  # masked tile tails
     check_fenced_equals_loops(2, 16, 8, 64, 40, f32, "cpu", (True, True), seed=1)  # top-8: narrower down rows
     check_fenced_equals_loops(1, 8, 2, 4096, 24, f32, "cpu", (False, True), seed=2)  # gate_up in two K steps
+    check_norm_router(3, 8, 2, 96, 32, f32, "cpu")  # the router in the post-attention norm's kernel
+    check_norm_router(1, 60, 4, 64, 24, f32, "cpu", seed=1)  # experts not a power of two
     print("fused moe kernels ok")
 
 

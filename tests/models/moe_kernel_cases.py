@@ -111,6 +111,74 @@ def check_fenced_equals_loops(tokens: int, experts: int, top_k: int, hidden: int
     assert torch.equal(outs[True], outs[False]), (outs[True] - outs[False]).abs().max()
 
 
+def make_block(experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """models/moe.SparseMoeBlock (router + experts) and the RMSNorm before it, random weights (weights of order
+    one: router logits spread over a few units)."""
+    import types
+
+    from pagedllm.layers.layernorm import RMSNorm
+    from pagedllm.models.moe import MoESpec, SparseMoeBlock
+
+    g = torch.Generator().manual_seed(seed)
+    config = types.SimpleNamespace(hidden_size=hidden, hidden_act="silu")
+    block = SparseMoeBlock(config, MoESpec(num_experts=experts, top_k=top_k, intermediate_size=inter,
+                                           renormalize=True), "model.layers.0.mlp")
+    norm = RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(experts, hidden, generator=g) / hidden ** 0.5 * 3)
+        block.experts.gate_up_proj.copy_(torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5)
+        block.experts.down_proj.copy_(torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5)
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
+    return block.to(device=device, dtype=dtype), norm.to(device=device, dtype=dtype)
+
+
+def check_norm_router(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+                      device: str, seed: int = 0) -> None:
+    """The MoE router's logits computed by the post-attention norm's kernel (SparseMoeBlock.norm_and_shrink, what
+    RMSNorm calls on CUDA) against the norm alone then the router's own GEMV: the same normed rows and residual,
+    the logits within rounding, the same experts picked, the block's output as close as the routing allows."""
+    from pagedllm.models import moe
+
+    block, norm = make_block(experts, top_k, hidden, inter, dtype, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
+    residual = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
+    fused = block.norm_and_shrink(norm, x, residual)
+    assert fused is not None, "the router was not fused into the norm"
+    out, new_residual = fused
+    logits = block._pending[1]
+    got = block(out)
+    assert block._pending is None  # taken by forward
+    ref_out, ref_residual = norm.forward_native(x, residual)
+    ref_logits = block.gate(ref_out)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), **tol)
+    torch.testing.assert_close(new_residual.float().cpu(), ref_residual.float().cpu(), **tol)
+    assert logits.dtype == dtype and logits.shape == (tokens, experts)
+    torch.testing.assert_close(logits.float().cpu(), ref_logits.float().cpu(), **tol)
+    # The same experts, except where two logits sit within rounding of each other at the top-k boundary (a
+    # different summation order may then pick the other one): compare the outputs of the tokens routed alike.
+    lf, rf = logits.float().cpu(), ref_logits.float().cpu()
+    picked = torch.topk(lf, top_k, dim=-1).indices.sort(-1).values
+    ref_picked = torch.topk(rf, top_k, dim=-1).indices.sort(-1).values
+    alike = (picked == ref_picked).all(-1)
+    kth = torch.topk(rf, top_k, dim=-1).values[:, -1:]
+    for t in torch.nonzero(~alike).flatten().tolist():
+        swapped = sorted(set(picked[t].tolist()) ^ set(ref_picked[t].tolist()))
+        near = (rf[t, swapped] - kth[t]).abs() <= tol["atol"] + tol["rtol"] * kth[t].abs()
+        assert near.all(), (t, swapped, rf[t, swapped], kth[t])
+    assert alike.float().mean() >= 0.5, alike
+    torch.testing.assert_close(got.float().cpu()[alike], block(ref_out).float().cpu()[alike], **tol)
+    # Outside its conditions (more rows than NORM_ROUTER_MAX_ROWS, or switched off) the norm runs alone.
+    many = torch.randn(moe.NORM_ROUTER_MAX_ROWS + 1, hidden, generator=g).to(device=device, dtype=dtype)
+    assert block.norm_and_shrink(norm, many, None) is None
+    default, moe.NORM_ROUTER = moe.NORM_ROUTER, False
+    try:
+        assert block.norm_and_shrink(norm, x, residual) is None
+    finally:
+        moe.NORM_ROUTER = default
+
+
 def per_token_reference(x, w13, w2, weights, ids) -> torch.Tensor:
     """sum_j w_j * down_e(silu(gate_e x) * up_e x), token by token, in x's dtype."""
     inter = w13.shape[1] // 2

@@ -140,3 +140,24 @@ def test_tensor_parallel_size_must_divide_the_expert_intermediate_size(monkeypat
 @needs_triton
 def test_kernels_in_triton_interpreter():
     assert "fused moe kernels ok" in run_interpreted(os.path.join(HERE, "interpret_fused_moe.py"))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_sparse_layers_route_in_their_post_attention_norm(arch):
+    """Each sparse layer's post-attention RMSNorm points at its MoE block (on few-row CUDA steps its kernel computes
+    the router's logits: models/moe.NORM_ROUTER), by a plain reference: the block stays out of the norm's
+    submodules and state dict. Dense layers' norms point at nothing."""
+    from pagedllm.models.registry import get_model_class
+    from tests.models.moe_helpers import tiny_moe_config
+
+    config = tiny_moe_config(arch)
+    model = get_model_class(config)(config)
+    kinds = []
+    for layer in model.model.layers:
+        consumer = layer.post_attention_layernorm.__dict__.get("shrink_consumer")
+        sparse = type(layer.mlp).__name__ == "SparseMoeBlock"
+        assert consumer is (layer.mlp if sparse else None)
+        assert not list(layer.post_attention_layernorm.children())
+        kinds.append(sparse)
+    assert any(kinds)
+    assert not any(".post_attention_layernorm.shrink_consumer" in name for name in model.state_dict())

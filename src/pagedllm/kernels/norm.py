@@ -103,7 +103,7 @@ def _rms_norm_shrink_kernel(
         tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
     # The projection reads what the next layer reads: the norm's output rounded to its dtype.
     h = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
-    tl.store(h_ptr + row * stride_hm + offs_p, h, mask=p_ok)
+    tl.store(h_ptr + row * stride_hm + offs_p, h.to(h_ptr.dtype.element_ty), mask=p_ok)
 
 
 # Projection weight elements held by one program of rms_norm_shrink (registers), as the GEMV's tile.
@@ -111,16 +111,17 @@ _SHRINK_TILE_ELEMENTS = 16384
 
 
 def rms_norm_shrink(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, fp32_product: bool,
-                    a: torch.Tensor, token_slots: torch.Tensor):
-    """(RMSNorm of x (+ residual), the new residual or None, h): h [1, T, NR] fp32 = A[slot(t)] @ out[t] for each
-    row t of x [T, hidden] (a [S, NR, hidden] contiguous, token_slots [>= T] int32, -1: no adapter, zeros)."""
+                    a: torch.Tensor, token_slots: torch.Tensor, h_dtype: torch.dtype = torch.float32):
+    """(RMSNorm of x (+ residual), the new residual or None, h): h [1, T, NR] = A[slot(t)] @ out[t] for each row t
+    of x [T, hidden] (a [S, NR, hidden] contiguous, token_slots [>= T] int32, -1: no adapter, zeros), summed in fp32
+    and stored as h_dtype (fp32: a LoRA shrink; the activation dtype: a projection such as a MoE router)."""
     hidden = x.shape[-1]
     assert x.dim() == 2 and weight.shape == (hidden,) and a.is_contiguous() and a.shape[2] == hidden, (x.shape, a.shape)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     rows, nr = x2.shape[0], a.shape[1]
     out_dtype = x.dtype if fp32_product else torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty((rows, hidden), dtype=out_dtype, device=x.device)
-    h = torch.empty((1, rows, nr), dtype=torch.float32, device=x.device)
+    h = torch.empty((1, rows, nr), dtype=h_dtype, device=x.device)
     if residual is not None:
         r2 = residual if residual.stride(-1) == 1 else residual.contiguous()
         r_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)

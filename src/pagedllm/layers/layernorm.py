@@ -26,7 +26,8 @@ class RMSNorm(nn.Module):
     # The weight's product taken in float32 and rounded once (Gemma), not after rounding x / rms(x) (Llama).
     fp32_product = False
     # The module this norm's output feeds alone, when it has input-side work the norm kernel can do
-    # (`norm_and_shrink(norm, x, residual)`: LoRA's shrink); set by lora/manager.py.
+    # (`norm_and_shrink(norm, x, residual)`): LoRA's shrink (set by lora/manager.py), a MoE block's router
+    # (models/moe.MoEDecoderLayer).
     shrink_consumer = None
     # The W8A8 layer this norm's output feeds alone: on CUDA the norm kernel also quantizes its output per token
     # into quant_dtype for it (kernels/norm.rms_norm_quant), which the layer takes instead of quantizing; both set

@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.pipeline import stage_weights
+from pagedllm.layers.activation import triton_kernels
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, layer_index
 from pagedllm.models.weight_utils import load_weights_into
 
@@ -70,6 +72,25 @@ def expert_target(name: str) -> Optional[tuple[str, str, Optional[int]]]:
     return None
 
 
+# Few-row CUDA steps: the router's logits come from the post-attention norm's kernel (kernels/norm.rms_norm_shrink
+# with the router's weight as its projection), one launch less per MoE layer. False: the router's own GEMV (the
+# A/B: benchmarks/moe_variants/ab.py --norm-router).
+NORM_ROUTER = True
+NORM_ROUTER_MAX_ROWS = 8
+_ZERO_SLOTS: dict = {}  # device -> int32 zeros: every row's "adapter slot" 0, the router's weight
+
+
+def _zero_slots(device: torch.device) -> Optional[torch.Tensor]:
+    """Made outside any CUDA-graph capture (a capture records the fill without running it); None while one runs
+    before the first eager use (the router then runs alone)."""
+    slots = _ZERO_SLOTS.get(device)
+    if slots is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        slots = _ZERO_SLOTS[device] = torch.zeros(NORM_ROUTER_MAX_ROWS, dtype=torch.int32, device=device)
+    return slots
+
+
 class SparseMoeBlock(nn.Module):
     """x -> sum over the top-k experts of p_e * expert_e(x) (+ sigmoid(g . x) * shared_expert(x))."""
 
@@ -87,9 +108,34 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(shared, prefix=f"{prefix}.shared_expert", quant_config=quant_config)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
 
+        self._pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def norm_and_shrink(self, norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """`norm(x, residual)` (the post-attention RMSNorm, whose output is this block's input alone) with the
+        router's logits computed by the same kernel on few-row steps (NORM_ROUTER; the norm calls this on CUDA);
+        None where that does not apply (the norm then runs alone and `forward` runs the router)."""
+        gate = self.gate
+        w = gate.weight
+        if not (NORM_ROUTER and x.dim() == 2 and 0 < x.shape[0] <= NORM_ROUTER_MAX_ROWS
+                and (residual is None or residual.shape == x.shape) and gate.bias is None
+                and type(gate.linear_method) is UnquantizedLinearMethod and w.dtype == x.dtype == norm.weight.dtype
+                and w.is_contiguous() and w.shape[1] == x.shape[1]):
+            return None
+        kernels = triton_kernels("norm")
+        slots = _zero_slots(x.device) if kernels is not None else None
+        if slots is None:
+            return None
+        out, new_residual, logits = kernels.rms_norm_shrink(x, residual, norm.weight, norm.variance_epsilon,
+                                                            norm.fp32_product, w[None], slots, h_dtype=x.dtype)
+        self._pending = (out, logits[0])
+        return out if residual is None else (out, new_residual)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [T, hidden] -> [T, hidden]; router logits [T, E] in the model dtype (as transformers)
-        out = self.experts(x, self.gate(x))
+        # x [T, hidden] -> [T, hidden]; router logits [T, E] in the model dtype (as transformers): the norm's kernel
+        # computed them for this very x, else the router's GEMV
+        pending, self._pending = self._pending, None
+        logits = pending[1] if pending is not None and pending[0] is x else self.gate(x)
+        out = self.experts(x, logits)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -97,6 +143,12 @@ class SparseMoeBlock(nn.Module):
 
 class MoEDecoderLayer(LlamaDecoderLayer):
     """The Llama layer (same forward: fused residual norms) with `moe_spec`'s MLP."""
+
+    def __init__(self, config: Any, rotary_emb: Any, prefix: str = "", quant_config: Any = None) -> None:
+        super().__init__(config, rotary_emb, prefix=prefix, quant_config=quant_config)
+        norm = self.post_attention_layernorm
+        if isinstance(self.mlp, SparseMoeBlock) and isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward:
+            norm.__dict__["shrink_consumer"] = self.mlp  # a plain reference, not a submodule of the norm
 
     def build_mlp(self, config: Any, prefix: str, quant_config: Any) -> nn.Module:
         spec = self.moe_spec(config, layer_index(prefix))
