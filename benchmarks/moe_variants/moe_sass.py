@@ -1,6 +1,7 @@
 """sm_90 machine-code analysis of the MoE GEMV kernels (pagedllm kernels/fused_moe.py) at few tokens, as the
-launcher runs them (fused_moe.gemv_plan) and with the K-step loops (fused_moe.FENCED_GEMV off): grid and waves, registers, CTAs per SM, the weight loads each thread has
-outstanding at once (a walk of the SASS) and the bytes in flight per SM. Reuses benchmarks/kernel_sass.py; no GPU.
+launcher runs them (fused_moe.gemv_plan) and with the K-step loops (fused_moe.FENCED_GEMV off): grid and waves,
+registers, CTAs per SM, the weight loads each thread has outstanding at once (a walk of the SASS) and the bytes in
+flight per SM. Reuses benchmarks/kernel_sass.py; no GPU.
 
     PYTHONPATH=src python benchmarks/moe_variants/moe_sass.py [--which launcher|loops|all] [--only REGEX] \
         [--dump DIR] [--json F]
