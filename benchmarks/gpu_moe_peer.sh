@@ -18,6 +18,7 @@
 #   timeline-CONFIG       step_timeline.py on rows' 512 x 512/256 at temperature 0.6 (time per step kind)
 #   sweep-SHAPE           benchmarks/moe.py kernel --sweep at 1 token (the GEMV tiles)
 #   layer-SHAPE           benchmarks/moe.py kernel --torch-grouped at 1-16384 tokens (LAYER_TOKENS; no peer)
+#   check                 tests/gpu/test_fused_moe_gpu.py's kernel tests, then benchmarks/moe_variants/ab.py's A/Bs
 # STEP_TIMEOUT (s, default 300) bounds each step.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -68,6 +69,12 @@ for step in "$@"; do
         layer-*)
             cmd=(python3 benchmarks/moe.py kernel --shape "${step#layer-}" --torch-grouped
                  --tokens ${LAYER_TOKENS:-1 2 4 8 16 64 256 512 1024 4096 16384} --json "$out/$step.json") ;;
+        check)  # the few-token MoE kernels' GPU tests, then their A/Bs (fenced vs loops; the router in the norm)
+            cmd=(bash -c "python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fused_moe_gpu.py \
+                 -k 'fenced or router or routed or real_layer or matches_reference or cuda_graph or fp32'
+                 for a in '--shape qwen3-30b-a3b --tokens 1 2' '--shape mixtral-tp8 --tokens 1 2' \
+                          '--shape mixtral-8x7b --tokens 1' '--norm-router --shape qwen3-30b-a3b --tokens 1 2 8'; do
+                     python3 benchmarks/moe_variants/ab.py \$a; done") ;;
         serve)
             cmd=(env OUT="$out" WORKLOADS="--workload 1024x256 --workload 4096x1024" SERVERS=pagedllm
                  KV_BYTES=42949672960 PART_TIMEOUT=$(( ${STEP_TIMEOUT:-300} - 10 ))
@@ -78,7 +85,7 @@ for step in "$@"; do
     rc=$?
     [ $rc -ne 0 ] && status=1
     echo "=== $step rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
-    grep -E "ms/step|tok/s|T= |failed|Error|error:" "$log" | grep -v "^INFO" | tail -25
+    grep -E "ms/step|tok/s|T=|passed|failed|Error|error:" "$log" | grep -v "^INFO" | tail -25
     # a killed engine may leave its workers: nothing of one step may hold the GPU for the next
     pkill -f "benchmarks/(moe|offline_throughput|serve_vs_vllm|profile_step|step_timeline).py" 2>/dev/null; pkill -f "vllm serve" 2>/dev/null
     pkill -f "pagedllm serve" 2>/dev/null; pkill -f EngineCore 2>/dev/null; sleep 1
