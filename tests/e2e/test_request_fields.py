@@ -1,6 +1,6 @@
 """Request fields the server honours, each checked against the offline engine (the same model and settings) or
 against what it promises: logit_bias, bad_words, allowed_token_ids, prompt_logprobs, chat echo, seed on chat,
-stream_options.continuous_usage_stats; the top_logprobs range; unknown fields named in a warning; features of
+stream_options.continuous_usage_stats, truncate_prompt_tokens; the top_logprobs range; unknown fields named in a warning; features of
 other issues refused with a 400 until their field lands."""
 from __future__ import annotations
 
@@ -119,6 +119,47 @@ def test_continuous_usage_stats_on_every_chunk(http: httpx.Client, path: str, bo
     assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"] for u in usages)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offline_llm, stream: bool) -> None:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens, generated from exactly as if they were the
+    prompt (the offline engine on those tokens), echoed and counted as the prompt; -1 (the context length) and a
+    k longer than the prompt keep it whole."""
+    ids = _ids(http, "Once upon a time there was a little fox who lived in the woods. " + PROMPT)
+    k = 6
+    ref = _offline(offline_llm, ids[-k:], temperature=0, max_tokens=5, ignore_eos=True)
+    whole = _offline(offline_llm, ids, temperature=0, max_tokens=5, ignore_eos=True)
+    assert ref.outputs[0].token_ids != whole.outputs[0].token_ids  # the truncation shows in the answer
+
+    def completion(**kw) -> tuple[str, dict]:
+        body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "echo": True, **kw}
+        if not stream:
+            r = http.post(CMPL, json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], r.json()["usage"]
+        text, usage = "", None
+        with http.stream("POST", CMPL, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    text += "".join(c["text"] for c in chunk["choices"])
+                    usage = chunk["usage"] or usage
+        return text, usage
+
+    kept_text = offline_llm.get_tokenizer().decode(ids[-k:])
+    text, usage = completion(truncate_prompt_tokens=k)
+    assert text == kept_text + ref.outputs[0].text
+    assert usage["prompt_tokens"] == k
+    for whole_k in (-1, len(ids), len(ids) + 10):
+        text, usage = completion(truncate_prompt_tokens=whole_k)
+        assert usage["prompt_tokens"] == len(ids) and text.endswith(whole.outputs[0].text), whole_k
+    chat = {"messages": [{"role": "user", "content": "Tell me everything about the capital of France."}],
+            "max_tokens": 3, "temperature": 0, "truncate_prompt_tokens": 4}
+    r = http.post(CHAT, json=chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 4
+
+
 @pytest.mark.parametrize("path,body,fragment", [
     (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be between 0 and 20"),
     (CHAT, {"logprobs": True, "top_logprobs": -1}, "top_logprobs must be between 0 and 20"),
@@ -131,6 +172,8 @@ def test_continuous_usage_stats_on_every_chunk(http: httpx.Client, path: str, bo
     (CMPL, {"bad_words": ["x"] * 2000}, "'bad_words' may have at most 1024 words"),
     (CHAT, {"bad_words": ["x" * 2000]}, "'bad_words' entries may have at most 1024 characters"),
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options can only be given when stream is true"),
+    (CMPL, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be -1 (the model's context length) or >= 1"),
+    (CHAT, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be -1 (the model's context length) or >= 1"),
 ])
 def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragment: str) -> None:
     base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}

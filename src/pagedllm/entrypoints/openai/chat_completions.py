@@ -15,7 +15,7 @@ from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields)
+                                                        check_logprob_fields, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, start_disconnect_watch,
                                                    usage_dict)
@@ -33,6 +33,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     prompt_text, prompt_ids = render_chat(
         state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
         req.chat_template, req.chat_template_kwargs, req.add_special_tokens, prepare_tools=prepare_tools)
+    if req.truncate_prompt_tokens is not None:
+        kept = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, state.max_model_len)
+        if len(kept) < len(prompt_ids):
+            prompt_text, prompt_ids = None, kept
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
         raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")

@@ -12,7 +12,7 @@ from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float, token_str
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, check_token_ids)
+                                                        check_logprob_fields, check_token_ids, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, merge_streams,
                                                    start_disconnect_watch, usage_dict)
@@ -52,6 +52,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     engine = state.engine
     tok = state.tokenizer
     prompts = parse_prompts(req.prompt, tok, engine.ready.vocab_size, req.add_special_tokens)
+    if req.truncate_prompt_tokens is not None:  # a truncated prompt's text is its kept tokens' (decoded on echo)
+        kept = [truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len) for _, ids in prompts]
+        prompts = [(text if len(k) == len(ids) else None, k) for (text, ids), k in zip(prompts, kept)]
     check_logprob_fields(req, state.max_logprobs, top_name="logprobs", top=req.logprobs)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     if req.use_beam_search:

@@ -97,6 +97,19 @@ def _param_of(message: str) -> Optional[str]:
     return word if word.replace("_", "").isalpha() and word.islower() else None
 
 
+def truncate_prompt(ids: list[int], k: Optional[int], max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (left truncation); -1 stands for the model's
+    context length; None keeps the whole prompt."""
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    elif k < 1:
+        raise APIError(f"truncate_prompt_tokens must be -1 (the model's context length) or >= 1, got {k}.",
+                       param="truncate_prompt_tokens")
+    return ids[-k:] if len(ids) > k else ids
+
+
 def check_context_length(num_prompt_tokens: int, max_tokens: Optional[int], max_model_len: int) -> None:
     if max_tokens is None:
         if num_prompt_tokens >= max_model_len:
