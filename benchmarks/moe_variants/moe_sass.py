@@ -183,7 +183,7 @@ def down_case(shape, T, fn=None, block_n=None, block_k=None, warps=None, extra=N
     ints = dict(N=H, stride_am=I, stride_we=H * I, stride_wn=I, stride_om=H)
     const = dict(K=I, TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True, **(extra or {}))
     if "K_PAD" in [p.name for p in fn.params]:
-        const["K_PAD"] = max(2, triton.next_power_of_2(k))
+        const["K_PAD"] = fm._k_pad(k)
     grid = (T, triton.cdiv(H, bn))
     if "SPLIT_K" in const:
         grid = (T, triton.cdiv(H, bn), const["SPLIT_K"])

@@ -105,8 +105,13 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_t, E,
     tl.store(ids_ptr + t * TOP_K + slots, idxs, mask=keep)
 
 
+def _k_pad(top_k: int) -> int:
+    """The slot axis of a token's top-k tiles (a power of two, >= 2)."""
+    return max(2, triton.next_power_of_2(top_k))
+
+
 def _route_meta(num_experts: int, top_k: int) -> dict:
-    return dict(TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
+    return dict(TOP_K=top_k, K_PAD=_k_pad(top_k),
                 E_PAD=max(2, triton.next_power_of_2(num_experts)))
 
 
@@ -545,7 +550,7 @@ def gemv_plan(num_tokens: int, hidden: int, inter: int, top_k: int, config: Opti
                 FENCED=FENCED_GEMV and block_k >= hidden and 2 * block_n * block_k <= most)
     block_n, block_k, warps = _gemv_down_blocks(num_tokens, hidden, inter)
     block_n, block_k = cfg.get("BLOCK_N", block_n), cfg.get("BLOCK_K", block_k)
-    k_pad = max(2, triton.next_power_of_2(top_k))
+    k_pad = _k_pad(top_k)
     if FENCED_GEMV and block_k >= inter and "BLOCK_N" not in cfg:  # narrower rows: the tile fits the registers
         while block_n > 1 and k_pad * block_n * block_k > most:
             block_n //= 2

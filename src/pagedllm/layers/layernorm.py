@@ -133,6 +133,12 @@ class GemmaRMSNorm(RMSNorm):
         return out if residual is None else (out, residual)
 
 
+def is_plain_rms_norm(module: nn.Module) -> bool:
+    """An RMSNorm running RMSNorm.forward (no subclass forward): its CUDA kernel can take a consumer's
+    input-side work (`shrink_consumer`)."""
+    return isinstance(module, RMSNorm) and type(module).forward is RMSNorm.forward
+
+
 def fed_norms(model: nn.Module):
     """(norm, layer) for every RMSNorm whose output is one layer's input alone (each decoder layer's `norm_feeds`),
     where the norm is a plain RMSNorm forward (its kernel can do the layer's input-side work)."""
@@ -145,7 +151,7 @@ def fed_norms(model: nn.Module):
                 norm, layer = module.get_submodule(norm_path), module.get_submodule(layer_path)
             except AttributeError:  # e.g. a MoE block where a dense MLP would be
                 continue
-            if isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward:
+            if is_plain_rms_norm(norm):
                 yield norm, layer
 
 

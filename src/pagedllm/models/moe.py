@@ -20,7 +20,7 @@ from torch import nn
 from pagedllm.distributed.pipeline import stage_weights
 from pagedllm.layers.activation import triton_kernels
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import is_plain_rms_norm
 from pagedllm.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, layer_index
 from pagedllm.models.weight_utils import load_weights_into
@@ -146,9 +146,9 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: Any, rotary_emb: Any, prefix: str = "", quant_config: Any = None) -> None:
         super().__init__(config, rotary_emb, prefix=prefix, quant_config=quant_config)
-        norm = self.post_attention_layernorm
-        if isinstance(self.mlp, SparseMoeBlock) and isinstance(norm, RMSNorm) and type(norm).forward is RMSNorm.forward:
-            norm.__dict__["shrink_consumer"] = self.mlp  # a plain reference, not a submodule of the norm
+        if isinstance(self.mlp, SparseMoeBlock) and is_plain_rms_norm(self.post_attention_layernorm):
+            # a plain reference, not a submodule of the norm
+            self.post_attention_layernorm.__dict__["shrink_consumer"] = self.mlp
 
     def build_mlp(self, config: Any, prefix: str, quant_config: Any) -> nn.Module:
         spec = self.moe_spec(config, layer_index(prefix))
