@@ -67,6 +67,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": keep GGUF Q5_0 linear layers as Q5_0 on AVX2 machines without VNNI (A/B benchmarks; default: widened
     # to Q8_0 at load, kernels/gguf_ops.py widen_packed).
     "PAGEDLLM_GGUF_WIDEN_Q5_0": lambda: os.environ.get("PAGEDLLM_GGUF_WIDEN_Q5_0", "1") != "0",
+    # "0": with async scheduling, n-gram verify steps wait for the previous step (the host proposes the drafts)
+    # instead of overlapping it with device-side drafts (spec_decode/device_ngram.py; A/B benchmarks, debugging).
+    "PAGEDLLM_SPEC_OVERLAP": lambda: os.environ.get("PAGEDLLM_SPEC_OVERLAP", "1") != "0",
     # "0": host-to-device step inputs from pageable memory (only for A/B benchmarks of the pinned path).
     "PAGEDLLM_PINNED_STAGING": lambda: os.environ.get("PAGEDLLM_PINNED_STAGING", "1") != "0",
     # Most split-KV partitions per (request, kv head) in the CUDA decode kernel (tuning; a power of two).

@@ -67,24 +67,31 @@ def test_ngram_greedy_identical_without_the_argmax_shortcut(tiny_model_dir, refe
     assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_identical_through_chunked_prefill_prefix_hits_and_preemption(tiny_model_dir, reference, method):
+@pytest.mark.parametrize("method,async_scheduling", [("ngram", False), ("ngram", True), ("draft_model", False)])
+def test_identical_through_chunked_prefill_prefix_hits_and_preemption(tiny_model_dir, reference, method,
+                                                                      async_scheduling):
+    """With async scheduling the n-gram verify steps overlap (device drafts, corrected positions): rollbacks of a
+    step in flight, preemptions of a request whose verify step is in flight, prefix hits on its blocks."""
     prompts = _prompts(1)
     spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": tiny_model_dir("llama"),
                                             "num_speculative_tokens": 3}
+    kw = {"async_scheduling": async_scheduling}
     # chunked prefill: 32-token steps
-    llm = _llm(tiny_model_dir("llama"), speculative_config=spec, max_num_batched_tokens=32, max_num_seqs=4)
+    llm = _llm(tiny_model_dir("llama"), speculative_config=spec, max_num_batched_tokens=32, max_num_seqs=4, **kw)
     assert _tokens(llm, prompts, GREEDY) == reference("llama", prompts)
     # prefix hits: the same prompts again, from the cache
     hits_before = llm.engine.get_stats().prefix_cache_hits
     assert _tokens(llm, prompts, GREEDY) == reference("llama", prompts)
     assert llm.engine.get_stats().prefix_cache_hits > hits_before
     # preemption: a pool of 24 blocks of 16 tokens for four requests that need ~30
-    small = _llm(tiny_model_dir("llama"), speculative_config=spec, num_gpu_blocks_override=24)
+    small = _llm(tiny_model_dir("llama"), speculative_config=spec, num_gpu_blocks_override=24, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     assert _tokens(small, prompts, params) == reference("llama", prompts, params)
     assert small.engine.get_stats().num_preemptions > 0
     assert small.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    if async_scheduling:
+        for engine in (llm, small):
+            assert engine.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0
 
 
 @pytest.mark.parametrize("params", [
@@ -92,18 +99,20 @@ def test_identical_through_chunked_prefill_prefix_hits_and_preemption(tiny_model
     SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=30, ignore_eos=True),
     SamplingParams(temperature=0.0, min_tokens=10, max_tokens=30),
 ], ids=["sampled-top_k1", "penalties", "min_tokens"])
-def test_ngram_keeps_sampling_rules(tiny_model_dir, reference, params):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ngram_keeps_sampling_rules(tiny_model_dir, reference, params, async_scheduling):
     prompts = _prompts(2)
-    llm = _llm(tiny_model_dir("llama"), speculative_config=NGRAM)
+    llm = _llm(tiny_model_dir("llama"), speculative_config=NGRAM, async_scheduling=async_scheduling)
     assert _tokens(llm, prompts, params) == reference("llama", prompts, params)
 
 
-def test_ngram_logprobs_and_seeds(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ngram_logprobs_and_seeds(tiny_model_dir, async_scheduling):
     prompts = _prompts(3)
     lp_params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     plain = _llm(tiny_model_dir("llama")).generate([{"prompt_token_ids": p} for p in prompts], lp_params,
                                                    use_tqdm=False)
-    spec_llm = _llm(tiny_model_dir("llama"), speculative_config=NGRAM)
+    spec_llm = _llm(tiny_model_dir("llama"), speculative_config=NGRAM, async_scheduling=async_scheduling)
     spec = spec_llm.generate([{"prompt_token_ids": p} for p in prompts], lp_params, use_tqdm=False)
     for a, b in zip(plain, spec):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -175,11 +184,12 @@ def test_smollm2_ngram_and_self_draft(smollm2_gguf_path):
     stats = draft.engine.scheduler.spec_stats
     assert stats.num_draft_tokens >= 8 and stats.acceptance_rate > 0.9
 
-def test_stop_strings_and_stop_tokens_mid_draft(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_strings_and_stop_tokens_mid_draft(tiny_model_dir, async_scheduling):
     """Several tokens arrive per step: a stop string or stop token inside them ends the output at the same place."""
     model = tiny_model_dir("llama")
     prompts = _prompts(5)[:2]
-    plain, spec = _llm(model), _llm(model, speculative_config=NGRAM)
+    plain, spec = _llm(model), _llm(model, speculative_config=NGRAM, async_scheduling=async_scheduling)
     free = plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for out, prompt in zip(free, prompts):
         text, ids = out.outputs[0].text, out.outputs[0].token_ids

@@ -70,6 +70,9 @@ class BatchPlan:
     # step (speculation is on for this batch size).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     propose_drafts: bool = False
+    # Overlapped speculation (spec_decode/device_ngram.py): the drafts above are placeholders the runner fills on
+    # the device, and a request's step in flight counts as emitting all it can (1 + its drafts).
+    spec_overlap: bool = False
     grammar_bitmask: Optional[Any] = None  # numpy int32 [len(structured_output_request_ids), ceil(V / 32)]
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     # (source block id, destination block id): K/V blocks the runner copies before the forward (a finished
@@ -102,6 +105,9 @@ class ModelOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Speculative decoding: per request (batch order) the drafts proposed for the next step, or None.
     spec_token_ids: Optional[list[list[int]]] = None
+    # Overlapped speculation: per request (batch order) how many of the drafts it verified the device proposed
+    # (the rest were padding), for the acceptance statistics; None otherwise.
+    spec_num_drafts: Optional[list[int]] = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):

@@ -96,6 +96,7 @@ class EngineCore:
                         f" ({sc.model})" if sc.model else f" (lookup {sc.prompt_lookup_min}..{sc.prompt_lookup_max})",
                         sc.num_speculative_tokens, sc.disable_by_batch_size, self._spec_log.interval_s)
         self.async_scheduling = w.async_scheduling
+        self.scheduler.spec.overlap = bool(getattr(w, "spec_overlap", False))
         # Structured outputs: built on the first request under a grammar (engines without any pay nothing).
         self.structured = StructuredOutputHooks(self, engine_args)
         # Async scheduling fills grammar masks while the step's forward runs, where the worker supports it.
@@ -202,7 +203,8 @@ class EngineCore:
             if self.num_micro_batches > 1:
                 return self._step_pipelined()
             sched = self.scheduler
-            if self.async_scheduling and sched.spec_active() and sched.spec.wants_sync(sched.running):
+            if (self.async_scheduling and sched.spec_active() and not sched.spec_overlap_active()
+                    and sched.spec.wants_sync(sched.running)):
                 # A speculating step needs the drafts its previous step proposed: finish that step first (only
                 # while the proposer finds drafts: otherwise plain steps keep overlapping).
                 return self._apply_in_flight() + self._step_sync()

@@ -199,6 +199,11 @@ class Scheduler:
         """Whether this step speculates: configured, and the load is small enough that it pays."""
         return self.spec.active(len(self.running), len(self.waiting))
 
+    def spec_overlap_active(self) -> bool:
+        """Whether speculating steps overlap (device drafts): the runner can, and no unfinished request's sampling
+        or grammar needs every earlier token on the host."""
+        return self.spec.overlap and self.num_needs_sync == 0
+
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -290,6 +295,9 @@ class Scheduler:
         scheduled: list[Request] = []
         self._max_reqs_this_step = max_num_reqs or self.max_num_seqs
         plan.propose_drafts = self.spec_active()
+        # Overlapped verify steps need no host drafts: not while a request's sampling or grammar needs every
+        # earlier token on the host (those steps run synchronously, with the host's drafts).
+        plan.spec_overlap = plan.propose_drafts and self.spec_overlap_active()
         budget = self._schedule_running(plan, budget, preempted, scheduled)  # (these advance as they are planned)
         num_running_scheduled = len(scheduled)
         if not preempted:
@@ -363,7 +371,7 @@ class Scheduler:
             num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new_tokens <= 0:  # already caught up (the runner sent no token for it last step)
                 continue
-            drafts = (spec.drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts)
+            drafts = (spec.drafts_to_verify(request, num_new_tokens, budget, plan.propose_drafts, plan.spec_overlap)
                       if request.spec_token_ids else ())
             num_new_tokens += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_new_tokens)
@@ -401,7 +409,9 @@ class Scheduler:
             budget -= num_new_tokens
             request.num_computed_tokens += num_new_tokens
             if async_scheduling and request.num_computed_tokens >= len(request.all_token_ids):
-                request.num_output_placeholders += 1  # this step samples a token the next schedule() must count
+                # This step samples a token the next schedule() must count; an overlapped verify step counts as
+                # emitting all it can (the next step's positions assume it; the runner corrects them).
+                request.num_output_placeholders += 1 + (len(drafts) if plan.spec_overlap else 0)
         return budget
 
     def _schedule_waiting(self, plan: BatchPlan, budget: int, scheduled: list[Request]) -> None:
@@ -562,15 +572,17 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], prompt_logprobs=plp,
                                                 num_cached_tokens=request.num_cached_tokens or 0))
             return
+        spec_tokens = plan.scheduled_spec_decode_tokens
+        drafts = spec_tokens.get(request_id) if spec_tokens else None
         if request.num_output_placeholders:
-            request.num_output_placeholders -= 1
+            pending = 1 + (len(drafts) if drafts and plan.spec_overlap else 0)
+            request.num_output_placeholders = max(0, request.num_output_placeholders - pending)
         # Skip: preempted, or still mid-prefill (a token sampled there is not a real next token).
         if request.status != RequestStatus.RUNNING or request.num_computed_tokens < len(request.all_token_ids):
             return
-        spec_tokens = plan.scheduled_spec_decode_tokens
-        drafts = spec_tokens.get(request_id) if spec_tokens else None
         if drafts:
-            self.spec.rollback_rejected(request, drafts, len(sampled) - 1, self.kv_cache_manager)
+            real = output.spec_num_drafts[index] if output.spec_num_drafts is not None and index >= 0 else None
+            self.spec.rollback_rejected(request, drafts, len(sampled) - 1, self.kv_cache_manager, real)
         if len(sampled) == 1 and request.structured_output is None:  # one token, no grammar
             token_id = sampled[0]
             request.output_token_ids.append(token_id)

@@ -12,6 +12,9 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.spec_decode.stats import SpecDecodeStats, draft_room
 
+# A draft the runner fills on the device (overlapped verify steps: the host does not know the drafts).
+PLACEHOLDER = -1
+
 
 class SpecScheduling:
     def __init__(self, num_speculative_tokens: int, disable_by_batch_size: Optional[int], max_model_len: int) -> None:
@@ -24,6 +27,10 @@ class SpecScheduling:
         # for the step in flight (whose drafts the next step verifies); a proposer finding nothing keeps the
         # overlap of plain async steps. True at start so a first proposing step is waited for.
         self.expects_drafts = True
+        # Overlapped verify steps (the runner keeps n-gram drafts on the device: spec_decode/device_ngram.py): a
+        # step verifies placeholder drafts while the previous one is still in flight. Set by the engine core when
+        # its runner can; a step uses it only when no unfinished request needs host drafts (Scheduler.schedule).
+        self.overlap = False
 
     def wants_sync(self, running) -> bool:
         """Under async scheduling: wait for the step in flight before scheduling the next one, because the next
@@ -47,20 +54,37 @@ class SpecScheduling:
         request.spec_token_ids = []
         self.kept_blocks.pop(request.request_id, None)
 
-    def drafts_to_verify(self, request: Request, num_new_tokens: int, budget: int, active: bool) -> list[int]:
+    def drafts_to_verify(self, request: Request, num_new_tokens: int, budget: int, active: bool,
+                         overlap: bool = False) -> list[int]:
         """The request's proposed drafts this step verifies (consumed either way: drafts are only valid right after
-        the step that proposed them). Only for a request whose one remaining token is its last."""
+        the step that proposed them). Only for a request whose one remaining token is its last.
+
+        overlap: the step verifies the runner's device drafts (k placeholders, fewer near the request's length
+        limits) whatever the step in flight for it emits; the request's spec_token_ids only say that its last
+        known proposal found some. Room is counted as if the step in flight emitted all it can."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
-        if (not drafts or not active or num_new_tokens != 1 or request.num_output_placeholders
-                or request.num_computed_tokens != request.num_tokens - 1):
+        if not drafts or not active or num_new_tokens != 1:
             return []
+        pending = request.num_output_placeholders
+        if overlap:
+            if request.num_computed_tokens != request.num_tokens + pending - 1:
+                return []
+            room = draft_room(request.num_output_tokens + pending, request.num_tokens + pending, request.max_tokens,
+                              self.max_model_len)
+            return [PLACEHOLDER] * max(0, min(self.k, room, budget - 1))
+        if pending or request.num_computed_tokens != request.num_tokens - 1 or drafts[0] == PLACEHOLDER:
+            return []  # (placeholders: proposed by an overlapped step; the host does not know them)
         room = draft_room(request.num_output_tokens, request.num_tokens, request.max_tokens, self.max_model_len)
         return drafts[:max(0, min(room, budget - 1))]
 
-    def rollback_rejected(self, request: Request, drafts: list[int], num_accepted: int, kv: KVCacheManager) -> None:
+    def rollback_rejected(self, request: Request, drafts: list[int], num_accepted: int, kv: KVCacheManager,
+                          num_real: Optional[int] = None) -> None:
         """The step computed K/V for every draft; only the accepted ones count. Prefix-cache hashes never covered
-        drafts (they are not tokens), so nothing cached is touched."""
-        self.stats.observe(len(drafts), num_accepted)
+        drafts (they are not tokens), so nothing cached is touched. num_real: of placeholder drafts, how many the
+        device proposed (the rest were padding; the statistics count the real ones)."""
+        real = len(drafts) if num_real is None else min(num_real, len(drafts))
+        if real:
+            self.stats.observe(real, min(num_accepted, real))
         num_rejected = len(drafts) - num_accepted
         if num_rejected <= 0:
             return

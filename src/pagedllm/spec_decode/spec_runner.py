@@ -29,6 +29,15 @@ class SpecDecodeRunner:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self._free_slots: list = []  # CUDA: pinned result buffers + events that verify steps reuse
+        # Overlapped n-gram speculation: the histories and drafts on the device (spec_decode/device_ngram.py).
+        self.device_ngram = None
+
+    def enable_device_ngram(self, runner) -> None:
+        from pagedllm.spec_decode.device_ngram import DeviceNgram
+
+        c = self.config
+        self.device_ngram = DeviceNgram(runner.max_num_seqs, runner.max_model_len, c.num_speculative_tokens,
+                                        c.prompt_lookup_min, c.prompt_lookup_max, runner.device)
 
     def initialize(self, num_target_blocks: int) -> None:
         """After the target's KV cache exists: a draft model allocates its own."""
@@ -57,6 +66,18 @@ class SpecDecodeRunner:
             drop(req_ids)
 
     # ------------------------------------------------------------------ propose
+    def proposals(self, runner, inp, num_drafts=None) -> list[list[int]]:
+        """The next step's drafts per request (batch order): an overlapped step's are placeholders, as many as the
+        device proposed (num_drafts: per sampling row); any other step's the host proposer's."""
+        if not inp.spec_overlap:
+            return self.propose(runner, inp)
+        from pagedllm.spec_decode.scheduling import PLACEHOLDER
+
+        out: list[list[int]] = [[] for _ in inp.req_ids]
+        for r, n in zip(inp.sample_rows.tolist(), num_drafts.tolist()):
+            out[r] = [PLACEHOLDER] * n
+        return out
+
     def propose(self, runner, inp) -> list[list[int]]:
         """Drafts for every request of the step that sampled (empty lists elsewhere), in batch order."""
         batch = runner.input_batch
@@ -106,23 +127,27 @@ class SpecDecodeRunner:
                           every_token=len(token_rows) == len(inp.input_ids),
                           greedy=self._all_plain_greedy(runner, inp))
 
-    def _host_slot(self, runner) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+    def _host_slot(self, runner, need: int = 0) -> tuple[torch.Tensor, "torch.cuda.Event"]:
         """A pinned [2, rows] int64 buffer and its event, reused across steps (a verify result hands them back once
-        read; one still unread, e.g. a dropped step's, is never reused)."""
-        if self._free_slots:
-            return self._free_slots.pop()
-        rows = max(runner.max_num_batched_tokens, 1)
+        read; one still unread, e.g. a dropped step's, is never reused). need: the entries row 0 must hold."""
+        rows = max(runner.max_num_batched_tokens + 3 * runner.max_num_seqs, need, 1)
+        while self._free_slots:
+            slot = self._free_slots.pop()
+            if slot[0].shape[1] >= need:
+                return slot
         return torch.empty((2, rows), dtype=torch.int64, pin_memory=True), torch.cuda.Event()
 
     @torch.inference_mode()
     def verify(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict, staged: list[torch.Tensor],
-               rows: "VerifyRows") -> "VerifyPending":
+               rows: "VerifyRows", dev_step=None, input_ids: Optional[torch.Tensor] = None) -> "VerifyPending":
         """Enqueue the verification of a step's drafts; the returned pending output's result() is the step's one
         host sync (one copy of the emitted ids, and of the acceptances when the rows are not all greedy).
 
         All-greedy steps need no device work past the argmax: a row's emitted token is its argmax whether or not
         its draft is accepted, and a draft is accepted iff it equals that argmax, which the host checks against
         the drafts it already holds."""
+        if dev_step is not None:
+            return self._verify_on_device(runner, inp, hidden, prompt_logprobs, rows, dev_step, input_ids)
         staged = iter(staged)
         token_rows_t = None if rows.every_token else next(staged)
         draft_t = None if rows.greedy else next(staged)
@@ -152,6 +177,41 @@ class SpecDecodeRunner:
             lp = None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp)
             event.record()
         return VerifyPending(self, runner, inp, final, accepted, lp, slot, prompt_logprobs, sample_rows, rows)
+
+    def _verify_on_device(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict, rows: "VerifyRows",
+                          dev_step, input_ids: torch.Tensor) -> "VerifyPending":
+        """verify() with the drafts read from the step's device inputs (placeholders filled there, or the host's):
+        acceptance, emitted counts and the step's last tokens stay on the device, where the next step (launched
+        before this one is read) takes them; the host copy carries the verify rows' ids, the emitted counts and the
+        draft counts."""
+        draft_t = dev_step.draft_ids(input_ids)
+        token_rows = dev_step.token_rows() if not rows.every_token else None
+        rows_hidden = hidden if token_rows is None else hidden.index_select(0, token_rows)
+        greedy = None
+        if rows.greedy:
+            greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
+        lp = None
+        if greedy is not None:
+            final, accepted = greedy, (draft_t >= 0) & (greedy == draft_t)
+        else:
+            states = [inp.states[r] for r in inp.sample_rows.tolist()]
+            meta = self._row_metadata(runner, states, inp.spec_token_ids)
+            result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, draft_t, None, None)
+            final, accepted, lp = result.final_token_ids, result.accepted, result.logprobs
+        emitted, last, rejected, draft_counts = dev_step.after_verify(final, accepted)
+        runner._prev_sampled, runner._prev_rej = last, rejected
+        runner._prev_pos.fill(-1)
+        runner._prev_pos[inp.rows[inp.sample_rows]] = np.arange(len(inp.sample_rows))
+        packed = torch.cat([final.to(torch.int64), emitted, draft_counts.view(-1)])
+        slot = None
+        if runner.device.type == "cuda":
+            slot = self._host_slot(runner, packed.shape[0])
+            buf, event = slot
+            packed = buf[0, :packed.shape[0]].copy_(packed, non_blocking=True)
+            lp = None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp)
+            event.record()
+        return VerifyPending(self, runner, inp, packed, None, lp, slot, prompt_logprobs, inp.sample_rows.tolist(),
+                             rows, on_device=True)
 
     @staticmethod
     def _all_plain_greedy(runner, inp) -> bool:
@@ -188,7 +248,7 @@ class SpecDecodeRunner:
                                       eos_token_ids=eos, vocab_size=runner.vocab_size, device=runner.device)
 
     def _output(self, runner, inp, sample_rows: list[int], final: list[int], num_emitted: list[int],
-                rows: "VerifyRows", lp: Optional[list]) -> ModelOutput:
+                rows: "VerifyRows", lp: Optional[list], draft_counts: Optional[list[list[int]]] = None) -> ModelOutput:
         batch = runner.input_batch
         num_reqs = len(inp.req_ids)
         output = ModelOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in range(num_reqs)],
@@ -204,8 +264,14 @@ class SpecDecodeRunner:
                 output.logprobs[r] = [TokenLogprobs(token_ids=ids[j][:k + 1], logprobs=vals[j][:k + 1],
                                                     ranks=ranks[j][:k + 1])
                                       for j in range(start, start + n)]
+        if draft_counts is not None and inp.spec_overlap:
+            verified = [0] * num_reqs
+            for r, n in zip(sample_rows, draft_counts[0]):
+                verified[r] = n
+            output.spec_num_drafts = verified
         if inp.propose_drafts:
-            output.spec_token_ids = self.propose(runner, inp)
+            output.spec_token_ids = self.proposals(runner, inp, None if draft_counts is None else
+                                                   torch.tensor(draft_counts[1], dtype=torch.int64))
         return output
 
 
@@ -231,8 +297,12 @@ class VerifyPending:
     then appends the emitted tokens and proposes the next drafts on the host."""
 
     def __init__(self, spec: SpecDecodeRunner, runner, inp, final: torch.Tensor, accepted: Optional[torch.Tensor],
-                 logprobs_host, slot, prompt_logprobs: dict, sample_rows: list[int], rows: VerifyRows) -> None:
+                 logprobs_host, slot, prompt_logprobs: dict, sample_rows: list[int], rows: VerifyRows,
+                 on_device: bool = False) -> None:
         self.spec, self.runner, self.inp = spec, runner, inp
+        # on_device (SpecDecodeRunner._verify_on_device): `final` packs the verify rows' ids, then per sampling
+        # request its emitted count, then the drafts it verified and the drafts proposed now.
+        self.on_device = on_device
         # Host tensors once `slot`'s event has fired (CUDA: views of its pinned buffer); accepted None: all greedy.
         self.final, self.accepted, self.logprobs_host, self.slot = final, accepted, logprobs_host, slot
         self.prompt_logprobs = prompt_logprobs or {}
@@ -245,13 +315,20 @@ class VerifyPending:
             if self.slot is not None:
                 self.slot[1].synchronize()
             final = self.final.numpy().copy()
-            accepted = final == rows.draft_ids if self.accepted is None else self.accepted.numpy() != 0
+            draft_counts = None
+            if self.on_device:
+                n, r = len(rows.token_rows), len(self.sample_rows)
+                num_emitted = final[n:n + r]
+                draft_counts = final[n + r:].reshape(2, r).tolist()
+                final = final[:n]
+            else:
+                accepted = final == rows.draft_ids if self.accepted is None else self.accepted.numpy() != 0
+                num_emitted = emitted_counts(accepted, rows.starts, rows.counts)
             if self.slot is not None:
                 self.spec._free_slots.append(self.slot)  # read: the buffer may serve a later step
             lp = None if self.logprobs_host is None else [t.tolist() for t in self.logprobs_host]
-            num_emitted = emitted_counts(accepted, rows.starts, rows.counts)
             output = self.spec._output(self.runner, self.inp, self.sample_rows, final.tolist(), num_emitted.tolist(),
-                                       rows, lp)
+                                       rows, lp, draft_counts)
             output.prompt_logprobs = self.prompt_logprobs
             self._output = output
         return self._output

@@ -49,6 +49,7 @@ class StepInputs:
     # Speculative decoding: draft tokens per request id this step verifies (their inputs follow the last token).
     spec_token_ids: Optional[dict[str, list[int]]] = None
     propose_drafts: bool = False
+    spec_overlap: bool = False  # the drafts are placeholders filled on the device (BatchPlan.spec_overlap)
     rows: Optional[np.ndarray] = None  # each request's row in the InputBatch's arrays
     # InputBatch.num_dropped when the step was prepared: unchanged when its result comes, every row still holds
     # the request it held (no row was freed or reused since).
@@ -193,5 +194,6 @@ class InputBatch:
             query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
             block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(seq_lens >= totals)[0],
             in_flight_rows=np.nonzero(seq_lens > totals)[0], max_query_len=int(num_sched.max()),
-            spec_token_ids=spec or None, propose_drafts=plan.propose_drafts, rows=rows,
+            spec_token_ids=spec or None, propose_drafts=plan.propose_drafts, spec_overlap=plan.spec_overlap,
+            rows=rows,
             group_slot_mappings=group_slots, group_block_tables=group_tables, dropped_epoch=self.num_dropped)

@@ -76,6 +76,9 @@ class ModelRunner:
         self._prev_sampled: Optional[torch.Tensor] = None  # [num_sampled] ids of the last launch
         # Per InputBatch row: where the row's token sits in _prev_sampled (-1: the last launch sampled none for it).
         self._prev_pos = np.full(max_num_seqs, -1, dtype=np.int64)
+        # Overlapped speculation (spec_decode/device_ngram.py): the drafts each request of the last launch rejected
+        # (aligned with _prev_sampled, its last emitted tokens), or None when that launch verified nothing.
+        self._prev_rej: Optional[torch.Tensor] = None
         self.stager = HostStager(device)
         # The CPU stages a step's sampling parameters with its other inputs; CUDA copies them as
         # SamplingMetadata.build does (staging them too measured no faster there: docs/benchmarks.md).
@@ -210,14 +213,23 @@ class ModelRunner:
         # device to finish the step in flight, defeating async scheduling).
         verifying = bool(inp.spec_token_ids) and len(sample_rows) > 0
         verify_rows = self.spec.verify_rows(self, inp) if verifying else None  # known before the forward
-        spec_arrays = verify_rows.device_arrays() if verifying else []
+        device_ngram = self.spec.device_ngram if self.spec is not None else None
+        dev_step = None
+        if device_ngram is not None:  # drafts kept on the device: this step's share of that work
+            from pagedllm.spec_decode.device_ngram import DeviceStep
+
+            dev_step = DeviceStep(device_ngram, self, plan, inp, fill_src, verify_rows)
+        spec_arrays = verify_rows.device_arrays() if verifying and dev_step is None else []
         num64 = len(int64_arrays)
         group_slots = inp.group_slot_mappings or []
-        staged64 = self.stager.stage(int64_arrays + spec_arrays + group_slots, np.int64)
+        dev_arrays = dev_step.arrays if dev_step is not None else []
+        staged64 = self.stager.stage(int64_arrays + spec_arrays + group_slots + dev_arrays, np.int64)
         input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = staged64[:6]
         top_k_t = staged64[6] if num64 > 6 else None
         spec_staged = staged64[num64:num64 + len(spec_arrays)]
-        group_slots_t = staged64[num64 + len(spec_arrays):]
+        group_slots_t = staged64[num64 + len(spec_arrays):num64 + len(spec_arrays) + len(group_slots)]
+        if dev_step is not None:
+            dev_step.staged = staged64[len(staged64) - len(dev_arrays):]
         floats_t = None
         if stage_sampling and step_sampling.floats is not None:
             floats_t = self.stager.stage([step_sampling.floats], np.float32)[0]
@@ -256,6 +268,13 @@ class ModelRunner:
             if self._prev_sampled is None:
                 raise RuntimeError("A step needs tokens of a previous step that sampled nothing; this is a bug.")
             input_ids.index_copy_(0, fill_dst_t, self._prev_sampled.index_select(0, fill_src_t))
+        if dev_step is not None and dev_step.before_forward(self, input_ids, positions, slot_mapping, seq_lens,
+                                                            block_table):
+            # The host's lengths were upper bounds (the step in flight's drafts all accepted): the CUDA kernels take
+            # bounds (graph buckets, split counts); the CPU's and the torch reference's need the exact ones.
+            if dev.type != "cuda" or not getattr(self.attn_backend, "host_lens_may_be_bounds", False):
+                metadata.seq_lens_cpu = seq_lens.tolist()
+                metadata.max_seq_len = max(metadata.seq_lens_cpu)
         hidden = None
         calibrate = self.kv_calibration_pending  # the first step sets FP8 k/v scales from real K/V: eager
         if self.cuda_graphs is not None and inp.max_query_len == 1 and not calibrate:
@@ -273,13 +292,15 @@ class ModelRunner:
                             kv_scale_summary(self.model.attn_layers))
         if hidden is None:  # a pipeline stage before the last: the last stage samples
             self._prev_sampled = None
+            self._prev_rej = None
             return PendingOutput(self, inp, None, None, None)
         prompt_logprobs = self._prompt_logprobs(inp, hidden)
         self._prev_sampled = None
+        self._prev_rej = None
         if before_sampling is not None:
             before_sampling()
         if verifying:
-            return self.spec.verify(self, inp, hidden, prompt_logprobs, spec_staged, verify_rows)
+            return self.spec.verify(self, inp, hidden, prompt_logprobs, spec_staged, verify_rows, dev_step, input_ids)
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
@@ -302,17 +323,20 @@ class ModelRunner:
         self._prev_sampled = sampled
         self._prev_pos.fill(-1)
         self._prev_pos[inp.rows[sample_rows]] = np.arange(len(sample_rows))
+        num_drafts = dev_step.after_sampling(sampled) if dev_step is not None else None
         event = None
         if dev.type == "cuda":
             host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
             host.copy_(sampled, non_blocking=True)
             lp = sampler_out.logprobs
             lp_host = None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp)
+            if num_drafts is not None:
+                num_drafts = num_drafts.to("cpu", non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
             host, lp_host = sampled, sampler_out.logprobs
-        return PendingOutput(self, inp, host, lp_host, event, prompt_logprobs)
+        return PendingOutput(self, inp, host, lp_host, event, prompt_logprobs, num_drafts)
 
     def _sampling_metadata(self, inp, sample_rows: np.ndarray) -> SamplingMetadata:
         """The general builder, for steps with a row whose sampling depends on its outputs (penalties, seeds,
@@ -383,17 +407,17 @@ class ModelRunner:
         """Input positions past what the host knows hold tokens sampled by the step still in flight:
         (index into the previous step's sampled ids, index into this step's input ids)."""
         rows = inp.in_flight_rows
-        last = inp.query_start_loc[1:].astype(np.int64) - 1
         if len(rows) == 0:
             return _EMPTY, _EMPTY
         # A row in flight was sampled by the previous launch and still holds its request (a freed row is only
-        # reused by a new request, whose tokens are all known).
+        # reused by a new request, whose tokens are all known). Its token is its first input here (drafts, if
+        # any, follow it).
         src = self._prev_pos[inp.rows[rows]]
         if (src < 0).any():
             raise RuntimeError("A step needs a token the previous step did not sample; this is a bug.")
-        return src, last[rows]
+        return src, inp.query_start_loc[:-1].astype(np.int64)[rows]
 
-    def _finish_step(self, inp, sampled: list[int], lp) -> ModelOutput:
+    def _finish_step(self, inp, sampled: list[int], lp, num_drafts: Optional[torch.Tensor] = None) -> ModelOutput:
         """Host side of a finished step: append sampled tokens to the runner's state, build ModelOutput."""
         batch = self.input_batch
         num_reqs = len(inp.req_ids)
@@ -426,7 +450,7 @@ class ModelRunner:
                     output.logprobs[row] = [TokenLogprobs(token_ids=lp_ids[j][:k + 1],
                                                           logprobs=lp_vals[j][:k + 1], ranks=lp_ranks[j][:k + 1])]
         if self.spec is not None and inp.propose_drafts:
-            output.spec_token_ids = self.spec.propose(self, inp)
+            output.spec_token_ids = self.spec.proposals(self, inp, num_drafts)
         return output
 
 
@@ -437,9 +461,10 @@ class PendingOutput:
     """A launched step; `result()` waits for its sampled ids (the one host sync per step)."""
 
     def __init__(self, runner: ModelRunner, inp, sampled_host, logprobs_host, event,
-                 prompt_logprobs: Optional[dict] = None) -> None:
+                 prompt_logprobs: Optional[dict] = None, num_drafts_host: Optional[torch.Tensor] = None) -> None:
         self.runner, self.inp, self.sampled_host, self.logprobs_host, self.event = (
             runner, inp, sampled_host, logprobs_host, event)
+        self.num_drafts_host = num_drafts_host  # overlapped speculation: the device's draft count per sampling row
         self.prompt_logprobs = prompt_logprobs or {}
         self._output: Optional[ModelOutput] = None
 
@@ -458,6 +483,7 @@ class PendingOutput:
             else:
                 if self.event is not None:
                     self.event.synchronize()
-                self._output = self.runner._finish_step(self.inp, self.sampled_host.tolist(), self.logprobs_host)
+                self._output = self.runner._finish_step(self.inp, self.sampled_host.tolist(), self.logprobs_host,
+                                                        self.num_drafts_host)
             self._output.prompt_logprobs = self.prompt_logprobs
         return self._output

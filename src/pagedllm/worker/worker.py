@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import CPU_OFFLOAD_ON_CPU, EngineArgs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
 from pagedllm.core.kv_cache_groups import blocks_needed
@@ -229,6 +230,12 @@ class Worker:
 
             self.runner.spec = SpecDecodeRunner(self.speculative, build_proposer(self.speculative, worker=self),
                                                 self.max_model_len)
+        # Verify steps overlapped like plain ones (drafts proposed on the device): n-gram with async scheduling, one
+        # KV-cache group (the runner corrects one slot mapping on the device).
+        self.spec_overlap = (self.speculative is not None and self.speculative.method == "ngram"
+                             and self.async_scheduling and self.runner.num_kv_groups == 1 and envs.PAGEDLLM_SPEC_OVERLAP)
+        if self.spec_overlap:
+            self.runner.spec.enable_device_ngram(self.runner)
         # Every rank must hold the same pool: the smallest budget wins.
         self.num_blocks = world.all_reduce_min_int(self._determine_num_blocks())
         if self.speculative is not None and args.num_gpu_blocks_override is None:
