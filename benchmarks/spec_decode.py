@@ -65,6 +65,8 @@ def make_llm(args, spec: dict | None):
         kw["skip_tokenizer_init"] = True
     if args.no_async:
         kw["async_scheduling"] = False
+    elif args.async_scheduling:
+        kw["async_scheduling"] = True
     return LLM(speculative_config=spec, **kw)
 
 
@@ -379,6 +381,9 @@ def main(argv=None) -> None:
                         "(default: random with --load-format dummy)")
     p.add_argument("--no-async", action="store_true",
                    help="async_scheduling=False for both engines (verify: both steps pay their host work)")
+    p.add_argument("--async", dest="async_scheduling", action="store_true",
+                   help="async_scheduling=True for both engines (the CUDA default; on the CPU it runs the overlapped "
+                        "verify steps' host path)")
     p.add_argument("--profile", action="store_true", help="verify: also print device (kernel) time per step")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="verify: count eager ops and host syncs per step over STEPS plain and STEPS verify steps, "

@@ -201,3 +201,27 @@ def test_stop_strings_and_stop_tokens_mid_draft(tiny_model_dir, async_scheduling
             assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason,
                                                                             b.stop_reason)
             assert a.finish_reason == "stop"
+
+
+def test_overlapped_and_host_drafted_steps_in_one_run(tiny_model_dir, reference, monkeypatch):
+    """Async scheduling: while a request whose sampling needs every earlier token (a seed) runs, speculating steps
+    wait for the previous one and verify host drafts; once it is done they overlap again (device drafts). The
+    greedy requests' tokens are the same throughout, and the switch is not a choice of the test:
+    PAGEDLLM_SPEC_OVERLAP=0 keeps the host drafts for the whole run."""
+    prompts = _prompts(6)
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    params = [GREEDY] * len(prompts) + [seeded]
+    model = tiny_model_dir("llama")
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_SPEC_OVERLAP", overlap)
+        llm = _llm(model, speculative_config=NGRAM, async_scheduling=True, block_size=8)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts + [prompts[0]]], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs[:-1]] == reference("llama", prompts)
+        assert len(outs[-1].outputs[0].token_ids) == 6
+        device = llm.engine.worker.runner.spec.device_ngram
+        stats = llm.engine.scheduler.spec_stats
+        assert stats.num_accepted_tokens > 0
+        if overlap == "1":
+            assert device is not None and device.num_overlapped_steps > 0
+        else:
+            assert device is None

@@ -54,12 +54,31 @@ def test_ngram_on_cuda_graphs_equals_plain(tiny_llama_dir, dtype):
         assert_same_up_to_near_ties(_outputs(spec, _prompts(), with_logprobs), want, check_logprobs=True)
     stats = spec.engine.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0
+    # verify steps launched while the previous one ran (drafts on the device, its rejections corrected there)
+    assert runner.spec.device_ngram is not None and runner.spec.device_ngram.num_overlapped_steps > 0
     # batch 1: every verify step is one draft; each must have replayed a graph (2..5 tokens, exact buckets)
     before_replays, before_drafts = runner.mixed_graphs.num_replays, stats.num_drafts
     _tokens(spec, _prompts()[:1], params)
     assert stats.num_drafts > before_drafts
     assert runner.mixed_graphs.num_replays - before_replays >= stats.num_drafts - before_drafts
     del plain, spec
+
+
+def test_device_ngram_on_cuda_equals_the_cpu():
+    """The device n-gram proposer's torch ops on CUDA (int32 histories, unfold, amax, gather) propose what they do
+    on the CPU, on histories long enough for several matches per row."""
+    from pagedllm.spec_decode.device_ngram import propose_ngram
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab, width in ((3, 64), (50, 2048)):
+        hist = torch.randint(0, vocab, (16, width), generator=gen, dtype=torch.int32)
+        lens = torch.randint(1, width + 1, (16,), generator=gen)
+        for lo, hi in ((1, 4), (2, 3)):
+            want = propose_ngram(hist, lens, 4, lo, hi)
+            got = propose_ngram(hist.cuda(), lens.cuda(), 4, lo, hi)
+            assert torch.equal(got[1].cpu(), want[1])
+            for i, n in enumerate(want[1].tolist()):
+                assert torch.equal(got[0][i, :n].cpu(), want[0][i, :n])
 
 
 def test_draft_model_greedy_and_top_k_1_on_cuda(tiny_llama_dir):

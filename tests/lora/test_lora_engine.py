@@ -120,15 +120,16 @@ def test_smollm2_adapters_match_peft(smollm2_hf_dir, adapter_factory):
     check_mixed_batch(llm, smollm2_hf_dir, paths, vocab=vocab, max_tokens=4, lengths=(4, 36, 7, 5))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculation_with_adapters_matches_peft(tiny_llama_dir, adapter_factory, method):
+@pytest.mark.parametrize("method,async_scheduling", [("ngram", False), ("ngram", True), ("draft_model", False)])
+def test_speculation_with_adapters_matches_peft(tiny_llama_dir, adapter_factory, method, async_scheduling):
     """Speculative decoding with adapters and base requests in one batch: drafts are verified with each request's
-    own adapter, so every request gets PEFT's greedy tokens and logprobs, and drafts do get accepted."""
+    own adapter, so every request gets PEFT's greedy tokens and logprobs, and drafts do get accepted (with async
+    scheduling: overlapped verify steps, drafts on the device)."""
     paths = adapter_factory(tiny_llama_dir)
     spec = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
             if method == "ngram" else {"model": tiny_llama_dir, "num_speculative_tokens": 3})
     llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
-              num_gpu_blocks_override=96, max_num_seqs=8, speculative_config=spec)
+              num_gpu_blocks_override=96, max_num_seqs=8, speculative_config=spec, async_scheduling=async_scheduling)
     rng = random.Random(5)
     base = [rng.randrange(2, 512) for _ in range(10)]
     # Repeating prompts: the n-gram lookup proposes drafts; the adapters' answers differ from the base model's.
@@ -146,3 +147,5 @@ def test_speculation_with_adapters_matches_peft(tiny_llama_dir, adapter_factory,
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=2e-4, rtol=0)
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    if async_scheduling:
+        assert llm.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0

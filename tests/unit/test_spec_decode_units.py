@@ -324,3 +324,107 @@ def test_async_waits_for_the_step_in_flight_only_while_drafts_come():
     assert s.wants_sync([SimpleNamespace(spec_token_ids=[5, 6]), idle[0]])  # drafts held: never overlapped
     s.note_proposals([[], [7]])
     assert s.wants_sync(idle)
+
+
+# ---------------------------------------------------------------- overlapped speculation (device drafts)
+
+def test_device_ngram_proposes_what_the_host_scan_does():
+    """propose_ngram (torch, one pass per n over [rows, width]) against the host proposer's full scan: random short
+    histories over tiny vocabularies (many matches, ties, suffixes longer than the history)."""
+    from pagedllm.spec_decode.device_ngram import propose_ngram
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        num_rows, width = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        toks = rng.integers(0, int(rng.integers(2, 6)), size=(num_rows, width))
+        lens = rng.integers(1, width + 1, size=num_rows)
+        k, lo = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        ref = NgramProposer(k, lo, hi).propose_scan(toks, list(range(num_rows)), lens.tolist(), [k] * num_rows)
+        drafts, counts = propose_ngram(torch.from_numpy(toks), torch.from_numpy(lens), k, lo, hi)
+        assert [drafts[i, :counts[i]].tolist() for i in range(num_rows)] == ref, trial
+
+
+def test_device_ngram_state_follows_the_emitted_tokens():
+    """DeviceNgram over steps: new rows written, each step's verify rows appended up to their emitted counts (the
+    rest is rejected), the next drafts proposed; always what the host proposer proposes on the same histories, and
+    `before` returns the count each row had when the step was launched."""
+    from pagedllm.spec_decode.device_ngram import DeviceNgram
+
+    rng = np.random.default_rng(1)
+    for lo, hi, vocab in [(1, 4, 3), (2, 2, 4)]:
+        ng = DeviceNgram(max_reqs=6, max_model_len=160, k=4, min_n=lo, max_n=hi, device=torch.device("cpu"))
+        host = NgramProposer(4, lo, hi)
+        rows = [0, 3, 5]
+        hist = {r: rng.integers(0, vocab, int(rng.integers(1, 9))).tolist() for r in rows}
+        new = DeviceNgram.new_rows_arrays([(r, hist[r]) for r in rows])
+        ng.write_new_rows(*(torch.from_numpy(a) for a in new))
+        expected_before = [0, 0, 0]
+        for step in range(25):
+            counts = rng.integers(1, 5, size=3)
+            emitted = np.array([int(rng.integers(1, c + 1)) for c in counts])
+            tokens = rng.integers(0, vocab, int(counts.sum()))
+            slot_req = np.repeat(np.arange(3), counts)
+            slot_j = np.arange(len(slot_req)) - np.repeat(np.cumsum(counts) - counts, counts)
+            before = ng.append_and_propose(torch.tensor(rows), torch.from_numpy(tokens), torch.from_numpy(slot_req),
+                                           torch.from_numpy(slot_j), torch.from_numpy(emitted), width=160)
+            assert before.tolist() == expected_before
+            starts = np.cumsum(counts) - counts
+            for i, r in enumerate(rows):
+                hist[r] += tokens[starts[i]:starts[i] + emitted[i]].tolist()
+            mat = np.zeros((6, 160), dtype=np.int64)
+            for r in rows:
+                mat[r, :len(hist[r])] = hist[r]
+            ref = host.propose_scan(mat, rows, [len(hist[r]) for r in rows], [4] * 3)
+            counts_now = ng.num_drafts[rows].tolist()
+            assert [ng.drafts[r, :n].tolist() for r, n in zip(rows, counts_now)] == ref, (lo, hi, step)
+            assert ng.lens[rows].tolist() == [len(hist[r]) for r in rows]
+            expected_before = counts_now
+
+
+def test_overlapped_verify_steps_plan_ahead_and_roll_back_one_step_late():
+    """Async scheduling with device drafts: a verify step is planned while the previous one is in flight, at the
+    positions of "all of its drafts accepted" (placeholders count 1 + drafts); the rollback of its rejected drafts
+    comes with its result, trims the blocks past the true end of the step now in flight and tells the runner."""
+    s = _scheduler(async_scheduling=True)
+    s.spec.overlap = True
+    req = _request(n=7, max_tokens=20)
+    s.add_request(req)
+    p0 = s.schedule()  # prefill
+    assert p0.spec_overlap and req.num_output_placeholders == 1
+    p1 = s.schedule()  # p0 in flight, its proposal unknown: a plain decode of p0's token
+    assert p1.num_scheduled_tokens == {"r": 1} and not p1.scheduled_spec_decode_tokens
+    s.update_from_output(p0, ModelOutput(req_ids=["r"], sampled_token_ids=[[50]], spec_token_ids=[[-1, -1]]))
+    assert req.spec_token_ids == [-1, -1] and req.num_output_placeholders == 1
+    p2 = s.schedule()  # p1 in flight: p1's token + 4 device drafts
+    assert p2.spec_overlap and p2.scheduled_spec_decode_tokens == {"r": [-1] * 4}
+    assert p2.num_scheduled_tokens == {"r": 5} and req.num_computed_tokens == 13 and req.num_output_placeholders == 6
+    s.update_from_output(p1, ModelOutput(req_ids=["r"], sampled_token_ids=[[51]], spec_token_ids=[[-1, -1, -1]]))
+    assert req.output_token_ids == [50, 51] and req.num_output_placeholders == 5
+    p3 = s.schedule()  # p2 in flight (up to 5 tokens): planned after all of them
+    assert p3.num_scheduled_tokens == {"r": 5} and req.num_computed_tokens == 18 and req.num_output_placeholders == 10
+    assert len(s.kv_cache_manager.req_to_blocks["r"]) == 5
+    # p2's result: 1 of its drafts accepted + the correction; 3 rejected. The device had proposed only 2 of the 4.
+    s.update_from_output(p2, ModelOutput(req_ids=["r"], sampled_token_ids=[[60, 61]], spec_token_ids=[[-1] * 4],
+                                         spec_num_drafts=[2]))
+    assert req.output_token_ids == [50, 51, 60, 61] and req.num_output_placeholders == 5
+    assert req.num_computed_tokens == 15  # p3 truly covers positions 10..14
+    assert len(s.kv_cache_manager.req_to_blocks["r"]) == 4  # the 5th block held only rejected positions
+    stats = s.stats()
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (1, 2, 1)
+    p4 = s.schedule()
+    assert p4.cached_requests[0].num_kept_blocks == 4 and p4.num_scheduled_tokens == {"r": 5}
+    # Near max_tokens (20) the room counts the step in flight as emitting all it can.
+    s.update_from_output(p3, ModelOutput(req_ids=["r"], sampled_token_ids=[[1, 2, 3, 4, 5]], spec_token_ids=[[-1]],
+                                         spec_num_drafts=[4]))
+    assert len(req.output_token_ids) == 9 and req.num_output_placeholders == 5
+    p5 = s.schedule()  # p4 may bring 9 + 5 = 14 outputs: 4 drafts still fit (14 + 5 <= 20)
+    assert p5.scheduled_spec_decode_tokens == {"r": [-1] * 4}
+    s.update_from_output(p4, ModelOutput(req_ids=["r"], sampled_token_ids=[[6, 7, 8, 9, 10]], spec_token_ids=[[-1]],
+                                         spec_num_drafts=[4]))
+    p6 = s.schedule()  # p5 may bring 14 + 5 = 19: its token only, no drafts
+    assert p6.num_scheduled_tokens == {"r": 1} and not p6.scheduled_spec_decode_tokens
+    assert s.schedule().num_scheduled_tokens == {}  # p5 and p6 may end the request: wait for a result
+    s.update_from_output(p5, ModelOutput(req_ids=["r"], sampled_token_ids=[[11]], spec_token_ids=[[]],
+                                         spec_num_drafts=[0]))
+    assert req.num_output_placeholders == 1 and len(req.output_token_ids) == 15

@@ -58,6 +58,10 @@ class AttentionBackend:
     # then launches such a step from shapes alone, given metadata padded to `num_reqs` rows (padding rows: no
     # query tokens) and `AttentionMetadata.graph_prefill_tile` set.
     supports_mixed_graphs: bool = False
+    # Whether the metadata's host copies of the sequence lengths (`seq_lens_cpu`, `max_seq_len`) may be upper
+    # bounds of the device's `seq_lens` (overlapped speculation shortens them on the device): only for tiling and
+    # split choices, never for what is read.
+    host_lens_may_be_bounds: bool = False
     # Whether `forward` takes `logits_soft_cap` (cap * tanh(scores / cap) before the softmax; Gemma 2). The layer
     # passes it only when set; a model needing it is refused at start on a backend without it.
     supports_logits_soft_cap: bool = False

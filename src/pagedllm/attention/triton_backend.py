@@ -50,6 +50,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_fp8_kv = True  # the kernels widen what they load to the query dtype and narrow what they store
     supports_mixed_graphs = True
+    host_lens_may_be_bounds = True
     supports_logits_soft_cap = True
 
     def __init__(self, max_splits: Optional[int] = None) -> None:

@@ -57,7 +57,7 @@ class DeviceNgram:
                  device: torch.device) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self.width = max_model_len
-        self.hist = torch.zeros((max_reqs, max_model_len), dtype=torch.int64, device=device)
+        self.hist = torch.zeros((max_reqs, max_model_len), dtype=torch.int32, device=device)  # (token ids fit)
         self.lens = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self.drafts = torch.zeros((max_reqs, k), dtype=torch.int64, device=device)
         self.num_drafts = torch.zeros(max_reqs, dtype=torch.int64, device=device)
@@ -79,7 +79,7 @@ class DeviceNgram:
 
     def write_new_rows(self, tok_rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
                        rows: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.hist.index_put_((tok_rows, positions), tokens)
+        self.hist.index_put_((tok_rows, positions), tokens.to(self.hist.dtype))
         self.lens.index_copy_(0, rows, lengths)
         self.num_drafts.index_fill_(0, rows, 0)
 
@@ -93,7 +93,7 @@ class DeviceNgram:
         before = self.num_drafts.index_select(0, rows)
         lens = self.lens.index_select(0, rows)
         pos = (lens.index_select(0, slot_req) + slot_j).clamp(max=self.width - 1)
-        self.hist.index_put_((rows.index_select(0, slot_req), pos), tokens)
+        self.hist.index_put_((rows.index_select(0, slot_req), pos), tokens.to(self.hist.dtype))
         lens = lens + emitted
         self.lens.index_copy_(0, rows, lens)
         if not propose:  # speculation is off at this batch size: the histories stay current, no drafts
@@ -102,7 +102,7 @@ class DeviceNgram:
         width = max(1, min(width, self.width))
         drafts, counts = propose_ngram(self.hist[:, :width].index_select(0, rows), lens, self.k, self.min_n,
                                        self.max_n)
-        self.drafts.index_copy_(0, rows, drafts)
+        self.drafts.index_copy_(0, rows, drafts.to(torch.int64))
         self.num_drafts.index_copy_(0, rows, counts)
         return before
 
@@ -239,6 +239,6 @@ class DeviceStep:
         first = torch.full_like(starts, total).scatter_reduce(0, slot_req, torch.where(stop, order, total), "amin",
                                                               include_self=True)
         emitted = first - starts + 1
-        last = final.index_select(0, first)
+        last = final.index_select(0, first).to(torch.int64)
         before = self.ngram.append_and_propose(rows, final, slot_req, slot_j, emitted, self.width, self.propose)
         return emitted, last, counts - emitted, torch.stack([before, self.ngram.num_drafts.index_select(0, rows)])

