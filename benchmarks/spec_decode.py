@@ -194,6 +194,11 @@ def run_verify(args) -> dict:
     engine.add_request(EngineCoreRequest("r", prompt, params))
     for _ in range(3):
         engine.step()  # prefill + first decodes
+    device = llm.engine.worker.runner.spec.device_ngram
+    if device is not None:
+        # Overlapped verify steps verify the device's drafts whatever the host injects: make that lookup find nothing
+        # (no n fits the context), so every step verifies k padding drafts that the model rejects, as injected ones.
+        device.min_n = device.max_n = args.max_model_len + 1
 
     def block(verify: bool, n: int) -> float:
         sched.spec.k = k if verify else 0

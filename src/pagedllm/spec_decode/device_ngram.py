@@ -107,75 +107,112 @@ class DeviceNgram:
         return before
 
 
+def _segments(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For segments (starts, counts): each element's segment and its index within it (host-synchronous sizes:
+    the torch reference path only)."""
+    seg = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
+    within = torch.arange(seg.shape[0], device=counts.device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts,
+                                                                                        counts)
+    return seg, within
+
+
+def step_inputs_torch(items, src, num_drafts, rows, query_start_loc, prev_tokens, prev_rejected, drafts, input_ids,
+                      positions, slot_mapping, seq_lens, block_table, block_size: int) -> None:
+    """kernels/spec_decode.spec_step_inputs in torch ops (the CPU path and the kernel's reference)."""
+    qsl = query_start_loc.to(torch.int64)
+    q0, q1 = qsl[items], qsl[items + 1]
+    in_flight = src >= 0
+    if bool(in_flight.any()):
+        f_items, f_src, f_q0 = items[in_flight], src[in_flight], q0[in_flight]
+        input_ids[f_q0] = prev_tokens[f_src].to(input_ids.dtype)
+        if prev_rejected is not None:
+            seg, within = _segments(f_q0, q1[in_flight] - f_q0)
+            tok = f_q0[seg] + within
+            pos = positions[tok] - prev_rejected[f_src][seg]
+            positions[tok] = pos
+            slot_mapping[tok] = (block_table[f_items[seg], torch.div(pos, block_size, rounding_mode="floor")]
+                                 .to(torch.int64) * block_size + pos % block_size)
+            seq_lens[f_items] -= prev_rejected[f_src].to(seq_lens.dtype)
+    verifying = num_drafts > 0
+    if bool(verifying.any()):
+        seg, within = _segments(q0[verifying], num_drafts[verifying])
+        input_ids[q0[verifying][seg] + 1 + within] = drafts[rows[verifying][seg], within]
+
+
+def step_outputs_torch(ngram: DeviceNgram, rows, starts, counts, final, propose: bool, width: int,
+                       draft_src=None, input_ids=None, accepted=None) -> torch.Tensor:
+    """kernels/spec_decode.spec_step_outputs in torch ops (the CPU path and the kernel's reference)."""
+    seg, within = _segments(starts, counts)
+    total = final.shape[0]
+    if draft_src is not None:  # greedy: a row's draft (the next row's input) is accepted iff it is the row's token
+        drafted = input_ids[draft_src.clamp(min=0)]
+        accepted = (draft_src >= 0) & (drafted == final)
+    if accepted is None:
+        accepted = torch.zeros(total, dtype=torch.bool, device=final.device)
+    stop = ~accepted.bool() | (within + 1 >= counts[seg])
+    order = torch.arange(total, device=final.device)
+    first = torch.full_like(starts, total).scatter_reduce(0, seg, torch.where(stop, order, total), "amin",
+                                                          include_self=True)
+    emitted = first - starts + 1
+    last = final[first].to(torch.int64)
+    before = ngram.append_and_propose(rows, final, seg, within, emitted, width, propose)
+    return torch.stack([emitted, last, counts - emitted, before, ngram.num_drafts[rows]])
+
+
 class DeviceStep:
     """One step's device-side speculation work for the runner (worker/model_runner.py), with DeviceNgram's state.
 
     Host arrays first (`arrays`: int64, staged with the step's other inputs in one copy), then on the device:
-    before the forward, new requests' tokens into their rows, the placeholder drafts into the input ids, and the
-    step in flight's rejected drafts taken off its rows' positions, slots and sequence lengths; after sampling
-    or verifying, the emitted tokens appended and the next drafts proposed.
+    before the forward, new requests' tokens into their rows, the in-flight step's tokens and the placeholder
+    drafts into the input ids, and a verify step in flight's rejected drafts taken off its rows' positions, slots
+    and sequence lengths; after sampling or verifying, the emitted counts, the tokens appended, the next drafts
+    proposed. On CUDA two Triton launches do all but the new rows (kernels/spec_decode.py); elsewhere the same in
+    torch ops (step_inputs_torch, step_outputs_torch: the kernels' reference).
     """
 
-    def __init__(self, ngram: DeviceNgram, runner, plan, inp, fill_src: np.ndarray,
-                 verify_rows=None) -> None:
+    def __init__(self, ngram: DeviceNgram, runner, plan, inp, fill_src: np.ndarray, verify_rows=None) -> None:
         from pagedllm.spec_decode.scheduling import PLACEHOLDER
 
         self.ngram = ngram
+        self.kernels = runner.device.type == "cuda"
         self.propose = bool(plan.propose_drafts)
-        self.overlap = bool(plan.spec_overlap)
         arrays: list[np.ndarray] = []
         self._slices: dict[str, tuple[int, int]] = {}
 
         def add(name: str, group: Optional[list[np.ndarray]]) -> None:
             if group:
                 self._slices[name] = (len(arrays), len(arrays) + len(group))
-                arrays.extend(group)
+                arrays.extend(np.asarray(a, dtype=np.int64) for a in group)
 
         batch = runner.input_batch
         add("new", DeviceNgram.new_rows_arrays([(batch.requests[n.request_id].row, n.token_ids)
                                                  for n in plan.new_requests]))
-        qsl = inp.query_start_loc.astype(np.int64)
-        k = ngram.k
-        spec = inp.spec_token_ids or {}
-        dst: list[int] = []
-        src: list[int] = []
-        if spec:
-            index = {r: i for i, r in enumerate(inp.req_ids)}
-            for req_id, drafts in spec.items():
-                if not drafts or drafts[0] != PLACEHOLDER:
-                    continue
-                i = index[req_id]
-                first, d = int(qsl[i]), len(drafts)
-                if int(qsl[i + 1]) - first != d + 1:
-                    raise RuntimeError("A verify step's request must compute its last token and its drafts only; "
-                                       "this is a bug.")
-                row = int(inp.rows[i])
-                dst.extend(range(first + 1, first + 1 + d))
-                src.extend(range(row * k, row * k + d))
-        add("drafts", [np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64)] if dst else None)
-        # The step in flight was a verify step: its rows' tokens here sit at "every draft accepted" positions.
-        in_flight = inp.in_flight_rows
-        self.corrects = runner._prev_rej is not None and len(in_flight) > 0
-        if self.corrects:
-            n_tok = qsl[in_flight + 1] - qsl[in_flight]
-            offsets = np.arange(int(n_tok.sum()), dtype=np.int64) - np.repeat(np.cumsum(n_tok) - n_tok, n_tok)
-            add("fix", [np.repeat(qsl[in_flight], n_tok) + offsets, np.repeat(fill_src, n_tok),
-                        np.repeat(in_flight.astype(np.int64), n_tok), in_flight.astype(np.int64), fill_src])
+        num_reqs = len(inp.req_ids)
+        num_drafts = np.zeros(num_reqs, dtype=np.int64)  # placeholder drafts per request of the step
+        for req_id, drafts in (inp.spec_token_ids or {}).items():
+            if drafts and drafts[0] == PLACEHOLDER:
+                num_drafts[inp.req_ids.index(req_id)] = len(drafts)
+        src = np.full(num_reqs, -1, dtype=np.int64)  # index into the previous launch's per-request arrays
+        src[inp.in_flight_rows] = fill_src
+        items = np.flatnonzero((src >= 0) | (num_drafts > 0))
+        qsl = inp.query_start_loc
+        if len(items) and int((qsl[items + 1] - qsl[items] - num_drafts[items]).max()) != 1:
+            raise RuntimeError("A request in flight or verifying drafts must compute one token and its drafts only; "
+                               "this is a bug.")
+        add("items", [items, src[items], num_drafts[items], inp.rows[items]] if len(items) else None)
+        self.rejects = runner._prev_rej is not None and bool((src >= 0).any())
         sample_rows = inp.sample_rows
-        self.num_sampling = len(sample_rows)
-        if self.num_sampling:
+        self.verify = verify_rows is not None
+        if len(sample_rows):
             if verify_rows is not None:
                 starts, counts = verify_rows.starts, verify_rows.counts
-                slot_req = np.repeat(np.arange(self.num_sampling, dtype=np.int64), counts)
-                slot_j = np.arange(len(slot_req), dtype=np.int64) - np.repeat(starts, counts)
                 # The draft each verify row checks is the next token's input (none on a request's bonus row).
-                draft_src = np.where(slot_j + 1 < np.repeat(counts, counts), verify_rows.token_rows + 1, -1)
-                add("post", [inp.rows[sample_rows].astype(np.int64), slot_req, slot_j, starts, counts, draft_src,
-                             verify_rows.token_rows])
+                within = np.arange(len(verify_rows.token_rows)) - np.repeat(starts, counts)
+                draft_src = np.where(within + 1 < np.repeat(counts, counts), verify_rows.token_rows + 1, -1)
+                add("post", [inp.rows[sample_rows], starts, counts, draft_src, verify_rows.token_rows])
             else:
-                zeros = np.zeros(self.num_sampling, dtype=np.int64)
-                add("post", [inp.rows[sample_rows].astype(np.int64), np.arange(self.num_sampling, dtype=np.int64),
-                             zeros])
+                n = len(sample_rows)
+                add("post", [inp.rows[sample_rows], np.arange(n), np.ones(n, dtype=np.int64)])
         # An upper bound of the sampling rows' lengths after this step (the host's positions are upper bounds).
         self.width = int(inp.seq_lens.max()) + 1
         self.arrays = arrays
@@ -186,59 +223,54 @@ class DeviceStep:
         return None if span is None else self.staged[span[0]:span[1]]
 
     def before_forward(self, runner, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                       seq_lens: torch.Tensor, block_table: torch.Tensor) -> bool:
-        """Device inputs of the step made right; True when sequence lengths changed (the host's are bounds)."""
+                       seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
+        """Device inputs of the step made right (the in-flight tokens included); True when sequence lengths
+        changed (the host's are then upper bounds)."""
+        ngram = self.ngram
         new = self._get("new")
         if new is not None:
-            self.ngram.write_new_rows(*new)
-        drafts = self._get("drafts")
-        if drafts is not None:
-            dst, src = drafts
-            input_ids.index_copy_(0, dst, self.ngram.drafts.view(-1).index_select(0, src))
-        fix = self._get("fix")
-        if fix is None:
+            ngram.write_new_rows(*new)
+        items = self._get("items")
+        if items is None:
             return False
-        tok, tok_src, tok_req, reqs, req_src = fix
-        self.ngram.num_overlapped_steps += 1
-        rej = runner._prev_rej
-        pos = positions.index_select(0, tok) - rej.index_select(0, tok_src)
-        positions.index_copy_(0, tok, pos)
-        bs = runner.block_size
-        slots = block_table[tok_req, torch.div(pos, bs, rounding_mode="floor")].to(torch.int64) * bs + pos % bs
-        slot_mapping.index_copy_(0, tok, slots)
-        seq_lens.index_copy_(0, reqs, seq_lens.index_select(0, reqs) - rej.index_select(0, req_src).to(seq_lens.dtype))
-        return True
+        ngram.num_overlapped_steps += int(self.rejects)
+        args = (*items, query_start_loc, runner._prev_sampled, runner._prev_rej if self.rejects else None,
+                ngram.drafts, input_ids, positions, slot_mapping, seq_lens, block_table, runner.block_size)
+        if self.kernels:
+            from pagedllm.kernels.spec_decode import spec_step_inputs
 
-    def after_sampling(self, sampled: torch.Tensor) -> torch.Tensor:
-        """A plain step's sampled ids [R]: appended, next drafts proposed. Returns the rows' draft counts now."""
-        rows, slot_req, slot_j = self._get("post")
-        ones = torch.ones_like(rows)
-        self.ngram.append_and_propose(rows, sampled, slot_req, slot_j, ones, self.width, self.propose)
-        return self.ngram.num_drafts.index_select(0, rows)
+            spec_step_inputs(*args)
+        else:
+            step_inputs_torch(*args)
+        return self.rejects
 
     def token_rows(self) -> torch.Tensor:
         """[verify rows] each verify row's index among the step's tokens."""
-        return self._get("post")[6]
+        return self._get("post")[4]
 
     def draft_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[verify rows] the draft each row checks (NO_DRAFT on bonus rows), read from the step's inputs."""
         from pagedllm.spec_decode.rejection_sampler import NO_DRAFT
 
-        draft_src = self._get("post")[5]
+        draft_src = self._get("post")[3]
         got = input_ids.index_select(0, draft_src.clamp(min=0))
         return torch.where(draft_src >= 0, got, torch.full_like(got, NO_DRAFT))
 
-    def after_verify(self, final: torch.Tensor, accepted: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A verify step's final ids and acceptances per verify row: (emitted count per request, last emitted
-        token, rejected drafts, [drafts verified (as proposed), drafts proposed now] per request)."""
-        rows, slot_req, slot_j, starts, counts, draft_src, _ = self._get("post")
-        total = final.shape[0]
-        order = torch.arange(total, device=final.device)
-        stop = ~accepted.bool() | (draft_src < 0)
-        first = torch.full_like(starts, total).scatter_reduce(0, slot_req, torch.where(stop, order, total), "amin",
-                                                              include_self=True)
-        emitted = first - starts + 1
-        last = final.index_select(0, first).to(torch.int64)
-        before = self.ngram.append_and_propose(rows, final, slot_req, slot_j, emitted, self.width, self.propose)
-        return emitted, last, counts - emitted, torch.stack([before, self.ngram.num_drafts.index_select(0, rows)])
+    def after_step(self, final: torch.Tensor, input_ids: Optional[torch.Tensor] = None,
+                   accepted: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A step's results: `final` [verify rows] (a plain step: [sampling requests]), each verify row's draft
+        accepted as `accepted` says or, given `input_ids`, iff it equals the row's token (greedy). Returns int64
+        [5, sampling requests]: emitted count, last emitted token, rejected drafts, drafts verified (as proposed),
+        drafts proposed now; the histories and proposals are updated."""
+        post = self._get("post")
+        rows, starts, counts = post[:3]
+        ngram = self.ngram
+        greedy = self.verify and accepted is None
+        kw = dict(draft_src=post[3] if greedy else None, input_ids=input_ids if greedy else None,
+                  accepted=accepted if self.verify and not greedy else None)
+        if self.kernels:
+            from pagedllm.kernels.spec_decode import spec_step_outputs
+
+            return spec_step_outputs(rows, starts, counts, final, ngram.hist, ngram.lens, ngram.drafts,
+                                     ngram.num_drafts, ngram.min_n, ngram.max_n, self.propose, **kw)
+        return step_outputs_torch(ngram, rows, starts, counts, final, self.propose, self.width, **kw)

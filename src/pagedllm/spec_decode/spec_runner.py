@@ -184,25 +184,27 @@ class SpecDecodeRunner:
         acceptance, emitted counts and the step's last tokens stay on the device, where the next step (launched
         before this one is read) takes them; the host copy carries the verify rows' ids, the emitted counts and the
         draft counts."""
-        draft_t = dev_step.draft_ids(input_ids)
         token_rows = dev_step.token_rows() if not rows.every_token else None
         rows_hidden = hidden if token_rows is None else hidden.index_select(0, token_rows)
         greedy = None
         if rows.greedy:
             greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
         lp = None
-        if greedy is not None:
-            final, accepted = greedy, (draft_t >= 0) & (greedy == draft_t)
+        if greedy is not None:  # a row's draft is accepted iff it is the row's argmax (checked on the device)
+            stats = dev_step.after_step(greedy, input_ids=input_ids)
+            final = greedy
         else:
             states = [inp.states[r] for r in inp.sample_rows.tolist()]
             meta = self._row_metadata(runner, states, inp.spec_token_ids)
-            result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, draft_t, None, None)
-            final, accepted, lp = result.final_token_ids, result.accepted, result.logprobs
-        emitted, last, rejected, draft_counts = dev_step.after_verify(final, accepted)
-        runner._prev_sampled, runner._prev_rej = last, rejected
+            result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, dev_step.draft_ids(input_ids),
+                                      None, None)
+            final, lp = result.final_token_ids, result.logprobs
+            stats = dev_step.after_step(final, accepted=result.accepted)
+        # [emitted, last, rejected, drafts verified, drafts proposed] per sampling request
+        runner._prev_sampled, runner._prev_rej = stats[1], stats[2]
         runner._prev_pos.fill(-1)
         runner._prev_pos[inp.rows[inp.sample_rows]] = np.arange(len(inp.sample_rows))
-        packed = torch.cat([final.to(torch.int64), emitted, draft_counts.view(-1)])
+        packed = torch.cat([final.to(torch.int64), stats[0], stats[3], stats[4]])
         slot = None
         if runner.device.type == "cuda":
             slot = self._host_slot(runner, packed.shape[0])

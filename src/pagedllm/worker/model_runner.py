@@ -264,12 +264,12 @@ class ModelRunner:
             seq_lens_cpu=inp.seq_lens.tolist(),
         )
         with_kv_groups(metadata, group_tables_t, group_slots_t)
-        if len(fill_src):
-            if self._prev_sampled is None:
-                raise RuntimeError("A step needs tokens of a previous step that sampled nothing; this is a bug.")
+        if len(fill_src) and self._prev_sampled is None:
+            raise RuntimeError("A step needs tokens of a previous step that sampled nothing; this is a bug.")
+        if dev_step is None and len(fill_src):
             input_ids.index_copy_(0, fill_dst_t, self._prev_sampled.index_select(0, fill_src_t))
         if dev_step is not None and dev_step.before_forward(self, input_ids, positions, slot_mapping, seq_lens,
-                                                            block_table):
+                                                            block_table, query_start_loc):
             # The host's lengths were upper bounds (the step in flight's drafts all accepted): the CUDA kernels take
             # bounds (graph buckets, split counts); the CPU's and the torch reference's need the exact ones.
             if dev.type != "cuda" or not self.attn_backend.host_lens_may_be_bounds:
@@ -323,7 +323,7 @@ class ModelRunner:
         self._prev_sampled = sampled
         self._prev_pos.fill(-1)
         self._prev_pos[inp.rows[sample_rows]] = np.arange(len(sample_rows))
-        num_drafts = dev_step.after_sampling(sampled) if dev_step is not None else None
+        num_drafts = dev_step.after_step(sampled)[4] if dev_step is not None else None
         event = None
         if dev.type == "cuda":
             host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)

@@ -1,0 +1,150 @@
+"""Overlapped speculation's per-step device work in two launches (spec_decode/device_ngram.py has the torch
+reference these are tested against, and the CPU path).
+
+The host of a GPU machine pays ~10 us per eager launch; the torch form of this work is ~100 small ops a step,
+which would make the host, not the device, the bound of a speculating step. So on CUDA:
+
+  * `spec_step_inputs` (before the forward), one program per request of the step that is in flight or verifies
+    placeholder drafts: its first input is the in-flight step's last emitted token; with a verify step in flight
+    its rejected count comes off its positions, slot mapping and sequence length; its drafts are filled in;
+  * `spec_step_outputs` (after sampling / verifying), one program per sampling request: how many of its rows are
+    emitted (leading accepted drafts + 1), its last emitted token and rejected count, its tokens appended to its
+    row's history, then the next proposal: the latest earlier occurrence of the longest suffix n-gram.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SCAN = 256  # history positions compared per iteration of a proposal's scan
+
+
+@triton.jit
+def _spec_inputs_kernel(items_ptr, src_ptr, nd_ptr, rows_ptr, qsl_ptr, prev_tok_ptr, prev_rej_ptr, drafts_ptr,
+                        input_ids_ptr, positions_ptr, slot_ptr, seq_lens_ptr, block_table_ptr, bt_stride,
+                        block_size, K: tl.constexpr, HAS_REJ: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    i = tl.load(items_ptr + pid)
+    q0 = tl.load(qsl_ptr + i).to(tl.int64)
+    q1 = tl.load(qsl_ptr + i + 1).to(tl.int64)
+    src = tl.load(src_ptr + pid)
+    nd = tl.load(nd_ptr + pid)
+    row = tl.load(rows_ptr + pid)
+    offs = tl.arange(0, BLOCK)
+    if src >= 0:
+        tl.store(input_ids_ptr + q0, tl.load(prev_tok_ptr + src))
+        if HAS_REJ:
+            rej = tl.load(prev_rej_ptr + src)
+            t = q0 + offs
+            m = t < q1
+            pos = tl.load(positions_ptr + t, mask=m, other=0) - rej
+            tl.store(positions_ptr + t, pos, mask=m)
+            blk = tl.load(block_table_ptr + i * bt_stride + pos // block_size, mask=m, other=0).to(tl.int64)
+            tl.store(slot_ptr + t, blk * block_size + pos % block_size, mask=m)
+            tl.store(seq_lens_ptr + i, tl.load(seq_lens_ptr + i) - rej.to(tl.int32))
+    dm = offs < nd
+    drafts = tl.load(drafts_ptr + row * K + offs, mask=dm, other=0)
+    tl.store(input_ids_ptr + q0 + 1 + offs, drafts, mask=dm)
+
+
+@triton.jit
+def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_ptr, input_ids_ptr, accepted_ptr,
+                         hist_ptr, hist_stride, width, lens_ptr, drafts_ptr, nd_ptr, out_ptr, num_reqs,
+                         K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, ACC_MODE: tl.constexpr,
+                         PROPOSE: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr):
+    r = tl.program_id(0)
+    row = tl.load(rows_ptr + r)
+    start = tl.load(starts_ptr + r)
+    cnt = tl.load(counts_ptr + r)
+    offs = tl.arange(0, BLOCK_K)
+    valid = offs < cnt
+    toks = tl.load(final_ptr + start + offs, mask=valid, other=0).to(tl.int64)
+    if ACC_MODE == 0:  # greedy: a row's draft (the next row's input) is accepted iff it is the row's token
+        src = tl.load(draft_src_ptr + start + offs, mask=valid, other=-1)
+        drafted = tl.load(input_ids_ptr + tl.maximum(src, 0), mask=valid & (src >= 0), other=-1)
+        acc = (src >= 0) & (drafted == toks)
+    elif ACC_MODE == 1:  # the rejection sampler's verdicts
+        acc = tl.load(accepted_ptr + start + offs, mask=valid, other=0) != 0
+    else:  # a plain step: one row, nothing drafted
+        acc = offs < 0
+    acc = acc & (offs < cnt - 1)
+    first = tl.min(tl.where(valid & (~acc), offs, BLOCK_K), axis=0)  # the bonus row at the latest
+    emitted = first + 1
+    last = tl.load(final_ptr + start + first).to(tl.int64)
+    base = hist_ptr + row * hist_stride
+    len0 = tl.load(lens_ptr + row)
+    tl.store(base + tl.minimum(len0 + offs, width - 1), toks.to(tl.int32), mask=valid)
+    new_len = len0 + emitted
+    tl.store(lens_ptr + row, new_len)
+    tl.store(out_ptr + r, emitted)
+    tl.store(out_ptr + num_reqs + r, last)
+    tl.store(out_ptr + 2 * num_reqs + r, cnt - emitted)
+    tl.store(out_ptr + 3 * num_reqs + r, tl.load(nd_ptr + row))
+    if PROPOSE:
+        tl.debug_barrier()  # the tokens just stored are the suffix the lookup reads
+        found = new_len < 0  # False
+        dstart = new_len * 0
+        for n in tl.static_range(MAX_N, MIN_N - 1, -1):
+            hi = tl.where(found, 0, new_len - n)  # match starts p < len - n: a token follows the match
+            best = new_len * 0 - 1
+            for p0 in range(0, hi, SCAN):
+                p = p0 + tl.arange(0, SCAN)
+                pm = p < hi
+                match = pm
+                for j in tl.static_range(n):
+                    want = tl.load(base + new_len - n + j)
+                    match = match & (tl.load(base + p + j, mask=pm, other=-1) == want)
+                best = tl.maximum(best, tl.max(tl.where(match, p, -1), axis=0))
+            hit = best >= 0
+            dstart = tl.where(hit, best + n, dstart)
+            found = found | hit
+        count = tl.where(found, tl.minimum(new_len - dstart, K), 0)
+        km = offs < K
+        drafts = tl.load(base + tl.minimum(dstart + offs, width - 1), mask=km, other=0).to(tl.int64)
+        tl.store(drafts_ptr + row * K + offs, drafts, mask=km)
+    else:
+        count = new_len * 0
+    tl.store(nd_ptr + row, count)
+    tl.store(out_ptr + 4 * num_reqs + r, count)
+
+
+def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.Tensor, rows: torch.Tensor,
+                     query_start_loc: torch.Tensor, prev_tokens: torch.Tensor, prev_rejected, drafts: torch.Tensor,
+                     input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                     seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> None:
+    """In place on the step's inputs, for each listed request (items: its index in the step; src: its index in
+    the previous launch's per-request arrays, -1 if not in flight; num_drafts: placeholder drafts it verifies;
+    rows: its InputBatch row). A request's tokens here are at most k + 1 (its token and its drafts)."""
+    k = drafts.shape[1]
+    _spec_inputs_kernel[(items.shape[0],)](
+        items, src, num_drafts, rows, query_start_loc, prev_tokens,
+        prev_rejected if prev_rejected is not None else prev_tokens, drafts, input_ids, positions, slot_mapping,
+        seq_lens, block_table, block_table.stride(0), block_size, K=k, HAS_REJ=prev_rejected is not None,
+        BLOCK=triton.next_power_of_2(k + 1))
+
+
+def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, final: torch.Tensor,
+                      hist: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+                      min_n: int, max_n: int, propose: bool, draft_src=None, input_ids=None, accepted=None
+                      ) -> torch.Tensor:
+    """For each sampling request (rows, and its verify rows starts[r] .. + counts[r] of `final`): returns int64
+    [5, R]: emitted count, last emitted token, rejected drafts, drafts it had (verified now), drafts proposed now;
+    appends the emitted tokens to `hist` / `lens` and writes the proposal to `drafts` / `num_drafts` (as
+    DeviceNgram.append_and_propose). Acceptance: from `draft_src` + `input_ids` (greedy), else `accepted`, else
+    none (every count 1)."""
+    num_reqs, k = rows.shape[0], drafts.shape[1]
+    out = torch.empty((5, num_reqs), dtype=torch.int64, device=rows.device)
+    mode = 0 if draft_src is not None else (1 if accepted is not None else 2)
+    if accepted is not None and accepted.dtype == torch.bool:
+        accepted = accepted.view(torch.int8)
+    dummy = rows
+    max_n = min(max_n, hist.shape[1] - 1)  # (longer n-grams cannot match: as propose_ngram's `width <= n`)
+    if min_n > max_n:
+        min_n, max_n = 1, 0  # no n to try: nothing is proposed
+    _spec_outputs_kernel[(num_reqs,)](
+        rows, starts, counts, final, draft_src if draft_src is not None else dummy,
+        input_ids if input_ids is not None else dummy, accepted if accepted is not None else dummy,
+        hist, hist.stride(0), hist.shape[1], lens, drafts, num_drafts, out, num_reqs, K=k, MIN_N=min_n,
+        MAX_N=max_n, ACC_MODE=mode, PROPOSE=propose, BLOCK_K=triton.next_power_of_2(k + 1), SCAN=_SCAN)
+    return out
