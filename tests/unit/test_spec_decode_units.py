@@ -2,6 +2,9 @@
 distribution, scheduler accounting (drafts as tokens to compute, rollback of rejected drafts), metrics."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -428,3 +431,13 @@ def test_overlapped_verify_steps_plan_ahead_and_roll_back_one_step_late():
     s.update_from_output(p5, ModelOutput(req_ids=["r"], sampled_token_ids=[[11]], spec_token_ids=[[]],
                                          spec_num_drafts=[0]))
     assert req.num_output_placeholders == 1 and len(req.output_token_ids) == 15
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_overlapped_speculation_kernels_equal_their_torch_reference():
+    """kernels/spec_decode.py (the CUDA path's two launches per step) in Triton's interpreter against the torch ops
+    the CPU runs (interpret_spec_kernels.py: random greedy / sampled / plain steps, inputs in flight)."""
+    from tests.triton_interpreter import run_interpreted
+
+    assert "spec kernels ok" in run_interpreted(os.path.join(os.path.dirname(__file__), "interpret_spec_kernels.py"),
+                                                timeout=600)
