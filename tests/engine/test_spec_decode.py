@@ -225,3 +225,34 @@ def test_overlapped_and_host_drafted_steps_in_one_run(tiny_model_dir, reference,
             assert device is not None and device.num_overlapped_steps > 0
         else:
             assert device is None
+
+
+def test_abort_while_an_overlapped_verify_step_is_in_flight(tiny_model_dir, reference):
+    """A request aborted while its verify step runs: its row goes to a new request (a chunked prefill) before that
+    step's result is read; the late result must not touch the new request's tokens, on the host or the device."""
+    from pagedllm.core.engine_core import EngineCoreRequest
+
+    model = tiny_model_dir("llama")
+    prompts = _prompts(7)
+    llm = _llm(model, speculative_config=NGRAM, async_scheduling=True, block_size=8, max_num_batched_tokens=16,
+               max_num_seqs=1)
+    engine = llm.engine
+    engine.add_request(EngineCoreRequest("a", prompts[0], GREEDY))
+    in_flight_verify = False
+    for _ in range(60):
+        engine.step()
+        plan = engine._in_flight[0] if engine._in_flight is not None else None
+        if plan is not None and plan.scheduled_spec_decode_tokens and plan.spec_overlap:
+            in_flight_verify = True
+            break
+    assert in_flight_verify
+    engine.abort_requests(["a"])
+    engine.add_request(EngineCoreRequest("b", prompts[1], GREEDY))
+    tokens = []
+    for _ in range(200):
+        for out in engine.step():
+            if out.request_id == "b":
+                tokens += out.new_token_ids
+        if not engine.scheduler.has_unfinished_requests() and engine._in_flight is None:
+            break
+    assert tokens == reference("llama", [prompts[1]])[0]

@@ -102,6 +102,9 @@ def check_inputs(seed: int) -> None:
 
 
 def main() -> None:
+    from pagedllm.kernels.spec_decode import warm_up
+
+    warm_up(4, 2, 4, 64, 16, torch.device("cpu"))  # (every variant it compiles runs)
     for seed in range(12):
         check_outputs(seed)
     for seed in range(20):

@@ -20,7 +20,7 @@ import triton.language as tl
 _SCAN = 256  # history positions compared per iteration of a proposal's scan
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])  # (changes from step to step: no recompiles mid-run)
 def _spec_inputs_kernel(items_ptr, src_ptr, nd_ptr, rows_ptr, qsl_ptr, prev_tok_ptr, prev_rej_ptr, drafts_ptr,
                         input_ids_ptr, positions_ptr, slot_ptr, seq_lens_ptr, block_table_ptr, bt_stride,
                         block_size, K: tl.constexpr, HAS_REJ: tl.constexpr, BLOCK: tl.constexpr):
@@ -48,7 +48,7 @@ def _spec_inputs_kernel(items_ptr, src_ptr, nd_ptr, rows_ptr, qsl_ptr, prev_tok_
     tl.store(input_ids_ptr + q0 + 1 + offs, drafts, mask=dm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_ptr, input_ids_ptr, accepted_ptr,
                          hist_ptr, hist_stride, width, lens_ptr, drafts_ptr, nd_ptr, out_ptr, num_reqs,
                          K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, ACC_MODE: tl.constexpr,
@@ -148,3 +148,20 @@ def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Te
         hist, hist.stride(0), hist.shape[1], lens, drafts, num_drafts, out, num_reqs, K=k, MIN_N=min_n,
         MAX_N=max_n, ACC_MODE=mode, PROPOSE=propose, BLOCK_K=triton.next_power_of_2(k + 1), SCAN=_SCAN)
     return out
+
+
+def warm_up(k: int, min_n: int, max_n: int, width: int, block_size: int, device) -> None:
+    """Compile the variants a run uses (greedy / sampled / plain steps, proposing or not, with a verify step in
+    flight or not) at start-up, on scratch state, not in the middle of serving."""
+    z = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
+    one = torch.ones(1, dtype=torch.int64, device=device)
+    hist = torch.zeros((1, width), dtype=torch.int32, device=device)
+    for mode in ("greedy", "sampled", "plain"):
+        for propose in (True, False):
+            kw = {"greedy": dict(draft_src=z(1), input_ids=z(1)), "sampled": dict(accepted=z(1).bool()),
+                  "plain": {}}[mode]
+            spec_step_outputs(z(1), z(1), one, z(1), hist, z(1), z(1, k), z(1), min_n, max_n, propose, **kw)
+    for rejected in (z(1), None):
+        spec_step_inputs(z(1), z(1), one, z(1), torch.tensor([0, 2], dtype=torch.int32, device=device), z(1),
+                         rejected, z(1, k), z(k + 2), z(k + 2), z(k + 2), torch.ones(1, dtype=torch.int32, device=device),
+                         torch.zeros((1, 1), dtype=torch.int32, device=device), block_size)

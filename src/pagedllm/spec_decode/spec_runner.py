@@ -38,6 +38,11 @@ class SpecDecodeRunner:
         c = self.config
         self.device_ngram = DeviceNgram(runner.max_num_seqs, runner.max_model_len, c.num_speculative_tokens,
                                         c.prompt_lookup_min, c.prompt_lookup_max, runner.device)
+        if runner.device.type == "cuda":
+            from pagedllm.kernels.spec_decode import warm_up
+
+            warm_up(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, runner.max_model_len,
+                    runner.block_size, runner.device)
 
     def initialize(self, num_target_blocks: int) -> None:
         """After the target's KV cache exists: a draft model allocates its own."""
@@ -255,10 +260,14 @@ class SpecDecodeRunner:
         num_reqs = len(inp.req_ids)
         output = ModelOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in range(num_reqs)],
                              logprobs=[None] * num_reqs)
+        # A request dropped since the launch (finished, aborted, preempted: with overlapped steps its row may hold
+        # another request by now) takes no tokens into the batch.
+        all_live = batch.num_dropped == inp.dropped_epoch
         for r, start, n in zip(sample_rows, rows.starts.tolist(), num_emitted):
             state = inp.states[r]
             tokens = final[start:start + n]
-            batch.append_tokens(state, tokens)
+            if all_live or batch.requests.get(state.req_id) is state:
+                batch.append_tokens(state, tokens)
             output.sampled_token_ids[r] = tokens
             k = state.sampling_params.logprobs
             if lp is not None and k is not None:
