@@ -323,7 +323,11 @@ class ModelRunner:
         self._prev_sampled = sampled
         self._prev_pos.fill(-1)
         self._prev_pos[inp.rows[sample_rows]] = np.arange(len(sample_rows))
-        num_drafts = dev_step.after_step(sampled)[4] if dev_step is not None else None
+        num_drafts = None
+        if dev_step is not None:  # the histories follow every step; the draft counts matter in overlapped steps
+            stats = dev_step.after_step(sampled)
+            if inp.spec_overlap:
+                num_drafts = stats[4]
         event = None
         if dev.type == "cuda":
             host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
