@@ -4,14 +4,12 @@ output equals the same engine without speculation over whole outputs (fp32: toke
 spec_checks.py), and sampled output (temperature 1, nothing filtered) has the target's distribution."""
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from spec_checks import (assert_same_up_to_near_ties, chi2_limit, mean_top_prob, rank_fit,
+from spec_checks import (assert_same_up_to_near_ties, chi2_limit, mean_top_prob, peaked_model, rank_fit,
                          two_sample_chi2)
 from tests.engine.test_correctness import random_prompts
 
@@ -96,19 +94,6 @@ def test_draft_model_greedy_and_top_k_1_on_cuda(tiny_llama_dir):
     del plain, draft
 
 
-def _peaked_model(src: str, dst: str, scale: float = 12.0) -> str:
-    """The tiny model with its LM head scaled up: the next-token distributions concentrate (most likely token
-    ~0.45, the top 5 ~0.8), so a few thousand samples show a sampler's bias."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    path = os.path.join(dst, "model.safetensors")
-    tensors = load_file(path)
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] * scale
-    save_file(tensors, path, metadata={"format": "pt"})
-    return dst
-
-
 def test_draft_model_sampling_keeps_the_target_distribution(tiny_llama_dir, tmp_path):
     """bf16, temperature 1, no top-k/top-p, 2000 seeded requests of one prompt, 4 tokens each, the target as its
     own draft (its drafts are the most likely tokens, accepted with probability p(draft) by a correct sampler):
@@ -119,7 +104,7 @@ def test_draft_model_sampling_keeps_the_target_distribution(tiny_llama_dir, tmp_
     Accepting every draft or resampling from p with the rejected draft included puts more mass on rank 1 at
     positions 1-3 by many standard deviations, and never accepting fails the acceptance check (each bug was
     simulated on the CPU engine against this test)."""
-    model = _peaked_model(tiny_llama_dir, str(tmp_path / "peaked"))
+    model = peaked_model(tiny_llama_dir, str(tmp_path / "peaked"))
     n = 2000
     prompt = {"prompt_token_ids": random_prompts([12], seed=21)[0]}
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True, logprobs=5) for i in range(n)]
