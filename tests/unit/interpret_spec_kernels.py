@@ -69,6 +69,8 @@ def check_inputs(seed: int) -> None:
     k, bs, num_reqs = int(rng.integers(1, 6)), 4, int(rng.integers(1, 7))
     q_lens = rng.integers(1, k + 2, size=num_reqs)
     kinds = rng.choice(["in_flight", "drafts", "both", "prefill"], size=num_reqs)
+    if seed < 2:
+        kinds[:] = "drafts"  # nothing in flight (seed 1: and the previous launch sampled nothing)
     q_lens = np.where(kinds == "prefill", rng.integers(1, 9, size=num_reqs), q_lens)
     num_drafts = np.where((kinds == "drafts") | (kinds == "both"), q_lens - 1, 0)
     q_lens = np.where(kinds == "in_flight", 1 + num_drafts, q_lens)
@@ -85,8 +87,10 @@ def check_inputs(seed: int) -> None:
     rows = rng.permutation(8)[:num_reqs]
     prev_tokens = torch.from_numpy(rng.integers(0, 1000, num_reqs))
     drafts = torch.from_numpy(rng.integers(0, 1000, size=(8, k)))
+    if not (src >= 0).any() and seed % 2:  # nothing in flight: the previous launch may have sampled nothing
+        prev_tokens = None
     for with_rej in (False, True):
-        prev_rej = torch.from_numpy(rng.integers(0, 8, num_reqs)) if with_rej else None
+        prev_rej = torch.from_numpy(rng.integers(0, 8, num_reqs)) if with_rej and prev_tokens is not None else None
         tensors = [torch.from_numpy(rng.integers(0, 1000, total)), torch.from_numpy(positions.copy()),
                    torch.from_numpy(slots.copy()), torch.from_numpy(seq_lens.copy())]
         ref = [t.clone() for t in tensors]

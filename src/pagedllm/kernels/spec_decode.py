@@ -117,9 +117,10 @@ def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.T
     the previous launch's per-request arrays, -1 if not in flight; num_drafts: placeholder drafts it verifies;
     rows: its InputBatch row). A request's tokens here are at most k + 1 (its token and its drafts)."""
     k = drafts.shape[1]
+    # (no request in flight: the previous launch may have sampled nothing; its arrays are then never read)
     _spec_inputs_kernel[(items.shape[0],)](
-        items, src, num_drafts, rows, query_start_loc, prev_tokens,
-        prev_rejected if prev_rejected is not None else prev_tokens, drafts, input_ids, positions, slot_mapping,
+        items, src, num_drafts, rows, query_start_loc, prev_tokens if prev_tokens is not None else items,
+        prev_rejected if prev_rejected is not None else items, drafts, input_ids, positions, slot_mapping,
         seq_lens, block_table, block_table.stride(0), block_size, K=k, HAS_REJ=prev_rejected is not None,
         BLOCK=triton.next_power_of_2(k + 1))
 
