@@ -154,8 +154,8 @@ def test_mistral_speculative_decoding_and_async_scheduling_match_hf(mistral_dir)
         check_against_hf(llm, mistral_dir, prompts, [40, 30])
         if "speculative_config" in kw:
             assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
-            # verify steps are not overlapped on window layers: blocks are freed by the planned positions
-            assert llm.engine.worker.runner.spec.device_ngram is None
+        if len(kw) == 2:  # verify steps overlapped: the window's blocks kept for the true positions, not the planned
+            assert llm.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0
 
 
 def test_mixed_sliding_and_full_layers_match_hf(mixed_dir):

@@ -441,3 +441,22 @@ def test_overlapped_speculation_kernels_equal_their_torch_reference():
 
     assert "spec kernels ok" in run_interpreted(os.path.join(os.path.dirname(__file__), "interpret_spec_kernels.py"),
                                                 timeout=600)
+
+
+def test_overlapped_verify_keeps_the_sliding_window_of_the_true_positions():
+    """A sliding window frees the blocks before what the next query sees. With a verify step in flight the next
+    step is planned at "all its drafts accepted", up to its drafts ahead of where it truly runs: the blocks the
+    true position still sees must stay (freeing by the planned one would hand a block the query reads to others)."""
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_blocks=32,
+                  num_speculative_tokens=4, spec_disable_batch_size=8, async_scheduling=True, kv_group_windows=(8,))
+    s.spec.overlap = True
+    req = _request(n=20, max_tokens=30)
+    s.add_request(req)
+    p0 = s.schedule()  # prefill, positions 0..19
+    p1 = s.schedule()  # p0's token at 20
+    s.update_from_output(p0, ModelOutput(req_ids=["r"], sampled_token_ids=[[50]], spec_token_ids=[[-1, -1]]))
+    p2 = s.schedule()  # p1's token + 4 drafts: planned at 21..25
+    assert p2.scheduled_spec_decode_tokens == {"r": [-1] * 4} and req.num_computed_tokens == 26
+    s.update_from_output(p1, ModelOutput(req_ids=["r"], sampled_token_ids=[[51]], spec_token_ids=[[-1]]))
+    s.schedule()  # planned at 26..30 (p2 all accepted); truly from 22 if p2 rejects all: keys from 15 (block 3)
+    assert s.kv_cache_manager.group_freed[0].get("r", 0) <= 3

@@ -231,10 +231,9 @@ class Worker:
             self.runner.spec = SpecDecodeRunner(self.speculative, build_proposer(self.speculative, worker=self),
                                                 self.max_model_len)
         # Verify steps overlapped like plain ones (drafts proposed on the device): n-gram with async scheduling and
-        # full attention in one KV-cache group (the runner corrects one slot mapping on the device; a sliding window
-        # would free blocks by the planned positions, which may run ahead of the true ones).
+        # one KV-cache group (the runner corrects one slot mapping on the device).
         self.spec_overlap = (self.speculative is not None and self.speculative.method == "ngram"
-                             and self.async_scheduling and tuple(self.kv_group_windows) == (None,)
+                             and self.async_scheduling and len(self.kv_group_windows) == 1
                              and envs.PAGEDLLM_SPEC_OVERLAP)
         if self.spec_overlap:
             self.runner.spec.enable_device_ngram(self.runner)
