@@ -162,7 +162,9 @@ def warm_up(k: int, min_n: int, max_n: int, width: int, block_size: int, device)
             kw = {"greedy": dict(draft_src=z(1), input_ids=z(1)), "sampled": dict(accepted=z(1).bool()),
                   "plain": {}}[mode]
             spec_step_outputs(z(1), z(1), one, z(1), hist, z(1), z(1, k), z(1), min_n, max_n, propose, **kw)
+    qsl = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    block_table = torch.zeros((1, 1), dtype=torch.int32, device=device)
     for rejected in (z(1), None):
-        spec_step_inputs(z(1), z(1), one, z(1), torch.tensor([0, 2], dtype=torch.int32, device=device), z(1),
-                         rejected, z(1, k), z(k + 2), z(k + 2), z(k + 2), torch.ones(1, dtype=torch.int32, device=device),
-                         torch.zeros((1, 1), dtype=torch.int32, device=device), block_size)
+        spec_step_inputs(z(1), z(1), one, z(1), qsl, z(1), rejected, z(1, k), z(k + 2), z(k + 2), z(k + 2), seq_lens,
+                         block_table, block_size)

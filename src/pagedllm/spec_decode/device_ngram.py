@@ -107,12 +107,12 @@ class DeviceNgram:
         return before
 
 
-def _segments(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For segments (starts, counts): each element's segment and its index within it (host-synchronous sizes:
-    the torch reference path only)."""
+def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For consecutive segments of these lengths: each element's segment and its index within it (sizes read on
+    the host: the torch reference path only)."""
     seg = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
-    within = torch.arange(seg.shape[0], device=counts.device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts,
-                                                                                        counts)
+    firsts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    within = torch.arange(seg.shape[0], device=counts.device) - firsts
     return seg, within
 
 
@@ -126,7 +126,7 @@ def step_inputs_torch(items, src, num_drafts, rows, query_start_loc, prev_tokens
         f_items, f_src, f_q0 = items[in_flight], src[in_flight], q0[in_flight]
         input_ids[f_q0] = prev_tokens[f_src].to(input_ids.dtype)
         if prev_rejected is not None:
-            seg, within = _segments(f_q0, q1[in_flight] - f_q0)
+            seg, within = _segments(q1[in_flight] - f_q0)
             tok = f_q0[seg] + within
             pos = positions[tok] - prev_rejected[f_src][seg]
             positions[tok] = pos
@@ -135,14 +135,14 @@ def step_inputs_torch(items, src, num_drafts, rows, query_start_loc, prev_tokens
             seq_lens[f_items] -= prev_rejected[f_src].to(seq_lens.dtype)
     verifying = num_drafts > 0
     if bool(verifying.any()):
-        seg, within = _segments(q0[verifying], num_drafts[verifying])
+        seg, within = _segments(num_drafts[verifying])
         input_ids[q0[verifying][seg] + 1 + within] = drafts[rows[verifying][seg], within]
 
 
 def step_outputs_torch(ngram: DeviceNgram, rows, starts, counts, final, propose: bool, width: int,
                        draft_src=None, input_ids=None, accepted=None) -> torch.Tensor:
     """kernels/spec_decode.spec_step_outputs in torch ops (the CPU path and the kernel's reference)."""
-    seg, within = _segments(starts, counts)
+    seg, within = _segments(counts)
     total = final.shape[0]
     if draft_src is not None:  # greedy: a row's draft (the next row's input) is accepted iff it is the row's token
         drafted = input_ids[draft_src.clamp(min=0)]
