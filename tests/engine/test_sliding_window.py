@@ -158,6 +158,19 @@ def test_mistral_speculative_decoding_and_async_scheduling_match_hf(mistral_dir)
             assert llm.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0
 
 
+def test_mixed_layers_overlapped_speculation_matches_hf(mixed_dir):
+    """Sliding and full layers (three KV-cache groups) with n-gram drafts and async scheduling: verify steps overlap,
+    every group's slot mapping is corrected on the device, each window's blocks are kept for the true positions."""
+    rng_prompts = random_prompts([20], seed=24)
+    prompts = [rng_prompts[0] * 4, random_prompts([60], seed=25)[0], rng_prompts[0][:9] * 5]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    llm = LLM(model=mixed_dir, dtype="float32", block_size=BS, num_gpu_blocks_override=200, max_num_seqs=4,
+              speculative_config=spec, async_scheduling=True)
+    check_against_hf(llm, mixed_dir, prompts, [40, 30, 36])
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0
+
+
 def test_mixed_sliding_and_full_layers_match_hf(mixed_dir):
     llm = LLM(model=mixed_dir, dtype="float32", block_size=BS, num_gpu_blocks_override=400, max_num_batched_tokens=24,
               max_num_seqs=4)

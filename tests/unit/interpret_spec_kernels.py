@@ -89,19 +89,25 @@ def check_inputs(seed: int) -> None:
     drafts = torch.from_numpy(rng.integers(0, 1000, size=(8, k)))
     if not (src >= 0).any() and seed % 2:  # nothing in flight: the previous launch may have sampled nothing
         prev_tokens = None
+    # groups 1..: other block tables, their slot mappings (0 to 2 more groups)
+    group_tables = [torch.from_numpy(rng.integers(0, 100, size=(num_reqs, max_blocks)).astype(np.int32))
+                    for _ in range(seed % 3)]
     for with_rej in (False, True):
         prev_rej = torch.from_numpy(rng.integers(0, 8, num_reqs)) if with_rej and prev_tokens is not None else None
         tensors = [torch.from_numpy(rng.integers(0, 1000, total)), torch.from_numpy(positions.copy()),
                    torch.from_numpy(slots.copy()), torch.from_numpy(seq_lens.copy())]
-        ref = [t.clone() for t in tensors]
+        group_slots = [torch.from_numpy(rng.integers(0, 400, total)) for _ in group_tables]
+        ref, ref_groups = [t.clone() for t in tensors], [t.clone() for t in group_slots]
         common = (torch.from_numpy(items.astype(np.int64)), torch.from_numpy(src[items].astype(np.int64)),
                   torch.from_numpy(num_drafts[items].astype(np.int64)), torch.from_numpy(rows[items].astype(np.int64)),
                   torch.from_numpy(qsl), prev_tokens, prev_rej, drafts)
         if len(items) == 0:
             continue
-        step_inputs_torch(*common, *ref, torch.from_numpy(block_table), bs)
-        spec_step_inputs(*common, *tensors, torch.from_numpy(block_table), bs)
-        for name, a, b in zip(("input_ids", "positions", "slot_mapping", "seq_lens"), tensors, ref):
+        step_inputs_torch(*common, *ref, torch.from_numpy(block_table), bs, ref_groups, group_tables)
+        spec_step_inputs(*common, *tensors, torch.from_numpy(block_table), bs, group_slots, group_tables)
+        names = ["input_ids", "positions", "slot_mapping", "seq_lens"] + [f"group {g + 1} slots" for g in
+                                                                          range(len(group_tables))]
+        for name, a, b in zip(names, tensors + group_slots, ref + ref_groups):
             assert torch.equal(a, b), (seed, with_rej, name, a, b)
 
 

@@ -443,12 +443,13 @@ def test_overlapped_speculation_kernels_equal_their_torch_reference():
                                                 timeout=600)
 
 
-def test_overlapped_verify_keeps_the_sliding_window_of_the_true_positions():
+@pytest.mark.parametrize("windows", [(8,), (8, None)], ids=["one group", "sliding and full groups"])
+def test_overlapped_verify_keeps_the_sliding_window_of_the_true_positions(windows):
     """A sliding window frees the blocks before what the next query sees. With a verify step in flight the next
     step is planned at "all its drafts accepted", up to its drafts ahead of where it truly runs: the blocks the
     true position still sees must stay (freeing by the planned one would hand a block the query reads to others)."""
-    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_blocks=32,
-                  num_speculative_tokens=4, spec_disable_batch_size=8, async_scheduling=True, kv_group_windows=(8,))
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_blocks=64,
+                  num_speculative_tokens=4, spec_disable_batch_size=8, async_scheduling=True, kv_group_windows=windows)
     s.spec.overlap = True
     req = _request(n=20, max_tokens=30)
     s.add_request(req)

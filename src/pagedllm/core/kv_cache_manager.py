@@ -251,9 +251,7 @@ class KVCacheManager:
             return self._allocate_groups(request, num_new_tokens, new_computed_blocks)
         blocks = self.req_to_blocks.get(request.request_id)
         window = self.sliding_window
-        # A verify step in flight (overlapped speculation) counts as emitting 1 + its drafts, all of them accepted:
-        # the next query may sit up to its drafts earlier, so the window is kept for that position.
-        seen_from = request.num_computed_tokens - max(0, request.num_output_placeholders - 1)
+        seen_from = _next_query_floor(request)
         if blocks is not None and window is not None and (seen_from - window + 1) // self.block_size \
                 > self.group_freed[0].get(request.request_id, 0):  # a block fell out of the window
             self._free_before_window(0, request.request_id, blocks, seen_from)
@@ -302,7 +300,7 @@ class KVCacheManager:
         if lists is not None:
             if hits is not None and lists[0]:
                 raise ValueError("new_computed_blocks is only valid for a request that holds no blocks.")
-            computed = request.num_computed_tokens
+            computed = _next_query_floor(request)
             for window, groups in self._window_groups:  # what the step's first query no longer sees
                 end = min(len(lists[0]), max(0, computed - window + 1) // bs)
                 if end > self.group_freed[groups[0]].get(rid, 0):
@@ -427,3 +425,10 @@ class KVCacheManager:
         if done and self.partial_blocks is not None:
             self.partial_blocks.clear()
         return done
+
+
+def _next_query_floor(request: Request) -> int:
+    """The earliest position the request's next query can truly have, for freeing what a sliding window no longer
+    sees: its computed count, less the drafts of a verify step in flight (overlapped speculation counts that step
+    as emitting 1 + its drafts, all accepted; each rejected one puts the next query a position earlier)."""
+    return request.num_computed_tokens - max(0, request.num_output_placeholders - 1)

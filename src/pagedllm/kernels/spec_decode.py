@@ -13,6 +13,8 @@ which would make the host, not the device, the bound of a speculating step. So o
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +25,9 @@ _SCAN = 256  # history positions compared per iteration of a proposal's scan
 @triton.jit(do_not_specialize=["bt_stride"])  # (changes from step to step: no recompiles mid-run)
 def _spec_inputs_kernel(items_ptr, src_ptr, nd_ptr, rows_ptr, qsl_ptr, prev_tok_ptr, prev_rej_ptr, drafts_ptr,
                         input_ids_ptr, positions_ptr, slot_ptr, seq_lens_ptr, block_table_ptr, bt_stride,
-                        block_size, K: tl.constexpr, HAS_REJ: tl.constexpr, BLOCK: tl.constexpr):
+                        block_size, K: tl.constexpr, HAS_REJ: tl.constexpr, SLOTS_ONLY: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    # SLOTS_ONLY: another KV-cache group's slot mapping, from the positions a first launch corrected.
     pid = tl.program_id(0)
     i = tl.load(items_ptr + pid)
     q0 = tl.load(qsl_ptr + i).to(tl.int64)
@@ -33,19 +37,23 @@ def _spec_inputs_kernel(items_ptr, src_ptr, nd_ptr, rows_ptr, qsl_ptr, prev_tok_
     row = tl.load(rows_ptr + pid)
     offs = tl.arange(0, BLOCK)
     if src >= 0:
-        tl.store(input_ids_ptr + q0, tl.load(prev_tok_ptr + src))
+        if not SLOTS_ONLY:
+            tl.store(input_ids_ptr + q0, tl.load(prev_tok_ptr + src))
         if HAS_REJ:
-            rej = tl.load(prev_rej_ptr + src)
             t = q0 + offs
             m = t < q1
-            pos = tl.load(positions_ptr + t, mask=m, other=0) - rej
-            tl.store(positions_ptr + t, pos, mask=m)
+            pos = tl.load(positions_ptr + t, mask=m, other=0)
+            if not SLOTS_ONLY:
+                rej = tl.load(prev_rej_ptr + src)
+                pos = pos - rej
+                tl.store(positions_ptr + t, pos, mask=m)
+                tl.store(seq_lens_ptr + i, tl.load(seq_lens_ptr + i) - rej.to(tl.int32))
             blk = tl.load(block_table_ptr + i * bt_stride + pos // block_size, mask=m, other=0).to(tl.int64)
             tl.store(slot_ptr + t, blk * block_size + pos % block_size, mask=m)
-            tl.store(seq_lens_ptr + i, tl.load(seq_lens_ptr + i) - rej.to(tl.int32))
-    dm = offs < nd
-    drafts = tl.load(drafts_ptr + row * K + offs, mask=dm, other=0)
-    tl.store(input_ids_ptr + q0 + 1 + offs, drafts, mask=dm)
+    if not SLOTS_ONLY:
+        dm = offs < nd
+        drafts = tl.load(drafts_ptr + row * K + offs, mask=dm, other=0)
+        tl.store(input_ids_ptr + q0 + 1 + offs, drafts, mask=dm)
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -112,17 +120,23 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
 def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.Tensor, rows: torch.Tensor,
                      query_start_loc: torch.Tensor, prev_tokens: torch.Tensor, prev_rejected, drafts: torch.Tensor,
                      input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                     seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> None:
+                     seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                     group_slots: Sequence[torch.Tensor] = (), group_tables: Sequence[torch.Tensor] = ()) -> None:
     """In place on the step's inputs, for each listed request (items: its index in the step; src: its index in
     the previous launch's per-request arrays, -1 if not in flight; num_drafts: placeholder drafts it verifies;
-    rows: its InputBatch row). A request's tokens here are at most k + 1 (its token and its drafts)."""
+    rows: its InputBatch row). A request's tokens here are at most k + 1 (its token and its drafts). Several
+    KV-cache groups: groups 1..'s slot mappings follow the corrected positions (one more launch each)."""
     k = drafts.shape[1]
     # (no request in flight: the previous launch may have sampled nothing; its arrays are then never read)
-    _spec_inputs_kernel[(items.shape[0],)](
-        items, src, num_drafts, rows, query_start_loc, prev_tokens if prev_tokens is not None else items,
-        prev_rejected if prev_rejected is not None else items, drafts, input_ids, positions, slot_mapping,
-        seq_lens, block_table, block_table.stride(0), block_size, K=k, HAS_REJ=prev_rejected is not None,
-        BLOCK=triton.next_power_of_2(k + 1))
+    common = (items, src, num_drafts, rows, query_start_loc, prev_tokens if prev_tokens is not None else items,
+              prev_rejected if prev_rejected is not None else items, drafts, input_ids, positions)
+    meta = dict(K=k, HAS_REJ=prev_rejected is not None, BLOCK=triton.next_power_of_2(k + 1))
+    _spec_inputs_kernel[(items.shape[0],)](*common, slot_mapping, seq_lens, block_table, block_table.stride(0),
+                                           block_size, SLOTS_ONLY=False, **meta)
+    if prev_rejected is not None:
+        for slots, table in zip(group_slots, group_tables):
+            _spec_inputs_kernel[(items.shape[0],)](*common, slots, seq_lens, table, table.stride(0), block_size,
+                                                   SLOTS_ONLY=True, **meta)
 
 
 def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, final: torch.Tensor,

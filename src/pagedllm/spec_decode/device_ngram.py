@@ -117,7 +117,8 @@ def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def step_inputs_torch(items, src, num_drafts, rows, query_start_loc, prev_tokens, prev_rejected, drafts, input_ids,
-                      positions, slot_mapping, seq_lens, block_table, block_size: int) -> None:
+                      positions, slot_mapping, seq_lens, block_table, block_size: int, group_slots=(),
+                      group_tables=()) -> None:
     """kernels/spec_decode.spec_step_inputs in torch ops (the CPU path and the kernel's reference)."""
     qsl = query_start_loc.to(torch.int64)
     q0, q1 = qsl[items], qsl[items + 1]
@@ -130,8 +131,9 @@ def step_inputs_torch(items, src, num_drafts, rows, query_start_loc, prev_tokens
             tok = f_q0[seg] + within
             pos = positions[tok] - prev_rejected[f_src][seg]
             positions[tok] = pos
-            slot_mapping[tok] = (block_table[f_items[seg], torch.div(pos, block_size, rounding_mode="floor")]
-                                 .to(torch.int64) * block_size + pos % block_size)
+            block = torch.div(pos, block_size, rounding_mode="floor")
+            for slots, table in zip((slot_mapping, *group_slots), (block_table, *group_tables)):
+                slots[tok] = table[f_items[seg], block].to(torch.int64) * block_size + pos % block_size
             seq_lens[f_items] -= prev_rejected[f_src].to(seq_lens.dtype)
     verifying = num_drafts > 0
     if bool(verifying.any()):
@@ -223,9 +225,10 @@ class DeviceStep:
         return None if span is None else self.staged[span[0]:span[1]]
 
     def before_forward(self, runner, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                       seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
-        """Device inputs of the step made right (the in-flight tokens included); True when sequence lengths
-        changed (the host's are then upper bounds)."""
+                       seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                       group_slots=(), group_tables=()) -> bool:
+        """Device inputs of the step made right (the in-flight tokens included; with several KV-cache groups,
+        every group's slot mapping); True when sequence lengths changed (the host's are then upper bounds)."""
         ngram = self.ngram
         new = self._get("new")
         if new is not None:
@@ -235,7 +238,8 @@ class DeviceStep:
             return False
         ngram.num_overlapped_steps += int(self.rejects)
         args = (*items, query_start_loc, runner._prev_sampled, runner._prev_rej if self.rejects else None,
-                ngram.drafts, input_ids, positions, slot_mapping, seq_lens, block_table, runner.block_size)
+                ngram.drafts, input_ids, positions, slot_mapping, seq_lens, block_table, runner.block_size,
+                group_slots, group_tables)
         if self.kernels:
             from pagedllm.kernels.spec_decode import spec_step_inputs
 

@@ -268,13 +268,16 @@ class ModelRunner:
             raise RuntimeError("A step needs tokens of a previous step that sampled nothing; this is a bug.")
         if dev_step is None and len(fill_src):
             input_ids.index_copy_(0, fill_dst_t, self._prev_sampled.index_select(0, fill_src_t))
-        if dev_step is not None and dev_step.before_forward(self, input_ids, positions, slot_mapping, seq_lens,
-                                                            block_table, query_start_loc):
+        corrected = dev_step is not None and dev_step.before_forward(
+            self, input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc, group_slots_t,
+            group_tables_t)
+        if corrected:
             # The host's lengths were upper bounds (the step in flight's drafts all accepted): the CUDA kernels take
             # bounds (graph buckets, split counts); the CPU's and the torch reference's need the exact ones.
             if dev.type != "cuda" or not self.attn_backend.host_lens_may_be_bounds:
-                metadata.seq_lens_cpu = seq_lens.tolist()
-                metadata.max_seq_len = max(metadata.seq_lens_cpu)
+                lens = seq_lens.tolist()
+                for group in metadata.kv_groups or (metadata,):  # (groups 1.. hold copies of these fields)
+                    group.seq_lens_cpu, group.max_seq_len = lens, max(lens)
         hidden = None
         calibrate = self.kv_calibration_pending  # the first step sets FP8 k/v scales from real K/V: eager
         if self.cuda_graphs is not None and inp.max_query_len == 1 and not calibrate:

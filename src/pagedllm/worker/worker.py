@@ -230,11 +230,9 @@ class Worker:
 
             self.runner.spec = SpecDecodeRunner(self.speculative, build_proposer(self.speculative, worker=self),
                                                 self.max_model_len)
-        # Verify steps overlapped like plain ones (drafts proposed on the device): n-gram with async scheduling and
-        # one KV-cache group (the runner corrects one slot mapping on the device).
+        # Verify steps overlapped like plain ones (drafts proposed on the device): n-gram with async scheduling.
         self.spec_overlap = (self.speculative is not None and self.speculative.method == "ngram"
-                             and self.async_scheduling and len(self.kv_group_windows) == 1
-                             and envs.PAGEDLLM_SPEC_OVERLAP)
+                             and self.async_scheduling and envs.PAGEDLLM_SPEC_OVERLAP)
         if self.spec_overlap:
             self.runner.spec.enable_device_ngram(self.runner)
         # Every rank must hold the same pool: the smallest budget wins.
