@@ -259,26 +259,13 @@ def test_abort_while_an_overlapped_verify_step_is_in_flight(tiny_model_dir, refe
 
 
 def test_overlapped_ngram_sampling_keeps_the_target_distribution(tiny_model_dir, tmp_path):
-    """Temperature 1, nothing filtered, unseeded (so the steps overlap: device drafts, padded where the lookup
-    finds fewer than k), 2400 requests of 8 tokens on a peaked model, the prompt its own greedy continuation (so
-    the lookup proposes tokens the model likes: a fair share gets accepted): every emitted token fits the
-    distribution the engine reports for it (rank_fit, as tests/gpu/test_spec_decode_gpu.py does for the draft
-    model), at the verified positions and the prefill's. Accepting every draft fails it by ~30 standard deviations;
-    resampling a rejected row from p with its draft left in, by ~5 (each simulated on this engine)."""
-    from tests.gpu.spec_checks import chi2_limit, peaked_model, rank_fit
+    """Temperature 1, unseeded (the steps overlap: device drafts, padded where the lookup finds fewer than k), 2400
+    requests on a peaked model: every emitted token fits the distribution the engine reports for it
+    (spec_checks.check_overlapped_sampling). Accepting every draft fails it by ~30 standard deviations; resampling a
+    rejected row from p with its draft left in, by ~5 (each simulated on this engine)."""
+    from tests.gpu.spec_checks import check_overlapped_sampling, peaked_model
 
     model = peaked_model(tiny_model_dir("llama"), str(tmp_path / "peaked"))
     llm = _llm(model, async_scheduling=True, max_num_seqs=128, kv_cache_memory_bytes=1 << 26, max_model_len=512,
                speculative_config=dict(NGRAM, disable_by_batch_size=None))
-    seed = _prompts(8)[2][:12]
-    greedy = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
-    prompt = seed + list(llm.generate([{"prompt_token_ids": seed}], greedy, use_tqdm=False)[0].outputs[0].token_ids)
-    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=5)
-    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompt}] * 2400, params, use_tqdm=False)]
-    assert all(len(o.token_ids) == 8 for o in outs)
-    for positions in ([0], list(range(1, 8))):
-        stat, dof, z = rank_fit(outs, positions)
-        assert stat < chi2_limit(dof), (positions, stat, dof, z)
-    stats = llm.engine.scheduler.spec_stats
-    assert stats.num_draft_tokens > 2000 and stats.num_accepted_tokens > 200
-    assert llm.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0
+    check_overlapped_sampling(llm, _prompts(8)[2][:12])

@@ -116,3 +116,26 @@ def peaked_model(src: str, dst: str, scale: float = 12.0) -> str:
     tensors["lm_head.weight"] = tensors["lm_head.weight"] * scale
     save_file(tensors, path, metadata={"format": "pt"})
     return dst
+
+
+def check_overlapped_sampling(llm, seed_prompt: Sequence[int], num_requests: int = 2400) -> None:
+    """Overlapped n-gram verify steps keep the sampling distribution: temperature 1, nothing filtered, unseeded (so
+    the steps overlap), num_requests requests of 8 tokens; the prompt is the model's own greedy continuation of
+    seed_prompt, so the lookup proposes tokens the model likes and a fair share is accepted. Every emitted token fits
+    the distribution the engine reports for it (rank_fit), at the verified positions and the prefill's."""
+    from pagedllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    seed_prompt = list(seed_prompt)
+    prompt = seed_prompt + list(llm.generate([{"prompt_token_ids": seed_prompt}], greedy,
+                                             use_tqdm=False)[0].outputs[0].token_ids)
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompt}] * num_requests, params,
+                                               use_tqdm=False)]
+    assert all(len(o.token_ids) == 8 for o in outs)
+    for positions in ([0], list(range(1, 8))):
+        stat, dof, z = rank_fit(outs, positions)
+        assert stat < chi2_limit(dof), (positions, stat, dof, z)
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 2000 and stats.num_accepted_tokens > 200
+    assert llm.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0

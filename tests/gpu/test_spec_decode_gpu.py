@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from spec_checks import (assert_same_up_to_near_ties, chi2_limit, mean_top_prob, peaked_model, rank_fit,
-                         two_sample_chi2)
+from spec_checks import (assert_same_up_to_near_ties, check_overlapped_sampling, chi2_limit, mean_top_prob,
+                         peaked_model, rank_fit, two_sample_chi2)
 from tests.engine.test_correctness import random_prompts
 
 pytestmark = [pytest.mark.gpu,
@@ -154,20 +154,8 @@ def test_overlapped_ngram_sampling_keeps_the_target_distribution_on_cuda(tiny_ll
     """tests/engine/test_spec_decode.py's distribution test on CUDA: the overlapped verify steps' Triton kernels
     (acceptance from the rejection sampler's verdicts, padded device drafts) keep every emitted token on the
     distribution the engine reports for it."""
-    from tests.engine.test_correctness import random_prompts as rp
-
     model = peaked_model(tiny_llama_dir, str(tmp_path / "peaked"))
     llm = LLM(model, dtype="float32", device="cuda", num_gpu_blocks_override=4096, max_num_seqs=256,
               max_model_len=512, speculative_config=dict(NGRAM, disable_by_batch_size=None))
     assert llm.engine.worker.runner.spec.device_ngram is not None
-    seed = rp([12], seed=23)[0]
-    greedy = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
-    prompt = seed + list(llm.generate([{"prompt_token_ids": seed}], greedy, use_tqdm=False)[0].outputs[0].token_ids)
-    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=5)
-    outs = _outputs(llm, [{"prompt_token_ids": prompt}] * 2400, params)
-    for positions in ([0], list(range(1, 8))):
-        stat, dof, z = rank_fit(outs, positions)
-        assert stat < chi2_limit(dof), (positions, stat, dof, z)
-    stats = llm.engine.scheduler.spec_stats
-    assert stats.num_draft_tokens > 2000 and stats.num_accepted_tokens > 200
-    assert llm.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0
+    check_overlapped_sampling(llm, random_prompts([12], seed=23)[0])
