@@ -10,12 +10,15 @@
 #   bash benchmarks/gpu_spec.sh ngram    # SmolLM2 (the GGUF) in bf16, batch 1, repeat / edit prompts: tokens/s with
 #                                        # n-gram vs without, overlapped and not; then Qwen3-0.6B batch 64 (the cost of
 #                                        # having speculation configured)
+#   bash benchmarks/gpu_spec.sh sweep    # where overlapped n-gram speculation stops paying (sets the default of
+#                                        # disable_by_batch_size, a placeholder of 16): SmolLM2 repeat / edit tasks at
+#                                        # batch 1..64, then the Qwen3-0.6B shape on random prompts
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/spec-out), the summary lines to stdout.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify or ngram}
+what=${1:?tests, verify, ngram or sweep}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -47,6 +50,13 @@ ngram)
     done
     step batch64 250 python benchmarks/spec_decode.py batch --model benchmarks/configs/qwen3-0.6b \
         --load-format dummy --dtype bfloat16 --iters 3 --json "$out/batch64.json"
+    ;;
+sweep)
+    step sweep-smollm2 280 python benchmarks/spec_decode.py sweep --model "$gguf" --dtype bfloat16 --iters 2 \
+        --batch-sizes 1 2 4 8 16 32 64 --json "$out/sweep-smollm2.json"
+    step sweep-qwen3 280 python benchmarks/spec_decode.py sweep --model benchmarks/configs/qwen3-0.6b \
+        --load-format dummy --dtype bfloat16 --iters 2 --batch-sizes 1 4 16 32 64 --output-len 128 \
+        --json "$out/sweep-qwen3.json"
     ;;
 *)
     echo "unknown step: $what" >&2
