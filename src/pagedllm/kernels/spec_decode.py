@@ -56,9 +56,9 @@ def _spec_inputs_kernel(items_ptr, src_ptr, nd_ptr, rows_ptr, qsl_ptr, prev_tok_
         tl.store(input_ids_ptr + q0 + 1 + offs, drafts, mask=dm)
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["out_stride"])  # (the batch size, rounded up to even)
 def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_ptr, input_ids_ptr, accepted_ptr,
-                         hist_ptr, hist_stride, width, lens_ptr, drafts_ptr, nd_ptr, out_ptr, num_reqs,
+                         hist_ptr, hist_stride, width, lens_ptr, drafts_ptr, nd_ptr, out_ptr, out_stride,
                          K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, ACC_MODE: tl.constexpr,
                          PROPOSE: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr):
     r = tl.program_id(0)
@@ -86,9 +86,9 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
     new_len = len0 + emitted
     tl.store(lens_ptr + row, new_len)
     tl.store(out_ptr + r, emitted)
-    tl.store(out_ptr + num_reqs + r, last)
-    tl.store(out_ptr + 2 * num_reqs + r, cnt - emitted)
-    tl.store(out_ptr + 3 * num_reqs + r, tl.load(nd_ptr + row))
+    tl.store(out_ptr + out_stride + r, last)
+    tl.store(out_ptr + 2 * out_stride + r, cnt - emitted)
+    tl.store(out_ptr + 3 * out_stride + r, tl.load(nd_ptr + row))
     if PROPOSE:
         tl.debug_barrier()  # the tokens just stored are the suffix the lookup reads
         found = new_len < 0  # False
@@ -114,7 +114,7 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
     else:
         count = new_len * 0
     tl.store(nd_ptr + row, count)
-    tl.store(out_ptr + 4 * num_reqs + r, count)
+    tl.store(out_ptr + 4 * out_stride + r, count)
 
 
 def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.Tensor, rows: torch.Tensor,
@@ -149,7 +149,9 @@ def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Te
     DeviceNgram.append_and_propose). Acceptance: from `draft_src` + `input_ids` (greedy), else `accepted`, else
     none (every count 1)."""
     num_reqs, k = rows.shape[0], drafts.shape[1]
-    out = torch.empty((5, num_reqs), dtype=torch.int64, device=rows.device)
+    # Rows of an even length: each row 16-byte aligned, as Triton specializes pointers (the next step's kernel
+    # reads rows 1 and 2), so no batch size compiles another variant mid-run.
+    out = torch.empty((5, num_reqs + num_reqs % 2), dtype=torch.int64, device=rows.device)[:, :num_reqs]
     mode = 0 if draft_src is not None else (1 if accepted is not None else 2)
     if accepted is not None and accepted.dtype == torch.bool:
         accepted = accepted.view(torch.int8)
@@ -160,7 +162,7 @@ def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Te
     _spec_outputs_kernel[(num_reqs,)](
         rows, starts, counts, final, draft_src if draft_src is not None else dummy,
         input_ids if input_ids is not None else dummy, accepted if accepted is not None else dummy,
-        hist, hist.stride(0), hist.shape[1], lens, drafts, num_drafts, out, num_reqs, K=k, MIN_N=min_n,
+        hist, hist.stride(0), hist.shape[1], lens, drafts, num_drafts, out, out.stride(0), K=k, MIN_N=min_n,
         MAX_N=max_n, ACC_MODE=mode, PROPOSE=propose, BLOCK_K=triton.next_power_of_2(k + 1), SCAN=_SCAN)
     return out
 
