@@ -461,3 +461,26 @@ def test_overlapped_verify_keeps_the_sliding_window_of_the_true_positions(window
     s.update_from_output(p1, ModelOutput(req_ids=["r"], sampled_token_ids=[[51]], spec_token_ids=[[-1]]))
     s.schedule()  # planned at 26..30 (p2 all accepted); truly from 22 if p2 rejects all: keys from 15 (block 3)
     assert s.kv_cache_manager.group_freed[0].get("r", 0) <= 3
+
+
+def test_overlap_falls_back_when_its_cuda_kernels_fail_at_start(monkeypatch, caplog):
+    """If the overlapped-speculation kernels cannot compile or run on a GPU, the engine starts anyway with verify
+    steps that wait (a warning says why) instead of failing."""
+    from types import SimpleNamespace
+
+    import pagedllm.kernels.spec_decode as kernels
+    import pagedllm.spec_decode.device_ngram as device_ngram
+    from pagedllm.spec_decode.spec_runner import SpecDecodeRunner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX not supported")
+
+    monkeypatch.setattr(kernels, "warm_up", broken)
+    monkeypatch.setattr(device_ngram, "DeviceNgram", lambda *args: object())  # (no CUDA memory on this machine)
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3})
+    spec = SpecDecodeRunner(config, NgramProposer(3, 2, 4), max_model_len=64)
+    runner = SimpleNamespace(device=SimpleNamespace(type="cuda"), max_num_seqs=2, max_model_len=64, block_size=16)
+    with caplog.at_level("WARNING"):
+        assert spec.enable_device_ngram(runner) is False
+    assert spec.device_ngram is None
+    assert "PTX not supported" in caplog.text and "wait for the step before" in caplog.text

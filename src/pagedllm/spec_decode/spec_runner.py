@@ -10,6 +10,7 @@ The runner calls
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,6 +23,8 @@ from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.rejection_sampler import NO_DRAFT, emitted_counts, rejection_sample
 from pagedllm.spec_decode.stats import draft_room
 
+logger = logging.getLogger(__name__)
+
 
 class SpecDecodeRunner:
     def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int) -> None:
@@ -32,7 +35,9 @@ class SpecDecodeRunner:
         # Overlapped n-gram speculation: the histories and drafts on the device (spec_decode/device_ngram.py).
         self.device_ngram = None
 
-    def enable_device_ngram(self, runner) -> None:
+    def enable_device_ngram(self, runner) -> bool:
+        """Keep n-gram drafts on the device (overlapped verify steps). False, with a warning, if the CUDA kernels
+        fail to compile or run at start-up: verify steps then wait for the step before, as without overlap."""
         from pagedllm.spec_decode.device_ngram import DeviceNgram
 
         c = self.config
@@ -41,8 +46,15 @@ class SpecDecodeRunner:
         if runner.device.type == "cuda":
             from pagedllm.kernels.spec_decode import warm_up
 
-            warm_up(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, runner.max_model_len,
-                    runner.block_size, runner.device)
+            try:
+                warm_up(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max, runner.max_model_len,
+                        runner.block_size, runner.device)
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot run here must not stop the engine
+                logger.warning("Overlapped speculative decoding is off: its kernels failed at start-up (%s: %s); "
+                               "verify steps wait for the step before them.", type(e).__name__, e)
+                self.device_ngram = None
+                return False
+        return True
 
     def initialize(self, num_target_blocks: int) -> None:
         """After the target's KV cache exists: a draft model allocates its own."""

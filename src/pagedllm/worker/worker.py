@@ -234,7 +234,7 @@ class Worker:
         self.spec_overlap = (self.speculative is not None and self.speculative.method == "ngram"
                              and self.async_scheduling and envs.PAGEDLLM_SPEC_OVERLAP)
         if self.spec_overlap:
-            self.runner.spec.enable_device_ngram(self.runner)
+            self.spec_overlap = self.runner.spec.enable_device_ngram(self.runner)
         # Every rank must hold the same pool: the smallest budget wins.
         self.num_blocks = world.all_reduce_min_int(self._determine_num_blocks())
         if self.speculative is not None and args.num_gpu_blocks_override is None:
