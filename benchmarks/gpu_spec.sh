@@ -6,7 +6,9 @@
 #                                        # the device n-gram ops) and tests/gpu/test_mixed_graphs.py
 #   bash benchmarks/gpu_spec.sh verify   # 8B shape, batch 1: a k=4 verify step vs a plain decode step, verify steps
 #                                        # overlapped (device drafts) vs waiting for the previous step
-#                                        # (PAGEDLLM_SPEC_OVERLAP=0), then k=2 and k=8 overlapped, then --profile
+#                                        # (PAGEDLLM_SPEC_OVERLAP=0)
+#   bash benchmarks/gpu_spec.sh verifyk  # the same overlapped at k=2 and k=8, then k=4 with --profile (kernel time)
+#                                        # and --host-profile (eager ops, host syncs, host functions per step)
 #   bash benchmarks/gpu_spec.sh ngram    # SmolLM2 (the GGUF) in bf16, batch 1, repeat / edit prompts: tokens/s with
 #                                        # n-gram vs without, overlapped and not; then Qwen3-0.6B batch 64 (the cost of
 #                                        # having speculation configured)
@@ -18,7 +20,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, ngram or sweep}
+what=${1:?tests, verify, verifyk, ngram or sweep}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -30,17 +32,19 @@ tests)
     step tests 400 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_spec_decode_gpu.py \
         tests/gpu/test_mixed_graphs.py
     ;;
-verify)
+verify)  # (each step builds one 8B engine: ~1-2 min of the call's 10)
     for ov in 1 0; do
-        PAGEDLLM_SPEC_OVERLAP=$ov step "verify4-overlap$ov" 200 python benchmarks/spec_decode.py verify \
+        PAGEDLLM_SPEC_OVERLAP=$ov step "verify4-overlap$ov" 270 python benchmarks/spec_decode.py verify \
             --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --iters 3 --steps 100 \
             --json "$out/verify4-overlap$ov.json"
     done
+    ;;
+verifyk)
     for k in 2 8; do
-        step "verify$k" 150 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+        step "verify$k" 170 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
             --load-format dummy --dtype bfloat16 --k "$k" --iters 3 --steps 100 --json "$out/verify$k.json"
     done
-    step verify4-profile 200 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+    step verify4-profile 230 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
         --load-format dummy --dtype bfloat16 --iters 1 --profile --host-profile 50
     ;;
 ngram)
