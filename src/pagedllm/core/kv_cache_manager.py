@@ -251,10 +251,10 @@ class KVCacheManager:
             return self._allocate_groups(request, num_new_tokens, new_computed_blocks)
         blocks = self.req_to_blocks.get(request.request_id)
         window = self.sliding_window
-        seen_from = _next_query_floor(request)
-        if blocks is not None and window is not None and (seen_from - window + 1) // self.block_size \
-                > self.group_freed[0].get(request.request_id, 0):  # a block fell out of the window
-            self._free_before_window(0, request.request_id, blocks, seen_from)
+        if blocks is not None and window is not None:
+            seen_from = _next_query_floor(request)
+            if (seen_from - window + 1) // self.block_size > self.group_freed[0].get(request.request_id, 0):
+                self._free_before_window(0, request.request_id, blocks, seen_from)  # a block fell out of the window
         if blocks is not None and not new_computed_blocks:
             # Fast path (most decode steps): the new tokens fit in the blocks the request already holds.
             num_tokens_with_slots = request.num_computed_tokens + num_new_tokens

@@ -191,9 +191,12 @@ class DeviceStep:
                                                  for n in plan.new_requests]))
         num_reqs = len(inp.req_ids)
         num_drafts = np.zeros(num_reqs, dtype=np.int64)  # placeholder drafts per request of the step
-        for req_id, drafts in (inp.spec_token_ids or {}).items():
-            if drafts and drafts[0] == PLACEHOLDER:
-                num_drafts[inp.req_ids.index(req_id)] = len(drafts)
+        spec = inp.spec_token_ids
+        if spec:
+            for i, req_id in enumerate(inp.req_ids):
+                drafts = spec.get(req_id)
+                if drafts and drafts[0] == PLACEHOLDER:
+                    num_drafts[i] = len(drafts)
         src = np.full(num_reqs, -1, dtype=np.int64)  # index into the previous launch's per-request arrays
         src[inp.in_flight_rows] = fill_src
         items = np.flatnonzero((src >= 0) | (num_drafts > 0))

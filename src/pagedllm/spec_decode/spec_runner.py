@@ -83,7 +83,7 @@ class SpecDecodeRunner:
             drop(req_ids)
 
     # ------------------------------------------------------------------ propose
-    def proposals(self, runner, inp, num_drafts=None) -> list[list[int]]:
+    def proposals(self, runner, inp, num_drafts: Optional[list[int]] = None) -> list[list[int]]:
         """The next step's drafts per request (batch order): an overlapped step's are placeholders, as many as the
         device proposed (num_drafts: per sampling row); any other step's the host proposer's."""
         if not inp.spec_overlap:
@@ -91,7 +91,7 @@ class SpecDecodeRunner:
         from pagedllm.spec_decode.scheduling import PLACEHOLDER
 
         out: list[list[int]] = [[] for _ in inp.req_ids]
-        for r, n in zip(inp.sample_rows.tolist(), num_drafts.tolist()):
+        for r, n in zip(inp.sample_rows.tolist(), num_drafts):
             out[r] = [PLACEHOLDER] * n
         return out
 
@@ -293,8 +293,7 @@ class SpecDecodeRunner:
                 verified[r] = n
             output.spec_num_drafts = verified
         if inp.propose_drafts:
-            output.spec_token_ids = self.proposals(runner, inp, None if draft_counts is None else
-                                                   torch.tensor(draft_counts[1], dtype=torch.int64))
+            output.spec_token_ids = self.proposals(runner, inp, None if draft_counts is None else draft_counts[1])
         return output
 
 

@@ -195,5 +195,4 @@ class InputBatch:
             block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(seq_lens >= totals)[0],
             in_flight_rows=np.nonzero(seq_lens > totals)[0], max_query_len=int(num_sched.max()),
             spec_token_ids=spec or None, propose_drafts=plan.propose_drafts, spec_overlap=plan.spec_overlap,
-            rows=rows,
-            group_slot_mappings=group_slots, group_block_tables=group_tables, dropped_epoch=self.num_dropped)
+            rows=rows, group_slot_mappings=group_slots, group_block_tables=group_tables, dropped_epoch=self.num_dropped)

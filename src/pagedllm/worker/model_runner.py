@@ -424,7 +424,7 @@ class ModelRunner:
             raise RuntimeError("A step needs a token the previous step did not sample; this is a bug.")
         return src, inp.query_start_loc[:-1].astype(np.int64)[rows]
 
-    def _finish_step(self, inp, sampled: list[int], lp, num_drafts: Optional[torch.Tensor] = None) -> ModelOutput:
+    def _finish_step(self, inp, sampled: list[int], lp, num_drafts: Optional[list[int]] = None) -> ModelOutput:
         """Host side of a finished step: append sampled tokens to the runner's state, build ModelOutput."""
         batch = self.input_batch
         num_reqs = len(inp.req_ids)
@@ -490,7 +490,8 @@ class PendingOutput:
             else:
                 if self.event is not None:
                     self.event.synchronize()
+                num_drafts = None if self.num_drafts_host is None else self.num_drafts_host.tolist()
                 self._output = self.runner._finish_step(self.inp, self.sampled_host.tolist(), self.logprobs_host,
-                                                        self.num_drafts_host)
+                                                        num_drafts)
             self._output.prompt_logprobs = self.prompt_logprobs
         return self._output
