@@ -484,3 +484,43 @@ def test_overlap_falls_back_when_its_cuda_kernels_fail_at_start(monkeypatch, cap
         assert spec.enable_device_ngram(runner) is False
     assert spec.device_ngram is None
     assert "PTX not supported" in caplog.text and "wait for the step before" in caplog.text
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0.6), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9)],
+    [SamplingParams(temperature=0.7, top_k=5, logprobs=2), SamplingParams(temperature=0.3, min_p=0.1, top_p=0.8)],
+    [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.0)],
+])
+def test_verify_rows_metadata_from_the_batch_arrays_equals_the_per_row_builder(params):
+    """A verify step's sampling metadata from the runner's per-row arrays (each request's row repeated over its
+    1 + drafts verify rows) is what the per-row builder makes, field by field."""
+    from types import SimpleNamespace
+
+    from pagedllm.spec_decode.spec_runner import SpecDecodeRunner
+    from pagedllm.worker.sampling_batch import SamplingBatch, fast_metadata
+
+    vocab = 50
+    batch = SamplingBatch(8, vocab)
+    batch_rows = np.array([5, 2, 7][:len(params)])
+    drafts = {f"r{i}": [3] * d for i, d in enumerate([2, 0, 4][:len(params)])}
+    for row, p in zip(batch_rows, params):
+        batch.set_row(int(row), p)
+    states = [SimpleNamespace(req_id=f"r{i}", sampling_params=p, prompt_token_ids=[1, 2, 3], output_token_ids=[4])
+              for i, p in enumerate(params)]
+    counts = np.array([len(drafts[s.req_id]) + 1 for s in states])
+    step = batch.gather(np.repeat(batch_rows, counts))
+    fast = fast_metadata(step, int(counts.sum()), vocab,
+                         None if step.floats is None else torch.from_numpy(step.floats),
+                         None if step.top_k is None else torch.from_numpy(step.top_k))
+    runner = SimpleNamespace(eos_token_id=0, vocab_size=vocab, device=torch.device("cpu"))
+    built = SpecDecodeRunner._row_metadata(runner, states, drafts)
+    for name in ("num_rows", "all_greedy", "all_random", "max_top_k", "no_top_p", "no_top_k", "no_min_p",
+                 "max_num_logprobs", "argmax_only"):
+        assert getattr(fast, name) == getattr(built, name), name
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        a, b = getattr(fast, name), getattr(built, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a.to(b.dtype), b), name
+    if not built.no_top_p and not built.no_top_k:
+        assert fast.top_p_within_top_k == built.top_p_within_top_k

@@ -156,15 +156,17 @@ class SpecDecodeRunner:
 
     @torch.inference_mode()
     def verify(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict, staged: list[torch.Tensor],
-               rows: "VerifyRows", dev_step=None, input_ids: Optional[torch.Tensor] = None) -> "VerifyPending":
+               rows: "VerifyRows", dev_step=None, input_ids: Optional[torch.Tensor] = None,
+               meta: Optional[SamplingMetadata] = None) -> "VerifyPending":
         """Enqueue the verification of a step's drafts; the returned pending output's result() is the step's one
         host sync (one copy of the emitted ids, and of the acceptances when the rows are not all greedy).
+        meta: the verify rows' sampling metadata from the batch's per-row arrays (None: built here, per row).
 
         All-greedy steps need no device work past the argmax: a row's emitted token is its argmax whether or not
         its draft is accepted, and a draft is accepted iff it equals that argmax, which the host checks against
         the drafts it already holds."""
         if dev_step is not None:
-            return self._verify_on_device(runner, inp, hidden, prompt_logprobs, rows, dev_step, input_ids)
+            return self._verify_on_device(runner, inp, hidden, prompt_logprobs, rows, dev_step, input_ids, meta)
         staged = iter(staged)
         token_rows_t = None if rows.every_token else next(staged)
         draft_t = None if rows.greedy else next(staged)
@@ -179,8 +181,8 @@ class SpecDecodeRunner:
         else:
             if draft_t is None:  # a model without the argmax shortcut
                 draft_t = torch.from_numpy(rows.draft_ids).to(runner.device)
-            states = [inp.states[r] for r in sample_rows]
-            meta = self._row_metadata(runner, states, inp.spec_token_ids)
+            if meta is None:
+                meta = self._row_metadata(runner, [inp.states[r] for r in sample_rows], inp.spec_token_ids)
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, draft_t, None, None)
             final, accepted, lp = result.final_token_ids, result.accepted, result.logprobs
         slot = None
@@ -196,7 +198,8 @@ class SpecDecodeRunner:
         return VerifyPending(self, runner, inp, final, accepted, lp, slot, prompt_logprobs, sample_rows, rows)
 
     def _verify_on_device(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict, rows: "VerifyRows",
-                          dev_step, input_ids: torch.Tensor) -> "VerifyPending":
+                          dev_step, input_ids: torch.Tensor, meta: Optional[SamplingMetadata] = None
+                          ) -> "VerifyPending":
         """verify() with the drafts read from the step's device inputs (placeholders filled there, or the host's):
         acceptance, emitted counts and the step's last tokens stay on the device, where the next step (launched
         before this one is read) takes them; the host copy carries the verify rows' ids, the emitted counts and the
@@ -211,8 +214,9 @@ class SpecDecodeRunner:
             stats = dev_step.after_step(greedy, input_ids=input_ids)
             final = greedy
         else:
-            states = [inp.states[r] for r in inp.sample_rows.tolist()]
-            meta = self._row_metadata(runner, states, inp.spec_token_ids)
+            if meta is None:
+                meta = self._row_metadata(runner, [inp.states[r] for r in inp.sample_rows.tolist()],
+                                          inp.spec_token_ids)
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, dev_step.draft_ids(input_ids),
                                       None, None)
             final, lp = result.final_token_ids, result.logprobs

@@ -203,16 +203,21 @@ class ModelRunner:
         sample_rows = inp.sample_rows
         all_sample = len(sample_rows) == len(inp.input_ids)  # pure decode: every token samples
         logits_idx = inp.query_start_loc[1:][sample_rows].astype(np.int64) - 1
-        # The sampling rows' parameters from the batch's persistent arrays (None: a row needs the full builder).
-        step_sampling = batch.sampling.gather(inp.rows[sample_rows]) if not inp.spec_token_ids else None
+        verifying = bool(inp.spec_token_ids) and len(sample_rows) > 0
+        verify_rows = self.spec.verify_rows(self, inp) if verifying else None  # known before the forward
+        # The sampling rows' parameters from the batch's persistent arrays (None: a row needs the full builder); a
+        # verify step's rows repeat their request's parameters (1 + drafts rows each). All plain greedy: none needed.
+        if not verifying:
+            step_sampling = batch.sampling.gather(inp.rows[sample_rows]) if not inp.spec_token_ids else None
+        else:
+            step_sampling = None if verify_rows.greedy else batch.sampling.gather(
+                np.repeat(inp.rows[sample_rows], verify_rows.counts))
         int64_arrays = [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx]
         stage_sampling = step_sampling is not None and self.stage_sampling
         if stage_sampling and step_sampling.top_k is not None:
             int64_arrays.append(step_sampling.top_k)
         # One async host-to-device copy per dtype from pinned memory (pageable copies would wait for the
         # device to finish the step in flight, defeating async scheduling).
-        verifying = bool(inp.spec_token_ids) and len(sample_rows) > 0
-        verify_rows = self.spec.verify_rows(self, inp) if verifying else None  # known before the forward
         device_ngram = self.spec.device_ngram if self.spec is not None else None
         dev_step = None
         if device_ngram is not None:  # drafts kept on the device: this step's share of that work
@@ -303,7 +308,10 @@ class ModelRunner:
         if before_sampling is not None:
             before_sampling()
         if verifying:
-            return self.spec.verify(self, inp, hidden, prompt_logprobs, spec_staged, verify_rows, dev_step, input_ids)
+            meta = None if step_sampling is None else fast_metadata(
+                step_sampling, len(verify_rows.draft_ids), self.vocab_size, floats_t, top_k_t)
+            return self.spec.verify(self, inp, hidden, prompt_logprobs, spec_staged, verify_rows, dev_step, input_ids,
+                                    meta)
         if len(sample_rows) == 0:
             return PendingOutput(self, inp, None, None, None, prompt_logprobs)
         sample_hidden = hidden if all_sample else hidden.index_select(0, logits_idx_t)
