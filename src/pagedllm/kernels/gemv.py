@@ -138,25 +138,47 @@ def gemv_max_rows() -> int:
 MULTI_ROW_MAX_WEIGHT = 8 * 1024 * 1024
 
 
-def _rows_kernel(rows: int, weight: torch.Tensor) -> Optional[str]:
-    """Which few-row kernel takes `rows` rows of this weight: "gemv" (one row; up to PAGEDLLM_GEMV_MAX_ROWS rows
-    for weights of at most MULTI_ROW_MAX_WEIGHT elements), or None (cuBLAS). (A tensor-core skinny GEMM for 2..16
-    rows lost to cuBLAS on the H200 and was deleted: docs/benchmarks.md, the seven GPU switches.)"""
+def mma_max_rows() -> int:
+    """Most rows (from 2) for which the layers use the tensor-core GEMV (kernels/gemv_mma.py); 0 turns it off."""
+    return min(envs.PAGEDLLM_GEMV_MMA_MAX_ROWS, 16)
+
+
+_MMA_DEVICES: dict = {}
+
+
+def _mma_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The tensor-core GEMV can take this product: a GPU it runs on, a weight it reads, x rows 16-byte aligned."""
+    from pagedllm.kernels import gemv_mma
+
+    ok = _MMA_DEVICES.get(x.device)
+    if ok is None:
+        ok = _MMA_DEVICES[x.device] = gemv_mma.kernel_available(x.device) is None
+    return (ok and gemv_mma.layout_problem(weight) is None and x.data_ptr() % 16 == 0
+            and (x.stride(0) % 8 == 0 or x.shape[0] == 1))
+
+
+def _rows_kernel(rows: int, weight: torch.Tensor, x: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Which few-row kernel takes `rows` rows of this weight: "mma" (2 to PAGEDLLM_GEMV_MMA_MAX_ROWS rows, when the
+    tensor-core GEMV can read the weight and x), "gemv" (one row; up to PAGEDLLM_GEMV_MAX_ROWS rows for weights of
+    at most MULTI_ROW_MAX_WEIGHT elements), or None (cuBLAS). (A Triton skinny GEMM for 2..16 rows lost to cuBLAS
+    on the H200 and was deleted: docs/benchmarks.md, the seven GPU switches.)"""
     if rows == 0:
         return None
+    if 2 <= rows <= mma_max_rows() and x is not None and _mma_applies(x, weight):
+        return "mma"
     if rows <= gemv_max_rows() and (rows == 1 or weight.numel() <= MULTI_ROW_MAX_WEIGHT):
         return "gemv"
     return None
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, lora: bool = False) -> bool:
     """Whether `gemv` handles `x @ weight.T`: CUDA, fp16/bf16, contiguous rows, a K that fits one program, and few
-    rows (`_rows_kernel`)."""
+    rows (`_rows_kernel`). lora: with a LoRA delta to add (the Triton GEMV's rows only)."""
     if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in (torch.float16, torch.bfloat16) and weight.stride(1) == 1 and x.stride(1) == 1
             and weight.shape[1] <= GEMV_MAX_K and not x.requires_grad):
         return False
-    return _rows_kernel(x.shape[0], weight) is not None
+    return _rows_kernel(x.shape[0], weight, None if lora else x) is not None
 
 
 def gemv_block_n(n: int, k: int) -> int:
@@ -165,9 +187,17 @@ def gemv_block_n(n: int, k: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
-         block_n: Optional[int] = None, num_warps: int = 8, lora: Optional[GemvLoRA] = None) -> torch.Tensor:
+         block_n: Optional[int] = None, num_warps: int = 8, lora: Optional[GemvLoRA] = None,
+         mma: Optional[bool] = None) -> torch.Tensor:
     """x: [M, K]; weight: [N, K] (gated: [2 * N', K], gate rows then up rows). Returns [M, N] (gated: [M, N']),
-    with `lora`'s delta added to each row before the rounding (and the activation)."""
+    with `lora`'s delta added to each row before the rounding (and the activation). mma: the tensor-core GEMV
+    (kernels/gemv_mma.py) instead of this kernel; None: where `_rows_kernel` gives it the rows."""
+    if mma is None:
+        mma = lora is None and block_n is None and _rows_kernel(x.shape[0], weight, x) == "mma"
+    if mma and (not gated or weight.shape[0] % 32 == 0):
+        from pagedllm.kernels.gemv_mma import gemv_mma
+
+        return gemv_mma(x, weight, bias, gated=gated)
     m, k = x.shape
     n_total, k_w = weight.shape
     assert k == k_w, (x.shape, weight.shape)

@@ -122,12 +122,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return layer.weight
 
 
-def gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
-    """kernels.gemv when its few-row GEMV handles `x @ weight.T` (CUDA, fp16/bf16, <= PAGEDLLM_GEMV_MAX_ROWS rows)."""
+def gemv_kernels(x: torch.Tensor, weight: torch.Tensor, lora: bool = False):
+    """kernels.gemv when its few-row GEMVs handle `x @ weight.T` (CUDA, fp16/bf16, <= PAGEDLLM_GEMV_MAX_ROWS rows
+    or 2 to PAGEDLLM_GEMV_MMA_MAX_ROWS on the tensor cores; lora: with a LoRA delta, the Triton GEMV's rows only)."""
     if not x.is_cuda:
         return None
     kernels = triton_kernels("gemv")
-    return kernels if kernels is not None and kernels.gemv_applies(x, weight) else None
+    return kernels if kernels is not None and kernels.gemv_applies(x, weight, lora) else None
 
 
 # oneDNN's prepacked fp32 linear (the kernel torch.compile's CPU backend uses) beats MKL's sgemm through

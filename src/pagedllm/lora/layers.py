@@ -189,7 +189,7 @@ class LoRALinear(nn.Module):
         base = self.base_layer
         slots = self.state.token_slots
         if GEMV_EXPAND and type(base.linear_method) is UnquantizedLinearMethod:
-            gemv = gemv_kernels(x, base.weight)
+            gemv = gemv_kernels(x, base.weight, lora=True)
             if gemv is not None:
                 starts = () if gated else tuple(off for off, _ in spans[1:])
                 return gemv.gemv(x, base.weight, bias, gated=gated,
