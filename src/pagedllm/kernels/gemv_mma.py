@@ -99,16 +99,21 @@ def _launch_shape(n_out: int, k: int, gated: bool, mt: int, cfg: dict) -> tuple:
     return warps, _unit(cfg["unit"], k // CHUNK), ct, blocks
 
 
+@functools.lru_cache(maxsize=None)
+def _prepare(n_out: int, k: int, gated: bool, fp16: bool, has_bias: bool, index: int) -> None:
+    for mt in ROW_TILES:
+        warps, unit, ct, _ = _launch_shape(n_out, k, gated, mt, CONFIG)
+        _compile(warps, unit, CONFIG["depth"], mt, ct, gated, fp16, has_bias, index)
+
+
 def prepare(weight: torch.Tensor, gated: bool = False, has_bias: bool = False) -> None:
     """Compile (NVRTC) every row-tile variant a weight's calls will launch: a compile inside CUDA-graph capture
     fails, so the first (eager) call, or the model's load, does it."""
     if weight.device.type != "cuda":
         return
     index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    n_out = weight.shape[0] // (2 if gated else 1)
-    for mt in ROW_TILES:
-        warps, unit, ct, _ = _launch_shape(n_out, weight.shape[1], gated, mt, CONFIG)
-        _compile(warps, unit, CONFIG["depth"], mt, ct, gated, weight.dtype == torch.float16, has_bias, index)
+    _prepare(weight.shape[0] // (2 if gated else 1), weight.shape[1], gated, weight.dtype == torch.float16, has_bias,
+             index)
 
 
 def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
