@@ -14,10 +14,13 @@ path rounds gate and up, then the activation, then the product, as `silu_and_mul
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
+
+# kernel_available: the int4 kernel's conditions hold here too (mma.m16n8k16 on bf16 needs compute capability 8.0;
+# NVRTC through torch.cuda._compile_kernel)
+from pagedllm.kernels.qgemv_mma import _launch_pdl, cuda_source, kernel_available  # noqa: F401
 
 CHUNK = 64  # channels per chunk: four MMAs
 MAX_ROWS = 16  # two row tiles of 8
@@ -27,10 +30,6 @@ ROW_TILES = (1, 2)
 CONFIG = {"warps": None, "unit": 1, "depth": 2, "ct": 1}
 
 
-@functools.lru_cache(maxsize=None)
-def _source() -> str:
-    with open(os.path.join(os.path.dirname(__file__), "csrc", "gemv_mma.cu")) as f:
-        return f.read()
 
 
 def layout_problem(weight: torch.Tensor, gated: bool = False) -> Optional[str]:
@@ -44,18 +43,6 @@ def layout_problem(weight: torch.Tensor, gated: bool = False) -> Optional[str]:
         return f"needs K % {CHUNK} == 0 (K={k})"
     if n % (32 if gated else 16):
         return f"needs N % 16 == 0 per output (N={n}{', gated' if gated else ''})"
-    return None
-
-
-def kernel_available(device: torch.device) -> Optional[str]:
-    """Why the kernel cannot run on `device` (None: it can): bf16 mma.m16n8k16 needs compute capability 8.0; NVRTC
-    comes through torch.cuda._compile_kernel."""
-    if device.type != "cuda":
-        return "not a CUDA device"
-    if torch.cuda.get_device_capability(device)[0] < 8:
-        return "needs compute capability >= 8.0"
-    if getattr(torch.cuda, "_compile_kernel", None) is None:
-        return "this torch has no torch.cuda._compile_kernel (NVRTC)"
     return None
 
 
@@ -84,7 +71,8 @@ def _compile(warps: int, unit: int, depth: int, mt: int, ct: int, gated: bool, f
     defines = (f"#define WARPS {warps}\n#define UNIT {unit}\n#define DEPTH {depth}\n#define MT {mt}\n#define CT {ct}\n"
                f"#define GATED {int(gated)}\n#define IS_FP16 {int(fp16)}\n#define HAS_BIAS {int(has_bias)}\n")
     with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(defines + _source(), "gemv_mma", compute_capability=f"{major}{minor}")
+        return torch.cuda._compile_kernel(defines + cuda_source("gemv_mma.cu"), "gemv_mma",
+                                          compute_capability=f"{major}{minor}")
 
 
 def _launch_shape(n_out: int, k: int, gated: bool, mt: int, cfg: dict) -> tuple:
@@ -129,7 +117,8 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     n_out = n_total // 2 if gated else n_total
     problem = layout_problem(weight, gated)
     assert problem is None, problem
-    assert weight.shape[1] == k and x.dtype == weight.dtype and x.stride(1) == 1 and m <= MAX_ROWS, (x.shape, weight.shape)
+    assert weight.shape[1] == k and x.dtype == weight.dtype and x.stride(1) == 1 and m <= MAX_ROWS, (
+        x.shape, weight.shape)
     assert (x.stride(0) % 8 == 0 or m == 1) and x.data_ptr() % 16 == 0, "rows must be 16-byte aligned"
     if bias is not None:
         assert bias.shape == (n_total,) and bias.stride(0) == 1 and bias.dtype == x.dtype, bias.shape
@@ -146,7 +135,6 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     args = [weight, x, bias if bias is not None else x, out, m, n_out, k, weight.stride(0), x.stride(0),
             out.stride(0), n_out]
     from pagedllm.kernels.pdl import use_pdl
-    from pagedllm.kernels.qgemv_mma import _launch_pdl
 
     if use_pdl(x.device):
         _launch_pdl(kernel, grid, block, args)

@@ -72,9 +72,17 @@ def dequantize_mma(words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 
 @functools.lru_cache(maxsize=None)
+def cuda_source(name: str) -> str:
+    """csrc/<name> after csrc/mma_common.cuh (its conversions and MMA), as NVRTC compiles it (no include paths)."""
+    parts = []
+    for file in ("mma_common.cuh", name):
+        with open(os.path.join(os.path.dirname(__file__), "csrc", file)) as f:
+            parts.append(f.read())
+    return "\n".join(parts)
+
+
 def _source() -> str:
-    with open(os.path.join(os.path.dirname(__file__), "csrc", "qgemv_mma.cu")) as f:
-        return f.read()
+    return cuda_source("qgemv_mma.cu")
 
 
 ROW_TILES = (1, 2, 4, 8)  # MT variants: 8 * MT rows per block

@@ -13,7 +13,8 @@
 // Compile-time parameters (#define before this file): WARPS (they split K: every WARPS-th unit), UNIT (chunks per
 // unit), DEPTH (units of a warp in flight, all asked for before the wait on the previous kernel), MT (row tiles of
 // 8), CT (column tiles per block sharing each x fragment), GATED (CT is 2: the block's gate tile and its up tile,
-// up_rows weight rows further; out = silu(gate) * up), IS_FP16, HAS_BIAS.
+// up_rows weight rows further; out = silu(gate) * up), IS_FP16, HAS_BIAS. csrc/mma_common.cuh comes before this
+// file (to_f32, from_f32, round_trip, mma).
 #ifndef DEPTH
 #define DEPTH 2
 #endif
@@ -23,46 +24,6 @@
 #ifndef GATED
 #define GATED 0
 #endif
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
-
-__device__ __forceinline__ float to_f32(u16 h) {
-#if IS_FP16
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#else
-    return __uint_as_float(((u32)h) << 16);
-#endif
-}
-
-__device__ __forceinline__ u16 from_f32(float f) {
-    u16 h;
-#if IS_FP16
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-    return h;
-}
-
-__device__ __forceinline__ float round_trip(float f) { return to_f32(from_f32(f)); }
-
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-#if IS_FP16
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-
 // One unit of a lane's weights: per column tile and chunk, rows g and g + 8, channels [8 t, +8) and [32 + 8 t, +8).
 struct Unit {
     uint4 lo[CT][UNIT][2], hi[CT][UNIT][2];

@@ -13,17 +13,13 @@
 // DEPTH (units of a warp in flight: a ring of registers, all asked for before the wait on the previous kernel),
 // MT (row tiles of 8 per block: a block takes 8 * MT rows, blockIdx.y the row block), CT (column tiles per block:
 // each x fragment a warp loads serves CT tiles, so a block re-reads x for CT * 16 columns, not 16), IS_FP16,
-// HAS_PERM, HAS_BIAS.
+// HAS_PERM, HAS_BIAS. csrc/mma_common.cuh comes before this file (to_f32, from_f32, mma).
 #ifndef DEPTH
 #define DEPTH 2
 #endif
 #ifndef CT
 #define CT 1
 #endif
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
-
 #if IS_FP16
 #define MAGIC 0x64006400u  // f16 1024.0 in each half: 1024 + q and 1024 + 16 q are exact
 #define OFF 1024.0f
@@ -38,40 +34,6 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 b, u32 c) {
     u32 r;
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
     return r;
-}
-
-__device__ __forceinline__ float to_f32(u16 h) {
-#if IS_FP16
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#else
-    return __uint_as_float(((u32)h) << 16);
-#endif
-}
-
-__device__ __forceinline__ u16 from_f32(float f) {
-    u16 h;
-#if IS_FP16
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-    return h;
-}
-
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-#if IS_FP16
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
 }
 
 // a + b per half, rounded once: exact here ((OFF + q) - (OFF + zero) is an integer in [-15, 15], times HI_MULT)
