@@ -19,7 +19,8 @@
 #                                        # Qwen3 layer chains at 1-16 rows (cuBLAS vs Triton GEMV vs mma), the 8B
 #                                        # shapes alone with its launch options swept
 #   bash benchmarks/gpu_spec.sh mma-e2e  # the k=4 verify step and SmolLM2 n-gram with it on
-#                                        # (PAGEDLLM_GEMV_MMA_MAX_ROWS=16) and off, the 8B decode at batch 4 and 8
+#                                        # (PAGEDLLM_GEMV_MMA_MAX_ROWS=16) and off (and n-gram at k=8 with it on),
+#                                        # the 8B decode at batch 4 and 8
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/spec-out), the summary lines to stdout.
 set -uo pipefail
@@ -83,6 +84,8 @@ mma-e2e)
         PAGEDLLM_GEMV_MMA_MAX_ROWS=$rows step "ngram-mma$rows" 100 python benchmarks/spec_decode.py ngram \
             --model "$gguf" --dtype bfloat16 --iters 3 --json "$out/ngram-mma$rows.json"
     done
+    PAGEDLLM_GEMV_MMA_MAX_ROWS=16 step ngram-k8-mma16 100 python benchmarks/spec_decode.py ngram --model "$gguf" \
+        --dtype bfloat16 --iters 3 --k 8 --json "$out/ngram-k8-mma16.json"
     for bs in 4 8; do
         for rows in 16 0; do
             PAGEDLLM_GEMV_MMA_MAX_ROWS=$rows step "latency-b$bs-mma$rows" 90 python benchmarks/latency.py \
