@@ -9,7 +9,7 @@ loads overlap the kernel before it (programmatic dependent launch), which a kern
     python benchmarks/gemv.py --chain-only --shapes llama3-8b --rows 1 5 8 16   # verify-step rows (k + 1 per request)
 
 "gemv" is the Triton `kernels.gemv.gemv` run at every row count asked for (the layers themselves give it only the
-rows `_rows_kernel` assigns it, and cuBLAS the rest); "mma" the tensor-core GEMV (`kernels.gemv_mma`, <= 16 rows),
+rows `_rows_kernel` assigns it, and cuBLAS the rest); "mma" the tensor-core GEMV (`kernels.gemv_mma`, <= 32 rows),
 which the layers take at 2..PAGEDLLM_GEMV_MMA_MAX_ROWS rows.
     PAGEDLLM_PDL_TRIGGER=0 python benchmarks/gemv.py --chain-only   # A/B of the early launch trigger
     python benchmarks/gemv.py --shapes-only --rows 2 5 8 16 --mma-sweep   # the tensor-core GEMV's launch options

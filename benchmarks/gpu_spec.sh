@@ -16,7 +16,7 @@
 #                                        # disable_by_batch_size, a placeholder of 16): SmolLM2 repeat / edit tasks at
 #                                        # batch 1..64, then the Qwen3-0.6B shape on random prompts
 #   bash benchmarks/gpu_spec.sh mma      # the tensor-core few-row GEMV (kernels/gemv_mma.py): its GPU tests, the 8B /
-#                                        # Qwen3 layer chains at 1-16 rows (cuBLAS vs Triton GEMV vs mma), the 8B
+#                                        # Qwen3 layer chains at 1-32 rows (cuBLAS vs Triton GEMV vs mma), the 8B
 #                                        # shapes alone with its launch options swept
 #   bash benchmarks/gpu_spec.sh mma-e2e  # the k=4 verify step and SmolLM2 n-gram with it on
 #                                        # (PAGEDLLM_GEMV_MMA_MAX_ROWS=16) and off (and n-gram at k=8 with it on),
@@ -71,8 +71,8 @@ sweep)
 mma)
     step mma-tests 280 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gemv_mma_gpu.py \
         tests/gpu/test_small_kernels.py -k "gemv or mma"
-    step mma-chain 150 python benchmarks/gemv.py --chain-only --rows 1 2 5 8 16
-    step mma-shapes 150 python benchmarks/gemv.py --shapes-only --shapes llama3-8b --rows 5 16 --mma-sweep
+    step mma-chain 150 python benchmarks/gemv.py --chain-only --rows 1 2 5 8 16 32
+    step mma-shapes 150 python benchmarks/gemv.py --shapes-only --shapes llama3-8b --rows 5 16 32 --mma-sweep
     ;;
 mma-e2e)
     for rows in 16 0; do

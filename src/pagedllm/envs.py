@@ -90,7 +90,7 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
-    # Steps of 2 up to this many rows (at most 16) run CUDA fp16/bf16 linear layers on the tensor-core GEMV
+    # Steps of 2 up to this many rows (at most 32) run CUDA fp16/bf16 linear layers on the tensor-core GEMV
     # (kernels/gemv_mma.py) instead of the Triton GEMV / cuBLAS; 0 (the default until it is measured on a GPU): off.
     "PAGEDLLM_GEMV_MMA_MAX_ROWS": _int("PAGEDLLM_GEMV_MMA_MAX_ROWS", 0),
     # "0": on GPUs a request that continues a finished one's last partial block (beam forks, core/partial_blocks.py)

@@ -1,5 +1,5 @@
 """The tensor-core few-row GEMV over plain bf16 / fp16 weights (kernels/gemv_mma.py, csrc/gemv_mma.cu) on the GPU:
-against the fp32 product (`gemv_ref`) at the Llama-3-8B, Qwen3-0.6B and SmolLM2 layer shapes, 1..16 rows, gated
+against the fp32 product (`gemv_ref`) at the Llama-3-8B, Qwen3-0.6B and SmolLM2 layer shapes, 1..32 rows, gated
 (silu(gate) * up), bias, fp16, launch configs, CUDA-graph replay; the layers' routing (PAGEDLLM_GEMV_MMA_MAX_ROWS);
 and an engine whose verify and small-batch steps take it."""
 from __future__ import annotations
@@ -36,12 +36,12 @@ def _check(m, n, k, gated=False, bias=False, dtype=torch.bfloat16, config=None, 
 
 
 @pytest.mark.parametrize("shape, gated", SHAPES)
-@pytest.mark.parametrize("m", [2, 5, 8, 16])
+@pytest.mark.parametrize("m", [2, 5, 8, 16, 32])
 def test_model_shapes(shape, gated, m):
     _check(m, *shape, gated=gated, bias=m == 5)
 
 
-@pytest.mark.parametrize("m", list(range(1, 17)))
+@pytest.mark.parametrize("m", list(range(1, 33)))
 def test_every_row_count(m):
     _check(m, 1024, 2048, seed=m)
     _check(m, 2048, 1024, gated=True, seed=m)
@@ -93,6 +93,8 @@ def test_routing(monkeypatch):
     assert [_rows_kernel(m, w, x(m)) for m in (1, 2, 5)] == ["gemv", None, None]
     monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", "16")
     assert [_rows_kernel(m, w, x(m)) for m in (1, 2, 5, 16, 17)] == ["gemv", "mma", "mma", "mma", None]
+    monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", "64")  # clamped to the kernel's 32
+    assert [_rows_kernel(m, w, x(m)) for m in (32, 33)] == ["mma", None]
     assert gemv_applies(x(5), w) and not gemv_applies(x(5), w, lora=True)
     odd = torch.empty(5, 4096 + 1, device="cuda", dtype=torch.bfloat16)[:, 1:]  # rows not 16-byte aligned
     assert _rows_kernel(5, w, odd) is None

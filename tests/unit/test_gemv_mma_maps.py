@@ -83,7 +83,7 @@ def _emulate(x: torch.Tensor, w: torch.Tensor, bias, gated: bool, mt_tiles: int,
 
 @pytest.mark.parametrize("rows, mt_tiles, ct, gated, with_bias", [
     (1, 1, 1, False, False), (5, 1, 1, False, True), (8, 1, 2, False, False), (11, 2, 1, False, False),
-    (3, 1, 2, True, False), (16, 2, 2, True, True),
+    (3, 1, 2, True, False), (16, 2, 2, True, True), (27, 4, 1, False, True), (20, 4, 2, True, False),
 ])
 def test_lane_maps_give_the_product(rows, mt_tiles, ct, gated, with_bias):
     gen = torch.Generator().manual_seed(rows)
@@ -107,4 +107,4 @@ def test_layout_problems_are_named():
     assert "N % 16" in layout_problem(torch.zeros(48, 128, dtype=torch.bfloat16), gated=True)
     assert "fp16 / bf16" in layout_problem(torch.zeros(32, 128))
     assert "contiguous" in layout_problem(torch.zeros(32, 256, dtype=torch.bfloat16)[:, :128].t().contiguous().t())
-    assert MAX_ROWS == 16
+    assert MAX_ROWS == 32

@@ -140,7 +140,9 @@ MULTI_ROW_MAX_WEIGHT = 8 * 1024 * 1024
 
 def mma_max_rows() -> int:
     """Most rows (from 2) for which the layers use the tensor-core GEMV (kernels/gemv_mma.py); 0 turns it off."""
-    return min(envs.PAGEDLLM_GEMV_MMA_MAX_ROWS, 16)
+    from pagedllm.kernels.gemv_mma import MAX_ROWS
+
+    return min(envs.PAGEDLLM_GEMV_MMA_MAX_ROWS, MAX_ROWS)
 
 
 _MMA_DEVICES: dict = {}

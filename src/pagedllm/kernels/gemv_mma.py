@@ -1,11 +1,11 @@
 """Few-row bf16 / fp16 GEMV on the tensor cores over the plain [N, K] weight (CUDA C++ in csrc/gemv_mma.cu, compiled
 at first use with NVRTC through torch), with an optional fused SiLU-and-mul.
 
-Why: a verify step (1 + k rows), a small decode batch or a LoRA step's base product has 2-16 rows. The Triton GEMV
+Why: a verify step (1 + k rows), a small decode batch or a LoRA step's base product has 2-32 rows. The Triton GEMV
 (kernels/gemv.py) multiplies on the CUDA cores, one pass of multiply-adds per row, and loses to cuBLAS past a few
-rows; cuBLAS at 2-16 rows streams the weight well below the bandwidth a one-row GEMV reaches. Here the rows are the
+rows; cuBLAS at 2-32 rows streams the weight well below the bandwidth a one-row GEMV reaches. Here the rows are the
 B columns of mma.m16n8k16 (swap-AB, as kernels/qgemv_mma.py for int4 weights): 1 to 8 rows cost one pass over the
-weight, 9 to 16 two row tiles of the same pass. The weight needs no repacking (row-major, rows 16-byte aligned).
+weight, 9 to 32 two or four row tiles of the same pass. The weight needs no repacking (row-major, rows 16-byte aligned).
 
 Numerics: products exact, sums fp32 in another order than cuBLAS's, rounded once to the output dtype; the gated
 path rounds gate and up, then the activation, then the product, as `silu_and_mul` after a linear layer does
@@ -23,8 +23,8 @@ import torch
 from pagedllm.kernels.qgemv_mma import _launch_pdl, cuda_source, kernel_available  # noqa: F401
 
 CHUNK = 64  # channels per chunk: four MMAs
-MAX_ROWS = 16  # two row tiles of 8
-ROW_TILES = (1, 2)
+MAX_ROWS = 32  # four row tiles of 8
+ROW_TILES = (1, 2, 4)
 # warps None: by the grid (`default_warps`); depth: units of a warp in flight; unit: chunks per unit (at most this,
 # dividing the chunks); ct: column tiles per block sharing each x fragment (not gated)
 CONFIG = {"warps": None, "unit": 1, "depth": 2, "ct": 1}
@@ -125,7 +125,7 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
         return out
-    mt = 1 if m <= 8 else 2
+    mt = next(mt for mt in ROW_TILES if m <= 8 * mt)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if not config:
         prepare(weight, gated, bias is not None)  # both row tiles at once (cached): none compiles under capture

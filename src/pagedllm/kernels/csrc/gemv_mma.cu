@@ -1,4 +1,4 @@
-// Few-row (2..16) bf16 / fp16 GEMV on the tensor cores, over the plain [N, K] weight (kernels/gemv_mma.py compiles
+// Few-row (2..32) bf16 / fp16 GEMV on the tensor cores, over the plain [N, K] weight (kernels/gemv_mma.py compiles
 // it with NVRTC).
 //
 // Swap-AB, as csrc/qgemv_mma.cu: out^T[n, m] = W[n, k] x^T[k, m], one mma.m16n8k16 per 16 output columns x 16
