@@ -69,10 +69,10 @@ sweep)
         --json "$out/sweep-qwen3.json"
     ;;
 mma)
-    step mma-tests 280 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gemv_mma_gpu.py \
+    step mma-tests 240 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gemv_mma_gpu.py \
         tests/gpu/test_small_kernels.py -k "gemv or mma"
-    step mma-chain 150 python benchmarks/gemv.py --chain-only --rows 1 2 5 8 16 32
-    step mma-shapes 150 python benchmarks/gemv.py --shapes-only --shapes llama3-8b --rows 5 16 32 --mma-sweep
+    step mma-chain 120 python benchmarks/gemv.py --chain-only --rows 1 2 5 8 16 32
+    step mma-shapes 220 python benchmarks/gemv.py --shapes-only --shapes llama3-8b --rows 5 16 --mma-sweep
     ;;
 mma-e2e)
     for rows in 16 0; do
