@@ -106,6 +106,21 @@ def test_routing(monkeypatch):
     assert torch.equal(gemv(xs, wr), gemv_mma(xs, wr))
 
 
+def test_warm_up_compiles_every_variant_in_parallel():
+    """warm_up compiles what later calls launch (their lookups are cache hits), skips weights it cannot read."""
+    from pagedllm.kernels import gemv_mma as mod
+
+    w1 = torch.empty(768, 512, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.empty(1536, 512, device="cuda", dtype=torch.bfloat16)
+    bad = torch.empty(768, 500, device="cuda", dtype=torch.bfloat16)
+    assert mod.warm_up([(w1, False, False), (w2, True, True), (bad, False, False)]) == 2
+    before = mod._compile.cache_info().misses
+    gemv_mma(torch.randn(3, 512, device="cuda").to(torch.bfloat16), w1.normal_())
+    gemv_mma(torch.randn(20, 512, device="cuda").to(torch.bfloat16), w2.normal_(),
+             torch.zeros(1536, device="cuda", dtype=torch.bfloat16), gated=True)
+    assert mod._compile.cache_info().misses == before
+
+
 def test_engine_steps_on_the_tensor_core_gemv(tiny_model_dir, monkeypatch):
     """A bf16 engine with the kernel on (batch 6 decode steps, n-gram verify steps of 1 + k rows, CUDA graphs):
     the same greedy tokens as with it off, prompt by prompt, for the first tokens (later ones may flip on near-ties

@@ -104,6 +104,24 @@ def prepare(weight: torch.Tensor, gated: bool = False, has_bias: bool = False) -
              index)
 
 
+def warm_up(layers: list[tuple[torch.Tensor, bool, bool]], max_workers: int = 8) -> int:
+    """Compile every variant that (weight, gated, has_bias) products will launch, in threads (NVRTC and the module
+    load run outside the GIL), so that neither graph capture nor serving waits for a compile; returns the number of
+    distinct weight shapes. Weights the kernel cannot read are skipped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = set()
+    for weight, gated, has_bias in layers:
+        if weight.device.type != "cuda" or layout_problem(weight, gated) is not None:
+            continue
+        index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+        keys.add((weight.shape[0] // (2 if gated else 1), weight.shape[1], gated, weight.dtype == torch.float16,
+                  has_bias, index))
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(keys)))) as pool:
+        list(pool.map(lambda key: _prepare(*key), keys))
+    return len(keys)
+
+
 def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
              config: Optional[dict] = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, rows 16-byte aligned) @ weight^T (+ bias) -> [M, N]; gated: weight [2 N', K] (gate

@@ -6,6 +6,7 @@ plan's diffs; it never reads scheduler objects. One host sync per step: the samp
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Optional
 
 import numpy as np
@@ -114,6 +115,7 @@ class ModelRunner:
                    sliding_windows=tuple({layer.sliding_window for layer in self.model.attn_layers}),
                    soft_caps=tuple({layer.logits_soft_cap for layer in self.model.attn_layers}))
         self._warm_up_greedy()
+        self._warm_up_gemv_mma()
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graph import CudaGraphRunner
 
@@ -161,6 +163,37 @@ class ModelRunner:
         self.model.greedy_token_ids(torch.zeros(1, lm_head.embedding_dim, dtype=self.dtype, device=self.device))
         warm_up_device_sampling(self.vocab_size, self.device)  # and the sampler's kernel
         torch.cuda.synchronize(self.device)
+
+    def _warm_up_gemv_mma(self) -> None:
+        """With the tensor-core few-row GEMV on (PAGEDLLM_GEMV_MMA_MAX_ROWS), compile its variants for every plain
+        fp16 / bf16 linear layer and the LM head at start-up, in parallel, instead of one by one as graph capture
+        or the first steps meet them."""
+        if self.device.type != "cuda":
+            return
+        from pagedllm.layers.activation import triton_kernels
+
+        gemv = triton_kernels("gemv")
+        if gemv is None or gemv.mma_max_rows() < 2:
+            return
+        from pagedllm.kernels import gemv_mma
+        from pagedllm.layers.linear import MergedColumnParallelLinear, UnquantizedLinearMethod
+        from pagedllm.layers.vocab_embedding import ParallelLMHead
+
+        if gemv_mma.kernel_available(self.device) is not None:
+            return
+        layers = []
+        for module in self.model.modules():
+            weight = getattr(module, "weight", None)
+            has_bias = getattr(module, "bias", None) is not None
+            if isinstance(module, ParallelLMHead) or type(getattr(module, "linear_method", None)) is \
+                    UnquantizedLinearMethod:
+                layers.append((weight, False, has_bias))
+                if isinstance(module, MergedColumnParallelLinear) and len(module.output_partition_sizes) == 2:
+                    layers.append((weight, True, has_bias))  # silu(gate) * up in the same kernel
+        start = time.perf_counter()
+        shapes = gemv_mma.warm_up([layer for layer in layers if isinstance(layer[0], torch.Tensor)])
+        logger.info("Compiled the tensor-core few-row GEMV for %d weight shapes in %.1f s.", shapes,
+                    time.perf_counter() - start)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
