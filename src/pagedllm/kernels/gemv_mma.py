@@ -117,8 +117,16 @@ def warm_up(layers: list[tuple[torch.Tensor, bool, bool]], max_workers: int = 8)
         index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
         keys.add((weight.shape[0] // (2 if gated else 1), weight.shape[1], gated, weight.dtype == torch.float16,
                   has_bias, index))
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(keys)))) as pool:
-        list(pool.map(lambda key: _prepare(*key), keys))
+    def compile_in_thread(key):
+        torch.cuda.synchronize(key[-1])  # a runtime call: binds the device's primary context to this thread
+        _prepare(*key)
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(keys)))) as pool:
+            list(pool.map(compile_in_thread, keys))
+    except Exception:  # a driver that refuses module loads off the main thread: what is left, one by one
+        for key in keys:
+            _prepare(*key)
     return len(keys)
 
 
