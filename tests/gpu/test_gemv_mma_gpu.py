@@ -121,6 +121,28 @@ def test_warm_up_compiles_every_variant_in_parallel():
     assert mod._compile.cache_info().misses == before
 
 
+def test_a_failed_build_leaves_the_layers_on_their_other_kernels(tiny_model_dir, monkeypatch, caplog):
+    """If the kernel cannot be built at start-up the engine says so and runs on the Triton GEMV / cuBLAS."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.kernels import gemv as gemv_module
+    from pagedllm.kernels import gemv_mma as mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("NVRTC said no")
+
+    monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", "16")
+    monkeypatch.setattr(mod, "_prepare", broken)
+    monkeypatch.setattr(gemv_module, "_MMA_DEVICES", {})
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=tiny_model_dir("llama", hidden_size=256, intermediate_size=768), dtype="bfloat16",
+                  num_gpu_blocks_override=64, max_model_len=256)
+    assert "failed to build" in caplog.text and "NVRTC said no" in caplog.text
+    x = torch.empty(5, 256, device="cuda", dtype=torch.bfloat16)
+    assert _rows_kernel(5, torch.empty(512, 256, device="cuda", dtype=torch.bfloat16), x) is None
+    out = llm.generate([{"prompt_token_ids": list(range(5, 25))}] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+
 def test_engine_steps_on_the_tensor_core_gemv(tiny_model_dir, monkeypatch):
     """A bf16 engine with the kernel on (batch 6 decode steps, n-gram verify steps of 1 + k rows, CUDA graphs):
     the same greedy tokens as with it off, prompt by prompt, for the first tokens (later ones may flip on near-ties

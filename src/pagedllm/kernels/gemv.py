@@ -159,6 +159,12 @@ def _mma_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and (x.stride(0) % 8 == 0 or x.shape[0] == 1))
 
 
+def disable_mma(device: torch.device) -> None:
+    """Take the tensor-core GEMV off this device's layers (it failed to build there)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _MMA_DEVICES[torch.device("cuda", index)] = False
+
+
 def _rows_kernel(rows: int, weight: torch.Tensor, x: Optional[torch.Tensor] = None) -> Optional[str]:
     """Which few-row kernel takes `rows` rows of this weight: "mma" (2 to PAGEDLLM_GEMV_MMA_MAX_ROWS rows, when the
     tensor-core GEMV can read the weight and x), "gemv" (one row; up to PAGEDLLM_GEMV_MAX_ROWS rows for weights of

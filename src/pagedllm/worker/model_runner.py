@@ -191,7 +191,13 @@ class ModelRunner:
                 if isinstance(module, MergedColumnParallelLinear) and len(module.output_partition_sizes) == 2:
                     layers.append((weight, True, has_bias))  # silu(gate) * up in the same kernel
         start = time.perf_counter()
-        shapes = gemv_mma.warm_up([layer for layer in layers if isinstance(layer[0], torch.Tensor)])
+        try:
+            shapes = gemv_mma.warm_up([layer for layer in layers if isinstance(layer[0], torch.Tensor)])
+        except Exception as e:  # noqa: BLE001 (an NVRTC / driver failure: the layers keep their other kernels)
+            gemv.disable_mma(self.device)
+            logger.warning("The tensor-core few-row GEMV (PAGEDLLM_GEMV_MMA_MAX_ROWS) failed to build on this GPU "
+                           "(%s: %s); linear layers use the Triton GEMV and cuBLAS.", type(e).__name__, e)
+            return
         logger.info("Compiled the tensor-core few-row GEMV for %d weight shapes in %.1f s.", shapes,
                     time.perf_counter() - start)
 
