@@ -144,26 +144,24 @@ def test_a_failed_build_leaves_the_layers_on_their_other_kernels(tiny_model_dir,
 
 
 def test_engine_steps_on_the_tensor_core_gemv(tiny_model_dir, monkeypatch):
-    """A bf16 engine with the kernel on (batch 6 decode steps, n-gram verify steps of 1 + k rows, CUDA graphs):
-    the same greedy tokens as with it off, prompt by prompt, for the first tokens (later ones may flip on near-ties
-    of bf16 sums in another order), and sampled logprobs within bf16 rounding."""
+    """A bf16 engine with the kernel on (batch 6 decode steps, n-gram verify steps of 1 + k rows, CUDA graphs) gives
+    the greedy tokens of the engine with it off up to near-ties (bf16 sums in another order), and their logprobs
+    within bf16 rounding; the verify steps did replay graphs."""
     from pagedllm import LLM, SamplingParams
+    from spec_checks import assert_same_up_to_near_ties
 
     model = tiny_model_dir("llama", hidden_size=256, intermediate_size=768)  # K of 4 and 12 chunks
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 5 for j in range(12 + i)] * 2} for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
-    outs = {}
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
+    outs, drafts = {}, {}
     for on in ("0", "16"):
         monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", on)
         llm = LLM(model=model, dtype="bfloat16", num_gpu_blocks_override=256, max_model_len=512,
                   speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                                       "prompt_lookup_min": 2})
-        outs[on] = llm.generate(prompts, params, use_tqdm=False)
+        outs[on] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        drafts[on] = llm.engine.scheduler.spec_stats.num_drafts
         del llm
         torch.cuda.empty_cache()
-    for off, on in zip(outs["0"], outs["16"]):
-        a, b = off.outputs[0], on.outputs[0]
-        assert a.token_ids[:4] == b.token_ids[:4]
-        for j in range(4):
-            la, lb = a.logprobs[j][a.token_ids[j]].logprob, b.logprobs[j][b.token_ids[j]].logprob
-            assert abs(la - lb) <= 0.05 + 0.02 * abs(la), (j, la, lb)
+    assert drafts["16"] > 0  # verify steps ran (the repeated prompts give n-gram matches)
+    assert assert_same_up_to_near_ties(outs["16"], outs["0"], check_logprobs=True) > 0
