@@ -92,7 +92,7 @@ CONCURRENCY = {
     "tests/gpu/test_lora_gpu.py": PARALLEL,  # kernels, override engines
     "tests/gpu/test_mixed_graphs.py": SERIAL,  # test_buckets_capped_by_what_a_step_can_hold: two engines at 0.9
     "tests/gpu/test_qgemv_mma_gpu.py": PARALLEL,  # kernels (NVRTC compiles), one layer
-    "tests/gpu/test_gemv_mma_gpu.py": PARALLEL,  # kernels (NVRTC compiles), three small engines at num_gpu_blocks_override
+    "tests/gpu/test_gemv_mma_gpu.py": PARALLEL,  # kernels (NVRTC compiles), three override engines
     "tests/gpu/test_qkv_prep.py": PARALLEL,  # kernels
     "tests/gpu/test_quant_act.py": PARALLEL,  # kernels
     "tests/gpu/test_quant_gpu.py": SERIAL,  # test_engine_cuda_graphs_on_a_quantized_model: engines at 0.2
