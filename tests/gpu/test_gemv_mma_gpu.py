@@ -98,6 +98,9 @@ def test_routing(monkeypatch):
     assert gemv_applies(x(5), w) and not gemv_applies(x(5), w, lora=True)
     odd = torch.empty(5, 4096 + 1, device="cuda", dtype=torch.bfloat16)[:, 1:]  # rows not 16-byte aligned
     assert _rows_kernel(5, w, odd) is None
+    long_k = torch.empty(1024, 20480, device="cuda", dtype=torch.bfloat16)  # past the Triton GEMV's K
+    xl = lambda rows: torch.empty(rows, 20480, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    assert [_rows_kernel(m, long_k, xl(m)) for m in (1, 5)] == [None, "mma"]
     bad_k = torch.empty(4096, 4000, device="cuda", dtype=torch.bfloat16)  # K % 64
     assert _rows_kernel(5, bad_k, torch.empty(5, 4000, device="cuda", dtype=torch.bfloat16)) is None
     # gemv() routes by the rule: the product is the tensor-core kernel's

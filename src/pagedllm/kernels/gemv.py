@@ -174,17 +174,19 @@ def _rows_kernel(rows: int, weight: torch.Tensor, x: Optional[torch.Tensor] = No
         return None
     if 2 <= rows <= mma_max_rows() and x is not None and _mma_applies(x, weight):
         return "mma"
-    if rows <= gemv_max_rows() and (rows == 1 or weight.numel() <= MULTI_ROW_MAX_WEIGHT):
+    if (rows <= gemv_max_rows() and (rows == 1 or weight.numel() <= MULTI_ROW_MAX_WEIGHT)
+            and weight.shape[1] <= GEMV_MAX_K):
         return "gemv"
     return None
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, lora: bool = False) -> bool:
-    """Whether `gemv` handles `x @ weight.T`: CUDA, fp16/bf16, contiguous rows, a K that fits one program, and few
-    rows (`_rows_kernel`). lora: with a LoRA delta to add (the Triton GEMV's rows only)."""
+    """Whether `gemv` handles `x @ weight.T`: CUDA, fp16/bf16, contiguous rows, and few rows of a weight one of the
+    few-row kernels takes (`_rows_kernel`: the Triton GEMV needs a K that fits one program). lora: with a LoRA delta
+    to add (the Triton GEMV's rows only)."""
     if not (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in (torch.float16, torch.bfloat16) and weight.stride(1) == 1 and x.stride(1) == 1
-            and weight.shape[1] <= GEMV_MAX_K and not x.requires_grad):
+            and not x.requires_grad):
         return False
     return _rows_kernel(x.shape[0], weight, None if lora else x) is not None
 
