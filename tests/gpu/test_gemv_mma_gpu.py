@@ -62,8 +62,9 @@ def test_launch_configs_give_the_same_product(config):
 
 
 def test_odd_chunk_counts_and_unaligned_rows():
-    """K of 9 chunks (SmolLM2's 576) takes units of one chunk; x as a strided view of aligned rows works."""
+    """K of 9 chunks (SmolLM2's 576) takes units of one chunk; a long K; x as a strided view of aligned rows."""
     _check(3, 960, 576, config={"unit": 2})
+    _check(6, 1024, 20480)  # a K past the Triton GEMV's (Llama-70B's down projection is 28672)
     big = torch.randn(6, 1024 + 64, device="cuda").to(torch.bfloat16)
     w = (torch.randn(512, 1024, device="cuda") * 0.02).to(torch.bfloat16)
     x = big[:, :1024]
