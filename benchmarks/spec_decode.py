@@ -13,6 +13,9 @@
     python benchmarks/spec_decode.py sweep --model SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
     python benchmarks/spec_decode.py sweep --model benchmarks/configs/qwen3-0.6b --load-format dummy \
         --dtype bfloat16 --batch-sizes 1 4 16 32 64 --output-len 128
+    # 5. engine steps by kind for the four tasks at batch 1 (exact; in fp32 on the CPU too): without n-gram,
+    #    overlapped, waiting, and with k placeholders on every step
+    python benchmarks/spec_decode.py steps --model SmolLM2-135M-Instruct.Q4_1.gguf --dtype float32 --async
 
 Each prints one line per measurement and a final ratio; --json FILE writes them too.
 """
@@ -138,6 +141,54 @@ def run_ngram(args) -> dict:
                                   one_by_one=True)
     return compare_throughput(args, lambda llm: chat_prompts(llm, args.batch_size), params,
                               f"ngram batch {args.batch_size}")
+
+
+def run_steps(args) -> dict:
+    """Engine steps by kind (plain decode, verify, prefill) for the four tasks one at a time, greedy: without
+    n-gram, overlapped (the default with async scheduling), waiting (PAGEDLLM_SPEC_OVERLAP=0), and overlapped with
+    k placeholder drafts for every caught-up request ("always": an experiment of this script, not an engine
+    option). Step counts are exact on any device (in fp32 the tokens are the same in every run), so
+    steps x each kind's cost (from `verify`) predicts the ratio `ngram` measures."""
+    import os
+
+    from pagedllm import SamplingParams
+    from pagedllm.core import scheduler as sched_mod
+    from pagedllm.spec_decode import scheduling
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    counts: dict = {}
+    policy = {"always": False}
+    schedule = sched_mod.Scheduler.schedule
+
+    def counting_schedule(self, *a, **kw):
+        if policy["always"] and self.spec.overlap:  # every caught-up request verifies k device drafts
+            for r in self.running:
+                if not r.spec_token_ids and r.num_output_tokens > 0:
+                    r.spec_token_ids = [scheduling.PLACEHOLDER]
+        plan = schedule(self, *a, **kw)
+        n, reqs = plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens)
+        kind = "empty" if n == 0 else "plain" if n == reqs else "verify" if n <= reqs * (args.k + 1) else "prefill"
+        counts[kind] = counts.get(kind, 0) + 1
+        return plan
+
+    sched_mod.Scheduler.schedule = counting_schedule
+    rows = []
+    for label, spec, overlap, always in (("without", None, "1", False), ("overlapped", ngram_config(args), "1", False),
+                                         ("waiting", ngram_config(args), "0", False),
+                                         ("always", ngram_config(args), "1", True)):
+        os.environ["PAGEDLLM_SPEC_OVERLAP"] = overlap
+        policy["always"] = always
+        llm = make_llm(args, spec)
+        prompts = chat_prompts(llm, len(TASKS))
+        counts.clear()
+        tokens = sum(len(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts)
+        row = dict(label=label, tokens=tokens, **{k: counts.get(k, 0) for k in ("plain", "verify", "prefill")})
+        rows.append(row)
+        print(f"[steps] {label:10s} {tokens} tokens: {row['plain']} plain + {row['verify']} verify + "
+              f"{row['prefill']} prefill steps", flush=True)
+        del llm
+    sched_mod.Scheduler.schedule = schedule
+    return dict(rows=rows)
 
 
 def run_batch(args) -> dict:
@@ -368,7 +419,7 @@ def device_ms(fn, num_steps: int) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["ngram", "verify", "batch", "sweep"])
+    p.add_argument("mode", choices=["ngram", "verify", "batch", "sweep", "steps"])
     p.add_argument("--model", default=None)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -397,11 +448,12 @@ def main(argv=None) -> None:
                         "and list the host functions whose time grows most in a verify step (cProfile)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192)}
+    defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192), "steps": (1, 256)}
     b, out_len = defaults[args.mode]
     args.batch_size = args.batch_size or b
     args.output_len = args.output_len or out_len
-    result = {"ngram": run_ngram, "verify": run_verify, "batch": run_batch, "sweep": run_sweep}[args.mode](args)
+    result = {"ngram": run_ngram, "verify": run_verify, "batch": run_batch, "sweep": run_sweep,
+              "steps": run_steps}[args.mode](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), result=result), f, indent=1)
