@@ -399,6 +399,10 @@ def print_host_diff(host: dict, k: int, top: int = 25) -> None:
     print(f"{'d cum ms':>9} {'d own ms':>9} {'calls':>6} {'(plain)':>7}  function")
     for d_cum, d_tot, calls, p_calls, key in rows[:top]:
         print(f"{d_cum:9.3f} {d_tot:9.3f} {calls:6.1f} {p_calls:7.1f}  {key}")
+    # the same by own time: where the extra host time is spent rather than which callers it runs under
+    print(f"[host k={k}] verify - plain by own time:")
+    for d_cum, d_tot, calls, p_calls, key in sorted(rows, key=lambda r: r[1], reverse=True)[:top]:
+        print(f"{d_cum:9.3f} {d_tot:9.3f} {calls:6.1f} {p_calls:7.1f}  {key}")
 
 
 def torch_cuda() -> bool:
