@@ -30,8 +30,6 @@ ROW_TILES = (1, 2, 4)
 CONFIG = {"warps": None, "unit": 1, "depth": 2, "ct": 1}
 
 
-
-
 def layout_problem(weight: torch.Tensor, gated: bool = False) -> Optional[str]:
     """Why the kernel cannot read this weight (None: it can)."""
     if weight.dim() != 2 or weight.dtype not in (torch.float16, torch.bfloat16):
@@ -51,8 +49,8 @@ def _warps(warps: int, tiles: int, mt: int) -> int:
 
 
 def default_warps(blocks: int) -> int:
-    """Warps per block (they split K): about 2048 warps in all, 4 to 16 per block: one wave on an H200 (at 72-118
-    registers a multiprocessor holds ~16-26 warps), each warp keeping DEPTH 2 KB chunk loads in flight."""
+    """Warps per block (they split K): about 2048 warps in all, 4 to 16 per block: one wave on an H200 (at 72-158
+    registers a multiprocessor holds ~12-26 warps), each warp keeping DEPTH 2 KB chunk loads in flight."""
     warps = 16
     while warps > 4 and blocks * warps > 2048:
         warps //= 2
@@ -95,14 +93,18 @@ def _prepare(n_out: int, k: int, gated: bool, fp16: bool, has_bias: bool, index:
         _compile(warps, unit, CONFIG["depth"], mt, ct, gated, fp16, has_bias, index)
 
 
+def _prepare_key(weight: torch.Tensor, gated: bool, has_bias: bool) -> tuple:
+    """`_prepare`'s arguments for a weight: what its compiled variants depend on."""
+    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    return (weight.shape[0] // (2 if gated else 1), weight.shape[1], gated, weight.dtype == torch.float16, has_bias,
+            index)
+
+
 def prepare(weight: torch.Tensor, gated: bool = False, has_bias: bool = False) -> None:
     """Compile (NVRTC) every row-tile variant a weight's calls will launch: a compile inside CUDA-graph capture
     fails, so the first (eager) call, or the model's load, does it."""
-    if weight.device.type != "cuda":
-        return
-    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    _prepare(weight.shape[0] // (2 if gated else 1), weight.shape[1], gated, weight.dtype == torch.float16, has_bias,
-             index)
+    if weight.device.type == "cuda":
+        _prepare(*_prepare_key(weight, gated, has_bias))
 
 
 def warm_up(layers: list[tuple[torch.Tensor, bool, bool]], max_workers: int = 8) -> int:
@@ -111,13 +113,9 @@ def warm_up(layers: list[tuple[torch.Tensor, bool, bool]], max_workers: int = 8)
     distinct weight shapes. Weights the kernel cannot read are skipped."""
     from concurrent.futures import ThreadPoolExecutor
 
-    keys = set()
-    for weight, gated, has_bias in layers:
-        if weight.device.type != "cuda" or layout_problem(weight, gated) is not None:
-            continue
-        index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-        keys.add((weight.shape[0] // (2 if gated else 1), weight.shape[1], gated, weight.dtype == torch.float16,
-                  has_bias, index))
+    keys = {_prepare_key(weight, gated, has_bias) for weight, gated, has_bias in layers
+            if weight.device.type == "cuda" and layout_problem(weight, gated) is None}
+
     def compile_in_thread(key):
         torch.cuda.synchronize(key[-1])  # a runtime call: binds the device's primary context to this thread
         _prepare(*key)
@@ -155,7 +153,7 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     mt = next(mt for mt in ROW_TILES if m <= 8 * mt)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if not config:
-        prepare(weight, gated, bias is not None)  # both row tiles at once (cached): none compiles under capture
+        prepare(weight, gated, bias is not None)  # every row tile at once (cached): none compiles under capture
     warps, unit, ct, blocks = _launch_shape(n_out, k, gated, mt, cfg)
     kernel = _compile(warps, unit, cfg["depth"], mt, ct, gated, x.dtype == torch.float16, bias is not None, index)
     grid, block = (blocks, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
