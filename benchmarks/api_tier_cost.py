@@ -234,11 +234,26 @@ async def warm_and_measure(url: str, args: argparse.Namespace, apis: list, cores
         idle_rate = (api_cpu() - idle0) / (time.perf_counter() - t0)
         if profile:
             proc.send_signal(signal.SIGUSR1)
+        samplers = []  # over the measured window only
+        if args.perf:  # native and kernel stacks of every API thread
+            samplers.append(subprocess.Popen(
+                ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(args.perf_freq), "-g", "-o", args.perf,
+                 "-p", ",".join(str(p.pid) for p in apis)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        if args.py_spy:  # Python stacks (and native frames) of the API process, collapsed, one line per stack
+            samplers.append(subprocess.Popen(
+                ["py-spy", "record", "--nonblocking", "--threads", "--idle", "--format", "raw",
+                 "--rate", str(args.perf_freq), "-o", args.py_spy, "-p", str(apis[0].pid)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        if samplers:
+            await asyncio.sleep(1.0)  # they attach
         api0, core0, me0, sys0 = api_cpu(), cpu_seconds(cores), cpu_seconds([me]), cpu_seconds(apis, True)
         tick0 = cpu_seconds(apis)
         tokens, chunks, elapsed = await drive(client, url, args.streams, bodies, args.chat)
         api1, core1, me1, sys1 = api_cpu(), cpu_seconds(cores), cpu_seconds([me]), cpu_seconds(apis, True)
         tick1 = cpu_seconds(apis)
+        for sampler in samplers:
+            sampler.send_signal(signal.SIGINT)
+            sampler.wait(60)
     api_s = api1 - api0
     net_s = max(0.0, api_s - idle_rate * elapsed)
     return {"api_idle_cpu_per_s": idle_rate, "api_net_us_per_token": net_s / max(1, tokens) * 1e6,
@@ -299,6 +314,13 @@ def main() -> None:
                    help="measure the API processes' idle CPU rate this long after the warm-up")
     p.add_argument("--profile", default=None, help="cProfile the API process (one --src, one API process) into FILE")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--perf", default=None, metavar="FILE",
+                   help="`perf record` the API process(es) over the measured window into FILE (one --src; read it "
+                        "with `perf report -i FILE`); the sampler's own cost is not in the API's CPU figure")
+    p.add_argument("--py-spy", default=None, metavar="FILE",
+                   help="py-spy (installed separately) records the API process's Python stacks over the "
+                        "measured window into FILE (collapsed stacks; one --src, one API process)")
+    p.add_argument("--perf-freq", type=int, default=2000, help="samples per second of --perf and --py-spy")
     p.add_argument("--ticks", action="store_true",
                    help="API CPU from psutil's 10 ms ticks only (as before schedstat was read)")
     p.add_argument("--output-json", default=None)
@@ -306,6 +328,10 @@ def main() -> None:
     trees = [tuple(s.split("=", 1)) if "=" in s else (s, s) for s in args.src] or [("current", None)]
     if args.profile and (len(trees) > 1 or args.api_server_count != 1):
         p.error("--profile takes one source tree and --api-server-count 1")
+    if (args.perf or args.py_spy) and len(trees) > 1:
+        p.error("--perf and --py-spy take one source tree (each round would overwrite the file)")
+    if args.py_spy and args.api_server_count != 1:
+        p.error("--py-spy takes --api-server-count 1")
     results: dict[str, list[dict]] = {name: [] for name, _ in trees}
     with tempfile.TemporaryDirectory(prefix="pagedllm-apicost-") as tmp:
         if args.model is None:
