@@ -110,7 +110,7 @@ def main():
     # --peer-omp-wait-policy.
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     peer_env = dict(env, **({"OMP_WAIT_POLICY": args.peer_omp_wait_policy} if args.peer_omp_wait_policy else {}))
-    print(f"OMP_WAIT_POLICY: pagedllm serve {env.get('OMP_WAIT_POLICY') or 'PASSIVE (its own)'}, llama.cpp "
+    print(f"OMP_WAIT_POLICY: pagedllm serve {env.get('OMP_WAIT_POLICY') or 'its own (a short spin)'}, llama.cpp "
           f"{peer_env.get('OMP_WAIT_POLICY', 'unset (its default)')}", flush=True)
     # Both started at once, waited for below (wait_ready: the time each takes to serve /v1/models).
     ours = start_server(path, args.pagedllm_args.split(), "/tmp/cpu_gguf_serve_pagedllm.log", quiet=False, env=env,

@@ -9,7 +9,7 @@ ninja from it) and the user's OpenMP choice (OMP_WAIT_POLICY / GOMP_SPINCOUNT).
 
 pagedllm never leaves a variable of its own in the user's os.environ, so the programs a user starts get their
 environment as the user made it. The variables pagedllm's own runtime wants (`own_runtime_env`: OpenMP threads
-that sleep between parallel regions) go explicitly to the processes it starts (`child_env`, `child_vars`), and
+that spin briefly, then sleep, between parallel regions) go explicitly to the processes it starts (`child_env`, `child_vars`), and
 to the OpenMP runtime of this process while it loads (pagedllm/openmp.py). `environ_set` sets variables for one
 block and restores them, for a library that takes the environment only from os.environ at one moment
 (multiprocessing's spawn at start(), libgomp when loaded, torch's extension build).
@@ -140,14 +140,20 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
 }
 
 
+# libgomp's spin iterations before a waiting OpenMP thread sleeps (~0.25 ms here): long enough to bridge the gaps
+# between a decode step's parallel regions, short enough that a thread whose sibling was preempted yields soon.
+OWN_SPIN_COUNT = "10000"
+
+
 def own_runtime_env() -> dict[str, str]:
-    """What pagedllm's own runtime wants in its environment: OMP_WAIT_POLICY=PASSIVE unless the user chose a
-    policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT set). A spinning OpenMP thread burns the time slice its preempted
-    sibling needs, so every parallel region stalls on a busy machine (docs/benchmarks.md, "The OpenMP wait
-    policy under load"); other programs, llama.cpp for one, are slower with it, so it never goes into os.environ."""
+    """What pagedllm's own runtime wants in its environment: GOMP_SPINCOUNT=OWN_SPIN_COUNT unless the user chose a
+    policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT set). libgomp's default spin (300,000 iterations) burns the time
+    slice a preempted sibling needs, so every parallel region stalls on a busy machine; sleeping at once
+    (PASSIVE) pays a wake-up per region on an idle one (docs/benchmarks.md, "The OpenMP wait policy"). Other
+    programs, llama.cpp for one, have their own defaults, so it never goes into os.environ."""
     if _ENV_READERS["OMP_WAIT_POLICY"]() is not None or _ENV_READERS["GOMP_SPINCOUNT"]() is not None:
         return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {"GOMP_SPINCOUNT": OWN_SPIN_COUNT}
 
 
 def child_vars(**defaults: str) -> dict[str, str]:

@@ -3,8 +3,8 @@
 libgomp reads OMP_WAIT_POLICY once, when it is loaded. pagedllm's OpenMP code runs in the libgomp copies that its
 dependencies ship: torch's (torch's own threads and the C++ CPU kernels, which link the libgomp.so.1 torch has
 loaded) and sentencepiece's (its tokenizers). So `import pagedllm` loads those copies first, with
-envs.own_runtime_env() in os.environ only while they load: pagedllm's threads then sleep between parallel
-regions, and os.environ, which every subprocess inherits, is as the user left it. A copy whose package is
+envs.own_runtime_env() in os.environ only while they load: pagedllm's threads then spin briefly and sleep
+between parallel regions, and os.environ, which every subprocess inherits, is as the user left it. A copy whose package is
 already imported (too late), a policy the user chose, or a build without its own libgomp (a conda torch linking
 another OpenMP) is left alone: set OMP_WAIT_POLICY yourself there. The processes pagedllm starts get the
 variable in their environment instead (envs.child_env).
@@ -69,7 +69,7 @@ def load_with_own_policy() -> list[str]:
 def wait_policy() -> str:
     """The OpenMP wait policy of this process's pagedllm threads, in words (benchmarks print it)."""
     if _loaded_with:
-        return f"{_loaded_with['OMP_WAIT_POLICY']} (pagedllm's, for its OpenMP runtime only)"
+        return ", ".join(f"{k}={v}" for k, v in _loaded_with.items()) + " (pagedllm's, for its OpenMP runtime only)"
     if not envs.own_runtime_env():
         return f"the user's (OMP_WAIT_POLICY={envs.OMP_WAIT_POLICY}, GOMP_SPINCOUNT={envs.GOMP_SPINCOUNT})"
     return "libgomp's default (torch was imported before pagedllm)"

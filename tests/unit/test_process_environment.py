@@ -1,7 +1,7 @@
 """pagedllm leaves the user's environment alone: `import pagedllm` and a CPU engine do not change os.environ,
 so a program the user starts afterwards gets the environment the user had; pagedllm's own OpenMP threads still
-sleep between parallel regions (libgomp's verbose report, OMP_DISPLAY_ENV=VERBOSE: GOMP_SPINCOUNT 0 is the
-passive policy, 300000 its spinning default) in each OpenMP runtime loaded (torch's, which the C++ kernels
+spin only briefly between parallel regions (libgomp's verbose report, OMP_DISPLAY_ENV=VERBOSE: GOMP_SPINCOUNT
+envs.OWN_SPIN_COUNT, where 300000 is libgomp's default and 0 the passive policy) in each OpenMP runtime loaded (torch's, which the C++ kernels
 share, and sentencepiece's); a policy the user chose wins. Each case runs in a fresh interpreter (libgomp is configured once, when it loads). And no
 module but envs.py reads or writes os.environ."""
 from __future__ import annotations
@@ -66,13 +66,15 @@ def test_import_and_a_cpu_engine_leave_os_environ_alone(tiny_llama_dir):
     assert result["import"] and result["tokens"] == 3
     assert result["changed"] == []  # nothing set, changed or removed by the engine either
     assert result["child"] == "None"  # a program the user starts gets no OMP_WAIT_POLICY from pagedllm
-    # Sleeping waits in every OpenMP runtime loaded: torch's, which the C++ kernels share (no copy of their own),
-    # and sentencepiece's (its tokenizers).
+    # pagedllm's short spin in every OpenMP runtime loaded: torch's, which the C++ kernels share (no copy of their
+    # own), and sentencepiece's (its tokenizers).
+    from pagedllm.envs import OWN_SPIN_COUNT
     from pagedllm.openmp import OPENMP_PACKAGES, bundled_libgomp
 
     bundled = {os.path.realpath(p) for p in map(bundled_libgomp, OPENMP_PACKAGES) if p}
     assert {os.path.realpath(p) for p in result["libgomp"]} <= bundled
-    assert spins == ["0"] * len(result["libgomp"]) and spins
+    assert OWN_SPIN_COUNT not in ("0", "300000")  # neither libgomp default: the check below tells them apart
+    assert spins == [OWN_SPIN_COUNT] * len(result["libgomp"]) and spins
 
 
 def test_the_user_s_policy_wins():
@@ -85,9 +87,11 @@ def test_the_user_s_policy_wins():
 def test_torch_imported_first_keeps_libgomp_s_default():
     """Too late to choose for torch's libgomp (reported first: loaded with torch): it keeps its spinning default
     (set OMP_WAIT_POLICY yourself there); the copies loaded after pagedllm still get its policy."""
+    from pagedllm.envs import OWN_SPIN_COUNT
+
     result, spins = run_fresh(torch_first=True)
     assert result["import"] and result["child"] == "None"
-    assert spins[0] == "300000" and spins[1:] == ["0"] * (len(result["libgomp"]) - 1)
+    assert spins[0] == "300000" and spins[1:] == [OWN_SPIN_COUNT] * (len(result["libgomp"]) - 1)
 
 
 def _environ_uses(path: str) -> list[str]:
@@ -128,7 +132,8 @@ def test_child_env_and_environ_set(monkeypatch, preset):
         monkeypatch.setenv("OMP_WAIT_POLICY", preset)
     before = dict(os.environ)
     env = envs.child_env(PAGEDLLM_DISABLE_PROGRESS_BARS="1")
-    assert env["OMP_WAIT_POLICY"] == (preset or "PASSIVE") and env["PAGEDLLM_DISABLE_PROGRESS_BARS"] == "1"
+    assert env.get("OMP_WAIT_POLICY") == preset and env["PAGEDLLM_DISABLE_PROGRESS_BARS"] == "1"
+    assert env.get("GOMP_SPINCOUNT") == (None if preset else envs.OWN_SPIN_COUNT)  # the user's choice wins
     with envs.environ_set({"OMP_WAIT_POLICY": "X", "PAGEDLLM_NEW_VAR": "1", "PATH": None}):
         assert os.environ.get("OMP_WAIT_POLICY") == "X" and "PATH" not in os.environ
     assert dict(os.environ) == before
