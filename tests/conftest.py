@@ -48,6 +48,13 @@ _CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>{{ mess
                   "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 _DEFAULT = object()
 
+# `make test` runs two pytest-xdist workers on CI's two cores, each engine with two OpenMP threads: a crowded
+# machine, where pagedllm's short spin (envs.OWN_SPIN_COUNT) waits on descheduled siblings and the suite took
+# ~25% longer than with threads that sleep at once (docs/benchmarks.md, "A short spin"). Set before any test
+# imports torch, so its libgomp loads with it; the processes the tests start inherit it. The tests of pagedllm's
+# own policy take it out of the environments they check.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # One build of the C++ CPU kernels for the whole run, shared with the servers the e2e tests start (whatever
 # PAGEDLLM_CACHE_DIR they get), built before the first test so no server start waits for the compiler.
 os.environ.setdefault("PAGEDLLM_KERNEL_CACHE_DIR", os.path.join(REPO_ROOT, ".cache", "pagedllm-kernels"))
