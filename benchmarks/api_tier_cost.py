@@ -316,7 +316,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--perf", default=None, metavar="FILE",
                    help="`perf record` the API process(es) over the measured window into FILE (one --src; read it "
-                        "with `perf report -i FILE`); the sampler's own cost is not in the API's CPU figure")
+                        "with `perf report -i FILE`); perf's own process is not counted, its sampling interrupts are")
     p.add_argument("--py-spy", default=None, metavar="FILE",
                    help="py-spy (installed separately) records the API process's Python stacks over the "
                         "measured window into FILE (collapsed stacks; one --src, one API process)")
