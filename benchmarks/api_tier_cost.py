@@ -239,7 +239,7 @@ async def warm_and_measure(url: str, args: argparse.Namespace, apis: list, cores
             samplers.append(subprocess.Popen(
                 ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(args.perf_freq), "-g", "-o", args.perf,
                  "-p", ",".join(str(p.pid) for p in apis)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        if args.py_spy:  # Python stacks (and native frames) of the API process, collapsed, one line per stack
+        if args.py_spy:  # Python stacks of the API process (non-blocking: no native frames), collapsed, one line per stack
             samplers.append(subprocess.Popen(
                 ["py-spy", "record", "--nonblocking", "--threads", "--idle", "--format", "raw",
                  "--rate", str(args.perf_freq), "-o", args.py_spy, "-p", str(apis[0].pid)],

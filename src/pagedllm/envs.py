@@ -9,8 +9,8 @@ ninja from it) and the user's OpenMP choice (OMP_WAIT_POLICY / GOMP_SPINCOUNT).
 
 pagedllm never leaves a variable of its own in the user's os.environ, so the programs a user starts get their
 environment as the user made it. The variables pagedllm's own runtime wants (`own_runtime_env`: OpenMP threads
-that spin briefly, then sleep, between parallel regions) go explicitly to the processes it starts (`child_env`, `child_vars`), and
-to the OpenMP runtime of this process while it loads (pagedllm/openmp.py). `environ_set` sets variables for one
+that spin briefly, then sleep, between parallel regions) go explicitly to the processes it starts (`child_env`,
+`child_vars`), and to the OpenMP runtime of this process while it loads (pagedllm/openmp.py). `environ_set` sets variables for one
 block and restores them, for a library that takes the environment only from os.environ at one moment
 (multiprocessing's spawn at start(), libgomp when loaded, torch's extension build).
 

@@ -4,8 +4,8 @@ libgomp reads OMP_WAIT_POLICY once, when it is loaded. pagedllm's OpenMP code ru
 dependencies ship: torch's (torch's own threads and the C++ CPU kernels, which link the libgomp.so.1 torch has
 loaded) and sentencepiece's (its tokenizers). So `import pagedllm` loads those copies first, with
 envs.own_runtime_env() in os.environ only while they load: pagedllm's threads then spin briefly and sleep
-between parallel regions, and os.environ, which every subprocess inherits, is as the user left it. A copy whose package is
-already imported (too late), a policy the user chose, or a build without its own libgomp (a conda torch linking
+between parallel regions, and os.environ, which every subprocess inherits, is as the user left it. A copy whose
+package is already imported (too late), a policy the user chose, or a build without its own libgomp (a conda torch linking
 another OpenMP) is left alone: set OMP_WAIT_POLICY yourself there. The processes pagedllm starts get the
 variable in their environment instead (envs.child_env).
 """

@@ -1,9 +1,10 @@
 """pagedllm leaves the user's environment alone: `import pagedllm` and a CPU engine do not change os.environ,
 so a program the user starts afterwards gets the environment the user had; pagedllm's own OpenMP threads still
 spin only briefly between parallel regions (libgomp's verbose report, OMP_DISPLAY_ENV=VERBOSE: GOMP_SPINCOUNT
-envs.OWN_SPIN_COUNT, where 300000 is libgomp's default and 0 the passive policy) in each OpenMP runtime loaded (torch's, which the C++ kernels
-share, and sentencepiece's); a policy the user chose wins. Each case runs in a fresh interpreter (libgomp is configured once, when it loads). And no
-module but envs.py reads or writes os.environ."""
+envs.OWN_SPIN_COUNT, where 300000 is libgomp's default and 0 the passive policy) in each OpenMP runtime loaded
+(torch's, which the C++ kernels share, and sentencepiece's); a policy the user chose wins. Each case runs in a
+fresh interpreter (libgomp is configured once, when it loads). And no module but envs.py reads or writes
+os.environ."""
 from __future__ import annotations
 
 import ast
