@@ -61,8 +61,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": CPU decode steps of GGUF-packed models run layer by layer from Python instead of one C++ call
     # (models/cpu_decode.py; A/B benchmarks, debugging).
     "PAGEDLLM_CPU_FUSED_DECODE": lambda: os.environ.get("PAGEDLLM_CPU_FUSED_DECODE", "1") != "0",
-    # "0": GGUF weights kept packed stay in the file's row layout instead of the 16-row tiles the AVX-512 VNNI
-    # kernels read fastest (kernels/csrc/gguf_ops.cpp; A/B benchmarks).
+    # "0": GGUF weights kept packed stay in the file's row layout instead of the layout this CPU's kernels read
+    # fastest (16-row tiles on AVX-512 VNNI, the AVX2 row layout for Q4_0 / Q4_1 / Q8_0 on AVX2;
+    # kernels/csrc/gguf_ops.cpp; A/B benchmarks).
     "PAGEDLLM_GGUF_TILED": lambda: os.environ.get("PAGEDLLM_GGUF_TILED", "1") != "0",
     # "0": keep GGUF Q5_0 linear layers as Q5_0 on AVX2 machines without VNNI (A/B benchmarks; default: widened
     # to Q8_0 at load, kernels/gguf_ops.py widen_packed).
@@ -91,8 +92,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
     # Steps of 2 up to this many rows (at most 32) run CUDA fp16/bf16 linear layers on the tensor-core GEMV
-    # (kernels/gemv_mma.py) instead of the Triton GEMV / cuBLAS; 0 (the default until it is measured on a GPU): off.
-    "PAGEDLLM_GEMV_MMA_MAX_ROWS": _int("PAGEDLLM_GEMV_MMA_MAX_ROWS", 0),
+    # (kernels/gemv_mma.py) instead of the Triton GEMV / cuBLAS; 0: off. 8: past it cuBLAS wins on 8B shapes
+    # (docs/benchmarks.md, "The tensor-core few-row GEMV").
+    "PAGEDLLM_GEMV_MMA_MAX_ROWS": _int("PAGEDLLM_GEMV_MMA_MAX_ROWS", 8),
     # "0": on GPUs a request that continues a finished one's last partial block (beam forks, core/partial_blocks.py)
     # recomputes it instead of copying it (A/B benchmarks). CPU engines always copy.
     "PAGEDLLM_PARTIAL_BLOCK_COPIES": lambda: os.environ.get("PAGEDLLM_PARTIAL_BLOCK_COPIES", "1") != "0",
