@@ -105,18 +105,18 @@ def test_weights_stay_packed(engines, gemma3_270m_gguf_path):
     from gguf import GGMLQuantizationType as Q
 
     from pagedllm import envs
-    from pagedllm.kernels.gguf_ops import TILED_BASE, required_ops
+    from pagedllm.kernels.gguf_ops import base_type, required_ops
     from pagedllm.quantization.gguf import GGUFLinearMethod, packed_weight_bytes
     packed, dense = engines
     model = packed.engine.worker.model
     assert type(model).__name__ == "Gemma3ForCausalLM" and packed.engine.worker.quant_config.name == "gguf"
     linears = [m for m in model.modules() if hasattr(m, "linear_method")]
     assert len(linears) == 18 * 4 and all(isinstance(m.linear_method, GGUFLinearMethod) for m in linears)
-    types = {t % TILED_BASE for m in linears for t in m.__dict__["_gguf_types"]}
+    types = {base_type(t) for m in linears for t in m.__dict__["_gguf_types"]}
     widened = required_ops().gguf_best_impl() == 1 and envs.PAGEDLLM_GGUF_WIDEN_Q5_0  # AVX2: Q5_0 -> Q8_0
     assert types == ({int(Q.Q8_0), int(Q.Q4_K), int(Q.Q6_K)} | (set() if widened else {int(Q.Q5_0)}))
     embed = model.model.embed_tokens
-    assert embed.__dict__["gguf_type"] % TILED_BASE == int(Q.Q8_0) and model.lm_head.gguf_weight is embed.gguf_weight
+    assert base_type(embed.__dict__["gguf_type"]) == int(Q.Q8_0) and model.lm_head.gguf_weight is embed.gguf_weight
     packed_bytes, _ = packed_weight_bytes(model)
     # widened Q5_0 (gate_up, most of qkv) holds 34 bytes per 32 weights instead of 22
     assert 0.9 * os.path.getsize(gemma3_270m_gguf_path) <= packed_bytes <= (1.25 if widened else 1) * \

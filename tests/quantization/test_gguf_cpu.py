@@ -43,7 +43,7 @@ def test_weights_stay_packed_at_about_the_file_size(engines, smollm2_gguf_path):
     assert packed.engine.worker.quant_config.name == "gguf" and dense.engine.worker.quant_config is None
     linears = [m for m in model.modules() if hasattr(m, "linear_method")]
     assert linears and all(isinstance(m.linear_method, GGUFLinearMethod) for m in linears)
-    # Q8_0, shared with the tied LM head; regrouped into 16-row tiles where the AVX-512 VNNI kernels run
+    # Q8_0, shared with the tied LM head; regrouped into the layout this machine's kernels read fastest
     assert model.model.embed_tokens.__dict__["gguf_type"] == tiled_id(8)
     assert all(t == tiled_id(3) for m in linears for t in m.__dict__["_gguf_types"])  # Q4_1
     packed_bytes, float_bytes = packed_weight_bytes(model)
@@ -109,12 +109,19 @@ def test_flags(engines, tiny_llama_dir):
 
 # ----------------------------------------------------------------------------- a tiny GGUF of mixed types
 
-def tiled_id(qtype: int) -> int:
-    """The type id a packed tensor of qtype has after loading: its tiled layout where this machine has one."""
+def tiled_id(qtype: int, rows: int = 16) -> int:
+    """The type id a packed tensor of qtype (rows output rows) has after loading: the layout this machine's
+    kernels read fastest where they have one for it (AVX-512 VNNI: 16-row tiles; AVX2: the row layout of Q4_0,
+    Q4_1 and Q8_0)."""
     from pagedllm import envs
     from pagedllm.kernels.cpu_ops import cpu_ops
-    from pagedllm.kernels.gguf_ops import TILED_BASE
-    return TILED_BASE + qtype if envs.PAGEDLLM_GGUF_TILED and cpu_ops().gguf_best_impl() == 2 else qtype
+    from pagedllm.kernels.gguf_ops import A2_BASE, TILED_BASE
+    best = cpu_ops().gguf_best_impl()
+    if not envs.PAGEDLLM_GGUF_TILED:
+        return qtype
+    if best == 1 and qtype in (2, 3, 8):
+        return A2_BASE + qtype
+    return TILED_BASE + qtype if best == 2 and rows % 16 == 0 else qtype
 
 
 def _write_mixed_gguf(hf_dir: str, path: str) -> None:
@@ -146,7 +153,7 @@ def test_tiny_mixed_type_gguf_matches_its_dequantized_twin(tmp_path, monkeypatch
     qkv_types = [2, 7, 8]  # Q4_0 | Q5_1 | Q8_0 side by side (tiled where a part's rows are a multiple of 16)
     qkv_rows = layer.self_attn.qkv_proj.output_partition_sizes
     assert layer.self_attn.qkv_proj.__dict__["_gguf_types"] == [
-        tiled_id(t) if r % 16 == 0 else t for t, r in zip(qkv_types, qkv_rows)]
+        tiled_id(t, r) for t, r in zip(qkv_types, qkv_rows)]
     assert not isinstance(layer.mlp.gate_up_proj.linear_method, GGUFLinearMethod)  # up is F16
     assert "gguf_type" in packed.engine.worker.model.lm_head.__dict__
     rng = np.random.default_rng(0)

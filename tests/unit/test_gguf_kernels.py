@@ -356,3 +356,156 @@ def test_tiled_int8_rows(ops, k, threads):
             assert all(torch.equal(outs[0], o) for o in outs[1:])
     finally:
         torch.set_num_threads(old)
+
+
+# ---- the AVX2 row layout (gguf_a2pack): each row's bytes regrouped for shuffle-free int16 products
+A2_ABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+A2 = 3000  # type id offset of the AVX2 row layout
+
+
+@pytest.mark.parametrize("qtype", A2_ABLE, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [32, 96, 256, 576, 800, 1536])
+def test_a2_layout_dequantizes_exactly_as_the_file(ops, qtype, k):
+    """Every block count: one block, a half chunk (odd counts), whole groups of 8 blocks, a last group of 2 (576),
+    of 1 (800: 25 blocks). Even counts take exactly the file's bytes, odd ones a padded half chunk and scale."""
+    packed = make_weight(qtype, 21, k, seed=int(qtype) + k)
+    a2 = ops.gguf_a2pack(torch.from_numpy(packed), int(qtype))
+    nb, halves = k // 32, 2 if qtype == Q.Q4_1 else 1
+    quant_bytes = GGML_QUANT_SIZES[qtype][1] - 2 * halves
+    assert a2.dtype == torch.uint8 and a2.shape[0] == 21
+    assert a2.shape[1] == packed.shape[1] + (nb % 2) * (quant_bytes + 2 * halves)
+    out = torch.empty(21, k)
+    ops.gguf_dequantize_rows(out, a2, A2 + int(qtype), None)
+    assert torch.equal(out, torch.from_numpy(reference_dequant(packed, qtype)))
+    ids = torch.tensor([20, 0, 7, 7])
+    rows = torch.empty(4, k)
+    ops.gguf_dequantize_rows(rows, a2, A2 + int(qtype), ids)
+    assert torch.equal(rows, out[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.gguf_dequantize_rows(torch.empty(1, k), a2, A2 + int(qtype), torch.tensor([21]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtype", A2_ABLE, ids=lambda t: t.name)
+def test_a2_linear_against_dequantized_matmul(ops, qtype, threads):
+    """Within the rounding bound for 1..130 activation rows; the AVX2 kernel and the portable one give the same
+    bits (the portable one replays its float operations lane by lane), and so does the file layout's integer
+    kernel up to float summation order."""
+    n = 37
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (96, 576, 800):
+            packed = make_weight(qtype, n, k, seed=int(qtype) + 11 + k)
+            a2 = ops.gguf_a2pack(torch.from_numpy(packed), int(qtype))
+            w = torch.from_numpy(reference_dequant(packed, qtype))
+            for m in (1, 2, 3, 4, 5, 9, 17, 130):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
+                x[0, :7] *= 50  # an outlier block
+                outs = []
+                for impl in impls(ops):
+                    out = torch.full((m, n), float("nan"))
+                    ops.gguf_linear(out, x, [a2], [A2 + int(qtype)], None, impl)
+                    check_product(out, x, w)
+                    outs.append(out)
+                assert all(torch.equal(outs[0], o) for o in outs[1:])
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("qtype", A2_ABLE, ids=lambda t: t.name)
+def test_a2_one_activation_row_bits_do_not_depend_on_row_grouping(ops, qtype):
+    """A decode row's outputs keep their bits whatever else is computed with them: thread count, the part's rows
+    taken in slices, and other activation rows in the same call (a batch)."""
+    n, k = 11, 576
+    packed = torch.from_numpy(make_weight(qtype, n, k, seed=int(qtype) + 3))
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
+    x[0, 3] *= 40
+    a2 = ops.gguf_a2pack(packed, int(qtype))
+    old = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            full = torch.empty(1, n)
+            ops.gguf_linear(full, x[:1], [a2], [A2 + int(qtype)], None, 0)
+            results.append(full)
+        assert torch.equal(results[0], results[1])
+        for start, stop in ((0, 1), (3, 11), (5, 10)):
+            part = torch.empty(1, stop - start)
+            ops.gguf_linear(part, x[:1], [ops.gguf_a2pack(packed[start:stop].contiguous(), int(qtype))],
+                            [A2 + int(qtype)], None, 0)
+            assert torch.equal(part, results[0][:, start:stop]), (start, stop)
+        for m in (2, 4, 5, 6):
+            batch = torch.empty(m, n)
+            ops.gguf_linear(batch, x[:m], [a2], [A2 + int(qtype)], None, 0)
+            assert torch.equal(batch[:1], results[0]), m
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a2_parts_beside_other_layouts_bias_and_dtypes(ops, threads):
+    """Row-layout parts beside file-layout parts (a fused projection of mixed types), bias, a row-strided x and
+    bf16 / fp16 activations; every output written once."""
+    k = 320  # 10 blocks: one full group and a last group of 2
+    parts = [(Q.Q4_1, 9, True), (Q.Q5_1, 16, False), (Q.Q8_0, 5, True), (Q.Q5_0, 7, False), (Q.Q4_0, 16, True)]
+    packed, types, dense = [], [], []
+    for i, (t, rows, a2) in enumerate(parts):
+        p = make_weight(t, rows, k, seed=60 + i)
+        dense.append(torch.from_numpy(reference_dequant(p, t)))
+        packed.append(ops.gguf_a2pack(torch.from_numpy(p), int(t)) if a2 else torch.from_numpy(p))
+        types.append(A2 + int(t) if a2 else int(t))
+    w = torch.cat(dense)
+    bias = torch.randn(w.shape[0])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 6, 33):
+            x = torch.randn(m, 2 * k)[:, :k]
+            for impl in impls(ops):
+                out = torch.full((m, w.shape[0]), float("nan"))
+                ops.gguf_linear(out, x, packed, types, bias, impl)
+                check_product(out, x, w, bias)
+            for dtype in (torch.bfloat16, torch.float16):
+                out = torch.empty(m, w.shape[0])
+                ops.gguf_linear(out, x.to(dtype), packed, types, bias, 0)
+                check_product(out, x.to(dtype).float(), w, bias)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_a2pack_rejects_what_has_no_row_layout(ops):
+    with pytest.raises(RuntimeError, match="no AVX2 row layout"):
+        ops.gguf_a2pack(torch.from_numpy(make_weight(Q.Q5_0, 4, 64, seed=5)), int(Q.Q5_0))
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        ops.gguf_a2pack(torch.zeros(4, 19, dtype=torch.uint8), int(Q.Q4_0))
+    a2 = ops.gguf_a2pack(torch.from_numpy(make_weight(Q.Q4_0, 4, 64, seed=5)), int(Q.Q4_0))
+    with pytest.raises(RuntimeError, match="contiguous uint8"):  # a K that does not match the layout's bytes
+        ops.gguf_linear(torch.empty(1, 4), torch.randn(1, 96), [a2], [A2 + int(Q.Q4_0)], None, 0)
+    with pytest.raises(RuntimeError, match="unsupported weight type 3006"):  # Q5_0 has no row layout
+        ops.gguf_dequantize_rows(torch.empty(4, 64), a2, A2 + int(Q.Q5_0), None)
+
+
+def test_packed_weights_take_this_machines_fastest_layout(ops, monkeypatch):
+    """tile_packed: the AVX2 row layout on AVX2 machines (Q4_0 / Q4_1 / Q8_0, any row count), the 16-row tiles on
+    AVX-512 VNNI ones (row counts of 16), the file's layout elsewhere or with PAGEDLLM_GGUF_TILED=0."""
+    from pagedllm.kernels.gguf_ops import A2_BASE, TILED_BASE, base_type, tile_packed
+    best = ops.gguf_best_impl()
+    for qtype, rows in ((Q.Q4_1, 7), (Q.Q8_0, 16), (Q.Q6_K, 16)):
+        k = 256
+        packed = torch.from_numpy(make_weight(qtype, rows, k, seed=rows))
+        tensor, type_id = tile_packed(packed, int(qtype))
+        if best == 1 and qtype != Q.Q6_K:
+            assert type_id == A2_BASE + int(qtype)
+        elif best == 2 and rows % 16 == 0:
+            assert type_id == TILED_BASE + int(qtype)
+        else:
+            assert type_id == int(qtype) and tensor is packed
+        assert base_type(type_id) == int(qtype)
+        out = torch.empty(rows, k)
+        ops.gguf_dequantize_rows(out, tensor, type_id, None)
+        assert torch.equal(out, torch.from_numpy(reference_dequant(packed.numpy(), qtype)))
+    monkeypatch.setenv("PAGEDLLM_GGUF_TILED", "0")
+    packed = torch.from_numpy(make_weight(Q.Q4_1, 16, 256, seed=1))
+    assert tile_packed(packed, int(Q.Q4_1)) == (packed, int(Q.Q4_1))

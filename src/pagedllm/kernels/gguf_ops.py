@@ -43,8 +43,19 @@ TILED_BASE = 2000
 _TILEABLE = (2, 3, 6, 7, 8, 12, 13, 14, I8_ROW)  # Q4_0 ... Q6_K, and I8_ROW
 
 
+# The AVX2 row layout (gguf_a2pack): each row's own bytes regrouped for shuffle-free int16 products, type id
+# A2_BASE + the GGML type; what the AVX2 kernels read fastest (machines without AVX-512 VNNI).
+A2_BASE = 3000
+_A2_ABLE = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
+
+
 def is_tiled(qtype: int) -> bool:
-    return qtype > TILED_BASE
+    return TILED_BASE < qtype < A2_BASE
+
+
+def base_type(qtype: int) -> int:
+    """The GGML type (or I8_ROW) whose values a (possibly regrouped) type id holds."""
+    return qtype - A2_BASE if qtype > A2_BASE else qtype - TILED_BASE if is_tiled(qtype) else qtype
 
 
 def logical_rows(tensor: torch.Tensor, qtype: int) -> int:
@@ -52,9 +63,15 @@ def logical_rows(tensor: torch.Tensor, qtype: int) -> int:
 
 
 def tile_packed(tensor: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
-    """(tensor, qtype) in the tiled layout where this machine's kernels have one for it, else unchanged."""
-    if (not envs.PAGEDLLM_GGUF_TILED or qtype not in _TILEABLE or tensor.shape[0] % 16
-            or (qtype == I8_ROW and (tensor.shape[1] - 4) % 32) or required_ops().gguf_best_impl() < 2):
+    """(tensor, qtype) in the layout this machine's kernels read fastest where they have one for it (AVX-512
+    VNNI: the 16-row tiles; AVX2: the row layout), else unchanged."""
+    if not envs.PAGEDLLM_GGUF_TILED:
+        return tensor, qtype
+    best = required_ops().gguf_best_impl()
+    if best == 1 and qtype in _A2_ABLE:
+        return required_ops().gguf_a2pack(tensor.contiguous(), qtype), A2_BASE + qtype
+    if (best < 2 or qtype not in _TILEABLE or tensor.shape[0] % 16
+            or (qtype == I8_ROW and (tensor.shape[1] - 4) % 32)):
         return tensor, qtype
     return required_ops().gguf_tile(tensor.contiguous(), qtype), TILED_BASE + qtype
 

@@ -95,7 +95,7 @@ inline int64_t block_elems(int64_t type) {
   return (type == kQ4_K || type == kQ5_K || type == kQ6_K) ? 256 : 32;
 }
 
-inline int64_t block_bytes(int64_t type) {
+constexpr int64_t block_bytes(int64_t type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
@@ -247,6 +247,14 @@ struct ActRows {
   std::vector<int16_t> x16;
   std::vector<float> dx4, s16, st32, su32, su16;  // st32 / su32: the step and step * sum(x16) per 32 (tiled kernels)
   int64_t k64 = 0, s_stride = 0, nb32 = 0;  // s16 rows padded to a multiple of 16 floats (one zmm)
+  // The AVX2 row layout's activations (quantize_rows_a2): x16 in the layout's order per 64 values, and per group of
+  // 256 values the step and step * sum(x16) of its eight 32-blocks in the layout's scale order.
+  std::vector<int16_t> xa;
+  std::vector<float> sta, sua;
+  int64_t a_stride = 0, g_stride = 0;
+  const int16_t* xa_row(int64_t r) const { return xa.data() + r * a_stride; }
+  const float* sta_row(int64_t r) const { return sta.data() + r * g_stride; }
+  const float* sua_row(int64_t r) const { return sua.data() + r * g_stride; }
   const int8_t* xhi(int64_t r) const { return hi.data() + r * k64; }
   const int8_t* xlo(int64_t r) const { return lo.data() + r * k64; }
   const int8_t* xhl(int64_t r) const { return hl.data() + 2 * r * k64; }
@@ -1469,7 +1477,378 @@ void tiled_dispatch(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActR
   });
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// The AVX2 row layout (repacked at load by gguf_a2pack, for machines whose best path is AVX2): each weight row
+// keeps its own bytes, regrouped so that the int16 products need no shuffles. Per row, the 32-blocks are taken
+// two at a time ("a chunk", 64 weights) and four chunks at a time ("a group", 256 weights):
+//   per chunk, 4-bit types (Q4_0, Q4_1): the two blocks' 16 quant bytes as in the file (32 B); the 16-bit word t
+//     of that vector holds, nibble i = 0..3, the weight idx(i, t) of the chunk; Q8_0: 64 B, two vectors whose
+//     word t holds, byte i & 1 of vector i >> 1, the weight idx(i, t) (the same order, so one activation layout
+//     serves every type);
+//   per group, after its chunks: the eight blocks' fp16 d, then for Q4_1 their fp16 m, in the order in which
+//     two rounds of vphaddd leave the blocks' sums (0, 2, 4, 6, 1, 3, 5, 7); missing blocks are zero.
+// idx(i, t) = 32 (b >> 4) + (b & 15) + 16 (i & 1), b = 2 t + (i >> 1): every 32-bit lane of a vpmaddwd product
+// sums weights of one block (lanes 0-3 the chunk's first block, 4-7 its second), so each group needs one
+// float rescale of its eight block sums. A chunk costs one load, four masks or shifts and four vpmaddwd of the
+// int16 activations (stored in the same order) per activation row: the 16-bit activations' precision (see the
+// top of this file) at a third of the instructions of the row kernels above.
+constexpr int64_t kA2 = 3000;
+inline bool a2able(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kQ8_0; }
+inline bool is_a2(int64_t t) { return t > kA2 && a2able(t - kA2); }
+constexpr int64_t kA2Rows = 4;  // activation rows per pass over a weight row
+constexpr int kA2Order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+inline int a2_idx(int i, int t) {
+  const int b = 2 * t + (i >> 1);
+  return 32 * (b >> 4) + (b & 15) + 16 * (i & 1);
+}
+template <int64_t T>
+constexpr int64_t a2_chunk_bytes() { return T == kQ8_0 ? 64 : 32; }
+template <int64_t T>
+constexpr int64_t a2_halves() { return T == kQ4_1 ? 2 : 1; }  // fp16 d, and m for Q4_1
+// A group of nbt blocks keeps nbt rounded up to even fp16 values of d (then of m): a row's last group (fewer
+// than 8 blocks) no more than its blocks', so that a row takes the file's bytes (odd block counts aside: their
+// last chunk and scale are padded with zeros).
+inline int64_t a2_slots(int64_t nbt) { return nbt + (nbt & 1); }
+template <int64_t T>
+inline int64_t a2_scale_bytes(int64_t nbt) { return 2 * a2_slots(nbt) * a2_halves<T>(); }
+// A group's fp16 d (h = 0) and m (h = 1) in block order, zero for missing blocks.
+template <int64_t T>
+inline void a2_group_scales(const uint8_t* sc, int64_t nbt, uint16_t (*out)[8]) {
+  std::memset(out, 0, 16 * a2_halves<T>());
+  for (int h = 0; h < a2_halves<T>(); ++h) std::memcpy(out[h], sc + 2 * a2_slots(nbt) * h, 2 * nbt);
+}
+inline int64_t a2_chunks(int64_t k) { return (k / 32 + 1) / 2; }
+inline int64_t a2_groups(int64_t k) { return (a2_chunks(k) + 3) / 4; }
+inline int64_t a2_row_bytes(int64_t type, int64_t k) {
+  const int64_t base = type - kA2, nb = k / 32, halves = base == kQ4_1 ? 2 : 1;
+  return a2_chunks(k) * (base == kQ8_0 ? 64 : 32) + (nb / 8 * 16 + 2 * a2_slots(nb % 8)) * halves;
+}
+
+// One row of type T (k weights, the file's blocks) into the layout.
+template <int64_t T>
+void a2_pack_row(const uint8_t* src, int64_t k, uint8_t* dst) {
+  constexpr int64_t bb = block_bytes(T), cb = a2_chunk_bytes<T>();
+  const int64_t nb = k / 32, nch = a2_chunks(k);
+  for (int64_t g = 0; g * 4 < nch; ++g) {
+    const int64_t nc = std::min<int64_t>(4, nch - 4 * g);
+    for (int64_t c = 4 * g; c < 4 * g + nc; ++c) {
+      uint8_t* out = dst;
+      std::memset(out, 0, cb);
+      for (int i = 0; i < 4; ++i)
+        for (int t = 0; t < 16; ++t) {
+          const int l = a2_idx(i, t);
+          const int64_t b = 2 * c + l / 32;
+          if (b >= nb) continue;
+          const uint8_t* blk = src + b * bb;
+          const int j = l % 32;
+          if constexpr (T == kQ8_0) {
+            out[32 * (i >> 1) + 2 * t + (i & 1)] = blk[2 + j];
+          } else {
+            const uint8_t* qs = blk + (T == kQ4_1 ? 4 : 2);
+            const uint8_t q = j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
+            out[2 * t + (i >> 1)] |= static_cast<uint8_t>(q << (4 * (i & 1)));
+          }
+        }
+      dst += cb;
+    }
+    const int64_t nbt = std::min<int64_t>(8, nb - 8 * g);
+    std::memset(dst, 0, a2_scale_bytes<T>(nbt));
+    for (int64_t j = 0; j < nbt; ++j)
+      for (int h = 0; h < a2_halves<T>(); ++h) std::memcpy(dst + 2 * (a2_slots(nbt) * h + j), src + (8 * g + j) * bb + 2 * h, 2);
+    dst += a2_scale_bytes<T>(nbt);
+  }
+}
+
+// Chunk position (16 i + t) of each of a chunk's 64 weights: the inverse of a2_idx.
+struct A2Inverse {
+  int pos[64];
+  A2Inverse() {
+    for (int i = 0; i < 4; ++i)
+      for (int t = 0; t < 16; ++t) pos[a2_idx(i, t)] = 16 * i + t;
+  }
+};
+const A2Inverse kA2Inverse;
+
+#if defined(__AVX2__)
+// A chunk's four int16 weight vectors (vector i lane t: the weight a2_idx(i, t)).
+template <int64_t T>
+inline __attribute__((always_inline)) void a2_weights(const uint8_t* q, __m256i* w) {
+  if constexpr (T == kQ8_0) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+    w[0] = _mm256_srai_epi16(_mm256_slli_epi16(v0, 8), 8);
+    w[1] = _mm256_srai_epi16(v0, 8);
+    w[2] = _mm256_srai_epi16(_mm256_slli_epi16(v1, 8), 8);
+    w[3] = _mm256_srai_epi16(v1, 8);
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i nib = _mm256_set1_epi16(0x000F);
+    w[0] = _mm256_and_si256(v, nib);
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), nib);
+    w[3] = _mm256_srli_epi16(v, 12);
+  }
+}
+#endif
+
+// One row of the layout back to float32 (exactly the file's values).
+template <int64_t T>
+void a2_dequant_row(const uint8_t* row, int64_t k, float* out) {
+  constexpr int64_t cb = a2_chunk_bytes<T>();
+  const int64_t nb = k / 32, nch = a2_chunks(k);
+  for (int64_t g = 0; g * 4 < nch; ++g) {
+    const int64_t nc = std::min<int64_t>(4, nch - 4 * g);
+    const int64_t nbt = std::min<int64_t>(8, nb - 8 * g);
+    uint16_t h16[2][8];
+    a2_group_scales<T>(row + nc * cb, nbt, h16);
+    float d[8], m[8];
+    for (int j = 0; j < 8; ++j) {
+      d[j] = fp16(reinterpret_cast<const uint8_t*>(&h16[0][j]));
+      m[j] = T == kQ4_1 ? fp16(reinterpret_cast<const uint8_t*>(&h16[1][j])) : T == kQ4_0 ? -8.f * d[j] : 0.f;
+    }
+    for (int64_t c = 0; c < nc; ++c) {
+      const uint8_t* q = row + c * cb;
+      const int64_t w0 = 64 * (4 * g + c);
+#if defined(__AVX2__)
+      // weights 0-15 of a block are vectors 0 and 2 interleaved, 16-31 vectors 1 and 3 (lanes 0-7 of each
+      // vector the chunk's first block, 8-15 its second)
+      __m256i wv[4];
+      a2_weights<T>(q, wv);
+      for (int h = 0; h < 2 && 64 * c + 32 * h < 32 * (nb - 8 * g); ++h) {
+        const __m256 dv = _mm256_set1_ps(d[2 * c + h]), mv = _mm256_set1_ps(m[2 * c + h]);
+        for (int e = 0; e < 2; ++e) {
+          const __m128i ia = h ? _mm256_extracti128_si256(wv[e], 1) : _mm256_castsi256_si128(wv[e]);
+          const __m128i ib = h ? _mm256_extracti128_si256(wv[e + 2], 1) : _mm256_castsi256_si128(wv[e + 2]);
+          const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(ia)), dv, mv);
+          const __m256 b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(ib)), dv, mv);
+          const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
+          float* o = out + w0 + 32 * h + 16 * e;
+          _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
+          _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+        }
+      }
+      continue;
+#endif
+      float v[64];  // chunk order
+      for (int i = 0; i < 4; ++i)
+        for (int t = 0; t < 16; ++t)
+          v[16 * i + t] = T == kQ8_0 ? static_cast<float>(static_cast<int8_t>(q[32 * (i >> 1) + 2 * t + (i & 1)]))
+                                     : static_cast<float>((q[2 * t + (i >> 1)] >> (4 * (i & 1))) & 0x0F);
+      const int64_t n = std::min<int64_t>(64, 32 * nb - w0);
+      for (int64_t l = 0; l < n; ++l) out[w0 + l] = d[2 * c + l / 32] * v[kA2Inverse.pos[l]] + m[2 * c + l / 32];
+    }
+    row += nc * cb + a2_scale_bytes<T>(nbt);
+  }
+}
+
+// The layout's activations: per row x16 (the same integers as quantize_rows) in idx order per chunk, and per
+// group the eight blocks' step and step * sum(x16) in kA2Order.
+template <typename scalar_t>
+void quantize_rows_a2(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRows& act) {
+  const int64_t nch = a2_chunks(k), ng = a2_groups(k), nb = k / 32;
+  act.a_stride = 64 * nch;
+  act.g_stride = 8 * ng;
+  act.xa.assign(m * act.a_stride, 0);
+  act.sta.assign(m * act.g_stride, 0.f);
+  act.sua.assign(m * act.g_stride, 0.f);
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
+    float buf[32];
+    int8_t hi[64], lo[64];
+    int16_t x16[64];
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * xs;
+      int16_t* xa = act.xa.data() + r * act.a_stride;
+      float* st = act.sta.data() + r * act.g_stride;
+      float* su = act.sua.data() + r * act.g_stride;
+      for (int64_t c = 0; c < nch; ++c) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t b = 2 * c + h;
+          if (b >= nb) {
+            for (int i = 32 * h; i < 32 * h + 32; ++i) x16[i] = 0;
+            continue;
+          }
+          load_block32(xr, 32 * b, k, buf);
+          int32_t half[2];
+          const float step = quantize_block32(buf, hi + 32 * h, lo + 32 * h, half) / 256.f;
+          for (int i = 32 * h; i < 32 * h + 32; ++i) x16[i] = static_cast<int16_t>(256 * hi[i] + lo[i]);
+          const int64_t g = b / 8;
+          int s = 0;
+          while (kA2Order[s] != b % 8) ++s;
+          st[8 * g + s] = step;
+          su[8 * g + s] = step * static_cast<float>(half[0] + half[1]);
+        }
+        for (int i = 0; i < 64; ++i) xa[64 * c + kA2Inverse.pos[i]] = x16[i];
+      }
+    }
+  });
+}
+
+// out[r * os] for activation rows [0, m) and weight rows [n0, n1) of the layout, rb bytes apart: the AVX2
+// kernel's float operations lane by lane (the same bits wherever FMA rounds once, as std::fma does).
+template <int64_t T>
+void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t k, const ActRows& act,
+                      int64_t m, float* out, int64_t os) {
+  constexpr int64_t cb = a2_chunk_bytes<T>();
+  const int64_t nch = a2_chunks(k), nb = k / 32;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < m; ++r) {
+      const uint8_t* row = w + n * rb;
+      const int16_t* xa = act.xa_row(r);
+      float acc[8] = {}, accm[8] = {};
+      for (int64_t g = 0; g * 4 < nch; ++g) {
+        const int64_t nc = std::min<int64_t>(4, nch - 4 * g), nbt = std::min<int64_t>(8, nb - 8 * g);
+        uint16_t h16[2][8];
+        a2_group_scales<T>(row + nc * cb, nbt, h16);
+        int32_t sums[8] = {};  // block order
+        for (int64_t c = 0; c < nc; ++c)
+          for (int i = 0; i < 4; ++i)
+            for (int t = 0; t < 16; ++t) {
+              const int q = T == kQ8_0 ? static_cast<int8_t>(row[c * cb + 32 * (i >> 1) + 2 * t + (i & 1)])
+                                       : (row[c * cb + 2 * t + (i >> 1)] >> (4 * (i & 1))) & 0x0F;
+              sums[2 * c + a2_idx(i, t) / 32] += q * xa[64 * (4 * g + c) + 16 * i + t];
+            }
+        for (int s = 0; s < 8; ++s) {  // lane s: block kA2Order[s]
+          const int j = kA2Order[s];
+          const float d = fp16(reinterpret_cast<const uint8_t*>(&h16[0][j]));
+          acc[s] = std::fma(static_cast<float>(sums[j]), d * act.sta_row(r)[8 * g + s], acc[s]);
+          const float mn = T == kQ4_1 ? fp16(reinterpret_cast<const uint8_t*>(&h16[1][j])) : d;
+          if constexpr (T != kQ8_0) accm[s] = std::fma(mn, act.sua_row(r)[8 * g + s], accm[s]);
+        }
+        row += nc * cb + a2_scale_bytes<T>(nbt);
+      }
+      float v[8];
+      for (int s = 0; s < 8; ++s) v[s] = acc[s] + (T == kQ4_0 ? accm[s] * -8.f : accm[s]);
+      const float h0 = v[0] + v[4], h1 = v[1] + v[5], h2 = v[2] + v[6], h3 = v[3] + v[7];
+      out[r * os + n] = (h0 + h2) + (h1 + h3);
+    }
+}
+
+#if defined(__AVX2__)
+// The int32 block sums of one chunk (lanes 0-3 its first block, 4-7 its second) for activation rows x[0..R).
+template <int64_t T, int R>
+PAGEDLLM_ALWAYS_INLINE void a2_chunk(const uint8_t* q, const int16_t* const* x, int64_t off, __m256i* p) {
+  __m256i w[4];
+  a2_weights<T>(q, w);
+  for (int r = 0; r < R; ++r) {
+    const __m256i* xv = reinterpret_cast<const __m256i*>(x[r] + off);
+    const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(xv)),
+                                         _mm256_madd_epi16(w[1], _mm256_loadu_si256(xv + 1)));
+    const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(xv + 2)),
+                                         _mm256_madd_epi16(w[3], _mm256_loadu_si256(xv + 3)));
+    p[r] = _mm256_add_epi32(p01, p23);
+  }
+}
+
+// out[r * os] for activation rows [m0, m0 + R) and one weight row of the layout.
+template <int64_t T, int R>
+inline void a2_dot_rows(const uint8_t* row, int64_t k, const ActRows& act, int64_t m0, float* out, int64_t os) {
+  constexpr int64_t cb = a2_chunk_bytes<T>();
+  const int64_t nch = a2_chunks(k), nb = k / 32;
+  const int16_t* x[R];
+  const float *st[R], *su[R];
+  __m256 acc[R], accm[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = act.xa_row(m0 + r);
+    st[r] = act.sta_row(m0 + r);
+    su[r] = act.sua_row(m0 + r);
+    acc[r] = accm[r] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; 4 * g < nch; ++g) {
+    const int64_t nc = std::min<int64_t>(4, nch - 4 * g);
+    __m256i h[2][R];
+    for (int pair = 0; pair < 2; ++pair) {
+      __m256i pa[R], pb[R];
+      for (int e = 0; e < 2; ++e) {
+        __m256i* p = e ? pb : pa;
+        const int64_t c = 2 * pair + e;
+        if (c < nc) a2_chunk<T, R>(row + c * cb, x, 64 * (4 * g + c), p);
+        else
+          for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+      }
+      for (int r = 0; r < R; ++r) h[pair][r] = _mm256_hadd_epi32(pa[r], pb[r]);
+    }
+    const int64_t nbt = std::min<int64_t>(8, nb - 8 * g);
+    const uint8_t* sc = row + nc * cb;
+    __m128i d16, m16 = _mm_setzero_si128();
+    if (nbt == 8) {
+      d16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+      if constexpr (T == kQ4_1) m16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16));
+    } else {  // a row's last group: only its (even) number of scales, read through a mask
+      const __m128i live = _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(a2_slots(nbt) / 2)),
+                                           _mm_setr_epi32(0, 1, 2, 3));
+      d16 = _mm_maskload_epi32(reinterpret_cast<const int*>(sc), live);
+      if constexpr (T == kQ4_1) m16 = _mm_maskload_epi32(reinterpret_cast<const int*>(sc + 2 * a2_slots(nbt)), live);
+    }
+    // block order to the order of the sums (kA2Order)
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(d16), order);
+    __m256 mn = d;
+    if constexpr (T == kQ4_1) mn = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(m16), order);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(h[0][r], h[1][r]));
+      acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_loadu_ps(st[r] + 8 * g)), acc[r]);
+      if constexpr (T != kQ8_0) accm[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(su[r] + 8 * g), accm[r]);
+    }
+    row += nc * cb + a2_scale_bytes<T>(nbt);
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 offs = T == kQ4_0 ? _mm256_mul_ps(accm[r], _mm256_set1_ps(-8.f)) : accm[r];
+    out[r * os] = hsum256(_mm256_add_ps(acc[r], offs));
+  }
+}
+
+template <int64_t T>
+void a2_rows_avx2(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int64_t k, const ActRows& act, int64_t m,
+                  float* out, int64_t os) {
+  for (int64_t r0 = 0; r0 < m; r0 += kA2Rows) {
+    const int64_t nr = std::min<int64_t>(kA2Rows, m - r0);
+    float* o = out + r0 * os;
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n + kPrefetchRows < n1) {  // as gemm_avx2_reg: a row ahead, so the stream never waits at a row start
+        const char* ahead = reinterpret_cast<const char*>(w + (n + kPrefetchRows) * rb);
+        for (int64_t off = 0; off < rb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      }
+      const uint8_t* row = w + n * rb;
+      switch (nr) {
+        case 4: a2_dot_rows<T, 4>(row, k, act, r0, o + n, os); break;
+        case 3: a2_dot_rows<T, 3>(row, k, act, r0, o + n, os); break;
+        case 2: a2_dot_rows<T, 2>(row, k, act, r0, o + n, os); break;
+        default: a2_dot_rows<T, 1>(row, k, act, r0, o + n, os); break;
+      }
+    }
+  }
+}
+#endif
+
+template <class F>
+inline void visit_a2(int64_t type, F&& f) {
+  using std::integral_constant;
+  switch (type - kA2) {
+    case kQ4_0: return f(integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(integral_constant<int64_t, kQ4_1>{});
+    case kQ8_0: return f(integral_constant<int64_t, kQ8_0>{});
+    default: break;
+  }
+  TORCH_CHECK(false, "gguf kernels: type ", type, " has no AVX2 row layout");
+}
+
+// Output rows [n0, n1) of an AVX2-row-layout part for all m activation rows, written at out (column 0 = n0's).
+void a2_dispatch(const Part& p, int64_t n0, int64_t n1, int64_t k, const ActRows& act, int64_t m, float* out,
+                 int64_t os, int64_t impl) {
+  visit_a2(p.type, [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+#if defined(__AVX2__)
+    if (impl != kPortable) return a2_rows_avx2<T>(p.w, p.rb, n0, n1, k, act, m, out, os);
+#endif
+    a2_rows_portable<T>(p.w, p.rb, n0, n1, k, act, m, out, os);
+  });
+}
+
 void check_type(int64_t type, int64_t k) {
+  if (is_a2(type)) {
+    TORCH_CHECK(k > 0 && k % 32 == 0, "gguf kernels: K=", k, " is not a multiple of the block size 32 of type ", type);
+    return;
+  }
   if (is_tiled(type)) {
     TORCH_CHECK(k > 0 && k % tiled_block_elems(type) == 0, "gguf kernels: K=", k,
                 " is not a multiple of the block size ", tiled_block_elems(type), " of type ", type);
@@ -1512,7 +1891,8 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
     const at::Tensor& w = weights[i];
     check_type(types[i], k);
     const bool tiled = is_tiled(types[i]);
-    const int64_t rb = tiled ? tiled_group_bytes(types[i], k) : row_bytes(types[i], k);
+    const int64_t rb = tiled ? tiled_group_bytes(types[i], k) : is_a2(types[i]) ? a2_row_bytes(types[i], k)
+                                                                                 : row_bytes(types[i], k);
     TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == rb,
                 "gguf_linear: weight part ", i, " must be contiguous uint8 [", tiled ? "rows / 16" : "rows", ", ", rb,
                 "]");
@@ -1530,8 +1910,8 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
   if (m == 0) return;
   float* op = out.data_ptr<float>();
   const int64_t os = out.stride(0);
-  bool any_tiled = false, any_plain = false;
-  for (const Part& p : parts) (is_tiled(p.type) ? any_tiled : any_plain) = true;
+  bool any_tiled = false, any_plain = false, any_a2 = false;
+  for (const Part& p : parts) (is_tiled(p.type) ? any_tiled : is_a2(p.type) ? any_a2 : any_plain) = true;
   bool use_f32 = false;
   const float* xp = nullptr;
   const int64_t k64 = (k + 63) / 64 * 64;
@@ -1552,6 +1932,7 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
 #endif
   ActRows& act = tls_act;
   if (any_tiled) with_x_rows(x, [&](const auto* xr) { quantize_rows_tiled(xr, x.stride(0), m, k, act); });
+  if (any_a2) with_x_rows(x, [&](const auto* xr) { quantize_rows_a2(xr, x.stride(0), m, k, act); });
   if (any_plain && !use_f32) with_x_rows(x, [&](const auto* xr) { quantize_rows(xr, x.stride(0), m, k, act); });
   // ~64k multiply-adds per thread chunk at least: small products stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k * m));
@@ -1571,6 +1952,13 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, at::TensorList weights, a
       }
       const int64_t lo = std::max(begin, p.col), hi = std::min(end, p.col + p.rows);
       if (lo >= hi) continue;
+      if (is_a2(p.type)) {
+        a2_dispatch(p, lo - p.col, hi - p.col, k, act, m, op + p.col, os, impl);
+        if (bp)
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t n = lo; n < hi; ++n) op[i * os + n] += bp[n];
+        continue;
+      }
 #if defined(PAGEDLLM_HAVE_VNNI512)
       if (use_f32) {
         gemm_f32_dispatch(p, lo - p.col, hi - p.col, k, xp, k64, m, op, os);
@@ -1659,6 +2047,25 @@ at::Tensor gguf_tile(const at::Tensor& w, int64_t type) {
   return out;
 }
 
+// The AVX2 row layout (type kA2 + type) of w (uint8 [rows, row_bytes] of Q4_0, Q4_1 or Q8_0): the same values,
+// rearranged per row; kA2 + type's rows come back from gguf_dequantize_rows exactly as type's.
+at::Tensor gguf_a2pack(const at::Tensor& w, int64_t type) {
+  TORCH_CHECK(a2able(type), "gguf_a2pack: type ", type, " has no AVX2 row layout");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) > 0 &&
+                  w.size(1) % block_bytes(type) == 0,
+              "gguf_a2pack: w must be contiguous uint8 [rows, row_bytes]");
+  const int64_t rb = w.size(1), rows = w.size(0), k = rb / block_bytes(type) * 32;
+  const int64_t ob = a2_row_bytes(kA2 + type, k);
+  at::Tensor out = at::empty({rows, ob}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      visit_a2(kA2 + type, [&](auto t) { a2_pack_row<decltype(t)::value>(src + r * rb, k, dst + r * ob); });
+  });
+  return out;
+}
+
 // out [len(ids), K] float32 = dequantized rows ids of w (uint8 [V, row_bytes]); ids < 0 or >= V is an error.
 // ids = None: every row (out [V, K]).
 void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& ids) {
@@ -1666,8 +2073,8 @@ void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, co
               "gguf_dequantize_rows: out must be contiguous float32 [rows, K]");
   const int64_t k = out.size(1);
   check_type(type, k);
-  const bool tiled = is_tiled(type);
-  const int64_t want = tiled ? tiled_group_bytes(type, k) : row_bytes(type, k);
+  const bool tiled = is_tiled(type), a2 = is_a2(type);
+  const int64_t want = tiled ? tiled_group_bytes(type, k) : a2 ? a2_row_bytes(type, k) : row_bytes(type, k);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == want,
               "gguf_dequantize_rows: w must be contiguous uint8 [", tiled ? "V / 16" : "V", ", ", want, "]");
   const int64_t vocab = tiled ? 16 * w.size(0) : w.size(0);
@@ -1687,6 +2094,7 @@ void gguf_dequantize_rows(at::Tensor& out, const at::Tensor& w, int64_t type, co
       const int64_t src = idp ? idp[r] : r;
       TORCH_CHECK(src >= 0 && src < vocab, "gguf_dequantize_rows: row id ", src, " out of range [0, ", vocab, ")");
       if (tiled) dequant_tiled_dispatch(type, wp + (src / 16) * rb, static_cast<int>(src % 16), k, op + r * k);
+      else if (a2) visit_a2(type, [&](auto t) { a2_dequant_row<decltype(t)::value>(wp + src * rb, k, op + r * k); });
       else dequant_row_dispatch(type, wp + src * rb, k, op + r * k);
     }
   });
@@ -1746,6 +2154,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("gguf_dequantize_rows(Tensor(a!) out, Tensor w, int type, Tensor? ids) -> ()");
   m.def("gguf_best_impl", &gguf_best_impl);
   m.def("gguf_tile(Tensor w, int type) -> Tensor");
+  m.def("gguf_a2pack(Tensor w, int type) -> Tensor");
   m.def("gguf_q5_0_to_q8_0(Tensor w) -> Tensor");
 }
 
@@ -1753,5 +2162,6 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize_rows", &gguf_dequantize_rows);
   m.impl("gguf_tile", &gguf_tile);
+  m.impl("gguf_a2pack", &gguf_a2pack);
   m.impl("gguf_q5_0_to_q8_0", &gguf_q5_0_to_q8_0);
 }
