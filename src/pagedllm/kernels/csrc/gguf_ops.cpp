@@ -1481,19 +1481,20 @@ void tiled_dispatch(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActR
 // The AVX2 row layout (repacked at load by gguf_a2pack, for machines whose best path is AVX2): each weight row
 // keeps its own bytes, regrouped so that the int16 products need no shuffles. Per row, the 32-blocks are taken
 // two at a time ("a chunk", 64 weights) and four chunks at a time ("a group", 256 weights):
-//   per chunk, 4-bit types (Q4_0, Q4_1): the two blocks' 16 quant bytes as in the file (32 B); the 16-bit word t
-//     of that vector holds, nibble i = 0..3, the weight idx(i, t) of the chunk; Q8_0: 64 B, two vectors whose
-//     word t holds, byte i & 1 of vector i >> 1, the weight idx(i, t) (the same order, so one activation layout
-//     serves every type);
-//   per group, after its chunks: the eight blocks' fp16 d, then for Q4_1 their fp16 m, in the order in which
-//     two rounds of vphaddd leave the blocks' sums (0, 2, 4, 6, 1, 3, 5, 7); missing blocks are zero.
+//   per chunk, 4-bit types (Q4_0, Q4_1: the two blocks' 16 quant bytes as in the file; Q4_K: its two
+//     sub-blocks' nibbles regrouped the same way): 32 B whose 16-bit word t holds, nibble i = 0..3, the weight
+//     idx(i, t) of the chunk; Q8_0: 64 B, two vectors whose word t holds, byte i & 1 of vector i >> 1, the weight
+//     idx(i, t) (the same order, so one activation layout serves every type);
+//   per group, after its chunks, the blocks' scales (a2_scale_bytes): fp16 d (then Q4_1's fp16 m) per block;
+//     Q4_K: its super-block's d and dmin, its 6-bit sub-block scales and mins as bytes. The kernel takes them
+//     in the order in which two rounds of vphaddd leave the blocks' sums (kA2Order: 0, 2, 4, 6, 1, 3, 5, 7).
 // idx(i, t) = 32 (b >> 4) + (b & 15) + 16 (i & 1), b = 2 t + (i >> 1): every 32-bit lane of a vpmaddwd product
 // sums weights of one block (lanes 0-3 the chunk's first block, 4-7 its second), so each group needs one
 // float rescale of its eight block sums. A chunk costs one load, four masks or shifts and four vpmaddwd of the
 // int16 activations (stored in the same order) per activation row: the 16-bit activations' precision (see the
 // top of this file) at a third of the instructions of the row kernels above.
 constexpr int64_t kA2 = 3000;
-inline bool a2able(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kQ8_0; }
+inline bool a2able(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kQ8_0 || t == kQ4_K; }
 inline bool is_a2(int64_t t) { return t > kA2 && a2able(t - kA2); }
 constexpr int64_t kA2Rows = 4;  // activation rows per pass over a weight row
 constexpr int kA2Order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
@@ -1509,8 +1510,13 @@ constexpr int64_t a2_halves() { return T == kQ4_1 ? 2 : 1; }  // fp16 d, and m f
 // than 8 blocks) no more than its blocks', so that a row takes the file's bytes (odd block counts aside: their
 // last chunk and scale are padded with zeros).
 inline int64_t a2_slots(int64_t nbt) { return nbt + (nbt & 1); }
+// Q4_K (K a multiple of 256: every group one super-block): d, dmin (fp16), then the eight 6-bit sub-block
+// scales and mins as bytes in kA2Order (sc[8], mn[8]): 148 bytes per 256 weights for the file's 144.
 template <int64_t T>
-inline int64_t a2_scale_bytes(int64_t nbt) { return 2 * a2_slots(nbt) * a2_halves<T>(); }
+inline int64_t a2_scale_bytes(int64_t nbt) { return T == kQ4_K ? 20 : 2 * a2_slots(nbt) * a2_halves<T>(); }
+// A group's float scale and offset per block in block order: weight = d[b] q + m[b].
+template <int64_t T>
+inline void a2_group_floats(const uint8_t* sc, int64_t nbt, float* d, float* m);
 // A group's fp16 d (h = 0) and m (h = 1) in block order, zero for missing blocks.
 template <int64_t T>
 inline void a2_group_scales(const uint8_t* sc, int64_t nbt, uint16_t (*out)[8]) {
@@ -1521,12 +1527,56 @@ inline int64_t a2_chunks(int64_t k) { return (k / 32 + 1) / 2; }
 inline int64_t a2_groups(int64_t k) { return (a2_chunks(k) + 3) / 4; }
 inline int64_t a2_row_bytes(int64_t type, int64_t k) {
   const int64_t base = type - kA2, nb = k / 32, halves = base == kQ4_1 ? 2 : 1;
+  if (base == kQ4_K) return k / 256 * 148;
   return a2_chunks(k) * (base == kQ8_0 ? 64 : 32) + (nb / 8 * 16 + 2 * a2_slots(nb % 8)) * halves;
+}
+
+template <int64_t T>
+inline void a2_group_floats(const uint8_t* sc, int64_t nbt, float* d, float* m) {
+  if constexpr (T == kQ4_K) {
+    const float dd = fp16(sc), dmin = fp16(sc + 2);
+    for (int s = 0; s < 8; ++s) {
+      d[kA2Order[s]] = dd * static_cast<float>(sc[4 + s]);
+      m[kA2Order[s]] = -dmin * static_cast<float>(sc[12 + s]);
+    }
+  } else {
+    uint16_t h16[2][8];
+    a2_group_scales<T>(sc, nbt, h16);
+    for (int j = 0; j < 8; ++j) {
+      d[j] = fp16(reinterpret_cast<const uint8_t*>(&h16[0][j]));
+      m[j] = T == kQ4_1 ? fp16(reinterpret_cast<const uint8_t*>(&h16[1][j])) : T == kQ4_0 ? -8.f * d[j] : 0.f;
+    }
+  }
 }
 
 // One row of type T (k weights, the file's blocks) into the layout.
 template <int64_t T>
 void a2_pack_row(const uint8_t* src, int64_t k, uint8_t* dst) {
+  if constexpr (T == kQ4_K) {
+    for (int64_t g = 0; g < k / 256; ++g) {
+      const uint8_t* blk = src + g * 144;
+      for (int c = 0; c < 4; ++c) {  // sub-blocks 2c, 2c + 1: the low and high nibbles of qs[32 c, 32 c + 32)
+        uint8_t* out = dst + 32 * c;
+        std::memset(out, 0, 32);
+        for (int i = 0; i < 4; ++i)
+          for (int t = 0; t < 16; ++t) {
+            const int l = a2_idx(i, t);
+            const uint8_t q = (blk[16 + 32 * c + l % 32] >> (4 * (l / 32))) & 0x0F;
+            out[2 * t + (i >> 1)] |= static_cast<uint8_t>(q << (4 * (i & 1)));
+          }
+      }
+      uint8_t* hdr = dst + 128;
+      std::memcpy(hdr, blk, 4);
+      for (int s = 0; s < 8; ++s) {
+        float sc, mn;
+        scale_min_k4(blk + 4, kA2Order[s], sc, mn);
+        hdr[4 + s] = static_cast<uint8_t>(sc);
+        hdr[12 + s] = static_cast<uint8_t>(mn);
+      }
+      dst += 148;
+    }
+    return;
+  }
   constexpr int64_t bb = block_bytes(T), cb = a2_chunk_bytes<T>();
   const int64_t nb = k / 32, nch = a2_chunks(k);
   for (int64_t g = 0; g * 4 < nch; ++g) {
@@ -1554,7 +1604,8 @@ void a2_pack_row(const uint8_t* src, int64_t k, uint8_t* dst) {
     const int64_t nbt = std::min<int64_t>(8, nb - 8 * g);
     std::memset(dst, 0, a2_scale_bytes<T>(nbt));
     for (int64_t j = 0; j < nbt; ++j)
-      for (int h = 0; h < a2_halves<T>(); ++h) std::memcpy(dst + 2 * (a2_slots(nbt) * h + j), src + (8 * g + j) * bb + 2 * h, 2);
+      for (int h = 0; h < a2_halves<T>(); ++h)
+        std::memcpy(dst + 2 * (a2_slots(nbt) * h + j), src + (8 * g + j) * bb + 2 * h, 2);
     dst += a2_scale_bytes<T>(nbt);
   }
 }
@@ -1599,13 +1650,8 @@ void a2_dequant_row(const uint8_t* row, int64_t k, float* out) {
   for (int64_t g = 0; g * 4 < nch; ++g) {
     const int64_t nc = std::min<int64_t>(4, nch - 4 * g);
     const int64_t nbt = std::min<int64_t>(8, nb - 8 * g);
-    uint16_t h16[2][8];
-    a2_group_scales<T>(row + nc * cb, nbt, h16);
     float d[8], m[8];
-    for (int j = 0; j < 8; ++j) {
-      d[j] = fp16(reinterpret_cast<const uint8_t*>(&h16[0][j]));
-      m[j] = T == kQ4_1 ? fp16(reinterpret_cast<const uint8_t*>(&h16[1][j])) : T == kQ4_0 ? -8.f * d[j] : 0.f;
-    }
+    a2_group_floats<T>(row + nc * cb, nbt, d, m);
     for (int64_t c = 0; c < nc; ++c) {
       const uint8_t* q = row + c * cb;
       const int64_t w0 = 64 * (4 * g + c);
@@ -1697,8 +1743,8 @@ void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int6
       float acc[8] = {}, accm[8] = {};
       for (int64_t g = 0; g * 4 < nch; ++g) {
         const int64_t nc = std::min<int64_t>(4, nch - 4 * g), nbt = std::min<int64_t>(8, nb - 8 * g);
-        uint16_t h16[2][8];
-        a2_group_scales<T>(row + nc * cb, nbt, h16);
+        float dj[8], mj[8];
+        a2_group_floats<T>(row + nc * cb, nbt, dj, mj);
         int32_t sums[8] = {};  // block order
         for (int64_t c = 0; c < nc; ++c)
           for (int i = 0; i < 4; ++i)
@@ -1709,9 +1755,8 @@ void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int6
             }
         for (int s = 0; s < 8; ++s) {  // lane s: block kA2Order[s]
           const int j = kA2Order[s];
-          const float d = fp16(reinterpret_cast<const uint8_t*>(&h16[0][j]));
-          acc[s] = std::fma(static_cast<float>(sums[j]), d * act.sta_row(r)[8 * g + s], acc[s]);
-          const float mn = T == kQ4_1 ? fp16(reinterpret_cast<const uint8_t*>(&h16[1][j])) : d;
+          acc[s] = std::fma(static_cast<float>(sums[j]), dj[j] * act.sta_row(r)[8 * g + s], acc[s]);
+          const float mn = T == kQ4_0 ? dj[j] : mj[j];  // Q4_0: the offset -8 d is applied at the end
           if constexpr (T != kQ8_0) accm[s] = std::fma(mn, act.sua_row(r)[8 * g + s], accm[s]);
         }
         row += nc * cb + a2_scale_bytes<T>(nbt);
@@ -1737,6 +1782,33 @@ PAGEDLLM_ALWAYS_INLINE void a2_chunk(const uint8_t* q, const int16_t* const* x, 
                                          _mm256_madd_epi16(w[3], _mm256_loadu_si256(xv + 3)));
     p[r] = _mm256_add_epi32(p01, p23);
   }
+}
+
+// A group's block scales d and offsets mn (Q4_0: d, the offset -8 d applied at the end; Q8_0: none) in kA2Order.
+template <int64_t T>
+PAGEDLLM_ALWAYS_INLINE void a2_group_vectors(const uint8_t* sc, int64_t nbt, __m256& d, __m256& mn) {
+  if constexpr (T == kQ4_K) {  // d sc and -dmin mn, the bytes already in kA2Order
+    const __m128i* bytes = reinterpret_cast<const __m128i*>(sc + 4);
+    const __m256 sc8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes)));
+    const __m256 mn8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(sc + 12))));
+    d = _mm256_mul_ps(_mm256_set1_ps(fp16(sc)), sc8);
+    mn = _mm256_mul_ps(_mm256_set1_ps(-fp16(sc + 2)), mn8);
+    return;
+  }
+  __m128i d16, m16 = _mm_setzero_si128();
+  if (nbt == 8) {
+    d16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    if constexpr (T == kQ4_1) m16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16));
+  } else {  // a row's last group: only its (even) number of scales, read through a mask
+    const __m128i live = _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(a2_slots(nbt) / 2)),
+                                         _mm_setr_epi32(0, 1, 2, 3));
+    d16 = _mm_maskload_epi32(reinterpret_cast<const int*>(sc), live);
+    if constexpr (T == kQ4_1) m16 = _mm_maskload_epi32(reinterpret_cast<const int*>(sc + 2 * a2_slots(nbt)), live);
+  }
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // block order to kA2Order
+  d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(d16), order);
+  mn = T == kQ4_1 ? _mm256_permutevar8x32_ps(_mm256_cvtph_ps(m16), order) : d;
 }
 
 // out[r * os] for activation rows [m0, m0 + R) and one weight row of the layout.
@@ -1768,22 +1840,8 @@ inline void a2_dot_rows(const uint8_t* row, int64_t k, const ActRows& act, int64
       for (int r = 0; r < R; ++r) h[pair][r] = _mm256_hadd_epi32(pa[r], pb[r]);
     }
     const int64_t nbt = std::min<int64_t>(8, nb - 8 * g);
-    const uint8_t* sc = row + nc * cb;
-    __m128i d16, m16 = _mm_setzero_si128();
-    if (nbt == 8) {
-      d16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-      if constexpr (T == kQ4_1) m16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16));
-    } else {  // a row's last group: only its (even) number of scales, read through a mask
-      const __m128i live = _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(a2_slots(nbt) / 2)),
-                                           _mm_setr_epi32(0, 1, 2, 3));
-      d16 = _mm_maskload_epi32(reinterpret_cast<const int*>(sc), live);
-      if constexpr (T == kQ4_1) m16 = _mm_maskload_epi32(reinterpret_cast<const int*>(sc + 2 * a2_slots(nbt)), live);
-    }
-    // block order to the order of the sums (kA2Order)
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    const __m256 d = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(d16), order);
-    __m256 mn = d;
-    if constexpr (T == kQ4_1) mn = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(m16), order);
+    __m256 d, mn;
+    a2_group_vectors<T>(row + nc * cb, nbt, d, mn);
     for (int r = 0; r < R; ++r) {
       const __m256 sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(h[0][r], h[1][r]));
       acc[r] = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_loadu_ps(st[r] + 8 * g)), acc[r]);
@@ -1827,6 +1885,7 @@ inline void visit_a2(int64_t type, F&& f) {
     case kQ4_0: return f(integral_constant<int64_t, kQ4_0>{});
     case kQ4_1: return f(integral_constant<int64_t, kQ4_1>{});
     case kQ8_0: return f(integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(integral_constant<int64_t, kQ4_K>{});
     default: break;
   }
   TORCH_CHECK(false, "gguf kernels: type ", type, " has no AVX2 row layout");
@@ -1846,7 +1905,9 @@ void a2_dispatch(const Part& p, int64_t n0, int64_t n1, int64_t k, const ActRows
 
 void check_type(int64_t type, int64_t k) {
   if (is_a2(type)) {
-    TORCH_CHECK(k > 0 && k % 32 == 0, "gguf kernels: K=", k, " is not a multiple of the block size 32 of type ", type);
+    const int64_t be = block_elems(type - kA2);
+    TORCH_CHECK(k > 0 && k % be == 0, "gguf kernels: K=", k, " is not a multiple of the block size ", be, " of type ",
+                type);
     return;
   }
   if (is_tiled(type)) {
@@ -2047,14 +2108,14 @@ at::Tensor gguf_tile(const at::Tensor& w, int64_t type) {
   return out;
 }
 
-// The AVX2 row layout (type kA2 + type) of w (uint8 [rows, row_bytes] of Q4_0, Q4_1 or Q8_0): the same values,
-// rearranged per row; kA2 + type's rows come back from gguf_dequantize_rows exactly as type's.
+// The AVX2 row layout (type kA2 + type) of w (uint8 [rows, row_bytes] of Q4_0, Q4_1, Q8_0 or Q4_K): the same
+// values, rearranged per row; kA2 + type's rows come back from gguf_dequantize_rows exactly as type's.
 at::Tensor gguf_a2pack(const at::Tensor& w, int64_t type) {
   TORCH_CHECK(a2able(type), "gguf_a2pack: type ", type, " has no AVX2 row layout");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) > 0 &&
                   w.size(1) % block_bytes(type) == 0,
               "gguf_a2pack: w must be contiguous uint8 [rows, row_bytes]");
-  const int64_t rb = w.size(1), rows = w.size(0), k = rb / block_bytes(type) * 32;
+  const int64_t rb = w.size(1), rows = w.size(0), k = rb / block_bytes(type) * block_elems(type);
   const int64_t ob = a2_row_bytes(kA2 + type, k);
   at::Tensor out = at::empty({rows, ob}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
