@@ -62,7 +62,7 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # (models/cpu_decode.py; A/B benchmarks, debugging).
     "PAGEDLLM_CPU_FUSED_DECODE": lambda: os.environ.get("PAGEDLLM_CPU_FUSED_DECODE", "1") != "0",
     # "0": GGUF weights kept packed stay in the file's row layout instead of the layout this CPU's kernels read
-    # fastest (16-row tiles on AVX-512 VNNI, the AVX2 row layout for Q4_0 / Q4_1 / Q8_0 / Q4_K on AVX2;
+    # fastest (16-row tiles on AVX-512 VNNI; on AVX2 the row layout of Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K;
     # kernels/csrc/gguf_ops.cpp; A/B benchmarks).
     "PAGEDLLM_GGUF_TILED": lambda: os.environ.get("PAGEDLLM_GGUF_TILED", "1") != "0",
     # "0": keep GGUF Q5_0 linear layers as Q5_0 on AVX2 machines without VNNI (A/B benchmarks; default: widened

@@ -112,14 +112,14 @@ def test_flags(engines, tiny_llama_dir):
 def tiled_id(qtype: int, rows: int = 16) -> int:
     """The type id a packed tensor of qtype (rows output rows) has after loading: the layout this machine's
     kernels read fastest where they have one for it (AVX-512 VNNI: 16-row tiles; AVX2: the row layout of Q4_0,
-    Q4_1, Q8_0 and Q4_K)."""
+    Q4_1, Q8_0, Q4_K and Q6_K)."""
     from pagedllm import envs
     from pagedllm.kernels.cpu_ops import cpu_ops
     from pagedllm.kernels.gguf_ops import A2_BASE, TILED_BASE
     best = cpu_ops().gguf_best_impl()
     if not envs.PAGEDLLM_GGUF_TILED:
         return qtype
-    if best == 1 and qtype in (2, 3, 8, 12):
+    if best == 1 and qtype in (2, 3, 8, 12, 14):
         return A2_BASE + qtype
     return TILED_BASE + qtype if best == 2 and rows % 16 == 0 else qtype
 

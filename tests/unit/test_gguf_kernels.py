@@ -359,22 +359,23 @@ def test_tiled_int8_rows(ops, k, threads):
 
 
 # ---- the AVX2 row layout (gguf_a2pack): each row's bytes regrouped for shuffle-free int16 products
-A2_ABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K]
+A2_ABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+A2_KQUANTS = (Q.Q4_K, Q.Q6_K)
 A2 = 3000  # type id offset of the AVX2 row layout
 # K: for the 32-block types one block, a half chunk (odd block counts), whole groups of 8 blocks, a last group of 2
-# (576) or of 1 (800: 25 blocks); for Q4_K (groups are its super-blocks) one to six super-blocks.
-A2_KS = [(t, k) for t in A2_ABLE for k in ([256, 512, 1536] if t == Q.Q4_K else [32, 96, 256, 576, 800, 1536])]
+# (576) or of 1 (800: 25 blocks); for the K-quants (groups are their super-blocks) one to six super-blocks.
+A2_KS = [(t, k) for t in A2_ABLE for k in ([256, 512, 1536] if t in A2_KQUANTS else [32, 96, 256, 576, 800, 1536])]
 
 
 @pytest.mark.parametrize("qtype,k", A2_KS, ids=lambda v: getattr(v, "name", str(v)))
 def test_a2_layout_dequantizes_exactly_as_the_file(ops, qtype, k):
     """Even block counts take exactly the file's bytes, odd ones a padded half chunk and scale; Q4_K 148 bytes per
-    super-block for 144 (its 6-bit scales as bytes)."""
+    super-block for 144 (its 6-bit scales as bytes), Q6_K the file's 210."""
     packed = make_weight(qtype, 21, k, seed=int(qtype) + k)
     a2 = ops.gguf_a2pack(torch.from_numpy(packed), int(qtype))
     assert a2.dtype == torch.uint8 and a2.shape[0] == 21
-    if qtype == Q.Q4_K:
-        assert a2.shape[1] == k // 256 * 148
+    if qtype in A2_KQUANTS:
+        assert a2.shape[1] == k // 256 * (148 if qtype == Q.Q4_K else 210)
     else:
         nb, halves = k // 32, 2 if qtype == Q.Q4_1 else 1
         quant_bytes = GGML_QUANT_SIZES[qtype][1] - 2 * halves
@@ -400,7 +401,7 @@ def test_a2_linear_against_dequantized_matmul(ops, qtype, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for k in ((256, 1024) if qtype == Q.Q4_K else (96, 576, 800)):
+        for k in ((256, 1024) if qtype in A2_KQUANTS else (96, 576, 800)):
             packed = make_weight(qtype, n, k, seed=int(qtype) + 11 + k)
             a2 = ops.gguf_a2pack(torch.from_numpy(packed), int(qtype))
             w = torch.from_numpy(reference_dequant(packed, qtype))
@@ -422,7 +423,7 @@ def test_a2_linear_against_dequantized_matmul(ops, qtype, threads):
 def test_a2_one_activation_row_bits_do_not_depend_on_row_grouping(ops, qtype):
     """A decode row's outputs keep their bits whatever else is computed with them: thread count, the part's rows
     taken in slices, and other activation rows in the same call (a batch)."""
-    n, k = 11, 768 if qtype == Q.Q4_K else 576
+    n, k = 11, 768 if qtype in A2_KQUANTS else 576
     packed = torch.from_numpy(make_weight(qtype, n, k, seed=int(qtype) + 3))
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
     x[0, 3] *= 40
@@ -455,7 +456,7 @@ def test_a2_parts_beside_other_layouts_bias_and_dtypes(ops, threads):
     bf16 / fp16 activations; every output written once."""
     k = 768  # 24 blocks, three super-blocks
     parts = [(Q.Q4_1, 9, True), (Q.Q5_1, 16, False), (Q.Q8_0, 5, True), (Q.Q4_K, 7, True), (Q.Q6_K, 7, False),
-             (Q.Q4_0, 16, True)]
+             (Q.Q6_K, 3, True), (Q.Q4_0, 16, True)]
     packed, types, dense = [], [], []
     for i, (t, rows, a2) in enumerate(parts):
         p = make_weight(t, rows, k, seed=60 + i)
@@ -497,15 +498,16 @@ def test_a2pack_rejects_what_has_no_row_layout(ops):
 
 
 def test_packed_weights_take_this_machines_fastest_layout(ops, monkeypatch):
-    """tile_packed: the AVX2 row layout on AVX2 machines (Q4_0 / Q4_1 / Q8_0, any row count), the 16-row tiles on
-    AVX-512 VNNI ones (row counts of 16), the file's layout elsewhere or with PAGEDLLM_GGUF_TILED=0."""
+    """tile_packed: the AVX2 row layout on AVX2 machines (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, any row count; not
+    Q5_K), the 16-row tiles on AVX-512 VNNI ones (row counts of 16), the file's layout elsewhere or with
+    PAGEDLLM_GGUF_TILED=0."""
     from pagedllm.kernels.gguf_ops import A2_BASE, TILED_BASE, base_type, tile_packed
     best = ops.gguf_best_impl()
-    for qtype, rows in ((Q.Q4_1, 7), (Q.Q8_0, 16), (Q.Q4_K, 16), (Q.Q6_K, 16)):
+    for qtype, rows in ((Q.Q4_1, 7), (Q.Q8_0, 16), (Q.Q4_K, 16), (Q.Q6_K, 16), (Q.Q5_K, 16)):
         k = 256
         packed = torch.from_numpy(make_weight(qtype, rows, k, seed=rows))
         tensor, type_id = tile_packed(packed, int(qtype))
-        if best == 1 and qtype != Q.Q6_K:
+        if best == 1 and qtype != Q.Q5_K:
             assert type_id == A2_BASE + int(qtype)
         elif best == 2 and rows % 16 == 0:
             assert type_id == TILED_BASE + int(qtype)

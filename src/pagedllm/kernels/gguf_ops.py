@@ -46,7 +46,7 @@ _TILEABLE = (2, 3, 6, 7, 8, 12, 13, 14, I8_ROW)  # Q4_0 ... Q6_K, and I8_ROW
 # The AVX2 row layout (gguf_a2pack): each row's own bytes regrouped for shuffle-free int16 products, type id
 # A2_BASE + the GGML type; what the AVX2 kernels read fastest (machines without AVX-512 VNNI).
 A2_BASE = 3000
-_A2_ABLE = (2, 3, 8, 12)  # Q4_0, Q4_1, Q8_0, Q4_K
+_A2_ABLE = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 
 
 def is_tiled(qtype: int) -> bool:

@@ -1494,7 +1494,7 @@ void tiled_dispatch(const Part& p, int64_t g0, int64_t g1, int64_t k, const ActR
 // int16 activations (stored in the same order) per activation row: the 16-bit activations' precision (see the
 // top of this file) at a third of the instructions of the row kernels above.
 constexpr int64_t kA2 = 3000;
-inline bool a2able(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kQ8_0 || t == kQ4_K; }
+inline bool a2able(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kQ8_0 || t == kQ4_K || t == kQ6_K; }
 inline bool is_a2(int64_t t) { return t > kA2 && a2able(t - kA2); }
 constexpr int64_t kA2Rows = 4;  // activation rows per pass over a weight row
 constexpr int kA2Order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
@@ -1512,8 +1512,15 @@ constexpr int64_t a2_halves() { return T == kQ4_1 ? 2 : 1; }  // fp16 d, and m f
 inline int64_t a2_slots(int64_t nbt) { return nbt + (nbt & 1); }
 // Q4_K (K a multiple of 256: every group one super-block): d, dmin (fp16), then the eight 6-bit sub-block
 // scales and mins as bytes in kA2Order (sc[8], mn[8]): 148 bytes per 256 weights for the file's 144.
+// Q6_K: the chunks hold its low 4 bits; after them two 32 B planes of the high 2 bits (plane u, word t, bits
+// 2 j: chunk 2 u + j / 4's weight idx(j % 4, t)), its sixteen int8 scales (per 16 weights) in kA2Units order, d:
+// the file's 210 bytes.
 template <int64_t T>
-inline int64_t a2_scale_bytes(int64_t nbt) { return T == kQ4_K ? 20 : 2 * a2_slots(nbt) * a2_halves<T>(); }
+inline int64_t a2_scale_bytes(int64_t nbt) {
+  return T == kQ4_K ? 20 : T == kQ6_K ? 82 : 2 * a2_slots(nbt) * a2_halves<T>();
+}
+// Q6_K's 16-weight units (2 block + half) in the order in which the kernel's vphaddd rounds leave their sums.
+constexpr int kA2Units[16] = {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15};
 // A group's float scale and offset per block in block order: weight = d[b] q + m[b].
 template <int64_t T>
 inline void a2_group_floats(const uint8_t* sc, int64_t nbt, float* d, float* m);
@@ -1528,6 +1535,7 @@ inline int64_t a2_groups(int64_t k) { return (a2_chunks(k) + 3) / 4; }
 inline int64_t a2_row_bytes(int64_t type, int64_t k) {
   const int64_t base = type - kA2, nb = k / 32, halves = base == kQ4_1 ? 2 : 1;
   if (base == kQ4_K) return k / 256 * 148;
+  if (base == kQ6_K) return k / 256 * 210;
   return a2_chunks(k) * (base == kQ8_0 ? 64 : 32) + (nb / 8 * 16 + 2 * a2_slots(nb % 8)) * halves;
 }
 
@@ -1552,6 +1560,27 @@ inline void a2_group_floats(const uint8_t* sc, int64_t nbt, float* d, float* m) 
 // One row of type T (k weights, the file's blocks) into the layout.
 template <int64_t T>
 void a2_pack_row(const uint8_t* src, int64_t k, uint8_t* dst) {
+  if constexpr (T == kQ6_K) {
+    for (int64_t g = 0; g < k / 256; ++g) {
+      std::memset(dst, 0, 210);
+      for (int c = 0; c < 4; ++c) {
+        Chunk ch;
+        decode_chunk<kQ6_K>(src, 4 * g + c, k, ch);  // the 6-bit values, weight order
+        for (int i = 0; i < 4; ++i)
+          for (int t = 0; t < 16; ++t) {
+            const uint8_t q = ch.q[a2_idx(i, t)];
+            dst[32 * c + 2 * t + (i >> 1)] |= static_cast<uint8_t>((q & 0x0F) << (4 * (i & 1)));
+            const int bit = 2 * (4 * (c & 1) + i);  // in plane c / 2's word t
+            dst[128 + 32 * (c >> 1) + 2 * t + bit / 8] |= static_cast<uint8_t>((q >> 4) << (bit % 8));
+          }
+      }
+      const uint8_t* blk = src + g * 210;
+      for (int u = 0; u < 16; ++u) dst[192 + u] = blk[192 + kA2Units[u]];
+      std::memcpy(dst + 208, blk + 208, 2);
+      dst += 210;
+    }
+    return;
+  }
   if constexpr (T == kQ4_K) {
     for (int64_t g = 0; g < k / 256; ++g) {
       const uint8_t* blk = src + g * 144;
@@ -1645,6 +1674,22 @@ inline __attribute__((always_inline)) void a2_weights(const uint8_t* q, __m256i*
 // One row of the layout back to float32 (exactly the file's values).
 template <int64_t T>
 void a2_dequant_row(const uint8_t* row, int64_t k, float* out) {
+  if constexpr (T == kQ6_K) {
+    for (int64_t g = 0; g < k / 256; ++g, row += 210) {
+      float a[16];  // per 16 weights
+      const float d = fp16(row + 208);
+      for (int u = 0; u < 16; ++u) a[kA2Units[u]] = d * static_cast<float>(static_cast<int8_t>(row[192 + u]));
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 4; ++i)
+          for (int t = 0; t < 16; ++t) {
+            const int l = a2_idx(i, t), bit = 2 * (4 * (c & 1) + i);
+            const int lo = (row[32 * c + 2 * t + (i >> 1)] >> (4 * (i & 1))) & 0x0F;
+            const int hi = (row[128 + 32 * (c >> 1) + 2 * t + bit / 8] >> (bit % 8)) & 3;
+            out[256 * g + 64 * c + l] = a[(64 * c + l) / 16] * static_cast<float>((lo | hi << 4) - 32);
+          }
+    }
+    return;
+  }
   constexpr int64_t cb = a2_chunk_bytes<T>();
   const int64_t nb = k / 32, nch = a2_chunks(k);
   for (int64_t g = 0; g * 4 < nch; ++g) {
@@ -1736,6 +1781,35 @@ void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int6
                       int64_t m, float* out, int64_t os) {
   constexpr int64_t cb = a2_chunk_bytes<T>();
   const int64_t nch = a2_chunks(k), nb = k / 32;
+  if constexpr (T == kQ6_K) {
+    constexpr int kSteps[2][8] = {{0, 0, 1, 1, 4, 4, 5, 5}, {2, 2, 3, 3, 6, 6, 7, 7}};  // each unit's block step
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t r = 0; r < m; ++r) {
+        const uint8_t* row = w + n * rb;
+        float acc[8] = {};
+        for (int64_t g = 0; g < k / 256; ++g, row += 210) {
+          int32_t units[16] = {};  // 2 block + half
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i)
+              for (int t = 0; t < 16; ++t) {
+                const int l = a2_idx(i, t), bit = 2 * (4 * (c & 1) + i);
+                const int lo = (row[32 * c + 2 * t + (i >> 1)] >> (4 * (i & 1))) & 0x0F;
+                const int hi = (row[128 + 32 * (c >> 1) + 2 * t + bit / 8] >> (bit % 8)) & 3;
+                units[(64 * c + l) / 16] += ((lo | hi << 4) - 32) * act.xa_row(r)[256 * g + 64 * c + 16 * i + t];
+              }
+          const float d = fp16(row + 208);
+          const float* st = act.sta_row(r) + 8 * g;
+          for (int v = 0; v < 2; ++v)
+            for (int l = 0; l < 8; ++l) {
+              const float a = d * static_cast<float>(static_cast<int8_t>(row[192 + 8 * v + l]));
+              acc[l] = std::fma(static_cast<float>(units[kA2Units[8 * v + l]]), a * st[kSteps[v][l]], acc[l]);
+            }
+        }
+        const float h0 = acc[0] + acc[4], h1 = acc[1] + acc[5], h2 = acc[2] + acc[6], h3 = acc[3] + acc[7];
+        out[r * os + n] = (h0 + h2) + (h1 + h3);
+      }
+    return;
+  }
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t r = 0; r < m; ++r) {
       const uint8_t* row = w + n * rb;
@@ -1811,6 +1885,65 @@ PAGEDLLM_ALWAYS_INLINE void a2_group_vectors(const uint8_t* sc, int64_t nbt, __m
   mn = T == kQ4_1 ? _mm256_permutevar8x32_ps(_mm256_cvtph_ps(m16), order) : d;
 }
 
+// Q6_K's high 2 bits of the weights idx(j % 4, t) of a plane's word t, at bit 4 (C: the chunk, I: idx's i).
+template <int C, int I>
+PAGEDLLM_ALWAYS_INLINE __m256i a2_q6k_high(__m256i plane) {
+  constexpr int bit = 2 * (4 * (C & 1) + I);
+  const __m256i two = _mm256_set1_epi16(0x0030);
+  if constexpr (bit >= 4) return _mm256_and_si256(_mm256_srli_epi16(plane, bit - 4), two);
+  else return _mm256_and_si256(_mm256_slli_epi16(plane, 4 - bit), two);
+}
+
+// One Q6_K chunk: per activation row, the sums of its four 16-weight units as a vphaddd of the halves' products
+// (lanes 0-1 unit 4 C, 2-3 unit 4 C + 1, 4-5 unit 4 C + 2, 6-7 unit 4 C + 3, each lane a partial sum).
+template <int R, int C>
+PAGEDLLM_ALWAYS_INLINE void a2_q6k_chunk(const uint8_t* grp, __m256i plane, const int16_t* const* x, int64_t off,
+                                         __m256i* a) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * C));
+  const __m256i nib = _mm256_set1_epi16(0x000F), k32 = _mm256_set1_epi16(32);
+  const __m256i w0 = _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(v, nib), a2_q6k_high<C, 0>(plane)), k32);
+  const __m256i w1 = _mm256_sub_epi16(
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), a2_q6k_high<C, 1>(plane)), k32);
+  const __m256i w2 = _mm256_sub_epi16(
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 8), nib), a2_q6k_high<C, 2>(plane)), k32);
+  const __m256i w3 = _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(v, 12), a2_q6k_high<C, 3>(plane)), k32);
+  for (int r = 0; r < R; ++r) {
+    const __m256i* xv = reinterpret_cast<const __m256i*>(x[r] + off + 64 * C);
+    const __m256i first = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
+                                           _mm256_madd_epi16(w2, _mm256_loadu_si256(xv + 2)));
+    const __m256i second = _mm256_add_epi32(_mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)),
+                                            _mm256_madd_epi16(w3, _mm256_loadu_si256(xv + 3)));
+    a[r] = _mm256_hadd_epi32(first, second);
+  }
+}
+
+// acc[r] += one Q6_K super-block's products (K-quant scales per 16 weights: two rescales of 8 unit sums).
+template <int R>
+PAGEDLLM_ALWAYS_INLINE void a2_q6k_group(const uint8_t* grp, const int16_t* const* x, int64_t off,
+                                         const float* const* st, __m256* acc) {
+  const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128));
+  const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 160));
+  __m256i a0[R], a1[R], a2[R], a3[R];
+  a2_q6k_chunk<R, 0>(grp, p0, x, off, a0);
+  a2_q6k_chunk<R, 1>(grp, p0, x, off, a1);
+  a2_q6k_chunk<R, 2>(grp, p1, x, off, a2);
+  a2_q6k_chunk<R, 3>(grp, p1, x, off, a3);
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 192));
+  const __m256 d = _mm256_set1_ps(fp16(grp + 208));
+  const __m256 s01 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+  const __m256 s23 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))));
+  // each unit's block step, from the steps in kA2Order
+  const __m256i steps01 = _mm256_setr_epi32(0, 0, 1, 1, 4, 4, 5, 5);
+  const __m256i steps23 = _mm256_setr_epi32(2, 2, 3, 3, 6, 6, 7, 7);
+  for (int r = 0; r < R; ++r) {
+    const __m256 stp = _mm256_loadu_ps(st[r]);
+    const __m256 b01 = _mm256_cvtepi32_ps(_mm256_hadd_epi32(a0[r], a1[r]));
+    const __m256 b23 = _mm256_cvtepi32_ps(_mm256_hadd_epi32(a2[r], a3[r]));
+    acc[r] = _mm256_fmadd_ps(b01, _mm256_mul_ps(s01, _mm256_permutevar8x32_ps(stp, steps01)), acc[r]);
+    acc[r] = _mm256_fmadd_ps(b23, _mm256_mul_ps(s23, _mm256_permutevar8x32_ps(stp, steps23)), acc[r]);
+  }
+}
+
 // out[r * os] for activation rows [m0, m0 + R) and one weight row of the layout.
 template <int64_t T, int R>
 inline void a2_dot_rows(const uint8_t* row, int64_t k, const ActRows& act, int64_t m0, float* out, int64_t os) {
@@ -1824,6 +1957,15 @@ inline void a2_dot_rows(const uint8_t* row, int64_t k, const ActRows& act, int64
     st[r] = act.sta_row(m0 + r);
     su[r] = act.sua_row(m0 + r);
     acc[r] = accm[r] = _mm256_setzero_ps();
+  }
+  if constexpr (T == kQ6_K) {
+    for (int64_t g = 0; g < k / 256; ++g) {
+      const float* stg[R];
+      for (int r = 0; r < R; ++r) stg[r] = st[r] + 8 * g;
+      a2_q6k_group<R>(row + 210 * g, x, 256 * g, stg, acc);
+    }
+    for (int r = 0; r < R; ++r) out[r * os] = hsum256(acc[r]);
+    return;
   }
   for (int64_t g = 0; 4 * g < nch; ++g) {
     const int64_t nc = std::min<int64_t>(4, nch - 4 * g);
@@ -1886,6 +2028,7 @@ inline void visit_a2(int64_t type, F&& f) {
     case kQ4_1: return f(integral_constant<int64_t, kQ4_1>{});
     case kQ8_0: return f(integral_constant<int64_t, kQ8_0>{});
     case kQ4_K: return f(integral_constant<int64_t, kQ4_K>{});
+    case kQ6_K: return f(integral_constant<int64_t, kQ6_K>{});
     default: break;
   }
   TORCH_CHECK(false, "gguf kernels: type ", type, " has no AVX2 row layout");
@@ -2108,8 +2251,8 @@ at::Tensor gguf_tile(const at::Tensor& w, int64_t type) {
   return out;
 }
 
-// The AVX2 row layout (type kA2 + type) of w (uint8 [rows, row_bytes] of Q4_0, Q4_1, Q8_0 or Q4_K): the same
-// values, rearranged per row; kA2 + type's rows come back from gguf_dequantize_rows exactly as type's.
+// The AVX2 row layout (type kA2 + type) of w (uint8 [rows, row_bytes] of Q4_0, Q4_1, Q8_0, Q4_K or Q6_K): the
+// same values, rearranged per row; kA2 + type's rows come back from gguf_dequantize_rows exactly as type's.
 at::Tensor gguf_a2pack(const at::Tensor& w, int64_t type) {
   TORCH_CHECK(a2able(type), "gguf_a2pack: type ", type, " has no AVX2 row layout");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) > 0 &&
