@@ -1669,6 +1669,46 @@ inline __attribute__((always_inline)) void a2_weights(const uint8_t* q, __m256i*
     w[3] = _mm256_srli_epi16(v, 12);
   }
 }
+
+// Q6_K's high 2 bits of the weights idx(j % 4, t) of a plane's word t, at bit 4 (C: the chunk, I: idx's i).
+template <int C, int I>
+PAGEDLLM_ALWAYS_INLINE __m256i a2_q6k_high(__m256i plane) {
+  constexpr int bit = 2 * (4 * (C & 1) + I);
+  const __m256i two = _mm256_set1_epi16(0x0030);
+  if constexpr (bit >= 4) return _mm256_and_si256(_mm256_srli_epi16(plane, bit - 4), two);
+  else return _mm256_and_si256(_mm256_slli_epi16(plane, 4 - bit), two);
+}
+
+// Q6_K chunk C of a super-block's four: its weights q - 32 as int16 (vector i lane t: the weight a2_idx(i, t)).
+template <int C>
+inline __attribute__((always_inline)) void a2_q6k_weights(const uint8_t* grp, __m256i plane, __m256i* w) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * C));
+  const __m256i nib = _mm256_set1_epi16(0x000F), k32 = _mm256_set1_epi16(32);
+  w[0] = _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(v, nib), a2_q6k_high<C, 0>(plane)), k32);
+  w[1] = _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), a2_q6k_high<C, 1>(plane)),
+                          k32);
+  w[2] = _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 8), nib), a2_q6k_high<C, 2>(plane)),
+                          k32);
+  w[3] = _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(v, 12), a2_q6k_high<C, 3>(plane)), k32);
+}
+
+// A chunk's weights (a2_weights' vectors) to float32 in weight order, scale[2 h + e] q + offset[2 h + e] for block
+// h (h < blocks) and its half e: weights 0-15 of a block are vectors 0 and 2 interleaved, 16-31 vectors 1 and 3
+// (lanes 0-7 of each vector the chunk's first block, 8-15 its second).
+inline void a2_store_chunk(const __m256i* wv, int blocks, const float* scale, const float* offset, float* out) {
+  for (int h = 0; h < blocks; ++h)
+    for (int e = 0; e < 2; ++e) {
+      const __m256 dv = _mm256_set1_ps(scale[2 * h + e]), mv = _mm256_set1_ps(offset[2 * h + e]);
+      const __m128i ia = h ? _mm256_extracti128_si256(wv[e], 1) : _mm256_castsi256_si128(wv[e]);
+      const __m128i ib = h ? _mm256_extracti128_si256(wv[e + 2], 1) : _mm256_castsi256_si128(wv[e + 2]);
+      const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(ia)), dv, mv);
+      const __m256 b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(ib)), dv, mv);
+      const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
+      float* o = out + 32 * h + 16 * e;
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
+      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+}
 #endif
 
 // One row of the layout back to float32 (exactly the file's values).
@@ -1679,6 +1719,21 @@ void a2_dequant_row(const uint8_t* row, int64_t k, float* out) {
       float a[16];  // per 16 weights
       const float d = fp16(row + 208);
       for (int u = 0; u < 16; ++u) a[kA2Units[u]] = d * static_cast<float>(static_cast<int8_t>(row[192 + u]));
+#if defined(__AVX2__)
+      const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 128));
+      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 160));
+      __m256i wv[4];
+      a2_q6k_weights<0>(row, p0, wv);
+      a2_store_chunk(wv, 2, a, zero, out + 256 * g);
+      a2_q6k_weights<1>(row, p0, wv);
+      a2_store_chunk(wv, 2, a + 4, zero, out + 256 * g + 64);
+      a2_q6k_weights<2>(row, p1, wv);
+      a2_store_chunk(wv, 2, a + 8, zero, out + 256 * g + 128);
+      a2_q6k_weights<3>(row, p1, wv);
+      a2_store_chunk(wv, 2, a + 12, zero, out + 256 * g + 192);
+      continue;
+#endif
       for (int c = 0; c < 4; ++c)
         for (int i = 0; i < 4; ++i)
           for (int t = 0; t < 16; ++t) {
@@ -1701,23 +1756,11 @@ void a2_dequant_row(const uint8_t* row, int64_t k, float* out) {
       const uint8_t* q = row + c * cb;
       const int64_t w0 = 64 * (4 * g + c);
 #if defined(__AVX2__)
-      // weights 0-15 of a block are vectors 0 and 2 interleaved, 16-31 vectors 1 and 3 (lanes 0-7 of each
-      // vector the chunk's first block, 8-15 its second)
       __m256i wv[4];
       a2_weights<T>(q, wv);
-      for (int h = 0; h < 2 && 64 * c + 32 * h < 32 * (nb - 8 * g); ++h) {
-        const __m256 dv = _mm256_set1_ps(d[2 * c + h]), mv = _mm256_set1_ps(m[2 * c + h]);
-        for (int e = 0; e < 2; ++e) {
-          const __m128i ia = h ? _mm256_extracti128_si256(wv[e], 1) : _mm256_castsi256_si128(wv[e]);
-          const __m128i ib = h ? _mm256_extracti128_si256(wv[e + 2], 1) : _mm256_castsi256_si128(wv[e + 2]);
-          const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(ia)), dv, mv);
-          const __m256 b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(ib)), dv, mv);
-          const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
-          float* o = out + w0 + 32 * h + 16 * e;
-          _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
-          _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
-        }
-      }
+      const float scale[4] = {d[2 * c], d[2 * c], d[2 * c + 1], d[2 * c + 1]};
+      const float offset[4] = {m[2 * c], m[2 * c], m[2 * c + 1], m[2 * c + 1]};
+      a2_store_chunk(wv, 64 * c + 32 < 32 * (nb - 8 * g) ? 2 : 1, scale, offset, out + w0);
       continue;
 #endif
       float v[64];  // chunk order
@@ -1885,34 +1928,19 @@ PAGEDLLM_ALWAYS_INLINE void a2_group_vectors(const uint8_t* sc, int64_t nbt, __m
   mn = T == kQ4_1 ? _mm256_permutevar8x32_ps(_mm256_cvtph_ps(m16), order) : d;
 }
 
-// Q6_K's high 2 bits of the weights idx(j % 4, t) of a plane's word t, at bit 4 (C: the chunk, I: idx's i).
-template <int C, int I>
-PAGEDLLM_ALWAYS_INLINE __m256i a2_q6k_high(__m256i plane) {
-  constexpr int bit = 2 * (4 * (C & 1) + I);
-  const __m256i two = _mm256_set1_epi16(0x0030);
-  if constexpr (bit >= 4) return _mm256_and_si256(_mm256_srli_epi16(plane, bit - 4), two);
-  else return _mm256_and_si256(_mm256_slli_epi16(plane, 4 - bit), two);
-}
-
 // One Q6_K chunk: per activation row, the sums of its four 16-weight units as a vphaddd of the halves' products
 // (lanes 0-1 unit 4 C, 2-3 unit 4 C + 1, 4-5 unit 4 C + 2, 6-7 unit 4 C + 3, each lane a partial sum).
 template <int R, int C>
 PAGEDLLM_ALWAYS_INLINE void a2_q6k_chunk(const uint8_t* grp, __m256i plane, const int16_t* const* x, int64_t off,
                                          __m256i* a) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * C));
-  const __m256i nib = _mm256_set1_epi16(0x000F), k32 = _mm256_set1_epi16(32);
-  const __m256i w0 = _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(v, nib), a2_q6k_high<C, 0>(plane)), k32);
-  const __m256i w1 = _mm256_sub_epi16(
-      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), a2_q6k_high<C, 1>(plane)), k32);
-  const __m256i w2 = _mm256_sub_epi16(
-      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 8), nib), a2_q6k_high<C, 2>(plane)), k32);
-  const __m256i w3 = _mm256_sub_epi16(_mm256_or_si256(_mm256_srli_epi16(v, 12), a2_q6k_high<C, 3>(plane)), k32);
+  __m256i w[4];
+  a2_q6k_weights<C>(grp, plane, w);
   for (int r = 0; r < R; ++r) {
     const __m256i* xv = reinterpret_cast<const __m256i*>(x[r] + off + 64 * C);
-    const __m256i first = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
-                                           _mm256_madd_epi16(w2, _mm256_loadu_si256(xv + 2)));
-    const __m256i second = _mm256_add_epi32(_mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)),
-                                            _mm256_madd_epi16(w3, _mm256_loadu_si256(xv + 3)));
+    const __m256i first = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(xv)),
+                                           _mm256_madd_epi16(w[2], _mm256_loadu_si256(xv + 2)));
+    const __m256i second = _mm256_add_epi32(_mm256_madd_epi16(w[1], _mm256_loadu_si256(xv + 1)),
+                                            _mm256_madd_epi16(w[3], _mm256_loadu_si256(xv + 3)));
     a[r] = _mm256_hadd_epi32(first, second);
   }
 }
