@@ -1,6 +1,6 @@
-"""The GGUF CPU kernels alone at SmolLM2-135M's shapes: `gguf_linear` on the file's row layout and on the 16-row
-tiled layout the engine loads (`gguf_tile`; AVX-512 VNNI machines), vs oneDNN's prepacked fp32 linear (what the
-dequantized model runs), 1 thread, interleaved.
+"""The GGUF CPU kernels alone at SmolLM2-135M's shapes: `gguf_linear` on the file's row layout and on the layout
+the engine loads (`tile_packed`: the 16-row tiles on AVX-512 VNNI machines, the AVX2 row layout on AVX2 ones), vs
+oneDNN's prepacked fp32 linear (what the dequantized model runs), 1 thread, interleaved.
 
     python benchmarks/cpu_gguf_kernels.py [--threads 1] [--rows 1 4 32] [--types Q4_1 Q8_0 Q4_K]
 
@@ -48,7 +48,7 @@ def main():
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     print(f"implementation: {['portable', 'AVX2', 'AVX-512 VNNI'][ops.gguf_best_impl()]}, threads {args.threads}")
-    from pagedllm.kernels.gguf_ops import TILED_BASE, _dense_matmul, tile_packed
+    from pagedllm.kernels.gguf_ops import TILED_BASE, _dense_matmul, is_tiled, tile_packed
     shapes = [("gate_up", 3072, 576, Q.Q4_1), ("down", 576, 1536, Q.Q4_1), ("lm_head/12", 4096, 576, Q.Q8_0)]
     if args.types:
         shapes = [(name, n, 1536 if name == "down" else 512, Q[t]) if Q[t] in (Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -70,14 +70,20 @@ def main():
             tq = bench(lambda: ops.gguf_linear(fresh(), x, [packed], [int(qt)], None, 0))
             tf = bench(lambda: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""))
             line = f"{name:10s} {qt.name} [{n} x {k}] rows {m:3d}: row layout {tq:8.1f} us"
+            loaded = "tiles" if is_tiled(tiled_type) else "AVX2 rows"
             if tiled_type >= TILED_BASE:
                 tt = bench(lambda: ops.gguf_linear(fresh(), x, [tiled], [tiled_type], None, 0))
-                line += f"  tiled {tt:8.1f} us  fp32 {tf:8.1f} us  fp32/tiled {tf / tt:.2f}x"
+                line += (f"  {loaded} {tt:8.1f} us ({tq / tt:.2f}x)  fp32 {tf:8.1f} us  fp32/{loaded} "
+                         f"{tf / tt:.2f}x")
             else:
                 line += f"  fp32 {tf:8.1f} us  fp32/row layout {tf / tq:.2f}x"
-            if m >= 16:  # what gguf_matmul does for row-layout parts from DENSE_MIN_ROWS: dequantize, oneDNN
+            if m >= 16:  # what gguf_matmul does for non-tiled parts from DENSE_MIN_ROWS: dequantize, oneDNN
                 td = bench(lambda: _dense_matmul(x, [packed], [int(qt)], None, out))
-                line += f"  (row layout's dense path {td:8.1f} us)"
+                line += f"  (dense path: row layout {td:8.1f} us"
+                if tiled_type >= TILED_BASE and not is_tiled(tiled_type):
+                    ta = bench(lambda: _dense_matmul(x, [tiled], [tiled_type], None, out))
+                    line += f", {loaded} {ta:8.1f} us"
+                line += ")"
             print(line, flush=True)
 
 
