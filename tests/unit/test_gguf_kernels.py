@@ -84,6 +84,49 @@ def check_product(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None
     assert worst <= 1.0, f"error exceeds the int8-rounding bound by {worst:.3f}x"
 
 
+def check_dequantizes_as_the_file(ops, layout, type_id, packed, qtype) -> None:
+    """A regrouped layout's rows (all, and picked by id) are exactly the file's; an id past them is an error."""
+    rows, k = packed.shape[0], reference_dequant(packed, qtype).shape[1]
+    out = torch.empty(rows, k)
+    ops.gguf_dequantize_rows(out, layout, type_id, None)
+    assert torch.equal(out, torch.from_numpy(reference_dequant(packed, qtype)))
+    ids = torch.tensor([rows - 1, 0, 7, 7, rows // 2])
+    picked = torch.empty(5, k)
+    ops.gguf_dequantize_rows(picked, layout, type_id, ids)
+    assert torch.equal(picked, out[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.gguf_dequantize_rows(torch.empty(1, k), layout, type_id, torch.tensor([rows]))
+
+
+def check_mixed_parts(ops, parts, k, regroup, offset, threads, seed) -> None:
+    """gguf_linear over parts side by side, each (type, rows, regrouped: by regroup, type id offset + type, else the
+    file's layout): bias, a row-strided x, 1 / 6 / 33 rows on every implementation, and bf16 / fp16 activations;
+    every output written once (NaN-filled out)."""
+    packed, types, dense = [], [], []
+    for i, (t, rows, regrouped) in enumerate(parts):
+        p = make_weight(t, rows, k, seed=seed + i)
+        dense.append(torch.from_numpy(reference_dequant(p, t)))
+        packed.append(regroup(torch.from_numpy(p), int(t)) if regrouped else torch.from_numpy(p))
+        types.append(offset + int(t) if regrouped else int(t))
+    w = torch.cat(dense)
+    bias = torch.randn(w.shape[0])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 6, 33):
+            x = torch.randn(m, 2 * k)[:, :k]
+            for impl in impls(ops):
+                out = torch.full((m, w.shape[0]), float("nan"))
+                ops.gguf_linear(out, x, packed, types, bias, impl)
+                check_product(out, x, w, bias)
+            for dtype in (torch.bfloat16, torch.float16):
+                out = torch.empty(m, w.shape[0])
+                ops.gguf_linear(out, x.to(dtype), packed, types, bias, 0)
+                check_product(out, x.to(dtype).float(), w, bias)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_matches_gguf(ops, qtype):
     k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96  # 96: an odd number of 32-blocks (a half chunk)
@@ -248,15 +291,7 @@ def test_tiled_layout_dequantizes_exactly_as_the_file(ops, qtype):
         assert tiled.shape[1] == 16 * packed.shape[1]  # the same bytes, regrouped
     else:  # K-quants: 6-bit sub-block scales widened to bytes
         assert 16 * packed.shape[1] < tiled.shape[1] <= 1.03 * 16 * packed.shape[1]
-    out = torch.empty(48, k)
-    ops.gguf_dequantize_rows(out, tiled, TILED + int(qtype), None)
-    assert torch.equal(out, torch.from_numpy(reference_dequant(packed, qtype)))
-    ids = torch.tensor([47, 0, 17, 17, 31])
-    rows = torch.empty(5, k)
-    ops.gguf_dequantize_rows(rows, tiled, TILED + int(qtype), ids)
-    assert torch.equal(rows, out[ids])
-    with pytest.raises(RuntimeError, match="out of range"):
-        ops.gguf_dequantize_rows(torch.empty(1, k), tiled, TILED + int(qtype), torch.tensor([48]))
+    check_dequantizes_as_the_file(ops, tiled, TILED + int(qtype), packed, qtype)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -292,29 +327,7 @@ def test_tiled_parts_beside_row_parts_bias_and_dtypes(ops, threads):
     k = 256
     parts = [(Q.Q6_K, 9, False), (Q.Q4_1, 48, True), (Q.Q4_K, 16, True), (Q.Q8_0, 32, True), (Q.Q5_0, 7, False),
              (Q.Q6_K, 32, True)]
-    packed, types, dense = [], [], []
-    for i, (t, rows, tile) in enumerate(parts):
-        p = make_weight(t, rows, k, seed=40 + i)
-        dense.append(torch.from_numpy(reference_dequant(p, t)))
-        packed.append(ops.gguf_tile(torch.from_numpy(p), int(t)) if tile else torch.from_numpy(p))
-        types.append(TILED + int(t) if tile else int(t))
-    w = torch.cat(dense)
-    bias = torch.randn(w.shape[0])
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for m in (1, 6, 33):
-            x = torch.randn(m, 2 * k)[:, :k]
-            for impl in impls(ops):
-                out = torch.full((m, w.shape[0]), float("nan"))
-                ops.gguf_linear(out, x, packed, types, bias, impl)
-                check_product(out, x, w, bias)
-            for dtype in (torch.bfloat16, torch.float16):
-                out = torch.empty(m, w.shape[0])
-                ops.gguf_linear(out, x.to(dtype), packed, types, bias, 0)
-                check_product(out, x.to(dtype).float(), w, bias)
-    finally:
-        torch.set_num_threads(old)
+    check_mixed_parts(ops, parts, k, ops.gguf_tile, TILED, threads, seed=40)
 
 
 def test_tile_rejects_what_has_no_tiled_layout(ops):
@@ -380,15 +393,7 @@ def test_a2_layout_dequantizes_exactly_as_the_file(ops, qtype, k):
         nb, halves = k // 32, 2 if qtype == Q.Q4_1 else 1
         quant_bytes = GGML_QUANT_SIZES[qtype][1] - 2 * halves
         assert a2.shape[1] == packed.shape[1] + (nb % 2) * (quant_bytes + 2 * halves)
-    out = torch.empty(21, k)
-    ops.gguf_dequantize_rows(out, a2, A2 + int(qtype), None)
-    assert torch.equal(out, torch.from_numpy(reference_dequant(packed, qtype)))
-    ids = torch.tensor([20, 0, 7, 7])
-    rows = torch.empty(4, k)
-    ops.gguf_dequantize_rows(rows, a2, A2 + int(qtype), ids)
-    assert torch.equal(rows, out[ids])
-    with pytest.raises(RuntimeError, match="out of range"):
-        ops.gguf_dequantize_rows(torch.empty(1, k), a2, A2 + int(qtype), torch.tensor([21]))
+    check_dequantizes_as_the_file(ops, a2, A2 + int(qtype), packed, qtype)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -457,29 +462,7 @@ def test_a2_parts_beside_other_layouts_bias_and_dtypes(ops, threads):
     k = 768  # 24 blocks, three super-blocks
     parts = [(Q.Q4_1, 9, True), (Q.Q5_1, 16, False), (Q.Q8_0, 5, True), (Q.Q4_K, 7, True), (Q.Q6_K, 7, False),
              (Q.Q6_K, 3, True), (Q.Q4_0, 16, True)]
-    packed, types, dense = [], [], []
-    for i, (t, rows, a2) in enumerate(parts):
-        p = make_weight(t, rows, k, seed=60 + i)
-        dense.append(torch.from_numpy(reference_dequant(p, t)))
-        packed.append(ops.gguf_a2pack(torch.from_numpy(p), int(t)) if a2 else torch.from_numpy(p))
-        types.append(A2 + int(t) if a2 else int(t))
-    w = torch.cat(dense)
-    bias = torch.randn(w.shape[0])
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for m in (1, 6, 33):
-            x = torch.randn(m, 2 * k)[:, :k]
-            for impl in impls(ops):
-                out = torch.full((m, w.shape[0]), float("nan"))
-                ops.gguf_linear(out, x, packed, types, bias, impl)
-                check_product(out, x, w, bias)
-            for dtype in (torch.bfloat16, torch.float16):
-                out = torch.empty(m, w.shape[0])
-                ops.gguf_linear(out, x.to(dtype), packed, types, bias, 0)
-                check_product(out, x.to(dtype).float(), w, bias)
-    finally:
-        torch.set_num_threads(old)
+    check_mixed_parts(ops, parts, k, ops.gguf_a2pack, A2, threads, seed=60)
 
 
 def test_a2pack_rejects_what_has_no_row_layout(ops):

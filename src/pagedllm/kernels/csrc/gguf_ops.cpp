@@ -1521,6 +1521,18 @@ inline int64_t a2_scale_bytes(int64_t nbt) {
 }
 // Q6_K's 16-weight units (2 block + half) in the order in which the kernel's vphaddd rounds leave their sums.
 constexpr int kA2Units[16] = {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15};
+// The quant of vector i lane t of a chunk (at q), as the kernels see it: Q8_0 signed, 4-bit types unsigned.
+template <int64_t T>
+inline int a2_q_at(const uint8_t* q, int i, int t) {
+  if constexpr (T == kQ8_0) return static_cast<int8_t>(q[32 * (i >> 1) + 2 * t + (i & 1)]);
+  return (q[2 * t + (i >> 1)] >> (4 * (i & 1))) & 0x0F;
+}
+// Q6_K: the weight q - 32 of chunk c's vector i lane t in a super-block's bytes grp.
+inline int a2_q6k_at(const uint8_t* grp, int c, int i, int t) {
+  const int bit = 2 * (4 * (c & 1) + i);
+  const int hi = (grp[128 + 32 * (c >> 1) + 2 * t + bit / 8] >> (bit % 8)) & 3;
+  return (a2_q_at<kQ4_0>(grp + 32 * c, i, t) | hi << 4) - 32;
+}
 // A group's float scale and offset per block in block order: weight = d[b] q + m[b].
 template <int64_t T>
 inline void a2_group_floats(const uint8_t* sc, int64_t nbt, float* d, float* m);
@@ -1737,10 +1749,8 @@ void a2_dequant_row(const uint8_t* row, int64_t k, float* out) {
       for (int c = 0; c < 4; ++c)
         for (int i = 0; i < 4; ++i)
           for (int t = 0; t < 16; ++t) {
-            const int l = a2_idx(i, t), bit = 2 * (4 * (c & 1) + i);
-            const int lo = (row[32 * c + 2 * t + (i >> 1)] >> (4 * (i & 1))) & 0x0F;
-            const int hi = (row[128 + 32 * (c >> 1) + 2 * t + bit / 8] >> (bit % 8)) & 3;
-            out[256 * g + 64 * c + l] = a[(64 * c + l) / 16] * static_cast<float>((lo | hi << 4) - 32);
+            const int l = a2_idx(i, t);
+            out[256 * g + 64 * c + l] = a[(64 * c + l) / 16] * static_cast<float>(a2_q6k_at(row, c, i, t));
           }
     }
     return;
@@ -1766,8 +1776,7 @@ void a2_dequant_row(const uint8_t* row, int64_t k, float* out) {
       float v[64];  // chunk order
       for (int i = 0; i < 4; ++i)
         for (int t = 0; t < 16; ++t)
-          v[16 * i + t] = T == kQ8_0 ? static_cast<float>(static_cast<int8_t>(q[32 * (i >> 1) + 2 * t + (i & 1)]))
-                                     : static_cast<float>((q[2 * t + (i >> 1)] >> (4 * (i & 1))) & 0x0F);
+          v[16 * i + t] = static_cast<float>(a2_q_at<T>(q, i, t));
       const int64_t n = std::min<int64_t>(64, 32 * nb - w0);
       for (int64_t l = 0; l < n; ++l) out[w0 + l] = d[2 * c + l / 32] * v[kA2Inverse.pos[l]] + m[2 * c + l / 32];
     }
@@ -1834,12 +1843,9 @@ void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int6
           int32_t units[16] = {};  // 2 block + half
           for (int c = 0; c < 4; ++c)
             for (int i = 0; i < 4; ++i)
-              for (int t = 0; t < 16; ++t) {
-                const int l = a2_idx(i, t), bit = 2 * (4 * (c & 1) + i);
-                const int lo = (row[32 * c + 2 * t + (i >> 1)] >> (4 * (i & 1))) & 0x0F;
-                const int hi = (row[128 + 32 * (c >> 1) + 2 * t + bit / 8] >> (bit % 8)) & 3;
-                units[(64 * c + l) / 16] += ((lo | hi << 4) - 32) * act.xa_row(r)[256 * g + 64 * c + 16 * i + t];
-              }
+              for (int t = 0; t < 16; ++t)
+                units[(64 * c + a2_idx(i, t)) / 16] +=
+                    a2_q6k_at(row, c, i, t) * act.xa_row(r)[256 * g + 64 * c + 16 * i + t];
           const float d = fp16(row + 208);
           const float* st = act.sta_row(r) + 8 * g;
           for (int v = 0; v < 2; ++v)
@@ -1866,9 +1872,7 @@ void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int6
         for (int64_t c = 0; c < nc; ++c)
           for (int i = 0; i < 4; ++i)
             for (int t = 0; t < 16; ++t) {
-              const int q = T == kQ8_0 ? static_cast<int8_t>(row[c * cb + 32 * (i >> 1) + 2 * t + (i & 1)])
-                                       : (row[c * cb + 2 * t + (i >> 1)] >> (4 * (i & 1))) & 0x0F;
-              sums[2 * c + a2_idx(i, t) / 32] += q * xa[64 * (4 * g + c) + 16 * i + t];
+              sums[2 * c + a2_idx(i, t) / 32] += a2_q_at<T>(row + c * cb, i, t) * xa[64 * (4 * g + c) + 16 * i + t];
             }
         for (int s = 0; s < 8; ++s) {  // lane s: block kA2Order[s]
           const int j = kA2Order[s];
@@ -1887,17 +1891,24 @@ void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int6
 
 #if defined(__AVX2__)
 // The int32 block sums of one chunk (lanes 0-3 its first block, 4-7 its second) for activation rows x[0..R).
+// A chunk's weight vectors times one activation row's four at x: the products of the blocks' first 16 weights
+// (vectors 0 and 2) and of their second 16 (vectors 1 and 3), summed per 32-bit lane.
+PAGEDLLM_ALWAYS_INLINE void a2_madd(const __m256i* w, const int16_t* x, __m256i& first, __m256i& second) {
+  const __m256i* xv = reinterpret_cast<const __m256i*>(x);
+  first = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(xv)),
+                           _mm256_madd_epi16(w[2], _mm256_loadu_si256(xv + 2)));
+  second = _mm256_add_epi32(_mm256_madd_epi16(w[1], _mm256_loadu_si256(xv + 1)),
+                            _mm256_madd_epi16(w[3], _mm256_loadu_si256(xv + 3)));
+}
+
 template <int64_t T, int R>
 PAGEDLLM_ALWAYS_INLINE void a2_chunk(const uint8_t* q, const int16_t* const* x, int64_t off, __m256i* p) {
   __m256i w[4];
   a2_weights<T>(q, w);
   for (int r = 0; r < R; ++r) {
-    const __m256i* xv = reinterpret_cast<const __m256i*>(x[r] + off);
-    const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(xv)),
-                                         _mm256_madd_epi16(w[1], _mm256_loadu_si256(xv + 1)));
-    const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(xv + 2)),
-                                         _mm256_madd_epi16(w[3], _mm256_loadu_si256(xv + 3)));
-    p[r] = _mm256_add_epi32(p01, p23);
+    __m256i first, second;
+    a2_madd(w, x[r] + off, first, second);
+    p[r] = _mm256_add_epi32(first, second);
   }
 }
 
@@ -1936,11 +1947,8 @@ PAGEDLLM_ALWAYS_INLINE void a2_q6k_chunk(const uint8_t* grp, __m256i plane, cons
   __m256i w[4];
   a2_q6k_weights<C>(grp, plane, w);
   for (int r = 0; r < R; ++r) {
-    const __m256i* xv = reinterpret_cast<const __m256i*>(x[r] + off + 64 * C);
-    const __m256i first = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(xv)),
-                                           _mm256_madd_epi16(w[2], _mm256_loadu_si256(xv + 2)));
-    const __m256i second = _mm256_add_epi32(_mm256_madd_epi16(w[1], _mm256_loadu_si256(xv + 1)),
-                                            _mm256_madd_epi16(w[3], _mm256_loadu_si256(xv + 3)));
+    __m256i first, second;
+    a2_madd(w, x[r] + off + 64 * C, first, second);
     a[r] = _mm256_hadd_epi32(first, second);
   }
 }
