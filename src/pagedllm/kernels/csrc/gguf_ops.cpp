@@ -1569,6 +1569,26 @@ inline void a2_group_floats(const uint8_t* sc, int64_t nbt, float* d, float* m) 
   }
 }
 
+// a2_idx as tables: the weight at chunk position 16 i + t, and its inverse.
+struct A2Inverse {
+  int pos[64], weight[64];
+  A2Inverse() {
+    for (int i = 0; i < 4; ++i)
+      for (int t = 0; t < 16; ++t) {
+        pos[a2_idx(i, t)] = 16 * i + t;
+        weight[16 * i + t] = a2_idx(i, t);
+      }
+  }
+};
+const A2Inverse kA2Inverse;
+
+// A chunk's 64 4-bit values q (weight order) into its 32 layout bytes: nibble i of word t holds q[a2_idx(i, t)],
+// which is the file's Q4_0 byte order (byte j of a block: weights j and j + 16).
+inline void a2_pack_nibbles(const uint8_t* q, uint8_t* out) {
+  for (int b = 0; b < 2; ++b)
+    for (int j = 0; j < 16; ++j) out[16 * b + j] = static_cast<uint8_t>(q[32 * b + j] | q[32 * b + j + 16] << 4);
+}
+
 // One row of type T (k weights, the file's blocks) into the layout.
 template <int64_t T>
 void a2_pack_row(const uint8_t* src, int64_t k, uint8_t* dst) {
@@ -1578,13 +1598,17 @@ void a2_pack_row(const uint8_t* src, int64_t k, uint8_t* dst) {
       for (int c = 0; c < 4; ++c) {
         Chunk ch;
         decode_chunk<kQ6_K>(src, 4 * g + c, k, ch);  // the 6-bit values, weight order
-        for (int i = 0; i < 4; ++i)
-          for (int t = 0; t < 16; ++t) {
-            const uint8_t q = ch.q[a2_idx(i, t)];
-            dst[32 * c + 2 * t + (i >> 1)] |= static_cast<uint8_t>((q & 0x0F) << (4 * (i & 1)));
-            const int bit = 2 * (4 * (c & 1) + i);  // in plane c / 2's word t
-            dst[128 + 32 * (c >> 1) + 2 * t + bit / 8] |= static_cast<uint8_t>((q >> 4) << (bit % 8));
-          }
+        // the low nibbles as Q4_0's (a2_pack_nibbles), the high 2 bits at bit 2 (4 (c & 1) + i) of the plane's
+        // word t
+        uint8_t lo[64];
+        for (int l = 0; l < 64; ++l) lo[l] = ch.q[l] & 0x0F;
+        a2_pack_nibbles(lo, dst + 32 * c);
+        for (int i = 0; i < 4; ++i) {
+          const int bit = 2 * (4 * (c & 1) + i);
+          uint8_t* plane = dst + 128 + 32 * (c >> 1) + bit / 8;
+          for (int t = 0; t < 16; ++t)
+            plane[2 * t] |= static_cast<uint8_t>((ch.q[kA2Inverse.weight[16 * i + t]] >> 4) << (bit % 8));
+        }
       }
       const uint8_t* blk = src + g * 210;
       for (int u = 0; u < 16; ++u) dst[192 + u] = blk[192 + kA2Units[u]];
@@ -1597,14 +1621,12 @@ void a2_pack_row(const uint8_t* src, int64_t k, uint8_t* dst) {
     for (int64_t g = 0; g < k / 256; ++g) {
       const uint8_t* blk = src + g * 144;
       for (int c = 0; c < 4; ++c) {  // sub-blocks 2c, 2c + 1: the low and high nibbles of qs[32 c, 32 c + 32)
-        uint8_t* out = dst + 32 * c;
-        std::memset(out, 0, 32);
-        for (int i = 0; i < 4; ++i)
-          for (int t = 0; t < 16; ++t) {
-            const int l = a2_idx(i, t);
-            const uint8_t q = (blk[16 + 32 * c + l % 32] >> (4 * (l / 32))) & 0x0F;
-            out[2 * t + (i >> 1)] |= static_cast<uint8_t>(q << (4 * (i & 1)));
-          }
+        uint8_t q[64];
+        for (int l = 0; l < 32; ++l) {
+          q[l] = blk[16 + 32 * c + l] & 0x0F;
+          q[32 + l] = blk[16 + 32 * c + l] >> 4;
+        }
+        a2_pack_nibbles(q, dst + 32 * c);
       }
       uint8_t* hdr = dst + 128;
       std::memcpy(hdr, blk, 4);
@@ -1623,23 +1645,22 @@ void a2_pack_row(const uint8_t* src, int64_t k, uint8_t* dst) {
   for (int64_t g = 0; g * 4 < nch; ++g) {
     const int64_t nc = std::min<int64_t>(4, nch - 4 * g);
     for (int64_t c = 4 * g; c < 4 * g + nc; ++c) {
-      uint8_t* out = dst;
-      std::memset(out, 0, cb);
-      for (int i = 0; i < 4; ++i)
-        for (int t = 0; t < 16; ++t) {
-          const int l = a2_idx(i, t);
-          const int64_t b = 2 * c + l / 32;
-          if (b >= nb) continue;
-          const uint8_t* blk = src + b * bb;
-          const int j = l % 32;
-          if constexpr (T == kQ8_0) {
-            out[32 * (i >> 1) + 2 * t + (i & 1)] = blk[2 + j];
-          } else {
-            const uint8_t* qs = blk + (T == kQ4_1 ? 4 : 2);
-            const uint8_t q = j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
-            out[2 * t + (i >> 1)] |= static_cast<uint8_t>(q << (4 * (i & 1)));
-          }
-        }
+      const bool two = 2 * c + 1 < nb;
+      if constexpr (T == kQ8_0) {  // byte e of vector v's word t: weight a2_idx(2 v + e, t)
+        const uint8_t* qa = src + 2 * c * bb + 2;
+        const uint8_t* qb = two ? qa + bb : nullptr;
+        for (int v = 0; v < 2; ++v)
+          for (int t = 0; t < 16; ++t)
+            for (int e = 0; e < 2; ++e) {
+              const uint8_t* q = t < 8 ? qa : qb;
+              dst[32 * v + 2 * t + e] = q ? q[((2 * t + v) & 15) + 16 * e] : 0;
+            }
+      } else {  // the 4-bit file blocks' quant bytes are already in this order: word t = bytes 2 t, 2 t + 1
+        const int64_t qs = T == kQ4_1 ? 4 : 2;
+        std::memcpy(dst, src + 2 * c * bb + qs, 16);
+        if (two) std::memcpy(dst + 16, src + (2 * c + 1) * bb + qs, 16);
+        else std::memset(dst + 16, 0, 16);
+      }
       dst += cb;
     }
     const int64_t nbt = std::min<int64_t>(8, nb - 8 * g);
@@ -1651,15 +1672,6 @@ void a2_pack_row(const uint8_t* src, int64_t k, uint8_t* dst) {
   }
 }
 
-// Chunk position (16 i + t) of each of a chunk's 64 weights: the inverse of a2_idx.
-struct A2Inverse {
-  int pos[64];
-  A2Inverse() {
-    for (int i = 0; i < 4; ++i)
-      for (int t = 0; t < 16; ++t) pos[a2_idx(i, t)] = 16 * i + t;
-  }
-};
-const A2Inverse kA2Inverse;
 
 #if defined(__AVX2__)
 // A chunk's four int16 weight vectors (vector i lane t: the weight a2_idx(i, t)).
