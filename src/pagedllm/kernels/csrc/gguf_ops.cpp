@@ -1498,6 +1498,7 @@ inline bool a2able(int64_t t) { return t == kQ4_0 || t == kQ4_1 || t == kQ8_0 ||
 inline bool is_a2(int64_t t) { return t > kA2 && a2able(t - kA2); }
 constexpr int64_t kA2Rows = 4;  // activation rows per pass over a weight row
 constexpr int kA2Order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+inline int a2_order_pos(int64_t block) { return static_cast<int>((block >> 1) + 4 * (block & 1)); }  // in kA2Order
 inline int a2_idx(int i, int t) {
   const int b = 2 * t + (i >> 1);
   return 32 * (b >> 4) + (b & 15) + 16 * (i & 1);
@@ -1521,6 +1522,8 @@ inline int64_t a2_scale_bytes(int64_t nbt) {
 }
 // Q6_K's 16-weight units (2 block + half) in the order in which the kernel's vphaddd rounds leave their sums.
 constexpr int kA2Units[16] = {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15};
+// The slot in kA2Order of each of those units' block (unit >> 1): where its activation step is.
+constexpr int kA2UnitSteps[16] = {0, 0, 1, 1, 4, 4, 5, 5, 2, 2, 3, 3, 6, 6, 7, 7};
 // The quant of vector i lane t of a chunk (at q), as the kernels see it: Q8_0 signed, 4-bit types unsigned.
 template <int64_t T>
 inline int a2_q_at(const uint8_t* q, int i, int t) {
@@ -1533,9 +1536,6 @@ inline int a2_q6k_at(const uint8_t* grp, int c, int i, int t) {
   const int hi = (grp[128 + 32 * (c >> 1) + 2 * t + bit / 8] >> (bit % 8)) & 3;
   return (a2_q_at<kQ4_0>(grp + 32 * c, i, t) | hi << 4) - 32;
 }
-// A group's float scale and offset per block in block order: weight = d[b] q + m[b].
-template <int64_t T>
-inline void a2_group_floats(const uint8_t* sc, int64_t nbt, float* d, float* m);
 // A group's fp16 d (h = 0) and m (h = 1) in block order, zero for missing blocks.
 template <int64_t T>
 inline void a2_group_scales(const uint8_t* sc, int64_t nbt, uint16_t (*out)[8]) {
@@ -1551,6 +1551,7 @@ inline int64_t a2_row_bytes(int64_t type, int64_t k) {
   return a2_chunks(k) * (base == kQ8_0 ? 64 : 32) + (nb / 8 * 16 + 2 * a2_slots(nb % 8)) * halves;
 }
 
+// A group's float scale and offset per block in block order: weight = d[b] q + m[b].
 template <int64_t T>
 inline void a2_group_floats(const uint8_t* sc, int64_t nbt, float* d, float* m) {
   if constexpr (T == kQ4_K) {
@@ -1826,11 +1827,9 @@ void quantize_rows_a2(const scalar_t* x, int64_t xs, int64_t m, int64_t k, ActRo
           int32_t half[2];
           const float step = quantize_block32(buf, hi + 32 * h, lo + 32 * h, half) / 256.f;
           for (int i = 32 * h; i < 32 * h + 32; ++i) x16[i] = static_cast<int16_t>(256 * hi[i] + lo[i]);
-          const int64_t g = b / 8;
-          int s = 0;
-          while (kA2Order[s] != b % 8) ++s;
-          st[8 * g + s] = step;
-          su[8 * g + s] = step * static_cast<float>(half[0] + half[1]);
+          const int64_t slot = 8 * (b / 8) + a2_order_pos(b % 8);
+          st[slot] = step;
+          su[slot] = step * static_cast<float>(half[0] + half[1]);
         }
         for (int i = 0; i < 64; ++i) xa[64 * c + kA2Inverse.pos[i]] = x16[i];
       }
@@ -1846,7 +1845,6 @@ void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int6
   constexpr int64_t cb = a2_chunk_bytes<T>();
   const int64_t nch = a2_chunks(k), nb = k / 32;
   if constexpr (T == kQ6_K) {
-    constexpr int kSteps[2][8] = {{0, 0, 1, 1, 4, 4, 5, 5}, {2, 2, 3, 3, 6, 6, 7, 7}};  // each unit's block step
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t r = 0; r < m; ++r) {
         const uint8_t* row = w + n * rb;
@@ -1863,7 +1861,8 @@ void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int6
           for (int v = 0; v < 2; ++v)
             for (int l = 0; l < 8; ++l) {
               const float a = d * static_cast<float>(static_cast<int8_t>(row[192 + 8 * v + l]));
-              acc[l] = std::fma(static_cast<float>(units[kA2Units[8 * v + l]]), a * st[kSteps[v][l]], acc[l]);
+              acc[l] = std::fma(static_cast<float>(units[kA2Units[8 * v + l]]), a * st[kA2UnitSteps[8 * v + l]],
+                                acc[l]);
             }
         }
         const float h0 = acc[0] + acc[4], h1 = acc[1] + acc[5], h2 = acc[2] + acc[6], h3 = acc[3] + acc[7];
@@ -1902,7 +1901,6 @@ void a2_rows_portable(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, int6
 }
 
 #if defined(__AVX2__)
-// The int32 block sums of one chunk (lanes 0-3 its first block, 4-7 its second) for activation rows x[0..R).
 // A chunk's weight vectors times one activation row's four at x: the products of the blocks' first 16 weights
 // (vectors 0 and 2) and of their second 16 (vectors 1 and 3), summed per 32-bit lane.
 PAGEDLLM_ALWAYS_INLINE void a2_madd(const __m256i* w, const int16_t* x, __m256i& first, __m256i& second) {
@@ -1913,6 +1911,7 @@ PAGEDLLM_ALWAYS_INLINE void a2_madd(const __m256i* w, const int16_t* x, __m256i&
                             _mm256_madd_epi16(w[3], _mm256_loadu_si256(xv + 3)));
 }
 
+// The int32 block sums of one chunk (lanes 0-3 its first block, 4-7 its second) for activation rows x[0..R).
 template <int64_t T, int R>
 PAGEDLLM_ALWAYS_INLINE void a2_chunk(const uint8_t* q, const int16_t* const* x, int64_t off, __m256i* p) {
   __m256i w[4];
@@ -1980,9 +1979,8 @@ PAGEDLLM_ALWAYS_INLINE void a2_q6k_group(const uint8_t* grp, const int16_t* cons
   const __m256 d = _mm256_set1_ps(fp16(grp + 208));
   const __m256 s01 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
   const __m256 s23 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))));
-  // each unit's block step, from the steps in kA2Order
-  const __m256i steps01 = _mm256_setr_epi32(0, 0, 1, 1, 4, 4, 5, 5);
-  const __m256i steps23 = _mm256_setr_epi32(2, 2, 3, 3, 6, 6, 7, 7);
+  const __m256i steps01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kA2UnitSteps));
+  const __m256i steps23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kA2UnitSteps + 8));
   for (int r = 0; r < R; ++r) {
     const __m256 stp = _mm256_loadu_ps(st[r]);
     const __m256 b01 = _mm256_cvtepi32_ps(_mm256_hadd_epi32(a0[r], a1[r]));
