@@ -13,6 +13,7 @@ rows `_rows_kernel` assigns it, and cuBLAS the rest); "mma" the tensor-core GEMV
 which the layers take at 2..PAGEDLLM_GEMV_MMA_MAX_ROWS rows.
     PAGEDLLM_PDL_TRIGGER=0 python benchmarks/gemv.py --chain-only   # A/B of the early launch trigger
     python benchmarks/gemv.py --shapes-only --rows 2 5 8 16 --mma-sweep   # the tensor-core GEMV's launch options
+    python benchmarks/gemv.py --chain-only --rows 1 5 8 16 32 --mma-variants   # launch rules in the chain (MMA_VARIANTS)
 """
 from __future__ import annotations
 
@@ -63,6 +64,16 @@ def graph_time_us(fn, iters: int = 20) -> float:
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000.0 / iters
 
+
+# Launch rules of the tensor-core GEMV timed in the chain (--mma-variants): overrides of gemv_mma.CONFIG for the
+# plain layers (qkv, o, down) and for the gated gate_up.
+MMA_VARIANTS = {
+    "xpre": ({"xpre": 1}, {"xpre": 1}),
+    "u2w8": ({"unit": 2, "warps": 8}, {}),
+    "u2w8-xpre": ({"unit": 2, "warps": 8, "xpre": 1}, {"xpre": 1}),
+    "d3-xpre": ({"depth": 3, "xpre": 1}, {"depth": 3, "xpre": 1}),
+    "d4": ({"depth": 4}, {"depth": 4}),
+}
 
 MMA_SWEEP = [dict(warps=w, unit=u, depth=d, ct=c) for w in (4, 8, 16) for u in (1, 2) for d in (2, 3) for c in (1, 2)]
 
@@ -124,7 +135,7 @@ def bench_shapes(name: str, rows_list, copies_bytes: float = 2e9, mma_sweep: boo
                     print(line, flush=True)
 
 
-def bench_chain(name: str, rows_list) -> None:
+def bench_chain(name: str, rows_list, mma_variants: bool = False) -> None:
     hidden, q, _, _, layers = SHAPES[name]
     dt = torch.bfloat16
     ones = lambda n: torch.ones(n, device="cuda", dtype=dt)  # noqa: E731
@@ -136,13 +147,13 @@ def bench_chain(name: str, rows_list) -> None:
         x0 = torch.randn(m, hidden, device="cuda", dtype=dt)
         r0 = torch.randn(m, hidden, device="cuda", dtype=dt)
 
-        def chain(kind: str):
+        def chain(kind: str, variant: str = ""):
             def lin(v, w, gated=False):
                 if kind == "cublas":
                     y = F.linear(v, w)
                     return silu_and_mul(y) if gated else y
                 if kind == "mma":
-                    return gemv_mma(v, w, gated=gated)
+                    return gemv_mma(v, w, gated=gated, config=MMA_VARIANTS[variant][int(gated)] if variant else None)
                 return gemv(v, w, gated=gated, mma=False)
 
             x, r = x0, r0
@@ -163,6 +174,10 @@ def bench_chain(name: str, rows_list) -> None:
         if m <= MMA_MAX_ROWS:
             t_mma = graph_time_us(lambda: chain("mma"), iters=10)
             line += f" | mma {t_mma / 1e3:.3f} ms ({t_cublas / t_mma:.3f}x)"
+            if mma_variants:
+                for variant in MMA_VARIANTS:
+                    t = graph_time_us(lambda variant=variant: chain("mma", variant), iters=10)
+                    line += f" | {variant} {t / 1e3:.3f} ({t_mma / t:.3f}x)"
         print(f"{line} | weight bytes at 4.3 TB/s {bound / 1e3:.3f} ms", flush=True)
 
 
@@ -173,10 +188,12 @@ def main() -> None:
     parser.add_argument("--chain-only", action="store_true", help="only part 2 (the layer chain)")
     parser.add_argument("--shapes-only", action="store_true", help="only part 1 (each weight shape alone)")
     parser.add_argument("--mma-sweep", action="store_true", help="part 1: time the tensor-core GEMV's launch options")
+    parser.add_argument("--mma-variants", action="store_true",
+                        help="part 2: the chain with each launch rule of MMA_VARIANTS (ratio: default mma / variant)")
     args = parser.parse_args()
     torch.manual_seed(0)
     for name in args.shapes if not args.shapes_only else ():
-        bench_chain(name, args.rows)
+        bench_chain(name, args.rows, args.mma_variants)
         torch.cuda.empty_cache()
     if not args.chain_only:
         for name in args.shapes:

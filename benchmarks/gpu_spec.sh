@@ -21,6 +21,10 @@
 #   bash benchmarks/gpu_spec.sh mma-e2e  # the k=4 verify step and SmolLM2 n-gram with it on
 #                                        # (PAGEDLLM_GEMV_MMA_MAX_ROWS=16) and off (and n-gram at k=8 with it on),
 #                                        # the 8B decode at batch 4 and 8
+#   bash benchmarks/gpu_spec.sh mma-rules  # its GPU tests, then the 8B / Qwen3 chains at 1-32 rows with each launch
+#                                        # rule of benchmarks/gemv.py's MMA_VARIANTS
+#   MMA_VARIANT=NAME bash benchmarks/gpu_spec.sh mma-verify  # the k=4 verify step's kernels against a plain step's
+#                                        # (profile), then k=4 and k=8 (mma to 16 rows) with rule NAME beside the default
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -29,7 +33,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-e2e or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -76,6 +80,20 @@ mma)
         tests/gpu/test_small_kernels.py -k "gemv or mma"
     step mma-chain 120 python benchmarks/gemv.py --chain-only --rows 1 2 5 8 16 32
     step mma-shapes 220 python benchmarks/gemv.py --shapes-only --shapes llama3-8b --rows 5 16 --mma-sweep
+    ;;
+mma-rules)
+    step mma-tests 200 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_gemv_mma_gpu.py
+    step mma-rules 330 python benchmarks/gemv.py --chain-only --rows 1 5 8 16 32 --mma-variants
+    ;;
+mma-verify)
+    step verify4-kernels 200 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+        --load-format dummy --dtype bfloat16 --iters 1 --steps 50 --profile
+    for k in 4 8; do
+        PAGEDLLM_GEMV_MMA_MAX_ROWS=16 step "verify$k-${MMA_VARIANT:?a rule of MMA_VARIANTS}" 150 \
+            python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b --load-format dummy \
+            --dtype bfloat16 --k "$k" --iters 3 --steps 100 --mma-variant "$MMA_VARIANT" \
+            --json "$out/verify$k-$MMA_VARIANT.json"
+    done
     ;;
 mma-e2e)
     for rows in 16 0; do

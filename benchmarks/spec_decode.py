@@ -26,6 +26,7 @@ import json
 import random
 import statistics
 import time
+from typing import Optional
 
 TEXT = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
         "members agreed to increase spending on public transport, to keep the library open on Sundays, and to "
@@ -271,9 +272,12 @@ def run_verify(args) -> dict:
     if args.profile and torch_cuda():
         # Device time only (kernels, inside graphs too): what the verify step costs the GPU, without the host
         # work that a speculating step cannot overlap (it waits for the previous step's drafts).
-        d_plain, d_verify = device_ms(lambda: block(False, 20), 20), device_ms(lambda: block(True, 20), 20)
+        k_plain, k_verify = {}, {}
+        d_plain = device_ms(lambda: block(False, 20), 20, k_plain)
+        d_verify = device_ms(lambda: block(True, 20), 20, k_verify)
         print(f"[verify k={k}] device time per step: plain decode {d_plain:.3f} ms   verify {d_verify:.3f} ms   "
               f"ratio {d_verify / d_plain:.3f}")
+        print_kernel_diff(k_plain, k_verify)
     ratios, rows = [], []
     for it in range(args.iters):
         t_plain = block(False, args.steps)
@@ -411,14 +415,27 @@ def torch_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def device_ms(fn, num_steps: int) -> float:
-    """Kernel time per step (ms) of fn() running num_steps steps, from the torch profiler (CUDA activity)."""
+def device_ms(fn, num_steps: int, per_kernel: Optional[dict] = None) -> float:
+    """Kernel time per step (ms) of fn() running num_steps steps, from the torch profiler (CUDA activity);
+    per_kernel: filled with us per step of each kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / num_steps / 1e3
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    if per_kernel is not None:
+        for e in events:
+            per_kernel[e.key] = per_kernel.get(e.key, 0.0) + e.self_device_time_total / num_steps
+    return sum(e.self_device_time_total for e in events) / num_steps / 1e3
+
+
+def print_kernel_diff(plain: dict, verify: dict, top: int = 15) -> None:
+    """The kernels whose time per step differs most between a verify step and a plain one."""
+    names = sorted(set(plain) | set(verify), key=lambda n: -abs(verify.get(n, 0.0) - plain.get(n, 0.0)))
+    print(f"{'us per step: plain':>28s} {'verify':>9s} {'diff':>8s}  kernel")
+    for name in names[:top]:
+        a, b = plain.get(name, 0.0), verify.get(name, 0.0)
+        print(f"{a:28.1f} {b:9.1f} {b - a:+8.1f}  {name[:110]}")
 
 
 def main(argv=None) -> None:
@@ -450,8 +467,18 @@ def main(argv=None) -> None:
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="verify: count eager ops and host syncs per step over STEPS plain and STEPS verify steps, "
                         "and list the host functions whose time grows most in a verify step (cProfile)")
+    p.add_argument("--mma-variant", default=None,
+                   help="a launch rule of the tensor-core GEMV from benchmarks/gemv.py's MMA_VARIANTS (A/B)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.mma_variant:
+        from gemv import MMA_VARIANTS
+
+        from pagedllm.kernels import gemv_mma
+
+        plain, gated = MMA_VARIANTS[args.mma_variant]
+        gemv_mma.CONFIG.update(plain)
+        gemv_mma.GATED_CONFIG.update(gated)
     defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192), "steps": (1, 256)}
     b, out_len = defaults[args.mode]
     args.batch_size = args.batch_size or b

@@ -65,10 +65,11 @@ def _unit(unit: int, chunks: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _compile(warps: int, unit: int, depth: int, mt: int, ct: int, gated: bool, fp16: bool, has_bias: bool,
-             device_index: int):
+             device_index: int, xpre: int = 0):
     major, minor = torch.cuda.get_device_capability(device_index)
     defines = (f"#define WARPS {warps}\n#define UNIT {unit}\n#define DEPTH {depth}\n#define MT {mt}\n#define CT {ct}\n"
-               f"#define GATED {int(gated)}\n#define IS_FP16 {int(fp16)}\n#define HAS_BIAS {int(has_bias)}\n")
+               f"#define GATED {int(gated)}\n#define IS_FP16 {int(fp16)}\n#define HAS_BIAS {int(has_bias)}\n"
+               f"#define XPRE {int(xpre)}\n")
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(defines + cuda_source("gemv_mma.cu"), "gemv_mma",
                                           compute_capability=f"{major}{minor}")
@@ -89,8 +90,9 @@ def _launch_shape(n_out: int, k: int, gated: bool, mt: int, cfg: dict) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _prepare(n_out: int, k: int, gated: bool, fp16: bool, has_bias: bool, index: int) -> None:
     for mt in ROW_TILES:
-        warps, unit, ct, _ = _launch_shape(n_out, k, gated, mt, CONFIG)
-        _compile(warps, unit, CONFIG["depth"], mt, ct, gated, fp16, has_bias, index)
+        cfg = base_config(gated)
+        warps, unit, ct, _ = _launch_shape(n_out, k, gated, mt, cfg)
+        _compile(warps, unit, cfg["depth"], mt, ct, gated, fp16, has_bias, index, cfg["xpre"])
 
 
 def _prepare_key(weight: torch.Tensor, gated: bool, has_bias: bool) -> tuple:
@@ -136,7 +138,7 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     unknown = set(config or ()) - set(CONFIG)
     if unknown:
         raise ValueError(f"unknown gemv_mma launch options {sorted(unknown)}; known: {sorted(CONFIG)}")
-    cfg = {**CONFIG, **(config or {})}
+    cfg = {**base_config(gated), **(config or {})}
     m, k = x.shape
     n_total = weight.shape[0]
     n_out = n_total // 2 if gated else n_total
@@ -155,7 +157,8 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if not config:
         prepare(weight, gated, bias is not None)  # every row tile at once (cached): none compiles under capture
     warps, unit, ct, blocks = _launch_shape(n_out, k, gated, mt, cfg)
-    kernel = _compile(warps, unit, cfg["depth"], mt, ct, gated, x.dtype == torch.float16, bias is not None, index)
+    kernel = _compile(warps, unit, cfg["depth"], mt, ct, gated, x.dtype == torch.float16, bias is not None, index,
+                      cfg["xpre"])
     grid, block = (blocks, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [weight, x, bias if bias is not None else x, out, m, n_out, k, weight.stride(0), x.stride(0),
             out.stride(0), n_out]
