@@ -25,6 +25,8 @@
 #                                        # rule of benchmarks/gemv.py's MMA_VARIANTS
 #   MMA_VARIANT=NAME bash benchmarks/gpu_spec.sh mma-verify  # the k=4 verify step's kernels against a plain step's
 #                                        # (profile), then k=4 and k=8 (mma to 16 rows) with rule NAME beside the default
+#   bash benchmarks/gpu_spec.sh probe    # where the verify steps' time goes: SmolLM2's host functions (host's first
+#                                        # step) and the 8B k=4 verify step's kernels against a plain step's
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -114,6 +116,12 @@ mma-e2e)
                 --input-len 128 --output-len 128 --hf none
         done
     done
+    ;;
+probe)
+    step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \
+        --steps 200 --host-profile 200
+    step verify4-kernels 200 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+        --load-format dummy --dtype bfloat16 --iters 1 --steps 50 --profile
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \
