@@ -73,6 +73,7 @@ MMA_VARIANTS = {
     "u2w8-xpre": ({"unit": 2, "warps": 8, "xpre": 1}, {"xpre": 1}),
     "d3-xpre": ({"depth": 3, "xpre": 1}, {"depth": 3, "xpre": 1}),
     "d4": ({"depth": 4}, {"depth": 4}),
+    "d4-xpre": ({"depth": 4, "xpre": 1}, {"depth": 4, "xpre": 1}),
 }
 
 MMA_SWEEP = [dict(warps=w, unit=u, depth=d, ct=c) for w in (4, 8, 16) for u in (1, 2) for d in (2, 3) for c in (1, 2)]
