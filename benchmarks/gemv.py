@@ -68,6 +68,7 @@ def graph_time_us(fn, iters: int = 20) -> float:
 # Launch rules of the tensor-core GEMV timed in the chain (--mma-variants): overrides of gemv_mma.CONFIG for the
 # plain layers (qkv, o, down) and for the gated gate_up.
 MMA_VARIANTS = {
+    "before": ({"unit": 1, "warps": None}, {}),  # the defaults before ROW_TILE_CONFIG
     "xpre": ({"xpre": 1}, {"xpre": 1}),
     "u2w8": ({"unit": 2, "warps": 8}, {}),
     "u2w8-xpre": ({"unit": 2, "warps": 8, "xpre": 1}, {"xpre": 1}),

@@ -25,6 +25,10 @@
 #                                        # rule of benchmarks/gemv.py's MMA_VARIANTS
 #   MMA_VARIANT=NAME bash benchmarks/gpu_spec.sh mma-verify  # the k=4 verify step's kernels against a plain step's
 #                                        # (profile), then k=4 and k=8 (mma to 16 rows) with rule NAME beside the default
+#   bash benchmarks/gpu_spec.sh few      # the few-query attention kernel (verify rows split over the context): its GPU
+#                                        # tests with the spec / mixed-graph ones, then the 8B k=4 verify step at
+#                                        # context 1024 with it (kernel profile) and without (PAGEDLLM_FEW_QUERY_ATTENTION=0)
+#   bash benchmarks/gpu_spec.sh few-rows # k=4 at context 128, k=8 at 1024; 8B decode batch 16 with mma to 16 / 8 rows
 #   bash benchmarks/gpu_spec.sh probe    # where the verify steps' time goes: SmolLM2's host functions (host's first
 #                                        # step) and the 8B k=4 verify step's kernels against a plain step's
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
@@ -35,7 +39,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-rows, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -115,6 +119,28 @@ mma-e2e)
                 --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --batch-size "$bs" \
                 --input-len 128 --output-len 128 --hf none
         done
+    done
+    ;;
+few)
+    step few-tests 300 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_few_query_attention.py \
+        tests/gpu/test_mixed_graphs.py tests/gpu/test_spec_decode_gpu.py
+    step verify4-ctx1024-few 150 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+        --load-format dummy --dtype bfloat16 --iters 3 --steps 100 --input-len 1024 --profile \
+        --json "$out/verify4-ctx1024-few.json"
+    PAGEDLLM_FEW_QUERY_ATTENTION=0 step verify4-ctx1024-prefill 120 python benchmarks/spec_decode.py verify \
+        --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --iters 3 --steps 100 \
+        --input-len 1024 --json "$out/verify4-ctx1024-prefill.json"
+    ;;
+few-rows)
+    step verify4-ctx128 120 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+        --load-format dummy --dtype bfloat16 --iters 3 --steps 100 --json "$out/verify4-ctx128.json"
+    step verify8-ctx1024 120 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+        --load-format dummy --dtype bfloat16 --k 8 --iters 3 --steps 100 --input-len 1024 \
+        --json "$out/verify8-ctx1024.json"
+    for rows in 16 8; do
+        PAGEDLLM_GEMV_MMA_MAX_ROWS=$rows step "latency-b16-mma$rows" 90 python benchmarks/latency.py \
+            --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --batch-size 16 \
+            --input-len 128 --output-len 128 --hf none
     done
     ;;
 probe)

@@ -477,6 +477,7 @@ def main(argv=None) -> None:
         from pagedllm.kernels import gemv_mma
 
         plain, gated = MMA_VARIANTS[args.mma_variant]
+        gemv_mma.ROW_TILE_CONFIG.clear()  # the variant's options at every row count
         gemv_mma.CONFIG.update(plain)
         gemv_mma.GATED_CONFIG.update(gated)
     defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192), "steps": (1, 256)}

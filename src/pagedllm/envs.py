@@ -78,11 +78,14 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": on CUDA, run q/k norm, rotary and the KV-cache write as separate kernels instead of the fused one
     # (A/B benchmarks, debugging).
     "PAGEDLLM_FUSED_QKV": lambda: os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0",
-    # "0": the CUDA decode kernel takes requests in batch order instead of longest context first (A/B).
     # Mixed prefill + decode steps of up to this many tokens replay CUDA graphs (worker/mixed_graph.py); 0: eager.
     "PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": _int("PAGEDLLM_MIXED_GRAPH_MAX_TOKENS", 4096),
     # Mixed-step graphs with this one query tile (rows per attention program) instead of the per-step choice.
     "PAGEDLLM_MIXED_GRAPH_TILE": _int("PAGEDLLM_MIXED_GRAPH_TILE", 0),
+    # "0": steps whose requests have few query tokens each (speculative verify rows) run the prefill attention kernel
+    # instead of the split-KV few-query kernel (kernels/paged_attention.paged_few_query_attention; A/B).
+    "PAGEDLLM_FEW_QUERY_ATTENTION": lambda: os.environ.get("PAGEDLLM_FEW_QUERY_ATTENTION", "1") != "0",
+    # "0": the CUDA decode kernel takes requests in batch order instead of longest context first (A/B).
     "PAGEDLLM_DECODE_LPT": lambda: os.environ.get("PAGEDLLM_DECODE_LPT", "1") != "0",
     # "0": launch the Triton kernels without programmatic dependent launch (kernels/pdl.py; A/B, debugging).
     "PAGEDLLM_PDL": lambda: os.environ.get("PAGEDLLM_PDL", "1") != "0",
@@ -92,9 +95,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
     # Steps of 2 up to this many rows (at most 32) run CUDA fp16/bf16 linear layers on the tensor-core GEMV
-    # (kernels/gemv_mma.py) instead of the Triton GEMV / cuBLAS; 0: off. 8: past it cuBLAS wins on 8B shapes
-    # (docs/benchmarks.md, "The tensor-core few-row GEMV").
-    "PAGEDLLM_GEMV_MMA_MAX_ROWS": _int("PAGEDLLM_GEMV_MMA_MAX_ROWS", 8),
+    # (kernels/gemv_mma.py) instead of the Triton GEMV / cuBLAS; 0: off. 16: past it (four row tiles) cuBLAS wins
+    # on 8B shapes (docs/benchmarks.md, "The tensor-core few-row GEMV").
+    "PAGEDLLM_GEMV_MMA_MAX_ROWS": _int("PAGEDLLM_GEMV_MMA_MAX_ROWS", 16),
     # "0": on GPUs a request that continues a finished one's last partial block (beam forks, core/partial_blocks.py)
     # recomputes it instead of copying it (A/B benchmarks). CPU engines always copy.
     "PAGEDLLM_PARTIAL_BLOCK_COPIES": lambda: os.environ.get("PAGEDLLM_PARTIAL_BLOCK_COPIES", "1") != "0",

@@ -97,7 +97,7 @@ def test_cuda_graph_replay_equals_eager():
 
 
 def test_routing(monkeypatch):
-    """2..PAGEDLLM_GEMV_MMA_MAX_ROWS rows of a readable weight go to the tensor-core GEMV (8 by default); one row
+    """2..PAGEDLLM_GEMV_MMA_MAX_ROWS rows of a readable weight go to the tensor-core GEMV (16 by default); one row
     stays on the Triton GEMV; LoRA's fused expand keeps the Triton rule; misaligned x falls back."""
     w = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
     x = lambda rows: torch.empty(rows, 4096, device="cuda", dtype=torch.bfloat16)  # noqa: E731
@@ -105,9 +105,9 @@ def test_routing(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", "0")
     assert [_rows_kernel(m, w, x(m)) for m in (1, 2, 5)] == ["gemv", None, None]
     monkeypatch.delenv("PAGEDLLM_GEMV_MMA_MAX_ROWS")
-    assert [_rows_kernel(m, w, x(m)) for m in (1, 2, 8, 9)] == ["gemv", "mma", "mma", None]
-    monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", "16")
     assert [_rows_kernel(m, w, x(m)) for m in (1, 2, 5, 16, 17)] == ["gemv", "mma", "mma", "mma", None]
+    monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", "8")
+    assert [_rows_kernel(m, w, x(m)) for m in (1, 2, 8, 9)] == ["gemv", "mma", "mma", None]
     monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", "64")  # clamped to the kernel's 32
     assert [_rows_kernel(m, w, x(m)) for m in (32, 33)] == ["mma", None]
     assert gemv_applies(x(5), w) and not gemv_applies(x(5), w, lora=True)

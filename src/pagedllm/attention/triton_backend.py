@@ -21,12 +21,16 @@ from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend, QKVSpec
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.paged_attention import (
+    FEW_QUERY_MAX_LEN,
     SHORT_CONTEXT_LEN,
     TINY_CONTEXT_LEN,
     decode_block_n,
     decode_num_splits,
     decode_workspace_numel,
+    few_query_pad,
+    few_query_workspace_numel,
     paged_decode_attention,
+    paged_few_query_attention,
     paged_prefill_attention,
     prefill_block_m,
 )
@@ -75,6 +79,25 @@ class TritonAttentionBackend(AttentionBackend):
                   torch.empty(lse_numel, dtype=torch.float32, device=device))
             self._workspaces[key] = ws
         return ws
+
+    def _few_query_workspace(self, num_heads: int, num_kv_heads: int, head_size: int,
+                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("few", torch.device(device), num_kv_heads, num_heads, head_size)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            out_numel, lse_numel = few_query_workspace_numel(num_kv_heads, num_heads, head_size, device)
+            ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
+                  torch.empty(lse_numel, dtype=torch.float32, device=device))
+            self._workspaces[key] = ws
+        return ws
+
+    def few_query_tile(self, num_heads: int, num_kv_heads: int, max_query_len: int) -> Optional[int]:
+        """The mixed-graph tile id (negative: -query tokens per tile) of the few-query split-KV launch for steps
+        whose requests have <= max_query_len query tokens each, or None where it does not apply."""
+        if not envs.PAGEDLLM_FEW_QUERY_ATTENTION:
+            return None
+        q_pad = few_query_pad(max_query_len, num_heads, num_kv_heads)
+        return None if q_pad is None else -q_pad
 
     def graph_seq_len_buckets(self, num_reqs: int, num_kv_heads: int, max_model_len: int,
                               device: torch.device) -> list[int]:
@@ -189,9 +212,30 @@ class TritonAttentionBackend(AttentionBackend):
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, shrink=output_shrink,
                 out_scale=out_scale)
         else:
-            paged_prefill_attention(
-                query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
-                num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output,
-                block_m=metadata.graph_prefill_tile, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                out_scale=out_scale)
+            tile = metadata.graph_prefill_tile
+            if tile is None:  # eager: the few-query launch when every request has few query tokens
+                tile = self.few_query_tile(num_heads, num_kv_heads, metadata.max_query_len)
+            q_pad = None
+            if tile is not None and tile < 0:
+                q_pad = few_query_pad(-tile, num_heads, num_kv_heads)
+                tile = None  # (a layer it does not fit: the prefill kernel's own tile)
+            if q_pad is not None:
+                # Splits as for decode rows, counting a request per FEW_QUERY_MAX_LEN tokens at least (the
+                # workspace's bound; graph padding rows count as requests).
+                reqs = max(metadata.num_reqs, -(-query.shape[0] // FEW_QUERY_MAX_LEN))
+                num_splits = decode_num_splits(reqs, num_kv_heads, query.device, self.max_splits,
+                                               metadata.max_seq_len, kv_cache.dtype)
+                paged_few_query_attention(
+                    query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
+                    num_seqs=metadata.num_reqs, q_pad=q_pad, output=output,
+                    workspace=self._few_query_workspace(num_heads, num_kv_heads, head_size, query.device),
+                    num_splits=num_splits,
+                    block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len, kv_cache.dtype),
+                    sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, out_scale=out_scale)
+            else:
+                paged_prefill_attention(
+                    query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,
+                    num_seqs=metadata.num_reqs, max_query_len=metadata.max_query_len, output=output,
+                    block_m=tile, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                    out_scale=out_scale)
         return output

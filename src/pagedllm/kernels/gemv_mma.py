@@ -27,7 +27,17 @@ MAX_ROWS = 32  # four row tiles of 8
 ROW_TILES = (1, 2, 4)
 # warps None: by the grid (`default_warps`); depth: units of a warp in flight; unit: chunks per unit (at most this,
 # dividing the chunks); ct: column tiles per block sharing each x fragment (not gated)
-CONFIG = {"warps": None, "unit": 1, "depth": 2, "ct": 1}
+CONFIG = {"warps": None, "unit": 1, "depth": 2, "ct": 1, "xpre": 0}  # xpre: csrc/gemv_mma.cu's XPRE
+GATED_CONFIG = dict(CONFIG)  # the gated product's (its blocks read two column tiles)
+
+
+# Per (gated, row tiles) overrides of the above: plain products of 1-16 rows read two chunks per unit with 8 warps
+# per block (the 8B / Qwen3-0.6B layer chains at 1-16 rows, docs/benchmarks.md "The tensor-core few-row GEMV").
+ROW_TILE_CONFIG = {(False, 1): {"unit": 2, "warps": 8}, (False, 2): {"unit": 2, "warps": 8}}
+
+
+def base_config(gated: bool, mt: int = 1) -> dict:
+    return {**(GATED_CONFIG if gated else CONFIG), **ROW_TILE_CONFIG.get((gated, mt), {})}
 
 
 def layout_problem(weight: torch.Tensor, gated: bool = False) -> Optional[str]:
@@ -90,7 +100,7 @@ def _launch_shape(n_out: int, k: int, gated: bool, mt: int, cfg: dict) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _prepare(n_out: int, k: int, gated: bool, fp16: bool, has_bias: bool, index: int) -> None:
     for mt in ROW_TILES:
-        cfg = base_config(gated)
+        cfg = base_config(gated, mt)
         warps, unit, ct, _ = _launch_shape(n_out, k, gated, mt, cfg)
         _compile(warps, unit, cfg["depth"], mt, ct, gated, fp16, has_bias, index, cfg["xpre"])
 
@@ -138,7 +148,6 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     unknown = set(config or ()) - set(CONFIG)
     if unknown:
         raise ValueError(f"unknown gemv_mma launch options {sorted(unknown)}; known: {sorted(CONFIG)}")
-    cfg = {**base_config(gated), **(config or {})}
     m, k = x.shape
     n_total = weight.shape[0]
     n_out = n_total // 2 if gated else n_total
@@ -153,6 +162,7 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if m == 0 or n_out == 0:
         return out
     mt = next(mt for mt in ROW_TILES if m <= 8 * mt)
+    cfg = {**base_config(gated, mt), **(config or {})}
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if not config:
         prepare(weight, gated, bias is not None)  # every row tile at once (cached): none compiles under capture

@@ -495,6 +495,7 @@ def _decode_reduce_kernel(
     FOLD: tl.constexpr = False,  # also the consumer's shrink of the output (OutputShrink)
     NR_PAD: tl.constexpr = 16, NUM_HEADS: tl.constexpr = 1,
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (an FP8 cache's v_scale)
+    ALL_SPLITS: tl.constexpr = False,  # rows are query tokens and every split wrote its part (few-query launches)
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -508,10 +509,13 @@ def _decode_reduce_kernel(
                     + head * HEAD_SIZE + dims[None, :], mask=q_ok[:, None] & dim_ok[None, :] & (slot >= 0),
                     other=0.0).to(tl.float32)
     wait_prior_kernel(USE_PDL)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    num_keys = seq_len - tl.maximum(seq_len - window, 0)  # the keys the query sees (its window)
-    part_len = tl.maximum(tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N, 1)
-    num_active = tl.cdiv(num_keys, part_len)  # splits that had work (0 when seq_len == 0)
+    if ALL_SPLITS:
+        num_active = num_splits  # a split a row saw nothing of holds lse -inf and zeros: weight 0
+    else:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        num_keys = seq_len - tl.maximum(seq_len - window, 0)  # the keys the query sees (its window)
+        part_len = tl.maximum(tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N, 1)
+        num_active = tl.cdiv(num_keys, part_len)  # splits that had work (0 when seq_len == 0)
 
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < num_active
@@ -536,6 +540,182 @@ def _decode_reduce_kernel(
             part = tl.sum(a * out.to(tl.float32)[None, :], axis=1)
             store_partial_and_fold(part, fold_part_ptr, head, stride_fp_head, seq * stride_fp_seq, offs_q, q_ok,
                                    h_ptr + seq * stride_hm, counter_ptr + seq, NUM_HEADS, NR_PAD)
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_row", "stride_po_head", "stride_pl_row",
+                                "stride_pl_head", "window"])
+def _few_query_kernel(
+    q_ptr, out_ptr, part_out_ptr, part_lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_scale_ptr, scale_log2, num_splits, window, soft_cap_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
+    stride_po_row, stride_po_head, stride_po_split,  # part_out [num_tokens, num_heads, num_splits, HEAD_PAD]
+    stride_pl_row, stride_pl_head,  # part_lse [num_tokens, num_heads, num_splits]
+    GQA: tl.constexpr, GQA_PAD: tl.constexpr, Q_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the normalized output directly
+    USE_PDL: tl.constexpr,
+    SOFT_CAP: tl.constexpr = False,
+    Q_FP16: tl.constexpr = False,
+    OUT_SCALE: tl.constexpr = False,  # (SINGLE_SPLIT; else the reduce applies it)
+    V_WORDS: tl.constexpr = False,
+):
+    wait_prior_kernel(USE_PDL)
+    # Grid (kv heads, requests, splits): every query token of a request (<= Q_PAD) and the GQA group of one kv
+    # head as the rows of one tile, over one slice of the context, so each K/V tile is read once for all of them.
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_len > 0:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx_len = seq_len - q_len
+        # The first token (at ctx_len) sees [lo, ...); later tokens see less of the start under a window.
+        lo = tl.maximum(ctx_len + 1 - window, 0)
+        part_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+        start = lo + split * part_len
+        end = tl.minimum(start + part_len, seq_len)
+
+        rows = tl.arange(0, Q_PAD * GQA_PAD)
+        tok = rows // GQA_PAD
+        g = rows % GQA_PAD
+        head = kv_head * GQA + g
+        row_ok = (tok < q_len) & (g < GQA)
+        dims = tl.arange(0, HEAD_PAD)
+        io_mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
+        tok64 = (q_start + tok).to(tl.int64)
+        q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask,
+                    other=0.0)
+        if Q_FP16:
+            q = _fp16_query(q)
+        q_pos = ctx_len + tok
+
+        m_i = tl.full([Q_PAD * GQA_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([Q_PAD * GQA_PAD], tl.float32)
+        acc = tl.zeros([Q_PAD * GQA_PAD, HEAD_PAD], tl.float32)
+        bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+        head_off = kv_head.to(tl.int64) * stride_c_head
+        # The masked tile form throughout (bounds, causality, window): a row may see nothing of a split (a later
+        # slice than its position), which only that form's -inf handling allows.
+        for tile_start in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, tile_start, end,
+                stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
+                BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
+                kv_lo=lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP,
+                V_WORDS=V_WORDS)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        if SINGLE_SPLIT:
+            if OUT_SCALE:
+                out = out * tl.load(out_scale_ptr)
+            tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        else:
+            # Every split writes, the empty ones zeros and lse -inf: the reduce needs no request lengths.
+            po = part_out_ptr + tok64[:, None] * stride_po_row + head[:, None] * stride_po_head + split * stride_po_split
+            tl.store(po + dims[None, :], out, mask=io_mask)
+            lse = m_i + tl.log2(l_safe)
+            tl.store(part_lse_ptr + tok64 * stride_pl_row + head * stride_pl_head + split, lse, mask=row_ok)
+
+
+# Few-query launches (`paged_few_query_attention`): at most this many query tokens per request, and tiles of at most
+# FEW_QUERY_MAX_ROWS rows (query tokens padded to a power of two x the GQA group padded).
+FEW_QUERY_MAX_LEN = 16
+FEW_QUERY_MAX_ROWS = 64
+
+
+def few_query_pad(max_query_len: int, num_heads: int, num_kv_heads: int) -> Optional[int]:
+    """The query tokens per tile (a power of two) of a few-query launch for requests of <= max_query_len tokens,
+    or None when such a launch does not apply (too many tokens or rows)."""
+    gqa_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    q_pad = max(triton.next_power_of_2(max(1, max_query_len)), 16 // min(16, gqa_pad))  # tl.dot: >= 16 rows
+    if max_query_len > FEW_QUERY_MAX_LEN or q_pad * gqa_pad > FEW_QUERY_MAX_ROWS:
+        return None
+    return q_pad
+
+
+def few_query_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int,
+                              device: torch.device) -> tuple[int, int]:
+    """Worst-case (part_out, part_lse) element counts of few-query launches (`few_query_num_splits`)."""
+    target = 2 * _DECODE_PROGRAMS_PER_SM * sm_count(device)
+    # splits > 1 only when reqs * kv_heads * splits <= target, and a request has <= FEW_QUERY_MAX_LEN tokens.
+    rows = (triton.cdiv(target, num_kv_heads) + 1) * FEW_QUERY_MAX_LEN
+    return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
+
+
+def paged_few_query_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], already written
+    block_table: torch.Tensor,  # [>= num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [>= num_seqs] int32
+    query_start_loc: torch.Tensor,  # [>= num_seqs + 1] int32
+    scale: float,
+    num_seqs: int,
+    q_pad: int,  # query tokens per tile: >= every request's query length (few_query_pad)
+    output: Optional[torch.Tensor] = None,
+    workspace: Optional[tuple[torch.Tensor, torch.Tensor]] = None,  # flat fp32 (part_out, part_lse)
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: int = 4,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    out_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Causal attention for requests of a few query tokens each (speculative verify rows, decodes), the semantics
+    of `paged_prefill_attention`, split-KV as `paged_decode_attention`: the prefill kernel gives such a request one
+    program per kv head, which walks the whole context alone; here a request's context is cut into num_splits
+    slices (each program: all its query tokens x one GQA group x one slice), merged by the decode reduce kernel.
+    No host syncs; the launch depends only on num_seqs, q_pad, num_splits and shapes (CUDA-graph capturable with
+    a preallocated workspace)."""
+    if output is None:
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_tokens, num_heads, head_size, num_kv_heads = _check_shapes(query, kv_cache, output)
+    if num_tokens == 0 or num_seqs == 0:
+        return output
+    gqa = num_heads // num_kv_heads
+    gqa_pad = triton.next_power_of_2(gqa)
+    head_pad = triton.next_power_of_2(head_size)
+    assert q_pad * gqa_pad >= 16 and q_pad == triton.next_power_of_2(q_pad), (q_pad, gqa_pad)
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, cache_dtype=kv_cache.dtype)
+    if block_n is None:
+        block_n = decode_block_n(query.dtype, head_size, num_splits, cache_dtype=kv_cache.dtype)
+    common = dict(GQA=gqa, GQA_PAD=gqa_pad, Q_PAD=q_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
+                  HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype),
+                  SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
+                  num_stages=decode_num_stages(kv_cache.dtype, num_splits), OUT_SCALE=out_scale is not None,
+                  **fp8_read_args(query.dtype, kv_cache.dtype), **pdl_launch_args(query.device))
+    common["V_WORDS"] = (common["Q_FP16"] and FP8_V_WORDS and head_size % 4 == 0 and kv_cache.data_ptr() % 4 == 0
+                         and all(st % 4 == 0 for st in kv_cache.stride()[:4]))
+    scale_arg = _scale_arg(out_scale, output)
+    window, soft_cap = kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap)
+    cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+                     block_table.stride(0))
+    head_strides = (query.stride(0), query.stride(1), output.stride(0), output.stride(1))
+    if num_splits == 1:
+        _few_query_kernel[(num_kv_heads, num_seqs, 1)](
+            query, output, output, output, kv_cache, block_table, seq_lens, query_start_loc, scale_arg,
+            scale * LOG2E, 1, window, soft_cap, *head_strides, *cache_strides, 0, 0, 0, 0, 0, SINGLE_SPLIT=True,
+            **common)
+        return output
+    part_out, part_lse, part_strides = split_kv_partials(workspace, num_tokens, num_heads, num_splits, head_pad,
+                                                         query.device)
+    _few_query_kernel[(num_kv_heads, num_seqs, num_splits)](
+        query, output, part_out, part_lse, kv_cache, block_table, seq_lens, query_start_loc, scale_arg,
+        scale * LOG2E, num_splits, window, soft_cap, *head_strides, *cache_strides, *part_strides,
+        SINGLE_SPLIT=False, **common)
+    # Rows of tokens of no request (graph padding) merge whatever their workspace rows hold: nothing reads them.
+    _decode_reduce_kernel[(num_tokens, num_heads)](
+        output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
+        output.stride(0), output.stride(1), *part_strides, output, seq_lens, output, output, seq_lens,
+        0, 0, 0, 0, 0, 0,
+        BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        OUT_SCALE=out_scale is not None, ALL_SPLITS=True, num_warps=4 if head_pad >= 128 else 2,
+        **pdl_launch_args(query.device))
+    return output
 
 
 @dataclass

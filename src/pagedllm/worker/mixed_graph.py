@@ -129,7 +129,7 @@ class GraphInputs:
 class MixedGraphRunner:
     """Capture and replay of mixed steps in token buckets (see the module docstring)."""
 
-    def __init__(self, runner, pool=None, extra_sizes=()) -> None:
+    def __init__(self, runner, pool=None, extra_sizes=(), few_query_len: Optional[int] = None) -> None:
         self.runner = runner
         self.device = runner.device
         # No step holds more than max_num_seqs full-length requests; larger buckets could not even be filled
@@ -146,6 +146,14 @@ class MixedGraphRunner:
                                                            first.head_size)
         if envs.PAGEDLLM_MIXED_GRAPH_TILE:  # one fixed tile (A/B benchmarks)
             self.tiles = [envs.PAGEDLLM_MIXED_GRAPH_TILE]
+        # Steps whose requests have <= few_query_len query tokens each (verify steps of k + 1 tokens) also get a
+        # graph with the backend's few-query attention launch (a negative tile id), for the buckets up to the
+        # largest exact verify bucket.
+        self.few_tile, self.few_max_size = None, 0
+        few_tile = getattr(runner.attn_backend, "few_query_tile", None)
+        if few_query_len and few_tile is not None and extra_sizes:
+            self.few_tile = few_tile(first.num_heads, first.num_kv_heads, few_query_len)
+            self.few_max_size = max(extra_sizes) if self.few_tile is not None else 0
         self.inputs: Optional[GraphInputs] = None  # the static inputs, allocated at capture
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (token bucket, tile, with LoRA) -> graph
         self.outputs: dict[tuple, torch.Tensor] = {}
@@ -182,7 +190,7 @@ class MixedGraphRunner:
         backend = self.runner.attn_backend
         for size in reversed(self.sizes):  # largest first so smaller buckets reuse its pool memory
             self._fill_capture_inputs(size)
-            for tile in self.tiles:
+            for tile in self.tiles + ([self.few_tile] if size <= self.few_max_size else []):
                 for with_lora in self.lora_variants:
                     if self.lora_state is not None:
                         self.lora_state.clear()  # no adapter tokens while capturing: the LoRA kernels exit at once
@@ -215,7 +223,9 @@ class MixedGraphRunner:
         # Rows past the step's requests: no query tokens (start = end = n), so their programs exit at once.
         self.inputs.load(input_ids, positions, md, size, min(self.runner.max_num_seqs, size))
         tile = self.tiles[0]
-        if len(self.tiles) > 1:
+        if size <= self.few_max_size and md.max_query_len <= -self.few_tile:
+            tile = self.few_tile
+        elif len(self.tiles) > 1:
             qsl = np.asarray(md.query_start_loc_cpu)
             tile = pick_tile(self.tiles, self.gqa_pad, np.diff(qsl), np.asarray(md.seq_lens_cpu))
         self.runner.attn_backend.prepare(md)

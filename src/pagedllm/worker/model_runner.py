@@ -125,7 +125,9 @@ class ModelRunner:
                 from pagedllm.worker.mixed_graph import MixedGraphRunner
 
                 extra = self.spec.graph_token_sizes() if self.spec is not None else ()
-                self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra)
+                few = self.spec.config.num_speculative_tokens + 1 if self.spec is not None else None
+                self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra,
+                                                     few_query_len=few)
                 self.mixed_graphs.capture()
         if self.device.type == "cuda":
             # The profiling forward's activation blocks were released to size the KV cache: run it once more so
