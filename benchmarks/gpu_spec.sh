@@ -122,13 +122,13 @@ mma-e2e)
     done
     ;;
 few)
-    step few-tests 300 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_few_query_attention.py \
+    step few-tests 240 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_few_query_attention.py \
         tests/gpu/test_gemv_mma_gpu.py \
         tests/gpu/test_mixed_graphs.py tests/gpu/test_spec_decode_gpu.py
-    step verify4-ctx1024-few 130 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+    step verify4-ctx1024-few 110 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
         --load-format dummy --dtype bfloat16 --iters 3 --steps 100 --input-len 1024 --profile \
         --json "$out/verify4-ctx1024-few.json"
-    PAGEDLLM_FEW_QUERY_ATTENTION=0 step verify4-ctx1024-prefill 110 python benchmarks/spec_decode.py verify \
+    PAGEDLLM_FEW_QUERY_ATTENTION=0 step verify4-ctx1024-prefill 100 python benchmarks/spec_decode.py verify \
         --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --iters 3 --steps 100 \
         --input-len 1024 --json "$out/verify4-ctx1024-prefill.json"
     ;;
