@@ -28,6 +28,7 @@
 #   bash benchmarks/gpu_spec.sh few      # the few-query attention kernel (verify rows split over the context): its GPU
 #                                        # tests with the spec / mixed-graph ones, then the 8B k=4 verify step at
 #                                        # context 1024 with it (kernel profile) and without (PAGEDLLM_FEW_QUERY_ATTENTION=0)
+#   bash benchmarks/gpu_spec.sh few-short  # the same in less device time: the kernel tests and the two k=4 rows
 #   bash benchmarks/gpu_spec.sh few-rows # k=4 at context 128, k=8 at 1024; 8B decode batch 16 with mma to 16 / 8 rows
 #   bash benchmarks/gpu_spec.sh probe    # where the verify steps' time goes: SmolLM2's host functions (host's first
 #                                        # step) and the 8B k=4 verify step's kernels against a plain step's
@@ -39,7 +40,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-rows, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -131,6 +132,15 @@ few)
     PAGEDLLM_FEW_QUERY_ATTENTION=0 step verify4-ctx1024-prefill 100 python benchmarks/spec_decode.py verify \
         --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --iters 3 --steps 100 \
         --input-len 1024 --json "$out/verify4-ctx1024-prefill.json"
+    ;;
+few-short)
+    step few-tests 120 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_few_query_attention.py \
+        tests/gpu/test_gemv_mma_gpu.py
+    step verify4-ctx1024-few 60 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
+        --load-format dummy --dtype bfloat16 --iters 2 --steps 100 --input-len 1024
+    PAGEDLLM_FEW_QUERY_ATTENTION=0 step verify4-ctx1024-prefill 50 python benchmarks/spec_decode.py verify \
+        --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --iters 2 --steps 100 \
+        --input-len 1024
     ;;
 few-rows)
     step verify4-ctx128 120 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
