@@ -404,6 +404,29 @@ def paged_prefill_attention(
     return output
 
 
+@triton.jit
+def _store_slice(
+    acc, m_i, l_i,  # a program's running state over its slice of the context
+    out_rows, po_rows, pl_rows,  # out / part_out / part_lse at each row's query token (a scalar or per row)
+    head, dims, io_mask, row_ok, part_ok,  # part_ok: whether the slice's parts are stored (a scalar)
+    split, out_scale_ptr, stride_oh, stride_po_head, stride_po_split, stride_pl_head,
+    SINGLE_SPLIT: tl.constexpr, OUT_SCALE: tl.constexpr,
+):
+    """One split-KV program's result: the normalized output (one split), else the slice's output and its log2-domain
+    log-sum-exp for the reduce kernel (lse -inf where a row saw nothing: weight 0 there)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if SINGLE_SPLIT:
+        if OUT_SCALE:
+            out = out * tl.load(out_scale_ptr)
+        tl.store(out_rows + head[:, None] * stride_oh + dims[None, :], out.to(out_rows.dtype.element_ty),
+                 mask=io_mask)
+    else:
+        tl.store(po_rows + head[:, None] * stride_po_head + split * stride_po_split + dims[None, :], out,
+                 mask=io_mask & part_ok)
+        tl.store(pl_rows + head * stride_pl_head + split, m_i + tl.log2(l_safe), mask=row_ok & part_ok)
+
+
 # ----------------------------------------------------------------------------------------------
 # decode (split-KV)
 # ----------------------------------------------------------------------------------------------
@@ -467,20 +490,10 @@ def _decode_kernel(
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
             soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    if SINGLE_SPLIT:
-        if OUT_SCALE:
-            out = out * tl.load(out_scale_ptr)
-        tl.store(out_ptr + seq64 * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
-    else:
-        has_work = start < end  # empty trailing splits write nothing; the reducer skips them
-        po = part_out_ptr + seq64 * stride_po_seq + head[:, None] * stride_po_head + split * stride_po_split
-        tl.store(po + dims[None, :], out, mask=io_mask & has_work)
-        lse = m_i + tl.log2(l_safe)  # log2-domain log-sum-exp of this slice
-        pl = part_lse_ptr + seq64 * stride_pl_seq + head * stride_pl_head + split
-        tl.store(pl, lse, mask=row_ok & has_work)
+    has_work = start < end  # empty trailing splits write nothing; the reducer skips them
+    _store_slice(acc, m_i, l_i, out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
+                 part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, has_work, split, out_scale_ptr,
+                 stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head",
@@ -606,19 +619,10 @@ def _few_query_kernel(
                 kv_lo=lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP,
                 V_WORDS=V_WORDS)
 
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        if SINGLE_SPLIT:
-            if OUT_SCALE:
-                out = out * tl.load(out_scale_ptr)
-            tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=io_mask)
-        else:
-            # Every split writes, the empty ones zeros and lse -inf: the reduce needs no request lengths.
-            po = part_out_ptr + tok64[:, None] * stride_po_row + head[:, None] * stride_po_head + split * stride_po_split
-            tl.store(po + dims[None, :], out, mask=io_mask)
-            lse = m_i + tl.log2(l_safe)
-            tl.store(part_lse_ptr + tok64 * stride_pl_row + head * stride_pl_head + split, lse, mask=row_ok)
+        # Every split writes, the empty ones zeros and lse -inf: the reduce needs no request lengths.
+        _store_slice(acc, m_i, l_i, out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
+                     part_lse_ptr + tok64 * stride_pl_row, head, dims, io_mask, row_ok, q_len > 0, split, out_scale_ptr,
+                     stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
 
 
 # Few-query launches (`paged_few_query_attention`): at most this many query tokens per request, and tiles of at most
