@@ -650,6 +650,25 @@ def few_query_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int,
     return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
 
 
+def _split_kv_meta(query: torch.Tensor, kv_cache: torch.Tensor, gqa: int, gqa_pad: int, block_n: int, num_warps: int,
+                   num_stages: int, logits_soft_cap: Optional[float], out_scale: Optional[torch.Tensor]) -> dict:
+    """The compile-time arguments the split-KV kernels (decode, few-query) share."""
+    head_size = query.shape[2]
+    meta = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2], HEAD_SIZE=head_size,
+                HEAD_PAD=triton.next_power_of_2(head_size), DOT_PRECISION=_dot_precision(query.dtype),
+                SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps, num_stages=num_stages,
+                OUT_SCALE=out_scale is not None, **fp8_read_args(query.dtype, kv_cache.dtype),
+                **pdl_launch_args(query.device))
+    # V as 32-bit words: whole words per position (head_size % 4) at 4-byte aligned addresses
+    meta["V_WORDS"] = (meta["Q_FP16"] and FP8_V_WORDS and head_size % 4 == 0 and kv_cache.data_ptr() % 4 == 0
+                       and all(st % 4 == 0 for st in kv_cache.stride()[:4]))
+    return meta
+
+
+def _cache_strides(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple:
+    return (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0))
+
+
 def paged_few_query_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], already written
@@ -687,17 +706,12 @@ def paged_few_query_attention(
         num_splits = decode_num_splits(num_seqs, num_kv_heads, query.device, cache_dtype=kv_cache.dtype)
     if block_n is None:
         block_n = decode_block_n(query.dtype, head_size, num_splits, cache_dtype=kv_cache.dtype)
-    common = dict(GQA=gqa, GQA_PAD=gqa_pad, Q_PAD=q_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
-                  HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype),
-                  SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
-                  num_stages=decode_num_stages(kv_cache.dtype, num_splits), OUT_SCALE=out_scale is not None,
-                  **fp8_read_args(query.dtype, kv_cache.dtype), **pdl_launch_args(query.device))
-    common["V_WORDS"] = (common["Q_FP16"] and FP8_V_WORDS and head_size % 4 == 0 and kv_cache.data_ptr() % 4 == 0
-                         and all(st % 4 == 0 for st in kv_cache.stride()[:4]))
+    common = dict(Q_PAD=q_pad, **_split_kv_meta(query, kv_cache, gqa, gqa_pad, block_n, num_warps,
+                                                 decode_num_stages(kv_cache.dtype, num_splits), logits_soft_cap,
+                                                 out_scale))
     scale_arg = _scale_arg(out_scale, output)
     window, soft_cap = kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap)
-    cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-                     block_table.stride(0))
+    cache_strides = _cache_strides(kv_cache, block_table)
     head_strides = (query.stride(0), query.stride(1), output.stride(0), output.stride(1))
     if num_splits == 1:
         _few_query_kernel[(num_kv_heads, num_seqs, 1)](
@@ -863,19 +877,12 @@ def paged_decode_attention(
     if num_stages is None:
         num_stages = decode_num_stages(kv_cache.dtype, num_splits)
     launch = pdl_launch_args(query.device)
-    common = dict(GQA=gqa, GQA_PAD=gqa_pad, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
-                  HEAD_SIZE=head_size, HEAD_PAD=head_pad, DOT_PRECISION=_dot_precision(query.dtype),
-                  HAS_ORDER=order is not None, SOFT_CAP=logits_soft_cap is not None, num_warps=num_warps,
-                  num_stages=num_stages, OUT_SCALE=out_scale is not None, **fp8_read_args(query.dtype, kv_cache.dtype),
-                  **launch)
-    # V as 32-bit words: whole words per position (head_size % 4) at 4-byte aligned addresses
-    common["V_WORDS"] = (common["Q_FP16"] and FP8_V_WORDS and head_size % 4 == 0 and kv_cache.data_ptr() % 4 == 0
-                         and all(st % 4 == 0 for st in kv_cache.stride()[:4]))
+    common = dict(HAS_ORDER=order is not None, **_split_kv_meta(query, kv_cache, gqa, gqa_pad, block_n, num_warps,
+                                                               num_stages, logits_soft_cap, out_scale))
     scale_arg = _scale_arg(out_scale, output)
     order_arg = seq_lens if order is None else order  # (unread without an order)
     window, soft_cap = kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap)
-    cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-                     block_table.stride(0))
+    cache_strides = _cache_strides(kv_cache, block_table)
     if num_splits == 1:
         _decode_kernel[(num_kv_heads, num_seqs, 1)](
             query, output, output, output, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E, 1,
