@@ -1,7 +1,8 @@
 """A speculating engine on the Triton backend, in Triton's interpreter on the CPU:
 `TRITON_INTERPRET=1 python interpret_spec_engine.py MODEL_DIR` (run in a subprocess by test_spec_triton_interpreted.py:
 TRITON_INTERPRET must be set before any kernel is defined). Its verify rows (k + 1 query tokens per request) go
-through the prefill attention kernel; the tokens must equal the torch backend's plain greedy tokens. fp32 only:
+through the few-query attention kernel (one split: PAGEDLLM_DECODE_MAX_SPLITS=1 caps it too; its split launches are
+tests/gpu/test_few_query_attention.py's); the tokens must equal the torch backend's plain greedy tokens. fp32 only:
 the interpreter returns garbage for bf16 tl.dot; the GPU tests cover bf16."""
 from __future__ import annotations
 
