@@ -280,12 +280,16 @@ def run_verify(args) -> dict:
         print_kernel_diff(k_plain, k_verify)
     ratios, rows = [], []
     for it in range(args.iters):
+        # (every draft is rejected: each step adds one token, so the context grows by 2 x steps per iteration)
+        context = sched.running[0].num_tokens if sched.running else 0
         t_plain = block(False, args.steps)
         t_verify = block(True, args.steps)
         ratios.append(t_verify / t_plain)
-        rows.append(dict(iter=it, plain_ms=1e3 * t_plain, verify_ms=1e3 * t_verify, ratio=t_verify / t_plain))
-        print(f"[verify k={k}] iter {it}: plain decode step {1e3 * t_plain:.3f} ms   verify step ({k + 1} tokens) "
-              f"{1e3 * t_verify:.3f} ms   ratio {t_verify / t_plain:.3f}")
+        rows.append(dict(iter=it, context=context, plain_ms=1e3 * t_plain, verify_ms=1e3 * t_verify,
+                         ratio=t_verify / t_plain))
+        print(f"[verify k={k}] iter {it} (context {context}..{context + 2 * args.steps}): plain decode step "
+              f"{1e3 * t_plain:.3f} ms   verify step ({k + 1} tokens) {1e3 * t_verify:.3f} ms   "
+              f"ratio {t_verify / t_plain:.3f}")
     engine.abort_requests(["r"])
     counted = (f"{sched.spec_stats.num_drafts} verify steps ran, {sched.spec_stats.num_draft_tokens} draft tokens"
                if device is None else "overlapped: every verify step checked k padding drafts, which the drafting "
