@@ -66,6 +66,11 @@ class AttentionBackend:
     # passes it only when set; a model needing it is refused at start on a backend without it.
     supports_logits_soft_cap: bool = False
 
+    def few_query_tile(self, num_heads: int, num_kv_heads: int, max_query_len: int) -> Optional[int]:
+        """A mixed-graph tile id (negative) of a launch for steps whose requests have <= max_query_len query tokens
+        each, which `worker/mixed_graph.py` captures besides `mixed_graph_tiles`; None: the backend has none."""
+        return None
+
     def mixed_graph_tiles(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> list[int]:
         """The query tiles (rows of a program) to capture mixed-step graphs for, ascending; each step replays the
         one `worker.mixed_graph.pick_tile` finds cheapest (backends with mixed graphs)."""

@@ -66,30 +66,27 @@ class TritonAttentionBackend(AttentionBackend):
         # captured graphs keep pointing at them.
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def _workspace(self, key: tuple, numels, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 (part_out, part_lse) pair under `key`, allocated at the sizes numels() gives the first time
+        (every layer of every step asks)."""
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = tuple(torch.empty(n, dtype=torch.float32, device=device) for n in numels())
+        return ws
+
     def reserve_workspace(self, num_heads: int, num_kv_heads: int, head_size: int,
                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate (once) the worst-case split-KV workspace; call before CUDA-graph capture."""
         device = torch.device(device)
-        key = (device, num_kv_heads, num_heads, head_size)
-        ws = self._workspaces.get(key)
-        if ws is None:
-            out_numel, lse_numel = decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
-                                                          self.max_splits)
-            ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
-                  torch.empty(lse_numel, dtype=torch.float32, device=device))
-            self._workspaces[key] = ws
-        return ws
+        return self._workspace((device, num_kv_heads, num_heads, head_size),
+                               lambda: decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
+                                                              self.max_splits), device)
 
     def _few_query_workspace(self, num_heads: int, num_kv_heads: int, head_size: int,
                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = ("few", torch.device(device), num_kv_heads, num_heads, head_size)
-        ws = self._workspaces.get(key)
-        if ws is None:
-            out_numel, lse_numel = few_query_workspace_numel(num_kv_heads, num_heads, head_size, device)
-            ws = (torch.empty(out_numel, dtype=torch.float32, device=device),
-                  torch.empty(lse_numel, dtype=torch.float32, device=device))
-            self._workspaces[key] = ws
-        return ws
+        device = torch.device(device)
+        return self._workspace(("few", device, num_kv_heads, num_heads, head_size),
+                               lambda: few_query_workspace_numel(num_kv_heads, num_heads, head_size, device), device)
 
     def few_query_tile(self, num_heads: int, num_kv_heads: int, max_query_len: int) -> Optional[int]:
         """The mixed-graph tile id (negative: -query tokens per tile) of the few-query split-KV launch for steps

@@ -643,11 +643,10 @@ def few_query_pad(max_query_len: int, num_heads: int, num_kv_heads: int) -> Opti
 
 def few_query_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int,
                               device: torch.device) -> tuple[int, int]:
-    """Worst-case (part_out, part_lse) element counts of few-query launches (`few_query_num_splits`)."""
-    target = 2 * _DECODE_PROGRAMS_PER_SM * sm_count(device)
-    # splits > 1 only when reqs * kv_heads * splits <= target, and a request has <= FEW_QUERY_MAX_LEN tokens.
-    rows = (triton.cdiv(target, num_kv_heads) + 1) * FEW_QUERY_MAX_LEN
-    return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
+    """Worst-case (part_out, part_lse) element counts of few-query launches: the decode workspace's rows x splits
+    bound, times FEW_QUERY_MAX_LEN query tokens per request (the backend counts a request per that many tokens at
+    least when it picks the splits)."""
+    return tuple(FEW_QUERY_MAX_LEN * n for n in decode_workspace_numel(num_kv_heads, num_heads, head_size, device))
 
 
 def _split_kv_meta(query: torch.Tensor, kv_cache: torch.Tensor, gqa: int, gqa_pad: int, block_n: int, num_warps: int,

@@ -150,9 +150,8 @@ class MixedGraphRunner:
         # graph with the backend's few-query attention launch (a negative tile id), for the buckets up to the
         # largest exact verify bucket.
         self.few_tile, self.few_max_size = None, 0
-        few_tile = getattr(runner.attn_backend, "few_query_tile", None)
-        if few_query_len and few_tile is not None and extra_sizes:
-            self.few_tile = few_tile(first.num_heads, first.num_kv_heads, few_query_len)
+        if few_query_len and extra_sizes:
+            self.few_tile = runner.attn_backend.few_query_tile(first.num_heads, first.num_kv_heads, few_query_len)
             self.few_max_size = max(extra_sizes) if self.few_tile is not None else 0
         self.inputs: Optional[GraphInputs] = None  # the static inputs, allocated at capture
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (token bucket, tile, with LoRA) -> graph

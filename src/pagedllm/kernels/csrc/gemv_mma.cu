@@ -13,10 +13,8 @@
 // Compile-time parameters (#define before this file): WARPS (they split K: every WARPS-th unit), UNIT (chunks per
 // unit), DEPTH (units of a warp in flight, all asked for before the wait on the previous kernel), MT (row tiles of
 // 8), CT (column tiles per block sharing each x fragment), GATED (CT is 2: the block's gate tile and its up tile,
-// up_rows weight rows further; out = silu(gate) * up), XPRE (x's fragments of a unit are loaded with its weights,
-// DEPTH units ahead, instead of right before its MMAs: the MMAs then never wait on x's L1 / L2 latency, which would
-// delay the next weight loads the warp issues), IS_FP16, HAS_BIAS. csrc/mma_common.cuh comes before this file
-// (to_f32, from_f32, round_trip, mma).
+// up_rows weight rows further; out = silu(gate) * up), IS_FP16, HAS_BIAS. csrc/mma_common.cuh comes before this
+// file (to_f32, from_f32, round_trip, mma).
 #ifndef DEPTH
 #define DEPTH 2
 #endif
@@ -26,16 +24,9 @@
 #ifndef GATED
 #define GATED 0
 #endif
-#ifndef XPRE
-#define XPRE 0
-#endif
-// One unit of a lane's weights: per column tile and chunk, rows g and g + 8, channels [8 t, +8) and [32 + 8 t, +8);
-// XPRE: and the same channels of its row of each row tile.
+// One unit of a lane's weights: per column tile and chunk, rows g and g + 8, channels [8 t, +8) and [32 + 8 t, +8).
 struct Unit {
     uint4 lo[CT][UNIT][2], hi[CT][UNIT][2];
-#if XPRE
-    uint4 x[MT][UNIT][2];
-#endif
 };
 
 // wlane[ct]: the lane's row g of column tile ct at channel 8 t; row g + 8 is 8 * stride_w further.
@@ -52,29 +43,6 @@ __device__ __forceinline__ void load_unit(Unit& un, const u16* const (&wlane)[CT
         }
 }
 
-__device__ __forceinline__ void load_x(uint4 (&xv)[MT][2], const u16* const (&xrow)[MT], int c) {
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        xv[mt][0] = __ldg((const uint4*)(xrow[mt] + c * 64));
-        xv[mt][1] = __ldg((const uint4*)(xrow[mt] + c * 64 + 32));
-    }
-}
-
-#if XPRE
-__device__ __forceinline__ void load_unit_x(Unit& un, const u16* const (&xrow)[MT], int u) {
-#pragma unroll
-    for (int i = 0; i < UNIT; i++) {
-        uint4 xv[MT][2];
-        load_x(xv, xrow, u * UNIT + i);
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            un.x[mt][i][0] = xv[mt][0];
-            un.x[mt][i][1] = xv[mt][1];
-        }
-    }
-}
-#endif
-
 __device__ __forceinline__ u32 word(const uint4 (&v)[2], int pair) {
     const uint4 q = v[pair >> 2];
     const int e = pair & 3;
@@ -86,16 +54,13 @@ __device__ __forceinline__ void unit_product(float (&acc)[CT][MT][4], const Unit
                                              const u16* const (&xrow)[MT]) {
 #pragma unroll
     for (int i = 0; i < UNIT; i++) {
+        const int c = u * UNIT + i;
         uint4 xv[MT][2];
-#if XPRE
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
-            xv[mt][0] = un.x[mt][i][0];
-            xv[mt][1] = un.x[mt][i][1];
+            xv[mt][0] = __ldg((const uint4*)(xrow[mt] + c * 64));
+            xv[mt][1] = __ldg((const uint4*)(xrow[mt] + c * 64 + 32));
         }
-#else
-        load_x(xv, xrow, u * UNIT + i);
-#endif
 #pragma unroll
         for (int ct = 0; ct < CT; ct++)
 #pragma unroll
@@ -144,23 +109,13 @@ gemv_mma(const u16* __restrict__ w, const u16* __restrict__ x, const u16* __rest
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[ct][mt][e] = 0.f;
     }
-#if XPRE
-#pragma unroll
-    for (int d = 0; d < DEPTH; d++)
-        if (warp + d * WARPS < units) load_unit_x(buf[d], xrow, warp + d * WARPS);
-#endif
     for (int u0 = warp; u0 < units; u0 += DEPTH * WARPS) {
 #pragma unroll
         for (int d = 0; d < DEPTH; d++) {
             const int u = u0 + d * WARPS;
             if (u < units) {
                 unit_product(acc, buf[d], u, xrow);
-                if (u + DEPTH * WARPS < units) {
-                    load_unit(buf[d], wlane, hi_off, u + DEPTH * WARPS);
-#if XPRE
-                    load_unit_x(buf[d], xrow, u + DEPTH * WARPS);
-#endif
-                }
+                if (u + DEPTH * WARPS < units) load_unit(buf[d], wlane, hi_off, u + DEPTH * WARPS);
             }
         }
     }
