@@ -65,16 +65,13 @@ def graph_time_us(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) * 1000.0 / iters
 
 
-# Launch rules of the tensor-core GEMV timed in the chain (--mma-variants): overrides of gemv_mma.CONFIG for the
-# plain layers (qkv, o, down) and for the gated gate_up.
+# Launch rules of the tensor-core GEMV timed in the chain (--mma-variants): options over gemv_mma's defaults
+# (CONFIG + ROW_TILE_CONFIG) for the plain layers (qkv, o, down) and for the gated gate_up, at every row count.
 MMA_VARIANTS = {
     "before": ({"unit": 1, "warps": None}, {}),  # the defaults before ROW_TILE_CONFIG
-    "xpre": ({"xpre": 1}, {"xpre": 1}),
     "u2w8": ({"unit": 2, "warps": 8}, {}),
-    "u2w8-xpre": ({"unit": 2, "warps": 8, "xpre": 1}, {"xpre": 1}),
-    "d3-xpre": ({"depth": 3, "xpre": 1}, {"depth": 3, "xpre": 1}),
+    "d3": ({"depth": 3}, {"depth": 3}),
     "d4": ({"depth": 4}, {"depth": 4}),
-    "d4-xpre": ({"depth": 4, "xpre": 1}, {"depth": 4, "xpre": 1}),
 }
 
 MMA_SWEEP = [dict(warps=w, unit=u, depth=d, ct=c) for w in (4, 8, 16) for u in (1, 2) for d in (2, 3) for c in (1, 2)]

@@ -481,9 +481,9 @@ def main(argv=None) -> None:
         from pagedllm.kernels import gemv_mma
 
         plain, gated = MMA_VARIANTS[args.mma_variant]
-        gemv_mma.ROW_TILE_CONFIG.clear()  # the variant's options at every row count
-        gemv_mma.CONFIG.update(plain)
-        gemv_mma.GATED_CONFIG.update(gated)
+        for mt in gemv_mma.ROW_TILES:  # the variant's options over the defaults at every row count, as in the chain
+            for is_gated, options in ((False, plain), (True, gated)):
+                gemv_mma.ROW_TILE_CONFIG[(is_gated, mt)] = {**gemv_mma.base_config(is_gated, mt), **options}
     defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192), "steps": (1, 256)}
     b, out_len = defaults[args.mode]
     args.batch_size = args.batch_size or b

@@ -27,8 +27,7 @@ MAX_ROWS = 32  # four row tiles of 8
 ROW_TILES = (1, 2, 4)
 # warps None: by the grid (`default_warps`); depth: units of a warp in flight; unit: chunks per unit (at most this,
 # dividing the chunks); ct: column tiles per block sharing each x fragment (not gated)
-CONFIG = {"warps": None, "unit": 1, "depth": 2, "ct": 1, "xpre": 0}  # xpre: csrc/gemv_mma.cu's XPRE
-GATED_CONFIG = dict(CONFIG)  # the gated product's (its blocks read two column tiles)
+CONFIG = {"warps": None, "unit": 1, "depth": 2, "ct": 1}
 
 
 # Per (gated, row tiles) overrides of the above: plain products of 1-16 rows read two chunks per unit with 8 warps
@@ -37,7 +36,7 @@ ROW_TILE_CONFIG = {(False, 1): {"unit": 2, "warps": 8}, (False, 2): {"unit": 2, 
 
 
 def base_config(gated: bool, mt: int = 1) -> dict:
-    return {**(GATED_CONFIG if gated else CONFIG), **ROW_TILE_CONFIG.get((gated, mt), {})}
+    return {**CONFIG, **ROW_TILE_CONFIG.get((gated, mt), {})}
 
 
 def layout_problem(weight: torch.Tensor, gated: bool = False) -> Optional[str]:
@@ -75,11 +74,10 @@ def _unit(unit: int, chunks: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _compile(warps: int, unit: int, depth: int, mt: int, ct: int, gated: bool, fp16: bool, has_bias: bool,
-             device_index: int, xpre: int = 0):
+             device_index: int):
     major, minor = torch.cuda.get_device_capability(device_index)
     defines = (f"#define WARPS {warps}\n#define UNIT {unit}\n#define DEPTH {depth}\n#define MT {mt}\n#define CT {ct}\n"
-               f"#define GATED {int(gated)}\n#define IS_FP16 {int(fp16)}\n#define HAS_BIAS {int(has_bias)}\n"
-               f"#define XPRE {int(xpre)}\n")
+               f"#define GATED {int(gated)}\n#define IS_FP16 {int(fp16)}\n#define HAS_BIAS {int(has_bias)}\n")
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(defines + cuda_source("gemv_mma.cu"), "gemv_mma",
                                           compute_capability=f"{major}{minor}")
@@ -102,7 +100,7 @@ def _prepare(n_out: int, k: int, gated: bool, fp16: bool, has_bias: bool, index:
     for mt in ROW_TILES:
         cfg = base_config(gated, mt)
         warps, unit, ct, _ = _launch_shape(n_out, k, gated, mt, cfg)
-        _compile(warps, unit, cfg["depth"], mt, ct, gated, fp16, has_bias, index, cfg["xpre"])
+        _compile(warps, unit, cfg["depth"], mt, ct, gated, fp16, has_bias, index)
 
 
 def _prepare_key(weight: torch.Tensor, gated: bool, has_bias: bool) -> tuple:
@@ -167,8 +165,7 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if not config:
         prepare(weight, gated, bias is not None)  # every row tile at once (cached): none compiles under capture
     warps, unit, ct, blocks = _launch_shape(n_out, k, gated, mt, cfg)
-    kernel = _compile(warps, unit, cfg["depth"], mt, ct, gated, x.dtype == torch.float16, bias is not None, index,
-                      cfg["xpre"])
+    kernel = _compile(warps, unit, cfg["depth"], mt, ct, gated, x.dtype == torch.float16, bias is not None, index)
     grid, block = (blocks, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [weight, x, bias if bias is not None else x, out, m, n_out, k, weight.stride(0), x.stride(0),
             out.stride(0), n_out]
