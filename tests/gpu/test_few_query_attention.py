@@ -135,12 +135,25 @@ def test_backend_takes_few_query_steps(cfg, monkeypatch):
 
 
 def test_switch_off_uses_the_prefill_kernel(monkeypatch):
-    from pagedllm import envs
+    """PAGEDLLM_FEW_QUERY_ATTENTION=0: no few-query tile for mixed graphs, and eager verify rows go through the
+    prefill kernel (the same answer)."""
+    import pagedllm.attention.triton_backend as tb
 
+    head_size, num_heads, num_kv_heads, block_size, dtype = CONFIGS[0]
+    calls = []
+    few, prefill = tb.paged_few_query_attention, tb.paged_prefill_attention
+    monkeypatch.setattr(tb, "paged_few_query_attention", lambda *a, **k: calls.append("few") or few(*a, **k))
+    monkeypatch.setattr(tb, "paged_prefill_attention", lambda *a, **k: calls.append("prefill") or prefill(*a, **k))
     monkeypatch.setenv("PAGEDLLM_FEW_QUERY_ATTENTION", "0")
-    assert TritonAttentionBackend().few_query_tile(32, 8, 5) is None
+    backend = TritonAttentionBackend()
+    assert backend.few_query_tile(num_heads, num_kv_heads, 5) is None
+    batch = build_batch(VERIFY, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, batch.scale)
+    assert calls == ["prefill"]
+    ref, _ = reference(batch)
+    torch.testing.assert_close(out.float(), ref.float(), **tolerances(dtype))
     monkeypatch.setenv("PAGEDLLM_FEW_QUERY_ATTENTION", "1")
-    assert envs.PAGEDLLM_FEW_QUERY_ATTENTION and TritonAttentionBackend().few_query_tile(32, 8, 5) == -8
+    assert backend.few_query_tile(num_heads, num_kv_heads, 5) == -few_query_pad(5, num_heads, num_kv_heads)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="E4M3 caches: CUDA only")
