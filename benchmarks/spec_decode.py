@@ -480,6 +480,8 @@ def main(argv=None) -> None:
 
         from pagedllm.kernels import gemv_mma
 
+        if args.mma_variant not in MMA_VARIANTS:
+            p.error(f"--mma-variant {args.mma_variant!r}: not one of {sorted(MMA_VARIANTS)}")
         plain, gated = MMA_VARIANTS[args.mma_variant]
         for mt in gemv_mma.ROW_TILES:  # the variant's options over the defaults at every row count, as in the chain
             for is_gated, options in ((False, plain), (True, gated)):
