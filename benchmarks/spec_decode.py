@@ -243,9 +243,25 @@ def run_verify(args) -> dict:
     k = args.k
     prompt = random_prompts(llm, 1, args.input_len)[0]["prompt_token_ids"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - args.input_len - 8, ignore_eos=True)
-    engine.add_request(EngineCoreRequest("r", prompt, params))
-    for _ in range(3):
-        engine.step()  # prefill + first decodes
+    ids = iter(range(1 << 30))
+
+    def fresh_request() -> None:
+        """The measured request, (re)started at the prompt: a block of steps must not run past max_model_len."""
+        for r in list(sched.running):
+            engine.abort_requests([r.request_id])
+        engine.add_request(EngineCoreRequest(f"r{next(ids)}", prompt, params))
+        for _ in range(3):
+            engine.step()  # prefill + first decodes
+
+    def room(n_steps: int) -> None:
+        # every draft is rejected: a verify block and a plain block of n steps add 2 x n tokens
+        if args.input_len + 2 * n_steps + k + 16 > args.max_model_len:
+            raise SystemExit(f"{n_steps} x 2 steps past a {args.input_len}-token prompt do not fit --max-model-len "
+                             f"{args.max_model_len}")
+        if not sched.running or sched.running[0].num_tokens + 2 * n_steps + k + 8 > args.max_model_len:
+            fresh_request()
+
+    fresh_request()
     device = llm.engine.worker.runner.spec.device_ngram
     if device is not None:
         # Overlapped verify steps verify the device's drafts whatever the host injects: make that lookup find nothing
@@ -266,6 +282,7 @@ def run_verify(args) -> dict:
     block(True, 10)
     block(False, 10)
     if args.host_profile:
+        room(3 * args.host_profile)  # host_profile runs each kind's n steps three times
         host = {name: host_profile(lambda n, v=v: block(v, n), name, args.host_profile)
                 for name, v in (("plain", False), ("verify", True))}
         print_host_diff(host, k)
@@ -273,6 +290,7 @@ def run_verify(args) -> dict:
         # Device time only (kernels, inside graphs too): what the verify step costs the GPU, without the host
         # work that a speculating step cannot overlap (it waits for the previous step's drafts).
         k_plain, k_verify = {}, {}
+        room(20)
         d_plain = device_ms(lambda: block(False, 20), 20, k_plain)
         d_verify = device_ms(lambda: block(True, 20), 20, k_verify)
         print(f"[verify k={k}] device time per step: plain decode {d_plain:.3f} ms   verify {d_verify:.3f} ms   "
@@ -280,8 +298,8 @@ def run_verify(args) -> dict:
         print_kernel_diff(k_plain, k_verify)
     ratios, rows = [], []
     for it in range(args.iters):
-        # (every draft is rejected: each step adds one token, so the context grows by 2 x steps per iteration)
-        context = sched.running[0].num_tokens if sched.running else 0
+        room(args.steps)
+        context = sched.running[0].num_tokens
         t_plain = block(False, args.steps)
         t_verify = block(True, args.steps)
         ratios.append(t_verify / t_plain)
@@ -290,7 +308,7 @@ def run_verify(args) -> dict:
         print(f"[verify k={k}] iter {it} (context {context}..{context + 2 * args.steps}): plain decode step "
               f"{1e3 * t_plain:.3f} ms   verify step ({k + 1} tokens) {1e3 * t_verify:.3f} ms   "
               f"ratio {t_verify / t_plain:.3f}")
-    engine.abort_requests(["r"])
+    engine.abort_requests([r.request_id for r in list(sched.running)])
     counted = (f"{sched.spec_stats.num_drafts} verify steps ran, {sched.spec_stats.num_draft_tokens} draft tokens"
                if device is None else "overlapped: every verify step checked k padding drafts, which the drafting "
                "statistics do not count")
