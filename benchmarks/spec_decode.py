@@ -130,7 +130,56 @@ def compare_throughput(args, prompts_of, params, label: str, engines=None, one_b
               f"{n_spec / t_spec:9.1f} tok/s ({n_spec})   ratio {r:.3f}   acceptance {100 * rate:.1f}% of {drafted}")
     med = statistics.median(ratios)
     print(f"[{label}] median ratio with/without: {med:.3f}")
-    return dict(label=label, rows=rows, median_ratio=med)
+    out = dict(label=label, rows=rows, median_ratio=med)
+    if getattr(args, "step_times", False):
+        out["step_times"] = {name: step_times(llm, prompts, params, one_by_one, f"{label}, {name}", args.k)
+                             for name, llm in (("without", plain), ("with", spec))}
+    return out
+
+
+def step_times(llm, prompts, params, one_by_one: bool, label: str, k: int) -> dict:
+    """Where one timed run's wall time goes: engine steps by the kind of step they schedule (prefill, plain decode,
+    verify), their count and mean wall time, and the time outside engine steps (adding requests, output
+    processing). With async scheduling a step's wall includes waiting for the step before it: read the means as
+    the rate steps of each kind run at."""
+    from pagedllm.core import scheduler as sched_mod
+
+    schedule = sched_mod.Scheduler.schedule
+    kinds: list[str] = []
+
+    def recording_schedule(self, *a, **kw):
+        plan = schedule(self, *a, **kw)
+        n, reqs = plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens)
+        kinds.append("empty" if n == 0 else "plain" if n == reqs else "verify" if n <= reqs * (k + 1) else "prefill")
+        return plan
+
+    engine = llm.engine
+    engine_step = engine.step
+    totals: dict[str, list[float]] = {}
+
+    def timed_step():
+        before = len(kinds)
+        t0 = time.perf_counter()
+        try:
+            return engine_step()
+        finally:
+            kind = "+".join(sorted(set(kinds[before:]))) or "none"
+            totals.setdefault(kind, [0, 0.0])
+            totals[kind][0] += 1
+            totals[kind][1] += time.perf_counter() - t0
+
+    sched_mod.Scheduler.schedule = recording_schedule
+    engine.step = timed_step
+    try:
+        wall, tokens = timed_generate(llm, prompts, params, one_by_one)
+    finally:
+        sched_mod.Scheduler.schedule = schedule
+        del engine.step
+    in_steps = sum(t for _, t in totals.values())
+    print(f"[steps {label}] {tokens} tokens in {1e3 * wall:.1f} ms: outside steps {1e3 * (wall - in_steps):.1f} ms; "
+          + "; ".join(f"{kind} {n} x {1e3 * t / n:.3f} ms" for kind, (n, t) in sorted(totals.items())))
+    return dict(wall_ms=1e3 * wall, tokens=tokens, outside_ms=1e3 * (wall - in_steps),
+                steps={kind: dict(n=n, mean_ms=1e3 * t / n) for kind, (n, t) in totals.items()})
 
 
 def run_ngram(args) -> dict:
@@ -486,6 +535,9 @@ def main(argv=None) -> None:
                    help="async_scheduling=True for both engines (the CUDA default; on the CPU it runs the overlapped "
                         "verify steps' host path)")
     p.add_argument("--profile", action="store_true", help="verify: also print device (kernel) time per step")
+    p.add_argument("--step-times", action="store_true",
+                   help="ngram / batch / sweep: after the timed runs, one more run of each engine with its engine "
+                        "steps timed by kind (prefill, plain, verify) and the time outside steps")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="verify: count eager ops and host syncs per step over STEPS plain and STEPS verify steps, "
                         "and list the host functions whose time grows most in a verify step (cProfile)")
