@@ -134,7 +134,38 @@ def compare_throughput(args, prompts_of, params, label: str, engines=None, one_b
     if getattr(args, "step_times", False):
         out["step_times"] = {name: step_times(llm, prompts, params, one_by_one, f"{label}, {name}", args.k)
                              for name, llm in (("without", plain), ("with", spec))}
+    if getattr(args, "run_profile", False):
+        run_profile_diff(plain, spec, prompts, params, one_by_one, label)
     return out
+
+
+def run_profile_diff(plain, spec, prompts, params, one_by_one: bool, label: str, top: int = 30) -> None:
+    """cProfile of one run of each engine (every function, torch's and Triton's included): the functions whose
+    own time grows most from the plain engine's run to the speculating engine's (ms per run), and each run's top."""
+    import cProfile
+    import pstats
+
+    runs = {}
+    for name, llm in (("without", plain), ("with", spec)):
+        prof = cProfile.Profile()
+        prof.enable()
+        _, tokens = timed_generate(llm, prompts, params, one_by_one)
+        prof.disable()
+        funcs = {}
+        for (file, line, fn), (_, ncalls, tottime, cumtime, _) in pstats.Stats(prof).stats.items():
+            short = "/".join(file.split("/")[-2:])
+            funcs[f"{short}:{line}({fn})"] = (ncalls, 1e3 * tottime, 1e3 * cumtime)
+        runs[name] = funcs
+        print(f"[profile {label}, {name}] {tokens} tokens; top own time (ms per run, calls):")
+        for key, (calls, tot, cum) in sorted(funcs.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"    {tot:8.2f} {cum:8.2f} {calls:6d}  {key}")
+    rows = []
+    for key, (calls, tot, cum) in runs["with"].items():
+        p_calls, p_tot, p_cum = runs["without"].get(key, (0, 0.0, 0.0))
+        rows.append((tot - p_tot, cum - p_cum, calls, p_calls, key))
+    print(f"[profile {label}] with - without, by own time (ms per run; calls with / without):")
+    for d_tot, d_cum, calls, p_calls, key in sorted(rows, reverse=True)[:top]:
+        print(f"    {d_tot:8.2f} {d_cum:8.2f} {calls:6d} {p_calls:6d}  {key}")
 
 
 def step_times(llm, prompts, params, one_by_one: bool, label: str, k: int) -> dict:
@@ -538,6 +569,9 @@ def main(argv=None) -> None:
     p.add_argument("--step-times", action="store_true",
                    help="ngram / batch / sweep: after the timed runs, one more run of each engine with its engine "
                         "steps timed by kind (prefill, plain, verify) and the time outside steps")
+    p.add_argument("--run-profile", action="store_true",
+                   help="ngram / batch: after the timed runs, cProfile one run of each engine and print what the "
+                        "speculating engine's run adds")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="verify: count eager ops and host syncs per step over STEPS plain and STEPS verify steps, "
                         "and list the host functions whose time grows most in a verify step (cProfile)")

@@ -1,0 +1,112 @@
+"""What a small model's step costs the host on CUDA, piece by piece (issue 28: SmolLM2's steps are host-bound).
+
+    python benchmarks/launch_costs.py --model benchmarks/configs/smollm2-135m --load-format dummy --dtype bfloat16
+
+For the decode graph of batch 1 and the mixed graph of a k+1-token verify step (the few-query tile where it is
+captured): kernel nodes, host time per replay (replays queued back to back, no sync) and device time per replay
+(synced); then the host time per launch of the small eager kernels a step runs outside the graphs (the Triton
+argmax, the one-row LM head GEMV, a torch copy)."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+
+def graph_nodes(graph) -> int | None:
+    """Number of nodes of a captured torch CUDA graph (None where the runtime call is unavailable)."""
+    try:
+        raw = graph.raw_cuda_graph()
+        lib = ctypes.CDLL("libcudart.so") if _cudart() is None else _cudart()
+        count = ctypes.c_size_t(0)
+        rc = lib.cudaGraphGetNodes(ctypes.c_void_p(raw), None, ctypes.byref(count))
+        return int(count.value) if rc == 0 else None
+    except Exception:
+        return None
+
+
+def _cudart():
+    import glob
+    import os
+
+    import torch
+
+    for d in [os.path.join(os.path.dirname(torch.__file__), "lib")] + os.environ.get("LD_LIBRARY_PATH", "").split(":"):
+        for path in glob.glob(os.path.join(d, "libcudart.so*")):
+            return ctypes.CDLL(path)
+    import nvidia  # the pip CUDA runtime wheels
+
+    for base in nvidia.__path__:
+        for path in glob.glob(os.path.join(base, "**", "libcudart.so*"), recursive=True):
+            return ctypes.CDLL(path)
+    return None
+
+
+def per_call(fn, n: int) -> tuple[float, float]:
+    """(host us per call with calls queued back to back, wall us per call synced at the end)."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return 1e6 * (t1 - t0) / n, 1e6 * (t2 - t0) / n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="benchmarks/configs/smollm2-135m")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--n", type=int, default=50, help="calls per measurement")
+    args = p.parse_args()
+
+    import torch
+
+    from pagedllm import LLM
+
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=2048,
+              skip_tokenizer_init=args.load_format == "dummy", gpu_memory_utilization=0.3, speculative_config=spec)
+    runner = llm.engine.worker.runner
+    decode = runner.cuda_graphs
+    mixed = runner.mixed_graphs
+    rows = []
+    for key, graph in sorted(decode.graphs.items()):
+        if key[0] == 1:
+            rows.append((f"decode graph {key}", graph))
+            break
+    for key, graph in sorted(mixed.graphs.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        if key[0] == args.k + 1:
+            rows.append((f"mixed graph {key}", graph))
+    for label, graph in rows:
+        graph.replay()
+        host, wall = per_call(graph.replay, args.n)
+        print(f"[launch] {label}: {graph_nodes(graph)} nodes, host {host:.1f} us per replay, wall {wall:.1f} us "
+              f"per replay (synced after {args.n})", flush=True)
+    from pagedllm.kernels.argmax import argmax_rows
+
+    logits = torch.randn(1, runner.vocab_size, device=runner.device, dtype=torch.float32)
+    hidden = torch.randn(1, runner.model.config.hidden_size, device=runner.device, dtype=runner.dtype)
+    verify_hidden = torch.randn(args.k + 1, runner.model.config.hidden_size, device=runner.device,
+                                dtype=runner.dtype)
+    src = torch.zeros(1024, device=runner.device, dtype=torch.int64)
+    dst = torch.zeros(1024, device=runner.device, dtype=torch.int64)
+    pieces = [("Triton argmax_rows, 1 x vocab", lambda: argmax_rows(logits)),
+              ("greedy_token_ids (LM head + argmax), 1 row", lambda: runner.model.greedy_token_ids(hidden)),
+              (f"greedy_token_ids, {args.k + 1} rows", lambda: runner.model.greedy_token_ids(verify_hidden)),
+              ("torch copy_ (1024 int64)", lambda: dst.copy_(src)),
+              ("torch.empty pinned (1 int64)", lambda: torch.empty(1, dtype=torch.int64, pin_memory=True))]
+    for label, fn in pieces:
+        for _ in range(3):
+            fn()
+        host, wall = per_call(fn, args.n)
+        print(f"[launch] {label}: host {host:.1f} us per call, wall {wall:.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
