@@ -31,3 +31,23 @@ def test_cpu_stage_returns_the_arrays():
     ta, tb = stager.stage([a, b], np.int64)
     assert ta.tolist() == [1, 2, 3] and tb.tolist() == [[4, 5], [6, 7]] and ta.dtype == torch.int64
 
+
+
+def test_packed_stage_returns_aligned_views_of_the_arrays():
+    """The packed path (CUDA's; here on a pageable CPU buffer): every array comes back with its shape and values, at
+    a 64-byte aligned offset of one buffer, whatever the mix of sizes (empty, 2-D, one element)."""
+    stager = HostStager(torch.device("cpu"))
+    stager.packed = True
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        arrays = [rng.integers(-50, 50, size=shape) for shape in
+                  [(int(rng.integers(0, 9)),), (1,), (0,), (int(rng.integers(1, 4)), 7), (int(rng.integers(1, 30)),)]]
+        for dtype in (np.int64, np.int32):
+            staged = stager.stage(arrays, dtype)
+            base = staged[0].untyped_storage().data_ptr()
+            for a, t in zip(arrays, staged):
+                assert tuple(t.shape) == a.shape and t.dtype == torch.from_numpy(np.zeros(1, dtype)).dtype
+                assert t.tolist() == a.tolist(), (step, a, t)
+                assert t.untyped_storage().data_ptr() == base
+                assert a.size == 0 or (t.data_ptr() - base) % 64 == 0  # (an empty tensor's data_ptr is 0)
+        stager.next_step()

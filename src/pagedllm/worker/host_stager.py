@@ -16,12 +16,13 @@ class HostStager:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pinned = envs.PAGEDLLM_PINNED_STAGING
+        # Packed into one pinned buffer per dtype (CUDA); tests turn it on for the CPU, where the buffer is pageable.
+        self.packed = device.type == "cuda" and envs.PAGEDLLM_PINNED_STAGING
         self.slots: list[dict] = [{}, {}]
         self.k = 0
 
     def stage(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
-        if self.device.type != "cuda" or not self.pinned:
+        if not self.packed:
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(self.device, non_blocking=True)
                     for a in arrays]
         offsets = self.layout(arrays, dtype)
@@ -30,13 +31,18 @@ class HostStager:
         buf = slot.get(dtype)
         if buf is None or buf.numel() < total:
             size = max(total, 2 * (0 if buf is None else buf.numel()), 1024)
-            buf = torch.from_numpy(np.zeros(size, dtype=dtype)).pin_memory()
+            buf = torch.from_numpy(np.zeros(size, dtype=dtype))
+            buf = buf.pin_memory() if self.device.type == "cuda" else buf
             slot[dtype] = buf
         host = buf.numpy()
-        for a, start in zip(arrays, offsets):
+        # The device views come from one split (array, gap to the next, array, ...): a step stages up to ~20
+        # arrays, and a slice plus a view each cost the host two dispatches per array.
+        sizes = []
+        for a, start, end in zip(arrays, offsets, offsets[1:]):
             host[start:start + a.size] = a.reshape(-1)
-        dev = buf[:total].to(self.device, non_blocking=True)
-        return [dev[offsets[i]:offsets[i] + a.size].view(a.shape) for i, a in enumerate(arrays)]
+            sizes += (a.size, end - start - a.size)
+        parts = buf[:total].to(self.device, non_blocking=True).split_with_sizes(sizes)
+        return [p if a.ndim == 1 else p.view(a.shape) for p, a in zip(parts[0::2], arrays)]
 
     @staticmethod
     def layout(arrays: list[np.ndarray], dtype) -> list[int]:
