@@ -13,6 +13,7 @@ import triton.language as tl
 
 from pagedllm.kernels.paged_attention import sm_count
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+from pagedllm.kernels.triton_launch import direct
 
 _NONE = tl.constexpr(2147483647)  # index placeholder larger than any real one
 
@@ -57,6 +58,9 @@ def _argmax_merge_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_parts, PARTS_P
     tl.store(out_ptr + row, idx.to(tl.int64))
 
 
+# Eager on every greedy step (the LM head's argmax outside the graphs): launched directly.
+_argmax_partial, _argmax_merge = direct(_argmax_partial_kernel), direct(_argmax_merge_kernel)
+
 # Rows up to this many use the split kernels; wider batches keep torch.argmax, which is already spread over rows.
 MAX_SPLIT_ROWS = 32
 _BLOCK = 1024
@@ -79,7 +83,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     part_idx = torch.empty(rows, parts, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     launch = pdl_launch_args(x.device)
-    _argmax_partial_kernel[(rows, parts)](x, x.stride(0), n, chunk, part_val, part_idx, parts,
-                                          BLOCK=_BLOCK, num_warps=4, **launch)
-    _argmax_merge_kernel[(rows,)](part_val, part_idx, out, parts, PARTS_PAD=_MAX_PARTS, num_warps=1, **launch)
+    _argmax_partial[(rows, parts)](x, x.stride(0), n, chunk, part_val, part_idx, parts,
+                                   BLOCK=_BLOCK, num_warps=4, **launch)
+    _argmax_merge[(rows,)](part_val, part_idx, out, parts, PARTS_PAD=_MAX_PARTS, num_warps=1, **launch)
     return out

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from pagedllm import envs
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+from pagedllm.kernels.triton_launch import direct
 
 # Weight elements held by one program (registers): 16k bf16 = 32 KB. Measured on H200 (benchmarks/gemv.py).
 _TILE_ELEMENTS = 16384
@@ -124,6 +125,10 @@ def _gemv_kernel(
             act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
             acc = act * acc_up.to(out_ty).to(tl.float32)
         tl.store(out_ptr + m * stride_om + rows, acc.to(out_ty), mask=row_ok)
+
+
+# The LM head's one-row product runs eagerly on every decode step: launched directly.
+_gemv = direct(_gemv_kernel)
 
 
 def gemv_max_rows() -> int:
@@ -232,7 +237,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         starts += [n_total] * (2 - len(starts))
         lora_args = (h, b, slots, starts[0], starts[1], h.stride(0), h.stride(1), b.stride(0), b.stride(1))
         lora_meta = dict(LORA=True, R=r, H_SPLIT=h.shape[0])
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         m, x.stride(0), weight.stride(0), out.stride(0), n * weight.stride(0), *lora_args,
         N=n, K=k, BLOCK_N=block_n, K_PAD=triton.next_power_of_2(k),

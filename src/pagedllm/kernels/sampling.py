@@ -25,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.argmax import _MAX_PARTS, _argmax_merge_kernel
+from pagedllm.kernels.argmax import _MAX_PARTS, _argmax_merge
 from pagedllm.kernels.paged_attention import sm_count
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+from pagedllm.kernels.triton_launch import direct
 
 _MAX_ROUNDS = tl.constexpr(256)
 _TWO_M32 = tl.constexpr(2.3283064365386963e-10)  # 2 ** -32
@@ -240,6 +241,10 @@ SPLIT_MAX_ROWS = 63
 SPLIT_BLOCK = 2048
 
 
+# Eager on every sampled step: launched directly.
+_sample_launch, _sample_split_launch = direct(_sample_kernel), direct(_sample_split_kernel)
+
+
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
                 seeds: Optional[torch.Tensor] = None, min_p: Optional[torch.Tensor] = None,
                 top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None,
@@ -264,7 +269,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
     block, warps = next((b, w) for rows, b, w in LAUNCH if n <= rows)
     assert block % GROUP == 0
     # Absent parameters point at a tensor of the same dtype that the kernel never reads (its flag is off).
-    _sample_kernel[(n,)](
+    _sample_launch[(n,)](
         logits, logits.stride(0), vocab, temperature, out if seeds is None else seeds, step_seed,
         temperature if min_p is None else min_p, out if top_k is None else top_k,
         temperature if top_p is None else top_p, temperature if cutoff is None else cutoff, out, flags, greedy_eps,
@@ -282,11 +287,11 @@ def _sample_split(logits: torch.Tensor, temperature: torch.Tensor, step_seed: in
     part_val = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(n, parts, dtype=torch.int32, device=logits.device)
     launch = pdl_launch_args(logits.device)
-    _sample_split_kernel[(n, parts)](
+    _sample_split_launch[(n, parts)](
         logits, logits.stride(0), vocab, temperature, out if seeds is None else seeds, step_seed,
         _SEEDS.value if seeds is not None else 0, greedy_eps, chunk, part_val, part_idx, parts,
         BLOCK=SPLIT_BLOCK, GROUP=GROUP, num_warps=4, **launch)
-    _argmax_merge_kernel[(n,)](part_val, part_idx, out, parts, PARTS_PAD=_MAX_PARTS, num_warps=1, **launch)
+    _argmax_merge[(n,)](part_val, part_idx, out, parts, PARTS_PAD=_MAX_PARTS, num_warps=1, **launch)
 
 
 def warm_up(vocab: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:

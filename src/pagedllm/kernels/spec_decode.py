@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton_launch import direct
+
 _SCAN = 256  # history positions compared per iteration of a proposal's scan
 
 
@@ -117,6 +119,10 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
     tl.store(out_ptr + 4 * out_stride + r, count)
 
 
+# Both run eagerly on every step of a speculating engine: launched directly.
+_spec_inputs, _spec_outputs = direct(_spec_inputs_kernel), direct(_spec_outputs_kernel)
+
+
 def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.Tensor, rows: torch.Tensor,
                      query_start_loc: torch.Tensor, prev_tokens: torch.Tensor, prev_rejected, drafts: torch.Tensor,
                      input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -131,11 +137,11 @@ def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.T
     common = (items, src, num_drafts, rows, query_start_loc, prev_tokens if prev_tokens is not None else items,
               prev_rejected if prev_rejected is not None else items, drafts, input_ids, positions)
     meta = dict(K=k, HAS_REJ=prev_rejected is not None, BLOCK=triton.next_power_of_2(k + 1))
-    _spec_inputs_kernel[(items.shape[0],)](*common, slot_mapping, seq_lens, block_table, block_table.stride(0),
+    _spec_inputs[(items.shape[0],)](*common, slot_mapping, seq_lens, block_table, block_table.stride(0),
                                            block_size, SLOTS_ONLY=False, **meta)
     if prev_rejected is not None:
         for slots, table in zip(group_slots, group_tables):
-            _spec_inputs_kernel[(items.shape[0],)](*common, slots, seq_lens, table, table.stride(0), block_size,
+            _spec_inputs[(items.shape[0],)](*common, slots, seq_lens, table, table.stride(0), block_size,
                                                    SLOTS_ONLY=True, **meta)
 
 
@@ -159,7 +165,7 @@ def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Te
     max_n = min(max_n, hist.shape[1] - 1)  # (longer n-grams cannot match: as propose_ngram's `width <= n`)
     if min_n > max_n:
         min_n, max_n = 1, 0  # no n to try: nothing is proposed
-    _spec_outputs_kernel[(num_reqs,)](
+    _spec_outputs[(num_reqs,)](
         rows, starts, counts, final, draft_src if draft_src is not None else dummy,
         input_ids if input_ids is not None else dummy, accepted if accepted is not None else dummy,
         hist, hist.stride(0), hist.shape[1], lens, drafts, num_drafts, out, out.stride(0), K=k, MIN_N=min_n,

@@ -1,0 +1,136 @@
+"""Direct launches of compiled Triton kernels, for the kernels a step launches eagerly (outside CUDA graphs).
+
+Triton's `kernel[grid](...)` binds the arguments, computes their specialization and looks the compiled kernel up on
+every call: ~45 us of Python per launch on the GPU machine's host, which a small model's step pays several times
+(the LM head's GEMV, the argmax, the speculation and sampling kernels; docs/benchmarks.md, "Where a SmolLM2 step's
+host time goes"). `direct(kernel)[grid](...)` keeps, per specialization, the compiled kernel that Triton's own
+launch returned the first time, and afterwards calls that kernel's launcher with the arguments.
+
+The cache key refines Triton's specialization, so two calls with the same key always get the same compiled kernel
+from Triton too: each tensor's dtype and 16-byte alignment; each integer's type class (i32 / i64 / u64 by value)
+and, unless the kernel does not specialize it, whether it is 1 or a multiple of 16; the values of constexprs, bools
+and None; the launch options (num_warps, launch_pdl, ...). A call with any other kind of argument, under Triton's
+interpreter, or with `PAGEDLLM_TRITON_DIRECT_LAUNCH=0`, takes Triton's own path.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch
+
+from pagedllm import envs
+
+_enabled: Optional[bool] = None
+
+
+def enabled() -> bool:
+    """Read once per process (a launch must not pay an environment read)."""
+    global _enabled
+    if _enabled is None:
+        _enabled = envs.PAGEDLLM_TRITON_DIRECT_LAUNCH and not envs.TRITON_INTERPRET
+    return _enabled
+
+
+def set_enabled(value: Optional[bool]) -> None:
+    """Tests: force direct launches on or off (None: read the environment again)."""
+    global _enabled
+    _enabled = value
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+_I32, _I64 = (-2 ** 31, 2 ** 31), (-2 ** 63, 2 ** 63)
+
+
+def _spec(arg: Any, constexpr: bool, specialize: bool) -> Any:
+    if constexpr:
+        try:
+            hash(arg)
+        except TypeError:
+            raise _Unkeyable from None
+        return ("c", type(arg), arg)
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if arg is None:
+        return None
+    if isinstance(arg, bool):  # (before int: a bool is an int)
+        return ("b", arg)
+    if isinstance(arg, int):
+        kind = 0 if _I32[0] <= arg < _I32[1] else (1 if _I64[0] <= arg < _I64[1] else 2)
+        return ("i", kind, arg == 1, arg % 16 == 0) if specialize else ("i", kind)
+    if isinstance(arg, float):
+        return ("f",)
+    raise _Unkeyable
+
+
+class DirectKernel:
+    """`direct(jit_fn)`: launched as `kernel[grid](*args, **kwargs)`, like the JIT function it wraps."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        # (Triton's interpreter gives an InterpretedFunction without `params`: its launches all go through it)
+        params = list(getattr(fn, "params", None) or ())
+        self.usable = bool(params)
+        self.names = [p.name for p in params]
+        self.position = {name: i for i, name in enumerate(self.names)}
+        self.defaults = [p.default for p in params]
+        self.constexpr = [bool(p.is_constexpr) for p in params]
+        self.specialize = [not getattr(p, "do_not_specialize", False) for p in params]
+        self.compiled: dict[tuple, Any] = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def bind(self, args: tuple, kwargs: dict) -> Optional[tuple[list, tuple]]:
+        """(every parameter's value in order, defaults applied; the launch options), or None where Triton's own
+        binding must decide (a missing or doubly given argument: Triton raises its error)."""
+        n = len(args)
+        if n > len(self.names):
+            return None
+        full = list(args)
+        for i in range(n, len(self.names)):
+            name = self.names[i]
+            if name in kwargs:
+                full.append(kwargs[name])
+            elif self.defaults[i] is not inspect.Parameter.empty:
+                full.append(self.defaults[i])
+            else:
+                return None
+        options = []
+        for name, value in kwargs.items():
+            i = self.position.get(name)
+            if i is None:
+                options.append((name, value))
+            elif i < n:
+                return None
+        return full, tuple(sorted(options))
+
+    def key(self, full: list, options: tuple) -> tuple:
+        # (Triton keeps compiled kernels per current device: so does this cache)
+        return (torch.cuda.current_device(),) + tuple(map(_spec, full, self.constexpr, self.specialize)) + options
+
+    def launch(self, grid, args: tuple, kwargs: dict) -> None:
+        if not (self.usable and enabled()):
+            self.fn[grid](*args, **kwargs)
+            return
+        bound = self.bind(args, kwargs)
+        try:
+            key = None if bound is None else self.key(*bound)
+            hash(key)
+        except (_Unkeyable, TypeError):
+            key = None
+        compiled = None if key is None else self.compiled.get(key)
+        if compiled is None:
+            kernel = self.fn[grid](*args, **kwargs)
+            if key is not None and kernel is not None and hasattr(kernel, "__getitem__"):
+                self.compiled[key] = kernel
+            return
+        grid = tuple(grid)
+        compiled[grid + (1,) * (3 - len(grid))](*bound[0])
+
+
+def direct(fn) -> DirectKernel:
+    return DirectKernel(fn)

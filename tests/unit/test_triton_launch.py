@@ -1,0 +1,149 @@
+"""kernels/triton_launch.py on the CPU: the binding of a call to the kernel's parameters, the cache key (a refinement
+of Triton's specialization), and which launches go through Triton and which through the kept compiled kernel (a
+recording stand-in for Triton's JIT function). tests/gpu/test_triton_launch_gpu.py launches real kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels import triton_launch
+from pagedllm.kernels.triton_launch import DirectKernel, _spec, _Unkeyable
+
+
+@triton.jit(do_not_specialize=["m"])
+def _toy_kernel(x_ptr, out_ptr, n, m, scale, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = 2):
+    pass
+
+
+def test_bind_orders_every_parameter_and_separates_the_options():
+    k = DirectKernel(_toy_kernel)
+    x = torch.zeros(4)
+    full, options = k.bind((x, x, 3), dict(m=5, scale=0.5, flag=True, BLOCK=64, num_warps=4, launch_pdl=False))
+    assert full == [x, x, 3, 5, 0.5, True, 64, 2]  # MODE's default applied
+    assert options == (("launch_pdl", False), ("num_warps", 4))
+    full, _ = k.bind((x, x, 3, 5, 0.5, True, 64, 1), {})
+    assert full[-1] == 1
+    assert k.bind((x, x), dict(n=3, scale=0.5, flag=True, BLOCK=64)) is None  # m missing: Triton reports it
+    assert k.bind((x, x, 3), dict(n=3, m=5, scale=0.5, flag=True, BLOCK=64)) is None  # n given twice
+    assert k.bind((x,) * 9, {}) is None  # too many
+
+
+def test_key_refines_triton_specialization():
+    aligned = torch.zeros(64, dtype=torch.float32)
+    offset = aligned[1:]  # 4 bytes past a 16-byte boundary
+    assert aligned.data_ptr() % 16 == 0
+    assert _spec(aligned, False, True) != _spec(offset, False, True)
+    assert _spec(aligned, False, True) != _spec(aligned.to(torch.float16), False, True)
+    # integers: ==1 and %16 where specialized, the type class (i32 / i64 / u64) always
+    assert len({_spec(v, False, True) for v in (1, 16, 17, 2 ** 40, 2 ** 63)}) == 5
+    assert _spec(1, False, False) == _spec(17, False, False) != _spec(2 ** 40, False, False)
+    assert _spec(True, False, True) != _spec(1, False, True)  # a bool is not the integer 1
+    assert _spec(0.5, False, True) == _spec(2.0, False, True)  # floats are not specialized
+    assert _spec(64, True, True) != _spec(128, True, True)  # constexpr values are
+    assert _spec(None, False, True) is None
+    with pytest.raises(_Unkeyable):
+        _spec(object(), False, True)
+    with pytest.raises(_Unkeyable):
+        _spec([1, 2], True, True)
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("direct", grid, args))
+
+
+class _FakeJit:
+    """Triton's JIT function as DirectKernel sees it: `params` and `fn[grid](*args, **kwargs)` returning the
+    compiled kernel (recorded instead of launched)."""
+
+    def __init__(self, fn):
+        self.params = _toy_kernel.params
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _Compiled(self.log)
+        return launch
+
+
+def test_launch_keeps_the_compiled_kernel_per_key(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fake = _FakeJit(_toy_kernel)
+    k = DirectKernel(fake)
+    x = torch.zeros(64)
+    triton_launch.set_enabled(True)
+    try:
+        k[(3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)
+        k[(3,)](x, x, 5, m=9, scale=2.0, flag=False, BLOCK=32, num_warps=4)  # same key: m is not specialized
+        k[(2, 2)](x, x[1:], 5, m=9, scale=2.0, flag=False, BLOCK=32, num_warps=4)  # another alignment: Triton
+        k[(3,)](x, x, 5, m=9, scale=2.0, flag=False, BLOCK=32, num_warps=8)  # another option: Triton
+        k[(4,)](x, x, 5, m=11, scale=3.0, flag=False, BLOCK=32, num_warps=4)
+        assert [e[0] for e in fake.log] == ["triton", "direct", "triton", "triton", "direct"]
+        assert fake.log[1] == ("direct", (3, 1, 1), (x, x, 5, 9, 2.0, False, 32, 2))
+        assert fake.log[4][1] == (4, 1, 1) and fake.log[4][2][3] == 11
+        triton_launch.set_enabled(False)  # off: every launch through Triton
+        k[(3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)
+        assert fake.log[-1][0] == "triton"
+    finally:
+        triton_launch.set_enabled(None)
+
+
+def test_unkeyable_calls_take_triton_and_are_not_kept(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fake = _FakeJit(_toy_kernel)
+    k = DirectKernel(fake)
+    x = torch.zeros(64)
+    triton_launch.set_enabled(True)
+    try:
+        for _ in range(2):
+            k[(1,)](x, x, 5, m=7, scale=1.0, flag=object(), BLOCK=32)
+            k[(1,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=[4])  # an unhashable option
+        assert [e[0] for e in fake.log] == ["triton"] * 4 and not k.compiled
+    finally:
+        triton_launch.set_enabled(None)
+
+
+def test_enabled_follows_the_environment(monkeypatch):
+    triton_launch.set_enabled(None)
+    monkeypatch.setenv("PAGEDLLM_TRITON_DIRECT_LAUNCH", "0")
+    assert not triton_launch.enabled()
+    triton_launch.set_enabled(None)
+    monkeypatch.setenv("PAGEDLLM_TRITON_DIRECT_LAUNCH", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no compiled launcher
+    assert not triton_launch.enabled()
+    triton_launch.set_enabled(None)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert triton_launch.enabled()
+    triton_launch.set_enabled(None)
+
+
+def test_the_kernels_a_step_launches_eagerly_are_wrapped():
+    from pagedllm.kernels import argmax, gemv, sampling, spec_decode
+
+    for wrapped in (argmax._argmax_partial, argmax._argmax_merge, gemv._gemv, sampling._sample_launch,
+                    sampling._sample_split_launch, spec_decode._spec_inputs, spec_decode._spec_outputs):
+        assert isinstance(wrapped, DirectKernel) and isinstance(wrapped.fn, triton.runtime.JITFunction)
+
+
+def test_a_function_without_params_always_takes_its_own_launch():
+    """Triton's interpreter gives InterpretedFunction objects (no `params`): every launch goes through them."""
+    log = []
+
+    class Interpreted:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: log.append((grid, args, kwargs))
+
+    k = DirectKernel(Interpreted())
+    triton_launch.set_enabled(True)
+    try:
+        k[(2,)](1, 2, BLOCK=4)
+        k[(2,)](1, 2, BLOCK=4)
+    finally:
+        triton_launch.set_enabled(None)
+    assert log == [((2,), (1, 2), {"BLOCK": 4})] * 2 and not k.compiled
