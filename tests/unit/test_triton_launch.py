@@ -147,3 +147,35 @@ def test_a_function_without_params_always_takes_its_own_launch():
     finally:
         triton_launch.set_enabled(None)
     assert log == [((2,), (1, 2), {"BLOCK": 4})] * 2 and not k.compiled
+
+
+def test_a_launcher_that_refuses_the_arguments_turns_direct_launches_off(monkeypatch, caplog):
+    """A Triton whose compiled launcher takes its arguments otherwise (e.g. without the constexprs) raises a
+    TypeError on the first direct launch: that launch and every later one go through Triton, with a warning."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Refusing(_Compiled):
+        def __getitem__(self, grid):
+            def runner(*args):
+                raise TypeError("function takes exactly 9 arguments (11 given)")
+            return runner
+
+    class Jit(_FakeJit):
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                self.log.append(("triton", grid, args, kwargs))
+                return Refusing(self.log)
+            return launch
+
+    fake = Jit(_toy_kernel)
+    k = DirectKernel(fake)
+    x = torch.zeros(64)
+    triton_launch.set_enabled(True)
+    try:
+        with caplog.at_level("WARNING", logger="pagedllm"):
+            for _ in range(3):
+                k[(1,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32)
+    finally:
+        triton_launch.set_enabled(None)
+    assert [e[0] for e in fake.log] == ["triton"] * 3 and not k.usable
+    assert "refused the arguments" in caplog.text

@@ -15,11 +15,14 @@ interpreter, or with `PAGEDLLM_TRITON_DIRECT_LAUNCH=0`, takes Triton's own path.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Optional
 
 import torch
 
 from pagedllm import envs
+
+logger = logging.getLogger("pagedllm")
 
 _enabled: Optional[bool] = None
 
@@ -80,6 +83,7 @@ class DirectKernel:
         self.constexpr = [bool(p.is_constexpr) for p in params]
         self.specialize = [not getattr(p, "do_not_specialize", False) for p in params]
         self.compiled: dict[tuple, Any] = {}
+        self.verified = False  # a direct launch went through
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -128,8 +132,19 @@ class DirectKernel:
             if key is not None and kernel is not None and hasattr(kernel, "__getitem__"):
                 self.compiled[key] = kernel
             return
-        grid = tuple(grid)
-        compiled[grid + (1,) * (3 - len(grid))](*bound[0])
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        if self.verified:
+            compiled[grid3](*bound[0])
+            return
+        try:  # the first direct launch: a launcher that takes its arguments otherwise refuses them (TypeError)
+            compiled[grid3](*bound[0])
+        except (TypeError, AttributeError) as e:
+            self.usable = False
+            logger.warning("Eager launches of the Triton kernel %s go through Triton's own launch: its compiled "
+                           "launcher refused the arguments (%s).", getattr(self.fn, "__name__", self.fn), e)
+            self.fn[grid](*args, **kwargs)
+            return
+        self.verified = True
 
 
 def direct(fn) -> DirectKernel:
