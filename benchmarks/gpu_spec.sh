@@ -35,7 +35,8 @@
 #   bash benchmarks/gpu_spec.sh direct   # the direct launches of eager Triton kernels (kernels/triton_launch.py): their
 #                                        # GPU tests with the spec ones, then launch_costs.py with them and without
 #                                        # (PAGEDLLM_TRITON_DIRECT_LAUNCH=0)
-#   bash benchmarks/gpu_spec.sh direct-ngram  # SmolLM2 n-gram k=8 and k=4, steps timed by kind, with them and without
+#   bash benchmarks/gpu_spec.sh direct-ngram  # SmolLM2 n-gram k=8 and k=4, steps timed by kind, with them and without;
+#                                        # then the code-editing tasks (spec_decode.py --tasks code) at k=8 and k=4
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -177,6 +178,10 @@ direct-ngram)
             PAGEDLLM_TRITON_DIRECT_LAUNCH=$d step "ngram$k-direct$d" 90 python benchmarks/spec_decode.py ngram \
                 --model "$gguf" --dtype bfloat16 --iters 3 --k "$k" --step-times --json "$out/ngram$k-direct$d.json"
         done
+    done
+    for k in 8 4; do
+        step "ngram$k-code" 120 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 3 \
+            --k "$k" --tasks code --step-times --json "$out/ngram$k-code.json"
     done
     ;;
 host)

@@ -51,6 +51,42 @@ TASKS = [f"Repeat the following text exactly, word for word:\n\n{TEXT}",
          f"Copy this code and add a docstring to each function:\n\n{CODE}",
          f"Correct the spelling in this text and repeat it:\n\n{TEXT.replace('committee', 'comittee')}"]
 
+MODULE = '''import json
+import os
+
+
+class Settings:
+    def __init__(self, path):
+        self.path = path
+        self.values = {}
+
+    def load(self):
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.values = json.load(f)
+        return self.values
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+    def set(self, key, value):
+        self.values[key] = value
+        with open(self.path, "w") as f:
+            json.dump(self.values, f, indent=2)
+'''
+CONFIG = '''{
+  "server": {"host": "127.0.0.1", "port": 8000, "workers": 4},
+  "database": {"url": "postgres://localhost/app", "pool_size": 10, "timeout_s": 30},
+  "logging": {"level": "INFO", "file": "/var/log/app.log"}
+}
+'''
+# Code editing, the case speculation by n-grams is for: the answer is mostly the prompt's code with a few changes.
+CODE_TASKS = [f"Add type hints to every method of this class. Output the whole module.\n\n{MODULE}",
+              f"Rename the class Settings to AppSettings. Output the whole module, nothing else.\n\n{MODULE}",
+              f"Change the server port to 8080 and the log level to DEBUG. Output the whole JSON.\n\n{CONFIG}",
+              f"Add a docstring to each function, then output the code.\n\n{CODE}"]
+TASK_SETS = {"edit": TASKS, "code": CODE_TASKS}
+
 
 def sync():
     import torch
@@ -81,11 +117,13 @@ def ngram_config(args) -> dict:
     return c
 
 
-def chat_prompts(llm, n: int) -> list[dict]:
+def chat_prompts(llm, n: int, tasks: str = "edit") -> list[dict]:
+    """n chat prompts cycling through a task set (TASK_SETS: the repeat / edit tasks or the code-editing ones)."""
     tok = llm.get_tokenizer()
+    texts = TASK_SETS[tasks]
     out = []
     for i in range(n):
-        ids = tok.apply_chat_template([{"role": "user", "content": TASKS[i % len(TASKS)]}], add_generation_prompt=True,
+        ids = tok.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}], add_generation_prompt=True,
                                       tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
         out.append({"prompt_token_ids": list(ids)})
@@ -218,9 +256,10 @@ def run_ngram(args) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     if args.batch_size == 1:  # the four repeat / edit tasks, one request at a time
-        return compare_throughput(args, lambda llm: chat_prompts(llm, len(TASKS)), params, "ngram batch 1",
+        return compare_throughput(args, lambda llm: chat_prompts(llm, len(TASK_SETS[args.tasks]), args.tasks), params,
+                                  f"ngram batch 1, {args.tasks} tasks",
                                   one_by_one=True)
-    return compare_throughput(args, lambda llm: chat_prompts(llm, args.batch_size), params,
+    return compare_throughput(args, lambda llm: chat_prompts(llm, args.batch_size, args.tasks), params,
                               f"ngram batch {args.batch_size}")
 
 
@@ -260,7 +299,7 @@ def run_steps(args) -> dict:
         os.environ["PAGEDLLM_SPEC_OVERLAP"] = overlap
         policy["always"] = always
         llm = make_llm(args, spec)
-        prompts = chat_prompts(llm, len(TASKS))
+        prompts = chat_prompts(llm, len(TASK_SETS[args.tasks]), args.tasks)
         counts.clear()
         tokens = sum(len(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts)
         row = dict(label=label, tokens=tokens, **{k: counts.get(k, 0) for k in ("plain", "verify", "prefill")})
@@ -294,7 +333,7 @@ def run_sweep(args) -> dict:
     results = []
     for b in sizes:
         prompts_of = (lambda llm, b=b: random_prompts(llm, b, args.input_len)) if random_in else (
-            lambda llm, b=b: chat_prompts(llm, b))
+            lambda llm, b=b: chat_prompts(llm, b, args.tasks))
         r = compare_throughput(args, prompts_of, params, f"sweep batch {b}", engines=engines)
         r["batch_size"] = b
         results.append(r)
@@ -557,6 +596,8 @@ def main(argv=None) -> None:
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculative_config disable_by_batch_size (0: never turn speculation off)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="sweep: batch sizes (default 1..64)")
+    p.add_argument("--tasks", choices=sorted(TASK_SETS), default="edit",
+                   help="ngram / steps / sweep chat prompts: the repeat / edit tasks or the code-editing ones")
     p.add_argument("--prompts", choices=["chat", "random"], default=None,
                    help="sweep: the repeat / edit chat tasks (needs a tokenizer) or random token prompts "
                         "(default: random with --load-format dummy)")
