@@ -156,8 +156,21 @@ def compare_throughput(args, prompts_of, params, label: str, engines=None, one_b
     for it in range(args.iters):
         stats = spec.engine.scheduler.spec_stats
         before = (stats.num_draft_tokens, stats.num_accepted_tokens)
-        t_plain, n_plain = timed_generate(plain, prompts, params, one_by_one)
-        t_spec, n_spec = timed_generate(spec, prompts, params, one_by_one)
+        if one_by_one:
+            # Request by request, the two engines alternating (which goes first alternates too): a host whose speed
+            # drifts during the run (the GPU machine's does) then weighs on both sides alike.
+            t_plain = t_spec = 0.0
+            n_plain = n_spec = 0
+            for j, p in enumerate(prompts):
+                for name in (("plain", "spec") if (it + j) % 2 == 0 else ("spec", "plain")):
+                    t, n = timed_generate(plain if name == "plain" else spec, [p], params)
+                    if name == "plain":
+                        t_plain, n_plain = t_plain + t, n_plain + n
+                    else:
+                        t_spec, n_spec = t_spec + t, n_spec + n
+        else:
+            t_plain, n_plain = timed_generate(plain, prompts, params)
+            t_spec, n_spec = timed_generate(spec, prompts, params)
         drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
         rate = accepted / drafted if drafted else 0.0
         r = (n_spec / t_spec) / (n_plain / t_plain)
