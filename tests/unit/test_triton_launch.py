@@ -87,6 +87,8 @@ def test_launch_keeps_the_compiled_kernel_per_key(monkeypatch):
         assert [e[0] for e in fake.log] == ["triton", "direct", "triton", "triton", "direct"]
         assert fake.log[1] == ("direct", (3, 1, 1), (x, x, 5, 9, 2.0, False, 32, 2))
         assert fake.log[4][1] == (4, 1, 1) and fake.log[4][2][3] == 11
+        k[lambda meta: (3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)  # a grid function
+        assert fake.log[-1][0] == "triton"
         triton_launch.set_enabled(False)  # off: every launch through Triton
         k[(3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)
         assert fake.log[-1][0] == "triton"

@@ -117,7 +117,7 @@ class DirectKernel:
         return (torch.cuda.current_device(),) + tuple(map(_spec, full, self.constexpr, self.specialize)) + options
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
-        if not (self.usable and enabled()):
+        if callable(grid) or not (self.usable and enabled()):  # (a grid function reads Triton's bound arguments)
             self.fn[grid](*args, **kwargs)
             return
         bound = self.bind(args, kwargs)
