@@ -72,43 +72,39 @@ class _FakeJit:
         return launch
 
 
-def test_launch_keeps_the_compiled_kernel_per_key(monkeypatch):
+@pytest.fixture
+def toy(monkeypatch):
+    """(the recording JIT stand-in, its DirectKernel, a 16-byte aligned tensor), direct launches on."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fake = _FakeJit(_toy_kernel)
-    k = DirectKernel(fake)
-    x = torch.zeros(64)
     triton_launch.set_enabled(True)
-    try:
-        k[(3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)
-        k[(3,)](x, x, 5, m=9, scale=2.0, flag=False, BLOCK=32, num_warps=4)  # same key: m is not specialized
-        k[(2, 2)](x, x[1:], 5, m=9, scale=2.0, flag=False, BLOCK=32, num_warps=4)  # another alignment: Triton
-        k[(3,)](x, x, 5, m=9, scale=2.0, flag=False, BLOCK=32, num_warps=8)  # another option: Triton
-        k[(4,)](x, x, 5, m=11, scale=3.0, flag=False, BLOCK=32, num_warps=4)
-        assert [e[0] for e in fake.log] == ["triton", "direct", "triton", "triton", "direct"]
-        assert fake.log[1] == ("direct", (3, 1, 1), (x, x, 5, 9, 2.0, False, 32, 2))
-        assert fake.log[4][1] == (4, 1, 1) and fake.log[4][2][3] == 11
-        k[lambda meta: (3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)  # a grid function
-        assert fake.log[-1][0] == "triton"
-        triton_launch.set_enabled(False)  # off: every launch through Triton
-        k[(3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)
-        assert fake.log[-1][0] == "triton"
-    finally:
-        triton_launch.set_enabled(None)
+    yield fake, DirectKernel(fake), torch.zeros(64)
+    triton_launch.set_enabled(None)
 
 
-def test_unkeyable_calls_take_triton_and_are_not_kept(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    fake = _FakeJit(_toy_kernel)
-    k = DirectKernel(fake)
-    x = torch.zeros(64)
-    triton_launch.set_enabled(True)
-    try:
-        for _ in range(2):
-            k[(1,)](x, x, 5, m=7, scale=1.0, flag=object(), BLOCK=32)
-            k[(1,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=[4])  # an unhashable option
-        assert [e[0] for e in fake.log] == ["triton"] * 4 and not k.compiled
-    finally:
-        triton_launch.set_enabled(None)
+def test_launch_keeps_the_compiled_kernel_per_key(toy):
+    fake, k, x = toy
+    k[(3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)
+    k[(3,)](x, x, 5, m=9, scale=2.0, flag=False, BLOCK=32, num_warps=4)  # same key: m is not specialized
+    k[(2, 2)](x, x[1:], 5, m=9, scale=2.0, flag=False, BLOCK=32, num_warps=4)  # another alignment: Triton
+    k[(3,)](x, x, 5, m=9, scale=2.0, flag=False, BLOCK=32, num_warps=8)  # another option: Triton
+    k[(4,)](x, x, 5, m=11, scale=3.0, flag=False, BLOCK=32, num_warps=4)
+    assert [e[0] for e in fake.log] == ["triton", "direct", "triton", "triton", "direct"]
+    assert fake.log[1] == ("direct", (3, 1, 1), (x, x, 5, 9, 2.0, False, 32, 2))
+    assert fake.log[4][1] == (4, 1, 1) and fake.log[4][2][3] == 11
+    k[lambda meta: (3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)  # a grid function
+    assert fake.log[-1][0] == "triton"
+    triton_launch.set_enabled(False)  # off: every launch through Triton
+    k[(3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=4)
+    assert fake.log[-1][0] == "triton"
+
+
+def test_unkeyable_calls_take_triton_and_are_not_kept(toy):
+    fake, k, x = toy
+    for _ in range(2):
+        k[(1,)](x, x, 5, m=7, scale=1.0, flag=object(), BLOCK=32)
+        k[(1,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32, num_warps=[4])  # an unhashable option
+    assert [e[0] for e in fake.log] == ["triton"] * 4 and not k.compiled
 
 
 def test_enabled_follows_the_environment(monkeypatch):
