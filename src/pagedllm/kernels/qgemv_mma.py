@@ -210,20 +210,38 @@ def _pdl_attr() -> _LaunchAttr:
 _PDL_ATTR = _pdl_attr()
 
 
+_LAUNCH_BLOCKS: dict[int, tuple] = {}
+
+
+def _launch_block(n: int) -> tuple:
+    """(argument slots, their addresses' array address, launch config, its address) for n arguments, made once per n
+    and rewritten by each launch (cuLaunchKernelEx copies the arguments before it returns; the engine launches
+    from one thread per device)."""
+    block = _LAUNCH_BLOCKS.get(n)
+    if block is None:
+        values = (ctypes.c_uint64 * n)()
+        base = ctypes.addressof(values)
+        params = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+        cfg = _LaunchConfig()
+        cfg.attrs, cfg.num_attrs = ctypes.pointer(_PDL_ATTR), 1
+        block = _LAUNCH_BLOCKS[n] = (values, params, ctypes.addressof(params), cfg, ctypes.addressof(cfg))
+    return block
+
+
 def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
     """cuLaunchKernelEx with programmatic stream serialization (kernels/pdl.py): the kernel may start while the one
     before it finishes; it loads its weights, then `griddepcontrol.wait`s before reading x.
 
     The arguments are pointers (tensors) and 32-bit ints: each is stored in an 8-byte slot of one array (an int in
-    its low 4 bytes, little-endian, which is what the kernel reads), and the kernel gets the slots' addresses: two
-    array constructions per launch instead of a ctypes object per argument (host time, on every eager step)."""
-    n = len(args)
-    values = (ctypes.c_uint64 * n)(*[a.data_ptr() if isinstance(a, torch.Tensor) else a & 0xFFFFFFFF
-                                      for a in args])
-    base = ctypes.addressof(values)
-    params = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
-    cfg = _LaunchConfig(*grid, *block, 0, torch.cuda.current_stream().cuda_stream, ctypes.pointer(_PDL_ATTR), 1)
-    err = _launch_kernel_ex()(ctypes.addressof(cfg), kernel.func, ctypes.addressof(params), None)
+    its low 4 bytes, little-endian, which is what the kernel reads), and the kernel gets the slots' addresses; the
+    arrays and the launch config are made once per argument count (`_launch_block`) and only written per launch
+    (host time, on every eager step)."""
+    values, _, params_addr, cfg, cfg_addr = _launch_block(len(args))
+    values[:] = [a.data_ptr() if isinstance(a, torch.Tensor) else a & 0xFFFFFFFF for a in args]
+    cfg.grid_x, cfg.grid_y, cfg.grid_z = grid
+    cfg.block_x, cfg.block_y, cfg.block_z = block
+    cfg.stream = torch.cuda.current_stream().cuda_stream
+    err = _launch_kernel_ex()(cfg_addr, kernel.func, params_addr, None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
 
