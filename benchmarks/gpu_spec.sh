@@ -33,7 +33,8 @@
 #   bash benchmarks/gpu_spec.sh probe    # where the verify steps' time goes: SmolLM2's host functions (host's first
 #                                        # step) and the 8B k=4 verify step's kernels against a plain step's
 #   bash benchmarks/gpu_spec.sh direct   # the direct launches of eager Triton kernels (kernels/triton_launch.py): their
-#                                        # GPU tests with the spec ones, then launch_costs.py with them and without
+#                                        # GPU tests with the spec ones and the tensor-core GEMV's (its eager launches,
+#                                        # `_launch_pdl`), then launch_costs.py with them and without
 #                                        # (PAGEDLLM_TRITON_DIRECT_LAUNCH=0)
 #   bash benchmarks/gpu_spec.sh direct-ngram  # SmolLM2 n-gram k=8 and k=4, steps timed by kind, with them and without;
 #                                        # then the code-editing tasks (spec_decode.py --tasks code) at k=8 and k=4
@@ -166,8 +167,8 @@ probe)
         --load-format dummy --dtype bfloat16 --iters 1 --steps 50 --profile
     ;;
 direct)
-    step direct-tests 200 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_triton_launch_gpu.py \
-        tests/gpu/test_spec_decode_gpu.py
+    step direct-tests 240 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_triton_launch_gpu.py \
+        tests/gpu/test_spec_decode_gpu.py tests/gpu/test_gemv_mma_gpu.py -k "not test_model_shapes"
     for d in 1 0; do
         PAGEDLLM_TRITON_DIRECT_LAUNCH=$d step "launch-direct$d" 80 python benchmarks/launch_costs.py
     done
