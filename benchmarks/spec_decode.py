@@ -22,6 +22,7 @@ Each prints one line per measurement and a final ratio; --json FILE writes them 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -159,15 +160,13 @@ def compare_throughput(args, prompts_of, params, label: str, engines=None, one_b
         if one_by_one:
             # Request by request, the two engines alternating (which goes first alternates too): a host whose speed
             # drifts during the run (the GPU machine's does) then weighs on both sides alike.
-            t_plain = t_spec = 0.0
-            n_plain = n_spec = 0
+            sums = {id(plain): [0.0, 0], id(spec): [0.0, 0]}  # wall seconds, tokens
             for j, p in enumerate(prompts):
-                for name in (("plain", "spec") if (it + j) % 2 == 0 else ("spec", "plain")):
-                    t, n = timed_generate(plain if name == "plain" else spec, [p], params)
-                    if name == "plain":
-                        t_plain, n_plain = t_plain + t, n_plain + n
-                    else:
-                        t_spec, n_spec = t_spec + t, n_spec + n
+                for llm in ((plain, spec) if (it + j) % 2 == 0 else (spec, plain)):
+                    t, n = timed_generate(llm, [p], params)
+                    sums[id(llm)][0] += t
+                    sums[id(llm)][1] += n
+            (t_plain, n_plain), (t_spec, n_spec) = sums[id(plain)], sums[id(spec)]
         else:
             t_plain, n_plain = timed_generate(plain, prompts, params)
             t_spec, n_spec = timed_generate(spec, prompts, params)
@@ -188,6 +187,13 @@ def compare_throughput(args, prompts_of, params, label: str, engines=None, one_b
     if getattr(args, "run_profile", False):
         run_profile_diff(plain, spec, prompts, params, one_by_one, label)
     return out
+
+
+def step_kind(plan, k: int) -> str:
+    """The kind of step a plan schedules: empty, plain decode (one token per request), verify (at most k + 1 per
+    request) or prefill."""
+    n, reqs = plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens)
+    return "empty" if n == 0 else "plain" if n == reqs else "verify" if n <= reqs * (k + 1) else "prefill"
 
 
 def run_profile_diff(plain, spec, prompts, params, one_by_one: bool, label: str, top: int = 30) -> None:
@@ -231,8 +237,7 @@ def step_times(llm, prompts, params, one_by_one: bool, label: str, k: int) -> di
 
     def recording_schedule(self, *a, **kw):
         plan = schedule(self, *a, **kw)
-        n, reqs = plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens)
-        kinds.append("empty" if n == 0 else "plain" if n == reqs else "verify" if n <= reqs * (k + 1) else "prefill")
+        kinds.append(step_kind(plan, k))
         return plan
 
     engine = llm.engine
@@ -299,8 +304,7 @@ def run_steps(args) -> dict:
                 if not r.spec_token_ids and r.num_output_tokens > 0:
                     r.spec_token_ids = [scheduling.PLACEHOLDER]
         plan = schedule(self, *a, **kw)
-        n, reqs = plan.total_num_scheduled_tokens, len(plan.num_scheduled_tokens)
-        kind = "empty" if n == 0 else "plain" if n == reqs else "verify" if n <= reqs * (args.k + 1) else "prefill"
+        kind = step_kind(plan, args.k)
         counts[kind] = counts.get(kind, 0) + 1
         return plan
 
@@ -332,13 +336,18 @@ def run_batch(args) -> dict:
                               f"batch {args.batch_size}")
 
 
+def sweep_random_prompts(args) -> bool:
+    """Whether the sweep runs random token prompts (asked for, or a dummy model's default) rather than chat tasks."""
+    return args.prompts == "random" or (args.prompts is None and args.load_format == "dummy")
+
+
 def run_sweep(args) -> dict:
     """With vs without n-gram speculation (forced on: no disable_by_batch_size) at each batch size, both engines
     built once: the largest batch where it still pays, and where it costs > 5%, set disable_by_batch_size."""
     from pagedllm import SamplingParams
 
     sizes = args.batch_sizes or [1, 2, 4, 8, 16, 32, 64]
-    random_in = args.prompts == "random" or (args.prompts is None and args.load_format == "dummy")
+    random_in = sweep_random_prompts(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=random_in)
     args.batch_size = max(sizes)
     args.disable_by_batch_size = 0  # force speculation on to measure it
@@ -375,7 +384,7 @@ def run_verify(args) -> dict:
     k = args.k
     prompt = random_prompts(llm, 1, args.input_len)[0]["prompt_token_ids"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - args.input_len - 8, ignore_eos=True)
-    ids = iter(range(1 << 30))
+    ids = itertools.count()
 
     def fresh_request() -> None:
         """The measured request, (re)started at the prompt: a block of steps must not run past max_model_len."""
@@ -624,8 +633,8 @@ def main(argv=None) -> None:
                    help="ngram / batch / sweep: after the timed runs, one more run of each engine with its engine "
                         "steps timed by kind (prefill, plain, verify) and the time outside steps")
     p.add_argument("--run-profile", action="store_true",
-                   help="ngram / batch: after the timed runs, cProfile one run of each engine and print what the "
-                        "speculating engine's run adds")
+                   help="ngram / batch / sweep: after the timed runs, cProfile one run of each engine and print "
+                        "what the speculating engine's run adds")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="verify: count eager ops and host syncs per step over STEPS plain and STEPS verify steps, "
                         "and list the host functions whose time grows most in a verify step (cProfile)")
@@ -644,6 +653,12 @@ def main(argv=None) -> None:
         for mt in gemv_mma.ROW_TILES:  # the variant's options over the defaults at every row count, as in the chain
             for is_gated, options in ((False, plain), (True, gated)):
                 gemv_mma.ROW_TILE_CONFIG[(is_gated, mt)] = {**gemv_mma.base_config(is_gated, mt), **options}
+    chat_modes = {"ngram", "steps"} | (set() if sweep_random_prompts(args) else {"sweep"})
+    for flag, used, modes in (("--step-times", args.step_times, {"ngram", "batch", "sweep"}),
+                              ("--run-profile", args.run_profile, {"ngram", "batch", "sweep"}),
+                              ("--tasks", args.tasks != "edit", chat_modes)):
+        if used and args.mode not in modes:
+            p.error(f"{flag} applies to the {' / '.join(sorted(modes))} modes, not {args.mode}")
     defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192), "steps": (1, 256)}
     b, out_len = defaults[args.mode]
     args.batch_size = args.batch_size or b
