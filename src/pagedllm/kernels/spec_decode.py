@@ -138,11 +138,11 @@ def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.T
               prev_rejected if prev_rejected is not None else items, drafts, input_ids, positions)
     meta = dict(K=k, HAS_REJ=prev_rejected is not None, BLOCK=triton.next_power_of_2(k + 1))
     _spec_inputs[(items.shape[0],)](*common, slot_mapping, seq_lens, block_table, block_table.stride(0),
-                                           block_size, SLOTS_ONLY=False, **meta)
+                                    block_size, SLOTS_ONLY=False, **meta)
     if prev_rejected is not None:
         for slots, table in zip(group_slots, group_tables):
             _spec_inputs[(items.shape[0],)](*common, slots, seq_lens, table, table.stride(0), block_size,
-                                                   SLOTS_ONLY=True, **meta)
+                                            SLOTS_ONLY=True, **meta)
 
 
 def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, final: torch.Tensor,
