@@ -38,6 +38,10 @@
 #                                        # (PAGEDLLM_TRITON_DIRECT_LAUNCH=0)
 #   bash benchmarks/gpu_spec.sh direct-ngram  # SmolLM2 n-gram k=8 and k=4, steps timed by kind, with them and without;
 #                                        # then the code-editing tasks (spec_decode.py --tasks code) at k=8 and k=4
+#   bash benchmarks/gpu_spec.sh tails    # the greedy tails (worker/greedy_tail.py): their GPU tests with the spec,
+#                                        # engine and structured-output ones, then launch_costs.py with them
+#   bash benchmarks/gpu_spec.sh tails-ngram  # SmolLM2 n-gram k=8 on the edit and code tasks with the tails and
+#                                        # without (PAGEDLLM_GRAPH_GREEDY=0): both engines' tokens/s and steps by kind
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -46,7 +50,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -183,6 +187,20 @@ direct-ngram)
     for k in 8 4; do
         step "ngram$k-code" 120 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 3 \
             --k "$k" --tasks code --step-times --json "$out/ngram$k-code.json"
+    done
+    ;;
+tails)
+    step tails-tests 300 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_greedy_tail_gpu.py \
+        tests/gpu/test_spec_decode_gpu.py tests/gpu/test_structured_outputs_gpu.py tests/gpu/test_engine_gpu.py
+    step launch-tails 80 python benchmarks/launch_costs.py
+    ;;
+tails-ngram)
+    for tasks in edit code; do
+        for g in 1 0; do
+            PAGEDLLM_GRAPH_GREEDY=$g step "ngram8-$tasks-tails$g" 90 python benchmarks/spec_decode.py ngram \
+                --model "$gguf" --dtype bfloat16 --iters 3 --k 8 --tasks "$tasks" --step-times \
+                --json "$out/ngram8-$tasks-tails$g.json"
+        done
     done
     ;;
 host)

@@ -5,7 +5,7 @@
 For the decode graph of batch 1 and the mixed graph of a k+1-token verify step (the few-query tile where it is
 captured): host time per replay (replays queued back to back, no sync) and device time per replay
 (synced); then the host time per launch of the small eager kernels a step runs outside the graphs (the Triton
-argmax, the one-row LM head GEMV, a torch copy)."""
+argmax, the one-row LM head GEMV, a torch copy). PAGEDLLM_GRAPH_GREEDY=0: without the greedy tail graphs."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--n", type=int, default=50, help="calls per measurement")
+    p.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                   help="also cProfile CALLS calls of each eager piece: its top functions by own time")
     args = p.parse_args()
 
     import torch
@@ -51,6 +53,8 @@ def main() -> None:
     for key, graph in sorted(decode.graphs.items()):
         if key[0] == 1:
             rows.append((f"decode graph {key}", graph))
+            if key in decode.tails.graphs:
+                rows.append((f"its greedy tail (LM head + argmax) {key}", decode.tails.graphs[key]))
             break
     mixed_graphs = mixed.graphs if mixed is not None else {}
     verify_graphs = [(key, graph) for key, graph in sorted(mixed_graphs.items(), key=lambda kv: str(kv[0]))
@@ -81,6 +85,31 @@ def main() -> None:
             fn()
         host, wall = per_call(fn, args.n)
         print(f"[launch] {label}: host {host:.1f} us per call, wall {wall:.1f} us", flush=True)
+        if args.profile:
+            profile_calls(fn, label, args.profile)
+
+
+def profile_calls(fn, label: str, calls: int, top: int = 14) -> None:
+    """Where a piece's host time goes: cProfile of `calls` calls, the top functions by own time (us per call)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    total = sum(tottime for (_, _, tottime, _, _) in stats.values())
+    print(f"[launch profile] {label}: {1e6 * total / calls:.1f} us per call under cProfile; own time per call:")
+    for (file, line, func), (_, ncalls, tottime, cumtime, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        short = "/".join(file.split("/")[-2:])
+        print(f"    {1e6 * tottime / calls:7.1f} {1e6 * cumtime / calls:7.1f} {ncalls / calls:5.1f}  "
+              f"{short}:{line}({func})", flush=True)
 
 
 if __name__ == "__main__":

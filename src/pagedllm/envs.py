@@ -76,6 +76,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": eager Triton kernels launch through Triton's own per-call binding instead of their compiled launcher
     # (kernels/triton_launch.py; the A/B of its host time, and a way around a Triton whose launcher differs).
     "PAGEDLLM_TRITON_DIRECT_LAUNCH": lambda: os.environ.get("PAGEDLLM_TRITON_DIRECT_LAUNCH", "1") != "0",
+    # "0": greedy decode steps of few rows run the LM head and the argmax eagerly after the decode graph instead of
+    # replaying them as a graph (worker/cuda_graph.py, "greedy tails"; the A/B of the host time they save).
+    "PAGEDLLM_GRAPH_GREEDY": lambda: os.environ.get("PAGEDLLM_GRAPH_GREEDY", "1") != "0",
     # Most split-KV partitions per (request, kv head) in the CUDA decode kernel (tuning; a power of two).
     "PAGEDLLM_DECODE_MAX_SPLITS": _int("PAGEDLLM_DECODE_MAX_SPLITS", 64),
     # "0": on CUDA, run q/k norm, rotary and the KV-cache write as separate kernels instead of the fused one

@@ -174,7 +174,7 @@ class SpecDecodeRunner:
         rows_hidden = hidden if rows.every_token else hidden.index_select(0, token_rows_t)
         greedy = None
         if rows.greedy:
-            greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
+            greedy = runner.greedy_ids(rows_hidden)
         lp = None
         if greedy is not None:
             final, accepted = greedy, None
@@ -208,7 +208,7 @@ class SpecDecodeRunner:
         rows_hidden = hidden if token_rows is None else hidden.index_select(0, token_rows)
         greedy = None
         if rows.greedy:
-            greedy = getattr(runner.model, "greedy_token_ids", lambda h: None)(rows_hidden)
+            greedy = runner.greedy_ids(rows_hidden)
         lp = None
         if greedy is not None:  # a row's draft is accepted iff it is the row's argmax (checked on the device)
             stats = dev_step.after_step(greedy, input_ids=input_ids)

@@ -3,7 +3,8 @@
 A pure-decode batch of n requests is padded to the smallest bucket >= n. Padding rows are harmless real work:
 token 0 at position 0, writing its K/V into the reserved scratch block (the last block of the pool, which
 the scheduler never hands out) and attending over that one slot. Static input buffers are refreshed by
-device copies before each replay; nothing in the captured forward may sync with the host.
+device copies before each replay; nothing in the captured forward may sync with the host. Graphs of few rows
+have a greedy tail (worker/greedy_tail.py): the LM head + argmax of all-greedy steps, replayed after them.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Optional
 import torch
 
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
+from pagedllm.worker.greedy_tail import GreedyTails
 
 logger = logging.getLogger("pagedllm")
 
@@ -58,6 +60,8 @@ class CudaGraphRunner:
         self.lora_state = runner.lora.state if getattr(runner, "lora", None) is not None else None
         self.lora_variants = (False, True) if self.lora_state is not None else (False,)
         self.pool = None
+        self.tails = GreedyTails(runner)
+        self.last_key: Optional[tuple] = None  # the graph the last run() replayed
 
     def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
         md = AttentionMetadata(
@@ -80,8 +84,9 @@ class CudaGraphRunner:
                 for with_lora in self.lora_variants:
                     self._capture_one(size, bucket, with_lora)
         torch.cuda.synchronize(self.device)
-        logger.info("Captured %d CUDA graphs for decode batch sizes %s..%s in %.1f s.", len(self.graphs),
-                    self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+        tails = f" (and {len(self.tails.graphs)} of greedy LM head + argmax)" if self.tails.graphs else ""
+        logger.info("Captured %d CUDA graphs for decode batch sizes %s..%s%s in %.1f s.", len(self.graphs),
+                    self.sizes[0], self.sizes[-1], tails, time.perf_counter() - start)
 
     def _capture_one(self, size: int, bucket: int, with_lora: bool) -> None:
         model = self.runner.model
@@ -104,6 +109,7 @@ class CudaGraphRunner:
             self.pool = graph.pool()
         self.graphs[(size, bucket, with_lora)] = graph
         self.outputs[(size, bucket, with_lora)] = out
+        self.tails.capture((size, bucket, with_lora), out, self.pool)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             md: AttentionMetadata) -> Optional[torch.Tensor]:
@@ -136,4 +142,9 @@ class CudaGraphRunner:
         bucket = next(b for b in self.seq_len_buckets[size] if b >= md.max_seq_len)
         key = (size, bucket, self.lora_state is not None and self.lora_state.active)
         self.graphs[key].replay()
+        self.last_key = key
         return self.outputs[key][:n]
+
+    def greedy(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Argmax token ids of the last replay's output rows `hidden` from its greedy tail (None: no tail)."""
+        return self.tails.replay(self.last_key, hidden)

@@ -12,6 +12,8 @@ A step of n tokens is padded to the smallest bucket >= n: padding tokens carry t
 their K/V into the scratch block (as decode-graph padding does) and belong to no request, so attention never
 reads them and no other row depends on them (every other op is row-wise or a GEMM over rows).
 Static inputs are refreshed by device copies before each replay; the captured forward never syncs with the host.
+The exact verify buckets of few tokens have a greedy tail (worker/greedy_tail.py): a batch-1 verify step's LM head
++ argmax, replayed after them.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
+from pagedllm.worker.greedy_tail import GreedyTails
 
 logger = logging.getLogger("pagedllm")
 
@@ -161,6 +164,10 @@ class MixedGraphRunner:
         self.lora_variants = (False, True) if self.lora_state is not None else (False,)
         self.pool = pool
         self.num_replays = 0  # steps served by a graph (tests and benchmarks read it)
+        # Verify steps whose rows are all the step's tokens (speculation at batch 1, 2, ...) sample every row.
+        self.tail_sizes = set(extra_sizes)
+        self.tails = GreedyTails(runner)
+        self.last_key: Optional[tuple] = None
 
     def _metadata(self, size: int, tile: int) -> AttentionMetadata:
         reqs = min(self.runner.max_num_seqs, size)  # every request of a step has at least one token
@@ -207,11 +214,14 @@ class MixedGraphRunner:
                         self.pool = graph.pool()
                     self.graphs[(size, tile, with_lora)] = graph
                     self.outputs[(size, tile, with_lora)] = out
+                    if size in self.tail_sizes:
+                        self.tails.capture((size, tile, with_lora), out, self.pool)
         if self.lora_state is not None:
             self.lora_state.clear()
         torch.cuda.synchronize(self.device)
-        logger.info("Captured %d CUDA graphs for mixed steps of %d..%d tokens (query tiles %s) in %.1f s.",
-                    len(self.graphs), self.sizes[0], self.sizes[-1], self.tiles, time.perf_counter() - start)
+        tails = f" (and {len(self.tails.graphs)} of greedy LM head + argmax)" if self.tails.graphs else ""
+        logger.info("Captured %d CUDA graphs for mixed steps of %d..%d tokens (query tiles %s)%s in %.1f s.",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], self.tiles, tails, time.perf_counter() - start)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             md: AttentionMetadata) -> Optional[torch.Tensor]:
@@ -231,4 +241,9 @@ class MixedGraphRunner:
         key = (size, tile, self.lora_state is not None and self.lora_state.active)
         self.graphs[key].replay()
         self.num_replays += 1
+        self.last_key = key
         return self.outputs[key][:n]
+
+    def greedy(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Argmax token ids of the last replay's output rows `hidden` from its greedy tail (None: no tail)."""
+        return self.tails.replay(self.last_key, hidden)

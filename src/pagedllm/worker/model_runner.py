@@ -365,7 +365,7 @@ class ModelRunner:
         if meta.argmax_only:
             # Only the argmax is needed: the LM head finds it without fp32 logits (on CPU from an exact bf16
             # screen; None where no shortcut applies), within the grammar's allowed tokens if there is a mask.
-            greedy = greedy_token_ids(self.model, sample_hidden, meta.token_bitmask)
+            greedy = self.greedy_ids(sample_hidden, meta.token_bitmask)
         if greedy is not None:
             sampler_out = SamplerOutput(sampled_token_ids=greedy, logprobs=None)
         else:
@@ -393,6 +393,18 @@ class ModelRunner:
         else:
             host, lp_host = sampled, sampler_out.logprobs
         return PendingOutput(self, inp, host, lp_host, event, prompt_logprobs, num_drafts)
+
+    def greedy_ids(self, hidden: torch.Tensor, token_bitmask: Optional[torch.Tensor] = None
+                   ) -> Optional[torch.Tensor]:
+        """The argmax token ids of the LM head over `hidden` (None: the model has no shortcut, use the logits).
+        Where `hidden` is the output of this step's decode or mixed graph and that graph has a greedy tail
+        (worker/greedy_tail.py), the tail's replay; otherwise the model's eager shortcut."""
+        if token_bitmask is None:
+            for graphs in (self.cuda_graphs, self.mixed_graphs):
+                ids = None if graphs is None else graphs.greedy(hidden)
+                if ids is not None:
+                    return ids
+        return greedy_token_ids(self.model, hidden, token_bitmask)
 
     def _sampling_metadata(self, inp, sample_rows: np.ndarray) -> SamplingMetadata:
         """The general builder, for steps with a row whose sampling depends on its outputs (penalties, seeds,
