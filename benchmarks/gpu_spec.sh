@@ -39,7 +39,8 @@
 #   bash benchmarks/gpu_spec.sh direct-ngram  # SmolLM2 n-gram k=8 and k=4, steps timed by kind, with them and without;
 #                                        # then the code-editing tasks (spec_decode.py --tasks code) at k=8 and k=4
 #   bash benchmarks/gpu_spec.sh tails    # the greedy tails (worker/greedy_tail.py): their GPU tests with the spec,
-#                                        # engine and structured-output ones, then launch_costs.py with them
+#                                        # engine and structured-output ones, then launch_costs.py with them, then
+#                                        # greedy decode at batch 1 and 4 with them and without (greedy_tail.py)
 #   bash benchmarks/gpu_spec.sh tails-ngram  # SmolLM2 n-gram k=8 on the edit and code tasks with the tails and
 #                                        # without (PAGEDLLM_GRAPH_GREEDY=0): both engines' tokens/s and steps by kind
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
@@ -193,6 +194,7 @@ tails)
     step tails-tests 300 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_greedy_tail_gpu.py \
         tests/gpu/test_spec_decode_gpu.py tests/gpu/test_structured_outputs_gpu.py tests/gpu/test_engine_gpu.py
     step launch-tails 80 python benchmarks/launch_costs.py
+    step tails-decode 150 python benchmarks/greedy_tail.py --batch 1 4 --json "$out/tails-decode.json"
     ;;
 tails-ngram)
     for tasks in edit code; do
