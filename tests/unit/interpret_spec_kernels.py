@@ -3,7 +3,8 @@
 
 spec_step_outputs: greedy verify steps (acceptance from the inputs), sampled ones (the sampler's verdicts) and plain
 steps, with and without proposing, over histories where n-grams repeat (tiny vocabularies), two copies of the
-DeviceNgram state kept side by side: every output and every state tensor equal after every step.
+DeviceNgram state kept side by side: every output and every state tensor equal after every step; every other step
+writes into a caller's packed buffer (the stats after a copy of the rows' tokens, as DeviceStep.after_step does).
 spec_step_inputs: random steps with requests in flight (with and without a rejected count) and verifying
 placeholder drafts: input ids, positions, slot mapping and sequence lengths equal.
 """
@@ -52,10 +53,18 @@ def check_outputs(seed: int) -> None:
             kw = dict(accepted=torch.from_numpy(rng.random(total) < 0.7))
         args = (rows_t, torch.from_numpy(starts), torch.from_numpy(counts), torch.from_numpy(final))
         want = step_outputs_torch(ref, *args, propose, width, **kw)
+        packed = step % 2 == 1  # (as DeviceStep.after_step: the stats after a copy of `final`, one buffer)
+        if packed:
+            at, row_len = total + total % 2, n + n % 2
+            flat = torch.full((at + 5 * row_len,), -7, dtype=torch.int64)
+            kw.update(out=flat[at:].view(5, row_len)[:, :n], final_out=flat[:total])
         have = spec_step_outputs(*args, got.hist, got.lens, got.drafts, got.num_drafts, got.min_n, got.max_n,
                                  propose, **kw)
-        where = f"seed {seed} step {step} ({mode}, k={k}, n={lo}..{hi}, propose={propose})"
+        where = f"seed {seed} step {step} ({mode}, k={k}, n={lo}..{hi}, propose={propose}, packed={packed})"
         assert torch.equal(have, want), (where, have, want)
+        if packed:
+            assert have.data_ptr() == kw["out"].data_ptr(), where
+            assert torch.equal(flat[:total], torch.from_numpy(final)), where
         assert torch.equal(got.lens, ref.lens), where
         for r in rows:
             n_tok = int(ref.lens[r])

@@ -61,8 +61,9 @@ def _spec_inputs_kernel(items_ptr, src_ptr, nd_ptr, rows_ptr, qsl_ptr, prev_tok_
 @triton.jit(do_not_specialize=["out_stride"])  # (the batch size, rounded up to even)
 def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_ptr, input_ids_ptr, accepted_ptr,
                          hist_ptr, hist_stride, width, lens_ptr, drafts_ptr, nd_ptr, out_ptr, out_stride,
-                         K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, ACC_MODE: tl.constexpr,
-                         PROPOSE: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr):
+                         final_out_ptr, K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr,
+                         ACC_MODE: tl.constexpr, PROPOSE: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
+                         FINAL_OUT: tl.constexpr):
     r = tl.program_id(0)
     row = tl.load(rows_ptr + r)
     start = tl.load(starts_ptr + r)
@@ -70,6 +71,8 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
     offs = tl.arange(0, BLOCK_K)
     valid = offs < cnt
     toks = tl.load(final_ptr + start + offs, mask=valid, other=0).to(tl.int64)
+    if FINAL_OUT:  # the rows' tokens beside the stats, for one host copy of both
+        tl.store(final_out_ptr + start + offs, toks, mask=valid)
     if ACC_MODE == 0:  # greedy: a row's draft (the next row's input) is accepted iff it is the row's token
         src = tl.load(draft_src_ptr + start + offs, mask=valid, other=-1)
         drafted = tl.load(input_ids_ptr + tl.maximum(src, 0), mask=valid & (src >= 0), other=-1)
@@ -147,17 +150,19 @@ def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.T
 
 def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, final: torch.Tensor,
                       hist: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
-                      min_n: int, max_n: int, propose: bool, draft_src=None, input_ids=None, accepted=None
-                      ) -> torch.Tensor:
+                      min_n: int, max_n: int, propose: bool, draft_src=None, input_ids=None, accepted=None,
+                      out=None, final_out=None) -> torch.Tensor:
     """For each sampling request (rows, and its verify rows starts[r] .. + counts[r] of `final`): returns int64
     [5, R]: emitted count, last emitted token, rejected drafts, drafts it had (verified now), drafts proposed now;
     appends the emitted tokens to `hist` / `lens` and writes the proposal to `drafts` / `num_drafts` (as
     DeviceNgram.append_and_propose). Acceptance: from `draft_src` + `input_ids` (greedy), else `accepted`, else
-    none (every count 1)."""
+    none (every count 1). out: where to write those [5, R] (rows 16-byte aligned); final_out: also a copy of
+    `final` as int64 there (the caller's packed results: spec_decode/device_ngram.DeviceStep)."""
     num_reqs, k = rows.shape[0], drafts.shape[1]
-    # Rows of an even length: each row 16-byte aligned, as Triton specializes pointers (the next step's kernel
-    # reads rows 1 and 2), so no batch size compiles another variant mid-run.
-    out = torch.empty((5, num_reqs + num_reqs % 2), dtype=torch.int64, device=rows.device)[:, :num_reqs]
+    if out is None:
+        # Rows of an even length: each row 16-byte aligned, as Triton specializes pointers (the next step's kernel
+        # reads rows 1 and 2), so no batch size compiles another variant mid-run.
+        out = torch.empty((5, num_reqs + num_reqs % 2), dtype=torch.int64, device=rows.device)[:, :num_reqs]
     mode = 0 if draft_src is not None else (1 if accepted is not None else 2)
     if accepted is not None and accepted.dtype == torch.bool:
         accepted = accepted.view(torch.int8)
@@ -168,8 +173,9 @@ def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Te
     _spec_outputs[(num_reqs,)](
         rows, starts, counts, final, draft_src if draft_src is not None else dummy,
         input_ids if input_ids is not None else dummy, accepted if accepted is not None else dummy,
-        hist, hist.stride(0), hist.shape[1], lens, drafts, num_drafts, out, out.stride(0), K=k, MIN_N=min_n,
-        MAX_N=max_n, ACC_MODE=mode, PROPOSE=propose, BLOCK_K=triton.next_power_of_2(k + 1), SCAN=_SCAN)
+        hist, hist.stride(0), hist.shape[1], lens, drafts, num_drafts, out, out.stride(0),
+        final_out if final_out is not None else dummy, K=k, MIN_N=min_n, MAX_N=max_n, ACC_MODE=mode,
+        PROPOSE=propose, BLOCK_K=triton.next_power_of_2(k + 1), SCAN=_SCAN, FINAL_OUT=final_out is not None)
     return out
 
 
@@ -183,6 +189,8 @@ def warm_up(k: int, min_n: int, max_n: int, width: int, block_size: int, device)
         for propose in (True, False):
             kw = {"greedy": dict(draft_src=z(1), input_ids=z(1)), "sampled": dict(accepted=z(1).bool()),
                   "plain": {}}[mode]
+            # (verify steps pack their rows' tokens with the stats: DeviceStep.after_step)
+            kw["final_out"] = None if mode == "plain" else z(2)
             spec_step_outputs(z(1), z(1), one, z(1), hist, z(1), z(1, k), z(1), min_n, max_n, propose, **kw)
     qsl = torch.tensor([0, 2], dtype=torch.int32, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)

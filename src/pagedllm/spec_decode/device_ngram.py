@@ -227,6 +227,9 @@ class DeviceStep:
         self.width = int(inp.seq_lens.max()) + 1
         self.arrays = arrays
         self.staged: list[torch.Tensor] = []
+        # after_step's results in one int64 buffer (one host copy): (buffer, where the stats rows start, their
+        # length); with keep_final the tokens of `final` first.
+        self.packed: Optional[tuple[torch.Tensor, int, int]] = None
 
     def _get(self, name: str) -> Optional[list[torch.Tensor]]:
         span = self._slices.get(name)
@@ -269,20 +272,30 @@ class DeviceStep:
         return torch.where(draft_src >= 0, got, torch.full_like(got, NO_DRAFT))
 
     def after_step(self, final: torch.Tensor, input_ids: Optional[torch.Tensor] = None,
-                   accepted: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   accepted: Optional[torch.Tensor] = None, keep_final: bool = False) -> torch.Tensor:
         """A step's results: `final` [verify rows] (a plain step: [sampling requests]), each verify row's draft
         accepted as `accepted` says or, given `input_ids`, iff it equals the row's token (greedy). Returns int64
         [5, sampling requests]: emitted count, last emitted token, rejected drafts, drafts verified (as proposed),
-        drafts proposed now; the histories and proposals are updated."""
+        drafts proposed now; the histories and proposals are updated. The stats live in `self.packed`'s buffer,
+        after a copy of `final` with keep_final (rows of even lengths: 16-byte aligned, see spec_step_outputs)."""
         post = self._get("post")
         rows, starts, counts = post[:3]
         ngram = self.ngram
         greedy = self.verify and accepted is None
         kw = dict(draft_src=post[3] if greedy else None, input_ids=input_ids if greedy else None,
                   accepted=accepted if self.verify and not greedy else None)
+        num_reqs, num_final = rows.shape[0], final.shape[0] if keep_final else 0
+        stats_at, row_len = num_final + num_final % 2, num_reqs + num_reqs % 2
+        flat = torch.empty(stats_at + 5 * row_len, dtype=torch.int64, device=final.device)
+        out = flat[stats_at:].view(5, row_len)[:, :num_reqs]
+        self.packed = (flat, stats_at, row_len)
         if self.kernels:
             from pagedllm.kernels.spec_decode import spec_step_outputs
 
             return spec_step_outputs(rows, starts, counts, final, ngram.hist, ngram.lens, ngram.drafts,
-                                     ngram.num_drafts, ngram.min_n, ngram.max_n, self.propose, **kw)
-        return step_outputs_torch(ngram, rows, starts, counts, final, self.propose, self.width, **kw)
+                                     ngram.num_drafts, ngram.min_n, ngram.max_n, self.propose, out=out,
+                                     final_out=flat[:num_final] if keep_final else None, **kw)
+        out.copy_(step_outputs_torch(ngram, rows, starts, counts, final, self.propose, self.width, **kw))
+        if keep_final:
+            flat[:num_final].copy_(final)
+        return out

@@ -211,21 +211,20 @@ class SpecDecodeRunner:
             greedy = runner.greedy_ids(rows_hidden)
         lp = None
         if greedy is not None:  # a row's draft is accepted iff it is the row's argmax (checked on the device)
-            stats = dev_step.after_step(greedy, input_ids=input_ids)
-            final = greedy
+            stats = dev_step.after_step(greedy, input_ids=input_ids, keep_final=True)
         else:
             if meta is None:
                 meta = self._row_metadata(runner, [inp.states[r] for r in inp.sample_rows.tolist()],
                                           inp.spec_token_ids)
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, dev_step.draft_ids(input_ids),
                                       None, None)
-            final, lp = result.final_token_ids, result.logprobs
-            stats = dev_step.after_step(final, accepted=result.accepted)
-        # [emitted, last, rejected, drafts verified, drafts proposed] per sampling request
+            lp = result.logprobs
+            stats = dev_step.after_step(result.final_token_ids, accepted=result.accepted, keep_final=True)
+        # [emitted, last, rejected, drafts verified, drafts proposed] per sampling request, after the rows' tokens
         runner._prev_sampled, runner._prev_rej = stats[1], stats[2]
         runner._prev_pos.fill(-1)
         runner._prev_pos[inp.rows[inp.sample_rows]] = np.arange(len(inp.sample_rows))
-        packed = torch.cat([final.to(torch.int64), stats[0], stats[3], stats[4]])
+        packed, stats_at, row_len = dev_step.packed
         slot = None
         if runner.device.type == "cuda":
             slot = self._host_slot(runner, packed.shape[0])
@@ -234,7 +233,7 @@ class SpecDecodeRunner:
             lp = None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp)
             event.record()
         return VerifyPending(self, runner, inp, packed, None, lp, slot, prompt_logprobs, inp.sample_rows.tolist(),
-                             rows, on_device=True)
+                             rows, on_device=(stats_at, row_len))
 
     @staticmethod
     def _all_plain_greedy(runner, inp) -> bool:
@@ -324,10 +323,10 @@ class VerifyPending:
 
     def __init__(self, spec: SpecDecodeRunner, runner, inp, final: torch.Tensor, accepted: Optional[torch.Tensor],
                  logprobs_host, slot, prompt_logprobs: dict, sample_rows: list[int], rows: VerifyRows,
-                 on_device: bool = False) -> None:
+                 on_device: Optional[tuple[int, int]] = None) -> None:
         self.spec, self.runner, self.inp = spec, runner, inp
-        # on_device (SpecDecodeRunner._verify_on_device): `final` packs the verify rows' ids, then per sampling
-        # request its emitted count, then the drafts it verified and the drafts proposed now.
+        # on_device (SpecDecodeRunner._verify_on_device): `final` packs the verify rows' ids, then from
+        # on_device[0] the five stats rows of on_device[1] entries (DeviceStep.after_step's packed results).
         self.on_device = on_device
         # Host tensors once `slot`'s event has fired (CUDA: views of its pinned buffer); accepted None: all greedy.
         self.final, self.accepted, self.logprobs_host, self.slot = final, accepted, logprobs_host, slot
@@ -343,10 +342,11 @@ class VerifyPending:
             final = self.final.numpy().copy()
             draft_counts = None
             if self.on_device:
-                n, r = len(rows.token_rows), len(self.sample_rows)
-                num_emitted = final[n:n + r]
-                draft_counts = final[n + r:].reshape(2, r).tolist()
-                final = final[:n]
+                stats_at, row_len = self.on_device
+                stats = final[stats_at:stats_at + 5 * row_len].reshape(5, row_len)[:, :len(self.sample_rows)]
+                num_emitted = stats[0]
+                draft_counts = stats[3:5].tolist()
+                final = final[:len(rows.token_rows)]
             else:
                 accepted = final == rows.draft_ids if self.accepted is None else self.accepted.numpy() != 0
                 num_emitted = emitted_counts(accepted, rows.starts, rows.counts)

@@ -382,12 +382,18 @@ class ModelRunner:
                 num_drafts = stats[4]
         event = None
         if dev.type == "cuda":
-            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            host.copy_(sampled, non_blocking=True)
+            if dev_step is not None:  # one copy: a plain step's ids are its stats' last emitted tokens (row 1)
+                flat, stats_at, row_len = dev_step.packed
+                host_flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host_flat.copy_(flat, non_blocking=True)
+                rows_host = host_flat[stats_at:].view(5, row_len)[:, :len(sample_rows)]
+                host = rows_host[1]
+                num_drafts = None if num_drafts is None else rows_host[4]
+            else:
+                host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+                host.copy_(sampled, non_blocking=True)
             lp = sampler_out.logprobs
             lp_host = None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp)
-            if num_drafts is not None:
-                num_drafts = num_drafts.to("cpu", non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
