@@ -5,10 +5,13 @@
 For the decode graph of batch 1 and the mixed graph of a k+1-token verify step (the few-query tile where it is
 captured): host time per replay (replays queued back to back, no sync) and device time per replay
 (synced); then the host time per launch of the small eager kernels a step runs outside the graphs (the Triton
-argmax, the one-row LM head GEMV, a torch copy). PAGEDLLM_GRAPH_GREEDY=0: without the greedy tail graphs."""
+argmax, the one-row LM head GEMV, a torch copy), each with its Triton kernels launched three ways in alternating
+rounds (Triton's launch, the direct launch through the compiled kernel's runner, the direct launch calling its
+launcher: kernels/triton_launch.py). PAGEDLLM_GRAPH_GREEDY=0: without the greedy tail graphs."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 
@@ -33,6 +36,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--n", type=int, default=50, help="calls per measurement")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of the eager pieces' three launch modes")
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="also cProfile CALLS calls of each eager piece: its top functions by own time")
     args = p.parse_args()
@@ -80,11 +84,28 @@ def main() -> None:
               (f"greedy_token_ids, {args.k + 1} rows", lambda: runner.model.greedy_token_ids(verify_hidden)),
               ("torch copy_ (1024 int64)", lambda: dst.copy_(src)),
               ("torch.empty pinned (1 int64)", lambda: torch.empty(1, dtype=torch.int64, pin_memory=True))]
+    from pagedllm.kernels import triton_launch
+
+    # The eager Triton launches three ways, alternating in rounds (medians): Triton's own launch, the direct launch
+    # through the compiled kernel's runner, and the direct launch calling its `run` (kernels/triton_launch.py).
+    modes = {"triton": (False, True), "direct-runner": (True, False), "direct-fast": (True, True)}
     for label, fn in pieces:
-        for _ in range(3):
-            fn()
-        host, wall = per_call(fn, args.n)
-        print(f"[launch] {label}: host {host:.1f} us per call, wall {wall:.1f} us", flush=True)
+        hosts = {mode: [] for mode in modes}
+        walls = {mode: [] for mode in modes}
+        for _ in range(args.rounds):
+            for mode, (direct, fast) in modes.items():
+                triton_launch.set_enabled(direct)
+                triton_launch.set_fast(fast)
+                for _ in range(3):
+                    fn()
+                host, wall = per_call(fn, args.n)
+                hosts[mode].append(host)
+                walls[mode].append(wall)
+        triton_launch.set_enabled(None)
+        triton_launch.set_fast(True)
+        print(f"[launch] {label}: host us per call (median of {args.rounds} rounds) " + ", ".join(
+            f"{mode} {statistics.median(hosts[mode]):.1f}" for mode in modes)
+              + f"; wall {statistics.median(walls['direct-fast']):.1f} us (direct-fast)", flush=True)
         if args.profile:
             profile_calls(fn, label, args.profile)
 

@@ -23,8 +23,10 @@ def direct_on():
 
 
 def _went_direct(kernel) -> None:
-    """This Triton's compiled launcher took the arguments (not turned off by a refusal) and a kernel was kept."""
+    """This Triton's compiled launcher took the arguments (not turned off by a refusal) and a kernel was kept, with
+    the fast runner (this Triton's runner has the known shape and no launch hook is set)."""
     assert kernel.usable and kernel.verified and kernel.compiled
+    assert all(fast is not None for _, fast in kernel.compiled.values())
 
 
 def _both(fn):

@@ -177,3 +177,91 @@ def test_a_launcher_that_refuses_the_arguments_turns_direct_launches_off(monkeyp
         triton_launch.set_enabled(None)
     assert [e[0] for e in fake.log] == ["triton"] * 3 and not k.usable
     assert "refused the arguments" in caplog.text
+
+
+def test_the_installed_triton_runner_has_the_known_shape():
+    """The compiled-kernel runner of the Triton installed here calls `run` as fast_runner does (the GPU test checks
+    the GPU machine's Triton)."""
+    assert triton_launch._runner_shape_known()
+
+
+class _Launcher:
+    def __init__(self, log):
+        self.log = log
+
+    def __call__(self, *args):
+        self.log.append(args)
+
+
+class _RunnableCompiled(_Compiled):
+    """A compiled kernel with a launcher (`run`), its function handle and packed metadata, as Triton keeps them."""
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.run, self.function, self.packed_metadata = _Launcher(log), "FN", ("META",)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """Triton's active driver as fast_runner reads it: the current raw stream per device."""
+    from triton.runtime import driver
+
+    class Active:
+        @staticmethod
+        def get_current_stream(device):
+            return 1000 + device
+
+    monkeypatch.setattr(type(driver), "active", property(lambda self: Active()))
+    monkeypatch.setattr(triton_launch, "_runner_known", True)
+
+
+def test_fast_runner_calls_run_as_the_runner_would_without_metadata_or_hooks(fake_driver):
+    log = []
+    launch = triton_launch.fast_runner(_RunnableCompiled(log))
+    launch((3, 2, 1), 1, [7, 8])
+    assert log == [(3, 2, 1, 1001, "FN", ("META",), None, None, None, 7, 8)]
+
+
+def test_fast_runner_declines_with_a_hook_set_an_unknown_runner_or_no_handles(fake_driver, monkeypatch):
+    from triton import knobs
+
+    log = []
+    assert triton_launch.fast_runner(_Compiled(log)) is None  # no `run` / handles
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # a chain of hooks (Triton >= 3.4)
+        fn = lambda *a: None  # noqa: E731
+        hook.add(fn)
+        try:
+            assert triton_launch.fast_runner(_RunnableCompiled(log)) is None
+        finally:
+            hook.remove(fn)
+    else:  # a single hook (older Triton)
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+        assert triton_launch.fast_runner(_RunnableCompiled(log)) is None
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    assert triton_launch.fast_runner(_RunnableCompiled(log)) is not None
+    monkeypatch.setattr(triton_launch, "_runner_known", False)
+    assert triton_launch.fast_runner(_RunnableCompiled(log)) is None
+
+
+def test_kept_kernels_launch_through_the_fast_runner_when_there_is_one(toy, fake_driver):
+    fake, k, x = toy
+
+    class Jit(_FakeJit):
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                self.log.append(("triton", grid, args, kwargs))
+                return _RunnableCompiled(self.log)
+            return launch
+
+    fake = Jit(_toy_kernel)
+    k = DirectKernel(fake)
+    k[(3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32)
+    k[(3,)](x, x, 5, m=9, scale=1.0, flag=False, BLOCK=32)
+    assert fake.log[1] == (3, 1, 1, 1000, "FN", ("META",), None, None, None, x, x, 5, 9, 1.0, False, 32, 2)
+    triton_launch.set_fast(False)  # the A/B: the compiled kernel's own runner
+    try:
+        k[(3,)](x, x, 5, m=9, scale=1.0, flag=False, BLOCK=32)
+    finally:
+        triton_launch.set_fast(True)
+    assert fake.log[2][0] == "direct"

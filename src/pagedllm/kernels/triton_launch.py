@@ -6,6 +6,12 @@ every call: ~45 us of Python per launch on the GPU machine's host, which a small
 host time goes"). `direct(kernel)[grid](...)` keeps, per specialization, the compiled kernel that Triton's own
 launch returned the first time, and afterwards calls that kernel's launcher with the arguments.
 
+Where this Triton's compiled-kernel runner has the known shape (`CompiledKernel.__getitem__` calling
+`self.run(grid..., stream, function, packed metadata, launch metadata, enter hook, exit hook, *args)`) and no launch
+hook is set when a kernel is kept, the launch calls `run` itself with no launch metadata and no hooks: the runner
+would build the metadata for the hooks on every launch even with none set. (Set a Triton launch hook, e.g. a
+profiler's, before the engine starts, or set `PAGEDLLM_TRITON_DIRECT_LAUNCH=0`, for the hooks to see these launches.)
+
 The cache key refines Triton's specialization, so two calls with the same key always get the same compiled kernel
 from Triton too: each tensor's dtype and 16-byte alignment; each integer's type class (i32 / i64 / u64 by value)
 and, unless the kernel does not specialize it, whether it is 1 or a multiple of 16; the values of constexprs, bools
@@ -25,6 +31,7 @@ from pagedllm import envs
 logger = logging.getLogger("pagedllm")
 
 _enabled: Optional[bool] = None
+_fast_enabled = True  # False: kept kernels launch through their own runner (set_fast: benchmarks' A/B, tests)
 
 
 def enabled() -> bool:
@@ -39,6 +46,12 @@ def set_enabled(value: Optional[bool]) -> None:
     """Tests: force direct launches on or off (None: read the environment again)."""
     global _enabled
     _enabled = value
+
+
+def set_fast(value: bool) -> None:
+    """Direct launches call the compiled kernel's `run` themselves (fast_runner) where they can, or never."""
+    global _fast_enabled
+    _fast_enabled = value
 
 
 class _Unkeyable(Exception):
@@ -67,6 +80,54 @@ def _spec(arg: Any, constexpr: bool, specialize: bool) -> Any:
     if isinstance(arg, float):
         return ("f",)
     raise _Unkeyable
+
+
+_RUN_CALL = ("self.run(grid[0],grid[1],grid[2],stream,self.function,self.packed_metadata,launch_metadata,"
+             "knobs.runtime.launch_enter_hook,knobs.runtime.launch_exit_hook,*args)")
+_runner_known: Optional[bool] = None
+
+
+def _runner_shape_known() -> bool:
+    """Whether this Triton's compiled-kernel runner calls `run` as _RUN_CALL does (read once per process)."""
+    global _runner_known
+    if _runner_known is None:
+        try:
+            from triton.compiler.compiler import CompiledKernel
+
+            _runner_known = _RUN_CALL in "".join(inspect.getsource(CompiledKernel.__getitem__).split())
+        except (ImportError, OSError, TypeError, AttributeError):
+            _runner_known = False
+    return _runner_known
+
+
+def _hooks_idle() -> bool:
+    """No Triton launch hook is set (a hook is None, or a chain of hooks holding none)."""
+    try:
+        from triton import knobs
+
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    except (ImportError, AttributeError):
+        return False
+    return all(h is None or (isinstance(getattr(h, "calls", None), list) and not h.calls) for h in hooks)
+
+
+def fast_runner(compiled) -> Optional[Any]:
+    """`launch(grid3, device_index, args)` calling `compiled.run` as its runner would, without launch metadata or
+    hooks; None where that is not known to be the same launch (another runner shape, a hook set, no handles)."""
+    run, function = getattr(compiled, "run", None), getattr(compiled, "function", None)
+    meta = getattr(compiled, "packed_metadata", None)
+    if run is None or function is None or meta is None or not (_runner_shape_known() and _hooks_idle()):
+        return None
+    try:
+        from triton.runtime import driver
+
+        get_stream = driver.active.get_current_stream
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+    def launch(grid3, device: int, args) -> None:
+        run(grid3[0], grid3[1], grid3[2], get_stream(device), function, meta, None, None, None, *args)
+    return launch
 
 
 class DirectKernel:
@@ -126,18 +187,25 @@ class DirectKernel:
             hash(key)
         except (_Unkeyable, TypeError):
             key = None
-        compiled = None if key is None else self.compiled.get(key)
-        if compiled is None:
+        kept = None if key is None else self.compiled.get(key)
+        if kept is None:
             kernel = self.fn[grid](*args, **kwargs)
             if key is not None and kernel is not None and hasattr(kernel, "__getitem__"):
-                self.compiled[key] = kernel
+                self.compiled[key] = (kernel, fast_runner(kernel))
             return
+        compiled, fast = kept if _fast_enabled else (kept[0], None)
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
         if self.verified:
-            compiled[grid3](*bound[0])
+            if fast is not None:
+                fast(grid3, key[0], bound[0])
+            else:
+                compiled[grid3](*bound[0])
             return
         try:  # the first direct launch: a launcher that takes its arguments otherwise refuses them (TypeError)
-            compiled[grid3](*bound[0])
+            if fast is not None:
+                fast(grid3, key[0], bound[0])
+            else:
+                compiled[grid3](*bound[0])
         except (TypeError, AttributeError) as e:
             self.usable = False
             logger.warning("Eager launches of the Triton kernel %s go through Triton's own launch: its compiled "
