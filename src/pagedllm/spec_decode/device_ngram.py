@@ -161,6 +161,20 @@ def step_outputs_torch(ngram: DeviceNgram, rows, starts, counts, final, propose:
     return torch.stack([emitted, last, counts - emitted, before, ngram.num_drafts[rows]])
 
 
+_CONSTS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _consts(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(zeros, ones, arange) of n int64, made once per n and read-only (every step of a batch size stages them)."""
+    got = _CONSTS.get(n)
+    if got is None:
+        got = (np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64), np.arange(n, dtype=np.int64))
+        for a in got:
+            a.flags.writeable = False
+        got = _CONSTS[n] = got
+    return got
+
+
 class DeviceStep:
     """One step's device-side speculation work for the runner (worker/model_runner.py), with DeviceNgram's state.
 
@@ -198,31 +212,37 @@ class DeviceStep:
             counts = [len(d) if d and d[0] == PLACEHOLDER else 0 for d in map(spec.get, inp.req_ids)]
             if any(counts):
                 num_drafts = np.array(counts, dtype=np.int64)
-        src = np.full(num_reqs, -1, dtype=np.int64)  # index into the previous launch's per-request arrays
-        src[inp.in_flight_rows] = fill_src
-        in_flight = src >= 0
-        items = np.flatnonzero(in_flight if num_drafts is None else in_flight | (num_drafts > 0))
+        in_flight_rows = inp.in_flight_rows  # (ascending: np.nonzero)
+        if num_drafts is None:  # the requests in flight, each computing its one token
+            items, item_src, item_drafts = in_flight_rows, fill_src, _consts(len(in_flight_rows))[0]
+            checked = inp.max_query_len == 1
+        elif len(in_flight_rows) == num_reqs:  # every request in flight (and some verifying)
+            items, item_src, item_drafts, checked = _consts(num_reqs)[2], fill_src, num_drafts, False
+        else:
+            src = np.full(num_reqs, -1, dtype=np.int64)  # index into the previous launch's per-request arrays
+            src[in_flight_rows] = fill_src
+            items = np.flatnonzero((src >= 0) | (num_drafts > 0))
+            item_src, item_drafts, checked = src[items], num_drafts[items], False
         if len(items):
-            item_drafts = np.zeros(len(items), dtype=np.int64) if num_drafts is None else num_drafts[items]
             qsl = inp.query_start_loc
-            if int((qsl[items + 1] - qsl[items] - item_drafts).max()) != 1:
+            if not checked and int((qsl[items + 1] - qsl[items] - item_drafts).max()) != 1:
                 raise RuntimeError("A request in flight or verifying drafts must compute one token and its drafts "
                                    "only; this is a bug.")
-            add("items", [items, src[items], item_drafts, inp.rows[items]])
-        self.rejects = runner._prev_rej is not None and len(inp.in_flight_rows) > 0
+            add("items", [items, item_src, item_drafts, inp.rows if len(items) == num_reqs else inp.rows[items]])
+        self.rejects = runner._prev_rej is not None and len(in_flight_rows) > 0
         sample_rows = inp.sample_rows
         self.verify = verify_rows is not None
         if len(sample_rows):
+            sample_batch_rows = inp.rows if len(sample_rows) == num_reqs else inp.rows[sample_rows]
             if verify_rows is not None:
                 starts, counts = verify_rows.starts, verify_rows.counts
                 # The draft each verify row checks is the next token's input (none on a request's bonus row).
-                last = np.zeros(len(verify_rows.token_rows), dtype=bool)
-                last[starts + counts - 1] = True
-                draft_src = np.where(last, -1, verify_rows.token_rows + 1)
-                add("post", [inp.rows[sample_rows], starts, counts, draft_src, verify_rows.token_rows])
+                draft_src = verify_rows.token_rows + 1
+                draft_src[starts + counts - 1] = -1
+                add("post", [sample_batch_rows, starts, counts, draft_src, verify_rows.token_rows])
             else:
-                n = len(sample_rows)
-                add("post", [inp.rows[sample_rows], np.arange(n), np.ones(n, dtype=np.int64)])
+                zeros, ones, arange = _consts(len(sample_rows))
+                add("post", [sample_batch_rows, arange, ones])
         # An upper bound of the sampling rows' lengths after this step (the host's positions are upper bounds).
         self.width = int(inp.seq_lens.max()) + 1
         self.arrays = arrays
