@@ -43,6 +43,11 @@
 #                                        # greedy decode at batch 1 and 4 with them and without (greedy_tail.py)
 #   bash benchmarks/gpu_spec.sh tails-ngram  # SmolLM2 n-gram k=8 on the edit and code tasks with the tails and
 #                                        # without (PAGEDLLM_GRAPH_GREEDY=0): both engines' tokens/s and steps by kind
+#   bash benchmarks/gpu_spec.sh round5   # after the packed spec results, the leaner DeviceStep and the direct
+#                                        # launches' fast runner: their GPU tests (triton_launch, spec, greedy tails,
+#                                        # LoRA), launch_costs.py (three launch modes), greedy_tail.py at batch 1 / 4
+#   bash benchmarks/gpu_spec.sh round5-ngram  # SmolLM2 n-gram k=8 on the edit and code tasks (5 iterations, steps
+#                                        # by kind), then the host's functions per step of each engine (--run-profile)
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -51,7 +56,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -204,6 +209,20 @@ tails-ngram)
                 --json "$out/ngram8-$tasks-tails$g.json"
         done
     done
+    ;;
+round5)
+    step round5-tests 300 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_triton_launch_gpu.py \
+        tests/gpu/test_greedy_tail_gpu.py tests/gpu/test_spec_decode_gpu.py tests/gpu/test_lora_gpu.py
+    step launch-modes 120 python benchmarks/launch_costs.py --rounds 5
+    step tails-decode 150 python benchmarks/greedy_tail.py --batch 1 4 --rounds 9 --json "$out/tails-decode.json"
+    ;;
+round5-ngram)
+    for tasks in edit code; do
+        step "ngram8-$tasks" 90 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 5 \
+            --k 8 --tasks "$tasks" --step-times --json "$out/ngram8-$tasks.json"
+    done
+    step ngram8-profile 120 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 1 \
+        --k 8 --run-profile
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \
