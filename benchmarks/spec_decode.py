@@ -16,6 +16,12 @@
     # 5. engine steps by kind for the four tasks at batch 1 (exact; in fp32 on the CPU too): without n-gram,
     #    overlapped, waiting, and with k placeholders on every step
     python benchmarks/spec_decode.py steps --model SmolLM2-135M-Instruct.Q4_1.gguf --dtype float32 --async
+    # 6. draft-model speculation at batch 1: a draft's shape beside the target's with random weights (step costs:
+    #    the speed-up each acceptance rate would give), and the mechanics with SmolLM2 drafting for itself
+    python benchmarks/spec_decode.py draft --model benchmarks/configs/llama3-8b \
+        --draft-model benchmarks/configs/llama3.2-1b --load-format dummy --dtype bfloat16
+    python benchmarks/spec_decode.py draft --model SmolLM2-135M-Instruct.Q4_1.gguf \
+        --draft-model SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
 
 Each prints one line per measurement and a final ratio; --json FILE writes them too.
 """
@@ -176,7 +182,7 @@ def compare_throughput(args, prompts_of, params, label: str, engines=None, one_b
         ratios.append(r)
         rows.append(dict(iter=it, plain_tok_s=n_plain / t_plain, spec_tok_s=n_spec / t_spec, ratio=r,
                          acceptance=rate, drafted=drafted))
-        print(f"[{label}] iter {it}: without {n_plain / t_plain:9.1f} tok/s ({n_plain} tokens)   with n-gram "
+        print(f"[{label}] iter {it}: without {n_plain / t_plain:9.1f} tok/s ({n_plain} tokens)   with spec "
               f"{n_spec / t_spec:9.1f} tok/s ({n_spec})   ratio {r:.3f}   acceptance {100 * rate:.1f}% of {drafted}")
     med = statistics.median(ratios)
     print(f"[{label}] median ratio with/without: {med:.3f}")
@@ -279,6 +285,50 @@ def run_ngram(args) -> dict:
                                   one_by_one=True)
     return compare_throughput(args, lambda llm: chat_prompts(llm, args.batch_size, args.tasks), params,
                               f"ngram batch {args.batch_size}")
+
+
+def draft_config(args) -> dict:
+    c = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
+    if args.load_format == "dummy":
+        c["draft_load_format"] = "dummy"
+    if args.disable_by_batch_size is not None:
+        c["disable_by_batch_size"] = None if args.disable_by_batch_size <= 0 else args.disable_by_batch_size
+    return c
+
+
+def run_draft(args) -> dict:
+    """Draft-model speculation at batch 1, the engines alternating request by request: tokens/s with vs without,
+    the acceptance, both engines' steps by kind, and from those step costs the speed-up a given acceptance rate
+    would give ((1 - a^(k+1)) / (1 - a) tokens per verify step, against the plain step): with random weights
+    (--load-format dummy: the target's shape beside a draft's) acceptance means nothing and the projection is the
+    row; with real weights (SmolLM2 drafting for itself) the measured ratio is."""
+    from pagedllm import SamplingParams
+
+    dummy = args.load_format == "dummy"
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=dummy)
+    plain, spec = make_llm(args, None), make_llm(args, draft_config(args))
+
+    def prompts_of(llm):
+        if dummy:
+            return random_prompts(llm, 4, args.input_len)
+        return chat_prompts(llm, len(TASK_SETS[args.tasks]), args.tasks)
+
+    label = f"draft batch 1, {'random prompts' if dummy else args.tasks + ' tasks'}"
+    out = compare_throughput(args, prompts_of, params, label, engines=(plain, spec), one_by_one=True)
+    prompts = prompts_of(plain)
+    costs = {name: step_times(llm, prompts, params, True, f"{label}, {name}", args.k)
+             for name, llm in (("without", plain), ("with", spec))}
+    plain_ms = costs["without"]["steps"].get("plain", {}).get("mean_ms")
+    verify_ms = costs["with"]["steps"].get("verify", {}).get("mean_ms")
+    out["step_times"] = costs
+    if plain_ms and verify_ms:
+        k = args.k
+        proj = {a: (1 - a ** (k + 1)) / (1 - a) * plain_ms / verify_ms for a in (0.5, 0.6, 0.7, 0.8, 0.9)}
+        print(f"[{label}] plain step {plain_ms:.3f} ms, verify step with the draft's proposal {verify_ms:.3f} ms "
+              f"({verify_ms / plain_ms:.2f}x); projected speed-up at acceptance " +
+              ", ".join(f"{int(100 * a)}% {r:.2f}x" for a, r in proj.items()))
+        out["projected"] = proj
+    return out
 
 
 def run_steps(args) -> dict:
@@ -603,8 +653,9 @@ def print_kernel_diff(plain: dict, verify: dict, top: int = 15) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["ngram", "verify", "batch", "sweep", "steps"])
+    p.add_argument("mode", choices=["ngram", "verify", "batch", "sweep", "steps", "draft"])
     p.add_argument("--model", default=None)
+    p.add_argument("--draft-model", default=None, help="draft: the draft model (its own config or checkpoint)")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -654,17 +705,24 @@ def main(argv=None) -> None:
             for is_gated, options in ((False, plain), (True, gated)):
                 gemv_mma.ROW_TILE_CONFIG[(is_gated, mt)] = {**gemv_mma.base_config(is_gated, mt), **options}
     chat_modes = {"ngram", "steps"} | (set() if sweep_random_prompts(args) else {"sweep"})
+    if args.load_format != "dummy":
+        chat_modes.add("draft")
     for flag, used, modes in (("--step-times", args.step_times, {"ngram", "batch", "sweep"}),
                               ("--run-profile", args.run_profile, {"ngram", "batch", "sweep"}),
                               ("--tasks", args.tasks != "edit", chat_modes)):
         if used and args.mode not in modes:
             p.error(f"{flag} applies to the {' / '.join(sorted(modes))} modes, not {args.mode}")
-    defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192), "steps": (1, 256)}
+    if (args.mode == "draft") != bool(args.draft_model):
+        p.error("--draft-model is the draft mode's (and that mode needs it)")
+    if args.mode == "draft" and args.batch_size not in (None, 1):
+        p.error("draft measures batch 1 (requests one at a time)")
+    defaults = {"ngram": (1, 256), "verify": (1, 0), "batch": (64, 256), "sweep": (1, 192), "steps": (1, 256),
+                "draft": (1, 128)}
     b, out_len = defaults[args.mode]
     args.batch_size = args.batch_size or b
     args.output_len = args.output_len or out_len
     result = {"ngram": run_ngram, "verify": run_verify, "batch": run_batch, "sweep": run_sweep,
-              "steps": run_steps}[args.mode](args)
+              "steps": run_steps, "draft": run_draft}[args.mode](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), result=result), f, indent=1)
