@@ -82,6 +82,7 @@ def main() -> None:
     pieces = [("Triton argmax_rows, 1 x vocab", lambda: argmax_rows(logits)),
               ("greedy_token_ids (LM head + argmax), 1 row", lambda: runner.model.greedy_token_ids(hidden)),
               (f"greedy_token_ids, {args.k + 1} rows", lambda: runner.model.greedy_token_ids(verify_hidden)),
+              ("spec_step_outputs, 1 plain row (the device n-gram after a step)", spec_outputs_call(runner)),
               ("torch copy_ (1024 int64)", lambda: dst.copy_(src)),
               ("torch.empty pinned (1 int64)", lambda: torch.empty(1, dtype=torch.int64, pin_memory=True))]
     from pagedllm.kernels import triton_launch
@@ -108,6 +109,24 @@ def main() -> None:
               + f"; wall {statistics.median(walls['direct-fast']):.1f} us (direct-fast)", flush=True)
         if args.profile:
             profile_calls(fn, label, args.profile)
+
+
+def spec_outputs_call(runner):
+    """A batch-1 plain step's call of the device n-gram's after-step kernel, on the engine's own n-gram state
+    (row 0's history grows by one token per call: the state is scratch here)."""
+    import torch
+
+    from pagedllm.kernels.spec_decode import spec_step_outputs
+
+    ngram = runner.spec.device_ngram
+    z = torch.zeros(1, dtype=torch.int64, device=runner.device)
+    one = torch.ones(1, dtype=torch.int64, device=runner.device)
+
+    def call():
+        ngram.lens.zero_()  # (an empty history each call: the lookup's cost does not grow over the rounds)
+        spec_step_outputs(z, z, one, z, ngram.hist, ngram.lens, ngram.drafts, ngram.num_drafts, ngram.min_n,
+                          ngram.max_n, True)
+    return call
 
 
 def profile_calls(fn, label: str, calls: int, top: int = 14) -> None:
