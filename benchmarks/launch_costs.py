@@ -113,7 +113,7 @@ def main() -> None:
 
 def spec_outputs_call(runner):
     """A batch-1 plain step's call of the device n-gram's after-step kernel, on the engine's own n-gram state
-    (row 0's history grows by one token per call: the state is scratch here)."""
+    (row 0's history grows by one token per call, within max_model_len over this script's calls: scratch here)."""
     import torch
 
     from pagedllm.kernels.spec_decode import spec_step_outputs
@@ -123,7 +123,6 @@ def spec_outputs_call(runner):
     one = torch.ones(1, dtype=torch.int64, device=runner.device)
 
     def call():
-        ngram.lens.zero_()  # (an empty history each call: the lookup's cost does not grow over the rounds)
         spec_step_outputs(z, z, one, z, ngram.hist, ngram.lens, ngram.drafts, ngram.num_drafts, ngram.min_n,
                           ngram.max_n, True)
     return call
