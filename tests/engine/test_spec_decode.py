@@ -183,6 +183,11 @@ def test_smollm2_ngram_and_self_draft(smollm2_gguf_path):
     assert draft.generate([text], params, use_tqdm=False)[0].outputs[0].token_ids == plain
     stats = draft.engine.scheduler.spec_stats
     assert stats.num_draft_tokens >= 8 and stats.acceptance_rate > 0.9
+    # the draft .gguf on the CPU keeps its quantized blocks (the weights of every layer), as the target does
+    def packed(model):
+        return sum(m.__dict__.get("gguf_numel", 0) for m in model.modules())
+    assert packed(draft.engine.worker.runner.spec.proposer.model) == packed(draft.engine.worker.model) > 10 ** 8
+
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_stop_strings_and_stop_tokens_mid_draft(tiny_model_dir, async_scheduling):

@@ -42,12 +42,16 @@ class DraftModelProposer:
         except (OSError, ValueError) as e:
             raise ValueError(f"speculative_config model {config.model!r} cannot be loaded: {e}") from e
         check_vocab(worker, cfg, self.model_dir)
-        from pagedllm.quantization import resolve_quant_config
+        from types import SimpleNamespace
 
-        # A quantized draft checkpoint (GPTQ, AWQ, ...) is recognised from its own config, like --model's.
-        quant = resolve_quant_config(config.quantization, cfg, self.model_dir)
-        if quant is not None:
-            quant.check_supported(self.device, self.dtype)
+        from pagedllm.quantization.gguf import engine_quant_config
+
+        # The target's rule (worker.py): a quantized checkpoint (GPTQ, AWQ, ...) is recognised from its own config,
+        # and a .gguf draft on the CPU keeps its quantized blocks (so its decode steps take the fused CPU stack),
+        # where dequantizing it would make each draft step read float32 weights.
+        draft_args = SimpleNamespace(quantization=config.quantization, load_format=config.draft_load_format,
+                                     enable_lora=False, tensor_parallel_size=1)
+        quant = engine_quant_config(draft_args, cfg, path, self.model_dir, self.device, self.dtype)
         self.model = get_model(cfg, self.model_dir, dtype=self.dtype, device=self.device,
                                load_format=config.draft_load_format, quant_config=quant,
                                max_model_len=self.max_model_len)
