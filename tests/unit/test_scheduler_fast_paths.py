@@ -1,6 +1,7 @@
 """The scheduler's inline per-row fast paths (Scheduler.fast_paths) against its general path: the same plans and the
 same outputs, step by step, on random workloads with stops, EOS, min_tokens, length limits, logprobs, preemption,
-aborts, prefix caching, with and without async scheduling and chunked prefill."""
+aborts, prefix caching, with and without async scheduling and chunked prefill, and with steps that propose drafts
+for the next one (the requests' spec_token_ids after each step the same too)."""
 import random
 
 import pytest
@@ -17,9 +18,10 @@ class Runner:
     """Per-request state from the plans' diffs only, as the model runner keeps it; samples a token that is a
     function of (request, position), EOS or a stop id now and then."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, propose: bool = False):
         self.seed = seed
         self.state = {}
+        self.propose = propose  # every step also proposes drafts per request (0-2 tokens), as a speculating runner
 
     def token(self, rid, position):
         r = random.Random(f"{self.seed}-{rid}-{position}").random()
@@ -46,6 +48,8 @@ class Runner:
             if sampled and rid.endswith("lp"):
                 logprobs = [TokenLogprobs(sampled, [-0.5], [1])]
             out.logprobs.append(logprobs)
+        if self.propose:
+            out.spec_token_ids = [[100 + len(rid) + j for j in range(len(rid) % 3)] for rid in out.req_ids]
         return out
 
 
@@ -76,13 +80,13 @@ def make_requests(rng, count, shared):
     return reqs
 
 
-def run(fast: bool, seed: int, async_scheduling: bool, caching: bool, chunked: bool):
+def run(fast: bool, seed: int, async_scheduling: bool, caching: bool, chunked: bool, propose: bool = False):
     rng = random.Random(seed)
     sched = Scheduler(max_num_seqs=6, max_num_batched_tokens=24 if chunked else 64, max_model_len=40, block_size=4,
                       num_blocks=22, enable_prefix_caching=caching, async_scheduling=async_scheduling,
                       enable_chunked_prefill=chunked)
     sched.fast_paths = fast
-    runner = Runner(seed)
+    runner = Runner(seed, propose)
     pending = make_requests(rng, 40, [rng.randrange(100, 500) for _ in range(10)])
     trace = []
     in_flight = None
@@ -107,6 +111,8 @@ def run(fast: bool, seed: int, async_scheduling: bool, caching: bool, chunked: b
                 trace.append(sched.update_from_output(plan, ModelOutput()))
         else:
             trace.append(sched.update_from_output(plan, output))
+        if propose:
+            trace.append(sorted((rid, list(r.spec_token_ids)) for rid, r in sched.requests.items()))
     assert not pending and not sched.has_unfinished_requests()
     return trace, sched
 
@@ -124,6 +130,18 @@ def test_fast_paths_give_the_general_paths_plans_and_outputs(seed, async_schedul
     assert fast_sched.stats() == general_sched.stats()
     assert fast_sched.num_preemptions > 0  # the pool is small enough that preemption is exercised
     assert fast_sched.num_needs_sync == fast_sched.num_needs_sync_sampling == 0  # every request was counted out
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fast_paths_apply_proposed_drafts_as_the_general_path(seed, async_scheduling):
+    fast, _ = run(True, seed, async_scheduling, True, True, propose=True)
+    general, _ = run(False, seed, async_scheduling, True, True, propose=True)
+    assert len(fast) == len(general)
+    for i, (a, b) in enumerate(zip(fast, general)):
+        assert a == b, f"step record {i} differs"
+    assert any(drafts for record in fast if isinstance(record, list) and record and isinstance(record[0], tuple)
+               for _, drafts in record)
 
 
 def test_needs_sync_counts_follow_added_and_finished_requests():

@@ -507,24 +507,25 @@ class Scheduler:
             return outputs
         logprobs = output.logprobs
         finished: list[Request] = []
+        spec_ids = output.spec_token_ids
         if (not self.fast_paths or output.prompt_logprobs or plan.scheduled_spec_decode_tokens
-                or output.spec_token_ids is not None or (logprobs and logprobs.count(None) != len(logprobs))):
+                or (logprobs and logprobs.count(None) != len(logprobs))):
             for index, (request_id, sampled, token_logprobs) in enumerate(
                     zip(req_ids, output.sampled_token_ids, logprobs or [None] * len(req_ids))):
                 self._update_request(request_id, index, sampled, token_logprobs, plan, output, outputs, finished)
         else:
-            # The usual step (no logprobs, prompt logprobs or drafts): a request that sampled one token and has no
-            # grammar is applied inline, the same as _update_request does; any other goes through it. A token
-            # that may end the request (a stop id, or its length limit) takes _check_stop's full rules.
+            # The usual step (no logprobs, prompt logprobs or drafts verified; next drafts proposed or not): a
+            # request that sampled one token and has no grammar is applied inline, the same as _update_request
+            # does; any other goes through it. A token that may end the request (a stop id, or its length limit)
+            # takes _check_stop's full rules.
             requests = self.requests
             running_status = RequestStatus.RUNNING
-            for request_id, sampled in zip(req_ids, output.sampled_token_ids):
+            for index, (request_id, sampled) in enumerate(zip(req_ids, output.sampled_token_ids)):
                 request = requests.get(request_id)
                 if request is None or not sampled:  # finished or aborted meanwhile / mid-prefill
                     continue
                 if len(sampled) != 1 or request.structured_output is not None:
-                    # (the index only matters for drafts, which this step has none of)
-                    self._update_request(request_id, -1, sampled, None, plan, output, outputs, finished)
+                    self._update_request(request_id, index, sampled, None, plan, output, outputs, finished)
                     continue
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= 1
@@ -543,6 +544,8 @@ class Scheduler:
                         finish_reason = _FINISH_REASONS[status]
                         self._finish(request, status)
                         finished.append(request)
+                if spec_ids is not None and finish_reason is None:  # the drafts proposed for its next step
+                    request.spec_token_ids = spec_ids[index]
                 if request.first_token_time is None:
                     request.first_token_time = time.monotonic()
                 outputs.append(EngineCoreOutput(request_id, sampled, finish_reason=finish_reason,
