@@ -214,8 +214,8 @@ tails-ngram)
     done
     ;;
 round5)
-    step round5-tests 300 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_triton_launch_gpu.py \
-        tests/gpu/test_greedy_tail_gpu.py tests/gpu/test_spec_decode_gpu.py tests/gpu/test_lora_gpu.py
+    step round5-tests 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_greedy_tail_gpu.py \
+        tests/gpu/test_spec_decode_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_triton_launch_gpu.py
     step launch-modes 120 python benchmarks/launch_costs.py --rounds 5
     step tails-decode 150 python benchmarks/greedy_tail.py --batch 1 4 --rounds 9 --json "$out/tails-decode.json"
     ;;

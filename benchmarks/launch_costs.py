@@ -87,6 +87,11 @@ def main() -> None:
               ("torch.empty pinned (1 int64)", lambda: torch.empty(1, dtype=torch.int64, pin_memory=True))]
     from pagedllm.kernels import triton_launch
 
+    import triton
+
+    print(f"[launch] Triton {triton.__version__}: its compiled-kernel runner "
+          f"{'has' if triton_launch._runner_shape_known() else 'does NOT have'} the shape the fast runner knows",
+          flush=True)
     # The eager Triton launches three ways, alternating in rounds (medians): Triton's own launch, the direct launch
     # through the compiled kernel's runner, and the direct launch calling its `run` (kernels/triton_launch.py).
     modes = {"triton": (False, True), "direct-runner": (True, False), "direct-fast": (True, True)}

@@ -23,10 +23,8 @@ def direct_on():
 
 
 def _went_direct(kernel) -> None:
-    """This Triton's compiled launcher took the arguments (not turned off by a refusal) and a kernel was kept, with
-    the fast runner (this Triton's runner has the known shape and no launch hook is set)."""
+    """This Triton's compiled launcher took the arguments (not turned off by a refusal) and a kernel was kept."""
     assert kernel.usable and kernel.verified and kernel.compiled
-    assert all(fast is not None for _, fast in kernel.compiled.values())
 
 
 def _both(fn):
@@ -105,3 +103,15 @@ def test_spec_kernels_direct_equal_triton(direct_on):
         got = run()
         assert torch.equal(want, got)
     _went_direct(_spec_outputs)
+
+
+def test_kept_kernels_have_the_fast_runner_on_this_triton(direct_on):
+    """This Triton's compiled-kernel runner has the shape kernels/triton_launch.fast_runner knows, so every kept
+    kernel launches through `run` directly (no launch hook is set in the tests)."""
+    from pagedllm.kernels.argmax import _argmax_partial, argmax_rows
+
+    x = torch.randn(1, 4096, device="cuda")
+    argmax_rows(x)
+    argmax_rows(x)
+    assert triton_launch._runner_shape_known(), "this Triton's CompiledKernel runner calls `run` otherwise"
+    assert all(fast is not None for _, fast in _argmax_partial.compiled.values())
