@@ -85,9 +85,9 @@ def main() -> None:
               ("spec_step_outputs, 1 plain row (the device n-gram after a step)", spec_outputs_call(runner)),
               ("torch copy_ (1024 int64)", lambda: dst.copy_(src)),
               ("torch.empty pinned (1 int64)", lambda: torch.empty(1, dtype=torch.int64, pin_memory=True))]
-    from pagedllm.kernels import triton_launch
-
     import triton
+
+    from pagedllm.kernels import triton_launch
 
     print(f"[launch] Triton {triton.__version__}: its compiled-kernel runner "
           f"{'has' if triton_launch._runner_shape_known() else 'does NOT have'} the shape the fast runner knows",
