@@ -171,7 +171,7 @@ def _consts(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         got = (np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64), np.arange(n, dtype=np.int64))
         for a in got:
             a.flags.writeable = False
-        got = _CONSTS[n] = got
+        _CONSTS[n] = got
     return got
 
 
@@ -241,7 +241,7 @@ class DeviceStep:
                 draft_src[starts + counts - 1] = -1
                 add("post", [sample_batch_rows, starts, counts, draft_src, verify_rows.token_rows])
             else:
-                zeros, ones, arange = _consts(len(sample_rows))
+                _, ones, arange = _consts(len(sample_rows))
                 add("post", [sample_batch_rows, arange, ones])
         # An upper bound of the sampling rows' lengths after this step (the host's positions are upper bounds).
         self.width = int(inp.seq_lens.max()) + 1
