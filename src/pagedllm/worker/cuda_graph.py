@@ -4,7 +4,8 @@ A pure-decode batch of n requests is padded to the smallest bucket >= n. Padding
 token 0 at position 0, writing its K/V into the reserved scratch block (the last block of the pool, which
 the scheduler never hands out) and attending over that one slot. Static input buffers are refreshed by
 device copies before each replay; nothing in the captured forward may sync with the host. Graphs of few rows
-have a greedy tail (worker/greedy_tail.py): the LM head + argmax of all-greedy steps, replayed after them.
+have a greedy tail (worker/greedy_tail.py): the LM head + argmax of all-greedy steps, replayed after them; and, at
+first use, sampled tails (the LM head + the device sampler of steps with temperature / top-p / min-p).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
-from pagedllm.worker.greedy_tail import GreedyTails
+from pagedllm.worker.greedy_tail import GreedyTails, SampleTails
 
 logger = logging.getLogger("pagedllm")
 
@@ -61,6 +62,7 @@ class CudaGraphRunner:
         self.lora_variants = (False, True) if self.lora_state is not None else (False,)
         self.pool = None
         self.tails = GreedyTails(runner)
+        self.sample_tails = SampleTails(runner, self.tails.max_rows)
         self.last_key: Optional[tuple] = None  # the graph the last run() replayed
 
     def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
@@ -148,3 +150,10 @@ class CudaGraphRunner:
     def greedy(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Argmax token ids of the last replay's output rows `hidden` from its greedy tail (None: no tail)."""
         return self.tails.replay(self.last_key, hidden)
+
+    def sample(self, hidden: torch.Tensor, meta, floats: Optional[torch.Tensor], names) -> Optional[torch.Tensor]:
+        """Sampled token ids of the last replay's output rows `hidden` from its sampled tail (None: none applies)."""
+        if floats is None or self.last_key is None:
+            return None
+        return self.sample_tails.replay(self.last_key, hidden, self.outputs[self.last_key], meta, floats, names,
+                                        self.pool)
