@@ -61,6 +61,10 @@ class CudaGraphRunner:
         self.lora_state = runner.lora.state if getattr(runner, "lora", None) is not None else None
         self.lora_variants = (False, True) if self.lora_state is not None else (False,)
         self.pool = None
+        # Rows >= this hold padding values (every buffer's padding row: token 0, position 0, the scratch slot and
+        # block, length 1, its own index in the order); rows below it may hold a step's data. A run resets only
+        # the rows between its batch and this, so a batch size padded the same way step after step fills nothing.
+        self.clean_from = 0
         self.tails = GreedyTails(runner)
         self.sample_tails = SampleTails(runner, self.tails.max_rows)
         self.last_key: Optional[tuple] = None  # the graph the last run() replayed
@@ -132,15 +136,18 @@ class CudaGraphRunner:
         if self.with_order:  # (batch order when the caller gave none)
             self.decode_order[:n].copy_(self.rows[:n] if md.decode_order is None else md.decode_order,
                                         non_blocking=True)
-        if size > n:  # reset padding rows that a larger batch may have dirtied
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(self.scratch_block * self.runner.block_size)
-            self.seq_lens[n:size].fill_(1)
-            self.block_tables[:, n:size, 0].fill_(self.scratch_block)
-            self.group_slot_mappings[:, n:size].fill_(self.scratch_block * self.runner.block_size)
+        end = min(size, self.clean_from)
+        if end > n:  # reset the padding rows that a larger batch dirtied
+            self.input_ids[n:end].zero_()
+            self.positions[n:end].zero_()
+            self.slot_mapping[n:end].fill_(self.scratch_block * self.runner.block_size)
+            self.seq_lens[n:end].fill_(1)
+            self.block_tables[:, n:end, 0].fill_(self.scratch_block)
+            self.group_slot_mappings[:, n:end].fill_(self.scratch_block * self.runner.block_size)
             if self.with_order:
-                self.decode_order[n:size].copy_(self.rows[n:size])
+                self.decode_order[n:end].copy_(self.rows[n:end])
+        # rows [n, size) are padding now; rows past size keep what they held
+        self.clean_from = n if self.clean_from <= size else max(self.clean_from, n)
         bucket = next(b for b in self.seq_len_buckets[size] if b >= md.max_seq_len)
         key = (size, bucket, self.lora_state is not None and self.lora_state.active)
         self.graphs[key].replay()
