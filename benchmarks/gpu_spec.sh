@@ -51,6 +51,10 @@
 #   bash benchmarks/gpu_spec.sh draft    # draft-model speculation at batch 1: the 8B shape with a Llama-3.2-1B-shaped
 #                                        # draft (random weights: step costs, projected speed-up per acceptance), then
 #                                        # SmolLM2 drafting for itself (the mechanics; needs the GGUF carried)
+#   bash benchmarks/gpu_spec.sh sample-tails  # branch wp-gpu-next (sampled tails, decode-graph padding reset only
+#                                        # where dirtied): their GPU tests with the greedy-tail, engine, sampler and
+#                                        # structured-output ones, then sampled decode at batch 1
+#                                        # and 4 with them and without (greedy_tail.py --temperature)
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -59,7 +63,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -235,6 +239,15 @@ draft)
         step draft-smollm2 150 python benchmarks/spec_decode.py draft --model "$gguf" --draft-model "$gguf" \
             --dtype bfloat16 --iters 3 --json "$out/draft-smollm2.json"
     fi
+    ;;
+sample-tails)
+    step sample-tail-tests 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_sample_tail_gpu.py \
+        tests/gpu/test_greedy_tail_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_device_sampling_gpu.py \
+        tests/gpu/test_structured_outputs_gpu.py
+    step sample-tails-t08 120 python benchmarks/greedy_tail.py --batch 1 4 --rounds 9 --temperature 0.8 \
+        --json "$out/sample-tails-t08.json"
+    step sample-tails-p09 120 python benchmarks/greedy_tail.py --batch 1 4 --rounds 9 --temperature 0.7 --top-p 0.9 \
+        --json "$out/sample-tails-p09.json"
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \

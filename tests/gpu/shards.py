@@ -40,6 +40,7 @@ EXPECTED_S = {
     "tests/gpu/test_few_query_attention.py": 40,
     "tests/gpu/test_triton_launch_gpu.py": 30,  # not measured yet: a few kernels and their compiles
     "tests/gpu/test_greedy_tail_gpu.py": 40,  # not measured yet: six engines on the tiny Llama
+    "tests/gpu/test_sample_tail_gpu.py": 60,  # not measured yet: four engines, 2 x 2 x 800 sampled requests
     "tests/gpu/test_cpu_offload_gpu.py": 29,
     "tests/gpu/test_dequant_gemm.py": 94,
     "tests/gpu/test_device_sampling_gpu.py": 30,  # 2026-12-03: 8-17 s of tests after ~40 s of start-up and compiles
@@ -84,6 +85,7 @@ CONCURRENCY = {
     "tests/gpu/test_few_query_attention.py": PARALLEL,  # kernels
     "tests/gpu/test_triton_launch_gpu.py": PARALLEL,  # kernels
     "tests/gpu/test_greedy_tail_gpu.py": PARALLEL,  # override engines
+    "tests/gpu/test_sample_tail_gpu.py": PARALLEL,  # override engines
     "tests/gpu/test_cpu_offload_gpu.py": PARALLEL,  # override engines; compares memory_allocated (this process's)
     "tests/gpu/test_dequant_gemm.py": PARALLEL,  # kernels, weights up to 14336 x 4096
     "tests/gpu/test_device_sampling_gpu.py": PARALLEL,  # the sampler kernel, logits up to 512 x 151936

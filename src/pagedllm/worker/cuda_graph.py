@@ -4,7 +4,8 @@ A pure-decode batch of n requests is padded to the smallest bucket >= n. Padding
 token 0 at position 0, writing its K/V into the reserved scratch block (the last block of the pool, which
 the scheduler never hands out) and attending over that one slot. Static input buffers are refreshed by
 device copies before each replay; nothing in the captured forward may sync with the host. Graphs of few rows
-have a greedy tail (worker/greedy_tail.py): the LM head + argmax of all-greedy steps, replayed after them.
+have a greedy tail (worker/greedy_tail.py): the LM head + argmax of all-greedy steps, replayed after them; and, at
+first use, sampled tails (the LM head + the device sampler of steps with temperature / top-p / min-p).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
-from pagedllm.worker.greedy_tail import GreedyTails
+from pagedllm.worker.greedy_tail import GreedyTails, SampleTails
 
 logger = logging.getLogger("pagedllm")
 
@@ -60,7 +61,12 @@ class CudaGraphRunner:
         self.lora_state = runner.lora.state if getattr(runner, "lora", None) is not None else None
         self.lora_variants = (False, True) if self.lora_state is not None else (False,)
         self.pool = None
+        # Rows >= this hold padding values (every buffer's padding row: token 0, position 0, the scratch slot and
+        # block, length 1, its own index in the order); rows below it may hold a step's data. A run resets only
+        # the rows between its batch and this, so a batch size padded the same way step after step fills nothing.
+        self.clean_from = 0
         self.tails = GreedyTails(runner)
+        self.sample_tails = SampleTails(runner, self.tails.max_rows)
         self.last_key: Optional[tuple] = None  # the graph the last run() replayed
 
     def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
@@ -130,15 +136,18 @@ class CudaGraphRunner:
         if self.with_order:  # (batch order when the caller gave none)
             self.decode_order[:n].copy_(self.rows[:n] if md.decode_order is None else md.decode_order,
                                         non_blocking=True)
-        if size > n:  # reset padding rows that a larger batch may have dirtied
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(self.scratch_block * self.runner.block_size)
-            self.seq_lens[n:size].fill_(1)
-            self.block_tables[:, n:size, 0].fill_(self.scratch_block)
-            self.group_slot_mappings[:, n:size].fill_(self.scratch_block * self.runner.block_size)
+        end = min(size, self.clean_from)
+        if end > n:  # reset the padding rows that a larger batch dirtied
+            self.input_ids[n:end].zero_()
+            self.positions[n:end].zero_()
+            self.slot_mapping[n:end].fill_(self.scratch_block * self.runner.block_size)
+            self.seq_lens[n:end].fill_(1)
+            self.block_tables[:, n:end, 0].fill_(self.scratch_block)
+            self.group_slot_mappings[:, n:end].fill_(self.scratch_block * self.runner.block_size)
             if self.with_order:
-                self.decode_order[n:size].copy_(self.rows[n:size])
+                self.decode_order[n:end].copy_(self.rows[n:end])
+        # rows [n, size) are padding now; rows past size keep what they held
+        self.clean_from = n if self.clean_from <= size else max(self.clean_from, n)
         bucket = next(b for b in self.seq_len_buckets[size] if b >= md.max_seq_len)
         key = (size, bucket, self.lora_state is not None and self.lora_state.active)
         self.graphs[key].replay()
@@ -148,3 +157,10 @@ class CudaGraphRunner:
     def greedy(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Argmax token ids of the last replay's output rows `hidden` from its greedy tail (None: no tail)."""
         return self.tails.replay(self.last_key, hidden)
+
+    def sample(self, hidden: torch.Tensor, meta, floats: Optional[torch.Tensor], names) -> Optional[torch.Tensor]:
+        """Sampled token ids of the last replay's output rows `hidden` from its sampled tail (None: none applies)."""
+        if floats is None or self.last_key is None:
+            return None
+        return self.sample_tails.replay(self.last_key, hidden, self.outputs[self.last_key], meta, floats, names,
+                                        self.pool)

@@ -361,13 +361,15 @@ class ModelRunner:
         else:
             meta = self._sampling_metadata(inp, sample_rows)
         meta.token_bitmask = step_token_bitmask(plan, inp.req_ids, sample_rows, dev)
-        greedy = None
+        ids = None
         if meta.argmax_only:
             # Only the argmax is needed: the LM head finds it without fp32 logits (on CPU from an exact bf16
             # screen; None where no shortcut applies), within the grammar's allowed tokens if there is a mask.
-            greedy = self.greedy_ids(sample_hidden, meta.token_bitmask)
-        if greedy is not None:
-            sampler_out = SamplerOutput(sampled_token_ids=greedy, logprobs=None)
+            ids = self.greedy_ids(sample_hidden, meta.token_bitmask)
+        elif step_sampling is not None and self.cuda_graphs is not None:  # the decode graph's sampled tail
+            ids = self.cuda_graphs.sample(sample_hidden, meta, floats_t, step_sampling.names)
+        if ids is not None:
+            sampler_out = SamplerOutput(sampled_token_ids=ids, logprobs=None)
         else:
             sampler_out = self.sampler(self.model.compute_logits(sample_hidden), meta)
         sampled = sampler_out.sampled_token_ids
