@@ -51,8 +51,8 @@
 #   bash benchmarks/gpu_spec.sh draft    # draft-model speculation at batch 1: the 8B shape with a Llama-3.2-1B-shaped
 #                                        # draft (random weights: step costs, projected speed-up per acceptance), then
 #                                        # SmolLM2 drafting for itself (the mechanics; needs the GGUF carried)
-#   bash benchmarks/gpu_spec.sh sample-tails  # branch wp-gpu-next (sampled tails, decode-graph padding reset only
-#                                        # where dirtied): their GPU tests with the greedy-tail, engine, sampler and
+#   bash benchmarks/gpu_spec.sh sample-tails  # sampled tails (off by default until this has run) and the decode
+#                                        # graphs' padding reset: their GPU tests with the greedy-tail, engine, sampler and
 #                                        # structured-output ones, then sampled decode at batch 1
 #                                        # and 4 with them and without (greedy_tail.py --temperature)
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
