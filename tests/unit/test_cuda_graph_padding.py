@@ -1,7 +1,8 @@
 """The decode-graph runner's static inputs (worker/cuda_graph.py) on the CPU, its graphs replaced by a check: at
 every replay the step's rows hold the step's inputs and every padding row of the bucket holds the padding values
 (token 0, position 0, the scratch slot and block, length 1, its own index in the order), over random sequences of
-batch sizes, while the runner resets only the rows a larger batch dirtied."""
+batch sizes, while the runner resets only the rows a larger batch dirtied, with the token arrays staged in one
+buffer (one strided copy) or apart (a copy each)."""
 from __future__ import annotations
 
 import random
@@ -59,11 +60,19 @@ def test_padding_rows_hold_padding_values_at_every_replay():
         rng.shuffle(order)
         log.append((n, dict(input_ids=ids, positions=pos, slot_mapping=slots, seq_lens=lens, order=order, nb=nb,
                             table=table)))
+        if rng.random() < 0.7:  # staged as the runner stages them: one buffer, each array 64-byte aligned
+            stride = -(-n // 8) * 8
+            packed = torch.full((3 * stride + 5,), -1, dtype=torch.long)
+            ids_t, pos_t, slots_t = (packed[i * stride:i * stride + n] for i in range(3))
+            for t, v in ((ids_t, ids), (pos_t, pos), (slots_t, slots)):
+                t.copy_(torch.tensor(v))
+        else:
+            ids_t, pos_t, slots_t = torch.tensor(ids), torch.tensor(pos), torch.tensor(slots)
         md = AttentionMetadata(num_actual_tokens=n, num_reqs=n, max_query_len=1, max_seq_len=max(lens),
                                query_start_loc=torch.arange(n + 1, dtype=torch.int32),
                                seq_lens=torch.tensor(lens, dtype=torch.int32),
                                block_table=torch.tensor(table, dtype=torch.int32),
-                               slot_mapping=torch.tensor(slots), decode_order=torch.tensor(order, dtype=torch.int32))
+                               slot_mapping=slots_t, decode_order=torch.tensor(order, dtype=torch.int32))
         with_kv_groups(md, [torch.tensor(table, dtype=torch.int32)], [torch.tensor(slots)])
-        out = g.run(torch.tensor(ids), torch.tensor(pos), md)
+        out = g.run(ids_t, pos_t, md)
         assert out.shape[0] == n
