@@ -30,23 +30,35 @@ def _graph_inputs(num_kv_groups=1):
     return GraphInputs(runner, max_tokens=16, max_reqs=4)
 
 
-def _step(num_tokens, query_lens, seed):
+def _step(num_tokens, query_lens, seed, staged=False):
+    """(token ids, positions, metadata) of a step; staged: the three token arrays one after another in one buffer,
+    64-byte aligned, as the runner's host stager lays them out (GraphInputs then copies them at once)."""
     from pagedllm.forward_context import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 1000, (num_tokens,), generator=g)
+    slots = torch.randint(0, 160, (num_tokens,), generator=g)
+    pos = ids + 1
+    if staged:
+        stride = -(-num_tokens // 8) * 8
+        packed = torch.full((3 * stride,), -1, dtype=torch.long)
+        views = [packed[i * stride:i * stride + num_tokens] for i in range(3)]
+        for view, values in zip(views, (ids, pos, slots)):
+            view.copy_(values)
+        ids, pos, slots = views
     qsl = torch.tensor([0] + list(np.cumsum(query_lens)), dtype=torch.int32)
     md = AttentionMetadata(num_actual_tokens=num_tokens, num_reqs=len(query_lens), max_query_len=max(query_lens),
                            max_seq_len=32, query_start_loc=qsl,
                            seq_lens=torch.tensor([q + 7 for q in query_lens], dtype=torch.int32),
                            block_table=torch.randint(0, 40, (len(query_lens), 2), generator=g, dtype=torch.int32),
-                           slot_mapping=torch.randint(0, 160, (num_tokens,), generator=g))
-    return ids, ids + 1, md
+                           slot_mapping=slots)
+    return ids, pos, md
 
 
 def test_padding_rows_point_at_the_scratch_slot_whatever_came_before():
     """Padding (tokens past the step: token 0, position 0, the scratch slot; request rows past it: no query tokens)
-    is right after loads of other layouts, and a load laid out as the one before launches no fill."""
+    is right after loads of other layouts, and a load laid out as the one before launches no fill; the token arrays
+    staged in one buffer come in with one copy."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Fills(TorchDispatchMode):
@@ -56,21 +68,32 @@ def test_padding_rows_point_at_the_scratch_slot_whatever_came_before():
             Fills.count += "fill" in str(func)
             return func(*args, **(kwargs or {}))
 
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.count += "copy_" in str(func)
+            return func(*args, **(kwargs or {}))
+
     inputs = _graph_inputs()
     layouts = [(5, [5]), (3, [2, 1]), (8, [4, 4]), (5, [5]), (5, [5]), (3, [2, 1])]
-    for i, (n, qlens) in enumerate(layouts):
-        ids, pos, md = _step(n, qlens, i)
-        Fills.count = 0
-        with Fills():
-            inputs.load(ids, pos, md, 8, 4)
-        repeated = i > 0 and layouts[i - 1] == (n, qlens)
-        assert (Fills.count == 0) == repeated
-        assert inputs.input_ids[:8].tolist() == ids.tolist() + [0] * (8 - n)
-        assert inputs.positions[:8].tolist() == pos.tolist() + [0] * (8 - n)
-        assert inputs.slot_mapping[:8].tolist() == md.slot_mapping.tolist() + [50 * 4] * (8 - n)
-        assert inputs.query_start_loc[:5].tolist() == md.query_start_loc.tolist() + [n] * (4 - len(qlens))
-        assert inputs.seq_lens[:4].tolist() == md.seq_lens.tolist() + [0] * (4 - len(qlens))
-        assert inputs.input_ids[8:].tolist() == [0] * 8  # beyond the bucket: untouched
+    for staged in (False, True):
+        inputs.forget_padding()
+        for i, (n, qlens) in enumerate(layouts):
+            ids, pos, md = _step(n, qlens, i + 10 * staged, staged)
+            Fills.count = Copies.count = 0
+            with Fills(), Copies():
+                inputs.load(ids, pos, md, 8, 4)
+            repeated = i > 0 and layouts[i - 1] == (n, qlens)
+            assert (Fills.count == 0) == repeated
+            # token ids, positions and slots: one copy staged, three apart (+ query starts, lengths, the table)
+            assert Copies.count == (1 if staged else 3) + 3
+            assert inputs.input_ids[:8].tolist() == ids.tolist() + [0] * (8 - n)
+            assert inputs.positions[:8].tolist() == pos.tolist() + [0] * (8 - n)
+            assert inputs.slot_mapping[:8].tolist() == md.slot_mapping.tolist() + [50 * 4] * (8 - n)
+            assert inputs.query_start_loc[:5].tolist() == md.query_start_loc.tolist() + [n] * (4 - len(qlens))
+            assert inputs.seq_lens[:4].tolist() == md.seq_lens.tolist() + [0] * (4 - len(qlens))
+            assert inputs.input_ids[8:].tolist() == [0] * 8  # beyond the bucket: untouched
 
 
 def test_tile_choice_follows_the_step():

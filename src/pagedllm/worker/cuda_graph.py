@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
 from pagedllm.worker.greedy_tail import GreedyTails, SampleTails
+from pagedllm.worker.static_inputs import copy_rows
 
 logger = logging.getLogger("pagedllm")
 
@@ -38,7 +39,7 @@ class CudaGraphRunner:
         dev = self.device
         n = self.max_size
         # Token ids, positions and slots as the rows of one buffer: the step's three arrays, staged one after the
-        # other at one stride (worker/host_stager.py), come in with a single copy (`_copy_tokens`).
+        # other at one stride (worker/host_stager.py), come in with a single copy (static_inputs.copy_rows).
         self.token_inputs = torch.zeros(3, n, dtype=torch.long, device=dev)
         self.input_ids, self.positions, self.slot_mapping = self.token_inputs.unbind(0)
         self.slot_mapping.fill_(self.scratch_block * bs)
@@ -126,7 +127,7 @@ class CudaGraphRunner:
             return None
         size = next(s for s in self.sizes if s >= n)
         nb = md.block_table.shape[1]
-        self._copy_tokens(input_ids, positions, md.slot_mapping, n)
+        copy_rows(self.token_inputs, (input_ids, positions, md.slot_mapping), n)
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
         for g in range(1, len(self.block_tables)):
             group = md.for_group(g)
@@ -153,20 +154,6 @@ class CudaGraphRunner:
         self.graphs[key].replay()
         self.last_key = key
         return self.outputs[key][:n]
-
-    def _copy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, n: int) -> None:
-        """The step's token ids, positions and slots into rows 0-2 of token_inputs: one strided copy where the three
-        are int64 views of one buffer at one stride (as staged), else one copy each."""
-        arrays = (input_ids, positions, slots)
-        step = positions.data_ptr() - input_ids.data_ptr()
-        if (step > 0 and step % 8 == 0 and slots.data_ptr() - positions.data_ptr() == step
-                and all(a.dtype == torch.long and a.shape == (n,) and a.stride(0) == 1 for a in arrays)
-                and input_ids.device == self.device
-                and input_ids.untyped_storage().data_ptr() == slots.untyped_storage().data_ptr()):
-            self.token_inputs[:, :n].copy_(input_ids.as_strided((3, n), (step // 8, 1)), non_blocking=True)
-            return
-        for row, a in zip(self.token_inputs, arrays):
-            row[:n].copy_(a, non_blocking=True)
 
     def greedy(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Argmax token ids of the last replay's output rows `hidden` from its greedy tail (None: no tail)."""

@@ -27,6 +27,7 @@ import torch
 from pagedllm import envs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
 from pagedllm.worker.greedy_tail import GreedyTails
+from pagedllm.worker.static_inputs import copy_rows
 
 logger = logging.getLogger("pagedllm")
 
@@ -73,9 +74,11 @@ class GraphInputs:
         dev = runner.device
         self.max_tokens, self.max_reqs = max(max_tokens, 1), max(max_reqs, 1)
         self.scratch_slot = runner.scratch_block * runner.block_size
-        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(self.max_tokens, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((self.max_tokens,), self.scratch_slot, dtype=torch.long, device=dev)
+        # Token ids, positions and slots as the rows of one buffer: a step's three arrays come in with one copy
+        # where they were staged one after another (static_inputs.copy_rows).
+        self.token_inputs = torch.zeros(3, self.max_tokens, dtype=torch.long, device=dev)
+        self.input_ids, self.positions, self.slot_mapping = self.token_inputs.unbind(0)
+        self.slot_mapping.fill_(self.scratch_slot)
         self.query_start_loc = torch.zeros(self.max_reqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         # One table and slot mapping per KV-cache group (core/kv_cache_groups.py); [0] is group 0's.
@@ -92,9 +95,13 @@ class GraphInputs:
         """Something other than load() wrote the buffers (capture inputs): the next load fills its padding."""
         self._padding.clear()
 
-    def _pad(self, key, static: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> None:
-        n = values.shape[0]
-        static[:n].copy_(values, non_blocking=True)
+    def _pad(self, key, static: torch.Tensor, values: Optional[torch.Tensor], size: int, fill: int,
+             n: Optional[int] = None) -> None:
+        """values into static[:n], static[n:size] = fill (skipped when the last load left it so); values None: the
+        caller copied them."""
+        if values is not None:
+            n = values.shape[0]
+            static[:n].copy_(values, non_blocking=True)
         layout = (n, size, fill)
         if size > n and self._padding.get(key) != layout:
             static[n:size].fill_(fill)
@@ -115,9 +122,10 @@ class GraphInputs:
              reqs: int) -> None:
         """A step's inputs into the buffers, padded to `tokens` tokens and `reqs` request rows."""
         n = input_ids.shape[0]
-        self._pad("input_ids", self.input_ids, input_ids, tokens, 0)
-        self._pad("positions", self.positions, positions, tokens, 0)
-        self._pad("slot_mapping", self.slot_mapping, md.slot_mapping, tokens, self.scratch_slot)
+        copy_rows(self.token_inputs, (input_ids, positions, md.slot_mapping), n)
+        self._pad("input_ids", self.input_ids, None, tokens, 0, n)
+        self._pad("positions", self.positions, None, tokens, 0, n)
+        self._pad("slot_mapping", self.slot_mapping, None, tokens, self.scratch_slot, n)
         self._pad("query_start_loc", self.query_start_loc, md.query_start_loc, reqs + 1, n)  # padding: no queries
         self._pad("seq_lens", self.seq_lens, md.seq_lens, reqs, 0)
         nb = md.block_table.shape[1]
