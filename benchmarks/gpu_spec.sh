@@ -43,9 +43,10 @@
 #                                        # greedy decode at batch 1 and 4 with them and without (greedy_tail.py)
 #   bash benchmarks/gpu_spec.sh tails-ngram  # SmolLM2 n-gram k=8 on the edit and code tasks with the tails and
 #                                        # without (PAGEDLLM_GRAPH_GREEDY=0): both engines' tokens/s and steps by kind
-#   bash benchmarks/gpu_spec.sh round5   # after the packed spec results, the leaner DeviceStep and the direct
-#                                        # launches' fast runner: their GPU tests (triton_launch, spec, greedy tails,
-#                                        # LoRA), launch_costs.py (three launch modes), greedy_tail.py at batch 1 / 4
+#   bash benchmarks/gpu_spec.sh round5   # after the packed spec results, the leaner DeviceStep, the graphs' one-copy
+#                                        # token inputs and padding reset, the direct launches' fast runner: their GPU
+#                                        # tests (greedy tails, engine, mixed graphs, spec, LoRA, triton_launch),
+#                                        # launch_costs.py (three launch modes), greedy_tail.py at batch 1 / 4
 #   bash benchmarks/gpu_spec.sh round5-ngram  # SmolLM2 n-gram k=8 on the edit and code tasks (5 iterations, steps
 #                                        # by kind), then the host's functions per step of each engine (--run-profile)
 #   bash benchmarks/gpu_spec.sh draft    # draft-model speculation at batch 1: the 8B shape with a Llama-3.2-1B-shaped
@@ -218,8 +219,9 @@ tails-ngram)
     done
     ;;
 round5)
-    step round5-tests 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_greedy_tail_gpu.py \
-        tests/gpu/test_spec_decode_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_triton_launch_gpu.py
+    step round5-tests 420 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_greedy_tail_gpu.py \
+        tests/gpu/test_engine_gpu.py tests/gpu/test_mixed_graphs.py tests/gpu/test_spec_decode_gpu.py \
+        tests/gpu/test_lora_gpu.py tests/gpu/test_triton_launch_gpu.py
     step launch-modes 120 python benchmarks/launch_costs.py --rounds 5
     step tails-decode 150 python benchmarks/greedy_tail.py --batch 1 4 --rounds 9 --json "$out/tails-decode.json"
     ;;
