@@ -61,14 +61,15 @@ class _FakeJit:
     """Triton's JIT function as DirectKernel sees it: `params` and `fn[grid](*args, **kwargs)` returning the
     compiled kernel (recorded instead of launched)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, compiled=None):
         self.params = _toy_kernel.params
         self.log = []
+        self.compiled = compiled or _Compiled  # the compiled kernel's stand-in class
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.log.append(("triton", grid, args, kwargs))
-            return _Compiled(self.log)
+            return self.compiled(self.log)
         return launch
 
 
@@ -158,14 +159,7 @@ def test_a_launcher_that_refuses_the_arguments_turns_direct_launches_off(monkeyp
                 raise TypeError("function takes exactly 9 arguments (11 given)")
             return runner
 
-    class Jit(_FakeJit):
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                self.log.append(("triton", grid, args, kwargs))
-                return Refusing(self.log)
-            return launch
-
-    fake = Jit(_toy_kernel)
+    fake = _FakeJit(_toy_kernel, compiled=Refusing)
     k = DirectKernel(fake)
     x = torch.zeros(64)
     triton_launch.set_enabled(True)
@@ -245,16 +239,8 @@ def test_fast_runner_declines_with_a_hook_set_an_unknown_runner_or_no_handles(fa
 
 
 def test_kept_kernels_launch_through_the_fast_runner_when_there_is_one(toy, fake_driver):
-    fake, k, x = toy
-
-    class Jit(_FakeJit):
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                self.log.append(("triton", grid, args, kwargs))
-                return _RunnableCompiled(self.log)
-            return launch
-
-    fake = Jit(_toy_kernel)
+    _, _, x = toy
+    fake = _FakeJit(_toy_kernel, compiled=_RunnableCompiled)
     k = DirectKernel(fake)
     k[(3,)](x, x, 5, m=7, scale=1.0, flag=False, BLOCK=32)
     k[(3,)](x, x, 5, m=9, scale=1.0, flag=False, BLOCK=32)

@@ -191,21 +191,17 @@ class DirectKernel:
         if kept is None:
             kernel = self.fn[grid](*args, **kwargs)
             if key is not None and kernel is not None and hasattr(kernel, "__getitem__"):
-                self.compiled[key] = (kernel, fast_runner(kernel))
+                # (its own runner, and fast_runner's launch where there is one; both called as (grid3, device, args))
+                self.compiled[key] = (lambda g, _device, a: kernel[g](*a), fast_runner(kernel))
             return
-        compiled, fast = kept if _fast_enabled else (kept[0], None)
+        via_runner, fast = kept
+        launch = fast if fast is not None and _fast_enabled else via_runner
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
         if self.verified:
-            if fast is not None:
-                fast(grid3, key[0], bound[0])
-            else:
-                compiled[grid3](*bound[0])
+            launch(grid3, key[0], bound[0])
             return
         try:  # the first direct launch: a launcher that takes its arguments otherwise refuses them (TypeError)
-            if fast is not None:
-                fast(grid3, key[0], bound[0])
-            else:
-                compiled[grid3](*bound[0])
+            launch(grid3, key[0], bound[0])
         except (TypeError, AttributeError) as e:
             self.usable = False
             logger.warning("Eager launches of the Triton kernel %s go through Triton's own launch: its compiled "

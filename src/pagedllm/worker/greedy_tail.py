@@ -96,7 +96,6 @@ class SampleTails:
         self.seeded = False
         self.ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.graphs: dict[tuple, Optional[torch.cuda.CUDAGraph]] = {}  # None: capturing it failed
-        self.inputs: dict[tuple, torch.Tensor] = {}
         self.num_replays = 0
 
     def applies(self, meta, names) -> bool:
@@ -124,7 +123,7 @@ class SampleTails:
         self.ids[:size].copy_(out)
         return out
 
-    def _capture(self, gkey: tuple, hidden: torch.Tensor, names: tuple, pool) -> Optional[torch.cuda.CUDAGraph]:
+    def _capture(self, hidden: torch.Tensor, names: tuple, pool) -> Optional[torch.cuda.CUDAGraph]:
         if not self.seeded:  # the counter's start: one draw from torch's generator, as the eager path's step key
             self.step_key.fill_(int(torch.randint(1 << 40, 1 << 62, (1,)).item()))
             self.seeded = True
@@ -154,8 +153,7 @@ class SampleTails:
         names = tuple(names)
         gkey = (key, names)
         if gkey not in self.graphs:
-            self.graphs[gkey] = self._capture(gkey, graph_out, names, pool)
-            self.inputs[gkey] = graph_out
+            self.graphs[gkey] = self._capture(graph_out, names, pool)
         graph = self.graphs[gkey]
         if graph is None:
             return None

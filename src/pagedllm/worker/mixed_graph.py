@@ -95,13 +95,12 @@ class GraphInputs:
         """Something other than load() wrote the buffers (capture inputs): the next load fills its padding."""
         self._padding.clear()
 
-    def _pad(self, key, static: torch.Tensor, values: Optional[torch.Tensor], size: int, fill: int,
-             n: Optional[int] = None) -> None:
-        """values into static[:n], static[n:size] = fill (skipped when the last load left it so); values None: the
-        caller copied them."""
-        if values is not None:
-            n = values.shape[0]
-            static[:n].copy_(values, non_blocking=True)
+    def _pad(self, key, static: torch.Tensor, values: torch.Tensor, size: int, fill: int) -> None:
+        static[:values.shape[0]].copy_(values, non_blocking=True)
+        self._fill(key, static, values.shape[0], size, fill)
+
+    def _fill(self, key, static: torch.Tensor, n: int, size: int, fill: int) -> None:
+        """static[n:size] = fill, skipped when the last load left it so."""
         layout = (n, size, fill)
         if size > n and self._padding.get(key) != layout:
             static[n:size].fill_(fill)
@@ -123,9 +122,9 @@ class GraphInputs:
         """A step's inputs into the buffers, padded to `tokens` tokens and `reqs` request rows."""
         n = input_ids.shape[0]
         copy_rows(self.token_inputs, (input_ids, positions, md.slot_mapping), n)
-        self._pad("input_ids", self.input_ids, None, tokens, 0, n)
-        self._pad("positions", self.positions, None, tokens, 0, n)
-        self._pad("slot_mapping", self.slot_mapping, None, tokens, self.scratch_slot, n)
+        self._fill("input_ids", self.input_ids, n, tokens, 0)
+        self._fill("positions", self.positions, n, tokens, 0)
+        self._fill("slot_mapping", self.slot_mapping, n, tokens, self.scratch_slot)
         self._pad("query_start_loc", self.query_start_loc, md.query_start_loc, reqs + 1, n)  # padding: no queries
         self._pad("seq_lens", self.seq_lens, md.seq_lens, reqs, 0)
         nb = md.block_table.shape[1]
