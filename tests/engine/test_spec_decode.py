@@ -136,6 +136,13 @@ def test_draft_model_self_and_unrelated(tiny_model_dir, reference, tmp_path):
     assert _tokens(me, prompts, GREEDY) == reference("llama", prompts)
     stats = me.engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 50 and stats.acceptance_rate > 0.95
+    # Requests near their max_tokens want fewer drafts than the others of their step (the draft's one-token
+    # steps carry them as padding rows).
+    varied = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 17, 8, 26)]
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert _tokens(me, prompts, varied) == reference("llama", prompts, varied)
+    drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    assert drafted > 20 and accepted > 0.95 * drafted  # (a padding row writing into a real block spoils drafts)
     other = save_tiny_model(str(tmp_path / "other"), tiny_hf_config("llama"), seed=1)
     for async_scheduling in (False, True):
         llm = _llm(target, async_scheduling=async_scheduling,

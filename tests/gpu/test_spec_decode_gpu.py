@@ -89,9 +89,18 @@ def test_draft_model_greedy_and_top_k_1_on_cuda(tiny_llama_dir):
                                                     "num_speculative_tokens": 3}, **common)
     assert _tokens(draft, _prompts(), greedy) == _tokens(plain, _prompts(), greedy)
     assert draft.engine.scheduler.spec_stats.acceptance_rate > 0.95
+    proposer = draft.engine.worker.runner.spec.proposer
+    assert proposer.num_graph_forwards > 0  # the draft's steps replay its own CUDA graphs
+    # Requests near their max_tokens want fewer drafts than the others of the step (padding rows of the chain).
+    varied = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 9, 30, 14, 2, 23, 17, 11)]
+    assert _tokens(draft, _prompts(), varied) == _tokens(plain, _prompts(), varied)
+    eager = LLM(tiny_llama_dir, enforce_eager=True, speculative_config={
+        "method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 3}, **common)
+    assert _tokens(eager, _prompts(), varied) == _tokens(plain, _prompts(), varied)
+    assert eager.engine.worker.runner.spec.proposer.num_graph_forwards == 0
     top1 = SamplingParams(temperature=0.9, top_k=1, max_tokens=30, ignore_eos=True)
     assert _tokens(draft, _prompts(), top1) == _tokens(plain, _prompts(), top1)
-    del plain, draft
+    del plain, draft, eager
 
 
 def test_draft_model_sampling_keeps_the_target_distribution(tiny_llama_dir, tmp_path):

@@ -25,8 +25,10 @@ logger = logging.getLogger("pagedllm")
 
 class DraftModelProposer:
     def __init__(self, config, worker) -> None:
-        from pagedllm.attention.backend import get_attention_backend
+        from pagedllm.core.kv_cache_groups import kv_cache_groups
         from pagedllm.models.loader import get_model, load_hf_config, prepare_model_dir, resolve_model_path
+        from pagedllm.worker.kv_cache import attn_layer_index
+        from pagedllm.worker.model_runner import ModelRunner
 
         self.k = config.num_speculative_tokens
         self.device = worker.device
@@ -59,31 +61,41 @@ class DraftModelProposer:
             from pagedllm.layers.linear import pack_cpu_weights
 
             pack_cpu_weights(self.model)
-        self.backend = get_attention_backend(worker.args.attention_backend, self.device)
+        # The draft's own model runner gives it a KV cache, the warm-ups and, on CUDA, graphs: decode graphs for
+        # the one-token steps, mixed graphs for catching up. Blocks, tables and inputs stay this class's. Its
+        # layers share one block table (the attention kernels still mask each layer by its window). Speculation
+        # runs at batches up to disable_by_batch_size: larger draft batches run eagerly.
+        layers = self.model.attn_layers
+        windows = [None] * (1 + max(attn_layer_index(layer, i) for i, layer in enumerate(layers)))
+        self.runner = ModelRunner(
+            self.model, hf_config=cfg, device=self.device, dtype=self.dtype, block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=min(self.max_num_seqs, config.disable_by_batch_size or self.max_num_seqs),
+            max_num_batched_tokens=self.max_num_batched_tokens, eos_token_id=None, vocab_size=cfg.vocab_size,
+            attention_backend=worker.args.attention_backend, enforce_eager=worker.runner.enforce_eager,
+            kv_groups=kv_cache_groups(windows, self.max_model_len))
         logger.info("Draft model %s loaded for speculative decoding (k=%d).", self.model_dir, self.k)
-        self.kv_caches: list[torch.Tensor] = []
         self.free_blocks: list[int] = []
+        self.scratch_slot = 0  # (initialize) the slot padding rows write their K/V into
         self.blocks: dict[str, list[int]] = {}  # request id -> its draft block ids
         self.num_computed: dict[str, int] = {}  # request id -> leading tokens with valid draft K/V
+        # Pinned staging buffers of one propose(): reused by the next only once its copies are done (_staged).
+        self._pinned: list[torch.Tensor] = []
+        self._num_staged = 0
+        self._staged: Optional[torch.cuda.Event] = None
+        self.num_graph_forwards = 0  # draft forwards replayed from CUDA graphs (tests and benchmarks read it)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_spec(self):
-        from pagedllm.worker.kv_cache import KVCacheSpec
-
-        first = self.model.attn_layers[0]
-        return KVCacheSpec(num_layers=len(self.model.attn_layers), num_kv_heads=first.num_kv_heads,
-                           head_size=first.head_size, block_size=self.block_size, dtype=self.dtype)
+        return self.runner.kv_cache_spec()
 
     def initialize(self, num_target_blocks: int) -> None:
-        """As many blocks as the target's pool (the same tokens fit), plus room for every request's drafts."""
-        from pagedllm.worker.kv_cache import allocate_kv_caches
-
+        """As many blocks as the target's pool (the same tokens fit), plus room for every request's drafts, plus
+        the block that padding rows of the draft steps write into."""
         num_blocks = num_target_blocks + self.max_num_seqs * (1 + -(-(self.k + 1) // self.block_size))
-        self.kv_caches = allocate_kv_caches(self.kv_cache_spec(), num_blocks, self.device,
-                                            zeroed=self.backend.needs_zeroed_cache)
-        for layer, cache in zip(self.model.attn_layers, self.kv_caches):
-            layer.kv_cache = cache
+        self.runner.initialize_kv_cache(num_blocks + 1)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.scratch_slot = num_blocks * self.block_size
 
     def drop(self, req_ids) -> None:
         for rid in req_ids:
@@ -99,14 +111,31 @@ class DraftModelProposer:
             blocks.append(self.free_blocks.pop())
         return True
 
+    def _table(self, req_ids: Sequence[str], seq_lens: np.ndarray) -> np.ndarray:
+        width = max(1, int(-(-int(seq_lens.max()) // self.block_size)))
+        table = np.zeros((len(req_ids), width), dtype=np.int32)
+        for j, rid in enumerate(req_ids):
+            blocks = self.blocks[rid][:width]
+            table[j, :len(blocks)] = blocks
+        return table
+
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()
     def propose(self, token_ids: np.ndarray, rows: Sequence[int], num_tokens: Sequence[int],
                 max_drafts: Sequence[int], req_ids: Optional[Sequence[str]] = None) -> list[list[int]]:
+        """Up to max_drafts[i] (at most k) greedy drafts per request. The draft's forwards are enqueued one after
+        another, each taking the previous one's argmax on the device: the host waits once, for all drafts."""
         n = len(rows)
         drafts: list[list[int]] = [[] for _ in range(n)]
         want = [min(self.k, int(m)) for m in max_drafts]
-        # Catch up on the tokens the draft has not seen (chunked to the step budget), ending at the last token.
+        if self._staged is not None:
+            self._staged.synchronize()  # the last call's staged copies are done: their buffers are free
+            self._staged = None
+        self._num_staged = 0
+        # Catch up on the tokens the draft has not seen (chunked to the step budget), ending at the last token:
+        # its argmax is the first draft.
+        ready: list[int] = []  # requests caught up, in the order of `firsts`
+        firsts: list[torch.Tensor] = []
         pending = [i for i in range(n) if want[i] > 0]
         while pending:
             batch, budget = [], self.max_num_batched_tokens
@@ -123,65 +152,135 @@ class DraftModelProposer:
                 budget -= count
             if not batch:
                 break
-            seqs = [(req_ids[i], token_ids[rows[i], start:start + count], start) for i, start, count in batch]
-            next_ids = self._forward(seqs)
-            still = []
-            for (i, start, count), tok in zip(batch, next_ids):
+            ids = self._catch_up([(req_ids[i], token_ids[rows[i], start:start + count], start)
+                                  for i, start, count in batch])
+            done, still = [], []
+            for j, (i, start, count) in enumerate(batch):
                 self.num_computed[req_ids[i]] = start + count
-                if start + count == int(num_tokens[i]):
-                    drafts[i].append(tok)
-                else:
-                    still.append(i)
-            done = {i for i, _, _ in batch}
-            pending = still + [i for i in pending if i not in done and want[i] > 0]
-        # k - 1 one-token steps on the drafts themselves (their K/V is overwritten by the next catch-up).
-        active = [i for i in range(n) if drafts[i] and len(drafts[i]) < want[i]]
-        step = 0
-        while active:
-            seqs = [(req_ids[i], np.array([drafts[i][-1]]), int(num_tokens[i]) + step) for i in active]
-            next_ids = self._forward(seqs)
-            for i, tok in zip(active, next_ids):
-                drafts[i].append(tok)
-            step += 1
-            active = [i for i in active if len(drafts[i]) < want[i]]
+                (done if start + count == int(num_tokens[i]) else still).append(j)
+            if done:
+                ready += [batch[j][0] for j in done]
+                # (a copy: the next forward may rewrite the buffer its argmax came in)
+                firsts.append(ids.clone() if len(done) == len(batch) else ids[torch.tensor(done, device=ids.device)])
+            in_batch = {i for i, _, _ in batch}
+            pending = [batch[j][0] for j in still] + [i for i in pending if i not in in_batch and want[i] > 0]
+        if not ready:
+            self._mark_staged()
+            return drafts
+        # Then k - 1 one-token steps on the drafts themselves (their K/V is overwritten by the next catch-up).
+        steps = max(want[i] for i in ready)
+        out = torch.empty((steps, len(ready)), dtype=torch.long, device=self.device)
+        out[0].copy_(firsts[0] if len(firsts) == 1 else torch.cat(firsts))
+        if steps > 1:
+            self._chain(out, [req_ids[i] for i in ready], np.array([int(num_tokens[i]) for i in ready]),
+                        np.array([want[i] for i in ready]))
+        got = out.t().tolist()  # (the host's one wait)
+        self._staged = None
+        for r, i in enumerate(ready):
+            drafts[i] = got[r][:want[i]]
         return drafts
 
-    def _forward(self, seqs: list[tuple[str, np.ndarray, int]]) -> list[int]:
-        """One draft forward over (request id, its new tokens, position of the first): the argmax after each
-        request's last token."""
+    def _chain(self, out: torch.Tensor, req_ids: list[str], num_tokens: np.ndarray, want: np.ndarray) -> None:
+        """Steps 1..: out[s] (each request's draft s + 1, at position num_tokens + s - 1) -> out[s + 1]. A request
+        wanting fewer drafts rides along as a padding row: its last real token again, over its valid K/V, writing
+        its K/V into the scratch slot."""
+        steps, m = out.shape
+        bs = self.block_size
+        s = np.arange(1, steps)[:, None]
+        real = s < want[None, :]  # [steps - 1, m]
+        positions = np.where(real, num_tokens + s - 1, num_tokens - 1)
+        seq_lens = (positions + 1).astype(np.int32)
+        table = self._table(req_ids, seq_lens.max(axis=0))
+        slots = np.where(real, table[np.arange(m), positions // bs].astype(np.int64) * bs + positions % bs,
+                         self.scratch_slot)
+        qsl = np.arange(m + 1, dtype=np.int32)
+        pos_t, slots_t = self._stage([positions, slots], np.int64)
+        qsl_t, lens_t, table_t = self._stage([qsl, seq_lens, table], np.int32)
+        qsl_cpu = qsl.tolist()
+        for j in range(steps - 1):
+            md = AttentionMetadata(
+                num_actual_tokens=m, num_reqs=m, max_query_len=1, max_seq_len=int(seq_lens[j].max()),
+                query_start_loc=qsl_t, seq_lens=lens_t[j], block_table=table_t, slot_mapping=slots_t[j],
+                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens[j].tolist())
+            out[j + 1].copy_(self._run(out[j], pos_t[j], md, None))
+
+    def _catch_up(self, seqs: list[tuple[str, np.ndarray, int]]) -> torch.Tensor:
+        """One draft forward over (request id, its new tokens, position of the first): [requests] the argmax
+        after each request's last token, on the device."""
         bs = self.block_size
         lens = np.array([len(t) for _, t, _ in seqs], dtype=np.int64)
         starts = np.array([s for _, _, s in seqs], dtype=np.int64)
         qsl = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
         seq_lens = (starts + lens).astype(np.int32)
-        max_blocks = int(-(-seq_lens.max() // bs))
-        table = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        for j, (rid, _, _) in enumerate(seqs):
-            blocks = self.blocks[rid][:max_blocks]
-            table[j, :len(blocks)] = blocks
+        table = self._table([rid for rid, _, _ in seqs], seq_lens)
         input_ids = np.concatenate([t for _, t, _ in seqs]).astype(np.int64)
         positions = np.concatenate([np.arange(s, s + len(t)) for _, t, s in seqs]).astype(np.int64)
         token_req = np.repeat(np.arange(len(seqs)), lens)
         slots = table[token_req, positions // bs].astype(np.int64) * bs + positions % bs
-        dev = self.device
-
-        def t(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(dev)
-
+        last = (qsl[1:] - 1).astype(np.int64)
+        ids_t, pos_t, slots_t, last_t = self._stage([input_ids, positions, slots, last], np.int64)
+        qsl_t, lens_t, table_t = self._stage([qsl, seq_lens, table], np.int32)
         md = AttentionMetadata(
             num_actual_tokens=len(input_ids), num_reqs=len(seqs), max_query_len=int(lens.max()),
-            max_seq_len=int(seq_lens.max()), query_start_loc=t(qsl, np.int32), seq_lens=t(seq_lens, np.int32),
-            block_table=t(table, np.int32), slot_mapping=t(slots, np.int64),
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
-        self.backend.prepare(md)
-        with set_forward_context(md, self.backend):
-            hidden = self.model(t(input_ids, np.int64), t(positions, np.int64))
-        last = hidden.index_select(0, t(qsl[1:] - 1, np.int64))
-        greedy = getattr(self.model, "greedy_token_ids", lambda h: None)(last)
-        if greedy is None:
-            greedy = self.model.compute_logits(last).argmax(dim=-1)
-        return greedy.tolist()
+            max_seq_len=int(seq_lens.max()), query_start_loc=qsl_t, seq_lens=lens_t, block_table=table_t,
+            slot_mapping=slots_t, query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+        return self._run(ids_t, pos_t, md, None if md.max_query_len == 1 else last_t)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+             last: Optional[torch.Tensor]) -> torch.Tensor:
+        """The draft's forward (a graph replay where one fits) and the argmax of its rows `last` (all: None)."""
+        runner = self.runner
+        hidden = None
+        if md.block_table.shape[1] <= runner.max_blocks_per_req:
+            graphs = runner.cuda_graphs if md.max_query_len == 1 else runner.mixed_graphs
+            if graphs is not None:
+                hidden = graphs.run(input_ids, positions, md)
+        if hidden is None:
+            with set_forward_context(md, runner.attn_backend):
+                runner.attn_backend.prepare(md)
+                hidden = self.model(input_ids, positions)
+        else:
+            self.num_graph_forwards += 1
+            if last is None:
+                ids = graphs.greedy(hidden)  # the graph's greedy tail, where it has one
+                if ids is not None:
+                    return ids
+        if last is not None:
+            hidden = hidden.index_select(0, last)
+        greedy = getattr(self.model, "greedy_token_ids", lambda h: None)(hidden)
+        return greedy if greedy is not None else self.model.compute_logits(hidden).argmax(dim=-1)
+
+    def _stage(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
+        """Host arrays to the device: on CUDA in one copy from a pinned buffer of this propose() call."""
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+        from pagedllm.worker.host_stager import HostStager
+
+        offsets = HostStager.layout(arrays, dtype)
+        itemsize = np.dtype(dtype).itemsize
+        nbytes = offsets[-1] * itemsize
+        i = self._num_staged
+        self._num_staged += 1
+        if i == len(self._pinned):
+            self._pinned.append(torch.empty(0, dtype=torch.uint8))
+        if self._pinned[i].numel() < nbytes:
+            self._pinned[i] = torch.empty(max(nbytes, 2 * self._pinned[i].numel(), 4096),
+                                          dtype=torch.uint8).pin_memory()
+        host = self._pinned[i].numpy()[:nbytes].view(dtype)
+        for a, at in zip(arrays, offsets):
+            host[at:at + a.size] = a.reshape(-1)
+        flat = self._pinned[i][:nbytes].view(_TORCH[np.dtype(dtype)]).to(self.device, non_blocking=True)
+        self._mark_staged()
+        return [flat[at:at + a.size].view(a.shape) for a, at in zip(arrays, offsets)]
+
+    def _mark_staged(self) -> None:
+        if self.device.type == "cuda" and self._num_staged:
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+
+
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 def check_vocab(worker, draft_cfg, draft_dir: str) -> None:
