@@ -79,10 +79,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": greedy decode steps of few rows run the LM head and the argmax eagerly after the decode graph instead of
     # replaying them as a graph (worker/cuda_graph.py, "greedy tails"; the A/B of the host time they save).
     "PAGEDLLM_GRAPH_GREEDY": lambda: os.environ.get("PAGEDLLM_GRAPH_GREEDY", "1") != "0",
-    # "1": sampled decode steps of few rows replay the LM head and the device sampler as a graph after the decode graph
-    # (worker/greedy_tail.py, SampleTails) instead of running them eagerly. Off by default until a GPU has run its
-    # tests and measured it (gpu_spec.sh sample-tails); then on, this the A/B.
-    "PAGEDLLM_GRAPH_SAMPLE": lambda: os.environ.get("PAGEDLLM_GRAPH_SAMPLE", "0") == "1",
+    # "0": sampled decode steps of few rows run the LM head and the device sampler eagerly instead of replaying them
+    # as a graph after the decode graph (worker/greedy_tail.py, SampleTails; the A/B of the host time they save).
+    "PAGEDLLM_GRAPH_SAMPLE": lambda: os.environ.get("PAGEDLLM_GRAPH_SAMPLE", "1") != "0",
     # Most split-KV partitions per (request, kv head) in the CUDA decode kernel (tuning; a power of two).
     "PAGEDLLM_DECODE_MAX_SPLITS": _int("PAGEDLLM_DECODE_MAX_SPLITS", 64),
     # "0": on CUDA, run q/k norm, rotary and the KV-cache write as separate kernels instead of the fused one
