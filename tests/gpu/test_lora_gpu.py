@@ -247,8 +247,8 @@ def _greedy_with_logprobs(model_dir, adapters, fused: bool, enforce_eager: bool,
     llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", num_gpu_blocks_override=64, max_num_seqs=4,
               enable_lora=True, max_loras=3, max_lora_rank=16, enforce_eager=enforce_eager)
     rng = random.Random(1)
-    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 11, 8)]
-    reqs = [LoRARequest(f"l{i}", i + 1, p) for i, p in enumerate(adapters)]
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 11, 8, 14, 3, 9)]
+    reqs = [LoRARequest(f"l{i}", i + 1, p) for i, p in enumerate(adapters)] * 2
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
                         lora_request=reqs, use_tqdm=False)
@@ -267,7 +267,9 @@ def test_engine_few_row_path_matches_general_kernels(tiny_llama_dir, adapters, e
     assert ref_calls == {"rows": 0, "norm": 0}
     assert calls["rows"] > 0 and calls["norm"] > 0, calls
     compared = _same_tokens_and_logprobs(ref, got, 0.05)
-    assert compared >= 24, compared
+    # (a near-tie ends a sequence's comparison wherever the reference has one: on another GPU or driver at other
+    # steps; half of the 6 x 12 steps leaves room for a few early ones)
+    assert compared >= 36, compared
 
 
 def _same_tokens_and_logprobs(ref, got, margin: float) -> int:
