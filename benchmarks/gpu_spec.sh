@@ -56,6 +56,9 @@
 #                                        # graphs' padding reset: their GPU tests with the greedy-tail, engine, sampler and
 #                                        # structured-output ones, then sampled decode at batch 1
 #                                        # and 4 with them and without (greedy_tail.py --temperature)
+#   bash benchmarks/gpu_spec.sh round6   # draft models on CUDA graphs: their GPU tests, the 8B + 1B-shape step costs
+#                                        # (and diag/lora_diag.sh where present: an untracked one-off)
+#   bash benchmarks/gpu_spec.sh round6-smollm2  # SmolLM2 drafting for itself (k=4 edit, k=8 code; needs the GGUF)
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -64,7 +67,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, round6, round6-smollm2, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -250,6 +253,19 @@ sample-tails)
         --json "$out/sample-tails-t08.json"
     step sample-tails-p09 120 python benchmarks/greedy_tail.py --batch 1 4 --rounds 9 --temperature 0.7 --top-p 0.9 \
         --json "$out/sample-tails-p09.json"
+    ;;
+round6)
+    if [ -f diag/lora_diag.sh ]; then step lora-diag 400 bash diag/lora_diag.sh; fi
+    step draft-tests 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_spec_decode_gpu.py -k draft
+    step draft-8b 240 python benchmarks/spec_decode.py draft --model benchmarks/configs/llama3-8b \
+        --draft-model benchmarks/configs/llama3.2-1b --load-format dummy --dtype bfloat16 --iters 3 \
+        --json "$out/draft-8b.json"
+    ;;
+round6-smollm2)
+    step draft-smollm2 150 python benchmarks/spec_decode.py draft --model "$gguf" --draft-model "$gguf" \
+        --dtype bfloat16 --iters 3 --json "$out/draft-smollm2.json"
+    step draft-smollm2-k8 150 python benchmarks/spec_decode.py draft --model "$gguf" --draft-model "$gguf" \
+        --dtype bfloat16 --iters 3 --k 8 --tasks code --json "$out/draft-smollm2-k8.json"
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \

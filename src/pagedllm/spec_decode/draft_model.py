@@ -174,16 +174,15 @@ class DraftModelProposer:
         if steps > 1:
             self._chain(out, [req_ids[i] for i in ready], np.array([int(num_tokens[i]) for i in ready]),
                         np.array([want[i] for i in ready]))
-        got = out.t().tolist()  # (the host's one wait)
-        self._staged = None
+        got = out.t().tolist()  # (the host's one wait: the staged copies are done too)
         for r, i in enumerate(ready):
             drafts[i] = got[r][:want[i]]
         return drafts
 
     def _chain(self, out: torch.Tensor, req_ids: list[str], num_tokens: np.ndarray, want: np.ndarray) -> None:
         """Steps 1..: out[s] (each request's draft s + 1, at position num_tokens + s - 1) -> out[s + 1]. A request
-        wanting fewer drafts rides along as a padding row: its last real token again, over its valid K/V, writing
-        its K/V into the scratch slot."""
+        wanting fewer drafts rides along as a padding row (output unused): at its last real token's position, over
+        its valid K/V, writing its K/V into the scratch slot."""
         steps, m = out.shape
         bs = self.block_size
         s = np.arange(1, steps)[:, None]
@@ -271,10 +270,10 @@ class DraftModelProposer:
         for a, at in zip(arrays, offsets):
             host[at:at + a.size] = a.reshape(-1)
         flat = self._pinned[i][:nbytes].view(_TORCH[np.dtype(dtype)]).to(self.device, non_blocking=True)
-        self._mark_staged()
         return [flat[at:at + a.size].view(a.shape) for a, at in zip(arrays, offsets)]
 
     def _mark_staged(self) -> None:
+        """A propose() that ends without waiting for the device: the next one waits for its copies first."""
         if self.device.type == "cuda" and self._num_staged:
             self._staged = torch.cuda.Event()
             self._staged.record()
