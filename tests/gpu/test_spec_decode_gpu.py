@@ -103,6 +103,28 @@ def test_draft_model_greedy_and_top_k_1_on_cuda(tiny_llama_dir):
     del plain, draft, eager
 
 
+def test_draft_model_on_cuda_through_chunked_prefill_prefix_hits_and_preemption(tiny_llama_dir):
+    """The draft's catch-up in chunks of the step budget (mixed graphs and eager), its one-token steps on its decode
+    graphs, a target whose requests are preempted and hit the prefix cache: whole greedy outputs equal the plain
+    engine's in fp32."""
+    spec = {"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    common = dict(dtype="float32", device="cuda", max_num_seqs=4)
+    plain = _tokens(LLM(tiny_llama_dir, num_gpu_blocks_override=256, **common), _prompts(), params)
+    chunked = LLM(tiny_llama_dir, speculative_config=spec, num_gpu_blocks_override=256, max_num_batched_tokens=32,
+                  **common)
+    assert _tokens(chunked, _prompts(), params) == plain
+    hits = chunked.engine.get_stats().prefix_cache_hits
+    assert _tokens(chunked, _prompts(), params) == plain
+    assert chunked.engine.get_stats().prefix_cache_hits > hits
+    assert chunked.engine.worker.runner.spec.proposer.num_graph_forwards > 0
+    small = LLM(tiny_llama_dir, speculative_config=spec, num_gpu_blocks_override=24, **common)
+    assert _tokens(small, _prompts(), params) == plain
+    assert small.engine.get_stats().num_preemptions > 0
+    assert small.engine.scheduler.spec_stats.acceptance_rate > 0.95
+    del chunked, small
+
+
 def test_draft_model_sampling_keeps_the_target_distribution(tiny_llama_dir, tmp_path):
     """bf16, temperature 1, no top-k/top-p, 2000 seeded requests of one prompt, 4 tokens each, the target as its
     own draft (its drafts are the most likely tokens, accepted with probability p(draft) by a correct sampler):
