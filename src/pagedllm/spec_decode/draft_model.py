@@ -96,6 +96,10 @@ class DraftModelProposer:
         self.runner.initialize_kv_cache(num_blocks + 1)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.scratch_slot = num_blocks * self.block_size
+        graphs = self.runner.cuda_graphs
+        logger.info("Draft model ready: %d KV blocks of %d tokens; its steps %s.", num_blocks, self.block_size,
+                    f"replay CUDA graphs of their own (the second capture above) for up to {graphs.max_size} requests"
+                    if graphs is not None else "run eagerly")
 
     def drop(self, req_ids) -> None:
         for rid in req_ids:
