@@ -273,12 +273,12 @@ round6-smollm2)
     ;;
 peer-ngram-edit|peer-ngram-code)  # vLLM beside pagedllm (its pieces already in /tmp/vc: ../shared/device/vllm-peer.sh)
     source tests/gpu/vllm_install.sh
-    step "$what" 580 "${vllm_env[@]}" python benchmarks/spec_lora_peer.py ngram --model "$gguf" \
+    step "$what" 580 python benchmarks/spec_lora_peer.py ngram --model "$gguf" \
         --tasks "${what#peer-ngram-}" --k 8 --json "$out/$what.json"
     ;;
 peer-lora)
     source tests/gpu/vllm_install.sh
-    step peer-lora 580 "${vllm_env[@]}" python benchmarks/spec_lora_peer.py lora --model benchmarks/configs/llama3-8b \
+    step peer-lora 580 python benchmarks/spec_lora_peer.py lora --model benchmarks/configs/llama3-8b \
         --rank 16 --json "$out/peer-lora.json"
     ;;
 host)

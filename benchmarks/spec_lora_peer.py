@@ -8,7 +8,8 @@ driver runs each (engine, variant) in a child process and prints the table.
     python benchmarks/spec_lora_peer.py ngram --model SmolLM2-135M-Instruct.Q4_1.gguf --tasks edit --k 8
     # batch-1 decode with a random rank-16 adapter on all 7 projections vs the base model (dummy 8B weights)
     python benchmarks/spec_lora_peer.py lora --model benchmarks/configs/llama3-8b --rank 16
-    # --engines pagedllm vllm (default: both; vllm needs the real vLLM importable: ../shared/device/vllm-peer.sh)
+    # --engines pagedllm vllm (default: both; vllm needs the real vLLM: ../shared/device/vllm-peer.sh, whose
+    # install dir --vllm-path, default /tmp/vsite, goes first on the vLLM child's PYTHONPATH only)
 
 vLLM runs with its defaults (torch.compile and CUDA graphs), detokenize off, and the EOS ids stop it as they stop
 pagedllm (it is given them, since it loads no tokenizer). Each row is the median of --iters rounds.
@@ -107,9 +108,7 @@ class _Engine:
 
 
 def child_ngram(args) -> dict:
-    from pagedllm.models.loader import prepare_model_dir
-
-    model_dir = prepare_model_dir(args.model)
+    model_dir = args.model  # (a Hugging Face directory: the driver converted a .gguf)
     prompts, eos = _prompts(model_dir, args.tasks)
     spec = None if args.variant == "plain" else {
         "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -163,7 +162,11 @@ def _run_child(args, engine: str, variant: str) -> dict:
                 "--max-model-len", str(args.max_model_len)]
     else:
         cmd += ["--rank", str(args.rank), "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
+    env = dict(os.environ)
+    if engine == "vllm" and args.vllm_path:  # (vLLM's dependencies first for its child only, not for pagedllm's)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.vllm_path, env.get("PYTHONPATH")]))
+        env.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "vcache"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -186,6 +189,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--child-timeout", type=int, default=900)
+    p.add_argument("--vllm-path", default="/tmp/vsite" if os.path.isdir("/tmp/vsite") else None,
+                   help="put first on PYTHONPATH for vLLM's child process (where vllm-peer.sh's install went)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
@@ -195,6 +200,10 @@ def main(argv=None) -> dict:
         result = child_ngram(args) if args.mode == "ngram" else child_lora(args)
         print("RESULT " + json.dumps(result), flush=True)
         return result
+    if args.mode == "ngram":  # both engines read the same directory (a .gguf converted once, here)
+        from pagedllm.models.loader import prepare_model_dir
+
+        args.model = prepare_model_dir(args.model)
     results: dict = {}
     for engine in args.engines:
         if args.mode == "ngram":
