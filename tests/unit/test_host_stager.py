@@ -51,3 +51,18 @@ def test_packed_stage_returns_aligned_views_of_the_arrays():
                 assert t.untyped_storage().data_ptr() == base
                 assert a.size == 0 or (t.data_ptr() - base) % 64 == 0  # (an empty tensor's data_ptr is 0)
         stager.next_step()
+
+
+def test_stage_in_keeps_each_slot_until_it_is_staged_again():
+    """stage_in(i, ...) (the draft model's: one slot per staging of a proposal): slots past the two of stage() are
+    added; staging into one slot leaves every other slot's arrays as they were."""
+    stager = HostStager(torch.device("cpu"))
+    stager.packed = True  # (views of the host buffer here, so a rewritten slot shows in its earlier views)
+    staged = [stager.stage_in(i, [np.full(5 + i, 10 * i), np.full((2, 3), i)], np.int64) for i in range(5)]
+    assert len(stager.slots) == 5
+    for i, (a, b) in enumerate(staged):
+        assert a.tolist() == [10 * i] * (5 + i) and b.tolist() == [[i] * 3] * 2
+    again = stager.stage_in(2, [np.full(7, -1), np.full((2, 3), -1)], np.int64)
+    assert staged[2][0].data_ptr() == again[0].data_ptr()  # slot 2's buffer, rewritten
+    for i in (0, 1, 3, 4):
+        assert staged[i][0].tolist() == [10 * i] * (5 + i)

@@ -79,8 +79,11 @@ class DraftModelProposer:
         self.scratch_slot = 0  # (initialize) the slot padding rows write their K/V into
         self.blocks: dict[str, list[int]] = {}  # request id -> its draft block ids
         self.num_computed: dict[str, int] = {}  # request id -> leading tokens with valid draft K/V
-        # Pinned staging buffers of one propose(): reused by the next only once its copies are done (_staged).
-        self._pinned: list[torch.Tensor] = []
+        # Host arrays go to the device from pinned slots, one per _stage call of a propose(); the next propose()
+        # reuses them only once their copies are done (its wait, or _staged).
+        from pagedllm.worker.host_stager import HostStager
+
+        self.stager = HostStager(self.device)
         self._num_staged = 0
         self._staged: Optional[torch.cuda.Event] = None
         self.num_graph_forwards = 0  # draft forwards replayed from CUDA graphs (tests and benchmarks read it)
@@ -255,35 +258,15 @@ class DraftModelProposer:
         return greedy if greedy is not None else self.model.compute_logits(hidden).argmax(dim=-1)
 
     def _stage(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
-        """Host arrays to the device: on CUDA in one copy from a pinned buffer of this propose() call."""
-        if self.device.type != "cuda":
-            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
-        from pagedllm.worker.host_stager import HostStager
-
-        offsets = HostStager.layout(arrays, dtype)
-        itemsize = np.dtype(dtype).itemsize
-        nbytes = offsets[-1] * itemsize
-        i = self._num_staged
+        """Host arrays to the device (on CUDA one copy from a pinned slot of this propose() call)."""
         self._num_staged += 1
-        if i == len(self._pinned):
-            self._pinned.append(torch.empty(0, dtype=torch.uint8))
-        if self._pinned[i].numel() < nbytes:
-            self._pinned[i] = torch.empty(max(nbytes, 2 * self._pinned[i].numel(), 4096),
-                                          dtype=torch.uint8).pin_memory()
-        host = self._pinned[i].numpy()[:nbytes].view(dtype)
-        for a, at in zip(arrays, offsets):
-            host[at:at + a.size] = a.reshape(-1)
-        flat = self._pinned[i][:nbytes].view(_TORCH[np.dtype(dtype)]).to(self.device, non_blocking=True)
-        return [flat[at:at + a.size].view(a.shape) for a, at in zip(arrays, offsets)]
+        return self.stager.stage_in(self._num_staged - 1, arrays, dtype)
 
     def _mark_staged(self) -> None:
         """A propose() that ends without waiting for the device: the next one waits for its copies first."""
         if self.device.type == "cuda" and self._num_staged:
             self._staged = torch.cuda.Event()
             self._staged.record()
-
-
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 def check_vocab(worker, draft_cfg, draft_dir: str) -> None:

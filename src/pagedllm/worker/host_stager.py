@@ -22,12 +22,19 @@ class HostStager:
         self.k = 0
 
     def stage(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
+        return self.stage_in(self.k, arrays, dtype)
+
+    def stage_in(self, index: int, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
+        """stage() into slot `index` (slots are added as needed), for a caller with its own rule for when a slot's
+        copy is done (the draft model: every slot of one proposal, until the proposal's wait)."""
         if not self.packed:
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(self.device, non_blocking=True)
                     for a in arrays]
         offsets = self.layout(arrays, dtype)
         total = offsets[-1]
-        slot = self.slots[self.k]
+        while len(self.slots) <= index:
+            self.slots.append({})
+        slot = self.slots[index]
         buf = slot.get(dtype)
         if buf is None or buf.numel() < total:
             size = max(total, 2 * (0 if buf is None else buf.numel()), 1024)
