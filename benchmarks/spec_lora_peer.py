@@ -181,7 +181,8 @@ def main(argv=None) -> dict:
     p.add_argument("--model", required=True)
     p.add_argument("--engines", nargs="+", default=["pagedllm", "vllm"], choices=["pagedllm", "vllm"])
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--tasks", default="edit", help="ngram: edit (repeat / edit tasks) or code")
+    p.add_argument("--tasks", default="edit", choices=["edit", "code"],
+                   help="ngram: the repeat / edit tasks or the code set")
     p.add_argument("--k", type=int, default=8, help="ngram: num_speculative_tokens")
     p.add_argument("--rank", type=int, default=16, help="lora: the adapter's rank")
     p.add_argument("--input-len", type=int, default=128, help="lora: prompt tokens")
