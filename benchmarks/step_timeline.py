@@ -173,7 +173,8 @@ def main(argv=None):
 
     def params(n):
         return SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, top_p=args.top_p)
-    llm.generate([{"prompt_token_ids": ids} for ids, _ in reqs[:2]], [params(4)] * 2, use_tqdm=False)  # warm-up
+    warm = reqs[:2]
+    llm.generate([{"prompt_token_ids": ids} for ids, _ in warm], [params(4)] * len(warm), use_tqdm=False)  # warm-up
     eng.reset_prefix_cache()  # no prefix hits from the warm-up
 
     ph = Phases()

@@ -98,3 +98,47 @@ def test_engine_tokens_do_not_depend_on_how_parameters_reach_the_device(tiny_qwe
         llm.engine.shutdown()
     assert results[0] == results[1]
     assert len(set(map(tuple, results[0]))) > 1
+
+
+def _full_gather(batch: SamplingBatch, rows: np.ndarray):
+    """gather() without its all-greedy shortcut (the arrays read row by row)."""
+    saved, batch.num_special = batch.num_special, 1 << 30
+    try:
+        return batch.gather(rows)
+    finally:
+        batch.num_special = saved
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_shortcut_follows_the_rows_held(seed):
+    """gather()'s shortcut for a batch of plain greedy rows is taken exactly while no row held is special (sampled,
+    logprobs, the general builder's), through rows set, replaced and cleared in any order, and gives what the full
+    gather gives; the prompt-logprobs count follows the rows the same way."""
+    rng = random.Random(seed)
+    batch = SamplingBatch(8, VOCAB)
+    held: dict[int, SamplingParams] = {}
+    for _ in range(60):
+        row = rng.randrange(8)
+        if row in held and rng.random() < 0.4:
+            batch.clear_row(row)
+            del held[row]
+        else:
+            p = _random_params(rng) if rng.random() < 0.5 else SamplingParams(temperature=0.0, max_tokens=4)
+            if rng.random() < 0.2:
+                p = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+            if rng.random() < 0.1:
+                p = SamplingParams(temperature=0.0, max_tokens=4, seed=3)  # a general row
+            batch.set_row(row, p)
+            held[row] = p
+        special = sum(1 for p in held.values() if p.temperature >= 1e-5 or p.logprobs is not None or p.seed is not None)
+        assert batch.num_special == special
+        assert batch.num_prompt_logprobs == sum(p.prompt_logprobs is not None for p in held.values())
+        if held:
+            rows = np.array(sorted(held), dtype=np.int64)
+            got, want = batch.gather(rows), _full_gather(batch, rows)
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert vars(got).keys() == vars(want).keys()
+                for key, value in vars(want).items():
+                    other = vars(got)[key]
+                    assert (np.array_equal(value, other) if isinstance(value, np.ndarray) else value == other), key

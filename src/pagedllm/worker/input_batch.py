@@ -46,6 +46,7 @@ class StepInputs:
     # Rows whose last input token is one the host has not seen yet (sampled by the step in flight).
     in_flight_rows: np.ndarray
     max_query_len: int
+    max_seq_len: int = 0  # seq_lens.max()
     # Speculative decoding: draft tokens per request id this step verifies (their inputs follow the last token).
     spec_token_ids: Optional[dict[str, list[int]]] = None
     propose_drafts: bool = False
@@ -82,8 +83,7 @@ class InputBatch:
         for req_id in plan.finished_request_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
-                self.free_rows.append(state.row)
-                self.num_dropped += 1
+                self._free(state.row)
         for new in plan.new_requests:
             self._add(new)
         requests = self.requests
@@ -106,8 +106,7 @@ class InputBatch:
 
     def _add(self, new: NewRequestData) -> None:
         if new.request_id in self.requests:  # resumed without a finish notice: start over
-            self.free_rows.append(self.requests.pop(new.request_id).row)
-            self.num_dropped += 1
+            self._free(self.requests.pop(new.request_id).row)
         row = self.free_rows.pop()
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
@@ -120,6 +119,11 @@ class InputBatch:
             req_id=new.request_id, row=row, prompt_token_ids=list(new.token_ids[:new.num_prompt_tokens]),
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]), sampling_params=new.sampling_params,
             num_computed_tokens=new.num_computed_tokens, lora_id=new.lora_id)
+
+    def _free(self, row: int) -> None:
+        self.free_rows.append(row)
+        self.sampling.clear_row(row)
+        self.num_dropped += 1
 
     def _append_blocks(self, row: int, block_ids: list[int], group_ids: Optional[list[list[int]]] = None) -> None:
         if block_ids:
@@ -153,46 +157,55 @@ class InputBatch:
             return
         if rows is None:
             rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        self.token_ids[rows, self.num_tokens[rows]] = tokens
-        self.num_tokens[rows] += 1
+        n = self.num_tokens[rows]
+        self.token_ids[rows, n] = tokens
+        self.num_tokens[rows] = n + 1
         for state, token in zip(states, tokens):
             state.output_token_ids.append(token)
 
     # ------------------------------------------------------------------ step inputs
     def prepare(self, plan: BatchPlan) -> StepInputs:
-        req_ids = list(plan.num_scheduled_tokens)
+        # (Every step runs this; at a few requests each numpy call's fixed ~1-3 us is most of its cost, so a
+        # pure-decode step takes the shorter branch below and the rest avoid calls that have a cheaper twin.)
+        sched = plan.num_scheduled_tokens
+        req_ids = list(sched)
         requests = self.requests
         states = [requests[r] for r in req_ids]
         num_reqs = len(states)
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        rows = np.array([s.row for s in states], dtype=np.int64)
         starts = self.num_computed[rows]
         totals = self.num_tokens[rows]
         spec = plan.scheduled_spec_decode_tokens
         if spec:  # a request verifying drafts samples when its computed count reaches its last draft
-            totals += np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs)
-        num_sched = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(num_sched, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        seq_lens = starts + num_sched
-        if num_tokens == num_reqs:  # pure decode: one token per request
-            token_rows, positions = rows, starts
+            totals += np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int64)
+        if plan.total_num_scheduled_tokens == num_reqs:  # pure decode: one token per request
+            query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+            seq_lens = starts + 1
+            token_rows, positions, max_query_len = rows, starts, 1
         else:
+            num_sched = np.array(list(sched.values()), dtype=np.int64)
+            query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+            query_start_loc[1:] = num_sched.cumsum()
+            num_tokens = int(query_start_loc[-1])
+            seq_lens = starts + num_sched
             token_rows = np.repeat(rows, num_sched)
             positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], num_sched)
+            max_query_len = int(num_sched.max())
         input_ids = self.token_ids[token_rows, positions]
         bs = self.block_size
-        block_idx, offset = positions // bs, positions % bs
+        block_idx, offset = np.divmod(positions, bs)
         slot_mapping = self.block_table[token_rows, block_idx].astype(np.int64) * bs + offset
-        max_blocks = int((seq_lens.max() + bs - 1) // bs)
+        max_seq_len = int(seq_lens.max())
+        max_blocks = -(-max_seq_len // bs)
         group_slots = group_tables = None
         if len(self.block_tables) > 1:
             group_slots = [t[token_rows, block_idx].astype(np.int64) * bs + offset for t in self.block_tables[1:]]
             group_tables = [t[rows, :max_blocks] for t in self.block_tables[1:]]
+        past = seq_lens - totals  # >= 0: the request samples; > 0: its last input is the token in flight
         return StepInputs(
             req_ids=req_ids, states=states, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
-            block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(seq_lens >= totals)[0],
-            in_flight_rows=np.nonzero(seq_lens > totals)[0], max_query_len=int(num_sched.max()),
+            block_table=self.block_table[rows, :max_blocks], sample_rows=np.nonzero(past >= 0)[0],
+            in_flight_rows=np.nonzero(past > 0)[0], max_query_len=max_query_len, max_seq_len=max_seq_len,
             spec_token_ids=spec or None, propose_drafts=plan.propose_drafts, spec_overlap=plan.spec_overlap,
             rows=rows, group_slot_mappings=group_slots, group_block_tables=group_tables, dropped_epoch=self.num_dropped)

@@ -243,7 +243,9 @@ class ModelRunner:
         fill_src, fill_dst = self._in_flight_rows(inp)
         sample_rows = inp.sample_rows
         all_sample = len(sample_rows) == len(inp.input_ids)  # pure decode: every token samples
-        logits_idx = inp.query_start_loc[1:][sample_rows].astype(np.int64) - 1
+        # (a decode step's token i is request i's: its logits rows are the sampling rows themselves)
+        logits_idx = (sample_rows if inp.max_query_len == 1
+                      else inp.query_start_loc[1:][sample_rows].astype(np.int64) - 1)
         verifying = bool(inp.spec_token_ids) and len(sample_rows) > 0
         verify_rows = self.spec.verify_rows(self, inp) if verifying else None  # known before the forward
         # The sampling rows' parameters from the batch's persistent arrays (None: a row needs the full builder); a
@@ -300,7 +302,7 @@ class ModelRunner:
             num_actual_tokens=len(inp.input_ids),
             num_reqs=len(inp.req_ids),
             max_query_len=inp.max_query_len,
-            max_seq_len=int(inp.seq_lens.max()),
+            max_seq_len=inp.max_seq_len,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=block_table,
@@ -441,7 +443,8 @@ class ModelRunner:
         Hidden row of position p predicts prompt token p + 1; position 0 is never scored (vLLM gives None).
         Rare and prefill-only, so this syncs with the device; logits are made in slices to bound memory.
         """
-        if not self.input_batch.sampling.prompt_logprobs[inp.rows].any():  # the usual step: nobody asked
+        sampling = self.input_batch.sampling
+        if not sampling.num_prompt_logprobs or not sampling.prompt_logprobs[inp.rows].any():  # usual: nobody asked
             return {}
         qsl = inp.query_start_loc
         rows: list[int] = []
@@ -491,7 +494,7 @@ class ModelRunner:
         src = self._prev_pos[inp.rows[rows]]
         if (src < 0).any():
             raise RuntimeError("A step needs a token the previous step did not sample; this is a bug.")
-        return src, inp.query_start_loc[:-1].astype(np.int64)[rows]
+        return src, rows if inp.max_query_len == 1 else inp.query_start_loc[:-1].astype(np.int64)[rows]
 
     def _finish_step(self, inp, sampled: list[int], lp, num_drafts: Optional[list[int]] = None) -> ModelOutput:
         """Host side of a finished step: append sampled tokens to the runner's state, build ModelOutput."""

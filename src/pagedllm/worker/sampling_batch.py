@@ -50,6 +50,12 @@ class SamplingBatch:
         self.logprobs = np.full(max_rows, -1, dtype=np.int64)  # -1: none asked
         self.general = np.zeros(max_rows, dtype=bool)
         self.prompt_logprobs = np.zeros(max_rows, dtype=bool)  # the row asked for prompt logprobs
+        # Rows held that are not plain greedy (sampled, logprobs or the general builder), and rows that asked for
+        # prompt logprobs: while both are 0 (a greedy batch) a step needs no gather (numpy calls cost the host
+        # ~1-3 us each, most of a few-row step's sampling setup).
+        self._special = np.zeros(max_rows, dtype=bool)
+        self.num_special = 0
+        self.num_prompt_logprobs = 0
 
     def set_row(self, row: int, p: SamplingParams) -> None:
         greedy = p.temperature < _GREEDY_EPS
@@ -59,11 +65,24 @@ class SamplingBatch:
         self.min_p[row] = float(p.min_p)
         self.top_k[row] = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
-        self.general[row] = needs_general_build(p)
-        self.prompt_logprobs[row] = p.prompt_logprobs is not None
+        self.general[row] = general = needs_general_build(p)
+        self._mark(row, not greedy or general or p.logprobs is not None, p.prompt_logprobs is not None)
+
+    def clear_row(self, row: int) -> None:
+        """The row's request left the batch: it no longer counts as special."""
+        self._mark(row, False, False)
+
+    def _mark(self, row: int, special: bool, prompt_logprobs: bool) -> None:
+        self.num_special += int(special) - int(self._special[row])
+        self.num_prompt_logprobs += int(prompt_logprobs) - int(self.prompt_logprobs[row])
+        self._special[row] = special
+        self.prompt_logprobs[row] = prompt_logprobs
 
     def gather(self, rows: np.ndarray) -> Optional[StepSampling]:
         """The fast path's arrays for these batch rows (in sampling order), or None if a row needs the builder."""
+        if self.num_special == 0 and len(rows):  # every row held is plain greedy
+            return StepSampling(names=[], floats=None, top_k=None, all_greedy=True, all_random=False, max_top_k=0,
+                                max_num_logprobs=None)
         if self.general[rows].any():
             return None
         greedy = self.greedy[rows]
