@@ -220,16 +220,20 @@ def main(argv=None) -> dict:
                 print(f"[lora rank {args.rank}, batch 1] {engine}: base {row['base_ms']:.3f} ms/token, with the "
                       f"adapter {row['lora_ms']:.3f} = {row['ratio']:.3f}x", flush=True)
         results[engine] = row
+        _write_json(args, results)  # after each engine: a call cut off at its limit keeps what finished
     if len(args.engines) == 2 and args.mode == "ngram" and all("ratio" in results[e] for e in args.engines):
         ours, peer = (results[e]["ngram"]["tok_s"] for e in ("pagedllm", "vllm"))
         print(f"[ngram] with speculation, pagedllm / vllm: {ours / peer:.3f}x", flush=True)
     if len(args.engines) == 2 and args.mode == "lora" and all("ratio" in results[e] for e in args.engines):
         ours, peer = (results[e]["lora_ms"] for e in ("pagedllm", "vllm"))
         print(f"[lora] with the adapter, vllm / pagedllm ms per token: {peer / ours:.3f}x", flush=True)
+    return results
+
+
+def _write_json(args, results: dict) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "args": vars(args), "results": results}, f, indent=2)
-    return results
 
 
 if __name__ == "__main__":
