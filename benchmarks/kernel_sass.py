@@ -113,6 +113,8 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
                  # the engine passes an E4M3 cache's v_scale (triton_backend.py)
                  OUT_SCALE=v.cache == "fp8", V_WORDS=v_words)
     splits = 1 if args.single_split else SPLITS
+    if args.fused_reduce and not args.single_split:  # the split reduce in the kernel's epilogue
+        const.update(FUSED_REDUCE=True, SPLITS_PAD=triton.next_power_of_2(splits))
     blocks, max_blocks = 4096, 64  # (only their divisibility by 16 can matter)
     d, bs = args.head_size, args.block_size
     ints = dict(stride_qt=num_heads * d, stride_qh=d, stride_ot=num_heads * d, stride_oh=d,
@@ -132,7 +134,7 @@ def pointer_type(name: str, cache: torch.dtype, out_scale: bool) -> str:
         return TRITON_PTR[cache]
     if name.startswith("part_"):
         return "*fp32"
-    if name.startswith(("block_table", "seq_lens", "order")):
+    if name.startswith(("block_table", "seq_lens", "order", "counter")):
         return "*i32"
     if name.startswith("out_scale"):
         return "*fp32" if out_scale else TRITON_PTR[QUERY_DTYPE]  # (the launcher's placeholder when unread)
@@ -358,6 +360,8 @@ def main():
     p.add_argument("--block-size", type=int, default=16, help="cache block size")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--single-split", action="store_true", help="SINGLE_SPLIT (one program per request and head)")
+    p.add_argument("--fused-reduce", action="store_true",
+                   help="FUSED_REDUCE (the split launch reduces its own splits: PAGEDLLM_FUSED_SPLIT_REDUCE)")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--dump", default=None, help="keep each variant's TTGIR, PTX and SASS in this folder")
     args = p.parse_args()
