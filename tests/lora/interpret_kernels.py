@@ -25,6 +25,17 @@ def patch_interpreter_for_numpy2() -> None:
     interp._patch_lang_tensor = patched
 
 
+def interpret_attention_kernels(script: str) -> None:
+    """For a script under tests/ that runs the attention kernels interpreted: checks TRITON_INTERPRET, puts
+    tests/gpu on the path, patches the interpreter, and imports tests/gpu/conftest (which tags the interpreter's
+    comparisons as int1, as the kernels' masks need)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, os.path.join(tests, "gpu"))
+    patch_interpreter_for_numpy2()
+    import conftest  # noqa: F401
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     patch_interpreter_for_numpy2()

@@ -14,14 +14,10 @@ import torch
 
 
 def main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    sys.path[:0] = [os.path.join(tests, "gpu"), os.path.join(tests, "lora")]
-    from interpret_kernels import patch_interpreter_for_numpy2
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
+    from interpret_kernels import interpret_attention_kernels
 
-    patch_interpreter_for_numpy2()
-    import conftest  # noqa: F401  (tests/gpu: the interpreter's comparisons tagged as int1)
+    interpret_attention_kernels(__file__)
     from pagedllm.kernels import paged_attention as pa
 
     gen = torch.Generator().manual_seed(0)

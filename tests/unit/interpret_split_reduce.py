@@ -14,19 +14,24 @@ import sys
 import torch
 
 
-def main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    sys.path[:0] = [os.path.join(tests, "gpu"), os.path.join(tests, "lora")]
-    from interpret_kernels import patch_interpreter_for_numpy2
+def _paged_cache(lens: list[int], num_kv: int, head_size: int, dtype: torch.dtype, gen: torch.Generator,
+                 block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random cache (with spare blocks), each request's blocks at random places, and the lengths."""
+    max_blocks = max(math.ceil(n / block_size) for n in lens) + 1
+    num_blocks = len(lens) * max_blocks + 3
+    cache = torch.randn(2, num_blocks, block_size, num_kv, head_size, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(len(lens), -1)
+    return cache, table.to(torch.int32), torch.tensor(lens, dtype=torch.int32)
 
-    patch_interpreter_for_numpy2()
-    import conftest  # noqa: F401  (tests/gpu: the interpreter's comparisons tagged as int1)
+
+def main() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
+    from interpret_kernels import interpret_attention_kernels
+
+    interpret_attention_kernels(__file__)
     from pagedllm.kernels import paged_attention as pa
 
     gen = torch.Generator().manual_seed(0)
-    block_size = 16
     cases = [  # (num_heads, num_kv_heads, head_size, dtype, context lengths, splits, extra arguments)
         (9, 3, 64, torch.float32, [1, 37, 130, 300, 0], (2, 4, 16), {}),
         (32, 4, 128, torch.float16, [200, 5, 64], (4, 16), {}),
@@ -36,12 +41,7 @@ def main() -> None:
         (9, 3, 64, torch.float32, [33, 260, 120], (4,), {"order": torch.tensor([1, 2, 0], dtype=torch.int32)}),
     ]
     for num_heads, num_kv, head_size, dtype, lens, split_counts, extra in cases:
-        max_blocks = max(math.ceil(n / block_size) for n in lens) + 1
-        num_blocks = len(lens) * max_blocks + 3
-        cache = torch.randn(2, num_blocks, block_size, num_kv, head_size, generator=gen).to(dtype)
-        table = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(len(lens), -1)
-        table = table.to(torch.int32)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        cache, table, seq_lens = _paged_cache(lens, num_kv, head_size, dtype, gen)
         q = torch.randn(len(lens), num_heads, head_size, generator=gen).to(dtype)
         scale = head_size ** -0.5
         ref_kw = {k: v for k, v in extra.items() if k in ("sliding_window", "logits_soft_cap")}
@@ -67,12 +67,7 @@ def main() -> None:
             (16, 2, 128, torch.float16, [2, 5], [64, 250], {"sliding_window": 50}),
             (8, 8, 64, torch.float32, [4, 4, 4], [30, 200, 1], {"out_scale": torch.tensor([2.0])})):
         lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-        max_blocks = max(math.ceil(n / block_size) for n in lens) + 1
-        num_blocks = len(lens) * max_blocks + 3
-        cache = torch.randn(2, num_blocks, block_size, num_kv, head_size, generator=gen).to(dtype)
-        table = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(len(lens), -1)
-        table = table.to(torch.int32)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        cache, table, seq_lens = _paged_cache(lens, num_kv, head_size, dtype, gen)
         qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
         q = torch.randn(int(qsl[-1]), num_heads, head_size, generator=gen).to(dtype)
         scale = head_size ** -0.5
