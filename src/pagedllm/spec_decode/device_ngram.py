@@ -244,7 +244,7 @@ class DeviceStep:
                 _, ones, arange = _consts(len(sample_rows))
                 add("post", [sample_batch_rows, arange, ones])
         # An upper bound of the sampling rows' lengths after this step (the host's positions are upper bounds).
-        self.width = int(inp.seq_lens.max()) + 1
+        self.width = inp.max_seq_len + 1
         self.arrays = arrays
         self.staged: list[torch.Tensor] = []
         # after_step's results in one int64 buffer (one host copy): (buffer, where the stats rows start, their
