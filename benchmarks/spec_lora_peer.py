@@ -166,7 +166,15 @@ def _run_child(args, engine: str, variant: str) -> dict:
     if engine == "vllm" and args.vllm_path:  # (vLLM's dependencies first for its child only, not for pagedllm's)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.vllm_path, env.get("PYTHONPATH")]))
         env.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "vcache"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, env=env)
+    start = time.perf_counter()
+    print(f"[{args.mode}] {engine} {variant}: started", flush=True)  # (a call cut off at its limit shows how far)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        tail = ((e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"))[-3000:]
+        print(f"[{args.mode}] {engine} {variant} timed out after {args.child_timeout} s:\n{tail}", file=sys.stderr)
+        return {"error": "timeout"}
+    print(f"[{args.mode}] {engine} {variant}: done in {time.perf_counter() - start:.0f} s", flush=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
