@@ -874,6 +874,9 @@ def split_reduce_counters(device: torch.device) -> torch.Tensor:
     decode launch on `device`: allocated once, at the most (request, kv head) pairs a split launch has (it splits
     only while pairs x splits <= twice _DECODE_PROGRAMS_PER_SM programs per SM), so captured graphs keep their
     address. The attention backend asks for it before capturing."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # (one buffer per GPU, however the device is named)
+        device = torch.device("cuda", torch.cuda.current_device())
     counters = _SPLIT_COUNTERS.get(device)
     if counters is None:
         counters = _SPLIT_COUNTERS[device] = torch.zeros(_DECODE_PROGRAMS_PER_SM * sm_count(device) + 1,
