@@ -165,8 +165,8 @@ class InputBatch:
 
     # ------------------------------------------------------------------ step inputs
     def prepare(self, plan: BatchPlan) -> StepInputs:
-        # (Every step runs this; at a few requests each numpy call's fixed ~1-3 us is most of its cost, so a
-        # pure-decode step takes the shorter branch below and the rest avoid calls that have a cheaper twin.)
+        # (Every step runs this; at a few requests the numpy calls' fixed cost is most of it, so a pure-decode
+        # step takes the shorter branch below and the rest avoid calls that have a cheaper twin.)
         sched = plan.num_scheduled_tokens
         req_ids = list(sched)
         requests = self.requests

@@ -51,8 +51,8 @@ class SamplingBatch:
         self.general = np.zeros(max_rows, dtype=bool)
         self.prompt_logprobs = np.zeros(max_rows, dtype=bool)  # the row asked for prompt logprobs
         # Rows held that are not plain greedy (sampled, logprobs or the general builder), and rows that asked for
-        # prompt logprobs: while both are 0 (a greedy batch) a step needs no gather (numpy calls cost the host
-        # ~1-3 us each, most of a few-row step's sampling setup).
+        # prompt logprobs: while both are 0 (a greedy batch) a step needs no gather (at a few rows the numpy
+        # calls' fixed cost is most of a step's sampling setup).
         self._special = np.zeros(max_rows, dtype=bool)
         self.num_special = 0
         self.num_prompt_logprobs = 0
