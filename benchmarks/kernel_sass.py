@@ -141,8 +141,6 @@ def pointer_type(name: str, cache: torch.dtype, out_scale: bool) -> str:
         return "*i32"
     if name.startswith(("fold_part", "h_ptr")):
         return "*fp32"
-    if name.startswith(("block_table", "seq_lens", "order", "counter")):
-        return "*i32"
     if name.startswith("out_scale"):
         return "*fp32" if out_scale else TRITON_PTR[QUERY_DTYPE]  # (the launcher's placeholder when unread)
     if name not in ("q_ptr", "out_ptr"):

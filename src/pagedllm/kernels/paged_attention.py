@@ -571,10 +571,11 @@ def _count_split_and_reduce(counter, num_splits, num_active, out_rows, po_rows, 
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, out_scale_ptr, num_splits, window,
     stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
-    a_ptr, slot_ptr, fold_part_ptr, h_ptr, counter_ptr, NR, stride_as, stride_an, stride_fp_head, stride_fp_seq,
-    stride_hm,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
+    # FOLD: the consumer's LoRA shrink of the output (OutputShrink; `_fold_args`)
+    a_ptr=None, slot_ptr=None, fold_part_ptr=None, h_ptr=None, fold_counter_ptr=None, NR=16, stride_as=0,
+    stride_an=0, stride_fp_head=0, stride_fp_seq=0, stride_hm=0,
     FOLD: tl.constexpr = False,  # also the consumer's shrink of the output (OutputShrink)
     NR_PAD: tl.constexpr = 16, NUM_HEADS: tl.constexpr = 1,
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (an FP8 cache's v_scale)
@@ -622,7 +623,7 @@ def _decode_reduce_kernel(
         if slot >= 0:  # this head's share of A[slot] @ out[seq]; the last head of the row adds them up in order
             part = tl.sum(a * out.to(tl.float32)[None, :], axis=1)
             store_partial_and_fold(part, fold_part_ptr, head, stride_fp_head, seq * stride_fp_seq, offs_q, q_ok,
-                                   h_ptr + seq * stride_hm, counter_ptr + seq, NUM_HEADS, NR_PAD)
+                                   h_ptr + seq * stride_hm, fold_counter_ptr + seq, NUM_HEADS, NR_PAD)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_row", "stride_po_head", "stride_pl_row",
@@ -809,8 +810,7 @@ def paged_few_query_attention(
     # Rows of tokens of no request (graph padding) merge whatever their workspace rows hold: nothing reads them.
     _decode_reduce_kernel[(num_tokens, num_heads)](
         output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
-        output.stride(0), output.stride(1), *part_strides, output, seq_lens, output, output, seq_lens,
-        0, 0, 0, 0, 0, 0,
+        output.stride(0), output.stride(1), *part_strides,
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
         OUT_SCALE=out_scale is not None, ALL_SPLITS=True, num_warps=4 if head_pad >= 128 else 2,
         **pdl_launch_args(query.device))
@@ -911,8 +911,8 @@ def split_reduce_counters(device: torch.device) -> torch.Tensor:
 
 def _fold_args(shrink: OutputShrink, parts: int, num_seqs: int, num_heads: int, head_size: int,
                device: torch.device) -> dict:
-    """The split reduce's LoRA fold arguments (the reduce kernel: a part per head; the fused reduce: per kv head),
-    in the kernels' order, NR_PAD last; marks the shrink done."""
+    """The split reduce's LoRA fold arguments, by the kernels' parameter names (the reduce kernel: a part per head;
+    the fused reduce: per kv head); marks the shrink done."""
     a, h = shrink.a, shrink.h
     assert a.is_contiguous() and a.shape[2] == num_heads * head_size and shrink.counters.numel() >= num_seqs
     nr = a.shape[1]
@@ -1028,16 +1028,15 @@ def paged_decode_attention(
         *part_strides, SINGLE_SPLIT=False, **common, **fused)
     if fused:
         return output
-    fold_args, fold_meta = (output, seq_lens, output, output, seq_lens, 0, 0, 0, 0, 0, 0), {}  # (unread)
+    fold = {}
     if shrink is not None:
-        fold = _fold_args(shrink, num_heads, num_seqs, num_heads, head_size, query.device)
-        fold_meta = dict(FOLD=True, NR_PAD=fold.pop("NR_PAD"), NUM_HEADS=num_heads)
-        fold_args = tuple(fold.values())  # (positional: the reduce kernel's order)
+        fold = dict(_fold_args(shrink, num_heads, num_seqs, num_heads, head_size, query.device), FOLD=True,
+                    NUM_HEADS=num_heads)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
-        output.stride(0), output.stride(1), *part_strides, *fold_args,
+        output.stride(0), output.stride(1), *part_strides,
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        OUT_SCALE=out_scale is not None, num_warps=4 if head_pad >= 128 else 2, **fold_meta, **launch)
+        OUT_SCALE=out_scale is not None, num_warps=4 if head_pad >= 128 else 2, **fold, **launch)
     return output
 
 
