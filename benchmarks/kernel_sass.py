@@ -113,7 +113,7 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
                  # the engine passes an E4M3 cache's v_scale (triton_backend.py)
                  OUT_SCALE=v.cache == "fp8", V_WORDS=v_words)
     splits = 1 if args.single_split else SPLITS
-    if args.fused_reduce and not args.single_split:  # the split reduce in the kernel's epilogue
+    if args.fused_reduce:  # the split reduce in the kernel's epilogue
         const.update(FUSED_REDUCE=True, SPLITS_PAD=triton.next_power_of_2(splits))
         if args.fold:  # with o_proj's LoRA shrink folded (rank 16)
             const.update(FOLD=True, NR_PAD=16, NUM_KV=num_kv_heads)
@@ -371,6 +371,10 @@ def main():
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--dump", default=None, help="keep each variant's TTGIR, PTX and SASS in this folder")
     args = p.parse_args()
+    if args.fold and not args.fused_reduce:
+        p.error("--fold needs --fused-reduce (the reduce kernel's fold is another kernel)")
+    if args.fused_reduce and args.single_split:
+        p.error("--fused-reduce needs a split launch: drop --single-split")
     args.num_heads, args.num_kv_heads = (int(x) for x in args.heads.split("/"))
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("kernel_sass.py: unset TRITON_INTERPRET (the kernel compiles differently in the interpreter)")
