@@ -61,6 +61,10 @@ class DeviceNgram:
         self.lens = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self.drafts = torch.zeros((max_reqs, k), dtype=torch.int64, device=device)
         self.num_drafts = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        # CUDA: every step's packed results (DeviceStep.after_step) in this one buffer, grown as needed. A step's
+        # readers (its host copy, the next step's inputs kernel) are enqueued before the next step's results
+        # kernel, which is what overwrites it. (On the CPU each step has its own: the work is not queued.)
+        self._packed: Optional[torch.Tensor] = None
         # Steps launched while a verify step was in flight (their inputs corrected on the device): the overlap.
         self.num_overlapped_steps = 0
 
@@ -76,6 +80,14 @@ class DeviceNgram:
         positions = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         tokens = np.fromiter((t for _, ts in new_rows for t in ts), dtype=np.int64, count=int(lengths.sum()))
         return [tok_rows, positions, tokens, rows, lengths]
+
+    def packed_buffer(self, n: int) -> torch.Tensor:
+        """The first n entries of the CUDA steps' shared results buffer (see __init__)."""
+        buf = self._packed
+        if buf is None or buf.numel() < n:
+            buf = self._packed = torch.empty(max(n, 2 * (0 if buf is None else buf.numel()), 256), dtype=torch.int64,
+                                             device=self.hist.device)
+        return buf[:n]
 
     def write_new_rows(self, tok_rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
                        rows: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -306,7 +318,8 @@ class DeviceStep:
                   accepted=accepted if self.verify and not greedy else None)
         num_reqs, num_final = rows.shape[0], final.shape[0] if keep_final else 0
         stats_at, row_len = num_final + num_final % 2, num_reqs + num_reqs % 2
-        flat = torch.empty(stats_at + 5 * row_len, dtype=torch.int64, device=final.device)
+        flat = ngram.packed_buffer(stats_at + 5 * row_len) if final.is_cuda else torch.empty(
+            stats_at + 5 * row_len, dtype=torch.int64, device=final.device)
         out = flat[stats_at:].view(5, row_len)[:, :num_reqs]
         self.packed = (flat, stats_at, row_len)
         if self.kernels:

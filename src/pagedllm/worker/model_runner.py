@@ -386,20 +386,26 @@ class ModelRunner:
                 num_drafts = stats[4]
         event = None
         if dev.type == "cuda":
+            slot = None
             if dev_step is not None:  # one copy: a plain step's ids are its stats' last emitted tokens (row 1)
                 flat, stats_at, row_len = dev_step.packed
-                host_flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                slot = self.spec._host_slot(self, flat.shape[0])  # (a pinned buffer and event reused)
+                host_flat = slot[0][0, :flat.shape[0]]
                 host_flat.copy_(flat, non_blocking=True)
                 rows_host = host_flat[stats_at:].view(5, row_len)[:, :len(sample_rows)]
                 host = rows_host[1]
                 num_drafts = None if num_drafts is None else rows_host[4]
+                event = slot[1]
             else:
                 host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
                 host.copy_(sampled, non_blocking=True)
+                event = torch.cuda.Event()
             lp = sampler_out.logprobs
             lp_host = None if lp is None else tuple(t.to("cpu", non_blocking=True) for t in lp)
-            event = torch.cuda.Event()
             event.record()
+            if slot is not None:
+                return PendingOutput(self, inp, host, lp_host, event, prompt_logprobs, num_drafts,
+                                     release=lambda: self.spec._free_slots.append(slot))
         else:
             host, lp_host = sampled, sampler_out.logprobs
         return PendingOutput(self, inp, host, lp_host, event, prompt_logprobs, num_drafts)
@@ -540,9 +546,11 @@ class PendingOutput:
     """A launched step; `result()` waits for its sampled ids (the one host sync per step)."""
 
     def __init__(self, runner: ModelRunner, inp, sampled_host, logprobs_host, event,
-                 prompt_logprobs: Optional[dict] = None, num_drafts_host: Optional[torch.Tensor] = None) -> None:
+                 prompt_logprobs: Optional[dict] = None, num_drafts_host: Optional[torch.Tensor] = None,
+                 release: Optional[Callable[[], None]] = None) -> None:
         self.runner, self.inp, self.sampled_host, self.logprobs_host, self.event = (
             runner, inp, sampled_host, logprobs_host, event)
+        self.release = release  # hands the pinned host buffer back once the result is read
         self.num_drafts_host = num_drafts_host  # overlapped speculation: the device's draft count per sampling row
         self.prompt_logprobs = prompt_logprobs or {}
         self._output: Optional[ModelOutput] = None
@@ -563,7 +571,9 @@ class PendingOutput:
                 if self.event is not None:
                     self.event.synchronize()
                 num_drafts = None if self.num_drafts_host is None else self.num_drafts_host.tolist()
-                self._output = self.runner._finish_step(self.inp, self.sampled_host.tolist(), self.logprobs_host,
-                                                        num_drafts)
+                sampled = self.sampled_host.tolist()
+                if self.release is not None:
+                    self.release()
+                self._output = self.runner._finish_step(self.inp, sampled, self.logprobs_host, num_drafts)
             self._output.prompt_logprobs = self.prompt_logprobs
         return self._output
