@@ -113,10 +113,6 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
                  # the engine passes an E4M3 cache's v_scale (triton_backend.py)
                  OUT_SCALE=v.cache == "fp8", V_WORDS=v_words)
     splits = 1 if args.single_split else SPLITS
-    if args.fused_reduce:  # the split reduce in the kernel's epilogue
-        const.update(FUSED_REDUCE=True, SPLITS_PAD=triton.next_power_of_2(splits))
-        if args.fold:  # with o_proj's LoRA shrink folded (rank 16)
-            const.update(FOLD=True, NR_PAD=16, NUM_KV=num_kv_heads)
     blocks, max_blocks = 4096, 64  # (only their divisibility by 16 can matter)
     d, bs = args.head_size, args.block_size
     ints = dict(stride_qt=num_heads * d, stride_qh=d, stride_ot=num_heads * d, stride_oh=d,
@@ -127,8 +123,7 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
     else:
         ints.update(stride_po_seq=num_heads * splits * head_pad, stride_po_head=splits * head_pad,
                     stride_po_split=head_pad, stride_pl_seq=num_heads * splits, stride_pl_head=splits)
-    ints.update(num_splits=splits, window=pa.NO_WINDOW, NR=16, stride_as=16 * num_heads * d, stride_an=num_heads * d,
-                stride_fp_head=4 * 16, stride_fp_seq=16, stride_hm=16)
+    ints.update(num_splits=splits, window=pa.NO_WINDOW)
     return const, ints
 
 
@@ -137,10 +132,8 @@ def pointer_type(name: str, cache: torch.dtype, out_scale: bool) -> str:
         return TRITON_PTR[cache]
     if name.startswith("part_"):
         return "*fp32"
-    if name.startswith(("block_table", "seq_lens", "order", "counter", "slot", "fold_counter")):
+    if name.startswith(("block_table", "seq_lens", "order")):
         return "*i32"
-    if name.startswith(("fold_part", "h_ptr")):
-        return "*fp32"
     if name.startswith("out_scale"):
         return "*fp32" if out_scale else TRITON_PTR[QUERY_DTYPE]  # (the launcher's placeholder when unread)
     if name not in ("q_ptr", "out_ptr"):
@@ -365,16 +358,9 @@ def main():
     p.add_argument("--block-size", type=int, default=16, help="cache block size")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--single-split", action="store_true", help="SINGLE_SPLIT (one program per request and head)")
-    p.add_argument("--fused-reduce", action="store_true",
-                   help="FUSED_REDUCE (the split launch reduces its own splits: PAGEDLLM_FUSED_SPLIT_REDUCE)")
-    p.add_argument("--fold", action="store_true", help="with --fused-reduce: FOLD (o_proj's LoRA shrink, rank 16)")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--dump", default=None, help="keep each variant's TTGIR, PTX and SASS in this folder")
     args = p.parse_args()
-    if args.fold and not args.fused_reduce:
-        p.error("--fold needs --fused-reduce (the reduce kernel's fold is another kernel)")
-    if args.fused_reduce and args.single_split:
-        p.error("--fused-reduce needs a split launch: drop --single-split")
     args.num_heads, args.num_kv_heads = (int(x) for x in args.heads.split("/"))
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("kernel_sass.py: unset TRITON_INTERPRET (the kernel compiles differently in the interpreter)")

@@ -36,8 +36,8 @@ EXPECTED_S = {
     # measured on the H200 (`shards.py measured` over the shard XML): the larger of 2026-12-01/02's runs and the
     # run of 2026-12-02 12:20 UTC at e755417 (xdist x8 for the parallel files, the serial ones alone), so a cold
     # Triton cache is covered
-    "tests/gpu/test_attention_kernels.py": 110,  # estimate since 2026-12-06: its decode tests run both split reduces
-    "tests/gpu/test_few_query_attention.py": 55,  # likewise
+    "tests/gpu/test_attention_kernels.py": 80,
+    "tests/gpu/test_few_query_attention.py": 40,
     "tests/gpu/test_triton_launch_gpu.py": 30,  # not measured yet: a few kernels and their compiles
     "tests/gpu/test_greedy_tail_gpu.py": 40,  # not measured yet: six engines on the tiny Llama
     "tests/gpu/test_sample_tail_gpu.py": 60,  # not measured yet: four engines, 2 x 2 x 800 sampled requests

@@ -146,9 +146,8 @@ def test_gemv_lora_matches_reference(case, rank, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("case", [(1, 2, 32, 8, 128, 16), (16, 4, 32, 8, 128, 8), (5, 3, 16, 8, 64, 4)])
-def test_output_shrink_matches_reference(case, rank, dtype, split_reduce):
-    """o_proj's shrink computed by the split-KV decode attention's reduce kernel (lora.layers.FOLD_O_SHRINK), or by
-    the decode kernel's own split reduce (PAGEDLLM_FUSED_SPLIT_REDUCE)."""
+def test_output_shrink_matches_reference(case, rank, dtype):
+    """o_proj's shrink computed by the split-KV decode attention's reduce kernel (lora.layers.FOLD_O_SHRINK)."""
     from tests.lora.lora_kernel_cases import check_output_shrink_case
 
     tokens, slots, heads, kv_heads, head_size, splits = case

@@ -71,10 +71,6 @@ def main() -> None:
     check_gemv_lora_case(1, 2, 100, [30], 4, 8, f32, "cpu", seed=2)  # one row (o / down), K not a power of two
     check_output_shrink_case(3, 2, 4, 2, 16, 8, 16, f32, "cpu")  # o_proj's shrink in the decode attention's reduce
     check_output_shrink_case(2, 3, 4, 4, 32, 16, 16, f32, "cpu", num_splits=1, seed=1)  # one split: not done
-    os.environ["PAGEDLLM_FUSED_SPLIT_REDUCE"] = "1"  # the shrink folded by the decode kernel's own split reduce
-    check_output_shrink_case(3, 2, 4, 2, 16, 8, 16, f32, "cpu", seed=2)
-    check_output_shrink_case(2, 3, 6, 2, 32, 16, 16, f32, "cpu", num_splits=4, seed=3)
-    del os.environ["PAGEDLLM_FUSED_SPLIT_REDUCE"]
     print("lora kernels ok")
 
 

@@ -90,41 +90,5 @@ def main() -> None:
     print("split reduce ok")
 
 
-def check_engine(model_dir: str) -> None:
-    """An engine on the Triton backend whose decode steps split (a few requests) and reduce the splits in the
-    decode kernel: its greedy tokens equal the torch backend's."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
-    from interpret_kernels import interpret_attention_kernels
-
-    interpret_attention_kernels(__file__)
-    from pagedllm import LLM, SamplingParams
-    from pagedllm.kernels import paged_attention as pa
-
-    assert os.environ.get("PAGEDLLM_FUSED_SPLIT_REDUCE") == "1" and os.environ.get("PAGEDLLM_FUSED_QKV") == "0"
-    base = [17, 200, 31, 5, 88, 140, 9, 61, 300, 12, 77, 250]
-    prompts = [{"prompt_token_ids": base * 3}, {"prompt_token_ids": base[:5] * 4}, {"prompt_token_ids": base[3:9]}]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    common = dict(kv_cache_memory_bytes=1 << 22, max_model_len=128)
-    fused_launches = []
-    fused_args = pa._fused_reduce_args
-
-    def counting(*args):
-        got = fused_args(*args)
-        fused_launches.append(bool(got))
-        return got
-
-    pa._fused_reduce_args = counting
-    tri = LLM(model_dir, attention_backend="triton", **common)
-    got = [o.outputs[0].token_ids for o in tri.generate(prompts, params, use_tqdm=False)]
-    assert any(fused_launches), "no split launch reduced its own splits"
-    ref = LLM(model_dir, attention_backend="torch", **common)
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    assert got == want, (got, want)
-    print("engine ok")
-
-
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "engine":
-        check_engine(sys.argv[2])
-    else:
-        main()
+    main()

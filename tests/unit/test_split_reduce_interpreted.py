@@ -13,10 +13,3 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def test_fused_split_reduce_matches_the_reduce_kernel_and_reference():
     out = run_interpreted(os.path.join(HERE, "interpret_split_reduce.py"), timeout=600)
     assert "split reduce ok" in out
-
-
-@needs_triton
-def test_engine_with_the_fused_split_reduce_equals_the_torch_backend(tiny_llama_dir):
-    out = run_interpreted(os.path.join(HERE, "interpret_split_reduce.py"), "engine", tiny_llama_dir, timeout=600,
-                          PAGEDLLM_FUSED_SPLIT_REDUCE="1", PAGEDLLM_FUSED_QKV="0")
-    assert "engine ok" in out

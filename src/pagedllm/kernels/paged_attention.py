@@ -453,10 +453,6 @@ def _decode_kernel(
     counter_ptr=None,  # FUSED_REDUCE: an int32 per (request, kv head), zero between launches
     FUSED_REDUCE: tl.constexpr = False,  # the last split of each (request, kv head) to finish reduces them all
     SPLITS_PAD: tl.constexpr = 1,  # (FUSED_REDUCE) num_splits rounded up to a power of two
-    # FUSED_REDUCE and FOLD: the consumer's LoRA shrink of the output (OutputShrink), as _decode_reduce_kernel's FOLD
-    a_ptr=None, slot_ptr=None, fold_part_ptr=None, h_ptr=None, fold_counter_ptr=None, NR=16, stride_as=0,
-    stride_an=0, stride_fp_head=0, stride_fp_seq=0, stride_hm=0,
-    FOLD: tl.constexpr = False, NR_PAD: tl.constexpr = 16, NUM_KV: tl.constexpr = 1,
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): programs are dispatched kv head fastest, so with an order every head
@@ -503,29 +499,11 @@ def _decode_kernel(
                  stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
     if FUSED_REDUCE:
         num_active = tl.cdiv(seq_len - lo, tl.maximum(part_len, 1))  # splits with work (0 if seq_len == 0)
-        reduced = _count_split_and_reduce(counter_ptr + seq * tl.num_programs(0) + kv_head, num_splits, num_active,
-                                          out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
-                                          part_lse_ptr + seq64 * stride_pl_seq, out_scale_ptr, head, dims, io_mask,
-                                          row_ok, stride_oh, stride_po_head, stride_po_split, stride_pl_head, GQA_PAD,
-                                          HEAD_PAD, SPLITS_PAD, OUT_SCALE)
-        if FOLD:
-            slot = tl.load(slot_ptr + seq)
-            if reduced and slot >= 0:
-                # This kv head's query heads' share of A[slot] @ out[seq], from the output as stored (rounded), as
-                # the reduce kernel's fold reads it; the last kv head of the row adds the shares up in order.
-                tl.debug_barrier()  # (the stores above, read back by other threads of this program)
-                offs_q = tl.arange(0, NR_PAD)
-                q_ok = offs_q < NR
-                dim_ok = dims < HEAD_SIZE
-                part = tl.zeros([NR_PAD], tl.float32)
-                for g in range(GQA):
-                    h = kv_head * GQA + g
-                    a = tl.load(a_ptr + slot.to(tl.int64) * stride_as + offs_q[:, None] * stride_an + h * HEAD_SIZE
-                                + dims[None, :], mask=q_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-                    o = tl.load(out_ptr + seq64 * stride_ot + h * stride_oh + dims, mask=dim_ok, other=0.0)
-                    part += tl.sum(a * o.to(tl.float32)[None, :], axis=1)
-                store_partial_and_fold(part, fold_part_ptr, kv_head, stride_fp_head, seq * stride_fp_seq, offs_q,
-                                       q_ok, h_ptr + seq * stride_hm, fold_counter_ptr + seq, NUM_KV, NR_PAD)
+        _count_split_and_reduce(counter_ptr + seq * tl.num_programs(0) + kv_head, num_splits, num_active,
+                                out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
+                                part_lse_ptr + seq64 * stride_pl_seq, out_scale_ptr, head, dims, io_mask, row_ok,
+                                stride_oh, stride_po_head, stride_po_split, stride_pl_head, GQA_PAD, HEAD_PAD,
+                                SPLITS_PAD, OUT_SCALE)
 
 
 @triton.jit
@@ -535,14 +513,12 @@ def _count_split_and_reduce(counter, num_splits, num_active, out_rows, po_rows, 
                             OUT_SCALE: tl.constexpr):
     """The fused split reduce (after _store_slice): count this split program in `counter`; the program that makes
     the count num_splits computes the program's rows' outputs from every split's parts, as _decode_reduce_kernel
-    does per head (each split weighted by 2 ** (its lse - the largest), summed in split order), resets it and
-    returns True (the others False).
+    does per head (each split weighted by 2 ** (its lse - the largest), summed in split order), and resets it.
     out_rows / po_rows / pl_rows: the rows' bases, as _store_slice takes them (a scalar or per row)."""
     # Every thread's part stores are issued before the count; the count releases them (gpu scope) to the program
     # that completes it, which acquires them and reads the parts from L2.
     tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1
-    if last:
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
         splits = tl.arange(0, SPLITS_PAD)
         lse_rows = pl_rows + head * stride_pl_head
         lse = tl.load(lse_rows[None, :] + splits[:, None], mask=(splits < num_active)[:, None] & row_ok[None, :],
@@ -563,7 +539,6 @@ def _count_split_and_reduce(counter, num_splits, num_active, out_rows, po_rows, 
         tl.store(out_rows + head[:, None] * stride_oh + dims[None, :], out.to(out_rows.dtype.element_ty),
                  mask=io_mask)
         tl.atomic_xchg(counter, 0)  # (zero for the next launch)
-    return last
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head",
@@ -571,11 +546,10 @@ def _count_split_and_reduce(counter, num_splits, num_active, out_rows, po_rows, 
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, out_scale_ptr, num_splits, window,
     stride_ot, stride_oh, stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq, stride_pl_head,
+    a_ptr, slot_ptr, fold_part_ptr, h_ptr, counter_ptr, NR, stride_as, stride_an, stride_fp_head, stride_fp_seq,
+    stride_hm,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
-    # FOLD: the consumer's LoRA shrink of the output (OutputShrink; `_fold_args`)
-    a_ptr=None, slot_ptr=None, fold_part_ptr=None, h_ptr=None, fold_counter_ptr=None, NR=16, stride_as=0,
-    stride_an=0, stride_fp_head=0, stride_fp_seq=0, stride_hm=0,
     FOLD: tl.constexpr = False,  # also the consumer's shrink of the output (OutputShrink)
     NR_PAD: tl.constexpr = 16, NUM_HEADS: tl.constexpr = 1,
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (an FP8 cache's v_scale)
@@ -623,7 +597,7 @@ def _decode_reduce_kernel(
         if slot >= 0:  # this head's share of A[slot] @ out[seq]; the last head of the row adds them up in order
             part = tl.sum(a * out.to(tl.float32)[None, :], axis=1)
             store_partial_and_fold(part, fold_part_ptr, head, stride_fp_head, seq * stride_fp_seq, offs_q, q_ok,
-                                   h_ptr + seq * stride_hm, fold_counter_ptr + seq, NUM_HEADS, NR_PAD)
+                                   h_ptr + seq * stride_hm, counter_ptr + seq, NUM_HEADS, NR_PAD)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_row", "stride_po_head", "stride_pl_row",
@@ -810,7 +784,8 @@ def paged_few_query_attention(
     # Rows of tokens of no request (graph padding) merge whatever their workspace rows hold: nothing reads them.
     _decode_reduce_kernel[(num_tokens, num_heads)](
         output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
-        output.stride(0), output.stride(1), *part_strides,
+        output.stride(0), output.stride(1), *part_strides, output, seq_lens, output, output, seq_lens,
+        0, 0, 0, 0, 0, 0,
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
         OUT_SCALE=out_scale is not None, ALL_SPLITS=True, num_warps=4 if head_pad >= 128 else 2,
         **pdl_launch_args(query.device))
@@ -899,29 +874,11 @@ def split_reduce_counters(device: torch.device) -> torch.Tensor:
     decode launch on `device`: allocated once, at the most (request, kv head) pairs a split launch has (it splits
     only while pairs x splits <= twice _DECODE_PROGRAMS_PER_SM programs per SM), so captured graphs keep their
     address. The attention backend asks for it before capturing."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # (one buffer per GPU, however the device is named)
-        device = torch.device("cuda", torch.cuda.current_device())
     counters = _SPLIT_COUNTERS.get(device)
     if counters is None:
         counters = _SPLIT_COUNTERS[device] = torch.zeros(_DECODE_PROGRAMS_PER_SM * sm_count(device) + 1,
                                                          dtype=torch.int32, device=device)
     return counters
-
-
-def _fold_args(shrink: OutputShrink, parts: int, num_seqs: int, num_heads: int, head_size: int,
-               device: torch.device) -> dict:
-    """The split reduce's LoRA fold arguments, by the kernels' parameter names (the reduce kernel: a part per head;
-    the fused reduce: per kv head); marks the shrink done."""
-    a, h = shrink.a, shrink.h
-    assert a.is_contiguous() and a.shape[2] == num_heads * head_size and shrink.counters.numel() >= num_seqs
-    nr = a.shape[1]
-    fold_part = torch.empty((parts, num_seqs, nr), dtype=torch.float32, device=device)
-    shrink.done = True
-    return dict(a_ptr=a, slot_ptr=shrink.token_slots, fold_part_ptr=fold_part, h_ptr=h,
-                fold_counter_ptr=shrink.counters, NR=nr, stride_as=a.stride(0), stride_an=a.stride(1),
-                stride_fp_head=fold_part.stride(0), stride_fp_seq=fold_part.stride(1), stride_hm=h.stride(1),
-                NR_PAD=max(16, triton.next_power_of_2(nr)))
 
 
 def _fused_reduce_args(pairs: int, num_splits: int, device: torch.device) -> dict:
@@ -1017,10 +974,7 @@ def paged_decode_attention(
 
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_seqs, num_heads, num_splits, head_pad,
                                                          query.device)
-    fused = _fused_reduce_args(num_seqs * num_kv_heads, num_splits, query.device)
-    if fused and shrink is not None:  # the shrink folded by the program that reduces each kv head's rows
-        fused.update(_fold_args(shrink, num_kv_heads, num_seqs, num_heads, head_size, query.device), FOLD=True,
-                     NUM_KV=num_kv_heads)
+    fused = _fused_reduce_args(num_seqs * num_kv_heads, num_splits, query.device) if shrink is None else {}
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E,
         num_splits, window, soft_cap,
@@ -1028,15 +982,21 @@ def paged_decode_attention(
         *part_strides, SINGLE_SPLIT=False, **common, **fused)
     if fused:
         return output
-    fold = {}
+    fold_args, fold_meta = (output, seq_lens, output, output, seq_lens, 0, 0, 0, 0, 0, 0), {}  # (unread)
     if shrink is not None:
-        fold = dict(_fold_args(shrink, num_heads, num_seqs, num_heads, head_size, query.device), FOLD=True,
-                    NUM_HEADS=num_heads)
+        a, h = shrink.a, shrink.h
+        assert a.is_contiguous() and a.shape[2] == num_heads * head_size and shrink.counters.numel() >= num_seqs
+        nr = a.shape[1]
+        fold_part = torch.empty((num_heads, num_seqs, nr), dtype=torch.float32, device=query.device)
+        fold_args = (a, shrink.token_slots, fold_part, h, shrink.counters, nr, a.stride(0), a.stride(1),
+                     fold_part.stride(0), fold_part.stride(1), h.stride(1))
+        fold_meta = dict(FOLD=True, NR_PAD=max(16, triton.next_power_of_2(nr)), NUM_HEADS=num_heads)
+        shrink.done = True
     _decode_reduce_kernel[(num_seqs, num_heads)](
         output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
-        output.stride(0), output.stride(1), *part_strides,
+        output.stride(0), output.stride(1), *part_strides, *fold_args,
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        OUT_SCALE=out_scale is not None, num_warps=4 if head_pad >= 128 else 2, **fold, **launch)
+        OUT_SCALE=out_scale is not None, num_warps=4 if head_pad >= 128 else 2, **fold_meta, **launch)
     return output
 
 
