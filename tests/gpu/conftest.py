@@ -17,14 +17,6 @@ import pytest
 _NAN_WORD = 0x7FC07FC0
 
 
-@pytest.fixture(params=["reduce-kernel", "fused-reduce"])
-def split_reduce(request, monkeypatch):
-    """Split attention launches reduced by the reduce kernel, or by their last split program (the fused reduce,
-    PAGEDLLM_FUSED_SPLIT_REDUCE)."""
-    monkeypatch.setenv("PAGEDLLM_FUSED_SPLIT_REDUCE", "1" if request.param == "fused-reduce" else "0")
-    return request.param
-
-
 @pytest.fixture
 def stale_cuda_memory():
     """Before the test, fill the CUDA caching allocator's free memory with NaN, so an output element a kernel

@@ -109,6 +109,13 @@ def test_long_prefill(dtype):
 DECODE_LENS = [1, 2, 15, 16, 17, 63, 64, 65, 129, 1000, 4097]
 
 
+@pytest.fixture(params=["reduce-kernel", "fused-reduce"])
+def split_reduce(request, monkeypatch):
+    """Split decode launches reduced by the second kernel, or by their last split program (the fused reduce)."""
+    monkeypatch.setenv("PAGEDLLM_FUSED_SPLIT_REDUCE", "1" if request.param == "fused-reduce" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_decode(cfg, split_reduce):
     head_size, num_heads, num_kv_heads, block_size, dtype = cfg

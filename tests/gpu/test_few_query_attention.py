@@ -55,7 +55,7 @@ def _run(batch, q_pad=None, **kw):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
-def test_every_split_count_gives_the_reference(cfg, split_reduce):
+def test_every_split_count_gives_the_reference(cfg):
     head_size, num_heads, num_kv_heads, block_size, dtype = cfg
     batch = build_batch(VERIFY, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
     ref, _ = reference(batch)
@@ -66,7 +66,7 @@ def test_every_split_count_gives_the_reference(cfg, split_reduce):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:1], ids=CONFIG_IDS[:1])
-def test_wider_tiles_and_graph_padding_rows(cfg, split_reduce):
+def test_wider_tiles_and_graph_padding_rows(cfg):
     """A tile of more query tokens than any request has (a graph captured for k + 1 = 16), and request rows past
     the step's requests (no query tokens: their query_start_loc entries repeat the token count) with stale block
     tables and lengths, as a padded mixed-graph step has."""

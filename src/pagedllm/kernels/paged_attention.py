@@ -498,47 +498,43 @@ def _decode_kernel(
                  part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, has_work, split, out_scale_ptr,
                  stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
     if FUSED_REDUCE:
-        num_active = tl.cdiv(seq_len - lo, tl.maximum(part_len, 1))  # splits with work (0 if seq_len == 0)
-        _count_split_and_reduce(counter_ptr + seq * tl.num_programs(0) + kv_head, num_splits, num_active,
-                                out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
-                                part_lse_ptr + seq64 * stride_pl_seq, out_scale_ptr, head, dims, io_mask, row_ok,
-                                stride_oh, stride_po_head, stride_po_split, stride_pl_head, GQA_PAD, HEAD_PAD,
-                                SPLITS_PAD, OUT_SCALE)
+        # Every thread's stores are issued before the count; the count releases them (gpu scope) to the program
+        # that sees it reach num_splits, which acquires them and reads the parts from L2.
+        tl.debug_barrier()
+        counter = counter_ptr + seq * tl.num_programs(0) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            num_active = tl.cdiv(seq_len - lo, tl.maximum(part_len, 1))  # splits with work (0 if seq_len == 0)
+            _reduce_splits(out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
+                           part_lse_ptr + seq64 * stride_pl_seq, out_scale_ptr, head, dims, io_mask, row_ok,
+                           num_active, stride_oh, stride_po_head, stride_po_split, stride_pl_head, GQA_PAD,
+                           HEAD_PAD, SPLITS_PAD, OUT_SCALE)
+            tl.atomic_xchg(counter, 0)  # (zero for the next launch)
 
 
 @triton.jit
-def _count_split_and_reduce(counter, num_splits, num_active, out_rows, po_rows, pl_rows, out_scale_ptr, head, dims,
-                            io_mask, row_ok, stride_oh, stride_po_head, stride_po_split, stride_pl_head,
-                            ROWS: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                            OUT_SCALE: tl.constexpr):
-    """The fused split reduce (after _store_slice): count this split program in `counter`; the program that makes
-    the count num_splits computes the program's rows' outputs from every split's parts, as _decode_reduce_kernel
-    does per head (each split weighted by 2 ** (its lse - the largest), summed in split order), and resets it.
-    out_rows / po_rows / pl_rows: the rows' bases, as _store_slice takes them (a scalar or per row)."""
-    # Every thread's part stores are issued before the count; the count releases them (gpu scope) to the program
-    # that completes it, which acquires them and reads the parts from L2.
-    tl.debug_barrier()
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        splits = tl.arange(0, SPLITS_PAD)
-        lse_rows = pl_rows + head * stride_pl_head
-        lse = tl.load(lse_rows[None, :] + splits[:, None], mask=(splits < num_active)[:, None] & row_ok[None, :],
-                      other=float("-inf"), cache_modifier=".cg")
-        lse_max = tl.max(lse, 0)
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        denom = tl.sum(tl.exp2(lse - lse_max[None, :]), 0)
-        denom = tl.where(denom == 0.0, 1.0, denom)
-        acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
-        for split in range(0, num_active):
-            w = tl.exp2(tl.load(lse_rows + split, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - lse_max)
-            part = tl.load(po_rows + head[:, None] * stride_po_head + split * stride_po_split + dims[None, :],
-                           mask=io_mask, other=0.0, cache_modifier=".cg")
-            acc += part * w[:, None]
-        out = acc / denom[:, None]
-        if OUT_SCALE:
-            out = out * tl.load(out_scale_ptr)
-        tl.store(out_rows + head[:, None] * stride_oh + dims[None, :], out.to(out_rows.dtype.element_ty),
-                 mask=io_mask)
-        tl.atomic_xchg(counter, 0)  # (zero for the next launch)
+def _reduce_splits(out_rows, po_rows, pl_rows, out_scale_ptr, head, dims, io_mask, row_ok, num_active,
+                   stride_oh, stride_po_head, stride_po_split, stride_pl_head,
+                   GQA_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, OUT_SCALE: tl.constexpr):
+    """The query's output for one kv head's query heads from its splits' parts (as _decode_reduce_kernel computes
+    it per head): each split weighted by 2 ** (its lse - the largest), summed split by split in split order."""
+    splits = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(pl_rows + head[None, :] * stride_pl_head + splits[:, None],
+                  mask=(splits < num_active)[:, None] & row_ok[None, :], other=float("-inf"), cache_modifier=".cg")
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    denom = tl.sum(tl.exp2(lse - lse_max[None, :]), 0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    acc = tl.zeros([GQA_PAD, HEAD_PAD], tl.float32)
+    for split in range(0, num_active):
+        w = tl.exp2(tl.load(pl_rows + head * stride_pl_head + split, mask=row_ok, other=float("-inf"),
+                            cache_modifier=".cg") - lse_max)
+        part = tl.load(po_rows + head[:, None] * stride_po_head + split * stride_po_split + dims[None, :],
+                       mask=io_mask, other=0.0, cache_modifier=".cg")
+        acc += part * w[:, None]
+    out = acc / denom[:, None]
+    if OUT_SCALE:
+        out = out * tl.load(out_scale_ptr)
+    tl.store(out_rows + head[:, None] * stride_oh + dims[None, :], out.to(out_rows.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head",
@@ -617,9 +613,6 @@ def _few_query_kernel(
     Q_FP16: tl.constexpr = False,
     OUT_SCALE: tl.constexpr = False,  # (SINGLE_SPLIT; else the reduce applies it)
     V_WORDS: tl.constexpr = False,
-    counter_ptr=None,  # FUSED_REDUCE: an int32 per (request, kv head), zero between launches
-    FUSED_REDUCE: tl.constexpr = False,  # the last split of each (request, kv head) to finish reduces them all
-    SPLITS_PAD: tl.constexpr = 1,  # (FUSED_REDUCE) num_splits rounded up to a power of two
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): every query token of a request (<= Q_PAD) and the GQA group of one kv
@@ -671,12 +664,6 @@ def _few_query_kernel(
         _store_slice(acc, m_i, l_i, out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
                      part_lse_ptr + tok64 * stride_pl_row, head, dims, io_mask, row_ok, q_len > 0, split, out_scale_ptr,
                      stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
-        if FUSED_REDUCE:  # (every split wrote its part: all of them count)
-            _count_split_and_reduce(counter_ptr + seq * tl.num_programs(0) + kv_head, num_splits, num_splits,
-                                    out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
-                                    part_lse_ptr + tok64 * stride_pl_row, out_scale_ptr, head, dims, io_mask, row_ok,
-                                    stride_oh, stride_po_head, stride_po_split, stride_pl_head, Q_PAD * GQA_PAD,
-                                    HEAD_PAD, SPLITS_PAD, OUT_SCALE)
 
 
 # Few-query launches (`paged_few_query_attention`): at most this many query tokens per request, and tiles of at most
@@ -774,13 +761,10 @@ def paged_few_query_attention(
         return output
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_tokens, num_heads, num_splits, head_pad,
                                                          query.device)
-    fused = _fused_reduce_args(num_seqs * num_kv_heads, num_splits, query.device)
     _few_query_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, query_start_loc, scale_arg,
         scale * LOG2E, num_splits, window, soft_cap, *head_strides, *cache_strides, *part_strides,
-        SINGLE_SPLIT=False, **common, **fused)
-    if fused:
-        return output
+        SINGLE_SPLIT=False, **common)
     # Rows of tokens of no request (graph padding) merge whatever their workspace rows hold: nothing reads them.
     _decode_reduce_kernel[(num_tokens, num_heads)](
         output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
@@ -881,17 +865,6 @@ def split_reduce_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def _fused_reduce_args(pairs: int, num_splits: int, device: torch.device) -> dict:
-    """The split kernels' arguments for reducing their own splits (PAGEDLLM_FUSED_SPLIT_REDUCE), or {} (the reduce
-    kernel) when it is off or the launch has more (request, kv head) pairs than the counters."""
-    if not envs.PAGEDLLM_FUSED_SPLIT_REDUCE:
-        return {}
-    counters = split_reduce_counters(device)
-    if pairs > counters.numel():
-        return {}
-    return dict(counter_ptr=counters, FUSED_REDUCE=True, SPLITS_PAD=triton.next_power_of_2(num_splits))
-
-
 def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, device: torch.device,
                            max_splits: int = 64) -> tuple[int, int]:
     """Worst-case (part_out, part_lse) element counts over every batch size and cache dtype; allocate once."""
@@ -974,7 +947,11 @@ def paged_decode_attention(
 
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_seqs, num_heads, num_splits, head_pad,
                                                          query.device)
-    fused = _fused_reduce_args(num_seqs * num_kv_heads, num_splits, query.device) if shrink is None else {}
+    fused = {}
+    if envs.PAGEDLLM_FUSED_SPLIT_REDUCE and shrink is None:
+        counters = split_reduce_counters(query.device)
+        if num_seqs * num_kv_heads <= counters.numel():
+            fused = dict(counter_ptr=counters, FUSED_REDUCE=True, SPLITS_PAD=triton.next_power_of_2(num_splits))
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E,
         num_splits, window, soft_cap,
