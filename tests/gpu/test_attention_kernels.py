@@ -109,15 +109,8 @@ def test_long_prefill(dtype):
 DECODE_LENS = [1, 2, 15, 16, 17, 63, 64, 65, 129, 1000, 4097]
 
 
-@pytest.fixture(params=["reduce-kernel", "fused-reduce"])
-def split_reduce(request, monkeypatch):
-    """Split decode launches reduced by the second kernel, or by their last split program (the fused reduce)."""
-    monkeypatch.setenv("PAGEDLLM_FUSED_SPLIT_REDUCE", "1" if request.param == "fused-reduce" else "0")
-    return request.param
-
-
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
-def test_decode(cfg, split_reduce):
+def test_decode(cfg):
     head_size, num_heads, num_kv_heads, block_size, dtype = cfg
     specs = [(n - 1, 1) for n in DECODE_LENS]
     batch = build_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
@@ -150,7 +143,7 @@ def test_decode(cfg, split_reduce):
 @pytest.mark.skipif(DEVICE != "cuda", reason="too large for the interpreter")
 @pytest.mark.parametrize("num_seqs,ctx", [(1, 32768), (3, 16384), (200, 300), (64, 2048)])
 @pytest.mark.parametrize("dtype", [BF16, FP32])
-def test_decode_long_and_wide(num_seqs, ctx, dtype, split_reduce):
+def test_decode_long_and_wide(num_seqs, ctx, dtype):
     specs = [(ctx - 1 - (i * 7) % 50, 1) for i in range(num_seqs)]
     batch = build_batch(specs, 32, 8, 128, 16, dtype, DEVICE)
     out = TritonAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache,
@@ -159,7 +152,7 @@ def test_decode_long_and_wide(num_seqs, ctx, dtype, split_reduce):
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_decode_zero_length_rows_give_zeros(dtype, split_reduce):
+def test_decode_zero_length_rows_give_zeros(dtype):
     """CUDA-graph padding requests have seq_len 0: zero output, no cache reads, no NaN."""
     batch = build_batch([(10, 1), (300, 1), (0, 1), (0, 1)], 32, 8, 128, 16, dtype, DEVICE)
     md = batch.metadata
@@ -177,9 +170,8 @@ def test_decode_zero_length_rows_give_zeros(dtype, split_reduce):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("num_seqs", [1, 8, 128])
-def test_decode_cuda_graph_replay(num_seqs, split_reduce):
-    """Capture one decode forward, then replay it with new seq_lens, block tables and inputs (with the fused
-    reduce: its counters are back to zero after each replay, so the next one counts from zero)."""
+def test_decode_cuda_graph_replay(num_seqs):
+    """Capture one decode forward, then replay it with new seq_lens, block tables and inputs."""
     num_heads, num_kv_heads, head_size, block_size, dtype = 32, 8, 128, 16, BF16
     q, k, v, kv_cache, out, md, backend = decode_graph_inputs(num_seqs, num_heads, num_kv_heads, head_size,
                                                               block_size, dtype, 4096)
@@ -220,10 +212,6 @@ def test_decode_cuda_graph_replay(num_seqs, split_reduce):
         ref = paged_attention_ref(q, ref_cache, block_table, seq_lens, qsl, scale)
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), **tolerances(dtype))
-        if split_reduce == "fused-reduce":
-            from pagedllm.kernels.paged_attention import split_reduce_counters
-
-            assert int(split_reduce_counters(q.device).abs().sum()) == 0
         # The graph wrote the new tokens' K/V.
         flat = kv_cache.view(2, -1, num_kv_heads, head_size)
         torch.testing.assert_close(flat[0, slot_mapping], k, rtol=0, atol=0)

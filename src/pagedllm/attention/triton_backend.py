@@ -33,7 +33,6 @@ from pagedllm.kernels.paged_attention import (
     paged_few_query_attention,
     paged_prefill_attention,
     prefill_block_m,
-    split_reduce_counters,
 )
 from pagedllm.kernels.qkv_prep import qkv_prep
 from pagedllm.kernels.reshape_and_cache import reshape_and_cache
@@ -79,7 +78,6 @@ class TritonAttentionBackend(AttentionBackend):
                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate (once) the worst-case split-KV workspace; call before CUDA-graph capture."""
         device = torch.device(device)
-        split_reduce_counters(device)  # (the fused reduce's counters: allocated before any capture too)
         return self._workspace((device, num_kv_heads, num_heads, head_size),
                                lambda: decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
                                                               self.max_splits), device)

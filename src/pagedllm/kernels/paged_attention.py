@@ -450,9 +450,6 @@ def _decode_kernel(
     Q_FP16: tl.constexpr = False,  # a bf16 query reads an E4M3 cache in fp16 (fp8_read_args)
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (SINGLE_SPLIT; else the reduce applies it)
     V_WORDS: tl.constexpr = False,  # (Q_FP16 only: V widens to fp16)
-    counter_ptr=None,  # FUSED_REDUCE: an int32 per (request, kv head), zero between launches
-    FUSED_REDUCE: tl.constexpr = False,  # the last split of each (request, kv head) to finish reduces them all
-    SPLITS_PAD: tl.constexpr = 1,  # (FUSED_REDUCE) num_splits rounded up to a power of two
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): programs are dispatched kv head fastest, so with an order every head
@@ -497,44 +494,6 @@ def _decode_kernel(
     _store_slice(acc, m_i, l_i, out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
                  part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, has_work, split, out_scale_ptr,
                  stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
-    if FUSED_REDUCE:
-        # Every thread's stores are issued before the count; the count releases them (gpu scope) to the program
-        # that sees it reach num_splits, which acquires them and reads the parts from L2.
-        tl.debug_barrier()
-        counter = counter_ptr + seq * tl.num_programs(0) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            num_active = tl.cdiv(seq_len - lo, tl.maximum(part_len, 1))  # splits with work (0 if seq_len == 0)
-            _reduce_splits(out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
-                           part_lse_ptr + seq64 * stride_pl_seq, out_scale_ptr, head, dims, io_mask, row_ok,
-                           num_active, stride_oh, stride_po_head, stride_po_split, stride_pl_head, GQA_PAD,
-                           HEAD_PAD, SPLITS_PAD, OUT_SCALE)
-            tl.atomic_xchg(counter, 0)  # (zero for the next launch)
-
-
-@triton.jit
-def _reduce_splits(out_rows, po_rows, pl_rows, out_scale_ptr, head, dims, io_mask, row_ok, num_active,
-                   stride_oh, stride_po_head, stride_po_split, stride_pl_head,
-                   GQA_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, OUT_SCALE: tl.constexpr):
-    """The query's output for one kv head's query heads from its splits' parts (as _decode_reduce_kernel computes
-    it per head): each split weighted by 2 ** (its lse - the largest), summed split by split in split order."""
-    splits = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(pl_rows + head[None, :] * stride_pl_head + splits[:, None],
-                  mask=(splits < num_active)[:, None] & row_ok[None, :], other=float("-inf"), cache_modifier=".cg")
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    denom = tl.sum(tl.exp2(lse - lse_max[None, :]), 0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    acc = tl.zeros([GQA_PAD, HEAD_PAD], tl.float32)
-    for split in range(0, num_active):
-        w = tl.exp2(tl.load(pl_rows + head * stride_pl_head + split, mask=row_ok, other=float("-inf"),
-                            cache_modifier=".cg") - lse_max)
-        part = tl.load(po_rows + head[:, None] * stride_po_head + split * stride_po_split + dims[None, :],
-                       mask=io_mask, other=0.0, cache_modifier=".cg")
-        acc += part * w[:, None]
-    out = acc / denom[:, None]
-    if OUT_SCALE:
-        out = out * tl.load(out_scale_ptr)
-    tl.store(out_rows + head[:, None] * stride_oh + dims[None, :], out.to(out_rows.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head",
@@ -850,21 +809,6 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
     return min(max_splits, 1 << (ratio.bit_length() - 1))
 
 
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_reduce_counters(device: torch.device) -> torch.Tensor:
-    """The fused split reduce's counters (one int32 per request and kv head, zero between launches) for every split
-    decode launch on `device`: allocated once, at the most (request, kv head) pairs a split launch has (it splits
-    only while pairs x splits <= twice _DECODE_PROGRAMS_PER_SM programs per SM), so captured graphs keep their
-    address. The attention backend asks for it before capturing."""
-    counters = _SPLIT_COUNTERS.get(device)
-    if counters is None:
-        counters = _SPLIT_COUNTERS[device] = torch.zeros(_DECODE_PROGRAMS_PER_SM * sm_count(device) + 1,
-                                                         dtype=torch.int32, device=device)
-    return counters
-
-
 def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, device: torch.device,
                            max_splits: int = 64) -> tuple[int, int]:
     """Worst-case (part_out, part_lse) element counts over every batch size and cache dtype; allocate once."""
@@ -947,18 +891,11 @@ def paged_decode_attention(
 
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_seqs, num_heads, num_splits, head_pad,
                                                          query.device)
-    fused = {}
-    if envs.PAGEDLLM_FUSED_SPLIT_REDUCE and shrink is None:
-        counters = split_reduce_counters(query.device)
-        if num_seqs * num_kv_heads <= counters.numel():
-            fused = dict(counter_ptr=counters, FUSED_REDUCE=True, SPLITS_PAD=triton.next_power_of_2(num_splits))
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E,
         num_splits, window, soft_cap,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-        *part_strides, SINGLE_SPLIT=False, **common, **fused)
-    if fused:
-        return output
+        *part_strides, SINGLE_SPLIT=False, **common)
     fold_args, fold_meta = (output, seq_lens, output, output, seq_lens, 0, 0, 0, 0, 0, 0), {}  # (unread)
     if shrink is not None:
         a, h = shrink.a, shrink.h
