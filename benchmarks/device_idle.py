@@ -26,6 +26,17 @@ def gpu_intervals(trace_path: str) -> list[dict]:
     return sorted(gpu, key=lambda e: e["ts"])
 
 
+def busy_us(gpu: list[dict]) -> float:
+    """Microseconds some kernel or copy was running (the union of the intervals, sorted by start)."""
+    busy, end = 0.0, gpu[0]["ts"] if gpu else 0.0
+    for e in gpu:
+        start, dur = e["ts"], e["dur"]
+        if start + dur > end:
+            busy += start + dur - max(start, end)
+            end = start + dur
+    return busy
+
+
 def idle_report(gpu: list[dict], steps: int, top: int = 12) -> str:
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
     busy, end, prev = 0.0, gpu[0]["ts"], None

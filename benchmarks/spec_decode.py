@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import statistics
 import time
@@ -192,7 +193,49 @@ def compare_throughput(args, prompts_of, params, label: str, engines=None, one_b
                              for name, llm in (("without", plain), ("with", spec))}
     if getattr(args, "run_profile", False):
         run_profile_diff(plain, spec, prompts, params, one_by_one, label)
+    if getattr(args, "device_busy", False):
+        out["device_busy"] = device_busy_diff(plain, spec, prompts, params, one_by_one, label)
     return out
+
+
+def device_busy_diff(plain, spec, prompts, params, one_by_one: bool, label: str, top: int = 15) -> dict:
+    """One run of each engine under the torch profiler (device activity only): its wall time against the time the
+    GPU ran something (a step whose wall exceeds its device time is host-bound), and the kernels whose total time
+    grows most from the plain engine's run to the speculating engine's (us per run)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from device_idle import busy_us, gpu_intervals
+
+    runs = {}
+    for name, llm in (("without", plain), ("with", spec)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall, tokens = timed_generate(llm, prompts, params, one_by_one)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            gpu = gpu_intervals(path)
+        kernels: dict[str, list[float]] = {}
+        for e in gpu:
+            k = kernels.setdefault(e["name"][:90], [0, 0.0])
+            k[0] += 1
+            k[1] += e["dur"]
+        busy = busy_us(gpu)
+        runs[name] = dict(wall_ms=1e3 * wall, busy_ms=busy / 1e3, tokens=tokens, kernels=kernels)
+        print(f"[busy {label}, {name}] {tokens} tokens: wall {1e3 * wall:.1f} ms (with the profiler), GPU busy "
+              f"{busy / 1e3:.1f} ms ({100 * busy / 1e3 / (1e3 * wall):.0f}%), {len(gpu)} device activities; per "
+              f"token: wall {1e6 * wall / tokens:.1f} us, busy {busy / tokens:.1f} us", flush=True)
+    base = runs["without"]["kernels"]
+    rows = sorted(((total - base.get(n, [0, 0.0])[1], count, base.get(n, [0, 0.0])[0], n)
+                   for n, (count, total) in runs["with"]["kernels"].items()), reverse=True)
+    print(f"[busy {label}] kernels, with - without (us per run; count with / without):")
+    for d, count, p_count, n in rows[:top]:
+        print(f"    {d:10.1f} {count:6d} {p_count:6d}  {n}")
+    for r in runs.values():  # (the JSON keeps each run's 40 largest)
+        top40 = sorted(r["kernels"].items(), key=lambda kv: -kv[1][1])[:40]
+        r["kernels"] = {n: dict(count=c, us=t) for n, (c, t) in top40}
+    return runs
 
 
 def step_kind(plan, k: int) -> str:
@@ -337,8 +380,6 @@ def run_steps(args) -> dict:
     k placeholder drafts for every caught-up request ("always": an experiment of this script, not an engine
     option). Step counts are exact on any device (in fp32 the tokens are the same in every run), so
     steps x each kind's cost (from `verify`) predicts the ratio `ngram` measures."""
-    import os
-
     from pagedllm import SamplingParams
     from pagedllm.core import scheduler as sched_mod
     from pagedllm.spec_decode import scheduling
@@ -686,6 +727,9 @@ def main(argv=None) -> None:
     p.add_argument("--run-profile", action="store_true",
                    help="ngram / batch / sweep: after the timed runs, cProfile one run of each engine and print "
                         "what the speculating engine's run adds")
+    p.add_argument("--device-busy", action="store_true",
+                   help="ngram / batch / sweep: after the timed runs, one run of each engine under the torch profiler "
+                        "(device activity): wall vs GPU busy time, and the kernels the speculating engine adds")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="verify: count eager ops and host syncs per step over STEPS plain and STEPS verify steps, "
                         "and list the host functions whose time grows most in a verify step (cProfile)")
@@ -709,9 +753,15 @@ def main(argv=None) -> None:
         chat_modes.add("draft")
     for flag, used, modes in (("--step-times", args.step_times, {"ngram", "batch", "sweep"}),
                               ("--run-profile", args.run_profile, {"ngram", "batch", "sweep"}),
+                              ("--device-busy", args.device_busy, {"ngram", "batch", "sweep"}),
                               ("--tasks", args.tasks != "edit", chat_modes)):
         if used and args.mode not in modes:
             p.error(f"{flag} applies to the {' / '.join(sorted(modes))} modes, not {args.mode}")
+    if args.device_busy:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device-busy measures the GPU's busy time: it needs a CUDA device")
     if (args.mode == "draft") != bool(args.draft_model):
         p.error("--draft-model is the draft mode's (and that mode needs it)")
     if args.mode == "draft" and args.batch_size not in (None, 1):

@@ -10,6 +10,8 @@ driver runs each (engine, variant) in a child process and prints the table.
     python benchmarks/spec_lora_peer.py lora --model benchmarks/configs/llama3-8b --rank 16
     # --engines pagedllm vllm (default: both; vllm needs the real vLLM: ../shared/device/vllm-peer.sh, whose
     # install dir --vllm-path, default /tmp/vsite, goes first on the vLLM child's PYTHONPATH only)
+    # --vllm-in-process: vLLM's engine core in its child's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0); its
+    # 8B start with LoRA stalled at torch.compile in its engine-core process on the lent H100, twice
 
 vLLM runs with its defaults (torch.compile and CUDA graphs), detokenize off, and the EOS ids stop it as they stop
 pagedllm (it is given them, since it loads no tokenizer). Each row is the median of --iters rounds.
@@ -166,6 +168,8 @@ def _run_child(args, engine: str, variant: str) -> dict:
     if engine == "vllm" and args.vllm_path:  # (vLLM's dependencies first for its child only, not for pagedllm's)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.vllm_path, env.get("PYTHONPATH")]))
         env.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), "vcache"))
+        if args.vllm_in_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     start = time.perf_counter()
     print(f"[{args.mode}] {engine} {variant}: started", flush=True)  # (a call cut off at its limit shows how far)
     try:
@@ -200,6 +204,8 @@ def main(argv=None) -> dict:
     p.add_argument("--child-timeout", type=int, default=900)
     p.add_argument("--vllm-path", default="/tmp/vsite" if os.path.isdir("/tmp/vsite") else None,
                    help="put first on PYTHONPATH for vLLM's child process (where vllm-peer.sh's install went)")
+    p.add_argument("--vllm-in-process", action="store_true",
+                   help="vLLM's engine core in the child's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
