@@ -63,6 +63,9 @@
 #                                        # the vLLM wheel's pieces, one call each: ../shared/device/vllm-peer.sh):
 #                                        # SmolLM2 n-gram k=8 on the edit tasks (peer-ngram-code: the code set), and
 #   bash benchmarks/gpu_spec.sh peer-lora  # batch-1 decode with a rank-16 adapter vs base, 8B shape, both engines
+#                                        # (vLLM's engine core in its child's process: its multiprocess start stalled)
+#   bash benchmarks/gpu_spec.sh busy     # SmolLM2 n-gram k=8 on the edit tasks: each engine's wall vs the GPU's busy
+#                                        # time (host- or device-bound?) and the kernels speculation adds
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -71,7 +74,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, round6, round6-smollm2, peer-ngram-edit, peer-ngram-code, peer-lora, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, round6, round6-smollm2, peer-ngram-edit, peer-ngram-code, peer-lora, busy, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -279,7 +282,12 @@ peer-ngram-edit|peer-ngram-code)  # vLLM beside pagedllm (its pieces already in 
 peer-lora)
     source tests/gpu/vllm_install.sh
     step peer-lora 580 python benchmarks/spec_lora_peer.py lora --model benchmarks/configs/llama3-8b \
-        --rank 16 --json "$out/peer-lora.json"
+        --rank 16 --vllm-in-process --json "$out/peer-lora.json"
+    ;;
+busy)
+    STEP_SUMMARY="$STEP_SUMMARY|\[busy|^    "
+    step busy-ngram8-edit 200 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 2 --k 8 \
+        --tasks edit --step-times --device-busy --json "$out/busy-ngram8-edit.json"
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \

@@ -180,6 +180,8 @@ def compile_variant(v: Variant, args):
     try:
         # FP fusion on: Triton's default up to 3.9, which the launcher gets (it passes none)
         options = {"num_warps": args.warps, "num_stages": v.stages, "enable_fp_fusion": True}
+        if args.maxnreg:
+            options["maxnreg"] = args.maxnreg
         kernel = triton.compile(src, target=target, options=options)
     except Exception as e:  # noqa: BLE001 (say which variant failed, then re-raise)
         print(f"kernel_sass.py: compiling {v.name} for sm_{ARCH} failed: {e}", file=sys.stderr)
@@ -357,6 +359,8 @@ def main():
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16, help="cache block size")
     p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--maxnreg", type=int, default=None,
+                   help="cap the registers per thread (Triton's maxnreg launch option): spills vs CTAs per SM")
     p.add_argument("--single-split", action="store_true", help="SINGLE_SPLIT (one program per request and head)")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--dump", default=None, help="keep each variant's TTGIR, PTX and SASS in this folder")
@@ -378,7 +382,8 @@ def main():
         print(f"compiling {v.name} ...", file=sys.stderr, flush=True)
         rows.append(measure(v, args, tools))
     print(f"_decode_kernel for sm_{ARCH}: heads {args.heads}, head size {args.head_size}, block size "
-          f"{args.block_size}, {args.warps} warps, {'one split' if args.single_split else 'split-KV'}; "
+          f"{args.block_size}, {args.warps} warps, {'one split' if args.single_split else 'split-KV'}"
+          f"{f', maxnreg {args.maxnreg}' if args.maxnreg else ''}; "
           f"triton {triton.__version__}\n")
     print(tables(rows))
     if args.json:
