@@ -65,7 +65,10 @@
 #   bash benchmarks/gpu_spec.sh peer-lora  # batch-1 decode with a rank-16 adapter vs base, 8B shape, both engines
 #                                        # (vLLM's engine core in its child's process: its multiprocess start stalled)
 #   bash benchmarks/gpu_spec.sh busy     # SmolLM2 n-gram k=8 on the edit tasks: each engine's wall vs the GPU's busy
-#                                        # time (host- or device-bound?) and the kernels speculation adds
+#                                        # time (host- or device-bound?) and the kernels speculation adds; the
+#                                        # n-gram proposal's device time per launch, per-n vs one-pass scan
+#                                        # (spec_kernels.py; its interpreter test first), then the edit row with
+#                                        # the one-pass scan
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -285,9 +288,16 @@ peer-lora)
         --rank 16 --vllm-in-process --json "$out/peer-lora.json"
     ;;
 busy)
-    STEP_SUMMARY="$STEP_SUMMARY|\[busy|^    "
+    STEP_SUMMARY="$STEP_SUMMARY|\[busy|^    |^  batch|spec_step_outputs"
     step busy-ngram8-edit 200 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 2 --k 8 \
         --tasks edit --step-times --device-busy --json "$out/busy-ngram8-edit.json"
+    step spec-tests 150 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_spec_decode_gpu.py \
+        -k "device_ngram or ngram_on_cuda"
+    PAGEDLLM_NGRAM_ONE_PASS=1 step spec-tests-one-pass 150 python -m pytest -m gpu -q -x -p no:cacheprovider \
+        tests/gpu/test_spec_decode_gpu.py -k "device_ngram or ngram_on_cuda"
+    step spec-kernels 120 python benchmarks/spec_kernels.py --json "$out/spec-kernels.json"
+    PAGEDLLM_NGRAM_ONE_PASS=1 step ngram8-edit-one-pass 150 python benchmarks/spec_decode.py ngram --model "$gguf" \
+        --dtype bfloat16 --iters 5 --k 8 --tasks edit --step-times --json "$out/ngram8-edit-one-pass.json"
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \

@@ -13,15 +13,19 @@ which would make the host, not the device, the bound of a speculating step. So o
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm import envs
 from pagedllm.kernels.triton_launch import direct
 
 _SCAN = 256  # history positions compared per iteration of a proposal's scan
+# The proposal's scan in one backward pass (_latest_match_one_pass) instead of one pass per n-gram length; off until
+# measured on a GPU (the A/B: benchmarks/spec_kernels.py).
+NGRAM_ONE_PASS = envs.PAGEDLLM_NGRAM_ONE_PASS
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (changes from step to step: no recompiles mid-run)
@@ -63,7 +67,7 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
                          hist_ptr, hist_stride, width, lens_ptr, drafts_ptr, nd_ptr, out_ptr, out_stride,
                          final_out_ptr, K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr,
                          ACC_MODE: tl.constexpr, PROPOSE: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
-                         FINAL_OUT: tl.constexpr):
+                         FINAL_OUT: tl.constexpr, ONE_PASS: tl.constexpr = False, NUM_N: tl.constexpr = 1):
     r = tl.program_id(0)
     row = tl.load(rows_ptr + r)
     start = tl.load(starts_ptr + r)
@@ -94,7 +98,13 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
     tl.store(out_ptr + out_stride + r, last)
     tl.store(out_ptr + 2 * out_stride + r, cnt - emitted)
     tl.store(out_ptr + 3 * out_stride + r, tl.load(nd_ptr + row))
-    if PROPOSE:
+    if PROPOSE and ONE_PASS:
+        tl.debug_barrier()  # the tokens just stored are the suffix the lookup reads
+        dstart, count = _latest_match_one_pass(base, new_len, K, MIN_N, MAX_N, NUM_N, SCAN)
+        km = offs < K
+        drafts = tl.load(base + tl.minimum(dstart + offs, width - 1), mask=km, other=0).to(tl.int64)
+        tl.store(drafts_ptr + row * K + offs, drafts, mask=km)
+    elif PROPOSE:
         tl.debug_barrier()  # the tokens just stored are the suffix the lookup reads
         found = new_len < 0  # False
         dstart = new_len * 0
@@ -120,6 +130,40 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
         count = new_len * 0
     tl.store(nd_ptr + row, count)
     tl.store(out_ptr + 4 * out_stride + r, count)
+
+
+@triton.jit
+def _latest_match_one_pass(base, new_len, K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr,
+                           NUM_N: tl.constexpr, SCAN: tl.constexpr):
+    """The proposal's (draft start, draft count) from one backward pass over the history, where the per-n loop
+    above takes up to MAX_N - MIN_N + 1 passes (all of them when no long n-gram matches, a plain step's usual case).
+    For each candidate match end e (the draft starts at e + 1; e <= new_len - 2 so that a token follows the match)
+    it counts how many of the suffix's last tokens match backwards from e (at most MAX_N), and keeps, per n, the
+    latest e matching n tokens: the same choice as the loop's (the longest n, then the latest match). Chunks are
+    scanned from the end and the scan stops at the first chunk with a full MAX_N match (the latest one)."""
+    lanes = tl.arange(0, SCAN)
+    ns = MIN_N + tl.arange(0, NUM_N)  # (NUM_N: MAX_N - MIN_N + 1 rounded up to a power of two)
+    n_ok = ns <= MAX_N
+    bests = tl.full([NUM_N], -1, tl.int32)
+    hi = new_len - 2  # the last candidate end
+    e0 = (hi - SCAN + 1).to(tl.int32)
+    while (e0 + SCAN > MIN_N - 1) & (tl.max(tl.where(ns == MAX_N, bests, -1), axis=0) < 0):
+        e = e0 + lanes
+        alive = (e >= MIN_N - 1) & (e <= hi)
+        run = tl.zeros([SCAN], tl.int32)
+        for j in tl.static_range(MAX_N):
+            at = new_len - 1 - j
+            want = tl.where(at >= 0, tl.load(base + tl.maximum(at, 0)), -2)  # (token ids are >= 0)
+            got = tl.load(base + e - j, mask=alive & (e - j >= 0), other=-1)
+            alive = alive & (got == want)
+            run += alive.to(tl.int32)
+        latest = tl.max(tl.where(run[None, :] >= ns[:, None], e[None, :], -1), axis=1)  # [NUM_N], per n
+        bests = tl.maximum(bests, latest)
+        e0 -= SCAN
+    found_n = tl.max(tl.where(n_ok & (bests >= 0), ns, 0), axis=0)
+    dstart = tl.sum(tl.where(ns == found_n, bests, 0), axis=0) + 1
+    count = tl.where(found_n > 0, tl.minimum(new_len - dstart, K), 0)
+    return tl.where(found_n > 0, dstart, 0), count
 
 
 # Both run eagerly on every step of a speculating engine: launched directly.
@@ -151,13 +195,14 @@ def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.T
 def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, final: torch.Tensor,
                       hist: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
                       min_n: int, max_n: int, propose: bool, draft_src=None, input_ids=None, accepted=None,
-                      out=None, final_out=None) -> torch.Tensor:
+                      out=None, final_out=None, one_pass: Optional[bool] = None) -> torch.Tensor:
     """For each sampling request (rows, and its verify rows starts[r] .. + counts[r] of `final`): returns int64
     [5, R]: emitted count, last emitted token, rejected drafts, drafts it had (verified now), drafts proposed now;
     appends the emitted tokens to `hist` / `lens` and writes the proposal to `drafts` / `num_drafts` (as
     DeviceNgram.append_and_propose). Acceptance: from `draft_src` + `input_ids` (greedy), else `accepted`, else
     none (every count 1). out: where to write those [5, R] (rows 16-byte aligned); final_out: also a copy of
-    `final` as int64 there (the caller's packed results: spec_decode/device_ngram.DeviceStep)."""
+    `final` as int64 there (the caller's packed results: spec_decode/device_ngram.DeviceStep). one_pass: the
+    proposal's scan (None: NGRAM_ONE_PASS)."""
     num_reqs, k = rows.shape[0], drafts.shape[1]
     if out is None:
         # Rows of an even length: each row 16-byte aligned, as Triton specializes pointers (the next step's kernel
@@ -170,12 +215,14 @@ def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Te
     max_n = min(max_n, hist.shape[1] - 1)  # (longer n-grams cannot match: as propose_ngram's `width <= n`)
     if min_n > max_n:
         min_n, max_n = 1, 0  # no n to try: nothing is proposed
+    one_pass = (NGRAM_ONE_PASS if one_pass is None else one_pass) and min_n <= max_n
     _spec_outputs[(num_reqs,)](
         rows, starts, counts, final, draft_src if draft_src is not None else dummy,
         input_ids if input_ids is not None else dummy, accepted if accepted is not None else dummy,
         hist, hist.stride(0), hist.shape[1], lens, drafts, num_drafts, out, out.stride(0),
         final_out if final_out is not None else dummy, K=k, MIN_N=min_n, MAX_N=max_n, ACC_MODE=mode,
-        PROPOSE=propose, BLOCK_K=triton.next_power_of_2(k + 1), SCAN=_SCAN, FINAL_OUT=final_out is not None)
+        PROPOSE=propose, BLOCK_K=triton.next_power_of_2(k + 1), SCAN=_SCAN, FINAL_OUT=final_out is not None,
+        ONE_PASS=one_pass, NUM_N=triton.next_power_of_2(max(1, max_n - min_n + 1)))
     return out
 
 
