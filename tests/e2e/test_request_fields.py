@@ -60,6 +60,19 @@ def test_allowed_token_ids_only(http: httpx.Client, offline_llm) -> None:
     assert r.json()["choices"][0]["text"] == ref.outputs[0].text
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9}])
+def test_constraints_leaving_no_token_are_a_400(http: httpx.Client, sampling: dict) -> None:
+    """allowed_token_ids = a stop token, with min_tokens not reached: no token may follow. The request fails with a
+    400 saying so (it crashed the engine with top-p, and greedy emitted a forbidden token); the server goes on."""
+    (t,) = _ids(http, " one")[:1]
+    r = http.post(CMPL, json={"prompt": PROMPT, "max_tokens": 4, "allowed_token_ids": [t], "stop_token_ids": [t],
+                              "min_tokens": 2, **sampling})
+    assert r.status_code == 400, r.text
+    assert "no token satisfies" in r.json()["error"]["message"]
+    ok = http.post(CMPL, json={"prompt": PROMPT, "max_tokens": 2, **sampling})
+    assert ok.status_code == 200, ok.text
+
+
 def test_prompt_logprobs_equal_offline(http: httpx.Client, offline_llm) -> None:
     ids = _ids(http, PROMPT)
     ref = _offline(offline_llm, ids, max_tokens=1, prompt_logprobs=2).prompt_logprobs

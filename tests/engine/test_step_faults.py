@@ -70,3 +70,38 @@ def test_one_request_fault_fails_only_that_request(tiny_llama_dir: str, async_sc
     assert faulty == {"a": clean["a"], "c": clean["c"]}  # recomputed after the failed step: the same tokens
     assert not core.has_unfinished_requests()
     assert core.scheduler.kv_cache_manager.get_usage() == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("sampling", ["greedy", "top_p"])
+def test_constraints_leaving_no_token_fail_only_that_request(tiny_llama_dir: str, async_scheduling: bool,
+                                                             sampling: str) -> None:
+    """A request whose masks leave no token at some step (allowed_token_ids = its own stop token, with min_tokens
+    not yet reached) is failed with a 400 saying so, at that step; the others go on with their own tokens (the
+    sampler must neither crash on the all -inf row, as top-p did, nor emit a token the request forbids, as the
+    argmax did)."""
+    kwargs = dict(model=tiny_llama_dir, device="cpu", kv_cache_memory_bytes=16 << 20, async_scheduling=async_scheduling,
+                  enable_prefix_caching=False)
+    clean, failures = _run(EngineCore(**kwargs))
+    assert not failures
+    core = EngineCore(**kwargs)
+    temperature = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.8, top_p=0.9, seed=1)
+    core.add_request(EngineCoreRequest("x", [5, 6, 7], SamplingParams(
+        max_tokens=8, allowed_token_ids=[40], stop_token_ids=[40], min_tokens=3, **temperature)))
+    errors: list[RequestStepError] = []
+    run_step = core.step
+
+    def step():
+        try:
+            return run_step()
+        except RequestStepError as e:
+            errors.append(e)
+            raise
+
+    core.step = step
+    others, failures = _run(core)
+    assert failures == [["x"]]
+    assert errors[0].status == 400 and "no token satisfies" in errors[0].message
+    assert others == clean  # (x's failure preempted and recomputed the others: the same tokens)
+    assert not core.has_unfinished_requests()
+    assert core.scheduler.kv_cache_manager.get_usage() == 0

@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from pagedllm.core.errors import NO_ALLOWED_TOKEN
 from pagedllm.layers.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
 from pagedllm.layers.top_k_top_p import (apply_top_k_top_p, apply_top_k_top_p_prefix, mask_below,
                                            top_k_top_p_cutoff_sort)
@@ -130,6 +131,9 @@ class SamplingMetadata:
     # Structured outputs: int32 [N, ceil(V / 32)] allowed-token bits per row (all ones for unconstrained rows);
     # applied first, so every later stage and the logprobs see the masked distribution. Set by the runner.
     token_bitmask: Optional[torch.Tensor] = None
+    # Set by process_logits where a mask applied: [N] bool, the rows whose every token the masks forbid (a grammar,
+    # allowed_token_ids, min_tokens in conflict). Their sampled id becomes NO_ALLOWED_TOKEN (mark_no_token).
+    no_token_rows: Optional[torch.Tensor] = None
 
     @property
     def argmax_only(self) -> bool:
@@ -266,7 +270,7 @@ class Sampler(torch.nn.Module):
         lp = None
         if raw_logprobs is not None:
             lp = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
+        return SamplerOutput(sampled_token_ids=mark_no_token(sampled, meta), logprobs=lp)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -283,6 +287,12 @@ class Sampler(torch.nn.Module):
         if meta.min_tokens_mask is not None:
             rows, ids = meta.min_tokens_mask
             logits[rows, ids] = float("-inf")
+        if meta.token_bitmask is not None or meta.constraints is not None or meta.min_tokens_mask is not None:
+            # Masks in conflict can leave a row no token: its logits become uniform so that every sampling path
+            # stays finite (no sync here), and its sampled id is replaced by NO_ALLOWED_TOKEN afterwards.
+            dead = torch.isneginf(logits.amax(dim=-1))
+            logits.masked_fill_(dead.unsqueeze(1), 0.0)
+            meta.no_token_rows = dead
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         return logits, raw_logprobs
@@ -317,6 +327,13 @@ class Sampler(torch.nn.Module):
         elif top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
+
+
+def mark_no_token(ids: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """ids with NO_ALLOWED_TOKEN in the rows the masks left without a token."""
+    if meta.no_token_rows is None:
+        return ids
+    return torch.where(meta.no_token_rows, torch.full_like(ids, NO_ALLOWED_TOKEN), ids)
 
 
 def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> Optional[torch.Tensor]:

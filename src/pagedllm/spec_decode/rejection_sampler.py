@@ -30,6 +30,7 @@ from pagedllm.layers.sampler import (
     exponential_race,
     gather_logprobs,
     inverse_cdf_sample,
+    mark_no_token,
 )
 from pagedllm.sampling_params import _GREEDY_EPS
 
@@ -97,6 +98,9 @@ def rejection_sample(
     lp = None
     if raw_logprobs is not None:
         lp = gather_logprobs(raw_logprobs, final, meta.max_num_logprobs)
+    if meta.no_token_rows is not None:  # (no draft is accepted where no token is allowed)
+        accepted = accepted & ~meta.no_token_rows
+        final = mark_no_token(final, meta)
     return VerifyOutput(accepted, final, lp)
 
 

@@ -222,6 +222,8 @@ class SpecDecodeRunner:
             stats = dev_step.after_step(result.final_token_ids, accepted=result.accepted, keep_final=True)
         # [emitted, last, rejected, drafts verified, drafts proposed] per sampling request, after the rows' tokens
         runner._prev_sampled, runner._prev_rej = stats[1], stats[2]
+        if meta is not None and meta.no_token_rows is not None:  # (the next launch's input ids must be valid)
+            runner._prev_sampled = stats[1].clamp(min=0)
         runner._prev_pos.fill(-1)
         runner._prev_pos[inp.rows[inp.sample_rows]] = np.arange(len(inp.sample_rows))
         packed, stats_at, row_len = dev_step.packed

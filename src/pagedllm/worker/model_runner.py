@@ -375,8 +375,9 @@ class ModelRunner:
         else:
             sampler_out = self.sampler(self.model.compute_logits(sample_hidden), meta)
         sampled = sampler_out.sampled_token_ids
-        # Remember where each request's newest token lives on the device for the next launch.
-        self._prev_sampled = sampled
+        # Remember where each request's newest token lives on the device for the next launch (a row the sampler
+        # marked NO_ALLOWED_TOKEN fails when its output is read; until then its next input must be a valid id).
+        self._prev_sampled = sampled if meta.no_token_rows is None else sampled.clamp(min=0)
         self._prev_pos.fill(-1)
         self._prev_pos[inp.rows[sample_rows]] = np.arange(len(sample_rows))
         num_drafts = None
