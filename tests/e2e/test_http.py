@@ -106,6 +106,18 @@ BAD_INPUTS = [
     ("/v1/nope", {"x": 1}, 404, "Not found"),
     ("/detokenize", {"tokens": [-5]}, 400, "out of vocabulary"),
     ("/tokenize", {}, 400, "exactly one of"),
+    (CHAT, {"messages": [MSG[0], {"role": "assistant", "tool_calls": [{"function": "x"}]}, MSG[0]]}, 400,
+     "messages[1].tool_calls[0].function must be an object"),
+    (CHAT, {"messages": [MSG[0], {"role": "assistant", "tool_calls": [{"function": {"name": 5}}]}, MSG[0]]}, 400,
+     "function.name must be a string"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, 400,
+     "needs a 'text' string"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "needs a 'text' string"),
+    # lone UTF-16 surrogates: valid JSON escapes, not text anything downstream can encode
+    (CMPL, b'{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\udfff"]}', 400, "lone UTF-16 surrogate"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800"}', 400, "lone UTF-16 surrogate"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate"),
 ]
 
 

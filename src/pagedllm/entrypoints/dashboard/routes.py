@@ -69,6 +69,11 @@ def install(app: FastAPI, state: Any) -> DashboardFeed:
         except ValueError:
             body = None
         key = body.get("api_key") if isinstance(body, dict) else None
+        if isinstance(key, str):
+            try:
+                key.encode()
+            except UnicodeEncodeError:  # (a lone surrogate escape: valid JSON, not a key)
+                key = None
         if not isinstance(key, str):
             return Response(dumps(error_body("The body must be {\"api_key\": \"...\"}.", 400, param="api_key")),
                             status_code=400, media_type="application/json")

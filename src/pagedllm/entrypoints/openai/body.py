@@ -4,6 +4,7 @@ non-finite JSON, too deep, unknown or unsupported fields (`fields.py`), validati
 from __future__ import annotations
 
 import json
+import re
 from typing import TypeVar
 
 from fastapi import Request
@@ -41,8 +42,34 @@ def _loads(raw: bytes) -> object:
     return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
 
 
-async def parse_body(request: Request, model: type[T]) -> T:
-    raw = await request.body()
+# A \uD800-\uDFFF escape (one half of a UTF-16 surrogate pair: valid in pairs, which json joins into one
+# character), or a surrogate's own UTF-8 bytes (which the body's decoding lets through, as json.loads does).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def check_unicode(raw: bytes, data: object) -> None:
+    """Refuse strings holding a lone UTF-16 surrogate ("\ud800" is valid JSON): nothing downstream can encode them
+    (the tokenizer, the engine's messages). Walks the strings only when the body has such an escape."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError("The request holds a string that is not valid Unicode: a lone UTF-16 surrogate "
+                               "(an unpaired \\ud800-\\udfff escape).") from None
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def loads_body(raw: bytes) -> object:
+    """The JSON of a request body, every failure a 400 (invalid or non-finite JSON, too deep, not valid Unicode)."""
     try:
         data = _loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -51,6 +78,13 @@ async def parse_body(request: Request, model: type[T]) -> T:
         raise APIError(f"We could not parse the JSON body of your request: {e} is not a finite JSON number.")
     except RecursionError:
         raise limits.too_deep()
+    check_unicode(raw, data)
+    return data
+
+
+async def parse_body(request: Request, model: type[T]) -> T:
+    raw = await request.body()
+    data = loads_body(raw)
     if not isinstance(data, dict):
         raise APIError("The request body must be a JSON object.")
     limits.check_json_depth(data, raw)

@@ -14,9 +14,12 @@ def message_text(content: Any) -> str:
         return content
     texts = []
     for part in content:
-        kind = part.get("type")
+        kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
-            texts.append(str(part.get("text", "")))
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise APIError("A message content part of type 'text' needs a 'text' string.", param="messages")
+            texts.append(text)
         else:
             raise APIError(f"Message content of type {kind!r} is not supported yet; only 'text' parts are.",
                            param="messages")

@@ -33,7 +33,14 @@ def plan_request_tools(req: Any, state: Any) -> tuple[ToolPlan, Any]:
                           getattr(state, "tool_call_parser", "auto"), template)
     except ToolRequestError as e:
         raise APIError(str(e), param=e.param) from None
-    return plan, partial(prepare_conversation, plan=plan, template=template)
+    return plan, partial(_prepare, plan=plan, template=template)
+
+
+def _prepare(conv: list[dict], plan: ToolPlan, template: Optional[str]) -> tuple[list[dict], Optional[list]]:
+    try:
+        return prepare_conversation(conv, plan, template)
+    except ToolRequestError as e:  # (a malformed tool call in the history)
+        raise APIError(str(e), param=e.param) from None
 
 
 def apply_tool_grammar(params: Any, plan: ToolPlan) -> None:

@@ -137,9 +137,27 @@ def _tools_system_text(tools: list[dict]) -> str:
             '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>')
 
 
+def check_tool_call_history(conv: list[dict]) -> None:
+    """Each assistant message's earlier tool_calls in OpenAI's shape: {"function": {"name": str, "arguments": JSON
+    text or object}} (ToolRequestError naming the first that is not)."""
+    for i, m in enumerate(conv):
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            where = f"messages[{i}].tool_calls[{j}]"
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict):
+                raise ToolRequestError(f"{where}.function must be an object with the called function's 'name' and "
+                                       "'arguments'.", param=f"{where}.function")
+            if not isinstance(fn.get("name"), str):
+                raise ToolRequestError(f"{where}.function.name must be a string.", param=f"{where}.function.name")
+            if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+                raise ToolRequestError(f"{where}.function.arguments must be a JSON string or an object.",
+                                       param=f"{where}.function.arguments")
+
+
 def prepare_conversation(conv: list[dict], plan: ToolPlan, template: Optional[str]) -> tuple[list[dict], Optional[list]]:
     """(messages, tools for apply_chat_template). Assistant tool_calls and tool results pass to templates that know
     them (arguments as objects, as HF templates expect); other templates get them written in the hermes format."""
+    check_tool_call_history(conv)
     native = template_takes_tools(template)
     has_history = any(m.get("tool_calls") or m.get("role") == "tool" for m in conv)
     if native:
