@@ -73,6 +73,28 @@ def test_constraints_leaving_no_token_are_a_400(http: httpx.Client, sampling: di
     assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("first,second", [({"request_id": "rq", "n": 2}, {"request_id": "0_rq"}),
+                                          ({"request_id": "0_rs"}, {"request_id": "rs", "n": 2})],
+                         ids=["own id = a running child's", "a child's = a running request's"])
+def test_request_ids_that_meet_n_gt_1_children_are_a_400(http: httpx.Client, first: dict, second: dict) -> None:
+    """n > 1 runs its samples as engine requests "<index>_<id>": a request whose own id, or whose samples' ids,
+    a running request holds is refused with a 400, and leaves nothing behind (the ids work once it is over)."""
+    body = {"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True, "temperature": 0.5, "stream": True}
+    with http.stream("POST", CMPL, json=dict(body, **first)) as running:
+        assert running.status_code == 200
+        lines = running.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it runs
+        r = http.post(CMPL, json={"prompt": PROMPT, "max_tokens": 2, **second})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]  # (several API processes: the engine, which sees every id, refuses)
+        assert "which the running request" in message or "already in use" in message, message
+        for _ in lines:  # let it finish
+            pass
+    for req in (first, second):
+        r = http.post(CMPL, json={"prompt": PROMPT, "max_tokens": 2, **req})
+        assert r.status_code == 200, r.text
+
+
 def test_prompt_logprobs_equal_offline(http: httpx.Client, offline_llm) -> None:
     ids = _ids(http, PROMPT)
     ref = _offline(offline_llm, ids, max_tokens=1, prompt_logprobs=2).prompt_logprobs

@@ -337,15 +337,22 @@ class AsyncEngine:
         if self.errored:
             raise EngineDeadError(self.dead_reason or "the engine process is not running")
         request_id = request_id or uuid.uuid4().hex
+        children = fan_out(request_id, tokenize_params(params, self.tokenizer))
+        # (n > 1: the engine ids are f"{index}_{id}", which another request's own id may equal)
+        taken = [c.request_id for c in children if c.request_id in self._engine_to_parent]
         if request_id in self._parents:
             raise RequestRejected(f"request id {request_id!r} is already running")
+        if taken:
+            holder = self._engine_to_parent[taken[0]]
+            raise RequestRejected(f"request id {request_id!r} needs the engine request id {taken[0]!r}, which the "
+                                  f"running request {holder!r} holds (n > 1 runs sample i as '<i>_<request id>')")
         parent = _Parent()
         self._parents[request_id] = parent
-        engine, adds = self._add_children(request_id, parent, prompt, prompt_token_ids, params, output_kind,
-                                          lora_request)
         loop = asyncio.get_running_loop()
         pending = parent.pending
         try:
+            engine, adds = self._add_children(request_id, parent, prompt, prompt_token_ids, children, output_kind,
+                                              lora_request)
             await self._send_adds(engine, adds)
             while True:
                 if not pending:
@@ -391,13 +398,13 @@ class AsyncEngine:
                 return
 
     def _add_children(self, request_id: str, parent: _Parent, prompt: Optional[str], prompt_token_ids: list[int],
-                      params: SamplingParams, output_kind: str, lora_request: Any) -> tuple[int, list]:
-        """Register the request's engine requests (n > 1: one per sample) with the OutputProcessor and the
-        bookkeeping; -> (the engine core that gets them, their AddRequest messages)."""
+                      children: list, output_kind: str, lora_request: Any) -> tuple[int, list]:
+        """Register the request's engine requests (`children`: fan_out's, one per sample) with the OutputProcessor
+        and the bookkeeping; -> (the engine core that gets them, their AddRequest messages)."""
         now = time.monotonic()
-        engine = self.router.choose(prompt_token_ids, params.n) if self.num_engines > 1 else 0
+        engine = self.router.choose(prompt_token_ids, len(children)) if self.num_engines > 1 else 0
         adds: list[m.AddRequest] = []
-        for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
+        for child in children:
             parent.child_ids.append(child.request_id)
             self._engine_to_parent[child.request_id] = request_id
             self._engine_of[child.request_id] = engine
