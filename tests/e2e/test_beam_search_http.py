@@ -59,6 +59,9 @@ def test_beams_run_next_to_ordinary_requests(http):
     ({"logprobs": 1}, "logprobs"),
     ({"length_penalty": "long"}, None),
     ({"early_stopping": "sometimes"}, None),
+    ({"guided_choice": ["yes", "no"]}, "guided_choice"),  # (beams are neither constrained nor parsed)
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
 ])
 def test_invalid_beam_requests_are_400(http, body, param):
     r = _complete(http, use_beam_search=True, **body)

@@ -19,7 +19,13 @@ _UNUSED = {"temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0), "top_k": (Non
            "repetition_penalty": (None, 1, 1.0), "stop": (None, [], ""), "stop_token_ids": (None, []),
            "min_tokens": (0, None), "stream": (None, False), "echo": (None, False), "logprobs": (None, False),
            "logit_bias": (None, {}), "bad_words": (None, []), "allowed_token_ids": (None, []),
-           "prompt_logprobs": (None,), "top_logprobs": (None,)}
+           "prompt_logprobs": (None,), "top_logprobs": (None,),
+           # the output's format and its decoding: beam search neither constrains nor parses its beams
+           "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "guided_json": (None,),
+           "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+           "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "tools": (None, []),
+           "tool_choice": (None, "none"), "skip_special_tokens": (None, True),
+           "spaces_between_special_tokens": (None, True)}
 
 
 def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int]:
