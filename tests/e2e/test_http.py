@@ -113,6 +113,8 @@ BAD_INPUTS = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, 400,
      "needs a 'text' string"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "needs a 'text' string"),
+    (CHAT, {"messages": MSG, "chat_template": "{{ 'x' }}"}, 400, "does not take chat templates"),
+    ("/tokenize", {"messages": MSG, "chat_template": "{{ 'x' }}"}, 400, "does not take chat templates"),
     # lone UTF-16 surrogates: valid JSON escapes, not text anything downstream can encode
     (CMPL, b'{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate"),
     (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\udfff"]}', 400, "lone UTF-16 surrogate"),

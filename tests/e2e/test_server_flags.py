@@ -1,5 +1,6 @@
 """Serve flags reach the server: --generation-config DIR (defaults only where a request is silent, logged at
-start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, on one real `pagedllm serve` started with them."""
+start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template, on one real
+`pagedllm serve` started with them."""
 from __future__ import annotations
 
 import json
@@ -27,7 +28,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
         proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port), "--generation-config",
                                  str(tmp / "gen"), "--max-logprobs", "3", "--no-enable-chunked-prefill",
                                  "--max-model-len", "512", "--max-num-seqs", "4",
-                                 "--kv-cache-memory-bytes", str(64 << 20), "--no-dashboard"],
+                                 "--kv-cache-memory-bytes", str(64 << 20), "--no-dashboard",
+                                 "--trust-request-chat-template"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -78,3 +80,16 @@ def test_no_dashboard_flag(flag_server) -> None:
         r = http.get(path)
         assert r.status_code == 404 and r.json()["error"]["message"] == "Not found: no such route.", path
     assert "Dashboard:" not in open(log_path).read()  # the start-up line that names the page's URL
+
+
+def test_trust_request_chat_template_flag(flag_server) -> None:
+    """With the flag a request's own chat template renders the messages (without it: a 400, test_http.py)."""
+    http, _ = flag_server
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    r = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}], "chat_template": template})
+    assert r.status_code == 200, r.text
+    plain = http.post("/tokenize", json={"prompt": "[Hi]", "add_special_tokens": False}).json()["tokens"]
+    assert r.json()["tokens"] == plain
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                                   "chat_template": template})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(plain)

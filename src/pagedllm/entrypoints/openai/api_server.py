@@ -115,6 +115,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
+        state.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
         try:
             state.loras = await serve_lora_modules(engine, names, engine_args, args.lora_modules, metrics,
                                                    client_index=index, num_clients=count)

@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
-from pagedllm.entrypoints.openai.chat_template import message_text, render_chat
+from pagedllm.entrypoints.openai.chat_template import check_request_template, message_text, render_chat
 from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_grammar, choice_message,
                                                     plan_request_tools)
 from pagedllm.entrypoints.openai.errors import APIError, dumps
@@ -29,6 +29,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
     check_logprob_fields(req, state.max_logprobs, top_name="top_logprobs", top=req.top_logprobs)
+    check_request_template(req.chat_template, state)
     tool_plan, prepare_tools = plan_request_tools(req, state)
     prompt_text, prompt_ids = render_chat(
         state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,

@@ -26,6 +26,14 @@ def message_text(content: Any) -> str:
     return "\n".join(texts)
 
 
+def check_request_template(template: Optional[str], state: Any) -> None:
+    """A request's own chat template only where the server trusts them (--trust-request-chat-template)."""
+    if template is not None and not getattr(state, "trust_request_chat_template", False):
+        raise APIError("This server does not take chat templates in requests ('chat_template'): the model's own "
+                       "template applies. (A server started with --trust-request-chat-template does.)",
+                       param="chat_template")
+
+
 def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: Optional[str] = None,
                 chat_template_kwargs: Optional[dict] = None, add_special_tokens: bool = False,

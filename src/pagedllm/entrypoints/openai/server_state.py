@@ -21,6 +21,8 @@ class ServerState:
         self.created = int(time.time())
         self.loras: Any = None  # lora_models.LoRAModels: adapter names the `model` field may name
         self.dashboard = True  # GET /dashboard (--no-dashboard: off)
+        self.tool_call_parser = "auto"  # --tool-call-parser
+        self.trust_request_chat_template = False  # --trust-request-chat-template
         self.lifecycle: Any = None  # lifecycle.Lifecycle, set by the server (the dashboard's stream ends on drain)
 
     @property

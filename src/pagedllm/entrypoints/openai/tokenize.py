@@ -5,7 +5,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
-from pagedllm.entrypoints.openai.chat_template import render_chat
+from pagedllm.entrypoints.openai.chat_template import check_request_template, render_chat
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
@@ -18,6 +18,7 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Give exactly one of 'prompt' or 'messages'.", param="prompt")
     if req.messages is not None:
+        check_request_template(req.chat_template, state)
         add_special = bool(req.add_special_tokens) if req.add_special_tokens is not None else False
         _, ids = render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
                                req.chat_template, req.chat_template_kwargs, add_special)
