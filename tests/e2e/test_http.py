@@ -96,6 +96,8 @@ BAD_INPUTS = [
     (CMPL, {"prompt": ""}, 400, "must not be an empty string"),
     (CMPL, {"prompt": [999999999]}, 400, "out of vocabulary"),
     (CMPL, {"prompt": LONG, "max_tokens": 10}, 400, "maximum context length"),
+    (CMPL, {"prompt": "hello " * 20_000, "max_tokens": 10}, 400, "maximum context length"),  # (tokenized off-loop)
+    (CHAT, {"messages": [{"role": "user", "content": "hello " * 20_000}]}, 400, "maximum context length"),
     (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs must be"),
     (CMPL, {"prompt": "x", "n": "two"}, 400, "Invalid value for 'n'"),
     (CMPL, {"prompt": "x", "seed": 2 ** 70}, 400, "seed is out of range"),

@@ -105,3 +105,33 @@ def test_messages_carry_token_constraints() -> None:
     got = add.sampling_params
     assert got.logit_bias == {7: -100.0, 3: 2.5} and got.allowed_token_ids == [3, 7, 9]
     assert got.bad_words == ["no"] and got.bad_words_token_ids == [[4, 5]]
+
+
+def test_large_bodies_are_tokenized_off_the_event_loop() -> None:
+    """body.tokenize_work: a body from OFF_LOOP_BYTES on is tokenized in a worker thread (a few MB of text would stall
+    every stream on the event loop), a small one inline; the result and the function's exceptions are the same."""
+    import asyncio
+    import threading
+
+    from pagedllm.entrypoints.openai.body import OFF_LOOP_BYTES, tokenize_work
+
+    class Body:  # (what tokenize_work reads of a starlette Request)
+        def __init__(self, size: int) -> None:
+            self.raw = b"x" * size
+
+        async def body(self) -> bytes:
+            return self.raw
+
+    def work(text: str, bad: bool = False) -> tuple[str, bool]:
+        if bad:
+            raise ValueError("refused")
+        return text.upper(), threading.current_thread() is threading.main_thread()
+
+    async def run(size: int, **kw):
+        return await tokenize_work(Body(size), work, "ab", **kw)
+
+    assert asyncio.run(run(100)) == ("AB", True)
+    assert asyncio.run(run(OFF_LOOP_BYTES)) == ("AB", False)
+    for size in (100, OFF_LOOP_BYTES):
+        with pytest.raises(ValueError, match="refused"):
+            asyncio.run(run(size, bad=True))

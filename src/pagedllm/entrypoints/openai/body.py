@@ -3,9 +3,10 @@ non-finite JSON, too deep, unknown or unsupported fields (`fields.py`), validati
 (`limits.py`). Above errors, fields and limits, which never import it."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-from typing import TypeVar
+from typing import Any, Callable, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -95,3 +96,16 @@ async def parse_body(request: Request, model: type[T]) -> T:
         raise format_validation_error(e)
     limits.check_request_limits(req)
     return req
+
+
+# Bodies from this size on are tokenized (and their chat template rendered) in a worker thread: a few MB of text
+# take the tokenizer seconds, which on the event loop would stall every other client's stream.
+OFF_LOOP_BYTES = 64 * 1024
+
+
+async def tokenize_work(request: Request, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs): inline for the usual small body (a thread hop costs more than the work), in a thread
+    for a large one (OFF_LOOP_BYTES)."""
+    if len(await request.body()) < OFF_LOOP_BYTES:  # (starlette keeps the body read by parse_body)
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)

@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.body import parse_body
+from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float, token_str
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
@@ -51,7 +51,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
     engine = state.engine
     tok = state.tokenizer
-    prompts = parse_prompts(req.prompt, tok, engine.ready.vocab_size, req.add_special_tokens)
+    prompts = await tokenize_work(request, parse_prompts, req.prompt, tok, engine.ready.vocab_size,
+                                  req.add_special_tokens)
     if req.truncate_prompt_tokens is not None:  # a truncated prompt's text is its kept tokens' (decoded on echo)
         kept = [truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len) for _, ids in prompts]
         prompts = [(text if len(k) == len(ids) else None, k) for (text, ids), k in zip(prompts, kept)]

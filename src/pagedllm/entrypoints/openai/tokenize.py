@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.body import parse_body
+from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
 from pagedllm.entrypoints.openai.chat_template import check_request_template, render_chat
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.server_state import ServerState
@@ -20,11 +20,12 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     if req.messages is not None:
         check_request_template(req.chat_template, state)
         add_special = bool(req.add_special_tokens) if req.add_special_tokens is not None else False
-        _, ids = render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template, req.chat_template_kwargs, add_special)
+        _, ids = await tokenize_work(request, render_chat, tok, req.messages, req.add_generation_prompt,
+                                     req.continue_final_message, req.chat_template, req.chat_template_kwargs,
+                                     add_special)
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = list(tok.encode(req.prompt, add_special_tokens=add_special))
+        ids = list(await tokenize_work(request, tok.encode, req.prompt, add_special_tokens=add_special))
     body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if req.return_token_strs:
         body["token_strs"] = tok.convert_ids_to_tokens(ids)
