@@ -95,6 +95,33 @@ def test_request_ids_that_meet_n_gt_1_children_are_a_400(http: httpx.Client, fir
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_is_left_out(http: httpx.Client, offline_llm, include: bool) -> None:
+    """A request that stops on a stop_token_id (or EOS) does not show that token's text unless
+    include_stop_str_in_output, as vLLM (the id is still the output's last token, offline)."""
+    ids = _ids(http, PROMPT)
+    first = _offline(offline_llm, ids, temperature=0, max_tokens=1).outputs[0]
+    second = _offline(offline_llm, ids, temperature=0, max_tokens=2, ignore_eos=True).outputs[0]
+    stop = second.token_ids[1]
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "stop_token_ids": [stop], "skip_special_tokens": False,
+            "include_stop_str_in_output": include}
+    want = second.text if include else first.text
+    for stream in (False, True):
+        r = http.post(CMPL, json=dict(body, stream=stream))
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            reason = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+        else:
+            text, reason = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+        assert (text, reason) == (want, "stop"), (stream, text, want)
+    out = _offline(offline_llm, ids, temperature=0, max_tokens=6, stop_token_ids=[stop],
+                   include_stop_str_in_output=include).outputs[0]
+    assert out.token_ids == second.token_ids and out.text == want
+
+
 def test_prompt_logprobs_equal_offline(http: httpx.Client, offline_llm) -> None:
     ids = _ids(http, PROMPT)
     ref = _offline(offline_llm, ids, max_tokens=1, prompt_logprobs=2).prompt_logprobs

@@ -29,6 +29,14 @@ from pagedllm.sampling_params import SamplingParams
 _OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
+def _shown_ids(new_ids: Any, out: Any, params: Any) -> Any:
+    """The new tokens whose text the output carries: all but the one the engine stopped on (EOS or a stop_token_id,
+    finish_reason "stop"), unless include_stop_str_in_output (as vLLM; the id stays in token_ids)."""
+    if out.finish_reason == "stop" and not params.include_stop_str_in_output:
+        return new_ids[:-1]
+    return new_ids
+
+
 def find_stop_string(text: str, num_new_chars: int, stops: list[str],
                      include_stop_str_in_output: bool) -> Optional[tuple[str, int]]:
     """Earliest stop string that overlaps the last num_new_chars of text -> (stop, length to keep)."""
@@ -294,7 +302,9 @@ class OutputProcessor:
             state.num_sent_tokens += len(new_ids)
             if state.detokenizer is not None:
                 detokenizer = state.detokenizer
-                text = detokenizer.step_text(new_ids[0]) if len(new_ids) == 1 else detokenizer.update(new_ids)
+                shown = _shown_ids(new_ids, out, state.params)
+                text = (detokenizer.step_text(shown[0]) if len(shown) == 1 else
+                        detokenizer.update(shown) if shown else "")
         if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
             state.num_cached_tokens = out.num_cached_tokens
         finish_reason = out.finish_reason
@@ -346,9 +356,10 @@ class OutputProcessor:
             self._append_logprobs(state, out.new_logprobs)
         stopped_by_string = False
         if state.detokenizer is not None and new_ids:
-            delta = state.detokenizer.update(new_ids)
-            state.text += delta
             params = state.params
+            shown = _shown_ids(new_ids, out, params)
+            delta = state.detokenizer.update(shown) if shown else ""
+            state.text += delta
             if delta and params.stop and len(state.token_ids) >= params.min_tokens:
                 found = find_stop_string(state.text, len(delta), params.stop, params.include_stop_str_in_output)
                 if found is not None:
