@@ -117,6 +117,8 @@ BAD_INPUTS = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "needs a 'text' string"),
     (CHAT, {"messages": MSG, "chat_template": "{{ 'x' }}"}, 400, "does not take chat templates"),
     ("/tokenize", {"messages": MSG, "chat_template": "{{ 'x' }}"}, 400, "does not take chat templates"),
+    (CHAT, {"messages": MSG, "response_format": {}}, 400, "response_format needs a 'type'"),
+    (CMPL, {"prompt": "x", "guided_whitespace_pattern": " "}, 400, "guided_whitespace_pattern shapes"),
     # lone UTF-16 surrogates: valid JSON escapes, not text anything downstream can encode
     (CMPL, b'{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate"),
     (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\udfff"]}', 400, "lone UTF-16 surrogate"),

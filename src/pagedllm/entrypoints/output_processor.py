@@ -29,11 +29,14 @@ from pagedllm.sampling_params import SamplingParams
 _OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
-def _shown_ids(new_ids: Any, out: Any, params: Any) -> Any:
-    """The new tokens whose text the output carries: all but the one the engine stopped on (EOS or a stop_token_id,
-    finish_reason "stop"), unless include_stop_str_in_output (as vLLM; the id stays in token_ids)."""
-    if out.finish_reason == "stop" and not params.include_stop_str_in_output:
-        return new_ids[:-1]
+def _shown_ids(new_ids: Any, out: Any, params: Any, special_ids: set) -> Any:
+    """The new tokens whose text the output carries: all but the one the engine stopped on (a stop_token_id, or an
+    end-of-sequence id: special tokens), unless include_stop_str_in_output, as vLLM (the id stays in token_ids). A
+    grammar that completes on an ordinary token (finish_reason "stop" too) keeps it."""
+    if out.finish_reason == "stop" and new_ids and not params.include_stop_str_in_output:
+        last = new_ids[-1]
+        if last == out.stop_reason or (out.stop_reason is None and last in special_ids):
+            return new_ids[:-1]
     return new_ids
 
 
@@ -117,6 +120,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.special_ids = set(getattr(tokenizer, "all_special_ids", None) or ())  # (EOS among them)
         self._requests: dict[str, _RequestState] = {}
         self._parents: dict[str, _ParentState] = {}
         self._token_strs: dict[int, str] = {}  # decoded single tokens, for logprobs
@@ -302,7 +306,7 @@ class OutputProcessor:
             state.num_sent_tokens += len(new_ids)
             if state.detokenizer is not None:
                 detokenizer = state.detokenizer
-                shown = _shown_ids(new_ids, out, state.params)
+                shown = _shown_ids(new_ids, out, state.params, self.special_ids)
                 text = (detokenizer.step_text(shown[0]) if len(shown) == 1 else
                         detokenizer.update(shown) if shown else "")
         if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
@@ -357,7 +361,7 @@ class OutputProcessor:
         stopped_by_string = False
         if state.detokenizer is not None and new_ids:
             params = state.params
-            shown = _shown_ids(new_ids, out, params)
+            shown = _shown_ids(new_ids, out, params, self.special_ids)
             delta = state.detokenizer.update(shown) if shown else ""
             state.text += delta
             if delta and params.stop and len(state.token_ids) >= params.min_tokens:

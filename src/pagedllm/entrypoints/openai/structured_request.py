@@ -26,7 +26,10 @@ def _response_format(rf: Any) -> Optional[dict]:
         return None
     rf = rf if isinstance(rf, dict) else rf.model_dump(exclude_none=True)
     kind = rf.get("type")
-    if kind in (None, "text"):
+    if kind is None:
+        raise StructuredRequestError("response_format needs a 'type': 'text', 'json_object' or 'json_schema'.",
+                                     "response_format")
+    if kind == "text":
         return None
     if kind == "json_object":
         return {"json_object": True}
@@ -73,6 +76,9 @@ def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParam
     if field_or_none(req, "guided_json_object"):
         found.append(("guided_json_object", {"json_object": True}))
     if not found:
+        if field_or_none(req, "guided_whitespace_pattern") is not None:
+            raise StructuredRequestError("guided_whitespace_pattern shapes the whitespace of a JSON constraint: give it "
+                                         "with guided_json or a JSON response_format.", "guided_whitespace_pattern")
         return None
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
