@@ -72,3 +72,22 @@ def test_smollm2_tp3_and_pp2_match_one_rank(smollm2_hf_dir):
     expected = tokens()
     assert tokens(tensor_parallel_size=3) == expected
     assert tokens(pipeline_parallel_size=2) == expected
+
+
+def test_smollm2_gguf_packed_weights_pp2_match_one_rank(smollm2_gguf_path):
+    """The .gguf itself (its weights kept packed): the last stage's tied LM head packs the embedding's tensor as the
+    first stage's embedding does (it failed to load before: one stage holds only a placeholder of each)."""
+    from pagedllm import SamplingParams
+
+    prompts = ["The capital of Germany is", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+
+    def tokens(**kwargs) -> list[list[int]]:
+        llm = LLM(smollm2_gguf_path, device="cpu", dtype="float32", max_model_len=256,
+                  kv_cache_memory_bytes=64 << 20, **kwargs)
+        try:
+            return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+
+    assert tokens(pipeline_parallel_size=2) == tokens()

@@ -160,10 +160,17 @@ class GGUFConfig(QuantizationConfig):
 
     def prepare_model(self, model: nn.Module) -> None:
         """Swap the embedding's (and the LM head's) float parameter for a placeholder that keeps packed rows."""
+        from pagedllm.distributed.pipeline import PPMissingLayer
+
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         head = getattr(model, "lm_head", None)
+        # (pipeline stages: the first holds the embedding, the last the head; the other is a placeholder)
+        embed, head = (None if isinstance(m, PPMissingLayer) else m for m in (embed, head))
         tied = head is not None and embed is not None and head.weight is embed.weight
-        for module, name in ((embed, "model.embed_tokens.weight"), (None if tied else head, "lm_head.weight")):
+        # A last stage without the embedding loads a tied head from the embedding's tensor: packed the same way.
+        head_name = ("model.embed_tokens.weight" if embed is None and getattr(model, "tie_word_embeddings", False)
+                     else "lm_head.weight")
+        for module, name in ((embed, "model.embed_tokens.weight"), (None if tied else head, head_name)):
             if module is None or not self.keeps(name) or module.tp_size != 1:
                 continue
             targets = [module] + ([head] if tied and module is embed else [])
