@@ -1,6 +1,8 @@
 """The real default model (SmolLM2-135M-Instruct GGUF) through the engine, compared with transformers."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -60,3 +62,59 @@ def test_stop_strings_n_and_seeds(llm):
     stop = llm.generate("Count: one, two, three, four,", SamplingParams(temperature=0, max_tokens=30, stop=[","]),
                         use_tqdm=False)[0].outputs[0]
     assert "," not in stop.text and stop.finish_reason == "stop" and stop.stop_reason == ","
+
+
+@pytest.mark.parametrize("messages, fragment", [
+    ("hello", "a list of message dicts"),
+    ({"role": "user", "content": "hi"}, "a list of message dicts"),
+    ([["user", "hi"]], "a message is a dict"),
+    ([{"content": "x"}], "'role' must be a string"),
+    ([{"role": "user", "content": 5}], "'content' must be a string"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": "f"}]}],
+     "must be an object"),
+])
+def test_chat_refuses_malformed_messages(llm, messages, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_chat_text_parts_and_template_errors(llm):
+    """Text parts are joined as the server joins them (the same tokens as a string); a broken template is a
+    ValueError naming it."""
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    plain = llm.chat([{"role": "user", "content": "Hi there"}], params, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}], params,
+                     use_tqdm=False)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids and parts.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="Could not apply the chat template"):
+        llm.chat([{"role": "user", "content": "x"}], params, chat_template="{% for %}", use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompt, error, fragment", [
+    ({"prompt_token_ids": [-1]}, ValueError, "integers in [0, "),
+    ({"prompt_token_ids": ["a"]}, ValueError, "integers in [0, "),
+    ({"prompt_token_ids": [True, 2]}, ValueError, "integers in [0, "),
+    ({"prompt_token_ids": None}, ValueError, "must be a list of token ids"),
+    ({"prompt": "a", "multi_modal_data": {}}, ValueError, "not supported"),
+])
+def test_generate_refuses_bad_prompt_ids_before_queuing(llm, prompt, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("params, fragment", [({"max_tokens": 4}, "got dict"), ("greedy", "got str"),
+                                              ([None], "sampling_params[0] must be a SamplingParams")])
+def test_generate_refuses_what_is_not_sampling_params(llm, params, fragment):
+    with pytest.raises(TypeError, match=re.escape(fragment)):
+        llm.generate("Hi", params, use_tqdm=False)
+
+
+def test_prompt_token_ids_as_numpy(llm):
+    import numpy as np
+
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    a = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)[0].outputs[0].token_ids
+    b = llm.generate({"prompt_token_ids": np.array([1, 2, 3])}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b

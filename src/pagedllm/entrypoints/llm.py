@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 import weakref
+from collections.abc import Iterable
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineArgs
@@ -22,6 +24,35 @@ def _setup_logging() -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
+
+
+def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
+    """A conversation's messages as the chat template takes them (content: a string; text parts joined, as the
+    server does), or a ValueError naming the first bad one."""
+    where = "messages" if index is None else f"conversation {index}"
+    if not isinstance(conv, (list, tuple)) or not conv:
+        raise ValueError(f"{where}: a conversation is a non-empty list of message dicts.")
+    out = []
+    for i, m in enumerate(conv):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}[{i}]: a message is a dict with 'role' and 'content', got {type(m).__name__}.")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"{where}[{i}]: 'role' must be a string.")
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ValueError(f"{where}[{i}]: content parts must be {{'type': 'text', 'text': str}} (only "
+                                     "text is supported).")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"{where}[{i}]: 'content' must be a string or a list of text parts.")
+        out.append(dict(m, content=content))
+    return out
 
 
 class LLM:
@@ -99,10 +130,27 @@ class LLM:
         return SamplingParams(**self.sampling_defaults)
 
     # ------------------------------------------------------------------ prompts
+    def _token_ids(self, ids: Any) -> list[int]:
+        """A prompt's token ids as a list of ints inside the vocabulary (numpy / torch integers too), else a
+        ValueError before anything reaches the detokenizer or the engine."""
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}.")
+        out = []
+        vocab = self.engine.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < vocab:
+                raise ValueError(f"Prompt token ids must be integers in [0, {vocab}), got {t!r}.")
+            out.append(int(t))
+        return out
+
     def _to_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"A prompt dict takes 'prompt' or 'prompt_token_ids'; {sorted(unknown)} is not "
+                                 "supported (this is a text-only engine).")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -112,8 +160,8 @@ class LLM:
                 raise ValueError("Text prompts need a tokenizer; with skip_tokenizer_init=True pass "
                                  "{'prompt_token_ids': [...]} instead.")
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) for t in prompt):
+            return None, self._token_ids(prompt)
         raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: give a string, a list of token ids "
                          "or a dict with 'prompt' / 'prompt_token_ids'.")
 
@@ -135,7 +183,13 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)):
+                raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                                f"{type(sampling_params).__name__}.")
             params_list = list(sampling_params)
+            for i, sp in enumerate(params_list):
+                if not isinstance(sp, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}.")
             if len(params_list) != len(prompts):
                 raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, "
                                  "or one per prompt.")
@@ -178,17 +232,27 @@ class LLM:
         from pagedllm.entrypoints.openai.tool_calling import (extract_tool_calls, plan_tools,
                                                               prepare_conversation)
 
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("chat() takes a conversation (a list of message dicts) or a list of conversations.")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a string, got {type(chat_template).__name__}.")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         template = template if isinstance(template, str) else None
         plan = plan_tools(tools, None, None, "auto", template)
         prompts = []
-        for conv in conversations:
-            conv, template_tools = prepare_conversation(list(conv), plan, template)
-            ids = self.tokenizer.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=template_tools, tokenize=True,
-                **(chat_template_kwargs or {}))
+        for c, conv in enumerate(conversations):
+            conv, template_tools = prepare_conversation(_chat_messages(conv, c if len(conversations) > 1 else None),
+                                                        plan, template)
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tools=template_tools, tokenize=True,
+                    **(chat_template_kwargs or {}))
+            except Exception as e:  # noqa: BLE001 - the template's errors come from the messages or the template
+                raise ValueError(f"Could not apply the chat template: {e}") from None
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt": self.tokenizer.decode(ids), "prompt_token_ids": list(ids)})
