@@ -82,6 +82,13 @@ class SamplingParams:
         def is_int(v) -> bool:  # plain ints first: the ABC check costs a few microseconds per call
             return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
 
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            v = getattr(self, name)
+            if type(v) is not bool and not (type(v).__module__ == "numpy" and "bool" in type(v).__name__):
+                # ("no" would be truthy; numpy's booleans are fine)
+                bad(f"{name} must be True or False, got {v!r}.")
+
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
                      "min_p"):
             v = getattr(self, name)

@@ -151,3 +151,15 @@ def test_beam_width_beyond_max_logprobs_fails_clearly(tiny_llama_dir):
         llm.beam_search({"prompt_token_ids": [3, 4]}, BeamSearchParams(beam_width=5, max_tokens=2))
     assert len(llm.beam_search({"prompt_token_ids": [3, 4]}, BeamSearchParams(beam_width=2, max_tokens=2))[0]
                .sequences) == 2
+
+
+def test_beams_stop_at_the_context_end(tiny_model_dir):
+    """A prompt near max_model_len: the beams grow to the context's end (max_tokens clamped to the room, as
+    generate() clamps), instead of failing mid-search; a prompt with no room is refused up front."""
+    llm = LLM(tiny_model_dir("llama"), kv_cache_memory_bytes=1 << 24, max_model_len=64)
+    out = llm.beam_search([{"prompt_token_ids": [5] * 60}], BeamSearchParams(beam_width=2, max_tokens=16))
+    assert out[0].sequences and all(len(s.tokens) <= 64 for s in out[0].sequences)
+    assert max(len(s.tokens) for s in out[0].sequences) == 64 or any(s.tokens[-1] in llm.engine.eos_token_ids
+                                                                        for s in out[0].sequences)
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.beam_search([{"prompt_token_ids": [5] * 64}], BeamSearchParams(beam_width=2, max_tokens=4))

@@ -65,3 +65,12 @@ def test_valid_edge_values():
     SamplingParams(top_p=1.0, min_p=0.0, top_k=0, temperature=0.0, logprobs=20, max_tokens=1, min_tokens=1)
     SamplingParams(max_tokens=None, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-3)
     SamplingParams(seed=-5, stop_token_ids=[0], logprobs=0)
+
+
+@pytest.mark.parametrize("name", ["ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                                  "include_stop_str_in_output"])
+@pytest.mark.parametrize("value", ["no", 2, None])
+def test_flags_must_be_booleans(name, value):
+    """A string such as "no" would be truthy: the flag would turn on."""
+    with pytest.raises(ValueError, match=f"{name} must be True or False"):
+        SamplingParams(**{name: value})

@@ -2,6 +2,7 @@
 tokens as its prompt; the prefix cache gives back the shared full blocks) asking for the top-k logprobs."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 from pagedllm.beam_search.search import BeamSearch
@@ -28,9 +29,16 @@ def candidates(logprobs: Optional[dict[int, Logprob]], k: int) -> list[tuple[int
 def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
     """LLM.beam_search: every prompt's search advances one token per round of engine steps."""
     searches = []
+    max_model_len = llm.engine.max_model_len
     for prompt in prompts:
         _, ids = llm._to_prompt(prompt)
-        searches.append(BeamSearch(ids, params, llm.engine.eos_token_ids))
+        room = max_model_len - len(ids)
+        if room <= 0:
+            raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                             f"has {len(ids)} tokens, which leaves no room for any output. Please shorten the prompt.")
+        # (as generate(): a beam grows to the context's end at most, not past it in the middle of the search)
+        searches.append(BeamSearch(ids, dataclasses.replace(params, max_tokens=min(params.max_tokens, room)),
+                                   llm.engine.eos_token_ids))
         searches[-1].check_logprob_limit(llm.engine_args.max_logprobs)
     bar = None
     if use_tqdm:

@@ -16,6 +16,13 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "api_server_count", "trust_request_chat_template"}
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {value}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argparse.ArgumentParser:
     if positional_model:
         p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -25,7 +32,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="YAML file of flags (long names as keys); flags given on the command line win")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_port, default=8000)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the API accepts as 'model'; the first is reported")
