@@ -8,6 +8,9 @@ the Worker then resolves the model (models/loader.py), reads its HF config, pick
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
+import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -16,6 +19,10 @@ from pagedllm.dtypes import DTYPE_CHOICES
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 CPU_OFFLOAD_ON_CPU = ("--cpu-offload-gb is meaningless on the CPU: the weights already live in host memory; drop "
                       "the flag.")
+
+# Annotation -> (the type a value must have, None allowed): the options EngineArgs._check_types checks.
+_PLAIN_TYPES = {name: (kind, optional) for kind in ("int", "float", "bool", "str") for optional, name in
+                ((False, kind), (True, f"Optional[{kind}]"))}
 
 _NOT_SUPPORTED_YET: dict[str, Any] = {
     # arg name -> the default value that means "off"; anything else fails at start (never silently ignored).
@@ -81,7 +88,31 @@ class EngineArgs:
             raise TypeError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
         return cls(**kwargs)
 
+    def _check_types(self) -> None:
+        """Each option of a plain type has a value of that type (a string "false" is truthy; "512" or 512.5 would
+        fail deep inside the engine); seed=None (vLLM's "no fixed seed") draws one."""
+        if self.seed is None:
+            self.seed = secrets.randbelow(2 ** 31)
+        for f in dataclasses.fields(self):
+            want = _PLAIN_TYPES.get(str(f.type))
+            if want is None:
+                continue
+            kind, optional = want
+            v = getattr(self, f.name)
+            if v is None and optional:
+                continue
+            if kind == "str" and isinstance(v, os.PathLike):  # (paths: the model, a directory)
+                v = os.fspath(v)
+                setattr(self, f.name, v)
+            ok = {"int": isinstance(v, numbers.Integral) and not isinstance(v, bool),
+                  "float": isinstance(v, numbers.Real) and not isinstance(v, bool),
+                  "bool": isinstance(v, bool), "str": isinstance(v, str)}[kind]
+            if not ok:
+                raise ValueError(f"{f.name} must be {'an ' if kind == 'int' else 'a '}{kind}"
+                                 f"{' or None' if optional else ''}, got {v!r}.")
+
     def validate(self) -> None:
+        self._check_types()
         for name, off in _NOT_SUPPORTED_YET.items():
             if getattr(self, name) != off:
                 flag = "--" + name.replace("_", "-")

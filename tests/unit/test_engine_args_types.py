@@ -1,0 +1,32 @@
+"""EngineArgs.validate: options of plain types must have values of that type, with a sentence naming the option (a
+string "false" would be truthy; "512" or 512.5 failed deep inside the engine, after the load had started)."""
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from pagedllm.config import EngineArgs
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"max_model_len": "512"}, "max_model_len must be an int or None"),
+    ({"max_model_len": 512.5}, "max_model_len must be an int or None"),
+    ({"max_num_seqs": True}, "max_num_seqs must be an int"),
+    ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a float"),
+    ({"enforce_eager": "no"}, "enforce_eager must be a bool"),
+    ({"trust_remote_code": "false"}, "trust_remote_code must be a bool"),
+    ({"seed": "x"}, "seed must be an int"),
+    ({"model": 5}, "model must be a str or None"),
+])
+def test_wrong_types_are_refused(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        EngineArgs(**kwargs).validate()
+
+
+def test_numpy_ints_paths_and_seed_none_are_accepted():
+    args = EngineArgs(model=pathlib.Path("/tmp/model"), max_model_len=np.int64(64), gpu_memory_utilization=1,
+                      seed=None)
+    args.validate()
+    assert args.model == "/tmp/model" and isinstance(args.seed, int)
