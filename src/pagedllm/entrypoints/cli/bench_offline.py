@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any
 
+from pagedllm.entrypoints.cli.arg_types import non_negative_int, positive_int, unit_fraction
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
@@ -41,20 +43,20 @@ def _make_llm(args: argparse.Namespace) -> Any:
 
 def add_throughput_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_engine_args(p)
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=positive_int, default=1000)
+    p.add_argument("--input-len", type=positive_int, default=1024)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--random-range-ratio", type=unit_fraction, default=0.0)
     return p
 
 
 def add_latency_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_engine_args(p)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-iters-warmup", type=int, default=3)
-    p.add_argument("--num-iters", type=int, default=10)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--input-len", type=positive_int, default=32)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--num-iters-warmup", type=non_negative_int, default=3)
+    p.add_argument("--num-iters", type=positive_int, default=10)
     return p
 
 

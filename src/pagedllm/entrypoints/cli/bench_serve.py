@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from pagedllm.entrypoints.cli import bench_client
+from pagedllm.entrypoints.cli.arg_types import percentiles, positive_int, unit_fraction
 
 _SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog while the committee debated the annual budget for roads, "
@@ -43,13 +44,13 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer to draw prompts from (default: the model's)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset-name", default="random", choices=["random"])
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-prompts", type=positive_int, default=1000)
+    p.add_argument("--max-concurrency", type=positive_int, default=None)
     p.add_argument("--request-rate", type=request_rates, default=[float("inf")], metavar="RATE[,RATE...]",
                    help="requests/s (Poisson); inf = all at once; several, comma-separated: a sweep")
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
+    p.add_argument("--random-input-len", type=positive_int, default=1024)
+    p.add_argument("--random-output-len", type=positive_int, default=128)
+    p.add_argument("--random-range-ratio", type=unit_fraction, default=0.0,
                    help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -58,7 +59,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="do not ask for the usage on every chunk (continuous_usage_stats): servers that refuse it; "
                         "tokens per chunk are then not measured")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
-    p.add_argument("--metric-percentiles", default="99")
+    p.add_argument("--metric-percentiles", type=percentiles, default="99")
     p.add_argument("--save-result", action="store_true", help="write the results as JSON")
     p.add_argument("--result-filename", "--save-result-file", dest="result_filename", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
@@ -85,16 +86,6 @@ def add_sweep_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.description = ("run `bench serve` at each request rate (--request-rate, default " + SWEEP_RATES + "), print "
                      "throughput and latency per rate, and plot the throughput-latency curve with --plot")
     return p
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def request_rates(text: str) -> list[float]:

@@ -6,6 +6,7 @@ import argparse
 from typing import Any, Optional
 
 from pagedllm.dtypes import DTYPE_CHOICES
+from pagedllm.entrypoints.cli.arg_types import positive_int
 
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
@@ -50,7 +51,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--engine-dead-grace-period", type=float, default=5.0,
                    help="seconds the server keeps answering 503 after the engine process died before it exits "
                         "with code 1 (negative: never exit)")
-    g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+    g.add_argument("--max-request-body-bytes", type=positive_int, default=8 << 20,
                    help="larger request bodies get 413 (default 8 MiB)")
     g.add_argument("--api-server-count", "-asc", type=int, default=None, metavar="N",
                    help="API server processes sharing the port over the same engine (each tokenizes, detokenizes "
