@@ -64,11 +64,11 @@
 #                                        # SmolLM2 n-gram k=8 on the edit tasks (peer-ngram-code: the code set), and
 #   bash benchmarks/gpu_spec.sh peer-lora  # batch-1 decode with a rank-16 adapter vs base, 8B shape, both engines
 #                                        # (vLLM's engine core in its child's process: its multiprocess start stalled)
+#   bash benchmarks/gpu_spec.sh busy-kernels  # the n-gram proposal's GPU tests with each scan and its device time
+#                                        # per launch, per-n vs one-pass scan (spec_kernels.py)
 #   bash benchmarks/gpu_spec.sh busy     # SmolLM2 n-gram k=8 on the edit tasks: each engine's wall vs the GPU's busy
-#                                        # time (host- or device-bound?) and the kernels speculation adds; the
-#                                        # n-gram proposal's device time per launch, per-n vs one-pass scan
-#                                        # (spec_kernels.py; its interpreter test first), then the edit row with
-#                                        # the one-pass scan
+#                                        # time (host- or device-bound?) and the kernels speculation adds; then the
+#                                        # edit row with each scan, alternating (needs the GGUF)
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -77,7 +77,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, round6, round6-smollm2, peer-ngram-edit, peer-ngram-code, peer-lora, busy, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, round6, round6-smollm2, peer-ngram-edit, peer-ngram-code, peer-lora, busy-kernels, busy, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -287,17 +287,23 @@ peer-lora)
     step peer-lora 580 python benchmarks/spec_lora_peer.py lora --model benchmarks/configs/llama3-8b \
         --rank 16 --vllm-in-process --json "$out/peer-lora.json"
     ;;
-busy)
-    STEP_SUMMARY="$STEP_SUMMARY|\[busy|^    |^  batch|spec_step_outputs"
-    step busy-ngram8-edit 200 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 2 --k 8 \
-        --tasks edit --step-times --device-busy --json "$out/busy-ngram8-edit.json"
+busy-kernels)  # no GGUF needed: the first call of a busy round (carry .whl + .carry_a)
+    STEP_SUMMARY="$STEP_SUMMARY|spec_step_outputs|passed|failed"
     step spec-tests 150 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_spec_decode_gpu.py \
         -k "device_ngram or ngram_on_cuda"
     PAGEDLLM_NGRAM_ONE_PASS=1 step spec-tests-one-pass 150 python -m pytest -m gpu -q -x -p no:cacheprovider \
         tests/gpu/test_spec_decode_gpu.py -k "device_ngram or ngram_on_cuda"
     step spec-kernels 120 python benchmarks/spec_kernels.py --json "$out/spec-kernels.json"
-    PAGEDLLM_NGRAM_ONE_PASS=1 step ngram8-edit-one-pass 150 python benchmarks/spec_decode.py ngram --model "$gguf" \
-        --dtype bfloat16 --iters 5 --k 8 --tasks edit --step-times --json "$out/ngram8-edit-one-pass.json"
+    ;;
+busy)  # the second call (carry .carry_b): the engine rows
+    STEP_SUMMARY="$STEP_SUMMARY|\[busy|^    |^  batch"
+    step busy-ngram8-edit 180 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 2 --k 8 \
+        --tasks edit --step-times --device-busy --json "$out/busy-ngram8-edit.json"
+    for one in 0 1 0 1; do
+        PAGEDLLM_NGRAM_ONE_PASS=$one step "ngram8-edit-one-pass$one" 90 python benchmarks/spec_decode.py ngram \
+            --model "$gguf" --dtype bfloat16 --iters 3 --k 8 --tasks edit --step-times \
+            --json "$out/ngram8-edit-one-pass$one.json"
+    done
     ;;
 host)
     step host-smollm2 200 python benchmarks/spec_decode.py verify --model "$gguf" --dtype bfloat16 --iters 3 \
