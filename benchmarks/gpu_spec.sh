@@ -64,6 +64,8 @@
 #                                        # SmolLM2 n-gram k=8 on the edit tasks (peer-ngram-code: the code set), and
 #   bash benchmarks/gpu_spec.sh peer-lora  # batch-1 decode with a rank-16 adapter vs base, 8B shape, both engines
 #                                        # (vLLM's engine core in its child's process: its multiprocess start stalled)
+#   bash benchmarks/gpu_spec.sh h200-rows  # the 8B k=4 verify step vs a plain step, then batch-1 decode with a rank-16
+#                                        # LoRA adapter vs base (spec_lora_peer.py, pagedllm alone)
 #   bash benchmarks/gpu_spec.sh busy-kernels  # the n-gram proposal's GPU tests with each scan and its device time
 #                                        # per launch, per-n vs one-pass scan (spec_kernels.py)
 #   bash benchmarks/gpu_spec.sh busy     # SmolLM2 n-gram k=8 on the edit tasks: each engine's wall vs the GPU's busy
@@ -77,7 +79,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, round6, round6-smollm2, peer-ngram-edit, peer-ngram-code, peer-lora, busy-kernels, busy, probe or host}
+what=${1:?tests, verify, verifyk, ngram, sweep, mma, mma-rules, mma-verify, mma-e2e, few, few-short, few-rows, direct, direct-ngram, tails, tails-ngram, round5, round5-ngram, draft, sample-tails, round6, round6-smollm2, peer-ngram-edit, peer-ngram-code, peer-lora, h200-rows, busy-kernels, busy, probe or host}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/spec-out}
 mkdir -p "$out"
@@ -286,6 +288,12 @@ peer-lora)
     source tests/gpu/vllm_install.sh
     step peer-lora 580 python benchmarks/spec_lora_peer.py lora --model benchmarks/configs/llama3-8b \
         --rank 16 --vllm-in-process --json "$out/peer-lora.json"
+    ;;
+h200-rows)  # issue 28's two H200 targets in one call: the 8B k=4 verify step vs a plain step, LoRA rank 16 vs base
+    step verify4 270 python benchmarks/spec_decode.py verify --model benchmarks/configs/llama3-8b --load-format dummy \
+        --dtype bfloat16 --iters 3 --steps 100 --json "$out/verify4.json"
+    step lora16 280 python benchmarks/spec_lora_peer.py lora --model benchmarks/configs/llama3-8b --rank 16 --iters 3 \
+        --engines pagedllm --json "$out/lora16.json"
     ;;
 busy-kernels)  # no GGUF needed: the first call of a busy round (carry .whl + .carry_a)
     STEP_SUMMARY="$STEP_SUMMARY|spec_step_outputs|passed|failed"

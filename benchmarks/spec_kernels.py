@@ -1,11 +1,11 @@
 """Device time of the overlapped-speculation kernels (kernels/spec_decode.py) per launch, on CUDA: the n-gram
 proposal of `spec_step_outputs` after a plain step (one row per request, proposing), for history lengths and
-three kinds of history, with the proposal's per-n scan and its one-pass scan (PAGEDLLM_NGRAM_ONE_PASS) side by side.
+three kinds of history (docs/benchmarks.md has the one-pass scan beside the per-n scan it replaced).
 
     python benchmarks/spec_kernels.py [--lengths 128 512 2048] [--batch 1 4] [--k 8] [--lookup 2 4]
 
 Histories: "near" (the suffix's 4-gram also ends just before it: the scan's first chunk finds it), "far" (a 4-gram
-match only at the start), "none" (no earlier 2-gram equals the suffix's: every n is tried over the whole history).
+match only at the start), "none" (no earlier 2-gram equals the suffix's: the whole history is scanned).
 Each row is the mean over a CUDA graph of --calls launches back to back (the lengths restored before each replay),
 so the device time is measured without the host's launch cost; the launches of a step run outside the graphs, where
 the host's ~20 us per launch comes on top (benchmarks/launch_costs.py).
@@ -33,7 +33,7 @@ def history(kind: str, length: int, gen: torch.Generator) -> torch.Tensor:
     return toks
 
 
-def time_kernel(args, kind: str, length: int, batch: int, one_pass: bool) -> float:
+def time_kernel(args, kind: str, length: int, batch: int) -> float:
     from pagedllm.kernels.spec_decode import spec_step_outputs
     from pagedllm.spec_decode.device_ngram import DeviceNgram
 
@@ -53,7 +53,7 @@ def time_kernel(args, kind: str, length: int, batch: int, one_pass: bool) -> flo
 
     def call(c: int) -> None:
         spec_step_outputs(rows[c], starts, counts, final, ngram.hist, ngram.lens, ngram.drafts, ngram.num_drafts,
-                          ngram.min_n, ngram.max_n, True, out=out, one_pass=one_pass)
+                          ngram.min_n, ngram.max_n, True, out=out)
 
     call(0)  # compile
     torch.cuda.synchronize()
@@ -94,14 +94,13 @@ def main() -> None:
         p.error("spec_kernels.py times CUDA kernels: it needs a CUDA device")
     rows = []
     print(f"spec_step_outputs after a plain step, k={args.k}, lookup {args.lookup[0]}..{args.lookup[1]}: device us "
-          f"per launch, per-n scan / one-pass scan")
+          f"per launch")
     for batch in args.batch:
         for kind in args.kinds:
             for length in args.lengths:
-                per_n, one = (time_kernel(args, kind, length, batch, flag) for flag in (False, True))
-                rows.append(dict(batch=batch, kind=kind, length=length, per_n_us=per_n, one_pass_us=one))
-                print(f"  batch {batch:3d}  {kind:5s} history {length:6d}: {per_n:8.2f} / {one:8.2f} us "
-                      f"({per_n / one:.2f}x)", flush=True)
+                us = time_kernel(args, kind, length, batch)
+                rows.append(dict(batch=batch, kind=kind, length=length, us=us))
+                print(f"  batch {batch:3d}  {kind:5s} history {length:6d}: {us:8.2f} us", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), rows=rows), f, indent=1)

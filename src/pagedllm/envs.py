@@ -71,9 +71,6 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": with async scheduling, n-gram verify steps wait for the previous step (the host proposes the drafts)
     # instead of overlapping it with device-side drafts (spec_decode/device_ngram.py; A/B benchmarks, debugging).
     "PAGEDLLM_SPEC_OVERLAP": lambda: os.environ.get("PAGEDLLM_SPEC_OVERLAP", "1") != "0",
-    # "1": the device n-gram proposal scans the history once (kernels/spec_decode._latest_match_one_pass) instead
-    # of once per n-gram length; off until measured on a GPU (benchmarks/spec_kernels.py).
-    "PAGEDLLM_NGRAM_ONE_PASS": lambda: _truthy(os.environ.get("PAGEDLLM_NGRAM_ONE_PASS")),
     # "0": host-to-device step inputs from pageable memory (only for A/B benchmarks of the pinned path).
     "PAGEDLLM_PINNED_STAGING": lambda: os.environ.get("PAGEDLLM_PINNED_STAGING", "1") != "0",
     # "0": eager Triton kernels launch through Triton's own per-call binding instead of their compiled launcher

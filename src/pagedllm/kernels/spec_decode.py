@@ -13,19 +13,15 @@ which would make the host, not the device, the bound of a speculating step. So o
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm import envs
 from pagedllm.kernels.triton_launch import direct
 
 _SCAN = 256  # history positions compared per iteration of a proposal's scan
-# The proposal's scan in one backward pass (_latest_match_one_pass) instead of one pass per n-gram length; off until
-# measured on a GPU (the A/B: benchmarks/spec_kernels.py).
-NGRAM_ONE_PASS = envs.PAGEDLLM_NGRAM_ONE_PASS
 
 
 @triton.jit(do_not_specialize=["bt_stride"])  # (changes from step to step: no recompiles mid-run)
@@ -67,7 +63,7 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
                          hist_ptr, hist_stride, width, lens_ptr, drafts_ptr, nd_ptr, out_ptr, out_stride,
                          final_out_ptr, K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr,
                          ACC_MODE: tl.constexpr, PROPOSE: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
-                         FINAL_OUT: tl.constexpr, ONE_PASS: tl.constexpr = False, NUM_N: tl.constexpr = 1):
+                         FINAL_OUT: tl.constexpr, NUM_N: tl.constexpr):
     r = tl.program_id(0)
     row = tl.load(rows_ptr + r)
     start = tl.load(starts_ptr + r)
@@ -98,31 +94,9 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
     tl.store(out_ptr + out_stride + r, last)
     tl.store(out_ptr + 2 * out_stride + r, cnt - emitted)
     tl.store(out_ptr + 3 * out_stride + r, tl.load(nd_ptr + row))
-    if PROPOSE and ONE_PASS:
+    if PROPOSE and MIN_N <= MAX_N:
         tl.debug_barrier()  # the tokens just stored are the suffix the lookup reads
-        dstart, count = _latest_match_one_pass(base, new_len, K, MIN_N, MAX_N, NUM_N, SCAN)
-        km = offs < K
-        drafts = tl.load(base + tl.minimum(dstart + offs, width - 1), mask=km, other=0).to(tl.int64)
-        tl.store(drafts_ptr + row * K + offs, drafts, mask=km)
-    elif PROPOSE:
-        tl.debug_barrier()  # the tokens just stored are the suffix the lookup reads
-        found = new_len < 0  # False
-        dstart = new_len * 0
-        for n in tl.static_range(MAX_N, MIN_N - 1, -1):
-            hi = tl.where(found, 0, new_len - n)  # match starts p < len - n: a token follows the match
-            best = new_len * 0 - 1
-            for p0 in range(0, hi, SCAN):
-                p = p0 + tl.arange(0, SCAN)
-                pm = p < hi
-                match = pm
-                for j in tl.static_range(n):
-                    want = tl.load(base + new_len - n + j)
-                    match = match & (tl.load(base + p + j, mask=pm, other=-1) == want)
-                best = tl.maximum(best, tl.max(tl.where(match, p, -1), axis=0))
-            hit = best >= 0
-            dstart = tl.where(hit, best + n, dstart)
-            found = found | hit
-        count = tl.where(found, tl.minimum(new_len - dstart, K), 0)
+        dstart, count = _latest_match(base, new_len, K, MIN_N, MAX_N, NUM_N, SCAN)
         km = offs < K
         drafts = tl.load(base + tl.minimum(dstart + offs, width - 1), mask=km, other=0).to(tl.int64)
         tl.store(drafts_ptr + row * K + offs, drafts, mask=km)
@@ -133,14 +107,14 @@ def _spec_outputs_kernel(rows_ptr, starts_ptr, counts_ptr, final_ptr, draft_src_
 
 
 @triton.jit
-def _latest_match_one_pass(base, new_len, K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr,
-                           NUM_N: tl.constexpr, SCAN: tl.constexpr):
-    """The proposal's (draft start, draft count) from one backward pass over the history, where the per-n loop
-    above takes up to MAX_N - MIN_N + 1 passes (all of them when no long n-gram matches, a plain step's usual case).
-    For each candidate match end e (the draft starts at e + 1; e <= new_len - 2 so that a token follows the match)
-    it counts how many of the suffix's last tokens match backwards from e (at most MAX_N), and keeps, per n, the
-    latest e matching n tokens: the same choice as the loop's (the longest n, then the latest match). Chunks are
-    scanned from the end and the scan stops at the first chunk with a full MAX_N match (the latest one)."""
+def _latest_match(base, new_len, K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, NUM_N: tl.constexpr,
+                  SCAN: tl.constexpr):
+    """The proposal's (draft start, draft count) from one backward pass over the history (not one pass per n-gram
+    length: a step with no long match would scan it MAX_N - MIN_N + 1 times). For each candidate match end e (the
+    draft starts at e + 1; e <= new_len - 2 so that a token follows the match) it counts how many of the suffix's
+    last tokens match backwards from e (at most MAX_N), and keeps, per n, the latest e matching n tokens; the
+    longest n that matched wins, then its latest match (as propose_ngram). Chunks are scanned from the end and the
+    scan stops at the first chunk with a full MAX_N match (the latest one)."""
     lanes = tl.arange(0, SCAN)
     ns = MIN_N + tl.arange(0, NUM_N)  # (NUM_N: MAX_N - MIN_N + 1 rounded up to a power of two)
     n_ok = ns <= MAX_N
@@ -195,14 +169,13 @@ def spec_step_inputs(items: torch.Tensor, src: torch.Tensor, num_drafts: torch.T
 def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, final: torch.Tensor,
                       hist: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
                       min_n: int, max_n: int, propose: bool, draft_src=None, input_ids=None, accepted=None,
-                      out=None, final_out=None, one_pass: Optional[bool] = None) -> torch.Tensor:
+                      out=None, final_out=None) -> torch.Tensor:
     """For each sampling request (rows, and its verify rows starts[r] .. + counts[r] of `final`): returns int64
     [5, R]: emitted count, last emitted token, rejected drafts, drafts it had (verified now), drafts proposed now;
     appends the emitted tokens to `hist` / `lens` and writes the proposal to `drafts` / `num_drafts` (as
     DeviceNgram.append_and_propose). Acceptance: from `draft_src` + `input_ids` (greedy), else `accepted`, else
     none (every count 1). out: where to write those [5, R] (rows 16-byte aligned); final_out: also a copy of
-    `final` as int64 there (the caller's packed results: spec_decode/device_ngram.DeviceStep). one_pass: the
-    proposal's scan (None: NGRAM_ONE_PASS)."""
+    `final` as int64 there (the caller's packed results: spec_decode/device_ngram.DeviceStep)."""
     num_reqs, k = rows.shape[0], drafts.shape[1]
     if out is None:
         # Rows of an even length: each row 16-byte aligned, as Triton specializes pointers (the next step's kernel
@@ -215,14 +188,13 @@ def spec_step_outputs(rows: torch.Tensor, starts: torch.Tensor, counts: torch.Te
     max_n = min(max_n, hist.shape[1] - 1)  # (longer n-grams cannot match: as propose_ngram's `width <= n`)
     if min_n > max_n:
         min_n, max_n = 1, 0  # no n to try: nothing is proposed
-    one_pass = (NGRAM_ONE_PASS if one_pass is None else one_pass) and min_n <= max_n
     _spec_outputs[(num_reqs,)](
         rows, starts, counts, final, draft_src if draft_src is not None else dummy,
         input_ids if input_ids is not None else dummy, accepted if accepted is not None else dummy,
         hist, hist.stride(0), hist.shape[1], lens, drafts, num_drafts, out, out.stride(0),
         final_out if final_out is not None else dummy, K=k, MIN_N=min_n, MAX_N=max_n, ACC_MODE=mode,
         PROPOSE=propose, BLOCK_K=triton.next_power_of_2(k + 1), SCAN=_SCAN, FINAL_OUT=final_out is not None,
-        ONE_PASS=one_pass, NUM_N=triton.next_power_of_2(max(1, max_n - min_n + 1)))
+        NUM_N=triton.next_power_of_2(max(1, max_n - min_n + 1)))
     return out
 
 
