@@ -17,7 +17,7 @@ pytestmark = [
 
 from pagedllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from pagedllm.kernels.argmax import MAX_SPLIT_ROWS, argmax_rows  # noqa: E402
-from pagedllm.kernels.gemv import MULTI_ROW_MAX_WEIGHT, gemv, gemv_applies, gemv_ref  # noqa: E402
+from pagedllm.kernels.gemv import MULTI_ROW_MAX_WEIGHT, GemvNorm, gemv, gemv_applies, gemv_ref  # noqa: E402
 from pagedllm.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from pagedllm.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
 
@@ -152,6 +152,89 @@ def test_gemv_matches_reference(rows, n, k, gated, bias, dtype):
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=4e-2)
     else:
         _close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,n,k,gated,bias,residual,fp32_product", [
+    (1, 192, 576, False, False, True, False),     # SmolLM2's k/v rows, the residual added first
+    (1, 2 * 96, 576, True, False, True, False),   # gate_up + SiLU
+    (1, 200, 1000, False, True, False, False),     # no residual (the first layer), K not a power of two, bias
+    (3, 2 * 40, 320, True, True, True, True),      # several rows, Gemma's float32 (1 + w) product
+])
+def test_gemv_with_norm_equals_norm_then_gemv(rows, n, k, gated, bias, residual, fp32_product, dtype):
+    """The GEMV that computes the RMSNorm before it (GemvNorm) writes the norm's outputs as the norm kernel does (the
+    normalized rows, x + residual) and its product equals the GEMV of those rows."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.float32 if fp32_product else dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    spec = GemvNorm(nw, 1e-5, fp32_product, torch.full_like(x, float("nan")), res,
+                    None if res is None else torch.full_like(x, float("nan")))
+    got = gemv(x, w, b, gated=gated, mma=False, norm=spec)
+    if res is None:
+        want_normed, want_res = rms_norm(x, nw, 1e-5, fp32_product), None
+    else:
+        want_normed, want_res = fused_add_rms_norm(x.clone(), res.clone(), nw, 1e-5, fp32_product)
+        assert torch.equal(spec.residual_out, want_res)  # one rounding of the same sum
+    # The squares are summed in another order than the norm kernel's: a value may round one step apart.
+    torch.testing.assert_close(spec.out.float(), want_normed.float(), atol=0, rtol=1e-2)
+    assert (spec.out != want_normed).float().mean() < 0.02
+    want = gemv(spec.out, w, b, gated=gated, mma=False)  # the product of the rows it stored, by the plain GEMV
+    if gated:
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=4e-2)
+    else:
+        _close(got, want, dtype)
+
+
+def test_decoder_norms_inside_the_gemvs_equal_the_separate_kernels(monkeypatch):
+    """PAGEDLLM_NORM_GEMV=1: a Llama decoder layer's two norms run inside the qkv and gate_up GEMVs at one-row steps
+    (link_norm_gemv), with the layer's outputs and residual as with the norm kernels; several rows keep them apart."""
+    if DEVICE != "cuda":
+        pytest.skip("the model layers pick the GEMV only on CUDA tensors")
+    from types import SimpleNamespace
+
+    from pagedllm.layers.layernorm import link_norm_gemv
+    from pagedllm.models.llama import LlamaMLP
+    from pagedllm.layers.layernorm import RMSNorm
+
+    class Block(torch.nn.Module):  # the norm -> MLP part of a decoder layer, as norm_feeds names it
+        def __init__(self):
+            super().__init__()
+            config = SimpleNamespace(hidden_size=576, intermediate_size=1536, hidden_act="silu", mlp_bias=False)
+            self.post_attention_layernorm = RMSNorm(576, 1e-5)
+            self.mlp = LlamaMLP(config)
+
+        def norm_feeds(self):
+            return [("post_attention_layernorm", "mlp.gate_up_proj")]
+
+        def forward(self, x, residual):
+            h, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(h), residual
+
+    torch.manual_seed(0)
+    block = Block().to(device=DEVICE, dtype=torch.bfloat16)
+    for p in block.parameters():
+        p.data.normal_(0, 0.05)
+    block.post_attention_layernorm.weight.data += 1
+    monkeypatch.setenv("PAGEDLLM_NORM_GEMV", "1")
+    assert link_norm_gemv(block) == 1
+    calls = []
+    monkeypatch.setattr(type(block.mlp.gate_up_proj.linear_method), "apply_silu_and_mul",
+                        lambda self, layer, x, bias=None, _f=type(block.mlp.gate_up_proj.linear_method)
+                        .apply_silu_and_mul: calls.append(x.shape[0]) or _f(self, layer, x, bias))
+    for rows in (1, 2):
+        x = torch.randn(rows, 576, device=DEVICE, dtype=torch.bfloat16)
+        r = torch.randn(rows, 576, device=DEVICE, dtype=torch.bfloat16)
+        fused, fused_res = block(x, r)
+        assert "_norm_gemv" not in block.mlp.gate_up_proj.__dict__  # taken by the layer's call
+        block.post_attention_layernorm.__dict__["gemv_consumer"] = None
+        plain, plain_res = block(x, r)
+        block.post_attention_layernorm.__dict__["gemv_consumer"] = block.mlp.gate_up_proj
+        assert torch.equal(fused_res, plain_res)
+        _close(fused, plain, torch.bfloat16)
+    assert calls == [1, 1, 2, 2]
 
 
 def test_mlp_fused_gemv_equals_cublas_path(monkeypatch):

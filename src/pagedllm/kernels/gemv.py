@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from pagedllm import envs
+from pagedllm.kernels.norm import _normalize
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 from pagedllm.kernels.triton_launch import direct
 
@@ -59,6 +60,10 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
     LORA: tl.constexpr = False, R: tl.constexpr = 16, H_SPLIT: tl.constexpr = 1,
+    # NORM: x is an RMSNorm's input (plus res_ptr's rows with HAS_RES): every program normalizes each row itself
+    # (kernels/norm._normalize, the norm kernel's numbers) and the first stores the norm's outputs.
+    res_ptr=None, nw_ptr=None, normed_ptr=None, new_res_ptr=None, eps=0.0, stride_rm=0, stride_nm=0,
+    NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, FP32_PRODUCT: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, K_PAD)
@@ -88,13 +93,29 @@ def _gemv_kernel(
         if GATED:
             b_up = tl.load(b_ptrs + tl.maximum(slot, 0).to(tl.int64) * stride_bs + N, mask=b_mask & (slot >= 0),
                            other=0.0)
+    if NORM:
+        nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0)
     wait_prior_kernel(USE_PDL)
     out_ty = out_ptr.dtype.element_ty
     x_next = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    if HAS_RES:
+        r_next = tl.load(res_ptr + cols, mask=col_ok, other=0.0)
+    first = tl.program_id(0) == 0
     for m in range(M):  # a runtime count: one compiled variant for one row and one for several
-        x = x_next.to(tl.float32)
+        if NORM:
+            xs = x_next
+            if HAS_RES:  # the sum rounded to the activation dtype first, as the norm kernel
+                xs = (x_next.to(tl.float32) + r_next.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                tl.store(new_res_ptr + m * stride_rm + cols, xs, mask=col_ok & first)
+            y = _normalize(xs, nw, K, eps, FP32_PRODUCT).to(normed_ptr.dtype.element_ty)
+            tl.store(normed_ptr + m * stride_nm + cols, y, mask=col_ok & first)
+            x = y.to(tl.float32)
+        else:
+            x = x_next.to(tl.float32)
         # The next row's load is in flight while this row is reduced, hiding its L2 latency.
         x_next = tl.load(x_ptr + (m + 1) * stride_xm + cols, mask=col_ok & (m + 1 < M), other=0.0)
+        if HAS_RES:
+            r_next = tl.load(res_ptr + (m + 1) * stride_rm + cols, mask=col_ok & (m + 1 < M), other=0.0)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
@@ -201,14 +222,30 @@ def gemv_block_n(n: int, k: int) -> int:
     return max(1, min(triton.next_power_of_2(n), _TILE_ELEMENTS // k_pad))
 
 
+@dataclass
+class GemvNorm:
+    """An RMSNorm for `gemv` to apply to x first (x + residual, normalized, times weight: kernels/norm.py's
+    numbers); `gemv` writes its outputs to `out` (the normalized rows) and `residual_out` (x + residual)."""
+
+    weight: torch.Tensor
+    eps: float
+    fp32_product: bool
+    out: torch.Tensor
+    residual: Optional[torch.Tensor] = None
+    residual_out: Optional[torch.Tensor] = None
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
          block_n: Optional[int] = None, num_warps: int = 8, lora: Optional[GemvLoRA] = None,
-         mma: Optional[bool] = None) -> torch.Tensor:
+         mma: Optional[bool] = None, norm: Optional[GemvNorm] = None) -> torch.Tensor:
     """x: [M, K]; weight: [N, K] (gated: [2 * N', K], gate rows then up rows). Returns [M, N] (gated: [M, N']),
     with `lora`'s delta added to each row before the rounding (and the activation). mma: the tensor-core GEMV
-    (kernels/gemv_mma.py) instead of this kernel; None: where `_rows_kernel` gives it the rows."""
+    (kernels/gemv_mma.py) instead of this kernel; None: where `_rows_kernel` gives it the rows. norm: x is the
+    input of that RMSNorm, whose output the product takes (this kernel only)."""
     if mma is None:
-        mma = lora is None and block_n is None and _rows_kernel(x.shape[0], weight, x) == "mma"
+        mma = (lora is None and norm is None and block_n is None
+               and _rows_kernel(x.shape[0], weight, x) == "mma")
+    assert not (mma and norm is not None), "the tensor-core GEMV takes no norm"
     if mma and (not gated or weight.shape[0] % 32 == 0):
         from pagedllm.kernels.gemv_mma import gemv_mma
 
@@ -237,11 +274,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         starts += [n_total] * (2 - len(starts))
         lora_args = (h, b, slots, starts[0], starts[1], h.stride(0), h.stride(1), b.stride(0), b.stride(1))
         lora_meta = dict(LORA=True, R=r, H_SPLIT=h.shape[0])
+    # (read only with a norm)
+    norm_args = dict(res_ptr=x, nw_ptr=x, normed_ptr=x, new_res_ptr=x, eps=0.0, stride_rm=0, stride_nm=0)
+    if norm is not None:
+        res, res_out = norm.residual, norm.residual_out
+        assert norm.weight.shape == (k,) and norm.out.shape == x.shape and norm.out.stride(1) == 1, norm.out.shape
+        assert res is None or (res.shape == x.shape and res.stride(1) == 1 and res_out is not None
+                               and res_out.shape == x.shape and res_out.stride(1) == 1), (x.shape, res_out)
+        assert res is None or res_out.stride(0) == res.stride(0), "residual rows share one stride"
+        norm_args = dict(res_ptr=res if res is not None else x, nw_ptr=norm.weight, normed_ptr=norm.out,
+                         new_res_ptr=res_out if res is not None else norm.out, eps=norm.eps,
+                         stride_rm=res.stride(0) if res is not None else 0, stride_nm=norm.out.stride(0),
+                         NORM=True, HAS_RES=res is not None, FP32_PRODUCT=norm.fp32_product)
     _gemv[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         m, x.stride(0), weight.stride(0), out.stride(0), n * weight.stride(0), *lora_args,
         N=n, K=k, BLOCK_N=block_n, K_PAD=triton.next_power_of_2(k),
-        GATED=gated, HAS_BIAS=bias is not None, num_warps=num_warps, **lora_meta, **pdl_launch_args(x.device))
+        GATED=gated, HAS_BIAS=bias is not None, num_warps=num_warps, **lora_meta, **norm_args,
+        **pdl_launch_args(x.device))
     return out
 
 

@@ -6,6 +6,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import triton_kernels
 from pagedllm.layers.weight_utils import default_weight_loader, set_weight_attrs
@@ -34,6 +35,9 @@ class RMSNorm(nn.Module):
     # by link_norm_quant (the layer method's choice, made once at load).
     quant_consumer = None
     quant_dtype = None
+    # The unquantized linear layer this norm's output feeds alone: at one-row decode steps on CUDA its GEMV computes
+    # this norm too (LinearBase.norm_and_gemv); set by link_norm_gemv.
+    gemv_consumer = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
@@ -54,6 +58,10 @@ class RMSNorm(nn.Module):
                     return fused
             if self.quant_consumer is not None:
                 fused = self._norm_and_quantize(x, residual)
+                if fused is not None:
+                    return fused
+            if self.gemv_consumer is not None and self.shrink_consumer is None:
+                fused = self.gemv_consumer.norm_and_gemv(self, x, residual)
                 if fused is not None:
                     return fused
             kernels = triton_kernels("norm")  # one fused kernel instead of ~7 elementwise ones
@@ -168,5 +176,37 @@ def link_norm_quant(model: nn.Module) -> int:
         if dtype is not None:
             norm.__dict__["quant_consumer"] = layer  # a plain reference, not a submodule of the norm
             norm.__dict__["quant_dtype"] = dtype
+            linked += 1
+    return linked
+
+
+def link_norm_gemv(model: nn.Module) -> int:
+    """Point each RMSNorm whose output feeds one unquantized linear layer alone (`norm_feeds`) at that layer, so that
+    at one-row decode steps on CUDA the layer's GEMV computes the norm as well (one launch instead of two; the
+    product gated with SiLU where the MLP fuses it). PAGEDLLM_NORM_GEMV=1 only, until measured. Returns how many."""
+    if not envs.PAGEDLLM_NORM_GEMV:
+        return 0
+    from pagedllm.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
+
+    linked = 0
+    for module in model.modules():
+        feeds = getattr(module, "norm_feeds", None)
+        if not callable(feeds):
+            continue
+        for norm_path, layer_path in feeds():
+            parent_path = layer_path.rpartition(".")[0]
+            try:
+                norm, layer = module.get_submodule(norm_path), module.get_submodule(layer_path)
+                parent = module.get_submodule(parent_path) if parent_path else module
+            except AttributeError:  # e.g. a MoE block where a dense MLP would be
+                continue
+            if (not is_plain_rms_norm(norm) or norm.quant_consumer is not None
+                    or not isinstance(layer, ColumnParallelLinear)
+                    or type(layer.linear_method) is not UnquantizedLinearMethod):
+                continue
+            # The MLP asks for silu(gate) * up in one kernel (LlamaMLP.fuse_silu): the norm's GEMV is that one.
+            gated = bool(getattr(parent, "fuse_silu", False)) and getattr(parent, "gate_up_proj", None) is layer
+            norm.__dict__["gemv_consumer"] = layer  # a plain reference, not a submodule of the norm
+            layer.__dict__["norm_gemv_gated"] = gated
             linked += 1
     return linked

@@ -104,6 +104,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias=None):
+        done = _norm_gemv_result(layer, x, gated=False)
+        if done is not None:
+            return done
         gemv = gemv_kernels(x, layer.weight)
         if gemv is not None:
             return gemv.gemv(x, layer.weight, bias)
@@ -115,8 +118,21 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply_silu_and_mul(self, layer, x, bias=None) -> Optional[torch.Tensor]:
         """`silu(gate) * up` of a merged [gate; up] layer in one kernel, or None where that kernel does not apply
         (the caller then runs `apply` and the activation)."""
+        done = _norm_gemv_result(layer, x, gated=True)
+        if done is not None:
+            return done
         gemv = gemv_kernels(x, layer.weight)
         return None if gemv is None else gemv.gemv(x, layer.weight, bias, gated=True)
+
+
+def _norm_gemv_result(layer: nn.Module, x: torch.Tensor, gated: bool) -> Optional[torch.Tensor]:
+    """The product the norm before `layer` computed with its own output x (ColumnParallelLinear.norm_and_gemv),
+    taken once; None where it computed none for this x."""
+    done = layer.__dict__.get("_norm_gemv")
+    if done is None or done[0] is not x or done[1] != gated:
+        return None
+    del layer.__dict__["_norm_gemv"]
+    return done[2]
 
     def dequantized_weight(self, layer):
         return layer.weight
@@ -234,6 +250,27 @@ class ColumnParallelLinear(LinearBase):
         if self.gather_output:
             out = tensor_model_parallel_all_gather(out, dim=-1)
         return out
+
+    def norm_and_gemv(self, norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """`norm(x, residual)`'s result, with this layer's product of it computed by the same kernel (the Triton
+        GEMV with its norm: kernels/gemv.GemvNorm) and kept for this layer's call on the norm's output; None where
+        that kernel does not take the rows (then the norm runs alone). Set up by layernorm.link_norm_gemv."""
+        if self.gather_output or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != self.weight.shape[1] \
+                or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous())):
+            return None
+        gated = self.__dict__.get("norm_gemv_gated", False)
+        if gated and (len(self.output_partition_sizes) != 2
+                      or self.output_partition_sizes[0] != self.output_partition_sizes[1]):
+            return None
+        kernels = gemv_kernels(x, self.weight)
+        if kernels is None or kernels._rows_kernel(x.shape[0], self.weight, x) != "gemv":
+            return None
+        out = torch.empty_like(x)
+        new_residual = None if residual is None else torch.empty_like(residual)
+        spec = kernels.GemvNorm(norm.weight, norm.variance_epsilon, norm.fp32_product, out, residual, new_residual)
+        product = kernels.gemv(x, self.weight, self.bias, gated=gated, mma=False, norm=spec)
+        self.__dict__["_norm_gemv"] = (out, gated, product)
+        return out if residual is None else (out, new_residual)
 
     def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, dst_offset: int, shard_size: int,
                     src_shard_index: int, num_src_shards: int, shard_index: int = 0) -> None:

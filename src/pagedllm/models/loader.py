@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from pagedllm.layers.layernorm import link_norm_quant
+from pagedllm.layers.layernorm import link_norm_gemv, link_norm_quant
 from pagedllm.models import cpu_decode
 from pagedllm.models.registry import TEXT_MODEL_ARCHITECTURES, get_model_class
 from pagedllm.models.weight_utils import (find_weight_files, initialize_dummy_weights,
@@ -189,6 +189,7 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
                 linear_method.process_weights_after_loading(module)
         if device.type == "cuda":
             link_norm_quant(model)  # W8A8 layers take their input quantized by the norm before them
+            link_norm_gemv(model)  # one-row decode steps: norms computed by the GEMV after them
     if max_model_len is not None:
         for module in model.modules():
             if hasattr(module, "set_context_len"):

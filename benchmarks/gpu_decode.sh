@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Batch-1 decode A/Bs on the lent GPU, in device calls (carry .whl: ../shared/device/fetch-wheels.sh):
+#
+#   bash benchmarks/gpu_decode.sh norm-gemv-tests  # the GEMV that computes the RMSNorm before it (PAGEDLLM_NORM_GEMV):
+#                                                  # its kernel tests, then the GPU engine tests with it on
+#   bash benchmarks/gpu_decode.sh norm-gemv        # batch-1 decode ms/step with it off / on, alternating, one
+#                                                  # process each: SmolLM2-135M and Qwen3-0.6B shapes (dummy, bf16)
+#   bash benchmarks/gpu_decode.sh norm-gemv-8b     # the same for the Llama-3-8B shape
+#
+# Each step has its own timeout; logs and JSON go to $OUT (or /tmp/decode-out), the summary lines to stdout.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+what=${1:?norm-gemv-tests, norm-gemv or norm-gemv-8b}
+source tests/gpu/device_prepare.sh
+out=${OUT:-/tmp/decode-out}
+mkdir -p "$out"
+STEP_SUMMARY="pagedllm: startup|hardware bound"
+source benchmarks/gpu_step.sh
+ab() {  # ab NAME CONFIG TIMEOUT: latency.py with the switch off and on, twice, alternating
+    local name=$1 config=$2 limit=$3
+    for round in 1 2; do
+        for on in 0 1; do
+            PAGEDLLM_NORM_GEMV=$on step "$name-$on-$round" "$limit" python benchmarks/latency.py \
+                --model "benchmarks/configs/$config" --load-format dummy --dtype bfloat16 --batch-size 1 \
+                --input-len 128 --output-len 256 --iters 3 --hf none --json "$out/$name-$on-$round.json"
+        done
+    done
+}
+case $what in
+norm-gemv-tests)
+    step kernels 150 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_small_kernels.py
+    PAGEDLLM_NORM_GEMV=1 step engine-on 300 python -m pytest -m gpu -q -p no:cacheprovider \
+        tests/gpu/test_engine_gpu.py tests/gpu/test_families_gpu.py
+    ;;
+norm-gemv)
+    ab smollm2 smollm2-135m 90
+    ab qwen3 qwen3-0.6b 100
+    ;;
+norm-gemv-8b)
+    ab llama8b llama3-8b 140
+    ;;
+*)
+    echo "unknown step: $what" >&2
+    exit 2
+    ;;
+esac
