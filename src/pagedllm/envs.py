@@ -103,9 +103,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Most rows (tokens) for which CUDA fp16/bf16 linear layers use the Triton GEMV (kernels/gemv.py) instead of
     # cuBLAS; 0 turns it off.
     "PAGEDLLM_GEMV_MAX_ROWS": _int("PAGEDLLM_GEMV_MAX_ROWS", 4),
-    # "1": on CUDA, an RMSNorm that feeds one unquantized linear layer alone is computed inside that layer's Triton
-    # GEMV at one-row decode steps (kernels/gemv.GemvNorm: one launch less per norm); off until measured on a GPU.
-    "PAGEDLLM_NORM_GEMV": lambda: _truthy(os.environ.get("PAGEDLLM_NORM_GEMV")),
+    # "0": on CUDA, an RMSNorm that feeds one unquantized linear layer alone runs its own kernel at one-row decode
+    # steps instead of inside that layer's Triton GEMV (kernels/gemv.GemvNorm: one launch less per norm; A/B).
+    "PAGEDLLM_NORM_GEMV": lambda: os.environ.get("PAGEDLLM_NORM_GEMV", "1") != "0",
     # Steps of 2 up to this many rows (at most 32) run CUDA fp16/bf16 linear layers on the tensor-core GEMV
     # (kernels/gemv_mma.py) instead of the Triton GEMV / cuBLAS; 0: off. 16: past it (four row tiles) cuBLAS wins
     # on 8B shapes (docs/benchmarks.md, "The tensor-core few-row GEMV").

@@ -189,7 +189,7 @@ def test_gemv_with_norm_equals_norm_then_gemv(rows, n, k, gated, bias, residual,
 
 
 def test_decoder_norms_inside_the_gemvs_equal_the_separate_kernels(monkeypatch):
-    """PAGEDLLM_NORM_GEMV=1: a Llama decoder layer's two norms run inside the qkv and gate_up GEMVs at one-row steps
+    """PAGEDLLM_NORM_GEMV (on by default): a Llama decoder layer's norms run inside the qkv and gate_up GEMVs at one-row steps
     (link_norm_gemv), with the layer's outputs and residual as with the norm kernels; several rows keep them apart."""
     if DEVICE != "cuda":
         pytest.skip("the model layers pick the GEMV only on CUDA tensors")
@@ -251,6 +251,7 @@ def test_mlp_fused_gemv_equals_cublas_path(monkeypatch):
         p.data.normal_(0, 0.05)
     x = torch.randn(3, 512, device=DEVICE, dtype=torch.bfloat16)
     monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "4")
+    monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", "0")  # (3 rows would go to the tensor-core GEMV)
     assert mlp.gate_up_proj.silu_and_mul(x) is not None  # the fused kernel is taken at 3 rows
     fused = mlp(x)
     monkeypatch.setenv("PAGEDLLM_GEMV_MAX_ROWS", "0")

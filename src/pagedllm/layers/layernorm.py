@@ -183,7 +183,7 @@ def link_norm_quant(model: nn.Module) -> int:
 def link_norm_gemv(model: nn.Module) -> int:
     """Point each RMSNorm whose output feeds one unquantized linear layer alone (`norm_feeds`) at that layer, so that
     at one-row decode steps on CUDA the layer's GEMV computes the norm as well (one launch instead of two; the
-    product gated with SiLU where the MLP fuses it). PAGEDLLM_NORM_GEMV=1 only, until measured. Returns how many."""
+    product gated with SiLU where the MLP fuses it; PAGEDLLM_NORM_GEMV=0 turns it off). Returns how many linked."""
     if not envs.PAGEDLLM_NORM_GEMV:
         return 0
     from pagedllm.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
