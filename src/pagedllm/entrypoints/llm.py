@@ -55,6 +55,13 @@ def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
     return out
 
 
+def _warn_failed(where: tuple[int, int, int], message: str) -> None:
+    """The user's view of a request the engine failed at step time (the engine logs its own recovery)."""
+    prompt, sample, n = where
+    logger.warning("Prompt %d%s failed and is returned with finish_reason 'error' (the other prompts go on): %s",
+                   prompt, f" (sample {sample} of n={n})" if n > 1 else "", message)
+
+
 class LLM:
     """Generate text offline with continuous batching.
 
@@ -290,7 +297,9 @@ class LLM:
             return self._run_frozen(items, use_tqdm, lora_ids)
 
     def _run_frozen(self, items, use_tqdm: bool, lora_ids: Optional[list[Optional[int]]]) -> list:
+        from pagedllm.core.batch_plan import EngineCoreOutput
         from pagedllm.core.engine_core import EngineCoreRequest
+        from pagedllm.core.errors import RequestStepError
         from pagedllm.entrypoints.output_processor import OutputProcessor
         from pagedllm.entrypoints.parallel_sampling import fan_out
         from pagedllm.sampling_constraints import tokenize_params
@@ -299,8 +308,9 @@ class LLM:
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
         added: list[str] = []
+        prompt_of: dict[str, tuple[int, int, int]] = {}  # engine id -> (prompt index, sample index, n): for warnings
         try:
-            for ((text, ids), params), lora_id in zip(items, lora_ids or [None] * len(items)):
+            for i, (((text, ids), params), lora_id) in enumerate(zip(items, lora_ids or [None] * len(items))):
                 request_id = str(next(self._counter))
                 order.append(request_id)
                 for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
@@ -308,6 +318,7 @@ class LLM:
                                           index=child.index, output_kind="final_only")
                     engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id))
                     added.append(child.request_id)
+                    prompt_of[child.request_id] = (i, child.index, params.n)
         except Exception:
             engine.abort_requests(added)
             raise
@@ -322,7 +333,15 @@ class LLM:
         start = time.perf_counter()
         try:
             while engine.has_unfinished_requests() or len(finished) < len(order):
-                core_outputs = engine.step()
+                try:
+                    core_outputs = engine.step()
+                except RequestStepError as e:
+                    # Those requests alone failed (the engine recovered): they finish with vLLM's "error" reason,
+                    # the others' outputs of the step are kept and they go on.
+                    core_outputs = e.outputs + [EngineCoreOutput(rid, [], finish_reason="error")
+                                                for rid in e.request_ids]
+                    for rid in e.request_ids:
+                        _warn_failed(prompt_of[rid], e.message)
                 errors = engine.pop_request_errors()
                 if errors:
                     raise ValueError(errors[0][1])

@@ -1,0 +1,39 @@
+"""The offline LLM API's edges, as vLLM's: a request that fails mid-run, min_tokens past the context's room,
+logprobs=-1, truncate_prompt_tokens, a tqdm-like use_tqdm. One tiny random model, CPU."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=64, max_model_len=64)
+
+
+def _greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, ignore_eos=True, **kwargs)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_request_failing_mid_run_ends_with_error_and_the_others_finish(llm, caplog, n):
+    """allowed_token_ids = a stop token with min_tokens not reached leaves no token at step 1: that request (or one
+    of its n samples) ends with finish_reason "error" and a warning; every other prompt gets its whole output."""
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}, {"prompt_token_ids": [10, 11, 12]}]
+    ok = _greedy(max_tokens=6)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, ok, use_tqdm=False)]
+    doomed = SamplingParams(max_tokens=4, allowed_token_ids=[40], stop_token_ids=[40], min_tokens=2, n=n, seed=3)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        outs = llm.generate(prompts, [ok, doomed, ok], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [alone[0], alone[2]]
+    assert all(o.outputs[0].finish_reason == "length" for o in (outs[0], outs[2]))
+    failed = outs[1]
+    assert failed.finished and len(failed.outputs) == n
+    assert all(c.finish_reason == "error" and c.token_ids == [] for c in failed.outputs)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "finish_reason 'error'" in r.message]
+    assert warned and "Prompt 1" in warned[0].message and "no token satisfies" in warned[0].message
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv_cache_manager.get_usage() == 0
