@@ -37,3 +37,15 @@ def test_a_request_failing_mid_run_ends_with_error_and_the_others_finish(llm, ca
     assert warned and "Prompt 1" in warned[0].message and "no token satisfies" in warned[0].message
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.kv_cache_manager.get_usage() == 0
+
+
+@pytest.mark.parametrize("max_tokens, asked", [(40, "max_tokens=40"), (None, "max_tokens unset")])
+def test_min_tokens_past_the_contexts_room_names_what_was_asked(llm, max_tokens, asked):
+    """max_tokens is clamped to the room the prompt leaves (64 - 50 = 14): a min_tokens beyond it is refused with
+    the user's own values and why, not with the clamped max_tokens they never gave."""
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=20)
+    with pytest.raises(ValueError) as e:
+        llm.generate({"prompt_token_ids": [5] * 50}, params, use_tqdm=False)
+    message = str(e.value)
+    assert "min_tokens=20" in message and asked in message and "room for 14" in message and "(14)" not in message
+    assert not llm.engine.has_unfinished_requests()

@@ -146,6 +146,12 @@ class EngineCore:
         check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.min_tokens > max_tokens:  # before the clamp below, whose own check would name a value never given
+            asked = "max_tokens unset" if params.max_tokens is None else f"max_tokens={params.max_tokens}"
+            raise ValueError(
+                f"min_tokens={params.min_tokens} cannot be met: the prompt's {num_prompt} tokens leave room for "
+                f"{room} in this model's context of {self.max_model_len} tokens ({asked} is clamped to that "
+                "room). Ask for fewer min_tokens or shorten the prompt.")
         if params.max_tokens != max_tokens or self.eos_token_ids[1:]:
             params = params.clone(max_tokens=max_tokens)
             # Extra end-of-turn ids (generation_config) stop like EOS (unless ignore_eos).
