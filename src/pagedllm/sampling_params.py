@@ -133,11 +133,12 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
-        # The upper bound is the engine's --max-logprobs, checked when the request is added.
-        if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be an integer >= 0, got {self.logprobs!r}.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}.")
+        # -1: every token of the vocabulary (vLLM). The upper bound is the engine's --max-logprobs, checked when
+        # the request is added (where the vocabulary's size is known).
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v < -1:
+                bad(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, got {v!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings.")
         if self.stop and not self.detokenize:

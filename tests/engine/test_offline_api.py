@@ -3,6 +3,7 @@ logprobs=-1, truncate_prompt_tokens, a tqdm-like use_tqdm. One tiny random model
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 
@@ -49,3 +50,22 @@ def test_min_tokens_past_the_contexts_room_names_what_was_asked(llm, max_tokens,
     message = str(e.value)
     assert "min_tokens=20" in message and asked in message and "room for 14" in message and "(14)" not in message
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_llama_dir, llm):
+    """As vLLM: -1 asks for every token's logprob, allowed where max_logprobs covers the vocabulary (-1 does)."""
+    with pytest.raises(ValueError, match=r"logprobs=-1 \(the whole vocabulary: 512 tokens\) is more than"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=-1), use_tqdm=False)
+    wide = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_logprobs=-1)
+    out = wide.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                        use_tqdm=False)[0]
+    positions = out.outputs[0].logprobs + out.prompt_logprobs[1:]
+    assert len(positions) == 2 + 2
+    for position in positions:
+        assert len(position) == 512 and sorted(lp.rank for lp in position.values()) == list(range(1, 513))
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in position.values()), 1.0, rel_tol=1e-4)
+    for token, position in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        assert position[token].rank == 1  # greedy
+    few = wide.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(max_tokens=2, logprobs=3), use_tqdm=False)[0]
+    assert few.outputs[0].token_ids == out.outputs[0].token_ids
+    assert all(len(p) == 3 for p in few.outputs[0].logprobs)

@@ -152,8 +152,12 @@ class EngineCore:
                 f"min_tokens={params.min_tokens} cannot be met: the prompt's {num_prompt} tokens leave room for "
                 f"{room} in this model's context of {self.max_model_len} tokens ({asked} is clamped to that "
                 "room). Ask for fewer min_tokens or shorten the prompt.")
-        if params.max_tokens != max_tokens or self.eos_token_ids[1:]:
-            params = params.clone(max_tokens=max_tokens)
+        changes = {"max_tokens": max_tokens} if params.max_tokens != max_tokens else {}
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) == -1:  # the whole vocabulary (vLLM): the worker takes a count
+                changes[name] = self.vocab_size
+        if changes or self.eos_token_ids[1:]:
+            params = params.clone(**changes)
             # Extra end-of-turn ids (generation_config) stop like EOS (unless ignore_eos).
             if not params.ignore_eos:
                 params.all_stop_token_ids = set(params.all_stop_token_ids) | set(self.eos_token_ids[1:])
