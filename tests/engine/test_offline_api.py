@@ -69,3 +69,29 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_llama_dir, llm):
     few = wide.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(max_tokens=2, logprobs=3), use_tqdm=False)[0]
     assert few.outputs[0].token_ids == out.outputs[0].token_ids
     assert all(len(p) == 3 for p in few.outputs[0].logprobs)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """As vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len), for token
+    and text prompts; the same tokens as giving those k alone."""
+    ids = list(range(5, 25))
+    kept = llm.generate({"prompt_token_ids": ids}, _greedy(max_tokens=4, truncate_prompt_tokens=6), use_tqdm=False)[0]
+    alone = llm.generate({"prompt_token_ids": ids[-6:]}, _greedy(max_tokens=4), use_tqdm=False)[0]
+    assert kept.prompt_token_ids == ids[-6:] and kept.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = "the quick brown fox jumps over the lazy dog"
+    whole = llm.get_tokenizer().encode(text)
+    out = llm.generate(text, _greedy(max_tokens=2, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert out.prompt_token_ids == whole[-3:] and out.prompt == text
+    for k in (-1, len(ids), 64):  # nothing to cut
+        assert llm.generate({"prompt_token_ids": ids}, _greedy(max_tokens=1, truncate_prompt_tokens=k),
+                            use_tqdm=False)[0].prompt_token_ids == ids
+    long = list(range(5, 105))  # longer than the context: -1 keeps max_model_len tokens, which leave no room
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.generate({"prompt_token_ids": long}, _greedy(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert llm.generate({"prompt_token_ids": long}, _greedy(max_tokens=1, truncate_prompt_tokens=63),
+                        use_tqdm=False)[0].prompt_token_ids == long[-63:]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(65\) is greater than max_model_len \(64\)"):
+        llm.generate({"prompt_token_ids": ids}, _greedy(max_tokens=1, truncate_prompt_tokens=65), use_tqdm=False)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+            SamplingParams(truncate_prompt_tokens=bad)

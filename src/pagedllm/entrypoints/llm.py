@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineArgs
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, keep_last_tokens
 
 logger = logging.getLogger("pagedllm")
 
@@ -172,6 +172,20 @@ class LLM:
         raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: give a string, a list of token ids "
                          "or a dict with 'prompt' / 'prompt_token_ids'.")
 
+    def _truncated(self, prompt: tuple[Optional[str], list[int]], params: SamplingParams
+                   ) -> tuple[Optional[str], list[int]]:
+        """The prompt cut to params.truncate_prompt_tokens (its last k tokens), as vLLM: the text stays the one
+        given; a k beyond the context is a ValueError, not a silent no-op."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        max_model_len = self.engine.max_model_len
+        if k > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); select "
+                             "a smaller truncation size (-1: max_model_len).")
+        text, ids = prompt
+        return text, keep_last_tokens(ids, k, max_model_len)
+
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: Union[PromptType, Sequence[PromptType], None] = None,
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -201,7 +215,7 @@ class LLM:
                 raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, "
                                  "or one per prompt.")
         # Tokenize and validate everything before queuing anything: a bad prompt fails the call cleanly.
-        items = [(self._to_prompt(p), sp) for p, sp in zip(prompts, params_list)]
+        items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params_list)]
         lora_ids = self._add_loras(lora_request, len(items))
         outputs = self._run(items, use_tqdm, lora_ids)
         if lora_request is not None:
