@@ -95,3 +95,31 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     for bad in (0, -2):
         with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+class _Bar:
+    """A tqdm-like bar that records what the LLM does with it."""
+
+    made: list["_Bar"] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.n, self.postfix, self.closed = kwargs, 0, None, False
+        _Bar.made.append(self)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_use_tqdm_takes_a_tqdm_like_class(llm):
+    """As vLLM: a callable use_tqdm builds the progress bar (generate and chat)."""
+    _Bar.made.clear()
+    llm.generate([{"prompt_token_ids": [5, 6]}] * 3, _greedy(max_tokens=2), use_tqdm=_Bar)
+    llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=2), use_tqdm=_Bar)
+    assert [(b.kwargs["total"], b.n, b.closed) for b in _Bar.made] == [(3, 3, True), (1, 1, True)]
+    assert _Bar.made[0].kwargs["desc"] == "Processed prompts" and "toks/s" in _Bar.made[0].postfix

@@ -6,7 +6,7 @@ import logging
 import numbers
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineArgs
@@ -15,6 +15,7 @@ from pagedllm.sampling_params import SamplingParams, keep_last_tokens
 logger = logging.getLogger("pagedllm")
 
 PromptType = Union[str, dict, list[int]]
+UseTqdm = Union[bool, Callable[..., Any]]  # vLLM's: show a bar, or a tqdm-like class / factory to build it with
 
 
 def _setup_logging() -> None:
@@ -189,7 +190,7 @@ class LLM:
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: Union[PromptType, Sequence[PromptType], None] = None,
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, lora_request: Any = None, *,
+                 use_tqdm: UseTqdm = True, lora_request: Any = None, *,
                  prompt_token_ids: Optional[list[list[int]]] = None) -> list:
         if prompts is None and prompt_token_ids is not None:
             prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
@@ -245,7 +246,7 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True, lora_request: Any = None, chat_template: Optional[str] = None,
+             use_tqdm: UseTqdm = True, lora_request: Any = None, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list:
         if self.tokenizer is None:
@@ -302,7 +303,7 @@ class LLM:
         return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, items, use_tqdm: bool, lora_ids: Optional[list[Optional[int]]] = None) -> list:
+    def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None) -> list:
         from pagedllm.core.engine_core import objects_frozen
 
         # The engine's start-up objects stay out of the collector's full passes while the steps run (see
@@ -310,7 +311,7 @@ class LLM:
         with objects_frozen():
             return self._run_frozen(items, use_tqdm, lora_ids)
 
-    def _run_frozen(self, items, use_tqdm: bool, lora_ids: Optional[list[Optional[int]]]) -> list:
+    def _run_frozen(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]]) -> list:
         from pagedllm.core.batch_plan import EngineCoreOutput
         from pagedllm.core.engine_core import EngineCoreRequest
         from pagedllm.core.errors import RequestStepError
@@ -339,10 +340,13 @@ class LLM:
         finished: dict[str, Any] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            if callable(use_tqdm):  # vLLM: a tqdm-like class or factory builds the bar
+                make_bar = use_tqdm
+            else:
+                from tqdm.auto import tqdm as make_bar
 
-            bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True,
-                       postfix="output: 0 toks/s")
+            bar = make_bar(total=len(order), desc="Processed prompts", dynamic_ncols=True,
+                           postfix="output: 0 toks/s")
         num_output_tokens = 0
         start = time.perf_counter()
         try:
