@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import pytest
 
@@ -123,3 +124,24 @@ def test_use_tqdm_takes_a_tqdm_like_class(llm):
     llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=2), use_tqdm=_Bar)
     assert [(b.kwargs["total"], b.n, b.closed) for b in _Bar.made] == [(3, 3, True), (1, 1, True)]
     assert _Bar.made[0].kwargs["desc"] == "Processed prompts" and "toks/s" in _Bar.made[0].postfix
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ([{"type": "image_url", "image_url": {"url": "x"}}], "messages[0]: Message content of type 'image_url' is not "
+                                                         "supported yet; only 'text' parts are."),
+    ([{"type": "text", "text": 3}], "messages[0]: A message content part of type 'text' needs a 'text' string."),
+    (["plain"], "messages[0]: Message content of type None"),
+    (5, "messages[0]: 'content' must be a string or a list of text parts."),
+])
+def test_chat_refuses_the_content_the_server_refuses(llm, content, fragment):
+    """chat() reads content with the server's chat_template.message_text: the same parts are refused, with a
+    ValueError naming the message."""
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        llm.chat([{"role": "user", "content": content}], _greedy(max_tokens=1), use_tqdm=False)
+
+
+def test_chat_joins_text_parts_as_the_server_does(llm):
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    joined = llm.chat([{"role": "user", "content": "one\ntwo"}], _greedy(max_tokens=1), use_tqdm=False)[0]
+    assert llm.chat([{"role": "user", "content": parts}], _greedy(max_tokens=1),
+                    use_tqdm=False)[0].prompt_token_ids == joined.prompt_token_ids

@@ -28,8 +28,11 @@ def _setup_logging() -> None:
 
 
 def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
-    """A conversation's messages as the chat template takes them (content: a string; text parts joined, as the
-    server does), or a ValueError naming the first bad one."""
+    """A conversation's messages as the chat template takes them (content: a string; text parts joined by the
+    server's own message_text), or a ValueError naming the first bad one."""
+    from pagedllm.entrypoints.openai.chat_template import message_text
+    from pagedllm.entrypoints.openai.errors import APIError
+
     where = "messages" if index is None else f"conversation {index}"
     if not isinstance(conv, (list, tuple)) or not conv:
         raise ValueError(f"{where}: a conversation is a non-empty list of message dicts.")
@@ -40,18 +43,12 @@ def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
         if not isinstance(m.get("role"), str):
             raise ValueError(f"{where}[{i}]: 'role' must be a string.")
         content = m.get("content")
-        if isinstance(content, (list, tuple)):
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ValueError(f"{where}[{i}]: content parts must be {{'type': 'text', 'text': str}} (only "
-                                     "text is supported).")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
+        if content is not None and not isinstance(content, (str, list, tuple)):  # (the server's model checks this)
             raise ValueError(f"{where}[{i}]: 'content' must be a string or a list of text parts.")
+        try:
+            content = message_text(content)
+        except APIError as e:  # the offline API's user errors are ValueErrors
+            raise ValueError(f"{where}[{i}]: {e.message}") from None
         out.append(dict(m, content=content))
     return out
 
