@@ -145,3 +145,17 @@ def test_chat_joins_text_parts_as_the_server_does(llm):
     joined = llm.chat([{"role": "user", "content": "one\ntwo"}], _greedy(max_tokens=1), use_tqdm=False)[0]
     assert llm.chat([{"role": "user", "content": parts}], _greedy(max_tokens=1),
                     use_tqdm=False)[0].prompt_token_ids == joined.prompt_token_ids
+
+
+@pytest.mark.parametrize("bad", [10 ** 9, -3, 2.0, True, "7"])
+def test_a_bad_prompt_id_in_a_batch_fails_the_call_and_leaves_nothing_running(llm, bad):
+    """The engine checks the prompt ids (the one check: the LLM no longer repeats it) before the detokenizer sees
+    them; the prompts queued before it are taken back; numpy integers are token ids."""
+    import numpy as np
+
+    prompts = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": np.array([7, 8])}, {"prompt_token_ids": [9, bad]}]
+    with pytest.raises(ValueError, match=re.escape(f"Prompt token ids must be integers in [0, 512), got {bad!r}.")):
+        llm.generate(prompts, _greedy(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate(prompts[:2], _greedy(max_tokens=2), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[5, 6], [7, 8]] and type(outs[1].prompt_token_ids[0]) is int

@@ -131,8 +131,10 @@ class EngineCore:
         num_prompt = len(prompt)
         if num_prompt == 0:
             raise ValueError("The prompt is empty: give at least one token.")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt):
-            raise ValueError(f"Prompt token ids must be integers in [0, {self.vocab_size}).")
+        vocab = self.vocab_size
+        if any(type(t) is not int or t < 0 or t >= vocab for t in prompt):  # (no bools: True is no token id)
+            bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
+            raise ValueError(f"Prompt token ids must be integers in [0, {vocab}), got {bad!r}.")
         if num_prompt >= self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "

@@ -135,18 +135,13 @@ class LLM:
         return SamplingParams(**self.sampling_defaults)
 
     # ------------------------------------------------------------------ prompts
-    def _token_ids(self, ids: Any) -> list[int]:
-        """A prompt's token ids as a list of ints inside the vocabulary (numpy / torch integers too), else a
-        ValueError before anything reaches the detokenizer or the engine."""
+    @staticmethod
+    def _token_ids(ids: Any) -> list:
+        """A prompt's token ids as a list, numpy / torch integers as ints. What is no token id stays as it is: the
+        engine refuses it (EngineCore.add_request, before the detokenizer sees the prompt)."""
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
             raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}.")
-        out = []
-        vocab = self.engine.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < vocab:
-                raise ValueError(f"Prompt token ids must be integers in [0, {vocab}), got {t!r}.")
-            out.append(int(t))
-        return out
+        return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
 
     def _to_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
@@ -326,10 +321,11 @@ class LLM:
                 request_id = str(next(self._counter))
                 order.append(request_id)
                 for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
-                    processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
-                                          index=child.index, output_kind="final_only")
+                    # The engine validates the prompt first: the detokenizer only ever sees valid token ids.
                     engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id))
                     added.append(child.request_id)
+                    processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
+                                          index=child.index, output_kind="final_only")
                     prompt_of[child.request_id] = (i, child.index, params.n)
         except Exception:
             engine.abort_requests(added)
