@@ -207,7 +207,8 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, "
                                  "or one per prompt.")
-        # Tokenize and validate everything before queuing anything: a bad prompt fails the call cleanly.
+        # Tokenize everything before queuing anything; the engine checks each request as it is queued, and a refusal
+        # takes back those queued before it (_run_frozen): a bad prompt fails the call cleanly.
         items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params_list)]
         lora_ids = self._add_loras(lora_request, len(items))
         outputs = self._run(items, use_tqdm, lora_ids)
