@@ -30,7 +30,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float]  # None unless logprobs were requested
     logprobs: Optional[SampleLogprobs]
-    finish_reason: Optional[str] = None  # None while running; "stop" | "length" | "abort"
+    # None while running; "stop" | "length" | "abort" | "error" (offline: the engine failed this request mid-run;
+    # the warning logged says why)
+    finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None  # stop string or stop token id; None for EOS / length
     # LLM.chat(..., tools=[...]): the calls parsed from text (entrypoints/openai/tool_parsers), else None.
     tool_calls: Optional[list] = None

@@ -61,7 +61,8 @@ def normalize_bad_words(words: Any) -> Optional[list[str]]:
 
 def check_against_engine(params: Any, vocab_size: int, max_logprobs: int) -> None:
     """What only the engine knows: every constrained id is a real token, and logprobs stay within
-    --max-logprobs (-1: up to the vocabulary)."""
+    --max-logprobs (-1: up to the vocabulary). A request's logprobs=-1 (the whole vocabulary) counts as the
+    vocabulary's size, as in vLLM."""
     for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = sorted(t for t in ids if t >= vocab_size)
         if bad:
@@ -72,6 +73,9 @@ def check_against_engine(params: Any, vocab_size: int, max_logprobs: int) -> Non
     limit = vocab_size if max_logprobs == -1 else max_logprobs
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
+        if k == -1 and limit < vocab_size:
+            raise ValueError(f"{name}=-1 (the whole vocabulary: {vocab_size} tokens) is more than this server allows "
+                             f"({limit}); start the engine with --max-logprobs -1 (LLM(max_logprobs=-1)) for it.")
         if k is not None and k > limit:
             raise ValueError(f"{name}={k} is more than this server allows ({limit}); ask for fewer, or start "
                              f"the engine with a larger --max-logprobs.")

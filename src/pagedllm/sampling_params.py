@@ -51,6 +51,9 @@ class SamplingParams:
     # The output must match a JSON schema / regex / choice / grammar (structured_output/); a dict is converted.
     structured_outputs: Optional[StructuredOutputsParams] = None
     guided_decoding: Optional[StructuredOutputsParams] = field(default=None, repr=False)  # vLLM's older name
+    # The offline LLM keeps only the prompt's last k tokens (-1: max_model_len), as vLLM (the server takes the
+    # request field of that name instead); the engine core never reads it.
+    truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,7 +103,7 @@ class SamplingParams:
             if not is_int(getattr(self, name)):
                 bad(f"{name} must be an integer, got {getattr(self, name)!r}.")
             setattr(self, name, int(getattr(self, name)))
-        for name in ("best_of", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+        for name in ("best_of", "max_tokens", "logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens"):
             v = getattr(self, name)
             if v is not None and not is_int(v):
                 bad(f"{name} must be an integer or None, got {v!r}.")
@@ -133,11 +136,15 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
-        # The upper bound is the engine's --max-logprobs, checked when the request is added.
-        if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be an integer >= 0, got {self.logprobs!r}.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}.")
+        # -1: every token of the vocabulary (vLLM). The upper bound is the engine's --max-logprobs, checked when
+        # the request is added (where the vocabulary's size is known).
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v < -1:
+                bad(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, got {v!r}.")
+        k = self.truncate_prompt_tokens
+        if k is not None and (k == 0 or k < -1):
+            bad(f"truncate_prompt_tokens must be -1 (the model's context length) or >= 1, got {k}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings.")
         if self.stop and not self.detokenize:
@@ -163,6 +170,16 @@ class SamplingParams:
         from dataclasses import replace
 
         return replace(self, **changes)
+
+
+def keep_last_tokens(ids: list[int], k: Optional[int], max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens on a prompt's ids (k checked already): its last k tokens (left truncation);
+    -1 stands for the model's context length; None keeps the whole prompt."""
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    return ids[-k:] if len(ids) > k else ids
 
 
 @dataclass

@@ -70,7 +70,7 @@ def test_stop_strings_n_and_seeds(llm):
     ([["user", "hi"]], "a message is a dict"),
     ([{"content": "x"}], "'role' must be a string"),
     ([{"role": "user", "content": 5}], "'content' must be a string"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only 'text' parts"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": "f"}]}],
      "must be an object"),
 ])

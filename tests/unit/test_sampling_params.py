@@ -44,9 +44,8 @@ def test_clone_keeps_values_and_revalidates():
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3.0), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
-    (dict(logprobs=-1), "logprobs"),
-    (dict(logprobs=-2), r"logprobs must be an integer >= 0"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(logprobs=-2), r"logprobs must be an integer >= 0, or -1 for the whole vocabulary"),
+    (dict(prompt_logprobs=-3), "prompt_logprobs must be"),
     (dict(seed=1.5), "seed must be an integer"),
     (dict(stop=""), "stop must be a non-empty string"),
     (dict(stop=["ok", 3]), "stop must be"),
@@ -65,6 +64,7 @@ def test_valid_edge_values():
     SamplingParams(top_p=1.0, min_p=0.0, top_k=0, temperature=0.0, logprobs=20, max_tokens=1, min_tokens=1)
     SamplingParams(max_tokens=None, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-3)
     SamplingParams(seed=-5, stop_token_ids=[0], logprobs=0)
+    SamplingParams(logprobs=-1, prompt_logprobs=-1)  # the whole vocabulary (vLLM); the engine checks its limit
 
 
 @pytest.mark.parametrize("name", ["ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",

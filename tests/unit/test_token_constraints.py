@@ -119,3 +119,8 @@ def test_engine_checks_vocab_and_max_logprobs():
     with pytest.raises(ValueError, match="bad_words need a tokenizer"):
         check_against_engine(SamplingParams(bad_words=["x"]), V, 20)
     check_against_engine(SamplingParams(logprobs=64), V, -1)  # -1: up to the vocabulary
+    check_against_engine(SamplingParams(logprobs=-1, prompt_logprobs=-1), V, -1)  # the whole vocabulary
+    check_against_engine(SamplingParams(logprobs=-1), V, V)
+    with pytest.raises(ValueError, match=r"prompt_logprobs=-1 \(the whole vocabulary: 64 tokens\) is more than "
+                                         r"this server allows \(63\); start the engine with --max-logprobs -1"):
+        check_against_engine(SamplingParams(prompt_logprobs=-1), V, V - 1)

@@ -54,6 +54,8 @@ def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
         if not items:
             break
         outs = llm._run(items, use_tqdm=False)
+        if any(o.outputs[0].finish_reason == "error" for o in outs):  # a beam without its step cannot be ranked
+            raise RuntimeError("Beam search: the engine failed a beam's step (the warning logged says why).")
         _advance_all(searches, owners, [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
         if bar is not None:
             bar.update(1)

@@ -131,8 +131,10 @@ class EngineCore:
         num_prompt = len(prompt)
         if num_prompt == 0:
             raise ValueError("The prompt is empty: give at least one token.")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt):
-            raise ValueError(f"Prompt token ids must be integers in [0, {self.vocab_size}).")
+        vocab = self.vocab_size
+        if any(type(t) is not int or t < 0 or t >= vocab for t in prompt):  # (no bools: True is no token id)
+            bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
+            raise ValueError(f"Prompt token ids must be integers in [0, {vocab}), got {bad!r}.")
         if num_prompt >= self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
@@ -146,8 +148,18 @@ class EngineCore:
         check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if params.max_tokens != max_tokens or self.eos_token_ids[1:]:
-            params = params.clone(max_tokens=max_tokens)
+        if params.min_tokens > max_tokens:  # before the clamp below, whose own check would name a value never given
+            asked = "max_tokens unset" if params.max_tokens is None else f"max_tokens={params.max_tokens}"
+            raise ValueError(
+                f"min_tokens={params.min_tokens} cannot be met: the prompt's {num_prompt} tokens leave room for "
+                f"{room} in this model's context of {self.max_model_len} tokens ({asked} is clamped to that "
+                "room). Ask for fewer min_tokens or shorten the prompt.")
+        changes = {"max_tokens": max_tokens} if params.max_tokens != max_tokens else {}
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) == -1:  # the whole vocabulary (vLLM): the worker takes a count
+                changes[name] = self.vocab_size
+        if changes or self.eos_token_ids[1:]:
+            params = params.clone(**changes)
             # Extra end-of-turn ids (generation_config) stop like EOS (unless ignore_eos).
             if not params.ignore_eos:
                 params.all_stop_token_ids = set(params.all_stop_token_ids) | set(self.eos_token_ids[1:])

@@ -6,15 +6,16 @@ import logging
 import numbers
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineArgs
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, keep_last_tokens
 
 logger = logging.getLogger("pagedllm")
 
 PromptType = Union[str, dict, list[int]]
+UseTqdm = Union[bool, Callable[..., Any]]  # vLLM's: show a bar, or a tqdm-like class / factory to build it with
 
 
 def _setup_logging() -> None:
@@ -27,8 +28,11 @@ def _setup_logging() -> None:
 
 
 def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
-    """A conversation's messages as the chat template takes them (content: a string; text parts joined, as the
-    server does), or a ValueError naming the first bad one."""
+    """A conversation's messages as the chat template takes them (content: a string; text parts joined by the
+    server's own message_text), or a ValueError naming the first bad one."""
+    from pagedllm.entrypoints.openai.chat_template import message_text
+    from pagedllm.entrypoints.openai.errors import APIError
+
     where = "messages" if index is None else f"conversation {index}"
     if not isinstance(conv, (list, tuple)) or not conv:
         raise ValueError(f"{where}: a conversation is a non-empty list of message dicts.")
@@ -39,20 +43,21 @@ def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
         if not isinstance(m.get("role"), str):
             raise ValueError(f"{where}[{i}]: 'role' must be a string.")
         content = m.get("content")
-        if isinstance(content, (list, tuple)):
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ValueError(f"{where}[{i}]: content parts must be {{'type': 'text', 'text': str}} (only "
-                                     "text is supported).")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
+        if content is not None and not isinstance(content, (str, list, tuple)):  # (the server's model checks this)
             raise ValueError(f"{where}[{i}]: 'content' must be a string or a list of text parts.")
+        try:
+            content = message_text(content)
+        except APIError as e:  # the offline API's user errors are ValueErrors
+            raise ValueError(f"{where}[{i}]: {e.message}") from None
         out.append(dict(m, content=content))
     return out
+
+
+def _warn_failed(where: tuple[int, int, int], message: str) -> None:
+    """The user's view of a request the engine failed at step time (the engine logs its own recovery)."""
+    prompt, sample, n = where
+    logger.warning("Prompt %d%s failed and is returned with finish_reason 'error' (the other prompts go on): %s",
+                   prompt, f" (sample {sample} of n={n})" if n > 1 else "", message)
 
 
 class LLM:
@@ -130,18 +135,13 @@ class LLM:
         return SamplingParams(**self.sampling_defaults)
 
     # ------------------------------------------------------------------ prompts
-    def _token_ids(self, ids: Any) -> list[int]:
-        """A prompt's token ids as a list of ints inside the vocabulary (numpy / torch integers too), else a
-        ValueError before anything reaches the detokenizer or the engine."""
+    @staticmethod
+    def _token_ids(ids: Any) -> list:
+        """A prompt's token ids as a list, numpy / torch integers as ints. What is no token id stays as it is: the
+        engine refuses it (EngineCore.add_request, before the detokenizer sees the prompt)."""
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
             raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}.")
-        out = []
-        vocab = self.engine.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= int(t) < vocab:
-                raise ValueError(f"Prompt token ids must be integers in [0, {vocab}), got {t!r}.")
-            out.append(int(t))
-        return out
+        return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
 
     def _to_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
@@ -165,10 +165,24 @@ class LLM:
         raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: give a string, a list of token ids "
                          "or a dict with 'prompt' / 'prompt_token_ids'.")
 
+    def _truncated(self, prompt: tuple[Optional[str], list[int]], params: SamplingParams
+                   ) -> tuple[Optional[str], list[int]]:
+        """The prompt cut to params.truncate_prompt_tokens (its last k tokens), as vLLM: the text stays the one
+        given; a k beyond the context is a ValueError, not a silent no-op."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        max_model_len = self.engine.max_model_len
+        if k > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); select "
+                             "a smaller truncation size (-1: max_model_len).")
+        text, ids = prompt
+        return text, keep_last_tokens(ids, k, max_model_len)
+
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: Union[PromptType, Sequence[PromptType], None] = None,
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, lora_request: Any = None, *,
+                 use_tqdm: UseTqdm = True, lora_request: Any = None, *,
                  prompt_token_ids: Optional[list[list[int]]] = None) -> list:
         if prompts is None and prompt_token_ids is not None:
             prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
@@ -193,8 +207,9 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, "
                                  "or one per prompt.")
-        # Tokenize and validate everything before queuing anything: a bad prompt fails the call cleanly.
-        items = [(self._to_prompt(p), sp) for p, sp in zip(prompts, params_list)]
+        # Tokenize everything before queuing anything; the engine checks each request as it is queued, and a refusal
+        # takes back those queued before it (_run_frozen): a bad prompt fails the call cleanly.
+        items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params_list)]
         lora_ids = self._add_loras(lora_request, len(items))
         outputs = self._run(items, use_tqdm, lora_ids)
         if lora_request is not None:
@@ -224,7 +239,7 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True, lora_request: Any = None, chat_template: Optional[str] = None,
+             use_tqdm: UseTqdm = True, lora_request: Any = None, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list:
         if self.tokenizer is None:
@@ -281,7 +296,7 @@ class LLM:
         return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, items, use_tqdm: bool, lora_ids: Optional[list[Optional[int]]] = None) -> list:
+    def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None) -> list:
         from pagedllm.core.engine_core import objects_frozen
 
         # The engine's start-up objects stay out of the collector's full passes while the steps run (see
@@ -289,8 +304,10 @@ class LLM:
         with objects_frozen():
             return self._run_frozen(items, use_tqdm, lora_ids)
 
-    def _run_frozen(self, items, use_tqdm: bool, lora_ids: Optional[list[Optional[int]]]) -> list:
+    def _run_frozen(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]]) -> list:
+        from pagedllm.core.batch_plan import EngineCoreOutput
         from pagedllm.core.engine_core import EngineCoreRequest
+        from pagedllm.core.errors import RequestStepError
         from pagedllm.entrypoints.output_processor import OutputProcessor
         from pagedllm.entrypoints.parallel_sampling import fan_out
         from pagedllm.sampling_constraints import tokenize_params
@@ -299,30 +316,44 @@ class LLM:
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
         added: list[str] = []
+        prompt_of: dict[str, tuple[int, int, int]] = {}  # engine id -> (prompt index, sample index, n): for warnings
         try:
-            for ((text, ids), params), lora_id in zip(items, lora_ids or [None] * len(items)):
+            for i, (((text, ids), params), lora_id) in enumerate(zip(items, lora_ids or [None] * len(items))):
                 request_id = str(next(self._counter))
                 order.append(request_id)
                 for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
-                    processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
-                                          index=child.index, output_kind="final_only")
+                    # The engine validates the prompt first: the detokenizer only ever sees valid token ids.
                     engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id))
                     added.append(child.request_id)
+                    processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
+                                          index=child.index, output_kind="final_only")
+                    prompt_of[child.request_id] = (i, child.index, params.n)
         except Exception:
             engine.abort_requests(added)
             raise
         finished: dict[str, Any] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            if callable(use_tqdm):  # vLLM: a tqdm-like class or factory builds the bar
+                make_bar = use_tqdm
+            else:
+                from tqdm.auto import tqdm as make_bar
 
-            bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True,
-                       postfix="output: 0 toks/s")
+            bar = make_bar(total=len(order), desc="Processed prompts", dynamic_ncols=True,
+                           postfix="output: 0 toks/s")
         num_output_tokens = 0
         start = time.perf_counter()
         try:
             while engine.has_unfinished_requests() or len(finished) < len(order):
-                core_outputs = engine.step()
+                try:
+                    core_outputs = engine.step()
+                except RequestStepError as e:
+                    # Those requests alone failed (the engine recovered): they finish with vLLM's "error" reason,
+                    # the others' outputs of the step are kept and they go on.
+                    core_outputs = e.outputs + [EngineCoreOutput(rid, [], finish_reason="error")
+                                                for rid in e.request_ids]
+                    for rid in e.request_ids:
+                        _warn_failed(prompt_of[rid], e.message)
                 errors = engine.pop_request_errors()
                 if errors:
                     raise ValueError(errors[0][1])

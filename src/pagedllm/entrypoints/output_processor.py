@@ -105,8 +105,9 @@ class _RequestState:
 
 
 def _position_logprobs(entry: TokenLogprobs, k: int, detok: Optional[IncrementalDetokenizer]) -> dict[int, Logprob]:
-    """One position's {token id: Logprob}: the chosen token first, then up to k top tokens (no repeats)."""
-    ids = entry.token_ids[:k + 1]
+    """One position's {token id: Logprob}: the chosen token first, then up to k top tokens (no repeats; k=-1: all
+    the engine sent, the whole vocabulary)."""
+    ids = entry.token_ids if k == -1 else entry.token_ids[:k + 1]
     strs = detok.decode_tokens(ids) if detok is not None else [None] * len(ids)
     position: dict[int, Logprob] = {}
     for token_id, logprob, rank, text in zip(ids, entry.logprobs, entry.ranks, strs):

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import field_or_none
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, keep_last_tokens
 
 
 def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optional[int],
@@ -100,14 +100,10 @@ def _param_of(message: str) -> Optional[str]:
 def truncate_prompt(ids: list[int], k: Optional[int], max_model_len: int) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (left truncation); -1 stands for the model's
     context length; None keeps the whole prompt."""
-    if k is None:
-        return ids
-    if k == -1:
-        k = max_model_len
-    elif k < 1:
+    if k is not None and k != -1 and k < 1:
         raise APIError(f"truncate_prompt_tokens must be -1 (the model's context length) or >= 1, got {k}.",
                        param="truncate_prompt_tokens")
-    return ids[-k:] if len(ids) > k else ids
+    return keep_last_tokens(ids, k, max_model_len)
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: Optional[int], max_model_len: int) -> None:

@@ -1,0 +1,161 @@
+"""The offline LLM API's edges, as vLLM's: a request that fails mid-run, min_tokens past the context's room,
+logprobs=-1, truncate_prompt_tokens, a tqdm-like use_tqdm. One tiny random model, CPU."""
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=64, max_model_len=64)
+
+
+def _greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, ignore_eos=True, **kwargs)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_request_failing_mid_run_ends_with_error_and_the_others_finish(llm, caplog, n):
+    """allowed_token_ids = a stop token with min_tokens not reached leaves no token at step 1: that request (or one
+    of its n samples) ends with finish_reason "error" and a warning; every other prompt gets its whole output."""
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}, {"prompt_token_ids": [10, 11, 12]}]
+    ok = _greedy(max_tokens=6)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, ok, use_tqdm=False)]
+    doomed = SamplingParams(max_tokens=4, allowed_token_ids=[40], stop_token_ids=[40], min_tokens=2, n=n, seed=3)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        outs = llm.generate(prompts, [ok, doomed, ok], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [alone[0], alone[2]]
+    assert all(o.outputs[0].finish_reason == "length" for o in (outs[0], outs[2]))
+    failed = outs[1]
+    assert failed.finished and len(failed.outputs) == n
+    assert all(c.finish_reason == "error" and c.token_ids == [] for c in failed.outputs)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "finish_reason 'error'" in r.message]
+    assert warned and "Prompt 1" in warned[0].message and "no token satisfies" in warned[0].message
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv_cache_manager.get_usage() == 0
+
+
+@pytest.mark.parametrize("max_tokens, asked", [(40, "max_tokens=40"), (None, "max_tokens unset")])
+def test_min_tokens_past_the_contexts_room_names_what_was_asked(llm, max_tokens, asked):
+    """max_tokens is clamped to the room the prompt leaves (64 - 50 = 14): a min_tokens beyond it is refused with
+    the user's own values and why, not with the clamped max_tokens they never gave."""
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=20)
+    with pytest.raises(ValueError) as e:
+        llm.generate({"prompt_token_ids": [5] * 50}, params, use_tqdm=False)
+    message = str(e.value)
+    assert "min_tokens=20" in message and asked in message and "room for 14" in message and "(14)" not in message
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_llama_dir, llm):
+    """As vLLM: -1 asks for every token's logprob, allowed where max_logprobs covers the vocabulary (-1 does)."""
+    with pytest.raises(ValueError, match=r"logprobs=-1 \(the whole vocabulary: 512 tokens\) is more than"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=-1), use_tqdm=False)
+    wide = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_logprobs=-1)
+    out = wide.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                        use_tqdm=False)[0]
+    positions = out.outputs[0].logprobs + out.prompt_logprobs[1:]
+    assert len(positions) == 2 + 2
+    for position in positions:
+        assert len(position) == 512 and sorted(lp.rank for lp in position.values()) == list(range(1, 513))
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in position.values()), 1.0, rel_tol=1e-4)
+    for token, position in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        assert position[token].rank == 1  # greedy
+    few = wide.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(max_tokens=2, logprobs=3), use_tqdm=False)[0]
+    assert few.outputs[0].token_ids == out.outputs[0].token_ids
+    assert all(len(p) == 3 for p in few.outputs[0].logprobs)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """As vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len), for token
+    and text prompts; the same tokens as giving those k alone."""
+    ids = list(range(5, 25))
+    kept = llm.generate({"prompt_token_ids": ids}, _greedy(max_tokens=4, truncate_prompt_tokens=6), use_tqdm=False)[0]
+    alone = llm.generate({"prompt_token_ids": ids[-6:]}, _greedy(max_tokens=4), use_tqdm=False)[0]
+    assert kept.prompt_token_ids == ids[-6:] and kept.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = "the quick brown fox jumps over the lazy dog"
+    whole = llm.get_tokenizer().encode(text)
+    out = llm.generate(text, _greedy(max_tokens=2, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert out.prompt_token_ids == whole[-3:] and out.prompt == text
+    for k in (-1, len(ids), 64):  # nothing to cut
+        assert llm.generate({"prompt_token_ids": ids}, _greedy(max_tokens=1, truncate_prompt_tokens=k),
+                            use_tqdm=False)[0].prompt_token_ids == ids
+    long = list(range(5, 105))  # longer than the context: -1 keeps max_model_len tokens, which leave no room
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.generate({"prompt_token_ids": long}, _greedy(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert llm.generate({"prompt_token_ids": long}, _greedy(max_tokens=1, truncate_prompt_tokens=63),
+                        use_tqdm=False)[0].prompt_token_ids == long[-63:]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(65\) is greater than max_model_len \(64\)"):
+        llm.generate({"prompt_token_ids": ids}, _greedy(max_tokens=1, truncate_prompt_tokens=65), use_tqdm=False)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
+class _Bar:
+    """A tqdm-like bar that records what the LLM does with it."""
+
+    made: list["_Bar"] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.n, self.postfix, self.closed = kwargs, 0, None, False
+        _Bar.made.append(self)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_use_tqdm_takes_a_tqdm_like_class(llm):
+    """As vLLM: a callable use_tqdm builds the progress bar (generate and chat)."""
+    _Bar.made.clear()
+    llm.generate([{"prompt_token_ids": [5, 6]}] * 3, _greedy(max_tokens=2), use_tqdm=_Bar)
+    llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=2), use_tqdm=_Bar)
+    assert [(b.kwargs["total"], b.n, b.closed) for b in _Bar.made] == [(3, 3, True), (1, 1, True)]
+    assert _Bar.made[0].kwargs["desc"] == "Processed prompts" and "toks/s" in _Bar.made[0].postfix
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ([{"type": "image_url", "image_url": {"url": "x"}}], "messages[0]: Message content of type 'image_url' is not "
+                                                         "supported yet; only 'text' parts are."),
+    ([{"type": "text", "text": 3}], "messages[0]: A message content part of type 'text' needs a 'text' string."),
+    (["plain"], "messages[0]: Message content of type None"),
+    (5, "messages[0]: 'content' must be a string or a list of text parts."),
+])
+def test_chat_refuses_the_content_the_server_refuses(llm, content, fragment):
+    """chat() reads content with the server's chat_template.message_text: the same parts are refused, with a
+    ValueError naming the message."""
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        llm.chat([{"role": "user", "content": content}], _greedy(max_tokens=1), use_tqdm=False)
+
+
+def test_chat_joins_text_parts_as_the_server_does(llm):
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    joined = llm.chat([{"role": "user", "content": "one\ntwo"}], _greedy(max_tokens=1), use_tqdm=False)[0]
+    assert llm.chat([{"role": "user", "content": parts}], _greedy(max_tokens=1),
+                    use_tqdm=False)[0].prompt_token_ids == joined.prompt_token_ids
+
+
+@pytest.mark.parametrize("bad", [10 ** 9, -3, 2.0, True, "7"])
+def test_a_bad_prompt_id_in_a_batch_fails_the_call_and_leaves_nothing_running(llm, bad):
+    """The engine checks the prompt ids (the one check: the LLM no longer repeats it) before the detokenizer sees
+    them; the prompts queued before it are taken back; numpy integers are token ids."""
+    import numpy as np
+
+    prompts = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": np.array([7, 8])}, {"prompt_token_ids": [9, bad]}]
+    with pytest.raises(ValueError, match=re.escape(f"Prompt token ids must be integers in [0, 512), got {bad!r}.")):
+        llm.generate(prompts, _greedy(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate(prompts[:2], _greedy(max_tokens=2), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[5, 6], [7, 8]] and type(outs[1].prompt_token_ids[0]) is int
