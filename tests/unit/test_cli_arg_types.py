@@ -41,7 +41,8 @@ def test_good_bench_values_parse():
     assert _parser(add_latency_args).parse_args(["--num-iters-warmup", "0"]).num_iters_warmup == 0
 
 
-@pytest.mark.parametrize("argv", [["--port", "99999"], ["--port", "-1"], ["--max-request-body-bytes", "0"]])
+@pytest.mark.parametrize("argv", [["--port", "99999"], ["--port", "-1"], ["--max-request-body-bytes", "0"],
+                                  ["--served-model-name", ""], ["--served-model-name", "smol", "  "]])
 def test_bad_serve_values_are_parse_errors(argv, capsys):
     from pagedllm.entrypoints.openai.cli_args import add_serve_args
 

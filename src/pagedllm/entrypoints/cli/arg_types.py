@@ -21,6 +21,13 @@ positive_int = _ranged_int(1, ">= 1")
 non_negative_int = _ranged_int(0, ">= 0")
 
 
+def non_blank(text: str) -> str:
+    """A name: not empty, not only whitespace (clients could not name it as a request's "model")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty or blank, got {text!r}")
+    return text
+
+
 def unit_fraction(text: str) -> float:
     """A float in [0, 1)."""
     try:
