@@ -125,3 +125,13 @@ def test_bench_serve_checks_tokenizer_and_result_path_before_the_server(tmp_path
     assert bench_serve.run(_parser(add_bench_serve_args).parse_args(["--port", port, "--save-result"])) == 2
     err = capsys.readouterr().err
     assert "error: cannot write the results to bench-serve-now.json: is a directory" in err, err
+
+
+def test_metric_percentiles_are_computed_not_zero():
+    """--metric-percentiles 50,99.9 printed 0.00 for both (only P90 / P95 / P99 were computed)."""
+    from pagedllm.entrypoints.cli.bench_serve import RequestResult, format_result, summarize
+
+    results = [RequestResult(True, 10, 5, ttft, ttft + 0.4, [0.1] * 4) for ttft in (0.1, 0.2, 0.3)]
+    block = format_result(summarize(results, 1.0, "50,99.9"), None, float("inf"), "ttft", "50,99.9")
+    assert "P50 TTFT (ms):                           200.00" in block, block
+    assert "P99.9 TTFT (ms):                         299.80" in block, block

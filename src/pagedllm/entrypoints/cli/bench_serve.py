@@ -201,7 +201,8 @@ def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], *, ma
                   request_rate: float = float("inf"), api_key: Optional[str] = None, ignore_eos: bool = False,
                   temperature: float = 0.0, backend: str = "openai", endpoint: Optional[str] = None,
                   seed: int = 0, disable_tqdm: bool = False, timeout: float = 3600.0,
-                  chunk_usage: bool = True, client_processes: Optional[int] = None) -> tuple[dict, list]:
+                  chunk_usage: bool = True, client_processes: Optional[int] = None,
+                  percentiles: str = "99") -> tuple[dict, list]:
     """Stream every request to the server; (metrics, RequestResults). A plain-HTTP server is driven by
     bench_client's raw client in `client_processes` processes (None: bench_client.client_processes_for the
     concurrency); an https one through httpx, in this process."""
@@ -246,7 +247,7 @@ def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], *, ma
     finally:
         if bar is not None:
             bar.close()
-    metrics = summarize(results, duration)
+    metrics = summarize(results, duration, percentiles)
     if stats is not None:
         metrics["client_processes"] = stats.processes
         metrics["client_busiest_cpu"] = stats.busiest
@@ -280,7 +281,14 @@ async def _run_httpx(url: str, headers: dict, payloads: list[dict], prompt_lens:
     return list(results), duration
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict:
+def _percentile_key(p: str) -> str:
+    """"99" / "99.0" -> "p99", "99.9" -> "p99.9" (the names of the result's and the JSON's keys)."""
+    value = float(p)
+    return f"p{int(value) if value.is_integer() else p.strip()}"
+
+
+def summarize(results: list[RequestResult], duration: float, percentiles: str = "99") -> dict:
+    """percentiles: --metric-percentiles (comma-separated), computed besides P90 / P95 / P99."""
     ok = [r for r in results if r.success]
     ttfts = [r.ttft for r in ok]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -300,8 +308,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         out[f"median_{name}_ms"] = _percentile(values, 50) * 1000
         mean = _mean(values)  # once: recomputed per value it made summarize quadratic (minutes at 400k ITLs)
         out[f"std_{name}_ms"] = (_mean([(v - mean) ** 2 for v in values]) ** 0.5) * 1000 if values else 0.0
-        for p in (90, 95, 99):
-            out[f"p{p}_{name}_ms"] = _percentile(values, p) * 1000
+        for p in ["90", "95", "99", *(x for x in percentiles.split(",") if x.strip())]:
+            out[f"{_percentile_key(p)}_{name}_ms"] = _percentile(values, float(p)) * 1000
     # Tokens per chunk, over every content chunk of the requests whose every chunk carried its usage.
     per_chunk = [n for r in ok for n in r.chunk_tokens]
     out["chunk_tokens_measured"] = bool(per_chunk)
@@ -341,11 +349,7 @@ def format_result(m: dict, max_concurrency: Optional[int], request_rate: float,
         row(f"Mean {short} (ms):", m[f"mean_{name}_ms"], ".2f")
         row(f"Median {short} (ms):", m[f"median_{name}_ms"], ".2f")
         for p in [x.strip() for x in percentiles.split(",") if x.strip()]:
-            pf = float(p)
-            key = f"p{int(pf) if pf.is_integer() else p}_{name}_ms"
-            if key not in m:
-                m[key] = 0.0
-            row(f"P{p} {short} (ms):", m[key], ".2f")
+            row(f"P{p} {short} (ms):", m[f"{_percentile_key(p)}_{name}_ms"], ".2f")
     if m.get("chunk_tokens_measured"):
         lines.append("{s:{c}^{n}}".format(s="Tokens per Chunk", n=50, c="-"))
         row("Mean tokens per chunk:", m["mean_tokens_per_chunk"], ".2f")
@@ -409,7 +413,8 @@ def _one_rate(args: argparse.Namespace, base_url: str, model: str, requests: lis
         base_url, model, requests, max_concurrency=args.max_concurrency, request_rate=rate,
         api_key=args.api_key, ignore_eos=args.ignore_eos, temperature=args.temperature, backend=args.backend,
         endpoint=args.endpoint, seed=seed, disable_tqdm=args.disable_tqdm, timeout=args.timeout,
-        chunk_usage=getattr(args, "chunk_usage", True), client_processes=getattr(args, "client_processes", None))
+        chunk_usage=getattr(args, "chunk_usage", True), client_processes=getattr(args, "client_processes", None),
+        percentiles=args.metric_percentiles)
     print(format_result(metrics, args.max_concurrency, rate, args.percentile_metrics,
                         args.metric_percentiles), flush=True)
     if metrics["errors"]:
