@@ -29,17 +29,18 @@ def test_dead_engine_fails_requests_and_health(e2e_env: dict, smollm2_hf_dir: st
     log_path = str(tmp_path / "server.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port),
-                                 "--num-gpu-blocks-override", "128",
+                                 "--num-gpu-blocks-override", "128", "--max-model-len", "2048",
                                  "--engine-dead-grace-period", "60"], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(proc, url, timeout_s=120, log_path=log_path)
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-        # the engine refuses what cannot fit its KV pool (128 blocks of 16 tokens): a 400, streaming or not
+        # the engine refuses what cannot fit its context (2048 tokens, its whole KV pool): a 400, streaming or not
         for stream in (False, True):
             big = httpx.post(url + "/v1/completions", json={"prompt": [1000] * 3000, "max_tokens": 2,
                                                             "stream": stream}, timeout=30)
-            assert big.status_code == 400 and "KV cache" in big.json()["error"]["message"], big.text
+            assert big.status_code == 400 and "maximum context length is 2048" in big.json()["error"]["message"], \
+                big.text
         pending: dict = {}
 
         def long_request() -> None:

@@ -45,7 +45,7 @@ def test_defaults_match_vllm() -> None:
     assert a.dashboard is True and _parse(["--no-dashboard"]).dashboard is False
 
 
-def test_config_yaml_command_line_wins(tmp_path) -> None:
+def test_config_yaml_command_line_wins(tmp_path, capsys) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: /m/from-yaml\nport: 9001\nmax-num-seqs: 8\nserved-model-name: smol\n"
                    "enable_prefix_caching: false\n")
@@ -56,8 +56,42 @@ def test_config_yaml_command_line_wins(tmp_path) -> None:
     ea = to_engine_args(a)
     assert ea.max_num_seqs == 8 and ea.served_model_name == "smol" and ea.enable_prefix_caching is False
     cfg.write_text("bogus-flag: 1\n")
-    with pytest.raises(SystemExit, match="unknown key 'bogus-flag'"):
+    with pytest.raises(SystemExit):
         _parse(["--config", str(cfg)])
+    assert "unknown key 'bogus-flag'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("yaml_text, fragment", [
+    ("log-level: shouting\n", "key 'log-level': invalid choice: 'shouting' (choose from 'critical'"),
+    ("tool-call-parser: nonsense\n", "key 'tool-call-parser': invalid choice: 'nonsense'"),
+    ("port: 99999\n", "key 'port': a TCP port is 0..65535, got 99999"),
+    ("max-num-seqs: many\n", "key 'max-num-seqs': invalid int value: 'many'"),
+    ("max-request-body-bytes: 0\n", "key 'max-request-body-bytes': must be >= 1, got 0"),
+    ("served-model-name: ['smol', ' ']\n", "key 'served-model-name': must not be empty or blank"),
+    ("enforce-eager: maybe\n", "key 'enforce-eager': expected true or false, got 'maybe'"),
+    ("max-num-seqs: [1, 2]\n", "key 'max-num-seqs': expected one value, got a list"),
+    ("host: null\n", "key 'host': needs a value"),
+    ("structured-outputs-config: '[1]'\n", "key 'structured-outputs-config': must be a JSON object"),
+])
+def test_config_yaml_values_are_checked_like_flags(tmp_path, capsys, yaml_text: str, fragment: str) -> None:
+    """A YAML value goes through its flag's type and choices, as on the command line (they skipped both)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_text)
+    with pytest.raises(SystemExit) as e:
+        _parse(["--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: --config {cfg}: {fragment}" in err, err
+
+
+def test_config_yaml_values_convert_like_flags(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("uvicorn-log-level: debug\ntool_call_parser: hermes\nport: '9003'\ngpu-memory-utilization: 0.5\n"
+                   "structured-outputs-config: {backend: xgrammar}\ndashboard: false\nenforce-eager: true\n"
+                   "max-model-len: null\nserved-model-name: [a, b]\n")
+    a = _parse(["--config", str(cfg)])
+    assert (a.log_level, a.tool_call_parser, a.port, a.gpu_memory_utilization, a.structured_outputs_config) == \
+        ("debug", "hermes", 9003, 0.5, {"backend": "xgrammar"})
+    assert (a.dashboard, a.enforce_eager, a.max_model_len, a.served_model_name) == (False, True, None, ["a", "b"])
 
 
 def test_random_requests_are_deterministic_and_in_range() -> None:

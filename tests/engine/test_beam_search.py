@@ -121,7 +121,7 @@ def test_tiny_qwen2_and_ignore_eos(tiny_qwen2_dir):
 
 
 def test_smollm2_matches_transformers(smollm2_hf_dir):
-    llm = LLM(smollm2_hf_dir, dtype="float32", num_gpu_blocks_override=256)
+    llm = LLM(smollm2_hf_dir, dtype="float32", num_gpu_blocks_override=256, max_model_len=4096)
     tok = llm.get_tokenizer()
     chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
                                    tokenize=True)

@@ -129,7 +129,7 @@ def test_prefix_cache_hits_match_hf(tiny_qwen2_dir):
 def test_preemption_matches_hf(tiny_qwen3_dir):
     # 10 blocks of 8 tokens cannot hold 4 requests growing to ~40 tokens each: the newest get preempted
     # and recomputed, and still produce exactly transformers' tokens.
-    llm = LLM(model=tiny_qwen3_dir, dtype="float32", num_gpu_blocks_override=10, block_size=8,
+    llm = LLM(model=tiny_qwen3_dir, dtype="float32", num_gpu_blocks_override=10, block_size=8, max_model_len=80,
               enable_prefix_caching=False)
     prompts = random_prompts([12, 20, 7, 15], seed=5)
     check_against_hf(llm, tiny_qwen3_dir, prompts, [24, 18, 30, 20])
@@ -137,7 +137,7 @@ def test_preemption_matches_hf(tiny_qwen3_dir):
 
 
 def test_preemption_with_prefix_cache_matches_hf(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=12, block_size=8,
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=12, block_size=8, max_model_len=96,
               max_num_batched_tokens=16, max_num_seqs=4)
     shared = random_prompts([16], seed=6)[0]
     prompts = random_prompts([5, 9, 2, 14], seed=7, prefix=shared)
@@ -145,12 +145,19 @@ def test_preemption_with_prefix_cache_matches_hf(tiny_llama_dir):
     assert llm.engine.get_stats().num_preemptions > 0
 
 
+def test_pool_smaller_than_one_sequence_is_refused_at_start(tiny_llama_dir):
+    """num_gpu_blocks_override below what one max_model_len sequence needs is refused at start, as a pool sized from
+    memory is (it was accepted, and a request that outgrew the pool was cut short)."""
+    with pytest.raises(ValueError, match=r"^num_gpu_blocks_override=8 KV blocks of 8 tokens hold 64 tokens, but "
+                                         r"max_model_len is 128 \(one sequence needs 16 blocks\); lower "
+                                         r"--max-model-len or raise --num-gpu-blocks-override to at least 16\.$"):
+        LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=8, block_size=8, max_model_len=128)
+
+
 def test_too_long_prompt_rejected_without_blocking(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=8, block_size=8, max_model_len=128)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, block_size=8, max_model_len=128)
     with pytest.raises(ValueError, match="maximum context length is 128"):
         llm.generate([{"prompt_token_ids": [5] * 200}], SamplingParams(max_tokens=4), use_tqdm=False)
-    with pytest.raises(ValueError, match="KV cache holds only 64"):
-        llm.generate([{"prompt_token_ids": [5] * 100}], SamplingParams(max_tokens=4), use_tqdm=False)
     # The queue is not blocked: a normal request still completes.
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
@@ -164,7 +171,7 @@ def test_async_scheduling_matches_hf(arch, tiny_model_dir):
     mixed lengths, chunked prefill and preemption all still give transformers' exact tokens."""
     model_dir = tiny_model_dir(arch)
     llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=14, block_size=8, max_num_batched_tokens=16,
-              max_num_seqs=4, async_scheduling=True)
+              max_num_seqs=4, max_model_len=112, async_scheduling=True)
     assert llm.engine.async_scheduling
     prompts = random_prompts([1, 30, 9, 17, 4, 25], seed=21)
     check_against_hf(llm, model_dir, prompts, [12, 20, 7, 15, 24, 10])

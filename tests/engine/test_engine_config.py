@@ -46,7 +46,8 @@ def test_config_only_dir_with_dummy_weights_and_no_tokenizer(tmp_path, tiny_mode
     only.mkdir()
     with open(os.path.join(src, "config.json")) as f:
         (only / "config.json").write_text(f.read())
-    llm = LLM(model=str(only), load_format="dummy", skip_tokenizer_init=True, num_gpu_blocks_override=16)
+    llm = LLM(model=str(only), load_format="dummy", skip_tokenizer_init=True, num_gpu_blocks_override=16,
+              max_model_len=256)
     out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=5, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5 and out.text == ""
@@ -110,7 +111,7 @@ def test_eos_ids_include_generation_config(tmp_path):
 
 
 def test_invalid_prompts_fail_before_anything_is_queued(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16)
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, max_model_len=256)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], use_tqdm=False)
     with pytest.raises(ValueError, match=r"\[0, 512\)"):

@@ -130,12 +130,12 @@ def test_no_chunked_prefill_runs_each_prompt_whole(tiny_llama_dir):
 
 
 def test_max_logprobs(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_logprobs=2)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=256, max_logprobs=2)
     with pytest.raises(ValueError, match="logprobs=3 is more than this server allows"):
         llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=3), use_tqdm=False)
     out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=2, max_tokens=2), use_tqdm=False)
     assert all(len(d) >= 2 for d in out[0].outputs[0].logprobs)
-    wide = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_logprobs=-1)
+    wide = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=256, max_logprobs=-1)
     out = wide.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=50, max_tokens=1), use_tqdm=False)
     assert len(out[0].outputs[0].logprobs[0]) >= 50
     with pytest.raises(ValueError, match="max_logprobs must be >= 0"):

@@ -66,7 +66,7 @@ def test_prefix_cache_hits_match_hf(tiny_model_dir, arch):
 
 def test_preemption_matches_hf(tiny_model_dir):
     model_dir = tiny_model_dir("gemma3")
-    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=10, block_size=8,
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=10, block_size=8, max_model_len=80,
               enable_prefix_caching=False)
     check_against_hf(llm, model_dir, random_prompts([12, 20, 7, 15], seed=5), [24, 18, 30, 20])
     assert llm.engine.get_stats().num_preemptions > 0
@@ -108,14 +108,15 @@ def test_window_changes_the_reference(windowed_dirs, tiny_model_dir):
                                           ("gemma3", "torch")])
 def test_past_the_window_matches_hf(windowed_dirs, arch, backend):
     model_dir = windowed_dirs[arch]
-    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64, block_size=8, attention_backend=backend)
+    # gemma3's five windowed layers are five KV-cache groups beside the full one: 6 x 64 blocks for one sequence
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=384, block_size=8, attention_backend=backend)
     check_against_hf(llm, model_dir, random_prompts([60, 3, 41, 17, 70], seed=8), [12, 30, 9, 20, 6])
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_past_the_window_chunked_and_prefix_hits(windowed_dirs, arch):
     model_dir = windowed_dirs[arch]
-    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64, block_size=8,
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64, block_size=8, max_model_len=128,
               max_num_batched_tokens=8, max_num_seqs=4)
     shared = random_prompts([41], seed=9)[0]
     prompts = random_prompts([0, 9, 22], seed=10, prefix=shared)

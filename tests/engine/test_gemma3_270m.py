@@ -54,8 +54,9 @@ def reference(gemma3_270m_gguf_path):
 def engines(gemma3_270m_gguf_path, smollm2_cache_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)  # the converted directory is cached there
-        packed = LLM(model=gemma3_270m_gguf_path, dtype="float32", num_gpu_blocks_override=128, max_model_len=1024)
-        dense = LLM(model=gemma3_270m_gguf_path, dtype="float32", quantization="none", num_gpu_blocks_override=128,
+        # 1024 tokens in six KV-cache groups (five of windowed layers, one of full ones): 384 blocks of 16
+        packed = LLM(model=gemma3_270m_gguf_path, dtype="float32", num_gpu_blocks_override=384, max_model_len=1024)
+        dense = LLM(model=gemma3_270m_gguf_path, dtype="float32", quantization="none", num_gpu_blocks_override=384,
                     max_model_len=1024)
     return packed, dense
 

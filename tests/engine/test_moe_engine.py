@@ -42,7 +42,7 @@ def test_prefix_cache_hits_match_hf(tiny_moe_dir):
 
 def test_preemption_matches_hf(tiny_moe_dir):
     model_dir = tiny_moe_dir("qwen2_moe")
-    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=10, block_size=8,
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=10, block_size=8, max_model_len=80,
               enable_prefix_caching=False)
     prompts = random_prompts([12, 20, 7, 15], seed=15)
     check_against_hf(llm, model_dir, prompts, [24, 18, 30, 20])

@@ -108,7 +108,7 @@ def test_mistral_hits_skip_evicted_blocks_before_the_window(mistral_dir):
     """The blocks of a long request that fell out of its window are freed first (oldest first), so other requests'
     allocations evict them. A later request with the same prefix still hits: it needs only the blocks its window
     sees. One whose window needs an evicted block gets no hit there. Its tokens are transformers' either way."""
-    llm = LLM(model=mistral_dir, dtype="float32", block_size=BS, num_gpu_blocks_override=40)
+    llm = LLM(model=mistral_dir, dtype="float32", block_size=BS, num_gpu_blocks_override=40, max_model_len=320)
     kv = llm.engine.scheduler.kv_cache_manager
     long_prompt = random_prompts([100], seed=15)[0]
     hashes = hash_full_blocks(long_prompt, BS)
@@ -134,8 +134,10 @@ def test_mistral_preemption_matches_hf(mistral_dir):
 
 def test_long_sequence_uses_bounded_blocks(mistral_dir):
     """A 40-token prompt generating 400 tokens in a pool of 16 blocks (128 tokens): full attention would need 55
-    blocks; with the window it never holds more than window / block_size + 2."""
-    llm = LLM(model=mistral_dir, dtype="float32", block_size=BS, num_gpu_blocks_override=16, max_model_len=512)
+    blocks; with the window it never holds more than window / block_size + 2. (Steps of 32 tokens: a longer prefill
+    chunk would need more blocks at once than the pool has.)"""
+    llm = LLM(model=mistral_dir, dtype="float32", block_size=BS, num_gpu_blocks_override=16, max_model_len=512,
+              max_num_batched_tokens=32, max_num_seqs=4)
     watch = PoolWatch(llm)
     prompt = random_prompts([40], seed=19)[0]
     check_against_hf(llm, mistral_dir, [prompt], [400])
@@ -199,7 +201,7 @@ def test_mixed_layers_bound_only_the_sliding_groups(mixed_dir):
 
 def test_mixed_layers_preemption_matches_hf(mixed_dir):
     llm = LLM(model=mixed_dir, dtype="float32", block_size=BS, max_num_batched_tokens=16, max_num_seqs=4,
-              num_gpu_blocks_override=40)
+              num_gpu_blocks_override=40, max_model_len=128)
     check_against_hf(llm, mixed_dir, random_prompts([40, 41, 42, 43], seed=24), [12, 12, 12, 12])
     assert llm.engine.get_stats().num_preemptions > 0
 
@@ -210,10 +212,9 @@ def test_prompt_longer_than_the_pool_runs_on_sliding_layers(mistral_dir):
               max_num_seqs=4, max_model_len=512)
     prompt = random_prompts([250], seed=25)[0]
     check_against_hf(llm, mistral_dir, [prompt], [5])
-    params = SamplingParams(max_tokens=1)
-    with pytest.raises(ValueError, match="KV cache holds only"):
-        LLM(model=mistral_dir, dtype="float32", block_size=BS, num_gpu_blocks_override=20).generate(
-            [{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    # In steps of the default 2048 tokens a max_model_len prompt needs all its 64 blocks at once: refused at start.
+    with pytest.raises(ValueError, match="hold 160 tokens, but max_model_len is 512"):
+        LLM(model=mistral_dir, dtype="float32", block_size=BS, num_gpu_blocks_override=20)
 
 
 def test_torch_backend_and_fp8_cache_keep_the_window(mistral_dir):

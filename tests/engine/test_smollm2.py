@@ -13,7 +13,7 @@ from tests.engine.test_correctness import hf_greedy
 
 @pytest.fixture(scope="module")
 def llm(smollm2_hf_dir):
-    return LLM(model=smollm2_hf_dir, dtype="float32", num_gpu_blocks_override=256)
+    return LLM(model=smollm2_hf_dir, dtype="float32", num_gpu_blocks_override=256, max_model_len=4096)
 
 
 def test_capital_of_france(llm):
@@ -25,7 +25,7 @@ def test_capital_of_france(llm):
 
 def test_default_model_loads_without_arguments(smollm2_cache_dir, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
-    default = LLM(num_gpu_blocks_override=64)
+    default = LLM(num_gpu_blocks_override=64, max_model_len=1024)
     assert default.engine.worker.hf_config.architectures == ["LlamaForCausalLM"]
     out = default.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert out[0].outputs[0].text

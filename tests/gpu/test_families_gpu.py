@@ -48,8 +48,9 @@ def test_gemma3_past_the_window_on_cuda(tmp_path):
     config = tiny_hf_config("gemma3")
     config.sliding_window = 16
     model_dir = save_tiny_model(str(tmp_path), config)
+    # six KV-cache groups (five windowed layers, one full): 128 tokens need 6 x 8 of the 64 blocks
     _cuda_matches_cpu_and_hf(model_dir, random_prompts([60, 3, 41, 17, 70], seed=8), [12, 30, 9, 20, 6],
-                             block_size=16)
+                             block_size=16, max_model_len=128)
 
 
 @pytest.mark.parametrize("backend", [None, "torch"])

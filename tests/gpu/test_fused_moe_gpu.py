@@ -171,7 +171,7 @@ def test_engine_fp32_with_cuda_graphs_matches_hf(tiny_moe_dir, arch):
 def test_engine_chunked_prefill_prefix_and_preemption_on_gpu(tiny_moe_dir):
     model_dir = tiny_moe_dir("qwen3_moe")
     llm = LLM(model=model_dir, dtype="float32", device="cuda", num_gpu_blocks_override=7, block_size=16,
-              max_num_batched_tokens=16, max_num_seqs=4)
+              max_model_len=112, max_num_batched_tokens=16, max_num_seqs=4)
     shared = random_prompts([20], seed=6)[0]
     prompts = random_prompts([5, 9, 2, 14], seed=7, prefix=shared)
     check_against_hf(llm, model_dir, prompts, [30, 35, 26, 32])

@@ -23,7 +23,7 @@ def test_fp32_mixed_graphs_match_hf(arch, tiny_model_dir):
     """Chunked prefill (a 48-token budget), prefix hits and preemption, every mixed step through the graphs."""
     model_dir = tiny_model_dir(arch)
     llm = LLM(model=model_dir, dtype="float32", device="cuda", num_gpu_blocks_override=12, block_size=16,
-              max_num_batched_tokens=48, max_num_seqs=6)
+              max_model_len=192, max_num_batched_tokens=48, max_num_seqs=6)
     mixed = llm.engine.worker.runner.mixed_graphs
     assert mixed is not None and mixed.sizes[-1] == 48
     shared = random_prompts([20], seed=3)[0]

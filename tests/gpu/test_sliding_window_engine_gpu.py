@@ -35,7 +35,7 @@ def test_fp32_windowed_models_match_hf_with_cuda_graphs(which, mistral_dir, mixe
 def test_chunked_prefill_prefix_hits_and_preemption_on_gpu(which, mistral_dir, mixed_dir):  # noqa: F811
     model_dir = mistral_dir if which == "mistral" else mixed_dir
     llm = LLM(model=model_dir, dtype="float32", device="cuda", block_size=BS, max_num_batched_tokens=16,
-              max_num_seqs=4, num_gpu_blocks_override=24 if which == "mistral" else 48)
+              max_num_seqs=4, num_gpu_blocks_override=24 if which == "mistral" else 48, max_model_len=224)
     shared = random_prompts([70], seed=32)[0]
     prompts = random_prompts([5, 9, 2, 14], seed=33, prefix=shared)
     check_against_hf(llm, model_dir, prompts, [30, 35, 26, 32])
@@ -46,7 +46,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_on_gpu(which, mistral_dir, m
         # Mistral): preempt with prompts that share nothing, as tests/engine/test_sliding_window.py does.
         llm.shutdown()
         llm = LLM(model=model_dir, dtype="float32", device="cuda", block_size=BS, max_num_batched_tokens=16,
-                  max_num_seqs=4, num_gpu_blocks_override=20 if which == "mistral" else 40)
+                  max_num_seqs=4, num_gpu_blocks_override=20 if which == "mistral" else 40, max_model_len=224)
         lens, seed, out = ([100, 101, 102, 103], 18, 20) if which == "mistral" else ([40, 41, 42, 43], 24, 12)
         check_against_hf(llm, model_dir, random_prompts(lens, seed=seed), [out] * 4)
         assert llm.engine.get_stats().num_preemptions > 0
@@ -54,7 +54,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_on_gpu(which, mistral_dir, m
 
 def test_long_sequence_uses_bounded_blocks_on_gpu(mistral_dir):  # noqa: F811
     llm = LLM(model=mistral_dir, dtype="float32", device="cuda", block_size=BS, num_gpu_blocks_override=16,
-              max_model_len=512)
+              max_model_len=512, max_num_batched_tokens=32, max_num_seqs=4)
     watch = PoolWatch(llm)
     check_against_hf(llm, mistral_dir, random_prompts([40], seed=34), [400])
     assert max(watch.used[1:]) <= WINDOW // BS + 2

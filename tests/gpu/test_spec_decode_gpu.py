@@ -118,7 +118,7 @@ def test_draft_model_on_cuda_through_chunked_prefill_prefix_hits_and_preemption(
     assert _tokens(chunked, _prompts(), params) == plain
     assert chunked.engine.get_stats().prefix_cache_hits > hits
     assert chunked.engine.worker.runner.spec.proposer.num_graph_forwards > 0
-    small = LLM(tiny_llama_dir, speculative_config=spec, num_gpu_blocks_override=24, **common)
+    small = LLM(tiny_llama_dir, speculative_config=spec, num_gpu_blocks_override=24, max_model_len=384, **common)
     assert _tokens(small, _prompts(), params) == plain
     assert small.engine.get_stats().num_preemptions > 0
     assert small.engine.scheduler.spec_stats.acceptance_rate > 0.95

@@ -79,7 +79,7 @@ def test_lora_request_and_generate_errors(llm, good, tiny_llama_dir):
         llm.generate(["a", "b"], lora_request=[LoRARequest("g", 1, good)], use_tqdm=False)
     with pytest.raises(ValueError, match="LoRARequest"):
         llm.generate("a", lora_request="g", use_tqdm=False)
-    plain = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16)
+    plain = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=256)
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate("a", SamplingParams(max_tokens=1), lora_request=LoRARequest("g", 1, good), use_tqdm=False)
     from vllm.lora.request import LoRARequest as VLLMLoRARequest  # the compat shim: the same class
@@ -149,7 +149,7 @@ def test_norms_point_at_the_layer_their_output_feeds(arch, tiny_model_dir):
     from pagedllm.lora.layers import LoRALinear
 
     llm = LLM(model=tiny_model_dir(arch), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
-              num_gpu_blocks_override=16)
+              num_gpu_blocks_override=16, max_model_len=256)
     try:
         layers = llm.engine.worker.model.model.layers
         mlp_norm = "pre_feedforward_layernorm" if arch == "gemma2" else "post_attention_layernorm"

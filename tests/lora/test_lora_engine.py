@@ -115,7 +115,7 @@ def test_more_adapters_than_slots_swaps_and_keeps_tokens(tiny_llama_dir, adapter
 def test_smollm2_adapters_match_peft(smollm2_hf_dir, adapter_factory):
     paths = adapter_factory(smollm2_hf_dir)
     llm = LLM(model=smollm2_hf_dir, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,
-              num_gpu_blocks_override=128, max_num_batched_tokens=64, max_num_seqs=8)
+              num_gpu_blocks_override=128, max_model_len=2048, max_num_batched_tokens=64, max_num_seqs=8)
     vocab = llm.engine.vocab_size
     check_mixed_batch(llm, smollm2_hf_dir, paths, vocab=vocab, max_tokens=4, lengths=(4, 36, 7, 5))
 

@@ -110,7 +110,8 @@ def test_engine_serves_a_cached_repo_id(hf_hub_cache, monkeypatch):
 
     c = hf_hub_cache
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    llm = LLM(model=c.repo, download_dir=c.cache, revision="v2", dtype="float32", num_gpu_blocks_override=16)
+    llm = LLM(model=c.repo, download_dir=c.cache, revision="v2", dtype="float32", num_gpu_blocks_override=16,
+              max_model_len=256)
     try:
         assert llm.engine.model_dir == os.path.join(c.cache, "models--acme--tiny", "snapshots", c.v2)
         out = llm.generate({"prompt_token_ids": [5, 9, 33]},

@@ -8,8 +8,9 @@ import random
 from pagedllm import LLM, SamplingParams
 
 # Same pool for every layout (a budget in bytes would give TP / PP ranks more blocks: they hold less per block).
+# max_model_len 128: one sequence fits the 12 blocks also with a sliding-window group beside the full one.
 ENGINE_KWARGS = dict(device="cpu", enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=32,
-                     num_gpu_blocks_override=12, seed=0)
+                     num_gpu_blocks_override=12, max_model_len=128, seed=0)
 
 
 def _prompts(seed: int = 0, vocab: int = 512) -> tuple[list[list[int]], list[list[int]]]:

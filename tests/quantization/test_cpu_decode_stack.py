@@ -54,7 +54,9 @@ def test_fused_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch, tiny
     from pagedllm.models.cpu_decode import DecodeStack
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     path = _packed_gguf(tmp_path, tiny_model_dir, arch)
-    llm = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True, max_num_seqs=8, block_size=8)
+    # max_model_len 64: gemma3's six KV-cache groups (one per layer) need 6 x 8 of the 64 blocks per sequence
+    llm = LLM(model=path, num_gpu_blocks_override=64, max_model_len=64, skip_tokenizer_init=True, max_num_seqs=8,
+              block_size=8)
     inner = llm.engine.worker.model.model
     attns = [layer.self_attn.attn for layer in inner.layers]
     if arch == "gemma2":  # local and global layers alternate, every layer caps its scores
@@ -87,7 +89,7 @@ def test_fused_stack_matches_the_layer_by_layer_path(tmp_path, monkeypatch, tiny
 
 
 def test_fp32_and_unpacked_models_keep_the_layer_path(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, max_model_len=256, skip_tokenizer_init=True)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     path = llm.engine.worker.model.model.fast_path
     assert path is not None, "the loader attaches the decode path to every model built on the CPU"
@@ -125,7 +127,7 @@ def test_fused_stack_with_sliding_windows_and_kv_groups(tmp_path, monkeypatch, t
     config.pop("layer_types", None)
     with open(os.path.join(converted, "config.json"), "w") as f:
         json.dump(config, f)
-    llm = LLM(model=path, num_gpu_blocks_override=64, skip_tokenizer_init=True, block_size=8)
+    llm = LLM(model=path, num_gpu_blocks_override=64, max_model_len=256, skip_tokenizer_init=True, block_size=8)
     assert [a.sliding_window for a in llm.engine.worker.model.attn_layers] == [None, 12]
     assert llm.engine.scheduler.kv_cache_manager.group_windows == (None, 12)
     fused = run(llm)

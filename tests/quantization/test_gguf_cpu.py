@@ -31,8 +31,9 @@ LOGPROB_ATOL = 1e-2
 def engines(smollm2_gguf_path, smollm2_cache_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
-        packed = LLM(model=smollm2_gguf_path, dtype="float32", num_gpu_blocks_override=256)
-        dense = LLM(model=smollm2_gguf_path, dtype="float32", quantization="none", num_gpu_blocks_override=256)
+        packed = LLM(model=smollm2_gguf_path, dtype="float32", num_gpu_blocks_override=256, max_model_len=4096)
+        dense = LLM(model=smollm2_gguf_path, dtype="float32", quantization="none", num_gpu_blocks_override=256,
+                    max_model_len=4096)
     return packed, dense
 
 
@@ -85,7 +86,7 @@ def test_mixed_batch_prefix_hits_and_preemption(engines, smollm2_gguf_path, smol
     assert packed.engine.get_stats().prefix_cache_hits > before
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
     # 10 blocks of 8 tokens cannot hold 4 requests growing to ~45 tokens each: the newest get preempted
-    small = LLM(model=smollm2_gguf_path, dtype="float32", num_gpu_blocks_override=10, block_size=8,
+    small = LLM(model=smollm2_gguf_path, dtype="float32", num_gpu_blocks_override=10, block_size=8, max_model_len=80,
                 enable_prefix_caching=False)
     preempted = greedy(small, prompts, 12)
     assert small.engine.get_stats().num_preemptions > 0
@@ -103,7 +104,8 @@ def test_flags(engines, tiny_llama_dir):
     with pytest.raises(ValueError, match="dummy"):
         LLM(model=engines[0].engine.worker.model_dir, quantization="gguf", load_format="dummy",
             num_gpu_blocks_override=16)
-    fp = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16)  # a Hugging Face dir: float weights by default
+    # a Hugging Face dir: float weights by default
+    fp = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, max_model_len=256)
     assert fp.engine.worker.quant_config is None
 
 

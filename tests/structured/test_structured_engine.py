@@ -141,7 +141,7 @@ def test_guidance_backend(tiny_llama_dir: str) -> None:
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
     assert re.fullmatch("xy+", outs[2].outputs[0].text)
     with pytest.raises(ValueError, match="backend must be one of"):
-        LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16,
+        LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=256,
             structured_outputs_config={"backend": "nope"})
 
 

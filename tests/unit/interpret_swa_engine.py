@@ -18,7 +18,7 @@ def check_engine(model_dir: str) -> None:
                {"prompt_token_ids": base * 5 + [8, 9]}]  # the last one hits the first one's blocks
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     common = dict(dtype="float32", block_size=8, num_gpu_blocks_override=64, max_num_batched_tokens=48,
-                  max_num_seqs=4)
+                  max_num_seqs=4, max_model_len=128)  # one sequence in every KV-cache group fits the 64 blocks
     tri = LLM(model_dir, attention_backend="triton", **common)
     got = [o.outputs[0].token_ids for o in tri.generate(prompts[:2], params, use_tqdm=False)]
     got += [o.outputs[0].token_ids for o in tri.generate(prompts[2:], params, use_tqdm=False)]

@@ -1,5 +1,5 @@
-"""The CLI's numeric flags refuse bad values at parse time with argparse's one-line error (they were tracebacks after
-a whole benchmark run, runs that clamped them silently, or a server refusing every request)."""
+"""The CLI's flags refuse bad values at parse time with argparse's one-line error (they were tracebacks after a whole
+benchmark run, runs that clamped them silently or dropped them, or a server refusing every request)."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +41,8 @@ def test_good_bench_values_parse():
     assert _parser(add_latency_args).parse_args(["--num-iters-warmup", "0"]).num_iters_warmup == 0
 
 
-@pytest.mark.parametrize("argv", [["--port", "99999"], ["--port", "-1"], ["--max-request-body-bytes", "0"]])
+@pytest.mark.parametrize("argv", [["--port", "99999"], ["--port", "-1"], ["--max-request-body-bytes", "0"],
+                                  ["--served-model-name", ""], ["--served-model-name", "smol", "  "]])
 def test_bad_serve_values_are_parse_errors(argv, capsys):
     from pagedllm.entrypoints.openai.cli_args import add_serve_args
 
@@ -50,3 +51,87 @@ def test_bad_serve_values_are_parse_errors(argv, capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["model", *argv])
     assert "error: argument" in capsys.readouterr().err
+
+
+def _parse_error(add, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        _parser(add).parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_percentile_metrics_are_refused(capsys):
+    """--percentile-metrics foo was dropped from the results without a word: refused, naming the metrics there are."""
+    err = _parse_error(add_bench_serve_args, ["--percentile-metrics", "ttft,foo"], capsys)
+    assert "argument --percentile-metrics: unknown metric 'foo'; the metrics are ttft, tpot, itl, e2el" in err
+    args = _parser(add_bench_serve_args).parse_args(["--percentile-metrics", "ttft, e2el"])
+    from pagedllm.entrypoints.cli.bench_serve import format_result, summarize
+
+    block = format_result(summarize([], 1.0), None, float("inf"), args.percentile_metrics)
+    assert "Mean TTFT (ms):" in block and "Mean E2EL (ms):" in block and "TPOT" not in block
+
+
+def test_missing_local_tokenizer_is_a_parse_error(tmp_path, capsys):
+    """A tokenizer written as a local path that is not there: argparse's error, not a traceback from the hub client."""
+    err = _parse_error(add_bench_serve_args, ["--tokenizer", str(tmp_path / "nope")], capsys)
+    assert f"argument --tokenizer: {tmp_path / 'nope'} does not exist" in err
+    assert _parser(add_bench_serve_args).parse_args(["--tokenizer", "org/name"]).tokenizer == "org/name"
+
+
+@pytest.mark.parametrize("add, flag, is_dir", [
+    (add_bench_serve_args, "--result-filename", False), (add_bench_serve_args, "--plot", False),
+    (add_bench_serve_args, "--plot-dir", True), (add_throughput_args, "--output-json", False),
+    (add_latency_args, "--output-json", False),
+])
+def test_unwritable_outputs_are_parse_errors(add, flag: str, is_dir: bool, tmp_path, capsys):
+    """Result paths are checked before the run (a bad one failed only after all of it): under a file, or a file where
+    a folder must be (and the reverse), is argparse's error; missing folders are fine (they are made)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    bad = [str(a_file / "out.json"), str(a_file) if is_dir else str(tmp_path)]
+    for path in bad:
+        err = _parse_error(add, [flag, path], capsys)
+        assert f"argument {flag}" in err and "cannot write" in err and f" {path}: " in err, err
+    good = str(tmp_path / "new" / "folder" / ("plots" if is_dir else "out.json"))
+    assert getattr(_parser(add).parse_args([flag, good]), flag[2:].replace("-", "_")) == good
+
+
+def test_write_json_makes_folders(tmp_path):
+    from pagedllm.entrypoints.cli.arg_types import write_json
+
+    path = tmp_path / "a" / "b" / "r.json"
+    write_json(str(path), {"x": 1})
+    assert path.read_text().strip().startswith("{") and '"x": 1' in path.read_text()
+
+
+def test_bench_serve_checks_tokenizer_and_result_path_before_the_server(tmp_path, capsys, monkeypatch):
+    """An unusable --tokenizer or an unwritable default result path stops bench serve before it contacts the server
+    (none listens on the port given) or runs anything."""
+    from pagedllm.entrypoints.cli import bench_serve
+    from pagedllm.entrypoints.server_process import free_port
+
+    port = str(free_port())
+    bad_tokenizer = tmp_path / "tok"
+    bad_tokenizer.mkdir()
+    (bad_tokenizer / "tokenizer_config.json").write_text("{not json")
+    assert bench_serve.run(_parser(add_bench_serve_args).parse_args(["--port", port, "--tokenizer",
+                                                                     str(bad_tokenizer)])) == 2
+    err = capsys.readouterr().err
+    assert f"error: --tokenizer {bad_tokenizer}: Could not load a tokenizer" in err and "cannot reach" not in err
+    # --save-result alone writes bench-serve-<date>.json here: a folder of that name makes it unwritable
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench_serve.time, "strftime", lambda fmt: "now")
+    (tmp_path / "bench-serve-now.json").mkdir()
+    assert bench_serve.run(_parser(add_bench_serve_args).parse_args(["--port", port, "--save-result"])) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot write the results to bench-serve-now.json: is a directory" in err, err
+
+
+def test_metric_percentiles_are_computed_not_zero():
+    """--metric-percentiles 50,99.9 printed 0.00 for both (only P90 / P95 / P99 were computed)."""
+    from pagedllm.entrypoints.cli.bench_serve import RequestResult, format_result, summarize
+
+    results = [RequestResult(True, 10, 5, ttft, ttft + 0.4, [0.1] * 4) for ttft in (0.1, 0.2, 0.3)]
+    block = format_result(summarize(results, 1.0, "50,99.9"), None, float("inf"), "ttft", "50,99.9")
+    assert "P50 TTFT (ms):                           200.00" in block, block
+    assert "P99.9 TTFT (ms):                         299.80" in block, block

@@ -30,7 +30,7 @@ after_import = dict(os.environ)
 result = {"import": after_import == before}
 if model_dir:
     from pagedllm import LLM, SamplingParams
-    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_gpu_blocks_override=16)
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_gpu_blocks_override=16, max_model_len=256)
     out = llm.generate({"prompt_token_ids": [5, 9, 33]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                        use_tqdm=False)
     result["tokens"] = len(out[0].outputs[0].token_ids)

@@ -250,7 +250,15 @@ class Worker:
         args = self.args
         spec = self.runner.kv_cache_spec()
         if args.num_gpu_blocks_override is not None:
-            return args.num_gpu_blocks_override
+            # Refused as a too-small pool from memory is: a sequence that cannot fit would be cut short silently.
+            num_blocks, need = args.num_gpu_blocks_override, self._blocks_per_sequence(spec.block_size)
+            if num_blocks < need:
+                raise ValueError(
+                    f"num_gpu_blocks_override={num_blocks} KV blocks of {spec.block_size} tokens hold "
+                    f"{num_blocks * spec.block_size} tokens, but max_model_len is {self.max_model_len} (one sequence "
+                    f"needs {need} blocks); lower --max-model-len or raise --num-gpu-blocks-override to at least "
+                    f"{need}.")
+            return num_blocks
         if self.device.type == "cuda":
             return self._cuda_num_blocks(spec)
         budget = cpu_kv_budget(args.kv_cache_memory_bytes)

@@ -1,8 +1,10 @@
-"""argparse value types for the CLI's numeric flags: a bad value is argparse's one-line error at once, not a
-traceback after a run (or a run that silently clamps it)."""
+"""argparse value types for the CLI's flags: a bad value is argparse's one-line error at once, not a traceback
+after a run (or a run that silently clamps it, or a benchmark whose results cannot be written once it is over)."""
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Optional
 
 
 def _ranged_int(low: int, what: str):
@@ -19,6 +21,13 @@ def _ranged_int(low: int, what: str):
 
 positive_int = _ranged_int(1, ">= 1")
 non_negative_int = _ranged_int(0, ">= 0")
+
+
+def non_blank(text: str) -> str:
+    """A name: not empty, not only whitespace (clients could not name it as a request's "model")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty or blank, got {text!r}")
+    return text
 
 
 def unit_fraction(text: str) -> float:
@@ -41,4 +50,58 @@ def percentiles(text: str) -> str:
             raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
         if not 0.0 < value <= 100.0:
             raise argparse.ArgumentTypeError(f"a percentile is in (0, 100], got {part}")
+    return text
+
+
+def output_problem(path: str, is_dir: bool = False) -> Optional[str]:
+    """Why the file (is_dir: the folder) at path could not be written, its missing folders created first; None
+    when it can. Checked before a run, so a benchmark does not end in an error after all its work."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path):
+        if is_dir != os.path.isdir(path):
+            return "is not a directory" if is_dir else "is a directory"
+        return None if os.access(path, os.W_OK | (os.X_OK if is_dir else 0)) else "is not writable"
+    ancestor = os.path.dirname(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return f"{ancestor} is not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{ancestor} is not writable"
+    return None
+
+
+def output_file(text: str) -> str:
+    """A file written at the end of a run (missing folders are created): checked now."""
+    problem = output_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {problem}")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A folder written into at the end of a run (created if missing): checked now."""
+    problem = output_problem(text, is_dir=True)
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write into {text}: {problem}")
+    return text
+
+
+def write_json(path: str, data: object) -> None:
+    """Write a run's results to an output_file path, making its missing folders (as that check allowed)."""
+    import json
+    import sys
+
+    os.makedirs(os.path.dirname(os.path.abspath(os.path.expanduser(path))), exist_ok=True)
+    with open(os.path.expanduser(path), "w") as f:
+        json.dump(data, f, indent=2)
+    print(f"Saved results to {path}", file=sys.stderr)
+
+
+def existing_path_or_repo(text: str) -> str:
+    """A local file / folder or a hub repo id. One written as a local path (/, ./, ../, ~) must exist: refused now,
+    not after a hub lookup for a repo id it cannot be."""
+    local = text.startswith(("/", "./", "../", "~")) or text in (".", "..")
+    if local and not os.path.exists(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
     return text

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
-from pagedllm.entrypoints.cli.arg_types import non_negative_int, positive_int, unit_fraction
+from pagedllm.entrypoints.cli.arg_types import (non_negative_int, output_file, positive_int, unit_fraction,
+                                                write_json)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,7 +26,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--output-json", default=None, help="write the results to this JSON file")
+    p.add_argument("--output-json", type=output_file, default=None,
+                   help="write the results to this JSON file (missing folders are made)")
 
 
 _ENGINE_KEYS = ("model", "dtype", "seed", "load_format", "max_model_len", "block_size", "gpu_memory_utilization",
@@ -60,12 +61,6 @@ def add_latency_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def _write_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-    print(f"Saved results to {path}", file=sys.stderr)
-
-
 def run_throughput(args: argparse.Namespace) -> int:
     from pagedllm import SamplingParams
     from pagedllm.entrypoints.cli.bench_serve import sample_random_requests, vocab_token_pool
@@ -92,7 +87,7 @@ def run_throughput(args: argparse.Namespace) -> int:
           f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {num_in}\nTotal num output tokens:  {num_out}")
     if args.output_json:
-        _write_json(args.output_json, result)
+        write_json(args.output_json, result)
     return 0
 
 
@@ -132,7 +127,7 @@ def run_latency(args: argparse.Namespace) -> int:
     for p in (10, 25, 50, 75, 90, 99):
         print(f"{p}% percentile latency: {pct(p):.4f} seconds")
     if args.output_json:
-        _write_json(args.output_json, {"avg_latency": avg, "latencies": latencies,
+        write_json(args.output_json, {"avg_latency": avg, "latencies": latencies,
                                        "time_per_step_ms": avg / args.output_len * 1000,
                                        "percentiles": {str(p): pct(p) for p in (10, 25, 50, 75, 90, 99)}})
     return 0

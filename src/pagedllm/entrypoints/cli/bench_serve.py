@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from pagedllm.entrypoints.cli import bench_client
-from pagedllm.entrypoints.cli.arg_types import percentiles, positive_int, unit_fraction
+from pagedllm.entrypoints.cli.arg_types import (existing_path_or_repo, output_dir, output_file, output_problem,
+                                                percentiles, positive_int, unit_fraction, write_json)
 
 _SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog while the committee debated the annual budget for roads, "
@@ -41,7 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--endpoint", default=None, help="default /v1/completions (/v1/chat/completions for openai-chat)")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
-    p.add_argument("--tokenizer", default=None, help="tokenizer to draw prompts from (default: the model's)")
+    p.add_argument("--tokenizer", type=existing_path_or_repo, default=None,
+                   help="tokenizer to draw prompts from (default: the model's)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset-name", default="random", choices=["random"])
     p.add_argument("--num-prompts", type=positive_int, default=1000)
@@ -58,20 +60,22 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-chunk-usage", dest="chunk_usage", action="store_false",
                    help="do not ask for the usage on every chunk (continuous_usage_stats): servers that refuse it; "
                         "tokens per chunk are then not measured")
-    p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
+    p.add_argument("--percentile-metrics", type=percentile_metrics, default="ttft,tpot,itl",
+                   help="comma-separated, of " + ", ".join(PERCENTILE_METRICS))
     p.add_argument("--metric-percentiles", type=percentiles, default="99")
     p.add_argument("--save-result", action="store_true", help="write the results as JSON")
-    p.add_argument("--result-filename", "--save-result-file", dest="result_filename", default=None)
+    p.add_argument("--result-filename", "--save-result-file", dest="result_filename", type=output_file, default=None,
+                   help="where --save-result writes (default: bench-serve-<date>.json here); missing folders are made")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--client-processes", type=positive_int, default=None, metavar="N",
                    help="client processes sharing the requests and the concurrency (default: one per 128 concurrent "
                         "streams, at most a quarter of the cores): one Python process cannot read tens of thousands "
                         "of chunks a second")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per request")
-    p.add_argument("--plot", default=None, metavar="FILE.png",
+    p.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                    help="write the latency distributions and throughput over time (a sweep: its curves) as a PNG; "
                         "needs matplotlib (pip install 'pagedllm[plot]')")
-    p.add_argument("--plot-dir", default=None, metavar="DIR",
+    p.add_argument("--plot-dir", type=output_dir, default=None, metavar="DIR",
                    help="write one PNG per plot into DIR (ttft, tpot, itl, e2el, throughput, summary; a sweep: "
                         "sweep.png and rate-<r>.png)")
     return p
@@ -86,6 +90,18 @@ def add_sweep_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.description = ("run `bench serve` at each request rate (--request-rate, default " + SWEEP_RATES + "), print "
                      "throughput and latency per rate, and plot the throughput-latency curve with --plot")
     return p
+
+
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def percentile_metrics(text: str) -> str:
+    """Comma-separated names of PERCENTILE_METRICS: an unknown one is refused (it was left out of the results)."""
+    unknown = [name.strip() for name in text.split(",") if name.strip() not in PERCENTILE_METRICS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown metric {', '.join(repr(n) for n in unknown)}; the metrics are "
+                                         + ", ".join(PERCENTILE_METRICS))
+    return text
 
 
 def request_rates(text: str) -> list[float]:
@@ -185,7 +201,8 @@ def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], *, ma
                   request_rate: float = float("inf"), api_key: Optional[str] = None, ignore_eos: bool = False,
                   temperature: float = 0.0, backend: str = "openai", endpoint: Optional[str] = None,
                   seed: int = 0, disable_tqdm: bool = False, timeout: float = 3600.0,
-                  chunk_usage: bool = True, client_processes: Optional[int] = None) -> tuple[dict, list]:
+                  chunk_usage: bool = True, client_processes: Optional[int] = None,
+                  percentiles: str = "99") -> tuple[dict, list]:
     """Stream every request to the server; (metrics, RequestResults). A plain-HTTP server is driven by
     bench_client's raw client in `client_processes` processes (None: bench_client.client_processes_for the
     concurrency); an https one through httpx, in this process."""
@@ -230,7 +247,7 @@ def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], *, ma
     finally:
         if bar is not None:
             bar.close()
-    metrics = summarize(results, duration)
+    metrics = summarize(results, duration, percentiles)
     if stats is not None:
         metrics["client_processes"] = stats.processes
         metrics["client_busiest_cpu"] = stats.busiest
@@ -264,7 +281,14 @@ async def _run_httpx(url: str, headers: dict, payloads: list[dict], prompt_lens:
     return list(results), duration
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict:
+def _percentile_key(p: str) -> str:
+    """"99" / "99.0" -> "p99", "99.9" -> "p99.9" (the names of the result's and the JSON's keys)."""
+    value = float(p)
+    return f"p{int(value) if value.is_integer() else p.strip()}"
+
+
+def summarize(results: list[RequestResult], duration: float, percentiles: str = "99") -> dict:
+    """percentiles: --metric-percentiles (comma-separated), computed besides P90 / P95 / P99."""
     ok = [r for r in results if r.success]
     ttfts = [r.ttft for r in ok]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -284,8 +308,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         out[f"median_{name}_ms"] = _percentile(values, 50) * 1000
         mean = _mean(values)  # once: recomputed per value it made summarize quadratic (minutes at 400k ITLs)
         out[f"std_{name}_ms"] = (_mean([(v - mean) ** 2 for v in values]) ** 0.5) * 1000 if values else 0.0
-        for p in (90, 95, 99):
-            out[f"p{p}_{name}_ms"] = _percentile(values, p) * 1000
+        for p in ["90", "95", "99", *(x for x in percentiles.split(",") if x.strip())]:
+            out[f"{_percentile_key(p)}_{name}_ms"] = _percentile(values, float(p)) * 1000
     # Tokens per chunk, over every content chunk of the requests whose every chunk carried its usage.
     per_chunk = [n for r in ok for n in r.chunk_tokens]
     out["chunk_tokens_measured"] = bool(per_chunk)
@@ -319,17 +343,13 @@ def format_result(m: dict, max_concurrency: Optional[int], request_rate: float,
     row("Total Token throughput (tok/s):", m["total_token_throughput"], ".2f")
     titles = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
               "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
-    for name in [x.strip() for x in percentile_metrics.split(",") if x.strip() in titles]:
+    for name in [x.strip() for x in percentile_metrics.split(",")]:
         title, short = titles[name]
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         row(f"Mean {short} (ms):", m[f"mean_{name}_ms"], ".2f")
         row(f"Median {short} (ms):", m[f"median_{name}_ms"], ".2f")
         for p in [x.strip() for x in percentiles.split(",") if x.strip()]:
-            pf = float(p)
-            key = f"p{int(pf) if pf.is_integer() else p}_{name}_ms"
-            if key not in m:
-                m[key] = 0.0
-            row(f"P{p} {short} (ms):", m[key], ".2f")
+            row(f"P{p} {short} (ms):", m[f"{_percentile_key(p)}_{name}_ms"], ".2f")
     if m.get("chunk_tokens_measured"):
         lines.append("{s:{c}^{n}}".format(s="Tokens per Chunk", n=50, c="-"))
         row("Mean tokens per chunk:", m["mean_tokens_per_chunk"], ".2f")
@@ -353,14 +373,19 @@ def _server_info(base_url: str, api_key: Optional[str]) -> list[dict]:
     return r.json().get("data", [])
 
 
-def _token_pool(args: argparse.Namespace, base_url: str, root: Optional[str]) -> tuple[list[int], Any]:
+def _token_pool(args: argparse.Namespace, base_url: str, root: Optional[str],
+                tok: Any = None) -> tuple[list[int], Any]:
+    """tok: the --tokenizer's, loaded already; else the model's where it is readable here, else the server's ids."""
     import os
 
-    source = args.tokenizer or (root if root and os.path.exists(root) else None)
-    if source:
+    if tok is None and root and os.path.exists(root):
         from pagedllm.tokenizer import get_tokenizer
 
-        tok = get_tokenizer(source)
+        try:
+            tok = get_tokenizer(root)
+        except ValueError as e:  # the model's folder holds no usable tokenizer: the server's ids still serve
+            print(f"warning: {e}; using token ids from the server's /tokenize", file=sys.stderr)
+    if tok is not None:
         return vocab_token_pool(tok), tok
     import httpx  # the tokenizer is not readable here: use the ids the server's own /tokenize gives
 
@@ -388,7 +413,8 @@ def _one_rate(args: argparse.Namespace, base_url: str, model: str, requests: lis
         base_url, model, requests, max_concurrency=args.max_concurrency, request_rate=rate,
         api_key=args.api_key, ignore_eos=args.ignore_eos, temperature=args.temperature, backend=args.backend,
         endpoint=args.endpoint, seed=seed, disable_tqdm=args.disable_tqdm, timeout=args.timeout,
-        chunk_usage=getattr(args, "chunk_usage", True), client_processes=getattr(args, "client_processes", None))
+        chunk_usage=getattr(args, "chunk_usage", True), client_processes=getattr(args, "client_processes", None),
+        percentiles=args.metric_percentiles)
     print(format_result(metrics, args.max_concurrency, rate, args.percentile_metrics,
                         args.metric_percentiles), flush=True)
     if metrics["errors"]:
@@ -437,6 +463,24 @@ def run(args: argparse.Namespace) -> int:
     if (args.client_processes or 1) > 1 and not base_url.startswith("http://"):
         print(f"error: --client-processes > 1 needs a plain http:// server URL, not {base_url}", file=sys.stderr)
         return 2
+    # Where the results go and the tokenizer, checked before the run: a failure after it would lose all its work.
+    result_path = None
+    if args.save_result or args.result_filename:
+        result_path = (args.result_filename
+                       or f"bench-{'sweep' if sweep else 'serve'}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        problem = output_problem(result_path)
+        if problem:
+            print(f"error: cannot write the results to {result_path}: {problem}", file=sys.stderr)
+            return 2
+    tok = None
+    if args.tokenizer:
+        from pagedllm.tokenizer import get_tokenizer
+
+        try:
+            tok = get_tokenizer(args.tokenizer)
+        except ValueError as e:
+            print(f"error: --tokenizer {args.tokenizer}: {e}", file=sys.stderr)
+            return 2
     try:
         models = _server_info(base_url, args.api_key)
     except Exception as e:  # noqa: BLE001
@@ -444,7 +488,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     model = args.model or (models[0]["id"] if models else None)
     root = next((m.get("root") for m in models if m.get("id") == model), None)
-    pool, tok = _token_pool(args, base_url, root)
+    pool, tok = _token_pool(args, base_url, root, tok)
     if args.backend == "openai-chat" and tok is None:
         print("error: --backend openai-chat needs --tokenizer (to turn random tokens into text)", file=sys.stderr)
         return 1
@@ -456,12 +500,9 @@ def run(args: argparse.Namespace) -> int:
         runs.append((rate, metrics, results))
     if sweep:
         print(format_sweep_table([(rate, m) for rate, m, _ in runs]), flush=True)
-    if args.save_result or args.result_filename:
-        path = args.result_filename or f"bench-{'sweep' if sweep else 'serve'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    if result_path:
         records = [_result_record(args, m, model, base_url, rate, args.seed + i) for i, (rate, m, _) in enumerate(runs)]
-        with open(path, "w") as f:
-            json.dump({"sweep": records} if sweep else records[0], f, indent=2)
-        print(f"Saved results to {path}", file=sys.stderr)
+        write_json(result_path, {"sweep": records} if sweep else records[0])
     if plotting:
         from pagedllm.entrypoints.cli.bench_plots import (serve_title, short_name, write_serve_plots,
                                                           write_sweep_plots)

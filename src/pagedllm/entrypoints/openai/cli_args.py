@@ -6,7 +6,7 @@ import argparse
 from typing import Any, Optional
 
 from pagedllm.dtypes import DTYPE_CHOICES
-from pagedllm.entrypoints.cli.arg_types import positive_int
+from pagedllm.entrypoints.cli.arg_types import non_blank, positive_int
 
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
@@ -35,7 +35,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=_port, default=8000)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    g.add_argument("--served-model-name", nargs="+", default=None,
+    g.add_argument("--served-model-name", nargs="+", type=non_blank, default=None,
                    help="name(s) the API accepts as 'model'; the first is reported")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
                    help='LoRA adapters served under their own model names (needs --enable-lora): name=path or '
@@ -161,29 +161,94 @@ def parse_serve_args(p: argparse.ArgumentParser, argv: Optional[list[str]]) -> a
 
 
 def load_config_file(path: str, p: argparse.ArgumentParser) -> dict[str, Any]:
+    """The YAML's values by dest, each through its flag's type and choices as on the command line (set_defaults
+    alone would skip both: `log-level: shouting` failed later with a traceback, a bad tool parser ran)."""
     import yaml
 
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     except OSError as e:
-        raise SystemExit(f"error: cannot read --config {path}: {e.strerror}")
+        p.error(f"cannot read --config {path}: {e.strerror}")
     except yaml.YAMLError as e:
-        raise SystemExit(f"error: --config {path} is not valid YAML: {e}")
+        p.error(f"--config {path} is not valid YAML: {e}")
     if not isinstance(data, dict):
-        raise SystemExit(f"error: --config {path} must be a mapping of flag names to values")
-    known = {a.dest for a in p._actions}
+        p.error(f"--config {path} must be a mapping of flag names to values")
+    actions = _config_actions(p)
     out: dict[str, Any] = {}
     for key, value in data.items():
-        dest = str(key).lstrip("-").replace("-", "_")
-        if dest == "model_tag":
-            dest = "model"
-        if dest not in known or dest == "config":
-            raise SystemExit(f"error: unknown key {key!r} in --config {path}")
-        if dest == "served_model_name" and isinstance(value, str):
-            value = [value]
-        out[dest] = value
+        action = actions.get(str(key).lstrip("-").replace("_", "-"))
+        if action is None:
+            p.error(f"unknown key {key!r} in --config {path}")
+        try:
+            out[action.dest] = _config_value(action, value)
+        except argparse.ArgumentTypeError as e:
+            p.error(f"--config {path}: key {key!r}: {e}")
     return out
+
+
+def _config_actions(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """YAML key (dashes) -> action: each flag's dest and long names (not a --no-X, which would invert the value)."""
+    actions: dict[str, argparse.Action] = {}
+    for action in p._actions:
+        if action.dest in ("help", "config", "version"):
+            continue
+        if action.dest == "model_tag":  # the positional MODEL: the same as --model
+            continue
+        names = [action.dest] + [o[2:] for o in action.option_strings if o.startswith("--")
+                                 and not (isinstance(action, argparse.BooleanOptionalAction) and o.startswith("--no-"))]
+        for name in names:
+            actions[name.replace("_", "-")] = action
+    if "model" in actions:
+        actions["model-tag"] = actions["model"]
+    return actions
+
+
+def _config_value(action: argparse.Action, value: Any) -> Any:
+    """One YAML value as its flag would take it; argparse.ArgumentTypeError says why not."""
+    if action.nargs == 0:  # store_true and --X/--no-X flags: the YAML says which
+        if not isinstance(value, bool):
+            raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+        return value
+    if value is None:  # `key:` or `key: null`: the flag's unset value, where it has one
+        if action.default is not None:
+            raise argparse.ArgumentTypeError(f"needs a value (leave the key out for the default {action.default!r})")
+        return None
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        items = value if isinstance(value, list) else [value]  # one value is a list of one, as a single flag value
+        if not items and action.nargs != "*":
+            raise argparse.ArgumentTypeError("expected at least one value, got an empty list")
+        return [_config_item(action, item) for item in items]
+    if isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"expected one value, got a list {value!r}")
+    return _config_item(action, value)
+
+
+def _config_item(action: argparse.Action, value: Any) -> Any:
+    import json
+
+    if value is None:
+        raise argparse.ArgumentTypeError("a list item is empty (null)")
+    # The text the command line would carry: YAML's true/false as such, mappings as JSON (JSON-valued flags).
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, (dict, list)):
+        text = json.dumps(value)
+    else:
+        text = str(value)
+    result: Any = text
+    if action.type is not None:
+        try:
+            result = action.type(text)
+        except argparse.ArgumentTypeError:
+            raise
+        except (TypeError, ValueError):
+            name = getattr(action.type, "__name__", repr(action.type))
+            raise argparse.ArgumentTypeError(f"invalid {name} value: {text!r}") from None
+    if action.choices is not None and result not in action.choices:
+        choices = ", ".join(repr(c) for c in action.choices)
+        raise argparse.ArgumentTypeError(f"invalid choice: {result!r} (choose from {choices})")
+    return result
 
 
 def to_engine_args(args: argparse.Namespace) -> Any:
