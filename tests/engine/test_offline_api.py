@@ -57,7 +57,7 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_llama_dir, llm):
     """As vLLM: -1 asks for every token's logprob, allowed where max_logprobs covers the vocabulary (-1 does)."""
     with pytest.raises(ValueError, match=r"logprobs=-1 \(the whole vocabulary: 512 tokens\) is more than"):
         llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=-1), use_tqdm=False)
-    wide = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_logprobs=-1)
+    wide = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=128, max_logprobs=-1)
     out = wide.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(max_tokens=2, logprobs=-1, prompt_logprobs=-1),
                         use_tqdm=False)[0]
     positions = out.outputs[0].logprobs + out.prompt_logprobs[1:]
