@@ -6,26 +6,32 @@
 #   bash benchmarks/gpu_decode.sh norm-gemv        # batch-1 decode ms/step with it off / on, alternating, one
 #                                                  # process each: SmolLM2-135M and Qwen3-0.6B shapes (dummy, bf16)
 #   bash benchmarks/gpu_decode.sh norm-gemv-8b     # the same for the Llama-3-8B shape
+#   bash benchmarks/gpu_decode.sh decode-prep-tests  # qkv_prep's work inside the decode kernel (PAGEDLLM_DECODE_PREP):
+#                                                  # its kernel tests, then the GPU engine tests with it on
+#   bash benchmarks/gpu_decode.sh decode-prep      # batch-1 decode with it off / on, alternating: SmolLM2, Qwen3-0.6B
+#                                                  # (q / k norms), Llama-3-8B shapes
 #
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/decode-out), the summary lines to stdout.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?norm-gemv-tests, norm-gemv or norm-gemv-8b}
+what=${1:?norm-gemv-tests, norm-gemv, norm-gemv-8b, decode-prep-tests or decode-prep}
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/decode-out}
 mkdir -p "$out"
 STEP_SUMMARY="pagedllm: startup|hardware bound"
 source benchmarks/gpu_step.sh
-ab() {  # ab NAME CONFIG TIMEOUT: latency.py with the switch off and on, twice, alternating
-    local name=$1 config=$2 limit=$3
+ab() {  # ab NAME CONFIG TIMEOUT [SWITCH]: latency.py with the switch off and on, twice, alternating
+    local name=$1 config=$2 limit=$3 switch=${4:-PAGEDLLM_NORM_GEMV}
     for round in 1 2; do
         for on in 0 1; do
-            PAGEDLLM_NORM_GEMV=$on step "$name-$on-$round" "$limit" python benchmarks/latency.py \
+            export "$switch=$on"
+            step "$name-$on-$round" "$limit" python benchmarks/latency.py \
                 --model "benchmarks/configs/$config" --load-format dummy --dtype bfloat16 --batch-size 1 \
                 --input-len 128 --output-len 256 --iters 3 --hf none --json "$out/$name-$on-$round.json"
         done
     done
+    unset "$switch"
 }
 case $what in
 norm-gemv-tests)
@@ -39,6 +45,17 @@ norm-gemv)
     ;;
 norm-gemv-8b)
     ab llama8b llama3-8b 140
+    ;;
+decode-prep-tests)
+    step kernels 200 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_qkv_prep.py \
+        tests/gpu/test_attention_kernels.py
+    PAGEDLLM_DECODE_PREP=1 step engine-on 300 python -m pytest -m gpu -q -p no:cacheprovider \
+        tests/gpu/test_engine_gpu.py tests/gpu/test_families_gpu.py tests/gpu/test_sliding_window_engine_gpu.py
+    ;;
+decode-prep)
+    ab smollm2-prep smollm2-135m 90 PAGEDLLM_DECODE_PREP
+    ab qwen3-prep qwen3-0.6b 100 PAGEDLLM_DECODE_PREP
+    ab llama8b-prep llama3-8b 140 PAGEDLLM_DECODE_PREP
     ;;
 *)
     echo "unknown step: $what" >&2

@@ -87,6 +87,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": on CUDA, run q/k norm, rotary and the KV-cache write as separate kernels instead of the fused one
     # (A/B benchmarks, debugging).
     "PAGEDLLM_FUSED_QKV": lambda: os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0",
+    # "1": decode steps on CUDA (16-bit caches) do qkv_prep's work inside the decode attention kernel (q / k norm,
+    # rope, the KV write: kernels/paged_attention.DecodePrep), one launch less per layer; off until measured on a GPU.
+    "PAGEDLLM_DECODE_PREP": lambda: _truthy(os.environ.get("PAGEDLLM_DECODE_PREP")),
     # Mixed prefill + decode steps of up to this many tokens replay CUDA graphs (worker/mixed_graph.py); 0: eager.
     "PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": _int("PAGEDLLM_MIXED_GRAPH_MAX_TOKENS", 4096),
     # Mixed-step graphs with this one query tile (rows per attention program) instead of the per-step choice.

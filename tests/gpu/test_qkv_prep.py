@@ -147,6 +147,41 @@ def test_backend_fused_path_matches_unfused(specs, qk_norm, dtype):
     _close(cache_a.nan_to_num(0.0), cache_b.nan_to_num(0.0), dtype)
 
 
+DECODE_PREP_SPECS = {"split": [(n - 1, 1) for n in (1, 17, 64, 65, 1000)], "one-split": [(63, 1)] * 150,
+                     "long": [(2999, 1), (40, 1)], "short": [(n - 1, 1) for n in (1, 17, 33, 70)]}
+
+
+@pytest.mark.parametrize("specs", list(DECODE_PREP_SPECS.values()), ids=list(DECODE_PREP_SPECS))
+@pytest.mark.parametrize("qk_norm", [False, True, "gemma"], ids=["plain", "norm", "gemma"])
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=["bf16", "fp16", "fp32"])
+def test_decode_prep_in_the_attention_kernel_matches_qkv_prep(specs, qk_norm, dtype, monkeypatch):
+    """PAGEDLLM_DECODE_PREP=1: a decode step's forward_qkv without the qkv_prep launch (the decode kernel normalizes
+    and rotates q and the new K itself, attends with the new K / V and writes them to the cache) == with it: the
+    same outputs and the same cache, padding rows (slot -1) writing nothing."""
+    num_heads, num_kv_heads, head_size = 16, 8, 128
+    batch, qkv, positions, cos_sin, gen = _fused_case(specs, dtype, seed=3)
+    md = batch.metadata
+    pad = len(specs) // 2
+    md.slot_mapping[pad] = -1  # as a graph's padding row: writes nothing (its output is never read)
+    norms = (None, None, 1e-6)
+    if qk_norm:
+        weight_dtype = FP32 if qk_norm == "gemma" else dtype
+        norms = tuple((1 + 0.2 * torch.randn(head_size, generator=gen)).to(weight_dtype).to(DEVICE)
+                      for _ in range(2)) + (1e-6,)
+    spec = QKVSpec(num_heads, num_kv_heads, head_size, batch.scale, *norms)
+    outs, caches = [], []
+    for on in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_DECODE_PREP", on)
+        cache = batch.kv_cache.clone()
+        outs.append(TritonAttentionBackend().forward_qkv(qkv.clone(), positions, cos_sin, cache, md, spec))
+        caches.append(cache)
+    assert torch.equal(torch.isnan(caches[0]), torch.isnan(caches[1]))  # the same slots written
+    _close(caches[0].nan_to_num(0.0), caches[1].nan_to_num(0.0), dtype)
+    real = torch.arange(len(specs), device=outs[0].device) != pad
+    assert not torch.isnan(outs[0][real]).any()
+    torch.testing.assert_close(outs[0][real].float(), outs[1][real].float(), **tolerances(dtype))
+
+
 # Prefill chunks, split decodes, and decodes of one split each (140 requests x 8 kv heads: more programs than
 # decode_num_splits splits over an E4M3 cache on an H200).
 KV_SCALE_SPECS = {"mixed": [(0, 37), (100, 50), (500, 1)], "decode": [(n - 1, 1) for n in (1, 17, 64, 65, 1000)],

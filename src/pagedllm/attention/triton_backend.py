@@ -22,6 +22,7 @@ from pagedllm.attention.backend import AttentionBackend, QKVSpec
 from pagedllm.forward_context import AttentionMetadata
 from pagedllm.kernels.paged_attention import (
     FEW_QUERY_MAX_LEN,
+    DecodePrep,
     SHORT_CONTEXT_LEN,
     TINY_CONTEXT_LEN,
     decode_block_n,
@@ -179,6 +180,14 @@ class TritonAttentionBackend(AttentionBackend):
         output = torch.empty(num_tokens, spec.num_heads, spec.head_size, dtype=qkv.dtype, device=qkv.device)
         if num_tokens == 0 or metadata.num_reqs == 0:
             return output
+        if (metadata.max_query_len == 1 and envs.PAGEDLLM_DECODE_PREP and spec.kv_scales is None
+                and kv_cache.dtype == qkv.dtype):
+            # A decode step: the attention kernel does qkv_prep's work itself (one launch less)
+            query = qkv[:, :spec.num_heads * spec.head_size].view(num_tokens, spec.num_heads, spec.head_size)
+            prep = DecodePrep(positions, cos_sin_cache, metadata.slot_mapping, spec.q_norm_weight, spec.k_norm_weight,
+                              spec.eps)
+            return self._attend(query, kv_cache, metadata, spec.scale, output, spec.sliding_window,
+                                spec.logits_soft_cap, spec.output_shrink, prep=prep)
         query = qkv_prep(qkv, positions, cos_sin_cache, kv_cache, metadata.slot_mapping, spec.num_heads,
                          spec.num_kv_heads, spec.head_size, spec.q_norm_weight, spec.k_norm_weight, spec.eps,
                          kv_scales=spec.kv_scales)
@@ -189,8 +198,9 @@ class TritonAttentionBackend(AttentionBackend):
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                 output: torch.Tensor, sliding_window: Optional[int] = None,
                 logits_soft_cap: Optional[float] = None, output_shrink=None,
-                out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Attention over the cache, which already holds this step's K/V (the output times out_scale, if given)."""
+                out_scale: Optional[torch.Tensor] = None, prep: Optional[DecodePrep] = None) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V (the output times out_scale, if given;
+        prep: a decode step whose kernel writes them, `query` then the unrotated q of the qkv rows)."""
         num_heads, head_size = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
         if metadata.max_query_len == 1:
@@ -207,8 +217,9 @@ class TritonAttentionBackend(AttentionBackend):
                 block_n=decode_block_n(query.dtype, head_size, num_splits, keys, kv_cache.dtype),
                 order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, shrink=output_shrink,
-                out_scale=out_scale)
+                out_scale=out_scale, prep=prep)
         else:
+            assert prep is None, "the decode prep is for one-token queries"
             tile = metadata.graph_prefill_tile
             if tile is None:  # eager: the few-query launch when every request has few query tokens
                 tile = self.few_query_tile(num_heads, num_kv_heads, metadata.max_query_len)

@@ -149,6 +149,8 @@ def _attend_tile(
     soft_cap_log2=0.0,  # SOFT_CAP: the cap c in log2 units (c * log2(e)); scores s become c * tanh(s / c)
     SOFT_CAP: tl.constexpr = False,
     V_WORDS: tl.constexpr = False,  # an E4M3 V read as 32-bit words and widened to fp16 before its layout change
+    new_pos=0, k_new=None, v_new=None,  # SUBST: position new_pos's K / V rows ([HEAD_PAD]) instead of the cache's
+    SUBST: tl.constexpr = False,
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
@@ -190,6 +192,10 @@ def _attend_tile(
         v = _e4m3_words_to_f16(vw)
     else:
         v = v.to(q.dtype)
+    if SUBST:  # (the cache's row there is written by this launch: not read back)
+        is_new = (pos == new_pos)[:, None]
+        k = tl.where(is_new, k_new[None, :].to(q.dtype), k)
+        v = tl.where(is_new, v_new[None, :].to(q.dtype), v)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
     if SOFT_CAP:  # qk = s * log2(e), so c * tanh(s / c) * log2(e) = cap * tanh(qk / cap) with cap = c * log2(e)
@@ -432,6 +438,40 @@ def _store_slice(
 # ----------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _prep_rows(row_ptr, heads, row_ok, dims, pos, cos_sin_ptr, stride_cs, w_ptr, eps,
+               HEAD_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FP32_PRODUCT: tl.constexpr, ROTATE: tl.constexpr):
+    """Heads `heads` of one projection row ([R, HEAD_PAD], float32), as kernels/qkv_prep.py leaves them: per-head
+    RMSNorm (HAS_NORM; its two roundings, or one with FP32_PRODUCT) and neox rope at `pos` (ROTATE), the result
+    rounded once to the row's dtype. The rotation's partner of each dim is a second load of the same row."""
+    half: tl.constexpr = HEAD_SIZE // 2
+    dim_ok = dims < HEAD_SIZE
+    mask = row_ok[:, None] & dim_ok[None, :]
+    partner = tl.where(dims < half, dims + half, dims - half)
+    x = tl.load(row_ptr + heads[:, None] * HEAD_SIZE + dims[None, :], mask=mask, other=0.0)
+    if not ROTATE:
+        return x
+    xp = tl.load(row_ptr + heads[:, None] * HEAD_SIZE + partner[None, :], mask=mask, other=0.0)
+    f = x.to(tl.float32)
+    fp = xp.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(f * f, 1) / HEAD_SIZE + eps)[:, None]
+        w = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        if FP32_PRODUCT:
+            f = (f * rstd * w).to(x.dtype).to(tl.float32)
+            fp = (fp * rstd * wp).to(x.dtype).to(tl.float32)
+        else:
+            f = ((f * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
+            fp = ((fp * rstd).to(x.dtype).to(tl.float32) * wp).to(x.dtype).to(tl.float32)
+    cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
+    cos = tl.load(cs + dims % half, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs + half + dims % half, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+    # neox: out[d] = x[d] cos - x[d + half] sin (first half), x[d] cos + x[d - half] sin (second half)
+    sign = tl.where(dims < half, -1.0, 1.0)[None, :]
+    return (f * cos + sign * fp * sin).to(x.dtype)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_seq", "stride_po_head", "stride_pl_seq",
                                 "stride_pl_head", "window"])
 def _decode_kernel(
@@ -450,6 +490,12 @@ def _decode_kernel(
     Q_FP16: tl.constexpr = False,  # a bf16 query reads an E4M3 cache in fp16 (fp8_read_args)
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (SINGLE_SPLIT; else the reduce applies it)
     V_WORDS: tl.constexpr = False,  # (Q_FP16 only: V widens to fp16)
+    # PREP: q_ptr is the qkv projection's output (rows of NUM_Q q heads, then k, then v heads), before
+    # kernels/qkv_prep.py: each program normalizes (HAS_NORM) and rotates its q heads itself, and the program
+    # whose slice ends at the query computes the new K / V row, attends with it and writes it to the cache.
+    positions_ptr=None, cos_sin_ptr=None, q_w_ptr=None, k_w_ptr=None, slot_ptr=None, stride_cs=0, eps=0.0,
+    PREP: tl.constexpr = False, NUM_Q: tl.constexpr = 1, NUM_KV: tl.constexpr = 1, HAS_NORM: tl.constexpr = False,
+    FP32_PRODUCT: tl.constexpr = False,
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): programs are dispatched kv head fastest, so with an order every head
@@ -474,7 +520,30 @@ def _decode_kernel(
     dims = tl.arange(0, HEAD_PAD)
     io_mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
     seq64 = seq.to(tl.int64)
-    q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
+    if PREP:
+        row_ptr = q_ptr + seq64 * stride_qt
+        pos = tl.load(positions_ptr + seq64)
+        q = _prep_rows(row_ptr, head, row_ok, dims, pos, cos_sin_ptr, stride_cs, q_w_ptr, eps, HEAD_SIZE, HAS_NORM,
+                       FP32_PRODUCT, True)
+        one = tl.arange(0, 1)
+        kv_row = NUM_Q + kv_head + one  # [1]
+        k_new = tl.sum(_prep_rows(row_ptr, kv_row, one == 0, dims, pos, cos_sin_ptr, stride_cs, k_w_ptr, eps,
+                                  HEAD_SIZE, HAS_NORM, FP32_PRODUCT, True).to(tl.float32), 0)
+        v_new = tl.sum(_prep_rows(row_ptr, kv_row + NUM_KV, one == 0, dims, pos, cos_sin_ptr, stride_cs, k_w_ptr,
+                                  eps, HEAD_SIZE, HAS_NORM, FP32_PRODUCT, False).to(tl.float32), 0)
+        k_new = k_new.to(cache_ptr.dtype.element_ty)
+        v_new = v_new.to(cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + seq64).to(tl.int64)
+        if (start < end) & (end == seq_len) & (slot >= 0):  # the slice holding the query's own position
+            dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+                   + kv_head.to(tl.int64) * stride_c_head + dims)
+            d_ok = dims < HEAD_SIZE
+            tl.store(dst, k_new, mask=d_ok)
+            tl.store(dst + stride_c_kv, v_new, mask=d_ok)
+    else:
+        q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
+        k_new = None
+        v_new = None
     if Q_FP16:
         q = _fp16_query(q)
 
@@ -488,7 +557,8 @@ def _decode_kernel(
             acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS,
+            new_pos=seq_len - 1, k_new=k_new, v_new=v_new, SUBST=PREP)
 
     has_work = start < end  # empty trailing splits write nothing; the reducer skips them
     _store_slice(acc, m_i, l_i, out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
@@ -836,6 +906,19 @@ def split_kv_partials(workspace: Optional[tuple[torch.Tensor, torch.Tensor]], ro
     return part_out, part_lse, strides
 
 
+@dataclass
+class DecodePrep:
+    """kernels/qkv_prep.py's work for `paged_decode_attention` to do itself (its `query` is then the q part of the
+    projection output, not yet normalized or rotated, whose rows go on with the k and v heads)."""
+
+    positions: torch.Tensor  # [>= num_seqs]
+    cos_sin_cache: torch.Tensor  # [max_position, head_size] = cat(cos, sin)
+    slot_mapping: torch.Tensor  # [>= num_seqs]: where each request's new K / V go (negative: nowhere)
+    q_norm_weight: Optional[torch.Tensor] = None  # [head_size], both or neither
+    k_norm_weight: Optional[torch.Tensor] = None
+    eps: float = 1e-6
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [num_tokens >= num_seqs, num_heads, head_size]; row i = request i's token
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size], already written
@@ -854,9 +937,11 @@ def paged_decode_attention(
     logits_soft_cap: Optional[float] = None,  # scores s become c * tanh(s / c) (Gemma 2)
     shrink: Optional[OutputShrink] = None,  # computed by the reduce kernel when the launch splits the context
     out_scale: Optional[torch.Tensor] = None,  # float32 [1] on the device: the output is multiplied by it
+    prep: Optional[DecodePrep] = None,  # the q / k norm, rope and KV write of qkv_prep, done in this launch
 ) -> torch.Tensor:
     """One query token per request; split-KV over the context. CUDA-graph capturable when the
-    workspace is preallocated (shapes depend only on num_seqs and the model's heads).
+    workspace is preallocated (shapes depend only on num_seqs and the model's heads). With `prep`, `query` is a view
+    of the qkv projection's rows ([:, :num_heads * head_size]) and the cache gets this step's K / V here.
 
     `order` only changes which programs start first: longest contexts first shortens the tail of long contexts
     at the end of the grid (docs/benchmarks.md, run S); any permutation is correct."""
@@ -878,6 +963,7 @@ def paged_decode_attention(
     launch = pdl_launch_args(query.device)
     common = dict(HAS_ORDER=order is not None, **_split_kv_meta(query, kv_cache, gqa, gqa_pad, block_n, num_warps,
                                                                num_stages, logits_soft_cap, out_scale))
+    common.update(_prep_args(prep, query, kv_cache, num_heads, num_kv_heads, head_size, out_scale))
     scale_arg = _scale_arg(out_scale, output)
     order_arg = seq_lens if order is None else order  # (unread without an order)
     window, soft_cap = kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap)
@@ -912,6 +998,23 @@ def paged_decode_attention(
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
         OUT_SCALE=out_scale is not None, num_warps=4 if head_pad >= 128 else 2, **fold_meta, **launch)
     return output
+
+
+def _prep_args(prep: Optional[DecodePrep], query: torch.Tensor, kv_cache: torch.Tensor, num_heads: int,
+               num_kv_heads: int, head_size: int, out_scale) -> dict:
+    if prep is None:
+        return {}
+    norm = prep.q_norm_weight
+    assert (norm is None) == (prep.k_norm_weight is None)
+    assert kv_cache.dtype == query.dtype and out_scale is None, "the decode prep writes an unscaled 16-bit cache"
+    assert query.stride(2) == 1 and query.stride(1) == head_size and head_size % 2 == 0, query.stride()
+    assert query.stride(0) >= (num_heads + 2 * num_kv_heads) * head_size, "query must be a view of the qkv rows"
+    assert prep.cos_sin_cache.shape[-1] == head_size and prep.cos_sin_cache.stride(-1) == 1
+    return dict(positions_ptr=prep.positions, cos_sin_ptr=prep.cos_sin_cache,
+                q_w_ptr=norm if norm is not None else query, k_w_ptr=prep.k_norm_weight if norm is not None else query,
+                slot_ptr=prep.slot_mapping, stride_cs=prep.cos_sin_cache.stride(0), eps=float(prep.eps), PREP=True,
+                NUM_Q=num_heads, NUM_KV=num_kv_heads, HAS_NORM=norm is not None,
+                FP32_PRODUCT=norm is not None and norm.dtype == torch.float32 and query.dtype != torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------
