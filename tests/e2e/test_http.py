@@ -68,6 +68,16 @@ def test_tokenize_detokenize_version_health(server: Server, http: httpx.Client) 
     assert http.post("/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
     chat = http.post("/tokenize", json={"messages": MSG}).json()
     assert chat["count"] > t["count"]
+    # With tools and a tool-call history: the prompt the chat route renders, token for token
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    history = MSG + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    counted = http.post("/tokenize", json={"messages": history, "tools": tools}).json()["count"]
+    used = http.post(CHAT, json={"messages": history, "tools": tools, "max_tokens": 1}).json()["usage"]
+    assert counted == used["prompt_tokens"] and counted > chat["count"]
     assert httpx.get(server.url + "/version").json()["version"]
     assert httpx.get(server.url + "/health").status_code == 200
 

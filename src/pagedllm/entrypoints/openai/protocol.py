@@ -136,6 +136,10 @@ class TokenizeRequest(_Req):
     return_token_strs: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # As the chat request's: the same prompt as /v1/chat/completions renders (tools in the template)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class DetokenizeRequest(_Req):
