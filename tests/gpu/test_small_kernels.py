@@ -189,8 +189,9 @@ def test_gemv_with_norm_equals_norm_then_gemv(rows, n, k, gated, bias, residual,
 
 
 def test_decoder_norms_inside_the_gemvs_equal_the_separate_kernels(monkeypatch):
-    """PAGEDLLM_NORM_GEMV (on by default): a Llama decoder layer's norms run inside the qkv and gate_up GEMVs at one-row steps
-    (link_norm_gemv), with the layer's outputs and residual as with the norm kernels; several rows keep them apart."""
+    """PAGEDLLM_NORM_GEMV (on by default): a decoder block's post-attention norm runs inside its gate_up GEMV at
+    one-row steps (link_norm_gemv), with the block's output and residual as with the norm kernel; two rows (the
+    tensor-core GEMV's) keep them apart."""
     if DEVICE != "cuda":
         pytest.skip("the model layers pick the GEMV only on CUDA tensors")
     from types import SimpleNamespace

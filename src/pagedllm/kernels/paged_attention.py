@@ -39,6 +39,7 @@ import triton.language as tl
 from pagedllm import envs
 from pagedllm.kernels.lora import store_partial_and_fold
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
+from pagedllm.kernels.qkv_prep import head_norm_product
 
 LOG2E = 1.4426950408889634
 # The `window` the kernels get without a sliding window: larger than any context, so it never hides a key.
@@ -458,12 +459,8 @@ def _prep_rows(row_ptr, heads, row_ok, dims, pos, cos_sin_ptr, stride_cs, w_ptr,
         rstd = tl.rsqrt(tl.sum(f * f, 1) / HEAD_SIZE + eps)[:, None]
         w = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
         wp = tl.load(w_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-        if FP32_PRODUCT:
-            f = (f * rstd * w).to(x.dtype).to(tl.float32)
-            fp = (fp * rstd * wp).to(x.dtype).to(tl.float32)
-        else:
-            f = ((f * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
-            fp = ((fp * rstd).to(x.dtype).to(tl.float32) * wp).to(x.dtype).to(tl.float32)
+        f = head_norm_product(f, rstd, w, x, FP32_PRODUCT)
+        fp = head_norm_product(fp, rstd, wp, x, FP32_PRODUCT)
     cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
     cos = tl.load(cs + dims % half, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cs + half + dims % half, mask=dim_ok, other=0.0).to(tl.float32)[None, :]

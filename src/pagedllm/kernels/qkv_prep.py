@@ -30,6 +30,15 @@ from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 
 @triton.jit
+def head_norm_product(f, rstd, w, like, FP32_PRODUCT: tl.constexpr):
+    """f / rms times the norm weight as HF rounds it to `like`'s dtype (float32 out): x / rms rounded, then the
+    product rounded (Llama's RMSNorm), or with FP32_PRODUCT one rounding of the float32 product (Gemma's)."""
+    if FP32_PRODUCT:
+        return (f * rstd * w).to(like.dtype).to(tl.float32)
+    return ((f * rstd).to(like.dtype).to(tl.float32) * w).to(like.dtype).to(tl.float32)
+
+
+@triton.jit
 def _qkv_prep_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, cache_ptr, slot_mapping_ptr, kv_scale_ptr,
     stride_t, stride_cs, eps,
@@ -65,12 +74,8 @@ def _qkv_prep_kernel(
         wk2 = tl.load(k_w_ptr + HALF + cols, mask=col_ok, other=0.0).to(tl.float32)
         w1 = tl.where(is_q[:, None], wq1[None, :], wk1[None, :])
         w2 = tl.where(is_q[:, None], wq2[None, :], wk2[None, :])
-        if FP32_PRODUCT:
-            n1 = (f1 * rstd * w1).to(x1.dtype).to(tl.float32)
-            n2 = (f2 * rstd * w2).to(x1.dtype).to(tl.float32)
-        else:
-            n1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
-            n2 = ((f2 * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+        n1 = head_norm_product(f1, rstd, w1, x1, FP32_PRODUCT)
+        n2 = head_norm_product(f2, rstd, w2, x1, FP32_PRODUCT)
     else:
         n1 = f1
         n2 = f2
