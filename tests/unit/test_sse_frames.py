@@ -14,10 +14,11 @@ from pagedllm.entrypoints.openai.streaming import ChunkFramer, usage_dict
 TEXTS = ["", "Hello", ' "quoted" \\ back', "line\nbreak\ttab", "é🎉\u2028", "</script>", "\x00\x1f"]
 OPTIONS = [None, True, SimpleNamespace(include_usage=False, continuous_usage_stats=False),
            SimpleNamespace(include_usage=True, continuous_usage_stats=False),
-           SimpleNamespace(include_usage=False, continuous_usage_stats=True)]
+           SimpleNamespace(include_usage=False, continuous_usage_stats=True),
+           SimpleNamespace(include_usage=True, continuous_usage_stats=True)]
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=["none", "bool", "off", "usage", "continuous"])
+@pytest.mark.parametrize("options", OPTIONS, ids=["none", "bool", "off", "usage", "continuous-alone", "continuous"])
 @pytest.mark.parametrize("index", [0, 3])
 def test_completion_template_is_the_dict_frame(options, index: int) -> None:
     framer = ChunkFramer("cmpl-1", "text_completion", 1700000000, 'm "q"', options)
@@ -31,7 +32,7 @@ def test_completion_template_is_the_dict_frame(options, index: int) -> None:
         assert body["choices"][0]["text"] == text and frame.endswith(b"}\n\n")
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=["none", "bool", "off", "usage", "continuous"])
+@pytest.mark.parametrize("options", OPTIONS, ids=["none", "bool", "off", "usage", "continuous-alone", "continuous"])
 def test_chat_template_is_the_dict_frame(options) -> None:
     framer = ChunkFramer("chatcmpl-1", "chat.completion.chunk", 1700000000, "m", options)
     for index in (0, 1):
@@ -43,7 +44,7 @@ def test_chat_template_is_the_dict_frame(options) -> None:
             assert before + dumps(text) + after + framer.end(3, num_gen) == framer.choices([choice], usage)
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=["none", "bool", "off", "usage", "continuous"])
+@pytest.mark.parametrize("options", OPTIONS, ids=["none", "bool", "off", "usage", "continuous-alone", "continuous"])
 def test_direct_framer_is_direct_frame(options) -> None:
     """SSEStream.direct_framer (the closure the output handler calls per token) writes byte for byte what
     direct_frame writes, and counts the tokens the same (the usage chunk at the end reads num_gen)."""
@@ -60,3 +61,14 @@ def test_direct_framer_is_direct_frame(options) -> None:
     for n, text in enumerate(TEXTS, start=1):
         assert frame(text, n) == a.direct_frame(text, n)
         assert a.num_gen == b.num_gen
+
+
+def test_continuous_usage_stats_need_include_usage() -> None:
+    """As vLLM: continuous_usage_stats alone adds no usage (a client that left include_usage off gets neither
+    per-chunk usage nor the final usage-only chunk); with include_usage it puts the usage on every chunk."""
+    alone = ChunkFramer("c", "text_completion", 1, "m", SimpleNamespace(include_usage=False,
+                                                                       continuous_usage_stats=True))
+    both = ChunkFramer("c", "text_completion", 1, "m", SimpleNamespace(include_usage=True,
+                                                                      continuous_usage_stats=True))
+    assert (alone.include_usage, alone.continuous_usage) == (False, False)
+    assert (both.include_usage, both.continuous_usage) == (True, True)

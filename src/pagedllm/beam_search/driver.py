@@ -77,6 +77,10 @@ def _advance_all(searches, owners, logprob_dicts) -> None:
             s.advance(top, record)
 
 
+class ClientDisconnected(Exception):
+    """The server's client left during a beam search: the search stopped (nothing to answer)."""
+
+
 async def run_async(generate: Callable, prompt_ids: list[int], params, eos_token_ids: list[int],
                     decode: Optional[Callable] = None, disconnected: Optional[Callable] = None,
                     max_logprobs: int = -1):
@@ -92,7 +96,7 @@ async def run_async(generate: Callable, prompt_ids: list[int], params, eos_token
         if not pending:
             break
         if disconnected is not None and await disconnected():
-            raise asyncio.CancelledError("the client disconnected")
+            raise ClientDisconnected("the client disconnected")
         outs = await asyncio.gather(*(generate(seq, step_params(search.num_logprobs)) for _, seq in pending))
         _advance_all([search], [(search, beam) for beam, _ in pending],
                      [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])

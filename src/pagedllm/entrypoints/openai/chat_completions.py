@@ -42,12 +42,16 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
         raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
     if req.use_beam_search:
+        from pagedllm.beam_search.driver import ClientDisconnected
         from pagedllm.entrypoints.openai import beam_search
 
         beam_max = max_tokens if max_tokens is not None else max(1, state.max_model_len - len(prompt_ids))
         check_context_length(len(prompt_ids), beam_max, state.max_model_len)
-        body = await beam_search.chat_response(req, state, model, req.request_id or random_id("chatcmpl"),
-                                               int(time.time()), prompt_ids, beam_max, request.is_disconnected)
+        try:
+            body = await beam_search.chat_response(req, state, model, req.request_id or random_id("chatcmpl"),
+                                                   int(time.time()), prompt_ids, beam_max, request.is_disconnected)
+        except ClientDisconnected:  # the client left mid-search: nobody reads an answer
+            return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, state.sampling_defaults)

@@ -59,12 +59,16 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     check_logprob_fields(req, state.max_logprobs, top_name="logprobs", top=req.logprobs)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     if req.use_beam_search:
+        from pagedllm.beam_search.driver import ClientDisconnected
         from pagedllm.entrypoints.openai import beam_search
 
         for _, ids in prompts:
             check_context_length(len(ids), max_tokens, state.max_model_len)
-        body = await beam_search.completion_response(req, state, model, req.request_id or random_id("cmpl"),
-                                                     int(time.time()), prompts, max_tokens, request.is_disconnected)
+        try:
+            body = await beam_search.completion_response(req, state, model, req.request_id or random_id("cmpl"),
+                                                         int(time.time()), prompts, max_tokens, request.is_disconnected)
+        except ClientDisconnected:  # the client left mid-search: nobody reads an answer
+            return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")
     # echo + logprobs also scores the prompt tokens (OpenAI's legacy completions behaviour).
     echo_k = req.logprobs if req.echo and req.logprobs is not None else None

@@ -159,7 +159,8 @@ class ChunkFramer:
     """SSE `data:` frames of one response's chunks: the fixed id/object/created/model prefix is encoded once.
 
     stream_options: `include_usage` adds `"usage": null` to every chunk and a final usage-only chunk;
-    `continuous_usage_stats` (vLLM) puts the usage so far on every chunk instead (and implies include_usage).
+    `continuous_usage_stats` (vLLM) with include_usage puts the usage so far on every chunk instead (alone, as in
+    vLLM, it adds nothing: a client that left usage off gets no usage chunk it does not expect).
     """
 
     def __init__(self, request_id: str, obj: str, created: int, model: str, stream_options: Any) -> None:
@@ -167,8 +168,8 @@ class ChunkFramer:
         if isinstance(stream_options, bool) or stream_options is None:
             self.continuous_usage, self.include_usage = False, bool(stream_options)
         else:
-            self.continuous_usage = bool(stream_options.continuous_usage_stats)
-            self.include_usage = self.continuous_usage or bool(stream_options.include_usage)
+            self.include_usage = bool(stream_options.include_usage)
+            self.continuous_usage = self.include_usage and bool(stream_options.continuous_usage_stats)
         self.head = (b'{"id":' + dumps(request_id) + b',"object":' + dumps(obj) + b',"created":'
                      + str(created).encode() + b',"model":' + dumps(model) + b',"choices":')
         self.tail = b',"usage":null}\n\n' if self.include_usage else b"}\n\n"
