@@ -29,6 +29,8 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens per request (prompt / generated): 1-2-5 steps, as vLLM's buckets, up to a million
+_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
 FINISH_REASONS = ("stop", "length", "abort")
 
 # The engine core's gauges and running totals: (metric name, help, SchedulerStats field).
@@ -99,6 +101,11 @@ class Metrics:
             "ttft": hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS),
             "tpot": hist("vllm:time_per_output_token_seconds", "Time per output token in seconds.", _TPOT_BUCKETS),
             "e2e": hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS),
+            "req_tpot": hist("vllm:request_time_per_output_token_seconds",
+                             "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS),
+            "req_prompt": hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", _TOKEN_BUCKETS),
+            "req_gen": hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                            _TOKEN_BUCKETS),
             "_success_family": Counter("vllm:request_success", "Count of finished requests by finish reason.",
                                        ["model_name", "finished_reason", "engine"], registry=r),
         }
@@ -133,12 +140,21 @@ class Metrics:
     def add_generation_tokens(self, n: int, engine: int = 0) -> None:
         self.engines[engine].generation_tokens.inc(n)
 
-    def observe_finished(self, reason: str, e2e_s: float, tpot_s: Optional[float], engine: int = 0) -> None:
+    def observe_finished(self, reason: str, e2e_s: float, tpot_s: Optional[float], engine: int = 0,
+                         num_prompt: Optional[int] = None, num_generated: Optional[int] = None) -> None:
+        """A finished request. tpot_s, its mean time per output token after the first, goes to both TPOT
+        histograms (vLLM's time_per_output_token_seconds observes each gap between tokens instead: one sample per
+        request here keeps per-token work out of the API process)."""
         e = self.engines[engine]
         e.success_child(reason).inc()
         e.e2e.observe(e2e_s)
         if tpot_s is not None:
             e.tpot.observe(tpot_s)
+            e.req_tpot.observe(tpot_s)
+        if num_prompt is not None:
+            e.req_prompt.observe(num_prompt)
+        if num_generated is not None:
+            e.req_gen.observe(num_generated)
 
     def view(self) -> CollectorRegistry:
         """What /metrics shows, as a registry to collect() from: with several API processes, the sums over them

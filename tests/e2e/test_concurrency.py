@@ -89,7 +89,9 @@ def test_disconnect_mid_stream_frees_kv(server: Server) -> None:
 def test_metrics_move(server: Server, http: httpx.Client) -> None:
     names = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
              "vllm:e2e_request_latency_seconds_count", "vllm:time_per_output_token_seconds_count",
-             "vllm:prefix_cache_queries_total"]
+             "vllm:prefix_cache_queries_total", "vllm:request_time_per_output_token_seconds_count",
+             "vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum",
+             "vllm:request_generation_tokens_count"]
     before_text = _metrics(server)
     before = {n: metric(before_text, n, model_name=SERVED_NAME) for n in names}
     length_before = metric(before_text, "vllm:request_success_total", finished_reason="length")
@@ -102,6 +104,11 @@ def test_metrics_move(server: Server, http: httpx.Client) -> None:
     for n in names[2:5]:
         assert after[n] == before[n] + 1, n
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    assert after["vllm:request_time_per_output_token_seconds_count"] == before[
+        "vllm:request_time_per_output_token_seconds_count"] + 1
+    assert after["vllm:request_prompt_tokens_sum"] - before["vllm:request_prompt_tokens_sum"] == usage["prompt_tokens"]
+    assert after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 7
+    assert after["vllm:request_generation_tokens_count"] == before["vllm:request_generation_tokens_count"] + 1
     assert metric(after_text, "vllm:request_success_total", finished_reason="length") == length_before + 1
     for name in ("vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total"):
         assert f"{name}{{" in after_text

@@ -748,7 +748,8 @@ class AsyncEngine:
         tpot = None
         if t.first_token is not None and t.last_token is not None and t.num_generated > 1:
             tpot = (t.last_token - t.first_token) / (t.num_generated - 1)
-        self.metrics.observe_finished(reason, now - t.arrival, tpot, t.engine)
+        self.metrics.observe_finished(reason, now - t.arrival, tpot, t.engine, num_prompt=t.num_prompt_tokens,
+                                      num_generated=t.num_generated)
 
     def _update_stats(self, stats: m.SchedulerStatsMsg, engine: int = 0) -> None:
         prev, self._engine_stats[engine] = self._engine_stats[engine], stats
