@@ -118,6 +118,8 @@ def test_merged_and_row_linear():
     torch.testing.assert_close(merged(x), torch.cat([x @ gate.T, x @ up.T], -1))
     h = torch.randn(4, 48)
     torch.testing.assert_close(row(h), h @ down.T + 1)
+    # an unquantized layer's dense weight is its parameter (references, LoRA merging)
+    assert merged.linear_method.dequantized_weight(merged) is merged.weight
 
 
 def test_vocab_padding_is_cut_from_logits():

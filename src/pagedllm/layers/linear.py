@@ -124,6 +124,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         gemv = gemv_kernels(x, layer.weight)
         return None if gemv is None else gemv.gemv(x, layer.weight, bias, gated=True)
 
+    def dequantized_weight(self, layer):
+        return layer.weight
+
 
 def _norm_gemv_result(layer: nn.Module, x: torch.Tensor, gated: bool) -> Optional[torch.Tensor]:
     """The product the norm before `layer` computed with its own output x (ColumnParallelLinear.norm_and_gemv),
@@ -133,9 +136,6 @@ def _norm_gemv_result(layer: nn.Module, x: torch.Tensor, gated: bool) -> Optiona
         return None
     del layer.__dict__["_norm_gemv"]
     return done[2]
-
-    def dequantized_weight(self, layer):
-        return layer.weight
 
 
 def gemv_kernels(x: torch.Tensor, weight: torch.Tensor, lora: bool = False):
