@@ -442,9 +442,9 @@ def _store_slice(
 @triton.jit
 def _prep_rows(row_ptr, heads, row_ok, dims, pos, cos_sin_ptr, stride_cs, w_ptr, eps,
                HEAD_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FP32_PRODUCT: tl.constexpr, ROTATE: tl.constexpr):
-    """Heads `heads` of one projection row ([R, HEAD_PAD], float32), as kernels/qkv_prep.py leaves them: per-head
-    RMSNorm (HAS_NORM; its two roundings, or one with FP32_PRODUCT) and neox rope at `pos` (ROTATE), the result
-    rounded once to the row's dtype. The rotation's partner of each dim is a second load of the same row."""
+    """Heads `heads` of one projection row ([R, HEAD_PAD], in the row's dtype), as kernels/qkv_prep.py leaves them:
+    per-head RMSNorm (HAS_NORM; its two roundings, or one with FP32_PRODUCT) and neox rope at `pos` (ROTATE), the
+    result rounded once. The rotation's partner of each dim is a second load of the same row."""
     half: tl.constexpr = HEAD_SIZE // 2
     dim_ok = dims < HEAD_SIZE
     mask = row_ok[:, None] & dim_ok[None, :]
