@@ -7,13 +7,13 @@ import os
 from typing import Optional
 
 
-def _ranged_int(low: int, what: str, high: Optional[int] = None):
+def _ranged_int(low: int, what: str):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
+        if value < low:
             raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
         return value
     return parse
@@ -21,7 +21,6 @@ def _ranged_int(low: int, what: str, high: Optional[int] = None):
 
 positive_int = _ranged_int(1, ">= 1")
 non_negative_int = _ranged_int(0, ">= 0")
-tcp_port = _ranged_int(0, "a TCP port, 0..65535", high=65535)
 
 
 def non_blank(text: str) -> str:

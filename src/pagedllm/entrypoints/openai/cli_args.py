@@ -6,7 +6,7 @@ import argparse
 from typing import Any, Optional
 
 from pagedllm.dtypes import DTYPE_CHOICES
-from pagedllm.entrypoints.cli.arg_types import non_blank, positive_int, tcp_port
+from pagedllm.entrypoints.cli.arg_types import non_blank, positive_int
 
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
@@ -15,6 +15,13 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout",
                "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard",
                "api_server_count", "trust_request_chat_template"}
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {value}")
+    return value
 
 
 def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argparse.ArgumentParser:
@@ -26,7 +33,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="YAML file of flags (long names as keys); flags given on the command line win")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=tcp_port, default=8000)
+    g.add_argument("--port", type=_port, default=8000)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     g.add_argument("--served-model-name", nargs="+", type=non_blank, default=None,
                    help="name(s) the API accepts as 'model'; the first is reported")
