@@ -8,14 +8,17 @@
 #   bash benchmarks/gpu_decode.sh norm-gemv-8b     # the same for the Llama-3-8B shape
 #   bash benchmarks/gpu_decode.sh decode-prep-tests  # qkv_prep's work inside the decode kernel (PAGEDLLM_DECODE_PREP):
 #                                                  # its kernel tests, then the GPU engine tests with it on
-#   bash benchmarks/gpu_decode.sh decode-prep      # batch-1 decode with it off / on, alternating: SmolLM2, Qwen3-0.6B
-#                                                  # (q / k norms), Llama-3-8B shapes
+#   bash benchmarks/gpu_decode.sh decode-prep      # batch-1 decode with it off / on, alternating: SmolLM2 and
+#                                                  # Qwen3-0.6B (q / k norms) shapes
+#   bash benchmarks/gpu_decode.sh decode-prep-8b   # the same for the Llama-3-8B shape
 #
+# Several modes run in order in one call: `bash benchmarks/gpu_decode.sh decode-prep-tests decode-prep`.
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/decode-out), the summary lines to stdout.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-what=${1:?norm-gemv-tests, norm-gemv, norm-gemv-8b, decode-prep-tests or decode-prep}
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (norm-gemv-tests, norm-gemv, norm-gemv-8b, decode-prep-tests," \
+    "decode-prep, decode-prep-8b)" >&2; exit 2; }
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/decode-out}
 mkdir -p "$out"
@@ -33,6 +36,7 @@ ab() {  # ab NAME CONFIG TIMEOUT [SWITCH]: latency.py with the switch off and on
     done
     unset "$switch"
 }
+for what in "$@"; do
 case $what in
 norm-gemv-tests)
     step kernels 150 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_small_kernels.py
@@ -55,6 +59,8 @@ decode-prep-tests)
 decode-prep)
     ab smollm2-prep smollm2-135m 90 PAGEDLLM_DECODE_PREP
     ab qwen3-prep qwen3-0.6b 100 PAGEDLLM_DECODE_PREP
+    ;;
+decode-prep-8b)
     ab llama8b-prep llama3-8b 140 PAGEDLLM_DECODE_PREP
     ;;
 *)
@@ -62,3 +68,4 @@ decode-prep)
     exit 2
     ;;
 esac
+done

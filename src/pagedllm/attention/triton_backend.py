@@ -183,7 +183,8 @@ class TritonAttentionBackend(AttentionBackend):
         if (metadata.max_query_len == 1 and envs.PAGEDLLM_DECODE_PREP and spec.kv_scales is None
                 and kv_cache.dtype == qkv.dtype):
             # A decode step: the attention kernel does qkv_prep's work itself (one launch less)
-            query = qkv[:, :spec.num_heads * spec.head_size].view(num_tokens, spec.num_heads, spec.head_size)
+            # (as_strided: a view would give a one-row batch a packed row stride, hiding where K / V are)
+            query = qkv.as_strided((num_tokens, spec.num_heads, spec.head_size), (qkv.stride(0), spec.head_size, 1))
             prep = DecodePrep(positions, cos_sin_cache, metadata.slot_mapping, spec.q_norm_weight, spec.k_norm_weight,
                               spec.eps)
             return self._attend(query, kv_cache, metadata, spec.scale, output, spec.sliding_window,
