@@ -440,11 +440,12 @@ def _store_slice(
 
 
 @triton.jit
-def _prep_rows(row_ptr, heads, row_ok, dims, pos, cos_sin_ptr, stride_cs, w_ptr, eps,
+def _prep_rows(row_ptr, heads, row_ok, dims, cos, sin, w, wp, eps,
                HEAD_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FP32_PRODUCT: tl.constexpr, ROTATE: tl.constexpr):
     """Heads `heads` of one projection row ([R, HEAD_PAD], in the row's dtype), as kernels/qkv_prep.py leaves them:
-    per-head RMSNorm (HAS_NORM; its two roundings, or one with FP32_PRODUCT) and neox rope at `pos` (ROTATE), the
-    result rounded once. The rotation's partner of each dim is a second load of the same row."""
+    per-head RMSNorm (HAS_NORM, weights w and their rotation partners wp; its two roundings, or one with
+    FP32_PRODUCT) and neox rope with `cos` / `sin` (ROTATE; _prep_inputs), the result rounded once. The rotation's
+    partner of each dim is a second load of the same row."""
     half: tl.constexpr = HEAD_SIZE // 2
     dim_ok = dims < HEAD_SIZE
     mask = row_ok[:, None] & dim_ok[None, :]
@@ -457,16 +458,33 @@ def _prep_rows(row_ptr, heads, row_ok, dims, pos, cos_sin_ptr, stride_cs, w_ptr,
     fp = xp.to(tl.float32)
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(f * f, 1) / HEAD_SIZE + eps)[:, None]
-        w = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(w_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
         f = head_norm_product(f, rstd, w, x, FP32_PRODUCT)
         fp = head_norm_product(fp, rstd, wp, x, FP32_PRODUCT)
-    cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
-    cos = tl.load(cs + dims % half, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs + half + dims % half, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
     # neox: out[d] = x[d] cos - x[d + half] sin (first half), x[d] cos + x[d - half] sin (second half)
     sign = tl.where(dims < half, -1.0, 1.0)[None, :]
     return (f * cos + sign * fp * sin).to(x.dtype)
+
+
+@triton.jit
+def _prep_rope(pos, cos_sin_ptr, stride_cs, dims, HEAD_SIZE: tl.constexpr):
+    """The rope's cos and sin at `pos` for each dim ([1, HEAD_PAD] float32; _prep_rows)."""
+    half: tl.constexpr = HEAD_SIZE // 2
+    dim_ok = dims < HEAD_SIZE
+    cs = cos_sin_ptr + pos.to(tl.int64) * stride_cs
+    cos = tl.load(cs + dims % half, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs + half + dims % half, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def _prep_norm_weight(w_ptr, dims, HEAD_SIZE: tl.constexpr):
+    """A per-head norm's weights and their rotation partners' ([1, HEAD_PAD] float32; _prep_rows)."""
+    half: tl.constexpr = HEAD_SIZE // 2
+    dim_ok = dims < HEAD_SIZE
+    partner = tl.where(dims < half, dims + half, dims - half)
+    w = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+    wp = tl.load(w_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+    return w, wp
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_po_seq", "stride_po_head", "stride_pl_seq",
@@ -494,14 +512,31 @@ def _decode_kernel(
     PREP: tl.constexpr = False, NUM_Q: tl.constexpr = 1, NUM_KV: tl.constexpr = 1, HAS_NORM: tl.constexpr = False,
     FP32_PRODUCT: tl.constexpr = False,
 ):
-    wait_prior_kernel(USE_PDL)
+    dims = tl.arange(0, HEAD_PAD)
+    if PREP:
+        # The step's inputs (not the previous kernel's results): read before the PDL wait, under its tail.
+        if HAS_ORDER:
+            seq = tl.load(order_ptr + tl.program_id(1))
+        else:
+            seq = tl.program_id(1)
+        pos = tl.load(positions_ptr + seq.to(tl.int64))
+        slot = tl.load(slot_ptr + seq.to(tl.int64)).to(tl.int64)
+        cos, sin = _prep_rope(pos, cos_sin_ptr, stride_cs, dims, HEAD_SIZE)
+        if HAS_NORM:
+            q_w, q_wp = _prep_norm_weight(q_w_ptr, dims, HEAD_SIZE)
+            k_w, k_wp = _prep_norm_weight(k_w_ptr, dims, HEAD_SIZE)
+        else:
+            q_w, q_wp, k_w, k_wp = cos, cos, cos, cos  # (unused)
+        wait_prior_kernel(USE_PDL)
+    else:
+        wait_prior_kernel(USE_PDL)
+        if HAS_ORDER:
+            seq = tl.load(order_ptr + tl.program_id(1))
+        else:
+            seq = tl.program_id(1)
     # Grid (kv heads, requests, splits): programs are dispatched kv head fastest, so with an order every head
     # of the longest contexts starts first and the short ones fill the tail (longest-processing-time first).
     kv_head = tl.program_id(0)
-    if HAS_ORDER:
-        seq = tl.load(order_ptr + tl.program_id(1))
-    else:
-        seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # The query (at seq_len - 1) sees [lo, seq_len): all of it without a sliding window (window = NO_WINDOW).
@@ -514,23 +549,20 @@ def _decode_kernel(
     rows = tl.arange(0, GQA_PAD)
     head = kv_head * GQA + rows
     row_ok = rows < GQA
-    dims = tl.arange(0, HEAD_PAD)
     io_mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
     seq64 = seq.to(tl.int64)
     if PREP:
         row_ptr = q_ptr + seq64 * stride_qt
-        pos = tl.load(positions_ptr + seq64)
-        q = _prep_rows(row_ptr, head, row_ok, dims, pos, cos_sin_ptr, stride_cs, q_w_ptr, eps, HEAD_SIZE, HAS_NORM,
-                       FP32_PRODUCT, True)
+        q = _prep_rows(row_ptr, head, row_ok, dims, cos, sin, q_w, q_wp, eps, HEAD_SIZE, HAS_NORM, FP32_PRODUCT,
+                       True)
         one = tl.arange(0, 1)
         kv_row = NUM_Q + kv_head + one  # [1]
-        k_new = tl.sum(_prep_rows(row_ptr, kv_row, one == 0, dims, pos, cos_sin_ptr, stride_cs, k_w_ptr, eps,
-                                  HEAD_SIZE, HAS_NORM, FP32_PRODUCT, True).to(tl.float32), 0)
-        v_new = tl.sum(_prep_rows(row_ptr, kv_row + NUM_KV, one == 0, dims, pos, cos_sin_ptr, stride_cs, k_w_ptr,
-                                  eps, HEAD_SIZE, HAS_NORM, FP32_PRODUCT, False).to(tl.float32), 0)
+        k_new = tl.sum(_prep_rows(row_ptr, kv_row, one == 0, dims, cos, sin, k_w, k_wp, eps, HEAD_SIZE, HAS_NORM,
+                                  FP32_PRODUCT, True).to(tl.float32), 0)
+        v_new = tl.sum(_prep_rows(row_ptr, kv_row + NUM_KV, one == 0, dims, cos, sin, k_w, k_wp, eps, HEAD_SIZE,
+                                  HAS_NORM, FP32_PRODUCT, False).to(tl.float32), 0)
         k_new = k_new.to(cache_ptr.dtype.element_ty)
         v_new = v_new.to(cache_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + seq64).to(tl.int64)
         if (start < end) & (end == seq_len) & (slot >= 0):  # the slice holding the query's own position
             dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
                    + kv_head.to(tl.int64) * stride_c_head + dims)
