@@ -88,7 +88,8 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # (A/B benchmarks, debugging).
     "PAGEDLLM_FUSED_QKV": lambda: os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0",
     # "1": decode steps on CUDA (16-bit caches) do qkv_prep's work inside the decode attention kernel (q / k norm,
-    # rope, the KV write: kernels/paged_attention.DecodePrep), one launch less per layer; off until measured on a GPU.
+    # rope, the KV write: kernels/paged_attention.DecodePrep), one launch less per layer; off: measured level, not
+    # faster (docs/benchmarks.md).
     "PAGEDLLM_DECODE_PREP": lambda: _truthy(os.environ.get("PAGEDLLM_DECODE_PREP")),
     # Mixed prefill + decode steps of up to this many tokens replay CUDA graphs (worker/mixed_graph.py); 0: eager.
     "PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": _int("PAGEDLLM_MIXED_GRAPH_MAX_TOKENS", 4096),
