@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
 from typing import Optional
 
 import torch
@@ -228,16 +229,22 @@ def _launch_block(n: int) -> tuple:
     return block
 
 
+def _double_bits(value: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", value))[0]
+
+
 def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
     """cuLaunchKernelEx with programmatic stream serialization (kernels/pdl.py): the kernel may start while the one
     before it finishes; it loads its weights, then `griddepcontrol.wait`s before reading x.
 
-    The arguments are pointers (tensors) and 32-bit ints: each is stored in an 8-byte slot of one array (an int in
-    its low 4 bytes, little-endian, which is what the kernel reads), and the kernel gets the slots' addresses; the
+    The arguments are pointers (tensors), 32-bit ints and doubles (Python floats, as torch's own launcher passes
+    them): each is stored in an 8-byte slot of one array (an int in its low 4 bytes, little-endian, which is what
+    the kernel reads), and the kernel gets the slots' addresses; the
     arrays and the launch config are made once per argument count (`_launch_block`) and only written per launch
     (host time, on every eager step)."""
     values, _, params_addr, cfg, cfg_addr = _launch_block(len(args))
-    values[:] = [a.data_ptr() if isinstance(a, torch.Tensor) else a & 0xFFFFFFFF for a in args]
+    values[:] = [a.data_ptr() if isinstance(a, torch.Tensor) else _double_bits(a) if isinstance(a, float)
+                 else a & 0xFFFFFFFF for a in args]
     cfg.grid_x, cfg.grid_y, cfg.grid_z = grid
     cfg.block_x, cfg.block_y, cfg.block_z = block
     cfg.stream = torch.cuda.current_stream().cuda_stream

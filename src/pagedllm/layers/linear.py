@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_gather,
@@ -263,12 +264,21 @@ class ColumnParallelLinear(LinearBase):
                       or self.output_partition_sizes[0] != self.output_partition_sizes[1]):
             return None
         kernels = gemv_kernels(x, self.weight)
-        if kernels is None or kernels._rows_kernel(x.shape[0], self.weight, x) != "gemv":
+        which = None if kernels is None else kernels._rows_kernel(x.shape[0], self.weight, x)
+        if which == "mma":  # few rows (a verify step, a small batch) on the tensor-core GEMV: its norm where it fits
+            from pagedllm.kernels import gemv_mma
+
+            n_out = self.weight.shape[0] // (2 if gated else 1)
+            if (not envs.PAGEDLLM_NORM_GEMV_MMA or norm.fp32_product or norm.weight.dtype != x.dtype
+                    or (gated and self.weight.shape[0] % 32)
+                    or not gemv_mma.norm_fits(n_out, x.shape[1], gated, x.shape[0])):
+                return None
+        elif which != "gemv":
             return None
         out = torch.empty_like(x)
         new_residual = None if residual is None else torch.empty_like(residual)
         spec = kernels.GemvNorm(norm.weight, norm.variance_epsilon, norm.fp32_product, out, residual, new_residual)
-        product = kernels.gemv(x, self.weight, self.bias, gated=gated, mma=False, norm=spec)
+        product = kernels.gemv(x, self.weight, self.bias, gated=gated, mma=which == "mma", norm=spec)
         self.__dict__["_norm_gemv"] = (out, gated, product)
         return out if residual is None else (out, new_residual)
 
