@@ -150,26 +150,34 @@ def test_a_failed_build_leaves_the_layers_on_their_other_kernels(tiny_model_dir,
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
 
 
+def _ngram_engine_runs(model, prompts, params, monkeypatch, switch: str, values) -> tuple[dict, dict]:
+    """Per value of the switch: the outputs of a bf16 engine with n-gram speculation (k=4) and its draft count."""
+    from pagedllm import LLM
+
+    outs, drafts = {}, {}
+    for value in values:
+        monkeypatch.setenv(switch, value)
+        llm = LLM(model=model, dtype="bfloat16", num_gpu_blocks_override=256, max_model_len=512,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                      "prompt_lookup_min": 2})
+        outs[value] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        drafts[value] = llm.engine.scheduler.spec_stats.num_drafts
+        del llm
+        torch.cuda.empty_cache()
+    return outs, drafts
+
+
 def test_engine_steps_on_the_tensor_core_gemv(tiny_model_dir, monkeypatch):
     """A bf16 engine with the kernel on (batch 6 decode steps, n-gram verify steps of 1 + k rows, CUDA graphs) gives
     the greedy tokens of the engine with it off up to near-ties (bf16 sums in another order), and their logprobs
     within bf16 rounding; the verify steps did replay graphs."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
     from spec_checks import assert_same_up_to_near_ties
 
     model = tiny_model_dir("llama", hidden_size=256, intermediate_size=768)  # K of 4 and 12 chunks
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 5 for j in range(12 + i)] * 2} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
-    outs, drafts = {}, {}
-    for on in ("0", "16"):
-        monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", on)
-        llm = LLM(model=model, dtype="bfloat16", num_gpu_blocks_override=256, max_model_len=512,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                                      "prompt_lookup_min": 2})
-        outs[on] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        drafts[on] = llm.engine.scheduler.spec_stats.num_drafts
-        del llm
-        torch.cuda.empty_cache()
+    outs, drafts = _ngram_engine_runs(model, prompts, params, monkeypatch, "PAGEDLLM_GEMV_MMA_MAX_ROWS", ("0", "16"))
     assert drafts["16"] > 0  # verify steps ran (the repeated prompts give n-gram matches)
     assert assert_same_up_to_near_ties(outs["16"], outs["0"], check_logprobs=True) > 0
 
@@ -227,32 +235,12 @@ def test_norm_fits_bounds_the_shared_memory():
 def test_decoder_block_norm_inside_the_tensor_core_gemv(monkeypatch):
     """With PAGEDLLM_NORM_GEMV_MMA=1 a decoder block's post-attention norm runs inside its gate_up tensor-core GEMV
     at 2..16 row steps too, the block's output and residual as with the norm kernel; in a CUDA graph as well."""
-    from types import SimpleNamespace
+    from norm_block import norm_mlp_block
 
-    from pagedllm.layers.layernorm import RMSNorm, link_norm_gemv
-    from pagedllm.models.llama import LlamaMLP
-
-    class Block(torch.nn.Module):  # the norm -> MLP part of a decoder layer, as norm_feeds names it
-        def __init__(self):
-            super().__init__()
-            config = SimpleNamespace(hidden_size=576, intermediate_size=1536, hidden_act="silu", mlp_bias=False)
-            self.post_attention_layernorm = RMSNorm(576, 1e-5)
-            self.mlp = LlamaMLP(config)
-
-        def norm_feeds(self):
-            return [("post_attention_layernorm", "mlp.gate_up_proj")]
-
-        def forward(self, x, residual):
-            h, residual = self.post_attention_layernorm(x, residual)
-            return self.mlp(h), residual
-
-    torch.manual_seed(0)
-    block = Block().to(device="cuda", dtype=torch.bfloat16)
-    for p in block.parameters():
-        p.data.normal_(0, 0.05)
-    block.post_attention_layernorm.weight.data += 1
     from pagedllm.kernels import gemv_mma as mod
+    from pagedllm.layers.layernorm import link_norm_gemv
 
+    block = norm_mlp_block("cuda")
     monkeypatch.setenv("PAGEDLLM_NORM_GEMV_MMA", "1")
     assert link_norm_gemv(block) == 1
     layer = block.mlp.gate_up_proj
@@ -284,19 +272,12 @@ def test_decoder_block_norm_inside_the_tensor_core_gemv(monkeypatch):
 def test_engine_with_norms_inside_the_tensor_core_gemv(tiny_model_dir, monkeypatch):
     """An engine with PAGEDLLM_NORM_GEMV_MMA=1 (batch 6 decode steps, n-gram verify steps, CUDA graphs) gives the
     greedy tokens of the engine with it off up to near-ties, and their logprobs within bf16 rounding."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
     from spec_checks import assert_same_up_to_near_ties
 
     model = tiny_model_dir("llama", hidden_size=256, intermediate_size=768)
     prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 250 + 5 for j in range(12 + i)] * 2} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
-    outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("PAGEDLLM_NORM_GEMV_MMA", on)
-        llm = LLM(model=model, dtype="bfloat16", num_gpu_blocks_override=256, max_model_len=512,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                                      "prompt_lookup_min": 2})
-        outs[on] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
-        torch.cuda.empty_cache()
+    outs, drafts = _ngram_engine_runs(model, prompts, params, monkeypatch, "PAGEDLLM_NORM_GEMV_MMA", ("0", "1"))
+    assert drafts["1"] > 0
     assert assert_same_up_to_near_ties(outs["1"], outs["0"], check_logprobs=True) > 0

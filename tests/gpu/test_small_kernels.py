@@ -194,31 +194,11 @@ def test_decoder_norms_inside_the_gemvs_equal_the_separate_kernels(monkeypatch):
     tensor-core GEMV's) keep them apart."""
     if DEVICE != "cuda":
         pytest.skip("the model layers pick the GEMV only on CUDA tensors")
-    from types import SimpleNamespace
+    from norm_block import norm_mlp_block
 
     from pagedllm.layers.layernorm import link_norm_gemv
-    from pagedllm.models.llama import LlamaMLP
-    from pagedllm.layers.layernorm import RMSNorm
 
-    class Block(torch.nn.Module):  # the norm -> MLP part of a decoder layer, as norm_feeds names it
-        def __init__(self):
-            super().__init__()
-            config = SimpleNamespace(hidden_size=576, intermediate_size=1536, hidden_act="silu", mlp_bias=False)
-            self.post_attention_layernorm = RMSNorm(576, 1e-5)
-            self.mlp = LlamaMLP(config)
-
-        def norm_feeds(self):
-            return [("post_attention_layernorm", "mlp.gate_up_proj")]
-
-        def forward(self, x, residual):
-            h, residual = self.post_attention_layernorm(x, residual)
-            return self.mlp(h), residual
-
-    torch.manual_seed(0)
-    block = Block().to(device=DEVICE, dtype=torch.bfloat16)
-    for p in block.parameters():
-        p.data.normal_(0, 0.05)
-    block.post_attention_layernorm.weight.data += 1
+    block = norm_mlp_block(DEVICE)
     monkeypatch.setenv("PAGEDLLM_NORM_GEMV", "1")
     assert link_norm_gemv(block) == 1
     calls = []
