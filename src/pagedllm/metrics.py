@@ -14,6 +14,7 @@ HTTP requests each process took.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -99,7 +100,10 @@ class Metrics:
             "prompt_tokens": counter("vllm:prompt_tokens", "Number of prefill tokens processed."),
             "generation_tokens": counter("vllm:generation_tokens", "Number of generation tokens processed."),
             "ttft": hist("vllm:time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS),
-            "tpot": hist("vllm:time_per_output_token_seconds", "Time per output token in seconds.", _TPOT_BUCKETS),
+            "itl": hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        _TPOT_BUCKETS),
+            "tpot": hist("vllm:time_per_output_token_seconds", "Time per output token in seconds (the older name of "
+                         "inter_token_latency_seconds).", _TPOT_BUCKETS),
             "e2e": hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS),
             "req_tpot": hist("vllm:request_time_per_output_token_seconds",
                              "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS),
@@ -140,16 +144,22 @@ class Metrics:
     def add_generation_tokens(self, n: int, engine: int = 0) -> None:
         self.engines[engine].generation_tokens.inc(n)
 
+    def observe_gaps(self, gaps: list[float], engine: int = 0) -> None:
+        """The gaps since each request's previous output, for the requests of one engine step that had had one
+        (vLLM's per-iteration inter-token latency): vllm:inter_token_latency_seconds and its older name
+        time_per_output_token_seconds, one sample per gap, recorded in bulk (`_observe_all`)."""
+        e = self.engines[engine]
+        _observe_all(e.itl, gaps)
+        _observe_all(e.tpot, gaps)
+
     def observe_finished(self, reason: str, e2e_s: float, tpot_s: Optional[float], engine: int = 0,
                          num_prompt: Optional[int] = None, num_generated: Optional[int] = None) -> None:
-        """A finished request. tpot_s, its mean time per output token after the first, goes to both TPOT
-        histograms (vLLM's time_per_output_token_seconds observes each gap between tokens instead: one sample per
-        request here keeps per-token work out of the API process)."""
+        """A finished request. tpot_s, its mean time per output token after the first, goes to
+        vllm:request_time_per_output_token_seconds."""
         e = self.engines[engine]
         e.success_child(reason).inc()
         e.e2e.observe(e2e_s)
         if tpot_s is not None:
-            e.tpot.observe(tpot_s)
             e.req_tpot.observe(tpot_s)
         if num_prompt is not None:
             e.req_prompt.observe(num_prompt)
@@ -171,6 +181,26 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.view())
+
+
+def _observe_all(child: Any, values: list[float]) -> None:
+    """`child.observe(v)` for each value, as one increment per bucket hit and one of the sum: every step brings a
+    gap per running request, and observe() takes two locks a value in the API process's hot path. Falls back to
+    observe() where prometheus_client's histogram child is not laid out as this expects."""
+    if not values:
+        return
+    bounds, buckets, total = (getattr(child, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            child.observe(value)
+        return
+    hits: dict[int, int] = {}
+    for value in values:
+        i = bisect_left(bounds, value)  # the first bucket whose bound is >= value, as observe() picks (+Inf last)
+        hits[i] = hits.get(i, 0) + 1
+    total.inc(sum(values))
+    for i, n in hits.items():
+        buckets[i].inc(n)
 
 
 class _RegistryView:

@@ -88,10 +88,10 @@ def test_disconnect_mid_stream_frees_kv(server: Server) -> None:
 
 def test_metrics_move(server: Server, http: httpx.Client) -> None:
     names = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
-             "vllm:e2e_request_latency_seconds_count", "vllm:time_per_output_token_seconds_count",
-             "vllm:prefix_cache_queries_total", "vllm:request_time_per_output_token_seconds_count",
+             "vllm:e2e_request_latency_seconds_count", "vllm:request_time_per_output_token_seconds_count",
+             "vllm:prefix_cache_queries_total", "vllm:time_per_output_token_seconds_count",
              "vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum",
-             "vllm:request_generation_tokens_count"]
+             "vllm:request_generation_tokens_count", "vllm:inter_token_latency_seconds_count"]
     before_text = _metrics(server)
     before = {n: metric(before_text, n, model_name=SERVED_NAME) for n in names}
     length_before = metric(before_text, "vllm:request_success_total", finished_reason="length")
@@ -104,8 +104,10 @@ def test_metrics_move(server: Server, http: httpx.Client) -> None:
     for n in names[2:5]:
         assert after[n] == before[n] + 1, n
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
-    assert after["vllm:request_time_per_output_token_seconds_count"] == before[
-        "vllm:request_time_per_output_token_seconds_count"] + 1
+    # one inter-token gap per step that brought the request tokens after its first (7 tokens: 1 to 6 steps)
+    gaps = after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"]
+    assert 1 <= gaps <= 6
+    assert after["vllm:time_per_output_token_seconds_count"] - before["vllm:time_per_output_token_seconds_count"] == gaps
     assert after["vllm:request_prompt_tokens_sum"] - before["vllm:request_prompt_tokens_sum"] == usage["prompt_tokens"]
     assert after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 7
     assert after["vllm:request_generation_tokens_count"] == before["vllm:request_generation_tokens_count"] + 1

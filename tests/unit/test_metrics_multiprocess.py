@@ -22,6 +22,7 @@ for i in range(requests):
     m.api_server_requests.inc()
     m.observe_first_token(0.05, 10, engine)
     m.add_generation_tokens(7, engine)
+    m.observe_gaps([0.02, 0.3, 0.02, 100.0], engine)
     m.observe_finished("length" if i % 3 else "abort", 0.9, 0.01, engine)
 m.update_scheduler_stats(SchedulerStats(3, 1, 0.25, 100, 40, 2, num_aborted=5), None, 0)
 if mode != "record":
@@ -61,9 +62,13 @@ def test_two_processes_add_up_under_the_names_of_one(tmp_path) -> None:
             ("vllm:generation_tokens", "vllm:generation_tokens_total", {}),
             ("vllm:prompt_tokens", "vllm:prompt_tokens_total", {"engine": "0"}),
             ("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count", {}),
-            ("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_bucket", {"le": "0.06"})):
+            ("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_bucket", {"le": "0.06"}),
+            ("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_bucket", {"le": "0.025"}),
+            ("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count", {"engine": "1"})):
         assert _value(merged, family, sample, **labels) == _value(single, family, sample, **labels), (family, labels)
     assert _value(merged, "vllm:generation_tokens", "vllm:generation_tokens_total") == 15 * 7
+    itl = ("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_bucket")
+    assert _value(merged, *itl, le="0.025") == 15 * 2 and _value(merged, *itl, le="+Inf") == 15 * 4
     per_process = {p: _value(merged, "pagedllm:api_server_requests", "pagedllm:api_server_requests_total",
                              api_server=p) for p in ("0", "1")}
     assert per_process == {"0": 6, "1": 9}

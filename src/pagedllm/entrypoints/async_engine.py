@@ -693,13 +693,15 @@ class AsyncEngine:
         now = time.monotonic()
         timing = self._timing
         new_tokens = 0
+        gaps: list[float] = []
         for rid in ids:
             t = timing.get(rid)
             if t is not None:
-                self._count_tokens(t, 1, now)
+                self._count_tokens(t, 1, now, gaps)
                 new_tokens += 1
         if new_tokens and self.metrics is not None:
             self.metrics.add_generation_tokens(new_tokens, engine)
+            self.metrics.observe_gaps(gaps, engine)
         self._deliver(*self.processor.process_step(ids, tokens, cached, now), now)
 
     def _deliver(self, request_outputs: list, to_abort: list, now: float) -> None:
@@ -719,25 +721,30 @@ class AsyncEngine:
     def _record_timing(self, outputs: list[Any], now: float, engine: int) -> None:
         timing, metrics = self._timing, self.metrics
         new_tokens = 0
+        gaps: list[float] = []
         for out in outputs:
             t = timing.get(out.request_id)
             if t is None:
                 continue
             n_new = len(out.new_token_ids)
             if n_new:
-                self._count_tokens(t, n_new, now)
+                self._count_tokens(t, n_new, now, gaps)
                 new_tokens += n_new
             if out.finish_reason is not None:
                 self._finish_timing(out.request_id, out.finish_reason, now)
         if new_tokens and metrics is not None:  # one counter update per step, not per request
             metrics.add_generation_tokens(new_tokens, engine)
+            metrics.observe_gaps(gaps, engine)
 
-    def _count_tokens(self, t: "_ReqTiming", n_new: int, now: float) -> None:
-        """A request's timing after n_new (> 0) tokens arrived at `now`: its first token observed once."""
+    def _count_tokens(self, t: "_ReqTiming", n_new: int, now: float, gaps: list[float]) -> None:
+        """A request's timing after n_new (> 0) tokens arrived at `now`: its first token observed once, the gap
+        since its previous tokens appended to `gaps` otherwise."""
         if t.first_token is None:
             t.first_token = now
             if self.metrics is not None:
                 self.metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
+        else:
+            gaps.append(now - t.last_token)
         t.last_token = now
         t.num_generated += n_new
 

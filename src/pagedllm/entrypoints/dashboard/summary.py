@@ -15,7 +15,8 @@ from typing import Any, Iterable, Optional
 # Prometheus family names (metrics.py) -> our keys
 _COUNTERS = {"vllm:prompt_tokens": "prompt_tokens", "vllm:generation_tokens": "generation_tokens",
              "vllm:request_success": "finished_requests"}
-HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft", "vllm:time_per_output_token_seconds": "tpot",
+# (tpot: each request's mean gap after its first token, as the benchmark clients report TPOT)
+HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft", "vllm:request_time_per_output_token_seconds": "tpot",
               "vllm:e2e_request_latency_seconds": "e2e"}
 QUANTILES = (0.5, 0.9, 0.99)
 
