@@ -149,8 +149,7 @@ class Metrics:
         (vLLM's per-iteration inter-token latency): vllm:inter_token_latency_seconds and its older name
         time_per_output_token_seconds, one sample per gap, recorded in bulk (`_observe_all`)."""
         e = self.engines[engine]
-        _observe_all(e.itl, gaps)
-        _observe_all(e.tpot, gaps)
+        _observe_all((e.itl, e.tpot), gaps)
 
     def observe_finished(self, reason: str, e2e_s: float, tpot_s: Optional[float], engine: int = 0,
                          num_prompt: Optional[int] = None, num_generated: Optional[int] = None) -> None:
@@ -183,24 +182,28 @@ class Metrics:
         return generate_latest(self.view())
 
 
-def _observe_all(child: Any, values: list[float]) -> None:
-    """`child.observe(v)` for each value, as one increment per bucket hit and one of the sum: every step brings a
-    gap per running request, and observe() takes two locks a value in the API process's hot path. Falls back to
-    observe() where prometheus_client's histogram child is not laid out as this expects."""
+def _observe_all(children: tuple, values: list[float]) -> None:
+    """`child.observe(v)` for each value and each of the histogram children (of the same buckets), as one increment
+    per bucket hit and one of the sum: every step brings a gap per running request, and observe() takes two locks
+    a value in the API process's hot path. Falls back to observe() where prometheus_client's histogram child is not
+    laid out as this expects."""
     if not values:
         return
-    bounds, buckets, total = (getattr(child, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for value in values:
-            child.observe(value)
-        return
-    hits: dict[int, int] = {}
-    for value in values:
-        i = bisect_left(bounds, value)  # the first bucket whose bound is >= value, as observe() picks (+Inf last)
-        hits[i] = hits.get(i, 0) + 1
-    total.inc(sum(values))
-    for i, n in hits.items():
-        buckets[i].inc(n)
+    hits: Optional[dict[int, int]] = None
+    for child in children:
+        bounds, buckets, total = (getattr(child, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+        if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+            for value in values:
+                child.observe(value)
+            continue
+        if hits is None:
+            hits = {}
+            for value in values:
+                i = bisect_left(bounds, value)  # the first bucket whose bound is >= value, as observe() picks
+                hits[i] = hits.get(i, 0) + 1
+        total.inc(sum(values))
+        for i, n in hits.items():
+            buckets[i].inc(n)
 
 
 class _RegistryView:

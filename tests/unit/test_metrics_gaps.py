@@ -27,9 +27,9 @@ def test_bulk_recording_equals_one_observe_per_value() -> None:
     b = Histogram("h", "doc", ["x"], buckets=_TPOT_BUCKETS, registry=bulk).labels("1")
     for v in values:
         a.observe(v)
-    _observe_all(b, values[:100])
-    _observe_all(b, [])
-    _observe_all(b, values[100:])
+    _observe_all((b,), values[:100])
+    _observe_all((b,), [])
+    _observe_all((b,), values[100:])
     got, want = _samples(bulk), _samples(one)
     assert got.keys() == want.keys()
     for key, value in want.items():
@@ -44,7 +44,7 @@ def test_bulk_recording_falls_back_to_observe() -> None:
         def observe(self, value):
             seen.append(value)
 
-    _observe_all(Other(), [0.5, 0.25])
+    _observe_all((Other(),), [0.5, 0.25])
     assert seen == [0.5, 0.25]
 
 
