@@ -188,7 +188,9 @@ NORM_CASES = [  # (rows, N, K, gated, bias, residual, dtype)
     (9, 960, 576, False, True, False, torch.bfloat16),      # two row tiles, no residual (the first layer), bias
     (16, 4096, 1024, False, False, True, torch.float16),    # Qwen3-0.6B's qkv, 16 rows
     (7, 2 * 3072, 1024, True, False, True, torch.float16),  # its gate_up
-    (3, 6144, 2048, False, False, True, torch.bfloat16),    # a 2048-wide model (one row tile fits)
+    (3, 6144, 2048, False, False, True, torch.bfloat16),    # a 2048-wide model
+    (2, 6144, 4096, False, False, True, torch.bfloat16),    # Llama-3-8B's qkv at 2 rows (4 rows of shared memory fit)
+    (4, 2 * 14336, 4096, True, False, True, torch.bfloat16),  # its gate_up at 4
 ]
 
 
@@ -223,13 +225,13 @@ def test_norm_inside_the_tensor_core_gemv_equals_norm_then_gemv(rows, n, k, gate
 
 
 def test_norm_fits_bounds_the_shared_memory():
-    """The normalized rows live in the block's shared memory: at most 16 rows, and not an 8B model's 4096-wide rows
-    at two row tiles (those steps keep the norm kernel)."""
+    """The normalized rows live in the block's shared memory (a power of two of them): 2 to 16 rows, an 8B model's
+    4096-wide rows up to 4 (steps of more keep the norm kernel)."""
     from pagedllm.kernels.gemv_mma import norm_fits
 
     assert norm_fits(960, 576, False, 16) and norm_fits(1536, 576, True, 16)
-    assert not norm_fits(960, 576, False, 17)
-    assert not norm_fits(6144, 4096, False, 9)
+    assert not norm_fits(960, 576, False, 17) and not norm_fits(960, 576, False, 1)
+    assert norm_fits(6144, 4096, False, 4) and not norm_fits(6144, 4096, False, 5)
 
 
 def test_decoder_block_norm_inside_the_tensor_core_gemv(monkeypatch):

@@ -81,18 +81,24 @@ SMEM_LIMIT = 48 * 1024
 NORM_ROW_TILES = (1, 2)  # with a norm: at most 16 rows (the normalized rows of a block live in shared memory)
 
 
-def _smem_bytes(warps: int, tiles: int, mt: int, norm_k: int) -> int:
-    rows = 8 * mt * (norm_k + 32) * 2 if norm_k else 0  # csrc/gemv_mma.cu XS_STRIDE
+def _smem_bytes(warps: int, tiles: int, mt: int, norm_k: int = 0, norm_rows: int = 0) -> int:
+    rows = norm_rows * (norm_k + 32) * 2 if norm_k else 0  # csrc/mma_common.cuh XS_BYTES
     return max(warps * tiles * mt * 4 * 32 * 4, rows)  # (the reduction reuses the rows' bytes)
+
+
+def _norm_rows(rows: int) -> int:
+    """Rows of shared memory a launch of `rows` rows (one row block) normalizes into: a power of two, fewer
+    variants to compile."""
+    return 1 << (max(1, rows) - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=None)
 def _compile(warps: int, unit: int, depth: int, mt: int, ct: int, gated: bool, fp16: bool, has_bias: bool,
-             device_index: int, norm_k: int = 0, has_res: bool = False):
+             device_index: int, norm_k: int = 0, has_res: bool = False, norm_rows: int = 0):
     major, minor = torch.cuda.get_device_capability(device_index)
     defines = (f"#define WARPS {warps}\n#define UNIT {unit}\n#define DEPTH {depth}\n#define MT {mt}\n#define CT {ct}\n"
                f"#define GATED {int(gated)}\n#define IS_FP16 {int(fp16)}\n#define HAS_BIAS {int(has_bias)}\n"
-               f"#define NORM {int(norm_k > 0)}\n#define HAS_RES {int(has_res)}\n#define NORM_K {norm_k}\n")
+               + norm_defines(norm_k, has_res, norm_rows))
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(defines + cuda_source("gemv_mma.cu"), "gemv_mma",
                                           compute_capability=f"{major}{minor}")
@@ -110,14 +116,20 @@ def _launch_shape(n_out: int, k: int, gated: bool, mt: int, cfg: dict) -> tuple:
     return warps, _unit(cfg["unit"], k // CHUNK), ct, blocks
 
 
+def norm_defines(norm_k: int, has_res: bool, norm_rows: int) -> str:
+    """The #defines of csrc/mma_common.cuh's RMSNorm (norm_k 0: none)."""
+    return (f"#define NORM {int(norm_k > 0)}\n#define HAS_RES {int(has_res)}\n#define NORM_K {norm_k}\n"
+            f"#define NORM_ROWS {max(1, norm_rows)}\n")
+
+
 def norm_fits(n_out: int, k: int, gated: bool, rows: int) -> bool:
-    """Whether a product of `rows` rows can take its RMSNorm in the kernel: at most 16 rows, whose normalized rows
-    and the reduction fit the block's shared memory."""
+    """Whether a product of `rows` (2..16) rows can take its RMSNorm in the kernel: its normalized rows, or the
+    reduction, fit the block's shared memory."""
     mt = next((mt for mt in NORM_ROW_TILES if rows <= 8 * mt), None)
-    if mt is None:
+    if mt is None or rows < 2:
         return False
     warps, _, ct, _ = _launch_shape(n_out, k, gated, mt, base_config(gated, mt))
-    return _smem_bytes(warps, 2 if gated else ct, mt, k) <= SMEM_LIMIT
+    return _smem_bytes(warps, 2 if gated else ct, mt, k, _norm_rows(rows)) <= SMEM_LIMIT
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,9 +138,12 @@ def _prepare(n_out: int, k: int, gated: bool, fp16: bool, has_bias: bool, index:
         cfg = base_config(gated, mt)
         warps, unit, ct, _ = _launch_shape(n_out, k, gated, mt, cfg)
         _compile(warps, unit, cfg["depth"], mt, ct, gated, fp16, has_bias, index)
-        if norm and norm_fits(n_out, k, gated, 8 * mt):
-            for has_res in (False, True):  # (the first layer's input norm has no residual)
-                _compile(warps, unit, cfg["depth"], mt, ct, gated, fp16, has_bias, index, k, has_res)
+        if not norm or mt not in NORM_ROW_TILES:
+            continue
+        for rows in (2, 4, 8) if mt == 1 else (16,):
+            if norm_fits(n_out, k, gated, rows):
+                for has_res in (False, True):  # (the first layer's input norm has no residual)
+                    _compile(warps, unit, cfg["depth"], mt, ct, gated, fp16, has_bias, index, k, has_res, rows)
 
 
 def _prepare_key(weight: torch.Tensor, gated: bool, has_bias: bool, norm: bool = False) -> tuple:
@@ -196,12 +211,13 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         # every row tile at once (cached): none compiles under capture
         prepare(weight, gated, bias is not None, norm is not None)
     warps, unit, ct, blocks = _launch_shape(n_out, k, gated, mt, cfg)
-    norm_k, has_res, norm_args = 0, False, [x, x, x, x, 0, 0, 0.0]  # (read only with a norm)
+    norm_k, has_res, norm_rows, norm_args = 0, False, 0, [x, x, x, x, 0, 0, 0.0]  # (read only with a norm)
     if norm is not None:
         res, res_out = norm.residual, norm.residual_out
         assert not norm.fp32_product and norm.weight.dtype == x.dtype and norm.weight.shape == (k,), (
             "the tensor-core GEMV's norm multiplies by a weight in the activation dtype")
-        assert _smem_bytes(warps, 2 if gated else ct, mt, k) <= SMEM_LIMIT, (m, k, "see norm_fits")
+        norm_rows = _norm_rows(m)  # (m <= 8 mt: one row block)
+        assert _smem_bytes(warps, 2 if gated else ct, mt, k, norm_rows) <= SMEM_LIMIT, (m, k, "see norm_fits")
         assert norm.weight.is_contiguous() and norm.out.shape == x.shape and norm.out.stride(1) == 1
         assert norm.out.stride(0) % 8 == 0 or m == 1, "normalized rows must be 16-byte aligned"
         assert res is None or (res.shape == x.shape and res.stride(1) == 1 and res_out is not None
@@ -211,7 +227,7 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         norm_args = [res if has_res else x, norm.weight, norm.out, res_out if has_res else norm.out,
                      res.stride(0) if has_res else 0, norm.out.stride(0), float(norm.eps)]
     kernel = _compile(warps, unit, cfg["depth"], mt, ct, gated, x.dtype == torch.float16, bias is not None, index,
-                      norm_k, has_res)
+                      norm_k, has_res, norm_rows)
     grid, block = (blocks, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [weight, x, bias if bias is not None else x, out, m, n_out, k, weight.stride(0), x.stride(0),
             out.stride(0), n_out, *norm_args]

@@ -351,7 +351,8 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     kernel, warps, ct = _variant(*key, mt) if cfg.get("mt") else _kernels(*key)[mt]
     grid, block = (nt // ct, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
-            out, m, n, k, x.stride(0), out.stride(0), _group_shift(group_size, k)]
+            out, m, n, k, x.stride(0), out.stride(0), _group_shift(group_size, k),
+            x, x, x, x, 0, 0, 0.0]  # (a norm's arguments: csrc/qgemv_mma.cu reads them only with NORM)
     from pagedllm.kernels.pdl import use_pdl  # (imports triton: not at module level, the CPU path has none)
 
     if use_pdl(x.device):

@@ -13,9 +13,9 @@
 // Compile-time parameters (#define before this file): WARPS (they split K: every WARPS-th unit), UNIT (chunks per
 // unit), DEPTH (units of a warp in flight, all asked for before the wait on the previous kernel), MT (row tiles of
 // 8), CT (column tiles per block sharing each x fragment), GATED (CT is 2: the block's gate tile and its up tile,
-// up_rows weight rows further; out = silu(gate) * up), IS_FP16, HAS_BIAS, NORM (x is an RMSNorm's input: see
-// norm_rows), HAS_RES, NORM_K (K, with NORM). csrc/mma_common.cuh comes before this file (to_f32, from_f32,
-// round_trip, mma).
+// up_rows weight rows further; out = silu(gate) * up), IS_FP16, HAS_BIAS, NORM / HAS_RES / NORM_K / NORM_ROWS (x
+// is an RMSNorm's input: csrc/mma_common.cuh norm_rows). csrc/mma_common.cuh comes before this file (to_f32,
+// from_f32, round_trip, mma, load_x).
 #ifndef DEPTH
 #define DEPTH 2
 #endif
@@ -25,17 +25,7 @@
 #ifndef GATED
 #define GATED 0
 #endif
-#ifndef NORM
-#define NORM 0
-#endif
-#ifndef HAS_RES
-#define HAS_RES 0
-#endif
-#if NORM
-// The block's normalized rows in shared memory, each padded by 64 bytes: a warp's fragment loads (rows g, 16 bytes
-// at 8 t) then fall on distinct banks for rows g and g + 1.
-#define XS_STRIDE (NORM_K + 32)
-#endif
+
 // One unit of a lane's weights: per column tile and chunk, rows g and g + 8, channels [8 t, +8) and [32 + 8 t, +8).
 struct Unit {
     uint4 lo[CT][UNIT][2], hi[CT][UNIT][2];
@@ -60,76 +50,6 @@ __device__ __forceinline__ u32 word(const uint4 (&v)[2], int pair) {
     const int e = pair & 3;
     return e == 0 ? q.x : e == 1 ? q.y : e == 2 ? q.z : q.w;
 }
-
-// 16 bytes of x: from global memory, or (NORM) from the block's normalized rows in shared memory.
-__device__ __forceinline__ uint4 load_x(const u16* p) {
-#if NORM
-    return *(const uint4*)p;
-#else
-    return __ldg((const uint4*)p);
-#endif
-}
-
-#if NORM
-__device__ __forceinline__ u32 pack2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
-
-// Eight 16-bit values of a uint4 through f, each result rounded to the activation dtype.
-template <typename F>
-__device__ __forceinline__ uint4 map8(uint4 a, uint4 b, F f) {
-    const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-    u32 r[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        r[i] = pack2(from_f32(f(to_f32((u16)(av[i] & 0xffff)), to_f32((u16)(bv[i] & 0xffff)))),
-                     from_f32(f(to_f32((u16)(av[i] >> 16)), to_f32((u16)(bv[i] >> 16)))));
-    return make_uint4(r[0], r[1], r[2], r[3]);
-}
-
-__device__ __forceinline__ float sum_squares(uint4 a) {
-    const u32 av[4] = {a.x, a.y, a.z, a.w};
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float lo = to_f32((u16)(av[i] & 0xffff)), hi = to_f32((u16)(av[i] >> 16));
-        s += lo * lo + hi * hi;
-    }
-    return s;
-}
-
-// The block's rows m0.. of the RMSNorm before this product, into xs, with kernels/norm.py's numbers: h = x (+ res)
-// rounded, rstd = rsqrt(mean(h^2) + eps), y = round(round(h * rstd) * w). Each warp takes whole rows (its lanes
-// 8 channels at a time, the squares summed across lanes); the blocks of column 0 also store h (new_res) and y
-// (normed), the norm's outputs.
-__device__ __forceinline__ void norm_rows(u16 (*xs)[XS_STRIDE], const u16* __restrict__ x,
-                                          const u16* __restrict__ res, const u16* __restrict__ nw,
-                                          u16* __restrict__ normed, u16* __restrict__ new_res, int m0, int rows,
-                                          int stride_x, int stride_r, int stride_n, float eps, int warp, int lane) {
-    const bool store = blockIdx.x == 0;
-    for (int r = warp; r < rows; r += WARPS) {
-        const u64 m = (u64)(m0 + r);
-        float ss = 0.f;
-        for (int v = lane; v < NORM_K / 8; v += 32) {
-            uint4 h = __ldg((const uint4*)(x + m * stride_x + 8 * v));
-#if HAS_RES
-            h = map8(h, __ldg((const uint4*)(res + m * stride_r + 8 * v)), [](float a, float b) { return a + b; });
-            if (store) *(uint4*)(new_res + m * stride_r + 8 * v) = h;
-#endif
-            ss += sum_squares(h);
-            *(uint4*)(&xs[r][8 * v]) = h;
-        }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float rstd = rsqrtf(ss / NORM_K + eps);
-        for (int v = lane; v < NORM_K / 8; v += 32) {  // (the same lane wrote these channels above)
-            const uint4 y = map8(*(const uint4*)(&xs[r][8 * v]), __ldg((const uint4*)(nw + 8 * v)),
-                                 [rstd](float h, float w) { return round_trip(h * rstd) * w; });
-            *(uint4*)(&xs[r][8 * v]) = y;
-            if (store) *(uint4*)(normed + m * stride_n + 8 * v) = y;
-        }
-    }
-    __syncthreads();
-}
-#endif
 
 // acc += one unit's product against the lane's x of every row tile.
 __device__ __forceinline__ void unit_product(float (&acc)[CT][MT][4], const Unit& un, int u,
@@ -186,10 +106,10 @@ gemv_mma(const u16* __restrict__ w, const u16* __restrict__ x, const u16* __rest
     float acc[CT][MT][4];
 #if NORM
     // the normalized rows, then (after the products) the reduction's partial sums in the same bytes
-    constexpr int xs_bytes = 8 * MT * XS_STRIDE * 2, red_bytes = WARPS * CT * MT * 4 * 32 * 4;
-    __shared__ __align__(16) unsigned char smem[xs_bytes > red_bytes ? xs_bytes : red_bytes];
+    constexpr int red_bytes = WARPS * CT * MT * 4 * 32 * 4;
+    __shared__ __align__(16) unsigned char smem[XS_BYTES > red_bytes ? XS_BYTES : red_bytes];
     u16 (*xs)[XS_STRIDE] = reinterpret_cast<u16 (*)[XS_STRIDE]>(smem);
-    norm_rows(xs, x, res, nw, normed, new_res, m0, min(8 * MT, M - m0), stride_x, stride_r, stride_n, (float)eps,
+    norm_rows(xs, x, res, nw, normed, new_res, m0, min(NORM_ROWS, M - m0), stride_x, stride_r, stride_n, (float)eps,
               warp, lane);
 #endif
     // the lane's row of each row tile (a row past M reads row 0; its MMA column is never stored)
@@ -198,7 +118,7 @@ gemv_mma(const u16* __restrict__ w, const u16* __restrict__ x, const u16* __rest
     for (int mt = 0; mt < MT; mt++) {
         const int m = m0 + 8 * mt + g;
 #if NORM
-        xrow[mt] = &xs[m < M ? 8 * mt + g : 0][8 * t];
+        xrow[mt] = &xs[m < M ? 8 * mt + g : 0][8 * t];  // (M - m0 <= NORM_ROWS)
 #else
         xrow[mt] = x + (u64)(m < M ? m : 0) * stride_x + 8 * t;
 #endif
