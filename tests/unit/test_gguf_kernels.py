@@ -503,3 +503,18 @@ def test_packed_weights_take_this_machines_fastest_layout(ops, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_GGUF_TILED", "0")
     packed = torch.from_numpy(make_weight(Q.Q4_1, 16, 256, seed=1))
     assert tile_packed(packed, int(Q.Q4_1)) == (packed, int(Q.Q4_1))
+
+
+def test_layout_ids_name_their_layout_and_base_type():
+    """Every regrouped type id is told apart as the C++ kernels tell it (membership, not ranges): the tiled int8 row
+    id (TILED_BASE + I8_ROW) equals A2_BASE, and it once read as untiled, sending 16+ row products of an online
+    int8 layer on an AVX-512 VNNI CPU to the dense path, which cannot read tiles."""
+    from pagedllm.kernels import gguf_ops as g
+
+    for t in g._TILEABLE:
+        assert g.is_tiled(g.TILED_BASE + t) and not g.is_a2(g.TILED_BASE + t) and g.base_type(g.TILED_BASE + t) == t
+    for t in g._A2_ABLE:
+        assert g.is_a2(g.A2_BASE + t) and not g.is_tiled(g.A2_BASE + t) and g.base_type(g.A2_BASE + t) == t
+    for t in (0, 1, 2, 8, 12, 14, g.I8_ROW):
+        assert not g.is_tiled(t) and not g.is_a2(t) and g.base_type(t) == t
+    assert g.is_tiled(g.TILED_BASE + g.I8_ROW) and g.TILED_BASE + g.I8_ROW == g.A2_BASE

@@ -24,7 +24,8 @@ import torch
 
 # kernel_available: the int4 kernel's conditions hold here too (mma.m16n8k16 on bf16 needs compute capability 8.0;
 # NVRTC through torch.cuda._compile_kernel)
-from pagedllm.kernels.qgemv_mma import _launch_pdl, cuda_source, kernel_available  # noqa: F401
+from pagedllm.kernels.qgemv_mma import SMEM_LIMIT, _launch_pdl, cuda_source, kernel_available  # noqa: F401
+from pagedllm.kernels.qgemv_mma import norm_defines, norm_smem_bytes
 
 CHUNK = 64  # channels per chunk: four MMAs
 MAX_ROWS = 32  # four row tiles of 8
@@ -76,14 +77,7 @@ def _unit(unit: int, chunks: int) -> int:
     return max(1, unit)
 
 
-# The static shared memory a block may take (the reduction's, or with a norm its normalized rows).
-SMEM_LIMIT = 48 * 1024
 NORM_ROW_TILES = (1, 2)  # with a norm: at most 16 rows (the normalized rows of a block live in shared memory)
-
-
-def _smem_bytes(warps: int, tiles: int, mt: int, norm_k: int = 0, norm_rows: int = 0) -> int:
-    rows = norm_rows * (norm_k + 32) * 2 if norm_k else 0  # csrc/mma_common.cuh XS_BYTES
-    return max(warps * tiles * mt * 4 * 32 * 4, rows)  # (the reduction reuses the rows' bytes)
 
 
 def _norm_rows(rows: int) -> int:
@@ -116,12 +110,6 @@ def _launch_shape(n_out: int, k: int, gated: bool, mt: int, cfg: dict) -> tuple:
     return warps, _unit(cfg["unit"], k // CHUNK), ct, blocks
 
 
-def norm_defines(norm_k: int, has_res: bool, norm_rows: int) -> str:
-    """The #defines of csrc/mma_common.cuh's RMSNorm (norm_k 0: none)."""
-    return (f"#define NORM {int(norm_k > 0)}\n#define HAS_RES {int(has_res)}\n#define NORM_K {norm_k}\n"
-            f"#define NORM_ROWS {max(1, norm_rows)}\n")
-
-
 def norm_fits(n_out: int, k: int, gated: bool, rows: int) -> bool:
     """Whether a product of `rows` (2..16) rows can take its RMSNorm in the kernel: its normalized rows, or the
     reduction, fit the block's shared memory."""
@@ -129,7 +117,7 @@ def norm_fits(n_out: int, k: int, gated: bool, rows: int) -> bool:
     if mt is None or rows < 2:
         return False
     warps, _, ct, _ = _launch_shape(n_out, k, gated, mt, base_config(gated, mt))
-    return _smem_bytes(warps, 2 if gated else ct, mt, k, _norm_rows(rows)) <= SMEM_LIMIT
+    return norm_smem_bytes(warps, 2 if gated else ct, mt, k, _norm_rows(rows)) <= SMEM_LIMIT
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,7 +205,7 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         assert not norm.fp32_product and norm.weight.dtype == x.dtype and norm.weight.shape == (k,), (
             "the tensor-core GEMV's norm multiplies by a weight in the activation dtype")
         norm_rows = _norm_rows(m)  # (m <= 8 mt: one row block)
-        assert _smem_bytes(warps, 2 if gated else ct, mt, k, norm_rows) <= SMEM_LIMIT, (m, k, "see norm_fits")
+        assert norm_smem_bytes(warps, 2 if gated else ct, mt, k, norm_rows) <= SMEM_LIMIT, (m, k, "see norm_fits")
         assert norm.weight.is_contiguous() and norm.out.shape == x.shape and norm.out.stride(1) == 1
         assert norm.out.stride(0) % 8 == 0 or m == 1, "normalized rows must be 16-byte aligned"
         assert res is None or (res.shape == x.shape and res.stride(1) == 1 and res_out is not None

@@ -50,12 +50,17 @@ _A2_ABLE = (2, 3, 8, 12, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 
 
 def is_tiled(qtype: int) -> bool:
-    return TILED_BASE < qtype < A2_BASE
+    # (membership, as the C++ is_tiled: the tiled I8_ROW id, TILED_BASE + 1000, is A2_BASE itself)
+    return qtype - TILED_BASE in _TILEABLE
+
+
+def is_a2(qtype: int) -> bool:
+    return qtype - A2_BASE in _A2_ABLE
 
 
 def base_type(qtype: int) -> int:
     """The GGML type (or I8_ROW) whose values a (possibly regrouped) type id holds."""
-    return qtype - A2_BASE if qtype > A2_BASE else qtype - TILED_BASE if is_tiled(qtype) else qtype
+    return qtype - A2_BASE if is_a2(qtype) else qtype - TILED_BASE if is_tiled(qtype) else qtype
 
 
 def logical_rows(tensor: torch.Tensor, qtype: int) -> int:

@@ -200,12 +200,18 @@ def link_norm_gemv(model: nn.Module) -> int:
                 parent = module.get_submodule(parent_path) if parent_path else module
             except AttributeError:  # e.g. a MoE block where a dense MLP would be
                 continue
-            if (not is_plain_rms_norm(norm) or norm.quant_consumer is not None
-                    or not isinstance(layer, ColumnParallelLinear)
-                    or type(layer.linear_method) is not UnquantizedLinearMethod):
+            if not is_plain_rms_norm(norm) or norm.quant_consumer is not None \
+                    or not isinstance(layer, ColumnParallelLinear):
                 continue
-            # The MLP asks for silu(gate) * up in one kernel (LlamaMLP.fuse_silu): the norm's GEMV is that one.
-            gated = bool(getattr(parent, "fuse_silu", False)) and getattr(parent, "gate_up_proj", None) is layer
+            method = layer.linear_method
+            if type(method) is UnquantizedLinearMethod:
+                # The MLP asks for silu(gate) * up in one kernel (LlamaMLP.fuse_silu): the norm's GEMV is that one.
+                gated = bool(getattr(parent, "fuse_silu", False)) and getattr(parent, "gate_up_proj", None) is layer
+            elif getattr(method, "takes_norm", False) and envs.PAGEDLLM_NORM_GEMV_MMA:
+                gated = False  # (its plain product: the MLP applies SiLU after it)
+                method.prepare_norm(layer)
+            else:
+                continue
             norm.__dict__["gemv_consumer"] = layer  # a plain reference, not a submodule of the norm
             layer.__dict__["norm_gemv_gated"] = gated
             linked += 1
