@@ -17,6 +17,8 @@
 #   bash benchmarks/gpu_decode.sh norm-mma         # with it off / on, alternating: the k=4 verify step against a plain
 #                                                  # step (spec_decode.py verify) and batch-4 decode, SmolLM2 and
 #                                                  # Qwen3-0.6B shapes
+#   bash benchmarks/gpu_decode.sh norm-mma-int4    # the same switch on int4 layers: Llama-3-8B GPTQ int4 decode at
+#                                                  # batch 1 and 4
 #
 # Several modes run in order in one call: `bash benchmarks/gpu_decode.sh decode-prep-tests decode-prep`.
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/decode-out), the summary lines to stdout.
@@ -24,7 +26,7 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 [ $# -gt 0 ] || { echo "usage: $0 MODE... (norm-gemv-tests, norm-gemv, norm-gemv-8b, decode-prep-tests," \
-    "decode-prep, decode-prep-8b, norm-mma-tests, norm-mma)" >&2; exit 2; }
+    "decode-prep, decode-prep-8b, norm-mma-tests, norm-mma, norm-mma-int4)" >&2; exit 2; }
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/decode-out}
 mkdir -p "$out"
@@ -83,7 +85,8 @@ decode-prep-8b)
     ;;
 norm-mma-tests)
     PAGEDLLM_NORM_GEMV_MMA=1 step kernels 240 python -m pytest -m gpu -q -x -p no:cacheprovider \
-        tests/gpu/test_gemv_mma_gpu.py -k "norm or routing or warm_up" tests/gpu/test_small_kernels.py
+        tests/gpu/test_gemv_mma_gpu.py tests/gpu/test_qgemv_mma_gpu.py -k "norm or routing or warm_up" \
+        tests/gpu/test_small_kernels.py
     PAGEDLLM_NORM_GEMV_MMA=1 step engine-on 300 python -m pytest -m gpu -q -p no:cacheprovider \
         tests/gpu/test_engine_gpu.py tests/gpu/test_spec_decode_gpu.py
     ;;
@@ -92,6 +95,10 @@ norm-mma)
     ab smollm2-b4 smollm2-135m 90 PAGEDLLM_NORM_GEMV_MMA 4
     ab_verify qwen3-verify qwen3-0.6b 120 PAGEDLLM_NORM_GEMV_MMA
     ab qwen3-b4 qwen3-0.6b 100 PAGEDLLM_NORM_GEMV_MMA 4
+    ;;
+norm-mma-int4)
+    ab int4-b1 llama3-8b-gptq-int4 140 PAGEDLLM_NORM_GEMV_MMA 1
+    ab int4-b4 llama3-8b-gptq-int4 140 PAGEDLLM_NORM_GEMV_MMA 4
     ;;
 *)
     echo "unknown step: $what" >&2

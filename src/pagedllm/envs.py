@@ -110,8 +110,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": on CUDA, an RMSNorm that feeds one unquantized linear layer alone runs its own kernel at one-row decode
     # steps instead of inside that layer's Triton GEMV (kernels/gemv.GemvNorm: one launch less per norm; A/B).
     "PAGEDLLM_NORM_GEMV": lambda: os.environ.get("PAGEDLLM_NORM_GEMV", "1") != "0",
-    # "1": the same at 2-16 row steps (verify steps, small batches) inside the tensor-core GEMV
-    # (kernels/gemv_mma.py; each block normalizes its rows into shared memory); off until measured on a GPU.
+    # "1": the same at 2-16 row steps (verify steps, small batches) inside the tensor-core GEMV (kernels/gemv_mma.py),
+    # and at 1-16 rows inside the int4 one (kernels/qgemv_mma.py) before GPTQ / AWQ layers (each block normalizes
+    # its rows into shared memory first); off until measured on a GPU.
     "PAGEDLLM_NORM_GEMV_MMA": lambda: _truthy(os.environ.get("PAGEDLLM_NORM_GEMV_MMA")),
     # Steps of 2 up to this many rows (at most 32) run CUDA fp16/bf16 linear layers on the tensor-core GEMV
     # (kernels/gemv_mma.py) instead of the Triton GEMV / cuBLAS; 0: off. 16: past it (four row tiles) cuBLAS wins

@@ -161,3 +161,75 @@ def test_layer_converted_at_load_matches_internal_layout(monkeypatch):
             want = slow.linear_method.apply(slow, x).float()
             got = fast.linear_method.apply(fast, x).float()
             assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("m, k, n, perm, residual, dtype", [
+    (1, 4096, 6144, False, True, torch.bfloat16),   # Llama-3-8B's qkv at batch 1
+    (2, 4096, 28672, True, True, torch.bfloat16),   # its gate_up, act-order, a k=1 verify step
+    (4, 4096, 6144, False, False, torch.float16),   # no residual (the first layer), fp16
+    (5, 1024, 4096, True, True, torch.bfloat16),    # Qwen3-0.6B's qkv, 8 rows of shared memory
+    (16, 1024, 6144, False, True, torch.float16),   # two row tiles
+])
+def test_norm_inside_the_int4_gemv_equals_norm_then_gemv(m, k, n, perm, residual, dtype):
+    """The int4 tensor-core GEMV given the RMSNorm before it (PAGEDLLM_NORM_GEMV_MMA) stores the norm's outputs as
+    the norm kernel does (x + residual exactly, the normalized rows up to a rounding) and its product equals its
+    product of the rows it stored, bit for bit."""
+    from pagedllm.kernels.gemv import GemvNorm
+    from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm
+    from pagedllm.kernels.qgemv_mma import norm_fits
+
+    gen = torch.Generator(device="cuda").manual_seed(m + k + n)
+    q = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
+    scales = (torch.rand(k // 128, n, device="cuda", generator=gen) * 0.02).to(dtype)
+    zeros = torch.randint(0, 16, (k // 128, n), device="cuda", generator=gen).to(dtype)
+    p = torch.randperm(k, device="cuda", generator=gen).to(torch.int32) if perm else None
+    words = to_mma_layout(q)
+    assert norm_fits(words, 128, m)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    res = torch.randn(m, k, device="cuda", generator=gen).to(dtype) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(dtype)
+    spec = GemvNorm(nw, 1e-5, False, torch.full_like(x, float("nan")), res,
+                    None if res is None else torch.full_like(x, float("nan")))
+    got = quant_gemv_mma(x, words, scales, zeros, 128, p, norm=spec)
+    if res is None:
+        want_normed = rms_norm(x, nw, 1e-5)
+    else:
+        want_normed, want_res = fused_add_rms_norm(x.clone(), res.clone(), nw, 1e-5)
+        assert torch.equal(spec.residual_out, want_res)
+    torch.testing.assert_close(spec.out.float(), want_normed.float(), atol=0, rtol=1e-2)
+    assert (spec.out != want_normed).float().mean() < 0.02
+    assert torch.equal(got, quant_gemv_mma(spec.out, words, scales, zeros, 128, p))
+
+
+def test_int4_norm_fits_bounds_the_shared_memory():
+    from pagedllm.kernels.qgemv_mma import norm_fits
+
+    words = to_mma_layout(torch.zeros(6144, 4096, dtype=torch.int64, device="cuda"))
+    assert norm_fits(words, 128, 1) and norm_fits(words, 128, 4) and not norm_fits(words, 128, 5)
+    assert not norm_fits(words, 128, 0) and not norm_fits(words, 128, 17)
+
+
+def test_engine_with_norms_inside_the_int4_gemv(tmp_path, tiny_model_dir, monkeypatch):
+    """An AWQ model with PAGEDLLM_NORM_GEMV_MMA=1 (its norms linked to the int4 qkv / gate_up layers; batch-1 and
+    batch-4 decode steps on CUDA graphs) gives the greedy tokens and logprobs of the engine with it off, up to
+    near-ties."""
+    from pagedllm import LLM, SamplingParams
+    from spec_checks import assert_same_up_to_near_ties
+
+    from tests.quantization.checkpoints import awq_checkpoint
+    model_dir, _ = awq_checkpoint(tiny_model_dir("llama", hidden_size=256, intermediate_size=512, head_dim=64),
+                                  str(tmp_path / "awq"), 64)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
+    outs, linked = {}, {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("PAGEDLLM_NORM_GEMV_MMA", on)
+        llm = LLM(model=model_dir, gpu_memory_utilization=0.2, max_model_len=512)
+        linked[on] = sum(getattr(mod, "gemv_consumer", None) is not None for mod in llm.engine.worker.model.modules())
+        outs[on] = []
+        for batch in (1, 4):
+            prompts = [{"prompt_token_ids": list(range(5 + i, 5 + i + 9 + 3 * i))} for i in range(batch)]
+            outs[on] += [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+        torch.cuda.empty_cache()
+    assert linked["0"] == 0 and linked["1"] > 0  # (its qkv and gate_up are int4: linked only with the switch on)
+    assert assert_same_up_to_near_ties(outs["1"], outs["0"], check_logprobs=True) > 0

@@ -105,12 +105,9 @@ gemv_mma(const u16* __restrict__ w, const u16* __restrict__ x, const u16* __rest
 #endif
     float acc[CT][MT][4];
 #if NORM
-    // the normalized rows, then (after the products) the reduction's partial sums in the same bytes
-    constexpr int red_bytes = WARPS * CT * MT * 4 * 32 * 4;
-    __shared__ __align__(16) unsigned char smem[XS_BYTES > red_bytes ? XS_BYTES : red_bytes];
-    u16 (*xs)[XS_STRIDE] = reinterpret_cast<u16 (*)[XS_STRIDE]>(smem);
-    norm_rows(xs, x, res, nw, normed, new_res, m0, min(NORM_ROWS, M - m0), stride_x, stride_r, stride_n, (float)eps,
-              warp, lane);
+    __shared__ __align__(16) unsigned char smem[SMEM_BYTES];
+    u16 (*xs)[XS_STRIDE] =
+        norm_rows(smem, x, res, nw, normed, new_res, m0, M, stride_x, stride_r, stride_n, eps, warp, lane);
 #endif
     // the lane's row of each row tile (a row past M reads row 0; its MMA column is never stored)
     const u16* xrow[MT];

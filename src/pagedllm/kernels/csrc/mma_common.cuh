@@ -54,6 +54,9 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 // banks for rows g and g + 1.
 #define XS_STRIDE (NORM_K + 32)
 #define XS_BYTES (NORM_ROWS * XS_STRIDE * 2)
+// the block's shared memory: the normalized rows, then (after the products) the reduction's partial sums
+#define RED_BYTES (WARPS * CT * MT * 4 * 32 * 4)
+#define SMEM_BYTES (XS_BYTES > RED_BYTES ? XS_BYTES : RED_BYTES)
 #endif
 
 // x's 16 bytes / 2 bytes at p: from global memory, or (NORM) from the block's normalized rows in shared memory.
@@ -99,14 +102,18 @@ __device__ __forceinline__ float sum_squares(uint4 a) {
     return s;
 }
 
-// The block's rows m0.. (at most NORM_ROWS) of the RMSNorm before this product, into xs, with kernels/norm.py's numbers: h = x (+ res)
-// rounded, rstd = rsqrt(mean(h^2) + eps), y = round(round(h * rstd) * w). Each warp takes whole rows (its lanes
-// 8 channels at a time, the squares summed across lanes); the blocks of column 0 also store h (new_res) and y
-// (normed), the norm's outputs.
-__device__ __forceinline__ void norm_rows(u16 (*xs)[XS_STRIDE], const u16* __restrict__ x,
-                                          const u16* __restrict__ res, const u16* __restrict__ nw,
-                                          u16* __restrict__ normed, u16* __restrict__ new_res, int m0, int rows,
-                                          int stride_x, int stride_r, int stride_n, float eps, int warp, int lane) {
+// The block's rows m0.. (at most NORM_ROWS) of the RMSNorm before this product, into smem (returned as rows), with
+// kernels/norm.py's numbers: h = x (+ res) rounded, rstd = rsqrt(mean(h^2) + eps), y = round(round(h * rstd) * w).
+// Each warp takes whole rows (its lanes 8 channels at a time, the squares summed across lanes); the blocks of
+// column 0 also store h (new_res) and y (normed), the norm's outputs.
+__device__ __forceinline__ u16 (*norm_rows(unsigned char* smem, const u16* __restrict__ x,
+                                            const u16* __restrict__ res, const u16* __restrict__ nw,
+                                            u16* __restrict__ normed, u16* __restrict__ new_res, int m0, int M,
+                                            int stride_x, int stride_r, int stride_n, double eps_d, int warp,
+                                            int lane))[XS_STRIDE] {
+    u16 (*xs)[XS_STRIDE] = reinterpret_cast<u16 (*)[XS_STRIDE]>(smem);
+    const int rows = min(NORM_ROWS, M - m0);
+    const float eps = (float)eps_d;
     const bool store = blockIdx.x == 0;
     for (int r = warp; r < rows; r += WARPS) {
         const u64 m = (u64)(m0 + r);
@@ -131,5 +138,6 @@ __device__ __forceinline__ void norm_rows(u16 (*xs)[XS_STRIDE], const u16* __res
         }
     }
     __syncthreads();
+    return xs;
 }
 #endif

@@ -179,12 +179,9 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
 #endif
     float acc[CT][MT][4];
 #if NORM
-    // the normalized rows, then (after the products) the reduction's partial sums in the same bytes
-    constexpr int red_bytes = WARPS * CT * MT * 4 * 32 * 4;
-    __shared__ __align__(16) unsigned char smem[XS_BYTES > red_bytes ? XS_BYTES : red_bytes];
-    u16 (*xs)[XS_STRIDE] = reinterpret_cast<u16 (*)[XS_STRIDE]>(smem);
-    norm_rows(xs, x, res, nw, normed, new_res, m0, min(NORM_ROWS, M - m0), stride_x, stride_r, stride_n, (float)eps,
-              warp, lane);
+    __shared__ __align__(16) unsigned char smem[SMEM_BYTES];
+    u16 (*xs)[XS_STRIDE] =
+        norm_rows(smem, x, res, nw, normed, new_res, m0, M, stride_x, stride_r, stride_n, eps, warp, lane);
 #endif
     // the lane's row of each row tile: a row past M reads row 0, and its MMA column (independent of the others) is
     // never stored
