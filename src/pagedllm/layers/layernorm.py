@@ -1,6 +1,7 @@
 """RMSNorm, optionally fused with the residual add that precedes it (vLLM style)."""
 from __future__ import annotations
 
+import logging
 from typing import Optional, Union
 
 import torch
@@ -10,6 +11,8 @@ from pagedllm import envs
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import triton_kernels
 from pagedllm.layers.weight_utils import default_weight_loader, set_weight_attrs
+
+logger = logging.getLogger(__name__)
 
 
 # Whether link_norm_quant links norms to the W8A8 layers they feed (False: each layer quantizes its own input, one
@@ -209,7 +212,12 @@ def link_norm_gemv(model: nn.Module) -> int:
                 gated = bool(getattr(parent, "fuse_silu", False)) and getattr(parent, "gate_up_proj", None) is layer
             elif getattr(method, "takes_norm", False) and envs.PAGEDLLM_NORM_GEMV_MMA:
                 gated = False  # (its plain product: the MLP applies SiLU after it)
-                method.prepare_norm(layer)
+                try:
+                    method.prepare_norm(layer)
+                except Exception as e:  # noqa: BLE001 (a compile failure: the norm keeps its own kernel)
+                    logger.warning("%s: the norm before it stays its own kernel (%s: %s)", layer_path,
+                                   type(e).__name__, e)
+                    continue
             else:
                 continue
             norm.__dict__["gemv_consumer"] = layer  # a plain reference, not a submodule of the norm

@@ -261,7 +261,7 @@ class ColumnParallelLinear(LinearBase):
         """`norm(x, residual)`'s result, with this layer's product of it computed by the same kernel (the Triton
         GEMV with its norm: kernels/gemv.GemvNorm) and kept for this layer's call on the norm's output; None where
         that kernel does not take the rows (then the norm runs alone). Set up by layernorm.link_norm_gemv."""
-        if self.gather_output or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != self.weight.shape[1] \
+        if self.gather_output or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != self.input_size \
                 or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous())):
             return None
         gated = self.__dict__.get("norm_gemv_gated", False)
