@@ -167,3 +167,15 @@ def test_named_choice_streams_argument_deltas() -> None:
     full = extract_tool_calls(plan, text, "stop")
     assert streamed[0]["name"] == "get_weather" == full.tool_calls[0].name
     assert streamed[0]["arguments"] == full.tool_calls[0].arguments == text
+
+
+def test_named_choice_cut_short_is_still_the_call() -> None:
+    """max_tokens ends a named call's arguments early: the full response holds the call (its arguments unfinished,
+    as the stream sent them), never the arguments as content; finish_reason stays "length"."""
+    plan = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None, "auto", None)
+    text = '{"city": "Pa'
+    (content, streamed), reason, _ = _stream(plan, text, "length", step=2)
+    full = extract_tool_calls(plan, text, "length")
+    assert full.content is None and [(c.name, c.arguments) for c in full.tool_calls] == [("get_weather", text)]
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", text)] and content == ""
+    assert reason == "length"

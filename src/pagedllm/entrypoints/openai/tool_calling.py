@@ -207,7 +207,13 @@ def _with_object_arguments(call: dict) -> dict:
 
 def extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str]) -> ExtractedToolCalls:
     """The output of a finished choice as content + calls. Never raises: what does not parse is content."""
-    if not plan.active or finish_reason == "length":
+    if not plan.active:
+        return ExtractedToolCalls(content=text)
+    if plan.mode == "named" and finish_reason == "length" and text:
+        # Cut short by max_tokens: still the named call, its arguments unfinished (streaming sent them as argument
+        # deltas already; vLLM and OpenAI answer so too, with finish_reason "length").
+        return ExtractedToolCalls(content=None, tool_calls=[ToolCall(plan.named, text)])
+    if finish_reason == "length":
         return ExtractedToolCalls(content=text)
     if plan.mode == "named":
         try:
