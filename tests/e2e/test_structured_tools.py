@@ -140,6 +140,17 @@ def test_required_tool_choice_streamed_equal(client: openai.OpenAI) -> None:
     assert got == [(call.function.name, call.function.arguments)]
 
 
+def test_auto_tool_choice_parallel_tool_calls_false_answers_one_call(client: openai.OpenAI) -> None:
+    """"auto" has no grammar, so the model may write two calls (a regex makes it here); parallel_tool_calls false
+    answers the first only, as vLLM (streaming reads the same extraction: tests/structured/test_tool_parsers.py)."""
+    call = r'<tool_call>\n\{"name": "%s", "arguments": \{\}\}\n</tool_call>'
+    kw = dict(messages=ASK, tools=[WEATHER, TIME], parallel_tool_calls=False, max_tokens=80,
+              extra_body={"guided_regex": call % "get_time" + r"\n" + call % "get_weather"})
+    r = _chat(client, **kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, _args(c)) for c in r.choices[0].message.tool_calls] == [("get_time", {})]
+
+
 def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     first = _chat(client, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60)
     call = first.choices[0].message.tool_calls[0]

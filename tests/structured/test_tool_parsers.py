@@ -179,3 +179,15 @@ def test_named_choice_cut_short_is_still_the_call() -> None:
     assert full.content is None and [(c.name, c.arguments) for c in full.tool_calls] == [("get_weather", text)]
     assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", text)] and content == ""
     assert reason == "length"
+
+
+def test_auto_with_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    """"auto" has no grammar: a model may still write two calls; parallel_tool_calls false answers the first only
+    (as vLLM), streamed or not."""
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    single = plan_tools(TOOLS, "auto", False, "hermes", None)
+    assert calls(extract_tool_calls(single, text, "stop")) == [("get_weather", {"city": "Rome"})]
+    (_, streamed), reason, _ = _stream(single, text, "stop")
+    assert [c["name"] for c in streamed] == ["get_weather"] and reason == "tool_calls"
+    assert len(extract_tool_calls(plan_tools(TOOLS, "auto", None, "hermes", None), text, "stop").tool_calls) == 2

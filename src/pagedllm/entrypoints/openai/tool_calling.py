@@ -231,7 +231,12 @@ def extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str]) 
         except (ValueError, TypeError, KeyError):
             return ExtractedToolCalls(content=text)
         return ExtractedToolCalls(content=None, tool_calls=calls)
-    return plan.parser.extract(text)
+    result = plan.parser.extract(text)
+    if not plan.parallel and len(result.tool_calls) > 1:
+        # parallel_tool_calls false: one call at most. "auto" has no grammar to stop the model writing more, so the
+        # calls after the first are dropped (as vLLM does); streaming reads its calls from here too.
+        result.tool_calls = result.tool_calls[:1]
+    return result
 
 
 def finish_reason_with_tools(result: ExtractedToolCalls, finish_reason: Optional[str]) -> Optional[str]:
