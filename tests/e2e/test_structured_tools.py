@@ -140,6 +140,16 @@ def test_required_tool_choice_streamed_equal(client: openai.OpenAI) -> None:
     assert got == [(call.function.name, call.function.arguments)]
 
 
+
+def test_streamed_tool_calls_carry_every_tokens_logprobs(client: openai.OpenAI) -> None:
+    """The text of a "required" call is held back until it parses (here until max_tokens ends it); its tokens'
+    logprobs still all go out, in order, as in the full response."""
+    kw = dict(messages=ASK, tools=[WEATHER], tool_choice="required", logprobs=True, top_logprobs=1, max_tokens=12)
+    full = [t.token for t in _chat(client, **kw).choices[0].logprobs.content]
+    streamed = [t.token for chunk in _chat(client, stream=True, **kw) for c in chunk.choices
+                if c.logprobs and c.logprobs.content for t in c.logprobs.content]
+    assert len(full) > 5 and streamed == full
+
 def test_auto_tool_choice_parallel_tool_calls_false_answers_one_call(client: openai.OpenAI) -> None:
     """"auto" has no grammar, so the model may write two calls (a regex makes it here); parallel_tool_calls false
     answers the first only, as vLLM (streaming reads the same extraction: tests/structured/test_tool_parsers.py)."""

@@ -70,6 +70,7 @@ class ChoiceStreams:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.streamers: dict[int, ToolCallStreamer] = {}
+        self.held_logprobs: dict[int, list] = {}  # choice index -> logprobs of tokens whose text is held back
 
     def deltas(self, index: int, text: str, finish_reason: Optional[str]) -> tuple[list[dict], Optional[str]]:
         s = self.streamers.get(index)
