@@ -108,14 +108,15 @@ def test_named_tool_choice_gives_a_valid_call_streamed_equal(client: openai.Open
 
 
 
-def test_named_tool_choice_cut_short_by_max_tokens_is_a_call(client: openai.OpenAI) -> None:
-    """max_tokens ends the arguments early: streamed or not, the answer is the named call with the unfinished
-    arguments and finish_reason "length" (as vLLM and OpenAI), not the arguments as content."""
+@pytest.mark.parametrize("cut, finish", [({"max_tokens": 4}, "length"), ({"stop": ["city"]}, "stop")])
+def test_named_tool_choice_cut_short_is_a_call(client: openai.OpenAI, cut: dict, finish: str) -> None:
+    """max_tokens or a stop string ends the arguments early: streamed or not, the answer is the named call with the
+    unfinished arguments and that finish_reason (as vLLM and OpenAI), not the arguments as content."""
     kw = dict(messages=ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-              max_tokens=4)
+              **{"max_tokens": 40, **cut})
     r = _chat(client, **kw)
     msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "length" and msg.content is None
+    assert r.choices[0].finish_reason == finish and msg.content is None
     (call,) = msg.tool_calls
     assert call.function.name == "get_weather" and call.function.arguments.lstrip().startswith("{")
     with client.chat.completions.stream(model=SERVED_NAME, temperature=0, **kw) as stream:
@@ -124,21 +125,7 @@ def test_named_tool_choice_cut_short_by_max_tokens_is_a_call(client: openai.Open
         final = stream.current_completion_snapshot  # get_final_completion() parses the unfinished arguments
     (scall,) = final.choices[0].message.tool_calls
     assert (scall.function.name, scall.function.arguments) == (call.function.name, call.function.arguments)
-    assert final.choices[0].finish_reason == "length"
-
-def test_required_tool_choice_streamed_equal(client: openai.OpenAI) -> None:
-    kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
-              max_tokens=80)
-    r = _chat(client, **kw)
-    assert r.choices[0].finish_reason == "tool_calls"
-    (call,) = r.choices[0].message.tool_calls
-    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
-    jsonschema.validate(_args(call), tool["function"]["parameters"])
-    with client.chat.completions.stream(model=SERVED_NAME, temperature=0, **kw) as stream:
-        final = stream.get_final_completion()
-    got = [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls]
-    assert got == [(call.function.name, call.function.arguments)]
-
+    assert final.choices[0].finish_reason == finish
 
 
 def test_streamed_tool_calls_carry_every_tokens_logprobs(client: openai.OpenAI) -> None:

@@ -10,6 +10,7 @@ import pytest
 from pagedllm.entrypoints.openai.tool_calling import (
     ToolRequestError,
     extract_tool_calls,
+    finish_reason_with_tools,
     plan_tools,
     prepare_conversation,
     tool_structured_outputs,
@@ -169,16 +170,18 @@ def test_named_choice_streams_argument_deltas() -> None:
     assert streamed[0]["arguments"] == full.tool_calls[0].arguments == text
 
 
-def test_named_choice_cut_short_is_still_the_call() -> None:
-    """max_tokens ends a named call's arguments early: the full response holds the call (its arguments unfinished,
-    as the stream sent them), never the arguments as content; finish_reason stays "length"."""
+@pytest.mark.parametrize("finish", ["length", "stop"])  # max_tokens, a stop string
+def test_named_choice_cut_short_is_still_the_call(finish: str) -> None:
+    """max_tokens or a stop string ends a named call's arguments early: the full response holds the call (its
+    arguments unfinished, as the stream sent them), never the arguments as content; finish_reason is not
+    "tool_calls"."""
     plan = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None, "auto", None)
     text = '{"city": "Pa'
-    (content, streamed), reason, _ = _stream(plan, text, "length", step=2)
-    full = extract_tool_calls(plan, text, "length")
+    (content, streamed), reason, _ = _stream(plan, text, finish, step=2)
+    full = extract_tool_calls(plan, text, finish)
     assert full.content is None and [(c.name, c.arguments) for c in full.tool_calls] == [("get_weather", text)]
     assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", text)] and content == ""
-    assert reason == "length"
+    assert reason == finish_reason_with_tools(full, finish) == finish
 
 
 def test_auto_with_parallel_tool_calls_false_keeps_the_first_call() -> None:

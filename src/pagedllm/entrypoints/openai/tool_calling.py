@@ -209,21 +209,19 @@ def extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str]) 
     """The output of a finished choice as content + calls. Never raises: what does not parse is content."""
     if not plan.active:
         return ExtractedToolCalls(content=text)
-    if plan.mode == "named" and finish_reason == "length" and text:
-        # Cut short by max_tokens: still the named call, its arguments unfinished (streaming sent them as argument
-        # deltas already; vLLM and OpenAI answer so too, with finish_reason "length").
-        return ExtractedToolCalls(content=None, tool_calls=[ToolCall(plan.named, text)])
+    if plan.mode == "named":
+        if not text:
+            return ExtractedToolCalls(content=text)
+        # Always the named call, its arguments the generated text itself (what streaming sent as argument deltas),
+        # not a re-serialization. Cut short (max_tokens, a stop string) they are unfinished, and the call stays a
+        # call, as vLLM and OpenAI answer; only finished arguments make finish_reason "tool_calls".
+        try:
+            complete = isinstance(json.loads(text), dict) and finish_reason != "length"
+        except ValueError:
+            complete = False
+        return ExtractedToolCalls(content=None, tool_calls=[ToolCall(plan.named, text)], complete=complete)
     if finish_reason == "length":
         return ExtractedToolCalls(content=text)
-    if plan.mode == "named":
-        try:
-            args = json.loads(text)
-        except ValueError:
-            return ExtractedToolCalls(content=text)
-        if not isinstance(args, dict):
-            return ExtractedToolCalls(content=text)
-        # The generated text itself (what streaming sent as argument deltas), not a re-serialization.
-        return ExtractedToolCalls(content=None, tool_calls=[ToolCall(plan.named, text)])
     if plan.mode == "required":
         try:
             items = json.loads(text)
@@ -240,4 +238,4 @@ def extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str]) 
 
 
 def finish_reason_with_tools(result: ExtractedToolCalls, finish_reason: Optional[str]) -> Optional[str]:
-    return "tool_calls" if result.called and finish_reason == "stop" else finish_reason
+    return "tool_calls" if result.called and result.complete and finish_reason == "stop" else finish_reason
