@@ -169,6 +169,9 @@ def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "one output constraint"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"structured_outputs": {"jsn": {}}}, "Unknown structured_outputs field"),
+    # not a boolean: once a 503 for every request (it stopped the engine process, which could not decode it)
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object must be true or false"),
+    ({"structured_outputs": {"json": {}, "disable_any_whitespace": "no"}}, "disable_any_whitespace"),
     ({"tool_choice": "required"}, "`tools` must be set"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "launch"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "cannot be combined"),

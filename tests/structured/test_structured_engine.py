@@ -107,6 +107,13 @@ def test_params_shape_errors() -> None:
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="Unknown structured_outputs field"):
         SamplingParams(structured_outputs={"jsn": {}})
+    # The switches are booleans (a string would fail to decode in the engine process); null is the default.
+    for bad in ({"json_object": "yes"}, {"json": {}, "disable_any_whitespace": "no"},
+                {"regex": "a", "disable_additional_properties": 1}):
+        with pytest.raises(ValueError, match=f"structured_outputs.{next(reversed(bad))} must be true or false"):
+            StructuredOutputsParams.from_dict(bad)
+    default = StructuredOutputsParams.from_dict({"json": {}, "disable_any_whitespace": None})
+    assert default.disable_any_whitespace is False
 
 
 def _mixed_batch() -> tuple[list[str], list[SamplingParams]]:

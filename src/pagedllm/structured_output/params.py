@@ -26,6 +26,14 @@ class StructuredOutputsParams:
     whitespace_pattern: Optional[str] = None  # accepted for vLLM compatibility (outlines only); refused if set
 
     def __post_init__(self) -> None:
+        # The switches must be real booleans: the spec travels to the engine process typed, where a string (from a
+        # request's free-form structured_outputs object) would fail to decode and stop the engine, not the request.
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            value = getattr(self, name)
+            if value is None and name != "json_object":
+                setattr(self, name, False)  # null: the default
+            elif value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {value!r}.")
         if self.json_object is False:
             self.json_object = None
         set_kinds = [k for k in _KINDS if getattr(self, k) is not None]
