@@ -172,6 +172,9 @@ def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     # not a boolean: once a 503 for every request (it stopped the engine process, which could not decode it)
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object must be true or false"),
     ({"structured_outputs": {"json": {}, "disable_any_whitespace": "no"}}, "disable_any_whitespace"),
+    ({"guided_json": {"type": "integer", "maximum": 10 ** 30}}, "beyond 64 bits"),  # once a 500 (msgpack)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": [10 ** 30]}}}],
+      "tool_choice": "required"}, "beyond 64 bits"),
     ({"tool_choice": "required"}, "`tools` must be set"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "launch"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "cannot be combined"),

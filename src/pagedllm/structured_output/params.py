@@ -13,6 +13,21 @@ from typing import Any, Optional, Union
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
+def _check_integers(schema: dict) -> None:
+    """The spec travels to the engine process as msgpack, whose integers are 64-bit: a wider one (a schema's
+    "maximum": 10**30) could not be sent, a 500 rather than the client's 400."""
+    stack: list = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, int) and not -(2 ** 63) <= node < 2 ** 64:
+            raise ValueError(f"structured_outputs.json holds the integer {node}, beyond 64 bits: write it as a "
+                             "number with a fraction or exponent (e.g. 1e30).")
+
+
 @dataclass
 class StructuredOutputsParams:
     json: Optional[Union[str, dict]] = None  # a JSON schema (object or its JSON text)
@@ -54,6 +69,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
         if self.json is not None and not isinstance(self.json, dict):
             raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}.")
+        if self.json is not None:
+            _check_integers(self.json)
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string.")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):

@@ -44,7 +44,10 @@ def _prepare(conv: list[dict], plan: ToolPlan, template: Optional[str]) -> tuple
 
 
 def apply_tool_grammar(params: Any, plan: ToolPlan) -> None:
-    so = tool_structured_outputs(plan)
+    try:
+        so = tool_structured_outputs(plan)
+    except ValueError as e:  # the functions' parameters as a spec (e.g. an integer msgpack cannot carry)
+        raise APIError(str(e), param="tools") from None
     if so is None:
         return
     if params.structured_outputs is not None:
