@@ -148,6 +148,18 @@ def test_auto_tool_choice_parallel_tool_calls_false_answers_one_call(client: ope
     assert [(c.function.name, _args(c)) for c in r.choices[0].message.tool_calls] == [("get_time", {})]
 
 
+
+def test_required_tool_choice_with_local_refs(client: openai.OpenAI) -> None:
+    """Parameters written with "$ref": "#/$defs/X" (as pydantic writes them): "required" once answered 400 (the
+    definitions were not where the refs point in the joined schema)."""
+    params = {"type": "object", "$defs": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+              "properties": {"unit": {"$ref": "#/$defs/unit"}}, "required": ["unit"]}
+    tool = {"type": "function", "function": {"name": "set_unit", "parameters": params}}
+    r = _chat(client, messages=ASK, tools=[tool], tool_choice="required", parallel_tool_calls=False, max_tokens=40)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "set_unit" and _args(call)["unit"] in ("celsius", "fahrenheit")
+
 def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     first = _chat(client, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60)
     call = first.choices[0].message.tool_calls[0]

@@ -102,6 +102,23 @@ def test_tool_choice_grammars() -> None:
     assert plan_tools(None, None, None, "auto", None).mode == "none"
 
 
+
+def test_required_grammar_lifts_local_definitions_to_its_root() -> None:
+    """Parameters with "$ref": "#/$defs/X" (pydantic's way) sit inside the "required" schema, so their definitions
+    move to its root, where the refs point (as vLLM); the request's tools stay as they were."""
+    unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "$defs": {"u": {"enum": ["c", "f"]}}, "properties": {"unit": {"$ref": "#/$defs/u"}}}}}
+    legacy = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "definitions": {"z": {"type": "string"}}, "properties": {"tz": {"$ref": "#/definitions/z"}}}}}
+    schema = tool_structured_outputs(plan_tools([unit, legacy], "required", None, "auto", None)).json
+    assert schema["$defs"] == {"u": {"enum": ["c", "f"]}} and schema["definitions"] == {"z": {"type": "string"}}
+    assert all("$defs" not in v["properties"]["arguments"] and "definitions" not in v["properties"]["arguments"]
+               for v in schema["items"]["anyOf"])
+    assert "$defs" in unit["function"]["parameters"]
+    clash = json.loads(json.dumps(unit).replace("set_unit", "other").replace('"f"', '"k"'))
+    with pytest.raises(ValueError, match=r"define \$defs/u differently"):
+        tool_structured_outputs(plan_tools([unit, clash], "required", None, "auto", None))
+
 def test_prompt_for_templates_without_tools() -> None:
     plan = plan_tools(TOOLS, "auto", None, "auto", None)
     conv = [{"role": "user", "content": "weather?"},

@@ -99,10 +99,24 @@ def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]
         return StructuredOutputsParams(json=_parameters(tool))
     if plan.mode != "required":
         return None
-    variants = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
-                                                  "arguments": _parameters(t)},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in plan.tools]
+    # The functions' parameters sit inside one schema here, so their local definitions ("$ref": "#/$defs/X", as
+    # pydantic writes them) move up to its root, where the refs point (as vLLM does); one name, one definition.
+    defs: dict[str, dict] = {}
+    variants = []
+    for t in plan.tools:
+        params = dict(_parameters(t))
+        for key in ("$defs", "definitions"):
+            if not isinstance(params.get(key), dict):
+                continue
+            for name, sub in params.pop(key).items():
+                if defs.setdefault(key, {}).setdefault(name, sub) != sub:
+                    raise ValueError(f"tools: two functions' parameters define {key}/{name} differently; tool_choice "
+                                     "'required' joins them in one schema, where a name has one definition.")
+        variants.append({"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                                          "arguments": params},
+                         "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict = {"type": "array", "minItems": 1, "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
+    schema.update(defs)
     if not plan.parallel:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
