@@ -54,3 +54,25 @@ def test_echo_logprobs_stream_matches_full(http: httpx.Client) -> None:
     assert tokens == full["tokens"]
     assert values[0] is None
     assert all(abs(a - b) < 1e-4 for a, b in zip(values[1:], full["token_logprobs"][1:]))
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(http: httpx.Client) -> None:
+    """echo + max_tokens 0 (OpenAI's legacy scoring request, served by vLLM): the prompt comes back with its
+    logprobs and nothing is generated; streamed the same. Without echo, max_tokens 0 stays a 400."""
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 0, "temperature": 0, "echo": True, "logprobs": 1}
+    scored = http.post("/v1/completions", json=dict(body, max_tokens=3)).json()["choices"][0]["logprobs"]
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    num_prompt = r.json()["usage"]["prompt_tokens"]
+    assert r.json()["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == PROMPT and len(lp["token_logprobs"]) == num_prompt
+    assert lp["token_logprobs"] == scored["token_logprobs"][:num_prompt]
+    chunks = [json.loads(line[6:]) for line in http.post("/v1/completions", json=dict(body, stream=True)).text
+              .splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    r = http.post("/v1/completions", json=dict(body, echo=False))
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]

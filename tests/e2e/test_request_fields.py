@@ -236,6 +236,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offlin
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options can only be given when stream is true"),
     (CMPL, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be -1 (the model's context length) or >= 1"),
     (CHAT, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be -1 (the model's context length) or >= 1"),
+    (CMPL, {"truncate_prompt_tokens": 10 ** 30}, "truncate_prompt_tokens (10000000000"),  # once kept all silently
+    (CHAT, {"truncate_prompt_tokens": 1025}, "truncate_prompt_tokens (1025) is greater than max_model_len (1024)"),
 ])
 def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragment: str) -> None:
     base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}

@@ -107,19 +107,58 @@ def test_named_tool_choice_gives_a_valid_call_streamed_equal(client: openai.Open
     assert final.choices[0].finish_reason == "tool_calls"
 
 
-def test_required_tool_choice_streamed_equal(client: openai.OpenAI) -> None:
-    kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
-              max_tokens=80)
+
+@pytest.mark.parametrize("cut, finish", [({"max_tokens": 4}, "length"), ({"stop": ["city"]}, "stop")])
+def test_named_tool_choice_cut_short_is_a_call(client: openai.OpenAI, cut: dict, finish: str) -> None:
+    """max_tokens or a stop string ends the arguments early: streamed or not, the answer is the named call with the
+    unfinished arguments and that finish_reason (as vLLM and OpenAI), not the arguments as content."""
+    kw = dict(messages=ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              **{"max_tokens": 40, **cut})
+    r = _chat(client, **kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == finish and msg.content is None
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.lstrip().startswith("{")
+    with client.chat.completions.stream(model=SERVED_NAME, temperature=0, **kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.current_completion_snapshot  # get_final_completion() parses the unfinished arguments
+    (scall,) = final.choices[0].message.tool_calls
+    assert (scall.function.name, scall.function.arguments) == (call.function.name, call.function.arguments)
+    assert final.choices[0].finish_reason == finish
+
+
+def test_streamed_tool_calls_carry_every_tokens_logprobs(client: openai.OpenAI) -> None:
+    """The text of a "required" call is held back until it parses (here until max_tokens ends it); its tokens'
+    logprobs still all go out, in order, as in the full response."""
+    kw = dict(messages=ASK, tools=[WEATHER], tool_choice="required", logprobs=True, top_logprobs=1, max_tokens=12)
+    full = [t.token for t in _chat(client, **kw).choices[0].logprobs.content]
+    streamed = [t.token for chunk in _chat(client, stream=True, **kw) for c in chunk.choices
+                if c.logprobs and c.logprobs.content for t in c.logprobs.content]
+    assert len(full) > 5 and streamed == full
+
+def test_auto_tool_choice_parallel_tool_calls_false_answers_one_call(client: openai.OpenAI) -> None:
+    """"auto" has no grammar, so the model may write two calls (a regex makes it here); parallel_tool_calls false
+    answers the first only, as vLLM (streaming reads the same extraction: tests/structured/test_tool_parsers.py)."""
+    call = r'<tool_call>\n\{"name": "%s", "arguments": \{\}\}\n</tool_call>'
+    kw = dict(messages=ASK, tools=[WEATHER, TIME], parallel_tool_calls=False, max_tokens=80,
+              extra_body={"guided_regex": call % "get_time" + r"\n" + call % "get_weather"})
     r = _chat(client, **kw)
     assert r.choices[0].finish_reason == "tool_calls"
-    (call,) = r.choices[0].message.tool_calls
-    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
-    jsonschema.validate(_args(call), tool["function"]["parameters"])
-    with client.chat.completions.stream(model=SERVED_NAME, temperature=0, **kw) as stream:
-        final = stream.get_final_completion()
-    got = [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls]
-    assert got == [(call.function.name, call.function.arguments)]
+    assert [(c.function.name, _args(c)) for c in r.choices[0].message.tool_calls] == [("get_time", {})]
 
+
+
+def test_required_tool_choice_with_local_refs(client: openai.OpenAI) -> None:
+    """Parameters written with "$ref": "#/$defs/X" (as pydantic writes them): "required" once answered 400 (the
+    definitions were not where the refs point in the joined schema)."""
+    params = {"type": "object", "$defs": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+              "properties": {"unit": {"$ref": "#/$defs/unit"}}, "required": ["unit"]}
+    tool = {"type": "function", "function": {"name": "set_unit", "parameters": params}}
+    r = _chat(client, messages=ASK, tools=[tool], tool_choice="required", parallel_tool_calls=False, max_tokens=40)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "set_unit" and _args(call)["unit"] in ("celsius", "fahrenheit")
 
 def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     first = _chat(client, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60)
@@ -142,6 +181,12 @@ def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "one output constraint"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"structured_outputs": {"jsn": {}}}, "Unknown structured_outputs field"),
+    # not a boolean: once a 503 for every request (it stopped the engine process, which could not decode it)
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object must be true or false"),
+    ({"structured_outputs": {"json": {}, "disable_any_whitespace": "no"}}, "disable_any_whitespace"),
+    ({"guided_json": {"type": "integer", "maximum": 10 ** 30}}, "beyond 64 bits"),  # once a 500 (msgpack)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": [10 ** 30]}}}],
+      "tool_choice": "required"}, "beyond 64 bits"),
     ({"tool_choice": "required"}, "`tools` must be set"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "launch"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "cannot be combined"),

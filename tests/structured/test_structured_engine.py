@@ -107,6 +107,17 @@ def test_params_shape_errors() -> None:
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="Unknown structured_outputs field"):
         SamplingParams(structured_outputs={"jsn": {}})
+    # The switches are booleans (a string would fail to decode in the engine process); null is the default.
+    for bad in ({"json_object": "yes"}, {"json": {}, "disable_any_whitespace": "no"},
+                {"regex": "a", "disable_additional_properties": 1}):
+        with pytest.raises(ValueError, match=f"structured_outputs.{next(reversed(bad))} must be true or false"):
+            StructuredOutputsParams.from_dict(bad)
+    default = StructuredOutputsParams.from_dict({"json": {}, "disable_any_whitespace": None})
+    assert default.disable_any_whitespace is False
+    # msgpack carries 64-bit integers only (a wider one could not be sent to the engine process)
+    with pytest.raises(ValueError, match="integer 1000000000000000000000000000000, beyond 64 bits"):
+        StructuredOutputsParams(json={"anyOf": [{"enum": [1, 10 ** 30]}]})
+    assert StructuredOutputsParams(json={"type": "integer", "maximum": 2 ** 63 - 1, "minimum": -(2 ** 63)}).json
 
 
 def _mixed_batch() -> tuple[list[str], list[SamplingParams]]:

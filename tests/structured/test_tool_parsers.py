@@ -10,6 +10,7 @@ import pytest
 from pagedllm.entrypoints.openai.tool_calling import (
     ToolRequestError,
     extract_tool_calls,
+    finish_reason_with_tools,
     plan_tools,
     prepare_conversation,
     tool_structured_outputs,
@@ -101,6 +102,23 @@ def test_tool_choice_grammars() -> None:
     assert plan_tools(None, None, None, "auto", None).mode == "none"
 
 
+
+def test_required_grammar_lifts_local_definitions_to_its_root() -> None:
+    """Parameters with "$ref": "#/$defs/X" (pydantic's way) sit inside the "required" schema, so their definitions
+    move to its root, where the refs point (as vLLM); the request's tools stay as they were."""
+    unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "$defs": {"u": {"enum": ["c", "f"]}}, "properties": {"unit": {"$ref": "#/$defs/u"}}}}}
+    legacy = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "definitions": {"z": {"type": "string"}}, "properties": {"tz": {"$ref": "#/definitions/z"}}}}}
+    schema = tool_structured_outputs(plan_tools([unit, legacy], "required", None, "auto", None)).json
+    assert schema["$defs"] == {"u": {"enum": ["c", "f"]}} and schema["definitions"] == {"z": {"type": "string"}}
+    assert all("$defs" not in v["properties"]["arguments"] and "definitions" not in v["properties"]["arguments"]
+               for v in schema["items"]["anyOf"])
+    assert "$defs" in unit["function"]["parameters"]
+    clash = json.loads(json.dumps(unit).replace("set_unit", "other").replace('"f"', '"k"'))
+    with pytest.raises(ValueError, match=r"define \$defs/u differently"):
+        tool_structured_outputs(plan_tools([unit, clash], "required", None, "auto", None))
+
 def test_prompt_for_templates_without_tools() -> None:
     plan = plan_tools(TOOLS, "auto", None, "auto", None)
     conv = [{"role": "user", "content": "weather?"},
@@ -167,3 +185,29 @@ def test_named_choice_streams_argument_deltas() -> None:
     full = extract_tool_calls(plan, text, "stop")
     assert streamed[0]["name"] == "get_weather" == full.tool_calls[0].name
     assert streamed[0]["arguments"] == full.tool_calls[0].arguments == text
+
+
+@pytest.mark.parametrize("finish", ["length", "stop"])  # max_tokens, a stop string
+def test_named_choice_cut_short_is_still_the_call(finish: str) -> None:
+    """max_tokens or a stop string ends a named call's arguments early: the full response holds the call (its
+    arguments unfinished, as the stream sent them), never the arguments as content; finish_reason is not
+    "tool_calls"."""
+    plan = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, None, "auto", None)
+    text = '{"city": "Pa'
+    (content, streamed), reason, _ = _stream(plan, text, finish, step=2)
+    full = extract_tool_calls(plan, text, finish)
+    assert full.content is None and [(c.name, c.arguments) for c in full.tool_calls] == [("get_weather", text)]
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", text)] and content == ""
+    assert reason == finish_reason_with_tools(full, finish) == finish
+
+
+def test_auto_with_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    """"auto" has no grammar: a model may still write two calls; parallel_tool_calls false answers the first only
+    (as vLLM), streamed or not."""
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    single = plan_tools(TOOLS, "auto", False, "hermes", None)
+    assert calls(extract_tool_calls(single, text, "stop")) == [("get_weather", {"city": "Rome"})]
+    (_, streamed), reason, _ = _stream(single, text, "stop")
+    assert [c["name"] for c in streamed] == ["get_weather"] and reason == "tool_calls"
+    assert len(extract_tool_calls(plan_tools(TOOLS, "auto", None, "hermes", None), text, "stop").tool_calls) == 2

@@ -13,6 +13,21 @@ from typing import Any, Optional, Union
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
+def _check_integers(schema: dict) -> None:
+    """The spec travels to the engine process as msgpack, whose integers are 64-bit: a wider one (a schema's
+    "maximum": 10**30) could not be sent, a 500 rather than the client's 400."""
+    stack: list = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, int) and not -(2 ** 63) <= node < 2 ** 64:
+            raise ValueError(f"structured_outputs.json holds the integer {node}, beyond 64 bits: write it as a "
+                             "number with a fraction or exponent (e.g. 1e30).")
+
+
 @dataclass
 class StructuredOutputsParams:
     json: Optional[Union[str, dict]] = None  # a JSON schema (object or its JSON text)
@@ -26,6 +41,14 @@ class StructuredOutputsParams:
     whitespace_pattern: Optional[str] = None  # accepted for vLLM compatibility (outlines only); refused if set
 
     def __post_init__(self) -> None:
+        # The switches must be real booleans: the spec travels to the engine process typed, where a string (from a
+        # request's free-form structured_outputs object) would fail to decode and stop the engine, not the request.
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            value = getattr(self, name)
+            if value is None and name != "json_object":
+                setattr(self, name, False)  # null: the default
+            elif value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {value!r}.")
         if self.json_object is False:
             self.json_object = None
         set_kinds = [k for k in _KINDS if getattr(self, k) is not None]
@@ -46,6 +69,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
         if self.json is not None and not isinstance(self.json, dict):
             raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}.")
+        if self.json is not None:
+            _check_integers(self.json)
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string.")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):

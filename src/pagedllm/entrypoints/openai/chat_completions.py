@@ -184,9 +184,18 @@ class _ChatStream(SSEStream):
 def _tool_frames(frame: Any, streams: ChoiceStreams, out: Any, lp: Any) -> list[bytes]:
     """A choice's chunk with tools in play: content held back where a call may start, calls as tool_calls deltas."""
     deltas, finish_reason = streams.deltas(out.index, out.text, out.finish_reason)
+    if lp is not None:
+        # The logprobs of tokens held back (a call may be starting) go out with the next chunk sent, so the stream
+        # carries every token's, as the full response does.
+        held = streams.held_logprobs.pop(out.index, None)
+        if held:
+            lp = {"content": held + lp["content"]}
+        if not deltas and out.finish_reason is None:
+            streams.held_logprobs[out.index] = lp["content"]
+            lp = None
     frames = [frame({"index": out.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None})
               for i, d in enumerate(deltas)]
     if out.finish_reason is not None:
-        frames.append(frame({"index": out.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
-                             "stop_reason": out.stop_reason}))
+        frames.append(frame({"index": out.index, "delta": {}, "logprobs": None if deltas else lp,
+                             "finish_reason": finish_reason, "stop_reason": out.stop_reason}))
     return frames

@@ -44,7 +44,10 @@ def _prepare(conv: list[dict], plan: ToolPlan, template: Optional[str]) -> tuple
 
 
 def apply_tool_grammar(params: Any, plan: ToolPlan) -> None:
-    so = tool_structured_outputs(plan)
+    try:
+        so = tool_structured_outputs(plan)
+    except ValueError as e:  # the functions' parameters as a spec (e.g. an integer msgpack cannot carry)
+        raise APIError(str(e), param="tools") from None
     if so is None:
         return
     if params.structured_outputs is not None:
@@ -70,6 +73,7 @@ class ChoiceStreams:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.streamers: dict[int, ToolCallStreamer] = {}
+        self.held_logprobs: dict[int, list] = {}  # choice index -> logprobs of tokens whose text is held back
 
     def deltas(self, index: int, text: str, finish_reason: Optional[str]) -> tuple[list[dict], Optional[str]]:
         s = self.streamers.get(index)

@@ -1,6 +1,7 @@
 """POST /v1/completions: text (or token-id) prompts in, text out; streaming as Server-Sent Events."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -18,6 +19,23 @@ from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSE
                                                    start_disconnect_watch, usage_dict)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the answer is the prompt alone (with its logprobs), nothing generated, as in OpenAI's
+    legacy completions and vLLM (scoring a text). The engine still runs one step (its prompt logprobs come with the
+    first token), whose token _without_generation drops."""
+    return bool(req.echo) and req.max_tokens == 0 and not req.use_beam_search
+
+
+def _without_generation(out: Any) -> Any:
+    """The output of an echo-only choice: no text, tokens or logprobs; "length", as max_tokens 0 asked."""
+    if out.finish_reason is None and not out.token_ids:
+        return out
+    return dataclasses.replace(out, text="", token_ids=[], logprobs=[] if out.logprobs is not None else None,
+                               cumulative_logprob=None,
+                               finish_reason="length" if out.finish_reason in ("stop", "length") else out.finish_reason,
+                               stop_reason=None)
 
 
 def parse_prompts(prompt: Any, tokenizer: Any, vocab_size: int, add_special_tokens: bool
@@ -73,8 +91,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     # echo + logprobs also scores the prompt tokens (OpenAI's legacy completions behaviour).
     echo_k = req.logprobs if req.echo and req.logprobs is not None else None
     prompt_k = max((k for k in (echo_k, req.prompt_logprobs) if k is not None), default=None)
-    params = build_sampling_params(req, req.max_tokens, req.logprobs, prompt_k, state.sampling_defaults,
-                                   default_max_tokens=DEFAULT_MAX_TOKENS)
+    params = build_sampling_params(req, 1 if echo_only(req) else req.max_tokens, req.logprobs, prompt_k,
+                                   state.sampling_defaults, default_max_tokens=DEFAULT_MAX_TOKENS)
     for _, ids in prompts:
         check_context_length(len(ids), params.max_tokens, state.max_model_len)
     request_id = req.request_id or random_id("cmpl")
@@ -114,11 +132,14 @@ def _full_response(req: CompletionRequest, state: ServerState, model: str, reque
     tok = state.tokenizer
     choices = []
     num_prompt = num_gen = 0
+    only_echo = echo_only(req)
     for i, (text, ids) in enumerate(prompts):
         final = finals[i]
         num_prompt += len(ids)
         prompt_text = text if text is not None else (final.prompt or tok.decode(ids))
         for out in sorted(final.outputs, key=lambda o: o.index):
+            if only_echo:
+                out = _without_generation(out)
             num_gen += len(out.token_ids)
             body = (prompt_text + out.text) if req.echo else out.text
             lp = None
@@ -178,6 +199,7 @@ class _CompletionStream(SSEStream):
         self.num_prompt = sum(len(ids) for _, ids in prompts)
         # A running choice of a plain stream (no logprobs, no echo) is a template and its text.
         self.plain = req.logprobs is None and not req.echo
+        self.echo_only = echo_only(req)
         self.templates = [framer.template(b'{"index":%d,"text":' % index) for index in range(len(prompts) * req.n)]
         if self.plain and not self.multi and req.n == 1:
             self.direct = (state.engine, request_id)
@@ -196,6 +218,8 @@ class _CompletionStream(SSEStream):
         req, n = self.req, self.req.n
         frames = []
         for out in ro.outputs:
+            if self.echo_only:
+                out = _without_generation(out)
             index = i * n + out.index
             self.num_gen += len(out.token_ids)
             if self.plain and out.finish_reason is None:

@@ -103,6 +103,9 @@ def truncate_prompt(ids: list[int], k: Optional[int], max_model_len: int) -> lis
     if k is not None and k != -1 and k < 1:
         raise APIError(f"truncate_prompt_tokens must be -1 (the model's context length) or >= 1, got {k}.",
                        param="truncate_prompt_tokens")
+    if k is not None and k > max_model_len:  # as the offline LLM and vLLM: not a silent no-op
+        raise APIError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); select a "
+                       "smaller truncation size (-1: max_model_len).", param="truncate_prompt_tokens")
     return keep_last_tokens(ids, k, max_model_len)
 
 

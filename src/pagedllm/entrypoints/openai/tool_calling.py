@@ -99,10 +99,24 @@ def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]
         return StructuredOutputsParams(json=_parameters(tool))
     if plan.mode != "required":
         return None
-    variants = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
-                                                  "arguments": _parameters(t)},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in plan.tools]
+    # The functions' parameters sit inside one schema here, so their local definitions ("$ref": "#/$defs/X", as
+    # pydantic writes them) move up to its root, where the refs point (as vLLM does); one name, one definition.
+    defs: dict[str, dict] = {}
+    variants = []
+    for t in plan.tools:
+        params = dict(_parameters(t))
+        for key in ("$defs", "definitions"):
+            if not isinstance(params.get(key), dict):
+                continue
+            for name, sub in params.pop(key).items():
+                if defs.setdefault(key, {}).setdefault(name, sub) != sub:
+                    raise ValueError(f"tools: two functions' parameters define {key}/{name} differently; tool_choice "
+                                     "'required' joins them in one schema, where a name has one definition.")
+        variants.append({"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                                          "arguments": params},
+                         "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict = {"type": "array", "minItems": 1, "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
+    schema.update(defs)
     if not plan.parallel:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
@@ -207,17 +221,21 @@ def _with_object_arguments(call: dict) -> dict:
 
 def extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str]) -> ExtractedToolCalls:
     """The output of a finished choice as content + calls. Never raises: what does not parse is content."""
-    if not plan.active or finish_reason == "length":
+    if not plan.active:
         return ExtractedToolCalls(content=text)
     if plan.mode == "named":
+        if not text:
+            return ExtractedToolCalls(content=text)
+        # Always the named call, its arguments the generated text itself (what streaming sent as argument deltas),
+        # not a re-serialization. Cut short (max_tokens, a stop string) they are unfinished, and the call stays a
+        # call, as vLLM and OpenAI answer; only finished arguments make finish_reason "tool_calls".
         try:
-            args = json.loads(text)
+            complete = isinstance(json.loads(text), dict) and finish_reason != "length"
         except ValueError:
-            return ExtractedToolCalls(content=text)
-        if not isinstance(args, dict):
-            return ExtractedToolCalls(content=text)
-        # The generated text itself (what streaming sent as argument deltas), not a re-serialization.
-        return ExtractedToolCalls(content=None, tool_calls=[ToolCall(plan.named, text)])
+            complete = False
+        return ExtractedToolCalls(content=None, tool_calls=[ToolCall(plan.named, text)], complete=complete)
+    if finish_reason == "length":
+        return ExtractedToolCalls(content=text)
     if plan.mode == "required":
         try:
             items = json.loads(text)
@@ -225,8 +243,13 @@ def extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str]) 
         except (ValueError, TypeError, KeyError):
             return ExtractedToolCalls(content=text)
         return ExtractedToolCalls(content=None, tool_calls=calls)
-    return plan.parser.extract(text)
+    result = plan.parser.extract(text)
+    if not plan.parallel and len(result.tool_calls) > 1:
+        # parallel_tool_calls false: one call at most. "auto" has no grammar to stop the model writing more, so the
+        # calls after the first are dropped (as vLLM does); streaming reads its calls from here too.
+        result.tool_calls = result.tool_calls[:1]
+    return result
 
 
 def finish_reason_with_tools(result: ExtractedToolCalls, finish_reason: Optional[str]) -> Optional[str]:
-    return "tool_calls" if result.called and finish_reason == "stop" else finish_reason
+    return "tool_calls" if result.called and result.complete and finish_reason == "stop" else finish_reason

@@ -84,8 +84,9 @@ class ToolCallStreamer:
         if mode == "none":
             return [], finish_reason
         if mode == "named":
-            called = self.named_started and extract_tool_calls(self.plan, self.text, finish_reason).called
-            return [], "tool_calls" if called and finish_reason == "stop" else finish_reason
+            if not self.named_started:
+                return [], finish_reason
+            return [], finish_reason_with_tools(extract_tool_calls(self.plan, self.text, finish_reason), finish_reason)
         result = extract_tool_calls(self.plan, self.text, finish_reason)
         if not result.called:
             return self._send_upto(len(self.text)), finish_reason

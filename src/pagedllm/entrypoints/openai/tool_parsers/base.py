@@ -30,6 +30,7 @@ class ToolCall:
 class ExtractedToolCalls:
     content: Optional[str]
     tool_calls: list[ToolCall] = field(default_factory=list)
+    complete: bool = True  # False: a named call whose arguments were cut short (finish_reason is not "tool_calls")
 
     @property
     def called(self) -> bool:
