@@ -143,6 +143,10 @@ class EngineArgs:
         self.validate_parallel()
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
+        if self.tokenizer is not None and not self.skip_tokenizer_init:
+            from pagedllm.tokenizer import check_tokenizer_path
+
+            check_tokenizer_path(self.tokenizer)  # a typo'd path fails now, not after the model has loaded
         if self.generation_config not in ("auto", "vllm"):
             from pagedllm.generation_config import load_sampling_defaults
 

@@ -107,6 +107,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
             await engine.start(startup_timeout_s=args.startup_timeout)
         except EngineStartupError as e:
             return _startup_error(report, f"the engine failed to start: {e}", 1)
+        except ValueError as e:  # the front end's own loading (the tokenizer: --tokenizer) after the engine's
+            return _startup_error(report, str(e), 2)
         try:
             defaults = load_sampling_defaults(engine_args.generation_config, engine.model_dir)
         except ValueError as e:
