@@ -163,6 +163,8 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
     (["--enable-lora", "--max-lora-rank", "16", "--lora-modules", "sql=/no/such/dir"],
      "--lora-modules sql: LoRA adapter path '/no/such/dir' is not a directory"),
     (["--tokenizer", "/no/such/tokenizer"], "Tokenizer path '/no/such/tokenizer' does not exist"),
+    (["--chat-template", "/no/such/chat.jinja"], "The chat template '/no/such/chat.jinja' looks like a file path"),
+    (["--chat-template", "{% if messages %}"], "The chat template does not parse as a Jinja template"),
 ])
 def test_unsupported_flags_fail_at_start(e2e_env: dict, flags: list[str], fragment: str) -> None:
     r = run([cli("pagedllm"), "serve", "--port", str(free_port()), *flags], e2e_env, timeout=60)
