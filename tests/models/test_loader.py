@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -57,6 +58,18 @@ def test_prepare_non_gguf_file(tmp_path):
     path.write_bytes(b"not a model")
     with pytest.raises(ValueError, match="is not a .gguf file"):
         prepare_model_dir(str(path))
+
+
+def test_load_format_that_does_not_match_the_path(tiny_llama_dir, tmp_path):
+    """load_format names what to read: gguf on a directory without one .gguf, or safetensors on a .gguf file, is
+    refused (the directory's safetensors, or the GGUF's blocks, loaded instead, the option silently ignored)."""
+    with pytest.raises(ValueError, match=re.escape(f"load_format='gguf' needs a .gguf file, but {tiny_llama_dir} is "
+                                                   "a directory holding 0 .gguf files")):
+        prepare_model_dir(tiny_llama_dir, "gguf")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ValueError, match=re.escape(f"load_format='safetensors' does not read {gguf}, a GGUF file")):
+        prepare_model_dir(str(gguf), "safetensors")
 
 
 def test_prepare_bad_load_format(tiny_llama_dir):

@@ -73,14 +73,20 @@ def prepare_model_dir(model_path: str, load_format: str = "auto") -> str:
     if not os.path.exists(model_path):
         raise ModelNotFoundError(f"Model path {model_path!r} does not exist.")
     if os.path.isdir(model_path):
-        if os.path.isfile(os.path.join(model_path, "config.json")):
-            return model_path
         ggufs = sorted(f for f in os.listdir(model_path) if f.endswith(".gguf"))
+        if load_format == "gguf" and len(ggufs) != 1:  # else the directory's safetensors would load instead
+            raise ValueError(f"load_format='gguf' needs a .gguf file, but {model_path} is a directory holding "
+                             f"{len(ggufs)} .gguf files; pass the .gguf file itself, or drop --load-format gguf.")
+        if os.path.isfile(os.path.join(model_path, "config.json")) and load_format != "gguf":
+            return model_path
         if len(ggufs) == 1:
             return _convert(os.path.join(model_path, ggufs[0]))
         raise ValueError(f"Model directory {model_path} has no config.json; pass a Hugging Face model directory "
                          f"(with config.json) or a .gguf file.")
     if model_path.endswith(".gguf") or load_format == "gguf" or _has_gguf_magic(model_path):
+        if load_format == "safetensors":  # the GGUF's own blocks would load, not safetensors
+            raise ValueError(f"load_format='safetensors' does not read {model_path}, a GGUF file; drop --load-format "
+                             f"safetensors (or use gguf), or pass a Hugging Face model directory.")
         return _convert(model_path)
     raise ValueError(f"Model file {model_path} is not a .gguf file; pass a .gguf file or a Hugging Face model "
                      f"directory.")
