@@ -90,9 +90,12 @@ class EngineArgs:
 
     def _check_types(self) -> None:
         """Each option of a plain type has a value of that type (a string "false" is truthy; "512" or 512.5 would
-        fail deep inside the engine); seed=None (vLLM's "no fixed seed") draws one."""
+        fail deep inside the engine); seed=None (vLLM's "no fixed seed") draws one; dtype may be a torch.dtype."""
         if self.seed is None:
             self.seed = secrets.randbelow(2 ** 31)
+        if type(self.dtype).__module__ == "torch" and type(self.dtype).__name__ == "dtype":
+            # vLLM's LLM(dtype=torch.float16): by its name (torch.float16 -> "float16"), checked against the choices
+            self.dtype = str(self.dtype).removeprefix("torch.")
         for f in dataclasses.fields(self):
             want = _PLAIN_TYPES.get(str(f.type))
             if want is None:

@@ -30,3 +30,14 @@ def test_numpy_ints_paths_and_seed_none_are_accepted():
                       seed=None)
     args.validate()
     assert args.model == "/tmp/model" and isinstance(args.seed, int)
+
+
+def test_torch_dtype_is_taken_by_its_name():
+    """vLLM's LLM(dtype=torch.float16) works as dtype="float16"; a torch dtype that is no choice names the choices."""
+    import torch
+
+    args = EngineArgs(dtype=torch.bfloat16)
+    args.validate()
+    assert args.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of .*, got 'int8'"):
+        EngineArgs(dtype=torch.int8).validate()
