@@ -120,6 +120,11 @@ class EngineArgs:
             if getattr(self, name) != off:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag}={getattr(self, name)!r} is not supported yet by pagedllm.")
+        if not 0 <= self.seed < 2 ** 64:  # torch.manual_seed's range (beyond it: "Overflow when unpacking long long");
+            # negative seeds are refused as in vLLM, whose numpy seeding refuses them
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}.")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}.")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
