@@ -128,6 +128,18 @@ def test_missing_weight_files(tmp_path, tiny_llama_dir):
         get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu")
 
 
+@pytest.mark.parametrize("weight_map", [["model-00001.safetensors"], {"lm_head.weight": 3}])
+def test_safetensors_index_with_a_bad_weight_map(tmp_path, tiny_llama_dir, weight_map):
+    """A weight_map that is no name -> shard file map is named as the problem (an AttributeError or a TypeError
+    from os.path.join, before)."""
+    from pagedllm.models.weight_utils import find_weight_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'model.safetensors.index.json'} is not a valid "
+                                                   "safetensors index: its weight_map must map tensor names")):
+        find_weight_files(str(tmp_path))
+
+
 def test_corrupt_safetensors(tmp_path, tiny_llama_dir):
     model_dir = _config_only_dir(tmp_path, tiny_llama_dir)
     (tmp_path / "config_only" / "model.safetensors").write_bytes(b"\x00garbage" * 100)
