@@ -100,6 +100,18 @@ def test_unknown_architecture(tmp_path, tiny_llama_dir):
         get_model(config, model_dir, dtype=torch.float32, device="cpu", load_format="dummy")
 
 
+def test_config_oddities_are_named(tmp_path, tiny_llama_dir):
+    """architectures written as one string is that architecture (it was read as "L", its first letter); heads that
+    are no multiple of the KV heads name both numbers (a bare AssertionError before)."""
+    model_dir = _config_only_dir(tmp_path, tiny_llama_dir, architectures="LlamaForCausalLM")
+    assert get_model_class(load_hf_config(model_dir)).__name__ == "LlamaForCausalLM"
+    shutil.rmtree(model_dir)
+    model_dir = _config_only_dir(tmp_path, tiny_llama_dir, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.attn: 4 attention heads are not a "
+                                                   "multiple of 3 KV heads; check num_attention_heads")):
+        get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu", load_format="dummy")
+
+
 def test_registry_lazy_and_aliases():
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= \
         set(supported_architectures())

@@ -122,7 +122,7 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{config_path} has no model_type; it is not a Hugging Face model config.")
     try:
-        return served_text_config(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code))
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:  # unknown model_type, bad field values, custom code...
         if not trust_remote_code and ("AutoConfig" in (raw.get("auto_map") or {}) or "trust_remote_code" in str(e)):
             raise ValueError(f"The model in {model_dir} needs its own code to load its config (auto_map in "
@@ -130,6 +130,9 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
                              f"code.") from None
         raise ValueError(f"transformers could not read {config_path} (model_type={raw.get('model_type')!r}): "
                          f"{e}") from None
+    if isinstance(getattr(config, "architectures", None), str):  # one name written as a string: a list of it
+        config.architectures = [config.architectures]
+    return served_text_config(config)
 
 
 def served_text_config(config: Any) -> Any:
