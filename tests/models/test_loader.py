@@ -110,6 +110,10 @@ def test_config_oddities_are_named(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.attn: 4 attention heads are not a "
                                                    "multiple of 3 KV heads; check num_attention_heads")):
         get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu", load_format="dummy")
+    shutil.rmtree(model_dir)
+    model_dir = _config_only_dir(tmp_path, tiny_llama_dir, num_hidden_layers=0)
+    with pytest.raises(ValueError, match="has num_hidden_layers=0; a model needs at least one layer"):
+        load_hf_config(model_dir)
 
 
 def test_registry_lazy_and_aliases():

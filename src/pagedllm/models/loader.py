@@ -132,7 +132,11 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
                          f"{e}") from None
     if isinstance(getattr(config, "architectures", None), str):  # one name written as a string: a list of it
         config.architectures = [config.architectures]
-    return served_text_config(config)
+    config = served_text_config(config)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:  # (the pipeline split said "use at most 0 stages")
+        raise ValueError(f"{config_path} has num_hidden_layers={layers}; a model needs at least one layer.")
+    return config
 
 
 def served_text_config(config: Any) -> Any:
