@@ -90,9 +90,12 @@ class EngineArgs:
 
     def _check_types(self) -> None:
         """Each option of a plain type has a value of that type (a string "false" is truthy; "512" or 512.5 would
-        fail deep inside the engine); seed=None (vLLM's "no fixed seed") draws one."""
+        fail deep inside the engine); seed=None (vLLM's "no fixed seed") draws one; dtype may be a torch.dtype."""
         if self.seed is None:
             self.seed = secrets.randbelow(2 ** 31)
+        if type(self.dtype).__module__ == "torch" and type(self.dtype).__name__ == "dtype":
+            # vLLM's LLM(dtype=torch.float16): by its name (torch.float16 -> "float16"), checked against the choices
+            self.dtype = str(self.dtype).removeprefix("torch.")
         for f in dataclasses.fields(self):
             want = _PLAIN_TYPES.get(str(f.type))
             if want is None:
@@ -117,6 +120,11 @@ class EngineArgs:
             if getattr(self, name) != off:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag}={getattr(self, name)!r} is not supported yet by pagedllm.")
+        if not 0 <= self.seed < 2 ** 64:  # torch.manual_seed's range (beyond it: "Overflow when unpacking long long");
+            # negative seeds are refused as in vLLM, whose numpy seeding refuses them
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}.")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}.")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
@@ -143,6 +151,10 @@ class EngineArgs:
         self.validate_parallel()
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
+        if self.tokenizer is not None and not self.skip_tokenizer_init:
+            from pagedllm.tokenizer import check_tokenizer_path
+
+            check_tokenizer_path(self.tokenizer)  # a typo'd path fails now, not after the model has loaded
         if self.generation_config not in ("auto", "vllm"):
             from pagedllm.generation_config import load_sampling_defaults
 

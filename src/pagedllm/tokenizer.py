@@ -25,10 +25,24 @@ def _gguf_source(path: str) -> Optional[tuple[str, str]]:
     return None
 
 
+def check_tokenizer_path(name: str) -> None:
+    """ValueError when `name` (--tokenizer) is a path that cannot hold a tokenizer: checked at start, before the
+    engine loads the model. A missing path that is no hub repo id either would otherwise reach transformers, which
+    says "Repo id must be in the form ..." about what is a typo'd path."""
+    source = os.path.expanduser(str(name))
+    if not os.path.exists(source) and (os.path.isabs(source) or source.startswith(".") or source.count("/") > 1):
+        raise ValueError(f"Tokenizer path {name!r} does not exist; pass a model directory with tokenizer.json / "
+                         "tokenizer_config.json, a .gguf file, or a Hugging Face repo id.")
+    if os.path.isfile(source) and not source.endswith(".gguf"):
+        raise ValueError(f"Tokenizer path {name!r} is a file but not a .gguf file; pass the model directory that "
+                         "holds tokenizer.json / tokenizer_config.json, or a .gguf file.")
+
+
 def get_tokenizer(model_dir_or_name: str, trust_remote_code: bool = False, **kwargs: Any):
     """A transformers fast tokenizer for the model; ValueError saying what to change if there is none."""
     from transformers import AutoTokenizer
 
+    check_tokenizer_path(model_dir_or_name)
     source = os.path.expanduser(str(model_dir_or_name))
     gguf = _gguf_source(source)
     try:

@@ -162,6 +162,9 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
     (["--enable-lora", "--max-loras", "0"], "max_loras must be >= 1"),
     (["--enable-lora", "--max-lora-rank", "16", "--lora-modules", "sql=/no/such/dir"],
      "--lora-modules sql: LoRA adapter path '/no/such/dir' is not a directory"),
+    (["--tokenizer", "/no/such/tokenizer"], "Tokenizer path '/no/such/tokenizer' does not exist"),
+    (["--chat-template", "/no/such/chat.jinja"], "The chat template '/no/such/chat.jinja' looks like a file path"),
+    (["--chat-template", "{% if messages %}"], "The chat template does not parse as a Jinja template"),
 ])
 def test_unsupported_flags_fail_at_start(e2e_env: dict, flags: list[str], fragment: str) -> None:
     r = run([cli("pagedllm"), "serve", "--port", str(free_port()), *flags], e2e_env, timeout=60)
@@ -184,6 +187,16 @@ def test_bad_model_path_is_one_clear_line(e2e_env: dict, tmp_path) -> None:
     assert r.returncode == 1
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "missing-model" in errors[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_unreadable_tokenizer_dir_is_one_clear_line(smollm2_hf_dir: str, e2e_env: dict, tmp_path) -> None:
+    """A --tokenizer directory that exists but holds no tokenizer fails in the front end, after the engine
+    started: one error line and exit 2, not the traceback of transformers' hub lookup."""
+    r = run([cli("pagedllm"), "serve", smollm2_hf_dir, "--tokenizer", str(tmp_path), "--port", str(free_port())],
+            e2e_env, timeout=180)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Could not load a tokenizer" in errors[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr
 
 

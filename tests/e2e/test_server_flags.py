@@ -1,6 +1,6 @@
 """Serve flags reach the server: --generation-config DIR (defaults only where a request is silent, logged at
 start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template, on one real
-`pagedllm serve` started with them."""
+`pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ from pagedllm import SamplingParams
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
 PROMPT = "The capital of France is"
+SERVER_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +23,7 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("flags")
     (tmp / "gen").mkdir()
     (tmp / "gen" / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    (tmp / "chat.jinja").write_text(SERVER_TEMPLATE)
     port = free_port()
     log_path = str(tmp / "server.log")
     with open(log_path, "w") as log:
@@ -29,7 +31,7 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  str(tmp / "gen"), "--max-logprobs", "3", "--no-enable-chunked-prefill",
                                  "--max-model-len", "512", "--max-num-seqs", "4",
                                  "--kv-cache-memory-bytes", str(64 << 20), "--no-dashboard",
-                                 "--trust-request-chat-template"],
+                                 "--trust-request-chat-template", "--chat-template", str(tmp / "chat.jinja")],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -80,6 +82,14 @@ def test_no_dashboard_flag(flag_server) -> None:
         r = http.get(path)
         assert r.status_code == 404 and r.json()["error"]["message"] == "Not found: no such route.", path
     assert "Dashboard:" not in open(log_path).read()  # the start-up line that names the page's URL
+
+
+def test_chat_template_flag(flag_server) -> None:
+    """--chat-template FILE renders every chat request that brings no template of its own (vLLM's flag)."""
+    http, _ = flag_server
+    r = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    plain = http.post("/tokenize", json={"prompt": "<<Hi>>", "add_special_tokens": False}).json()["tokens"]
+    assert r.status_code == 200 and r.json()["tokens"] == plain, r.text
 
 
 def test_trust_request_chat_template_flag(flag_server) -> None:

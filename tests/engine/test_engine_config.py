@@ -76,10 +76,18 @@ def test_log_says_how_many_tokens_of_kv_fit(tiny_llama_dir, caplog):
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of"),
     (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
     (dict(block_size=7), "block_size must be one of"),
+    (dict(tokenizer="/no/such/tokenizer"), "Tokenizer path '/no/such/tokenizer' does not exist"),
+    (dict(tokenizer="./no/such/tokenizer"), "Tokenizer path './no/such/tokenizer' does not exist"),
 ])
 def test_bad_engine_arguments(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=tiny_llama_dir, **kwargs)
+
+
+def test_tokenizer_path_that_is_a_plain_file(tiny_llama_dir):
+    """--tokenizer naming config.json (not the directory) says so, not "Repo id must be in the form ..."."""
+    with pytest.raises(ValueError, match="is a file but not a .gguf file"):
+        LLM(model=tiny_llama_dir, tokenizer=os.path.join(tiny_llama_dir, "config.json"))
 
 
 def test_missing_model_path_is_one_sentence():

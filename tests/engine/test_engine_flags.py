@@ -163,6 +163,18 @@ def test_max_num_seqs_one_and_max_model_len_edges(tiny_llama_dir):
     LLM(model=tiny_llama_dir, max_model_len=512, num_gpu_blocks_override=64)  # the model's own maximum is fine
 
 
+def test_long_max_model_len_allowed_by_vllm_variable(tiny_llama_dir, monkeypatch, caplog):
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets max_model_len pass max_position_embeddings (512), as in vLLM: a warning,
+    and positions past 512 rotate as transformers rotates them (the rope cache grows to the engine's context)."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=544, num_gpu_blocks_override=40)
+    assert "larger than the model's maximum (512 positions), allowed" in caplog.text
+    prompt = random_prompts([505], seed=7)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, 20)[0]
+
+
 def test_cpu_offload_is_refused_on_the_cpu(tiny_llama_dir):
     for device in ("cpu", "auto"):
         if device == "auto" and torch.cuda.is_available():

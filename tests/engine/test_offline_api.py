@@ -131,6 +131,7 @@ def test_use_tqdm_takes_a_tqdm_like_class(llm):
                                                          "supported yet; only 'text' parts are."),
     ([{"type": "text", "text": 3}], "messages[0]: A message content part of type 'text' needs a 'text' string."),
     (["plain"], "messages[0]: Message content of type None"),
+    (["plain"], "(a part is an object such as {'type': 'text', 'text': ...}, got a str)."),
     (5, "messages[0]: 'content' must be a string or a list of text parts."),
 ])
 def test_chat_refuses_the_content_the_server_refuses(llm, content, fragment):
@@ -138,6 +139,29 @@ def test_chat_refuses_the_content_the_server_refuses(llm, content, fragment):
     ValueError naming the message."""
     with pytest.raises(ValueError, match=re.escape(fragment)):
         llm.chat([{"role": "user", "content": content}], _greedy(max_tokens=1), use_tqdm=False)
+
+
+def test_chat_template_file_or_text_as_vllm_reads_it(llm, tmp_path):
+    """chat_template is a file's template or the template itself; a path that cannot be read, or a template that
+    does not parse, is a ValueError (a missing file's path was rendered as the prompt)."""
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    plain = llm.get_tokenizer().encode("[hi]", add_special_tokens=False)
+    for source in (str(tmp_path / "t.jinja"), template):
+        out = llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=1), use_tqdm=False,
+                       chat_template=source)
+        assert out[0].prompt_token_ids == plain, source
+    with pytest.raises(ValueError, match=re.escape("The chat template '/no/such/template.jinja' looks like a file "
+                                                   "path, but it could not be read (FileNotFoundError")):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False, chat_template="/no/such/template.jinja")
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match=re.escape(f"The chat template file {tmp_path / 'bad.jinja'} does not "
+                                                   "parse as a Jinja template: Unexpected end of template.")):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False, chat_template=str(tmp_path / "bad.jinja"))
+    from pagedllm.entrypoints.openai.chat_template import load_chat_template
+
+    # --chat-template's text: a typed \n is a newline there (vLLM), and non-ASCII text stays as it is
+    assert load_chat_template("é{{ x }}\\n▁", from_command_line=True) == "é{{ x }}\n▁"
 
 
 def test_chat_joins_text_parts_as_the_server_does(llm):

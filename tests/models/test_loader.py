@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -59,6 +60,18 @@ def test_prepare_non_gguf_file(tmp_path):
         prepare_model_dir(str(path))
 
 
+def test_load_format_that_does_not_match_the_path(tiny_llama_dir, tmp_path):
+    """load_format names what to read: gguf on a directory without one .gguf, or safetensors on a .gguf file, is
+    refused (the directory's safetensors, or the GGUF's blocks, loaded instead, the option silently ignored)."""
+    with pytest.raises(ValueError, match=re.escape(f"load_format='gguf' needs a .gguf file, but {tiny_llama_dir} is "
+                                                   "a directory holding 0 .gguf files")):
+        prepare_model_dir(tiny_llama_dir, "gguf")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ValueError, match=re.escape(f"load_format='safetensors' does not read {gguf}, a GGUF file")):
+        prepare_model_dir(str(gguf), "safetensors")
+
+
 def test_prepare_bad_load_format(tiny_llama_dir):
     with pytest.raises(ValueError, match="load_format must be one of"):
         prepare_model_dir(tiny_llama_dir, "pickle")
@@ -87,6 +100,22 @@ def test_unknown_architecture(tmp_path, tiny_llama_dir):
         get_model(config, model_dir, dtype=torch.float32, device="cpu", load_format="dummy")
 
 
+def test_config_oddities_are_named(tmp_path, tiny_llama_dir):
+    """architectures written as one string is that architecture (it was read as "L", its first letter); heads that
+    are no multiple of the KV heads name both numbers (a bare AssertionError before)."""
+    model_dir = _config_only_dir(tmp_path, tiny_llama_dir, architectures="LlamaForCausalLM")
+    assert get_model_class(load_hf_config(model_dir)).__name__ == "LlamaForCausalLM"
+    shutil.rmtree(model_dir)
+    model_dir = _config_only_dir(tmp_path, tiny_llama_dir, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.attn: 4 attention heads are not a "
+                                                   "multiple of 3 KV heads; check num_attention_heads")):
+        get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu", load_format="dummy")
+    shutil.rmtree(model_dir)
+    model_dir = _config_only_dir(tmp_path, tiny_llama_dir, num_hidden_layers=0)
+    with pytest.raises(ValueError, match="has num_hidden_layers=0; a model needs at least one layer"):
+        load_hf_config(model_dir)
+
+
 def test_registry_lazy_and_aliases():
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= \
         set(supported_architectures())
@@ -113,6 +142,18 @@ def test_missing_weight_files(tmp_path, tiny_llama_dir):
     model_dir = _config_only_dir(tmp_path, tiny_llama_dir)
     with pytest.raises(FileNotFoundError, match=r"No \*\.safetensors weights found"):
         get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("weight_map", [["model-00001.safetensors"], {"lm_head.weight": 3}])
+def test_safetensors_index_with_a_bad_weight_map(tmp_path, tiny_llama_dir, weight_map):
+    """A weight_map that is no name -> shard file map is named as the problem (an AttributeError or a TypeError
+    from os.path.join, before)."""
+    from pagedllm.models.weight_utils import find_weight_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'model.safetensors.index.json'} is not a valid "
+                                                   "safetensors index: its weight_map must map tensor names")):
+        find_weight_files(str(tmp_path))
 
 
 def test_corrupt_safetensors(tmp_path, tiny_llama_dir):

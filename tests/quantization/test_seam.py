@@ -3,6 +3,7 @@ quantized parameters (packed, per-shard, replicated) and the online int8 method 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,19 @@ def test_detects_method_from_config_and_autogptq_quantize_config(tmp_path, tiny_
     qc = resolve_quant_config(None, load_hf_config(str(old)), str(old))
     assert (qc.name, qc.bits, qc.sym) == ("gptq", 4, False)
     assert resolve_quant_config(None, load_hf_config(tiny_llama_dir), tiny_llama_dir) is None
+
+
+def test_unreadable_autogptq_quantize_config_names_the_file(tmp_path, tiny_llama_dir):
+    """quantize_config.json that is not JSON, or not an object, is a ValueError naming it (json's bare message, or
+    an AttributeError from deep inside, before)."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    path = model_dir / "quantize_config.json"
+    for text, fragment in [("{bits: 4", f"{path} is not valid JSON (Expecting property name"),
+                           ("[4, 128]", f"{path} must hold a JSON object (AutoGPTQ's quantize config), got list.")]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            resolve_quant_config(None, load_hf_config(str(model_dir)), str(model_dir))
 
 
 def test_lora_and_device_refusals(tmp_path, tiny_llama_dir):

@@ -30,3 +30,26 @@ def test_numpy_ints_paths_and_seed_none_are_accepted():
                       seed=None)
     args.validate()
     assert args.model == "/tmp/model" and isinstance(args.seed, int)
+
+
+def test_torch_dtype_is_taken_by_its_name():
+    """vLLM's LLM(dtype=torch.float16) works as dtype="float16"; a torch dtype that is no choice names the choices."""
+    import torch
+
+    args = EngineArgs(dtype=torch.bfloat16)
+    args.validate()
+    assert args.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of .*, got 'int8'"):
+        EngineArgs(dtype=torch.int8).validate()
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"seed": -1}, "seed must be in [0, 2**64), got -1."),
+    ({"seed": 2 ** 70}, f"seed must be in [0, 2**64), got {2 ** 70}."),  # torch: "Overflow when unpacking long long"
+    ({"kv_cache_memory_bytes": -5}, "kv_cache_memory_bytes must be >= 1, got -5."),
+])
+def test_out_of_range_values_are_refused(kwargs, fragment):
+    import re
+
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        EngineArgs(**kwargs).validate()

@@ -244,6 +244,7 @@ class LLM:
              chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list:
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given).")
+        from pagedllm.entrypoints.openai.chat_template import load_chat_template
         from pagedllm.entrypoints.openai.tool_calling import (extract_tool_calls, plan_tools,
                                                               prepare_conversation)
 
@@ -252,6 +253,7 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be a string, got {type(chat_template).__name__}.")
+        chat_template = load_chat_template(chat_template)  # a file's template; a path that cannot be read fails
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         template = chat_template or getattr(self.tokenizer, "chat_template", None)

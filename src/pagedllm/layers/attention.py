@@ -45,7 +45,10 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
-        assert self.num_heads % self.num_kv_heads == 0
+        if self.num_heads % self.num_kv_heads:  # a config's error (grouped-query attention shares whole groups)
+            raise ValueError(f"{prefix or 'Attention'}: {self.num_heads} attention heads are not a multiple of "
+                             f"{self.num_kv_heads} KV heads; check num_attention_heads and num_key_value_heads in "
+                             f"config.json.")
         self.prefix = prefix
         self.kv_cache: Optional[torch.Tensor] = None
         # Per-layer scales of an FP8 KV cache (layers/kv_cache_scales.py): the cache holds K / k_scale and

@@ -143,8 +143,18 @@ class RotaryEmbedding(nn.Module):
         self.head_size = head_size
         self.rotary_dim = rotary_dim
         self.max_position = max_position
+        self.inv_freq, self.attention_scaling = inv_freq, attention_scaling  # plain attributes (set_context_len)
         cache = cos_sin_rows(torch.arange(max_position, dtype=torch.float32), inv_freq, attention_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def set_context_len(self, context_len: int) -> None:
+        """Rows for every position below `context_len`: an engine context past the model's maximum (allowed by
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN, as in vLLM) grows the cache, whose rows are only read, never bounds-checked;
+        a shorter context keeps it."""
+        if context_len > self.max_position:
+            self.max_position = context_len
+            positions = torch.arange(context_len, dtype=torch.float32, device=self.cos_sin_cache.device)
+            self.cos_sin_cache = cos_sin_rows(positions, self.inv_freq, self.attention_scaling)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +265,11 @@ class LongRopeEmbedding(RotaryEmbedding):
     def set_context_len(self, context_len: int) -> None:
         """Use the factors transformers would use for a sequence of `context_len` tokens."""
         use_long = context_len > self.original_max_position
-        if use_long != self.use_long:
+        self.inv_freq = self.long_inv_freq if use_long else self.short_inv_freq
+        if context_len > self.max_position:  # a longer context than the model's (VLLM_ALLOW_LONG_MAX_MODEL_LEN)
+            self.use_long = use_long
+            super().set_context_len(context_len)
+        elif use_long != self.use_long:
             self.use_long = use_long
             positions = torch.arange(self.max_position, device=self.cos_sin_cache.device)
             self.cos_sin_cache.copy_(cos_sin_rows(positions, self.long_inv_freq if use_long else self.short_inv_freq,

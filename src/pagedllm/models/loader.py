@@ -73,14 +73,20 @@ def prepare_model_dir(model_path: str, load_format: str = "auto") -> str:
     if not os.path.exists(model_path):
         raise ModelNotFoundError(f"Model path {model_path!r} does not exist.")
     if os.path.isdir(model_path):
-        if os.path.isfile(os.path.join(model_path, "config.json")):
-            return model_path
         ggufs = sorted(f for f in os.listdir(model_path) if f.endswith(".gguf"))
+        if load_format == "gguf" and len(ggufs) != 1:  # else the directory's safetensors would load instead
+            raise ValueError(f"load_format='gguf' needs a .gguf file, but {model_path} is a directory holding "
+                             f"{len(ggufs)} .gguf files; pass the .gguf file itself, or drop --load-format gguf.")
+        if os.path.isfile(os.path.join(model_path, "config.json")) and load_format != "gguf":
+            return model_path
         if len(ggufs) == 1:
             return _convert(os.path.join(model_path, ggufs[0]))
         raise ValueError(f"Model directory {model_path} has no config.json; pass a Hugging Face model directory "
                          f"(with config.json) or a .gguf file.")
     if model_path.endswith(".gguf") or load_format == "gguf" or _has_gguf_magic(model_path):
+        if load_format == "safetensors":  # the GGUF's own blocks would load, not safetensors
+            raise ValueError(f"load_format='safetensors' does not read {model_path}, a GGUF file; drop --load-format "
+                             f"safetensors (or use gguf), or pass a Hugging Face model directory.")
         return _convert(model_path)
     raise ValueError(f"Model file {model_path} is not a .gguf file; pass a .gguf file or a Hugging Face model "
                      f"directory.")
@@ -116,7 +122,7 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{config_path} has no model_type; it is not a Hugging Face model config.")
     try:
-        return served_text_config(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code))
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:  # unknown model_type, bad field values, custom code...
         if not trust_remote_code and ("AutoConfig" in (raw.get("auto_map") or {}) or "trust_remote_code" in str(e)):
             raise ValueError(f"The model in {model_dir} needs its own code to load its config (auto_map in "
@@ -124,6 +130,13 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
                              f"code.") from None
         raise ValueError(f"transformers could not read {config_path} (model_type={raw.get('model_type')!r}): "
                          f"{e}") from None
+    if isinstance(getattr(config, "architectures", None), str):  # one name written as a string: a list of it
+        config.architectures = [config.architectures]
+    config = served_text_config(config)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:  # (the pipeline split said "use at most 0 stages")
+        raise ValueError(f"{config_path} has num_hidden_layers={layers}; a model needs at least one layer.")
+    return config
 
 
 def served_text_config(config: Any) -> Any:

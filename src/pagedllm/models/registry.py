@@ -47,6 +47,8 @@ def register_model(architecture: str, module: str, class_name: str) -> None:
 def get_architecture(hf_config: Any) -> str:
     """`config.architectures[0]`, else inferred from `config.model_type`."""
     architectures = getattr(hf_config, "architectures", None) or []
+    if isinstance(architectures, str):  # a config that writes one name, not a list: the name, not its first letter
+        architectures = [architectures]
     if architectures:
         return architectures[0]
     model_type = getattr(hf_config, "model_type", None)

@@ -33,6 +33,9 @@ def find_weight_files(model_dir: str) -> list[str]:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{index_path} is not a valid safetensors index ({e}).") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index_path} is not a valid safetensors index: its weight_map must map tensor names "
+                             f"to shard file names.")
         files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:

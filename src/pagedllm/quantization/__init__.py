@@ -63,8 +63,14 @@ def checkpoint_quant_config(hf_config: Any, model_dir: Optional[str] = None) -> 
     if not qc and model_dir:
         path = os.path.join(model_dir, "quantize_config.json")
         if os.path.isfile(path):
-            with open(path) as f:
-                qc = json.load(f)
+            try:
+                with open(path) as f:
+                    qc = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path} is not valid JSON ({e}).") from None
+            if not isinstance(qc, dict):  # (a list or a number has no quant_method to read)
+                raise ValueError(f"{path} must hold a JSON object (AutoGPTQ's quantize config), got "
+                                 f"{type(qc).__name__}.")
             qc.setdefault("quant_method", "gptq")
     return dict(qc) if qc else None
 

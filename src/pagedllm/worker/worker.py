@@ -137,8 +137,14 @@ class Worker:
         self.eos_token_ids = read_eos_token_ids(cfg, self.model_dir)
         max_pos = getattr(cfg, "max_position_embeddings", None) or 2048
         if args.max_model_len is not None and args.max_model_len > max_pos:
-            raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's maximum "
-                             f"({max_pos} positions); lower --max-model-len.")
+            if not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
+                raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's maximum "
+                                 f"({max_pos} positions); lower --max-model-len, or set "
+                                 "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it (outputs past the model's context "
+                                 "may be wrong).")
+            logger.warning("max_model_len=%d is larger than the model's maximum (%d positions), allowed by "
+                           "VLLM_ALLOW_LONG_MAX_MODEL_LEN: outputs past the model's context may be wrong.",
+                           args.max_model_len, max_pos)
         self.max_model_len = args.max_model_len or max_pos
         self.max_num_seqs = args.max_num_seqs
         # Overlap host work with device work: on by default on CUDA (no gain on a CPU, which does both).

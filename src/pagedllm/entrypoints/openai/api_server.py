@@ -80,6 +80,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
     from pagedllm.core.engine_core import freeze_startup_objects
     from pagedllm.entrypoints.async_engine import AsyncEngine, EngineStartupError
     from pagedllm.entrypoints.openai.app import build_app
+    from pagedllm.entrypoints.openai.chat_template import load_chat_template
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
     from pagedllm.entrypoints.openai.guards import RequestGuard
     from pagedllm.entrypoints.openai.hot_routes import HotRoutes
@@ -93,6 +94,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         engine_args = to_engine_args(args)
         engine_args.validate()
         check_unsupported_server_flags(args)
+        # --chat-template: read (and parsed) before the model loads
+        chat_template = load_chat_template(getattr(args, "chat_template", None), from_command_line=True)
     except (ValueError, TypeError) as e:
         return _startup_error(report, str(e), 2)
     names = served_names(args)
@@ -107,6 +110,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
             await engine.start(startup_timeout_s=args.startup_timeout)
         except EngineStartupError as e:
             return _startup_error(report, f"the engine failed to start: {e}", 1)
+        except ValueError as e:  # the front end's own loading (the tokenizer: --tokenizer) after the engine's
+            return _startup_error(report, str(e), 2)
         try:
             defaults = load_sampling_defaults(engine_args.generation_config, engine.model_dir)
         except ValueError as e:
@@ -116,6 +121,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
         state.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
+        if chat_template is not None:  # --chat-template: every chat request renders with it (a request's own wins)
+            engine.tokenizer.chat_template = chat_template
         try:
             state.loras = await serve_lora_modules(engine, names, engine_args, args.lora_modules, metrics,
                                                    client_index=index, num_clients=count)
@@ -198,12 +205,14 @@ def run(args: argparse.Namespace) -> int:
 def api_server_count(args: argparse.Namespace) -> Optional[int]:
     """How many API server processes to run (None: the flags are wrong, said on stderr)."""
     from pagedllm.entrypoints.openai.api_server_manager import resolve_api_server_count
+    from pagedllm.entrypoints.openai.chat_template import load_chat_template
     from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
 
     try:
         engine_args = to_engine_args(args)
         engine_args.validate()
         check_unsupported_server_flags(args)
+        load_chat_template(getattr(args, "chat_template", None), from_command_line=True)  # before any engine starts
         return resolve_api_server_count(args, engine_args)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,9 +21,42 @@ def message_text(content: Any) -> str:
                 raise APIError("A message content part of type 'text' needs a 'text' string.", param="messages")
             texts.append(text)
         else:
-            raise APIError(f"Message content of type {kind!r} is not supported yet; only 'text' parts are.",
+            shape = "" if isinstance(part, dict) else \
+                f" (a part is an object such as {{'type': 'text', 'text': ...}}, got a {type(part).__name__})"
+            raise APIError(f"Message content of type {kind!r} is not supported yet; only 'text' parts are{shape}.",
                            param="messages")
     return "\n".join(texts)
+
+
+def load_chat_template(value: Optional[str], from_command_line: bool = False) -> Optional[str]:
+    """--chat-template (or LLM.chat's chat_template) -> the template text, as vLLM reads it: the contents of the
+    file it names, else the string itself as a template (from the command line, with its backslash escapes such as
+    a typed \\n decoded; non-ASCII text is kept). A string without any of "{", "}" or a newline cannot be a
+    template, so a path that cannot be read is a ValueError, not a template that renders the path as every prompt;
+    so is a template that does not parse (found now, not on the first request)."""
+    import os
+
+    if value is None:
+        return None
+    try:
+        with open(os.path.expanduser(value), encoding="utf-8") as f:
+            template = f.read()
+        where = f"chat template file {value}"
+    except (OSError, ValueError) as e:  # (ValueError: an embedded NUL, or not UTF-8)
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"The chat template {value!r} looks like a file path, but it could not be read "
+                             f"({type(e).__name__}: {e}).") from None
+        template, where = value, "chat template"
+        if from_command_line:  # (latin-1 + backslashreplace: unicode_escape alone would mangle UTF-8 text)
+            template = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # the environment transformers renders chat templates in
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"The {where} does not parse as a Jinja template: {e.message} (line {e.lineno}).") from None
+    return template
 
 
 def check_request_template(template: Optional[str], state: Any) -> None:

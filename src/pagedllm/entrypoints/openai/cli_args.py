@@ -14,7 +14,7 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "disable_log_stats", "startup_timeout",
                "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout",
                "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard",
-               "api_server_count", "trust_request_chat_template"}
+               "api_server_count", "trust_request_chat_template", "chat_template"}
 
 
 def _port(text: str) -> int:
@@ -126,6 +126,8 @@ def add_structured_output_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's older flag: the same as --structured-outputs-config '{\"backend\": ...}'")
     g.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSER_NAMES),
                    help="how tool calls are read from model output (auto: from the chat template)")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the chat template to use instead of the tokenizer's: a Jinja file, or the template itself")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (`chat_template`): a template is code the server "
                         "runs, which a request could make arbitrarily slow; off: such requests get a 400")
