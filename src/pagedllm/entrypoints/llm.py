@@ -253,7 +253,10 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be a string, got {type(chat_template).__name__}.")
-        chat_template = load_chat_template(chat_template)  # a file's template; a path that cannot be read fails
+        try:  # a file's template; a path that cannot be read, or a template that does not parse, fails
+            chat_template = load_chat_template(chat_template)
+        except ValueError as e:
+            raise ValueError(f"Could not apply the chat template: {e}") from None
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
