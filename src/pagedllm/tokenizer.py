@@ -31,11 +31,11 @@ def check_tokenizer_path(name: str) -> None:
     says "Repo id must be in the form ..." about what is a typo'd path."""
     source = os.path.expanduser(str(name))
     if not os.path.exists(source) and (os.path.isabs(source) or source.startswith(".") or source.count("/") > 1):
-        raise ValueError(f"Tokenizer path {name!r} does not exist; pass a model directory with tokenizer.json / "
-                         "tokenizer_config.json, a .gguf file, or a Hugging Face repo id.")
+        raise ValueError(f"Could not load a tokenizer: the path {name!r} does not exist; pass a model directory "
+                         "with tokenizer.json / tokenizer_config.json, a .gguf file, or a Hugging Face repo id.")
     if os.path.isfile(source) and not source.endswith(".gguf"):
-        raise ValueError(f"Tokenizer path {name!r} is a file but not a .gguf file; pass the model directory that "
-                         "holds tokenizer.json / tokenizer_config.json, or a .gguf file.")
+        raise ValueError(f"Could not load a tokenizer: the path {name!r} is a file but not a .gguf file; pass the "
+                         "model directory that holds tokenizer.json / tokenizer_config.json, or a .gguf file.")
 
 
 def get_tokenizer(model_dir_or_name: str, trust_remote_code: bool = False, **kwargs: Any):

@@ -162,7 +162,7 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
     (["--enable-lora", "--max-loras", "0"], "max_loras must be >= 1"),
     (["--enable-lora", "--max-lora-rank", "16", "--lora-modules", "sql=/no/such/dir"],
      "--lora-modules sql: LoRA adapter path '/no/such/dir' is not a directory"),
-    (["--tokenizer", "/no/such/tokenizer"], "Tokenizer path '/no/such/tokenizer' does not exist"),
+    (["--tokenizer", "/no/such/tokenizer"], "Could not load a tokenizer: the path '/no/such/tokenizer' does not exist"),
     (["--chat-template", "/no/such/chat.jinja"], "The chat template '/no/such/chat.jinja' looks like a file path"),
     (["--chat-template", "{% if messages %}"], "The chat template does not parse as a Jinja template"),
 ])

@@ -76,8 +76,8 @@ def test_log_says_how_many_tokens_of_kv_fit(tiny_llama_dir, caplog):
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype must be one of"),
     (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
     (dict(block_size=7), "block_size must be one of"),
-    (dict(tokenizer="/no/such/tokenizer"), "Tokenizer path '/no/such/tokenizer' does not exist"),
-    (dict(tokenizer="./no/such/tokenizer"), "Tokenizer path './no/such/tokenizer' does not exist"),
+    (dict(tokenizer="/no/such/tokenizer"), "Could not load a tokenizer: the path '/no/such/tokenizer' does not exist"),
+    (dict(tokenizer="./no/such/tokenizer"), "the path './no/such/tokenizer' does not exist"),
 ])
 def test_bad_engine_arguments(tiny_llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -156,8 +156,9 @@ def test_client_that_never_reads_is_cut_off_without_stalling_others(tiny_server)
         sock.close()
 
 
-def _send_and_hang_up_once_queued(server, body: dict) -> bool:
-    """Send a request, wait until the engine holds it, hang up. False if a response byte came first."""
+def _send_and_hang_up_once_queued(server, body: dict, count: int = 1) -> bool:
+    """Send a request, wait until the engine holds `count` requests (its prompts), hang up. False if a response
+    byte came first."""
     import select
 
     data = json.dumps(body).encode()
@@ -171,7 +172,7 @@ def _send_and_hang_up_once_queued(server, body: dict) -> bool:
             if select.select([sock], [], [], 0)[0]:
                 return False
             text = _metrics(server)
-            if metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") > 0:
+            if metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") >= count:
                 return True
         return False
     finally:
@@ -193,7 +194,9 @@ def test_disconnect_mid_prefill_frees_kv_at_once(tiny_server) -> None:
         "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
         "vllm:time_to_first_token_seconds_count")}
     aborted0 = metric(before, "vllm:request_success_total", finished_reason="abort")
-    assert _send_and_hang_up_once_queued(tiny_server, {"prompt": prompts, "max_tokens": max_tokens})
+    # (hung up once every prompt is in the engine: one the API process had not yet handed over when the client left
+    # is never started, not aborted)
+    assert _send_and_hang_up_once_queued(tiny_server, {"prompt": prompts, "max_tokens": max_tokens}, len(prompts))
     deadline = time.monotonic() + 120  # a hang guard, not the "at once" (which is counted below)
     while True:
         text = _metrics(tiny_server)
