@@ -223,7 +223,7 @@ def test_engine_with_norms_inside_the_int4_gemv(tmp_path, tiny_model_dir, monkey
     outs, linked = {}, {}
     for on in ("0", "1"):
         monkeypatch.setenv("PAGEDLLM_NORM_GEMV_MMA", on)
-        llm = LLM(model=model_dir, gpu_memory_utilization=0.2, max_model_len=512)
+        llm = LLM(model=model_dir, num_gpu_blocks_override=256, max_model_len=512)
         linked[on] = sum(getattr(mod, "gemv_consumer", None) is not None for mod in llm.engine.worker.model.modules())
         outs[on] = []
         for batch in (1, 4):
