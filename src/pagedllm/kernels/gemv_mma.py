@@ -25,6 +25,7 @@ import torch
 # kernel_available: the int4 kernel's conditions hold here too (mma.m16n8k16 on bf16 needs compute capability 8.0;
 # NVRTC through torch.cuda._compile_kernel)
 from pagedllm.kernels.qgemv_mma import SMEM_LIMIT, _launch_pdl, cuda_source, kernel_available  # noqa: F401
+from pagedllm.kernels.qgemv_mma import _next_pow2 as _norm_rows  # (rows of shared memory: a power of two)
 from pagedllm.kernels.qgemv_mma import norm_defines, norm_smem_bytes
 
 CHUNK = 64  # channels per chunk: four MMAs
@@ -78,12 +79,6 @@ def _unit(unit: int, chunks: int) -> int:
 
 
 NORM_ROW_TILES = (1, 2)  # with a norm: at most 16 rows (the normalized rows of a block live in shared memory)
-
-
-def _norm_rows(rows: int) -> int:
-    """Rows of shared memory a launch of `rows` rows (one row block) normalizes into: a power of two, fewer
-    variants to compile."""
-    return 1 << (max(1, rows) - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=None)
