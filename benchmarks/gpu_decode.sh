@@ -84,10 +84,10 @@ decode-prep-8b)
     ab llama8b-prep llama3-8b 140 PAGEDLLM_DECODE_PREP
     ;;
 norm-mma-tests)
-    PAGEDLLM_NORM_GEMV_MMA=1 step kernels 240 python -m pytest -m gpu -q -x -p no:cacheprovider \
-        tests/gpu/test_gemv_mma_gpu.py tests/gpu/test_qgemv_mma_gpu.py -k "norm or routing or warm_up" \
-        tests/gpu/test_small_kernels.py
-    PAGEDLLM_NORM_GEMV_MMA=1 step engine-on 300 python -m pytest -m gpu -q -p no:cacheprovider \
+    # whole files: the int4 kernel's launch arguments changed for the norm, so its plain cases run too
+    PAGEDLLM_NORM_GEMV_MMA=1 step kernels 300 python -m pytest -m gpu -q -p no:cacheprovider \
+        tests/gpu/test_gemv_mma_gpu.py tests/gpu/test_qgemv_mma_gpu.py tests/gpu/test_small_kernels.py
+    PAGEDLLM_NORM_GEMV_MMA=1 step engine-on 240 python -m pytest -m gpu -q -p no:cacheprovider \
         tests/gpu/test_engine_gpu.py tests/gpu/test_spec_decode_gpu.py
     ;;
 norm-mma)
