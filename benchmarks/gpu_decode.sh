@@ -11,14 +11,6 @@
 #   bash benchmarks/gpu_decode.sh decode-prep      # batch-1 decode with it off / on, alternating: SmolLM2 and
 #                                                  # Qwen3-0.6B (q / k norms) shapes
 #   bash benchmarks/gpu_decode.sh decode-prep-8b   # the same for the Llama-3-8B shape
-#   bash benchmarks/gpu_decode.sh norm-mma-tests   # the RMSNorm inside the tensor-core GEMV at 2-16 rows
-#                                                  # (PAGEDLLM_NORM_GEMV_MMA): its kernel tests, then the GPU engine /
-#                                                  # spec tests with it on
-#   bash benchmarks/gpu_decode.sh norm-mma         # with it off / on, alternating: the k=4 verify step against a plain
-#                                                  # step (spec_decode.py verify) and batch-4 decode, SmolLM2 and
-#                                                  # Qwen3-0.6B shapes
-#   bash benchmarks/gpu_decode.sh norm-mma-int4    # the same switch on int4 layers: Llama-3-8B GPTQ int4 decode at
-#                                                  # batch 1 and 4
 #
 # Several modes run in order in one call: `bash benchmarks/gpu_decode.sh decode-prep-tests decode-prep`.
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/decode-out), the summary lines to stdout.
@@ -26,7 +18,7 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 [ $# -gt 0 ] || { echo "usage: $0 MODE... (norm-gemv-tests, norm-gemv, norm-gemv-8b, decode-prep-tests," \
-    "decode-prep, decode-prep-8b, norm-mma-tests, norm-mma, norm-mma-int4)" >&2; exit 2; }
+    "decode-prep, decode-prep-8b)" >&2; exit 2; }
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/decode-out}
 mkdir -p "$out"
@@ -40,18 +32,6 @@ ab() {  # ab NAME CONFIG TIMEOUT [SWITCH [BATCH]]: latency.py with the switch of
             step "$name-$on-$round" "$limit" python benchmarks/latency.py \
                 --model "benchmarks/configs/$config" --load-format dummy --dtype bfloat16 --batch-size "$batch" \
                 --input-len 128 --output-len 256 --iters 3 --hf none --json "$out/$name-$on-$round.json"
-        done
-    done
-    unset "$switch"
-}
-ab_verify() {  # ab_verify NAME CONFIG TIMEOUT SWITCH: a k=4 verify step vs a plain step, the switch off and on
-    local name=$1 config=$2 limit=$3 switch=$4
-    for round in 1 2; do
-        for on in 0 1; do
-            export "$switch=$on"
-            step "$name-$on-$round" "$limit" python benchmarks/spec_decode.py verify \
-                --model "benchmarks/configs/$config" --load-format dummy --dtype bfloat16 --k 4 --iters 3 \
-                --steps 100 --json "$out/$name-$on-$round.json"
         done
     done
     unset "$switch"
@@ -82,23 +62,6 @@ decode-prep)
     ;;
 decode-prep-8b)
     ab llama8b-prep llama3-8b 140 PAGEDLLM_DECODE_PREP
-    ;;
-norm-mma-tests)
-    # whole files: the int4 kernel's launch arguments changed for the norm, so its plain cases run too
-    PAGEDLLM_NORM_GEMV_MMA=1 step kernels 300 python -m pytest -m gpu -q -p no:cacheprovider \
-        tests/gpu/test_gemv_mma_gpu.py tests/gpu/test_qgemv_mma_gpu.py tests/gpu/test_small_kernels.py
-    PAGEDLLM_NORM_GEMV_MMA=1 step engine-on 240 python -m pytest -m gpu -q -p no:cacheprovider \
-        tests/gpu/test_engine_gpu.py tests/gpu/test_spec_decode_gpu.py
-    ;;
-norm-mma)
-    ab_verify smollm2-verify smollm2-135m 120 PAGEDLLM_NORM_GEMV_MMA
-    ab smollm2-b4 smollm2-135m 90 PAGEDLLM_NORM_GEMV_MMA 4
-    ab_verify qwen3-verify qwen3-0.6b 120 PAGEDLLM_NORM_GEMV_MMA
-    ab qwen3-b4 qwen3-0.6b 100 PAGEDLLM_NORM_GEMV_MMA 4
-    ;;
-norm-mma-int4)
-    ab int4-b1 llama3-8b-gptq-int4 140 PAGEDLLM_NORM_GEMV_MMA 1
-    ab int4-b4 llama3-8b-gptq-int4 140 PAGEDLLM_NORM_GEMV_MMA 4
     ;;
 *)
     echo "unknown step: $what" >&2

@@ -87,10 +87,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": on CUDA, run q/k norm, rotary and the KV-cache write as separate kernels instead of the fused one
     # (A/B benchmarks, debugging).
     "PAGEDLLM_FUSED_QKV": lambda: os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0",
-    # "1": decode steps on CUDA (16-bit caches) do qkv_prep's work inside the decode attention kernel (q / k norm,
-    # rope, the KV write: kernels/paged_attention.DecodePrep), one launch less per layer; off: measured level, not
-    # faster (docs/benchmarks.md).
-    "PAGEDLLM_DECODE_PREP": lambda: _truthy(os.environ.get("PAGEDLLM_DECODE_PREP")),
+    # "0": decode steps on CUDA (16-bit caches) launch qkv_prep before the decode attention kernel instead of the
+    # kernel doing its work itself (q / k norm, rope, the KV write: kernels/paged_attention.DecodePrep; A/B).
+    "PAGEDLLM_DECODE_PREP": lambda: os.environ.get("PAGEDLLM_DECODE_PREP", "1") != "0",
     # Mixed prefill + decode steps of up to this many tokens replay CUDA graphs (worker/mixed_graph.py); 0: eager.
     "PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": _int("PAGEDLLM_MIXED_GRAPH_MAX_TOKENS", 4096),
     # Mixed-step graphs with this one query tile (rows per attention program) instead of the per-step choice.
@@ -110,10 +109,6 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": on CUDA, an RMSNorm that feeds one unquantized linear layer alone runs its own kernel at one-row decode
     # steps instead of inside that layer's Triton GEMV (kernels/gemv.GemvNorm: one launch less per norm; A/B).
     "PAGEDLLM_NORM_GEMV": lambda: os.environ.get("PAGEDLLM_NORM_GEMV", "1") != "0",
-    # "1": the same at 2-16 row steps (verify steps, small batches) inside the tensor-core GEMV (kernels/gemv_mma.py),
-    # and at 1-16 rows inside the int4 one (kernels/qgemv_mma.py) before GPTQ / AWQ layers (each block normalizes
-    # its rows into shared memory first); off until measured on a GPU.
-    "PAGEDLLM_NORM_GEMV_MMA": lambda: _truthy(os.environ.get("PAGEDLLM_NORM_GEMV_MMA")),
     # Steps of 2 up to this many rows (at most 32) run CUDA fp16/bf16 linear layers on the tensor-core GEMV
     # (kernels/gemv_mma.py) instead of the Triton GEMV / cuBLAS; 0: off. 16: past it (four row tiles) cuBLAS wins
     # on 8B shapes (docs/benchmarks.md, "The tensor-core few-row GEMV").

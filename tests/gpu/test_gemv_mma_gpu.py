@@ -150,136 +150,25 @@ def test_a_failed_build_leaves_the_layers_on_their_other_kernels(tiny_model_dir,
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
 
 
-def _ngram_engine_runs(model, prompts, params, monkeypatch, switch: str, values) -> tuple[dict, dict]:
-    """Per value of the switch: the outputs of a bf16 engine with n-gram speculation (k=4) and its draft count."""
-    from pagedllm import LLM
-
-    outs, drafts = {}, {}
-    for value in values:
-        monkeypatch.setenv(switch, value)
-        llm = LLM(model=model, dtype="bfloat16", num_gpu_blocks_override=256, max_model_len=512,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                                      "prompt_lookup_min": 2})
-        outs[value] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        drafts[value] = llm.engine.scheduler.spec_stats.num_drafts
-        del llm
-        torch.cuda.empty_cache()
-    return outs, drafts
-
-
 def test_engine_steps_on_the_tensor_core_gemv(tiny_model_dir, monkeypatch):
     """A bf16 engine with the kernel on (batch 6 decode steps, n-gram verify steps of 1 + k rows, CUDA graphs) gives
     the greedy tokens of the engine with it off up to near-ties (bf16 sums in another order), and their logprobs
     within bf16 rounding; the verify steps did replay graphs."""
-    from pagedllm import SamplingParams
+    from pagedllm import LLM, SamplingParams
     from spec_checks import assert_same_up_to_near_ties
 
     model = tiny_model_dir("llama", hidden_size=256, intermediate_size=768)  # K of 4 and 12 chunks
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 5 for j in range(12 + i)] * 2} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
-    outs, drafts = _ngram_engine_runs(model, prompts, params, monkeypatch, "PAGEDLLM_GEMV_MMA_MAX_ROWS", ("0", "16"))
+    outs, drafts = {}, {}
+    for on in ("0", "16"):
+        monkeypatch.setenv("PAGEDLLM_GEMV_MMA_MAX_ROWS", on)
+        llm = LLM(model=model, dtype="bfloat16", num_gpu_blocks_override=256, max_model_len=512,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                      "prompt_lookup_min": 2})
+        outs[on] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        drafts[on] = llm.engine.scheduler.spec_stats.num_drafts
+        del llm
+        torch.cuda.empty_cache()
     assert drafts["16"] > 0  # verify steps ran (the repeated prompts give n-gram matches)
     assert assert_same_up_to_near_ties(outs["16"], outs["0"], check_logprobs=True) > 0
-
-
-NORM_CASES = [  # (rows, N, K, gated, bias, residual, dtype)
-    (2, 960, 576, False, False, True, torch.bfloat16),      # SmolLM2's qkv, a verify step of k=1
-    (5, 2 * 1536, 576, True, False, True, torch.bfloat16),  # its gate_up + SiLU, k=4
-    (9, 960, 576, False, True, False, torch.bfloat16),      # two row tiles, no residual (the first layer), bias
-    (16, 4096, 1024, False, False, True, torch.float16),    # Qwen3-0.6B's qkv, 16 rows
-    (7, 2 * 3072, 1024, True, False, True, torch.float16),  # its gate_up
-    (3, 6144, 2048, False, False, True, torch.bfloat16),    # a 2048-wide model
-    (2, 6144, 4096, False, False, True, torch.bfloat16),    # Llama-3-8B's qkv at 2 rows (4 rows of shared memory fit)
-    (4, 2 * 14336, 4096, True, False, True, torch.bfloat16),  # its gate_up at 4
-]
-
-
-@pytest.mark.parametrize("rows, n, k, gated, bias, residual, dtype", NORM_CASES)
-def test_norm_inside_the_tensor_core_gemv_equals_norm_then_gemv(rows, n, k, gated, bias, residual, dtype):
-    """The tensor-core GEMV given the RMSNorm before it (GemvNorm, PAGEDLLM_NORM_GEMV_MMA) stores the norm's outputs
-    as the norm kernel does (the normalized rows, x + residual exactly) and its product equals its product of
-    those rows."""
-    from pagedllm.kernels.gemv import GemvNorm
-    from pagedllm.kernels.gemv_mma import norm_fits
-    from pagedllm.kernels.norm import fused_add_rms_norm, rms_norm
-
-    assert norm_fits(n // (2 if gated else 1), k, gated, rows)
-    gen = torch.Generator(device="cuda").manual_seed(rows + n + k)
-    x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
-    res = torch.randn(rows, k, device="cuda", generator=gen).to(dtype) if residual else None
-    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(dtype)
-    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(dtype)
-    b = torch.randn(n, device="cuda", generator=gen).to(dtype) if bias else None
-    spec = GemvNorm(nw, 1e-5, False, torch.full_like(x, float("nan")), res,
-                    None if res is None else torch.full_like(x, float("nan")))
-    got = gemv_mma(x, w, b, gated=gated, norm=spec)
-    if res is None:
-        want_normed = rms_norm(x, nw, 1e-5)
-    else:
-        want_normed, want_res = fused_add_rms_norm(x.clone(), res.clone(), nw, 1e-5)
-        assert torch.equal(spec.residual_out, want_res)  # one rounding of the same sum
-    # The squares are summed in another order than the norm kernel's: a value may round one step apart.
-    torch.testing.assert_close(spec.out.float(), want_normed.float(), atol=0, rtol=1e-2)
-    assert (spec.out != want_normed).float().mean() < 0.02
-    assert torch.equal(got, gemv_mma(spec.out, w, b, gated=gated))  # the same rows, the same sums
-
-
-def test_norm_fits_bounds_the_shared_memory():
-    """The normalized rows live in the block's shared memory (a power of two of them): 2 to 16 rows, an 8B model's
-    4096-wide rows up to 4 (steps of more keep the norm kernel)."""
-    from pagedllm.kernels.gemv_mma import norm_fits
-
-    assert norm_fits(960, 576, False, 16) and norm_fits(1536, 576, True, 16)
-    assert not norm_fits(960, 576, False, 17) and not norm_fits(960, 576, False, 1)
-    assert norm_fits(6144, 4096, False, 4) and not norm_fits(6144, 4096, False, 5)
-
-
-def test_decoder_block_norm_inside_the_tensor_core_gemv(monkeypatch):
-    """With PAGEDLLM_NORM_GEMV_MMA=1 a decoder block's post-attention norm runs inside its gate_up tensor-core GEMV
-    at 2..16 row steps too, the block's output and residual as with the norm kernel; in a CUDA graph as well."""
-    from norm_block import norm_mlp_block
-
-    from pagedllm.kernels import gemv_mma as mod
-    from pagedllm.layers.layernorm import link_norm_gemv
-
-    block = norm_mlp_block("cuda")
-    monkeypatch.setenv("PAGEDLLM_NORM_GEMV_MMA", "1")
-    assert link_norm_gemv(block) == 1
-    layer = block.mlp.gate_up_proj
-    with_norm = []  # per tensor-core GEMV call: whether it took a norm
-    real = mod.gemv_mma
-    monkeypatch.setattr(mod, "gemv_mma", lambda *a, norm=None, **k: with_norm.append(norm is not None) or real(
-        *a, norm=norm, **k))
-    for rows in (2, 5, 16):
-        x = torch.randn(rows, 576, device="cuda", dtype=torch.bfloat16)
-        r = torch.randn(rows, 576, device="cuda", dtype=torch.bfloat16)
-        with_norm.clear()
-        fused, fused_res = block(x, r)
-        assert with_norm[0] is True  # gate_up took the norm (down_proj then runs without one)
-        block.post_attention_layernorm.__dict__["gemv_consumer"] = None
-        plain, plain_res = block(x, r)
-        block.post_attention_layernorm.__dict__["gemv_consumer"] = layer
-        assert torch.equal(fused_res, plain_res)
-        torch.testing.assert_close(fused.float(), plain.float(), atol=2e-2, rtol=4e-2)
-    x = torch.randn(5, 576, device="cuda", dtype=torch.bfloat16)
-    r = torch.randn(5, 576, device="cuda", dtype=torch.bfloat16)
-    eager, _ = block(x, r)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, _ = block(x, r)
-    graph.replay()
-    assert torch.equal(out, eager)
-
-
-def test_engine_with_norms_inside_the_tensor_core_gemv(tiny_model_dir, monkeypatch):
-    """An engine with PAGEDLLM_NORM_GEMV_MMA=1 (batch 6 decode steps, n-gram verify steps, CUDA graphs) gives the
-    greedy tokens of the engine with it off up to near-ties, and their logprobs within bf16 rounding."""
-    from pagedllm import SamplingParams
-    from spec_checks import assert_same_up_to_near_ties
-
-    model = tiny_model_dir("llama", hidden_size=256, intermediate_size=768)
-    prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 250 + 5 for j in range(12 + i)] * 2} for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
-    outs, drafts = _ngram_engine_runs(model, prompts, params, monkeypatch, "PAGEDLLM_NORM_GEMV_MMA", ("0", "1"))
-    assert drafts["1"] > 0
-    assert assert_same_up_to_near_ties(outs["1"], outs["0"], check_logprobs=True) > 0

@@ -241,14 +241,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     """x: [M, K]; weight: [N, K] (gated: [2 * N', K], gate rows then up rows). Returns [M, N] (gated: [M, N']),
     with `lora`'s delta added to each row before the rounding (and the activation). mma: the tensor-core GEMV
     (kernels/gemv_mma.py) instead of this kernel; None: where `_rows_kernel` gives it the rows. norm: x is the
-    input of that RMSNorm, whose output the product takes (the tensor-core GEMV's: see gemv_mma)."""
+    input of that RMSNorm, whose output the product takes (this kernel only)."""
     if mma is None:
         mma = (lora is None and norm is None and block_n is None
                and _rows_kernel(x.shape[0], weight, x) == "mma")
+    assert not (mma and norm is not None), "the tensor-core GEMV takes no norm"
     if mma and (not gated or weight.shape[0] % 32 == 0):
         from pagedllm.kernels.gemv_mma import gemv_mma
 
-        return gemv_mma(x, weight, bias, gated=gated, norm=norm)
+        return gemv_mma(x, weight, bias, gated=gated)
     m, k = x.shape
     n_total, k_w = weight.shape
     assert k == k_w, (x.shape, weight.shape)

@@ -7,10 +7,6 @@ rows; cuBLAS at 2-32 rows streams the weight well below the bandwidth a one-row 
 B columns of mma.m16n8k16 (swap-AB, as kernels/qgemv_mma.py for int4 weights): 1 to 8 rows cost one pass over the
 weight, 9 to 32 two or four row tiles of the same pass. The weight needs no repacking (row-major, rows 16-byte aligned).
 
-With a norm (`gemv.GemvNorm`, PAGEDLLM_NORM_GEMV_MMA): x is an RMSNorm's input; each block normalizes its rows
-into shared memory first (the norm kernel's numbers; the blocks of the first column tile also store the norm's
-outputs), so a verify step or a small batch runs the norm before qkv and gate_up without a launch of its own.
-
 Numerics: products exact, sums fp32 in another order than cuBLAS's, rounded once to the output dtype; the gated
 path rounds gate and up, then the activation, then the product, as `silu_and_mul` after a linear layer does
 (`kernels.gemv.gemv_ref`).
@@ -24,9 +20,7 @@ import torch
 
 # kernel_available: the int4 kernel's conditions hold here too (mma.m16n8k16 on bf16 needs compute capability 8.0;
 # NVRTC through torch.cuda._compile_kernel)
-from pagedllm.kernels.qgemv_mma import SMEM_LIMIT, _launch_pdl, cuda_source, kernel_available  # noqa: F401
-from pagedllm.kernels.qgemv_mma import _next_pow2 as _norm_rows  # (rows of shared memory: a power of two)
-from pagedllm.kernels.qgemv_mma import norm_defines, norm_smem_bytes
+from pagedllm.kernels.qgemv_mma import _launch_pdl, cuda_source, kernel_available  # noqa: F401
 
 CHUNK = 64  # channels per chunk: four MMAs
 MAX_ROWS = 32  # four row tiles of 8
@@ -78,16 +72,12 @@ def _unit(unit: int, chunks: int) -> int:
     return max(1, unit)
 
 
-NORM_ROW_TILES = (1, 2)  # with a norm: at most 16 rows (the normalized rows of a block live in shared memory)
-
-
 @functools.lru_cache(maxsize=None)
 def _compile(warps: int, unit: int, depth: int, mt: int, ct: int, gated: bool, fp16: bool, has_bias: bool,
-             device_index: int, norm_k: int = 0, has_res: bool = False, norm_rows: int = 0):
+             device_index: int):
     major, minor = torch.cuda.get_device_capability(device_index)
     defines = (f"#define WARPS {warps}\n#define UNIT {unit}\n#define DEPTH {depth}\n#define MT {mt}\n#define CT {ct}\n"
-               f"#define GATED {int(gated)}\n#define IS_FP16 {int(fp16)}\n#define HAS_BIAS {int(has_bias)}\n"
-               + norm_defines(norm_k, has_res, norm_rows))
+               f"#define GATED {int(gated)}\n#define IS_FP16 {int(fp16)}\n#define HAS_BIAS {int(has_bias)}\n")
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(defines + cuda_source("gemv_mma.cu"), "gemv_mma",
                                           compute_capability=f"{major}{minor}")
@@ -105,52 +95,36 @@ def _launch_shape(n_out: int, k: int, gated: bool, mt: int, cfg: dict) -> tuple:
     return warps, _unit(cfg["unit"], k // CHUNK), ct, blocks
 
 
-def norm_fits(n_out: int, k: int, gated: bool, rows: int) -> bool:
-    """Whether a product of `rows` (2..16) rows can take its RMSNorm in the kernel: its normalized rows, or the
-    reduction, fit the block's shared memory."""
-    mt = next((mt for mt in NORM_ROW_TILES if rows <= 8 * mt), None)
-    if mt is None or rows < 2:
-        return False
-    warps, _, ct, _ = _launch_shape(n_out, k, gated, mt, base_config(gated, mt))
-    return norm_smem_bytes(warps, 2 if gated else ct, mt, k, _norm_rows(rows)) <= SMEM_LIMIT
-
-
 @functools.lru_cache(maxsize=None)
-def _prepare(n_out: int, k: int, gated: bool, fp16: bool, has_bias: bool, index: int, norm: bool = False) -> None:
+def _prepare(n_out: int, k: int, gated: bool, fp16: bool, has_bias: bool, index: int) -> None:
     for mt in ROW_TILES:
         cfg = base_config(gated, mt)
         warps, unit, ct, _ = _launch_shape(n_out, k, gated, mt, cfg)
         _compile(warps, unit, cfg["depth"], mt, ct, gated, fp16, has_bias, index)
-        if not norm or mt not in NORM_ROW_TILES:
-            continue
-        for rows in (2, 4, 8) if mt == 1 else (16,):
-            if norm_fits(n_out, k, gated, rows):
-                for has_res in (False, True):  # (the first layer's input norm has no residual)
-                    _compile(warps, unit, cfg["depth"], mt, ct, gated, fp16, has_bias, index, k, has_res, rows)
 
 
-def _prepare_key(weight: torch.Tensor, gated: bool, has_bias: bool, norm: bool = False) -> tuple:
+def _prepare_key(weight: torch.Tensor, gated: bool, has_bias: bool) -> tuple:
     """`_prepare`'s arguments for a weight: what its compiled variants depend on."""
     index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
     return (weight.shape[0] // (2 if gated else 1), weight.shape[1], gated, weight.dtype == torch.float16, has_bias,
-            index, norm)
+            index)
 
 
-def prepare(weight: torch.Tensor, gated: bool = False, has_bias: bool = False, norm: bool = False) -> None:
-    """Compile (NVRTC) every row-tile variant a weight's calls will launch (norm: also those computing the RMSNorm
-    before it): a compile inside CUDA-graph capture fails, so the first (eager) call, or the model's load, does it."""
+def prepare(weight: torch.Tensor, gated: bool = False, has_bias: bool = False) -> None:
+    """Compile (NVRTC) every row-tile variant a weight's calls will launch: a compile inside CUDA-graph capture
+    fails, so the first (eager) call, or the model's load, does it."""
     if weight.device.type == "cuda":
-        _prepare(*_prepare_key(weight, gated, has_bias, norm))
+        _prepare(*_prepare_key(weight, gated, has_bias))
 
 
-def warm_up(layers: list[tuple], max_workers: int = 8) -> int:
-    """Compile every variant that (weight, gated, has_bias[, norm]) products will launch, in threads (NVRTC and the
-    module load run outside the GIL), so that neither graph capture nor serving waits for a compile; returns the
-    number of distinct weight shapes. Weights the kernel cannot read are skipped."""
+def warm_up(layers: list[tuple[torch.Tensor, bool, bool]], max_workers: int = 8) -> int:
+    """Compile every variant that (weight, gated, has_bias) products will launch, in threads (NVRTC and the module
+    load run outside the GIL), so that neither graph capture nor serving waits for a compile; returns the number of
+    distinct weight shapes. Weights the kernel cannot read are skipped."""
     from concurrent.futures import ThreadPoolExecutor
 
-    keys = {_prepare_key(*layer) for layer in layers
-            if layer[0].device.type == "cuda" and layout_problem(layer[0], layer[1]) is None}
+    keys = {_prepare_key(weight, gated, has_bias) for weight, gated, has_bias in layers
+            if weight.device.type == "cuda" and layout_problem(weight, gated) is None}
 
     def compile_in_thread(key):
         torch.cuda.synchronize(key[-1])  # a runtime call: binds the device's primary context to this thread
@@ -166,11 +140,9 @@ def warm_up(layers: list[tuple], max_workers: int = 8) -> int:
 
 
 def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, gated: bool = False,
-             config: Optional[dict] = None, norm=None) -> torch.Tensor:
+             config: Optional[dict] = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, rows 16-byte aligned) @ weight^T (+ bias) -> [M, N]; gated: weight [2 N', K] (gate
-    rows, then up rows) -> silu(gate) * up [M, N']. norm (kernels/gemv.GemvNorm, its weight in x's dtype, not the
-    float32 product; `norm_fits`): x is that RMSNorm's input, whose outputs are stored in norm.out (and
-    norm.residual_out) and whose normalized rows the product takes."""
+    rows, then up rows) -> silu(gate) * up [M, N']."""
     unknown = set(config or ()) - set(CONFIG)
     if unknown:
         raise ValueError(f"unknown gemv_mma launch options {sorted(unknown)}; known: {sorted(CONFIG)}")
@@ -191,29 +163,12 @@ def gemv_mma(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     cfg = {**base_config(gated, mt), **(config or {})}
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if not config:
-        # every row tile at once (cached): none compiles under capture
-        prepare(weight, gated, bias is not None, norm is not None)
+        prepare(weight, gated, bias is not None)  # every row tile at once (cached): none compiles under capture
     warps, unit, ct, blocks = _launch_shape(n_out, k, gated, mt, cfg)
-    norm_k, has_res, norm_rows, norm_args = 0, False, 0, [x, x, x, x, 0, 0, 0.0]  # (read only with a norm)
-    if norm is not None:
-        res, res_out = norm.residual, norm.residual_out
-        assert not norm.fp32_product and norm.weight.dtype == x.dtype and norm.weight.shape == (k,), (
-            "the tensor-core GEMV's norm multiplies by a weight in the activation dtype")
-        norm_rows = _norm_rows(m)  # (m <= 8 mt: one row block)
-        assert norm_smem_bytes(warps, 2 if gated else ct, mt, k, norm_rows) <= SMEM_LIMIT, (m, k, "see norm_fits")
-        assert norm.weight.is_contiguous() and norm.out.shape == x.shape and norm.out.stride(1) == 1
-        assert norm.out.stride(0) % 8 == 0 or m == 1, "normalized rows must be 16-byte aligned"
-        assert res is None or (res.shape == x.shape and res.stride(1) == 1 and res_out is not None
-                               and res_out.stride() == res.stride() and (res.stride(0) % 8 == 0 or m == 1)), (
-            "the residual's rows: as x's, 16-byte aligned, its output with its strides")
-        norm_k, has_res = k, res is not None
-        norm_args = [res if has_res else x, norm.weight, norm.out, res_out if has_res else norm.out,
-                     res.stride(0) if has_res else 0, norm.out.stride(0), float(norm.eps)]
-    kernel = _compile(warps, unit, cfg["depth"], mt, ct, gated, x.dtype == torch.float16, bias is not None, index,
-                      norm_k, has_res, norm_rows)
+    kernel = _compile(warps, unit, cfg["depth"], mt, ct, gated, x.dtype == torch.float16, bias is not None, index)
     grid, block = (blocks, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [weight, x, bias if bias is not None else x, out, m, n_out, k, weight.stride(0), x.stride(0),
-            out.stride(0), n_out, *norm_args]
+            out.stride(0), n_out]
     from pagedllm.kernels.pdl import use_pdl
 
     if use_pdl(x.device):

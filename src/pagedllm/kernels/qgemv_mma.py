@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import struct
 from typing import Optional
 
 import torch
@@ -101,79 +100,30 @@ def _depth(depth: int, mt: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _compile(warps: int, unit: int, depth: int, fp16: bool, has_perm: bool, has_bias: bool, device_index: int,
-             mt: int, ct: int = 1, norm: tuple = (0, False, 0)):
+             mt: int, ct: int = 1):
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
     if compile_kernel is None:
         raise RuntimeError("torch.cuda._compile_kernel (NVRTC) is not in this torch")
     major, minor = torch.cuda.get_device_capability(device_index)
     defines = (f"#define WARPS {_warps(warps, mt * ct)}\n#define UNIT {unit}\n#define MT {mt}\n#define CT {ct}\n"
                f"#define DEPTH {_depth(depth, mt * ct)}\n"
-               f"#define IS_FP16 {int(fp16)}\n#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n"
-               + norm_defines(*norm))
+               f"#define IS_FP16 {int(fp16)}\n#define HAS_PERM {int(has_perm)}\n#define HAS_BIAS {int(has_bias)}\n")
     with torch.cuda.device(device_index):
         return compile_kernel(defines + _source(), "qgemv_mma", compute_capability=f"{major}{minor}")
 
 
-def _tiling(warps: Optional[int], column_tiles: int, unit: Optional[int], device_index: int, ct: Optional[int],
-            group_chunks: int, mt: int) -> tuple:
-    """(warps asked for, chunks per unit, column tiles per block) of one row-tile count; None: the defaults
+def _variant(warps: Optional[int], column_tiles: int, unit: Optional[int], depth: int, fp16: bool, has_perm: bool,
+             has_bias: bool, device_index: int, ct: Optional[int], group_chunks: int, mt: int) -> tuple:
+    """(kernel, warps per block, column tiles per block) of one row-tile count; None: the defaults
     (`default_warps`, `default_tiling`)."""
     if ct is None or unit is None:
         sms = torch.cuda.get_device_properties(device_index).multi_processor_count
         default_ct, default_unit = default_tiling(column_tiles, mt, sms)
         ct = default_ct if ct is None else ct
         unit = default_unit if unit is None else unit
-    return warps or default_warps(column_tiles, mt), _unit(unit, group_chunks), _column_tiles(ct, column_tiles)
-
-
-@functools.lru_cache(maxsize=None)
-def _variant(warps: Optional[int], column_tiles: int, unit: Optional[int], depth: int, fp16: bool, has_perm: bool,
-             has_bias: bool, device_index: int, ct: Optional[int], group_chunks: int, mt: int,
-             norm: tuple = (0, False, 0)) -> tuple:
-    """(kernel, warps per block, column tiles per block) of one row-tile count (norm: `norm_defines`' arguments)."""
-    base, unit, ct = _tiling(warps, column_tiles, unit, device_index, ct, group_chunks, mt)
-    return (_compile(base, unit, depth, fp16, has_perm, has_bias, device_index, mt, ct, norm), _warps(base, mt * ct),
-            ct)
-
-
-# Shared memory a block may take statically (the reduction's, or with a norm its normalized rows)
-SMEM_LIMIT = 48 * 1024
-NORM_MAX_ROWS = 16  # with a norm: at most two row tiles (a block normalizes its rows into shared memory)
-
-
-def norm_defines(norm_k: int, has_res: bool, norm_rows: int) -> str:
-    """The #defines of csrc/mma_common.cuh's RMSNorm (norm_k 0: none)."""
-    return (f"#define NORM {int(norm_k > 0)}\n#define HAS_RES {int(has_res)}\n#define NORM_K {norm_k}\n"
-            f"#define NORM_ROWS {max(1, norm_rows)}\n")
-
-
-def norm_smem_bytes(warps: int, tiles: int, mt: int, norm_k: int = 0, norm_rows: int = 0) -> int:
-    """A block's static shared memory: the reduction's partial sums, or (norm) its normalized rows, whichever is
-    more (they share the bytes; csrc/mma_common.cuh XS_BYTES)."""
-    rows = norm_rows * (norm_k + 32) * 2 if norm_k else 0
-    return max(warps * tiles * mt * 4 * 32 * 4, rows)
-
-
-def _row_tiles(m: int) -> int:
-    return min(8, _next_pow2((m + 7) // 8))
-
-
-def norm_fits(words: torch.Tensor, group_size: int, rows: int) -> bool:
-    """Whether a product of `rows` rows over this layer (mma-layout words) can take its RMSNorm in the kernel: at
-    most NORM_MAX_ROWS rows, whose normalized rows (a power of two of them) fit the block's shared memory."""
-    if not 1 <= rows <= NORM_MAX_ROWS:
-        return False
-    index = words.device.index if words.device.index is not None else torch.cuda.current_device()
-    return _norm_fits(words.shape[0], words.shape[1], group_size, rows, index)
-
-
-@functools.lru_cache(maxsize=None)
-def _norm_fits(nt: int, chunks: int, group_size: int, rows: int, index: int) -> bool:
-    k = chunks * CHUNK
-    mt = _row_tiles(rows)
-    base, _, ct = _tiling(CONFIG["warps"], nt, CONFIG["unit"], index, CONFIG["ct"],
-                          (k if group_size == -1 else group_size) // CHUNK, mt)
-    return norm_smem_bytes(_warps(base, mt * ct), ct, mt, k, _next_pow2(rows)) <= SMEM_LIMIT
+    ct, unit = _column_tiles(ct, column_tiles), _unit(unit, group_chunks)
+    base = warps or default_warps(column_tiles, mt)
+    return _compile(base, unit, depth, fp16, has_perm, has_bias, device_index, mt, ct), _warps(base, mt * ct), ct
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,22 +228,16 @@ def _launch_block(n: int) -> tuple:
     return block
 
 
-def _double_bits(value: float) -> int:
-    return struct.unpack("<Q", struct.pack("<d", value))[0]
-
-
 def _launch_pdl(kernel, grid: tuple, block: tuple, args: list) -> None:
     """cuLaunchKernelEx with programmatic stream serialization (kernels/pdl.py): the kernel may start while the one
     before it finishes; it loads its weights, then `griddepcontrol.wait`s before reading x.
 
-    The arguments are pointers (tensors), 32-bit ints and doubles (Python floats, as torch's own launcher passes
-    them): each is stored in an 8-byte slot of one array (an int in its low 4 bytes, little-endian, which is what
-    the kernel reads), and the kernel gets the slots' addresses; the
+    The arguments are pointers (tensors) and 32-bit ints: each is stored in an 8-byte slot of one array (an int in
+    its low 4 bytes, little-endian, which is what the kernel reads), and the kernel gets the slots' addresses; the
     arrays and the launch config are made once per argument count (`_launch_block`) and only written per launch
     (host time, on every eager step)."""
     values, _, params_addr, cfg, cfg_addr = _launch_block(len(args))
-    values[:] = [a.data_ptr() if isinstance(a, torch.Tensor) else _double_bits(a) if isinstance(a, float)
-                 else a & 0xFFFFFFFF for a in args]
+    values[:] = [a.data_ptr() if isinstance(a, torch.Tensor) else a & 0xFFFFFFFF for a in args]
     cfg.grid_x, cfg.grid_y, cfg.grid_z = grid
     cfg.block_x, cfg.block_y, cfg.block_z = block
     cfg.stream = torch.cuda.current_stream().cuda_stream
@@ -363,31 +307,21 @@ def _unit(unit: int, group_chunks: int) -> int:
     return unit
 
 
-def prepare(words: torch.Tensor, dtype: torch.dtype, group_size: int, has_perm: bool, has_bias: bool,
-            norm: bool = False) -> None:
-    """Compile (NVRTC) what a layer's calls will launch, at load time: a compile inside CUDA-graph capture fails.
-    norm: also the variants that compute the RMSNorm before the layer (`quant_gemv_mma`'s norm)."""
+def prepare(words: torch.Tensor, dtype: torch.dtype, group_size: int, has_perm: bool, has_bias: bool) -> None:
+    """Compile (NVRTC) what a layer's calls will launch, at load time: a compile inside CUDA-graph capture fails."""
     if words.device.type != "cuda":
         return
     index = words.device.index if words.device.index is not None else torch.cuda.current_device()
     k = words.shape[1] * CHUNK
-    key = (CONFIG["warps"], words.shape[0], CONFIG["unit"], CONFIG["depth"], dtype == torch.float16, has_perm,
-           has_bias, index, CONFIG["ct"], (k if group_size == -1 else group_size) // CHUNK)
-    _kernels(*key)
+    _kernels(CONFIG["warps"], words.shape[0], CONFIG["unit"], CONFIG["depth"], dtype == torch.float16, has_perm,
+             has_bias, index, CONFIG["ct"], (k if group_size == -1 else group_size) // CHUNK)
     _dequant_kernel(dtype == torch.float16, index)
-    if norm:
-        for rows in (1, 2, 4, 8, 16):
-            if norm_fits(words, group_size, rows):
-                for has_res in (False, True):  # (the first layer's input norm has no residual)
-                    _variant(*key, _row_tiles(rows), (k, has_res, rows))
 
 
 def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                    group_size: int, perm: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                   config: Optional[dict] = None, norm=None) -> torch.Tensor:
-    """x [M, K] (fp16/bf16, rows 16-byte aligned) @ dequant(W)^T (+ bias) -> [M, N]. norm (kernels/gemv.GemvNorm,
-    its weight in x's dtype, not the float32 product; `norm_fits`): x is that RMSNorm's input, whose outputs are
-    stored in norm.out (and norm.residual_out) and whose normalized rows the product takes."""
+                   config: Optional[dict] = None) -> torch.Tensor:
+    """x [M, K] (fp16/bf16, rows 16-byte aligned) @ dequant(W)^T (+ bias) -> [M, N]."""
     unknown = set(config or ()) - set(CONFIG) - {"mt"}
     if unknown:
         raise ValueError(f"unknown qgemv_mma launch options {sorted(unknown)}; known: {sorted(CONFIG)} and mt")
@@ -402,30 +336,15 @@ def quant_gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z
     if m == 0:
         return out
     group_chunks = (k if group_size == -1 else group_size) // CHUNK
-    mt = cfg.get("mt") or _row_tiles(m)
+    mt = cfg.get("mt") or min(8, _next_pow2((m + 7) // 8))
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     key = (cfg["warps"], nt, cfg["unit"], cfg["depth"], x.dtype == torch.float16, perm is not None, bias is not None,
            index, cfg["ct"], group_chunks)
-    norm_args = [x, x, x, x, 0, 0, 0.0]  # (read only with a norm)
-    if norm is not None:
-        res, res_out = norm.residual, norm.residual_out
-        assert not config and norm_fits(words, group_size, m), (m, k, "see norm_fits")
-        assert not norm.fp32_product and norm.weight.dtype == x.dtype and norm.weight.shape == (k,), (
-            "the tensor-core GEMV's norm multiplies by a weight in the activation dtype")
-        assert norm.weight.is_contiguous() and norm.out.shape == x.shape and norm.out.stride(1) == 1
-        assert norm.out.stride(0) % 8 == 0 or m == 1, "normalized rows must be 16-byte aligned"
-        assert res is None or (res.shape == x.shape and res.stride(1) == 1 and res_out is not None
-                               and res_out.stride() == res.stride() and (res.stride(0) % 8 == 0 or m == 1)), (
-            "the residual's rows: as x's, 16-byte aligned, its output with its strides")
-        norm_args = [res if res is not None else x, norm.weight, norm.out, res_out if res is not None else norm.out,
-                     res.stride(0) if res is not None else 0, norm.out.stride(0), float(norm.eps)]
-        kernel, warps, ct = _variant(*key, mt, (k, res is not None, _next_pow2(m)))
-    else:
-        # a row tile given by the caller compiles that variant alone (benchmark sweeps); else every one at once
-        kernel, warps, ct = _variant(*key, mt) if cfg.get("mt") else _kernels(*key)[mt]
+    # a row tile given by the caller compiles that variant alone (benchmark sweeps); else every one at once
+    kernel, warps, ct = _variant(*key, mt) if cfg.get("mt") else _kernels(*key)[mt]
     grid, block = (nt // ct, (m + 8 * mt - 1) // (8 * mt), 1), (32 * warps, 1, 1)
     args = [words, x, scales, zeros, perm if perm is not None else words, bias if bias is not None else x,
-            out, m, n, k, x.stride(0), out.stride(0), _group_shift(group_size, k), *norm_args]
+            out, m, n, k, x.stride(0), out.stride(0), _group_shift(group_size, k)]
     from pagedllm.kernels.pdl import use_pdl  # (imports triton: not at module level, the CPU path has none)
 
     if use_pdl(x.device):

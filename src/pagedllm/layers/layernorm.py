@@ -1,7 +1,6 @@
 """RMSNorm, optionally fused with the residual add that precedes it (vLLM style)."""
 from __future__ import annotations
 
-import logging
 from typing import Optional, Union
 
 import torch
@@ -11,8 +10,6 @@ from pagedllm import envs
 from pagedllm.kernels import cpu_ops
 from pagedllm.layers.activation import triton_kernels
 from pagedllm.layers.weight_utils import default_weight_loader, set_weight_attrs
-
-logger = logging.getLogger(__name__)
 
 
 # Whether link_norm_quant links norms to the W8A8 layers they feed (False: each layer quantizes its own input, one
@@ -203,23 +200,12 @@ def link_norm_gemv(model: nn.Module) -> int:
                 parent = module.get_submodule(parent_path) if parent_path else module
             except AttributeError:  # e.g. a MoE block where a dense MLP would be
                 continue
-            if not is_plain_rms_norm(norm) or norm.quant_consumer is not None \
-                    or not isinstance(layer, ColumnParallelLinear):
+            if (not is_plain_rms_norm(norm) or norm.quant_consumer is not None
+                    or not isinstance(layer, ColumnParallelLinear)
+                    or type(layer.linear_method) is not UnquantizedLinearMethod):
                 continue
-            method = layer.linear_method
-            if type(method) is UnquantizedLinearMethod:
-                # The MLP asks for silu(gate) * up in one kernel (LlamaMLP.fuse_silu): the norm's GEMV is that one.
-                gated = bool(getattr(parent, "fuse_silu", False)) and getattr(parent, "gate_up_proj", None) is layer
-            elif getattr(method, "takes_norm", False) and envs.PAGEDLLM_NORM_GEMV_MMA:
-                gated = False  # (its plain product: the MLP applies SiLU after it)
-                try:
-                    method.prepare_norm(layer)
-                except Exception as e:  # noqa: BLE001 (a compile failure: the norm keeps its own kernel)
-                    logger.warning("%s: the norm before it stays its own kernel (%s: %s)", layer_path,
-                                   type(e).__name__, e)
-                    continue
-            else:
-                continue
+            # The MLP asks for silu(gate) * up in one kernel (LlamaMLP.fuse_silu): the norm's GEMV is that one.
+            gated = bool(getattr(parent, "fuse_silu", False)) and getattr(parent, "gate_up_proj", None) is layer
             norm.__dict__["gemv_consumer"] = layer  # a plain reference, not a submodule of the norm
             layer.__dict__["norm_gemv_gated"] = gated
             linked += 1

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import envs
 from pagedllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                  get_tensor_model_parallel_world_size,
                                                  tensor_model_parallel_all_gather,
@@ -95,11 +94,6 @@ class LinearMethodBase:
         """This rank's weight as a dense [out, in] float tensor (references, tests, LoRA merging)."""
         raise NotImplementedError(f"{type(self).__name__} cannot dequantize its weight.")
 
-    # A method whose kernels can compute the RMSNorm before the layer (layernorm.link_norm_gemv links such layers
-    # when PAGEDLLM_NORM_GEMV_MMA is on): `prepare_norm(layer)` at load, then per call `norm_product_fits(layer,
-    # x, norm)` and `norm_product(layer, x, spec)` (spec: kernels/gemv.GemvNorm), whose product `apply` takes.
-    takes_norm = False
-
 
 class UnquantizedLinearMethod(LinearMethodBase):
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
@@ -110,7 +104,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias=None):
-        done = norm_gemv_result(layer, x, gated=False)
+        done = _norm_gemv_result(layer, x, gated=False)
         if done is not None:
             return done
         gemv = gemv_kernels(x, layer.weight)
@@ -124,7 +118,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply_silu_and_mul(self, layer, x, bias=None) -> Optional[torch.Tensor]:
         """`silu(gate) * up` of a merged [gate; up] layer in one kernel, or None where that kernel does not apply
         (the caller then runs `apply` and the activation)."""
-        done = norm_gemv_result(layer, x, gated=True)
+        done = _norm_gemv_result(layer, x, gated=True)
         if done is not None:
             return done
         gemv = gemv_kernels(x, layer.weight)
@@ -134,7 +128,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return layer.weight
 
 
-def norm_gemv_result(layer: nn.Module, x: torch.Tensor, gated: bool) -> Optional[torch.Tensor]:
+def _norm_gemv_result(layer: nn.Module, x: torch.Tensor, gated: bool) -> Optional[torch.Tensor]:
     """The product the norm before `layer` computed with its own output x (ColumnParallelLinear.norm_and_gemv),
     taken once; None where it computed none for this x."""
     done = layer.__dict__.get("_norm_gemv")
@@ -261,41 +255,20 @@ class ColumnParallelLinear(LinearBase):
         """`norm(x, residual)`'s result, with this layer's product of it computed by the same kernel (the Triton
         GEMV with its norm: kernels/gemv.GemvNorm) and kept for this layer's call on the norm's output; None where
         that kernel does not take the rows (then the norm runs alone). Set up by layernorm.link_norm_gemv."""
-        if self.gather_output or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != self.input_size \
+        if self.gather_output or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != self.weight.shape[1] \
                 or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous())):
             return None
         gated = self.__dict__.get("norm_gemv_gated", False)
         if gated and (len(self.output_partition_sizes) != 2
                       or self.output_partition_sizes[0] != self.output_partition_sizes[1]):
             return None
-        method = self.linear_method
-        if type(method) is UnquantizedLinearMethod:
-            kernels = gemv_kernels(x, self.weight)
-            which = None if kernels is None else kernels._rows_kernel(x.shape[0], self.weight, x)
-            if which == "mma":  # few rows (a verify step, a small batch) on the tensor-core GEMV: where it fits
-                from pagedllm.kernels import gemv_mma
-
-                n_out = self.weight.shape[0] // (2 if gated else 1)
-                if (not envs.PAGEDLLM_NORM_GEMV_MMA or norm.fp32_product or norm.weight.dtype != x.dtype
-                        or (gated and self.weight.shape[0] % 32)
-                        or not gemv_mma.norm_fits(n_out, x.shape[1], gated, x.shape[0])):
-                    return None
-            elif which != "gemv":
-                return None
-
-            def product_of(spec):
-                return kernels.gemv(x, self.weight, self.bias, gated=gated, mma=which == "mma", norm=spec)
-        else:  # a quantized method's kernel (link_norm_gemv linked it: `takes_norm`)
-            kernels = triton_kernels("gemv")  # (GemvNorm)
-            if kernels is None or not method.norm_product_fits(self, x, norm):
-                return None
-
-            def product_of(spec):
-                return method.norm_product(self, x, spec)
+        kernels = gemv_kernels(x, self.weight)
+        if kernels is None or kernels._rows_kernel(x.shape[0], self.weight, x) != "gemv":
+            return None
         out = torch.empty_like(x)
         new_residual = None if residual is None else torch.empty_like(residual)
         spec = kernels.GemvNorm(norm.weight, norm.variance_epsilon, norm.fp32_product, out, residual, new_residual)
-        product = product_of(spec)
+        product = kernels.gemv(x, self.weight, self.bias, gated=gated, mma=False, norm=spec)
         self.__dict__["_norm_gemv"] = (out, gated, product)
         return out if residual is None else (out, new_residual)
 

@@ -8,9 +8,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedllm.kernels.qgemv_mma import dequantize_mma, norm_fits, prepare, quant_gemv_mma
+from pagedllm.kernels.qgemv_mma import dequantize_mma
 from pagedllm.kernels.tiled_layout import dequantize_tiled
-from pagedllm.layers.linear import norm_gemv_result
 from pagedllm.quantization.base import LinearMethodBase
 from pagedllm.quantization.kernels import mma_int_linear, packed_int_linear, tiled_int_linear
 from pagedllm.quantization.packed import dequantize_packed
@@ -50,27 +49,7 @@ class PackedIntLinearMethod(LinearMethodBase):
         if layer.qweight.is_cuda and not use_mma_layout(layer):
             use_tiled_layout(layer)
 
-    # The mma layout's kernel computes the RMSNorm before the layer at steps of 1-16 rows (PAGEDLLM_NORM_GEMV_MMA)
-    takes_norm = True
-
-    def prepare_norm(self, layer) -> None:
-        if layer.quant_layout == "mma" and layer.qweight.is_cuda:
-            prepare(layer.qweight, layer.scales.dtype, layer.quant_group_size, layer.quant_perm is not None,
-                    getattr(layer, "bias", None) is not None, norm=True)
-
-    def norm_product_fits(self, layer, x: torch.Tensor, norm: nn.Module) -> bool:
-        return (layer.quant_layout == "mma" and x.is_cuda and x.dtype == layer.scales.dtype
-                and norm.weight.dtype == x.dtype and not norm.fp32_product and x.stride(0) % 8 == 0
-                and x.data_ptr() % 16 == 0 and norm_fits(layer.qweight, layer.quant_group_size, x.shape[0]))
-
-    def norm_product(self, layer, x: torch.Tensor, spec) -> torch.Tensor:
-        return quant_gemv_mma(x, layer.qweight, layer.scales, layer.zeros, layer.quant_group_size, layer.quant_perm,
-                              getattr(layer, "bias", None), norm=spec)
-
     def apply(self, layer, x, bias=None):
-        done = norm_gemv_result(layer, x, gated=False)
-        if done is not None:
-            return done
         if layer.quant_layout == "mma":
             return mma_int_linear(x, layer, bias)
         if layer.quant_layout == "tiled":

@@ -187,13 +187,11 @@ class ModelRunner:
         for module in self.model.modules():
             weight = getattr(module, "weight", None)
             has_bias = getattr(module, "bias", None) is not None
-            # A layer whose norm runs inside its GEMV (layernorm.link_norm_gemv): those variants too
-            norm_gated = module.__dict__.get("norm_gemv_gated") if envs.PAGEDLLM_NORM_GEMV_MMA else None
             if isinstance(module, ParallelLMHead) or type(getattr(module, "linear_method", None)) is \
                     UnquantizedLinearMethod:
-                layers.append((weight, False, has_bias, norm_gated is False))
+                layers.append((weight, False, has_bias))
                 if isinstance(module, MergedColumnParallelLinear) and len(module.output_partition_sizes) == 2:
-                    layers.append((weight, True, has_bias, norm_gated is True))  # silu(gate) * up in one kernel
+                    layers.append((weight, True, has_bias))  # silu(gate) * up in the same kernel
         start = time.perf_counter()
         try:
             shapes = gemv_mma.warm_up([layer for layer in layers if isinstance(layer[0], torch.Tensor)])

@@ -13,9 +13,8 @@
 // Compile-time parameters (#define before this file): WARPS (they split K: every WARPS-th unit), UNIT (chunks per
 // unit), DEPTH (units of a warp in flight, all asked for before the wait on the previous kernel), MT (row tiles of
 // 8), CT (column tiles per block sharing each x fragment), GATED (CT is 2: the block's gate tile and its up tile,
-// up_rows weight rows further; out = silu(gate) * up), IS_FP16, HAS_BIAS, NORM / HAS_RES / NORM_K / NORM_ROWS (x
-// is an RMSNorm's input: csrc/mma_common.cuh norm_rows). csrc/mma_common.cuh comes before this file (to_f32,
-// from_f32, round_trip, mma, load_x).
+// up_rows weight rows further; out = silu(gate) * up), IS_FP16, HAS_BIAS. csrc/mma_common.cuh comes before this
+// file (to_f32, from_f32, round_trip, mma).
 #ifndef DEPTH
 #define DEPTH 2
 #endif
@@ -25,7 +24,6 @@
 #ifndef GATED
 #define GATED 0
 #endif
-
 // One unit of a lane's weights: per column tile and chunk, rows g and g + 8, channels [8 t, +8) and [32 + 8 t, +8).
 struct Unit {
     uint4 lo[CT][UNIT][2], hi[CT][UNIT][2];
@@ -60,8 +58,8 @@ __device__ __forceinline__ void unit_product(float (&acc)[CT][MT][4], const Unit
         uint4 xv[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
-            xv[mt][0] = load_x(xrow[mt] + c * 64);
-            xv[mt][1] = load_x(xrow[mt] + c * 64 + 32);
+            xv[mt][0] = __ldg((const uint4*)(xrow[mt] + c * 64));
+            xv[mt][1] = __ldg((const uint4*)(xrow[mt] + c * 64 + 32));
         }
 #pragma unroll
         for (int ct = 0; ct < CT; ct++)
@@ -79,11 +77,7 @@ __device__ __forceinline__ void unit_product(float (&acc)[CT][MT][4], const Unit
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 gemv_mma(const u16* __restrict__ w, const u16* __restrict__ x, const u16* __restrict__ bias,
-         u16* __restrict__ out, int M, int N, int K, int stride_w, int stride_x, int stride_o, int up_rows,
-         // NORM only: the residual added first (HAS_RES), the norm's weight, its outputs (normed: the normalized
-         // rows; new_res: x + res, rows stride_r apart as res), eps (a double: torch's launcher passes floats so)
-         const u16* __restrict__ res, const u16* __restrict__ nw, u16* __restrict__ normed,
-         u16* __restrict__ new_res, int stride_r, int stride_n, double eps) {
+         u16* __restrict__ out, int M, int N, int K, int stride_w, int stride_x, int stride_o, int up_rows) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     // the block's first output column; GATED: the gate's (its up column is up_rows weight rows further)
@@ -104,21 +98,12 @@ gemv_mma(const u16* __restrict__ w, const u16* __restrict__ x, const u16* __rest
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 #endif
     float acc[CT][MT][4];
-#if NORM
-    __shared__ __align__(16) unsigned char smem[SMEM_BYTES];
-    u16 (*xs)[XS_STRIDE] =
-        norm_rows(smem, x, res, nw, normed, new_res, m0, M, stride_x, stride_r, stride_n, eps, warp, lane);
-#endif
     // the lane's row of each row tile (a row past M reads row 0; its MMA column is never stored)
     const u16* xrow[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         const int m = m0 + 8 * mt + g;
-#if NORM
-        xrow[mt] = &xs[m < M ? 8 * mt + g : 0][8 * t];  // (M - m0 <= NORM_ROWS)
-#else
         xrow[mt] = x + (u64)(m < M ? m : 0) * stride_x + 8 * t;
-#endif
 #pragma unroll
         for (int ct = 0; ct < CT; ct++)
 #pragma unroll
@@ -135,12 +120,7 @@ gemv_mma(const u16* __restrict__ w, const u16* __restrict__ x, const u16* __rest
         }
     }
     // the warps' partial sums added in warp order (deterministic)
-#if NORM
-    __syncthreads();  // every warp is past its last read of xs
-    float (*red)[CT * MT * 4][32] = reinterpret_cast<float (*)[CT * MT * 4][32]>(smem);
-#else
     __shared__ float red[WARPS][CT * MT * 4][32];
-#endif
 #pragma unroll
     for (int ct = 0; ct < CT; ct++)
 #pragma unroll

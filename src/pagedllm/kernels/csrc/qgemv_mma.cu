@@ -13,8 +13,7 @@
 // DEPTH (units of a warp in flight: a ring of registers, all asked for before the wait on the previous kernel),
 // MT (row tiles of 8 per block: a block takes 8 * MT rows, blockIdx.y the row block), CT (column tiles per block:
 // each x fragment a warp loads serves CT tiles, so a block re-reads x for CT * 16 columns, not 16), IS_FP16,
-// HAS_PERM, HAS_BIAS, NORM / HAS_RES / NORM_K / NORM_ROWS (x is an RMSNorm's input: csrc/mma_common.cuh
-// norm_rows). csrc/mma_common.cuh comes before this file (to_f32, from_f32, mma, load_x).
+// HAS_PERM, HAS_BIAS. csrc/mma_common.cuh comes before this file (to_f32, from_f32, mma).
 #ifndef DEPTH
 #define DEPTH 2
 #endif
@@ -109,10 +108,10 @@ __device__ __forceinline__ void unit_product(float (&acc)[CT][MT][4], const Unit
 #if HAS_PERM
 #pragma unroll
             for (int e = 0; e < 8; e++)
-                xr[mt][e] = (u32)load_x1(xrow[mt] + pk[2 * e]) | ((u32)load_x1(xrow[mt] + pk[2 * e + 1]) << 16);
+                xr[mt][e] = (u32)__ldg(xrow[mt] + pk[2 * e]) | ((u32)__ldg(xrow[mt] + pk[2 * e + 1]) << 16);
 #else
-            const u16* xv = xrow[mt] + c * 64;  // xrow[mt] includes the lane's 16 t
-            const uint4 v0 = load_x(xv), v1 = load_x(xv + 8);
+            const uint4* xv = (const uint4*)xrow[mt] + c * 8;  // xrow[mt] includes the lane's 16 t
+            const uint4 v0 = __ldg(xv), v1 = __ldg(xv + 1);
             xr[mt][0] = v0.x; xr[mt][1] = v0.y; xr[mt][2] = v0.z; xr[mt][3] = v0.w;
             xr[mt][4] = v1.x; xr[mt][5] = v1.y; xr[mt][6] = v1.z; xr[mt][7] = v1.w;
 #endif
@@ -153,10 +152,7 @@ __device__ __forceinline__ void unit_product(float (&acc)[CT][MT][4], const Unit
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __restrict__ scales,
           const u16* __restrict__ zeros, const int* __restrict__ perm, const u16* __restrict__ bias,
-          u16* __restrict__ out, int M, int N, int K, int stride_x, int stride_o, int group_shift,
-          // NORM only (csrc/gemv_mma.cu's arguments of the same names)
-          const u16* __restrict__ res, const u16* __restrict__ nw, u16* __restrict__ normed,
-          u16* __restrict__ new_res, int stride_r, int stride_n, double eps) {
+          u16* __restrict__ out, int M, int N, int K, int stride_x, int stride_o, int group_shift) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nt = blockIdx.x * CT;  // the block's first column tile
@@ -178,22 +174,13 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 #endif
     float acc[CT][MT][4];
-#if NORM
-    __shared__ __align__(16) unsigned char smem[SMEM_BYTES];
-    u16 (*xs)[XS_STRIDE] =
-        norm_rows(smem, x, res, nw, normed, new_res, m0, M, stride_x, stride_r, stride_n, eps, warp, lane);
-#endif
     // the lane's row of each row tile: a row past M reads row 0, and its MMA column (independent of the others) is
     // never stored
     const u16* xrow[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         const int m = m0 + 8 * mt + g;
-#if NORM
-        xrow[mt] = &xs[m < M ? 8 * mt + g : 0][HAS_PERM ? 0 : 16 * t];  // (M - m0 <= NORM_ROWS)
-#else
         xrow[mt] = x + (u64)(m < M ? m : 0) * stride_x + (HAS_PERM ? 0 : 16 * t);
-#endif
 #pragma unroll
         for (int ct = 0; ct < CT; ct++)
 #pragma unroll
@@ -212,12 +199,7 @@ qgemv_mma(const uint4* __restrict__ qw, const u16* __restrict__ x, const u16* __
         }
     }
     // the warps' partial sums (each warp took every WARPS-th unit) added in warp order: deterministic
-#if NORM
-    __syncthreads();  // every warp is past its last read of xs
-    float (*red)[CT * MT * 4][32] = reinterpret_cast<float (*)[CT * MT * 4][32]>(smem);
-#else
     __shared__ float red[WARPS][CT * MT * 4][32];
-#endif
 #pragma unroll
     for (int ct = 0; ct < CT; ct++)
 #pragma unroll
