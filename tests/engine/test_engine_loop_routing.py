@@ -132,3 +132,28 @@ def test_a_gone_process_has_its_requests_aborted_and_gets_nothing_more(wires: Wi
     wires.send(1, m.GetStats(seq=1, client_index=1))  # a gone process's late message is not answered
     wires.stats(0)  # (the loop has handled it once it answers this)
     assert not wires.pending(1)
+
+
+def test_a_request_the_engine_cannot_read_is_refused_alone(wires: Wires) -> None:
+    """An AddRequest whose fields do not fit their types (a request field the API process let through unchecked)
+    is a 400 for that request, sent to the process that sent it; the loop keeps serving (it used to stop the engine:
+    every later request got a 503). A frame that is not msgpack at all is dropped."""
+    import msgspec
+
+    m = wires.m
+    wires.add(1, "running", 8)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    raw = msgspec.msgpack.decode(wires.enc.encode(m.AddRequest("bad", [5, 9], params, client_index=1)))
+    raw["sampling_params"]["temperature"] = "hot"
+    wires.ins[1].send(msgspec.msgpack.encode(raw))
+    wires.ins[0].send(b"\xc1 not msgpack")
+    wires.add(0, "after", 3)
+    got1, others1 = wires.until_finished(1, {"running", "bad"})
+    (error,) = others1
+    assert isinstance(error, m.RequestError) and error.request_id == "bad" and error.status == 400
+    assert error.message.startswith("The request has a field the engine cannot take: ")
+    assert "temperature" in error.message
+    assert len(got1["running"]) == 8
+    got0, others0 = wires.until_finished(0, {"after"})
+    assert len(got0["after"]) == 3 and not others0
+    assert wires.thread.is_alive()

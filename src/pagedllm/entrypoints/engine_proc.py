@@ -217,9 +217,34 @@ class EngineLoop:
                 frame = self.in_sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(self.dec.decode(frame))
+            try:
+                msg = self.dec.decode(frame)
+            except Exception as e:  # noqa: BLE001 (msgspec's DecodeError / ValidationError) - not the loop's end
+                self._undecodable(frame, e)
+                continue
+            self._handle(msg)
             if not self.running:
                 return
+
+    def _undecodable(self, frame: bytes, error: Exception) -> None:
+        """A message whose fields do not fit their types (a request field the API process let through unchecked):
+        refuse that request alone with a 400; anything else is logged and dropped."""
+        import msgspec
+
+        try:
+            raw = msgspec.msgpack.decode(frame)
+        except Exception:  # noqa: BLE001 - not even msgpack: nothing to answer
+            raw = None
+        if isinstance(raw, dict) and raw.get("type") == "add" and isinstance(raw.get("request_id"), str):
+            client = raw.get("client_index", 0)
+            client = client if isinstance(client, int) and 0 <= client < len(self.out_socks) else 0
+            logger.warning("request %s refused: the engine could not read it (%s)", raw["request_id"], error)
+            why = one_line(error, (msgspec.ValidationError,))
+            self._send_to(client, self.m.RequestError(
+                raw["request_id"], f"The request has a field the engine cannot take: {why}", 400))
+            self.stats_dirty = True
+            return
+        logger.error("dropped a message the engine could not read: %s", one_line(error, ()))
 
     def _handle(self, msg: Any) -> None:
         m = self.m
