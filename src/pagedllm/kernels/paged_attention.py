@@ -511,6 +511,9 @@ def _decode_kernel(
     positions_ptr=None, cos_sin_ptr=None, q_w_ptr=None, k_w_ptr=None, slot_ptr=None, stride_cs=0, eps=0.0,
     PREP: tl.constexpr = False, NUM_Q: tl.constexpr = 1, NUM_KV: tl.constexpr = 1, HAS_NORM: tl.constexpr = False,
     FP32_PRODUCT: tl.constexpr = False,
+    # MERGE: the last of a (request, kv head)'s split programs to finish merges the slices into the output (a
+    # counter per pair in counter_ptr, zero between launches), so no reduce kernel is launched.
+    counter_ptr=None, MERGE: tl.constexpr = False,
 ):
     dims = tl.arange(0, HEAD_PAD)
     if PREP:
@@ -593,6 +596,45 @@ def _decode_kernel(
     _store_slice(acc, m_i, l_i, out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
                  part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, has_work, split, out_scale_ptr,
                  stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
+    if MERGE:
+        tl.debug_barrier()  # every thread's stores of this slice before the count that publishes them
+        count_ptr = counter_ptr + seq64 * tl.num_programs(0) + kv_head
+        done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+        if done == num_splits - 1:
+            num_active = tl.cdiv(seq_len - lo, tl.maximum(part_len, 1))  # the splits that had work
+            _merge_slices(out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
+                          part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, num_active,
+                          out_scale_ptr, stride_oh, stride_po_head, stride_po_split, stride_pl_head, GQA_PAD,
+                          HEAD_PAD, OUT_SCALE)
+            tl.atomic_xchg(count_ptr, 0)  # for the next launch (a captured graph's replays share the counters)
+
+
+@triton.jit
+def _merge_slices(out_rows, po_rows, pl_rows, head, dims, io_mask, row_ok, num_active, out_scale_ptr,
+                  stride_oh, stride_po_head, stride_po_split, stride_pl_head,
+                  GQA_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, OUT_SCALE: tl.constexpr):
+    """The reduce kernel's merge for one kv head's query rows, by the program that finished last: the slices'
+    outputs weighted by exp2(lse - max lse). The parts are read through L2 (.cg): other SMs wrote them, and this
+    SM's L1 may hold the same addresses from an earlier launch."""
+    lse_max = tl.full([GQA_PAD], float("-inf"), tl.float32)
+    for s in range(0, num_active):
+        lse = tl.load(pl_rows + head * stride_pl_head + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        lse_max = tl.maximum(lse_max, lse)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    denom = tl.zeros([GQA_PAD], tl.float32)
+    acc = tl.zeros([GQA_PAD, HEAD_PAD], tl.float32)
+    for s in range(0, num_active):
+        lse = tl.load(pl_rows + head * stride_pl_head + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(lse - lse_max)  # 0 where a row saw nothing of the slice
+        part = tl.load(po_rows + head[:, None] * stride_po_head + s * stride_po_split + dims[None, :], mask=io_mask,
+                       other=0.0, cache_modifier=".cg")
+        denom += w
+        acc += part * w[:, None]
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    out = acc / denom[:, None]
+    if OUT_SCALE:
+        out = out * tl.load(out_scale_ptr)
+    tl.store(out_rows + head[:, None] * stride_oh + dims[None, :], out.to(out_rows.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head",
@@ -917,6 +959,12 @@ def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, de
     return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
 
 
+def decode_counters_numel(num_kv_heads: int, device: torch.device) -> int:
+    """Worst-case (request, kv head) pairs of a split decode launch (the merge's counters); allocate once, zeroed."""
+    target = 2 * _DECODE_PROGRAMS_PER_SM * sm_count(device)
+    return (triton.cdiv(target, num_kv_heads) + 1) * num_kv_heads
+
+
 def split_kv_partials(workspace: Optional[tuple[torch.Tensor, torch.Tensor]], rows: int, num_heads: int,
                       num_splits: int, head_pad: int, device: torch.device):
     """Split-KV partial outputs and log-sum-exps for `rows` query rows, views of `workspace` (persistent buffers
@@ -967,6 +1015,8 @@ def paged_decode_attention(
     shrink: Optional[OutputShrink] = None,  # computed by the reduce kernel when the launch splits the context
     out_scale: Optional[torch.Tensor] = None,  # float32 [1] on the device: the output is multiplied by it
     prep: Optional[DecodePrep] = None,  # the q / k norm, rope and KV write of qkv_prep, done in this launch
+    merge: Optional[bool] = None,  # the last split program merges (no reduce launch); None: PAGEDLLM_DECODE_MERGE
+    counters: Optional[torch.Tensor] = None,  # int32, zeros, >= num_seqs * kv heads: the merge's (persistent)
 ) -> torch.Tensor:
     """One query token per request; split-KV over the context. CUDA-graph capturable when the
     workspace is preallocated (shapes depend only on num_seqs and the model's heads). With `prep`, `query` is a view
@@ -1006,6 +1056,18 @@ def paged_decode_attention(
 
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_seqs, num_heads, num_splits, head_pad,
                                                          query.device)
+    if merge is None:
+        merge = envs.PAGEDLLM_DECODE_MERGE
+    if merge and shrink is None:  # (the reduce kernel also folds a LoRA shrink: that launch stays)
+        if counters is None:
+            counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device)
+        assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads, "merge counters"
+        _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
+            query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E,
+            num_splits, window, soft_cap,
+            query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
+            *part_strides, SINGLE_SPLIT=False, counter_ptr=counters, MERGE=True, **common)
+        return output
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E,
         num_splits, window, soft_cap,
