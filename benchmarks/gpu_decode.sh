@@ -15,7 +15,7 @@
 #                                                  # (PAGEDLLM_DECODE_MERGE): its kernel tests, then the GPU engine
 #                                                  # tests with it on
 #   bash benchmarks/gpu_decode.sh decode-merge     # batch-1 and batch-8 decode with it off / on, alternating:
-#                                                  # SmolLM2 and Qwen3-0.6B shapes
+#                                                  # SmolLM2 and Qwen3-0.6B shapes; SmolLM2's k=4 verify step
 #   bash benchmarks/gpu_decode.sh decode-merge-8b  # the same for the Llama-3-8B shape (batch 1)
 #
 # Several modes run in order in one call: `bash benchmarks/gpu_decode.sh decode-prep-tests decode-prep`.
@@ -38,6 +38,18 @@ ab() {  # ab NAME CONFIG TIMEOUT [SWITCH [BATCH]]: latency.py with the switch of
             step "$name-$on-$round" "$limit" python benchmarks/latency.py \
                 --model "benchmarks/configs/$config" --load-format dummy --dtype bfloat16 --batch-size "$batch" \
                 --input-len 128 --output-len 256 --iters 3 --hf none --json "$out/$name-$on-$round.json"
+        done
+    done
+    unset "$switch"
+}
+ab_verify() {  # ab_verify NAME CONFIG TIMEOUT SWITCH: a k=4 verify step vs a plain step, the switch off and on
+    local name=$1 config=$2 limit=$3 switch=$4
+    for round in 1 2; do
+        for on in 0 1; do
+            export "$switch=$on"
+            step "$name-$on-$round" "$limit" python benchmarks/spec_decode.py verify \
+                --model "benchmarks/configs/$config" --load-format dummy --dtype bfloat16 --k 4 --iters 3 \
+                --steps 100 --json "$out/$name-$on-$round.json"
         done
     done
     unset "$switch"
@@ -71,7 +83,7 @@ decode-prep-8b)
     ;;
 decode-merge-tests)
     PAGEDLLM_DECODE_MERGE=1 step kernels 200 python -m pytest -m gpu -q -p no:cacheprovider \
-        tests/gpu/test_attention_kernels.py -k "decode"
+        tests/gpu/test_attention_kernels.py tests/gpu/test_few_query_attention.py
     PAGEDLLM_DECODE_MERGE=1 step engine-on 240 python -m pytest -m gpu -q -p no:cacheprovider \
         tests/gpu/test_engine_gpu.py tests/gpu/test_families_gpu.py tests/gpu/test_sliding_window_engine_gpu.py
     ;;
@@ -80,6 +92,7 @@ decode-merge)
     ab qwen3-merge qwen3-0.6b 100 PAGEDLLM_DECODE_MERGE
     ab smollm2-merge-b8 smollm2-135m 90 PAGEDLLM_DECODE_MERGE 8
     ab qwen3-merge-b8 qwen3-0.6b 100 PAGEDLLM_DECODE_MERGE 8
+    ab_verify smollm2-merge-verify smollm2-135m 120 PAGEDLLM_DECODE_MERGE
     ;;
 decode-merge-8b)
     ab llama8b-merge llama3-8b 140 PAGEDLLM_DECODE_MERGE

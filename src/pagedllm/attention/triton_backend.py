@@ -255,7 +255,9 @@ class TritonAttentionBackend(AttentionBackend):
                     workspace=self._few_query_workspace(num_heads, num_kv_heads, head_size, query.device),
                     num_splits=num_splits,
                     block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len, kv_cache.dtype),
-                    sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, out_scale=out_scale)
+                    sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, out_scale=out_scale,
+                    merge=self.decode_merge,
+                    counters=self._decode_counters(num_kv_heads, query.device) if self.decode_merge else None)
             else:
                 paged_prefill_attention(
                     query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,

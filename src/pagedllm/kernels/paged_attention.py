@@ -612,17 +612,17 @@ def _decode_kernel(
 @triton.jit
 def _merge_slices(out_rows, po_rows, pl_rows, head, dims, io_mask, row_ok, num_active, out_scale_ptr,
                   stride_oh, stride_po_head, stride_po_split, stride_pl_head,
-                  GQA_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, OUT_SCALE: tl.constexpr):
-    """The reduce kernel's merge for one kv head's query rows, by the program that finished last: the slices'
-    outputs weighted by exp2(lse - max lse). The parts are read through L2 (.cg): other SMs wrote them, and this
-    SM's L1 may hold the same addresses from an earlier launch."""
-    lse_max = tl.full([GQA_PAD], float("-inf"), tl.float32)
+                  ROWS: tl.constexpr, HEAD_PAD: tl.constexpr, OUT_SCALE: tl.constexpr):
+    """The reduce kernel's merge for one kv head's query rows (ROWS of them, as the program's tile), by the program
+    that finished last: the slices' outputs weighted by exp2(lse - max lse). The parts are read through L2 (.cg):
+    other SMs wrote them, and this SM's L1 may hold the same addresses from an earlier launch."""
+    lse_max = tl.full([ROWS], float("-inf"), tl.float32)
     for s in range(0, num_active):
         lse = tl.load(pl_rows + head * stride_pl_head + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         lse_max = tl.maximum(lse_max, lse)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    denom = tl.zeros([GQA_PAD], tl.float32)
-    acc = tl.zeros([GQA_PAD, HEAD_PAD], tl.float32)
+    denom = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
     for s in range(0, num_active):
         lse = tl.load(pl_rows + head * stride_pl_head + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         w = tl.exp2(lse - lse_max)  # 0 where a row saw nothing of the slice
@@ -713,6 +713,7 @@ def _few_query_kernel(
     Q_FP16: tl.constexpr = False,
     OUT_SCALE: tl.constexpr = False,  # (SINGLE_SPLIT; else the reduce applies it)
     V_WORDS: tl.constexpr = False,
+    counter_ptr=None, MERGE: tl.constexpr = False,  # the last split program merges (as _decode_kernel's)
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): every query token of a request (<= Q_PAD) and the GQA group of one kv
@@ -764,6 +765,16 @@ def _few_query_kernel(
         _store_slice(acc, m_i, l_i, out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
                      part_lse_ptr + tok64 * stride_pl_row, head, dims, io_mask, row_ok, q_len > 0, split, out_scale_ptr,
                      stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
+        if MERGE:
+            tl.debug_barrier()  # every thread's stores of this slice before the count that publishes them
+            count_ptr = counter_ptr + seq.to(tl.int64) * tl.num_programs(0) + kv_head
+            done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+            if done == num_splits - 1:  # (every split stored its part, an empty one lse -inf)
+                _merge_slices(out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
+                              part_lse_ptr + tok64 * stride_pl_row, head, dims, io_mask, row_ok, num_splits,
+                              out_scale_ptr, stride_oh, stride_po_head, stride_po_split, stride_pl_head,
+                              Q_PAD * GQA_PAD, HEAD_PAD, OUT_SCALE)
+                tl.atomic_xchg(count_ptr, 0)
 
 
 # Few-query launches (`paged_few_query_attention`): at most this many query tokens per request, and tiles of at most
@@ -826,6 +837,8 @@ def paged_few_query_attention(
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     out_scale: Optional[torch.Tensor] = None,
+    merge: Optional[bool] = None,  # as paged_decode_attention's
+    counters: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention for requests of a few query tokens each (speculative verify rows, decodes), the semantics
     of `paged_prefill_attention`, split-KV as `paged_decode_attention`: the prefill kernel gives such a request one
@@ -861,6 +874,16 @@ def paged_few_query_attention(
         return output
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_tokens, num_heads, num_splits, head_pad,
                                                          query.device)
+    if envs.PAGEDLLM_DECODE_MERGE if merge is None else merge:
+        if counters is None:
+            counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device)
+        assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads, "merge counters"
+        # (rows of tokens of no request, graph padding, are left unwritten: nothing reads them)
+        _few_query_kernel[(num_kv_heads, num_seqs, num_splits)](
+            query, output, part_out, part_lse, kv_cache, block_table, seq_lens, query_start_loc, scale_arg,
+            scale * LOG2E, num_splits, window, soft_cap, *head_strides, *cache_strides, *part_strides,
+            SINGLE_SPLIT=False, counter_ptr=counters, MERGE=True, **common)
+        return output
     _few_query_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, query_start_loc, scale_arg,
         scale * LOG2E, num_splits, window, soft_cap, *head_strides, *cache_strides, *part_strides,
