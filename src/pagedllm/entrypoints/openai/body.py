@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from typing import Any, Callable, TypeVar
 
 from fastapi import Request
@@ -77,6 +78,10 @@ def loads_body(raw: bytes) -> object:
         raise APIError("We could not parse the JSON body of your request: it is not valid JSON.")
     except _NotFinite as e:
         raise APIError(f"We could not parse the JSON body of your request: {e} is not a finite JSON number.")
+    except ValueError:  # Python's limit on int() of a long digit string (sys.get_int_max_str_digits), e.g. 10**5000
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise APIError(f"We could not parse the JSON body of your request: it holds an integer with more than {limit} "
+                       "digits.")
     except RecursionError:
         raise limits.too_deep()
     check_unicode(raw, data)
