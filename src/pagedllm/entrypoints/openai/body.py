@@ -114,3 +114,11 @@ async def tokenize_work(request: Request, fn: Callable[..., Any], *args: Any, **
     if len(await request.body()) < OFF_LOOP_BYTES:  # (starlette keeps the body read by parse_body)
         return fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def render_work(request: Request, req: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """tokenize_work for rendering a chat template: a request's own template (--trust-request-chat-template) can
+    loop for seconds whatever the body's size, which on the event loop would stall every other client."""
+    if getattr(req, "chat_template", None) is not None:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return await tokenize_work(request, fn, *args, **kwargs)
