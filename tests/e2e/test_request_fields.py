@@ -244,6 +244,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offlin
     (CMPL, {"return_token_ids": True}, "'return_token_ids' is not supported yet by pagedllm."),
     (CHAT, {"cache_salt": "tenant-a"}, "'cache_salt' is not supported yet by pagedllm."),
     (CMPL, {"logits_processors": ["my.module:Processor"]}, "'logits_processors' is not supported yet by pagedllm."),
+    (CHAT, {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+     "'modalities' is not supported yet by pagedllm."),
+    (CHAT, {"web_search_options": {}}, "'web_search_options' is not supported yet by pagedllm."),
 ])
 def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragment: str) -> None:
     base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}
@@ -256,7 +259,7 @@ def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragm
 def test_unimplemented_vllm_extras_asking_for_nothing_are_accepted(http: httpx.Client, path: str) -> None:
     base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}
     r = http.post(path, json={**base, "max_tokens": 1, "priority": 0, "return_tokens_as_token_ids": False,
-                              "logits_processors": [], "cache_salt": None})
+                              "logits_processors": [], "cache_salt": None, "modalities": ["text"], "audio": None})
     assert r.status_code == 200, r.text
 
 

@@ -36,6 +36,10 @@ NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
     "cache_salt": lambda v: v is not None,  # isolates a tenant's prefix cache: not doing so is not a no-op
     "kv_transfer_params": lambda v: v is not None,
     "structural_tag": lambda v: v is not None,
+    # OpenAI's outputs beyond text: an answer without them would look complete
+    "modalities": lambda v: isinstance(v, list) and any(m != "text" for m in v),
+    "audio": lambda v: v is not None,
+    "web_search_options": lambda v: v is not None,
 }
 
 
