@@ -99,6 +99,18 @@ def test_integer_beyond_pythons_digit_limit_is_400(tiny_server, body: bytes) -> 
             (path, r.text)
 
 
+def test_large_detokenize_bodies_are_decoded_in_a_worker_thread(tiny_server) -> None:
+    # (a million ids took seconds to check and decode on the event loop, stalling every stream)
+    text = "hello world, " * 20_000
+    h = tiny_server.extra["headers"]
+    ids = httpx.post(tiny_server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=h,
+                     timeout=60).json()["tokens"]
+    r = httpx.post(tiny_server.url + "/detokenize", json={"tokens": ids}, headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["prompt"] == text
+    r = httpx.post(tiny_server.url + "/detokenize", json={"tokens": ids + [-1]}, headers=h, timeout=60)
+    assert r.status_code == 400 and "Token id -1 is out of vocabulary" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000, b'{"api_key": "\\ud800"}',
                                   b'{"api_key": 1' + b"0" * 5000 + b"}", b"{"])
 def test_hostile_dashboard_login_bodies_are_400(tiny_server, body: bytes) -> None:

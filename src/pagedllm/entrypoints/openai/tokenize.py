@@ -1,6 +1,8 @@
 """POST /tokenize and POST /detokenize (vLLM's extras; used by `bench serve` and clients)."""
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -37,8 +39,13 @@ async def tokenize(request: Request, state: ServerState) -> Response:
 async def detokenize(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, DetokenizeRequest)
     state.check_model(req.model)
-    vocab = state.engine.ready.vocab_size
-    for t in req.tokens:
+    text = await tokenize_work(request, _detokenize, state.tokenizer, req.tokens, state.engine.ready.vocab_size)
+    return Response(dumps({"prompt": text}), media_type="application/json")
+
+
+def _detokenize(tokenizer: Any, ids: list[int], vocab: int) -> str:
+    """(In a worker thread for a large body: a million ids take seconds to check and decode.)"""
+    for t in ids:
         if not 0 <= t < vocab:
             raise APIError(f"Token id {t} is out of vocabulary (0..{vocab - 1}).", param="tokens")
-    return Response(dumps({"prompt": state.tokenizer.decode(req.tokens)}), media_type="application/json")
+    return tokenizer.decode(ids)
