@@ -70,6 +70,14 @@ def test_invalid_beam_requests_are_400(http, body, param):
         assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("penalty", [1e308, -1e308])
+def test_extreme_length_penalty_is_answered(http, penalty):
+    # generated_len ** length_penalty leaves the float range: the score is 0 or infinite, not an OverflowError (500)
+    r = _complete(http, use_beam_search=True, n=2, length_penalty=penalty)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+
+
 def test_best_of_without_beam_search_is_400(http):
     r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
                                                 "n": 1, "best_of": 2})

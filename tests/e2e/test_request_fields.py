@@ -238,12 +238,29 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offlin
     (CHAT, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be -1 (the model's context length) or >= 1"),
     (CMPL, {"truncate_prompt_tokens": 10 ** 30}, "truncate_prompt_tokens (10000000000"),  # once kept all silently
     (CHAT, {"truncate_prompt_tokens": 1025}, "truncate_prompt_tokens (1025) is greater than max_model_len (1024)"),
+    # vLLM's extras pagedllm does not implement: once accepted and ignored (a warning in the log only)
+    (CMPL, {"priority": 5}, "'priority' is not supported yet by pagedllm."),
+    (CHAT, {"return_tokens_as_token_ids": True}, "'return_tokens_as_token_ids' is not supported yet by pagedllm."),
+    (CMPL, {"return_token_ids": True}, "'return_token_ids' is not supported yet by pagedllm."),
+    (CHAT, {"cache_salt": "tenant-a"}, "'cache_salt' is not supported yet by pagedllm."),
+    (CMPL, {"logits_processors": ["my.module:Processor"]}, "'logits_processors' is not supported yet by pagedllm."),
+    (CHAT, {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+     "'modalities' is not supported yet by pagedllm."),
+    (CHAT, {"web_search_options": {}}, "'web_search_options' is not supported yet by pagedllm."),
 ])
 def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragment: str) -> None:
     base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}
     r = http.post(path, json={**base, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_unimplemented_vllm_extras_asking_for_nothing_are_accepted(http: httpx.Client, path: str) -> None:
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}
+    r = http.post(path, json={**base, "max_tokens": 1, "priority": 0, "return_tokens_as_token_ids": False,
+                              "logits_processors": [], "cache_salt": None, "modalities": ["text"], "audio": None})
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_fields_are_named_in_a_warning(server: Server, http: httpx.Client) -> None:

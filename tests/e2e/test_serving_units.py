@@ -169,3 +169,27 @@ def test_large_bodies_are_tokenized_off_the_event_loop() -> None:
     for size in (100, OFF_LOOP_BYTES):
         with pytest.raises(ValueError, match="refused"):
             asyncio.run(run(size, bad=True))
+
+
+def test_a_requests_own_chat_template_renders_off_the_event_loop() -> None:
+    """body.render_work: a request's own chat template (--trust-request-chat-template) renders in a worker thread
+    however small the body (a 300-byte template can loop for seconds and stall every client); the model's own
+    template as tokenize_work would."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.body import render_work
+
+    class Body:
+        async def body(self) -> bytes:
+            return b"{}"
+
+    def on_main_thread() -> bool:
+        return threading.current_thread() is threading.main_thread()
+
+    async def run(template):
+        return await render_work(Body(), SimpleNamespace(chat_template=template), on_main_thread)
+
+    assert asyncio.run(run(None)) is True
+    assert asyncio.run(run("{% for i in range(10**5) %}{% endfor %}")) is False

@@ -30,6 +30,11 @@ CASES = [
     ("/v1/completions", {"prompt": ["a"] * (limits.MAX_PROMPTS + 1)}, f"{limits.MAX_PROMPTS} prompts"),
     ("/v1/completions", {"prompt": ["a"] * 100, "n": 100}, f"at most {limits.MAX_CHOICES} choices"),
     ("/v1/completions", {"prompt": [10 ** 30]}, "out of vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": [f"c{i}" for i in range(12000)]},
+     f"'guided_choice' may have at most {limits.MAX_GUIDED_CHOICES} choices (got 12000)"),
+    ("/v1/chat/completions", {"messages": MSG,
+                              "structured_outputs": {"choice": ["c"] * (limits.MAX_GUIDED_CHOICES + 1)}},
+     f"'structured_outputs.choice' may have at most {limits.MAX_GUIDED_CHOICES} choices"),
 ]
 
 

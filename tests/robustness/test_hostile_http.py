@@ -89,6 +89,35 @@ def test_broken_json_is_400(tiny_server, body: bytes) -> None:
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
 
 
+@pytest.mark.parametrize("body", [b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
+                                  b'{"prompt": "a", "x": [-1' + b"9" * 5000 + b"]}"])
+def test_integer_beyond_pythons_digit_limit_is_400(tiny_server, body: bytes) -> None:
+    # (int() of more than sys.get_int_max_str_digits() digits is a ValueError, once a 500)
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        r = _post(tiny_server, path, body)
+        assert r.status_code == 400 and "an integer with more than 4300 digits" in r.json()["error"]["message"], \
+            (path, r.text)
+
+
+def test_large_detokenize_bodies_are_decoded_in_a_worker_thread(tiny_server) -> None:
+    # (a million ids took seconds to check and decode on the event loop, stalling every stream)
+    text = "hello world, " * 20_000
+    h = tiny_server.extra["headers"]
+    ids = httpx.post(tiny_server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=h,
+                     timeout=60).json()["tokens"]
+    r = httpx.post(tiny_server.url + "/detokenize", json={"tokens": ids}, headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["prompt"] == text
+    r = httpx.post(tiny_server.url + "/detokenize", json={"tokens": ids + [-1]}, headers=h, timeout=60)
+    assert r.status_code == 400 and "Token id -1 is out of vocabulary" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000, b'{"api_key": "\\ud800"}',
+                                  b'{"api_key": 1' + b"0" * 5000 + b"}", b"{"])
+def test_hostile_dashboard_login_bodies_are_400(tiny_server, body: bytes) -> None:
+    r = _post(tiny_server, "/dashboard/login", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "api_key", r.text
+
+
 def test_json_with_charset_and_no_content_type_are_accepted(tiny_server) -> None:
     body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
     assert _post(tiny_server, "/v1/completions", body, "application/json; charset=utf-8").status_code == 200

@@ -15,6 +15,7 @@ prefix cache and run in the continuous batch next to ordinary requests) and
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -22,6 +23,17 @@ from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import BeamSearchParams
 
 NEG = -1.0e9  # transformers' "impossible" score
+
+
+def length_normalized(score: float, length: int, penalty: float) -> float:
+    """score / length ** penalty. Any finite penalty is allowed (as in transformers), so for an extreme one the
+    power leaves the float range: beyond it the quotient is 0, below it (the power underflows to 0) infinite."""
+    try:
+        return score / length ** penalty
+    except OverflowError:
+        return score * 0.0
+    except ZeroDivisionError:
+        return math.copysign(math.inf, score) if score else 0.0
 
 
 @dataclass
@@ -121,12 +133,11 @@ class BeamSearch:
 
     def _update_finished(self, cands, new_beams, hits) -> None:
         p = self.params
-        denom = (self.num_generated + 1) ** p.length_penalty
         full = all(h.finished for h in self.finished) and p.early_stopping is True
         merged = list(self.finished)
         for j, (c, beam, hit) in enumerate(zip(cands, new_beams, hits)):
             just = hit and j < self.width
-            score = c[0] / denom
+            score = length_normalized(c[0], self.num_generated + 1, p.length_penalty)
             if full:
                 score += NEG
             if not self.heuristic_unsatisfied:
@@ -143,7 +154,7 @@ class BeamSearch:
             best_len = p.max_tokens
         else:
             best_len = self.num_generated
-        best_possible = self.running[0].score / (best_len ** p.length_penalty)
+        best_possible = length_normalized(self.running[0].score, best_len, p.length_penalty)
         worst_all = min(h.score for h in self.finished)
         improvable = any(best_possible > (worst_all if h.finished else NEG) for h in self.finished)
         self.heuristic_unsatisfied = self.heuristic_unsatisfied and improvable
@@ -151,7 +162,7 @@ class BeamSearch:
     def result(self, decode=None) -> BeamSearchOutput:
         hyps = [h for h in self.finished if h.finished and h.beam is not None]
         if len(hyps) < self.width:  # (only when the search was cut short) fill up with the best running beams
-            extra = [_Hyp(b, b.score / max(1, len(b.tokens)) ** self.params.length_penalty, False)
+            extra = [_Hyp(b, length_normalized(b.score, max(1, len(b.tokens)), self.params.length_penalty), False)
                      for b in self.running if b.tokens and b.score > NEG / 2]
             hyps += extra[:self.width - len(hyps)]
         out = []

@@ -23,7 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.dashboard.feed import DashboardFeed
-from pagedllm.entrypoints.openai.errors import dumps, error_body
+from pagedllm.entrypoints.openai.body import loads_body
+from pagedllm.entrypoints.openai.errors import APIError, dumps, error_body
 
 COOKIE = "pagedllm_dashboard"
 ASSET_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
@@ -64,16 +65,12 @@ def install(app: FastAPI, state: Any) -> DashboardFeed:
 
     @app.post("/dashboard/login", include_in_schema=False)
     async def login(request: Request) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
+        try:  # (the API's parser: JSON nested 100000 deep is a RecursionError to json.loads, a lone surrogate
+            # escape valid JSON but no key)
+            body = loads_body(await request.body())
+        except APIError:
             body = None
         key = body.get("api_key") if isinstance(body, dict) else None
-        if isinstance(key, str):
-            try:
-                key.encode()
-            except UnicodeEncodeError:  # (a lone surrogate escape: valid JSON, not a key)
-                key = None
         if not isinstance(key, str):
             return Response(dumps(error_body("The body must be {\"api_key\": \"...\"}.", 400, param="api_key")),
                             status_code=400, media_type="application/json")

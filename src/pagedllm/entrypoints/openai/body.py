@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from typing import Any, Callable, TypeVar
 
 from fastapi import Request
@@ -77,6 +78,10 @@ def loads_body(raw: bytes) -> object:
         raise APIError("We could not parse the JSON body of your request: it is not valid JSON.")
     except _NotFinite as e:
         raise APIError(f"We could not parse the JSON body of your request: {e} is not a finite JSON number.")
+    except ValueError:  # Python's limit on int() of a long digit string (sys.get_int_max_str_digits), e.g. 10**5000
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise APIError(f"We could not parse the JSON body of your request: it holds an integer with more than {limit} "
+                       "digits.")
     except RecursionError:
         raise limits.too_deep()
     check_unicode(raw, data)
@@ -109,3 +114,11 @@ async def tokenize_work(request: Request, fn: Callable[..., Any], *args: Any, **
     if len(await request.body()) < OFF_LOOP_BYTES:  # (starlette keeps the body read by parse_body)
         return fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def render_work(request: Request, req: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """tokenize_work for rendering a chat template: a request's own template (--trust-request-chat-template) can
+    loop for seconds whatever the body's size, which on the event loop would stall every other client."""
+    if getattr(req, "chat_template", None) is not None:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return await tokenize_work(request, fn, *args, **kwargs)

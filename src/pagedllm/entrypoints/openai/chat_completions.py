@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
+from pagedllm.entrypoints.openai.body import parse_body, render_work
 from pagedllm.entrypoints.openai.chat_template import check_request_template, message_text, render_chat
 from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_grammar, choice_message,
                                                     plan_request_tools)
@@ -31,9 +31,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     check_logprob_fields(req, state.max_logprobs, top_name="top_logprobs", top=req.top_logprobs)
     check_request_template(req.chat_template, state)
     tool_plan, prepare_tools = plan_request_tools(req, state)
-    prompt_text, prompt_ids = await tokenize_work(
-        request, render_chat, state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-        req.chat_template, req.chat_template_kwargs, req.add_special_tokens, prepare_tools=prepare_tools)
+    prompt_text, prompt_ids = await render_work(
+        request, req, render_chat, state.tokenizer, req.messages, req.add_generation_prompt,
+        req.continue_final_message, req.chat_template, req.chat_template_kwargs, req.add_special_tokens,
+        prepare_tools=prepare_tools)
     if req.truncate_prompt_tokens is not None:
         kept = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, state.max_model_len)
         if len(kept) < len(prompt_ids):

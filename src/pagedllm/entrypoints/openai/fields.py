@@ -27,6 +27,19 @@ NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
     "guided_choice": lambda v: v is not None,
     "guided_grammar": lambda v: v is not None,
     "use_beam_search": lambda v: bool(v),
+    # vLLM's extras that change what is generated or returned: ignoring them would answer another question.
+    "priority": lambda v: v not in (None, 0),  # vLLM too refuses it without --scheduling-policy priority
+    "logits_processors": lambda v: bool(v),
+    "return_tokens_as_token_ids": lambda v: bool(v),
+    "return_token_ids": lambda v: bool(v),
+    "prompt_embeds": lambda v: v is not None,
+    "cache_salt": lambda v: v is not None,  # isolates a tenant's prefix cache: not doing so is not a no-op
+    "kv_transfer_params": lambda v: v is not None,
+    "structural_tag": lambda v: v is not None,
+    # OpenAI's outputs beyond text: an answer without them would look complete
+    "modalities": lambda v: isinstance(v, list) and any(m != "text" for m in v),
+    "audio": lambda v: v is not None,
+    "web_search_options": lambda v: v is not None,
 }
 
 

@@ -1,10 +1,12 @@
 """POST /tokenize and POST /detokenize (vLLM's extras; used by `bench serve` and clients)."""
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
+from pagedllm.entrypoints.openai.body import parse_body, render_work, tokenize_work
 from pagedllm.entrypoints.openai.chat_template import check_request_template, render_chat
 from pagedllm.entrypoints.openai.chat_tools import plan_request_tools
 from pagedllm.entrypoints.openai.errors import APIError, dumps
@@ -22,9 +24,9 @@ async def tokenize(request: Request, state: ServerState) -> Response:
         check_request_template(req.chat_template, state)
         add_special = bool(req.add_special_tokens) if req.add_special_tokens is not None else False
         _, prepare_tools = plan_request_tools(req, state)  # (tools and tool history rendered as the chat route does)
-        _, ids = await tokenize_work(request, render_chat, tok, req.messages, req.add_generation_prompt,
-                                     req.continue_final_message, req.chat_template, req.chat_template_kwargs,
-                                     add_special, prepare_tools=prepare_tools)
+        _, ids = await render_work(request, req, render_chat, tok, req.messages, req.add_generation_prompt,
+                                   req.continue_final_message, req.chat_template, req.chat_template_kwargs,
+                                   add_special, prepare_tools=prepare_tools)
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(await tokenize_work(request, tok.encode, req.prompt, add_special_tokens=add_special))
@@ -37,8 +39,13 @@ async def tokenize(request: Request, state: ServerState) -> Response:
 async def detokenize(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, DetokenizeRequest)
     state.check_model(req.model)
-    vocab = state.engine.ready.vocab_size
-    for t in req.tokens:
+    text = await tokenize_work(request, _detokenize, state.tokenizer, req.tokens, state.engine.ready.vocab_size)
+    return Response(dumps({"prompt": text}), media_type="application/json")
+
+
+def _detokenize(tokenizer: Any, ids: list[int], vocab: int) -> str:
+    """(In a worker thread for a large body: a million ids take seconds to check and decode.)"""
+    for t in ids:
         if not 0 <= t < vocab:
             raise APIError(f"Token id {t} is out of vocabulary (0..{vocab - 1}).", param="tokens")
-    return Response(dumps({"prompt": state.tokenizer.decode(req.tokens)}), media_type="application/json")
+    return tokenizer.decode(ids)
