@@ -81,6 +81,23 @@ def test_rope_scaling_variants(tiny_model_dir, rope_scaling):
     _check_against_hf(tiny_model_dir("llama", rope_scaling=rope_scaling), num_new_tokens=1)
 
 
+def test_dynamic_ntk_rope_matches_transformers(tiny_model_dir):
+    """Dynamic NTK: transformers keeps the unscaled base for every sequence within max_position_embeddings (the
+    engine's default context); an engine context past it gets the base scaled for that length, transformers' result
+    for a sequence that long (a 48-token prompt, model context 32)."""
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    _check_against_hf(tiny_model_dir("llama", rope_scaling=dynamic))
+    model_dir = tiny_model_dir("llama", rope_scaling=dynamic, max_position_embeddings=32)
+    ours = get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu", max_model_len=48)
+    assert ours.model.rotary_emb.cos_sin_cache.shape[0] == 48
+    ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ref = _hf_model(model_dir)(ids[None]).logits[0]
+    torch.testing.assert_close(_logits(ours, ids), ref, atol=ATOL, rtol=1e-4)
+    unscaled = _ours(model_dir)  # the model's own context: the unscaled base, not transformers' for 48 tokens
+    assert (_logits(unscaled, ids[:32]) - _logits(ours, ids[:32])).abs().max() > 1e-3
+
+
 def test_llama3_rope_scaling_is_applied(tiny_llama_dir):
     """Guard against the scaled rope silently falling back to the default one."""
     from pagedllm.layers.rotary_embedding import get_rope

@@ -77,3 +77,37 @@ def test_logits_match_transformers_past_the_window(tmp_path, arch, overrides):
     full = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32).eval()
     with torch.inference_mode():
         assert (full(ids[None], use_cache=False).logits[0] - out).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("arch,layer_types,use_sliding_window,windows", [
+    ("mistral", False, False, [16, 16]),
+    ("mistral", True, False, [None, 16]),  # transformers loads it as Ministral, which reads layer_types
+    ("mixtral", True, False, [16, 16]),
+    ("phi3", True, False, [16, 16]),
+    ("qwen3_moe", True, True, [16, 16, 16]),
+])
+def test_window_options_transformers_ignores(tmp_path, arch, layer_types, use_sliding_window, windows):
+    """Mistral, Mixtral and Phi-3 apply `sliding_window` whatever `use_sliding_window` says; Mixtral, Phi-3 and
+    Qwen3-MoE to every layer whatever a `layer_types` in config.json says (they do not read them): so does
+    pagedllm, and the logits past the window equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import save_tiny_model, tiny_hf_config
+    from tests.models.moe_helpers import tiny_moe_config
+
+    if arch in ("mistral", "phi3"):
+        config = tiny_hf_config("phi3_plain" if arch == "phi3" else arch)
+    else:
+        config = tiny_moe_config(arch)
+    config.sliding_window, config.use_sliding_window = 16, use_sliding_window
+    if layer_types:
+        config.layer_types = ["full_attention", "sliding_attention"] + ["full_attention"] * (len(windows) - 2)
+    model_dir = save_tiny_model(str(tmp_path), config)
+    ours = get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu")
+    assert [a.sliding_window for a in ours.attn_layers] == windows
+    assert ours.kv_layer_windows() == windows
+    ids = torch.randint(0, 512, (80,), generator=torch.Generator().manual_seed(4))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf(ids[None], use_cache=False).logits[0]
+    torch.testing.assert_close(_no_cache_logits(ours, ids), ref, atol=1e-4, rtol=1e-4)

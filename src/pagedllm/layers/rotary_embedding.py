@@ -4,10 +4,10 @@ A `RotaryEmbedding` precomputes cos/sin for every position up to its cache lengt
 gathers rows by position, so any mix of requests and positions in a flattened batch costs one
 index_select plus elementwise math (no per-token Python).
 
-Scaling types (HF `rope_scaling` / transformers-5 `rope_parameters`): default, linear, dynamic (NTK; as in
-vLLM the base is scaled once for the extended length, because cached keys cannot be re-rotated when the
-sequence grows), llama3 (HF's exact formula), yarn and longrope (Phi-3 / Phi-4's "su": short factors for
-contexts within original_max_position_embeddings, the long ones beyond; see `LongRopeEmbedding`).
+Scaling types (HF `rope_scaling` / transformers-5 `rope_parameters`): default, linear, dynamic (NTK: the base
+chosen once for the engine's context length, because cached keys cannot be re-rotated when the sequence grows; see
+`DynamicNTKRotaryEmbedding`), llama3 (HF's exact formula), yarn and longrope (Phi-3 / Phi-4's "su": short factors
+for contexts within original_max_position_embeddings, the long ones beyond; see `LongRopeEmbedding`).
 """
 from __future__ import annotations
 
@@ -216,10 +216,7 @@ def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any],
         inv_freq = _base_inv_freq(base, rotary_dim) / p["factor"]
         cache_len = int(max_position * p["factor"])
     elif rope_type == "dynamic":
-        factor = p["factor"]
-        cache_len = int(max_position * factor)
-        scaled_base = base * ((factor * cache_len / max_position) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
-        inv_freq = _base_inv_freq(scaled_base, rotary_dim)
+        return DynamicNTKRotaryEmbedding(head_size, rotary_dim, max_position, base, float(p["factor"]))
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(_base_inv_freq(base, rotary_dim), p)
     elif rope_type == "yarn":
@@ -277,3 +274,30 @@ class LongRopeEmbedding(RotaryEmbedding):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {'long' if self.use_long else 'short'} factors"
+
+
+class DynamicNTKRotaryEmbedding(RotaryEmbedding):
+    """Dynamic NTK scaling: transformers rotates a sequence of s tokens with the base scaled for
+    max(s, max_position_embeddings), i.e. the unscaled base up to the model's context and a growing one past it,
+    recomputed as the sequence grows. A paged cache cannot re-rotate the keys it holds, so, as for LongRoPE, the
+    base is chosen once for the engine's context length (`set_context_len`): within the model's context the
+    unscaled base, which is transformers' result for every sequence; past it (VLLM_ALLOW_LONG_MAX_MODEL_LEN) the
+    base for a sequence of the whole context, transformers' result for a sequence that long."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float, factor: float) -> None:
+        super().__init__(head_size, rotary_dim, max_position, _base_inv_freq(base, rotary_dim))
+        self.original_max_position, self.base, self.factor = max_position, base, factor
+
+    def inv_freq_for(self, context_len: int) -> torch.Tensor:
+        """transformers' inverse frequencies for a sequence of `context_len` tokens."""
+        seq_len = max(context_len, self.original_max_position)
+        ratio = self.factor * seq_len / self.original_max_position - (self.factor - 1)
+        return _base_inv_freq(self.base * ratio ** (self.rotary_dim / (self.rotary_dim - 2)), self.rotary_dim)
+
+    def set_context_len(self, context_len: int) -> None:
+        inv_freq, rows = self.inv_freq_for(context_len), max(context_len, self.max_position)
+        if rows == self.max_position and torch.equal(inv_freq, self.inv_freq):
+            return
+        self.inv_freq, self.max_position = inv_freq, rows
+        self.cos_sin_cache = cos_sin_rows(torch.arange(rows, dtype=torch.float32, device=self.cos_sin_cache.device),
+                                          self.inv_freq, self.attention_scaling)

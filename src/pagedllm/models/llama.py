@@ -39,20 +39,29 @@ def layer_index(prefix: str) -> int:
     return int(match.group(1))
 
 
+# model_type of the transformers models whose every layer takes `sliding_window`, whatever `layer_types` says
+WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "phi3", "qwen3_moe")
+# model_type of the transformers models that never read `use_sliding_window` (a Mistral config.json with layer_types
+# loads as "ministral"; Qwen3-MoE's config does read it)
+IGNORES_USE_SLIDING_WINDOW = ("mistral", "ministral", "mixtral", "phi3")
+
+
 def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
     """The attention window of decoder layer `layer_idx` as transformers applies it (None: full attention).
 
     `layer_types` (Qwen2/Qwen3 build it from use_sliding_window + max_window_layers; Gemma, Ministral, ...) picks
-    the layers whose type is "sliding_attention". Mistral's model ignores `layer_types` and applies the window to
-    every layer; Llama's has no window (a stray `sliding_window` in its config.json is ignored).
-    `use_sliding_window: false` turns the window off."""
+    the layers whose type is "sliding_attention". The models of `WINDOW_ON_EVERY_LAYER` ignore `layer_types` (a
+    config.json may still carry one) and apply the window to every layer; Llama's has no window (a stray
+    `sliding_window` in its config.json is ignored). `use_sliding_window: false` turns the window off, except in
+    the models of `IGNORES_USE_SLIDING_WINDOW`."""
     window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
+    model_type = getattr(config, "model_type", None)
+    if not window or model_type == "llama":
         return None
-    if getattr(config, "model_type", None) == "llama":
+    if getattr(config, "use_sliding_window", True) is False and model_type not in IGNORES_USE_SLIDING_WINDOW:
         return None
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and getattr(config, "model_type", None) != "mistral":
+    if layer_types is not None and model_type not in WINDOW_ON_EVERY_LAYER:
         return int(window) if layer_types[layer_idx] == "sliding_attention" else None
     return int(window)
 
