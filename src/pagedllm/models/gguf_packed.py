@@ -187,10 +187,12 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from pagedllm.models.weight_utils import _maybe_bar
+    from pagedllm.models.weight_utils import _maybe_bar, report_unused_gguf_tensors
 
     index = read_gguf_index(gguf_path)
     arch = index.arch
+    report_unused_gguf_tensors([t.name for t in index.tensors if t.name not in _SKIPPED_TENSORS
+                                and _hf_name(t.name, arch) is None], hf_config)
     pbar = _maybe_bar(len(index.tensors), show_progress)
     moe_dequantized = 0
     try:
