@@ -204,3 +204,18 @@ def test_stage_weights_hands_layers_past_the_last_to_the_last_stage(monkeypatch)
         monkeypatch.setattr(pipeline, "get_pp_group", lambda group=group: group)
         names = [n for n, _ in pipeline.stage_weights(model, weights)]
         assert {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")} == expected
+
+
+def test_a_gguf_rope_scaling_type_not_implemented_is_refused(tmp_path, fresh_cache, tiny_model_dir):
+    """Plain rope in its place would quietly degrade every prompt past the original context (it was a warning)."""
+    import gguf
+
+    from pagedllm.models.loader import prepare_model_dir
+    from tests.models.gguf_writer import write_tiny_gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(tiny_model_dir("qwen2"), path, "qwen2",
+                    identity={"rope_scaling_type": gguf.RopeScalingType.LONGROPE, "rope_scaling_factor": 4.0})
+    with pytest.raises(ValueError, match=r"rope scaling type 'longrope' \(qwen2\.rope\.scaling\.type\) is not "
+                                         r"supported"):
+        prepare_model_dir(path)
