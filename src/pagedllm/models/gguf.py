@@ -472,16 +472,12 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _iter_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, np.ndarray]]:
     from gguf.quants import dequantize
-
-    from pagedllm.models.weight_utils import report_unused_gguf_tensors
     arch = _field(reader, "general.architecture")
-    report_unused_gguf_tensors([t.name for t in reader.tensors if t.name not in _SKIPPED_TENSORS
-                                and _hf_name(t.name, arch) is None], config)
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
         name = _hf_name(tensor.name, arch)
-        if name is None:
+        if name is None:  # reported by every load of the file, not once here (the conversion is cached)
             continue
         try:
             data = dequantize(tensor.data, tensor.tensor_type)
