@@ -18,6 +18,12 @@ from tests.models.moe_helpers import MOE_ARCHS, tiny_moe_dir  # noqa: F401
 DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3_plain")
 
 
+@pytest.fixture(autouse=True)
+def _pagedllm_logs_reach_caplog(monkeypatch):
+    # (the API server's logging setup stops propagation; an in-process server would hide every record here)
+    monkeypatch.setattr(logging.getLogger("pagedllm"), "propagate", True)
+
+
 def _load(model_dir: str, **kwargs):
     return get_model(load_hf_config(model_dir), model_dir, dtype=torch.float32, device="cpu", **kwargs)
 
