@@ -229,3 +229,39 @@ def test_a_gguf_rope_scaling_type_not_implemented_is_refused(tmp_path, fresh_cac
     with pytest.raises(ValueError, match=r"rope scaling type 'longrope' \(qwen2\.rope\.scaling\.type\) is not "
                                          r"supported"):
         prepare_model_dir(path)
+
+
+def _hf_logits(model_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return hf(ids[None]).logits[0].float()
+
+
+def test_a_tied_config_with_a_different_lm_head_is_untied_as_transformers_does(tmp_path, caplog, tiny_model_dir):
+    """A fine-tune that trained its head apart but kept tie_word_embeddings: transformers warns and does not tie;
+    tying anyway (the head skipped) would silently serve the embedding as the head."""
+    source = tiny_model_dir("qwen2", tie_word_embeddings=True)
+    edited = _rewrite(tmp_path, source, lambda t: t.update(
+        {"lm_head.weight": t["model.embed_tokens.weight"] + 0.05 * torch.randn_like(t["model.embed_tokens.weight"])}))
+    caplog.set_level(logging.WARNING, logger="pagedllm")
+    model = _load(edited)
+    (warning,) = _pagedllm_warnings(caplog)
+    assert "lm_head.weight differs from model.embed_tokens.weight" in warning
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    ids = torch.arange(3, 30)
+    torch.testing.assert_close(_logits(model, ids), _hf_logits(edited, ids), atol=1e-4, rtol=1e-4)
+    from safetensors.torch import load_file
+    assert "lm_head.weight" in model.load_weights(load_file(os.path.join(edited, "model.safetensors")).items())
+
+
+def test_a_tied_checkpoint_holding_only_the_head_loads_it_as_the_embedding(tmp_path, caplog, tiny_model_dir):
+    source = tiny_model_dir("qwen2", tie_word_embeddings=True)
+    edited = _rewrite(tmp_path, source, lambda t: t.update({"lm_head.weight": t.pop("model.embed_tokens.weight")}))
+    caplog.set_level(logging.WARNING, logger="pagedllm")
+    model = _load(edited)
+    assert _pagedllm_warnings(caplog) == []
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.arange(3, 30)
+    torch.testing.assert_close(_logits(model, ids), _logits(_load(source), ids), atol=0, rtol=0)
