@@ -127,10 +127,11 @@ def llama3_rope_freqs(theta, head_dim, p):
 
 
 def write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None, quantizer=None,
-                    identity: Optional[dict] = None) -> None:
+                    identity: Optional[dict] = None, extra: Optional[dict] = None) -> None:
     """A llama / qwen2 / qwen3 checkpoint as a GGUF. kinds: GGML type per module ("self_attn.q_proj", ...;
     "token_embd" / "output" for the globals) for weights stored quantized (by quantizer(data, qtype), default
-    gguf's quantizer); the rest float32. identity: general.* metadata (organization, basename, name, finetune)."""
+    gguf's quantizer); the rest float32. identity: general.* metadata (organization, basename, name, finetune).
+    extra: more float32 tensors by GGUF name, written after the model's."""
     cfg = read_config(hf_dir)
     head_dim = config_head_dim(cfg)
     rope = cfg["rope_parameters"]
@@ -149,3 +150,5 @@ def write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = N
                 gguf_name = GLOBAL_TENSORS[name]
                 qtype = (kinds or {}).get(gguf_name.rsplit(".", 1)[0])
             add_tensor(writer, gguf_name, data, qtype, quantizer)
+        for gguf_name, data in (extra or {}).items():
+            add_tensor(writer, gguf_name, data)

@@ -205,7 +205,7 @@ def test_past_the_window_matches_transformers(tmp_path, arch):
     assert {a.sliding_window for a in ours.attn_layers} == {16, None}
 
 
-def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, tiny_model_dir):
+def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, caplog, tiny_model_dir):
     """A multimodal Gemma 3 checkpoint (a tiny SigLIP tower, language model = the tiny gemma3): pagedllm builds the
     text model from text_config, reads the language model's tensors under their saved names, skips the vision
     tower's, and gives transformers' Gemma3ForConditionalGeneration logits on a text-only prompt."""
@@ -227,6 +227,7 @@ def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, tiny_mode
     assert served.architectures == ["Gemma3ForConditionalGeneration"] and served.vocab_size == 512
     ours = _ours(str(tmp_path))
     assert type(ours).__name__ == "Gemma3ForConditionalGeneration" and len(ours.attn_layers) == 6
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]  # the vision tower: skipped quietly
     ids = _ids(40)
     with torch.inference_mode():
         ref = hf(input_ids=ids[None]).logits[0].float()

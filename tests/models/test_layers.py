@@ -78,6 +78,13 @@ def test_rope_parameters_old_and_new_style():
         get_rope(64, 128, {"rope_type": "mrope", "rope_theta": 1e4})
 
 
+@pytest.mark.parametrize("params,field", [({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
+                                          ({"rope_type": "linear"}, "factor")])
+def test_rope_scaling_without_one_of_its_fields_names_it(params, field):
+    with pytest.raises(ValueError, match=rf"rope_type '{params['rope_type']}' needs '{field}' in the config"):
+        get_rope(64, 128, {**params, "rope_theta": 1e4})
+
+
 def test_partial_rotary_leaves_the_tail():
     rope = get_rope(64, 32, {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
     q, k = torch.randn(3, 128), torch.randn(3, 64)

@@ -11,9 +11,10 @@ PROMPT = torch.randint(2, 512, (40,), generator=torch.Generator().manual_seed(9)
 
 
 @pytest.mark.parametrize("arch,group_size", [("llama", 32), ("qwen2", 64), ("qwen3", -1)])
-def test_awq_logits_match_library_dequantized_reference(tmp_path, tiny_model_dir, arch, group_size):
+def test_awq_logits_match_library_dequantized_reference(tmp_path, caplog, tiny_model_dir, arch, group_size):
     model_dir, reference = awq_checkpoint(tiny_model_dir(arch), str(tmp_path / "awq"), group_size)
     ours, _, _ = load_model(model_dir, dtype=torch.float32)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]  # every AWQ tensor is read
     assert type(ours.model.layers[0].mlp.gate_up_proj.linear_method).__name__ == "AWQLinearMethod"
     with torch.inference_mode():
         got = ours.compute_logits(ours(PROMPT, torch.arange(len(PROMPT))))

@@ -27,18 +27,20 @@ def _compare(model_dir, reference, atol):
     ("llama", "W8A16", {"strategy": "channel", "group_size": None}, "CTWNA16Method"),
     ("qwen3", "W4A16", {"group_size": 32, "actorder": "weight"}, "CTWNA16Method"),
 ])
-def test_weight_only_schemes(tmp_path, tiny_model_dir, arch, preset, args, method):
+def test_weight_only_schemes(tmp_path, caplog, tiny_model_dir, arch, preset, args, method):
     model_dir, reference = ct_checkpoint(tiny_model_dir(arch), str(tmp_path / "ct"), preset, **args)
     ours = _compare(model_dir, reference, atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]  # every tensor read (or known skipped)
     assert type(ours.model.layers[1].self_attn.qkv_proj.linear_method).__name__ == method
 
 
 @pytest.mark.parametrize("arch,preset", [("llama", "FP8_DYNAMIC"), ("qwen2", "FP8"), ("qwen3", "W8A8")])
-def test_w8a8_schemes(tmp_path, tiny_model_dir, arch, preset):
+def test_w8a8_schemes(tmp_path, caplog, tiny_model_dir, arch, preset):
     # FP8_DYNAMIC: per-channel weights, dynamic per-token activations; FP8: per-tensor weights (one scale per
     # fused shard) and a static input scale; W8A8: INT8 per-channel weights, per-token int8 activations.
     model_dir, reference = ct_checkpoint(tiny_model_dir(arch), str(tmp_path / "ct"), preset)
     ours, _, _ = load_model(model_dir, dtype=torch.float32)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]  # weight / input scales all read
     assert ours.model.layers[0].mlp.down_proj.weight.dtype == (torch.int8 if preset == "W8A8"
                                                                else torch.float8_e4m3fn)
     with torch.inference_mode():

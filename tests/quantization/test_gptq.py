@@ -80,3 +80,26 @@ def test_gptq_engine_greedy_tokens_equal_reference(tmp_path, tiny_model_dir):
             for _ in range(8):
                 ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
         assert out.outputs[0].token_ids == ids[len(prompt):]
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_checkpoint_tensors_all_consumed_and_g_idx_required_only_with_act_order(tmp_path, caplog,
+                                                                                      tiny_model_dir, desc_act):
+    """qweight / qzeros / scales / g_idx all land in parameters (no 'Ignoring' warning); a checkpoint without
+    g_idx loads with the trivial group map only without act-order: with desc_act that map would be garbage."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, _ = gptq_checkpoint(tiny_model_dir("qwen2"), str(tmp_path / "gptq"), 4, 32, desc_act, True)
+    caplog.set_level(logging.WARNING, logger="pagedllm")
+    load_model(model_dir, dtype=torch.float32)
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("pagedllm.models")]
+    path = f"{model_dir}/model.safetensors"
+    tensors = load_file(path)
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".g_idx")}, path, metadata={"format": "pt"})
+    if desc_act:
+        with pytest.raises(ValueError, match=r"missing \d+ weight\(s\).*\.g_idx"):
+            load_model(model_dir, dtype=torch.float32)
+    else:
+        load_model(model_dir, dtype=torch.float32)

@@ -52,10 +52,14 @@ def stage_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> It
     start, end = model.model.start_layer, model.model.end_layer
     first, last = pp.is_first_rank, pp.is_last_rank
     tied_copy = model.tie_word_embeddings and last and not first
+    num_layers = model.config.num_hidden_layers
     for name, tensor in weights:
         match = _LAYER_RE.search(name)
         if match is not None:
-            if start <= int(match.group(1)) < end:
+            index = int(match.group(1))
+            # A layer no stage holds (a checkpoint with more layers than the config) reaches the last stage's
+            # loader, which reports it: dropped here it would go unnoticed.
+            if start <= index < end or (last and index >= num_layers):
                 yield name, tensor
             continue
         if "embed_tokens." in name:

@@ -203,7 +203,14 @@ class RotaryEmbedding(nn.Module):
 def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any],
              rotary_dim: Optional[int] = None) -> RotaryEmbedding:
     """Build the rotary embedding a config describes (see `get_rope_parameters`)."""
-    p = rope_parameters
+    try:
+        return _build_rope(head_size, max_position, rope_parameters, rotary_dim)
+    except KeyError as e:  # a scaling type without one of its fields: say which (was a bare KeyError)
+        raise ValueError(f"rope_type {rope_parameters.get('rope_type', 'default')!r} needs {e.args[0]!r} in the "
+                         f"config's rope_scaling (rope_parameters).") from None
+
+
+def _build_rope(head_size: int, max_position: int, p: dict[str, Any], rotary_dim: Optional[int]) -> RotaryEmbedding:
     if rotary_dim is None:
         rotary_dim = int(head_size * p.get("partial_rotary_factor", 1.0))
     base = float(p["rope_theta"])

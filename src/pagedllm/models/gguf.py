@@ -309,9 +309,13 @@ def _rope_scaling(reader: Any, arch: str, tensors: dict, rope_theta: float, head
         from gguf.quants import dequantize
         t = tensors["rope_freqs.weight"]
         return _llama3_params_from_rope_freqs(dequantize(t.data, t.tensor_type).reshape(-1), rope_theta, head_dim)
-    if kind not in (None, "none"):
-        logger.warning("Ignoring unsupported GGUF rope scaling type %r.", kind)
-    return None
+    if kind in (None, "none") or (kind in ("linear", "yarn") and not factor):
+        return None  # (no factor: nothing to scale)
+    if kind == "longrope" and arch == "phi3" and "rope_factors_long.weight" in tensors:
+        return None  # Phi-3's LongRoPE factors come from its tensors (_phi3_config)
+    # Serving it with plain rope would quietly degrade every prompt past the original context.
+    raise ValueError(f"The GGUF's rope scaling type {kind!r} ({arch}.rope.scaling.type) is not supported; "
+                     f"supported: linear, yarn, Llama 3's rope_freqs and Phi-3's LongRoPE factors.")
 
 
 def _llama3_params_from_rope_freqs(rope_freqs: np.ndarray, base: float, head_dim: int) -> dict:
@@ -473,8 +477,7 @@ def _iter_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, np.ndarray
         if tensor.name in _SKIPPED_TENSORS:
             continue
         name = _hf_name(tensor.name, arch)
-        if name is None:
-            logger.warning("Skipping GGUF tensor %s: no Hugging Face equivalent.", tensor.name)
+        if name is None:  # reported by every load of the file, not once here (the conversion is cached)
             continue
         try:
             data = dequantize(tensor.data, tensor.tensor_type)

@@ -182,6 +182,15 @@ def _parse_index(gguf_path: str) -> GGUFIndex:
     return GGUFIndex(arch, tensors)
 
 
+def report_unmapped_tensors(gguf_path: str, hf_config: Any) -> None:
+    """Warn once about the file's tensors that have no Hugging Face name (the model reads nothing of them)."""
+    from pagedllm.models.weight_utils import report_unused_gguf_tensors
+
+    index = read_gguf_index(gguf_path)
+    report_unused_gguf_tensors([t.name for t in index.tensors if t.name not in _SKIPPED_TENSORS
+                                and _hf_name(t.name, index.arch) is None], hf_config)
+
+
 def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int], bool],
                       show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf import GGMLQuantizationType
@@ -191,6 +200,7 @@ def iter_gguf_weights(gguf_path: str, hf_config: Any, keep: Callable[[str, int],
 
     index = read_gguf_index(gguf_path)
     arch = index.arch
+    report_unmapped_tensors(gguf_path, hf_config)
     pbar = _maybe_bar(len(index.tensors), show_progress)
     moe_dequantized = 0
     try:

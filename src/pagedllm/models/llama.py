@@ -21,7 +21,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.weight_utils import set_default_dtype
+from pagedllm.layers.weight_utils import set_default_dtype, set_weight_attrs
 from pagedllm.models.weight_utils import load_weights_into
 
 logger = logging.getLogger(__name__)
@@ -319,5 +319,50 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of the parameters loaded (ValueError if any is missing)."""
-        return load_weights_into(self, stage_weights(self, weights), self.stacked_params_mapping,
-                                 skip=self.skip_weight)
+        head: dict[str, torch.Tensor] = {}
+        loaded = load_weights_into(self, stage_weights(self, self.tied_head_aside(weights, head)),
+                                   self.stacked_params_mapping, skip=self.skip_weight)
+        return loaded | ({"lm_head.weight"} if self.untie_if_head_differs(head) else set())
+
+    def tied_head_aside(self, weights: Iterable[tuple[str, torch.Tensor]], head: dict[str, torch.Tensor]
+                        ) -> Iterable[tuple[str, torch.Tensor]]:
+        """With the head tied to the embedding, a checkpoint's own lm_head.weight is kept in `head` (for
+        `untie_if_head_differs`) instead of loaded; one with no embedding loads it as the embedding (as transformers
+        ties to whichever of the two the checkpoint has)."""
+        tied = (self.model.is_first_stage and self.model.is_last_stage
+                and self.lm_head.weight is self.model.embed_tokens.weight and self.lm_head.weight.numel() > 0)
+        if not tied:
+            yield from weights
+            return
+        has_embedding = False
+        for name, tensor in weights:
+            if name == "lm_head.weight":
+                head[name] = tensor
+                continue
+            has_embedding = has_embedding or name == "model.embed_tokens.weight"
+            yield name, tensor
+        if not has_embedding and head:
+            yield "model.embed_tokens.weight", head.pop("lm_head.weight")
+
+    def untie_if_head_differs(self, head: dict[str, torch.Tensor]) -> bool:
+        """A tied config whose checkpoint holds an lm_head unlike its embedding (a fine-tune that trained them
+        apart, the config left as it was): transformers then does not tie them, and neither does this; tying them
+        anyway would silently serve the wrong head."""
+        tensor = head.get("lm_head.weight")
+        if tensor is None:
+            return False
+        embed = self.model.embed_tokens.weight
+        untied = nn.Parameter(torch.empty_like(embed), requires_grad=False)
+        set_weight_attrs(untied, {"output_dim": 0, "weight_loader": self.lm_head.weight_loader})
+        try:
+            self.lm_head.weight_loader(untied, tensor)
+        except ValueError as e:
+            raise ValueError(f"Cannot load checkpoint weight 'lm_head.weight': {e}.") from None
+        if torch.equal(untied, embed):
+            return False
+        logger.warning("config.json sets tie_word_embeddings, but the checkpoint's lm_head.weight differs from "
+                       "model.embed_tokens.weight: the LM head is not tied and uses the checkpoint's lm_head (as "
+                       "transformers does); set tie_word_embeddings to false to silence this warning.")
+        self.lm_head.weight = untied
+        self.tie_word_embeddings = False
+        return True

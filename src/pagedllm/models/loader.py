@@ -195,6 +195,8 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
             if prepare is not None:
                 prepare(model)
             own = getattr(quant_config, "weights_iterator", None)
+            if own is None:
+                _report_unmapped_gguf_tensors(model_dir, hf_config)
             model.load_weights(own(hf_config) if own is not None else safetensors_weights_iterator(files))
         for module in model.modules():
             linear_method = getattr(module, "linear_method", None)
@@ -210,6 +212,17 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
     if device.type == "cpu":
         cpu_decode.attach(model)  # decode steps of packed models in one C++ call, where the model qualifies
     return model.eval()
+
+
+def _report_unmapped_gguf_tensors(model_dir: Optional[str], hf_config: Any) -> None:
+    """A directory converted from a .gguf lacks the file's tensors that have no Hugging Face name: warn about them
+    here, on every load (the packed path's own iterator does the same)."""
+    from pagedllm.models.gguf_packed import clear_index_cache, gguf_source_path, report_unmapped_tensors
+
+    source = gguf_source_path(model_dir)
+    if source is not None:
+        report_unmapped_tensors(source, hf_config)
+        clear_index_cache()  # the float weights come from the directory: keep no map of the file
 
 
 def load_model(model: Optional[str], *, dtype: torch.dtype, device: Union[str, torch.device] = "cpu",

@@ -222,8 +222,11 @@ class MoEForCausalLM(LlamaForCausalLM):
                     raise ValueError(f"Cannot load checkpoint weight {name!r}: {e}.") from None
 
         expert_params = {f"{name}.{p}" for name in experts for p in ("gate_up_proj", "down_proj")}
-        loaded = load_weights_into(self, non_expert(stage_weights(self, weights)), self.stacked_params_mapping,
-                                   skip=self.skip_weight, loaded_elsewhere=expert_params)
+        head: dict[str, torch.Tensor] = {}
+        loaded = load_weights_into(self, non_expert(stage_weights(self, self.tied_head_aside(weights, head))),
+                                   self.stacked_params_mapping, skip=self.skip_weight, loaded_elsewhere=expert_params)
+        if self.untie_if_head_differs(head):
+            loaded.add("lm_head.weight")
         missing = [f"{name} {shard}" for name, module in experts.items() for shard in module.missing_shards()]
         if missing:
             shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")

@@ -7,6 +7,7 @@ import glob
 import json
 import logging
 import os
+import re
 from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -20,6 +21,11 @@ logger = logging.getLogger(__name__)
 
 # (fused param name, checkpoint name, shard id): how HF's separate projections map onto our fused ones.
 StackedParamsMapping = Sequence[tuple[str, str, Any]]
+
+# Multi-token-prediction heads (Qwen3-Next's `mtp.`, MiMo's `model.mtp_layers.`, GGUF's `blk.N.nextn.`): only a
+# speculative-decoding drafter reads them, the served model never does.
+_MTP_TENSOR = re.compile(r"(?:^|\.)(?:mtp|mtp_layers|nextn)\.")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 # ----------------------------------------------------------------------------------------- weight files
@@ -90,6 +96,46 @@ def _maybe_bar(total: int, show: bool, desc: str = "Loading weights") -> Any:
 
 # ----------------------------------------------------------------------------------------- loading loop
 
+def num_mtp_layers(config: Any) -> int:
+    """Multi-token-prediction layers a checkpoint stores after its decoder layers (DeepSeek-V3 / GLM-4.5's
+    `num_nextn_predict_layers`, MiMo's `num_nextn_predict_layers`, Qwen3-Next's `mtp_num_hidden_layers`)."""
+    counts = (getattr(config, key, None) for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"))
+    return max([c for c in counts if isinstance(c, int)], default=0)
+
+
+def is_harmless_extra(name: str, tensor: Optional[torch.Tensor], config: Any = None) -> bool:
+    """Whether a checkpoint tensor that matches no parameter is known to change nothing the model computes, so a
+    loader skips it quietly instead of warning: rope's saved inv_freq buffer (recomputed from the config), a
+    multi-token-prediction head, and an all-zero bias (GPTQ exporters write one for every layer, bias or not)."""
+    if "rotary_emb.inv_freq" in name or _MTP_TENSOR.search(name):
+        return True
+    layers = getattr(config, "num_hidden_layers", None)
+    match = _LAYER_INDEX.search(name)
+    if match is not None and isinstance(layers, int) and layers <= int(match.group(1)) < layers + num_mtp_layers(
+            config):
+        return True  # DeepSeek-style MTP layers numbered after the decoder's
+    return (name.endswith(".bias") and tensor is not None and getattr(tensor, "gguf_type", None) is None
+            and not bool(tensor.any()))
+
+
+def report_unused_tensors(unused: Sequence[str], harmless: Sequence[str], source: str = "checkpoint") -> None:
+    """One warning for the tensors nothing reads (a checkpoint of another model or variant, a fine-tune's extra
+    head: transformers says "Some weights of the model checkpoint were not used"), a debug line for known extras."""
+    if harmless:
+        logger.debug("Skipping %d %s tensor(s) the model does not use (rope buffers, MTP heads, zero biases), "
+                     "e.g. %s.", len(harmless), source, ", ".join(harmless[:5]))
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" (and {len(unused) - 5} more)" if len(unused) > 5 else "")
+        logger.warning("Ignoring %d %s tensor(s) with no matching parameter (a checkpoint of another model or "
+                       "variant?): %s.", len(unused), source, shown)
+
+
+def report_unused_gguf_tensors(names: Sequence[str], config: Any = None) -> None:
+    """`report_unused_tensors` for the tensors of a .gguf file that have no Hugging Face name."""
+    harmless = [n for n in names if is_harmless_extra(n, None, config)]
+    report_unused_tensors([n for n in names if n not in harmless], harmless, source="GGUF")
+
+
 def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                       stacked_params_mapping: StackedParamsMapping,
                       skip: Callable[[str], bool] = lambda name: False,
@@ -98,7 +144,8 @@ def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
 
     Returns the set of parameter names loaded. Raises ValueError naming what is missing if any parameter
     (or any shard of a fused one) was not in `weights`, except those in `loaded_elsewhere` (a caller that loads
-    and checks them itself: the MoE models' stacked experts). Unknown checkpoint tensors are logged and ignored.
+    and checks them itself: the MoE models' stacked experts). Checkpoint tensors that match no parameter are
+    ignored: known-harmless ones quietly (`is_harmless_extra`), the others with one warning naming them.
     """
     params = dict(model.named_parameters())
     # fused param -> every shard id it needs (e.g. qkv_proj -> {q, k, v})
@@ -108,6 +155,8 @@ def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     got_shards: dict[str, set] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
+    harmless: list[str] = []
+    config = getattr(model, "config", None)
     modules: Optional[dict[str, nn.Module]] = None
     for name, tensor in weights:
         if skip(name):
@@ -123,7 +172,7 @@ def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
                 break
         param = params.get(target)
         if param is None:
-            unexpected.append(name)
+            (harmless if is_harmless_extra(name, tensor, config) else unexpected).append(name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
@@ -138,9 +187,7 @@ def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
         fused = next((f for f in needed_shards if f".{f}." in target), None)
         if fused is not None and shards >= needed_shards[fused]:
             loaded.add(target)
-    if unexpected:
-        logger.warning("Ignoring %d checkpoint tensor(s) with no matching parameter, e.g. %s.", len(unexpected),
-                       ", ".join(unexpected[:5]))
+    report_unused_tensors(unexpected, harmless)
     missing = sorted(n for n in set(params) - loaded - set(loaded_elsewhere)
                      if not getattr(params[n], "optional_weight", False))
     if missing:

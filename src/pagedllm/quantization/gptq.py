@@ -94,11 +94,13 @@ class GPTQLinearMethod(PackedIntLinearMethod):
                               packed_dim=1, pack_factor=pack)
         scales = nn.Parameter(torch.empty(groups, n, dtype=params_dtype), requires_grad=False)
         set_quant_param_attrs(scales, weight_loader=weight_loader, input_dim=group_in_dim, output_dim=1)
-        # Optional on disk (some exporters drop it without act-order): default = the trivial global map.
+        # Optional on disk without act-order (some exporters drop it): default = the trivial global map. With
+        # desc_act the channels are permuted and that default would silently dequantize garbage: required.
         g_idx = int_param(k)
         first = layer.tp_rank * k if sharded_k else 0
         trivial = lambda p: p.data.copy_((torch.arange(p.numel(), device=p.device) + first) // group)
-        set_quant_param_attrs(g_idx, weight_loader=weight_loader, input_dim=0, optional=True, dummy_init=trivial)
+        set_quant_param_attrs(g_idx, weight_loader=weight_loader, input_dim=0, optional=not cfg.desc_act,
+                              dummy_init=trivial)
         trivial(g_idx)
         for name, param in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)):
             layer.register_parameter(name, param)
