@@ -205,10 +205,13 @@ def test_past_the_window_matches_transformers(tmp_path, arch):
     assert {a.sliding_window for a in ours.attn_layers} == {16, None}
 
 
-def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, caplog, tiny_model_dir):
+@pytest.mark.parametrize("tie", [None, False], ids=["tied", "untied-at-top"])
+def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, caplog, tiny_model_dir, tie):
     """A multimodal Gemma 3 checkpoint (a tiny SigLIP tower, language model = the tiny gemma3): pagedllm builds the
     text model from text_config, reads the language model's tensors under their saved names, skips the vision
-    tower's, and gives transformers' Gemma3ForConditionalGeneration logits on a text-only prompt."""
+    tower's, and gives transformers' Gemma3ForConditionalGeneration logits on a text-only prompt; with
+    tie_word_embeddings false at the top level (the text config's default: true) its own lm_head, as transformers
+    unties by the top-level flag."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
     from tests.conftest import build_tiny_tokenizer, tiny_hf_config
@@ -217,7 +220,8 @@ def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, caplog, t
                                 image_size=28, patch_size=14)
     config = Gemma3Config(text_config=tiny_hf_config("gemma3").to_dict(), vision_config=vision.to_dict(),
                           mm_tokens_per_image=4, boi_token_index=508, eoi_token_index=509, image_token_index=510,
-                          architectures=["Gemma3ForConditionalGeneration"])
+                          architectures=["Gemma3ForConditionalGeneration"],
+                          **({} if tie is None else {"tie_word_embeddings": tie}))
     torch.manual_seed(0)
     hf = Gemma3ForConditionalGeneration(config).eval()
     randomize_norms(hf.model.language_model)
@@ -228,6 +232,7 @@ def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, caplog, t
     ours = _ours(str(tmp_path))
     assert type(ours).__name__ == "Gemma3ForConditionalGeneration" and len(ours.attn_layers) == 6
     assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]  # the vision tower: skipped quietly
+    assert not [r for r in caplog.records if "tie_word_embeddings" in r.getMessage()]  # untied as the config says
     ids = _ids(40)
     with torch.inference_mode():
         ref = hf(input_ids=ids[None]).logits[0].float()

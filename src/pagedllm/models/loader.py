@@ -151,6 +151,9 @@ def served_text_config(config: Any) -> Any:
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if getattr(text, key, None) is None and getattr(config, key, None) is not None:
             setattr(text, key, getattr(config, key))
+    # transformers ties the multimodal model's lm_head by the top-level flag, not the text config's
+    if getattr(config, "tie_word_embeddings", None) is not None:
+        text.tie_word_embeddings = config.tie_word_embeddings
     return text
 
 
