@@ -201,3 +201,43 @@ def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
         r = http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": "x", "max_tokens": 3,
                                               "guided_json": {"type": "object", "properties": {"a": {"type": 5}}}})
         assert r.status_code == 400, r.text
+
+
+def _literal_regex(text: str) -> str:
+    return "".join("\\" + ch if ch in "\\^$.|?*+()[]{}" else "\\n" if ch == "\n" else ch for ch in text)
+
+
+_WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text", [
+    _WEATHER_CALL,
+    "\n" + _WEATHER_CALL,
+    "Sure!\n" + _WEATHER_CALL,
+    "  Let me look.\n\n" + _WEATHER_CALL + "\nDone.",
+    "No call here <tool but prose.",
+    "Bad <tool_call>{not json}</tool_call>",
+])
+def test_auto_tool_choice_stream_equals_full(client: openai.OpenAI, text: str) -> None:
+    """tool_choice "auto" (a regex forces what the model writes): the streamed content deltas add up to the full
+    response's message.content and the calls are the same (once, text around a call was stripped in one only)."""
+    kw = dict(messages=ASK, tools=[WEATHER, TIME], max_tokens=80, extra_body={"guided_regex": _literal_regex(text)})
+    full = _chat(client, **kw).choices[0]
+    content, calls, finish = "", {}, None
+    for chunk in _chat(client, stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, ["", ""])
+                slot[0] += tc.function.name or ""
+                slot[1] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert content == (full.message.content or "")
+    assert [tuple(calls[i]) for i in sorted(calls)] == [(c.function.name, c.function.arguments)
+                                                       for c in full.message.tool_calls or []]
+    assert finish == full.finish_reason
+    if "get_weather" in text:
+        assert full.finish_reason == "tool_calls" and full.message.tool_calls[0].function.name == "get_weather"
+        assert full.message.content == (text[:text.index("<tool_call>")] if text.strip()[0] != "<" else None)
+    else:
+        assert full.message.content == text and full.finish_reason == "stop"
