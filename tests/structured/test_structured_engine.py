@@ -147,10 +147,16 @@ def test_guidance_backend(tiny_llama_dir: str) -> None:
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=_so(json=schema))
               for s in range(2)]
     params.append(SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=_so(grammar='start: "x" "y"+')))
-    outs = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    # EBNF grammars and choices go through llguidance's GBNF converter (once refused: "'module' object is not
+    # callable" with llguidance 1.x, where gbnf_to_lark became a module).
+    params.append(SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=_so(grammar=GRAMMAR)))
+    params.append(SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=_so(choice=CHOICES)))
+    outs = llm.generate(["a", "b", "c", "d", "e"], params, use_tqdm=False)
     for o in outs[:2]:
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
     assert re.fullmatch("xy+", outs[2].outputs[0].text)
+    assert re.fullmatch(r"\([0-9](\+[0-9])*\)", outs[3].outputs[0].text), outs[3].outputs[0].text
+    assert outs[4].outputs[0].text in CHOICES
     with pytest.raises(ValueError, match="backend must be one of"):
         LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=256,
             structured_outputs_config={"backend": "nope"})

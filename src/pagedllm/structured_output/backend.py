@@ -220,6 +220,14 @@ class GuidanceGrammar(RequestGrammar):
             self.matcher.rollback(num_tokens)
 
 
+def _gbnf_to_lark(text: str) -> str:
+    # llguidance >= 1.x has a module llguidance.gbnf_to_lark that shadows the old top-level function of that name.
+    import llguidance
+
+    convert = llguidance.gbnf_to_lark
+    return getattr(convert, "gbnf_to_lark", convert)(text)
+
+
 class GuidanceBackend(GrammarBackend):
     name = "guidance"
 
@@ -249,10 +257,10 @@ class GuidanceBackend(GrammarBackend):
         if kind == "regex":
             return m.grammar_from_regex(params.regex)
         if kind == "choice":
-            return m.grammar_from_lark(llguidance.gbnf_to_lark(choice_ebnf(params.choice)))
+            return m.grammar_from_lark(_gbnf_to_lark(choice_ebnf(params.choice)))
         text = params.grammar
         if "::=" in text:  # GBNF / EBNF; Lark otherwise
-            text = llguidance.gbnf_to_lark(text)
+            text = _gbnf_to_lark(text)
         return m.grammar_from_lark(text)
 
     @classmethod
