@@ -62,6 +62,74 @@ def strict_objects(schema: Any) -> Any:
     return out
 
 
+_DATA_KEYS = ("enum", "const", "default", "examples")  # JSON values, not schemas
+
+
+def _loosened(schema: Any) -> Any:
+    """A copy for the satisfiability check: "not" dropped (llguidance does not implement it, and dropping it only
+    widens the schema, so what stays unsatisfiable was), except a "not" of everything, which is false."""
+    if isinstance(schema, list):
+        return [_loosened(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if "not" in schema and (schema["not"] is True or schema["not"] == {}):
+        return False
+    out = {}
+    for k, v in schema.items():
+        if k == "not":
+            continue
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _loosened(sub) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA_KEYS else _loosened(v)
+    return out
+
+
+def unsatisfiable_reason(schema: Any) -> Optional[str]:
+    """Why no JSON value satisfies the schema (llguidance's analysis: types that exclude each other in allOf,
+    enum / anyOf [], a required property that additionalProperties forbids, ...), or None when it may be satisfied
+    or cannot be analysed. xgrammar compiles many such schemas without a word, into a grammar that lets the model
+    write anything, or nothing."""
+    try:
+        import llguidance
+    except ImportError:
+        return None
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_loosened(schema)))
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    except Exception as e:  # noqa: BLE001 - a schema llguidance cannot read is left to the backend's own check
+        is_error, messages = True, [str(e)]
+    if not is_error:
+        return None
+    for message in messages:
+        found = re.search(r"Unsatisfiable schema: (.+)", clean_error(Exception(message)))
+        if found:
+            return found.group(1).strip().rstrip(".")
+    return None
+
+
+def check_satisfiable(params: StructuredOutputsParams) -> None:
+    """ValueError (-> 400) if the request's JSON schema admits no value at all."""
+    if params.kind != "json":
+        return
+    reason = unsatisfiable_reason(strict_objects(params.json))
+    if reason is None:
+        return
+    if unsatisfiable_reason(params.json) is None:  # only so with the additionalProperties false strict_objects adds
+        reason += "; an object schema with properties allows no others unless additionalProperties says so"
+    raise ValueError(f"Invalid structured_outputs.json: no JSON value satisfies the schema ({reason}).")
+
+
+def _several_all_of(schema: Any) -> bool:
+    if isinstance(schema, list):
+        return any(_several_all_of(s) for s in schema)
+    if not isinstance(schema, dict):
+        return False
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return True
+    return any(_several_all_of(v) for k, v in schema.items() if k not in _DATA_KEYS)
+
+
 class RequestGrammar(ABC):
     """One request's matcher. Invariant: it has accepted exactly the request's output tokens so far."""
 
@@ -150,10 +218,20 @@ class XGrammarBackend(GrammarBackend):
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.batch_matcher = None
 
+    @staticmethod
+    def check_enforceable(params: StructuredOutputsParams) -> None:
+        # xgrammar compiles allOf of several schemas into "any JSON value" (a warning on stderr): refused, so that
+        # "auto" takes llguidance, which enforces it, and an explicit xgrammar backend answers why.
+        if params.kind == "json" and _several_all_of(params.json):
+            raise ValueError("Invalid structured_outputs.json: the xgrammar backend does not enforce allOf with "
+                             "more than one schema; use the guidance backend (--structured-outputs-config "
+                             "'{\"backend\": \"guidance\"}').")
+
     @classmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
         import xgrammar as xgr
 
+        cls.check_enforceable(params)
         kind = params.kind
         try:
             if kind == "json":
@@ -169,6 +247,7 @@ class XGrammarBackend(GrammarBackend):
             raise ValueError(f"Invalid structured_outputs.{kind}: {clean_error(e)}") from None
 
     def compile(self, params: StructuredOutputsParams) -> Any:
+        self.check_enforceable(params)
         kind = params.kind
         c = self.compiler
         ws = not params.disable_any_whitespace

@@ -23,6 +23,7 @@ from pagedllm.structured_output.backend import (
     GrammarBackend,
     RequestGrammar,
     backend_class,
+    check_satisfiable,
     clean_error,
     resolve_backend_name,
 )
@@ -109,6 +110,7 @@ class StructuredOutputManager:
         key = params.key()
         name = self._validated.get(key)
         if name is None:
+            check_satisfiable(params)
             name = resolve_backend_name(self.backend_name, params)
             if len(self._validated) > 4096:
                 self._validated.clear()
