@@ -241,3 +241,47 @@ def test_auto_tool_choice_stream_equals_full(client: openai.OpenAI, text: str) -
         assert full.message.content == (text[:text.index("<tool_call>")] if text.strip()[0] != "<" else None)
     else:
         assert full.message.content == text and full.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                "schema": {"allOf": [{"type": "string"},
+                                                                                     {"type": "integer"}]}}}},
+    {"structured_outputs": {"json": {"anyOf": []}}},
+    {"guided_json": {"type": "object", "required": ["a"], "additionalProperties": False}},
+    {"guided_json": {"not": {}}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}}}], "tool_choice": "required"},
+])
+def test_unsatisfiable_json_schema_is_400(server: Server, body: dict) -> None:
+    """A schema no JSON value satisfies: once a 200 with any JSON value (allOf, not: xgrammar drops them) or an
+    empty / schema-breaking answer ("{}" for a required property); now a 400 with the reason."""
+    with server.client() as http:
+        for path, extra in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "x"})):
+            if path == "/v1/completions" and "tools" in body:
+                continue
+            r = http.post(path, json={"model": SERVED_NAME, "max_tokens": 5, **extra, **body})
+            assert r.status_code == 400, r.text
+            assert "no JSON value satisfies the schema" in r.json()["error"]["message"], r.text
+
+
+def test_grammar_without_a_complete_derivation_ends_cleanly(client: openai.OpenAI) -> None:
+    """A grammar that never completes cannot be told up front (vLLM neither): the request runs to max_tokens and
+    ends with finish_reason "length", streamed or not, and the server goes on serving."""
+    kw = dict(messages=ASK, max_tokens=6, extra_body={"guided_grammar": 'root ::= "a" root'})
+    r = _chat(client, **kw)
+    assert r.choices[0].finish_reason == "length" and set(r.choices[0].message.content) == {"a"}
+    finish = [c.finish_reason for chunk in _chat(client, stream=True, **kw) for c in chunk.choices if c.finish_reason]
+    assert finish == ["length"]
+    assert _chat(client, messages=ASK, max_tokens=3).choices[0].message.content
+
+
+def test_all_of_several_schemas_is_enforced(client: openai.OpenAI) -> None:
+    """allOf of several schemas: xgrammar compiles it into any JSON value; "auto" hands it to llguidance, which
+    keeps to it."""
+    schema = {"allOf": [{"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "required": ["n"]},
+                        {"type": "object", "properties": {"n": {"type": "integer", "maximum": 7}}}]}
+    r = _chat(client, messages=[{"role": "user", "content": "A number as JSON."}], max_tokens=30,
+              response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
