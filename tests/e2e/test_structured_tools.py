@@ -285,3 +285,13 @@ def test_all_of_several_schemas_is_enforced(client: openai.OpenAI) -> None:
               response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+@pytest.mark.parametrize("body", [{"guided_regex": "[^\\x00-\\U0010FFFF]"},
+                                  {"structured_outputs": {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}}])
+def test_spec_with_no_first_token_is_400(server: Server, body: dict) -> None:
+    """A regex / grammar that compiles but allows no first token: once a 200 with "" and finish_reason "abort"."""
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5, **body})
+        assert r.status_code == 400, r.text
+        assert "matches no text at all" in r.json()["error"]["message"]

@@ -87,6 +87,10 @@ def test_min_json_object_and_dict_params(tiny_llm: LLM) -> None:
     ({"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}, "no-such-type"),
     ({"regex": "(unclosed"}, "regex"),
     ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
+    # Compiles, but allows no first token (once: an aborted request with empty text).
+    ({"regex": "[^\\x00-\\U0010FFFF]"}, "matches no text at all"),
+    ({"grammar": 'root ::= [^\\x00-\\U0010FFFF]'}, "matches no text at all"),
+    ({"json": {"anyOf": []}}, "no JSON value satisfies the schema (anyOf is empty)"),
 ])
 def test_invalid_specs_are_value_errors_with_the_reason(tiny_llm: LLM, spec: dict, reason: str) -> None:
     with pytest.raises(ValueError, match="Invalid structured_outputs") as e:
