@@ -268,3 +268,13 @@ def test_auto_content_keeps_the_text_before_the_call_as_written() -> None:
     assert hermes.extract(f"\n \n<tool_call>{_CALL}</tool_call>").content is None
     mistral = get_tool_parser("mistral", TOOLS)
     assert mistral.extract('ok: [TOOL_CALLS]get_time[ARGS]{}').content == "ok: "
+
+
+@pytest.mark.parametrize("params", [{"type": "string"}, {"type": ["array", "null"]}])
+def test_tool_parameters_must_describe_an_object(params: dict) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    with pytest.raises(ToolRequestError, match=r"tools\[0\].function.parameters must describe an object"):
+        plan_tools(tools, "required", None, "hermes", None)
+    for ok in ({"type": ["object", "null"]}, {"properties": {}}, {}):
+        plan_tools([{"type": "function", "function": {"name": "f", "parameters": ok}}], "required", None, "hermes",
+                   None)

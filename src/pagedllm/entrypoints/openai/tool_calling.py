@@ -50,6 +50,12 @@ def _function(tool: Any, i: int) -> dict:
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise ToolRequestError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+    kind = (params or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        # Arguments are a JSON object (OpenAI's shape): a grammar from another type would write a string or a
+        # number where clients parse an object.
+        raise ToolRequestError(f"tools[{i}].function.parameters must describe an object (type 'object'), got type "
+                               f"{kind!r}.", "tools")
     return {"type": "function", "function": fn}
 
 
