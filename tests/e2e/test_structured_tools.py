@@ -192,6 +192,12 @@ def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "cannot be combined"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
       "tool_choice": "required"}, "bogus"),
+    # once a 200 with any JSON value (xgrammar does not fetch it and allows anything there)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}}}, "points outside the schema"),
+    # once a 200 whose call's arguments were a JSON string
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters must describe an object"),
 ])
 def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
     with server.client() as http:

@@ -69,3 +69,15 @@ def test_all_of_several_schemas_goes_to_llguidance() -> None:
     with pytest.raises(ValueError, match="xgrammar backend does not enforce allOf with more than one schema"):
         XGrammarBackend.check_enforceable(spec)
     XGrammarBackend.check_enforceable(StructuredOutputsParams(json={"allOf": [{"type": "integer"}]}))
+
+
+def test_refs_to_other_documents_are_refused() -> None:
+    """xgrammar does not fetch a remote $ref and allows any value there; llguidance refuses it: a 400 either way."""
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "other.json#/a"}}})
+    for backend in ("auto", "xgrammar"):
+        with pytest.raises(ValueError, match="'other.json#/a' points outside the schema"):
+            if backend == "auto":
+                _manager(backend).validate(spec)
+            else:
+                XGrammarBackend.check_enforceable(spec)
+    XGrammarBackend.check_enforceable(StructuredOutputsParams(json={"$defs": {"a": {}}, "$ref": "#/$defs/a"}))

@@ -120,14 +120,20 @@ def check_satisfiable(params: StructuredOutputsParams) -> None:
     raise ValueError(f"Invalid structured_outputs.json: no JSON value satisfies the schema ({reason}).")
 
 
-def _several_all_of(schema: Any) -> bool:
+def _xgrammar_unenforced(schema: Any) -> Optional[str]:
+    """What in the schema xgrammar compiles as "any value" without an error (allOf of several schemas, a $ref
+    to another document), as the sentence that refuses it; None if nothing."""
     if isinstance(schema, list):
-        return any(_several_all_of(s) for s in schema)
+        return next((r for r in map(_xgrammar_unenforced, schema) if r), None)
     if not isinstance(schema, dict):
-        return False
+        return None
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return True
-    return any(_several_all_of(v) for k, v in schema.items() if k not in _DATA_KEYS)
+        return ("the xgrammar backend does not enforce allOf with more than one schema; use the guidance backend "
+                "(--structured-outputs-config '{\"backend\": \"guidance\"}')")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"$ref {ref!r} points outside the schema; only local references such as '#/$defs/Name' are supported"
+    return next((r for k, v in schema.items() if k not in _DATA_KEYS for r in [_xgrammar_unenforced(v)] if r), None)
 
 
 class RequestGrammar(ABC):
@@ -220,12 +226,11 @@ class XGrammarBackend(GrammarBackend):
 
     @staticmethod
     def check_enforceable(params: StructuredOutputsParams) -> None:
-        # xgrammar compiles allOf of several schemas into "any JSON value" (a warning on stderr): refused, so that
-        # "auto" takes llguidance, which enforces it, and an explicit xgrammar backend answers why.
-        if params.kind == "json" and _several_all_of(params.json):
-            raise ValueError("Invalid structured_outputs.json: the xgrammar backend does not enforce allOf with "
-                             "more than one schema; use the guidance backend (--structured-outputs-config "
-                             "'{\"backend\": \"guidance\"}').")
+        # Refused rather than compiled into "any JSON value", so that "auto" takes llguidance where it enforces
+        # them, and an explicit xgrammar backend answers why.
+        reason = _xgrammar_unenforced(params.json) if params.kind == "json" else None
+        if reason:
+            raise ValueError(f"Invalid structured_outputs.json: {reason}.")
 
     @classmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
