@@ -278,3 +278,21 @@ def test_tool_parameters_must_describe_an_object(params: dict) -> None:
     for ok in ({"type": ["object", "null"]}, {"properties": {}}, {}):
         plan_tools([{"type": "function", "function": {"name": "f", "parameters": ok}}], "required", None, "hermes",
                    None)
+
+
+def test_required_schema_redirects_references_to_the_parameters_root() -> None:
+    """"$ref": "#" in a function's parameters means those parameters; in the joined "required" schema they become
+    a definition of their own and the reference points there ("#/$defs/..." references stay at the root)."""
+    params = {"type": "object", "$defs": {"u": {"enum": ["c", "f"]}},
+              "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}, "unit": {"$ref": "#/$defs/u"},
+                             "same": {"$ref": "#/properties/unit"}, "tag": {"const": {"$ref": "#"}}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": params}}, TOOLS[1]]
+    schema = tool_structured_outputs(plan_tools(tools, "required", None, "hermes", None)).json
+    tree, time_ = schema["items"]["anyOf"]
+    assert tree["properties"]["arguments"] == {"$ref": "#/$defs/tools_0_parameters"}
+    own = schema["$defs"]["tools_0_parameters"]["properties"]
+    assert own["kids"]["items"] == {"$ref": "#/$defs/tools_0_parameters"}
+    assert own["same"] == {"$ref": "#/$defs/tools_0_parameters/properties/unit"}
+    assert own["unit"] == {"$ref": "#/$defs/u"} and schema["$defs"]["u"] == {"enum": ["c", "f"]}
+    assert own["tag"] == {"const": {"$ref": "#"}}  # a value, left as written
+    assert time_["properties"]["arguments"] == TOOLS[1]["function"]["parameters"]

@@ -98,6 +98,27 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
+def _self_refs(schema: Any, base: str) -> tuple[Any, bool]:
+    """(schema with its references to its own root ("#", "#/properties/...") pointing at base instead, whether
+    there were any). References into $defs / definitions stay: those move to the joined schema's root."""
+    if isinstance(schema, list):
+        pairs = [_self_refs(s, base) for s in schema]
+        return [p[0] for p in pairs], any(p[1] for p in pairs)
+    if not isinstance(schema, dict):
+        return schema, False
+    out, found = {}, False
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")) \
+                and not v.startswith(("#/$defs/", "#/definitions/")):
+            out[k], found = base + v[1:], True
+        elif k in ("enum", "const", "default", "examples"):  # values, not schemas
+            out[k] = v
+        else:
+            out[k], sub = _self_refs(v, base)
+            found = found or sub
+    return out, found
+
+
 def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]:
     """The grammar that enforces a "required" / named tool choice (None for none / auto)."""
     if plan.mode == "named":
@@ -118,6 +139,13 @@ def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]
                 if defs.setdefault(key, {}).setdefault(name, sub) != sub:
                     raise ValueError(f"tools: two functions' parameters define {key}/{name} differently; tool_choice "
                                      "'required' joins them in one schema, where a name has one definition.")
+        # A reference to the parameters' own root ("$ref": "#", a recursive tree) would point at the joined schema:
+        # such parameters become a definition of their own, where the references are redirected.
+        own = f"tools_{len(variants)}_parameters"
+        moved, found = _self_refs(params, f"#/$defs/{own}")
+        if found:
+            defs.setdefault("$defs", {})[own] = moved
+            params = {"$ref": f"#/$defs/{own}"}
         variants.append({"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
                                                           "arguments": params},
                          "required": ["name", "arguments"], "additionalProperties": False})
