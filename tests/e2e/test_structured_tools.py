@@ -256,19 +256,27 @@ def test_auto_tool_choice_stream_equals_full(client: openai.OpenAI, text: str) -
     {"structured_outputs": {"json": {"anyOf": []}}},
     {"guided_json": {"type": "object", "required": ["a"], "additionalProperties": False}},
     {"guided_json": {"not": {}}},
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}}}], "tool_choice": "required"},
 ])
 def test_unsatisfiable_json_schema_is_400(server: Server, body: dict) -> None:
     """A schema no JSON value satisfies: once a 200 with any JSON value (allOf, not: xgrammar drops them) or an
     empty / schema-breaking answer ("{}" for a required property); now a 400 with the reason."""
     with server.client() as http:
         for path, extra in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "x"})):
-            if path == "/v1/completions" and "tools" in body:
-                continue
             r = http.post(path, json={"model": SERVED_NAME, "max_tokens": 5, **extra, **body})
             assert r.status_code == 400, r.text
             assert "no JSON value satisfies the schema" in r.json()["error"]["message"], r.text
+
+
+def test_tool_whose_parameters_admit_nothing_is_400(server: Server) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}}}
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5,
+                                                    "tools": [tool], "tool_choice": "required"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "tools" and error["message"].startswith(
+            "tools[0].function.parameters admit no arguments at all ("), error
 
 
 def test_grammar_without_a_complete_derivation_ends_cleanly(client: openai.OpenAI) -> None:

@@ -296,3 +296,16 @@ def test_required_schema_redirects_references_to_the_parameters_root() -> None:
     assert own["unit"] == {"$ref": "#/$defs/u"} and schema["$defs"]["u"] == {"enum": ["c", "f"]}
     assert own["tag"] == {"const": {"$ref": "#"}}  # a value, left as written
     assert time_["properties"]["arguments"] == TOOLS[1]["function"]["parameters"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_tool_whose_parameters_admit_nothing_is_named(choice) -> None:
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}}}]
+    with pytest.raises(ValueError, match=r"tools\[1\].function.parameters admit no arguments at all \(.*\), so "
+                                         r"'f' cannot be called"):
+        tool_structured_outputs(plan_tools(tools, choice, None, "hermes", None))
+    # "auto" has no grammar; a named choice of another function does not use f's parameters.
+    assert tool_structured_outputs(plan_tools(tools, "auto", None, "hermes", None)) is None
+    tool_structured_outputs(plan_tools(tools, {"type": "function", "function": {"name": "get_time"}}, None, "hermes",
+                                       None))

@@ -119,8 +119,24 @@ def _self_refs(schema: Any, base: str) -> tuple[Any, bool]:
     return out, found
 
 
+def _check_callable(plan: ToolPlan) -> None:
+    """ValueError naming the function whose parameters no arguments satisfy (the engine would refuse the joined
+    schema without saying which function's it is)."""
+    from pagedllm.structured_output.backend import strict_objects, unsatisfiable_reason
+
+    for i, t in enumerate(plan.tools):
+        if plan.mode == "named" and t["function"]["name"] != plan.named:
+            continue
+        reason = unsatisfiable_reason(strict_objects(_parameters(t)))
+        if reason is not None:
+            raise ValueError(f"tools[{i}].function.parameters admit no arguments at all ({reason}), so "
+                             f"{t['function']['name']!r} cannot be called.")
+
+
 def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]:
     """The grammar that enforces a "required" / named tool choice (None for none / auto)."""
+    if plan.mode in ("named", "required"):
+        _check_callable(plan)
     if plan.mode == "named":
         tool = next(t for t in plan.tools if t["function"]["name"] == plan.named)
         return StructuredOutputsParams(json=_parameters(tool))
