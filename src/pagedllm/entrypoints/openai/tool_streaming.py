@@ -1,9 +1,10 @@
 """Streaming with tools: one ToolCallStreamer per choice turns text deltas into OpenAI chunk deltas.
 
 Content streams as it comes until a parser's start marker may have begun (a suffix that could grow into
-"<tool_call>" is held back, and leading whitespace until something else comes); from the marker on the text is held and parsed at the end, then each call goes out as
-one delta carrying id, name and the whole arguments, which the OpenAI SDK accumulates into the same call as the
-non-streamed response. A named tool choice streams its arguments as they are generated.
+"<tool_call>" is held back, and leading whitespace until something else comes); from the marker on the text is
+held and parsed at the end, then each call goes out as one delta carrying id, name and the whole arguments, which
+the OpenAI SDK accumulates into the same call as the non-streamed response. The content deltas add up to the
+non-streamed message.content. A named tool choice streams its arguments as they are generated.
 """
 from __future__ import annotations
 
