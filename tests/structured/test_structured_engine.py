@@ -190,3 +190,14 @@ def test_offline_chat_with_tools_returns_parsed_calls(tiny_llm: LLM) -> None:
     plain = tiny_llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_tokens=4),
                           use_tqdm=False)[0]
     assert plain.outputs[0].tool_calls is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])  # the greedy LM-head shortcut, the sampler
+def test_grammar_that_dead_ends_fails_the_request_saying_why(tiny_llm: LLM, temperature: float) -> None:
+    """After "a" this grammar allows nothing: the request ends with finish_reason "error" and the reason in the
+    log (the greedy shortcut once took a forbidden token: an "abort" with no reason); the engine goes on."""
+    sp = SamplingParams(temperature=temperature, seed=0, max_tokens=8,
+                        structured_outputs=_so(grammar='root ::= "a" [^\\x00-\\U0010FFFF]'))
+    out = tiny_llm.generate(["x"], sp, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason) == ("a", "error")
+    assert tiny_llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
