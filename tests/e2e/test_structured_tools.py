@@ -192,6 +192,12 @@ def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "cannot be combined"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
       "tool_choice": "required"}, "bogus"),
+    # once a 200 with any JSON value (xgrammar does not fetch it and allows anything there)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}}}, "points outside the schema"),
+    # once a 200 whose call's arguments were a JSON string
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters must describe an object"),
 ])
 def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
     with server.client() as http:
@@ -201,3 +207,124 @@ def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
         r = http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": "x", "max_tokens": 3,
                                               "guided_json": {"type": "object", "properties": {"a": {"type": 5}}}})
         assert r.status_code == 400, r.text
+
+
+def _literal_regex(text: str) -> str:
+    return "".join("\\" + ch if ch in "\\^$.|?*+()[]{}" else "\\n" if ch == "\n" else ch for ch in text)
+
+
+_WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text", [
+    _WEATHER_CALL,
+    "\n" + _WEATHER_CALL,
+    "Sure!\n" + _WEATHER_CALL,
+    "  Let me look.\n\n" + _WEATHER_CALL + "\nDone.",
+    "No call here <tool but prose.",
+    "Bad <tool_call>{not json}</tool_call>",
+])
+def test_auto_tool_choice_stream_equals_full(client: openai.OpenAI, text: str) -> None:
+    """tool_choice "auto" (a regex forces what the model writes): the streamed content deltas add up to the full
+    response's message.content and the calls are the same (once, text around a call was stripped in one only)."""
+    kw = dict(messages=ASK, tools=[WEATHER, TIME], max_tokens=80, extra_body={"guided_regex": _literal_regex(text)})
+    full = _chat(client, **kw).choices[0]
+    content, calls, finish = "", {}, None
+    for chunk in _chat(client, stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, ["", ""])
+                slot[0] += tc.function.name or ""
+                slot[1] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert content == (full.message.content or "")
+    assert [tuple(calls[i]) for i in sorted(calls)] == [(c.function.name, c.function.arguments)
+                                                       for c in full.message.tool_calls or []]
+    assert finish == full.finish_reason
+    if "get_weather" in text:
+        assert full.finish_reason == "tool_calls" and full.message.tool_calls[0].function.name == "get_weather"
+        assert full.message.content == (text[:text.index("<tool_call>")] if text.strip()[0] != "<" else None)
+    else:
+        assert full.message.content == text and full.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                "schema": {"allOf": [{"type": "string"},
+                                                                                     {"type": "integer"}]}}}},
+    {"structured_outputs": {"json": {"anyOf": []}}},
+    {"guided_json": {"type": "object", "required": ["a"], "additionalProperties": False}},
+    {"guided_json": {"not": {}}},
+])
+def test_unsatisfiable_json_schema_is_400(server: Server, body: dict) -> None:
+    """A schema no JSON value satisfies: once a 200 with any JSON value (allOf, not: xgrammar drops them) or an
+    empty / schema-breaking answer ("{}" for a required property); now a 400 with the reason."""
+    with server.client() as http:
+        for path, extra in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "x"})):
+            r = http.post(path, json={"model": SERVED_NAME, "max_tokens": 5, **extra, **body})
+            assert r.status_code == 400, r.text
+            assert "no JSON value satisfies the schema" in r.json()["error"]["message"], r.text
+
+
+def test_tool_whose_parameters_admit_nothing_is_400(server: Server) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}}}
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5,
+                                                    "tools": [tool], "tool_choice": "required"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "tools" and error["message"].startswith(
+            "tools[0].function.parameters admit no arguments at all ("), error
+
+
+def test_grammar_without_a_complete_derivation_ends_cleanly(client: openai.OpenAI) -> None:
+    """A grammar that never completes cannot be told up front (vLLM neither): the request runs to max_tokens and
+    ends with finish_reason "length", streamed or not, and the server goes on serving."""
+    kw = dict(messages=ASK, max_tokens=6, extra_body={"guided_grammar": 'root ::= "a" root'})
+    r = _chat(client, **kw)
+    assert r.choices[0].finish_reason == "length" and set(r.choices[0].message.content) == {"a"}
+    finish = [c.finish_reason for chunk in _chat(client, stream=True, **kw) for c in chunk.choices if c.finish_reason]
+    assert finish == ["length"]
+    assert _chat(client, messages=ASK, max_tokens=3).choices[0].message.content
+
+
+def test_all_of_several_schemas_is_enforced(client: openai.OpenAI) -> None:
+    """allOf of several schemas: xgrammar compiles it into any JSON value; "auto" hands it to llguidance, which
+    keeps to it."""
+    schema = {"allOf": [{"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "required": ["n"]},
+                        {"type": "object", "properties": {"n": {"type": "integer", "maximum": 7}}}]}
+    r = _chat(client, messages=[{"role": "user", "content": "A number as JSON."}], max_tokens=30,
+              response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+@pytest.mark.parametrize("body", [{"guided_regex": "[^\\x00-\\U0010FFFF]"},
+                                  {"structured_outputs": {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}}])
+def test_spec_with_no_first_token_is_400(server: Server, body: dict) -> None:
+    """A regex / grammar that compiles but allows no first token: once a 200 with "" and finish_reason "abort"."""
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5, **body})
+        assert r.status_code == 400, r.text
+        assert "matches no text at all" in r.json()["error"]["message"]
+
+
+def test_required_tool_choice_with_recursive_parameters(client: openai.OpenAI) -> None:
+    """Parameters that refer to their own root ("$ref": "#", a tree): "required" joins the functions in one
+    schema, where "#" once meant the whole list of calls (the kids came out as lists of calls)."""
+    params = {"type": "object", "properties": {"label": {"enum": ["x", "y"]},
+                                               "kids": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}},
+                                               "same": {"$ref": "#/properties/label"}},
+              "required": ["label", "kids"]}
+    tool = {"type": "function", "function": {"name": "tree", "parameters": params}}
+    r = _chat(client, messages=ASK, tools=[tool], tool_choice="required", parallel_tool_calls=False, max_tokens=60)
+    if r.choices[0].finish_reason == "tool_calls":
+        (call,) = r.choices[0].message.tool_calls
+        jsonschema.validate(_args(call), params)
+        return
+    # The tiny model may nest deeper than max_tokens: the kid written so far is a tree node, not a list of calls.
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length" and text.count('"name"') == 1, text
+    assert re.search(r'"kids"\s*:\s*\[\s*(\]|\{\s*"(label|kids|same)")', text), text

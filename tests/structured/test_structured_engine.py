@@ -87,6 +87,10 @@ def test_min_json_object_and_dict_params(tiny_llm: LLM) -> None:
     ({"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}, "no-such-type"),
     ({"regex": "(unclosed"}, "regex"),
     ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
+    # Compiles, but allows no first token (once: an aborted request with empty text).
+    ({"regex": "[^\\x00-\\U0010FFFF]"}, "matches no text at all"),
+    ({"grammar": 'root ::= [^\\x00-\\U0010FFFF]'}, "matches no text at all"),
+    ({"json": {"anyOf": []}}, "no JSON value satisfies the schema (anyOf is empty)"),
 ])
 def test_invalid_specs_are_value_errors_with_the_reason(tiny_llm: LLM, spec: dict, reason: str) -> None:
     with pytest.raises(ValueError, match="Invalid structured_outputs") as e:
@@ -147,10 +151,16 @@ def test_guidance_backend(tiny_llama_dir: str) -> None:
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=_so(json=schema))
               for s in range(2)]
     params.append(SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=_so(grammar='start: "x" "y"+')))
-    outs = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    # EBNF grammars and choices go through llguidance's GBNF converter (once refused: "'module' object is not
+    # callable" with llguidance 1.x, where gbnf_to_lark became a module).
+    params.append(SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=_so(grammar=GRAMMAR)))
+    params.append(SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=_so(choice=CHOICES)))
+    outs = llm.generate(["a", "b", "c", "d", "e"], params, use_tqdm=False)
     for o in outs[:2]:
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
     assert re.fullmatch("xy+", outs[2].outputs[0].text)
+    assert re.fullmatch(r"\([0-9](\+[0-9])*\)", outs[3].outputs[0].text), outs[3].outputs[0].text
+    assert outs[4].outputs[0].text in CHOICES
     with pytest.raises(ValueError, match="backend must be one of"):
         LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=256,
             structured_outputs_config={"backend": "nope"})
@@ -180,3 +190,14 @@ def test_offline_chat_with_tools_returns_parsed_calls(tiny_llm: LLM) -> None:
     plain = tiny_llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_tokens=4),
                           use_tqdm=False)[0]
     assert plain.outputs[0].tool_calls is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])  # the greedy LM-head shortcut, the sampler
+def test_grammar_that_dead_ends_fails_the_request_saying_why(tiny_llm: LLM, temperature: float) -> None:
+    """After "a" this grammar allows nothing: the request ends with finish_reason "error" and the reason in the
+    log (the greedy shortcut once took a forbidden token: an "abort" with no reason); the engine goes on."""
+    sp = SamplingParams(temperature=temperature, seed=0, max_tokens=8,
+                        structured_outputs=_so(grammar='root ::= "a" [^\\x00-\\U0010FFFF]'))
+    out = tiny_llm.generate(["x"], sp, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason) == ("a", "error")
+    assert tiny_llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

@@ -28,7 +28,7 @@ def calls(result) -> list[tuple[str, dict]]:
 
 
 @pytest.mark.parametrize("parser, text, content, expected", [
-    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "Sure.",
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "Sure.\n",
      [("get_weather", {"city": "Paris"})]),
     ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n<tool_call>'
                '{"name": "get_time", "arguments": {}}</tool_call>', None,
@@ -38,7 +38,7 @@ def calls(result) -> list[tuple[str, dict]]:
      [("get_weather", {"city": "Oslo"})]),
     ("llama3_json", '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "X"}}',
      None, [("get_time", {}), ("get_weather", {"city": "X"})]),
-    ("mistral", 'ok [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lyon"}}]', "ok",
+    ("mistral", 'ok [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lyon"}}]', "ok ",
      [("get_weather", {"city": "Lyon"})]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}[TOOL_CALLS]get_time[ARGS]{}', None,
      [("get_weather", {"city": "Nice"}), ("get_time", {})]),
@@ -171,7 +171,7 @@ def test_streamed_deltas_equal_the_full_extraction(parser: str, text: str) -> No
     assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in full.tool_calls]
     assert reason == ("tool_calls" if full.called else "stop")
     if full.called:
-        assert (content or None) == (full.content + " " if full.content else None) or content.strip() == full.content
+        assert content == (full.content or "")
         assert not any("<tool_call>" in (d.get("content") or "") for d in deltas)
     else:
         assert content == text
@@ -211,3 +211,101 @@ def test_auto_with_parallel_tool_calls_false_keeps_the_first_call() -> None:
     (_, streamed), reason, _ = _stream(single, text, "stop")
     assert [c["name"] for c in streamed] == ["get_weather"] and reason == "tool_calls"
     assert len(extract_tool_calls(plan_tools(TOOLS, "auto", None, "hermes", None), text, "stop").tool_calls) == 2
+
+
+_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+_LLAMA = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+_AUTO_TEXTS = [
+    ("hermes", f"<tool_call>\n{_CALL}\n</tool_call>"),
+    ("hermes", f"\n\n<tool_call>\n{_CALL}\n</tool_call>"),  # whitespace alone before the call
+    ("hermes", f"Sure!\n<tool_call>\n{_CALL}\n</tool_call>"),
+    ("hermes", f"  Let me check.\n\n<tool_call>{_CALL}</tool_call>\nDone."),  # text after the call is dropped
+    ("hermes", f"A <tool_call>{_CALL}</tool_call> B <tool_call>{_CALL}</tool_call>"),
+    ("hermes", f"<tool_call>\n{_CALL}"),  # unclosed at EOS
+    ("hermes", "Hi <tool_call>{broken</tool_call>"),  # not a call: all of it is content
+    ("hermes", 'x <tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>'),  # not an offered tool
+    ("hermes", "   "),
+    ("hermes", "\n  plain answer <tool and <tool_cal but no call\n"),
+    ("hermes", "ends on a partial marker <tool_c"),
+    ("llama3_json", _LLAMA),
+    ("llama3_json", f"\n  <|python_tag|>{_LLAMA}"),
+    ("llama3_json", f"{_LLAMA}; {_LLAMA}"),
+    ("llama3_json", f"Text first {_LLAMA}"),  # not at the start: content
+    ("llama3_json", "  {not json at all"),
+    ("llama3_json", "<|py but not the tag"),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]'),
+    ("mistral", ' \n[TOOL_CALLS][{"name": "get_time", "arguments": {}}]'),
+    ("mistral", 'Checking:\n [TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}'),
+    ("mistral", "words [TOOL_CALL but no call"),
+    ("pythonic", '[get_weather(city="Bern"), get_time()]'),
+    ("pythonic", ' \n[get_time()]'),
+    ("pythonic", "plain words [not a call"),
+    ("pythonic", "[1, 2, 3]"),
+]
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+@pytest.mark.parametrize("parser, text", _AUTO_TEXTS)
+def test_auto_stream_content_and_calls_equal_the_full_response(parser: str, text: str, step: int) -> None:
+    """tool_choice "auto": whatever the model writes and however it is split into deltas, the streamed content
+    deltas add up to the full response's message.content ("" for None) and the calls are the same."""
+    for finish in ("stop", "length"):
+        plan = plan_tools(TOOLS, "auto", None, parser, None)
+        (content, streamed), reason, deltas = _stream(plan, text, finish, step=step)
+        full = extract_tool_calls(plan, text, finish)
+        assert content == (full.content or ""), (finish, deltas)
+        assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in full.tool_calls]
+        assert reason == finish_reason_with_tools(full, finish)
+        if full.called:
+            assert all(d.get("content") for d in deltas if "content" in d)  # no empty content deltas
+
+
+def test_auto_content_keeps_the_text_before_the_call_as_written() -> None:
+    """As vLLM's hermes / mistral parsers: the text before the first call, whitespace and all (what streaming has
+    already sent), is the content; whitespace alone is none."""
+    hermes = get_tool_parser("hermes", TOOLS)
+    assert hermes.extract(f"Sure!\n<tool_call>{_CALL}</tool_call>").content == "Sure!\n"
+    assert hermes.extract(f"\n \n<tool_call>{_CALL}</tool_call>").content is None
+    mistral = get_tool_parser("mistral", TOOLS)
+    assert mistral.extract('ok: [TOOL_CALLS]get_time[ARGS]{}').content == "ok: "
+
+
+@pytest.mark.parametrize("params", [{"type": "string"}, {"type": ["array", "null"]}])
+def test_tool_parameters_must_describe_an_object(params: dict) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    with pytest.raises(ToolRequestError, match=r"tools\[0\].function.parameters must describe an object"):
+        plan_tools(tools, "required", None, "hermes", None)
+    for ok in ({"type": ["object", "null"]}, {"properties": {}}, {}):
+        plan_tools([{"type": "function", "function": {"name": "f", "parameters": ok}}], "required", None, "hermes",
+                   None)
+
+
+def test_required_schema_redirects_references_to_the_parameters_root() -> None:
+    """"$ref": "#" in a function's parameters means those parameters; in the joined "required" schema they become
+    a definition of their own and the reference points there ("#/$defs/..." references stay at the root)."""
+    params = {"type": "object", "$defs": {"u": {"enum": ["c", "f"]}},
+              "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}, "unit": {"$ref": "#/$defs/u"},
+                             "same": {"$ref": "#/properties/unit"}, "tag": {"const": {"$ref": "#"}}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": params}}, TOOLS[1]]
+    schema = tool_structured_outputs(plan_tools(tools, "required", None, "hermes", None)).json
+    tree, time_ = schema["items"]["anyOf"]
+    assert tree["properties"]["arguments"] == {"$ref": "#/$defs/tools_0_parameters"}
+    own = schema["$defs"]["tools_0_parameters"]["properties"]
+    assert own["kids"]["items"] == {"$ref": "#/$defs/tools_0_parameters"}
+    assert own["same"] == {"$ref": "#/$defs/tools_0_parameters/properties/unit"}
+    assert own["unit"] == {"$ref": "#/$defs/u"} and schema["$defs"]["u"] == {"enum": ["c", "f"]}
+    assert own["tag"] == {"const": {"$ref": "#"}}  # a value, left as written
+    assert time_["properties"]["arguments"] == TOOLS[1]["function"]["parameters"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_tool_whose_parameters_admit_nothing_is_named(choice) -> None:
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}}}]
+    with pytest.raises(ValueError, match=r"tools\[1\].function.parameters admit no arguments at all \(.*\), so "
+                                         r"'f' cannot be called"):
+        tool_structured_outputs(plan_tools(tools, choice, None, "hermes", None))
+    # "auto" has no grammar; a named choice of another function does not use f's parameters.
+    assert tool_structured_outputs(plan_tools(tools, "auto", None, "hermes", None)) is None
+    tool_structured_outputs(plan_tools(tools, {"type": "function", "function": {"name": "get_time"}}, None, "hermes",
+                                       None))

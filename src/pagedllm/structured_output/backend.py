@@ -62,6 +62,80 @@ def strict_objects(schema: Any) -> Any:
     return out
 
 
+_DATA_KEYS = ("enum", "const", "default", "examples")  # JSON values, not schemas
+
+
+def _loosened(schema: Any) -> Any:
+    """A copy for the satisfiability check: "not" dropped (llguidance does not implement it, and dropping it only
+    widens the schema, so what stays unsatisfiable was), except a "not" of everything, which is false."""
+    if isinstance(schema, list):
+        return [_loosened(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if "not" in schema and (schema["not"] is True or schema["not"] == {}):
+        return False
+    out = {}
+    for k, v in schema.items():
+        if k == "not":
+            continue
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _loosened(sub) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA_KEYS else _loosened(v)
+    return out
+
+
+def unsatisfiable_reason(schema: Any) -> Optional[str]:
+    """Why no JSON value satisfies the schema (llguidance's analysis: types that exclude each other in allOf,
+    enum / anyOf [], a required property that additionalProperties forbids, ...), or None when it may be satisfied
+    or cannot be analysed. xgrammar compiles many such schemas without a word, into a grammar that lets the model
+    write anything, or nothing."""
+    try:
+        import llguidance
+    except ImportError:
+        return None
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_loosened(schema)))
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    except Exception as e:  # noqa: BLE001 - a schema llguidance cannot read is left to the backend's own check
+        is_error, messages = True, [str(e)]
+    if not is_error:
+        return None
+    for message in messages:
+        found = re.search(r"Unsatisfiable schema: (.+)", clean_error(Exception(message)))
+        if found:
+            return found.group(1).strip().rstrip(".")
+    return None
+
+
+def check_satisfiable(params: StructuredOutputsParams) -> None:
+    """ValueError (-> 400) if the request's JSON schema admits no value at all."""
+    if params.kind != "json":
+        return
+    reason = unsatisfiable_reason(strict_objects(params.json))
+    if reason is None:
+        return
+    if unsatisfiable_reason(params.json) is None:  # only so with the additionalProperties false strict_objects adds
+        reason += "; an object schema with properties allows no others unless additionalProperties says so"
+    raise ValueError(f"Invalid structured_outputs.json: no JSON value satisfies the schema ({reason}).")
+
+
+def _xgrammar_unenforced(schema: Any) -> Optional[str]:
+    """What in the schema xgrammar compiles as "any value" without an error (allOf of several schemas, a $ref
+    to another document), as the sentence that refuses it; None if nothing."""
+    if isinstance(schema, list):
+        return next((r for r in map(_xgrammar_unenforced, schema) if r), None)
+    if not isinstance(schema, dict):
+        return None
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return ("the xgrammar backend does not enforce allOf with more than one schema; use the guidance backend "
+                "(--structured-outputs-config '{\"backend\": \"guidance\"}')")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"$ref {ref!r} points outside the schema; only local references such as '#/$defs/Name' are supported"
+    return next((r for k, v in schema.items() if k not in _DATA_KEYS for r in [_xgrammar_unenforced(v)] if r), None)
+
+
 class RequestGrammar(ABC):
     """One request's matcher. Invariant: it has accepted exactly the request's output tokens so far."""
 
@@ -150,10 +224,19 @@ class XGrammarBackend(GrammarBackend):
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.batch_matcher = None
 
+    @staticmethod
+    def check_enforceable(params: StructuredOutputsParams) -> None:
+        # Refused rather than compiled into "any JSON value", so that "auto" takes llguidance where it enforces
+        # them, and an explicit xgrammar backend answers why.
+        reason = _xgrammar_unenforced(params.json) if params.kind == "json" else None
+        if reason:
+            raise ValueError(f"Invalid structured_outputs.json: {reason}.")
+
     @classmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
         import xgrammar as xgr
 
+        cls.check_enforceable(params)
         kind = params.kind
         try:
             if kind == "json":
@@ -169,6 +252,7 @@ class XGrammarBackend(GrammarBackend):
             raise ValueError(f"Invalid structured_outputs.{kind}: {clean_error(e)}") from None
 
     def compile(self, params: StructuredOutputsParams) -> Any:
+        self.check_enforceable(params)
         kind = params.kind
         c = self.compiler
         ws = not params.disable_any_whitespace
@@ -220,6 +304,14 @@ class GuidanceGrammar(RequestGrammar):
             self.matcher.rollback(num_tokens)
 
 
+def _gbnf_to_lark(text: str) -> str:
+    # llguidance >= 1.x has a module llguidance.gbnf_to_lark that shadows the old top-level function of that name.
+    import llguidance
+
+    convert = llguidance.gbnf_to_lark
+    return getattr(convert, "gbnf_to_lark", convert)(text)
+
+
 class GuidanceBackend(GrammarBackend):
     name = "guidance"
 
@@ -249,10 +341,10 @@ class GuidanceBackend(GrammarBackend):
         if kind == "regex":
             return m.grammar_from_regex(params.regex)
         if kind == "choice":
-            return m.grammar_from_lark(llguidance.gbnf_to_lark(choice_ebnf(params.choice)))
+            return m.grammar_from_lark(_gbnf_to_lark(choice_ebnf(params.choice)))
         text = params.grammar
         if "::=" in text:  # GBNF / EBNF; Lark otherwise
-            text = llguidance.gbnf_to_lark(text)
+            text = _gbnf_to_lark(text)
         return m.grammar_from_lark(text)
 
     @classmethod

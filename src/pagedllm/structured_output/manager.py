@@ -23,6 +23,7 @@ from pagedllm.structured_output.backend import (
     GrammarBackend,
     RequestGrammar,
     backend_class,
+    check_satisfiable,
     clean_error,
     resolve_backend_name,
 )
@@ -109,6 +110,7 @@ class StructuredOutputManager:
         key = params.key()
         name = self._validated.get(key)
         if name is None:
+            check_satisfiable(params)
             name = resolve_backend_name(self.backend_name, params)
             if len(self._validated) > 4096:
                 self._validated.clear()
@@ -138,7 +140,15 @@ class StructuredOutputManager:
 
     def _compile(self, backend_name: str, params: StructuredOutputsParams) -> tuple[GrammarBackend, Any]:
         backend = self._backend(backend_name)
-        return backend, backend.compile(params)
+        compiled = backend.compile(params)
+        # A grammar that allows no first token (e.g. a regex of an empty character set) would leave the request
+        # nothing to sample: refused with the spec's field instead of an aborted or errored request.
+        probe = backend.allocate_bitmask(1)
+        backend.new_grammar(compiled).fill_bitmask(probe, 0)
+        if not bool(probe.any()):
+            raise ValueError(f"Invalid structured_outputs.{params.kind}: it matches no text at all, so nothing can "
+                             "be generated.")
+        return backend, compiled
 
     def _backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.batch_plan import BatchPlan
+from pagedllm.core.errors import NO_ALLOWED_TOKEN
 from pagedllm.layers.sampler import _to_device
 
 
@@ -39,6 +40,12 @@ def greedy_token_ids(model: torch.nn.Module, hidden: torch.Tensor,
     if token_bitmask is None:
         return fn(hidden)
     try:
-        return fn(hidden, token_bitmask=token_bitmask)
+        ids = fn(hidden, token_bitmask=token_bitmask)
     except TypeError:  # a model whose shortcut knows no mask: the sampler path applies it
         return None
+    if ids is None:
+        return None
+    # A row whose grammar allows no token at all gets NO_ALLOWED_TOKEN, as the sampler path marks it: the request
+    # then fails saying why, instead of taking a token its grammar refuses (once an "abort" with no reason).
+    dead = ~token_bitmask.any(dim=1)
+    return torch.where(dead.view(-1, *([1] * (ids.dim() - 1))), torch.full_like(ids, NO_ALLOWED_TOKEN), ids)

@@ -112,7 +112,10 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
         num_gen += len(out.token_ids)
         lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0) \
             if req.logprobs else None
-        message, finish_reason = choice_message(tool_plan, echo + out.text, out.finish_reason)
+        # The echo is content ahead of the answer, never parsed for calls: the stream sends it before the streamer.
+        message, finish_reason = choice_message(tool_plan, out.text, out.finish_reason)
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         choices.append({"index": out.index, "message": message,
                         "logprobs": lp, "finish_reason": finish_reason, "stop_reason": out.stop_reason})
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,

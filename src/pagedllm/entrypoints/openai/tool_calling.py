@@ -50,6 +50,12 @@ def _function(tool: Any, i: int) -> dict:
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise ToolRequestError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+    kind = (params or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        # Arguments are a JSON object (OpenAI's shape): a grammar from another type would write a string or a
+        # number where clients parse an object.
+        raise ToolRequestError(f"tools[{i}].function.parameters must describe an object (type 'object'), got type "
+                               f"{kind!r}.", "tools")
     return {"type": "function", "function": fn}
 
 
@@ -92,8 +98,45 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
+def _self_refs(schema: Any, base: str) -> tuple[Any, bool]:
+    """(schema with its references to its own root ("#", "#/properties/...") pointing at base instead, whether
+    there were any). References into $defs / definitions stay: those move to the joined schema's root."""
+    if isinstance(schema, list):
+        pairs = [_self_refs(s, base) for s in schema]
+        return [p[0] for p in pairs], any(p[1] for p in pairs)
+    if not isinstance(schema, dict):
+        return schema, False
+    out, found = {}, False
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")) \
+                and not v.startswith(("#/$defs/", "#/definitions/")):
+            out[k], found = base + v[1:], True
+        elif k in ("enum", "const", "default", "examples"):  # values, not schemas
+            out[k] = v
+        else:
+            out[k], sub = _self_refs(v, base)
+            found = found or sub
+    return out, found
+
+
+def _check_callable(plan: ToolPlan) -> None:
+    """ValueError naming the function whose parameters no arguments satisfy (the engine would refuse the joined
+    schema without saying which function's it is)."""
+    from pagedllm.structured_output.backend import strict_objects, unsatisfiable_reason
+
+    for i, t in enumerate(plan.tools):
+        if plan.mode == "named" and t["function"]["name"] != plan.named:
+            continue
+        reason = unsatisfiable_reason(strict_objects(_parameters(t)))
+        if reason is not None:
+            raise ValueError(f"tools[{i}].function.parameters admit no arguments at all ({reason}), so "
+                             f"{t['function']['name']!r} cannot be called.")
+
+
 def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]:
     """The grammar that enforces a "required" / named tool choice (None for none / auto)."""
+    if plan.mode in ("named", "required"):
+        _check_callable(plan)
     if plan.mode == "named":
         tool = next(t for t in plan.tools if t["function"]["name"] == plan.named)
         return StructuredOutputsParams(json=_parameters(tool))
@@ -112,6 +155,13 @@ def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]
                 if defs.setdefault(key, {}).setdefault(name, sub) != sub:
                     raise ValueError(f"tools: two functions' parameters define {key}/{name} differently; tool_choice "
                                      "'required' joins them in one schema, where a name has one definition.")
+        # A reference to the parameters' own root ("$ref": "#", a recursive tree) would point at the joined schema:
+        # such parameters become a definition of their own, where the references are redirected.
+        own = f"tools_{len(variants)}_parameters"
+        moved, found = _self_refs(params, f"#/$defs/{own}")
+        if found:
+            defs.setdefault("$defs", {})[own] = moved
+            params = {"$ref": f"#/$defs/{own}"}
         variants.append({"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
                                                           "arguments": params},
                          "required": ["name", "arguments"], "additionalProperties": False})

@@ -1,9 +1,10 @@
 """Streaming with tools: one ToolCallStreamer per choice turns text deltas into OpenAI chunk deltas.
 
 Content streams as it comes until a parser's start marker may have begun (a suffix that could grow into
-"<tool_call>" is held back); from the marker on the text is held and parsed at the end, then each call goes out as
-one delta carrying id, name and the whole arguments, which the OpenAI SDK accumulates into the same call as the
-non-streamed response. A named tool choice streams its arguments as they are generated.
+"<tool_call>" is held back, and leading whitespace until something else comes); from the marker on the text is
+held and parsed at the end, then each call goes out as one delta carrying id, name and the whole arguments, which
+the OpenAI SDK accumulates into the same call as the non-streamed response. The content deltas add up to the
+non-streamed message.content. A named tool choice streams its arguments as they are generated.
 """
 from __future__ import annotations
 
@@ -68,8 +69,12 @@ class ToolCallStreamer:
         positions = [p for p in (self.text.find(m, self.sent) for m in markers) if p >= 0]
         if positions:
             self.holding = True
-            return self._send_upto(min(positions))
-        return self._send_upto(len(self.text) - _held_suffix(self.text, markers))
+            end = min(positions)
+        else:
+            end = len(self.text) - _held_suffix(self.text, markers)
+        if self.sent == 0 and not self.text[:end].strip():
+            return []  # whitespace alone before a call is no content (the parser's rule): wait for more
+        return self._send_upto(end)
 
     def _send_upto(self, end: int) -> list[dict]:
         if end <= self.sent:
@@ -91,8 +96,11 @@ class ToolCallStreamer:
         if not result.called:
             return self._send_upto(len(self.text)), finish_reason
         out = []
-        if mode == "auto" and result.content and self.sent == 0:
-            out.append({"content": result.content})
+        # The content sent so far is a prefix of the parsed content (the text before the first call); the rest
+        # of it goes out now, so the deltas add up to the non-streamed message.content.
+        content = result.content or ""
+        if len(content) > self.sent and content.startswith(self.text[:self.sent]):
+            out.append({"content": content[self.sent:]})
         for i, call in enumerate(result.tool_calls):
             out.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
                                         "function": {"name": call.name, "arguments": call.arguments}}]})

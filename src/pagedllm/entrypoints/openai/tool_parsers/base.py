@@ -93,8 +93,10 @@ class ToolParser:
             calls, content = None, text
         if not calls or (self.tool_names and any(c.name not in self.tool_names for c in calls)):
             return ExtractedToolCalls(content=text, tool_calls=[])
-        return ExtractedToolCalls(content=content or None, tool_calls=calls)
+        # The text before the calls, whitespace kept, is what streaming sends as it comes (as vLLM's parsers answer);
+        # whitespace alone is no content.
+        return ExtractedToolCalls(content=content if content and content.strip() else None, tool_calls=calls)
 
     def _extract(self, text: str) -> tuple[Optional[list[ToolCall]], Optional[str]]:
-        """(calls or None, content besides the calls)."""
+        """(calls or None, the text before the calls, unstripped)."""
         raise NotImplementedError

@@ -24,4 +24,4 @@ class HermesToolParser(ToolParser):
             if call is None:
                 return None, text
             calls.append(call)
-        return calls, text[:start].strip()
+        return calls, text[:start]

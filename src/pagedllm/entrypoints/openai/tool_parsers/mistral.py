@@ -31,7 +31,7 @@ class MistralToolParser(ToolParser):
             if found is None:
                 return None, text
             calls.extend(found)
-        return calls, text[:start].strip()
+        return calls, text[:start]
 
     @staticmethod
     def _part(part: str) -> Optional[list[ToolCall]]:

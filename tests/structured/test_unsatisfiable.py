@@ -1,0 +1,83 @@
+"""Specs no output can satisfy are refused when the request arrives (a 400 with the reason), not compiled into a
+grammar that lets the model write anything, or nothing; allOf of several schemas, which xgrammar compiles into
+"any JSON value", goes to llguidance under "auto" and is refused by an explicit xgrammar backend."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.structured_output.backend import XGrammarBackend, unsatisfiable_reason
+from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
+
+
+def _manager(backend: str) -> StructuredOutputManager:
+    # validate() needs no tokenizer: nothing is loaded here.
+    return StructuredOutputManager("unused", 64, [0], config={"backend": backend})
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "guidance"])
+@pytest.mark.parametrize("schema, reason", [
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum (5) is greater than maximum (3)"),
+    ({"enum": []}, "empty"),
+    ({"anyOf": []}, "anyOf is empty"),
+    ({"type": []}, "empty"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "incompatible types"),
+    ({"not": {}}, "false"),
+    ({"const": 1, "type": "string"}, "incompatible types"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False}, "required property 'a'"),
+    ({"type": "object", "properties": {"a": {"not": True}}, "required": ["a"]}, "required property 'a'"),
+    ({"type": "object", "$defs": {"x": {"enum": []}}, "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"]},
+     "empty"),
+    ({"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 3, "maxLength": 1}}, ""),
+])
+def test_unsatisfiable_json_schemas_are_refused(backend: str, schema: dict, reason: str) -> None:
+    with pytest.raises(ValueError, match="no JSON value satisfies the schema") as e:
+        _manager(backend).validate(StructuredOutputsParams(json=schema))
+    assert str(e.value).startswith("Invalid structured_outputs.json: ") and reason in str(e.value)
+
+
+def test_required_property_that_strict_objects_forbid_says_why() -> None:
+    """pagedllm closes object schemas that list properties (as vLLM's strict xgrammar): a required property not
+    listed is then impossible, and the message says so."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}
+    with pytest.raises(ValueError, match="required property 'b'.*unless additionalProperties says so"):
+        _manager("auto").validate(StructuredOutputsParams(json=schema))
+    schema["additionalProperties"] = True
+    assert _manager("auto").validate(StructuredOutputsParams(json=schema)) == "xgrammar"
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object"},
+    {"not": {"type": "string"}},  # "not" is left out of the analysis, never a reason to refuse
+    {"type": "object", "properties": {"a": {"not": {}}}},  # an optional property that can never be present
+    {"enum": [{"not": {}}]},  # a value, not a schema
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 1}}, "required": ["a"]},
+])
+def test_satisfiable_schemas_pass(schema: dict) -> None:
+    assert unsatisfiable_reason(schema) is None
+    _manager("auto").validate(StructuredOutputsParams(json=schema))
+
+
+def test_all_of_several_schemas_goes_to_llguidance() -> None:
+    """xgrammar compiles allOf of several schemas into any JSON value (only a warning): "auto" takes llguidance,
+    which enforces it; an explicit xgrammar backend refuses it, naming the way out."""
+    spec = StructuredOutputsParams(json={"allOf": [{"type": "integer", "minimum": 1}, {"maximum": 5}]})
+    assert _manager("auto").validate(spec) == "guidance"
+    with pytest.raises(ValueError, match="xgrammar backend does not enforce allOf with more than one schema"):
+        XGrammarBackend.check_enforceable(spec)
+    XGrammarBackend.check_enforceable(StructuredOutputsParams(json={"allOf": [{"type": "integer"}]}))
+
+
+def test_refs_to_other_documents_are_refused() -> None:
+    """xgrammar does not fetch a remote $ref and allows any value there; llguidance refuses it: a 400 either way."""
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "other.json#/a"}}})
+    for backend in ("auto", "xgrammar"):
+        with pytest.raises(ValueError, match="'other.json#/a' points outside the schema"):
+            if backend == "auto":
+                _manager(backend).validate(spec)
+            else:
+                XGrammarBackend.check_enforceable(spec)
+    XGrammarBackend.check_enforceable(StructuredOutputsParams(json={"$defs": {"a": {}}, "$ref": "#/$defs/a"}))
