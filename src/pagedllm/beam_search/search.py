@@ -89,8 +89,9 @@ class BeamSearch:
     def check_logprob_limit(self, max_logprobs: int) -> None:
         """Each beam step asks the engine for the top `keep` logprobs: refuse at once when --max-logprobs is lower."""
         if max_logprobs != -1 and self.keep > max_logprobs:
+            most = max_logprobs // (self.keep // self.width)
             raise ValueError(f"beam_width={self.width} needs the top {self.keep} logprobs of every step, more than "
-                             f"max_logprobs={max_logprobs}; use a beam width of at most {max_logprobs // (self.keep // self.width)} "
+                             f"max_logprobs={max_logprobs}; use a beam width of at most {most} "
                              "or start the engine with a larger --max-logprobs.")
 
     @property

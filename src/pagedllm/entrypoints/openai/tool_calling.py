@@ -218,7 +218,8 @@ def check_tool_call_history(conv: list[dict]) -> None:
                                        param=f"{where}.function.arguments")
 
 
-def prepare_conversation(conv: list[dict], plan: ToolPlan, template: Optional[str]) -> tuple[list[dict], Optional[list]]:
+def prepare_conversation(conv: list[dict], plan: ToolPlan, template: Optional[str]
+                         ) -> tuple[list[dict], Optional[list]]:
     """(messages, tools for apply_chat_template). Assistant tool_calls and tool results pass to templates that know
     them (arguments as objects, as HF templates expect); other templates get them written in the hermes format."""
     check_tool_call_history(conv)
