@@ -597,16 +597,26 @@ def _decode_kernel(
                  part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, has_work, split, out_scale_ptr,
                  stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
     if MERGE:
-        tl.debug_barrier()  # every thread's stores of this slice before the count that publishes them
-        count_ptr = counter_ptr + seq64 * tl.num_programs(0) + kv_head
-        done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if done == num_splits - 1:
-            num_active = tl.cdiv(seq_len - lo, tl.maximum(part_len, 1))  # the splits that had work
-            _merge_slices(out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
-                          part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, num_active,
-                          out_scale_ptr, stride_oh, stride_po_head, stride_po_split, stride_pl_head, GQA_PAD,
-                          HEAD_PAD, OUT_SCALE)
-            tl.atomic_xchg(count_ptr, 0)  # for the next launch (a captured graph's replays share the counters)
+        _merge_if_last(counter_ptr + seq64 * tl.num_programs(0) + kv_head, num_splits,
+                       tl.cdiv(seq_len - lo, tl.maximum(part_len, 1)),  # the splits that had work
+                       out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
+                       part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, out_scale_ptr,
+                       stride_oh, stride_po_head, stride_po_split, stride_pl_head, GQA_PAD, HEAD_PAD, OUT_SCALE)
+
+
+@triton.jit
+def _merge_if_last(count_ptr, num_splits, num_active, out_rows, po_rows, pl_rows, head, dims, io_mask, row_ok,
+                   out_scale_ptr, stride_oh, stride_po_head, stride_po_split, stride_pl_head,
+                   ROWS: tl.constexpr, HEAD_PAD: tl.constexpr, OUT_SCALE: tl.constexpr):
+    """After a split program stored its slice (_store_slice): count it in its (request, kv head)'s counter; the
+    last of the num_splits programs merges the first num_active slices into the output, as the reduce kernel does,
+    and resets the counter for the next launch (a captured graph's replays share the counters)."""
+    tl.debug_barrier()  # every thread's stores of this slice before the count that publishes them
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if done == num_splits - 1:
+        _merge_slices(out_rows, po_rows, pl_rows, head, dims, io_mask, row_ok, num_active, out_scale_ptr,
+                      stride_oh, stride_po_head, stride_po_split, stride_pl_head, ROWS, HEAD_PAD, OUT_SCALE)
+        tl.atomic_xchg(count_ptr, 0)
 
 
 @triton.jit
@@ -765,16 +775,12 @@ def _few_query_kernel(
         _store_slice(acc, m_i, l_i, out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
                      part_lse_ptr + tok64 * stride_pl_row, head, dims, io_mask, row_ok, q_len > 0, split, out_scale_ptr,
                      stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
-        if MERGE:
-            tl.debug_barrier()  # every thread's stores of this slice before the count that publishes them
-            count_ptr = counter_ptr + seq.to(tl.int64) * tl.num_programs(0) + kv_head
-            done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-            if done == num_splits - 1:  # (every split stored its part, an empty one lse -inf)
-                _merge_slices(out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
-                              part_lse_ptr + tok64 * stride_pl_row, head, dims, io_mask, row_ok, num_splits,
-                              out_scale_ptr, stride_oh, stride_po_head, stride_po_split, stride_pl_head,
-                              Q_PAD * GQA_PAD, HEAD_PAD, OUT_SCALE)
-                tl.atomic_xchg(count_ptr, 0)
+        if MERGE:  # (every split stored its part, an empty one lse -inf: all num_splits merge)
+            _merge_if_last(counter_ptr + seq.to(tl.int64) * tl.num_programs(0) + kv_head, num_splits, num_splits,
+                           out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
+                           part_lse_ptr + tok64 * stride_pl_row, head, dims, io_mask, row_ok, out_scale_ptr,
+                           stride_oh, stride_po_head, stride_po_split, stride_pl_head, Q_PAD * GQA_PAD, HEAD_PAD,
+                           OUT_SCALE)
 
 
 # Few-query launches (`paged_few_query_attention`): at most this many query tokens per request, and tiles of at most
@@ -874,20 +880,13 @@ def paged_few_query_attention(
         return output
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_tokens, num_heads, num_splits, head_pad,
                                                          query.device)
-    if envs.PAGEDLLM_DECODE_MERGE if merge is None else merge:
-        if counters is None:
-            counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device)
-        assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads, "merge counters"
-        # (rows of tokens of no request, graph padding, are left unwritten: nothing reads them)
-        _few_query_kernel[(num_kv_heads, num_seqs, num_splits)](
-            query, output, part_out, part_lse, kv_cache, block_table, seq_lens, query_start_loc, scale_arg,
-            scale * LOG2E, num_splits, window, soft_cap, *head_strides, *cache_strides, *part_strides,
-            SINGLE_SPLIT=False, counter_ptr=counters, MERGE=True, **common)
-        return output
+    merge_args = _merge_args(merge, counters, num_seqs, num_kv_heads, query.device)
     _few_query_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, query_start_loc, scale_arg,
         scale * LOG2E, num_splits, window, soft_cap, *head_strides, *cache_strides, *part_strides,
-        SINGLE_SPLIT=False, **common)
+        SINGLE_SPLIT=False, **merge_args, **common)
+    if merge_args:  # (rows of tokens of no request, graph padding, are left unwritten: nothing reads them)
+        return output
     # Rows of tokens of no request (graph padding) merge whatever their workspace rows hold: nothing reads them.
     _decode_reduce_kernel[(num_tokens, num_heads)](
         output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
@@ -976,16 +975,31 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
 def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, device: torch.device,
                            max_splits: int = 64) -> tuple[int, int]:
     """Worst-case (part_out, part_lse) element counts over every batch size and cache dtype; allocate once."""
-    target = 2 * _DECODE_PROGRAMS_PER_SM * sm_count(device)
-    # splits > 1 only when num_seqs * kv_heads * splits <= target, so num_seqs * splits <= target / kv_heads.
-    rows = triton.cdiv(target, num_kv_heads) + 1
+    rows = _split_rows_bound(num_kv_heads, device)
     return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
+
+
+def _split_rows_bound(num_kv_heads: int, device: torch.device) -> int:
+    """Requests x splits of a split launch at most, over every batch size and cache dtype: splits > 1 only when
+    num_seqs * kv_heads * splits <= the program target (decode_num_splits)."""
+    return triton.cdiv(2 * _DECODE_PROGRAMS_PER_SM * sm_count(device), num_kv_heads) + 1
 
 
 def decode_counters_numel(num_kv_heads: int, device: torch.device) -> int:
     """Worst-case (request, kv head) pairs of a split decode launch (the merge's counters); allocate once, zeroed."""
-    target = 2 * _DECODE_PROGRAMS_PER_SM * sm_count(device)
-    return (triton.cdiv(target, num_kv_heads) + 1) * num_kv_heads
+    return _split_rows_bound(num_kv_heads, device) * num_kv_heads
+
+
+def _merge_args(merge: Optional[bool], counters: Optional[torch.Tensor], num_seqs: int, num_kv_heads: int,
+                device: torch.device) -> dict:
+    """The split kernels' arguments for merging in their last program (None: PAGEDLLM_DECODE_MERGE); {} to leave
+    the slices to the reduce kernel. Counters made here (no persistent buffer given) suit eager calls only."""
+    if not (envs.PAGEDLLM_DECODE_MERGE if merge is None else merge):
+        return {}
+    if counters is None:
+        counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
+    assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads, "merge counters"
+    return dict(counter_ptr=counters, MERGE=True)
 
 
 def split_kv_partials(workspace: Optional[tuple[torch.Tensor, torch.Tensor]], rows: int, num_heads: int,
@@ -1079,23 +1093,15 @@ def paged_decode_attention(
 
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_seqs, num_heads, num_splits, head_pad,
                                                          query.device)
-    if merge is None:
-        merge = envs.PAGEDLLM_DECODE_MERGE
-    if merge and shrink is None:  # (the reduce kernel also folds a LoRA shrink: that launch stays)
-        if counters is None:
-            counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device)
-        assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads, "merge counters"
-        _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-            query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E,
-            num_splits, window, soft_cap,
-            query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-            *part_strides, SINGLE_SPLIT=False, counter_ptr=counters, MERGE=True, **common)
-        return output
+    # (the reduce kernel also folds a LoRA shrink: that launch stays)
+    merge_args = {} if shrink is not None else _merge_args(merge, counters, num_seqs, num_kv_heads, query.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E,
         num_splits, window, soft_cap,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-        *part_strides, SINGLE_SPLIT=False, **common)
+        *part_strides, SINGLE_SPLIT=False, **merge_args, **common)
+    if merge_args:
+        return output
     fold_args, fold_meta = (output, seq_lens, output, output, seq_lens, 0, 0, 0, 0, 0, 0), {}  # (unread)
     if shrink is not None:
         a, h = shrink.a, shrink.h
