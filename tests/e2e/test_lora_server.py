@@ -108,6 +108,16 @@ def test_adapters_listed_and_routed(lora_server, adapters, prompt_ids, smollm2_h
     assert pieces[0] == pieces[1] and pieces[0]
 
 
+def test_beam_search_runs_under_the_adapter(lora_server, adapters, prompt_ids, smollm2_hf_dir):
+    """A beam of width 1 is the greedy answer: under "model": "sql" it must be the adapter's, not the base's (beam
+    steps used to run on the base model)."""
+    with lora_server.client() as http:
+        for model, adapter in (("sql", adapters["sql"]), ("smol", None)):
+            r = complete(http, model, prompt_ids, use_beam_search=True, n=1)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected_text(smollm2_hf_dir, adapter, prompt_ids, 6), model
+
+
 def test_runtime_load_unload_and_errors(lora_server, adapters, prompt_ids, smollm2_hf_dir, tmp_path):
     with lora_server.client() as http:
         assert complete(http, "late", prompt_ids).status_code == 404

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from e2e_helpers import SERVED_NAME, Server
+from e2e_helpers import SERVED_NAME, Server, metric
 
 from pagedllm import SamplingParams
 
@@ -242,7 +242,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offlin
     (CMPL, {"priority": 5}, "'priority' is not supported yet by pagedllm."),
     (CHAT, {"return_tokens_as_token_ids": True}, "'return_tokens_as_token_ids' is not supported yet by pagedllm."),
     (CMPL, {"return_token_ids": True}, "'return_token_ids' is not supported yet by pagedllm."),
-    (CHAT, {"cache_salt": "tenant-a"}, "'cache_salt' is not supported yet by pagedllm."),
+    (CHAT, {"cache_salt": ""}, "'cache_salt' must be a non-empty string if given"),
     (CMPL, {"logits_processors": ["my.module:Processor"]}, "'logits_processors' is not supported yet by pagedllm."),
     (CHAT, {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
      "'modalities' is not supported yet by pagedllm."),
@@ -253,6 +253,39 @@ def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragm
     r = http.post(path, json={**base, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
+
+
+def test_cache_salt_isolates_prefix_hits(http: httpx.Client) -> None:
+    """vLLM's cache_salt: a request reuses only blocks computed under its own salt (the prefix-hit counter moves
+    for a repeat of the same salt, not for another salt); the answer is the same under any salt."""
+    prompt = f"Salted prompt {time.time_ns()}: " + "the quick brown fox jumps over the lazy dog " * 12
+
+    def hits() -> float:
+        return metric(http.get("/metrics").text, "vllm:prefix_cache_hits_total", model_name=SERVED_NAME)
+
+    def ask(salt: str, path: str = CMPL) -> str:
+        base = {"messages": [{"role": "user", "content": prompt}]} if path == CHAT else {"prompt": prompt}
+        r = http.post(path, json={**base, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "cache_salt": salt})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if path == CHAT else choice["text"]
+
+    start = hits()
+    answer = ask("tenant-a")
+    after_first = hits()
+    assert ask("tenant-a") == answer
+    repeat = hits() - after_first
+    assert repeat >= 64, repeat  # the prompt's full blocks came from the cache
+    assert ask("tenant-b") == answer  # another tenant: a miss
+    assert ask("tenant-a") == answer
+    # the counter is cumulative and in order: tenant-b's request added nothing
+    assert hits() - after_first == 2 * repeat, (start, after_first, hits(), repeat)
+    ask("tenant-c", CHAT)
+    chat_first = hits()
+    ask("tenant-c", CHAT)
+    assert hits() > chat_first  # chat requests honour it too
+    r = http.post(CMPL, json={"prompt": prompt, "max_tokens": 1, "cache_salt": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
 @pytest.mark.parametrize("path", [CMPL, CHAT])

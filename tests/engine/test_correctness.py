@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams
 from tests.conftest import skip_without_onednn_bf16
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -124,6 +125,42 @@ def test_prefix_cache_hits_match_hf(tiny_qwen2_dir):
     # every request reuses the shared prefix's 4 full blocks (and reports it), not just one of them
     assert [o.num_cached_tokens >= 32 for o in outs] == [True] * 4, [o.num_cached_tokens for o in outs]
     assert hits == sum(o.num_cached_tokens for o in outs)
+
+
+def test_cache_salt_isolates_prefix_hits(tiny_qwen2_dir):
+    """vLLM's cache_salt: blocks computed under one salt serve only requests of that salt (unsalted requests share
+    among themselves); the tokens stay transformers' either way."""
+    llm = LLM(model=tiny_qwen2_dir, dtype="float32", num_gpu_blocks_override=64, block_size=8)
+    prompt = random_prompts([37], seed=5)[0]
+    expected = hf_greedy(tiny_qwen2_dir, prompt, 5)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+    def run(salt):
+        item = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        out = llm.generate([item], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected, salt
+        return out.num_cached_tokens
+
+    assert run("tenant-a") == 0
+    assert run("tenant-b") == 0  # another salt: nothing of tenant-a's blocks
+    assert run(None) == 0  # unsalted: neither
+    assert run("tenant-a") == 32 and run(None) == 32 and run("tenant-b") == 32  # each its own 4 full blocks
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="'cache_salt' must be a non-empty string"):
+            llm.generate([{"prompt_token_ids": prompt, "cache_salt": bad}], params, use_tqdm=False)
+    beams = llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant-c"}],
+                            BeamSearchParams(beam_width=1, max_tokens=5, ignore_eos=True))
+    assert beams[0].sequences[0].tokens == list(prompt) + expected
+    assert run("tenant-c") == 32  # the beam steps ran under tenant-c's salt
+    # a short prompt's partly filled block (offered by copy, as to beam forks) follows the same rule
+    short, one = prompt[:5], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def cached(ids, salt):
+        item = {"prompt_token_ids": ids} if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
+        return llm.generate([item], one, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached(short, "tenant-d") == 0
+    assert [cached(short + [3], "tenant-e"), cached(short + [3], None), cached(short + [3], "tenant-d")] == [0, 0, 5]
 
 
 def test_preemption_matches_hf(tiny_qwen3_dir):

@@ -80,3 +80,21 @@ def test_extend_is_incremental(monkeypatch):
 def test_extend_rejects_hashes_beyond_tokens():
     with pytest.raises(ValueError):
         extend_block_hashes([1, 2], [0, 1, 2, 3], 4)
+
+
+def test_cache_salt_roots_the_chain():
+    from pagedllm.core.block_hash import salt_root
+
+    tokens = list(range(12))
+    plain = hash_full_blocks(tokens, 4)
+    a = hash_full_blocks(tokens, 4, cache_salt="a")
+    assert a == hash_full_blocks(tokens, 4, cache_salt="a")  # deterministic
+    assert len(set(plain) | set(a) | set(hash_full_blocks(tokens, 4, cache_salt="b"))) == 9  # no block shared
+    # a salted first block never equals a block whose real parent hash is the salt's root
+    root = int.from_bytes(salt_root("a"), "little")
+    assert a[0] != hash_block_tokens(root, tokens[:4])
+    # extending block by block gives the same chain (the salt applies to the first block only)
+    grown: list[int] = []
+    for end in range(0, 13, 3):
+        extend_block_hashes(grown, tokens[:end], 4, cache_salt="a")
+    assert grown == a

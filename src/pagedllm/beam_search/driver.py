@@ -28,9 +28,10 @@ def candidates(logprobs: Optional[dict[int, Logprob]], k: int) -> list[tuple[int
 
 def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
     """LLM.beam_search: every prompt's search advances one token per round of engine steps."""
-    searches = []
+    searches, salts = [], []
     max_model_len = llm.engine.max_model_len
     for prompt in prompts:
+        salts.append(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         _, ids = llm._to_prompt(prompt)
         room = max_model_len - len(ids)
         if room <= 0:
@@ -46,14 +47,15 @@ def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
 
         bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True)
     while True:
-        items, owners = [], []
-        for s in searches:
+        items, owners, item_salts = [], [], []
+        for s, salt in zip(searches, salts):
             for beam, seq in s.pending():
                 items.append(((None, seq), step_params(s.num_logprobs)))
                 owners.append((s, beam))
+                item_salts.append(salt)
         if not items:
             break
-        outs = llm._run(items, use_tqdm=False)
+        outs = llm._run(items, use_tqdm=False, salts=item_salts)
         if any(o.outputs[0].finish_reason == "error" for o in outs):  # a beam without its step cannot be ranked
             raise RuntimeError("Beam search: the engine failed a beam's step (the warning logged says why).")
         _advance_all(searches, owners, [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])

@@ -3,7 +3,9 @@
 The hash of full block i is sha256(hash of block i-1, the block's token ids, the extra key), truncated to
 128 bits. Chaining makes a block's hash name its whole prefix, so two blocks with the same tokens after
 different prefixes never match. The extra key is the request's LoRA id: KV computed under one adapter must
-never serve another. Only *full* blocks are hashed; a partial last block is never cached.
+never serve another. A request's cache salt (vLLM's `cache_salt`) stands in for the first block's parent: only
+requests of the same salt share blocks, so one tenant cannot learn from hit timings what another's prompts were.
+Only *full* blocks are hashed; a partial last block is never cached.
 
 Invariants:
   * deterministic across processes and machines (explicit little-endian serialization, no builtin hash(),
@@ -25,15 +27,29 @@ _HEADER = struct.Struct(f"<B{_HASH_BYTES}sBqI")
 _NO_PARENT = bytes(_HASH_BYTES)
 
 
+def check_cache_salt(cache_salt: object) -> None:
+    """vLLM's rule: a salt, when given, is a non-empty string (an empty one would look salted and share blocks)."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"'cache_salt' must be a non-empty string if given, got {cache_salt!r}.")
+
+
+def salt_root(cache_salt: str) -> bytes:
+    """The stand-in parent of a salted request's first block."""
+    digest = hashlib.sha256(_VERSION_TAG + b".salt" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    return digest[:_HASH_BYTES]
+
+
 def hash_block_tokens(
     parent_block_hash: Optional[BlockHash],
     token_ids: Sequence[int],
     lora_id: Optional[int] = None,
+    cache_salt: Optional[str] = None,
 ) -> BlockHash:
-    """Hash of one full block given the hash of the block before it (None for the first block)."""
+    """Hash of one full block given the hash of the block before it (None for the first block; the salt, if
+    any, applies to the first block only: later blocks inherit it through the chain)."""
     if parent_block_hash is None:
-        parent = _NO_PARENT
-        has_parent = 0
+        # has_parent 2 marks a salt root: no salt can collide with a real parent hash's header
+        parent, has_parent = (_NO_PARENT, 0) if cache_salt is None else (salt_root(cache_salt), 2)
     else:
         parent = parent_block_hash.to_bytes(_HASH_BYTES, "little")
         has_parent = 1
@@ -49,10 +65,11 @@ def hash_full_blocks(
     token_ids: Sequence[int],
     block_size: int,
     lora_id: Optional[int] = None,
+    cache_salt: Optional[str] = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of token_ids (a trailing partial block is ignored)."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, lora_id)
+    extend_block_hashes(hashes, token_ids, block_size, lora_id, cache_salt)
     return hashes
 
 
@@ -61,6 +78,7 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     lora_id: Optional[int] = None,
+    cache_salt: Optional[str] = None,
 ) -> list[BlockHash]:
     """Append, in place, the hashes of the full blocks of token_ids not yet in block_hashes.
 
@@ -76,6 +94,7 @@ def extend_block_hashes(
         )
     parent = block_hashes[-1] if block_hashes else None
     for i in range(start, num_full_blocks):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], lora_id)
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], lora_id,
+                                   cache_salt if i == 0 else None)
         block_hashes.append(parent)
     return block_hashes[start:]

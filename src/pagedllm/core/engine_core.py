@@ -16,6 +16,7 @@ from typing import Iterable, Iterator, Optional
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.batch_plan import EngineCoreOutput
+from pagedllm.core.block_hash import check_cache_salt
 from pagedllm.core.errors import RequestStepError, check_sampled_tokens
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -34,6 +35,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     arrival_time: Optional[float] = None
     lora_id: Optional[int] = None
+    cache_salt: Optional[str] = None
 
 
 class EngineCore:
@@ -144,6 +146,7 @@ class EngineCore:
                 f"The prompt has {num_prompt} tokens but the KV cache holds only {self.scheduler.max_request_tokens} "
                 "tokens of one request; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
         self.loras.check_request(req.lora_id)
+        check_cache_salt(req.cache_salt)
         params = req.sampling_params
         check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)
         room = self.max_model_len - num_prompt
@@ -170,6 +173,7 @@ class EngineCore:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             arrival_time=req.arrival_time if req.arrival_time is not None else time.monotonic(),
             lora_id=req.lora_id,
+            cache_salt=req.cache_salt,
         )
         if params.structured_outputs is not None:
             request.structured_output = self.structured.submit(request)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_hash import extend_block_hashes, salt_root
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_groups import blocks_needed
 from pagedllm.core.partial_blocks import PartialBlockCache
@@ -54,6 +54,13 @@ NULL_BLOCK_ID = 0
 # Blocks of one group of one request; None where a block before the group's window was freed.
 BlockList = list[Optional[KVCacheBlock]]
 
+
+
+def _first_parent(request: Request) -> Optional[int]:
+    """The partial-block cache's parent key of a request's first block: its salt's root (None unsalted), so a
+    salted request's short prompt is never offered another salt's block."""
+    salt = request.cache_salt
+    return None if salt is None else int.from_bytes(salt_root(salt), "little")
 
 class KVCacheManager:
     def __init__(self, *, block_size: int, num_blocks: int, enable_caching: bool = True,
@@ -142,7 +149,8 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Hash the request's full blocks that are not hashed yet (no-op when caching is off)."""
         if self.enable_caching:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.lora_id)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.lora_id,
+                                request.cache_salt)
 
     def get_computed_blocks(
         self, request: Request, *, record_stats: bool = True
@@ -221,7 +229,7 @@ class KVCacheManager:
         self.update_block_hashes(request)
         if i > len(request.block_hashes):
             return None
-        parent = request.block_hashes[i - 1] if i > 0 else None
+        parent = request.block_hashes[i - 1] if i > 0 else _first_parent(request)
         end = min(request.num_tokens - 1, num_hit_tokens + self.block_size - 1)
         hit = self.partial_blocks.lookup(parent, request.lora_id, request.all_token_ids[num_hit_tokens:end])
         return None if hit is None else (hit[0].block_id, hit[1])
@@ -416,7 +424,7 @@ class KVCacheManager:
                 or blocks[i].block_hash is not None:
             return None
         self.update_block_hashes(request)
-        parent = request.block_hashes[i - 1] if i > 0 else None
+        parent = request.block_hashes[i - 1] if i > 0 else _first_parent(request)
         start = i * self.block_size
         return blocks[i], parent, request.lora_id, tuple(request.all_token_ids[start:computed])
 

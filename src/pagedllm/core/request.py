@@ -47,6 +47,7 @@ class Request:
     eos_token_id: Optional[int] = None
     arrival_time: float = field(default_factory=time.monotonic)
     lora_id: Optional[int] = None  # prefix-cache salt: blocks of different adapters never match
+    cache_salt: Optional[str] = None  # the client's prefix-cache salt: blocks of different salts never match
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)

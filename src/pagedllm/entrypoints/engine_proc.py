@@ -355,6 +355,7 @@ class EngineLoop:
                     sampling_params=msg.sampling_params,
                     arrival_time=msg.arrival_time,
                     lora_id=msg.lora_id,
+                    cache_salt=msg.cache_salt,
                 )
             )
         except ValueError as e:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineArgs
+from pagedllm.core.block_hash import check_cache_salt
 from pagedllm.sampling_params import SamplingParams, keep_last_tokens
 
 logger = logging.getLogger("pagedllm")
@@ -51,6 +52,11 @@ def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
             raise ValueError(f"{where}[{i}]: {e.message}") from None
         out.append(dict(m, content=content))
     return out
+
+
+def _salt_of(prompt: Any) -> Optional[str]:
+    """A prompt dict's prefix-cache salt (vLLM's "cache_salt"; checked by _to_prompt)."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
 def _warn_failed(where: tuple[int, int, int], message: str) -> None:
@@ -145,10 +151,11 @@ class LLM:
 
     def _to_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise ValueError(f"A prompt dict takes 'prompt' or 'prompt_token_ids'; {sorted(unknown)} is not "
-                                 "supported (this is a text-only engine).")
+                raise ValueError(f"A prompt dict takes 'prompt' or 'prompt_token_ids' (and 'cache_salt'); "
+                                 f"{sorted(unknown)} is not supported (this is a text-only engine).")
+            check_cache_salt(prompt.get("cache_salt"))
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -211,7 +218,7 @@ class LLM:
         # takes back those queued before it (_run_frozen): a bad prompt fails the call cleanly.
         items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params_list)]
         lora_ids = self._add_loras(lora_request, len(items))
-        outputs = self._run(items, use_tqdm, lora_ids)
+        outputs = self._run(items, use_tqdm, lora_ids, [_salt_of(p) for p in prompts])
         if lora_request is not None:
             per_prompt = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(outputs)
             for out, req in zip(outputs, per_prompt):
@@ -301,15 +308,17 @@ class LLM:
         return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None) -> list:
+    def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None,
+             salts: Optional[list[Optional[str]]] = None) -> list:
         from pagedllm.core.engine_core import objects_frozen
 
         # The engine's start-up objects stay out of the collector's full passes while the steps run (see
         # objects_frozen: this process is the user's, so they are unfrozen again at the end).
         with objects_frozen():
-            return self._run_frozen(items, use_tqdm, lora_ids)
+            return self._run_frozen(items, use_tqdm, lora_ids, salts)
 
-    def _run_frozen(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]]) -> list:
+    def _run_frozen(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]],
+                    salts: Optional[list[Optional[str]]] = None) -> list:
         from pagedllm.core.batch_plan import EngineCoreOutput
         from pagedllm.core.engine_core import EngineCoreRequest
         from pagedllm.core.errors import RequestStepError
@@ -323,12 +332,14 @@ class LLM:
         added: list[str] = []
         prompt_of: dict[str, tuple[int, int, int]] = {}  # engine id -> (prompt index, sample index, n): for warnings
         try:
-            for i, (((text, ids), params), lora_id) in enumerate(zip(items, lora_ids or [None] * len(items))):
+            nones = [None] * len(items)
+            for i, (((text, ids), params), lora_id, salt) in enumerate(zip(items, lora_ids or nones, salts or nones)):
                 request_id = str(next(self._counter))
                 order.append(request_id)
                 for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
                     # The engine validates the prompt first: the detokenizer only ever sees valid token ids.
-                    engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id))
+                    engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id,
+                                                         cache_salt=salt))
                     added.append(child.request_id)
                     processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
                                           index=child.index, output_kind="final_only")

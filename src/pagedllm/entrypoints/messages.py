@@ -53,6 +53,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     arrival_time: Optional[float] = None
     lora_id: Optional[int] = None
     client_index: int = 0  # the API server process that sent it (its outputs go back there)
+    cache_salt: Optional[str] = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -33,7 +33,6 @@ NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
     "return_tokens_as_token_ids": lambda v: bool(v),
     "return_token_ids": lambda v: bool(v),
     "prompt_embeds": lambda v: v is not None,
-    "cache_salt": lambda v: v is not None,  # isolates a tenant's prefix cache: not doing so is not a no-op
     "kv_transfer_params": lambda v: v is not None,
     "structural_tag": lambda v: v is not None,
     # OpenAI's outputs beyond text: an answer without them would look complete

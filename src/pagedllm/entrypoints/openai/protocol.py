@@ -70,6 +70,7 @@ class _SamplingFields(_Req):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     request_id: Optional[str] = None
+    cache_salt: Optional[str] = None  # vLLM: only requests of the same salt share prefix-cache blocks
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[int]] = None

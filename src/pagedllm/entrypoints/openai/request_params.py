@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from pagedllm.core.block_hash import check_cache_salt
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import field_or_none
 from pagedllm.sampling_params import SamplingParams, keep_last_tokens
+
+
+def request_cache_salt(req: Any) -> Optional[str]:
+    """The request's prefix-cache salt (vLLM's cache_salt), or a 400 naming the field."""
+    salt = field_or_none(req, "cache_salt")
+    try:
+        check_cache_salt(salt)
+    except ValueError as e:
+        raise APIError(str(e), param="cache_salt") from None
+    return salt
 
 
 def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optional[int],
