@@ -198,6 +198,7 @@ def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     # once a 200 whose call's arguments were a JSON string
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": "required"}, "tools[0].function.parameters must describe an object"),
+    ({"tools": [WEATHER, TIME, WEATHER]}, "tools[2].function.name 'get_weather' duplicates tools[0]'s"),
 ])
 def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
     with server.client() as http:

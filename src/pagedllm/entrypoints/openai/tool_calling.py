@@ -64,6 +64,12 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
     """Validate tools / tool_choice (ToolRequestError -> 400) and decide what to do."""
     tools = [_function(t, i) for i, t in enumerate(tools or [])]
     names = [t["function"]["name"] for t in tools]
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:  # a call names its function: two of one name would be ambiguous (OpenAI refuses them too)
+            raise ToolRequestError(f"tools[{i}].function.name {name!r} duplicates tools[{seen[name]}]'s: function "
+                                   "names must be unique.", "tools")
+        seen[name] = i
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if isinstance(tool_choice, dict):
