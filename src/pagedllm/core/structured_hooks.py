@@ -79,7 +79,18 @@ class StructuredOutputHooks:
                 self._errors.append((rid, so.error))
                 self.core.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
             elif request.is_finished or rid not in self.core.scheduler.requests:
-                del self._compiling[rid]  # aborted while compiling
+                del self._compiling[rid]  # finished while compiling (abort_requests released it already)
+                self.manager.release(so)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Requests being aborted: their pending compiles are dropped (not started if still queued), so a client
+        that went away does not keep a compile worker busy."""
+        if not self._compiling or self.manager is None:
+            return
+        for rid in request_ids:
+            request = self._compiling.pop(rid, None)
+            if request is not None:
+                self.manager.release(request.structured_output)
 
     def idle_wait(self) -> None:
         if self._compiling and self.manager is not None:
