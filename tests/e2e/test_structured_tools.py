@@ -210,6 +210,27 @@ def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
         assert r.status_code == 400, r.text
 
 
+@pytest.mark.parametrize("body, where, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", "response_format"),
+    ({"guided_json": {"type": "nope"}}, "guided_json", "guided_json"),
+    ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex", "guided_regex"),  # refused after add_request
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar", "guided_grammar"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters", "tools"),
+])
+def test_spec_errors_name_the_field_sent(server: Server, body: dict, where: str, param: str) -> None:
+    """Once every engine-side spec error said "structured_outputs.json" (param null), whatever field was sent."""
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5, **body})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["message"].startswith(f"Invalid {where}: ") and error["param"] == param, error
+
+
 def _literal_regex(text: str) -> str:
     return "".join("\\" + ch if ch in "\\^$.|?*+()[]{}" else "\\n" if ch == "\n" else ch for ch in text)
 

@@ -365,8 +365,9 @@ class EngineCore:
         if check is not None:
             check()
 
-    def pop_request_errors(self) -> list[tuple[str, str]]:
-        """(request id, message) of requests refused after add_request (a grammar that failed to compile)."""
+    def pop_request_errors(self) -> list[tuple[str, str, Optional[str]]]:
+        """(request id, message, the request field it is about or None) of requests refused after add_request (a
+        grammar that failed to compile)."""
         return self.structured.pop_errors()
 
     def shutdown(self) -> None:

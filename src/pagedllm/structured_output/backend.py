@@ -15,7 +15,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any, Optional, Sequence
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.params import SpecError, StructuredOutputsParams
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s*\S+?:\d+:\s*")  # xgrammar's "[hh:mm:ss] /path/file.cc:123: "
@@ -117,7 +117,7 @@ def check_satisfiable(params: StructuredOutputsParams) -> None:
         return
     if unsatisfiable_reason(params.json) is None:  # only so with the additionalProperties false strict_objects adds
         reason += "; an object schema with properties allows no others unless additionalProperties says so"
-    raise ValueError(f"Invalid structured_outputs.json: no JSON value satisfies the schema ({reason}).")
+    raise SpecError(params, f"no JSON value satisfies the schema ({reason}).")
 
 
 def _xgrammar_unenforced(schema: Any) -> Optional[str]:
@@ -230,7 +230,7 @@ class XGrammarBackend(GrammarBackend):
         # them, and an explicit xgrammar backend answers why.
         reason = _xgrammar_unenforced(params.json) if params.kind == "json" else None
         if reason:
-            raise ValueError(f"Invalid structured_outputs.json: {reason}.")
+            raise SpecError(params, f"{reason}.")
 
     @classmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
@@ -249,10 +249,16 @@ class XGrammarBackend(GrammarBackend):
             elif kind == "choice":
                 xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
         except Exception as e:  # noqa: BLE001 - the library raises RuntimeError / its own types
-            raise ValueError(f"Invalid structured_outputs.{kind}: {clean_error(e)}") from None
+            raise SpecError(params, clean_error(e)) from None
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         self.check_enforceable(params)
+        try:
+            return self._compile(params)
+        except Exception as e:  # noqa: BLE001 - the library's RuntimeError, worded with the request's field
+            raise SpecError(params, clean_error(e)) from None
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
         kind = params.kind
         c = self.compiler
         ws = not params.disable_any_whitespace
@@ -355,15 +361,15 @@ class GuidanceBackend(GrammarBackend):
             grammar = cls.grammar_text(params)
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"Invalid structured_outputs.{params.kind}: {clean_error(e)}") from None
+            raise SpecError(params, clean_error(e)) from None
         if is_error:
-            raise ValueError(f"Invalid structured_outputs.{params.kind}: {clean_error(Exception(messages[0]))}")
+            raise SpecError(params, clean_error(Exception(messages[0])))
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         grammar = self.grammar_text(params)
         probe = self.llg.LLMatcher(self.tok, grammar)  # grammars compile lazily; this checks them for this vocab
         if probe.is_error():
-            raise ValueError(f"Invalid structured_outputs.{params.kind}: {probe.get_error()}")
+            raise SpecError(params, clean_error(Exception(probe.get_error())))
         return grammar
 
     def new_grammar(self, compiled: Any) -> RequestGrammar:
@@ -390,8 +396,11 @@ def backend_class(name: str) -> type[GrammarBackend]:
 
 
 def resolve_backend_name(name: str, params: Optional[StructuredOutputsParams]) -> str:
-    """"auto": xgrammar, unless it refuses a spec that llguidance accepts (e.g. Lark grammars)."""
+    """"auto": xgrammar, unless it refuses a spec that llguidance accepts (e.g. Lark grammars). A backend named
+    explicitly checks the spec too (SpecError), so a bad one is a 400 from add_request, not a failed compile."""
     if name != "auto":
+        if params is not None:
+            backend_class(name).validate(params)
         return name
     if params is None:
         return "xgrammar"

@@ -30,7 +30,7 @@ from pagedllm.structured_output.backend import (
     clean_error,
     resolve_backend_name,
 )
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.params import SpecError, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -47,13 +47,16 @@ class RequestStructuredOutput:
     Duck-typed for the scheduler (core/ stays free of the grammar libraries): is_ready(), error,
     accept(token_ids), is_terminated(), rollback(n)."""
 
-    def __init__(self, manager: "StructuredOutputManager", future: Future, key: tuple) -> None:
+    def __init__(self, manager: "StructuredOutputManager", future: Future, key: tuple,
+                 params: StructuredOutputsParams) -> None:
         self.manager = manager
         self.future = future
         self.key = key  # the compile cache's key, for release()
+        self.params = params
         self.released = False
         self.grammar: Optional[RequestGrammar] = None
         self.error: Optional[str] = None
+        self.error_param: Optional[str] = None  # the request field the error is about
 
     def is_ready(self) -> bool:
         if self.grammar is not None:
@@ -63,8 +66,11 @@ class RequestStructuredOutput:
         try:
             backend, compiled = self.future.result()
             self.grammar = backend.new_grammar(compiled)
+        except SpecError as e:  # worded for this request's field (the compile may be another request's)
+            self.error, self.error_param = str(e.for_params(self.params)), self.params.param
+            return False
         except Exception as e:  # noqa: BLE001 - reported to the user by the engine core
-            self.error = clean_error(e)
+            self.error, self.error_param = clean_error(e), self.params.param
             return False
         return True
 
@@ -140,7 +146,7 @@ class StructuredOutputManager:
             self._waiters[key] = 0
         if not future.done():
             self._waiters[key] = self._waiters.get(key, 0) + 1
-        return RequestStructuredOutput(self, future, key)
+        return RequestStructuredOutput(self, future, key, params)
 
     def release(self, so: RequestStructuredOutput) -> None:
         """The request is gone (aborted, client disconnected): if no other request waits for its compile, the
@@ -181,8 +187,7 @@ class StructuredOutputManager:
         probe = backend.allocate_bitmask(1)
         backend.new_grammar(compiled).fill_bitmask(probe, 0)
         if not bool(probe.any()):
-            raise ValueError(f"Invalid structured_outputs.{params.kind}: it matches no text at all, so nothing can "
-                             "be generated.")
+            raise SpecError(params, "it matches no text at all, so nothing can be generated.")
         return backend, compiled
 
     def _backend(self, name: str) -> GrammarBackend:

@@ -144,8 +144,8 @@ def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]
     if plan.mode in ("named", "required"):
         _check_callable(plan)
     if plan.mode == "named":
-        tool = next(t for t in plan.tools if t["function"]["name"] == plan.named)
-        return StructuredOutputsParams(json=_parameters(tool))
+        i, tool = next((i, t) for i, t in enumerate(plan.tools) if t["function"]["name"] == plan.named)
+        return StructuredOutputsParams(json=_parameters(tool), origin=f"tools[{i}].function.parameters")
     if plan.mode != "required":
         return None
     # The functions' parameters sit inside one schema here, so their local definitions ("$ref": "#/$defs/X", as
@@ -175,7 +175,8 @@ def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]
     schema.update(defs)
     if not plan.parallel:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
+    # Errors name the tools (their parameters, joined): the client sent no schema of its own.
+    return StructuredOutputsParams(json=schema, origin="tools")
 
 
 # ---- the prompt ------------------------------------------------------------------------------------------
