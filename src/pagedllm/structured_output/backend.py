@@ -120,6 +120,57 @@ def check_satisfiable(params: StructuredOutputsParams) -> None:
     raise SpecError(params, f"no JSON value satisfies the schema ({reason}).")
 
 
+def _unenforced_not(schema: Any) -> Optional[str]:
+    """A "not" that neither library enforces (xgrammar ignores it, llguidance does not implement it), as the
+    sentence that refuses it; None if none. "not": {} / true (no value) and "not": false (any value) are left to
+    the satisfiability check."""
+    if isinstance(schema, list):
+        return next((r for r in map(_unenforced_not, schema) if r), None)
+    if not isinstance(schema, dict):
+        return None
+    if "not" in schema and schema["not"] not in ({}, True, False):
+        return ("'not' is not enforced by either backend (xgrammar would ignore it, llguidance does not implement "
+                f"it): {json.dumps({'not': schema['not']})[:80]}; describe the allowed values instead (enum, "
+                "anyOf, pattern, ...)")
+    return next((r for k, v in schema.items() if k not in _DATA_KEYS for r in [_unenforced_not(v)] if r), None)
+
+
+def regex_mid_anchor(regex: str) -> Optional[tuple[str, int]]:
+    """The first '^' / '$' anchor of the regex that is not its leading '^' or trailing '$' (those are no-ops: a
+    structured-output regex always matches the whole output), as (anchor, position); None if none. Escaped ones
+    and those inside a character class are literals."""
+    i, n, in_class = 0, len(regex), False
+    while i < n:
+        ch = regex[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            if ch == "]":
+                in_class = False
+        elif ch == "[":
+            in_class = True
+            i += 1
+            if regex[i:i + 1] == "^":  # negation
+                i += 1
+            if regex[i:i + 1] == "]":  # a leading ']' is a literal
+                i += 1
+            continue
+        elif (ch == "^" and i != 0) or (ch == "$" and i != n - 1):
+            return ch, i
+        i += 1
+    return None
+
+
+class Unenforced(SpecError):
+    """A spec xgrammar would compile without honouring part of it; `what` names that part (for "auto", which
+    tries llguidance, to word the refusal if llguidance cannot take it either)."""
+
+    def __init__(self, params: StructuredOutputsParams, reason: str, what: str) -> None:
+        super().__init__(params, reason)
+        self.what = what
+
+
 def _xgrammar_unenforced(schema: Any) -> Optional[str]:
     """What in the schema xgrammar compiles as "any value" without an error (allOf of several schemas, a $ref
     to another document), as the sentence that refuses it; None if nothing."""
@@ -226,11 +277,18 @@ class XGrammarBackend(GrammarBackend):
 
     @staticmethod
     def check_enforceable(params: StructuredOutputsParams) -> None:
-        # Refused rather than compiled into "any JSON value", so that "auto" takes llguidance where it enforces
-        # them, and an explicit xgrammar backend answers why.
-        reason = _xgrammar_unenforced(params.json) if params.kind == "json" else None
+        # Refused rather than compiled into "any JSON value" / a regex without its anchor, so that "auto" takes
+        # llguidance where it enforces them, and an explicit xgrammar backend answers why.
+        reason = (_unenforced_not(params.json) or _xgrammar_unenforced(params.json)) if params.kind == "json" else None
         if reason:
             raise SpecError(params, f"{reason}.")
+        anchor = regex_mid_anchor(params.regex) if params.kind == "regex" else None
+        if anchor:
+            what = f"the anchor {anchor[0]!r} at position {anchor[1]} of the regex"
+            raise Unenforced(params, f"xgrammar ignores {what} (it takes only a leading '^' and a trailing '$', "
+                             "which are no-ops: the output always matches the whole regex); the guidance backend "
+                             "(llguidance) honours anchors where they can match, e.g. '^' starting an alternative "
+                             "(--structured-outputs-config '{\"backend\": \"guidance\"}').", what)
 
     @classmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
@@ -357,6 +415,9 @@ class GuidanceBackend(GrammarBackend):
     def validate(cls, params: StructuredOutputsParams) -> None:
         import llguidance
 
+        reason = _unenforced_not(params.json) if params.kind == "json" else None
+        if reason:  # llguidance says only "Unimplemented keys"
+            raise SpecError(params, f"{reason}.")
         try:
             grammar = cls.grammar_text(params)
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
@@ -410,6 +471,10 @@ def resolve_backend_name(name: str, params: Optional[StructuredOutputsParams]) -
     except ValueError as first:
         try:
             GuidanceBackend.validate(params)
+        except SpecError as second:
+            if isinstance(first, Unenforced):  # xgrammar's message points at llguidance, which cannot either
+                raise SpecError(params, f"{first.what} cannot be honoured: {second.reason}") from None
+            raise first from None
         except ValueError:
             raise first from None
         return "guidance"
