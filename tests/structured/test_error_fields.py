@@ -92,3 +92,20 @@ def test_rejected_request_keeps_its_param_in_the_response() -> None:
     response = handled_error_response(RequestRejected("Invalid guided_json: bad", 400, "guided_json"))
     error = json.loads(response.body)["error"]
     assert response.status_code == 400 and error["param"] == "guided_json" and error["message"].startswith("Invalid")
+
+
+def test_response_format_strict_keeps_the_schema_as_documented() -> None:
+    """strict true, false or absent: one spec (objects that list properties are closed unless the schema says
+    otherwise, as vLLM's default xgrammar; docs/architecture.md)."""
+    from pagedllm.structured_output.backend import strict_objects
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    keys = set()
+    for strict in (True, False, None):
+        spec = {"name": "x", "schema": schema, **({} if strict is None else {"strict": strict})}
+        params = structured_outputs_from_request(_request(response_format={"type": "json_schema", "json_schema": spec}))
+        keys.add(params.key())
+    assert len(keys) == 1
+    assert strict_objects(schema)["additionalProperties"] is False
+    assert "additionalProperties" not in strict_objects({"type": "object"})
+    assert strict_objects(dict(schema, additionalProperties=True))["additionalProperties"] is True
