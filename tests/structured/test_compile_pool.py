@@ -93,7 +93,7 @@ def test_pool_has_several_workers_bounded_by_the_cpus(manager, monkeypatch: pyte
     assert module.compile_workers() == 1
 
 
-def test_slow_compile_does_not_hold_a_fast_one(manager, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slow_compile_does_not_hold_a_fast_one(manager) -> None:
     """Once one worker: every structured request waited behind a 20,000-alternative regex's compile."""
     if manager.max_workers < 2:
         manager.max_workers = 2  # a one-CPU machine: the pool still has room for a second compile
