@@ -36,8 +36,8 @@ class _GatedBackend(GrammarBackend):
 
     name = "xgrammar"
 
-    def __init__(self) -> None:
-        super().__init__(None, 64, [0])
+    def __init__(self, vocab_size: int = 64) -> None:
+        super().__init__(None, vocab_size, [0])
         self.gates: dict[str, threading.Event] = {}
         self.started: dict[str, threading.Event] = {}
         self.finished: list[str] = []
@@ -167,3 +167,44 @@ def test_engine_abort_releases_the_compile(manager) -> None:
         gate.set()
     manager.shutdown()
     assert "aborted" not in fake.finished
+
+
+def test_engine_abort_of_a_queued_compile_never_starts_it(tiny_llama_dir: str) -> None:
+    """Through the real EngineCore: a request aborted while its compile waits for a worker never compiles; the
+    requests whose compiles ran finish normally."""
+    from pagedllm.core.engine_core import EngineCore, EngineCoreRequest
+    from pagedllm.sampling_params import SamplingParams
+
+    core = EngineCore(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=64)
+    try:
+        manager = core.structured._get_manager()
+        fake = _GatedBackend(core.vocab_size)
+        manager._backends["xgrammar"] = fake
+
+        def add(rid: str, regex: str) -> None:
+            params = SamplingParams(max_tokens=2, temperature=0, structured_outputs=_regex(regex))
+            core.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=[5, 9, 33], sampling_params=params))
+
+        blockers = [f"busy{i}" for i in range(manager.max_workers)]
+        gates = [fake.gate(b) for b in blockers]
+        for b in blockers:
+            add(b, b)
+            assert fake.started[b].wait(_HANG_GUARD_S)
+        fake.started["victim"] = threading.Event()
+        add("victim", "victim")
+        core.abort_requests(["victim"])
+        for gate in gates:
+            gate.set()
+        # The pool's queue is FIFO: once a compile queued after the victim's is done, the victim's left the queue
+        # (run or skipped); shutdown() then waits for any compile still running. No engine step ran meanwhile.
+        manager.submit(_regex("after")).future.result(timeout=_HANG_GUARD_S)
+        manager.shutdown()
+        assert not fake.started["victim"].is_set() and "victim" not in fake.finished
+        finished = set()
+        for _ in range(200):
+            finished |= {o.request_id for o in core.step() if o.finish_reason is not None}
+            if finished >= set(blockers):
+                break
+        assert finished >= set(blockers)
+    finally:
+        core.shutdown()
