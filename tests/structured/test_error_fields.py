@@ -47,6 +47,9 @@ def test_guided_choice_and_shape_errors_name_the_field() -> None:
         structured_outputs_from_request(_request(guided_json={"maximum": 10 ** 30}))
     assert e.value.param == "guided_json"
     assert structured_outputs_from_request(_request(guided_choice=["a"])).where == "guided_choice"
+    with pytest.raises(StructuredRequestError, match="^guided_whitespace_pattern is only supported") as e:
+        structured_outputs_from_request(_request(guided_json={"type": "object"}, guided_whitespace_pattern=" "))
+    assert e.value.param == "guided_whitespace_pattern"
     # a client cannot set the origin through structured_outputs
     with pytest.raises(StructuredRequestError, match="Unknown structured_outputs field"):
         structured_outputs_from_request(_request(structured_outputs={"regex": "a", "origin": "x"}))

@@ -94,9 +94,10 @@ def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParam
         names = ", ".join(name for name, _ in found)
         raise StructuredRequestError(f"Give one output constraint, not several ({names}).", found[1][0])
     param, spec = found[0]
-    ws = field_or_none(req, "guided_whitespace_pattern")
-    if ws is not None:
-        spec.setdefault("whitespace_pattern", ws)
+    if field_or_none(req, "guided_whitespace_pattern") is not None:  # named as sent (the spec would say its own)
+        raise StructuredRequestError("guided_whitespace_pattern is only supported by vLLM's outlines backend; use "
+                                     "--structured-outputs-config '{\"disable_any_whitespace\": true}' or "
+                                     "structured_outputs.disable_any_whitespace instead.", "guided_whitespace_pattern")
     try:
         return StructuredOutputsParams.from_dict(spec, origin=origins.get(param, param))
     except (ValueError, TypeError) as e:
