@@ -198,6 +198,7 @@ def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     # once a 200 whose call's arguments were a JSON string
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": "required"}, "tools[0].function.parameters must describe an object"),
+    ({"tools": [WEATHER, TIME, WEATHER]}, "tools[2].function.name 'get_weather' duplicates tools[0]'s"),
 ])
 def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
     with server.client() as http:
@@ -207,6 +208,27 @@ def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
         r = http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": "x", "max_tokens": 3,
                                               "guided_json": {"type": "object", "properties": {"a": {"type": 5}}}})
         assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("body, where, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", "response_format"),
+    ({"guided_json": {"type": "nope"}}, "guided_json", "guided_json"),
+    ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex", "guided_regex"),  # refused after add_request
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar", "guided_grammar"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters", "tools"),
+])
+def test_spec_errors_name_the_field_sent(server: Server, body: dict, where: str, param: str) -> None:
+    """Once every engine-side spec error said "structured_outputs.json" (param null), whatever field was sent."""
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5, **body})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["message"].startswith(f"Invalid {where}: ") and error["param"] == param, error
 
 
 def _literal_regex(text: str) -> str:

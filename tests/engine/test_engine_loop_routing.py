@@ -157,3 +157,25 @@ def test_a_request_the_engine_cannot_read_is_refused_alone(wires: Wires) -> None
     got0, others0 = wires.until_finished(0, {"after"})
     assert len(got0["after"]) == 3 and not others0
     assert wires.thread.is_alive()
+
+
+def test_structured_output_errors_name_the_field_the_client_sent(wires: Wires) -> None:
+    """A spec refused in add_request (validation) or after it (a compile that allows no text) comes back naming
+    the request field it came from, as message and `param` (once always "structured_outputs.json", param null)."""
+    from pagedllm.structured_output import StructuredOutputsParams
+
+    m = wires.m
+    specs = {"schema": StructuredOutputsParams(json={"type": "nope"}, origin="response_format.json_schema.schema"),
+             "empty": StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]", origin="guided_regex"),
+             "plain": StructuredOutputsParams(grammar="root ::= missing")}
+    for rid, so in specs.items():
+        params = SamplingParams(max_tokens=4, temperature=0, structured_outputs=so)
+        wires.send(0, m.AddRequest(rid, [5, 9, 33, 7], params, client_index=0))
+    _, errors = wires.until_finished(0, set(specs))
+    by_id = {e.request_id: e for e in errors}
+    assert by_id["schema"].param == "response_format", by_id["schema"]
+    assert by_id["schema"].message.startswith("Invalid response_format.json_schema.schema: ")
+    assert by_id["empty"].param == "guided_regex"
+    assert by_id["empty"].message == "Invalid guided_regex: it matches no text at all, so nothing can be generated."
+    assert by_id["plain"].param == "structured_outputs"
+    assert by_id["plain"].message.startswith("Invalid structured_outputs.grammar: ")

@@ -201,3 +201,16 @@ def test_grammar_that_dead_ends_fails_the_request_saying_why(tiny_llm: LLM, temp
     out = tiny_llm.generate(["x"], sp, use_tqdm=False)[0].outputs[0]
     assert (out.text, out.finish_reason) == ("a", "error")
     assert tiny_llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_regex_with_an_inner_anchor_is_kept_to(tiny_llm: LLM) -> None:
+    """'^' starting an alternative: xgrammar would ignore it (a warning only), so "auto" compiles this regex with
+    llguidance, and the output matches it whole; an anchor no output can meet is refused."""
+    regex = r"(^a|b)c{1,3}"
+    outs = tiny_llm.generate(["x", "y"], [SamplingParams(temperature=1.0, seed=s, max_tokens=8,
+                                                         structured_outputs=_so(regex=regex)) for s in range(2)],
+                             use_tqdm=False)
+    for o in outs:
+        assert re.fullmatch(r"[ab]c{1,3}", o.outputs[0].text), o.outputs[0].text
+    with pytest.raises(ValueError, match="the anchor '\\^' at position 1 of the regex cannot be honoured"):
+        tiny_llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=_so(regex="a^b")), use_tqdm=False)

@@ -87,10 +87,15 @@ def test_auto_detection_from_templates() -> None:
     (TOOLS, "sometimes", "tool_choice must be"),
     ([{"type": "function", "function": {"description": "x"}}], "auto", "name must be"),
     ([{"type": "retrieval"}], "auto", "tools\\[0\\]"),
+    # once passed silently (a call to "get_time" could mean either); every tool_choice refuses them
+    (TOOLS + [TOOLS[1]], "auto", "tools\\[2\\].function.name 'get_time' duplicates tools\\[1\\]'s"),
+    (TOOLS + [TOOLS[0]], "required", "duplicates tools\\[0\\]'s"),
+    (TOOLS + [TOOLS[1]], "none", "must be unique"),
 ])
 def test_bad_tool_requests(tools, choice, match: str) -> None:
-    with pytest.raises(ToolRequestError, match=match):
+    with pytest.raises(ToolRequestError, match=match) as e:
         plan_tools(tools, choice, None, "auto", None)
+    assert e.value.param in ("tools", "tool_choice")
 
 
 def test_tool_choice_grammars() -> None:

@@ -3,6 +3,8 @@ grammar that lets the model write anything, or nothing; allOf of several schemas
 "any JSON value", goes to llguidance under "auto" and is refused by an explicit xgrammar backend."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pagedllm.structured_output.backend import XGrammarBackend, unsatisfiable_reason
@@ -51,7 +53,6 @@ def test_required_property_that_strict_objects_forbid_says_why() -> None:
 
 @pytest.mark.parametrize("schema", [
     {"type": "object"},
-    {"not": {"type": "string"}},  # "not" is left out of the analysis, never a reason to refuse
     {"type": "object", "properties": {"a": {"not": {}}}},  # an optional property that can never be present
     {"enum": [{"not": {}}]},  # a value, not a schema
     {"type": "object", "properties": {"a": {"type": "integer", "minimum": 1}}, "required": ["a"]},
@@ -81,3 +82,45 @@ def test_refs_to_other_documents_are_refused() -> None:
             else:
                 XGrammarBackend.check_enforceable(spec)
     XGrammarBackend.check_enforceable(StructuredOutputsParams(json={"$defs": {"a": {}}, "$ref": "#/$defs/a"}))
+
+
+@pytest.mark.parametrize("schema", [{"not": {"type": "string"}},
+                                    {"type": "object", "properties": {"a": {"not": {"const": 1}}}}])
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "guidance"])
+def test_a_not_no_backend_enforces_is_refused(backend: str, schema: dict) -> None:
+    """A "not" other than {} / true / false: left out of the satisfiability analysis (never unsatisfiable for it),
+    but neither library enforces it (xgrammar once compiled it away: a 200 whose output broke the schema)."""
+    assert unsatisfiable_reason(schema) is None
+    with pytest.raises(ValueError, match="'not' is not enforced by either backend") as e:
+        _manager(backend).validate(StructuredOutputsParams(json=schema, origin="guided_json"))
+    assert str(e.value).startswith("Invalid guided_json: ")
+
+
+@pytest.mark.parametrize("regex, anchor", [("a^b", None), ("a$b", None), ("x|^y", ("^", 2)), ("(^a)b", ("^", 1)),
+                                           ("(a$)", ("$", 2))])
+def test_regex_mid_anchors(regex: str, anchor) -> None:
+    """xgrammar ignores an anchor that is not the regex's leading '^' / trailing '$' (only a warning on stderr):
+    "auto" hands such a regex to llguidance, which honours it or refuses it; an explicit xgrammar refuses it,
+    naming llguidance."""
+    from pagedllm.structured_output.backend import regex_mid_anchor
+
+    spec = StructuredOutputsParams(regex=regex, origin="guided_regex")
+    position = regex_mid_anchor(regex)
+    assert position is not None and (anchor is None or position == anchor)
+    with pytest.raises(ValueError, match="xgrammar ignores the anchor .* the guidance backend \\(llguidance\\)"):
+        _manager("xgrammar").validate(spec)
+    if anchor is None:  # no output can honour it: a 400 under auto as well, saying which anchor
+        with pytest.raises(ValueError, match=re.escape(f"Invalid guided_regex: the anchor '{regex[1]}' at position 1 "
+                                                       "of the regex cannot be honoured: ")):
+            _manager("auto").validate(spec)
+    else:
+        assert _manager("auto").validate(spec) == "guidance"
+
+
+@pytest.mark.parametrize("regex", ["^ab$", "^a", "b$", r"a\$b", "[$^]x", "[^^]", "[]^]", r"\^", "a\\\\$"])
+def test_regex_edge_anchors_and_literals_stay_with_xgrammar(regex: str) -> None:
+    from pagedllm.structured_output.backend import regex_mid_anchor
+
+    assert regex_mid_anchor(regex) is None
+    if regex != "[]^]":  # (xgrammar does not take a leading ']' in a class: llguidance does)
+        assert _manager("auto").validate(StructuredOutputsParams(regex=regex)) == "xgrammar"

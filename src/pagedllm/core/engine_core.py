@@ -181,7 +181,9 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         if not self.closed:  # a shut-down engine has no requests left to abort
-            self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+            request_ids = list(request_ids)
+            self.structured.release(request_ids)
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return not self.closed and (self._in_flight is not None or bool(self._micro_batches)
@@ -367,8 +369,9 @@ class EngineCore:
         if check is not None:
             check()
 
-    def pop_request_errors(self) -> list[tuple[str, str]]:
-        """(request id, message) of requests refused after add_request (a grammar that failed to compile)."""
+    def pop_request_errors(self) -> list[tuple[str, str, Optional[str]]]:
+        """(request id, message, the request field it is about or None) of requests refused after add_request (a
+        grammar that failed to compile)."""
         return self.structured.pop_errors()
 
     def shutdown(self) -> None:

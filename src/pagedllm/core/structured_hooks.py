@@ -26,7 +26,7 @@ class StructuredOutputHooks:
         self.tokenizer: Optional[Any] = None  # the offline LLM hands its tokenizer over (no second load)
         self._compiling: dict[str, Request] = {}
         self._live: dict[str, Request] = {}  # unfinished requests under a grammar: the per-step work is O(these)
-        self._errors: list[tuple[str, str]] = []
+        self._errors: list[tuple[str, str, Optional[str]]] = []  # (request id, message, request field)
         config = getattr(engine_args, "structured_outputs_config", None)
         if config:  # check the flag at start-up, not on the first request
             self._get_manager()
@@ -53,7 +53,7 @@ class StructuredOutputHooks:
     def validate(self, params: Any) -> None:
         """ValueError (-> 400) if the request's spec is invalid; cheap and tokenizer-free."""
         manager = self._get_manager()
-        manager.validate(manager.apply_defaults(params.structured_outputs))
+        manager.validate(manager.apply_defaults(params.structured_outputs))  # SpecError names its field
 
     def submit(self, request: Request) -> Any:
         if getattr(self.engine_args, "speculative_config", None):
@@ -76,10 +76,21 @@ class StructuredOutputHooks:
             elif so.error is not None:
                 del self._compiling[rid]
                 logger.info("Request %s: its grammar did not compile: %s", rid, so.error)
-                self._errors.append((rid, so.error))
+                self._errors.append((rid, so.error, so.error_param))
                 self.core.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
             elif request.is_finished or rid not in self.core.scheduler.requests:
-                del self._compiling[rid]  # aborted while compiling
+                del self._compiling[rid]  # finished while compiling (abort_requests released it already)
+                self.manager.release(so)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Requests being aborted: their pending compiles are dropped (not started if still queued), so a client
+        that went away does not keep a compile worker busy."""
+        if not self._compiling or self.manager is None:
+            return
+        for rid in request_ids:
+            request = self._compiling.pop(rid, None)
+            if request is not None:
+                self.manager.release(request.structured_output)
 
     def idle_wait(self) -> None:
         if self._compiling and self.manager is not None:
@@ -115,7 +126,7 @@ class StructuredOutputHooks:
             plan.grammar_bitmask = self.manager.bitmask(outputs)
             plan.structured_output_request_ids = rows
 
-    def pop_errors(self) -> list[tuple[str, str]]:
+    def pop_errors(self) -> list[tuple[str, str, Optional[str]]]:
         errors, self._errors = self._errors, []
         return errors
 

@@ -67,9 +67,10 @@ class ClientDisconnected(Exception):
 class RequestRejected(ValueError):
     """The engine refused a request (e.g. it cannot fit the KV pool); `status` is the HTTP status."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 @dataclass
@@ -644,7 +645,7 @@ class AsyncEngine:
             self._timing.pop(msg.request_id, None)
             if parent_id is not None and parent_id in self._parents:
                 parent = self._parents[parent_id]
-                parent.put(RequestRejected(msg.message, msg.status))
+                parent.put(RequestRejected(msg.message, msg.status, msg.param))
                 # Siblings of a refused child are pointless: abort them (and drop everyone's detokenizer state;
                 # aborting the refused id itself is a no-op in the engine).
                 parent.finished = True

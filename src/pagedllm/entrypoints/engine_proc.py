@@ -358,8 +358,9 @@ class EngineLoop:
                     cache_salt=msg.cache_salt,
                 )
             )
-        except ValueError as e:
-            self._send_to(msg.client_index, self.m.RequestError(msg.request_id, str(e), 400))
+        except ValueError as e:  # a structured-output spec's error names the request field (e.param)
+            self._send_to(msg.client_index, self.m.RequestError(msg.request_id, str(e), 400,
+                                                                getattr(e, "param", None)))
             self.stats_dirty = True
             return
         except Exception as e:  # noqa: BLE001 - one bad request must not kill the engine
@@ -371,8 +372,8 @@ class EngineLoop:
 
     def _send_request_errors(self) -> None:
         pop = getattr(self.core, "pop_request_errors", None)
-        for request_id, message in (pop() if pop is not None else []):
-            self._send_to(self._owner(request_id, forget=True), self.m.RequestError(request_id, message, 400))
+        for request_id, message, param in (pop() if pop is not None else []):
+            self._send_to(self._owner(request_id, forget=True), self.m.RequestError(request_id, message, 400, param))
 
     def _stats(self) -> Any:
         return self.m.stats_to_msg(self.core.get_stats())

@@ -185,6 +185,7 @@ class RequestError(msgspec.Struct, tag="request_error"):
     request_id: str
     message: str
     status: int = 400
+    param: Optional[str] = None  # the request field at fault, where known (an error's OpenAI `param`)
 
 
 class StatsReply(msgspec.Struct, tag="stats"):

@@ -15,7 +15,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any, Optional, Sequence
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.params import SpecError, StructuredOutputsParams
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s*\S+?:\d+:\s*")  # xgrammar's "[hh:mm:ss] /path/file.cc:123: "
@@ -117,7 +117,58 @@ def check_satisfiable(params: StructuredOutputsParams) -> None:
         return
     if unsatisfiable_reason(params.json) is None:  # only so with the additionalProperties false strict_objects adds
         reason += "; an object schema with properties allows no others unless additionalProperties says so"
-    raise ValueError(f"Invalid structured_outputs.json: no JSON value satisfies the schema ({reason}).")
+    raise SpecError(params, f"no JSON value satisfies the schema ({reason}).")
+
+
+def _unenforced_not(schema: Any) -> Optional[str]:
+    """A "not" that neither library enforces (xgrammar ignores it, llguidance does not implement it), as the
+    sentence that refuses it; None if none. "not": {} / true (no value) and "not": false (any value) are left to
+    the satisfiability check."""
+    if isinstance(schema, list):
+        return next((r for r in map(_unenforced_not, schema) if r), None)
+    if not isinstance(schema, dict):
+        return None
+    if "not" in schema and schema["not"] not in ({}, True, False):
+        return ("'not' is not enforced by either backend (xgrammar would ignore it, llguidance does not implement "
+                f"it): {json.dumps({'not': schema['not']})[:80]}; describe the allowed values instead (enum, "
+                "anyOf, pattern, ...)")
+    return next((r for k, v in schema.items() if k not in _DATA_KEYS for r in [_unenforced_not(v)] if r), None)
+
+
+def regex_mid_anchor(regex: str) -> Optional[tuple[str, int]]:
+    """The first '^' / '$' anchor of the regex that is not its leading '^' or trailing '$' (those are no-ops: a
+    structured-output regex always matches the whole output), as (anchor, position); None if none. Escaped ones
+    and those inside a character class are literals."""
+    i, n, in_class = 0, len(regex), False
+    while i < n:
+        ch = regex[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            if ch == "]":
+                in_class = False
+        elif ch == "[":
+            in_class = True
+            i += 1
+            if regex[i:i + 1] == "^":  # negation
+                i += 1
+            if regex[i:i + 1] == "]":  # a leading ']' is a literal
+                i += 1
+            continue
+        elif (ch == "^" and i != 0) or (ch == "$" and i != n - 1):
+            return ch, i
+        i += 1
+    return None
+
+
+class Unenforced(SpecError):
+    """A spec xgrammar would compile without honouring part of it; `what` names that part (for "auto", which
+    tries llguidance, to word the refusal if llguidance cannot take it either)."""
+
+    def __init__(self, params: StructuredOutputsParams, reason: str, what: str) -> None:
+        super().__init__(params, reason)
+        self.what = what
 
 
 def _xgrammar_unenforced(schema: Any) -> Optional[str]:
@@ -226,11 +277,18 @@ class XGrammarBackend(GrammarBackend):
 
     @staticmethod
     def check_enforceable(params: StructuredOutputsParams) -> None:
-        # Refused rather than compiled into "any JSON value", so that "auto" takes llguidance where it enforces
-        # them, and an explicit xgrammar backend answers why.
-        reason = _xgrammar_unenforced(params.json) if params.kind == "json" else None
+        # Refused rather than compiled into "any JSON value" / a regex without its anchor, so that "auto" takes
+        # llguidance where it enforces them, and an explicit xgrammar backend answers why.
+        reason = (_unenforced_not(params.json) or _xgrammar_unenforced(params.json)) if params.kind == "json" else None
         if reason:
-            raise ValueError(f"Invalid structured_outputs.json: {reason}.")
+            raise SpecError(params, f"{reason}.")
+        anchor = regex_mid_anchor(params.regex) if params.kind == "regex" else None
+        if anchor:
+            what = f"the anchor {anchor[0]!r} at position {anchor[1]} of the regex"
+            raise Unenforced(params, f"xgrammar ignores {what} (it takes only a leading '^' and a trailing '$', "
+                             "which are no-ops: the output always matches the whole regex); the guidance backend "
+                             "(llguidance) honours anchors where they can match, e.g. '^' starting an alternative "
+                             "(--structured-outputs-config '{\"backend\": \"guidance\"}').", what)
 
     @classmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
@@ -249,10 +307,16 @@ class XGrammarBackend(GrammarBackend):
             elif kind == "choice":
                 xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
         except Exception as e:  # noqa: BLE001 - the library raises RuntimeError / its own types
-            raise ValueError(f"Invalid structured_outputs.{kind}: {clean_error(e)}") from None
+            raise SpecError(params, clean_error(e)) from None
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         self.check_enforceable(params)
+        try:
+            return self._compile(params)
+        except Exception as e:  # noqa: BLE001 - the library's RuntimeError, worded with the request's field
+            raise SpecError(params, clean_error(e)) from None
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
         kind = params.kind
         c = self.compiler
         ws = not params.disable_any_whitespace
@@ -351,19 +415,22 @@ class GuidanceBackend(GrammarBackend):
     def validate(cls, params: StructuredOutputsParams) -> None:
         import llguidance
 
+        reason = _unenforced_not(params.json) if params.kind == "json" else None
+        if reason:  # llguidance says only "Unimplemented keys"
+            raise SpecError(params, f"{reason}.")
         try:
             grammar = cls.grammar_text(params)
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"Invalid structured_outputs.{params.kind}: {clean_error(e)}") from None
+            raise SpecError(params, clean_error(e)) from None
         if is_error:
-            raise ValueError(f"Invalid structured_outputs.{params.kind}: {clean_error(Exception(messages[0]))}")
+            raise SpecError(params, clean_error(Exception(messages[0])))
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         grammar = self.grammar_text(params)
         probe = self.llg.LLMatcher(self.tok, grammar)  # grammars compile lazily; this checks them for this vocab
         if probe.is_error():
-            raise ValueError(f"Invalid structured_outputs.{params.kind}: {probe.get_error()}")
+            raise SpecError(params, clean_error(Exception(probe.get_error())))
         return grammar
 
     def new_grammar(self, compiled: Any) -> RequestGrammar:
@@ -390,8 +457,11 @@ def backend_class(name: str) -> type[GrammarBackend]:
 
 
 def resolve_backend_name(name: str, params: Optional[StructuredOutputsParams]) -> str:
-    """"auto": xgrammar, unless it refuses a spec that llguidance accepts (e.g. Lark grammars)."""
+    """"auto": xgrammar, unless it refuses a spec that llguidance accepts (e.g. Lark grammars). A backend named
+    explicitly checks the spec too (SpecError), so a bad one is a 400 from add_request, not a failed compile."""
     if name != "auto":
+        if params is not None:
+            backend_class(name).validate(params)
         return name
     if params is None:
         return "xgrammar"
@@ -401,6 +471,10 @@ def resolve_backend_name(name: str, params: Optional[StructuredOutputsParams]) -
     except ValueError as first:
         try:
             GuidanceBackend.validate(params)
+        except SpecError as second:
+            if isinstance(first, Unenforced):  # xgrammar's message points at llguidance, which cannot either
+                raise SpecError(params, f"{first.what} cannot be honoured: {second.reason}") from None
+            raise first from None
         except ValueError:
             raise first from None
         return "guidance"

@@ -2,8 +2,10 @@
 
   * validate(params): cheap, synchronous, tokenizer-free: a bad schema / regex / grammar is refused in
     add_request with the library's reason (the server turns it into a 400).
-  * submit(params): compile in a background thread, cached by (backend, spec): equal specs compile once. The
-    request waits in the scheduler's queue (not blocking others) until its grammar is ready.
+  * submit(params): compile on a small thread pool (min(4, CPUs) workers, so one slow compile does not hold
+    the others), cached by (backend, spec): equal specs compile once. The request waits in the scheduler's queue
+    (not blocking others) until its grammar is ready. release(so) when a request goes away before its grammar
+    is ready: a compile no request waits for any more is cancelled if still queued, or its result dropped.
   * bitmask(requests): after schedule(), one int32 [rows, ceil(V/32)] array for the requests that sample this
     step; it travels to the runner in the BatchPlan.
   * the scheduler advances each request's matcher with the tokens it appends (RequestStructuredOutput.accept).
@@ -14,6 +16,7 @@ never see one pay nothing.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
@@ -27,9 +30,15 @@ from pagedllm.structured_output.backend import (
     clean_error,
     resolve_backend_name,
 )
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.params import SpecError, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
+
+
+def compile_workers() -> int:
+    """Concurrent grammar compiles: a few, so a slow one (a regex of 20,000 alternatives) leaves the others a
+    worker, and not more than the CPUs, which the engine's own threads need too."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 class RequestStructuredOutput:
@@ -38,22 +47,30 @@ class RequestStructuredOutput:
     Duck-typed for the scheduler (core/ stays free of the grammar libraries): is_ready(), error,
     accept(token_ids), is_terminated(), rollback(n)."""
 
-    def __init__(self, manager: "StructuredOutputManager", future: Future) -> None:
+    def __init__(self, manager: "StructuredOutputManager", future: Future, key: tuple,
+                 params: StructuredOutputsParams) -> None:
         self.manager = manager
         self.future = future
+        self.key = key  # the compile cache's key, for release()
+        self.params = params
+        self.released = False
         self.grammar: Optional[RequestGrammar] = None
         self.error: Optional[str] = None
+        self.error_param: Optional[str] = None  # the request field the error is about
 
     def is_ready(self) -> bool:
         if self.grammar is not None:
             return True
-        if self.error is not None or not self.future.done():
+        if self.error is not None or not self.future.done() or self.future.cancelled():
             return False
         try:
             backend, compiled = self.future.result()
             self.grammar = backend.new_grammar(compiled)
+        except SpecError as e:  # worded for this request's field (the compile may be another request's)
+            self.error, self.error_param = str(e.for_params(self.params)), self.params.param
+            return False
         except Exception as e:  # noqa: BLE001 - reported to the user by the engine core
-            self.error = clean_error(e)
+            self.error, self.error_param = clean_error(e), self.params.param
             return False
         return True
 
@@ -91,9 +108,11 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._executor: Optional[ThreadPoolExecutor] = None
+        self.max_workers = compile_workers()
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self._cache: dict[tuple, Future] = {}
+        self._waiters: dict[tuple, int] = {}  # cache key -> requests that hold its pending compile
         self._validated: dict[tuple, str] = {}  # spec key -> backend name, for specs that passed validation
         self._tokenizer: Any = None
 
@@ -121,22 +140,44 @@ class StructuredOutputManager:
         backend = self.validate(params)
         key = (backend,) + params.key()
         future = self._cache.get(key)
-        if future is None or (future.done() and future.exception() is not None):
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
-            future = self._executor.submit(self._compile, backend, params)
+        if future is None or future.cancelled() or (future.done() and future.exception() is not None):
+            future = self._pool().submit(self._compile, backend, params)
             self._cache[key] = future
-        return RequestStructuredOutput(self, future)
+            self._waiters[key] = 0
+        if not future.done():
+            self._waiters[key] = self._waiters.get(key, 0) + 1
+        return RequestStructuredOutput(self, future, key, params)
+
+    def release(self, so: RequestStructuredOutput) -> None:
+        """The request is gone (aborted, client disconnected): if no other request waits for its compile, the
+        compile is cancelled while still queued, or its result dropped from the cache once it runs (the library
+        cannot stop a running compile)."""
+        if so.released:
+            return
+        so.released = True
+        future = so.future
+        if future.done() or self._cache.get(so.key) is not future:
+            return
+        left = self._waiters.get(so.key, 1) - 1
+        if left > 0:
+            self._waiters[so.key] = left
+            return
+        self._waiters.pop(so.key, None)
+        del self._cache[so.key]
+        future.cancel()
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="pagedllm-grammar")
+        return self._executor
 
     def preload(self, tokenizer: Any = None) -> None:
         """Load the tokenizer (or take the caller's) and the default backend in the compile thread now, so the
         first structured request does not wait for them."""
         if tokenizer is not None and self._tokenizer is None:
             self._tokenizer = tokenizer
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
         name = "xgrammar" if self.backend_name == "auto" else self.backend_name
-        self._executor.submit(self._backend, name)
+        self._pool().submit(self._backend, name)
 
     def _compile(self, backend_name: str, params: StructuredOutputsParams) -> tuple[GrammarBackend, Any]:
         backend = self._backend(backend_name)
@@ -146,8 +187,7 @@ class StructuredOutputManager:
         probe = backend.allocate_bitmask(1)
         backend.new_grammar(compiled).fill_bitmask(probe, 0)
         if not bool(probe.any()):
-            raise ValueError(f"Invalid structured_outputs.{params.kind}: it matches no text at all, so nothing can "
-                             "be generated.")
+            raise SpecError(params, "it matches no text at all, so nothing can be generated.")
         return backend, compiled
 
     def _backend(self, name: str) -> GrammarBackend:
@@ -188,7 +228,7 @@ class StructuredOutputManager:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def shutdown(self) -> None:
-        """Stop the compile thread: queued compiles are cancelled, a running one is waited for (the thread must
+        """Stop the compile threads: queued compiles are cancelled, running ones are waited for (the threads must
         not outlive the engine)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)

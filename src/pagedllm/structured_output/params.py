@@ -7,13 +7,15 @@ Exactly one of json / regex / choice / grammar / json_object / structural_tag is
 from __future__ import annotations
 
 import json as _json
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_INTERNAL = ("origin",)  # set by the server, not a request's structured_outputs field
 
 
-def _check_integers(schema: dict) -> None:
+def _check_integers(schema: dict, where: str) -> None:
     """The spec travels to the engine process as msgpack, whose integers are 64-bit: a wider one (a schema's
     "maximum": 10**30) could not be sent, a 500 rather than the client's 400."""
     stack: list = [schema]
@@ -24,7 +26,7 @@ def _check_integers(schema: dict) -> None:
         elif isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, int) and not -(2 ** 63) <= node < 2 ** 64:
-            raise ValueError(f"structured_outputs.json holds the integer {node}, beyond 64 bits: write it as a "
+            raise ValueError(f"{where} holds the integer {node}, beyond 64 bits: write it as a "
                              "number with a fraction or exponent (e.g. 1e30).")
 
 
@@ -39,6 +41,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
     disable_additional_properties: bool = False  # objects without "additionalProperties" get false
     whitespace_pattern: Optional[str] = None  # accepted for vLLM compatibility (outlines only); refused if set
+    # The request field the spec came from ("response_format.json_schema.schema", "guided_regex", "tools[0]...");
+    # None: structured_outputs. Errors name it, so a client reads the field it sent. Not part of key().
+    origin: Optional[str] = None
 
     def __post_init__(self) -> None:
         # The switches must be real booleans: the spec travels to the engine process typed, where a string (from a
@@ -62,28 +67,41 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is only supported by vLLM's outlines backend; "
                              "use disable_any_whitespace instead.")
+        if self.origin is not None and not isinstance(self.origin, str):
+            raise ValueError("StructuredOutputsParams.origin must be the name of a request field.")
+        where = self.where
         if isinstance(self.json, str):
             try:
                 self.json = _json.loads(self.json)
             except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
+                raise ValueError(f"{where} is not valid JSON: {e}.") from None
         if self.json is not None and not isinstance(self.json, dict):
-            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}.")
+            raise ValueError(f"{where} must be a JSON schema object, got {type(self.json).__name__}.")
         if self.json is not None:
-            _check_integers(self.json)
+            _check_integers(self.json, where)
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
-            raise ValueError("structured_outputs.regex must be a non-empty string.")
+            raise ValueError(f"{where} must be a non-empty string.")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise ValueError("structured_outputs.grammar must be a non-empty EBNF or Lark grammar.")
+            raise ValueError(f"{where} must be a non-empty EBNF or Lark grammar.")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) for c in self.choice)):
-                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+                raise ValueError(f"{where} must be a non-empty list of strings.")
             self.choice = list(self.choice)
 
     @property
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) is not None)
+
+    @property
+    def where(self) -> str:
+        """The spec's name in messages: the request field it came from."""
+        return self.origin or f"structured_outputs.{self.kind}"
+
+    @property
+    def param(self) -> str:
+        """The top-level request field of the spec (an error's `param`)."""
+        return re.match(r"[A-Za-z_]*", self.origin or "structured_outputs").group(0) or "structured_outputs"
 
     def key(self) -> tuple[str, str]:
         """(kind, canonical spec text): the compile cache's key."""
@@ -100,14 +118,28 @@ class StructuredOutputsParams:
         return kind, f"{flags}|{spec}"
 
     @classmethod
-    def from_dict(cls, data: Any) -> "StructuredOutputsParams":
+    def from_dict(cls, data: Any, origin: Optional[str] = None) -> "StructuredOutputsParams":
         if isinstance(data, cls):
             return data
         if not isinstance(data, dict):
             raise ValueError(f"structured_outputs must be an object, got {type(data).__name__}.")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - set(_INTERNAL)
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"Unknown structured_outputs field(s): {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(known))}.")
-        return cls(**data)
+        return cls(**data, origin=origin)
+
+
+class SpecError(ValueError):
+    """A spec the grammar library refuses (or that admits no output): "Invalid <field>: <reason>", the field named
+    as the client sent it. One compile serves every request with an equal spec (whatever field each used), so the
+    reason is kept apart and for_params() words it for another request."""
+
+    def __init__(self, params: StructuredOutputsParams, reason: str) -> None:
+        super().__init__(f"Invalid {params.where}: {reason}")
+        self.reason = reason
+        self.param = params.param
+
+    def for_params(self, params: StructuredOutputsParams) -> "SpecError":
+        return SpecError(params, self.reason)

@@ -146,7 +146,7 @@ def handled_error_response(e: BaseException) -> Optional[Response]:
             message = "Not found: no such route."
         return error_response(APIError(message, e.status_code))
     if isinstance(e, RequestRejected):
-        return error_response(APIError(str(e), e.status))
+        return error_response(APIError(str(e), e.status, param=getattr(e, "param", None)))
     if isinstance(e, EngineDeadError):
         return error_response(APIError(f"The engine is not running: {e}", 503))
     if isinstance(e, ClientDisconnected):

@@ -2,7 +2,8 @@
 guided_json / guided_regex / guided_choice / guided_grammar / guided_decoding_backend extras.
 
 Shape errors are refused here with the field's name; the spec itself (is the schema valid?) is checked by the
-grammar library in the engine, whose message comes back as a 400 too.
+grammar library in the engine, whose message comes back as a 400 too, naming the field the client sent: the spec
+carries it (StructuredOutputsParams.origin).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ class StructuredRequestError(ValueError):
         self.param = param
 
 
-def _response_format(rf: Any) -> Optional[dict]:
+def _response_format(rf: Any) -> Optional[tuple[str, dict]]:
+    """(the spec's origin, the spec) or None."""
     if rf is None:
         return None
     rf = rf if isinstance(rf, dict) else rf.model_dump(exclude_none=True)
@@ -32,7 +34,7 @@ def _response_format(rf: Any) -> Optional[dict]:
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"json_object": True}
+        return "response_format", {"json_object": True}
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict):
@@ -50,7 +52,13 @@ def _response_format(rf: Any) -> Optional[dict]:
         if not isinstance(schema, dict):
             raise StructuredRequestError("response_format.json_schema.schema must be a JSON schema object.",
                                          "response_format")
-        return {"json": schema}
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise StructuredRequestError(f"response_format.json_schema.strict must be true or false, got {strict!r}.",
+                                         "response_format")
+        # strict or not, the output follows the schema exactly: the grammar allows nothing else (docs/
+        # architecture.md, "Structured outputs": objects that list properties are closed unless they say otherwise).
+        return "response_format.json_schema.schema", {"json": schema}
     if kind == "structural_tag":
         raise StructuredRequestError("response_format of type 'structural_tag' is not supported yet by pagedllm.",
                                      "response_format")
@@ -61,9 +69,11 @@ def _response_format(rf: Any) -> Optional[dict]:
 def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParams]:
     """The request's one output constraint, or None. More than one source at once is a 400."""
     found: list[tuple[str, dict]] = []
+    origins = {"structured_outputs": None}  # None: the spec's own structured_outputs.<kind> names
     rf = _response_format(field_or_none(req, "response_format"))
     if rf is not None:
-        found.append(("response_format", rf))
+        origins["response_format"] = rf[0]
+        found.append(("response_format", rf[1]))
     so = field_or_none(req, "structured_outputs")
     if so is not None:
         if not isinstance(so, dict):
@@ -84,10 +94,11 @@ def structured_outputs_from_request(req: Any) -> Optional[StructuredOutputsParam
         names = ", ".join(name for name, _ in found)
         raise StructuredRequestError(f"Give one output constraint, not several ({names}).", found[1][0])
     param, spec = found[0]
-    ws = field_or_none(req, "guided_whitespace_pattern")
-    if ws is not None:
-        spec.setdefault("whitespace_pattern", ws)
+    if field_or_none(req, "guided_whitespace_pattern") is not None:  # named as sent (the spec would say its own)
+        raise StructuredRequestError("guided_whitespace_pattern is only supported by vLLM's outlines backend; use "
+                                     "--structured-outputs-config '{\"disable_any_whitespace\": true}' or "
+                                     "structured_outputs.disable_any_whitespace instead.", "guided_whitespace_pattern")
     try:
-        return StructuredOutputsParams.from_dict(spec)
+        return StructuredOutputsParams.from_dict(spec, origin=origins.get(param, param))
     except (ValueError, TypeError) as e:
         raise StructuredRequestError(str(e), param) from None

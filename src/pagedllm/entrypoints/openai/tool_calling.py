@@ -64,6 +64,12 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
     """Validate tools / tool_choice (ToolRequestError -> 400) and decide what to do."""
     tools = [_function(t, i) for i, t in enumerate(tools or [])]
     names = [t["function"]["name"] for t in tools]
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:  # a call names its function: two of one name would be ambiguous (OpenAI refuses them too)
+            raise ToolRequestError(f"tools[{i}].function.name {name!r} duplicates tools[{seen[name]}]'s: function "
+                                   "names must be unique.", "tools")
+        seen[name] = i
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if isinstance(tool_choice, dict):
@@ -138,8 +144,8 @@ def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]
     if plan.mode in ("named", "required"):
         _check_callable(plan)
     if plan.mode == "named":
-        tool = next(t for t in plan.tools if t["function"]["name"] == plan.named)
-        return StructuredOutputsParams(json=_parameters(tool))
+        i, tool = next((i, t) for i, t in enumerate(plan.tools) if t["function"]["name"] == plan.named)
+        return StructuredOutputsParams(json=_parameters(tool), origin=f"tools[{i}].function.parameters")
     if plan.mode != "required":
         return None
     # The functions' parameters sit inside one schema here, so their local definitions ("$ref": "#/$defs/X", as
@@ -169,7 +175,8 @@ def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]
     schema.update(defs)
     if not plan.parallel:
         schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
+    # Errors name the tools (their parameters, joined): the client sent no schema of its own.
+    return StructuredOutputsParams(json=schema, origin="tools")
 
 
 # ---- the prompt ------------------------------------------------------------------------------------------
