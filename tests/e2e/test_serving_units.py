@@ -171,6 +171,44 @@ def test_large_bodies_are_tokenized_off_the_event_loop() -> None:
             asyncio.run(run(size, bad=True))
 
 
+def test_large_bodies_are_parsed_off_the_event_loop(monkeypatch) -> None:
+    """body.parse_body: a body from OFF_LOOP_BYTES on is decoded and validated in a worker thread (megabytes of JSON
+    take a good part of a second), a small one inline; the model and the 400s are the same either way."""
+    import asyncio
+    import json
+    import threading
+
+    from pagedllm.entrypoints.openai import body as body_mod
+    from pagedllm.entrypoints.openai.errors import APIError
+    from pagedllm.entrypoints.openai.protocol import CompletionRequest
+
+    threads = []
+    real = body_mod.loads_body
+
+    def spy(raw: bytes):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(raw)
+
+    monkeypatch.setattr(body_mod, "loads_body", spy)
+
+    class Body:
+        def __init__(self, payload: bytes) -> None:
+            self.raw = payload
+
+        async def body(self) -> bytes:
+            return self.raw
+
+    def payload(size: int, **extra) -> bytes:
+        return json.dumps({"prompt": "x" * size, "max_tokens": 3, **extra}).encode()
+
+    for size, inline in ((100, True), (body_mod.OFF_LOOP_BYTES, False)):
+        req = asyncio.run(body_mod.parse_body(Body(payload(size)), CompletionRequest))
+        assert (len(req.prompt), req.max_tokens, threads[-1]) == (size, 3, inline)
+        with pytest.raises(APIError, match="max_tokens"):
+            asyncio.run(body_mod.parse_body(Body(payload(size, max_tokens="many")), CompletionRequest))
+        assert threads[-1] is inline
+
+
 def test_a_requests_own_chat_template_renders_off_the_event_loop() -> None:
     """body.render_work: a request's own chat template (--trust-request-chat-template) renders in a worker thread
     however small the body (a 300-byte template can loop for seconds and stall every client); the model's own

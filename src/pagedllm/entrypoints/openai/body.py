@@ -88,8 +88,21 @@ def loads_body(raw: bytes) -> object:
     return data
 
 
+# Bodies from this size on are parsed, tokenized (and their chat template rendered) in a worker thread: a few MB
+# of text take the tokenizer seconds, which on the event loop would stall every other client's stream.
+OFF_LOOP_BYTES = 64 * 1024
+
+
 async def parse_body(request: Request, model: type[T]) -> T:
     raw = await request.body()
+    if len(raw) < OFF_LOOP_BYTES:
+        return _parse(raw, model)
+    # a body of megabytes takes the JSON decoder and pydantic a good part of a second: off the event loop, as
+    # tokenize_work does for its text, so other clients' streams keep flowing
+    return await asyncio.to_thread(_parse, raw, model)
+
+
+def _parse(raw: bytes, model: type[T]) -> T:
     data = loads_body(raw)
     if not isinstance(data, dict):
         raise APIError("The request body must be a JSON object.")
@@ -101,11 +114,6 @@ async def parse_body(request: Request, model: type[T]) -> T:
         raise format_validation_error(e)
     limits.check_request_limits(req)
     return req
-
-
-# Bodies from this size on are tokenized (and their chat template rendered) in a worker thread: a few MB of text
-# take the tokenizer seconds, which on the event loop would stall every other client's stream.
-OFF_LOOP_BYTES = 64 * 1024
 
 
 async def tokenize_work(request: Request, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
