@@ -65,6 +65,8 @@ def build_app(state: ServerState) -> FastAPI:
     from pagedllm.entrypoints.openai.openapi_bodies import body, install
     from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                       TokenizeRequest)
+    from pagedllm.entrypoints.openai.responses import create_response
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
     from pagedllm.entrypoints.openai.tokenize import detokenize, tokenize
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__)
@@ -100,6 +102,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
+
+    @app.post("/v1/responses", openapi_extra=body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await create_response(request, state)
 
     from pagedllm.entrypoints.openai.lora_models import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                                          load_lora_adapter, loras_of, unload_lora_adapter)

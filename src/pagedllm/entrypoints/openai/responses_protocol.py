@@ -1,0 +1,244 @@
+"""OpenAI's Responses API request (POST /v1/responses) and its translation into the chat request the chat path
+serves: input items -> chat messages, flat function tools -> chat tools, text.format -> a structured-outputs spec.
+
+Nothing is stored: `store` is accepted (its default is true) but a later request cannot refer to a response
+(`previous_response_id` is a 400), as no response outlives its HTTP answer.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import ValidationError
+
+from pagedllm.entrypoints.openai import limits
+from pagedllm.entrypoints.openai.errors import APIError, format_validation_error
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, _Req
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+
+class ResponsesRequest(_Req):
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: Optional[bool] = False
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[bool] = True
+    service_tier: Optional[str] = None
+    stream_options: Optional[dict[str, Any]] = None  # (include_obfuscation: nothing is obfuscated here)
+    # Asked-for features not built: refused with a 400 naming them when a value asks for something (_REFUSED).
+    previous_response_id: Optional[str] = None
+    reasoning: Optional[dict[str, Any]] = None
+    background: Optional[bool] = None
+    include: Optional[list[Any]] = None
+    conversation: Optional[Any] = None
+    prompt: Optional[Any] = None
+    truncation: Optional[str] = None
+    max_tool_calls: Optional[int] = None
+    top_logprobs: Optional[int] = None
+    # vLLM's sampling extras, as chat takes them (copied onto the chat request: _SHARED)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[str, float]] = None
+    bad_words: Optional[list[str]] = None
+    request_id: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+
+_SHARED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "seed", "stop",
+           "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+           "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "bad_words",
+           "request_id", "cache_salt")
+
+# field -> whether its value asks for something pagedllm does not do (an answer without it would look complete)
+_REFUSED = {
+    "background": lambda v: bool(v),
+    "include": lambda v: bool(v),
+    "conversation": lambda v: v is not None,
+    "prompt": lambda v: v is not None,
+    "truncation": lambda v: v not in (None, "disabled"),
+    "max_tool_calls": lambda v: v is not None,
+    "top_logprobs": lambda v: bool(v),
+    "reasoning": lambda v: bool(v) and any(x is not None for x in v.values()),
+}
+
+
+def check_refused(req: ResponsesRequest) -> None:
+    if req.previous_response_id is not None:
+        raise APIError("'previous_response_id' is not supported: pagedllm stores no responses (store is accepted, but "
+                       "nothing is kept), so send the whole conversation as 'input'.", param="previous_response_id")
+    for name, asks in _REFUSED.items():
+        if asks(getattr(req, name)):
+            raise APIError(f"'{name}' is not supported yet by pagedllm.", param=name)
+
+
+# ---- input -> chat messages ----------------------------------------------------------------------------------
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's content: a string, or parts of type input_text / output_text (joined as chat joins parts)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(f"{where}.content must be a string or a list of content parts.", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text"):
+            if not isinstance(part.get("text"), str):
+                raise APIError(f"{where}.content[{j}].text must be a string.", param=f"{where}.content")
+            texts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio", "refusal"):
+            raise APIError(f"'{kind}' is not supported yet by pagedllm.", param=f"{where}.content")
+        else:
+            raise APIError(f"{where}.content[{j}] must be a part of type 'input_text' or 'output_text', got "
+                           f"{kind!r}.", param=f"{where}.content")
+    return "\n".join(texts)
+
+
+_ROLES = {"user": "user", "system": "system", "assistant": "assistant",
+          "developer": "system"}  # chat templates (SmolLM2's) know no developer role: it instructs as system does
+
+
+def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
+    """instructions (a system message first) + input as chat messages. Consecutive function_call items become one
+    assistant message's tool_calls; each function_call_output a tool message."""
+    msgs: list[ChatMessage] = []
+    if req.instructions:
+        msgs.append(ChatMessage(role="system", content=req.instructions))
+    if isinstance(req.input, str):
+        msgs.append(ChatMessage(role="user", content=req.input))
+        return msgs
+    if not req.input:
+        raise APIError("'input' must contain at least one item.", param="input")
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            role = _ROLES.get(role) if isinstance(role, str) else None
+            if role is None:
+                raise APIError(f"{where}.role must be 'user', 'system', 'developer' or 'assistant', got "
+                               f"{item.get('role')!r}.", param=f"{where}.role")
+            msgs.append(ChatMessage(role=role, content=_content_text(item.get("content"), where)))
+        elif kind == "function_call":
+            call = _history_call(item, where)
+            last = msgs[-1] if msgs else None
+            if last is not None and last.role == "assistant" and last.tool_calls:
+                last.tool_calls.append(call)
+            else:
+                msgs.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise APIError(f"{where}.call_id must be a string.", param=f"{where}.call_id")
+            text = output if isinstance(output, str) else _content_text(output, where)
+            msgs.append(ChatMessage(role="tool", content=text, tool_call_id=call_id))
+        elif kind in ("reasoning", "item_reference", "file_search_call", "web_search_call", "computer_call",
+                      "computer_call_output", "code_interpreter_call", "image_generation_call", "local_shell_call",
+                      "local_shell_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
+                      "mcp_approval_response", "custom_tool_call", "custom_tool_call_output"):
+            raise APIError(f"'{kind}' is not supported yet by pagedllm.", param=f"{where}.type")
+        else:
+            raise APIError(f"{where}.type must be 'message', 'function_call' or 'function_call_output', got "
+                           f"{kind!r}.", param=f"{where}.type")
+    return msgs
+
+
+def _history_call(item: dict, where: str) -> dict:
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise APIError(f"{where}.{key} must be a string.", param=f"{where}.{key}")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+# ---- tools, tool_choice, text.format --------------------------------------------------------------------------
+
+
+def chat_tools(tools: Optional[list]) -> Optional[list]:
+    """Flat function tools ({type, name, description, parameters, strict}) -> chat's nested ones."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            if isinstance(kind, str) and kind:
+                raise APIError(f"'{kind}' is not supported yet by pagedllm.", param="tools")
+            raise APIError(f"tools[{i}].type must be 'function'.", param="tools")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise APIError(f"tools[{i}].name must be a non-empty string.", param="tools")
+        fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """{"type": "function", "name": X} -> chat's {"type": "function", "function": {"name": X}}; strings as they are."""
+    if not isinstance(choice, dict):
+        return choice
+    kind = choice.get("type")
+    if kind == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if kind != "function" and isinstance(kind, str):
+        raise APIError(f"tool_choice of type '{kind}' is not supported yet by pagedllm.", param="tool_choice")
+    raise APIError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}.",
+                   param="tool_choice")
+
+
+def text_format_spec(text: Optional[dict]) -> Optional[StructuredOutputsParams]:
+    """text.format -> the output constraint (None for plain text); errors name text.format."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams.from_dict({"json_object": True}, origin="text.format")
+    if kind != "json_schema":
+        raise APIError(f"text.format.type must be 'text', 'json_schema' or 'json_object', got {kind!r}.",
+                       param="text.format")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise APIError("text.format of type 'json_schema' needs a 'schema' JSON schema object (and a 'name').",
+                       param="text.format.schema")
+    strict = fmt.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise APIError(f"text.format.strict must be true or false, got {strict!r}.", param="text.format.strict")
+    try:  # strict or not, the grammar follows the schema exactly (as chat's response_format does)
+        return StructuredOutputsParams.from_dict({"json": schema}, origin="text.format.schema")
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e), param="text.format.schema") from None
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that generates this response (its structured output apart: text_format_spec), held to the
+    chat request's bounds (limits.py: the number of messages, ...)."""
+    fields = {name: getattr(req, name) for name in _SHARED}
+    try:
+        chat = ChatCompletionRequest(messages=input_messages(req), max_tokens=req.max_output_tokens,
+                                     tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
+                                     **fields)
+    except ValidationError as e:  # (the fields were validated as the Responses request's: not expected)
+        raise format_validation_error(e) from None
+    limits.check_request_limits(chat)
+    return chat

@@ -1,0 +1,253 @@
+"""POST /v1/responses (OpenAI's Responses API) against `pagedllm serve`, with the real openai SDK and raw HTTP.
+
+The anchor: a response's greedy text is the chat completion's greedy text for the same conversation (the request
+runs the chat path), and its prompt is the chat prompt (the usage's input_tokens equal chat's prompt_tokens)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="these tests are of the openai SDK against the server")
+jsonschema = pytest.importorskip("jsonschema")
+
+from e2e_helpers import API_KEY, SERVED_NAME, Server  # noqa: E402
+
+ASK = "What is the capital of France? Answer in one word."
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CHAT_WEATHER = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}
+
+
+@pytest.fixture()
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+
+
+def _chat(http: httpx.Client, messages: list, **kw) -> dict:
+    r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": messages, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _text(resp) -> str:
+    return "".join(p.text for item in resp.output if item.type == "message" for p in item.content)
+
+
+def test_greedy_text_equals_chat(client: openai.OpenAI, http: httpx.Client) -> None:
+    r = client.responses.create(model=SERVED_NAME, input=ASK, temperature=0, max_output_tokens=12)
+    chat = _chat(http, [{"role": "user", "content": ASK}], max_tokens=12)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == SERVED_NAME
+    assert [item.type for item in r.output] == ["message"]
+    msg = r.output[0]
+    assert msg.id.startswith("msg_") and msg.role == "assistant" and msg.content[0].type == "output_text"
+    assert _text(r) == r.output_text == chat["choices"][0]["message"]["content"]
+    assert r.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert r.usage.output_tokens == chat["usage"]["completion_tokens"]
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.status == ("incomplete" if chat["choices"][0]["finish_reason"] == "length" else "completed")
+    assert r.max_output_tokens == 12 and r.temperature == 0
+
+
+def test_instructions_and_items_are_the_chat_conversation(client: openai.OpenAI, http: httpx.Client) -> None:
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi!"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": ASK}]
+    r = client.responses.create(model=SERVED_NAME, instructions="You are a geography teacher.", input=items,
+                                temperature=0, max_output_tokens=10, metadata={"k": "v"})
+    chat = _chat(http, [{"role": "system", "content": "You are a geography teacher."},
+                        {"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."},
+                        {"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}], max_tokens=10)
+    assert _text(r) == chat["choices"][0]["message"]["content"]
+    assert r.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert r.instructions == "You are a geography teacher." and r.metadata == {"k": "v"}
+
+
+def test_max_output_tokens_incomplete(http: httpx.Client) -> None:
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Tell me a long story.",
+                                         "max_output_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["status"] == "incomplete" and body["usage"]["output_tokens"] == 3
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    """The SSE events, each its `event:` name checked against the data's type."""
+    events = []
+    for block in r.text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        data = json.loads(lines["data"])
+        assert lines["event"] == data["type"]
+        events.append(data)
+    return events
+
+
+def test_stream_events_raw(http: httpx.Client) -> None:
+    req = {"model": SERVED_NAME, "input": ASK, "temperature": 0, "max_output_tokens": 12}
+    full = http.post("/v1/responses", json=req).json()
+    r = http.post("/v1/responses", json={**req, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
+                      "response.content_part.added"] + ["response.output_text.delta"] * len(deltas)
+                     + ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                        "response.completed"])
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    text = "".join(e["delta"] for e in deltas)
+    final = events[-1]["response"]
+    assert text == events[-4]["text"] == final["output"][0]["content"][0]["text"]
+    assert text == full["output"][0]["content"][0]["text"]
+    assert final["status"] == full["status"] and final["usage"]["output_tokens"] == full["usage"]["output_tokens"]
+    assert final["usage"]["input_tokens"] == full["usage"]["input_tokens"]
+    item_id = events[2]["item"]["id"]
+    assert all(e["item_id"] == item_id for e in deltas) and final["output"][0]["id"] == item_id
+
+
+def test_stream_sdk(client: openai.OpenAI) -> None:
+    full = client.responses.create(model=SERVED_NAME, input=ASK, temperature=0, max_output_tokens=12)
+    events = list(client.responses.create(model=SERVED_NAME, input=ASK, temperature=0, max_output_tokens=12,
+                                          stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == full.output_text and events[-1].type == "response.completed"
+    assert events[-1].response.output_text == text
+    if not hasattr(client.responses, "stream"):
+        return
+    with client.responses.stream(model=SERVED_NAME, input=ASK, temperature=0, max_output_tokens=12) as s:
+        for _ in s:
+            pass
+        final = s.get_final_response()
+    assert final.output_text == text
+
+
+def test_json_schema_format(client: openai.OpenAI, http: httpx.Client) -> None:
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"]}
+    ask = "Describe a person as JSON."
+    r = client.responses.create(model=SERVED_NAME, input=ask, temperature=0, max_output_tokens=60,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": person,
+                                                 "strict": True}})
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), person)
+    chat = _chat(http, [{"role": "user", "content": ask}], max_tokens=60, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}})
+    assert r.output_text == chat["choices"][0]["message"]["content"]
+
+
+def test_json_object_format(http: httpx.Client) -> None:
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Describe Paris as JSON.",
+                                         "temperature": 0, "max_output_tokens": 40,
+                                         "text": {"format": {"type": "json_object"}}}).json()
+    if r["status"] == "completed":
+        assert isinstance(json.loads(r["output"][0]["content"][0]["text"]), dict)
+
+
+def test_function_call_round_trip(client: openai.OpenAI, http: httpx.Client) -> None:
+    ask = "What is the weather in Paris?"
+    r = client.responses.create(model=SERVED_NAME, input=ask, tools=[WEATHER], tool_choice="required",
+                                temperature=0, max_output_tokens=60)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and len(calls) >= 1
+    call = calls[0]
+    assert call.name == "get_weather" and call.id.startswith("fc_") and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    assert r.tools[0].name == "get_weather" and r.tool_choice == "required"
+    # the chat request of the same conversation calls the same way
+    chat = _chat(http, [{"role": "user", "content": ask}], tools=[CHAT_WEATHER], tool_choice="required",
+                 max_tokens=60)
+    chat_calls = chat["choices"][0]["message"]["tool_calls"]
+    assert [(c.name, c.arguments) for c in calls] == [(c["function"]["name"], c["function"]["arguments"])
+                                                     for c in chat_calls]
+    # turn two: the call and its output as items; the prompt is chat's with the assistant's calls and the tool result
+    second = [{"role": "user", "content": ask},
+              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+              {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 22 C."}]
+    r2 = client.responses.create(model=SERVED_NAME, input=second, tools=[WEATHER], temperature=0,
+                                 max_output_tokens=20)
+    chat2 = _chat(http, [{"role": "user", "content": ask},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": call.call_id, "type": "function",
+                              "function": {"name": call.name, "arguments": call.arguments}}]},
+                         {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 22 C."}],
+                  tools=[CHAT_WEATHER], max_tokens=20)
+    assert r2.usage.input_tokens == chat2["usage"]["prompt_tokens"]
+    assert r2.output_text == (chat2["choices"][0]["message"]["content"] or "")
+
+
+def test_named_function_stream(http: httpx.Client) -> None:
+    req = {"model": SERVED_NAME, "input": "What is the weather in Paris?", "tools": [WEATHER],
+           "tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0, "max_output_tokens": 40}
+    full = http.post("/v1/responses", json=req).json()
+    assert [i["type"] for i in full["output"]] == ["function_call"]
+    events = _events(http.post("/v1/responses", json={**req, "stream": True}))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert args == events[-3]["arguments"] == full["output"][0]["arguments"]
+    assert events[-1]["response"]["output"][0]["arguments"] == args
+    if full["status"] == "completed":
+        jsonschema.validate(json.loads(args), WEATHER["parameters"])
+
+
+@pytest.mark.parametrize("extra, name", [
+    ({"background": True}, "background"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "web_search"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "file_search"),
+    ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "code_interpreter"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input_image"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]}, "input_file"),
+])
+def test_refused_fields(http: httpx.Client, extra: dict, name: str) -> None:
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Hi", "max_output_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert f"'{name}'" in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_accepted_defaults(http: httpx.Client) -> None:
+    """What SDKs send by default (store, an empty reasoning, truncation disabled) asks for nothing refused."""
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Hi", "max_output_tokens": 2, "store": True,
+                                         "reasoning": {"effort": None}, "truncation": "disabled", "include": [],
+                                         "text": {"format": {"type": "text"}}, "user": "u", "top_k": 1, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["store"] is True
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"model": "nope", "input": "Hi"}, 404, "nope"),
+    ({"model": SERVED_NAME}, 400, "input"),
+    ({"model": SERVED_NAME, "input": []}, 400, "input"),
+    ({"model": SERVED_NAME, "input": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ({"model": SERVED_NAME, "input": [{"type": "function_call", "name": "f"}]}, 400, "call_id"),
+    ({"model": SERVED_NAME, "input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400,
+     "schema"),
+    ({"model": SERVED_NAME, "input": "Hi", "tool_choice": "required"}, 400, "tools"),
+    ({"model": SERVED_NAME, "input": "Hi", "tools": [{"type": "function"}]}, 400, "name"),
+    ({"model": SERVED_NAME, "input": "Hi", "temperature": -1}, 400, "temperature"),
+    ({"model": SERVED_NAME, "input": "Hi", "max_output_tokens": 100000}, 400, "context length"),
+])
+def test_bad_requests(http: httpx.Client, body: dict, status: int, words: str) -> None:
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_auth(server: Server) -> None:
+    r = httpx.post(server.url + "/v1/responses", json={"model": SERVED_NAME, "input": "Hi"})
+    assert r.status_code == 401
