@@ -10,7 +10,7 @@ import pytest
 
 from e2e_helpers import API_KEY, SERVED_NAME, Server
 
-CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+CMPL, CHAT, RESP = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 ORIGIN = {"Origin": "http://example.test"}
 MSG = [{"role": "user", "content": "Say hi."}]
 KEY = {"Authorization": f"Bearer {API_KEY}"}
@@ -25,6 +25,8 @@ CASES = [
     (CHAT, {"messages": [{"content": "no role"}]}, 400),
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "bogus"}, 400),
     (CMPL, {"prompt": "x", "max_tokens": 5000}, 400),
+    (RESP, {"input": "x", "model": "no-such-model"}, 404),
+    (RESP, {"input": "x", "background": True}, 400),
 ]
 
 

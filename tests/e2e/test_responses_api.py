@@ -199,6 +199,31 @@ def test_named_function_stream(http: httpx.Client) -> None:
         jsonschema.validate(json.loads(args), WEATHER["parameters"])
 
 
+def test_required_stream_equals_full(http: httpx.Client) -> None:
+    req = {"model": SERVED_NAME, "input": "What is the weather in Paris?", "tools": [WEATHER],
+           "tool_choice": "required", "temperature": 0, "max_output_tokens": 60}
+    full = http.post("/v1/responses", json=req).json()
+    events = _events(http.post("/v1/responses", json={**req, "stream": True}))
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and final["status"] == full["status"] == "completed"
+    streamed = [(i["type"], i["name"], i["arguments"]) for i in final["output"]]
+    assert streamed == [(i["type"], i["name"], i["arguments"]) for i in full["output"]]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["name"], i["arguments"]) for i in done] == streamed
+    for i, item in enumerate(done):
+        added = [e for e in events if e["type"] == "response.output_item.added" and e["output_index"] == i]
+        assert added[0]["item"]["id"] == item["id"] and item["call_id"] and item["status"] == "completed"
+
+
+def test_app_path_answers_as_the_hot_route(server: Server, http: httpx.Client) -> None:
+    """A browser's request (Origin: the FastAPI app's stack, CORS) generates as the hot route does."""
+    req = {"model": SERVED_NAME, "input": ASK, "temperature": 0, "max_output_tokens": 8}
+    hot = http.post("/v1/responses", json=req).json()
+    app = http.post("/v1/responses", json=req, headers={"Origin": "http://example.test"})
+    assert app.status_code == 200 and app.headers["access-control-allow-origin"] == "*"
+    assert app.json()["output"][0]["content"] == hot["output"][0]["content"]
+
+
 @pytest.mark.parametrize("extra, name", [
     ({"background": True}, "background"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
