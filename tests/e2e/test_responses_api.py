@@ -5,6 +5,7 @@ runs the chat path), and its prompt is the chat prompt (the usage's input_tokens
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="these tests are of the openai SDK against the server")
 jsonschema = pytest.importorskip("jsonschema")
 
-from e2e_helpers import API_KEY, SERVED_NAME, Server  # noqa: E402
+from e2e_helpers import API_KEY, SERVED_NAME, Server, metric  # noqa: E402
 
 ASK = "What is the capital of France? Answer in one word."
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -213,6 +214,26 @@ def test_required_stream_equals_full(http: httpx.Client) -> None:
     for i, item in enumerate(done):
         added = [e for e in events if e["type"] == "response.output_item.added" and e["output_index"] == i]
         assert added[0]["item"]["id"] == item["id"] and item["call_id"] and item["status"] == "completed"
+
+
+def test_disconnect_mid_stream_aborts(server: Server) -> None:
+    def running() -> float:
+        return metric(httpx.get(server.url + "/metrics", timeout=30).text, "vllm:num_requests_running",
+                      model_name=SERVED_NAME)
+
+    with server.client() as c:
+        with c.stream("POST", "/v1/responses", json={"input": "Tell me a very long story.", "max_output_tokens": 800,
+                                                     "ignore_eos": True, "stream": True}) as r:
+            deltas = 0
+            for line in r.iter_lines():
+                deltas += line == "event: response.output_text.delta"
+                if deltas == 5:
+                    assert running() == 1
+                    break
+    deadline = time.monotonic() + 60  # a hang guard
+    while running() != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running() == 0
 
 
 def test_app_path_answers_as_the_hot_route(server: Server, http: httpx.Client) -> None:
