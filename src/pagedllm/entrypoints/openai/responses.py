@@ -70,7 +70,9 @@ async def create_response(request: Request, state: ServerState) -> Response:
     calls = message.get("tool_calls") or []
     if message["content"] is not None and (message["content"] or not calls):
         items.append(_message_item(_id("msg"), message["content"], status))
-    items += [_call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    for i, c in enumerate(calls):  # only the last call can have been cut short (as the stream closes them)
+        items.append(_call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"],
+                                status if i == len(calls) - 1 else "completed"))
     body = shell.body(status, items, len(out.token_ids), final.num_cached_tokens)
     return Response(dumps(body), media_type="application/json")
 

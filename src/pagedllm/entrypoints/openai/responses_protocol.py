@@ -31,7 +31,10 @@ class ResponsesRequest(_Req):
     user: Optional[str] = None
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = True
+    # accepted, nothing to do here: one service tier; the prefix cache needs no key; no abuse monitoring
     service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
     stream_options: Optional[dict[str, Any]] = None  # (include_obfuscation: nothing is obfuscated here)
     # Asked-for features not built: refused with a 400 naming them when a value asks for something (_REFUSED).
     previous_response_id: Optional[str] = None
@@ -128,6 +131,9 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
         return msgs
     if not req.input:
         raise APIError("'input' must contain at least one item.", param="input")
+    if len(req.input) > limits.MAX_MESSAGES:  # (named here: chat's own check would name 'messages')
+        raise APIError(f"'input' may have at most {limits.MAX_MESSAGES} items (got {len(req.input)}).",
+                       param="input")
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")

@@ -1,0 +1,109 @@
+"""The Responses request's translation into the chat request (entrypoints/openai/responses_protocol.py); the
+endpoint itself runs against a real server in tests/e2e/test_responses_api.py."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the OpenAI server's modules need fastapi")
+
+from pagedllm.entrypoints.openai.errors import APIError  # noqa: E402
+from pagedllm.entrypoints.openai.responses_protocol import (ResponsesRequest, check_refused,  # noqa: E402
+                                                            text_format_spec, to_chat_request)
+
+
+def _chat(**kw):
+    return to_chat_request(ResponsesRequest(**kw))
+
+
+def _conv(**kw) -> list[tuple]:
+    return [(m.role, m.content, m.tool_calls, m.tool_call_id) for m in _chat(**kw).messages]
+
+
+def test_string_input_and_instructions() -> None:
+    assert _conv(input="Hi") == [("user", "Hi", None, None)]
+    assert _conv(input="Hi", instructions="Be brief.") == [("system", "Be brief.", None, None),
+                                                          ("user", "Hi", None, None)]
+
+
+def test_items_become_messages() -> None:
+    items = [{"role": "developer", "content": "Rules."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                              {"type": "input_text", "text": "b"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "one"},
+             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"x\": 1}"}}]
+    assert _conv(input=items) == [("system", "Rules.", None, None), ("user", "a\nb", None, None),
+                                  ("assistant", "ok", None, None), ("assistant", None, calls, None),
+                                  ("tool", "one", None, "c1"), ("tool", "two", None, "c2")]
+
+
+def test_fields_map_onto_chat() -> None:
+    tool = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}
+    chat = _chat(input="Hi", max_output_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=1, stop=["x"],
+                 tools=[tool], tool_choice={"type": "function", "name": "f"}, parallel_tool_calls=False,
+                 cache_salt="s")
+    assert (chat.max_tokens, chat.temperature, chat.top_p, chat.top_k, chat.seed, chat.stop) == \
+        (7, 0.5, 0.9, 3, 1, ["x"])
+    assert chat.tools == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                            "parameters": {"type": "object"}}}]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert chat.parallel_tool_calls is False and chat.cache_salt == "s" and chat.n == 1
+    assert _chat(input="Hi", tool_choice="required").tool_choice == "required"
+
+
+def test_text_format() -> None:
+    assert text_format_spec(None) is None and text_format_spec({"format": {"type": "text"}}) is None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = text_format_spec({"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}})
+    assert spec.json == schema and spec.origin == "text.format.schema"
+    assert text_format_spec({"format": {"type": "json_object"}}).json_object
+    for bad, param in [({"type": "json_schema", "name": "x"}, "text.format.schema"),
+                       ({"type": "yaml"}, "text.format"),
+                       ({"type": "json_schema", "schema": {}, "strict": "yes"}, "text.format.strict")]:
+        with pytest.raises(APIError) as e:
+            text_format_spec({"format": bad})
+        assert e.value.param == param
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"input": []}, "at least one item"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, "'input_text' or 'output_text'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "'input_audio' is not supported yet"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "'reasoning' is not supported yet"),
+    ({"input": [{"type": "bogus"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": "x", "tools": [{"type": "mcp", "server_label": "s"}]}, "'mcp' is not supported yet"),
+    ({"input": "x", "tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
+    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "'web_search_preview' is not supported yet"),
+    ({"input": "x", "tool_choice": {"type": "function"}}, "tool_choice must be"),
+    ({"input": [{"role": "user", "content": "x"}] * 4097}, "at most 4096 items"),
+])
+def test_bad_input(kw: dict, words: str) -> None:
+    with pytest.raises(APIError) as e:
+        _chat(**kw)
+    assert words in e.value.message and e.value.status == 400
+
+
+@pytest.mark.parametrize("kw", [{"store": True}, {"reasoning": {}}, {"reasoning": {"effort": None}},
+                                {"include": []}, {"truncation": "disabled"}, {"background": False},
+                                {"top_logprobs": 0}])
+def test_defaults_not_refused(kw: dict) -> None:
+    check_refused(ResponsesRequest(input="x", **kw))
+
+
+@pytest.mark.parametrize("name, value", [("background", True), ("include", ["reasoning.encrypted_content"]),
+                                         ("conversation", "conv_1"), ("prompt", {"id": "p"}),
+                                         ("truncation", "auto"), ("max_tool_calls", 2), ("top_logprobs", 2),
+                                         ("reasoning", {"summary": "auto"}), ("previous_response_id", "resp_1")])
+def test_refused(name: str, value: object) -> None:
+    with pytest.raises(APIError) as e:
+        check_refused(ResponsesRequest(input="x", **{name: value}))
+    assert f"'{name}'" in e.value.message and e.value.param == name
