@@ -67,6 +67,15 @@ def test_instructions_and_items_are_the_chat_conversation(client: openai.OpenAI,
     assert r.instructions == "You are a geography teacher." and r.metadata == {"k": "v"}
 
 
+def test_cached_tokens(http: httpx.Client) -> None:
+    """A repeated prompt finds its full blocks in the prefix cache: usage.input_tokens_details.cached_tokens."""
+    req = {"model": SERVED_NAME, "input": "A prompt long enough to fill one or two cache blocks, said twice. " * 3,
+           "max_output_tokens": 2, "temperature": 0}
+    http.post("/v1/responses", json=req)
+    usage = http.post("/v1/responses", json=req).json()["usage"]
+    assert 0 < usage["input_tokens_details"]["cached_tokens"] < usage["input_tokens"]
+
+
 def test_max_output_tokens_incomplete(http: httpx.Client) -> None:
     r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Tell me a long story.",
                                          "max_output_tokens": 3, "temperature": 0})
@@ -287,6 +296,11 @@ def test_accepted_defaults(http: httpx.Client) -> None:
     ({"model": SERVED_NAME, "input": "Hi", "tools": [{"type": "function"}]}, 400, "name"),
     ({"model": SERVED_NAME, "input": "Hi", "temperature": -1}, 400, "temperature"),
     ({"model": SERVED_NAME, "input": "Hi", "max_output_tokens": 100000}, 400, "context length"),
+    # the grammar library's refusal (in the engine) comes back as a 400 naming the field sent, streamed or not
+    ({"model": SERVED_NAME, "input": "Hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                               "schema": {"type": "nope"}}}}, 400, "text.format"),
+    ({"model": SERVED_NAME, "input": "Hi", "stream": True,
+      "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, 400, "text.format"),
 ])
 def test_bad_requests(http: httpx.Client, body: dict, status: int, words: str) -> None:
     r = http.post("/v1/responses", json=body)
