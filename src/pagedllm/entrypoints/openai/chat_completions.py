@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_i
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, request_cache_salt, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, start_disconnect_watch,
+from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, first_output, last_output,
                                                    usage_dict)
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 
@@ -65,23 +65,12 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     generate = engine.generate_batches if stream else engine.generate
     gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
                    lora_request=state.lora_request(model), cache_salt=salt)
-    watch = start_disconnect_watch(request, engine, [request_id])
     created = int(time.time())
-    try:
-        first = await gen.__anext__()
-    except BaseException:
-        watch.cancel()
-        await gen.aclose()
-        raise
+    first, watch = await first_output(request, engine, gen, [request_id])
     if stream:
         framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
         return SSEResponse(_ChatStream(req, state, len(prompt_ids), gen, first, watch, framer, tool_plan, request_id))
-    final = first
-    try:
-        async for out in gen:
-            final = out
-    finally:
-        watch.cancel()
+    final = await last_output(gen, first, watch)
     return Response(dumps(_full_response(req, state, model, request_id, created, len(prompt_ids), final, tool_plan)),
                     media_type="application/json")
 

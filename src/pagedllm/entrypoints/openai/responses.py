@@ -20,7 +20,7 @@ from pagedllm.entrypoints.openai.request_params import build_sampling_params, ch
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, check_refused, text_format_spec, \
     to_chat_request
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.streaming import SSEResponse, SSEStream, start_disconnect_watch
+from pagedllm.entrypoints.openai.streaming import SSEResponse, SSEStream, first_output, last_output
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 
 
@@ -47,22 +47,11 @@ async def create_response(request: Request, state: ServerState) -> Response:
     generate = state.engine.generate_batches if stream else state.engine.generate
     gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
                    lora_request=state.lora_request(model), cache_salt=salt)
-    watch = start_disconnect_watch(request, state.engine, [request_id])
     shell = _ResponseShell(req, model, request_id, int(time.time()), len(prompt_ids))
-    try:
-        first = await gen.__anext__()
-    except BaseException:
-        watch.cancel()
-        await gen.aclose()
-        raise
+    first, watch = await first_output(request, state.engine, gen, [request_id])
     if stream:
         return SSEResponse(_ResponsesStream(gen, first, watch, shell, tool_plan))
-    final = first
-    try:
-        async for out in gen:
-            final = out
-    finally:
-        watch.cancel()
+    final = await last_output(gen, first, watch)
     out = final.outputs[0]
     message, _ = choice_message(tool_plan, out.text, out.finish_reason)
     items = []

@@ -219,6 +219,30 @@ def start_disconnect_watch(request: Request, engine: Any, request_ids: list[str]
     return asyncio.get_running_loop().create_task(watch())
 
 
+async def first_output(request: Request, engine: Any, gen: AsyncIterator, request_ids: list[str]
+                       ) -> tuple[Any, asyncio.Task]:
+    """(gen's first output, the disconnect watch): the watch starts before the wait, so a client that leaves while
+    its request queues aborts it; a failure (a 400 from the engine, a disconnect) stops both."""
+    watch = start_disconnect_watch(request, engine, request_ids)
+    try:
+        return await gen.__anext__(), watch
+    except BaseException:
+        watch.cancel()
+        await gen.aclose()
+        raise
+
+
+async def last_output(gen: AsyncIterator, first: Any, watch: asyncio.Task) -> Any:
+    """A non-streamed generation's final output (the rest of gen, from its first), then the watch stops."""
+    final = first
+    try:
+        async for out in gen:
+            final = out
+    finally:
+        watch.cancel()
+    return final
+
+
 async def merge_streams(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """Interleave several async iterators, yielding (which, item) as items arrive."""
     if len(gens) == 1:
