@@ -58,7 +58,7 @@ async def create_response(request: Request, state: ServerState) -> Response:
     status = "incomplete" if out.finish_reason == "length" else "completed"
     calls = message.get("tool_calls") or []
     if message["content"] is not None and (message["content"] or not calls):
-        items.append(_message_item(_id("msg"), message["content"], status))
+        items.append(_message_item(_id("msg"), message["content"], "completed" if calls else status))
     for i, c in enumerate(calls):  # only the last call can have been cut short (as the stream closes them)
         items.append(_call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"],
                                 status if i == len(calls) - 1 else "completed"))
