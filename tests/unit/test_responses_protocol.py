@@ -1,6 +1,10 @@
-"""The Responses request's translation into the chat request (entrypoints/openai/responses_protocol.py); the
-endpoint itself runs against a real server in tests/e2e/test_responses_api.py."""
+"""The Responses request's translation into the chat request (entrypoints/openai/responses_protocol.py) and the
+stream's events from made-up engine outputs (responses.py); the endpoint itself runs against a real server in
+tests/e2e/test_responses_api.py."""
 from __future__ import annotations
+
+import json
+from typing import Optional
 
 import pytest
 
@@ -107,3 +111,70 @@ def test_refused(name: str, value: object) -> None:
     with pytest.raises(APIError) as e:
         check_refused(ResponsesRequest(input="x", **{name: value}))
     assert f"'{name}'" in e.value.message and e.value.param == name
+
+
+# ---- the stream's events (responses._ResponsesStream), from made-up engine outputs -----------------------------
+
+
+def _stream_events(plan, steps: list[tuple[str, int, Optional[str]]], error: Optional[Exception] = None) -> list:
+    """The events of a stream whose engine steps are (text, number of tokens, finish_reason)."""
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.responses import _ResponsesStream, _ResponseShell
+
+    shell = _ResponseShell(ResponsesRequest(input="x", max_output_tokens=9), "m", "resp_1", 0, 5)
+    stream = _ResponsesStream(None, None, None, shell, plan)
+    raw = stream.prefix()
+    for text, n, finish in steps:
+        out = SimpleNamespace(index=0, text=text, token_ids=[0] * n, finish_reason=finish)
+        raw += stream.frames([SimpleNamespace(outputs=[out], num_cached_tokens=2)])
+    raw += stream.tail(error)
+    events = []
+    for block in raw.decode().strip().split("\n\n"):
+        head, data = block.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert head == "event: " + events[-1]["type"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def test_stream_text_then_a_call() -> None:
+    from pagedllm.entrypoints.openai.tool_calling import plan_tools
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    plan = plan_tools([tool], "auto", None, "hermes", None)
+    events = _stream_events(plan, [("Let me look.", 3, None), (' <tool_call>\n{"name": "f", ', 4, None),
+                                   ('"arguments": {"a": 1}}\n</tool_call>', 5, "stop")])
+    kinds = [e["type"] for e in events]
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]] == [  # (text deltas: one or more)
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "".join(deltas) and "".join(deltas).strip() == "Let me look."
+    call = final["output"][1]
+    assert (call["name"], json.loads(call["arguments"]), call["status"]) == ("f", {"a": 1}, "completed")
+    assert [e["output_index"] for e in events[-5:-1]] == [1, 1, 1, 1]
+    assert final["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 12,
+                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 17}
+
+
+def test_stream_length_and_empty_and_error() -> None:
+    from pagedllm.entrypoints.openai.tool_calling import ToolPlan
+
+    events = _stream_events(ToolPlan("none"), [("Once", 1, None), (" upon", 1, "length")])
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and final["status"] == "incomplete"
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["output"][0]["status"] == "incomplete" and final["output"][0]["content"][0]["text"] == "Once upon"
+    # nothing generated: an empty message, as the full response has (no empty delta)
+    events = _stream_events(ToolPlan("none"), [("", 1, "stop")])
+    assert [e["type"] for e in events][2:] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    # a failure after the headers: an error event, the last
+    events = _stream_events(ToolPlan("none"), [("Once", 1, None)], error=APIError("engine gone", status=503))
+    assert events[-1]["type"] == "error" and events[-1]["message"] == "engine gone" and events[-1]["code"] == "503"
