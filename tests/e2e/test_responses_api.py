@@ -151,6 +151,19 @@ def test_json_schema_format(client: openai.OpenAI, http: httpx.Client) -> None:
     assert r.output_text == chat["choices"][0]["message"]["content"]
 
 
+def test_sdk_parse_pydantic(client: openai.OpenAI) -> None:
+    """The SDK's responses.parse: a pydantic model as text_format (a strict json_schema), the answer parsed."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    r = client.responses.parse(model=SERVED_NAME, input="Describe a person as JSON.", text_format=Person,
+                               temperature=0, max_output_tokens=60)
+    assert r.status == "completed" and isinstance(r.output_parsed, Person)
+
+
 def test_json_object_format(http: httpx.Client) -> None:
     r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Describe Paris as JSON.",
                                          "temperature": 0, "max_output_tokens": 40,
