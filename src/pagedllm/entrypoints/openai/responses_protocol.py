@@ -2,7 +2,8 @@
 serves: input items -> chat messages, flat function tools -> chat tools, text.format -> a structured-outputs spec.
 
 Nothing is stored: `store` is accepted (its default is true) but a later request cannot refer to a response
-(`previous_response_id` is a 400), as no response outlives its HTTP answer.
+(`previous_response_id` is a 400), as no response outlives its HTTP answer. (A store in memory would be per API
+process: with --api-server-count > 1 a follow-up served by another process would not find it.)
 """
 from __future__ import annotations
 
