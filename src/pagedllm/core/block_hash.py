@@ -23,6 +23,10 @@ _VERSION_TAG = b"pagedllm.block_hash.v1"
 # Header: has_parent flag, parent hash bytes, has_extra flag, extra key (signed 64-bit), token count.
 _HEADER = struct.Struct(f"<B{_HASH_BYTES}sBqI")
 _NO_PARENT = bytes(_HASH_BYTES)
+# The first block's parent for KV rotated with LongRoPE's long factors: the same tokens rotated with the short ones
+# must never match.
+LONG_ROPE_ROOT: BlockHash = int.from_bytes(hashlib.sha256(b"pagedllm.longrope.long").digest()[:_HASH_BYTES],
+                                           "little")
 
 
 def hash_block_tokens(
@@ -61,8 +65,10 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     lora_id: Optional[int] = None,
+    root: Optional[BlockHash] = None,
 ) -> list[BlockHash]:
-    """Append, in place, the hashes of the full blocks of token_ids not yet in block_hashes.
+    """Append, in place, the hashes of the full blocks of token_ids not yet in block_hashes. `root`: the parent
+    of the first block (None: none), a salt that separates whole chains (LongRoPE's long factors).
 
     block_hashes must be the hashes of the first len(block_hashes) blocks of token_ids (a request's
     token list only grows, so its earlier hashes stay valid). Returns only the newly added hashes;
@@ -74,7 +80,7 @@ def extend_block_hashes(
         raise ValueError(
             f"block_hashes has {start} entries but token_ids only has {num_full_blocks} full blocks."
         )
-    parent = block_hashes[-1] if block_hashes else None
+    parent = block_hashes[-1] if block_hashes else root
     for i in range(start, num_full_blocks):
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], lora_id)
         block_hashes.append(parent)

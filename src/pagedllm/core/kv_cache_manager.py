@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from pagedllm.core.block_hash import extend_block_hashes
+from pagedllm.core.block_hash import LONG_ROPE_ROOT, extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_groups import blocks_needed
 from pagedllm.core.partial_blocks import PartialBlockCache
@@ -142,7 +142,8 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Hash the request's full blocks that are not hashed yet (no-op when caching is off)."""
         if self.enable_caching:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.lora_id)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.lora_id,
+                                LONG_ROPE_ROOT if request.rope_long else None)
 
     def get_computed_blocks(
         self, request: Request, *, record_stats: bool = True
@@ -221,7 +222,7 @@ class KVCacheManager:
         self.update_block_hashes(request)
         if i > len(request.block_hashes):
             return None
-        parent = request.block_hashes[i - 1] if i > 0 else None
+        parent = request.block_hashes[i - 1] if i > 0 else (LONG_ROPE_ROOT if request.rope_long else None)
         end = min(request.num_tokens - 1, num_hit_tokens + self.block_size - 1)
         hit = self.partial_blocks.lookup(parent, request.lora_id, request.all_token_ids[num_hit_tokens:end])
         return None if hit is None else (hit[0].block_id, hit[1])
@@ -416,7 +417,7 @@ class KVCacheManager:
                 or blocks[i].block_hash is not None:
             return None
         self.update_block_hashes(request)
-        parent = request.block_hashes[i - 1] if i > 0 else None
+        parent = request.block_hashes[i - 1] if i > 0 else (LONG_ROPE_ROOT if request.rope_long else None)
         start = i * self.block_size
         return blocks[i], parent, request.lora_id, tuple(request.all_token_ids[start:computed])
 

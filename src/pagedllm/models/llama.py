@@ -233,6 +233,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[IntermediateTensors] = None) -> Any:
         """-> hidden states [T, hidden] on the last stage, else the activations for the next stage."""
+        positions = self.rotary_emb.model_positions(positions)  # (LongRoPE: which factors' rows)
         if intermediate is None and self.fast_path is not None:
             fused = self.fast_path(input_ids, positions)
             if fused is not None:

@@ -70,6 +70,10 @@ class ModelRunner:
         self.num_kv_groups = self.kv_groups.num_groups
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_req, block_size, vocab_size,
                                       num_kv_groups=self.num_kv_groups)
+        # LongRoPE with both factor tables (layers/rotary_embedding.LongRopeEmbedding): the runner moves the tokens
+        # of requests longer than the original context to the long rows, `long_rope_offset` further.
+        self.long_rope_offset, self.long_rope_original = long_rope_tables(model)
+        self.input_batch.long_rope_original = self.long_rope_original
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
@@ -255,7 +259,8 @@ class ModelRunner:
         else:
             step_sampling = None if verify_rows.greedy else batch.sampling.gather(
                 np.repeat(inp.rows[sample_rows], verify_rows.counts))
-        int64_arrays = [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx]
+        positions = inp.positions if self.long_rope_offset is None else self._rope_positions(inp)
+        int64_arrays = [inp.input_ids, positions, inp.slot_mapping, fill_src, fill_dst, logits_idx]
         stage_sampling = step_sampling is not None and self.stage_sampling
         if stage_sampling and step_sampling.top_k is not None:
             int64_arrays.append(step_sampling.top_k)
@@ -489,6 +494,13 @@ class ModelRunner:
             offset += count
         return result
 
+    def _rope_positions(self, inp) -> np.ndarray:
+        """The step's positions as LongRoPE's table reads them: a long request's tokens in the long rows."""
+        flags = np.fromiter((s.rope_long for s in inp.states), dtype=np.int64, count=len(inp.states))
+        if not flags.any():
+            return inp.positions
+        return inp.positions + self.long_rope_offset * np.repeat(flags, np.diff(inp.query_start_loc))
+
     def _in_flight_rows(self, inp) -> tuple[np.ndarray, np.ndarray]:
         """Input positions past what the host knows hold tokens sampled by the step still in flight:
         (index into the previous step's sampled ids, index into this step's input ids)."""
@@ -578,3 +590,14 @@ class PendingOutput:
                 self._output = self.runner._finish_step(self.inp, sampled, self.logprobs_host, num_drafts)
             self._output.prompt_logprobs = self.prompt_logprobs
         return self._output
+
+
+def long_rope_tables(model: torch.nn.Module) -> tuple[Optional[int], Optional[int]]:
+    """(offset of the long rows, original context) of a LongRoPE model holding both factor tables, else (None,
+    None); marks its embeddings as given offset positions by the runner."""
+    from pagedllm.layers.rotary_embedding import LongRopeEmbedding
+
+    ropes = [m for m in model.modules() if isinstance(m, LongRopeEmbedding) and m.long_offset is not None]
+    for rope in ropes:
+        rope.offsets_given = True
+    return (ropes[0].long_offset, ropes[0].original_max_position) if ropes else (None, None)
