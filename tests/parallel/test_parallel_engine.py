@@ -139,3 +139,18 @@ def test_tied_config_head_across_stages_matches_transformers(tmp_path, tiny_mode
         ref = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens]
         got = torch.tensor([step[tok].logprob for step, tok in zip(out.outputs[0].logprobs, tokens)])
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}], ids=["pp2", "tp2"])
+def test_phi3_longrope_per_request_factors_across_ranks(tiny_model_dir, layout):
+    """LongRoPE's per-request factors and the recompute of a request outgrowing the original context (32) with
+    worker ranks: the scheduler learns the boundary from rank 0, every rank offsets its long requests' positions."""
+    from tests.engine.test_correctness import check_against_hf, random_prompts
+    model_dir = tiny_model_dir("phi3")
+    llm = LLM(model_dir, dtype="float32", num_gpu_blocks_override=96, block_size=8, max_num_batched_tokens=16,
+              max_num_seqs=8, device="cpu", enforce_eager=True, **layout)
+    try:
+        check_against_hf(llm, model_dir, random_prompts([5, 20, 31, 33, 45], seed=11), [6, 20, 4, 6, 10])
+        assert llm.engine.get_stats().num_preemptions >= 2  # the two crossings
+    finally:
+        llm.engine.shutdown()
