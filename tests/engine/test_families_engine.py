@@ -145,3 +145,16 @@ def test_phi3_per_request_factors_and_crossing_the_original_context(tiny_model_d
     short, long = random_prompts([4, 20], seed=13, prefix=shared)
     out_short, out_long = check_against_hf(llm, model_dir, [short, long], [3, 3])
     assert out_short.num_cached_tokens >= 16 and out_long.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_phi3_speculative_drafts_across_the_original_context(tiny_model_dir, async_scheduling):
+    """n-gram drafts of a request rotated with the short factors stop at the original context (their logits past
+    it need the long factors: the request is recomputed first), so its tokens stay transformers'."""
+    base = random_prompts([8], seed=14)[0]
+    prompts = [base * 3, base[:5] * 4 + base[:3]]  # repeats: drafts found and accepted, both cross 32
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    llm = LLM(model=tiny_model_dir("phi3"), dtype="float32", num_gpu_blocks_override=96, block_size=8,
+              speculative_config=spec, async_scheduling=async_scheduling)
+    check_against_hf(llm, tiny_model_dir("phi3"), prompts, [24, 20])
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0

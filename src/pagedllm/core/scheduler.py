@@ -131,6 +131,7 @@ class Scheduler:
         # Speculative decoding: drafts proposed by the runner are scheduled as extra tokens to compute, in steps
         # with at most spec_disable_batch_size running + waiting requests (spec_decode/scheduling.py).
         self.spec = SpecScheduling(num_speculative_tokens, spec_disable_batch_size, max_model_len)
+        self.spec.long_rope_original = long_rope_original
         self.spec_stats = self.spec.stats
         # The inline per-row fast paths of _schedule_running and update_from_output (False: every row takes the
         # general path, the reference the tests compare them with).

@@ -257,9 +257,9 @@ class LongRopeEmbedding(RotaryEmbedding):
     a sequence that grows past it is recomputed whole (Phi3ForCausalLM drops its KV cache at that step). Here the
     choice is per request: when the engine's context reaches past the original one (`set_context_len`), the cache
     holds both tables, the short rows first and the long rows `long_offset` rows later, and a token of a request
-    whose sequence is longer than the original context reads the long rows (the runner adds `long_offset` to its
-    position; the scheduler recomputes a request whose sequence outgrows the original context, as transformers
-    does). Within the original context only the short rows exist. Both are scaled by the same attention factor,
+    whose sequence is longer than the original context reads the long rows (the runner sets `long_offset` as its
+    entry of `offsets`, which `model_positions` adds to the positions; the scheduler recomputes a request whose
+    sequence outgrows the original context, as transformers does). Within the original context only the short rows exist. Both are scaled by the same attention factor,
     as in transformers. A caller that passes plain positions (no runner: one sequence per forward) gets
     transformers' per-forward choice (`model_positions`)."""
 
@@ -268,7 +268,7 @@ class LongRopeEmbedding(RotaryEmbedding):
         super().__init__(head_size, rotary_dim, max_position, short_inv_freq, attention_scaling)
         self.original_max_position = original_max_position
         self.short_inv_freq, self.long_inv_freq = short_inv_freq, long_inv_freq  # plain attributes: CPU float32
-        self.offsets_given = False  # set by the runner, which offsets the long requests' positions itself
+        self.offsets: Optional[torch.Tensor] = None  # the runner's per-token offsets (worker/model_runner.py)
         self.long_offset: Optional[int] = None
         self._build(max_position, max_position > original_max_position)
 
@@ -288,9 +288,13 @@ class LongRopeEmbedding(RotaryEmbedding):
             self._build(rows, both)
 
     def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """Positions as the rotary reads them: the runner's already are; plain ones (one sequence) read the long
-        rows when the sequence is longer than the original context, as transformers chooses per forward."""
-        if self.offsets_given or self.long_offset is None or positions.numel() == 0:
+        """Positions as the rotary reads them: under a runner, plus its per-token offsets (a step larger than the
+        buffer is a warm-up's: no request's); plain ones (one sequence) read the long rows when the sequence is
+        longer than the original context, as transformers chooses per forward."""
+        if self.offsets is not None:
+            n = positions.shape[0]
+            return positions + self.offsets[:n] if n <= self.offsets.shape[0] else positions
+        if self.long_offset is None or positions.numel() == 0:
             return positions
         if int(positions.max()) + 1 > self.original_max_position:
             return positions + self.long_offset

@@ -70,9 +70,12 @@ class ModelRunner:
         self.num_kv_groups = self.kv_groups.num_groups
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_req, block_size, vocab_size,
                                       num_kv_groups=self.num_kv_groups)
-        # LongRoPE with both factor tables (layers/rotary_embedding.LongRopeEmbedding): the runner moves the tokens
-        # of requests longer than the original context to the long rows, `long_rope_offset` further.
-        self.long_rope_offset, self.long_rope_original = long_rope_tables(model)
+        # LongRoPE with both factor tables (layers/rotary_embedding.LongRopeEmbedding): the tokens of requests longer
+        # than the original context read the long rows, `long_rope_offset` further: per-token offsets the model
+        # adds to the positions it rotates with, from this buffer (static: CUDA graphs read it; the positions stay
+        # true, for the slots the device-side speculation recomputes from them).
+        self.rope_offsets, self.long_rope_offset, self.long_rope_original = long_rope_tables(
+            model, max_num_batched_tokens, device)
         self.input_batch.long_rope_original = self.long_rope_original
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
@@ -259,8 +262,7 @@ class ModelRunner:
         else:
             step_sampling = None if verify_rows.greedy else batch.sampling.gather(
                 np.repeat(inp.rows[sample_rows], verify_rows.counts))
-        positions = inp.positions if self.long_rope_offset is None else self._rope_positions(inp)
-        int64_arrays = [inp.input_ids, positions, inp.slot_mapping, fill_src, fill_dst, logits_idx]
+        int64_arrays = [inp.input_ids, inp.positions, inp.slot_mapping, fill_src, fill_dst, logits_idx]
         stage_sampling = step_sampling is not None and self.stage_sampling
         if stage_sampling and step_sampling.top_k is not None:
             int64_arrays.append(step_sampling.top_k)
@@ -283,6 +285,9 @@ class ModelRunner:
         group_slots_t = staged64[num64 + len(spec_arrays):num64 + len(spec_arrays) + len(group_slots)]
         if dev_step is not None:
             dev_step.staged = staged64[len(staged64) - len(dev_arrays):]
+        if self.long_rope_offset is not None:  # every step: rows of an earlier step's long requests are reset too
+            offsets = self._rope_offsets(inp)
+            self.rope_offsets[:len(offsets)].copy_(self.stager.stage([offsets], np.int64)[0])
         floats_t = None
         if stage_sampling and step_sampling.floats is not None:
             floats_t = self.stager.stage([step_sampling.floats], np.float32)[0]
@@ -494,12 +499,10 @@ class ModelRunner:
             offset += count
         return result
 
-    def _rope_positions(self, inp) -> np.ndarray:
-        """The step's positions as LongRoPE's table reads them: a long request's tokens in the long rows."""
+    def _rope_offsets(self, inp) -> np.ndarray:
+        """Per token of the step, what LongRoPE adds to its position: a long request's tokens read the long rows."""
         flags = np.fromiter((s.rope_long for s in inp.states), dtype=np.int64, count=len(inp.states))
-        if not flags.any():
-            return inp.positions
-        return inp.positions + self.long_rope_offset * np.repeat(flags, np.diff(inp.query_start_loc))
+        return self.long_rope_offset * np.repeat(flags, np.diff(inp.query_start_loc))
 
     def _in_flight_rows(self, inp) -> tuple[np.ndarray, np.ndarray]:
         """Input positions past what the host knows hold tokens sampled by the step still in flight:
@@ -592,12 +595,17 @@ class PendingOutput:
         return self._output
 
 
-def long_rope_tables(model: torch.nn.Module) -> tuple[Optional[int], Optional[int]]:
-    """(offset of the long rows, original context) of a LongRoPE model holding both factor tables, else (None,
-    None); marks its embeddings as given offset positions by the runner."""
+def long_rope_tables(model: torch.nn.Module, max_tokens: int, device: torch.device
+                     ) -> tuple[Optional[torch.Tensor], Optional[int], Optional[int]]:
+    """(per-token offsets buffer, offset of the long rows, original context) of a LongRoPE model holding both
+    factor tables, else Nones; its embeddings then read their offsets from the buffer, which the runner fills each
+    step."""
     from pagedllm.layers.rotary_embedding import LongRopeEmbedding
 
     ropes = [m for m in model.modules() if isinstance(m, LongRopeEmbedding) and m.long_offset is not None]
+    if not ropes:
+        return None, None, None
+    offsets = torch.zeros(max_tokens + 64, dtype=torch.int64, device=device)  # (+64: a verify step's padding)
     for rope in ropes:
-        rope.offsets_given = True
-    return (ropes[0].long_offset, ropes[0].original_max_position) if ropes else (None, None)
+        rope.offsets = offsets
+    return offsets, ropes[0].long_offset, ropes[0].original_max_position
