@@ -88,6 +88,30 @@ def test_chat_logprobs_and_echo(client: openai.OpenAI) -> None:
     assert e.choices[0].text.startswith("Hello there")
 
 
+def test_tokens_as_token_ids_through_extra_body(client: openai.OpenAI) -> None:
+    """vLLM's return_tokens_as_token_ids, as an SDK user passes it (extra_body): chat and completions, streamed
+    and not, name every logprobs token "token_id:<id>", the greedy answer's ids."""
+    extra = {"return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body=extra)
+    tokens = [t.token for t in chat.choices[0].logprobs.content]
+    assert len(tokens) == 4 and all(t.startswith("token_id:") for t in tokens)
+    assert tokens == [t.top_logprobs[0].token for t in chat.choices[0].logprobs.content]  # greedy: the top one
+    streamed = [t.token for chunk in client.chat.completions.create(
+        model=SERVED_NAME, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, stream=True,
+        extra_body=extra) for c in chunk.choices if c.logprobs for t in c.logprobs.content or []]
+    assert streamed == tokens
+    cmpl = client.completions.create(model=SERVED_NAME, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                     logprobs=1, extra_body=extra)
+    lp = cmpl.choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens) and len(lp.tokens) == 4
+    assert all(set(top) == {tok} for top, tok in zip(lp.top_logprobs, lp.tokens))
+    streamed = [t for chunk in client.completions.create(
+        model=SERVED_NAME, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=1, stream=True,
+        extra_body=extra) for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == lp.tokens
+
+
 def test_async_client_concurrent(server: Server) -> None:
     async def main() -> list[str]:
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as client:

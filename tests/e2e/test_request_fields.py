@@ -240,7 +240,6 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offlin
     (CHAT, {"truncate_prompt_tokens": 1025}, "truncate_prompt_tokens (1025) is greater than max_model_len (1024)"),
     # vLLM's extras pagedllm does not implement: once accepted and ignored (a warning in the log only)
     (CMPL, {"priority": 5}, "'priority' is not supported yet by pagedllm."),
-    (CHAT, {"return_tokens_as_token_ids": True}, "'return_tokens_as_token_ids' is not supported yet by pagedllm."),
     (CMPL, {"return_token_ids": True}, "'return_token_ids' is not supported yet by pagedllm."),
     (CHAT, {"cache_salt": ""}, "'cache_salt' must be a non-empty string if given"),
     (CMPL, {"logits_processors": ["my.module:Processor"]}, "'logits_processors' is not supported yet by pagedllm."),
@@ -304,3 +303,71 @@ def test_unknown_fields_are_named_in_a_warning(server: Server, http: httpx.Clien
         time.sleep(0.1)
     line = [x for x in server.log().splitlines() if "['max_token', 'temprature']" in x]
     assert line and "WARNING" in line[0] and "ignored" in line[0], server.log()[-2000:]
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _ids_of(labels: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in labels), labels
+    return [int(t[len("token_id:"):]) for t in labels]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_completion_tokens_as_token_ids(http: httpx.Client, stream: bool) -> None:
+    """vLLM's return_tokens_as_token_ids (refused before): every logprobs token string, chosen and top-k, echoed
+    prompt's too, is "token_id:<id>"; the same logprobs as without it, text_offset still counting the text."""
+    ids = _ids(http, PROMPT)
+    body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "logprobs": 3, "echo": True, "stream": stream}
+    plain, as_ids = (http.post(CMPL, json={**body, "return_tokens_as_token_ids": flag}) for flag in (False, True))
+    assert plain.status_code == as_ids.status_code == 200, as_ids.text
+
+    def merged(r):
+        if not stream:
+            return r.json()["choices"][0]["logprobs"]
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for chunk in _sse(r):
+            for choice in chunk["choices"]:
+                for key in out:
+                    out[key] += (choice.get("logprobs") or {}).get(key, [])
+        return out
+
+    ref, got = merged(plain), merged(as_ids)
+    got_ids = _ids_of(got["tokens"])
+    assert got_ids[:len(ids)] == ids  # the echoed prompt
+    assert len(got_ids) == len(ids) + 5
+    assert "".join(http.post("/detokenize", json={"tokens": [i]}).json()["prompt"] for i in got_ids) == \
+        "".join(ref["tokens"])
+    assert got["token_logprobs"] == ref["token_logprobs"] and got["text_offset"] == ref["text_offset"]
+    for top_ref, top_got in zip(ref["top_logprobs"], got["top_logprobs"]):
+        if top_ref is None:
+            assert top_got is None
+            continue
+        assert sorted(top_got.values()) == sorted(top_ref.values())
+        _ids_of(list(top_got))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_chat_tokens_as_token_ids(http: httpx.Client, stream: bool) -> None:
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 5,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "stream": stream}
+    plain, as_ids = (http.post(CHAT, json={**body, "return_tokens_as_token_ids": flag}) for flag in (False, True))
+    assert plain.status_code == as_ids.status_code == 200, as_ids.text
+
+    def content(r):
+        if not stream:
+            return r.json()["choices"][0]["logprobs"]["content"]
+        return [e for chunk in _sse(r) for c in chunk["choices"] for e in ((c.get("logprobs") or {}).get("content")
+                                                                            or [])]
+
+    ref, got = content(plain), content(as_ids)
+    assert len(got) == len(ref) == 5
+    got_ids = _ids_of([e["token"] for e in got])
+    text = "".join(http.post("/detokenize", json={"tokens": [i]}).json()["prompt"] for i in got_ids)
+    assert text == "".join(e["token"] for e in ref)
+    for e, r in zip(got, ref):
+        assert e["logprob"] == r["logprob"] and e["bytes"] == list(e["token"].encode())
+        assert [t["logprob"] for t in e["top_logprobs"]] == [t["logprob"] for t in r["top_logprobs"]]
+        assert _ids_of([t["token"] for t in e["top_logprobs"]])

@@ -123,3 +123,38 @@ def test_past_the_window_chunked_and_prefix_hits(windowed_dirs, arch):
     check_against_hf(llm, model_dir, prompts[:1], [5])
     outs = check_against_hf(llm, model_dir, prompts, [14, 8, 11])
     assert all(o.num_cached_tokens >= 40 for o in outs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_phi3_per_request_factors_and_crossing_the_original_context(tiny_model_dir, async_scheduling):
+    """One engine (context 256 > the original 32) with requests on both sides of the original context and requests
+    that grow across it: each gets transformers' logits for its own length (short factors up to 32 tokens, long
+    past it, the whole sequence recomputed with the long ones at the crossing, as transformers does). Before, the
+    engine chose once for its context: every request was rotated with the long factors."""
+    model_dir = tiny_model_dir("phi3")
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=96, block_size=8, max_num_batched_tokens=16,
+              max_num_seqs=8, async_scheduling=async_scheduling)
+    # 5 + 6 stays short; 20 + 20, 28 + 9, 31 + 4 and 32 + 8 cross; 33 and 45 are long from the start
+    prompts = random_prompts([5, 20, 28, 31, 32, 33, 45], seed=11)
+    check_against_hf(llm, model_dir, prompts, [6, 20, 9, 4, 8, 6, 10])
+    assert llm.engine.get_stats().num_preemptions >= 4  # the crossings' recomputes
+    # The prefix cache keeps the two rotations apart: a long request sharing a short one's prefix computes its own
+    # blocks; a short one sharing it hits them.
+    shared = random_prompts([24], seed=12)[0]
+    check_against_hf(llm, model_dir, [shared], [2])
+    short, long = random_prompts([4, 20], seed=13, prefix=shared)
+    out_short, out_long = check_against_hf(llm, model_dir, [short, long], [3, 3])
+    assert out_short.num_cached_tokens >= 16 and out_long.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_phi3_speculative_drafts_across_the_original_context(tiny_model_dir, async_scheduling):
+    """n-gram drafts of a request rotated with the short factors stop at the original context (their logits past
+    it need the long factors: the request is recomputed first), so its tokens stay transformers'."""
+    base = random_prompts([8], seed=14)[0]
+    prompts = [base * 3, base[:5] * 4 + base[:3]]  # repeats: drafts found and accepted, both cross 32
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    llm = LLM(model=tiny_model_dir("phi3"), dtype="float32", num_gpu_blocks_override=96, block_size=8,
+              speculative_config=spec, async_scheduling=async_scheduling)
+    check_against_hf(llm, tiny_model_dir("phi3"), prompts, [24, 20])
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0

@@ -43,6 +43,13 @@ def test_phi3_longrope_on_cuda(tiny_model_dir):
     _cuda_matches_cpu_and_hf(tiny_model_dir("phi3"), random_prompts([33, 40, 60], seed=7), [10, 6, 12])
 
 
+def test_phi3_longrope_per_request_on_cuda(tiny_model_dir):
+    """Requests on both sides of the original context (32) and across it in one engine (CUDA graphs, async
+    scheduling): the long requests' positions offset into the long rows, the crossings recomputed."""
+    _cuda_matches_cpu_and_hf(tiny_model_dir("phi3"), random_prompts([5, 20, 28, 31, 32, 33, 45], seed=11),
+                             [6, 20, 9, 4, 8, 6, 10], block_size=16, max_num_batched_tokens=16)
+
+
 def test_gemma3_past_the_window_on_cuda(tmp_path):
     from tests.conftest import save_tiny_model, tiny_hf_config
     config = tiny_hf_config("gemma3")

@@ -58,6 +58,7 @@ def check_against_hf(model_dir: str, prompt_len: int, num_new_tokens: int = 6, m
     ("gemma2", 48, None), ("gemma3", 48, None), ("phi3_plain", 48, None),
     ("phi3", 26, 32),   # within the original context: the short factors, as transformers for a short sequence
     ("phi3", 48, None),  # past it (engine context 256): the long factors, as transformers for a long sequence
+    ("phi3", 28, None),  # engine context 256, a sequence growing from 28 to 34: short, then long from 33 on
 ])
 def test_matches_transformers(tiny_model_dir, arch, prompt_len, max_model_len):
     ours = check_against_hf(tiny_model_dir(arch), prompt_len, max_model_len=max_model_len)
@@ -119,18 +120,29 @@ def test_gemma3_local_rope_is_its_own(tiny_model_dir):
 
 
 def test_phi3_longrope_and_partial_rotary(tiny_model_dir):
+    """An engine context past the original one (32) holds both tables, the long rows after the short ones; within
+    it only the short rows. A plain forward (one sequence) takes transformers' per-forward choice."""
     from pagedllm.layers.rotary_embedding import LongRopeEmbedding
     model_dir = tiny_model_dir("phi3")
     long_ctx, short_ctx = _ours(model_dir), _ours(model_dir, max_model_len=32)
     rope = long_ctx.model.rotary_emb
     assert isinstance(rope, LongRopeEmbedding) and rope.rotary_dim == 12 and rope.head_size == 16
-    assert rope.use_long and not short_ctx.model.rotary_emb.use_long
+    assert rope.long_offset == 256 and short_ctx.model.rotary_emb.long_offset is None
+    assert rope.cos_sin_cache.shape[0] == 512
     scaling = (1 + torch.log(torch.tensor(8.0)) / torch.log(torch.tensor(32.0))) ** 0.5  # factor 256 / 32
     torch.testing.assert_close(rope.cos_sin_cache[0, :6], torch.full((6,), float(scaling)))
-    ids = _ids(26)
-    assert (_logits(long_ctx, ids) - _logits(short_ctx, ids)).abs().max() > 1e-3
-    rope.set_context_len(32)  # switching back rebuilds the same short cache
-    assert torch.equal(rope.cos_sin_cache, short_ctx.model.rotary_emb.cos_sin_cache)
+    torch.testing.assert_close(rope.cos_sin_cache[256, :6], torch.full((6,), float(scaling)))
+    assert torch.equal(rope.cos_sin_cache[:256], short_ctx.model.rotary_emb.cos_sin_cache)
+    short_ids, long_ids = _ids(26), _ids(40)
+    torch.testing.assert_close(_logits(long_ctx, short_ids), _logits(short_ctx, short_ids), atol=0, rtol=0)
+    long_logits = _logits(long_ctx, long_ids)
+    with torch.inference_mode():
+        ref = _hf(model_dir)(long_ids[None]).logits[0].float()
+    torch.testing.assert_close(long_logits, ref, atol=ATOL, rtol=1e-4)
+    rope.offsets = torch.zeros(64, dtype=torch.int64)  # as the runner gives: zero offsets read the short rows
+    assert (_logits(long_ctx, long_ids) - long_logits).abs().max() > 1e-3
+    rope.set_context_len(32)  # the short table alone
+    assert rope.long_offset is None and torch.equal(rope.cos_sin_cache, short_ctx.model.rotary_emb.cos_sin_cache)
 
 
 def test_phi3_fused_checkpoint_tensors_load_as_shards(tiny_model_dir):

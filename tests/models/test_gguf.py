@@ -160,3 +160,20 @@ def test_tiny_gguf_round_trip(tmp_path, fresh_cache, tiny_model_dir, arch):
     with torch.inference_mode():
         ref = hf(ids[None]).logits[0]
     torch.testing.assert_close(_logits(_ours(converted), ids), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tensor_stored_twice_in_a_gguf_is_an_error(tmp_path, fresh_cache, tiny_model_dir):
+    """gguf's reader refuses a duplicated tensor name (the conversion path); the packed path's own header parser
+    kept both and the second silently won: now the same refusal, naming the tensor and the file."""
+    from pagedllm.models.gguf_packed import clear_index_cache, read_gguf_index
+    gguf_path = tmp_path / "dup.gguf"
+    write_tiny_gguf(tiny_model_dir("llama"), str(gguf_path), "llama")
+    data = gguf_path.read_bytes()
+    # rename one tensor to another's name of the same length in the header (the data offsets stay valid)
+    assert data.count(b"blk.0.ffn_up.weight") == 1
+    gguf_path.write_bytes(data.replace(b"blk.0.ffn_up.weight", b"blk.0.attn_q.weight"))
+    clear_index_cache()
+    with pytest.raises(ValueError, match=rf"Tensor 'blk\.0\.attn_q\.weight' is stored twice in .*dup\.gguf"):
+        read_gguf_index(str(gguf_path))
+    with pytest.raises(ValueError, match=r"duplicated tensor with name blk\.0\.attn_q\.weight"):
+        prepare_model_dir(str(gguf_path))

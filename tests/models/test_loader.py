@@ -182,3 +182,31 @@ def test_shape_mismatch_names_the_weight(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match=r"Cannot load checkpoint weight 'model\.layers\.0\.mlp\.(gate|up|down)_proj"
                                          r"\.weight': shape mismatch"):
         get_model(load_hf_config(str(model_dir)), str(model_dir), dtype=torch.float32, device="cpu")
+
+
+def test_tensor_in_two_shards_is_an_error_naming_both(tmp_path, tiny_llama_dir):
+    """A name stored in two shards was loaded twice, the later file silently winning; now an error naming the
+    tensor and both files (even for equal copies: the checkpoint is malformed either way)."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "sharded"
+    model_dir.mkdir()
+    shutil.copy(os.path.join(tiny_llama_dir, "config.json"), model_dir / "config.json")
+    tensors = load_file(os.path.join(tiny_llama_dir, "model.safetensors"))
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    dup = "model.norm.weight" if "model.norm.weight" in second else second[0]
+    first = [n for n in first if n != dup] + [dup]
+    save_file({n: tensors[n].clone() for n in first}, str(model_dir / "model-00001-of-00002.safetensors"))
+    save_file({n: tensors[n].clone() * (2 if n == dup else 1) for n in second},
+              str(model_dir / "model-00002-of-00002.safetensors"))
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in first}
+    weight_map.update({n: "model-00002-of-00002.safetensors" for n in second})
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=re.escape(
+            f"Tensor {dup!r} is stored in two checkpoint files, {model_dir / 'model-00001-of-00002.safetensors'} "
+            f"and {model_dir / 'model-00002-of-00002.safetensors'}")):
+        get_model(load_hf_config(str(model_dir)), str(model_dir), dtype=torch.float32, device="cpu")
+    # the same shards without the duplicate load
+    save_file({n: tensors[n].clone() for n in first if n != dup}, str(model_dir / "model-00001-of-00002.safetensors"))
+    get_model(load_hf_config(str(model_dir)), str(model_dir), dtype=torch.float32, device="cpu")

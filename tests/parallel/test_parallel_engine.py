@@ -4,6 +4,7 @@ hits and preemptions (tests/parallel/workload.py). Every multi-process engine is
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm import LLM
 from tests.parallel.workload import ENGINE_KWARGS, run_workload
@@ -91,3 +92,65 @@ def test_smollm2_gguf_packed_weights_pp2_match_one_rank(smollm2_gguf_path):
             llm.engine.shutdown()
 
     assert tokens(pipeline_parallel_size=2) == tokens()
+
+
+def _rewrite_tensors(tmp_path, source: str, edit) -> str:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    out = tmp_path / "edited"
+    shutil.copytree(source, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def _differing_head(t):
+    g = torch.Generator().manual_seed(1)
+    embed = t["model.embed_tokens.weight"]
+    t["lm_head.weight"] = embed + 0.05 * torch.randn(embed.shape, generator=g)
+
+
+# head-differs: the last stage (no embedding) loaded the embedding as its head and dropped the checkpoint's lm_head,
+# serving another head than one rank and transformers; head-only: the first stage (no head) found no embedding
+@pytest.mark.parametrize("edit, reference", [
+    (_differing_head, "edited"), (lambda t: t.update({"lm_head.weight": t.pop("model.embed_tokens.weight")}), "source"),
+], ids=["head-differs", "head-only"])
+def test_tied_config_head_across_stages_matches_transformers(tmp_path, tiny_model_dir, edit, reference):
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import SamplingParams
+    source = tiny_model_dir("qwen2", tie_word_embeddings=True)
+    edited = _rewrite_tensors(tmp_path, source, edit)
+    hf = AutoModelForCausalLM.from_pretrained(edited if reference == "edited" else source, dtype=torch.float32).eval()
+    prompts = [[5, 77, 300, 12, 9, 401], list(range(20, 50))]
+    llm = LLM(edited, **ENGINE_KWARGS, pipeline_parallel_size=2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    for prompt, out in zip(prompts, outs):
+        tokens = list(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        assert tokens == logits.argmax(-1).tolist()
+        ref = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens]
+        got = torch.tensor([step[tok].logprob for step, tok in zip(out.outputs[0].logprobs, tokens)])
+        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}], ids=["pp2", "tp2"])
+def test_phi3_longrope_per_request_factors_across_ranks(tiny_model_dir, layout):
+    """LongRoPE's per-request factors and the recompute of a request outgrowing the original context (32) with
+    worker ranks: the scheduler learns the boundary from rank 0, every rank offsets its long requests' positions."""
+    from tests.engine.test_correctness import check_against_hf, random_prompts
+    model_dir = tiny_model_dir("phi3")
+    llm = LLM(model_dir, dtype="float32", num_gpu_blocks_override=96, block_size=8, max_num_batched_tokens=16,
+              max_num_seqs=8, device="cpu", enforce_eager=True, **layout)
+    try:
+        check_against_hf(llm, model_dir, random_prompts([5, 20, 31, 33, 45], seed=11), [6, 20, 4, 6, 10])
+        assert llm.engine.get_stats().num_preemptions >= 2  # the two crossings
+    finally:
+        llm.engine.shutdown()

@@ -82,19 +82,19 @@ def test_extend_rejects_hashes_beyond_tokens():
         extend_block_hashes([1, 2], [0, 1, 2, 3], 4)
 
 
-def test_cache_salt_roots_the_chain():
-    from pagedllm.core.block_hash import salt_root
+def test_chain_roots_keep_chains_apart():
+    """A cache salt and LongRoPE's long factors root the chain (block_hash.chain_root): each root its own blocks,
+    none shared with the plain chain or another root's; a plain request has no root."""
+    from pagedllm.core.block_hash import chain_root
 
     tokens = list(range(12))
-    plain = hash_full_blocks(tokens, 4)
-    a = hash_full_blocks(tokens, 4, cache_salt="a")
-    assert a == hash_full_blocks(tokens, 4, cache_salt="a")  # deterministic
-    assert len(set(plain) | set(a) | set(hash_full_blocks(tokens, 4, cache_salt="b"))) == 9  # no block shared
-    # a salted first block never equals a block whose real parent hash is the salt's root
-    root = int.from_bytes(salt_root("a"), "little")
-    assert a[0] != hash_block_tokens(root, tokens[:4])
-    # extending block by block gives the same chain (the salt applies to the first block only)
+    assert chain_root() is None and chain_root(None, False) is None
+    roots = [chain_root("a"), chain_root("b"), chain_root(None, True), chain_root("a", True)]
+    assert roots[0] == chain_root("a")  # deterministic
+    chains = [hash_full_blocks(tokens, 4)] + [hash_full_blocks(tokens, 4, root=r) for r in roots]
+    assert len({h for chain in chains for h in chain}) == 3 * len(chains)  # no block shared between chains
+    # extending block by block gives the same chain (the root only parents the first block)
     grown: list[int] = []
     for end in range(0, 13, 3):
-        extend_block_hashes(grown, tokens[:end], 4, cache_salt="a")
-    assert grown == a
+        extend_block_hashes(grown, tokens[:end], 4, root=None if grown else roots[0])
+    assert grown == chains[1]

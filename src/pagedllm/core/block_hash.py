@@ -3,8 +3,9 @@
 The hash of full block i is sha256(hash of block i-1, the block's token ids, the extra key), truncated to
 128 bits. Chaining makes a block's hash name its whole prefix, so two blocks with the same tokens after
 different prefixes never match. The extra key is the request's LoRA id: KV computed under one adapter must
-never serve another. A request's cache salt (vLLM's `cache_salt`) stands in for the first block's parent: only
-requests of the same salt share blocks, so one tenant cannot learn from hit timings what another's prompts were.
+never serve another. A request's chain root (`chain_root`: its cache salt, vLLM's `cache_salt`; LongRoPE's long
+factors) stands in for the first block's parent: only requests of the same root share blocks, so one tenant cannot
+learn from hit timings what another's prompts were.
 Only *full* blocks are hashed; a partial last block is never cached.
 
 Invariants:
@@ -33,23 +34,26 @@ def check_cache_salt(cache_salt: object) -> None:
         raise ValueError(f"'cache_salt' must be a non-empty string if given, got {cache_salt!r}.")
 
 
-def salt_root(cache_salt: str) -> bytes:
-    """The stand-in parent of a salted request's first block."""
-    digest = hashlib.sha256(_VERSION_TAG + b".salt" + cache_salt.encode("utf-8", "surrogatepass")).digest()
-    return digest[:_HASH_BYTES]
+def chain_root(cache_salt: Optional[str] = None, rope_long: bool = False) -> Optional[BlockHash]:
+    """The stand-in parent of a request's first block: None for a plain request, else a hash of what keeps its
+    chain apart from every other (its cache salt: other tenants' prompts; LongRoPE's long factors: the same tokens
+    rotated with the short ones)."""
+    if cache_salt is None and not rope_long:
+        return None
+    salt = b"" if cache_salt is None else cache_salt.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(_VERSION_TAG + b".root" + (b"L" if rope_long else b"S") + salt).digest()
+    return int.from_bytes(digest[:_HASH_BYTES], "little")
 
 
 def hash_block_tokens(
     parent_block_hash: Optional[BlockHash],
     token_ids: Sequence[int],
     lora_id: Optional[int] = None,
-    cache_salt: Optional[str] = None,
 ) -> BlockHash:
-    """Hash of one full block given the hash of the block before it (None for the first block; the salt, if
-    any, applies to the first block only: later blocks inherit it through the chain)."""
+    """Hash of one full block given the hash of the block before it (None for the first block)."""
     if parent_block_hash is None:
-        # has_parent 2 marks a salt root: no salt can collide with a real parent hash's header
-        parent, has_parent = (_NO_PARENT, 0) if cache_salt is None else (salt_root(cache_salt), 2)
+        parent = _NO_PARENT
+        has_parent = 0
     else:
         parent = parent_block_hash.to_bytes(_HASH_BYTES, "little")
         has_parent = 1
@@ -65,11 +69,11 @@ def hash_full_blocks(
     token_ids: Sequence[int],
     block_size: int,
     lora_id: Optional[int] = None,
-    cache_salt: Optional[str] = None,
+    root: Optional[BlockHash] = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of token_ids (a trailing partial block is ignored)."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, lora_id, cache_salt)
+    extend_block_hashes(hashes, token_ids, block_size, lora_id, root)
     return hashes
 
 
@@ -78,9 +82,10 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     lora_id: Optional[int] = None,
-    cache_salt: Optional[str] = None,
+    root: Optional[BlockHash] = None,
 ) -> list[BlockHash]:
-    """Append, in place, the hashes of the full blocks of token_ids not yet in block_hashes.
+    """Append, in place, the hashes of the full blocks of token_ids not yet in block_hashes. `root`: the parent
+    of the first block (None: none; chain_root: what separates whole chains).
 
     block_hashes must be the hashes of the first len(block_hashes) blocks of token_ids (a request's
     token list only grows, so its earlier hashes stay valid). Returns only the newly added hashes;
@@ -92,9 +97,8 @@ def extend_block_hashes(
         raise ValueError(
             f"block_hashes has {start} entries but token_ids only has {num_full_blocks} full blocks."
         )
-    parent = block_hashes[-1] if block_hashes else None
+    parent = block_hashes[-1] if block_hashes else root
     for i in range(start, num_full_blocks):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], lora_id,
-                                   cache_salt if i == 0 else None)
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], lora_id)
         block_hashes.append(parent)
     return block_hashes[start:]

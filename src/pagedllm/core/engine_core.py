@@ -83,6 +83,7 @@ class EngineCore:
             spec_disable_batch_size=w.spec_disable_batch_size,
             max_loras=engine_args.max_loras if engine_args.enable_lora else None,
             kv_group_windows=getattr(w, "kv_group_windows", (None,)),
+            long_rope_original=getattr(w, "long_rope_original", None),
         )
         self.loras = EngineLoRAs(w.lora_manager, self.scheduler)
         from pagedllm import envs

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from pagedllm.core.block_hash import extend_block_hashes, salt_root
+from pagedllm.core.block_hash import chain_root, extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_groups import blocks_needed
 from pagedllm.core.partial_blocks import PartialBlockCache
@@ -55,12 +55,11 @@ NULL_BLOCK_ID = 0
 BlockList = list[Optional[KVCacheBlock]]
 
 
-
 def _first_parent(request: Request) -> Optional[int]:
-    """The partial-block cache's parent key of a request's first block: its salt's root (None unsalted), so a
-    salted request's short prompt is never offered another salt's block."""
-    salt = request.cache_salt
-    return None if salt is None else int.from_bytes(salt_root(salt), "little")
+    """The parent of a request's first block, for its chain and for the partial-block cache (block_hash.chain_root:
+    its cache salt, LongRoPE's long factors; None for a plain request)."""
+    return chain_root(request.cache_salt, request.rope_long)
+
 
 class KVCacheManager:
     def __init__(self, *, block_size: int, num_blocks: int, enable_caching: bool = True,
@@ -149,8 +148,9 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Hash the request's full blocks that are not hashed yet (no-op when caching is off)."""
         if self.enable_caching:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.lora_id,
-                                request.cache_salt)
+            hashes = request.block_hashes
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.lora_id,
+                                None if hashes else _first_parent(request))
 
     def get_computed_blocks(
         self, request: Request, *, record_stats: bool = True

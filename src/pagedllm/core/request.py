@@ -71,6 +71,9 @@ class Request:
     structured_output: Optional[Any] = None
     # (needs_sync, needs_sync_sampling) when the scheduler counted the request in (Scheduler.num_needs_sync).
     sync_counted: tuple[bool, bool] = (False, False)
+    # LongRoPE with both factor tables: the request's KV is computed with the long factors (its sequence was
+    # longer than the original context when its computation started); a prefix-cache salt too.
+    rope_long: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

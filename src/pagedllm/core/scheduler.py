@@ -83,9 +83,13 @@ class Scheduler:
         spec_disable_batch_size: Optional[int] = None,
         max_loras: Optional[int] = None,
         kv_group_windows: Sequence[Optional[int]] = (None,),
+        long_rope_original: Optional[int] = None,
     ) -> None:
         """kv_group_windows: the sliding window of each KV-cache group (core/kv_cache_groups.py; None: full
-        attention); the default is one group of full-attention layers."""
+        attention); the default is one group of full-attention layers. long_rope_original: a LongRoPE model's
+        original context when the engine's reaches past it (the model rotates a request longer than it with the
+        long factors, shorter ones with the short factors); None otherwise."""
+        self.long_rope_original = long_rope_original
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
         if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
@@ -127,6 +131,7 @@ class Scheduler:
         # Speculative decoding: drafts proposed by the runner are scheduled as extra tokens to compute, in steps
         # with at most spec_disable_batch_size running + waiting requests (spec_decode/scheduling.py).
         self.spec = SpecScheduling(num_speculative_tokens, spec_disable_batch_size, max_model_len)
+        self.spec.long_rope_original = long_rope_original
         self.spec_stats = self.spec.stats
         # The inline per-row fast paths of _schedule_running and update_from_output (False: every row takes the
         # general path, the reference the tests compare them with).
@@ -160,6 +165,8 @@ class Scheduler:
         if request.num_tokens == 0:
             raise ValueError(f"Request {request.request_id!r} has an empty prompt; give at least one token.")
         request.status = RequestStatus.WAITING
+        if self.long_rope_original is not None:
+            request.rope_long = request.num_tokens > self.long_rope_original
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
         request.length_limit = min(request.length_limit, self.max_model_len)  # (the fast paths' one test)
@@ -249,6 +256,11 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight for it is dropped; it is recomputed
+        original = self.long_rope_original
+        if original is not None and request.rope_long != (request.num_tokens > original):
+            # Recomputed with the factors of its present length: its blocks are hashed under them.
+            request.rope_long = not request.rope_long
+            request.block_hashes = []
         self.spec.forget(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -298,7 +310,10 @@ class Scheduler:
         # Overlapped verify steps need no host drafts: not while a request's sampling or grammar needs every
         # earlier token on the host (those steps run synchronously, with the host's drafts).
         plan.spec_overlap = plan.propose_drafts and self.spec_overlap_active()
+        held = self._recompute_outgrown(preempted) if self.long_rope_original is not None else None
         budget = self._schedule_running(plan, budget, preempted, scheduled)  # (these advance as they are planned)
+        if held:
+            self.running[:0] = held
         num_running_scheduled = len(scheduled)
         if not preempted:
             self._schedule_waiting(plan, budget, scheduled)
@@ -316,6 +331,25 @@ class Scheduler:
         plan.preempted_request_ids = preempted
         self._finished_req_ids = set()
         return plan
+
+    def _recompute_outgrown(self, preempted: set[str]) -> list[Request]:
+        """LongRoPE: a request computed with the short factors whose next step reaches past the original context
+        is recomputed whole with the long ones, as transformers does at that step (its keys cannot be re-rotated in
+        place: other requests may share its blocks). One with a token in flight (async scheduling) is held out of
+        this step until the token lands (recomputed without it, it would stop short of the boundary and sample
+        across it again); returns those, taken out of `running`."""
+        original = self.long_rope_original
+        outgrown = [r for r in self.running
+                    if not r.rope_long and len(r.all_token_ids) + r.num_output_placeholders > original]
+        if not outgrown:
+            return []
+        ids = {r.request_id for r in outgrown}
+        self.running = [r for r in self.running if r.request_id not in ids]
+        held = [r for r in outgrown if r.num_output_placeholders]
+        for request in reversed([r for r in outgrown if not r.num_output_placeholders]):  # keep their order
+            self._preempt(request)
+            preempted.add(request.request_id)
+        return held
 
     def _schedule_running(
         self, plan: BatchPlan, budget: int, preempted: set[str], scheduled: list[Request]

@@ -9,6 +9,7 @@ Every stage runs the same BatchPlan, so each knows T without asking.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_pp_group
+
+logger = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -42,17 +45,31 @@ def stage_layer_range(num_layers: int, stage: int, num_stages: int) -> tuple[int
     return start, start + base + (1 if stage < extra else 0)
 
 
+UNTIED_HEAD_WARNING = ("config.json sets tie_word_embeddings, but the checkpoint's lm_head.weight differs from "
+                       "model.embed_tokens.weight: the LM head is not tied and uses the checkpoint's lm_head (as "
+                       "transformers does); set tie_word_embeddings to false to silence this warning.")
+
+
 def stage_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Only the checkpoint tensors this stage holds. A tied LM head on a last stage that has no embedding loads
-    the embedding's tensor into its own copy."""
+    """Only the checkpoint tensors this stage holds.
+
+    A tied LM head on a last stage without the embedding loads its own copy: the checkpoint's lm_head.weight
+    when it has one (a head trained apart from the embedding under a tied config is what transformers serves,
+    untied, as one rank does: `untie_if_head_differs`), else the embedding's tensor. A tied first stage without
+    the head loads lm_head.weight as its embedding when the checkpoint has no embedding (transformers ties to
+    whichever of the two the checkpoint has)."""
     pp = get_pp_group()
     if pp.world_size == 1:
         yield from weights
         return
     start, end = model.model.start_layer, model.model.end_layer
     first, last = pp.is_first_rank, pp.is_last_rank
-    tied_copy = model.tie_word_embeddings and last and not first
+    tied = model.tie_word_embeddings
+    tied_copy = tied and last and not first
     num_layers = model.config.num_hidden_layers
+    # Held to the end of the stream: which of the two feeds the other stage's side is known only then.
+    embed: Optional[tuple[str, torch.Tensor]] = None
+    head: Optional[tuple[str, torch.Tensor]] = None
     for name, tensor in weights:
         match = _LAYER_RE.search(name)
         if match is not None:
@@ -65,16 +82,25 @@ def stage_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> It
         if "embed_tokens." in name:
             if first:
                 yield name, tensor
-            if tied_copy:
-                yield name.replace("model.embed_tokens.", "lm_head."), tensor
+            embed = (name, tensor)
         elif name.startswith("lm_head."):
-            if last and not model.tie_word_embeddings:
+            if last and not tied:
                 yield name, tensor
+            head = (name, tensor)
         elif name.startswith("model.norm."):
             if last:
                 yield name, tensor
         else:
             yield name, tensor
+    if tied_copy:
+        if head is not None:
+            if embed is not None and not torch.equal(head[1], embed[1]):
+                logger.warning(UNTIED_HEAD_WARNING)
+            yield head
+        elif embed is not None:
+            yield embed[0].replace("model.embed_tokens.", "lm_head."), embed[1]
+    elif tied and first and not last and embed is None and head is not None:
+        yield head[0].replace("lm_head.", "model.embed_tokens."), head[1]
 
 
 class PipelineStage(nn.Module):

@@ -156,6 +156,10 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(context_len, dtype=torch.float32, device=self.cos_sin_cache.device)
             self.cos_sin_cache = cos_sin_rows(positions, self.inv_freq, self.attention_scaling)
 
+    def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The positions this embedding reads for the model's input positions (LongRoPE: see there)."""
+        return positions
+
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, num_heads * head_size]; key [T, num_kv_heads * head_size] -> same shapes.
@@ -246,41 +250,59 @@ def _longrope_cache(head_size: int, rotary_dim: int, max_position: int, base: fl
 
 
 class LongRopeEmbedding(RotaryEmbedding):
-    """LongRoPE: the short factors for contexts within original_max_position_embeddings, the long ones beyond.
+    """LongRoPE: the short factors for sequences within original_max_position_embeddings, the long ones beyond.
 
-    transformers picks them per forward by the sequence's length: a sequence that grows past the original context
-    is recomputed with the long factors for every position (Phi3ForCausalLM drops its KV cache at that step). A
-    paged cache cannot re-rotate the keys it holds, so, as vLLM and llama.cpp do, the choice is made once for the
-    engine's context length (`set_context_len`, called by the loader with max_model_len; by default the model's
-    max_position_embeddings): beyond the original context every position uses the long factors, which is
-    transformers' result for every sequence longer than the original context; within it the short ones, which is
-    transformers' result for every sequence. Both are scaled by the same attention factor, as in transformers."""
+    transformers chooses per forward by the sequence's length (max position + 1): every position of a sequence
+    longer than the original context is rotated with the long factors, of a shorter one with the short factors;
+    a sequence that grows past it is recomputed whole (Phi3ForCausalLM drops its KV cache at that step). Here the
+    choice is per request: when the engine's context reaches past the original one (`set_context_len`), the cache
+    holds both tables, the short rows first and the long rows `long_offset` rows later, and a token of a request
+    whose sequence is longer than the original context reads the long rows (the runner sets `long_offset` as its
+    entry of `offsets`, which `model_positions` adds to the positions; the scheduler recomputes a request whose
+    sequence outgrows the original context, as transformers does). Within the original context only the short rows exist. Both are scaled by the same attention factor,
+    as in transformers. A caller that passes plain positions (no runner: one sequence per forward) gets
+    transformers' per-forward choice (`model_positions`)."""
 
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, short_inv_freq: torch.Tensor,
                  long_inv_freq: torch.Tensor, original_max_position: int, attention_scaling: float) -> None:
-        use_long = max_position > original_max_position
-        super().__init__(head_size, rotary_dim, max_position, long_inv_freq if use_long else short_inv_freq,
-                         attention_scaling)
-        self.use_long = use_long
+        super().__init__(head_size, rotary_dim, max_position, short_inv_freq, attention_scaling)
         self.original_max_position = original_max_position
         self.short_inv_freq, self.long_inv_freq = short_inv_freq, long_inv_freq  # plain attributes: CPU float32
-        self.attention_scaling = attention_scaling
+        self.offsets: Optional[torch.Tensor] = None  # the runner's per-token offsets (worker/model_runner.py)
+        self.long_offset: Optional[int] = None
+        self._build(max_position, max_position > original_max_position)
+
+    def _build(self, rows: int, both: bool) -> None:
+        positions = torch.arange(rows, dtype=torch.float32, device=self.cos_sin_cache.device)
+        tables = [cos_sin_rows(positions, self.short_inv_freq, self.attention_scaling)]
+        if both:
+            tables.append(cos_sin_rows(positions, self.long_inv_freq, self.attention_scaling))
+        self.max_position, self.long_offset = rows, (rows if both else None)
+        self.cos_sin_cache = torch.cat(tables) if both else tables[0]
 
     def set_context_len(self, context_len: int) -> None:
-        """Use the factors transformers would use for a sequence of `context_len` tokens."""
-        use_long = context_len > self.original_max_position
-        self.inv_freq = self.long_inv_freq if use_long else self.short_inv_freq
-        if context_len > self.max_position:  # a longer context than the model's (VLLM_ALLOW_LONG_MAX_MODEL_LEN)
-            self.use_long = use_long
-            super().set_context_len(context_len)
-        elif use_long != self.use_long:
-            self.use_long = use_long
-            positions = torch.arange(self.max_position, device=self.cos_sin_cache.device)
-            self.cos_sin_cache.copy_(cos_sin_rows(positions, self.long_inv_freq if use_long else self.short_inv_freq,
-                                                  self.attention_scaling))
+        """Rows for every position below the engine's context; the long table only if a sequence can outgrow the
+        original context."""
+        both, rows = context_len > self.original_max_position, max(context_len, self.max_position)
+        if both != (self.long_offset is not None) or rows != self.max_position:
+            self._build(rows, both)
+
+    def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions as the rotary reads them: under a runner, plus its per-token offsets (a step larger than the
+        buffer is a warm-up's: no request's); plain ones (one sequence) read the long rows when the sequence is
+        longer than the original context, as transformers chooses per forward."""
+        if self.offsets is not None:
+            n = positions.shape[0]
+            return positions + self.offsets[:n] if n <= self.offsets.shape[0] else positions
+        if self.long_offset is None or positions.numel() == 0:
+            return positions
+        if int(positions.max()) + 1 > self.original_max_position:
+            return positions + self.long_offset
+        return positions
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, {'long' if self.use_long else 'short'} factors"
+        tables = "short" if self.long_offset is None else f"short + long (offset {self.long_offset})"
+        return f"{super().extra_repr()}, {tables} factors"
 
 
 class DynamicNTKRotaryEmbedding(RotaryEmbedding):

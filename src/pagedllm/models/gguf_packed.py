@@ -104,6 +104,12 @@ def read_gguf_index(gguf_path: str) -> GGUFIndex:
                               [GGUFTensor(t.name, int(t.tensor_type), t.data) for t in reader.tensors])
         if index.arch not in SUPPORTED_GGUF_ARCHITECTURES:
             open_gguf(gguf_path)  # the architecture error
+        seen: set = set()
+        for t in index.tensors:  # a second copy would silently replace the first (gguf's own reader refuses it)
+            if t.name in seen:
+                raise ValueError(f"Tensor {t.name!r} is stored twice in {gguf_path}; a tensor name must appear "
+                                 f"once (re-convert the model).")
+            seen.add(t.name)
         _index_cache.clear()  # one model's map at a time
         _index_cache[key] = index
     return _index_cache[key]

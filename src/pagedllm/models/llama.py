@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_pp_group
-from pagedllm.distributed.pipeline import IntermediateTensors, PPMissingLayer, stage_layer_range, stage_weights
+from pagedllm.distributed.pipeline import (UNTIED_HEAD_WARNING, IntermediateTensors, PPMissingLayer, stage_layer_range,
+                                          stage_weights)
 from pagedllm.layers.activation import SiluAndMul, get_gated_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
@@ -232,6 +233,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[IntermediateTensors] = None) -> Any:
         """-> hidden states [T, hidden] on the last stage, else the activations for the next stage."""
+        positions = self.rotary_emb.model_positions(positions)  # (LongRoPE: which factors' rows)
         if intermediate is None and self.fast_path is not None:
             fused = self.fast_path(input_ids, positions)
             if fused is not None:
@@ -360,9 +362,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"Cannot load checkpoint weight 'lm_head.weight': {e}.") from None
         if torch.equal(untied, embed):
             return False
-        logger.warning("config.json sets tie_word_embeddings, but the checkpoint's lm_head.weight differs from "
-                       "model.embed_tokens.weight: the LM head is not tied and uses the checkpoint's lm_head (as "
-                       "transformers does); set tie_word_embeddings to false to silence this warning.")
+        logger.warning(UNTIED_HEAD_WARNING)
         self.lm_head.weight = untied
         self.tie_word_embeddings = False
         return True

@@ -70,6 +70,7 @@ def safetensors_weights_iterator(files: Sequence[str], show_progress: bool = Tru
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ValueError(f"Could not read weights file {path}: it is not a valid safetensors file "
                              f"({e}).") from None
+    _check_no_duplicate_names(files, handles)
     pbar = _maybe_bar(sum(len(h.keys()) for h in handles), show_progress)
     try:
         for path, handle in zip(files, handles):
@@ -85,6 +86,19 @@ def safetensors_weights_iterator(files: Sequence[str], show_progress: bool = Tru
     finally:
         if pbar is not None:
             pbar.close()
+
+
+def _check_no_duplicate_names(files: Sequence[str], handles: Sequence[Any]) -> None:
+    """A tensor stored in two shards would be loaded twice, the later file silently winning: which copy the
+    checkpoint means is unknowable (transformers trusts the index, which maps a name to one file), so refuse it,
+    even when the copies are equal (the checkpoint is malformed either way)."""
+    owner: dict[str, str] = {}
+    for path, handle in zip(files, handles):
+        for name in handle.keys():
+            first = owner.setdefault(name, path)
+            if first != path:
+                raise ValueError(f"Tensor {name!r} is stored in two checkpoint files, {first} and {path}; a "
+                                 f"tensor name must appear in one shard only (re-save the checkpoint).")
 
 
 def _maybe_bar(total: int, show: bool, desc: str = "Loading weights") -> Any:

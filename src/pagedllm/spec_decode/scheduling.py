@@ -31,6 +31,15 @@ class SpecScheduling:
         # step verifies placeholder drafts while the previous one is still in flight. Set by the engine core when
         # its runner can; a step uses it only when no unfinished request needs host drafts (Scheduler.schedule).
         self.overlap = False
+        # LongRoPE with both tables (Scheduler.long_rope_original): a request rotated with the short factors
+        # verifies no draft past the original context (those logits need the long factors: it is recomputed first)
+        self.long_rope_original: Optional[int] = None
+
+    def _rope_room(self, request: Request, room: int) -> int:
+        if self.long_rope_original is None or request.rope_long:
+            return room
+        # the step's longest sequence: the known and in-flight tokens plus the drafts
+        return min(room, self.long_rope_original - request.num_tokens - request.num_output_placeholders)
 
     def wants_sync(self, running) -> bool:
         """Under async scheduling: wait for the step in flight before scheduling the next one, because the next
@@ -71,10 +80,12 @@ class SpecScheduling:
                 return []
             room = draft_room(request.num_output_tokens + pending, request.num_tokens + pending, request.max_tokens,
                               self.max_model_len)
+            room = self._rope_room(request, room)
             return [PLACEHOLDER] * max(0, min(self.k, room, budget - 1))
         if pending or request.num_computed_tokens != request.num_tokens - 1 or drafts[0] == PLACEHOLDER:
             return []  # (placeholders: proposed by an overlapped step; the host does not know them)
-        room = draft_room(request.num_output_tokens, request.num_tokens, request.max_tokens, self.max_model_len)
+        room = self._rope_room(request, draft_room(request.num_output_tokens, request.num_tokens, request.max_tokens,
+                                                   self.max_model_len))
         return drafts[:max(0, min(room, budget - 1))]
 
     def rollback_rejected(self, request: Request, drafts: list[int], num_accepted: int, kv: KVCacheManager,

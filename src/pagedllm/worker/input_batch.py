@@ -24,6 +24,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     num_computed_tokens: int
     lora_id: Optional[int] = None
+    rope_long: bool = False  # LongRoPE: longer than the original context when its computation started
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +78,9 @@ class InputBatch:
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
         self.num_dropped = 0  # requests whose state left the batch so far (finished, preempted, restarted)
+        # LongRoPE with both tables: the original context (a request's factors are chosen when it is added, as the
+        # scheduler chooses them: core/scheduler.py, rope_long)
+        self.long_rope_original: Optional[int] = None
 
     # ------------------------------------------------------------------ diffs
     def update(self, plan: BatchPlan) -> None:
@@ -118,7 +122,8 @@ class InputBatch:
         self.requests[new.request_id] = CachedRequestState(
             req_id=new.request_id, row=row, prompt_token_ids=list(new.token_ids[:new.num_prompt_tokens]),
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]), sampling_params=new.sampling_params,
-            num_computed_tokens=new.num_computed_tokens, lora_id=new.lora_id)
+            num_computed_tokens=new.num_computed_tokens, lora_id=new.lora_id,
+            rope_long=self.long_rope_original is not None and n > self.long_rope_original)
 
     def _free(self, row: int) -> None:
         self.free_rows.append(row)

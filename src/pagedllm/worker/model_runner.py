@@ -70,6 +70,13 @@ class ModelRunner:
         self.num_kv_groups = self.kv_groups.num_groups
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_req, block_size, vocab_size,
                                       num_kv_groups=self.num_kv_groups)
+        # LongRoPE with both factor tables (layers/rotary_embedding.LongRopeEmbedding): the tokens of requests longer
+        # than the original context read the long rows, `long_rope_offset` further: per-token offsets the model
+        # adds to the positions it rotates with, from this buffer (static: CUDA graphs read it; the positions stay
+        # true, for the slots the device-side speculation recomputes from them).
+        self.rope_offsets, self.long_rope_offset, self.long_rope_original = long_rope_tables(
+            model, max_num_batched_tokens, device)
+        self.input_batch.long_rope_original = self.long_rope_original
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
@@ -278,6 +285,9 @@ class ModelRunner:
         group_slots_t = staged64[num64 + len(spec_arrays):num64 + len(spec_arrays) + len(group_slots)]
         if dev_step is not None:
             dev_step.staged = staged64[len(staged64) - len(dev_arrays):]
+        if self.long_rope_offset is not None:  # every step: rows of an earlier step's long requests are reset too
+            offsets = self._rope_offsets(inp)
+            self.rope_offsets[:len(offsets)].copy_(self.stager.stage([offsets], np.int64)[0])
         floats_t = None
         if stage_sampling and step_sampling.floats is not None:
             floats_t = self.stager.stage([step_sampling.floats], np.float32)[0]
@@ -489,6 +499,11 @@ class ModelRunner:
             offset += count
         return result
 
+    def _rope_offsets(self, inp) -> np.ndarray:
+        """Per token of the step, what LongRoPE adds to its position: a long request's tokens read the long rows."""
+        flags = np.fromiter((s.rope_long for s in inp.states), dtype=np.int64, count=len(inp.states))
+        return self.long_rope_offset * np.repeat(flags, np.diff(inp.query_start_loc))
+
     def _in_flight_rows(self, inp) -> tuple[np.ndarray, np.ndarray]:
         """Input positions past what the host knows hold tokens sampled by the step still in flight:
         (index into the previous step's sampled ids, index into this step's input ids)."""
@@ -578,3 +593,19 @@ class PendingOutput:
                 self._output = self.runner._finish_step(self.inp, sampled, self.logprobs_host, num_drafts)
             self._output.prompt_logprobs = self.prompt_logprobs
         return self._output
+
+
+def long_rope_tables(model: torch.nn.Module, max_tokens: int, device: torch.device
+                     ) -> tuple[Optional[torch.Tensor], Optional[int], Optional[int]]:
+    """(per-token offsets buffer, offset of the long rows, original context) of a LongRoPE model holding both
+    factor tables, else Nones; its embeddings then read their offsets from the buffer, which the runner fills each
+    step."""
+    from pagedllm.layers.rotary_embedding import LongRopeEmbedding
+
+    ropes = [m for m in model.modules() if isinstance(m, LongRopeEmbedding) and m.long_offset is not None]
+    if not ropes:
+        return None, None, None
+    offsets = torch.zeros(max_tokens + 64, dtype=torch.int64, device=device)  # (+64: a verify step's padding)
+    for rope in ropes:
+        rope.offsets = offsets
+    return offsets, ropes[0].long_offset, ropes[0].original_max_position

@@ -226,6 +226,7 @@ class Worker:
             kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device),
             kv_groups=self.kv_groups)
         self.runner.lora = self.lora_manager
+        self.long_rope_original = self.runner.long_rope_original  # the scheduler's LongRoPE boundary (or None)
         if self.lora_manager is not None:
             self.lora_manager.warm_up(self.max_num_batched_tokens)
         self.speculative = args.speculative()

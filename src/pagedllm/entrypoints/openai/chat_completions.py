@@ -75,9 +75,12 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                     media_type="application/json")
 
 
-def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top_n: int) -> dict:
+def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top_n: int, as_ids: bool = False
+                   ) -> dict:
+    """`as_ids`: tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids; `bytes` encode that string, as
+    vLLM's do)."""
     content = []
-    for s, lp, tops in iter_logprobs(tok, list(token_ids), logprobs):
+    for s, lp, tops in iter_logprobs(tok, list(token_ids), logprobs, as_ids):
         top_items = [{"token": ts, "logprob": safe_float(tl), "bytes": list(ts.encode("utf-8"))}
                      for ts, tl, rank in tops if rank is None or rank <= top_n][:top_n]
         content.append({"token": s, "logprob": safe_float(lp), "bytes": list(s.encode("utf-8")),
@@ -100,8 +103,8 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
     echo = _echo_text(req)
     for out in sorted(final.outputs, key=lambda o: o.index):
         num_gen += len(out.token_ids)
-        lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0) \
-            if req.logprobs else None
+        lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0,
+                            bool(req.return_tokens_as_token_ids)) if req.logprobs else None
         # The echo is content ahead of the answer, never parsed for calls: the stream sends it before the streamer.
         message, finish_reason = choice_message(tool_plan, out.text, out.finish_reason)
         if echo:
@@ -165,7 +168,8 @@ class _ChatStream(SSEStream):
                 before, after = self.templates[out.index]
                 frames.append(before + dumps(out.text) + after + self.framer.end(self.num_prompt, self.num_gen))
                 continue
-            lp = _chat_logprobs(self.tok, out.token_ids, out.logprobs, self.top_n) if self.req.logprobs else None
+            lp = _chat_logprobs(self.tok, out.token_ids, out.logprobs, self.top_n,
+                                bool(self.req.return_tokens_as_token_ids)) if self.req.logprobs else None
             if self.tool_streams is not None:
                 frames += _tool_frames(self.frame, self.tool_streams, out, lp)
                 continue

@@ -10,7 +10,8 @@ from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float, token_str
+from pagedllm.entrypoints.openai.logprobs import (iter_logprobs, prompt_logprobs_json, safe_float, text_lengths,
+                                                  token_label, token_str)
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, check_token_ids, request_cache_salt,
@@ -147,9 +148,10 @@ def _full_response(req: CompletionRequest, state: ServerState, model: str, reque
             lp = None
             if req.logprobs is not None:
                 offset0 = len(prompt_text) if req.echo else 0
-                lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offset0)
+                as_ids = bool(req.return_tokens_as_token_ids)
+                lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offset0, as_ids=as_ids)
                 if req.echo:
-                    lp = _merge_logprobs(_prompt_logprobs(tok, ids, final.prompt_logprobs, req.logprobs), lp)
+                    lp = _merge_logprobs(_prompt_logprobs(tok, ids, final.prompt_logprobs, req.logprobs, as_ids), lp)
             choice = {"index": i * req.n + out.index, "text": body, "logprobs": lp,
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
             if req.prompt_logprobs is not None:
@@ -159,11 +161,13 @@ def _full_response(req: CompletionRequest, state: ServerState, model: str, reque
             "choices": choices, "usage": usage_dict(num_prompt, num_gen)}
 
 
-def _prompt_logprobs(tok: Any, ids: list[int], prompt_logprobs: Optional[list], top_n: int) -> dict:
+def _prompt_logprobs(tok: Any, ids: list[int], prompt_logprobs: Optional[list], top_n: int,
+                     as_ids: bool = False) -> dict:
     """The echoed prompt's part of the logprobs: the first token has no logprob (null), like OpenAI."""
-    first = token_str(tok, ids[0], None)
+    first = token_label(tok, ids[0], None, as_ids)
     head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
-    rest = _completion_logprobs(tok, ids[1:], (prompt_logprobs or [None] * len(ids))[1:], len(first), top_n)
+    rest = _completion_logprobs(tok, ids[1:], (prompt_logprobs or [None] * len(ids))[1:],
+                                len(token_str(tok, ids[0], None)), top_n, as_ids)
     return _merge_logprobs(head, rest)
 
 
@@ -172,16 +176,18 @@ def _merge_logprobs(a: dict, b: dict) -> dict:
 
 
 def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], offset: int,
-                         top_n: Optional[int] = None) -> dict:
-    """top_n: keep the chosen token and the top_n (prompt logprobs may have been scored with more)."""
+                         top_n: Optional[int] = None, as_ids: bool = False) -> dict:
+    """top_n: keep the chosen token and the top_n (prompt logprobs may have been scored with more). `as_ids`:
+    tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids); text_offset still counts the text."""
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for s, lp, tops in iter_logprobs(tok, list(token_ids), logprobs):
+    lengths = text_lengths(tok, list(token_ids), logprobs) if as_ids else None
+    for k, (s, lp, tops) in enumerate(iter_logprobs(tok, list(token_ids), logprobs, as_ids)):
         result["tokens"].append(s)
         result["token_logprobs"].append(safe_float(lp))
         result["top_logprobs"].append({ts: safe_float(tl) for ts, tl, rank in tops
                                        if top_n is None or rank is None or rank <= top_n or ts == s})
         result["text_offset"].append(offset)
-        offset += len(s)
+        offset += lengths[k] if lengths is not None else len(s)
     return result
 
 
@@ -247,10 +253,12 @@ class _CompletionStream(SSEStream):
         return frames[0] if len(frames) == 1 else b"".join(frames)
 
     def _logprobs(self, i: int, index: int, ro: Any, out: Any) -> dict:
-        tok, offsets = self.tok, self.offsets
-        lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offsets.get(index, 0))
-        offsets[index] = offsets.get(index, 0) + sum(len(s) for s in lp["tokens"])
+        tok, offsets, as_ids = self.tok, self.offsets, bool(self.req.return_tokens_as_token_ids)
+        lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offsets.get(index, 0), as_ids=as_ids)
+        offsets[index] = offsets.get(index, 0) + (sum(text_lengths(tok, out.token_ids, out.logprobs)) if as_ids
+                                                  else sum(len(s) for s in lp["tokens"]))
         if index in self.echo_pending:
             self.echo_pending.discard(index)
-            lp = _merge_logprobs(_prompt_logprobs(tok, self.prompts[i][1], ro.prompt_logprobs, self.req.logprobs), lp)
+            lp = _merge_logprobs(_prompt_logprobs(tok, self.prompts[i][1], ro.prompt_logprobs, self.req.logprobs,
+                                                  as_ids), lp)
         return lp

@@ -11,8 +11,15 @@ def token_str(tokenizer: Any, token_id: int, lp: Any = None) -> str:
     return s
 
 
-def iter_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list[dict]]):
-    """Yield (token_str, logprob, [(top_str, top_logprob), ...] by rank) per generated position."""
+def token_label(tokenizer: Any, token_id: int, lp: Any = None, as_ids: bool = False) -> str:
+    """A logprob entry's `token`: its text, or with vLLM's `return_tokens_as_token_ids` "token_id:<id>" (a token
+    that is part of a multi-byte character has no text of its own; the id names it exactly)."""
+    return f"token_id:{token_id}" if as_ids else token_str(tokenizer, token_id, lp)
+
+
+def iter_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list], as_ids: bool = False):
+    """Yield (token_str, logprob, [(top_str, top_logprob), ...] by rank) per generated position; `as_ids`: the
+    strings are "token_id:<id>" (`token_label`)."""
     if not logprobs:
         return
     for tid, entry in zip(token_ids, logprobs):
@@ -20,8 +27,17 @@ def iter_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list[
         lp = float(chosen.logprob) if chosen is not None else float("-inf")
         tops = []
         for top_id, top in sorted((entry or {}).items(), key=lambda kv: getattr(kv[1], "rank", 0) or 0):
-            tops.append((token_str(tokenizer, top_id, top), float(top.logprob), getattr(top, "rank", None)))
-        yield token_str(tokenizer, tid, chosen), lp, tops
+            tops.append((token_label(tokenizer, top_id, top, as_ids), float(top.logprob), getattr(top, "rank", None)))
+        yield token_label(tokenizer, tid, chosen, as_ids), lp, tops
+
+
+def text_lengths(tokenizer: Any, token_ids: list[int], logprobs: Optional[list]) -> list[int]:
+    """The text length of each position `iter_logprobs` yields (completions' text_offset counts text, also when
+    the token strings are ids)."""
+    if not logprobs:
+        return []
+    return [len(token_str(tokenizer, tid, entry.get(tid) if entry else None))
+            for tid, entry in zip(token_ids, logprobs)]
 
 
 def safe_float(x: float) -> float:

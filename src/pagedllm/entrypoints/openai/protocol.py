@@ -76,6 +76,8 @@ class _SamplingFields(_Req):
     allowed_token_ids: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: the model's context length
+    # vLLM's: logprobs name tokens "token_id:<id>" (entrypoints/openai/logprobs.token_label)
+    return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's beam search extension (entrypoints/openai/beam_search.py); early_stopping as in transformers.
     use_beam_search: bool = False
     length_penalty: float = 1.0
