@@ -19,6 +19,8 @@
 #   bash benchmarks/gpu_decode.sh decode-merge-8b  # the same for the Llama-3-8B shape (batch 1)
 #   bash benchmarks/gpu_decode.sh decode-merge-a   # the same in two calls: its kernel tests, SmolLM2 batch 1 and k=4
 #   bash benchmarks/gpu_decode.sh decode-merge-b   # verify; then the engine tests with it on, Qwen3-0.6B and 8B batch 1
+#   bash benchmarks/gpu_decode.sh phi3-merge       # LongRoPE's per-request factors on CUDA (the families' phi3 tests),
+#                                                  # the merge's kernel tests, SmolLM2 batch 1 with it off / on
 #
 # Several modes run in order in one call: `bash benchmarks/gpu_decode.sh decode-prep-tests decode-prep`.
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/decode-out), the summary lines to stdout.
@@ -27,7 +29,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 [ $# -gt 0 ] || { echo "usage: $0 MODE... (norm-gemv-tests, norm-gemv, norm-gemv-8b, decode-prep-tests," \
     "decode-prep, decode-prep-8b, decode-merge-tests, decode-merge, decode-merge-8b, decode-merge-a," \
-    "decode-merge-b)" >&2; exit 2; }
+    "decode-merge-b, phi3-merge)" >&2; exit 2; }
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/decode-out}
 mkdir -p "$out"
@@ -105,6 +107,12 @@ decode-merge-a)
         tests/gpu/test_attention_kernels.py tests/gpu/test_few_query_attention.py
     ab smollm2-merge smollm2-135m 90 PAGEDLLM_DECODE_MERGE
     ab_verify smollm2-merge-verify smollm2-135m 120 PAGEDLLM_DECODE_MERGE
+    ;;
+phi3-merge)
+    step phi3 150 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_families_gpu.py -k phi3
+    PAGEDLLM_DECODE_MERGE=1 step kernels 200 python -m pytest -m gpu -q -p no:cacheprovider \
+        tests/gpu/test_attention_kernels.py tests/gpu/test_few_query_attention.py
+    ab smollm2-merge smollm2-135m 90 PAGEDLLM_DECODE_MERGE
     ;;
 decode-merge-b)
     PAGEDLLM_DECODE_MERGE=1 step engine-on 240 python -m pytest -m gpu -q -p no:cacheprovider \
