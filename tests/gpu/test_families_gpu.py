@@ -28,7 +28,8 @@ def _cuda_matches_cpu_and_hf(model_dir: str, prompts, max_tokens, **kwargs) -> N
     got = _tokens(cuda, prompts, max_tokens)
     cuda.shutdown()
     cpu_kwargs = {k: v for k, v in kwargs.items() if k != "enforce_eager"}
-    cpu = LLM(model=model_dir, dtype="float32", device="cpu", num_gpu_blocks_override=64, **cpu_kwargs)
+    cpu = LLM(model=model_dir, dtype="float32", device="cpu", num_gpu_blocks_override=64, max_num_seqs=16,
+              **cpu_kwargs)
     assert got == _tokens(cpu, prompts, max_tokens)
     cpu.shutdown()
 
