@@ -15,7 +15,8 @@ from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, request_cache_salt, truncate_prompt)
+                                                        check_logprob_fields, request_cache_salt, request_priority,
+                                                        truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, start_disconnect_watch,
                                                    usage_dict)
@@ -26,6 +27,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     req = await parse_body(request, ChatCompletionRequest)
     model = state.check_model(req.model)
     salt = request_cache_salt(req)
+    priority = request_priority(req, state.scheduling_policy)
     engine = state.engine
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
@@ -64,7 +66,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
     gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
-                   lora_request=state.lora_request(model), cache_salt=salt)
+                   lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
     watch = start_disconnect_watch(request, engine, [request_id])
     created = int(time.time())
     try:

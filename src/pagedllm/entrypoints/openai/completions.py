@@ -14,7 +14,7 @@ from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, check_token_ids, request_cache_salt,
-                                                        truncate_prompt)
+                                                        request_priority, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, merge_streams,
                                                    start_disconnect_watch, usage_dict)
@@ -65,6 +65,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.check_model(req.model)
     salt = request_cache_salt(req)
+    priority = request_priority(req, state.scheduling_policy)
     if req.suffix:
         raise APIError("'suffix' is not supported yet.", param="suffix")
     if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
@@ -104,7 +105,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     lora = state.lora_request(model)
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
-    gens = [generate(text, ids, params, sid, output_kind=kind, lora_request=lora, cache_salt=salt)
+    gens = [generate(text, ids, params, sid, output_kind=kind, lora_request=lora, cache_salt=salt, priority=priority)
             for (text, ids), sid in zip(prompts, sub_ids)]
     watch = start_disconnect_watch(request, engine, sub_ids)
     # One prompt's stream is read as it is (one generator less per chunk); several are interleaved, as (i, item).
