@@ -92,8 +92,11 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
         num_prompt += len(ids)
         for j, seq in enumerate(result.sequences[:n]):
             num_gen += len(seq.tokens) - len(ids)
-            choices.append({"index": i * n + j, "text": seq.text, "logprobs": None,
-                            "finish_reason": seq.finish_reason, "stop_reason": None})
+            choice = {"index": i * n + j, "text": seq.text, "logprobs": None,
+                      "finish_reason": seq.finish_reason, "stop_reason": None}
+            if req.return_token_ids:  # as the sampling path's choices
+                choice.update(prompt_token_ids=list(ids), token_ids=list(seq.tokens[len(ids):]))
+            choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": _usage(num_prompt, num_gen)}
 
@@ -106,10 +109,16 @@ async def chat_response(req: Any, state: ServerState, model: str, request_id: st
     choices, num_gen = [], 0
     for j, seq in enumerate(result.sequences[:n]):
         num_gen += len(seq.tokens) - len(prompt_ids)
-        choices.append({"index": j, "message": {"role": "assistant", "content": seq.text}, "logprobs": None,
-                        "finish_reason": seq.finish_reason, "stop_reason": None})
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+        choice = {"index": j, "message": {"role": "assistant", "content": seq.text}, "logprobs": None,
+                  "finish_reason": seq.finish_reason, "stop_reason": None}
+        if req.return_token_ids:
+            choice["token_ids"] = list(seq.tokens[len(prompt_ids):])
+        choices.append(choice)
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": _usage(len(prompt_ids), num_gen)}
+    if req.return_token_ids:  # as the sampling path's response
+        body["prompt_token_ids"] = list(prompt_ids)
+    return body
 
 
 def _usage(num_prompt: int, num_gen: int) -> dict:

@@ -155,6 +155,9 @@ def _full_response(req: CompletionRequest, state: ServerState, model: str, reque
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(tok, final.prompt_logprobs)
+            if req.return_token_ids:  # vLLM: both on the choice (each choice has its own prompt)
+                choice["prompt_token_ids"] = list(ids)
+                choice["token_ids"] = list(out.token_ids)
             choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage_dict(num_prompt, num_gen)}
@@ -200,8 +203,10 @@ class _CompletionStream(SSEStream):
         self.offsets: dict[int, int] = {}
         self.num_gen = 0
         self.num_prompt = sum(len(ids) for _, ids in prompts)
-        # A running choice of a plain stream (no logprobs, no echo) is a template and its text.
-        self.plain = req.logprobs is None and not req.echo
+        # A running choice of a plain stream (no logprobs, no echo, no token ids) is a template and its text.
+        self.token_ids = bool(req.return_token_ids)
+        self.ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (vLLM: in the first chunk only)
+        self.plain = req.logprobs is None and not req.echo and not self.token_ids
         self.echo_only = echo_only(req)
         self.templates = [framer.template(b'{"index":%d,"text":' % index) for index in range(len(prompts) * req.n)]
         if self.plain and not self.multi and req.n == 1:
@@ -244,6 +249,11 @@ class _CompletionStream(SSEStream):
                 lp = self._logprobs(i, index, ro, out)
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                       "stop_reason": out.stop_reason}
+            if self.token_ids:
+                if index not in self.ids_sent:
+                    self.ids_sent.add(index)
+                    choice["prompt_token_ids"] = list(self.prompts[i][1])
+                choice["token_ids"] = list(out.token_ids)
             frames.append(self.framer.choices([choice], self.usage() if self.framer.continuous_usage else None))
         return frames[0] if len(frames) == 1 else b"".join(frames)
 
