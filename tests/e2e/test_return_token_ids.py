@@ -110,3 +110,17 @@ def test_openai_sdk_extra_body(server: Server, http: httpx.Client) -> None:
                                                  stream=True, extra_body=extra))
     assert chunks[0].prompt_token_ids == c.prompt_token_ids
     assert [t for ch in chunks[1:] for choice in ch.choices for t in choice.token_ids] == c.choices[0].token_ids
+
+
+def test_streamed_tool_call_carries_every_token_id(http: httpx.Client) -> None:
+    """A "required" call's text is held back until it parses (here until max_tokens ends it); the ids of the tokens
+    held back go out with the next chunk sent, so the stream carries all of them, in order, as the full answer."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [weather],
+            "tool_choice": "required", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    full = r.json()["choices"][0]["token_ids"]
+    streamed = [t for e in _events(http, CHAT, body) for c in e["choices"] for t in c.get("token_ids", [])]
+    assert len(full) == 12 and streamed == full
