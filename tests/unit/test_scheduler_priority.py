@@ -121,6 +121,8 @@ def test_check_priority():
     for bad in (True, 1.5, "1"):
         with pytest.raises(ValueError, match="priority must be an integer"):
             check_priority(bad, "priority")
+    with pytest.raises(ValueError, match=r"priority must be in \[-2\*\*63, 2\*\*63\), got 9223372036854775808\."):
+        check_priority(2 ** 63, "priority")
     with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority"):
         make_sched(scheduling_policy="lifo")
 

@@ -43,6 +43,8 @@ def check_priority(priority, scheduling_policy: str) -> None:
     """A request's priority: an integer, and not 0 only under priority scheduling (vLLM refuses it too)."""
     if type(priority) is not int:  # (no bools, no floats: vLLM's field is an int)
         raise ValueError(f"priority must be an integer, got {priority!r}.")
+    if not -2 ** 63 <= priority < 2 ** 63:  # the wire's msgpack integers are 64-bit
+        raise ValueError(f"priority must be in [-2**63, 2**63), got {priority}.")
     if priority != 0 and scheduling_policy != "priority":
         raise ValueError(f"priority={priority} needs priority scheduling: start the server with "
                          "--scheduling-policy priority (offline: LLM(..., scheduling_policy='priority')).")
