@@ -48,6 +48,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (each request's priority, lower first; vLLM's rule)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     device: str = "auto"  # "auto" | "cuda" | "cpu"
@@ -135,6 +136,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.max_model_len is not None and self.max_model_len < 1:

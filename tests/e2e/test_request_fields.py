@@ -239,8 +239,10 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offlin
     (CMPL, {"truncate_prompt_tokens": 10 ** 30}, "truncate_prompt_tokens (10000000000"),  # once kept all silently
     (CHAT, {"truncate_prompt_tokens": 1025}, "truncate_prompt_tokens (1025) is greater than max_model_len (1024)"),
     # vLLM's extras pagedllm does not implement: once accepted and ignored (a warning in the log only)
-    (CMPL, {"priority": 5}, "'priority' is not supported yet by pagedllm."),
-    (CMPL, {"return_token_ids": True}, "'return_token_ids' is not supported yet by pagedllm."),
+    (CMPL, {"priority": 5}, "priority=5 needs priority scheduling: start the server with --scheduling-policy "
+                            "priority"),
+    (CHAT, {"priority": -1}, "priority=-1 needs priority scheduling: start the server with --scheduling-policy "
+                             "priority"),
     (CHAT, {"cache_salt": ""}, "'cache_salt' must be a non-empty string if given"),
     (CMPL, {"logits_processors": ["my.module:Processor"]}, "'logits_processors' is not supported yet by pagedllm."),
     (CHAT, {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},

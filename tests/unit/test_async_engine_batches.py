@@ -273,3 +273,19 @@ def test_step_outputs_round_trip() -> None:
     assert [o.request_id for o in msg.outputs] == ["b", "c", "d", "e", "f"]
     assert sorted(msg.all_outputs(), key=lambda o: o.request_id) == outs
     assert (msg.timestamp, msg.engine_index) == (1.5, 2)
+
+
+
+def test_priority_travels_in_every_samples_add_request() -> None:
+    """n > 1: each child AddRequest carries the request's priority (and cache salt), through the wire's decoder."""
+    from pagedllm.entrypoints.async_engine import _Parent
+    from pagedllm.entrypoints.parallel_sampling import fan_out
+
+    engine, _ = _engine()
+    try:
+        children = fan_out("r", SamplingParams(max_tokens=8, detokenize=False, n=2))
+        _, adds = engine._add_children("r", _Parent(), None, [1, 2, 3], children, "delta", None, "s", -3)
+        decoded = [m.input_decoder().decode(m.Encoder().encode(a)) for a in adds]
+    finally:
+        _close(engine)
+    assert [(a.request_id, a.priority, a.cache_salt) for a in decoded] == [("0_r", -3, "s"), ("1_r", -3, "s")]

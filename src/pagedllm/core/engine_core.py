@@ -18,7 +18,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.batch_plan import EngineCoreOutput
 from pagedllm.core.block_hash import check_cache_salt
 from pagedllm.core.errors import RequestStepError, check_sampled_tokens
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import Request, RequestStatus, check_priority
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.structured_hooks import StructuredOutputHooks
 from pagedllm.sampling_constraints import check_against_engine
@@ -36,6 +36,7 @@ class EngineCoreRequest:
     arrival_time: Optional[float] = None
     lora_id: Optional[int] = None
     cache_salt: Optional[str] = None
+    priority: int = 0  # --scheduling-policy priority only (lower first)
 
 
 class EngineCore:
@@ -84,6 +85,7 @@ class EngineCore:
             max_loras=engine_args.max_loras if engine_args.enable_lora else None,
             kv_group_windows=getattr(w, "kv_group_windows", (None,)),
             long_rope_original=getattr(w, "long_rope_original", None),
+            scheduling_policy=engine_args.scheduling_policy,
         )
         self.loras = EngineLoRAs(w.lora_manager, self.scheduler)
         from pagedllm import envs
@@ -148,6 +150,7 @@ class EngineCore:
                 "tokens of one request; raise --gpu-memory-utilization / kv cache memory or shorten the prompt.")
         self.loras.check_request(req.lora_id)
         check_cache_salt(req.cache_salt)
+        check_priority(req.priority, self.engine_args.scheduling_policy)
         params = req.sampling_params
         check_against_engine(params, self.vocab_size, self.engine_args.max_logprobs)
         room = self.max_model_len - num_prompt
@@ -175,6 +178,7 @@ class EngineCore:
             arrival_time=req.arrival_time if req.arrival_time is not None else time.monotonic(),
             lora_id=req.lora_id,
             cache_salt=req.cache_salt,
+            priority=req.priority,
         )
         if params.structured_outputs is not None:
             request.structured_output = self.structured.submit(request)

@@ -39,6 +39,17 @@ _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHE
                    RequestStatus.FINISHED_ABORTED: "abort"}
 
 
+def check_priority(priority, scheduling_policy: str) -> None:
+    """A request's priority: an integer, and not 0 only under priority scheduling (vLLM refuses it too)."""
+    if type(priority) is not int:  # (no bools, no floats: vLLM's field is an int)
+        raise ValueError(f"priority must be an integer, got {priority!r}.")
+    if not -2 ** 63 <= priority < 2 ** 63:  # the wire's msgpack integers are 64-bit
+        raise ValueError(f"priority must be in [-2**63, 2**63), got {priority}.")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority={priority} needs priority scheduling: start the server with "
+                         "--scheduling-policy priority (offline: LLM(..., scheduling_policy='priority')).")
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -48,6 +59,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     lora_id: Optional[int] = None  # prefix-cache salt: blocks of different adapters never match
     cache_salt: Optional[str] = None  # the client's prefix-cache salt: blocks of different salts never match
+    priority: int = 0  # --scheduling-policy priority: lower is served first (vLLM)
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -74,6 +86,8 @@ class Request:
     # LongRoPE with both factor tables: the request's KV is computed with the long factors (its sequence was
     # longer than the original context when its computation started); a prefix-cache salt too.
     rope_long: bool = False
+    # Priority scheduling: (priority, arrival_time, order added), the key its queues are sorted by (set when added).
+    priority_key: tuple = ()
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

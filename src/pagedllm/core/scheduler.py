@@ -15,10 +15,13 @@ schedule():
   1. Running requests, in admission order: min(remaining tokens, budget, long_prefill_token_threshold).
      When the pool runs dry, the newest running request is preempted (blocks freed, computed count
      reset to 0, put at the front of the waiting queue) until the allocation fits; if the request
-     being scheduled is itself the newest, it is preempted and skipped. A request that cannot grow
+     being scheduled is itself the newest, it is preempted and skipped. (scheduling_policy="priority":
+     read "(priority, arrival) order" for admission order, "the largest (priority, arrival)" for the
+     newest, and "back in its (priority, arrival) place" for the front of the queue.) A request that cannot grow
      while it is the only one running has filled the pool by itself and can never finish: it ends
      with FINISHED_LENGTH instead of looping forever.
-  2. Only if nothing was preempted this step: waiting requests, FCFS (resumed ones are at the front),
+  2. Only if nothing was preempted this step: waiting requests, FCFS (resumed ones are at the front;
+     priority: in (priority, arrival) order),
      while budget and max_num_seqs allow: prefix-cache lookup, then a chunk of min(remaining, budget)
      tokens (with enable_chunked_prefill=False: all remaining tokens, or the request waits). The first one
      that does not fit stops admission (no preemption for waiting requests), except that a request that
@@ -31,6 +34,8 @@ Invariants:
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,6 +51,21 @@ from pagedllm.core.batch_plan import (
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import _FINISH_REASONS, Request, RequestStatus
 from pagedllm.spec_decode.scheduling import SpecScheduling
+
+
+# Ties of (priority, arrival_time) keep the order requests were added in.
+_arrivals = itertools.count()
+
+
+def _insort(queue: Union[list, deque], request: Request) -> None:
+    """Insert `request` after every entry whose key is <= its own (priority scheduling's queues are sorted)."""
+    key = request.priority_key
+    i = bisect.bisect_right(queue, key, key=_priority_key)
+    queue.insert(i, request)
+
+
+def _priority_key(request: Request) -> tuple:
+    return request.priority_key
 
 
 @dataclass
@@ -84,12 +104,16 @@ class Scheduler:
         max_loras: Optional[int] = None,
         kv_group_windows: Sequence[Optional[int]] = (None,),
         long_rope_original: Optional[int] = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """kv_group_windows: the sliding window of each KV-cache group (core/kv_cache_groups.py; None: full
         attention); the default is one group of full-attention layers. long_rope_original: a LongRoPE model's
         original context when the engine's reaches past it (the model rotates a request longer than it with the
-        long factors, shorter ones with the short factors); None otherwise."""
+        long factors, shorter ones with the short factors); None otherwise. scheduling_policy: "fcfs" or
+        "priority" (both queues kept in (priority, arrival) order, see _priority_key)."""
         self.long_rope_original = long_rope_original
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {scheduling_policy!r}.")
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1.")
         if long_prefill_token_threshold is not None and long_prefill_token_threshold < 1:
@@ -108,6 +132,10 @@ class Scheduler:
         # LoRA: running requests use at most max_loras distinct adapters (the runner's device slots); a waiting
         # request whose adapter would be one too many is held back, not failed. None: LoRA off.
         self.max_loras = max_loras
+        # Priority: running and waiting stay sorted by (priority, arrival), so the loops below need no change: the
+        # running loop serves the most urgent first and preempts from the end (vLLM's victim: the largest key),
+        # admission takes the queue's front. Only inserts pay for it; fcfs keeps append / appendleft.
+        self.priority = scheduling_policy == "priority"
         self.kv_cache_manager = KVCacheManager(
             block_size=block_size, num_blocks=num_blocks, enable_caching=enable_prefix_caching,
             group_windows=kv_group_windows,
@@ -173,7 +201,11 @@ class Scheduler:
         request.sync_counted = (request.needs_sync, request.needs_sync_sampling)
         self.num_needs_sync += request.sync_counted[0]
         self.num_needs_sync_sampling += request.sync_counted[1]
-        self.waiting.append(request)
+        if self.priority:
+            request.priority_key = (request.priority, request.arrival_time, next(_arrivals))
+            _insort(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
@@ -264,7 +296,10 @@ class Scheduler:
         self.spec.forget(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.priority:
+            _insort(self.waiting, request)  # back in its place: a more urgent request that came meanwhile goes first
+        else:
+            self.waiting.appendleft(request)
         self._finished_req_ids.add(request.request_id)
 
     def _finish_cannot_grow(self, request: Request) -> None:
@@ -313,7 +348,11 @@ class Scheduler:
         held = self._recompute_outgrown(preempted) if self.long_rope_original is not None else None
         budget = self._schedule_running(plan, budget, preempted, scheduled)  # (these advance as they are planned)
         if held:
-            self.running[:0] = held
+            if self.priority:  # running stays in (priority, arrival) order
+                for request in held:
+                    _insort(self.running, request)
+            else:
+                self.running[:0] = held
         num_running_scheduled = len(scheduled)
         if not preempted:
             self._schedule_waiting(plan, budget, scheduled)
@@ -505,7 +544,10 @@ class Scheduler:
             if kv.enable_caching:
                 kv.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             self.waiting.popleft()
-            self.running.append(request)
+            if self.priority:
+                _insort(self.running, request)
+            else:
+                self.running.append(request)
             if lora is not None and request.lora_id is not None:
                 lora[1].add(request.lora_id)
             request.status = RequestStatus.RUNNING

@@ -310,11 +310,12 @@ class AsyncEngine:
         output_kind: str = "delta",
         lora_request: Any = None,
         cache_salt: Optional[str] = None,
+        priority: int = 0,
     ) -> AsyncIterator[Any]:
         """Yield RequestOutputs (delta: one per engine step; cumulative: the latest at each wake-up; final_only:
         the last) until the request finishes."""
         batches = self.generate_batches(prompt, prompt_token_ids, params, request_id, output_kind, lora_request,
-                                        cache_salt)
+                                        cache_salt, priority)
         try:
             async for batch in batches:
                 if output_kind != "delta":
@@ -334,6 +335,7 @@ class AsyncEngine:
         output_kind: str = "delta",
         lora_request: Any = None,
         cache_salt: Optional[str] = None,
+        priority: int = 0,
     ) -> AsyncIterator[list]:
         """Yield every RequestOutput that arrived since the last yield, in order, as a non-empty list, until the
         request finishes (the last list ends with the finished output). An error (engine death, a refused
@@ -356,7 +358,7 @@ class AsyncEngine:
         pending = parent.pending
         try:
             engine, adds = self._add_children(request_id, parent, prompt, prompt_token_ids, children, output_kind,
-                                              lora_request, cache_salt)
+                                              lora_request, cache_salt, priority)
             await self._send_adds(engine, adds)
             while True:
                 if not pending:
@@ -403,7 +405,7 @@ class AsyncEngine:
 
     def _add_children(self, request_id: str, parent: _Parent, prompt: Optional[str], prompt_token_ids: list[int],
                       children: list, output_kind: str, lora_request: Any,
-                      cache_salt: Optional[str] = None) -> tuple[int, list]:
+                      cache_salt: Optional[str] = None, priority: int = 0) -> tuple[int, list]:
         """Register the request's engine requests (`children`: fan_out's, one per sample) with the OutputProcessor
         and the bookkeeping; -> (the engine core that gets them, their AddRequest messages)."""
         now = time.monotonic()
@@ -419,7 +421,8 @@ class AsyncEngine:
                                        parent_id=child.parent_id, index=child.index, output_kind=output_kind)
             adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time(),
                                      lora_id=None if lora_request is None else lora_request.lora_int_id,
-                                     client_index=self.client_index, cache_salt=cache_salt))
+                                     client_index=self.client_index, cache_salt=cache_salt,
+                                     priority=priority))  # (n > 1: every sample has the request's priority)
         return engine, adds
 
     def _forget(self, request_id: str, abort: bool) -> None:

@@ -356,6 +356,7 @@ class EngineLoop:
                     arrival_time=msg.arrival_time,
                     lora_id=msg.lora_id,
                     cache_salt=msg.cache_salt,
+                    priority=msg.priority,
                 )
             )
         except ValueError as e:  # a structured-output spec's error names the request field (e.param)

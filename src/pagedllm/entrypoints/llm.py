@@ -190,7 +190,8 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType], None] = None,
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: UseTqdm = True, lora_request: Any = None, *,
-                 prompt_token_ids: Optional[list[list[int]]] = None) -> list:
+                 prompt_token_ids: Optional[list[list[int]]] = None, priority: Optional[list[int]] = None) -> list:
+        """priority (vLLM's): one integer per prompt, lower first; not 0 only with scheduling_policy="priority"."""
         if prompts is None and prompt_token_ids is not None:
             prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
         if prompts is None:
@@ -214,11 +215,14 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, "
                                  "or one per prompt.")
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
+            raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}.")
         # Tokenize everything before queuing anything; the engine checks each request as it is queued, and a refusal
         # takes back those queued before it (_run_frozen): a bad prompt fails the call cleanly.
         items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params_list)]
         lora_ids = self._add_loras(lora_request, len(items))
-        outputs = self._run(items, use_tqdm, lora_ids, [_salt_of(p) for p in prompts])
+        outputs = self._run(items, use_tqdm, lora_ids, [_salt_of(p) for p in prompts],
+                            None if priority is None else list(priority))
         if lora_request is not None:
             per_prompt = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(outputs)
             for out, req in zip(outputs, per_prompt):
@@ -309,16 +313,16 @@ class LLM:
 
     # ------------------------------------------------------------------ the loop
     def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None,
-             salts: Optional[list[Optional[str]]] = None) -> list:
+             salts: Optional[list[Optional[str]]] = None, priorities: Optional[list[int]] = None) -> list:
         from pagedllm.core.engine_core import objects_frozen
 
         # The engine's start-up objects stay out of the collector's full passes while the steps run (see
         # objects_frozen: this process is the user's, so they are unfrozen again at the end).
         with objects_frozen():
-            return self._run_frozen(items, use_tqdm, lora_ids, salts)
+            return self._run_frozen(items, use_tqdm, lora_ids, salts, priorities)
 
     def _run_frozen(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]],
-                    salts: Optional[list[Optional[str]]] = None) -> list:
+                    salts: Optional[list[Optional[str]]] = None, priorities: Optional[list[int]] = None) -> list:
         from pagedllm.core.batch_plan import EngineCoreOutput
         from pagedllm.core.engine_core import EngineCoreRequest
         from pagedllm.core.errors import RequestStepError
@@ -333,13 +337,15 @@ class LLM:
         prompt_of: dict[str, tuple[int, int, int]] = {}  # engine id -> (prompt index, sample index, n): for warnings
         try:
             nones = [None] * len(items)
-            for i, (((text, ids), params), lora_id, salt) in enumerate(zip(items, lora_ids or nones, salts or nones)):
+            zeros = [0] * len(items)
+            for i, (((text, ids), params), lora_id, salt, priority) in enumerate(
+                    zip(items, lora_ids or nones, salts or nones, priorities or zeros)):
                 request_id = str(next(self._counter))
                 order.append(request_id)
                 for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
                     # The engine validates the prompt first: the detokenizer only ever sees valid token ids.
                     engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id,
-                                                         cache_salt=salt))
+                                                         cache_salt=salt, priority=priority))
                     added.append(child.request_id)
                     processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
                                           index=child.index, output_kind="final_only")

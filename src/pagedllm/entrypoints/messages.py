@@ -54,6 +54,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     lora_id: Optional[int] = None
     client_index: int = 0  # the API server process that sent it (its outputs go back there)
     cache_salt: Optional[str] = None
+    priority: int = 0  # --scheduling-policy priority (lower first)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -10,7 +10,7 @@ import asyncio
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.request_params import request_cache_salt
+from pagedllm.entrypoints.openai.request_params import request_cache_salt, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.sampling_params import BeamSearchParams
 
@@ -55,8 +55,8 @@ def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int
 
 
 async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchParams, disconnected=None,
-                 lora_request: Any = None, cache_salt: Optional[str] = None):
-    """One prompt's search; every beam step runs under the request's adapter and prefix-cache salt."""
+                 lora_request: Any = None, cache_salt: Optional[str] = None, priority: int = 0):
+    """One prompt's search; every beam step runs under the request's adapter, prefix-cache salt and priority."""
     from pagedllm.beam_search.driver import run_async
 
     engine = state.engine
@@ -64,7 +64,7 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
     async def one(seq: list[int], sp) -> Any:
         final = None
         async for out in engine.generate(None, seq, sp, output_kind="final_only", lora_request=lora_request,
-                                         cache_salt=cache_salt):
+                                         cache_salt=cache_salt, priority=priority):
             final = out
         return final
 
@@ -84,14 +84,19 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
                               prompts: list, max_tokens: int, disconnected=None) -> dict:
     params, n = beam_search_params(req, max_tokens)
     lora, salt = state.lora_request(model), request_cache_salt(req)
-    results = await asyncio.gather(*(search(state, ids, params, disconnected, lora, salt) for _, ids in prompts))
+    priority = request_priority(req, state.scheduling_policy)
+    results = await asyncio.gather(*(search(state, ids, params, disconnected, lora, salt, priority)
+                                     for _, ids in prompts))
     choices, num_prompt, num_gen = [], 0, 0
     for i, ((_, ids), result) in enumerate(zip(prompts, results)):
         num_prompt += len(ids)
         for j, seq in enumerate(result.sequences[:n]):
             num_gen += len(seq.tokens) - len(ids)
-            choices.append({"index": i * n + j, "text": seq.text, "logprobs": None,
-                            "finish_reason": seq.finish_reason, "stop_reason": None})
+            choice = {"index": i * n + j, "text": seq.text, "logprobs": None,
+                      "finish_reason": seq.finish_reason, "stop_reason": None}
+            if req.return_token_ids:  # as the sampling path's choices
+                choice.update(prompt_token_ids=list(ids), token_ids=list(seq.tokens[len(ids):]))
+            choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": _usage(num_prompt, num_gen)}
 
@@ -99,14 +104,21 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
 async def chat_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
                         prompt_ids: list[int], max_tokens: Optional[int], disconnected=None) -> dict:
     params, n = beam_search_params(req, max_tokens)
-    result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), request_cache_salt(req))
+    result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), request_cache_salt(req),
+                          request_priority(req, state.scheduling_policy))
     choices, num_gen = [], 0
     for j, seq in enumerate(result.sequences[:n]):
         num_gen += len(seq.tokens) - len(prompt_ids)
-        choices.append({"index": j, "message": {"role": "assistant", "content": seq.text}, "logprobs": None,
-                        "finish_reason": seq.finish_reason, "stop_reason": None})
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+        choice = {"index": j, "message": {"role": "assistant", "content": seq.text}, "logprobs": None,
+                  "finish_reason": seq.finish_reason, "stop_reason": None}
+        if req.return_token_ids:
+            choice["token_ids"] = list(seq.tokens[len(prompt_ids):])
+        choices.append(choice)
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": _usage(len(prompt_ids), num_gen)}
+    if req.return_token_ids:  # as the sampling path's response
+        body["prompt_token_ids"] = list(prompt_ids)
+    return body
 
 
 def _usage(num_prompt: int, num_gen: int) -> dict:

@@ -15,7 +15,8 @@ from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, request_cache_salt, truncate_prompt)
+                                                        check_logprob_fields, request_cache_salt, request_priority,
+                                                        truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, first_output, last_output,
                                                    usage_dict)
@@ -26,6 +27,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     req = await parse_body(request, ChatCompletionRequest)
     model = state.check_model(req.model)
     salt = request_cache_salt(req)
+    priority = request_priority(req, state.scheduling_policy)
     engine = state.engine
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
@@ -64,14 +66,14 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
     gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
-                   lora_request=state.lora_request(model), cache_salt=salt)
+                   lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
     created = int(time.time())
     first, watch = await first_output(request, engine, gen, [request_id])
     if stream:
         framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
-        return SSEResponse(_ChatStream(req, state, len(prompt_ids), gen, first, watch, framer, tool_plan, request_id))
+        return SSEResponse(_ChatStream(req, state, prompt_ids, gen, first, watch, framer, tool_plan, request_id))
     final = await last_output(gen, first, watch)
-    return Response(dumps(_full_response(req, state, model, request_id, created, len(prompt_ids), final, tool_plan)),
+    return Response(dumps(_full_response(req, state, model, request_id, created, prompt_ids, final, tool_plan)),
                     media_type="application/json")
 
 
@@ -97,7 +99,7 @@ def _echo_text(req: ChatCompletionRequest) -> str:
 
 
 def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
-                   num_prompt: int, final: Any, tool_plan: ToolPlan) -> dict:
+                   prompt_ids: list[int], final: Any, tool_plan: ToolPlan) -> dict:
     choices = []
     num_gen = 0
     echo = _echo_text(req)
@@ -109,12 +111,17 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
         message, finish_reason = choice_message(tool_plan, out.text, out.finish_reason)
         if echo:
             message["content"] = echo + (message["content"] or "")
-        choices.append({"index": out.index, "message": message,
-                        "logprobs": lp, "finish_reason": finish_reason, "stop_reason": out.stop_reason})
+        choice = {"index": out.index, "message": message,
+                  "logprobs": lp, "finish_reason": finish_reason, "stop_reason": out.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = list(out.token_ids)
+        choices.append(choice)
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_dict(num_prompt, num_gen)}
+            "choices": choices, "usage": usage_dict(len(prompt_ids), num_gen)}
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, final.prompt_logprobs)
+    if req.return_token_ids:  # vLLM: on the response (one prompt for every choice)
+        body["prompt_token_ids"] = list(prompt_ids)
     return body
 
 
@@ -122,14 +129,18 @@ class _ChatStream(SSEStream):
     """The SSE chunks of a streamed chat completion: the role first (and the echo), then one chunk per choice
     per engine step."""
 
-    def __init__(self, req: ChatCompletionRequest, state: ServerState, num_prompt: int, batches: AsyncIterator,
+    def __init__(self, req: ChatCompletionRequest, state: ServerState, prompt_ids: list[int], batches: AsyncIterator,
                  first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan, request_id: str) -> None:
         super().__init__(batches, first, watch, framer)
-        self.req, self.tok, self.num_prompt, self.num_gen = req, state.tokenizer, num_prompt, 0
+        self.req, self.tok, self.num_prompt, self.num_gen = req, state.tokenizer, len(prompt_ids), 0
+        self.prompt_ids = prompt_ids
         self.top_n = req.top_logprobs or 0
         self.tool_streams = ChoiceStreams(tool_plan) if tool_plan.active else None
-        # A running choice of a plain stream (no logprobs, no tools) is a template and its text.
-        self.plain = not req.logprobs and self.tool_streams is None
+        # return_token_ids: each chunk's token_ids; those of tokens a tool parser holds back wait for its next chunk.
+        self.token_ids = bool(req.return_token_ids)
+        self.held_ids: dict[int, list[int]] = {}
+        # A running choice of a plain stream (no logprobs, no tools, no token ids) is a template and its text.
+        self.plain = not req.logprobs and self.tool_streams is None and not self.token_ids
         self.templates = [framer.template(b'{"index":%d,"delta":{"content":' % i, b"}") for i in range(req.n)]
         if self.plain and req.n == 1:
             self.direct = (state.engine, request_id)
@@ -145,8 +156,12 @@ class _ChatStream(SSEStream):
         echo = _echo_text(self.req)
         frames = []
         for i in range(self.req.n):
-            frames.append(self.frame({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}))
+            role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            if self.token_ids and i == 0:  # vLLM: the prompt's ids on the stream's first chunk, at its top level
+                frames.append(self.framer.choices([role], self.usage() if self.framer.continuous_usage else None,
+                                                  b',"prompt_token_ids":' + dumps(self.prompt_ids)))
+                continue
+            frames.append(self.frame(role))
             if echo:
                 frames.append(self.frame({"index": i, "delta": {"content": echo}, "logprobs": None,
                                           "finish_reason": None}))
@@ -170,17 +185,28 @@ class _ChatStream(SSEStream):
                 continue
             lp = _chat_logprobs(self.tok, out.token_ids, out.logprobs, self.top_n,
                                 bool(self.req.return_tokens_as_token_ids)) if self.req.logprobs else None
+            ids = None
+            if self.token_ids:
+                ids = self.held_ids.pop(out.index, []) + list(out.token_ids)
             if self.tool_streams is not None:
-                frames += _tool_frames(self.frame, self.tool_streams, out, lp)
+                tool_frames = _tool_frames(self.frame, self.tool_streams, out, lp, ids)
+                if ids is not None and not tool_frames:
+                    self.held_ids[out.index] = ids
+                frames += tool_frames
                 continue
             delta = {"content": out.text} if out.text or out.finish_reason is None else {}
-            frames.append(self.frame({"index": out.index, "delta": delta, "logprobs": lp,
-                                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}))
+            choice = {"index": out.index, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason,
+                      "stop_reason": out.stop_reason}
+            if ids is not None:
+                choice["token_ids"] = ids
+            frames.append(self.frame(choice))
         return frames[0] if len(frames) == 1 else b"".join(frames)
 
 
-def _tool_frames(frame: Any, streams: ChoiceStreams, out: Any, lp: Any) -> list[bytes]:
-    """A choice's chunk with tools in play: content held back where a call may start, calls as tool_calls deltas."""
+def _tool_frames(frame: Any, streams: ChoiceStreams, out: Any, lp: Any, ids: Optional[list[int]] = None
+                 ) -> list[bytes]:
+    """A choice's chunk with tools in play: content held back where a call may start, calls as tool_calls deltas.
+    ids (return_token_ids): go out on the first frame; with no frame the caller keeps them for the next."""
     deltas, finish_reason = streams.deltas(out.index, out.text, out.finish_reason)
     if lp is not None:
         # The logprobs of tokens held back (a call may be starting) go out with the next chunk sent, so the stream
@@ -191,9 +217,12 @@ def _tool_frames(frame: Any, streams: ChoiceStreams, out: Any, lp: Any) -> list[
         if not deltas and out.finish_reason is None:
             streams.held_logprobs[out.index] = lp["content"]
             lp = None
-    frames = [frame({"index": out.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None})
-              for i, d in enumerate(deltas)]
+    choices = [{"index": out.index, "delta": d, "logprobs": lp if i == 0 else None, "finish_reason": None}
+               for i, d in enumerate(deltas)]
     if out.finish_reason is not None:
-        frames.append(frame({"index": out.index, "delta": {}, "logprobs": None if deltas else lp,
-                             "finish_reason": finish_reason, "stop_reason": out.stop_reason}))
-    return frames
+        choices.append({"index": out.index, "delta": {}, "logprobs": None if deltas else lp,
+                        "finish_reason": finish_reason, "stop_reason": out.stop_reason})
+    if ids is not None:
+        for i, choice in enumerate(choices):
+            choice["token_ids"] = ids if i == 0 else []
+    return [frame(choice) for choice in choices]

@@ -76,6 +76,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: requests' `priority` field orders admission and preemption (lower first)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     e.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])

@@ -15,7 +15,7 @@ from pagedllm.entrypoints.openai.logprobs import (iter_logprobs, prompt_logprobs
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, check_token_ids, request_cache_salt,
-                                                        truncate_prompt)
+                                                        request_priority, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, merge_streams,
                                                    start_disconnect_watch, usage_dict)
@@ -66,6 +66,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.check_model(req.model)
     salt = request_cache_salt(req)
+    priority = request_priority(req, state.scheduling_policy)
     if req.suffix:
         raise APIError("'suffix' is not supported yet.", param="suffix")
     if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
@@ -105,7 +106,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     lora = state.lora_request(model)
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
-    gens = [generate(text, ids, params, sid, output_kind=kind, lora_request=lora, cache_salt=salt)
+    gens = [generate(text, ids, params, sid, output_kind=kind, lora_request=lora, cache_salt=salt, priority=priority)
             for (text, ids), sid in zip(prompts, sub_ids)]
     watch = start_disconnect_watch(request, engine, sub_ids)
     # One prompt's stream is read as it is (one generator less per chunk); several are interleaved, as (i, item).
@@ -156,6 +157,9 @@ def _full_response(req: CompletionRequest, state: ServerState, model: str, reque
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(tok, final.prompt_logprobs)
+            if req.return_token_ids:  # vLLM: both on the choice (each choice has its own prompt)
+                choice["prompt_token_ids"] = list(ids)
+                choice["token_ids"] = list(out.token_ids)
             choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage_dict(num_prompt, num_gen)}
@@ -205,8 +209,10 @@ class _CompletionStream(SSEStream):
         self.offsets: dict[int, int] = {}
         self.num_gen = 0
         self.num_prompt = sum(len(ids) for _, ids in prompts)
-        # A running choice of a plain stream (no logprobs, no echo) is a template and its text.
-        self.plain = req.logprobs is None and not req.echo
+        # A running choice of a plain stream (no logprobs, no echo, no token ids) is a template and its text.
+        self.token_ids = bool(req.return_token_ids)
+        self.ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (vLLM: in the first chunk only)
+        self.plain = req.logprobs is None and not req.echo and not self.token_ids
         self.echo_only = echo_only(req)
         self.templates = [framer.template(b'{"index":%d,"text":' % index) for index in range(len(prompts) * req.n)]
         if self.plain and not self.multi and req.n == 1:
@@ -249,6 +255,11 @@ class _CompletionStream(SSEStream):
                 lp = self._logprobs(i, index, ro, out)
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                       "stop_reason": out.stop_reason}
+            if self.token_ids:
+                if index not in self.ids_sent:
+                    self.ids_sent.add(index)
+                    choice["prompt_token_ids"] = list(self.prompts[i][1])
+                choice["token_ids"] = list(out.token_ids)
             frames.append(self.framer.choices([choice], self.usage() if self.framer.continuous_usage else None))
         return frames[0] if len(frames) == 1 else b"".join(frames)
 

@@ -28,9 +28,7 @@ NOT_SUPPORTED_YET: dict[str, Callable[[Any], bool]] = {
     "guided_grammar": lambda v: v is not None,
     "use_beam_search": lambda v: bool(v),
     # vLLM's extras that change what is generated or returned: ignoring them would answer another question.
-    "priority": lambda v: v not in (None, 0),  # vLLM too refuses it without --scheduling-policy priority
     "logits_processors": lambda v: bool(v),
-    "return_token_ids": lambda v: bool(v),
     "prompt_embeds": lambda v: v is not None,
     "kv_transfer_params": lambda v: v is not None,
     "structural_tag": lambda v: v is not None,

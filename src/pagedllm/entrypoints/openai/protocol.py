@@ -71,6 +71,8 @@ class _SamplingFields(_Req):
     include_stop_str_in_output: bool = False
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None  # vLLM: only requests of the same salt share prefix-cache blocks
+    priority: Optional[int] = 0  # vLLM: lower first; not 0 only under --scheduling-policy priority
+    return_token_ids: Optional[bool] = None  # vLLM: the choices' token_ids and the prompt's prompt_token_ids
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[int]] = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from pagedllm.core.block_hash import check_cache_salt
+from pagedllm.core.request import check_priority
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import field_or_none
 from pagedllm.sampling_params import SamplingParams, keep_last_tokens
@@ -18,6 +19,16 @@ def request_cache_salt(req: Any) -> Optional[str]:
     except ValueError as e:
         raise APIError(str(e), param="cache_salt") from None
     return salt
+
+
+def request_priority(req: Any, scheduling_policy: str) -> int:
+    """The request's priority (vLLM's; null is 0), or a 400 naming the field (not 0 under fcfs)."""
+    priority = field_or_none(req, "priority") or 0
+    try:
+        check_priority(priority, scheduling_policy)
+    except ValueError as e:
+        raise APIError(str(e), param="priority") from None
+    return priority
 
 
 def build_sampling_params(req: Any, max_tokens: Optional[int], logprobs: Optional[int],

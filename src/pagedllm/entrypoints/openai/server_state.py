@@ -34,6 +34,10 @@ class ServerState:
         return self.engine.tokenizer
 
     @property
+    def scheduling_policy(self) -> str:
+        return getattr(self.engine.engine_args, "scheduling_policy", "fcfs")
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

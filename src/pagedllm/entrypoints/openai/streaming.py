@@ -188,10 +188,11 @@ class ChunkFramer:
         return b',"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
             num_prompt, num_generated, num_prompt + num_generated)
 
-    def choices(self, choices: list[dict], usage: Optional[dict] = None) -> bytes:
+    def choices(self, choices: list[dict], usage: Optional[dict] = None, top: bytes = b"") -> bytes:
+        """top: more top-level members after the choices, e.g. b',"prompt_token_ids":[...]' (vLLM's chat)."""
         if self.continuous_usage and usage is not None:
-            return b"data: " + self.head + dumps(choices) + b',"usage":' + dumps(usage) + b"}\n\n"
-        return b"data: " + self.head + dumps(choices) + self.tail
+            return b"data: " + self.head + dumps(choices) + top + b',"usage":' + dumps(usage) + b"}\n\n"
+        return b"data: " + self.head + dumps(choices) + top + self.tail
 
     def usage(self, usage: dict) -> bytes:
         """The final usage-only chunk (stream_options.include_usage): no choices."""

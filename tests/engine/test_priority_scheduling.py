@@ -1,0 +1,47 @@
+"""scheduling_policy="priority" end to end through LLM: requests of mixed priorities under a pool that forces
+preemption still give transformers' exact greedy tokens (sync and async scheduling), the victims are always the
+running request with the largest (priority, arrival), and fcfs refuses a non-zero priority."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.scheduler import Scheduler
+from tests.engine.test_correctness import check_against_hf, random_prompts
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_with_preemption_matches_hf(tiny_qwen3_dir, async_scheduling, monkeypatch):
+    victims = []
+    preempt = Scheduler._preempt
+
+    def recording_preempt(self, request):  # the victim left `running` just before: it must outrank all still there
+        victims.append((request.priority_key, [r.priority_key for r in self.running]))
+        preempt(self, request)
+
+    monkeypatch.setattr(Scheduler, "_preempt", recording_preempt)
+    llm = LLM(model=tiny_qwen3_dir, dtype="float32", num_gpu_blocks_override=10, block_size=8, max_model_len=80,
+              enable_prefix_caching=False, scheduling_policy="priority", async_scheduling=async_scheduling)
+    prompts = random_prompts([12, 20, 7, 15, 9], seed=5)
+    max_tokens = [24, 18, 30, 20, 16]
+    priorities = [3, -1, 3, 0, 7]
+    real_generate = llm.generate
+    llm.generate = lambda ps, sp, use_tqdm: real_generate(ps, sp, use_tqdm=use_tqdm, priority=priorities)
+    check_against_hf(llm, tiny_qwen3_dir, prompts, max_tokens)
+    assert llm.engine.get_stats().num_preemptions > 0
+    assert victims and all(all(key > other for other in running) for key, running in victims)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_fcfs_refuses_a_priority(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, block_size=8, max_model_len=128)
+    one = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match=r"priority=2 needs priority scheduling: start the server with "
+                                         r"--scheduling-policy priority"):
+        llm.generate([[5, 6], [7, 8]], one, use_tqdm=False, priority=[0, 2])
+    with pytest.raises(ValueError, match="one integer per prompt"):
+        llm.generate([[5, 6], [7, 8]], one, use_tqdm=False, priority=[0])
+    # Zeros are fcfs's own priority, and nothing was left queued by the refusal.
+    outs = llm.generate([[5, 6], [7, 8]], one, use_tqdm=False, priority=[0, 0])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+    assert not llm.engine.has_unfinished_requests()

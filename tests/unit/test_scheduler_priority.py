@@ -1,0 +1,131 @@
+"""--scheduling-policy priority in the scheduler: admission in (priority, arrival) order, the running request with
+the largest (priority, arrival) preempted first (vLLM's rule), ties by arrival, resumed requests back in their
+place; fcfs unchanged (the same plans whatever the priorities say, since the engine refuses them there)."""
+import pytest
+
+from pagedllm.core.request import Request, RequestStatus, check_priority
+from tests.unit.test_scheduler import FakeRunner, make_req, make_sched, run_to_completion, step
+
+
+def req(rid, tokens, priority=0, arrival=None, max_tokens=16):
+    r = make_req(rid, tokens, max_tokens=max_tokens)
+    r.priority = priority
+    if arrival is not None:
+        r.arrival_time = arrival
+    return r
+
+
+def test_admission_in_priority_then_arrival_order():
+    sched = make_sched(scheduling_policy="priority", max_num_seqs=1)
+    runner = FakeRunner()
+    for rid, prio, t in (("A", 5, 1.0), ("B", 1, 2.0), ("C", 1, 1.5), ("D", -3, 9.0), ("E", 1, 1.5)):
+        sched.add_request(req(rid, 4, prio, t, max_tokens=1))
+    # D (-3); then priority 1 by arrival: C (1.5), E (1.5, added after C), B (2.0); then A (5)
+    assert [r.request_id for r in sched.waiting] == ["D", "C", "E", "B", "A"]
+    order = []
+    while sched.has_unfinished_requests():
+        plan, _ = step(sched, runner)
+        order += [n.request_id for n in plan.new_requests]
+    assert order == ["D", "C", "E", "B", "A"]
+
+
+def test_fcfs_ignores_priority_and_keeps_order():
+    sched = make_sched(max_num_seqs=1)
+    runner = FakeRunner()
+    for rid, prio in (("A", 5), ("B", 1), ("C", -1)):
+        sched.add_request(req(rid, 4, prio, max_tokens=1))
+    order = []
+    while sched.has_unfinished_requests():
+        plan, _ = step(sched, runner)
+        order += [n.request_id for n in plan.new_requests]
+    assert order == ["A", "B", "C"] and not sched.priority
+
+
+def test_preempts_the_largest_priority_not_the_newest():
+    # Three one-block requests fill the pool (only B's block is full); the one with the largest priority value is
+    # the victim, though it came first (fcfs would take C, the newest), and it resumes in its (priority, arrival) place.
+    sched = make_sched(scheduling_policy="priority", num_blocks=3, enable_prefix_caching=False)
+    runner = FakeRunner()
+    a, b, c = req("A", 3, 9, 1.0, max_tokens=5), req("B", 4, 0, 2.0, max_tokens=5), req("C", 3, 0, 3.0, max_tokens=5)
+    for r in (a, b, c):
+        sched.add_request(r)
+    plan, _ = step(sched, runner)
+    assert [n.request_id for n in plan.new_requests] == ["B", "C", "A"]  # admitted by priority
+    assert [r.request_id for r in sched.running] == ["B", "C", "A"]
+    plan, _ = step(sched, runner)  # B needs a 2nd block: A (priority 9) goes, C (newest) stays
+    assert plan.preempted_request_ids == {"A"} and a.status == RequestStatus.PREEMPTED
+    assert plan.num_scheduled_tokens == {"B": 1, "C": 1}
+    assert list(sched.waiting) == [a]
+    outs = run_to_completion(sched, runner)
+    assert b.output_token_ids == [1004, 1005, 1006, 1007, 1008]
+    assert a.output_token_ids == c.output_token_ids == [1003, 1004, 1005, 1006, 1007]
+    assert set(outs) == {"A", "B", "C"} and a.num_preemptions >= 1 and b.num_preemptions == 0
+
+
+def test_ties_preempt_the_latest_arrival():
+    sched = make_sched(scheduling_policy="priority", num_blocks=3, enable_prefix_caching=False)
+    runner = FakeRunner()
+    reqs = [req("A", 4, 1, 3.0, 5), req("B", 4, 1, 1.0, 5), req("C", 4, 1, 2.0, 5)]
+    for r in reqs:
+        sched.add_request(r)
+    step(sched, runner)
+    plan, _ = step(sched, runner)
+    # B runs first (earliest); A (latest arrival) is preempted for it, then C needs a block and is itself the
+    # largest left: preempted too.
+    assert plan.num_scheduled_tokens == {"B": 1} and plan.preempted_request_ids == {"A", "C"}
+    assert [r.request_id for r in sched.waiting] == ["C", "A"]  # back in (priority, arrival) order
+    run_to_completion(sched, runner)
+    assert all(r.output_token_ids == [1004, 1005, 1006, 1007, 1008] for r in reqs)
+
+
+def test_urgent_request_arriving_later_goes_before_a_resumed_one():
+    sched = make_sched(scheduling_policy="priority", num_blocks=3, enable_prefix_caching=False)
+    runner = FakeRunner()
+    a, b = req("A", 4, 0, 1.0, 8), req("B", 8, 5, 2.0, 4)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, runner)
+    plan, _ = step(sched, runner)  # A needs a 2nd block: B (priority 5) preempted
+    assert plan.preempted_request_ids == {"B"}
+    u = req("U", 4, 2, 3.0, 1)
+    sched.add_request(u)
+    assert list(sched.waiting) == [u, b]  # fcfs would have put the resumed B at the front
+    run_to_completion(sched, runner)
+    assert b.output_token_ids == [1008, 1009, 1010, 1011]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_preemption_with_async_scheduling_and_general_path(async_scheduling):
+    # The same outputs with the fast paths off and with a step in flight (placeholders of a victim dropped).
+    results = []
+    for fast in (True, False):
+        sched = make_sched(scheduling_policy="priority", num_blocks=6, enable_prefix_caching=False,
+                           async_scheduling=async_scheduling)
+        sched.fast_paths = fast
+        runner = FakeRunner()
+        reqs = [req(f"R{i}", 3 + i, priority=(7 * i) % 4, arrival=float(i), max_tokens=6) for i in range(5)]
+        for r in reqs:
+            sched.add_request(r)
+        run_to_completion(sched, runner)
+        results.append([r.output_token_ids for r in reqs])
+        assert sched.stats().num_preemptions > 0
+        assert all(len(o) == 6 for o in results[-1])
+    assert results[0] == results[1]
+
+
+def test_check_priority():
+    check_priority(0, "fcfs")
+    check_priority(-4, "priority")
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        check_priority(1, "fcfs")
+    for bad in (True, 1.5, "1"):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            check_priority(bad, "priority")
+    with pytest.raises(ValueError, match=r"priority must be in \[-2\*\*63, 2\*\*63\), got 9223372036854775808\."):
+        check_priority(2 ** 63, "priority")
+    with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority"):
+        make_sched(scheduling_policy="lifo")
+
+
+def test_request_defaults_to_priority_zero():
+    assert Request("x", [1], make_req("y", 1).sampling_params).priority == 0
