@@ -11,16 +11,6 @@
 #   bash benchmarks/gpu_decode.sh decode-prep      # batch-1 decode with it off / on, alternating: SmolLM2 and
 #                                                  # Qwen3-0.6B (q / k norms) shapes
 #   bash benchmarks/gpu_decode.sh decode-prep-8b   # the same for the Llama-3-8B shape
-#   bash benchmarks/gpu_decode.sh decode-merge-tests  # the split decode merged by its last program
-#                                                  # (PAGEDLLM_DECODE_MERGE): its kernel tests, then the GPU engine
-#                                                  # tests with it on
-#   bash benchmarks/gpu_decode.sh decode-merge     # batch-1 and batch-8 decode with it off / on, alternating:
-#                                                  # SmolLM2 and Qwen3-0.6B shapes; SmolLM2's k=4 verify step
-#   bash benchmarks/gpu_decode.sh decode-merge-8b  # the same for the Llama-3-8B shape (batch 1)
-#   bash benchmarks/gpu_decode.sh decode-merge-a   # the same in two calls: its kernel tests, SmolLM2 batch 1 and k=4
-#   bash benchmarks/gpu_decode.sh decode-merge-b   # verify; then the engine tests with it on, Qwen3-0.6B and 8B batch 1
-#   bash benchmarks/gpu_decode.sh phi3-merge       # LongRoPE's per-request factors on CUDA (the families' phi3 tests),
-#                                                  # the merge's kernel tests, SmolLM2 batch 1 with it off / on
 #
 # Several modes run in order in one call: `bash benchmarks/gpu_decode.sh decode-prep-tests decode-prep`.
 # Each step has its own timeout; logs and JSON go to $OUT (or /tmp/decode-out), the summary lines to stdout.
@@ -28,8 +18,7 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 [ $# -gt 0 ] || { echo "usage: $0 MODE... (norm-gemv-tests, norm-gemv, norm-gemv-8b, decode-prep-tests," \
-    "decode-prep, decode-prep-8b, decode-merge-tests, decode-merge, decode-merge-8b, decode-merge-a," \
-    "decode-merge-b, phi3-merge)" >&2; exit 2; }
+    "decode-prep, decode-prep-8b)" >&2; exit 2; }
 source tests/gpu/device_prepare.sh
 out=${OUT:-/tmp/decode-out}
 mkdir -p "$out"
@@ -85,40 +74,6 @@ decode-prep)
     ;;
 decode-prep-8b)
     ab llama8b-prep llama3-8b 140 PAGEDLLM_DECODE_PREP
-    ;;
-decode-merge-tests)
-    PAGEDLLM_DECODE_MERGE=1 step kernels 200 python -m pytest -m gpu -q -p no:cacheprovider \
-        tests/gpu/test_attention_kernels.py tests/gpu/test_few_query_attention.py
-    PAGEDLLM_DECODE_MERGE=1 step engine-on 240 python -m pytest -m gpu -q -p no:cacheprovider \
-        tests/gpu/test_engine_gpu.py tests/gpu/test_families_gpu.py tests/gpu/test_sliding_window_engine_gpu.py
-    ;;
-decode-merge)
-    ab smollm2-merge smollm2-135m 90 PAGEDLLM_DECODE_MERGE
-    ab qwen3-merge qwen3-0.6b 100 PAGEDLLM_DECODE_MERGE
-    ab smollm2-merge-b8 smollm2-135m 90 PAGEDLLM_DECODE_MERGE 8
-    ab qwen3-merge-b8 qwen3-0.6b 100 PAGEDLLM_DECODE_MERGE 8
-    ab_verify smollm2-merge-verify smollm2-135m 120 PAGEDLLM_DECODE_MERGE
-    ;;
-decode-merge-8b)
-    ab llama8b-merge llama3-8b 140 PAGEDLLM_DECODE_MERGE
-    ;;
-decode-merge-a)
-    PAGEDLLM_DECODE_MERGE=1 step kernels 200 python -m pytest -m gpu -q -p no:cacheprovider \
-        tests/gpu/test_attention_kernels.py tests/gpu/test_few_query_attention.py
-    ab smollm2-merge smollm2-135m 90 PAGEDLLM_DECODE_MERGE
-    ab_verify smollm2-merge-verify smollm2-135m 120 PAGEDLLM_DECODE_MERGE
-    ;;
-phi3-merge)
-    step phi3 150 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_families_gpu.py -k phi3
-    PAGEDLLM_DECODE_MERGE=1 step kernels 200 python -m pytest -m gpu -q -p no:cacheprovider \
-        tests/gpu/test_attention_kernels.py tests/gpu/test_few_query_attention.py
-    ab smollm2-merge smollm2-135m 90 PAGEDLLM_DECODE_MERGE
-    ;;
-decode-merge-b)
-    PAGEDLLM_DECODE_MERGE=1 step engine-on 240 python -m pytest -m gpu -q -p no:cacheprovider \
-        tests/gpu/test_engine_gpu.py tests/gpu/test_families_gpu.py tests/gpu/test_sliding_window_engine_gpu.py
-    ab qwen3-merge qwen3-0.6b 100 PAGEDLLM_DECODE_MERGE
-    ab llama8b-merge llama3-8b 140 PAGEDLLM_DECODE_MERGE
     ;;
 *)
     echo "unknown step: $what" >&2

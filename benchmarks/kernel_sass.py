@@ -18,8 +18,7 @@ launcher's decode_block_n / decode_num_stages. Reads of an E4M3 cache: fp16 (Q_F
 the bf16 query's dtype), fp16-vw (Q_FP16 with V read as 32-bit words, V_WORDS).
 
     python benchmarks/kernel_sass.py --cache bf16 fp8 --block-n 64 128 --stages 3 --reads fp16 bf16 fp16-vw \\
-        [--heads 16/8] [--head-size 128] [--block-size 16] [--warps 4] [--single-split] [--merge] [--json PATH]
-        [--dump DIR]
+        [--heads 16/8] [--head-size 128] [--block-size 16] [--warps 4] [--single-split] [--json PATH] [--dump DIR]
 """
 from __future__ import annotations
 
@@ -112,7 +111,7 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
                  DOT_PRECISION=pa._dot_precision(QUERY_DTYPE), SINGLE_SPLIT=args.single_split, HAS_ORDER=False,
                  USE_PDL=False, SOFT_CAP=False, Q_FP16=q_fp16,
                  # the engine passes an E4M3 cache's v_scale (triton_backend.py)
-                 OUT_SCALE=v.cache == "fp8", V_WORDS=v_words, MERGE=args.merge and not args.single_split)
+                 OUT_SCALE=v.cache == "fp8", V_WORDS=v_words)
     splits = 1 if args.single_split else SPLITS
     blocks, max_blocks = 4096, 64  # (only their divisibility by 16 can matter)
     d, bs = args.head_size, args.block_size
@@ -133,7 +132,7 @@ def pointer_type(name: str, cache: torch.dtype, out_scale: bool) -> str:
         return TRITON_PTR[cache]
     if name.startswith("part_"):
         return "*fp32"
-    if name.startswith(("block_table", "seq_lens", "order", "counter")):
+    if name.startswith(("block_table", "seq_lens", "order")):
         return "*i32"
     if name.startswith("out_scale"):
         return "*fp32" if out_scale else TRITON_PTR[QUERY_DTYPE]  # (the launcher's placeholder when unread)
@@ -363,7 +362,6 @@ def main():
     p.add_argument("--maxnreg", type=int, default=None,
                    help="cap the registers per thread (Triton's maxnreg launch option): spills vs CTAs per SM")
     p.add_argument("--single-split", action="store_true", help="SINGLE_SPLIT (one program per request and head)")
-    p.add_argument("--merge", action="store_true", help="MERGE (the last split program merges: no reduce launch)")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--dump", default=None, help="keep each variant's TTGIR, PTX and SASS in this folder")
     args = p.parse_args()
@@ -385,7 +383,7 @@ def main():
         rows.append(measure(v, args, tools))
     print(f"_decode_kernel for sm_{ARCH}: heads {args.heads}, head size {args.head_size}, block size "
           f"{args.block_size}, {args.warps} warps, {'one split' if args.single_split else 'split-KV'}"
-          f"{f', maxnreg {args.maxnreg}' if args.maxnreg else ''}{', merged' if args.merge else ''}; "
+          f"{f', maxnreg {args.maxnreg}' if args.maxnreg else ''}; "
           f"triton {triton.__version__}\n")
     print(tables(rows))
     if args.json:

@@ -90,9 +90,6 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": decode steps on CUDA (16-bit caches) launch qkv_prep before the decode attention kernel instead of the
     # kernel doing its work itself (q / k norm, rope, the KV write: kernels/paged_attention.DecodePrep; A/B).
     "PAGEDLLM_DECODE_PREP": lambda: os.environ.get("PAGEDLLM_DECODE_PREP", "1") != "0",
-    # "1": a decode or verify step whose context is split ends with the last program of each (request, kv head)
-    # merging the slices instead of a reduce launch (kernels/paged_attention._merge_slices; off until measured).
-    "PAGEDLLM_DECODE_MERGE": lambda: _truthy(os.environ.get("PAGEDLLM_DECODE_MERGE")),
     # Mixed prefill + decode steps of up to this many tokens replay CUDA graphs (worker/mixed_graph.py); 0: eager.
     "PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": _int("PAGEDLLM_MIXED_GRAPH_MAX_TOKENS", 4096),
     # Mixed-step graphs with this one query tile (rows per attention program) instead of the per-step choice.

@@ -140,43 +140,6 @@ def test_decode(cfg):
     _check_cache_and_output(batch, out3, dtype)
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3], CONFIGS[5], CONFIGS[8]],
-                         ids=[CONFIG_IDS[0], CONFIG_IDS[3], CONFIG_IDS[5], CONFIG_IDS[8]])
-def test_decode_merge(cfg):
-    """merge=True (PAGEDLLM_DECODE_MERGE): the last split program of each (request, kv head) merges the slices in
-    place of the reduce launch. The reference's output at every split count and start order, with a sliding window
-    (the reduce's output there) and zero-length rows (zeros), and the counters back at zero after every launch (a
-    captured graph's replays reuse them)."""
-    head_size, num_heads, num_kv_heads, block_size, dtype = cfg
-    specs = [(n - 1, 1) for n in DECODE_LENS]
-    batch = build_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
-    md = batch.metadata
-    TritonAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache, md, batch.scale)
-    counters = torch.zeros(md.num_reqs * num_kv_heads, dtype=torch.int32, device=DEVICE)
-    by_len = torch.argsort(md.seq_lens, descending=True, stable=True).to(torch.int32)
-    args = (batch.query, batch.kv_cache, md.block_table, md.seq_lens, batch.scale)
-    interpreted = DEVICE != "cuda"  # (Triton's interpreter in CI: fewer launches)
-    for num_splits, block_n in ((16, 32),) if interpreted else ((3, None), (16, 32), (64, None)):
-        for order in (by_len,) if interpreted else (None, by_len):
-            out = paged_decode_attention(*args, num_seqs=md.num_reqs, num_splits=num_splits, block_n=block_n,
-                                         order=order, merge=True, counters=counters)
-            _check_cache_and_output(batch, out, dtype)
-            assert torch.count_nonzero(counters) == 0
-    window = 100
-    merged = paged_decode_attention(*args, num_seqs=md.num_reqs, num_splits=4, sliding_window=window, merge=True,
-                                    counters=counters)
-    reduced = paged_decode_attention(*args, num_seqs=md.num_reqs, num_splits=4, sliding_window=window, merge=False)
-    assert not torch.isnan(merged).any() and torch.count_nonzero(counters) == 0
-    torch.testing.assert_close(merged.float(), reduced.float(), **tolerances(dtype))
-    seq_lens = md.seq_lens.clone()
-    seq_lens[::3] = 0  # CUDA-graph padding rows
-    out = paged_decode_attention(batch.query, batch.kv_cache, md.block_table, seq_lens, batch.scale,
-                                 num_seqs=md.num_reqs, num_splits=8, merge=True, counters=counters)
-    assert torch.count_nonzero(out[::3]) == 0 and torch.count_nonzero(counters) == 0
-    ref = paged_attention_ref(batch.query, batch.kv_cache, md.block_table, seq_lens, md.query_start_loc, batch.scale)
-    torch.testing.assert_close(out.float(), ref.float(), **tolerances(dtype))
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="too large for the interpreter")
 @pytest.mark.parametrize("num_seqs,ctx", [(1, 32768), (3, 16384), (200, 300), (64, 2048)])
 @pytest.mark.parametrize("dtype", [BF16, FP32])
@@ -206,15 +169,12 @@ def test_decode_zero_length_rows_give_zeros(dtype):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("merge", [False, True], ids=["reduce", "merge"])
 @pytest.mark.parametrize("num_seqs", [1, 8, 128])
-def test_decode_cuda_graph_replay(num_seqs, merge):
-    """Capture one decode forward, then replay it with new seq_lens, block tables and inputs (the split slices
-    reduced by their own launch, or merged by the last program: PAGEDLLM_DECODE_MERGE)."""
+def test_decode_cuda_graph_replay(num_seqs):
+    """Capture one decode forward, then replay it with new seq_lens, block tables and inputs."""
     num_heads, num_kv_heads, head_size, block_size, dtype = 32, 8, 128, 16, BF16
     q, k, v, kv_cache, out, md, backend = decode_graph_inputs(num_seqs, num_heads, num_kv_heads, head_size,
                                                               block_size, dtype, 4096)
-    backend.decode_merge = merge
     seq_lens, block_table, slot_mapping, qsl = md.seq_lens, md.block_table, md.slot_mapping, md.query_start_loc
     num_blocks, max_blocks = kv_cache.shape[1], block_table.shape[1]
     scale = head_size ** -0.5

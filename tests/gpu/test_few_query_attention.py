@@ -54,20 +54,15 @@ def _run(batch, q_pad=None, **kw):
                                      batch.scale, num_seqs=md.num_reqs, q_pad=q_pad, **kw)
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["reduce", "merge"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
-def test_every_split_count_gives_the_reference(cfg, merge):
-    """Every split count, the slices merged by the reduce launch or by the last split program of each request and
-    kv head (PAGEDLLM_DECODE_MERGE; its counters back at zero after each launch)."""
+def test_every_split_count_gives_the_reference(cfg):
     head_size, num_heads, num_kv_heads, block_size, dtype = cfg
     batch = build_batch(VERIFY, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
     ref, _ = reference(batch)
-    counters = torch.zeros(len(VERIFY) * num_kv_heads, dtype=torch.int32, device=DEVICE)
     for num_splits, block_n in ((1, None), (3, None), (16, 32), (64, 64)):
-        out = _run(batch, num_splits=num_splits, block_n=block_n, merge=merge, counters=counters)
+        out = _run(batch, num_splits=num_splits, block_n=block_n)
         assert not torch.isnan(out).any(), num_splits
         torch.testing.assert_close(out.float(), ref.float(), **tolerances(dtype))
-        assert torch.count_nonzero(counters) == 0
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:1], ids=CONFIG_IDS[:1])
@@ -85,15 +80,13 @@ def test_wider_tiles_and_graph_padding_rows(cfg):
     md.seq_lens = torch.cat([md.seq_lens, torch.full((pad,), 77, dtype=torch.int32, device=DEVICE)])
     md.block_table = torch.cat([md.block_table, md.block_table[:pad]])
     md.num_reqs += pad
-    for num_splits, merge in ((1, False), (8, False), (8, True)):
-        out = _run(batch, q_pad=16, num_splits=num_splits, merge=merge)
+    for num_splits in (1, 8):
+        out = _run(batch, q_pad=16, num_splits=num_splits)
         torch.testing.assert_close(out.float(), ref.float(), **tolerances(dtype))
 
 
-@pytest.mark.parametrize("merge", [False, True] if not INTERPRETED else [False],
-                         ids=lambda m: "merge" if m else "reduce")
 @pytest.mark.parametrize("window", [16, 45, 300])
-def test_sliding_window_and_soft_cap(window, merge):
+def test_sliding_window_and_soft_cap(window):
     head_size, num_heads, num_kv_heads, block_size, dtype = CONFIGS[0]
     batch = build_batch(VERIFY, num_heads, num_kv_heads, head_size, block_size, dtype, DEVICE)
     # Blocks wholly before a request's first window are never read: point them at NaN block 0.
@@ -104,7 +97,7 @@ def test_sliding_window_and_soft_cap(window, merge):
     md.block_table = table.to(DEVICE)
     ref, _ = reference(batch, sliding_window=window, logits_soft_cap=30.0)
     for num_splits in (1, 4):
-        out = _run(batch, num_splits=num_splits, sliding_window=window, logits_soft_cap=30.0, merge=merge)
+        out = _run(batch, num_splits=num_splits, sliding_window=window, logits_soft_cap=30.0)
         assert not torch.isnan(out).any()
         torch.testing.assert_close(out.float(), ref.float(), **tolerances(dtype))
 

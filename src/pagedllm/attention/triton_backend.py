@@ -27,7 +27,6 @@ from pagedllm.kernels.paged_attention import (
     TINY_CONTEXT_LEN,
     decode_block_n,
     decode_num_splits,
-    decode_counters_numel,
     decode_workspace_numel,
     few_query_pad,
     few_query_workspace_numel,
@@ -67,10 +66,6 @@ class TritonAttentionBackend(AttentionBackend):
         # (device, num_kv_heads, num_heads, head_size) -> (part_out, part_lse), fp32, never freed:
         # captured graphs keep pointing at them.
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Split decode launches merge their slices in the last program instead of a reduce launch: its counters,
-        # (device, num_kv_heads) -> int32 zeros, never freed (as the workspaces).
-        self.decode_merge = envs.PAGEDLLM_DECODE_MERGE
-        self._merge_counters: dict[tuple, torch.Tensor] = {}
 
     def _workspace(self, key: tuple, numels, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp32 (part_out, part_lse) pair under `key`, allocated at the sizes numels() gives the first time
@@ -87,14 +82,6 @@ class TritonAttentionBackend(AttentionBackend):
         return self._workspace((device, num_kv_heads, num_heads, head_size),
                                lambda: decode_workspace_numel(num_kv_heads, num_heads, head_size, device,
                                                               self.max_splits), device)
-
-    def _decode_counters(self, num_kv_heads: int, device: torch.device) -> torch.Tensor:
-        key = (torch.device(device), num_kv_heads)
-        counters = self._merge_counters.get(key)
-        if counters is None:
-            counters = self._merge_counters[key] = torch.zeros(decode_counters_numel(num_kv_heads, key[0]),
-                                                               dtype=torch.int32, device=key[0])
-        return counters
 
     def _few_query_workspace(self, num_heads: int, num_kv_heads: int, head_size: int,
                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,18 +209,16 @@ class TritonAttentionBackend(AttentionBackend):
             keys = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
             num_splits = decode_num_splits(metadata.num_reqs, num_kv_heads, query.device, self.max_splits, keys,
                                            kv_cache.dtype)
-            workspace = counters = None
+            workspace = None
             if num_splits > 1:
                 workspace = self.reserve_workspace(num_heads, num_kv_heads, head_size, query.device)
-                if self.decode_merge:
-                    counters = self._decode_counters(num_kv_heads, query.device)
             paged_decode_attention(
                 query, kv_cache, metadata.block_table, metadata.seq_lens, scale,
                 num_seqs=metadata.num_reqs, output=output, workspace=workspace, num_splits=num_splits,
                 block_n=decode_block_n(query.dtype, head_size, num_splits, keys, kv_cache.dtype),
                 order=metadata.decode_order if decode_uses_order(metadata.num_reqs, num_splits) else None,
                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, shrink=output_shrink,
-                out_scale=out_scale, prep=prep, merge=self.decode_merge, counters=counters)
+                out_scale=out_scale, prep=prep)
         else:
             assert prep is None, "the decode prep is for one-token queries"
             tile = metadata.graph_prefill_tile
@@ -255,9 +240,7 @@ class TritonAttentionBackend(AttentionBackend):
                     workspace=self._few_query_workspace(num_heads, num_kv_heads, head_size, query.device),
                     num_splits=num_splits,
                     block_n=decode_block_n(query.dtype, head_size, num_splits, metadata.max_seq_len, kv_cache.dtype),
-                    sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, out_scale=out_scale,
-                    merge=self.decode_merge,
-                    counters=self._decode_counters(num_kv_heads, query.device) if self.decode_merge else None)
+                    sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, out_scale=out_scale)
             else:
                 paged_prefill_attention(
                     query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, scale,

@@ -511,9 +511,6 @@ def _decode_kernel(
     positions_ptr=None, cos_sin_ptr=None, q_w_ptr=None, k_w_ptr=None, slot_ptr=None, stride_cs=0, eps=0.0,
     PREP: tl.constexpr = False, NUM_Q: tl.constexpr = 1, NUM_KV: tl.constexpr = 1, HAS_NORM: tl.constexpr = False,
     FP32_PRODUCT: tl.constexpr = False,
-    # MERGE: the last of a (request, kv head)'s split programs to finish merges the slices into the output (a
-    # counter per pair in counter_ptr, zero between launches), so no reduce kernel is launched.
-    counter_ptr=None, MERGE: tl.constexpr = False,
 ):
     dims = tl.arange(0, HEAD_PAD)
     if PREP:
@@ -596,55 +593,6 @@ def _decode_kernel(
     _store_slice(acc, m_i, l_i, out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
                  part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, has_work, split, out_scale_ptr,
                  stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
-    if MERGE:
-        _merge_if_last(counter_ptr + seq64 * tl.num_programs(0) + kv_head, num_splits,
-                       tl.cdiv(seq_len - lo, tl.maximum(part_len, 1)),  # the splits that had work
-                       out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
-                       part_lse_ptr + seq64 * stride_pl_seq, head, dims, io_mask, row_ok, out_scale_ptr,
-                       stride_oh, stride_po_head, stride_po_split, stride_pl_head, GQA_PAD, HEAD_PAD, OUT_SCALE)
-
-
-@triton.jit
-def _merge_if_last(count_ptr, num_splits, num_active, out_rows, po_rows, pl_rows, head, dims, io_mask, row_ok,
-                   out_scale_ptr, stride_oh, stride_po_head, stride_po_split, stride_pl_head,
-                   ROWS: tl.constexpr, HEAD_PAD: tl.constexpr, OUT_SCALE: tl.constexpr):
-    """After a split program stored its slice (_store_slice): count it in its (request, kv head)'s counter; the
-    last of the num_splits programs merges the first num_active slices into the output, as the reduce kernel does,
-    and resets the counter for the next launch (a captured graph's replays share the counters)."""
-    tl.debug_barrier()  # every thread's stores of this slice before the count that publishes them
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if done == num_splits - 1:
-        _merge_slices(out_rows, po_rows, pl_rows, head, dims, io_mask, row_ok, num_active, out_scale_ptr,
-                      stride_oh, stride_po_head, stride_po_split, stride_pl_head, ROWS, HEAD_PAD, OUT_SCALE)
-        tl.atomic_xchg(count_ptr, 0)
-
-
-@triton.jit
-def _merge_slices(out_rows, po_rows, pl_rows, head, dims, io_mask, row_ok, num_active, out_scale_ptr,
-                  stride_oh, stride_po_head, stride_po_split, stride_pl_head,
-                  ROWS: tl.constexpr, HEAD_PAD: tl.constexpr, OUT_SCALE: tl.constexpr):
-    """The reduce kernel's merge for one kv head's query rows (ROWS of them, as the program's tile), by the program
-    that finished last: the slices' outputs weighted by exp2(lse - max lse). The parts are read through L2 (.cg):
-    other SMs wrote them, and this SM's L1 may hold the same addresses from an earlier launch."""
-    lse_max = tl.full([ROWS], float("-inf"), tl.float32)
-    for s in range(0, num_active):
-        lse = tl.load(pl_rows + head * stride_pl_head + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        lse_max = tl.maximum(lse_max, lse)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    denom = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
-    for s in range(0, num_active):
-        lse = tl.load(pl_rows + head * stride_pl_head + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - lse_max)  # 0 where a row saw nothing of the slice
-        part = tl.load(po_rows + head[:, None] * stride_po_head + s * stride_po_split + dims[None, :], mask=io_mask,
-                       other=0.0, cache_modifier=".cg")
-        denom += w
-        acc += part * w[:, None]
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    out = acc / denom[:, None]
-    if OUT_SCALE:
-        out = out * tl.load(out_scale_ptr)
-    tl.store(out_rows + head[:, None] * stride_oh + dims[None, :], out.to(out_rows.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head",
@@ -723,7 +671,6 @@ def _few_query_kernel(
     Q_FP16: tl.constexpr = False,
     OUT_SCALE: tl.constexpr = False,  # (SINGLE_SPLIT; else the reduce applies it)
     V_WORDS: tl.constexpr = False,
-    counter_ptr=None, MERGE: tl.constexpr = False,  # the last split program merges (as _decode_kernel's)
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): every query token of a request (<= Q_PAD) and the GQA group of one kv
@@ -775,12 +722,6 @@ def _few_query_kernel(
         _store_slice(acc, m_i, l_i, out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
                      part_lse_ptr + tok64 * stride_pl_row, head, dims, io_mask, row_ok, q_len > 0, split, out_scale_ptr,
                      stride_oh, stride_po_head, stride_po_split, stride_pl_head, SINGLE_SPLIT, OUT_SCALE)
-        if MERGE:  # (every split stored its part, an empty one lse -inf: all num_splits merge)
-            _merge_if_last(counter_ptr + seq.to(tl.int64) * tl.num_programs(0) + kv_head, num_splits, num_splits,
-                           out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
-                           part_lse_ptr + tok64 * stride_pl_row, head, dims, io_mask, row_ok, out_scale_ptr,
-                           stride_oh, stride_po_head, stride_po_split, stride_pl_head, Q_PAD * GQA_PAD, HEAD_PAD,
-                           OUT_SCALE)
 
 
 # Few-query launches (`paged_few_query_attention`): at most this many query tokens per request, and tiles of at most
@@ -843,8 +784,6 @@ def paged_few_query_attention(
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     out_scale: Optional[torch.Tensor] = None,
-    merge: Optional[bool] = None,  # as paged_decode_attention's
-    counters: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention for requests of a few query tokens each (speculative verify rows, decodes), the semantics
     of `paged_prefill_attention`, split-KV as `paged_decode_attention`: the prefill kernel gives such a request one
@@ -880,13 +819,10 @@ def paged_few_query_attention(
         return output
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_tokens, num_heads, num_splits, head_pad,
                                                          query.device)
-    merge_args = _merge_args(merge, counters, num_seqs, num_kv_heads, query.device)
     _few_query_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, query_start_loc, scale_arg,
         scale * LOG2E, num_splits, window, soft_cap, *head_strides, *cache_strides, *part_strides,
-        SINGLE_SPLIT=False, **merge_args, **common)
-    if merge_args:  # (rows of tokens of no request, graph padding, are left unwritten: nothing reads them)
-        return output
+        SINGLE_SPLIT=False, **common)
     # Rows of tokens of no request (graph padding) merge whatever their workspace rows hold: nothing reads them.
     _decode_reduce_kernel[(num_tokens, num_heads)](
         output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
@@ -975,31 +911,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, ma
 def decode_workspace_numel(num_kv_heads: int, num_heads: int, head_size: int, device: torch.device,
                            max_splits: int = 64) -> tuple[int, int]:
     """Worst-case (part_out, part_lse) element counts over every batch size and cache dtype; allocate once."""
-    rows = _split_rows_bound(num_kv_heads, device)
+    target = 2 * _DECODE_PROGRAMS_PER_SM * sm_count(device)
+    # splits > 1 only when num_seqs * kv_heads * splits <= target, so num_seqs * splits <= target / kv_heads.
+    rows = triton.cdiv(target, num_kv_heads) + 1
     return rows * num_heads * triton.next_power_of_2(head_size), rows * num_heads
-
-
-def _split_rows_bound(num_kv_heads: int, device: torch.device) -> int:
-    """Requests x splits of a split launch at most, over every batch size and cache dtype: splits > 1 only when
-    num_seqs * kv_heads * splits <= the program target (decode_num_splits)."""
-    return triton.cdiv(2 * _DECODE_PROGRAMS_PER_SM * sm_count(device), num_kv_heads) + 1
-
-
-def decode_counters_numel(num_kv_heads: int, device: torch.device) -> int:
-    """Worst-case (request, kv head) pairs of a split decode launch (the merge's counters); allocate once, zeroed."""
-    return _split_rows_bound(num_kv_heads, device) * num_kv_heads
-
-
-def _merge_args(merge: Optional[bool], counters: Optional[torch.Tensor], num_seqs: int, num_kv_heads: int,
-                device: torch.device) -> dict:
-    """The split kernels' arguments for merging in their last program (None: PAGEDLLM_DECODE_MERGE); {} to leave
-    the slices to the reduce kernel. Counters made here (no persistent buffer given) suit eager calls only."""
-    if not (envs.PAGEDLLM_DECODE_MERGE if merge is None else merge):
-        return {}
-    if counters is None:
-        counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
-    assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads, "merge counters"
-    return dict(counter_ptr=counters, MERGE=True)
 
 
 def split_kv_partials(workspace: Optional[tuple[torch.Tensor, torch.Tensor]], rows: int, num_heads: int,
@@ -1052,8 +967,6 @@ def paged_decode_attention(
     shrink: Optional[OutputShrink] = None,  # computed by the reduce kernel when the launch splits the context
     out_scale: Optional[torch.Tensor] = None,  # float32 [1] on the device: the output is multiplied by it
     prep: Optional[DecodePrep] = None,  # the q / k norm, rope and KV write of qkv_prep, done in this launch
-    merge: Optional[bool] = None,  # the last split program merges (no reduce launch); None: PAGEDLLM_DECODE_MERGE
-    counters: Optional[torch.Tensor] = None,  # int32, zeros, >= num_seqs * kv heads: the merge's (persistent)
 ) -> torch.Tensor:
     """One query token per request; split-KV over the context. CUDA-graph capturable when the
     workspace is preallocated (shapes depend only on num_seqs and the model's heads). With `prep`, `query` is a view
@@ -1093,15 +1006,11 @@ def paged_decode_attention(
 
     part_out, part_lse, part_strides = split_kv_partials(workspace, num_seqs, num_heads, num_splits, head_pad,
                                                          query.device)
-    # (the reduce kernel also folds a LoRA shrink: that launch stays)
-    merge_args = {} if shrink is not None else _merge_args(merge, counters, num_seqs, num_kv_heads, query.device)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query, output, part_out, part_lse, kv_cache, block_table, seq_lens, order_arg, scale_arg, scale * LOG2E,
         num_splits, window, soft_cap,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), *cache_strides,
-        *part_strides, SINGLE_SPLIT=False, **merge_args, **common)
-    if merge_args:
-        return output
+        *part_strides, SINGLE_SPLIT=False, **common)
     fold_args, fold_meta = (output, seq_lens, output, output, seq_lens, 0, 0, 0, 0, 0, 0), {}  # (unread)
     if shrink is not None:
         a, h = shrink.a, shrink.h
