@@ -44,7 +44,20 @@ class StreamOptions(_Req):
     continuous_usage_stats: Optional[bool] = False
 
 
-class _SamplingFields(_Req):
+class VllmSamplingExtras(_Req):
+    """vLLM's sampling extras every generating endpoint takes (/v1/responses too)."""
+
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class _SamplingFields(VllmSamplingExtras):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Optional[str] = None
@@ -59,16 +72,8 @@ class _SamplingFields(_Req):
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
     user: Optional[str] = None
-    # vLLM's extras
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
-    skip_special_tokens: bool = True
+    # vLLM's extras (with VllmSamplingExtras')
     spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None  # vLLM: only requests of the same salt share prefix-cache blocks
     priority: Optional[int] = 0  # vLLM: lower first; not 0 only under --scheduling-policy priority

@@ -13,11 +13,11 @@ from pydantic import ValidationError
 
 from pagedllm.entrypoints.openai import limits
 from pagedllm.entrypoints.openai.errors import APIError, format_validation_error
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, _Req
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, VllmSamplingExtras
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 
-class ResponsesRequest(_Req):
+class ResponsesRequest(VllmSamplingExtras):
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
     instructions: Optional[str] = None
@@ -47,19 +47,11 @@ class ResponsesRequest(_Req):
     truncation: Optional[str] = None
     max_tool_calls: Optional[int] = None
     top_logprobs: Optional[int] = None
-    # vLLM's sampling extras, as chat takes them (copied onto the chat request: _SHARED)
+    # vLLM's sampling extras, as chat takes them (VllmSamplingExtras; copied onto the chat request: _SHARED)
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[str, float]] = None
     bad_words: Optional[list[str]] = None
     request_id: Optional[str] = None
