@@ -96,6 +96,15 @@ def test_bad_input(kw: dict, words: str) -> None:
     assert words in e.value.message and e.value.status == 400
 
 
+@pytest.mark.parametrize("value", [0, -1, 2 ** 63])
+def test_bad_max_output_tokens_named(value: int) -> None:
+    """The error names the Responses field, not chat's max_tokens (which the client never sent)."""
+    with pytest.raises(APIError) as e:
+        _chat(input="x", max_output_tokens=value)
+    assert e.value.param == "max_output_tokens" and "'max_output_tokens'" in e.value.message
+    assert "max_tokens" not in e.value.message.replace("max_output_tokens", "")
+
+
 @pytest.mark.parametrize("kw", [{"store": True}, {"reasoning": {}}, {"reasoning": {"effort": None}},
                                 {"include": []}, {"truncation": "disabled"}, {"background": False},
                                 {"top_logprobs": 0}])

@@ -233,6 +233,10 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates this response (its structured output apart: text_format_spec), held to the
     chat request's bounds (limits.py: the number of messages, ...)."""
     fields = {name: getattr(req, name) for name in _SHARED}
+    mot = req.max_output_tokens  # checked here: the sampling checks would name chat's 'max_tokens'
+    if mot is not None and not 1 <= mot < 2 ** 63:
+        raise APIError(f"'max_output_tokens' must be an integer >= 1 (and below 2**63), got {mot}.",
+                       param="max_output_tokens")
     try:
         chat = ChatCompletionRequest(messages=input_messages(req), max_tokens=req.max_output_tokens,
                                      tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
