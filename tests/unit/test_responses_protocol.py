@@ -84,6 +84,16 @@ def test_text_format() -> None:
     ({"input": [{"type": "bogus"}]}, "input[0].type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    # an output must answer a call made earlier in input (OpenAI: "No tool call found ..."), not reach the model
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "zz", "output": "1"}]},
+     "No tool call found for function call output with call_id 'zz'"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "call_id 'c'"),
+    # a bad output names 'output', the field sent (not 'content')
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": 3}]}, "input[1].output must be"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": [{"type": "x"}]}]}, "input[1].output[0]"),
     ({"input": "x", "tools": [{"type": "mcp", "server_label": "s"}]}, "'mcp' is not supported yet"),
     ({"input": "x", "tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
     ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "'web_search_preview' is not supported yet"),

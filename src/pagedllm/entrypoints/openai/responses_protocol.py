@@ -88,24 +88,25 @@ def check_refused(req: ResponsesRequest) -> None:
 # ---- input -> chat messages ----------------------------------------------------------------------------------
 
 
-def _content_text(content: Any, where: str) -> str:
-    """A message's content: a string, or parts of type input_text / output_text (joined as chat joins parts)."""
+def _content_text(content: Any, where: str, field: str = "content") -> str:
+    """A message's content (a function_call_output's output: field 'output'): a string, or parts of type
+    input_text / output_text (joined as chat joins parts)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(f"{where}.content must be a string or a list of content parts.", param=f"{where}.content")
+        raise APIError(f"{where}.{field} must be a string or a list of content parts.", param=f"{where}.{field}")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text"):
             if not isinstance(part.get("text"), str):
-                raise APIError(f"{where}.content[{j}].text must be a string.", param=f"{where}.content")
+                raise APIError(f"{where}.{field}[{j}].text must be a string.", param=f"{where}.{field}")
             texts.append(part["text"])
         elif kind in ("input_image", "input_file", "input_audio", "refusal"):
-            raise APIError(f"'{kind}' is not supported yet by pagedllm.", param=f"{where}.content")
+            raise APIError(f"'{kind}' is not supported yet by pagedllm.", param=f"{where}.{field}")
         else:
-            raise APIError(f"{where}.content[{j}] must be a part of type 'input_text' or 'output_text', got "
-                           f"{kind!r}.", param=f"{where}.content")
+            raise APIError(f"{where}.{field}[{j}] must be a part of type 'input_text' or 'output_text', got "
+                           f"{kind!r}.", param=f"{where}.{field}")
     return "\n".join(texts)
 
 
@@ -127,6 +128,7 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
     if len(req.input) > limits.MAX_MESSAGES:  # (named here: chat's own check would name 'messages')
         raise APIError(f"'input' may have at most {limits.MAX_MESSAGES} items (got {len(req.input)}).",
                        param="input")
+    call_ids: set[str] = set()
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -139,6 +141,7 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
             msgs.append(ChatMessage(role=role, content=_content_text(item.get("content"), where)))
         elif kind == "function_call":
             call = _history_call(item, where)
+            call_ids.add(call["id"])
             last = msgs[-1] if msgs else None
             if last is not None and last.role == "assistant" and last.tool_calls:
                 last.tool_calls.append(call)
@@ -148,7 +151,11 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise APIError(f"{where}.call_id must be a string.", param=f"{where}.call_id")
-            text = output if isinstance(output, str) else _content_text(output, where)
+            if call_id not in call_ids:  # (OpenAI's 400 too: an output answers a call made earlier in input)
+                raise APIError(f"No tool call found for function call output with call_id {call_id!r} ({where}): "
+                               "a function_call item with that call_id must come before it.",
+                               param=f"{where}.call_id")
+            text = _content_text(output, where, "output")
             msgs.append(ChatMessage(role="tool", content=text, tool_call_id=call_id))
         elif kind in ("reasoning", "item_reference", "file_search_call", "web_search_call", "computer_call",
                       "computer_call_output", "code_interpreter_call", "image_generation_call", "local_shell_call",
