@@ -321,6 +321,32 @@ def test_bad_requests(http: httpx.Client, body: dict, status: int, words: str) -
     assert words in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("extra, param", [({"input": "word " * 1500}, "input"),  # (past MAX_MODEL_LEN alone)
+                                           ({"input": "Hi", "max_output_tokens": 100000}, "max_output_tokens")])
+def test_context_length_names_responses_fields(http: httpx.Client, extra: dict, param: str) -> None:
+    """Too long for the context: the error names the Responses fields sent, not chat's messages / max_tokens."""
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "context length" in err["message"] and "messages" not in err["message"]
+
+
+@pytest.mark.parametrize("value", [0, -5, 2 ** 70])
+def test_bad_max_output_tokens(http: httpx.Client, value: int) -> None:
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Hi", "max_output_tokens": value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "max_output_tokens"
+
+
+def test_function_call_output_without_its_call(http: httpx.Client) -> None:
+    """OpenAI's 400: an output must answer a function_call made earlier in input."""
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": [
+        {"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": "call_zz", "output": "1"}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input[1].call_id" and "call_zz" in err["message"]
+
+
 def test_auth(server: Server) -> None:
     r = httpx.post(server.url + "/v1/responses", json={"model": SERVED_NAME, "input": "Hi"})
     assert r.status_code == 401

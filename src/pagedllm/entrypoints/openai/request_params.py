@@ -131,20 +131,22 @@ def truncate_prompt(ids: list[int], k: Optional[int], max_model_len: int) -> lis
     return keep_last_tokens(ids, k, max_model_len)
 
 
-def check_context_length(num_prompt_tokens: int, max_tokens: Optional[int], max_model_len: int) -> None:
+def check_context_length(num_prompt_tokens: int, max_tokens: Optional[int], max_model_len: int,
+                         prompt_field: str = "messages", max_field: str = "max_tokens") -> None:
+    """The fields named are the endpoint's (the Responses API's: 'input', 'max_output_tokens')."""
     if max_tokens is None:
         if num_prompt_tokens >= max_model_len:
             raise APIError(
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens} tokens in the messages, which leaves no room for the completion. "
-                "Please reduce the length of the messages.", param="messages")
+                f"{num_prompt_tokens} tokens in the {prompt_field}, which leaves no room for the completion. "
+                f"Please reduce the length of the {prompt_field}.", param=prompt_field)
         return
     total = num_prompt_tokens + max_tokens
     if total > max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested {total} "
-            f"tokens ({num_prompt_tokens} in the messages, {max_tokens} in the completion). Please reduce the "
-            "length of the messages or completion.", param="max_tokens")
+            f"tokens ({num_prompt_tokens} in the {prompt_field}, {max_tokens} in the completion). Please reduce the "
+            f"length of the {prompt_field} or completion.", param=max_field)
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:

@@ -41,7 +41,7 @@ async def create_response(request: Request, state: ServerState) -> Response:
     params = build_sampling_params(chat, chat.max_tokens, None, None, state.sampling_defaults)
     params.structured_outputs = spec
     apply_tool_grammar(params, tool_plan)
-    check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
+    check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len, "input", "max_output_tokens")
     request_id = req.request_id or _id("resp")
     stream = bool(req.stream)
     generate = state.engine.generate_batches if stream else state.engine.generate
