@@ -347,6 +347,21 @@ def test_function_call_output_without_its_call(http: httpx.Client) -> None:
     assert err["param"] == "input[1].call_id" and "call_zz" in err["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool, words", [
+    ({"type": "function", "name": "f", "parameters": "x"}, "tools[0].parameters must be a JSON schema object"),
+    ({"type": "function", "name": "f", "parameters": {"type": "nope"}}, "tools[0].parameters must describe"),
+])
+def test_tool_errors_name_the_flat_fields(http: httpx.Client, tool: dict, words: str, stream: bool) -> None:
+    """Tools are sent flat ({type, name, parameters}): errors name tools[i].parameters, not chat's nested
+    tools[i].function.parameters, which the client never sent."""
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Hi", "tools": [tool], "stream": stream,
+                                         "tool_choice": "required"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and ".function." not in err["message"] + str(err["param"])
+
+
 def test_auth(server: Server) -> None:
     r = httpx.post(server.url + "/v1/responses", json={"model": SERVED_NAME, "input": "Hi"})
     assert r.status_code == 401

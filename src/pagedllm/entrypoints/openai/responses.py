@@ -3,6 +3,7 @@
 is a response object with output items, or its SSE events (`event:` + `data:`, each with a sequence_number)."""
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -28,7 +29,25 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+# The chat path's tool errors name chat's nested tools[i].function.X; the client sent the flat tools[i].X.
+_NESTED_TOOL_FIELD = re.compile(r"(tools\[\d+\])\.function\.")
+
+
+def flat_tool_names(e: APIError) -> APIError:
+    e.message = _NESTED_TOOL_FIELD.sub(r"\1.", e.message)
+    if e.param:
+        e.param = _NESTED_TOOL_FIELD.sub(r"\1.", e.param)
+    return e
+
+
 async def create_response(request: Request, state: ServerState) -> Response:
+    try:
+        return await _create_response(request, state)
+    except APIError as e:
+        raise flat_tool_names(e) from None
+
+
+async def _create_response(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, ResponsesRequest)
     check_refused(req)
     model = state.check_model(req.model)
@@ -220,7 +239,7 @@ class _ResponsesStream(SSEStream):
         if error is None:
             return b""
         status = getattr(error, "status", 500)
-        message = error.message if isinstance(error, APIError) else str(error)
+        message = flat_tool_names(error).message if isinstance(error, APIError) else str(error)
         return self.event("error", code=str(status), message=message, param=getattr(error, "param", None))
 
     def usage(self) -> dict:  # (SSEStream's; the usage travels in the final response)
