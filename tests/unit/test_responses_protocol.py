@@ -96,6 +96,8 @@ def test_text_format() -> None:
                 {"type": "function_call_output", "call_id": "c", "output": [{"type": "x"}]}]}, "input[1].output[0]"),
     ({"input": "x", "tools": [{"type": "mcp", "server_label": "s"}]}, "'mcp' is not supported yet"),
     ({"input": "x", "tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "description": 5}]}, "tools[0].description must be"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict must be"),
     ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "'web_search_preview' is not supported yet"),
     ({"input": "x", "tool_choice": {"type": "function"}}, "tool_choice must be"),
     ({"input": [{"role": "user", "content": "x"}] * 4097}, "at most 4096 items"),

@@ -192,6 +192,10 @@ def chat_tools(tools: Optional[list]) -> Optional[list]:
             raise APIError(f"tools[{i}].type must be 'function'.", param="tools")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise APIError(f"tools[{i}].name must be a non-empty string.", param="tools")
+        # (chat would take a non-string description into the prompt and never read strict: refused here, as OpenAI)
+        for key, kind, what in (("description", str, "a string"), ("strict", bool, "true or false")):
+            if tool.get(key) is not None and not isinstance(tool[key], kind):
+                raise APIError(f"tools[{i}].{key} must be {what}, got {tool[key]!r}.", param=f"tools[{i}].{key}")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
