@@ -362,6 +362,15 @@ def test_tool_errors_name_the_flat_fields(http: httpx.Client, tool: dict, words:
     assert words in err["message"] and ".function." not in err["message"] + str(err["param"])
 
 
+@pytest.mark.parametrize("text", [None, {}, {"verbosity": "low"}, {"format": None}])
+def test_text_echo_has_a_format(http: httpx.Client, text) -> None:
+    """The response's text always carries format (plain text when not sent), as OpenAI's does."""
+    body = {"model": SERVED_NAME, "input": "Hi", "max_output_tokens": 2, **({} if text is None else {"text": text})}
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == {**(text or {}), "format": {"type": "text"}}
+
+
 def test_auth(server: Server) -> None:
     r = httpx.post(server.url + "/v1/responses", json={"model": SERVED_NAME, "input": "Hi"})
     assert r.status_code == 401

@@ -117,7 +117,8 @@ class _ResponseShell:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": req.temperature, "top_p": req.top_p,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
-            "text": req.text if req.text is not None else {"format": {"type": "text"}},
+            # OpenAI's echo always has text.format (its default plain text), also beside a sent verbosity
+            "text": {**(req.text or {}), "format": (req.text or {}).get("format") or {"type": "text"}},
             "previous_response_id": None, "reasoning": None, "store": req.store is not False,
             "truncation": req.truncation or "disabled", "background": False, "user": req.user, "usage": usage,
         }
