@@ -75,6 +75,8 @@ def test_text_format() -> None:
 
 @pytest.mark.parametrize("kw, words", [
     ({"input": []}, "at least one item"),
+    ({"input": ["hi"]}, "input[0] must be an input item object"),
+    ({"input": [{"role": "user", "content": "x"}, None]}, "input[1] must be an input item object"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),

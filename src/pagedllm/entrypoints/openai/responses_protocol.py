@@ -19,7 +19,7 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 
 class ResponsesRequest(VllmSamplingExtras):
     model: Optional[str] = None
-    input: Union[str, list[dict[str, Any]]]
+    input: Union[str, list[Any]]  # (items checked in input_messages: pydantic's union error would say "string")
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -131,6 +131,9 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
     call_ids: set[str] = set()
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(f"{where} must be an input item object (a message, function_call or "
+                           f"function_call_output), got {item!r:.80}.", param=where)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
