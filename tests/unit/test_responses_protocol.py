@@ -75,6 +75,11 @@ def test_text_format() -> None:
 
 @pytest.mark.parametrize("kw, words", [
     ({"input": []}, "at least one item"),
+    ({"input": "x", "metadata": {"a": 1}}, "metadata['a'] must be a string"),
+    ({"input": "x", "metadata": {"a": {"b": "c"}}}, "metadata['a'] must be a string"),
+    ({"input": "x", "metadata": {"a": "v" * 513}}, "at most 512 characters"),
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "at most 64 characters"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "at most 16 key-value pairs"),
     ({"input": ["hi"]}, "input[0] must be an input item object"),
     ({"input": [{"role": "user", "content": "x"}, None]}, "input[1] must be an input item object"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),

@@ -243,10 +243,26 @@ def text_format_spec(text: Optional[dict]) -> Optional[StructuredOutputsParams]:
         raise APIError(str(e), param="text.format.schema") from None
 
 
+def _check_metadata(metadata: Optional[dict]) -> None:
+    """OpenAI's bounds: at most 16 pairs, string keys of up to 64 characters, string values of up to 512 (the
+    response echoes metadata: a client relying on more would fail there)."""
+    if metadata is None:
+        return
+    if len(metadata) > 16:
+        raise APIError(f"'metadata' may have at most 16 key-value pairs (got {len(metadata)}).", param="metadata")
+    for k, v in metadata.items():
+        if len(k) > 64:
+            raise APIError(f"'metadata' keys may be at most 64 characters long (got {len(k)}).", param="metadata")
+        if not isinstance(v, str) or len(v) > 512:
+            raise APIError(f"metadata[{k!r:.70}] must be a string of at most 512 characters, got {v!r:.80}.",
+                           param="metadata")
+
+
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that generates this response (its structured output apart: text_format_spec), held to the
     chat request's bounds (limits.py: the number of messages, ...)."""
     fields = {name: getattr(req, name) for name in _SHARED}
+    _check_metadata(req.metadata)
     mot = req.max_output_tokens  # checked here: the sampling checks would name chat's 'max_tokens'
     if mot is not None and not 1 <= mot < 2 ** 63:
         raise APIError(f"'max_output_tokens' must be an integer >= 1 (and below 2**63), got {mot}.",
