@@ -67,7 +67,11 @@ def test_text_format() -> None:
     assert text_format_spec({"format": {"type": "json_object"}}).json_object
     for bad, param in [({"type": "json_schema", "name": "x"}, "text.format.schema"),
                        ({"type": "yaml"}, "text.format"),
-                       ({"type": "json_schema", "schema": {}, "strict": "yes"}, "text.format.strict")]:
+                       ({"type": "json_schema", "schema": {}, "strict": "yes"}, "text.format.strict"),
+                       # OpenAI requires a name ([A-Za-z0-9_-], at most 64)
+                       ({"type": "json_schema", "schema": {}}, "text.format.name"),
+                       ({"type": "json_schema", "schema": {}, "name": "a b"}, "text.format.name"),
+                       ({"type": "json_schema", "schema": {}, "name": "x" * 65}, "text.format.name")]:
         with pytest.raises(APIError) as e:
             text_format_spec({"format": bad})
         assert e.value.param == param

@@ -7,6 +7,7 @@ process: with --api-server-count > 1 a follow-up served by another process would
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Optional, Union
 
 from pydantic import ValidationError
@@ -237,6 +238,10 @@ def text_format_spec(text: Optional[dict]) -> Optional[StructuredOutputsParams]:
     strict = fmt.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise APIError(f"text.format.strict must be true or false, got {strict!r}.", param="text.format.strict")
+    name = fmt.get("name")  # required by OpenAI (its SDK's parse() always sends one): a 400 there too
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise APIError(f"text.format.name must be a string of 1 to 64 letters, digits, '_' or '-', got {name!r:.80}.",
+                       param="text.format.name")
     try:  # strict or not, the grammar follows the schema exactly (as chat's response_format does)
         return StructuredOutputsParams.from_dict({"json": schema}, origin="text.format.schema")
     except (ValueError, TypeError) as e:
