@@ -16,7 +16,7 @@ from e2e_helpers import API_KEY, Server, cli, metric, stop
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
-CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+CMPL, CHAT, RESP = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,8 @@ def _wait_waiting(http: httpx.Client, count: int, hang_guard_s: float = 120) -> 
 
 
 def _body(path: str, priority: int, text: str) -> dict:
+    if path == RESP:  # (the Responses API ignored priority, as an unknown field, before)
+        return {"input": text, "model": "smol", "max_output_tokens": 4, "temperature": 0, "priority": priority}
     base = {"messages": [{"role": "user", "content": text}]} if path == CHAT else {"prompt": text}
     return {**base, "model": "smol", "max_tokens": 4, "temperature": 0, "priority": priority}
 
@@ -69,7 +71,7 @@ def test_priority_orders_the_waiting_queue(priority_server: Server) -> None:
             assert next(line for line in lines if line.startswith("data: "))  # it runs: it holds the one seat
             # Queued in this order (each waits before the next is sent): arrival order is known.
             for i, (name, path, priority) in enumerate([("low", CMPL, 5), ("tie-first", CHAT, 1), ("urgent", CMPL, -2),
-                                                        ("tie-second", CMPL, 1)]):
+                                                        ("tie-second", CMPL, 1), ("responses", RESP, 3)]):
                 t = threading.Thread(target=send, args=(name, path, priority))
                 t.start()
                 threads.append(t)
@@ -77,10 +79,10 @@ def test_priority_orders_the_waiting_queue(priority_server: Server) -> None:
         # The client left: the long request is aborted and the queue runs, one request at a time.
         for t in threads:
             t.join(120)
-    assert finished == ["urgent", "tie-first", "tie-second", "low"]
+    assert finished == ["urgent", "tie-first", "tie-second", "responses", "low"]
 
 
-@pytest.mark.parametrize("path", [CMPL, CHAT])
+@pytest.mark.parametrize("path", [CMPL, CHAT, RESP])
 def test_priority_accepted_and_checked(priority_server: Server, path: str) -> None:
     with priority_server.client() as http:
         r = http.post(path, json=_body(path, -7, "Hello"))

@@ -45,3 +45,20 @@ def test_fcfs_refuses_a_priority(tiny_llama_dir):
     outs = llm.generate([[5, 6], [7, 8]], one, use_tqdm=False, priority=[0, 0])
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_numpy_integer_priorities_are_integers(tiny_llama_dir):
+    """A priority list built with numpy (np.int64 elements) was refused as "not an integer"; it runs as the same
+    ints would. Bools and floats stay refused."""
+    np = pytest.importorskip("numpy")
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, block_size=8, max_model_len=128,
+              scheduling_policy="priority")
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    prompts = [[5, 6], [7, 8]]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False, priority=[2, -1])]
+    outs = llm.generate(prompts, greedy, use_tqdm=False, priority=list(np.array([2, -1], dtype=np.int64)))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for bad in ([True, 0], [1.0, 0]):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            llm.generate(prompts, greedy, use_tqdm=False, priority=bad)
+    assert not llm.engine.has_unfinished_requests()

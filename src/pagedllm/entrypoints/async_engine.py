@@ -409,7 +409,7 @@ class AsyncEngine:
         """Register the request's engine requests (`children`: fan_out's, one per sample) with the OutputProcessor
         and the bookkeeping; -> (the engine core that gets them, their AddRequest messages)."""
         now = time.monotonic()
-        engine = self.router.choose(prompt_token_ids, len(children)) if self.num_engines > 1 else 0
+        engine = self.router.choose(prompt_token_ids, len(children), cache_salt) if self.num_engines > 1 else 0
         adds: list[m.AddRequest] = []
         for child in children:
             parent.child_ids.append(child.request_id)

@@ -8,7 +8,7 @@ those blocks; a much busier core would cost more in queueing than that).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 class DPRouter:
@@ -21,16 +21,17 @@ class DPRouter:
         self.max_prefix_blocks = max_prefix_blocks
         self._prefix_owner: OrderedDict[int, int] = OrderedDict()  # prefix key -> engine, LRU order
 
-    def _keys(self, prompt: Sequence[int]) -> list[int]:
-        """Keys of the prompt's leading 1..max_prefix_blocks full blocks, longest first."""
+    def _keys(self, prompt: Sequence[int], cache_salt: Optional[str] = None) -> list[int]:
+        """Keys of the prompt's leading 1..max_prefix_blocks full blocks, longest first, under its cache salt (a
+        core holding another salt's blocks of the same prompt has nothing this request can reuse)."""
         num_blocks = min(len(prompt) // self.block_size, self.max_prefix_blocks)
-        return [hash(tuple(prompt[:k * self.block_size])) for k in range(num_blocks, 0, -1)]
+        return [hash((cache_salt, tuple(prompt[:k * self.block_size]))) for k in range(num_blocks, 0, -1)]
 
-    def choose(self, prompt: Sequence[int], n: int = 1) -> int:
+    def choose(self, prompt: Sequence[int], n: int = 1, cache_salt: Optional[str] = None) -> int:
         """Pick the engine for a request (n sibling samples go together: they share the prompt's blocks)."""
         least = min(range(len(self.load)), key=self.load.__getitem__)
         engine = least
-        keys = self._keys(prompt)
+        keys = self._keys(prompt, cache_salt)
         for key in keys:
             owner = self._prefix_owner.get(key)
             if owner is not None:

@@ -219,10 +219,11 @@ class LLM:
             raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}.")
         # Tokenize everything before queuing anything; the engine checks each request as it is queued, and a refusal
         # takes back those queued before it (_run_frozen): a bad prompt fails the call cleanly.
+        if priority is not None:  # numpy's integers are integers too (int(np.int64) is exact; bools stay refused)
+            priority = [int(p) if isinstance(p, numbers.Integral) and not isinstance(p, bool) else p for p in priority]
         items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params_list)]
         lora_ids = self._add_loras(lora_request, len(items))
-        outputs = self._run(items, use_tqdm, lora_ids, [_salt_of(p) for p in prompts],
-                            None if priority is None else list(priority))
+        outputs = self._run(items, use_tqdm, lora_ids, [_salt_of(p) for p in prompts], priority)
         if lora_request is not None:
             per_prompt = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(outputs)
             for out, req in zip(outputs, per_prompt):

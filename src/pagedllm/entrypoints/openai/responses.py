@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.chat_tools import ChoiceStreams, apply_tool_gra
     plan_request_tools
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.request_params import build_sampling_params, check_context_length, \
-    request_cache_salt
+    request_cache_salt, request_priority
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, check_refused, text_format_spec, \
     to_chat_request
 from pagedllm.entrypoints.openai.server_state import ServerState
@@ -52,7 +52,7 @@ async def _create_response(request: Request, state: ServerState) -> Response:
     check_refused(req)
     model = state.check_model(req.model)
     chat = to_chat_request(req)
-    salt = request_cache_salt(chat)
+    salt, priority = request_cache_salt(chat), request_priority(chat, state.scheduling_policy)
     spec = text_format_spec(req.text)
     tool_plan, prepare_tools = plan_request_tools(chat, state)
     prompt_text, prompt_ids = await render_work(request, chat, render_chat, state.tokenizer, chat.messages, True,
@@ -65,7 +65,7 @@ async def _create_response(request: Request, state: ServerState) -> Response:
     stream = bool(req.stream)
     generate = state.engine.generate_batches if stream else state.engine.generate
     gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
-                   lora_request=state.lora_request(model), cache_salt=salt)
+                   lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
     shell = _ResponseShell(req, model, request_id, int(time.time()), len(prompt_ids))
     first, watch = await first_output(request, state.engine, gen, [request_id])
     if stream:

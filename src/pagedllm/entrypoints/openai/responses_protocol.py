@@ -57,12 +57,13 @@ class ResponsesRequest(VllmSamplingExtras):
     bad_words: Optional[list[str]] = None
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
+    priority: Optional[int] = 0  # vLLM's Responses take it too (it was ignored here, named as unknown)
 
 
 _SHARED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "seed", "stop",
            "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
            "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "bad_words",
-           "request_id", "cache_salt")
+           "request_id", "cache_salt", "priority")
 
 # field -> whether its value asks for something pagedllm does not do (an answer without it would look complete)
 _REFUSED = {
