@@ -31,7 +31,7 @@ def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
     searches, salts = [], []
     max_model_len = llm.engine.max_model_len
     for prompt in prompts:
-        salts.append(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+        salts.append(llm._cache_salt(prompt))
         _, ids = llm._to_prompt(prompt)
         room = max_model_len - len(ids)
         if room <= 0:

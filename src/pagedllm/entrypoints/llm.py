@@ -54,11 +54,6 @@ def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
     return out
 
 
-def _salt_of(prompt: Any) -> Optional[str]:
-    """A prompt dict's prefix-cache salt (vLLM's "cache_salt"; checked by _to_prompt)."""
-    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
-
-
 def _warn_failed(where: tuple[int, int, int], message: str) -> None:
     """The user's view of a request the engine failed at step time (the engine logs its own recovery)."""
     prompt, sample, n = where
@@ -149,6 +144,11 @@ class LLM:
             raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}.")
         return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
 
+    @staticmethod
+    def _cache_salt(prompt: PromptType) -> Optional[str]:
+        """A prompt dict's prefix-cache salt (vLLM's "cache_salt"; checked by _to_prompt)."""
+        return prompt.get("cache_salt") if isinstance(prompt, dict) else None
+
     def _to_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
@@ -223,7 +223,7 @@ class LLM:
             priority = [int(p) if isinstance(p, numbers.Integral) and not isinstance(p, bool) else p for p in priority]
         items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params_list)]
         lora_ids = self._add_loras(lora_request, len(items))
-        outputs = self._run(items, use_tqdm, lora_ids, [_salt_of(p) for p in prompts], priority)
+        outputs = self._run(items, use_tqdm, lora_ids, [self._cache_salt(p) for p in prompts], priority)
         if lora_request is not None:
             per_prompt = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(outputs)
             for out, req in zip(outputs, per_prompt):

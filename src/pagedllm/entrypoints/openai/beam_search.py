@@ -10,7 +10,6 @@ import asyncio
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.request_params import request_cache_salt, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.sampling_params import BeamSearchParams
 
@@ -81,11 +80,12 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
 
 
 async def completion_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
-                              prompts: list, max_tokens: int, disconnected=None) -> dict:
+                              prompts: list, max_tokens: int, disconnected=None, cache_salt: Optional[str] = None,
+                              priority: int = 0) -> dict:
+    """cache_salt, priority: the request's, as the handler checked them."""
     params, n = beam_search_params(req, max_tokens)
-    lora, salt = state.lora_request(model), request_cache_salt(req)
-    priority = request_priority(req, state.scheduling_policy)
-    results = await asyncio.gather(*(search(state, ids, params, disconnected, lora, salt, priority)
+    lora = state.lora_request(model)
+    results = await asyncio.gather(*(search(state, ids, params, disconnected, lora, cache_salt, priority)
                                      for _, ids in prompts))
     choices, num_prompt, num_gen = [], 0, 0
     for i, ((_, ids), result) in enumerate(zip(prompts, results)):
@@ -102,10 +102,11 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
 
 
 async def chat_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
-                        prompt_ids: list[int], max_tokens: Optional[int], disconnected=None) -> dict:
+                        prompt_ids: list[int], max_tokens: Optional[int], disconnected=None,
+                        cache_salt: Optional[str] = None, priority: int = 0) -> dict:
+    """cache_salt, priority: the request's, as the handler checked them."""
     params, n = beam_search_params(req, max_tokens)
-    result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), request_cache_salt(req),
-                          request_priority(req, state.scheduling_policy))
+    result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), cache_salt, priority)
     choices, num_gen = [], 0
     for j, seq in enumerate(result.sequences[:n]):
         num_gen += len(seq.tokens) - len(prompt_ids)

@@ -53,7 +53,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         check_context_length(len(prompt_ids), beam_max, state.max_model_len)
         try:
             body = await beam_search.chat_response(req, state, model, req.request_id or random_id("chatcmpl"),
-                                                   int(time.time()), prompt_ids, beam_max, request.is_disconnected)
+                                                   int(time.time()), prompt_ids, beam_max, request.is_disconnected,
+                                                   salt, priority)
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")

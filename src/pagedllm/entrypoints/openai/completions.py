@@ -88,7 +88,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             check_context_length(len(ids), max_tokens, state.max_model_len)
         try:
             body = await beam_search.completion_response(req, state, model, req.request_id or random_id("cmpl"),
-                                                         int(time.time()), prompts, max_tokens, request.is_disconnected)
+                                                         int(time.time()), prompts, max_tokens, request.is_disconnected,
+                                                         salt, priority)
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")
