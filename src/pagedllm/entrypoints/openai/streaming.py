@@ -14,6 +14,18 @@ from pagedllm.entrypoints.openai.errors import dumps, error_body
 from pagedllm.entrypoints.openai.guards import RAW_SEND_KEY, SERVER_SEND_KEY, direct_writer
 
 DONE = b"data: [DONE]\n\n"
+# U+0085, U+2028 and U+2029 may stand raw in a JSON string, and SSE breaks lines at CR / LF only, but a client that
+# splits the stream like str.splitlines (httpx's iter_lines, Python's io) would cut an event there: escaped, every
+# client reads it whole. In UTF-8 these byte sequences encode only those code points, which only text strings hold.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def line_safe(data: bytes) -> bytes:
+    """SSE bytes (or one encoded JSON string) with the Unicode line separators escaped."""
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return data
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 
 
@@ -39,7 +51,7 @@ class SSEStream:
         (from the subclass's pre-built templates and token counts: chat and completions keep the same ones)."""
         self.num_gen += num_tokens
         before, after = self.templates[0]
-        return before + dumps(text) + after + self.framer.end(self.num_prompt, self.num_gen)
+        return before + line_safe(dumps(text)) + after + self.framer.end(self.num_prompt, self.num_gen)
 
     def direct_framer(self) -> Any:
         """direct_frame as one closure, for the engine's output handler (called once per token): without
@@ -52,7 +64,7 @@ class SSEStream:
 
         def frame(text: str, num_tokens: int) -> bytes:
             self.num_gen += num_tokens
-            return before + encode(text) + after
+            return before + line_safe(encode(text)) + after
 
         return frame
 
@@ -112,14 +124,15 @@ class SSEResponse(Response):
                 error = e
             if error is None:
                 if pending:
-                    await raw({"type": "http.response.body", "body": pending, "more_body": True})
+                    await raw({"type": "http.response.body", "body": line_safe(pending), "more_body": True})
                     pending = b""
                 stop_direct = _start_direct(stream, server_send)
                 error = await self._write_items(raw, stream)
             if stop_direct is not None:
                 stop_direct()
                 stop_direct = None
-            await raw({"type": "http.response.body", "body": pending + stream.tail(error), "more_body": False})
+            await raw({"type": "http.response.body", "body": line_safe(pending + stream.tail(error)),
+                       "more_body": False})
         finally:  # also when a write failed (--send-timeout): stops the generation, aborting it in the engine
             if stop_direct is not None:
                 stop_direct()
@@ -139,7 +152,7 @@ class SSEResponse(Response):
             except Exception as e:  # noqa: BLE001 - the engine died, the request was refused, ...: in-band
                 return e
             if body:
-                await raw({"type": "http.response.body", "body": body, "more_body": True})
+                await raw({"type": "http.response.body", "body": line_safe(body), "more_body": True})
 
 
 def _start_direct(stream: SSEStream, server_send: Any) -> Optional[Any]:
