@@ -111,6 +111,34 @@ def test_events_split_at_every_byte_are_parsed_and_timed(crlf: bool) -> None:
         assert 0 < r.ttft <= r.latency and all(t >= 0 for t in r.itl)
 
 
+@pytest.mark.parametrize("crlf", [False, True])
+def test_raw_unicode_line_separators_inside_events_keep_them_whole(crlf: bool) -> None:
+    """A server may leave U+2028 / U+2029 / U+0085 raw inside an event's JSON (valid JSON and SSE): both clients (the
+    raw one and the httpx one of https URLs) split lines at LF only."""
+    import httpx
+
+    from pagedllm.entrypoints.cli.bench_serve import _one_request
+
+    texts = ["a\u2028b", "\x85", "c\u2029d", "e"]
+    body = _sse(texts, crlf=crlf).replace(b"\\u2028", "\u2028".encode()).replace(
+        b"\\u2029", "\u2029".encode()).replace(b"\\u0085", "\x85".encode())
+    assert "\u2028".encode() in body and "\x85".encode() in body
+    srv = _Server(lambda req: (200, [body[i:i + 3] for i in range(0, len(body), 3)]))
+
+    async def with_httpx() -> RequestResult:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await _one_request(client, srv.url, {}, {}, 3, chat=False)
+
+    try:
+        (raw,), _, _ = _run(srv.url, [{}])
+        via_httpx = asyncio.run(with_httpx())
+    finally:
+        srv.stop()
+    for r in (raw, via_httpx):
+        assert r.success and not r.error, r.error
+        assert r.output_tokens == len(texts) and r.chunk_tokens == [1] * len(texts)
+
+
 def test_whole_response_in_one_piece_and_chunks_of_several_tokens() -> None:
     # one piece: every event arrives at once (ITLs of 0); usage jumping by 3: a chunk carried 3 tokens
     body = b"".join(b"data: " + json.dumps({"choices": [{"text": "ab"}], "usage": {"completion_tokens": n}}).encode()

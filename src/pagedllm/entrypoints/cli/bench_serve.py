@@ -168,11 +168,16 @@ async def _one_request(client: Any, url: str, payload: dict, headers: dict, prom
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                 return res
-            async for line in resp.aiter_lines():
-                if line.startswith("data:"):
-                    recorder.on_data(line[5:].strip().encode(), time.perf_counter())
-                    if recorder.done:
-                        break
+            # Lines split at LF only, as SSE does: httpx's aiter_lines also splits at U+2028 and the like, which a
+            # server may leave raw inside an event's JSON.
+            pending = b""
+            async for chunk in resp.aiter_bytes():
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data:"):
+                        recorder.on_data(line[5:].strip(), time.perf_counter())
+                if recorder.done:
+                    break
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         res.error = f"{type(e).__name__}: {e}"
         return res
