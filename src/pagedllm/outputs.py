@@ -70,6 +70,9 @@ class RequestOutput:
     num_cached_tokens: Optional[int] = None
     metrics: Optional[RequestMetrics] = field(default=None, repr=False)
     lora_request: Optional[Any] = None  # the LoRARequest it ran with (None: the base model)
+    # An embedding request's pooled final hidden state, not yet normalized (pooling/; LLM.embed and /v1/embeddings
+    # return pooling.EmbeddingRequestOutput built from it).
+    pooled: Optional[list[float]] = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         prompt_ids = self.prompt_token_ids

@@ -108,6 +108,8 @@ class ModelOutput:
     # Overlapped speculation: per request (batch order) how many of the drafts it verified the device proposed
     # (the rest were padding), for the acceptance statistics; None otherwise.
     spec_num_drafts: Optional[list[int]] = None
+    # Embedding requests whose prompt this step completed: request id -> pooled hidden state (fp32 values).
+    pooled: Optional[dict[str, list[float]]] = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
@@ -125,6 +127,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int = 0
     # (first prompt position covered, one TokenLogprobs per position) when prompt_logprobs was asked for.
     prompt_logprobs: Optional[tuple[int, list[TokenLogprobs]]] = None
+    # An embedding request's pooled hidden state, in the output that finishes it (pooling/).
+    pooled: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:

@@ -7,12 +7,13 @@ block pool and request bookkeeping it drives are pure Python.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.batch_plan import EngineCoreOutput
@@ -69,6 +70,8 @@ class EngineCore:
         self.max_model_len = w.max_model_len
         self.vocab_size = w.vocab_size
         self.eos_token_ids = w.eos_token_ids
+        text_config = getattr(w.hf_config, "text_config", None) or w.hf_config
+        self.hidden_size = int(text_config.hidden_size)  # an embedding's length (pooling/)
         self.block_size = engine_args.block_size
         self.num_blocks = w.num_blocks
         self.scheduler = Scheduler(
@@ -127,6 +130,13 @@ class EngineCore:
                     self.scheduler.num_pool_tokens, self.scheduler.num_pool_tokens / self.max_model_len,
                     self.max_model_len)
 
+    @functools.cached_property
+    def pooling_defaults(self) -> Any:
+        """The model's embedding pooling (pooling.model_pooling): read on the first embedding request."""
+        from pagedllm.pooling import model_pooling
+
+        return model_pooling(self.model_dir)
+
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue a request. Raises ValueError (a user error) before anything is queued."""
@@ -140,6 +150,11 @@ class EngineCore:
         if any(type(t) is not int or t < 0 or t >= vocab for t in prompt):  # (no bools: True is no token id)
             bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
             raise ValueError(f"Prompt token ids must be integers in [0, {vocab}), got {bad!r}.")
+        if num_prompt >= self.max_model_len and req.sampling_params.pooling is not None:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your input has "
+                f"{num_prompt} tokens; an embedding input may have at most {self.max_model_len - 1}. Please shorten "
+                "the input.")
         if num_prompt >= self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "

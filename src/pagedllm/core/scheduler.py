@@ -520,10 +520,11 @@ class Scheduler:
                 lora[0].append(self.waiting.popleft())
                 continue
             partial = None  # (source block, tokens): a finished request's partial block that continues this one
-            if request.sampling_params.prompt_logprobs is None:
+            params = request.sampling_params
+            if params.prompt_logprobs is None and params.pooling in (None, "last"):
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request, record_stats=False)
                 partial = kv.partial_block_hit(request, num_hit_tokens)
-            else:  # every prompt position must be computed to score it: no prefix-cache hits
+            else:  # every prompt position must be computed to score or pool it: no prefix-cache hits
                 hit_blocks, num_hit_tokens = [], 0
             num_copied = partial[1] if partial else 0
             num_new_tokens = self._num_tokens_to_schedule(request, num_hit_tokens + num_copied, budget)
@@ -584,7 +585,7 @@ class Scheduler:
         logprobs = output.logprobs
         finished: list[Request] = []
         spec_ids = output.spec_token_ids
-        if (not self.fast_paths or output.prompt_logprobs or plan.scheduled_spec_decode_tokens
+        if (not self.fast_paths or output.prompt_logprobs or output.pooled or plan.scheduled_spec_decode_tokens
                 or (logprobs and logprobs.count(None) != len(logprobs))):
             for index, (request_id, sampled, token_logprobs) in enumerate(
                     zip(req_ids, output.sampled_token_ids, logprobs or [None] * len(req_ids))):
@@ -689,6 +690,7 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens or 0,
                 prompt_logprobs=plp,
+                pooled=output.pooled.get(request_id) if output.pooled else None,
             )
         )
 

@@ -230,6 +230,46 @@ class LLM:
                 out.lora_request = req
         return outputs
 
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
+              use_tqdm: UseTqdm = True, lora_request: Any = None) -> list:
+        """vLLM's LLM.embed: one pooling.EmbeddingRequestOutput per prompt (.outputs.embedding, a list of floats):
+        the prompt's final hidden states pooled as the model's sentence-transformers files say (else the last
+        token's), L2-normalized unless they or pooling_params say otherwise. pooling_params: a PoolingParams, or one
+        per prompt."""
+        from pagedllm.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, finish, resolve
+
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("embed() needs prompts.")
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_list = [pooling_params] * len(prompts)
+        elif isinstance(pooling_params, (list, tuple)) and len(pooling_params) == len(prompts):
+            pooling_list = list(pooling_params)
+        else:
+            raise ValueError("pooling_params must be a PoolingParams, or a list of one per prompt.")
+        for i, p in enumerate(pooling_list):
+            if p is not None and not isinstance(p, PoolingParams):
+                raise TypeError(f"pooling_params[{i}] must be a PoolingParams, got {type(p).__name__}.")
+        resolved = [resolve(p, self.engine.pooling_defaults, self.engine.hidden_size) for p in pooling_list]
+        from pagedllm.pooling import sampling_params_for
+
+        params = [sampling_params_for(kind, None if p is None else p.truncate_prompt_tokens)
+                  for (kind, _), p in zip(resolved, pooling_list)]
+        items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params)]
+        lora_ids = self._add_loras(lora_request, len(items))
+        outputs = self._run(items, use_tqdm, lora_ids, [self._cache_salt(p) for p in prompts])
+        results = []
+        for out, (_, normalize) in zip(outputs, resolved):
+            if out.pooled is None:  # the engine failed it (finish_reason "error": the warning logged says why)
+                raise RuntimeError(f"The embedding of prompt {len(results)} failed: "
+                                   f"{out.outputs[0].finish_reason if out.outputs else 'no output'}.")
+            results.append(EmbeddingRequestOutput(out.request_id, EmbeddingOutput(finish(out.pooled, normalize)),
+                                                  out.prompt_token_ids, True, out.prompt))
+        return results
+
     def _add_loras(self, lora_request: Any, num_prompts: int) -> list[Optional[int]]:
         """One adapter id (or None) per prompt, registering each adapter with the engine (read and validated
         now: a bad adapter fails the call before anything is queued)."""

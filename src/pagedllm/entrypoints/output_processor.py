@@ -86,6 +86,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     # prompt_logprobs: None for position 0, then {token id: Logprob} per prompt position (when asked for).
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    pooled: Optional[list[float]] = None  # an embedding request's pooled hidden state (pooling/)
     # What the user has already received (delta mode).
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
@@ -163,9 +164,9 @@ class OutputProcessor:
             stop_buffer_len=stop_buffer_len, logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
             tokens_only=(output_kind == "final_only" and not params.stop and not wants_logprobs
-                         and params.prompt_logprobs is None),
+                         and params.prompt_logprobs is None and params.pooling is None),
             plain=(output_kind == "delta" and parent is None and not wants_logprobs and not params.stop
-                   and params.prompt_logprobs is None),
+                   and params.prompt_logprobs is None and params.pooling is None),
         )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
@@ -357,6 +358,8 @@ class OutputProcessor:
         state.token_ids.extend(new_ids)
         if out.prompt_logprobs is not None and state.params.prompt_logprobs is not None:
             self._set_prompt_logprobs(state, *out.prompt_logprobs)
+        if out.pooled is not None:
+            state.pooled = out.pooled
         if state.logprobs is not None and out.new_logprobs:
             self._append_logprobs(state, out.new_logprobs)
         stopped_by_string = False
@@ -427,7 +430,7 @@ class OutputProcessor:
                                               [None] * len(state.prompt_token_ids)
                                               if state.params.prompt_logprobs is not None else None),
                              outputs=completions, finished=finished,
-                             num_cached_tokens=state.num_cached_tokens, metrics=state.metrics)
+                             num_cached_tokens=state.num_cached_tokens, metrics=state.metrics, pooled=state.pooled)
 
     def _parent_output(self, parent: _ParentState,
                        updates: list[tuple[_RequestState, Optional[CompletionOutput]]]) -> Optional[RequestOutput]:

@@ -358,6 +358,7 @@ class VerifyPending:
             output = self.spec._output(self.runner, self.inp, self.sample_rows, final.tolist(), num_emitted.tolist(),
                                        rows, lp, draft_counts)
             output.prompt_logprobs = self.prompt_logprobs
+            output.pooled = self.inp.pooled
             self._output = output
         return self._output
 

@@ -6,7 +6,7 @@ inputs is then a handful of vectorized numpy gathers, not a Python loop over tok
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -25,6 +25,8 @@ class CachedRequestState:
     num_computed_tokens: int
     lora_id: Optional[int] = None
     rope_long: bool = False  # LongRoPE: longer than the original context when its computation started
+    # An embedding request's pooling so far (fp32 on the device): mean's running sum, cls's first row.
+    pool_acc: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +62,8 @@ class StepInputs:
     # above are group 0's). None with one group.
     group_slot_mappings: Optional[list[np.ndarray]] = None
     group_block_tables: Optional[list[np.ndarray]] = None
+    # Embedding requests whose prompt this step completed: request id -> pooled hidden state (ModelOutput.pooled).
+    pooled: Optional[dict[str, list[float]]] = None
 
 
 class InputBatch:

@@ -356,6 +356,8 @@ class ModelRunner:
             self._prev_rej = None
             return PendingOutput(self, inp, None, None, None)
         prompt_logprobs = self._prompt_logprobs(inp, hidden)
+        if self.input_batch.sampling.num_prompt_logprobs:  # (rows reading their prompt: logprobs or pooling)
+            self._pool(inp, hidden)
         self._prev_sampled = None
         self._prev_rej = None
         if before_sampling is not None:
@@ -469,7 +471,7 @@ class ModelRunner:
         spans: list[tuple[str, int, int, int]] = []  # (request id, first position, count, k)
         for i, state in enumerate(inp.states):
             k = state.sampling_params.prompt_logprobs
-            if k is None:
+            if k is None or state.sampling_params.pooling is not None:
                 continue
             start = int(inp.positions[qsl[i]])
             end = start + int(qsl[i + 1] - qsl[i])
@@ -498,6 +500,43 @@ class ModelRunner:
             result[req_id] = (first, entries)
             offset += count
         return result
+
+    def _pool(self, inp, hidden: torch.Tensor) -> None:
+        """Embedding requests (pooling/): pool the hidden rows of this step's prompt chunks; a request whose prompt
+        this step completes gets its vector in inp.pooled. A chunk from position 0 starts the pooling afresh (a
+        preempted request recomputes its prompt); mean and cls requests take no prefix-cache hits (the scheduler),
+        so every prompt position passes through here. Rare and prefill-only: this syncs with the device."""
+        qsl = inp.query_start_loc
+        pooled: dict[str, list[float]] = {}
+        for i, state in enumerate(inp.states):
+            kind = state.sampling_params.pooling
+            if kind is None:
+                continue
+            lo, hi = int(qsl[i]), int(qsl[i + 1])
+            start = int(inp.positions[lo])
+            num_prompt = len(state.prompt_token_ids)
+            end = min(start + hi - lo, num_prompt)
+            if end <= start:  # past its prompt (the step after the last chunk): nothing left to pool
+                continue
+            if start == 0:
+                state.pool_acc = None
+            if kind == "mean":
+                part = hidden[lo:lo + end - start].float().sum(dim=0)
+                state.pool_acc = part if state.pool_acc is None else state.pool_acc + part
+            elif kind == "cls" and start == 0:
+                state.pool_acc = hidden[lo].float()
+            if end < num_prompt:
+                continue
+            if kind == "last":
+                vector = hidden[lo + end - start - 1].float()
+            elif kind == "mean":
+                vector = state.pool_acc / num_prompt
+            else:
+                vector = state.pool_acc
+            state.pool_acc = None
+            pooled[state.req_id] = vector.cpu().tolist()
+        if pooled:
+            inp.pooled = pooled
 
     def _rope_offsets(self, inp) -> np.ndarray:
         """Per token of the step, what LongRoPE adds to its position: a long request's tokens read the long rows."""
@@ -592,6 +631,7 @@ class PendingOutput:
                     self.release()
                 self._output = self.runner._finish_step(self.inp, sampled, self.logprobs_host, num_drafts)
             self._output.prompt_logprobs = self.prompt_logprobs
+            self._output.pooled = self.inp.pooled
         return self._output
 
 

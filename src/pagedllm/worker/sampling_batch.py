@@ -49,7 +49,8 @@ class SamplingBatch:
         self.top_k = np.full(max_rows, vocab_size, dtype=np.int64)  # vocab_size: no top-k
         self.logprobs = np.full(max_rows, -1, dtype=np.int64)  # -1: none asked
         self.general = np.zeros(max_rows, dtype=bool)
-        self.prompt_logprobs = np.zeros(max_rows, dtype=bool)  # the row asked for prompt logprobs
+        # the row reads its prompt's hidden states: prompt logprobs, or an embedding's pooling
+        self.prompt_logprobs = np.zeros(max_rows, dtype=bool)
         # Rows held that are not plain greedy (sampled, logprobs or the general builder), and rows that asked for
         # prompt logprobs: while both are 0 (a greedy batch) a step needs no gather (at a few rows the numpy
         # calls' fixed cost is most of a step's sampling setup).
@@ -66,7 +67,8 @@ class SamplingBatch:
         self.top_k[row] = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.general[row] = general = needs_general_build(p)
-        self._mark(row, not greedy or general or p.logprobs is not None, p.prompt_logprobs is not None)
+        self._mark(row, not greedy or general or p.logprobs is not None,
+                   p.prompt_logprobs is not None or p.pooling is not None)
 
     def clear_row(self, row: int) -> None:
         """The row's request left the batch: it no longer counts as special."""

@@ -1,0 +1,144 @@
+"""Embeddings (vLLM's LLM.embed and /v1/embeddings): a request's prompt runs through the model and its final hidden
+states (after the last norm) are pooled into one vector, instead of sampling a continuation.
+
+The engine side rides on the generation path: an embedding request is a prompt with SamplingParams(pooling=...,
+max_tokens=1); the runner pools the hidden rows of its prompt as its chunks are computed (worker/model_runner.py
+`_pool`) and the step that completes the prompt reports the vector (EngineCoreOutput.pooled); the one token that
+step samples is dropped. Pooling types: "last" (the last prompt token: decoder embedding models such as
+Qwen3-Embedding), "mean" (every prompt token), "cls" (the first). A model directory's sentence-transformers files
+(modules.json, 1_Pooling/config.json) choose the type and whether vectors are L2-normalized, as they do for
+sentence-transformers and vLLM; otherwise "last", normalized.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+# sentence-transformers' pooling modes (1_Pooling/config.json) -> ours
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+
+@dataclass
+class PoolingParams:
+    """How an embedding is made (vLLM's PoolingParams): pooling_type None takes the model's (see module doc);
+    normalize None takes the model's (L2 to unit length unless its sentence-transformers files say otherwise);
+    dimensions: the vector's length, only the model's own (no Matryoshka truncation is built); truncate_prompt_tokens:
+    keep the prompt's last k tokens (-1: the model's context)."""
+
+    pooling_type: Optional[str] = None
+    normalize: Optional[bool] = None
+    dimensions: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}.")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}.")
+        for name in ("dimensions", "truncate_prompt_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"{name} must be an integer, got {v!r}.")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}.")
+
+
+@dataclass(frozen=True)
+class ModelPooling:
+    """A model's default pooling: its type and whether its vectors are normalized."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+
+
+def model_pooling(model_dir: Optional[str]) -> ModelPooling:
+    """The defaults from a model directory's sentence-transformers files, else last-token pooling, normalized."""
+    if not model_dir or not os.path.isdir(model_dir):
+        return ModelPooling()
+    pooling_type, normalize = "last", True
+    modules_path = os.path.join(model_dir, "modules.json")
+    pooling_dir = "1_Pooling"
+    if os.path.isfile(modules_path):
+        try:
+            with open(modules_path) as f:
+                modules = json.load(f)
+        except (OSError, ValueError):
+            modules = None
+        if isinstance(modules, list):
+            kinds = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+            normalize = any(k.endswith("Normalize") for k in kinds)
+            for m in modules:
+                if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling") and m.get("path"):
+                    pooling_dir = str(m["path"])
+    config_path = os.path.join(model_dir, pooling_dir, "config.json")
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            config = {}
+        chosen = [ours for key, ours in _ST_MODES.items() if isinstance(config, dict) and config.get(key)]
+        if len(chosen) == 1:
+            pooling_type = chosen[0]
+        elif isinstance(config, dict) and any(v is True for k, v in config.items() if k.startswith("pooling_mode")):
+            modes = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v is True)
+            raise ValueError(f"The model's sentence-transformers pooling ({', '.join(modes)} in {config_path}) is "
+                             f"not supported: one of {', '.join(_ST_MODES)} is.")
+    return ModelPooling(pooling_type, normalize)
+
+
+def resolve(params: Optional[PoolingParams], defaults: ModelPooling, hidden_size: int) -> tuple[str, bool]:
+    """(pooling type, normalize) for a request; ValueError for what cannot be honoured."""
+    params = params or PoolingParams()
+    if params.dimensions is not None and params.dimensions != hidden_size:
+        raise ValueError(f"dimensions={params.dimensions} is not supported: this model's embeddings have "
+                         f"{hidden_size} dimensions (shortened embeddings need a Matryoshka-trained model, which "
+                         "is not built).")
+    pooling_type = params.pooling_type or defaults.pooling_type
+    normalize = defaults.normalize if params.normalize is None else params.normalize
+    return pooling_type, normalize
+
+
+def finish(vector: list[float], normalize: bool) -> list[float]:
+    """The embedding from the engine's pooled hidden state (fp32): L2-normalized when asked."""
+    if not normalize:
+        return list(vector)
+    norm = math.sqrt(math.fsum(v * v for v in vector))
+    return [v / norm for v in vector] if norm > 0 else list(vector)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's EmbeddingRequestOutput): .outputs.embedding."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: Optional[str] = None
+
+
+def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int] = None) -> Any:
+    """The SamplingParams an embedding request runs with: one greedy step past the prompt, whose token is dropped."""
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, pooling=pooling_type,
+                          truncate_prompt_tokens=truncate_prompt_tokens, output_kind="final_only")
+
+
+__all__ = ["POOLING_TYPES", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
+           "EmbeddingOutput", "EmbeddingRequestOutput", "sampling_params_for"]

@@ -1,0 +1,128 @@
+"""Embeddings (LLM.embed, pooling/): every pooling type equals the same pooling of transformers' final hidden states
+(fp32, the same weights) through chunked prefill, prefix-cache hits, preemption and async scheduling, in batches
+that also generate (whose tokens stay transformers' greedy ones); the model's sentence-transformers files set the
+defaults; what cannot be honoured is refused."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.pooling import PoolingParams, model_pooling, sampling_params_for
+from tests.engine.test_correctness import ARCHS, _hf_model, hf_greedy, random_prompts
+
+
+def hf_pooled(model_dir: str, prompt: list[int], kind: str) -> torch.Tensor:
+    """transformers' final hidden states (after the last norm) of the prompt, pooled."""
+    with torch.inference_mode():
+        hidden = _hf_model(model_dir).model(torch.tensor([prompt])).last_hidden_state[0].float()
+    return {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[kind]
+
+
+def check_pooled(model_dir: str, prompt: list[int], kind: str, got: list[float], normalized: bool) -> None:
+    want = hf_pooled(model_dir, prompt, kind)
+    if normalized:
+        want = want / want.norm()
+    torch.testing.assert_close(torch.tensor(got), want, atol=2e-5 if normalized else 1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_token_embeddings_match_hf(arch, tiny_model_dir):
+    """The default (a model without sentence-transformers files): the last token's hidden state, unit length."""
+    model_dir = tiny_model_dir(arch)
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64)
+    prompts = random_prompts([1, 6, 40, 13], seed=3)
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == prompt and len(out.outputs.embedding) == llm.engine.hidden_size
+        assert abs(float(torch.tensor(out.outputs.embedding).norm()) - 1.0) < 1e-5
+        check_pooled(model_dir, prompt, "last", out.outputs.embedding, normalized=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("kind", ["last", "mean", "cls"])
+def test_pooling_through_chunks_prefix_hits_and_a_generating_batch(tiny_llama_dir, kind, async_scheduling):
+    """Prompts longer than the step's budget arrive in chunks; a second pass over the same prompts hits the prefix
+    cache (last-token pooling takes the hits, mean / cls recompute every position); generation requests share the
+    steps and keep transformers' tokens."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=96, block_size=8,
+              max_num_batched_tokens=16, max_num_seqs=4, async_scheduling=async_scheduling)
+    prompts = random_prompts([37, 1, 20, 16], seed=11)
+    generating = random_prompts([9, 25], seed=12)
+    for rnd in range(2):
+        params = [sampling_params_for(kind)] * len(prompts) + [
+            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 7)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts + generating], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            check_pooled(tiny_llama_dir, prompt, kind, out.pooled, normalized=False)
+            if rnd == 1 and len(prompt) > 8:
+                assert (out.num_cached_tokens > 0) == (kind == "last"), (kind, out.num_cached_tokens)
+        for prompt, m, out in zip(generating, (12, 7), outs[len(prompts):]):
+            assert out.pooled is None and out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, m)[0]
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_embeddings_survive_preemption(tiny_qwen3_dir):
+    """A pool too small for everything at once: requests are preempted and recomputed; every vector is still
+    transformers' (mean pooling restarts its sum when the prompt is recomputed)."""
+    llm = LLM(model=tiny_qwen3_dir, dtype="float32", num_gpu_blocks_override=12, block_size=8, max_model_len=96,
+              max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=False)
+    long_runs = random_prompts([20, 18], seed=21)
+    embeds = random_prompts([30, 26, 33], seed=22)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 2 + [sampling_params_for("mean")] * 3
+    outs = llm.generate([{"prompt_token_ids": p} for p in long_runs + embeds], params, use_tqdm=False)
+    assert llm.engine.get_stats().num_preemptions > 0
+    for prompt, out in zip(long_runs, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_qwen3_dir, prompt, 40)[0]
+    for prompt, out in zip(embeds, outs[2:]):
+        check_pooled(tiny_qwen3_dir, prompt, "mean", out.pooled, normalized=False)
+
+
+def test_sentence_transformers_files_set_the_defaults(tiny_llama_dir, tmp_path):
+    model_dir = str(tmp_path / "st-model")
+    shutil.copytree(tiny_llama_dir, model_dir)
+    assert model_pooling(model_dir).pooling_type == "last" and model_pooling(model_dir).normalize
+    os.makedirs(os.path.join(model_dir, "1_Pooling"))
+    with open(os.path.join(model_dir, "modules.json"), "w") as f:  # no Normalize module: raw vectors
+        json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}], f)
+    with open(os.path.join(model_dir, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+                   "pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}, f)
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=32)
+    prompt = random_prompts([11], seed=4)[0]
+    (raw,) = llm.embed([prompt], use_tqdm=False)
+    check_pooled(tiny_llama_dir, prompt, "mean", raw.outputs.embedding, normalized=False)
+    # a request's own choices win over the model's
+    (unit_last,) = llm.embed([prompt], PoolingParams(pooling_type="last", normalize=True), use_tqdm=False)
+    check_pooled(tiny_llama_dir, prompt, "last", unit_last.outputs.embedding, normalized=True)
+    with open(os.path.join(model_dir, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"pooling_mode_weightedmean_tokens": True}, f)
+    with pytest.raises(ValueError, match="pooling_mode_weightedmean_tokens .* is not supported"):
+        model_pooling(model_dir)
+
+
+def test_what_cannot_be_honoured_is_refused(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, max_model_len=64)
+    hidden = llm.engine.hidden_size
+    (out,) = llm.embed([[5, 6, 7]], PoolingParams(dimensions=hidden), use_tqdm=False)
+    assert len(out.outputs.embedding) == hidden
+    with pytest.raises(ValueError, match=f"dimensions=8 is not supported: this model's embeddings have {hidden}"):
+        llm.embed([[5, 6, 7]], PoolingParams(dimensions=8), use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling_type must be one of last, mean, cls"):
+        PoolingParams(pooling_type="max")
+    with pytest.raises(ValueError, match="an embedding input may have at most 63"):
+        llm.embed([[5] * 64], use_tqdm=False)
+    with pytest.raises(ValueError, match="The prompt is empty"):
+        llm.embed([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="takes n=1, max_tokens=1 and no prompt_logprobs"):
+        SamplingParams(max_tokens=4, pooling="last")
+    # truncate_prompt_tokens keeps the last k tokens, as for generation
+    (cut,) = llm.embed([list(range(5, 25))], PoolingParams(truncate_prompt_tokens=6), use_tqdm=False)
+    assert cut.prompt_token_ids == list(range(19, 25))
+    check_pooled(tiny_llama_dir, list(range(19, 25)), "last", cut.outputs.embedding, normalized=True)
+    assert not llm.engine.has_unfinished_requests()
