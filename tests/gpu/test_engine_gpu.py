@@ -90,3 +90,25 @@ def test_lm_head_greedy_on_cuda_equals_argmax_of_fp32_logits(dtype):
     assert fast.dtype == torch.int64 and torch.equal(fast, full)
     assert set(fast[:8].tolist()) == {7} and set(fast[8:12].tolist()) == {0}
     assert int(fast.max()) < 2990
+
+
+@pytest.mark.parametrize("kind", ["last", "mean", "cls"])
+def test_embeddings_on_cuda_match_hf(tiny_llama_dir, kind):
+    """Embedding requests on CUDA (mixed-step graphs, chunks, async scheduling) next to generating ones: the pooled
+    vectors are transformers' in fp32, the generated tokens too."""
+    from pagedllm.pooling import sampling_params_for
+    from tests.engine.test_correctness import hf_greedy
+    from tests.engine.test_embeddings import check_pooled
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", device="cuda", num_gpu_blocks_override=96, block_size=16,
+              max_num_batched_tokens=32, max_num_seqs=8)
+    prompts = random_prompts([45, 1, 20, 16], seed=14)
+    generating = random_prompts([9, 25], seed=15)
+    params = [sampling_params_for(kind)] * len(prompts) + [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 7)]
+    for _ in range(2):  # the second round: prefix-cache hits for last-token pooling
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts + generating], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            check_pooled(tiny_llama_dir, prompt, kind, out.pooled, normalized=False)
+        for prompt, m, out in zip(generating, (12, 7), outs[len(prompts):]):
+            assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, m)[0]

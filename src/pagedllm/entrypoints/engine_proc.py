@@ -86,6 +86,7 @@ def run_engine_core(engine_args: Any, input_addr: Union[str, list[str]], output_
             vocab_size=int(core.vocab_size),
             eos_token_ids=[int(t) for t in core.eos_token_ids],
             pid=os.getpid(),
+            hidden_size=int(core.hidden_size),
         )
     )
     crashed = False

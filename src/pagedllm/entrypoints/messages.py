@@ -127,6 +127,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     vocab_size: int
     eos_token_ids: list[int]
     pid: int
+    hidden_size: int = 0  # the length of an embedding (pooling/)
 
 
 class EngineStartupError(msgspec.Struct, tag="startup_error"):

@@ -61,6 +61,7 @@ class APIKeyMiddleware:
 def build_app(state: ServerState) -> FastAPI:
     from pagedllm.entrypoints.openai.chat_completions import create_chat_completion
     from pagedllm.entrypoints.openai.completions import create_completion
+    from pagedllm.entrypoints.openai.embeddings import EmbeddingRequest, create_embedding
     from pagedllm.entrypoints.openai.models import list_models
     from pagedllm.entrypoints.openai.openapi_bodies import body, install
     from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -106,6 +107,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/responses", openapi_extra=body(ResponsesRequest))
     async def responses(request: Request) -> Response:
         return await create_response(request, state)
+
+    @app.post("/v1/embeddings", openapi_extra=body(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(request, state)
 
     from pagedllm.entrypoints.openai.lora_models import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                                          load_lora_adapter, loras_of, unload_lora_adapter)

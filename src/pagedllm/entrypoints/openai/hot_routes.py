@@ -1,5 +1,5 @@
-"""The generating routes (POST /v1/completions, /v1/chat/completions, /v1/responses) served in front of the FastAPI
-app, below none of its layers: a request there would otherwise pass a dozen of the framework's middlewares and
+"""The model's routes (POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings) served in front
+of the FastAPI app, below none of its layers: a request there would otherwise pass a dozen of the framework's middlewares and
 wrappers (error middleware, telemetry and body-limit layers, CORS, exception middleware, the router's matching,
 the dependency solver) before the endpoint, each run once per request and again per message sent.
 
@@ -24,12 +24,13 @@ class HotRoutes:
     def __init__(self, app: Any, state: ServerState) -> None:
         from pagedllm.entrypoints.openai.chat_completions import create_chat_completion
         from pagedllm.entrypoints.openai.completions import create_completion
+        from pagedllm.entrypoints.openai.embeddings import create_embedding
         from pagedllm.entrypoints.openai.responses import create_response
 
         self.app = app
         self.state = state
         self.routes = {"/v1/completions": create_completion, "/v1/chat/completions": create_chat_completion,
-                       "/v1/responses": create_response}
+                       "/v1/responses": create_response, "/v1/embeddings": create_embedding}
         self.expected_key: Optional[bytes] = f"Bearer {state.api_key}".encode() if state.api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:

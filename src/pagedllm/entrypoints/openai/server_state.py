@@ -24,6 +24,7 @@ class ServerState:
         self.tool_call_parser = "auto"  # --tool-call-parser
         self.trust_request_chat_template = False  # --trust-request-chat-template
         self.lifecycle: Any = None  # lifecycle.Lifecycle, set by the server (the dashboard's stream ends on drain)
+        self.pooling_defaults: Any = None  # pooling.ModelPooling of the model, read by the first /v1/embeddings
 
     @property
     def model_name(self) -> str:

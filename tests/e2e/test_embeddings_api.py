@@ -1,0 +1,88 @@
+"""POST /v1/embeddings through the real server, with the `openai` SDK (which asks for base64 by default) and raw
+HTTP: the vectors are the offline engine's LLM.embed of the same inputs (texts and token ids), and bad requests are
+400s that name their field."""
+from __future__ import annotations
+
+import base64
+import struct
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai", reason="the openai SDK against the server")
+
+from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server  # noqa: E402
+
+TEXTS = ["The capital of France is Paris.", "Embeddings turn text into vectors.", "a"]
+
+
+def _close(got: list[float], want: list[float]) -> None:
+    g, w = torch.tensor(got), torch.tensor(want)
+    assert g.shape == w.shape
+    # the server's batches differ from the offline engine's; bf16 on the CPU rounds differently per batch shape
+    assert float(torch.nn.functional.cosine_similarity(g, w, dim=0)) > 0.999
+    assert abs(float(g.norm()) - 1.0) < 1e-3
+
+
+def test_sdk_embeddings_equal_the_offline_engine(server: Server, offline_llm) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+    r = client.embeddings.create(model=SERVED_NAME, input=TEXTS)  # the SDK asks for base64 and decodes it
+    assert r.object == "list" and r.model == SERVED_NAME and [d.index for d in r.data] == [0, 1, 2]
+    want = offline_llm.embed(TEXTS, use_tqdm=False)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(w.prompt_token_ids) for w in want)
+    for d, w in zip(r.data, want):
+        assert d.object == "embedding"
+        _close(d.embedding, w.outputs.embedding)
+    floats = client.embeddings.create(model="smol-alias", input=TEXTS[0], encoding_format="float")
+    _close(floats.data[0].embedding, want[0].outputs.embedding)
+
+
+def test_raw_http_formats_and_token_id_inputs(http: httpx.Client, offline_llm) -> None:
+    ids = http.post("/tokenize", json={"prompt": TEXTS[1]}).json()["tokens"]
+    r = http.post("/v1/embeddings", json={"model": SERVED_NAME, "input": [ids, TEXTS[2]], "encoding_format": "base64"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("embd-") and body["usage"]["prompt_tokens"] == len(ids) + len(
+        http.post("/tokenize", json={"prompt": TEXTS[2]}).json()["tokens"])
+    raw = base64.b64decode(body["data"][0]["embedding"])
+    vector = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    (want,) = offline_llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)
+    _close(vector, want.outputs.embedding)
+    # one id list alone is one input; normalize false (vLLM's extra) gives the raw pooled state
+    r = http.post("/v1/embeddings", json={"model": SERVED_NAME, "input": ids, "normalize": False})
+    (data,) = r.json()["data"]
+    unit = torch.tensor(data["embedding"]) / torch.tensor(data["embedding"]).norm()
+    _close(unit.tolist(), want.outputs.embedding)
+    assert float(torch.tensor(data["embedding"]).norm()) > 1.5  # not unit length
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"input": []}, 400, "input", "'input' must not be empty"),
+    ({"input": ["ok", ""]}, 400, "input", "must not contain an empty string"),
+    ({"input": [[1, 2], []]}, 400, "input", "An input is empty"),
+    ({"input": [10 ** 9]}, 400, "input", "out of vocabulary"),
+    ({"input": "x", "dimensions": 7}, 400, "dimensions", "dimensions=7 is not supported"),
+    ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format", None),
+    ({"input": [1] * MAX_MODEL_LEN}, 400, "input", f"at most {MAX_MODEL_LEN - 1}"),
+    ({"input": ["x"] * 2049}, 400, "input", "at most 2048 inputs"),
+    ({"input": "x", "model": "nope"}, 404, "model", "does not exist"),
+    ({"input": "x", "priority": 3}, 400, "priority", "priority"),
+])
+def test_bad_requests_are_4xx_naming_the_field(http: httpx.Client, body: dict, status: int, param: str,
+                                                message) -> None:
+    r = http.post("/v1/embeddings", json={"model": SERVED_NAME, **body})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    if message is not None:
+        assert message in err["message"], err
+
+
+def test_truncation_keeps_the_last_tokens(http: httpx.Client, offline_llm) -> None:
+    ids = list(range(100, 100 + MAX_MODEL_LEN + 10))  # too long, unless cut
+    r = http.post("/v1/embeddings", json={"model": SERVED_NAME, "input": ids, "truncate_prompt_tokens": 20})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 20
+    (want,) = offline_llm.embed([{"prompt_token_ids": ids[-20:]}], use_tqdm=False)
+    _close(r.json()["data"][0]["embedding"], want.outputs.embedding)
