@@ -59,6 +59,7 @@ def test_pooling_through_chunks_prefix_hits_and_a_generating_batch(tiny_llama_di
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts + generating], params, use_tqdm=False)
         for prompt, out in zip(prompts, outs):
             check_pooled(tiny_llama_dir, prompt, kind, out.pooled, normalized=False)
+            assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason is not None  # no token out
             if rnd == 1 and len(prompt) > 8:
                 assert (out.num_cached_tokens > 0) == (kind == "last"), (kind, out.num_cached_tokens)
         for prompt, m, out in zip(generating, (12, 7), outs[len(prompts):]):
@@ -125,4 +126,23 @@ def test_what_cannot_be_honoured_is_refused(tiny_llama_dir):
     (cut,) = llm.embed([list(range(5, 25))], PoolingParams(truncate_prompt_tokens=6), use_tqdm=False)
     assert cut.prompt_token_ids == list(range(19, 25))
     check_pooled(tiny_llama_dir, list(range(19, 25)), "last", cut.outputs.embedding, normalized=True)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_embeddings_beside_speculative_decoding(tiny_llama_dir, async_scheduling):
+    """An engine with n-gram speculation: repeating prompts get drafts verified in the same steps as the embedding
+    requests' chunks; neither changes the other."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    llm = LLM(model=tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=1 << 24, max_model_len=256,
+              speculative_config=spec, async_scheduling=async_scheduling, max_num_batched_tokens=32, max_num_seqs=6)
+    base = random_prompts([12], seed=51)[0]
+    generating = [base * 3, random_prompts([17], seed=52)[0]]
+    embeds = random_prompts([40, 3, 25], seed=53)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2 + [sampling_params_for("mean")] * 3
+    outs = llm.generate([{"prompt_token_ids": p} for p in generating + embeds], params, use_tqdm=False)
+    for prompt, out in zip(generating, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, 24)[0]
+    for prompt, out in zip(embeds, outs[2:]):
+        check_pooled(tiny_llama_dir, prompt, "mean", out.pooled, normalized=False)
     assert not llm.engine.has_unfinished_requests()

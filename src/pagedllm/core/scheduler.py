@@ -674,6 +674,8 @@ class Scheduler:
         else:
             new_token_ids = self._append_tokens(request, sampled)
         is_finished = request.status.finished
+        if request.sampling_params.pooling is not None:  # an embedding: its one token is no output (nor counted)
+            new_token_ids = []
         if output.spec_token_ids is not None and not is_finished:
             request.spec_token_ids = output.spec_token_ids[index]
         if request.first_token_time is None:
