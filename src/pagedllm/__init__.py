@@ -12,7 +12,7 @@ _openmp.load_with_own_policy()
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "LoRARequest",
-           "__version__"]
+           "PoolingParams", "EmbeddingRequestOutput", "__version__"]
 
 
 def __getattr__(name):  # lazy: importing pagedllm must not import torch
@@ -22,6 +22,9 @@ def __getattr__(name):  # lazy: importing pagedllm must not import torch
     if name == "LoRARequest":
         from pagedllm.lora.request import LoRARequest
         return LoRARequest
+    if name in ("PoolingParams", "EmbeddingRequestOutput"):
+        from pagedllm import pooling
+        return getattr(pooling, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from pagedllm import outputs
         return getattr(outputs, name)
