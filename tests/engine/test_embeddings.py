@@ -146,3 +146,28 @@ def test_embeddings_beside_speculative_decoding(tiny_llama_dir, async_scheduling
     for prompt, out in zip(embeds, outs[2:]):
         check_pooled(tiny_llama_dir, prompt, "mean", out.pooled, normalized=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_smollm2_embeddings_match_transformers_and_the_packed_gguf_path(smollm2_hf_dir, smollm2_gguf_path):
+    """The real default model: its HF directory in fp32 against transformers; its .gguf kept packed (whose one-token
+    steps run the C++ decode stack: a one-token prompt, and a repeated prompt whose prefix hit leaves one token)
+    against that, within the packed kernels' rounding."""
+    texts = ["The capital of France is Paris.", "a",
+             "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"]
+    hf_dir = LLM(model=smollm2_hf_dir, dtype="float32", num_gpu_blocks_override=64, max_model_len=512)
+    tok = hf_dir.get_tokenizer()
+    prompts = [tok.encode(t) for t in texts]
+    assert len(prompts[1]) == 1
+    want = hf_dir.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, want):
+        check_pooled(smollm2_hf_dir, prompt, "last", out.outputs.embedding, normalized=True)
+    hf_dir.shutdown()
+    packed = LLM(model=smollm2_gguf_path, num_gpu_blocks_override=64, max_model_len=512, block_size=16)
+    for rnd in range(2):  # the second: every prompt's full blocks are prefix hits
+        outs = packed.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        for w, out in zip(want, outs):
+            cos = torch.nn.functional.cosine_similarity(torch.tensor(out.outputs.embedding),
+                                                        torch.tensor(w.outputs.embedding), dim=0)
+            assert float(cos) > 0.995, (rnd, float(cos))
+    assert outs[0].prompt_token_ids == prompts[0]
+    assert len(prompts[2]) > 32 and packed.engine.get_stats().prefix_cache_hits >= 32
