@@ -524,7 +524,7 @@ class ModelRunner:
                 part = hidden[lo:lo + end - start].float().sum(dim=0)
                 state.pool_acc = part if state.pool_acc is None else state.pool_acc + part
             elif kind == "cls" and start == 0:
-                state.pool_acc = hidden[lo].float()
+                state.pool_acc = hidden[lo].float().clone()  # (a graph's output buffer is rewritten next step)
             if end < num_prompt:
                 continue
             if kind == "last":
