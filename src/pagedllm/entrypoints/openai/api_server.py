@@ -81,7 +81,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
     from pagedllm.entrypoints.async_engine import AsyncEngine, EngineStartupError
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.chat_template import load_chat_template
-    from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, to_engine_args
+    from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, server_url, to_engine_args
     from pagedllm.entrypoints.openai.guards import RequestGuard
     from pagedllm.entrypoints.openai.hot_routes import HotRoutes
     from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
@@ -131,6 +131,10 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         lifecycle = Lifecycle(count_request=metrics.api_server_requests.inc)
         state.lifecycle = lifecycle
         state.dashboard = args.dashboard
+        state.fastapi_docs = not getattr(args, "disable_fastapi_docs", False)
+        state.cors = {"origins": getattr(args, "allowed_origins", ["*"]),
+                      "methods": getattr(args, "allowed_methods", ["*"]), "headers": getattr(args, "allowed_headers", ["*"]),
+                      "credentials": bool(getattr(args, "allow_credentials", False))}
         fastapi_app = build_app(state)
         # The guard is outermost: every early answer inside it (the drain's 503, the key's 401) comes after the
         # request body was read, and its own refusals read the rest of the body before closing.
@@ -140,20 +144,24 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
                            send_timeout_s=args.send_timeout)
         freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off")
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off",
+                                root_path=getattr(args, "root_path", None) or "",
+                                ssl_keyfile=getattr(args, "ssl_keyfile", None),
+                                ssl_certfile=getattr(args, "ssl_certfile", None),
+                                ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
+                                ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0))
         ready = None if report is None else (lambda: report.send(("ready", {
             "name": names[0], "model_dir": engine.model_dir, "max_model_len": engine.max_model_len})))
         server = server_class()(config, engine, lifecycle, shutdown_timeout=args.shutdown_timeout,
                                 engine_dead_grace_period=args.engine_dead_grace_period, on_started=ready,
                                 supervised=client is not None)
-        host = f"[{args.host}]" if ":" in args.host else args.host
         if client is None:  # several API processes: the supervisor says it once all of them serve
-            logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1", names[0], engine.model_dir,
-                        engine.max_model_len, host, args.port)
+            logger.info("Serving %s (from %s, max_model_len %d) at %s/v1", names[0], engine.model_dir,
+                        engine.max_model_len, server_url(args))
         if state.dashboard:
             fastapi_app.state.dashboard.start()  # reads the counters every 5 s until a page opens
             if client is None:
-                logger.info("Dashboard: http://%s:%d/dashboard", host, args.port)
+                logger.info("Dashboard: %s/dashboard", server_url(args))
         _SERVING["started"] = True
         if report is not None:  # every API process listens at once, when the supervisor says (after all prepared)
             report.send(("prepared",))

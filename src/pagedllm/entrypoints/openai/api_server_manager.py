@@ -296,13 +296,14 @@ class APIServerSupervisor:
                     continue
                 ready[i] = report[1]
         info = ready[0]
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        logger.info("Serving %s (from %s, max_model_len %d) at http://%s:%d/v1 with %d API server processes "
+        from pagedllm.entrypoints.openai.cli_args import server_url
+
+        logger.info("Serving %s (from %s, max_model_len %d) at %s/v1 with %d API server processes "
                     "(pids %s) over %d engine core(s) (pids %s)", info["name"], info["model_dir"],
-                    info["max_model_len"], host, args.port, self.count, ", ".join(str(p.pid) for p in self.apis),
+                    info["max_model_len"], server_url(args), self.count, ", ".join(str(p.pid) for p in self.apis),
                     self.num_engines, ", ".join(str(p.pid) for p in self.engines))
         if getattr(args, "dashboard", False):
-            logger.info("Dashboard: http://%s:%d/dashboard", host, args.port)
+            logger.info("Dashboard: %s/dashboard", server_url(args))
         return None
 
     @staticmethod

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.entrypoints.async_engine import ClientDisconnected, EngineDeadError, RequestRejected
 from pagedllm.entrypoints.openai.errors import APIError, dumps, error_body, error_response, format_validation_error
+from pagedllm.entrypoints.openai.guards import route_path
 from pagedllm.entrypoints.openai.server_state import ServerState
 
 logger = logging.getLogger("pagedllm.api_server")
@@ -25,7 +26,7 @@ logger = logging.getLogger("pagedllm.api_server")
 
 def api_key_refused(scope: dict, expected: bytes) -> bool:
     """Whether a request lacks the key: /v1/* (but CORS preflights) needs `Authorization: Bearer KEY`."""
-    if not scope["path"].startswith("/v1") or scope.get("method") == "OPTIONS":
+    if not route_path(scope).startswith("/v1") or scope.get("method") == "OPTIONS":
         return False
     auth = b""
     for name, value in scope["headers"]:
@@ -70,7 +71,8 @@ def build_app(state: ServerState) -> FastAPI:
     from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
     from pagedllm.entrypoints.openai.tokenize import detokenize, tokenize
 
-    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__)
+    docs = {} if getattr(state, "fastapi_docs", True) else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, **docs)
     app.state.server = state
     _install_error_handlers(app)
 
@@ -138,7 +140,10 @@ def build_app(state: ServerState) -> FastAPI:
         install_dashboard(app, state)
     from fastapi.middleware.cors import CORSMiddleware
 
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    cors = getattr(state, "cors", None) or {}  # --allowed-origins / --allowed-methods / --allowed-headers / ...
+    app.add_middleware(CORSMiddleware, allow_origins=cors.get("origins", ["*"]),
+                       allow_methods=cors.get("methods", ["*"]), allow_headers=cors.get("headers", ["*"]),
+                       allow_credentials=cors.get("credentials", False))
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
     return app

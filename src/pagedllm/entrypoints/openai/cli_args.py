@@ -14,7 +14,9 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "disable_log_stats", "startup_timeout",
                "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout",
                "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard",
-               "api_server_count", "trust_request_chat_template", "chat_template"}
+               "api_server_count", "trust_request_chat_template", "chat_template", "ssl_keyfile", "ssl_certfile",
+               "ssl_ca_certs", "ssl_cert_reqs", "root_path", "allowed_origins", "allowed_methods", "allowed_headers",
+               "allow_credentials", "disable_fastapi_docs", "max_log_len"}
 
 
 def _port(text: str) -> int:
@@ -62,6 +64,23 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                         "request aborted (0: never)")
     g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="the live page at /dashboard (KV pool, requests, throughput, latency; behind --api-key)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS: the private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE", help="serve HTTPS: the certificate chain (PEM)")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="CA certificates that client certificates must chain to (with --ssl-cert-reqs 1 or 2)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
+    g.add_argument("--root-path", default=None, metavar="PREFIX",
+                   help="the path prefix a proxy serves this server under and strips (ASGI root_path)")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                   help='CORS: origins browsers may call from, e.g. \'["https://chat.example.com"]\' (default any)')
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON", help="CORS: methods")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON", help="CORS: headers")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /docs, /redoc or /openapi.json")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="accepted for vLLM compatibility: pagedllm never logs prompts")
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
     e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
@@ -114,6 +133,22 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"backend\": \"xgrammar\"}'")
+    return value
+
+
+def _json_list(text: str) -> list:
+    """vLLM's JSON list of strings; a plain comma-separated list (`*`, `https://a.example,https://b.example`) too."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        items = [item.strip() for item in text.split(",")]
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"an empty item in {text!r}") from None
+        return items
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError('must be a JSON list of strings, e.g. \'["*"]\', or a comma-separated list')
     return value
 
 
@@ -276,4 +311,38 @@ def check_unsupported_server_flags(args: argparse.Namespace) -> None:
         parse_lora_modules(args.lora_modules)
         if not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora.")
+    check_ssl_flags(args)
 
+
+def check_ssl_flags(args: argparse.Namespace) -> None:
+    """--ssl-*: the key and certificate come together and load (a clear error now, not uvicorn's traceback later)."""
+    import ssl
+
+    keyfile, certfile = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    ca_certs, cert_reqs = getattr(args, "ssl_ca_certs", None), getattr(args, "ssl_cert_reqs", 0)
+    if not keyfile and not certfile:
+        if ca_certs or cert_reqs:
+            raise ValueError("--ssl-ca-certs / --ssl-cert-reqs need HTTPS: give --ssl-keyfile and --ssl-certfile.")
+        return
+    if not keyfile or not certfile:
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile.")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"cannot load --ssl-certfile {certfile} with --ssl-keyfile {keyfile}: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
+    if cert_reqs and not ca_certs:
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (the CAs client certificates chain to).")
+    if ca_certs:
+        try:
+            context.load_verify_locations(ca_certs)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"cannot load --ssl-ca-certs {ca_certs}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def server_url(args: argparse.Namespace) -> str:
+    """Where clients reach the server: scheme, host, port and --root-path."""
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    return f"{scheme}://{host}:{args.port}{(getattr(args, 'root_path', None) or '').rstrip('/')}"

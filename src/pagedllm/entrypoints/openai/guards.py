@@ -24,6 +24,17 @@ from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import dumps, error_body
 
+
+def route_path(scope: dict) -> str:
+    """The path the routes match: uvicorn puts --root-path (the prefix a proxy serves this server under, which the
+    proxy strips) in front of scope["path"]; every path check (the API key, the hot routes, the drain) takes it off,
+    as the framework's router does."""
+    path = scope.get("path", "")
+    root = scope.get("root_path") or ""
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
+
 logger = logging.getLogger("pagedllm.api_server")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20

@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from pagedllm.entrypoints.openai.app import (api_key_refused, handled_error_response, internal_error_response,
                                              send_api_key_refusal)
+from pagedllm.entrypoints.openai.guards import route_path
 from pagedllm.entrypoints.openai.server_state import ServerState
 
 
@@ -34,7 +35,7 @@ class HotRoutes:
         self.expected_key: Optional[bytes] = f"Bearer {state.api_key}".encode() if state.api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        endpoint = self.routes.get(scope.get("path")) if scope["type"] == "http" else None
+        endpoint = self.routes.get(route_path(scope)) if scope["type"] == "http" else None
         if endpoint is None or scope.get("method") != "POST" or _has_origin(scope["headers"]):
             await self.app(scope, receive, send)
             return

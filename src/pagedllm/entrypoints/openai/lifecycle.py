@@ -24,6 +24,7 @@ import time
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import dumps, error_body
+from pagedllm.entrypoints.openai.guards import route_path
 
 logger = logging.getLogger("pagedllm.api_server")
 
@@ -56,7 +57,7 @@ class DrainMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
+        path = route_path(scope)
         if self.lifecycle.draining and path not in ("/metrics", "/version"):
             await _send_503(send, "The server is shutting down; retry on another replica.")
             return
