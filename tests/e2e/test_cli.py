@@ -215,7 +215,10 @@ shim = pytest.mark.skipif(not _vllm_is_shim(), reason="the pagedllm-vllm-compat 
 @shim
 def test_vllm_shim_commands(server: Server, e2e_env: dict) -> None:
     r = run([sys.executable, "-c", "from vllm import LLM, SamplingParams; from vllm.lora.request import LoRARequest; "
+             "from vllm import PoolingParams; from vllm.pooling_params import PoolingParams as P2; "
+             "from vllm.outputs import EmbeddingRequestOutput; "
              "import pagedllm; assert SamplingParams is pagedllm.SamplingParams and LLM is pagedllm.LLM; "
+             "assert PoolingParams is P2 is pagedllm.PoolingParams; "
              "print(LoRARequest('a', 1, '/x').lora_name)"], e2e_env)
     assert r.returncode == 0 and r.stdout.strip() == "a", r.stderr
     r = run([cli("vllm"), "--version"], e2e_env)

@@ -4,11 +4,11 @@ from __future__ import annotations
 from pagedllm import BeamSearchParams, SamplingParams, __version__  # noqa: F401
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LoRARequest",
-           "__version__"]
+           "PoolingParams", "EmbeddingRequestOutput", "__version__"]
 
 
 def __getattr__(name: str):  # lazy, like pagedllm: `import vllm` must not import torch
-    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput"):
         import pagedllm
 
         return getattr(pagedllm, name)
