@@ -171,3 +171,56 @@ def test_smollm2_embeddings_match_transformers_and_the_packed_gguf_path(smollm2_
             assert float(cos) > 0.995, (rnd, float(cos))
     assert outs[0].prompt_token_ids == prompts[0]
     assert len(prompts[2]) > 32 and packed.engine.get_stats().prefix_cache_hits >= 32
+
+
+def _decoder_only_checkpoint(causal_dir: str, out_dir: str, architecture: str, tied: bool = False) -> str:
+    """The decoder stack of a causal checkpoint saved on its own, as transformers' AutoModel saves it (tensor names
+    without `model.`, no lm_head), its config naming `architecture`."""
+    from transformers import AutoModelForCausalLM
+
+    causal = AutoModelForCausalLM.from_pretrained(causal_dir, dtype=torch.float32)
+    causal.model.save_pretrained(out_dir)
+    for name in os.listdir(causal_dir):  # the tokenizer's files
+        if name.startswith("tokenizer") or name.endswith(".jinja"):
+            shutil.copy(os.path.join(causal_dir, name), out_dir)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = [architecture]
+    config["tie_word_embeddings"] = tied
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and not any(n.startswith(("model.", "lm_head")) for n in names)
+    return out_dir
+
+
+@pytest.mark.parametrize("arch, causal_arch, tied", [
+    ("qwen3", "Qwen3Model", False), ("mistral", "MistralModel", False), ("qwen3", "Qwen3ForCausalLM", True),
+    ("qwen3", "Qwen3ForCausalLM", False)])
+def test_decoder_stacks_saved_without_their_head(arch, causal_arch, tied, tiny_model_dir, tmp_path):
+    """Embedding checkpoints as published: a bare decoder stack (`Qwen3Model`, e5-mistral's `MistralModel`: no head,
+    names without `model.`) serves embeddings only; Qwen3-Embedding's layouts (the same tensors under a config that
+    says Qwen3ForCausalLM: 0.6B ties its head to the embedding and serves both, 8B does not and serves embeddings
+    only). Vectors equal transformers' AutoModel."""
+    from transformers import AutoModel
+
+    model_dir = _decoder_only_checkpoint(tiny_model_dir(arch), str(tmp_path / "stack"), causal_arch, tied)
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=32)
+    prompts = random_prompts([7, 30], seed=61)
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts], PoolingParams(normalize=False), use_tqdm=False)
+    reference = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = reference(torch.tensor([prompt])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-4, rtol=1e-4)
+    if not tied:
+        with pytest.raises(ValueError, match=f"This model \\({causal_arch}\\) is a decoder without its language-model "
+                                             "head: it serves embeddings"):
+            llm.generate([prompts[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+    else:
+        (gen,) = llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        assert len(gen.outputs[0].token_ids) == 2
+    assert not llm.engine.has_unfinished_requests()

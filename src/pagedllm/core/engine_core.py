@@ -72,6 +72,9 @@ class EngineCore:
         self.eos_token_ids = w.eos_token_ids
         text_config = getattr(w.hf_config, "text_config", None) or w.hf_config
         self.hidden_size = int(text_config.hidden_size)  # an embedding's length (pooling/)
+        from pagedllm.pooling import embedding_only
+
+        self.embedding_only = embedding_only(w.hf_config)  # a decoder stack without its head: no generation
         self.block_size = engine_args.block_size
         self.num_blocks = w.num_blocks
         self.scheduler = Scheduler(
@@ -150,6 +153,9 @@ class EngineCore:
         if any(type(t) is not int or t < 0 or t >= vocab for t in prompt):  # (no bools: True is no token id)
             bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
             raise ValueError(f"Prompt token ids must be integers in [0, {vocab}), got {bad!r}.")
+        if self.embedding_only and req.sampling_params.pooling is None:
+            raise ValueError(f"This model ({self.embedding_only}) is a decoder without its language-model head: it "
+                             "serves embeddings (LLM.embed, POST /v1/embeddings), not generation.")
         if num_prompt >= self.max_model_len and req.sampling_params.pooling is not None:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your input has "

@@ -133,6 +133,10 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
     if isinstance(getattr(config, "architectures", None), str):  # one name written as a string: a list of it
         config.architectures = [config.architectures]
     config = served_text_config(config)
+    from pagedllm.pooling import embedding_only
+
+    if embedding_only(config):  # no head in the checkpoint: the embedding stands in (only a dropped token reads it)
+        config.tie_word_embeddings = True
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers < 1:  # (the pipeline split said "use at most 0 stages")
         raise ValueError(f"{config_path} has num_hidden_layers={layers}; a model needs at least one layer.")
@@ -186,6 +190,11 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
     device = torch.device(device)
     # Find the weight files before building, so a bad directory fails fast.
     files = find_weight_files(model_dir) if load_format != "dummy" else []
+    if files and getattr(quant_config, "weights_iterator", None) is None and decoder_stack_only(files) \
+            and not getattr(hf_config, "tie_word_embeddings", False):
+        from pagedllm.pooling import mark_embedding_only
+
+        mark_embedding_only(hf_config)  # a decoder saved without its head (Qwen3-Embedding-8B): embeddings only
     with torch.device(device):  # parameters are allocated on the target device, no CPU copy first
         model = model_cls(hf_config, dtype) if quant_config is None else \
             model_cls(hf_config, dtype, quant_config=quant_config)
@@ -200,7 +209,8 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
             own = getattr(quant_config, "weights_iterator", None)
             if own is None:
                 _report_unmapped_gguf_tensors(model_dir, hf_config)
-            model.load_weights(own(hf_config) if own is not None else safetensors_weights_iterator(files))
+            model.load_weights(own(hf_config) if own is not None else
+                               with_model_prefix(safetensors_weights_iterator(files), files))
         for module in model.modules():
             linear_method = getattr(module, "linear_method", None)
             if linear_method is not None:
@@ -215,6 +225,30 @@ def get_model(hf_config: Any, model_dir: Optional[str], *, dtype: torch.dtype,
     if device.type == "cpu":
         cpu_decode.attach(model)  # decode steps of packed models in one C++ call, where the model qualifies
     return model.eval()
+
+
+def _bare_names(files: list[str]) -> tuple[bool, bool]:
+    """(the checkpoint names its decoder's tensors without `model.`, it has an lm_head tensor)."""
+    from pagedllm.models.weight_utils import checkpoint_tensor_names
+
+    names = checkpoint_tensor_names(files)
+    bare = any(n.startswith(("layers.", "embed_tokens.")) for n in names) and not any(
+        n.startswith("model.") for n in names)
+    return bare, any(n.startswith("lm_head.") for n in names)
+
+
+def decoder_stack_only(files: list[str]) -> bool:
+    """A decoder stack saved on its own (transformers' AutoModel; Qwen3-Embedding): bare names, no head."""
+    bare, has_head = _bare_names(files)
+    return bare and not has_head
+
+
+def with_model_prefix(weights: Any, files: list[str]) -> Any:
+    """A decoder stack saved on its own names its tensors `layers.0...`, `embed_tokens.weight`, `norm.weight`: those
+    get the causal model's `model.` prefix; other checkpoints pass as they are."""
+    if not _bare_names(files)[0]:
+        return weights
+    return ((name if name.startswith("lm_head.") else "model." + name, tensor) for name, tensor in weights)
 
 
 def _report_unmapped_gguf_tensors(model_dir: Optional[str], hf_config: Any) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Union
 
+from pagedllm.pooling import EMBEDDING_ONLY_ARCHITECTURES
+
 # architecture name -> (module under pagedllm.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -36,7 +38,7 @@ _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(set(_MODELS) | set(EMBEDDING_ONLY_ARCHITECTURES))
 
 
 def register_model(architecture: str, module: str, class_name: str) -> None:
@@ -63,12 +65,13 @@ def is_supported(hf_config_or_arch: Union[str, Any]) -> bool:
         arch = hf_config_or_arch if isinstance(hf_config_or_arch, str) else get_architecture(hf_config_or_arch)
     except ValueError:
         return False
-    return arch in _MODELS
+    return EMBEDDING_ONLY_ARCHITECTURES.get(arch, arch) in _MODELS
 
 
 def get_model_class(hf_config_or_arch: Union[str, Any]) -> type:
     """The model class for a HF config (or an architecture name); ValueError if unsupported."""
     arch = hf_config_or_arch if isinstance(hf_config_or_arch, str) else get_architecture(hf_config_or_arch)
+    arch = EMBEDDING_ONLY_ARCHITECTURES.get(arch, arch)  # a decoder stack without its head: the causal class
     if arch not in _MODELS:
         raise ValueError(f"Model architecture {arch} is not supported; supported: "
                          f"{', '.join(supported_architectures())}.")

@@ -58,6 +58,20 @@ def find_weight_files(model_dir: str) -> list[str]:
     return files
 
 
+def checkpoint_tensor_names(files: Sequence[str]) -> list[str]:
+    """Every tensor name of the safetensors files (from their headers; no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    names: list[str] = []
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                names.extend(handle.keys())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"Could not read weights file {path}: it is not a valid safetensors file ({e}).") from None
+    return names
+
+
 def safetensors_weights_iterator(files: Sequence[str], show_progress: bool = True
                                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, CPU tensor) for every tensor of every file, with one progress bar over all tensors."""

@@ -19,6 +19,32 @@ from typing import Any, Optional
 
 POOLING_TYPES = ("last", "mean", "cls")
 
+# Decoder stacks saved without their language-model head (transformers' AutoModel: e5-mistral's MistralModel,
+# gte-Qwen2's Qwen2Model, ...) -> the causal architecture whose decoder they are. They serve embeddings only: the
+# loader ties the head to the embedding (only an embedding request's dropped token reads it) and the engine refuses
+# generation for them.
+EMBEDDING_ONLY_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                                "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+
+
+def embedding_only(hf_config: Any) -> Optional[str]:
+    """The architecture name when the model has no language-model head of its own (one of
+    EMBEDDING_ONLY_ARCHITECTURES, or a checkpoint the loader found without one: `mark_embedding_only`), else None."""
+    marked = getattr(hf_config, "pagedllm_embedding_only", None)
+    if marked:
+        return marked
+    architectures = getattr(hf_config, "architectures", None) or []
+    arch = architectures[0] if architectures else None
+    return arch if arch in EMBEDDING_ONLY_ARCHITECTURES else None
+
+
+def mark_embedding_only(hf_config: Any) -> None:
+    """A checkpoint without a language-model head (and an untied config): its embedding stands in for the head (only
+    an embedding request's dropped token reads it) and the engine refuses generation."""
+    architectures = getattr(hf_config, "architectures", None) or ["this model"]
+    hf_config.tie_word_embeddings = True
+    hf_config.pagedllm_embedding_only = architectures[0]
+
 # sentence-transformers' pooling modes (1_Pooling/config.json) -> ours
 _ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
@@ -140,5 +166,6 @@ def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int]
                           truncate_prompt_tokens=truncate_prompt_tokens, output_kind="final_only")
 
 
-__all__ = ["POOLING_TYPES", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
+__all__ = ["POOLING_TYPES", "EMBEDDING_ONLY_ARCHITECTURES", "embedding_only",
+           "mark_embedding_only", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
            "EmbeddingOutput", "EmbeddingRequestOutput", "sampling_params_for"]

@@ -133,7 +133,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         state.dashboard = args.dashboard
         state.fastapi_docs = not getattr(args, "disable_fastapi_docs", False)
         state.cors = {"origins": getattr(args, "allowed_origins", ["*"]),
-                      "methods": getattr(args, "allowed_methods", ["*"]), "headers": getattr(args, "allowed_headers", ["*"]),
+                      "methods": getattr(args, "allowed_methods", ["*"]),
+                      "headers": getattr(args, "allowed_headers", ["*"]),
                       "credentials": bool(getattr(args, "allow_credentials", False))}
         fastapi_app = build_app(state)
         # The guard is outermost: every early answer inside it (the drain's 503, the key's 401) comes after the

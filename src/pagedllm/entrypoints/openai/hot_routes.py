@@ -1,7 +1,8 @@
 """The model's routes (POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings) served in front
-of the FastAPI app, below none of its layers: a request there would otherwise pass a dozen of the framework's middlewares and
-wrappers (error middleware, telemetry and body-limit layers, CORS, exception middleware, the router's matching,
-the dependency solver) before the endpoint, each run once per request and again per message sent.
+of the FastAPI app, below none of its layers: a request there would otherwise pass a dozen of the framework's
+middlewares and wrappers (error middleware, telemetry and body-limit layers, CORS, exception middleware, the
+router's matching, the dependency solver) before the endpoint, each run once per request and again per message
+sent.
 
 Behaviour is the app's: the same endpoints, the API key checked as `APIKeyMiddleware` checks it, exceptions
 answered by the app's own handlers (`app.handled_error_response` / `app.internal_error_response`, an unexpected
