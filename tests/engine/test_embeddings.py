@@ -112,7 +112,8 @@ def test_what_cannot_be_honoured_is_refused(tiny_llama_dir):
     hidden = llm.engine.hidden_size
     (out,) = llm.embed([[5, 6, 7]], PoolingParams(dimensions=hidden), use_tqdm=False)
     assert len(out.outputs.embedding) == hidden
-    with pytest.raises(ValueError, match=f"dimensions=8 is not supported: this model's embeddings have {hidden}"):
+    with pytest.raises(ValueError, match=f"dimensions=8 is not supported: this model's embeddings have {hidden} "
+                                         "dimensions, and its config.json does not say it was trained for shorter"):
         llm.embed([[5, 6, 7]], PoolingParams(dimensions=8), use_tqdm=False)
     with pytest.raises(ValueError, match="pooling_type must be one of last, mean, cls"):
         PoolingParams(pooling_type="max")
@@ -224,3 +225,25 @@ def test_decoder_stacks_saved_without_their_head(arch, causal_arch, tied, tiny_m
         (gen,) = llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
         assert len(gen.outputs[0].token_ids) == 2
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("sizes", [True, [8, 16, 32]])
+def test_matryoshka_dimensions(tiny_llama_dir, tmp_path, sizes):
+    """A config that says it was trained for shorter embeddings (vLLM's `is_matryoshka` / `matryoshka_dimensions`):
+    `dimensions` keeps the first values, then normalizes; other lengths are refused naming the allowed ones."""
+    model_dir = str(tmp_path / "mrl")
+    shutil.copytree(tiny_llama_dir, model_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config.update({"is_matryoshka": True} if sizes is True else {"matryoshka_dimensions": sizes})
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=32)
+    hidden = llm.engine.hidden_size
+    prompt = random_prompts([9], seed=71)[0]
+    (full,) = llm.embed([prompt], PoolingParams(normalize=False), use_tqdm=False)
+    (short,) = llm.embed([prompt], PoolingParams(dimensions=16), use_tqdm=False)
+    head = torch.tensor(full.outputs.embedding[:16])
+    torch.testing.assert_close(torch.tensor(short.outputs.embedding), head / head.norm(), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=f"may have {'8, 16, 32' if sizes is not True else f'1 to {hidden}'} dim"):
+        llm.embed([prompt], PoolingParams(dimensions=hidden + 1 if sizes is True else 12), use_tqdm=False)

@@ -257,16 +257,17 @@ class LLM:
         from pagedllm.pooling import sampling_params_for
 
         params = [sampling_params_for(kind, None if p is None else p.truncate_prompt_tokens)
-                  for (kind, _), p in zip(resolved, pooling_list)]
+                  for (kind, _, _), p in zip(resolved, pooling_list)]
         items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params)]
         lora_ids = self._add_loras(lora_request, len(items))
         outputs = self._run(items, use_tqdm, lora_ids, [self._cache_salt(p) for p in prompts])
         results = []
-        for out, (_, normalize) in zip(outputs, resolved):
+        for out, (_, normalize, dimensions) in zip(outputs, resolved):
             if out.pooled is None:  # the engine failed it (finish_reason "error": the warning logged says why)
                 raise RuntimeError(f"The embedding of prompt {len(results)} failed: "
                                    f"{out.outputs[0].finish_reason if out.outputs else 'no output'}.")
-            results.append(EmbeddingRequestOutput(out.request_id, EmbeddingOutput(finish(out.pooled, normalize)),
+            results.append(EmbeddingRequestOutput(out.request_id,
+                                                  EmbeddingOutput(finish(out.pooled, normalize, dimensions)),
                                                   out.prompt_token_ids, True, out.prompt))
         return results
 

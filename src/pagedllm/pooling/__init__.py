@@ -53,8 +53,8 @@ _ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean
 class PoolingParams:
     """How an embedding is made (vLLM's PoolingParams): pooling_type None takes the model's (see module doc);
     normalize None takes the model's (L2 to unit length unless its sentence-transformers files say otherwise);
-    dimensions: the vector's length, only the model's own (no Matryoshka truncation is built); truncate_prompt_tokens:
-    keep the prompt's last k tokens (-1: the model's context)."""
+    dimensions: the vector's length, shorter than the hidden size only for a Matryoshka-trained model (its first
+    values, then normalized); truncate_prompt_tokens: keep the prompt's last k tokens (-1: the model's context)."""
 
     pooling_type: Optional[str] = None
     normalize: Optional[bool] = None
@@ -76,10 +76,13 @@ class PoolingParams:
 
 @dataclass(frozen=True)
 class ModelPooling:
-    """A model's default pooling: its type and whether its vectors are normalized."""
+    """A model's default pooling: its type, whether its vectors are normalized, and the shortened lengths its
+    Matryoshka training allows (config.json's `is_matryoshka` / `matryoshka_dimensions`, vLLM's names): None: none,
+    (): any length up to the hidden size."""
 
     pooling_type: str = "last"
     normalize: bool = True
+    matryoshka: Optional[tuple[int, ...]] = None
 
 
 def model_pooling(model_dir: Optional[str]) -> ModelPooling:
@@ -87,6 +90,7 @@ def model_pooling(model_dir: Optional[str]) -> ModelPooling:
     if not model_dir or not os.path.isdir(model_dir):
         return ModelPooling()
     pooling_type, normalize = "last", True
+    matryoshka = _matryoshka(os.path.join(model_dir, "config.json"))
     modules_path = os.path.join(model_dir, "modules.json")
     pooling_dir = "1_Pooling"
     if os.path.isfile(modules_path):
@@ -115,27 +119,54 @@ def model_pooling(model_dir: Optional[str]) -> ModelPooling:
             modes = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v is True)
             raise ValueError(f"The model's sentence-transformers pooling ({', '.join(modes)} in {config_path}) is "
                              f"not supported: one of {', '.join(_ST_MODES)} is.")
-    return ModelPooling(pooling_type, normalize)
+    return ModelPooling(pooling_type, normalize, matryoshka)
 
 
-def resolve(params: Optional[PoolingParams], defaults: ModelPooling, hidden_size: int) -> tuple[str, bool]:
-    """(pooling type, normalize) for a request; ValueError for what cannot be honoured."""
+def _matryoshka(config_path: str) -> Optional[tuple[int, ...]]:
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    sizes = config.get("matryoshka_dimensions")
+    if isinstance(sizes, list) and sizes and all(isinstance(d, int) and not isinstance(d, bool) for d in sizes):
+        return tuple(sizes)
+    return () if config.get("is_matryoshka") is True else None
+
+
+def resolve(params: Optional[PoolingParams], defaults: ModelPooling, hidden_size: int
+            ) -> tuple[str, bool, Optional[int]]:
+    """(pooling type, normalize, the vector's length or None for the whole) for a request; ValueError for what
+    cannot be honoured."""
     params = params or PoolingParams()
-    if params.dimensions is not None and params.dimensions != hidden_size:
-        raise ValueError(f"dimensions={params.dimensions} is not supported: this model's embeddings have "
-                         f"{hidden_size} dimensions (shortened embeddings need a Matryoshka-trained model, which "
-                         "is not built).")
+    dimensions = params.dimensions
+    if dimensions == hidden_size:
+        dimensions = None
+    if dimensions is not None:
+        allowed = defaults.matryoshka
+        if allowed is None:
+            raise ValueError(f"dimensions={dimensions} is not supported: this model's embeddings have {hidden_size} "
+                             "dimensions, and its config.json does not say it was trained for shorter ones "
+                             "(is_matryoshka / matryoshka_dimensions).")
+        if dimensions > hidden_size or (allowed and dimensions not in allowed):
+            sizes = ", ".join(map(str, allowed)) if allowed else f"1 to {hidden_size}"
+            raise ValueError(f"dimensions={dimensions} is not supported: this model's embeddings may have {sizes} "
+                             "dimensions.")
     pooling_type = params.pooling_type or defaults.pooling_type
     normalize = defaults.normalize if params.normalize is None else params.normalize
-    return pooling_type, normalize
+    return pooling_type, normalize, dimensions
 
 
-def finish(vector: list[float], normalize: bool) -> list[float]:
-    """The embedding from the engine's pooled hidden state (fp32): L2-normalized when asked."""
+def finish(vector: list[float], normalize: bool, dimensions: Optional[int] = None) -> list[float]:
+    """The embedding from the engine's pooled hidden state (fp32): its first `dimensions` values (Matryoshka), then
+    L2-normalized when asked."""
+    vector = list(vector if dimensions is None else vector[:dimensions])
     if not normalize:
-        return list(vector)
+        return vector
     norm = math.sqrt(math.fsum(v * v for v in vector))
-    return [v / norm for v in vector] if norm > 0 else list(vector)
+    return [v / norm for v in vector] if norm > 0 else vector
 
 
 @dataclass

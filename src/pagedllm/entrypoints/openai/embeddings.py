@@ -74,8 +74,8 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
         except ValueError as e:
             raise APIError(str(e), status=400, param="model") from None
     try:
-        kind, normalize = resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize),
-                                  state.pooling_defaults, ready.hidden_size)
+        kind, normalize, dimensions = resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize),
+                                              state.pooling_defaults, ready.hidden_size)
     except ValueError as e:
         raise APIError(str(e), param="dimensions") from None
     inputs = await tokenize_work(request, parse_inputs, req.input, state.tokenizer, ready.vocab_size,
@@ -113,7 +113,7 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
             reason = final.outputs[0].finish_reason if final is not None and final.outputs else "no output"
             raise APIError(f"The embedding of input {i} failed ({reason}).", status=500)
         num_tokens += len(ids)
-        vector = finish(final.pooled, normalize)
+        vector = finish(final.pooled, normalize, dimensions)
         if req.encoding_format == "base64":  # OpenAI's: little-endian float32 bytes
             embedding: Any = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
         else:
