@@ -77,6 +77,34 @@ class EngineArgs:
     download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
     # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
     structured_outputs_config: Optional[dict] = None
+    # Embeddings (pooling/), vLLM's names: runner "pooling" serves embeddings only ("auto": generation too, except
+    # for a model without its head); convert "embed" and the older task "embed" mean the same. pooler_config:
+    # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model's own defaults.
+    runner: str = "auto"
+    convert: str = "auto"
+    task: Optional[str] = None
+    pooler_config: Optional[dict] = None
+
+    @property
+    def embeddings_only(self) -> bool:
+        """runner="pooling" (or convert / task "embed"): the engine serves embeddings, not generation."""
+        return self.runner == "pooling" or self.convert == "embed" or self.task == "embed"
+
+    def _check_pooling(self) -> None:
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}.")
+        if self.convert not in ("auto", "none", "embed"):
+            raise ValueError(f"convert must be auto, none or embed (other conversions are not built), got "
+                             f"{self.convert!r}.")
+        if self.task not in (None, "auto", "generate", "embed"):
+            raise ValueError(f"task must be generate or embed (other tasks are not built), got {self.task!r}.")
+        wants_generation = self.runner == "generate" or self.task == "generate"
+        if wants_generation and self.embeddings_only:
+            raise ValueError("runner / task 'generate' and 'pooling' / 'embed' contradict each other; give one.")
+        if self.pooler_config is not None:
+            from pagedllm.pooling import check_pooler_config
+
+            self.pooler_config = check_pooler_config(self.pooler_config)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -138,6 +166,7 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}.")
+        self._check_pooling()
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.max_model_len is not None and self.max_model_len < 1:

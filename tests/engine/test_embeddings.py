@@ -247,3 +247,24 @@ def test_matryoshka_dimensions(tiny_llama_dir, tmp_path, sizes):
     torch.testing.assert_close(torch.tensor(short.outputs.embedding), head / head.norm(), atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match=f"may have {'8, 16, 32' if sizes is not True else f'1 to {hidden}'} dim"):
         llm.embed([prompt], PoolingParams(dimensions=hidden + 1 if sizes is True else 12), use_tqdm=False)
+
+
+def test_pooling_runner_and_pooler_config(tiny_llama_dir):
+    """vLLM's runner="pooling" (and convert / task "embed"): embeddings only, generation refused saying why;
+    pooler_config (vLLM's upper-case pooling types) over the model's defaults; contradictions and unbuilt keys
+    refused at start."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, runner="pooling",
+              pooler_config={"pooling_type": "MEAN", "normalize": False})
+    prompt = random_prompts([13], seed=81)[0]
+    (out,) = llm.embed([prompt], use_tqdm=False)
+    check_pooled(tiny_llama_dir, prompt, "mean", out.outputs.embedding, normalized=False)
+    with pytest.raises(ValueError, match="runs the model for embeddings only \\(runner 'pooling'"):
+        llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.shutdown()
+    for kwargs, message in [({"task": "embed", "runner": "generate"}, "contradict each other"),
+                            ({"pooler_config": {"pooling_type": "MAX"}}, "must be LAST, MEAN or CLS"),
+                            ({"pooler_config": {"dimensions": 8}}, "\\['dimensions'\\] is not supported"),
+                            ({"convert": "classify"}, "other conversions are not built")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, **kwargs)

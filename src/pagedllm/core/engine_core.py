@@ -138,7 +138,7 @@ class EngineCore:
         """The model's embedding pooling (pooling.model_pooling): read on the first embedding request."""
         from pagedllm.pooling import model_pooling
 
-        return model_pooling(self.model_dir)
+        return model_pooling(self.model_dir, self.engine_args.pooler_config)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -156,6 +156,9 @@ class EngineCore:
         if self.embedding_only and req.sampling_params.pooling is None:
             raise ValueError(f"This model ({self.embedding_only}) is a decoder without its language-model head: it "
                              "serves embeddings (LLM.embed, POST /v1/embeddings), not generation.")
+        if self.engine_args.embeddings_only and req.sampling_params.pooling is None:
+            raise ValueError("This engine runs the model for embeddings only (runner 'pooling', --runner pooling): "
+                             "use LLM.embed / POST /v1/embeddings, or start it without that to generate.")
         if num_prompt >= self.max_model_len and req.sampling_params.pooling is not None:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your input has "

@@ -85,8 +85,38 @@ class ModelPooling:
     matryoshka: Optional[tuple[int, ...]] = None
 
 
-def model_pooling(model_dir: Optional[str]) -> ModelPooling:
-    """The defaults from a model directory's sentence-transformers files, else last-token pooling, normalized."""
+def check_pooler_config(config: Any) -> dict:
+    """vLLM's pooler_config ({"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}) checked, the type in our
+    lower-case names; ValueError for anything else (a key not built is refused, not ignored)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"pooler_config must be a JSON object, got {config!r}.")
+    unknown = sorted(set(config) - {"pooling_type", "normalize"})
+    if unknown:
+        raise ValueError(f"pooler_config takes pooling_type and normalize; {unknown} is not supported.")
+    out: dict = {}
+    kind = config.get("pooling_type")
+    if kind is not None:
+        if not isinstance(kind, str) or kind.lower() not in POOLING_TYPES:
+            raise ValueError(f"pooler_config's pooling_type must be LAST, MEAN or CLS, got {kind!r}.")
+        out["pooling_type"] = kind.lower()
+    if "normalize" in config and config["normalize"] is not None:
+        if not isinstance(config["normalize"], bool):
+            raise ValueError(f"pooler_config's normalize must be true or false, got {config['normalize']!r}.")
+        out["normalize"] = config["normalize"]
+    return out
+
+
+def model_pooling(model_dir: Optional[str], pooler_config: Optional[dict] = None) -> ModelPooling:
+    """The defaults from a model directory's sentence-transformers files, else last-token pooling, normalized;
+    `pooler_config` (checked by check_pooler_config) overrides them."""
+    found = _model_files_pooling(model_dir)
+    if not pooler_config:
+        return found
+    return ModelPooling(pooler_config.get("pooling_type", found.pooling_type),
+                        pooler_config.get("normalize", found.normalize), found.matryoshka)
+
+
+def _model_files_pooling(model_dir: Optional[str]) -> ModelPooling:
     if not model_dir or not os.path.isdir(model_dir):
         return ModelPooling()
     pooling_type, normalize = "last", True
@@ -197,6 +227,6 @@ def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int]
                           truncate_prompt_tokens=truncate_prompt_tokens, output_kind="final_only")
 
 
-__all__ = ["POOLING_TYPES", "EMBEDDING_ONLY_ARCHITECTURES", "embedding_only",
+__all__ = ["check_pooler_config", "POOLING_TYPES", "EMBEDDING_ONLY_ARCHITECTURES", "embedding_only",
            "mark_embedding_only", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
            "EmbeddingOutput", "EmbeddingRequestOutput", "sampling_params_for"]

@@ -117,6 +117,16 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
     e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults from the model's generation_config.json (auto), none (vllm), or DIR's")
+    e.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling: serve embeddings only (/v1/embeddings; generation routes answer 400)")
+    e.add_argument("--convert", default="auto", choices=["auto", "none", "embed"],
+                   help="embed: the same as --runner pooling (vLLM's name)")
+    e.add_argument("--task", default=None, choices=["auto", "generate", "embed"],
+                   help="vLLM's older name: embed = --runner pooling")
+    e.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_object,
+                   default=None, metavar="JSON",
+                   help='embeddings\' pooling over the model\'s defaults, e.g. \'{"pooling_type": "MEAN", '
+                        '"normalize": false}\'')
     e.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     add_parallel_args(p)
