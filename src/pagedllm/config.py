@@ -73,6 +73,7 @@ class EngineArgs:
     master_addr: Optional[str] = None  # default: $MASTER_ADDR, else 127.0.0.1
     master_port: Optional[int] = None  # default: $MASTER_PORT, else 29500 (a free port on one node)
     generation_config: str = "auto"  # "auto" (the model's generation_config.json) | "vllm" (none) | a directory
+    override_generation_config: Optional[dict] = None  # generation_config.json keys over those (vLLM's)
     revision: Optional[str] = None  # hub repo ids: branch, tag or commit
     download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
     # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
@@ -191,6 +192,10 @@ class EngineArgs:
             from pagedllm.generation_config import load_sampling_defaults
 
             load_sampling_defaults(self.generation_config, "")  # a DIR must hold a readable generation_config.json
+        if self.override_generation_config is not None:
+            from pagedllm.generation_config import check_generation_override
+
+            self.override_generation_config = check_generation_override(self.override_generation_config)
         if self.cpu_offload_gb < 0:
             raise ValueError(f"cpu_offload_gb must be >= 0 (0 turns offloading off), got {self.cpu_offload_gb}.")
         if self.cpu_offload_gb > 0 and self.device == "cpu":

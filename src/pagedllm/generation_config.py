@@ -58,9 +58,34 @@ def recommended_sampling(organization: Optional[str], basename: Optional[str], n
     return None
 
 
-def load_sampling_defaults(mode: str, model_dir: str) -> dict[str, Any]:
-    """The sampling defaults `mode` gives for the model in `model_dir` ({} when none); ValueError if `mode` names
-    a directory without the file or the file is not valid JSON."""
+def check_generation_override(override: Any) -> dict[str, Any]:
+    """vLLM's --override-generation-config: generation_config.json keys this engine reads (FIELDS), each a number;
+    ValueError names anything else (refused, not ignored)."""
+    if not isinstance(override, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {override!r}.")
+    unknown = sorted(set(override) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"override_generation_config takes {', '.join(FIELDS)}; {unknown} is not supported.")
+    for key, value in override.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"override_generation_config's {key} must be a number, got {value!r}.")
+    return dict(override)
+
+
+def load_sampling_defaults(mode: str, model_dir: str, override: Optional[dict] = None) -> dict[str, Any]:
+    """The sampling defaults `mode` gives for the model in `model_dir` ({} when none), with `override` (vLLM's
+    --override-generation-config, generation_config.json keys) on top; ValueError if `mode` names a directory
+    without the file or the file is not valid JSON."""
+    defaults = _file_defaults(mode, model_dir)
+    for theirs, value in (override or {}).items():
+        if value is None:
+            defaults.pop(FIELDS[theirs], None)
+        else:
+            defaults[FIELDS[theirs]] = value
+    return defaults
+
+
+def _file_defaults(mode: str, model_dir: str) -> dict[str, Any]:
     if mode == "vllm":
         return {}
     folder = model_dir if mode == "auto" else os.path.expanduser(mode)
@@ -92,9 +117,13 @@ def sampling_defaults_source(mode: str, model_dir: str) -> Optional[str]:
     return raw.get(SOURCE_KEY) if isinstance(raw, dict) else None
 
 
-def log_sampling_defaults(defaults: dict[str, Any], mode: str, model_dir: Optional[str] = None) -> None:
+def log_sampling_defaults(defaults: dict[str, Any], mode: str, model_dir: Optional[str] = None,
+                          override: Optional[dict] = None) -> None:
     source = sampling_defaults_source(mode, model_dir) if model_dir else None
-    if defaults:
+    if override:
+        logger.info("Sampling defaults (used where a request does not set them) with --override-generation-config "
+                    "%s: %s", override, defaults)
+    elif defaults:
         logger.info("Sampling defaults from the model's generation config%s (used where a request does not set "
                     "them; --generation-config vllm turns them off): %s",
                     f", as recommended by {source}" if source else "", defaults)

@@ -132,6 +132,18 @@ def test_issue12_flags_reach_engine_args() -> None:
     assert (defaults.generation_config, defaults.max_logprobs, defaults.enable_chunked_prefill) == ("auto", 20, True)
 
 
+def test_vllm_embedding_and_generation_flags_reach_engine_args() -> None:
+    ea = to_engine_args(_parse(["m", "--task", "embed", "--override-pooler-config", '{"pooling_type": "MEAN"}',
+                                "--override-generation-config", '{"temperature": 0.5}']))
+    ea.validate()
+    assert (ea.task, ea.embeddings_only, ea.pooler_config, ea.override_generation_config) == (
+        "embed", True, {"pooling_type": "mean"}, {"temperature": 0.5})
+    ea = to_engine_args(_parse(["m", "--runner", "pooling", "--pooler-config", '{"normalize": false}']))
+    assert ea.runner == "pooling" and ea.pooler_config == {"normalize": False}
+    defaults = to_engine_args(_parse(["m"]))
+    assert (defaults.runner, defaults.convert, defaults.task, defaults.embeddings_only) == ("auto", "auto", None, False)
+
+
 def test_messages_carry_token_constraints() -> None:
     params = SamplingParams(logit_bias={"7": -100, 3: 2.5}, allowed_token_ids=[3, 7, 9], bad_words=["no"],
                             bad_words_token_ids=[[4, 5]])

@@ -46,6 +46,28 @@ def test_generation_config_defaults_apply_only_when_silent(tiny_llama_dir, tmp_p
         LLM(model=model, generation_config=str(tmp_path))
 
 
+def test_override_generation_config(tiny_llama_dir, tmp_path, caplog):
+    """vLLM's override_generation_config: its keys over the file's (null drops one), over none with "vllm"; keys this
+    engine does not read, and non-numbers, are refused at start."""
+    model = _with_generation_config(tiny_llama_dir, tmp_path / "m", temperature=0.0, max_new_tokens=4, top_k=7)
+    with caplog.at_level("INFO", logger="pagedllm"):
+        llm = LLM(model=model, dtype="float32", num_gpu_blocks_override=32,
+                  override_generation_config={"max_new_tokens": 2, "top_k": None, "min_p": 0.1})
+    assert "--override-generation-config" in caplog.text
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens, defaults.top_k, defaults.min_p) == (0.0, 2, 0, 0.1)
+    prompt = {"prompt_token_ids": random_prompts([6], seed=52)[0]}
+    assert llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids == \
+        hf_greedy(tiny_llama_dir, prompt["prompt_token_ids"], 2)[0]
+    only = LLM(model=model, dtype="float32", num_gpu_blocks_override=32, generation_config="vllm",
+               override_generation_config={"temperature": 0.25})
+    assert only.get_default_sampling_params() == SamplingParams(temperature=0.25)
+    for bad, message in [({"do_sample": True}, "\\['do_sample'\\] is not supported"),
+                         ({"temperature": "hot"}, "temperature must be a number")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(model=model, dtype="float32", num_gpu_blocks_override=32, override_generation_config=bad)
+
+
 def test_server_mapping_uses_defaults_only_for_missing_fields():
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
     from pagedllm.entrypoints.openai.request_params import build_sampling_params

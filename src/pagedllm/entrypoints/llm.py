@@ -95,8 +95,11 @@ class LLM:
             self._counter = itertools.count()
             from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
 
-            self.sampling_defaults = load_sampling_defaults(self.engine_args.generation_config, engine.model_dir)
-            log_sampling_defaults(self.sampling_defaults, self.engine_args.generation_config, engine.model_dir)
+            override = self.engine_args.override_generation_config
+            self.sampling_defaults = load_sampling_defaults(self.engine_args.generation_config, engine.model_dir,
+                                                            override)
+            log_sampling_defaults(self.sampling_defaults, self.engine_args.generation_config, engine.model_dir,
+                                  override)
         except BaseException:
             self.shutdown()  # a tokenizer or generation config that fails to load must not keep the engine
             raise

@@ -113,10 +113,12 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         except ValueError as e:  # the front end's own loading (the tokenizer: --tokenizer) after the engine's
             return _startup_error(report, str(e), 2)
         try:
-            defaults = load_sampling_defaults(engine_args.generation_config, engine.model_dir)
+            defaults = load_sampling_defaults(engine_args.generation_config, engine.model_dir,
+                                              engine_args.override_generation_config)
         except ValueError as e:
             return _startup_error(report, str(e), 2)
-        log_sampling_defaults(defaults, engine_args.generation_config, engine.model_dir)
+        log_sampling_defaults(defaults, engine_args.generation_config, engine.model_dir,
+                              engine_args.override_generation_config)
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"

@@ -117,6 +117,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
     e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults from the model's generation_config.json (auto), none (vllm), or DIR's")
+    e.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help='sampling defaults over --generation-config\'s, generation_config.json keys, e.g. '
+                        '\'{"temperature": 0.5, "max_new_tokens": 256}\' (null drops one)')
     e.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve embeddings only (/v1/embeddings; generation routes answer 400)")
     e.add_argument("--convert", default="auto", choices=["auto", "none", "embed"],
