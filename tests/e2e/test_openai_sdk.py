@@ -20,6 +20,11 @@ def client(server: Server) -> openai.OpenAI:
 def test_models(client: openai.OpenAI) -> None:
     ids = [m.id for m in client.models.list().data]
     assert ids == [SERVED_NAME, "smol-alias"]
+    card = client.models.retrieve("smol-alias")
+    assert card.id == "smol-alias" and card.object == "model" and card.owned_by == "pagedllm"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no/such-model")
+    assert "does not exist" in str(e.value)
 
 
 def test_completion_sync(client: openai.OpenAI) -> None:

@@ -63,7 +63,7 @@ def build_app(state: ServerState) -> FastAPI:
     from pagedllm.entrypoints.openai.chat_completions import create_chat_completion
     from pagedllm.entrypoints.openai.completions import create_completion
     from pagedllm.entrypoints.openai.embeddings import EmbeddingRequest, create_embedding
-    from pagedllm.entrypoints.openai.models import list_models
+    from pagedllm.entrypoints.openai.models import list_models, retrieve_model
     from pagedllm.entrypoints.openai.openapi_bodies import body, install
     from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                       TokenizeRequest)
@@ -97,6 +97,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         return await list_models(state)
+
+    @app.get("/v1/models/{model:path}")  # (a path: LoRA and hub names hold slashes)
+    async def model_card(model: str) -> Response:
+        return await retrieve_model(state, model)
 
     @app.post("/v1/completions", openapi_extra=body(CompletionRequest))
     async def completions(request: Request) -> Response:
