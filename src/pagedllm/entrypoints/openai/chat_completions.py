@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> generation; SSE streaming."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -14,6 +15,7 @@ from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_gr
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
+from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, prompt_opens_thinking
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, request_cache_salt, request_priority,
                                                         truncate_prompt)
@@ -62,6 +64,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, state.sampling_defaults)
     apply_tool_grammar(params, tool_plan)
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
+    reasoning = request_reasoning(req, state, params, prompt_text, prompt_ids)
     request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
@@ -72,10 +75,23 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     first, watch = await first_output(request, engine, gen, [request_id])
     if stream:
         framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
-        return SSEResponse(_ChatStream(req, state, prompt_ids, gen, first, watch, framer, tool_plan, request_id))
+        return SSEResponse(_ChatStream(req, state, prompt_ids, gen, first, watch, framer, tool_plan, request_id,
+                                       reasoning))
     final = await last_output(gen, first, watch)
-    return Response(dumps(_full_response(req, state, model, request_id, created, prompt_ids, final, tool_plan)),
-                    media_type="application/json")
+    return Response(dumps(_full_response(req, state, model, request_id, created, prompt_ids, final, tool_plan,
+                                         reasoning)), media_type="application/json")
+
+
+def request_reasoning(req: ChatCompletionRequest, state: ServerState, params: Any, prompt_text: Optional[str],
+                      prompt_ids: list[int]) -> Optional[ChoiceReasoning]:
+    """The reasoning split of this request's answer (--reasoning-parser), or None: no parser, or a grammar shapes
+    the whole answer (response_format, structured outputs, a required / named tool_choice)."""
+    parser = getattr(state, "reasoning_parser", None)
+    if parser is None or params.structured_outputs is not None:
+        return None
+    if prompt_text is None:  # (a truncated prompt): its end, where an opened think block would be
+        prompt_text = state.tokenizer.decode(prompt_ids[-64:])
+    return ChoiceReasoning(parser, prompt_opens_thinking(prompt_text), bool(req.include_reasoning))
 
 
 def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top_n: int, as_ids: bool = False
@@ -100,7 +116,8 @@ def _echo_text(req: ChatCompletionRequest) -> str:
 
 
 def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, request_id: str, created: int,
-                   prompt_ids: list[int], final: Any, tool_plan: ToolPlan) -> dict:
+                   prompt_ids: list[int], final: Any, tool_plan: ToolPlan,
+                   reasoning: Optional[ChoiceReasoning] = None) -> dict:
     choices = []
     num_gen = 0
     echo = _echo_text(req)
@@ -109,9 +126,16 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
         lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0,
                             bool(req.return_tokens_as_token_ids)) if req.logprobs else None
         # The echo is content ahead of the answer, never parsed for calls: the stream sends it before the streamer.
-        message, finish_reason = choice_message(tool_plan, out.text, out.finish_reason)
+        text, thought = out.text, None
+        if reasoning is not None:  # the reasoning first; calls are read from the content after it
+            thought, text = reasoning.split(out.text)
+        message, finish_reason = choice_message(tool_plan, text or "", out.finish_reason)
+        if text is None and not message.get("tool_calls"):
+            message["content"] = None
         if echo:
             message["content"] = echo + (message["content"] or "")
+        if reasoning is not None:
+            message.update(reasoning.fields(thought if reasoning.include else None))
         choice = {"index": out.index, "message": message,
                   "logprobs": lp, "finish_reason": finish_reason, "stop_reason": out.stop_reason}
         if req.return_token_ids:
@@ -131,7 +155,8 @@ class _ChatStream(SSEStream):
     per engine step."""
 
     def __init__(self, req: ChatCompletionRequest, state: ServerState, prompt_ids: list[int], batches: AsyncIterator,
-                 first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan, request_id: str) -> None:
+                 first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan, request_id: str,
+                 reasoning: Optional[ChoiceReasoning] = None) -> None:
         super().__init__(batches, first, watch, framer)
         self.req, self.tok, self.num_prompt, self.num_gen = req, state.tokenizer, len(prompt_ids), 0
         self.prompt_ids = prompt_ids
@@ -140,8 +165,9 @@ class _ChatStream(SSEStream):
         # return_token_ids: each chunk's token_ids; those of tokens a tool parser holds back wait for its next chunk.
         self.token_ids = bool(req.return_token_ids)
         self.held_ids: dict[int, list[int]] = {}
-        # A running choice of a plain stream (no logprobs, no tools, no token ids) is a template and its text.
-        self.plain = not req.logprobs and self.tool_streams is None and not self.token_ids
+        self.reasoning = reasoning
+        # A running choice of a plain stream (no logprobs, tools, token ids or reasoning) is a template and its text.
+        self.plain = not req.logprobs and self.tool_streams is None and not self.token_ids and reasoning is None
         self.templates = [framer.template(b'{"index":%d,"delta":{"content":' % i, b"}") for i in range(req.n)]
         if self.plain and req.n == 1:
             self.direct = (state.engine, request_id)
@@ -189,6 +215,18 @@ class _ChatStream(SSEStream):
             ids = None
             if self.token_ids:
                 ids = self.held_ids.pop(out.index, []) + list(out.token_ids)
+            if self.reasoning is not None:
+                thought, text = self.reasoning.feed(out.index, out.text, out.finish_reason is not None)
+                if thought and self.reasoning.include:  # the reasoning's delta carries the step's logprobs and ids
+                    choice = {"index": out.index, "delta": self.reasoning.fields(thought), "logprobs": lp,
+                              "finish_reason": None}
+                    if ids is not None:
+                        choice["token_ids"] = ids
+                    frames.append(self.frame(choice))
+                    lp, ids = None, ([] if ids is not None else None)
+                if not text and out.finish_reason is None and lp is None and not ids:
+                    continue  # nothing of the answer yet (held back, or reasoning only)
+                out = dataclasses.replace(out, text=text)
             if self.tool_streams is not None:
                 tool_frames = _tool_frames(self.frame, self.tool_streams, out, lp, ids)
                 if ids is not None and not tool_frames:

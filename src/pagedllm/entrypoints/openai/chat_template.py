@@ -84,6 +84,9 @@ def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool
             item["tool_calls"] = msg.tool_calls
         if getattr(msg, "tool_call_id", None):
             item["tool_call_id"] = msg.tool_call_id
+        reasoning = getattr(msg, "reasoning_content", None) or getattr(msg, "reasoning", None)
+        if reasoning:
+            item["reasoning_content"] = reasoning
         conv.append(item)
     tools = None
     if prepare_tools is not None:

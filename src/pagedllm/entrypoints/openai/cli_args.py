@@ -16,7 +16,7 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard",
                "api_server_count", "trust_request_chat_template", "chat_template", "ssl_keyfile", "ssl_certfile",
                "ssl_ca_certs", "ssl_cert_reqs", "root_path", "allowed_origins", "allowed_methods", "allowed_headers",
-               "allow_credentials", "disable_fastapi_docs", "max_log_len"}
+               "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser"}
 
 
 def _port(text: str) -> int:
@@ -166,6 +166,7 @@ def _json_list(text: str) -> list:
 
 
 def add_structured_output_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
     from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSER_NAMES
     from pagedllm.structured_output.backend import BACKENDS
 
@@ -181,6 +182,9 @@ def add_structured_output_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (`chat_template`): a template is code the server "
                         "runs, which a request could make arbitrarily slow; off: such requests get a 400")
+    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="thinking models: the <think> part of chat answers goes to `reasoning` (and "
+                        "`reasoning_content`), the rest to `content` (deepseek_r1: R1 and its distills; qwen3)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='accepted for vLLM compatibility: tool_choice "auto" works without it')
 

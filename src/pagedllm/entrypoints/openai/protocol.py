@@ -116,6 +116,10 @@ class ChatMessage(_Req):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # role "tool": the call this message answers
+    # an assistant's earlier reasoning (vLLM's `reasoning`, DeepSeek's `reasoning_content`): to the chat template as
+    # `reasoning_content`, which thinking models' templates read
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -134,6 +138,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    include_reasoning: bool = True  # vLLM's: with --reasoning-parser, false leaves the reasoning out
 
 
 class TokenizeRequest(_Req):

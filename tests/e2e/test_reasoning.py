@@ -1,0 +1,93 @@
+"""--reasoning-parser through a real `pagedllm serve` (a tiny random model: its answers never close a think block, so
+the split itself is covered by tests/unit/test_reasoning_parser.py): a prompt whose template opens `<think>` makes the
+whole answer reasoning, streamed and not alike; without it the answer is content; include_reasoning false and a
+grammar (response_format) turn the split off; an assistant's earlier reasoning reaches the template."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import httpx
+import pytest
+
+from e2e_helpers import cli, stop
+
+from pagedllm.entrypoints.server_process import free_port, wait_healthy
+
+THINKING = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}<think>\n"
+HISTORY = "{% for m in messages %}[{{ m.get('reasoning_content', '') }}|{{ m['content'] }}]{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def http(tiny_llama_dir: str, e2e_env: dict, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reasoning")
+    port = free_port()
+    log_path = str(tmp / "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--reasoning-parser",
+                                 "qwen3", "--trust-request-chat-template", "--kv-cache-memory-bytes", str(32 << 20)],
+                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log_path=log_path)
+        with httpx.Client(base_url=url, timeout=120) as client:
+            yield client
+    finally:
+        stop(proc)
+
+
+def _body(**extra) -> dict:
+    return {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
+def _streamed(http: httpx.Client, body: dict) -> tuple[str, str, list[dict]]:
+    reasoning = content = ""
+    events = []
+    with http.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    for e in events:
+        for ch in e["choices"]:
+            reasoning += ch["delta"].get("reasoning") or ""
+            content += ch["delta"].get("content") or ""
+    return reasoning, content, events
+
+
+def test_an_opened_think_block_makes_the_answer_reasoning(http: httpx.Client) -> None:
+    full = http.post("/v1/chat/completions", json=_body(chat_template=THINKING)).json()
+    message = full["choices"][0]["message"]
+    assert message["reasoning"] and message["reasoning"] == message["reasoning_content"]
+    assert message["content"] is None and full["usage"]["completion_tokens"] == 12
+    reasoning, content, events = _streamed(http, _body(chat_template=THINKING))
+    assert reasoning == message["reasoning"] and content == ""
+    assert all(ch["delta"].get("reasoning") == ch["delta"].get("reasoning_content")
+               for e in events for ch in e["choices"])
+
+
+def test_without_a_think_block_the_answer_is_content(http: httpx.Client) -> None:
+    plain = http.post("/v1/chat/completions", json=_body()).json()["choices"][0]["message"]
+    assert plain["reasoning"] is None and plain["content"]
+    reasoning, content, _ = _streamed(http, _body())
+    assert reasoning == "" and content == plain["content"]
+
+
+@pytest.mark.parametrize("extra", [{"include_reasoning": False}, {"response_format": {"type": "json_object"}}])
+def test_the_split_turned_off(http: httpx.Client, extra: dict) -> None:
+    message = http.post("/v1/chat/completions", json=_body(chat_template=THINKING, **extra)).json()
+    message = message["choices"][0]["message"]
+    assert message["reasoning"] is None if "include_reasoning" in extra else "reasoning" not in message
+    if "response_format" in extra:  # the grammar shaped the whole answer: content, not parsed
+        assert message["content"] is not None
+
+
+def test_earlier_reasoning_reaches_the_template(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a", "reasoning_content": "thought one"},
+                {"role": "assistant", "content": "b", "reasoning": "thought two"}]
+    r = http.post("/tokenize", json={"messages": messages, "chat_template": HISTORY, "add_generation_prompt": False})
+    ids = r.json()["tokens"]
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert "[|q][thought one|a][thought two|b]" in text, text
