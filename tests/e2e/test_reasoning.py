@@ -14,18 +14,21 @@ from e2e_helpers import cli, stop
 
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
-THINKING = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}<think>\n"
+THINKING = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}<think>\n"  # the server's --chat-template
+PLAIN = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 HISTORY = "{% for m in messages %}[{{ m.get('reasoning_content', '') }}|{{ m['content'] }}]{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def http(tiny_llama_dir: str, e2e_env: dict, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reasoning")
+    (tmp / "thinking.jinja").write_text(THINKING)
     port = free_port()
     log_path = str(tmp / "server.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--reasoning-parser",
-                                 "qwen3", "--trust-request-chat-template", "--kv-cache-memory-bytes", str(32 << 20)],
+                                 "qwen3", "--chat-template", str(tmp / "thinking.jinja"),
+                                 "--trust-request-chat-template", "--kv-cache-memory-bytes", str(32 << 20)],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -57,26 +60,26 @@ def _streamed(http: httpx.Client, body: dict) -> tuple[str, str, list[dict]]:
 
 
 def test_an_opened_think_block_makes_the_answer_reasoning(http: httpx.Client) -> None:
-    full = http.post("/v1/chat/completions", json=_body(chat_template=THINKING)).json()
+    full = http.post("/v1/chat/completions", json=_body()).json()
     message = full["choices"][0]["message"]
     assert message["reasoning"] and message["reasoning"] == message["reasoning_content"]
     assert message["content"] is None and full["usage"]["completion_tokens"] == 12
-    reasoning, content, events = _streamed(http, _body(chat_template=THINKING))
+    reasoning, content, events = _streamed(http, _body())
     assert reasoning == message["reasoning"] and content == ""
     assert all(ch["delta"].get("reasoning") == ch["delta"].get("reasoning_content")
                for e in events for ch in e["choices"])
 
 
 def test_without_a_think_block_the_answer_is_content(http: httpx.Client) -> None:
-    plain = http.post("/v1/chat/completions", json=_body()).json()["choices"][0]["message"]
+    plain = http.post("/v1/chat/completions", json=_body(chat_template=PLAIN)).json()["choices"][0]["message"]
     assert plain["reasoning"] is None and plain["content"]
-    reasoning, content, _ = _streamed(http, _body())
+    reasoning, content, _ = _streamed(http, _body(chat_template=PLAIN))
     assert reasoning == "" and content == plain["content"]
 
 
 @pytest.mark.parametrize("extra", [{"include_reasoning": False}, {"response_format": {"type": "json_object"}}])
 def test_the_split_turned_off(http: httpx.Client, extra: dict) -> None:
-    message = http.post("/v1/chat/completions", json=_body(chat_template=THINKING, **extra)).json()
+    message = http.post("/v1/chat/completions", json=_body(**extra)).json()
     message = message["choices"][0]["message"]
     assert message["reasoning"] is None if "include_reasoning" in extra else "reasoning" not in message
     if "response_format" in extra:  # the grammar shaped the whole answer: content, not parsed
@@ -91,3 +94,29 @@ def test_earlier_reasoning_reaches_the_template(http: httpx.Client) -> None:
     ids = r.json()["tokens"]
     text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
     assert "[|q][thought one|a][thought two|b]" in text, text
+
+
+def test_responses_api_answers_with_a_reasoning_item(http: httpx.Client) -> None:
+    body = {"input": "hello", "max_output_tokens": 10, "temperature": 0}
+    full = http.post("/v1/responses", json=body).json()
+    (item,) = full["output"]
+    assert item["type"] == "reasoning" and item["content"][0]["type"] == "reasoning_text" and item["summary"] == []
+    assert item["status"] == full["status"] == "incomplete"  # cut off while thinking
+    assert full["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    events = []
+    with http.stream("POST", "/v1/responses", json=dict(body, stream=True)) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert deltas == item["content"][0]["text"]
+    done = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert len(done) == 1 and done[0]["text"] == deltas
+    streamed = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and [o["type"] for o in streamed["output"]] == ["reasoning"]
+    assert streamed["usage"] == full["usage"]
+    # the reasoning item sent back in the next turn's input is the assistant's earlier reasoning, not an error
+    follow = {"input": [{"role": "user", "content": "hello"}, item,
+                        {"role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
+                        {"role": "user", "content": "and?"}], "max_output_tokens": 2}
+    assert http.post("/v1/responses", json=follow).status_code == 200

@@ -148,3 +148,25 @@ def test_include_reasoning_false_leaves_it_out() -> None:
                           [CompletionOutput(0, "secret thoughts</think>Hello", [7], None, None, "stop")], True)
     message = _full_response(req, state, "m", "r", 0, [1], final, plan, reasoning)["choices"][0]["message"]
     assert message["reasoning"] is None and message["content"] == "Hello"
+
+
+def test_responses_stream_closes_the_reasoning_item_before_the_answer() -> None:
+    from pagedllm.entrypoints.openai.responses import _ResponseShell, _ResponsesStream
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedllm.entrypoints.openai.tool_calling import plan_tools
+
+    req = ResponsesRequest(input="q", stream=True)
+    shell = _ResponseShell(req, "m", "resp_1", 0, 3)
+    stream = _ResponsesStream(None, None, None, shell, plan_tools(None, None, None, "hermes", None),
+                              ChoiceReasoning("deepseek_r1", False))
+    pieces = ["Think", "ing...</th", "ink>\n\nThe", " answer."]
+    raw = b"".join(stream.frames([RequestOutput("r", None, [1], None, [CompletionOutput(
+        0, p, [7], None, None, "stop" if k == len(pieces) - 1 else None)], False)]) for k, p in enumerate(pieces))
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Thinking..."
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "The answer."
+    final = events[-1]["response"]
+    assert [(o["type"], o["status"]) for o in final["output"]] == [("reasoning", "completed"), ("message", "completed")]
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1]

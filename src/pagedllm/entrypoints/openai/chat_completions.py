@@ -15,7 +15,7 @@ from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_gr
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
-from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, prompt_opens_thinking
+from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, request_reasoning
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, request_cache_salt, request_priority,
                                                         truncate_prompt)
@@ -64,7 +64,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, state.sampling_defaults)
     apply_tool_grammar(params, tool_plan)
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
-    reasoning = request_reasoning(req, state, params, prompt_text, prompt_ids)
+    reasoning = request_reasoning(state, params, prompt_text, prompt_ids, bool(req.include_reasoning))
     request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
@@ -81,17 +81,6 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     return Response(dumps(_full_response(req, state, model, request_id, created, prompt_ids, final, tool_plan,
                                          reasoning)), media_type="application/json")
 
-
-def request_reasoning(req: ChatCompletionRequest, state: ServerState, params: Any, prompt_text: Optional[str],
-                      prompt_ids: list[int]) -> Optional[ChoiceReasoning]:
-    """The reasoning split of this request's answer (--reasoning-parser), or None: no parser, or a grammar shapes
-    the whole answer (response_format, structured outputs, a required / named tool_choice)."""
-    parser = getattr(state, "reasoning_parser", None)
-    if parser is None or params.structured_outputs is not None:
-        return None
-    if prompt_text is None:  # (a truncated prompt): its end, where an opened think block would be
-        prompt_text = state.tokenizer.decode(prompt_ids[-64:])
-    return ChoiceReasoning(parser, prompt_opens_thinking(prompt_text), bool(req.include_reasoning))
 
 
 def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top_n: int, as_ids: bool = False

@@ -11,7 +11,7 @@ outputs, a required or named tool_choice) is not parsed: the grammar shaped the 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -136,3 +136,15 @@ class ChoiceReasoning:
     def fields(reasoning: Optional[str]) -> dict:
         """The message's (or delta's) reasoning: vLLM's `reasoning` and the DeepSeek name `reasoning_content`."""
         return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def request_reasoning(state: Any, params: Any, prompt_text: Optional[str], prompt_ids: list[int],
+                      include: bool = True) -> Optional[ChoiceReasoning]:
+    """The reasoning split of a chat / responses request's answer (--reasoning-parser), or None: no parser, or a
+    grammar shapes the whole answer (response_format, structured outputs, a required / named tool_choice)."""
+    parser = getattr(state, "reasoning_parser", None)
+    if parser is None or params.structured_outputs is not None:
+        return None
+    if prompt_text is None:  # (a truncated prompt): its end, where an opened think block would be
+        prompt_text = state.tokenizer.decode(prompt_ids[-64:])
+    return ChoiceReasoning(parser, prompt_opens_thinking(prompt_text), include)

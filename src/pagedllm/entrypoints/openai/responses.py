@@ -22,6 +22,7 @@ from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, che
     to_chat_request
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import SSEResponse, SSEStream, first_output, last_output
+from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, request_reasoning
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 
 
@@ -61,22 +62,29 @@ async def _create_response(request: Request, state: ServerState) -> Response:
     params.structured_outputs = spec
     apply_tool_grammar(params, tool_plan)
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len, "input", "max_output_tokens")
+    reasoning = request_reasoning(state, params, prompt_text, prompt_ids)
     request_id = req.request_id or _id("resp")
     stream = bool(req.stream)
     generate = state.engine.generate_batches if stream else state.engine.generate
     gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
                    lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
-    shell = _ResponseShell(req, model, request_id, int(time.time()), len(prompt_ids))
+    shell = _ResponseShell(req, model, request_id, int(time.time()), len(prompt_ids), state.tokenizer)
     first, watch = await first_output(request, state.engine, gen, [request_id])
     if stream:
-        return SSEResponse(_ResponsesStream(gen, first, watch, shell, tool_plan))
+        return SSEResponse(_ResponsesStream(gen, first, watch, shell, tool_plan, reasoning))
     final = await last_output(gen, first, watch)
     out = final.outputs[0]
-    message, _ = choice_message(tool_plan, out.text, out.finish_reason)
+    thought, text = (None, out.text) if reasoning is None else reasoning.split(out.text)
+    message, _ = choice_message(tool_plan, text or "", out.finish_reason)
     items = []
     status = "incomplete" if out.finish_reason == "length" else "completed"
+    if thought is not None:  # the reasoning item first, as OpenAI's reasoning models answer
+        items.append(_reasoning_item(_id("rs"), thought, "completed" if text is not None else status))
+        shell.reasoning_text = thought
+        if text is None and not message.get("tool_calls"):
+            message["content"] = None
     calls = message.get("tool_calls") or []
-    if message["content"] is not None and (message["content"] or not calls):
+    if message["content"] is not None and (message["content"] or not (calls or items)):
         items.append(_message_item(_id("msg"), message["content"], "completed" if calls else status))
     for i, c in enumerate(calls):  # only the last call can have been cut short (as the stream closes them)
         items.append(_call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"],
@@ -90,6 +98,12 @@ def _message_item(item_id: str, text: Optional[str], status: str) -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
+def _reasoning_item(item_id: str, text: Optional[str], status: str) -> dict:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "encrypted_content": None,
+            "status": status}
+
+
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
@@ -98,15 +112,24 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 class _ResponseShell:
     """The response object around its output: the request's settings echoed, the usage."""
 
-    def __init__(self, req: ResponsesRequest, model: str, response_id: str, created: int, num_prompt: int) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, response_id: str, created: int, num_prompt: int,
+                 tokenizer: Any = None) -> None:
         self.req, self.model, self.id, self.created, self.num_prompt = req, model, response_id, created, num_prompt
+        self.tokenizer = tokenizer
+        self.reasoning_text: Optional[str] = None  # the answer's reasoning (--reasoning-parser), for its usage
+
+    def reasoning_tokens(self) -> int:
+        """The reasoning's length in tokens (its text re-encoded: the split is made on text)."""
+        if not self.reasoning_text or self.tokenizer is None:
+            return 0
+        return len(self.tokenizer.encode(self.reasoning_text, add_special_tokens=False))
 
     def body(self, status: str, output: list, num_gen: Optional[int] = None, cached: Optional[int] = None) -> dict:
         req = self.req
         usage = None
         if num_gen is not None:
             usage = {"input_tokens": self.num_prompt, "input_tokens_details": {"cached_tokens": cached or 0},
-                     "output_tokens": num_gen, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": num_gen, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()},
                      "total_tokens": self.num_prompt + num_gen}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "model": self.model, "status": status,
@@ -131,10 +154,12 @@ class _ResponsesStream(SSEStream):
     fail, its response's status saying whether it is incomplete (the SDK's stream helpers wait for that event)."""
 
     def __init__(self, batches: AsyncIterator, first: Any, watch: Any, shell: _ResponseShell,
-                 tool_plan: ToolPlan) -> None:
+                 tool_plan: ToolPlan, reasoning: Optional[ChoiceReasoning] = None) -> None:
         super().__init__(batches, first, watch, None)
         self.shell = shell
         self.tool_streams = ChoiceStreams(tool_plan) if tool_plan.active else None
+        self.reasoning = reasoning
+        self.thinking: Optional[dict] = None  # the open reasoning item
         self.seq = 0
         self.num_gen = 0
         self.cached: Optional[int] = None
@@ -158,11 +183,18 @@ class _ResponsesStream(SSEStream):
             self.num_gen += len(out.token_ids)
             if ro.num_cached_tokens is not None:
                 self.cached = ro.num_cached_tokens
+            text = out.text
+            if self.reasoning is not None:
+                thought, text = self.reasoning.feed(0, text, out.finish_reason is not None)
+                if thought:
+                    self.thought(frames, thought)
+                if text:
+                    self.close_thinking(frames, "completed")
             if self.tool_streams is None:
-                if out.text:
-                    self.text(frames, out.text)
+                if text:
+                    self.text(frames, text)
             else:
-                deltas, _ = self.tool_streams.deltas(0, out.text, out.finish_reason)
+                deltas, _ = self.tool_streams.deltas(0, text, out.finish_reason)
                 for d in deltas:
                     if d.get("content"):
                         self.text(frames, d["content"])
@@ -172,7 +204,34 @@ class _ResponsesStream(SSEStream):
                 self.finish(frames, "incomplete" if out.finish_reason == "length" else "completed")
         return b"".join(frames)
 
+    def thought(self, frames: list, delta: str) -> None:
+        if self.thinking is None:
+            self.thinking = _reasoning_item(_id("rs"), None, "in_progress")
+            index = len(self.output)
+            frames.append(self.event("response.output_item.added", output_index=index, item=dict(self.thinking)))
+            self.thinking["content"] = [{"type": "reasoning_text", "text": ""}]
+            frames.append(self.event("response.content_part.added", item_id=self.thinking["id"],
+                                     output_index=index, content_index=0, part=self.thinking["content"][0]))
+        self.thinking["content"][0]["text"] += delta
+        frames.append(self.event("response.reasoning_text.delta", item_id=self.thinking["id"],
+                                 output_index=len(self.output), content_index=0, delta=delta))
+
+    def close_thinking(self, frames: list, status: str) -> None:
+        item, self.thinking = self.thinking, None
+        if item is None:
+            return
+        index, part = len(self.output), item["content"][0]
+        self.shell.reasoning_text = part["text"]
+        frames.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                 content_index=0, text=part["text"]))
+        frames.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                 content_index=0, part=part))
+        item["status"] = status
+        frames.append(self.event("response.output_item.done", output_index=index, item=item))
+        self.output.append(item)
+
     def open_message(self, frames: list) -> None:
+        self.close_thinking(frames, "completed")
         self.close_call(frames, "completed")
         self.message = _message_item(_id("msg"), None, "in_progress")
         index = len(self.output)
@@ -205,6 +264,7 @@ class _ResponsesStream(SSEStream):
         """A chat tool-call delta: one with an id starts a call, the others add to its arguments."""
         fn = tc.get("function") or {}
         if tc.get("id") is not None:
+            self.close_thinking(frames, "completed")
             self.close_message(frames, "completed")
             self.close_call(frames, "completed")
             self.call = _call_item(_id("fc"), tc["id"], fn.get("name"), "", "in_progress")
@@ -228,8 +288,9 @@ class _ResponsesStream(SSEStream):
         self.output.append(item)
 
     def finish(self, frames: list, status: str) -> None:
+        self.close_thinking(frames, status)
         if self.message is None and self.call is None and not self.output:
-            self.open_message(frames)  # no text and no call: an empty message, as the full response has
+            self.open_message(frames)  # no text, reasoning or call: an empty message, as the full response has
         self.close_message(frames, status)
         self.close_call(frames, status)
         body = self.shell.body(status, self.output, self.num_gen, self.cached)

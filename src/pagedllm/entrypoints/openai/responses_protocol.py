@@ -131,6 +131,7 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
         raise APIError(f"'input' may have at most {limits.MAX_MESSAGES} items (got {len(req.input)}).",
                        param="input")
     call_ids: set[str] = set()
+    thought: Optional[str] = None  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -143,7 +144,11 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
             if role is None:
                 raise APIError(f"{where}.role must be 'user', 'system', 'developer' or 'assistant', got "
                                f"{item.get('role')!r}.", param=f"{where}.role")
-            msgs.append(ChatMessage(role=role, content=_content_text(item.get("content"), where)))
+            msgs.append(ChatMessage(role=role, content=_content_text(item.get("content"), where),
+                                    reasoning_content=thought if role == "assistant" else None))
+            thought = None
+        elif kind == "reasoning":  # an earlier response's reasoning, sent back: the next assistant turn's
+            thought = _reasoning_text(item, where)
         elif kind == "function_call":
             call = _history_call(item, where)
             call_ids.add(call["id"])
@@ -151,7 +156,8 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
             if last is not None and last.role == "assistant" and last.tool_calls:
                 last.tool_calls.append(call)
             else:
-                msgs.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+                msgs.append(ChatMessage(role="assistant", content=None, tool_calls=[call], reasoning_content=thought))
+            thought = None
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
@@ -162,15 +168,31 @@ def input_messages(req: ResponsesRequest) -> list[ChatMessage]:
                                param=f"{where}.call_id")
             text = _content_text(output, where, "output")
             msgs.append(ChatMessage(role="tool", content=text, tool_call_id=call_id))
-        elif kind in ("reasoning", "item_reference", "file_search_call", "web_search_call", "computer_call",
+        elif kind in ("item_reference", "file_search_call", "web_search_call", "computer_call",
                       "computer_call_output", "code_interpreter_call", "image_generation_call", "local_shell_call",
                       "local_shell_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
                       "mcp_approval_response", "custom_tool_call", "custom_tool_call_output"):
             raise APIError(f"'{kind}' is not supported yet by pagedllm.", param=f"{where}.type")
         else:
-            raise APIError(f"{where}.type must be 'message', 'function_call' or 'function_call_output', got "
-                           f"{kind!r}.", param=f"{where}.type")
+            raise APIError(f"{where}.type must be 'message', 'function_call', 'function_call_output' or "
+                           f"'reasoning', got {kind!r}.", param=f"{where}.type")
+    if not msgs:
+        raise APIError("'input' must contain a message or function_call item (reasoning items alone carry nothing "
+                       "to answer).", param="input")
     return msgs
+
+
+def _reasoning_text(item: dict, where: str) -> Optional[str]:
+    """A reasoning item's text (its reasoning_text parts; a summary stands in when there are none), or None."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise APIError(f"{where}.content must be a list of reasoning_text parts.", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            raise APIError(f"{where}.content[{j}] must be a part with a text string.", param=f"{where}.content")
+        texts.append(part["text"])
+    return "".join(texts) or None
 
 
 def _history_call(item: dict, where: str) -> dict:
