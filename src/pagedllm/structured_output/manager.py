@@ -99,7 +99,10 @@ class StructuredOutputManager:
                              f"{self.backend_name!r}.")
         for key in ("disable_any_whitespace", "disable_additional_properties"):
             self.__dict__[key] = bool(config.pop(key, False))
-        config.pop("reasoning_parser", None)  # accepted for vLLM compatibility (no reasoning models here)
+        if config.pop("reasoning_parser", None):  # vLLM's: a grammar that starts after the reasoning
+            raise ValueError("--structured-outputs-config reasoning_parser is not supported: a grammar constrains "
+                             "the whole answer here (a request under a grammar is not split by --reasoning-parser); "
+                             "leave it out.")
         if config:
             raise ValueError(f"Unknown --structured-outputs-config key(s): {', '.join(sorted(config))}; known: "
                              "backend, disable_any_whitespace, disable_additional_properties.")
