@@ -59,8 +59,8 @@ def test_raw_http_formats_and_token_id_inputs(http: httpx.Client, offline_llm) -
 
 @pytest.mark.parametrize("body, status, param, message", [
     ({"input": []}, 400, "input", "'input' must not be empty"),
-    ({"input": ["ok", ""]}, 400, "input", "must not contain an empty string"),
-    ({"input": [[1, 2], []]}, 400, "input", "An input is empty"),
+    ({"input": ["ok", ""]}, 400, "input", "'input' must not be an empty string"),
+    ({"input": [[1, 2], []]}, 400, "input", "The input is empty"),
     ({"input": [10 ** 9]}, 400, "input", "out of vocabulary"),
     ({"input": "x", "dimensions": 7}, 400, "dimensions", "dimensions=7 is not supported"),
     ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format", None),

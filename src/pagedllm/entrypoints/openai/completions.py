@@ -40,24 +40,25 @@ def _without_generation(out: Any) -> Any:
                                stop_reason=None)
 
 
-def parse_prompts(prompt: Any, tokenizer: Any, vocab_size: int, add_special_tokens: bool
+def parse_prompts(prompt: Any, tokenizer: Any, vocab_size: int, add_special_tokens: bool, field: str = "prompt"
                   ) -> list[tuple[Optional[str], list[int]]]:
-    """-> [(text or None, token ids)] for str | [str] | [int] | [[int]]."""
+    """-> [(text or None, token ids)] for str | [str] | [int] | [[int]] (`field`: the request field, for errors;
+    /v1/embeddings' `input` takes the same shapes)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):  # the model's validation allows no mix of ints and others
         prompt = [prompt]
     if not prompt:
-        raise APIError("'prompt' must not be empty.", param="prompt")
+        raise APIError(f"'{field}' must not be empty.", param=field)
     out: list[tuple[Optional[str], list[int]]] = []
     for p in prompt:
         if isinstance(p, str):
             if p == "":
-                raise APIError("'prompt' must not be an empty string.", param="prompt")
+                raise APIError(f"'{field}' must not be an empty string.", param=field)
             out.append((p, list(tokenizer.encode(p, add_special_tokens=add_special_tokens))))
         else:
             ids = list(p)
-            check_token_ids(ids, vocab_size)
+            check_token_ids(ids, vocab_size, field)
             out.append((None, ids))
     return out
 

@@ -12,9 +12,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
+from pagedllm.entrypoints.openai.completions import parse_prompts
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.protocol import _Req, random_id
-from pagedllm.entrypoints.openai.request_params import check_token_ids, request_priority, truncate_prompt
+from pagedllm.entrypoints.openai.request_params import request_priority, truncate_prompt
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import merge_streams, start_disconnect_watch
 
@@ -37,27 +38,10 @@ class EmbeddingRequest(_Req):
 
 def parse_inputs(inputs: Any, tokenizer: Any, vocab_size: int, add_special_tokens: bool
                  ) -> list[tuple[Optional[str], list[int]]]:
-    """-> [(text or None, token ids)] for str | [str] | [int] | [[int]] (a mix of strings and id lists too)."""
-    if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
-        inputs = [inputs]
-    if not inputs:
-        raise APIError("'input' must not be empty.", param="input")
-    if len(inputs) > MAX_INPUTS:
+    """-> [(text or None, token ids)] for str | [str] | [int] | [[int]] (completions' prompt shapes)."""
+    if isinstance(inputs, list) and len(inputs) > MAX_INPUTS and not isinstance(inputs[0], int):
         raise APIError(f"'input' may have at most {MAX_INPUTS} inputs (got {len(inputs)}).", param="input")
-    out: list[tuple[Optional[str], list[int]]] = []
-    for item in inputs:
-        if isinstance(item, str):
-            if item == "":
-                raise APIError("'input' must not contain an empty string.", param="input")
-            out.append((item, list(tokenizer.encode(item, add_special_tokens=add_special_tokens))))
-        else:
-            ids = list(item)
-            try:
-                check_token_ids(ids, vocab_size)
-            except APIError as e:
-                raise APIError(str(e).replace("The prompt is empty", "An input is empty"), param="input") from None
-            out.append((None, ids))
-    return out
+    return parse_prompts(inputs, tokenizer, vocab_size, add_special_tokens, field="input")
 
 
 async def create_embedding(request: Request, state: ServerState) -> Response:

@@ -149,11 +149,12 @@ def check_context_length(num_prompt_tokens: int, max_tokens: Optional[int], max_
             f"length of the {prompt_field} or completion.", param=max_field)
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, field: str = "prompt") -> None:
+    """A prompt's token ids (`field`: the request field that carried them, named in the error)."""
     if not ids:
-        raise APIError("The prompt is empty: give at least one token.", param="prompt")
+        raise APIError(f"The {field} is empty: give at least one token.", param=field)
     if min(ids) >= 0 and max(ids) < vocab_size:  # in C; the loop below only to name the bad id
         return
     for t in ids:
         if not 0 <= t < vocab_size:
-            raise APIError(f"Token id {t} is out of vocabulary (0..{vocab_size - 1}).", param="prompt")
+            raise APIError(f"Token id {t} is out of vocabulary (0..{vocab_size - 1}).", param=field)
