@@ -1,6 +1,6 @@
 """Serve flags reach the server: --generation-config DIR (defaults only where a request is silent, logged at
-start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template, on one real
-`pagedllm serve` started with them; --chat-template FILE."""
+start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template,
+--enable-prompt-tokens-details, on one real `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  str(tmp / "gen"), "--max-logprobs", "3", "--no-enable-chunked-prefill",
                                  "--max-model-len", "512", "--max-num-seqs", "4",
                                  "--kv-cache-memory-bytes", str(64 << 20), "--no-dashboard",
-                                 "--trust-request-chat-template", "--chat-template", str(tmp / "chat.jinja")],
+                                 "--trust-request-chat-template", "--chat-template", str(tmp / "chat.jinja"),
+                                 "--enable-prompt-tokens-details"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -72,8 +73,27 @@ def test_long_prompt_runs_without_chunking(flag_server) -> None:
     http, _ = flag_server
     r = http.post("/v1/completions", json={"prompt": [1000 + i for i in range(480)], "max_tokens": 4,
                                            "ignore_eos": True})
-    assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 480, "completion_tokens": 4,
-                                                          "total_tokens": 484}
+    usage = r.json()["usage"]
+    assert r.status_code == 200 and {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
+        "prompt_tokens": 480, "completion_tokens": 4, "total_tokens": 484}
+
+
+def test_prompt_tokens_details_count_prefix_cache_hits(flag_server) -> None:
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, whole and streamed, both endpoints."""
+    http, _ = flag_server
+    prompt = [2000 + i for i in range(100)]
+    first = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()["usage"]
+    again = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["prompt_tokens_details"]["cached_tokens"] == 96  # its full 16-token blocks
+    with http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "stream": True,
+                                                      "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 96}
+    chat = {"messages": [{"role": "user", "content": "cache me " * 30}], "max_tokens": 2}
+    http.post("/v1/chat/completions", json=chat)
+    usage = http.post("/v1/chat/completions", json=chat).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16
 
 
 def test_no_dashboard_flag(flag_server) -> None:

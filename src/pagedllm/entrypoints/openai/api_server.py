@@ -123,6 +123,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
         state.reasoning_parser = getattr(args, "reasoning_parser", None)
+        state.prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
         state.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
         if chat_template is not None:  # --chat-template: every chat request renders with it (a request's own wins)
             engine.tokenizer.chat_template = chat_template

@@ -20,8 +20,8 @@ from pagedllm.entrypoints.openai.request_params import (build_sampling_params, c
                                                         check_logprob_fields, request_cache_salt, request_priority,
                                                         truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, first_output, last_output,
-                                                   usage_dict)
+from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, first_output,
+                                                   last_output, usage_dict)
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 
 
@@ -130,8 +130,10 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
         if req.return_token_ids:
             choice["token_ids"] = list(out.token_ids)
         choices.append(choice)
+    cached = CachedTokens(state.prompt_tokens_details)
+    cached.note(0, final)
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_dict(len(prompt_ids), num_gen)}
+            "choices": choices, "usage": usage_dict(len(prompt_ids), num_gen, cached.total())}
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(state.tokenizer, final.prompt_logprobs)
     if req.return_token_ids:  # vLLM: on the response (one prompt for every choice)
@@ -156,13 +158,15 @@ class _ChatStream(SSEStream):
         self.held_ids: dict[int, list[int]] = {}
         self.reasoning = reasoning
         # A running choice of a plain stream (no logprobs, tools, token ids or reasoning) is a template and its text.
-        self.plain = not req.logprobs and self.tool_streams is None and not self.token_ids and reasoning is None
+        self.cached = CachedTokens(state.prompt_tokens_details)
+        self.plain = (not req.logprobs and self.tool_streams is None and not self.token_ids and reasoning is None
+                      and not (self.cached.enabled and framer.continuous_usage))  # (its template has no details)
         self.templates = [framer.template(b'{"index":%d,"delta":{"content":' % i, b"}") for i in range(req.n)]
         if self.plain and req.n == 1:
             self.direct = (state.engine, request_id)
 
     def usage(self) -> dict:
-        return usage_dict(self.num_prompt, self.num_gen)
+        return usage_dict(self.num_prompt, self.num_gen, self.cached.total())
 
     def frame(self, choice: dict) -> bytes:
         return self.framer.choices([choice], self.usage() if self.framer.continuous_usage else None)
@@ -191,6 +195,7 @@ class _ChatStream(SSEStream):
     def chunks(self, ro: Any) -> bytes:
         """The frames of one engine step's output (one per choice that has news; tool calls may add some)."""
         frames = []
+        self.cached.note(0, ro)
         for out in ro.outputs:
             self.num_gen += len(out.token_ids)
             if not out.text and out.finish_reason is None and not out.token_ids:

@@ -16,7 +16,8 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard",
                "api_server_count", "trust_request_chat_template", "chat_template", "ssl_keyfile", "ssl_certfile",
                "ssl_ca_certs", "ssl_cert_reqs", "root_path", "allowed_origins", "allowed_methods", "allowed_headers",
-               "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser"}
+               "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
+               "enable_prompt_tokens_details"}
 
 
 def _port(text: str) -> int:
@@ -79,6 +80,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="no /docs, /redoc or /openapi.json")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the prefix cache")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="accepted for vLLM compatibility: pagedllm never logs prompts")
     e = p.add_argument_group("engine")

@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.request_params import (build_sampling_params, c
                                                         check_logprob_fields, check_token_ids, request_cache_salt,
                                                         request_priority, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.streaming import (ChunkFramer, SSEResponse, SSEStream, merge_streams,
+from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, merge_streams,
                                                    start_disconnect_watch, usage_dict)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -163,8 +163,11 @@ def _full_response(req: CompletionRequest, state: ServerState, model: str, reque
                 choice["prompt_token_ids"] = list(ids)
                 choice["token_ids"] = list(out.token_ids)
             choices.append(choice)
+    cached = CachedTokens(state.prompt_tokens_details)
+    for i, final in finals.items():
+        cached.note(i, final)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_dict(num_prompt, num_gen)}
+            "choices": choices, "usage": usage_dict(num_prompt, num_gen, cached.total())}
 
 
 def _prompt_logprobs(tok: Any, ids: list[int], prompt_logprobs: Optional[list], top_n: int,
@@ -214,14 +217,16 @@ class _CompletionStream(SSEStream):
         # A running choice of a plain stream (no logprobs, no echo, no token ids) is a template and its text.
         self.token_ids = bool(req.return_token_ids)
         self.ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (vLLM: in the first chunk only)
-        self.plain = req.logprobs is None and not req.echo and not self.token_ids
+        self.cached = CachedTokens(state.prompt_tokens_details)
+        self.plain = (req.logprobs is None and not req.echo and not self.token_ids
+                      and not (self.cached.enabled and framer.continuous_usage))  # (its template has no details)
         self.echo_only = echo_only(req)
         self.templates = [framer.template(b'{"index":%d,"text":' % index) for index in range(len(prompts) * req.n)]
         if self.plain and not self.multi and req.n == 1:
             self.direct = (state.engine, request_id)
 
     def usage(self) -> dict:
-        return usage_dict(self.num_prompt, self.num_gen)
+        return usage_dict(self.num_prompt, self.num_gen, self.cached.total())
 
     def frames(self, item: Any) -> bytes:
         i, batch = item if self.multi else (0, item)
@@ -233,6 +238,7 @@ class _CompletionStream(SSEStream):
         """The frames of one engine step's output (one per choice that has news)."""
         req, n = self.req, self.req.n
         frames = []
+        self.cached.note(i, ro)
         for out in ro.outputs:
             if self.echo_only:
                 out = _without_generation(out)

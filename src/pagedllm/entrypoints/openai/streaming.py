@@ -295,5 +295,25 @@ async def merge_streams(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[i
                     await aclose()
 
 
-def usage_dict(num_prompt: int, num_generated: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_generated, "total_tokens": num_prompt + num_generated}
+def usage_dict(num_prompt: int, num_generated: int, cached: Optional[int] = None) -> dict:
+    """OpenAI's usage; `cached` (--enable-prompt-tokens-details): the prompt tokens found in the prefix cache."""
+    usage = {"prompt_tokens": num_prompt, "completion_tokens": num_generated, "total_tokens": num_prompt + num_generated}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+class CachedTokens:
+    """The prompt tokens each prompt of a response found in the prefix cache, as its outputs report them (None
+    unless --enable-prompt-tokens-details)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.per_prompt: dict[int, int] = {}
+
+    def note(self, prompt_index: int, output: Any) -> None:
+        if self.enabled and output.num_cached_tokens is not None:
+            self.per_prompt[prompt_index] = max(self.per_prompt.get(prompt_index, 0), output.num_cached_tokens)
+
+    def total(self) -> Optional[int]:
+        return sum(self.per_prompt.values()) if self.enabled else None
