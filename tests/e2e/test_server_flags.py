@@ -1,6 +1,7 @@
 """Serve flags reach the server: --generation-config DIR (defaults only where a request is silent, logged at
 start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template,
---enable-prompt-tokens-details, on one real `pagedllm serve` started with them; --chat-template FILE."""
+--enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids, on one real
+`pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
 import json
@@ -32,7 +33,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--max-model-len", "512", "--max-num-seqs", "4",
                                  "--kv-cache-memory-bytes", str(64 << 20), "--no-dashboard",
                                  "--trust-request-chat-template", "--chat-template", str(tmp / "chat.jinja"),
-                                 "--enable-prompt-tokens-details"],
+                                 "--enable-prompt-tokens-details", "--enable-request-id-headers",
+                                 "--return-tokens-as-token-ids"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -123,3 +125,19 @@ def test_trust_request_chat_template_flag(flag_server) -> None:
     chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
                                                    "chat_template": template})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(plain)
+
+
+def test_request_id_headers_and_token_ids_default(flag_server) -> None:
+    http, _ = flag_server
+    mine = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": "trace-7"})
+    assert mine.headers["x-request-id"] == "trace-7"
+    new = http.get("/v1/models")
+    assert len(new.headers["x-request-id"]) == 32  # one made for it
+    with http.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                           "max_tokens": 2, "stream": True}) as r:
+        assert r.headers["x-request-id"] and r.read()
+    lp = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 1}).json()
+    assert all(t.startswith("token_id:") for t in lp["choices"][0]["logprobs"]["tokens"])  # the server's default
+    own = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 1,
+                                             "return_tokens_as_token_ids": False}).json()
+    assert not any(t.startswith("token_id:") for t in own["choices"][0]["logprobs"]["tokens"])

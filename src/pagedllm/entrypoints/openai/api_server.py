@@ -124,6 +124,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
         state.reasoning_parser = getattr(args, "reasoning_parser", None)
         state.prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
+        state.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
         state.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
         if chat_template is not None:  # --chat-template: every chat request renders with it (a request's own wins)
             engine.tokenizer.chat_template = chat_template
@@ -144,9 +145,12 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         # The guard is outermost: every early answer inside it (the drain's 503, the key's 401) comes after the
         # request body was read, and its own refusals read the rest of the body before closing.
         # HotRoutes: the generating routes without the framework's per-request layers (hot_routes.py).
-        app = RequestGuard(DrainMiddleware(HotRoutes(fastapi_app, state), lifecycle),
-                           max_body_bytes=args.max_request_body_bytes,
-                           send_timeout_s=args.send_timeout)
+        app = DrainMiddleware(HotRoutes(fastapi_app, state), lifecycle)
+        if getattr(args, "enable_request_id_headers", False):  # (inside the guard: streams keep its direct writes)
+            from pagedllm.entrypoints.openai.guards import RequestIdHeaders
+
+            app = RequestIdHeaders(app)
+        app = RequestGuard(app, max_body_bytes=args.max_request_body_bytes, send_timeout_s=args.send_timeout)
         freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off",

@@ -28,6 +28,8 @@ from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     model = state.check_model(req.model)
+    if req.return_tokens_as_token_ids is None:  # --return-tokens-as-token-ids: the server's default
+        req.return_tokens_as_token_ids = state.return_tokens_as_token_ids
     salt = request_cache_salt(req)
     priority = request_priority(req, state.scheduling_policy)
     engine = state.engine

@@ -17,7 +17,7 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "api_server_count", "trust_request_chat_template", "chat_template", "ssl_keyfile", "ssl_certfile",
                "ssl_ca_certs", "ssl_cert_reqs", "root_path", "allowed_origins", "allowed_methods", "allowed_headers",
                "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
-               "enable_prompt_tokens_details"}
+               "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids"}
 
 
 def _port(text: str) -> int:
@@ -82,6 +82,10 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="no /docs, /redoc or /openapi.json")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the prefix cache")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answers carry X-Request-Id: the request's own header, else a new id")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens as 'token_id:<id>' unless a request says otherwise")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="accepted for vLLM compatibility: pagedllm never logs prompts")
     e = p.add_argument_group("engine")

@@ -66,6 +66,8 @@ def parse_prompts(prompt: Any, tokenizer: Any, vocab_size: int, add_special_toke
 async def create_completion(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.check_model(req.model)
+    if req.return_tokens_as_token_ids is None:  # --return-tokens-as-token-ids: the server's default
+        req.return_tokens_as_token_ids = state.return_tokens_as_token_ids
     salt = request_cache_salt(req)
     priority = request_priority(req, state.scheduling_policy)
     if req.suffix:

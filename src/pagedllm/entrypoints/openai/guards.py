@@ -298,3 +298,26 @@ async def drain_body(receive: Any) -> bool:
             return True
         size += len(message.get("body", b""))
     return False
+
+
+class RequestIdHeaders:
+    """--enable-request-id-headers (vLLM's): every HTTP answer carries X-Request-Id, the request's own header when it
+    sent one (a proxy's trace id), else a new one."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        import uuid
+
+        value = next((v for k, v in scope["headers"] if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", ()), (b"x-request-id", value)])
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
