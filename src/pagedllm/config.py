@@ -83,6 +83,10 @@ class EngineArgs:
     # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model's own defaults.
     runner: str = "auto"
     convert: str = "auto"
+    # config.json fields set over the file's, e.g. {"max_position_embeddings": 65536} (vLLM's hf_overrides)
+    hf_overrides: Optional[dict] = None
+    # Chunked prefill: the most tokens one request's prefill chunk may take per step (vLLM's; 0 or None: the budget)
+    long_prefill_token_threshold: Optional[int] = None
     task: Optional[str] = None
     pooler_config: Optional[dict] = None
 
@@ -168,6 +172,14 @@ class EngineArgs:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}.")
         self._check_pooling()
+        if self.hf_overrides is not None and (not isinstance(self.hf_overrides, dict)
+                                              or not all(isinstance(k, str) for k in self.hf_overrides)):
+            raise ValueError(f"hf_overrides must be a JSON object of config fields, got {self.hf_overrides!r}.")
+        if self.long_prefill_token_threshold == 0:  # vLLM's "off"
+            self.long_prefill_token_threshold = None
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError(f"long_prefill_token_threshold must be >= 1 (0: off), got "
+                             f"{self.long_prefill_token_threshold}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.max_model_len is not None and self.max_model_len < 1:

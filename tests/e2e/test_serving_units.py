@@ -142,6 +142,8 @@ def test_vllm_embedding_and_generation_flags_reach_engine_args() -> None:
     assert ea.runner == "pooling" and ea.pooler_config == {"normalize": False}
     defaults = to_engine_args(_parse(["m"]))
     assert (defaults.runner, defaults.convert, defaults.task, defaults.embeddings_only) == ("auto", "auto", None, False)
+    ea = to_engine_args(_parse(["m", "--hf-overrides", '{"rope_theta": 5e5}', "--long-prefill-token-threshold", "64"]))
+    assert ea.hf_overrides == {"rope_theta": 5e5} and ea.long_prefill_token_threshold == 64
 
 
 def test_messages_carry_token_constraints() -> None:

@@ -205,3 +205,26 @@ def test_cpu_offload_is_refused_on_the_cpu(tiny_llama_dir):
             LLM(model=tiny_llama_dir, cpu_offload_gb=1, device=device)
     with pytest.raises(ValueError, match="cpu_offload_gb must be >= 0"):
         LLM(model=tiny_llama_dir, cpu_offload_gb=-1)
+
+
+def test_hf_overrides_and_long_prefill_threshold(tiny_llama_dir):
+    """vLLM's hf_overrides (config fields over config.json's: the context length follows, a Matryoshka flag reaches
+    embeddings) and long_prefill_token_threshold (prefill chunks of at most N tokens a step: the same tokens)."""
+    from pagedllm.pooling import PoolingParams
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=64, block_size=8,
+              hf_overrides={"max_position_embeddings": 96, "is_matryoshka": True}, long_prefill_token_threshold=8)
+    assert llm.engine.max_model_len == 96 and llm.engine.scheduler.long_prefill_token_threshold == 8
+    prompts = random_prompts([37, 5, 20], seed=53)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, p, 6)[0]
+    (short,) = llm.embed([prompts[1]], PoolingParams(dimensions=8), use_tqdm=False)
+    assert len(short.outputs.embedding) == 8
+    off = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, long_prefill_token_threshold=0)
+    assert off.engine.scheduler.long_prefill_token_threshold is None
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        LLM(model=tiny_llama_dir, hf_overrides=["max_position_embeddings"])
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 1"):
+        LLM(model=tiny_llama_dir, long_prefill_token_threshold=-2)

@@ -92,6 +92,7 @@ class EngineCore:
             kv_group_windows=getattr(w, "kv_group_windows", (None,)),
             long_rope_original=getattr(w, "long_rope_original", None),
             scheduling_policy=engine_args.scheduling_policy,
+            long_prefill_token_threshold=engine_args.long_prefill_token_threshold,
         )
         self.loras = EngineLoRAs(w.lora_manager, self.scheduler)
         from pagedllm import envs
@@ -138,7 +139,7 @@ class EngineCore:
         """The model's embedding pooling (pooling.model_pooling): read on the first embedding request."""
         from pagedllm.pooling import model_pooling
 
-        return model_pooling(self.model_dir, self.engine_args.pooler_config)
+        return model_pooling(self.model_dir, self.engine_args.pooler_config, self.engine_args.hf_overrides)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineCoreRequest) -> None:

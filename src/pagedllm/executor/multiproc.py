@@ -48,7 +48,7 @@ def prepare_model(args: Any) -> tuple[str, Any]:
     from pagedllm.models.loader import load_hf_config, prepare_model_dir, resolve_model_path
 
     model_dir = prepare_model_dir(resolve_model_path(args.model, args.revision, args.download_dir), args.load_format)
-    return model_dir, load_hf_config(model_dir)
+    return model_dir, load_hf_config(model_dir, overrides=args.hf_overrides)
 
 
 def check_devices(args: Any, layout: ParallelLayout, hf_config: Any) -> None:

@@ -105,8 +105,9 @@ def _convert(gguf_path: str) -> str:
     return convert_gguf_to_hf(gguf_path)
 
 
-def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
-    """transformers.PretrainedConfig from `model_dir/config.json` (ValueError in one sentence if unusable).
+def load_hf_config(model_dir: str, trust_remote_code: bool = False, overrides: Optional[dict] = None) -> Any:
+    """transformers.PretrainedConfig from `model_dir/config.json` (ValueError in one sentence if unusable), with
+    `overrides` (vLLM's hf_overrides: config fields set over the file's; a dict for a sub-config sets its fields).
 
     A config whose class lives in the model's own code (`auto_map`) loads only with trust_remote_code."""
     from transformers import AutoConfig
@@ -130,6 +131,8 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
                              f"code.") from None
         raise ValueError(f"transformers could not read {config_path} (model_type={raw.get('model_type')!r}): "
                          f"{e}") from None
+    if overrides:
+        apply_config_overrides(config, overrides)
     if isinstance(getattr(config, "architectures", None), str):  # one name written as a string: a list of it
         config.architectures = [config.architectures]
     config = served_text_config(config)
@@ -141,6 +144,18 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False) -> Any:
     if isinstance(layers, int) and layers < 1:  # (the pipeline split said "use at most 0 stages")
         raise ValueError(f"{config_path} has num_hidden_layers={layers}; a model needs at least one layer.")
     return config
+
+
+def apply_config_overrides(config: Any, overrides: dict) -> None:
+    """Set each field of `overrides` on the config; a dict over a sub-config (e.g. text_config) sets its fields."""
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            apply_config_overrides(current, value)
+        else:
+            setattr(config, key, value)
 
 
 def served_text_config(config: Any) -> Any:

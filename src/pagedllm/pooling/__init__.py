@@ -106,10 +106,14 @@ def check_pooler_config(config: Any) -> dict:
     return out
 
 
-def model_pooling(model_dir: Optional[str], pooler_config: Optional[dict] = None) -> ModelPooling:
+def model_pooling(model_dir: Optional[str], pooler_config: Optional[dict] = None,
+                  hf_overrides: Optional[dict] = None) -> ModelPooling:
     """The defaults from a model directory's sentence-transformers files, else last-token pooling, normalized;
-    `pooler_config` (checked by check_pooler_config) overrides them."""
+    `pooler_config` (checked by check_pooler_config) overrides them; `hf_overrides` (config.json fields) may say the
+    model is Matryoshka-trained."""
     found = _model_files_pooling(model_dir)
+    if hf_overrides and ("is_matryoshka" in hf_overrides or "matryoshka_dimensions" in hf_overrides):
+        found = ModelPooling(found.pooling_type, found.normalize, _matryoshka_of(hf_overrides))
     if not pooler_config:
         return found
     return ModelPooling(pooler_config.get("pooling_type", found.pooling_type),
@@ -158,8 +162,10 @@ def _matryoshka(config_path: str) -> Optional[tuple[int, ...]]:
             config = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict):
-        return None
+    return _matryoshka_of(config) if isinstance(config, dict) else None
+
+
+def _matryoshka_of(config: dict) -> Optional[tuple[int, ...]]:
     sizes = config.get("matryoshka_dimensions")
     if isinstance(sizes, list) and sizes and all(isinstance(d, int) and not isinstance(d, bool) for d in sizes):
         return tuple(sizes)

@@ -130,7 +130,8 @@ class Worker:
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         model_path = resolve_model_path(args.model, args.revision, args.download_dir)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
-        self.hf_config = load_hf_config(self.model_dir, trust_remote_code=args.trust_remote_code)
+        self.hf_config = load_hf_config(self.model_dir, trust_remote_code=args.trust_remote_code,
+                                        overrides=args.hf_overrides)
         cfg = self.hf_config
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.vocab_size = cfg.vocab_size

@@ -127,6 +127,10 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                    help='sampling defaults over --generation-config\'s, generation_config.json keys, e.g. '
                         '\'{"temperature": 0.5, "max_new_tokens": 256}\' (null drops one)')
+    e.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help='config.json fields set over the file\'s, e.g. \'{"is_matryoshka": true}\'')
+    e.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                   help="the most tokens one request's prefill takes per step (0: no limit but the step budget)")
     e.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve embeddings only (/v1/embeddings; generation routes answer 400)")
     e.add_argument("--convert", default="auto", choices=["auto", "none", "embed"],

@@ -54,7 +54,8 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
     ready = engine.ready
     if state.pooling_defaults is None:  # the model directory's files, read once
         try:
-            state.pooling_defaults = model_pooling(ready.model_dir, engine.engine_args.pooler_config)
+            state.pooling_defaults = model_pooling(ready.model_dir, engine.engine_args.pooler_config,
+                                                   engine.engine_args.hf_overrides)
         except ValueError as e:
             raise APIError(str(e), status=400, param="model") from None
     try:
