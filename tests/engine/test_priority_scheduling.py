@@ -62,3 +62,40 @@ def test_numpy_integer_priorities_are_integers(tiny_llama_dir):
         with pytest.raises(ValueError, match="priority must be an integer"):
             llm.generate(prompts, greedy, use_tqdm=False, priority=bad)
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_urgent_late_arrival_preempts_a_less_urgent_running_request(tiny_llama_dir, async_scheduling):
+    """Every seat held by less urgent requests (vLLM's issue 40004): an urgent request that arrives mid-run takes
+    the least urgent one's seat in the next step; every request still gets transformers' exact greedy tokens."""
+    from pagedllm.core.engine_core import EngineCoreRequest
+    from tests.engine.test_correctness import hf_greedy
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, block_size=8, max_model_len=96,
+              max_num_seqs=2, scheduling_policy="priority", async_scheduling=async_scheduling)
+    core = llm.engine
+    prompts = dict(zip(["L1", "L2", "U"], random_prompts([9, 14, 6], seed=17)))
+    lengths = {"L1": 24, "L2": 24, "U": 5}
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+
+    def add(rid: str, priority: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=lengths[rid], ignore_eos=True)
+        core.add_request(EngineCoreRequest(rid, prompts[rid], params, priority=priority))
+
+    def run(steps=None) -> None:
+        while core.has_unfinished_requests() and (steps is None or steps > 0):
+            for out in core.step():
+                tokens[out.request_id] += out.new_token_ids
+            steps = None if steps is None else steps - 1
+
+    add("L1", 5)
+    add("L2", 5)
+    run(4)
+    preempted_before = core.get_stats().num_preemptions
+    add("U", 0)
+    run(3)
+    assert len(tokens["U"]) >= 2  # running at once, not after a less urgent request finished
+    assert core.get_stats().num_preemptions > preempted_before
+    run()
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == hf_greedy(tiny_llama_dir, prompt, lengths[rid])[0], rid

@@ -129,3 +129,83 @@ def test_check_priority():
 
 def test_request_defaults_to_priority_zero():
     assert Request("x", [1], make_req("y", 1).sampling_params).priority == 0
+
+
+def test_an_urgent_arrival_takes_a_seat_from_a_less_urgent_request():
+    """max_num_seqs full of less urgent requests (vLLM issue 40004): the least urgent is preempted in the step
+    after the urgent one arrives, and the urgent one runs in that same step."""
+    sched = make_sched(scheduling_policy="priority", max_num_seqs=2)
+    runner = FakeRunner()
+    low1, low2 = req("L1", 4, 5, 1.0, max_tokens=12), req("L2", 4, 5, 2.0, max_tokens=12)
+    for r in (low1, low2):
+        sched.add_request(r)
+    step(sched, runner)
+    step(sched, runner)
+    urgent = req("U", 4, 0, 3.0, max_tokens=3)
+    sched.add_request(urgent)
+    plan, _ = step(sched, runner)
+    assert plan.preempted_request_ids == {"L2"} and [n.request_id for n in plan.new_requests] == ["U"]
+    assert [r.request_id for r in sched.running] == ["U", "L1"] and list(sched.waiting) == [low2]
+    run_to_completion(sched, runner)
+    assert urgent.output_token_ids == [1004, 1005, 1006]
+    assert low1.output_token_ids == low2.output_token_ids == list(range(1004, 1016))  # the victim recomputed
+
+
+def test_equal_or_lower_priority_arrivals_wait():
+    for prio in (5, 9):
+        sched = make_sched(scheduling_policy="priority", max_num_seqs=1)
+        runner = FakeRunner()
+        sched.add_request(req("L", 4, 5, 1.0, max_tokens=6))
+        step(sched, runner)
+        sched.add_request(req("N", 4, prio, 2.0, max_tokens=2))
+        plan, _ = step(sched, runner)
+        assert not plan.preempted_request_ids and not plan.new_requests
+
+
+def test_an_urgent_arrival_takes_blocks_from_less_urgent_requests():
+    # The pool (6 blocks) is held by two less urgent requests; the urgent one needs 3 blocks for its prompt: the
+    # least urgent is preempted, which frees enough; the other is not (none is preempted for more than needed).
+    sched = make_sched(scheduling_policy="priority", num_blocks=6, enable_prefix_caching=False)
+    runner = FakeRunner()
+    a, b = req("A", 9, 3, 1.0, max_tokens=10), req("B", 9, 4, 2.0, max_tokens=10)
+    for r in (a, b):
+        sched.add_request(r)
+    step(sched, runner)
+    assert sched.kv_cache_manager.num_free_blocks == 0
+    u = req("U", 12, 1, 3.0, max_tokens=2)
+    sched.add_request(u)
+    plan, _ = step(sched, runner)
+    assert plan.preempted_request_ids == {"B"} and [n.request_id for n in plan.new_requests] == ["U"]
+    run_to_completion(sched, runner)
+    assert u.output_token_ids == [1012, 1013]
+    assert a.output_token_ids == b.output_token_ids == list(range(1009, 1019))
+
+
+def test_adapters_count_in_what_an_urgent_arrival_needs():
+    """max_loras: an urgent request whose adapter is one too many preempts the less urgent holder of another
+    adapter; but when the more urgent running requests' adapters alone leave no slot, nothing is preempted."""
+    def lora_req(rid, prio, arrival, lora):
+        r = req(rid, 4, prio, arrival, max_tokens=6)
+        r.lora_id = lora
+        return r
+
+    sched = make_sched(scheduling_policy="priority", max_loras=2)
+    runner = FakeRunner()
+    for r in (lora_req("H", 0, 1.0, 1), lora_req("L", 7, 2.0, 2)):
+        sched.add_request(r)
+    step(sched, runner)
+    sched.add_request(lora_req("U", 3, 3.0, 3))
+    plan, _ = step(sched, runner)
+    assert plan.preempted_request_ids == {"L"} and [n.request_id for n in plan.new_requests] == ["U"]
+    run_to_completion(sched, runner)
+
+    sched = make_sched(scheduling_policy="priority", max_loras=1)
+    runner = FakeRunner()
+    for r in (lora_req("H", 0, 1.0, 1), lora_req("L", 7, 2.0, 1)):
+        sched.add_request(r)
+    step(sched, runner)
+    sched.add_request(lora_req("U", 3, 3.0, 2))  # H's adapter alone takes the one slot: U waits for H
+    plan, _ = step(sched, runner)
+    assert not plan.preempted_request_ids and not plan.new_requests
+    assert [r.request_id for r in sched.running] == ["H", "L"]
+    run_to_completion(sched, runner)

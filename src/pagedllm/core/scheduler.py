@@ -21,7 +21,9 @@ schedule():
      while it is the only one running has filled the pool by itself and can never finish: it ends
      with FINISHED_LENGTH instead of looping forever.
   2. Only if nothing was preempted this step: waiting requests, FCFS (resumed ones are at the front;
-     priority: in (priority, arrival) order),
+     priority: in (priority, arrival) order; before step 1, the most urgent waiting request that a full running
+     set or a short pool keeps out preempts running requests of strictly lower priority, which does not stop
+     this step's admission),
      while budget and max_num_seqs allow: prefix-cache lookup, then a chunk of min(remaining, budget)
      tokens (with enable_chunked_prefill=False: all remaining tokens, or the request waits). The first one
      that does not fit stops admission (no preemption for waiting requests), except that a request that
@@ -346,6 +348,9 @@ class Scheduler:
         # earlier token on the host (those steps run synchronously, with the host's drafts).
         plan.spec_overlap = plan.propose_drafts and self.spec_overlap_active()
         held = self._recompute_outgrown(preempted) if self.long_rope_original is not None else None
+        # Priority: seats and blocks for the most urgent waiting request, taken from less urgent running ones. Not in
+        # `preempted`: this step still admits (that is what they were freed for).
+        made_room = self._preempt_for_urgent() if self.priority and self.waiting and self.running else None
         budget = self._schedule_running(plan, budget, preempted, scheduled)  # (these advance as they are planned)
         if held:
             if self.priority:  # running stays in (priority, arrival) order
@@ -367,9 +372,56 @@ class Scheduler:
                 request.num_output_placeholders += 1
         plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
         plan.finished_request_ids = self._finished_req_ids
-        plan.preempted_request_ids = preempted
+        plan.preempted_request_ids = preempted | made_room if made_room else preempted
         self._finished_req_ids = set()
         return plan
+
+    def _preempt_for_urgent(self) -> Optional[set[str]]:
+        """Priority scheduling: the most urgent waiting request, kept out by a full running set (max_num_seqs), too
+        few free KV blocks for its first chunk or its adapter being one too many, takes the place of running
+        requests of strictly lower priority, the least urgent first, as many as it needs. A request of equal priority
+        is never preempted for it (their order is arrival's: no ping-pong), and nothing is for a request that the
+        more urgent running ones would keep out anyway, or that cannot be admitted yet (its grammar compiling, too
+        long for a step or for the whole pool)."""
+        head = self.waiting[0]
+        running = self.running
+        if running[-1].priority <= head.priority:
+            return None
+        if head.structured_output is not None and not head.structured_output.is_ready():
+            return None
+        staying = [r for r in running if r.priority <= head.priority]  # what preemption may not touch
+        if len(staying) >= self.max_num_seqs or self._lora_blocked(head, staying):
+            return None
+        kv = self.kv_cache_manager
+        need = 0
+        if not self._groups:  # (several KV-cache groups: seats and adapters only)
+            params = head.sampling_params
+            hits, num_hit_tokens = [], 0
+            if params.prompt_logprobs is None and params.pooling in (None, "last"):
+                hits, num_hit_tokens = kv.get_computed_blocks(head, record_stats=False)
+            chunk = self._num_tokens_to_schedule(head, num_hit_tokens, self.max_num_batched_tokens)
+            if chunk <= 0:
+                return None
+            need = (max(0, -(-(num_hit_tokens + chunk) // self.block_size) - len(hits))
+                    + sum(1 for b in hits if b is not None and b.ref_cnt == 0))
+            if need > kv.num_blocks:
+                return None
+        made_room: set[str] = set()
+        while running and running[-1].priority > head.priority:
+            if (len(running) < self.max_num_seqs and kv.num_free_blocks >= need
+                    and not self._lora_blocked(head, running)):
+                break
+            victim = running.pop()
+            self._preempt(victim)
+            made_room.add(victim.request_id)
+        return made_room
+
+    def _lora_blocked(self, request: Request, running: Sequence[Request]) -> bool:
+        """Would `request`'s adapter be one too many beside those of `running` (max_loras)?"""
+        if self.max_loras is None or request.lora_id is None:
+            return False
+        active = {r.lora_id for r in running if r.lora_id is not None}
+        return request.lora_id not in active and len(active) >= self.max_loras
 
     def _recompute_outgrown(self, preempted: set[str]) -> list[Request]:
         """LongRoPE: a request computed with the short factors whose next step reaches past the original context
