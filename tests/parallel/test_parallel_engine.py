@@ -154,3 +154,32 @@ def test_phi3_longrope_per_request_factors_across_ranks(tiny_model_dir, layout):
         assert llm.engine.get_stats().num_preemptions >= 2  # the two crossings
     finally:
         llm.engine.shutdown()
+
+
+def test_packed_untied_gguf_head_across_stages_matches_one_rank(tmp_path, tiny_model_dir):
+    """A .gguf kept packed (Q8_0 layers, embedding and head) under pipeline parallelism: an untied model's
+    `output.weight` packed on the last stage (the tied head from `token_embd`: the SmolLM2 test above); the same
+    tokens as one rank."""
+    import gguf
+
+    from pagedllm import SamplingParams
+    from tests.models.gguf_writer import write_tiny_gguf
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    kinds = {m: q8 for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "token_embd", "output")}
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(tiny_model_dir("llama", tie_word_embeddings=False), path, "llama", kinds=kinds)
+    prompts = [[5, 9, 23, 41, 7], [100, 3, 77]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def tokens(**kwargs) -> list[list[int]]:
+        llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20,
+                  skip_tokenizer_init=True, **kwargs)
+        try:
+            return [list(o.outputs[0].token_ids) for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+
+    assert tokens(pipeline_parallel_size=2) == tokens()
