@@ -20,7 +20,7 @@ HISTORY = "{% for m in messages %}[{{ m.get('reasoning_content', '') }}|{{ m['co
 
 
 @pytest.fixture(scope="module")
-def http(tiny_llama_dir: str, e2e_env: dict, tmp_path_factory):
+def reasoning_server(tiny_llama_dir: str, e2e_env: dict, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reasoning")
     (tmp / "thinking.jinja").write_text(THINKING)
     port = free_port()
@@ -33,10 +33,15 @@ def http(tiny_llama_dir: str, e2e_env: dict, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path=log_path)
-        with httpx.Client(base_url=url, timeout=120) as client:
-            yield client
+        yield url
     finally:
         stop(proc)
+
+
+@pytest.fixture()
+def http(reasoning_server: str):
+    with httpx.Client(base_url=reasoning_server, timeout=120) as client:
+        yield client
 
 
 def _body(**extra) -> dict:
@@ -120,3 +125,16 @@ def test_responses_api_answers_with_a_reasoning_item(http: httpx.Client) -> None
                         {"role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
                         {"role": "user", "content": "and?"}], "max_output_tokens": 2}
     assert http.post("/v1/responses", json=follow).status_code == 200
+
+
+def test_the_chat_client_shows_the_reasoning_on_stderr(reasoning_server: str, http: httpx.Client,
+                                                       e2e_env: dict) -> None:
+    """`pagedllm chat`: the answer on stdout, a thinking model's reasoning on stderr (streamed or not)."""
+    body = _body(max_tokens=6)
+    want = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["reasoning"]
+    for extra in ([], ["--no-stream"]):
+        r = subprocess.run([cli("pagedllm"), "chat", "--url", reasoning_server + "/v1", "--max-tokens", "6", "--temperature",
+                            "0", "-q", "hello", *extra], capture_output=True, text=True, env=e2e_env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        # (whitespace aside: text mode reads a random model's "\r" as a newline)
+        assert "".join(want.split()) in "".join(r.stderr.split()) and r.stdout.strip() == "", (extra, r.stderr)

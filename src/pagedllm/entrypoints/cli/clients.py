@@ -55,18 +55,40 @@ def _extra(args: argparse.Namespace) -> dict:
     return kw
 
 
+def _reasoning(message: Any) -> Optional[str]:
+    """A message's or delta's reasoning (a server with --reasoning-parser: vLLM's `reasoning`, DeepSeek's
+    `reasoning_content`)."""
+    return getattr(message, "reasoning", None) or getattr(message, "reasoning_content", None)
+
+
 def _chat_once(client: Any, model: str, messages: list[dict], args: argparse.Namespace) -> str:
+    """The answer on stdout; a thinking model's reasoning on stderr as it comes (stdout stays the answer)."""
     if args.no_stream:
         resp = client.chat.completions.create(model=model, messages=messages, **_extra(args))
+        thought = _reasoning(resp.choices[0].message)
+        if thought:
+            print(thought, file=sys.stderr, flush=True)
         text = resp.choices[0].message.content or ""
         print(text, flush=True)
         return text
     parts: list[str] = []
+    thinking = False
     for chunk in client.chat.completions.create(model=model, messages=messages, stream=True, **_extra(args)):
-        if chunk.choices and chunk.choices[0].delta.content:
-            piece = chunk.choices[0].delta.content
-            parts.append(piece)
-            print(piece, end="", flush=True)
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        thought = _reasoning(delta)
+        if thought:
+            thinking = True
+            print(thought, end="", file=sys.stderr, flush=True)
+        if delta.content:
+            if thinking:
+                print(file=sys.stderr, flush=True)
+                thinking = False
+            parts.append(delta.content)
+            print(delta.content, end="", flush=True)
+    if thinking:
+        print(file=sys.stderr, flush=True)
     print(flush=True)
     return "".join(parts)
 
