@@ -244,9 +244,10 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"embed() needs prompts: a string, a token-id list, a prompt dict or a list of them, "
+                             f"got {prompts!r:.80}.")
         prompts = list(prompts)
-        if not prompts:
-            raise ValueError("embed() needs prompts.")
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_list = [pooling_params] * len(prompts)
         elif isinstance(pooling_params, (list, tuple)) and len(pooling_params) == len(prompts):

@@ -62,6 +62,8 @@ class PoolingParams:
     truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.pooling_type, str):  # (vLLM's pooler_config spells them LAST, MEAN, CLS)
+            self.pooling_type = self.pooling_type.lower()
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}.")
         if self.normalize is not None and not isinstance(self.normalize, bool):
