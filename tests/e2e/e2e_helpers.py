@@ -1,6 +1,7 @@
 """Constants and helpers shared by the e2e tests (the fixtures live in conftest.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -8,7 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator, Optional
 
 import httpx
 
@@ -69,6 +70,23 @@ def wait_all_serving(server: "Server", timeout_s: float = 120) -> None:
     while f"with {server.api_servers} API server processes" not in server.log():
         assert server.proc.poll() is None and time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serving(model_dir: str, flags: list[str], log_path: str, env: Optional[dict] = None) -> Iterator[str]:
+    """`pagedllm serve MODEL --port P FLAGS` on a free port, until the block ends: its URL once /health answers."""
+    from pagedllm.entrypoints.server_process import free_port, wait_healthy
+
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([cli("pagedllm"), "serve", model_dir, "--port", str(port), *flags],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log_path=log_path)
+        yield url
+    finally:
+        stop(proc)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -11,10 +11,9 @@ import sys
 import httpx
 import pytest
 
-from e2e_helpers import cli, metric, stop
+from e2e_helpers import cli, metric, serving
 
 from pagedllm.entrypoints.cli.bench_plots import DPI, MISSING_MESSAGE, SERVE_FILES, SUMMARY, SWEEP
-from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
 pytest.importorskip("matplotlib", reason="the plot extra (pip install 'pagedllm[plot]') is part of [test]")
 Image = pytest.importorskip("PIL.Image", reason="Pillow reads the plots back; it is part of [test]")
@@ -26,18 +25,9 @@ SMALL = ["--num-prompts", "8", "--max-concurrency", "4", "--random-input-len", "
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama_dir: str, e2e_env: dict, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench-plots")
-    port = free_port()
-    log_path = str(tmp / "server.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--max-model-len",
-                                 "256", "--kv-cache-memory-bytes", str(16 << 20), "--max-num-seqs", "8"],
-                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log_path=log_path)
+    with serving(tiny_llama_dir, ["--max-model-len", "256", "--kv-cache-memory-bytes", str(16 << 20),
+                                  "--max-num-seqs", "8"], str(tmp / "server.log"), e2e_env) as url:
         yield url
-    finally:
-        stop(proc)
 
 
 def bench(url: str, env: dict, *args: str, command: str = "serve") -> subprocess.CompletedProcess:

@@ -91,22 +91,11 @@ def test_truncation_keeps_the_last_tokens(http: httpx.Client, offline_llm) -> No
 def test_an_embeddings_only_server(tiny_llama_dir: str, e2e_env: dict, tmp_path) -> None:
     """`--task embed` (vLLM's older flag for --runner pooling) and `--override-pooler-config`: /v1/embeddings pools as
     configured, the generating routes answer 400 saying why."""
-    import subprocess
+    from e2e_helpers import serving
 
-    from e2e_helpers import cli, stop
-
-    from pagedllm.entrypoints.server_process import free_port, wait_healthy
-
-    port = free_port()
-    log_path = str(tmp_path / "server.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--task", "embed",
-                                 "--override-pooler-config", '{"pooling_type": "CLS", "normalize": false}',
-                                 "--kv-cache-memory-bytes", str(32 << 20)],
-                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log_path=log_path)
+    flags = ["--task", "embed", "--override-pooler-config", '{"pooling_type": "CLS", "normalize": false}',
+             "--kv-cache-memory-bytes", str(32 << 20)]
+    with serving(tiny_llama_dir, flags, str(tmp_path / "server.log"), e2e_env) as url:
         from tests.engine.test_embeddings import check_pooled
 
         r = httpx.post(url + "/v1/embeddings", json={"input": [[5, 6, 7, 8]]}, timeout=60)
@@ -116,5 +105,3 @@ def test_an_embeddings_only_server(tiny_llama_dir: str, e2e_env: dict, tmp_path)
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
             r = httpx.post(url + path, json=body, timeout=60)
             assert r.status_code == 400 and "embeddings only" in r.json()["error"]["message"], (path, r.text)
-    finally:
-        stop(proc)

@@ -10,9 +10,7 @@ import subprocess
 import httpx
 import pytest
 
-from e2e_helpers import cli, stop
-
-from pagedllm.entrypoints.server_process import free_port, wait_healthy
+from e2e_helpers import cli, serving
 
 THINKING = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}<think>\n"  # the server's --chat-template
 PLAIN = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
@@ -23,19 +21,10 @@ HISTORY = "{% for m in messages %}[{{ m.get('reasoning_content', '') }}|{{ m['co
 def reasoning_server(tiny_llama_dir: str, e2e_env: dict, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reasoning")
     (tmp / "thinking.jinja").write_text(THINKING)
-    port = free_port()
-    log_path = str(tmp / "server.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--reasoning-parser",
-                                 "qwen3", "--chat-template", str(tmp / "thinking.jinja"),
-                                 "--trust-request-chat-template", "--kv-cache-memory-bytes", str(32 << 20)],
-                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log_path=log_path)
+    with serving(tiny_llama_dir, ["--reasoning-parser", "qwen3", "--chat-template", str(tmp / "thinking.jinja"),
+                                  "--trust-request-chat-template", "--kv-cache-memory-bytes", str(32 << 20)],
+                 str(tmp / "server.log"), e2e_env) as url:
         yield url
-    finally:
-        stop(proc)
 
 
 @pytest.fixture()
@@ -133,8 +122,9 @@ def test_the_chat_client_shows_the_reasoning_on_stderr(reasoning_server: str, ht
     body = _body(max_tokens=6)
     want = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["reasoning"]
     for extra in ([], ["--no-stream"]):
-        r = subprocess.run([cli("pagedllm"), "chat", "--url", reasoning_server + "/v1", "--max-tokens", "6", "--temperature",
-                            "0", "-q", "hello", *extra], capture_output=True, text=True, env=e2e_env, timeout=120)
+        r = subprocess.run([cli("pagedllm"), "chat", "--url", reasoning_server + "/v1", "--max-tokens", "6",
+                            "--temperature", "0", "-q", "hello", *extra], capture_output=True, text=True, env=e2e_env,
+                           timeout=120)
         assert r.returncode == 0, r.stderr
         # (whitespace aside: text mode reads a random model's "\r" as a newline)
         assert "".join(want.split()) in "".join(r.stderr.split()) and r.stdout.strip() == "", (extra, r.stderr)

@@ -8,16 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 
-from e2e_helpers import cli, metric, stop
+from e2e_helpers import metric, serving
 
-from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from stream_smoothness import measure  # noqa: E402
@@ -27,19 +25,10 @@ STREAMS, TOKENS = 64, 128
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("stream") / "server.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_qwen3_dir, "--port", str(port), "--served-model-name",
-                                 "m", "--max-num-seqs", str(STREAMS), "--max-model-len", "256", "--dtype", "float32",
-                                 "--kv-cache-memory-bytes", str(64 << 20), "--disable-uvicorn-access-log"],
-                                stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log_path=log_path)
+    flags = ["--served-model-name", "m", "--max-num-seqs", str(STREAMS), "--max-model-len", "256", "--dtype", "float32",
+             "--kv-cache-memory-bytes", str(64 << 20), "--disable-uvicorn-access-log"]
+    with serving(tiny_qwen3_dir, flags, str(tmp_path_factory.mktemp("stream") / "server.log")) as url:
         yield url
-    finally:
-        stop(proc)
 
 
 def test_concurrent_streams_get_every_token_in_order(tiny_server: str):
