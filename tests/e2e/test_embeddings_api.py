@@ -79,6 +79,21 @@ def test_bad_requests_are_4xx_naming_the_field(http: httpx.Client, body: dict, s
         assert message in err["message"], err
 
 
+def test_a_conversation_is_embedded_as_its_rendered_prompt(http: httpx.Client, offline_llm) -> None:
+    """vLLM's chat-style embeddings request: `messages` rendered by the chat template (no generation prompt unless
+    asked), embedded as one input."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris is in France."}]
+    r = http.post("/v1/embeddings", json={"model": SERVED_NAME, "messages": messages})
+    assert r.status_code == 200, r.text
+    ids = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    (want,) = offline_llm.embed([{"prompt_token_ids": ids}], use_tqdm=False)
+    _close(r.json()["data"][0]["embedding"], want.outputs.embedding)
+    for body in ({"messages": messages, "input": "x"}, {}):
+        bad = http.post("/v1/embeddings", json={"model": SERVED_NAME, **body})
+        assert bad.status_code == 400 and "exactly one of 'input' or 'messages'" in bad.json()["error"]["message"]
+
+
 def test_truncation_keeps_the_last_tokens(http: httpx.Client, offline_llm) -> None:
     ids = list(range(100, 100 + MAX_MODEL_LEN + 10))  # too long, unless cut
     r = http.post("/v1/embeddings", json={"model": SERVED_NAME, "input": ids, "truncate_prompt_tokens": 20})

@@ -11,10 +11,11 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
+from pagedllm.entrypoints.openai.body import parse_body, render_work, tokenize_work
+from pagedllm.entrypoints.openai.chat_template import check_request_template, render_chat
 from pagedllm.entrypoints.openai.completions import parse_prompts
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.protocol import _Req, random_id
+from pagedllm.entrypoints.openai.protocol import ChatMessage, _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority, truncate_prompt
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import merge_streams, start_disconnect_watch
@@ -24,13 +25,19 @@ MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 
 class EmbeddingRequest(_Req):
     model: Optional[str] = None
-    input: Union[str, list[int], list[Union[str, list[int]]]]
+    input: Optional[Union[str, list[int], list[Union[str, list[int]]]]] = None
+    # vLLM's chat-style request: one conversation, rendered by the chat template, embedded as one input
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
     # vLLM's extras
     truncate_prompt_tokens: Optional[int] = None
-    add_special_tokens: bool = True
+    add_special_tokens: Optional[bool] = None  # (default: true for `input`, false for `messages`, as vLLM)
     normalize: Optional[bool] = None
     priority: Optional[int] = None
     request_id: Optional[str] = None
@@ -63,8 +70,16 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
                                               state.pooling_defaults, ready.hidden_size)
     except ValueError as e:
         raise APIError(str(e), param="dimensions") from None
-    inputs = await tokenize_work(request, parse_inputs, req.input, state.tokenizer, ready.vocab_size,
-                                 req.add_special_tokens)
+    if (req.input is None) == (req.messages is None):
+        raise APIError("Give exactly one of 'input' or 'messages'.", param="input")
+    if req.messages is not None:
+        check_request_template(req.chat_template, state)
+        inputs = [await render_work(request, req, render_chat, state.tokenizer, req.messages, req.add_generation_prompt,
+                                    req.continue_final_message, req.chat_template, req.chat_template_kwargs,
+                                    bool(req.add_special_tokens))]
+    else:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        inputs = await tokenize_work(request, parse_inputs, req.input, state.tokenizer, ready.vocab_size, add_special)
     if req.truncate_prompt_tokens is not None:
         inputs = [(None, truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)) for _, ids in inputs]
     limit = state.max_model_len - 1  # (the engine runs one step past the input, whose token it drops)
