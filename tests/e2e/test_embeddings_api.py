@@ -120,3 +120,43 @@ def test_an_embeddings_only_server(tiny_llama_dir: str, e2e_env: dict, tmp_path)
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
             r = httpx.post(url + path, json=body, timeout=60)
             assert r.status_code == 400 and "embeddings only" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_score_and_rerank_are_cosines_of_the_embeddings(http: httpx.Client) -> None:
+    """vLLM's score / rerank APIs on the embedding model: cosine similarities of /v1/embeddings' vectors; rerank
+    orders documents by them (top_n, return_documents); every path of the two routes answers alike."""
+    query, docs = "Where is Paris?", ["Paris is the capital of France.", "Bananas are yellow.", "Where is Paris?"]
+    vectors = [torch.tensor(d["embedding"]) for d in http.post(
+        "/v1/embeddings", json={"model": SERVED_NAME, "input": [query, *docs]}).json()["data"]]
+    want = [float(vectors[0] @ v) for v in vectors[1:]]  # (unit vectors: the dot is the cosine)
+    for path in ("/v1/score", "/score"):
+        r = http.post(path, json={"model": SERVED_NAME, "text_1": query, "text_2": docs})
+        assert r.status_code == 200, r.text
+        got = [d["score"] for d in r.json()["data"]]
+        assert all(abs(a - b) < 2e-3 for a, b in zip(got, want)) and abs(got[2] - 1.0) < 1e-3
+    pairs = http.post("/v1/score", json={"text_1": [query, docs[1]], "text_2": [docs[0], docs[1]]}).json()["data"]
+    assert abs(pairs[0]["score"] - want[0]) < 2e-3 and abs(pairs[1]["score"] - 1.0) < 1e-3
+    order = sorted(range(3), key=lambda i: -want[i])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        r = http.post(path, json={"model": SERVED_NAME, "query": query, "documents": docs, "top_n": 2})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order[:2]
+        assert results[0]["document"] == {"text": docs[order[0]]} and r.json()["usage"]["total_tokens"] > 0
+    bare = http.post("/v1/rerank", json={"query": query, "documents": docs, "return_documents": False}).json()
+    assert len(bare["results"]) == 3 and "document" not in bare["results"][0]
+    for path, body, param in (("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+                              ("/v1/score", {"text_1": [], "text_2": "x"}, "text_1"),
+                              ("/v1/rerank", {"query": "", "documents": ["x"]}, "query"),
+                              ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+                              ("/v1/rerank", {"query": "q", "documents": ["x", ""]}, "documents"),
+                              ("/v1/rerank", {"query": "q", "documents": ["x"], "top_n": -1}, "top_n")):
+        r = http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_scoring_routes_outside_v1_need_the_key(server) -> None:
+    for path in ("/score", "/rerank", "/v2/rerank"):
+        r = httpx.post(server.url + path, json={"text_1": "a", "text_2": "b", "query": "q", "documents": ["d"]},
+                       timeout=60)
+        assert r.status_code == 401, (path, r.text)

@@ -24,9 +24,14 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 logger = logging.getLogger("pagedllm.api_server")
 
 
+# Routes behind --api-key: the OpenAI API, and vLLM's scoring routes outside /v1 (they run the model).
+KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank")
+
+
 def api_key_refused(scope: dict, expected: bytes) -> bool:
-    """Whether a request lacks the key: /v1/* (but CORS preflights) needs `Authorization: Bearer KEY`."""
-    if not route_path(scope).startswith("/v1") or scope.get("method") == "OPTIONS":
+    """Whether a request lacks the key: /v1/* and the scoring routes (but CORS preflights) need
+    `Authorization: Bearer KEY`."""
+    if not route_path(scope).startswith(KEYED_PREFIXES) or scope.get("method") == "OPTIONS":
         return False
     auth = b""
     for name, value in scope["headers"]:
@@ -117,6 +122,22 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/embeddings", openapi_extra=body(EmbeddingRequest))
     async def embeddings(request: Request) -> Response:
         return await create_embedding(request, state)
+
+    from pagedllm.entrypoints.openai.scoring import RerankRequest, ScoreRequest, create_rerank, create_score
+
+    async def score(request: Request) -> Response:
+        return await create_score(request, state)
+
+    async def rerank(request: Request) -> Response:
+        return await create_rerank(request, state)
+
+    # vLLM's other paths of the same two routes (the schema lists each route once)
+    for path in ("/v1/score", "/score"):
+        app.add_api_route(path, score, methods=["POST"], openapi_extra=body(ScoreRequest),
+                          include_in_schema=path == "/v1/score")
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"], openapi_extra=body(RerankRequest),
+                          include_in_schema=path == "/v1/rerank")
 
     from pagedllm.entrypoints.openai.lora_models import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                                          load_lora_adapter, loras_of, unload_lora_adapter)

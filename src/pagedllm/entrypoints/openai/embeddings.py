@@ -51,23 +51,67 @@ def parse_inputs(inputs: Any, tokenizer: Any, vocab_size: int, add_special_token
     return parse_prompts(inputs, tokenizer, vocab_size, add_special_tokens, field="input")
 
 
+def pooling_defaults(state: ServerState) -> Any:
+    """The served model's pooling (pooling.ModelPooling): its files and the engine's flags, read once."""
+    from pagedllm.pooling import model_pooling
+
+    if state.pooling_defaults is None:
+        args = state.engine.engine_args
+        try:
+            state.pooling_defaults = model_pooling(state.engine.ready.model_dir, args.pooler_config, args.hf_overrides)
+        except ValueError as e:
+            raise APIError(str(e), status=400, param="model") from None
+    return state.pooling_defaults
+
+
+async def pooled_vectors(request: Request, state: ServerState, model: str, inputs: list, kind: str, priority: int,
+                         request_id: str, field: str = "input") -> list[list[float]]:
+    """The engine's pooled hidden states of `inputs` ([(text or None, token ids)]), in order; each input fits the
+    context (a 400 naming `field` otherwise); a client that leaves aborts them all."""
+    from pagedllm.pooling import sampling_params_for
+
+    limit = state.max_model_len - 1  # (the engine runs one step past the input, whose token it drops)
+    for i, (_, ids) in enumerate(inputs):
+        if len(ids) > limit:
+            which = "" if len(inputs) == 1 else f" {i}"
+            raise APIError(f"This model's maximum context length is {state.max_model_len} tokens. However, {field}"
+                           f"{which} has {len(ids)} tokens; an embedding input may have at most {limit}. Shorten it "
+                           "or set truncate_prompt_tokens.", param=field)
+    engine = state.engine
+    params = sampling_params_for(kind)
+    sub_ids = [f"{request_id}-{i}" for i in range(len(inputs))] if len(inputs) > 1 else [request_id]
+    lora = state.lora_request(model)
+    gens = [engine.generate(text, ids, params, sid, output_kind="final_only", lora_request=lora, priority=priority)
+            for (text, ids), sid in zip(inputs, sub_ids)]
+    watch = start_disconnect_watch(request, engine, sub_ids)
+    finals: dict[int, Any] = {}
+    merged = merge_streams(gens)
+    try:
+        async for i, out in merged:
+            finals[i] = out
+    finally:
+        watch.cancel()
+        await merged.aclose()
+    vectors = []
+    for i in range(len(inputs)):
+        final = finals.get(i)
+        if final is None or final.pooled is None:
+            reason = final.outputs[0].finish_reason if final is not None and final.outputs else "no output"
+            raise APIError(f"The embedding of {field} {i} failed ({reason}).", status=500)
+        vectors.append(final.pooled)
+    return vectors
+
+
 async def create_embedding(request: Request, state: ServerState) -> Response:
-    from pagedllm.pooling import PoolingParams, finish, model_pooling, resolve, sampling_params_for
+    from pagedllm.pooling import PoolingParams, finish, resolve
 
     req = await parse_body(request, EmbeddingRequest)
     model = state.check_model(req.model)
     priority = request_priority(req, state.scheduling_policy)
-    engine = state.engine
-    ready = engine.ready
-    if state.pooling_defaults is None:  # the model directory's files, read once
-        try:
-            state.pooling_defaults = model_pooling(ready.model_dir, engine.engine_args.pooler_config,
-                                                   engine.engine_args.hf_overrides)
-        except ValueError as e:
-            raise APIError(str(e), status=400, param="model") from None
+    ready = state.engine.ready
     try:
         kind, normalize, dimensions = resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize),
-                                              state.pooling_defaults, ready.hidden_size)
+                                              pooling_defaults(state), ready.hidden_size)
     except ValueError as e:
         raise APIError(str(e), param="dimensions") from None
     if (req.input is None) == (req.messages is None):
@@ -82,43 +126,18 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
         inputs = await tokenize_work(request, parse_inputs, req.input, state.tokenizer, ready.vocab_size, add_special)
     if req.truncate_prompt_tokens is not None:
         inputs = [(None, truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)) for _, ids in inputs]
-    limit = state.max_model_len - 1  # (the engine runs one step past the input, whose token it drops)
-    for i, (_, ids) in enumerate(inputs):
-        if len(ids) > limit:
-            which = "" if len(inputs) == 1 else f" {i}"
-            raise APIError(f"This model's maximum context length is {state.max_model_len} tokens. However, input"
-                           f"{which} has {len(ids)} tokens; an embedding input may have at most {limit}. Shorten it "
-                           "or set truncate_prompt_tokens.", param="input")
-    params = sampling_params_for(kind)
     request_id = req.request_id or random_id("embd")
-    sub_ids = [f"{request_id}-{i}" for i in range(len(inputs))] if len(inputs) > 1 else [request_id]
-    lora = state.lora_request(model)
-    gens = [engine.generate(text, ids, params, sid, output_kind="final_only", lora_request=lora, priority=priority)
-            for (text, ids), sid in zip(inputs, sub_ids)]
-    watch = start_disconnect_watch(request, engine, sub_ids)
     created = int(time.time())
-    finals: dict[int, Any] = {}
-    merged = merge_streams(gens)
-    try:
-        async for i, out in merged:
-            finals[i] = out
-    finally:
-        watch.cancel()
-        await merged.aclose()
+    vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id)
     data = []
-    num_tokens = 0
-    for i, (_, ids) in enumerate(inputs):
-        final = finals.get(i)
-        if final is None or final.pooled is None:
-            reason = final.outputs[0].finish_reason if final is not None and final.outputs else "no output"
-            raise APIError(f"The embedding of input {i} failed ({reason}).", status=500)
-        num_tokens += len(ids)
-        vector = finish(final.pooled, normalize, dimensions)
+    for i, pooled in enumerate(vectors):
+        vector = finish(pooled, normalize, dimensions)
         if req.encoding_format == "base64":  # OpenAI's: little-endian float32 bytes
             embedding: Any = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
         else:
             embedding = vector
         data.append({"object": "embedding", "index": i, "embedding": embedding})
+    num_tokens = sum(len(ids) for _, ids in inputs)
     body = {"id": request_id, "object": "list", "created": created, "model": model, "data": data,
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
     return Response(dumps(body), media_type="application/json")

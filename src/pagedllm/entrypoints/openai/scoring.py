@@ -1,0 +1,118 @@
+"""vLLM's score and rerank APIs for an embedding model: POST /score (/v1/score) scores text pairs, POST /rerank
+(/v1/rerank, /v2/rerank: the Jina / Cohere shape Open WebUI's external reranker speaks) orders documents for a
+query. A score is the cosine similarity of the two texts' embeddings (embeddings.py's pooling, each vector
+normalized), as vLLM scores with embedding models; cross-encoder (classification) models are not built."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
+from pagedllm.entrypoints.openai.completions import parse_prompts
+from pagedllm.entrypoints.openai.embeddings import MAX_INPUTS, pooled_vectors, pooling_defaults
+from pagedllm.entrypoints.openai.errors import APIError, dumps
+from pagedllm.entrypoints.openai.protocol import _Req, random_id
+from pagedllm.entrypoints.openai.request_params import request_priority, truncate_prompt
+from pagedllm.entrypoints.openai.server_state import ServerState
+
+
+class ScoreRequest(_Req):
+    model: Optional[str] = None
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    truncate_prompt_tokens: Optional[int] = None
+    priority: Optional[int] = None
+    request_id: Optional[str] = None
+
+
+class RerankRequest(_Req):
+    model: Optional[str] = None
+    query: str
+    documents: list[str]
+    top_n: Optional[int] = None  # the best n (None or 0: all)
+    return_documents: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+    priority: Optional[int] = None
+    request_id: Optional[str] = None
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = math.fsum(x * y for x, y in zip(a, b))
+    norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    return dot / norm if norm > 0 else 0.0
+
+
+async def _texts_scored(request: Request, state: ServerState, req: Any, model: str, firsts: list[str],
+                        seconds: list[str], names: tuple[str, str], prefix: str) -> tuple[list[float], int, str]:
+    """(one cosine score per (firsts[i], seconds[i]) pair, prompt tokens, request id): each distinct text embedded
+    once."""
+    texts = list(dict.fromkeys(firsts + seconds))  # distinct, in order
+    if len(texts) > MAX_INPUTS:
+        raise APIError(f"A request may score at most {MAX_INPUTS} distinct texts (got {len(texts)}).",
+                       param=names[1])
+    for name, group in zip(names, (firsts, seconds)):
+        if any(t == "" for t in group):
+            raise APIError(f"'{name}' must not contain an empty string.", param=name)
+    inputs = await tokenize_work(request, parse_prompts, texts, state.tokenizer, state.engine.ready.vocab_size, True,
+                                 field=names[1])
+    if req.truncate_prompt_tokens is not None:
+        inputs = [(None, truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)) for _, ids in inputs]
+    request_id = req.request_id or random_id(prefix)
+    kind = pooling_defaults(state).pooling_type
+    vectors = await pooled_vectors(request, state, model, inputs, kind, request_priority(req, state.scheduling_policy),
+                                   request_id, field=names[1])
+    of = dict(zip(texts, vectors))
+    tokens = dict(zip(texts, (len(ids) for _, ids in inputs)))
+    scores = [_cosine(of[a], of[b]) for a, b in zip(firsts, seconds)]
+    num_tokens = sum(tokens[a] + tokens[b] for a, b in zip(firsts, seconds))
+    return scores, num_tokens, request_id
+
+
+async def create_score(request: Request, state: ServerState) -> Response:
+    req = await parse_body(request, ScoreRequest)
+    model = state.check_model(req.model)
+    firsts = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
+    seconds = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
+    if not firsts or not seconds:
+        raise APIError("'text_1' and 'text_2' must not be empty.", param="text_1" if not firsts else "text_2")
+    if len(firsts) == 1:  # vLLM's pairing: one against each, else pairwise
+        firsts = firsts * len(seconds)
+    elif len(firsts) != len(seconds):
+        raise APIError(f"'text_1' ({len(firsts)} texts) and 'text_2' ({len(seconds)}) must be as long, or 'text_1' "
+                       "one text scored against each of 'text_2'.", param="text_2")
+    created = int(time.time())
+    scores, num_tokens, request_id = await _texts_scored(request, state, req, model, firsts, seconds,
+                                                         ("text_1", "text_2"), "score")
+    body = {"id": request_id, "object": "list", "created": created, "model": model,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+    return Response(dumps(body), media_type="application/json")
+
+
+async def create_rerank(request: Request, state: ServerState) -> Response:
+    req = await parse_body(request, RerankRequest)
+    model = state.check_model(req.model)
+    if req.query == "":
+        raise APIError("'query' must not be empty.", param="query")
+    if not req.documents:
+        raise APIError("'documents' must not be empty.", param="documents")
+    if req.top_n is not None and req.top_n < 0:
+        raise APIError(f"'top_n' must be >= 0 (0: all), got {req.top_n}.", param="top_n")
+    scores, num_tokens, request_id = await _texts_scored(request, state, req, model,
+                                                         [req.query] * len(req.documents), list(req.documents),
+                                                         ("query", "documents"), "rerank")
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    if req.top_n:
+        order = order[:req.top_n]
+    results = []
+    for i in order:
+        item: dict = {"index": i, "relevance_score": scores[i]}
+        if req.return_documents:
+            item["document"] = {"text": req.documents[i]}
+        results.append(item)
+    body = {"id": request_id, "model": model, "usage": {"total_tokens": num_tokens}, "results": results}
+    return Response(dumps(body), media_type="application/json")
