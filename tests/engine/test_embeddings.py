@@ -273,3 +273,16 @@ def test_pooling_runner_and_pooler_config(tiny_llama_dir):
                             ({"convert": "classify"}, "other conversions are not built")]:
         with pytest.raises(ValueError, match=message):
             LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, **kwargs)
+
+
+def test_offline_score_is_the_cosine_of_the_embeddings(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32)
+    texts = ["hello there", "general kenobi", "hello there"]
+    vectors = [torch.tensor(o.outputs.embedding) for o in llm.embed(texts, use_tqdm=False)]
+    one_to_many = llm.score(texts[0], texts[1:], use_tqdm=False)
+    assert [round(o.outputs.score, 5) for o in one_to_many] == [round(float(vectors[0] @ vectors[1]), 5), 1.0]
+    pairwise = llm.score(texts[:2], texts[1:], use_tqdm=False)
+    assert abs(pairwise[0].outputs.score - float(vectors[0] @ vectors[1])) < 1e-5
+    assert abs(pairwise[1].outputs.score - float(vectors[1] @ vectors[2])) < 1e-5
+    with pytest.raises(ValueError, match="must be as long"):
+        llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)

@@ -275,6 +275,28 @@ class LLM:
                                                   out.prompt_token_ids, True, out.prompt))
         return results
 
+    def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], use_tqdm: UseTqdm = True,
+              lora_request: Any = None) -> list:
+        """vLLM's LLM.score for an embedding model: one pooling.ScoringRequestOutput per pair (.outputs.score), the
+        cosine similarity of the two texts' embeddings; `text_1` one text against each of `text_2`, or pairwise."""
+        from pagedllm.pooling import ScoringOutput, ScoringRequestOutput, cosine
+
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not firsts or not seconds:
+            raise ValueError("score() needs texts in both text_1 and text_2.")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        elif len(firsts) != len(seconds):
+            raise ValueError(f"text_1 ({len(firsts)} texts) and text_2 ({len(seconds)}) must be as long, or text_1 "
+                             "one text scored against each of text_2.")
+        texts = list(dict.fromkeys(firsts + seconds))
+        of = {t: out for t, out in zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request))}
+        return [ScoringRequestOutput(f"{of[a].request_id}-{of[b].request_id}",
+                                     ScoringOutput(cosine(of[a].outputs.embedding, of[b].outputs.embedding)),
+                                     of[a].prompt_token_ids + of[b].prompt_token_ids)
+                for a, b in zip(firsts, seconds)]
+
     def _add_loras(self, lora_request: Any, num_prompts: int) -> list[Optional[int]]:
         """One adapter id (or None) per prompt, registering each adapter with the engine (read and validated
         now: a bad adapter fails the call before anything is queued)."""

@@ -227,6 +227,28 @@ class EmbeddingRequestOutput:
     prompt: Optional[str] = None
 
 
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two embeddings (0 for a zero vector): the score of vLLM's score / rerank APIs."""
+    dot = math.fsum(x * y for x, y in zip(a, b))
+    norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    return dot / norm if norm > 0 else 0.0
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (vLLM's ScoringRequestOutput): .outputs.score."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
 def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int] = None) -> Any:
     """The SamplingParams an embedding request runs with: one greedy step past the prompt, whose token is dropped."""
     from pagedllm.sampling_params import SamplingParams
@@ -237,4 +259,5 @@ def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int]
 
 __all__ = ["check_pooler_config", "POOLING_TYPES", "EMBEDDING_ONLY_ARCHITECTURES", "embedding_only",
            "mark_embedding_only", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "sampling_params_for"]
+           "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "cosine",
+           "sampling_params_for"]

@@ -4,7 +4,6 @@ query. A score is the cosine similarity of the two texts' embeddings (embeddings
 normalized), as vLLM scores with embedding models; cross-encoder (classification) models are not built."""
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Optional, Union
 
@@ -18,6 +17,7 @@ from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.protocol import _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority, truncate_prompt
 from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.pooling import cosine
 
 
 class ScoreRequest(_Req):
@@ -38,12 +38,6 @@ class RerankRequest(_Req):
     truncate_prompt_tokens: Optional[int] = None
     priority: Optional[int] = None
     request_id: Optional[str] = None
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    dot = math.fsum(x * y for x, y in zip(a, b))
-    norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
-    return dot / norm if norm > 0 else 0.0
 
 
 async def _texts_scored(request: Request, state: ServerState, req: Any, model: str, firsts: list[str],
@@ -67,7 +61,7 @@ async def _texts_scored(request: Request, state: ServerState, req: Any, model: s
                                    request_id, field=names[1])
     of = dict(zip(texts, vectors))
     tokens = dict(zip(texts, (len(ids) for _, ids in inputs)))
-    scores = [_cosine(of[a], of[b]) for a, b in zip(firsts, seconds)]
+    scores = [cosine(of[a], of[b]) for a, b in zip(firsts, seconds)]
     num_tokens = sum(tokens[a] + tokens[b] for a, b in zip(firsts, seconds))
     return scores, num_tokens, request_id
 
