@@ -64,6 +64,15 @@ def pooling_defaults(state: ServerState) -> Any:
     return state.pooling_defaults
 
 
+def truncated(inputs: list, k: Optional[int], state: ServerState) -> list:
+    """vLLM's truncate_prompt_tokens on embedding inputs: each input's last k tokens; -1 (the model's context) keeps
+    what an embedding input may hold (max_model_len - 1), not a length it would then refuse."""
+    if k is None:
+        return inputs
+    limit = state.max_model_len - 1
+    return [(None, truncate_prompt(ids, limit if k == -1 else k, state.max_model_len)) for _, ids in inputs]
+
+
 async def pooled_vectors(request: Request, state: ServerState, model: str, inputs: list, kind: str, priority: int,
                          request_id: str, field: str = "input") -> list[list[float]]:
     """The engine's pooled hidden states of `inputs` ([(text or None, token ids)]), in order; each input fits the
@@ -124,8 +133,7 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         inputs = await tokenize_work(request, parse_inputs, req.input, state.tokenizer, ready.vocab_size, add_special)
-    if req.truncate_prompt_tokens is not None:
-        inputs = [(None, truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)) for _, ids in inputs]
+    inputs = truncated(inputs, req.truncate_prompt_tokens, state)
     request_id = req.request_id or random_id("embd")
     created = int(time.time())
     vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id)

@@ -12,10 +12,10 @@ from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
 from pagedllm.entrypoints.openai.completions import parse_prompts
-from pagedllm.entrypoints.openai.embeddings import MAX_INPUTS, pooled_vectors, pooling_defaults
+from pagedllm.entrypoints.openai.embeddings import MAX_INPUTS, pooled_vectors, pooling_defaults, truncated
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.protocol import _Req, random_id
-from pagedllm.entrypoints.openai.request_params import request_priority, truncate_prompt
+from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.pooling import cosine
 
@@ -53,8 +53,7 @@ async def _texts_scored(request: Request, state: ServerState, req: Any, model: s
             raise APIError(f"'{name}' must not contain an empty string.", param=name)
     inputs = await tokenize_work(request, parse_prompts, texts, state.tokenizer, state.engine.ready.vocab_size, True,
                                  field=names[1])
-    if req.truncate_prompt_tokens is not None:
-        inputs = [(None, truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)) for _, ids in inputs]
+    inputs = truncated(inputs, req.truncate_prompt_tokens, state)
     request_id = req.request_id or random_id(prefix)
     kind = pooling_defaults(state).pooling_type
     vectors = await pooled_vectors(request, state, model, inputs, kind, request_priority(req, state.scheduling_policy),
