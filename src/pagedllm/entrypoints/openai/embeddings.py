@@ -65,9 +65,10 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
         raise APIError(str(e), param="dimensions") from None
     inputs = await tokenize_work(request, parse_inputs, req.input, state.tokenizer, ready.vocab_size,
                                  req.add_special_tokens)
-    if req.truncate_prompt_tokens is not None:
-        inputs = [(None, truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len)) for _, ids in inputs]
     limit = state.max_model_len - 1  # (the engine runs one step past the input, whose token it drops)
+    k = req.truncate_prompt_tokens
+    if k is not None:  # -1 (the model's context): what an embedding input may hold, not a length it then refuses
+        inputs = [(None, truncate_prompt(ids, limit if k == -1 else k, state.max_model_len)) for _, ids in inputs]
     for i, (_, ids) in enumerate(inputs):
         if len(ids) > limit:
             which = "" if len(inputs) == 1 else f" {i}"
