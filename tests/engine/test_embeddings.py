@@ -127,6 +127,9 @@ def test_what_cannot_be_honoured_is_refused(tiny_llama_dir):
     (cut,) = llm.embed([list(range(5, 25))], PoolingParams(truncate_prompt_tokens=6), use_tqdm=False)
     assert cut.prompt_token_ids == list(range(19, 25))
     check_pooled(tiny_llama_dir, list(range(19, 25)), "last", cut.outputs.embedding, normalized=True)
+    # -1 (the model's context) cuts to what an embedding input may hold, not to a length then refused
+    (whole,) = llm.embed([list(range(5, 105))], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert whole.prompt_token_ids == list(range(42, 105))
     assert not llm.engine.has_unfinished_requests()
 
 
