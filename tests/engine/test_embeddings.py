@@ -252,6 +252,18 @@ def test_matryoshka_dimensions(tiny_llama_dir, tmp_path, sizes):
         llm.embed([prompt], PoolingParams(dimensions=hidden + 1 if sizes is True else 12), use_tqdm=False)
 
 
+def test_hf_overrides_merge_over_the_files_matryoshka_fields(tmp_path):
+    """--hf-overrides sets config fields over config.json's (as transformers merges them): overriding one of
+    is_matryoshka / matryoshka_dimensions keeps the file's other (it replaced both: any length allowed)."""
+    (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [8, 16, 32]}))
+    assert model_pooling(str(tmp_path), None, {"is_matryoshka": True}).matryoshka == (8, 16, 32)
+    (tmp_path / "config.json").write_text(json.dumps({"is_matryoshka": True}))
+    assert model_pooling(str(tmp_path), None, {"matryoshka_dimensions": [16]}).matryoshka == (16,)
+    assert model_pooling(str(tmp_path), None, {"matryoshka_dimensions": None}).matryoshka == ()
+    assert model_pooling(str(tmp_path), None, {"is_matryoshka": False}).matryoshka is None
+    assert model_pooling(None, None, {"is_matryoshka": True}).matryoshka == ()
+
+
 def test_pooling_runner_and_pooler_config(tiny_llama_dir):
     """vLLM's runner="pooling" (and convert / task "embed"): embeddings only, generation refused saying why;
     pooler_config (vLLM's upper-case pooling types) over the model's defaults; contradictions and unbuilt keys
