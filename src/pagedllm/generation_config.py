@@ -69,6 +69,13 @@ def check_generation_override(override: Any) -> dict[str, Any]:
     for key, value in override.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"override_generation_config's {key} must be a number, got {value!r}.")
+        if value is not None:  # a value no request could run with is refused at start, not on every request
+            from pagedllm.sampling_params import SamplingParams
+
+            try:
+                SamplingParams(**{FIELDS[key]: value})
+            except ValueError as e:
+                raise ValueError(f"override_generation_config's {key}: {e}") from None
     return dict(override)
 
 

@@ -103,6 +103,15 @@ def test_truncation_keeps_the_last_tokens(http: httpx.Client, offline_llm) -> No
     _close(r.json()["data"][0]["embedding"], want.outputs.embedding)
 
 
+def test_truncation_to_the_context_is_what_an_input_may_hold(http: httpx.Client) -> None:
+    """truncate_prompt_tokens=-1 (the model's context) cuts to what an embedding input may hold (one token less
+    than max_model_len), not to a length the length check then refuses."""
+    ids = list(range(100, 100 + MAX_MODEL_LEN + 10))
+    r = http.post("/v1/embeddings", json={"model": SERVED_NAME, "input": ids, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1
+
+
 def test_an_embeddings_only_server(tiny_llama_dir: str, e2e_env: dict, tmp_path) -> None:
     """`--task embed` (vLLM's older flag for --runner pooling) and `--override-pooler-config`: /v1/embeddings pools as
     configured, the generating routes answer 400 saying why."""

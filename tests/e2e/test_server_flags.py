@@ -136,6 +136,10 @@ def test_request_id_headers_and_token_ids_default(flag_server) -> None:
     with http.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                            "max_tokens": 2, "stream": True}) as r:
         assert r.headers["x-request-id"] and r.read()
+    # the request guard's own refusals (outside the app) carry it too
+    for content, ctype in ((b'{"prompt": "\xff"}', "application/json"), (b"hi", "text/plain")):
+        bad = http.post("/v1/completions", content=content, headers={"content-type": ctype, "X-Request-Id": "t-8"})
+        assert bad.status_code in (400, 415) and bad.headers["x-request-id"] == "t-8", bad.text
     lp = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 1}).json()
     assert all(t.startswith("token_id:") for t in lp["choices"][0]["logprobs"]["tokens"])  # the server's default
     own = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 1,

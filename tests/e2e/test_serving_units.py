@@ -83,6 +83,16 @@ def test_config_yaml_values_are_checked_like_flags(tmp_path, capsys, yaml_text: 
     assert e.value.code == 2 and f"error: --config {cfg}: {fragment}" in err, err
 
 
+@pytest.mark.parametrize("flag", ["--hf-overrides", "--override-generation-config", "--pooler-config"])
+def test_json_object_flags_say_what_they_got(capsys, flag: str) -> None:
+    """Not another flag's example (it read '{"backend": "xgrammar"}', the structured-outputs config's keys)."""
+    with pytest.raises(SystemExit) as e:
+        _parse(["m", flag, "[1]"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (the usage above it names xgrammar in a help)
+    assert e.value.code == 2 and f"argument {flag}" in err and "must be a JSON object ({...}), got an array" in err, err
+    assert "xgrammar" not in err
+
+
 def test_config_yaml_values_convert_like_flags(tmp_path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("uvicorn-log-level: debug\ntool_call_parser: hermes\nport: '9003'\ngpu-memory-utilization: 0.5\n"

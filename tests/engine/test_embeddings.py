@@ -132,6 +132,9 @@ def test_what_cannot_be_honoured_is_refused(tiny_llama_dir):
     (cut,) = llm.embed([list(range(5, 25))], PoolingParams(truncate_prompt_tokens=6), use_tqdm=False)
     assert cut.prompt_token_ids == list(range(19, 25))
     check_pooled(tiny_llama_dir, list(range(19, 25)), "last", cut.outputs.embedding, normalized=True)
+    # -1 (the model's context) cuts to what an embedding input may hold, not to a length then refused
+    (whole,) = llm.embed([list(range(5, 105))], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert whole.prompt_token_ids == list(range(42, 105))
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -252,6 +255,18 @@ def test_matryoshka_dimensions(tiny_llama_dir, tmp_path, sizes):
     torch.testing.assert_close(torch.tensor(short.outputs.embedding), head / head.norm(), atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match=f"may have {'8, 16, 32' if sizes is not True else f'1 to {hidden}'} dim"):
         llm.embed([prompt], PoolingParams(dimensions=hidden + 1 if sizes is True else 12), use_tqdm=False)
+
+
+def test_hf_overrides_merge_over_the_files_matryoshka_fields(tmp_path):
+    """--hf-overrides sets config fields over config.json's (as transformers merges them): overriding one of
+    is_matryoshka / matryoshka_dimensions keeps the file's other (it replaced both: any length allowed)."""
+    (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [8, 16, 32]}))
+    assert model_pooling(str(tmp_path), None, {"is_matryoshka": True}).matryoshka == (8, 16, 32)
+    (tmp_path / "config.json").write_text(json.dumps({"is_matryoshka": True}))
+    assert model_pooling(str(tmp_path), None, {"matryoshka_dimensions": [16]}).matryoshka == (16,)
+    assert model_pooling(str(tmp_path), None, {"matryoshka_dimensions": None}).matryoshka == ()
+    assert model_pooling(str(tmp_path), None, {"is_matryoshka": False}).matryoshka is None
+    assert model_pooling(None, None, {"is_matryoshka": True}).matryoshka == ()
 
 
 def test_pooling_runner_and_pooler_config(tiny_llama_dir):

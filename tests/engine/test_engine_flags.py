@@ -63,7 +63,10 @@ def test_override_generation_config(tiny_llama_dir, tmp_path, caplog):
                override_generation_config={"temperature": 0.25})
     assert only.get_default_sampling_params() == SamplingParams(temperature=0.25)
     for bad, message in [({"do_sample": True}, "\\['do_sample'\\] is not supported"),
-                         ({"temperature": "hot"}, "temperature must be a number")]:
+                         ({"temperature": "hot"}, "temperature must be a number"),
+                         # refused at start, not by every request that leaves the field out
+                         ({"max_new_tokens": -3}, "max_new_tokens: max_tokens must be an integer >= 1"),
+                         ({"top_k": 0.5}, "top_k: top_k must be an integer")]:
         with pytest.raises(ValueError, match=message):
             LLM(model=model, dtype="float32", num_gpu_blocks_override=32, override_generation_config=bad)
 

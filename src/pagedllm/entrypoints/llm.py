@@ -260,7 +260,10 @@ class LLM:
         resolved = [resolve(p, self.engine.pooling_defaults, self.engine.hidden_size) for p in pooling_list]
         from pagedllm.pooling import sampling_params_for
 
-        params = [sampling_params_for(kind, None if p is None else p.truncate_prompt_tokens)
+        # -1 (the model's context): what an embedding input may hold, one token less (its dropped step's)
+        fit = self.engine.max_model_len - 1
+        params = [sampling_params_for(kind, None if p is None else fit if p.truncate_prompt_tokens == -1
+                                      else p.truncate_prompt_tokens)
                   for (kind, _, _), p in zip(resolved, pooling_list)]
         items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params)]
         lora_ids = self._add_loras(lora_request, len(items))

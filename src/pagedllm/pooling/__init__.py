@@ -115,7 +115,9 @@ def model_pooling(model_dir: Optional[str], pooler_config: Optional[dict] = None
     model is Matryoshka-trained."""
     found = _model_files_pooling(model_dir)
     if hf_overrides and ("is_matryoshka" in hf_overrides or "matryoshka_dimensions" in hf_overrides):
-        found = ModelPooling(found.pooling_type, found.normalize, _matryoshka_of(hf_overrides))
+        # over config.json's fields, as transformers merges them: one overridden keeps the file's other
+        config = _config_json(os.path.join(model_dir, "config.json")) if model_dir else {}
+        found = ModelPooling(found.pooling_type, found.normalize, _matryoshka_of({**config, **hf_overrides}))
     if not pooler_config:
         return found
     return ModelPooling(pooler_config.get("pooling_type", found.pooling_type),
@@ -158,13 +160,18 @@ def _model_files_pooling(model_dir: Optional[str]) -> ModelPooling:
     return ModelPooling(pooling_type, normalize, matryoshka)
 
 
-def _matryoshka(config_path: str) -> Optional[tuple[int, ...]]:
+def _config_json(config_path: str) -> dict:
     try:
         with open(config_path) as f:
             config = json.load(f)
     except (OSError, ValueError):
-        return None
-    return _matryoshka_of(config) if isinstance(config, dict) else None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _matryoshka(config_path: str) -> Optional[tuple[int, ...]]:
+    config = _config_json(config_path)
+    return _matryoshka_of(config) if config else None
 
 
 def _matryoshka_of(config: dict) -> Optional[tuple[int, ...]]:

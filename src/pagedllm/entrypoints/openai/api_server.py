@@ -150,7 +150,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
             from pagedllm.entrypoints.openai.guards import RequestIdHeaders
 
             app = RequestIdHeaders(app)
-        app = RequestGuard(app, max_body_bytes=args.max_request_body_bytes, send_timeout_s=args.send_timeout)
+        app = RequestGuard(app, max_body_bytes=args.max_request_body_bytes, send_timeout_s=args.send_timeout,
+                           request_id_headers=bool(getattr(args, "enable_request_id_headers", False)))
         freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off",

@@ -156,7 +156,9 @@ def _json_object(text: str) -> dict:
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"backend\": \"xgrammar\"}'")
+        # (no example: several flags take a JSON object, each its own keys)
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {kind}")
     return value
 
 

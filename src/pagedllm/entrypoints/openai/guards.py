@@ -61,10 +61,12 @@ class _Gone(Exception):
 
 class RequestGuard:
     def __init__(self, app: Any, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
+                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S, request_id_headers: bool = False) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.send_timeout_s = send_timeout_s
+        # --enable-request-id-headers: RequestIdHeaders sits inside, so this guard's own refusals add the header
+        self.request_id_headers = request_id_headers
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -77,6 +79,8 @@ class RequestGuard:
         except _Gone:
             return
         except _Refused as e:
+            if self.request_id_headers:
+                send = RequestIdHeaders.with_id(scope, send)
             await refuse(send, receive, e.status, e.message, e.code,
                          linger=e.body_unread and headers.get(b"expect", b"").lower() != b"100-continue")
             return
@@ -311,6 +315,11 @@ class RequestIdHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.app(scope, receive, self.with_id(scope, send))
+
+    @staticmethod
+    def with_id(scope: dict, send: Any) -> Any:
+        """`send` with X-Request-Id added to the answer's headers."""
         import uuid
 
         value = next((v for k, v in scope["headers"] if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
@@ -320,4 +329,4 @@ class RequestIdHeaders:
                 message = dict(message, headers=[*message.get("headers", ()), (b"x-request-id", value)])
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        return send_with_id
