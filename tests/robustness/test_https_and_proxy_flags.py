@@ -116,7 +116,9 @@ def test_bad_ssl_and_cors_flags_are_one_line_errors(flags, message, tiny_llama_d
 
 
 def test_allowed_origins_take_json_or_a_plain_list() -> None:
-    from pagedllm.entrypoints.openai.cli_args import _json_list
+    from pagedllm.entrypoints.openai.cli_args import _json_list, _root_path
+
+    assert [_root_path(p) for p in ("api", "/api/", " /a/b ", "/")] == ["/api", "/api", "/a/b", ""]
 
     assert _json_list('["https://a.example", "https://b.example"]') == ["https://a.example", "https://b.example"]
     assert _json_list("*") == ["*"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 
@@ -13,20 +14,23 @@ from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, ReasoningStre
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 CASES = [
-    # parser, the prompt opened <think>, answer -> (reasoning, content)
-    ("qwen3", False, "<think>\nLet me think.\n</think>\n\nParis.", ("Let me think.\n", "Paris.")),
-    ("qwen3", False, "Paris is the capital.", (None, "Paris is the capital.")),  # thinking off: no tags
+    # parser, the prompt opened <think> (True) / closed one at its end (False) / neither (None), answer ->
+    # (reasoning, content)
+    ("qwen3", None, "<think>\nLet me think.\n</think>\n\nParis.", ("Let me think.\n", "Paris.")),
+    ("qwen3", None, "Paris is the capital.", (None, "Paris is the capital.")),  # thinking off: no tags
     ("qwen3", True, "Let me think.\n</think>\n\nParis.", ("Let me think.\n", "Paris.")),
-    ("qwen3", False, "  <think>x</think>y", ("x", "y")),
-    ("qwen3", False, "Tags <think> mid-answer </think> stay content", (None, "Tags <think> mid-answer </think> stay "
-                                                                          "content")),
-    ("qwen3", False, "<think>cut off before the end </thi", ("cut off before the end </thi", None)),
-    ("qwen3", False, "", (None, "")),
-    ("qwen3", False, "<", (None, "<")),
-    ("deepseek_r1", False, "hmm </think>\n\nanswer", ("hmm ", "answer")),  # R1 always starts inside
-    ("deepseek_r1", False, "<think>\nhmm</think>answer", ("hmm", "answer")),
-    ("deepseek_r1", False, "cut off mid-thought", ("cut off mid-thought", None)),
+    ("qwen3", False, "Paris.", (None, "Paris.")),
+    ("qwen3", None, "  <think>x</think>y", ("x", "y")),
+    ("qwen3", None, "Tags <think> mid-answer </think> stay content", (None, "Tags <think> mid-answer </think> stay "
+                                                                         "content")),
+    ("qwen3", None, "<think>cut off before the end </thi", ("cut off before the end </thi", None)),
+    ("qwen3", None, "", (None, "")),
+    ("qwen3", None, "<", (None, "<")),
+    ("deepseek_r1", None, "hmm </think>\n\nanswer", ("hmm ", "answer")),  # R1 starts inside
+    ("deepseek_r1", None, "<think>\nhmm</think>answer", ("hmm", "answer")),
+    ("deepseek_r1", None, "cut off mid-thought", ("cut off mid-thought", None)),
     ("deepseek_r1", True, "a</think>", ("a", None)),
+    ("deepseek_r1", False, "answer right away", (None, "answer right away")),  # the template closed the block
 ]
 
 
@@ -47,9 +51,10 @@ def test_whole_and_streamed_splits_agree(parser, opened, text, want) -> None:
 
 
 def test_prompt_opened_think_block() -> None:
-    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
-    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, thinking off
-    assert not prompt_opens_thinking("<|im_start|>assistant\n") and not prompt_opens_thinking(None)
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n") is True
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n") is False  # thinking off
+    assert prompt_opens_thinking("<think>old turn</think> answer<|im_start|>assistant\n") is None
+    assert prompt_opens_thinking("<|im_start|>assistant\n") is None and prompt_opens_thinking(None) is None
 
 
 class _Tok:
@@ -57,7 +62,7 @@ class _Tok:
         return ""
 
 
-def _stream(req_fields: dict, parser: str = "qwen3", opened: bool = False):
+def _stream(req_fields: dict, parser: str = "qwen3", opened: Optional[bool] = None):
     from pagedllm.entrypoints.openai.chat_completions import _ChatStream
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
     from pagedllm.entrypoints.openai.server_state import ServerState
@@ -158,7 +163,7 @@ def test_responses_stream_closes_the_reasoning_item_before_the_answer() -> None:
     req = ResponsesRequest(input="q", stream=True)
     shell = _ResponseShell(req, "m", "resp_1", 0, 3)
     stream = _ResponsesStream(None, None, None, shell, plan_tools(None, None, None, "hermes", None),
-                              ChoiceReasoning("deepseek_r1", False))
+                              ChoiceReasoning("deepseek_r1", None))
     pieces = ["Think", "ing...</th", "ink>\n\nThe", " answer."]
     raw = b"".join(stream.frames([RequestOutput("r", None, [1], None, [CompletionOutput(
         0, p, [7], None, None, "stop" if k == len(pieces) - 1 else None)], False)]) for k, p in enumerate(pieces))

@@ -71,7 +71,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="CA certificates that client certificates must chain to (with --ssl-cert-reqs 1 or 2)")
     g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
                    help="client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
-    g.add_argument("--root-path", default=None, metavar="PREFIX",
+    g.add_argument("--root-path", type=_root_path, default=None, metavar="PREFIX",
                    help="the path prefix a proxy serves this server under and strips (ASGI root_path)")
     g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                    help='CORS: origins browsers may call from, e.g. \'["https://chat.example.com"]\' (default any)')
@@ -160,6 +160,11 @@ def _json_object(text: str) -> dict:
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
         raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {kind}")
     return value
+
+
+def _root_path(text: str) -> str:
+    """/PREFIX without a trailing slash ("api/" -> "/api"), as ASGI's root_path is written."""
+    return "/" + text.strip().strip("/") if text.strip().strip("/") else ""
 
 
 def _json_list(text: str) -> list:

@@ -6,7 +6,8 @@ Where the reasoning starts is read from the prompt as well as the output: templa
 generation prompt (DeepSeek-R1's, Qwen3's thinking models) leave `<think>` unclosed at the prompt's end, so the answer
 starts inside it; otherwise the answer opens it itself. `deepseek_r1` always starts inside (R1 always thinks);
 `qwen3` only when the prompt or the output's first text opens it (thinking off: no tags, all content). An answer cut
-off before `</think>` is all reasoning, streamed or not. A request under a grammar (response_format, structured
+off before `</think>` is all reasoning, streamed or not; a prompt that ends with a closed block (thinking off) starts
+the answer outside it, for both parsers. A request under a grammar (response_format, structured
 outputs, a required or named tool_choice) is not parsed: the grammar shaped the whole answer as content.
 """
 from __future__ import annotations
@@ -23,11 +24,14 @@ def check_parser(name: Optional[str]) -> Optional[str]:
     return name
 
 
-def prompt_opens_thinking(prompt_text: Optional[str]) -> bool:
-    """The rendered prompt ends inside a think block (the template opened it for the answer)."""
+def prompt_opens_thinking(prompt_text: Optional[str]) -> Optional[bool]:
+    """True: the rendered prompt ends inside a think block (the template opened it for the answer); False: it ends
+    with one closed (the template skipped the thinking, as Qwen3's and R1's do with thinking off); None: neither."""
     if not prompt_text:
-        return False
-    return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
+        return None
+    if prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END):
+        return True
+    return False if prompt_text.rstrip().endswith(THINK_END) else None
 
 
 def _holds_prefix(text: str, tag: str) -> int:
@@ -42,10 +46,13 @@ class ReasoningStreamer:
     """One choice's text deltas -> (reasoning delta, content delta); finish() flushes what was held back. split() of
     the whole text gives what the deltas add up to."""
 
-    def __init__(self, parser: str, prompt_opened: bool) -> None:
+    def __init__(self, parser: str, prompt_opened: Optional[bool]) -> None:
+        """prompt_opened: prompt_opens_thinking of the rendered prompt (deepseek_r1 starts inside the block unless
+        the prompt closed it)."""
         self.parser = parser
         # "start": not decided (the output may open the block), "think": inside it, "content": after or without it
-        self.state = "think" if (prompt_opened or parser == "deepseek_r1") else "start"
+        inside = prompt_opened is True or (parser == "deepseek_r1" and prompt_opened is None)
+        self.state = "think" if inside else "start"
         self.held = ""
         self.strip_start = True  # the reasoning's start: leading whitespace and the output's own <think> dropped
         self.strip_newlines = False  # after </think>: the newlines before the answer are dropped
@@ -114,7 +121,7 @@ class ReasoningStreamer:
 class ChoiceReasoning:
     """The reasoning split of a response's choices (one ReasoningStreamer per choice index)."""
 
-    def __init__(self, parser: str, prompt_opened: bool, include: bool = True) -> None:
+    def __init__(self, parser: str, prompt_opened: Optional[bool], include: bool = True) -> None:
         self.parser, self.prompt_opened, self.include = parser, prompt_opened, include
         self.streamers: dict[int, ReasoningStreamer] = {}
 
