@@ -1,9 +1,11 @@
 """`pagedllm serve --scheduling-policy priority`: the `priority` field of both endpoints orders admission (lower
 first, ties by arrival); the shared fcfs server refuses a non-zero priority naming the flag (test_request_fields.py).
 
-Deterministic: with --max-num-seqs 1 one request runs at a time. A long request holds the only seat while the others
-queue (the waiting gauge says when they all do); aborting it (the client leaves) frees the seat, and the queue is
-served strictly one by one, so the order answers come back in is the scheduler's admission order."""
+Deterministic: with --max-num-seqs 1 one request runs at a time. A long request more urgent than all of them holds
+the only seat while the others queue (the waiting gauge says when they all do); aborting it (the client leaves) frees
+the seat, and the queue is served strictly one by one, so the order answers come back in is the scheduler's
+admission order. A less urgent long request instead gives its seat to an urgent arrival at once (preempted, then
+resumed to its end)."""
 from __future__ import annotations
 
 import subprocess
@@ -64,7 +66,7 @@ def test_priority_orders_the_waiting_queue(priority_server: Server) -> None:
 
     with priority_server.client() as http:
         long_body = {"prompt": "Count slowly:", "model": "smol", "max_tokens": 400, "ignore_eos": True,
-                     "stream": True, "priority": 100}
+                     "stream": True, "priority": -100}  # (more urgent than every request queued behind it)
         threads = []
         with http.stream("POST", CMPL, json=long_body) as blocker:
             lines = blocker.iter_lines()
@@ -80,6 +82,23 @@ def test_priority_orders_the_waiting_queue(priority_server: Server) -> None:
         for t in threads:
             t.join(120)
     assert finished == ["urgent", "tie-first", "tie-second", "responses", "low"]
+
+
+def test_an_urgent_request_takes_the_seat_of_a_less_urgent_one(priority_server: Server) -> None:
+    """The one seat held by a long, less urgent stream: an urgent request runs at once (the stream is preempted) and
+    answers while the stream is still going; the stream then resumes to all of its tokens."""
+    with priority_server.client() as http:
+        preempted = metric(http.get("/metrics").text, "vllm:num_preemptions_total")
+        long_body = {"prompt": "Count slowly:", "model": "smol", "max_tokens": 120, "ignore_eos": True,
+                     "stream": True, "priority": 100, "stream_options": {"include_usage": True}}
+        with http.stream("POST", CMPL, json=long_body) as blocker:
+            lines = blocker.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # it holds the one seat
+            urgent = http.post(CMPL, json=_body(CMPL, 0, "Urgent says"))
+            assert urgent.status_code == 200 and urgent.json()["usage"]["completion_tokens"] == 4
+            rest = [line for line in lines if line.startswith("data: ")]  # the stream goes on to its end
+        assert rest[-1] == "data: [DONE]" and '"completion_tokens":120' in rest[-2]
+        assert metric(http.get("/metrics").text, "vllm:num_preemptions_total") > preempted
 
 
 @pytest.mark.parametrize("path", [CMPL, CHAT, RESP])
