@@ -70,8 +70,7 @@ class EngineCore:
         self.max_model_len = w.max_model_len
         self.vocab_size = w.vocab_size
         self.eos_token_ids = w.eos_token_ids
-        text_config = getattr(w.hf_config, "text_config", None) or w.hf_config
-        self.hidden_size = int(text_config.hidden_size)  # an embedding's length (pooling/)
+        self.hidden_size = int(w.hf_config.hidden_size)  # an embedding's length (pooling/; the served text config)
         from pagedllm.pooling import embedding_only
 
         self.embedding_only = embedding_only(w.hf_config)  # a decoder stack without its head: no generation

@@ -258,12 +258,11 @@ class LLM:
             if p is not None and not isinstance(p, PoolingParams):
                 raise TypeError(f"pooling_params[{i}] must be a PoolingParams, got {type(p).__name__}.")
         resolved = [resolve(p, self.engine.pooling_defaults, self.engine.hidden_size) for p in pooling_list]
-        from pagedllm.pooling import sampling_params_for
+        from pagedllm.pooling import input_truncation, sampling_params_for
 
-        # -1 (the model's context): what an embedding input may hold, one token less (its dropped step's)
-        fit = self.engine.max_model_len - 1
-        params = [sampling_params_for(kind, None if p is None else fit if p.truncate_prompt_tokens == -1
-                                      else p.truncate_prompt_tokens)
+        max_model_len = self.engine.max_model_len
+        params = [sampling_params_for(kind, None if p is None else input_truncation(p.truncate_prompt_tokens,
+                                                                                     max_model_len))
                   for (kind, _, _), p in zip(resolved, pooling_list)]
         items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params)]
         lora_ids = self._add_loras(lora_request, len(items))
@@ -282,17 +281,9 @@ class LLM:
               lora_request: Any = None) -> list:
         """vLLM's LLM.score for an embedding model: one pooling.ScoringRequestOutput per pair (.outputs.score), the
         cosine similarity of the two texts' embeddings; `text_1` one text against each of `text_2`, or pairwise."""
-        from pagedllm.pooling import ScoringOutput, ScoringRequestOutput, cosine
+        from pagedllm.pooling import ScoringOutput, ScoringRequestOutput, cosine, score_pairs
 
-        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
-        if not firsts or not seconds:
-            raise ValueError("score() needs texts in both text_1 and text_2.")
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        elif len(firsts) != len(seconds):
-            raise ValueError(f"text_1 ({len(firsts)} texts) and text_2 ({len(seconds)}) must be as long, or text_1 "
-                             "one text scored against each of text_2.")
+        firsts, seconds = score_pairs(text_1, text_2)
         texts = list(dict.fromkeys(firsts + seconds))
         of = {t: out for t, out in zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request))}
         return [ScoringRequestOutput(f"{of[a].request_id}-{of[b].request_id}",

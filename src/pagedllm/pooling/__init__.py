@@ -111,67 +111,49 @@ def check_pooler_config(config: Any) -> dict:
 def model_pooling(model_dir: Optional[str], pooler_config: Optional[dict] = None,
                   hf_overrides: Optional[dict] = None) -> ModelPooling:
     """The defaults from a model directory's sentence-transformers files, else last-token pooling, normalized;
-    `pooler_config` (checked by check_pooler_config) overrides them; `hf_overrides` (config.json fields) may say the
-    model is Matryoshka-trained."""
-    found = _model_files_pooling(model_dir)
-    if hf_overrides and ("is_matryoshka" in hf_overrides or "matryoshka_dimensions" in hf_overrides):
-        # over config.json's fields, as transformers merges them: one overridden keeps the file's other
-        config = _config_json(os.path.join(model_dir, "config.json")) if model_dir else {}
-        found = ModelPooling(found.pooling_type, found.normalize, _matryoshka_of({**config, **hf_overrides}))
+    `pooler_config` (checked by check_pooler_config) overrides them; `hf_overrides` (config.json fields, merged over
+    the file's as transformers merges them) may say the model is Matryoshka-trained."""
+    found = _model_files_pooling(model_dir, hf_overrides or {})
     if not pooler_config:
         return found
     return ModelPooling(pooler_config.get("pooling_type", found.pooling_type),
                         pooler_config.get("normalize", found.normalize), found.matryoshka)
 
 
-def _model_files_pooling(model_dir: Optional[str]) -> ModelPooling:
+def _read_json(path: str) -> Any:
+    """A JSON file's value; None when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _model_files_pooling(model_dir: Optional[str], hf_overrides: dict) -> ModelPooling:
     if not model_dir or not os.path.isdir(model_dir):
-        return ModelPooling()
+        return ModelPooling(matryoshka=_matryoshka_of(hf_overrides))
     pooling_type, normalize = "last", True
-    matryoshka = _matryoshka(os.path.join(model_dir, "config.json"))
-    modules_path = os.path.join(model_dir, "modules.json")
+    config = _read_json(os.path.join(model_dir, "config.json"))
+    matryoshka = _matryoshka_of({**(config if isinstance(config, dict) else {}), **hf_overrides})
+    modules = _read_json(os.path.join(model_dir, "modules.json"))
     pooling_dir = "1_Pooling"
-    if os.path.isfile(modules_path):
-        try:
-            with open(modules_path) as f:
-                modules = json.load(f)
-        except (OSError, ValueError):
-            modules = None
-        if isinstance(modules, list):
-            kinds = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
-            normalize = any(k.endswith("Normalize") for k in kinds)
-            for m in modules:
-                if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling") and m.get("path"):
-                    pooling_dir = str(m["path"])
+    if isinstance(modules, list):
+        kinds = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+        normalize = any(k.endswith("Normalize") for k in kinds)
+        for m in modules:
+            if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling") and m.get("path"):
+                pooling_dir = str(m["path"])
     config_path = os.path.join(model_dir, pooling_dir, "config.json")
-    if os.path.isfile(config_path):
-        try:
-            with open(config_path) as f:
-                config = json.load(f)
-        except (OSError, ValueError):
-            config = {}
-        chosen = [ours for key, ours in _ST_MODES.items() if isinstance(config, dict) and config.get(key)]
+    st_config = _read_json(config_path)
+    if isinstance(st_config, dict):
+        chosen = [ours for key, ours in _ST_MODES.items() if st_config.get(key)]
         if len(chosen) == 1:
             pooling_type = chosen[0]
-        elif isinstance(config, dict) and any(v is True for k, v in config.items() if k.startswith("pooling_mode")):
-            modes = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v is True)
+        elif any(v is True for k, v in st_config.items() if k.startswith("pooling_mode")):
+            modes = sorted(k for k, v in st_config.items() if k.startswith("pooling_mode") and v is True)
             raise ValueError(f"The model's sentence-transformers pooling ({', '.join(modes)} in {config_path}) is "
                              f"not supported: one of {', '.join(_ST_MODES)} is.")
     return ModelPooling(pooling_type, normalize, matryoshka)
-
-
-def _config_json(config_path: str) -> dict:
-    try:
-        with open(config_path) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def _matryoshka(config_path: str) -> Optional[tuple[int, ...]]:
-    config = _config_json(config_path)
-    return _matryoshka_of(config) if config else None
 
 
 def _matryoshka_of(config: dict) -> Optional[tuple[int, ...]]:
@@ -256,6 +238,26 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
+def input_truncation(k: Optional[int], max_model_len: int) -> Optional[int]:
+    """vLLM's truncate_prompt_tokens for an embedding input: -1 (the model's context) keeps what an embedding input
+    may hold, max_model_len - 1 (its dropped step needs the last place), not a length it would then refuse."""
+    return max_model_len - 1 if k == -1 else k
+
+
+def score_pairs(text_1: Any, text_2: Any) -> tuple[list[str], list[str]]:
+    """vLLM's pairing of a score request: one text_1 against each of text_2, else pairwise (ValueError otherwise)."""
+    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not firsts or not seconds:
+        raise ValueError("'text_1' and 'text_2' must not be empty.")
+    if len(firsts) == 1:
+        return firsts * len(seconds), seconds
+    if len(firsts) != len(seconds):
+        raise ValueError(f"'text_1' ({len(firsts)} texts) and 'text_2' ({len(seconds)}) must be as long, or 'text_1' "
+                         "one text scored against each of 'text_2'.")
+    return firsts, seconds
+
+
 def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int] = None) -> Any:
     """The SamplingParams an embedding request runs with: one greedy step past the prompt, whose token is dropped."""
     from pagedllm.sampling_params import SamplingParams
@@ -267,4 +269,4 @@ def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int]
 __all__ = ["check_pooler_config", "POOLING_TYPES", "EMBEDDING_ONLY_ARCHITECTURES", "embedding_only",
            "mark_embedding_only", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "cosine",
-           "sampling_params_for"]
+           "input_truncation", "score_pairs", "sampling_params_for"]

@@ -65,12 +65,13 @@ def pooling_defaults(state: ServerState) -> Any:
 
 
 def truncated(inputs: list, k: Optional[int], state: ServerState) -> list:
-    """vLLM's truncate_prompt_tokens on embedding inputs: each input's last k tokens; -1 (the model's context) keeps
-    what an embedding input may hold (max_model_len - 1), not a length it would then refuse."""
+    """vLLM's truncate_prompt_tokens on embedding inputs: each input's last k tokens (pooling.input_truncation)."""
+    from pagedllm.pooling import input_truncation
+
     if k is None:
         return inputs
-    limit = state.max_model_len - 1
-    return [(None, truncate_prompt(ids, limit if k == -1 else k, state.max_model_len)) for _, ids in inputs]
+    k = input_truncation(k, state.max_model_len)
+    return [(None, truncate_prompt(ids, k, state.max_model_len)) for _, ids in inputs]
 
 
 async def pooled_vectors(request: Request, state: ServerState, model: str, inputs: list, kind: str, priority: int,

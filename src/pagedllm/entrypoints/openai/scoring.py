@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.protocol import _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.pooling import cosine
+from pagedllm.pooling import cosine, score_pairs
 
 
 class ScoreRequest(_Req):
@@ -68,15 +68,10 @@ async def _texts_scored(request: Request, state: ServerState, req: Any, model: s
 async def create_score(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, ScoreRequest)
     model = state.check_model(req.model)
-    firsts = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
-    seconds = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
-    if not firsts or not seconds:
-        raise APIError("'text_1' and 'text_2' must not be empty.", param="text_1" if not firsts else "text_2")
-    if len(firsts) == 1:  # vLLM's pairing: one against each, else pairwise
-        firsts = firsts * len(seconds)
-    elif len(firsts) != len(seconds):
-        raise APIError(f"'text_1' ({len(firsts)} texts) and 'text_2' ({len(seconds)}) must be as long, or 'text_1' "
-                       "one text scored against each of 'text_2'.", param="text_2")
+    try:
+        firsts, seconds = score_pairs(req.text_1, req.text_2)
+    except ValueError as e:
+        raise APIError(str(e), param="text_1" if not req.text_1 else "text_2") from None
     created = int(time.time())
     scores, num_tokens, request_id = await _texts_scored(request, state, req, model, firsts, seconds,
                                                          ("text_1", "text_2"), "score")
