@@ -275,12 +275,8 @@ class KVCacheManager:
         if new_computed_blocks and blocks:
             raise ValueError("new_computed_blocks is only valid for a request that holds no blocks.")
         blocks = blocks if blocks is not None else []
-        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_tokens_with_slots = num_computed_tokens + num_new_tokens
-        num_required_blocks = cdiv(num_tokens_with_slots, self.block_size)
-        num_new_blocks = max(0, num_required_blocks - len(blocks) - len(new_computed_blocks))
-        # Hits sitting in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b is not None and b.ref_cnt == 0)
+        num_tokens_with_slots, num_new_blocks, num_evictable_hits = self._blocks_taken(
+            request, num_new_tokens, new_computed_blocks, len(blocks))
         if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
             return None
 
@@ -297,6 +293,23 @@ class KVCacheManager:
             # Blocks full once this step has run; their tokens are all known (no future tokens needed).
             self._cache_full_blocks(request, min(num_tokens_with_slots, request.num_tokens))
         return [NULL_BLOCK_ID if b is None else b.block_id for b in appended]
+
+    def num_free_blocks_taken(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence = ()
+                              ) -> int:
+        """The free blocks allocate_slots(request, num_new_tokens, new_computed_blocks) takes (one KV-cache group)."""
+        _, num_new_blocks, num_evictable_hits = self._blocks_taken(
+            request, num_new_tokens, new_computed_blocks, len(self.req_to_blocks.get(request.request_id) or ()))
+        return num_new_blocks + num_evictable_hits
+
+    def _blocks_taken(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence, num_held: int
+                      ) -> tuple[int, int, int]:
+        """(tokens with slots after the allocation, fresh blocks it needs, hits sitting in the free queue: touched,
+        they stop being free) of allocate_slots' general path."""
+        num_tokens_with_slots = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                                 + num_new_tokens)
+        num_new_blocks = max(0, cdiv(num_tokens_with_slots, self.block_size) - num_held - len(new_computed_blocks))
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b is not None and b.ref_cnt == 0)
+        return num_tokens_with_slots, num_new_blocks, num_evictable_hits
 
     def _allocate_groups(self, request: Request, num_new_tokens: int,
                          new_computed_blocks: Sequence[BlockList]) -> Optional[list[list[int]]]:

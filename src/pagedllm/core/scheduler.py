@@ -402,8 +402,7 @@ class Scheduler:
             chunk = self._num_tokens_to_schedule(head, num_hit_tokens, self.max_num_batched_tokens)
             if chunk <= 0:
                 return None
-            need = (max(0, -(-(num_hit_tokens + chunk) // self.block_size) - len(hits))
-                    + sum(1 for b in hits if b is not None and b.ref_cnt == 0))
+            need = kv.num_free_blocks_taken(head, chunk, hits)
             if need > kv.num_blocks:
                 return None
         made_room: set[str] = set()
