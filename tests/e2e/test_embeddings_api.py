@@ -92,6 +92,9 @@ def test_a_conversation_is_embedded_as_its_rendered_prompt(http: httpx.Client, o
     for body in ({"messages": messages, "input": "x"}, {}):
         bad = http.post("/v1/embeddings", json={"model": SERVED_NAME, **body})
         assert bad.status_code == 400 and "exactly one of 'input' or 'messages'" in bad.json()["error"]["message"]
+    for name, value in (("add_generation_prompt", True), ("chat_template", "{{ 1 }}")):  # never silently unused
+        bad = http.post("/v1/embeddings", json={"model": SERVED_NAME, "input": "x", name: value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == name, bad.text
 
 
 def test_truncation_keeps_the_last_tokens(http: httpx.Client, offline_llm) -> None:

@@ -126,6 +126,11 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
         raise APIError(str(e), param="dimensions") from None
     if (req.input is None) == (req.messages is None):
         raise APIError("Give exactly one of 'input' or 'messages'.", param="input")
+    if req.input is not None:  # the chat template's fields shape only a conversation
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"):
+            if getattr(req, name):
+                raise APIError(f"'{name}' applies to 'messages' (a conversation rendered by the chat template), not "
+                               "to 'input'.", param=name)
     if req.messages is not None:
         check_request_template(req.chat_template, state)
         inputs = [await render_work(request, req, render_chat, state.tokenizer, req.messages, req.add_generation_prompt,
