@@ -13,6 +13,7 @@
 #                         CONFIG: a dir under benchmarks/configs; ENGINE: pagedllm or vllm
 #   nano-CONFIG-ENGINE    offline_throughput.py's nano-vllm protocol (256 prompts, 100..1024 in / out, temperature 0.6)
 #   serve                 issue 26's 1024x256 and 4096x1024 rows of pagedllm serve (carry .carry_srv too)
+#   rowsold-CONFIG        rows of pagedllm from the tree in .old (carried; git archive COMMIT src benchmarks)
 #   profile-CONFIG-BATCH  profile_step.py: a decode step at BATCH running requests, kernels by device time
 #   prefill-CONFIG        profile_step.py --prefill: one full prefill step of 64 prompts
 #   timeline-CONFIG       step_timeline.py on rows' 512 x 512/256 at temperature 0.6 (time per step kind)
@@ -48,6 +49,10 @@ for step in "$@"; do
                      --max-model-len 2048 --temperature 0.6 --hf none --no-tqdm --engine "$engine"
                      --json "$out/$step.json")
             fi ;;
+        rowsold-*)  # the same rows from an older tree carried in .old (git archive COMMIT src benchmarks), for
+                    # an A/B against it in one lease: alternate rowsold-CONFIG and rows-CONFIG-pagedllm
+            cmd=(env PYTHONPATH="$root/.old/src:$GPU_SITE" python3 .old/benchmarks/moe.py rows
+                 --model "benchmarks/configs/${step#rowsold-}" --engine pagedllm --json "$out/$step.json") ;;
         profile-*)
             rest=${step#profile-}; batch=${rest##*-}; config=benchmarks/configs/${rest%-*}
             cmd=(python3 benchmarks/profile_step.py --model "$config" --load-format dummy --batch "$batch"

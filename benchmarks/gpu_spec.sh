@@ -66,11 +66,11 @@
 #                                        # (vLLM's engine core in its child's process: its multiprocess start stalled)
 #   bash benchmarks/gpu_spec.sh h200-rows  # the 8B k=4 verify step vs a plain step, then batch-1 decode with a rank-16
 #                                        # LoRA adapter vs base (spec_lora_peer.py, pagedllm alone)
-#   bash benchmarks/gpu_spec.sh busy-kernels  # the n-gram proposal's GPU tests with each scan and its device time
-#                                        # per launch, per-n vs one-pass scan (spec_kernels.py)
+#   bash benchmarks/gpu_spec.sh busy-kernels  # the n-gram proposal's GPU tests and its device time per launch
+#                                        # (spec_kernels.py)
 #   bash benchmarks/gpu_spec.sh busy     # SmolLM2 n-gram k=8 on the edit tasks: each engine's wall vs the GPU's busy
 #                                        # time (host- or device-bound?) and the kernels speculation adds; then the
-#                                        # edit row with each scan, alternating (needs the GGUF)
+#                                        # edit and code rows, three rounds each (needs the GGUF)
 #   bash benchmarks/gpu_spec.sh host     # SmolLM2 (host-bound) verify vs plain step: eager ops, host syncs and the host
 #                                        # functions a verify step adds (the lever for its n-gram 2.0x), and the
 #                                        # engine steps by kind for the four tasks
@@ -299,18 +299,15 @@ busy-kernels)  # no GGUF needed: the first call of a busy round (carry .whl + .c
     STEP_SUMMARY="$STEP_SUMMARY|spec_step_outputs|passed|failed"
     step spec-tests 150 python -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu/test_spec_decode_gpu.py \
         -k "device_ngram or ngram_on_cuda"
-    PAGEDLLM_NGRAM_ONE_PASS=1 step spec-tests-one-pass 150 python -m pytest -m gpu -q -x -p no:cacheprovider \
-        tests/gpu/test_spec_decode_gpu.py -k "device_ngram or ngram_on_cuda"
     step spec-kernels 120 python benchmarks/spec_kernels.py --json "$out/spec-kernels.json"
     ;;
 busy)  # the second call (carry .carry_b): the engine rows
     STEP_SUMMARY="$STEP_SUMMARY|\[busy|^    |^  batch"
-    step busy-ngram8-edit 180 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 2 --k 8 \
+    step busy-ngram8-edit 180 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 1 --k 8 \
         --tasks edit --step-times --device-busy --json "$out/busy-ngram8-edit.json"
-    for one in 0 1 0 1; do
-        PAGEDLLM_NGRAM_ONE_PASS=$one step "ngram8-edit-one-pass$one" 90 python benchmarks/spec_decode.py ngram \
-            --model "$gguf" --dtype bfloat16 --iters 3 --k 8 --tasks edit --step-times \
-            --json "$out/ngram8-edit-one-pass$one.json"
+    for tasks in edit code; do
+        step "ngram8-$tasks" 150 python benchmarks/spec_decode.py ngram --model "$gguf" --dtype bfloat16 --iters 3 \
+            --k 8 --tasks "$tasks" --step-times --json "$out/ngram8-$tasks.json"
     done
     ;;
 host)
