@@ -13,43 +13,7 @@ from pagedllm import LLM
 from pagedllm.pooling import check_runner_fits, class_probs, classifier_input, sampling_params_for
 from tests.engine.test_correctness import random_prompts
 
-LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 _hf: dict[str, torch.nn.Module] = {}
-_built: dict[tuple, str] = {}
-
-
-def save_tiny_classifier(path: str, arch: str, num_labels: int, pad_token_id=None, seed: int = 0) -> str:
-    """A tiny random transformers *ForSequenceClassification saved as a model directory (with the tiny tokenizer)."""
-    from transformers import AutoModelForSequenceClassification
-
-    from tests.conftest import build_tiny_tokenizer, tiny_hf_config
-
-    config = tiny_hf_config(arch)
-    family = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
-    config.architectures = [f"{family}ForSequenceClassification"]
-    config.id2label = {i: LABELS.get(i, f"LABEL_{i}") for i in range(num_labels)} if num_labels > 1 else \
-        {0: "relevance"}
-    config.label2id = {v: k for k, v in config.id2label.items()}
-    config.pad_token_id = pad_token_id
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # transformers initializes the head small: scaled up, the probabilities are not all ~equal
-        model.score.weight.mul_(20)
-    model.save_pretrained(path)
-    build_tiny_tokenizer(config.vocab_size).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def tiny_classifier_dir(tmp_path_factory):
-    """Factory: tiny_classifier_dir(arch, num_labels=3, pad_token_id=None) -> dir, each built once per session."""
-    def make(arch: str, num_labels: int = 3, pad_token_id=None) -> str:
-        key = (arch, num_labels, pad_token_id)
-        if key not in _built:
-            path = str(tmp_path_factory.mktemp(f"tiny-{arch}-cls{num_labels}"))
-            _built[key] = save_tiny_classifier(path, arch, num_labels, pad_token_id)
-        return _built[key]
-    return make
 
 
 def hf_classifier(model_dir: str) -> torch.nn.Module:

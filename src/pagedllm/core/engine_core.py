@@ -79,7 +79,8 @@ class EngineCore:
         # A sequence classifier's labels (None: not one): its pooled outputs are label logits, not embeddings.
         self.classifier_labels = classifier_labels(w.hf_config)
         self.pad_token_id = getattr(w.hf_config, "pad_token_id", None)
-        check_runner_fits(engine_args, self.classifier_labels, self.embedding_only)
+        architectures = getattr(w.hf_config, "architectures", None) or [None]
+        check_runner_fits(engine_args, self.classifier_labels, architectures[0])
         self.block_size = engine_args.block_size
         self.num_blocks = w.num_blocks
         self.scheduler = Scheduler(
