@@ -52,6 +52,11 @@ def test_probs_and_logits_match_hf_through_chunks(arch, tiny_classifier_dir):
         torch.testing.assert_close(torch.tensor(out.outputs.probs), want.softmax(-1), atol=2e-5, rtol=1e-4)
     assert max(max(o.outputs.probs) for o in outs) > 0.5  # (the probabilities tell the labels apart)
     assert llm.engine.classifier_labels == ["negative", "neutral", "positive"]
+    encoded = llm.encode([{"prompt_token_ids": p} for p in prompts[:2]], use_tqdm=False)
+    for e, o in zip(encoded, outs):
+        assert e.outputs.data.tolist() == pytest.approx(o.outputs.probs, abs=1e-6)
+    with pytest.raises(ValueError, match="no embeddings"):
+        llm.encode("hello", pooling_task="embed")
     with pytest.raises(ValueError, match="sequence classifier.*not generation"):
         llm.generate("hello")
     with pytest.raises(ValueError, match="no embeddings"):
@@ -118,6 +123,11 @@ def test_runner_flags_against_the_model():
 
 
 def test_classify_on_a_causal_model_is_refused(tiny_llama_dir):
+    """LLM.classify needs a classifier; LLM.encode on an embedding-capable model is LLM.embed as a tensor."""
     llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32)
     with pytest.raises(ValueError, match="needs a sequence classifier"):
         llm.classify("hello")
+    with pytest.raises(ValueError, match="needs a sequence classifier"):
+        llm.encode("hello", pooling_task="classify")
+    encoded = llm.encode([[5, 6, 7]], use_tqdm=False)[0].outputs.data
+    assert encoded.tolist() == pytest.approx(llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding, abs=1e-6)

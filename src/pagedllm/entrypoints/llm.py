@@ -305,6 +305,28 @@ class LLM:
         return [ClassificationRequestOutput(out.request_id, ClassificationOutput(class_probs(out.pooled)),
                                             out.prompt_token_ids, True, out.prompt) for out in outs]
 
+    def encode(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None, *,
+               use_tqdm: UseTqdm = True, lora_request: Any = None, pooling_task: Optional[str] = None) -> list:
+        """vLLM's generic pooling call: one pooling.PoolingRequestOutput per prompt, .outputs.data a float32 torch
+        tensor: the embedding (pooling_task "embed", an embedding model's default) or the class probabilities
+        ("classify", a sequence classifier's default), as LLM.embed / LLM.classify make them."""
+        import torch
+
+        from pagedllm.pooling import PoolingOutput, PoolingRequestOutput
+
+        classifier = self.engine.classifier_labels is not None
+        task = pooling_task or ("classify" if classifier else "embed")
+        if task not in ("embed", "classify"):
+            raise ValueError(f"pooling_task must be 'embed' or 'classify' (other tasks are not built), got {task!r}.")
+        if task == "embed":
+            outs = self.embed(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+            data = [o.outputs.embedding for o in outs]
+        else:
+            outs = self.classify(prompts, pooling_params=pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+            data = [o.outputs.probs for o in outs]
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(d, dtype=torch.float32)),
+                                     o.prompt_token_ids, True, o.prompt) for o, d in zip(outs, data)]
+
     def _classified(self, inputs: list, truncate_prompt_tokens: Optional[int], use_tqdm: UseTqdm,
                     lora_request: Any, salts: Optional[list] = None) -> list:
         """The engine's outputs (.pooled: label logits) for [(text or None, token ids)] on a sequence classifier."""

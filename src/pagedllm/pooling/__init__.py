@@ -306,6 +306,24 @@ class ClassificationRequestOutput:
     prompt: Optional[str] = None
 
 
+@dataclass
+class PoolingOutput:
+    """vLLM's generic pooling output: `data`, a torch tensor (an embedding, or a classifier's probabilities)."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's LLM.encode result (vLLM's PoolingRequestOutput): .outputs.data."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: Optional[str] = None
+
+
 def class_probs(logits: list[float]) -> list[float]:
     """vLLM's classification activation: softmax over the labels, the sigmoid for a one-label model (a cross-encoder
     or reward score, whose softmax would always be 1)."""
@@ -365,7 +383,8 @@ def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int]
 
 __all__ = ["check_pooler_config", "POOLING_TYPES", "EMBEDDING_ONLY_ARCHITECTURES", "embedding_only",
            "CLASSIFIER_ARCHITECTURES", "classifier_labels", "ClassificationOutput", "ClassificationRequestOutput",
-           "class_probs", "classifier_input", "pair_input", "check_runner_fits",
+           "class_probs", "classifier_input", "pair_input", "check_runner_fits", "PoolingOutput",
+           "PoolingRequestOutput",
            "mark_embedding_only", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "cosine",
            "input_truncation", "score_pairs", "sampling_params_for"]
