@@ -352,7 +352,8 @@ class LLM:
         each of `text_2`, or pairwise. A cross-encoder (a sequence classifier with one label) reads each pair as one
         input (the tokenizer's pair encoding) and scores it with the sigmoid of its logit; an embedding model
         scores the cosine similarity of the two texts' embeddings."""
-        from pagedllm.pooling import ScoringOutput, ScoringRequestOutput, cosine, pair_input, score_pairs
+        from pagedllm.pooling import (PoolingParams, ScoringOutput, ScoringRequestOutput, class_probs, cosine,
+                                      pair_input, score_pairs)
 
         firsts, seconds = score_pairs(text_1, text_2)
         labels = self.engine.classifier_labels
@@ -364,16 +365,10 @@ class LLM:
                 raise ValueError("score() on a cross-encoder needs the tokenizer (its pair encoding).")
             outs = self._classified([(None, pair_input(self.tokenizer, a, b)) for a, b in zip(firsts, seconds)],
                                     truncate_prompt_tokens, use_tqdm, lora_request)
-            from pagedllm.pooling import class_probs
-
             return [ScoringRequestOutput(out.request_id, ScoringOutput(class_probs(out.pooled)[0]),
                                          out.prompt_token_ids) for out in outs]
-        if truncate_prompt_tokens is not None:
-            from pagedllm.pooling import PoolingParams
-
-            params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
-        else:
-            params = None
+        params = None if truncate_prompt_tokens is None else \
+            PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         texts = list(dict.fromkeys(firsts + seconds))
         of = {t: out for t, out in zip(texts, self.embed(texts, params, use_tqdm=use_tqdm,
                                                           lora_request=lora_request))}

@@ -506,9 +506,10 @@ class ModelRunner:
 
     def _pool(self, inp, hidden: torch.Tensor) -> None:
         """Embedding requests (pooling/): pool the hidden rows of this step's prompt chunks; a request whose prompt
-        this step completes gets its vector in inp.pooled (a classifier's: its label logits). A chunk from position 0 starts the pooling afresh (a
-        preempted request recomputes its prompt); mean and cls requests take no prefix-cache hits (the scheduler),
-        so every prompt position passes through here. Rare and prefill-only: this syncs with the device."""
+        this step completes gets its vector in inp.pooled (a classifier's: its label logits). A chunk from position 0
+        starts the pooling afresh (a preempted request recomputes its prompt); mean and cls requests take no
+        prefix-cache hits (the scheduler), so every prompt position passes through here. Rare and prefill-only: this
+        syncs with the device."""
         qsl = inp.query_start_loc
         pooled: dict[str, list[float]] = {}
         for i, state in enumerate(inp.states):

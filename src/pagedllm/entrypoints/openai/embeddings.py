@@ -85,9 +85,10 @@ async def pooled_vectors(request: Request, state: ServerState, model: str, input
     for i, (_, ids) in enumerate(inputs):
         if len(ids) > limit:
             which = "" if len(inputs) == 1 else f" {i}"
+            article = "an" if what[0] in "aeiou" else "a"
             raise APIError(f"This model's maximum context length is {state.max_model_len} tokens. However, {field}"
-                           f"{which} has {len(ids)} tokens; a{'n' if what[0] in 'aeiou' else ''} {what} input may have at most {limit}. Shorten it "
-                           "or set truncate_prompt_tokens.", param=field)
+                           f"{which} has {len(ids)} tokens; {article} {what} input may have at most {limit}. Shorten "
+                           "it or set truncate_prompt_tokens.", param=field)
     engine = state.engine
     params = sampling_params_for(kind)
     sub_ids = [f"{request_id}-{i}" for i in range(len(inputs))] if len(inputs) > 1 else [request_id]
