@@ -12,7 +12,8 @@ _openmp.load_with_own_policy()
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "LoRARequest",
-           "PoolingParams", "EmbeddingRequestOutput", "__version__"]
+           "PoolingParams", "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
+           "__version__"]
 
 
 def __getattr__(name):  # lazy: importing pagedllm must not import torch
@@ -22,7 +23,7 @@ def __getattr__(name):  # lazy: importing pagedllm must not import torch
     if name == "LoRARequest":
         from pagedllm.lora.request import LoRARequest
         return LoRARequest
-    if name in ("PoolingParams", "EmbeddingRequestOutput"):
+    if name in ("PoolingParams", "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput"):
         from pagedllm import pooling
         return getattr(pooling, name)
     if name in ("RequestOutput", "CompletionOutput"):

@@ -79,7 +79,8 @@ class EngineArgs:
     # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
     structured_outputs_config: Optional[dict] = None
     # Embeddings (pooling/), vLLM's names: runner "pooling" serves embeddings only ("auto": generation too, except
-    # for a model without its head); convert "embed" and the older task "embed" mean the same. pooler_config:
+    # for a model without its head); convert "embed" and the older task "embed" mean the same; convert "classify"
+    # (task "classify" / "score") serves a *ForSequenceClassification model (which never generates). pooler_config:
     # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model's own defaults.
     runner: str = "auto"
     convert: str = "auto"
@@ -92,17 +93,22 @@ class EngineArgs:
 
     @property
     def embeddings_only(self) -> bool:
-        """runner="pooling" (or convert / task "embed"): the engine serves embeddings, not generation."""
-        return self.runner == "pooling" or self.convert == "embed" or self.task == "embed"
+        """runner="pooling" (or convert / task "embed" / "classify"): the engine pools, it does not generate."""
+        return (self.runner == "pooling" or self.convert in ("embed", "classify")
+                or self.task in ("embed", "classify", "score"))
 
     def _check_pooling(self) -> None:
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}.")
-        if self.convert not in ("auto", "none", "embed"):
-            raise ValueError(f"convert must be auto, none or embed (other conversions are not built), got "
+        if self.convert not in ("auto", "none", "embed", "classify"):
+            raise ValueError(f"convert must be auto, none, embed or classify (other conversions are not built), got "
                              f"{self.convert!r}.")
-        if self.task not in (None, "auto", "generate", "embed"):
-            raise ValueError(f"task must be generate or embed (other tasks are not built), got {self.task!r}.")
+        if self.task not in (None, "auto", "generate", "embed", "classify", "score"):
+            raise ValueError(f"task must be generate, embed, classify or score (other tasks are not built), got "
+                             f"{self.task!r}.")
+        if self.convert == "classify" and self.task == "embed" or self.convert == "embed" and self.task in (
+                "classify", "score"):
+            raise ValueError("convert and task ask for different poolings (embed / classify); give one.")
         wants_generation = self.runner == "generate" or self.task == "generate"
         if wants_generation and self.embeddings_only:
             raise ValueError("runner / task 'generate' and 'pooling' / 'embed' contradict each other; give one.")

@@ -168,7 +168,16 @@ def test_score_and_rerank_are_cosines_of_the_embeddings(http: httpx.Client) -> N
 
 
 def test_scoring_routes_outside_v1_need_the_key(server) -> None:
-    for path in ("/score", "/rerank", "/v2/rerank"):
-        r = httpx.post(server.url + path, json={"text_1": "a", "text_2": "b", "query": "q", "documents": ["d"]},
+    for path in ("/score", "/rerank", "/v2/rerank", "/classify"):
+        r = httpx.post(server.url + path, json={"text_1": "a", "text_2": "b", "query": "q", "documents": ["d"],
+                                                "input": "x"},
                        timeout=60)
         assert r.status_code == 401, (path, r.text)
+
+
+def test_classify_on_a_generative_model_is_a_400(http: httpx.Client) -> None:
+    """/classify needs a sequence classifier (tests/e2e/test_classify_api.py serves one); this model is not."""
+    for path in ("/classify", "/v1/classify"):
+        r = http.post(path, json={"model": SERVED_NAME, "input": "hello"})
+        assert r.status_code == 400 and "sequence classification model" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "model"

@@ -285,7 +285,8 @@ def test_pooling_runner_and_pooler_config(tiny_llama_dir):
     for kwargs, message in [({"task": "embed", "runner": "generate"}, "contradict each other"),
                             ({"pooler_config": {"pooling_type": "MAX"}}, "must be LAST, MEAN or CLS"),
                             ({"pooler_config": {"dimensions": 8}}, "\\['dimensions'\\] is not supported"),
-                            ({"convert": "classify"}, "other conversions are not built")]:
+                            ({"convert": "reward"}, "other conversions are not built"),
+                            ({"convert": "classify"}, "\\(LlamaForCausalLM\\) is not one, and converting it")]:
         with pytest.raises(ValueError, match=message):
             LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, **kwargs)
 

@@ -74,6 +74,13 @@ class EngineCore:
         from pagedllm.pooling import embedding_only
 
         self.embedding_only = embedding_only(w.hf_config)  # a decoder stack without its head: no generation
+        from pagedllm.pooling import check_runner_fits, classifier_labels
+
+        # A sequence classifier's labels (None: not one): its pooled outputs are label logits, not embeddings.
+        self.classifier_labels = classifier_labels(w.hf_config)
+        self.pad_token_id = getattr(w.hf_config, "pad_token_id", None)
+        architectures = getattr(w.hf_config, "architectures", None) or [None]
+        check_runner_fits(engine_args, self.classifier_labels, architectures[0])
         self.block_size = engine_args.block_size
         self.num_blocks = w.num_blocks
         self.scheduler = Scheduler(
@@ -153,6 +160,10 @@ class EngineCore:
         if any(type(t) is not int or t < 0 or t >= vocab for t in prompt):  # (no bools: True is no token id)
             bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
             raise ValueError(f"Prompt token ids must be integers in [0, {vocab}), got {bad!r}.")
+        if self.classifier_labels is not None and req.sampling_params.pooling is None:
+            raise ValueError(f"This model ({self.embedding_only}) is a sequence classifier: it serves classification "
+                             "and scoring (LLM.classify / LLM.score, POST /classify, /score, /rerank), not "
+                             "generation.")
         if self.embedding_only and req.sampling_params.pooling is None:
             raise ValueError(f"This model ({self.embedding_only}) is a decoder without its language-model head: it "
                              "serves embeddings (LLM.embed, POST /v1/embeddings), not generation.")

@@ -87,6 +87,8 @@ def run_engine_core(engine_args: Any, input_addr: Union[str, list[str]], output_
             eos_token_ids=[int(t) for t in core.eos_token_ids],
             pid=os.getpid(),
             hidden_size=int(core.hidden_size),
+            classifier_labels=core.classifier_labels,
+            pad_token_id=core.pad_token_id if isinstance(core.pad_token_id, int) else None,
         )
     )
     crashed = False

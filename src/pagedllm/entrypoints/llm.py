@@ -241,13 +241,10 @@ class LLM:
         per prompt."""
         from pagedllm.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, finish, resolve
 
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"embed() needs prompts: a string, a token-id list, a prompt dict or a list of them, "
-                             f"got {prompts!r:.80}.")
-        prompts = list(prompts)
+        if self.engine.classifier_labels is not None:
+            raise ValueError(f"This model ({self.engine.embedding_only}) is a sequence classifier: it has no "
+                             "embeddings; use LLM.classify, or LLM.score for text pairs.")
+        prompts = self._prompt_list(prompts, "embed")
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_list = [pooling_params] * len(prompts)
         elif isinstance(pooling_params, (list, tuple)) and len(pooling_params) == len(prompts):
@@ -277,15 +274,104 @@ class LLM:
                                                   out.prompt_token_ids, True, out.prompt))
         return results
 
+    @staticmethod
+    def _prompt_list(prompts: Any, what: str) -> list:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"{what}() needs prompts: a string, a token-id list, a prompt dict or a list of them, "
+                             f"got {prompts!r:.80}.")
+        return list(prompts)
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]], *, pooling_params: Any = None,
+                 use_tqdm: UseTqdm = True, lora_request: Any = None) -> list:
+        """vLLM's LLM.classify on a sequence classifier (*ForSequenceClassification): one
+        pooling.ClassificationRequestOutput per prompt, .outputs.probs the softmax of the label logits (a one-label
+        model's sigmoid) of the prompt's last token (the last that is not the pad token, as transformers scores).
+        pooling_params: a PoolingParams of which only truncate_prompt_tokens applies."""
+        from pagedllm.pooling import ClassificationOutput, ClassificationRequestOutput, PoolingParams, class_probs
+
+        prompts = self._prompt_list(prompts, "classify")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}.")
+        if pooling_params is not None and (pooling_params.pooling_type, pooling_params.normalize,
+                                           pooling_params.dimensions) != (None, None, None):
+            raise ValueError("classify() takes only truncate_prompt_tokens of PoolingParams (a classifier pools its "
+                             "last token and returns probabilities).")
+        k = None if pooling_params is None else pooling_params.truncate_prompt_tokens
+        outs = self._classified([self._to_prompt(p) for p in prompts], k, use_tqdm, lora_request,
+                                [self._cache_salt(p) for p in prompts])
+        return [ClassificationRequestOutput(out.request_id, ClassificationOutput(class_probs(out.pooled)),
+                                            out.prompt_token_ids, True, out.prompt) for out in outs]
+
+    def encode(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None, *,
+               use_tqdm: UseTqdm = True, lora_request: Any = None, pooling_task: Optional[str] = None) -> list:
+        """vLLM's generic pooling call: one pooling.PoolingRequestOutput per prompt, .outputs.data a float32 torch
+        tensor: the embedding (pooling_task "embed", an embedding model's default) or the class probabilities
+        ("classify", a sequence classifier's default), as LLM.embed / LLM.classify make them."""
+        import torch
+
+        from pagedllm.pooling import PoolingOutput, PoolingRequestOutput
+
+        classifier = self.engine.classifier_labels is not None
+        task = pooling_task or ("classify" if classifier else "embed")
+        if task not in ("embed", "classify"):
+            raise ValueError(f"pooling_task must be 'embed' or 'classify' (other tasks are not built), got {task!r}.")
+        if task == "embed":
+            outs = self.embed(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+            data = [o.outputs.embedding for o in outs]
+        else:
+            outs = self.classify(prompts, pooling_params=pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+            data = [o.outputs.probs for o in outs]
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(d, dtype=torch.float32)),
+                                     o.prompt_token_ids, True, o.prompt) for o, d in zip(outs, data)]
+
+    def _classified(self, inputs: list, truncate_prompt_tokens: Optional[int], use_tqdm: UseTqdm,
+                    lora_request: Any, salts: Optional[list] = None) -> list:
+        """The engine's outputs (.pooled: label logits) for [(text or None, token ids)] on a sequence classifier."""
+        from pagedllm.pooling import classifier_input, input_truncation, sampling_params_for
+
+        engine = self.engine
+        if engine.classifier_labels is None:
+            raise ValueError(f"classify() needs a sequence classifier (a *ForSequenceClassification model); this model "
+                             f"({engine.embedding_only or 'a causal LM'}) is not one.")
+        params = sampling_params_for("last", input_truncation(truncate_prompt_tokens, engine.max_model_len))
+        items = [(self._truncated((text, classifier_input(ids, engine.pad_token_id)), params), params)
+                 for text, ids in inputs]
+        outputs = self._run(items, use_tqdm, self._add_loras(lora_request, len(items)), salts)
+        for i, out in enumerate(outputs):
+            if out.pooled is None:  # the engine failed it (finish_reason "error": the warning logged says why)
+                raise RuntimeError(f"The classification of prompt {i} failed: "
+                                   f"{out.outputs[0].finish_reason if out.outputs else 'no output'}.")
+        return outputs
+
     def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], use_tqdm: UseTqdm = True,
-              lora_request: Any = None) -> list:
-        """vLLM's LLM.score for an embedding model: one pooling.ScoringRequestOutput per pair (.outputs.score), the
-        cosine similarity of the two texts' embeddings; `text_1` one text against each of `text_2`, or pairwise."""
-        from pagedllm.pooling import ScoringOutput, ScoringRequestOutput, cosine, score_pairs
+              lora_request: Any = None, *, truncate_prompt_tokens: Optional[int] = None) -> list:
+        """vLLM's LLM.score: one pooling.ScoringRequestOutput per pair (.outputs.score); `text_1` one text against
+        each of `text_2`, or pairwise. A cross-encoder (a sequence classifier with one label) reads each pair as one
+        input (the tokenizer's pair encoding) and scores it with the sigmoid of its logit; an embedding model
+        scores the cosine similarity of the two texts' embeddings."""
+        from pagedllm.pooling import (PoolingParams, ScoringOutput, ScoringRequestOutput, class_probs, cosine,
+                                      pair_input, score_pairs)
 
         firsts, seconds = score_pairs(text_1, text_2)
+        labels = self.engine.classifier_labels
+        if labels is not None:
+            if len(labels) != 1:
+                raise ValueError(f"score() on a sequence classifier needs a cross-encoder (one label); this model has "
+                                 f"{len(labels)} labels: use classify().")
+            if self.tokenizer is None:
+                raise ValueError("score() on a cross-encoder needs the tokenizer (its pair encoding).")
+            outs = self._classified([(None, pair_input(self.tokenizer, a, b)) for a, b in zip(firsts, seconds)],
+                                    truncate_prompt_tokens, use_tqdm, lora_request)
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(class_probs(out.pooled)[0]),
+                                         out.prompt_token_ids) for out in outs]
+        params = None if truncate_prompt_tokens is None else \
+            PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         texts = list(dict.fromkeys(firsts + seconds))
-        of = {t: out for t, out in zip(texts, self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request))}
+        of = {t: out for t, out in zip(texts, self.embed(texts, params, use_tqdm=use_tqdm,
+                                                          lora_request=lora_request))}
         return [ScoringRequestOutput(f"{of[a].request_id}-{of[b].request_id}",
                                      ScoringOutput(cosine(of[a].outputs.embedding, of[b].outputs.embedding)),
                                      of[a].prompt_token_ids + of[b].prompt_token_ids)

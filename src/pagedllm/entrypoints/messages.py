@@ -128,6 +128,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     eos_token_ids: list[int]
     pid: int
     hidden_size: int = 0  # the length of an embedding (pooling/)
+    classifier_labels: Optional[list[str]] = None  # a sequence classifier's labels (pooling/); None: not one
+    pad_token_id: Optional[int] = None  # the config's (a classifier scores the last token that is not it)
 
 
 class EngineStartupError(msgspec.Struct, tag="startup_error"):

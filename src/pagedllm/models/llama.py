@@ -366,3 +366,33 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight = untied
         self.tie_word_embeddings = False
         return True
+
+
+class SequenceClassifier:
+    """Mixed in before a causal class: transformers' *ForSequenceClassification (reward models, cross-encoder
+    rerankers). The checkpoint holds the decoder under `model.` and a bias-free `score` Linear(hidden, num_labels),
+    no LM head: the config is marked tied (pooling.embedding_only), so the head the runner still builds reads the
+    embedding, and only an engine-dropped token ever reads it. `classify` maps pooled last-token states (after the
+    final norm) to label logits. The head is small and replicated on every tensor-parallel rank; it lives on the
+    last pipeline stage only, where the hidden states are."""
+
+    def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
+        super().__init__(hf_config, dtype, quant_config)
+        self.num_labels = int(hf_config.num_labels)
+        if self.model.is_last_stage:
+            self.score = nn.Linear(hf_config.hidden_size, self.num_labels, bias=False, dtype=self.dtype)
+        else:
+            self.score = PPMissingLayer()
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        # [N, hidden_size] -> [N, num_labels] float32 (fp32 math: a bf16 model's logits lose no more than its states)
+        return torch.nn.functional.linear(pooled.float(), self.score.weight.float())
+
+    def skip_weight(self, name: str) -> bool:
+        if name.startswith("score.") and not self.model.is_last_stage:
+            return True
+        return super().skip_weight(name)
+
+
+class LlamaForSequenceClassification(SequenceClassifier, LlamaForCausalLM):
+    """Llama (and Mistral, same layout) with a classification head."""

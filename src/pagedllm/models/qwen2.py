@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, SequenceClassifier
 
 
 class Qwen2Attention(LlamaAttention):
@@ -18,3 +18,7 @@ class Qwen2DecoderLayer(LlamaDecoderLayer):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen2DecoderLayer
+
+
+class Qwen2ForSequenceClassification(SequenceClassifier, Qwen2ForCausalLM):
+    """Qwen2 with a classification head (llama.SequenceClassifier)."""

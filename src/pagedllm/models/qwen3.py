@@ -5,7 +5,8 @@ head_dim comes from the config (it need not be hidden_size / num_heads); q/k/v/o
 """
 from __future__ import annotations
 
-from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, PerHeadQKNorm
+from pagedllm.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, PerHeadQKNorm,
+                                   SequenceClassifier)
 
 
 class Qwen3Attention(PerHeadQKNorm, LlamaAttention):
@@ -18,3 +19,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3DecoderLayer
+
+
+class Qwen3ForSequenceClassification(SequenceClassifier, Qwen3ForCausalLM):
+    """Qwen3 with a classification head (llama.SequenceClassifier): e.g. cross-encoder rerankers."""

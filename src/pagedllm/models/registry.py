@@ -22,6 +22,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),  # its text model only
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    # sequence classifiers (pooling.CLASSIFIER_ARCHITECTURES): classification and scoring only
+    "LlamaForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("qwen2", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForSequenceClassification"),
 }
 
 # Multimodal checkpoints served as their text model: the loader hands the model class the config's text_config

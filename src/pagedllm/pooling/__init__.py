@@ -8,6 +8,12 @@ step samples is dropped. Pooling types: "last" (the last prompt token: decoder e
 Qwen3-Embedding), "mean" (every prompt token), "cls" (the first). A model directory's sentence-transformers files
 (modules.json, 1_Pooling/config.json) choose the type and whether vectors are L2-normalized, as they do for
 sentence-transformers and vLLM; otherwise "last", normalized.
+
+Sequence classifiers (`*ForSequenceClassification`: reward models, cross-encoder rerankers) ride the same path:
+their requests pool the last prompt token, and the runner puts the pooled state through the model's `score` head,
+so `pooled` holds the label logits (fp32). LLM.classify and POST /classify turn them into probabilities
+(`class_probs`); a one-label model is a cross-encoder, whose score of a text pair (encoded as one input) is the
+sigmoid of its logit.
 """
 from __future__ import annotations
 
@@ -27,15 +33,55 @@ EMBEDDING_ONLY_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel"
                                 "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 
 
+# Decoder stacks with a `score` head over the last token (transformers' *ForSequenceClassification): no language-model
+# head either, so they serve classification and scoring only.
+CLASSIFIER_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
+                            "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+
+
+def _architecture(hf_config: Any) -> Optional[str]:
+    architectures = getattr(hf_config, "architectures", None) or []
+    return architectures[0] if architectures else None
+
+
+def classifier_labels(hf_config: Any) -> Optional[list[str]]:
+    """A sequence classifier's label names, in logit order (config.id2label, else LABEL_i); None for other models."""
+    if _architecture(hf_config) not in CLASSIFIER_ARCHITECTURES:
+        return None
+    num_labels = int(getattr(hf_config, "num_labels", 0) or 0)
+    id2label = getattr(hf_config, "id2label", None) or {}
+    labels = {int(k): str(v) for k, v in id2label.items()}
+    return [labels.get(i, f"LABEL_{i}") for i in range(num_labels)]
+
+
+def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architecture: Optional[str]) -> None:
+    """The engine's runner / convert / task flags against the model (ValueError naming the mismatch): `classify`
+    serves a sequence classifier as it is (converting a causal LM into one is not built), and a classifier serves
+    no embeddings, nor a pooling other than its last token."""
+    wants_classify = engine_args.convert == "classify" or engine_args.task in ("classify", "score")
+    wants_embed = engine_args.convert == "embed" or engine_args.task == "embed"
+    if wants_classify and labels is None:
+        raise ValueError(f"convert / task 'classify' serves a sequence classifier (one of "
+                         f"{', '.join(CLASSIFIER_ARCHITECTURES)}); this model ({architecture or 'a causal LM'}) is "
+                         "not one, and converting it into one is not built: use --runner pooling for embeddings.")
+    if labels is not None and wants_embed:
+        raise ValueError(f"This model ({architecture}) is a sequence classifier: it serves classification and "
+                         "scoring, not embeddings; drop convert / task 'embed' (or use --convert classify).")
+    pooler = getattr(engine_args, "pooler_config", None) or {}
+    if labels is not None and pooler.get("pooling_type", "last") != "last":
+        raise ValueError(f"This model ({architecture}) is a sequence classifier, which scores its last token "
+                         f"(as transformers does); pooler_config's pooling_type {pooler['pooling_type'].upper()} "
+                         "is not supported for it.")
+
+
 def embedding_only(hf_config: Any) -> Optional[str]:
     """The architecture name when the model has no language-model head of its own (one of
     EMBEDDING_ONLY_ARCHITECTURES, or a checkpoint the loader found without one: `mark_embedding_only`), else None."""
     marked = getattr(hf_config, "pagedllm_embedding_only", None)
     if marked:
         return marked
-    architectures = getattr(hf_config, "architectures", None) or []
-    arch = architectures[0] if architectures else None
-    return arch if arch in EMBEDDING_ONLY_ARCHITECTURES else None
+    arch = _architecture(hf_config)
+    return arch if arch in EMBEDDING_ONLY_ARCHITECTURES or arch in CLASSIFIER_ARCHITECTURES else None
 
 
 def mark_embedding_only(hf_config: Any) -> None:
@@ -238,6 +284,75 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
+@dataclass
+class ClassificationOutput:
+    """vLLM's: the class probabilities (softmax over the labels; a one-label model's sigmoid)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's classification (vLLM's ClassificationRequestOutput): .outputs.probs."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: Optional[str] = None
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's generic pooling output: `data`, a torch tensor (an embedding, or a classifier's probabilities)."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's LLM.encode result (vLLM's PoolingRequestOutput): .outputs.data."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: Optional[str] = None
+
+
+def class_probs(logits: list[float]) -> list[float]:
+    """vLLM's classification activation: softmax over the labels, the sigmoid for a one-label model (a cross-encoder
+    or reward score, whose softmax would always be 1)."""
+    if len(logits) == 1:
+        x = logits[0]
+        return [1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))]
+    top = max(logits)
+    exps = [math.exp(v - top) for v in logits]
+    total = math.fsum(exps)
+    return [e / total for e in exps]
+
+
+def classifier_input(ids: list[int], pad_token_id: Optional[int]) -> list[int]:
+    """The prompt a classifier pools: transformers scores the last token that is not the pad token, so trailing pad
+    tokens are dropped (causal attention: the earlier tokens' states do not depend on them); one token stays."""
+    if pad_token_id is None:
+        return ids
+    end = len(ids)
+    while end > 1 and ids[end - 1] == pad_token_id:
+        end -= 1
+    return ids if end == len(ids) else ids[:end]
+
+
+def pair_input(tokenizer: Any, text_1: str, text_2: str) -> list[int]:
+    """A cross-encoder's input for a text pair: the tokenizer's pair encoding (its template's special tokens and
+    separators), as transformers and vLLM encode it."""
+    return list(tokenizer(text=text_1, text_pair=text_2)["input_ids"])
+
+
 def input_truncation(k: Optional[int], max_model_len: int) -> Optional[int]:
     """vLLM's truncate_prompt_tokens for an embedding input: -1 (the model's context) keeps what an embedding input
     may hold, max_model_len - 1 (its dropped step needs the last place), not a length it would then refuse."""
@@ -267,6 +382,9 @@ def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int]
 
 
 __all__ = ["check_pooler_config", "POOLING_TYPES", "EMBEDDING_ONLY_ARCHITECTURES", "embedding_only",
+           "CLASSIFIER_ARCHITECTURES", "classifier_labels", "ClassificationOutput", "ClassificationRequestOutput",
+           "class_probs", "classifier_input", "pair_input", "check_runner_fits", "PoolingOutput",
+           "PoolingRequestOutput",
            "mark_embedding_only", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "cosine",
            "input_truncation", "score_pairs", "sampling_params_for"]

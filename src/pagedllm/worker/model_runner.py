@@ -61,6 +61,9 @@ class ModelRunner:
         check_kv_cache_backend(self.kv_cache_dtype, self.attn_backend)
         check_backend_features(model.attn_layers, self.attn_backend)
         self.sampler = Sampler()
+        # A sequence classifier's head (models/llama.SequenceClassifier; a pipeline stage wraps the model as .inner):
+        # its requests' pooled states become label logits here, on the device.
+        self.classify = getattr(getattr(model, "inner", model), "classify", None)
         self.kv_groups = kv_groups or model_kv_cache_groups(model, max_model_len)
         # Each of this stage's layers: its KV tensor (an index into kv_caches) and its group.
         indices = [attn_layer_index(layer, i) for i, layer in enumerate(model.attn_layers)]
@@ -503,9 +506,10 @@ class ModelRunner:
 
     def _pool(self, inp, hidden: torch.Tensor) -> None:
         """Embedding requests (pooling/): pool the hidden rows of this step's prompt chunks; a request whose prompt
-        this step completes gets its vector in inp.pooled. A chunk from position 0 starts the pooling afresh (a
-        preempted request recomputes its prompt); mean and cls requests take no prefix-cache hits (the scheduler),
-        so every prompt position passes through here. Rare and prefill-only: this syncs with the device."""
+        this step completes gets its vector in inp.pooled (a classifier's: its label logits). A chunk from position 0
+        starts the pooling afresh (a preempted request recomputes its prompt); mean and cls requests take no
+        prefix-cache hits (the scheduler), so every prompt position passes through here. Rare and prefill-only: this
+        syncs with the device."""
         qsl = inp.query_start_loc
         pooled: dict[str, list[float]] = {}
         for i, state in enumerate(inp.states):
@@ -534,6 +538,8 @@ class ModelRunner:
             else:
                 vector = state.pool_acc
             state.pool_acc = None
+            if self.classify is not None:
+                vector = self.classify(vector.unsqueeze(0))[0]
             pooled[state.req_id] = vector.cpu().tolist()
         if pooled:
             inp.pooled = pooled

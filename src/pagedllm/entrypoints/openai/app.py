@@ -24,8 +24,8 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 logger = logging.getLogger("pagedllm.api_server")
 
 
-# Routes behind --api-key: the OpenAI API, and vLLM's scoring routes outside /v1 (they run the model).
-KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank")
+# Routes behind --api-key: the OpenAI API, and vLLM's scoring and classify routes outside /v1 (they run the model).
+KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank", "/classify")
 
 
 def api_key_refused(scope: dict, expected: bytes) -> bool:
@@ -131,7 +131,15 @@ def build_app(state: ServerState) -> FastAPI:
     async def rerank(request: Request) -> Response:
         return await create_rerank(request, state)
 
-    # vLLM's other paths of the same two routes (the schema lists each route once)
+    from pagedllm.entrypoints.openai.classify import ClassificationRequest, create_classification
+
+    async def classify(request: Request) -> Response:
+        return await create_classification(request, state)
+
+    # vLLM's other paths of the same routes (the schema lists each route once)
+    for path in ("/classify", "/v1/classify"):
+        app.add_api_route(path, classify, methods=["POST"], openapi_extra=body(ClassificationRequest),
+                          include_in_schema=path == "/classify")
     for path in ("/v1/score", "/score"):
         app.add_api_route(path, score, methods=["POST"], openapi_extra=body(ScoreRequest),
                           include_in_schema=path == "/v1/score")

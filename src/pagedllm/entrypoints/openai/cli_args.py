@@ -133,10 +133,11 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="the most tokens one request's prefill takes per step (0: no limit but the step budget)")
     e.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve embeddings only (/v1/embeddings; generation routes answer 400)")
-    e.add_argument("--convert", default="auto", choices=["auto", "none", "embed"],
-                   help="embed: the same as --runner pooling (vLLM's name)")
-    e.add_argument("--task", default=None, choices=["auto", "generate", "embed"],
-                   help="vLLM's older name: embed = --runner pooling")
+    e.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify"],
+                   help="embed: the same as --runner pooling (vLLM's name); classify: serve a "
+                        "*ForSequenceClassification model (/classify, /score, /rerank; auto does too)")
+    e.add_argument("--task", default=None, choices=["auto", "generate", "embed", "classify", "score"],
+                   help="vLLM's older name: embed = --runner pooling, classify / score = --convert classify")
     e.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_object,
                    default=None, metavar="JSON",
                    help='embeddings\' pooling over the model\'s defaults, e.g. \'{"pooling_type": "MEAN", '

@@ -75,18 +75,20 @@ def truncated(inputs: list, k: Optional[int], state: ServerState) -> list:
 
 
 async def pooled_vectors(request: Request, state: ServerState, model: str, inputs: list, kind: str, priority: int,
-                         request_id: str, field: str = "input") -> list[list[float]]:
-    """The engine's pooled hidden states of `inputs` ([(text or None, token ids)]), in order; each input fits the
-    context (a 400 naming `field` otherwise); a client that leaves aborts them all."""
+                         request_id: str, field: str = "input", what: str = "embedding") -> list[list[float]]:
+    """The engine's pooled hidden states of `inputs` ([(text or None, token ids)]), in order (a classifier's: its
+    label logits); each input fits the context (a 400 naming `field` otherwise); a client that leaves aborts them
+    all. `what`: the request's kind, for its messages."""
     from pagedllm.pooling import sampling_params_for
 
     limit = state.max_model_len - 1  # (the engine runs one step past the input, whose token it drops)
     for i, (_, ids) in enumerate(inputs):
         if len(ids) > limit:
             which = "" if len(inputs) == 1 else f" {i}"
+            article = "an" if what[0] in "aeiou" else "a"
             raise APIError(f"This model's maximum context length is {state.max_model_len} tokens. However, {field}"
-                           f"{which} has {len(ids)} tokens; an embedding input may have at most {limit}. Shorten it "
-                           "or set truncate_prompt_tokens.", param=field)
+                           f"{which} has {len(ids)} tokens; {article} {what} input may have at most {limit}. Shorten "
+                           "it or set truncate_prompt_tokens.", param=field)
     engine = state.engine
     params = sampling_params_for(kind)
     sub_ids = [f"{request_id}-{i}" for i in range(len(inputs))] if len(inputs) > 1 else [request_id]
@@ -107,7 +109,7 @@ async def pooled_vectors(request: Request, state: ServerState, model: str, input
         final = finals.get(i)
         if final is None or final.pooled is None:
             reason = final.outputs[0].finish_reason if final is not None and final.outputs else "no output"
-            raise APIError(f"The embedding of {field} {i} failed ({reason}).", status=500)
+            raise APIError(f"The {what} of {field} {i} failed ({reason}).", status=500)
         vectors.append(final.pooled)
     return vectors
 
@@ -119,6 +121,9 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
     model = state.check_model(req.model)
     priority = request_priority(req, state.scheduling_policy)
     ready = state.engine.ready
+    if ready.classifier_labels is not None:
+        raise APIError("The served model is a sequence classifier: it has no embeddings; use POST /classify, or "
+                       "/v1/score and /v1/rerank for text pairs.", param="model")
     try:
         kind, normalize, dimensions = resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize),
                                               pooling_defaults(state), ready.hidden_size)

@@ -1,7 +1,8 @@
-"""vLLM's score and rerank APIs for an embedding model: POST /score (/v1/score) scores text pairs, POST /rerank
-(/v1/rerank, /v2/rerank: the Jina / Cohere shape Open WebUI's external reranker speaks) orders documents for a
-query. A score is the cosine similarity of the two texts' embeddings (embeddings.py's pooling, each vector
-normalized), as vLLM scores with embedding models; cross-encoder (classification) models are not built."""
+"""vLLM's score and rerank APIs: POST /score (/v1/score) scores text pairs, POST /rerank (/v1/rerank, /v2/rerank:
+the Jina / Cohere shape Open WebUI's external reranker speaks) orders documents for a query. With an embedding
+model a score is the cosine similarity of the two texts' embeddings (embeddings.py's pooling, each vector
+normalized); with a cross-encoder (a sequence classifier with one label) each pair is one input, the tokenizer's
+pair encoding, and its score the sigmoid of the classifier's logit, as vLLM scores with each kind."""
 from __future__ import annotations
 
 import time
@@ -17,7 +18,8 @@ from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.protocol import _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.pooling import cosine, score_pairs
+from pagedllm.entrypoints.openai.classify import class_logits, classifier_inputs, classifier_labels
+from pagedllm.pooling import class_probs, cosine, pair_input, score_pairs
 
 
 class ScoreRequest(_Req):
@@ -42,15 +44,17 @@ class RerankRequest(_Req):
 
 async def _texts_scored(request: Request, state: ServerState, req: Any, model: str, firsts: list[str],
                         seconds: list[str], names: tuple[str, str], prefix: str) -> tuple[list[float], int, str]:
-    """(one cosine score per (firsts[i], seconds[i]) pair, prompt tokens, request id): each distinct text embedded
-    once."""
+    """(one score per (firsts[i], seconds[i]) pair, prompt tokens, request id): a cross-encoder reads each pair as
+    one input; an embedding model embeds each distinct text once and scores the cosines."""
+    for name, group in zip(names, (firsts, seconds)):
+        if any(t == "" for t in group):
+            raise APIError(f"'{name}' must not contain an empty string.", param=name)
+    if state.engine.ready.classifier_labels is not None:
+        return await _pairs_scored(request, state, req, model, firsts, seconds, names, prefix)
     texts = list(dict.fromkeys(firsts + seconds))  # distinct, in order
     if len(texts) > MAX_INPUTS:
         raise APIError(f"A request may score at most {MAX_INPUTS} distinct texts (got {len(texts)}).",
                        param=names[1])
-    for name, group in zip(names, (firsts, seconds)):
-        if any(t == "" for t in group):
-            raise APIError(f"'{name}' must not contain an empty string.", param=name)
     inputs = await tokenize_work(request, parse_prompts, texts, state.tokenizer, state.engine.ready.vocab_size, True,
                                  field=names[1])
     inputs = truncated(inputs, req.truncate_prompt_tokens, state)
@@ -63,6 +67,26 @@ async def _texts_scored(request: Request, state: ServerState, req: Any, model: s
     scores = [cosine(of[a], of[b]) for a, b in zip(firsts, seconds)]
     num_tokens = sum(tokens[a] + tokens[b] for a, b in zip(firsts, seconds))
     return scores, num_tokens, request_id
+
+
+def _pair_inputs(tokenizer: Any, firsts: list[str], seconds: list[str]) -> list[tuple[None, list[int]]]:
+    return [(None, pair_input(tokenizer, a, b)) for a, b in zip(firsts, seconds)]
+
+
+async def _pairs_scored(request: Request, state: ServerState, req: Any, model: str, firsts: list[str],
+                        seconds: list[str], names: tuple[str, str], prefix: str) -> tuple[list[float], int, str]:
+    """A cross-encoder's scores: each pair's pair encoding classified, the sigmoid of its one logit."""
+    labels = classifier_labels(state, "Scoring with a sequence classifier")
+    if len(labels) != 1:
+        raise APIError(f"The served model is a sequence classifier with {len(labels)} labels, not a cross-encoder "
+                       "(one label): score its inputs with POST /classify.", param="model")
+    if len(firsts) > MAX_INPUTS:
+        raise APIError(f"A request may score at most {MAX_INPUTS} pairs (got {len(firsts)}).", param=names[1])
+    inputs = await tokenize_work(request, _pair_inputs, state.tokenizer, firsts, seconds)
+    inputs = classifier_inputs(state, inputs, req.truncate_prompt_tokens)
+    request_id = req.request_id or random_id(prefix)
+    logits = await class_logits(request, state, model, inputs, req, request_id, names[1])
+    return [class_probs(row)[0] for row in logits], sum(len(ids) for _, ids in inputs), request_id
 
 
 async def create_score(request: Request, state: ServerState) -> Response:

@@ -1,0 +1,76 @@
+"""POST /classify (vLLM's; also /v1/classify): a sequence classifier's (*ForSequenceClassification) class
+probabilities for each input, the softmax of its label logits (a one-label model's sigmoid), and the most likely
+label. The engine pools each input's last token through the model's score head (pooling/)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
+from pagedllm.entrypoints.openai.embeddings import parse_inputs, pooled_vectors, truncated
+from pagedllm.entrypoints.openai.errors import APIError, dumps
+from pagedllm.entrypoints.openai.protocol import _Req, random_id
+from pagedllm.entrypoints.openai.request_params import request_priority
+from pagedllm.entrypoints.openai.server_state import ServerState
+
+
+class ClassificationRequest(_Req):
+    model: Optional[str] = None
+    input: Union[str, list[int], list[Union[str, list[int]]]]
+    truncate_prompt_tokens: Optional[int] = None
+    priority: Optional[int] = None
+    user: Optional[str] = None
+    add_special_tokens: bool = True
+    request_id: Optional[str] = None
+
+
+def classifier_labels(state: ServerState, what: str) -> list[str]:
+    """The served classifier's labels; a 400 saying why `what` needs one when the model is not a classifier."""
+    labels = state.engine.ready.classifier_labels
+    if labels is None:
+        raise APIError(f"{what} needs a sequence classification model (a *ForSequenceClassification checkpoint); "
+                       "the served model is not one.", param="model")
+    return labels
+
+
+def classifier_inputs(state: ServerState, inputs: list, k: Optional[int]) -> list:
+    """What the classifier reads of each input: trailing pad tokens dropped (pooling.classifier_input), then vLLM's
+    truncate_prompt_tokens."""
+    from pagedllm.pooling import classifier_input
+
+    pad = state.engine.ready.pad_token_id
+    return truncated([(text, classifier_input(ids, pad)) for text, ids in inputs], k, state)
+
+
+async def class_logits(request: Request, state: ServerState, model: str, inputs: list, req: Any, request_id: str,
+                       field: str) -> list[list[float]]:
+    """The label logits of each input ([(text or None, token ids)], ready for the classifier)."""
+    return await pooled_vectors(request, state, model, inputs, "last", request_priority(req, state.scheduling_policy),
+                                request_id, field=field, what="classification")
+
+
+async def create_classification(request: Request, state: ServerState) -> Response:
+    from pagedllm.pooling import class_probs
+
+    req = await parse_body(request, ClassificationRequest)
+    model = state.check_model(req.model)
+    labels = classifier_labels(state, "/classify")
+    inputs = await tokenize_work(request, parse_inputs, req.input, state.tokenizer, state.engine.ready.vocab_size,
+                                 req.add_special_tokens)
+    inputs = classifier_inputs(state, inputs, req.truncate_prompt_tokens)
+    request_id = req.request_id or random_id("classify")
+    created = int(time.time())
+    logits = await class_logits(request, state, model, inputs, req, request_id, "input")
+    data = []
+    for i, row in enumerate(logits):
+        probs = class_probs(row)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": i, "label": labels[best] if best < len(labels) else None, "probs": probs,
+                     "num_classes": len(probs)})
+    num_tokens = sum(len(ids) for _, ids in inputs)
+    body = {"id": request_id, "object": "list", "created": created, "model": model, "data": data,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}
+    return Response(dumps(body), media_type="application/json")

@@ -1,0 +1,57 @@
+"""A cross-encoder (a one-label Qwen3ForSequenceClassification) through the real server with raw HTTP: POST /classify
+gives transformers' sigmoid per input, /v1/score and /v1/rerank score each pair's pair encoding with it, the routes
+need the API key, and what the model cannot serve is a 400 saying why."""
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+
+def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_env: dict, tmp_path) -> None:
+    from e2e_helpers import serving
+    from transformers import AutoTokenizer
+
+    from tests.engine.test_classify import hf_logits
+
+    model_dir = tiny_classifier_dir("qwen3", num_labels=1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    flags = ["--convert", "classify", "--api-key", "k", "--served-model-name", "rr",
+             "--kv-cache-memory-bytes", str(16 << 20)]
+    with serving(model_dir, flags, str(tmp_path / "server.log"), e2e_env) as url:
+        http = httpx.Client(base_url=url, headers={"Authorization": "Bearer k"}, timeout=60)
+        texts = ["Paris is the capital of France.", "Bananas are yellow."]
+        r = http.post("/classify", json={"model": "rr", "input": texts + [[5, 6, 7]]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and body["model"] == "rr" and body["id"]
+        wants = [tok(t)["input_ids"] for t in texts] + [[5, 6, 7]]
+        assert body["usage"]["prompt_tokens"] == sum(map(len, wants))
+        for i, (item, ids) in enumerate(zip(body["data"], wants)):
+            assert item["index"] == i and item["num_classes"] == 1 and item["label"] == "relevance"
+            assert item["probs"][0] == pytest.approx(torch.sigmoid(hf_logits(model_dir, ids))[0].item(), abs=1e-4)
+
+        query, docs = "Where is Paris?", texts + ["a"]
+        want = [torch.sigmoid(hf_logits(model_dir, tok(text=query, text_pair=d)["input_ids"]))[0].item()
+                for d in docs]
+        r = http.post("/v1/score", json={"model": "rr", "text_1": query, "text_2": docs})
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=1e-4)
+        r = http.post("/v1/rerank", json={"query": query, "documents": docs, "top_n": 2})
+        assert r.status_code == 200, r.text
+        order = sorted(range(3), key=lambda i: -want[i])
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order[:2]
+        assert results[0]["relevance_score"] == pytest.approx(want[order[0]], abs=1e-4)
+        assert results[0]["document"] == {"text": docs[order[0]]}
+
+        assert httpx.post(url + "/classify", json={"input": "x"}, timeout=60).status_code == 401
+        for path, body, param, words in (
+                ("/classify", {"input": []}, "input", "must not be empty"),
+                ("/classify", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
+                ("/v1/embeddings", {"input": "x"}, "model", "sequence classifier"),
+                ("/v1/completions", {"prompt": "x", "max_tokens": 2}, None, "not generation")):
+            r = http.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert words in error["message"] and (param is None or error["param"] == param), (path, error)

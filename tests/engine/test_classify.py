@@ -1,0 +1,133 @@
+"""Sequence classifiers (*ForSequenceClassification, pooling/): LLM.classify's label logits and probabilities equal
+transformers' (fp32, the same weights) through chunked prefill and batches of mixed lengths that also generate
+nothing; trailing pad tokens are skipped as transformers skips them; a cross-encoder's LLM.score is the sigmoid of
+transformers' logit of the tokenizer's pair encoding; what a classifier cannot do is refused."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.pooling import check_runner_fits, class_probs, classifier_input, sampling_params_for
+from tests.engine.test_correctness import random_prompts
+
+_hf: dict[str, torch.nn.Module] = {}
+
+
+def hf_classifier(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForSequenceClassification
+
+    if model_dir not in _hf:
+        _hf[model_dir] = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return _hf[model_dir]
+
+
+def hf_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_classifier(model_dir)(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
+def test_probs_and_logits_match_hf_through_chunks(arch, tiny_classifier_dir):
+    """Prompts longer than the step's budget arrive in chunks, shorter ones share their steps; the label logits (the
+    engine's pooled output) and the softmax probabilities are transformers'. Llama's config has a pad token: the
+    prompts that end in it are scored at their last other token, as transformers does."""
+    pad = 3 if arch == "llama" else None
+    model_dir = tiny_classifier_dir(arch, pad_token_id=pad)
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64, block_size=8,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    prompts = random_prompts([37, 1, 6, 20, 13], seed=5)
+    if pad is not None:
+        prompts += [[5, 6, 7, pad, pad], [9, pad, 11, pad]]
+    outs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    raw = llm.generate([{"prompt_token_ids": classifier_input(p, pad)} for p in prompts],
+                       sampling_params_for("last"), use_tqdm=False)
+    for prompt, out, r in zip(prompts, outs, raw):
+        want = hf_logits(model_dir, prompt)
+        torch.testing.assert_close(torch.tensor(r.pooled), want, atol=1e-4, rtol=1e-4)
+        assert out.outputs.num_classes == 3 and out.prompt_token_ids == classifier_input(prompt, pad)
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), want.softmax(-1), atol=2e-5, rtol=1e-4)
+    assert max(max(o.outputs.probs) for o in outs) > 0.5  # (the probabilities tell the labels apart)
+    assert llm.engine.classifier_labels == ["negative", "neutral", "positive"]
+    encoded = llm.encode([{"prompt_token_ids": p} for p in prompts[:2]], use_tqdm=False)
+    for e, o in zip(encoded, outs):
+        assert e.outputs.data.tolist() == pytest.approx(o.outputs.probs, abs=1e-6)
+    with pytest.raises(ValueError, match="no embeddings"):
+        llm.encode("hello", pooling_task="embed")
+    with pytest.raises(ValueError, match="sequence classifier.*not generation"):
+        llm.generate("hello")
+    with pytest.raises(ValueError, match="no embeddings"):
+        llm.embed("hello")
+    with pytest.raises(ValueError, match="cross-encoder"):
+        llm.score("a", "b")
+
+
+def test_cross_encoder_scores_are_hf_sigmoids_of_pair_encodings(tiny_classifier_dir):
+    """A one-label Qwen3 classifier (a cross-encoder reranker): each (text_1, text_2) pair is one input, the
+    tokenizer's pair encoding; the score is the sigmoid of transformers' logit; classify() gives the same sigmoid."""
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_classifier_dir("qwen3", num_labels=1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64, block_size=8, max_num_batched_tokens=32,
+              max_num_seqs=4)
+    query, docs = "Where is Paris?", ["Paris is the capital of France.", "Bananas are yellow.", "a"]
+    want = [torch.sigmoid(hf_logits(model_dir, tok(text=query, text_pair=d)["input_ids"]))[0].item() for d in docs]
+    got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    assert got == pytest.approx(want, abs=2e-5)
+    pairs = llm.score([query, docs[1]], [docs[0], docs[2]], use_tqdm=False)
+    assert pairs[0].outputs.score == pytest.approx(want[0], abs=2e-5)
+    assert pairs[0].prompt_token_ids == tok(text=query, text_pair=docs[0])["input_ids"]
+    probs = llm.classify(query + docs[0], use_tqdm=False)[0].outputs.probs
+    logit = hf_logits(model_dir, tok(query + docs[0])["input_ids"])
+    assert len(probs) == 1 and probs[0] == pytest.approx(torch.sigmoid(logit)[0].item(), abs=2e-5)
+    assert llm.score(query, docs[0], truncate_prompt_tokens=3, use_tqdm=False)[0].prompt_token_ids == \
+        tok(text=query, text_pair=docs[0])["input_ids"][-3:]
+
+
+def test_class_probs_and_pad_skipping():
+    assert class_probs([0.0]) == [0.5] and class_probs([-800.0])[0] == pytest.approx(0.0)
+    assert class_probs([1000.0, 0.0]) == pytest.approx([1.0, 0.0])
+    assert sum(class_probs([0.1, 2.0, -3.0])) == pytest.approx(1.0)
+    assert classifier_input([5, 0, 0], 0) == [5] and classifier_input([0, 0], 0) == [0]
+    assert classifier_input([5, 0], None) == [5, 0]
+
+
+def _args(**kw):
+    base = dict(convert="auto", task=None, pooler_config=None)
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def test_runner_flags_against_the_model():
+    """--convert / --task classify serve a classifier as it is (a causal LM is refused, no conversion is built); a
+    classifier refuses embed and poolings other than its last token."""
+    labels = ["a", "b"]
+    check_runner_fits(_args(convert="classify"), labels, "Qwen3ForSequenceClassification")
+    check_runner_fits(_args(task="score"), labels, "Qwen3ForSequenceClassification")
+    check_runner_fits(_args(pooler_config={"pooling_type": "last"}), labels, "X")
+    with pytest.raises(ValueError, match="not one, and converting"):
+        check_runner_fits(_args(convert="classify"), None, "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="not embeddings"):
+        check_runner_fits(_args(task="embed"), labels, "X")
+    with pytest.raises(ValueError, match="pooling_type MEAN"):
+        check_runner_fits(_args(pooler_config={"pooling_type": "mean"}), labels, "X")
+    from pagedllm.config import EngineArgs
+
+    with pytest.raises(ValueError, match="different poolings"):
+        EngineArgs(convert="classify", task="embed").validate()
+    EngineArgs(convert="classify", task="classify").validate()
+    assert EngineArgs(convert="classify").embeddings_only
+
+
+def test_classify_on_a_causal_model_is_refused(tiny_llama_dir):
+    """LLM.classify needs a classifier; LLM.encode on an embedding-capable model is LLM.embed as a tensor."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32)
+    with pytest.raises(ValueError, match="needs a sequence classifier"):
+        llm.classify("hello")
+    with pytest.raises(ValueError, match="needs a sequence classifier"):
+        llm.encode("hello", pooling_task="classify")
+    encoded = llm.encode([[5, 6, 7]], use_tqdm=False)[0].outputs.data
+    assert encoded.tolist() == pytest.approx(llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding, abs=1e-6)
