@@ -112,3 +112,22 @@ def test_embeddings_on_cuda_match_hf(tiny_llama_dir, kind):
             check_pooled(tiny_llama_dir, prompt, kind, out.pooled, normalized=False)
         for prompt, m, out in zip(generating, (12, 7), outs[len(prompts):]):
             assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, m)[0]
+
+
+def test_classifier_on_cuda_matches_hf(tiny_classifier_dir):
+    """A sequence classifier on CUDA (chunks, mixed-step graphs beside generating requests): its label logits are
+    transformers' in fp32, and a one-label cross-encoder's scores the sigmoid of transformers' logits."""
+    from pagedllm.pooling import sampling_params_for
+    from tests.engine.test_classify import hf_logits
+
+    model_dir = tiny_classifier_dir("qwen3")
+    llm = LLM(model=model_dir, dtype="float32", device="cuda", num_gpu_blocks_override=64, block_size=16,
+              max_num_batched_tokens=32, max_num_seqs=8)
+    prompts = random_prompts([45, 1, 20, 16], seed=21)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params_for("last"), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        torch.testing.assert_close(torch.tensor(out.pooled), hf_logits(model_dir, prompt), atol=1e-4, rtol=1e-4)
+    probs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, probs):
+        want = hf_logits(model_dir, prompt).softmax(-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), want, atol=2e-5, rtol=1e-4)
