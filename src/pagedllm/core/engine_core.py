@@ -412,7 +412,7 @@ class EngineCore:
             logger.warning("The engine is already sleeping; sleep(level=%s) does nothing.", level)
             return
         if self.has_unfinished_requests():
-            raise ValueError(f"Cannot sleep with {self.scheduler.num_running + self.scheduler.num_waiting} "
+            raise EngineBusy(f"Cannot sleep with {self.scheduler.num_running + self.scheduler.num_waiting} "
                              "unfinished request(s): their KV cache would be lost. Wait for them or abort them first.")
         if not self.scheduler.reset_prefix_cache():  # no request holds a block: this cannot fail
             raise RuntimeError("The prefix cache could not be reset before sleeping; this is a bug.")
@@ -490,6 +490,10 @@ class EngineCore:
 
 
 SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class EngineBusy(ValueError):
+    """sleep() with unfinished requests (the server answers 409)."""
 
 
 class EngineSleeping(ValueError):
