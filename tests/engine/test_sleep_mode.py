@@ -68,6 +68,27 @@ def test_sleep_with_unfinished_requests_is_refused(tiny_llama_dir):
         assert llm.is_sleeping()
 
 
+def test_sleep_finishes_a_step_launched_for_finished_requests(tiny_llama_dir):
+    """Async scheduling: the step launched before the last token came back is still in flight when the request is
+    done (a server's client already has its answer); sleep applies it instead of refusing."""
+    from pagedllm.core.engine_core import EngineCoreRequest
+
+    with LLM(tiny_llama_dir, async_scheduling=True, **ENGINE) as llm:
+        engine = llm.engine
+        prompt = PROMPTS[0]["prompt_token_ids"]
+        first = tokens(llm)[0]
+        # A stop token the scheduler cannot foresee (a length limit it can): the next step is launched meanwhile.
+        stop = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first[2]])
+        engine.add_request(EngineCoreRequest("r1", prompt, stop))
+        while engine.scheduler.has_unfinished_requests():
+            engine.step()
+        assert engine.has_unfinished_requests()  # the launched step
+        llm.sleep()
+        assert llm.is_sleeping()
+        llm.wake_up()
+        assert tokens(llm)[0] == first
+
+
 def test_sleep_needs_enable_sleep_mode(tiny_llama_dir):
     with LLM(tiny_llama_dir, **dict(ENGINE, enable_sleep_mode=False)) as llm:
         with pytest.raises(ValueError, match="enable_sleep_mode=True"):

@@ -411,6 +411,8 @@ class EngineCore:
         if self.sleeping_tags:
             logger.warning("The engine is already sleeping; sleep(level=%s) does nothing.", level)
             return
+        if not self.scheduler.has_unfinished_requests():
+            self._finish_launched_steps()
         if self.has_unfinished_requests():
             raise EngineBusy(f"Cannot sleep with {self.scheduler.num_running + self.scheduler.num_waiting} "
                              "unfinished request(s): their KV cache would be lost. Wait for them or abort them first.")
@@ -421,6 +423,14 @@ class EngineCore:
         self.sleeping_tags = {"weights", "kv_cache"}
         logger.info("Sleeping (level %d) after %.2f s: the KV cache is freed, the weights are %s.", level,
                     time.perf_counter() - start, "in host memory" if level == 1 else "discarded")
+
+    def _finish_launched_steps(self) -> None:
+        """Async scheduling / pipeline stages: a step launched before its requests finished may still be in
+        flight (the server's client already has its last token); its results name only finished requests."""
+        self._apply_in_flight()
+        while self._micro_batches:
+            plan, pending = self._micro_batches.popleft()
+            self._update(plan, pending.result())
 
     def wake_up(self, tags: Optional[Iterable[str]] = None) -> None:
         """Bring back what sleep gave away: `tags` "weights" and / or "kv_cache" (None: both). Requests are

@@ -382,7 +382,14 @@ class Worker:
         self.runner.sleep_kv_cache()
         self._weight_sleeper().sleep(level)
         self.sleeping_tags = {"weights", "kv_cache"}
-        gc.collect()  # graphs and their runners hold reference cycles
+        # Graphs and their runners hold reference cycles; a server process froze them at start (gc.freeze), where
+        # the collector never looks: unfrozen for this one collection, the survivors frozen again.
+        frozen = gc.get_freeze_count()
+        if frozen:
+            gc.unfreeze()
+        gc.collect()
+        if frozen:
+            gc.freeze()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             release_cuda_memory(self.device)
