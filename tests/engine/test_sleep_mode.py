@@ -125,3 +125,20 @@ def test_tensor_parallel_ranks_all_sleep(tiny_llama_dir):
         assert tokens(llm) == before
         assert llm.collective_rpc("reload_weights") == [None, None]
         assert tokens(llm) == before
+
+
+def test_packed_gguf_model_sleeps_with_its_cpu_decode_stack(smollm2_gguf_path):
+    """A .gguf on the CPU keeps its weights as packed buffers and decodes through the fused C++ stack (which holds
+    the weights' and KV cache's tensors): level 2 discards the packed buffers too, the stack is rebuilt."""
+    with LLM(smollm2_gguf_path, max_model_len=128, num_gpu_blocks_override=16, enable_sleep_mode=True) as llm:
+        prompts = ["The capital of France is", "Once upon a time"]
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        inner = llm.engine.worker.model.model
+        stack = inner.fast_path.stack
+        assert stack is not None  # the fused path ran
+        llm.sleep(level=2)
+        model = llm.engine.worker.model
+        assert weight_elements(llm) == 0 and sum(b.numel() for b in model.buffers()) < 1000  # only the KV scales
+        llm.wake_up()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == before
+        assert inner.fast_path.stack is not stack

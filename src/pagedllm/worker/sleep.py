@@ -17,6 +17,10 @@ logger = logging.getLogger("pagedllm")
 
 # Tensors derived from the weights beside the parameters (not in state_dict): rebuilt from them after a reload.
 DERIVED_CPU_COPIES = ("cpu_packed_weight", "cpu_greedy_screen", "cpu_packed_experts")
+# Buffers that hold run-time state, not something the model's files give (FP8 KV scales calibrated at the first
+# step): level 2 keeps them (in host memory), as vLLM keeps buffers. Every other buffer (rope tables, quantized
+# layouts such as GGUF's packed parts) is discarded with the parameters and rebuilt by the reload.
+KEPT_BUFFERS = ("kv_scales",)
 
 
 def inner_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -57,15 +61,14 @@ class WeightSleeper:
         self.offload = device.type != "cpu"
         self._storages: list[_Storage] = []
 
-    def _tensors(self, parameters: bool = True) -> list[torch.Tensor]:
+    def _tensors(self, everything: bool = True) -> list[torch.Tensor]:
+        """The model's parameters and buffers (each once); only the KEPT_BUFFERS with everything=False."""
         seen: set[int] = set()
         out = []
         for module in self.model.modules():
-            tensors = list(module._buffers.values())
-            if parameters:
-                tensors += list(module._parameters.values())
-            for t in tensors:
-                if t is not None and id(t) not in seen:
+            named = list(module._buffers.items()) + (list(module._parameters.items()) if everything else [])
+            for name, t in named:
+                if t is not None and id(t) not in seen and (everything or name in KEPT_BUFFERS):
                     seen.add(id(t))
                     out.append(t)
         return out
@@ -74,9 +77,9 @@ class WeightSleeper:
         if self.level:
             return
         if level == 2:
-            self._discard_parameters()
+            self._discard()
         if self.offload:
-            self._offload(self._tensors(parameters=level == 1))
+            self._offload(self._tensors(everything=level == 1))
         self.level = level
         reset_fast_paths(self.model)
 
@@ -85,7 +88,7 @@ class WeightSleeper:
             return
         self._restore()
         if self.level == 2:
-            self._reload_parameters()
+            self._reload()
         self.level = 0
         reset_fast_paths(self.model)
 
@@ -121,27 +124,35 @@ class WeightSleeper:
                 t.data = view
         self._storages = []
 
-    def _discard_parameters(self) -> None:
+    def _discard(self) -> None:
         for module in self.model.modules():
             for name in DERIVED_CPU_COPIES:
                 module.__dict__.pop(name, None)
-        for p in self._tensors(parameters=True):
-            if isinstance(p, torch.nn.Parameter):
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            named = list(module._parameters.items()) + list(module._buffers.items())
+            for name, t in named:
+                if t is not None and name not in KEPT_BUFFERS:
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
     @torch.no_grad()
-    def _reload_parameters(self) -> None:
+    def _reload(self) -> None:
         start = time.perf_counter()
         fresh = self.reload()
         old = inner_model(self.model)
-        targets = dict(old.named_parameters(remove_duplicate=False))
-        loaded = dict(fresh.named_parameters(remove_duplicate=False))
+        targets, loaded = _discarded_tensors(old), _discarded_tensors(fresh)
         missing = set(targets) - set(loaded)
         if missing:
             raise RuntimeError(f"Reloading the weights found no tensor for {sorted(missing)[:3]}; this is a bug.")
-        for name, param in targets.items():
-            param.data = loaded[name].data
+        for name, tensor in targets.items():
+            tensor.data = loaded[name].data  # the same Python objects: whatever holds them sees the new values
         del fresh, loaded
         if self.after_reload is not None:
             self.after_reload(old)
         logger.info("Reloaded the weights from the model's files in %.1f s.", time.perf_counter() - start)
+
+
+def _discarded_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> parameter or buffer that level 2 discards (every name of a tied tensor)."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update((name, t) for name, t in model.named_buffers(remove_duplicate=False)
+               if name.rpartition(".")[2] not in KEPT_BUFFERS)
+    return out
