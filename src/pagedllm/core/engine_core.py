@@ -460,7 +460,17 @@ class EngineCore:
             raise EngineShutDown()
         if method in ("sleep", "wake_up"):  # the engine's own state must follow: its methods, not the ranks'
             raise ValueError(f"Call LLM.{method}() rather than collective_rpc({method!r}).")
-        return self.worker.collective_rpc(method, tuple(args), kwargs)
+        if method != "reload_weights":
+            return self.worker.collective_rpc(method, tuple(args), kwargs)
+        # New weights (an RL trainer's update): no running request may see both, nor a cached prefix the old ones
+        # computed.
+        if not self.scheduler.has_unfinished_requests():
+            self._finish_launched_steps()
+        if self.has_unfinished_requests():
+            raise EngineBusy("Cannot reload the weights with unfinished requests; wait for them or abort them first.")
+        answers = self.worker.collective_rpc(method, tuple(args), kwargs)
+        self.scheduler.reset_prefix_cache()
+        return answers
 
     def check_health(self) -> None:
         """Raise if a worker rank is gone (the idle server loop asks once a second)."""
