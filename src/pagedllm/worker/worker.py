@@ -429,7 +429,8 @@ class Worker:
                 torch.cuda.synchronize(device)  # nothing still running reads what is freed below
             except RuntimeError:  # a failed device: free what can be freed
                 pass
-        for name in ("runner", "model", "lora_manager", "offloader", "quant_config"):
+        # (_sleeper: sleep mode's host copies of the weights)
+        for name in ("runner", "model", "lora_manager", "offloader", "quant_config", "_sleeper"):
             self.__dict__[name] = None
         gc.collect()  # the runner, its graphs and the model hold reference cycles
         if cuda:
