@@ -43,7 +43,7 @@ def test_sleep_and_wake_up_keep_greedy_tokens(tiny_llama_dir):
         with pytest.raises(ValueError, match="sleeping"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert llm.collective_rpc("reload_weights") == [None]
-        llm.wake_up(tags=["kv_cache"])
+        llm.wake_up(tags="kv_cache")  # one tag as a string
         assert not llm.is_sleeping()
         assert tokens(llm) == before
 

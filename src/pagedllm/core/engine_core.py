@@ -437,7 +437,7 @@ class EngineCore:
         taken again once both are back."""
         if self.closed:
             raise EngineShutDown()
-        wanted = set(SLEEP_TAGS if tags is None else tags)
+        wanted = set(SLEEP_TAGS if tags is None else [tags] if isinstance(tags, str) else tags)
         unknown = wanted - set(SLEEP_TAGS)
         if unknown or not wanted:
             raise ValueError(f"wake_up tags must be among {', '.join(SLEEP_TAGS)}, got {sorted(unknown) or '[]'}.")
