@@ -1,5 +1,6 @@
 """Sleep mode through a real server (vLLM's dev-mode routes): /sleep, /is_sleeping, /wake_up, /reset_prefix_cache
-with PAGEDLLM_SERVER_DEV_MODE=1, behind --api-key, reaching the engine core from either of two API processes;
+with VLLM_SERVER_DEV_MODE=1, behind --api-key, reaching both data-parallel engine cores from either of two API
+processes;
 completions get 503 while asleep and the same tokens after. Without dev mode the routes are 404; /ping always
 answers like /health."""
 from __future__ import annotations
@@ -41,7 +42,7 @@ def post(url: str, path: str, **params) -> httpx.Response:
 
 
 def test_sleep_and_wake_up_through_the_server(tiny_llama_dir, tmp_path):
-    flags = FLAGS + ["--enable-sleep-mode", "--api-key", KEY, "--api-server-count", "2"]
+    flags = FLAGS + ["--enable-sleep-mode", "--api-key", KEY, "--api-server-count", "2", "--data-parallel-size", "2"]
     with serving(tiny_llama_dir, flags, str(tmp_path / "server.log"), _env(dev_mode=True)) as url:
         for method in ("GET", "POST"):
             assert httpx.request(method, url + "/ping", timeout=30).status_code == 200  # no key: a health check
@@ -55,7 +56,7 @@ def test_sleep_and_wake_up_through_the_server(tiny_llama_dir, tmp_path):
         assert r.status_code == 400 and "level must be 1" in r.json()["error"]["message"]
         assert post(url, "/sleep", level="1").status_code == 200
         assert is_sleeping(url)
-        for _ in range(4):  # whichever API process answers, the engine core it reaches is asleep
+        for _ in range(4):  # whichever API process answers, whichever engine core it picks is asleep
             r = complete(url)
             assert r.status_code == 503 and "sleeping" in r.json()["error"]["message"], r.text
         r = httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=60,
