@@ -1,8 +1,7 @@
 """Sleep mode through a real server (vLLM's dev-mode routes): /sleep, /is_sleeping, /wake_up, /reset_prefix_cache
 with VLLM_SERVER_DEV_MODE=1, behind --api-key, reaching both data-parallel engine cores from either of two API
-processes;
-completions get 503 while asleep and the same tokens after. Without dev mode the routes are 404; /ping always
-answers like /health."""
+processes; completions get 503 while asleep and the same tokens after. Without dev mode the routes are 404; /ping
+always answers like /health."""
 from __future__ import annotations
 
 import os
