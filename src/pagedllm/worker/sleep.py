@@ -1,5 +1,5 @@
 """Sleep mode's weight side (LLM.sleep / wake_up): the model's tensors moved to host memory (level 1) or dropped
-and reloaded from the model's files (level 2). The KV cache and CUDA graphs are the runner's (ModelRunner.sleep).
+and reloaded from the model's files (level 2). The KV cache and CUDA graphs are the runner's (ModelRunner.sleep_kv_cache).
 
 Tensors keep their Python objects (a Parameter is refilled through `.data`), so the modules, the norm / GEMV links
 and anything else holding a module stay valid; what held a tensor itself (CUDA graphs, the CPU decode stack's
@@ -55,7 +55,7 @@ class WeightSleeper:
         self.device = device
         self.reload = reload
         self.after_reload = after_reload
-        self.level = 0  # 0: awake; 1: on the host (or in place on a CPU); 2: parameters discarded
+        self.level = 0  # 0: awake; 1: on the host (or in place on a CPU); 2: discarded (KEPT_BUFFERS aside)
         # On a CPU "host memory" is where the weights already are: level 1 leaves them in place (tests force the
         # move there to exercise the device path's bookkeeping).
         self.offload = device.type != "cpu"
@@ -74,6 +74,7 @@ class WeightSleeper:
         return out
 
     def sleep(self, level: int) -> None:
+        """Level 1: every parameter and buffer to host memory; level 2: discarded, KEPT_BUFFERS to host memory."""
         if self.level:
             return
         if level == 2:
@@ -84,6 +85,7 @@ class WeightSleeper:
         reset_fast_paths(self.model)
 
     def wake_up(self) -> None:
+        """Back on the device: copied back (level 1) or reloaded from the model's files (level 2)."""
         if not self.level:
             return
         self._restore()
