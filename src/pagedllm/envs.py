@@ -147,6 +147,10 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "1"/"true": POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's variable works too).
     "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: _truthy(os.environ.get("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"))
     or _truthy(os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")),
+    # "1"/"true": the development routes are served: POST /sleep, /wake_up, /reset_prefix_cache, GET /is_sleeping
+    # (vLLM's VLLM_SERVER_DEV_MODE works too); otherwise they answer 404.
+    "PAGEDLLM_SERVER_DEV_MODE": lambda: _truthy(os.environ.get("PAGEDLLM_SERVER_DEV_MODE"))
+    or _truthy(os.environ.get("VLLM_SERVER_DEV_MODE")),
     # torch.distributed rendezvous, as torchrun sets them (read by distributed/parallel_state.py).
     "MASTER_ADDR": _optional_str("MASTER_ADDR"),
     "MASTER_PORT": _optional_str("MASTER_PORT"),

@@ -115,8 +115,8 @@ def test_embeddings_on_cuda_match_hf(tiny_llama_dir, kind):
 
 
 def test_classifier_on_cuda_matches_hf(tiny_classifier_dir):
-    """A sequence classifier on CUDA (chunks, mixed-step graphs beside generating requests): its label logits are
-    transformers' in fp32, and a one-label cross-encoder's scores the sigmoid of transformers' logits."""
+    """A sequence classifier on CUDA (chunks, mixed-step graphs): its label logits and probabilities are
+    transformers' in fp32."""
     from pagedllm.pooling import sampling_params_for
     from tests.engine.test_classify import hf_logits
 
@@ -131,3 +131,30 @@ def test_classifier_on_cuda_matches_hf(tiny_classifier_dir):
     for prompt, out in zip(prompts, probs):
         want = hf_logits(model_dir, prompt).softmax(-1)
         torch.testing.assert_close(torch.tensor(out.outputs.probs), want, atol=2e-5, rtol=1e-4)
+
+
+def test_sleep_frees_weights_and_kv_cache_and_wake_up_recaptures_graphs(tiny_llama_dir):
+    """Sleep mode on CUDA: sleep(1) gives back the KV cache and the weights' device memory (moved to pinned host
+    memory); wake_up restores them at new addresses, so the CUDA graphs are captured anew and tokens are the same."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", device="cuda", num_gpu_blocks_override=256,
+              enable_sleep_mode=True)
+    runner = llm.engine.worker.runner
+    assert runner.cuda_graphs is not None
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 30, 11, 1], seed=21)]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.worker.model.parameters())
+    kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    llm.sleep(level=1)
+    freed = allocated - torch.cuda.memory_allocated()
+    assert freed >= kv_bytes + 0.9 * weight_bytes, (freed, kv_bytes, weight_bytes)
+    assert runner.cuda_graphs is None and runner.mixed_graphs is None
+    llm.wake_up()
+    assert runner.cuda_graphs is not None
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert after == before
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == before

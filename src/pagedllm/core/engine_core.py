@@ -129,6 +129,7 @@ class EngineCore:
         self._micro_batches: deque = deque()
         self.failure: Optional[Exception] = None
         self.num_steps = 0
+        self.sleeping_tags: set[str] = set()  # sleep mode: what is given back now ("weights", "kv_cache")
         self._step_plans: list = []  # the plans the current step works on (for recovery from a failed step)
         windows = self.scheduler.kv_cache_manager.group_windows
         if any(w is not None for w in windows):
@@ -152,6 +153,8 @@ class EngineCore:
         """Validate and queue a request. Raises ValueError (a user error) before anything is queued."""
         if self.closed:
             raise EngineShutDown()
+        if self.sleeping_tags:
+            raise EngineSleeping()
         prompt = list(req.prompt_token_ids)
         num_prompt = len(prompt)
         if num_prompt == 0:
@@ -403,6 +406,83 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    # ------------------------------------------------------------------ sleep mode (vLLM's)
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back while idle: the KV cache is freed (its contents and the prefix cache are
+        forgotten); level 1 moves the weights to host memory, level 2 discards them (wake_up reloads them from the
+        model's files). Refused while requests are unfinished: their KV cache would be lost."""
+        if self.closed:
+            raise EngineShutDown()
+        if not self.engine_args.enable_sleep_mode:
+            raise ValueError("Sleep mode is off: start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode) to use sleep / wake_up.")
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"The sleep level must be 1 (weights to host memory) or 2 (weights discarded), "
+                             f"got {level!r}.")
+        if self.sleeping_tags:
+            logger.warning("The engine is already sleeping; sleep(level=%s) does nothing.", level)
+            return
+        if not self.scheduler.has_unfinished_requests():
+            self._finish_launched_steps()
+        if self.has_unfinished_requests():
+            raise EngineBusy(f"Cannot sleep with {self.scheduler.num_running + self.scheduler.num_waiting} "
+                             "unfinished request(s): their KV cache would be lost. Wait for them or abort them first.")
+        if not self.scheduler.reset_prefix_cache():  # no request holds a block: this cannot fail
+            raise RuntimeError("The prefix cache could not be reset before sleeping; this is a bug.")
+        start = time.perf_counter()
+        self.worker.sleep(level)
+        self.sleeping_tags = {"weights", "kv_cache"}
+        logger.info("Sleeping (level %d) after %.2f s: the KV cache is freed, the weights are %s.", level,
+                    time.perf_counter() - start, "in host memory" if level == 1 else "discarded")
+
+    def _finish_launched_steps(self) -> None:
+        """Async scheduling / pipeline stages: a step launched before its requests finished may still be in
+        flight (the server's client already has its last token); its results name only finished requests."""
+        self._apply_in_flight()
+        while self._micro_batches:
+            plan, pending = self._micro_batches.popleft()
+            self._update(plan, pending.result())
+
+    def wake_up(self, tags: Optional[Iterable[str]] = None) -> None:
+        """Bring back what sleep gave away: `tags` "weights" and / or "kv_cache" (None: both). Requests are
+        taken again once both are back."""
+        if self.closed:
+            raise EngineShutDown()
+        wanted = set(SLEEP_TAGS if tags is None else [tags] if isinstance(tags, str) else tags)
+        unknown = wanted - set(SLEEP_TAGS)
+        if unknown or not wanted:
+            raise ValueError(f"wake_up tags must be among {', '.join(SLEEP_TAGS)}, got {sorted(unknown) or '[]'}.")
+        if not self.sleeping_tags:
+            logger.warning("The engine is not sleeping; wake_up does nothing.")
+            return
+        start = time.perf_counter()
+        todo = [t for t in SLEEP_TAGS if t in wanted and t in self.sleeping_tags]
+        self.worker.wake_up(todo)
+        self.sleeping_tags -= set(todo)
+        logger.info("Woke up %s in %.2f s%s.", " and ".join(todo), time.perf_counter() - start,
+                    "" if not self.sleeping_tags else f" ({', '.join(sorted(self.sleeping_tags))} still asleep)")
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """A worker method (by name) run on every rank; their answers in rank order."""
+        if self.closed:
+            raise EngineShutDown()
+        if method in ("sleep", "wake_up"):  # the engine's own state must follow: its methods, not the ranks'
+            raise ValueError(f"Call LLM.{method}() rather than collective_rpc({method!r}).")
+        if method != "reload_weights":
+            return self.worker.collective_rpc(method, tuple(args), kwargs)
+        # New weights (an RL trainer's update): no running request may see both, nor a cached prefix the old ones
+        # computed.
+        if not self.scheduler.has_unfinished_requests():
+            self._finish_launched_steps()
+        if self.has_unfinished_requests():
+            raise EngineBusy("Cannot reload the weights with unfinished requests; wait for them or abort them first.")
+        answers = self.worker.collective_rpc(method, tuple(args), kwargs)
+        self.scheduler.reset_prefix_cache()
+        return answers
+
     def check_health(self) -> None:
         """Raise if a worker rank is gone (the idle server loop asks once a second)."""
         check = getattr(self.worker, "check_health", None)
@@ -438,6 +518,20 @@ class EngineCore:
             worker, self.worker = self.worker, None
             if worker is not None:
                 worker.shutdown()
+
+
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class EngineBusy(ValueError):
+    """sleep() with unfinished requests (the server answers 409)."""
+
+
+class EngineSleeping(ValueError):
+    """A request reached a sleeping engine (sleep mode): the server answers 503."""
+
+    def __init__(self) -> None:
+        super().__init__("The engine is sleeping (sleep mode): wake it up first (LLM.wake_up() / POST /wake_up).")
 
 
 class EngineShutDown(RuntimeError):

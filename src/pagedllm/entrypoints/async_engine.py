@@ -502,6 +502,14 @@ class AsyncEngine:
     async def _lora_call(self, make: Any) -> None:
         """Send the adapter message to every engine core (data parallel: each has its own worker) and wait for
         all their replies; the first error is the answer."""
+        await self._call_every_core(make, m.LoraReply)
+
+    async def admin_call(self, make: Any) -> list:
+        """Sleep mode / prefix cache (m.Sleep, m.WakeUp, ...) on every engine core (each has its own workers: all
+        must sleep); their AdminReplies, or RequestRejected with the first error."""
+        return await self._call_every_core(make, m.AdminReply)
+
+    async def _call_every_core(self, make: Any, reply_type: type) -> list:
         if self.errored or self._closed:
             raise EngineDeadError(self.dead_reason or "the engine process is not running")
         loop = asyncio.get_running_loop()
@@ -518,11 +526,12 @@ class AsyncEngine:
             for seq in seqs:
                 self._stats_waiters.pop(seq, None)
         for reply in replies:
-            if not isinstance(reply, m.LoraReply):  # an engine died meanwhile (_fail_all)
+            if not isinstance(reply, reply_type):  # an engine died meanwhile (_fail_all)
                 raise EngineDeadError(self.dead_reason or "the engine process is not running")
         for reply in replies:
             if reply.error is not None:
                 raise RequestRejected(reply.error, reply.status)
+        return replies
 
     async def get_stats(self, timeout_s: float = 0.5) -> m.SchedulerStatsMsg:
         """Fresh scheduler gauges from the engine (falls back to the last ones seen)."""
@@ -661,7 +670,7 @@ class AsyncEngine:
             reason = f"{which} stopped: {msg.message}"
             logger.error("%s; failing %d pending request(s)", reason, len(self._parents))
             self._fail_all(EngineDeadError(reason))
-        elif isinstance(msg, m.LoraReply):
+        elif isinstance(msg, (m.LoraReply, m.AdminReply)):
             fut = self._stats_waiters.get(msg.seq)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

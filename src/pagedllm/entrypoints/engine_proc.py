@@ -277,6 +277,9 @@ class EngineLoop:
             self._lora_applied(msg.origin, msg.seq, msg.client_index)
         elif isinstance(msg, m.ClientGone):
             self._client_gone(msg.client_index)
+        elif isinstance(msg, (m.Sleep, m.WakeUp, m.IsSleeping, m.ResetPrefixCache)):
+            self._send_to(msg.client_index, self._admin(msg))
+            self.stats_dirty = True
 
     def _client_gone(self, client: int) -> None:
         """An API process died: abort what it was waiting for and stop sending to it (its socket has no reader;
@@ -347,6 +350,31 @@ class EngineLoop:
             return m.LoraReply(msg.seq, one_line(e, _USER_ERRORS), 500)
         return m.LoraReply(msg.seq)
 
+    def _admin(self, msg: Any) -> Any:
+        """Sleep mode and the prefix cache; the reply carries the user's error (400, 409: requests in flight)."""
+        from pagedllm.core.engine_core import EngineBusy
+
+        m, core = self.m, self.core
+        try:
+            if isinstance(msg, m.Sleep):
+                core.sleep(msg.level)
+                value = True
+            elif isinstance(msg, m.WakeUp):
+                core.wake_up(msg.tags)
+                value = core.is_sleeping()
+            elif isinstance(msg, m.IsSleeping):
+                value = core.is_sleeping()
+            else:
+                value = core.reset_prefix_cache()
+        except EngineBusy as e:
+            return m.AdminReply(msg.seq, str(e), 409, engine_index=self.engine_index)
+        except ValueError as e:
+            return m.AdminReply(msg.seq, str(e), 400, engine_index=self.engine_index)
+        except Exception as e:  # noqa: BLE001 - reported to the caller; a broken rank fails the next step as usual
+            logger.exception("%s failed", type(msg).__name__)
+            return m.AdminReply(msg.seq, one_line(e, _USER_ERRORS), 500, engine_index=self.engine_index)
+        return m.AdminReply(msg.seq, value=value, engine_index=self.engine_index)
+
     def _add(self, msg: Any) -> None:
         from pagedllm.core.engine_core import EngineCoreRequest
 
@@ -363,7 +391,10 @@ class EngineLoop:
                 )
             )
         except ValueError as e:  # a structured-output spec's error names the request field (e.param)
-            self._send_to(msg.client_index, self.m.RequestError(msg.request_id, str(e), 400,
+            from pagedllm.core.engine_core import EngineSleeping
+
+            status = 503 if isinstance(e, EngineSleeping) else 400  # asleep: the server is fine, try again later
+            self._send_to(msg.client_index, self.m.RequestError(msg.request_id, str(e), status,
                                                                 getattr(e, "param", None)))
             self.stats_dirty = True
             return

@@ -133,6 +133,27 @@ class LLM:
         """Forget every cached prefix block (vLLM's name). False, and nothing forgotten, while requests run."""
         return self.engine.reset_prefix_cache()
 
+    # ------------------------------------------------------------------ sleep mode (vLLM's; needs enable_sleep_mode)
+    def sleep(self, level: int = 1) -> None:
+        """Free the accelerator memory while the engine idles: the KV cache is discarded (prefix cache reset);
+        level 1 moves the weights to host memory, level 2 discards them (wake_up reloads them from the model's
+        files). Refused while requests are unfinished. On a CPU level 1 leaves the weights where they are."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Restore what sleep freed: tags "weights" and / or "kv_cache" (None: both). Generation works again once
+        both are back; CUDA graphs are captured again then (the tensors moved)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def collective_rpc(self, method: str, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        """Run a worker method on every rank (e.g. "reload_weights"); their answers in rank order. `timeout` is
+        accepted for vLLM's signature; the executor's own collective timeout applies."""
+        return self.engine.collective_rpc(method, args, kwargs)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() / chat() use when given no SamplingParams: the model's generation-config defaults
         (--generation-config), else SamplingParams()'s."""
@@ -464,6 +485,10 @@ class LLM:
              salts: Optional[list[Optional[str]]] = None, priorities: Optional[list[int]] = None) -> list:
         from pagedllm.core.engine_core import objects_frozen
 
+        if self.engine.is_sleeping():  # refused before anything is queued
+            from pagedllm.core.engine_core import EngineSleeping
+
+            raise EngineSleeping()
         # The engine's start-up objects stay out of the collector's full passes while the steps run (see
         # objects_frozen: this process is the user's, so they are unfrozen again at the end).
         with objects_frozen():

@@ -1,9 +1,10 @@
 """Typed wire messages between the API process and the engine-core process (msgspec + msgpack).
 
 Two ZMQ PUSH/PULL channels, both bound by the API process on ipc:// paths in a private temp dir:
-  * input  (API -> engine): AddRequest | AbortRequests | GetStats | Shutdown | AddLora | RemoveLora | GetDashboard
+  * input  (API -> engine): AddRequest | AbortRequests | GetStats | Shutdown | AddLora | RemoveLora | GetDashboard |
+    Sleep | WakeUp | IsSleeping | ResetPrefixCache
   * output (engine -> API): EngineReady | EngineStartupError | EngineOutputs | RequestError | StatsReply | LoraReply |
-    EngineDead | DashboardReply
+    EngineDead | DashboardReply | AdminReply
 With data parallelism there is one input channel per engine core and one shared output channel; outputs and
 stats carry the sending core's `engine_index`. With several API server processes (`--api-server-count`) each
 one has its own input channel to every engine core and its own output channel: what it sends carries its
@@ -112,8 +113,31 @@ class ClientGone(msgspec.Struct, tag="client_gone"):
     client_index: int
 
 
+# Sleep mode and the prefix cache (the dev-mode routes, openai/admin.py): each answered by AdminReply, same seq.
+class Sleep(msgspec.Struct, tag="sleep"):
+    seq: int
+    level: int = 1
+    client_index: int = 0
+
+
+class WakeUp(msgspec.Struct, tag="wake_up"):
+    seq: int
+    tags: Optional[list[str]] = None  # None: weights and kv_cache
+    client_index: int = 0
+
+
+class IsSleeping(msgspec.Struct, tag="is_sleeping"):
+    seq: int
+    client_index: int = 0
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    seq: int
+    client_index: int = 0
+
+
 EngineInput = Union[AddRequest, AbortRequests, GetStats, Shutdown, AddLora, RemoveLora, GetDashboard, LoraApplied,
-                    ClientGone]
+                    ClientGone, Sleep, WakeUp, IsSleeping, ResetPrefixCache]
 
 
 # ---- engine core -> API process -------------------------------------------------------------
@@ -205,6 +229,14 @@ class LoraReply(msgspec.Struct, tag="lora_reply"):
     engine_index: int = 0
 
 
+class AdminReply(msgspec.Struct, tag="admin_reply"):
+    seq: int
+    error: Optional[str] = None  # None: done
+    status: int = 200
+    value: bool = False  # is_sleeping: the answer; reset_prefix_cache: whether it was reset
+    engine_index: int = 0
+
+
 class DashboardReply(msgspec.Struct, tag="dashboard"):
     seq: int
     block_states: bytes  # one byte per KV block: core/block_pool's FREE / CACHED / USED / SHARED
@@ -229,7 +261,7 @@ class LoraEvent(msgspec.Struct, tag="lora_event"):
 
 
 EngineOutput = Union[EngineReady, EngineStartupError, EngineOutputs, RequestError, StatsReply, LoraReply,
-                     EngineDead, DashboardReply, LoraEvent]
+                     EngineDead, DashboardReply, LoraEvent, AdminReply]
 
 
 class Encoder:

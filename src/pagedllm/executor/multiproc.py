@@ -207,7 +207,7 @@ class MultiprocExecutor:
             self._sock.send_multipart([ident, payload], copy=False)
         return _Done(ModelOutput()) if seq is None else _Pending(self, seq)
 
-    def control(self, *msg: Any) -> Any:
+    def control(self, *msg: Any, all_ranks: bool = False) -> Any:
         """Run one request on every rank, in order with the plans sent before it, and return the output rank's
         answer. A rank's ValueError (a user error, e.g. an adapter that cannot be served) is raised here as
         ValueError; the steps in flight keep going."""
@@ -235,6 +235,8 @@ class MultiprocExecutor:
             ok, value = replies[rank]
             if not ok:
                 raise ValueError(value)
+        if all_ranks:
+            return [replies[rank][1] for rank in sorted(replies)]
         return replies[self.layout.output_rank][1]
 
     def execute_model(self, plan: BatchPlan) -> ModelOutput:
@@ -364,6 +366,20 @@ class MultiprocExecutor:
             self.shutdown()
         except Exception:  # noqa: BLE001
             pass
+
+    # Sleep mode: every rank frees / restores its own shard (the engine core checked the request first).
+    def sleep(self, level: int = 1) -> None:
+        self.control("sleep", level)
+
+    def wake_up(self, tags=("weights", "kv_cache")) -> None:
+        self.control("wake_up", list(tags))
+
+    def reload_weights(self) -> None:
+        self.control("reload_weights")
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """One worker method on every rank; the answers in rank order (vLLM's collective_rpc)."""
+        return self.control("rpc", method, tuple(args), dict(kwargs or {}), all_ranks=True)
 
 
 class RemoteLoRAs:

@@ -190,6 +190,13 @@ def _control(worker: Any, msg: tuple) -> tuple[bool, Any]:
             return True, manager.remove_lora(*args)
         if op == "lora_list":
             return True, manager.list_loras()
+        if op in ("sleep", "wake_up", "reload_weights"):  # sleep mode: each rank its own shard
+            return True, getattr(worker, op)(*args)
+        if op == "rpc":
+            method, call_args, call_kwargs = args
+            from pagedllm.executor.uniproc import rpc_method
+
+            return True, rpc_method(worker, method)(*call_args, **call_kwargs)
         raise ValueError(f"unknown control request {op!r}")
     except ValueError as e:
         return False, str(e)

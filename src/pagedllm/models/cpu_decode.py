@@ -56,6 +56,10 @@ class CpuDecodePath:
             return None
         return self.stack(input_ids, positions)
 
+    def reset(self) -> None:
+        """Sleep mode moved or reloaded the weights: the stack's argument lists name the old tensors."""
+        self.stack = _UNSET
+
 
 def _build(model: Any) -> Optional["DecodeStack"]:
     if not envs.PAGEDLLM_CPU_FUSED_DECODE:

@@ -106,15 +106,8 @@ class ModelRunner:
                            block_size=self.block_size, dtype=self.kv_cache_dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        spec = self.kv_cache_spec()
-        # One extra block past the scheduler's pool: the scratch block CUDA-graph padding rows write into.
-        self.scratch_block = num_blocks
-        self.kv_caches = allocate_kv_caches(spec, num_blocks + (0 if self.enforce_eager else 1), self.device,
-                                            zeroed=self.attn_backend.needs_zeroed_cache)
-        for layer, index, group in zip(self.model.attn_layers, self.layer_cache_index, self.layer_group):
-            layer.kv_cache = self.kv_caches[index]
-            layer.kv_group = group
         self.num_blocks = num_blocks
+        self._allocate_kv_cache()
         self._init_kv_scales()
         warmup = getattr(self.attn_backend, "warmup", None)
         if warmup is not None:
@@ -126,24 +119,60 @@ class ModelRunner:
                    soft_caps=tuple({layer.logits_soft_cap for layer in self.model.attn_layers}))
         self._warm_up_greedy()
         self._warm_up_gemv_mma()
-        if not self.enforce_eager:
-            from pagedllm.worker.cuda_graph import CudaGraphRunner
-
-            self.cuda_graphs = CudaGraphRunner(self)
-            self.cuda_graphs.capture()
-            if self.attn_backend.supports_mixed_graphs:
-                from pagedllm.worker.mixed_graph import MixedGraphRunner
-
-                extra = self.spec.graph_token_sizes() if self.spec is not None else ()
-                few = self.spec.config.num_speculative_tokens + 1 if self.spec is not None else None
-                self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra,
-                                                     few_query_len=few)
-                self.mixed_graphs.capture()
+        self._capture_graphs()
         if self.device.type == "cuda":
             # The profiling forward's activation blocks were released to size the KV cache: run it once more so
             # the caching allocator holds a full step's blocks again and the first large prefill does not pay for
             # cudaMalloc (measured in docs/benchmarks.md, GPU section). The KV budget already counts these blocks.
             self.profile_run()
+
+    def _allocate_kv_cache(self) -> None:
+        spec = self.kv_cache_spec()
+        # One extra block past the scheduler's pool: the scratch block CUDA-graph padding rows write into.
+        self.scratch_block = self.num_blocks
+        self.kv_caches = allocate_kv_caches(spec, self.num_blocks + (0 if self.enforce_eager else 1), self.device,
+                                            zeroed=self.attn_backend.needs_zeroed_cache)
+        for layer, index, group in zip(self.model.attn_layers, self.layer_cache_index, self.layer_group):
+            layer.kv_cache = self.kv_caches[index]
+            layer.kv_group = group
+
+    def _capture_graphs(self) -> None:
+        if self.enforce_eager:
+            return
+        from pagedllm.worker.cuda_graph import CudaGraphRunner
+
+        self.cuda_graphs = CudaGraphRunner(self)
+        self.cuda_graphs.capture()
+        if self.attn_backend.supports_mixed_graphs:
+            from pagedllm.worker.mixed_graph import MixedGraphRunner
+
+            extra = self.spec.graph_token_sizes() if self.spec is not None else ()
+            few = self.spec.config.num_speculative_tokens + 1 if self.spec is not None else None
+            self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra,
+                                                 few_query_len=few)
+            self.mixed_graphs.capture()
+
+    # ------------------------------------------------------------------ sleep mode (worker/sleep.py: the weights)
+    def sleep_kv_cache(self) -> None:
+        """Free the KV cache and everything that recorded its (or the weights') addresses: the CUDA graphs and their
+        static inputs, the last step's sampled ids. The engine sleeps only with no request in flight."""
+        self.cuda_graphs = None
+        self.mixed_graphs = None
+        self._prev_sampled = None
+        self._prev_rej = None
+        self._prev_pos.fill(-1)
+        for layer in self.model.attn_layers:
+            layer.kv_cache = None
+        self.kv_caches = []
+
+    def wake_up_kv_cache(self) -> None:
+        """A fresh (zeroed where the backend needs it) pool of the same size; the scheduler's prefix cache was reset
+        when it slept, so no block's old content is expected."""
+        self._allocate_kv_cache()
+
+    def recapture_graphs(self) -> None:
+        """Once weights and KV cache are both back: graphs recorded their addresses, so they are captured anew."""
+        self._capture_graphs()
 
     def _init_kv_scales(self) -> None:
         """FP8 cache: the checkpoint's k/v scales where every layer has them, else

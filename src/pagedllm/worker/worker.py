@@ -199,6 +199,7 @@ class Worker:
                 from pagedllm.layers.linear import pack_cpu_weights
 
                 pack_cpu_weights(self.model)
+                self._cpu_packed = True  # sleep level 2 packs the reloaded weights again
             else:
                 logger.info("Not prepacking CPU weights (%.1f GiB): not enough free RAM for a second copy.",
                             weight_bytes / 2**30)
@@ -253,6 +254,8 @@ class Worker:
         self.runner.initialize_kv_cache(self.num_blocks)
         if self.speculative is not None:
             self.runner.spec.initialize(self.num_blocks)
+        self.sleeping_tags: set[str] = set()
+        self._sleeper = None  # worker/sleep.WeightSleeper, built on the first sleep
 
     def _determine_num_blocks(self) -> int:
         args = self.args
@@ -352,6 +355,67 @@ class Worker:
     def empty_output() -> ModelOutput:
         return ModelOutput()
 
+    # ---- sleep mode (EngineCore.sleep / wake_up; worker/sleep.py). Every rank runs these (executor/multiproc.py).
+    def _weight_sleeper(self):
+        if self._sleeper is None:
+            from pagedllm.worker.sleep import WeightSleeper
+
+            self._sleeper = WeightSleeper(self.model, self.device, self._load_fresh_model, self._after_reload)
+        return self._sleeper
+
+    def _load_fresh_model(self) -> torch.nn.Module:
+        from pagedllm.models.loader import get_model
+
+        return get_model(self.hf_config, self.model_dir, dtype=self.dtype, device=self.device,
+                         load_format=self.args.load_format, quant_config=self.quant_config,
+                         max_model_len=self.max_model_len)
+
+    def _after_reload(self, model: torch.nn.Module) -> None:
+        if self.__dict__.get("_cpu_packed"):
+            from pagedllm.layers.linear import pack_cpu_weights
+
+            pack_cpu_weights(model)
+
+    def sleep(self, level: int = 1) -> None:
+        if self.sleeping_tags:
+            return
+        self.runner.sleep_kv_cache()
+        self._weight_sleeper().sleep(level)
+        self.sleeping_tags = {"weights", "kv_cache"}
+        # Graphs and their runners hold reference cycles; a server process froze them at start (gc.freeze), where
+        # the collector never looks: unfrozen for this one collection, the survivors frozen again.
+        frozen = gc.get_freeze_count()
+        if frozen:
+            gc.unfreeze()
+        gc.collect()
+        if frozen:
+            gc.freeze()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            release_cuda_memory(self.device)
+
+    def wake_up(self, tags=("weights", "kv_cache")) -> None:
+        tags = [t for t in tags if t in self.sleeping_tags]
+        if "weights" in tags:
+            self._weight_sleeper().wake_up()
+        if "kv_cache" in tags:
+            self.runner.wake_up_kv_cache()
+        self.sleeping_tags -= set(tags)
+        if tags and not self.sleeping_tags:
+            self.runner.recapture_graphs()  # they recorded the old weights' and KV cache's addresses
+
+    def reload_weights(self) -> None:
+        """Read the weights again from the model's files (vLLM's collective_rpc("reload_weights"))."""
+        if "weights" in self.sleeping_tags:
+            raise ValueError("The weights are asleep: wake_up(tags=['weights']) first (after sleep level 2 that "
+                             "reloads them already).")
+        sleeper = self._weight_sleeper()
+        self.runner.cuda_graphs = self.runner.mixed_graphs = None  # they read the tensors being replaced
+        sleeper.sleep(2)
+        sleeper.wake_up()
+        if not self.sleeping_tags:
+            self.runner.recapture_graphs()
+
     def shutdown(self) -> None:
         """Free what this worker holds: the KV cache, CUDA graphs and their memory pool, the weights (and a draft
         model, LoRA slots, offloaded layers). Idempotent; the worker runs no steps afterwards."""
@@ -365,7 +429,8 @@ class Worker:
                 torch.cuda.synchronize(device)  # nothing still running reads what is freed below
             except RuntimeError:  # a failed device: free what can be freed
                 pass
-        for name in ("runner", "model", "lora_manager", "offloader", "quant_config"):
+        # (_sleeper: sleep mode's host copies of the weights)
+        for name in ("runner", "model", "lora_manager", "offloader", "quant_config", "_sleeper"):
             self.__dict__[name] = None
         gc.collect()  # the runner, its graphs and the model hold reference cycles
         if cuda:

@@ -24,8 +24,10 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 logger = logging.getLogger("pagedllm.api_server")
 
 
-# Routes behind --api-key: the OpenAI API, and vLLM's scoring and classify routes outside /v1 (they run the model).
-KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank", "/classify")
+# Routes behind --api-key: the OpenAI API, vLLM's scoring and classify routes outside /v1 (they run the model), and
+# the dev-mode routes that change the engine's state (openai/admin.py; vLLM leaves them open, its security guide says).
+KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank", "/classify", "/sleep", "/wake_up", "/is_sleeping",
+                  "/reset_prefix_cache")
 
 
 def api_key_refused(scope: dict, expected: bytes) -> bool:
@@ -87,6 +89,8 @@ def build_app(state: ServerState) -> FastAPI:
             return Response(status_code=200)
         return Response(dumps(error_body(f"The engine is not running: {state.engine.dead_reason}", 503)),
                         status_code=503, media_type="application/json")
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's health check: the same answer
 
     @app.get("/version")
     async def version() -> Response:
@@ -166,6 +170,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(request, state)
 
+    from pagedllm.entrypoints.openai.admin import install as install_admin
+
+    install_admin(app, state)  # sleep mode, reset_prefix_cache: only with PAGEDLLM_SERVER_DEV_MODE=1
     install(app)
     if getattr(state, "dashboard", True):  # --no-dashboard turns it off
         from pagedllm.entrypoints.dashboard.routes import install as install_dashboard

@@ -114,6 +114,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--cpu-offload-gb", type=float, default=0)
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")
+    e.add_argument("--enable-sleep-mode", action="store_true",
+                   help="allow POST /sleep and /wake_up (with PAGEDLLM_SERVER_DEV_MODE=1): weights and KV cache freed")
     e.add_argument("--max-loras", type=int, default=1)
     e.add_argument("--max-lora-rank", type=int, default=16)
     e.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory (default: "

@@ -1,0 +1,86 @@
+"""Sleep mode through a real server (vLLM's dev-mode routes): /sleep, /is_sleeping, /wake_up, /reset_prefix_cache
+with VLLM_SERVER_DEV_MODE=1, behind --api-key, reaching both data-parallel engine cores from either of two API
+processes; completions get 503 while asleep and the same tokens after. Without dev mode the routes are 404; /ping
+always answers like /health."""
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from e2e_helpers import serving
+
+KEY = "sleep-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FLAGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(16 << 20), "--max-num-seqs", "4", "--seed", "0"]
+
+
+def _env(dev_mode: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PAGEDLLM_SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE")}
+    env.update(PAGEDLLM_DISABLE_PROGRESS_BARS="1", PYTHONUNBUFFERED="1")
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's name works too
+    return env
+
+
+def complete(url: str) -> httpx.Response:
+    # A fresh connection each time: with two API processes the kernel spreads connections over both.
+    return httpx.post(url + "/v1/completions", headers=AUTH, timeout=60,
+                      json={"prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+
+
+def is_sleeping(url: str) -> bool:
+    r = httpx.get(url + "/is_sleeping", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["is_sleeping"]
+
+
+def post(url: str, path: str, **params) -> httpx.Response:
+    return httpx.post(url + path, headers=AUTH, params=params, timeout=120)
+
+
+def test_sleep_and_wake_up_through_the_server(tiny_llama_dir, tmp_path):
+    flags = FLAGS + ["--enable-sleep-mode", "--api-key", KEY, "--api-server-count", "2", "--data-parallel-size", "2"]
+    with serving(tiny_llama_dir, flags, str(tmp_path / "server.log"), _env(dev_mode=True)) as url:
+        for method in ("GET", "POST"):
+            assert httpx.request(method, url + "/ping", timeout=30).status_code == 200  # no key: a health check
+        assert httpx.post(url + "/sleep", timeout=30).status_code == 401  # these change the engine: keyed
+        assert not is_sleeping(url)
+        first = complete(url)
+        assert first.status_code == 200, first.text
+        expected = first.json()["choices"][0]["text"]
+
+        r = post(url, "/sleep", level="3")
+        assert r.status_code == 400 and "level must be 1" in r.json()["error"]["message"]
+        assert post(url, "/sleep", level="1").status_code == 200
+        assert is_sleeping(url)
+        for _ in range(4):  # whichever API process answers, whichever engine core it picks is asleep
+            r = complete(url)
+            assert r.status_code == 503 and "sleeping" in r.json()["error"]["message"], r.text
+        r = httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+        assert r.status_code == 503 and "sleeping" in r.json()["error"]["message"], r.text  # not a started stream
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        r = post(url, "/wake_up", tags="optimizer")
+        assert r.status_code == 400 and "tags must be among" in r.json()["error"]["message"]
+        assert post(url, "/wake_up", tags="weights").status_code == 200
+        assert is_sleeping(url) and complete(url).status_code == 503  # the KV cache is still asleep
+        assert post(url, "/wake_up", tags="kv_cache").status_code == 200
+        assert not is_sleeping(url)
+        assert complete(url).json()["choices"][0]["text"] == expected
+
+        assert post(url, "/sleep", level="2").status_code == 200  # weights discarded, reloaded by wake_up
+        assert post(url, "/wake_up").status_code == 200
+        assert complete(url).json()["choices"][0]["text"] == expected
+        assert post(url, "/reset_prefix_cache").status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_dev_routes_are_404_without_dev_mode(tiny_llama_dir, tmp_path):
+    with serving(tiny_llama_dir, FLAGS + ["--enable-sleep-mode"], str(tmp_path / "server.log"),
+                 _env(dev_mode=False)) as url:
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                             ("POST", "/reset_prefix_cache")):
+            assert httpx.request(method, url + path, timeout=30).status_code == 404, path
+        assert httpx.post(url + "/ping", timeout=30).status_code == 200
