@@ -131,3 +131,51 @@ def test_classify_on_a_causal_model_is_refused(tiny_llama_dir):
         llm.encode("hello", pooling_task="classify")
     encoded = llm.encode([[5, 6, 7]], use_tqdm=False)[0].outputs.data
     assert encoded.tolist() == pytest.approx(llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding, abs=1e-6)
+
+
+def test_causal_lm_served_as_classifier_from_token_rows(tiny_model_dir):
+    """vLLM's Qwen3-Reranker recipe (hf_overrides: a classifier architecture, classifier_from_token,
+    is_original_qwen3_reranker): the score head is made from the LM head's rows of those tokens, so a two-way
+    reranker's score is transformers' two-way softmax of the next-token logits (its `yes` probability) and a
+    three-token head gives the softmax over those three; the pair encoding scores as a cross-encoder's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tiny_model_dir("qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = [40, 41, 57]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def next_logits(prompt):
+        with torch.inference_mode():
+            return hf(torch.tensor([prompt])).logits[0, -1].float()
+
+    arch = {"architectures": ["Qwen3ForSequenceClassification"]}
+    small = dict(dtype="float32", num_gpu_blocks_override=64, block_size=8, max_num_batched_tokens=16,
+                 max_num_seqs=4)
+    two = LLM(model=model_dir, hf_overrides={**arch, "classifier_from_token": tokens[:2],
+                                             "is_original_qwen3_reranker": True}, **small)
+    assert two.engine.classifier_labels == [tokens[1]]
+    prompts = random_prompts([9, 30, 1], seed=3)
+    for prompt, out in zip(prompts, two.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)):
+        want = next_logits(prompt)[ids[:2]].softmax(-1)[1].item()
+        assert out.outputs.probs == pytest.approx([want], abs=1e-5)
+    docs = ["the lazy dog", "hello world 42"]
+    for doc, scored in zip(docs, two.score("quick brown fox?", docs, use_tqdm=False)):
+        pair = tokenizer(text="quick brown fox?", text_pair=doc)["input_ids"]
+        assert scored.outputs.score == pytest.approx(next_logits(pair)[ids[:2]].softmax(-1)[1].item(), abs=1e-5)
+    del two
+
+    three = LLM(model=model_dir, hf_overrides={**arch, "classifier_from_token": tokens}, **small)
+    assert three.engine.classifier_labels == tokens
+    out = three.classify({"prompt_token_ids": prompts[0]}, use_tqdm=False)[0]
+    assert out.outputs.probs == pytest.approx(next_logits(prompts[0])[ids].softmax(-1).tolist(), abs=1e-5)
+    del three
+
+    for overrides, message in [({"classifier_from_token": tokens[:2]}, "set architectures"),
+                               ({**arch, "classifier_from_token": ["no such token at all"]}, "not a token"),
+                               ({**arch, "classifier_from_token": tokens, "is_original_qwen3_reranker": True},
+                                "two tokens"),
+                               ({**arch, "classifier_from_token": "yes"}, "non-empty list")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(model=model_dir, hf_overrides=overrides, **small)

@@ -379,10 +379,41 @@ class SequenceClassifier:
     def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
         super().__init__(hf_config, dtype, quant_config)
         self.num_labels = int(hf_config.num_labels)
+        # Made from LM-head rows at load (pooling.head_from_tokens), in fp32: the two-way head is a difference of rows
+        self.head_token_ids = getattr(hf_config, "pagedllm_head_token_ids", None)
+        self.head_two_way = bool(getattr(hf_config, "pagedllm_head_two_way", False))
         if self.model.is_last_stage:
-            self.score = nn.Linear(hf_config.hidden_size, self.num_labels, bias=False, dtype=self.dtype)
+            self.score = nn.Linear(hf_config.hidden_size, self.num_labels, bias=False,
+                                   dtype=self.dtype if self.head_token_ids is None else torch.float32)
+            if self.head_token_ids is not None:
+                self.score.weight.optional_weight = True  # not in the checkpoint: load_weights makes it
         else:
             self.score = PPMissingLayer()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.head_token_ids is None:
+            return super().load_weights(weights)
+        rows: dict[str, torch.Tensor] = {}
+
+        def watched(stream):  # the head's rows of the tokens, from the checkpoint's whole (unsharded) tensors
+            for name, tensor in stream:
+                if name in ("lm_head.weight", "model.embed_tokens.weight"):
+                    if not tensor.is_floating_point():
+                        raise ValueError(f"classifier_from_token needs {name} unquantized, got {tensor.dtype}.")
+                    rows[name] = tensor[self.head_token_ids].to(torch.float32)
+                yield name, tensor
+
+        loaded = super().load_weights(watched(weights))
+        head = rows.get("lm_head.weight", rows.get("model.embed_tokens.weight"))
+        if head is None:
+            raise ValueError("classifier_from_token needs the checkpoint's lm_head.weight (or its tied embedding).")
+        if self.model.is_last_stage:
+            self.score.weight.data.copy_(head[1:] - head[:1] if self.head_two_way else head)
+            loaded.add("score.weight")
+        return loaded
+
+    def untie_if_head_differs(self, head: dict[str, torch.Tensor]) -> bool:
+        return False  # a classifier's LM head serves only the dropped token: no second vocab-sized copy for it
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         # [N, hidden_size] -> [N, num_labels] float32 (fp32 math: a bf16 model's logits lose no more than its states)

@@ -136,8 +136,9 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False, overrides: O
     if isinstance(getattr(config, "architectures", None), str):  # one name written as a string: a list of it
         config.architectures = [config.architectures]
     config = served_text_config(config)
-    from pagedllm.pooling import embedding_only
+    from pagedllm.pooling import embedding_only, head_from_tokens
 
+    head_from_tokens(config, model_dir)  # a causal LM served as a classifier (Qwen3-Reranker's yes / no)
     if embedding_only(config):  # no head in the checkpoint: the embedding stands in (only a dropped token reads it)
         config.tie_word_embeddings = True
     layers = getattr(config, "num_hidden_layers", None)

@@ -54,6 +54,43 @@ def classifier_labels(hf_config: Any) -> Optional[list[str]]:
     return [labels.get(i, f"LABEL_{i}") for i in range(num_labels)]
 
 
+def head_from_tokens(config: Any, model_dir: str) -> None:
+    """vLLM's way to serve a causal LM that ranks by next-token logits (Qwen3-Reranker's "yes" / "no") as a
+    classifier: hf_overrides {"architectures": [...ForSequenceClassification], "classifier_from_token": [tokens],
+    "is_original_qwen3_reranker": true}. The score head is then made from the LM head's rows of those tokens at load
+    (models/llama.SequenceClassifier): one label per token, or, for the original reranker's two tokens, one label
+    whose logit is the second token's minus the first's (its sigmoid is their two-way softmax). Resolves the tokens
+    with the model's tokenizer into config.pagedllm_head_token_ids and sets num_labels / id2label to match."""
+    tokens = getattr(config, "classifier_from_token", None)
+    if tokens is None:
+        return
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+        raise ValueError(f"classifier_from_token must be a non-empty list of token strings, got {tokens!r}.")
+    if _architecture(config) not in CLASSIFIER_ARCHITECTURES:
+        raise ValueError(f"classifier_from_token makes a sequence classifier's head from LM-head rows: set "
+                         f"architectures to one of {', '.join(CLASSIFIER_ARCHITECTURES)} too (hf_overrides), got "
+                         f"{_architecture(config)!r}.")
+    two_way = bool(getattr(config, "is_original_qwen3_reranker", False))
+    if two_way and len(tokens) != 2:
+        raise ValueError(f"is_original_qwen3_reranker scores with two tokens (classifier_from_token ['no', 'yes']), "
+                         f"got {len(tokens)}.")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = []
+    for token in tokens:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(tid, int) or tid < 0 or (tid == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of this model's vocabulary.")
+        ids.append(tid)
+    config.pagedllm_head_token_ids = ids
+    config.pagedllm_head_two_way = two_way
+    labels = [tokens[1]] if two_way else list(tokens)
+    config.num_labels = len(labels)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {label: i for i, label in enumerate(labels)}
+
+
 def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architecture: Optional[str]) -> None:
     """The engine's runner / convert / task flags against the model (ValueError naming the mismatch): `classify`
     serves a sequence classifier as it is (converting a causal LM into one is not built), and a classifier serves
@@ -63,7 +100,8 @@ def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architectur
     if wants_classify and labels is None:
         raise ValueError(f"convert / task 'classify' serves a sequence classifier (one of "
                          f"{', '.join(CLASSIFIER_ARCHITECTURES)}); this model ({architecture or 'a causal LM'}) is "
-                         "not one, and converting it into one is not built: use --runner pooling for embeddings.")
+                         "not one (to rank with LM-head rows as Qwen3-Reranker does: hf_overrides with architectures and "
+                         "classifier_from_token), or --runner pooling for embeddings.")
     if labels is not None and wants_embed:
         raise ValueError(f"This model ({architecture}) is a sequence classifier: it serves classification and "
                          "scoring, not embeddings; drop convert / task 'embed' (or use --convert classify).")
@@ -383,7 +421,7 @@ def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int]
 
 __all__ = ["check_pooler_config", "POOLING_TYPES", "EMBEDDING_ONLY_ARCHITECTURES", "embedding_only",
            "CLASSIFIER_ARCHITECTURES", "classifier_labels", "ClassificationOutput", "ClassificationRequestOutput",
-           "class_probs", "classifier_input", "pair_input", "check_runner_fits", "PoolingOutput",
+           "class_probs", "classifier_input", "pair_input", "check_runner_fits", "head_from_tokens", "PoolingOutput",
            "PoolingRequestOutput",
            "mark_embedding_only", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "cosine",
