@@ -102,13 +102,13 @@ def _args(**kw):
 
 
 def test_runner_flags_against_the_model():
-    """--convert / --task classify serve a classifier as it is (a causal LM is refused, no conversion is built); a
+    """--convert / --task classify serve a classifier as it is (a causal LM is refused, pointing to hf_overrides); a
     classifier refuses embed and poolings other than its last token."""
     labels = ["a", "b"]
     check_runner_fits(_args(convert="classify"), labels, "Qwen3ForSequenceClassification")
     check_runner_fits(_args(task="score"), labels, "Qwen3ForSequenceClassification")
     check_runner_fits(_args(pooler_config={"pooling_type": "last"}), labels, "X")
-    with pytest.raises(ValueError, match="not one, and converting"):
+    with pytest.raises(ValueError, match="not one \\(to rank with LM-head rows as Qwen3-Reranker does: hf_overrides"):
         check_runner_fits(_args(convert="classify"), None, "LlamaForCausalLM")
     with pytest.raises(ValueError, match="not embeddings"):
         check_runner_fits(_args(task="embed"), labels, "X")

@@ -286,7 +286,7 @@ def test_pooling_runner_and_pooler_config(tiny_llama_dir):
                             ({"pooler_config": {"pooling_type": "MAX"}}, "must be LAST, MEAN or CLS"),
                             ({"pooler_config": {"dimensions": 8}}, "\\['dimensions'\\] is not supported"),
                             ({"convert": "reward"}, "other conversions are not built"),
-                            ({"convert": "classify"}, "\\(LlamaForCausalLM\\) is not one, and converting it")]:
+                            ({"convert": "classify"}, "\\(LlamaForCausalLM\\) is not one \\(to rank with LM-head rows")]:
         with pytest.raises(ValueError, match=message):
             LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, **kwargs)
 
