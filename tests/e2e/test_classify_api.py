@@ -45,6 +45,9 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
         assert results[0]["relevance_score"] == pytest.approx(want[order[0]], abs=1e-4)
         assert results[0]["document"] == {"text": docs[order[0]]}
 
+        # truncate_prompt_tokens=max_model_len is accepted and keeps what a classification input may hold (as -1)
+        r = http.post("/classify", json={"input": [[5] * 600], "truncate_prompt_tokens": 512})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 511, r.text
         assert httpx.post(url + "/classify", json={"input": "x"}, timeout=60).status_code == 401
         for path, body, param, words in (
                 ("/classify", {"input": []}, "input", "must not be empty"),

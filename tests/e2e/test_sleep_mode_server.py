@@ -74,6 +74,27 @@ def test_sleep_and_wake_up_through_the_server(tiny_llama_dir, tmp_path):
         assert post(url, "/wake_up").status_code == 200
         assert complete(url).json()["choices"][0]["text"] == expected
         assert post(url, "/reset_prefix_cache").status_code == 200
+        refused_sleep_leaves_every_core_awake(url)
+
+
+def refused_sleep_leaves_every_core_awake(url: str) -> None:
+    """One core busy with a stream, the other idle: the idle one sleeps before the busy one refuses (409); the
+    refused sleep must wake it again, else new requests routed to it get 503 until someone calls /wake_up."""
+    body = {"prompt": [5, 6], "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+    for _ in range(3):  # (a stream that ends before the sleep arrives lets it succeed: try again)
+        with httpx.stream("POST", url + "/v1/completions", headers=AUTH, json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # running now
+            r = post(url, "/sleep", level="1")
+            for _ in lines:
+                pass
+        if r.status_code == 409:
+            break
+        assert r.status_code == 200, r.text
+        assert post(url, "/wake_up").status_code == 200
+    assert r.status_code == 409 and "unfinished request" in r.json()["error"]["message"], r.text
+    assert not is_sleeping(url)
+    assert all(complete(url).status_code == 200 for _ in range(4))
 
 
 @pytest.mark.timeout(120)

@@ -86,6 +86,13 @@ def test_cross_encoder_scores_are_hf_sigmoids_of_pair_encodings(tiny_classifier_
     assert len(probs) == 1 and probs[0] == pytest.approx(torch.sigmoid(logit)[0].item(), abs=2e-5)
     assert llm.score(query, docs[0], truncate_prompt_tokens=3, use_tqdm=False)[0].prompt_token_ids == \
         tok(text=query, text_pair=docs[0])["input_ids"][-3:]
+    # truncate_prompt_tokens=max_model_len (allowed) keeps what a pooled input may hold, as -1 does, rather than
+    # a length then refused as too long; a too-long input's message says it is a classification input
+    max_len = llm.engine.max_model_len
+    kept = llm.score(query, "word " * max_len, truncate_prompt_tokens=max_len, use_tqdm=False)[0].prompt_token_ids
+    assert len(kept) == max_len - 1
+    with pytest.raises(ValueError, match="a classification input may have at most"):
+        llm.classify([[5] * max_len], use_tqdm=False)
 
 
 def test_class_probs_and_pad_skipping():

@@ -289,3 +289,33 @@ def test_priority_travels_in_every_samples_add_request() -> None:
     finally:
         _close(engine)
     assert [(a.request_id, a.priority, a.cache_salt) for a in decoded] == [("0_r", -3, "s"), ("1_r", -3, "s")]
+
+
+def test_a_forgotten_requests_late_cleanup_spares_a_newer_request_with_its_id() -> None:
+    """Request "dup" is forgotten (here the engine core refuses it; a client disconnect does the same) while its
+    generator waits for its consumer; a new request takes the id, then the old generator ends. Its cleanup must
+    leave the new one alone: it used to drop the new one's bookkeeping, so that one waited forever (its outputs
+    had nowhere to go) and the next "dup" failed with a 500 (its output state left behind)."""
+    from pagedllm.entrypoints.async_engine import RequestRejected
+
+    async def run() -> list:
+        engine, _ = _engine()
+        try:
+            old = engine.generate_batches(None, [1, 2, 3], _params(), "dup", "delta")
+            first = asyncio.ensure_future(old.__anext__())
+            await asyncio.sleep(0)
+            _step(engine, "dup", 8)
+            assert [o.outputs[0].token_ids for o in await first] == [[8]]  # old now waits for its consumer
+            engine._handle_output(m.RequestError("dup", "Request id 'dup' is already in use.", 400))
+            new = engine.generate_batches(None, [4, 5], _params(), "dup", "delta")
+            new_next = asyncio.ensure_future(new.__anext__())
+            await asyncio.sleep(0)  # the new request is registered
+            with pytest.raises(RequestRejected, match="already in use"):
+                await old.__anext__()
+            _step(engine, "dup", 9, finished=True)
+            batch = await asyncio.wait_for(new_next, 5)
+            return [o.outputs[0].token_ids for o in batch]
+        finally:
+            _close(engine)
+
+    assert asyncio.run(run()) == [[9]]

@@ -174,9 +174,10 @@ class EngineCore:
             raise ValueError("This engine runs the model for embeddings only (runner 'pooling', --runner pooling): "
                              "use LLM.embed / POST /v1/embeddings, or start it without that to generate.")
         if num_prompt >= self.max_model_len and req.sampling_params.pooling is not None:
+            what = "a classification" if self.classifier_labels is not None else "an embedding"  # (LLM.classify's)
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your input has "
-                f"{num_prompt} tokens; an embedding input may have at most {self.max_model_len - 1}. Please shorten "
+                f"{num_prompt} tokens; {what} input may have at most {self.max_model_len - 1}. Please shorten "
                 "the input.")
         if num_prompt >= self.max_model_len:
             raise ValueError(

@@ -389,7 +389,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._forget(request_id, abort=not parent.finished)
+            self._forget(request_id, abort=not parent.finished, owner=parent)
 
     async def _send_adds(self, engine: int, adds: list) -> None:
         """Straight into the socket when it takes them now (the usual case: no future, no poller event); what it
@@ -425,10 +425,15 @@ class AsyncEngine:
                                      priority=priority))  # (n > 1: every sample has the request's priority)
         return engine, adds
 
-    def _forget(self, request_id: str, abort: bool) -> None:
-        parent = self._parents.pop(request_id, None)
-        if parent is None:
+    def _forget(self, request_id: str, abort: bool, owner: Optional[_Parent] = None) -> None:
+        """Drop a request's bookkeeping (abort: its engine requests too). `owner`: only if the id is still this
+        parent's: a RequestError or a disconnect forgets a request before its generator ends, and a new request
+        may take the id meanwhile; the old generator's late cleanup must not drop the new one (it would wait
+        forever, its output processor state left behind to fail the next request with that id as a 500)."""
+        parent = self._parents.get(request_id)
+        if parent is None or (owner is not None and parent is not owner):
             return
+        del self._parents[request_id]
         now = time.monotonic()
         for cid in parent.child_ids:
             self._engine_to_parent.pop(cid, None)

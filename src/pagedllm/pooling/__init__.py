@@ -393,8 +393,10 @@ def pair_input(tokenizer: Any, text_1: str, text_2: str) -> list[int]:
 
 def input_truncation(k: Optional[int], max_model_len: int) -> Optional[int]:
     """vLLM's truncate_prompt_tokens for an embedding input: -1 (the model's context) keeps what an embedding input
-    may hold, max_model_len - 1 (its dropped step needs the last place), not a length it would then refuse."""
-    return max_model_len - 1 if k == -1 else k
+    may hold, max_model_len - 1 (its dropped step needs the last place), not a length it would then refuse; so does
+    max_model_len itself, which vLLM accepts (without this it passed the check against max_model_len and then the
+    input was refused as too long, telling the user to set the truncate_prompt_tokens they had set)."""
+    return max_model_len - 1 if k == -1 or k == max_model_len else k
 
 
 def score_pairs(text_1: Any, text_2: Any) -> tuple[list[str], list[str]]:

@@ -5,6 +5,7 @@ workers); with several API server processes any one of them may be asked, the en
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,7 +13,10 @@ from fastapi.responses import Response
 
 from pagedllm import envs
 from pagedllm.entrypoints import messages as m
+from pagedllm.entrypoints.async_engine import RequestRejected
 from pagedllm.entrypoints.openai.errors import APIError, dumps
+
+logger = logging.getLogger(__name__)
 
 ADMIN_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")
 
@@ -34,7 +38,17 @@ def install(app: FastAPI, state: Any) -> None:
     @app.post("/sleep")
     async def sleep(request: Request) -> Response:
         level = _sleep_level(request)
-        await engine.admin_call(lambda seq: m.Sleep(seq, level, client_index=client))
+        try:
+            await engine.admin_call(lambda seq: m.Sleep(seq, level, client_index=client))
+        except RequestRejected:
+            # Data parallel: the idle cores slept before a busy one refused (409). Wake them, or the refused sleep
+            # would leave them answering 503 until someone calls /wake_up (wake_up is a no-op on an awake core).
+            if engine.num_engines > 1:
+                try:
+                    await engine.admin_call(lambda seq: m.WakeUp(seq, None, client_index=client))
+                except Exception:  # noqa: BLE001 - the sleep's own error is the one to report
+                    logger.exception("Waking the engine cores after a refused sleep failed")
+            raise
         return Response(status_code=200)
 
     @app.post("/wake_up")
