@@ -84,8 +84,14 @@ def test_cross_encoder_scores_are_hf_sigmoids_of_pair_encodings(tiny_classifier_
     probs = llm.classify(query + docs[0], use_tqdm=False)[0].outputs.probs
     logit = hf_logits(model_dir, tok(query + docs[0])["input_ids"])
     assert len(probs) == 1 and probs[0] == pytest.approx(torch.sigmoid(logit)[0].item(), abs=2e-5)
-    assert llm.score(query, docs[0], truncate_prompt_tokens=3, use_tqdm=False)[0].prompt_token_ids == \
-        tok(text=query, text_pair=docs[0])["input_ids"][-3:]
+    # truncation is the tokenizer's pair truncation (longest text first: the query stays), as vLLM's
+    long_doc = "Paris is the capital of France. " * 4
+    query_ids = tok(query)["input_ids"]
+    k = 2 * len(query_ids) + 2  # (longest first: the document is cut down to the query's length before the query)
+    assert len(tok(long_doc)["input_ids"]) > k
+    kept = llm.score(query, long_doc, truncate_prompt_tokens=k, use_tqdm=False)[0].prompt_token_ids
+    assert kept == tok(text=query, text_pair=long_doc, truncation="longest_first", max_length=k)["input_ids"]
+    assert kept[:len(query_ids)] == query_ids and len(kept) == k
     # truncate_prompt_tokens=max_model_len (allowed) keeps what a pooled input may hold, as -1 does, rather than
     # a length then refused as too long; a too-long input's message says it is a classification input
     max_len = llm.engine.max_model_len

@@ -374,7 +374,7 @@ class LLM:
         input (the tokenizer's pair encoding) and scores it with the sigmoid of its logit; an embedding model
         scores the cosine similarity of the two texts' embeddings."""
         from pagedllm.pooling import (PoolingParams, ScoringOutput, ScoringRequestOutput, class_probs, cosine,
-                                      pair_input, score_pairs)
+                                      input_truncation, pair_input, score_pairs)
 
         firsts, seconds = score_pairs(text_1, text_2)
         labels = self.engine.classifier_labels
@@ -384,7 +384,9 @@ class LLM:
                                  f"{len(labels)} labels: use classify().")
             if self.tokenizer is None:
                 raise ValueError("score() on a cross-encoder needs the tokenizer (its pair encoding).")
-            outs = self._classified([(None, pair_input(self.tokenizer, a, b)) for a, b in zip(firsts, seconds)],
+            k = None if truncate_prompt_tokens is None else \
+                input_truncation(truncate_prompt_tokens, self.engine.max_model_len)
+            outs = self._classified([(None, pair_input(self.tokenizer, a, b, k)) for a, b in zip(firsts, seconds)],
                                     truncate_prompt_tokens, use_tqdm, lora_request)
             return [ScoringRequestOutput(out.request_id, ScoringOutput(class_probs(out.pooled)[0]),
                                          out.prompt_token_ids) for out in outs]

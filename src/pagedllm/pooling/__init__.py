@@ -385,9 +385,15 @@ def classifier_input(ids: list[int], pad_token_id: Optional[int]) -> list[int]:
     return ids if end == len(ids) else ids[:end]
 
 
-def pair_input(tokenizer: Any, text_1: str, text_2: str) -> list[int]:
+def pair_input(tokenizer: Any, text_1: str, text_2: str, max_tokens: Optional[int] = None) -> list[int]:
     """A cross-encoder's input for a text pair: the tokenizer's pair encoding (its template's special tokens and
-    separators), as transformers and vLLM encode it."""
+    separators), as transformers and vLLM encode it. `max_tokens` (a truncate_prompt_tokens already through
+    input_truncation): the tokenizer's own pair truncation, longest text first, so the special tokens and the query
+    stay (keeping the last tokens of the whole encoding would cut the query off first). A bound the tokenizer cannot
+    meet (fewer places than its special tokens) is left to the caller's last-tokens truncation."""
+    if isinstance(max_tokens, int) and max_tokens > 0:
+        return list(tokenizer(text=text_1, text_pair=text_2, truncation="longest_first",
+                              max_length=max_tokens)["input_ids"])
     return list(tokenizer(text=text_1, text_pair=text_2)["input_ids"])
 
 

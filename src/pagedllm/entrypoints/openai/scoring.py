@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.protocol import _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.classify import class_logits, classifier_inputs, classifier_labels
-from pagedllm.pooling import class_probs, cosine, pair_input, score_pairs
+from pagedllm.pooling import class_probs, cosine, input_truncation, pair_input, score_pairs
 
 
 class ScoreRequest(_Req):
@@ -69,8 +69,9 @@ async def _texts_scored(request: Request, state: ServerState, req: Any, model: s
     return scores, num_tokens, request_id
 
 
-def _pair_inputs(tokenizer: Any, firsts: list[str], seconds: list[str]) -> list[tuple[None, list[int]]]:
-    return [(None, pair_input(tokenizer, a, b)) for a, b in zip(firsts, seconds)]
+def _pair_inputs(tokenizer: Any, firsts: list[str], seconds: list[str], max_tokens: Optional[int]
+                 ) -> list[tuple[None, list[int]]]:
+    return [(None, pair_input(tokenizer, a, b, max_tokens)) for a, b in zip(firsts, seconds)]
 
 
 async def _pairs_scored(request: Request, state: ServerState, req: Any, model: str, firsts: list[str],
@@ -82,8 +83,10 @@ async def _pairs_scored(request: Request, state: ServerState, req: Any, model: s
                        "(one label): score its inputs with POST /classify.", param="model")
     if len(firsts) > MAX_INPUTS:
         raise APIError(f"A request may score at most {MAX_INPUTS} pairs (got {len(firsts)}).", param=names[1])
-    inputs = await tokenize_work(request, _pair_inputs, state.tokenizer, firsts, seconds)
-    inputs = classifier_inputs(state, inputs, req.truncate_prompt_tokens)
+    k = req.truncate_prompt_tokens
+    inputs = await tokenize_work(request, _pair_inputs, state.tokenizer, firsts, seconds,
+                                 None if k is None else input_truncation(k, state.max_model_len))
+    inputs = classifier_inputs(state, inputs, k)  # (checks k; trims only what the pair truncation could not)
     request_id = req.request_id or random_id(prefix)
     logits = await class_logits(request, state, model, inputs, req, request_id, names[1])
     return [class_probs(row)[0] for row in logits], sum(len(ids) for _, ids in inputs), request_id
