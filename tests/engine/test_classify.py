@@ -123,6 +123,8 @@ def test_runner_flags_against_the_model():
     check_runner_fits(_args(pooler_config={"pooling_type": "last"}), labels, "X")
     with pytest.raises(ValueError, match="not one \\(to rank with LM-head rows as Qwen3-Reranker does: hf_overrides"):
         check_runner_fits(_args(convert="classify"), None, "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="^task 'score' serves a sequence classifier"):
+        check_runner_fits(_args(task="score"), None, "LlamaForCausalLM")
     with pytest.raises(ValueError, match="not embeddings"):
         check_runner_fits(_args(task="embed"), labels, "X")
     with pytest.raises(ValueError, match="pooling_type MEAN"):

@@ -98,7 +98,9 @@ def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architectur
     wants_classify = engine_args.convert == "classify" or engine_args.task in ("classify", "score")
     wants_embed = engine_args.convert == "embed" or engine_args.task == "embed"
     if wants_classify and labels is None:
-        raise ValueError(f"convert / task 'classify' serves a sequence classifier (one of "
+        given = f"convert {engine_args.convert!r}" if engine_args.convert == "classify" else \
+            f"task {engine_args.task!r}"
+        raise ValueError(f"{given} serves a sequence classifier (one of "
                          f"{', '.join(CLASSIFIER_ARCHITECTURES)}); this model ({architecture or 'a causal LM'}) is "
                          "not one (to rank with LM-head rows as Qwen3-Reranker does: hf_overrides with architectures and "
                          "classifier_from_token), or --runner pooling for embeddings.")
