@@ -164,5 +164,14 @@ def test_auth_on_v1(server: Server, headers: dict, status: int) -> None:
 
 def test_open_endpoints_without_key(server: Server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ping").status_code == 200 and httpx.post(server.url + "/ping").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
     assert httpx.get(server.url + "/version").status_code == 200
+
+
+def test_dev_mode_routes_are_404_without_dev_mode(http: httpx.Client) -> None:
+    """Sleep mode's routes and /reset_prefix_cache exist only with PAGEDLLM_SERVER_DEV_MODE / VLLM_SERVER_DEV_MODE
+    (as vLLM's): with the key, this server (no dev mode) answers 404."""
+    for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                         ("POST", "/reset_prefix_cache")):
+        assert http.request(method, path).status_code == 404, path

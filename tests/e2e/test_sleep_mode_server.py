@@ -1,13 +1,12 @@
 """Sleep mode through a real server (vLLM's dev-mode routes): /sleep, /is_sleeping, /wake_up, /reset_prefix_cache
 with VLLM_SERVER_DEV_MODE=1, behind --api-key, reaching both data-parallel engine cores from either of two API
-processes; completions get 503 while asleep and the same tokens after. Without dev mode the routes are 404; /ping
-always answers like /health."""
+processes; completions get 503 while asleep and the same tokens after. (Without dev mode the routes are 404, and /ping
+answers like /health: tests/e2e/test_http.py, on the shared server.)"""
 from __future__ import annotations
 
 import os
 
 import httpx
-import pytest
 
 from e2e_helpers import serving
 
@@ -95,13 +94,3 @@ def refused_sleep_leaves_every_core_awake(url: str) -> None:
     assert r.status_code == 409 and "unfinished request" in r.json()["error"]["message"], r.text
     assert not is_sleeping(url)
     assert all(complete(url).status_code == 200 for _ in range(4))
-
-
-@pytest.mark.timeout(120)
-def test_dev_routes_are_404_without_dev_mode(tiny_llama_dir, tmp_path):
-    with serving(tiny_llama_dir, FLAGS + ["--enable-sleep-mode"], str(tmp_path / "server.log"),
-                 _env(dev_mode=False)) as url:
-        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
-                             ("POST", "/reset_prefix_cache")):
-            assert httpx.request(method, url + path, timeout=30).status_code == 404, path
-        assert httpx.post(url + "/ping", timeout=30).status_code == 200
