@@ -185,9 +185,9 @@ def test_client_that_never_reads_is_cut_off_without_stalling_others(tiny_server)
         sock.close()
 
 
-def _send_and_hang_up_once_queued(server, body: dict, count: int = 1) -> bool:
-    """Send a request, wait until the engine holds `count` requests (its prompts), hang up. False if a response
-    byte came first."""
+def _send_and_hang_up_once_queued(server, body: dict, count: int = 1) -> tuple[bool, bytes]:
+    """Send a request, wait until the engine holds `count` requests (its prompts), hang up. (False, what the server
+    sent) if a response byte (or the connection's end) came first, or the engine never held them."""
     import select
 
     data = json.dumps(body).encode()
@@ -199,11 +199,15 @@ def _send_and_hang_up_once_queued(server, body: dict, count: int = 1) -> bool:
         deadline = time.monotonic() + 120  # a hang guard
         while time.monotonic() < deadline:
             if select.select([sock], [], [], 0)[0]:
-                return False
+                sock.settimeout(5)
+                try:
+                    return False, sock.recv(4096) or b"<connection closed>"
+                except OSError as e:
+                    return False, f"<{e!r}>".encode()
             text = _metrics(server)
             if metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") >= count:
-                return True
-        return False
+                return True, b""
+        return False, b"<the engine never held them>"
     finally:
         sock.close()
 
@@ -225,7 +229,9 @@ def test_disconnect_mid_prefill_frees_kv_at_once(tiny_server) -> None:
     aborted0 = metric(before, "vllm:request_success_total", finished_reason="abort")
     # (hung up once every prompt is in the engine: one the API process had not yet handed over when the client left
     # is never started, not aborted)
-    assert _send_and_hang_up_once_queued(tiny_server, {"prompt": prompts, "max_tokens": max_tokens}, len(prompts))
+    queued, answer = _send_and_hang_up_once_queued(tiny_server, {"prompt": prompts, "max_tokens": max_tokens},
+                                                   len(prompts))
+    assert queued, (answer[:2000], tiny_server.log()[-3000:])
     deadline = time.monotonic() + 120  # a hang guard, not the "at once" (which is counted below)
     while True:
         text = _metrics(tiny_server)
