@@ -4,6 +4,8 @@ nothing; trailing pad tokens are skipped as transformers skips them; a cross-enc
 transformers' logit of the tokenizer's pair encoding; what a classifier cannot do is refused."""
 from __future__ import annotations
 
+import os
+import shutil
 import types
 
 import pytest
@@ -148,7 +150,7 @@ def test_classify_on_a_causal_model_is_refused(tiny_llama_dir):
     assert encoded.tolist() == pytest.approx(llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding, abs=1e-6)
 
 
-def test_causal_lm_served_as_classifier_from_token_rows(tiny_model_dir):
+def test_causal_lm_served_as_classifier_from_token_rows(tiny_model_dir, tmp_path):
     """vLLM's Qwen3-Reranker recipe (hf_overrides: a classifier architecture, classifier_from_token,
     is_original_qwen3_reranker): the score head is made from the LM head's rows of those tokens, so a two-way
     reranker's score is transformers' two-way softmax of the next-token logits (its `yes` probability) and a
@@ -186,6 +188,20 @@ def test_causal_lm_served_as_classifier_from_token_rows(tiny_model_dir):
     out = three.classify({"prompt_token_ids": prompts[0]}, use_tqdm=False)[0]
     assert out.outputs.probs == pytest.approx(next_logits(prompts[0])[ids].softmax(-1).tolist(), abs=1e-5)
     del three
+
+    # The ids resolved once (the multiproc executor passes them to its ranks in hf_overrides) need no tokenizer;
+    # ids that do not fit the vocabulary are resolved again from the tokens.
+    from pagedllm.models.loader import load_hf_config
+
+    bare = tmp_path / "config_only"
+    bare.mkdir()
+    shutil.copy(os.path.join(model_dir, "config.json"), bare)
+    resolved = {**arch, "classifier_from_token": tokens, "pagedllm_head_token_ids": ids}
+    assert load_hf_config(str(bare), overrides=resolved).pagedllm_head_token_ids == ids
+    assert load_hf_config(model_dir, overrides={**resolved, "pagedllm_head_token_ids": [1, 2, 10 ** 9]}
+                          ).pagedllm_head_token_ids == ids
+    with pytest.raises(Exception):  # no tokenizer to resolve them with
+        load_hf_config(str(bare), overrides={**resolved, "pagedllm_head_token_ids": ids[:2]})
 
     for overrides, message in [({"classifier_from_token": tokens[:2]}, "set architectures"),
                                ({**arch, "classifier_from_token": ["no such token at all"]}, "not a token"),

@@ -53,6 +53,8 @@ def test_sleep_and_wake_up_keep_greedy_tokens(tiny_llama_dir):
             llm.wake_up(tags=["weights", "optimizer"])
         with pytest.raises(ValueError, match="no public method"):
             llm.collective_rpc("_start")
+        with pytest.raises(ValueError, match=r"timeout=\.\.\.\) is not supported"):  # refused, not silently ignored
+            llm.collective_rpc("reload_weights", timeout=5.0)
 
 
 def test_sleep_with_unfinished_requests_is_refused(tiny_llama_dir):
@@ -63,6 +65,8 @@ def test_sleep_with_unfinished_requests_is_refused(tiny_llama_dir):
         engine.add_request(EngineCoreRequest("r1", [5, 6, 7], SamplingParams(max_tokens=4)))
         with pytest.raises(ValueError, match="1 unfinished request"):
             llm.sleep()
+        with pytest.raises(ValueError, match="reload the weights with 1 unfinished request"):
+            llm.collective_rpc("reload_weights")
         engine.abort_requests(["r1"])
         llm.sleep()
         assert llm.is_sleeping()

@@ -423,11 +423,7 @@ class EngineCore:
         if self.sleeping_tags:
             logger.warning("The engine is already sleeping; sleep(level=%s) does nothing.", level)
             return
-        if not self.scheduler.has_unfinished_requests():
-            self._finish_launched_steps()
-        if self.has_unfinished_requests():
-            raise EngineBusy(f"Cannot sleep with {self.scheduler.num_running + self.scheduler.num_waiting} "
-                             "unfinished request(s): their KV cache would be lost. Wait for them or abort them first.")
+        self._require_idle("sleep", "their KV cache would be lost")
         if not self.scheduler.reset_prefix_cache():  # no request holds a block: this cannot fail
             raise RuntimeError("The prefix cache could not be reset before sleeping; this is a bug.")
         start = time.perf_counter()
@@ -435,6 +431,14 @@ class EngineCore:
         self.sleeping_tags = {"weights", "kv_cache"}
         logger.info("Sleeping (level %d) after %.2f s: the KV cache is freed, the weights are %s.", level,
                     time.perf_counter() - start, "in host memory" if level == 1 else "discarded")
+
+    def _require_idle(self, what: str, why: str) -> None:
+        """EngineBusy unless no request is unfinished, once the steps launched for finished ones are applied."""
+        if not self.scheduler.has_unfinished_requests():
+            self._finish_launched_steps()
+        if self.has_unfinished_requests():
+            raise EngineBusy(f"Cannot {what} with {self.scheduler.num_running + self.scheduler.num_waiting} "
+                             f"unfinished request(s): {why}. Wait for them or abort them first.")
 
     def _finish_launched_steps(self) -> None:
         """Async scheduling / pipeline stages: a step launched before its requests finished may still be in
@@ -476,10 +480,7 @@ class EngineCore:
             return self.worker.collective_rpc(method, tuple(args), kwargs)
         # New weights (an RL trainer's update): no running request may see both, nor a cached prefix the old ones
         # computed.
-        if not self.scheduler.has_unfinished_requests():
-            self._finish_launched_steps()
-        if self.has_unfinished_requests():
-            raise EngineBusy("Cannot reload the weights with unfinished requests; wait for them or abort them first.")
+        self._require_idle("reload the weights", "they would see both the old and the new weights")
         answers = self.worker.collective_rpc(method, tuple(args), kwargs)
         self.scheduler.reset_prefix_cache()
         return answers

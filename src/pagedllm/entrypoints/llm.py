@@ -150,8 +150,12 @@ class LLM:
 
     def collective_rpc(self, method: str, timeout: Optional[float] = None, args: tuple = (),
                        kwargs: Optional[dict] = None) -> list:
-        """Run a worker method on every rank (e.g. "reload_weights"); their answers in rank order. `timeout` is
-        accepted for vLLM's signature; the executor's own collective timeout applies."""
+        """Run a worker method on every rank (e.g. "reload_weights"); their answers in rank order. A rank's method
+        runs to its end (it cannot be interrupted), so a `timeout` is refused; a rank that hangs is caught by the
+        collective timeout (PAGEDLLM_DIST_TIMEOUT_S)."""
+        if timeout is not None:
+            raise ValueError("collective_rpc(timeout=...) is not supported: a rank's method cannot be interrupted. "
+                             "Leave timeout=None; a rank that hangs is caught after PAGEDLLM_DIST_TIMEOUT_S seconds.")
         return self.engine.collective_rpc(method, args, kwargs)
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -11,6 +11,7 @@ output within the collective timeout fails too). Remote ranks that never join fa
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import pickle
@@ -106,8 +107,12 @@ class MultiprocExecutor:
     def __init__(self, args: Any, log_level: str = "INFO") -> None:
         import zmq
 
-        self.args = args
         self.model_dir, self.hf_config = prepare_model(args)
+        head_ids = getattr(self.hf_config, "pagedllm_head_token_ids", None)
+        if head_ids is not None:  # resolved once here: the ranks take the ids rather than load the tokenizer again
+            args = copy.copy(args)
+            args.hf_overrides = {**(args.hf_overrides or {}), "pagedllm_head_token_ids": list(head_ids)}
+        self.args = args
         local_only = args.nnodes == 1 and not self.remote_workers
         self.layout = layout = self._make_layout(args, local_only)
         if self.remote_workers:  # the cluster places the ranks: no per-node device count to check here

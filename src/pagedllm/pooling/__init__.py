@@ -74,6 +74,26 @@ def head_from_tokens(config: Any, model_dir: str) -> None:
     if two_way and len(tokens) != 2:
         raise ValueError(f"is_original_qwen3_reranker scores with two tokens (classifier_from_token ['no', 'yes']), "
                          f"got {len(tokens)}.")
+    config.pagedllm_head_token_ids = _resolved_ids(config, tokens) or _token_ids(model_dir, tokens)
+    config.pagedllm_head_two_way = two_way
+    labels = [tokens[1]] if two_way else list(tokens)
+    config.num_labels = len(labels)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {label: i for i, label in enumerate(labels)}
+
+
+def _resolved_ids(config: Any, tokens: list) -> Optional[list[int]]:
+    """The ids an earlier process resolved (passed on in hf_overrides as pagedllm_head_token_ids, so that worker
+    ranks do not load the tokenizer again), if they fit the tokens and the vocabulary."""
+    ids = getattr(config, "pagedllm_head_token_ids", None)
+    vocab = getattr(config, "vocab_size", None)
+    if (isinstance(ids, list) and len(ids) == len(tokens) and isinstance(vocab, int)
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids)):
+        return ids
+    return None
+
+
+def _token_ids(model_dir: str, tokens: list) -> list[int]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -83,12 +103,7 @@ def head_from_tokens(config: Any, model_dir: str) -> None:
         if not isinstance(tid, int) or tid < 0 or (tid == tokenizer.unk_token_id and token != tokenizer.unk_token):
             raise ValueError(f"classifier_from_token: {token!r} is not a token of this model's vocabulary.")
         ids.append(tid)
-    config.pagedllm_head_token_ids = ids
-    config.pagedllm_head_two_way = two_way
-    labels = [tokens[1]] if two_way else list(tokens)
-    config.num_labels = len(labels)
-    config.id2label = dict(enumerate(labels))
-    config.label2id = {label: i for i, label in enumerate(labels)}
+    return ids
 
 
 def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architecture: Optional[str]) -> None:
