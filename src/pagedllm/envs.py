@@ -42,6 +42,13 @@ def _int(name: str, default: int) -> Callable[[], int]:
     return lambda: int(os.environ.get(name, default))
 
 
+def _choice(name: str, default: str, choices: tuple) -> str:
+    value = os.environ.get(name, default).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={os.environ.get(name)!r}: expected one of {', '.join(choices)}.")
+    return value
+
+
 _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Where converted GGUF models (and other derived artifacts) are cached.
     "PAGEDLLM_CACHE_DIR": _cache_dir,
@@ -87,9 +94,11 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": on CUDA, run q/k norm, rotary and the KV-cache write as separate kernels instead of the fused one
     # (A/B benchmarks, debugging).
     "PAGEDLLM_FUSED_QKV": lambda: os.environ.get("PAGEDLLM_FUSED_QKV", "1") != "0",
-    # "0": decode steps on CUDA (16-bit caches) launch qkv_prep before the decode attention kernel instead of the
-    # kernel doing its work itself (q / k norm, rope, the KV write: kernels/paged_attention.DecodePrep; A/B).
-    "PAGEDLLM_DECODE_PREP": lambda: os.environ.get("PAGEDLLM_DECODE_PREP", "1") != "0",
+    # Whether decode steps on CUDA (16-bit caches) let the decode attention kernel do qkv_prep's work itself (q / k
+    # norm, rope, the KV write: kernels/paged_attention.DecodePrep) rather than launch qkv_prep first: "auto" for
+    # steps of up to DECODE_PREP_MAX_REQS requests (where one launch less pays), "1" for every decode step (tests,
+    # A/Bs), "0" never.
+    "PAGEDLLM_DECODE_PREP": lambda: _choice("PAGEDLLM_DECODE_PREP", "auto", ("auto", "1", "0")),
     # Mixed prefill + decode steps of up to this many tokens replay CUDA graphs (worker/mixed_graph.py); 0: eager.
     "PAGEDLLM_MIXED_GRAPH_MAX_TOKENS": _int("PAGEDLLM_MIXED_GRAPH_MAX_TOKENS", 4096),
     # Mixed-step graphs with this one query tile (rows per attention program) instead of the per-step choice.

@@ -51,6 +51,18 @@ def decode_uses_order(num_reqs: int, num_splits: int) -> bool:
     return num_splits == 1 or num_reqs >= ORDERED_SPLIT_MIN_REQS
 
 
+# Decode steps of up to this many requests let the attention kernel do qkv_prep's work (DecodePrep): one launch
+# less pays where the step is launch-bound; from a few rows on the kernel's in-loop substitution of the new K / V
+# costs more device time than the launch it saves (docs/benchmarks.md, "The decode prep by batch size").
+DECODE_PREP_MAX_REQS = 2
+
+
+def decode_prep_wanted(num_reqs: int) -> bool:
+    """Whether a decode step of `num_reqs` requests uses DecodePrep (PAGEDLLM_DECODE_PREP: auto / 1 / 0)."""
+    mode = envs.PAGEDLLM_DECODE_PREP
+    return mode == "1" or (mode == "auto" and num_reqs <= DECODE_PREP_MAX_REQS)
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_fp8_kv = True  # the kernels widen what they load to the query dtype and narrow what they store
@@ -180,8 +192,8 @@ class TritonAttentionBackend(AttentionBackend):
         output = torch.empty(num_tokens, spec.num_heads, spec.head_size, dtype=qkv.dtype, device=qkv.device)
         if num_tokens == 0 or metadata.num_reqs == 0:
             return output
-        if (metadata.max_query_len == 1 and envs.PAGEDLLM_DECODE_PREP and spec.kv_scales is None
-                and kv_cache.dtype == qkv.dtype):
+        if (metadata.max_query_len == 1 and spec.kv_scales is None and kv_cache.dtype == qkv.dtype
+                and decode_prep_wanted(metadata.num_reqs)):
             # A decode step: the attention kernel does qkv_prep's work itself (one launch less)
             # (as_strided: a view would give a one-row batch a packed row stride, hiding where K / V are)
             query = qkv.as_strided((num_tokens, spec.num_heads, spec.head_size), (qkv.stride(0), spec.head_size, 1))
