@@ -47,8 +47,9 @@ def test_sleep_and_wake_up_keep_greedy_tokens(tiny_llama_dir):
         assert not llm.is_sleeping()
         assert tokens(llm) == before
 
-        with pytest.raises(ValueError, match="level must be 1"):
-            llm.sleep(level=3)
+        for level in (3, 1.0, True):  # (1.0 and True are no level, though they equal 1)
+            with pytest.raises(ValueError, match="level must be 1"):
+                llm.sleep(level=level)
         with pytest.raises(ValueError, match="tags must be among"):
             llm.wake_up(tags=["weights", "optimizer"])
         with pytest.raises(ValueError, match="no public method"):

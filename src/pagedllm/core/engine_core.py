@@ -10,6 +10,7 @@ import contextlib
 import functools
 import gc
 import logging
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -417,7 +418,7 @@ class EngineCore:
         if not self.engine_args.enable_sleep_mode:
             raise ValueError("Sleep mode is off: start the engine with enable_sleep_mode=True "
                              "(--enable-sleep-mode) to use sleep / wake_up.")
-        if level not in (1, 2) or isinstance(level, bool):
+        if isinstance(level, bool) or not isinstance(level, numbers.Integral) or level not in (1, 2):
             raise ValueError(f"The sleep level must be 1 (weights to host memory) or 2 (weights discarded), "
                              f"got {level!r}.")
         if self.sleeping_tags:
