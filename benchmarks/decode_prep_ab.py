@@ -13,35 +13,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from attention_cases import build_batch  # noqa: E402
+from gemv import graph_time_us  # noqa: E402
 
 from pagedllm.attention.backend import QKVSpec  # noqa: E402
 from pagedllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.layers.rotary_embedding import get_rope  # noqa: E402
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def time_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
 
 
 def case(num_heads: int, num_kv_heads: int, batch: int, context: int, reps: int, rounds: int) -> tuple[float, float]:
@@ -54,17 +33,14 @@ def case(num_heads: int, num_kv_heads: int, batch: int, context: int, reps: int,
     norm = torch.ones(head_size, device="cuda", dtype=dtype)
     spec = QKVSpec(num_heads, num_kv_heads, head_size, b.scale, norm, norm, 1e-6)  # Qwen3's q / k norms
     backend = TritonAttentionBackend()
-    graphs = {}
-    for on in ("1", "0"):
-        os.environ["PAGEDLLM_DECODE_PREP"] = on
-        src = qkv.clone()
-        graphs[on] = graph_of(lambda src=src: backend.forward_qkv(src, positions, cos_sin, b.kv_cache, b.metadata,
-                                                                    spec))
-    os.environ.pop("PAGEDLLM_DECODE_PREP")
     times = {"1": [], "0": []}
     for _ in range(rounds):
-        for on in ("1", "0"):
-            times[on].append(time_us(graphs[on], reps))
+        for on in ("1", "0"):  # (the choice is made while the graph is captured)
+            os.environ["PAGEDLLM_DECODE_PREP"] = on
+            src = qkv.clone()
+            times[on].append(graph_time_us(
+                lambda src=src: backend.forward_qkv(src, positions, cos_sin, b.kv_cache, b.metadata, spec), reps))
+    os.environ.pop("PAGEDLLM_DECODE_PREP")
     return min(times["1"]), min(times["0"])
 
 
