@@ -15,7 +15,7 @@ from pagedllm.entrypoints.openai.body import parse_body, render_work, tokenize_w
 from pagedllm.entrypoints.openai.chat_template import check_request_template, render_chat
 from pagedllm.entrypoints.openai.completions import parse_prompts
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.protocol import ChatMessage, _Req, random_id
+from pagedllm.entrypoints.openai.protocol import ChatMessage, TokenId, _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority, truncate_prompt
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import merge_streams, start_disconnect_watch
@@ -25,7 +25,7 @@ MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 
 class EmbeddingRequest(_Req):
     model: Optional[str] = None
-    input: Optional[Union[str, list[int], list[Union[str, list[int]]]]] = None
+    input: Optional[Union[str, list[TokenId], list[Union[str, list[TokenId]]]]] = None
     # vLLM's chat-style request: one conversation, rendered by the chat template, embedded as one input
     messages: Optional[list[ChatMessage]] = None
     add_generation_prompt: bool = False

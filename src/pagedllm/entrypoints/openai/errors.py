@@ -55,9 +55,14 @@ def format_validation_error(e: ValidationError | Any) -> APIError:
     errors = e.errors() if hasattr(e, "errors") else []
     if not errors:
         return APIError(str(e))
-    first = errors[0]
-    # Drop FastAPI's "body" and pydantic's union-branch tags ("str", "list[int]", ...) from the location.
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p))
+    def field_path(error: dict) -> list[str]:
+        # FastAPI's "body" and pydantic's union-branch tags ("str", "list[int]", ...) dropped from the location
+        return [str(p) for p in error.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+
+    # A union's branches each report an error; the one that got deepest into the value names what is wrong with it
+    # (a prompt of [true] is a list whose item is no integer, more than it is no string).
+    first = max(errors, key=lambda error: len(field_path(error)))
+    loc = ".".join(field_path(first))
     if first.get("type") == "missing":
         return APIError(f"Missing required parameter: '{loc}'.", param=loc or None)
     if first.get("type") == "json_invalid":

@@ -7,9 +7,13 @@ SamplingParams so the offline API and the server give the same messages.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Strict
+
+# A token id: an integer, not a bool, float or numeric string that the lax default would turn into one (a prompt of
+# [true, false] is no prompt of tokens 1 and 0).
+TokenId = Annotated[int, Strict()]
 
 
 class _Req(BaseModel):
@@ -52,7 +56,7 @@ class VllmSamplingExtras(_Req):
     repetition_penalty: Optional[float] = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -80,7 +84,7 @@ class _SamplingFields(VllmSamplingExtras):
     return_token_ids: Optional[bool] = None  # vLLM: the choices' token_ids and the prompt's prompt_token_ids
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     bad_words: Optional[list[str]] = None
-    allowed_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[TokenId]] = None
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: the model's context length
     # vLLM's: logprobs name tokens "token_id:<id>" (entrypoints/openai/logprobs.token_label)
@@ -102,7 +106,7 @@ class _SamplingFields(VllmSamplingExtras):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    prompt: Union[str, list[TokenId], list[Union[str, list[TokenId]]]]
     echo: Optional[bool] = False
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
@@ -159,4 +163,4 @@ class TokenizeRequest(_Req):
 
 class DetokenizeRequest(_Req):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
