@@ -99,15 +99,19 @@ def test_integer_beyond_pythons_digit_limit_is_400(tiny_server, body: bytes) -> 
             (path, r.text)
 
 
-def test_token_ids_that_are_not_integers_are_400(tiny_server) -> None:
-    # (pydantic's lax ints read true / false / 2.0 as token ids 1 / 0 / 2)
+def test_token_ids_and_counts_that_are_not_integers_are_400(tiny_server) -> None:
+    # (pydantic's lax ints read true / false / 2.0 as token ids 1 / 0 / 2, and true as max_tokens 1)
     for path, body in [("/v1/completions", {"prompt": [True, False], "max_tokens": 1}),
                        ("/v1/completions", {"prompt": [[5, 6.0]], "max_tokens": 1}),
                        ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [True]}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                                  "allowed_token_ids": [5, False]}),
                        ("/detokenize", {"tokens": [True]}),
-                       ("/v1/embeddings", {"input": [1, True]})]:
+                       ("/v1/embeddings", {"input": [1, True]}),
+                       # nor is a bool a count or a seed
+                       ("/v1/completions", {"prompt": "hi", "max_tokens": True}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": True}),
+                       ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "seed": False})]:
         r = _post(tiny_server, path, json.dumps(body).encode())
         assert r.status_code == 400 and "should be a valid integer" in r.json()["error"]["message"], (path, body, r.text)
     ok = _post(tiny_server, "/v1/completions", json.dumps({"prompt": [5, 6], "max_tokens": 1}).encode())

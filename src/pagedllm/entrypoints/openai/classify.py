@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
 from pagedllm.entrypoints.openai.embeddings import parse_inputs, pooled_vectors, truncated
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.protocol import TokenId, _Req, random_id
+from pagedllm.entrypoints.openai.protocol import Int, TokenId, _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 
@@ -20,8 +20,8 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 class ClassificationRequest(_Req):
     model: Optional[str] = None
     input: Union[str, list[TokenId], list[Union[str, list[TokenId]]]]
-    truncate_prompt_tokens: Optional[int] = None
-    priority: Optional[int] = None
+    truncate_prompt_tokens: Optional[Int] = None
+    priority: Optional[Int] = None
     user: Optional[str] = None
     add_special_tokens: bool = True
     request_id: Optional[str] = None

@@ -15,7 +15,7 @@ from pagedllm.entrypoints.openai.body import parse_body, render_work, tokenize_w
 from pagedllm.entrypoints.openai.chat_template import check_request_template, render_chat
 from pagedllm.entrypoints.openai.completions import parse_prompts
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.protocol import ChatMessage, TokenId, _Req, random_id
+from pagedllm.entrypoints.openai.protocol import ChatMessage, Int, TokenId, _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority, truncate_prompt
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import merge_streams, start_disconnect_watch
@@ -33,13 +33,13 @@ class EmbeddingRequest(_Req):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = None
+    dimensions: Optional[Int] = None
     user: Optional[str] = None
     # vLLM's extras
-    truncate_prompt_tokens: Optional[int] = None
+    truncate_prompt_tokens: Optional[Int] = None
     add_special_tokens: Optional[bool] = None  # (default: true for `input`, false for `messages`, as vLLM)
     normalize: Optional[bool] = None
-    priority: Optional[int] = None
+    priority: Optional[Int] = None
     request_id: Optional[str] = None
 
 

@@ -9,11 +9,21 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Strict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Strict
 
 # A token id: an integer, not a bool, float or numeric string that the lax default would turn into one (a prompt of
 # [true, false] is no prompt of tokens 1 and 0).
 TokenId = Annotated[int, Strict()]
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("Input should be a valid integer, not a boolean")
+    return value
+
+
+# A count, length or seed: an integer (a whole float such as 2.0 too, as pydantic reads it), never true / false.
+Int = Annotated[int, BeforeValidator(_no_bool)]
 
 
 class _Req(BaseModel):
@@ -51,10 +61,10 @@ class StreamOptions(_Req):
 class VllmSamplingExtras(_Req):
     """vLLM's sampling extras every generating endpoint takes (/v1/responses too)."""
 
-    top_k: Optional[int] = None
+    top_k: Optional[Int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
     stop_token_ids: Optional[list[TokenId]] = None
     skip_special_tokens: bool = True
@@ -65,14 +75,14 @@ class _SamplingFields(VllmSamplingExtras):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[Int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    n: int = 1
+    n: Int = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[Int] = None
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
     user: Optional[str] = None
@@ -80,13 +90,13 @@ class _SamplingFields(VllmSamplingExtras):
     spaces_between_special_tokens: bool = True
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None  # vLLM: only requests of the same salt share prefix-cache blocks
-    priority: Optional[int] = 0  # vLLM: lower first; not 0 only under --scheduling-policy priority
+    priority: Optional[Int] = 0  # vLLM: lower first; not 0 only under --scheduling-policy priority
     return_token_ids: Optional[bool] = None  # vLLM: the choices' token_ids and the prompt's prompt_token_ids
     logit_bias: Optional[dict[str, float]] = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[TokenId]] = None
-    prompt_logprobs: Optional[int] = None
-    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens; -1: the model's context length
+    prompt_logprobs: Optional[Int] = None
+    truncate_prompt_tokens: Optional[Int] = None  # keep the prompt's last k tokens; -1: the model's context length
     # vLLM's: logprobs name tokens "token_id:<id>" (entrypoints/openai/logprobs.token_label)
     return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's beam search extension (entrypoints/openai/beam_search.py); early_stopping as in transformers.
@@ -108,9 +118,9 @@ class _SamplingFields(VllmSamplingExtras):
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[TokenId], list[Union[str, list[TokenId]]]]
     echo: Optional[bool] = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[Int] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int] = None
     add_special_tokens: bool = True
 
 
@@ -128,16 +138,16 @@ class ChatMessage(_Req):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[Int] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: bool = False  # vLLM: echo the last message's content when it has the assistant role
-    best_of: Optional[int] = None  # only with use_beam_search: the beam width
+    best_of: Optional[Int] = None  # only with use_beam_search: the beam width
     # Tool calling (entrypoints/openai/tool_calling.py)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None

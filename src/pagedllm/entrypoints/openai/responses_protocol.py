@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from pagedllm.entrypoints.openai import limits
 from pagedllm.entrypoints.openai.errors import APIError, format_validation_error
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, VllmSamplingExtras
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, Int, VllmSamplingExtras
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 
@@ -22,7 +22,7 @@ class ResponsesRequest(VllmSamplingExtras):
     model: Optional[str] = None
     input: Union[str, list[Any]]  # (items checked in input_messages: pydantic's union error would say "string")
     instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
+    max_output_tokens: Optional[Int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stream: Optional[bool] = False
@@ -46,10 +46,10 @@ class ResponsesRequest(VllmSamplingExtras):
     conversation: Optional[Any] = None
     prompt: Optional[Any] = None
     truncation: Optional[str] = None
-    max_tool_calls: Optional[int] = None
-    top_logprobs: Optional[int] = None
+    max_tool_calls: Optional[Int] = None
+    top_logprobs: Optional[Int] = None
     # vLLM's sampling extras, as chat takes them (VllmSamplingExtras; copied onto the chat request: _SHARED)
-    seed: Optional[int] = None
+    seed: Optional[Int] = None
     stop: Optional[Union[str, list[str]]] = None
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
@@ -57,7 +57,7 @@ class ResponsesRequest(VllmSamplingExtras):
     bad_words: Optional[list[str]] = None
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
-    priority: Optional[int] = 0  # vLLM's Responses take it too (it was ignored here, named as unknown)
+    priority: Optional[Int] = 0  # vLLM's Responses take it too (it was ignored here, named as unknown)
 
 
 _SHARED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "seed", "stop",

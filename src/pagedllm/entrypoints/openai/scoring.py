@@ -15,7 +15,7 @@ from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
 from pagedllm.entrypoints.openai.completions import parse_prompts
 from pagedllm.entrypoints.openai.embeddings import MAX_INPUTS, pooled_vectors, pooling_defaults, truncated
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.protocol import _Req, random_id
+from pagedllm.entrypoints.openai.protocol import Int, _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.classify import class_logits, classifier_inputs, classifier_labels
@@ -26,8 +26,8 @@ class ScoreRequest(_Req):
     model: Optional[str] = None
     text_1: Union[str, list[str]]
     text_2: Union[str, list[str]]
-    truncate_prompt_tokens: Optional[int] = None
-    priority: Optional[int] = None
+    truncate_prompt_tokens: Optional[Int] = None
+    priority: Optional[Int] = None
     request_id: Optional[str] = None
 
 
@@ -35,10 +35,10 @@ class RerankRequest(_Req):
     model: Optional[str] = None
     query: str
     documents: list[str]
-    top_n: Optional[int] = None  # the best n (None or 0: all)
+    top_n: Optional[Int] = None  # the best n (None or 0: all)
     return_documents: bool = True
-    truncate_prompt_tokens: Optional[int] = None
-    priority: Optional[int] = None
+    truncate_prompt_tokens: Optional[Int] = None
+    priority: Optional[Int] = None
     request_id: Optional[str] = None
 
 
