@@ -45,6 +45,19 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
         assert results[0]["relevance_score"] == pytest.approx(want[order[0]], abs=1e-4)
         assert results[0]["document"] == {"text": docs[order[0]]}
 
+        # vLLM's chat-style request: one conversation rendered by the chat template (as /tokenize renders it)
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is Paris in France?"}]
+        r = http.post("/classify", json={"messages": messages})
+        assert r.status_code == 200, r.text
+        ids = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+        assert r.json()["usage"]["prompt_tokens"] == len(ids) and len(r.json()["data"]) == 1
+        want = torch.sigmoid(hf_logits(model_dir, ids))[0].item()
+        assert r.json()["data"][0]["probs"][0] == pytest.approx(want, abs=1e-4)
+        for body, param in (({"messages": messages, "input": "x"}, "input"), ({}, "input"),
+                            ({"input": "x", "add_generation_prompt": True}, "add_generation_prompt")):
+            r = http.post("/classify", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
         # truncate_prompt_tokens=max_model_len is accepted and keeps what a classification input may hold (as -1)
         r = http.post("/classify", json={"input": [[5] * 600], "truncate_prompt_tokens": 512})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 511, r.text

@@ -1,6 +1,7 @@
 """POST /classify (vLLM's; also /v1/classify): a sequence classifier's (*ForSequenceClassification) class
-probabilities for each input, the softmax of its label logits (a one-label model's sigmoid), and the most likely
-label. The engine pools each input's last token through the model's score head (pooling/)."""
+probabilities for each input (texts, token ids, or one conversation in `messages` rendered by the chat template),
+the softmax of its label logits (a one-label model's sigmoid), and the most likely label. The engine pools each
+input's last token through the model's score head (pooling/)."""
 from __future__ import annotations
 
 import time
@@ -9,21 +10,27 @@ from typing import Any, Optional, Union
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
-from pagedllm.entrypoints.openai.embeddings import parse_inputs, pooled_vectors, truncated
+from pagedllm.entrypoints.openai.body import parse_body
+from pagedllm.entrypoints.openai.embeddings import pooled_vectors, request_inputs, truncated
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.protocol import Int, TokenId, _Req, random_id
+from pagedllm.entrypoints.openai.protocol import ChatMessage, Int, TokenId, _Req, random_id
 from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 
 
 class ClassificationRequest(_Req):
     model: Optional[str] = None
-    input: Union[str, list[TokenId], list[Union[str, list[TokenId]]]]
+    input: Optional[Union[str, list[TokenId], list[Union[str, list[TokenId]]]]] = None
+    # vLLM's chat-style request: one conversation, rendered by the chat template, classified as one input
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     truncate_prompt_tokens: Optional[Int] = None
     priority: Optional[Int] = None
     user: Optional[str] = None
-    add_special_tokens: bool = True
+    add_special_tokens: Optional[bool] = None  # (default: true for `input`, false for `messages`, as vLLM)
     request_id: Optional[str] = None
 
 
@@ -58,9 +65,7 @@ async def create_classification(request: Request, state: ServerState) -> Respons
     req = await parse_body(request, ClassificationRequest)
     model = state.check_model(req.model)
     labels = classifier_labels(state, "/classify")
-    inputs = await tokenize_work(request, parse_inputs, req.input, state.tokenizer, state.engine.ready.vocab_size,
-                                 req.add_special_tokens)
-    inputs = classifier_inputs(state, inputs, req.truncate_prompt_tokens)
+    inputs = classifier_inputs(state, await request_inputs(request, req, state), req.truncate_prompt_tokens)
     request_id = req.request_id or random_id("classify")
     created = int(time.time())
     logits = await class_logits(request, state, model, inputs, req, request_id, "input")

@@ -43,6 +43,25 @@ class EmbeddingRequest(_Req):
     request_id: Optional[str] = None
 
 
+async def request_inputs(request: Request, req: Any, state: ServerState) -> list[tuple[Optional[str], list[int]]]:
+    """A pooling request's inputs, [(text or None, token ids)]: its `input` (texts or token ids), or its `messages`
+    (vLLM's chat-style request: one conversation rendered by the chat template, one input)."""
+    if (req.input is None) == (req.messages is None):
+        raise APIError("Give exactly one of 'input' or 'messages'.", param="input")
+    if req.input is not None:  # the chat template's fields shape only a conversation
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"):
+            if getattr(req, name):
+                raise APIError(f"'{name}' applies to 'messages' (a conversation rendered by the chat template), not "
+                               "to 'input'.", param=name)
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        return await tokenize_work(request, parse_inputs, req.input, state.tokenizer, state.engine.ready.vocab_size,
+                                   add_special)
+    check_request_template(req.chat_template, state)
+    return [await render_work(request, req, render_chat, state.tokenizer, req.messages, req.add_generation_prompt,
+                              req.continue_final_message, req.chat_template, req.chat_template_kwargs,
+                              bool(req.add_special_tokens))]
+
+
 def parse_inputs(inputs: Any, tokenizer: Any, vocab_size: int, add_special_tokens: bool
                  ) -> list[tuple[Optional[str], list[int]]]:
     """-> [(text or None, token ids)] for str | [str] | [int] | [[int]] (completions' prompt shapes)."""
@@ -129,22 +148,7 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
                                               pooling_defaults(state), ready.hidden_size)
     except ValueError as e:
         raise APIError(str(e), param="dimensions") from None
-    if (req.input is None) == (req.messages is None):
-        raise APIError("Give exactly one of 'input' or 'messages'.", param="input")
-    if req.input is not None:  # the chat template's fields shape only a conversation
-        for name in ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"):
-            if getattr(req, name):
-                raise APIError(f"'{name}' applies to 'messages' (a conversation rendered by the chat template), not "
-                               "to 'input'.", param=name)
-    if req.messages is not None:
-        check_request_template(req.chat_template, state)
-        inputs = [await render_work(request, req, render_chat, state.tokenizer, req.messages, req.add_generation_prompt,
-                                    req.continue_final_message, req.chat_template, req.chat_template_kwargs,
-                                    bool(req.add_special_tokens))]
-    else:
-        add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        inputs = await tokenize_work(request, parse_inputs, req.input, state.tokenizer, ready.vocab_size, add_special)
-    inputs = truncated(inputs, req.truncate_prompt_tokens, state)
+    inputs = truncated(await request_inputs(request, req, state), req.truncate_prompt_tokens, state)
     request_id = req.request_id or random_id("embd")
     created = int(time.time())
     vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id)
