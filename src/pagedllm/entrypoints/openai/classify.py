@@ -5,33 +5,21 @@ input's last token through the model's score head (pooling/)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
-from pagedllm.entrypoints.openai.embeddings import pooled_vectors, request_inputs, truncated
+from pagedllm.entrypoints.openai.embeddings import PoolingRequest, pooled_vectors, request_inputs, truncated
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.protocol import ChatMessage, Int, TokenId, _Req, random_id
+from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 
 
-class ClassificationRequest(_Req):
-    model: Optional[str] = None
-    input: Optional[Union[str, list[TokenId], list[Union[str, list[TokenId]]]]] = None
-    # vLLM's chat-style request: one conversation, rendered by the chat template, classified as one input
-    messages: Optional[list[ChatMessage]] = None
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    truncate_prompt_tokens: Optional[Int] = None
-    priority: Optional[Int] = None
-    user: Optional[str] = None
-    add_special_tokens: Optional[bool] = None  # (default: true for `input`, false for `messages`, as vLLM)
-    request_id: Optional[str] = None
+class ClassificationRequest(PoolingRequest):
+    """vLLM's classification request: PoolingRequest's fields (texts, token ids or `messages`)."""
 
 
 def classifier_labels(state: ServerState, what: str) -> list[str]:

@@ -23,27 +23,31 @@ from pagedllm.entrypoints.openai.streaming import merge_streams, start_disconnec
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 
 
-class EmbeddingRequest(_Req):
+class PoolingRequest(_Req):
+    """What an embeddings and a classification request both take (request_inputs reads them)."""
     model: Optional[str] = None
     input: Optional[Union[str, list[TokenId], list[Union[str, list[TokenId]]]]] = None
-    # vLLM's chat-style request: one conversation, rendered by the chat template, embedded as one input
+    # vLLM's chat-style request: one conversation, rendered by the chat template, pooled as one input
     messages: Optional[list[ChatMessage]] = None
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[Int] = None
     user: Optional[str] = None
     # vLLM's extras
     truncate_prompt_tokens: Optional[Int] = None
     add_special_tokens: Optional[bool] = None  # (default: true for `input`, false for `messages`, as vLLM)
-    normalize: Optional[bool] = None
     priority: Optional[Int] = None
     request_id: Optional[str] = None
 
 
-async def request_inputs(request: Request, req: Any, state: ServerState) -> list[tuple[Optional[str], list[int]]]:
+class EmbeddingRequest(PoolingRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Int] = None
+    normalize: Optional[bool] = None
+
+
+async def request_inputs(request: Request, req: PoolingRequest, state: ServerState) -> list[tuple[Optional[str], list[int]]]:
     """A pooling request's inputs, [(text or None, token ids)]: its `input` (texts or token ids), or its `messages`
     (vLLM's chat-style request: one conversation rendered by the chat template, one input)."""
     if (req.input is None) == (req.messages is None):
