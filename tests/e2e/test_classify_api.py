@@ -58,6 +58,18 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
             r = http.post("/classify", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
+        # vLLM's generic /pooling: a classifier's default task is classify, its data /classify's probabilities
+        classes = http.post("/classify", json={"input": texts}).json()["data"]
+        r = http.post("/pooling", json={"input": texts})
+        assert r.status_code == 200, r.text
+        assert [d["object"] for d in r.json()["data"]] == ["pooling"] * 2
+        assert [d["data"] for d in r.json()["data"]] == [c["probs"] for c in classes]
+        for body, param in (({"input": "x", "task": "embed"}, "model"), ({"input": "x", "dimensions": 2}, "dimensions"),
+                            ({"input": "x", "task": "reward"}, "task")):
+            r = http.post("/pooling", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert httpx.post(url + "/pooling", json={"input": "x"}, timeout=60).status_code == 401
+
         # truncate_prompt_tokens=max_model_len is accepted and keeps what a classification input may hold (as -1)
         r = http.post("/classify", json={"input": [[5] * 600], "truncate_prompt_tokens": 512})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 511, r.text

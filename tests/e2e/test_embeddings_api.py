@@ -97,6 +97,21 @@ def test_a_conversation_is_embedded_as_its_rendered_prompt(http: httpx.Client, o
         assert bad.status_code == 400 and bad.json()["error"]["param"] == name, bad.text
 
 
+def test_pooling_route_gives_the_embeddings(http: httpx.Client) -> None:
+    """vLLM's generic POST /pooling: on an embedding-capable model its default task is embed, the data
+    /v1/embeddings' vectors (base64 too); the classify task needs a classifier."""
+    texts = ["Paris is in France.", "hello"]
+    want = [d["embedding"] for d in http.post("/v1/embeddings", json={"input": texts}).json()["data"]]
+    r = http.post("/pooling", json={"model": SERVED_NAME, "input": texts})
+    assert r.status_code == 200, r.text
+    assert [d["data"] for d in r.json()["data"]] == want and r.json()["data"][1]["index"] == 1
+    r = http.post("/pooling", json={"input": texts[:1], "encoding_format": "base64"})
+    raw = base64.b64decode(r.json()["data"][0]["data"])
+    _close(list(struct.unpack(f"<{len(raw) // 4}f", raw)), want[0])
+    r = http.post("/pooling", json={"input": "x", "task": "classify"})
+    assert r.status_code == 400 and "sequence classification model" in r.json()["error"]["message"], r.text
+
+
 def test_truncation_keeps_the_last_tokens(http: httpx.Client, offline_llm) -> None:
     ids = list(range(100, 100 + MAX_MODEL_LEN + 10))  # too long, unless cut
     r = http.post("/v1/embeddings", json={"model": SERVED_NAME, "input": ids, "truncate_prompt_tokens": 20})

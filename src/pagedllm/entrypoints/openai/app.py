@@ -24,9 +24,9 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 logger = logging.getLogger("pagedllm.api_server")
 
 
-# Routes behind --api-key: the OpenAI API, vLLM's scoring and classify routes outside /v1 (they run the model), and
+# Routes behind --api-key: the OpenAI API, vLLM's scoring, classify and pooling routes outside /v1 (they run the model), and
 # the dev-mode routes that change the engine's state (openai/admin.py; vLLM leaves them open, its security guide says).
-KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank", "/classify", "/sleep", "/wake_up", "/is_sleeping",
+KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank", "/classify", "/pooling", "/sleep", "/wake_up", "/is_sleeping",
                   "/reset_prefix_cache")
 
 
@@ -139,6 +139,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def classify(request: Request) -> Response:
         return await create_classification(request, state)
+
+    from pagedllm.entrypoints.openai.pooling_api import PoolingAPIRequest, create_pooling
+
+    @app.post("/pooling", openapi_extra=body(PoolingAPIRequest))
+    async def pooling(request: Request) -> Response:
+        return await create_pooling(request, state)
 
     # vLLM's other paths of the same routes (the schema lists each route once)
     for path in ("/classify", "/v1/classify"):

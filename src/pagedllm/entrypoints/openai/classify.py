@@ -47,19 +47,25 @@ async def class_logits(request: Request, state: ServerState, model: str, inputs:
                                 request_id, field=field, what="classification")
 
 
-async def create_classification(request: Request, state: ServerState) -> Response:
+async def classified(request: Request, state: ServerState, req: PoolingRequest, model: str, request_id: str
+                     ) -> tuple[list, list[list[float]]]:
+    """(the inputs as the classifier reads them, [(text or None, token ids)], and their class probabilities)."""
     from pagedllm.pooling import class_probs
 
+    inputs = classifier_inputs(state, await request_inputs(request, req, state), req.truncate_prompt_tokens)
+    logits = await class_logits(request, state, model, inputs, req, request_id, "input")
+    return inputs, [class_probs(row) for row in logits]
+
+
+async def create_classification(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, ClassificationRequest)
     model = state.check_model(req.model)
     labels = classifier_labels(state, "/classify")
-    inputs = classifier_inputs(state, await request_inputs(request, req, state), req.truncate_prompt_tokens)
     request_id = req.request_id or random_id("classify")
     created = int(time.time())
-    logits = await class_logits(request, state, model, inputs, req, request_id, "input")
+    inputs, rows = await classified(request, state, req, model, request_id)
     data = []
-    for i, row in enumerate(logits):
-        probs = class_probs(row)
+    for i, probs in enumerate(rows):
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": i, "label": labels[best] if best < len(labels) else None, "probs": probs,
                      "num_classes": len(probs)})

@@ -137,11 +137,12 @@ async def pooled_vectors(request: Request, state: ServerState, model: str, input
     return vectors
 
 
-async def create_embedding(request: Request, state: ServerState) -> Response:
+async def embedded(request: Request, state: ServerState, req: EmbeddingRequest, model: str, request_id: str
+                   ) -> tuple[list, list[list[float]]]:
+    """(the inputs, [(text or None, token ids)], and their embeddings: pooled, normalized and shortened as the
+    request and the model's pooling say)."""
     from pagedllm.pooling import PoolingParams, finish, resolve
 
-    req = await parse_body(request, EmbeddingRequest)
-    model = state.check_model(req.model)
     priority = request_priority(req, state.scheduling_policy)
     ready = state.engine.ready
     if ready.classifier_labels is not None:
@@ -153,17 +154,25 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
     except ValueError as e:
         raise APIError(str(e), param="dimensions") from None
     inputs = truncated(await request_inputs(request, req, state), req.truncate_prompt_tokens, state)
+    vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id)
+    return inputs, [finish(pooled, normalize, dimensions) for pooled in vectors]
+
+
+def encoded(vector: list[float], encoding_format: str) -> Any:
+    """A vector as the request asked: floats, or OpenAI's base64 of little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
+
+
+async def create_embedding(request: Request, state: ServerState) -> Response:
+    req = await parse_body(request, EmbeddingRequest)
+    model = state.check_model(req.model)
     request_id = req.request_id or random_id("embd")
     created = int(time.time())
-    vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id)
-    data = []
-    for i, pooled in enumerate(vectors):
-        vector = finish(pooled, normalize, dimensions)
-        if req.encoding_format == "base64":  # OpenAI's: little-endian float32 bytes
-            embedding: Any = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-        else:
-            embedding = vector
-        data.append({"object": "embedding", "index": i, "embedding": embedding})
+    inputs, vectors = await embedded(request, state, req, model, request_id)
+    data = [{"object": "embedding", "index": i, "embedding": encoded(vector, req.encoding_format)}
+            for i, vector in enumerate(vectors)]
     num_tokens = sum(len(ids) for _, ids in inputs)
     body = {"id": request_id, "object": "list", "created": created, "model": model, "data": data,
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}

@@ -1,0 +1,42 @@
+"""POST /pooling (vLLM's generic pooling route): what the served model pools for each input, as LLM.encode gives it:
+the embedding (task "embed", an embedding-capable model's default; as /v1/embeddings makes it) or the class
+probabilities (task "classify", a sequence classifier's default; as /classify makes them)."""
+from __future__ import annotations
+
+import time
+from typing import Literal, Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedllm.entrypoints.openai.body import parse_body
+from pagedllm.entrypoints.openai.classify import classified, classifier_labels
+from pagedllm.entrypoints.openai.embeddings import EmbeddingRequest, embedded, encoded
+from pagedllm.entrypoints.openai.errors import APIError, dumps
+from pagedllm.entrypoints.openai.protocol import random_id
+from pagedllm.entrypoints.openai.server_state import ServerState
+
+
+class PoolingAPIRequest(EmbeddingRequest):
+    task: Optional[Literal["embed", "classify"]] = None  # (None: the model's own)
+
+
+async def create_pooling(request: Request, state: ServerState) -> Response:
+    req = await parse_body(request, PoolingAPIRequest)
+    model = state.check_model(req.model)
+    task = req.task or ("classify" if state.engine.ready.classifier_labels is not None else "embed")
+    request_id = req.request_id or random_id("pool")
+    created = int(time.time())
+    if task == "embed":
+        inputs, rows = await embedded(request, state, req, model, request_id)
+    else:
+        classifier_labels(state, "The 'classify' task")
+        for name in ("dimensions", "normalize"):  # (never silently unused)
+            if getattr(req, name) is not None:
+                raise APIError(f"'{name}' applies to the 'embed' task, not to 'classify'.", param=name)
+        inputs, rows = await classified(request, state, req, model, request_id)
+    data = [{"index": i, "object": "pooling", "data": encoded(row, req.encoding_format)} for i, row in enumerate(rows)]
+    num_tokens = sum(len(ids) for _, ids in inputs)
+    body = {"id": request_id, "object": "list", "created": created, "model": model, "data": data,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}
+    return Response(dumps(body), media_type="application/json")
