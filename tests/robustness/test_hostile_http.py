@@ -113,7 +113,8 @@ def test_token_ids_and_counts_that_are_not_integers_are_400(tiny_server) -> None
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": True}),
                        ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "seed": False})]:
         r = _post(tiny_server, path, json.dumps(body).encode())
-        assert r.status_code == 400 and "should be a valid integer" in r.json()["error"]["message"], (path, body, r.text)
+        assert r.status_code == 400 and "should be a valid integer" in r.json()["error"]["message"], \
+            (path, body, r.text)
     ok = _post(tiny_server, "/v1/completions", json.dumps({"prompt": [5, 6], "max_tokens": 1}).encode())
     assert ok.status_code == 200, ok.text
 

@@ -24,8 +24,9 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 logger = logging.getLogger("pagedllm.api_server")
 
 
-# Routes behind --api-key: the OpenAI API, vLLM's scoring, classify and pooling routes outside /v1 (they run the model), and
-# the dev-mode routes that change the engine's state (openai/admin.py; vLLM leaves them open, its security guide says).
+# Routes behind --api-key: the OpenAI API, vLLM's scoring, classify and pooling routes outside /v1 (they run the
+# model), and the dev-mode routes that change the engine's state (openai/admin.py; vLLM leaves them open, its
+# security guide says).
 KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank", "/classify", "/pooling", "/sleep", "/wake_up", "/is_sleeping",
                   "/reset_prefix_cache")
 

@@ -47,7 +47,8 @@ class EmbeddingRequest(PoolingRequest):
     normalize: Optional[bool] = None
 
 
-async def request_inputs(request: Request, req: PoolingRequest, state: ServerState) -> list[tuple[Optional[str], list[int]]]:
+async def request_inputs(request: Request, req: PoolingRequest, state: ServerState
+                         ) -> list[tuple[Optional[str], list[int]]]:
     """A pooling request's inputs, [(text or None, token ids)]: its `input` (texts or token ids), or its `messages`
     (vLLM's chat-style request: one conversation rendered by the chat template, one input)."""
     if (req.input is None) == (req.messages is None):
