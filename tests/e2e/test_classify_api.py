@@ -64,6 +64,12 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
         assert r.status_code == 200, r.text
         assert [d["object"] for d in r.json()["data"]] == ["pooling"] * 2
         assert [d["data"] for d in r.json()["data"]] == [c["probs"] for c in classes]
+        # activation false: the raw label logits (/classify's "probs" then holds them, as vLLM's)
+        want = [hf_logits(model_dir, ids)[0].item() for ids in wants[:2]]
+        for path in ("/classify", "/pooling"):
+            r = http.post(path, json={"input": texts, "activation": False})
+            got = [d["probs" if path == "/classify" else "data"][0] for d in r.json()["data"]]
+            assert got == pytest.approx(want, abs=1e-4), (path, r.text)
         for body, param in (({"input": "x", "task": "embed"}, "model"), ({"input": "x", "dimensions": 2}, "dimensions"),
                             ({"input": "x", "task": "reward"}, "task")):
             r = http.post("/pooling", json=body)

@@ -110,6 +110,8 @@ def test_pooling_route_gives_the_embeddings(http: httpx.Client) -> None:
     _close(list(struct.unpack(f"<{len(raw) // 4}f", raw)), want[0])
     r = http.post("/pooling", json={"input": "x", "task": "classify"})
     assert r.status_code == 400 and "sequence classification model" in r.json()["error"]["message"], r.text
+    r = http.post("/pooling", json={"input": "x", "activation": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "activation", r.text
 
 
 def test_truncation_keeps_the_last_tokens(http: httpx.Client, offline_llm) -> None:

@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 
 class ClassificationRequest(PoolingRequest):
     """vLLM's classification request: PoolingRequest's fields (texts, token ids or `messages`)."""
+    activation: Optional[bool] = None  # vLLM's: false gives the raw label logits instead of their probabilities
 
 
 def classifier_labels(state: ServerState, what: str) -> list[str]:
@@ -47,14 +48,15 @@ async def class_logits(request: Request, state: ServerState, model: str, inputs:
                                 request_id, field=field, what="classification")
 
 
-async def classified(request: Request, state: ServerState, req: PoolingRequest, model: str, request_id: str
-                     ) -> tuple[list, list[list[float]]]:
-    """(the inputs as the classifier reads them, [(text or None, token ids)], and their class probabilities)."""
+async def classified(request: Request, state: ServerState, req: PoolingRequest, model: str, request_id: str,
+                     activation: Optional[bool]) -> tuple[list, list[list[float]]]:
+    """(the inputs as the classifier reads them, [(text or None, token ids)], and their class probabilities, or
+    their label logits where `activation` is False)."""
     from pagedllm.pooling import class_probs
 
     inputs = classifier_inputs(state, await request_inputs(request, req, state), req.truncate_prompt_tokens)
     logits = await class_logits(request, state, model, inputs, req, request_id, "input")
-    return inputs, [class_probs(row) for row in logits]
+    return inputs, logits if activation is False else [class_probs(row) for row in logits]
 
 
 async def create_classification(request: Request, state: ServerState) -> Response:
@@ -63,7 +65,7 @@ async def create_classification(request: Request, state: ServerState) -> Respons
     labels = classifier_labels(state, "/classify")
     request_id = req.request_id or random_id("classify")
     created = int(time.time())
-    inputs, rows = await classified(request, state, req, model, request_id)
+    inputs, rows = await classified(request, state, req, model, request_id, req.activation)
     data = []
     for i, probs in enumerate(rows):
         best = max(range(len(probs)), key=probs.__getitem__)

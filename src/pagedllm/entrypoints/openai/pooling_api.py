@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 
 class PoolingAPIRequest(EmbeddingRequest):
     task: Optional[Literal["embed", "classify"]] = None  # (None: the model's own)
+    activation: Optional[bool] = None  # classify: false gives the raw label logits (embed: see normalize)
 
 
 async def create_pooling(request: Request, state: ServerState) -> Response:
@@ -28,13 +29,16 @@ async def create_pooling(request: Request, state: ServerState) -> Response:
     request_id = req.request_id or random_id("pool")
     created = int(time.time())
     if task == "embed":
+        if req.activation is not None:  # (never silently unused)
+            raise APIError("'activation' applies to the 'classify' task; the 'embed' task takes 'normalize'.",
+                           param="activation")
         inputs, rows = await embedded(request, state, req, model, request_id)
     else:
         classifier_labels(state, "The 'classify' task")
-        for name in ("dimensions", "normalize"):  # (never silently unused)
+        for name in ("dimensions", "normalize"):
             if getattr(req, name) is not None:
                 raise APIError(f"'{name}' applies to the 'embed' task, not to 'classify'.", param=name)
-        inputs, rows = await classified(request, state, req, model, request_id)
+        inputs, rows = await classified(request, state, req, model, request_id, req.activation)
     data = [{"index": i, "object": "pooling", "data": encoded(row, req.encoding_format)} for i, row in enumerate(rows)]
     num_tokens = sum(len(ids) for _, ids in inputs)
     body = {"id": request_id, "object": "list", "created": created, "model": model, "data": data,
