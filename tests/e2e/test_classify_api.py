@@ -63,7 +63,8 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
         r = http.post("/pooling", json={"input": texts})
         assert r.status_code == 200, r.text
         assert [d["object"] for d in r.json()["data"]] == ["pooling"] * 2
-        assert [d["data"] for d in r.json()["data"]] == [c["probs"] for c in classes]
+        for got, c in zip(r.json()["data"], classes):  # (equal up to the rounding of the step's batch shape)
+            assert got["data"] == pytest.approx(c["probs"], abs=1e-5)
         # activation false: the raw label logits (/classify's "probs" then holds them, as vLLM's)
         want = [hf_logits(model_dir, ids)[0].item() for ids in wants[:2]]
         for path in ("/classify", "/pooling"):

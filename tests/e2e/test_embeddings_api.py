@@ -104,7 +104,9 @@ def test_pooling_route_gives_the_embeddings(http: httpx.Client) -> None:
     want = [d["embedding"] for d in http.post("/v1/embeddings", json={"input": texts}).json()["data"]]
     r = http.post("/pooling", json={"model": SERVED_NAME, "input": texts})
     assert r.status_code == 200, r.text
-    assert [d["data"] for d in r.json()["data"]] == want and r.json()["data"][1]["index"] == 1
+    assert [d["index"] for d in r.json()["data"]] == [0, 1]
+    for got, vector in zip(r.json()["data"], want):  # (equal up to the rounding of the step's batch shape)
+        _close(got["data"], vector)
     r = http.post("/pooling", json={"input": texts[:1], "encoding_format": "base64"})
     raw = base64.b64decode(r.json()["data"][0]["data"])
     _close(list(struct.unpack(f"<{len(raw) // 4}f", raw)), want[0])
