@@ -11,8 +11,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
-from pagedllm.entrypoints.openai.embeddings import PoolingRequest, pooled_vectors, request_inputs, truncated
-from pagedllm.entrypoints.openai.errors import APIError, dumps
+from pagedllm.entrypoints.openai.embeddings import (PoolingRequest, list_response, pooled_vectors, request_inputs,
+                                                    truncated)
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
@@ -71,7 +72,4 @@ async def create_classification(request: Request, state: ServerState) -> Respons
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": i, "label": labels[best] if best < len(labels) else None, "probs": probs,
                      "num_classes": len(probs)})
-    num_tokens = sum(len(ids) for _, ids in inputs)
-    body = {"id": request_id, "object": "list", "created": created, "model": model, "data": data,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}
-    return Response(dumps(body), media_type="application/json")
+    return list_response(request_id, created, model, data, inputs)

@@ -166,6 +166,18 @@ def encoded(vector: list[float], encoding_format: str) -> Any:
     return vector
 
 
+def list_response(request_id: str, created: int, model: str, data: list, inputs: list,
+                  completion_tokens: bool = True) -> Response:
+    """A pooling route's answer: {id, object: "list", created, model, data, usage}, the usage counting the inputs'
+    tokens (with completion_tokens 0, as vLLM's classify / pooling; OpenAI's embeddings have none)."""
+    num_tokens = sum(len(ids) for _, ids in inputs)
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    if completion_tokens:
+        usage["completion_tokens"] = 0
+    body = {"id": request_id, "object": "list", "created": created, "model": model, "data": data, "usage": usage}
+    return Response(dumps(body), media_type="application/json")
+
+
 async def create_embedding(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, EmbeddingRequest)
     model = state.check_model(req.model)
@@ -174,7 +186,4 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
     inputs, vectors = await embedded(request, state, req, model, request_id)
     data = [{"object": "embedding", "index": i, "embedding": encoded(vector, req.encoding_format)}
             for i, vector in enumerate(vectors)]
-    num_tokens = sum(len(ids) for _, ids in inputs)
-    body = {"id": request_id, "object": "list", "created": created, "model": model, "data": data,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-    return Response(dumps(body), media_type="application/json")
+    return list_response(request_id, created, model, data, inputs, completion_tokens=False)

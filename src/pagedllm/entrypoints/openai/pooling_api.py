@@ -11,8 +11,8 @@ from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.classify import classified, classifier_labels
-from pagedllm.entrypoints.openai.embeddings import EmbeddingRequest, embedded, encoded
-from pagedllm.entrypoints.openai.errors import APIError, dumps
+from pagedllm.entrypoints.openai.embeddings import EmbeddingRequest, embedded, encoded, list_response
+from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import random_id
 from pagedllm.entrypoints.openai.server_state import ServerState
 
@@ -40,7 +40,4 @@ async def create_pooling(request: Request, state: ServerState) -> Response:
                 raise APIError(f"'{name}' applies to the 'embed' task, not to 'classify'.", param=name)
         inputs, rows = await classified(request, state, req, model, request_id, req.activation)
     data = [{"index": i, "object": "pooling", "data": encoded(row, req.encoding_format)} for i, row in enumerate(rows)]
-    num_tokens = sum(len(ids) for _, ids in inputs)
-    body = {"id": request_id, "object": "list", "created": created, "model": model, "data": data,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}}
-    return Response(dumps(body), media_type="application/json")
+    return list_response(request_id, created, model, data, inputs)
