@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The decode prep (qkv_prep inside the decode attention kernel) on the lent GPU: its kernel tests and the per-layer
+# A/B (benchmarks/decode_prep_ab.py) on this tree and, where .old holds another tree (git archive COMMIT src
+# benchmarks tests pyproject.toml | tar -x -C .old), on that one in the same lease; then the nano protocol.
+#   bash benchmarks/gpu_decode_prep.sh [tests] [ab] [nano] [oldtests] [oldab] [oldnano] [nano1] [oldnano1]
+# (nano1: the nano protocol with PAGEDLLM_DECODE_PREP=1, the prep at every decode step)
+# STEP_TIMEOUT (s, default 240) bounds each step; logs under $OUT.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+source tests/gpu/device_prepare.sh
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+ab_args=(--heads 16,8 32,8 --batches ${AB_BATCHES:-1 2 4 8 16 64 256} --contexts 256 1024 --rounds 2)
+nano=(--load-format dummy --dtype bfloat16 --num-prompts 256 --input-len 100 1024 --output-len 100 1024
+      --max-model-len 2048 --temperature 0.6 --hf none --no-tqdm)
+for step in "$@"; do
+    tree=$root; pp=$PYTHONPATH; prep=auto
+    [ "${step%1}" != "$step" ] && prep=1
+    if [ "${step#old}" != "$step" ]; then
+        tree=$root/.old; pp=$tree/src:$tree:$GPU_SITE
+    fi
+    name=${step#old}
+    case ${name%1} in
+        tests) cmd=(python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_qkv_prep.py -k decode_prep) ;;
+        ab) cmd=(python3 benchmarks/decode_prep_ab.py "${ab_args[@]}") ;;
+        nano) cmd=(python3 benchmarks/offline_throughput.py --model "$root/benchmarks/configs/qwen3-0.6b" "${nano[@]}") ;;
+        *) echo "unknown step $step"; continue ;;
+    esac
+    echo "=== $step ($(date -u +%H:%M:%S))" | tee -a "$out/steps.txt"
+    t0=$(date +%s)
+    (cd "$tree" && PYTHONPATH=$pp PAGEDLLM_DECODE_PREP=$prep timeout -k 10 "${STEP_TIMEOUT:-240}" "${cmd[@]}") > "$out/$step.log" 2>&1
+    echo "=== $step rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
+    grep -E "tok/s|passed|failed|Error|^ *[0-9]+,[0-9]+ |us per layer" "$out/$step.log" | tail -40
+done
