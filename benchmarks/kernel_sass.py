@@ -18,7 +18,8 @@ launcher's decode_block_n / decode_num_stages. Reads of an E4M3 cache: fp16 (Q_F
 the bf16 query's dtype), fp16-vw (Q_FP16 with V read as 32-bit words, V_WORDS).
 
     python benchmarks/kernel_sass.py --cache bf16 fp8 --block-n 64 128 --stages 3 --reads fp16 bf16 fp16-vw \\
-        [--heads 16/8] [--head-size 128] [--block-size 16] [--warps 4] [--single-split] [--json PATH] [--dump DIR]
+        [--heads 16/8] [--head-size 128] [--block-size 16] [--warps 4] [--single-split] [--prep] [--json PATH]
+        [--dump DIR]
 """
 from __future__ import annotations
 
@@ -112,10 +113,12 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
                  USE_PDL=False, SOFT_CAP=False, Q_FP16=q_fp16,
                  # the engine passes an E4M3 cache's v_scale (triton_backend.py)
                  OUT_SCALE=v.cache == "fp8", V_WORDS=v_words)
+    if args.prep:  # the decode prep (DecodePrep): q_ptr is the qkv projection's output, Qwen3's q / k norms
+        const.update(PREP=True, NUM_Q=num_heads, NUM_KV=num_kv_heads, HAS_NORM=True, FP32_PRODUCT=False)
     splits = 1 if args.single_split else SPLITS
     blocks, max_blocks = 4096, 64  # (only their divisibility by 16 can matter)
     d, bs = args.head_size, args.block_size
-    ints = dict(stride_qt=num_heads * d, stride_qh=d, stride_ot=num_heads * d, stride_oh=d,
+    ints = dict(stride_qt=(num_heads + 2 * num_kv_heads * args.prep) * d, stride_qh=d, stride_ot=num_heads * d, stride_oh=d,
                 stride_c_kv=blocks * bs * num_kv_heads * d, stride_c_blk=bs * num_kv_heads * d,
                 stride_c_slot=num_kv_heads * d, stride_c_head=d, stride_bt=max_blocks)
     if args.single_split:
@@ -123,7 +126,7 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
     else:
         ints.update(stride_po_seq=num_heads * splits * head_pad, stride_po_head=splits * head_pad,
                     stride_po_split=head_pad, stride_pl_seq=num_heads * splits, stride_pl_head=splits)
-    ints.update(num_splits=splits, window=pa.NO_WINDOW)
+    ints.update(num_splits=splits, window=pa.NO_WINDOW, stride_cs=d)
     return const, ints
 
 
@@ -134,6 +137,10 @@ def pointer_type(name: str, cache: torch.dtype, out_scale: bool) -> str:
         return "*fp32"
     if name.startswith(("block_table", "seq_lens", "order")):
         return "*i32"
+    if name.startswith(("positions", "slot")):
+        return "*i64"
+    if name.startswith("cos_sin"):
+        return "*fp32"
     if name.startswith("out_scale"):
         return "*fp32" if out_scale else TRITON_PTR[QUERY_DTYPE]  # (the launcher's placeholder when unread)
     if name not in ("q_ptr", "out_ptr"):
@@ -158,7 +165,7 @@ def signature(fn, v: Variant, args) -> tuple[dict, dict, dict]:
         elif p.name.endswith("_ptr"):
             sig[p.name] = pointer_type(p.name, CACHES[v.cache], const["OUT_SCALE"])
             attrs[(p.num,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
-        elif "scale" in p.name or "cap" in p.name:
+        elif "scale" in p.name or "cap" in p.name or p.name == "eps":
             sig[p.name] = "fp32"
         else:
             sig[p.name] = "i32"
@@ -362,6 +369,7 @@ def main():
     p.add_argument("--maxnreg", type=int, default=None,
                    help="cap the registers per thread (Triton's maxnreg launch option): spills vs CTAs per SM")
     p.add_argument("--single-split", action="store_true", help="SINGLE_SPLIT (one program per request and head)")
+    p.add_argument("--prep", action="store_true", help="PREP: qkv_prep's work inside the kernel (DecodePrep)")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--dump", default=None, help="keep each variant's TTGIR, PTX and SASS in this folder")
     args = p.parse_args()
@@ -383,7 +391,7 @@ def main():
         rows.append(measure(v, args, tools))
     print(f"_decode_kernel for sm_{ARCH}: heads {args.heads}, head size {args.head_size}, block size "
           f"{args.block_size}, {args.warps} warps, {'one split' if args.single_split else 'split-KV'}"
-          f"{f', maxnreg {args.maxnreg}' if args.maxnreg else ''}; "
+          f"{f', maxnreg {args.maxnreg}' if args.maxnreg else ''}{', decode prep' if args.prep else ''}; "
           f"triton {triton.__version__}\n")
     print(tables(rows))
     if args.json:
