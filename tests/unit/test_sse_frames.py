@@ -1,6 +1,7 @@
 """The SSE frames of a streamed response (entrypoints/openai/streaming.py): the pre-built template of a running
 plain choice gives byte for byte the frame the general path writes from a dict, for completions and chat, with
-and without include_usage / continuous_usage_stats, for texts JSON must escape."""
+and without include_usage / continuous_usage_stats, for texts JSON must escape;
+the chat stream's prefix (role, echo) for every choice."""
 from __future__ import annotations
 
 import json
@@ -72,3 +73,24 @@ def test_continuous_usage_stats_need_include_usage() -> None:
                                                                       continuous_usage_stats=True))
     assert (alone.include_usage, alone.continuous_usage) == (False, False)
     assert (both.include_usage, both.continuous_usage) == (True, True)
+
+
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_chat_stream_prefix_echoes_every_choice(token_ids: bool) -> None:
+    """The role chunk, then the echo (chat `echo` of a continued assistant message), for each choice: with
+    return_token_ids too, whose prompt ids ride on choice 0's role chunk."""
+    from pagedllm.entrypoints.openai.chat_completions import _ChatStream
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.server_state import ServerState
+    from pagedllm.entrypoints.openai.tool_calling import ToolPlan
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "My"}],
+                                stream=True, echo=True, n=2, return_token_ids=token_ids)
+    state = ServerState(SimpleNamespace(tokenizer=None), ["m"])
+    stream = _ChatStream(req, state, [5, 6], None, None, None, ChunkFramer("r", "chat.completion.chunk", 0, "m", None),
+                         ToolPlan("none"), "r")
+    events = [json.loads(e[6:]) for e in stream.prefix().decode().split("\n\n") if e.startswith("data: {")]
+    echoed = {i: "".join(c["delta"].get("content", "") for e in events for c in e["choices"] if c["index"] == i)
+              for i in (0, 1)}
+    assert echoed == {0: "My", 1: "My"}
+    assert [e.get("prompt_token_ids") for e in events][0] == ([5, 6] if token_ids else None)

@@ -182,8 +182,8 @@ class _ChatStream(SSEStream):
             if self.token_ids and i == 0:  # vLLM: the prompt's ids on the stream's first chunk, at its top level
                 frames.append(self.framer.choices([role], self.usage() if self.framer.continuous_usage else None,
                                                   b',"prompt_token_ids":' + dumps(self.prompt_ids)))
-                continue
-            frames.append(self.frame(role))
+            else:
+                frames.append(self.frame(role))
             if echo:
                 frames.append(self.frame({"index": i, "delta": {"content": echo}, "logprobs": None,
                                           "finish_reason": None}))
