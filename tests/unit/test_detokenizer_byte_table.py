@@ -160,3 +160,21 @@ def test_gemma_sentencepiece_keeps_decode_stream(gemma3_270m_gguf_path):
     detok = IncrementalDetokenizer(tok, tok.encode("Say:", add_special_tokens=False))
     assert isinstance(detok._decoder, mod._StreamDecoder)
     assert "".join(detok.update([t]) for t in ids) == tok.decode(ids)
+
+
+def test_chat_logprob_bytes_rebuild_split_characters(tokenizer):  # noqa: F811
+    """Chat logprobs' `bytes`: a token that is part of a multi-byte character (its text alone is U+FFFD) carries its
+    own bytes, so the entries' bytes joined are the text's UTF-8 (what OpenAI's field is for); with
+    return_tokens_as_token_ids, the label's bytes (as vLLM)."""
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.chat_completions import _chat_logprobs
+
+    ids = tokenizer.encode("é 😀🎉 ok", add_special_tokens=False)
+    entries = [{t: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=None)} for t in ids]
+    content = _chat_logprobs(tokenizer, ids, entries, top_n=1)["content"]
+    assert any(e["token"] == "\ufffd" for e in content)  # the emoji are split across tokens
+    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8") == "é 😀🎉 ok"
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
+    as_ids = _chat_logprobs(tokenizer, ids, entries, top_n=0, as_ids=True)["content"]
+    assert as_ids[0]["bytes"] == list(f"token_id:{ids[0]}".encode())

@@ -13,7 +13,7 @@ from pagedllm.entrypoints.openai.chat_template import check_request_template, me
 from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_grammar, choice_message,
                                                     plan_request_tools)
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float
+from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float, token_bytes
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
 from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, request_reasoning
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
@@ -90,10 +90,10 @@ def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top
     """`as_ids`: tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids; `bytes` encode that string, as
     vLLM's do)."""
     content = []
-    for s, lp, tops in iter_logprobs(tok, list(token_ids), logprobs, as_ids):
-        top_items = [{"token": ts, "logprob": safe_float(tl), "bytes": list(ts.encode("utf-8"))}
-                     for ts, tl, rank in tops if rank is None or rank <= top_n][:top_n]
-        content.append({"token": s, "logprob": safe_float(lp), "bytes": list(s.encode("utf-8")),
+    for tid, s, lp, tops in iter_logprobs(tok, list(token_ids), logprobs, as_ids, with_ids=True):
+        top_items = [{"token": ts, "logprob": safe_float(tl), "bytes": token_bytes(tok, top_id, ts)}
+                     for top_id, ts, tl, rank in tops if rank is None or rank <= top_n][:top_n]
+        content.append({"token": s, "logprob": safe_float(lp), "bytes": token_bytes(tok, tid, s),
                         "top_logprobs": top_items})
     return {"content": content}
 

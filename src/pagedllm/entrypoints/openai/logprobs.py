@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+_REPLACEMENT = "\ufffd"
+
 
 def token_str(tokenizer: Any, token_id: int, lp: Any = None) -> str:
     s = getattr(lp, "decoded_token", None)
@@ -17,9 +19,25 @@ def token_label(tokenizer: Any, token_id: int, lp: Any = None, as_ids: bool = Fa
     return f"token_id:{token_id}" if as_ids else token_str(tokenizer, token_id, lp)
 
 
-def iter_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list], as_ids: bool = False):
-    """Yield (token_str, logprob, [(top_str, top_logprob), ...] by rank) per generated position; `as_ids`: the
-    strings are "token_id:<id>" (`token_label`)."""
+def token_bytes(tokenizer: Any, token_id: int, label: str) -> list[int]:
+    """OpenAI's `bytes` of a logprob entry whose `token` is `label`: its UTF-8, but for a token that is part of a
+    multi-byte character (its text alone is U+FFFD) the token's own bytes where the tokenizer is byte-level BPE,
+    which a client joins to rebuild the character (what the field is for); U+FFFD's bytes would rebuild nothing."""
+    if _REPLACEMENT in label:
+        from pagedllm.detokenizer import byte_table
+
+        table = byte_table(tokenizer, False)
+        raw = table.raw.get(token_id) if table is not None else None
+        if raw:
+            return list(raw)
+    return list(label.encode("utf-8"))
+
+
+def iter_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list], as_ids: bool = False,
+                  with_ids: bool = False):
+    """Yield (token_str, logprob, [(top_str, top_logprob, rank), ...] by rank) per generated position; `as_ids`:
+    the strings are "token_id:<id>" (`token_label`). `with_ids`: (token_id, token_str, logprob, [(top_id, top_str,
+    top_logprob, rank), ...]) instead."""
     if not logprobs:
         return
     for tid, entry in zip(token_ids, logprobs):
@@ -27,8 +45,10 @@ def iter_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list]
         lp = float(chosen.logprob) if chosen is not None else float("-inf")
         tops = []
         for top_id, top in sorted((entry or {}).items(), key=lambda kv: getattr(kv[1], "rank", 0) or 0):
-            tops.append((token_label(tokenizer, top_id, top, as_ids), float(top.logprob), getattr(top, "rank", None)))
-        yield token_label(tokenizer, tid, chosen, as_ids), lp, tops
+            item = (token_label(tokenizer, top_id, top, as_ids), float(top.logprob), getattr(top, "rank", None))
+            tops.append((top_id, *item) if with_ids else item)
+        label = token_label(tokenizer, tid, chosen, as_ids)
+        yield (tid, label, lp, tops) if with_ids else (label, lp, tops)
 
 
 def text_lengths(tokenizer: Any, token_ids: list[int], logprobs: Optional[list]) -> list[int]:
