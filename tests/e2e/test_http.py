@@ -105,7 +105,7 @@ BAD_INPUTS = [
     (CMPL, {"max_tokens": 3}, 400, "Missing required parameter: 'prompt'"),
     (CMPL, {"prompt": ""}, 400, "must not be an empty string"),
     (CMPL, {"prompt": [999999999]}, 400, "out of vocabulary"),
-    (CMPL, {"prompt": LONG, "max_tokens": 10}, 400, "maximum context length"),
+    (CMPL, {"prompt": LONG, "max_tokens": 10}, 400, "in the prompt, 10 in the completion"),
     (CMPL, {"prompt": "hello " * 20_000, "max_tokens": 10}, 400, "maximum context length"),  # (tokenized off-loop)
     (CHAT, {"messages": [{"role": "user", "content": "hello " * 20_000}]}, 400, "maximum context length"),
     (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs must be"),

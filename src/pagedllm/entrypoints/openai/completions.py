@@ -88,7 +88,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         from pagedllm.entrypoints.openai import beam_search
 
         for _, ids in prompts:
-            check_context_length(len(ids), max_tokens, state.max_model_len)
+            check_context_length(len(ids), max_tokens, state.max_model_len, "prompt")
         try:
             body = await beam_search.completion_response(req, state, model, req.request_id or random_id("cmpl"),
                                                          int(time.time()), prompts, max_tokens, request.is_disconnected,
@@ -102,7 +102,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     params = build_sampling_params(req, 1 if echo_only(req) else req.max_tokens, req.logprobs, prompt_k,
                                    state.sampling_defaults, default_max_tokens=DEFAULT_MAX_TOKENS)
     for _, ids in prompts:
-        check_context_length(len(ids), params.max_tokens, state.max_model_len)
+        check_context_length(len(ids), params.max_tokens, state.max_model_len, "prompt")
     request_id = req.request_id or random_id("cmpl")
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id]
     stream = bool(req.stream)
