@@ -76,3 +76,14 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(http: httpx.Client) -> N
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     r = http.post("/v1/completions", json=dict(body, echo=False))
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_echo_text_offsets_never_step_back(http: httpx.Client) -> None:
+    """A prompt whose tokens' texts are longer than the prompt text (an emoji split into "\\ufffd" pieces): the
+    generated tokens' text_offset continue after the prompt tokens', streamed or not."""
+    body = {"prompt": "😀😀", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["text_offset"]
+    r = http.post("/v1/completions", json=dict(body, stream=True))
+    streamed = [o for e in r.text.split("\n\n") if e.startswith("data: {")
+                for c in json.loads(e[6:])["choices"] if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert full == sorted(full) and streamed == full, (full, streamed)

@@ -152,7 +152,7 @@ def _full_response(req: CompletionRequest, state: ServerState, model: str, reque
             body = (prompt_text + out.text) if req.echo else out.text
             lp = None
             if req.logprobs is not None:
-                offset0 = len(prompt_text) if req.echo else 0
+                offset0 = _prompt_span(tok, ids, final.prompt_logprobs) if req.echo else 0
                 as_ids = bool(req.return_tokens_as_token_ids)
                 lp = _completion_logprobs(tok, out.token_ids, out.logprobs, offset0, as_ids=as_ids)
                 if req.echo:
@@ -180,6 +180,14 @@ def _prompt_logprobs(tok: Any, ids: list[int], prompt_logprobs: Optional[list], 
     rest = _completion_logprobs(tok, ids[1:], (prompt_logprobs or [None] * len(ids))[1:],
                                 len(token_str(tok, ids[0], None)), top_n, as_ids)
     return _merge_logprobs(head, rest)
+
+
+def _prompt_span(tok: Any, ids: list[int], prompt_logprobs: Optional[list]) -> int:
+    """Where an echoed prompt's generated tokens' text_offset starts: after the prompt tokens' own offsets, which
+    count each token's text (a BOS token's, a "\ufffd" per piece of a split character) and so may pass the
+    prompt text's length; starting at that length, offsets would step back (vLLM counts on, as here)."""
+    entries = prompt_logprobs or [None] * len(ids)
+    return sum(len(token_str(tok, t, e.get(t) if e else None)) for t, e in zip(ids, entries))
 
 
 def _merge_logprobs(a: dict, b: dict) -> dict:
@@ -257,7 +265,8 @@ class _CompletionStream(SSEStream):
                 self.echo_pending.add(index)
                 p_text, p_ids = self.prompts[i]
                 text = (p_text if p_text is not None else self.tok.decode(p_ids)) + text
-                self.offsets[index] = len(text) - len(out.text)
+                if req.logprobs is not None:
+                    self.offsets[index] = _prompt_span(self.tok, p_ids, ro.prompt_logprobs)
             if not text and out.finish_reason is None and not out.token_ids:
                 continue
             lp = None
