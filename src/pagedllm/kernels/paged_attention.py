@@ -549,15 +549,15 @@ def _decode_kernel(
         row_ptr = q_ptr + seq64 * stride_qt
         q = _prep_rows(row_ptr, head, row_ok, dims, cos, sin, q_w, q_wp, eps, HEAD_SIZE, HAS_NORM, FP32_PRODUCT,
                        True)
-        one = tl.arange(0, 1)
-        kv_row = NUM_Q + kv_head + one  # [1]
-        k_new = tl.sum(_prep_rows(row_ptr, kv_row, one == 0, dims, cos, sin, k_w, k_wp, eps, HEAD_SIZE, HAS_NORM,
-                                  FP32_PRODUCT, True).to(tl.float32), 0)
-        v_new = tl.sum(_prep_rows(row_ptr, kv_row + NUM_KV, one == 0, dims, cos, sin, k_w, k_wp, eps, HEAD_SIZE,
-                                  HAS_NORM, FP32_PRODUCT, False).to(tl.float32), 0)
-        k_new = k_new.to(cache_ptr.dtype.element_ty)
-        v_new = v_new.to(cache_ptr.dtype.element_ty)
         if (start < end) & (end == seq_len) & (slot >= 0):  # the slice holding the query's own position
+            one = tl.arange(0, 1)
+            kv_row = NUM_Q + kv_head + one  # [1]
+            k_new = tl.sum(_prep_rows(row_ptr, kv_row, one == 0, dims, cos, sin, k_w, k_wp, eps, HEAD_SIZE,
+                                      HAS_NORM, FP32_PRODUCT, True).to(tl.float32), 0)
+            v_new = tl.sum(_prep_rows(row_ptr, kv_row + NUM_KV, one == 0, dims, cos, sin, k_w, k_wp, eps,
+                                      HEAD_SIZE, HAS_NORM, FP32_PRODUCT, False).to(tl.float32), 0)
+            k_new = k_new.to(cache_ptr.dtype.element_ty)
+            v_new = v_new.to(cache_ptr.dtype.element_ty)
             dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
                    + kv_head.to(tl.int64) * stride_c_head + dims)
             d_ok = dims < HEAD_SIZE
