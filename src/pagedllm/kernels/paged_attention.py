@@ -150,8 +150,6 @@ def _attend_tile(
     soft_cap_log2=0.0,  # SOFT_CAP: the cap c in log2 units (c * log2(e)); scores s become c * tanh(s / c)
     SOFT_CAP: tl.constexpr = False,
     V_WORDS: tl.constexpr = False,  # an E4M3 V read as 32-bit words and widened to fp16 before its layout change
-    new_pos=0, k_new=None, v_new=None,  # SUBST: position new_pos's K / V rows ([HEAD_PAD]) instead of the cache's
-    SUBST: tl.constexpr = False,
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
@@ -193,10 +191,6 @@ def _attend_tile(
         v = _e4m3_words_to_f16(vw)
     else:
         v = v.to(q.dtype)
-    if SUBST:  # (the cache's row there is written by this launch: not read back)
-        is_new = (pos == new_pos)[:, None]
-        k = tl.where(is_new, k_new[None, :].to(q.dtype), k)
-        v = tl.where(is_new, v_new[None, :].to(q.dtype), v)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
     if SOFT_CAP:  # qk = s * log2(e), so c * tanh(s / c) * log2(e) = cap * tanh(qk / cap) with cap = c * log2(e)
@@ -507,7 +501,7 @@ def _decode_kernel(
     V_WORDS: tl.constexpr = False,  # (Q_FP16 only: V widens to fp16)
     # PREP: q_ptr is the qkv projection's output (rows of NUM_Q q heads, then k, then v heads), before
     # kernels/qkv_prep.py: each program normalizes (HAS_NORM) and rotates its q heads itself, and the program
-    # whose slice ends at the query computes the new K / V row, attends with it and writes it to the cache.
+    # whose slice ends at the query computes the new K / V row and writes it to the cache before it attends.
     positions_ptr=None, cos_sin_ptr=None, q_w_ptr=None, k_w_ptr=None, slot_ptr=None, stride_cs=0, eps=0.0,
     PREP: tl.constexpr = False, NUM_Q: tl.constexpr = 1, NUM_KV: tl.constexpr = 1, HAS_NORM: tl.constexpr = False,
     FP32_PRODUCT: tl.constexpr = False,
@@ -555,24 +549,25 @@ def _decode_kernel(
         row_ptr = q_ptr + seq64 * stride_qt
         q = _prep_rows(row_ptr, head, row_ok, dims, cos, sin, q_w, q_wp, eps, HEAD_SIZE, HAS_NORM, FP32_PRODUCT,
                        True)
-        one = tl.arange(0, 1)
-        kv_row = NUM_Q + kv_head + one  # [1]
-        k_new = tl.sum(_prep_rows(row_ptr, kv_row, one == 0, dims, cos, sin, k_w, k_wp, eps, HEAD_SIZE, HAS_NORM,
-                                  FP32_PRODUCT, True).to(tl.float32), 0)
-        v_new = tl.sum(_prep_rows(row_ptr, kv_row + NUM_KV, one == 0, dims, cos, sin, k_w, k_wp, eps, HEAD_SIZE,
-                                  HAS_NORM, FP32_PRODUCT, False).to(tl.float32), 0)
-        k_new = k_new.to(cache_ptr.dtype.element_ty)
-        v_new = v_new.to(cache_ptr.dtype.element_ty)
         if (start < end) & (end == seq_len) & (slot >= 0):  # the slice holding the query's own position
+            one = tl.arange(0, 1)
+            kv_row = NUM_Q + kv_head + one  # [1]
+            k_new = tl.sum(_prep_rows(row_ptr, kv_row, one == 0, dims, cos, sin, k_w, k_wp, eps, HEAD_SIZE,
+                                      HAS_NORM, FP32_PRODUCT, True).to(tl.float32), 0)
+            v_new = tl.sum(_prep_rows(row_ptr, kv_row + NUM_KV, one == 0, dims, cos, sin, k_w, k_wp, eps,
+                                      HEAD_SIZE, HAS_NORM, FP32_PRODUCT, False).to(tl.float32), 0)
+            k_new = k_new.to(cache_ptr.dtype.element_ty)
+            v_new = v_new.to(cache_ptr.dtype.element_ty)
             dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
                    + kv_head.to(tl.int64) * stride_c_head + dims)
             d_ok = dims < HEAD_SIZE
             tl.store(dst, k_new, mask=d_ok)
             tl.store(dst + stride_c_kv, v_new, mask=d_ok)
+        # The context loop reads the new row back from the cache like any other (no per-tile substitution): the
+        # barrier makes every thread's store of it visible to the program's loads.
+        tl.debug_barrier()
     else:
         q = tl.load(q_ptr + seq64 * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
-        k_new = None
-        v_new = None
     if Q_FP16:
         q = _fp16_query(q)
 
@@ -586,8 +581,7 @@ def _decode_kernel(
             acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS,
-            new_pos=seq_len - 1, k_new=k_new, v_new=v_new, SUBST=PREP)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS)
 
     has_work = start < end  # empty trailing splits write nothing; the reducer skips them
     _store_slice(acc, m_i, l_i, out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
