@@ -52,9 +52,9 @@ def decode_uses_order(num_reqs: int, num_splits: int) -> bool:
 
 
 # Decode steps of up to this many requests let the attention kernel do qkv_prep's work (DecodePrep): one launch
-# less pays where the step is launch-bound; from a few rows on the kernel's in-loop substitution of the new K / V
-# costs more device time than the launch it saves (docs/benchmarks.md, "The decode prep by batch size").
-DECODE_PREP_MAX_REQS = 2
+# less pays where the step is launch-bound (1-4 rows); at 8-16 rows the two launches were a little faster, from 64
+# on level (docs/benchmarks.md, "The decode prep by batch size").
+DECODE_PREP_MAX_REQS = 4
 
 
 def decode_prep_wanted(num_reqs: int) -> bool:
