@@ -72,6 +72,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        # (not a field: best_of left unset follows n, also in a clone or a copy checked after `sp.n = 4`)
+        self._best_of_from_n = self.best_of is None
         if self.best_of is None:
             self.best_of = self.n
         self.logit_bias = normalize_logit_bias(self.logit_bias)
@@ -177,7 +179,16 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         from dataclasses import replace
 
+        if getattr(self, "_best_of_from_n", False) and "best_of" not in changes:
+            changes["best_of"] = None  # derived from n: it follows a new n
         return replace(self, **changes)
+
+    def checked(self) -> "SamplingParams":
+        """A normalized, validated copy of these params as they are now. vLLM's own examples set fields after
+        construction (`sp = llm.get_default_sampling_params(); sp.max_tokens = 64`), which __post_init__ never
+        saw: a stop string, stop_token_ids, a logit_bias or structured_outputs dict set so would be ignored or
+        fail deep in the engine, and a bad value would pass unchecked."""
+        return self.clone(all_stop_token_ids=set())  # (recomputed from stop_token_ids; the engine adds its own)
 
 
 def keep_last_tokens(ids: list[int], k: Optional[int], max_model_len: int) -> list[int]:

@@ -126,6 +126,20 @@ def test_use_tqdm_takes_a_tqdm_like_class(llm):
     assert _Bar.made[0].kwargs["desc"] == "Processed prompts" and "toks/s" in _Bar.made[0].postfix
 
 
+def test_fields_set_on_sampling_params_after_construction_are_honoured(llm):
+    """vLLM's examples edit llm.get_default_sampling_params() in place: stop_token_ids set so stopped nothing
+    (the stop set was computed at construction), a bad value passed unchecked."""
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    params = _greedy(max_tokens=6)
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids[0]
+    params.stop_token_ids = [first]
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([first], "stop", first)
+    params.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        llm.generate(prompt, params, use_tqdm=False)
+
+
 @pytest.mark.parametrize("content, fragment", [
     ([{"type": "image_url", "image_url": {"url": "x"}}], "messages[0]: Message content of type 'image_url' is not "
                                                          "supported yet; only 'text' parts are."),

@@ -22,6 +22,21 @@ def test_clone_keeps_values_and_revalidates():
         p.clone(top_p=2.0)
 
 
+def test_fields_set_after_construction_are_checked_and_normalized_again():
+    """vLLM's examples set fields on a built SamplingParams; checked() (LLM.generate's copy) normalizes and
+    validates them as the constructor does, an unset best_of follows a new n, and the original stays as it is."""
+    p = SamplingParams(stop_token_ids=[5])
+    p.n, p.stop, p.stop_token_ids, p.logit_bias, p.top_k = 3, "##", [7], {"9": 1}, -1
+    p.structured_outputs = {"choice": ["a", "b"]}
+    c = p.checked()
+    assert (c.n, c.best_of, c.stop, c.all_stop_token_ids, c.logit_bias, c.top_k) == (3, 3, ["##"], {7}, {9: 1.0}, 0)
+    assert c.structured_outputs.choice == ["a", "b"] and p.stop == "##" and p.all_stop_token_ids == {5}
+    assert SamplingParams().clone(n=2).best_of == 2 and SamplingParams(n=2, best_of=2).clone().best_of == 2
+    p.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        p.checked()
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(n=0), "n must be"),
     (dict(n=1.5), "n must be an integer"),

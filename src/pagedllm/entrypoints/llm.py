@@ -243,6 +243,10 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; give one, "
                                  "or one per prompt.")
+        # Fields set after construction (vLLM's examples do) are checked and normalized as the constructor's are;
+        # once per distinct object, and the user's objects stay untouched.
+        checked = {id(sp): sp.checked() for sp in params_list}
+        params_list = [checked[id(sp)] for sp in params_list]
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
             raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}.")
         # Tokenize everything before queuing anything; the engine checks each request as it is queued, and a refusal
