@@ -13,7 +13,7 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: E
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "LoRARequest",
            "PoolingParams", "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
-           "__version__"]
+           "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name):  # lazy: importing pagedllm must not import torch
@@ -26,6 +26,9 @@ def __getattr__(name):  # lazy: importing pagedllm must not import torch
     if name in ("PoolingParams", "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput"):
         from pagedllm import pooling
         return getattr(pooling, name)
+    if name in ("TextPrompt", "TokensPrompt"):
+        from pagedllm import inputs
+        return getattr(inputs, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from pagedllm import outputs
         return getattr(outputs, name)

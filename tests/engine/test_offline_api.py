@@ -140,6 +140,16 @@ def test_fields_set_on_sampling_params_after_construction_are_honoured(llm):
         llm.generate(prompt, params, use_tqdm=False)
 
 
+def test_vllm_prompt_types(llm):
+    """`from vllm import TokensPrompt, TextPrompt` (vllm.inputs) as vLLM scripts write them: the prompt dicts."""
+    from pagedllm import TextPrompt, TokensPrompt
+
+    text = llm.get_tokenizer().decode([5, 6, 7])
+    outs = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7]), TextPrompt(prompt=text)], _greedy(max_tokens=2),
+                        use_tqdm=False)
+    assert outs[0].prompt_token_ids == [5, 6, 7] and outs[1].prompt == text
+
+
 @pytest.mark.parametrize("content, fragment", [
     ([{"type": "image_url", "image_url": {"url": "x"}}], "messages[0]: Message content of type 'image_url' is not "
                                                          "supported yet; only 'text' parts are."),

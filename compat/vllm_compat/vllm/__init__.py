@@ -4,11 +4,12 @@ from __future__ import annotations
 from pagedllm import BeamSearchParams, SamplingParams, __version__  # noqa: F401
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LoRARequest",
-           "PoolingParams", "EmbeddingRequestOutput", "__version__"]
+           "PoolingParams", "EmbeddingRequestOutput", "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name: str):  # lazy, like pagedllm: `import vllm` must not import torch
-    if name in ("LLM", "RequestOutput", "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput", "TextPrompt",
+                "TokensPrompt"):
         import pagedllm
 
         return getattr(pagedllm, name)

@@ -1,0 +1,1 @@
+from pagedllm.inputs import PromptType, TextPrompt, TokensPrompt  # noqa: F401
