@@ -135,3 +135,28 @@ def test_metric_percentiles_are_computed_not_zero():
     block = format_result(summarize(results, 1.0, "50,99.9"), None, float("inf"), "ttft", "50,99.9")
     assert "P50 TTFT (ms):                           200.00" in block, block
     assert "P99.9 TTFT (ms):                         299.80" in block, block
+
+
+@pytest.mark.parametrize("run, argv", [
+    ("run_throughput", ["--input-len", "300", "--num-prompts", "2"]),
+    ("run_latency", ["--input-len", "200", "--output-len", "100"]),
+])
+def test_offline_bench_past_the_context_is_a_one_line_error(monkeypatch, capsys, run, argv):
+    """A prompt longer than --max-model-len was a traceback out of LLM.generate (latency: outputs cut short)."""
+    from pagedllm.entrypoints.cli import bench_offline
+
+    class _LLM:
+        engine = argparse.Namespace(max_model_len=256)
+
+        def get_tokenizer(self):
+            return None
+
+        def generate(self, *args, **kwargs):
+            raise ValueError("This model's maximum context length is 256 tokens.")
+
+    monkeypatch.setattr(bench_offline, "_make_llm", lambda args: _LLM())
+    monkeypatch.setattr("pagedllm.entrypoints.cli.bench_serve.vocab_token_pool", lambda tok: [5, 6])
+    add = add_throughput_args if run == "run_throughput" else add_latency_args
+    assert getattr(bench_offline, run)(_parser(add).parse_args(argv)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "256" in err

@@ -76,7 +76,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len, seed=args.seed + i)
               for i, r in enumerate(requests)]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+    except ValueError as e:  # a request the engine refuses (e.g. --input-len beyond --max-model-len)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     elapsed = time.perf_counter() - start
     num_in = sum(len(r.prompt_token_ids) for r in requests)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -103,6 +107,11 @@ def run_latency(args: argparse.Namespace) -> int:
         return 1
     from pagedllm.entrypoints.cli.bench_serve import vocab_token_pool
 
+    room = llm.engine.max_model_len
+    if args.input_len + args.output_len > room:  # (the outputs would be cut short: the time per step would lie)
+        print(f"error: --input-len {args.input_len} + --output-len {args.output_len} is more than the model's context "
+              f"({room} tokens, --max-model-len)", file=sys.stderr)
+        return 1
     pool = vocab_token_pool(llm.get_tokenizer())
     rng = random.Random(args.seed)
     prompts = [{"prompt_token_ids": [rng.choice(pool) for _ in range(args.input_len)]} for _ in range(args.batch_size)]
