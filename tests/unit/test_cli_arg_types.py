@@ -160,3 +160,21 @@ def test_offline_bench_past_the_context_is_a_one_line_error(monkeypatch, capsys,
     assert getattr(bench_offline, run)(_parser(add).parse_args(argv)) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "256" in err
+
+
+@pytest.mark.parametrize("quick", ["hi", None])
+def test_ctrl_c_while_an_answer_streams_quits_without_a_traceback(monkeypatch, capsys, quick):
+    """`pagedllm chat` says "Ctrl-C to quit": pressed while an answer streamed, it was a KeyboardInterrupt
+    traceback out of the HTTP client."""
+    from pagedllm.entrypoints.cli import clients
+
+    class _Completions:
+        def create(self, **kwargs):
+            raise KeyboardInterrupt
+
+    client = argparse.Namespace(chat=argparse.Namespace(completions=_Completions()))
+    monkeypatch.setattr(clients, "_client", lambda args: (client, "m"))
+    monkeypatch.setattr("builtins.input", lambda prompt: "hello")
+    args = clients.add_chat_args(argparse.ArgumentParser()).parse_args([] if quick is None else ["-q", quick])
+    assert clients.run_chat(args) == 130
+    assert "Traceback" not in capsys.readouterr().err

@@ -131,6 +131,9 @@ def _connection_guard(func):
                 message = e.body["message"]
             print(f"error: {e.status_code}: {message}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C while an answer streams: quit, as the banner says, not with a traceback
+            print(file=sys.stderr)
+            return 130
     return wrapper
 
 
