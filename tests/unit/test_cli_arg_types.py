@@ -178,3 +178,16 @@ def test_ctrl_c_while_an_answer_streams_quits_without_a_traceback(monkeypatch, c
     args = clients.add_chat_args(argparse.ArgumentParser()).parse_args([] if quick is None else ["-q", quick])
     assert clients.run_chat(args) == 130
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ctrl_c_in_any_subcommand_exits_130_without_a_traceback(monkeypatch, capsys):
+    """bench serve / throughput / latency interrupted by Ctrl-C printed a KeyboardInterrupt traceback."""
+    from pagedllm.entrypoints.cli import bench_offline, main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_offline, "run_latency", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main.main(["bench", "latency"])
+    assert e.value.code == 130 and capsys.readouterr().err.strip() == "interrupted"

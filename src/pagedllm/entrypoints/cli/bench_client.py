@@ -438,6 +438,13 @@ def run_processes(url: str, headers: dict, payloads: list[dict], prompt_lens: li
             wall = time.monotonic() - t0
             cpu = time.process_time() - cpu0
         finally:
+            # An interrupted run's requests are cancelled and awaited: no "Task was destroyed but it is pending!"
+            # for each at exit.
+            unfinished = asyncio.all_tasks(loop)
+            for task in unfinished:
+                task.cancel()
+            if unfinished:
+                loop.run_until_complete(asyncio.gather(*unfinished, return_exceptions=True))
             loop.close()
         return results, wall, ClientStats(1, cpu / wall if wall else 0.0)
     import multiprocessing as mp

@@ -80,7 +80,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "pagedllm") -> None:
         (getattr(args, "_parser", None) or parser).print_help()
         sys.exit(2)
     sub: _Sub = args._sub
-    code = sub._load(args._run)(args)
+    try:
+        code = sub._load(args._run)(args)
+    except KeyboardInterrupt:  # Ctrl-C stops a benchmark (or a client): the shell's code, not a traceback
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
     sys.exit(code or 0)
 
 
