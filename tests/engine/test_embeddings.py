@@ -302,3 +302,7 @@ def test_offline_score_is_the_cosine_of_the_embeddings(tiny_llama_dir):
     assert abs(pairwise[1].outputs.score - float(vectors[1] @ vectors[2])) < 1e-5
     with pytest.raises(ValueError, match="must be as long"):
         llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+    # texts only: token ids were a KeyError (embed() read them as one prompt), prompt dicts "unhashable type"
+    for first, second in [([1, 2], [3, 4]), ("a", [{"prompt": "b"}]), (5, "a")]:
+        with pytest.raises(ValueError, match="must be a string or a list of strings"):
+            llm.score(first, second, use_tqdm=False)

@@ -422,10 +422,18 @@ def input_truncation(k: Optional[int], max_model_len: int) -> Optional[int]:
     return max_model_len - 1 if k == -1 or k == max_model_len else k
 
 
+def _texts(texts: Any, name: str) -> list[str]:
+    # Texts only: token ids were read as one prompt by embed() and failed with a KeyError, prompt dicts with
+    # "unhashable type".
+    texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"'{name}' must be a string or a list of strings, got {texts!r:.60}.")
+    return list(texts)
+
+
 def score_pairs(text_1: Any, text_2: Any) -> tuple[list[str], list[str]]:
     """vLLM's pairing of a score request: one text_1 against each of text_2, else pairwise (ValueError otherwise)."""
-    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+    firsts, seconds = _texts(text_1, "text_1"), _texts(text_2, "text_2")
     if not firsts or not seconds:
         raise ValueError("'text_1' and 'text_2' must not be empty.")
     if len(firsts) == 1:
