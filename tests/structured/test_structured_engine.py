@@ -83,6 +83,21 @@ def test_min_json_object_and_dict_params(tiny_llm: LLM) -> None:
     assert obj[0].outputs[0].text.startswith("{")
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_choices_beyond_ascii(tiny_llama_dir: str, backend: str) -> None:
+    """Each backend's choice grammar takes the string's own tokens: xgrammar's emitted an emoji as two UTF-16
+    surrogates (invalid UTF-8: an empty text), llguidance's refused 'é' with a lexer error."""
+    from pagedllm.structured_output.backend import backend_class
+    from pagedllm.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(tiny_llama_dir)
+    grammars = backend_class(backend)(tok, len(tok), [tok.eos_token_id])
+    text = 'café 🙂 "\\ ok\n'
+    grammar = grammars.new_grammar(grammars.compile(_so(choice=[text, "no"])))
+    assert grammar.accept_tokens(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+    assert grammar.is_terminated()
+
+
 @pytest.mark.parametrize("spec, reason", [
     ({"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}, "no-such-type"),
     ({"regex": "(unclosed"}, "regex"),

@@ -32,8 +32,10 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:
-    """An EBNF grammar matching exactly one of the strings (JSON string escapes are valid EBNF escapes)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
+    """An EBNF grammar matching exactly one of the strings (JSON string escapes are valid EBNF escapes). Other
+    characters stay as they are: xgrammar read an ASCII-escaped emoji as its two UTF-16 surrogates (invalid UTF-8
+    out), and llguidance's GBNF reader refused \u00e9 ('é')."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def json_object_schema() -> dict:
