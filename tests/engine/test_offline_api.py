@@ -140,6 +140,33 @@ def test_fields_set_on_sampling_params_after_construction_are_honoured(llm):
         llm.generate(prompt, params, use_tqdm=False)
 
 
+def test_calls_from_two_threads_run_one_after_another(llm):
+    """A second thread's generate() while one runs stepped the same engine and took its outputs (a KeyError in the
+    model runner, or the first call's "engine stopped with unfinished requests"): it now waits its turn."""
+    import threading
+
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(max_tokens=4), use_tqdm=False)]
+    got: dict = {}
+
+    def second() -> None:
+        got["second"] = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(max_tokens=4), use_tqdm=False)]
+
+    other = threading.Thread(target=second)
+
+    class _StartsTheOther(_Bar):  # built inside the first call, its requests queued
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            other.start()
+            other.join(0.3)
+            got["waited"] = other.is_alive()
+
+    got["first"] = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(max_tokens=4),
+                                                                 use_tqdm=_StartsTheOther)]
+    other.join(30)
+    assert got == {"waited": True, "first": alone, "second": alone}
+
+
 def test_vllm_prompt_types(llm):
     """`from vllm import TokensPrompt, TextPrompt` (vllm.inputs) as vLLM scripts write them: the prompt dicts."""
     from pagedllm import TextPrompt, TokensPrompt

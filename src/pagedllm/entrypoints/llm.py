@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -69,6 +70,8 @@ class LLM:
 
     The engine's memory (weights, KV cache, CUDA graphs) and worker processes are freed by `shutdown()`, at the
     end of a `with LLM(...) as llm:` block, or when the last reference to the LLM goes (`del llm`).
+
+    Calls from several threads run one after another (each is one batch on the engine).
     """
 
     _engine: Any = None  # before __init__ built it (and after shutdown)
@@ -77,6 +80,9 @@ class LLM:
         from pagedllm.core.engine_core import EngineCore
 
         _setup_logging()
+        # One call drives the engine at a time: two threads stepping it took each other's outputs (a KeyError deep
+        # in the model runner, an engine left broken). Reentrant: beam search runs generate steps.
+        self._lock = threading.RLock()
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         engine = EngineCore(self.engine_args)
         self._engine = engine
@@ -114,11 +120,13 @@ class LLM:
 
     def shutdown(self) -> None:
         """Free the engine now: KV cache, CUDA graphs and their memory pool, weights, worker processes and the
-        engine's threads. Idempotent; generate() and the other calls raise RuntimeError afterwards."""
-        self._engine = None
-        finalizer = self.__dict__.get("_finalizer")
-        if finalizer is not None:
-            finalizer()  # runs EngineCore.shutdown once, then lets go of the engine
+        engine's threads. Idempotent; generate() and the other calls raise RuntimeError afterwards. A call running
+        in another thread finishes first."""
+        with self.__dict__.get("_lock") or threading.RLock():
+            self._engine = None
+            finalizer = self.__dict__.get("_finalizer")
+            if finalizer is not None:
+                finalizer()  # runs EngineCore.shutdown once, then lets go of the engine
 
     def __enter__(self) -> "LLM":
         return self
@@ -131,19 +139,22 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name). False, and nothing forgotten, while requests run."""
-        return self.engine.reset_prefix_cache()
+        with self._lock:
+            return self.engine.reset_prefix_cache()
 
     # ------------------------------------------------------------------ sleep mode (vLLM's; needs enable_sleep_mode)
     def sleep(self, level: int = 1) -> None:
         """Free the accelerator memory while the engine idles: the KV cache is discarded (prefix cache reset);
         level 1 moves the weights to host memory, level 2 discards them (wake_up reloads them from the model's
         files). Refused while requests are unfinished. On a CPU level 1 leaves the weights where they are."""
-        self.engine.sleep(level)
+        with self._lock:
+            self.engine.sleep(level)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Restore what sleep freed: tags "weights" and / or "kv_cache" (None: both). Generation works again once
         both are back; CUDA graphs are captured again then (the tensors moved)."""
-        self.engine.wake_up(tags)
+        with self._lock:
+            self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()
@@ -156,7 +167,8 @@ class LLM:
         if timeout is not None:
             raise ValueError("collective_rpc(timeout=...) is not supported: a rank's method cannot be interrupted. "
                              "Leave timeout=None; a rank that hangs is caught after PAGEDLLM_DIST_TIMEOUT_S seconds.")
-        return self.engine.collective_rpc(method, args, kwargs)
+        with self._lock:
+            return self.engine.collective_rpc(method, args, kwargs)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() / chat() use when given no SamplingParams: the model's generation-config defaults
@@ -423,8 +435,9 @@ class LLM:
         for req in requests:
             if req is not None and not hasattr(req, "lora_int_id"):
                 raise ValueError(f"lora_request must be a LoRARequest (or a list of them), got {type(req).__name__}.")
-        for req in {r.lora_int_id: r for r in requests if r is not None}.values():
-            self.engine.add_lora(req)
+        with self._lock:
+            for req in {r.lora_int_id: r for r in requests if r is not None}.values():
+                self.engine.add_lora(req)
         return [None if r is None else r.lora_int_id for r in requests]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
@@ -488,21 +501,23 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
+        with self._lock:  # (its steps are _run calls: another thread's call waits for the whole search)
+            return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
 
     # ------------------------------------------------------------------ the loop
     def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None,
              salts: Optional[list[Optional[str]]] = None, priorities: Optional[list[int]] = None) -> list:
         from pagedllm.core.engine_core import objects_frozen
 
-        if self.engine.is_sleeping():  # refused before anything is queued
-            from pagedllm.core.engine_core import EngineSleeping
+        with self._lock:
+            if self.engine.is_sleeping():  # refused before anything is queued
+                from pagedllm.core.engine_core import EngineSleeping
 
-            raise EngineSleeping()
-        # The engine's start-up objects stay out of the collector's full passes while the steps run (see
-        # objects_frozen: this process is the user's, so they are unfrozen again at the end).
-        with objects_frozen():
-            return self._run_frozen(items, use_tqdm, lora_ids, salts, priorities)
+                raise EngineSleeping()
+            # The engine's start-up objects stay out of the collector's full passes while the steps run (see
+            # objects_frozen: this process is the user's, so they are unfrozen again at the end).
+            with objects_frozen():
+                return self._run_frozen(items, use_tqdm, lora_ids, salts, priorities)
 
     def _run_frozen(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]],
                     salts: Optional[list[Optional[str]]] = None, priorities: Optional[list[int]] = None) -> list:
