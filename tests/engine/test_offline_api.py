@@ -167,6 +167,14 @@ def test_calls_from_two_threads_run_one_after_another(llm):
     assert got == {"waited": True, "first": alone, "second": alone}
 
 
+def test_vllm_calls_that_are_not_built_say_so(llm):
+    """llm.reward() and llm.llm_engine (vLLM's) were a bare AttributeError."""
+    with pytest.raises(ValueError, match="LLM.reward\\(\\) .* is not supported"):
+        llm.reward("hi")
+    with pytest.raises(AttributeError, match="no llm_engine .* use llm.get_tokenizer"):
+        llm.llm_engine.get_tokenizer()
+
+
 def test_vllm_prompt_types(llm):
     """`from vllm import TokensPrompt, TextPrompt` (vllm.inputs) as vLLM scripts write them: the prompt dicts."""
     from pagedllm import TextPrompt, TokensPrompt

@@ -137,6 +137,18 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def llm_engine(self) -> Any:
+        # vLLM scripts reach into its LLMEngine; say where the same things are here, not just "no attribute"
+        raise AttributeError("pagedllm's LLM has no llm_engine (vLLM's LLMEngine): use llm.get_tokenizer(), "
+                             "llm.engine_args (the model and engine settings), llm.engine.max_model_len, or "
+                             "llm.engine (the EngineCore the calls drive).")
+
+    def reward(self, *args: Any, **kwargs: Any) -> list:
+        """vLLM's LLM.reward (a process reward model's per-token scores): not built."""
+        raise ValueError("LLM.reward() (per-token scores of a process reward model) is not supported; a reward "
+                         "model with one label (a *ForSequenceClassification checkpoint) scores with LLM.classify.")
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name). False, and nothing forgotten, while requests run."""
         with self._lock:
