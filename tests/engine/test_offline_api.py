@@ -242,3 +242,5 @@ def test_a_bad_prompt_id_in_a_batch_fails_the_call_and_leaves_nothing_running(ll
     assert not llm.engine.has_unfinished_requests()
     outs = llm.generate(prompts[:2], _greedy(max_tokens=2), use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == [[5, 6], [7, 8]] and type(outs[1].prompt_token_ids[0]) is int
+    # one prompt of numpy integers, as a plain list of ids is (it was read as a list of prompts, each refused)
+    assert llm.generate(list(np.array([7, 8])), _greedy(max_tokens=2), use_tqdm=False)[0].prompt_token_ids == [7, 8]

@@ -55,6 +55,13 @@ def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
     return out
 
 
+def _one_prompt(prompts: Any) -> bool:
+    """A string, a prompt dict or one token-id list (numpy's integers too: list(np.array(...))), not a list of
+    prompts."""
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                and isinstance(prompts[0], numbers.Integral))
+
+
 def _warn_failed(where: tuple[int, int, int], message: str) -> None:
     """The user's view of a request the engine failed at step time (the engine logs its own recovery)."""
     prompt, sample, n = where
@@ -248,8 +255,7 @@ class LLM:
             prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
         if prompts is None:
             raise ValueError("generate() needs prompts.")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
+        if _one_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -329,8 +335,7 @@ class LLM:
 
     @staticmethod
     def _prompt_list(prompts: Any, what: str) -> list:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
+        if _one_prompt(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"{what}() needs prompts: a string, a token-id list, a prompt dict or a list of them, "
@@ -510,8 +515,7 @@ class LLM:
             raise ValueError("beam_search() with a LoRA adapter is not supported yet.")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search() needs a BeamSearchParams, got {type(params).__name__}.")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
+        if _one_prompt(prompts):
             prompts = [prompts]
         with self._lock:  # (its steps are _run calls: another thread's call waits for the whole search)
             return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
