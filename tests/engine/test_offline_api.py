@@ -223,6 +223,22 @@ def test_chat_template_file_or_text_as_vllm_reads_it(llm, tmp_path):
     assert load_chat_template("é{{ x }}\\n▁", from_command_line=True) == "é{{ x }}\n▁"
 
 
+def test_chat_template_kwargs_win_over_the_named_arguments(llm):
+    """As vLLM's chat(): chat_template_kwargs are merged over chat_template / add_generation_prompt /
+    continue_final_message / tools (they were "got multiple values for keyword argument"); what chat() itself
+    decides (tokenize) is refused by name."""
+    conv = [{"role": "user", "content": "hi"}]
+    one = _greedy(max_tokens=1)
+    bare = llm.chat(conv, one, use_tqdm=False, add_generation_prompt=False)[0].prompt_token_ids
+    assert llm.chat(conv, one, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False}
+                    )[0].prompt_token_ids == bare
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert llm.chat(conv, one, use_tqdm=False, chat_template_kwargs={"chat_template": template}
+                    )[0].prompt_token_ids == llm.get_tokenizer().encode("[hi]", add_special_tokens=False)
+    with pytest.raises(ValueError, match=re.escape("chat_template_kwargs ['tokenize']: chat() tokenizes")):
+        llm.chat(conv, one, use_tqdm=False, chat_template_kwargs={"tokenize": False})
+
+
 def test_chat_joins_text_parts_as_the_server_does(llm):
     parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
     joined = llm.chat([{"role": "user", "content": "one\ntwo"}], _greedy(max_tokens=1), use_tqdm=False)[0]

@@ -471,6 +471,20 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("chat() takes a conversation (a list of message dicts) or a list of conversations.")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}.")
+        template_kwargs = dict(chat_template_kwargs or {})
+        # As vLLM, chat_template_kwargs win over the arguments of these names (they were "got multiple values");
+        # what the template call returns stays chat()'s choice.
+        chat_template = template_kwargs.pop("chat_template", chat_template)
+        add_generation_prompt = template_kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = template_kwargs.pop("continue_final_message", continue_final_message)
+        tools = template_kwargs.pop("tools", tools)
+        fixed = sorted(set(template_kwargs) & {"conversation", "tokenize", "return_dict", "return_tensors",
+                                                "return_assistant_tokens_mask", "padding", "truncation"})
+        if fixed:
+            raise ValueError(f"chat_template_kwargs {fixed}: chat() tokenizes the conversation itself; give "
+                             "template variables only.")
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be a string, got {type(chat_template).__name__}.")
         try:  # a file's template; a path that cannot be read, or a template that does not parse, fails
@@ -490,7 +504,7 @@ class LLM:
                 ids = self.tokenizer.apply_chat_template(
                     conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message, tools=template_tools, tokenize=True,
-                    **(chat_template_kwargs or {}))
+                    **template_kwargs)
             except Exception as e:  # noqa: BLE001 - the template's errors come from the messages or the template
                 raise ValueError(f"Could not apply the chat template: {e}") from None
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
