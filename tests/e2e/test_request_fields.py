@@ -159,6 +159,22 @@ def test_chat_echo_prefixes_the_continued_message(http: httpx.Client) -> None:
         http.post(CHAT, json=user_only).json()["choices"][0]["message"]["content"]
 
 
+def test_chat_template_kwargs_win_over_the_named_fields(http: httpx.Client) -> None:
+    """As vLLM's: add_generation_prompt / continue_final_message in chat_template_kwargs override the request's own
+    fields (they were a 400, "got multiple values"); the call's own switches and a template are refused by name."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    named = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                         "continue_final_message": True})
+    in_kwargs = http.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {
+        "add_generation_prompt": False, "continue_final_message": True}})
+    assert named.status_code == in_kwargs.status_code == 200, in_kwargs.text
+    assert in_kwargs.json()["tokens"] == named.json()["tokens"]
+    for key, value in (("tokenize", False), ("chat_template", "{{ messages }}")):
+        r = http.post(CHAT, json={"messages": messages[:1], "max_tokens": 1, "chat_template_kwargs": {key: value}})
+        assert r.status_code == 400 and key in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_seed_on_chat_is_reproducible(http: httpx.Client) -> None:
     body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 8, "temperature": 1.0}
     texts = [http.post(CHAT, json=dict(body, seed=s)).json()["choices"][0]["message"]["content"] for s in (7, 7, 8)]

@@ -91,16 +91,26 @@ def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool
     tools = None
     if prepare_tools is not None:
         conv, tools = prepare_tools(conv)
-    if tools:
-        chat_template_kwargs = dict(chat_template_kwargs or {}, tools=tools)
+    kwargs = dict(chat_template_kwargs or {})
+    if tools and "tools" not in kwargs:
+        kwargs["tools"] = tools
+    # As vLLM, the request's chat_template_kwargs win over the named fields (they were "got multiple values");
+    # what the call returns is the server's choice, and a template only comes through the checked field.
+    add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+    continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+    fixed = sorted(set(kwargs) & {"conversation", "chat_template", "tokenize", "return_dict", "return_tensors",
+                                  "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
+    if fixed:
+        raise APIError(f"chat_template_kwargs may not set {fixed}: give template variables only"
+                       + (" (a template goes in 'chat_template')." if "chat_template" in fixed else "."),
+                       param="chat_template_kwargs")
     if continue_final_message and add_generation_prompt:
         raise APIError("continue_final_message and add_generation_prompt cannot both be true.",
                        param="continue_final_message")
     try:
         text = tokenizer.apply_chat_template(
             conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template=chat_template,
-            **(chat_template_kwargs or {}))
+            continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - template errors come from the request (roles, kwargs)
