@@ -54,6 +54,8 @@ def test_beams_run_next_to_ordinary_requests(http):
 @pytest.mark.parametrize("body, param", [
     ({"n": 3, "best_of": 2}, "best_of"),
     ({"n": 0}, "n"),
+    ({"n": 65}, "n"),  # the beam width's bound names the field the client sent
+    ({"n": 2, "best_of": 65}, "best_of"),
     ({"stream": True}, "stream"),
     ({"temperature": 0.7}, "temperature"),
     ({"logprobs": 1}, "logprobs"),

@@ -38,7 +38,8 @@ def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int
                          "and the best n beams are returned.", param="best_of")
     width = best_of if best_of is not None else n
     if width > 64:
-        raise APIError(f"The beam width (best_of or n) must be <= 64, got {width}.", param="best_of")
+        raise APIError(f"The beam width (best_of or n) must be <= 64, got {width}.",
+                       param="best_of" if best_of is not None else "n")
     for name, unused in _UNUSED.items():
         value = getattr(req, name, None)
         if value not in unused:
