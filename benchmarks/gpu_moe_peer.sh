@@ -17,6 +17,7 @@
 #   profile-CONFIG-BATCH  profile_step.py: a decode step at BATCH running requests, kernels by device time
 #   prefill-CONFIG        profile_step.py --prefill: one full prefill step of 64 prompts
 #   timeline-CONFIG       step_timeline.py on rows' 512 x 512/256 at temperature 0.6 (time per step kind)
+#   timelineN-CONFIG      step_timeline.py with N requests of 128 in / 256 out running at once (device idle per step)
 #   sweep-SHAPE           benchmarks/moe.py kernel --sweep at 1 token (the GEMV tiles)
 #   layer-SHAPE           benchmarks/moe.py kernel --torch-grouped at 1-16384 tokens (LAYER_TOKENS; no peer)
 #   check                 tests/gpu/test_fused_moe_gpu.py's kernel tests, then benchmarks/moe_variants/ab.py's A/Bs
@@ -60,6 +61,11 @@ for step in "$@"; do
         prefill-*)
             cmd=(python3 benchmarks/profile_step.py --model "benchmarks/configs/${step#prefill-}" --load-format dummy
                  --batch 64 --prefill) ;;
+        timeline[0-9]*-*)  # issue 29: N requests running at once (all admitted together), device idle per step
+            rest=${step#timeline}; n=${rest%%-*}
+            cmd=(python3 benchmarks/step_timeline.py --model "benchmarks/configs/${rest#*-}" --load-format dummy
+                 --num-prompts "$n" --input-len 128 128 --output-len 256 256 --max-num-seqs "$n"
+                 --max-model-len 400 --temperature 0.6 --json "$out/$step.json") ;;
         timeline-*)
             cmd=(python3 benchmarks/step_timeline.py --model "benchmarks/configs/${step#timeline-}" --load-format dummy
                  --num-prompts 512 --input-len 512 512 --output-len 256 256 --max-num-seqs 512 --max-model-len 800
