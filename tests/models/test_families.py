@@ -206,6 +206,22 @@ def test_bidirectional_gemma3_is_refused(tmp_path):
         _ours(model_dir)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_partial_rotary_outside_phi3_is_refused(arch):
+    """transformers' Llama / Qwen3 / Gemma 3 rotate every head dimension whatever partial_rotary_factor says (their
+    scaled ropes crash on it); rotating part of each head gave other logits. Phi-3 applies it
+    (test_phi3_longrope_and_partial_rotary)."""
+    from pagedllm.models.registry import get_model_class
+    from tests.conftest import tiny_hf_config
+    config = tiny_hf_config(arch)
+    config.num_hidden_layers = 1
+    config.partial_rotary_factor = 0.5
+    if isinstance(config.rope_parameters, dict) and "rope_theta" in config.rope_parameters:
+        config.rope_parameters["partial_rotary_factor"] = 0.5  # where transformers 5 keeps it
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
+        get_model_class(config)(config, torch.float32)
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_past_the_window_matches_transformers(tmp_path, arch):
     """A 16-token window and 60-token prompts: the local layers see only their window (Gemma 2's with capped

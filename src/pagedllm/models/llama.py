@@ -287,9 +287,20 @@ class LlamaForCausalLM(nn.Module):
         self.attn_layers: list[Attention] = [layer.self_attn.attn for layer in
                                              self.model.layers[self.model.start_layer:self.model.end_layer]]
 
+    # Only Phi-3's transformers model rotates part of each head; the others ignore partial_rotary_factor.
+    partial_rotary: bool = False
+
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
-        """Refuse config features the engine does not implement (none known here)."""
+        """Refuse config features the engine does not implement or the family does not define."""
+        factor = get_rope_parameters(hf_config).get("partial_rotary_factor", 1.0)
+        if not cls.partial_rotary and float(factor) != 1.0:
+            # transformers rotates the whole head here (its scaled ropes crash on the factor), vLLM only part of it:
+            # no one answer to serve, so refuse rather than pick one silently
+            raise ValueError(f"{cls.__name__}: partial_rotary_factor={factor} is not supported: transformers' model "
+                             f"of this architecture does not apply it (it rotates every head dimension). Remove "
+                             f"partial_rotary_factor from config.json (and from its rope_parameters / rope_scaling) "
+                             f"to serve the model as transformers runs it.")
 
     def kv_layer_windows(self) -> list[Optional[int]]:
         """Every decoder layer's sliding window (None: full attention), including layers of other pipeline stages:

@@ -16,3 +16,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM reads Phi-3's checkpoints as they are: `qkv_proj` / `gate_up_proj` match our fused
     parameters by name and load through their unsplit path (shard_id None). `stacked_params_mapping` still names
     q/k/v and gate/up for checkpoints (GGUF conversions, adapters) that store them apart."""
+
+    partial_rotary = True  # Phi-4-mini rotates the first 3/4 of each head
