@@ -155,6 +155,18 @@ def test_a_missing_qkv_bias_is_an_error(tmp_path, tiny_qwen2_dir):
         _load(edited)
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "phi3_plain"])
+def test_bias_flags_the_family_ignores_expect_no_bias_tensors(tmp_path, tiny_model_dir, arch):
+    """transformers builds Mistral / Phi-3 without projection biases and every family but Llama without MLP biases,
+    whatever attention_bias / mlp_bias say: such a config.json loads there (no bias tensors) and gives the same
+    logits here (was: 'missing ... bias' errors)."""
+    source = tiny_model_dir(arch)
+    flags = {"mlp_bias": True} if arch.startswith("qwen") else {"attention_bias": True, "mlp_bias": True}
+    edited = _rewrite(tmp_path, source, lambda t: None, lambda c: c.update(flags))
+    ids = torch.arange(3, 20)
+    torch.testing.assert_close(_logits(_load(edited), ids), _logits(_load(source), ids), atol=0, rtol=0)
+
+
 def test_dummy_weights_need_no_tensors(caplog, tiny_llama_dir):
     caplog.set_level(logging.WARNING, logger="pagedllm")
     _load(tiny_llama_dir, load_format="dummy")

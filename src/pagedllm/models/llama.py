@@ -47,6 +47,17 @@ WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "phi3", "qwen3_moe")
 IGNORES_USE_SLIDING_WINDOW = ("mistral", "ministral", "mixtral", "phi3")
 
 
+# model_type of the transformers models built without projection biases whatever the config says: a stray
+# `attention_bias` / `mlp_bias: true` in their config.json loads in transformers (no bias tensors expected)
+NO_ATTENTION_BIAS = ("mistral", "ministral", "mixtral", "phi3")  # (Qwen2's q/k/v bias: qwen2.py's own rule)
+NO_MLP_BIAS = NO_ATTENTION_BIAS + ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+def config_bias(config: Any, field: str, ignored_by: tuple[str, ...]) -> bool:
+    """`config.<field>` (attention_bias / mlp_bias) as the family's transformers model reads it."""
+    return bool(getattr(config, field, False)) and getattr(config, "model_type", None) not in ignored_by
+
+
 def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
     """The attention window of decoder layer `layer_idx` as transformers applies it (None: full attention).
 
@@ -70,7 +81,7 @@ def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, prefix: str = "", quant_config: Any = None) -> None:
         super().__init__()
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = config_bias(config, "mlp_bias", NO_MLP_BIAS)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
                                                        bias=bias, prefix=f"{prefix}.gate_up_proj",
                                                        quant_config=quant_config)
@@ -112,7 +123,7 @@ class LlamaAttention(nn.Module):
     @staticmethod
     def projection_biases(config: Any) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o_proj)."""
-        bias = bool(getattr(config, "attention_bias", False))
+        bias = config_bias(config, "attention_bias", NO_ATTENTION_BIAS)
         return bias, bias
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
