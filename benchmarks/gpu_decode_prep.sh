@@ -2,7 +2,9 @@
 # The decode prep (qkv_prep inside the decode attention kernel) on the lent GPU: its kernel tests and the per-layer
 # A/B (benchmarks/decode_prep_ab.py) on this tree and, where .old holds another tree (git archive COMMIT src
 # benchmarks tests pyproject.toml | tar -x -C .old), on that one in the same lease; then the nano protocol.
-#   bash benchmarks/gpu_decode_prep.sh [tests] [ab] [nano] [oldtests] [oldab] [oldnano] [nano1] [oldnano1]
+#   bash benchmarks/gpu_decode_prep.sh [tests] [ab] [nano] [verify] [oldtests] [oldab] [oldnano] [oldverify]
+#                                      [nano1] [oldnano1]
+# (verify: spec_decode.py verify, a k=VERIFY_K (4) verify step against a plain step on VERIFY_MODEL, llama3-8b)
 # (nano1: the nano protocol with PAGEDLLM_DECODE_PREP=1, the prep at every decode step)
 # STEP_TIMEOUT (s, default 240) bounds each step; logs under $OUT.
 set -uo pipefail
@@ -22,7 +24,10 @@ for step in "$@"; do
     fi
     name=${step#old}
     case ${name%1} in
-        tests) cmd=(python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_qkv_prep.py -k decode_prep) ;;
+        tests) cmd=(python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_qkv_prep.py
+                    -k "decode_prep or few_query_prep") ;;
+        verify) cmd=(python3 benchmarks/spec_decode.py verify --model "$root/benchmarks/configs/${VERIFY_MODEL:-llama3-8b}"
+                     --load-format dummy --dtype bfloat16 --iters 3 --steps 100 --k "${VERIFY_K:-4}") ;;
         ab) cmd=(python3 benchmarks/decode_prep_ab.py "${ab_args[@]}") ;;
         nano) cmd=(python3 benchmarks/offline_throughput.py --model "$root/benchmarks/configs/qwen3-0.6b" "${nano[@]}") ;;
         *) echo "unknown step $step"; continue ;;
@@ -31,5 +36,5 @@ for step in "$@"; do
     t0=$(date +%s)
     (cd "$tree" && PYTHONPATH=$pp PAGEDLLM_DECODE_PREP=$prep timeout -k 10 "${STEP_TIMEOUT:-240}" "${cmd[@]}") > "$out/$step.log" 2>&1
     echo "=== $step rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
-    grep -E "tok/s|passed|failed|Error|^ *[0-9]+,[0-9]+ |us per layer" "$out/$step.log" | tail -40
+    grep -E "tok/s|passed|failed|Error|^ *[0-9]+,[0-9]+ |us per layer|ms|ratio" "$out/$step.log" | tail -40
 done
