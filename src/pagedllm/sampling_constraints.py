@@ -13,6 +13,14 @@ LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias is in [-100, 100]
 _MAX_ID = 2 ** 63  # ids travel to the engine process as msgpack int64
 
 
+class FieldError(ValueError):
+    """A refusal naming the request field it is about (`param`: the server's 400 names it)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
@@ -66,7 +74,7 @@ def check_against_engine(params: Any, vocab_size: int, max_logprobs: int) -> Non
     for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = sorted(t for t in ids if t >= vocab_size)
         if bad:
-            raise ValueError(f"{name} has token id(s) out of vocabulary (0..{vocab_size - 1}): {bad[:5]}.")
+            raise FieldError(f"{name} has token id(s) out of vocabulary (0..{vocab_size - 1}): {bad[:5]}.", name)
     if params.bad_words and not params.bad_words_token_ids:
         raise ValueError("bad_words need a tokenizer to be turned into token ids; this engine was started without "
                          "one (skip_tokenizer_init), so give the banned ids as logit_bias of -100 instead.")
@@ -74,11 +82,11 @@ def check_against_engine(params: Any, vocab_size: int, max_logprobs: int) -> Non
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
         if k == -1 and limit < vocab_size:
-            raise ValueError(f"{name}=-1 (the whole vocabulary: {vocab_size} tokens) is more than this server allows "
-                             f"({limit}); start the engine with --max-logprobs -1 (LLM(max_logprobs=-1)) for it.")
+            raise FieldError(f"{name}=-1 (the whole vocabulary: {vocab_size} tokens) is more than this server allows "
+                             f"({limit}); start the engine with --max-logprobs -1 (LLM(max_logprobs=-1)) for it.", name)
         if k is not None and k > limit:
-            raise ValueError(f"{name}={k} is more than this server allows ({limit}); ask for fewer, or start "
-                             f"the engine with a larger --max-logprobs.")
+            raise FieldError(f"{name}={k} is more than this server allows ({limit}); ask for fewer, or start "
+                             f"the engine with a larger --max-logprobs.", name)
 
 
 def tokenize_bad_words(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
