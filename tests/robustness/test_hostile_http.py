@@ -4,6 +4,7 @@ served), and a client that disconnects mid-prefill (aborted at once, its KV bloc
 and order (requests served, /metrics counters); the timeouts are hang guards, not speed bounds."""
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import socket
@@ -72,6 +73,15 @@ def test_oversized_bodies_get_their_413_every_time(tiny_server) -> None:
 def test_wrong_content_type_is_415(tiny_server, content_type: str) -> None:
     r = _post(tiny_server, "/v1/chat/completions", b'{"messages": []}', content_type)
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+
+
+def test_compressed_body_is_415(tiny_server) -> None:
+    body = gzip.compress(json.dumps({"prompt": "hello", "max_tokens": 1}).encode())
+    r = _post(tiny_server, "/v1/completions", body, **{"Content-Encoding": "gzip"})
+    assert r.status_code == 415 and "Content-Encoding 'gzip'" in r.json()["error"]["message"], r.text
+    ok = _post(tiny_server, "/v1/completions", b'{"prompt": "hello", "max_tokens": 1}',
+               **{"Content-Encoding": "identity"})
+    assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("body", [b'{"prompt": "\xff\xfe bad", "max_tokens": 1}', b'{"prompt": "\xc3\x28"}',

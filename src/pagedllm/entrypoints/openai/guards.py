@@ -2,7 +2,8 @@
 
 - a request body over `--max-request-body-bytes` is refused with 413, from its Content-Length before a byte
   of it is read, or as soon as a chunked body passes the limit;
-- a POST body that is not JSON by its Content-Type gets 415, and one that is not valid UTF-8 gets 400;
+- a POST body that is not JSON by its Content-Type, or is compressed (Content-Encoding), gets 415, and one that is
+  not valid UTF-8 gets 400;
 - an error answered before the client has sent its whole body gets a lingering close, as nginx does: the
   answer goes out, the rest of the body is read and dropped (for at most LINGER_TOTAL_S, LINGER_READ_S without
   data, LINGER_MAX_BYTES), then the connection closes. Closing a socket with unread data makes the kernel send a
@@ -120,6 +121,7 @@ class RequestGuard:
         body = b"".join(chunks)
         if body and scope.get("method", "").encode() in _BODY_METHODS:
             _check_json_content_type(headers.get(b"content-type"))
+            _check_content_encoding(headers.get(b"content-encoding"))
             try:
                 body.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -244,6 +246,14 @@ def _check_json_content_type(value: Optional[bytes]) -> None:
         return
     raise _Refused(415, f"Unsupported Content-Type {media.decode('latin-1')!r}: send the body as JSON with "
                         "'Content-Type: application/json'.", code="unsupported_media_type")
+
+
+def _check_content_encoding(value: Optional[bytes]) -> None:
+    # A compressed body would reach the JSON decoder as bytes that are no UTF-8 ("not valid UTF-8" misled)
+    if value is None or value.strip().lower() in (b"", b"identity"):
+        return
+    raise _Refused(415, f"Unsupported Content-Encoding {value.decode('latin-1')!r}: send the JSON body "
+                        "uncompressed.", code="unsupported_media_type")
 
 
 def _replay(body: bytes, tail: Optional[dict], receive: Any) -> Any:
