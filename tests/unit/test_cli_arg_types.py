@@ -191,3 +191,20 @@ def test_ctrl_c_in_any_subcommand_exits_130_without_a_traceback(monkeypatch, cap
     with pytest.raises(SystemExit) as e:
         main.main(["bench", "latency"])
     assert e.value.code == 130 and capsys.readouterr().err.strip() == "interrupted"
+
+
+@pytest.mark.parametrize("text, value", [("4096", 4096), ("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600),
+                                         ("1m", 1_000_000), ("2G", 2 << 30), (" 8K ", 8192)])
+def test_sizes_take_vllms_suffixes(text: str, value: int) -> None:
+    from pagedllm.entrypoints.cli.arg_types import human_int
+
+    assert human_int(text) == value
+
+
+@pytest.mark.parametrize("text, fragment", [("1.5", "expected an integer"), ("k", "expected a number"),
+                                            ("1.1K", "not a whole number"), ("12x", "expected an integer")])
+def test_sizes_refuse_what_is_no_whole_number(text: str, fragment: str) -> None:
+    from pagedllm.entrypoints.cli.arg_types import human_int
+
+    with pytest.raises(argparse.ArgumentTypeError, match=fragment):
+        human_int(text)

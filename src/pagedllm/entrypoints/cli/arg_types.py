@@ -22,6 +22,29 @@ def _ranged_int(low: int, what: str):
 positive_int = _ranged_int(1, ">= 1")
 non_negative_int = _ranged_int(0, ">= 0")
 
+_DECIMAL = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}
+_BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def human_int(text: str) -> int:
+    """An integer, or with vLLM's size suffixes: k / m / g multiply by 1000^n, K / M / G by 1024^n (25.6k = 25600,
+    32K = 32768); the product must be whole."""
+    text = text.strip()
+    unit = _DECIMAL.get(text[-1:]) or _BINARY.get(text[-1:])
+    if unit is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer (or one like 32k / 32K), got {text!r}") from None
+    try:
+        number = float(text[:-1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number before {text[-1]!r}, got {text!r}") from None
+    value = number * unit
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ({value:g})")
+    return int(value)
+
 
 def non_blank(text: str) -> str:
     """A name: not empty, not only whitespace (clients could not name it as a request's "model")."""

@@ -6,7 +6,7 @@ import argparse
 from typing import Any, Optional
 
 from pagedllm.dtypes import DTYPE_CHOICES
-from pagedllm.entrypoints.cli.arg_types import non_blank, positive_int
+from pagedllm.entrypoints.cli.arg_types import human_int, non_blank, positive_int
 
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
@@ -93,14 +93,14 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-model-len", type=human_int, default=None)
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    e.add_argument("--kv-cache-memory-bytes", type=human_int, default=None)
     e.add_argument("--num-gpu-blocks-override", type=int, default=None)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=human_int, default=None)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="priority: requests' `priority` field orders admission and preemption (lower first)")
