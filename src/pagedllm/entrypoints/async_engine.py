@@ -493,12 +493,14 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
-    async def add_lora(self, lora_request: Any, announce: bool = False) -> None:
+    async def add_lora(self, lora_request: Any, announce: bool = False, replaces: Optional[int] = None) -> None:
         """Register an adapter in the engine (read and validated there); RequestRejected with the reason if not.
-        `announce` (a run-time load): with several API processes, it returns once every one routes the name."""
+        `announce` (a run-time load): with several API processes, it returns once every one routes the name.
+        `replaces`: the id of the adapter whose name this one takes over (load_inplace)."""
         await self._lora_call(lambda seq: m.AddLora(seq, lora_request.lora_name, lora_request.lora_int_id,
                                                     lora_request.lora_path, lora_request.base_model_name,
-                                                    client_index=self.client_index, announce=announce))
+                                                    client_index=self.client_index, announce=announce,
+                                                    replaces=replaces))
 
     async def remove_lora(self, lora_int_id: int) -> None:
         """Unregister an adapter; requests already running with it finish first."""

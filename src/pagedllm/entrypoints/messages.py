@@ -83,6 +83,7 @@ class AddLora(msgspec.Struct, tag="add_lora"):
     client_index: int = 0
     # A run-time load: the other API server processes learn the name (LoraEvent) before the reply goes out.
     announce: bool = False
+    replaces: Optional[int] = None  # load_inplace: the id that holds the name until this load is done
 
 
 class RemoveLora(msgspec.Struct, tag="remove_lora"):
