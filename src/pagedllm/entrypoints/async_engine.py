@@ -83,6 +83,7 @@ class _ReqTiming:
     last_token: Optional[float] = None
     num_generated: int = 0
     engine: int = 0  # the data-parallel engine core serving it
+    queued: Optional[float] = None  # seconds waiting in the engine core before first scheduled (its own clock)
 
 
 @dataclass
@@ -751,6 +752,8 @@ class AsyncEngine:
             if t is None:
                 continue
             n_new = len(out.new_token_ids)
+            if out.queued_s is not None:
+                t.queued = out.queued_s
             if n_new:
                 self._count_tokens(t, n_new, now, gaps)
                 new_tokens += n_new
@@ -779,8 +782,12 @@ class AsyncEngine:
         tpot = None
         if t.first_token is not None and t.last_token is not None and t.num_generated > 1:
             tpot = (t.last_token - t.first_token) / (t.num_generated - 1)
+        phases = None
+        if t.queued is not None and t.first_token is not None:
+            # (queue, prefill, decode): prefill from the first scheduling (arrival + queue) to the first token
+            phases = (t.queued, max(0.0, t.first_token - t.arrival - t.queued), (t.last_token or now) - t.first_token)
         self.metrics.observe_finished(reason, now - t.arrival, tpot, t.engine, num_prompt=t.num_prompt_tokens,
-                                      num_generated=t.num_generated)
+                                      num_generated=t.num_generated, phases=phases)
 
     def _update_stats(self, stats: m.SchedulerStatsMsg, engine: int = 0) -> None:
         prev, self._engine_stats[engine] = self._engine_stats[engine], stats

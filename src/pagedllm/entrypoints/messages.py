@@ -192,7 +192,8 @@ def step_outputs(outputs: list[EngineCoreOutput], stats: Optional[SchedulerStats
     for out in outputs:
         new = out.new_token_ids
         if (len(new) == 1 and out.finish_reason is None and out.new_logprobs is None and out.stop_reason is None
-                and out.prompt_logprobs is None and out.pooled is None and type(new[0]) is int):
+                and out.prompt_logprobs is None and out.pooled is None and out.queued_s is None
+                and type(new[0]) is int):
             ids.append(out.request_id)
             tokens.append(new[0])
             cached.append(out.num_cached_tokens)
