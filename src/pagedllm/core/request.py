@@ -77,6 +77,8 @@ class Request:
     num_output_placeholders: int = 0
     # Monotonic time when first scheduled / first token produced (metrics).
     first_scheduled_time: Optional[float] = None
+    # Monotonic time the scheduler took it in (arrival_time may be another clock: the API process's wall clock).
+    queued_time: Optional[float] = None
     first_token_time: Optional[float] = None
     # Speculative decoding: tokens proposed for the positions after the last one (scheduled as extra tokens to
     # compute and verified in the next step; never part of all_token_ids).

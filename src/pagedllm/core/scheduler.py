@@ -71,9 +71,9 @@ def _priority_key(request: Request) -> tuple:
 
 
 def _queue_time(request: Request) -> Optional[float]:
-    """Seconds the request waited from its arrival at the engine core to its first scheduling."""
-    t = request.first_scheduled_time
-    return None if t is None else max(0.0, t - request.arrival_time)
+    """Seconds the request waited from its arrival at the scheduler to its first scheduling."""
+    t, queued = request.first_scheduled_time, request.queued_time
+    return None if t is None or queued is None else max(0.0, t - queued)
 
 
 @dataclass
@@ -205,6 +205,8 @@ class Scheduler:
             request.rope_long = request.num_tokens > self.long_rope_original
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
+        if request.queued_time is None:  # (a preempted request keeps its first one)
+            request.queued_time = time.monotonic()
         request.length_limit = min(request.length_limit, self.max_model_len)  # (the fast paths' one test)
         request.sync_counted = (request.needs_sync, request.needs_sync_sampling)
         self.num_needs_sync += request.sync_counted[0]
