@@ -105,6 +105,14 @@ class Metrics:
             "tpot": hist("vllm:time_per_output_token_seconds", "Time per output token in seconds (the older name of "
                          "inter_token_latency_seconds).", _TPOT_BUCKETS),
             "e2e": hist("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS),
+            "queue": hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          _E2E_BUCKETS),
+            "prefill": hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for "
+                            "request.", _E2E_BUCKETS),
+            "decode": hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                           _E2E_BUCKETS),
+            "inference": hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for "
+                              "request.", _E2E_BUCKETS),
             "req_tpot": hist("vllm:request_time_per_output_token_seconds",
                              "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS),
             "req_prompt": hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", _TOKEN_BUCKETS),
@@ -152,10 +160,18 @@ class Metrics:
         _observe_all((e.itl, e.tpot), gaps)
 
     def observe_finished(self, reason: str, e2e_s: float, tpot_s: Optional[float], engine: int = 0,
-                         num_prompt: Optional[int] = None, num_generated: Optional[int] = None) -> None:
+                         num_prompt: Optional[int] = None, num_generated: Optional[int] = None,
+                         phases: Optional[tuple[float, float, float]] = None) -> None:
         """A finished request. tpot_s, its mean time per output token after the first, goes to
-        vllm:request_time_per_output_token_seconds."""
+        vllm:request_time_per_output_token_seconds; `phases` (a request that was scheduled and produced a token):
+        its queue, prefill and decode seconds (inference = prefill + decode)."""
         e = self.engines[engine]
+        if phases is not None:
+            queue, prefill, decode = phases
+            e.queue.observe(queue)
+            e.prefill.observe(prefill)
+            e.decode.observe(decode)
+            e.inference.observe(prefill + decode)
         e.success_child(reason).inc()
         e.e2e.observe(e2e_s)
         if tpot_s is not None:

@@ -6,6 +6,7 @@ import json
 import time
 
 import httpx
+import pytest
 
 from e2e_helpers import API_KEY, SERVED_NAME, Server, metric
 
@@ -91,7 +92,13 @@ def test_metrics_move(server: Server, http: httpx.Client) -> None:
              "vllm:e2e_request_latency_seconds_count", "vllm:request_time_per_output_token_seconds_count",
              "vllm:prefix_cache_queries_total", "vllm:time_per_output_token_seconds_count",
              "vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum",
-             "vllm:request_generation_tokens_count", "vllm:inter_token_latency_seconds_count"]
+             "vllm:request_generation_tokens_count", "vllm:inter_token_latency_seconds_count",
+             # vLLM's request phase histograms (were missing): one sample each per finished request
+             "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+             "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count",
+             "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+             "vllm:request_inference_time_seconds_sum", "vllm:e2e_request_latency_seconds_sum",
+             "vllm:request_queue_time_seconds_sum"]
     before_text = _metrics(server)
     before = {n: metric(before_text, n, model_name=SERVED_NAME) for n in names}
     length_before = metric(before_text, "vllm:request_success_total", finished_reason="length")
@@ -112,6 +119,11 @@ def test_metrics_move(server: Server, http: httpx.Client) -> None:
     assert after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 7
     assert after["vllm:request_generation_tokens_count"] == before["vllm:request_generation_tokens_count"] + 1
     assert metric(after_text, "vllm:request_success_total", finished_reason="length") == length_before + 1
+    delta = {n: after[n] - before[n] for n in names}
+    assert [delta[n] for n in names[11:15]] == [1, 1, 1, 1]
+    prefill, decode, inference, e2e, queue = (delta[n] for n in names[15:])
+    assert inference == pytest.approx(prefill + decode) and 0 < decode and inference <= e2e
+    assert 0 < queue < e2e  # (a wall-clock arrival against the scheduler's monotonic clock gave 0)
     for name in ("vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total"):
         assert f"{name}{{" in after_text
     assert 'model_name="smol"' in after_text

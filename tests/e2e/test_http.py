@@ -167,6 +167,7 @@ def test_open_endpoints_without_key(server: Server) -> None:
     assert httpx.get(server.url + "/ping").status_code == 200 and httpx.post(server.url + "/ping").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
     assert httpx.get(server.url + "/version").status_code == 200
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}  # no --enable-server-load-tracking
 
 
 def test_dev_mode_routes_are_404_without_dev_mode(http: httpx.Client) -> None:

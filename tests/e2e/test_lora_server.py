@@ -126,6 +126,13 @@ def test_runtime_load_unload_and_errors(lora_server, adapters, prompt_ids, smoll
         assert "late" in [m["id"] for m in http.get("/v1/models").json()["data"]]
         r = complete(http, "late", prompt_ids)
         assert r.json()["choices"][0]["text"] == expected_text(smollm2_hf_dir, adapters["late"], prompt_ids, 6)
+        # vLLM's load_inplace reloads a loaded name (was ignored: "already been loaded"); then back to its own path
+        for path in (adapters["sql"], adapters["late"]):
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": path, "load_inplace": True})
+            assert r.status_code == 200, r.text
+            if path == adapters["sql"]:
+                r = complete(http, "late", prompt_ids)
+                assert r.json()["choices"][0]["text"] == expected_text(smollm2_hf_dir, path, prompt_ids, 6)
         errors = [
             ({"lora_name": "late", "lora_path": adapters["late"]}, 400, "already been loaded"),
             ({"lora_name": "smol", "lora_path": adapters["late"]}, 400, "already been loaded"),

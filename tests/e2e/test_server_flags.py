@@ -1,6 +1,7 @@
 """Serve flags reach the server: --generation-config DIR (defaults only where a request is silent, logged at
 start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template,
---enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids, on one real
+--enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids,
+--enable-server-load-tracking, on one real
 `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--kv-cache-memory-bytes", str(64 << 20), "--no-dashboard",
                                  "--trust-request-chat-template", "--chat-template", str(tmp / "chat.jinja"),
                                  "--enable-prompt-tokens-details", "--enable-request-id-headers",
-                                 "--return-tokens-as-token-ids"],
+                                 "--return-tokens-as-token-ids", "--enable-server-load-tracking"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -145,3 +146,17 @@ def test_request_id_headers_and_token_ids_default(flag_server) -> None:
     own = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "logprobs": 1,
                                              "return_tokens_as_token_ids": False}).json()
     assert not any(t.startswith("token_id:") for t in own["choices"][0]["logprobs"]["tokens"])
+
+
+def test_server_load_tracking(flag_server) -> None:
+    """GET /load (vLLM's) counts the completions in flight: 1 during a stream, 0 once it ended (there was no /load
+    route, and the flag was refused)."""
+    http, _ = flag_server
+    assert http.get("/load").json() == {"server_load": 0}
+    with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        during = http.get("/load").json()
+        list(lines)
+    assert during == {"server_load": 1}
+    assert http.get("/load").json() == {"server_load": 0}

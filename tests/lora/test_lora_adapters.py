@@ -56,6 +56,8 @@ def test_unsupported_adapters_are_refused_with_the_reason(llm, good, tiny_llama_
         (make_adapter(tiny_qwen3_dir, str(tmp_path / "other"), r=4, alpha=4, targets=["q_proj"], seed=6),
          "another base model"),
         (edited(good, tmp_path / "bias", bias="all"), "bias"),
+        # aLoRA has plain A/B weights: it loaded and ran as a plain LoRA on every token
+        (edited(good, tmp_path / "alora", alora_invocation_tokens=[5, 6]), "Activated LoRA"),
         (str(tmp_path / "missing"), "not a directory"),
     ]
     for path, words in cases:

@@ -89,6 +89,18 @@ def test_prefix_blocks_never_shared_between_adapters(tiny_llama_dir, adapter_fac
     assert llm.generate(prompt, sp, use_tqdm=False)[0].num_cached_tokens == 0
     # 48 tokens = 3 full blocks; the last one is recomputed to sample from it
     assert llm.generate(prompt, sp, lora_request=a, use_tqdm=False)[0].num_cached_tokens == 32
+    # id 1 given b's weights (the engine reloads an id whose path changed, also after a removal): a's cached blocks
+    # must not serve it (they did: tokens of neither adapter); the same path again keeps its blocks
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    want = peft_greedy(tiny_llama_dir, paths[1], prompt["prompt_token_ids"], 3)[0]
+    for _ in range(2):
+        out = llm.generate(prompt, greedy, lora_request=LoRARequest("re", 1, paths[1]), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want
+        llm.generate(prompt, sp, lora_request=a, use_tqdm=False)
+        llm.engine.remove_lora(1)
+    out = llm.generate(prompt, greedy, lora_request=a, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 32 and out.outputs[0].token_ids == peft_greedy(
+        tiny_llama_dir, paths[0], prompt["prompt_token_ids"], 3)[0]
 
 
 def test_more_adapters_than_slots_swaps_and_keeps_tokens(tiny_llama_dir, adapter_factory, tmp_path):

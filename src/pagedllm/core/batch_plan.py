@@ -129,6 +129,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: Optional[tuple[int, list[TokenLogprobs]]] = None
     # An embedding request's pooled hidden state, in the output that finishes it (pooling/).
     pooled: Optional[list[float]] = None
+    # In the output of its first token: seconds from the engine core's receipt of the request to its first
+    # scheduling (vllm:request_queue_time_seconds).
+    queued_s: Optional[float] = None
 
     @property
     def finished(self) -> bool:

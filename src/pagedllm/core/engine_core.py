@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import logging
 import numbers
 import time
@@ -217,6 +218,7 @@ class EngineCore:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             arrival_time=req.arrival_time if req.arrival_time is not None else time.monotonic(),
             lora_id=req.lora_id,
+            lora_cache_key=self.loras.cache_key(req.lora_id),
             cache_salt=req.cache_salt,
             priority=req.priority,
         )
@@ -579,6 +581,10 @@ class EngineLoRAs:
         self.scheduler = scheduler
         self.requests: dict[int, object] = {}
         self.pending_removal: set[int] = set()
+        # id -> (path, prefix-cache key) of its last load, kept after removal: an id loaded again with another
+        # path gets a fresh key (negative: never a real id), else its old blocks would serve the new weights.
+        self._cache_keys: dict[int, tuple[str, int]] = {}
+        self._fresh_keys = itertools.count(-1, -1)
 
     def _enabled(self) -> None:
         if self.manager is None:
@@ -603,6 +609,9 @@ class EngineLoRAs:
                              "new adapter a different lora_int_id.")
         self.manager.add_lora(lora_id, lora_request.lora_name, lora_request.lora_path)
         self.requests[lora_id] = lora_request
+        last = self._cache_keys.get(lora_id)
+        if last is None or last[0] != lora_request.lora_path:
+            self._cache_keys[lora_id] = (lora_request.lora_path, lora_id if last is None else next(self._fresh_keys))
         self.pending_removal.discard(lora_id)
         return True
 
@@ -617,6 +626,10 @@ class EngineLoRAs:
 
     def ids(self) -> set[int]:
         return set(self.requests) - self.pending_removal
+
+    def cache_key(self, lora_id: Optional[int]) -> Optional[int]:
+        entry = None if lora_id is None else self._cache_keys.get(lora_id)
+        return None if entry is None or entry[1] == lora_id else entry[1]
 
     def id_of_name(self, name: str) -> Optional[int]:
         """The id of the registered adapter called `name` (None: none is)."""

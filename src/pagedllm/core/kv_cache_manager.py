@@ -149,7 +149,7 @@ class KVCacheManager:
         """Hash the request's full blocks that are not hashed yet (no-op when caching is off)."""
         if self.enable_caching:
             hashes = request.block_hashes
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.lora_id,
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.prefix_lora_key,
                                 None if hashes else _first_parent(request))
 
     def get_computed_blocks(
@@ -231,7 +231,7 @@ class KVCacheManager:
             return None
         parent = request.block_hashes[i - 1] if i > 0 else _first_parent(request)
         end = min(request.num_tokens - 1, num_hit_tokens + self.block_size - 1)
-        hit = self.partial_blocks.lookup(parent, request.lora_id, request.all_token_ids[num_hit_tokens:end])
+        hit = self.partial_blocks.lookup(parent, request.prefix_lora_key, request.all_token_ids[num_hit_tokens:end])
         return None if hit is None else (hit[0].block_id, hit[1])
 
     def record_prefix_cache_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
@@ -428,7 +428,7 @@ class KVCacheManager:
             self.partial_blocks.remember(*partial)
 
     def _partial_tail(self, request: Request, blocks: BlockList):
-        """(block, parent hash, LoRA id, tokens) of the request's last partly filled block of computed tokens."""
+        """(block, parent hash, LoRA cache key, tokens) of the request's last partly filled block of computed tokens."""
         if self.partial_blocks is None:
             return None
         computed = min(request.num_computed_tokens, request.num_tokens)
@@ -439,7 +439,7 @@ class KVCacheManager:
         self.update_block_hashes(request)
         parent = request.block_hashes[i - 1] if i > 0 else _first_parent(request)
         start = i * self.block_size
-        return blocks[i], parent, request.lora_id, tuple(request.all_token_ids[start:computed])
+        return blocks[i], parent, request.prefix_lora_key, tuple(request.all_token_ids[start:computed])
 
     def reset_prefix_cache(self) -> bool:
         done = self.block_pool.reset_prefix_cache()

@@ -60,6 +60,9 @@ class Request:
     lora_id: Optional[int] = None  # prefix-cache salt: blocks of different adapters never match
     cache_salt: Optional[str] = None  # the client's prefix-cache salt: blocks of different salts never match
     priority: int = 0  # --scheduling-policy priority: lower is served first (vLLM)
+    # The adapter's prefix-cache salt when it differs from lora_id: an id given other weights since its blocks were
+    # cached (EngineLoRAs.cache_key) must not hit them.
+    lora_cache_key: Optional[int] = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -74,6 +77,8 @@ class Request:
     num_output_placeholders: int = 0
     # Monotonic time when first scheduled / first token produced (metrics).
     first_scheduled_time: Optional[float] = None
+    # Monotonic time the scheduler took it in (arrival_time may be another clock: the API process's wall clock).
+    queued_time: Optional[float] = None
     first_token_time: Optional[float] = None
     # Speculative decoding: tokens proposed for the positions after the last one (scheduled as extra tokens to
     # compute and verified in the next step; never part of all_token_ids).
@@ -105,6 +110,11 @@ class Request:
             stop_ids.add(self.eos_token_id)
         self.stop_ids = frozenset(stop_ids)
         self.length_limit = len(self.prompt_token_ids) + p.max_tokens if p.max_tokens is not None else 1 << 62
+
+    @property
+    def prefix_lora_key(self) -> Optional[int]:
+        """What salts the request's prefix-cache blocks for its adapter (None: the base model)."""
+        return self.lora_id if self.lora_cache_key is None else self.lora_cache_key
 
     @property
     def num_prompt_tokens(self) -> int:

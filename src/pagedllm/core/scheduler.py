@@ -70,6 +70,12 @@ def _priority_key(request: Request) -> tuple:
     return request.priority_key
 
 
+def _queue_time(request: Request) -> Optional[float]:
+    """Seconds the request waited from its arrival at the scheduler to its first scheduling."""
+    t, queued = request.first_scheduled_time, request.queued_time
+    return None if t is None or queued is None else max(0.0, t - queued)
+
+
 @dataclass
 class SchedulerStats:
     num_running: int
@@ -199,6 +205,8 @@ class Scheduler:
             request.rope_long = request.num_tokens > self.long_rope_original
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
+        if request.queued_time is None:  # (a preempted request keeps its first one)
+            request.queued_time = time.monotonic()
         request.length_limit = min(request.length_limit, self.max_model_len)  # (the fast paths' one test)
         request.sync_counted = (request.needs_sync, request.needs_sync_sampling)
         self.num_needs_sync += request.sync_counted[0]
@@ -674,11 +682,13 @@ class Scheduler:
                         finished.append(request)
                 if spec_ids is not None and finish_reason is None:  # the drafts proposed for its next step
                     request.spec_token_ids = spec_ids[index]
+                queued = None
                 if request.first_token_time is None:
                     request.first_token_time = time.monotonic()
+                    queued = _queue_time(request)
                 outputs.append(EngineCoreOutput(request_id, sampled, finish_reason=finish_reason,
                                                 stop_reason=request.stop_reason,
-                                                num_cached_tokens=request.num_cached_tokens or 0))
+                                                num_cached_tokens=request.num_cached_tokens or 0, queued_s=queued))
         if finished:  # (freed as they finished, in batch order: the free queue's order is the same as ever)
             running = self.running
             if len(finished) * 8 < len(running):  # a few: list.remove is a C scan
@@ -729,8 +739,10 @@ class Scheduler:
             new_token_ids = []
         if output.spec_token_ids is not None and not is_finished:
             request.spec_token_ids = output.spec_token_ids[index]
+        queued = None
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
+            queued = _queue_time(request)
         if is_finished:
             self._finish(request, request.status)
             finished.append(request)
@@ -744,6 +756,7 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens or 0,
                 prompt_logprobs=plp,
                 pooled=output.pooled.get(request_id) if output.pooled else None,
+                queued_s=queued,
             )
         )
 

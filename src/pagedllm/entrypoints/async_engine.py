@@ -83,6 +83,7 @@ class _ReqTiming:
     last_token: Optional[float] = None
     num_generated: int = 0
     engine: int = 0  # the data-parallel engine core serving it
+    queued: Optional[float] = None  # seconds waiting in the engine core before first scheduled (its own clock)
 
 
 @dataclass
@@ -493,12 +494,14 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
-    async def add_lora(self, lora_request: Any, announce: bool = False) -> None:
+    async def add_lora(self, lora_request: Any, announce: bool = False, replaces: Optional[int] = None) -> None:
         """Register an adapter in the engine (read and validated there); RequestRejected with the reason if not.
-        `announce` (a run-time load): with several API processes, it returns once every one routes the name."""
+        `announce` (a run-time load): with several API processes, it returns once every one routes the name.
+        `replaces`: the id of the adapter whose name this one takes over (load_inplace)."""
         await self._lora_call(lambda seq: m.AddLora(seq, lora_request.lora_name, lora_request.lora_int_id,
                                                     lora_request.lora_path, lora_request.base_model_name,
-                                                    client_index=self.client_index, announce=announce))
+                                                    client_index=self.client_index, announce=announce,
+                                                    replaces=replaces))
 
     async def remove_lora(self, lora_int_id: int) -> None:
         """Unregister an adapter; requests already running with it finish first."""
@@ -749,6 +752,8 @@ class AsyncEngine:
             if t is None:
                 continue
             n_new = len(out.new_token_ids)
+            if out.queued_s is not None:
+                t.queued = out.queued_s
             if n_new:
                 self._count_tokens(t, n_new, now, gaps)
                 new_tokens += n_new
@@ -777,8 +782,12 @@ class AsyncEngine:
         tpot = None
         if t.first_token is not None and t.last_token is not None and t.num_generated > 1:
             tpot = (t.last_token - t.first_token) / (t.num_generated - 1)
+        phases = None
+        if t.queued is not None and t.first_token is not None:
+            # (queue, prefill, decode): prefill from the first scheduling (arrival + queue) to the first token
+            phases = (t.queued, max(0.0, t.first_token - t.arrival - t.queued), (t.last_token or now) - t.first_token)
         self.metrics.observe_finished(reason, now - t.arrival, tpot, t.engine, num_prompt=t.num_prompt_tokens,
-                                      num_generated=t.num_generated)
+                                      num_generated=t.num_generated, phases=phases)
 
     def _update_stats(self, stats: m.SchedulerStatsMsg, engine: int = 0) -> None:
         prev, self._engine_stats[engine] = self._engine_stats[engine], stats

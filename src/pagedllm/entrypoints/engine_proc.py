@@ -336,7 +336,7 @@ class EngineLoop:
                 if self.multi and msg.announce:
                     # Two API processes may load one name at once: the engine core is where they meet.
                     owner = self.core.loras.id_of_name(msg.lora_name)
-                    if owner is not None and owner != msg.lora_int_id:
+                    if owner is not None and owner not in (msg.lora_int_id, msg.replaces):
                         return m.LoraReply(msg.seq, f"The lora adapter '{msg.lora_name}' has already been loaded.",
                                            400)
                 self.core.add_lora(LoRARequest(lora_name=msg.lora_name, lora_int_id=msg.lora_int_id,

@@ -83,6 +83,7 @@ class AddLora(msgspec.Struct, tag="add_lora"):
     client_index: int = 0
     # A run-time load: the other API server processes learn the name (LoraEvent) before the reply goes out.
     announce: bool = False
+    replaces: Optional[int] = None  # load_inplace: the id that holds the name until this load is done
 
 
 class RemoveLora(msgspec.Struct, tag="remove_lora"):
@@ -191,7 +192,8 @@ def step_outputs(outputs: list[EngineCoreOutput], stats: Optional[SchedulerStats
     for out in outputs:
         new = out.new_token_ids
         if (len(new) == 1 and out.finish_reason is None and out.new_logprobs is None and out.stop_reason is None
-                and out.prompt_logprobs is None and out.pooled is None and type(new[0]) is int):
+                and out.prompt_logprobs is None and out.pooled is None and out.queued_s is None
+                and type(new[0]) is int):
             ids.append(out.request_id)
             tokens.append(new[0])
             cached.append(out.num_cached_tokens)

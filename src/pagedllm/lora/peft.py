@@ -78,6 +78,15 @@ def check_adapter_config(config: dict[str, Any], path: str) -> None:
         (config.get("layer_replication"), "adapters with layer_replication are not supported"),
         (config.get("target_parameters"), "adapters with target_parameters are not supported"),
         (config.get("use_qalora"), "QA-LoRA adapters (use_qalora=true) are not supported"),
+        # PEFT variants whose inference math is not plain LoRA's (VeLoRA and MiCA change training only)
+        (config.get("alora_invocation_tokens"), "Activated LoRA adapters (alora_invocation_tokens) are not "
+                                                "supported"),
+        (config.get("kasa_config"), "KaSA adapters (kasa_config) are not supported"),
+        (config.get("use_bdlora"), "block-diagonal LoRA adapters (use_bdlora) are not supported"),
+        (config.get("arrow_config"), "Arrow-routed adapters (arrow_config) are not supported"),
+        (config.get("monteclora_config"), "MonteCLoRA adapters (monteclora_config) are not supported"),
+        (config.get("trainable_token_indices"), "adapters with trainable_token_indices (trained embedding rows) "
+                                                "are not supported"),
     ]
     for bad, why in refusals:
         if bad:

@@ -135,6 +135,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
             return _startup_error(report, str(e), 1)
         lifecycle = Lifecycle(count_request=metrics.api_server_requests.inc)
         state.lifecycle = lifecycle
+        lifecycle.track_load = bool(getattr(args, "enable_server_load_tracking", False))
         state.dashboard = args.dashboard
         state.fastapi_docs = not getattr(args, "disable_fastapi_docs", False)
         state.cors = {"origins": getattr(args, "allowed_origins", ["*"]),

@@ -93,6 +93,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's health check: the same answer
 
+    @app.get("/load")
+    async def load() -> Response:
+        # vLLM's: this API process's requests in flight on the generation / pooling routes; 0 unless the server
+        # runs with --enable-server-load-tracking
+        lifecycle = getattr(state, "lifecycle", None)
+        return Response(dumps({"server_load": lifecycle.server_load if lifecycle is not None else 0}),
+                        media_type="application/json")
+
     @app.get("/version")
     async def version() -> Response:
         return Response(dumps({"version": pagedllm.__version__}), media_type="application/json")

@@ -17,7 +17,8 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "api_server_count", "trust_request_chat_template", "chat_template", "ssl_keyfile", "ssl_certfile",
                "ssl_ca_certs", "ssl_cert_reqs", "root_path", "allowed_origins", "allowed_methods", "allowed_headers",
                "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
-               "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids"}
+               "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
+               "enable_server_load_tracking"}
 
 
 def _port(text: str) -> int:
@@ -48,6 +49,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
     g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load reports the generation / pooling requests in flight (vLLM's server_load)")
     g.add_argument("--startup-timeout", type=float, default=None, help="seconds to wait for the engine to load")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (/health is 503 meanwhile)")

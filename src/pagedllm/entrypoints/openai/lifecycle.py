@@ -29,7 +29,10 @@ from pagedllm.entrypoints.openai.guards import route_path
 logger = logging.getLogger("pagedllm.api_server")
 
 # Not counted as in-flight work and still answered while draining (probes and scrapes).
-_PROBE_PATHS = ("/health", "/metrics", "/version")
+_PROBE_PATHS = ("/health", "/metrics", "/version", "/load")
+# vLLM's --enable-server-load-tracking: the routes whose requests in flight GET /load reports (server_load).
+LOAD_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/pooling",
+                        "/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"))
 # Live views that never end by themselves: not in-flight work (a drain does not wait for them; they end when it starts).
 _LIVE_PATHS = ("/dashboard/events",)
 ENGINE_DEAD_EXIT_CODE = 1
@@ -43,6 +46,8 @@ class Lifecycle:
         self.in_flight = 0
         self.exit_code = 0
         self.count_request = count_request  # called once per HTTP request that is not a probe (metrics)
+        self.track_load = False  # --enable-server-load-tracking
+        self.server_load = 0  # requests of LOAD_PATHS in flight, while track_load
 
 
 class DrainMiddleware:
@@ -66,11 +71,14 @@ class DrainMiddleware:
             return
         if self.lifecycle.count_request is not None:
             self.lifecycle.count_request()
+        load = self.lifecycle.track_load and path in LOAD_PATHS
         self.lifecycle.in_flight += 1
+        self.lifecycle.server_load += load
         try:
             await self.app(scope, receive, send)
         finally:
             self.lifecycle.in_flight -= 1
+            self.lifecycle.server_load -= load
 
 
 async def _send_503(send: Any, message: str) -> None:

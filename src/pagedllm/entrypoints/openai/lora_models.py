@@ -36,6 +36,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
     base_model_name: Optional[str] = None
+    load_inplace: bool = False  # reload a loaded name (new weights at its path, or another path)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -120,27 +121,36 @@ class LoRAModels:
                 if request.lora_int_id == event.lora_int_id:
                     del self.adapters[name]
 
-    async def load(self, name: Any, path: Any, base_model_name: Optional[str] = None) -> LoRARequest:
+    async def load(self, name: Any, path: Any, base_model_name: Optional[str] = None,
+                   load_inplace: bool = False) -> LoRARequest:
+        """Register `name`; with load_inplace an already loaded name is read again under a new id (so no cached
+        prefix block or host copy of the old weights serves it), taking the name over once the load succeeded.
+        Requests running with the old weights finish with them."""
         if not self.enabled:
             raise APIError("LoRA adapters need the server started with --enable-lora.", status=400)
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise APIError("Both 'lora_name' and 'lora_path' must be non-empty strings.", status=400,
                            param="lora_name" if not isinstance(name, str) or not name else "lora_path")
-        if name in self.adapters or name in self._pending or name in self.base_names:
-            raise APIError(f"The lora adapter '{name}' has already been loaded.", status=400, param="lora_name")
+        old = self.adapters.get(name) if load_inplace else None
+        if (name in self.adapters and old is None) or name in self._pending or name in self.base_names:
+            hint = "" if name in self.base_names else " Set 'load_inplace' to true to reload it."
+            raise APIError(f"The lora adapter '{name}' has already been loaded.{hint}", status=400, param="lora_name")
         self._pending.add(name)
         try:
             async with self._lock:  # ids in load order; one adapter read at a time
                 request = LoRARequest(lora_name=name, lora_int_id=next(self._ids), lora_path=path,
                                       base_model_name=base_model_name)
+                replaces = {} if old is None else {"replaces": old.lora_int_id}
                 if self._announce:
-                    await self.engine.add_lora(request, announce=True)
+                    await self.engine.add_lora(request, announce=True, **replaces)
                 else:
-                    await self.engine.add_lora(request)
+                    await self.engine.add_lora(request, **replaces)
+                self.adapters[name] = request
+                self.names_by_id[request.lora_int_id] = name
+                if old is not None:
+                    await self.engine.remove_lora(old.lora_int_id)
         finally:
             self._pending.discard(name)
-        self.adapters[name] = request
-        self.names_by_id[request.lora_int_id] = name
         return request
 
     async def unload(self, name: Any) -> None:
@@ -196,7 +206,7 @@ def loras_of(state: Any) -> LoRAModels:
 async def load_lora_adapter(request: Request, loras: LoRAModels) -> Response:
     _check_runtime_updates()
     req = await parse_body(request, LoadLoRAAdapterRequest)
-    await loras.load(req.lora_name, req.lora_path, req.base_model_name)
+    await loras.load(req.lora_name, req.lora_path, req.base_model_name, load_inplace=req.load_inplace)
     return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
 
