@@ -77,7 +77,7 @@ def test_mixed_batch_matches_peft(arch, tiny_model_dir, adapter_factory):
     assert reqs[7].lora_int_id == 3 and len(prompts[7]) > 32 and outs[7].num_cached_tokens == 0
 
 
-def test_prefix_blocks_never_shared_between_adapters(tiny_llama_dir, adapter_factory):
+def test_prefix_blocks_never_shared_between_adapters(tiny_llama_dir, adapter_factory, tmp_path):
     paths = adapter_factory(tiny_llama_dir)
     llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
               num_gpu_blocks_override=64)
@@ -101,6 +101,15 @@ def test_prefix_blocks_never_shared_between_adapters(tiny_llama_dir, adapter_fac
     out = llm.generate(prompt, greedy, lora_request=a, use_tqdm=False)[0]
     assert out.num_cached_tokens == 32 and out.outputs[0].token_ids == peft_greedy(
         tiny_llama_dir, paths[0], prompt["prompt_token_ids"], 3)[0]
+    # vLLM's load_inplace: new weights saved at the same path are read again, and the old ones' blocks not used
+    import shutil
+
+    moving = str(tmp_path / "moving")
+    shutil.copytree(paths[0], moving)
+    llm.generate(prompt, sp, lora_request=LoRARequest("m", 9, moving), use_tqdm=False)
+    shutil.copytree(paths[1], moving, dirs_exist_ok=True)
+    out = llm.generate(prompt, greedy, lora_request=LoRARequest("m", 9, moving, load_inplace=True), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == want
 
 
 def test_more_adapters_than_slots_swaps_and_keeps_tokens(tiny_llama_dir, adapter_factory, tmp_path):

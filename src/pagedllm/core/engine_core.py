@@ -602,15 +602,20 @@ class EngineLoRAs:
         self._enabled()
         lora_id = lora_request.lora_int_id
         known = self.requests.get(lora_id)
-        if known is not None and known.lora_path == lora_request.lora_path and lora_id not in self.pending_removal:
+        inplace = bool(getattr(lora_request, "load_inplace", False))
+        if (known is not None and known.lora_path == lora_request.lora_path and lora_id not in self.pending_removal
+                and not inplace):
             return False
         if known is not None and self._in_use(lora_id):
-            raise ValueError(f"LoRA adapter id {lora_id} is in use by running requests with another path; give the "
-                             "new adapter a different lora_int_id.")
+            what = "reloaded in place" if inplace else "given another path"
+            raise ValueError(f"LoRA adapter id {lora_id} is in use by running requests and cannot be {what}; give "
+                             "the new adapter a different lora_int_id.")
+        if inplace and known is not None:
+            self._drop(lora_id)  # the manager keeps a host copy per id and path: read the files again
         self.manager.add_lora(lora_id, lora_request.lora_name, lora_request.lora_path)
         self.requests[lora_id] = lora_request
         last = self._cache_keys.get(lora_id)
-        if last is None or last[0] != lora_request.lora_path:
+        if last is None or last[0] != lora_request.lora_path or inplace:
             self._cache_keys[lora_id] = (lora_request.lora_path, lora_id if last is None else next(self._fresh_keys))
         self.pending_removal.discard(lora_id)
         return True

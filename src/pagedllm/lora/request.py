@@ -9,8 +9,9 @@ from typing import Optional
 class LoRARequest:
     """A LoRA adapter: a unique name, a positive integer id (the engine's key), and its local PEFT directory.
 
-    Two requests with the same `lora_int_id` use the same adapter: the id, not the path, identifies it
-    (in the prefix cache too), so give a different adapter a different id.
+    Two requests with the same `lora_int_id` use the same adapter: the id, not the path, identifies it, so give a
+    different adapter a different id (an id given another path, or load_inplace=True, is read again while no request
+    runs with it; blocks cached with its old weights are not reused).
     """
 
     lora_name: str
@@ -19,6 +20,8 @@ class LoRARequest:
     lora_local_path: Optional[str] = None  # vLLM's deprecated alias of lora_path
     long_lora_max_len: Optional[int] = None
     base_model_name: Optional[str] = None
+    # vLLM's: read the adapter again even if its id is loaded (new weights saved at the same path)
+    load_inplace: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
