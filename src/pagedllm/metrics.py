@@ -30,8 +30,19 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# Tokens per request (prompt / generated): 1-2-5 steps, as vLLM's buckets, up to a million
-_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets of token counts."""
+    return tuple(float(m * 10 ** e) for e in range(len(str(max(1, max_value)))) for m in (1, 2, 5)
+                 if m * 10 ** e <= max_value)
+
+
+# Tokens per request (prompt / generated): up to a million (vLLM stops at max_model_len, unknown at construction)
+_TOKEN_BUCKETS = buckets_1_2_5(1_000_000)
+# vLLM's fixed buckets of tokens per engine step, and of the n request parameter
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort")
 
 # The engine core's gauges and running totals: (metric name, help, SchedulerStats field).
@@ -60,6 +71,8 @@ class _EngineChildren:
         for name, family in families.items():
             if not name.startswith("_"):
                 setattr(self, name, family.labels(model_name, engine))
+        self.req_max_tokens: Any = None  # the max_model_len-bucketed ones: Metrics.engine_ready
+        self.req_max_gen: Any = None
         success = families["_success_family"]
         self.success = {reason: success.labels(model_name, reason, engine) for reason in FINISH_REASONS}
         self._success_family, self._labels = success, (model_name, engine)
@@ -118,10 +131,17 @@ class Metrics:
             "req_prompt": hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", _TOKEN_BUCKETS),
             "req_gen": hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
                             _TOKEN_BUCKETS),
+            "iteration_tokens": hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     _ITERATION_TOKEN_BUCKETS),
+            "req_n": hist("vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS),
             "_success_family": Counter("vllm:request_success", "Count of finished requests by finish reason.",
                                        ["model_name", "finished_reason", "engine"], registry=r),
         }
         self.engines = [_EngineChildren(families, model_name, str(i)) for i in range(num_engines)]
+        self._families_registry, self._hist = r, hist
+        # Built by engine_ready (their buckets go up to max_model_len, as vLLM's): families and their children.
+        self._by_len: Optional[dict[str, Any]] = None
+        self._cache_config: dict[int, dict[str, str]] = {}  # engine core -> vllm:cache_config_info's labels
         self.api_server_requests = Counter(
             "pagedllm:api_server_requests", "HTTP requests (health probes and scrapes aside) taken by each API "
             "server process.", ["model_name", "api_server"], registry=r).labels(model_name, str(api_server))
@@ -137,6 +157,23 @@ class Metrics:
         self._max_loras = str(max_loras)
         self._lora_names = names_by_id
         self.lora_info = True
+
+    def engine_ready(self, engine: int, max_model_len: int, cache_config: dict[str, str]) -> None:
+        """What an engine core said when it was ready: its context length (the buckets of the max_tokens
+        histograms) and its cache config (vllm:cache_config_info's labels)."""
+        self._cache_config[engine] = dict(cache_config)
+        if self._by_len is not None:
+            return
+        buckets = buckets_1_2_5(max_model_len)
+        self._by_len = {
+            "max_tokens": self._hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request "
+                                     "parameter.", buckets),
+            "max_gen": self._hist("vllm:request_max_num_generation_tokens", "Histogram of maximum number of "
+                                  "requested generation tokens.", buckets),
+        }
+        for i, e in enumerate(self.engines):
+            e.req_max_tokens = self._by_len["max_tokens"].labels(self.model_name, str(i))
+            e.req_max_gen = self._by_len["max_gen"].labels(self.model_name, str(i))
 
     # ---- recorders ------------------------------------------------------------------------------
 
@@ -159,13 +196,27 @@ class Metrics:
         e = self.engines[engine]
         _observe_all((e.itl, e.tpot), gaps)
 
+    def observe_iteration_tokens(self, n: int, engine: int = 0) -> None:
+        """One engine step's tokens, as vLLM counts them: the prompts of the requests whose first token it brought
+        plus the tokens it generated."""
+        self.engines[engine].iteration_tokens.observe(n)
+
     def observe_finished(self, reason: str, e2e_s: float, tpot_s: Optional[float], engine: int = 0,
                          num_prompt: Optional[int] = None, num_generated: Optional[int] = None,
-                         phases: Optional[tuple[float, float, float]] = None) -> None:
-        """A finished request. tpot_s, its mean time per output token after the first, goes to
+                         phases: Optional[tuple[float, float, float]] = None, max_tokens: Optional[int] = None,
+                         samples: Optional[tuple[int, int]] = None) -> None:
+        """A finished (engine) request. tpot_s, its mean time per output token after the first, goes to
         vllm:request_time_per_output_token_seconds; `phases` (a request that was scheduled and produced a token):
-        its queue, prefill and decode seconds (inference = prefill + decode)."""
+        its queue, prefill and decode seconds (inference = prefill + decode); `max_tokens`: its max_tokens
+        parameter (resolved: the room left by the prompt when unset). `samples`, (n, most tokens generated by one
+        of them), comes once per user request, with its last sample to finish."""
         e = self.engines[engine]
+        if max_tokens and e.req_max_tokens is not None:
+            e.req_max_tokens.observe(max_tokens)
+        if samples is not None:
+            e.req_n.observe(samples[0])
+            if e.req_max_gen is not None:
+                e.req_max_gen.observe(samples[1])
         if phases is not None:
             queue, prefill, decode = phases
             e.queue.observe(queue)
@@ -259,8 +310,21 @@ class _EngineCollector:
                 if count:
                     per_pos.add_metric([m.model_name, str(pos), engine], float(count))
         yield per_pos
+        if m._cache_config:
+            yield self._cache_config_info()
         if m.lora_info:
             yield self._lora_info(engines)
+
+    def _cache_config_info(self) -> Any:
+        """vLLM's info-style gauge: value 1, the engine core's cache config in the labels (no model_name, as
+        vLLM)."""
+        configs = self.metrics._cache_config
+        keys = sorted({k for c in configs.values() for k in c})
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=keys + ["engine"])
+        for engine, config in sorted(configs.items()):
+            family.add_metric([config.get(k, "") for k in keys] + [str(engine)], 1.0)
+        return family
 
     def _lora_info(self, engines: list) -> Any:
         m = self.metrics

@@ -5,8 +5,11 @@ import asyncio
 import json
 import time
 
+import re
+
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e_helpers import API_KEY, SERVED_NAME, Server, metric
 
@@ -99,13 +102,21 @@ def test_metrics_move(server: Server, http: httpx.Client) -> None:
              "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
              "vllm:request_inference_time_seconds_sum", "vllm:e2e_request_latency_seconds_sum",
              "vllm:request_queue_time_seconds_sum"]
+    # vLLM's per-step token histogram and request-parameter histograms (were missing)
+    extra = [("vllm:iteration_tokens_total_" + s, {}) for s in ("sum", "count")]
+    extra += [("vllm:iteration_tokens_total_bucket", {"le": "1.0"})]
+    extra += [(f"vllm:{h}_{s}", {}) for h in ("request_params_n", "request_params_max_tokens",
+                                                "request_max_num_generation_tokens") for s in ("sum", "count")]
+    extra += [("vllm:request_params_n_bucket", {"le": le}) for le in ("1.0", "2.0")]
     before_text = _metrics(server)
     before = {n: metric(before_text, n, model_name=SERVED_NAME) for n in names}
+    before.update({(n, tuple(lbl.items())): metric(before_text, n, model_name=SERVED_NAME, **lbl) for n, lbl in extra})
     length_before = metric(before_text, "vllm:request_success_total", finished_reason="length")
     r = http.post("/v1/completions", json={"prompt": "Metrics test prompt", "max_tokens": 7, "ignore_eos": True})
     usage = r.json()["usage"]
     after_text = _metrics(server)
     after = {n: metric(after_text, n, model_name=SERVED_NAME) for n in names}
+    after.update({(n, tuple(lbl.items())): metric(after_text, n, model_name=SERVED_NAME, **lbl) for n, lbl in extra})
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == usage["prompt_tokens"]
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 7
     for n in names[2:5]:
@@ -127,6 +138,45 @@ def test_metrics_move(server: Server, http: httpx.Client) -> None:
     for name in ("vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total"):
         assert f"{name}{{" in after_text
     assert 'model_name="smol"' in after_text
+    d = {k[0] + "".join(f"{{{a}={b}}}" for a, b in k[1]): after[k] - before[k] for k in after if isinstance(k, tuple)}
+    # vLLM counts a step's tokens as the prompts of the requests whose first token it brought plus the tokens it
+    # generated: the first step has prompt + 1, each later one 1 (nothing else runs)
+    steps = d["vllm:iteration_tokens_total_count"]
+    assert d["vllm:iteration_tokens_total_sum"] == usage["prompt_tokens"] + 7 and 1 <= steps <= 7
+    assert d["vllm:iteration_tokens_total_bucket{le=1.0}"] == steps - 1
+    assert (d["vllm:request_params_n_count"], d["vllm:request_params_n_sum"]) == (1, 1)
+    assert (d["vllm:request_params_max_tokens_count"], d["vllm:request_params_max_tokens_sum"]) == (1, 7)
+    assert d["vllm:request_max_num_generation_tokens_sum"] == 7
+
+    # n = 2: n once per request, max_tokens once per sample (as vLLM), the longest sample's tokens once
+    r = http.post("/v1/completions", json={"prompt": "Metrics test prompt", "max_tokens": 3, "n": 2, "seed": 1,
+                                           "ignore_eos": True, "temperature": 0.8})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    again_text = _metrics(server)
+    again = {(n, tuple(lbl.items())): metric(again_text, n, model_name=SERVED_NAME, **lbl) for n, lbl in extra}
+    d = {k[0] + "".join(f"{{{a}={b}}}" for a, b in k[1]): again[k] - after[k] for k in again}
+    assert (d["vllm:request_params_n_count"], d["vllm:request_params_n_sum"]) == (1, 2)
+    assert (d["vllm:request_params_n_bucket{le=1.0}"], d["vllm:request_params_n_bucket{le=2.0}"]) == (0, 1)
+    assert (d["vllm:request_params_max_tokens_count"], d["vllm:request_params_max_tokens_sum"]) == (2, 6)
+    assert (d["vllm:request_max_num_generation_tokens_count"], d["vllm:request_max_num_generation_tokens_sum"]) \
+        == (1, 3)
+    assert d["vllm:iteration_tokens_total_sum"] == 2 * r.json()["usage"]["prompt_tokens"] + 6
+
+
+def test_cache_config_info(server: Server) -> None:
+    """vllm:cache_config_info: vLLM's info-style gauge, 1 with the cache config as labels, once per engine core
+    (also with several API processes); num_gpu_blocks is the engine's own count, as its start-up log says."""
+    families = {f.name: f for f in text_string_to_metric_families(_metrics(server))}
+    samples = families["vllm:cache_config_info"].samples
+    assert len(samples) == 1 and samples[0].value == 1.0
+    labels = samples[0].labels
+    logged = re.search(r"Engine ready in [\d.]+ s: (\d+) KV blocks of (\d+) tokens", server.log())
+    assert logged is not None
+    assert labels["num_gpu_blocks"] == logged.group(1) and labels["block_size"] == logged.group(2) == "16"
+    assert {k: labels[k] for k in ("cache_dtype", "enable_prefix_caching", "kv_cache_memory_bytes",
+                                   "gpu_memory_utilization", "num_gpu_blocks_override", "engine")} == {
+        "cache_dtype": "auto", "enable_prefix_caching": "True", "kv_cache_memory_bytes": str(256 << 20),
+        "gpu_memory_utilization": "0.9", "num_gpu_blocks_override": "None", "engine": "0"}
 
 
 CHUNK_STREAMS = 12

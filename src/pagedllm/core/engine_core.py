@@ -143,6 +143,20 @@ class EngineCore:
                     self.scheduler.num_pool_tokens, self.scheduler.num_pool_tokens / self.max_model_len,
                     self.max_model_len)
 
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache's configuration under vLLM's CacheConfig field names, values as str() gives them (what
+        vLLM's vllm:cache_config_info shows in its labels); the fields pagedllm has."""
+        a = self.engine_args
+        info = {
+            "block_size": self.block_size, "cache_dtype": a.kv_cache_dtype,
+            "gpu_memory_utilization": a.gpu_memory_utilization, "kv_cache_memory_bytes": a.kv_cache_memory_bytes,
+            "num_gpu_blocks": self.num_blocks, "num_gpu_blocks_override": a.num_gpu_blocks_override,
+            "enable_prefix_caching": self.scheduler.kv_cache_manager.enable_caching,
+            "prefix_caching_hash_algo": "sha256",  # core/block_hash.py
+            "cpu_offload_gb": a.cpu_offload_gb,
+        }
+        return {k: str(v) for k, v in info.items()}
+
     @functools.cached_property
     def pooling_defaults(self) -> Any:
         """The model's embedding pooling (pooling.model_pooling): read on the first embedding request."""

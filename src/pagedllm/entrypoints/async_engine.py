@@ -84,6 +84,17 @@ class _ReqTiming:
     num_generated: int = 0
     engine: int = 0  # the data-parallel engine core serving it
     queued: Optional[float] = None  # seconds waiting in the engine core before first scheduled (its own clock)
+    max_tokens: int = 0  # the max_tokens parameter (vllm:request_params_max_tokens)
+    samples: Optional["_Samples"] = None  # n > 1: what the request's samples share
+
+
+@dataclass
+class _Samples:
+    """The samples of one n > 1 request, for the metrics taken once per request (vllm:request_params_n)."""
+
+    n: int
+    left: int
+    max_generated: int = 0
 
 
 @dataclass
@@ -228,6 +239,8 @@ class AsyncEngine:
                 if isinstance(msg, m.EngineReady):
                     self.ready = self.ready or msg
                     num_ready += 1
+                    if self.metrics is not None:
+                        self.metrics.engine_ready(msg.engine_index, msg.max_model_len, msg.cache_config)
                 if isinstance(msg, m.EngineDead):  # the supervisor saw an engine core die
                     raise EngineStartupError(f"engine core {msg.engine_index} stopped: {msg.message}")
                 continue
@@ -412,12 +425,16 @@ class AsyncEngine:
         now = time.monotonic()
         engine = self.router.choose(prompt_token_ids, len(children), cache_salt) if self.num_engines > 1 else 0
         adds: list[m.AddRequest] = []
+        samples = _Samples(len(children), len(children)) if len(children) > 1 else None
         for child in children:
             parent.child_ids.append(child.request_id)
             self._engine_to_parent[child.request_id] = request_id
             self._engine_of[child.request_id] = engine
+            max_tokens = child.params.max_tokens
+            if max_tokens is None:  # the engine core's default: the room the prompt leaves
+                max_tokens = (self.ready.max_model_len if self.ready else 0) - len(prompt_token_ids)
             self._timing[child.request_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids),
-                                                        engine=engine)
+                                                        engine=engine, max_tokens=max_tokens, samples=samples)
             self.processor.add_request(child.request_id, prompt, prompt_token_ids, child.params,
                                        parent_id=child.parent_id, index=child.index, output_kind=output_kind)
             adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time(),
@@ -652,14 +669,19 @@ class AsyncEngine:
         if isinstance(msg, m.EngineOutputs):
             if msg.stats is not None:
                 self._update_stats(msg.stats, msg.engine_index)
+            tokens = 0  # the step's prompt + generated tokens (vllm:iteration_tokens_total)
             if msg.step_ids:
                 if msg.outputs and self.processor is not None and self.processor.has_parents():
                     # n > 1: a parent's children must meet in one process_outputs call (one RequestOutput)
-                    self._process(msg.all_outputs(), msg.engine_index)
-                    return
-                self._process_step(msg.step_ids, msg.step_tokens, msg.step_cached, msg.engine_index)
-            if msg.outputs:
-                self._process(msg.outputs, msg.engine_index)
+                    tokens = self._process(msg.all_outputs(), msg.engine_index)
+                else:
+                    tokens = self._process_step(msg.step_ids, msg.step_tokens, msg.step_cached, msg.engine_index)
+                    if msg.outputs:
+                        tokens += self._process(msg.outputs, msg.engine_index)
+            elif msg.outputs:
+                tokens = self._process(msg.outputs, msg.engine_index)
+            if tokens and self.metrics is not None:
+                self.metrics.observe_iteration_tokens(tokens, msg.engine_index)
         elif isinstance(msg, m.RequestError):
             parent_id = self._engine_to_parent.get(msg.request_id)
             self._timing.pop(msg.request_id, None)
@@ -705,29 +727,31 @@ class AsyncEngine:
                 self.in_socks[msg.engine_index].send(
                     self.enc.encode(m.LoraApplied(msg.origin, msg.seq, self.client_index)), copy=False)
 
-    def _process(self, outputs: list[Any], engine: int = 0) -> None:
+    def _process(self, outputs: list[Any], engine: int = 0) -> int:
         """One engine step's outputs (all from engine core `engine`): timing and metrics, then the
-        OutputProcessor, then each request's pending list."""
+        OutputProcessor, then each request's pending list; -> the step's tokens (_record_timing)."""
         now = time.monotonic()
-        self._record_timing(outputs, now, engine)
+        step_tokens = self._record_timing(outputs, now, engine)
         self._deliver(*self.processor.process_outputs(outputs), now)
+        return step_tokens
 
-    def _process_step(self, ids: list[str], tokens: list[int], cached: list[int], engine: int = 0) -> None:
+    def _process_step(self, ids: list[str], tokens: list[int], cached: list[int], engine: int = 0) -> int:
         """_process for a step's columns (EngineOutputs.step_ids: running requests, one new token each): the
         timing of _record_timing for them, then OutputProcessor.process_step."""
         now = time.monotonic()
         timing = self._timing
-        new_tokens = 0
+        new_tokens = prompt_tokens = 0
         gaps: list[float] = []
         for rid in ids:
             t = timing.get(rid)
             if t is not None:
-                self._count_tokens(t, 1, now, gaps)
+                prompt_tokens += self._count_tokens(t, 1, now, gaps)
                 new_tokens += 1
         if new_tokens and self.metrics is not None:
             self.metrics.add_generation_tokens(new_tokens, engine)
             self.metrics.observe_gaps(gaps, engine)
         self._deliver(*self.processor.process_step(ids, tokens, cached, now), now)
+        return new_tokens + prompt_tokens
 
     def _deliver(self, request_outputs: list, to_abort: list, now: float) -> None:
         """The OutputProcessor's results to each request's pending list; stop-string aborts to the engine."""
@@ -743,9 +767,11 @@ class AsyncEngine:
             for rid in to_abort:
                 self._finish_timing(rid, "stop", now)
 
-    def _record_timing(self, outputs: list[Any], now: float, engine: int) -> None:
+    def _record_timing(self, outputs: list[Any], now: float, engine: int) -> int:
+        """-> the step's tokens as vLLM counts them per iteration: those generated, plus the prompts of the
+        requests whose first token came."""
         timing, metrics = self._timing, self.metrics
-        new_tokens = 0
+        new_tokens = prompt_tokens = 0
         gaps: list[float] = []
         for out in outputs:
             t = timing.get(out.request_id)
@@ -755,25 +781,28 @@ class AsyncEngine:
             if out.queued_s is not None:
                 t.queued = out.queued_s
             if n_new:
-                self._count_tokens(t, n_new, now, gaps)
+                prompt_tokens += self._count_tokens(t, n_new, now, gaps)
                 new_tokens += n_new
             if out.finish_reason is not None:
                 self._finish_timing(out.request_id, out.finish_reason, now)
         if new_tokens and metrics is not None:  # one counter update per step, not per request
             metrics.add_generation_tokens(new_tokens, engine)
             metrics.observe_gaps(gaps, engine)
+        return new_tokens + prompt_tokens
 
-    def _count_tokens(self, t: "_ReqTiming", n_new: int, now: float, gaps: list[float]) -> None:
+    def _count_tokens(self, t: "_ReqTiming", n_new: int, now: float, gaps: list[float]) -> int:
         """A request's timing after n_new (> 0) tokens arrived at `now`: its first token observed once, the gap
-        since its previous tokens appended to `gaps` otherwise."""
+        since its previous tokens appended to `gaps` otherwise; -> its prompt's tokens with its first token
+        (counted in that step, as vLLM does), else 0."""
+        t.num_generated += n_new
         if t.first_token is None:
-            t.first_token = now
+            t.first_token = t.last_token = now
             if self.metrics is not None:
                 self.metrics.observe_first_token(now - t.arrival, t.num_prompt_tokens, t.engine)
-        else:
-            gaps.append(now - t.last_token)
+            return t.num_prompt_tokens
+        gaps.append(now - t.last_token)
         t.last_token = now
-        t.num_generated += n_new
+        return 0
 
     def _finish_timing(self, engine_id: str, reason: str, now: float) -> None:
         t = self._timing.pop(engine_id, None)
@@ -786,8 +815,15 @@ class AsyncEngine:
         if t.queued is not None and t.first_token is not None:
             # (queue, prefill, decode): prefill from the first scheduling (arrival + queue) to the first token
             phases = (t.queued, max(0.0, t.first_token - t.arrival - t.queued), (t.last_token or now) - t.first_token)
+        samples: Optional[tuple[int, int]] = (1, t.num_generated)
+        group = t.samples
+        if group is not None:  # n > 1: once, with the last sample to finish
+            group.left -= 1
+            group.max_generated = max(group.max_generated, t.num_generated)
+            samples = (group.n, group.max_generated) if group.left == 0 else None
         self.metrics.observe_finished(reason, now - t.arrival, tpot, t.engine, num_prompt=t.num_prompt_tokens,
-                                      num_generated=t.num_generated, phases=phases)
+                                      num_generated=t.num_generated, phases=phases, max_tokens=t.max_tokens,
+                                      samples=samples)
 
     def _update_stats(self, stats: m.SchedulerStatsMsg, engine: int = 0) -> None:
         prev, self._engine_stats[engine] = self._engine_stats[engine], stats

@@ -89,6 +89,8 @@ def run_engine_core(engine_args: Any, input_addr: Union[str, list[str]], output_
             hidden_size=int(core.hidden_size),
             classifier_labels=core.classifier_labels,
             pad_token_id=core.pad_token_id if isinstance(core.pad_token_id, int) else None,
+            engine_index=engine_index,
+            cache_config=core.cache_config_info(),
         )
     )
     crashed = False

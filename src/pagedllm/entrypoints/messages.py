@@ -155,6 +155,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     hidden_size: int = 0  # the length of an embedding (pooling/)
     classifier_labels: Optional[list[str]] = None  # a sequence classifier's labels (pooling/); None: not one
     pad_token_id: Optional[int] = None  # the config's (a classifier scores the last token that is not it)
+    engine_index: int = 0  # which data-parallel engine core is ready
+    cache_config: dict[str, str] = {}  # vLLM's CacheConfig fields as strings (vllm:cache_config_info)
 
 
 class EngineStartupError(msgspec.Struct, tag="startup_error"):
