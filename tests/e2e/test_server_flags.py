@@ -1,7 +1,7 @@
 """Serve flags reach the server: --generation-config DIR (defaults only where a request is silent, logged at
 start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template,
 --enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids,
---enable-server-load-tracking, on one real
+--enable-server-load-tracking, --chat-template-content-format, on one real
 `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--kv-cache-memory-bytes", str(64 << 20), "--no-dashboard",
                                  "--trust-request-chat-template", "--chat-template", str(tmp / "chat.jinja"),
                                  "--enable-prompt-tokens-details", "--enable-request-id-headers",
-                                 "--return-tokens-as-token-ids", "--enable-server-load-tracking"],
+                                 "--return-tokens-as-token-ids", "--enable-server-load-tracking",
+                                 "--chat-template-content-format", "string"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -126,6 +127,18 @@ def test_trust_request_chat_template_flag(flag_server) -> None:
     chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
                                                    "chat_template": template})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(plain)
+
+
+def test_chat_template_content_format_flag(flag_server) -> None:
+    """--chat-template-content-format string: content reaches even a template that loops over a message's
+    content as one string, text parts joined by newlines ("auto", the default, would hand it the parts)."""
+    http, _ = flag_server
+    template = ("{% for m in messages %}{% if m['content'] is string %}S({{ m['content'] }}){% else %}"
+                "{% for p in m['content'] %}L({{ p['text'] }}){% endfor %}{% endif %}{% endfor %}")
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    r = http.post("/tokenize", json={"messages": [{"role": "user", "content": parts}], "chat_template": template})
+    plain = http.post("/tokenize", json={"prompt": "S(Hi\nthere)", "add_special_tokens": False}).json()["tokens"]
+    assert r.status_code == 200 and r.json()["tokens"] == plain, r.text
 
 
 def test_request_id_headers_and_token_ids_default(flag_server) -> None:

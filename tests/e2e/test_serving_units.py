@@ -72,6 +72,7 @@ def test_config_yaml_command_line_wins(tmp_path, capsys) -> None:
     ("max-num-seqs: [1, 2]\n", "key 'max-num-seqs': expected one value, got a list"),
     ("host: null\n", "key 'host': needs a value"),
     ("structured-outputs-config: '[1]'\n", "key 'structured-outputs-config': must be a JSON object"),
+    ("chat-template-content-format: json\n", "key 'chat-template-content-format': invalid choice: 'json'"),
 ])
 def test_config_yaml_values_are_checked_like_flags(tmp_path, capsys, yaml_text: str, fragment: str) -> None:
     """A YAML value goes through its flag's type and choices, as on the command line (they skipped both)."""
@@ -255,3 +256,42 @@ def test_a_requests_own_chat_template_renders_off_the_event_loop() -> None:
 
     assert asyncio.run(run(None)) is True
     assert asyncio.run(run("{% for i in range(10**5) %}{% endfor %}")) is False
+
+
+# Shows which form the content came in: S(string) or L(part) per text part
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}S({{ m['content'] }})"
+                  "{% else %}{% for p in m['content'] %}L({{ p['text'] }}){% endfor %}{% endif %}{% endfor %}")
+
+
+def test_render_chat_content_format(smollm2_hf_dir) -> None:
+    """The server's render_chat under --chat-template-content-format: "auto" gives a template that loops over a
+    message's content the parts ("openai"), SmolLM2's own template (it reads a string) the string; tool history
+    rewritten for a template that knows no tools reaches it in the same form as the other messages."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.entrypoints.openai.chat_template import detect_content_format, render_chat
+    from pagedllm.entrypoints.openai.chat_tools import plan_request_tools
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+
+    tok = AutoTokenizer.from_pretrained(smollm2_hf_dir)
+    req = ChatCompletionRequest(messages=[
+        {"role": "user", "content": [{"type": "text", "text": "6*7?"}, {"type": "text", "text": "Quick."}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "mul", "arguments": '{"a": 6, "b": 7}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}])
+    state = SimpleNamespace(tokenizer=tok, tool_call_parser="auto")
+
+    def render(fmt, template=PARTS_TEMPLATE):
+        _, prepare = plan_request_tools(req.model_copy(update={"chat_template": template}), state)
+        return render_chat(tok, req.messages, False, False, template, prepare_tools=prepare, content_format=fmt)[0]
+
+    strings = render("string")
+    assert strings.startswith("<user>S(6*7?\nQuick.)<assistant>S(") and "<user>S(<tool_response>\n42\n" in strings
+    assert render("auto") == render("openai") == strings.replace("S(6*7?\nQuick.)", "L(6*7?)L(Quick.)").replace(
+        "S(", "L(")
+    # the model's own template reads a string: "auto" hands it the parts joined, as transformers renders them
+    assert detect_content_format(tok.chat_template) == "string"
+    assert render_chat(tok, req.messages[:1], True, False)[0] == tok.apply_chat_template(
+        [{"role": "user", "content": "6*7?\nQuick."}], tokenize=False, add_generation_prompt=True)

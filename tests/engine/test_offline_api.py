@@ -246,6 +246,48 @@ def test_chat_joins_text_parts_as_the_server_does(llm):
                     use_tqdm=False)[0].prompt_token_ids == joined.prompt_token_ids
 
 
+# Shows which form the content came in: S(string) or L(part) per text part
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}S({{ m['content'] }})"
+                  "{% else %}{% for p in m['content'] %}L({{ p['text'] }}){% endfor %}{% endif %}{% endfor %}")
+
+
+def test_chat_template_content_format_as_vllm(llm):
+    """vLLM's chat_template_content_format: "string" hands the template one string (text parts joined by
+    newlines), "openai" a list of text parts (a string is one part), "auto" the form the template reads (parts
+    where it loops over a message's content). Each equals transformers' rendering of the content in that form."""
+    tok = llm.get_tokenizer()
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    conv = [{"role": "user", "content": parts}, {"role": "assistant", "content": "three"}]
+    as_string = [{"role": "user", "content": "one\ntwo"}, {"role": "assistant", "content": "three"}]
+    as_parts = [{"role": "user", "content": parts}, {"role": "assistant", "content": [{"type": "text", "text": "three"}]}]
+
+    def chat(fmt, template=PARTS_TEMPLATE, messages=conv):
+        return llm.chat(messages, _greedy(max_tokens=1), use_tqdm=False, chat_template=template,
+                        add_generation_prompt=False, chat_template_content_format=fmt)[0]
+
+    def hf(messages, template=PARTS_TEMPLATE):
+        ids = tok.apply_chat_template(messages, chat_template=template, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+    assert chat("openai").prompt == "<user>L(one)L(two)<assistant>L(three)"
+    assert chat("openai").prompt_token_ids == chat("auto").prompt_token_ids == hf(as_parts)
+    assert chat("string").prompt == "<user>S(one\ntwo)<assistant>S(three)"
+    assert chat("string").prompt_token_ids == hf(as_string)
+    # a template that reads content as a string: "auto" is "string"; "openai" hands it the list all the same
+    plain = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert chat("auto", plain).prompt_token_ids == chat("string", plain).prompt_token_ids == hf(as_string, plain)
+    one = [{"role": "user", "content": "hi"}]  # (the list's repr is long for the tiny model's context)
+    assert chat("openai", plain, one).prompt_token_ids == hf([{"role": "user", "content": [
+        {"type": "text", "text": "hi"}]}], plain)
+
+
+@pytest.mark.parametrize("bad", ["json", "OpenAI", None, 1])
+def test_chat_template_content_format_refuses_other_values(llm, bad):
+    with pytest.raises(ValueError, match=re.escape("chat_template_content_format must be 'auto', 'string' or "
+                                                   f"'openai', got {bad!r}.")):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False, chat_template_content_format=bad)
+
+
 @pytest.mark.parametrize("bad", [10 ** 9, -3, 2.0, True, "7"])
 def test_a_bad_prompt_id_in_a_batch_fails_the_call_and_leaves_nothing_running(llm, bad):
     """The engine checks the prompt ids (the one check: the LLM no longer repeats it) before the detokenizer sees

@@ -29,10 +29,10 @@ def _setup_logging() -> None:
         root.setLevel(logging.INFO)
 
 
-def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
-    """A conversation's messages as the chat template takes them (content: a string; text parts joined by the
-    server's own message_text), or a ValueError naming the first bad one."""
-    from pagedllm.entrypoints.openai.chat_template import message_text
+def _chat_messages(conv: Any, index: Optional[int], content_format: str = "string") -> list[dict]:
+    """A conversation's messages as the chat template takes them (content in `content_format`, through the
+    server's own message_content), or a ValueError naming the first bad one."""
+    from pagedllm.entrypoints.openai.chat_template import message_content
     from pagedllm.entrypoints.openai.errors import APIError
 
     where = "messages" if index is None else f"conversation {index}"
@@ -48,7 +48,7 @@ def _chat_messages(conv: Any, index: Optional[int]) -> list[dict]:
         if content is not None and not isinstance(content, (str, list, tuple)):  # (the server's model checks this)
             raise ValueError(f"{where}[{i}]: 'content' must be a string or a list of text parts.")
         try:
-            content = message_text(content)
+            content = message_content(content, content_format)
         except APIError as e:  # the offline API's user errors are ValueErrors
             raise ValueError(f"{where}[{i}]: {e.message}") from None
         out.append(dict(m, content=content))
@@ -461,12 +461,19 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: UseTqdm = True, lora_request: Any = None, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list:
+             chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None,
+             chat_template_content_format: str = "auto") -> list:
+        """vLLM's LLM.chat. chat_template_content_format: how message content reaches the template: "string" (one
+        string, text parts joined by newlines), "openai" (a list of {"type": "text", "text": ...} parts) or
+        "auto" (the one the template reads: a list where it loops over a message's content)."""
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given).")
-        from pagedllm.entrypoints.openai.chat_template import load_chat_template
+        from pagedllm.entrypoints.openai.chat_template import (check_content_format, load_chat_template,
+                                                               resolve_content_format, with_content_format)
         from pagedllm.entrypoints.openai.tool_calling import (extract_tool_calls, plan_tools,
                                                               prepare_conversation)
+
+        check_content_format(chat_template_content_format)
 
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("chat() takes a conversation (a list of message dicts) or a list of conversations.")
@@ -496,10 +503,12 @@ class LLM:
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         template = template if isinstance(template, str) else None
         plan = plan_tools(tools, None, None, "auto", template)
+        content_format = resolve_content_format(chat_template_content_format, template)
         prompts = []
         for c, conv in enumerate(conversations):
-            conv, template_tools = prepare_conversation(_chat_messages(conv, c if len(conversations) > 1 else None),
-                                                        plan, template)
+            conv = _chat_messages(conv, c if len(conversations) > 1 else None, content_format)
+            conv, template_tools = prepare_conversation(conv, plan, template)
+            conv = with_content_format(conv, content_format)
             try:
                 ids = self.tokenizer.apply_chat_template(
                     conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,

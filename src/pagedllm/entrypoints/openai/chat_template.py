@@ -1,9 +1,13 @@
 """Chat messages -> prompt text and ids through the tokenizer's chat template (transformers)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import functools
+from typing import Any, Callable, Optional, Union
 
 from pagedllm.entrypoints.openai.errors import APIError
+
+# vLLM's chat_template_content_format: how a message's content reaches the template ("auto": as it reads it)
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 def message_text(content: Any) -> str:
@@ -26,6 +30,111 @@ def message_text(content: Any) -> str:
             raise APIError(f"Message content of type {kind!r} is not supported yet; only 'text' parts are{shape}.",
                            param="messages")
     return "\n".join(texts)
+
+
+def check_content_format(value: Any, name: str = "chat_template_content_format") -> str:
+    if not isinstance(value, str) or value not in CONTENT_FORMATS:
+        raise ValueError(f"{name} must be 'auto', 'string' or 'openai', got {value!r}.")
+    return value
+
+
+def resolve_content_format(given: str, template: Any) -> str:
+    """'string' or 'openai': the one given, or for "auto" the one the template reads (detect_content_format)."""
+    if given != "auto":
+        return given
+    return detect_content_format(template) if isinstance(template, str) else "string"
+
+
+def message_content(content: Any, content_format: str) -> Union[str, list[dict]]:
+    """A message's content as the template gets it: "string": one string, text parts joined by newlines
+    (message_text); "openai": a list of {"type": "text", "text": ...} parts, a string being one part (vLLM's)."""
+    text = message_text(content)  # (the same parts are refused in both formats)
+    if content_format == "string":
+        return text
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "text", "text": part["text"]} for part in content]
+
+
+def with_content_format(conv: list[dict], content_format: str) -> list[dict]:
+    """"openai": string contents (those the tool-call rewriting made) as one text part each."""
+    if content_format != "openai":
+        return conv
+    return [dict(m, content=[{"type": "text", "text": m["content"]}]) if isinstance(m.get("content"), str) else m
+            for m in conv]
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(template: str) -> str:
+    """vLLM's "auto": "openai" when the template loops over a message's content (so it reads a list of parts),
+    else "string" (also for a template that does not parse: applying it says why). The loops are found in the
+    template's syntax tree: loops over `messages` (or names set from it, slices and filters of it) give the
+    message variables; a loop over one's `content` (or over a variable named `content`, as in a macro) is one."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        tree = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    loops = [loop for loop in tree.find_all(nodes.For) if isinstance(loop.target, nodes.Name)]
+    assigns = [a for a in tree.find_all(nodes.Assign) if isinstance(a.target, nodes.Name)]
+    lists, items, contents = {"messages"}, set(), {"content"}
+    grown = True
+    while grown:  # names set from names found: to a fixed point (templates chain a few)
+        before = len(lists) + len(items) + len(contents)
+        for a in assigns:
+            if _reads(a.node, lists):
+                lists.add(a.target.name)
+            elif _reads(a.node, items) or _element(a.node, lists):
+                items.add(a.target.name)
+            elif _field(a.node, items, "content") or _reads(a.node, contents):
+                contents.add(a.target.name)
+        items.update(loop.target.name for loop in loops if _reads(loop.iter, lists))
+        grown = len(lists) + len(items) + len(contents) > before
+    return "openai" if any(_field(loop.iter, items, "content") or _reads(loop.iter, contents) for loop in loops) \
+        else "string"
+
+
+def _base(node: Any) -> Any:
+    """What a filter, a test or a slice is applied to, down to the expression it reads."""
+    from jinja2 import nodes
+
+    while True:
+        if isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        else:
+            return node
+
+
+def _reads(node: Any, names: set) -> bool:
+    from jinja2 import nodes
+
+    node = _base(node)
+    return isinstance(node, nodes.Name) and node.name in names
+
+
+def _element(node: Any, names: set) -> bool:
+    """names[i]"""
+    from jinja2 import nodes
+
+    node = _base(node)
+    return isinstance(node, nodes.Getitem) and _reads(node.node, names)
+
+
+def _field(node: Any, names: set, key: str) -> bool:
+    """name[key] or name.key"""
+    from jinja2 import nodes
+
+    node = _base(node)
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == key and _reads(node.node, names)
+    return isinstance(node, nodes.Getattr) and node.attr == key and _reads(node.node, names)
 
 
 def load_chat_template(value: Optional[str], from_command_line: bool = False) -> Optional[str]:
@@ -70,14 +179,16 @@ def check_request_template(template: Optional[str], state: Any) -> None:
 def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: Optional[str] = None,
                 chat_template_kwargs: Optional[dict] = None, add_special_tokens: bool = False,
-                prepare_tools: Optional[Callable[[list[dict]], tuple[list[dict], Optional[list]]]] = None
-                ) -> tuple[str, list[int]]:
-    """prepare_tools (tool calling): conversation -> (conversation, tools for the template)."""
+                prepare_tools: Optional[Callable[[list[dict]], tuple[list[dict], Optional[list]]]] = None,
+                content_format: str = "auto") -> tuple[str, list[int]]:
+    """prepare_tools (tool calling): conversation -> (conversation, tools for the template); content_format:
+    --chat-template-content-format."""
     if not messages:
         raise APIError("'messages' must contain at least one message.", param="messages")
+    content_format = resolve_content_format(content_format, chat_template or getattr(tokenizer, "chat_template", None))
     conv = []
     for msg in messages:
-        item = {"role": msg.role, "content": message_text(msg.content)}
+        item = {"role": msg.role, "content": message_content(msg.content, content_format)}
         if msg.name:
             item["name"] = msg.name
         if getattr(msg, "tool_calls", None):
@@ -91,6 +202,7 @@ def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool
     tools = None
     if prepare_tools is not None:
         conv, tools = prepare_tools(conv)
+        conv = with_content_format(conv, content_format)
     kwargs = dict(chat_template_kwargs or {})
     if tools and "tools" not in kwargs:
         kwargs["tools"] = tools

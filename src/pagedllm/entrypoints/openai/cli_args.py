@@ -14,8 +14,9 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "disable_log_stats", "startup_timeout",
                "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout",
                "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard",
-               "api_server_count", "trust_request_chat_template", "chat_template", "ssl_keyfile", "ssl_certfile",
-               "ssl_ca_certs", "ssl_cert_reqs", "root_path", "allowed_origins", "allowed_methods", "allowed_headers",
+               "api_server_count", "trust_request_chat_template", "chat_template", "chat_template_content_format",
+               "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "root_path", "allowed_origins",
+               "allowed_methods", "allowed_headers",
                "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
                "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
                "enable_server_load_tracking"}
@@ -203,6 +204,9 @@ def add_structured_output_args(p: argparse.ArgumentParser) -> None:
                    help="how tool calls are read from model output (auto: from the chat template)")
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the chat template to use instead of the tokenizer's: a Jinja file, or the template itself")
+    g.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                   help="how message content reaches the chat template: string (text parts joined by newlines), "
+                        "openai (a list of {type: text, text} parts), auto (the one the template reads)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat template (`chat_template`): a template is code the server "
                         "runs, which a request could make arbitrarily slow; off: such requests get a 400")

@@ -64,7 +64,7 @@ async def request_inputs(request: Request, req: PoolingRequest, state: ServerSta
     check_request_template(req.chat_template, state)
     return [await render_work(request, req, render_chat, state.tokenizer, req.messages, req.add_generation_prompt,
                               req.continue_final_message, req.chat_template, req.chat_template_kwargs,
-                              bool(req.add_special_tokens))]
+                              bool(req.add_special_tokens), content_format=state.chat_template_content_format)]
 
 
 def parse_inputs(inputs: Any, tokenizer: Any, vocab_size: int, add_special_tokens: bool

@@ -57,7 +57,8 @@ async def _create_response(request: Request, state: ServerState) -> Response:
     spec = text_format_spec(req.text)
     tool_plan, prepare_tools = plan_request_tools(chat, state)
     prompt_text, prompt_ids = await render_work(request, chat, render_chat, state.tokenizer, chat.messages, True,
-                                                False, None, None, False, prepare_tools=prepare_tools)
+                                                False, None, None, False, prepare_tools=prepare_tools,
+                                                content_format=state.chat_template_content_format)
     params = build_sampling_params(chat, chat.max_tokens, None, None, state.sampling_defaults)
     params.structured_outputs = spec
     apply_tool_grammar(params, tool_plan)

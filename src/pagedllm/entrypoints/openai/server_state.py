@@ -26,6 +26,7 @@ class ServerState:
         self.prompt_tokens_details = False  # --enable-prompt-tokens-details: usage's cached prompt tokens
         self.return_tokens_as_token_ids = False  # --return-tokens-as-token-ids: the default of the request field
         self.trust_request_chat_template = False  # --trust-request-chat-template
+        self.chat_template_content_format = "auto"  # --chat-template-content-format
         self.lifecycle: Any = None  # lifecycle.Lifecycle, set by the server (the dashboard's stream ends on drain)
         self.pooling_defaults: Any = None  # pooling.ModelPooling of the model, read by the first /v1/embeddings
 

@@ -26,7 +26,8 @@ async def tokenize(request: Request, state: ServerState) -> Response:
         _, prepare_tools = plan_request_tools(req, state)  # (tools and tool history rendered as the chat route does)
         _, ids = await render_work(request, req, render_chat, tok, req.messages, req.add_generation_prompt,
                                    req.continue_final_message, req.chat_template, req.chat_template_kwargs,
-                                   add_special, prepare_tools=prepare_tools)
+                                   add_special, prepare_tools=prepare_tools,
+                                   content_format=state.chat_template_content_format)
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(await tokenize_work(request, tok.encode, req.prompt, add_special_tokens=add_special))

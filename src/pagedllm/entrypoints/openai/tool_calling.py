@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagedllm.entrypoints.openai.chat_template import message_text
 from pagedllm.entrypoints.openai.tool_parsers import ExtractedToolCalls, ToolCall, ToolParser, get_tool_parser
 from pagedllm.structured_output.params import StructuredOutputsParams
 
@@ -243,13 +244,13 @@ def prepare_conversation(conv: list[dict], plan: ToolPlan, template: Optional[st
     if not plan.active and not has_history:
         return conv, None
     out = []
-    for m in conv:
+    for m in conv:  # (content may be text parts, chat_template_content_format "openai": message_text joins them)
         m = dict(m)
         if m.get("tool_calls"):
             text = _hermes_call_text(m.pop("tool_calls"))
-            m["content"] = ((m.get("content") or "") + "\n" + text).strip()
+            m["content"] = (message_text(m.get("content")) + "\n" + text).strip()
         elif m.get("role") == "tool":
-            m = {"role": "user", "content": "<tool_response>\n" + (m.get("content") or "") + "\n</tool_response>"}
+            m = {"role": "user", "content": "<tool_response>\n" + message_text(m.get("content")) + "\n</tool_response>"}
         m.pop("tool_call_id", None)
         if m.get("content") is None:
             m["content"] = ""
@@ -257,7 +258,7 @@ def prepare_conversation(conv: list[dict], plan: ToolPlan, template: Optional[st
     if plan.active and plan.mode != "named":
         text = _tools_system_text(plan.tools)
         if out and out[0].get("role") == "system":
-            out[0] = dict(out[0], content=(out[0].get("content") or "") + "\n\n" + text)
+            out[0] = dict(out[0], content=message_text(out[0].get("content")) + "\n\n" + text)
         else:
             out.insert(0, {"role": "system", "content": text})
     return out, None
