@@ -124,6 +124,40 @@ def test_bin_adapter_and_alpha_pattern(llm, good, tmp_path, tiny_llama_dir):
     torch.testing.assert_close(c.weights[q][1], a.weights[q][1])
 
 
+def test_lora_alpha_missing_is_pefts_default(llm, tiny_llama_dir, tmp_path):
+    """An adapter_config.json without lora_alpha scales as PEFT's LoraConfig default (lora_alpha=8), not as
+    alpha = r: the engine's tokens and logprobs equal PEFT's on the same directory."""
+    import torch
+
+    from tests.lora.lora_helpers import peft_greedy
+
+    made = make_adapter(tiny_llama_dir, str(tmp_path / "made"), r=16, alpha=16, targets=["q_proj", "v_proj"],
+                        seed=7, std=0.1)
+    bare = str(tmp_path / "bare")
+    shutil.copytree(made, bare)
+    path = os.path.join(bare, "adapter_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    del config["lora_alpha"]
+    with open(path, "w") as f:
+        json.dump(config, f)
+    prompt = [5, 17, 33, 2, 41, 8, 60, 12]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, params, lora_request=LoRARequest("bare", 60, bare),
+                       use_tqdm=False)[0].outputs[0]
+    ref_tokens, ref_lps = peft_greedy(tiny_llama_dir, bare, prompt, 4)
+    assert out.token_ids == ref_tokens
+    lps = [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]
+    torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=2e-4, rtol=0)
+    # (alpha = r, the old fallback, is what the adapter was made with: it answers otherwise)
+    assert peft_greedy(tiny_llama_dir, made, prompt, 4)[1] != pytest.approx(ref_lps, abs=1e-3)
+    from peft import LoraConfig
+
+    from pagedllm.lora.peft import PEFT_DEFAULT_LORA_ALPHA
+
+    assert PEFT_DEFAULT_LORA_ALPHA == LoraConfig.__dataclass_fields__["lora_alpha"].default
+
+
 def _req(rid: str, lora_id):
     return Request(rid, [1, 2, 3], SamplingParams(max_tokens=4), lora_id=lora_id)
 

@@ -42,6 +42,7 @@ class LoRAAdapter:
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.[A-Za-z0-9_\-]+)?\.weight$")
 _EMBED_HINTS = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings")
+PEFT_DEFAULT_LORA_ALPHA = 8  # peft.LoraConfig().lora_alpha
 
 
 def read_adapter_config(path: str) -> dict[str, Any]:
@@ -152,7 +153,10 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
         pairs.setdefault(match["module"], {})[match["ab"]] = tensor
     if not pairs:
         raise LoRAError(f"LoRA adapter {path!r} holds no LoRA weights.")
-    alpha_default = config.get("lora_alpha", config.get("r", 8))
+    # PEFT builds LoraConfig from this file: a missing lora_alpha is its field's default, 8 (not r)
+    alpha_default = config.get("lora_alpha")
+    if alpha_default is None:
+        alpha_default = PEFT_DEFAULT_LORA_ALPHA
     use_rslora = bool(config.get("use_rslora", False))
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     max_rank = 0
