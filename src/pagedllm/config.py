@@ -92,6 +92,10 @@ class EngineArgs:
     pooler_config: Optional[dict] = None
     # LLM.sleep / wake_up (vLLM's sleep mode): the weights and KV cache may be given back while the engine idles.
     enable_sleep_mode: bool = False
+    # vLLM's CPU swap space in GiB, accepted for its scripts and configs; it does nothing, here as in vLLM's V1
+    # engine, which allocates no CPU blocks (vllm-project/vllm#27984; the argument was removed in #36216): a
+    # preempted request is recomputed, its KV blocks are never swapped out. Any value >= 0 is the same engine.
+    swap_space: float = 4
 
     @property
     def embeddings_only(self) -> bool:
@@ -220,6 +224,8 @@ class EngineArgs:
             raise ValueError(f"cpu_offload_gb must be >= 0 (0 turns offloading off), got {self.cpu_offload_gb}.")
         if self.cpu_offload_gb > 0 and self.device == "cpu":
             raise ValueError(CPU_OFFLOAD_ON_CPU)
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")
         self._validate_lora()

@@ -115,6 +115,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="awq, gptq, compressed-tensors (read from config.json when omitted) or online fp8 / int8")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     e.add_argument("--cpu-offload-gb", type=float, default=0)
+    e.add_argument("--swap-space", type=float, default=4, metavar="GiB",
+                   help="accepted for vLLM compatibility: no KV blocks are swapped to the CPU (preempted requests "
+                        "are recomputed, as in vLLM's V1 engine)")
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--enable-sleep-mode", action="store_true",
