@@ -33,6 +33,7 @@ _NOT_SUPPORTED_YET: dict[str, Any] = {
 class EngineArgs:
     model: Optional[str] = None  # HF directory, .gguf file, or None for the default SmolLM2 model
     tokenizer: Optional[str] = None
+    tokenizer_mode: str = "auto"  # vLLM's: "auto" | "hf" (the same here) | "slow" (tokenizer.check_tokenizer_mode)
     served_model_name: Optional[str] = None
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
@@ -208,9 +209,10 @@ class EngineArgs:
         self.validate_parallel()
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
-        if self.tokenizer is not None and not self.skip_tokenizer_init:
-            from pagedllm.tokenizer import check_tokenizer_path
+        from pagedllm.tokenizer import check_tokenizer_mode, check_tokenizer_path
 
+        check_tokenizer_mode(self.tokenizer_mode)
+        if self.tokenizer is not None and not self.skip_tokenizer_init:
             check_tokenizer_path(self.tokenizer)  # a typo'd path fails now, not after the model has loaded
         if self.generation_config not in ("auto", "vllm"):
             from pagedllm.generation_config import load_sampling_defaults

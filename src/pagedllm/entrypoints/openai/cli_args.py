@@ -93,6 +93,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="accepted for vLLM compatibility: pagedllm never logs prompts")
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
+    e.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf", "slow", "mistral", "custom"],
+                   help="auto / hf: the model's Hugging Face tokenizer; slow: transformers' Python one (transformers "
+                        "< 5); mistral and custom are vLLM's, not supported")
     e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
