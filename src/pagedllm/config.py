@@ -11,8 +11,8 @@ import dataclasses
 import numbers
 import os
 import secrets
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 from pagedllm.dtypes import DTYPE_CHOICES
 
@@ -77,6 +77,9 @@ class EngineArgs:
     override_generation_config: Optional[dict] = None  # generation_config.json keys over those (vLLM's)
     revision: Optional[str] = None  # hub repo ids: branch, tag or commit
     download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
+    # hub repo ids (model, tokenizer, draft model): vLLM's hf_token, a token or True (the one `hf auth login`
+    # stored); None: HF_TOKEN. Out of repr: an EngineArgs printed in a log or traceback must not show it.
+    hf_token: Union[bool, str, None] = field(default=None, repr=False)
     # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
     structured_outputs_config: Optional[dict] = None
     # Embeddings (pooling/), vLLM's names: runner "pooling" serves embeddings only ("auto": generation too, except
@@ -226,6 +229,10 @@ class EngineArgs:
             raise ValueError(f"cpu_offload_gb must be >= 0 (0 turns offloading off), got {self.cpu_offload_gb}.")
         if self.cpu_offload_gb > 0 and self.device == "cpu":
             raise ValueError(CPU_OFFLOAD_ON_CPU)
+        if self.hf_token is not None and not (isinstance(self.hf_token, bool) or (isinstance(self.hf_token, str)
+                                                                                  and self.hf_token.strip())):
+            raise ValueError("hf_token must be a Hugging Face token, True (the token `hf auth login` stored) or "
+                             f"None (HF_TOKEN), got a {type(self.hf_token).__name__}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
         if self.max_logprobs < -1:

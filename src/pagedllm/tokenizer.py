@@ -57,9 +57,13 @@ def _transformers_version() -> str:
 
 
 def engine_tokenizer_options(args: Any) -> dict:
-    """get_tokenizer's options as the engine arguments (EngineArgs, or the server's namespace) set them."""
-    return dict(trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
-                tokenizer_mode=getattr(args, "tokenizer_mode", "auto") or "auto")
+    """get_tokenizer's options as the engine arguments (EngineArgs, or the server's namespace) set them; hf_token
+    reaches transformers as `token` (a --tokenizer that is a hub repo id is downloaded with it)."""
+    options = dict(trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+                   tokenizer_mode=getattr(args, "tokenizer_mode", "auto") or "auto")
+    if getattr(args, "hf_token", None) is not None:
+        options["token"] = args.hf_token
+    return options
 
 
 def check_tokenizer_path(name: str) -> None:

@@ -73,3 +73,29 @@ def test_tokenizer_mode_slow_asks_transformers_for_its_python_tokenizer(monkeypa
     assert [c["use_fast"] for c in calls] == [False, True]
     args = EngineArgs(tokenizer_mode="slow", trust_remote_code=True)
     assert tok.engine_tokenizer_options(args) == dict(trust_remote_code=True, tokenizer_mode="slow")
+
+
+def test_hf_token_reaches_the_hub_calls(monkeypatch, tiny_llama_dir):
+    """hf_token goes to the repo id's resolution and to transformers' tokenizer load; it never shows in a repr.
+    (tests/models/test_model_resolution.py checks what the Hub sees.)"""
+    import transformers
+
+    from pagedllm.models import model_resolution
+    from pagedllm.tokenizer import engine_tokenizer_options
+
+    assert _serve_args(["m"]).hf_token is None
+    assert _serve_args(["m", "--hf-token"]).hf_token is True  # the flag alone: the stored token, as in vLLM
+    assert _serve_args(["m", "--hf-token", "hf_abc"]).hf_token == "hf_abc"
+    assert "hf_abc" not in repr(EngineArgs(hf_token="hf_abc"))
+    for bad in ("", " ", 5):
+        with pytest.raises(ValueError, match="hf_token must be a Hugging Face token, True"):
+            EngineArgs(hf_token=bad).validate()
+    assert "token" not in engine_tokenizer_options(EngineArgs())
+    resolved, loads = [], []
+    monkeypatch.setattr(model_resolution, "resolve_repo_id",
+                        lambda model, revision, download_dir, token: resolved.append((model, token)) or tiny_llama_dir)
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, source, **kw: loads.append(kw.get("token")) or real(cls, source, **kw)))
+    LLM(model="acme/tiny", hf_token="hf_abc", num_gpu_blocks_override=16, max_model_len=256)
+    assert resolved == [("acme/tiny", "hf_abc")] and loads == ["hf_abc"]

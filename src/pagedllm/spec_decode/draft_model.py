@@ -38,7 +38,7 @@ class DraftModelProposer:
         self.max_num_batched_tokens = worker.max_num_batched_tokens
         self.max_num_seqs = worker.max_num_seqs
         try:
-            path = resolve_model_path(config.model)
+            path = resolve_model_path(config.model, token=getattr(worker.args, "hf_token", None))
             self.model_dir = prepare_model_dir(path, config.draft_load_format)
             cfg = load_hf_config(self.model_dir)
         except (OSError, ValueError) as e:

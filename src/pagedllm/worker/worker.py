@@ -128,7 +128,7 @@ class Worker:
         self._cuda_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         if args.cpu_offload_gb > 0 and self.device.type != "cuda":
             raise ValueError(CPU_OFFLOAD_ON_CPU)
-        model_path = resolve_model_path(args.model, args.revision, args.download_dir)
+        model_path = resolve_model_path(args.model, args.revision, args.download_dir, args.hf_token)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
         self.hf_config = load_hf_config(self.model_dir, trust_remote_code=args.trust_remote_code,
                                         overrides=args.hf_overrides)

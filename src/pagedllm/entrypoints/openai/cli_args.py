@@ -133,6 +133,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (-1: no limit)")
     e.add_argument("--revision", default=None, help="branch, tag or commit of a hub repo id MODEL")
     e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
+    e.add_argument("--hf-token", nargs="?", const=True, default=None, type=_hf_token, metavar="TOKEN",
+                   help="Hugging Face token for private or gated hub repo ids; the flag alone: the token `hf auth "
+                        "login` stored (default: HF_TOKEN)")
     e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults from the model's generation_config.json (auto), none (vllm), or DIR's")
     e.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
@@ -172,6 +175,11 @@ def _json_object(text: str) -> dict:
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
         raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {kind}")
     return value
+
+
+def _hf_token(text: str) -> Any:
+    """A token, or true / false (a YAML boolean reaches the flag's type as that text): the stored token / none."""
+    return {"true": True, "false": False}.get(text.strip().lower(), text)
 
 
 def _root_path(text: str) -> str:
