@@ -17,6 +17,9 @@ from typing import Any, Optional, Union
 from pagedllm.dtypes import DTYPE_CHOICES
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's logprobs_mode: what a sampled token's logprobs report (layers/sampler.py): log-softmax or logits, of the
+# raw logits or of those the token is drawn from (after penalties, temperature, min_p, top-k / top-p).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 CPU_OFFLOAD_ON_CPU = ("--cpu-offload-gb is meaningless on the CPU: the weights already live in host memory; drop "
                       "the flag.")
 
@@ -64,6 +67,7 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     disable_log_stats: bool = True
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES (prompt_logprobs are always raw log-softmax)
     max_cpu_loras: Optional[int] = None  # adapters kept in host memory (LRU); None: max_loras
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (= "fp8_e4m3")
     # Parallelism (executor/, distributed/): worker processes per rank, engine-core replicas, several nodes.
@@ -237,6 +241,8 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
         self._validate_lora()
         self.speculative()  # raises on a bad speculative_config
         self._validate_sleep_mode()

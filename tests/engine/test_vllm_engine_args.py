@@ -6,8 +6,9 @@ import argparse
 import types
 
 import pytest
+import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.openai.cli_args import add_serve_args, parse_serve_args, to_engine_args
 
@@ -99,3 +100,78 @@ def test_hf_token_reaches_the_hub_calls(monkeypatch, tiny_llama_dir):
                         classmethod(lambda cls, source, **kw: loads.append(kw.get("token")) or real(cls, source, **kw)))
     LLM(model="acme/tiny", hf_token="hf_abc", num_gpu_blocks_override=16, max_model_len=256)
     assert resolved == [("acme/tiny", "hf_abc")] and loads == ["hf_abc"]
+
+
+def _steps(out) -> list[dict[int, float]]:
+    return [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+
+
+def test_logprobs_modes(tiny_llama_dir):
+    """Over the whole vocabulary (512 tokens): raw_logits are the logits whose log-softmax raw_logprobs reports;
+    processed_* are those values after temperature and top-k (-inf where cut) for a sampled row, the raw ones for a
+    greedy row of the same batch. The mode changes what is reported, never the tokens."""
+    prompts = [{"prompt_token_ids": [5, 9, 33, 7]}, {"prompt_token_ids": [8, 2, 40]}]
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=1, max_tokens=3, logprobs=512, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, logprobs=512, ignore_eos=True)]
+    outs = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        llm = LLM(model=tiny_llama_dir, logprobs_mode=mode, max_logprobs=-1, num_gpu_blocks_override=16,
+                  max_model_len=256)
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert len({tuple(tuple(o.token_ids) for o in v) for v in outs.values()}) == 1
+    sampled, greedy = 0, 1
+    for i in (sampled, greedy):
+        for step, (raw_lp, raw_logits, proc_lp, proc_logits) in enumerate(zip(*(_steps(v[i]) for v in outs.values()))):
+            ids = sorted(raw_lp)
+            assert len(ids) == 512
+            logits = torch.tensor([raw_logits[t] for t in ids])
+            assert torch.allclose(logits.log_softmax(0), torch.tensor([raw_lp[t] for t in ids]), atol=1e-4)
+            token = outs["raw_logprobs"][i].token_ids[step]
+            if i == greedy:
+                assert proc_logits == pytest.approx(raw_logits, abs=1e-5)
+                assert proc_lp == pytest.approx(raw_lp, abs=1e-5)
+                continue
+            kept = set(logits.topk(20).indices.tolist())
+            assert {t for t in ids if proc_logits[t] != float("-inf")} == kept and token in kept
+            assert all(proc_lp[t] == float("-inf") for t in ids if t not in kept)
+            scaled = torch.tensor([raw_logits[t] / 0.7 for t in sorted(kept)])
+            assert [proc_logits[t] for t in sorted(kept)] == pytest.approx(scaled.tolist(), abs=1e-4)
+            assert [proc_lp[t] for t in sorted(kept)] == pytest.approx(scaled.log_softmax(0).tolist(), abs=1e-4)
+            assert outs["processed_logprobs"][i].cumulative_logprob is not None
+
+
+def test_logprobs_mode_flag_and_refusals(tiny_llama_dir):
+    assert _serve_args(["m"]).logprobs_mode == "raw_logprobs"
+    assert _serve_args(["m", "--logprobs-mode", "processed_logits"]).logprobs_mode == "processed_logits"
+    with pytest.raises(ValueError, match="logprobs_mode must be one of raw_logprobs, raw_logits, processed_logprobs"):
+        EngineArgs(logprobs_mode="logits").validate()
+    llm = LLM(model=tiny_llama_dir, logprobs_mode="raw_logits", num_gpu_blocks_override=16, max_model_len=256)
+    with pytest.raises(ValueError, match="Beam search needs log-probabilities, but this engine's "
+                                         "logprobs_mode='raw_logits' reports logits"):
+        llm.beam_search([{"prompt_token_ids": [5, 9]}], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+def test_logprobs_modes_through_speculative_verification(tiny_llama_dir):
+    """Verify steps report the mode's values too: raw logits as a plain run does; processed logprobs of a sampled
+    row are its top-k distribution (the draft tokens it accepts among them)."""
+    prompt = {"prompt_token_ids": list(range(40, 64)) * 3}  # repeats: the n-gram proposer finds drafts
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    kw = dict(model=tiny_llama_dir, kv_cache_memory_bytes=1 << 24, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    plain = LLM(logprobs_mode="raw_logits", **kw).generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    spec_llm = LLM(logprobs_mode="raw_logits", speculative_config=ngram, **kw)
+    spec = spec_llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids and spec_llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    for a, b in zip(_steps(plain), _steps(spec)):
+        assert a.keys() == b.keys() and list(b.values()) == pytest.approx(list(a.values()), abs=1e-4)
+        assert max(b.values()) > 0  # logits, not logprobs
+    proc_llm = LLM(logprobs_mode="processed_logprobs", speculative_config=ngram, **kw)
+    # (a low temperature follows the greedy path, whose tokens the n-gram proposer predicts; top-k still cuts)
+    sampled = SamplingParams(temperature=0.05, top_k=10, seed=3, max_tokens=12, logprobs=10, ignore_eos=True)
+    out = proc_llm.generate(prompt, sampled, use_tqdm=False)[0].outputs[0]
+    assert proc_llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    for token, step in zip(out.token_ids, _steps(out)):
+        kept = {t: v for t, v in step.items() if v != float("-inf")}
+        assert len(kept) == 10 and token in kept
+        assert sum(torch.tensor(list(kept.values())).exp()).item() == pytest.approx(1.0, abs=1e-4)

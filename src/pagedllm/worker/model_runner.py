@@ -42,8 +42,9 @@ class ModelRunner:
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_id: Optional[int], vocab_size: int, attention_backend: Optional[str] = None,
                  enforce_eager: bool = True, kv_cache_dtype: Optional[torch.dtype] = None,
-                 kv_groups: Optional[KVCacheGroups] = None) -> None:
-        """kv_groups: the model's KV-cache groups (core/kv_cache_groups.py; by default from the layers' windows)."""
+                 kv_groups: Optional[KVCacheGroups] = None, logprobs_mode: str = "raw_logprobs") -> None:
+        """kv_groups: the model's KV-cache groups (core/kv_cache_groups.py; by default from the layers' windows).
+        logprobs_mode: what sampled tokens' logprobs report (vLLM's; layers/sampler.py)."""
         self.model = model
         self.hf_config = hf_config
         self.device = device
@@ -61,6 +62,7 @@ class ModelRunner:
         check_kv_cache_backend(self.kv_cache_dtype, self.attn_backend)
         check_backend_features(model.attn_layers, self.attn_backend)
         self.sampler = Sampler()
+        self.logprobs_mode = logprobs_mode
         # A sequence classifier's head (models/llama.SequenceClassifier; a pipeline stage wraps the model as .inner):
         # its requests' pooled states become label logits here, on the device.
         self.classify = getattr(getattr(model, "inner", model), "classify", None)
@@ -407,6 +409,7 @@ class ModelRunner:
         else:
             meta = self._sampling_metadata(inp, sample_rows)
         meta.token_bitmask = step_token_bitmask(plan, inp.req_ids, sample_rows, dev)
+        meta.logprobs_mode = self.logprobs_mode
         ids = None
         if meta.argmax_only:
             # Only the argmax is needed: the LM head finds it without fp32 logits (on CPU from an exact bf16

@@ -226,7 +226,7 @@ class Worker:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=enforce_eager or pipelined,
             kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device),
-            kv_groups=self.kv_groups)
+            kv_groups=self.kv_groups, logprobs_mode=args.logprobs_mode)
         self.runner.lora = self.lora_manager
         self.long_rope_original = self.runner.long_rope_original  # the scheduler's LongRoPE boundary (or None)
         if self.lora_manager is not None:

@@ -131,6 +131,10 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                                                                      "--max-loras)")
     e.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+    e.add_argument("--logprobs-mode", default="raw_logprobs",
+                   choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+                   help="what sampled tokens' logprobs report: of the model's logits (raw) or of those the token is "
+                        "drawn from after penalties, temperature, min_p, top-k / top-p (processed)")
     e.add_argument("--revision", default=None, help="branch, tag or commit of a hub repo id MODEL")
     e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
     e.add_argument("--hf-token", nargs="?", const=True, default=None, type=_hf_token, metavar="TOKEN",
