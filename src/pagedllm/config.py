@@ -57,6 +57,9 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     device: str = "auto"  # "auto" | "cuda" | "cpu"
     enforce_eager: bool = False
+    # vLLM's: an optimization level (0-3) or a dict (JSON on the command line); only its CUDA-graph choices apply
+    # here (compilation_config.py: pagedllm runs no torch.compile), other keys are refused
+    compilation_config: Optional[Any] = None
     attention_backend: Optional[str] = None
     async_scheduling: Optional[bool] = None  # None: on for CUDA, off for CPU
     quantization: Optional[str] = None
@@ -245,6 +248,7 @@ class EngineArgs:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
         self._validate_lora()
         self.speculative()  # raises on a bad speculative_config
+        self.graph_settings()  # raises on a bad compilation_config
         self._validate_sleep_mode()
 
     def _validate_sleep_mode(self) -> None:
@@ -298,6 +302,12 @@ class EngineArgs:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
         if self.cpu_offload_gb > 0:
             raise ValueError("--enable-lora with --cpu-offload-gb is not supported yet by pagedllm.")
+
+    def graph_settings(self) -> Any:
+        """compilation_config as the CUDA graphs the runner captures (compilation_config.GraphSettings)."""
+        from pagedllm.compilation_config import parse_compilation_config
+
+        return parse_compilation_config(self.compilation_config)
 
     def speculative(self) -> Any:
         """The validated spec_decode.config.SpeculativeConfig, or None without speculative decoding."""

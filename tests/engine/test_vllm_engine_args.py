@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.compilation_config import GraphSettings, parse_compilation_config
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.openai.cli_args import add_serve_args, parse_serve_args, to_engine_args
 
@@ -175,3 +176,93 @@ def test_logprobs_modes_through_speculative_verification(tiny_llama_dir):
         kept = {t: v for t, v in step.items() if v != float("-inf")}
         assert len(kept) == 10 and token in kept
         assert sum(torch.tensor(list(kept.values())).exp()).item() == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("value, want", [
+    (None, GraphSettings()),
+    (3, GraphSettings()),
+    ("2", GraphSettings()),
+    (0, GraphSettings(decode_graphs=False, mixed_graphs=False)),  # vLLM's -O0: no compilation, no CUDA graphs
+    ({"mode": "VLLM_COMPILE", "cudagraph_mode": "FULL_AND_PIECEWISE"}, GraphSettings()),
+    ({"level": 0, "cudagraph_mode": "full_decode_only"}, GraphSettings(mixed_graphs=False)),  # the mode wins
+    ('{"cudagraph_mode": "NONE"}', GraphSettings(decode_graphs=False, mixed_graphs=False)),
+    ({"use_cudagraph": False, "full_cuda_graph": True}, GraphSettings(decode_graphs=False, mixed_graphs=False)),
+    ({"cudagraph_capture_sizes": [4, 1, 2], "max_cudagraph_capture_size": 4}, GraphSettings(capture_sizes=(4, 1, 2),
+                                                                                            max_capture_size=4)),
+    ({"max_capture_size": 64}, GraphSettings(max_capture_size=64)),
+])
+def test_compilation_config_forms(value, want):
+    assert parse_compilation_config(value) == want
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"backend": "inductor", "level": 3}, r"compilation_config key\(s\) 'backend' are not supported by pagedllm: it "
+                                         "runs no torch.compile, and its CUDA graphs take only level, mode,"),
+    ({"cudagraph_mode": "PIECEWISE"}, "cudagraph_mode 'PIECEWISE' is not supported by pagedllm: it captures "
+                                      "whole-forward CUDA graphs only"),
+    ({"cudagraph_mode": "SOME"}, "cudagraph_mode must be one of NONE, FULL_DECODE_ONLY, FULL, FULL_AND_PIECEWISE"),
+    (4, "compilation_config level must be 0-3"),
+    ({"mode": True}, "compilation_config mode must be 0-3"),
+    ({"cudagraph_capture_sizes": [1, 0]}, "cudagraph_capture_sizes must be a list of positive integers"),
+    ({"cudagraph_capture_sizes": [1, 8], "max_cudagraph_capture_size": 4}, r"max_cudagraph_capture_size \(4\) must be "
+                                                                          r"the largest of cudagraph_capture_sizes"),
+    ({"use_cudagraph": "no"}, "use_cudagraph must be true or false"),
+    ("O3", "compilation_config must be an optimization level"),
+    ([3], "compilation_config must be an optimization level"),
+])
+def test_compilation_config_refusals(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(compilation_config=value).validate()
+
+
+def test_compilation_config_flags():
+    """--compilation-config / -O as vLLM's: a level, JSON, -O.KEY=VALUE; several add up, the later key winning."""
+    assert _serve_args(["m"]).compilation_config is None
+    assert _serve_args(["m", "-O3"]).compilation_config == 3
+    assert _serve_args(["m", "-O", "0"]).graph_settings() == GraphSettings(decode_graphs=False, mixed_graphs=False)
+    assert _serve_args(["m", "--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}']).compilation_config == {
+        "cudagraph_capture_sizes": [1, 2]}
+    assert _serve_args(["m", "-O3", "-O.cudagraph_mode=FULL_DECODE_ONLY", "-O.cudagraph_capture_sizes=[1,2,4]",
+                        "-O.cudagraph_mode=NONE"]).compilation_config == {
+        "level": 3, "cudagraph_mode": "NONE", "cudagraph_capture_sizes": [1, 2, 4]}
+    with pytest.raises(ValueError, match="compilation_config key\\(s\\) 'custom_ops' are not supported"):
+        _serve_args(["m", "-O.custom_ops=[\"none\"]"]).validate()
+
+
+def _fake_runner(compilation_config, max_num_seqs=48, max_num_batched_tokens=512):
+    """What the graph runners read of a ModelRunner at construction (their sizes; nothing is captured)."""
+    layer = types.SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=16)
+    backend = types.SimpleNamespace(wants_decode_order=False, mixed_graph_tiles=lambda *a: [16],
+                                    few_query_tile=lambda *a: None)
+    return types.SimpleNamespace(
+        device=torch.device("cpu"), graph_settings=parse_compilation_config(compilation_config),
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=256, scratch_block=0,
+        block_size=16, attn_backend=backend, num_kv_groups=1, max_blocks_per_req=16, dtype=torch.float32,
+        model=types.SimpleNamespace(attn_layers=[layer]))
+
+
+def test_compilation_config_picks_the_graph_sizes():
+    """Capture sizes are decode batch sizes up to max_num_seqs and mixed-step token counts from 2 (vLLM captures
+    token counts); a max capture size cuts pagedllm's own sizes."""
+    from pagedllm.worker.cuda_graph import CudaGraphRunner
+    from pagedllm.worker.mixed_graph import MixedGraphRunner
+
+    plain = _fake_runner(None)
+    assert CudaGraphRunner(plain).sizes == [1, 2, 4, 8, 16, 32, 48]
+    assert MixedGraphRunner(plain).sizes[0] == 16 and MixedGraphRunner(plain).sizes[-1] == 512
+    chosen = _fake_runner({"cudagraph_capture_sizes": [100, 1, 2, 4, 32]})
+    assert CudaGraphRunner(chosen).sizes == [1, 2, 4, 32]
+    assert MixedGraphRunner(chosen).sizes == [2, 4, 32, 100]
+    assert MixedGraphRunner(chosen, extra_sizes=(5, 600)).sizes == [2, 4, 5, 32, 100]  # (verify steps' exact sizes)
+    capped = _fake_runner({"max_cudagraph_capture_size": 20})
+    assert CudaGraphRunner(capped).sizes == [1, 2, 4, 8, 16, 20]
+    assert MixedGraphRunner(capped).sizes == [16, 20]
+
+
+def test_compilation_config_on_the_engine(tiny_llama_dir):
+    """On the CPU there are no CUDA graphs: any valid config is the same engine; an unknown key fails the start."""
+    llm = LLM(model=tiny_llama_dir, compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2]},
+              num_gpu_blocks_override=16, max_model_len=256)
+    assert llm.engine.worker.runner.graph_settings.capture_sizes == (1, 2)
+    with pytest.raises(ValueError, match="compilation_config key\\(s\\) 'pass_config' are not supported"):
+        LLM(model=tiny_llama_dir, compilation_config={"pass_config": {}})

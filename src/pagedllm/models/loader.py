@@ -1,7 +1,7 @@
 """From a user's `--model` to a ready nn.Module.
 
-    resolve_model_path(model, revision, download_dir, token)  None -> the bundled SmolLM2 GGUF; a path as is; a hub repo id
-                                         -> its local snapshot (model_resolution.py)
+    resolve_model_path(model, revision, download_dir, token)  None -> the bundled SmolLM2 GGUF; a path as is; a hub
+                                         repo id -> its local snapshot (model_resolution.py)
     prepare_model_dir(path, load_format) HF dir as is; .gguf -> converted (once, cached) HF dir
     load_hf_config(model_dir)            transformers config from config.json
     get_model(hf_config, model_dir, dtype=, device=, load_format=)  built on device, weights loaded, eval()

@@ -73,7 +73,7 @@ class DraftModelProposer:
             max_num_seqs=min(self.max_num_seqs, config.disable_by_batch_size or self.max_num_seqs),
             max_num_batched_tokens=self.max_num_batched_tokens, eos_token_id=None, vocab_size=cfg.vocab_size,
             attention_backend=worker.args.attention_backend, enforce_eager=worker.runner.enforce_eager,
-            kv_groups=kv_cache_groups(windows, self.max_model_len))
+            kv_groups=kv_cache_groups(windows, self.max_model_len), graph_settings=worker.runner.graph_settings)
         logger.info("Draft model %s loaded for speculative decoding (k=%d).", self.model_dir, self.k)
         self.free_blocks: list[int] = []
         self.scratch_slot = 0  # (initialize) the slot padding rows write their K/V into

@@ -114,6 +114,12 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     e.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     e.add_argument("--enforce-eager", action="store_true")
+    e.add_argument("--compilation-config", "-O", type=_compilation_config, action=_MergeCompilationConfig,
+                   default=None, metavar="LEVEL|JSON",
+                   help="vLLM's, for the CUDA graphs (pagedllm runs no torch.compile): -O0 turns them off, -O1..-O3 "
+                        "keep them; or a JSON object of cudagraph_mode (NONE, FULL_DECODE_ONLY, FULL, "
+                        "FULL_AND_PIECEWISE), cudagraph_capture_sizes, max_cudagraph_capture_size, level / mode; "
+                        "-O.KEY=VALUE sets one key")
     e.add_argument("--quantization", "-q", default=None,
                    help="awq, gptq, compressed-tensors (read from config.json when omitted) or online fp8 / int8")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
@@ -179,6 +185,36 @@ def _json_object(text: str) -> dict:
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
         raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {kind}")
     return value
+
+
+def _compilation_config(text: str) -> Any:
+    """-O3 / -O 3 (a level), a JSON object, or vLLM's -O.KEY=VALUE (one key; VALUE read as JSON where it is)."""
+    import json
+
+    text = text.strip()
+    if text.startswith("."):
+        key, eq, value = text[1:].partition("=")
+        if not key or not eq:
+            raise argparse.ArgumentTypeError(f"expected -O.KEY=VALUE, got -O{text}")
+        try:
+            return {key: json.loads(value)}
+        except ValueError:
+            return {key: value}  # a bare word: FULL_DECODE_ONLY
+    if text.isdigit():
+        return int(text)
+    return _json_object(text)
+
+
+class _MergeCompilationConfig(argparse.Action):
+    """Several -O / --compilation-config flags add up (-O3 -O.cudagraph_mode=NONE), the later key winning."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        old = getattr(namespace, self.dest, None)
+        if old is not None and (isinstance(old, dict) or isinstance(values, dict)):
+            as_dict = [v if isinstance(v, dict) else {"level": v} for v in (old, values)]
+            values = {**as_dict[0], **as_dict[1]}
+        setattr(namespace, self.dest, values)
 
 
 def _hf_token(text: str) -> Any:
