@@ -215,8 +215,13 @@ def test_compilation_config_refusals(value, message):
         EngineArgs(compilation_config=value).validate()
 
 
-def test_compilation_config_flags():
-    """--compilation-config / -O as vLLM's: a level, JSON, -O.KEY=VALUE; several add up, the later key winning."""
+def test_compilation_config_flags(tmp_path):
+    """--compilation-config / -O as vLLM's: a level, JSON, -O.KEY=VALUE; several add up, the later key winning (over
+    a --config file's too, where hf-token: true is the stored token)."""
+    (tmp_path / "serve.yaml").write_text('compilation-config: {"cudagraph_mode": "NONE"}\nhf-token: true\n')
+    from_file = _serve_args(["m", "--config", str(tmp_path / "serve.yaml"), "-O.cudagraph_capture_sizes=[1,2]"])
+    assert from_file.compilation_config == {"cudagraph_mode": "NONE", "cudagraph_capture_sizes": [1, 2]}
+    assert from_file.hf_token is True
     assert _serve_args(["m"]).compilation_config is None
     assert _serve_args(["m", "-O3"]).compilation_config == 3
     assert _serve_args(["m", "-O", "0"]).graph_settings() == GraphSettings(decode_graphs=False, mixed_graphs=False)
