@@ -11,12 +11,15 @@ import dataclasses
 import numbers
 import os
 import secrets
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 from pagedllm.dtypes import DTYPE_CHOICES
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's logprobs_mode: what a sampled token's logprobs report (layers/sampler.py): log-softmax or logits, of the
+# raw logits or of those the token is drawn from (after penalties, temperature, min_p, top-k / top-p).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 CPU_OFFLOAD_ON_CPU = ("--cpu-offload-gb is meaningless on the CPU: the weights already live in host memory; drop "
                       "the flag.")
 
@@ -33,6 +36,7 @@ _NOT_SUPPORTED_YET: dict[str, Any] = {
 class EngineArgs:
     model: Optional[str] = None  # HF directory, .gguf file, or None for the default SmolLM2 model
     tokenizer: Optional[str] = None
+    tokenizer_mode: str = "auto"  # vLLM's: "auto" | "hf" (the same here) | "slow" (tokenizer.check_tokenizer_mode)
     served_model_name: Optional[str] = None
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
@@ -53,6 +57,9 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     device: str = "auto"  # "auto" | "cuda" | "cpu"
     enforce_eager: bool = False
+    # vLLM's: an optimization level (0-3) or a dict (JSON on the command line); only its CUDA-graph choices apply
+    # here (compilation_config.py: pagedllm runs no torch.compile), other keys are refused
+    compilation_config: Optional[Any] = None
     attention_backend: Optional[str] = None
     async_scheduling: Optional[bool] = None  # None: on for CUDA, off for CPU
     quantization: Optional[str] = None
@@ -63,6 +70,7 @@ class EngineArgs:
     speculative_config: Optional[dict] = None
     disable_log_stats: bool = True
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES (prompt_logprobs are always raw log-softmax)
     max_cpu_loras: Optional[int] = None  # adapters kept in host memory (LRU); None: max_loras
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (= "fp8_e4m3")
     # Parallelism (executor/, distributed/): worker processes per rank, engine-core replicas, several nodes.
@@ -76,6 +84,9 @@ class EngineArgs:
     override_generation_config: Optional[dict] = None  # generation_config.json keys over those (vLLM's)
     revision: Optional[str] = None  # hub repo ids: branch, tag or commit
     download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
+    # hub repo ids (model, tokenizer, draft model): vLLM's hf_token, a token or True (the one `hf auth login`
+    # stored); None: HF_TOKEN. Out of repr: an EngineArgs printed in a log or traceback must not show it.
+    hf_token: Union[bool, str, None] = field(default=None, repr=False)
     # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
     structured_outputs_config: Optional[dict] = None
     # Embeddings (pooling/), vLLM's names: runner "pooling" serves embeddings only ("auto": generation too, except
@@ -92,6 +103,10 @@ class EngineArgs:
     pooler_config: Optional[dict] = None
     # LLM.sleep / wake_up (vLLM's sleep mode): the weights and KV cache may be given back while the engine idles.
     enable_sleep_mode: bool = False
+    # vLLM's CPU swap space in GiB, accepted for its scripts and configs; it does nothing, here as in vLLM's V1
+    # engine, which allocates no CPU blocks (vllm-project/vllm#27984; the argument was removed in #36216): a
+    # preempted request is recomputed, its KV blocks are never swapped out. Any value >= 0 is the same engine.
+    swap_space: float = 4
 
     @property
     def embeddings_only(self) -> bool:
@@ -204,9 +219,10 @@ class EngineArgs:
         self.validate_parallel()
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
-        if self.tokenizer is not None and not self.skip_tokenizer_init:
-            from pagedllm.tokenizer import check_tokenizer_path
+        from pagedllm.tokenizer import check_tokenizer_mode, check_tokenizer_path
 
+        check_tokenizer_mode(self.tokenizer_mode)
+        if self.tokenizer is not None and not self.skip_tokenizer_init:
             check_tokenizer_path(self.tokenizer)  # a typo'd path fails now, not after the model has loaded
         if self.generation_config not in ("auto", "vllm"):
             from pagedllm.generation_config import load_sampling_defaults
@@ -220,10 +236,19 @@ class EngineArgs:
             raise ValueError(f"cpu_offload_gb must be >= 0 (0 turns offloading off), got {self.cpu_offload_gb}.")
         if self.cpu_offload_gb > 0 and self.device == "cpu":
             raise ValueError(CPU_OFFLOAD_ON_CPU)
+        if self.hf_token is not None and not (isinstance(self.hf_token, bool) or (isinstance(self.hf_token, str)
+                                                                                  and self.hf_token.strip())):
+            raise ValueError("hf_token must be a Hugging Face token, True (the token `hf auth login` stored) or "
+                             f"None (HF_TOKEN), got a {type(self.hf_token).__name__}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
         self._validate_lora()
         self.speculative()  # raises on a bad speculative_config
+        self.graph_settings()  # raises on a bad compilation_config
         self._validate_sleep_mode()
 
     def _validate_sleep_mode(self) -> None:
@@ -277,6 +302,12 @@ class EngineArgs:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
         if self.cpu_offload_gb > 0:
             raise ValueError("--enable-lora with --cpu-offload-gb is not supported yet by pagedllm.")
+
+    def graph_settings(self) -> Any:
+        """compilation_config as the CUDA graphs the runner captures (compilation_config.GraphSettings)."""
+        from pagedllm.compilation_config import parse_compilation_config
+
+        return parse_compilation_config(self.compilation_config)
 
     def speculative(self) -> Any:
         """The validated spec_decode.config.SpeculativeConfig, or None without speculative decoding."""

@@ -1,4 +1,4 @@
-"""Loading the tokenizer (always a fast, Rust-backed one).
+"""Loading the tokenizer (a fast, Rust-backed one, unless tokenizer_mode="slow" asks for transformers' Python one).
 
 The model's end-of-sequence ids are read by `worker.read_eos_token_ids` (config + generation_config.json).
 
@@ -25,6 +25,47 @@ def _gguf_source(path: str) -> Optional[tuple[str, str]]:
     return None
 
 
+# vLLM's tokenizer_mode values. "auto" and "hf" both load the model's Hugging Face tokenizer (vLLM's "auto" picks
+# mistral_common only for Mistral's own tokenizer files, which pagedllm does not read); "slow" asks transformers for
+# its Python tokenizer (use_fast=False: what it gives where a model has none, as in vLLM).
+TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
+
+
+def check_tokenizer_mode(mode: str) -> None:
+    """ValueError naming tokenizer_mode when pagedllm cannot load the tokenizer that way."""
+    if mode in ("auto", "hf"):
+        return
+    if mode == "slow":
+        version = _transformers_version()
+        if int(version.split(".")[0]) >= 5:  # transformers 5 drops use_fast=False: only Rust-backed tokenizers
+            raise ValueError(f"tokenizer_mode='slow' needs transformers < 5: transformers {version} has no slow "
+                             "(Python) tokenizers and would load the fast one anyway; use tokenizer_mode='auto'.")
+        return
+    if mode == "mistral":
+        raise ValueError("tokenizer_mode='mistral' (mistral_common's tokenizer) is not supported by pagedllm; use "
+                         "tokenizer_mode='auto', which loads the model's Hugging Face tokenizer (tokenizer.json).")
+    if mode == "custom":
+        raise ValueError("tokenizer_mode='custom' (a tokenizer registered with vLLM's TokenizerRegistry) is not "
+                         "supported by pagedllm; use tokenizer_mode='auto'.")
+    raise ValueError(f"tokenizer_mode must be auto, hf or slow, got {mode!r}.")
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def engine_tokenizer_options(args: Any) -> dict:
+    """get_tokenizer's options as the engine arguments (EngineArgs, or the server's namespace) set them; hf_token
+    reaches transformers as `token` (a --tokenizer that is a hub repo id is downloaded with it)."""
+    options = dict(trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+                   tokenizer_mode=getattr(args, "tokenizer_mode", "auto") or "auto")
+    if getattr(args, "hf_token", None) is not None:
+        options["token"] = args.hf_token
+    return options
+
+
 def check_tokenizer_path(name: str) -> None:
     """ValueError when `name` (--tokenizer) is a path that cannot hold a tokenizer: checked at start, before the
     engine loads the model. A missing path that is no hub repo id either would otherwise reach transformers, which
@@ -38,29 +79,34 @@ def check_tokenizer_path(name: str) -> None:
                          "model directory that holds tokenizer.json / tokenizer_config.json, or a .gguf file.")
 
 
-def get_tokenizer(model_dir_or_name: str, trust_remote_code: bool = False, **kwargs: Any):
-    """A transformers fast tokenizer for the model; ValueError saying what to change if there is none."""
+def get_tokenizer(model_dir_or_name: str, trust_remote_code: bool = False, tokenizer_mode: str = "auto",
+                  **kwargs: Any):
+    """A transformers fast tokenizer for the model (tokenizer_mode="slow": the Python one where the model has it);
+    ValueError saying what to change if there is none."""
     from transformers import AutoTokenizer
 
+    check_tokenizer_mode(tokenizer_mode)
     check_tokenizer_path(model_dir_or_name)
+    slow = tokenizer_mode == "slow"
     source = os.path.expanduser(str(model_dir_or_name))
     gguf = _gguf_source(source)
     try:
         if gguf is not None:
-            tokenizer = AutoTokenizer.from_pretrained(gguf[0], gguf_file=gguf[1],
-                                                      trust_remote_code=trust_remote_code, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(gguf[0], gguf_file=gguf[1], trust_remote_code=trust_remote_code,
+                                                      **(dict(use_fast=False) if slow else {}), **kwargs)
         else:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
-                                                      use_fast=True, **kwargs)
+                                                      use_fast=not slow, **kwargs)
     except (OSError, ValueError) as e:
         raise ValueError(
             f"Could not load a tokenizer from {model_dir_or_name!r}: {e}. Give a model directory with "
             "tokenizer.json / tokenizer_config.json, a .gguf file, or pass --tokenizer explicitly."
         ) from e
-    if not getattr(tokenizer, "is_fast", False):
+    if not getattr(tokenizer, "is_fast", False) and not slow:  # (the detokenizer reads slow ones too, when asked)
         raise ValueError(
             f"The tokenizer of {model_dir_or_name!r} ({type(tokenizer).__name__}) is not a fast tokenizer; "
             "pagedllm needs one (a tokenizer.json). Convert it with transformers "
-            "(AutoTokenizer.from_pretrained(..., from_slow=True).save_pretrained(dir)) and pass --tokenizer dir."
+            "(AutoTokenizer.from_pretrained(..., from_slow=True).save_pretrained(dir)) and pass --tokenizer dir, or "
+            "start with tokenizer_mode='slow' to use it as it is."
         )
     return tokenizer

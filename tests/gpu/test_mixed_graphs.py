@@ -82,3 +82,23 @@ def test_buckets_capped_by_what_a_step_can_hold(tiny_llama_dir):
                 max_num_batched_tokens=2048, enforce_eager=True)
     assert _tokens(llm, prompts, params) == _tokens(eager, prompts, params)
     assert mixed.num_replays > 0
+
+
+def test_compilation_config_chooses_the_graphs(tiny_qwen3_dir):
+    """vLLM's compilation_config: capture sizes (decode requests up to max_num_seqs, mixed-step tokens from 2),
+    FULL_DECODE_ONLY (no mixed graphs) and level 0 (none); the tokens stay the eager ones."""
+    prompts = random_prompts([3, 30, 11, 50, 7], seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kwargs = dict(model=tiny_qwen3_dir, dtype="float32", device="cuda", num_gpu_blocks_override=128,
+                  max_num_batched_tokens=64, max_num_seqs=8)
+    sized = LLM(**kwargs, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 32]})
+    runner = sized.engine.worker.runner
+    assert runner.cuda_graphs.sizes == [1, 2, 4] and runner.mixed_graphs.sizes == [2, 4, 32]
+    decode_only = LLM(**kwargs, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+    assert decode_only.engine.worker.runner.cuda_graphs is not None
+    assert decode_only.engine.worker.runner.mixed_graphs is None
+    eager = LLM(**kwargs, compilation_config=0)
+    assert eager.engine.worker.runner.enforce_eager and eager.engine.worker.runner.cuda_graphs is None
+    expected = _tokens(eager, prompts, params)
+    assert _tokens(sized, prompts, params) == expected == _tokens(decode_only, prompts, params)
+    assert runner.mixed_graphs.num_replays > 0

@@ -29,9 +29,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 _RESOLVE = r'''
 import json, sys
 from pagedllm.models.loader import resolve_model_path
-for model, revision, download_dir in json.loads(sys.argv[1]):
+for model, revision, download_dir, *token in json.loads(sys.argv[1]):
     try:
-        print(json.dumps(["ok", resolve_model_path(model, revision, download_dir)]))
+        print(json.dumps(["ok", resolve_model_path(model, revision, download_dir, *token)]))
     except ValueError as e:
         print(json.dumps(["error", str(e)]))
 '''
@@ -46,7 +46,7 @@ def hub_env(**hub_vars: str) -> dict:
 
 
 def resolve_fresh(queries: list, **hub_vars: str) -> list:
-    """resolve_model_path(model, revision, download_dir) for each query, in one new interpreter started with
+    """resolve_model_path(model, revision, download_dir[, token]) for each query, in one new interpreter started with
     hub_env(**hub_vars): ("ok", path) or ("error", the ValueError's message)."""
     out = subprocess.run([sys.executable, "-c", _RESOLVE, json.dumps(queries)], env=hub_env(**hub_vars),
                          capture_output=True, text=True, timeout=120)
@@ -256,6 +256,27 @@ def test_download_with_token_revision_and_only_the_engine_s_files(tmp_path, tiny
     # what was downloaded is then found offline, by its ref
     assert resolve_fresh([["acme/private", "v2", None]], HF_HOME=str(tmp_path / "home"),
                          HF_HUB_OFFLINE="1") == [("ok", snapshot)]
+
+
+def test_hf_token_argument(tmp_path, tiny_llama_dir):
+    """vLLM's hf_token: the token itself, or True for the one `hf auth login` stored (HF_HOME/token); True with none
+    stored is one sentence, not a failed download."""
+    files = _model_files(tiny_llama_dir)
+    commit = "f6" * 20
+    stored = tmp_path / "logged-in"
+    stored.mkdir()
+    (stored / "token").write_text("hf_secret")
+    with FakeHub("acme/private", files, {"main": commit}, token="hf_secret") as hub:
+        queries = [["acme/private", None, None, "hf_secret"], ["acme/private", None, None, True]]
+        given, none_stored = resolve_fresh(queries, HF_HOME=str(tmp_path / "plain"), HF_ENDPOINT=hub.url,
+                                           PAGEDLLM_DISABLE_PROGRESS_BARS="1")
+        (from_store,) = resolve_fresh([["acme/private", None, None, True]], HF_HOME=str(stored), HF_ENDPOINT=hub.url,
+                                      PAGEDLLM_DISABLE_PROGRESS_BARS="1")
+    assert given == ("ok", str(tmp_path / "plain" / "hub" / "models--acme--private" / "snapshots" / commit))
+    assert from_store == ("ok", str(stored / "hub" / "models--acme--private" / "snapshots" / commit))
+    assert none_stored == ("error", "hf_token=True uses the Hugging Face token stored by `hf auth login` (or "
+                                    "HF_TOKEN), but there is none: log in, or pass the token itself.")
+    assert {auth for _, path, auth in hub.requests if "acme/private" in path} == {"Bearer hf_secret"}
 
 
 def test_hub_errors_are_one_sentence(tmp_path, tiny_llama_dir):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from pagedllm.beam_search.search import BeamSearch
+from pagedllm.beam_search.search import BeamSearch, check_logprobs_mode
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
@@ -28,6 +28,7 @@ def candidates(logprobs: Optional[dict[int, Logprob]], k: int) -> list[tuple[int
 
 def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
     """LLM.beam_search: every prompt's search advances one token per round of engine steps."""
+    check_logprobs_mode(llm.engine_args.logprobs_mode)
     searches, salts = [], []
     max_model_len = llm.engine.max_model_len
     for prompt in prompts:

@@ -73,6 +73,15 @@ class _Hyp:
     finished: bool
 
 
+def check_logprobs_mode(mode: str) -> None:
+    """Beams are scored by summed log-probabilities: an engine whose logprobs report logits (vLLM's *_logits
+    logprobs_mode) would rank them by summed logits, so it refuses. (A beam step is greedy without penalties: its
+    processed logprobs are its raw ones.)"""
+    if mode.endswith("_logits"):
+        raise ValueError(f"Beam search needs log-probabilities, but this engine's logprobs_mode={mode!r} reports "
+                         "logits; start it with logprobs_mode 'raw_logprobs' (the default) or 'processed_logprobs'.")
+
+
 class BeamSearch:
     def __init__(self, prompt_token_ids: Sequence[int], params: BeamSearchParams, eos_token_ids: Sequence[int]):
         self.prompt = list(prompt_token_ids)

@@ -262,12 +262,12 @@ class AsyncEngine:
     def _load_frontend(self) -> None:
         from pagedllm.detokenizer import byte_table
         from pagedllm.entrypoints.output_processor import OutputProcessor
-        from pagedllm.tokenizer import get_tokenizer
+        from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
 
         assert self.ready is not None
         args = self.engine_args
         self.tokenizer = get_tokenizer(getattr(args, "tokenizer", None) or self.ready.model_dir,
-                                       trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
+                                       **engine_tokenizer_options(args))
         self.processor = OutputProcessor(self.tokenizer)
         byte_table(self.tokenizer, True)  # built now, not in the first request (skip_special_tokens' default)
 

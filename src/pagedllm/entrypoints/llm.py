@@ -100,10 +100,10 @@ class LLM:
         try:
             self.tokenizer = None
             if not self.engine_args.skip_tokenizer_init:
-                from pagedllm.tokenizer import get_tokenizer
+                from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
 
                 self.tokenizer = get_tokenizer(self.engine_args.tokenizer or engine.model_dir,
-                                               trust_remote_code=self.engine_args.trust_remote_code)
+                                               **engine_tokenizer_options(self.engine_args))
                 engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
             self._counter = itertools.count()
             from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults

@@ -48,7 +48,8 @@ def prepare_model(args: Any) -> tuple[str, Any]:
     """Resolve (and for GGUF convert, once) the model before the ranks start, and read its config."""
     from pagedllm.models.loader import load_hf_config, prepare_model_dir, resolve_model_path
 
-    model_dir = prepare_model_dir(resolve_model_path(args.model, args.revision, args.download_dir), args.load_format)
+    path = resolve_model_path(args.model, args.revision, args.download_dir, getattr(args, "hf_token", None))
+    model_dir = prepare_model_dir(path, args.load_format)
     return model_dir, load_hf_config(model_dir, overrides=args.hf_overrides)
 
 

@@ -1,7 +1,9 @@
 """Sampler: logits -> next token ids (+ logprobs), a pure tensor function vectorized over the batch.
 
 Order of operations (vLLM's):
-  1. logprobs of the *raw* logits (log_softmax before any processing), only if someone asked
+  1. logprobs of the *raw* logits (log_softmax before any processing), only if someone asked; the engine's
+     logprobs_mode (vLLM's) may ask for the raw logits themselves, or for the values after step 5 instead
+     (`processed_values`: what a row draws from), which are computed on a copy so the tokens never change with it
   2. token constraints: allowed_token_ids, bad words, logit_bias (layers/token_constraints.py);
      min_tokens: forbid EOS / stop ids for rows that have not produced min_tokens yet
   3. penalties: repetition (HF semantics, prompt + output), then frequency / presence (OpenAI, output)
@@ -128,6 +130,9 @@ class SamplingMetadata:
     max_num_logprobs: Optional[int] = None  # None: no row asked for logprobs
     # allowed_token_ids / bad_words / logit_bias of the rows that have them (layers/token_constraints.py)
     constraints: Optional[TokenConstraints] = None
+    # What logprobs report (vLLM's logprobs_mode): raw_logprobs | raw_logits | processed_logprobs | processed_logits.
+    # Set by the runner from the engine's argument.
+    logprobs_mode: str = "raw_logprobs"
     # Structured outputs: int32 [N, ceil(V / 32)] allowed-token bits per row (all ones for unconstrained rows);
     # applied first, so every later stage and the logprobs see the masked distribution. Set by the runner.
     token_bitmask: Optional[torch.Tensor] = None
@@ -238,7 +243,7 @@ class SamplingMetadata:
 
 
 class LogprobsTensors(NamedTuple):
-    """Column 0 is the sampled token, columns 1..K the top-K tokens of the raw distribution."""
+    """Column 0 is the sampled token, columns 1..K the top-K tokens of the reported values (the logprobs_mode's)."""
 
     token_ids: torch.Tensor  # [N, K+1] int64
     logprobs: torch.Tensor  # [N, K+1] float32
@@ -255,7 +260,9 @@ class Sampler(torch.nn.Module):
     """logits [N, V] float32 + SamplingMetadata -> SamplerOutput. Modifies logits in place."""
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits, raw_logprobs = self.process_logits(logits, meta)
+        logits, reported = self.process_logits(logits, meta)
+        if reported is None and meta.max_num_logprobs is not None:  # processed_* modes: before sampling edits logits
+            reported = processed_values(logits, meta)
 
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -268,19 +275,25 @@ class Sampler(torch.nn.Module):
                 sampled = torch.where(meta.temperature < _GREEDY_EPS, greedy_ids, sampled)
 
         lp = None
-        if raw_logprobs is not None:
-            lp = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        if reported is not None:
+            lp = gather_logprobs(reported, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=mark_no_token(sampled, meta), logprobs=lp)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Everything before the greedy / random split: (float32 logits with min_tokens and penalties applied,
-        raw logprobs or None). Speculative verification (spec_decode/) shares it with forward()."""
+        the raw values logprobs report or None: the log-softmax, or with logprobs_mode raw_logits a copy of the
+        logits; None in the processed_* modes too). Speculative verification (spec_decode/) shares it with
+        forward()."""
         if logits.dtype != torch.float32:
             logits = logits.float()
         if meta.token_bitmask is not None:  # a grammar's allowed tokens (structured outputs), before everything
             apply_token_bitmask_(logits, meta.token_bitmask)
-        raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None and meta.logprobs_mode == "raw_logprobs":
+            raw_logprobs = logits.log_softmax(dim=-1)
+        elif meta.max_num_logprobs is not None and meta.logprobs_mode == "raw_logits":
+            raw_logprobs = logits.clone()  # (the stages below edit logits in place)
 
         if meta.constraints is not None:
             logits = apply_token_constraints(logits, meta.constraints)
@@ -304,10 +317,16 @@ class Sampler(torch.nn.Module):
             return inverse_cdf_sample(probs, meta.generators)
         return exponential_race(probs, meta.generators)
 
-    @staticmethod
-    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    @classmethod
+    def probs(cls, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The distribution random rows draw from: temperature -> min_p -> top-k / top-p -> softmax (greedy rows
         get temperature 1 here; callers take their argmax instead). Modifies logits in place."""
+        return cls.truncated_logits(logits, meta).softmax(dim=-1)
+
+    @staticmethod
+    def truncated_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """probs() before its softmax: the logits over temperature, -inf where min_p / top-k / top-p cut. Modifies
+        logits in place."""
         temperature = meta.temperature
         if not meta.all_random:  # greedy rows (temperature 0) are overwritten later; avoid 0-division
             temperature = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
@@ -326,7 +345,7 @@ class Sampler(torch.nn.Module):
             logits = apply_top_k_top_p_prefix(logits, top_k, top_p, meta.max_top_k, meta.top_p_within_top_k)
         elif top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
-        return logits.softmax(dim=-1)
+        return logits
 
 
 def mark_no_token(ids: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -460,8 +479,20 @@ def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generato
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def processed_values(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """What logprobs report in vLLM's processed_* modes: for random rows the logits after temperature, min_p and
+    top-k / top-p (-inf where cut), for greedy rows the logits after penalties (what their argmax reads); as
+    log-softmax in processed_logprobs. Computed on a copy: the sampler draws from `logits` as in every mode."""
+    out = logits.clone()
+    if not meta.all_greedy:
+        out = Sampler.truncated_logits(out, meta)
+        if not meta.all_random:
+            out = torch.where((meta.temperature < _GREEDY_EPS).unsqueeze(1), logits, out)
+    return out.log_softmax(dim=-1) if meta.logprobs_mode == "processed_logprobs" else out
+
+
 def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
-    """Sampled token's logprob and rank, then the top-k tokens of the raw distribution."""
+    """Sampled token's logprob (or the logprobs_mode's value) and rank, then the top-k tokens of those values."""
     sampled = sampled.unsqueeze(1)  # [N, 1]
     sampled_lp = logprobs.gather(1, sampled)  # [N, 1]
     sampled_rank = (logprobs > sampled_lp).sum(dim=-1, keepdim=True) + 1

@@ -1,7 +1,7 @@
 """From a user's `--model` to a ready nn.Module.
 
-    resolve_model_path(model, revision, download_dir)  None -> the bundled SmolLM2 GGUF; a path as is; a hub repo id
-                                         -> its local snapshot (model_resolution.py)
+    resolve_model_path(model, revision, download_dir, token)  None -> the bundled SmolLM2 GGUF; a path as is; a hub
+                                         repo id -> its local snapshot (model_resolution.py)
     prepare_model_dir(path, load_format) HF dir as is; .gguf -> converted (once, cached) HF dir
     load_hf_config(model_dir)            transformers config from config.json
     get_model(hf_config, model_dir, dtype=, device=, load_format=)  built on device, weights loaded, eval()
@@ -48,7 +48,7 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: Optional[str], revision: Optional[str] = None,
-                       download_dir: Optional[str] = None) -> str:
+                       download_dir: Optional[str] = None, token: Union[bool, str, None] = None) -> str:
     """The model's local path: the default model when None, `model` itself when it exists, else a hub repo id
     resolved through models/model_resolution.py (the local cache, or a download)."""
     from pagedllm.models.model_resolution import local_path, looks_like_repo_id, resolve_repo_id
@@ -61,7 +61,7 @@ def resolve_model_path(model: Optional[str], revision: Optional[str] = None,
             logger.warning("--revision %s does not apply to the local path %s; it is used as it is.", revision, path)
         return path
     if looks_like_repo_id(model):
-        return resolve_repo_id(model, revision, download_dir)
+        return resolve_repo_id(model, revision, download_dir, token)
     raise ModelNotFoundError(f"Model path {model!r} does not exist; pass a Hugging Face model directory, a "
                              f".gguf file, a Hugging Face repo id, or nothing for the default model.")
 

@@ -3,7 +3,8 @@ repo id on a model hub.
 
 Hugging Face (huggingface_hub 0.30 to 2.x, through its public API only): with HF_HUB_OFFLINE (or
 TRANSFORMERS_OFFLINE) only the local cache is used; otherwise the snapshot is downloaded, with a progress bar,
-into the cache (or --download-dir), at --revision, with HF_TOKEN for private and gated repos, and an unreachable
+into the cache (or --download-dir), at --revision, with hf_token / --hf-token (a token, or True: the one `hf auth
+login` stored), else HF_TOKEN, for private and gated repos, and an unreachable
 hub falls back to the cache. Where the cache is (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)
 and which hub is asked (HF_ENDPOINT) huggingface_hub reads itself, from `huggingface_hub.constants`, which is
 imported here by name: huggingface_hub 2.x does not load that submodule lazily, and nothing else may have
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Optional
+from typing import Optional, Union
 
 from pagedllm import envs
 
@@ -30,19 +31,25 @@ def looks_like_repo_id(model: str) -> bool:
     return bool(_REPO_ID.match(model)) and not model.endswith(".gguf") and ".." not in model
 
 
-def resolve_repo_id(model: str, revision: Optional[str] = None, download_dir: Optional[str] = None) -> str:
-    """The local directory of hub repo `model` (downloading it when allowed); ValueError saying what to do."""
+def resolve_repo_id(model: str, revision: Optional[str] = None, download_dir: Optional[str] = None,
+                    token: Union[bool, str, None] = None) -> str:
+    """The local directory of hub repo `model` (downloading it when allowed); ValueError saying what to do.
+    token: vLLM's hf_token (a token, or True for the stored one); None: HF_TOKEN, else huggingface_hub's default."""
     if envs.VLLM_USE_MODELSCOPE or envs.PAGEDLLM_USE_MODELSCOPE:
         return _from_modelscope(model, revision, download_dir)
-    return _from_hugging_face(model, revision, download_dir)
+    return _from_hugging_face(model, revision, download_dir, token)
 
 
-def _from_hugging_face(model: str, revision: Optional[str], download_dir: Optional[str]) -> str:
-    from huggingface_hub import constants, errors, snapshot_download
+def _from_hugging_face(model: str, revision: Optional[str], download_dir: Optional[str],
+                       token: Union[bool, str, None] = None) -> str:
+    from huggingface_hub import constants, errors, get_token, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 
+    if token is True and get_token() is None:  # (the hub's own error would read as a failed download below)
+        raise ValueError("hf_token=True uses the Hugging Face token stored by `hf auth login` (or HF_TOKEN), but "
+                         "there is none: log in, or pass the token itself.")
     kwargs = dict(repo_id=model, revision=revision, cache_dir=download_dir, allow_patterns=ALLOW_PATTERNS,
-                  token=envs.HF_TOKEN)
+                  token=envs.HF_TOKEN if token is None else token)
     where = download_dir or constants.HF_HUB_CACHE
     at = f" at revision {revision!r}" if revision else ""
     if envs.HF_HUB_OFFLINE:

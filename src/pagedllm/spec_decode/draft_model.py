@@ -38,7 +38,7 @@ class DraftModelProposer:
         self.max_num_batched_tokens = worker.max_num_batched_tokens
         self.max_num_seqs = worker.max_num_seqs
         try:
-            path = resolve_model_path(config.model)
+            path = resolve_model_path(config.model, token=getattr(worker.args, "hf_token", None))
             self.model_dir = prepare_model_dir(path, config.draft_load_format)
             cfg = load_hf_config(self.model_dir)
         except (OSError, ValueError) as e:
@@ -73,7 +73,7 @@ class DraftModelProposer:
             max_num_seqs=min(self.max_num_seqs, config.disable_by_batch_size or self.max_num_seqs),
             max_num_batched_tokens=self.max_num_batched_tokens, eos_token_id=None, vocab_size=cfg.vocab_size,
             attention_backend=worker.args.attention_backend, enforce_eager=worker.runner.enforce_eager,
-            kv_groups=kv_cache_groups(windows, self.max_model_len))
+            kv_groups=kv_cache_groups(windows, self.max_model_len), graph_settings=worker.runner.graph_settings)
         logger.info("Draft model %s loaded for speculative decoding (k=%d).", self.model_dir, self.k)
         self.free_blocks: list[int] = []
         self.scratch_slot = 0  # (initialize) the slot padding rows write their K/V into
@@ -276,9 +276,10 @@ def check_vocab(worker, draft_cfg, draft_dir: str) -> None:
                          f"the target's ({worker.vocab_size} tokens): a draft model must share the target's "
                          "tokenizer.")
     try:
-        from pagedllm.tokenizer import get_tokenizer
+        from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
 
-        target = get_tokenizer(worker.args.tokenizer or worker.model_dir).get_vocab()
+        target = get_tokenizer(worker.args.tokenizer or worker.model_dir,
+                               **engine_tokenizer_options(worker.args)).get_vocab()
         draft = get_tokenizer(draft_dir).get_vocab()
     except Exception:  # a model without tokenizer files (e.g. skip_tokenizer_init): the size check stands
         return

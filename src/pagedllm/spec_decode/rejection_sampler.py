@@ -31,6 +31,7 @@ from pagedllm.layers.sampler import (
     gather_logprobs,
     inverse_cdf_sample,
     mark_no_token,
+    processed_values,
 )
 from pagedllm.sampling_params import _GREEDY_EPS
 
@@ -66,6 +67,8 @@ def rejection_sample(
     if logits is None:
         raise ValueError("rejection_sample needs the logits unless every row is plain greedy.")
     logits, raw_logprobs = Sampler.process_logits(logits, meta)
+    if raw_logprobs is None and meta.max_num_logprobs is not None:  # processed_* logprobs_mode: the target's p
+        raw_logprobs = processed_values(logits, meta)
     argmax = logits.argmax(dim=-1)
     if meta.all_greedy:
         emitted = argmax

@@ -183,6 +183,7 @@ class SpecDecodeRunner:
                 draft_t = torch.from_numpy(rows.draft_ids).to(runner.device)
             if meta is None:
                 meta = self._row_metadata(runner, [inp.states[r] for r in sample_rows], inp.spec_token_ids)
+            meta.logprobs_mode = runner.logprobs_mode
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, draft_t, None, None)
             final, accepted, lp = result.final_token_ids, result.accepted, result.logprobs
         slot = None
@@ -216,6 +217,7 @@ class SpecDecodeRunner:
             if meta is None:
                 meta = self._row_metadata(runner, [inp.states[r] for r in inp.sample_rows.tolist()],
                                           inp.spec_token_ids)
+            meta.logprobs_mode = runner.logprobs_mode
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, dev_step.draft_ids(input_ids),
                                       None, None)
             lp = result.logprobs

@@ -91,7 +91,9 @@ class RequestStructuredOutput:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_source: str, vocab_size: int, stop_token_ids: list[int],
-                 config: Optional[dict] = None, trust_remote_code: bool = False) -> None:
+                 config: Optional[dict] = None, trust_remote_code: bool = False,
+                 tokenizer_options: Optional[dict] = None) -> None:
+        """tokenizer_options: get_tokenizer's keywords (tokenizer_mode, ...) for the engine's own tokenizer load."""
         config = dict(config or {})
         self.backend_name = config.pop("backend", "auto") or "auto"
         if self.backend_name not in BACKENDS:
@@ -108,6 +110,7 @@ class StructuredOutputManager:
                              "backend, disable_any_whitespace, disable_additional_properties.")
         self.tokenizer_source = tokenizer_source
         self.trust_remote_code = trust_remote_code
+        self.tokenizer_options = dict(tokenizer_options or {}, trust_remote_code=trust_remote_code)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._executor: Optional[ThreadPoolExecutor] = None
@@ -199,7 +202,7 @@ class StructuredOutputManager:
                 if self._tokenizer is None:
                     from pagedllm.tokenizer import get_tokenizer
 
-                    self._tokenizer = get_tokenizer(self.tokenizer_source, trust_remote_code=self.trust_remote_code)
+                    self._tokenizer = get_tokenizer(self.tokenizer_source, **self.tokenizer_options)
                 self._backends[name] = backend_class(name)(self._tokenizer, self.vocab_size, self.stop_token_ids)
                 logger.info("Structured outputs: %s backend ready (vocab %d).", name, self.vocab_size)
             return self._backends[name]

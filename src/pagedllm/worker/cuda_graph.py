@@ -32,8 +32,11 @@ class CudaGraphRunner:
     def __init__(self, runner) -> None:
         self.runner = runner
         self.device = runner.device
-        self.sizes = capture_sizes(runner.max_num_seqs)
-        self.max_size = self.sizes[-1]
+        # compilation_config's capture sizes, else pagedllm's up to max_num_seqs (or its max capture size)
+        settings = runner.graph_settings
+        chosen = settings.chosen_sizes(runner.max_num_seqs)
+        self.sizes = chosen if chosen is not None else capture_sizes(settings.limit(runner.max_num_seqs))
+        self.max_size = self.sizes[-1] if self.sizes else 0
         self.scratch_block = runner.scratch_block
         bs = runner.block_size
         dev = self.device

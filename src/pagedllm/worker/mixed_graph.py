@@ -146,7 +146,12 @@ class MixedGraphRunner:
         # with valid capture inputs.
         max_tokens = min(runner.max_num_batched_tokens, envs.PAGEDLLM_MIXED_GRAPH_MAX_TOKENS,
                          runner.max_num_seqs * runner.max_model_len)
-        self.sizes = mixed_capture_sizes(max_tokens) if max_tokens >= 2 else []  # a mixed step has >= 2 tokens
+        # compilation_config's capture sizes (in tokens, as vLLM's), else pagedllm's up to its max capture size; a
+        # mixed step has >= 2 tokens
+        settings = runner.graph_settings
+        chosen = settings.chosen_sizes(max_tokens, smallest=2)
+        max_tokens = max(chosen, default=0) if chosen is not None else settings.limit(max_tokens)
+        self.sizes = chosen if chosen is not None else mixed_capture_sizes(max_tokens) if max_tokens >= 2 else []
         # Extra exact buckets (speculative verify steps: k + 1 tokens per request) so they replay unpadded.
         self.sizes = sorted(set(self.sizes) | {s for s in extra_sizes if 2 <= s <= max_tokens})
         self.max_size = self.sizes[-1] if self.sizes else 0

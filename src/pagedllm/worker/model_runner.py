@@ -14,6 +14,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.attention.backend import get_attention_backend
+from pagedllm.compilation_config import GraphSettings
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
@@ -42,8 +43,11 @@ class ModelRunner:
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_id: Optional[int], vocab_size: int, attention_backend: Optional[str] = None,
                  enforce_eager: bool = True, kv_cache_dtype: Optional[torch.dtype] = None,
-                 kv_groups: Optional[KVCacheGroups] = None) -> None:
-        """kv_groups: the model's KV-cache groups (core/kv_cache_groups.py; by default from the layers' windows)."""
+                 kv_groups: Optional[KVCacheGroups] = None, logprobs_mode: str = "raw_logprobs",
+                 graph_settings: Optional[GraphSettings] = None) -> None:
+        """kv_groups: the model's KV-cache groups (core/kv_cache_groups.py; by default from the layers' windows).
+        logprobs_mode: what sampled tokens' logprobs report (vLLM's; layers/sampler.py). graph_settings: which CUDA
+        graphs to capture (vLLM's compilation_config; compilation_config.py)."""
         self.model = model
         self.hf_config = hf_config
         self.device = device
@@ -61,6 +65,8 @@ class ModelRunner:
         check_kv_cache_backend(self.kv_cache_dtype, self.attn_backend)
         check_backend_features(model.attn_layers, self.attn_backend)
         self.sampler = Sampler()
+        self.graph_settings = graph_settings or GraphSettings()
+        self.logprobs_mode = logprobs_mode
         # A sequence classifier's head (models/llama.SequenceClassifier; a pipeline stage wraps the model as .inner):
         # its requests' pooled states become label logits here, on the device.
         self.classify = getattr(getattr(model, "inner", model), "classify", None)
@@ -141,15 +147,19 @@ class ModelRunner:
             return
         from pagedllm.worker.cuda_graph import CudaGraphRunner
 
-        self.cuda_graphs = CudaGraphRunner(self)
-        self.cuda_graphs.capture()
-        if self.attn_backend.supports_mixed_graphs:
+        pool = None
+        if self.graph_settings.decode_graphs:
+            graphs = CudaGraphRunner(self)
+            if graphs.sizes:  # (compilation_config's capture sizes may leave none up to max_num_seqs)
+                self.cuda_graphs = graphs
+                self.cuda_graphs.capture()
+                pool = self.cuda_graphs.pool
+        if self.attn_backend.supports_mixed_graphs and self.graph_settings.mixed_graphs:
             from pagedllm.worker.mixed_graph import MixedGraphRunner
 
             extra = self.spec.graph_token_sizes() if self.spec is not None else ()
             few = self.spec.config.num_speculative_tokens + 1 if self.spec is not None else None
-            self.mixed_graphs = MixedGraphRunner(self, pool=self.cuda_graphs.pool, extra_sizes=extra,
-                                                 few_query_len=few)
+            self.mixed_graphs = MixedGraphRunner(self, pool=pool, extra_sizes=extra, few_query_len=few)
             self.mixed_graphs.capture()
 
     # ------------------------------------------------------------------ sleep mode (worker/sleep.py: the weights)
@@ -407,6 +417,7 @@ class ModelRunner:
         else:
             meta = self._sampling_metadata(inp, sample_rows)
         meta.token_bitmask = step_token_bitmask(plan, inp.req_ids, sample_rows, dev)
+        meta.logprobs_mode = self.logprobs_mode
         ids = None
         if meta.argmax_only:
             # Only the argmax is needed: the LM head finds it without fp32 logits (on CPU from an exact bf16

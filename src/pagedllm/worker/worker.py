@@ -128,7 +128,7 @@ class Worker:
         self._cuda_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         if args.cpu_offload_gb > 0 and self.device.type != "cuda":
             raise ValueError(CPU_OFFLOAD_ON_CPU)
-        model_path = resolve_model_path(args.model, args.revision, args.download_dir)
+        model_path = resolve_model_path(args.model, args.revision, args.download_dir, args.hf_token)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
         self.hf_config = load_hf_config(self.model_dir, trust_remote_code=args.trust_remote_code,
                                         overrides=args.hf_overrides)
@@ -178,7 +178,8 @@ class Worker:
         self.model = get_model(cfg, self.model_dir, dtype=self.dtype,
                                device=torch.device("cpu") if offload else self.device, load_format=args.load_format,
                                quant_config=self.quant_config, max_model_len=self.max_model_len)
-        enforce_eager = args.enforce_eager
+        graphs = args.graph_settings()
+        enforce_eager = args.enforce_eager or not graphs.any_graphs
         if offload:
             from pagedllm.worker.cpu_offload import CpuOffloader
 
@@ -226,7 +227,7 @@ class Worker:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=enforce_eager or pipelined,
             kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device),
-            kv_groups=self.kv_groups)
+            kv_groups=self.kv_groups, logprobs_mode=args.logprobs_mode, graph_settings=graphs)
         self.runner.lora = self.lora_manager
         self.long_rope_original = self.runner.long_rope_original  # the scheduler's LongRoPE boundary (or None)
         if self.lora_manager is not None:

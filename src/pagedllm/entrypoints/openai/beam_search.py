@@ -69,13 +69,17 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
         return final
 
     tok = state.tokenizer
-    from pagedllm.beam_search.search import BeamSearch
+    from pagedllm.beam_search.search import BeamSearch, check_logprobs_mode
 
     eos = list(engine.ready.eos_token_ids)
     try:  # the beam width needs the top 2 x width logprobs per step: within --max-logprobs?
         BeamSearch(prompt_ids, params, eos).check_logprob_limit(state.max_logprobs)
     except ValueError as e:
         raise APIError(str(e), param="n") from None
+    try:
+        check_logprobs_mode(getattr(engine.engine_args, "logprobs_mode", "raw_logprobs"))
+    except ValueError as e:
+        raise APIError(str(e), param="use_beam_search") from None
     return await run_async(one, prompt_ids, params, eos, decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                            disconnected=disconnected)
 

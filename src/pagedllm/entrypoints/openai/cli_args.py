@@ -94,6 +94,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="accepted for vLLM compatibility: pagedllm never logs prompts")
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
+    e.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf", "slow", "mistral", "custom"],
+                   help="auto / hf: the model's Hugging Face tokenizer; slow: transformers' Python one (transformers "
+                        "< 5); mistral and custom are vLLM's, not supported")
     e.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
@@ -112,10 +115,19 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     e.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     e.add_argument("--enforce-eager", action="store_true")
+    e.add_argument("--compilation-config", "-O", type=_compilation_config, action=_MergeCompilationConfig,
+                   default=None, metavar="LEVEL|JSON",
+                   help="vLLM's, for the CUDA graphs (pagedllm runs no torch.compile): -O0 turns them off, -O1..-O3 "
+                        "keep them; or a JSON object of cudagraph_mode (NONE, FULL_DECODE_ONLY, FULL, "
+                        "FULL_AND_PIECEWISE), cudagraph_capture_sizes, max_cudagraph_capture_size, level / mode; "
+                        "-O.KEY=VALUE sets one key")
     e.add_argument("--quantization", "-q", default=None,
                    help="awq, gptq, compressed-tensors (read from config.json when omitted) or online fp8 / int8")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     e.add_argument("--cpu-offload-gb", type=float, default=0)
+    e.add_argument("--swap-space", type=float, default=4, metavar="GiB",
+                   help="accepted for vLLM compatibility: no KV blocks are swapped to the CPU (preempted requests "
+                        "are recomputed, as in vLLM's V1 engine)")
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--enable-sleep-mode", action="store_true",
@@ -126,8 +138,15 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                                                                      "--max-loras)")
     e.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+    e.add_argument("--logprobs-mode", default="raw_logprobs",
+                   choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+                   help="what sampled tokens' logprobs report: of the model's logits (raw) or of those the token is "
+                        "drawn from after penalties, temperature, min_p, top-k / top-p (processed)")
     e.add_argument("--revision", default=None, help="branch, tag or commit of a hub repo id MODEL")
     e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
+    e.add_argument("--hf-token", nargs="?", const=True, default=None, type=_hf_token, metavar="TOKEN",
+                   help="Hugging Face token for private or gated hub repo ids; the flag alone: the token `hf auth "
+                        "login` stored (default: HF_TOKEN)")
     e.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults from the model's generation_config.json (auto), none (vllm), or DIR's")
     e.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
@@ -167,6 +186,41 @@ def _json_object(text: str) -> dict:
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
         raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {kind}")
     return value
+
+
+def _compilation_config(text: str) -> Any:
+    """-O3 / -O 3 (a level), a JSON object, or vLLM's -O.KEY=VALUE (one key; VALUE read as JSON where it is)."""
+    import json
+
+    text = text.strip()
+    if text.startswith("."):
+        key, eq, value = text[1:].partition("=")
+        if not key or not eq:
+            raise argparse.ArgumentTypeError(f"expected -O.KEY=VALUE, got -O{text}")
+        try:
+            return {key: json.loads(value)}
+        except ValueError:
+            return {key: value}  # a bare word: FULL_DECODE_ONLY
+    if text.isdigit():
+        return int(text)
+    return _json_object(text)
+
+
+class _MergeCompilationConfig(argparse.Action):
+    """Several -O / --compilation-config flags add up (-O3 -O.cudagraph_mode=NONE), the later key winning."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        old = getattr(namespace, self.dest, None)
+        if old is not None and (isinstance(old, dict) or isinstance(values, dict)):
+            as_dict = [v if isinstance(v, dict) else {"level": v} for v in (old, values)]
+            values = {**as_dict[0], **as_dict[1]}
+        setattr(namespace, self.dest, values)
+
+
+def _hf_token(text: str) -> Any:
+    """A token, or true / false (a YAML boolean reaches the flag's type as that text): the stored token / none."""
+    return {"true": True, "false": False}.get(text.strip().lower(), text)
 
 
 def _root_path(text: str) -> str:

@@ -1,0 +1,273 @@
+"""vLLM engine arguments its users pass to `LLM(...)` and `pagedllm serve`: each honoured where pagedllm has the
+feature, else a non-default value refused with a sentence naming the argument (never silently ignored)."""
+from __future__ import annotations
+
+import argparse
+import types
+
+import pytest
+import torch
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.compilation_config import GraphSettings, parse_compilation_config
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.openai.cli_args import add_serve_args, parse_serve_args, to_engine_args
+
+
+def _serve_args(argv: list[str]) -> EngineArgs:
+    return to_engine_args(parse_serve_args(add_serve_args(argparse.ArgumentParser(), positional_model=True), argv))
+
+
+def test_swap_space_is_accepted_and_changes_nothing(tiny_llama_dir):
+    """vLLM's V1 engine allocates no CPU swap blocks; pagedllm preempts by recompute too: any value >= 0 is taken."""
+    assert EngineArgs().swap_space == 4 and _serve_args(["m"]).swap_space == 4  # vLLM's default
+    assert _serve_args(["m", "--swap-space", "16"]).swap_space == 16
+    for value in (0, 4, 2.5):
+        EngineArgs(swap_space=value).validate()
+    with pytest.raises(ValueError, match=r"swap_space must be >= 0 \(GiB\), got -1"):
+        EngineArgs(swap_space=-1).validate()
+    with pytest.raises(ValueError, match="swap_space must be a float"):
+        EngineArgs(swap_space="4").validate()
+    llm = LLM(model=tiny_llama_dir, swap_space=8, num_gpu_blocks_override=16, max_model_len=256)
+    assert llm.engine_args.swap_space == 8
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("mistral", "tokenizer_mode='mistral' (mistral_common's tokenizer) is not supported by pagedllm"),
+    ("custom", "tokenizer_mode='custom' (a tokenizer registered with vLLM's TokenizerRegistry) is not supported"),
+    ("fast", "tokenizer_mode must be auto, hf or slow, got 'fast'"),
+])
+def test_tokenizer_modes_pagedllm_does_not_build_are_refused(mode, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineArgs(tokenizer_mode=mode).validate()
+    if mode != "fast":  # (argparse refuses the unknown one itself)
+        with pytest.raises(ValueError, match=f"tokenizer_mode='{mode}'"):
+            _serve_args(["m", "--tokenizer-mode", mode]).validate()
+
+
+def test_tokenizer_mode_hf_is_auto(tiny_llama_dir):
+    assert _serve_args(["m", "--tokenizer-mode", "hf"]).tokenizer_mode == "hf"
+    llm = LLM(model=tiny_llama_dir, tokenizer_mode="hf", num_gpu_blocks_override=16, max_model_len=256)
+    assert llm.get_tokenizer().is_fast
+    out = llm.generate("hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].text == llm.get_tokenizer().decode(out[0].outputs[0].token_ids)
+
+
+def test_tokenizer_mode_slow_asks_transformers_for_its_python_tokenizer(monkeypatch, tiny_llama_dir):
+    """transformers 5 has no slow tokenizers (it drops use_fast=False): "slow" is refused there, naming the version;
+    with transformers 4 the loader asks for use_fast=False and takes a slow tokenizer it would otherwise refuse."""
+    import transformers
+
+    from pagedllm import tokenizer as tok
+
+    monkeypatch.setattr(tok, "_transformers_version", lambda: "5.1.0")
+    with pytest.raises(ValueError, match=r"tokenizer_mode='slow' needs transformers < 5: transformers 5\.1\.0"):
+        EngineArgs(tokenizer_mode="slow").validate()
+    monkeypatch.setattr(tok, "_transformers_version", lambda: "4.57.1")
+    EngineArgs(tokenizer_mode="slow").validate()
+    calls = []
+    slow = types.SimpleNamespace(is_fast=False)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda source, **kwargs: calls.append(kwargs) or slow)
+    assert tok.get_tokenizer(tiny_llama_dir, tokenizer_mode="slow") is slow
+    with pytest.raises(ValueError, match="is not a fast tokenizer.*or start with tokenizer_mode='slow'"):
+        tok.get_tokenizer(tiny_llama_dir, tokenizer_mode="auto")
+    assert [c["use_fast"] for c in calls] == [False, True]
+    args = EngineArgs(tokenizer_mode="slow", trust_remote_code=True)
+    assert tok.engine_tokenizer_options(args) == dict(trust_remote_code=True, tokenizer_mode="slow")
+
+
+def test_hf_token_reaches_the_hub_calls(monkeypatch, tiny_llama_dir):
+    """hf_token goes to the repo id's resolution and to transformers' tokenizer load; it never shows in a repr.
+    (tests/models/test_model_resolution.py checks what the Hub sees.)"""
+    import transformers
+
+    from pagedllm.models import model_resolution
+    from pagedllm.tokenizer import engine_tokenizer_options
+
+    assert _serve_args(["m"]).hf_token is None
+    assert _serve_args(["m", "--hf-token"]).hf_token is True  # the flag alone: the stored token, as in vLLM
+    assert _serve_args(["m", "--hf-token", "hf_abc"]).hf_token == "hf_abc"
+    assert "hf_abc" not in repr(EngineArgs(hf_token="hf_abc"))
+    for bad in ("", " ", 5):
+        with pytest.raises(ValueError, match="hf_token must be a Hugging Face token, True"):
+            EngineArgs(hf_token=bad).validate()
+    assert "token" not in engine_tokenizer_options(EngineArgs())
+    resolved, loads = [], []
+    monkeypatch.setattr(model_resolution, "resolve_repo_id",
+                        lambda model, revision, download_dir, token: resolved.append((model, token)) or tiny_llama_dir)
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, source, **kw: loads.append(kw.get("token")) or real(cls, source, **kw)))
+    LLM(model="acme/tiny", hf_token="hf_abc", num_gpu_blocks_override=16, max_model_len=256)
+    assert resolved == [("acme/tiny", "hf_abc")] and loads == ["hf_abc"]
+
+
+def _steps(out) -> list[dict[int, float]]:
+    return [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+
+
+def test_logprobs_modes(tiny_llama_dir):
+    """Over the whole vocabulary (512 tokens): raw_logits are the logits whose log-softmax raw_logprobs reports;
+    processed_* are those values after temperature and top-k (-inf where cut) for a sampled row, the raw ones for a
+    greedy row of the same batch. The mode changes what is reported, never the tokens."""
+    prompts = [{"prompt_token_ids": [5, 9, 33, 7]}, {"prompt_token_ids": [8, 2, 40]}]
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=1, max_tokens=3, logprobs=512, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, logprobs=512, ignore_eos=True)]
+    outs = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        llm = LLM(model=tiny_llama_dir, logprobs_mode=mode, max_logprobs=-1, num_gpu_blocks_override=16,
+                  max_model_len=256)
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert len({tuple(tuple(o.token_ids) for o in v) for v in outs.values()}) == 1
+    sampled, greedy = 0, 1
+    for i in (sampled, greedy):
+        for step, (raw_lp, raw_logits, proc_lp, proc_logits) in enumerate(zip(*(_steps(v[i]) for v in outs.values()))):
+            ids = sorted(raw_lp)
+            assert len(ids) == 512
+            logits = torch.tensor([raw_logits[t] for t in ids])
+            assert torch.allclose(logits.log_softmax(0), torch.tensor([raw_lp[t] for t in ids]), atol=1e-4)
+            token = outs["raw_logprobs"][i].token_ids[step]
+            if i == greedy:
+                assert proc_logits == pytest.approx(raw_logits, abs=1e-5)
+                assert proc_lp == pytest.approx(raw_lp, abs=1e-5)
+                continue
+            kept = set(logits.topk(20).indices.tolist())
+            assert {t for t in ids if proc_logits[t] != float("-inf")} == kept and token in kept
+            assert all(proc_lp[t] == float("-inf") for t in ids if t not in kept)
+            scaled = torch.tensor([raw_logits[t] / 0.7 for t in sorted(kept)])
+            assert [proc_logits[t] for t in sorted(kept)] == pytest.approx(scaled.tolist(), abs=1e-4)
+            assert [proc_lp[t] for t in sorted(kept)] == pytest.approx(scaled.log_softmax(0).tolist(), abs=1e-4)
+            assert outs["processed_logprobs"][i].cumulative_logprob is not None
+
+
+def test_logprobs_mode_flag_and_refusals(tiny_llama_dir):
+    assert _serve_args(["m"]).logprobs_mode == "raw_logprobs"
+    assert _serve_args(["m", "--logprobs-mode", "processed_logits"]).logprobs_mode == "processed_logits"
+    with pytest.raises(ValueError, match="logprobs_mode must be one of raw_logprobs, raw_logits, processed_logprobs"):
+        EngineArgs(logprobs_mode="logits").validate()
+    llm = LLM(model=tiny_llama_dir, logprobs_mode="raw_logits", num_gpu_blocks_override=16, max_model_len=256)
+    with pytest.raises(ValueError, match="Beam search needs log-probabilities, but this engine's "
+                                         "logprobs_mode='raw_logits' reports logits"):
+        llm.beam_search([{"prompt_token_ids": [5, 9]}], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+def test_logprobs_modes_through_speculative_verification(tiny_llama_dir):
+    """Verify steps report the mode's values too: raw logits as a plain run does; processed logprobs of a sampled
+    row are its top-k distribution (the draft tokens it accepts among them)."""
+    prompt = {"prompt_token_ids": list(range(40, 64)) * 3}  # repeats: the n-gram proposer finds drafts
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    kw = dict(model=tiny_llama_dir, kv_cache_memory_bytes=1 << 24, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    plain = LLM(logprobs_mode="raw_logits", **kw).generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    spec_llm = LLM(logprobs_mode="raw_logits", speculative_config=ngram, **kw)
+    spec = spec_llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids and spec_llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    for a, b in zip(_steps(plain), _steps(spec)):
+        assert a.keys() == b.keys() and list(b.values()) == pytest.approx(list(a.values()), abs=1e-4)
+        assert max(b.values()) > 0  # logits, not logprobs
+    proc_llm = LLM(logprobs_mode="processed_logprobs", speculative_config=ngram, **kw)
+    # (a low temperature follows the greedy path, whose tokens the n-gram proposer predicts; top-k still cuts)
+    sampled = SamplingParams(temperature=0.05, top_k=10, seed=3, max_tokens=12, logprobs=10, ignore_eos=True)
+    out = proc_llm.generate(prompt, sampled, use_tqdm=False)[0].outputs[0]
+    assert proc_llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    for token, step in zip(out.token_ids, _steps(out)):
+        kept = {t: v for t, v in step.items() if v != float("-inf")}
+        assert len(kept) == 10 and token in kept
+        assert sum(torch.tensor(list(kept.values())).exp()).item() == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("value, want", [
+    (None, GraphSettings()),
+    (3, GraphSettings()),
+    ("2", GraphSettings()),
+    (0, GraphSettings(decode_graphs=False, mixed_graphs=False)),  # vLLM's -O0: no compilation, no CUDA graphs
+    ({"mode": "VLLM_COMPILE", "cudagraph_mode": "FULL_AND_PIECEWISE"}, GraphSettings()),
+    ({"level": 0, "cudagraph_mode": "full_decode_only"}, GraphSettings(mixed_graphs=False)),  # the mode wins
+    ('{"cudagraph_mode": "NONE"}', GraphSettings(decode_graphs=False, mixed_graphs=False)),
+    ({"use_cudagraph": False, "full_cuda_graph": True}, GraphSettings(decode_graphs=False, mixed_graphs=False)),
+    ({"cudagraph_capture_sizes": [4, 1, 2], "max_cudagraph_capture_size": 4}, GraphSettings(capture_sizes=(4, 1, 2),
+                                                                                            max_capture_size=4)),
+    ({"max_capture_size": 64}, GraphSettings(max_capture_size=64)),
+])
+def test_compilation_config_forms(value, want):
+    assert parse_compilation_config(value) == want
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"backend": "inductor", "level": 3}, r"compilation_config key\(s\) 'backend' are not supported by pagedllm: it "
+                                         "runs no torch.compile, and its CUDA graphs take only level, mode,"),
+    ({"cudagraph_mode": "PIECEWISE"}, "cudagraph_mode 'PIECEWISE' is not supported by pagedllm: it captures "
+                                      "whole-forward CUDA graphs only"),
+    ({"cudagraph_mode": "SOME"}, "cudagraph_mode must be one of NONE, FULL_DECODE_ONLY, FULL, FULL_AND_PIECEWISE"),
+    (4, "compilation_config level must be 0-3"),
+    ({"mode": True}, "compilation_config mode must be 0-3"),
+    ({"cudagraph_capture_sizes": [1, 0]}, "cudagraph_capture_sizes must be a list of positive integers"),
+    ({"cudagraph_capture_sizes": [1, 8], "max_cudagraph_capture_size": 4}, r"max_cudagraph_capture_size \(4\) must be "
+                                                                          r"the largest of cudagraph_capture_sizes"),
+    ({"use_cudagraph": "no"}, "use_cudagraph must be true or false"),
+    ("O3", "compilation_config must be an optimization level"),
+    ([3], "compilation_config must be an optimization level"),
+])
+def test_compilation_config_refusals(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(compilation_config=value).validate()
+
+
+def test_compilation_config_flags(tmp_path):
+    """--compilation-config / -O as vLLM's: a level, JSON, -O.KEY=VALUE; several add up, the later key winning (over
+    a --config file's too, where hf-token: true is the stored token)."""
+    (tmp_path / "serve.yaml").write_text('compilation-config: {"cudagraph_mode": "NONE"}\nhf-token: true\n')
+    from_file = _serve_args(["m", "--config", str(tmp_path / "serve.yaml"), "-O.cudagraph_capture_sizes=[1,2]"])
+    assert from_file.compilation_config == {"cudagraph_mode": "NONE", "cudagraph_capture_sizes": [1, 2]}
+    assert from_file.hf_token is True
+    assert _serve_args(["m"]).compilation_config is None
+    assert _serve_args(["m", "-O3"]).compilation_config == 3
+    assert _serve_args(["m", "-O", "0"]).graph_settings() == GraphSettings(decode_graphs=False, mixed_graphs=False)
+    assert _serve_args(["m", "--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}']).compilation_config == {
+        "cudagraph_capture_sizes": [1, 2]}
+    assert _serve_args(["m", "-O3", "-O.cudagraph_mode=FULL_DECODE_ONLY", "-O.cudagraph_capture_sizes=[1,2,4]",
+                        "-O.cudagraph_mode=NONE"]).compilation_config == {
+        "level": 3, "cudagraph_mode": "NONE", "cudagraph_capture_sizes": [1, 2, 4]}
+    with pytest.raises(ValueError, match="compilation_config key\\(s\\) 'custom_ops' are not supported"):
+        _serve_args(["m", "-O.custom_ops=[\"none\"]"]).validate()
+
+
+def _fake_runner(compilation_config, max_num_seqs=48, max_num_batched_tokens=512):
+    """What the graph runners read of a ModelRunner at construction (their sizes; nothing is captured)."""
+    layer = types.SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=16)
+    backend = types.SimpleNamespace(wants_decode_order=False, mixed_graph_tiles=lambda *a: [16],
+                                    few_query_tile=lambda *a: None)
+    return types.SimpleNamespace(
+        device=torch.device("cpu"), graph_settings=parse_compilation_config(compilation_config),
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=256, scratch_block=0,
+        block_size=16, attn_backend=backend, num_kv_groups=1, max_blocks_per_req=16, dtype=torch.float32,
+        model=types.SimpleNamespace(attn_layers=[layer]))
+
+
+def test_compilation_config_picks_the_graph_sizes():
+    """Capture sizes are decode batch sizes up to max_num_seqs and mixed-step token counts from 2 (vLLM captures
+    token counts); a max capture size cuts pagedllm's own sizes."""
+    from pagedllm.worker.cuda_graph import CudaGraphRunner
+    from pagedllm.worker.mixed_graph import MixedGraphRunner
+
+    plain = _fake_runner(None)
+    assert CudaGraphRunner(plain).sizes == [1, 2, 4, 8, 16, 32, 48]
+    assert MixedGraphRunner(plain).sizes[0] == 16 and MixedGraphRunner(plain).sizes[-1] == 512
+    chosen = _fake_runner({"cudagraph_capture_sizes": [100, 1, 2, 4, 32]})
+    assert CudaGraphRunner(chosen).sizes == [1, 2, 4, 32]
+    assert MixedGraphRunner(chosen).sizes == [2, 4, 32, 100]
+    assert MixedGraphRunner(chosen, extra_sizes=(5, 600)).sizes == [2, 4, 5, 32, 100]  # (verify steps' exact sizes)
+    capped = _fake_runner({"max_cudagraph_capture_size": 20})
+    assert CudaGraphRunner(capped).sizes == [1, 2, 4, 8, 16, 20]
+    assert MixedGraphRunner(capped).sizes == [16, 20]
+
+
+def test_compilation_config_on_the_engine(tiny_llama_dir):
+    """On the CPU there are no CUDA graphs: any valid config is the same engine; an unknown key fails the start."""
+    llm = LLM(model=tiny_llama_dir, compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2]},
+              num_gpu_blocks_override=16, max_model_len=256)
+    assert llm.engine.worker.runner.graph_settings.capture_sizes == (1, 2)
+    with pytest.raises(ValueError, match="compilation_config key\\(s\\) 'pass_config' are not supported"):
+        LLM(model=tiny_llama_dir, compilation_config={"pass_config": {}})
