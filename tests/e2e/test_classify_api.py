@@ -71,8 +71,21 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
             r = http.post(path, json={"input": texts, "activation": False})
             got = [d["probs" if path == "/classify" else "data"][0] for d in r.json()["data"]]
             assert got == pytest.approx(want, abs=1e-4), (path, r.text)
+        # token_classify through the same head: every token's logit (transformers' score over each hidden state)
+        from tests.engine.test_classify import hf_classifier
+
+        hf = hf_classifier(model_dir)
+        r = http.post("/pooling", json={"input": [wants[2], texts[0]], "task": "token_classify", "activation": False})
+        assert r.status_code == 200, r.text
+        for got, ids in zip(r.json()["data"], [wants[2], wants[0]]):
+            with torch.inference_mode():
+                want = hf.score(hf.model(torch.tensor([ids])).last_hidden_state[0])
+            torch.testing.assert_close(torch.tensor(got["data"]), want, atol=1e-4, rtol=1e-4)
+        r = http.post("/pooling", json={"input": [wants[2]], "task": "token_classify"})
+        assert r.status_code == 200 and len(r.json()["data"][0]["data"]) == 3, r.text  # (sigmoids: one label)
         for body, param in (({"input": "x", "task": "embed"}, "model"), ({"input": "x", "dimensions": 2}, "dimensions"),
-                            ({"input": "x", "task": "reward"}, "task")):
+                            ({"input": "x", "task": "reward"}, "task"),
+                            ({"input": "x", "task": "token_embed"}, "task")):
             r = http.post("/pooling", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert httpx.post(url + "/pooling", json={"input": "x"}, timeout=60).status_code == 401

@@ -97,9 +97,9 @@ def test_a_conversation_is_embedded_as_its_rendered_prompt(http: httpx.Client, o
         assert bad.status_code == 400 and bad.json()["error"]["param"] == name, bad.text
 
 
-def test_pooling_route_gives_the_embeddings(http: httpx.Client) -> None:
+def test_pooling_route_gives_the_embeddings(http: httpx.Client, offline_llm) -> None:
     """vLLM's generic POST /pooling: on an embedding-capable model its default task is embed, the data
-    /v1/embeddings' vectors (base64 too); the classify task needs a classifier."""
+    /v1/embeddings' vectors (base64 too); token_embed gives every token's; the classify tasks need a classifier."""
     texts = ["Paris is in France.", "hello"]
     want = [d["embedding"] for d in http.post("/v1/embeddings", json={"input": texts}).json()["data"]]
     r = http.post("/pooling", json={"model": SERVED_NAME, "input": texts})
@@ -114,6 +114,19 @@ def test_pooling_route_gives_the_embeddings(http: httpx.Client) -> None:
     assert r.status_code == 400 and "sequence classification model" in r.json()["error"]["message"], r.text
     r = http.post("/pooling", json={"input": "x", "activation": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "activation", r.text
+
+    # token_embed: one row per input token, each an embedding, as LLM.encode(pooling_task="token_embed") makes them
+    r = http.post("/pooling", json={"input": texts, "task": "token_embed"})
+    assert r.status_code == 200, r.text
+    want = offline_llm.encode(texts, use_tqdm=False, pooling_task="token_embed")
+    for got, w in zip(r.json()["data"], want):
+        assert len(got["data"]) == len(w.prompt_token_ids) == w.outputs.data.shape[0]
+        for row, want_row in zip(got["data"], w.outputs.data.tolist()):
+            _close(row, want_row)
+    for body, param in (({"input": "x", "task": "token_classify"}, "task"),
+                        ({"input": "x", "task": "token_embed", "use_activation": True}, "activation")):
+        r = http.post("/pooling", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_truncation_keeps_the_last_tokens(http: httpx.Client, offline_llm) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.pooling import check_runner_fits, class_probs, classifier_input, sampling_params_for
+from pagedllm.pooling import PoolingParams, check_runner_fits, class_probs, classifier_input, sampling_params_for
 from tests.engine.test_correctness import random_prompts
 
 _hf: dict[str, torch.nn.Module] = {}
@@ -57,6 +57,15 @@ def test_probs_and_logits_match_hf_through_chunks(arch, tiny_classifier_dir):
     encoded = llm.encode([{"prompt_token_ids": p} for p in prompts[:2]], use_tqdm=False)
     for e, o in zip(encoded, outs):
         assert e.outputs.data.tolist() == pytest.approx(o.outputs.probs, abs=1e-6)
+    # token_classify through the same head: every token's logits, transformers' score over each hidden state
+    tokens = llm.encode({"prompt_token_ids": prompts[0]}, PoolingParams(use_activation=False), use_tqdm=False,
+                        pooling_task="token_classify")[0].outputs.data
+    hf = hf_classifier(model_dir)
+    with torch.inference_mode():
+        want = hf.score(hf.model(torch.tensor([prompts[0]])).last_hidden_state[0])
+    torch.testing.assert_close(tokens, want, atol=1e-4, rtol=1e-4)
+    raw = llm.classify(prompts[1], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)[0]
+    assert raw.outputs.probs == pytest.approx(hf_logits(model_dir, prompts[1]).tolist(), abs=1e-4)
     with pytest.raises(ValueError, match="no embeddings"):
         llm.encode("hello", pooling_task="embed")
     with pytest.raises(ValueError, match="sequence classifier.*not generation"):

@@ -168,8 +168,8 @@ def test_calls_from_two_threads_run_one_after_another(llm):
 
 
 def test_vllm_calls_that_are_not_built_say_so(llm):
-    """llm.reward() and llm.llm_engine (vLLM's) were a bare AttributeError."""
-    with pytest.raises(ValueError, match="LLM.reward\\(\\) .* is not supported"):
+    """llm.reward() on a causal LM served for generation, and llm.llm_engine (vLLM's), were a bare AttributeError."""
+    with pytest.raises(ValueError, match="LLM.reward needs a token or sequence classifier, or convert / task 'reward'"):
         llm.reward("hi")
     with pytest.raises(AttributeError, match="no llm_engine .* use llm.get_tokenizer"):
         llm.llm_engine.get_tokenizer()

@@ -1,5 +1,6 @@
 """A sequence classifier under tensor and pipeline parallelism (gloo worker processes on the CPU): the replicated
-score head on the last stage gives transformers' label logits (fp32, the same weights) through chunked prompts."""
+score head on the last stage gives transformers' label logits (fp32, the same weights) through chunked prompts, of
+the last token and of every token."""
 from __future__ import annotations
 
 import pytest
@@ -24,5 +25,15 @@ def test_parallel_classifier_matches_hf(tiny_classifier_dir, tp, pp):
         for prompt, out in zip(prompts, outs):
             want = hf_logits(model_dir, prompt).softmax(-1)
             torch.testing.assert_close(torch.tensor(out.outputs.probs), want, atol=2e-5, rtol=1e-4)
+        # every token's logits (token_classify) through the same head, the chunks' rows gathered on the last stage
+        from pagedllm.pooling import PoolingParams
+        from tests.engine.test_classify import hf_classifier
+
+        hf = hf_classifier(model_dir)
+        (tokens,) = llm.encode({"prompt_token_ids": prompts[0]}, PoolingParams(use_activation=False),
+                               use_tqdm=False, pooling_task="token_classify")
+        with torch.inference_mode():
+            want = hf.score(hf.model(torch.tensor([prompts[0]])).last_hidden_state[0])
+        torch.testing.assert_close(tokens.outputs.data, want, atol=1e-4, rtol=1e-4)
     finally:
         llm.engine.shutdown()

@@ -76,13 +76,17 @@ class EngineCore:
         from pagedllm.pooling import embedding_only
 
         self.embedding_only = embedding_only(w.hf_config)  # a decoder stack without its head: no generation
-        from pagedllm.pooling import check_runner_fits, classifier_labels
+        from pagedllm.pooling import check_runner_fits, classifier_labels, supported_tasks, token_classifier_labels
 
         # A sequence classifier's labels (None: not one): its pooled outputs are label logits, not embeddings.
         self.classifier_labels = classifier_labels(w.hf_config)
+        self.token_labels = token_classifier_labels(w.hf_config)  # a token classifier's (per-token label logits)
         self.pad_token_id = getattr(w.hf_config, "pad_token_id", None)
         architectures = getattr(w.hf_config, "architectures", None) or [None]
-        check_runner_fits(engine_args, self.classifier_labels, architectures[0])
+        self.architecture = architectures[0]
+        check_runner_fits(engine_args, self.classifier_labels, architectures[0], self.token_labels)
+        # vLLM's pooling tasks the model answers: LLM.encode / POST /pooling choose among them
+        self.pooling_tasks = supported_tasks(engine_args, self.classifier_labels, self.token_labels)
         self.block_size = engine_args.block_size
         self.num_blocks = w.num_blocks
         self.scheduler = Scheduler(
@@ -179,6 +183,15 @@ class EngineCore:
         if any(type(t) is not int or t < 0 or t >= vocab for t in prompt):  # (no bools: True is no token id)
             bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
             raise ValueError(f"Prompt token ids must be integers in [0, {vocab}), got {bad!r}.")
+        kind = req.sampling_params.pooling
+        if kind is not None:
+            from pagedllm.pooling import check_request_pooling
+
+            check_request_pooling(kind, self.pooling_tasks, self.architecture)
+        elif self.pooling_tasks == ("token_classify",):
+            from pagedllm.pooling import token_only_refusal
+
+            raise ValueError(token_only_refusal(self.architecture, self.token_labels is not None, "generation"))
         if self.classifier_labels is not None and req.sampling_params.pooling is None:
             raise ValueError(f"This model ({self.embedding_only}) is a sequence classifier: it serves classification "
                              "and scoring (LLM.classify / LLM.score, POST /classify, /score, /rerank), not "
@@ -190,7 +203,8 @@ class EngineCore:
             raise ValueError("This engine runs the model for embeddings only (runner 'pooling', --runner pooling): "
                              "use LLM.embed / POST /v1/embeddings, or start it without that to generate.")
         if num_prompt >= self.max_model_len and req.sampling_params.pooling is not None:
-            what = "a classification" if self.classifier_labels is not None else "an embedding"  # (LLM.classify's)
+            what = "a per-token pooling" if kind == "all" else "a classification" \
+                if self.classifier_labels is not None else "an embedding"  # (LLM.classify's)
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your input has "
                 f"{num_prompt} tokens; {what} input may have at most {self.max_model_len - 1}. Please shorten "

@@ -151,10 +151,20 @@ class LLM:
                              "llm.engine_args (the model and engine settings), llm.engine.max_model_len, or "
                              "llm.engine (the EngineCore the calls drive).")
 
-    def reward(self, *args: Any, **kwargs: Any) -> list:
-        """vLLM's LLM.reward (a process reward model's per-token scores): not built."""
-        raise ValueError("LLM.reward() (per-token scores of a process reward model) is not supported; a reward "
-                         "model with one label (a *ForSequenceClassification checkpoint) scores with LLM.classify.")
+    def reward(self, prompts: Union[PromptType, Sequence[PromptType]], *, truncate_prompt_tokens: Optional[int] = None,
+               use_tqdm: UseTqdm = True, pooling_params: Any = None, lora_request: Any = None) -> list:
+        """vLLM's LLM.reward: LLM.encode(..., pooling_task="token_classify"), one pooling.PoolingRequestOutput per
+        prompt whose .outputs.data is a [num_tokens, width] float32 tensor: a token or sequence classifier's label
+        probabilities per token (pooling_params use_activation=False: the logits), or, for a model served with
+        convert / task "reward", every token's final hidden state as it is."""
+        if truncate_prompt_tokens is not None:
+            from pagedllm.pooling import PoolingParams
+
+            if pooling_params is not None:
+                raise ValueError("Give truncate_prompt_tokens in pooling_params or as the argument, not both.")
+            pooling_params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="token_classify")
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name). False, and nothing forgotten, while requests run."""
@@ -303,16 +313,13 @@ class LLM:
         if self.engine.classifier_labels is not None:
             raise ValueError(f"This model ({self.engine.embedding_only}) is a sequence classifier: it has no "
                              "embeddings; use LLM.classify, or LLM.score for text pairs.")
+        if "embed" not in self.engine.pooling_tasks:
+            from pagedllm.pooling import token_only_refusal
+
+            raise ValueError(token_only_refusal(self.engine.architecture, self.engine.token_labels is not None,
+                                                "embeddings"))
         prompts = self._prompt_list(prompts, "embed")
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            pooling_list = [pooling_params] * len(prompts)
-        elif isinstance(pooling_params, (list, tuple)) and len(pooling_params) == len(prompts):
-            pooling_list = list(pooling_params)
-        else:
-            raise ValueError("pooling_params must be a PoolingParams, or a list of one per prompt.")
-        for i, p in enumerate(pooling_list):
-            if p is not None and not isinstance(p, PoolingParams):
-                raise TypeError(f"pooling_params[{i}] must be a PoolingParams, got {type(p).__name__}.")
+        pooling_list = self._pooling_list(pooling_params, len(prompts), "embed")
         resolved = [resolve(p, self.engine.pooling_defaults, self.engine.hidden_size) for p in pooling_list]
         from pagedllm.pooling import input_truncation, sampling_params_for
 
@@ -334,6 +341,23 @@ class LLM:
         return results
 
     @staticmethod
+    def _pooling_list(pooling_params: Any, num_prompts: int, task: str) -> list:
+        """One PoolingParams (or None) per prompt, checked against the task's parameters."""
+        from pagedllm.pooling import PoolingParams, check_task_params
+
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_list = [pooling_params] * num_prompts
+        elif isinstance(pooling_params, (list, tuple)) and len(pooling_params) == num_prompts:
+            pooling_list = list(pooling_params)
+        else:
+            raise ValueError("pooling_params must be a PoolingParams, or a list of one per prompt.")
+        for i, p in enumerate(pooling_list):
+            if p is not None and not isinstance(p, PoolingParams):
+                raise TypeError(f"pooling_params[{i}] must be a PoolingParams, got {type(p).__name__}.")
+            check_task_params(task, p)
+        return pooling_list
+
+    @staticmethod
     def _prompt_list(prompts: Any, what: str) -> list:
         if _one_prompt(prompts):
             prompts = [prompts]
@@ -347,43 +371,83 @@ class LLM:
         """vLLM's LLM.classify on a sequence classifier (*ForSequenceClassification): one
         pooling.ClassificationRequestOutput per prompt, .outputs.probs the softmax of the label logits (a one-label
         model's sigmoid) of the prompt's last token (the last that is not the pad token, as transformers scores).
-        pooling_params: a PoolingParams of which only truncate_prompt_tokens applies."""
+        pooling_params: a PoolingParams of which truncate_prompt_tokens and use_activation (False: .probs holds the
+        label logits, as vLLM's) apply."""
         from pagedllm.pooling import ClassificationOutput, ClassificationRequestOutput, PoolingParams, class_probs
 
         prompts = self._prompt_list(prompts, "classify")
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}.")
-        if pooling_params is not None and (pooling_params.pooling_type, pooling_params.normalize,
-                                           pooling_params.dimensions) != (None, None, None):
-            raise ValueError("classify() takes only truncate_prompt_tokens of PoolingParams (a classifier pools its "
-                             "last token and returns probabilities).")
+        self._pooling_list(pooling_params, 1, "classify")
         k = None if pooling_params is None else pooling_params.truncate_prompt_tokens
+        raw = pooling_params is not None and pooling_params.use_activation is False
         outs = self._classified([self._to_prompt(p) for p in prompts], k, use_tqdm, lora_request,
                                 [self._cache_salt(p) for p in prompts])
-        return [ClassificationRequestOutput(out.request_id, ClassificationOutput(class_probs(out.pooled)),
+        return [ClassificationRequestOutput(out.request_id, ClassificationOutput(out.pooled if raw else
+                                                                                 class_probs(out.pooled)),
                                             out.prompt_token_ids, True, out.prompt) for out in outs]
 
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None, *,
                use_tqdm: UseTqdm = True, lora_request: Any = None, pooling_task: Optional[str] = None) -> list:
         """vLLM's generic pooling call: one pooling.PoolingRequestOutput per prompt, .outputs.data a float32 torch
         tensor: the embedding (pooling_task "embed", an embedding model's default) or the class probabilities
-        ("classify", a sequence classifier's default), as LLM.embed / LLM.classify make them."""
+        ("classify", a sequence classifier's default), as LLM.embed / LLM.classify make them; per token, a
+        [num_tokens, width] tensor: "token_embed" every token's hidden state made into an embedding (normalized
+        unless pooling_params say otherwise), "token_classify" (a token classifier's default; LLM.reward) every
+        token's label probabilities (use_activation=False: logits), or a model served for rewards its hidden states."""
         import torch
 
-        from pagedllm.pooling import PoolingOutput, PoolingRequestOutput
+        from pagedllm.pooling import POOLING_TASKS, PoolingOutput, PoolingRequestOutput
 
-        classifier = self.engine.classifier_labels is not None
-        task = pooling_task or ("classify" if classifier else "embed")
-        if task not in ("embed", "classify"):
-            raise ValueError(f"pooling_task must be 'embed' or 'classify' (other tasks are not built), got {task!r}.")
+        engine = self.engine
+        task = pooling_task or engine.pooling_tasks[0]
+        if task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task must be one of {', '.join(POOLING_TASKS)} (other tasks are not built), "
+                             f"got {task!r}.")
         if task == "embed":
             outs = self.embed(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
             data = [o.outputs.embedding for o in outs]
-        else:
+        elif task == "classify":
             outs = self.classify(prompts, pooling_params=pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
             data = [o.outputs.probs for o in outs]
+        else:
+            outs, data = self._per_token(prompts, task, pooling_params, use_tqdm, lora_request)
         return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(d, dtype=torch.float32)),
                                      o.prompt_token_ids, True, o.prompt) for o, d in zip(outs, data)]
+
+    def _per_token(self, prompts: Any, task: str, pooling_params: Any, use_tqdm: UseTqdm, lora_request: Any
+                   ) -> tuple[list, list[list[list[float]]]]:
+        """(the engine's outputs, one row per prompt token for each) of a token task (pooling.token_outputs)."""
+        from pagedllm.pooling import NO_HEAD_ACTIVATION, input_truncation, resolve, sampling_params_for, token_outputs
+
+        engine = self.engine
+        if task not in engine.pooling_tasks:
+            served = ", ".join(engine.pooling_tasks)
+            raise ValueError(f"pooling_task {task!r} is not one this model ({engine.architecture}) serves: it serves "
+                             f"{served}" + ("; LLM.reward needs a token or sequence classifier, or convert / task "
+                                           "'reward' for a causal LM's hidden states." if task == "token_classify"
+                                           else "."))
+        prompts = self._prompt_list(prompts, "encode")
+        pooling_list = self._pooling_list(pooling_params, len(prompts), task)
+        has_head = engine.classifier_labels is not None or engine.token_labels is not None
+        if not has_head and any(p is not None and p.use_activation for p in pooling_list):
+            raise ValueError(NO_HEAD_ACTIVATION)
+        finishing = [resolve(p, engine.pooling_defaults, engine.hidden_size)[1:] if task == "token_embed"
+                     else (True, None) for p in pooling_list]
+        params = [sampling_params_for("all", None if p is None else input_truncation(p.truncate_prompt_tokens,
+                                                                                     engine.max_model_len))
+                  for p in pooling_list]
+        items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params)]
+        outputs = self._run(items, use_tqdm, self._add_loras(lora_request, len(items)),
+                            [self._cache_salt(p) for p in prompts])
+        data = []
+        for i, (out, p, (normalize, dimensions)) in enumerate(zip(outputs, pooling_list, finishing)):
+            if out.pooled is None:  # the engine failed it (finish_reason "error": the warning logged says why)
+                raise RuntimeError(f"The {task} output of prompt {i} failed: "
+                                   f"{out.outputs[0].finish_reason if out.outputs else 'no output'}.")
+            data.append(token_outputs(out.pooled, len(out.prompt_token_ids), task, has_head,
+                                      None if p is None else p.use_activation, normalize, dimensions))
+        return outputs, data
 
     def _classified(self, inputs: list, truncate_prompt_tokens: Optional[int], use_tqdm: UseTqdm,
                     lora_request: Any, salts: Optional[list] = None) -> list:

@@ -154,6 +154,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     pid: int
     hidden_size: int = 0  # the length of an embedding (pooling/)
     classifier_labels: Optional[list[str]] = None  # a sequence classifier's labels (pooling/); None: not one
+    token_labels: Optional[list[str]] = None  # a token classifier's labels (pooling/); None: not one
+    pooling_tasks: list[str] = []  # vLLM's pooling tasks the model answers (pooling.supported_tasks)
     pad_token_id: Optional[int] = None  # the config's (a classifier scores the last token that is not it)
     engine_index: int = 0  # which data-parallel engine core is ready
     cache_config: dict[str, str] = {}  # vLLM's CacheConfig fields as strings (vllm:cache_config_info)

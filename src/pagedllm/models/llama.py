@@ -390,13 +390,31 @@ class LlamaForCausalLM(nn.Module):
         return True
 
 
-class SequenceClassifier:
+class ScoreHead:
+    """What the classifier mixins share: a `score` Linear over final hidden states (after the last norm), small and
+    replicated on every tensor-parallel rank, on the last pipeline stage only (where the hidden states are); no LM
+    head in the checkpoint: the config is marked tied (pooling.embedding_only), so the head the runner still builds
+    reads the embedding, and only an engine-dropped token ever reads it."""
+
+    def untie_if_head_differs(self, head: dict[str, torch.Tensor]) -> bool:
+        return False  # a classifier's LM head serves only the dropped token: no second vocab-sized copy for it
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        # [N, hidden_size] -> [N, num_labels] float32 (fp32 math: a bf16 model's logits lose no more than its states)
+        bias = self.score.bias
+        return torch.nn.functional.linear(pooled.float(), self.score.weight.float(),
+                                          None if bias is None else bias.float())
+
+    def skip_weight(self, name: str) -> bool:
+        if name.startswith("score.") and not self.model.is_last_stage:
+            return True
+        return super().skip_weight(name)
+
+
+class SequenceClassifier(ScoreHead):
     """Mixed in before a causal class: transformers' *ForSequenceClassification (reward models, cross-encoder
-    rerankers). The checkpoint holds the decoder under `model.` and a bias-free `score` Linear(hidden, num_labels),
-    no LM head: the config is marked tied (pooling.embedding_only), so the head the runner still builds reads the
-    embedding, and only an engine-dropped token ever reads it. `classify` maps pooled last-token states (after the
-    final norm) to label logits. The head is small and replicated on every tensor-parallel rank; it lives on the
-    last pipeline stage only, where the hidden states are."""
+    rerankers): the decoder under `model.` and a bias-free `score` Linear(hidden, num_labels) (ScoreHead).
+    `classify` maps pooled last-token states to label logits (and, for token_classify, every token's)."""
 
     def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
         super().__init__(hf_config, dtype, quant_config)
@@ -434,18 +452,26 @@ class SequenceClassifier:
             loaded.add("score.weight")
         return loaded
 
-    def untie_if_head_differs(self, head: dict[str, torch.Tensor]) -> bool:
-        return False  # a classifier's LM head serves only the dropped token: no second vocab-sized copy for it
 
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        # [N, hidden_size] -> [N, num_labels] float32 (fp32 math: a bf16 model's logits lose no more than its states)
-        return torch.nn.functional.linear(pooled.float(), self.score.weight.float())
+class TokenClassifier(ScoreHead):
+    """Mixed in before a causal class: transformers' *ForTokenClassification (taggers, token reward models): the
+    decoder under `model.` and a `score` Linear(hidden, num_labels) with a bias (config token_classification_bias,
+    true by default, as transformers) (ScoreHead). `classify` maps every token's final hidden state to label logits
+    (its dropout is the identity at inference)."""
 
-    def skip_weight(self, name: str) -> bool:
-        if name.startswith("score.") and not self.model.is_last_stage:
-            return True
-        return super().skip_weight(name)
+    def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
+        super().__init__(hf_config, dtype, quant_config)
+        self.num_labels = int(hf_config.num_labels)
+        if self.model.is_last_stage:
+            self.score = nn.Linear(hf_config.hidden_size, self.num_labels, dtype=self.dtype,
+                                   bias=bool(getattr(hf_config, "token_classification_bias", True)))
+        else:
+            self.score = PPMissingLayer()
 
 
 class LlamaForSequenceClassification(SequenceClassifier, LlamaForCausalLM):
     """Llama (and Mistral, same layout) with a classification head."""
+
+
+class LlamaForTokenClassification(TokenClassifier, LlamaForCausalLM):
+    """Llama (and Mistral, same layout) with a per-token classification head."""

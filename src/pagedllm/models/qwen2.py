@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, SequenceClassifier
+from pagedllm.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, SequenceClassifier,
+                                   TokenClassifier)
 
 
 class Qwen2Attention(LlamaAttention):
@@ -22,3 +23,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForSequenceClassification(SequenceClassifier, Qwen2ForCausalLM):
     """Qwen2 with a classification head (llama.SequenceClassifier)."""
+
+
+class Qwen2ForTokenClassification(TokenClassifier, Qwen2ForCausalLM):
+    """Qwen2 with a per-token classification head (llama.TokenClassifier)."""

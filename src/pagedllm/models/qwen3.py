@@ -6,7 +6,7 @@ head_dim comes from the config (it need not be hidden_size / num_heads); q/k/v/o
 from __future__ import annotations
 
 from pagedllm.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, PerHeadQKNorm,
-                                   SequenceClassifier)
+                                   SequenceClassifier, TokenClassifier)
 
 
 class Qwen3Attention(PerHeadQKNorm, LlamaAttention):
@@ -23,3 +23,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForSequenceClassification(SequenceClassifier, Qwen3ForCausalLM):
     """Qwen3 with a classification head (llama.SequenceClassifier): e.g. cross-encoder rerankers."""
+
+
+class Qwen3ForTokenClassification(TokenClassifier, Qwen3ForCausalLM):
+    """Qwen3 with a per-token classification head (llama.TokenClassifier)."""

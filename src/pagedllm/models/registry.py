@@ -27,6 +27,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForSequenceClassification": ("llama", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("qwen2", "Qwen2ForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForSequenceClassification"),
+    # token classifiers (pooling.TOKEN_CLASSIFIER_ARCHITECTURES): per-token label logits only
+    "LlamaForTokenClassification": ("llama", "LlamaForTokenClassification"),
+    "MistralForTokenClassification": ("llama", "LlamaForTokenClassification"),
+    "Qwen2ForTokenClassification": ("qwen2", "Qwen2ForTokenClassification"),
+    "Qwen3ForTokenClassification": ("qwen3", "Qwen3ForTokenClassification"),
 }
 
 # Multimodal checkpoints served as their text model: the loader hands the model class the config's text_config

@@ -14,6 +14,12 @@ their requests pool the last prompt token, and the runner puts the pooled state 
 so `pooled` holds the label logits (fp32). LLM.classify and POST /classify turn them into probabilities
 (`class_probs`); a one-label model is a cross-encoder, whose score of a text pair (encoded as one input) is the
 sigmoid of its logit.
+
+Token-wise tasks (vLLM's token_classify / token_embed, LLM.reward) pool "all": every prompt token's final hidden state,
+through the model's head when it has one, so `pooled` holds [num_tokens x width] values row after row (width: the
+labels of a classifier, else the hidden size). Token classifiers (`*ForTokenClassification`, NER-style) and
+sequence classifiers give per-token label logits; a causal LM served with convert / task "reward" gives its raw
+hidden states (vLLM's reward pooling: ALL, no normalization, no softmax).
 """
 from __future__ import annotations
 
@@ -23,7 +29,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-POOLING_TYPES = ("last", "mean", "cls")
+POOLING_TYPES = ("last", "mean", "cls")  # sequence-wise: one vector per prompt
+TOKEN_POOLING = "all"  # token-wise: one row per prompt token (token_classify, token_embed, reward)
+# vLLM's pooling tasks that pagedllm serves (LLM.encode's pooling_task, /pooling's task)
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 
 # Decoder stacks saved without their language-model head (transformers' AutoModel: e5-mistral's MistralModel,
 # gte-Qwen2's Qwen2Model, ...) -> the causal architecture whose decoder they are. They serve embeddings only: the
@@ -39,6 +48,12 @@ CLASSIFIER_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSequenc
                             "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 
 
+# Decoder stacks with a `score` head (with a bias) over every token (transformers' *ForTokenClassification): they serve
+# token classification only.
+TOKEN_CLASSIFIER_ARCHITECTURES = ("LlamaForTokenClassification", "MistralForTokenClassification",
+                                  "Qwen2ForTokenClassification", "Qwen3ForTokenClassification")
+
+
 def _architecture(hf_config: Any) -> Optional[str]:
     architectures = getattr(hf_config, "architectures", None) or []
     return architectures[0] if architectures else None
@@ -46,8 +61,15 @@ def _architecture(hf_config: Any) -> Optional[str]:
 
 def classifier_labels(hf_config: Any) -> Optional[list[str]]:
     """A sequence classifier's label names, in logit order (config.id2label, else LABEL_i); None for other models."""
-    if _architecture(hf_config) not in CLASSIFIER_ARCHITECTURES:
-        return None
+    return _labels(hf_config) if _architecture(hf_config) in CLASSIFIER_ARCHITECTURES else None
+
+
+def token_classifier_labels(hf_config: Any) -> Optional[list[str]]:
+    """A token classifier's label names, in logit order; None for other models."""
+    return _labels(hf_config) if _architecture(hf_config) in TOKEN_CLASSIFIER_ARCHITECTURES else None
+
+
+def _labels(hf_config: Any) -> list[str]:
     num_labels = int(getattr(hf_config, "num_labels", 0) or 0)
     id2label = getattr(hf_config, "id2label", None) or {}
     labels = {int(k): str(v) for k, v in id2label.items()}
@@ -106,13 +128,37 @@ def _token_ids(model_dir: str, tokens: list) -> list[int]:
     return ids
 
 
-def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architecture: Optional[str]) -> None:
+def wants_reward(engine_args: Any) -> bool:
+    """convert / task "reward" (vLLM's): every token's hidden state, through the model's head if it has one."""
+    return engine_args.convert == "reward" or engine_args.task == "reward"
+
+
+def supported_tasks(engine_args: Any, labels: Optional[list[str]], token_labels: Optional[list[str]]
+                    ) -> tuple[str, ...]:
+    """The pooling tasks the served model answers (vLLM's get_supported_tasks): a sequence classifier classifies
+    sequences and, through the same head, tokens; a token classifier, or a model served for rewards, the tokens only;
+    any other model gives embeddings, of the sequence or of each token."""
+    if labels is not None:
+        return ("classify", "token_classify")
+    if token_labels is not None or wants_reward(engine_args):
+        return ("token_classify",)
+    return ("embed", "token_embed")
+
+
+def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architecture: Optional[str],
+                      token_labels: Optional[list[str]] = None) -> None:
     """The engine's runner / convert / task flags against the model (ValueError naming the mismatch): `classify`
-    serves a sequence classifier as it is (converting a causal LM into one is not built), and a classifier serves
-    no embeddings, nor a pooling other than its last token."""
+    serves a sequence or token classifier as it is (converting a causal LM into one is not built), a classifier
+    serves no embeddings, nor a sequence pooling other than its last token; a token classifier or a model served for
+    rewards pools every token."""
     wants_classify = engine_args.convert == "classify" or engine_args.task in ("classify", "score")
     wants_embed = engine_args.convert == "embed" or engine_args.task == "embed"
-    if wants_classify and labels is None:
+    if token_labels is not None:
+        if wants_embed or engine_args.task in ("classify", "score"):
+            raise ValueError(f"This model ({architecture}) is a token classifier: it serves per-token label logits "
+                             "(token_classify: LLM.encode(pooling_task='token_classify'), LLM.reward, POST /pooling), "
+                             f"not task {engine_args.task or 'embed'!r}; drop the task (or use --convert classify).")
+    elif wants_classify and labels is None:
         given = f"convert {engine_args.convert!r}" if engine_args.convert == "classify" else \
             f"task {engine_args.task!r}"
         raise ValueError(f"{given} serves a sequence classifier (one of "
@@ -123,10 +169,80 @@ def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architectur
         raise ValueError(f"This model ({architecture}) is a sequence classifier: it serves classification and "
                          "scoring, not embeddings; drop convert / task 'embed' (or use --convert classify).")
     pooler = getattr(engine_args, "pooler_config", None) or {}
-    if labels is not None and pooler.get("pooling_type", "last") != "last":
+    kind = pooler.get("pooling_type")
+    if labels is not None and kind not in (None, "last"):
         raise ValueError(f"This model ({architecture}) is a sequence classifier, which scores its last token "
-                         f"(as transformers does); pooler_config's pooling_type {pooler['pooling_type'].upper()} "
-                         "is not supported for it.")
+                         f"(as transformers does); pooler_config's pooling_type {kind.upper()} is not supported for "
+                         "it.")
+    token_only = supported_tasks(engine_args, labels, token_labels) == ("token_classify",)
+    if token_only and kind not in (None, TOKEN_POOLING):
+        raise ValueError(f"This model ({architecture or 'a causal LM'}) is served for per-token outputs (a token "
+                         f"classifier, or convert / task 'reward'), which pool every token (ALL); pooler_config's "
+                         f"pooling_type {kind.upper()} is not supported for it.")
+    if kind == TOKEN_POOLING and labels is None and not token_only:
+        raise ValueError("pooler_config's pooling_type ALL is the per-token tasks' pooling (token_embed, "
+                         "token_classify, reward: they ask for it themselves); embeddings pool LAST, MEAN or CLS.")
+
+
+def token_only_refusal(architecture: Optional[str], token_classifier: bool, what: str) -> str:
+    """Why a model served for per-token outputs only (a token classifier, or convert / task "reward") refuses
+    `what` (generation, embeddings, ...)."""
+    name = f" ({architecture})" if architecture else ""
+    served = f"This model{name} is a token classifier" if token_classifier else \
+        f"This engine serves the model{name} for rewards (convert / task 'reward')"
+    return (f"{served}: it gives an output per token (LLM.reward, LLM.encode(pooling_task='token_classify'), POST "
+            f"/pooling), not {what}.")
+
+
+def check_request_pooling(kind: str, tasks: tuple[str, ...], architecture: Optional[str]) -> None:
+    """The engine's check of a pooled request against what the model serves (the entry points say it first, in
+    their own words): every-token pooling needs a token task, a sequence pooling embed or classify."""
+    if kind == TOKEN_POOLING:
+        if not {"token_embed", "token_classify"} & set(tasks):
+            raise ValueError(f"This model ({architecture}) serves no per-token pooling.")
+    elif "embed" not in tasks and "classify" not in tasks:
+        raise ValueError(f"This model ({architecture}) gives an output per token only (token_classify), not one "
+                         "per sequence.")
+
+
+def check_task_params(task: str, params: Optional["PoolingParams"]) -> None:
+    """vLLM's parameters per pooling task: embed and token_embed take normalize and dimensions (embed also
+    pooling_type), classify and token_classify use_activation; every task truncate_prompt_tokens."""
+    if params is None:
+        return
+    allowed = {"embed": ("pooling_type", "normalize", "dimensions"), "token_embed": ("normalize", "dimensions"),
+               "classify": ("use_activation",), "token_classify": ("use_activation",)}[task]
+    given = [name for name in ("pooling_type", "normalize", "dimensions", "use_activation")
+             if getattr(params, name) is not None and name not in allowed]
+    if given:
+        raise ValueError(f"Task {task!r} takes {', '.join(allowed)} and truncate_prompt_tokens of PoolingParams, "
+                         f"not {', '.join(given)}.")
+
+
+NO_HEAD_ACTIVATION = ("use_activation applies to label logits; this model has no label head (convert / task 'reward' "
+                      "gives its hidden states as they are).")
+
+
+def token_rows(flat: list[float], num_tokens: int) -> list[list[float]]:
+    """The engine's per-token output (`pooled`: num_tokens rows laid end to end) as one row per prompt token."""
+    width = len(flat) // num_tokens if num_tokens else 0
+    return [flat[i * width:(i + 1) * width] for i in range(num_tokens)]
+
+
+def token_outputs(flat: list[float], num_tokens: int, task: str, has_head: bool, use_activation: Optional[bool],
+                  normalize: bool = True, dimensions: Optional[int] = None) -> list[list[float]]:
+    """One row per token as the task gives it: token_classify the label probabilities of a classifier's logits
+    (use_activation False: the logits) or, with no head (a model served for rewards), the hidden states as they are
+    (vLLM's reward pooling: no normalization, no softmax); token_embed each token's state as an embedding is made
+    (`finish`)."""
+    rows = token_rows(flat, num_tokens)
+    if task == "token_embed":
+        return [finish(row, normalize, dimensions) for row in rows]
+    if not has_head:
+        if use_activation:
+            raise ValueError(NO_HEAD_ACTIVATION)
+        return rows
+    return rows if use_activation is False else [class_probs(row) for row in rows]
 
 
 def embedding_only(hf_config: Any) -> Optional[str]:
@@ -136,7 +252,8 @@ def embedding_only(hf_config: Any) -> Optional[str]:
     if marked:
         return marked
     arch = _architecture(hf_config)
-    return arch if arch in EMBEDDING_ONLY_ARCHITECTURES or arch in CLASSIFIER_ARCHITECTURES else None
+    headless = EMBEDDING_ONLY_ARCHITECTURES.keys() | set(CLASSIFIER_ARCHITECTURES) | set(TOKEN_CLASSIFIER_ARCHITECTURES)
+    return arch if arch in headless else None
 
 
 def mark_embedding_only(hf_config: Any) -> None:
@@ -155,20 +272,29 @@ class PoolingParams:
     """How an embedding is made (vLLM's PoolingParams): pooling_type None takes the model's (see module doc);
     normalize None takes the model's (L2 to unit length unless its sentence-transformers files say otherwise);
     dimensions: the vector's length, shorter than the hidden size only for a Matryoshka-trained model (its first
-    values, then normalized); truncate_prompt_tokens: keep the prompt's last k tokens (-1: the model's context)."""
+    values, then normalized); truncate_prompt_tokens: keep the prompt's last k tokens (-1: the model's context).
+    use_activation (classify, token_classify): None / True the label probabilities, False the raw logits.
+    normalize and dimensions apply to token_embed's rows as to an embedding."""
 
     pooling_type: Optional[str] = None
     normalize: Optional[bool] = None
     dimensions: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
+    use_activation: Optional[bool] = None
+    # vLLM's STEP pooling (process reward models): refused, here so that the refusal says so
+    step_tag_id: Optional[int] = None
+    returned_token_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pooling_type, str):  # (vLLM's pooler_config spells them LAST, MEAN, CLS)
             self.pooling_type = self.pooling_type.lower()
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}.")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be true or false, got {self.normalize!r}.")
+        if self.step_tag_id is not None or self.returned_token_ids is not None:
+            raise ValueError(_STEP_REFUSAL)
+        for name in ("normalize", "use_activation"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         for name in ("dimensions", "truncate_prompt_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -188,19 +314,25 @@ class ModelPooling:
     matryoshka: Optional[tuple[int, ...]] = None
 
 
+_STEP_REFUSAL = ("STEP pooling (a process reward model's step_tag_id / returned_token_ids) is not supported; ALL "
+                 "pooling (every token's output, LLM.reward / token_classify) is.")
+
+
 def check_pooler_config(config: Any) -> dict:
-    """vLLM's pooler_config ({"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}) checked, the type in our
-    lower-case names; ValueError for anything else (a key not built is refused, not ignored)."""
+    """vLLM's pooler_config ({"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL", "normalize": bool}) checked, the type
+    in our lower-case names; ValueError for anything else (a key not built is refused, not ignored)."""
     if not isinstance(config, dict):
         raise ValueError(f"pooler_config must be a JSON object, got {config!r}.")
+    if str(config.get("pooling_type")).upper() == "STEP" or {"step_tag_id", "returned_token_ids"} & set(config):
+        raise ValueError(f"pooler_config: {_STEP_REFUSAL}")
     unknown = sorted(set(config) - {"pooling_type", "normalize"})
     if unknown:
         raise ValueError(f"pooler_config takes pooling_type and normalize; {unknown} is not supported.")
     out: dict = {}
     kind = config.get("pooling_type")
     if kind is not None:
-        if not isinstance(kind, str) or kind.lower() not in POOLING_TYPES:
-            raise ValueError(f"pooler_config's pooling_type must be LAST, MEAN or CLS, got {kind!r}.")
+        if not isinstance(kind, str) or kind.lower() not in POOLING_TYPES + (TOKEN_POOLING,):
+            raise ValueError(f"pooler_config's pooling_type must be LAST, MEAN, CLS or ALL, got {kind!r}.")
         out["pooling_type"] = kind.lower()
     if "normalize" in config and config["normalize"] is not None:
         if not isinstance(config["normalize"], bool):
@@ -452,10 +584,11 @@ def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int]
                           truncate_prompt_tokens=truncate_prompt_tokens, output_kind="final_only")
 
 
-__all__ = ["check_pooler_config", "POOLING_TYPES", "EMBEDDING_ONLY_ARCHITECTURES", "embedding_only",
-           "CLASSIFIER_ARCHITECTURES", "classifier_labels", "ClassificationOutput", "ClassificationRequestOutput",
-           "class_probs", "classifier_input", "pair_input", "check_runner_fits", "head_from_tokens", "PoolingOutput",
-           "PoolingRequestOutput",
-           "mark_embedding_only", "PoolingParams", "ModelPooling", "model_pooling", "resolve", "finish",
-           "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "cosine",
-           "input_truncation", "score_pairs", "sampling_params_for"]
+__all__ = ["check_pooler_config", "POOLING_TYPES", "TOKEN_POOLING", "POOLING_TASKS", "TOKEN_CLASSIFIER_ARCHITECTURES",
+           "token_classifier_labels", "wants_reward", "supported_tasks", "token_only_refusal", "check_request_pooling",
+           "check_task_params", "token_rows", "token_outputs", "NO_HEAD_ACTIVATION", "EMBEDDING_ONLY_ARCHITECTURES",
+           "embedding_only", "CLASSIFIER_ARCHITECTURES", "classifier_labels", "ClassificationOutput",
+           "ClassificationRequestOutput", "class_probs", "classifier_input", "pair_input", "check_runner_fits",
+           "head_from_tokens", "PoolingOutput", "PoolingRequestOutput", "mark_embedding_only", "PoolingParams",
+           "ModelPooling", "model_pooling", "resolve", "finish", "EmbeddingOutput", "EmbeddingRequestOutput",
+           "ScoringOutput", "ScoringRequestOutput", "cosine", "input_truncation", "score_pairs", "sampling_params_for"]

@@ -25,7 +25,7 @@ class CachedRequestState:
     num_computed_tokens: int
     lora_id: Optional[int] = None
     rope_long: bool = False  # LongRoPE: longer than the original context when its computation started
-    # An embedding request's pooling so far (fp32 on the device): mean's running sum, cls's first row.
+    # A pooling request's pooling so far (fp32 on the device): mean's running sum, cls's first row, all's chunks' rows.
     pool_acc: Any = None
 
     @property

@@ -545,11 +545,12 @@ class ModelRunner:
         return result
 
     def _pool(self, inp, hidden: torch.Tensor) -> None:
-        """Embedding requests (pooling/): pool the hidden rows of this step's prompt chunks; a request whose prompt
-        this step completes gets its vector in inp.pooled (a classifier's: its label logits). A chunk from position 0
-        starts the pooling afresh (a preempted request recomputes its prompt); mean and cls requests take no
-        prefix-cache hits (the scheduler), so every prompt position passes through here. Rare and prefill-only: this
-        syncs with the device."""
+        """Pooling requests (pooling/): pool the hidden rows of this step's prompt chunks; a request whose prompt
+        this step completes gets its vector in inp.pooled (a classifier's: its label logits), an "all" request every
+        token's row (through the model's head, if it has one) laid end to end. A chunk from position 0 starts the
+        pooling afresh (a preempted request recomputes its prompt); mean, cls and all requests take no prefix-cache
+        hits (the scheduler), so every prompt position passes through here. Rare and prefill-only: this syncs with the
+        device."""
         qsl = inp.query_start_loc
         pooled: dict[str, list[float]] = {}
         for i, state in enumerate(inp.states):
@@ -564,12 +565,22 @@ class ModelRunner:
                 continue
             if start == 0:
                 state.pool_acc = None
-            if kind == "mean":
+            if kind == "all":
+                rows = hidden[lo:lo + end - start]
+                # The head per chunk: [n, labels] kept rather than [n, hidden]. Either way a copy (a graph's output
+                # buffer is rewritten next step).
+                part = self.classify(rows) if self.classify is not None else rows.to(torch.float32, copy=True)
+                state.pool_acc = [part] if state.pool_acc is None else state.pool_acc + [part]
+            elif kind == "mean":
                 part = hidden[lo:lo + end - start].float().sum(dim=0)
                 state.pool_acc = part if state.pool_acc is None else state.pool_acc + part
             elif kind == "cls" and start == 0:
                 state.pool_acc = hidden[lo].float().clone()  # (a graph's output buffer is rewritten next step)
             if end < num_prompt:
+                continue
+            if kind == "all":
+                pooled[state.req_id] = torch.cat(state.pool_acc).flatten().cpu().tolist()
+                state.pool_acc = None
                 continue
             if kind == "last":
                 vector = hidden[lo + end - start - 1].float()

@@ -158,11 +158,13 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="the most tokens one request's prefill takes per step (0: no limit but the step budget)")
     e.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve embeddings only (/v1/embeddings; generation routes answer 400)")
-    e.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify"],
+    e.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify", "reward"],
                    help="embed: the same as --runner pooling (vLLM's name); classify: serve a "
-                        "*ForSequenceClassification model (/classify, /score, /rerank; auto does too)")
-    e.add_argument("--task", default=None, choices=["auto", "generate", "embed", "classify", "score"],
-                   help="vLLM's older name: embed = --runner pooling, classify / score = --convert classify")
+                        "*ForSequenceClassification model (/classify, /score, /rerank; auto does too); reward: every "
+                        "token's output (/pooling; a causal LM's hidden states)")
+    e.add_argument("--task", default=None, choices=["auto", "generate", "embed", "classify", "score", "reward"],
+                   help="vLLM's older name: embed = --runner pooling, classify / score = --convert classify, reward = "
+                        "--convert reward")
     e.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_object,
                    default=None, metavar="JSON",
                    help='embeddings\' pooling over the model\'s defaults, e.g. \'{"pooling_type": "MEAN", '

@@ -149,6 +149,10 @@ async def embedded(request: Request, state: ServerState, req: EmbeddingRequest, 
     if ready.classifier_labels is not None:
         raise APIError("The served model is a sequence classifier: it has no embeddings; use POST /classify, or "
                        "/v1/score and /v1/rerank for text pairs.", param="model")
+    if ready.pooling_tasks and "embed" not in ready.pooling_tasks:
+        from pagedllm.pooling import token_only_refusal
+
+        raise APIError(token_only_refusal(None, ready.token_labels is not None, "embeddings"), param="model")
     try:
         kind, normalize, dimensions = resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize),
                                               pooling_defaults(state), ready.hidden_size)

@@ -1,6 +1,8 @@
 """POST /pooling (vLLM's generic pooling route): what the served model pools for each input, as LLM.encode gives it:
-the embedding (task "embed", an embedding-capable model's default; as /v1/embeddings makes it) or the class
-probabilities (task "classify", a sequence classifier's default; as /classify makes them)."""
+the embedding (task "embed", an embedding-capable model's default; as /v1/embeddings makes it), the class
+probabilities (task "classify", a sequence classifier's default; as /classify makes them), or one row per input
+token (task "token_embed": each token's embedding; "token_classify", a token classifier's and a reward engine's
+default: each token's label probabilities, or a reward engine's hidden states)."""
 from __future__ import annotations
 
 import time
@@ -11,33 +13,78 @@ from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.classify import classified, classifier_labels
-from pagedllm.entrypoints.openai.embeddings import EmbeddingRequest, embedded, encoded, list_response
+from pagedllm.entrypoints.openai.embeddings import (EmbeddingRequest, embedded, encoded, list_response,
+                                                    pooled_vectors, pooling_defaults, request_inputs, truncated)
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import random_id
+from pagedllm.entrypoints.openai.request_params import request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 
 
 class PoolingAPIRequest(EmbeddingRequest):
-    task: Optional[Literal["embed", "classify"]] = None  # (None: the model's own)
-    activation: Optional[bool] = None  # classify: false gives the raw label logits (embed: see normalize)
+    task: Optional[Literal["embed", "classify", "token_embed", "token_classify"]] = None  # (None: the model's own)
+    # classify / token_classify: false gives the raw label logits (embed: see normalize); use_activation is vLLM's
+    # newer name
+    activation: Optional[bool] = None
+    use_activation: Optional[bool] = None
+
+
+def served_tasks(state: ServerState) -> list[str]:
+    """The pooling tasks of the served model, its default first."""
+    ready = state.engine.ready
+    return list(ready.pooling_tasks) or (["classify"] if ready.classifier_labels is not None else ["embed"])
 
 
 async def create_pooling(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, PoolingAPIRequest)
     model = state.check_model(req.model)
-    task = req.task or ("classify" if state.engine.ready.classifier_labels is not None else "embed")
+    task = req.task or served_tasks(state)[0]
+    if req.activation is not None and req.use_activation is not None and req.activation != req.use_activation:
+        raise APIError("'activation' and 'use_activation' (its newer name) disagree; give one.", param="activation")
+    activation = req.activation if req.use_activation is None else req.use_activation
     request_id = req.request_id or random_id("pool")
     created = int(time.time())
-    if task == "embed":
-        if req.activation is not None:  # (never silently unused)
-            raise APIError("'activation' applies to the 'classify' task; the 'embed' task takes 'normalize'.",
-                           param="activation")
-        inputs, rows = await embedded(request, state, req, model, request_id)
-    else:
-        classifier_labels(state, "The 'classify' task")
+    if task in ("embed", "token_embed") and activation is not None:  # (never silently unused)
+        raise APIError(f"'activation' applies to the classify tasks; the '{task}' task takes 'normalize'.",
+                       param="activation")
+    if task in ("classify", "token_classify"):
         for name in ("dimensions", "normalize"):
             if getattr(req, name) is not None:
-                raise APIError(f"'{name}' applies to the 'embed' task, not to 'classify'.", param=name)
-        inputs, rows = await classified(request, state, req, model, request_id, req.activation)
+                raise APIError(f"'{name}' applies to the embed tasks, not to '{task}'.", param=name)
+    if task == "embed":
+        inputs, rows = await embedded(request, state, req, model, request_id)
+    elif task == "classify":
+        classifier_labels(state, "The 'classify' task")
+        inputs, rows = await classified(request, state, req, model, request_id, activation)
+    else:
+        inputs, rows = await per_token(request, state, req, task, activation, model, request_id)
     data = [{"index": i, "object": "pooling", "data": encoded(row, req.encoding_format)} for i, row in enumerate(rows)]
     return list_response(request_id, created, model, data, inputs)
+
+
+async def per_token(request: Request, state: ServerState, req: PoolingAPIRequest, task: str,
+                    activation: Optional[bool], model: str, request_id: str) -> tuple[list, list]:
+    """(the inputs, [(text or None, token ids)], and one row per token of each) for a token task
+    (pooling.token_outputs)."""
+    from pagedllm.pooling import NO_HEAD_ACTIVATION, PoolingParams, resolve, token_outputs
+
+    ready = state.engine.ready
+    tasks = served_tasks(state)
+    if task not in tasks:
+        raise APIError(f"The served model does not serve the '{task}' task; it serves {', '.join(tasks)}.",
+                       param="task")
+    has_head = ready.classifier_labels is not None or ready.token_labels is not None
+    if task == "token_classify" and not has_head and activation:
+        raise APIError(NO_HEAD_ACTIVATION, param="use_activation" if req.use_activation is not None else "activation")
+    normalize, dimensions = True, None
+    if task == "token_embed":
+        try:
+            _, normalize, dimensions = resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize),
+                                               pooling_defaults(state), ready.hidden_size)
+        except ValueError as e:
+            raise APIError(str(e), param="dimensions") from None
+    inputs = truncated(await request_inputs(request, req, state), req.truncate_prompt_tokens, state)
+    flats = await pooled_vectors(request, state, model, inputs, "all", request_priority(req, state.scheduling_policy),
+                                 request_id, what="per-token pooling")
+    return inputs, [token_outputs(flat, len(ids), task, has_head, activation, normalize, dimensions)
+                    for flat, (_, ids) in zip(flats, inputs)]
