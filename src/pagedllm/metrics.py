@@ -64,6 +64,10 @@ _ENGINE_COUNTERS = (
 )
 
 
+# vllm:engine_sleep_state's label values: one sample per state, 1 for the engine core's
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
+
 class _EngineChildren:
     """One engine core's labelled children of every family the API process records."""
 
@@ -310,10 +314,25 @@ class _EngineCollector:
                 if count:
                     per_pos.add_metric([m.model_name, str(pos), engine], float(count))
         yield per_pos
+        yield self._sleep_state(engines)
         if m._cache_config:
             yield self._cache_config_info()
         if m.lora_info:
             yield self._lora_info(engines)
+
+    def _sleep_state(self, engines: list) -> Any:
+        """vLLM's vllm:engine_sleep_state: per engine core, 1 on the state it is in (awake; weights_offloaded: sleep
+        level 1; discard_all: level 2), 0 on the others; all 0 while only the KV cache sleeps (the weights woken
+        first: neither awake nor the weights away). From the latest stats, so any API process shows every core's."""
+        m = self.metrics
+        family = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state: 1 on the engine's state, awake "
+                                   "(serving), weights_offloaded (sleep level 1) or discard_all (sleep level 2).",
+                                   labels=["model_name", "engine", "sleep_state"])
+        for engine, stats in engines:
+            state = getattr(stats, "sleep_state", "awake") if stats else "awake"
+            for name in SLEEP_STATES:
+                family.add_metric([m.model_name, engine, name], float(state == name))
+        return family
 
     def _cache_config_info(self) -> Any:
         """vLLM's info-style gauge: value 1, the engine core's cache config in the labels (no model_name, as

@@ -38,13 +38,15 @@ def test_sleep_and_wake_up_keep_greedy_tokens(tiny_llama_dir):
 
         llm.sleep(level=2)
         assert weight_elements(llm) == 0  # discarded, not kept anywhere
+        assert llm.engine.get_stats().sleep_state == "discard_all"  # (vllm:engine_sleep_state's; level 1 offloads)
         llm.wake_up(tags=["weights"])  # vLLM's order for a weight update: weights first, then the KV cache
         assert llm.is_sleeping() and weight_elements(llm) == weights
+        assert llm.engine.get_stats().sleep_state == "kv_cache_asleep"
         with pytest.raises(ValueError, match="sleeping"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert llm.collective_rpc("reload_weights") == [None]
         llm.wake_up(tags="kv_cache")  # one tag as a string
-        assert not llm.is_sleeping()
+        assert not llm.is_sleeping() and llm.engine.get_stats().sleep_state == "awake"
         assert tokens(llm) == before
 
         for level in (3, 1.0, True):  # (1.0 and True are no level, though they equal 1)

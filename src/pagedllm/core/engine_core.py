@@ -136,6 +136,7 @@ class EngineCore:
         self.failure: Optional[Exception] = None
         self.num_steps = 0
         self.sleeping_tags: set[str] = set()  # sleep mode: what is given back now ("weights", "kv_cache")
+        self.sleep_level = 0  # the level of the last sleep (what the weights went through)
         self._step_plans: list = []  # the plans the current step works on (for recovery from a failed step)
         windows = self.scheduler.kv_cache_manager.group_windows
         if any(w is not None for w in windows):
@@ -433,7 +434,19 @@ class EngineCore:
         return any(getattr(requests[r], attr) for r in plan.num_scheduled_tokens if r in requests)
 
     def get_stats(self):
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.sleep_state = self.sleep_state
+        return stats
+
+    @property
+    def sleep_state(self) -> str:
+        """vLLM's vllm:engine_sleep_state: "awake" (nothing asleep), "weights_offloaded" / "discard_all" (the weights
+        asleep after sleep level 1 / 2), or "kv_cache_asleep" (the weights woken before the KV cache)."""
+        if not self.sleeping_tags:
+            return "awake"
+        if "weights" not in self.sleeping_tags:
+            return "kv_cache_asleep"
+        return "weights_offloaded" if self.sleep_level == 1 else "discard_all"
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -460,6 +473,7 @@ class EngineCore:
         start = time.perf_counter()
         self.worker.sleep(level)
         self.sleeping_tags = {"weights", "kv_cache"}
+        self.sleep_level = int(level)
         logger.info("Sleeping (level %d) after %.2f s: the KV cache is freed, the weights are %s.", level,
                     time.perf_counter() - start, "in host memory" if level == 1 else "discarded")
 

@@ -92,6 +92,8 @@ class SchedulerStats:
     num_aborted: int = 0  # cumulative: requests finished from outside as aborted (disconnects, stop strings)
     running_lora_ids: tuple = ()  # distinct adapters of running requests
     waiting_lora_ids: tuple = ()  # distinct adapters of waiting requests
+    # Sleep mode (set by the engine core, core/engine_core.sleep_state): vllm:engine_sleep_state's state
+    sleep_state: str = "awake"
 
 
 class Scheduler:

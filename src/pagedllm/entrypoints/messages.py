@@ -42,6 +42,7 @@ class SchedulerStatsMsg(msgspec.Struct, frozen=True):
     num_aborted: int = 0  # requests the engine finished as aborted (disconnects, stop strings), cumulative
     running_lora_ids: tuple[int, ...] = ()  # distinct adapters of running / waiting requests
     waiting_lora_ids: tuple[int, ...] = ()
+    sleep_state: str = "awake"  # awake | weights_offloaded | discard_all | kv_cache_asleep (EngineCore.sleep_state)
 
 
 # ---- API process -> engine core -------------------------------------------------------------
