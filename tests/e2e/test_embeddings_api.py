@@ -124,7 +124,7 @@ def test_pooling_route_gives_the_embeddings(http: httpx.Client, offline_llm) -> 
         for row, want_row in zip(got["data"], w.outputs.data.tolist()):
             _close(row, want_row)
     for body, param in (({"input": "x", "task": "token_classify"}, "task"),
-                        ({"input": "x", "task": "token_embed", "use_activation": True}, "activation")):
+                        ({"input": "x", "task": "token_embed", "use_activation": True}, "use_activation")):
         r = http.post("/pooling", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

@@ -42,11 +42,11 @@ async def create_pooling(request: Request, state: ServerState) -> Response:
     if req.activation is not None and req.use_activation is not None and req.activation != req.use_activation:
         raise APIError("'activation' and 'use_activation' (its newer name) disagree; give one.", param="activation")
     activation = req.activation if req.use_activation is None else req.use_activation
+    given = "use_activation" if req.use_activation is not None else "activation"
     request_id = req.request_id or random_id("pool")
     created = int(time.time())
     if task in ("embed", "token_embed") and activation is not None:  # (never silently unused)
-        raise APIError(f"'activation' applies to the classify tasks; the '{task}' task takes 'normalize'.",
-                       param="activation")
+        raise APIError(f"'{given}' applies to the classify tasks; the '{task}' task takes 'normalize'.", param=given)
     if task in ("classify", "token_classify"):
         for name in ("dimensions", "normalize"):
             if getattr(req, name) is not None:
@@ -57,15 +57,15 @@ async def create_pooling(request: Request, state: ServerState) -> Response:
         classifier_labels(state, "The 'classify' task")
         inputs, rows = await classified(request, state, req, model, request_id, activation)
     else:
-        inputs, rows = await per_token(request, state, req, task, activation, model, request_id)
+        inputs, rows = await per_token(request, state, req, task, activation, given, model, request_id)
     data = [{"index": i, "object": "pooling", "data": encoded(row, req.encoding_format)} for i, row in enumerate(rows)]
     return list_response(request_id, created, model, data, inputs)
 
 
 async def per_token(request: Request, state: ServerState, req: PoolingAPIRequest, task: str,
-                    activation: Optional[bool], model: str, request_id: str) -> tuple[list, list]:
+                    activation: Optional[bool], given: str, model: str, request_id: str) -> tuple[list, list]:
     """(the inputs, [(text or None, token ids)], and one row per token of each) for a token task
-    (pooling.token_outputs)."""
+    (pooling.token_outputs); `given`: the request's name for `activation`."""
     from pagedllm.pooling import NO_HEAD_ACTIVATION, PoolingParams, resolve, token_outputs
 
     ready = state.engine.ready
@@ -75,7 +75,7 @@ async def per_token(request: Request, state: ServerState, req: PoolingAPIRequest
                        param="task")
     has_head = ready.classifier_labels is not None or ready.token_labels is not None
     if task == "token_classify" and not has_head and activation:
-        raise APIError(NO_HEAD_ACTIVATION, param="use_activation" if req.use_activation is not None else "activation")
+        raise APIError(NO_HEAD_ACTIVATION, param=given)
     normalize, dimensions = True, None
     if task == "token_embed":
         try:
