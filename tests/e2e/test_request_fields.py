@@ -73,6 +73,26 @@ def test_constraints_leaving_no_token_are_a_400(http: httpx.Client, sampling: di
     assert ok.status_code == 200, ok.text
 
 
+def test_stop_strings_wait_for_min_tokens(http: httpx.Client, offline_llm) -> None:
+    """As vLLM: a stop string in the text of the first min_tokens tokens does not end the request; the first match
+    that ends in a later token does, offline and over HTTP alike (was: it ended at the min_tokens-th token)."""
+    ids, tokenizer = _ids(http, PROMPT), offline_llm.get_tokenizer()
+    free = _offline(offline_llm, ids, temperature=0, max_tokens=16, ignore_eos=True).outputs[0]
+    pieces = [tokenizer.decode([t]) for t in free.token_ids]
+    # min_tokens = the position of a token (not the first) holding a space that a later token holds too: the case
+    # in question is a match in the min_tokens-th token's own text, which was searched.
+    m = next(k for k in range(2, len(pieces)) if " " in pieces[k - 1] and any(" " in p for p in pieces[k:]))
+    head = tokenizer.decode(free.token_ids[:m])
+    expected = free.text[:free.text.index(" ", len(head))]
+    got = _offline(offline_llm, ids, temperature=0, max_tokens=16, ignore_eos=True, stop=[" "], min_tokens=m)
+    assert (got.outputs[0].text, got.outputs[0].stop_reason) == (expected, " ")
+    r = http.post(CMPL, json={"prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [" "],
+                              "min_tokens": m})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", " ")
+
+
 @pytest.mark.parametrize("first,second", [({"request_id": "rq", "n": 2}, {"request_id": "0_rq"}),
                                           ({"request_id": "0_rs"}, {"request_id": "rs", "n": 2})],
                          ids=["own id = a running child's", "a child's = a running request's"])

@@ -1,6 +1,7 @@
 """Specs no output can satisfy are refused when the request arrives (a 400 with the reason), not compiled into a
-grammar that lets the model write anything, or nothing; allOf of several schemas, which xgrammar compiles into
-"any JSON value", goes to llguidance under "auto" and is refused by an explicit xgrammar backend."""
+grammar that lets the model write anything, or nothing; allOf of several schemas that do not fold into one, which
+xgrammar compiles into "any JSON value", goes to llguidance under "auto" and is refused by an explicit xgrammar
+backend."""
 from __future__ import annotations
 
 import re
@@ -62,12 +63,15 @@ def test_satisfiable_schemas_pass(schema: dict) -> None:
     _manager("auto").validate(StructuredOutputsParams(json=schema))
 
 
-def test_all_of_several_schemas_goes_to_llguidance() -> None:
-    """xgrammar compiles allOf of several schemas into any JSON value (only a warning): "auto" takes llguidance,
-    which enforces it; an explicit xgrammar backend refuses it, naming the way out."""
-    spec = StructuredOutputsParams(json={"allOf": [{"type": "integer", "minimum": 1}, {"maximum": 5}]})
+def test_all_of_that_does_not_fold_goes_to_llguidance() -> None:
+    """allOf subschemas that combine into one schema are folded (xgrammar takes it); what does not fold (two
+    patterns), which xgrammar would compile into any value: "auto" takes llguidance, which intersects them; an
+    explicit xgrammar backend refuses it, naming the keyword and the way out."""
+    folded = StructuredOutputsParams(json={"allOf": [{"type": "integer", "minimum": 1}, {"maximum": 5}]})
+    assert _manager("auto").validate(folded) == "xgrammar"
+    spec = StructuredOutputsParams(json={"type": "string", "allOf": [{"pattern": "^a"}, {"pattern": "b$"}]})
     assert _manager("auto").validate(spec) == "guidance"
-    with pytest.raises(ValueError, match="xgrammar backend does not enforce allOf with more than one schema"):
+    with pytest.raises(ValueError, match="xgrammar backend does not enforce allOf .*each sets 'pattern'.*guidance"):
         XGrammarBackend.check_enforceable(spec)
     XGrammarBackend.check_enforceable(StructuredOutputsParams(json={"allOf": [{"type": "integer"}]}))
 

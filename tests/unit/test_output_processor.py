@@ -112,17 +112,29 @@ def test_cumulative_mode_holds_back_and_counts_tokens(tokenizer):
         assert decoded.startswith(c.text) and len(decoded) - len(c.text) <= 2  # hold back len("xyz") - 1
 
 
-def test_stop_strings_wait_for_min_tokens(tokenizer):
+@pytest.mark.parametrize("per_step", [1, 3, 6])  # 3, 6: a step that brings several tokens (speculation)
+@pytest.mark.parametrize("stop, text, num_tokens", [
+    (" b", "a b a b a", 6),  # the " b" of tokens 2 and 4 fall within min_tokens: only token 6's counts
+    ("b a", "a b a ", 5),  # a match may start in the first min_tokens tokens' text (token 4's "b") if it ends
+    # in a later one; the "b a" of tokens 2-3 does not count
+])
+def test_stop_strings_wait_for_min_tokens(tokenizer, per_step, stop, text, num_tokens):
+    """As vLLM's detokenizer: the text of the first min_tokens tokens is not searched for stop strings, whatever
+    the step size (was: a step reaching min_tokens searched all its text, so a stop string inside the first
+    min_tokens tokens ended the request there)."""
     ids = encode(tokenizer, "a b a b a b")
+    assert len(ids) == 6
     proc = OutputProcessor(tokenizer)
-    proc.add_request("m", None, [1], SamplingParams(stop=[" b"], min_tokens=4, max_tokens=20))
+    proc.add_request("m", None, [1], SamplingParams(stop=[stop], min_tokens=4, max_tokens=20))
     final = None
-    for outs, _ in stream(proc, "m", ids):
+    for outs, _ in stream(proc, "m", ids, per_step=per_step):
         if outs and outs[0].finished:
             final = outs[0]
             break
-    assert final is not None
-    assert len(final.outputs[0].token_ids) >= 4 and final.outputs[0].text == "a b a"
+    assert final is not None and final.outputs[0].stop_reason == stop
+    assert final.outputs[0].text == text
+    if per_step == 1:
+        assert len(final.outputs[0].token_ids) == num_tokens
 
 
 def test_eos_stop_token_and_abort_pass_through(tokenizer):

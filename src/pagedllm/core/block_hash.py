@@ -4,8 +4,8 @@ The hash of full block i is sha256(hash of block i-1, the block's token ids, the
 128 bits. Chaining makes a block's hash name its whole prefix, so two blocks with the same tokens after
 different prefixes never match. The extra key is the request's LoRA id: KV computed under one adapter must
 never serve another. A request's chain root (`chain_root`: its cache salt, vLLM's `cache_salt`; LongRoPE's long
-factors) stands in for the first block's parent: only requests of the same root share blocks, so one tenant cannot
-learn from hit timings what another's prompts were.
+factors; dynamic NTK's prompt length past the model's context) stands in for the first block's parent: only
+requests of the same root share blocks, so one tenant cannot learn from hit timings what another's prompts were.
 Only *full* blocks are hashed; a partial last block is never cached.
 
 Invariants:
@@ -34,14 +34,17 @@ def check_cache_salt(cache_salt: object) -> None:
         raise ValueError(f"'cache_salt' must be a non-empty string if given, got {cache_salt!r}.")
 
 
-def chain_root(cache_salt: Optional[str] = None, rope_long: bool = False) -> Optional[BlockHash]:
+def chain_root(cache_salt: Optional[str] = None, rope_long: bool = False,
+               ntk_prompt_len: Optional[int] = None) -> Optional[BlockHash]:
     """The stand-in parent of a request's first block: None for a plain request, else a hash of what keeps its
     chain apart from every other (its cache salt: other tenants' prompts; LongRoPE's long factors: the same tokens
-    rotated with the short ones)."""
-    if cache_salt is None and not rope_long:
+    rotated with the short ones; dynamic NTK's prompt length past the model's context: the base it rotated with)."""
+    if cache_salt is None and not rope_long and ntk_prompt_len is None:
         return None
     salt = b"" if cache_salt is None else cache_salt.encode("utf-8", "surrogatepass")
-    digest = hashlib.sha256(_VERSION_TAG + b".root" + (b"L" if rope_long else b"S") + salt).digest()
+    # One tag (a model has one kind of rope), then the salt: "N" and digits up to ":" read as no "S"-tagged salt.
+    rope = b"N%d:" % ntk_prompt_len if ntk_prompt_len is not None else b"L" if rope_long else b"S"
+    digest = hashlib.sha256(_VERSION_TAG + b".root" + rope + salt).digest()
     return int.from_bytes(digest[:_HASH_BYTES], "little")
 
 

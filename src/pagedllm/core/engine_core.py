@@ -102,6 +102,7 @@ class EngineCore:
             spec_disable_batch_size=w.spec_disable_batch_size,
             max_loras=engine_args.max_loras if engine_args.enable_lora else None,
             kv_group_windows=getattr(w, "kv_group_windows", (None,)),
+            ntk_original=getattr(w, "ntk_original", None),
             long_rope_original=getattr(w, "long_rope_original", None),
             scheduling_policy=engine_args.scheduling_policy,
             long_prefill_token_threshold=engine_args.long_prefill_token_threshold,

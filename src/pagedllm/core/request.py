@@ -91,6 +91,9 @@ class Request:
     # LongRoPE with both factor tables: the request's KV is computed with the long factors (its sequence was
     # longer than the original context when its computation started); a prefix-cache salt too.
     rope_long: bool = False
+    # Dynamic NTK past the model's context: a prompt longer than it (its length; None otherwise) is rotated with
+    # the base for that length, so its blocks are shared only with prompts of the same length.
+    ntk_prompt_len: Optional[int] = None
     # Priority scheduling: (priority, arrival_time, order added), the key its queues are sorted by (set when added).
     priority_key: tuple = ()
 

@@ -115,13 +115,17 @@ class Scheduler:
         kv_group_windows: Sequence[Optional[int]] = (None,),
         long_rope_original: Optional[int] = None,
         scheduling_policy: str = "fcfs",
+        ntk_original: Optional[int] = None,
     ) -> None:
         """kv_group_windows: the sliding window of each KV-cache group (core/kv_cache_groups.py; None: full
         attention); the default is one group of full-attention layers. long_rope_original: a LongRoPE model's
         original context when the engine's reaches past it (the model rotates a request longer than it with the
         long factors, shorter ones with the short factors); None otherwise. scheduling_policy: "fcfs" or
-        "priority" (both queues kept in (priority, arrival) order, see _priority_key)."""
+        "priority" (both queues kept in (priority, arrival) order, see _priority_key). ntk_original: a dynamic NTK
+        model's context when the engine's reaches past it (a prompt longer than it is rotated with its own
+        length's base: Request.ntk_prompt_len); None otherwise."""
         self.long_rope_original = long_rope_original
+        self.ntk_original = ntk_original
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {scheduling_policy!r}.")
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
@@ -205,6 +209,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         if self.long_rope_original is not None:
             request.rope_long = request.num_tokens > self.long_rope_original
+        if self.ntk_original is not None and request.num_prompt_tokens > self.ntk_original:
+            request.ntk_prompt_len = request.num_prompt_tokens
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
         if request.queued_time is None:  # (a preempted request keeps its first one)

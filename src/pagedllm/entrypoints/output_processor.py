@@ -366,9 +366,16 @@ class OutputProcessor:
         if state.detokenizer is not None and new_ids:
             params = state.params
             shown = _shown_ids(new_ids, out, params, self.special_ids)
-            delta = state.detokenizer.update(shown) if shown else ""
+            # As vLLM: the text of the first min_tokens tokens is never searched for stop strings (a match may
+            # start in it only if it ends in a later token), however many tokens a step brings.
+            within = 0
+            if params.stop and params.min_tokens:
+                within = min(max(params.min_tokens - (len(state.token_ids) - len(new_ids)), 0), len(shown))
+                if within:
+                    state.text += state.detokenizer.update(shown[:within])
+            delta = state.detokenizer.update(shown[within:]) if len(shown) > within else ""
             state.text += delta
-            if delta and params.stop and len(state.token_ids) >= params.min_tokens:
+            if delta and params.stop:
                 found = find_stop_string(state.text, len(delta), params.stop, params.include_stop_str_in_output)
                 if found is not None:
                     stop, keep = found

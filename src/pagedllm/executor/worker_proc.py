@@ -114,7 +114,8 @@ def _build(spec: WorkerSpec) -> Any:
 def _facts(worker: Any) -> dict:
     return {name: getattr(worker, name) for name in (
         "model_dir", "hf_config", "max_model_len", "vocab_size", "eos_token_ids", "num_blocks", "max_num_seqs",
-        "max_num_batched_tokens", "async_scheduling", "kv_group_windows", "long_rope_original")}
+        "max_num_batched_tokens", "async_scheduling", "kv_group_windows", "long_rope_original",
+        "ntk_original")}
 
 
 def _recv(sock: Any, zmq: Any, monitor: Any) -> Any:

@@ -4,10 +4,11 @@ A `RotaryEmbedding` precomputes cos/sin for every position up to its cache lengt
 gathers rows by position, so any mix of requests and positions in a flattened batch costs one
 index_select plus elementwise math (no per-token Python).
 
-Scaling types (HF `rope_scaling` / transformers-5 `rope_parameters`): default, linear, dynamic (NTK: the base
-chosen once for the engine's context length, because cached keys cannot be re-rotated when the sequence grows; see
-`DynamicNTKRotaryEmbedding`), llama3 (HF's exact formula), yarn and longrope (Phi-3 / Phi-4's "su": short factors
-for contexts within original_max_position_embeddings, the long ones beyond; see `LongRopeEmbedding`).
+Scaling types (HF `rope_scaling` / transformers-5 `rope_parameters`): default, linear, dynamic (NTK: each token
+rotated with the base transformers' generation gives it, for its position or its prompt's length past
+max_position_embeddings; see `DynamicNTKRotaryEmbedding`), llama3 (HF's exact formula), yarn and longrope (Phi-3 /
+Phi-4's "su": short factors for contexts within original_max_position_embeddings, the long ones beyond; see
+`LongRopeEmbedding`).
 """
 from __future__ import annotations
 
@@ -306,27 +307,82 @@ class LongRopeEmbedding(RotaryEmbedding):
 
 
 class DynamicNTKRotaryEmbedding(RotaryEmbedding):
-    """Dynamic NTK scaling: transformers rotates a sequence of s tokens with the base scaled for
-    max(s, max_position_embeddings), i.e. the unscaled base up to the model's context and a growing one past it,
-    recomputed as the sequence grows. A paged cache cannot re-rotate the keys it holds, so, as for LongRoPE, the
-    base is chosen once for the engine's context length (`set_context_len`): within the model's context the
-    unscaled base, which is transformers' result for every sequence; past it (VLLM_ALLOW_LONG_MAX_MODEL_LEN) the
-    base for a sequence of the whole context, transformers' result for a sequence that long."""
+    """Dynamic NTK scaling, as transformers applies it in generation.
+
+    transformers recomputes the base at each forward for the sequence length s = max position + 1 (scaled only
+    past max_position_embeddings, M) and rotates that forward's queries and keys with it; its KV cache keeps each
+    key as the forward that computed it rotated it (cached keys are never re-rotated). So in a generation the
+    token at position p is rotated once, with the base for s = max(p + 1, prompt length, M): the prompt's forward
+    uses the prompt's length, each decode step its own position. That never changes for a token, so a paged cache
+    holds exactly transformers' keys, and pagedllm follows transformers (vLLM computes one base, for M * factor,
+    for every sequence: not transformers' numbers even within M).
+
+    Row p of the table: position p with the base for s = max(p + 1, M) (decode tokens, a prompt's last token, and
+    every token of a prompt within M). The other tokens of a prompt longer than M need its length's base: the
+    runner computes their rows into scratch rows after the table each step (`write_rows`, `scratch_start`) and
+    points them there through per-token offsets (`offsets`, added by `model_positions`, as for LongRoPE); the
+    scheduler keys such prompts' prefix-cache blocks by their length. With the engine's context within M there is
+    one unscaled table. (transformers' module also carries state from one generation to the next: a sequence past
+    M after a longer one keeps the longer one's base; each request here gets a fresh model's result.)"""
 
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float, factor: float) -> None:
         super().__init__(head_size, rotary_dim, max_position, _base_inv_freq(base, rotary_dim))
         self.original_max_position, self.base, self.factor = max_position, base, factor
+        self.offsets: Optional[torch.Tensor] = None  # the runner's per-token offsets (worker/model_runner.py)
+        self.scratch_start: Optional[int] = None  # first scratch row; None: the context is within M
 
-    def inv_freq_for(self, context_len: int) -> torch.Tensor:
-        """transformers' inverse frequencies for a sequence of `context_len` tokens."""
-        seq_len = max(context_len, self.original_max_position)
-        ratio = self.factor * seq_len / self.original_max_position - (self.factor - 1)
-        return _base_inv_freq(self.base * ratio ** (self.rotary_dim / (self.rotary_dim - 2)), self.rotary_dim)
+    def inv_freq_for(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """[N, rotary_dim / 2]: transformers' inverse frequencies for sequences of these lengths, all past M (in
+        float32 from the length tensor, as transformers computes them during generation; within M it uses
+        `self.inv_freq`, from the Python float base)."""
+        m = self.original_max_position
+        seq = seq_lens.to(torch.int64)
+        base = self.base * (self.factor * seq / m - (self.factor - 1)) ** (self.rotary_dim / (self.rotary_dim - 2))
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=seq.device).to(torch.float)
+        return 1.0 / (base[:, None] ** (exponent / self.rotary_dim)[None, :])
+
+    def rows_for(self, positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """[N, rotary_dim] cos | sin of each position rotated with the base for its sequence length."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq_for(seq_lens)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
     def set_context_len(self, context_len: int) -> None:
-        inv_freq, rows = self.inv_freq_for(context_len), max(context_len, self.max_position)
-        if rows == self.max_position and torch.equal(inv_freq, self.inv_freq):
+        """Past M: the table's rows for every position below the context (no scratch rows yet)."""
+        if context_len <= self.original_max_position or context_len == self.scratch_start:
             return
-        self.inv_freq, self.max_position = inv_freq, rows
-        self.cos_sin_cache = cos_sin_rows(torch.arange(rows, dtype=torch.float32, device=self.cos_sin_cache.device),
-                                          self.inv_freq, self.attention_scaling)
+        m = self.original_max_position
+        positions = torch.arange(context_len, dtype=torch.int64, device=self.cos_sin_cache.device)
+        self.cos_sin_cache = torch.cat([cos_sin_rows(positions[:m], self.inv_freq, 1.0),
+                                        self.rows_for(positions[m:], positions[m:] + 1)])
+        self.max_position = self.scratch_start = context_len
+
+    def reserve_scratch(self, rows: int) -> None:
+        """At least `rows` scratch rows (before CUDA graphs are captured: they read the cache where it is)."""
+        if self.scratch_start is not None and self.cos_sin_cache.shape[0] - self.scratch_start < rows:
+            table = self.cos_sin_cache[:self.scratch_start]
+            self.cos_sin_cache = torch.cat([table, table.new_zeros(rows, self.rotary_dim)])
+
+    def write_rows(self, positions: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Scratch rows 0.. = these positions rotated with the base for these sequence lengths."""
+        start = self.scratch_start
+        self.cos_sin_cache[start:start + positions.shape[0]] = self.rows_for(positions, seq_lens)
+
+    def model_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Under a runner: positions plus its per-token offsets (a step larger than the buffer is a warm-up's);
+        plain positions (one sequence, no cache): transformers' forward, every position rotated with the base for
+        the sequence's length."""
+        if self.scratch_start is None or positions.numel() == 0:
+            return positions
+        n = positions.shape[0]
+        if self.offsets is not None:
+            return positions + self.offsets[:n] if n <= self.offsets.shape[0] else positions
+        seq_len = int(positions.max()) + 1
+        if seq_len <= self.original_max_position:
+            return positions
+        self.reserve_scratch(n)
+        self.write_rows(positions, torch.full_like(positions, seq_len))
+        return self.scratch_start + torch.arange(n, device=positions.device)
+
+    def extra_repr(self) -> str:
+        where = "unscaled, context within" if self.scratch_start is None else "context past"
+        return f"{super().extra_repr()}, dynamic NTK ({where} {self.original_max_position})"

@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Optional, Sequence
 
 from pagedllm.structured_output.params import SpecError, StructuredOutputsParams
+from pagedllm.structured_output.schema_merge import merge_all_of
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s*\S+?:\d+:\s*")  # xgrammar's "[hh:mm:ss] /path/file.cc:123: "
@@ -43,28 +44,37 @@ def json_object_schema() -> dict:
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA_KEYS = ("enum", "const", "default", "examples")  # JSON values, not schemas
 
 
 def strict_objects(schema: Any) -> Any:
-    """A copy where object schemas with properties and no "additionalProperties" get false, so the model keeps to
-    the listed properties (as vLLM's xgrammar strict mode does) while an open {"type": "object"} stays open (strict
-    mode would allow only {}). Applied for both backends alike."""
+    """A copy with allOf folded into its parent where it can be (`schema_merge`), where object schemas with
+    properties and no "additionalProperties" get false, so the model keeps to the listed properties (as vLLM's
+    xgrammar strict mode does) while an open {"type": "object"} stays open (strict mode would allow only {}).
+    Applied for both backends alike."""
+    return _closed(merge_all_of(schema)[0])
+
+
+def _closed(schema: Any, close: bool = True) -> Any:
     if isinstance(schema, list):
-        return [strict_objects(s) for s in schema]
+        return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for k, v in schema.items():
-        if k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema maps are not schemas themselves
-            out[k] = {name: strict_objects(sub) for name, sub in v.items()}
+        if k in _DATA_KEYS:
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema maps are not schemas themselves
+            out[k] = {name: _closed(sub) for name, sub in v.items()}
+        elif k == "allOf" and isinstance(v, list):
+            # An allOf left unfolded: closing the parent or a subschema would forbid the others' properties.
+            out[k] = [_closed(s, close=False) for s in v]
         else:
-            out[k] = strict_objects(v)
-    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+            out[k] = _closed(v)
+    if (close and "allOf" not in out and "properties" in out and "additionalProperties" not in out
+            and "unevaluatedProperties" not in out):
         out["additionalProperties"] = False
     return out
-
-
-_DATA_KEYS = ("enum", "const", "default", "examples")  # JSON values, not schemas
 
 
 def _loosened(schema: Any) -> Any:
@@ -174,15 +184,12 @@ class Unenforced(SpecError):
 
 
 def _xgrammar_unenforced(schema: Any) -> Optional[str]:
-    """What in the schema xgrammar compiles as "any value" without an error (allOf of several schemas, a $ref
-    to another document), as the sentence that refuses it; None if nothing."""
+    """What in the schema xgrammar compiles as "any value" without an error (a $ref to another document; allOf
+    is `_all_of_unenforced`'s), as the sentence that refuses it; None if nothing."""
     if isinstance(schema, list):
         return next((r for r in map(_xgrammar_unenforced, schema) if r), None)
     if not isinstance(schema, dict):
         return None
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return ("the xgrammar backend does not enforce allOf with more than one schema; use the guidance backend "
-                "(--structured-outputs-config '{\"backend\": \"guidance\"}')")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         return f"$ref {ref!r} points outside the schema; only local references such as '#/$defs/Name' are supported"
@@ -284,6 +291,12 @@ class XGrammarBackend(GrammarBackend):
         reason = (_unenforced_not(params.json) or _xgrammar_unenforced(params.json)) if params.kind == "json" else None
         if reason:
             raise SpecError(params, f"{reason}.")
+        conflicts = merge_all_of(params.json)[1] if params.kind == "json" else []
+        if conflicts:  # xgrammar compiles what stays in allOf as any value
+            keys = ", ".join(repr(k) for k in dict.fromkeys(conflicts))
+            what = f"allOf whose subschemas cannot be combined into one schema (each sets {keys})"
+            raise Unenforced(params, f"the xgrammar backend does not enforce {what}; use the guidance backend "
+                             "(--structured-outputs-config '{\"backend\": \"guidance\"}')", what)
         anchor = regex_mid_anchor(params.regex) if params.kind == "regex" else None
         if anchor:
             what = f"the anchor {anchor[0]!r} at position {anchor[1]} of the regex"

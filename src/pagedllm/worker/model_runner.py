@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -86,6 +86,11 @@ class ModelRunner:
         self.rope_offsets, self.long_rope_offset, self.long_rope_original = long_rope_tables(
             model, max_num_batched_tokens, device)
         self.input_batch.long_rope_original = self.long_rope_original
+        # Dynamic NTK with the engine's context past the model's (DynamicNTKRotaryEmbedding): the tokens of a prompt
+        # longer than the model's context, but its last, read rows computed each step into the scratch rows.
+        self.ntk_ropes, self.ntk_original = dynamic_ntk_tables(model, max_num_batched_tokens, device)
+        if self.ntk_ropes:
+            self.rope_offsets = self.ntk_ropes[0].offsets
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
         self.cuda_graphs = None  # set by initialize_kv_cache on CUDA
@@ -320,16 +325,23 @@ class ModelRunner:
         num64 = len(int64_arrays)
         group_slots = inp.group_slot_mappings or []
         dev_arrays = dev_step.arrays if dev_step is not None else []
-        staged64 = self.stager.stage(int64_arrays + spec_arrays + group_slots + dev_arrays, np.int64)
+        # Every step (rows of an earlier step's requests are reset too); staged with the rest, as a second stage()
+        # of one step would overwrite the pinned buffer under the first one's copy.
+        rope_arrays = self._rope_arrays(inp) if self.rope_offsets is not None else []
+        staged64 = self.stager.stage(int64_arrays + spec_arrays + group_slots + rope_arrays + dev_arrays, np.int64)
         input_ids, positions, slot_mapping, fill_src_t, fill_dst_t, logits_idx_t = staged64[:6]
         top_k_t = staged64[6] if num64 > 6 else None
         spec_staged = staged64[num64:num64 + len(spec_arrays)]
-        group_slots_t = staged64[num64 + len(spec_arrays):num64 + len(spec_arrays) + len(group_slots)]
+        first = num64 + len(spec_arrays)
+        group_slots_t = staged64[first:first + len(group_slots)]
+        if rope_arrays:
+            rope_t = staged64[first + len(group_slots):first + len(group_slots) + len(rope_arrays)]
+            self.rope_offsets[:len(rope_arrays[0])].copy_(rope_t[0])
+            if len(rope_t) == 3:  # dynamic NTK: the scratch rows those offsets point to
+                for rope in self.ntk_ropes:
+                    rope.write_rows(rope_t[1], rope_t[2])
         if dev_step is not None:
             dev_step.staged = staged64[len(staged64) - len(dev_arrays):]
-        if self.long_rope_offset is not None:  # every step: rows of an earlier step's long requests are reset too
-            offsets = self._rope_offsets(inp)
-            self.rope_offsets[:len(offsets)].copy_(self.stager.stage([offsets], np.int64)[0])
         floats_t = None
         if stage_sampling and step_sampling.floats is not None:
             floats_t = self.stager.stage([step_sampling.floats], np.float32)[0]
@@ -595,10 +607,24 @@ class ModelRunner:
         if pooled:
             inp.pooled = pooled
 
-    def _rope_offsets(self, inp) -> np.ndarray:
-        """Per token of the step, what LongRoPE adds to its position: a long request's tokens read the long rows."""
-        flags = np.fromiter((s.rope_long for s in inp.states), dtype=np.int64, count=len(inp.states))
-        return self.long_rope_offset * np.repeat(flags, np.diff(inp.query_start_loc))
+    def _rope_arrays(self, inp) -> list[np.ndarray]:
+        """[per token of the step, what the rotary adds to its position], and for dynamic NTK the positions and
+        sequence lengths of the scratch rows the offsets point to. LongRoPE: a long request's tokens read the long
+        rows. Dynamic NTK: a prompt longer than the model's context rotates its tokens (but the last, whose row is
+        its own position's) with the base for its length, as transformers' prompt forward does."""
+        counts = np.diff(inp.query_start_loc)
+        if self.long_rope_offset is not None:
+            flags = np.fromiter((s.rope_long for s in inp.states), dtype=np.int64, count=len(inp.states))
+            return [self.long_rope_offset * np.repeat(flags, counts)]
+        prompt_lens = np.repeat(np.fromiter((len(s.prompt_token_ids) for s in inp.states), dtype=np.int64,
+                                            count=len(inp.states)), counts)
+        positions = inp.positions[:len(prompt_lens)]
+        need = np.flatnonzero((prompt_lens > self.ntk_original) & (positions < prompt_lens - 1))
+        offsets = np.zeros(len(prompt_lens), dtype=np.int64)
+        if len(need) == 0:
+            return [offsets]
+        offsets[need] = self.ntk_ropes[0].scratch_start + np.arange(len(need)) - positions[need]
+        return [offsets, positions[need], prompt_lens[need]]
 
     def _in_flight_rows(self, inp) -> tuple[np.ndarray, np.ndarray]:
         """Input positions past what the host knows hold tokens sampled by the step still in flight:
@@ -690,6 +716,23 @@ class PendingOutput:
             self._output.prompt_logprobs = self.prompt_logprobs
             self._output.pooled = self.inp.pooled
         return self._output
+
+
+def dynamic_ntk_tables(model: torch.nn.Module, max_tokens: int, device: torch.device
+                       ) -> tuple[list[Any], Optional[int]]:
+    """(the dynamic NTK embeddings whose context passes the model's, that context) or ([], None); they read their
+    per-token offsets from one buffer, which the runner fills each step, and have scratch rows for a step's
+    tokens."""
+    from pagedllm.layers.rotary_embedding import DynamicNTKRotaryEmbedding
+
+    ropes = [m for m in model.modules() if isinstance(m, DynamicNTKRotaryEmbedding) and m.scratch_start is not None]
+    if not ropes:
+        return [], None
+    offsets = torch.zeros(max_tokens + 64, dtype=torch.int64, device=device)  # (+64: a verify step's padding)
+    for rope in ropes:
+        rope.offsets = offsets
+        rope.reserve_scratch(max_tokens + 64)
+    return ropes, ropes[0].original_max_position
 
 
 def long_rope_tables(model: torch.nn.Module, max_tokens: int, device: torch.device

@@ -230,6 +230,7 @@ class Worker:
             kv_groups=self.kv_groups, logprobs_mode=args.logprobs_mode, graph_settings=graphs)
         self.runner.lora = self.lora_manager
         self.long_rope_original = self.runner.long_rope_original  # the scheduler's LongRoPE boundary (or None)
+        self.ntk_original = self.runner.ntk_original  # dynamic NTK's (long prompts' prefix-cache roots), or None
         if self.lora_manager is not None:
             self.lora_manager.warm_up(self.max_num_batched_tokens)
         self.speculative = args.speculative()
