@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
+from pagedllm.compilation_config import GraphSettings
 from pagedllm.forward_context import AttentionMetadata, with_kv_groups
 from pagedllm.worker.cuda_graph import CudaGraphRunner
 
@@ -37,7 +38,8 @@ class _Check:
 def _runner() -> CudaGraphRunner:
     runner = SimpleNamespace(device=torch.device("cpu"), max_num_seqs=40, scratch_block=SCRATCH, block_size=BS,
                              attn_backend=SimpleNamespace(wants_decode_order=True), num_kv_groups=2,
-                             max_blocks_per_req=MAX_BLOCKS, lora=None, model=None)
+                             max_blocks_per_req=MAX_BLOCKS, lora=None, model=None,
+                             graph_settings=GraphSettings())
     return CudaGraphRunner(runner)
 
 
