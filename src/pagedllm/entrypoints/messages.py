@@ -158,6 +158,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     token_labels: Optional[list[str]] = None  # a token classifier's labels (pooling/); None: not one
     pooling_tasks: list[str] = []  # vLLM's pooling tasks the model answers (pooling.supported_tasks)
     step_pooling: Optional[dict] = None  # the engine's STEP pooling settings (pooling.step_pooling); None: ALL
+    architecture: Optional[str] = None  # the served model's (config.architectures[0]), for refusals naming it
     pad_token_id: Optional[int] = None  # the config's (a classifier scores the last token that is not it)
     engine_index: int = 0  # which data-parallel engine core is ready
     cache_config: dict[str, str] = {}  # vLLM's CacheConfig fields as strings (vllm:cache_config_info)
