@@ -119,6 +119,27 @@ def test_process_reward_model_step_pooling(tiny_reward_dir):
                      use_tqdm=False)[0]
     mask = torch.tensor([t == other for t in prompts[0]])
     torch.testing.assert_close(out.outputs.data, wants[0][mask][:, :1], atol=1e-4, rtol=1e-4)
+    del llm
+    with pytest.raises(ValueError, match=r"returned_token_ids \[5\] are out of range"):  # (checked at start)
+        LLM(model=model_dir, pooler_config={"pooling_type": "STEP", "returned_token_ids": [0, 5]}, **SMALL)
+
+
+def test_step_pooling_of_a_causal_lm_served_for_rewards(tiny_model_dir):
+    """convert "reward" with pooler_config STEP: the chosen hidden-state columns of the step-tag tokens' final hidden
+    states, as they are (no head, no activation)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir("qwen3")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    llm = LLM(model=model_dir, convert="reward", pooler_config={"pooling_type": "STEP", "step_tag_id": TAG,
+                                                                "returned_token_ids": [0, 5, 63]}, **SMALL)
+    prompts = tagged_prompts([21, 6], seed=13)
+    outs = llm.reward([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            states = hf.model(torch.tensor([prompt])).last_hidden_state[0]
+        mask = torch.tensor([t == TAG for t in prompt])
+        torch.testing.assert_close(out.outputs.data, states[mask][:, [0, 5, 63]], atol=1e-4, rtol=1e-4)
 
 
 def _args(**kw):
