@@ -176,6 +176,7 @@ def test_step_flags_and_refusals():
             (_args(pooler_config={"pooling_type": "step"}), None, None, "STEP .* not for this model"),
             (_args(pooler_config={"pooling_type": "step"}), ["a"], None, "pooling_type STEP is not supported"),
             (_args(pooler_config={"step_tag_id": 3}), None, ["B", "O"], "apply to STEP pooling; this model .* ALL"),
+            (_args(pooler_config={"step_tag_id": 3}), None, None, "apply to STEP pooling; .* serves no per-token"),
             (_args(pooler_config={"pooling_type": "mean"}), None, reward, "pooling_type MEAN is not supported")]:
         with pytest.raises(ValueError, match=message):
             check_runner_fits(args, labels, "X", token_labels)

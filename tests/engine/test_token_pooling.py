@@ -127,7 +127,7 @@ def test_tasks_and_flags_per_model():
         with pytest.raises(ValueError, match=message):
             check_runner_fits(args, labels, "X", token_labels)
     assert check_pooler_config({"pooling_type": "ALL"}) == {"pooling_type": "all"}
-    assert check_pooler_config({"pooling_type": "STEP"}) == {"pooling_type": "step"}  # (tests/engine/test_reward_models)
+    assert check_pooler_config({"pooling_type": "STEP"}) == {"pooling_type": "step"}  # (test_reward_models.py)
     from pagedllm.config import EngineArgs
 
     assert EngineArgs(convert="reward").embeddings_only and EngineArgs(task="reward").embeddings_only

@@ -54,14 +54,14 @@ CLASSIFIER_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSequenc
                             "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 
 
-# Decoder stacks with a `score` head (with a bias) over every token (transformers' *ForTokenClassification): they serve
-# token classification only.
 # Reward models (remote code on the Hub, not in transformers): the decoder and a `score` head Linear(hidden, hidden)
 # -> ReLU -> Linear(hidden, num_labels) (both biased) over every token. vLLM fixes each one's labels, whatever the
 # config says (its num_labels defaults to 2), and its default token pooling: architecture -> (num_labels, pooling).
 REWARD_MODEL_ARCHITECTURES = {"Qwen2ForRewardModel": (1, TOKEN_POOLING),
                               "Qwen2ForProcessRewardModel": (2, STEP_POOLING)}
 
+# Decoder stacks with a `score` head (with a bias) over every token (transformers' *ForTokenClassification), and the
+# reward models: they serve token classification only.
 TOKEN_CLASSIFIER_ARCHITECTURES = ("LlamaForTokenClassification", "MistralForTokenClassification",
                                   "Qwen2ForTokenClassification", "Qwen3ForTokenClassification",
                                   *REWARD_MODEL_ARCHITECTURES)
@@ -204,10 +204,11 @@ def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architectur
     if kind == TOKEN_POOLING and labels is None and not token_only:
         raise ValueError("pooler_config's pooling_type ALL is the per-token tasks' pooling (token_embed, "
                          "token_classify, reward: they ask for it themselves); embeddings pool LAST, MEAN or CLS.")
-    if {"step_tag_id", "returned_token_ids"} & set(pooler) and token_only and \
-            step_pooling(architecture, pooler) is None:
+    if {"step_tag_id", "returned_token_ids"} & set(pooler) and (not token_only
+                                                                or step_pooling(architecture, pooler) is None):
+        pools = "pools ALL: give pooling_type STEP with them" if token_only else "serves no per-token rewards"
         raise ValueError(f"pooler_config's step_tag_id / returned_token_ids apply to STEP pooling; this model "
-                         f"({architecture or 'a causal LM'}) pools ALL: give pooling_type STEP with them.")
+                         f"({architecture or 'a causal LM'}) {pools}.")
 
 
 def step_pooling(architecture: Optional[str], pooler_config: Optional[dict]) -> Optional[dict]:
