@@ -353,7 +353,8 @@ class PoolingParams:
     dimensions: the vector's length, shorter than the hidden size only for a Matryoshka-trained model (its first
     values, then normalized); truncate_prompt_tokens: keep the prompt's last k tokens (-1: the model's context).
     use_activation (classify, token_classify): None / True the label probabilities, False the raw logits.
-    normalize and dimensions apply to token_embed's rows as to an embedding."""
+    normalize and dimensions apply to token_embed's rows as to an embedding. step_tag_id / returned_token_ids
+    (token_classify on an engine that pools STEP) go over the engine's pooler_config (`request_step`)."""
 
     pooling_type: Optional[str] = None
     normalize: Optional[bool] = None
