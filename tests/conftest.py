@@ -334,6 +334,45 @@ def tiny_classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..
     return make
 
 
+def save_tiny_reward_model(path: str, arch: str, seed: int = 0, lm_head: bool = False) -> str:
+    """A tiny random Qwen2ForRewardModel / Qwen2ForProcessRewardModel saved as its Hub checkpoints are (remote code,
+    not in transformers): a transformers Qwen2Model under `model.` plus the two-layer head `score.0` / `score.2`
+    (biased); config.json as the Hub's (auto_map, no num_labels: the architecture fixes it). lm_head: also an
+    lm_head.weight (which the reward class has no use for)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2Model
+
+    config = tiny_hf_config("qwen2", tie_word_embeddings=False)
+    config.architectures = [arch]
+    config.auto_map = {"AutoConfig": "configuration_qwen2_rm.Qwen2RMConfig", "AutoModel": f"modeling_qwen2_rm.{arch}"}
+    torch.manual_seed(seed)
+    weights = {f"model.{k}": v.contiguous() for k, v in Qwen2Model(config).state_dict().items()}
+    hidden, labels = config.hidden_size, 1 if arch == "Qwen2ForRewardModel" else 2
+    weights.update({"score.0.weight": torch.randn(hidden, hidden) * 0.2, "score.0.bias": torch.randn(hidden) * 0.5,
+                    "score.2.weight": torch.randn(labels, hidden) * 0.5, "score.2.bias": torch.randn(labels) * 0.5})
+    if lm_head:
+        weights["lm_head.weight"] = torch.randn(config.vocab_size, hidden) * 0.05
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    build_tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """Factory: tiny_reward_dir(arch, lm_head=False) -> dir (Qwen2ForRewardModel / Qwen2ForProcessRewardModel), each
+    built once per session."""
+    built: dict[tuple, str] = {}
+
+    def make(arch: str, lm_head: bool = False) -> str:
+        if (arch, lm_head) not in built:
+            built[arch, lm_head] = save_tiny_reward_model(str(tmp_path_factory.mktemp(f"tiny-{arch}")), arch,
+                                                          lm_head=lm_head)
+        return built[arch, lm_head]
+    return make
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dir: Callable[..., str]) -> str:
     return tiny_model_dir("llama")

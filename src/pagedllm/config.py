@@ -93,7 +93,8 @@ class EngineArgs:
     # for a model without its head); convert "embed" and the older task "embed" mean the same; convert "classify"
     # (task "classify" / "score") serves a *ForSequenceClassification / *ForTokenClassification model (which never
     # generates); convert / task "reward" every token's output (a causal LM's hidden states). pooler_config:
-    # {"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL", "normalize": bool} over the model's own defaults.
+    # {"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL" | "STEP", "normalize": bool, "step_tag_id": int,
+    # "returned_token_ids": [int]} over the model's own defaults (STEP: pooling.step_pooling).
     runner: str = "auto"
     convert: str = "auto"
     # config.json fields set over the file's, e.g. {"max_position_embeddings": 65536} (vLLM's hf_overrides)

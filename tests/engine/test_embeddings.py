@@ -283,7 +283,7 @@ def test_pooling_runner_and_pooler_config(tiny_llama_dir):
     assert not llm.engine.has_unfinished_requests()
     llm.shutdown()
     for kwargs, message in [({"task": "embed", "runner": "generate"}, "contradict each other"),
-                            ({"pooler_config": {"pooling_type": "MAX"}}, "must be LAST, MEAN, CLS or ALL"),
+                            ({"pooler_config": {"pooling_type": "MAX"}}, "must be LAST, MEAN, CLS, ALL or STEP"),
                             ({"pooler_config": {"dimensions": 8}}, "\\['dimensions'\\] is not supported"),
                             ({"convert": "mm_encoder_only"}, "other conversions are not built"),
                             ({"convert": "classify"}, "\\(LlamaForCausalLM\\) is not one \\(to rank with LM-head rows")]:

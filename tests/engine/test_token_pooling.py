@@ -56,7 +56,8 @@ def test_token_classifier_logits_match_hf_through_chunks(arch, tiny_classifier_d
                           (lambda: llm.encode("hello", pooling_task="encode"), "must be one of"),
                           (lambda: llm.reward("hi", pooling_params=PoolingParams(normalize=False)),
                            "takes use_activation"),
-                          (lambda: PoolingParams(step_tag_id=7), "STEP pooling"),
+                          (lambda: llm.reward("hi", pooling_params=PoolingParams(step_tag_id=7)),
+                           "step_tag_id apply to STEP pooling"),
                           (lambda: llm.reward("hi", truncate_prompt_tokens=2,
                                               pooling_params=PoolingParams()), "not both")]:
         with pytest.raises(ValueError, match=message):
@@ -126,9 +127,7 @@ def test_tasks_and_flags_per_model():
         with pytest.raises(ValueError, match=message):
             check_runner_fits(args, labels, "X", token_labels)
     assert check_pooler_config({"pooling_type": "ALL"}) == {"pooling_type": "all"}
-    for config in ({"pooling_type": "STEP"}, {"step_tag_id": 12}):
-        with pytest.raises(ValueError, match="STEP pooling"):
-            check_pooler_config(config)
+    assert check_pooler_config({"pooling_type": "STEP"}) == {"pooling_type": "step"}  # (test_reward_models.py)
     from pagedllm.config import EngineArgs
 
     assert EngineArgs(convert="reward").embeddings_only and EngineArgs(task="reward").embeddings_only

@@ -87,6 +87,16 @@ class EngineCore:
         check_runner_fits(engine_args, self.classifier_labels, architectures[0], self.token_labels)
         # vLLM's pooling tasks the model answers: LLM.encode / POST /pooling choose among them
         self.pooling_tasks = supported_tasks(engine_args, self.classifier_labels, self.token_labels)
+        from pagedllm.pooling import step_pooling
+
+        # STEP pooling's settings (None: ALL) of a token-only engine; the entry points cut the rows (pooling.step_rows)
+        self.step_pooling = step_pooling(self.architecture, engine_args.pooler_config) \
+            if self.pooling_tasks == ("token_classify",) else None
+        if self.step_pooling is not None:
+            from pagedllm.pooling import check_step_columns
+
+            check_step_columns(self.step_pooling["returned_token_ids"], len(self.token_labels or self.classifier_labels
+                                                                            or ()) or self.hidden_size)
         self.block_size = engine_args.block_size
         self.num_blocks = w.num_blocks
         self.scheduler = Scheduler(

@@ -90,6 +90,8 @@ def run_engine_core(engine_args: Any, input_addr: Union[str, list[str]], output_
             classifier_labels=core.classifier_labels,
             token_labels=core.token_labels,
             pooling_tasks=list(core.pooling_tasks),
+            step_pooling=core.step_pooling,
+            architecture=core.architecture,
             pad_token_id=core.pad_token_id if isinstance(core.pad_token_id, int) else None,
             engine_index=engine_index,
             cache_config=core.cache_config_info(),

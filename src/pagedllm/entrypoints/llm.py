@@ -155,8 +155,11 @@ class LLM:
                use_tqdm: UseTqdm = True, pooling_params: Any = None, lora_request: Any = None) -> list:
         """vLLM's LLM.reward: LLM.encode(..., pooling_task="token_classify"), one pooling.PoolingRequestOutput per
         prompt whose .outputs.data is a [num_tokens, width] float32 tensor: a token or sequence classifier's label
-        probabilities per token (pooling_params use_activation=False: the logits), or, for a model served with
-        convert / task "reward", every token's final hidden state as it is."""
+        probabilities per token (pooling_params use_activation=False: the logits; a reward model's: the sigmoid of
+        its one reward, the softmax of a process reward model's two), or, for a model served with convert / task
+        "reward", every token's final hidden state as it is. With STEP pooling (a process reward model's default, or
+        pooler_config pooling_type STEP) only the rows of tokens equal to step_tag_id, and of those only the
+        returned_token_ids columns (the activation over those), each given by pooler_config or pooling_params."""
         if truncate_prompt_tokens is not None:
             from pagedllm.pooling import PoolingParams
 
@@ -404,6 +407,7 @@ class LLM:
         if task not in POOLING_TASKS:
             raise ValueError(f"pooling_task must be one of {', '.join(POOLING_TASKS)} (other tasks are not built), "
                              f"got {task!r}.")
+        widths: list = [None] * (1 if _one_prompt(prompts) else len(prompts))
         if task == "embed":
             outs = self.embed(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
             data = [o.outputs.embedding for o in outs]
@@ -411,14 +415,18 @@ class LLM:
             outs = self.classify(prompts, pooling_params=pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
             data = [o.outputs.probs for o in outs]
         else:
-            outs, data = self._per_token(prompts, task, pooling_params, use_tqdm, lora_request)
-        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(d, dtype=torch.float32)),
-                                     o.prompt_token_ids, True, o.prompt) for o, d in zip(outs, data)]
+            outs, data, widths = self._per_token(prompts, task, pooling_params, use_tqdm, lora_request)
+        # (an empty STEP output keeps its row width: a [0, width] tensor)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(d, dtype=torch.float32) if d or not
+                                                                 isinstance(w, int) else torch.zeros((0, w))),
+                                     o.prompt_token_ids, True, o.prompt) for o, d, w in zip(outs, data, widths)]
 
     def _per_token(self, prompts: Any, task: str, pooling_params: Any, use_tqdm: UseTqdm, lora_request: Any
-                   ) -> tuple[list, list[list[list[float]]]]:
-        """(the engine's outputs, one row per prompt token for each) of a token task (pooling.token_outputs)."""
-        from pagedllm.pooling import NO_HEAD_ACTIVATION, input_truncation, resolve, sampling_params_for, token_outputs
+                   ) -> tuple[list, list[list[list[float]]], list[int]]:
+        """(the engine's outputs, one row per prompt token for each (pooling.token_outputs), each one's row width) of
+        a token task."""
+        from pagedllm.pooling import (NO_HEAD_ACTIVATION, check_step_columns, input_truncation, request_step, resolve,
+                                      sampling_params_for, token_outputs)
 
         engine = self.engine
         if task not in engine.pooling_tasks:
@@ -434,6 +442,10 @@ class LLM:
             raise ValueError(NO_HEAD_ACTIVATION)
         finishing = [resolve(p, engine.pooling_defaults, engine.hidden_size)[1:] if task == "token_embed"
                      else (True, None) for p in pooling_list]
+        steps = [request_step(engine.step_pooling, p) for p in pooling_list]  # (refused before anything runs)
+        width = len(engine.token_labels or engine.classifier_labels or ()) or engine.hidden_size
+        for step in steps:
+            check_step_columns(None if step is None else step["returned_token_ids"], width)
         params = [sampling_params_for("all", None if p is None else input_truncation(p.truncate_prompt_tokens,
                                                                                      engine.max_model_len))
                   for p in pooling_list]
@@ -441,13 +453,15 @@ class LLM:
         outputs = self._run(items, use_tqdm, self._add_loras(lora_request, len(items)),
                             [self._cache_salt(p) for p in prompts])
         data = []
-        for i, (out, p, (normalize, dimensions)) in enumerate(zip(outputs, pooling_list, finishing)):
+        for i, (out, p, (normalize, dimensions), step) in enumerate(zip(outputs, pooling_list, finishing, steps)):
             if out.pooled is None:  # the engine failed it (finish_reason "error": the warning logged says why)
                 raise RuntimeError(f"The {task} output of prompt {i} failed: "
                                    f"{out.outputs[0].finish_reason if out.outputs else 'no output'}.")
             data.append(token_outputs(out.pooled, len(out.prompt_token_ids), task, has_head,
-                                      None if p is None else p.use_activation, normalize, dimensions))
-        return outputs, data
+                                      None if p is None else p.use_activation, normalize, dimensions, step,
+                                      out.prompt_token_ids))
+        widths = [len(step["returned_token_ids"]) if step and step["returned_token_ids"] else width for step in steps]
+        return outputs, data, widths
 
     def _classified(self, inputs: list, truncate_prompt_tokens: Optional[int], use_tqdm: UseTqdm,
                     lora_request: Any, salts: Optional[list] = None) -> list:

@@ -469,6 +469,33 @@ class TokenClassifier(ScoreHead):
             self.score = PPMissingLayer()
 
 
+class RewardHead(ScoreHead):
+    """Mixed in before a causal class: the reward models of pooling.REWARD_MODEL_ARCHITECTURES (Qwen2.5-Math-RM /
+    -PRM, remote code on the Hub): the decoder under `model.` and a two-layer `score` head, Linear(hidden, hidden) ->
+    ReLU -> Linear(hidden, num_labels), both biased ("score.0.*", "score.2.*"), over every token. num_labels is the
+    architecture's (1 for an outcome reward, 2 for a process reward), whatever the config says, as vLLM fixes it."""
+
+    reward_architecture = ""  # the subclass's name in REWARD_MODEL_ARCHITECTURES
+
+    def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
+        from pagedllm.pooling import REWARD_MODEL_ARCHITECTURES
+
+        super().__init__(hf_config, dtype, quant_config)
+        self.num_labels = REWARD_MODEL_ARCHITECTURES[self.reward_architecture][0]
+        hidden = hf_config.hidden_size
+        if self.model.is_last_stage:
+            self.score = nn.Sequential(nn.Linear(hidden, hidden, dtype=self.dtype), nn.ReLU(),
+                                       nn.Linear(hidden, self.num_labels, dtype=self.dtype))
+        else:
+            self.score = PPMissingLayer()
+
+    def classify(self, states: torch.Tensor) -> torch.Tensor:
+        # [N, hidden_size] -> [N, num_labels] float32: the head in fp32, as vLLM's pooling head dtype
+        first, last = self.score[0], self.score[2]
+        x = torch.nn.functional.linear(states.float(), first.weight.float(), first.bias.float()).relu_()
+        return torch.nn.functional.linear(x, last.weight.float(), last.bias.float())
+
+
 class LlamaForSequenceClassification(SequenceClassifier, LlamaForCausalLM):
     """Llama (and Mistral, same layout) with a classification head."""
 

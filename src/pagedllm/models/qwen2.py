@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, SequenceClassifier,
-                                   TokenClassifier)
+from pagedllm.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, RewardHead,
+                                   SequenceClassifier, TokenClassifier)
 
 
 class Qwen2Attention(LlamaAttention):
@@ -27,3 +27,15 @@ class Qwen2ForSequenceClassification(SequenceClassifier, Qwen2ForCausalLM):
 
 class Qwen2ForTokenClassification(TokenClassifier, Qwen2ForCausalLM):
     """Qwen2 with a per-token classification head (llama.TokenClassifier)."""
+
+
+class Qwen2ForRewardModel(RewardHead, Qwen2ForCausalLM):
+    """Qwen2.5-Math-RM: one reward per token (llama.RewardHead, one label); vLLM pools ALL."""
+
+    reward_architecture = "Qwen2ForRewardModel"
+
+
+class Qwen2ForProcessRewardModel(RewardHead, Qwen2ForCausalLM):
+    """Qwen2.5-Math-PRM: two label logits per token (llama.RewardHead); vLLM pools STEP by default."""
+
+    reward_architecture = "Qwen2ForProcessRewardModel"

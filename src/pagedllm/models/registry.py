@@ -32,6 +32,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForTokenClassification": ("llama", "LlamaForTokenClassification"),
     "Qwen2ForTokenClassification": ("qwen2", "Qwen2ForTokenClassification"),
     "Qwen3ForTokenClassification": ("qwen3", "Qwen3ForTokenClassification"),
+    # reward models (pooling.REWARD_MODEL_ARCHITECTURES): per-token rewards through a two-layer head
+    "Qwen2ForRewardModel": ("qwen2", "Qwen2ForRewardModel"),
+    "Qwen2ForProcessRewardModel": ("qwen2", "Qwen2ForProcessRewardModel"),
 }
 
 # Multimodal checkpoints served as their text model: the loader hands the model class the config's text_config

@@ -19,7 +19,12 @@ Token-wise tasks (vLLM's token_classify / token_embed, LLM.reward) pool "all": e
 through the model's head when it has one, so `pooled` holds [num_tokens x width] values row after row (width: the
 labels of a classifier, else the hidden size). Token classifiers (`*ForTokenClassification`, NER-style) and
 sequence classifiers give per-token label logits; a causal LM served with convert / task "reward" gives its raw
-hidden states (vLLM's reward pooling: ALL, no normalization, no softmax).
+hidden states (vLLM's reward pooling: ALL, no normalization, no softmax). Reward models (`REWARD_MODEL_ARCHITECTURES`:
+Qwen2ForRewardModel, Qwen2ForProcessRewardModel) are token classifiers whose head is two layers.
+
+STEP pooling (vLLM's, for process reward models) is ALL pooling cut down on the host once the rows arrive
+(`step_rows`): only the rows of tokens equal to `step_tag_id` (every row without one), only the `returned_token_ids`
+columns of each (every column without them), then the activation over what is left (`token_outputs`).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from typing import Any, Optional
 
 POOLING_TYPES = ("last", "mean", "cls")  # sequence-wise: one vector per prompt
 TOKEN_POOLING = "all"  # token-wise: one row per prompt token (token_classify, token_embed, reward)
+STEP_POOLING = "step"  # token-wise, then only the rows of step-tag tokens / the chosen columns (step_rows)
 # vLLM's pooling tasks that pagedllm serves (LLM.encode's pooling_task, /pooling's task)
 POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 
@@ -48,10 +54,17 @@ CLASSIFIER_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSequenc
                             "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 
 
-# Decoder stacks with a `score` head (with a bias) over every token (transformers' *ForTokenClassification): they serve
-# token classification only.
+# Reward models (remote code on the Hub, not in transformers): the decoder and a `score` head Linear(hidden, hidden)
+# -> ReLU -> Linear(hidden, num_labels) (both biased) over every token. vLLM fixes each one's labels, whatever the
+# config says (its num_labels defaults to 2), and its default token pooling: architecture -> (num_labels, pooling).
+REWARD_MODEL_ARCHITECTURES = {"Qwen2ForRewardModel": (1, TOKEN_POOLING),
+                              "Qwen2ForProcessRewardModel": (2, STEP_POOLING)}
+
+# Decoder stacks with a `score` head (with a bias) over every token (transformers' *ForTokenClassification), and the
+# reward models: they serve token classification only.
 TOKEN_CLASSIFIER_ARCHITECTURES = ("LlamaForTokenClassification", "MistralForTokenClassification",
-                                  "Qwen2ForTokenClassification", "Qwen3ForTokenClassification")
+                                  "Qwen2ForTokenClassification", "Qwen3ForTokenClassification",
+                                  *REWARD_MODEL_ARCHITECTURES)
 
 
 def _architecture(hf_config: Any) -> Optional[str]:
@@ -65,12 +78,16 @@ def classifier_labels(hf_config: Any) -> Optional[list[str]]:
 
 
 def token_classifier_labels(hf_config: Any) -> Optional[list[str]]:
-    """A token classifier's label names, in logit order; None for other models."""
-    return _labels(hf_config) if _architecture(hf_config) in TOKEN_CLASSIFIER_ARCHITECTURES else None
+    """A token classifier's (or reward model's) label names, in logit order; None for other models."""
+    arch = _architecture(hf_config)
+    if arch in REWARD_MODEL_ARCHITECTURES:
+        return _labels(hf_config, REWARD_MODEL_ARCHITECTURES[arch][0])
+    return _labels(hf_config) if arch in TOKEN_CLASSIFIER_ARCHITECTURES else None
 
 
-def _labels(hf_config: Any) -> list[str]:
-    num_labels = int(getattr(hf_config, "num_labels", 0) or 0)
+def _labels(hf_config: Any, num_labels: Optional[int] = None) -> list[str]:
+    if num_labels is None:
+        num_labels = int(getattr(hf_config, "num_labels", 0) or 0)
     id2label = getattr(hf_config, "id2label", None) or {}
     labels = {int(k): str(v) for k, v in id2label.items()}
     return [labels.get(i, f"LABEL_{i}") for i in range(num_labels)]
@@ -175,20 +192,75 @@ def check_runner_fits(engine_args: Any, labels: Optional[list[str]], architectur
                          f"(as transformers does); pooler_config's pooling_type {kind.upper()} is not supported for "
                          "it.")
     token_only = supported_tasks(engine_args, labels, token_labels) == ("token_classify",)
-    if token_only and kind not in (None, TOKEN_POOLING):
+    if token_only and kind not in (None, TOKEN_POOLING, STEP_POOLING):
         raise ValueError(f"This model ({architecture or 'a causal LM'}) is served for per-token outputs (a token "
-                         f"classifier, or convert / task 'reward'), which pool every token (ALL); pooler_config's "
-                         f"pooling_type {kind.upper()} is not supported for it.")
+                         f"classifier, a reward model, or convert / task 'reward'), which pool every token (ALL or "
+                         f"STEP); pooler_config's pooling_type {kind.upper()} is not supported for it.")
+    if kind == STEP_POOLING and not token_only:
+        raise ValueError("pooler_config's pooling_type STEP (per-token rewards at step tags) is supported only for "
+                         "models served for per-token outputs only (a token classifier, a reward model such as "
+                         "Qwen2ForProcessRewardModel, or convert / task 'reward'), not for this model "
+                         f"({architecture or 'a causal LM'}).")
     if kind == TOKEN_POOLING and labels is None and not token_only:
         raise ValueError("pooler_config's pooling_type ALL is the per-token tasks' pooling (token_embed, "
                          "token_classify, reward: they ask for it themselves); embeddings pool LAST, MEAN or CLS.")
+    if {"step_tag_id", "returned_token_ids"} & set(pooler) and (not token_only
+                                                                or step_pooling(architecture, pooler) is None):
+        pools = "pools ALL: give pooling_type STEP with them" if token_only else "serves no per-token rewards"
+        raise ValueError(f"pooler_config's step_tag_id / returned_token_ids apply to STEP pooling; this model "
+                         f"({architecture or 'a causal LM'}) {pools}.")
+
+
+def step_pooling(architecture: Optional[str], pooler_config: Optional[dict]) -> Optional[dict]:
+    """The engine's STEP pooling ({"step_tag_id", "returned_token_ids"}, either None) where its token pooling is STEP
+    (pooler_config's pooling_type, else the model's default: a process reward model's), else None (ALL)."""
+    pooler = pooler_config or {}
+    kind = pooler.get("pooling_type") or REWARD_MODEL_ARCHITECTURES.get(architecture or "", (0, TOKEN_POOLING))[1]
+    if kind != STEP_POOLING:
+        return None
+    return {"step_tag_id": pooler.get("step_tag_id"), "returned_token_ids": pooler.get("returned_token_ids")}
+
+
+def request_step(engine_step: Optional[dict], params: Optional["PoolingParams"]) -> Optional[dict]:
+    """A request's STEP pooling: its PoolingParams' step_tag_id / returned_token_ids over the engine's (vLLM's
+    merge); ValueError when it gives them to an engine that pools ALL."""
+    given = {} if params is None else {k: getattr(params, k) for k in ("step_tag_id", "returned_token_ids")
+                                       if getattr(params, k) is not None}
+    if engine_step is None:
+        if given:
+            raise ValueError(f"{' and '.join(given)} apply to STEP pooling; this engine pools every token (ALL): "
+                             "serve a process reward model, or give pooler_config pooling_type STEP.")
+        return None
+    return {**engine_step, **given}
+
+
+def check_step_columns(columns: Optional[list[int]], width: int) -> None:
+    """returned_token_ids against the width of the engine's per-token rows (labels, or the hidden size)."""
+    bad = [c for c in columns or () if c >= width]
+    if bad:
+        raise ValueError(f"returned_token_ids {bad} are out of range: this model's per-token rows have {width} "
+                         f"values (indices 0 to {width - 1}).")
+
+
+def step_rows(rows: list[list[float]], token_ids: list[int], step: dict) -> list[list[float]]:
+    """vLLM's STEP pooling of one prompt's per-token rows: the returned_token_ids columns (all without them) of the
+    rows whose token is step_tag_id (all without it)."""
+    columns = step.get("returned_token_ids")
+    if columns and rows:
+        check_step_columns(columns, len(rows[0]))
+        rows = [[row[c] for c in columns] for row in rows]
+    tag = step.get("step_tag_id")
+    if tag is not None:
+        rows = [row for row, t in zip(rows, token_ids) if t == tag]
+    return rows
 
 
 def token_only_refusal(architecture: Optional[str], token_classifier: bool, what: str) -> str:
     """Why a model served for per-token outputs only (a token classifier, or convert / task "reward") refuses
     `what` (generation, embeddings, ...)."""
     name = f" ({architecture})" if architecture else ""
-    served = f"This model{name} is a token classifier" if token_classifier else \
+    kind = "a reward model" if architecture in REWARD_MODEL_ARCHITECTURES else "a token classifier"
+    served = f"This model{name} is {kind}" if token_classifier else \
         f"This engine serves the model{name} for rewards (convert / task 'reward')"
     return (f"{served}: it gives an output per token (LLM.reward, LLM.encode(pooling_task='token_classify'), POST "
             f"/pooling), not {what}.")
@@ -214,9 +286,12 @@ def check_task_params(task: str, params: Optional["PoolingParams"]) -> None:
                "classify": ("use_activation",), "token_classify": ("use_activation",)}[task]
     given = [name for name in ("pooling_type", "normalize", "dimensions", "use_activation")
              if getattr(params, name) is not None and name not in allowed]
+    if task != "token_classify":  # (STEP pooling is served for per-token rewards only)
+        given += [name for name in ("step_tag_id", "returned_token_ids") if getattr(params, name) is not None]
     if given:
-        raise ValueError(f"Task {task!r} takes {', '.join(allowed)} and truncate_prompt_tokens of PoolingParams, "
-                         f"not {', '.join(given)}.")
+        step = " (and step_tag_id, returned_token_ids with STEP pooling)" if task == "token_classify" else ""
+        raise ValueError(f"Task {task!r} takes {', '.join(allowed)}{step} and truncate_prompt_tokens of "
+                         f"PoolingParams, not {', '.join(given)}.")
 
 
 NO_HEAD_ACTIVATION = ("use_activation applies to label logits; this model has no label head (convert / task 'reward' "
@@ -230,12 +305,16 @@ def token_rows(flat: list[float], num_tokens: int) -> list[list[float]]:
 
 
 def token_outputs(flat: list[float], num_tokens: int, task: str, has_head: bool, use_activation: Optional[bool],
-                  normalize: bool = True, dimensions: Optional[int] = None) -> list[list[float]]:
+                  normalize: bool = True, dimensions: Optional[int] = None, step: Optional[dict] = None,
+                  token_ids: Optional[list[int]] = None) -> list[list[float]]:
     """One row per token as the task gives it: token_classify the label probabilities of a classifier's logits
     (use_activation False: the logits) or, with no head (a model served for rewards), the hidden states as they are
     (vLLM's reward pooling: no normalization, no softmax); token_embed each token's state as an embedding is made
-    (`finish`)."""
+    (`finish`). `step` (STEP pooling, `request_step`): only the rows / columns it keeps (`step_rows`, of the prompt's
+    `token_ids`), the activation over the columns kept (vLLM's order: a single column gets the sigmoid)."""
     rows = token_rows(flat, num_tokens)
+    if step is not None:
+        rows = step_rows(rows, token_ids or [], step)
     if task == "token_embed":
         return [finish(row, normalize, dimensions) for row in rows]
     if not has_head:
@@ -274,14 +353,15 @@ class PoolingParams:
     dimensions: the vector's length, shorter than the hidden size only for a Matryoshka-trained model (its first
     values, then normalized); truncate_prompt_tokens: keep the prompt's last k tokens (-1: the model's context).
     use_activation (classify, token_classify): None / True the label probabilities, False the raw logits.
-    normalize and dimensions apply to token_embed's rows as to an embedding."""
+    normalize and dimensions apply to token_embed's rows as to an embedding. step_tag_id / returned_token_ids
+    (token_classify on an engine that pools STEP) go over the engine's pooler_config (`request_step`)."""
 
     pooling_type: Optional[str] = None
     normalize: Optional[bool] = None
     dimensions: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
     use_activation: Optional[bool] = None
-    # vLLM's STEP pooling (process reward models): refused, here so that the refusal says so
+    # STEP pooling (token_classify of an engine that pools STEP): over the engine's pooler_config
     step_tag_id: Optional[int] = None
     returned_token_ids: Optional[list[int]] = None
 
@@ -290,8 +370,7 @@ class PoolingParams:
             self.pooling_type = self.pooling_type.lower()
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}.")
-        if self.step_tag_id is not None or self.returned_token_ids is not None:
-            raise ValueError(_STEP_REFUSAL)
+        _check_step_fields(self.step_tag_id, self.returned_token_ids, "")
         for name in ("normalize", "use_activation"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
@@ -314,26 +393,38 @@ class ModelPooling:
     matryoshka: Optional[tuple[int, ...]] = None
 
 
-_STEP_REFUSAL = ("STEP pooling (a process reward model's step_tag_id / returned_token_ids) is not supported; ALL "
-                 "pooling (every token's output, LLM.reward / token_classify) is.")
+def _check_step_fields(step_tag_id: Any, returned_token_ids: Any, where: str) -> None:
+    if step_tag_id is not None and (isinstance(step_tag_id, bool) or not isinstance(step_tag_id, int)
+                                    or step_tag_id < 0):
+        raise ValueError(f"{where}step_tag_id must be a token id (an integer >= 0), got {step_tag_id!r}.")
+    if returned_token_ids is not None and (not isinstance(returned_token_ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in returned_token_ids)):
+        raise ValueError(f"{where}returned_token_ids must be a list of column indices (integers >= 0), got "
+                         f"{returned_token_ids!r}.")
 
 
 def check_pooler_config(config: Any) -> dict:
-    """vLLM's pooler_config ({"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL", "normalize": bool}) checked, the type
-    in our lower-case names; ValueError for anything else (a key not built is refused, not ignored)."""
+    """vLLM's pooler_config ({"pooling_type": "LAST" | "MEAN" | "CLS" | "ALL" | "STEP", "normalize": bool,
+    "step_tag_id": int, "returned_token_ids": [int]}) checked, the type in our lower-case names; ValueError for
+    anything else (a key not built is refused, not ignored)."""
     if not isinstance(config, dict):
         raise ValueError(f"pooler_config must be a JSON object, got {config!r}.")
-    if str(config.get("pooling_type")).upper() == "STEP" or {"step_tag_id", "returned_token_ids"} & set(config):
-        raise ValueError(f"pooler_config: {_STEP_REFUSAL}")
-    unknown = sorted(set(config) - {"pooling_type", "normalize"})
+    keys = ("pooling_type", "normalize", "step_tag_id", "returned_token_ids")
+    unknown = sorted(set(config) - set(keys))
     if unknown:
-        raise ValueError(f"pooler_config takes pooling_type and normalize; {unknown} is not supported.")
+        raise ValueError(f"pooler_config takes {', '.join(keys)}; {unknown} is not supported.")
     out: dict = {}
     kind = config.get("pooling_type")
     if kind is not None:
-        if not isinstance(kind, str) or kind.lower() not in POOLING_TYPES + (TOKEN_POOLING,):
-            raise ValueError(f"pooler_config's pooling_type must be LAST, MEAN, CLS or ALL, got {kind!r}.")
+        if not isinstance(kind, str) or kind.lower() not in POOLING_TYPES + (TOKEN_POOLING, STEP_POOLING):
+            raise ValueError(f"pooler_config's pooling_type must be LAST, MEAN, CLS, ALL or STEP, got {kind!r}.")
         out["pooling_type"] = kind.lower()
+    _check_step_fields(config.get("step_tag_id"), config.get("returned_token_ids"), "pooler_config's ")
+    for name in ("step_tag_id", "returned_token_ids"):
+        if config.get(name) is not None:
+            if out.get("pooling_type", STEP_POOLING) != STEP_POOLING:
+                raise ValueError(f"pooler_config's {name} applies to STEP pooling, not {kind.upper()}.")
+            out[name] = list(config[name]) if name == "returned_token_ids" else config[name]
     if "normalize" in config and config["normalize"] is not None:
         if not isinstance(config["normalize"], bool):
             raise ValueError(f"pooler_config's normalize must be true or false, got {config['normalize']!r}.")
@@ -584,7 +675,9 @@ def sampling_params_for(pooling_type: str, truncate_prompt_tokens: Optional[int]
                           truncate_prompt_tokens=truncate_prompt_tokens, output_kind="final_only")
 
 
-__all__ = ["check_pooler_config", "POOLING_TYPES", "TOKEN_POOLING", "POOLING_TASKS", "TOKEN_CLASSIFIER_ARCHITECTURES",
+__all__ = ["check_pooler_config", "POOLING_TYPES", "TOKEN_POOLING", "STEP_POOLING", "POOLING_TASKS",
+           "TOKEN_CLASSIFIER_ARCHITECTURES", "REWARD_MODEL_ARCHITECTURES", "step_pooling", "request_step", "step_rows",
+           "check_step_columns",
            "token_classifier_labels", "wants_reward", "supported_tasks", "token_only_refusal", "check_request_pooling",
            "check_task_params", "token_rows", "token_outputs", "NO_HEAD_ACTIVATION", "EMBEDDING_ONLY_ARCHITECTURES",
            "embedding_only", "CLASSIFIER_ARCHITECTURES", "classifier_labels", "ClassificationOutput",

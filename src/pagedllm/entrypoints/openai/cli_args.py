@@ -167,8 +167,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                         "--convert reward")
     e.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_object,
                    default=None, metavar="JSON",
-                   help='embeddings\' pooling over the model\'s defaults, e.g. \'{"pooling_type": "MEAN", '
-                        '"normalize": false}\'')
+                   help='the pooling over the model\'s defaults, e.g. \'{"pooling_type": "MEAN", '
+                        '"normalize": false}\', or a reward model\'s \'{"pooling_type": "STEP", "step_tag_id": ID, '
+                        '"returned_token_ids": [I, ...]}\'')
     e.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     add_parallel_args(p)

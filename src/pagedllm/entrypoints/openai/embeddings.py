@@ -152,7 +152,8 @@ async def embedded(request: Request, state: ServerState, req: EmbeddingRequest, 
     if ready.pooling_tasks and "embed" not in ready.pooling_tasks:
         from pagedllm.pooling import token_only_refusal
 
-        raise APIError(token_only_refusal(None, ready.token_labels is not None, "embeddings"), param="model")
+        raise APIError(token_only_refusal(ready.architecture, ready.token_labels is not None, "embeddings"),
+                       param="model")
     try:
         kind, normalize, dimensions = resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize),
                                               pooling_defaults(state), ready.hidden_size)

@@ -86,5 +86,7 @@ async def per_token(request: Request, state: ServerState, req: PoolingAPIRequest
     inputs = truncated(await request_inputs(request, req, state), req.truncate_prompt_tokens, state)
     flats = await pooled_vectors(request, state, model, inputs, "all", request_priority(req, state.scheduling_policy),
                                  request_id, what="per-token pooling")
-    return inputs, [token_outputs(flat, len(ids), task, has_head, activation, normalize, dimensions)
+    # STEP pooling (the engine's pooler_config, or a process reward model's default): the rows of step-tag tokens
+    step = ready.step_pooling if task == "token_classify" else None
+    return inputs, [token_outputs(flat, len(ids), task, has_head, activation, normalize, dimensions, step, ids)
                     for flat, (_, ids) in zip(flats, inputs)]
