@@ -185,6 +185,24 @@ def test_vllm_prompt_types(llm):
     assert outs[0].prompt_token_ids == [5, 6, 7] and outs[1].prompt == text
 
 
+def test_vllm_output_kind_enum_and_extra_args(llm):
+    """vLLM scripts pass output_kind=RequestOutputKind.X (vllm.sampling_params) and extra_args: both were refused
+    (an import error, a TypeError). generate still returns each request's final output, as vLLM's offline LLM."""
+    from pagedllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
+                            extra_args={"plugin": [1, "x"]})
+    assert params.output_kind == "delta" and params.extra_args == {"plugin": [1, "x"]}
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind == "final_only"
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert out.finished and out.outputs[0].token_ids == \
+        llm.generate([[5, 6, 7]], _greedy(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind must be"):
+        SamplingParams(output_kind=1)
+    with pytest.raises(ValueError, match="extra_args must be a dict or None, got list"):
+        SamplingParams(extra_args=[1])
+
+
 @pytest.mark.parametrize("content, fragment", [
     ([{"type": "image_url", "image_url": {"url": "x"}}], "messages[0]: Message content of type 'image_url' is not "
                                                          "supported yet; only 'text' parts are."),
