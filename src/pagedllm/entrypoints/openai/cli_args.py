@@ -92,6 +92,14 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="logprobs name tokens as 'token_id:<id>' unless a request says otherwise")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="accepted for vLLM compatibility: pagedllm never logs prompts")
+    add_engine_args(p)
+    add_parallel_args(p)
+    add_structured_output_args(p)
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (EngineArgs' names), shared by serve and the offline bench commands."""
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
     e.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf", "slow", "mistral", "custom"],
@@ -171,9 +179,6 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                         '"normalize": false}\'')
     e.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
-    add_parallel_args(p)
-    add_structured_output_args(p)
-    return p
 
 
 def _json_object(text: str) -> dict:
