@@ -591,10 +591,11 @@ class LLM:
         return results
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any, lora_request: Any = None,
-                    use_tqdm: bool = False) -> list:
+                    use_tqdm: bool = False, concurrency_limit: Optional[int] = None) -> list:
         """vLLM's LLM.beam_search: one BeamSearchOutput per prompt, whose .sequences are the beams, best first
         (tokens = prompt + generated, logprobs, cum_logprob, text). Scores follow transformers' generate(num_beams,
-        length_penalty, early_stopping). Prompts: strings, token-id lists or {"prompt_token_ids": [...]}."""
+        length_penalty, early_stopping). Prompts: strings, token-id lists or {"prompt_token_ids": [...]}.
+        concurrency_limit (vLLM's): search at most this many prompts at a time (None: all at once)."""
         from pagedllm.beam_search.driver import run_offline
         from pagedllm.sampling_params import BeamSearchParams
 
@@ -602,10 +603,16 @@ class LLM:
             raise ValueError("beam_search() with a LoRA adapter is not supported yet.")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search() needs a BeamSearchParams, got {type(params).__name__}.")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, numbers.Integral)
+                                              or isinstance(concurrency_limit, bool) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}.")
         if _one_prompt(prompts):
             prompts = [prompts]
+        prompts = list(prompts)
+        size = int(concurrency_limit or max(1, len(prompts)))
         with self._lock:  # (its steps are _run calls: another thread's call waits for the whole search)
-            return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
+            return [out for start in range(0, len(prompts), size)
+                    for out in run_offline(self, prompts[start:start + size], params, use_tqdm=use_tqdm)]
 
     # ------------------------------------------------------------------ the loop
     def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None,
