@@ -136,6 +136,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--swap-space", type=float, default=4, metavar="GiB",
                    help="accepted for vLLM compatibility: no KV blocks are swapped to the CPU (preempted requests "
                         "are recomputed, as in vLLM's V1 engine)")
+    e.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="accepted for vLLM compatibility: tensor-parallel sums always go through NCCL here")
+    e.add_argument("--disable-cascade-attn", action="store_true",
+                   help="accepted for vLLM compatibility: pagedllm has no cascade attention")
+    e.add_argument("--max-parallel-loading-workers", type=int, default=None, metavar="N",
+                   help="accepted for vLLM compatibility: checkpoint files load one after another")
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--enable-sleep-mode", action="store_true",
