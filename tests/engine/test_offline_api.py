@@ -203,6 +203,15 @@ def test_vllm_output_kind_enum_and_extra_args(llm):
         SamplingParams(extra_args=[1])
 
 
+def test_chat_tools_must_be_a_list(llm):
+    """tools={...} (one tool, not a list) was read key by key: "tools[0] must be {'type': 'function', ...}"."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(ValueError, match="tools must be a list of tool dicts, got dict"):
+        llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=1), tools=tool, use_tqdm=False)
+    with pytest.raises(ValueError, match=re.escape("tools[1] must be {'type': 'function'")):  # a tuple is a list
+        llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=1), tools=(tool, 5), use_tqdm=False)
+
+
 @pytest.mark.parametrize("content, fragment", [
     ([{"type": "image_url", "image_url": {"url": "x"}}], "messages[0]: Message content of type 'image_url' is not "
                                                          "supported yet; only 'text' parts are."),

@@ -558,6 +558,8 @@ class LLM:
                              "template variables only.")
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be a string, got {type(chat_template).__name__}.")
+        if tools is not None and not isinstance(tools, (list, tuple)):  # (a dict's keys were read as the tools)
+            raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}.")
         try:  # a file's template; a path that cannot be read, or a template that does not parse, fails
             chat_template = load_chat_template(chat_template)
         except ValueError as e:
