@@ -188,11 +188,11 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()
 
-    def collective_rpc(self, method: str, timeout: Optional[float] = None, args: tuple = (),
-                       kwargs: Optional[dict] = None) -> list:
-        """Run a worker method on every rank (e.g. "reload_weights"); their answers in rank order. A rank's method
-        runs to its end (it cannot be interrupted), so a `timeout` is refused; a rank that hangs is caught by the
-        collective timeout (PAGEDLLM_DIST_TIMEOUT_S)."""
+    def collective_rpc(self, method: Union[str, Callable[..., Any]], timeout: Optional[float] = None,
+                       args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """Run a worker method on every rank (e.g. "reload_weights"), or a function called with each rank's worker
+        first (vLLM's); their answers in rank order. A rank's method runs to its end (it cannot be interrupted), so
+        a `timeout` is refused; a rank that hangs is caught by the collective timeout (PAGEDLLM_DIST_TIMEOUT_S)."""
         if timeout is not None:
             raise ValueError("collective_rpc(timeout=...) is not supported: a rank's method cannot be interrupted. "
                              "Leave timeout=None; a rank that hangs is caught after PAGEDLLM_DIST_TIMEOUT_S seconds.")
