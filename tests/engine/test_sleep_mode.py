@@ -60,6 +60,7 @@ def test_sleep_and_wake_up_keep_greedy_tokens(tiny_llama_dir):
             llm.collective_rpc("_start")
         # vLLM's callable form (it was 'no public method <function ...>'): called with the rank's worker first
         assert llm.collective_rpc(lambda worker, k: (worker is llm.engine.worker, k), args=(3,)) == [(True, 3)]
+        assert llm.apply_model(lambda model: type(model).__name__) == ["LlamaForCausalLM"]  # vLLM's apply_model
         with pytest.raises(ValueError, match=r"timeout=\.\.\.\) is not supported"):  # refused, not silently ignored
             llm.collective_rpc("reload_weights", timeout=5.0)
 
@@ -140,6 +141,7 @@ def test_tensor_parallel_ranks_all_sleep(tiny_llama_dir):
         assert [str(d) for d in llm.collective_rpc(operator.attrgetter("device"))] == ["cpu", "cpu"]
         with pytest.raises(ValueError, match="cannot be sent to the worker processes"):
             llm.collective_rpc(lambda worker: 1)
+        assert llm.apply_model(operator.attrgetter("training")) == [False, False]
 
 
 def test_packed_gguf_model_sleeps_with_its_cpu_decode_stack(smollm2_gguf_path):

@@ -69,6 +69,11 @@ def _warn_failed(where: tuple[int, int, int], message: str) -> None:
                    prompt, f" (sample {sample} of n={n})" if n > 1 else "", message)
 
 
+def _apply_to_model(worker: Any, func: Callable[[Any], Any]) -> Any:
+    """LLM.apply_model on one rank (module level: worker processes get it pickled)."""
+    return func(worker.model)
+
+
 class LLM:
     """Generate text offline with continuous batching.
 
@@ -198,6 +203,11 @@ class LLM:
                              "Leave timeout=None; a rank that hangs is caught after PAGEDLLM_DIST_TIMEOUT_S seconds.")
         with self._lock:
             return self.engine.collective_rpc(method, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list:
+        """vLLM's LLM.apply_model: func(model) on every rank's model (torch.nn.Module); the answers in rank order.
+        Worker processes (tensor / pipeline parallel) get func pickled: a module-level function, not a lambda."""
+        return self.collective_rpc(_apply_to_model, args=(func,))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() / chat() use when given no SamplingParams: the model's generation-config defaults
