@@ -7,6 +7,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 
@@ -210,6 +211,18 @@ def test_chat_tools_must_be_a_list(llm):
         llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=1), tools=tool, use_tqdm=False)
     with pytest.raises(ValueError, match=re.escape("tools[1] must be {'type': 'function'")):  # a tuple is a list
         llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=1), tools=(tool, 5), use_tqdm=False)
+
+
+def test_torch_tensor_token_ids(llm):
+    """{"prompt_token_ids": tokenizer(..., return_tensors="pt").input_ids[0]}: a tensor's items are 0-d tensors, refused
+    as 'must be integers in [0, V), got tensor(5)'; integer ones are token ids now, float / bool ones still refused."""
+    ref = llm.generate([[5, 6, 7]], _greedy(max_tokens=3), use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": torch.tensor([5, 6, 7])}, _greedy(max_tokens=3), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [5, 6, 7] and type(out.prompt_token_ids[0]) is int
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    for bad in (torch.tensor([5.0, 6.0]), torch.tensor([True, False])):
+        with pytest.raises(ValueError, match="Prompt token ids must be integers"):
+            llm.generate({"prompt_token_ids": bad}, _greedy(max_tokens=1), use_tqdm=False)
 
 
 @pytest.mark.parametrize("content, fragment", [

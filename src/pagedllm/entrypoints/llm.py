@@ -62,6 +62,13 @@ def _one_prompt(prompts: Any) -> bool:
                                                 and isinstance(prompts[0], numbers.Integral))
 
 
+def _integer_scalar(t: Any) -> bool:
+    """A one-element integer tensor / array (a torch tensor's items: tokenizer(..., return_tensors="pt")[0]); they
+    were refused as 'must be integers ... got tensor(1)'. Booleans and floats stay refused."""
+    dtype = str(getattr(t, "dtype", ""))
+    return getattr(t, "ndim", None) == 0 and "int" in dtype and hasattr(t, "__index__")
+
+
 def _warn_failed(where: tuple[int, int, int], message: str) -> None:
     """The user's view of a request the engine failed at step time (the engine logs its own recovery)."""
     prompt, sample, n = where
@@ -221,7 +228,8 @@ class LLM:
         engine refuses it (EngineCore.add_request, before the detokenizer sees the prompt)."""
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
             raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}.")
-        return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
+        return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) or _integer_scalar(t) else t
+                for t in ids]
 
     @staticmethod
     def _cache_salt(prompt: PromptType) -> Optional[str]:
