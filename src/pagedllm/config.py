@@ -109,6 +109,11 @@ class EngineArgs:
     # engine, which allocates no CPU blocks (vllm-project/vllm#27984; the argument was removed in #36216): a
     # preempted request is recomputed, its KV blocks are never swapped out. Any value >= 0 is the same engine.
     swap_space: float = 4
+    # vLLM's, accepted as what pagedllm always does: tensor-parallel sums go through torch.distributed (NCCL), no
+    # custom all-reduce kernel; attention has no cascade path; a rank reads its checkpoint files one after another.
+    disable_custom_all_reduce: bool = False
+    disable_cascade_attn: bool = False
+    max_parallel_loading_workers: Optional[int] = None
 
     @property
     def embeddings_only(self) -> bool:
@@ -246,6 +251,8 @@ class EngineArgs:
                              f"None (HF_TOKEN), got a {type(self.hf_token).__name__}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
+        if self.max_parallel_loading_workers is not None and self.max_parallel_loading_workers < 1:
+            raise ValueError(f"max_parallel_loading_workers must be >= 1, got {self.max_parallel_loading_workers}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}.")
         if self.logprobs_mode not in LOGPROBS_MODES:

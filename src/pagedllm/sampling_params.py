@@ -8,12 +8,25 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from enum import Enum
+from typing import Any, Optional, Union
 
 from pagedllm.sampling_constraints import normalize_allowed_token_ids, normalize_bad_words, normalize_logit_bias
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(Enum):
+    """vLLM's names (and values) for SamplingParams.output_kind; pagedllm keeps the kind as its string."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+_KIND_NAMES = {RequestOutputKind.CUMULATIVE: "cumulative", RequestOutputKind.DELTA: "delta",
+               RequestOutputKind.FINAL_ONLY: "final_only"}
 
 
 @dataclass
@@ -39,7 +52,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    output_kind: str = "cumulative"  # internal: "cumulative" | "delta" | "final_only"
+    # "cumulative" | "delta" | "final_only", or vLLM's RequestOutputKind (kept as its string). LLM.generate returns
+    # final outputs whatever it says, as vLLM's offline LLM does.
+    output_kind: str = "cumulative"
     # Filled by the engine, not the user: the model's extra end-of-sequence ids (e.g. <|eot_id|>).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Token constraints (sampling_constraints.py): bias added to the logits (OpenAI's logit_bias), the only ids
@@ -58,6 +73,8 @@ class SamplingParams:
     # "all" (every token's, through the model's head), reported when the prompt is computed; its one sampled token is
     # dropped.
     pooling: Optional[str] = None
+    # vLLM's extra_args: data for custom logits processors / plugins; pagedllm runs none, so it is carried only.
+    extra_args: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +88,8 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}.")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = _KIND_NAMES[self.output_kind]
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         # (not a field: best_of left unset follows n, also in a clone or a copy checked after `sp.n = 4`)
@@ -158,7 +177,10 @@ class SamplingParams:
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers.")
         if self.output_kind not in ("cumulative", "delta", "final_only"):
-            bad(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}.")
+            bad(f"output_kind must be 'cumulative', 'delta' or 'final_only' (or a RequestOutputKind), got "
+                f"{self.output_kind!r}.")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            bad(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}.")
         if self.pooling is not None:
             if self.pooling not in ("last", "mean", "cls", "all"):
                 bad(f"pooling must be 'last', 'mean', 'cls' or 'all', got {self.pooling!r}.")

@@ -264,7 +264,8 @@ def test_vllm_api_server_module_serves(smollm2_hf_dir: str, e2e_env: dict, tmp_p
 
 
 def test_bench_throughput_and_latency_offline(smollm2_hf_dir: str, e2e_env: dict, tmp_path) -> None:
-    small = ["--model", smollm2_hf_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", str(32 << 20)]
+    # (serve's engine flags and their size suffixes: bench took a subset, as plain integers)
+    small = ["--model", smollm2_hf_dir, "--max-model-len", "256", "--kv-cache-memory-bytes", "32M"]
     out = tmp_path / "tp.json"
     r = run([cli("pagedllm"), "bench", "throughput", *small, "--num-prompts", "4", "--input-len", "16",
              "--output-len", "8", "--output-json", str(out)], e2e_env)
@@ -272,9 +273,13 @@ def test_bench_throughput_and_latency_offline(smollm2_hf_dir: str, e2e_env: dict
     assert "Throughput:" in r.stdout and "output tokens/s" in r.stdout
     assert json.loads(out.read_text())["total_output_tokens"] == 32
     r = run([cli("pagedllm"), "bench", "latency", *small, "--batch-size", "2", "--input-len", "8", "--output-len", "4",
-             "--num-iters-warmup", "1", "--num-iters", "2"], e2e_env)
+             "--num-iters-warmup", "1", "--num-iters", "2",
+             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], e2e_env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Avg latency:" in r.stdout and "time per step" in r.stdout
+    # the flag reaches the engine (it was an unrecognized argument)
+    r = run([cli("pagedllm"), "bench", "throughput", *small, "--speculative-config", '{"method": "nope"}'], e2e_env)
+    assert r.returncode == 1 and "speculative_config needs 'method'" in r.stderr, r.stderr[-2000:]
 
 
 def test_bench_prompts_via_tokenize_when_tokenizer_is_not_local(server: Server) -> None:

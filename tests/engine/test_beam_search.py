@@ -111,6 +111,21 @@ def test_beams_finish_early_at_eos(eos_llama):
     assert check(llm, model_dir, prompts, params, [eos]) > 0
 
 
+def test_concurrency_limit_searches_prompts_in_groups(eos_llama):
+    """vLLM's beam_search(concurrency_limit=N) (a TypeError here before): the prompts are searched N at a time, each
+    search's beams the same as with all prompts at once; a bad limit is a ValueError."""
+    model_dir, eos, prompts = eos_llama
+    llm = LLM(model_dir, kv_cache_memory_bytes=1 << 24, max_model_len=256)
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    inputs = [{"prompt_token_ids": p} for p in prompts[:3]]
+    together = llm.beam_search(inputs, params)
+    grouped = llm.beam_search(inputs, params, concurrency_limit=2)
+    assert [[s.tokens for s in o.sequences] for o in grouped] == [[s.tokens for s in o.sequences] for o in together]
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="concurrency_limit must be an integer >= 1 or None"):
+            llm.beam_search(inputs, params, concurrency_limit=bad)
+
+
 def test_tiny_qwen2_and_ignore_eos(tiny_qwen2_dir):
     llm = LLM(tiny_qwen2_dir, kv_cache_memory_bytes=1 << 24, max_model_len=256)
     prompts = [[3, 4, 5, 6, 7], list(range(40, 75))]

@@ -7,6 +7,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 
@@ -183,6 +184,45 @@ def test_vllm_prompt_types(llm):
     outs = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7]), TextPrompt(prompt=text)], _greedy(max_tokens=2),
                         use_tqdm=False)
     assert outs[0].prompt_token_ids == [5, 6, 7] and outs[1].prompt == text
+
+
+def test_vllm_output_kind_enum_and_extra_args(llm):
+    """vLLM scripts pass output_kind=RequestOutputKind.X (vllm.sampling_params) and extra_args: both were refused
+    (an import error, a TypeError). generate still returns each request's final output, as vLLM's offline LLM."""
+    from pagedllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
+                            extra_args={"plugin": [1, "x"]})
+    assert params.output_kind == "delta" and params.extra_args == {"plugin": [1, "x"]}
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind == "final_only"
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert out.finished and out.outputs[0].token_ids == \
+        llm.generate([[5, 6, 7]], _greedy(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind must be"):
+        SamplingParams(output_kind=1)
+    with pytest.raises(ValueError, match="extra_args must be a dict or None, got list"):
+        SamplingParams(extra_args=[1])
+
+
+def test_chat_tools_must_be_a_list(llm):
+    """tools={...} (one tool, not a list) was read key by key: "tools[0] must be {'type': 'function', ...}"."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(ValueError, match="tools must be a list of tool dicts, got dict"):
+        llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=1), tools=tool, use_tqdm=False)
+    with pytest.raises(ValueError, match=re.escape("tools[1] must be {'type': 'function'")):  # a tuple is a list
+        llm.chat([{"role": "user", "content": "hi"}], _greedy(max_tokens=1), tools=(tool, 5), use_tqdm=False)
+
+
+def test_torch_tensor_token_ids(llm):
+    """{"prompt_token_ids": tokenizer(..., return_tensors="pt").input_ids[0]}: a tensor's items are 0-d tensors, refused
+    as 'must be integers in [0, V), got tensor(5)'; integer ones are token ids now, float / bool ones still refused."""
+    ref = llm.generate([[5, 6, 7]], _greedy(max_tokens=3), use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": torch.tensor([5, 6, 7])}, _greedy(max_tokens=3), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [5, 6, 7] and type(out.prompt_token_ids[0]) is int
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    for bad in (torch.tensor([5.0, 6.0]), torch.tensor([True, False])):
+        with pytest.raises(ValueError, match="Prompt token ids must be integers"):
+            llm.generate({"prompt_token_ids": bad}, _greedy(max_tokens=1), use_tqdm=False)
 
 
 @pytest.mark.parametrize("content, fragment", [

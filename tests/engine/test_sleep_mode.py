@@ -2,6 +2,8 @@
 discards the weights and reloads them from the model's files, and greedy tokens are the same before and after."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -56,6 +58,9 @@ def test_sleep_and_wake_up_keep_greedy_tokens(tiny_llama_dir):
             llm.wake_up(tags=["weights", "optimizer"])
         with pytest.raises(ValueError, match="no public method"):
             llm.collective_rpc("_start")
+        # vLLM's callable form (it was 'no public method <function ...>'): called with the rank's worker first
+        assert llm.collective_rpc(lambda worker, k: (worker is llm.engine.worker, k), args=(3,)) == [(True, 3)]
+        assert llm.apply_model(lambda model: type(model).__name__) == ["LlamaForCausalLM"]  # vLLM's apply_model
         with pytest.raises(ValueError, match=r"timeout=\.\.\.\) is not supported"):  # refused, not silently ignored
             llm.collective_rpc("reload_weights", timeout=5.0)
 
@@ -132,6 +137,11 @@ def test_tensor_parallel_ranks_all_sleep(tiny_llama_dir):
         assert tokens(llm) == before
         assert llm.collective_rpc("reload_weights") == [None, None]
         assert tokens(llm) == before
+        # a callable goes to each rank pickled: a picklable one runs there, a lambda is one clear sentence
+        assert [str(d) for d in llm.collective_rpc(operator.attrgetter("device"))] == ["cpu", "cpu"]
+        with pytest.raises(ValueError, match="cannot be sent to the worker processes"):
+            llm.collective_rpc(lambda worker: 1)
+        assert llm.apply_model(operator.attrgetter("training")) == [False, False]
 
 
 def test_packed_gguf_model_sleeps_with_its_cpu_decode_stack(smollm2_gguf_path):

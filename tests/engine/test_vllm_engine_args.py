@@ -32,6 +32,26 @@ def test_swap_space_is_accepted_and_changes_nothing(tiny_llama_dir):
     assert llm.engine_args.swap_space == 8
 
 
+def test_vllm_flags_of_what_pagedllm_always_does_are_accepted(tiny_llama_dir):
+    """disable_custom_all_reduce / disable_cascade_attn / max_parallel_loading_workers (vLLM's) were 'Unknown engine
+    argument(s)' offline and unrecognized by serve; pagedllm has no custom all-reduce or cascade attention and loads
+    its files one at a time, so they are taken as the engine it already is (greedy tokens unchanged)."""
+    args = _serve_args(["m", "--disable-custom-all-reduce", "--disable-cascade-attn",
+                        "--max-parallel-loading-workers", "2"])
+    assert args.disable_custom_all_reduce and args.disable_cascade_attn and args.max_parallel_loading_workers == 2
+    with pytest.raises(ValueError, match="max_parallel_loading_workers must be >= 1, got 0"):
+        EngineArgs(max_parallel_loading_workers=0).validate()
+    with pytest.raises(ValueError, match="disable_custom_all_reduce must be a bool"):
+        EngineArgs(disable_custom_all_reduce="yes").validate()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, max_model_len=256)
+    want = plain.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    plain.shutdown()
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, max_model_len=256, disable_custom_all_reduce=True,
+              disable_cascade_attn=True, max_parallel_loading_workers=4)
+    assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 @pytest.mark.parametrize("mode, message", [
     ("mistral", "tokenizer_mode='mistral' (mistral_common's tokenizer) is not supported by pagedllm"),
     ("custom", "tokenizer_mode='custom' (a tokenizer registered with vLLM's TokenizerRegistry) is not supported"),

@@ -62,11 +62,23 @@ def _one_prompt(prompts: Any) -> bool:
                                                 and isinstance(prompts[0], numbers.Integral))
 
 
+def _integer_scalar(t: Any) -> bool:
+    """A one-element integer tensor / array (a torch tensor's items: tokenizer(..., return_tensors="pt")[0]); they
+    were refused as 'must be integers ... got tensor(1)'. Booleans and floats stay refused."""
+    dtype = str(getattr(t, "dtype", ""))
+    return getattr(t, "ndim", None) == 0 and "int" in dtype and hasattr(t, "__index__")
+
+
 def _warn_failed(where: tuple[int, int, int], message: str) -> None:
     """The user's view of a request the engine failed at step time (the engine logs its own recovery)."""
     prompt, sample, n = where
     logger.warning("Prompt %d%s failed and is returned with finish_reason 'error' (the other prompts go on): %s",
                    prompt, f" (sample {sample} of n={n})" if n > 1 else "", message)
+
+
+def _apply_to_model(worker: Any, func: Callable[[Any], Any]) -> Any:
+    """LLM.apply_model on one rank (module level: worker processes get it pickled)."""
+    return func(worker.model)
 
 
 class LLM:
@@ -191,16 +203,21 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()
 
-    def collective_rpc(self, method: str, timeout: Optional[float] = None, args: tuple = (),
-                       kwargs: Optional[dict] = None) -> list:
-        """Run a worker method on every rank (e.g. "reload_weights"); their answers in rank order. A rank's method
-        runs to its end (it cannot be interrupted), so a `timeout` is refused; a rank that hangs is caught by the
-        collective timeout (PAGEDLLM_DIST_TIMEOUT_S)."""
+    def collective_rpc(self, method: Union[str, Callable[..., Any]], timeout: Optional[float] = None,
+                       args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        """Run a worker method on every rank (e.g. "reload_weights"), or a function called with each rank's worker
+        first (vLLM's); their answers in rank order. A rank's method runs to its end (it cannot be interrupted), so
+        a `timeout` is refused; a rank that hangs is caught by the collective timeout (PAGEDLLM_DIST_TIMEOUT_S)."""
         if timeout is not None:
             raise ValueError("collective_rpc(timeout=...) is not supported: a rank's method cannot be interrupted. "
                              "Leave timeout=None; a rank that hangs is caught after PAGEDLLM_DIST_TIMEOUT_S seconds.")
         with self._lock:
             return self.engine.collective_rpc(method, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list:
+        """vLLM's LLM.apply_model: func(model) on every rank's model (torch.nn.Module); the answers in rank order.
+        Worker processes (tensor / pipeline parallel) get func pickled: a module-level function, not a lambda."""
+        return self.collective_rpc(_apply_to_model, args=(func,))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() / chat() use when given no SamplingParams: the model's generation-config defaults
@@ -214,7 +231,8 @@ class LLM:
         engine refuses it (EngineCore.add_request, before the detokenizer sees the prompt)."""
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
             raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}.")
-        return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
+        return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) or _integer_scalar(t) else t
+                for t in ids]
 
     @staticmethod
     def _cache_salt(prompt: PromptType) -> Optional[str]:
@@ -572,6 +590,8 @@ class LLM:
                              "template variables only.")
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be a string, got {type(chat_template).__name__}.")
+        if tools is not None and not isinstance(tools, (list, tuple)):  # (a dict's keys were read as the tools)
+            raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}.")
         try:  # a file's template; a path that cannot be read, or a template that does not parse, fails
             chat_template = load_chat_template(chat_template)
         except ValueError as e:
@@ -605,10 +625,11 @@ class LLM:
         return results
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any, lora_request: Any = None,
-                    use_tqdm: bool = False) -> list:
+                    use_tqdm: bool = False, concurrency_limit: Optional[int] = None) -> list:
         """vLLM's LLM.beam_search: one BeamSearchOutput per prompt, whose .sequences are the beams, best first
         (tokens = prompt + generated, logprobs, cum_logprob, text). Scores follow transformers' generate(num_beams,
-        length_penalty, early_stopping). Prompts: strings, token-id lists or {"prompt_token_ids": [...]}."""
+        length_penalty, early_stopping). Prompts: strings, token-id lists or {"prompt_token_ids": [...]}.
+        concurrency_limit (vLLM's): search at most this many prompts at a time (None: all at once)."""
         from pagedllm.beam_search.driver import run_offline
         from pagedllm.sampling_params import BeamSearchParams
 
@@ -616,10 +637,16 @@ class LLM:
             raise ValueError("beam_search() with a LoRA adapter is not supported yet.")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search() needs a BeamSearchParams, got {type(params).__name__}.")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, numbers.Integral)
+                                              or isinstance(concurrency_limit, bool) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}.")
         if _one_prompt(prompts):
             prompts = [prompts]
+        prompts = list(prompts)
+        size = int(concurrency_limit or max(1, len(prompts)))
         with self._lock:  # (its steps are _run calls: another thread's call waits for the whole search)
-            return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
+            return [out for start in range(0, len(prompts), size)
+                    for out in run_offline(self, prompts[start:start + size], params, use_tqdm=use_tqdm)]
 
     # ------------------------------------------------------------------ the loop
     def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None,

@@ -385,6 +385,11 @@ class MultiprocExecutor:
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
         """One worker method on every rank; the answers in rank order (vLLM's collective_rpc)."""
+        try:  # (ranks get the call pickled: a module-level function goes, a lambda or closure cannot)
+            pickle.dumps((method, tuple(args), dict(kwargs or {})))
+        except Exception as e:  # noqa: BLE001 - pickle raises several kinds for what it cannot send
+            raise ValueError(f"collective_rpc: {method!r} or its arguments cannot be sent to the worker processes "
+                             f"({e}); pass module-level functions.") from None
         return self.control("rpc", method, tuple(args), dict(kwargs or {}), all_ranks=True)
 
 

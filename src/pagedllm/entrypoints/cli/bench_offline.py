@@ -11,35 +11,22 @@ from pagedllm.entrypoints.cli.arg_types import (non_negative_int, output_file, p
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai.cli_args import add_engine_args
+
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--enforce-eager", action="store_true")
+    # serve's engine flags, as vLLM's bench throughput / latency take every engine argument (speculative decoding,
+    # quantization, LoRA, KV-cache sizes with suffixes ...); they were a subset, the others unrecognized
+    add_engine_args(p)
     p.add_argument("--output-json", type=output_file, default=None,
                    help="write the results to this JSON file (missing folders are made)")
 
 
-_ENGINE_KEYS = ("model", "dtype", "seed", "load_format", "max_model_len", "block_size", "gpu_memory_utilization",
-                "kv_cache_memory_bytes", "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens",
-                "enable_prefix_caching", "tensor_parallel_size", "device", "enforce_eager")
-
-
 def _make_llm(args: argparse.Namespace) -> Any:
     from pagedllm import LLM
+    from pagedllm.config import EngineArgs
 
-    kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS}
-    return LLM(**kwargs)
+    names = EngineArgs.field_names()
+    return LLM(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -92,6 +92,14 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="logprobs name tokens as 'token_id:<id>' unless a request says otherwise")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="accepted for vLLM compatibility: pagedllm never logs prompts")
+    add_engine_args(p)
+    add_parallel_args(p)
+    add_structured_output_args(p)
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (EngineArgs' names), shared by serve and the offline bench commands."""
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
     e.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf", "slow", "mistral", "custom"],
@@ -128,6 +136,12 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     e.add_argument("--swap-space", type=float, default=4, metavar="GiB",
                    help="accepted for vLLM compatibility: no KV blocks are swapped to the CPU (preempted requests "
                         "are recomputed, as in vLLM's V1 engine)")
+    e.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="accepted for vLLM compatibility: tensor-parallel sums always go through NCCL here")
+    e.add_argument("--disable-cascade-attn", action="store_true",
+                   help="accepted for vLLM compatibility: pagedllm has no cascade attention")
+    e.add_argument("--max-parallel-loading-workers", type=int, default=None, metavar="N",
+                   help="accepted for vLLM compatibility: checkpoint files load one after another")
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--enable-sleep-mode", action="store_true",
@@ -172,9 +186,6 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                         '"returned_token_ids": [I, ...]}\'')
     e.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
-    add_parallel_args(p)
-    add_structured_output_args(p)
-    return p
 
 
 def _json_object(text: str) -> dict:

@@ -1,0 +1,1 @@
+from pagedllm.config import EngineArgs  # noqa: F401

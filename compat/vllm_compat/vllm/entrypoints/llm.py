@@ -1,0 +1,1 @@
+from pagedllm.entrypoints.llm import LLM  # noqa: F401

@@ -1,0 +1,1 @@
+from pagedllm.outputs import Logprob, PromptLogprobs, SampleLogprobs  # noqa: F401

@@ -1,0 +1,22 @@
+"""The `vllm` shim (compat/vllm_compat) of this tree: the module paths vLLM's offline scripts import from."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_vllm_offline_import_paths():
+    """vllm.entrypoints.llm, vllm.logprobs, vllm.engine.arg_utils and vllm.sampling_params.RequestOutputKind were
+    ModuleNotFoundError / ImportError under the shim; each is pagedllm's own object."""
+    code = ("from vllm.entrypoints.llm import LLM; from vllm.logprobs import Logprob, SampleLogprobs, PromptLogprobs; "
+            "from vllm.engine.arg_utils import EngineArgs; from vllm.sampling_params import RequestOutputKind; "
+            "import vllm, pagedllm, pagedllm.config, pagedllm.outputs, pagedllm.sampling_params as sp; "
+            "assert LLM is pagedllm.LLM and EngineArgs is pagedllm.config.EngineArgs is vllm.EngineArgs; "
+            "assert Logprob is pagedllm.outputs.Logprob and RequestOutputKind is sp.RequestOutputKind; "
+            "print(vllm.__file__)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "compat", "vllm_compat"),
+                                                       os.path.join(ROOT, "src")]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().startswith(os.path.join(ROOT, "compat")), r.stdout
