@@ -14,11 +14,11 @@ from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_gr
                                                     plan_request_tools)
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float, token_bytes
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, request_reasoning
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, request_cache_salt, request_priority,
-                                                        truncate_prompt)
+                                                        check_logprob_fields, request_cache_salt, request_ids,
+                                                        request_priority, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, first_output,
                                                    last_output, usage_dict)
@@ -47,6 +47,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         if len(kept) < len(prompt_ids):
             prompt_text, prompt_ids = None, kept
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    request_id, engine_id = request_ids(request, "chatcmpl", req.request_id)
     if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
         raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
     if req.use_beam_search:
@@ -56,7 +57,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         beam_max = max_tokens if max_tokens is not None else max(1, state.max_model_len - len(prompt_ids))
         check_context_length(len(prompt_ids), beam_max, state.max_model_len)
         try:
-            body = await beam_search.chat_response(req, state, model, req.request_id or random_id("chatcmpl"),
+            body = await beam_search.chat_response(req, state, model, request_id,
                                                    int(time.time()), prompt_ids, beam_max, request.is_disconnected,
                                                    salt, priority)
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
@@ -67,17 +68,16 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     apply_tool_grammar(params, tool_plan)
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
     reasoning = request_reasoning(state, params, prompt_text, prompt_ids, bool(req.include_reasoning))
-    request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
-    gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
+    gen = generate(prompt_text, prompt_ids, params, engine_id, output_kind="delta" if stream else "final_only",
                    lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
     created = int(time.time())
-    first, watch = await first_output(request, engine, gen, [request_id])
+    first, watch = await first_output(request, engine, gen, [engine_id])
     if stream:
         framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
-        return SSEResponse(_ChatStream(req, state, prompt_ids, gen, first, watch, framer, tool_plan, request_id,
+        return SSEResponse(_ChatStream(req, state, prompt_ids, gen, first, watch, framer, tool_plan, engine_id,
                                        reasoning))
     final = await last_output(gen, first, watch)
     return Response(dumps(_full_response(req, state, model, request_id, created, prompt_ids, final, tool_plan,
@@ -148,7 +148,7 @@ class _ChatStream(SSEStream):
     per engine step."""
 
     def __init__(self, req: ChatCompletionRequest, state: ServerState, prompt_ids: list[int], batches: AsyncIterator,
-                 first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan, request_id: str,
+                 first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan, engine_id: str,
                  reasoning: Optional[ChoiceReasoning] = None) -> None:
         super().__init__(batches, first, watch, framer)
         self.req, self.tok, self.num_prompt, self.num_gen = req, state.tokenizer, len(prompt_ids), 0
@@ -165,7 +165,7 @@ class _ChatStream(SSEStream):
                       and not (self.cached.enabled and framer.continuous_usage))  # (its template has no details)
         self.templates = [framer.template(b'{"index":%d,"delta":{"content":' % i, b"}") for i in range(req.n)]
         if self.plain and req.n == 1:
-            self.direct = (state.engine, request_id)
+            self.direct = (state.engine, engine_id)
 
     def usage(self) -> dict:
         return usage_dict(self.num_prompt, self.num_gen, self.cached.total())
