@@ -19,7 +19,7 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "allowed_methods", "allowed_headers",
                "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
                "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
-               "enable_server_load_tracking"}
+               "enable_server_load_tracking", "exclude_tools_when_tool_choice_none"}
 
 
 def _port(text: str) -> int:
@@ -271,6 +271,9 @@ def add_structured_output_args(p: argparse.ArgumentParser) -> None:
                         "`reasoning_content`), the rest to `content` (deepseek_r1: R1 and its distills; qwen3)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='accepted for vLLM compatibility: tool_choice "auto" works without it')
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='tool_choice "none" leaves the tools out of the prompt (default: they are shown, as vLLM '
+                        "does, and the answer is content)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

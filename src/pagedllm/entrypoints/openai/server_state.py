@@ -22,6 +22,7 @@ class ServerState:
         self.loras: Any = None  # lora_models.LoRAModels: adapter names the `model` field may name
         self.dashboard = True  # GET /dashboard (--no-dashboard: off)
         self.tool_call_parser = "auto"  # --tool-call-parser
+        self.exclude_tools_when_tool_choice_none = False  # --exclude-tools-when-tool-choice-none
         self.reasoning_parser: Optional[str] = None  # --reasoning-parser (reasoning.py)
         self.prompt_tokens_details = False  # --enable-prompt-tokens-details: usage's cached prompt tokens
         self.return_tokens_as_token_ids = False  # --return-tokens-as-token-ids: the default of the request field
