@@ -125,6 +125,8 @@ BAD_INPUTS = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, 400,
      "needs a 'text' string"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "needs a 'text' string"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "refusal", "text": "no"}]}]}, 400,
+     "needs a 'refusal' string"),
     (CHAT, {"messages": MSG, "chat_template": "{{ 'x' }}"}, 400, "does not take chat templates"),
     ("/tokenize", {"messages": MSG, "chat_template": "{{ 'x' }}"}, 400, "does not take chat templates"),
     (CHAT, {"messages": MSG, "response_format": {}}, 400, "response_format needs a 'type'"),
@@ -148,6 +150,21 @@ def test_bad_inputs(http: httpx.Client, path: str, body, status: int, fragment: 
     err = r.json()["error"]
     assert fragment in err["message"], err
     assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_text_like_content_parts_are_text(http: httpx.Client) -> None:
+    """As vLLM: input_text / output_text parts (the Responses API's) and an assistant's refusal part (OpenAI's
+    assistant content is text or refusal parts) are read as text; they were a 400 'not supported yet'."""
+    def conv(user: dict, assistant: dict) -> list:
+        return [{"role": "user", "content": [user]}, {"role": "assistant", "content": [assistant]}, MSG[0]]
+
+    plain = conv({"type": "text", "text": "Hi"}, {"type": "text", "text": "I can't."})
+    like = conv({"type": "input_text", "text": "Hi"}, {"type": "refusal", "refusal": "I can't."})
+    output = conv({"type": "text", "text": "Hi"}, {"type": "output_text", "text": "I can't."})
+    tokens = [http.post("/tokenize", json={"messages": m}).json().get("tokens") for m in (plain, like, output)]
+    assert tokens[0] and tokens[1] == tokens[0] and tokens[2] == tokens[0]
+    r = http.post(CHAT, json={"messages": like, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokens[0]), r.text
 
 
 @pytest.mark.parametrize("headers,status", [
