@@ -152,6 +152,21 @@ def test_bad_inputs(http: httpx.Client, path: str, body, status: int, fragment: 
     assert set(err) == {"message", "type", "param", "code"}
 
 
+def test_invocations_routes_by_the_body(server: Server, http: httpx.Client) -> None:
+    """vLLM's SageMaker route POST /invocations (was a 404): a chat body is a chat completion, a prompt a
+    completion, an input an embedding; a body no route takes is a 400 naming the request types; behind the key."""
+    r = http.post("/invocations", json={"messages": MSG, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    r = http.post("/invocations", json={"prompt": "Hi", "max_tokens": 1, "stream": True})
+    assert r.status_code == 200 and '"object":"text_completion"' in r.text and r.text.endswith("data: [DONE]\n\n")
+    r = http.post("/invocations", json={"input": "Hi"})
+    assert r.status_code == 200 and r.json()["data"][0]["object"] == "embedding", r.text
+    r = http.post("/invocations", json={"nothing": 1})
+    assert r.status_code == 400 and "Cannot find suitable handler" in r.json()["error"]["message"]
+    assert "ChatCompletionRequest" in r.json()["error"]["message"]
+    assert httpx.post(server.url + "/invocations", json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
+
+
 def test_text_like_content_parts_are_text(http: httpx.Client) -> None:
     """As vLLM: input_text / output_text parts (the Responses API's) and an assistant's refusal part (OpenAI's
     assistant content is text or refusal parts) are read as text; they were a 400 'not supported yet'."""
