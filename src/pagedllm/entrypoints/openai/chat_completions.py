@@ -76,7 +76,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     created = int(time.time())
     first, watch = await first_output(request, engine, gen, [engine_id])
     if stream:
-        framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
+        framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options,
+                             state.force_include_usage)
         return SSEResponse(_ChatStream(req, state, prompt_ids, gen, first, watch, framer, tool_plan, engine_id,
                                        reasoning))
     final = await last_output(gen, first, watch)

@@ -19,7 +19,8 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "allowed_methods", "allowed_headers",
                "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
                "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
-               "enable_server_load_tracking", "exclude_tools_when_tool_choice_none"}
+               "enable_server_load_tracking", "exclude_tools_when_tool_choice_none",
+               "enable_force_include_usage"}
 
 
 def _port(text: str) -> int:
@@ -86,6 +87,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="no /docs, /redoc or /openapi.json")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the prefix cache")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed completion carries its usage (so far on each chunk, then a usage-only "
+                        "chunk) whatever its stream_options say")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="answers carry X-Request-Id: the request's own header, else a new id")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",

@@ -123,7 +123,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         await merged.aclose()
         raise
     if stream:
-        framer = ChunkFramer(request_id, "text_completion", created, model, req.stream_options)
+        framer = ChunkFramer(request_id, "text_completion", created, model, req.stream_options,
+                             state.force_include_usage)
         return SSEResponse(_CompletionStream(req, state, prompts, merged, first, watch, framer, engine_id))
     try:
         finals: dict[int, Any] = {first[0]: first[1]}

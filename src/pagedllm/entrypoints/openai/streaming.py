@@ -174,11 +174,15 @@ class ChunkFramer:
     stream_options: `include_usage` adds `"usage": null` to every chunk and a final usage-only chunk;
     `continuous_usage_stats` (vLLM) with include_usage puts the usage so far on every chunk instead (alone, as in
     vLLM, it adds nothing: a client that left usage off gets no usage chunk it does not expect).
+    force_usage (vLLM's --enable-force-include-usage): both, whatever the request says.
     """
 
-    def __init__(self, request_id: str, obj: str, created: int, model: str, stream_options: Any) -> None:
+    def __init__(self, request_id: str, obj: str, created: int, model: str, stream_options: Any,
+                 force_usage: bool = False) -> None:
         # stream_options: the request's StreamOptions (or None), or a plain include_usage bool
-        if isinstance(stream_options, bool) or stream_options is None:
+        if force_usage:
+            self.continuous_usage = self.include_usage = True
+        elif isinstance(stream_options, bool) or stream_options is None:
             self.continuous_usage, self.include_usage = False, bool(stream_options)
         else:
             self.include_usage = bool(stream_options.include_usage)
