@@ -152,6 +152,24 @@ def test_bad_inputs(http: httpx.Client, path: str, body, status: int, fragment: 
     assert set(err) == {"message", "type", "param", "code"}
 
 
+def test_pooling_ids_are_vllms_and_may_repeat(server: Server) -> None:
+    """/v1/embeddings and /v1/score name their answers as vLLM: "embd-<id>" / "score-<id>", <id> the X-Request-Id
+    header, else request_id; requests of one id at once all run (the engine's ids add random characters)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def embed(_: int) -> httpx.Response:
+        with server.client() as c:
+            return c.post("/v1/embeddings", json={"input": ["Hi", "there"], "request_id": "same"})
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(embed, range(4)))
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    assert {r.json()["id"] for r in answers} == {"embd-same"}
+    with server.client() as c:
+        r = c.post("/v1/score", json={"text_1": "a", "text_2": "b"}, headers={"X-Request-Id": "hdr"})
+    assert r.status_code == 200 and r.json()["id"] == "score-hdr", r.text
+
+
 def test_invocations_routes_by_the_body(server: Server, http: httpx.Client) -> None:
     """vLLM's SageMaker route POST /invocations (was a 404): a chat body is a chat completion, a prompt a
     completion, an input an embedding; a body no route takes is a 400 naming the request types; behind the key."""
