@@ -427,3 +427,18 @@ def test_chat_tokens_as_token_ids(http: httpx.Client, stream: bool) -> None:
         assert e["logprob"] == r["logprob"] and e["bytes"] == list(e["token"].encode())
         assert [t["logprob"] for t in e["top_logprobs"]] == [t["logprob"] for t in r["top_logprobs"]]
         assert _ids_of([t["token"] for t in e["top_logprobs"]])
+
+
+def test_answer_role_is_the_continued_messages(http: httpx.Client) -> None:
+    """As vLLM: without a generation prompt the answer continues the last message, so it has that message's role
+    (and echo repeats that message); it was always 'assistant', and echo only an assistant's message."""
+    msgs = [{"role": "user", "content": "Write a haiku about"}]
+    body = {"messages": msgs, "max_tokens": 2, "add_generation_prompt": False, "echo": True}
+    full = http.post(CHAT, json=body).json()["choices"][0]["message"]
+    assert full["role"] == "user" and full["content"].startswith("Write a haiku about"), full
+    stream = http.post(CHAT, json=dict(body, stream=True)).text
+    first = json.loads(next(line for line in stream.splitlines() if line.startswith("data: {"))[6:])
+    assert first["choices"][0]["delta"]["role"] == "user", stream
+    r = http.post(CHAT, json={"messages": msgs, "max_tokens": 1})
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+

@@ -2,7 +2,7 @@
 start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template,
 --enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids,
 --enable-server-load-tracking, --chat-template-content-format, --enable-force-include-usage,
---exclude-tools-when-tool-choice-none, on one real
+--exclude-tools-when-tool-choice-none, --response-role, on one real
 `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--enable-prompt-tokens-details", "--enable-request-id-headers",
                                  "--return-tokens-as-token-ids", "--enable-server-load-tracking",
                                  "--chat-template-content-format", "string", "--enable-force-include-usage",
-                                 "--exclude-tools-when-tool-choice-none"],
+                                 "--exclude-tools-when-tool-choice-none", "--response-role", "bot"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -198,3 +198,13 @@ def test_exclude_tools_when_tool_choice_none(flag_server) -> None:
     none = http.post("/tokenize", json={"messages": msgs, "tools": [tool], "tool_choice": "none"}).json()["tokens"]
     auto = http.post("/tokenize", json={"messages": msgs, "tools": [tool]}).json()["tokens"]
     assert none == bare and auto != bare
+
+
+def test_response_role(flag_server) -> None:
+    """--response-role (vLLM's; was refused as unknown): the chat answer's role after a generation prompt."""
+    http, _ = flag_server
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    assert http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
+    chunks = http.post("/v1/chat/completions", json=dict(body, stream=True)).text
+    assert '"delta":{"role":"bot"' in chunks, chunks
+

@@ -123,6 +123,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
         state.exclude_tools_when_tool_choice_none = bool(getattr(args, "exclude_tools_when_tool_choice_none", False))
+        state.response_role = getattr(args, "response_role", None) or "assistant"
         state.reasoning_parser = getattr(args, "reasoning_parser", None)
         state.prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
         state.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))

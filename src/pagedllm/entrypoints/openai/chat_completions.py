@@ -59,7 +59,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         try:
             body = await beam_search.chat_response(req, state, model, request_id,
                                                    int(time.time()), prompt_ids, beam_max, request.is_disconnected,
-                                                   salt, priority)
+                                                   salt, priority, response_role(req, state))
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")
@@ -99,10 +99,16 @@ def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top
     return {"content": content}
 
 
-def _echo_text(req: ChatCompletionRequest) -> str:
-    """vLLM's chat `echo`: the last message's content goes before the answer when it is the assistant's own
+def response_role(req: ChatCompletionRequest, state: ServerState) -> str:
+    """vLLM's role of the answer: --response-role after a generation prompt, else the last message's (the text
+    continues that message)."""
+    return state.response_role if req.add_generation_prompt or not req.messages else req.messages[-1].role
+
+
+def _echo_text(req: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the last message's content goes before the answer when it has the answer's role
     (the message being continued); otherwise there is nothing to echo."""
-    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+    if not req.echo or not req.messages or req.messages[-1].role != role:
         return ""
     return message_text(req.messages[-1].content)
 
@@ -112,7 +118,8 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
                    reasoning: Optional[ChoiceReasoning] = None) -> dict:
     choices = []
     num_gen = 0
-    echo = _echo_text(req)
+    role = response_role(req, state)
+    echo = _echo_text(req, role)
     for out in sorted(final.outputs, key=lambda o: o.index):
         num_gen += len(out.token_ids)
         lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0,
@@ -122,6 +129,7 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
         if reasoning is not None:  # the reasoning first; calls are read from the content after it
             thought, text = reasoning.split(out.text)
         message, finish_reason = choice_message(tool_plan, text or "", out.finish_reason)
+        message["role"] = role
         if text is None and not message.get("tool_calls"):
             message["content"] = None
         if echo:
@@ -160,6 +168,7 @@ class _ChatStream(SSEStream):
         self.token_ids = bool(req.return_token_ids)
         self.held_ids: dict[int, list[int]] = {}
         self.reasoning = reasoning
+        self.role = response_role(req, state)
         # A running choice of a plain stream (no logprobs, tools, token ids or reasoning) is a template and its text.
         self.cached = CachedTokens(state.prompt_tokens_details)
         self.plain = (not req.logprobs and self.tool_streams is None and not self.token_ids and reasoning is None
@@ -176,10 +185,10 @@ class _ChatStream(SSEStream):
 
     def prefix(self) -> bytes:
         """The role goes first, in its own delta, once per choice (as OpenAI does)."""
-        echo = _echo_text(self.req)
+        echo = _echo_text(self.req, self.role)
         frames = []
         for i in range(self.req.n):
-            role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            role = {"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
             if self.token_ids and i == 0:  # vLLM: the prompt's ids on the stream's first chunk, at its top level
                 frames.append(self.framer.choices([role], self.usage() if self.framer.continuous_usage else None,
                                                   b',"prompt_token_ids":' + dumps(self.prompt_ids)))

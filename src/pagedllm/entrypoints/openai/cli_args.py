@@ -20,7 +20,7 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
                "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
                "enable_server_load_tracking", "exclude_tools_when_tool_choice_none",
-               "enable_force_include_usage"}
+               "enable_force_include_usage", "response_role"}
 
 
 def _port(text: str) -> int:
@@ -275,6 +275,9 @@ def add_structured_output_args(p: argparse.ArgumentParser) -> None:
                         "`reasoning_content`), the rest to `content` (deepseek_r1: R1 and its distills; qwen3)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='accepted for vLLM compatibility: tool_choice "auto" works without it')
+    g.add_argument("--response-role", default="assistant",
+                   help="the chat answer's role after a generation prompt (add_generation_prompt false: the last "
+                        "message's role, whose text the answer continues)")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='tool_choice "none" leaves the tools out of the prompt (default: they are shown, as vLLM '
                         "does, and the answer is content)")

@@ -23,6 +23,7 @@ class ServerState:
         self.dashboard = True  # GET /dashboard (--no-dashboard: off)
         self.tool_call_parser = "auto"  # --tool-call-parser
         self.exclude_tools_when_tool_choice_none = False  # --exclude-tools-when-tool-choice-none
+        self.response_role = "assistant"  # --response-role: the chat answer's role after a generation prompt
         self.reasoning_parser: Optional[str] = None  # --reasoning-parser (reasoning.py)
         self.prompt_tokens_details = False  # --enable-prompt-tokens-details: usage's cached prompt tokens
         self.return_tokens_as_token_ids = False  # --return-tokens-as-token-ids: the default of the request field
