@@ -233,6 +233,29 @@ def test_continuous_usage_stats_on_every_chunk(http: httpx.Client, path: str, bo
     assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"] for u in usages)
 
 
+@pytest.mark.parametrize("path,body", [
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "n": 2}),
+    (CMPL, {"prompt": ["Hi", "The capital of France is"], "n": 2}),
+])
+def test_continuous_usage_is_each_choices_own(http: httpx.Client, path: str, body: dict) -> None:
+    """As vLLM: with n > 1 (and several prompts) a chunk's usage is its choice's: its prompt's tokens and the
+    tokens of that choice so far (it was the sum over every choice and prompt); the last chunk sums them all."""
+    r = http.post(path, json=dict(body, max_tokens=4, temperature=1, ignore_eos=True, stream=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    seen: dict[int, list[int]] = {}
+    prompts: dict[int, int] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        seen.setdefault(choice["index"], []).append(c["usage"]["completion_tokens"])
+        prompts.setdefault(choice["index"], c["usage"]["prompt_tokens"])
+    assert len(seen) == len(body.get("prompt", [0])) * 2 and all(s[-1] == 4 and s == sorted(s) for s in seen.values())
+    total = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and total["completion_tokens"] == 4 * len(seen)
+    per_prompt = {i // 2: p for i, p in prompts.items()}
+    assert total["prompt_tokens"] == sum(per_prompt.values()), (prompts, total)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offline_llm, stream: bool) -> None:
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens, generated from exactly as if they were the

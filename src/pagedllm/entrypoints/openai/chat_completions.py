@@ -161,6 +161,7 @@ class _ChatStream(SSEStream):
                  reasoning: Optional[ChoiceReasoning] = None) -> None:
         super().__init__(batches, first, watch, framer)
         self.req, self.tok, self.num_prompt, self.num_gen = req, state.tokenizer, len(prompt_ids), 0
+        self.choice_gen = [0] * req.n  # each choice's tokens so far: vLLM's continuous usage is the choice's own
         self.prompt_ids = prompt_ids
         self.top_n = req.top_logprobs or 0
         self.tool_streams = ChoiceStreams(tool_plan) if tool_plan.active else None
@@ -181,7 +182,10 @@ class _ChatStream(SSEStream):
         return usage_dict(self.num_prompt, self.num_gen, self.cached.total())
 
     def frame(self, choice: dict) -> bytes:
-        return self.framer.choices([choice], self.usage() if self.framer.continuous_usage else None)
+        if not self.framer.continuous_usage:
+            return self.framer.choices([choice])
+        return self.framer.choices([choice], usage_dict(self.num_prompt, self.choice_gen[choice["index"]],
+                                                        self.cached.total()))
 
     def prefix(self) -> bytes:
         """The role goes first, in its own delta, once per choice (as OpenAI does)."""
@@ -190,8 +194,8 @@ class _ChatStream(SSEStream):
         for i in range(self.req.n):
             role = {"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
             if self.token_ids and i == 0:  # vLLM: the prompt's ids on the stream's first chunk, at its top level
-                frames.append(self.framer.choices([role], self.usage() if self.framer.continuous_usage else None,
-                                                  b',"prompt_token_ids":' + dumps(self.prompt_ids)))
+                usage = usage_dict(self.num_prompt, 0, self.cached.total()) if self.framer.continuous_usage else None
+                frames.append(self.framer.choices([role], usage, b',"prompt_token_ids":' + dumps(self.prompt_ids)))
             else:
                 frames.append(self.frame(role))
             if echo:
@@ -210,11 +214,13 @@ class _ChatStream(SSEStream):
         self.cached.note(0, ro)
         for out in ro.outputs:
             self.num_gen += len(out.token_ids)
+            self.choice_gen[out.index] += len(out.token_ids)
             if not out.text and out.finish_reason is None and not out.token_ids:
                 continue
             if self.plain and out.finish_reason is None:
                 before, after = self.templates[out.index]
-                frames.append(before + dumps(out.text) + after + self.framer.end(self.num_prompt, self.num_gen))
+                frames.append(before + dumps(out.text) + after
+                              + self.framer.end(self.num_prompt, self.choice_gen[out.index]))
                 continue
             lp = _chat_logprobs(self.tok, out.token_ids, out.logprobs, self.top_n,
                                 bool(self.req.return_tokens_as_token_ids)) if self.req.logprobs else None

@@ -225,6 +225,7 @@ class _CompletionStream(SSEStream):
         self.offsets: dict[int, int] = {}
         self.num_gen = 0
         self.num_prompt = sum(len(ids) for _, ids in prompts)
+        self.choice_gen = [0] * (len(prompts) * req.n)  # vLLM's continuous usage: the choice's prompt and tokens
         # A running choice of a plain stream (no logprobs, no echo, no token ids) is a template and its text.
         self.token_ids = bool(req.return_token_ids)
         self.ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (vLLM: in the first chunk only)
@@ -255,10 +256,13 @@ class _CompletionStream(SSEStream):
                 out = _without_generation(out)
             index = i * n + out.index
             self.num_gen += len(out.token_ids)
+            self.choice_gen[index] += len(out.token_ids)
+            num_prompt = len(self.prompts[i][1])
             if self.plain and out.finish_reason is None:
                 if out.text or out.token_ids:
                     before, after = self.templates[index]
-                    frames.append(before + dumps(out.text) + after + self.framer.end(self.num_prompt, self.num_gen))
+                    frames.append(before + dumps(out.text) + after + self.framer.end(num_prompt,
+                                                                                     self.choice_gen[index]))
                 continue
             text = out.text
             if req.echo and index not in self.echoed:
@@ -280,7 +284,10 @@ class _CompletionStream(SSEStream):
                     self.ids_sent.add(index)
                     choice["prompt_token_ids"] = list(self.prompts[i][1])
                 choice["token_ids"] = list(out.token_ids)
-            frames.append(self.framer.choices([choice], self.usage() if self.framer.continuous_usage else None))
+            usage = None
+            if self.framer.continuous_usage:
+                usage = usage_dict(num_prompt, self.choice_gen[index], self.cached.of(i))
+            frames.append(self.framer.choices([choice], usage))
         return frames[0] if len(frames) == 1 else b"".join(frames)
 
     def _logprobs(self, i: int, index: int, ro: Any, out: Any) -> dict:

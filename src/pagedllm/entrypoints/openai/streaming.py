@@ -45,11 +45,13 @@ class SSEStream:
         self.first = first
         self.watch = watch
         self.framer = framer
+        self.choice_gen = [0]  # each choice's tokens so far (a subclass sizes it to its choices)
 
     def direct_frame(self, text: str, num_tokens: int) -> bytes:
         """The frame of a running step of the plain stream's only choice, byte for byte what frames() writes
         (from the subclass's pre-built templates and token counts: chat and completions keep the same ones)."""
         self.num_gen += num_tokens
+        self.choice_gen[0] += num_tokens  # (the only choice's count, which the subclass's own frames read)
         before, after = self.templates[0]
         return before + line_safe(dumps(text)) + after + self.framer.end(self.num_prompt, self.num_gen)
 
@@ -321,3 +323,6 @@ class CachedTokens:
 
     def total(self) -> Optional[int]:
         return sum(self.per_prompt.values()) if self.enabled else None
+
+    def of(self, prompt_index: int) -> Optional[int]:
+        return self.per_prompt.get(prompt_index, 0) if self.enabled else None
