@@ -105,13 +105,14 @@ async def _one(kind: str, server: Server, i: int) -> tuple[str, str, int, int]:
                         ids.add(chunk["id"])
                         usage = chunk.get("usage") or usage
                         pieces += [ch["text"] for ch in chunk["choices"]]
-            assert ids == {rid}
+            assert ids == {f"cmpl-{rid}"}  # vLLM's id: "cmpl-<request_id>"
             return rid, "".join(pieces), usage["prompt_tokens"], usage["completion_tokens"]
     async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as client:
         if kind == "sdk":
             r = await client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
                                                 temperature=0, extra_body={"request_id": rid})
-            return r.id, r.choices[0].text, r.usage.prompt_tokens, r.usage.completion_tokens
+            assert r.id == f"cmpl-{rid}"
+            return rid, r.choices[0].text, r.usage.prompt_tokens, r.usage.completion_tokens
         stream = await client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
                                                  temperature=0, stream=True, stream_options={"include_usage": True},
                                                  extra_body={"request_id": rid})
@@ -120,7 +121,7 @@ async def _one(kind: str, server: Server, i: int) -> tuple[str, str, int, int]:
             ids.add(chunk.id)
             usage = chunk.usage or usage
             pieces += [ch.text for ch in chunk.choices]
-        assert ids == {rid}
+        assert ids == {f"cmpl-{rid}"}
         return rid, "".join(pieces), usage.prompt_tokens, usage.completion_tokens
 
 

@@ -67,7 +67,7 @@ def test_tokenize_detokenize_version_health(server: Server, http: httpx.Client) 
     assert t["count"] == len(t["tokens"]) and t["max_model_len"] == MAX_MODEL_LEN and len(t["token_strs"]) == t["count"]
     assert http.post("/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
     chat = http.post("/tokenize", json={"messages": MSG}).json()
-    assert chat["count"] > t["count"]
+    assert chat["count"] > t["count"] and chat["token_strs"] is None  # vLLM's key, null when not asked for
     # With tools and a tool-call history: the prompt the chat route renders, token for token
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                                "parameters": {"type": "object",
@@ -125,6 +125,8 @@ BAD_INPUTS = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, 400,
      "needs a 'text' string"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "needs a 'text' string"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "refusal", "text": "no"}]}]}, 400,
+     "needs a 'refusal' string"),
     (CHAT, {"messages": MSG, "chat_template": "{{ 'x' }}"}, 400, "does not take chat templates"),
     ("/tokenize", {"messages": MSG, "chat_template": "{{ 'x' }}"}, 400, "does not take chat templates"),
     (CHAT, {"messages": MSG, "response_format": {}}, 400, "response_format needs a 'type'"),
@@ -148,6 +150,54 @@ def test_bad_inputs(http: httpx.Client, path: str, body, status: int, fragment: 
     err = r.json()["error"]
     assert fragment in err["message"], err
     assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_pooling_ids_are_vllms_and_may_repeat(server: Server) -> None:
+    """/v1/embeddings and /v1/score name their answers as vLLM: "embd-<id>" / "score-<id>", <id> the X-Request-Id
+    header, else request_id; requests of one id at once all run (the engine's ids add random characters)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def embed(_: int) -> httpx.Response:
+        with server.client() as c:
+            return c.post("/v1/embeddings", json={"input": ["Hi", "there"], "request_id": "same"})
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(embed, range(4)))
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    assert {r.json()["id"] for r in answers} == {"embd-same"}
+    with server.client() as c:
+        r = c.post("/v1/score", json={"text_1": "a", "text_2": "b"}, headers={"X-Request-Id": "hdr"})
+    assert r.status_code == 200 and r.json()["id"] == "score-hdr", r.text
+
+
+def test_invocations_routes_by_the_body(server: Server, http: httpx.Client) -> None:
+    """vLLM's SageMaker route POST /invocations (was a 404): a chat body is a chat completion, a prompt a
+    completion, an input an embedding; a body no route takes is a 400 naming the request types; behind the key."""
+    r = http.post("/invocations", json={"messages": MSG, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    r = http.post("/invocations", json={"prompt": "Hi", "max_tokens": 1, "stream": True})
+    assert r.status_code == 200 and '"object":"text_completion"' in r.text and r.text.endswith("data: [DONE]\n\n")
+    r = http.post("/invocations", json={"input": "Hi"})
+    assert r.status_code == 200 and r.json()["data"][0]["object"] == "embedding", r.text
+    r = http.post("/invocations", json={"nothing": 1})
+    assert r.status_code == 400 and "Cannot find suitable handler" in r.json()["error"]["message"]
+    assert "ChatCompletionRequest" in r.json()["error"]["message"]
+    assert httpx.post(server.url + "/invocations", json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
+
+
+def test_text_like_content_parts_are_text(http: httpx.Client) -> None:
+    """As vLLM: input_text / output_text parts (the Responses API's) and an assistant's refusal part (OpenAI's
+    assistant content is text or refusal parts) are read as text; they were a 400 'not supported yet'."""
+    def conv(user: dict, assistant: dict) -> list:
+        return [{"role": "user", "content": [user]}, {"role": "assistant", "content": [assistant]}, MSG[0]]
+
+    plain = conv({"type": "text", "text": "Hi"}, {"type": "text", "text": "I can't."})
+    like = conv({"type": "input_text", "text": "Hi"}, {"type": "refusal", "refusal": "I can't."})
+    output = conv({"type": "text", "text": "Hi"}, {"type": "output_text", "text": "I can't."})
+    tokens = [http.post("/tokenize", json={"messages": m}).json().get("tokens") for m in (plain, like, output)]
+    assert tokens[0] and tokens[1] == tokens[0] and tokens[2] == tokens[0]
+    r = http.post(CHAT, json={"messages": like, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokens[0]), r.text
 
 
 @pytest.mark.parametrize("headers,status", [

@@ -22,6 +22,9 @@ def test_models(client: openai.OpenAI) -> None:
     assert ids == [SERVED_NAME, "smol-alias"]
     card = client.models.retrieve("smol-alias")
     assert card.id == "smol-alias" and card.object == "model" and card.owned_by == "pagedllm"
+    # vLLM's card carries the permission list (it was missing)
+    (perm,) = card.model_extra["permission"]
+    assert perm["object"] == "model_permission" and perm["allow_sampling"] is True
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("no/such-model")
     assert "does not exist" in str(e.value)

@@ -93,26 +93,42 @@ def test_stop_strings_wait_for_min_tokens(http: httpx.Client, offline_llm) -> No
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", " ")
 
 
-@pytest.mark.parametrize("first,second", [({"request_id": "rq", "n": 2}, {"request_id": "0_rq"}),
-                                          ({"request_id": "0_rs"}, {"request_id": "rs", "n": 2})],
-                         ids=["own id = a running child's", "a child's = a running request's"])
-def test_request_ids_that_meet_n_gt_1_children_are_a_400(http: httpx.Client, first: dict, second: dict) -> None:
-    """n > 1 runs its samples as engine requests "<index>_<id>": a request whose own id, or whose samples' ids,
-    a running request holds is refused with a 400, and leaves nothing behind (the ids work once it is over)."""
+@pytest.mark.parametrize("first,second,expected_id",
+                         [({"request_id": "rq", "n": 2}, {"request_id": "rq"}, "rq"),
+                          ({"request_id": "rs", "n": 2}, {"request_id": "0_rs"}, "rs"),
+                          ({"prompt": [PROMPT, "Hi"], "request_id": "rt"}, {"request_id": "rt-0"}, "rt"),
+                          ({"headers": {"X-Request-Id": "tr-1"}}, {"headers": {"X-Request-Id": "tr-1"}}, "tr-1")],
+                         ids=["same id", "a child's id", "a prompt's id", "same X-Request-Id"])
+def test_a_running_requests_id_can_be_used_again(http: httpx.Client, first: dict, second: dict,
+                                                 expected_id: str) -> None:
+    """As vLLM: the answer's id is "cmpl-<id>" (<id>: the X-Request-Id header, else the request_id field) and the
+    engine's own id adds random characters to it, so a request whose id (or whose samples' or prompts' ids) a
+    running request holds runs too (it was a 400 'already running')."""
     body = {"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True, "temperature": 0.5, "stream": True}
-    with http.stream("POST", CMPL, json=dict(body, **first)) as running:
+    first, second = dict(first), dict(second)
+    with http.stream("POST", CMPL, json=dict(body, **first), headers=first.pop("headers", {})) as running:
         assert running.status_code == 200
         lines = running.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))  # it runs
-        r = http.post(CMPL, json={"prompt": PROMPT, "max_tokens": 2, **second})
-        assert r.status_code == 400, r.text
-        message = r.json()["error"]["message"]  # (several API processes: the engine, which sees every id, refuses)
-        assert "which the running request" in message or "already in use" in message, message
+        chunk = json.loads(next(line for line in lines if line.startswith("data: "))[6:])  # it runs
+        assert chunk["id"] == f"cmpl-{expected_id}"
+        headers = second.pop("headers", {})
+        r = http.post(CMPL, json={"prompt": PROMPT, "max_tokens": 2, **second}, headers=headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == f"cmpl-{second.get('request_id', headers.get('X-Request-Id'))}"
+        r = http.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **second},
+                      headers=headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == f"chatcmpl-{second.get('request_id', headers.get('X-Request-Id'))}"
         for _ in lines:  # let it finish
             pass
-    for req in (first, second):
-        r = http.post(CMPL, json={"prompt": PROMPT, "max_tokens": 2, **req})
-        assert r.status_code == 200, r.text
+
+
+def test_the_x_request_id_header_names_the_answer_over_the_field(http: httpx.Client) -> None:
+    """vLLM's id: "chatcmpl-" + the X-Request-Id header, which wins over the body's request_id."""
+    r = http.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "request_id": "body",
+                              "stream": True}, headers={"X-Request-Id": "hdr"})
+    ids = {json.loads(line[6:])["id"] for line in r.text.splitlines() if line.startswith("data: {")}
+    assert ids == {"chatcmpl-hdr"}, r.text
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -215,6 +231,29 @@ def test_continuous_usage_stats_on_every_chunk(http: httpx.Client, path: str, bo
     completion = [u["completion_tokens"] for u in usages]
     assert completion == sorted(completion) and completion[-1] == 5 and chunks[-1]["choices"] == []
     assert all(u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"] for u in usages)
+
+
+@pytest.mark.parametrize("path,body", [
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "n": 2}),
+    (CMPL, {"prompt": ["Hi", "The capital of France is"], "n": 2}),
+])
+def test_continuous_usage_is_each_choices_own(http: httpx.Client, path: str, body: dict) -> None:
+    """As vLLM: with n > 1 (and several prompts) a chunk's usage is its choice's: its prompt's tokens and the
+    tokens of that choice so far (it was the sum over every choice and prompt); the last chunk sums them all."""
+    r = http.post(path, json=dict(body, max_tokens=4, temperature=1, ignore_eos=True, stream=True,
+                                  stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    seen: dict[int, list[int]] = {}
+    prompts: dict[int, int] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        seen.setdefault(choice["index"], []).append(c["usage"]["completion_tokens"])
+        prompts.setdefault(choice["index"], c["usage"]["prompt_tokens"])
+    assert len(seen) == len(body.get("prompt", [0])) * 2 and all(s[-1] == 4 and s == sorted(s) for s in seen.values())
+    total = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and total["completion_tokens"] == 4 * len(seen)
+    per_prompt = {i // 2: p for i, p in prompts.items()}
+    assert total["prompt_tokens"] == sum(per_prompt.values()), (prompts, total)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -411,3 +450,18 @@ def test_chat_tokens_as_token_ids(http: httpx.Client, stream: bool) -> None:
         assert e["logprob"] == r["logprob"] and e["bytes"] == list(e["token"].encode())
         assert [t["logprob"] for t in e["top_logprobs"]] == [t["logprob"] for t in r["top_logprobs"]]
         assert _ids_of([t["token"] for t in e["top_logprobs"]])
+
+
+def test_answer_role_is_the_continued_messages(http: httpx.Client) -> None:
+    """As vLLM: without a generation prompt the answer continues the last message, so it has that message's role
+    (and echo repeats that message); it was always 'assistant', and echo only an assistant's message."""
+    msgs = [{"role": "user", "content": "Write a haiku about"}]
+    body = {"messages": msgs, "max_tokens": 2, "add_generation_prompt": False, "echo": True}
+    full = http.post(CHAT, json=body).json()["choices"][0]["message"]
+    assert full["role"] == "user" and full["content"].startswith("Write a haiku about"), full
+    stream = http.post(CHAT, json=dict(body, stream=True)).text
+    first = json.loads(next(line for line in stream.splitlines() if line.startswith("data: {"))[6:])
+    assert first["choices"][0]["delta"]["role"] == "user", stream
+    r = http.post(CHAT, json={"messages": msgs, "max_tokens": 1})
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+

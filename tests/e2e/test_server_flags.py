@@ -1,7 +1,8 @@
 """Serve flags reach the server: --generation-config DIR (defaults only where a request is silent, logged at
 start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template,
 --enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids,
---enable-server-load-tracking, --chat-template-content-format, on one real
+--enable-server-load-tracking, --chat-template-content-format, --enable-force-include-usage,
+--exclude-tools-when-tool-choice-none, --response-role, on one real
 `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--trust-request-chat-template", "--chat-template", str(tmp / "chat.jinja"),
                                  "--enable-prompt-tokens-details", "--enable-request-id-headers",
                                  "--return-tokens-as-token-ids", "--enable-server-load-tracking",
-                                 "--chat-template-content-format", "string"],
+                                 "--chat-template-content-format", "string", "--enable-force-include-usage",
+                                 "--exclude-tools-when-tool-choice-none", "--response-role", "bot"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -173,3 +175,36 @@ def test_server_load_tracking(flag_server) -> None:
         list(lines)
     assert during == {"server_load": 1}
     assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_force_include_usage(flag_server) -> None:
+    """--enable-force-include-usage (vLLM's; was refused as unknown): a stream that asked for no usage carries the
+    usage so far on every chunk and ends with a usage-only chunk, as vLLM's flag does."""
+    http, _ = flag_server
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        r = http.post(path, json=dict(body, max_tokens=3, stream=True))
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert chunks and all(c["usage"] for c in chunks), r.text
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_exclude_tools_when_tool_choice_none(flag_server) -> None:
+    """--exclude-tools-when-tool-choice-none (vLLM's): a "none" request's prompt has no tools in it ("auto"'s has)."""
+    http, _ = flag_server
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    msgs = [{"role": "user", "content": "Hi"}]
+    bare = http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    none = http.post("/tokenize", json={"messages": msgs, "tools": [tool], "tool_choice": "none"}).json()["tokens"]
+    auto = http.post("/tokenize", json={"messages": msgs, "tools": [tool]}).json()["tokens"]
+    assert none == bare and auto != bare
+
+
+def test_response_role(flag_server) -> None:
+    """--response-role (vLLM's; was refused as unknown): the chat answer's role after a generation prompt."""
+    http, _ = flag_server
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    assert http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "bot"
+    chunks = http.post("/v1/chat/completions", json=dict(body, stream=True)).text
+    assert '"delta":{"role":"bot"' in chunks, chunks
+

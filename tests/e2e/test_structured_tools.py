@@ -174,6 +174,33 @@ def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
     assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
 
 
+def test_tool_choice_none_still_shows_the_tools(server: Server, client: openai.OpenAI) -> None:
+    """vLLM's default (--exclude-tools-when-tool-choice-none off): tool_choice "none" renders the prompt "auto"
+    would (the tools in it) and answers content only. The tools were left out of the prompt."""
+    body = {"messages": ASK, "tools": [WEATHER]}
+    with server.client() as http:
+        auto = http.post("/tokenize", json=body).json()["tokens"]
+        none = http.post("/tokenize", json=dict(body, tool_choice="none")).json()["tokens"]
+        bare = http.post("/tokenize", json={"messages": ASK}).json()["tokens"]
+    assert none == auto and len(none) > len(bare)
+    r = _chat(client, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=2)
+    assert r.usage.prompt_tokens == len(auto) and not r.choices[0].message.tool_calls
+
+
+def test_exclude_tools_when_tool_choice_none_leaves_them_out() -> None:
+    """The flag's plan: no tools in the prompt of a "none" request (its conversation as it came)."""
+    from pagedllm.entrypoints.cli.main import build_parser
+    from pagedllm.entrypoints.openai.tool_calling import plan_tools, prepare_conversation
+
+    args = build_parser().parse_args(["serve", "m", "--exclude-tools-when-tool-choice-none"])
+    assert args.exclude_tools_when_tool_choice_none is True
+    for template in (None, "{% for t in tools %}{{ t }}{% endfor %}"):
+        plan = plan_tools([WEATHER], "none", None, "auto", template, show_unused=False)
+        assert prepare_conversation(list(ASK), plan, template) == (ASK, None)
+        shown = plan_tools([WEATHER], "none", None, "auto", template)
+        assert prepare_conversation(list(ASK), shown, template) != (ASK, None)
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "nope"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "regex"),

@@ -122,9 +122,12 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
+        state.exclude_tools_when_tool_choice_none = bool(getattr(args, "exclude_tools_when_tool_choice_none", False))
+        state.response_role = getattr(args, "response_role", None) or "assistant"
         state.reasoning_parser = getattr(args, "reasoning_parser", None)
         state.prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
         state.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
+        state.force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
         state.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
         state.chat_template_content_format = getattr(args, "chat_template_content_format", None) or "auto"
         if chat_template is not None:  # --chat-template: every chat request renders with it (a request's own wins)

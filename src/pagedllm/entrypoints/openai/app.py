@@ -27,8 +27,8 @@ logger = logging.getLogger("pagedllm.api_server")
 # Routes behind --api-key: the OpenAI API, vLLM's scoring, classify and pooling routes outside /v1 (they run the
 # model), and the dev-mode routes that change the engine's state (openai/admin.py; vLLM leaves them open, its
 # security guide says).
-KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank", "/classify", "/pooling", "/sleep", "/wake_up", "/is_sleeping",
-                  "/reset_prefix_cache")
+KEYED_PREFIXES = ("/v1", "/v2/", "/score", "/rerank", "/classify", "/pooling", "/invocations", "/sleep", "/wake_up",
+                  "/is_sleeping", "/reset_prefix_cache")
 
 
 def api_key_refused(scope: dict, expected: bytes) -> bool:
@@ -165,6 +165,12 @@ def build_app(state: ServerState) -> FastAPI:
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
         app.add_api_route(path, rerank, methods=["POST"], openapi_extra=body(RerankRequest),
                           include_in_schema=path == "/v1/rerank")
+
+    from pagedllm.entrypoints.openai.invocations import invocations
+
+    @app.post("/invocations")
+    async def invocations_route(request: Request) -> Response:
+        return await invocations(request, state)
 
     from pagedllm.entrypoints.openai.lora_models import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                                          load_lora_adapter, loras_of, unload_lora_adapter)

@@ -108,14 +108,14 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
 
 async def chat_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
                         prompt_ids: list[int], max_tokens: Optional[int], disconnected=None,
-                        cache_salt: Optional[str] = None, priority: int = 0) -> dict:
-    """cache_salt, priority: the request's, as the handler checked them."""
+                        cache_salt: Optional[str] = None, priority: int = 0, role: str = "assistant") -> dict:
+    """cache_salt, priority: the request's, as the handler checked them; role: the answer's."""
     params, n = beam_search_params(req, max_tokens)
     result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), cache_salt, priority)
     choices, num_gen = [], 0
     for j, seq in enumerate(result.sequences[:n]):
         num_gen += len(seq.tokens) - len(prompt_ids)
-        choice = {"index": j, "message": {"role": "assistant", "content": seq.text}, "logprobs": None,
+        choice = {"index": j, "message": {"role": role, "content": seq.text}, "logprobs": None,
                   "finish_reason": seq.finish_reason, "stop_reason": None}
         if req.return_token_ids:
             choice["token_ids"] = list(seq.tokens[len(prompt_ids):])

@@ -14,11 +14,11 @@ from pagedllm.entrypoints.openai.chat_tools import (ChoiceStreams, apply_tool_gr
                                                     plan_request_tools)
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_json, safe_float, token_bytes
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, request_reasoning
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, request_cache_salt, request_priority,
-                                                        truncate_prompt)
+                                                        check_logprob_fields, request_cache_salt, request_ids,
+                                                        request_priority, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, first_output,
                                                    last_output, usage_dict)
@@ -47,6 +47,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         if len(kept) < len(prompt_ids):
             prompt_text, prompt_ids = None, kept
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    request_id, engine_id = request_ids(request, "chatcmpl", req.request_id)
     if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
         raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
     if req.use_beam_search:
@@ -56,9 +57,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         beam_max = max_tokens if max_tokens is not None else max(1, state.max_model_len - len(prompt_ids))
         check_context_length(len(prompt_ids), beam_max, state.max_model_len)
         try:
-            body = await beam_search.chat_response(req, state, model, req.request_id or random_id("chatcmpl"),
+            body = await beam_search.chat_response(req, state, model, request_id,
                                                    int(time.time()), prompt_ids, beam_max, request.is_disconnected,
-                                                   salt, priority)
+                                                   salt, priority, response_role(req, state))
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")
@@ -67,17 +68,17 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     apply_tool_grammar(params, tool_plan)
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
     reasoning = request_reasoning(state, params, prompt_text, prompt_ids, bool(req.include_reasoning))
-    request_id = req.request_id or random_id("chatcmpl")
     stream = bool(req.stream)
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
-    gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
+    gen = generate(prompt_text, prompt_ids, params, engine_id, output_kind="delta" if stream else "final_only",
                    lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
     created = int(time.time())
-    first, watch = await first_output(request, engine, gen, [request_id])
+    first, watch = await first_output(request, engine, gen, [engine_id])
     if stream:
-        framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options)
-        return SSEResponse(_ChatStream(req, state, prompt_ids, gen, first, watch, framer, tool_plan, request_id,
+        framer = ChunkFramer(request_id, "chat.completion.chunk", created, model, req.stream_options,
+                             state.force_include_usage)
+        return SSEResponse(_ChatStream(req, state, prompt_ids, gen, first, watch, framer, tool_plan, engine_id,
                                        reasoning))
     final = await last_output(gen, first, watch)
     return Response(dumps(_full_response(req, state, model, request_id, created, prompt_ids, final, tool_plan,
@@ -98,10 +99,16 @@ def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: Optional[list], top
     return {"content": content}
 
 
-def _echo_text(req: ChatCompletionRequest) -> str:
-    """vLLM's chat `echo`: the last message's content goes before the answer when it is the assistant's own
+def response_role(req: ChatCompletionRequest, state: ServerState) -> str:
+    """vLLM's role of the answer: --response-role after a generation prompt, else the last message's (the text
+    continues that message)."""
+    return state.response_role if req.add_generation_prompt or not req.messages else req.messages[-1].role
+
+
+def _echo_text(req: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the last message's content goes before the answer when it has the answer's role
     (the message being continued); otherwise there is nothing to echo."""
-    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+    if not req.echo or not req.messages or req.messages[-1].role != role:
         return ""
     return message_text(req.messages[-1].content)
 
@@ -111,7 +118,8 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
                    reasoning: Optional[ChoiceReasoning] = None) -> dict:
     choices = []
     num_gen = 0
-    echo = _echo_text(req)
+    role = response_role(req, state)
+    echo = _echo_text(req, role)
     for out in sorted(final.outputs, key=lambda o: o.index):
         num_gen += len(out.token_ids)
         lp = _chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0,
@@ -121,6 +129,7 @@ def _full_response(req: ChatCompletionRequest, state: ServerState, model: str, r
         if reasoning is not None:  # the reasoning first; calls are read from the content after it
             thought, text = reasoning.split(out.text)
         message, finish_reason = choice_message(tool_plan, text or "", out.finish_reason)
+        message["role"] = role
         if text is None and not message.get("tool_calls"):
             message["content"] = None
         if echo:
@@ -148,10 +157,11 @@ class _ChatStream(SSEStream):
     per engine step."""
 
     def __init__(self, req: ChatCompletionRequest, state: ServerState, prompt_ids: list[int], batches: AsyncIterator,
-                 first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan, request_id: str,
+                 first: Any, watch: Any, framer: ChunkFramer, tool_plan: ToolPlan, engine_id: str,
                  reasoning: Optional[ChoiceReasoning] = None) -> None:
         super().__init__(batches, first, watch, framer)
         self.req, self.tok, self.num_prompt, self.num_gen = req, state.tokenizer, len(prompt_ids), 0
+        self.choice_gen = [0] * req.n  # each choice's tokens so far: vLLM's continuous usage is the choice's own
         self.prompt_ids = prompt_ids
         self.top_n = req.top_logprobs or 0
         self.tool_streams = ChoiceStreams(tool_plan) if tool_plan.active else None
@@ -159,29 +169,33 @@ class _ChatStream(SSEStream):
         self.token_ids = bool(req.return_token_ids)
         self.held_ids: dict[int, list[int]] = {}
         self.reasoning = reasoning
+        self.role = response_role(req, state)
         # A running choice of a plain stream (no logprobs, tools, token ids or reasoning) is a template and its text.
         self.cached = CachedTokens(state.prompt_tokens_details)
         self.plain = (not req.logprobs and self.tool_streams is None and not self.token_ids and reasoning is None
                       and not (self.cached.enabled and framer.continuous_usage))  # (its template has no details)
         self.templates = [framer.template(b'{"index":%d,"delta":{"content":' % i, b"}") for i in range(req.n)]
         if self.plain and req.n == 1:
-            self.direct = (state.engine, request_id)
+            self.direct = (state.engine, engine_id)
 
     def usage(self) -> dict:
         return usage_dict(self.num_prompt, self.num_gen, self.cached.total())
 
     def frame(self, choice: dict) -> bytes:
-        return self.framer.choices([choice], self.usage() if self.framer.continuous_usage else None)
+        if not self.framer.continuous_usage:
+            return self.framer.choices([choice])
+        return self.framer.choices([choice], usage_dict(self.num_prompt, self.choice_gen[choice["index"]],
+                                                        self.cached.total()))
 
     def prefix(self) -> bytes:
         """The role goes first, in its own delta, once per choice (as OpenAI does)."""
-        echo = _echo_text(self.req)
+        echo = _echo_text(self.req, self.role)
         frames = []
         for i in range(self.req.n):
-            role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            role = {"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
             if self.token_ids and i == 0:  # vLLM: the prompt's ids on the stream's first chunk, at its top level
-                frames.append(self.framer.choices([role], self.usage() if self.framer.continuous_usage else None,
-                                                  b',"prompt_token_ids":' + dumps(self.prompt_ids)))
+                usage = usage_dict(self.num_prompt, 0, self.cached.total()) if self.framer.continuous_usage else None
+                frames.append(self.framer.choices([role], usage, b',"prompt_token_ids":' + dumps(self.prompt_ids)))
             else:
                 frames.append(self.frame(role))
             if echo:
@@ -200,11 +214,13 @@ class _ChatStream(SSEStream):
         self.cached.note(0, ro)
         for out in ro.outputs:
             self.num_gen += len(out.token_ids)
+            self.choice_gen[out.index] += len(out.token_ids)
             if not out.text and out.finish_reason is None and not out.token_ids:
                 continue
             if self.plain and out.finish_reason is None:
                 before, after = self.templates[out.index]
-                frames.append(before + dumps(out.text) + after + self.framer.end(self.num_prompt, self.num_gen))
+                frames.append(before + dumps(out.text) + after
+                              + self.framer.end(self.num_prompt, self.choice_gen[out.index]))
                 continue
             lp = _chat_logprobs(self.tok, out.token_ids, out.logprobs, self.top_n,
                                 bool(self.req.return_tokens_as_token_ids)) if self.req.logprobs else None

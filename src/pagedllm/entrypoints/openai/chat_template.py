@@ -10,26 +10,32 @@ from pagedllm.entrypoints.openai.errors import APIError
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
+# Text-like content parts and the key of their text, as vLLM reads them: the Responses API's input_text /
+# output_text, and an assistant's refusal (OpenAI's assistant parts are text or refusal, so histories carry them).
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def _part_text(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+    if key is None:
+        shape = "" if isinstance(part, dict) else \
+            f" (a part is an object such as {{'type': 'text', 'text': ...}}, got a {type(part).__name__})"
+        raise APIError(f"Message content of type {kind!r} is not supported yet; only 'text' parts are{shape}.",
+                       param="messages")
+    text = part.get(key)
+    if not isinstance(text, str):
+        raise APIError(f"A message content part of type {kind!r} needs a {key!r} string.", param="messages")
+    return text
+
+
 def message_text(content: Any) -> str:
     """OpenAI content is a string or a list of parts; only text parts are supported."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise APIError("A message content part of type 'text' needs a 'text' string.", param="messages")
-            texts.append(text)
-        else:
-            shape = "" if isinstance(part, dict) else \
-                f" (a part is an object such as {{'type': 'text', 'text': ...}}, got a {type(part).__name__})"
-            raise APIError(f"Message content of type {kind!r} is not supported yet; only 'text' parts are{shape}.",
-                           param="messages")
-    return "\n".join(texts)
+    return "\n".join([_part_text(part) for part in content])
 
 
 def check_content_format(value: Any, name: str = "chat_template_content_format") -> str:
@@ -55,7 +61,7 @@ def message_content(content: Any, content_format: str) -> Union[str, list[dict]]
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    return [{"type": "text", "text": part["text"]} for part in content]
+    return [{"type": "text", "text": _part_text(part)} for part in content]
 
 
 def with_content_format(conv: list[dict], content_format: str) -> list[dict]:

@@ -30,7 +30,8 @@ def plan_request_tools(req: Any, state: Any) -> tuple[ToolPlan, Any]:
     template = chat_template_source(state.tokenizer, req.chat_template)
     try:
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
-                          getattr(state, "tool_call_parser", "auto"), template)
+                          getattr(state, "tool_call_parser", "auto"), template,
+                          show_unused=not getattr(state, "exclude_tools_when_tool_choice_none", False))
     except ToolRequestError as e:
         raise APIError(str(e), param=e.param) from None
     return plan, partial(_prepare, plan=plan, template=template)

@@ -14,8 +14,7 @@ from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.embeddings import (PoolingRequest, list_response, pooled_vectors, request_inputs,
                                                     truncated)
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import random_id
-from pagedllm.entrypoints.openai.request_params import request_priority
+from pagedllm.entrypoints.openai.request_params import request_ids, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 
 
@@ -64,9 +63,9 @@ async def create_classification(request: Request, state: ServerState) -> Respons
     req = await parse_body(request, ClassificationRequest)
     model = state.check_model(req.model)
     labels = classifier_labels(state, "/classify")
-    request_id = req.request_id or random_id("classify")
+    request_id, engine_id = request_ids(request, "classify", req.request_id)
     created = int(time.time())
-    inputs, rows = await classified(request, state, req, model, request_id, req.activation)
+    inputs, rows = await classified(request, state, req, model, engine_id, req.activation)
     data = []
     for i, probs in enumerate(rows):
         best = max(range(len(probs)), key=probs.__getitem__)

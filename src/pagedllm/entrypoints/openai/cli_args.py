@@ -19,7 +19,8 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "allowed_methods", "allowed_headers",
                "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
                "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
-               "enable_server_load_tracking"}
+               "enable_server_load_tracking", "exclude_tools_when_tool_choice_none",
+               "enable_force_include_usage", "response_role"}
 
 
 def _port(text: str) -> int:
@@ -86,6 +87,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="no /docs, /redoc or /openapi.json")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the prefix cache")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed completion carries its usage (so far on each chunk, then a usage-only "
+                        "chunk) whatever its stream_options say")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="answers carry X-Request-Id: the request's own header, else a new id")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -283,6 +287,12 @@ def add_structured_output_args(p: argparse.ArgumentParser) -> None:
                         "`reasoning_content`), the rest to `content` (deepseek_r1: R1 and its distills; qwen3)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='accepted for vLLM compatibility: tool_choice "auto" works without it')
+    g.add_argument("--response-role", default="assistant",
+                   help="the chat answer's role after a generation prompt (add_generation_prompt false: the last "
+                        "message's role, whose text the answer continues)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='tool_choice "none" leaves the tools out of the prompt (default: they are shown, as vLLM '
+                        "does, and the answer is content)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

@@ -12,10 +12,10 @@ from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.logprobs import (iter_logprobs, prompt_logprobs_json, safe_float, text_lengths,
                                                   token_label, token_str)
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, random_id
+from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, check_token_ids, request_cache_salt,
-                                                        request_priority, truncate_prompt)
+                                                        request_ids, request_priority, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, merge_streams,
                                                    start_disconnect_watch, usage_dict)
@@ -83,6 +83,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         prompts = [(text if len(k) == len(ids) else None, k) for (text, ids), k in zip(prompts, kept)]
     check_logprob_fields(req, state.max_logprobs, top_name="logprobs", top=req.logprobs)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    request_id, engine_id = request_ids(request, "cmpl", req.request_id)
     if req.use_beam_search:
         from pagedllm.beam_search.driver import ClientDisconnected
         from pagedllm.entrypoints.openai import beam_search
@@ -90,7 +91,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         for _, ids in prompts:
             check_context_length(len(ids), max_tokens, state.max_model_len, "prompt")
         try:
-            body = await beam_search.completion_response(req, state, model, req.request_id or random_id("cmpl"),
+            body = await beam_search.completion_response(req, state, model, request_id,
                                                          int(time.time()), prompts, max_tokens, request.is_disconnected,
                                                          salt, priority)
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
@@ -103,8 +104,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                                    state.sampling_defaults, default_max_tokens=DEFAULT_MAX_TOKENS)
     for _, ids in prompts:
         check_context_length(len(ids), params.max_tokens, state.max_model_len, "prompt")
-    request_id = req.request_id or random_id("cmpl")
-    sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [request_id]
+    sub_ids = [f"{engine_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [engine_id]
     stream = bool(req.stream)
     kind = "delta" if stream else "final_only"
     lora = state.lora_request(model)
@@ -123,8 +123,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         await merged.aclose()
         raise
     if stream:
-        framer = ChunkFramer(request_id, "text_completion", created, model, req.stream_options)
-        return SSEResponse(_CompletionStream(req, state, prompts, merged, first, watch, framer, request_id))
+        framer = ChunkFramer(request_id, "text_completion", created, model, req.stream_options,
+                             state.force_include_usage)
+        return SSEResponse(_CompletionStream(req, state, prompts, merged, first, watch, framer, engine_id))
     try:
         finals: dict[int, Any] = {first[0]: first[1]}
         async for i, out in merged:
@@ -215,7 +216,7 @@ class _CompletionStream(SSEStream):
     prompts' are (prompt index, batch)."""
 
     def __init__(self, req: CompletionRequest, state: ServerState, prompts: list, batches: AsyncIterator,
-                 first: Any, watch: Any, framer: ChunkFramer, request_id: str) -> None:
+                 first: Any, watch: Any, framer: ChunkFramer, engine_id: str) -> None:
         super().__init__(batches, first, watch, framer)
         self.req, self.tok, self.prompts = req, state.tokenizer, prompts
         self.multi = len(prompts) > 1
@@ -224,6 +225,7 @@ class _CompletionStream(SSEStream):
         self.offsets: dict[int, int] = {}
         self.num_gen = 0
         self.num_prompt = sum(len(ids) for _, ids in prompts)
+        self.choice_gen = [0] * (len(prompts) * req.n)  # vLLM's continuous usage: the choice's prompt and tokens
         # A running choice of a plain stream (no logprobs, no echo, no token ids) is a template and its text.
         self.token_ids = bool(req.return_token_ids)
         self.ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (vLLM: in the first chunk only)
@@ -233,7 +235,7 @@ class _CompletionStream(SSEStream):
         self.echo_only = echo_only(req)
         self.templates = [framer.template(b'{"index":%d,"text":' % index) for index in range(len(prompts) * req.n)]
         if self.plain and not self.multi and req.n == 1:
-            self.direct = (state.engine, request_id)
+            self.direct = (state.engine, engine_id)
 
     def usage(self) -> dict:
         return usage_dict(self.num_prompt, self.num_gen, self.cached.total())
@@ -254,10 +256,13 @@ class _CompletionStream(SSEStream):
                 out = _without_generation(out)
             index = i * n + out.index
             self.num_gen += len(out.token_ids)
+            self.choice_gen[index] += len(out.token_ids)
+            num_prompt = len(self.prompts[i][1])
             if self.plain and out.finish_reason is None:
                 if out.text or out.token_ids:
                     before, after = self.templates[index]
-                    frames.append(before + dumps(out.text) + after + self.framer.end(self.num_prompt, self.num_gen))
+                    frames.append(before + dumps(out.text) + after + self.framer.end(num_prompt,
+                                                                                     self.choice_gen[index]))
                 continue
             text = out.text
             if req.echo and index not in self.echoed:
@@ -279,7 +284,10 @@ class _CompletionStream(SSEStream):
                     self.ids_sent.add(index)
                     choice["prompt_token_ids"] = list(self.prompts[i][1])
                 choice["token_ids"] = list(out.token_ids)
-            frames.append(self.framer.choices([choice], self.usage() if self.framer.continuous_usage else None))
+            usage = None
+            if self.framer.continuous_usage:
+                usage = usage_dict(num_prompt, self.choice_gen[index], self.cached.of(i))
+            frames.append(self.framer.choices([choice], usage))
         return frames[0] if len(frames) == 1 else b"".join(frames)
 
     def _logprobs(self, i: int, index: int, ro: Any, out: Any) -> dict:

@@ -15,8 +15,8 @@ from pagedllm.entrypoints.openai.body import parse_body, render_work, tokenize_w
 from pagedllm.entrypoints.openai.chat_template import check_request_template, render_chat
 from pagedllm.entrypoints.openai.completions import parse_prompts
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.protocol import ChatMessage, Int, TokenId, _Req, random_id
-from pagedllm.entrypoints.openai.request_params import request_priority, truncate_prompt
+from pagedllm.entrypoints.openai.protocol import ChatMessage, Int, TokenId, _Req
+from pagedllm.entrypoints.openai.request_params import request_ids, request_priority, truncate_prompt
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import merge_streams, start_disconnect_watch
 
@@ -186,9 +186,9 @@ def list_response(request_id: str, created: int, model: str, data: list, inputs:
 async def create_embedding(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, EmbeddingRequest)
     model = state.check_model(req.model)
-    request_id = req.request_id or random_id("embd")
+    request_id, engine_id = request_ids(request, "embd", req.request_id)
     created = int(time.time())
-    inputs, vectors = await embedded(request, state, req, model, request_id)
+    inputs, vectors = await embedded(request, state, req, model, engine_id)
     data = [{"object": "embedding", "index": i, "embedding": encoded(vector, req.encoding_format)}
             for i, vector in enumerate(vectors)]
     return list_response(request_id, created, model, data, inputs, completion_tokens=False)

@@ -32,7 +32,8 @@ logger = logging.getLogger("pagedllm.api_server")
 _PROBE_PATHS = ("/health", "/metrics", "/version", "/load")
 # vLLM's --enable-server-load-tracking: the routes whose requests in flight GET /load reports (server_load).
 LOAD_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/pooling",
-                        "/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"))
+                        "/classify", "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+                        "/invocations"))
 # Live views that never end by themselves: not in-flight work (a drain does not wait for them; they end when it starts).
 _LIVE_PATHS = ("/dashboard/events",)
 ENGINE_DEAD_EXIT_CODE = 1

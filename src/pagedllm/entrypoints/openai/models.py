@@ -1,6 +1,9 @@
 """GET /v1/models and GET /v1/models/{model} (OpenAI's retrieve: the `openai` SDK's client.models.retrieve)."""
 from __future__ import annotations
 
+import time
+import uuid
+
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.errors import APIError, dumps
@@ -13,7 +16,16 @@ def _cards(state: ServerState) -> list[dict]:
              for name in state.served_model_names]
     if state.loras is not None:
         cards += state.loras.cards(state.created, state.max_model_len)
+    for card in cards:  # vLLM's cards carry OpenAI's (legacy) permission list; clients may read it
+        card["permission"] = [_permission()]
     return cards
+
+
+def _permission() -> dict:
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 async def list_models(state: ServerState) -> Response:

@@ -16,8 +16,7 @@ from pagedllm.entrypoints.openai.classify import classified, classifier_labels
 from pagedllm.entrypoints.openai.embeddings import (EmbeddingRequest, embedded, encoded, list_response,
                                                     pooled_vectors, pooling_defaults, request_inputs, truncated)
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import random_id
-from pagedllm.entrypoints.openai.request_params import request_priority
+from pagedllm.entrypoints.openai.request_params import request_ids, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 
 
@@ -43,7 +42,7 @@ async def create_pooling(request: Request, state: ServerState) -> Response:
         raise APIError("'activation' and 'use_activation' (its newer name) disagree; give one.", param="activation")
     activation = req.activation if req.use_activation is None else req.use_activation
     given = "use_activation" if req.use_activation is not None else "activation"
-    request_id = req.request_id or random_id("pool")
+    request_id, engine_id = request_ids(request, "pool", req.request_id)
     created = int(time.time())
     if task in ("embed", "token_embed") and activation is not None:  # (never silently unused)
         raise APIError(f"'{given}' applies to the classify tasks; the '{task}' task takes 'normalize'.", param=given)
@@ -52,12 +51,12 @@ async def create_pooling(request: Request, state: ServerState) -> Response:
             if getattr(req, name) is not None:
                 raise APIError(f"'{name}' applies to the embed tasks, not to '{task}'.", param=name)
     if task == "embed":
-        inputs, rows = await embedded(request, state, req, model, request_id)
+        inputs, rows = await embedded(request, state, req, model, engine_id)
     elif task == "classify":
         classifier_labels(state, "The 'classify' task")
-        inputs, rows = await classified(request, state, req, model, request_id, activation)
+        inputs, rows = await classified(request, state, req, model, engine_id, activation)
     else:
-        inputs, rows = await per_token(request, state, req, task, activation, given, model, request_id)
+        inputs, rows = await per_token(request, state, req, task, activation, given, model, engine_id)
     data = [{"index": i, "object": "pooling", "data": encoded(row, req.encoding_format)} for i, row in enumerate(rows)]
     return list_response(request_id, created, model, data, inputs)
 

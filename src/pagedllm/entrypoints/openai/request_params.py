@@ -2,6 +2,7 @@
 (context length, token ids) every generating endpoint makes."""
 from __future__ import annotations
 
+import uuid
 from typing import Any, Optional
 
 from pagedllm.core.block_hash import check_cache_salt
@@ -19,6 +20,21 @@ def request_cache_salt(req: Any) -> Optional[str]:
     except ValueError as e:
         raise APIError(str(e), param="cache_salt") from None
     return salt
+
+
+def request_ids(request: Any, prefix: str, given: Optional[str]) -> tuple[str, str]:
+    """(the answer's id, the engine's id), as vLLM names them: the answer's is "<prefix>-<base>", the base being
+    the X-Request-Id header, else the body's request_id, else a new one. A client's base may be any request's
+    (a gateway's trace id, a retry while the first still runs), so the engine's id adds 8 random characters to it,
+    as vLLM's engine client does: two requests of one id both run."""
+    base = request.headers.get("x-request-id")
+    if base is None:
+        base = given
+    if base is None:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return rid, rid
+    rid = f"{prefix}-{base}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
 
 
 def request_priority(req: Any, scheduling_policy: str) -> int:

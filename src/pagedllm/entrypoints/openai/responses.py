@@ -65,12 +65,14 @@ async def _create_response(request: Request, state: ServerState) -> Response:
     check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len, "input", "max_output_tokens")
     reasoning = request_reasoning(state, params, prompt_text, prompt_ids)
     request_id = req.request_id or _id("resp")
+    # A client's id may be another running request's: the engine's adds random characters, as vLLM's does.
+    engine_id = request_id if req.request_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
     stream = bool(req.stream)
     generate = state.engine.generate_batches if stream else state.engine.generate
-    gen = generate(prompt_text, prompt_ids, params, request_id, output_kind="delta" if stream else "final_only",
+    gen = generate(prompt_text, prompt_ids, params, engine_id, output_kind="delta" if stream else "final_only",
                    lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
     shell = _ResponseShell(req, model, request_id, int(time.time()), len(prompt_ids), state.tokenizer)
-    first, watch = await first_output(request, state.engine, gen, [request_id])
+    first, watch = await first_output(request, state.engine, gen, [engine_id])
     if stream:
         return SSEResponse(_ResponsesStream(gen, first, watch, shell, tool_plan, reasoning))
     final = await last_output(gen, first, watch)

@@ -15,8 +15,8 @@ from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
 from pagedllm.entrypoints.openai.completions import parse_prompts
 from pagedllm.entrypoints.openai.embeddings import MAX_INPUTS, pooled_vectors, pooling_defaults, truncated
 from pagedllm.entrypoints.openai.errors import APIError, dumps
-from pagedllm.entrypoints.openai.protocol import Int, _Req, random_id
-from pagedllm.entrypoints.openai.request_params import request_priority
+from pagedllm.entrypoints.openai.protocol import Int, _Req
+from pagedllm.entrypoints.openai.request_params import request_ids, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.classify import class_logits, classifier_inputs, classifier_labels
 from pagedllm.pooling import class_probs, cosine, input_truncation, pair_input, score_pairs
@@ -58,10 +58,10 @@ async def _texts_scored(request: Request, state: ServerState, req: Any, model: s
     inputs = await tokenize_work(request, parse_prompts, texts, state.tokenizer, state.engine.ready.vocab_size, True,
                                  field=names[1])
     inputs = truncated(inputs, req.truncate_prompt_tokens, state)
-    request_id = req.request_id or random_id(prefix)
+    request_id, engine_id = request_ids(request, prefix, req.request_id)
     kind = pooling_defaults(state).pooling_type
     vectors = await pooled_vectors(request, state, model, inputs, kind, request_priority(req, state.scheduling_policy),
-                                   request_id, field=names[1])
+                                   engine_id, field=names[1])
     of = dict(zip(texts, vectors))
     tokens = dict(zip(texts, (len(ids) for _, ids in inputs)))
     scores = [cosine(of[a], of[b]) for a, b in zip(firsts, seconds)]
@@ -87,8 +87,8 @@ async def _pairs_scored(request: Request, state: ServerState, req: Any, model: s
     inputs = await tokenize_work(request, _pair_inputs, state.tokenizer, firsts, seconds,
                                  None if k is None else input_truncation(k, state.max_model_len))
     inputs = classifier_inputs(state, inputs, k)  # (checks k; trims only what the pair truncation could not)
-    request_id = req.request_id or random_id(prefix)
-    logits = await class_logits(request, state, model, inputs, req, request_id, names[1])
+    request_id, engine_id = request_ids(request, prefix, req.request_id)
+    logits = await class_logits(request, state, model, inputs, req, engine_id, names[1])
     return [class_probs(row)[0] for row in logits], sum(len(ids) for _, ids in inputs), request_id
 
 

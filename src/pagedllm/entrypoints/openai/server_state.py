@@ -22,9 +22,12 @@ class ServerState:
         self.loras: Any = None  # lora_models.LoRAModels: adapter names the `model` field may name
         self.dashboard = True  # GET /dashboard (--no-dashboard: off)
         self.tool_call_parser = "auto"  # --tool-call-parser
+        self.exclude_tools_when_tool_choice_none = False  # --exclude-tools-when-tool-choice-none
+        self.response_role = "assistant"  # --response-role: the chat answer's role after a generation prompt
         self.reasoning_parser: Optional[str] = None  # --reasoning-parser (reasoning.py)
         self.prompt_tokens_details = False  # --enable-prompt-tokens-details: usage's cached prompt tokens
         self.return_tokens_as_token_ids = False  # --return-tokens-as-token-ids: the default of the request field
+        self.force_include_usage = False  # --enable-force-include-usage: every stream's chunks carry the usage
         self.trust_request_chat_template = False  # --trust-request-chat-template
         self.chat_template_content_format = "auto"  # --chat-template-content-format
         self.lifecycle: Any = None  # lifecycle.Lifecycle, set by the server (the dashboard's stream ends on drain)

@@ -45,11 +45,13 @@ class SSEStream:
         self.first = first
         self.watch = watch
         self.framer = framer
+        self.choice_gen = [0]  # each choice's tokens so far (a subclass sizes it to its choices)
 
     def direct_frame(self, text: str, num_tokens: int) -> bytes:
         """The frame of a running step of the plain stream's only choice, byte for byte what frames() writes
         (from the subclass's pre-built templates and token counts: chat and completions keep the same ones)."""
         self.num_gen += num_tokens
+        self.choice_gen[0] += num_tokens  # (the only choice's count, which the subclass's own frames read)
         before, after = self.templates[0]
         return before + line_safe(dumps(text)) + after + self.framer.end(self.num_prompt, self.num_gen)
 
@@ -174,11 +176,15 @@ class ChunkFramer:
     stream_options: `include_usage` adds `"usage": null` to every chunk and a final usage-only chunk;
     `continuous_usage_stats` (vLLM) with include_usage puts the usage so far on every chunk instead (alone, as in
     vLLM, it adds nothing: a client that left usage off gets no usage chunk it does not expect).
+    force_usage (vLLM's --enable-force-include-usage): both, whatever the request says.
     """
 
-    def __init__(self, request_id: str, obj: str, created: int, model: str, stream_options: Any) -> None:
+    def __init__(self, request_id: str, obj: str, created: int, model: str, stream_options: Any,
+                 force_usage: bool = False) -> None:
         # stream_options: the request's StreamOptions (or None), or a plain include_usage bool
-        if isinstance(stream_options, bool) or stream_options is None:
+        if force_usage:
+            self.continuous_usage = self.include_usage = True
+        elif isinstance(stream_options, bool) or stream_options is None:
             self.continuous_usage, self.include_usage = False, bool(stream_options)
         else:
             self.include_usage = bool(stream_options.include_usage)
@@ -317,3 +323,6 @@ class CachedTokens:
 
     def total(self) -> Optional[int]:
         return sum(self.per_prompt.values()) if self.enabled else None
+
+    def of(self, prompt_index: int) -> Optional[int]:
+        return self.per_prompt.get(prompt_index, 0) if self.enabled else None

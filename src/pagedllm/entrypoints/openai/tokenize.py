@@ -31,9 +31,9 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(await tokenize_work(request, tok.encode, req.prompt, add_special_tokens=add_special))
-    body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-    if req.return_token_strs:
-        body["token_strs"] = tok.convert_ids_to_tokens(ids)
+    # token_strs: null unless asked for, as vLLM's answer has it (a client may read the key)
+    body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
     return Response(dumps(body), media_type="application/json")
 
 

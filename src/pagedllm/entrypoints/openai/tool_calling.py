@@ -1,7 +1,8 @@
 """Tool calling around one chat request: check tools / tool_choice, put the tools into the prompt, turn
 "required" and named choices into a grammar, and turn the output back into OpenAI tool calls.
 
-  tool_choice "none"       tools are not shown; the output is content
+  tool_choice "none"       tools go into the prompt as for "auto" (vLLM's default; show_unused=False: left out);
+                           the output is content
   tool_choice "auto"       tools go into the chat template; the parser reads whatever the model writes
   tool_choice "required"   the grammar forces a JSON list of >= 1 calls [{"name": ..., "arguments": {...}}]
   named function           the grammar forces that function's arguments (its JSON schema)
@@ -61,8 +62,9 @@ def _function(tool: Any, i: int) -> dict:
 
 
 def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Optional[bool], parser_name: str,
-               chat_template: Optional[str]) -> ToolPlan:
-    """Validate tools / tool_choice (ToolRequestError -> 400) and decide what to do."""
+               chat_template: Optional[str], show_unused: bool = True) -> ToolPlan:
+    """Validate tools / tool_choice (ToolRequestError -> 400) and decide what to do. show_unused: tool_choice
+    "none" still puts the tools into the prompt (vLLM's default, --exclude-tools-when-tool-choice-none off)."""
     tools = [_function(t, i) for i, t in enumerate(tools or [])]
     names = [t["function"]["name"] for t in tools]
     seen: dict[str, int] = {}
@@ -91,7 +93,7 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
     if tool_choice != "none" and not tools:
         raise ToolRequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if tool_choice == "none":
-        return ToolPlan("none")
+        return ToolPlan("none", tools if show_unused else [])
     plan = ToolPlan(tool_choice, tools, parallel=parallel_tool_calls is not False)
     if tool_choice == "auto":
         try:
@@ -240,8 +242,8 @@ def prepare_conversation(conv: list[dict], plan: ToolPlan, template: Optional[st
             if m.get("tool_calls"):
                 m["tool_calls"] = [_with_object_arguments(c) for c in m["tool_calls"]]
             out.append(m)
-        return out, (plan.tools if plan.active else None)
-    if not plan.active and not has_history:
+        return out, (plan.tools or None)
+    if not plan.tools and not has_history:
         return conv, None
     out = []
     for m in conv:  # (content may be text parts, chat_template_content_format "openai": message_text joins them)
@@ -255,7 +257,7 @@ def prepare_conversation(conv: list[dict], plan: ToolPlan, template: Optional[st
         if m.get("content") is None:
             m["content"] = ""
         out.append(m)
-    if plan.active and plan.mode != "named":
+    if plan.tools and plan.mode != "named":
         text = _tools_system_text(plan.tools)
         if out and out[0].get("role") == "system":
             out[0] = dict(out[0], content=message_text(out[0].get("content")) + "\n\n" + text)
