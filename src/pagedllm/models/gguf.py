@@ -303,7 +303,9 @@ def _rope_scaling(reader: Any, arch: str, tensors: dict, rope_theta: float, head
     if kind == "linear" and factor:
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn" and factor:
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        # llama.cpp takes the trained context (context_length) when the file states no original one
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length") or \
+            _field(reader, f"{arch}.context_length", 2048)
         return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
     if "rope_freqs.weight" in tensors:
         from gguf.quants import dequantize
