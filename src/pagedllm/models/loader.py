@@ -168,8 +168,10 @@ def served_text_config(config: Any) -> Any:
     if not architectures or architectures[0] not in TEXT_MODEL_ARCHITECTURES or text is None:
         return config
     text.architectures = [architectures[0]]
+    # The checkpoint's own ids win over the text config's defaults (Gemma 3's text eos defaults to 1, the
+    # checkpoint says [1, 106]: <end_of_turn> too), as transformers' generation config takes them.
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+        if getattr(config, key, None) is not None:
             setattr(text, key, getattr(config, key))
     # transformers ties the multimodal model's lm_head by the top-level flag, not the text config's
     if getattr(config, "tie_word_embeddings", None) is not None:
