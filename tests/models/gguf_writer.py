@@ -148,6 +148,11 @@ def write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = N
             writer.add_rope_scaling_factor(rope["factor"])
             if yarn_original_context:
                 writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            # as llama.cpp's converter names them
+            for key, name in (("attention_factor", "attn_factor"), ("beta_fast", "beta_fast"),
+                              ("beta_slow", "beta_slow")):
+                if rope.get(key) is not None:
+                    writer.add_float32(f"{arch}.rope.scaling.yarn_{name}", rope[key])
         if rope.get("rope_type") == "llama3":
             writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope["rope_theta"], head_dim, rope))
         for name, parts, data in checkpoint_tensors(hf_dir):

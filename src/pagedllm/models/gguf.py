@@ -310,7 +310,14 @@ def _rope_scaling(reader: Any, arch: str, tensors: dict, rope_theta: float, head
         # llama.cpp takes the trained context (context_length) when the file states no original one
         original = _field(reader, f"{arch}.rope.scaling.original_context_length") or \
             _field(reader, f"{arch}.context_length", 2048)
-        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+        params = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+        # what llama.cpp's converter writes from the HF config's attention_factor / beta_fast / beta_slow
+        for key, hf_key in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                            ("yarn_beta_slow", "beta_slow")):
+            value = _field(reader, f"{arch}.rope.scaling.{key}")
+            if value is not None:
+                params[hf_key] = float(value)
+        return params
     if "rope_freqs.weight" in tensors:
         from gguf.quants import dequantize
         t = tensors["rope_freqs.weight"]
