@@ -228,8 +228,9 @@ def tiny_hf_config(arch: str, tie_word_embeddings: Optional[bool] = None, rope_s
                           tie_word_embeddings=bool(tie_word_embeddings))
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
-    if rope_scaling is not _DEFAULT and arch != "llama":
-        cfg.rope_scaling = rope_scaling
+    if rope_scaling is not _DEFAULT and arch != "llama":  # (set after the fact: the config's base is kept)
+        cfg.rope_scaling = rope_scaling if rope_scaling is None else \
+            {"rope_theta": cfg.rope_parameters["rope_theta"], **rope_scaling}
     return cfg
 
 

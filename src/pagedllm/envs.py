@@ -149,7 +149,7 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_DIST_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "300")),
     # Seconds the head waits at start for every rank (of every node) to join.
     "PAGEDLLM_NODE_JOIN_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "300")),
-    # "1"/"true": a max_model_len past the model's max_position_embeddings is allowed (with a warning) instead of
+    # "1"/"true": a max_model_len past the model's context (worker.model_max_len) is allowed (with a warning) instead of
     # refused, as vLLM's variable allows it; outputs past the trained context may be wrong.
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": lambda: _truthy(os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"))
     or _truthy(os.environ.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN")),

@@ -1,6 +1,7 @@
 """Loading the tokenizer (a fast, Rust-backed one, unless tokenizer_mode="slow" asks for transformers' Python one).
 
-The model's end-of-sequence ids are read by `worker.read_eos_token_ids` (config + generation_config.json).
+The model's end-of-sequence ids are read by `worker.read_eos_token_ids` (config + generation_config.json), with the
+tokenizer's EOS put first by `core.engine_core.with_tokenizer_eos`, as vLLM takes it.
 
 Accepted sources: an HF model directory, a `.gguf` file (the tokenizer is read from its metadata),
 a directory holding only a `.gguf` file, or a hub name already in the local cache.

@@ -118,6 +118,34 @@ def test_eos_ids_include_generation_config(tmp_path):
     assert read_eos_token_ids(NoEos(), str(tmp_path / "missing")) == []
 
 
+def test_the_tokenizers_eos_stops_generation(tmp_path, tiny_llama_dir):
+    """A fine-tune whose tokenizer's EOS is not config.json's (ChatML's <|im_end|> over </s>): vLLM's requests stop
+    at the tokenizer's EOS (finish "stop", no stop_reason), config's stays a stop id. pagedllm read only config.json
+    and generation_config.json and generated past it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.engine.test_correctness import hf_greedy, random_prompts
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(tiny_llama_dir, model_dir)
+    prompt = random_prompts([9], seed=3)[0]
+    ref = hf_greedy(model_dir, prompt, 10)[0]
+    k = next(i for i in range(2, 10) if ref[i] not in ref[:i] and ref[i] != 1)  # a first occurrence, not config's
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(ref[k])
+    tokenizer.save_pretrained(model_dir)
+    assert AutoTokenizer.from_pretrained(model_dir).eos_token_id == ref[k]
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=64)
+    assert llm.engine.eos_token_ids == [ref[k], 1]
+    greedy = dict(temperature=0.0, max_tokens=10)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ref[:k + 1], "stop", None)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**greedy, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref and out.finish_reason == "length"
+
+
 def test_invalid_prompts_fail_before_anything_is_queued(tiny_llama_dir):
     llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, max_model_len=256)
     with pytest.raises(ValueError, match="empty"):

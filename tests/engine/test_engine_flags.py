@@ -188,6 +188,29 @@ def test_max_num_seqs_one_and_max_model_len_edges(tiny_llama_dir):
     LLM(model=tiny_llama_dir, max_model_len=512, num_gpu_blocks_override=64)  # the model's own maximum is fine
 
 
+@pytest.mark.parametrize("arch,rope,context", [
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256),
+    ("llama", {"rope_type": "linear", "factor": 2.0}, 128),
+    ("llama", {"rope_type": "dynamic", "factor": 2.0}, 128),
+    ("llama", {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}, 64)])
+def test_rope_scaled_context_is_the_models(tiny_model_dir, arch, rope, context):
+    """The context of a rope-scaled model is vLLM's: max_position_embeddings (64 here) times a linear, dynamic or
+    yarn factor (yarn: its original context's), not the bare max_position_embeddings, which refused Qwen2.5's
+    documented yarn x4 context without VLLM_ALLOW_LONG_MAX_MODEL_LEN; llama3 counts in it already. A yarn prompt
+    past max_position_embeddings gets transformers' tokens."""
+    model_dir = tiny_model_dir(arch, rope_scaling=rope, max_position_embeddings=64)
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=40)
+    assert llm.engine.worker.max_model_len == context
+    with pytest.raises(ValueError, match="larger than the model's maximum"):
+        LLM(model=model_dir, max_model_len=context + 1)
+    if rope["rope_type"] == "yarn":
+        prompt = random_prompts([100], seed=8)[0]
+        out = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == hf_greedy(model_dir, prompt, 8)[0]
+
+
 def test_long_max_model_len_allowed_by_vllm_variable(tiny_llama_dir, monkeypatch, caplog):
     """VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets max_model_len pass max_position_embeddings (512), as in vLLM: a warning,
     and positions past 512 rotate as transformers rotates them (the rope cache grows to the engine's context)."""

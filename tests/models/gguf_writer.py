@@ -2,7 +2,8 @@
 converter lays them out. The tables here are llama.cpp's names (convert_hf_to_gguf / gguf's tensor_mapping),
 independent of pagedllm's. Not a test module.
 
-    write_tiny_gguf   llama (Q/K rows permuted, llama3 rope_freqs), qwen2, qwen3; chosen weights quantized
+    write_tiny_gguf   llama (Q/K rows permuted, llama3 rope_freqs), qwen2, qwen3 (yarn keys); chosen weights
+                      quantized
     gguf_writer       the header every tiny file shares, and the file written when its block ends: the family
                       and MoE writers (test_gguf_families.py, test_moe_gguf.py) add their own keys and tensors
     checkpoint_tensors / llama_layer_tensor / add_tensor   the tensor loop's pieces
@@ -127,17 +128,31 @@ def llama3_rope_freqs(theta, head_dim, p):
 
 
 def write_tiny_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None, quantizer=None,
-                    identity: Optional[dict] = None, extra: Optional[dict] = None) -> None:
+                    identity: Optional[dict] = None, extra: Optional[dict] = None,
+                    yarn_original_context: bool = True) -> None:
     """A llama / qwen2 / qwen3 checkpoint as a GGUF. kinds: GGML type per module ("self_attn.q_proj", ...;
     "token_embd" / "output" for the globals) for weights stored quantized (by quantizer(data, qtype), default
     gguf's quantizer); the rest float32. identity: general.* metadata (organization, basename, name, finetune).
-    extra: more float32 tensors by GGUF name, written after the model's."""
+    extra: more float32 tensors by GGUF name, written after the model's. A yarn rope is stated by its scaling keys;
+    yarn_original_context False leaves out its original context length (llama.cpp then takes context_length)."""
+    import gguf
+
     cfg = read_config(hf_dir)
     head_dim = config_head_dim(cfg)
     rope = cfg["rope_parameters"]
     with gguf_writer(path, arch, cfg, head_dim, rope["rope_theta"]) as writer:
         for key, value in (identity or {}).items():
             getattr(writer, f"add_{key}")(value)
+        if rope.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            if yarn_original_context:
+                writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            # as llama.cpp's converter names them
+            for key, name in (("attention_factor", "attn_factor"), ("beta_fast", "beta_fast"),
+                              ("beta_slow", "beta_slow")):
+                if rope.get(key) is not None:
+                    writer.add_float32(f"{arch}.rope.scaling.yarn_{name}", rope[key])
         if rope.get("rope_type") == "llama3":
             writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope["rope_theta"], head_dim, rope))
         for name, parts, data in checkpoint_tensors(hf_dir):

@@ -265,3 +265,27 @@ def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, caplog, t
     with torch.inference_mode():
         ref = hf(input_ids=ids[None]).logits[0].float()
     torch.testing.assert_close(_logits(ours, ids), ref, atol=ATOL, rtol=1e-4)
+
+
+def test_gemma3_conditional_generation_eos_ids_are_the_checkpoints(tmp_path):
+    """Gemma 3 4B's config.json states eos_token_id [1, 106] at the top level and none in text_config (whose
+    default is 1). transformers' generation config (what vLLM reads without a generation_config.json) takes the
+    top level's ids; the served text config kept its default, so <end_of_turn> (106) did not stop generation."""
+    import json
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from pagedllm.worker.worker import read_eos_token_ids
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+           "bos_token_id": 2, "pad_token_id": 0,
+           "text_config": {"hidden_size": 64, "intermediate_size": 128, "model_type": "gemma3_text",
+                           "num_hidden_layers": 2, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 16},
+           "vision_config": {"hidden_size": 32, "intermediate_size": 64, "model_type": "siglip_vision_model",
+                             "num_attention_heads": 2, "num_hidden_layers": 1, "image_size": 28, "patch_size": 14}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    reference = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(tmp_path)))
+    served = load_hf_config(str(tmp_path))
+    assert read_eos_token_ids(served, str(tmp_path)) == reference.eos_token_id == [1, 106]
+    assert (served.bos_token_id, served.pad_token_id) == (reference.bos_token_id, reference.pad_token_id)
+

@@ -162,6 +162,29 @@ def test_tiny_gguf_round_trip(tmp_path, fresh_cache, tiny_model_dir, arch):
     torch.testing.assert_close(_logits(_ours(converted), ids), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("original,stated,extra", [(32, True, {}), (512, False, {}),
+                                                   (32, True, {"attention_factor": 0.8, "beta_fast": 16.0,
+                                                               "beta_slow": 2.0})])
+def test_yarn_gguf_matches_transformers(tmp_path, fresh_cache, tiny_model_dir, original, stated, extra):
+    """Qwen2.5-style yarn stated by the GGUF's rope.scaling keys. A file without original_context_length took
+    int(None) and failed to convert; llama.cpp then takes the trained context (context_length, here 512). The
+    yarn_attn_factor / yarn_beta_fast / yarn_beta_slow keys the converter writes from the HF config were ignored."""
+    from transformers import AutoModelForCausalLM
+    hf_dir = tiny_model_dir("qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": original, **extra})
+    gguf_path = str(tmp_path / "tiny-yarn.gguf")
+    write_tiny_gguf(hf_dir, gguf_path, "qwen2", yarn_original_context=stated)
+    config = load_hf_config(prepare_model_dir(gguf_path))
+    assert config.rope_parameters["rope_type"] == "yarn"
+    assert config.rope_parameters["original_max_position_embeddings"] == original
+    assert {k: config.rope_parameters[k] for k in extra} == extra
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(_logits(_ours(prepare_model_dir(gguf_path)), ids), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_tensor_stored_twice_in_a_gguf_is_an_error(tmp_path, fresh_cache, tiny_model_dir):
     """gguf's reader refuses a duplicated tensor name (the conversion path); the packed path's own header parser
     kept both and the second silently won: now the same refusal, naming the tensor and the file."""

@@ -27,9 +27,11 @@ _PHI3 = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_family_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None) -> None:
+def write_family_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] = None,
+                      gemma2_defaults: bool = False) -> None:
     """The HF checkpoint in hf_dir as llama.cpp's converter writes it for arch (gemma2 | gemma3 | phi3). kinds: GGML
-    type per GGUF tensor kind ("attn_q", "token_embd", ...) for weights stored quantized; the rest float32."""
+    type per GGUF tensor kind ("attn_q", "token_embd", ...) for weights stored quantized; the rest float32.
+    gemma2_defaults: Gemma 2's window and soft-caps left out (llama.cpp's defaults stand in)."""
     import gguf
 
     cfg = read_config(hf_dir)
@@ -39,10 +41,12 @@ def write_family_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] =
     rope_theta = rope["full_attention"]["rope_theta"] if arch == "gemma3" else rope["rope_theta"]
     with gguf_writer(path, arch, cfg, head_dim if gemma else None, rope_theta) as writer:
         if gemma:
-            writer.add_sliding_window(cfg["sliding_window"])
+            if not gemma2_defaults:
+                writer.add_sliding_window(cfg["sliding_window"])
             if arch == "gemma2":
-                writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
-                writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+                if not gemma2_defaults:
+                    writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+                    writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
             elif rope["full_attention"]["rope_type"] == "linear":
                 writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
                 writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
@@ -99,6 +103,28 @@ def test_family_gguf_round_trip(tmp_path, fresh_cache, tiny_model_dir, arch):
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     # phi3: 40 tokens > the original context of 32, where transformers and pagedllm (max_model_len 256) use the
     # long factors; gemma: within the window (512), which the file states
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
+    ours = get_model(config, converted, dtype=torch.float32, device="cpu")
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0]
+        got = ours.compute_logits(ours(ids, torch.arange(40)))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma2_gguf_without_window_and_caps_takes_llama_cpps_defaults(tmp_path, fresh_cache, tiny_model_dir):
+    """A Gemma 2 GGUF without attention.sliding_window / attn_logit_softcapping / final_logit_softcapping: llama.cpp
+    runs it with Gemma 2's 4096 / 50 / 30. The converter set None (no window, no caps): other logits than the file's
+    model; now transformers' Gemma 2 with those values."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = tiny_model_dir("gemma2", query_pre_attn_scalar=32, sliding_window=4096, attn_logit_softcapping=50.0,
+                            final_logit_softcapping=30.0)
+    path = str(tmp_path / "tiny-gemma2-defaults.gguf")
+    write_family_gguf(hf_dir, path, "gemma2", gemma2_defaults=True)
+    converted = prepare_model_dir(path)
+    config = load_hf_config(converted)
+    assert (config.sliding_window, config.attn_logit_softcapping, config.final_logit_softcapping) == (4096, 50, 30)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
     ours = get_model(config, converted, dtype=torch.float32, device="cpu")
     with torch.inference_mode():

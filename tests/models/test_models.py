@@ -161,3 +161,24 @@ def test_bfloat16_build(tiny_qwen3_dir):
     ref = _logits(_ours(tiny_qwen3_dir), ids)
     assert logits.dtype == torch.float32
     assert (logits - ref).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("override,rope", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e6}),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+    ({"rope_theta": 5e5}, {"rope_type": "default", "rope_theta": 5e5})], ids=["yarn", "legacy-linear", "theta"])
+def test_rope_overrides_keep_the_models_base(tiny_model_dir, override, rope):
+    """hf_overrides of the rope (Qwen's documented {"rope_scaling": {"rope_type": "yarn", ...}} for its long context)
+    give transformers' model of the same config with the scaling over the model's base (1e6 here): transformers 5
+    replaced rope_parameters whole, so the base fell to 10 000; a rope_theta override was not applied at all."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model_dir = tiny_model_dir("qwen2", rope_scaling={"rope_type": "default", "rope_theta": 1e6})
+    config = AutoConfig.from_pretrained(model_dir)
+    config.rope_parameters = rope
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32).eval()
+    ours = get_model(load_hf_config(model_dir, overrides=override), model_dir, dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(_logits(ours, ids), ref, atol=ATOL, rtol=1e-4)

@@ -42,6 +42,24 @@ class EngineCoreRequest:
     priority: int = 0  # --scheduling-policy priority only (lower first)
 
 
+def with_tokenizer_eos(eos_token_ids: list[int], engine_args: EngineArgs, model_dir: str) -> list[int]:
+    """The model's end-of-sequence ids with the tokenizer's EOS first, as vLLM takes it (its requests' EOS; the
+    config's and generation_config's stop as extras): a fine-tune whose tokenizer ends turns with another token
+    than config.json's eos (ChatML's <|im_end|> over </s>) stops there. Unchanged without a tokenizer
+    (skip_tokenizer_init, or one that does not load here: the frontend, which needs one, says why)."""
+    if engine_args.skip_tokenizer_init:
+        return list(eos_token_ids)
+    from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
+
+    try:
+        eos = get_tokenizer(engine_args.tokenizer or model_dir, **engine_tokenizer_options(engine_args)).eos_token_id
+    except Exception:
+        return list(eos_token_ids)
+    if not isinstance(eos, int) or isinstance(eos, bool) or eos < 0:
+        return list(eos_token_ids)
+    return [eos] + [t for t in eos_token_ids if t != eos]
+
+
 class EngineCore:
     """Owns the scheduler and the model executor. Not thread-safe: one driver calls it."""
 
@@ -71,7 +89,7 @@ class EngineCore:
         self.model_dir = w.model_dir
         self.max_model_len = w.max_model_len
         self.vocab_size = w.vocab_size
-        self.eos_token_ids = w.eos_token_ids
+        self.eos_token_ids = with_tokenizer_eos(w.eos_token_ids, engine_args, w.model_dir)
         self.hidden_size = int(w.hf_config.hidden_size)  # an embedding's length (pooling/; the served text config)
         from pagedllm.pooling import embedding_only
 

@@ -264,11 +264,15 @@ def _gemma_config(reader: Any, arch: str, kwargs: dict[str, Any]) -> Any:
     # llama.cpp scales queries by hidden / heads for the 27B models (46 / 62 layers) and head_dim otherwise,
     # which is what their configs' query_pre_attn_scalar says; the file does not store it.
     big = layers == (46 if arch == "gemma2" else 62)
+    # Keys a Gemma 2 file may leave out: llama.cpp then takes Gemma 2's window (4096) and soft-caps (50 / 30)
+    gemma2 = arch == "gemma2"
     kwargs.update(
         query_pre_attn_scalar=kwargs["hidden_size"] // kwargs["num_attention_heads"] if big else head_dim,
-        sliding_window=meta("attention.sliding_window"), hidden_activation="gelu_pytorch_tanh",
-        final_logit_softcapping=meta("final_logit_softcapping"), attn_logit_softcapping=meta("attn_logit_softcapping"),
-        layer_types=_layer_types(reader, arch, layers, 2 if arch == "gemma2" else 6))
+        sliding_window=meta("attention.sliding_window", 4096 if gemma2 else None),
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=meta("final_logit_softcapping", 30.0 if gemma2 else None),
+        attn_logit_softcapping=meta("attn_logit_softcapping", 50.0 if gemma2 else None),
+        layer_types=_layer_types(reader, arch, layers, 2 if gemma2 else 6))
     if arch == "gemma2":
         return Gemma2Config(architectures=["Gemma2ForCausalLM"], **kwargs)
     # The local layers' base: the file's freq_base_swa, else the 10 000 every Gemma 3 uses (llama.cpp's default).
@@ -303,8 +307,17 @@ def _rope_scaling(reader: Any, arch: str, tensors: dict, rope_theta: float, head
     if kind == "linear" and factor:
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn" and factor:
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
-        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+        # llama.cpp takes the trained context (context_length) when the file states no original one
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length") or \
+            _field(reader, f"{arch}.context_length", 2048)
+        params = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+        # what llama.cpp's converter writes from the HF config's attention_factor / beta_fast / beta_slow
+        for key, hf_key in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                            ("yarn_beta_slow", "beta_slow")):
+            value = _field(reader, f"{arch}.rope.scaling.{key}")
+            if value is not None:
+                params[hf_key] = float(value)
+        return params
     if "rope_freqs.weight" in tensors:
         from gguf.quants import dequantize
         t = tensors["rope_freqs.weight"]

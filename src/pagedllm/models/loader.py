@@ -151,12 +151,36 @@ def apply_config_overrides(config: Any, overrides: dict) -> None:
     """Set each field of `overrides` on the config; a dict over a sub-config (e.g. text_config) sets its fields."""
     from transformers import PretrainedConfig
 
-    for key, value in overrides.items():
+    # rope_theta last: it sets the base of a rope scaling given alongside
+    for key, value in sorted(overrides.items(), key=lambda item: item[0] == "rope_theta"):
         current = getattr(config, key, None)
         if isinstance(value, dict) and isinstance(current, PretrainedConfig):
             apply_config_overrides(current, value)
+        elif key in ("rope_scaling", "rope_parameters") and isinstance(value, dict) and not _per_layer_type(value):
+            setattr(config, key, _merged_rope(config, value))
+        elif key == "rope_theta" and isinstance(getattr(config, "rope_parameters", None), dict) \
+                and not _per_layer_type(config.rope_parameters):
+            setattr(config, key, value)
+            config.rope_parameters = {**config.rope_parameters, "rope_theta": value}
         else:
             setattr(config, key, value)
+
+
+def _per_layer_type(rope: dict) -> bool:
+    return bool(rope) and all(isinstance(v, dict) for v in rope.values())
+
+
+def _merged_rope(config: Any, scaling: dict) -> dict:
+    """A rope scaling given as an override (Qwen's {"rope_scaling": {"rope_type": "yarn", ...}}) over the model's
+    rope: transformers 5 replaces its rope_parameters with the dict whole, losing the model's base (Qwen2.5's 1e6
+    read as 10 000); the base and rotated fraction the override does not state stay the model's."""
+    old = getattr(config, "rope_parameters", None)
+    old = old if isinstance(old, dict) and not _per_layer_type(old) else {}
+    merged = {k: old[k] for k in ("rope_theta", "partial_rotary_factor") if old.get(k) is not None}
+    merged.update(scaling)
+    if "rope_type" not in merged and "type" in merged:  # (the legacy key)
+        merged["rope_type"] = merged["type"]
+    return merged
 
 
 def served_text_config(config: Any) -> Any:
@@ -168,8 +192,10 @@ def served_text_config(config: Any) -> Any:
     if not architectures or architectures[0] not in TEXT_MODEL_ARCHITECTURES or text is None:
         return config
     text.architectures = [architectures[0]]
+    # The checkpoint's own ids win over the text config's defaults (Gemma 3's text eos defaults to 1, the
+    # checkpoint says [1, 106]: <end_of_turn> too), as transformers' generation config takes them.
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+        if getattr(config, key, None) is not None:
             setattr(text, key, getattr(config, key))
     # transformers ties the multimodal model's lm_head by the top-level flag, not the text config's
     if getattr(config, "tie_word_embeddings", None) is not None:

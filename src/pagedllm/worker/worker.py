@@ -70,6 +70,24 @@ def read_eos_token_ids(hf_config, model_dir: str) -> list[int]:
     return ids
 
 
+def model_max_len(hf_config) -> int:
+    """The model's context as vLLM derives it: max_position_embeddings, times the factor of a linear, dynamic or
+    yarn rope scaling (yarn: of its original context), the positions those scalings are made to reach (Qwen2.5's
+    yarn x4 over 32768: 131072). Llama 3's and LongRoPE scalings already count in max_position_embeddings, as
+    does Gemma 3's (vLLM leaves it unscaled)."""
+    from pagedllm.layers.rotary_embedding import get_rope_parameters
+
+    max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if "gemma3" in (getattr(hf_config, "model_type", None) or ""):
+        return max_pos
+    rope = get_rope_parameters(hf_config)
+    if rope["rope_type"] not in ("linear", "dynamic", "yarn") or not rope.get("factor"):
+        return max_pos
+    if rope["rope_type"] == "yarn" and rope.get("original_max_position_embeddings"):
+        max_pos = rope["original_max_position_embeddings"]
+    return int(max_pos * rope["factor"])
+
+
 # Default token budget of one step: 16384 on GPUs with >= 70 GiB (fewer, larger prefill chunks raise offline
 # throughput there; docs/benchmarks.md, GPU section), 8192 elsewhere (smaller GPUs keep more memory for KV; a CPU
 # gains nothing from larger chunks).
@@ -136,7 +154,7 @@ class Worker:
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = read_eos_token_ids(cfg, self.model_dir)
-        max_pos = getattr(cfg, "max_position_embeddings", None) or 2048
+        max_pos = model_max_len(cfg)
         if args.max_model_len is not None and args.max_model_len > max_pos:
             if not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
                 raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's maximum "
