@@ -58,10 +58,6 @@ class StructuredOutputHooks:
         manager.validate(manager.apply_defaults(params.structured_outputs))  # SpecError names its field
 
     def submit(self, request: Request) -> Any:
-        if getattr(self.engine_args, "speculative_config", None):
-            # The verifier (spec_decode/) does not apply grammar masks yet; refused rather than left unconstrained.
-            raise ValueError("Structured outputs (response_format, structured_outputs, guided_*, tool_choice "
-                             "required / named) are not supported together with --speculative-config yet.")
         manager = self._get_manager()
         so = manager.submit(manager.apply_defaults(request.sampling_params.structured_outputs))
         self._compiling[request.request_id] = request

@@ -74,6 +74,8 @@ class SpecScheduling:
         drafts, request.spec_token_ids = request.spec_token_ids, []
         if not drafts or not active or num_new_tokens != 1:
             return []
+        if request.structured_output is not None:
+            return []  # under a grammar: decoded as a plain (masked) row of the verify step
         pending = request.num_output_placeholders
         if overlap:
             if request.num_computed_tokens != request.num_tokens + pending - 1:

@@ -1,0 +1,94 @@
+"""Structured outputs on an engine with speculative decoding (n-gram, and SmolLM2 drafting for itself): greedy
+JSON-schema / regex / choice outputs are token for token those of the same engine without speculation, batched
+with unconstrained requests that keep speculating (the engine's spec counters grow)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.structured_output import StructuredOutputsParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"]}
+REGEX = r"[a-c]{2}-[0-9]{3}"
+CHOICES = ["red", "green", "blue"]
+RECORD = '{"name": "fox", "age": 7}'
+# Repetitive prompts, so that n-gram lookup finds drafts (also for the grammar requests: the answer is in the prompt)
+PROMPTS = [f"Repeat this JSON exactly: {RECORD}\nRepeat this JSON exactly: {RECORD}\nAnswer: ",
+           "Code: ab-123 ab-123 ab-123. The code is ",
+           "Pick a color among red, green, blue. red green blue. Answer: ",
+           "Repeat: one two three four five six seven eight nine ten one two three four five six seven eight nine ten "
+           "one two",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown"]
+GREEDY = dict(temperature=0.0, max_tokens=40)
+PARAMS = [SamplingParams(**GREEDY, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+          SamplingParams(**GREEDY, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+          SamplingParams(**GREEDY, structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+          SamplingParams(**GREEDY), SamplingParams(**GREEDY)]
+COMMON = dict(max_model_len=512, kv_cache_memory_bytes=1 << 26)
+
+
+def _run(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[tuple[str, list[int], str]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+
+
+def _check_grammars(outs) -> None:
+    json.loads(outs[0][0])
+    assert set(json.loads(outs[0][0])) == {"name", "age"}
+    assert re.fullmatch(REGEX, outs[1][0]), outs[1][0]
+    assert outs[2][0] in CHOICES
+    assert [o[2] for o in outs[:3]] == ["stop"] * 3
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def ngram_llm(request, smollm2_gguf_path):
+    """async: the CPU runs overlapped n-gram speculation's device-side path (spec_decode/device_ngram.py)."""
+    llm = LLM(smollm2_gguf_path, speculative_config=NGRAM, async_scheduling=request.param, **COMMON)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(ngram_llm):
+    """The same engine with speculation off (k = 0): the reference."""
+    spec = ngram_llm.engine.scheduler.spec
+    spec.k = 0
+    try:
+        outs = _run(ngram_llm)
+    finally:
+        spec.k = NGRAM["num_speculative_tokens"]
+    assert ngram_llm.engine.scheduler.spec_stats.num_drafts == 0
+    _check_grammars(outs)
+    return outs
+
+
+def test_ngram_grammar_outputs_identical_in_a_speculating_batch(ngram_llm, plain_outputs):
+    stats = ngram_llm.engine.scheduler.spec_stats
+    before = stats.num_accepted_tokens
+    assert _run(ngram_llm) == plain_outputs
+    assert stats.num_accepted_tokens > before  # the unconstrained requests speculated
+
+
+def test_ngram_grammar_alone_and_repeated(ngram_llm, plain_outputs):
+    """Grammar requests without unconstrained company, and the batch twice over (prefix hits, more rows)."""
+    assert _run(ngram_llm, PROMPTS[:3], PARAMS[:3]) == plain_outputs[:3]
+    assert _run(ngram_llm, PROMPTS * 2, PARAMS * 2) == plain_outputs * 2
+
+
+def test_self_draft_model_grammar_outputs_identical(smollm2_gguf_path, ngram_llm, plain_outputs):
+    if ngram_llm.engine.async_scheduling:
+        pytest.skip("one draft-model engine is enough (its verify steps always wait for the step before)")
+    draft = LLM(smollm2_gguf_path, **COMMON, speculative_config={
+        "method": "draft_model", "model": smollm2_gguf_path, "num_speculative_tokens": 4})
+    try:
+        assert _run(draft) == plain_outputs
+        stats = draft.engine.scheduler.spec_stats
+        assert stats.num_accepted_tokens > 0 and stats.acceptance_rate > 0.9
+    finally:
+        draft.shutdown()
