@@ -1,11 +1,14 @@
 """Structured outputs on an engine with speculative decoding (n-gram, and SmolLM2 drafting for itself): greedy
 JSON-schema / regex / choice outputs are token for token those of the same engine without speculation, batched
-with unconstrained requests that keep speculating (the engine's spec counters grow)."""
+with unconstrained requests that keep speculating (the engine's spec counters grow); the grammar requests' own
+drafts are verified too. Below the engine: drafts are cut at the first token the grammar rejects, the verify rows'
+masks are the grammar's after each draft, and the matcher is left where it was."""
 from __future__ import annotations
 
 import json
 import re
 
+import numpy as np
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -76,9 +79,32 @@ def test_ngram_grammar_outputs_identical_in_a_speculating_batch(ngram_llm, plain
 
 
 def test_ngram_grammar_alone_and_repeated(ngram_llm, plain_outputs):
-    """Grammar requests without unconstrained company, and the batch twice over (prefix hits, more rows)."""
+    """Grammar requests without unconstrained company (their own drafts are verified and accepted), and the batch
+    twice over (prefix hits, more rows)."""
+    stats = ngram_llm.engine.scheduler.spec_stats
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
     assert _run(ngram_llm, PROMPTS[:3], PARAMS[:3]) == plain_outputs[:3]
+    assert stats.num_draft_tokens > drafted and stats.num_accepted_tokens > accepted
     assert _run(ngram_llm, PROMPTS * 2, PARAMS * 2) == plain_outputs * 2
+
+
+def test_guidance_backend_grammar_outputs_identical(smollm2_gguf_path, ngram_llm):
+    """llguidance's matcher stops as soon as only its stop token can follow, and records no token it takes after
+    that: the drafts' checks and rollbacks must count as xgrammar's do."""
+    if ngram_llm.engine.async_scheduling:
+        pytest.skip("one guidance engine is enough")
+    llm = LLM(smollm2_gguf_path, speculative_config=NGRAM, structured_outputs_config={"backend": "guidance"},
+              **COMMON)
+    try:
+        spec = llm.engine.scheduler.spec
+        spec.k = 0
+        plain = _run(llm, PROMPTS[:3], PARAMS[:3])
+        _check_grammars(plain)
+        spec.k = NGRAM["num_speculative_tokens"]
+        assert _run(llm, PROMPTS[:3], PARAMS[:3]) == plain
+        assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
 
 
 def test_self_draft_model_grammar_outputs_identical(smollm2_gguf_path, ngram_llm, plain_outputs):
@@ -92,3 +118,41 @@ def test_self_draft_model_grammar_outputs_identical(smollm2_gguf_path, ngram_llm
         assert stats.num_accepted_tokens > 0 and stats.acceptance_rate > 0.9
     finally:
         draft.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_draft_cut_and_per_position_masks(tiny_llama_dir, backend):
+    from pagedllm.spec_decode.scheduling import grammar_prefix
+    from pagedllm.structured_output.manager import StructuredOutputManager
+    from pagedllm.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(tiny_llama_dir)
+    eos = tok.eos_token_id
+    manager = StructuredOutputManager(tiny_llama_dir, len(tok), [eos], config={"backend": backend})
+    try:
+        so = manager.submit(StructuredOutputsParams(regex=REGEX))
+        so.future.result()
+        assert so.is_ready()
+        ids = [tok.convert_tokens_to_ids(c) for c in "ab-123"]  # one token per character (byte-level BPE)
+        assert so.accept(ids[:1])
+        start = manager.bitmask([so])
+        # cut at the first rejected draft ("x"), the matcher rolled back to where it was
+        x = tok.convert_tokens_to_ids("x")
+        assert grammar_prefix(so, ids[1:4] + [x] + ids[4:]) == ids[1:4]
+        assert (manager.bitmask([so]) == start).all()
+        # nothing after the draft that ends the grammar
+        assert grammar_prefix(so, ids[1:] + [eos, ids[0]]) == ids[1:] + [eos]
+        # one mask per verify position: the grammar's after each draft; once it ended (llguidance: as soon as only
+        # its stop token can follow; xgrammar: once that was taken) all ones, the request stopping there
+        drafts = ids[1:] + [eos]
+        rows = manager.bitmask([so, so], [drafts, []])
+        assert rows.shape[0] == 1 + len(drafts) + 1
+        expected = [start[0]]
+        for token in drafts:
+            assert so.accept([token])
+            expected.append(np.full_like(start[0], -1) if so.is_terminated() else manager.bitmask([so])[0])
+        so.rollback(len(drafts))
+        assert (rows[:len(expected)] == np.stack(expected)).all()
+        assert (rows[-1] == start[0]).all() and (manager.bitmask([so]) == start).all()
+    finally:
+        manager.shutdown()
