@@ -88,6 +88,31 @@ def test_ngram_grammar_alone_and_repeated(ngram_llm, plain_outputs):
     assert _run(ngram_llm, PROMPTS * 2, PARAMS * 2) == plain_outputs * 2
 
 
+def test_grammar_rows_through_the_rejection_sampler(ngram_llm):
+    """Rows that are not plain greedy (logprobs, top-k 1 sampling, penalties) take the rejection sampler's path,
+    with the grammar's masks in its metadata: the same tokens as without speculation, and seeded random sampling
+    under a grammar stays inside it."""
+    so = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX),
+          StructuredOutputsParams(choice=CHOICES)]
+    params = [SamplingParams(**GREEDY, logprobs=1, structured_outputs=so[0]),
+              SamplingParams(temperature=0.8, top_k=1, max_tokens=40, structured_outputs=so[1]),
+              SamplingParams(**GREEDY, repetition_penalty=1.2, structured_outputs=so[2]),
+              SamplingParams(**GREEDY, logprobs=1)]
+    spec = ngram_llm.engine.scheduler.spec
+    spec.k = 0
+    try:
+        plain = _run(ngram_llm, PROMPTS[:4], params)
+    finally:
+        spec.k = NGRAM["num_speculative_tokens"]
+    stats = ngram_llm.engine.scheduler.spec_stats
+    accepted = stats.num_accepted_tokens
+    assert _run(ngram_llm, PROMPTS[:4], params) == plain
+    assert stats.num_accepted_tokens > accepted
+    so[0] = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)  # (bounded: no free whitespace)
+    sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs=so[s]) for s in range(3)]
+    _check_grammars(_run(ngram_llm, PROMPTS[:3], sampled))
+
+
 def test_guidance_backend_grammar_outputs_identical(smollm2_gguf_path, ngram_llm):
     """llguidance's matcher stops as soon as only its stop token can follow, and records no token it takes after
     that: the drafts' checks and rollbacks must count as xgrammar's do."""
