@@ -61,12 +61,13 @@ def ngram_llm(request, smollm2_gguf_path):
 def plain_outputs(ngram_llm):
     """The same engine with speculation off (k = 0): the reference."""
     spec = ngram_llm.engine.scheduler.spec
+    drafts = spec.stats.num_drafts
     spec.k = 0
     try:
         outs = _run(ngram_llm)
     finally:
         spec.k = NGRAM["num_speculative_tokens"]
-    assert ngram_llm.engine.scheduler.spec_stats.num_drafts == 0
+    assert spec.stats.num_drafts == drafts
     _check_grammars(outs)
     return outs
 
