@@ -1,12 +1,14 @@
 """`pagedllm serve --speculative-config JSON`: a bad config stops the start with its message; a good one serves,
 /metrics counts drafts and accepted tokens under vLLM's names, and the dashboard's speculative-decoding panel shows
-the same counts (in its events and, drawn, in Chromium)."""
+the same counts (in its events and, drawn, in Chromium); a response_format json_schema request on it is answered
+under its schema."""
 from __future__ import annotations
 
 import json
 import subprocess
 
 import httpx
+import openai
 import pytest
 
 from browser import dashboard_page
@@ -36,6 +38,17 @@ def test_ngram_server_counts_drafts(smollm2_hf_dir, e2e_env, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path=log_path)
+        # structured outputs on the speculating server: the answer follows the schema
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                   "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+                  "required": ["name", "age"]}
+        record = '{"name": "fox", "age": 7}'
+        chat = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model=smollm2_hf_dir, temperature=0, max_tokens=40,
+            messages=[{"role": "user", "content": f"Repeat this JSON exactly: {record}"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        answer = json.loads(chat.choices[0].message.content)
+        assert set(answer) == {"name", "age"} and chat.choices[0].finish_reason == "stop"
         text = "one two three four five six seven eight nine ten " * 3
         r = httpx.post(url + "/v1/completions", json={"prompt": "Repeat: " + text + "\nRepeat: one two three",
                                                       "max_tokens": 24, "temperature": 0}, timeout=120)

@@ -58,10 +58,6 @@ class StructuredOutputHooks:
         manager.validate(manager.apply_defaults(params.structured_outputs))  # SpecError names its field
 
     def submit(self, request: Request) -> Any:
-        if getattr(self.engine_args, "speculative_config", None):
-            # The verifier (spec_decode/) does not apply grammar masks yet; refused rather than left unconstrained.
-            raise ValueError("Structured outputs (response_format, structured_outputs, guided_*, tool_choice "
-                             "required / named) are not supported together with --speculative-config yet.")
         manager = self._get_manager()
         so = manager.submit(manager.apply_defaults(request.sampling_params.structured_outputs))
         self._compiling[request.request_id] = request
@@ -114,18 +110,24 @@ class StructuredOutputHooks:
             return
         self._prune()
         scheduled = plan.num_scheduled_tokens
-        rows: dict[str, int] = {}
+        spec_tokens = plan.scheduled_spec_decode_tokens
+        rows: dict[str, int] = {}  # request id -> its first row (a verify step: 1 + its drafts rows from there)
         outputs = []
+        drafts: list = []
+        num_rows = 0
         for rid, request in self._live.items():
             so = request.structured_output
             # Only scheduled requests that sample this step (not mid-prefill) and whose grammar is still open.
             if rid not in scheduled or so.grammar is None or request.num_computed_tokens < request.num_tokens \
                     or so.is_terminated():
                 continue
-            rows[rid] = len(outputs)
+            rows[rid] = num_rows
             outputs.append(so)
+            d = spec_tokens.get(rid, ()) if spec_tokens else ()
+            drafts.append(d)
+            num_rows += 1 + len(d)
         if outputs:
-            plan.grammar_bitmask = self.manager.bitmask(outputs)
+            plan.grammar_bitmask = self.manager.bitmask(outputs, drafts if num_rows > len(outputs) else None)
             plan.structured_output_request_ids = rows
 
     def pop_errors(self) -> list[tuple[str, str, Optional[str]]]:

@@ -75,7 +75,10 @@ class SpecScheduling:
         if not drafts or not active or num_new_tokens != 1:
             return []
         pending = request.num_output_placeholders
+        grammar = request.structured_output
         if overlap:
+            if grammar is not None:
+                return []  # (never: a grammar's request keeps steps from overlapping; the host cannot mask those)
             if request.num_computed_tokens != request.num_tokens + pending - 1:
                 return []
             room = draft_room(request.num_output_tokens + pending, request.num_tokens + pending, request.max_tokens,
@@ -86,7 +89,8 @@ class SpecScheduling:
             return []  # (placeholders: proposed by an overlapped step; the host does not know them)
         room = self._rope_room(request, draft_room(request.num_output_tokens, request.num_tokens, request.max_tokens,
                                                    self.max_model_len))
-        return drafts[:max(0, min(room, budget - 1))]
+        drafts = drafts[:max(0, min(room, budget - 1))]
+        return grammar_prefix(grammar, drafts) if grammar is not None and drafts else drafts
 
     def rollback_rejected(self, request: Request, drafts: list[int], num_accepted: int, kv: KVCacheManager,
                           num_real: Optional[int] = None) -> None:
@@ -104,3 +108,10 @@ class SpecScheduling:
         kept = kv.trim(request, request.num_computed_tokens)
         if kept < before:
             self.kept_blocks[request.request_id] = kept
+
+
+def grammar_prefix(grammar, drafts: list[int]) -> list[int]:
+    """The drafts up to the first one the request's grammar rejects (a later one could never be accepted: the
+    verify row before it is masked to the grammar) and none past one that ends the grammar. The matcher is checked,
+    not advanced: it stays at the request's real tokens."""
+    return drafts[:grammar.validate(drafts)]

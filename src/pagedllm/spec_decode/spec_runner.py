@@ -157,16 +157,20 @@ class SpecDecodeRunner:
     @torch.inference_mode()
     def verify(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict, staged: list[torch.Tensor],
                rows: "VerifyRows", dev_step=None, input_ids: Optional[torch.Tensor] = None,
-               meta: Optional[SamplingMetadata] = None) -> "VerifyPending":
+               meta: Optional[SamplingMetadata] = None, token_bitmask: Optional[torch.Tensor] = None
+               ) -> "VerifyPending":
         """Enqueue the verification of a step's drafts; the returned pending output's result() is the step's one
         host sync (one copy of the emitted ids, and of the acceptances when the rows are not all greedy).
         meta: the verify rows' sampling metadata from the batch's per-row arrays (None: built here, per row).
+        token_bitmask: int32 [verify rows, W], the grammars' allowed tokens per row (None: no row under a grammar),
+        applied to a row's logits before the target's choice, as a plain step applies it.
 
         All-greedy steps need no device work past the argmax: a row's emitted token is its argmax whether or not
         its draft is accepted, and a draft is accepted iff it equals that argmax, which the host checks against
         the drafts it already holds."""
         if dev_step is not None:
-            return self._verify_on_device(runner, inp, hidden, prompt_logprobs, rows, dev_step, input_ids, meta)
+            return self._verify_on_device(runner, inp, hidden, prompt_logprobs, rows, dev_step, input_ids, meta,
+                                          token_bitmask)
         staged = iter(staged)
         token_rows_t = None if rows.every_token else next(staged)
         draft_t = None if rows.greedy else next(staged)
@@ -174,7 +178,7 @@ class SpecDecodeRunner:
         rows_hidden = hidden if rows.every_token else hidden.index_select(0, token_rows_t)
         greedy = None
         if rows.greedy:
-            greedy = runner.greedy_ids(rows_hidden)
+            greedy = runner.greedy_ids(rows_hidden, token_bitmask)
         lp = None
         if greedy is not None:
             final, accepted = greedy, None
@@ -184,6 +188,7 @@ class SpecDecodeRunner:
             if meta is None:
                 meta = self._row_metadata(runner, [inp.states[r] for r in sample_rows], inp.spec_token_ids)
             meta.logprobs_mode = runner.logprobs_mode
+            meta.token_bitmask = token_bitmask
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, draft_t, None, None)
             final, accepted, lp = result.final_token_ids, result.accepted, result.logprobs
         slot = None
@@ -199,8 +204,8 @@ class SpecDecodeRunner:
         return VerifyPending(self, runner, inp, final, accepted, lp, slot, prompt_logprobs, sample_rows, rows)
 
     def _verify_on_device(self, runner, inp, hidden: torch.Tensor, prompt_logprobs: dict, rows: "VerifyRows",
-                          dev_step, input_ids: torch.Tensor, meta: Optional[SamplingMetadata] = None
-                          ) -> "VerifyPending":
+                          dev_step, input_ids: torch.Tensor, meta: Optional[SamplingMetadata] = None,
+                          token_bitmask: Optional[torch.Tensor] = None) -> "VerifyPending":
         """verify() with the drafts read from the step's device inputs (placeholders filled there, or the host's):
         acceptance, emitted counts and the step's last tokens stay on the device, where the next step (launched
         before this one is read) takes them; the host copy carries the verify rows' ids, the emitted counts and the
@@ -209,7 +214,7 @@ class SpecDecodeRunner:
         rows_hidden = hidden if token_rows is None else hidden.index_select(0, token_rows)
         greedy = None
         if rows.greedy:
-            greedy = runner.greedy_ids(rows_hidden)
+            greedy = runner.greedy_ids(rows_hidden, token_bitmask)
         lp = None
         if greedy is not None:  # a row's draft is accepted iff it is the row's argmax (checked on the device)
             stats = dev_step.after_step(greedy, input_ids=input_ids, keep_final=True)
@@ -218,13 +223,15 @@ class SpecDecodeRunner:
                 meta = self._row_metadata(runner, [inp.states[r] for r in inp.sample_rows.tolist()],
                                           inp.spec_token_ids)
             meta.logprobs_mode = runner.logprobs_mode
+            meta.token_bitmask = token_bitmask
             result = rejection_sample(runner.model.compute_logits(rows_hidden), meta, dev_step.draft_ids(input_ids),
                                       None, None)
             lp = result.logprobs
             stats = dev_step.after_step(result.final_token_ids, accepted=result.accepted, keep_final=True)
         # [emitted, last, rejected, drafts verified, drafts proposed] per sampling request, after the rows' tokens
         runner._prev_sampled, runner._prev_rej = stats[1], stats[2]
-        if meta is not None and meta.no_token_rows is not None:  # (the next launch's input ids must be valid)
+        if token_bitmask is not None or (meta is not None and meta.no_token_rows is not None):
+            # (the next launch's input ids must be valid: a row without an allowed token holds NO_ALLOWED_TOKEN)
             runner._prev_sampled = stats[1].clamp(min=0)
         runner._prev_pos.fill(-1)
         runner._prev_pos[inp.rows[inp.sample_rows]] = np.arange(len(inp.sample_rows))

@@ -215,6 +215,17 @@ class RequestGrammar(ABC):
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens (speculative decoding rejects drafts)."""
 
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading token_ids the grammar would accept from here, none past its end; it does not advance.
+        (Accepted and rolled back: a matcher whose failed accept leaves it as it was, as xgrammar's.)"""
+        n = 0
+        for t in token_ids:
+            if self.is_terminated() or not self.accept_tokens([t]):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
 
 class GrammarBackend(ABC):
     name = "base"
@@ -365,11 +376,16 @@ class GuidanceGrammar(RequestGrammar):
     def __init__(self, matcher: Any, fill: Any) -> None:
         self.matcher = matcher
         self._fill = fill
+        # Tokens taken once the matcher had stopped (its stop token): llguidance records none of them, so
+        # rollback() must not count them.
+        self._unrecorded = 0
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         for t in token_ids:
+            stopped = self.matcher.is_stopped()
             if not self.matcher.consume_token(int(t)):
                 return False
+            self._unrecorded += stopped
         return True
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
@@ -379,8 +395,14 @@ class GuidanceGrammar(RequestGrammar):
         return self.matcher.is_stopped()
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
+        unrecorded = min(num_tokens, self._unrecorded)  # (always the latest: nothing is recorded after a stop)
+        self._unrecorded -= unrecorded
+        if num_tokens > unrecorded:
+            self.matcher.rollback(num_tokens - unrecorded)
+
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        # (a token llguidance refuses puts its matcher in an error state that rollback does not undo: checked only)
+        return self.matcher.validate_tokens([int(t) for t in token_ids])
 
 
 def _gbnf_to_lark(text: str) -> str:

@@ -21,6 +21,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from pagedllm.structured_output.backend import (
     BACKENDS,
     GrammarBackend,
@@ -87,6 +89,22 @@ class RequestStructuredOutput:
     def rollback(self, num_tokens: int) -> None:
         if self.grammar is not None:
             self.grammar.rollback(num_tokens)
+
+    def validate(self, token_ids: Sequence[int]) -> int:
+        """How many leading token_ids the grammar accepts from its present state (none past its end); no advance."""
+        return self.grammar.validate_tokens(token_ids) if self.grammar is not None else 0
+
+    def fill_draft_rows(self, drafts: Sequence[int], bitmask: Any) -> None:
+        """bitmask[j] = the allowed tokens after drafts[:j + 1] (a verify step's rows past its first), found by
+        advancing the matcher through the drafts and rolling it back. Rows after a draft the grammar rejects, or
+        after one that ends it, stay all ones: no accepted draft leads there, or the request stops before."""
+        grammar = self.grammar
+        n = grammar.validate_tokens(drafts)
+        for j in range(n):
+            grammar.accept_tokens([drafts[j]])
+            if not grammar.is_terminated():
+                grammar.fill_bitmask(bitmask, j)
+        grammar.rollback(n)
 
 
 class StructuredOutputManager:
@@ -208,8 +226,24 @@ class StructuredOutputManager:
             return self._backends[name]
 
     # ------------------------------------------------------------------ per step
-    def bitmask(self, outputs: list[RequestStructuredOutput]) -> Any:
-        """numpy int32 [len(outputs), ceil(V/32)]: row i = the allowed next tokens of outputs[i]."""
+    def bitmask(self, outputs: list[RequestStructuredOutput],
+                drafts: Optional[Sequence[Sequence[int]]] = None) -> Any:
+        """numpy int32 [rows, ceil(V/32)]: the allowed next tokens of each of outputs, one row each; with drafts
+        (speculative decoding: per output, the drafts its verify step checks), 1 + len(drafts[i]) rows for
+        outputs[i], one per verify position (fill_draft_rows)."""
+        first_rows = self._first_rows(outputs)
+        if not drafts or not any(drafts):
+            return first_rows
+        parts = []
+        for i, (so, d) in enumerate(zip(outputs, drafts)):
+            parts.append(first_rows[i:i + 1])
+            if d:
+                rows = so.grammar_backend.allocate_bitmask(len(d))
+                so.fill_draft_rows(d, rows)
+                parts.append(rows.numpy())
+        return np.concatenate(parts)
+
+    def _first_rows(self, outputs: list[RequestStructuredOutput]) -> Any:
         by_backend: dict[int, list[int]] = {}
         for i, so in enumerate(outputs):
             by_backend.setdefault(id(so.grammar_backend), []).append(i)

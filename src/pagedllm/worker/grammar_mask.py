@@ -31,6 +31,28 @@ def step_token_bitmask(plan: BatchPlan, req_ids: list[str], sample_rows: np.ndar
     return _to_device(torch.from_numpy(np.ascontiguousarray(host)), device)
 
 
+def verify_token_bitmask(plan: BatchPlan, req_ids: list[str], sample_rows: np.ndarray, starts: np.ndarray,
+                         counts: np.ndarray, device: torch.device) -> Optional[torch.Tensor]:
+    """A verify step's mask: int32 [verify rows, W] on device, or None when no verifying request is under a grammar.
+    A request's counts[i] rows (1 + its drafts) take its rows of the plan's bitmask, from its first one there (one
+    per verify position); other requests' rows allow every token."""
+    if plan.grammar_bitmask is None:
+        return None
+    index = plan.structured_output_request_ids
+    src = np.asarray(plan.grammar_bitmask, dtype=np.int32)
+    host = None
+    for r, start, n in zip(sample_rows.tolist(), starts.tolist(), counts.tolist()):
+        first = index.get(req_ids[r])
+        if first is None:
+            continue
+        if host is None:
+            host = np.full((int(starts[-1] + counts[-1]), src.shape[1]), -1, dtype=np.int32)
+        host[start:start + n] = src[first:first + n]
+    if host is None:
+        return None
+    return _to_device(torch.from_numpy(host), device)
+
+
 def greedy_token_ids(model: torch.nn.Module, hidden: torch.Tensor,
                      token_bitmask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The model's greedy LM-head shortcut, honouring the bitmask; None where there is none (or it cannot mask)."""
