@@ -151,7 +151,11 @@ class EngineArgs:
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
         unknown = set(kwargs) - cls.field_names()
         if unknown:
-            raise TypeError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
+            hint = ""
+            if "max_seq_len_to_capture" in unknown:  # vLLM removed it (#25543, 0.11): its graphs have their own cap
+                hint = (" max_seq_len_to_capture was removed from vLLM (0.11); the CUDA-graph size cap is "
+                        "compilation_config's max_cudagraph_capture_size.")
+            raise TypeError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.{hint}")
         return cls(**kwargs)
 
     def _check_types(self) -> None:

@@ -291,3 +291,33 @@ def test_compilation_config_on_the_engine(tiny_llama_dir):
     assert llm.engine.worker.runner.graph_settings.capture_sizes == (1, 2)
     with pytest.raises(ValueError, match="compilation_config key\\(s\\) 'pass_config' are not supported"):
         LLM(model=tiny_llama_dir, compilation_config={"pass_config": {}})
+
+
+@pytest.fixture(scope="module")
+def llama_llm(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+def test_per_request_logits_processors_are_vllm_v1s_value_error(llama_llm):
+    """vLLM's SamplingParams takes logits_processors; its V1 engine refuses non-empty ones when the request is added,
+    with a ValueError (pagedllm's SamplingParams raised a TypeError for the unknown keyword)."""
+    params = SamplingParams(max_tokens=2, logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(ValueError, match=r"^vLLM V1 does not support per request user provided logits processors\.$"):
+        llama_llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    late = SamplingParams(max_tokens=2)
+    late.logits_processors = [lambda ids, logits: logits]  # set after construction: still refused
+    with pytest.raises(ValueError, match="per request user provided logits processors"):
+        llama_llm.generate([[5, 6, 7]], [late], use_tqdm=False)
+    out = llama_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logits_processors=[]), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2  # none given: an ordinary request
+
+
+def test_max_seq_len_to_capture_is_refused_as_vllm_removed_it():
+    """vLLM removed max_seq_len_to_capture in 0.11 (#25543); vLLM 0.24 has no such argument, so it stays unknown, with
+    the argument that replaced it named."""
+    with pytest.raises(TypeError, match="max_seq_len_to_capture.*max_cudagraph_capture_size"):
+        EngineArgs.from_kwargs(max_seq_len_to_capture=8192)
+    with pytest.raises(SystemExit):
+        _serve_args(["m", "--max-seq-len-to-capture", "8192"])

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.block_hash import check_cache_salt
-from pagedllm.sampling_params import SamplingParams, keep_last_tokens
+from pagedllm.sampling_params import PER_REQUEST_LOGITS_PROCESSORS, SamplingParams, keep_last_tokens
 
 logger = logging.getLogger("pagedllm")
 
@@ -307,6 +307,8 @@ class LLM:
         # Fields set after construction (vLLM's examples do) are checked and normalized as the constructor's are;
         # once per distinct object, and the user's objects stay untouched.
         checked = {id(sp): sp.checked() for sp in params_list}
+        if any(sp.logits_processors for sp in params_list):  # vLLM V1's refusal, word for word
+            raise ValueError(PER_REQUEST_LOGITS_PROCESSORS)
         params_list = [checked[id(sp)] for sp in params_list]
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
             raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}.")
