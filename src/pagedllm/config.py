@@ -83,6 +83,11 @@ class EngineArgs:
     generation_config: str = "auto"  # "auto" (the model's generation_config.json) | "vllm" (none) | a directory
     override_generation_config: Optional[dict] = None  # generation_config.json keys over those (vLLM's)
     revision: Optional[str] = None  # hub repo ids: branch, tag or commit
+    # vLLM's: the tokenizer's hub revision (None: revision's), for a hub tokenizer id (--tokenizer, or the model id
+    # itself); a local path is used as it is. code_revision: the revision of a hub model's own code
+    # (trust_remote_code); pagedllm reads that code from the files at revision, so another one is refused.
+    tokenizer_revision: Optional[str] = None
+    code_revision: Optional[str] = None
     download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
     # hub repo ids (model, tokenizer, draft model): vLLM's hf_token, a token or True (the one `hf auth login`
     # stored); None: HF_TOKEN. Out of repr: an EngineArgs printed in a log or traceback must not show it.
@@ -142,6 +147,19 @@ class EngineArgs:
             from pagedllm.pooling import check_pooler_config
 
             self.pooler_config = check_pooler_config(self.pooler_config)
+
+    def _check_code_revision(self) -> None:
+        """A hub model's code comes from its files at revision; a different code_revision would need a second
+        download that pagedllm does not make. A local model has no revisions: vLLM (transformers) ignores it."""
+        from pagedllm.models.model_resolution import local_path, looks_like_repo_id
+
+        code, model = self.code_revision, self.model
+        if code is None or code == self.revision or not isinstance(model, str) or local_path(model) is not None:
+            return
+        if looks_like_repo_id(model):
+            raise ValueError(f"code_revision={code!r} is not supported by pagedllm: the model's code is read from "
+                             f"its files at revision={self.revision!r}; pass --revision {code} (revision=) to use "
+                             "that revision's files and code.")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -255,6 +273,7 @@ class EngineArgs:
                              f"None (HF_TOKEN), got a {type(self.hf_token).__name__}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
+        self._check_code_revision()
         if self.max_parallel_loading_workers is not None and self.max_parallel_loading_workers < 1:
             raise ValueError(f"max_parallel_loading_workers must be >= 1, got {self.max_parallel_loading_workers}.")
         if self.max_logprobs < -1:

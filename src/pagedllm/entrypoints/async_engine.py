@@ -262,11 +262,11 @@ class AsyncEngine:
     def _load_frontend(self) -> None:
         from pagedllm.detokenizer import byte_table
         from pagedllm.entrypoints.output_processor import OutputProcessor
-        from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
+        from pagedllm.tokenizer import engine_tokenizer_options, engine_tokenizer_source, get_tokenizer
 
         assert self.ready is not None
         args = self.engine_args
-        self.tokenizer = get_tokenizer(getattr(args, "tokenizer", None) or self.ready.model_dir,
+        self.tokenizer = get_tokenizer(engine_tokenizer_source(args, self.ready.model_dir),
                                        **engine_tokenizer_options(args))
         self.processor = OutputProcessor(self.tokenizer)
         byte_table(self.tokenizer, True)  # built now, not in the first request (skip_special_tokens' default)

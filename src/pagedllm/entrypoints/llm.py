@@ -112,9 +112,9 @@ class LLM:
         try:
             self.tokenizer = None
             if not self.engine_args.skip_tokenizer_init:
-                from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
+                from pagedllm.tokenizer import engine_tokenizer_options, engine_tokenizer_source, get_tokenizer
 
-                self.tokenizer = get_tokenizer(self.engine_args.tokenizer or engine.model_dir,
+                self.tokenizer = get_tokenizer(engine_tokenizer_source(self.engine_args, engine.model_dir),
                                                **engine_tokenizer_options(self.engine_args))
                 engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
             self._counter = itertools.count()

@@ -157,6 +157,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="what sampled tokens' logprobs report: of the model's logits (raw) or of those the token is "
                         "drawn from after penalties, temperature, min_p, top-k / top-p (processed)")
     e.add_argument("--revision", default=None, help="branch, tag or commit of a hub repo id MODEL")
+    e.add_argument("--tokenizer-revision", default=None,
+                   help="branch, tag or commit of a hub tokenizer id (--tokenizer, or MODEL's; default: --revision)")
+    e.add_argument("--code-revision", default=None,
+                   help="revision of a hub model's code (trust_remote_code); only --revision's own is supported")
     e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
     e.add_argument("--hf-token", nargs="?", const=True, default=None, type=_hf_token, metavar="TOKEN",
                    help="Hugging Face token for private or gated hub repo ids; the flag alone: the token `hf auth "
