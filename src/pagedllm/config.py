@@ -119,6 +119,9 @@ class EngineArgs:
     disable_custom_all_reduce: bool = False
     disable_cascade_attn: bool = False
     max_parallel_loading_workers: Optional[int] = None
+    # vLLM's: every layer attends to the whole context, max_model_len capped at the model's sliding window (the
+    # smallest of its layers'); a model without one is unchanged.
+    disable_sliding_window: bool = False
 
     @property
     def embeddings_only(self) -> bool:

@@ -142,6 +142,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility: pagedllm has no cascade attention")
     e.add_argument("--max-parallel-loading-workers", type=int, default=None, metavar="N",
                    help="accepted for vLLM compatibility: checkpoint files load one after another")
+    e.add_argument("--disable-sliding-window", action="store_true",
+                   help="full attention on every layer, max_model_len capped at the model's sliding window (vLLM's)")
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--enable-sleep-mode", action="store_true",
