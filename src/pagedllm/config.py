@@ -122,6 +122,9 @@ class EngineArgs:
     # vLLM's: every layer attends to the whole context, max_model_len capped at the model's sliding window (the
     # smallest of its layers'); a model without one is unchanged.
     disable_sliding_window: bool = False
+    # vLLM's: prompts may be given as embeddings ({"prompt_embeds": tensor[num_tokens, hidden]}), which replace the
+    # token embedding lookup at their positions; off, such prompts are refused.
+    enable_prompt_embeds: bool = False
 
     @property
     def embeddings_only(self) -> bool:
@@ -277,6 +280,9 @@ class EngineArgs:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
         self._check_code_revision()
+        if self.enable_prompt_embeds and self.speculative_config:
+            raise ValueError("enable_prompt_embeds with speculative decoding is not supported yet by pagedllm: a "
+                             "draft would see placeholder tokens where the prompt's embeddings are.")
         if self.max_parallel_loading_workers is not None and self.max_parallel_loading_workers < 1:
             raise ValueError(f"max_parallel_loading_workers must be >= 1, got {self.max_parallel_loading_workers}.")
         if self.max_logprobs < -1:

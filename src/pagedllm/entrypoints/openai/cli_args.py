@@ -144,6 +144,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility: checkpoint files load one after another")
     e.add_argument("--disable-sliding-window", action="store_true",
                    help="full attention on every layer, max_model_len capped at the model's sliding window (vLLM's)")
+    e.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompts given as embeddings (offline {'prompt_embeds': tensor}; /v1/completions "
+                        "prompt_embeds: a base64 torch.save'd tensor), as vLLM")
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--enable-sleep-mode", action="store_true",
