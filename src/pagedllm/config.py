@@ -83,6 +83,11 @@ class EngineArgs:
     generation_config: str = "auto"  # "auto" (the model's generation_config.json) | "vllm" (none) | a directory
     override_generation_config: Optional[dict] = None  # generation_config.json keys over those (vLLM's)
     revision: Optional[str] = None  # hub repo ids: branch, tag or commit
+    # vLLM's: the tokenizer's hub revision (None: revision's), for a hub tokenizer id (--tokenizer, or the model id
+    # itself); a local path is used as it is. code_revision: the revision of a hub model's own code
+    # (trust_remote_code); pagedllm reads that code from the files at revision, so another one is refused.
+    tokenizer_revision: Optional[str] = None
+    code_revision: Optional[str] = None
     download_dir: Optional[str] = None  # hub repo ids: the cache to use instead of the hub's default
     # hub repo ids (model, tokenizer, draft model): vLLM's hf_token, a token or True (the one `hf auth login`
     # stored); None: HF_TOKEN. Out of repr: an EngineArgs printed in a log or traceback must not show it.
@@ -114,6 +119,12 @@ class EngineArgs:
     disable_custom_all_reduce: bool = False
     disable_cascade_attn: bool = False
     max_parallel_loading_workers: Optional[int] = None
+    # vLLM's: every layer attends to the whole context, max_model_len capped at the model's sliding window (the
+    # smallest of its layers'); a model without one is unchanged.
+    disable_sliding_window: bool = False
+    # vLLM's: prompts may be given as embeddings ({"prompt_embeds": tensor[num_tokens, hidden]}), which replace the
+    # token embedding lookup at their positions; off, such prompts are refused.
+    enable_prompt_embeds: bool = False
 
     @property
     def embeddings_only(self) -> bool:
@@ -143,6 +154,19 @@ class EngineArgs:
 
             self.pooler_config = check_pooler_config(self.pooler_config)
 
+    def _check_code_revision(self) -> None:
+        """A hub model's code comes from its files at revision; a different code_revision would need a second
+        download that pagedllm does not make. A local model has no revisions: vLLM (transformers) ignores it."""
+        from pagedllm.models.model_resolution import local_path, looks_like_repo_id
+
+        code, model = self.code_revision, self.model
+        if code is None or code == self.revision or not isinstance(model, str) or local_path(model) is not None:
+            return
+        if looks_like_repo_id(model):
+            raise ValueError(f"code_revision={code!r} is not supported by pagedllm: the model's code is read from "
+                             f"its files at revision={self.revision!r}; pass --revision {code} (revision=) to use "
+                             "that revision's files and code.")
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
@@ -151,7 +175,11 @@ class EngineArgs:
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
         unknown = set(kwargs) - cls.field_names()
         if unknown:
-            raise TypeError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
+            hint = ""
+            if "max_seq_len_to_capture" in unknown:  # vLLM removed it (#25543, 0.11): its graphs have their own cap
+                hint = (" max_seq_len_to_capture was removed from vLLM (0.11); the CUDA-graph size cap is "
+                        "compilation_config's max_cudagraph_capture_size.")
+            raise TypeError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.{hint}")
         return cls(**kwargs)
 
     def _check_types(self) -> None:
@@ -251,6 +279,10 @@ class EngineArgs:
                              f"None (HF_TOKEN), got a {type(self.hf_token).__name__}.")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
+        self._check_code_revision()
+        if self.enable_prompt_embeds and self.speculative_config:
+            raise ValueError("enable_prompt_embeds with speculative decoding is not supported yet by pagedllm: a "
+                             "draft would see placeholder tokens where the prompt's embeddings are.")
         if self.max_parallel_loading_workers is not None and self.max_parallel_loading_workers < 1:
             raise ValueError(f"max_parallel_loading_workers must be >= 1, got {self.max_parallel_loading_workers}.")
         if self.max_logprobs < -1:

@@ -64,6 +64,9 @@ class ForwardContext:
     attn_backend: Any  # pagedllm.attention.backend.AttentionBackend
     # This step sets each FP8-cache layer's k/v scales from its K/V (layers/kv_cache_scales.py) before writing.
     calibrate_kv: bool = False
+    # Prompts given as embeddings: (flat token indices [k] int64, rows [k, hidden]) that replace the embedding
+    # lookup's output at those tokens (layers/vocab_embedding.py). None: every token is looked up.
+    input_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 _context: Optional[ForwardContext] = None
@@ -73,12 +76,22 @@ def get_forward_context() -> Optional[ForwardContext]:
     return _context
 
 
+def with_input_embeds(hidden: torch.Tensor) -> torch.Tensor:
+    """The model's input embeddings [T, hidden] with the rows a prompt gave as embeddings put in (vLLM's prompt_embeds
+    stand for the model's input embeddings, Gemma's scaling included, as transformers' inputs_embeds do)."""
+    if _context is None or _context.input_embeds is None:
+        return hidden
+    index, rows = _context.input_embeds
+    return hidden.index_copy(0, index, rows.to(hidden.dtype))
+
+
 @contextlib.contextmanager
 def set_forward_context(attn_metadata: Optional[AttentionMetadata], attn_backend: Any,
-                        calibrate_kv: bool = False) -> Iterator[None]:
+                        calibrate_kv: bool = False, input_embeds: Optional[tuple] = None) -> Iterator[None]:
     global _context
     previous = _context
-    _context = ForwardContext(attn_metadata=attn_metadata, attn_backend=attn_backend, calibrate_kv=calibrate_kv)
+    _context = ForwardContext(attn_metadata=attn_metadata, attn_backend=attn_backend, calibrate_kv=calibrate_kv,
+                              input_embeds=input_embeds)
     try:
         yield
     finally:

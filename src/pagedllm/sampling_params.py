@@ -15,6 +15,7 @@ from pagedllm.sampling_constraints import normalize_allowed_token_ids, normalize
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+PER_REQUEST_LOGITS_PROCESSORS = "vLLM V1 does not support per request user provided logits processors."
 
 
 class RequestOutputKind(Enum):
@@ -75,6 +76,9 @@ class SamplingParams:
     pooling: Optional[str] = None
     # vLLM's extra_args: data for custom logits processors / plugins; pagedllm runs none, so it is carried only.
     extra_args: Optional[dict[str, Any]] = None
+    # vLLM's per-request logits processors: accepted here as vLLM's SamplingParams does, refused when the request is
+    # added (LLM.generate), with vLLM V1's ValueError; custom processors are not run by this engine.
+    logits_processors: Optional[list[Any]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -64,7 +64,27 @@ def engine_tokenizer_options(args: Any) -> dict:
                    tokenizer_mode=getattr(args, "tokenizer_mode", "auto") or "auto")
     if getattr(args, "hf_token", None) is not None:
         options["token"] = args.hf_token
+    # vLLM's tokenizer_revision falls back to revision; transformers ignores it for a local directory.
+    revision = getattr(args, "tokenizer_revision", None) or getattr(args, "revision", None)
+    if revision is not None:
+        options["revision"] = revision
     return options
+
+
+def engine_tokenizer_source(args: Any, model_dir: str) -> str:
+    """Where the engine's tokenizer loads from: --tokenizer, else the model's files (model_dir). A hub model id whose
+    tokenizer_revision is not its revision loads its tokenizer from the hub at that revision, as vLLM's tokenizer
+    (which defaults to the model id) does: model_dir holds the files of the model's revision."""
+    from pagedllm.models.model_resolution import local_path, looks_like_repo_id
+
+    tokenizer, model = getattr(args, "tokenizer", None), getattr(args, "model", None)
+    if tokenizer:
+        return tokenizer
+    wanted = getattr(args, "tokenizer_revision", None)
+    if (wanted and wanted != getattr(args, "revision", None) and isinstance(model, str) and local_path(model) is None
+            and looks_like_repo_id(model)):
+        return model
+    return model_dir
 
 
 def check_tokenizer_path(name: str) -> None:

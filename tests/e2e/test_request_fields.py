@@ -320,6 +320,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offlin
                              "priority"),
     (CHAT, {"cache_salt": ""}, "'cache_salt' must be a non-empty string if given"),
     (CMPL, {"logits_processors": ["my.module:Processor"]}, "'logits_processors' is not supported yet by pagedllm."),
+    (CMPL, {"prompt_embeds": "AAAA"}, "You must set `--enable-prompt-embeds` to input `prompt_embeds`."),
     (CHAT, {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
      "'modalities' is not supported yet by pagedllm."),
     (CHAT, {"web_search_options": {}}, "'web_search_options' is not supported yet by pagedllm."),

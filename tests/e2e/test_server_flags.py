@@ -38,7 +38,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--enable-prompt-tokens-details", "--enable-request-id-headers",
                                  "--return-tokens-as-token-ids", "--enable-server-load-tracking",
                                  "--chat-template-content-format", "string", "--enable-force-include-usage",
-                                 "--exclude-tools-when-tool-choice-none", "--response-role", "bot"],
+                                 "--exclude-tools-when-tool-choice-none", "--response-role", "bot",
+                                 "--enable-prompt-embeds"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -208,3 +209,44 @@ def test_response_role(flag_server) -> None:
     chunks = http.post("/v1/chat/completions", json=dict(body, stream=True)).text
     assert '"delta":{"role":"bot"' in chunks, chunks
 
+
+def _b64_tensor(tensor) -> str:
+    import base64
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_prompt_embeds_on_completions(flag_server, offline_llm, smollm2_hf_dir) -> None:
+    """--enable-prompt-embeds: /v1/completions' prompt_embeds (vLLM's: base64 of a torch.save'd [num_tokens, hidden]
+    tensor, or a list of them, served before any 'prompt'). The model's own embedding rows of some tokens give the
+    greedy tokens of those tokens as a prompt; the placeholders they travel with never hit a token prompt's blocks."""
+    import glob
+
+    from safetensors import safe_open
+
+    http, _ = flag_server
+    ids = offline_llm.get_tokenizer().encode("The capital of France is")
+    for path in glob.glob(f"{smollm2_hf_dir}/*.safetensors"):
+        with safe_open(path, "pt") as f:
+            if "model.embed_tokens.weight" in f.keys():
+                rows = f.get_tensor("model.embed_tokens.weight")[ids].float()
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = offline_llm.generate([ids], params, use_tqdm=False)[0].outputs[0].text
+    body = {"prompt_embeds": [_b64_tensor(rows), _b64_tensor(rows[None])], "prompt": "Hi", "max_tokens": 5,
+            "temperature": 0.0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices[:2]] == [want, want] and len(choices) == 3
+    assert r.json()["usage"]["prompt_tokens"] == 2 * len(ids) + len(offline_llm.get_tokenizer().encode("Hi"))
+    for bad, fragment in [({"prompt_embeds": "not base64!"}, "not valid base64"),
+                          ({"prompt_embeds": _b64_tensor(rows[:, :7])}, "hidden size"),
+                          ({"prompt_embeds": _b64_tensor(rows), "echo": True}, "'echo' with 'prompt_embeds'"),
+                          ({}, "Missing required parameter: 'prompt' (or 'prompt_embeds')")]:
+        r = http.post("/v1/completions", json={"max_tokens": 2, **bad})
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text

@@ -241,3 +241,50 @@ def test_torch_backend_and_fp8_cache_keep_the_window(mistral_dir):
         refs.append(lp[tokens])
     windowed, full = ((got - r).abs().max().item() for r in refs)
     assert windowed < 0.05 and full > 5 * windowed, (windowed, full)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3-mixed", "gemma3"])
+def test_disable_sliding_window_attends_fully_within_the_capped_context(arch, mistral_dir, mixed_dir, tiny_model_dir):
+    """vLLM's disable_sliding_window: every layer (Gemma 3's and Qwen3's local ones too) attends to the whole
+    context, and max_model_len is capped at the window, which the engine reports; a longer one is refused. Within
+    the cap the tokens are transformers' full-attention greedy ones (for Gemma 3, whose local layers keep their rope,
+    the model as saved: within its window that is full attention)."""
+    model_dir, window = {"mistral": (mistral_dir, WINDOW), "qwen3-mixed": (mixed_dir, MIXED_WINDOW),
+                         "gemma3": (tiny_model_dir("gemma3", sliding_window=16), 16)}[arch]
+    llm = LLM(model=model_dir, dtype="float32", block_size=BS, num_gpu_blocks_override=16,
+              disable_sliding_window=True)
+    assert llm.engine.max_model_len == window
+    assert all(a.sliding_window is None for a in llm.engine.worker.model.attn_layers)
+    kv = llm.engine.scheduler.kv_cache_manager
+    assert kv.num_groups == 1 and kv.sliding_window is None
+    prompt = random_prompts([window - 6], seed=5)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    want = hf_greedy(model_dir, prompt, 6)[0] if arch == "gemma3" else full_attention_greedy(model_dir, prompt, 6)
+    assert list(out[0].outputs[0].token_ids) == want
+    with pytest.raises(ValueError, match=f"maximum context length is {window} tokens"):
+        llm.generate([prompt + [7] * 6], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.shutdown()
+    with pytest.raises(ValueError, match=f"max_model_len={window + 1} is larger than the model's maximum "
+                                         f"\\(its sliding window, {window} tokens"):
+        LLM(model=model_dir, max_model_len=window + 1, disable_sliding_window=True)
+
+
+def test_disable_sliding_window_leaves_models_without_one_alone(tiny_llama_dir, tmp_path):
+    """A model with no window (or Qwen2's use_sliding_window: false) keeps its context, as in vLLM; the flag parses
+    on the command line and in a --config file."""
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args, parse_serve_args, to_engine_args
+
+    def serve(argv):
+        return to_engine_args(parse_serve_args(add_serve_args(argparse.ArgumentParser(), positional_model=True), argv))
+
+    assert serve(["m", "--disable-sliding-window"]).disable_sliding_window
+    (tmp_path / "serve.yaml").write_text("disable-sliding-window: true\n")
+    assert serve(["m", "--config", str(tmp_path / "serve.yaml")]).disable_sliding_window
+    assert not serve(["m"]).disable_sliding_window
+    off = save_swa_model(str(tmp_path / "qwen2"), "qwen2", use_sliding_window=False, sliding_window=16)
+    for model_dir in (tiny_llama_dir, off):
+        llm = LLM(model=model_dir, num_gpu_blocks_override=32, disable_sliding_window=True)
+        assert llm.engine.max_model_len == 512
+        llm.shutdown()

@@ -291,3 +291,82 @@ def test_compilation_config_on_the_engine(tiny_llama_dir):
     assert llm.engine.worker.runner.graph_settings.capture_sizes == (1, 2)
     with pytest.raises(ValueError, match="compilation_config key\\(s\\) 'pass_config' are not supported"):
         LLM(model=tiny_llama_dir, compilation_config={"pass_config": {}})
+
+
+@pytest.fixture(scope="module")
+def llama_llm(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, num_gpu_blocks_override=16, max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+def test_per_request_logits_processors_are_vllm_v1s_value_error(llama_llm):
+    """vLLM's SamplingParams takes logits_processors; its V1 engine refuses non-empty ones when the request is added,
+    with a ValueError (pagedllm's SamplingParams raised a TypeError for the unknown keyword)."""
+    params = SamplingParams(max_tokens=2, logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(ValueError, match=r"^vLLM V1 does not support per request user provided logits processors\.$"):
+        llama_llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    late = SamplingParams(max_tokens=2)
+    late.logits_processors = [lambda ids, logits: logits]  # set after construction: still refused
+    with pytest.raises(ValueError, match="per request user provided logits processors"):
+        llama_llm.generate([[5, 6, 7]], [late], use_tqdm=False)
+    out = llama_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logits_processors=[]), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2  # none given: an ordinary request
+
+
+def test_max_seq_len_to_capture_is_refused_as_vllm_removed_it():
+    """vLLM removed max_seq_len_to_capture in 0.11 (#25543); vLLM 0.24 has no such argument, so it stays unknown, with
+    the argument that replaced it named."""
+    with pytest.raises(TypeError, match="max_seq_len_to_capture.*max_cudagraph_capture_size"):
+        EngineArgs.from_kwargs(max_seq_len_to_capture=8192)
+    with pytest.raises(SystemExit):
+        _serve_args(["m", "--max-seq-len-to-capture", "8192"])
+
+
+def test_tokenizer_revision_reaches_the_hub_tokenizer_load(monkeypatch, tiny_llama_dir, tmp_path):
+    """vLLM's tokenizer_revision (default: revision): a hub model id whose tokenizer_revision differs loads its
+    tokenizer from the hub at that revision (its files at revision serve the model); a hub --tokenizer id gets it
+    too; a local path is used as it is. Only the hub calls are replaced: the engine is real."""
+    import transformers
+
+    from pagedllm.models import model_resolution
+
+    args = _serve_args(["m", "--tokenizer-revision", "tok-v2", "--revision", "v1", "--code-revision", "v1"])
+    assert (args.tokenizer_revision, args.revision, args.code_revision) == ("tok-v2", "v1", "v1")
+    (tmp_path / "serve.yaml").write_text("tokenizer-revision: tok-v3\n")
+    assert _serve_args(["m", "--config", str(tmp_path / "serve.yaml")]).tokenizer_revision == "tok-v3"
+    resolved, loads = [], []
+    monkeypatch.setattr(model_resolution, "resolve_repo_id",
+                        lambda model, revision, download_dir, token: resolved.append(revision) or tiny_llama_dir)
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def load(cls, source, **kw):  # a hub id is served from the tiny model's files
+        loads.append((source, kw.get("revision")))
+        return real(cls, tiny_llama_dir if source.startswith("acme/") else source, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(load))
+    for kwargs, want in [
+        (dict(revision="v1", tokenizer_revision="tok-v2"), ("acme/tiny", "tok-v2")),  # from the hub, its revision
+        (dict(revision="v1"), (tiny_llama_dir, "v1")),  # the model's files, already at v1
+        (dict(tokenizer="acme/tok", tokenizer_revision="tok-v2"), ("acme/tok", "tok-v2")),
+        (dict(tokenizer="acme/tok", revision="v1"), ("acme/tok", "v1")),  # tokenizer_revision defaults to revision
+    ]:
+        resolved.clear(), loads.clear()
+        llm = LLM(model="acme/tiny", num_gpu_blocks_override=16, max_model_len=256, **kwargs)
+        assert resolved == [kwargs.get("revision")] and loads == [want], kwargs
+        assert llm.get_tokenizer().encode("hello world")
+        llm.shutdown()
+    loads.clear()  # a local model: accepted, its files used as they are
+    LLM(model=tiny_llama_dir, tokenizer_revision="tok-v2", num_gpu_blocks_override=16, max_model_len=256).shutdown()
+    assert loads == [(tiny_llama_dir, "tok-v2")]
+
+
+def test_code_revision_other_than_revision_is_refused_for_hub_models(tiny_llama_dir):
+    """pagedllm reads a model's code (trust_remote_code) from its files at revision: vLLM's code_revision is taken
+    where it is that revision, or for a local path (which has no revisions); another one is refused in a sentence."""
+    EngineArgs(model="acme/tiny", revision="v1", code_revision="v1").validate()
+    EngineArgs(model=tiny_llama_dir, code_revision="v9").validate()
+    with pytest.raises(ValueError, match=r"code_revision='v9' is not supported by pagedllm.*--revision v9"):
+        EngineArgs(model="acme/tiny", revision="v1", code_revision="v9").validate()
+    with pytest.raises(ValueError, match="code_revision='v9'"):
+        LLM(model="acme/tiny", code_revision="v9")

@@ -41,6 +41,8 @@ class NewRequestData:
     # Models with several KV-cache groups (core/kv_cache_groups.py): the block ids of groups 1.. (block_ids is
     # group 0's). None with one group.
     group_block_ids: Optional[list[list[int]]] = None
+    # A prompt given as embeddings: [num_prompt_tokens, hidden], used in place of the embedding lookup there.
+    prompt_embeds: Optional[Any] = None
 
 
 @dataclass(slots=True)  # one per running request per step: slots make it cheaper to build and read

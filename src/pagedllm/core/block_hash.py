@@ -35,16 +35,19 @@ def check_cache_salt(cache_salt: object) -> None:
 
 
 def chain_root(cache_salt: Optional[str] = None, rope_long: bool = False,
-               ntk_prompt_len: Optional[int] = None) -> Optional[BlockHash]:
+               ntk_prompt_len: Optional[int] = None, embeds_key: Optional[bytes] = None) -> Optional[BlockHash]:
     """The stand-in parent of a request's first block: None for a plain request, else a hash of what keeps its
     chain apart from every other (its cache salt: other tenants' prompts; LongRoPE's long factors: the same tokens
-    rotated with the short ones; dynamic NTK's prompt length past the model's context: the base it rotated with)."""
-    if cache_salt is None and not rope_long and ntk_prompt_len is None:
+    rotated with the short ones; dynamic NTK's prompt length past the model's context: the base it rotated with;
+    a prompt given as embeddings: the sha256 of their content, its token ids being placeholders)."""
+    if cache_salt is None and not rope_long and ntk_prompt_len is None and embeds_key is None:
         return None
     salt = b"" if cache_salt is None else cache_salt.encode("utf-8", "surrogatepass")
     # One tag (a model has one kind of rope), then the salt: "N" and digits up to ":" read as no "S"-tagged salt.
     rope = b"N%d:" % ntk_prompt_len if ntk_prompt_len is not None else b"L" if rope_long else b"S"
-    digest = hashlib.sha256(_VERSION_TAG + b".root" + rope + salt).digest()
+    # Embeds: a tag of their own and a fixed-length digest first, so no salt can spell the same bytes.
+    embeds = b"" if embeds_key is None else b"-embeds" + hashlib.sha256(embeds_key).digest()
+    digest = hashlib.sha256(_VERSION_TAG + b".root" + embeds + rope + salt).digest()
     return int.from_bytes(digest[:_HASH_BYTES], "little")
 
 

@@ -40,6 +40,44 @@ class EngineCoreRequest:
     lora_id: Optional[int] = None
     cache_salt: Optional[str] = None
     priority: int = 0  # --scheduling-policy priority only (lower first)
+    # vLLM's EmbedsPrompt (enable_prompt_embeds): a [num_tokens, hidden] tensor; prompt_token_ids then holds as many
+    # placeholder ids (PROMPT_EMBEDS_PLACEHOLDER).
+    prompt_embeds: Optional[Any] = None
+
+
+PROMPT_EMBEDS_PLACEHOLDER = 0
+PROMPT_EMBEDS_OFF = "You must set `--enable-prompt-embeds` to input `prompt_embeds`."  # vLLM's words
+
+
+def check_prompt_embeds(embeds: Any, hidden_size: int) -> Any:
+    """A prompt's embeddings as the engine keeps them: a 2-D floating tensor [num_tokens >= 1, hidden_size] (a
+    leading batch dimension of 1 is dropped, as vLLM does), on the CPU, contiguous. ValueError saying what is wrong."""
+    import torch
+
+    if not isinstance(embeds, torch.Tensor):
+        raise ValueError(f"prompt_embeds must be a torch.Tensor [num_tokens, {hidden_size}], got "
+                         f"{type(embeds).__name__}.")
+    if embeds.dim() == 3 and embeds.shape[0] == 1:
+        embeds = embeds[0]
+    if embeds.dim() != 2 or embeds.shape[0] < 1 or embeds.shape[1] != hidden_size:
+        raise ValueError(f"prompt_embeds must have shape [num_tokens, {hidden_size}] (the model's hidden size), "
+                         f"got {list(embeds.shape)}.")
+    if not embeds.is_floating_point():
+        raise ValueError(f"prompt_embeds must be a floating-point tensor, got {embeds.dtype}.")
+    embeds = embeds.detach().to("cpu").contiguous()
+    if not bool(torch.isfinite(embeds).all()):
+        raise ValueError("prompt_embeds must be finite (no NaN or inf).")
+    return embeds
+
+
+def prompt_embeds_key(embeds: Any) -> bytes:
+    """What identifies a prompt's embeddings for the prefix cache: their dtype, shape and bytes."""
+    import hashlib
+
+    import torch
+
+    raw = embeds.reshape(-1).view(torch.uint8).numpy()
+    return f"{embeds.dtype}{tuple(embeds.shape)}".encode() + hashlib.sha256(raw).digest()
 
 
 def with_tokenizer_eos(eos_token_ids: list[int], engine_args: EngineArgs, model_dir: str) -> list[int]:
@@ -205,6 +243,15 @@ class EngineCore:
             raise EngineShutDown()
         if self.sleeping_tags:
             raise EngineSleeping()
+        embeds = req.prompt_embeds
+        if embeds is not None:
+            if not self.engine_args.enable_prompt_embeds:
+                raise ValueError(PROMPT_EMBEDS_OFF)
+            embeds = check_prompt_embeds(embeds, self.hidden_size)
+            if req.sampling_params.pooling is not None or req.sampling_params.prompt_logprobs is not None:
+                raise ValueError("prompt_embeds prompts generate only: prompt_logprobs and pooling need the prompt's "
+                                 "token ids.")
+            req.prompt_token_ids = [PROMPT_EMBEDS_PLACEHOLDER] * embeds.shape[0]
         prompt = list(req.prompt_token_ids)
         num_prompt = len(prompt)
         if num_prompt == 0:
@@ -279,6 +326,8 @@ class EngineCore:
             lora_cache_key=self.loras.cache_key(req.lora_id),
             cache_salt=req.cache_salt,
             priority=req.priority,
+            prompt_embeds=embeds,
+            embeds_key=None if embeds is None else prompt_embeds_key(embeds),
         )
         if params.structured_outputs is not None:
             request.structured_output = self.structured.submit(request)

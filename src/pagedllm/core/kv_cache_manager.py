@@ -58,7 +58,7 @@ BlockList = list[Optional[KVCacheBlock]]
 def _first_parent(request: Request) -> Optional[int]:
     """The parent of a request's first block, for its chain and for the partial-block cache (block_hash.chain_root:
     its cache salt, LongRoPE's long factors, dynamic NTK's long prompt; None for a plain request)."""
-    return chain_root(request.cache_salt, request.rope_long, request.ntk_prompt_len)
+    return chain_root(request.cache_salt, request.rope_long, request.ntk_prompt_len, request.embeds_key)
 
 
 class KVCacheManager:

@@ -96,6 +96,10 @@ class Request:
     ntk_prompt_len: Optional[int] = None
     # Priority scheduling: (priority, arrival_time, order added), the key its queues are sorted by (set when added).
     priority_key: tuple = ()
+    # A prompt given as embeddings (enable_prompt_embeds): [num_prompt_tokens, hidden] on the CPU, its prompt token
+    # ids placeholders; embeds_key (their content's bytes digest) keeps its prefix-cache chain apart.
+    prompt_embeds: Optional[Any] = None
+    embeds_key: Optional[bytes] = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -634,6 +634,7 @@ class Scheduler:
                     num_computed_tokens=num_hit_tokens,
                     lora_id=request.lora_id,
                     group_block_ids=kv.get_group_block_ids(request.request_id),
+                    prompt_embeds=request.prompt_embeds,
                 )
             )
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens

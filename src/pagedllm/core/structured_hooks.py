@@ -34,11 +34,11 @@ class StructuredOutputHooks:
     def _get_manager(self) -> Any:
         if self.manager is None:
             from pagedllm.structured_output.manager import StructuredOutputManager
-            from pagedllm.tokenizer import engine_tokenizer_options
+            from pagedllm.tokenizer import engine_tokenizer_options, engine_tokenizer_source
 
             args = self.engine_args
             self.manager = StructuredOutputManager(
-                args.tokenizer or self.core.model_dir, self.core.vocab_size, list(self.core.eos_token_ids),
+                engine_tokenizer_source(args, self.core.model_dir), self.core.vocab_size, list(self.core.eos_token_ids),
                 config=getattr(args, "structured_outputs_config", None), trust_remote_code=args.trust_remote_code,
                 tokenizer_options=engine_tokenizer_options(args))
         if self.tokenizer is not None and self.manager._tokenizer is None:

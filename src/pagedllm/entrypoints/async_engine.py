@@ -262,11 +262,11 @@ class AsyncEngine:
     def _load_frontend(self) -> None:
         from pagedllm.detokenizer import byte_table
         from pagedllm.entrypoints.output_processor import OutputProcessor
-        from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
+        from pagedllm.tokenizer import engine_tokenizer_options, engine_tokenizer_source, get_tokenizer
 
         assert self.ready is not None
         args = self.engine_args
-        self.tokenizer = get_tokenizer(getattr(args, "tokenizer", None) or self.ready.model_dir,
+        self.tokenizer = get_tokenizer(engine_tokenizer_source(args, self.ready.model_dir),
                                        **engine_tokenizer_options(args))
         self.processor = OutputProcessor(self.tokenizer)
         byte_table(self.tokenizer, True)  # built now, not in the first request (skip_special_tokens' default)
@@ -325,11 +325,12 @@ class AsyncEngine:
         lora_request: Any = None,
         cache_salt: Optional[str] = None,
         priority: int = 0,
+        prompt_embeds: Any = None,
     ) -> AsyncIterator[Any]:
         """Yield RequestOutputs (delta: one per engine step; cumulative: the latest at each wake-up; final_only:
         the last) until the request finishes."""
         batches = self.generate_batches(prompt, prompt_token_ids, params, request_id, output_kind, lora_request,
-                                        cache_salt, priority)
+                                        cache_salt, priority, prompt_embeds)
         try:
             async for batch in batches:
                 if output_kind != "delta":
@@ -350,6 +351,7 @@ class AsyncEngine:
         lora_request: Any = None,
         cache_salt: Optional[str] = None,
         priority: int = 0,
+        prompt_embeds: Any = None,  # a [num_tokens, hidden] tensor; prompt_token_ids: as many placeholders
     ) -> AsyncIterator[list]:
         """Yield every RequestOutput that arrived since the last yield, in order, as a non-empty list, until the
         request finishes (the last list ends with the finished output). An error (engine death, a refused
@@ -372,7 +374,7 @@ class AsyncEngine:
         pending = parent.pending
         try:
             engine, adds = self._add_children(request_id, parent, prompt, prompt_token_ids, children, output_kind,
-                                              lora_request, cache_salt, priority)
+                                              lora_request, cache_salt, priority, prompt_embeds)
             await self._send_adds(engine, adds)
             while True:
                 if not pending:
@@ -419,12 +421,18 @@ class AsyncEngine:
 
     def _add_children(self, request_id: str, parent: _Parent, prompt: Optional[str], prompt_token_ids: list[int],
                       children: list, output_kind: str, lora_request: Any,
-                      cache_salt: Optional[str] = None, priority: int = 0) -> tuple[int, list]:
+                      cache_salt: Optional[str] = None, priority: int = 0,
+                      prompt_embeds: Any = None) -> tuple[int, list]:
         """Register the request's engine requests (`children`: fan_out's, one per sample) with the OutputProcessor
         and the bookkeeping; -> (the engine core that gets them, their AddRequest messages)."""
         now = time.monotonic()
         engine = self.router.choose(prompt_token_ids, len(children), cache_salt) if self.num_engines > 1 else 0
         adds: list[m.AddRequest] = []
+        embeds = None
+        if prompt_embeds is not None:
+            from pagedllm.entrypoints.prompt_embeds import dump_tensor
+
+            embeds = dump_tensor(prompt_embeds)
         samples = _Samples(len(children), len(children)) if len(children) > 1 else None
         for child in children:
             parent.child_ids.append(child.request_id)
@@ -435,12 +443,15 @@ class AsyncEngine:
                 max_tokens = (self.ready.max_model_len if self.ready else 0) - len(prompt_token_ids)
             self._timing[child.request_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids),
                                                         engine=engine, max_tokens=max_tokens, samples=samples)
-            self.processor.add_request(child.request_id, prompt, prompt_token_ids, child.params,
-                                       parent_id=child.parent_id, index=child.index, output_kind=output_kind)
+            # (an embeddings prompt has no tokens to show, nor to decode the output after)
+            self.processor.add_request(child.request_id, prompt, prompt_token_ids if embeds is None else [],
+                                       child.params, parent_id=child.parent_id, index=child.index,
+                                       output_kind=output_kind)
             adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time(),
                                      lora_id=None if lora_request is None else lora_request.lora_int_id,
                                      client_index=self.client_index, cache_salt=cache_salt,
-                                     priority=priority))  # (n > 1: every sample has the request's priority)
+                                     priority=priority,  # (n > 1: every sample has the request's priority)
+                                     prompt_embeds=embeds))
         return engine, adds
 
     def _forget(self, request_id: str, abort: bool, owner: Optional[_Parent] = None) -> None:

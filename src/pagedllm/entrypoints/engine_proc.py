@@ -383,6 +383,7 @@ class EngineLoop:
 
     def _add(self, msg: Any) -> None:
         from pagedllm.core.engine_core import EngineCoreRequest
+        from pagedllm.entrypoints.prompt_embeds import load_tensor
 
         try:
             self.core.add_request(
@@ -394,6 +395,7 @@ class EngineLoop:
                     lora_id=msg.lora_id,
                     cache_salt=msg.cache_salt,
                     priority=msg.priority,
+                    prompt_embeds=None if msg.prompt_embeds is None else load_tensor(msg.prompt_embeds),
                 )
             )
         except ValueError as e:  # a structured-output spec's error names the request field (e.param)

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.block_hash import check_cache_salt
-from pagedllm.sampling_params import SamplingParams, keep_last_tokens
+from pagedllm.sampling_params import PER_REQUEST_LOGITS_PROCESSORS, SamplingParams, keep_last_tokens
 
 logger = logging.getLogger("pagedllm")
 
@@ -112,9 +112,9 @@ class LLM:
         try:
             self.tokenizer = None
             if not self.engine_args.skip_tokenizer_init:
-                from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
+                from pagedllm.tokenizer import engine_tokenizer_options, engine_tokenizer_source, get_tokenizer
 
-                self.tokenizer = get_tokenizer(self.engine_args.tokenizer or engine.model_dir,
+                self.tokenizer = get_tokenizer(engine_tokenizer_source(self.engine_args, engine.model_dir),
                                                **engine_tokenizer_options(self.engine_args))
                 engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
             self._counter = itertools.count()
@@ -239,13 +239,28 @@ class LLM:
         """A prompt dict's prefix-cache salt (vLLM's "cache_salt"; checked by _to_prompt)."""
         return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
+    def _prompt_embeds(self, prompt: PromptType) -> Any:
+        """A prompt dict's "prompt_embeds" (vLLM's EmbedsPrompt), checked: a [num_tokens, hidden] CPU tensor, or None
+        for a prompt of text or token ids. Refused unless the engine was started with enable_prompt_embeds."""
+        if not isinstance(prompt, dict) or "prompt_embeds" not in prompt:
+            return None
+        from pagedllm.core.engine_core import PROMPT_EMBEDS_OFF, check_prompt_embeds
+
+        if not self.engine_args.enable_prompt_embeds:
+            raise ValueError(PROMPT_EMBEDS_OFF)
+        if "prompt_token_ids" in prompt or "prompt" in prompt:
+            raise ValueError("A prompt dict takes one of 'prompt', 'prompt_token_ids' and 'prompt_embeds'.")
+        return check_prompt_embeds(prompt["prompt_embeds"], self.engine.hidden_size)
+
     def _to_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "prompt_embeds"}
             if unknown:
-                raise ValueError(f"A prompt dict takes 'prompt' or 'prompt_token_ids' (and 'cache_salt'); "
-                                 f"{sorted(unknown)} is not supported (this is a text-only engine).")
+                raise ValueError(f"A prompt dict takes 'prompt', 'prompt_token_ids' or 'prompt_embeds' (and "
+                                 f"'cache_salt'); {sorted(unknown)} is not supported (this is a text-only engine).")
             check_cache_salt(prompt.get("cache_salt"))
+            if "prompt_embeds" in prompt:  # (generate() takes them before this)
+                raise ValueError("'prompt_embeds' prompts are for generate() only.")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -307,6 +322,8 @@ class LLM:
         # Fields set after construction (vLLM's examples do) are checked and normalized as the constructor's are;
         # once per distinct object, and the user's objects stay untouched.
         checked = {id(sp): sp.checked() for sp in params_list}
+        if any(sp.logits_processors for sp in params_list):  # vLLM V1's refusal, word for word
+            raise ValueError(PER_REQUEST_LOGITS_PROCESSORS)
         params_list = [checked[id(sp)] for sp in params_list]
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
             raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}.")
@@ -314,9 +331,16 @@ class LLM:
         # takes back those queued before it (_run_frozen): a bad prompt fails the call cleanly.
         if priority is not None:  # numpy's integers are integers too (int(np.int64) is exact; bools stay refused)
             priority = [int(p) if isinstance(p, numbers.Integral) and not isinstance(p, bool) else p for p in priority]
-        items = [(self._truncated(self._to_prompt(p), sp), sp) for p, sp in zip(prompts, params_list)]
+        from pagedllm.core.engine_core import PROMPT_EMBEDS_PLACEHOLDER
+
+        embeds = [self._prompt_embeds(p) for p in prompts]  # (an embeddings prompt: as many placeholder ids)
+        items = [(self._truncated(self._to_prompt(p) if e is None else (None, [PROMPT_EMBEDS_PLACEHOLDER] * len(e)),
+                                  sp), sp) for p, e, sp in zip(prompts, embeds, params_list)]
+        # (truncate_prompt_tokens kept the last tokens: the embeddings' last rows go with them)
+        embeds = [e if e is None else e[len(e) - len(ids):] for e, ((_, ids), _) in zip(embeds, items)]
         lora_ids = self._add_loras(lora_request, len(items))
-        outputs = self._run(items, use_tqdm, lora_ids, [self._cache_salt(p) for p in prompts], priority)
+        outputs = self._run(items, use_tqdm, lora_ids, [self._cache_salt(p) for p in prompts], priority,
+                            embeds if any(e is not None for e in embeds) else None)
         if lora_request is not None:
             per_prompt = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(outputs)
             for out, req in zip(outputs, per_prompt):
@@ -650,7 +674,8 @@ class LLM:
 
     # ------------------------------------------------------------------ the loop
     def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None,
-             salts: Optional[list[Optional[str]]] = None, priorities: Optional[list[int]] = None) -> list:
+             salts: Optional[list[Optional[str]]] = None, priorities: Optional[list[int]] = None,
+             embeds: Optional[list[Any]] = None) -> list:
         from pagedllm.core.engine_core import objects_frozen
 
         with self._lock:
@@ -661,10 +686,11 @@ class LLM:
             # The engine's start-up objects stay out of the collector's full passes while the steps run (see
             # objects_frozen: this process is the user's, so they are unfrozen again at the end).
             with objects_frozen():
-                return self._run_frozen(items, use_tqdm, lora_ids, salts, priorities)
+                return self._run_frozen(items, use_tqdm, lora_ids, salts, priorities, embeds)
 
     def _run_frozen(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]],
-                    salts: Optional[list[Optional[str]]] = None, priorities: Optional[list[int]] = None) -> list:
+                    salts: Optional[list[Optional[str]]] = None, priorities: Optional[list[int]] = None,
+                    embeds: Optional[list[Any]] = None) -> list:
         from pagedllm.core.batch_plan import EngineCoreOutput
         from pagedllm.core.engine_core import EngineCoreRequest
         from pagedllm.core.errors import RequestStepError
@@ -680,16 +706,18 @@ class LLM:
         try:
             nones = [None] * len(items)
             zeros = [0] * len(items)
-            for i, (((text, ids), params), lora_id, salt, priority) in enumerate(
-                    zip(items, lora_ids or nones, salts or nones, priorities or zeros)):
+            for i, (((text, ids), params), lora_id, salt, priority, embed) in enumerate(
+                    zip(items, lora_ids or nones, salts or nones, priorities or zeros, embeds or nones)):
                 request_id = str(next(self._counter))
                 order.append(request_id)
                 for child in fan_out(request_id, tokenize_params(params, self.tokenizer)):
                     # The engine validates the prompt first: the detokenizer only ever sees valid token ids.
                     engine.add_request(EngineCoreRequest(child.request_id, ids, child.params, lora_id=lora_id,
-                                                         cache_salt=salt, priority=priority))
+                                                         cache_salt=salt, priority=priority, prompt_embeds=embed))
                     added.append(child.request_id)
-                    processor.add_request(child.request_id, text, ids, child.params, parent_id=child.parent_id,
+                    # An embeddings prompt has no tokens to show (nor to decode the output after), as in vLLM.
+                    shown = ids if embed is None else []
+                    processor.add_request(child.request_id, text, shown, child.params, parent_id=child.parent_id,
                                           index=child.index, output_kind="final_only")
                     prompt_of[child.request_id] = (i, child.index, params.n)
         except Exception:

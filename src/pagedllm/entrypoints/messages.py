@@ -57,6 +57,9 @@ class AddRequest(msgspec.Struct, tag="add"):
     client_index: int = 0  # the API server process that sent it (its outputs go back there)
     cache_salt: Optional[str] = None
     priority: int = 0  # --scheduling-policy priority (lower first)
+    # A prompt given as embeddings (--enable-prompt-embeds): the tensor torch.save'd; prompt_token_ids are
+    # placeholders of its length.
+    prompt_embeds: Optional[bytes] = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

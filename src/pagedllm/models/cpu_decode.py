@@ -204,7 +204,7 @@ class DecodeStack:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
         from pagedllm.attention.cpu_backend import CpuAttentionBackend
-        from pagedllm.forward_context import get_forward_context
+        from pagedllm.forward_context import get_forward_context, with_input_embeds
 
         num_tokens = input_ids.shape[0]
         if not 0 < num_tokens <= self.max_tokens or input_ids.device.type != "cpu":
@@ -218,7 +218,7 @@ class DecodeStack:
                 return None
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             return None
-        hidden = self.model.embed(input_ids)
+        hidden = with_input_embeds(self.model.embed(input_ids))
         if hidden.dtype != torch.float32:
             return None
         hidden = hidden.contiguous()

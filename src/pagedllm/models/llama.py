@@ -16,6 +16,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import get_pp_group
 from pagedllm.distributed.pipeline import (UNTIED_HEAD_WARNING, IntermediateTensors, PPMissingLayer, stage_layer_range,
                                           stage_weights)
+from pagedllm.forward_context import with_input_embeds
 from pagedllm.layers.activation import SiluAndMul, get_gated_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import RMSNorm
@@ -250,7 +251,7 @@ class LlamaModel(nn.Module):
             if fused is not None:
                 return fused
         if intermediate is None:
-            hidden_states = self.embed(input_ids)  # [T, hidden]
+            hidden_states = with_input_embeds(self.embed(input_ids))  # [T, hidden] (prompt embeddings put in)
             residual = None
         else:
             hidden_states, residual = intermediate.hidden_states, intermediate.residual

@@ -105,6 +105,21 @@ def _convert(gguf_path: str) -> str:
     return convert_gguf_to_hf(gguf_path)
 
 
+def disable_sliding_window(config: Any) -> Optional[int]:
+    """vLLM's disable_sliding_window: every layer attends to the whole context (the config's window removed, so
+    Gemma 2/3's local layers become full ones; Gemma 3's keep their local rope, as in vLLM). Returns the smallest
+    window any layer had (None: the model has none), the length vLLM then caps max_model_len at: within it the
+    windowed and the full model compute the same."""
+    from pagedllm.models.llama import layer_sliding_window
+
+    text = getattr(config, "text_config", None) or config
+    layers = getattr(text, "num_hidden_layers", 0) or 0
+    windows = [w for w in (layer_sliding_window(text, i) for i in range(layers)) if w is not None]
+    if getattr(text, "sliding_window", None) is not None:
+        text.sliding_window = None
+    return min(windows) if windows else None
+
+
 def load_hf_config(model_dir: str, trust_remote_code: bool = False, overrides: Optional[dict] = None) -> Any:
     """transformers.PretrainedConfig from `model_dir/config.json` (ValueError in one sentence if unusable), with
     `overrides` (vLLM's hf_overrides: config fields set over the file's; a dict for a sub-config sets its fields).

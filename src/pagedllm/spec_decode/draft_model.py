@@ -276,9 +276,9 @@ def check_vocab(worker, draft_cfg, draft_dir: str) -> None:
                          f"the target's ({worker.vocab_size} tokens): a draft model must share the target's "
                          "tokenizer.")
     try:
-        from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
+        from pagedllm.tokenizer import engine_tokenizer_options, engine_tokenizer_source, get_tokenizer
 
-        target = get_tokenizer(worker.args.tokenizer or worker.model_dir,
+        target = get_tokenizer(engine_tokenizer_source(worker.args, worker.model_dir),
                                **engine_tokenizer_options(worker.args)).get_vocab()
         draft = get_tokenizer(draft_dir).get_vocab()
     except Exception:  # a model without tokenizer files (e.g. skip_tokenizer_init): the size check stands

@@ -27,6 +27,7 @@ class CachedRequestState:
     rope_long: bool = False  # LongRoPE: longer than the original context when its computation started
     # A pooling request's pooling so far (fp32 on the device): mean's running sum, cls's first row, all's chunks' rows.
     pool_acc: Any = None
+    prompt_embeds: Any = None  # [num_prompt_tokens, hidden] on the CPU: a prompt given as embeddings
 
     @property
     def num_tokens(self) -> int:
@@ -126,7 +127,7 @@ class InputBatch:
         self.requests[new.request_id] = CachedRequestState(
             req_id=new.request_id, row=row, prompt_token_ids=list(new.token_ids[:new.num_prompt_tokens]),
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]), sampling_params=new.sampling_params,
-            num_computed_tokens=new.num_computed_tokens, lora_id=new.lora_id,
+            num_computed_tokens=new.num_computed_tokens, lora_id=new.lora_id, prompt_embeds=new.prompt_embeds,
             rope_long=self.long_rope_original is not None and n > self.long_rope_original)
 
     def _free(self, row: int) -> None:

@@ -392,13 +392,16 @@ class ModelRunner:
                     group.seq_lens_cpu, group.max_seq_len = lens, max(lens)
         hidden = None
         calibrate = self.kv_calibration_pending  # the first step sets FP8 k/v scales from real K/V: eager
-        if self.cuda_graphs is not None and inp.max_query_len == 1 and not calibrate:
+        embeds = self._prompt_embeds(inp)
+        # Steps carrying prompt embeddings run eagerly: the graphs were captured with the embedding lookup only.
+        graphs_ok = not calibrate and embeds is None
+        if self.cuda_graphs is not None and inp.max_query_len == 1 and graphs_ok:
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
-        if hidden is None and self.mixed_graphs is not None and not calibrate:
+        if hidden is None and self.mixed_graphs is not None and graphs_ok:
             hidden = self.mixed_graphs.run(input_ids, positions, metadata)
         if hidden is None:
             self.attn_backend.prepare(metadata)
-            with set_forward_context(metadata, self.attn_backend, calibrate_kv=calibrate):
+            with set_forward_context(metadata, self.attn_backend, calibrate_kv=calibrate, input_embeds=embeds):
                 hidden = self.model(input_ids, positions)
             if calibrate:
                 self.kv_calibration_pending = False
@@ -490,6 +493,24 @@ class ModelRunner:
                 if ids is not None:
                     return ids
         return greedy_token_ids(self.model, hidden, token_bitmask)
+
+    def _prompt_embeds(self, inp) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """This step's tokens whose embeddings a prompt gave (enable_prompt_embeds): (flat token indices, rows) on the
+        device, or None when there are none (the usual case: one attribute read per request)."""
+        index, rows = [], []
+        for i, state in enumerate(inp.states):
+            embeds = state.prompt_embeds
+            if embeds is None:
+                continue
+            lo, hi = int(inp.query_start_loc[i]), int(inp.query_start_loc[i + 1])
+            start = int(inp.positions[lo])  # the first scheduled token's place in the sequence
+            end = min(start + hi - lo, embeds.shape[0])  # (the prompt's part: generated tokens are looked up)
+            if end > start:
+                index.append(torch.arange(lo, lo + end - start, dtype=torch.int64))
+                rows.append(embeds[start:end])
+        if not index:
+            return None
+        return torch.cat(index).to(self.device), torch.cat(rows).to(self.device, self.dtype)
 
     def _sampling_metadata(self, inp, sample_rows: np.ndarray) -> SamplingMetadata:
         """The general builder, for steps with a row whose sampling depends on its outputs (penalties, seeds,

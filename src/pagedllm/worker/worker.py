@@ -132,8 +132,8 @@ class Worker:
 
     def _start(self, args: EngineArgs, local_rank: int) -> None:
         from pagedllm.distributed.parallel_state import get_pp_group, get_world_group
-        from pagedllm.models.loader import (get_model, load_hf_config, prepare_model_dir, refuse_checkpoint_quantization,
-                                            resolve_model_path)
+        from pagedllm.models.loader import (disable_sliding_window, get_model, load_hf_config, prepare_model_dir,
+                                            refuse_checkpoint_quantization, resolve_model_path)
 
         self.args = args
         self.device = resolve_device(args.device)
@@ -155,10 +155,16 @@ class Worker:
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = read_eos_token_ids(cfg, self.model_dir)
         max_pos = model_max_len(cfg)
+        limit = f"{max_pos} positions"
+        window = disable_sliding_window(cfg) if args.disable_sliding_window else None
+        if window is not None and window < max_pos:  # vLLM's cap: the context stays within the removed window
+            max_pos, limit = window, f"its sliding window, {window} tokens, as --disable-sliding-window caps it"
+            logger.info("disable_sliding_window: every layer attends to the whole context; max_model_len is capped "
+                        "at the sliding window (%d).", window)
         if args.max_model_len is not None and args.max_model_len > max_pos:
             if not envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN:
                 raise ValueError(f"max_model_len={args.max_model_len} is larger than the model's maximum "
-                                 f"({max_pos} positions); lower --max-model-len, or set "
+                                 f"({limit}); lower --max-model-len, or set "
                                  "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it (outputs past the model's context "
                                  "may be wrong).")
             logger.warning("max_model_len=%d is larger than the model's maximum (%d positions), allowed by "

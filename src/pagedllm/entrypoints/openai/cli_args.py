@@ -146,6 +146,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility: pagedllm has no cascade attention")
     e.add_argument("--max-parallel-loading-workers", type=int, default=None, metavar="N",
                    help="accepted for vLLM compatibility: checkpoint files load one after another")
+    e.add_argument("--disable-sliding-window", action="store_true",
+                   help="full attention on every layer, max_model_len capped at the model's sliding window (vLLM's)")
+    e.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompts given as embeddings (offline {'prompt_embeds': tensor}; /v1/completions "
+                        "prompt_embeds: a base64 torch.save'd tensor), as vLLM")
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--enable-lora", action="store_true")
     e.add_argument("--enable-sleep-mode", action="store_true",
@@ -161,6 +166,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="what sampled tokens' logprobs report: of the model's logits (raw) or of those the token is "
                         "drawn from after penalties, temperature, min_p, top-k / top-p (processed)")
     e.add_argument("--revision", default=None, help="branch, tag or commit of a hub repo id MODEL")
+    e.add_argument("--tokenizer-revision", default=None,
+                   help="branch, tag or commit of a hub tokenizer id (--tokenizer, or MODEL's; default: --revision)")
+    e.add_argument("--code-revision", default=None,
+                   help="revision of a hub model's code (trust_remote_code); only --revision's own is supported")
     e.add_argument("--download-dir", default=None, help="cache directory for hub downloads (default: the hub's)")
     e.add_argument("--hf-token", nargs="?", const=True, default=None, type=_hf_token, metavar="TOKEN",
                    help="Hugging Face token for private or gated hub repo ids; the flag alone: the token `hf auth "

@@ -63,6 +63,28 @@ def parse_prompts(prompt: Any, tokenizer: Any, vocab_size: int, add_special_toke
     return out
 
 
+def _prompt_embeds(req: CompletionRequest, state: ServerState) -> list:
+    """The request's prompt_embeds as tensors (vLLM's: one base64 string or a list of them); a 400 when the server
+    was started without --enable-prompt-embeds, or for what needs the prompt's tokens."""
+    if req.prompt_embeds is None:
+        return []
+    from pagedllm.core.engine_core import PROMPT_EMBEDS_OFF
+    from pagedllm.entrypoints.prompt_embeds import decode_prompt_embeds
+
+    if not getattr(state.engine.engine_args, "enable_prompt_embeds", False):
+        raise APIError(PROMPT_EMBEDS_OFF, param="prompt_embeds")
+    for name, used in (("echo", req.echo), ("use_beam_search", req.use_beam_search),
+                       ("prompt_logprobs", req.prompt_logprobs is not None)):
+        if used:
+            raise APIError(f"'{name}' with 'prompt_embeds' is not supported: it needs the prompt's tokens.",
+                           param=name)
+    items = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else list(req.prompt_embeds)
+    try:
+        return [decode_prompt_embeds(item) for item in items]
+    except ValueError as e:
+        raise APIError(str(e), param="prompt_embeds") from None
+
+
 async def create_completion(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, CompletionRequest)
     model = state.check_model(req.model)
@@ -76,11 +98,22 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
     engine = state.engine
     tok = state.tokenizer
-    prompts = await tokenize_work(request, parse_prompts, req.prompt, tok, engine.ready.vocab_size,
-                                  req.add_special_tokens)
+    embeds = _prompt_embeds(req, state)
+    from pagedllm.core.engine_core import PROMPT_EMBEDS_PLACEHOLDER
+
+    if req.prompt is None and not embeds:
+        raise APIError("Missing required parameter: 'prompt' (or 'prompt_embeds').", param="prompt")
+    # vLLM's order: the embeddings prompts first, then the text / token ones; an embeddings prompt carries as many
+    # placeholder ids as it has rows (the engine puts the rows in their place).
+    prompts = [(None, [PROMPT_EMBEDS_PLACEHOLDER] * len(e)) for e in embeds]
+    if req.prompt is not None:
+        prompts += await tokenize_work(request, parse_prompts, req.prompt, tok, engine.ready.vocab_size,
+                                       req.add_special_tokens)
     if req.truncate_prompt_tokens is not None:  # a truncated prompt's text is its kept tokens' (decoded on echo)
         kept = [truncate_prompt(ids, req.truncate_prompt_tokens, state.max_model_len) for _, ids in prompts]
         prompts = [(text if len(k) == len(ids) else None, k) for (text, ids), k in zip(prompts, kept)]
+        embeds = [e[len(e) - len(ids):] for e, (_, ids) in zip(embeds, prompts)]  # (their last rows kept)
+    embeds_of = embeds + [None] * (len(prompts) - len(embeds))
     check_logprob_fields(req, state.max_logprobs, top_name="logprobs", top=req.logprobs)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     request_id, engine_id = request_ids(request, "cmpl", req.request_id)
@@ -110,8 +143,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     lora = state.lora_request(model)
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
-    gens = [generate(text, ids, params, sid, output_kind=kind, lora_request=lora, cache_salt=salt, priority=priority)
-            for (text, ids), sid in zip(prompts, sub_ids)]
+    gens = [generate(text, ids, params, sid, output_kind=kind, lora_request=lora, cache_salt=salt, priority=priority,
+                     **({} if e is None else {"prompt_embeds": e}))
+            for (text, ids), sid, e in zip(prompts, sub_ids, embeds_of)]
     watch = start_disconnect_watch(request, engine, sub_ids)
     # One prompt's stream is read as it is (one generator less per chunk); several are interleaved, as (i, item).
     merged = gens[0] if stream and len(gens) == 1 else merge_streams(gens)

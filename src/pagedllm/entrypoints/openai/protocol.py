@@ -116,7 +116,9 @@ class _SamplingFields(VllmSamplingExtras):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[TokenId], list[Union[str, list[TokenId]]]]
+    # vLLM's: prompt may be left out when prompt_embeds (base64 of torch.save'd tensors) carries the prompts
+    prompt: Optional[Union[str, list[TokenId], list[Union[str, list[TokenId]]]]] = None
+    prompt_embeds: Optional[Union[str, list[str]]] = None
     echo: Optional[bool] = False
     logprobs: Optional[Int] = None
     suffix: Optional[str] = None
