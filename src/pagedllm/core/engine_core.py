@@ -24,6 +24,8 @@ from pagedllm.core.errors import RequestStepError, check_sampled_tokens
 from pagedllm.core.request import Request, RequestStatus, check_priority
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.structured_hooks import StructuredOutputHooks
+from pagedllm.prompt_embeds import (PROMPT_EMBEDS_OFF, PROMPT_EMBEDS_PLACEHOLDER, check_prompt_embeds,
+                                   prompt_embeds_key)
 from pagedllm.sampling_constraints import check_against_engine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.stats import SpecLogger
@@ -45,54 +47,25 @@ class EngineCoreRequest:
     prompt_embeds: Optional[Any] = None
 
 
-PROMPT_EMBEDS_PLACEHOLDER = 0
-PROMPT_EMBEDS_OFF = "You must set `--enable-prompt-embeds` to input `prompt_embeds`."  # vLLM's words
-
-
-def check_prompt_embeds(embeds: Any, hidden_size: int) -> Any:
-    """A prompt's embeddings as the engine keeps them: a 2-D floating tensor [num_tokens >= 1, hidden_size] (a
-    leading batch dimension of 1 is dropped, as vLLM does), on the CPU, contiguous. ValueError saying what is wrong."""
-    import torch
-
-    if not isinstance(embeds, torch.Tensor):
-        raise ValueError(f"prompt_embeds must be a torch.Tensor [num_tokens, {hidden_size}], got "
-                         f"{type(embeds).__name__}.")
-    if embeds.dim() == 3 and embeds.shape[0] == 1:
-        embeds = embeds[0]
-    if embeds.dim() != 2 or embeds.shape[0] < 1 or embeds.shape[1] != hidden_size:
-        raise ValueError(f"prompt_embeds must have shape [num_tokens, {hidden_size}] (the model's hidden size), "
-                         f"got {list(embeds.shape)}.")
-    if not embeds.is_floating_point():
-        raise ValueError(f"prompt_embeds must be a floating-point tensor, got {embeds.dtype}.")
-    embeds = embeds.detach().to("cpu").contiguous()
-    if not bool(torch.isfinite(embeds).all()):
-        raise ValueError("prompt_embeds must be finite (no NaN or inf).")
-    return embeds
-
-
-def prompt_embeds_key(embeds: Any) -> bytes:
-    """What identifies a prompt's embeddings for the prefix cache: their dtype, shape and bytes."""
-    import hashlib
-
-    import torch
-
-    raw = embeds.reshape(-1).view(torch.uint8).numpy()
-    return f"{embeds.dtype}{tuple(embeds.shape)}".encode() + hashlib.sha256(raw).digest()
-
-
-def with_tokenizer_eos(eos_token_ids: list[int], engine_args: EngineArgs, model_dir: str) -> list[int]:
-    """The model's end-of-sequence ids with the tokenizer's EOS first, as vLLM takes it (its requests' EOS; the
-    config's and generation_config's stop as extras): a fine-tune whose tokenizer ends turns with another token
-    than config.json's eos (ChatML's <|im_end|> over </s>) stops there. Unchanged without a tokenizer
-    (skip_tokenizer_init, or one that does not load here: the frontend, which needs one, says why)."""
+def load_engine_tokenizer(engine_args: EngineArgs, model_dir: str) -> Any:
+    """The tokenizer the frontend uses (engine_tokenizer_source), loaded once here for its EOS and handed to an
+    in-process LLM; None with skip_tokenizer_init or where it does not load here (the frontend, which needs one,
+    says why)."""
     if engine_args.skip_tokenizer_init:
-        return list(eos_token_ids)
-    from pagedllm.tokenizer import engine_tokenizer_options, get_tokenizer
+        return None
+    from pagedllm.tokenizer import engine_tokenizer_options, engine_tokenizer_source, get_tokenizer
 
     try:
-        eos = get_tokenizer(engine_args.tokenizer or model_dir, **engine_tokenizer_options(engine_args)).eos_token_id
-    except Exception:
-        return list(eos_token_ids)
+        return get_tokenizer(engine_tokenizer_source(engine_args, model_dir), **engine_tokenizer_options(engine_args))
+    except Exception:  # noqa: BLE001 - the frontend's own load reports it
+        return None
+
+
+def with_tokenizer_eos(eos_token_ids: list[int], tokenizer: Any) -> list[int]:
+    """The model's end-of-sequence ids with the tokenizer's EOS first, as vLLM takes it (its requests' EOS; the
+    config's and generation_config's stop as extras): a fine-tune whose tokenizer ends turns with another token
+    than config.json's eos (ChatML's <|im_end|> over </s>) stops there. Unchanged without a tokenizer."""
+    eos = getattr(tokenizer, "eos_token_id", None)
     if not isinstance(eos, int) or isinstance(eos, bool) or eos < 0:
         return list(eos_token_ids)
     return [eos] + [t for t in eos_token_ids if t != eos]
@@ -127,7 +100,8 @@ class EngineCore:
         self.model_dir = w.model_dir
         self.max_model_len = w.max_model_len
         self.vocab_size = w.vocab_size
-        self.eos_token_ids = with_tokenizer_eos(w.eos_token_ids, engine_args, w.model_dir)
+        self.tokenizer = load_engine_tokenizer(engine_args, w.model_dir)
+        self.eos_token_ids = with_tokenizer_eos(w.eos_token_ids, self.tokenizer)
         self.hidden_size = int(w.hf_config.hidden_size)  # an embedding's length (pooling/; the served text config)
         from pagedllm.pooling import embedding_only
 

@@ -114,8 +114,10 @@ class LLM:
             if not self.engine_args.skip_tokenizer_init:
                 from pagedllm.tokenizer import engine_tokenizer_options, engine_tokenizer_source, get_tokenizer
 
-                self.tokenizer = get_tokenizer(engine_tokenizer_source(self.engine_args, engine.model_dir),
-                                               **engine_tokenizer_options(self.engine_args))
+                # the engine core's (loaded once, for its EOS), else loaded here so that the error says why
+                self.tokenizer = engine.tokenizer if engine.tokenizer is not None else get_tokenizer(
+                    engine_tokenizer_source(self.engine_args, engine.model_dir),
+                    **engine_tokenizer_options(self.engine_args))
                 engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
             self._counter = itertools.count()
             from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
@@ -244,7 +246,7 @@ class LLM:
         for a prompt of text or token ids. Refused unless the engine was started with enable_prompt_embeds."""
         if not isinstance(prompt, dict) or "prompt_embeds" not in prompt:
             return None
-        from pagedllm.core.engine_core import PROMPT_EMBEDS_OFF, check_prompt_embeds
+        from pagedllm.prompt_embeds import PROMPT_EMBEDS_OFF, check_prompt_embeds
 
         if not self.engine_args.enable_prompt_embeds:
             raise ValueError(PROMPT_EMBEDS_OFF)
@@ -331,7 +333,7 @@ class LLM:
         # takes back those queued before it (_run_frozen): a bad prompt fails the call cleanly.
         if priority is not None:  # numpy's integers are integers too (int(np.int64) is exact; bools stay refused)
             priority = [int(p) if isinstance(p, numbers.Integral) and not isinstance(p, bool) else p for p in priority]
-        from pagedllm.core.engine_core import PROMPT_EMBEDS_PLACEHOLDER
+        from pagedllm.prompt_embeds import PROMPT_EMBEDS_PLACEHOLDER
 
         embeds = [self._prompt_embeds(p) for p in prompts]  # (an embeddings prompt: as many placeholder ids)
         items = [(self._truncated(self._to_prompt(p) if e is None else (None, [PROMPT_EMBEDS_PLACEHOLDER] * len(e)),

@@ -68,7 +68,7 @@ def _prompt_embeds(req: CompletionRequest, state: ServerState) -> list:
     was started without --enable-prompt-embeds, or for what needs the prompt's tokens."""
     if req.prompt_embeds is None:
         return []
-    from pagedllm.core.engine_core import PROMPT_EMBEDS_OFF
+    from pagedllm.prompt_embeds import PROMPT_EMBEDS_OFF
     from pagedllm.entrypoints.prompt_embeds import decode_prompt_embeds
 
     if not getattr(state.engine.engine_args, "enable_prompt_embeds", False):
@@ -99,7 +99,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     engine = state.engine
     tok = state.tokenizer
     embeds = _prompt_embeds(req, state)
-    from pagedllm.core.engine_core import PROMPT_EMBEDS_PLACEHOLDER
+    from pagedllm.prompt_embeds import PROMPT_EMBEDS_PLACEHOLDER
 
     if req.prompt is None and not embeds:
         raise APIError("Missing required parameter: 'prompt' (or 'prompt_embeds').", param="prompt")
