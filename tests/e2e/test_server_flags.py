@@ -208,3 +208,12 @@ def test_response_role(flag_server) -> None:
     chunks = http.post("/v1/chat/completions", json=dict(body, stream=True)).text
     assert '"delta":{"role":"bot"' in chunks, chunks
 
+
+
+def test_completion_suffix_refused(flag_server) -> None:
+    """vLLM refuses any non-null `suffix`, the empty one included (it was accepted silently); null is no suffix."""
+    http, _ = flag_server
+    for suffix in ("", " end"):
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "suffix": suffix})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "suffix is not currently supported", r.text
+    assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "suffix": None}).status_code == 200
