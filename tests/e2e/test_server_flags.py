@@ -2,7 +2,7 @@
 start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template,
 --enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids,
 --enable-server-load-tracking, --chat-template-content-format, --enable-force-include-usage,
---exclude-tools-when-tool-choice-none, --response-role, on one real
+--exclude-tools-when-tool-choice-none, --response-role, --log-error-stack, on one real
 `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--enable-prompt-tokens-details", "--enable-request-id-headers",
                                  "--return-tokens-as-token-ids", "--enable-server-load-tracking",
                                  "--chat-template-content-format", "string", "--enable-force-include-usage",
-                                 "--exclude-tools-when-tool-choice-none", "--response-role", "bot"],
+                                 "--exclude-tools-when-tool-choice-none", "--response-role", "bot",
+                                 "--log-error-stack"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -217,3 +218,13 @@ def test_completion_suffix_refused(flag_server) -> None:
         r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "suffix": suffix})
         assert r.status_code == 400 and r.json()["error"]["message"] == "suffix is not currently supported", r.text
     assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "suffix": None}).status_code == 200
+
+
+def test_log_error_stack(flag_server) -> None:
+    """--log-error-stack (vLLM's; was refused as unknown): an error answered as a 4xx logs its stack trace."""
+    http, log_path = flag_server
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "suffix": "stack-7"})
+    assert r.status_code == 400
+    log = open(log_path).read()
+    at = log.index("Error response (400): APIError: suffix is not currently supported")
+    assert "Traceback (most recent call last)" in log[at:] and "create_completion" in log[at:]

@@ -98,6 +98,9 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         chat_template = load_chat_template(getattr(args, "chat_template", None), from_command_line=True)
     except (ValueError, TypeError) as e:
         return _startup_error(report, str(e), 2)
+    from pagedllm.entrypoints.openai.errors import ERROR_STACK
+
+    ERROR_STACK["log"] = bool(getattr(args, "log_error_stack", False))
     names = served_names(args)
     sock = bind_socket(args.host, args.port, reuse_port=client is not None)
     index, count = (0, 1) if client is None else (client.index, client.layout.num_clients)
