@@ -2,7 +2,8 @@
 start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template,
 --enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids,
 --enable-server-load-tracking, --chat-template-content-format, --enable-force-include-usage,
---exclude-tools-when-tool-choice-none, --response-role, --log-error-stack, on one real
+--exclude-tools-when-tool-choice-none, --response-role, --log-error-stack,
+--enable-tokenizer-info-endpoint, on one real
 `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--return-tokens-as-token-ids", "--enable-server-load-tracking",
                                  "--chat-template-content-format", "string", "--enable-force-include-usage",
                                  "--exclude-tools-when-tool-choice-none", "--response-role", "bot",
-                                 "--log-error-stack"],
+                                 "--log-error-stack", "--enable-tokenizer-info-endpoint"],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -228,3 +229,17 @@ def test_log_error_stack(flag_server) -> None:
     log = open(log_path).read()
     at = log.index("Error response (400): APIError: suffix is not currently supported")
     assert "Traceback (most recent call last)" in log[at:] and "create_completion" in log[at:]
+
+
+def test_tokenizer_info_endpoint(flag_server) -> None:
+    """--enable-tokenizer-info-endpoint (vLLM's; was refused as unknown): GET /tokenizer_info gives the tokenizer's
+    configuration as vLLM's does (its 404 without the flag: test_http.py)."""
+    http, _ = flag_server
+    r = http.get("/tokenizer_info")
+    info = r.json()
+    assert r.status_code == 200 and info["tokenizer_class"].isidentifier(), r.text  # the class's name
+    assert info["chat_template"] == SERVER_TEMPLATE  # --chat-template's
+    assert "vocab_file" not in info and "merges_file" not in info
+    eos = info["eos_token"]  # an AddedToken shown as its text
+    assert isinstance(eos, str) and len(http.post("/tokenize", json={"prompt": eos, "add_special_tokens": False})
+                                        .json()["tokens"]) == 1

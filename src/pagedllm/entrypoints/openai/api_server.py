@@ -133,6 +133,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         state.force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
         state.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
         state.chat_template_content_format = getattr(args, "chat_template_content_format", None) or "auto"
+        state.chat_template = chat_template
+        state.tokenizer_info_endpoint = bool(getattr(args, "enable_tokenizer_info_endpoint", False))
         if chat_template is not None:  # --chat-template: every chat request renders with it (a request's own wins)
             engine.tokenizer.chat_template = chat_template
         try:

@@ -192,6 +192,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(request, state)
 
+    if getattr(state, "tokenizer_info_endpoint", False):  # --enable-tokenizer-info-endpoint (else 404, as vLLM)
+        from pagedllm.entrypoints.openai.tokenize import tokenizer_info
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info_route() -> Response:
+            return tokenizer_info(state)
+
     from pagedllm.entrypoints.openai.admin import install as install_admin
 
     install_admin(app, state)  # sleep mode, reset_prefix_cache: only with PAGEDLLM_SERVER_DEV_MODE=1

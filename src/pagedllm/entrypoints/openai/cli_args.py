@@ -20,7 +20,8 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
                "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
                "enable_server_load_tracking", "exclude_tools_when_tool_choice_none",
-               "enable_force_include_usage", "response_role", "log_error_stack"}
+               "enable_force_include_usage", "response_role", "log_error_stack",
+               "enable_tokenizer_info_endpoint"}
 
 
 def _port(text: str) -> int:
@@ -94,6 +95,9 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="answers carry X-Request-Id: the request's own header, else a new id")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens as 'token_id:<id>' unless a request says otherwise")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="GET /tokenizer_info: the tokenizer's configuration (its init arguments, class and the "
+                        "--chat-template); off: 404")
     g.add_argument("--log-error-stack", action="store_true",
                    help="log the stack trace of every error answered as an error response (or in-band in a stream)")
     g.add_argument("--max-log-len", type=int, default=None,
