@@ -3,11 +3,12 @@ start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-req
 --enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids,
 --enable-server-load-tracking, --chat-template-content-format, --enable-force-include-usage,
 --exclude-tools-when-tool-choice-none, --response-role, --log-error-stack,
---enable-tokenizer-info-endpoint, on one real
+--enable-tokenizer-info-endpoint, --h11-max-incomplete-event-size, on one real
 `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 
 import httpx
@@ -19,6 +20,7 @@ from pagedllm import SamplingParams
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
 PROMPT = "The capital of France is"
+H11_LIMIT = 64 << 10  # --h11-max-incomplete-event-size of the flags server
 SERVER_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 
 
@@ -40,7 +42,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--return-tokens-as-token-ids", "--enable-server-load-tracking",
                                  "--chat-template-content-format", "string", "--enable-force-include-usage",
                                  "--exclude-tools-when-tool-choice-none", "--response-role", "bot",
-                                 "--log-error-stack", "--enable-tokenizer-info-endpoint"],
+                                 "--log-error-stack", "--enable-tokenizer-info-endpoint",
+                                 "--h11-max-incomplete-event-size", str(H11_LIMIT)],
                                 stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -243,3 +246,15 @@ def test_tokenizer_info_endpoint(flag_server) -> None:
     eos = info["eos_token"]  # an AddedToken shown as its text
     assert isinstance(eos, str) and len(http.post("/tokenize", json={"prompt": eos, "add_special_tokens": False})
                                         .json()["tokens"]) == 1
+
+
+def test_h11_max_incomplete_event_size(flag_server) -> None:
+    """--h11-max-incomplete-event-size (vLLM's; was refused as unknown): the server parses HTTP with h11 under that
+    limit: a request whose headers stay incomplete past it is a 400 (httptools, the default, would wait for the
+    rest); complete headers under it are served."""
+    http, _ = flag_server
+    assert http.get("/v1/models", headers={"x-pad": "a" * (H11_LIMIT // 2)}).status_code == 200
+    with socket.create_connection((http.base_url.host, http.base_url.port), timeout=60) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nx-pad: " + b"a" * (H11_LIMIT + 1024))  # no end
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 400") and b"Invalid HTTP request" in answer, answer

@@ -81,7 +81,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
     from pagedllm.entrypoints.async_engine import AsyncEngine, EngineStartupError
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.chat_template import load_chat_template
-    from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, server_url, to_engine_args
+    from pagedllm.entrypoints.openai.cli_args import (check_unsupported_server_flags, server_url, to_engine_args,
+                                                      uvicorn_h11_settings)
     from pagedllm.entrypoints.openai.guards import RequestGuard
     from pagedllm.entrypoints.openai.hot_routes import HotRoutes
     from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
@@ -169,7 +170,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
                                 ssl_keyfile=getattr(args, "ssl_keyfile", None),
                                 ssl_certfile=getattr(args, "ssl_certfile", None),
                                 ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
-                                ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0))
+                                ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0), **uvicorn_h11_settings(args))
         ready = None if report is None else (lambda: report.send(("ready", {
             "name": names[0], "model_dir": engine.model_dir, "max_model_len": engine.max_model_len})))
         server = server_class()(config, engine, lifecycle, shutdown_timeout=args.shutdown_timeout,

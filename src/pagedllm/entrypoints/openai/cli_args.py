@@ -21,7 +21,7 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
                "enable_server_load_tracking", "exclude_tools_when_tool_choice_none",
                "enable_force_include_usage", "response_role", "log_error_stack",
-               "enable_tokenizer_info_endpoint"}
+               "enable_tokenizer_info_endpoint", "h11_max_incomplete_event_size", "h11_max_header_count"}
 
 
 def _port(text: str) -> int:
@@ -100,6 +100,12 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                         "--chat-template); off: 404")
     g.add_argument("--log-error-stack", action="store_true",
                    help="log the stack trace of every error answered as an error response (or in-band in a stream)")
+    g.add_argument("--h11-max-incomplete-event-size", type=positive_int, default=None, metavar="BYTES",
+                   help="largest incomplete HTTP event (request line and headers) uvicorn's h11 parser buffers; "
+                        "given, the server parses HTTP with h11 (the setting is h11's) instead of httptools")
+    g.add_argument("--h11-max-header-count", type=positive_int, default=None, metavar="N",
+                   help="vLLM's cap on a request's header count, for uvicorn's h11 parser: refused when the "
+                        "installed uvicorn has no such setting")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="accepted for vLLM compatibility: pagedllm never logs prompts")
     add_engine_args(p)
@@ -441,6 +447,31 @@ def check_unsupported_server_flags(args: argparse.Namespace) -> None:
         if not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora.")
     check_ssl_flags(args)
+    check_h11_flags(args)
+
+
+def uvicorn_h11_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn.Config's arguments for --h11-max-incomplete-event-size / --h11-max-header-count (none given: {})."""
+    out: dict[str, Any] = {}
+    for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
+    if out:  # h11's settings apply to the h11 parser only; uvicorn's default is httptools when it is installed
+        out["http"] = "h11"
+    return out
+
+
+def check_h11_flags(args: argparse.Namespace) -> None:
+    """A setting the installed uvicorn lacks is refused (it would be silently ignored)."""
+    import inspect
+
+    import uvicorn
+
+    known = inspect.signature(uvicorn.Config).parameters
+    for name in uvicorn_h11_settings(args):
+        if name not in known:
+            raise ValueError(f"--{name.replace('_', '-')} is not supported: the installed uvicorn "
+                             f"{uvicorn.__version__} has no {name} setting.")
 
 
 def check_ssl_flags(args: argparse.Namespace) -> None:
