@@ -87,6 +87,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
     from pagedllm.entrypoints.openai.hot_routes import HotRoutes
     from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
     from pagedllm.entrypoints.openai.lora_models import serve_lora_modules
+    from pagedllm.entrypoints.openai.middleware import load_middlewares, wrap_middlewares
     from pagedllm.entrypoints.openai.server_state import ServerState
     from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
     from pagedllm.metrics import Metrics
@@ -97,6 +98,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         check_unsupported_server_flags(args)
         # --chat-template: read (and parsed) before the model loads
         chat_template = load_chat_template(getattr(args, "chat_template", None), from_command_line=True)
+        middlewares = load_middlewares(getattr(args, "middleware", None))
     except (ValueError, TypeError) as e:
         return _startup_error(report, str(e), 2)
     from pagedllm.entrypoints.openai.errors import ERROR_STACK
@@ -156,7 +158,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         # The guard is outermost: every early answer inside it (the drain's 503, the key's 401) comes after the
         # request body was read, and its own refusals read the rest of the body before closing.
         # HotRoutes: the generating routes without the framework's per-request layers (hot_routes.py).
-        app = DrainMiddleware(HotRoutes(fastapi_app, state), lifecycle)
+        # --middleware: around the hot routes too (every request passes it), inside the drain's 503 and the guard
+        app = DrainMiddleware(wrap_middlewares(HotRoutes(fastapi_app, state), middlewares), lifecycle)
         if getattr(args, "enable_request_id_headers", False):  # (inside the guard: streams keep its direct writes)
             from pagedllm.entrypoints.openai.guards import RequestIdHeaders
 

@@ -21,7 +21,8 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
                "enable_server_load_tracking", "exclude_tools_when_tool_choice_none",
                "enable_force_include_usage", "response_role", "log_error_stack",
-               "enable_tokenizer_info_endpoint", "h11_max_incomplete_event_size", "h11_max_header_count"}
+               "enable_tokenizer_info_endpoint", "h11_max_incomplete_event_size", "h11_max_header_count",
+               "middleware", "tokens_only"}
 
 
 def _port(text: str) -> int:
@@ -106,6 +107,11 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--h11-max-header-count", type=positive_int, default=None, metavar="N",
                    help="vLLM's cap on a request's header count, for uvicorn's h11 parser: refused when the "
                         "installed uvicorn has no such setting")
+    g.add_argument("--middleware", action="append", default=None, metavar="IMPORT.PATH",
+                   help="an ASGI middleware class, or an async function (request, call_next), wrapped around the "
+                        "app; repeatable, the last given outermost")
+    g.add_argument("--tokens-only", action="store_true",
+                   help="vLLM's mode serving only its tokens-in/tokens-out endpoint: not supported yet")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="accepted for vLLM compatibility: pagedllm never logs prompts")
     add_engine_args(p)
@@ -388,6 +394,8 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
         if action.default is not None:
             raise argparse.ArgumentTypeError(f"needs a value (leave the key out for the default {action.default!r})")
         return None
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag (--middleware): a list, or one value
+        return [_config_item(action, item) for item in (value if isinstance(value, list) else [value])]
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):
         items = value if isinstance(value, list) else [value]  # one value is a list of one, as a single flag value
         if not items and action.nargs != "*":
@@ -446,8 +454,14 @@ def check_unsupported_server_flags(args: argparse.Namespace) -> None:
         parse_lora_modules(args.lora_modules)
         if not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora.")
+    if getattr(args, "tokens_only", False):
+        raise ValueError("--tokens-only is not supported yet: pagedllm has no tokens-in/tokens-out endpoint "
+                         "(vLLM's /inference/v1/generate) to serve alone.")
     check_ssl_flags(args)
     check_h11_flags(args)
+    from pagedllm.entrypoints.openai.middleware import load_middlewares
+
+    load_middlewares(getattr(args, "middleware", None))  # a bad path fails now, before any engine starts
 
 
 def uvicorn_h11_settings(args: argparse.Namespace) -> dict[str, Any]:
