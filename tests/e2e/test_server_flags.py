@@ -3,8 +3,8 @@ start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-req
 --enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids,
 --enable-server-load-tracking, --chat-template-content-format, --enable-force-include-usage,
 --exclude-tools-when-tool-choice-none, --response-role, --log-error-stack,
---enable-tokenizer-info-endpoint, --h11-max-incomplete-event-size, --middleware, on one
-real
+--enable-tokenizer-info-endpoint, --h11-max-incomplete-event-size, --middleware,
+--enable-log-requests --enable-log-outputs --max-log-len, on one real
 `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ async def tag_call(request, call_next):
     response.headers["x-mw-func"] = request.url.path
     return response
 """
-H11_LIMIT = 64 << 10  # --h11-max-incomplete-event-size of the flags server
+H11_LIMIT = 64 << 10
+MAX_LOG_LEN = 24  # --max-log-len of the flags server: cuts a long output's text and token ids  # --h11-max-incomplete-event-size of the flags server
 SERVER_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 
 
@@ -67,7 +68,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--exclude-tools-when-tool-choice-none", "--response-role", "bot",
                                  "--log-error-stack", "--enable-tokenizer-info-endpoint",
                                  "--h11-max-incomplete-event-size", str(H11_LIMIT),
-                                 "--middleware", "flag_middleware.TagHeader", "--middleware", "flag_middleware.tag_call"],
+                                 "--middleware", "flag_middleware.TagHeader", "--middleware", "flag_middleware.tag_call",
+                                 "--enable-log-requests", "--enable-log-outputs", "--max-log-len", str(MAX_LOG_LEN)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -297,3 +299,50 @@ def test_middleware_flag(flag_server) -> None:
     streamed = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                        "max_tokens": 2, "stream": True})
     assert streamed.text.rstrip().endswith("data: [DONE]") and streamed.headers["x-mw-func"]
+    # the stream's connection stays usable (its end went through the middlewares, not around them)
+    assert http.get("/v1/models").status_code == 200
+
+
+def _log_wait(log_path: str, needle: str) -> str:
+    """The server's log once it holds `needle` (its lines reach the file as they are written)."""
+    import time
+
+    for _ in range(100):
+        log = open(log_path).read()
+        if needle in log:
+            return log
+        time.sleep(0.1)
+    return open(log_path).read()
+
+
+def test_log_requests_and_outputs(flag_server) -> None:
+    """--enable-log-requests --enable-log-outputs (vLLM's; were refused as unknown): a line per request received
+    (its id and sampling parameters) and one per finished sample with its whole text, token ids and finish reason,
+    in vLLM's RequestLogger words (the engine's request id: cmpl-<X-Request-Id>-<8 characters>), streamed ones marked "(streaming complete)"; --max-log-len cuts them."""
+    http, log_path = flag_server
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body, headers={"X-Request-Id": "log-whole-1"}).json()
+    text = whole["choices"][0]["text"]
+    log = _log_wait(log_path, "Generated response cmpl-log-whole-1-")
+    assert "Received request cmpl-log-whole-1-" in log and ": params: SamplingParams(" in log and "max_tokens=3" in log
+    line = next(ln for ln in log.splitlines() if "Generated response cmpl-log-whole-1-" in ln)
+    assert f"output: {text!r}, output_token_ids: [" in line and line.endswith("finish_reason: length"), line
+    ids = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert str(ids) in line  # (3 tokens that re-tokenize as generated: plain words)
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0, "stream": True}
+    r = http.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "log-stream-2"})
+    parts = [json.loads(ln[6:])["choices"][0]["delta"].get("content") or "" for ln in r.text.splitlines()
+             if ln.startswith("data: {") and json.loads(ln[6:])["choices"]]
+    log = _log_wait(log_path, "Generated response chatcmpl-log-stream-2-")
+    line = next(ln for ln in log.splitlines() if "Generated response chatcmpl-log-stream-2-" in ln)
+    assert f" (streaming complete): output: {''.join(parts)!r}, output_token_ids: [" in line, line
+
+    long_body = dict(body, max_tokens=60, prompt="Count: 1, 2, 3, 4,")
+    long_text = http.post("/v1/completions", json=long_body, headers={"X-Request-Id": "log-long-3"}).json()
+    log = _log_wait(log_path, "Generated response cmpl-log-long-3-")
+    line = next(ln for ln in log.splitlines() if "Generated response cmpl-log-long-3-" in ln)
+    out = long_text["choices"][0]["text"]
+    assert len(out) > MAX_LOG_LEN and f"output: {out[:MAX_LOG_LEN]!r}, output_token_ids: [" in line, line
+    logged_ids = line[line.index("output_token_ids: [") + 19:line.index("], finish_reason")].split(", ")
+    assert len(logged_ids) == MAX_LOG_LEN

@@ -125,6 +125,13 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
             return _startup_error(report, str(e), 2)
         log_sampling_defaults(defaults, engine_args.generation_config, engine.model_dir,
                               engine_args.override_generation_config)
+        if getattr(args, "enable_log_requests", False):
+            from pagedllm.entrypoints.request_logger import RequestLogger
+
+            engine.request_logger = RequestLogger(getattr(args, "max_log_len", None),
+                                                  log_outputs=bool(getattr(args, "enable_log_outputs", False)))
+        elif getattr(args, "enable_log_outputs", False):  # as in vLLM, outputs are logged by the request logger
+            logger.warning("--enable-log-outputs logs nothing without --enable-log-requests")
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"

@@ -22,7 +22,7 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "enable_server_load_tracking", "exclude_tools_when_tool_choice_none",
                "enable_force_include_usage", "response_role", "log_error_stack",
                "enable_tokenizer_info_endpoint", "h11_max_incomplete_event_size", "h11_max_header_count",
-               "middleware", "tokens_only"}
+               "middleware", "tokens_only", "enable_log_requests", "enable_log_outputs"}
 
 
 def _port(text: str) -> int:
@@ -51,7 +51,13 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
-    g.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request received: its id and sampling parameters (the prompt at --log-level debug)")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="with --enable-log-requests: log each finished request's generated text, token ids and "
+                        "finish reason")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM compatibility (requests are logged only with --enable-log-requests)")
     g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load reports the generation / pooling requests in flight (vLLM's server_load)")
@@ -113,7 +119,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--tokens-only", action="store_true",
                    help="vLLM's mode serving only its tokens-in/tokens-out endpoint: not supported yet")
     g.add_argument("--max-log-len", type=int, default=None,
-                   help="accepted for vLLM compatibility: pagedllm never logs prompts")
+                   help="--enable-log-requests / --enable-log-outputs: the most characters (or token ids) of a "
+                        "prompt or output logged (default: all)")
     add_engine_args(p)
     add_parallel_args(p)
     add_structured_output_args(p)

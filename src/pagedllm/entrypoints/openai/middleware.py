@@ -28,6 +28,9 @@ def load_middlewares(paths: list[str] | None) -> list[Any]:
 
 
 def wrap_middlewares(app: Any, middlewares: list[Any]) -> Any:
+    if not middlewares:
+        return app
+    app = _ThroughMiddlewares(app)
     for obj in middlewares:
         if inspect.isclass(obj):
             app = obj(app)
@@ -36,3 +39,19 @@ def wrap_middlewares(app: Any, middlewares: list[Any]) -> Any:
 
             app = BaseHTTPMiddleware(app, dispatch=obj)
     return app
+
+
+class _ThroughMiddlewares:
+    """Streams write through the send they are given, not the guard's direct ones (guards.RAW_SEND_KEY /
+    SERVER_SEND_KEY) that would bypass the user's middleware (which then sees no body, and its own end of the
+    response comes after the stream's)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        from pagedllm.entrypoints.openai.guards import RAW_SEND_KEY, SERVER_SEND_KEY
+
+        if RAW_SEND_KEY in scope or SERVER_SEND_KEY in scope:
+            scope = {k: v for k, v in scope.items() if k not in (RAW_SEND_KEY, SERVER_SEND_KEY)}
+        await self.app(scope, receive, send)
