@@ -165,8 +165,9 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         # The guard is outermost: every early answer inside it (the drain's 503, the key's 401) comes after the
         # request body was read, and its own refusals read the rest of the body before closing.
         # HotRoutes: the generating routes without the framework's per-request layers (hot_routes.py).
-        # --middleware: around the hot routes too (every request passes it), inside the drain's 503 and the guard
-        app = DrainMiddleware(wrap_middlewares(HotRoutes(fastapi_app, state), middlewares), lifecycle)
+        # --middleware: around the hot routes too (every request passes it) and the drain's counts (a request is
+        # done for /load when the app's part of it is, as in vLLM), inside the guard
+        app = wrap_middlewares(DrainMiddleware(HotRoutes(fastapi_app, state), lifecycle), middlewares)
         if getattr(args, "enable_request_id_headers", False):  # (inside the guard: streams keep its direct writes)
             from pagedllm.entrypoints.openai.guards import RequestIdHeaders
 
