@@ -42,8 +42,8 @@ async def tag_call(request, call_next):
     response.headers["x-mw-func"] = request.url.path
     return response
 """
-H11_LIMIT = 64 << 10
-MAX_LOG_LEN = 24  # --max-log-len of the flags server: cuts a long output's text and token ids  # --h11-max-incomplete-event-size of the flags server
+H11_LIMIT = 64 << 10  # --h11-max-incomplete-event-size of the flags server
+MAX_LOG_LEN = 24  # --max-log-len of the flags server: cuts a long output's text and token ids
 SERVER_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 
 
@@ -69,7 +69,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--exclude-tools-when-tool-choice-none", "--response-role", "bot",
                                  "--log-error-stack", "--enable-tokenizer-info-endpoint",
                                  "--h11-max-incomplete-event-size", str(H11_LIMIT),
-                                 "--middleware", "flag_middleware.TagHeader", "--middleware", "flag_middleware.tag_call",
+                                 "--middleware", "flag_middleware.TagHeader",
+                                 "--middleware", "flag_middleware.tag_call",
                                  "--enable-log-requests", "--enable-log-outputs", "--max-log-len", str(MAX_LOG_LEN)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -323,7 +324,8 @@ def _log_wait(log_path: str, needle: str) -> str:
 def test_log_requests_and_outputs(flag_server) -> None:
     """--enable-log-requests --enable-log-outputs (vLLM's; were refused as unknown): a line per request received
     (its id and sampling parameters) and one per finished sample with its whole text, token ids and finish reason,
-    in vLLM's RequestLogger words (the engine's request id: cmpl-<X-Request-Id>-<8 characters>), streamed ones marked "(streaming complete)"; --max-log-len cuts them."""
+    in vLLM's RequestLogger words (the engine's request id: cmpl-<X-Request-Id>-<8 characters>), streamed ones
+    marked "(streaming complete)"; --max-log-len cuts them."""
     http, log_path = flag_server
     body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     whole = http.post("/v1/completions", json=body, headers={"X-Request-Id": "log-whole-1"}).json()
