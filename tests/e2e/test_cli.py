@@ -165,6 +165,10 @@ def test_client_errors_are_one_line(e2e_env: dict) -> None:
     (["--tokenizer", "/no/such/tokenizer"], "Could not load a tokenizer: the path '/no/such/tokenizer' does not exist"),
     (["--chat-template", "/no/such/chat.jinja"], "The chat template '/no/such/chat.jinja' looks like a file path"),
     (["--chat-template", "{% if messages %}"], "The chat template does not parse as a Jinja template"),
+    (["--h11-max-header-count", "64"], "--h11-max-header-count is not supported: the installed uvicorn"),
+    (["--tokens-only"], "--tokens-only is not supported yet"),
+    (["--middleware", "no_such_module.Thing"], "--middleware no_such_module.Thing: cannot import it"),
+    (["--middleware", "json.decoder"], "Invalid middleware json.decoder. Must be a function or a class."),
 ])
 def test_unsupported_flags_fail_at_start(e2e_env: dict, flags: list[str], fragment: str) -> None:
     r = run([cli("pagedllm"), "serve", "--port", str(free_port()), *flags], e2e_env, timeout=60)

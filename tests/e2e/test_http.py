@@ -220,6 +220,12 @@ def test_open_endpoints_without_key(server: Server) -> None:
     assert httpx.get(server.url + "/load").json() == {"server_load": 0}  # no --enable-server-load-tracking
 
 
+def test_tokenizer_info_is_404_without_its_flag(http: httpx.Client) -> None:
+    """GET /tokenizer_info exists only with --enable-tokenizer-info-endpoint (as vLLM's)."""
+    r = http.get("/tokenizer_info")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not found: no such route."
+
+
 def test_dev_mode_routes_are_404_without_dev_mode(http: httpx.Client) -> None:
     """Sleep mode's routes and /reset_prefix_cache exist only with PAGEDLLM_SERVER_DEV_MODE / VLLM_SERVER_DEV_MODE
     (as vLLM's): with the key, this server (no dev mode) answers 404."""

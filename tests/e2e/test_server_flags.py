@@ -2,12 +2,17 @@
 start), --max-logprobs, --no-enable-chunked-prefill, --no-dashboard, --trust-request-chat-template,
 --enable-prompt-tokens-details, --enable-request-id-headers, --return-tokens-as-token-ids,
 --enable-server-load-tracking, --chat-template-content-format, --enable-force-include-usage,
---exclude-tools-when-tool-choice-none, --response-role, on one real
+--exclude-tools-when-tool-choice-none, --response-role, --log-error-stack,
+--enable-tokenizer-info-endpoint, --h11-max-incomplete-event-size, --middleware,
+--enable-log-requests --enable-log-outputs --max-log-len, on one real
 `pagedllm serve` started with them; --chat-template FILE."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -18,6 +23,27 @@ from pagedllm import SamplingParams
 from pagedllm.entrypoints.server_process import free_port, wait_healthy
 
 PROMPT = "The capital of France is"
+# --middleware's module: a pure ASGI class and an HTTP function, each tagging every response
+MIDDLEWARE_MODULE = """
+class TagHeader:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + [(b"x-mw-class", b"1")]
+            await send(message)
+        await self.app(scope, receive, tagged if scope["type"] == "http" else send)
+
+
+async def tag_call(request, call_next):
+    response = await call_next(request)
+    response.headers["x-mw-func"] = request.url.path
+    return response
+"""
+H11_LIMIT = 64 << 10  # --h11-max-incomplete-event-size of the flags server
+MAX_LOG_LEN = 24  # --max-log-len of the flags server: cuts a long output's text and token ids
 SERVER_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
 
 
@@ -27,6 +53,8 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
     (tmp / "gen").mkdir()
     (tmp / "gen" / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
     (tmp / "chat.jinja").write_text(SERVER_TEMPLATE)
+    (tmp / "flag_middleware.py").write_text(MIDDLEWARE_MODULE)
+    env = dict(e2e_env, PYTHONPATH=os.pathsep.join(p for p in (str(tmp), e2e_env.get("PYTHONPATH")) if p))
     port = free_port()
     log_path = str(tmp / "server.log")
     with open(log_path, "w") as log:
@@ -39,8 +67,12 @@ def flag_server(smollm2_hf_dir: str, e2e_env: dict, tmp_path_factory):
                                  "--return-tokens-as-token-ids", "--enable-server-load-tracking",
                                  "--chat-template-content-format", "string", "--enable-force-include-usage",
                                  "--exclude-tools-when-tool-choice-none", "--response-role", "bot",
-                                 "--enable-prompt-embeds"],
-                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+                                 "--enable-prompt-embeds", "--log-error-stack", "--enable-tokenizer-info-endpoint",
+                                 "--h11-max-incomplete-event-size", str(H11_LIMIT),
+                                 "--middleware", "flag_middleware.TagHeader",
+                                 "--middleware", "flag_middleware.tag_call",
+                                 "--enable-log-requests", "--enable-log-outputs", "--max-log-len", str(MAX_LOG_LEN)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path=log_path)
@@ -175,6 +207,12 @@ def test_server_load_tracking(flag_server) -> None:
         during = http.get("/load").json()
         list(lines)
     assert during == {"server_load": 1}
+    # The count drops once the server's part of the request returned, which the --middleware function's task (in
+    # this server) may finish just after the client read the last byte: wait for it, within bounds.
+    for _ in range(100):
+        if http.get("/load").json() == {"server_load": 0}:
+            break
+        time.sleep(0.05)
     assert http.get("/load").json() == {"server_load": 0}
 
 
@@ -250,3 +288,109 @@ def test_prompt_embeds_on_completions(flag_server, offline_llm, smollm2_hf_dir) 
                           ({}, "Missing required parameter: 'prompt' (or 'prompt_embeds')")]:
         r = http.post("/v1/completions", json={"max_tokens": 2, **bad})
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+
+
+def test_completion_suffix_refused(flag_server) -> None:
+    """vLLM refuses any non-null `suffix`, the empty one included (it was accepted silently); null is no suffix."""
+    http, _ = flag_server
+    for suffix in ("", " end"):
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "suffix": suffix})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "suffix is not currently supported", r.text
+    assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "suffix": None}).status_code == 200
+
+
+def test_log_error_stack(flag_server) -> None:
+    """--log-error-stack (vLLM's; was refused as unknown): an error answered as a 4xx logs its stack trace."""
+    http, log_path = flag_server
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "suffix": "stack-7"})
+    assert r.status_code == 400
+    log = open(log_path).read()
+    at = log.index("Error response (400): APIError: suffix is not currently supported")
+    assert "Traceback (most recent call last)" in log[at:] and "create_completion" in log[at:]
+
+
+def test_tokenizer_info_endpoint(flag_server) -> None:
+    """--enable-tokenizer-info-endpoint (vLLM's; was refused as unknown): GET /tokenizer_info gives the tokenizer's
+    configuration as vLLM's does (its 404 without the flag: test_http.py)."""
+    http, _ = flag_server
+    r = http.get("/tokenizer_info")
+    info = r.json()
+    assert r.status_code == 200 and info["tokenizer_class"].isidentifier(), r.text  # the class's name
+    assert info["chat_template"] == SERVER_TEMPLATE  # --chat-template's
+    assert "vocab_file" not in info and "merges_file" not in info
+    eos = info["eos_token"]  # an AddedToken shown as its text
+    assert isinstance(eos, str) and len(http.post("/tokenize", json={"prompt": eos, "add_special_tokens": False})
+                                        .json()["tokens"]) == 1
+
+
+def test_h11_max_incomplete_event_size(flag_server) -> None:
+    """--h11-max-incomplete-event-size (vLLM's; was refused as unknown): the server parses HTTP with h11 under that
+    limit: a request whose headers stay incomplete past it is a 400 (httptools, the default, would wait for the
+    rest); complete headers under it are served."""
+    http, _ = flag_server
+    assert http.get("/v1/models", headers={"x-pad": "a" * (H11_LIMIT // 2)}).status_code == 200
+    with socket.create_connection((http.base_url.host, http.base_url.port), timeout=60) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nx-pad: " + b"a" * (H11_LIMIT + 1024))  # no end
+        answer = b""
+        while chunk := sock.recv(4096):  # the server closes the connection after its answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400") and b"Invalid HTTP request" in answer, answer
+
+
+def test_middleware_flag(flag_server) -> None:
+    """--middleware (vLLM's, repeatable; was refused as unknown): a class and an async function given by import path
+    wrap every route, the generating ones (served in front of the app) and streams included."""
+    http, _ = flag_server
+    for r in (http.get("/v1/models"), http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}),
+              http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True}),
+              http.get("/no/such/route")):
+        assert r.headers["x-mw-class"] == "1" and r.headers["x-mw-func"] == r.url.path, (r.url, r.headers)
+    streamed = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                       "max_tokens": 2, "stream": True})
+    assert streamed.text.rstrip().endswith("data: [DONE]") and streamed.headers["x-mw-func"]
+    # the stream's connection stays usable (its end went through the middlewares, not around them)
+    assert http.get("/v1/models").status_code == 200
+
+
+def _log_wait(log_path: str, needle: str) -> str:
+    """The server's log once it holds `needle` (its lines reach the file as they are written)."""
+    for _ in range(100):
+        log = open(log_path).read()
+        if needle in log:
+            return log
+        time.sleep(0.1)
+    return open(log_path).read()
+
+
+def test_log_requests_and_outputs(flag_server) -> None:
+    """--enable-log-requests --enable-log-outputs (vLLM's; were refused as unknown): a line per request received
+    (its id and sampling parameters) and one per finished sample with its whole text, token ids and finish reason,
+    in vLLM's RequestLogger words (the engine's request id: cmpl-<X-Request-Id>-<8 characters>), streamed ones
+    marked "(streaming complete)"; --max-log-len cuts them."""
+    http, log_path = flag_server
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body, headers={"X-Request-Id": "log-whole-1"}).json()
+    text = whole["choices"][0]["text"]
+    log = _log_wait(log_path, "Generated response cmpl-log-whole-1-")
+    assert "Received request cmpl-log-whole-1-" in log and ": params: SamplingParams(" in log and "max_tokens=3" in log
+    line = next(ln for ln in log.splitlines() if "Generated response cmpl-log-whole-1-" in ln)
+    assert f"output: {text!r}, output_token_ids: [" in line and line.endswith("finish_reason: length"), line
+    ids = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert str(ids) in line  # (3 tokens that re-tokenize as generated: plain words)
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0, "stream": True}
+    r = http.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "log-stream-2"})
+    parts = [json.loads(ln[6:])["choices"][0]["delta"].get("content") or "" for ln in r.text.splitlines()
+             if ln.startswith("data: {") and json.loads(ln[6:])["choices"]]
+    log = _log_wait(log_path, "Generated response chatcmpl-log-stream-2-")
+    line = next(ln for ln in log.splitlines() if "Generated response chatcmpl-log-stream-2-" in ln)
+    assert f" (streaming complete): output: {''.join(parts)!r}, output_token_ids: [" in line, line
+
+    long_body = dict(body, max_tokens=60, prompt="Count: 1, 2, 3, 4,")
+    long_text = http.post("/v1/completions", json=long_body, headers={"X-Request-Id": "log-long-3"}).json()
+    log = _log_wait(log_path, "Generated response cmpl-log-long-3-")
+    line = next(ln for ln in log.splitlines() if "Generated response cmpl-log-long-3-" in ln)
+    out = long_text["choices"][0]["text"]
+    assert len(out) > MAX_LOG_LEN and f"output: {out[:MAX_LOG_LEN]!r}, output_token_ids: [" in line, line
+    logged_ids = line[line.index("output_token_ids: [") + 19:line.index("], finish_reason")].split(", ")
+    assert len(logged_ids) == MAX_LOG_LEN

@@ -105,6 +105,23 @@ def test_config_yaml_values_convert_like_flags(tmp_path) -> None:
     assert (a.dashboard, a.enforce_eager, a.max_model_len, a.served_model_name) == (False, True, None, ["a", "b"])
 
 
+def test_config_yaml_takes_the_vllm_frontend_flags(tmp_path) -> None:
+    """The flags added for vLLM 0.24's frontend read from --config as from the command line; --middleware, a
+    repeatable flag, takes a list (the command line's adding to it, as vLLM merges a config file's flags)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("enable-log-requests: true\nenable-log-outputs: true\nmax-log-len: 50\n"
+                   "enable-tokenizer-info-endpoint: true\nlog-error-stack: true\n"
+                   "h11-max-incomplete-event-size: 65536\nh11-max-header-count: 64\ntokens-only: false\n"
+                   "middleware: [m.A, m.b]\n")
+    a = _parse(["--config", str(cfg), "--middleware", "m.C"])
+    assert (a.enable_log_requests, a.enable_log_outputs, a.max_log_len, a.enable_tokenizer_info_endpoint,
+            a.log_error_stack, a.tokens_only) == (True, True, 50, True, True, False)
+    assert (a.h11_max_incomplete_event_size, a.h11_max_header_count) == (65536, 64)
+    assert a.middleware == ["m.A", "m.b", "m.C"]
+    cfg.write_text("middleware: m.A\n")
+    assert _parse(["--config", str(cfg)]).middleware == ["m.A"]
+
+
 def test_random_requests_are_deterministic_and_in_range() -> None:
     from pagedllm.entrypoints.cli.bench_serve import sample_random_requests
 

@@ -162,6 +162,7 @@ class AsyncEngine:
         self.engine_args = engine_args
         self.log_level = log_level
         self.metrics = metrics
+        self.request_logger: Any = None  # request_logger.RequestLogger (--enable-log-requests), set by the server
         self.client = client
         self.client_index = 0 if client is None else client.index
         self.ctx = zmq.asyncio.Context(io_threads=1)
@@ -372,6 +373,13 @@ class AsyncEngine:
         self._parents[request_id] = parent
         loop = asyncio.get_running_loop()
         pending = parent.pending
+        request_logger = self.request_logger
+        if request_logger is not None:
+            request_logger.log_inputs(request_id, prompt, prompt_token_ids, params, lora_request)
+            if request_logger.log_outputs:
+                samples: dict[int, tuple[list, list]] = {}  # index -> (text parts, token ids) of delta outputs
+            else:
+                request_logger = None
         try:
             engine, adds = self._add_children(request_id, parent, prompt, prompt_token_ids, children, output_kind,
                                               lora_request, cache_salt, priority, prompt_embeds)
@@ -401,11 +409,31 @@ class AsyncEngine:
                 # and its error, still pending, must be raised, not skipped.
                 if finished:
                     parent.finished = True
+                    if request_logger is not None:
+                        self._log_outputs(request_logger, request_id, batch, output_kind, samples)
+                elif request_logger is not None and output_kind == "delta":
+                    _collect(batch, samples)
                 yield batch
                 if finished:
                     return
         finally:
             self._forget(request_id, abort=not parent.finished, owner=parent)
+
+    @staticmethod
+    def _log_outputs(request_logger: Any, request_id: str, batch: list, output_kind: str, samples: dict) -> None:
+        """--enable-log-outputs: one line per sample of a finished request, its whole text (deltas joined)."""
+        if output_kind == "delta":
+            _collect(batch, samples)
+        last = {o.index: o for o in batch[-1].outputs}
+        for index in sorted(last):
+            out = last[index]
+            if output_kind == "delta":
+                parts, ids = samples.get(index, ([], []))
+                text, token_ids = "".join(parts), ids
+            else:
+                text, token_ids = out.text, list(out.token_ids)
+            request_logger.log_output(request_id, text, token_ids, out.finish_reason,
+                                      is_streaming=output_kind == "delta")
 
     async def _send_adds(self, engine: int, adds: list) -> None:
         """Straight into the socket when it takes them now (the usual case: no future, no poller event); what it
@@ -513,6 +541,8 @@ class AsyncEngine:
         parent = self._parents.get(request_id)
         if parent is None or parent.finished or self.processor is None:
             return None
+        if self.request_logger is not None and self.request_logger.log_outputs:
+            return None  # --enable-log-outputs: the text must pass generate_batches, which logs it at the end
         sink = _DirectSink(parent, frame, writable, write, self._dirty)
         if not self.processor.set_sink(request_id, sink):
             return None
@@ -970,3 +1000,12 @@ def _preimport_frontend() -> threading.Thread:
     thread = threading.Thread(target=work, name="pagedllm-preimport", daemon=True)
     thread.start()
     return thread
+
+
+def _collect(batch: list, samples: dict) -> None:
+    """Delta outputs' text and token ids, per sample index (--enable-log-outputs)."""
+    for ro in batch:
+        for out in ro.outputs:
+            parts, ids = samples.setdefault(out.index, ([], []))
+            parts.append(out.text)
+            ids.extend(out.token_ids)

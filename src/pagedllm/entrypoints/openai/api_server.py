@@ -81,11 +81,13 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
     from pagedllm.entrypoints.async_engine import AsyncEngine, EngineStartupError
     from pagedllm.entrypoints.openai.app import build_app
     from pagedllm.entrypoints.openai.chat_template import load_chat_template
-    from pagedllm.entrypoints.openai.cli_args import check_unsupported_server_flags, server_url, to_engine_args
+    from pagedllm.entrypoints.openai.cli_args import (check_unsupported_server_flags, server_url, to_engine_args,
+                                                      uvicorn_h11_settings)
     from pagedllm.entrypoints.openai.guards import RequestGuard
     from pagedllm.entrypoints.openai.hot_routes import HotRoutes
     from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
     from pagedllm.entrypoints.openai.lora_models import serve_lora_modules
+    from pagedllm.entrypoints.openai.middleware import load_middlewares, wrap_middlewares
     from pagedllm.entrypoints.openai.server_state import ServerState
     from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
     from pagedllm.metrics import Metrics
@@ -96,8 +98,12 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         check_unsupported_server_flags(args)
         # --chat-template: read (and parsed) before the model loads
         chat_template = load_chat_template(getattr(args, "chat_template", None), from_command_line=True)
+        middlewares = load_middlewares(getattr(args, "middleware", None))
     except (ValueError, TypeError) as e:
         return _startup_error(report, str(e), 2)
+    from pagedllm.entrypoints.openai.errors import ERROR_STACK
+
+    ERROR_STACK["log"] = bool(getattr(args, "log_error_stack", False))
     names = served_names(args)
     sock = bind_socket(args.host, args.port, reuse_port=client is not None)
     index, count = (0, 1) if client is None else (client.index, client.layout.num_clients)
@@ -119,6 +125,13 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
             return _startup_error(report, str(e), 2)
         log_sampling_defaults(defaults, engine_args.generation_config, engine.model_dir,
                               engine_args.override_generation_config)
+        if getattr(args, "enable_log_requests", False):
+            from pagedllm.entrypoints.request_logger import RequestLogger
+
+            engine.request_logger = RequestLogger(getattr(args, "max_log_len", None),
+                                                  log_outputs=bool(getattr(args, "enable_log_outputs", False)))
+        elif getattr(args, "enable_log_outputs", False):  # as in vLLM, outputs are logged by the request logger
+            logger.warning("--enable-log-outputs logs nothing without --enable-log-requests")
         state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                             sampling_defaults=defaults)
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
@@ -130,6 +143,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         state.force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
         state.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
         state.chat_template_content_format = getattr(args, "chat_template_content_format", None) or "auto"
+        state.chat_template = chat_template
+        state.tokenizer_info_endpoint = bool(getattr(args, "enable_tokenizer_info_endpoint", False))
         if chat_template is not None:  # --chat-template: every chat request renders with it (a request's own wins)
             engine.tokenizer.chat_template = chat_template
         try:
@@ -150,7 +165,9 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         # The guard is outermost: every early answer inside it (the drain's 503, the key's 401) comes after the
         # request body was read, and its own refusals read the rest of the body before closing.
         # HotRoutes: the generating routes without the framework's per-request layers (hot_routes.py).
-        app = DrainMiddleware(HotRoutes(fastapi_app, state), lifecycle)
+        # --middleware: around the hot routes too (every request passes it) and the drain's counts (a request is
+        # done for /load when the app's part of it is, as in vLLM), inside the guard
+        app = wrap_middlewares(DrainMiddleware(HotRoutes(fastapi_app, state), lifecycle), middlewares)
         if getattr(args, "enable_request_id_headers", False):  # (inside the guard: streams keep its direct writes)
             from pagedllm.entrypoints.openai.guards import RequestIdHeaders
 
@@ -164,7 +181,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
                                 ssl_keyfile=getattr(args, "ssl_keyfile", None),
                                 ssl_certfile=getattr(args, "ssl_certfile", None),
                                 ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
-                                ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0))
+                                ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0), **uvicorn_h11_settings(args))
         ready = None if report is None else (lambda: report.send(("ready", {
             "name": names[0], "model_dir": engine.model_dir, "max_model_len": engine.max_model_len})))
         server = server_class()(config, engine, lifecycle, shutdown_timeout=args.shutdown_timeout,

@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.entrypoints.async_engine import ClientDisconnected, EngineDeadError, RequestRejected
-from pagedllm.entrypoints.openai.errors import APIError, dumps, error_body, error_response, format_validation_error
+from pagedllm.entrypoints.openai.errors import (APIError, dumps, error_body, error_response, format_validation_error,
+                                               log_error_stack)
 from pagedllm.entrypoints.openai.guards import route_path
 from pagedllm.entrypoints.openai.server_state import ServerState
 
@@ -191,6 +192,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(request, state)
 
+    if getattr(state, "tokenizer_info_endpoint", False):  # --enable-tokenizer-info-endpoint (else 404, as vLLM)
+        from pagedllm.entrypoints.openai.tokenize import tokenizer_info
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info_route() -> Response:
+            return tokenizer_info(state)
+
     from pagedllm.entrypoints.openai.admin import install as install_admin
 
     install_admin(app, state)  # sleep mode, reset_prefix_cache: only with PAGEDLLM_SERVER_DEV_MODE=1
@@ -213,6 +221,13 @@ def build_app(state: ServerState) -> FastAPI:
 def handled_error_response(e: BaseException) -> Optional[Response]:
     """The answer to an exception a route raised before its response started (the app's exception handlers and
     the hot routes share it); None for an unexpected one (internal_error_response)."""
+    response = _handled_error_response(e)
+    if response is not None and response.status_code != 499:
+        log_error_stack(e, response.status_code)
+    return response
+
+
+def _handled_error_response(e: BaseException) -> Optional[Response]:
     if isinstance(e, APIError):
         return error_response(e)
     if isinstance(e, RequestValidationError):

@@ -20,7 +20,9 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "allow_credentials", "disable_fastapi_docs", "max_log_len", "reasoning_parser",
                "enable_prompt_tokens_details", "enable_request_id_headers", "return_tokens_as_token_ids",
                "enable_server_load_tracking", "exclude_tools_when_tool_choice_none",
-               "enable_force_include_usage", "response_role"}
+               "enable_force_include_usage", "response_role", "log_error_stack",
+               "enable_tokenizer_info_endpoint", "h11_max_incomplete_event_size", "h11_max_header_count",
+               "middleware", "tokens_only", "enable_log_requests", "enable_log_outputs"}
 
 
 def _port(text: str) -> int:
@@ -49,7 +51,13 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
-    g.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM compatibility")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request received: its id and sampling parameters (the prompt at --log-level debug)")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="with --enable-log-requests: log each finished request's generated text, token ids and "
+                        "finish reason")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM compatibility (requests are logged only with --enable-log-requests)")
     g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load reports the generation / pooling requests in flight (vLLM's server_load)")
@@ -94,8 +102,25 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="answers carry X-Request-Id: the request's own header, else a new id")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens as 'token_id:<id>' unless a request says otherwise")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="GET /tokenizer_info: the tokenizer's configuration (its init arguments, class and the "
+                        "--chat-template); off: 404")
+    g.add_argument("--log-error-stack", action="store_true",
+                   help="log the stack trace of every error answered as an error response (or in-band in a stream)")
+    g.add_argument("--h11-max-incomplete-event-size", type=positive_int, default=None, metavar="BYTES",
+                   help="largest incomplete HTTP event (request line and headers) uvicorn's h11 parser buffers; "
+                        "given, the server parses HTTP with h11 (the setting is h11's) instead of httptools")
+    g.add_argument("--h11-max-header-count", type=positive_int, default=None, metavar="N",
+                   help="vLLM's cap on a request's header count, for uvicorn's h11 parser: refused when the "
+                        "installed uvicorn has no such setting")
+    g.add_argument("--middleware", action="append", default=None, metavar="IMPORT.PATH",
+                   help="an ASGI middleware class, or an async function (request, call_next), wrapped around the "
+                        "app; repeatable, the last given outermost")
+    g.add_argument("--tokens-only", action="store_true",
+                   help="vLLM's mode serving only its tokens-in/tokens-out endpoint: not supported yet")
     g.add_argument("--max-log-len", type=int, default=None,
-                   help="accepted for vLLM compatibility: pagedllm never logs prompts")
+                   help="--enable-log-requests / --enable-log-outputs: the most characters (or token ids) of a "
+                        "prompt or output logged (default: all)")
     add_engine_args(p)
     add_parallel_args(p)
     add_structured_output_args(p)
@@ -385,6 +410,8 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
         if action.default is not None:
             raise argparse.ArgumentTypeError(f"needs a value (leave the key out for the default {action.default!r})")
         return None
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag (--middleware): a list, or one value
+        return [_config_item(action, item) for item in (value if isinstance(value, list) else [value])]
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):
         items = value if isinstance(value, list) else [value]  # one value is a list of one, as a single flag value
         if not items and action.nargs != "*":
@@ -443,7 +470,38 @@ def check_unsupported_server_flags(args: argparse.Namespace) -> None:
         parse_lora_modules(args.lora_modules)
         if not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora.")
+    if getattr(args, "tokens_only", False):
+        raise ValueError("--tokens-only is not supported yet: pagedllm has no tokens-in/tokens-out endpoint "
+                         "(vLLM's /inference/v1/generate) to serve alone.")
     check_ssl_flags(args)
+    check_h11_flags(args)
+    from pagedllm.entrypoints.openai.middleware import load_middlewares
+
+    load_middlewares(getattr(args, "middleware", None))  # a bad path fails now, before any engine starts
+
+
+def uvicorn_h11_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn.Config's arguments for --h11-max-incomplete-event-size / --h11-max-header-count (none given: {})."""
+    out: dict[str, Any] = {}
+    for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
+    if out:  # h11's settings apply to the h11 parser only; uvicorn's default is httptools when it is installed
+        out["http"] = "h11"
+    return out
+
+
+def check_h11_flags(args: argparse.Namespace) -> None:
+    """A setting the installed uvicorn lacks is refused (it would be silently ignored)."""
+    import inspect
+
+    import uvicorn
+
+    known = inspect.signature(uvicorn.Config).parameters
+    for name in uvicorn_h11_settings(args):
+        if name not in known:
+            raise ValueError(f"--{name.replace('_', '-')} is not supported: the installed uvicorn "
+                             f"{uvicorn.__version__} has no {name} setting.")
 
 
 def check_ssl_flags(args: argparse.Namespace) -> None:

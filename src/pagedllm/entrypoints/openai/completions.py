@@ -92,8 +92,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         req.return_tokens_as_token_ids = state.return_tokens_as_token_ids
     salt = request_cache_salt(req)
     priority = request_priority(req, state.scheduling_policy)
-    if req.suffix:
-        raise APIError("'suffix' is not supported yet.", param="suffix")
+    if req.suffix is not None:  # vLLM refuses any suffix, "" included
+        raise APIError("suffix is not currently supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
         raise APIError("'best_of' other than n is only supported with use_beam_search.", param="best_of")
     engine = state.engine

@@ -4,6 +4,7 @@ A leaf of entrypoints/openai: every other module there may import it (request bo
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Optional
 
 import msgspec
@@ -15,6 +16,16 @@ _json = msgspec.json.Encoder()
 
 # JSON bytes of obj; the encoder's own method (no Python frame around it: SSE frames call it once per token).
 dumps = _json.encode
+
+# --log-error-stack (vLLM's): the stack of every error turned into an error response or in-band stream error.
+ERROR_STACK = {"log": False}
+_logger = logging.getLogger("pagedllm.api_server")
+
+
+def log_error_stack(e: BaseException, status: Any = None) -> None:
+    if ERROR_STACK["log"]:
+        _logger.error("Error response%s: %s: %s", f" ({status})" if status else "", type(e).__name__, e,
+                      exc_info=(type(e), e, e.__traceback__))
 
 
 class APIError(Exception):

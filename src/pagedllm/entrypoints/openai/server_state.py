@@ -30,6 +30,8 @@ class ServerState:
         self.force_include_usage = False  # --enable-force-include-usage: every stream's chunks carry the usage
         self.trust_request_chat_template = False  # --trust-request-chat-template
         self.chat_template_content_format = "auto"  # --chat-template-content-format
+        self.chat_template: Optional[str] = None  # --chat-template's text (GET /tokenizer_info reports it)
+        self.tokenizer_info_endpoint = False  # --enable-tokenizer-info-endpoint: GET /tokenizer_info
         self.lifecycle: Any = None  # lifecycle.Lifecycle, set by the server (the dashboard's stream ends on drain)
         self.pooling_defaults: Any = None  # pooling.ModelPooling of the model, read by the first /v1/embeddings
 

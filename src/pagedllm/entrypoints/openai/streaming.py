@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.errors import dumps, error_body
+from pagedllm.entrypoints.openai.errors import dumps, error_body, log_error_stack
 from pagedllm.entrypoints.openai.guards import RAW_SEND_KEY, SERVER_SEND_KEY, direct_writer
 
 DONE = b"data: [DONE]\n\n"
@@ -133,6 +133,8 @@ class SSEResponse(Response):
             if stop_direct is not None:
                 stop_direct()
                 stop_direct = None
+            if error is not None:
+                log_error_stack(error)
             await raw({"type": "http.response.body", "body": line_safe(pending + stream.tail(error)),
                        "more_body": False})
         finally:  # also when a write failed (--send-timeout): stops the generation, aborting it in the engine

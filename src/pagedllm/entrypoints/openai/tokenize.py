@@ -1,6 +1,8 @@
-"""POST /tokenize and POST /detokenize (vLLM's extras; used by `bench serve` and clients)."""
+"""POST /tokenize and POST /detokenize (vLLM's extras; used by `bench serve` and clients), GET /tokenizer_info
+(with --enable-tokenizer-info-endpoint)."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import Request
@@ -50,3 +52,28 @@ def _detokenize(tokenizer: Any, ids: list[int], vocab: int) -> str:
         if not 0 <= t < vocab:
             raise APIError(f"Token id {t} is out of vocabulary (0..{vocab - 1}).", param="tokens")
     return tokenizer.decode(ids)
+
+
+def tokenizer_info(state: ServerState) -> Response:
+    """vLLM's GET /tokenizer_info: the tokenizer's init_kwargs less its file paths, AddedToken values as their text,
+    plus `tokenizer_class` (the class's name) and the server's --chat-template when one was given."""
+    tok = state.tokenizer
+    config = dict(getattr(tok, "init_kwargs", None) or {})
+    config.pop("vocab_file", None)
+    config.pop("merges_file", None)
+    config = _jsonable(config)
+    config["tokenizer_class"] = type(tok).__name__
+    if state.chat_template:
+        config["chat_template"] = state.chat_template
+    # default=str: a value of a type JSON has no name for (a custom tokenizer's option) is shown, not a 500
+    return Response(json.dumps(config, default=str), media_type="application/json")
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "content"):  # AddedToken -> its text
+        return obj.content
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_jsonable(v) for v in obj]
+    return obj
