@@ -50,6 +50,9 @@ def _handler(raw: bytes, routes: list[tuple[type, Handler]]) -> Handler:
         if "messages" in model.model_fields and "input" in model.model_fields \
                 and req.input is None and req.messages is None:
             continue
+        # a completion needs a prompt or prompt embeddings (both optional fields): else an embedding body would pass
+        if "prompt_embeds" in model.model_fields and req.prompt is None and req.prompt_embeds is None:
+            continue
         return handler
     names = ", ".join(model.__name__ for model, _ in routes)
     raise APIError(f"Cannot find suitable handler for request. Expected one of: [{names}]")
