@@ -246,12 +246,14 @@ def test_disconnect_mid_prefill_frees_kv_at_once(tiny_server) -> None:
     """Counts and order, not seconds: the client hangs up once the engine holds its request; the request is then
     aborted (every prompt counted as an abort, none finished), KV and queues go back to zero, and the work it was
     asked for was cut short, before its prefill was done."""
-    # 384 distinct 480-token prompts (no prefix-cache sharing, < 1 MiB of JSON): 256 run at once (--max-num-seqs)
-    # and take ~60 prefill steps of 2048 tokens (the CPU default) before any can finish its 30 tokens; the other
-    # 128 cannot start before that. The abort reaches the engine at its next step, long before either.
+    # 384 distinct 160-token prompts (no prefix-cache sharing, a small body the API process hands over quickly): 256
+    # run at once (--max-num-seqs) and take ~20 prefill steps of 2048 tokens (the CPU default), then 352 decode steps
+    # (to max_model_len) before any can finish; the other 128 cannot start before that. The abort reaches the engine
+    # at its next step, long before either. (30 tokens after 480-token prompts left too few steps: on a loaded
+    # 2-core machine the whole batch was done before the client's /metrics poll saw it queued.)
     rng = random.Random(0)
-    prompts = [[rng.randrange(2, 512) for _ in range(480)] for _ in range(384)]
-    max_tokens = 30
+    prompt_len, max_tokens = 160, 352
+    prompts = [[rng.randrange(2, 512) for _ in range(prompt_len)] for _ in range(384)]
     before = _metrics(tiny_server)
     counts0 = {name: metric(before, name) for name in (
         "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
@@ -278,7 +280,7 @@ def test_disconnect_mid_prefill_frees_kv_at_once(tiny_server) -> None:
     assert delta["vllm:request_success_total"] == len(prompts), delta
     # Cut short during the prefill: not every prompt token was prefilled, not every prompt got a first token, and
     # far from every requested token was generated.
-    assert delta["vllm:prompt_tokens_total"] < 480 * len(prompts), delta
+    assert delta["vllm:prompt_tokens_total"] < prompt_len * len(prompts), delta
     assert delta["vllm:time_to_first_token_seconds_count"] < len(prompts), delta
     assert delta["vllm:generation_tokens_total"] < max_tokens * len(prompts), delta
     print(f"disconnect mid-prefill: {delta}")
