@@ -289,3 +289,24 @@ def test_gemma3_conditional_generation_eos_ids_are_the_checkpoints(tmp_path):
     assert read_eos_token_ids(served, str(tmp_path)) == reference.eos_token_id == [1, 106]
     assert (served.bos_token_id, served.pad_token_id) == (reference.bos_token_id, reference.pad_token_id)
 
+
+
+def test_gemma3_conditional_generation_dtype_is_the_checkpoints(tmp_path):
+    """A multimodal Gemma 3 checkpoint states its dtype at the top level (text_config has none); the served text
+    config takes it, so dtype "auto" on a GPU keeps a float16 checkpoint in float16 (it fell back to bfloat16)."""
+    import json
+
+    import torch
+
+    from pagedllm.worker.worker import resolve_dtype
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "torch_dtype": "float16",
+           "text_config": {"hidden_size": 64, "intermediate_size": 128, "model_type": "gemma3_text",
+                           "num_hidden_layers": 2},
+           "vision_config": {"hidden_size": 32, "intermediate_size": 64, "model_type": "siglip_vision_model",
+                             "num_attention_heads": 2, "num_hidden_layers": 1, "image_size": 28, "patch_size": 14}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    served = load_hf_config(str(tmp_path))
+    assert resolve_dtype("auto", served, torch.device("cuda")) == torch.float16  # (reads the config only)
+    raw["torch_dtype"] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert resolve_dtype("auto", load_hf_config(str(tmp_path)), torch.device("cuda")) == torch.bfloat16

@@ -212,6 +212,9 @@ def served_text_config(config: Any) -> Any:
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if getattr(config, key, None) is not None:
             setattr(text, key, getattr(config, key))
+    # The checkpoint's dtype is written at the top (its text_config usually has none): dtype "auto" reads it
+    if getattr(text, "dtype", None) is None and getattr(config, "dtype", None) is not None:
+        text.dtype = config.dtype
     # transformers ties the multimodal model's lm_head by the top-level flag, not the text config's
     if getattr(config, "tie_word_embeddings", None) is not None:
         text.tie_word_embeddings = config.tie_word_embeddings
