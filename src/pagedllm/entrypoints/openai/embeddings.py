@@ -88,6 +88,18 @@ def pooling_defaults(state: ServerState) -> Any:
     return state.pooling_defaults
 
 
+def embedding_options(req: Any, state: ServerState) -> tuple[str, bool, Optional[int]]:
+    """(pooling kind, normalize, dimensions) of a request's embeddings: its dimensions / normalize over the served
+    model's pooling; a 400 naming dimensions where they do not fit."""
+    from pagedllm.pooling import PoolingParams, resolve
+
+    try:
+        return resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize), pooling_defaults(state),
+                       state.engine.ready.hidden_size)
+    except ValueError as e:
+        raise APIError(str(e), param="dimensions") from None
+
+
 def truncated(inputs: list, k: Optional[int], state: ServerState) -> list:
     """vLLM's truncate_prompt_tokens on embedding inputs: each input's last k tokens (pooling.input_truncation)."""
     from pagedllm.pooling import input_truncation
@@ -142,7 +154,7 @@ async def embedded(request: Request, state: ServerState, req: EmbeddingRequest, 
                    ) -> tuple[list, list[list[float]]]:
     """(the inputs, [(text or None, token ids)], and their embeddings: pooled, normalized and shortened as the
     request and the model's pooling say)."""
-    from pagedllm.pooling import PoolingParams, finish, resolve
+    from pagedllm.pooling import finish
 
     priority = request_priority(req, state.scheduling_policy)
     ready = state.engine.ready
@@ -154,11 +166,7 @@ async def embedded(request: Request, state: ServerState, req: EmbeddingRequest, 
 
         raise APIError(token_only_refusal(ready.architecture, ready.token_labels is not None, "embeddings"),
                        param="model")
-    try:
-        kind, normalize, dimensions = resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize),
-                                              pooling_defaults(state), ready.hidden_size)
-    except ValueError as e:
-        raise APIError(str(e), param="dimensions") from None
+    kind, normalize, dimensions = embedding_options(req, state)
     inputs = truncated(await request_inputs(request, req, state), req.truncate_prompt_tokens, state)
     vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id)
     return inputs, [finish(pooled, normalize, dimensions) for pooled in vectors]

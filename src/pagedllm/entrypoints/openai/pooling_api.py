@@ -13,8 +13,8 @@ from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.classify import classified, classifier_labels
-from pagedllm.entrypoints.openai.embeddings import (EmbeddingRequest, embedded, encoded, list_response,
-                                                    pooled_vectors, pooling_defaults, request_inputs, truncated)
+from pagedllm.entrypoints.openai.embeddings import (EmbeddingRequest, embedded, embedding_options, encoded,
+                                                    list_response, pooled_vectors, request_inputs, truncated)
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.request_params import request_ids, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
@@ -65,7 +65,7 @@ async def per_token(request: Request, state: ServerState, req: PoolingAPIRequest
                     activation: Optional[bool], given: str, model: str, request_id: str) -> tuple[list, list]:
     """(the inputs, [(text or None, token ids)], and one row per token of each) for a token task
     (pooling.token_outputs); `given`: the request's name for `activation`."""
-    from pagedllm.pooling import NO_HEAD_ACTIVATION, PoolingParams, resolve, token_outputs
+    from pagedllm.pooling import NO_HEAD_ACTIVATION, token_outputs
 
     ready = state.engine.ready
     tasks = served_tasks(state)
@@ -77,11 +77,7 @@ async def per_token(request: Request, state: ServerState, req: PoolingAPIRequest
         raise APIError(NO_HEAD_ACTIVATION, param=given)
     normalize, dimensions = True, None
     if task == "token_embed":
-        try:
-            _, normalize, dimensions = resolve(PoolingParams(dimensions=req.dimensions, normalize=req.normalize),
-                                               pooling_defaults(state), ready.hidden_size)
-        except ValueError as e:
-            raise APIError(str(e), param="dimensions") from None
+        _, normalize, dimensions = embedding_options(req, state)
     inputs = truncated(await request_inputs(request, req, state), req.truncate_prompt_tokens, state)
     flats = await pooled_vectors(request, state, model, inputs, "all", request_priority(req, state.scheduling_policy),
                                  request_id, what="per-token pooling")
