@@ -71,6 +71,20 @@ def write_family_gguf(hf_dir: str, path: str, arch: str, kinds: Optional[dict] =
             add_tensor(writer, gguf_name, data, qtype)
 
 
+def _assert_logits_match(hf_dir: str, config, converted: str) -> None:
+    """pagedllm's model from the converted GGUF gives transformers' fp32 logits (of the checkpoint the file was
+    written from) on 40 random tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
+    ours = get_model(config, converted, dtype=torch.float32, device="cpu")
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0]
+        got = ours.compute_logits(ours(ids, torch.arange(40)))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
 def _family_dir(tiny_model_dir, arch: str) -> str:
     # A GGUF does not store query_pre_attn_scalar: llama.cpp uses head_dim below the 27B models, so the tiny Gemmas
     # here have that value (the tiny default, 24, is checked against transformers in test_families.py).
@@ -79,8 +93,6 @@ def _family_dir(tiny_model_dir, arch: str) -> str:
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
 def test_family_gguf_round_trip(tmp_path, fresh_cache, tiny_model_dir, arch):
-    from transformers import AutoModelForCausalLM
-
     hf_dir = _family_dir(tiny_model_dir, arch)
     path = str(tmp_path / f"tiny-{arch}.gguf")
     write_family_gguf(hf_dir, path, arch)
@@ -100,23 +112,15 @@ def test_family_gguf_round_trip(tmp_path, fresh_cache, tiny_model_dir, arch):
             {k: want[k] for k in ("rope_type", "partial_rotary_factor", "rope_theta")}
         np.testing.assert_allclose(got["long_factor"], want["long_factor"], rtol=1e-6)
         np.testing.assert_allclose(got["short_factor"], want["short_factor"], rtol=1e-6)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     # phi3: 40 tokens > the original context of 32, where transformers and pagedllm (max_model_len 256) use the
     # long factors; gemma: within the window (512), which the file states
-    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
-    ours = get_model(config, converted, dtype=torch.float32, device="cpu")
-    with torch.inference_mode():
-        ref = hf(ids[None]).logits[0]
-        got = ours.compute_logits(ours(ids, torch.arange(40)))
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    _assert_logits_match(hf_dir, config, converted)
 
 
 def test_gemma2_gguf_without_window_and_caps_takes_llama_cpps_defaults(tmp_path, fresh_cache, tiny_model_dir):
     """A Gemma 2 GGUF without attention.sliding_window / attn_logit_softcapping / final_logit_softcapping: llama.cpp
     runs it with Gemma 2's 4096 / 50 / 30. The converter set None (no window, no caps): other logits than the file's
     model; now transformers' Gemma 2 with those values."""
-    from transformers import AutoModelForCausalLM
-
     hf_dir = tiny_model_dir("gemma2", query_pre_attn_scalar=32, sliding_window=4096, attn_logit_softcapping=50.0,
                             final_logit_softcapping=30.0)
     path = str(tmp_path / "tiny-gemma2-defaults.gguf")
@@ -124,13 +128,7 @@ def test_gemma2_gguf_without_window_and_caps_takes_llama_cpps_defaults(tmp_path,
     converted = prepare_model_dir(path)
     config = load_hf_config(converted)
     assert (config.sliding_window, config.attn_logit_softcapping, config.final_logit_softcapping) == (4096, 50, 30)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))
-    ours = get_model(config, converted, dtype=torch.float32, device="cpu")
-    with torch.inference_mode():
-        ref = hf(ids[None]).logits[0]
-        got = ours.compute_logits(ours(ids, torch.arange(40)))
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    _assert_logits_match(hf_dir, config, converted)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
