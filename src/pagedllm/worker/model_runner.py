@@ -44,11 +44,13 @@ class ModelRunner:
                  eos_token_id: Optional[int], vocab_size: int, attention_backend: Optional[str] = None,
                  enforce_eager: bool = True, kv_cache_dtype: Optional[torch.dtype] = None,
                  kv_groups: Optional[KVCacheGroups] = None, logprobs_mode: str = "raw_logprobs",
-                 graph_settings: Optional[GraphSettings] = None) -> None:
+                 graph_settings: Optional[GraphSettings] = None, prompt_embeds: bool = False) -> None:
         """kv_groups: the model's KV-cache groups (core/kv_cache_groups.py; by default from the layers' windows).
         logprobs_mode: what sampled tokens' logprobs report (vLLM's; layers/sampler.py). graph_settings: which CUDA
-        graphs to capture (vLLM's compilation_config; compilation_config.py)."""
+        graphs to capture (vLLM's compilation_config; compilation_config.py). prompt_embeds: the engine takes
+        prompt embeddings (enable_prompt_embeds): only then does a step look for them."""
         self.model = model
+        self.prompt_embeds = prompt_embeds
         self.hf_config = hf_config
         self.device = device
         self.dtype = dtype
@@ -496,7 +498,9 @@ class ModelRunner:
 
     def _prompt_embeds(self, inp) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """This step's tokens whose embeddings a prompt gave (enable_prompt_embeds): (flat token indices, rows) on the
-        device, or None when there are none (the usual case: one attribute read per request)."""
+        device, or None when there are none (without enable_prompt_embeds: no walk over the step's requests)."""
+        if not self.prompt_embeds:
+            return None
         index, rows = [], []
         for i, state in enumerate(inp.states):
             embeds = state.prompt_embeds

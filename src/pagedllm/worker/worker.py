@@ -251,7 +251,8 @@ class Worker:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None, vocab_size=self.vocab_size,
             attention_backend=args.attention_backend, enforce_eager=enforce_eager or pipelined,
             kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device),
-            kv_groups=self.kv_groups, logprobs_mode=args.logprobs_mode, graph_settings=graphs)
+            kv_groups=self.kv_groups, logprobs_mode=args.logprobs_mode, graph_settings=graphs,
+            prompt_embeds=args.enable_prompt_embeds)
         self.runner.lora = self.lora_manager
         self.long_rope_original = self.runner.long_rope_original  # the scheduler's LongRoPE boundary (or None)
         self.ntk_original = self.runner.ntk_original  # dynamic NTK's (long prompts' prefix-cache roots), or None
