@@ -56,6 +56,7 @@ EXPECTED_S = {
     "tests/gpu/test_gemv_mma_gpu.py": 120,  # estimate (not yet run): ~110 tests, NVRTC compiles, three small engines
     "tests/gpu/test_qkv_prep.py": 20,
     "tests/gpu/test_quant_act.py": 2,
+    "tests/gpu/test_prompt_embeds_gpu.py": 10,  # estimated (unmeasured)
     "tests/gpu/test_quant_gpu.py": 66,
     "tests/gpu/test_quant_tiled.py": 148,
     "tests/gpu/test_sliding_window_engine_gpu.py": 70,
@@ -64,6 +65,7 @@ EXPECTED_S = {
     "tests/gpu/test_smollm2_gpu.py": 61,
     "tests/gpu/test_soft_cap_kernels.py": 66,
     "tests/gpu/test_spec_decode_gpu.py": 35,
+    "tests/gpu/test_spec_grammar_gpu.py": 30,  # estimated (unmeasured): three SmolLM2 fp32 engines
     "tests/gpu/test_structured_outputs_gpu.py": 2,
     "tests/models/test_models_gpu.py": 13,
     "tests/models/test_tensor_parallel.py": 5,
@@ -103,6 +105,7 @@ CONCURRENCY = {
     "tests/gpu/test_gemv_mma_gpu.py": PARALLEL,  # kernels (NVRTC compiles), three override engines
     "tests/gpu/test_qkv_prep.py": PARALLEL,  # kernels
     "tests/gpu/test_quant_act.py": PARALLEL,  # kernels
+    "tests/gpu/test_prompt_embeds_gpu.py": PARALLEL,  # override engines
     "tests/gpu/test_quant_gpu.py": SERIAL,  # test_engine_cuda_graphs_on_a_quantized_model: engines at 0.2
     "tests/gpu/test_quant_tiled.py": PARALLEL,  # kernels
     "tests/gpu/test_sliding_window_engine_gpu.py": PARALLEL,  # override engines
@@ -111,6 +114,7 @@ CONCURRENCY = {
     "tests/gpu/test_smollm2_gpu.py": PARALLEL,  # override engine (135M); the GGUF conversion renames into place
     "tests/gpu/test_soft_cap_kernels.py": PARALLEL,  # kernels
     "tests/gpu/test_spec_decode_gpu.py": PARALLEL,  # override engines (the draft shares the override's pool)
+    "tests/gpu/test_spec_grammar_gpu.py": PARALLEL,  # override engines
     "tests/gpu/test_structured_outputs_gpu.py": PARALLEL,  # override engines (the override wins over 0.3)
     "tests/models/test_models_gpu.py": PARALLEL,  # models without an engine
     "tests/models/test_tensor_parallel.py": PARALLEL,  # its one gpu test (NCCL) needs 2 GPUs, ranks of one file
