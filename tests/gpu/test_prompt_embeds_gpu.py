@@ -34,7 +34,7 @@ def test_prompt_embeds_on_cuda_graphs_match_transformers(tiny_llama_dir, async_s
         for i, e in ((0, embeds[0]), (2, embeds[1]), (3, embeds[2].to(torch.bfloat16).float())):
             assert outs[i].outputs[0].token_ids == hf_generate_from_embeds(tiny_llama_dir, e, 8), i
         # the same embeddings again hit their own prefix blocks; tokens unchanged
-        again = llm.generate({"prompt_embeds": embeds[2]}, GREEDY, use_tqdm=False)[0]
-        assert again.num_cached_tokens > 0
+        again = llm.generate({"prompt_embeds": embeds[2].to(torch.bfloat16)}, GREEDY, use_tqdm=False)[0]
+        assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == outs[3].outputs[0].token_ids
     finally:
         llm.shutdown()
