@@ -6,7 +6,8 @@ running (union of intervals), the idle rest, and which neighbouring activities t
     python benchmarks/device_idle.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --batch 256
 
 The profiler slows the host, so gaps at step boundaries (host-bound) come out larger than in a plain run; the
-gaps between kernels inside a CUDA graph are device-side and are not inflated. Greedy sampling, ignore_eos.
+gaps between kernels inside a CUDA graph are device-side and are not inflated. Greedy sampling (--temperature to sample), ignore_eos;
+--trace keeps the profiler's trace, --with-stack with the host's Python stacks.
 """
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=200)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--trace", default=None, help="also keep the chrome trace here (.json.gz: gzipped)")
+    p.add_argument("--with-stack", action="store_true", help="record Python stacks (for where the host waits)")
     args = p.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -80,7 +84,7 @@ def main() -> None:
               max_num_seqs=max(args.batch, 8), max_model_len=args.max_model_len)
     eng = llm.engine
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=args.max_model_len - args.input_len, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=args.max_model_len - args.input_len, ignore_eos=True, temperature=args.temperature)
     for i in range(args.batch):
         eng.add_request(EngineCoreRequest(f"r{i}", [rng.randrange(10, 30000) for _ in range(args.input_len)], params))
     while eng.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
@@ -93,7 +97,7 @@ def main() -> None:
         eng.step()
     torch.cuda.synchronize()
     print(f"batch {args.batch}: {(time.perf_counter() - start) / 20 * 1e3:.2f} ms/step without the profiler")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.with_stack) as prof:
         for _ in range(args.steps):
             eng.step()
         torch.cuda.synchronize()
@@ -101,6 +105,12 @@ def main() -> None:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         print(idle_report(gpu_intervals(path), args.steps))
+        if args.trace:
+            import gzip
+            import shutil
+
+            with open(path, "rb") as src, (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
 
 
 if __name__ == "__main__":
