@@ -129,10 +129,10 @@ class SampleTails:
             self.seeded = True
         torch.cuda.synchronize(self.runner.device)
         key_now = self.step_key.clone()
-        self._sample(hidden, names)  # warm-up: compiles outside the capture
-        torch.cuda.synchronize(self.runner.device)
         graph = torch.cuda.CUDAGraph()
-        try:
+        try:  # (out of memory too: a graph's logits at many rows need pool memory of their own)
+            self._sample(hidden, names)  # warm-up: compiles outside the capture
+            torch.cuda.synchronize(self.runner.device)
             with torch.cuda.graph(graph, pool=pool):
                 self._sample(hidden, names)
         except RuntimeError as e:
