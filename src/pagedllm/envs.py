@@ -89,8 +89,6 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # "0": sampled decode steps of few rows run the LM head and the device sampler eagerly instead of replaying them
     # as a graph after the decode graph (worker/greedy_tail.py, SampleTails; the A/B of the host time they save).
     "PAGEDLLM_GRAPH_SAMPLE": lambda: os.environ.get("PAGEDLLM_GRAPH_SAMPLE", "1") != "0",
-    # Most rows of a sampled tail graph (0: every decode graph size; the A/B of tails at large batches).
-    "PAGEDLLM_GRAPH_SAMPLE_ROWS": _int("PAGEDLLM_GRAPH_SAMPLE_ROWS", 0),
     # Most split-KV partitions per (request, kv head) in the CUDA decode kernel (tuning; a power of two).
     "PAGEDLLM_DECODE_MAX_SPLITS": _int("PAGEDLLM_DECODE_MAX_SPLITS", 64),
     # "0": on CUDA, run q/k norm, rotary and the KV-cache write as separate kernels instead of the fused one

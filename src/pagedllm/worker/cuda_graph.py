@@ -15,7 +15,6 @@ from typing import Optional
 
 import torch
 
-from pagedllm import envs
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
 from pagedllm.worker.greedy_tail import GreedyTails, SampleTails
 from pagedllm.worker.static_inputs import copy_rows
@@ -73,9 +72,7 @@ class CudaGraphRunner:
         # the rows between its batch and this, so a batch size padded the same way step after step fills nothing.
         self.clean_from = 0
         self.tails = GreedyTails(runner)
-        # Sampled tails at every decode size: a step of many rows is host-bound too on a fast GPU (its eager LM head
-        # and sampler launches are host time the device waits for).
-        self.sample_tails = SampleTails(runner, envs.PAGEDLLM_GRAPH_SAMPLE_ROWS or self.max_size)
+        self.sample_tails = SampleTails(runner, self.tails.max_rows)
         self.last_key: Optional[tuple] = None  # the graph the last run() replayed
 
     def _metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
