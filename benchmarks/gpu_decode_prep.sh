@@ -53,6 +53,7 @@ for step in "$@"; do
         *) echo "unknown step $step"; continue ;;
     esac
     label=$step${extra_env:+@$extra_env}
+    label=${label//[@=]/_}  # (names with @ or = do not come back from the device)
     echo "=== $label ($(date -u +%H:%M:%S))" | tee -a "$out/steps.txt"
     t0=$(date +%s)
     (cd "$tree" && env PYTHONPATH="$pp" PAGEDLLM_DECODE_PREP=$prep "${extra_env[@]}" \
