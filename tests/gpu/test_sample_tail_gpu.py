@@ -75,4 +75,3 @@ def test_consecutive_draws_differ(tiny_llama_dir, monkeypatch):
     first, second = _tokens(llm, [prompt], params)[0], _tokens(llm, [prompt], params)[0]
     assert first[1:] != second[1:]
     assert len(set(first[1:])) > 3
-
