@@ -231,6 +231,7 @@ def main(argv=None):
         if processor is not None:
             processor.add_request(f"t{i}", None, ids, params(n), output_kind=args.emit)
     buckets = defaultdict(lambda: defaultdict(float))  # running-count bucket -> totals
+    walls = defaultdict(list)  # running-count bucket -> each step's wall time (spikes: what async cannot hide)
     t_start = CLOCK[0]()
     tokens = 0
     # As LLM.generate runs its loop: the start-up objects out of the collector's full passes.
@@ -251,6 +252,7 @@ def main(argv=None):
             dt = CLOCK[0]() - t0
             tokens += sum(len(o.new_token_ids) for o in outs)
             acc = buckets[(b, step_kind[0])]
+            walls[(b, step_kind[0])].append(dt)
             acc["steps"] += 1
             acc["rows"] += running
             acc["wall"] += dt
@@ -265,6 +267,12 @@ def main(argv=None):
             if i:
                 buckets[b]["idle"] += max(0.0, events[i - 1][2].elapsed_time(start) / 1e3)
     report(buckets, tokens, total, args.json)
+    print("wall ms per step, percentiles (buckets of >= 16 steps): p50 / p90 / p99 / max")
+    for b in sorted(walls):
+        w = sorted(walls[b])
+        if len(w) >= 16:
+            pick = [w[min(len(w) - 1, int(q * len(w)))] * 1e3 for q in (0.5, 0.9, 0.99)] + [w[-1] * 1e3]
+            print(f"{b[0]:>6} {b[1]:>6} " + " / ".join(f"{x:.3f}" for x in pick))
 
 
 COLUMNS = ("schedule", "launch", "prepare", "sampmeta", "apply", "finish", "emit", "other", "device", "idle")
