@@ -12,45 +12,32 @@ from pagedllm.core.errors import NO_ALLOWED_TOKEN
 from pagedllm.layers.sampler import _to_device
 
 
-def step_token_bitmask(plan: BatchPlan, req_ids: list[str], sample_rows: np.ndarray,
-                       device: torch.device) -> Optional[torch.Tensor]:
-    """int32 [len(sample_rows), W] on device, or None when no sampling row is under a grammar."""
+def step_token_bitmask(plan: BatchPlan, req_ids: list[str], sample_rows: np.ndarray, device: torch.device,
+                       counts: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
+    """The step's mask, int32 [rows, W] on device, or None when no sampling row is under a grammar. Each request of
+    `sample_rows` has counts[i] rows (default 1; a verify step's: 1 + its drafts) in order, taking its rows of the
+    plan's bitmask from its first one there (one per verify position); other requests' rows allow every token."""
     if plan.grammar_bitmask is None:
         return None
     index = plan.structured_output_request_ids
     src = np.asarray(plan.grammar_bitmask, dtype=np.int32)
-    picks = [(j, index[req_ids[r]]) for j, r in enumerate(sample_rows.tolist()) if req_ids[r] in index]
+    rows = sample_rows.tolist()
+    ns = [1] * len(rows) if counts is None else counts.tolist()
+    picks, start = [], 0  # (first row here, first row in the plan's bitmask, rows)
+    for r, n in zip(rows, ns):
+        first = index.get(req_ids[r])
+        if first is not None:
+            picks.append((start, first, n))
+        start += n
     if not picks:
         return None
-    if len(picks) == len(sample_rows) and all(j == k for j, k in picks):
-        host = src[:len(picks)]
+    if len(picks) == len(rows) and start <= src.shape[0] and all(a == b for a, b, _ in picks):
+        host = src[:start]  # every row under a grammar, in the plan's order (the usual all-grammar batch)
     else:
-        host = np.full((len(sample_rows), src.shape[1]), -1, dtype=np.int32)
-        dst_rows, src_rows = zip(*picks)
-        host[list(dst_rows)] = src[list(src_rows)]
+        host = np.full((start, src.shape[1]), -1, dtype=np.int32)
+        for a, b, n in picks:
+            host[a:a + n] = src[b:b + n]
     return _to_device(torch.from_numpy(np.ascontiguousarray(host)), device)
-
-
-def verify_token_bitmask(plan: BatchPlan, req_ids: list[str], sample_rows: np.ndarray, starts: np.ndarray,
-                         counts: np.ndarray, device: torch.device) -> Optional[torch.Tensor]:
-    """A verify step's mask: int32 [verify rows, W] on device, or None when no verifying request is under a grammar.
-    A request's counts[i] rows (1 + its drafts) take its rows of the plan's bitmask, from its first one there (one
-    per verify position); other requests' rows allow every token."""
-    if plan.grammar_bitmask is None:
-        return None
-    index = plan.structured_output_request_ids
-    src = np.asarray(plan.grammar_bitmask, dtype=np.int32)
-    host = None
-    for r, start, n in zip(sample_rows.tolist(), starts.tolist(), counts.tolist()):
-        first = index.get(req_ids[r])
-        if first is None:
-            continue
-        if host is None:
-            host = np.full((int(starts[-1] + counts[-1]), src.shape[1]), -1, dtype=np.int32)
-        host[start:start + n] = src[first:first + n]
-    if host is None:
-        return None
-    return _to_device(torch.from_numpy(host), device)
 
 
 def greedy_token_ids(model: torch.nn.Module, hidden: torch.Tensor,

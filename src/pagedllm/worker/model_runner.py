@@ -21,7 +21,7 @@ from pagedllm.forward_context import AttentionMetadata, set_forward_context, wit
 from pagedllm.layers.attention import check_backend_features
 from pagedllm.layers.sampler import (Sampler, SamplerOutput, SamplingMetadata, _to_device, gather_logprobs,
                                      warm_up_device_sampling)
-from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask, verify_token_bitmask
+from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.host_stager import HostStager
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_cache import (
@@ -424,7 +424,7 @@ class ModelRunner:
         if verifying:
             meta = None if step_sampling is None else fast_metadata(
                 step_sampling, len(verify_rows.draft_ids), self.vocab_size, floats_t, top_k_t)
-            mask = verify_token_bitmask(plan, inp.req_ids, sample_rows, verify_rows.starts, verify_rows.counts, dev)
+            mask = step_token_bitmask(plan, inp.req_ids, sample_rows, dev, verify_rows.counts)
             return self.spec.verify(self, inp, hidden, prompt_logprobs, spec_staged, verify_rows, dev_step, input_ids,
                                     meta, mask)
         if len(sample_rows) == 0:
