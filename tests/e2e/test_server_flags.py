@@ -99,6 +99,35 @@ def test_generation_config_dir_defaults(flag_server, offline_llm) -> None:
     assert len(sampled) > 1  # the request's own temperature wins over the file's 0
 
 
+
+def test_generation_config_max_tokens_is_clamped_to_the_context(flag_server) -> None:
+    """The file's max_new_tokens (3) is the server's default, not the request's ask: a prompt that leaves less room
+    runs to the context's end (vLLM's get_max_tokens clamps it), where it was a 400 blaming max_tokens. A request's
+    own max_tokens past the context is still the 400 naming the lengths."""
+    http, _ = flag_server
+    prompt = [1000 + i for i in range(511)]
+    r = http.post("/v1/completions", json={"prompt": prompt, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+    assert r.status_code == 400 and "(511 in the prompt, 3 in the completion)" in r.json()["error"]["message"]
+    words = 500
+    while True:  # a conversation whose rendered prompt leaves 1 or 2 tokens of room
+        messages = [{"role": "user", "content": "a " * words}]
+        count = http.post("/tokenize", json={"messages": messages}).json()["count"]
+        if count >= 510:
+            break
+        words += 510 - count
+    assert count < 512
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        body = {"messages": messages} if path == "/v1/chat/completions" else {"input": messages}
+        r = http.post(path, json={**body, "ignore_eos": True})
+        assert r.status_code == 200, (path, r.text)
+        usage = r.json()["usage"]
+        assert usage.get("completion_tokens", usage.get("output_tokens")) == 512 - count
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
+    assert r.status_code == 400 and f"({count} in the messages, 3 in the completion)" in r.json()["error"]["message"]
+
 def test_max_logprobs_flag(flag_server) -> None:
     http, _ = flag_server
     ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,

@@ -14,8 +14,9 @@ from pagedllm.entrypoints.openai.logprobs import (iter_logprobs, prompt_logprobs
                                                   token_label, token_str)
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, check_token_ids, request_cache_salt,
-                                                        request_ids, request_priority, truncate_prompt)
+                                                        check_logprob_fields, check_token_ids, context_max_tokens,
+                                                        request_cache_salt, request_ids, request_priority,
+                                                        truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, merge_streams,
                                                    start_disconnect_watch, usage_dict)
@@ -135,8 +136,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     prompt_k = max((k for k in (echo_k, req.prompt_logprobs) if k is not None), default=None)
     params = build_sampling_params(req, 1 if echo_only(req) else req.max_tokens, req.logprobs, prompt_k,
                                    state.sampling_defaults, default_max_tokens=DEFAULT_MAX_TOKENS)
+    limit = context_max_tokens(req.max_tokens, params, state.sampling_defaults)
     for _, ids in prompts:
-        check_context_length(len(ids), params.max_tokens, state.max_model_len, "prompt")
+        check_context_length(len(ids), limit, state.max_model_len, "prompt")
     sub_ids = [f"{engine_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [engine_id]
     stream = bool(req.stream)
     kind = "delta" if stream else "final_only"
