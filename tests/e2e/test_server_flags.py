@@ -128,6 +128,22 @@ def test_generation_config_max_tokens_is_clamped_to_the_context(flag_server) -> 
     r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
     assert r.status_code == 400 and f"({count} in the messages, 3 in the completion)" in r.json()["error"]["message"]
 
+
+def test_generation_config_max_tokens_bounds_beam_search(flag_server) -> None:
+    """Beam search takes the file's max_new_tokens (3) where a request is silent, as sampling does: chat's ran to the
+    context's end and completions' took the endpoint's 16. Near the context's end the search stops there."""
+    http, _ = flag_server
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Count to twenty"}],
+                                                   "use_beam_search": True, "n": 1, "ignore_eos": True})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] == 3
+    prompts = [[1000 + i for i in range(10)], [1000 + i for i in range(511)]]
+    r = http.post("/v1/completions", json={"prompt": prompts, "use_beam_search": True, "n": 1, "ignore_eos": True,
+                                           "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert [len(c["token_ids"]) for c in r.json()["choices"]] == [3, 1]
+    assert r.json()["usage"]["completion_tokens"] == 4
+
 def test_max_logprobs_flag(flag_server) -> None:
     http, _ = flag_server
     ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,

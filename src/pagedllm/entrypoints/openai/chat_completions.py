@@ -54,7 +54,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         from pagedllm.beam_search.driver import ClientDisconnected
         from pagedllm.entrypoints.openai import beam_search
 
-        beam_max = max_tokens if max_tokens is not None else max(1, state.max_model_len - len(prompt_ids))
+        room = max(1, state.max_model_len - len(prompt_ids))
+        # a silent request: the generation config's max_new_tokens (as the sampling path's), clamped to the room
+        beam_max = max_tokens if max_tokens is not None else min(room, (state.sampling_defaults or {}).get(
+            "max_tokens", room))
         check_context_length(len(prompt_ids), beam_max, state.max_model_len)
         try:
             body = await beam_search.chat_response(req, state, model, request_id,

@@ -122,11 +122,15 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         from pagedllm.beam_search.driver import ClientDisconnected
         from pagedllm.entrypoints.openai import beam_search
 
+        # a silent request: the generation config's max_new_tokens as the sampling path's (each search clamps it to
+        # its prompt's room), else the endpoint's 16
+        from_config = req.max_tokens is None and "max_tokens" in (state.sampling_defaults or {})
+        beam_max = state.sampling_defaults["max_tokens"] if from_config else max_tokens
         for _, ids in prompts:
-            check_context_length(len(ids), max_tokens, state.max_model_len, "prompt")
+            check_context_length(len(ids), None if from_config else beam_max, state.max_model_len, "prompt")
         try:
             body = await beam_search.completion_response(req, state, model, request_id,
-                                                         int(time.time()), prompts, max_tokens, request.is_disconnected,
+                                                         int(time.time()), prompts, beam_max, request.is_disconnected,
                                                          salt, priority)
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
