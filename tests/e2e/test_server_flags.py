@@ -335,6 +335,19 @@ def test_prompt_embeds_on_completions(flag_server, offline_llm, smollm2_hf_dir) 
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
 
 
+
+def test_prompt_embeds_refusals_name_the_field(flag_server) -> None:
+    """A prompt_embeds tensor of the wrong width or with NaN / inf is a 400 whose param is 'prompt_embeds', as every
+    other prompt_embeds refusal's (the engine's check answered with param null)."""
+    import torch
+
+    http, _ = flag_server
+    for tensor, fragment in [(torch.zeros(3, 7), "hidden size"), (torch.full((2, 576), float("nan")), "finite"),
+                             (torch.full((1, 2, 576), float("inf")), "finite")]:
+        r = http.post("/v1/completions", json={"prompt_embeds": _b64_tensor(tensor), "max_tokens": 2})
+        error = r.json()["error"]
+        assert r.status_code == 400 and fragment in error["message"] and error["param"] == "prompt_embeds", r.text
+
 def test_completion_suffix_refused(flag_server) -> None:
     """vLLM refuses any non-null `suffix`, the empty one included (it was accepted silently); null is no suffix."""
     http, _ = flag_server

@@ -69,7 +69,7 @@ def _prompt_embeds(req: CompletionRequest, state: ServerState) -> list:
     was started without --enable-prompt-embeds, or for what needs the prompt's tokens."""
     if req.prompt_embeds is None:
         return []
-    from pagedllm.prompt_embeds import PROMPT_EMBEDS_OFF
+    from pagedllm.prompt_embeds import PROMPT_EMBEDS_OFF, check_prompt_embeds
     from pagedllm.entrypoints.prompt_embeds import decode_prompt_embeds
 
     if not getattr(state.engine.engine_args, "enable_prompt_embeds", False):
@@ -81,7 +81,9 @@ def _prompt_embeds(req: CompletionRequest, state: ServerState) -> list:
                            param=name)
     items = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else list(req.prompt_embeds)
     try:
-        return [decode_prompt_embeds(item) for item in items]
+        # the model's hidden size and finite values checked here too, so the 400 names the field (the engine's
+        # own check came back without it)
+        return [check_prompt_embeds(decode_prompt_embeds(item), state.engine.ready.hidden_size) for item in items]
     except ValueError as e:
         raise APIError(str(e), param="prompt_embeds") from None
 
