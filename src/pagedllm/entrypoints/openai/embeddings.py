@@ -67,6 +67,11 @@ async def request_inputs(request: Request, req: PoolingRequest, state: ServerSta
                               bool(req.add_special_tokens), content_format=state.chat_template_content_format)]
 
 
+def input_field(req: Any) -> str:
+    """The request field a pooling request's inputs came from, for its errors: 'messages' or 'input'."""
+    return "input" if getattr(req, "messages", None) is None else "messages"
+
+
 def parse_inputs(inputs: Any, tokenizer: Any, vocab_size: int, add_special_tokens: bool
                  ) -> list[tuple[Optional[str], list[int]]]:
     """-> [(text or None, token ids)] for str | [str] | [int] | [[int]] (completions' prompt shapes)."""
@@ -174,7 +179,7 @@ async def embedded(request: Request, state: ServerState, req: EmbeddingRequest, 
                        param="model")
     kind, normalize, dimensions = embedding_options(req, state)
     inputs = truncated(await request_inputs(request, req, state), req.truncate_prompt_tokens, state)
-    vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id)
+    vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id, field=input_field(req))
     return inputs, [finish(pooled, normalize, dimensions) for pooled in vectors]
 
 
