@@ -171,7 +171,9 @@ def check_context_length(num_prompt_tokens: int, max_tokens: Optional[int], max_
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested {total} "
             f"tokens ({num_prompt_tokens} in the {prompt_field}, {max_tokens} in the completion). Please reduce the "
-            f"length of the {prompt_field} or completion.", param=max_field)
+            f"length of the {prompt_field} or completion.",
+            # a prompt that fills the context alone is the prompt's fault, whatever max_tokens says
+            param=prompt_field if num_prompt_tokens >= max_model_len else max_field)
 
 
 def check_token_ids(ids: list[int], vocab_size: int, field: str = "prompt") -> None:
