@@ -199,6 +199,32 @@ def test_score_and_rerank_are_cosines_of_the_embeddings(http: httpx.Client) -> N
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
+
+def test_score_and_rerank_too_long_text_is_named_by_its_field_and_index(http: httpx.Client) -> None:
+    """A text past the context is named by its own field and its index there: the check ran on the distinct texts
+    of both fields together, so a long text_1 was 'text_2 0' and a query's second document 'documents 2'."""
+    long = "word " * (MAX_MODEL_LEN + 10)
+    for path, body, named in (("/v1/score", {"text_1": long, "text_2": ["a", "b"]}, "text_1 has"),
+                              ("/v1/score", {"text_1": "a", "text_2": ["b", long]}, "text_2 1 has"),
+                              ("/v1/score", {"text_1": ["a", long], "text_2": ["b", "c"]}, "text_1 1 has"),
+                              ("/v1/rerank", {"query": "q", "documents": ["x", long]}, "documents 1 has"),
+                              ("/v1/rerank", {"query": "q", "documents": [long]}, "documents has"),
+                              ("/v1/rerank", {"query": long, "documents": ["x", "y"]}, "query has")):
+        r = http.post(path, json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and f"However, {named} " in error["message"], (body, r.text)
+        assert error["param"] == named.split()[0], (body, r.text)
+
+
+def test_a_too_long_conversation_is_named_messages(http: httpx.Client) -> None:
+    """A conversation past the context is a 400 naming 'messages', the field it came in (it named 'input')."""
+    messages = [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 10)}]
+    for path in ("/v1/embeddings", "/pooling"):
+        r = http.post(path, json={"messages": messages})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "messages", (path, r.text)
+        assert "However, messages has " in error["message"], (path, r.text)
+
 def test_scoring_routes_outside_v1_need_the_key(server) -> None:
     for path in ("/score", "/rerank", "/v2/rerank", "/classify"):
         r = httpx.post(server.url + path, json={"text_1": "a", "text_2": "b", "query": "q", "documents": ["d"],

@@ -152,6 +152,21 @@ def test_bad_inputs(http: httpx.Client, path: str, body, status: int, fragment: 
     assert set(err) == {"message", "type", "param", "code"}
 
 
+
+@pytest.mark.parametrize("path,body,param", [
+    (CMPL, {"prompt": LONG, "max_tokens": 10}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": LONG}], "max_tokens": 10}, "messages"),
+    ("/v1/responses", {"input": LONG, "max_output_tokens": 10}, "input"),
+    (CMPL, {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens")])
+def test_context_length_error_names_the_field_to_shorten(http: httpx.Client, path: str, body: dict,
+                                                         param: str) -> None:
+    """A prompt that fills the context alone is a 400 naming the prompt's field, not max_tokens (which it named
+    whatever max_tokens was); a prompt that fits but leaves too little room names max_tokens."""
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
 def test_pooling_ids_are_vllms_and_may_repeat(server: Server) -> None:
     """/v1/embeddings and /v1/score name their answers as vLLM: "embd-<id>" / "score-<id>", <id> the X-Request-Id
     header, else request_id; requests of one id at once all run (the engine's ids add random characters)."""

@@ -99,6 +99,51 @@ def test_generation_config_dir_defaults(flag_server, offline_llm) -> None:
     assert len(sampled) > 1  # the request's own temperature wins over the file's 0
 
 
+
+def test_generation_config_max_tokens_is_clamped_to_the_context(flag_server) -> None:
+    """The file's max_new_tokens (3) is the server's default, not the request's ask: a prompt that leaves less room
+    runs to the context's end (vLLM's get_max_tokens clamps it), where it was a 400 blaming max_tokens. A request's
+    own max_tokens past the context is still the 400 naming the lengths."""
+    http, _ = flag_server
+    prompt = [1000 + i for i in range(511)]
+    r = http.post("/v1/completions", json={"prompt": prompt, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+    assert r.status_code == 400 and "(511 in the prompt, 3 in the completion)" in r.json()["error"]["message"]
+    words = 500
+    while True:  # a conversation whose rendered prompt leaves 1 or 2 tokens of room
+        messages = [{"role": "user", "content": "a " * words}]
+        count = http.post("/tokenize", json={"messages": messages}).json()["count"]
+        if count >= 510:
+            break
+        words += 510 - count
+    assert count < 512
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        body = {"messages": messages} if path == "/v1/chat/completions" else {"input": messages}
+        r = http.post(path, json={**body, "ignore_eos": True})
+        assert r.status_code == 200, (path, r.text)
+        usage = r.json()["usage"]
+        assert usage.get("completion_tokens", usage.get("output_tokens")) == 512 - count
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
+    assert r.status_code == 400 and f"({count} in the messages, 3 in the completion)" in r.json()["error"]["message"]
+
+
+def test_generation_config_max_tokens_bounds_beam_search(flag_server) -> None:
+    """Beam search takes the file's max_new_tokens (3) where a request is silent, as sampling does: chat's ran to the
+    context's end and completions' took the endpoint's 16. Near the context's end the search stops there."""
+    http, _ = flag_server
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Count to twenty"}],
+                                                   "use_beam_search": True, "n": 1, "ignore_eos": True})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] == 3
+    prompts = [[1000 + i for i in range(10)], [1000 + i for i in range(511)]]
+    r = http.post("/v1/completions", json={"prompt": prompts, "use_beam_search": True, "n": 1, "ignore_eos": True,
+                                           "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert [len(c["token_ids"]) for c in r.json()["choices"]] == [3, 1]
+    assert r.json()["usage"]["completion_tokens"] == 4
+
 def test_max_logprobs_flag(flag_server) -> None:
     http, _ = flag_server
     ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
@@ -289,6 +334,19 @@ def test_prompt_embeds_on_completions(flag_server, offline_llm, smollm2_hf_dir) 
         r = http.post("/v1/completions", json={"max_tokens": 2, **bad})
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
 
+
+
+def test_prompt_embeds_refusals_name_the_field(flag_server) -> None:
+    """A prompt_embeds tensor of the wrong width or with NaN / inf is a 400 whose param is 'prompt_embeds', as every
+    other prompt_embeds refusal's (the engine's check answered with param null)."""
+    import torch
+
+    http, _ = flag_server
+    for tensor, fragment in [(torch.zeros(3, 7), "hidden size"), (torch.full((2, 576), float("nan")), "finite"),
+                             (torch.full((1, 2, 576), float("inf")), "finite")]:
+        r = http.post("/v1/completions", json={"prompt_embeds": _b64_tensor(tensor), "max_tokens": 2})
+        error = r.json()["error"]
+        assert r.status_code == 400 and fragment in error["message"] and error["param"] == "prompt_embeds", r.text
 
 def test_completion_suffix_refused(flag_server) -> None:
     """vLLM refuses any non-null `suffix`, the empty one included (it was accepted silently); null is no suffix."""

@@ -7,6 +7,7 @@ beam search cannot honour (temperature, top_p, penalties, stop strings, logprobs
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import APIError
@@ -60,6 +61,9 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
     from pagedllm.beam_search.driver import run_async
 
     engine = state.engine
+    # a default max_tokens (the generation config's) may pass the prompt's room: the search stops at the context's end
+    room = max(1, state.max_model_len - len(prompt_ids))
+    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
 
     async def one(seq: list[int], sp) -> Any:
         final = None

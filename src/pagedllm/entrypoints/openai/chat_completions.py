@@ -17,8 +17,8 @@ from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, request_reasoning
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, request_cache_salt, request_ids,
-                                                        request_priority, truncate_prompt)
+                                                        check_logprob_fields, context_max_tokens, request_cache_salt,
+                                                        request_ids, request_priority, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, first_output,
                                                    last_output, usage_dict)
@@ -54,7 +54,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         from pagedllm.beam_search.driver import ClientDisconnected
         from pagedllm.entrypoints.openai import beam_search
 
-        beam_max = max_tokens if max_tokens is not None else max(1, state.max_model_len - len(prompt_ids))
+        room = max(1, state.max_model_len - len(prompt_ids))
+        # a silent request: the generation config's max_new_tokens (as the sampling path's), clamped to the room
+        beam_max = max_tokens if max_tokens is not None else min(room, (state.sampling_defaults or {}).get(
+            "max_tokens", room))
         check_context_length(len(prompt_ids), beam_max, state.max_model_len)
         try:
             body = await beam_search.chat_response(req, state, model, request_id,
@@ -66,7 +69,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, state.sampling_defaults)
     apply_tool_grammar(params, tool_plan)
-    check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len)
+    check_context_length(len(prompt_ids), context_max_tokens(max_tokens, params, state.sampling_defaults),
+                         state.max_model_len)
     reasoning = request_reasoning(state, params, prompt_text, prompt_ids, bool(req.include_reasoning))
     stream = bool(req.stream)
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).

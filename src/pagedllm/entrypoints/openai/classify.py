@@ -11,8 +11,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
-from pagedllm.entrypoints.openai.embeddings import (PoolingRequest, list_response, pooled_vectors, request_inputs,
-                                                    truncated)
+from pagedllm.entrypoints.openai.embeddings import (PoolingRequest, input_field, list_response, pooled_vectors,
+                                                    request_inputs, truncated)
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.request_params import request_ids, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
@@ -55,7 +55,7 @@ async def classified(request: Request, state: ServerState, req: PoolingRequest, 
     from pagedllm.pooling import class_probs
 
     inputs = classifier_inputs(state, await request_inputs(request, req, state), req.truncate_prompt_tokens)
-    logits = await class_logits(request, state, model, inputs, req, request_id, "input")
+    logits = await class_logits(request, state, model, inputs, req, request_id, input_field(req))
     return inputs, logits if activation is False else [class_probs(row) for row in logits]
 
 

@@ -14,8 +14,9 @@ from pagedllm.entrypoints.openai.logprobs import (iter_logprobs, prompt_logprobs
                                                   token_label, token_str)
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, check_token_ids, request_cache_salt,
-                                                        request_ids, request_priority, truncate_prompt)
+                                                        check_logprob_fields, check_token_ids, context_max_tokens,
+                                                        request_cache_salt, request_ids, request_priority,
+                                                        truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, merge_streams,
                                                    start_disconnect_watch, usage_dict)
@@ -68,7 +69,7 @@ def _prompt_embeds(req: CompletionRequest, state: ServerState) -> list:
     was started without --enable-prompt-embeds, or for what needs the prompt's tokens."""
     if req.prompt_embeds is None:
         return []
-    from pagedllm.prompt_embeds import PROMPT_EMBEDS_OFF
+    from pagedllm.prompt_embeds import PROMPT_EMBEDS_OFF, check_prompt_embeds
     from pagedllm.entrypoints.prompt_embeds import decode_prompt_embeds
 
     if not getattr(state.engine.engine_args, "enable_prompt_embeds", False):
@@ -80,7 +81,9 @@ def _prompt_embeds(req: CompletionRequest, state: ServerState) -> list:
                            param=name)
     items = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else list(req.prompt_embeds)
     try:
-        return [decode_prompt_embeds(item) for item in items]
+        # the model's hidden size and finite values checked here too, so the 400 names the field (the engine's
+        # own check came back without it)
+        return [check_prompt_embeds(decode_prompt_embeds(item), state.engine.ready.hidden_size) for item in items]
     except ValueError as e:
         raise APIError(str(e), param="prompt_embeds") from None
 
@@ -121,11 +124,15 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         from pagedllm.beam_search.driver import ClientDisconnected
         from pagedllm.entrypoints.openai import beam_search
 
+        # a silent request: the generation config's max_new_tokens as the sampling path's (each search clamps it to
+        # its prompt's room), else the endpoint's 16
+        from_config = req.max_tokens is None and "max_tokens" in (state.sampling_defaults or {})
+        beam_max = state.sampling_defaults["max_tokens"] if from_config else max_tokens
         for _, ids in prompts:
-            check_context_length(len(ids), max_tokens, state.max_model_len, "prompt")
+            check_context_length(len(ids), None if from_config else beam_max, state.max_model_len, "prompt")
         try:
             body = await beam_search.completion_response(req, state, model, request_id,
-                                                         int(time.time()), prompts, max_tokens, request.is_disconnected,
+                                                         int(time.time()), prompts, beam_max, request.is_disconnected,
                                                          salt, priority)
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
@@ -135,8 +142,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     prompt_k = max((k for k in (echo_k, req.prompt_logprobs) if k is not None), default=None)
     params = build_sampling_params(req, 1 if echo_only(req) else req.max_tokens, req.logprobs, prompt_k,
                                    state.sampling_defaults, default_max_tokens=DEFAULT_MAX_TOKENS)
+    limit = context_max_tokens(req.max_tokens, params, state.sampling_defaults)
     for _, ids in prompts:
-        check_context_length(len(ids), params.max_tokens, state.max_model_len, "prompt")
+        check_context_length(len(ids), limit, state.max_model_len, "prompt")
     sub_ids = [f"{engine_id}-{i}" for i in range(len(prompts))] if len(prompts) > 1 else [engine_id]
     stream = bool(req.stream)
     kind = "delta" if stream else "final_only"

@@ -67,6 +67,11 @@ async def request_inputs(request: Request, req: PoolingRequest, state: ServerSta
                               bool(req.add_special_tokens), content_format=state.chat_template_content_format)]
 
 
+def input_field(req: Any) -> str:
+    """The request field a pooling request's inputs came from, for its errors: 'messages' or 'input'."""
+    return "input" if getattr(req, "messages", None) is None else "messages"
+
+
 def parse_inputs(inputs: Any, tokenizer: Any, vocab_size: int, add_special_tokens: bool
                  ) -> list[tuple[Optional[str], list[int]]]:
     """-> [(text or None, token ids)] for str | [str] | [int] | [[int]] (completions' prompt shapes)."""
@@ -110,13 +115,9 @@ def truncated(inputs: list, k: Optional[int], state: ServerState) -> list:
     return [(None, truncate_prompt(ids, k, state.max_model_len)) for _, ids in inputs]
 
 
-async def pooled_vectors(request: Request, state: ServerState, model: str, inputs: list, kind: str, priority: int,
-                         request_id: str, field: str = "input", what: str = "embedding") -> list[list[float]]:
-    """The engine's pooled hidden states of `inputs` ([(text or None, token ids)]), in order (a classifier's: its
-    label logits); each input fits the context (a 400 naming `field` otherwise); a client that leaves aborts them
-    all. `what`: the request's kind, for its messages."""
-    from pagedllm.pooling import sampling_params_for
-
+def check_fits(state: ServerState, inputs: list, field: str, what: str = "embedding") -> None:
+    """Each of `inputs` ([(text or None, token ids)]) fits the context, else a 400 naming `field` (and, of several,
+    the input's index in it)."""
     limit = state.max_model_len - 1  # (the engine runs one step past the input, whose token it drops)
     for i, (_, ids) in enumerate(inputs):
         if len(ids) > limit:
@@ -125,6 +126,16 @@ async def pooled_vectors(request: Request, state: ServerState, model: str, input
             raise APIError(f"This model's maximum context length is {state.max_model_len} tokens. However, {field}"
                            f"{which} has {len(ids)} tokens; {article} {what} input may have at most {limit}. Shorten "
                            "it or set truncate_prompt_tokens.", param=field)
+
+
+async def pooled_vectors(request: Request, state: ServerState, model: str, inputs: list, kind: str, priority: int,
+                         request_id: str, field: str = "input", what: str = "embedding") -> list[list[float]]:
+    """The engine's pooled hidden states of `inputs` ([(text or None, token ids)]), in order (a classifier's: its
+    label logits); each input fits the context (a 400 naming `field` otherwise); a client that leaves aborts them
+    all. `what`: the request's kind, for its messages."""
+    from pagedllm.pooling import sampling_params_for
+
+    check_fits(state, inputs, field, what)
     engine = state.engine
     params = sampling_params_for(kind)
     sub_ids = [f"{request_id}-{i}" for i in range(len(inputs))] if len(inputs) > 1 else [request_id]
@@ -168,7 +179,7 @@ async def embedded(request: Request, state: ServerState, req: EmbeddingRequest, 
                        param="model")
     kind, normalize, dimensions = embedding_options(req, state)
     inputs = truncated(await request_inputs(request, req, state), req.truncate_prompt_tokens, state)
-    vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id)
+    vectors = await pooled_vectors(request, state, model, inputs, kind, priority, request_id, field=input_field(req))
     return inputs, [finish(pooled, normalize, dimensions) for pooled in vectors]
 
 

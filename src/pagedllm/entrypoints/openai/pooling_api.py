@@ -14,7 +14,8 @@ from fastapi.responses import Response
 from pagedllm.entrypoints.openai.body import parse_body
 from pagedllm.entrypoints.openai.classify import classified, classifier_labels
 from pagedllm.entrypoints.openai.embeddings import (EmbeddingRequest, embedded, embedding_options, encoded,
-                                                    list_response, pooled_vectors, request_inputs, truncated)
+                                                    input_field, list_response, pooled_vectors, request_inputs,
+                                                    truncated)
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.request_params import request_ids, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
@@ -80,7 +81,7 @@ async def per_token(request: Request, state: ServerState, req: PoolingAPIRequest
         _, normalize, dimensions = embedding_options(req, state)
     inputs = truncated(await request_inputs(request, req, state), req.truncate_prompt_tokens, state)
     flats = await pooled_vectors(request, state, model, inputs, "all", request_priority(req, state.scheduling_policy),
-                                 request_id, what="per-token pooling")
+                                 request_id, field=input_field(req), what="per-token pooling")
     # STEP pooling (the engine's pooler_config, or a process reward model's default): the rows of step-tag tokens
     step = ready.step_pooling if task == "token_classify" else None
     return inputs, [token_outputs(flat, len(ids), task, has_head, activation, normalize, dimensions, step, ids)

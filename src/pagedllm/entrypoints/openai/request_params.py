@@ -147,6 +147,15 @@ def truncate_prompt(ids: list[int], k: Optional[int], max_model_len: int) -> lis
     return keep_last_tokens(ids, k, max_model_len)
 
 
+def context_max_tokens(asked: Optional[int], params: SamplingParams, defaults: Optional[dict]) -> Optional[int]:
+    """The max_tokens a request is held to against the context (for check_context_length): its own, or the
+    endpoint's fixed default; None where the model's generation-config default filled it in, which, as in vLLM's
+    get_max_tokens, is clamped to the room the prompt leaves (the engine clamps it) instead of failing the request."""
+    if asked is None and "max_tokens" in (defaults or {}):
+        return None
+    return params.max_tokens
+
+
 def check_context_length(num_prompt_tokens: int, max_tokens: Optional[int], max_model_len: int,
                          prompt_field: str = "messages", max_field: str = "max_tokens") -> None:
     """The fields named are the endpoint's (the Responses API's: 'input', 'max_output_tokens')."""
@@ -162,7 +171,9 @@ def check_context_length(num_prompt_tokens: int, max_tokens: Optional[int], max_
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested {total} "
             f"tokens ({num_prompt_tokens} in the {prompt_field}, {max_tokens} in the completion). Please reduce the "
-            f"length of the {prompt_field} or completion.", param=max_field)
+            f"length of the {prompt_field} or completion.",
+            # a prompt that fills the context alone is the prompt's fault, whatever max_tokens says
+            param=prompt_field if num_prompt_tokens >= max_model_len else max_field)
 
 
 def check_token_ids(ids: list[int], vocab_size: int, field: str = "prompt") -> None:

@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.chat_tools import ChoiceStreams, apply_tool_gra
     plan_request_tools
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.request_params import build_sampling_params, check_context_length, \
-    request_cache_salt, request_priority
+    context_max_tokens, request_cache_salt, request_priority
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, check_refused, text_format_spec, \
     to_chat_request
 from pagedllm.entrypoints.openai.server_state import ServerState
@@ -62,7 +62,8 @@ async def _create_response(request: Request, state: ServerState) -> Response:
     params = build_sampling_params(chat, chat.max_tokens, None, None, state.sampling_defaults)
     params.structured_outputs = spec
     apply_tool_grammar(params, tool_plan)
-    check_context_length(len(prompt_ids), params.max_tokens, state.max_model_len, "input", "max_output_tokens")
+    check_context_length(len(prompt_ids), context_max_tokens(chat.max_tokens, params, state.sampling_defaults),
+                         state.max_model_len, "input", "max_output_tokens")
     reasoning = request_reasoning(state, params, prompt_text, prompt_ids)
     request_id = req.request_id or _id("resp")
     # A client's id may be another running request's: the engine's adds random characters, as vLLM's does.

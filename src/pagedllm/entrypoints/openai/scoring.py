@@ -13,7 +13,8 @@ from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body, tokenize_work
 from pagedllm.entrypoints.openai.completions import parse_prompts
-from pagedllm.entrypoints.openai.embeddings import MAX_INPUTS, pooled_vectors, pooling_defaults, truncated
+from pagedllm.entrypoints.openai.embeddings import MAX_INPUTS, check_fits, pooled_vectors, pooling_defaults, \
+    truncated
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.protocol import Int, _Req
 from pagedllm.entrypoints.openai.request_params import request_ids, request_priority
@@ -58,6 +59,12 @@ async def _texts_scored(request: Request, state: ServerState, req: Any, model: s
     inputs = await tokenize_work(request, parse_prompts, texts, state.tokenizer, state.engine.ready.vocab_size, True,
                                  field=names[1])
     inputs = truncated(inputs, req.truncate_prompt_tokens, state)
+    ids_of = {text: ids for text, (_, ids) in zip(texts, inputs)}
+    for name, group in zip(names, (firsts, seconds)):
+        # each field's own texts by their index in it (one text repeated: no index), so a 400 names the right one:
+        # the distinct texts' list mixes both fields
+        own = group[:1] if len(set(group)) == 1 else group
+        check_fits(state, [(None, ids_of[t]) for t in own], name)
     request_id, engine_id = request_ids(request, prefix, req.request_id)
     kind = pooling_defaults(state).pooling_type
     vectors = await pooled_vectors(request, state, model, inputs, kind, request_priority(req, state.scheduling_policy),
