@@ -219,3 +219,16 @@ def test_causal_lm_served_as_classifier_from_token_rows(tiny_model_dir, tmp_path
                                ({**arch, "classifier_from_token": "yes"}, "non-empty list")]:
         with pytest.raises(ValueError, match=message):
             LLM(model=model_dir, hf_overrides=overrides, **small)
+
+
+def test_truncate_prompt_tokens_argument_of_classify(tiny_classifier_dir):
+    """vLLM's truncate_prompt_tokens keyword of LLM.classify (it was a TypeError): the last k tokens are classified,
+    as with PoolingParams(truncate_prompt_tokens=k)."""
+    llm = LLM(model=tiny_classifier_dir("llama"), dtype="float32", num_gpu_blocks_override=32, max_model_len=64)
+    (cut,) = llm.classify([list(range(5, 25))], truncate_prompt_tokens=4, use_tqdm=False)
+    (want,) = llm.classify([list(range(21, 25))], use_tqdm=False)
+    assert cut.prompt_token_ids == list(range(21, 25))
+    assert cut.outputs.probs == pytest.approx(want.outputs.probs, abs=1e-6)
+    (same,) = llm.classify([list(range(5, 25))], pooling_params=PoolingParams(truncate_prompt_tokens=4),
+                           use_tqdm=False)
+    assert same.outputs.probs == pytest.approx(cut.outputs.probs, abs=1e-6)

@@ -306,3 +306,19 @@ def test_offline_score_is_the_cosine_of_the_embeddings(tiny_llama_dir):
     for first, second in [([1, 2], [3, 4]), ("a", [{"prompt": "b"}]), (5, "a")]:
         with pytest.raises(ValueError, match="must be a string or a list of strings"):
             llm.score(first, second, use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_argument_of_embed_and_encode(tiny_llama_dir):
+    """vLLM's LLM.embed / LLM.encode take truncate_prompt_tokens as a keyword (it was a TypeError): the last k
+    tokens are embedded, as with PoolingParams(truncate_prompt_tokens=k); giving both ways is refused."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, max_model_len=64)
+    (cut,) = llm.embed([list(range(5, 25))], truncate_prompt_tokens=6, use_tqdm=False)
+    assert cut.prompt_token_ids == list(range(19, 25))
+    check_pooled(tiny_llama_dir, list(range(19, 25)), "last", cut.outputs.embedding, normalized=True)
+    (whole,) = llm.embed([list(range(5, 105))], truncate_prompt_tokens=-1, use_tqdm=False)
+    assert whole.prompt_token_ids == list(range(42, 105))
+    (enc,) = llm.encode([list(range(5, 25))], truncate_prompt_tokens=6, pooling_task="embed", use_tqdm=False)
+    assert enc.prompt_token_ids == list(range(19, 25))
+    torch.testing.assert_close(enc.outputs.data, torch.tensor(cut.outputs.embedding, dtype=torch.float32))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens in pooling_params or as the argument, not both"):
+        llm.embed([[5, 6]], PoolingParams(normalize=True), truncate_prompt_tokens=2, use_tqdm=False)

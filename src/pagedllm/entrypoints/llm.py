@@ -174,14 +174,20 @@ class LLM:
         "reward", every token's final hidden state as it is. With STEP pooling (a process reward model's default, or
         pooler_config pooling_type STEP) only the rows of tokens equal to step_tag_id, and of those only the
         returned_token_ids columns (the activation over those), each given by pooler_config or pooling_params."""
-        if truncate_prompt_tokens is not None:
-            from pagedllm.pooling import PoolingParams
-
-            if pooling_params is not None:
-                raise ValueError("Give truncate_prompt_tokens in pooling_params or as the argument, not both.")
-            pooling_params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        pooling_params = self._truncation_in(pooling_params, truncate_prompt_tokens)
         return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                            pooling_task="token_classify")
+
+    @staticmethod
+    def _truncation_in(pooling_params: Any, truncate_prompt_tokens: Optional[int]) -> Any:
+        """pooling_params with vLLM's truncate_prompt_tokens argument (of embed / classify / encode / reward) in it."""
+        if truncate_prompt_tokens is None:
+            return pooling_params
+        from pagedllm.pooling import PoolingParams
+
+        if pooling_params is not None:
+            raise ValueError("Give truncate_prompt_tokens in pooling_params or as the argument, not both.")
+        return PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name). False, and nothing forgotten, while requests run."""
@@ -350,7 +356,8 @@ class LLM:
         return outputs
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
-              use_tqdm: UseTqdm = True, lora_request: Any = None) -> list:
+              use_tqdm: UseTqdm = True, lora_request: Any = None, *,
+              truncate_prompt_tokens: Optional[int] = None) -> list:
         """vLLM's LLM.embed: one pooling.EmbeddingRequestOutput per prompt (.outputs.embedding, a list of floats):
         the prompt's final hidden states pooled as the model's sentence-transformers files say (else the last
         token's), L2-normalized unless they or pooling_params say otherwise. pooling_params: a PoolingParams, or one
@@ -366,6 +373,7 @@ class LLM:
             raise ValueError(token_only_refusal(self.engine.architecture, self.engine.token_labels is not None,
                                                 "embeddings"))
         prompts = self._prompt_list(prompts, "embed")
+        pooling_params = self._truncation_in(pooling_params, truncate_prompt_tokens)
         pooling_list = self._pooling_list(pooling_params, len(prompts), "embed")
         resolved = [resolve(p, self.engine.pooling_defaults, self.engine.hidden_size) for p in pooling_list]
         from pagedllm.pooling import input_truncation, sampling_params_for
@@ -414,7 +422,8 @@ class LLM:
         return list(prompts)
 
     def classify(self, prompts: Union[PromptType, Sequence[PromptType]], *, pooling_params: Any = None,
-                 use_tqdm: UseTqdm = True, lora_request: Any = None) -> list:
+                 use_tqdm: UseTqdm = True, lora_request: Any = None,
+                 truncate_prompt_tokens: Optional[int] = None) -> list:
         """vLLM's LLM.classify on a sequence classifier (*ForSequenceClassification): one
         pooling.ClassificationRequestOutput per prompt, .outputs.probs the softmax of the label logits (a one-label
         model's sigmoid) of the prompt's last token (the last that is not the pad token, as transformers scores).
@@ -423,6 +432,7 @@ class LLM:
         from pagedllm.pooling import ClassificationOutput, ClassificationRequestOutput, PoolingParams, class_probs
 
         prompts = self._prompt_list(prompts, "classify")
+        pooling_params = self._truncation_in(pooling_params, truncate_prompt_tokens)
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}.")
         self._pooling_list(pooling_params, 1, "classify")
@@ -435,7 +445,8 @@ class LLM:
                                             out.prompt_token_ids, True, out.prompt) for out in outs]
 
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None, *,
-               use_tqdm: UseTqdm = True, lora_request: Any = None, pooling_task: Optional[str] = None) -> list:
+               use_tqdm: UseTqdm = True, lora_request: Any = None, pooling_task: Optional[str] = None,
+               truncate_prompt_tokens: Optional[int] = None) -> list:
         """vLLM's generic pooling call: one pooling.PoolingRequestOutput per prompt, .outputs.data a float32 torch
         tensor: the embedding (pooling_task "embed", an embedding model's default) or the class probabilities
         ("classify", a sequence classifier's default), as LLM.embed / LLM.classify make them; per token, a
@@ -447,6 +458,7 @@ class LLM:
         from pagedllm.pooling import POOLING_TASKS, PoolingOutput, PoolingRequestOutput
 
         engine = self.engine
+        pooling_params = self._truncation_in(pooling_params, truncate_prompt_tokens)
         task = pooling_task or engine.pooling_tasks[0]
         if task not in POOLING_TASKS:
             raise ValueError(f"pooling_task must be one of {', '.join(POOLING_TASKS)} (other tasks are not built), "
