@@ -342,3 +342,17 @@ def test_a_bad_prompt_id_in_a_batch_fails_the_call_and_leaves_nothing_running(ll
     assert [o.prompt_token_ids for o in outs] == [[5, 6], [7, 8]] and type(outs[1].prompt_token_ids[0]) is int
     # one prompt of numpy integers, as a plain list of ids is (it was read as a list of prompts, each refused)
     assert llm.generate(list(np.array([7, 8])), _greedy(max_tokens=2), use_tqdm=False)[0].prompt_token_ids == [7, 8]
+
+
+@pytest.mark.parametrize("bad", [5, b"hi", 2.5])
+def test_a_prompt_of_the_wrong_type_is_a_type_error_naming_prompts(llm, bad):
+    """generate(5) was "'int' object is not iterable" and generate(b"hi") read each byte as a prompt ("Unsupported
+    prompt type int"); both calls, and beam_search's, name the argument. The engine serves the next call."""
+    from pagedllm import BeamSearchParams
+
+    with pytest.raises(TypeError, match=r"generate\(\) takes prompts: a string, a token-id list, a prompt dict"):
+        llm.generate(bad, _greedy(max_tokens=2), use_tqdm=False)
+    with pytest.raises(TypeError, match=r"beam_search\(\) takes prompts: a string"):
+        llm.beam_search(bad, BeamSearchParams(beam_width=2, max_tokens=2))
+    (out,) = llm.generate((p for p in [{"prompt_token_ids": [5, 6]}]), _greedy(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2

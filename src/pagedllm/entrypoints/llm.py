@@ -62,6 +62,17 @@ def _one_prompt(prompts: Any) -> bool:
                                                 and isinstance(prompts[0], numbers.Integral))
 
 
+def _prompt_sequence(prompts: Any, what: str) -> list:
+    """The prompts of generate() / beam_search() as a list; an int or bytes was a bare "'int' object is not
+    iterable", or each byte read as a prompt."""
+    if _one_prompt(prompts):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"{what}() takes prompts: a string, a token-id list, a prompt dict or a list of them, got "
+                        f"{type(prompts).__name__}.")
+    return list(prompts)
+
+
 def _integer_scalar(t: Any) -> bool:
     """A one-element integer tensor / array (a torch tensor's items: tokenizer(..., return_tensors="pt")[0]); they
     were refused as 'must be integers ... got tensor(1)'. Booleans and floats stay refused."""
@@ -309,9 +320,7 @@ class LLM:
             prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
         if prompts is None:
             raise ValueError("generate() needs prompts.")
-        if _one_prompt(prompts):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_sequence(prompts, "generate")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -678,9 +687,7 @@ class LLM:
         if concurrency_limit is not None and (not isinstance(concurrency_limit, numbers.Integral)
                                               or isinstance(concurrency_limit, bool) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}.")
-        if _one_prompt(prompts):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_sequence(prompts, "beam_search")
         size = int(concurrency_limit or max(1, len(prompts)))
         with self._lock:  # (its steps are _run calls: another thread's call waits for the whole search)
             return [out for start in range(0, len(prompts), size)
