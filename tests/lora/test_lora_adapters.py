@@ -205,3 +205,27 @@ def test_norms_point_at_the_layer_their_output_feeds(arch, tiny_model_dir):
         assert llm.engine.worker.model.model.norm.shrink_consumer is None
     finally:
         llm.shutdown()
+
+
+def test_beam_search_runs_each_prompts_adapter(llm, tiny_llama_dir, tmp_path):
+    """vLLM's LLM.beam_search takes lora_request (one, or one per prompt); it was refused as not supported. A
+    one-beam search is greedy decoding: with an adapter its tokens are generate()'s with that adapter, not the
+    base model's."""
+    from pagedllm import BeamSearchParams
+
+    strong = make_adapter(tiny_llama_dir, str(tmp_path / "strong"), r=8, alpha=64, targets=["q_proj", "down_proj"],
+                          seed=0)
+    lora = LoRARequest("strong", 31, strong)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10]}]
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+    with_lora = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, lora_request=lora, use_tqdm=False)]
+    base = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert with_lora != base  # (else the test could not tell the adapter was used)
+    beam = BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True)
+    outs = llm.beam_search(prompts, beam, lora_request=lora)
+    assert [o.sequences[0].tokens[len(p["prompt_token_ids"]):] for o, p in zip(outs, prompts)] == with_lora
+    mixed = llm.beam_search(prompts, beam, lora_request=[lora, None], concurrency_limit=1)
+    assert [o.sequences[0].tokens[len(p["prompt_token_ids"]):] for o, p in zip(mixed, prompts)] == [with_lora[0],
+                                                                                                     base[1]]
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.beam_search(prompts, beam, lora_request=[lora])

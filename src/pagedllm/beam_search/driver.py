@@ -26,8 +26,10 @@ def candidates(logprobs: Optional[dict[int, Logprob]], k: int) -> list[tuple[int
     return [(t, lp.logprob, lp) for t, lp in items[:k]]
 
 
-def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
-    """LLM.beam_search: every prompt's search advances one token per round of engine steps."""
+def run_offline(llm, prompts: list, params, use_tqdm: bool = False, lora_ids: Optional[list] = None) -> list:
+    """LLM.beam_search: every prompt's search advances one token per round of engine steps; lora_ids: each
+    prompt's registered adapter id (or None), which all its beams' steps run with."""
+    lora_ids = lora_ids or [None] * len(prompts)
     check_logprobs_mode(llm.engine_args.logprobs_mode)
     searches, salts = [], []
     max_model_len = llm.engine.max_model_len
@@ -48,15 +50,16 @@ def run_offline(llm, prompts: list, params, use_tqdm: bool = False) -> list:
 
         bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True)
     while True:
-        items, owners, item_salts = [], [], []
-        for s, salt in zip(searches, salts):
+        items, owners, item_salts, item_loras = [], [], [], []
+        for s, salt, lora_id in zip(searches, salts, lora_ids):
             for beam, seq in s.pending():
                 items.append(((None, seq), step_params(s.num_logprobs)))
                 owners.append((s, beam))
                 item_salts.append(salt)
+                item_loras.append(lora_id)
         if not items:
             break
-        outs = llm._run(items, use_tqdm=False, salts=item_salts)
+        outs = llm._run(items, use_tqdm=False, lora_ids=item_loras, salts=item_salts)
         if any(o.outputs[0].finish_reason == "error" for o in outs):  # a beam without its step cannot be ranked
             raise RuntimeError("Beam search: the engine failed a beam's step (the warning logged says why).")
         _advance_all(searches, owners, [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])

@@ -676,22 +676,23 @@ class LLM:
         """vLLM's LLM.beam_search: one BeamSearchOutput per prompt, whose .sequences are the beams, best first
         (tokens = prompt + generated, logprobs, cum_logprob, text). Scores follow transformers' generate(num_beams,
         length_penalty, early_stopping). Prompts: strings, token-id lists or {"prompt_token_ids": [...]}.
-        concurrency_limit (vLLM's): search at most this many prompts at a time (None: all at once)."""
+        concurrency_limit (vLLM's): search at most this many prompts at a time (None: all at once). lora_request: one
+        LoRARequest, or one per prompt (None: the base model), that every beam step of the prompt runs with."""
         from pagedllm.beam_search.driver import run_offline
         from pagedllm.sampling_params import BeamSearchParams
 
-        if lora_request is not None:
-            raise ValueError("beam_search() with a LoRA adapter is not supported yet.")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam_search() needs a BeamSearchParams, got {type(params).__name__}.")
         if concurrency_limit is not None and (not isinstance(concurrency_limit, numbers.Integral)
                                               or isinstance(concurrency_limit, bool) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}.")
         prompts = _prompt_sequence(prompts, "beam_search")
+        lora_ids = self._add_loras(lora_request, len(prompts))  # (vLLM's: one LoRARequest, or one per prompt)
         size = int(concurrency_limit or max(1, len(prompts)))
         with self._lock:  # (its steps are _run calls: another thread's call waits for the whole search)
             return [out for start in range(0, len(prompts), size)
-                    for out in run_offline(self, prompts[start:start + size], params, use_tqdm=use_tqdm)]
+                    for out in run_offline(self, prompts[start:start + size], params, use_tqdm=use_tqdm,
+                                           lora_ids=lora_ids[start:start + size])]
 
     # ------------------------------------------------------------------ the loop
     def _run(self, items, use_tqdm: UseTqdm, lora_ids: Optional[list[Optional[int]]] = None,
