@@ -356,3 +356,12 @@ def test_a_prompt_of_the_wrong_type_is_a_type_error_naming_prompts(llm, bad):
         llm.beam_search(bad, BeamSearchParams(beam_width=2, max_tokens=2))
     (out,) = llm.generate((p for p in [{"prompt_token_ids": [5, 6]}]), _greedy(max_tokens=2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_prompts_and_prompt_token_ids_together_are_refused(llm):
+    """generate("hi", prompt_token_ids=[[5]]) ran "hi" and dropped the ids without a word; the legacy keyword alone
+    still runs its prompts."""
+    with pytest.raises(ValueError, match="prompts or prompt_token_ids, not both"):
+        llm.generate("hi", _greedy(max_tokens=2), prompt_token_ids=[[5, 6]], use_tqdm=False)
+    (out,) = llm.generate(sampling_params=_greedy(max_tokens=2), prompt_token_ids=[[5, 6]], use_tqdm=False)
+    assert out.prompt_token_ids == [5, 6] and len(out.outputs[0].token_ids) == 2

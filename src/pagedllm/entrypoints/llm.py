@@ -316,6 +316,8 @@ class LLM:
                  use_tqdm: UseTqdm = True, lora_request: Any = None, *,
                  prompt_token_ids: Optional[list[list[int]]] = None, priority: Optional[list[int]] = None) -> list:
         """priority (vLLM's): one integer per prompt, lower first; not 0 only with scheduling_policy="priority"."""
+        if prompts is not None and prompt_token_ids is not None:  # (one of them was silently dropped)
+            raise ValueError("Give generate() prompts or prompt_token_ids, not both.")
         if prompts is None and prompt_token_ids is not None:
             prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
         if prompts is None:
