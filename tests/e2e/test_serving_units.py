@@ -61,6 +61,19 @@ def test_config_yaml_command_line_wins(tmp_path, capsys) -> None:
     assert "unknown key 'bogus-flag'" in capsys.readouterr().err
 
 
+def test_model_given_as_positional_and_flag(tmp_path, capsys) -> None:
+    """`serve /a --model /b` served /a and dropped --model without a word: two different models are refused; the
+    same one twice, or the positional over the YAML's model, still parse."""
+    with pytest.raises(SystemExit):
+        _parse(["/m/a", "--model", "/m/b"])
+    assert "the model is given twice: MODEL '/m/a' and --model '/m/b'" in capsys.readouterr().err
+    assert _parse(["/m/a", "--model", "/m/a"]).model == "/m/a"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: /m/from-yaml\n")
+    assert _parse(["/m/a", "--config", str(cfg)]).model == "/m/a"
+    assert _parse(["--model", "/m/b", "--config", str(cfg)]).model == "/m/b"
+
+
 @pytest.mark.parametrize("yaml_text, fragment", [
     ("log-level: shouting\n", "key 'log-level': invalid choice: 'shouting' (choose from 'critical'"),
     ("tool-call-parser: nonsense\n", "key 'tool-call-parser': invalid choice: 'nonsense'"),

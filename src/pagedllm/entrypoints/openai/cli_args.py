@@ -348,6 +348,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 def parse_serve_args(p: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:
     """Parse twice: once to find --config, then with the YAML values as defaults (so the command line wins)."""
     args = p.parse_args(argv)
+    tag, flag = getattr(args, "model_tag", None), args.model  # (before the YAML's model, which the command line beats)
+    if tag and flag and tag != flag:  # (the positional won and --model was dropped without a word)
+        p.error(f"the model is given twice: MODEL {tag!r} and --model {flag!r}; give one")
     if args.config:
         p.set_defaults(**load_config_file(args.config, p))
         args = p.parse_args(argv)
