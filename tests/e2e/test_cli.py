@@ -286,6 +286,20 @@ def test_bench_throughput_and_latency_offline(smollm2_hf_dir: str, e2e_env: dict
     assert r.returncode == 1 and "speculative_config needs 'method'" in r.stderr, r.stderr[-2000:]
 
 
+def test_bench_throughput_refuses_outputs_past_the_context(tiny_llama_dir: str, e2e_env: dict, tmp_path) -> None:
+    """--output-len past the context's room was cut at its end without a word (100 asked, 56 counted); it is
+    refused as bench latency refuses it, and a request that fits still runs."""
+    small = ["--model", tiny_llama_dir, "--dtype", "float32", "--max-model-len", "64", "--num-prompts", "2"]
+    r = run([cli("pagedllm"), "bench", "throughput", *small, "--input-len", "8", "--output-len", "100"], e2e_env)
+    assert r.returncode == 1 and "a request of 8 prompt + 100 output tokens" in r.stderr, r.stderr[-2000:]
+    assert "more than the model's context (64 tokens, --max-model-len)" in r.stderr and "Throughput" not in r.stdout
+    out = tmp_path / "tp.json"
+    r = run([cli("pagedllm"), "bench", "throughput", *small, "--input-len", "8", "--output-len", "56",
+             "--output-json", str(out)], e2e_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(out.read_text())["total_output_tokens"] == 112
+
+
 def test_bench_prompts_via_tokenize_when_tokenizer_is_not_local(server: Server) -> None:
     import argparse
 

@@ -59,6 +59,15 @@ def run_throughput(args: argparse.Namespace) -> int:
         return 1
     requests = sample_random_requests(vocab_token_pool(llm.get_tokenizer()), args.num_prompts, args.input_len,
                                       args.output_len, args.random_range_ratio, args.seed)
+    room = llm.engine.max_model_len
+    longest = max(requests, key=lambda r: len(r.prompt_token_ids) + r.output_len)
+    if len(longest.prompt_token_ids) < room < len(longest.prompt_token_ids) + longest.output_len:
+        # (as bench latency: the engine would cut the outputs at the context's end, short of --output-len, silently)
+        print(f"error: a request of {len(longest.prompt_token_ids)} prompt + {longest.output_len} output tokens "
+              f"(--input-len {args.input_len}, --output-len {args.output_len}, --random-range-ratio "
+              f"{args.random_range_ratio}) is more than the model's context ({room} tokens, --max-model-len)",
+              file=sys.stderr)
+        return 1
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len, seed=args.seed + i)
               for i, r in enumerate(requests)]
