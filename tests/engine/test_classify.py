@@ -232,3 +232,23 @@ def test_truncate_prompt_tokens_argument_of_classify(tiny_classifier_dir):
     (same,) = llm.classify([list(range(5, 25))], pooling_params=PoolingParams(truncate_prompt_tokens=4),
                            use_tqdm=False)
     assert same.outputs.probs == pytest.approx(cut.outputs.probs, abs=1e-6)
+
+
+def test_score_takes_pooling_params(tiny_classifier_dir):
+    """vLLM's LLM.score(..., pooling_params=...) was a TypeError: on a cross-encoder use_activation=False scores
+    with transformers' raw logit, and truncate_prompt_tokens in it cuts as the keyword does."""
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_classifier_dir("qwen3", num_labels=1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    llm = LLM(model=model_dir, dtype="float32", num_gpu_blocks_override=64, max_model_len=128)
+    query, doc = "Where is Paris?", "Paris is the capital of France."
+    logit = hf_logits(model_dir, tok(text=query, text_pair=doc)["input_ids"])[0].item()
+    (raw,) = llm.score(query, doc, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+    assert raw.outputs.score == pytest.approx(logit, abs=1e-4)
+    (sig,) = llm.score(query, doc, use_tqdm=False)
+    assert sig.outputs.score == pytest.approx(torch.sigmoid(torch.tensor(logit)).item(), abs=2e-5)
+    by_kw = llm.score(query, doc, truncate_prompt_tokens=12, use_tqdm=False)[0]
+    by_params = llm.score(query, doc, pooling_params=PoolingParams(truncate_prompt_tokens=12), use_tqdm=False)[0]
+    assert by_params.prompt_token_ids == by_kw.prompt_token_ids and len(by_kw.prompt_token_ids) == 12
+    assert by_params.outputs.score == pytest.approx(by_kw.outputs.score, abs=1e-6)

@@ -322,3 +322,18 @@ def test_truncate_prompt_tokens_argument_of_embed_and_encode(tiny_llama_dir):
     torch.testing.assert_close(enc.outputs.data, torch.tensor(cut.outputs.embedding, dtype=torch.float32))
     with pytest.raises(ValueError, match="truncate_prompt_tokens in pooling_params or as the argument, not both"):
         llm.embed([[5, 6]], PoolingParams(normalize=True), truncate_prompt_tokens=2, use_tqdm=False)
+
+
+def test_score_of_an_embedding_model_takes_pooling_params(tiny_llama_dir):
+    """LLM.score(..., pooling_params=...) (vLLM's; a TypeError before) makes both texts' embeddings with them: the
+    score is the cosine of their mean-pooled hidden states, not of the model's default (last token)."""
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=32, max_model_len=64)
+    a, b = "hello there", "general kenobi"
+    ids = [llm.get_tokenizer().encode(t) for t in (a, b)]
+    mean = [hf_pooled(tiny_llama_dir, i, "mean") for i in ids]
+    last = [hf_pooled(tiny_llama_dir, i, "last") for i in ids]
+    (got,) = llm.score(a, b, pooling_params=PoolingParams(pooling_type="mean"), use_tqdm=False)
+    assert got.outputs.score == pytest.approx(torch.cosine_similarity(*mean, dim=0).item(), abs=1e-4)
+    (default,) = llm.score(a, b, use_tqdm=False)
+    assert default.outputs.score == pytest.approx(torch.cosine_similarity(*last, dim=0).item(), abs=1e-4)
+    assert abs(got.outputs.score - default.outputs.score) > 1e-3

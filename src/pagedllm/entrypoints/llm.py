@@ -550,17 +550,26 @@ class LLM:
         return outputs
 
     def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], use_tqdm: UseTqdm = True,
-              lora_request: Any = None, *, truncate_prompt_tokens: Optional[int] = None) -> list:
+              lora_request: Any = None, *, truncate_prompt_tokens: Optional[int] = None,
+              pooling_params: Any = None) -> list:
         """vLLM's LLM.score: one pooling.ScoringRequestOutput per pair (.outputs.score); `text_1` one text against
         each of `text_2`, or pairwise. A cross-encoder (a sequence classifier with one label) reads each pair as one
         input (the tokenizer's pair encoding) and scores it with the sigmoid of its logit; an embedding model
-        scores the cosine similarity of the two texts' embeddings."""
+        scores the cosine similarity of the two texts' embeddings. pooling_params (vLLM's): a PoolingParams; on a
+        cross-encoder its truncate_prompt_tokens and use_activation (False: the raw logit) apply, on an embedding
+        model it makes both texts' embeddings."""
         from pagedllm.pooling import (PoolingParams, ScoringOutput, ScoringRequestOutput, class_probs, cosine,
                                       input_truncation, pair_input, score_pairs)
 
         firsts, seconds = score_pairs(text_1, text_2)
+        pooling_params = self._truncation_in(pooling_params, truncate_prompt_tokens)
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}.")
+        truncate_prompt_tokens = None if pooling_params is None else pooling_params.truncate_prompt_tokens
         labels = self.engine.classifier_labels
         if labels is not None:
+            self._pooling_list(pooling_params, 1, "classify")
+            raw = pooling_params is not None and pooling_params.use_activation is False
             if len(labels) != 1:
                 raise ValueError(f"score() on a sequence classifier needs a cross-encoder (one label); this model has "
                                  f"{len(labels)} labels: use classify().")
@@ -570,12 +579,11 @@ class LLM:
                 input_truncation(truncate_prompt_tokens, self.engine.max_model_len)
             outs = self._classified([(None, pair_input(self.tokenizer, a, b, k)) for a, b in zip(firsts, seconds)],
                                     truncate_prompt_tokens, use_tqdm, lora_request)
-            return [ScoringRequestOutput(out.request_id, ScoringOutput(class_probs(out.pooled)[0]),
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(float(out.pooled[0]) if raw else
+                                                                       class_probs(out.pooled)[0]),
                                          out.prompt_token_ids) for out in outs]
-        params = None if truncate_prompt_tokens is None else \
-            PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         texts = list(dict.fromkeys(firsts + seconds))
-        of = {t: out for t, out in zip(texts, self.embed(texts, params, use_tqdm=use_tqdm,
+        of = {t: out for t, out in zip(texts, self.embed(texts, pooling_params, use_tqdm=use_tqdm,
                                                           lora_request=lora_request))}
         return [ScoringRequestOutput(f"{of[a].request_id}-{of[b].request_id}",
                                      ScoringOutput(cosine(of[a].outputs.embedding, of[b].outputs.embedding)),
