@@ -212,7 +212,8 @@ def test_exclude_tools_when_tool_choice_none_leaves_them_out() -> None:
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object must be true or false"),
     ({"structured_outputs": {"json": {}, "disable_any_whitespace": "no"}}, "disable_any_whitespace"),
     ({"guided_json": {"type": "integer", "maximum": 10 ** 30}}, "beyond 64 bits"),  # once a 500 (msgpack)
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": [10 ** 30]}}}],
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"enum": [10 ** 30]}}}}}],
       "tool_choice": "required"}, "beyond 64 bits"),
     ({"tool_choice": "required"}, "`tools` must be set"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "launch"),
@@ -377,3 +378,20 @@ def test_required_tool_choice_with_recursive_parameters(client: openai.OpenAI) -
     text = r.choices[0].message.content
     assert r.choices[0].finish_reason == "length" and text.count('"name"') == 1, text
     assert re.search(r'"kids"\s*:\s*\[\s*(\]|\{\s*"(label|kids|same)")', text), text
+
+
+NULLABLE_ROOTS = [{"type": ["object", "null"], "properties": {"city": {"type": "string", "maxLength": 12}}},
+                  {"anyOf": [{"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}},
+                             {"type": "null"}]}]
+
+
+@pytest.mark.parametrize("params", NULLABLE_ROOTS)
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "maybe"}}])
+def test_forced_call_with_nullable_parameters_writes_an_object(client: openai.OpenAI, params: dict, choice) -> None:
+    """Parameters whose root also admits null: a forced call's arguments are still a JSON object (the grammar once
+    let the model write `null`, which clients parse as the arguments)."""
+    tool = {"type": "function", "function": {"name": "maybe", "parameters": params}}
+    r = _chat(client, messages=ASK, tools=[tool], tool_choice=choice, max_tokens=40)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "maybe" and isinstance(_args(call), dict), call.function.arguments

@@ -63,6 +63,8 @@ def test_parsers_read_their_format(parser: str, text: str, content, expected) ->
     ("mistral", "[TOOL_CALLS]get_time[ARGS]not json"),
     ("pythonic", "[get_weather(city=undefined_name)]"),
     ("pythonic", "[get_weather('positional')]"),
+    # a ** unpacking: its arguments were once dropped silently (a call with {})
+    ("pythonic", "[get_weather(**{'city': 'Paris'})]"),
     ("pythonic", "[1, 2, 3]"),
     ("pythonic", "[get_weather(city='x'"),
 ])

@@ -104,7 +104,24 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
 
 
 def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    """The parameters as the grammar's schema: always an object. A nullable root ("type": ["object", "null"]) or
+    one with no type would let the model write `null` or a number as the arguments, where clients parse an object."""
+    params = tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    if params.get("type") != "object":
+        params = dict(params, type="object")
+    for key in ("anyOf", "oneOf"):  # (the backend does not intersect a sibling "type" with these: drop the branches)
+        branches = params.get(key)
+        if isinstance(branches, list):
+            kept = [b for b in branches if not _not_object(b)]
+            if kept and len(kept) < len(branches):
+                params = dict(params, **{key: kept})
+    return params
+
+
+def _not_object(schema: Any) -> bool:
+    """A schema whose own type rules an object out ({"type": "null"}, Optional's other branch)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind)
 
 
 def _self_refs(schema: Any, base: str) -> tuple[Any, bool]:

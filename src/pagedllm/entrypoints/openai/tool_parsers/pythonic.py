@@ -41,8 +41,10 @@ class PythonicToolParser(ToolParser):
             return None, text
         calls = []
         for node in tree.elts:
-            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            # (positional arguments and ** unpacking have no parameter names to map to: not a call in this format)
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
+                    or any(kw.arg is None for kw in node.keywords):
                 return None, text
-            args = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
+            args = {kw.arg: _literal(kw.value) for kw in node.keywords}
             calls.append(ToolCall(name=node.func.id, arguments=json.dumps(args, ensure_ascii=False)))
         return calls, None
