@@ -60,6 +60,42 @@ def idle_report(gpu: list[dict], steps: int, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def host_waits(trace_path: str, steps: int, min_us: float = 50.0, top: int = 12) -> str:
+    """The host's CUDA runtime / driver calls by total time per step, and the torch ops around the long ones: a
+    call that waits for the device (a synchronize, a pageable copy, an allocation that syncs) inside a step's
+    launch is what leaves the device idle at the next step boundary."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation")),
+                 key=lambda e: (e["ts"], -e["dur"]))
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    around: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for c in calls:
+        agg = by_name[c["name"]]
+        agg[0] += 1
+        agg[1] += c["dur"]
+        agg[2] = max(agg[2], c["dur"])
+        if c["dur"] >= min_us:
+            # the innermost op on the same thread that contains the call
+            inner = None
+            for o in ops:
+                if o["ts"] > c["ts"]:
+                    break
+                if o.get("tid") == c.get("tid") and o["ts"] + o["dur"] >= c["ts"] + c["dur"]:
+                    inner = o
+            key = (c["name"], inner["name"][:60] if inner else "-")
+            around[key][0] += 1
+            around[key][1] += c["dur"]
+    lines = ["host CUDA calls (us per step, calls per step, longest us):"]
+    for name, (n, total, longest) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {total / steps:8.1f}  x{n / steps:6.1f}  max {longest:8.1f}  {name}")
+    lines.append(f"calls of >= {min_us:.0f} us, by the op around them (us per step, calls per step):")
+    for (name, op), (n, total) in sorted(around.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {total / steps:8.1f}  x{n / steps:6.1f}  {name}  in  {op}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
@@ -105,6 +141,7 @@ def main() -> None:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         print(idle_report(gpu_intervals(path), args.steps))
+        print(host_waits(path, args.steps))
         if args.trace:
             import gzip
             import shutil
