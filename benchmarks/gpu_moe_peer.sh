@@ -18,6 +18,9 @@
 #   prefill-CONFIG        profile_step.py --prefill: one full prefill step of 64 prompts
 #   timeline-CONFIG       step_timeline.py on rows' 512 x 512/256 at temperature 0.6 (time per step kind)
 #   timelineN-CONFIG      step_timeline.py with N requests of 128 in / 256 out running at once (device idle per step)
+#   timelinenano-CONFIG   step_timeline.py on the nano protocol's workload (device time and idle per running-count bucket)
+#   idleN-CONFIG          device_idle.py at N running (128 in, temperature 0.6) under the profiler: idle gaps, the host's
+#                         CUDA calls and the ops around long ones; its trace in $OUT (idleN-CONFIG-stack: Python stacks)
 #   sweep-SHAPE           benchmarks/moe.py kernel --sweep at 1 token (the GEMV tiles)
 #   layer-SHAPE           benchmarks/moe.py kernel --torch-grouped at 1-16384 tokens (LAYER_TOKENS; no peer)
 #   check                 tests/gpu/test_fused_moe_gpu.py's kernel tests, then benchmarks/moe_variants/ab.py's A/Bs
@@ -61,6 +64,15 @@ for step in "$@"; do
         prefill-*)
             cmd=(python3 benchmarks/profile_step.py --model "benchmarks/configs/${step#prefill-}" --load-format dummy
                  --batch 64 --prefill) ;;
+        timelinenano-*)
+            cmd=(python3 benchmarks/step_timeline.py --model "benchmarks/configs/${step#timelinenano-}" --load-format dummy
+                 --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --max-model-len 2048 --temperature 0.6
+                 --emit final_only --json "$out/$step.json") ;;
+        idle[0-9]*-*)
+            rest=${step#idle}; n=${rest%%-*}; config=${rest#*-}; stack=()
+            [ "${config%-stack}" != "$config" ] && { config=${config%-stack}; stack=(--with-stack); }
+            cmd=(python3 benchmarks/device_idle.py --model "benchmarks/configs/$config" --load-format dummy --batch "$n"
+                 --input-len 128 --temperature 0.6 --steps 8 "${stack[@]}" --trace "$out/$step.json.gz") ;;
         timeline[0-9]*-*)  # issue 29: N requests running at once (all admitted together), device idle per step
             rest=${step#timeline}; n=${rest%%-*}
             cmd=(python3 benchmarks/step_timeline.py --model "benchmarks/configs/${rest#*-}" --load-format dummy
