@@ -120,7 +120,8 @@ def main() -> None:
               max_num_seqs=max(args.batch, 8), max_model_len=args.max_model_len)
     eng = llm.engine
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=args.max_model_len - args.input_len, ignore_eos=True, temperature=args.temperature)
+    params = SamplingParams(max_tokens=args.max_model_len - args.input_len, ignore_eos=True,
+                            temperature=args.temperature)
     for i in range(args.batch):
         eng.add_request(EngineCoreRequest(f"r{i}", [rng.randrange(10, 30000) for _ in range(args.input_len)], params))
     while eng.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):

@@ -45,6 +45,43 @@ def check_sampler_wiring() -> None:
         sampler_mod._DEVICE_SAMPLING_TYPES = ("cuda",)
 
 
+def check_bf16_logits_read_as_they_are() -> None:
+    """Sampler() on bf16 logits (the LM head's dtype) with nothing to edit them draws through sample_on_device
+    without a float32 copy, and draws what it draws from that copy: the kernel's float32 values are exact."""
+    from device_sampling_cases import llm_row
+
+    from pagedllm.layers import sampler as sampler_mod
+    from pagedllm.layers.sampler import Sampler, SamplingMetadata
+    from pagedllm.sampling_params import SamplingParams
+
+    vocab = 96
+    rows = torch.stack([llm_row(vocab, seed=s) for s in range(5)]).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, top_k=5, top_p=0.8),
+              SamplingParams(temperature=1.0, top_p=0.6, seed=3), SamplingParams(temperature=1.1, min_p=0.2),
+              SamplingParams(temperature=0.0)]
+    sampler_mod._DEVICE_SAMPLING_TYPES = ("cuda", "cpu")
+    widened = []
+    process = Sampler.process_logits
+    Sampler.process_logits = staticmethod(lambda logits, meta: (widened.append(logits.dtype), process(logits, meta))[1])
+    try:
+        meta = SamplingMetadata.build(params, [[]] * 5, [[1, 2]] * 5, [None] * 5, vocab, "cpu")
+        assert sampler_mod._draws_as_is(rows, meta)
+        torch.manual_seed(11)
+        as_is = Sampler()(rows.clone(), meta).sampled_token_ids
+        assert not widened, "bf16 logits were widened although nothing edits them"
+        torch.manual_seed(11)
+        wide = Sampler()(rows.float(), meta).sampled_token_ids
+        assert torch.equal(as_is, wide), (as_is, wide)
+        assert as_is[4] == rows[4].float().argmax()
+        for other in (SamplingParams(temperature=0.7, logprobs=2), SamplingParams(temperature=0.7, min_tokens=3),
+                      SamplingParams(temperature=0.7, presence_penalty=1.0)):  # these still take the general path
+            meta = SamplingMetadata.build([other], [[5]], [[1, 2]], [2], vocab, "cpu")
+            assert not sampler_mod._draws_as_is(rows[:1], meta), other
+    finally:
+        sampler_mod._DEVICE_SAMPLING_TYPES = ("cuda",)
+        Sampler.process_logits = process
+
+
 def check_launch_shape_free(kernel) -> None:
     """The draws do not depend on the launch shape (BLOCK, warps): only on the seeds and GROUP. The shape follows
     the batch size, so a seeded row would otherwise change with its company."""
@@ -88,6 +125,7 @@ def main() -> None:
     check_non_finite_rows("cpu")
     check_masked_and_seeded("cpu", vocab=160)
     check_sampler_wiring()
+    check_bf16_logits_read_as_they_are()
     row = llm_row(24)
     for case in INTERPRETER_CASES:
         stat = check_distribution(row, N_DRAWS, "cpu", **case)

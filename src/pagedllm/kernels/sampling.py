@@ -278,10 +278,10 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int,
 
 
 def _sample_split(logits: torch.Tensor, temperature: torch.Tensor, step_seed: int, seeds: Optional[torch.Tensor],
-                  greedy_eps: float, out: torch.Tensor) -> None:
+                  greedy_eps: float, out: torch.Tensor, per_sm: int = 2) -> None:
     n, vocab = logits.shape
     assert SPLIT_BLOCK % GROUP == 0
-    parts = max(1, min(triton.cdiv(vocab, SPLIT_BLOCK), triton.cdiv(2 * sm_count(logits.device), n), _MAX_PARTS))
+    parts = max(1, min(triton.cdiv(vocab, SPLIT_BLOCK), triton.cdiv(per_sm * sm_count(logits.device), n), _MAX_PARTS))
     chunk = triton.cdiv(triton.cdiv(vocab, parts), SPLIT_BLOCK) * SPLIT_BLOCK
     parts = triton.cdiv(vocab, chunk)
     part_val = torch.empty(n, parts, dtype=torch.float32, device=logits.device)

@@ -260,6 +260,10 @@ class Sampler(torch.nn.Module):
     """logits [N, V] float32 + SamplingMetadata -> SamplerOutput. Modifies logits in place."""
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if _draws_as_is(logits, meta) and (sampled := sample_on_device(logits, meta)) is not None:
+            # Nothing edits the logits and no logprob reads them: the kernel reads the LM head's own dtype (its
+            # float32 values are exact), without the widened [N, V] copy.
+            return SamplerOutput(sampled_token_ids=sampled, logprobs=None)
         logits, reported = self.process_logits(logits, meta)
         if reported is None and meta.max_num_logprobs is not None:  # processed_* modes: before sampling edits logits
             reported = processed_values(logits, meta)
@@ -348,6 +352,17 @@ class Sampler(torch.nn.Module):
         return logits
 
 
+def draws_as_is(meta: SamplingMetadata) -> bool:
+    """A random-sampling step whose logits process_logits would only widen to float32: no grammar mask, logprobs,
+    constraints, min_tokens or penalties (the device sampler then reads them in the LM head's dtype)."""
+    return (not meta.all_greedy and meta.token_bitmask is None and meta.max_num_logprobs is None
+            and meta.constraints is None and meta.min_tokens_mask is None and meta.no_penalties)
+
+
+def _draws_as_is(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
+    return logits.dtype != torch.float32 and draws_as_is(meta)
+
+
 def mark_no_token(ids: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """ids with NO_ALLOWED_TOKEN in the rows the masks left without a token."""
     if meta.no_token_rows is None:
@@ -366,7 +381,7 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> Optional[t
     if not meta.no_top_k:
         if meta.max_top_k <= DEVICE_TOPK_CUTOFF_MAX or not meta.no_top_p:
             # The k-th largest raw logit (the temperature keeps the order): rows keep logits >= it, ties included.
-            cutoff = top_k_threshold(logits, meta.top_k, meta.max_top_k).squeeze(1)
+            cutoff = top_k_threshold(logits, meta.top_k, meta.max_top_k).squeeze(1).float()  # (exact: bf16 in)
         else:
             top_k = meta.top_k
     from pagedllm.kernels.sampling import sample_rows
@@ -387,12 +402,14 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> Optional[t
                        top_p=None if meta.no_top_p else meta.top_p, cutoff=cutoff, greedy_eps=_GREEDY_EPS)
 
 
-def warm_up_device_sampling(vocab_size: int, device: torch.device) -> None:
-    """Compile the device sampler at start-up (CUDA), so no batch meets a Triton compile in the middle of serving."""
+def warm_up_device_sampling(vocab_size: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    """Compile the device sampler at start-up (CUDA), so no batch meets a Triton compile in the middle of serving:
+    for float32 logits and the LM head's own dtype (steps that draw from the logits as they are)."""
     if DEVICE_SAMPLING and torch.device(device).type in _DEVICE_SAMPLING_TYPES:
         from pagedllm.kernels.sampling import warm_up
 
-        warm_up(vocab_size, torch.device(device))
+        for logits_dtype in dict.fromkeys((torch.float32, dtype)):
+            warm_up(vocab_size, torch.device(device), logits_dtype)
 
 
 def top_k_top_p_impl(meta: SamplingMetadata, rows: int, cuda: bool) -> str:

@@ -123,6 +123,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         cap = self.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def sample_logits(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        return None if self.final_logit_softcap is not None else self.head_logits(hidden_states)
+
     def greedy_token_ids(self, hidden_states: torch.Tensor,
                          token_bitmask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         # tanh keeps the order, but in float32 two logits near the cap can round to the same capped value: the

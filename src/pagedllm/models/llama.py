@@ -328,6 +328,19 @@ class LlamaForCausalLM(nn.Module):
         # [N, hidden_size] -> [N, vocab_size] float32
         return self.lm_head.compute_logits(hidden_states)
 
+    def sample_logits(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        """compute_logits' values in the LM head's own dtype (the widening to float32 is exact), for a sampler that
+        reads them as they are; None where compute_logits does more than the LM head (a subclass's scaling or
+        soft-capping): the caller then takes compute_logits."""
+        if type(self).compute_logits is not LlamaForCausalLM.compute_logits:
+            return None
+        return self.head_logits(hidden_states)
+
+    def head_logits(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        """The LM head's product in its own dtype (None: a head without one)."""
+        head = getattr(self.lm_head, "_logits", None)
+        return None if head is None else head(hidden_states)
+
     def greedy_token_ids(self, hidden_states: torch.Tensor,
                          token_bitmask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """argmax of compute_logits without materializing fp32 logits where the LM head can (CUDA; CPU fp32).

@@ -19,8 +19,8 @@ from pagedllm.core.batch_plan import BatchPlan, ModelOutput, TokenLogprobs
 from pagedllm.core.kv_cache_groups import KVCacheGroups
 from pagedllm.forward_context import AttentionMetadata, set_forward_context, with_kv_groups
 from pagedllm.layers.attention import check_backend_features
-from pagedllm.layers.sampler import (Sampler, SamplerOutput, SamplingMetadata, _to_device, gather_logprobs,
-                                     warm_up_device_sampling)
+from pagedllm.layers.sampler import (Sampler, SamplerOutput, SamplingMetadata, _to_device, draws_as_is,
+                                     gather_logprobs, warm_up_device_sampling)
 from pagedllm.worker.grammar_mask import greedy_token_ids, step_token_bitmask
 from pagedllm.worker.host_stager import HostStager
 from pagedllm.worker.input_batch import InputBatch
@@ -219,7 +219,7 @@ class ModelRunner:
         if self.device.type != "cuda" or lm_head is None or not hasattr(self.model, "greedy_token_ids"):
             return
         self.model.greedy_token_ids(torch.zeros(1, lm_head.embedding_dim, dtype=self.dtype, device=self.device))
-        warm_up_device_sampling(self.vocab_size, self.device)  # and the sampler's kernel
+        warm_up_device_sampling(self.vocab_size, self.device, self.dtype)  # and the sampler's kernel
         torch.cuda.synchronize(self.device)
 
     def _warm_up_gemv_mma(self) -> None:
@@ -446,7 +446,11 @@ class ModelRunner:
         if ids is not None:
             sampler_out = SamplerOutput(sampled_token_ids=ids, logprobs=None)
         else:
-            sampler_out = self.sampler(self.model.compute_logits(sample_hidden), meta)
+            logits = None
+            if dev.type == "cuda" and draws_as_is(meta):  # the device sampler reads the LM head's dtype
+                as_is = getattr(self.model, "sample_logits", None)
+                logits = None if as_is is None else as_is(sample_hidden)
+            sampler_out = self.sampler(self.model.compute_logits(sample_hidden) if logits is None else logits, meta)
         sampled = sampler_out.sampled_token_ids
         # Remember where each request's newest token lives on the device for the next launch (a row the sampler
         # marked NO_ALLOWED_TOKEN fails when its output is read; until then its next input must be a valid id).
