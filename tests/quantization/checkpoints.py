@@ -205,24 +205,26 @@ def awq_checkpoint(src: str, dst: str, group_size: int = 32, seed: int = 0) -> t
     return dst, reference_model(src, quantized, half_rest=tensors)
 
 
-def ct_checkpoint(src: str, dst: str, preset: str, reference: bool = True, **weight_args: Any) -> tuple[str, Any]:
+def ct_checkpoint(src: str, dst: str, preset: str, reference: bool = True, ignore: tuple = ("lm_head",),
+                  targets: tuple = ("Linear",), **weight_args: Any) -> tuple[str, Any]:
     """A compressed-tensors checkpoint written by the compressed-tensors library itself (what llmcompressor calls
-    to save): its preset scheme (W4A16, W8A16, W4A16_ASYM, FP8, FP8_DYNAMIC, W8A8...) applied to every Linear
-    but lm_head, min/max weight calibration through its `calculate_qparams`, static input scales calibrated on
-    one prompt, `ModelCompressor.compress_model` + `update_config`. Returns (dst, reference): transformers
-    loading dst with compressed-tensors' own decompression (dense dequantized weights), and - for W8A8 schemes
-    - the library's fake quantization of each linear's input, so the reference computes what W8A8 computes."""
+    to save): its preset scheme (W4A16, W8A16, W4A16_ASYM, FP8, FP8_DYNAMIC, W8A8...) applied to the modules
+    `targets` names (every Linear) but those of `ignore` (lm_head), min/max weight calibration through its
+    `calculate_qparams`, static input scales calibrated on one prompt, `ModelCompressor.compress_model` +
+    `update_config`. Returns (dst, reference): transformers loading dst with compressed-tensors' own decompression
+    (dense dequantized weights), and - for W8A8 schemes - the library's fake quantization of each linear's input,
+    so the reference computes what W8A8 computes."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
     model = hf_model(src)
-    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme = preset_name_to_scheme(preset, list(targets))
     for key, value in weight_args.items():
         setattr(scheme.weights, key, value)
     amax = _input_amax(model)  # on the float model: quantization wrappers would run on uninitialized scales
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
     for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue

@@ -72,3 +72,25 @@ def test_w8a8_linear_matches_library_quantization(tmp_path, tiny_model_dir, pres
     for rows in (1, 4, 40):
         err, contrast, scale = w8a8_layer_errors(ours, reference, "model.layers.0.mlp.down_proj", dtype, "cpu", rows)
         assert err < 0.1 * contrast and err < 0.001 * scale, (preset, dtype, rows, err, contrast, scale)
+
+
+@pytest.mark.parametrize("ignore,targets", [
+    (("lm_head", "model.layers.0.self_attn.qkv_proj"), ("Linear",)),
+    (("lm_head", "re:.*layers\\.1\\.mlp\\.gate_up_proj"), ("Linear",)),
+    (("lm_head",), ("re:.*qkv_proj", "re:.*gate_up_proj", "re:.*down_proj")),  # o_proj left float
+])
+def test_phi3_names_its_fused_modules(tmp_path, caplog, tiny_model_dir, ignore, targets):
+    """Phi-3 checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj, and so do the ignore lists and
+    targets llmcompressor writes for them: the layer named is kept float (was: quantized anyway, so the load failed
+    on its missing weight_packed) or quantized by the scheme that names it (was: left float)."""
+    model_dir, reference = ct_checkpoint(tiny_model_dir("phi3_plain"), str(tmp_path / "ct"), "W4A16",
+                                         ignore=ignore, targets=targets, group_size=32)
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    kinds = {name: type(m.linear_method).__name__ for name, m in ours.named_modules()
+             if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
+    floats = {name for name, kind in kinds.items() if kind == "UnquantizedLinearMethod"}
+    expected = {"model.layers.0.self_attn.qkv_proj"} if "model.layers.0.self_attn.qkv_proj" in ignore else \
+        {"model.layers.1.mlp.gate_up_proj"} if len(ignore) == 2 else {f"model.layers.{i}.self_attn.o_proj"
+                                                                       for i in range(2)}
+    assert floats == expected and set(kinds.values()) == {"UnquantizedLinearMethod", "CTWNA16Method"}

@@ -87,11 +87,14 @@ def is_layer_skipped(prefix: str, ignored: Iterable[str]) -> bool:
 
     Entries are module names or name suffixes (`lm_head`, `model.layers.0.mlp.down_proj`, AWQ's `down_proj`) or
     compressed-tensors regexes (`re:.*lm_head`). A fused layer (`qkv_proj`) is skipped when all of its checkpoint
-    layers are; only some of them is a checkpoint we cannot load fused, refused with a message."""
+    layers are, or when the entry names the fused layer itself (Phi-3 checkpoints store qkv_proj / gate_up_proj
+    as one module); only some of them is a checkpoint we cannot load fused, refused with a message."""
     ignored = list(ignored or ())
     if not ignored:
         return False
     parent, _, leaf = prefix.rpartition(".")
+    if leaf in FUSED_LAYER_SHARDS and _matches(prefix, ignored):
+        return True  # a checkpoint storing the layer fused (Phi-3's qkv_proj, gate_up_proj) names it whole
     names = [f"{parent}.{s}" if parent else s for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
     hits = [_matches(name, ignored) for name in names]
     if all(hits):

@@ -124,6 +124,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         parent, _, leaf = prefix.rpartition(".")
         names = [f"{parent}.{s}" for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
         found = {id(s): s for s in (self._scheme_for(n) for n in names)}
+        if list(found.values()) == [None] and len(names) > 1:  # targets naming the fused module itself (Phi-3's)
+            scheme = self._scheme_for(prefix)
+            found = {id(scheme): scheme}
         if len(found) != 1:
             raise ValueError(f"The layers fused into {prefix} use different compressed-tensors schemes (or only "
                              f"some are quantized); pagedllm needs one scheme per fused layer.")
