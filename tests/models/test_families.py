@@ -240,21 +240,8 @@ def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, caplog, t
     tower's, and gives transformers' Gemma3ForConditionalGeneration logits on a text-only prompt; with
     tie_word_embeddings false at the top level (the text config's default: true) its own lm_head, as transformers
     unties by the top-level flag."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
-
-    from tests.conftest import build_tiny_tokenizer, tiny_hf_config
-    from tests.models.family_configs import randomize_norms
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    config = Gemma3Config(text_config=tiny_hf_config("gemma3").to_dict(), vision_config=vision.to_dict(),
-                          mm_tokens_per_image=4, boi_token_index=508, eoi_token_index=509, image_token_index=510,
-                          architectures=["Gemma3ForConditionalGeneration"],
-                          **({} if tie is None else {"tie_word_embeddings": tie}))
-    torch.manual_seed(0)
-    hf = Gemma3ForConditionalGeneration(config).eval()
-    randomize_norms(hf.model.language_model)
-    hf.save_pretrained(str(tmp_path))
-    build_tiny_tokenizer().save_pretrained(str(tmp_path))
+    from tests.models.family_configs import save_tiny_gemma3_multimodal
+    hf = save_tiny_gemma3_multimodal(str(tmp_path), tie)
     served = load_hf_config(str(tmp_path))
     assert served.architectures == ["Gemma3ForConditionalGeneration"] and served.vocab_size == 512
     ours = _ours(str(tmp_path))

@@ -59,8 +59,11 @@ def load_library_file(archive_prefix: str, member: str, name: str) -> Any:
 
 
 def hf_model(model_dir: str) -> Any:
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    with open(os.path.join(model_dir, "config.json")) as f:
+        multimodal = (json.load(f).get("architectures") or [""])[0].endswith("ForConditionalGeneration")
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM  # (Gemma 3's, all its modules)
+    return auto.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _linears(model: Any):

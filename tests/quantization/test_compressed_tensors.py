@@ -94,3 +94,28 @@ def test_phi3_names_its_fused_modules(tmp_path, caplog, tiny_model_dir, ignore, 
         {"model.layers.1.mlp.gate_up_proj"} if len(ignore) == 2 else {f"model.layers.{i}.self_attn.o_proj"
                                                                        for i in range(2)}
     assert floats == expected and set(kinds.values()) == {"UnquantizedLinearMethod", "CTWNA16Method"}
+
+
+# (the library writes the modules it left float into config.json, as language_model.model.layers.N...)
+@pytest.mark.parametrize("ignored", [(), ("model.language_model.layers.0.mlp.down_proj",),
+                                     ("re:.*language_model.layers.1.self_attn.*",)])
+def test_gemma3_multimodal_checkpoint_serves_its_quantized_text_model(tmp_path, caplog, ignored):
+    """A quantized multimodal Gemma 3 checkpoint states its quantization_config at the top level, not in the
+    text_config the text model is built from: it was built unquantized and every load failed on "missing" float
+    weights. Its ignore list names the language model's layers as the checkpoint does (language_model.model.*,
+    model.language_model.*), not by the causal-LM names the layers have here: those layers stay float too."""
+    from tests.models.family_configs import save_tiny_gemma3_multimodal
+
+    save_tiny_gemma3_multimodal(str(tmp_path / "src"))
+    ignore = ("lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*") + ignored
+    model_dir, reference = ct_checkpoint(str(tmp_path / "src"), str(tmp_path / "ct"), "W4A16", ignore=ignore,
+                                         group_size=32)
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert type(ours).__name__ == "Gemma3ForConditionalGeneration"
+    assert type(ours.quant_config).__name__ == "CompressedTensorsConfig"
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    floats = {name for name, m in ours.named_modules()
+              if type(getattr(m, "linear_method", None)).__name__ == "UnquantizedLinearMethod"}
+    expected = {(): set(), "down_proj": {"model.layers.0.mlp.down_proj"},
+                "self_attn": {"model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"}}
+    assert floats == expected[next((k for k in ("down_proj", "self_attn") if k in str(ignored)), ())]

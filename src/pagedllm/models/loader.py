@@ -215,6 +215,10 @@ def served_text_config(config: Any) -> Any:
     # The checkpoint's dtype is written at the top (its text_config usually has none): dtype "auto" reads it
     if getattr(text, "dtype", None) is None and getattr(config, "dtype", None) is not None:
         text.dtype = config.dtype
+    # The checkpoint's quantization is stated at the top level only: without it the quantized language model was
+    # built unquantized (every load failed on "missing" float weights)
+    if getattr(text, "quantization_config", None) is None and getattr(config, "quantization_config", None):
+        text.quantization_config = config.quantization_config
     # transformers ties the multimodal model's lm_head by the top-level flag, not the text config's
     if getattr(config, "tie_word_embeddings", None) is not None:
         text.tie_word_embeddings = config.tie_word_embeddings
