@@ -138,6 +138,24 @@ class CompressedTensorsConfig(QuantizationConfig):
         return CTW8A8Method(scheme)
 
 
+class AutoFp8Config(CompressedTensorsConfig):
+    """AutoFP8 checkpoints (quant_method "fp8", no weight_block_size; e.g. neuralmagic's *-FP8): E4M3 weights with
+    one (0-d) weight_scale per layer, activations with one static input_scale per layer ("static") or quantized at
+    run time ("dynamic": per token here), `ignored_layers` float. The compressed-tensors FP8 per-tensor layout."""
+
+    name = "fp8"
+
+    @classmethod
+    def from_autofp8(cls, config: dict[str, Any]) -> "AutoFp8Config":
+        scheme = config.get("activation_scheme", "dynamic")
+        fmt = config.get("fmt", "e4m3")
+        if scheme not in ("static", "dynamic") or fmt != "e4m3":
+            raise ValueError(f"FP8 checkpoints with activation_scheme={scheme!r}, fmt={fmt!r} are not supported; "
+                             f"pagedllm reads AutoFP8's E4M3 checkpoints with a static or dynamic activation scheme.")
+        weights = Scheme("fp8", "float-quantized", 8, "tensor", -1, True, None, scheme == "dynamic", ("Linear",))
+        return cls([weights], list(config.get("ignored_layers") or config.get("modules_to_not_convert") or []))
+
+
 class CTWNA16Method(PackedIntLinearMethod):
     def __init__(self, scheme: Scheme) -> None:
         super().__init__(scheme.bits, scheme.group_size)

@@ -30,12 +30,16 @@ class Fp8Config(QuantizationConfig):
     supports_lora = True
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
-        if config:  # transformers' FineGrainedFP8 checkpoints (quant_method "fp8", 128x128 block scales)
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        if not config:  # online: a float checkpoint quantized at load
+            return cls()
+        if config.get("weight_block_size") is not None:  # transformers' FineGrainedFP8 (128x128 block scales)
             raise ValueError("Block-wise FP8 checkpoints (quant_method 'fp8', weight_block_size "
                              f"{config.get('weight_block_size')}) are not supported; use a compressed-tensors FP8 "
                              "checkpoint or --quantization fp8 on the bf16 model.")
-        return cls()
+        # AutoFP8's per-tensor checkpoints (was refused as "block-wise, weight_block_size None")
+        from pagedllm.quantization.compressed_tensors import AutoFp8Config
+        return AutoFp8Config.from_autofp8(config)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         return Fp8OnlineLinearMethod()
