@@ -119,3 +119,22 @@ def test_gemma3_multimodal_checkpoint_serves_its_quantized_text_model(tmp_path, 
     expected = {(): set(), "down_proj": {"model.layers.0.mlp.down_proj"},
                 "self_attn": {"model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"}}
     assert floats == expected[next((k for k in ("down_proj", "self_attn") if k in str(ignored)), ())]
+
+
+@pytest.mark.parametrize("arch,more_targets,layer", [
+    ("llama", ("re:.*down_proj",), "model.layers.0.mlp.down_proj"),  # a regex over the class target "Linear"
+    ("qwen3", ("model.layers.1.self_attn.o_proj",), "model.layers.1.self_attn.o_proj"),  # an exact name
+])
+def test_the_most_specific_target_picks_the_scheme(tmp_path, caplog, tiny_model_dir, arch, more_targets, layer):
+    """Mixed-precision checkpoints (W4A16 on every Linear, W8A16 on some layers named by a second group): the
+    library gives a layer the scheme of its most specific target (exact name, then regex, then the class name),
+    whatever the groups' order; pagedllm took the first group listing any matching target, so those layers got
+    the W4 layout and their W8 tensors failed to load."""
+    model_dir, reference = ct_checkpoint(tiny_model_dir(arch), str(tmp_path / "ct"), "W4A16", group_size=32,
+                                         more_groups=(("W8A16", more_targets, {"group_size": 32}),))
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    bits = {name: m.linear_method.scheme.bits for name, m in ours.named_modules()
+            if hasattr(getattr(m, "linear_method", None), "scheme")}
+    eight = {name for name, b in bits.items() if b == 8}
+    assert layer in eight and (len(eight) == 2 if "re:" in more_targets[0] else eight == {layer})

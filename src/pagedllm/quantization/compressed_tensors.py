@@ -111,12 +111,17 @@ class CompressedTensorsConfig(QuantizationConfig):
             check_fp8_gpu_dtype(self.name, device, act_dtype)
 
     def _scheme_for(self, name: str) -> Optional[Scheme]:
-        for scheme in self.schemes:
-            for target in scheme.targets:
-                if target == "Linear" or (target.startswith("re:") and re.match(target[3:], name)) \
-                        or name == target or name.endswith("." + target):
-                    return scheme
-        return None
+        """The library's precedence (compressed_tensors match_targets): an exact name, then a regex (each in sorted
+        order), then the class name "Linear", whatever the order of the groups; a target a later group lists again
+        is that group's."""
+        by_target = {target: scheme for scheme in self.schemes for target in scheme.targets}
+        for target in sorted(by_target, key=lambda t: (t.startswith("re:"), t)):
+            if target.startswith("re:"):
+                if re.match(target[3:], name):
+                    return by_target[target]
+            elif target != "Linear" and (name == target or name.endswith("." + target)):
+                return by_target[target]
+        return by_target.get("Linear")
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         if is_layer_skipped(prefix, self.ignore):
