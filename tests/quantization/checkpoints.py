@@ -22,7 +22,8 @@ import torch
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Layers that share one input (GPTQ's act-order permutation comes from the input's Hessian: one per input).
 SAME_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
-              "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+              "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in",
+              "qkv_proj": "attn_in", "gate_up_proj": "mlp_in"}  # (Phi-3's checkpoint modules: fused)
 
 
 QUANTIZER_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

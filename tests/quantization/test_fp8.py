@@ -96,11 +96,12 @@ def _autofp8_checkpoint(src: str, dst: str, preset: str, activation_scheme: str)
     return model_dir, reference
 
 
-def test_autofp8_checkpoint_matches_reference(tmp_path, caplog, tiny_model_dir):
+@pytest.mark.parametrize("arch", ["qwen2", "phi3_plain"])  # Phi-3: 0-d scales of whole fused qkv / gate_up
+def test_autofp8_checkpoint_matches_reference(tmp_path, caplog, tiny_model_dir, arch):
     """AutoFP8's per-tensor checkpoints (quant_method "fp8", activation_scheme "static", no weight_block_size)
     were refused as "block-wise FP8 checkpoints (weight_block_size None)": they load, every scale read, and compute
     what the compressed-tensors library computes for the same static FP8 tensors."""
-    model_dir, reference = _autofp8_checkpoint(tiny_model_dir("qwen2"), str(tmp_path / "fp8"), "FP8", "static")
+    model_dir, reference = _autofp8_checkpoint(tiny_model_dir(arch), str(tmp_path / "fp8"), "FP8", "static")
     ours, _, _ = load_model(model_dir, dtype=torch.float32)
     assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
     layer = ours.model.layers[0].self_attn.qkv_proj
