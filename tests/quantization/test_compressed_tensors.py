@@ -141,3 +141,21 @@ def test_the_most_specific_target_picks_the_scheme(tmp_path, caplog, tiny_model_
             if hasattr(getattr(m, "linear_method", None), "scheme")}
     eight = {name for name, b in bits.items() if b == 8}
     assert layer in eight and (len(eight) == 2 if "re:" in more_targets[0] else eight == {layer})
+
+
+def test_gemma3_multimodal_target_naming_a_language_model_layer(tmp_path, caplog):
+    """A second config group whose regex names a language-model layer as the checkpoint does: that layer takes its
+    scheme (W8), not the class target's (W4) that the causal-LM name alone would match."""
+    from tests.models.family_configs import save_tiny_gemma3_multimodal
+
+    save_tiny_gemma3_multimodal(str(tmp_path / "src"))
+    ignore = ("lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*")
+    model_dir, reference = ct_checkpoint(str(tmp_path / "src"), str(tmp_path / "ct"), "W4A16", ignore=ignore,
+                                         group_size=32, more_groups=(
+                                             ("W8A16", ("re:.*language_model.*layers\\.2\\.mlp\\.down_proj",),
+                                              {"group_size": 32}),))
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    bits = {name: m.linear_method.scheme.bits for name, m in ours.named_modules()
+            if hasattr(getattr(m, "linear_method", None), "scheme")}
+    assert {name for name, b in bits.items() if b == 8} == {"model.layers.2.mlp.down_proj"}

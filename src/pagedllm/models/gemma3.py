@@ -71,7 +71,8 @@ class LanguageModelNames:
     """A quantization config that the layers of a multimodal checkpoint's language model ask by their causal-LM
     names (`model.layers.0.mlp.down_proj`) while its ignore list / targets name them as the checkpoint does
     (`language_model.model.layers.0...`, `model.language_model.layers.0...`): a layer any of the three names
-    skips stays float; else the first name a scheme covers picks the method."""
+    skips stays float; else the first name a scheme covers picks the method, the checkpoint's names first (a
+    target naming them is more specific than one that matches every name, such as the class "Linear")."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -83,7 +84,7 @@ class LanguageModelNames:
         from pagedllm.quantization.base import is_layer_skipped
 
         rest = prefix[len("model."):] if prefix.startswith("model.") else None
-        names = [prefix, f"language_model.{prefix}"] + ([f"model.language_model.{rest}"] if rest else [])
+        names = [f"language_model.{prefix}"] + ([f"model.language_model.{rest}"] if rest else []) + [prefix]
         ignored = getattr(self._inner, "ignore", None) or getattr(self._inner, "modules_to_not_convert", None)
         if ignored and any(is_layer_skipped(name, ignored) for name in names):
             return None
