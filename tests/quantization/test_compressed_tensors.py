@@ -159,3 +159,13 @@ def test_gemma3_multimodal_target_naming_a_language_model_layer(tmp_path, caplog
     bits = {name: m.linear_method.scheme.bits for name, m in ours.named_modules()
             if hasattr(getattr(m, "linear_method", None), "scheme")}
     assert {name for name, b in bits.items() if b == 8} == {"model.layers.2.mlp.down_proj"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied embeddings
+def test_a_quantized_lm_head_is_refused_by_name(tmp_path, tiny_model_dir, arch):
+    """A checkpoint whose lm_head is quantized too (targets "Linear", nothing ignored): the untied model failed on a
+    "missing lm_head.weight", the tied one silently served the float embedding instead of the checkpoint's head."""
+    model_dir, _ = ct_checkpoint(tiny_model_dir(arch), str(tmp_path / "ct"), "W8A16", ignore=(), group_size=32,
+                                 reference=False)
+    with pytest.raises(ValueError, match=r"LM head is quantized \(lm_head\.weight_packed\).*lm_head in `ignore`"):
+        load_model(model_dir, dtype=torch.float32)
