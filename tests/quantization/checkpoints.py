@@ -60,11 +60,15 @@ def load_library_file(archive_prefix: str, member: str, name: str) -> Any:
 
 
 def hf_model(model_dir: str) -> Any:
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    import transformers
     with open(os.path.join(model_dir, "config.json")) as f:
-        multimodal = (json.load(f).get("architectures") or [""])[0].endswith("ForConditionalGeneration")
-    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM  # (Gemma 3's, all its modules)
-    return auto.from_pretrained(model_dir, dtype=torch.float32).eval()
+        arch = (json.load(f).get("architectures") or [""])[0]
+    # the model class of the checkpoint, all its modules (Gemma 3's vision tower, a classifier's score head)
+    kind = next((k for k in ("ForConditionalGeneration", "ForSequenceClassification", "ForTokenClassification")
+                 if arch.endswith(k)), None)
+    auto = {"ForConditionalGeneration": "AutoModelForImageTextToText", None: "AutoModelForCausalLM"}.get(
+        kind, f"AutoModel{kind}")
+    return getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _linears(model: Any):

@@ -169,3 +169,15 @@ def test_a_quantized_lm_head_is_refused_by_name(tmp_path, tiny_model_dir, arch):
                                  reference=False)
     with pytest.raises(ValueError, match=r"LM head is quantized \(lm_head\.weight_packed\).*lm_head in `ignore`"):
         load_model(model_dir, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("token", [False, True])
+def test_a_quantized_score_head_is_refused_by_name(tmp_path, token):
+    """A classifier quantized with its score head (targets "Linear", only lm_head ignored, as recipes write):
+    refused naming the head, not "missing score.weight"."""
+    from tests.conftest import save_tiny_classifier
+
+    src = save_tiny_classifier(str(tmp_path / "src"), "qwen2", 3, token=token)
+    model_dir, _ = ct_checkpoint(src, str(tmp_path / "ct"), "W8A16", group_size=32, reference=False)
+    with pytest.raises(ValueError, match=r"classification head \(score\) is quantized \(score\.weight_packed\)"):
+        load_model(model_dir, dtype=torch.float32)

@@ -79,18 +79,22 @@ def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
     return int(window)
 
 
-# A quantized LM head's tensors (compressed-tensors / FP8 scales, GPTQ / AWQ packing): the head here is float
-_QUANTIZED_HEAD = re.compile(r"^lm_head\.(weight_packed|weight_scale|weight_zero_point|weight_g_idx|input_scale|"
-                             r"qweight|qzeros|scales|g_idx)$")
+# A quantized head's tensors (compressed-tensors / FP8 scales, GPTQ / AWQ packing): the LM head and the
+# classifiers' score heads are float here
+_QUANTIZED_HEAD = re.compile(r"^(?P<head>lm_head|score(?:\.\d+)?)\.(weight_packed|weight_scale|weight_zero_point|"
+                             r"weight_g_idx|input_scale|qweight|qzeros|scales|g_idx)$")
 
 
 def refuse_quantized_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, refusing a quantized lm_head: it was reported as a "missing lm_head.weight" (or,
-    with tied embeddings, dropped silently for the float embedding)."""
+    """The checkpoint's tensors, refusing a quantized lm_head or score head: it was reported as a "missing
+    lm_head.weight" / "score.weight" (or, a tied lm_head, dropped silently for the float embedding)."""
     for name, tensor in weights:
-        if _QUANTIZED_HEAD.match(name):
-            raise ValueError(f"The checkpoint's LM head is quantized ({name}), which pagedllm does not support; use "
-                             f"a checkpoint quantized with lm_head left float (compressed-tensors: lm_head in "
+        match = _QUANTIZED_HEAD.match(name)
+        if match:
+            head = match.group("head")
+            what = "LM head" if head == "lm_head" else f"classification head ({head})"
+            raise ValueError(f"The checkpoint's {what} is quantized ({name}), which pagedllm does not support; use "
+                             f"a checkpoint quantized with {head} left float (compressed-tensors: {head} in "
                              f"`ignore`; GPTQ: lm_head=false).")
         yield name, tensor
 
