@@ -78,6 +78,8 @@ class LanguageModelNames:
         self._inner = inner
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # (before __init__ ran: a copy or unpickling; no recursion)
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def get_linear_method(self, layer: Any, prefix: str) -> Any:
