@@ -115,10 +115,16 @@ def test_autofp8_checkpoint_matches_reference(tmp_path, caplog, tiny_model_dir, 
 
 
 def test_fp8_checkpoint_options_not_read_are_refused():
-    from pagedllm.quantization.fp8 import Fp8Config
+    import types
+
+    def resolve(qc):
+        return resolve_quant_config(None, types.SimpleNamespace(quantization_config=qc), None)
+
     with pytest.raises(ValueError, match="activation_scheme='per-head'"):
-        Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "per-head"})
+        resolve({"quant_method": "fp8", "activation_scheme": "per-head"})
     with pytest.raises(ValueError, match="fmt='e5m2'"):
-        Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e5m2"})
-    config = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic"})
+        resolve({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e5m2"})
+    with pytest.raises(ValueError, match="Block-wise FP8 checkpoints"):
+        resolve({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    config = resolve({"quant_method": "fp8", "activation_scheme": "dynamic"})
     assert config.name == "fp8" and [s.act_dynamic for s in config.schemes] == [True]

@@ -46,6 +46,9 @@ class QuantizationConfig:
     checkpoint_names: ClassVar[tuple[str, ...]] = ()
     # True for methods that quantize a float checkpoint at load time (fp8, int8): no quantization_config needed.
     online: ClassVar[bool] = False
+    # (module under pagedllm.quantization, class name) of another config class that reads this method's
+    # checkpoints (an online method's checkpoint format); None: this class
+    checkpoint_reader: ClassVar[Optional[tuple[str, str]]] = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "QuantizationConfig":

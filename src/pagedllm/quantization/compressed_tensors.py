@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, is_layer_skipped,
                                         set_quant_param_attrs)
-from pagedllm.quantization.fp8 import Fp8LinearMethod, add_w8a8_counters
+from pagedllm.quantization.fp8 import Fp8LinearMethod, add_w8a8_counters, refuse_blockwise_fp8
 from pagedllm.quantization.kernels import int8_cuda_path, int8_w8a8_linear, take_prequantized
 from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
@@ -151,7 +151,9 @@ class AutoFp8Config(CompressedTensorsConfig):
     name = "fp8"
 
     @classmethod
-    def from_autofp8(cls, config: dict[str, Any]) -> "AutoFp8Config":
+    def from_config(cls, config: dict[str, Any]) -> "AutoFp8Config":
+        # (was refused as "block-wise FP8 checkpoints (weight_block_size None)"; block-wise ones still are)
+        refuse_blockwise_fp8(config)
         scheme = config.get("activation_scheme", "dynamic")
         fmt = config.get("fmt", "e4m3")
         if scheme not in ("static", "dynamic") or fmt != "e4m3":
