@@ -61,3 +61,24 @@ def randomize_norms(model: Any, seed: int = 0) -> None:
             if "norm" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.3 + (0.0 if "gemma" in
                                                                             model.config.model_type else 1.0))
+
+
+def save_tiny_gemma3_multimodal(path: str, tie_word_embeddings: Optional[bool] = None) -> Any:
+    """A Gemma3ForConditionalGeneration (a tiny SigLIP tower; language model = the tiny gemma3) saved with the
+    tests' tokenizer; returns the transformers model."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from tests.conftest import build_tiny_tokenizer, tiny_hf_config
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=tiny_hf_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, boi_token_index=508, eoi_token_index=509, image_token_index=510,
+                          architectures=["Gemma3ForConditionalGeneration"],
+                          **({} if tie_word_embeddings is None else {"tie_word_embeddings": tie_word_embeddings}))
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    randomize_norms(model.model.language_model)
+    model.save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return model

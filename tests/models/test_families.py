@@ -240,21 +240,8 @@ def test_gemma3_conditional_generation_serves_its_text_model(tmp_path, caplog, t
     tower's, and gives transformers' Gemma3ForConditionalGeneration logits on a text-only prompt; with
     tie_word_embeddings false at the top level (the text config's default: true) its own lm_head, as transformers
     unties by the top-level flag."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
-
-    from tests.conftest import build_tiny_tokenizer, tiny_hf_config
-    from tests.models.family_configs import randomize_norms
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    config = Gemma3Config(text_config=tiny_hf_config("gemma3").to_dict(), vision_config=vision.to_dict(),
-                          mm_tokens_per_image=4, boi_token_index=508, eoi_token_index=509, image_token_index=510,
-                          architectures=["Gemma3ForConditionalGeneration"],
-                          **({} if tie is None else {"tie_word_embeddings": tie}))
-    torch.manual_seed(0)
-    hf = Gemma3ForConditionalGeneration(config).eval()
-    randomize_norms(hf.model.language_model)
-    hf.save_pretrained(str(tmp_path))
-    build_tiny_tokenizer().save_pretrained(str(tmp_path))
+    from tests.models.family_configs import save_tiny_gemma3_multimodal
+    hf = save_tiny_gemma3_multimodal(str(tmp_path), tie)
     served = load_hf_config(str(tmp_path))
     assert served.architectures == ["Gemma3ForConditionalGeneration"] and served.vocab_size == 512
     ours = _ours(str(tmp_path))
@@ -310,3 +297,44 @@ def test_gemma3_conditional_generation_dtype_is_the_checkpoints(tmp_path):
     raw["torch_dtype"] = "bfloat16"
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert resolve_dtype("auto", load_hf_config(str(tmp_path)), torch.device("cuda")) == torch.bfloat16
+
+
+@pytest.mark.parametrize("override", [
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    {"rope_theta": 5e5},
+    {"rope_local_base_freq": 300.0},
+    {"rope_scaling": {"rope_type": "linear", "factor": 3.0}, "rope_theta": 2e5, "rope_local_base_freq": 50.0},
+], ids=["yarn", "theta", "local-base", "all"])
+def test_gemma3_rope_overrides_go_to_their_layer_type(tmp_path, tiny_model_dir, override):
+    """hf_overrides of Gemma 3's rope, whose parameters are per layer type: a flat rope_scaling replaced both types'
+    (the global base fell to 10 000, the local rope to its default), rope_theta / rope_local_base_freq were set where
+    nothing reads them. Each now goes where transformers puts the same key of a config.json (the scaling and
+    rope_theta: the global layers', the scaling over their base; rope_local_base_freq: the local layers'): logits
+    equal transformers' model of such a config.json, with the same weights."""
+    import json
+    import os
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir("gemma3")
+    legacy = str(tmp_path / "legacy")
+    shutil.copytree(model_dir, legacy)
+    with open(os.path.join(legacy, "config.json")) as f:
+        config = json.load(f)
+    rope = config.pop("rope_parameters")
+    full = rope["full_attention"]
+    config.update(rope_theta=full["rope_theta"], rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
+                  rope_scaling={k: v for k, v in full.items() if k != "rope_theta"})
+    config.update(override)
+    if "rope_scaling" in override and "rope_theta" not in override:
+        config["rope_theta"] = full["rope_theta"]  # the model's own base under the new scaling
+    with open(os.path.join(legacy, "config.json"), "w") as f:
+        json.dump(config, f)
+    hf = AutoModelForCausalLM.from_pretrained(legacy, dtype=torch.float32, attn_implementation="eager").eval()
+    ours = get_model(load_hf_config(model_dir, overrides=override), model_dir, dtype=torch.float32, device="cpu")
+    assert ours.config.rope_parameters == hf.config.rope_parameters
+    ids = _ids(48)
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(_logits(ours, ids), ref, atol=ATOL, rtol=1e-4)

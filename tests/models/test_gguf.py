@@ -200,3 +200,27 @@ def test_tensor_stored_twice_in_a_gguf_is_an_error(tmp_path, fresh_cache, tiny_m
         read_gguf_index(str(gguf_path))
     with pytest.raises(ValueError, match=r"duplicated tensor with name blk\.0\.attn_q\.weight"):
         prepare_model_dir(str(gguf_path))
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_a_part_of_a_split_gguf_is_refused_by_name(tmp_path, fresh_cache, monkeypatch, tiny_model_dir, part):
+    """llama.cpp's gguf-split parts (split.count > 1) hold some of the tensors each: a part was converted as if it
+    were the whole model (the first failed on "missing" weights, the later ones, without metadata, on "GGUF
+    architecture None"); it is refused with what to do instead, before anything is written."""
+    import gguf
+
+    from tests.models.gguf_writer import write_tiny_gguf
+    path = str(tmp_path / f"tiny-0000{part + 1}-of-00002.gguf")
+    original = gguf.GGUFWriter.write_header_to_file
+
+    def with_split_keys(writer, *args, **kwargs):  # the keys gguf-split writes into every part
+        writer.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, part)
+        writer.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, 2)
+        return original(writer, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", with_split_keys)
+    write_tiny_gguf(tiny_model_dir("llama"), path, "llama")
+    with pytest.raises(ValueError, match=rf"is part {part + 1} of a GGUF split into 2 files; .*llama-gguf-split "
+                                         r"--merge"):
+        prepare_model_dir(path)
+    assert not any(fresh_cache.rglob("*.safetensors"))

@@ -22,7 +22,8 @@ import torch
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Layers that share one input (GPTQ's act-order permutation comes from the input's Hessian: one per input).
 SAME_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
-              "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+              "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in",
+              "qkv_proj": "attn_in", "gate_up_proj": "mlp_in"}  # (Phi-3's checkpoint modules: fused)
 
 
 QUANTIZER_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -59,8 +60,15 @@ def load_library_file(archive_prefix: str, member: str, name: str) -> Any:
 
 
 def hf_model(model_dir: str) -> Any:
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    import transformers
+    with open(os.path.join(model_dir, "config.json")) as f:
+        arch = (json.load(f).get("architectures") or [""])[0]
+    # the model class of the checkpoint, all its modules (Gemma 3's vision tower, a classifier's score head)
+    kind = next((k for k in ("ForConditionalGeneration", "ForSequenceClassification", "ForTokenClassification")
+                 if arch.endswith(k)), None)
+    auto = {"ForConditionalGeneration": "AutoModelForImageTextToText", None: "AutoModelForCausalLM"}.get(
+        kind, f"AutoModel{kind}")
+    return getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _linears(model: Any):
@@ -205,24 +213,36 @@ def awq_checkpoint(src: str, dst: str, group_size: int = 32, seed: int = 0) -> t
     return dst, reference_model(src, quantized, half_rest=tensors)
 
 
-def ct_checkpoint(src: str, dst: str, preset: str, reference: bool = True, **weight_args: Any) -> tuple[str, Any]:
+def ct_checkpoint(src: str, dst: str, preset: str, reference: bool = True, ignore: tuple = ("lm_head",),
+                  targets: tuple = ("Linear",), more_groups: tuple = (), **weight_args: Any) -> tuple[str, Any]:
     """A compressed-tensors checkpoint written by the compressed-tensors library itself (what llmcompressor calls
-    to save): its preset scheme (W4A16, W8A16, W4A16_ASYM, FP8, FP8_DYNAMIC, W8A8...) applied to every Linear
-    but lm_head, min/max weight calibration through its `calculate_qparams`, static input scales calibrated on
-    one prompt, `ModelCompressor.compress_model` + `update_config`. Returns (dst, reference): transformers
-    loading dst with compressed-tensors' own decompression (dense dequantized weights), and - for W8A8 schemes
-    - the library's fake quantization of each linear's input, so the reference computes what W8A8 computes."""
+    to save): its preset scheme (W4A16, W8A16, W4A16_ASYM, FP8, FP8_DYNAMIC, W8A8...) applied to the modules
+    `targets` names (every Linear) but those of `ignore` (lm_head), min/max weight calibration through its
+    `calculate_qparams`, static input scales calibrated on one prompt, `ModelCompressor.compress_model` +
+    `update_config`. Returns (dst, reference): transformers loading dst with compressed-tensors' own decompression
+    (dense dequantized weights), and - for W8A8 schemes - the library's fake quantization of each linear's input,
+    so the reference computes what W8A8 computes. more_groups: (preset, targets, weight_args) of weight-only
+    config groups after the first (group_1, ...), which the library applies by its own precedence; the reference
+    is then transformers with the library's fake-quantized weights (transformers' own decompression does not
+    match regex targets: it leaves those layers compressed)."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
     model = hf_model(src)
-    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme = preset_name_to_scheme(preset, list(targets))
     for key, value in weight_args.items():
         setattr(scheme.weights, key, value)
+    groups = {"group_0": scheme}
+    for i, (more_preset, more_targets, more_args) in enumerate(more_groups, 1):
+        groups[f"group_{i}"] = preset_name_to_scheme(more_preset, list(more_targets))
+        for key, value in more_args.items():
+            setattr(groups[f"group_{i}"].weights, key, value)
     amax = _input_amax(model)  # on the float model: quantization wrappers would run on uninitialized scales
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=list(ignore)))
+    dense: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue
@@ -238,6 +258,7 @@ def ct_checkpoint(src: str, dst: str, preset: str, reference: bool = True, **wei
         module.weight_scale.data.copy_(scale)
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero)
+        dense[name] = fake_quantize(w, scale, zero, args)
         if hasattr(module, "input_scale"):  # static activation scale from one calibration prompt
             s, _ = calculate_qparams(-amax[name].reshape(1), amax[name].reshape(1),
                                      module.quantization_scheme.input_activations)
@@ -250,7 +271,9 @@ def ct_checkpoint(src: str, dst: str, preset: str, reference: bool = True, **wei
             os.remove(os.path.join(dst, f))
     model.save_pretrained(dst)
     compressor.update_config(dst)
-    return dst, _ct_reference(dst, scheme) if reference else None
+    if not reference:
+        return dst, None
+    return dst, reference_model(src, dense, half_rest={}) if more_groups else _ct_reference(dst, scheme)
 
 
 def _input_amax(model: Any) -> dict[str, torch.Tensor]:

@@ -34,10 +34,13 @@ def test_weight_only_schemes(tmp_path, caplog, tiny_model_dir, arch, preset, arg
     assert type(ours.model.layers[1].self_attn.qkv_proj.linear_method).__name__ == method
 
 
-@pytest.mark.parametrize("arch,preset", [("llama", "FP8_DYNAMIC"), ("qwen2", "FP8"), ("qwen3", "W8A8")])
+@pytest.mark.parametrize("arch,preset", [("llama", "FP8_DYNAMIC"), ("qwen2", "FP8"), ("qwen3", "W8A8"),
+                                         ("phi3_plain", "FP8")])
 def test_w8a8_schemes(tmp_path, caplog, tiny_model_dir, arch, preset):
     # FP8_DYNAMIC: per-channel weights, dynamic per-token activations; FP8: per-tensor weights (one scale per
     # fused shard) and a static input scale; W8A8: INT8 per-channel weights, per-token int8 activations.
+    # Phi-3 + FP8: one weight / input scale for a whole checkpoint-fused qkv_proj / gate_up_proj (was refused: "the
+    # checkpoint has (1,), the model expects (3,)").
     model_dir, reference = ct_checkpoint(tiny_model_dir(arch), str(tmp_path / "ct"), preset)
     ours, _, _ = load_model(model_dir, dtype=torch.float32)
     assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]  # weight / input scales all read
@@ -72,3 +75,109 @@ def test_w8a8_linear_matches_library_quantization(tmp_path, tiny_model_dir, pres
     for rows in (1, 4, 40):
         err, contrast, scale = w8a8_layer_errors(ours, reference, "model.layers.0.mlp.down_proj", dtype, "cpu", rows)
         assert err < 0.1 * contrast and err < 0.001 * scale, (preset, dtype, rows, err, contrast, scale)
+
+
+@pytest.mark.parametrize("ignore,targets", [
+    (("lm_head", "model.layers.0.self_attn.qkv_proj"), ("Linear",)),
+    (("lm_head", "re:.*layers\\.1\\.mlp\\.gate_up_proj"), ("Linear",)),
+    (("lm_head",), ("re:.*qkv_proj", "re:.*gate_up_proj", "re:.*down_proj")),  # o_proj left float
+])
+def test_phi3_names_its_fused_modules(tmp_path, caplog, tiny_model_dir, ignore, targets):
+    """Phi-3 checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj, and so do the ignore lists and
+    targets llmcompressor writes for them: the layer named is kept float (was: quantized anyway, so the load failed
+    on its missing weight_packed) or quantized by the scheme that names it (was: left float)."""
+    model_dir, reference = ct_checkpoint(tiny_model_dir("phi3_plain"), str(tmp_path / "ct"), "W4A16",
+                                         ignore=ignore, targets=targets, group_size=32)
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    kinds = {name: type(m.linear_method).__name__ for name, m in ours.named_modules()
+             if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
+    floats = {name for name, kind in kinds.items() if kind == "UnquantizedLinearMethod"}
+    expected = {"model.layers.0.self_attn.qkv_proj"} if "model.layers.0.self_attn.qkv_proj" in ignore else \
+        {"model.layers.1.mlp.gate_up_proj"} if len(ignore) == 2 else {f"model.layers.{i}.self_attn.o_proj"
+                                                                       for i in range(2)}
+    assert floats == expected and set(kinds.values()) == {"UnquantizedLinearMethod", "CTWNA16Method"}
+
+
+# (the library writes the modules it left float into config.json, as language_model.model.layers.N...)
+@pytest.mark.parametrize("ignored", [(), ("model.language_model.layers.0.mlp.down_proj",),
+                                     ("re:.*language_model.layers.1.self_attn.*",)])
+def test_gemma3_multimodal_checkpoint_serves_its_quantized_text_model(tmp_path, caplog, ignored):
+    """A quantized multimodal Gemma 3 checkpoint states its quantization_config at the top level, not in the
+    text_config the text model is built from: it was built unquantized and every load failed on "missing" float
+    weights. Its ignore list names the language model's layers as the checkpoint does (language_model.model.*,
+    model.language_model.*), not by the causal-LM names the layers have here: those layers stay float too."""
+    from tests.models.family_configs import save_tiny_gemma3_multimodal
+
+    save_tiny_gemma3_multimodal(str(tmp_path / "src"))
+    ignore = ("lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*") + ignored
+    model_dir, reference = ct_checkpoint(str(tmp_path / "src"), str(tmp_path / "ct"), "W4A16", ignore=ignore,
+                                         group_size=32)
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert type(ours).__name__ == "Gemma3ForConditionalGeneration"
+    assert type(ours.quant_config).__name__ == "CompressedTensorsConfig"
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    floats = {name for name, m in ours.named_modules()
+              if type(getattr(m, "linear_method", None)).__name__ == "UnquantizedLinearMethod"}
+    expected = {(): set(), "down_proj": {"model.layers.0.mlp.down_proj"},
+                "self_attn": {"model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"}}
+    assert floats == expected[next((k for k in ("down_proj", "self_attn") if k in str(ignored)), ())]
+
+
+@pytest.mark.parametrize("arch,more_targets,layer", [
+    ("llama", ("re:.*down_proj",), "model.layers.0.mlp.down_proj"),  # a regex over the class target "Linear"
+    ("qwen3", ("model.layers.1.self_attn.o_proj",), "model.layers.1.self_attn.o_proj"),  # an exact name
+])
+def test_the_most_specific_target_picks_the_scheme(tmp_path, caplog, tiny_model_dir, arch, more_targets, layer):
+    """Mixed-precision checkpoints (W4A16 on every Linear, W8A16 on some layers named by a second group): the
+    library gives a layer the scheme of its most specific target (exact name, then regex, then the class name),
+    whatever the groups' order; pagedllm took the first group listing any matching target, so those layers got
+    the W4 layout and their W8 tensors failed to load."""
+    model_dir, reference = ct_checkpoint(tiny_model_dir(arch), str(tmp_path / "ct"), "W4A16", group_size=32,
+                                         more_groups=(("W8A16", more_targets, {"group_size": 32}),))
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    bits = {name: m.linear_method.scheme.bits for name, m in ours.named_modules()
+            if hasattr(getattr(m, "linear_method", None), "scheme")}
+    eight = {name for name, b in bits.items() if b == 8}
+    assert layer in eight and (len(eight) == 2 if "re:" in more_targets[0] else eight == {layer})
+
+
+def test_gemma3_multimodal_target_naming_a_language_model_layer(tmp_path, caplog):
+    """A second config group whose regex names a language-model layer as the checkpoint does: that layer takes its
+    scheme (W8), not the class target's (W4) that the causal-LM name alone would match."""
+    from tests.models.family_configs import save_tiny_gemma3_multimodal
+
+    save_tiny_gemma3_multimodal(str(tmp_path / "src"))
+    ignore = ("lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*")
+    model_dir, reference = ct_checkpoint(str(tmp_path / "src"), str(tmp_path / "ct"), "W4A16", ignore=ignore,
+                                         group_size=32, more_groups=(
+                                             ("W8A16", ("re:.*language_model.*layers\\.2\\.mlp\\.down_proj",),
+                                              {"group_size": 32}),))
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    bits = {name: m.linear_method.scheme.bits for name, m in ours.named_modules()
+            if hasattr(getattr(m, "linear_method", None), "scheme")}
+    assert {name for name, b in bits.items() if b == 8} == {"model.layers.2.mlp.down_proj"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied embeddings
+def test_a_quantized_lm_head_is_refused_by_name(tmp_path, tiny_model_dir, arch):
+    """A checkpoint whose lm_head is quantized too (targets "Linear", nothing ignored): the untied model failed on a
+    "missing lm_head.weight", the tied one silently served the float embedding instead of the checkpoint's head."""
+    model_dir, _ = ct_checkpoint(tiny_model_dir(arch), str(tmp_path / "ct"), "W8A16", ignore=(), group_size=32,
+                                 reference=False)
+    with pytest.raises(ValueError, match=r"LM head is quantized \(lm_head\.weight_packed\).*lm_head in `ignore`"):
+        load_model(model_dir, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("token", [False, True])
+def test_a_quantized_score_head_is_refused_by_name(tmp_path, token):
+    """A classifier quantized with its score head (targets "Linear", only lm_head ignored, as recipes write):
+    refused naming the head, not "missing score.weight"."""
+    from tests.conftest import save_tiny_classifier
+
+    src = save_tiny_classifier(str(tmp_path / "src"), "qwen2", 3, token=token)
+    model_dir, _ = ct_checkpoint(src, str(tmp_path / "ct"), "W8A16", group_size=32, reference=False)
+    with pytest.raises(ValueError, match=r"classification head \(score\) is quantized \(score\.weight_packed\)"):
+        load_model(model_dir, dtype=torch.float32)

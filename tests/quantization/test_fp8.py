@@ -72,3 +72,59 @@ def test_blockwise_fp8_checkpoint_is_refused():
     from pagedllm.quantization.fp8 import Fp8Config
     with pytest.raises(ValueError, match="Block-wise FP8 checkpoints"):
         Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+
+
+def _autofp8_checkpoint(src: str, dst: str, preset: str, activation_scheme: str):
+    """An AutoFP8 checkpoint (neuralmagic's *-FP8 format): the compressed-tensors library's per-tensor FP8 tensors
+    (same values, same names), each scale a 0-d tensor as AutoFP8 saves it, and AutoFP8's quantization_config."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.quantization.checkpoints import ct_checkpoint
+    model_dir, reference = ct_checkpoint(src, dst, preset)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = {k: v.reshape(()) if k.endswith("_scale") else v for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": activation_scheme,
+                                     "ignored_layers": ["lm_head"]}
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return model_dir, reference
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3_plain"])  # Phi-3: 0-d scales of whole fused qkv / gate_up
+def test_autofp8_checkpoint_matches_reference(tmp_path, caplog, tiny_model_dir, arch):
+    """AutoFP8's per-tensor checkpoints (quant_method "fp8", activation_scheme "static", no weight_block_size)
+    were refused as "block-wise FP8 checkpoints (weight_block_size None)": they load, every scale read, and compute
+    what the compressed-tensors library computes for the same static FP8 tensors."""
+    model_dir, reference = _autofp8_checkpoint(tiny_model_dir(arch), str(tmp_path / "fp8"), "FP8", "static")
+    ours, _, _ = load_model(model_dir, dtype=torch.float32)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    layer = ours.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.input_scale is not None
+    prompt = torch.randint(2, 512, (40,), generator=torch.Generator().manual_seed(13))
+    with torch.inference_mode():
+        got = ours.compute_logits(ours(prompt, torch.arange(40)))
+        want = reference(prompt[None]).logits[0]
+    # (as test_compressed_tensors.test_w8a8_schemes: activation rounding makes last-bit differences visible)
+    assert (got - want).abs().max() < 0.05 and (got - want).abs().mean() < 1e-3
+
+
+def test_fp8_checkpoint_options_not_read_are_refused():
+    import types
+
+    def resolve(qc):
+        return resolve_quant_config(None, types.SimpleNamespace(quantization_config=qc), None)
+
+    with pytest.raises(ValueError, match="activation_scheme='per-head'"):
+        resolve({"quant_method": "fp8", "activation_scheme": "per-head"})
+    with pytest.raises(ValueError, match="fmt='e5m2'"):
+        resolve({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e5m2"})
+    with pytest.raises(ValueError, match="Block-wise FP8 checkpoints"):
+        resolve({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    config = resolve({"quant_method": "fp8", "activation_scheme": "dynamic"})
+    assert config.name == "fp8" and [s.act_dynamic for s in config.schemes] == [True]

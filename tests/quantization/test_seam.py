@@ -96,6 +96,10 @@ def test_lora_and_device_refusals(tmp_path, tiny_llama_dir):
     ("model.layers.1.mlp.down_proj", ["model.layers.1"], True),
     ("model.layers.0.self_attn.qkv_proj", ["re:.*self_attn.[qkv]_proj"], True),
     ("model.layers.0.self_attn.qkv_proj", ["model.layers.0.self_attn.o_proj"], False),
+    # Phi-3's checkpoint modules are the fused ones (GPTQ / AWQ modules_to_not_convert name them so)
+    ("model.layers.0.self_attn.qkv_proj", ["model.layers.0.self_attn.qkv_proj"], True),
+    ("model.layers.3.mlp.gate_up_proj", ["gate_up_proj"], True),
+    ("model.layers.3.mlp.gate_up_proj", ["model.layers.3.mlp.gate_up"], False),
 ])
 def test_is_layer_skipped(prefix, ignored, skipped):
     assert is_layer_skipped(prefix, ignored) is skipped

@@ -292,6 +292,10 @@ class ColumnParallelLinear(LinearBase):
                     full_sizes: Sequence[int]) -> None:
         """A checkpoint that already stores the shards fused (e.g. `qkv_proj`): split and load each."""
         output_dim = getattr(param, "output_dim", None)
+        if getattr(param, "per_shard", False) and loaded_weight.numel() == 1 < param.numel():
+            # one per-tensor scale of the whole fused module (Phi-3's FP8 qkv_proj): each shard's
+            copy_weight(param.data, loaded_weight.reshape(1).expand(param.shape[0]))
+            return
         if output_dim is None or getattr(param, "per_shard", False):
             load_replicated(self, param, loaded_weight)
             return

@@ -67,6 +67,32 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     model_cls = Gemma3Model
 
 
+class LanguageModelNames:
+    """A quantization config that the layers of a multimodal checkpoint's language model ask by their causal-LM
+    names (`model.layers.0.mlp.down_proj`) while its ignore list / targets name them as the checkpoint does
+    (`language_model.model.layers.0...`, `model.language_model.layers.0...`): a layer any of the three names
+    skips stays float; else the first name a scheme covers picks the method, the checkpoint's names first (a
+    target naming them is more specific than one that matches every name, such as the class "Linear")."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # (before __init__ ran: a copy or unpickling; no recursion)
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def get_linear_method(self, layer: Any, prefix: str) -> Any:
+        from pagedllm.quantization.base import is_layer_skipped
+
+        rest = prefix[len("model."):] if prefix.startswith("model.") else None
+        names = [f"language_model.{prefix}"] + ([f"model.language_model.{rest}"] if rest else []) + [prefix]
+        ignored = getattr(self._inner, "ignore", None) or getattr(self._inner, "modules_to_not_convert", None)
+        if ignored and any(is_layer_skipped(name, ignored) for name in names):
+            return None
+        return next((m for m in (self._inner.get_linear_method(layer, n) for n in names) if m is not None), None)
+
+
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """The text model of a multimodal Gemma 3 checkpoint (images are not supported): built from its text_config,
     loading the language model's tensors under their causal-LM names and skipping the vision tower's."""
@@ -76,7 +102,13 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     _SKIPPED = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 
     def __init__(self, hf_config: Any, dtype: Optional[torch.dtype] = None, quant_config: Any = None) -> None:
-        super().__init__(getattr(hf_config, "text_config", None) or hf_config, dtype, quant_config)
+        text_config = getattr(hf_config, "text_config", None) or hf_config
+        if quant_config is None or getattr(quant_config, "online", False):
+            super().__init__(text_config, dtype, quant_config)
+            return
+        # a checkpoint's quantization names the language model's layers by their checkpoint names
+        super().__init__(text_config, dtype, LanguageModelNames(quant_config))
+        self.quant_config = quant_config
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:

@@ -138,11 +138,21 @@ def open_gguf(gguf_path: str) -> Any:
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad input
         raise ValueError(f"Could not read {gguf_path} as a GGUF file (is it corrupt or truncated?): "
                          f"{type(e).__name__}: {e}") from None
+    check_not_split(gguf_path, _field(reader, "split.count"), _field(reader, "split.no"))
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} in {gguf_path} is not supported; supported: "
                          f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}.")
     return reader
+
+
+def check_not_split(gguf_path: str, count: Any, number: Any) -> None:
+    """A part of a split GGUF (llama.cpp's gguf-split: NAME-00001-of-0000N.gguf) holds only some tensors (the later
+    parts no metadata): it was converted as if whole and failed on "missing" weights or an architecture None."""
+    if count is not None and int(count) > 1:
+        raise ValueError(f"{gguf_path} is part {int(number or 0) + 1} of a GGUF split into {int(count)} files; "
+                         f"pagedllm reads single-file GGUFs: merge the parts with `llama-gguf-split --merge "
+                         f"FIRST_PART.gguf MERGED.gguf` and pass the merged file.")
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

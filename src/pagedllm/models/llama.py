@@ -79,6 +79,26 @@ def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
     return int(window)
 
 
+# A quantized head's tensors (compressed-tensors / FP8 scales, GPTQ / AWQ packing): the LM head and the
+# classifiers' score heads are float here
+_QUANTIZED_HEAD = re.compile(r"^(?P<head>lm_head|score(?:\.\d+)?)\.(weight_packed|weight_scale|weight_zero_point|"
+                             r"weight_g_idx|input_scale|qweight|qzeros|scales|g_idx)$")
+
+
+def refuse_quantized_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, refusing a quantized lm_head or score head: it was reported as a "missing
+    lm_head.weight" / "score.weight" (or, a tied lm_head, dropped silently for the float embedding)."""
+    for name, tensor in weights:
+        match = _QUANTIZED_HEAD.match(name)
+        if match:
+            head = match.group("head")
+            what = "LM head" if head == "lm_head" else f"classification head ({head})"
+            raise ValueError(f"The checkpoint's {what} is quantized ({name}), which pagedllm does not support; use "
+                             f"a checkpoint quantized with {head} left float (compressed-tensors: {head} in "
+                             f"`ignore`; GPTQ: lm_head=false).")
+        yield name, tensor
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, prefix: str = "", quant_config: Any = None) -> None:
         super().__init__()
@@ -367,6 +387,7 @@ class LlamaForCausalLM(nn.Module):
         """With the head tied to the embedding, a checkpoint's own lm_head.weight is kept in `head` (for
         `untie_if_head_differs`) instead of loaded; one with no embedding loads it as the embedding (as transformers
         ties to whichever of the two the checkpoint has)."""
+        weights = refuse_quantized_head(weights)
         tied = (self.model.is_first_stage and self.model.is_last_stage
                 and self.lm_head.weight is self.model.embed_tokens.weight and self.lm_head.weight.numel() > 0)
         if not tied:

@@ -169,10 +169,21 @@ def apply_config_overrides(config: Any, overrides: dict) -> None:
     # rope_theta last: it sets the base of a rope scaling given alongside
     for key, value in sorted(overrides.items(), key=lambda item: item[0] == "rope_theta"):
         current = getattr(config, key, None)
+        rope = getattr(config, "rope_parameters", None)
+        per_type = isinstance(rope, dict) and _per_layer_type(rope)
         if isinstance(value, dict) and isinstance(current, PretrainedConfig):
             apply_config_overrides(current, value)
+        elif per_type and key in ("rope_scaling", "rope_parameters") and isinstance(value, dict) \
+                and not _per_layer_type(value):
+            # Gemma 3's rope per layer type: a flat scaling is the global layers', as transformers reads one from
+            # config.json (it replaced both types' parameters, the global base falling to 10 000)
+            config.rope_parameters = {**rope, "full_attention": _merged_rope(rope.get("full_attention"), value)}
+        elif per_type and key in _PER_TYPE_BASES:  # (were set on the config, which nothing reads: ignored)
+            setattr(config, key, value)
+            kind = _PER_TYPE_BASES[key]
+            config.rope_parameters = {**rope, kind: {**rope.get(kind, {}), "rope_theta": value}}
         elif key in ("rope_scaling", "rope_parameters") and isinstance(value, dict) and not _per_layer_type(value):
-            setattr(config, key, _merged_rope(config, value))
+            setattr(config, key, _merged_rope(rope, value))
         elif key == "rope_theta" and isinstance(getattr(config, "rope_parameters", None), dict) \
                 and not _per_layer_type(config.rope_parameters):
             setattr(config, key, value)
@@ -185,11 +196,14 @@ def _per_layer_type(rope: dict) -> bool:
     return bool(rope) and all(isinstance(v, dict) for v in rope.values())
 
 
-def _merged_rope(config: Any, scaling: dict) -> dict:
+# the legacy base keys of a rope given per layer type (Gemma 3), and the type each sets, as transformers reads them
+_PER_TYPE_BASES = {"rope_theta": "full_attention", "rope_local_base_freq": "sliding_attention"}
+
+
+def _merged_rope(old: Any, scaling: dict) -> dict:
     """A rope scaling given as an override (Qwen's {"rope_scaling": {"rope_type": "yarn", ...}}) over the model's
-    rope: transformers 5 replaces its rope_parameters with the dict whole, losing the model's base (Qwen2.5's 1e6
-    read as 10 000); the base and rotated fraction the override does not state stay the model's."""
-    old = getattr(config, "rope_parameters", None)
+    rope `old` (its rope_parameters): transformers 5 replaces them with the dict whole, losing the model's base
+    (Qwen2.5's 1e6 read as 10 000); the base and rotated fraction the override does not state stay the model's."""
     old = old if isinstance(old, dict) and not _per_layer_type(old) else {}
     merged = {k: old[k] for k in ("rope_theta", "partial_rotary_factor") if old.get(k) is not None}
     merged.update(scaling)
@@ -215,6 +229,10 @@ def served_text_config(config: Any) -> Any:
     # The checkpoint's dtype is written at the top (its text_config usually has none): dtype "auto" reads it
     if getattr(text, "dtype", None) is None and getattr(config, "dtype", None) is not None:
         text.dtype = config.dtype
+    # The checkpoint's quantization is stated at the top level only: without it the quantized language model was
+    # built unquantized (every load failed on "missing" float weights)
+    if getattr(text, "quantization_config", None) is None and getattr(config, "quantization_config", None):
+        text.quantization_config = config.quantization_config
     # transformers ties the multimodal model's lm_head by the top-level flag, not the text config's
     if getattr(config, "tie_word_embeddings", None) is not None:
         text.tie_word_embeddings = config.tie_word_embeddings

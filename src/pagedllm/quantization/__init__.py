@@ -93,6 +93,9 @@ def resolve_quant_config(quantization: Optional[str], hf_config: Any, model_dir:
             raise ValueError(f"--quantization {normalize_method_name(quantization)} does not match the checkpoint, "
                              f"which is quantized with {ckpt_method!r}; drop --quantization (the method is read "
                              f"from config.json).")
+        reader = getattr(cls, "checkpoint_reader", None)  # (module, class) reading the method's checkpoints
+        if reader is not None:
+            cls = getattr(importlib.import_module(f"pagedllm.quantization.{reader[0]}"), reader[1])
         return cls.from_config(ckpt)
     if not cls.online:
         raise ValueError(f"--quantization {cls.name} needs a {cls.name}-quantized checkpoint, but the model's "

@@ -46,6 +46,9 @@ class QuantizationConfig:
     checkpoint_names: ClassVar[tuple[str, ...]] = ()
     # True for methods that quantize a float checkpoint at load time (fp8, int8): no quantization_config needed.
     online: ClassVar[bool] = False
+    # (module under pagedllm.quantization, class name) of another config class that reads this method's
+    # checkpoints (an online method's checkpoint format); None: this class
+    checkpoint_reader: ClassVar[Optional[tuple[str, str]]] = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "QuantizationConfig":
@@ -87,11 +90,14 @@ def is_layer_skipped(prefix: str, ignored: Iterable[str]) -> bool:
 
     Entries are module names or name suffixes (`lm_head`, `model.layers.0.mlp.down_proj`, AWQ's `down_proj`) or
     compressed-tensors regexes (`re:.*lm_head`). A fused layer (`qkv_proj`) is skipped when all of its checkpoint
-    layers are; only some of them is a checkpoint we cannot load fused, refused with a message."""
+    layers are, or when the entry names the fused layer itself (Phi-3 checkpoints store qkv_proj / gate_up_proj
+    as one module); only some of them is a checkpoint we cannot load fused, refused with a message."""
     ignored = list(ignored or ())
     if not ignored:
         return False
     parent, _, leaf = prefix.rpartition(".")
+    if leaf in FUSED_LAYER_SHARDS and _matches(prefix, ignored):
+        return True  # a checkpoint storing the layer fused (Phi-3's qkv_proj, gate_up_proj) names it whole
     names = [f"{parent}.{s}" if parent else s for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
     hits = [_matches(name, ignored) for name in names]
     if all(hits):

@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, is_layer_skipped,
                                         set_quant_param_attrs)
-from pagedllm.quantization.fp8 import Fp8LinearMethod, add_w8a8_counters
+from pagedllm.quantization.fp8 import Fp8LinearMethod, add_w8a8_counters, refuse_blockwise_fp8
 from pagedllm.quantization.kernels import int8_cuda_path, int8_w8a8_linear, take_prequantized
 from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
@@ -111,12 +111,17 @@ class CompressedTensorsConfig(QuantizationConfig):
             check_fp8_gpu_dtype(self.name, device, act_dtype)
 
     def _scheme_for(self, name: str) -> Optional[Scheme]:
-        for scheme in self.schemes:
-            for target in scheme.targets:
-                if target == "Linear" or (target.startswith("re:") and re.match(target[3:], name)) \
-                        or name == target or name.endswith("." + target):
-                    return scheme
-        return None
+        """The library's precedence (compressed_tensors match_targets): an exact name, then a regex (each in sorted
+        order), then the class name "Linear", whatever the order of the groups; a target a later group lists again
+        is that group's."""
+        by_target = {target: scheme for scheme in self.schemes for target in scheme.targets}
+        for target in sorted(by_target, key=lambda t: (t.startswith("re:"), t)):
+            if target.startswith("re:"):
+                if re.match(target[3:], name):
+                    return by_target[target]
+            elif target != "Linear" and (name == target or name.endswith("." + target)):
+                return by_target[target]
+        return by_target.get("Linear")
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         if is_layer_skipped(prefix, self.ignore):
@@ -124,6 +129,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         parent, _, leaf = prefix.rpartition(".")
         names = [f"{parent}.{s}" for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
         found = {id(s): s for s in (self._scheme_for(n) for n in names)}
+        if list(found.values()) == [None] and len(names) > 1:  # targets naming the fused module itself (Phi-3's)
+            scheme = self._scheme_for(prefix)
+            found = {id(scheme): scheme}
         if len(found) != 1:
             raise ValueError(f"The layers fused into {prefix} use different compressed-tensors schemes (or only "
                              f"some are quantized); pagedllm needs one scheme per fused layer.")
@@ -133,6 +141,26 @@ class CompressedTensorsConfig(QuantizationConfig):
         if scheme.kind == "wna16":
             return CTWNA16Method(scheme)
         return CTW8A8Method(scheme)
+
+
+class AutoFp8Config(CompressedTensorsConfig):
+    """AutoFP8 checkpoints (quant_method "fp8", no weight_block_size; e.g. neuralmagic's *-FP8): E4M3 weights with
+    one (0-d) weight_scale per layer, activations with one static input_scale per layer ("static") or quantized at
+    run time ("dynamic": per token here), `ignored_layers` float. The compressed-tensors FP8 per-tensor layout."""
+
+    name = "fp8"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "AutoFp8Config":
+        # (was refused as "block-wise FP8 checkpoints (weight_block_size None)"; block-wise ones still are)
+        refuse_blockwise_fp8(config)
+        scheme = config.get("activation_scheme", "dynamic")
+        fmt = config.get("fmt", "e4m3")
+        if scheme not in ("static", "dynamic") or fmt != "e4m3":
+            raise ValueError(f"FP8 checkpoints with activation_scheme={scheme!r}, fmt={fmt!r} are not supported; "
+                             f"pagedllm reads AutoFP8's E4M3 checkpoints with a static or dynamic activation scheme.")
+        weights = Scheme("fp8", "float-quantized", 8, "tensor", -1, True, None, scheme == "dynamic", ("Linear",))
+        return cls([weights], list(config.get("ignored_layers") or config.get("modules_to_not_convert") or []))
 
 
 class CTWNA16Method(PackedIntLinearMethod):

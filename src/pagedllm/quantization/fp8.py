@@ -29,12 +29,15 @@ class Fp8Config(QuantizationConfig):
     min_capability = FP8_MIN_CAPABILITY
     supports_lora = True
 
+    # quant_method "fp8" checkpoints are AutoFP8's per-tensor ones (compressed_tensors.AutoFp8Config reads them; it
+    # imports this module) or transformers' block-wise ones (refused)
+    checkpoint_reader = ("compressed_tensors", "AutoFp8Config")
+
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
-        if config:  # transformers' FineGrainedFP8 checkpoints (quant_method "fp8", 128x128 block scales)
-            raise ValueError("Block-wise FP8 checkpoints (quant_method 'fp8', weight_block_size "
-                             f"{config.get('weight_block_size')}) are not supported; use a compressed-tensors FP8 "
-                             "checkpoint or --quantization fp8 on the bf16 model.")
+        refuse_blockwise_fp8(config)
+        if config:
+            raise ValueError("FP8 checkpoints are read by AutoFp8Config (Fp8Config.checkpoint_reader).")
         return cls()
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
@@ -43,6 +46,13 @@ class Fp8Config(QuantizationConfig):
     def check_supported(self, device: torch.device, act_dtype: torch.dtype) -> None:
         super().check_supported(device, act_dtype)
         check_fp8_gpu_dtype(self.name, device, act_dtype)
+
+
+def refuse_blockwise_fp8(config: dict[str, Any]) -> None:
+    if config.get("weight_block_size") is not None:  # transformers' FineGrainedFP8 (128x128 block scales)
+        raise ValueError("Block-wise FP8 checkpoints (quant_method 'fp8', weight_block_size "
+                         f"{config.get('weight_block_size')}) are not supported; use a compressed-tensors FP8 "
+                         "checkpoint or --quantization fp8 on the bf16 model.")
 
 
 def check_fp8_gpu_dtype(name: str, device: torch.device, act_dtype: torch.dtype) -> None:
