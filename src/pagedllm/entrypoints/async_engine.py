@@ -467,7 +467,9 @@ class AsyncEngine:
             self._engine_to_parent[child.request_id] = request_id
             self._engine_of[child.request_id] = engine
             max_tokens = child.params.max_tokens
-            if max_tokens is None:  # the engine core's default: the room the prompt leaves
+            if child.params.pooling is not None:
+                max_tokens = 0  # an embedding has no max_tokens parameter (vLLM observes none)
+            elif max_tokens is None:  # the engine core's default: the room the prompt leaves
                 max_tokens = (self.ready.max_model_len if self.ready else 0) - len(prompt_token_ids)
             self._timing[child.request_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids),
                                                         engine=engine, max_tokens=max_tokens, samples=samples)
@@ -824,6 +826,9 @@ class AsyncEngine:
             if n_new:
                 prompt_tokens += self._count_tokens(t, n_new, now, gaps)
                 new_tokens += n_new
+            elif out.pooled is not None and t.first_token is None:
+                # an embedding's result is its first output: its prompt and TTFT count, as vLLM counts them
+                prompt_tokens += self._count_tokens(t, 0, now, gaps)
             if out.finish_reason is not None:
                 self._finish_timing(out.request_id, out.finish_reason, now)
         if new_tokens and metrics is not None:  # one counter update per step, not per request
