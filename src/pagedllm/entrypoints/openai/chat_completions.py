@@ -17,8 +17,9 @@ from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, request_reasoning
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, context_max_tokens, request_cache_salt,
-                                                        request_ids, request_priority, truncate_prompt)
+                                                        check_logprob_fields, context_max_tokens, data_parallel_rank,
+                                                        request_cache_salt, request_ids, request_priority,
+                                                        truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, first_output,
                                                    last_output, usage_dict)
@@ -76,7 +77,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
     gen = generate(prompt_text, prompt_ids, params, engine_id, output_kind="delta" if stream else "final_only",
-                   lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
+                   lora_request=state.lora_request(model), cache_salt=salt, priority=priority,
+                   data_parallel_rank=data_parallel_rank(request, engine))
     created = int(time.time())
     first, watch = await first_output(request, engine, gen, [engine_id])
     if stream:
