@@ -349,8 +349,8 @@ def test_two_api_processes_over_two_data_parallel_engine_cores(tiny_llama_dir: s
 def test_the_data_parallel_rank_header_pins_a_request_to_its_engine_core(tiny_llama_dir: str, e2e_env: dict,
                                                                            tmp_path) -> None:
     """vLLM's `X-data-parallel-rank: R` header sends a request to engine core R (an external router's choice);
-    it was ignored (the server's own balancing chose). Chat, completions (streamed or not, n > 1), responses and
-    embeddings all take it; a rank outside [0, data-parallel-size) or not an integer is a 400 naming the header."""
+    it was ignored (the server's own balancing chose). Chat, completions (streamed or not, n > 1, beam search),
+    responses and embeddings all take it; a rank outside [0, data-parallel-size) or not an integer is a 400 naming the header."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = str(tmp_path / "server.log")
@@ -374,13 +374,16 @@ def test_the_data_parallel_rank_header_pins_a_request_to_its_engine_core(tiny_ll
                           ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                     "max_tokens": 3}),
                           ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 3}),
-                          ("/v1/embeddings", {"model": "tiny", "input": ["x y", "z"]})]
+                          ("/v1/embeddings", {"model": "tiny", "input": ["x y", "z"]}),
+                          ("/v1/completions", {"model": "tiny", "prompt": "f g", "max_tokens": 2, "n": 2,
+                                               "use_beam_search": True})]
                 for path, body in bodies * 2:  # twice: the balancer alone would spread them over both cores
                     r = http.post(path, json=body, headers=pin)
                     assert r.status_code == 200, (path, r.text)
                 after = per_core("vllm:e2e_request_latency_seconds_count")
-                # completions n=2 (2) + stream (1) + chat (1) + responses (1) + embeddings (2), twice
-                assert after[rank] - before[rank] == 14 and after[1 - rank] == before[1 - rank], (rank, before, after)
+                # beam search: an engine request per beam and step; the rest: completions n=2 (2) + stream (1) +
+                # chat (1) + responses (1) + embeddings (2), twice
+                assert after[rank] - before[rank] > 14 and after[1 - rank] == before[1 - rank], (rank, before, after)
             for bad in ("2", "-1", "one"):
                 r = http.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1},
                               headers={"X-data-parallel-rank": bad})

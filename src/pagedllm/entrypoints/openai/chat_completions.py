@@ -63,7 +63,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         try:
             body = await beam_search.chat_response(req, state, model, request_id,
                                                    int(time.time()), prompt_ids, beam_max, request.is_disconnected,
-                                                   salt, priority, response_role(req, state))
+                                                   salt, priority, response_role(req, state),
+                                                   data_parallel_rank(request, engine))
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")

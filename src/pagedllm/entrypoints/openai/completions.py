@@ -133,7 +133,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         try:
             body = await beam_search.completion_response(req, state, model, request_id,
                                                          int(time.time()), prompts, beam_max, request.is_disconnected,
-                                                         salt, priority)
+                                                         salt, priority, data_parallel_rank(request, engine))
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")
