@@ -350,7 +350,8 @@ def test_the_data_parallel_rank_header_pins_a_request_to_its_engine_core(tiny_ll
                                                                            tmp_path) -> None:
     """vLLM's `X-data-parallel-rank: R` header sends a request to engine core R (an external router's choice);
     it was ignored (the server's own balancing chose). Chat, completions (streamed or not, n > 1, beam search),
-    responses and embeddings all take it; a rank outside [0, data-parallel-size) or not an integer is a 400 naming the header."""
+    responses and embeddings all take it; a rank outside [0, data-parallel-size) or not an integer is a 400 naming
+    the header."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = str(tmp_path / "server.log")
