@@ -143,8 +143,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Not pagedllm's: set when the user chose an OpenMP wait policy, which pagedllm then leaves alone.
     "OMP_WAIT_POLICY": _optional_str("OMP_WAIT_POLICY"),
     "GOMP_SPINCOUNT": _optional_str("GOMP_SPINCOUNT"),
-    # Default of `pagedllm serve --api-key` (so a key can come from a secret instead of the command line).
-    "PAGEDLLM_API_KEY": _optional_str("PAGEDLLM_API_KEY"),
+    # Default of `pagedllm serve --api-key` (so a key can come from a secret instead of the command line); vLLM's
+    # VLLM_API_KEY too: a deployment moved from vLLM must not come up without its key.
+    "PAGEDLLM_API_KEY": lambda: _optional_str("PAGEDLLM_API_KEY")() or _optional_str("VLLM_API_KEY")(),
     # Seconds a collective may wait before the ranks give up (a peer died or hangs): the engine then stops.
     "PAGEDLLM_DIST_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "300")),
     # Seconds the head waits at start for every rank (of every node) to join.

@@ -344,3 +344,51 @@ def test_two_api_processes_over_two_data_parallel_engine_cores(tiny_llama_dir: s
         assert {"pagedllm-api-0", "pagedllm-api-1", "pagedllm-core-0", "pagedllm-core-1"} <= set(names), names
     finally:
         stop(proc)
+
+
+def test_the_data_parallel_rank_header_pins_a_request_to_its_engine_core(tiny_llama_dir: str, e2e_env: dict,
+                                                                           tmp_path) -> None:
+    """vLLM's `X-data-parallel-rank: R` header sends a request to engine core R (an external router's choice);
+    it was ignored (the server's own balancing chose). Chat, completions (streamed or not, n > 1, beam search),
+    responses and embeddings all take it; a rank outside [0, data-parallel-size) or not an integer is a 400 naming
+    the header."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = str(tmp_path / "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--device", "cpu",
+                                 "--served-model-name", "tiny", "--data-parallel-size", "2", "--enforce-eager",
+                                 "--kv-cache-memory-bytes", str(16 << 20)],
+                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+    try:
+        wait_healthy(proc, url, timeout_s=240, log_path=log_path)
+        with httpx.Client(base_url=url, timeout=120) as http:
+            def per_core(name: str) -> list[float]:
+                text = http.get("/metrics").text
+                return [metric(text, name, engine=str(i)) for i in (0, 1)]
+
+            for rank in (1, 0):
+                before = per_core("vllm:e2e_request_latency_seconds_count")
+                pin = {"X-data-parallel-rank": str(rank)}
+                bodies = [("/v1/completions", {"model": "tiny", "prompt": "a b c", "max_tokens": 3, "n": 2}),
+                          ("/v1/completions", {"model": "tiny", "prompt": "d e", "max_tokens": 3, "stream": True}),
+                          ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 3}),
+                          ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 3}),
+                          ("/v1/embeddings", {"model": "tiny", "input": ["x y", "z"]}),
+                          ("/v1/completions", {"model": "tiny", "prompt": "f g", "max_tokens": 2, "n": 2,
+                                               "use_beam_search": True})]
+                for path, body in bodies * 2:  # twice: the balancer alone would spread them over both cores
+                    r = http.post(path, json=body, headers=pin)
+                    assert r.status_code == 200, (path, r.text)
+                after = per_core("vllm:e2e_request_latency_seconds_count")
+                # beam search: an engine request per beam and step; the rest: completions n=2 (2) + stream (1) +
+                # chat (1) + responses (1) + embeddings (2), twice
+                assert after[rank] - before[rank] > 14 and after[1 - rank] == before[1 - rank], (rank, before, after)
+            for bad in ("2", "-1", "one"):
+                r = http.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1},
+                              headers={"X-data-parallel-rank": bad})
+                assert r.status_code == 400, (bad, r.text)
+                assert "X-data-parallel-rank" in r.json()["error"]["message"], r.text
+    finally:
+        stop(proc)

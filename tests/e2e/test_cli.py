@@ -47,6 +47,15 @@ def test_bench_serve_prints_result_block(server: Server, e2e_env: dict, tmp_path
     assert 1 <= saved["mean_tokens_per_chunk"] <= 1.5 and saved["max_tokens_per_chunk"] <= 2, saved
 
 
+def test_bench_serve_takes_the_key_from_openai_api_key(server: Server, e2e_env: dict) -> None:
+    """Without --api-key, `bench serve` sends $OPENAI_API_KEY, as vLLM's bench serve does (it sent none: every
+    request of a keyed server was a 401)."""
+    r = run([cli("pagedllm"), "bench", "serve", "--base-url", server.url, "--num-prompts", "2", "--random-input-len",
+             "8", "--random-output-len", "2", "--ignore-eos", "--disable-tqdm"], dict(e2e_env, OPENAI_API_KEY=API_KEY))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "Successful requests:                     2" in r.stdout, r.stdout
+
+
 def test_bench_serve_in_two_client_processes(server: Server, e2e_env: dict, tmp_path) -> None:
     out = tmp_path / "result.json"
     r = run([cli("pagedllm"), "bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "8",

@@ -12,7 +12,7 @@ import torch
 
 openai = pytest.importorskip("openai", reason="the openai SDK against the server")
 
-from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server  # noqa: E402
+from e2e_helpers import API_KEY, MAX_MODEL_LEN, SERVED_NAME, Server, metric  # noqa: E402
 
 TEXTS = ["The capital of France is Paris.", "Embeddings turn text into vectors.", "a"]
 
@@ -239,3 +239,27 @@ def test_classify_on_a_generative_model_is_a_400(http: httpx.Client) -> None:
         r = http.post(path, json={"model": SERVED_NAME, "input": "hello"})
         assert r.status_code == 400 and "sequence classification model" in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "model"
+
+
+def test_embedding_requests_in_the_metrics_as_vllm_counts_them(http: httpx.Client) -> None:
+    """vLLM finishes a pooling request as "stop" (it stops once pooled), counts its prompt in
+    vllm:prompt_tokens_total with a time to first output, no generated token and no max_tokens parameter. Here
+    the one sampled token made it "length" (or "stop" when that token was EOS), and its prompt went uncounted
+    although the engine prefilled it (vllm:prefix_cache_queries_total counted it)."""
+    def sample(text: str, name: str, **labels: str) -> float:
+        return metric(text, name, model_name=SERVED_NAME, engine="0", **labels)
+
+    before = http.get("/metrics").text
+    r = http.post("/v1/embeddings", json={"model": SERVED_NAME, "input": TEXTS[:2]})
+    assert r.status_code == 200, r.text
+    after = http.get("/metrics").text
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="stop") == 2
+    assert delta("vllm:request_success_total", finished_reason="length") == 0
+    assert delta("vllm:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert delta("vllm:generation_tokens_total") == 0
+    assert delta("vllm:request_params_max_tokens_count") == 0

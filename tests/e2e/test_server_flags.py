@@ -452,3 +452,30 @@ def test_log_requests_and_outputs(flag_server) -> None:
     assert len(out) > MAX_LOG_LEN and f"output: {out[:MAX_LOG_LEN]!r}, output_token_ids: [" in line, line
     logged_ids = line[line.index("output_token_ids: [") + 19:line.index("], finish_reason")].split(", ")
     assert len(logged_ids) == MAX_LOG_LEN
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_port_0_logs_the_port_the_server_listens_on(tiny_llama_dir: str, e2e_env: dict, tmp_path,
+                                                     api_servers: int) -> None:
+    """`--port 0` takes a port the kernel picks: the start log's URLs must name it (one API process logged
+    http://127.0.0.1:0/v1, where nobody listens), and the server answers there."""
+    import re
+
+    log_path = str(tmp_path / "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", "0", "--device", "cpu",
+                                 "--served-model-name", "tiny", "--enforce-eager", "--kv-cache-memory-bytes",
+                                 str(16 << 20), "--api-server-count", str(api_servers)],
+                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+    try:
+        deadline = time.monotonic() + 240  # a hang guard
+        while not re.search(r"Dashboard: (\S+)/dashboard", open(log_path).read()):
+            assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()[-3000:]
+            time.sleep(0.1)
+        text = open(log_path).read()
+        urls = re.findall(r"at (http://\S+)/v1", text) + re.findall(r"Dashboard: (\S+)/dashboard", text)
+        assert urls and len(set(urls)) == 1, text[-3000:]
+        assert not urls[0].endswith(":0"), urls
+        assert httpx.get(urls[0] + "/health", timeout=30).status_code == 200
+    finally:
+        stop(proc)

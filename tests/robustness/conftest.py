@@ -19,6 +19,7 @@ def robust_env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     # on 2 shared cores slow every step down.
     env["OMP_NUM_THREADS"] = "1"
     env.pop("PAGEDLLM_API_KEY", None)
+    env.pop("VLLM_API_KEY", None)  # (vLLM's name of it)
     return env
 
 

@@ -42,3 +42,28 @@ def test_probes_stay_open(tiny_server, path: str) -> None:
 def test_key_is_not_in_the_schema_or_logs(tiny_server) -> None:
     assert API_KEY not in httpx.get(tiny_server.url + "/openapi.json", timeout=30).text
     assert API_KEY not in tiny_server.log()
+
+
+def test_vllm_api_key_variable_guards_the_server(tiny_llama_dir: str, robust_env: dict, tmp_path) -> None:
+    """vLLM's `VLLM_API_KEY` (the key `vllm serve` takes without --api-key, from a secret) guards the server as
+    PAGEDLLM_API_KEY does: it was ignored, so a deployment moved from vLLM served every route without a key.
+    --api-key wins over it."""
+    from robust_helpers import launch, stop
+
+    env = dict(robust_env, VLLM_API_KEY="from-vllm-env")
+    server = launch(tiny_llama_dir, ["--served-model-name", "tiny"], env, str(tmp_path / "env.log"))
+    try:
+        assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
+        ok = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer from-vllm-env"}, timeout=30)
+        assert ok.status_code == 200, ok.text
+    finally:
+        stop(server.proc)
+    server = launch(tiny_llama_dir, ["--served-model-name", "tiny", "--api-key", "flag"], env,
+                    str(tmp_path / "flag.log"))
+    try:
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer flag"},
+                         timeout=30).status_code == 200
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer from-vllm-env"},
+                         timeout=30).status_code == 401
+    finally:
+        stop(server.proc)

@@ -743,9 +743,11 @@ class Scheduler:
             new_token_ids = [token_id]
         else:
             new_token_ids = self._append_tokens(request, sampled)
-        is_finished = request.status.finished
         if request.sampling_params.pooling is not None:  # an embedding: its one token is no output (nor counted)
             new_token_ids = []
+            if request.status.finished:  # it stops once pooled, as vLLM's: "stop", not the token's "length" or EOS
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        is_finished = request.status.finished
         if output.spec_token_ids is not None and not is_finished:
             request.spec_token_ids = output.spec_token_ids[index]
         queued = None

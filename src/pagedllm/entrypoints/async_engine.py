@@ -327,11 +327,12 @@ class AsyncEngine:
         cache_salt: Optional[str] = None,
         priority: int = 0,
         prompt_embeds: Any = None,
+        data_parallel_rank: Optional[int] = None,
     ) -> AsyncIterator[Any]:
         """Yield RequestOutputs (delta: one per engine step; cumulative: the latest at each wake-up; final_only:
         the last) until the request finishes."""
         batches = self.generate_batches(prompt, prompt_token_ids, params, request_id, output_kind, lora_request,
-                                        cache_salt, priority, prompt_embeds)
+                                        cache_salt, priority, prompt_embeds, data_parallel_rank)
         try:
             async for batch in batches:
                 if output_kind != "delta":
@@ -353,6 +354,7 @@ class AsyncEngine:
         cache_salt: Optional[str] = None,
         priority: int = 0,
         prompt_embeds: Any = None,  # a [num_tokens, hidden] tensor; prompt_token_ids: as many placeholders
+        data_parallel_rank: Optional[int] = None,  # the engine core to use (X-data-parallel-rank); None: balanced
     ) -> AsyncIterator[list]:
         """Yield every RequestOutput that arrived since the last yield, in order, as a non-empty list, until the
         request finishes (the last list ends with the finished output). An error (engine death, a refused
@@ -382,7 +384,7 @@ class AsyncEngine:
                 request_logger = None
         try:
             engine, adds = self._add_children(request_id, parent, prompt, prompt_token_ids, children, output_kind,
-                                              lora_request, cache_salt, priority, prompt_embeds)
+                                              lora_request, cache_salt, priority, prompt_embeds, data_parallel_rank)
             await self._send_adds(engine, adds)
             while True:
                 if not pending:
@@ -450,11 +452,18 @@ class AsyncEngine:
     def _add_children(self, request_id: str, parent: _Parent, prompt: Optional[str], prompt_token_ids: list[int],
                       children: list, output_kind: str, lora_request: Any,
                       cache_salt: Optional[str] = None, priority: int = 0,
-                      prompt_embeds: Any = None) -> tuple[int, list]:
+                      prompt_embeds: Any = None, data_parallel_rank: Optional[int] = None) -> tuple[int, list]:
         """Register the request's engine requests (`children`: fan_out's, one per sample) with the OutputProcessor
         and the bookkeeping; -> (the engine core that gets them, their AddRequest messages)."""
         now = time.monotonic()
-        engine = self.router.choose(prompt_token_ids, len(children), cache_salt) if self.num_engines > 1 else 0
+        if data_parallel_rank is not None and self.num_engines > 1:
+            if not 0 <= data_parallel_rank < self.num_engines:
+                raise RequestRejected(f"data_parallel_rank {data_parallel_rank} is out of range [0, "
+                                      f"{self.num_engines}).")
+            engine = data_parallel_rank
+            self.router.load[engine] += len(children)  # (each child's finish takes one off, as for a chosen one)
+        else:
+            engine = self.router.choose(prompt_token_ids, len(children), cache_salt) if self.num_engines > 1 else 0
         adds: list[m.AddRequest] = []
         embeds = None
         if prompt_embeds is not None:
@@ -467,7 +476,9 @@ class AsyncEngine:
             self._engine_to_parent[child.request_id] = request_id
             self._engine_of[child.request_id] = engine
             max_tokens = child.params.max_tokens
-            if max_tokens is None:  # the engine core's default: the room the prompt leaves
+            if child.params.pooling is not None:
+                max_tokens = 0  # an embedding has no max_tokens parameter (vLLM observes none)
+            elif max_tokens is None:  # the engine core's default: the room the prompt leaves
                 max_tokens = (self.ready.max_model_len if self.ready else 0) - len(prompt_token_ids)
             self._timing[child.request_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids),
                                                         engine=engine, max_tokens=max_tokens, samples=samples)
@@ -824,6 +835,9 @@ class AsyncEngine:
             if n_new:
                 prompt_tokens += self._count_tokens(t, n_new, now, gaps)
                 new_tokens += n_new
+            elif out.pooled is not None and t.first_token is None:
+                # an embedding's result is its first output: its prompt and TTFT count, as vLLM counts them
+                prompt_tokens += self._count_tokens(t, 0, now, gaps)
             if out.finish_reason is not None:
                 self._finish_timing(out.request_id, out.finish_reason, now)
         if new_tokens and metrics is not None:  # one counter update per step, not per request

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -44,7 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--tokenizer", type=existing_path_or_repo, default=None,
                    help="tokenizer to draw prompts from (default: the model's)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
     p.add_argument("--dataset-name", default="random", choices=["random"])
     p.add_argument("--num-prompts", type=positive_int, default=1000)
     p.add_argument("--max-concurrency", type=positive_int, default=None)
@@ -451,6 +452,8 @@ def _result_record(args: argparse.Namespace, metrics: dict, model: str, base_url
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.api_key:  # as vLLM's bench serve, which sends $OPENAI_API_KEY
+        args.api_key = os.environ.get("OPENAI_API_KEY") or None
     plotting = bool(args.plot or args.plot_dir)
     if plotting:  # before anything runs: a missing matplotlib costs no benchmark and writes nothing
         from pagedllm.entrypoints.cli.bench_plots import PlotUnavailable, require_matplotlib

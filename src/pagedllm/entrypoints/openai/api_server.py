@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import logging
 import socket
 import sys
@@ -106,6 +107,9 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
     ERROR_STACK["log"] = bool(getattr(args, "log_error_stack", False))
     names = served_names(args)
     sock = bind_socket(args.host, args.port, reuse_port=client is not None)
+    if args.port == 0:  # --port 0: the port the kernel chose, for the URLs logged below
+        args = copy.copy(args)
+        args.port = sock.getsockname()[1]
     index, count = (0, 1) if client is None else (client.index, client.layout.num_clients)
     metrics = Metrics(names[0], num_engines=engine_args.data_parallel_size, api_server=index,
                       multiprocess_dir=None if client is None else client.layout.metrics_dir)

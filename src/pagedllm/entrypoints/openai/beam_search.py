@@ -56,8 +56,10 @@ def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int
 
 
 async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchParams, disconnected=None,
-                 lora_request: Any = None, cache_salt: Optional[str] = None, priority: int = 0):
-    """One prompt's search; every beam step runs under the request's adapter, prefix-cache salt and priority."""
+                 lora_request: Any = None, cache_salt: Optional[str] = None, priority: int = 0,
+                 data_parallel_rank: Optional[int] = None):
+    """One prompt's search; every beam step runs under the request's adapter, prefix-cache salt and priority (and
+    on its X-data-parallel-rank core)."""
     from pagedllm.beam_search.driver import run_async
 
     engine = state.engine
@@ -68,7 +70,8 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
     async def one(seq: list[int], sp) -> Any:
         final = None
         async for out in engine.generate(None, seq, sp, output_kind="final_only", lora_request=lora_request,
-                                         cache_salt=cache_salt, priority=priority):
+                                         cache_salt=cache_salt, priority=priority,
+                                         data_parallel_rank=data_parallel_rank):
             final = out
         return final
 
@@ -90,12 +93,12 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
 
 async def completion_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
                               prompts: list, max_tokens: int, disconnected=None, cache_salt: Optional[str] = None,
-                              priority: int = 0) -> dict:
-    """cache_salt, priority: the request's, as the handler checked them."""
+                              priority: int = 0, data_parallel_rank: Optional[int] = None) -> dict:
+    """cache_salt, priority, data_parallel_rank: the request's, as the handler checked them."""
     params, n = beam_search_params(req, max_tokens)
     lora = state.lora_request(model)
-    results = await asyncio.gather(*(search(state, ids, params, disconnected, lora, cache_salt, priority)
-                                     for _, ids in prompts))
+    results = await asyncio.gather(*(search(state, ids, params, disconnected, lora, cache_salt, priority,
+                                            data_parallel_rank) for _, ids in prompts))
     choices, num_prompt, num_gen = [], 0, 0
     for i, ((_, ids), result) in enumerate(zip(prompts, results)):
         num_prompt += len(ids)
@@ -112,10 +115,12 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
 
 async def chat_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
                         prompt_ids: list[int], max_tokens: Optional[int], disconnected=None,
-                        cache_salt: Optional[str] = None, priority: int = 0, role: str = "assistant") -> dict:
-    """cache_salt, priority: the request's, as the handler checked them; role: the answer's."""
+                        cache_salt: Optional[str] = None, priority: int = 0, role: str = "assistant",
+                        data_parallel_rank: Optional[int] = None) -> dict:
+    """cache_salt, priority, data_parallel_rank: the request's, as the handler checked them; role: the answer's."""
     params, n = beam_search_params(req, max_tokens)
-    result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), cache_salt, priority)
+    result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), cache_salt, priority,
+                          data_parallel_rank)
     choices, num_gen = [], 0
     for j, seq in enumerate(result.sequences[:n]):
         num_gen += len(seq.tokens) - len(prompt_ids)

@@ -17,8 +17,9 @@ from pagedllm.entrypoints.openai.logprobs import iter_logprobs, prompt_logprobs_
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning import ChoiceReasoning, request_reasoning
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
-                                                        check_logprob_fields, context_max_tokens, request_cache_salt,
-                                                        request_ids, request_priority, truncate_prompt)
+                                                        check_logprob_fields, context_max_tokens, data_parallel_rank,
+                                                        request_cache_salt, request_ids, request_priority,
+                                                        truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, first_output,
                                                    last_output, usage_dict)
@@ -62,7 +63,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         try:
             body = await beam_search.chat_response(req, state, model, request_id,
                                                    int(time.time()), prompt_ids, beam_max, request.is_disconnected,
-                                                   salt, priority, response_role(req, state))
+                                                   salt, priority, response_role(req, state),
+                                                   data_parallel_rank(request, engine))
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")
@@ -76,7 +78,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
     gen = generate(prompt_text, prompt_ids, params, engine_id, output_kind="delta" if stream else "final_only",
-                   lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
+                   lora_request=state.lora_request(model), cache_salt=salt, priority=priority,
+                   data_parallel_rank=data_parallel_rank(request, engine))
     created = int(time.time())
     first, watch = await first_output(request, engine, gen, [engine_id])
     if stream:

@@ -15,8 +15,8 @@ from pagedllm.entrypoints.openai.logprobs import (iter_logprobs, prompt_logprobs
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.request_params import (build_sampling_params, check_context_length,
                                                         check_logprob_fields, check_token_ids, context_max_tokens,
-                                                        request_cache_salt, request_ids, request_priority,
-                                                        truncate_prompt)
+                                                        data_parallel_rank, request_cache_salt, request_ids,
+                                                        request_priority, truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import (CachedTokens, ChunkFramer, SSEResponse, SSEStream, merge_streams,
                                                    start_disconnect_watch, usage_dict)
@@ -133,7 +133,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         try:
             body = await beam_search.completion_response(req, state, model, request_id,
                                                          int(time.time()), prompts, beam_max, request.is_disconnected,
-                                                         salt, priority)
+                                                         salt, priority, data_parallel_rank(request, engine))
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")
@@ -151,8 +151,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     lora = state.lora_request(model)
     # A stream takes each engine step's output as it comes (batches: what arrived while it was writing).
     generate = engine.generate_batches if stream else engine.generate
+    rank = data_parallel_rank(request, engine)
     gens = [generate(text, ids, params, sid, output_kind=kind, lora_request=lora, cache_salt=salt, priority=priority,
-                     **({} if e is None else {"prompt_embeds": e}))
+                     data_parallel_rank=rank, **({} if e is None else {"prompt_embeds": e}))
             for (text, ids), sid, e in zip(prompts, sub_ids, embeds_of)]
     watch = start_disconnect_watch(request, engine, sub_ids)
     # One prompt's stream is read as it is (one generator less per chunk); several are interleaved, as (i, item).

@@ -16,7 +16,8 @@ from pagedllm.entrypoints.openai.chat_template import check_request_template, re
 from pagedllm.entrypoints.openai.completions import parse_prompts
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.protocol import ChatMessage, Int, TokenId, _Req
-from pagedllm.entrypoints.openai.request_params import request_ids, request_priority, truncate_prompt
+from pagedllm.entrypoints.openai.request_params import (data_parallel_rank, request_ids, request_priority,
+                                                        truncate_prompt)
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.streaming import merge_streams, start_disconnect_watch
 
@@ -140,7 +141,9 @@ async def pooled_vectors(request: Request, state: ServerState, model: str, input
     params = sampling_params_for(kind)
     sub_ids = [f"{request_id}-{i}" for i in range(len(inputs))] if len(inputs) > 1 else [request_id]
     lora = state.lora_request(model)
-    gens = [engine.generate(text, ids, params, sid, output_kind="final_only", lora_request=lora, priority=priority)
+    rank = data_parallel_rank(request, engine)
+    gens = [engine.generate(text, ids, params, sid, output_kind="final_only", lora_request=lora, priority=priority,
+                            data_parallel_rank=rank)
             for (text, ids), sid in zip(inputs, sub_ids)]
     watch = start_disconnect_watch(request, engine, sub_ids)
     finals: dict[int, Any] = {}

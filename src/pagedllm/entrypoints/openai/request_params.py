@@ -37,6 +37,23 @@ def request_ids(request: Any, prefix: str, given: Optional[str]) -> tuple[str, s
     return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
 
 
+def data_parallel_rank(request: Any, engine: Any) -> Optional[int]:
+    """vLLM's `X-data-parallel-rank` header: the engine core an external router chose for the request (None: the
+    server's own balancing); a 400 for a value that is no core's index."""
+    value = request.headers.get("x-data-parallel-rank")
+    if value is None:
+        return None
+    num_engines = getattr(engine, "num_engines", 1)
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = None
+    if rank is None or not 0 <= rank < num_engines:
+        raise APIError(f"X-data-parallel-rank must be an engine core's index, an integer in [0, {num_engines}) "
+                       f"(--data-parallel-size), got {value!r}.")
+    return rank
+
+
 def request_priority(req: Any, scheduling_policy: str) -> int:
     """The request's priority (vLLM's; null is 0), or a 400 naming the field (not 0 under fcfs)."""
     priority = field_or_none(req, "priority") or 0

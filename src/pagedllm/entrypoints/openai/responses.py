@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.chat_tools import ChoiceStreams, apply_tool_gra
     plan_request_tools
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.request_params import build_sampling_params, check_context_length, \
-    context_max_tokens, request_cache_salt, request_priority
+    context_max_tokens, data_parallel_rank, request_cache_salt, request_priority
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, check_refused, text_format_spec, \
     to_chat_request
 from pagedllm.entrypoints.openai.server_state import ServerState
@@ -71,7 +71,8 @@ async def _create_response(request: Request, state: ServerState) -> Response:
     stream = bool(req.stream)
     generate = state.engine.generate_batches if stream else state.engine.generate
     gen = generate(prompt_text, prompt_ids, params, engine_id, output_kind="delta" if stream else "final_only",
-                   lora_request=state.lora_request(model), cache_salt=salt, priority=priority)
+                   lora_request=state.lora_request(model), cache_salt=salt, priority=priority,
+                   data_parallel_rank=data_parallel_rank(request, state.engine))
     shell = _ResponseShell(req, model, request_id, int(time.time()), len(prompt_ids), state.tokenizer)
     first, watch = await first_output(request, state.engine, gen, [engine_id])
     if stream:
