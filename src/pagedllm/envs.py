@@ -42,6 +42,14 @@ def _int(name: str, default: int) -> Callable[[], int]:
     return lambda: int(os.environ.get(name, default))
 
 
+def _logging_level() -> str:
+    name = "PAGEDLLM_LOGGING_LEVEL" if os.environ.get("PAGEDLLM_LOGGING_LEVEL") else "VLLM_LOGGING_LEVEL"
+    level = (os.environ.get(name) or "INFO").strip().upper()
+    if level not in ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"):
+        raise ValueError(f"{name}={level!r} is not a logging level; use one of CRITICAL, ERROR, WARNING, INFO, DEBUG.")
+    return level
+
+
 def _choice(name: str, default: str, choices: tuple) -> str:
     value = os.environ.get(name, default).strip().lower()
     if value not in choices:
@@ -52,8 +60,9 @@ def _choice(name: str, default: str, choices: tuple) -> str:
 _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Where converted GGUF models (and other derived artifacts) are cached.
     "PAGEDLLM_CACHE_DIR": _cache_dir,
-    # Root logging level for the `pagedllm` logger (DEBUG, INFO, WARNING, ...).
-    "PAGEDLLM_LOGGING_LEVEL": lambda: os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(),
+    # Root logging level for the `pagedllm` logger (DEBUG, INFO, WARNING, ...; vLLM's VLLM_LOGGING_LEVEL too): the
+    # offline LLM's level and the server's --log-level default.
+    "PAGEDLLM_LOGGING_LEVEL": lambda: _logging_level(),
     # Seed for dummy (random) weights: `load_format="dummy"`.
     "PAGEDLLM_DUMMY_WEIGHT_SEED": _int("PAGEDLLM_DUMMY_WEIGHT_SEED", 1234),
     # Set to 1 to hide tqdm progress bars (weight loading, GGUF conversion).

@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Sequence, Union
 
+from pagedllm import envs
 from pagedllm.config import EngineArgs
 from pagedllm.core.block_hash import check_cache_salt
 from pagedllm.sampling_params import PER_REQUEST_LOGITS_PROCESSORS, SamplingParams, keep_last_tokens
@@ -26,7 +27,7 @@ def _setup_logging() -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
-        root.setLevel(logging.INFO)
+        root.setLevel(envs.PAGEDLLM_LOGGING_LEVEL)
 
 
 def _chat_messages(conv: Any, index: Optional[int], content_format: str = "string") -> list[dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
+from pagedllm import envs
 from pagedllm.dtypes import DTYPE_CHOICES
 from pagedllm.entrypoints.cli.arg_types import human_int, non_blank, positive_int
 
@@ -48,7 +49,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
                    help='LoRA adapters served under their own model names (needs --enable-lora): name=path or '
                         '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
-    g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+    g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default=envs.PAGEDLLM_LOGGING_LEVEL.lower(),
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument("--enable-log-requests", action="store_true",

@@ -1,0 +1,42 @@
+"""PAGEDLLM_LOGGING_LEVEL (or vLLM's VLLM_LOGGING_LEVEL) sets the offline LLM's logging level and the server's
+--log-level default; a value that is not a level is refused with a message naming the variable."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm import envs
+
+SCRIPT = """
+import argparse, logging
+from pagedllm.entrypoints.llm import _setup_logging
+from pagedllm.entrypoints.openai.cli_args import add_serve_args
+_setup_logging()
+parser = add_serve_args(argparse.ArgumentParser(), positional_model=False)
+print(logging.getLevelName(logging.getLogger("pagedllm").level), parser.parse_args([]).log_level)
+"""
+
+
+@pytest.mark.parametrize("env, expected", [({}, "INFO info"),
+                                           ({"PAGEDLLM_LOGGING_LEVEL": "warning"}, "WARNING warning"),
+                                           ({"VLLM_LOGGING_LEVEL": "DEBUG"}, "DEBUG debug"),
+                                           ({"PAGEDLLM_LOGGING_LEVEL": "error", "VLLM_LOGGING_LEVEL": "DEBUG"},
+                                            "ERROR error")])
+def test_logging_level_from_the_environment(env, expected, monkeypatch):
+    for name in ("PAGEDLLM_LOGGING_LEVEL", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == expected.split()
+
+
+def test_a_bad_level_is_refused_by_name(monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "loud")
+    with pytest.raises(ValueError, match="VLLM_LOGGING_LEVEL='LOUD' is not a logging level"):
+        envs.PAGEDLLM_LOGGING_LEVEL
+    assert logging.getLevelName("INFO") == logging.INFO
