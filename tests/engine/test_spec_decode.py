@@ -281,3 +281,27 @@ def test_overlapped_ngram_sampling_keeps_the_target_distribution(tiny_model_dir,
     llm = _llm(model, async_scheduling=True, max_num_seqs=128, kv_cache_memory_bytes=1 << 26, max_model_len=512,
                speculative_config=dict(NGRAM, disable_by_batch_size=None))
     check_overlapped_sampling(llm, _prompts(8)[2][:12])
+
+
+@pytest.mark.parametrize("disable_log_stats", [True, False])
+def test_acceptance_log_follows_disable_log_stats(tiny_model_dir, caplog, disable_log_stats):
+    """The periodic acceptance line is a stats log: off with disable_log_stats (the offline default, as vLLM's LLM),
+    on without it (`serve` unless --disable-log-stats); the start-up line says which."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = _llm(tiny_model_dir("llama"), speculative_config=NGRAM, disable_log_stats=disable_log_stats)
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Speculative decoding:")]
+    assert len(started) == 1
+    assert ("acceptance is logged every" in started[0]) is not disable_log_stats
+    assert (llm.engine._spec_log is None) is disable_log_stats
+
+
+def test_serve_passes_disable_log_stats_to_the_engine():
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args, to_engine_args
+
+    parser = add_serve_args(argparse.ArgumentParser(), positional_model=False)
+    assert to_engine_args(parser.parse_args([])).disable_log_stats is False
+    assert to_engine_args(parser.parse_args(["--disable-log-stats"])).disable_log_stats is True

@@ -153,13 +153,18 @@ class EngineCore:
         if not str(getattr(w, "device", "cuda")).startswith("cpu") and not envs.PAGEDLLM_PARTIAL_BLOCK_COPIES:
             # PAGEDLLM_PARTIAL_BLOCK_COPIES=0: beam forks recompute the last partial block (A/B).
             self.scheduler.kv_cache_manager.disable_partial_blocks()
-        self._spec_log = SpecLogger(self.scheduler.spec_stats) if w.num_speculative_tokens else None
+        # The periodic acceptance line is a stats log: off with disable_log_stats (the offline LLM's default, as
+        # vLLM's; `serve` logs unless --disable-log-stats). /metrics counts either way.
+        self._spec_log = (SpecLogger(self.scheduler.spec_stats)
+                          if w.num_speculative_tokens and not engine_args.disable_log_stats else None)
         if w.speculative is not None:
             sc = w.speculative
             logger.info("Speculative decoding: %s%s, %d tokens per step, off in steps with more than %s running + "
-                        "waiting requests; acceptance is logged every %.0f s.", sc.method,
+                        "waiting requests%s.", sc.method,
                         f" ({sc.model})" if sc.model else f" (lookup {sc.prompt_lookup_min}..{sc.prompt_lookup_max})",
-                        sc.num_speculative_tokens, sc.disable_by_batch_size, self._spec_log.interval_s)
+                        sc.num_speculative_tokens, sc.disable_by_batch_size,
+                        "" if self._spec_log is None
+                        else f"; acceptance is logged every {self._spec_log.interval_s:.0f} s")
         self.async_scheduling = w.async_scheduling
         self.scheduler.spec.overlap = bool(getattr(w, "spec_overlap", False))
         # Structured outputs: built on the first request under a grammar (engines without any pay nothing).

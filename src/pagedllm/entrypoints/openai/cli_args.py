@@ -12,7 +12,7 @@ from pagedllm.entrypoints.cli.arg_types import human_int, non_blank, positive_in
 # Flags that belong to the server, not to EngineArgs.
 SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "log_level", "config",
                "disable_uvicorn_access_log", "model_tag", "disable_log_requests", "uvicorn_log_level",
-               "disable_log_stats", "startup_timeout",
+               "startup_timeout",
                "shutdown_timeout", "engine_dead_grace_period", "max_request_body_bytes", "send_timeout",
                "tool_call_parser", "enable_auto_tool_choice", "guided_decoding_backend", "dashboard",
                "api_server_count", "trust_request_chat_template", "chat_template", "chat_template_content_format",
@@ -59,7 +59,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                         "finish reason")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted for vLLM compatibility (requests are logged only with --enable-log-requests)")
-    g.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM compatibility")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic statistics log lines (speculative decoding's acceptance); /metrics is unchanged")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load reports the generation / pooling requests in flight (vLLM's server_load)")
     g.add_argument("--startup-timeout", type=float, default=None, help="seconds to wait for the engine to load")
