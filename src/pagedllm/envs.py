@@ -50,6 +50,19 @@ def _logging_level() -> str:
     return level
 
 
+def _keep_alive_s() -> float:
+    name = ("PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE" if os.environ.get("PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+            else "VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+    text = os.environ.get(name) or "5"
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}={text!r}: expected a positive number of seconds.")
+    return value
+
+
 def _choice(name: str, default: str, choices: tuple) -> str:
     value = os.environ.get(name, default).strip().lower()
     if value not in choices:
@@ -152,6 +165,8 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Not pagedllm's: set when the user chose an OpenMP wait policy, which pagedllm then leaves alone.
     "OMP_WAIT_POLICY": _optional_str("OMP_WAIT_POLICY"),
     "GOMP_SPINCOUNT": _optional_str("GOMP_SPINCOUNT"),
+    # Seconds an idle HTTP keep-alive connection stays open (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE too; default 5).
+    "PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE": lambda: _keep_alive_s(),
     # Default of `pagedllm serve --api-key` (so a key can come from a secret instead of the command line); vLLM's
     # VLLM_API_KEY too: a deployment moved from vLLM must not come up without its key.
     "PAGEDLLM_API_KEY": lambda: _optional_str("PAGEDLLM_API_KEY")() or _optional_str("VLLM_API_KEY")(),

@@ -180,7 +180,8 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
                            request_id_headers=bool(getattr(args, "enable_request_id_headers", False)))
         freeze_startup_objects()  # the tokenizer and the app, for the server's life: it allocates per chunk
         config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5, lifespan="off",
+                                timeout_keep_alive=envs.PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE, timeout_graceful_shutdown=5,
+                                lifespan="off",
                                 root_path=getattr(args, "root_path", None) or "",
                                 ssl_keyfile=getattr(args, "ssl_keyfile", None),
                                 ssl_certfile=getattr(args, "ssl_certfile", None),

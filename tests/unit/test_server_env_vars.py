@@ -1,5 +1,6 @@
-"""PAGEDLLM_LOGGING_LEVEL (or vLLM's VLLM_LOGGING_LEVEL) sets the offline LLM's logging level and the server's
---log-level default; a value that is not a level is refused with a message naming the variable."""
+"""Environment variables of the logging and the HTTP server: PAGEDLLM_LOGGING_LEVEL (or vLLM's VLLM_LOGGING_LEVEL) sets
+the offline LLM's logging level and the server's --log-level default; PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE (or
+VLLM_HTTP_TIMEOUT_KEEP_ALIVE) the keep-alive; a bad value is refused with a message naming the variable."""
 from __future__ import annotations
 
 import logging
@@ -40,3 +41,22 @@ def test_a_bad_level_is_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match="VLLM_LOGGING_LEVEL='LOUD' is not a logging level"):
         envs.PAGEDLLM_LOGGING_LEVEL
     assert logging.getLevelName("INFO") == logging.INFO
+
+
+@pytest.mark.parametrize("env, expected", [({}, 5.0), ({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "30"}, 30.0),
+                                           ({"PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE": "2.5",
+                                             "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "30"}, 2.5)])
+def test_http_keep_alive_from_the_environment(env, expected, monkeypatch):
+    for name in ("PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert envs.PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan"])
+def test_a_bad_keep_alive_is_refused_by_name(value, monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", value)
+    with pytest.raises(ValueError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE=.*positive number of seconds"):
+        envs.PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE
