@@ -304,6 +304,19 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _serve_two_cores(model: str, env: dict, tmp_path, *flags: str) -> tuple[subprocess.Popen, str, int, str]:
+    """`pagedllm serve` of the tiny model over two data-parallel engine cores on the CPU: (process, url, port,
+    log path); the caller waits for it and stops it."""
+    port = free_port()
+    log_path = str(tmp_path / "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([cli("pagedllm"), "serve", model, "--port", str(port), "--device", "cpu",
+                                 "--served-model-name", "tiny", "--data-parallel-size", "2", "--enforce-eager",
+                                 "--kv-cache-memory-bytes", str(16 << 20), *flags],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}", port, log_path
+
+
 def test_two_api_processes_over_two_data_parallel_engine_cores(tiny_llama_dir: str, e2e_env: dict,
                                                                 tmp_path) -> None:
     """Each API process sends to both engine cores and each core answers both processes: every request's text
@@ -311,14 +324,7 @@ def test_two_api_processes_over_two_data_parallel_engine_cores(tiny_llama_dir: s
     from pagedllm import LLM, SamplingParams
 
     prompts = [f"The quick brown fox {i} jumps" + " again" * (i % 4) for i in range(32)]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = str(tmp_path / "server.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--device", "cpu",
-                                 "--served-model-name", "tiny", "--data-parallel-size", "2", "--enforce-eager",
-                                 "--api-server-count", "2", "--kv-cache-memory-bytes", str(16 << 20)],
-                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+    proc, url, port, log_path = _serve_two_cores(tiny_llama_dir, e2e_env, tmp_path, "--api-server-count", "2")
     try:
         wait_healthy(proc, url, timeout_s=240, log_path=log_path)
         wait_all_serving(Server(url, port, tiny_llama_dir, proc, log_path, api_servers=2))
@@ -352,14 +358,7 @@ def test_the_data_parallel_rank_header_pins_a_request_to_its_engine_core(tiny_ll
     it was ignored (the server's own balancing chose). Chat, completions (streamed or not, n > 1, beam search),
     responses and embeddings all take it; a rank outside [0, data-parallel-size) or not an integer is a 400 naming
     the header."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = str(tmp_path / "server.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([cli("pagedllm"), "serve", tiny_llama_dir, "--port", str(port), "--device", "cpu",
-                                 "--served-model-name", "tiny", "--data-parallel-size", "2", "--enforce-eager",
-                                 "--kv-cache-memory-bytes", str(16 << 20)],
-                                stdout=log, stderr=subprocess.STDOUT, env=e2e_env)
+    proc, url, _, log_path = _serve_two_cores(tiny_llama_dir, e2e_env, tmp_path)
     try:
         wait_healthy(proc, url, timeout_s=240, log_path=log_path)
         with httpx.Client(base_url=url, timeout=120) as http:
