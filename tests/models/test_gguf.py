@@ -224,3 +224,23 @@ def test_a_part_of_a_split_gguf_is_refused_by_name(tmp_path, fresh_cache, monkey
                                          r"--merge"):
         prepare_model_dir(path)
     assert not any(fresh_cache.rglob("*.safetensors"))
+
+
+def test_a_directory_of_several_ggufs_names_them(tmp_path):
+    """A directory without config.json holding several .gguf files: which one to load is the user's to say, and
+    a split's parts are named as such with the merge to run (it said only "has no config.json")."""
+    split = tmp_path / "split"
+    split.mkdir()
+    for i in (1, 2):
+        (split / f"model-0000{i}-of-00002.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(model-00001-of-00002\.gguf, model-00002-of-00002"
+                                         r"\.gguf\)\. model-00001-of-00002\.gguf and the rest are the parts of a split "
+                                         r"GGUF: merge them with `llama-gguf-split --merge"):
+        prepare_model_dir(str(split))
+    variants = tmp_path / "variants"
+    variants.mkdir()
+    for name in ("m.Q4_K_M.gguf", "m.Q8_0.gguf"):
+        (variants / name).write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(m\.Q4_K_M\.gguf, m\.Q8_0\.gguf\)\. Pass the \.gguf "
+                                         r"file to load\."):
+        prepare_model_dir(str(variants))

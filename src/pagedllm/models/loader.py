@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from typing import Any, Optional, Union
 
 import torch
@@ -81,6 +82,13 @@ def prepare_model_dir(model_path: str, load_format: str = "auto") -> str:
             return model_path
         if len(ggufs) == 1:
             return _convert(os.path.join(model_path, ggufs[0]))
+        if len(ggufs) > 1:  # which one is meant is the user's to say (quantization variants, or a split's parts)
+            split = [f for f in ggufs if re.search(r"-\d{5}-of-\d{5}\.gguf$", f)]
+            hint = (f" {split[0]} and the rest are the parts of a split GGUF: merge them with `llama-gguf-split "
+                    f"--merge {split[0]} MERGED.gguf` and pass the merged file." if split
+                    else " Pass the .gguf file to load.")
+            raise ValueError(f"Model directory {model_path} has no config.json and holds {len(ggufs)} .gguf files "
+                             f"({', '.join(ggufs[:4])}{', ...' if len(ggufs) > 4 else ''}).{hint}")
         raise ValueError(f"Model directory {model_path} has no config.json; pass a Hugging Face model directory "
                          f"(with config.json) or a .gguf file.")
     if model_path.endswith(".gguf") or load_format == "gguf" or _has_gguf_magic(model_path):
