@@ -60,3 +60,13 @@ def test_a_bad_keep_alive_is_refused_by_name(value, monkeypatch):
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", value)
     with pytest.raises(ValueError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE=.*positive number of seconds"):
         envs.PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE
+
+
+def test_the_cli_reports_a_bad_level_without_a_traceback(monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "loud")
+    out = subprocess.run([sys.executable, "-c", "from pagedllm.entrypoints.cli.main import main; main(['serve', '-h'])"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stderr.strip() == ("error: VLLM_LOGGING_LEVEL='LOUD' is not a logging level; use one of CRITICAL, "
+                                  "ERROR, WARNING, INFO, DEBUG.")

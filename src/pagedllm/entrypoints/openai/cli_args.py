@@ -26,6 +26,15 @@ SERVER_KEYS = {"host", "port", "api_key", "served_model_name", "lora_modules", "
                "middleware", "tokens_only", "enable_log_requests", "enable_log_outputs"}
 
 
+def _log_level_default() -> str:
+    """--log-level's default from PAGEDLLM_LOGGING_LEVEL / VLLM_LOGGING_LEVEL; a bad value ends the command with its
+    message (not a traceback from building the parser)."""
+    try:
+        return envs.PAGEDLLM_LOGGING_LEVEL.lower()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -49,7 +58,7 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
                    help='LoRA adapters served under their own model names (needs --enable-lora): name=path or '
                         '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
-    g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default=envs.PAGEDLLM_LOGGING_LEVEL.lower(),
+    g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default=_log_level_default(),
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument("--enable-log-requests", action="store_true",
