@@ -65,8 +65,8 @@ def test_a_bad_keep_alive_is_refused_by_name(value, monkeypatch):
 def test_the_cli_reports_a_bad_level_without_a_traceback(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_LOGGING_LEVEL", raising=False)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "loud")
-    out = subprocess.run([sys.executable, "-c", "from pagedllm.entrypoints.cli.main import main; main(['serve', '-h'])"],
-                         capture_output=True, text=True)
+    code = "from pagedllm.entrypoints.cli.main import main; main(['serve', '-h'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 1
     assert out.stderr.strip() == ("error: VLLM_LOGGING_LEVEL='LOUD' is not a logging level; use one of CRITICAL, "
                                   "ERROR, WARNING, INFO, DEBUG.")
