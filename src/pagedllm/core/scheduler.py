@@ -270,7 +270,8 @@ class Scheduler:
             raise ValueError(f"finish_requests needs a finished status, got {status.name}.")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        to_finish = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        # dict.fromkeys: an id given twice (two aborts of one request in one call) is finished once
+        to_finish = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
         if not to_finish:
             return
         ids = {r.request_id for r in to_finish}
