@@ -132,3 +132,36 @@ def test_abort_lists_an_id_twice(tiny_llama_dir):
         assert kv.num_free_blocks == kv.num_blocks
     finally:
         core.shutdown()
+
+
+def _first_tokens(model: str, spec: bool, with_drafting_neighbour: bool) -> list[int]:
+    """The one token of each of 8 seeded max_tokens=1 requests, added while (maybe) a greedy request whose
+    repeating prompt makes the n-gram proposer draft is decoding."""
+    core = EngineCore(model=model, dtype="float32", max_model_len=72, block_size=BLOCK,
+                      **({"speculative_config": NGRAM} if spec else {}))
+    try:
+        if with_drafting_neighbour:
+            # the bias makes it repeat one token: the proposer drafts at every step
+            core.add_request(EngineCoreRequest("loop", [11, 12, 13, 14] * 6, SamplingParams(
+                temperature=0.0, max_tokens=40, ignore_eos=True, logit_bias={170: 20.0})))
+            for _ in range(3):
+                core.step()
+        got: dict[str, list[int]] = {}
+        for i in range(8):
+            core.add_request(EngineCoreRequest(f"s{i}", [100 + i, 7, 9, 300 - i],
+                                               SamplingParams(temperature=1.0, seed=i, max_tokens=1)))
+        while core.has_unfinished_requests():
+            for out in core.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return [got[f"s{i}"][0] for i in range(8)]
+    finally:
+        core.shutdown()
+
+
+def test_seeded_token_does_not_depend_on_neighbours_drafts(tiny_llama_dir):
+    """A seeded request's token at a position without drafts of its own is the plain sampler's draw for that
+    (seed, position), also in a step that verifies another request's drafts (it went through the rejection
+    sampler there, which drew the acceptance number first and sampled with the generator's second draw)."""
+    plain = _first_tokens(tiny_llama_dir, False, False)
+    assert _first_tokens(tiny_llama_dir, True, False) == plain
+    assert _first_tokens(tiny_llama_dir, True, True) == plain
