@@ -173,3 +173,31 @@ def test_seeded_token_does_not_depend_on_neighbours_drafts(tiny_llama_dir):
     plain = _first_tokens(tiny_llama_dir, False, False)
     assert _first_tokens(tiny_llama_dir, True, False) == plain
     assert _first_tokens(tiny_llama_dir, True, True) == plain
+
+
+def test_id_reused_while_its_aborted_step_is_in_flight(tiny_llama_dir):
+    """Async scheduling: a request aborted while its step runs and re-added at once under the same id gets only
+    its own tokens; the aborted one's token from the step in flight is not appended to it (it was, and counted
+    towards its max_tokens)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompt = list(range(2, 30))
+    core = EngineCore(model=tiny_llama_dir, dtype="float32", max_model_len=72, block_size=BLOCK,
+                      async_scheduling=True)
+    try:
+        core.add_request(EngineCoreRequest("ref", prompt, sp))
+        ref: list[int] = []
+        while core.has_unfinished_requests():
+            ref += [t for o in core.step() for t in o.new_token_ids]
+        core.add_request(EngineCoreRequest("c", prompt, sp))
+        for _ in range(3):
+            core.step()  # (its outputs are the first request's: not looked at)
+        core.abort_requests(["c"])
+        core.add_request(EngineCoreRequest("c", prompt, sp))
+        got: list[int] = []
+        while core.has_unfinished_requests():
+            got += [t for o in core.step() for t in o.new_token_ids]
+        assert got == ref
+        kv = core.scheduler.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        core.shutdown()
