@@ -80,6 +80,7 @@ class BatchPlan:
     # (source block id, destination block id): K/V blocks the runner copies before the forward (a finished
     # request's last partial block continued by a new request, e.g. a beam fork: core/partial_blocks.py).
     kv_block_copies: list[tuple[int, int]] = field(default_factory=list)
+    seq: int = 0  # the scheduler's count of plans made, this one included (Request.added_after_plan)
 
     @property
     def is_empty(self) -> bool:

@@ -75,6 +75,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     # Async scheduling: tokens being sampled by a step still in flight (scheduled, not yet appended).
     num_output_placeholders: int = 0
+    # The scheduler's plan count when it took the request in: a row of an older plan under its id is another
+    # request's (one finished while that plan ran, whose id was then reused) and is not applied to it.
+    added_after_plan: int = 0
     # Monotonic time when first scheduled / first token produced (metrics).
     first_scheduled_time: Optional[float] = None
     # Monotonic time the scheduler took it in (arrival_time may be another clock: the API process's wall clock).

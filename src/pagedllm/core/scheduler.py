@@ -157,6 +157,7 @@ class Scheduler:
         self._groups = self.kv_cache_manager.num_groups > 1
         self._max_request_tokens: Optional[int] = None
         self.requests: dict[str, Request] = {}  # every unfinished request
+        self._num_plans = 0  # BatchPlan.seq of the last plan made
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last one is preempted first
         # Finished, aborted or preempted since the last plan: the runner must drop their state.
@@ -213,6 +214,7 @@ class Scheduler:
             request.ntk_prompt_len = request.num_prompt_tokens
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
+        request.added_after_plan = self._num_plans
         if request.queued_time is None:  # (a preempted request keeps its first one)
             request.queued_time = time.monotonic()
         request.length_limit = min(request.length_limit, self.max_model_len)  # (the fast paths' one test)
@@ -270,7 +272,8 @@ class Scheduler:
             raise ValueError(f"finish_requests needs a finished status, got {status.name}.")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        to_finish = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        # dict.fromkeys: an id given twice (two aborts of one request in one call) is finished once
+        to_finish = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
         if not to_finish:
             return
         ids = {r.request_id for r in to_finish}
@@ -354,7 +357,8 @@ class Scheduler:
     def schedule(self, max_num_reqs: Optional[int] = None) -> BatchPlan:
         """Plan one step. `max_num_reqs` caps the requests in this plan (pipeline micro-batches: the running
         set is spread over the in-flight slots so every stage has work)."""
-        plan = BatchPlan()
+        self._num_plans += 1
+        plan = BatchPlan(seq=self._num_plans)
         budget = self.max_num_batched_tokens
         preempted: set[str] = set()
         scheduled: list[Request] = []
@@ -667,7 +671,8 @@ class Scheduler:
             running_status = RequestStatus.RUNNING
             for index, (request_id, sampled) in enumerate(zip(req_ids, output.sampled_token_ids)):
                 request = requests.get(request_id)
-                if request is None or not sampled:  # finished or aborted meanwhile / mid-prefill
+                # finished or aborted meanwhile (its id maybe reused since) / mid-prefill
+                if request is None or not sampled or request.added_after_plan >= plan.seq:
                     continue
                 if len(sampled) != 1 or request.structured_output is not None:
                     self._update_request(request_id, index, sampled, None, plan, output, outputs, finished)
@@ -713,7 +718,7 @@ class Scheduler:
         """Apply one request's row of a step (any case); a request it finishes is freed and listed in `finished`
         (the caller takes those out of the running list)."""
         request = self.requests.get(request_id)
-        if request is None:  # finished or aborted meanwhile
+        if request is None or request.added_after_plan >= plan.seq:  # finished or aborted meanwhile (id reused?)
             return
         prompt_logprobs = output.prompt_logprobs
         plp = prompt_logprobs.get(request_id) if prompt_logprobs else None

@@ -260,7 +260,7 @@ class EngineLoop:
         if isinstance(msg, m.AddRequest):
             self._add(msg)
         elif isinstance(msg, m.AbortRequests):
-            ids = list(msg.request_ids)
+            ids = list(dict.fromkeys(msg.request_ids))  # an id twice: aborted (and forgotten) once
             if self.multi:  # only the sender's own requests: another process may use the same id
                 ids = [rid for rid in ids if self._client_of.get(rid) == msg.client_index]
                 for rid in ids:

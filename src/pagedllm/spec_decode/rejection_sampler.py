@@ -83,8 +83,6 @@ def rejection_sample(
         else:
             q_draft = draft_probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
             residual = (probs - draft_probs).clamp_(min=0.0)
-        u = _uniform(probs.shape[0], meta.generators, probs.device)
-        accepted_random = is_draft & (u * q_draft < p_draft)  # u < p / q without dividing by q = 0
         # Bonus rows (and rows whose residual vanished, which only happens when p == q and the draft is then
         # always accepted) draw from p itself.
         empty = residual.sum(dim=-1) <= 0
@@ -94,6 +92,10 @@ def rejection_sample(
             sampled = inverse_cdf_sample(residual, meta.generators)
         else:
             sampled = exponential_race(residual, meta.generators)
+        # After the sample: a seeded row's sample takes its (seed, position) generator's first draw, as the plain
+        # sampler's does, so a row without a draft emits the token it would in a step that verifies no drafts.
+        u = _uniform(probs.shape[0], meta.generators, probs.device)
+        accepted_random = is_draft & (u * q_draft < p_draft)  # u < p / q without dividing by q = 0
         greedy_rows = meta.temperature < _GREEDY_EPS
         emitted = torch.where(greedy_rows, argmax, sampled)
         accepted = torch.where(greedy_rows, is_draft & (argmax == draft_token_ids), accepted_random)
