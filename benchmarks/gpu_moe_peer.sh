@@ -14,6 +14,8 @@
 #   nano-CONFIG-ENGINE    offline_throughput.py's nano-vllm protocol (256 prompts, 100..1024 in / out, temperature 0.6)
 #   serve                 issue 26's 1024x256 and 4096x1024 rows of pagedllm serve (carry .carry_srv too)
 #   rowsold-CONFIG        rows of pagedllm from the tree in .old (carried; git archive COMMIT src benchmarks)
+#   nanoold-CONFIG        the nano protocol from the tree in .old (A/B: alternate with nano-CONFIG-pagedllm)
+#   sampler-ab            benchmarks/sample_split_ab.py: the sampler at 32-512 rows, bf16 vs float32 logits, split or not
 #   profile-CONFIG-BATCH  profile_step.py: a decode step at BATCH running requests, kernels by device time
 #   prefill-CONFIG        profile_step.py --prefill: one full prefill step of 64 prompts
 #   timeline-CONFIG       step_timeline.py on rows' 512 x 512/256 at temperature 0.6 (time per step kind)
@@ -57,6 +59,13 @@ for step in "$@"; do
                     # an A/B against it in one lease: alternate rowsold-CONFIG and rows-CONFIG-pagedllm
             cmd=(env PYTHONPATH="$root/.old/src:$GPU_SITE" python3 .old/benchmarks/moe.py rows
                  --model "benchmarks/configs/${step#rowsold-}" --engine pagedllm --json "$out/$step.json") ;;
+        nanoold-*)
+            cmd=(env PYTHONPATH="$root/.old/src:$GPU_SITE" python3 .old/benchmarks/offline_throughput.py
+                 --model "benchmarks/configs/${step#nanoold-}" --load-format dummy --dtype bfloat16 --num-prompts 256
+                 --input-len 100 1024 --output-len 100 1024 --max-model-len 2048 --temperature 0.6 --hf none --no-tqdm
+                 --engine pagedllm --json "$out/$step.json") ;;
+        sampler-ab)
+            cmd=(python3 benchmarks/sample_split_ab.py) ;;
         profile-*)
             rest=${step#profile-}; batch=${rest##*-}; config=benchmarks/configs/${rest%-*}
             cmd=(python3 benchmarks/profile_step.py --model "$config" --load-format dummy --batch "$batch"
@@ -103,7 +112,7 @@ for step in "$@"; do
     rc=$?
     [ $rc -ne 0 ] && status=1
     echo "=== $step rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$out/steps.txt"
-    grep -E "ms/step|tok/s|T=|passed|failed|Error|error:" "$log" | grep -v "^INFO" | tail -25
+    grep -E "ms/step|tok/s|T=|passed|failed|Error|error:|^rows " "$log" | grep -v "^INFO" | tail -25
     # a killed engine may leave its workers: nothing of one step may hold the GPU for the next
     pkill -f "benchmarks/(moe|offline_throughput|serve_vs_vllm|profile_step|step_timeline).py" 2>/dev/null; pkill -f "vllm serve" 2>/dev/null
     pkill -f "pagedllm serve" 2>/dev/null; pkill -f EngineCore 2>/dev/null; sleep 1
