@@ -83,17 +83,19 @@ def rejection_sample(
         else:
             q_draft = draft_probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
             residual = (probs - draft_probs).clamp_(min=0.0)
-        u = _uniform(probs.shape[0], meta.generators, probs.device)
-        accepted_random = is_draft & (u * q_draft < p_draft)  # u < p / q without dividing by q = 0
         # Bonus rows (and rows whose residual vanished, which only happens when p == q and the draft is then
         # always accepted) draw from p itself.
         empty = residual.sum(dim=-1) <= 0
         use_p = (~is_draft) | empty
         residual = torch.where(use_p.unsqueeze(1), probs, residual)
+        # The sample takes a seeded row's first draw, as the plain sampler's does, and the acceptance test the next:
+        # a bonus row then gets the token it would get without speculation, whatever drafts the batch holds.
         if residual.device.type == "cpu":
             sampled = inverse_cdf_sample(residual, meta.generators)
         else:
             sampled = exponential_race(residual, meta.generators)
+        u = _uniform(probs.shape[0], meta.generators, probs.device)
+        accepted_random = is_draft & (u * q_draft < p_draft)  # u < p / q without dividing by q = 0
         greedy_rows = meta.temperature < _GREEDY_EPS
         emitted = torch.where(greedy_rows, argmax, sampled)
         accepted = torch.where(greedy_rows, is_draft & (argmax == draft_token_ids), accepted_random)
