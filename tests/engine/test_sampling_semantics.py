@@ -64,3 +64,29 @@ def test_seeded_request_without_drafts_ignores_the_batchs_drafts(engines):
     lone = _outs(plain, prompts[:1], params)[0].token_ids
     assert _outs(spec, prompts[:1], params)[0].token_ids == lone  # (no drafts: the plain sampler's path)
     assert _outs(spec, prompts, params)[0].token_ids == lone
+
+
+@pytest.mark.parametrize("use_spec", [False, True], ids=["plain", "ngram"])
+def test_sampled_logprobs_with_n_are_transformers_raw_log_softmax(engines, tiny_model_dir, use_spec):
+    """n=2 random samples with temperature / top-k / top-p, drafts verified or not: each position's logprobs are the
+    raw (unprocessed) fp32 log-softmax, as vLLM's default logprobs_mode, with the sampled token and its rank."""
+    import torch
+
+    from tests.engine.test_correctness import _hf_model
+
+    llm = engines[1] if use_spec else engines[0]
+    prompt = _prompts()[1]
+    params = SamplingParams(temperature=0.7, top_k=8, top_p=0.9, n=2, seed=3, max_tokens=8, ignore_eos=True,
+                            logprobs=3)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    hf = _hf_model(tiny_model_dir("llama"))
+    for c in out.outputs:
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([prompt + c.token_ids])).logits[0].float(), -1)
+        assert len(c.logprobs) == len(c.token_ids) == 8
+        for j, (t, pos) in enumerate(zip(c.token_ids, c.logprobs)):
+            row = ref[len(prompt) - 1 + j]
+            assert t in pos and set(row.topk(3).indices.tolist()) <= set(pos)
+            for tid, lp in pos.items():
+                assert abs(lp.logprob - float(row[tid])) < 1e-4
+                assert lp.rank == int((row > row[tid]).sum()) + 1
