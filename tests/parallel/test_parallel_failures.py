@@ -36,12 +36,27 @@ def test_layout_errors_are_one_sentence(tiny_llama_dir):
     check_layout(ParallelLayout(4, 2, nnodes=2), cfg, "cuda", 4)  # 8 ranks over 2 nodes of 4 GPUs: fine
 
 
-def test_node_that_never_joins_fails_start(tiny_llama_dir, monkeypatch):
-    from pagedllm.entrypoints.server_process import free_port
+def _master_port() -> int:
+    """A port free with the next one (the head binds master_port + 1 for its plan socket): a free port alone
+    could have its neighbour taken by another test's socket (the head then failed with 'Address already in use')."""
+    import socket
 
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("", 0))  # (all interfaces: the head binds tcp://*)
+            port = a.getsockname()[1]
+            try:
+                b.bind(("", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports found")
+
+
+def test_node_that_never_joins_fails_start(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_NODE_JOIN_TIMEOUT_S", "8")
     with pytest.raises(RuntimeError, match=r"node\(s\) \[1\] never joined within 8 s: start `pagedllm serve`"):
-        LLM(tiny_llama_dir, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=free_port(),
+        LLM(tiny_llama_dir, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=_master_port(),
             **_TINY)
 
 
