@@ -116,3 +116,17 @@ def test_spec_decode_with_worker_processes_is_refused(kwargs):
         EngineArgs(model="m", speculative_config=spec, **kwargs).validate()
     EngineArgs(model="m", enable_lora=True, **kwargs).validate()  # LoRA runs on worker ranks (test_parallel_lora)
     EngineArgs(model="m", speculative_config=spec).validate()  # one in-process rank: built
+
+
+def test_head_plan_port_taken_is_one_sentence(tiny_llama_dir):
+    """The head listens on --master-port + 1 for its plan socket: that port taken is an error naming it and what to
+    do (it was zmq's bare 'Address already in use')."""
+    import socket
+
+    port = _master_port()
+    with socket.socket() as holder:
+        holder.bind(("", port + 1))
+        holder.listen()
+        with pytest.raises(RuntimeError, match=rf"plan socket cannot listen on port {port + 1} \(--master-port "
+                                               rf"{port} \+ 1\): .*Choose a --master-port whose next port is free"):
+            LLM(tiny_llama_dir, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port, **_TINY)

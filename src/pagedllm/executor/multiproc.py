@@ -130,7 +130,15 @@ class MultiprocExecutor:
             addr = f"ipc://{self._tmpdir}/driver.sock"
             self._sock.bind(addr)
         else:
-            self._sock.bind(f"tcp://*:{layout.driver_port}")
+            try:
+                self._sock.bind(f"tcp://*:{layout.driver_port}")
+            except zmq.ZMQError as e:
+                self._sock.close()
+                self._ctx.term()
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+                raise RuntimeError(f"The head's plan socket cannot listen on port {layout.driver_port} "
+                                   f"(--master-port {layout.master_port} + 1): {e}. Choose a --master-port whose next "
+                                   f"port is free too.") from None
             addr = f"tcp://{layout.master_addr}:{layout.driver_port}"
         self._identities = [f"rank{r}".encode() for r in range(self.world_size)]
         self.procs: dict[int, subprocess.Popen] = {}
