@@ -165,6 +165,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Not pagedllm's: set when the user chose an OpenMP wait policy, which pagedllm then leaves alone.
     "OMP_WAIT_POLICY": _optional_str("OMP_WAIT_POLICY"),
     "GOMP_SPINCOUNT": _optional_str("GOMP_SPINCOUNT"),
+    # Not pagedllm's: the key `pagedllm bench serve` sends without --api-key (as vLLM's bench serve and the openai
+    # client take it).
+    "OPENAI_API_KEY": _optional_str("OPENAI_API_KEY"),
     # Seconds an idle HTTP keep-alive connection stays open (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE too; default 5).
     "PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE": lambda: _keep_alive_s(),
     # Default of `pagedllm serve --api-key` (so a key can come from a secret instead of the command line); vLLM's

@@ -453,7 +453,9 @@ def _result_record(args: argparse.Namespace, metrics: dict, model: str, base_url
 
 def run(args: argparse.Namespace) -> int:
     if not args.api_key:  # as vLLM's bench serve, which sends $OPENAI_API_KEY
-        args.api_key = os.environ.get("OPENAI_API_KEY") or None
+        from pagedllm import envs
+
+        args.api_key = envs.OPENAI_API_KEY or None
     plotting = bool(args.plot or args.plot_dir)
     if plotting:  # before anything runs: a missing matplotlib costs no benchmark and writes nothing
         from pagedllm.entrypoints.cli.bench_plots import PlotUnavailable, require_matplotlib
