@@ -42,18 +42,25 @@ def _int(name: str, default: int) -> Callable[[], int]:
     return lambda: int(os.environ.get(name, default))
 
 
+def _own_or_vllm(suffix: str) -> tuple[str, Optional[str]]:
+    """(the variable that sets it, its value): PAGEDLLM_<suffix> where set (non-empty), else vLLM's VLLM_<suffix>."""
+    for name in (f"PAGEDLLM_{suffix}", f"VLLM_{suffix}"):
+        if os.environ.get(name):
+            return name, os.environ[name]
+    return f"VLLM_{suffix}", None
+
+
 def _logging_level() -> str:
-    name = "PAGEDLLM_LOGGING_LEVEL" if os.environ.get("PAGEDLLM_LOGGING_LEVEL") else "VLLM_LOGGING_LEVEL"
-    level = (os.environ.get(name) or "INFO").strip().upper()
+    name, text = _own_or_vllm("LOGGING_LEVEL")
+    level = (text or "INFO").strip().upper()
     if level not in ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"):
         raise ValueError(f"{name}={level!r} is not a logging level; use one of CRITICAL, ERROR, WARNING, INFO, DEBUG.")
     return level
 
 
 def _keep_alive_s() -> float:
-    name = ("PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE" if os.environ.get("PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE")
-            else "VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
-    text = os.environ.get(name) or "5"
+    name, text = _own_or_vllm("HTTP_TIMEOUT_KEEP_ALIVE")
+    text = text or "5"
     try:
         value = float(text)
     except ValueError:
@@ -172,7 +179,7 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     "PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE": lambda: _keep_alive_s(),
     # Default of `pagedllm serve --api-key` (so a key can come from a secret instead of the command line); vLLM's
     # VLLM_API_KEY too: a deployment moved from vLLM must not come up without its key.
-    "PAGEDLLM_API_KEY": lambda: _optional_str("PAGEDLLM_API_KEY")() or _optional_str("VLLM_API_KEY")(),
+    "PAGEDLLM_API_KEY": lambda: _own_or_vllm("API_KEY")[1],
     # Seconds a collective may wait before the ranks give up (a peer died or hangs): the engine then stops.
     "PAGEDLLM_DIST_TIMEOUT_S": lambda: float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "300")),
     # Seconds the head waits at start for every rank (of every node) to join.
