@@ -190,3 +190,22 @@ def test_overlapped_ngram_sampling_keeps_the_target_distribution_on_cuda(tiny_ll
               max_model_len=512, speculative_config=dict(NGRAM, disable_by_batch_size=None))
     assert llm.engine.worker.runner.spec.device_ngram is not None
     check_overlapped_sampling(llm, random_prompts([12], seed=23)[0])
+
+
+def test_seeded_request_does_not_depend_on_batch_mates_drafts(tiny_llama_dir):
+    """A seeded request's tokens under n-gram speculation on CUDA are the same alone and beside batch-mates whose
+    repetitive prompts bring drafts: its draft-free rows in a verify step draw with the device sampler's
+    (seed, position) key, as its plain steps do."""
+    llm = LLM(tiny_llama_dir, dtype="float32", device="cuda", num_gpu_blocks_override=512, max_num_seqs=8,
+              speculative_config=dict(NGRAM, disable_by_batch_size=None))
+    mates = _prompts()[:2] + _prompts()[3:5]
+    stats = llm.engine.scheduler.spec_stats
+    for seed in (1, 2, 3):
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=24, ignore_eos=True)
+        mine = {"prompt_token_ids": random_prompts([17], seed=100 + seed)[0]}
+        alone = _tokens(llm, [mine], params)[0]
+        drafts_before = stats.num_drafts
+        mate_params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        together = llm.generate([mine] + mates, [params] + [mate_params] * len(mates), use_tqdm=False)
+        assert stats.num_drafts > drafts_before  # the mates did bring drafts
+        assert list(together[0].outputs[0].token_ids) == list(alone), seed

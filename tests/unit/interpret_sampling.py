@@ -79,7 +79,40 @@ def check_bf16_logits_read_as_they_are() -> None:
             assert not sampler_mod._draws_as_is(rows[:1], meta), other
     finally:
         sampler_mod._DEVICE_SAMPLING_TYPES = ("cuda",)
-        Sampler.process_logits = process
+        Sampler.process_logits = staticmethod(process)
+
+
+def check_seeded_row_in_verify_step() -> None:
+    """A seeded request without drafts in a verify step (a batch-mate brought drafts) draws the token a plain step
+    draws for it: the device sampler's (seed, position) key in both, not the torch generator in one of them."""
+    from device_sampling_cases import llm_row
+
+    from pagedllm.layers import sampler as sampler_mod
+    from pagedllm.layers.sampler import Sampler, SamplingMetadata
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.spec_decode.rejection_sampler import NO_DRAFT, rejection_sample
+
+    vocab = 80
+    rows = torch.stack([llm_row(vocab, seed=s) * 0.5 for s in range(4)])  # flat enough that draws differ
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=21)
+    mate = SamplingParams(temperature=0.8)
+    sampler_mod._DEVICE_SAMPLING_TYPES = ("cuda", "cpu")
+    try:
+        tokens = set()
+        for out_len in range(6):  # several positions: the draws do differ, and each matches
+            outputs = [[1] * out_len]
+            plain_meta = SamplingMetadata.build([seeded], [[]], outputs, [None], vocab, "cpu")
+            plain = Sampler()(rows[:1].clone(), plain_meta).sampled_token_ids[0]
+            # The verify step: the seeded request's one (bonus) row, then a mate with two drafts and its bonus row.
+            meta = SamplingMetadata.build([seeded, mate, mate, mate], [[]] * 4,
+                                          outputs + [[1], [1, 5], [1, 5, 6]], [None] * 4, vocab, "cpu")
+            drafts = torch.tensor([NO_DRAFT, 5, 6, NO_DRAFT])
+            verify = rejection_sample(rows.clone(), meta, drafts).final_token_ids[0]
+            assert verify == plain, (out_len, verify, plain)
+            tokens.add(int(plain))
+        assert len(tokens) > 1, tokens
+    finally:
+        sampler_mod._DEVICE_SAMPLING_TYPES = ("cuda",)
 
 
 def check_launch_shape_free(kernel) -> None:
@@ -126,6 +159,7 @@ def main() -> None:
     check_masked_and_seeded("cpu", vocab=160)
     check_sampler_wiring()
     check_bf16_logits_read_as_they_are()
+    check_seeded_row_in_verify_step()
     row = llm_row(24)
     for case in INTERPRETER_CASES:
         stat = check_distribution(row, N_DRAWS, "cpu", **case)

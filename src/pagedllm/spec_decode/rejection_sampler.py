@@ -32,6 +32,7 @@ from pagedllm.layers.sampler import (
     inverse_cdf_sample,
     mark_no_token,
     processed_values,
+    sample_on_device,
 )
 from pagedllm.sampling_params import _GREEDY_EPS
 
@@ -74,6 +75,12 @@ def rejection_sample(
         emitted = argmax
         accepted = is_draft & (argmax == draft_token_ids)
     else:
+        # Seeded rows without a draft (a request that proposed none, or a bonus row) draw as a plain step draws
+        # them: where the device sampler serves plain steps, its (seed, position) key, not the torch generator,
+        # so a seeded request's token does not depend on whether a batch-mate brought drafts.
+        plain_draw = None
+        if meta.seeds:
+            plain_draw = sample_on_device(logits, meta)  # (before probs(), which edits logits in place)
         probs = Sampler.probs(logits, meta)  # [N, V]
         p_draft = probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
         if draft_probs is None:
@@ -92,6 +99,8 @@ def rejection_sample(
             sampled = inverse_cdf_sample(residual, meta.generators)
         else:
             sampled = exponential_race(residual, meta.generators)
+        if plain_draw is not None:
+            sampled = torch.where(is_draft, sampled, plain_draw)
         # After the sample: a seeded row's sample takes its (seed, position) generator's first draw, as the plain
         # sampler's does, so a row without a draft emits the token it would in a step that verifies no drafts.
         u = _uniform(probs.shape[0], meta.generators, probs.device)
