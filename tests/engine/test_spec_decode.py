@@ -125,6 +125,9 @@ def test_ngram_logprobs_and_seeds(tiny_model_dir, async_scheduling):
     first = _tokens(spec_llm, prompts, seeded)
     assert first == _tokens(spec_llm, prompts, seeded)
     assert all(len(t) == 25 for t in first)
+    # each row draws as a plain step would and keeps the drafts that match: the tokens of plain sampling
+    assert first == _tokens(_llm(tiny_model_dir("llama")), prompts, seeded)
+    assert spec_llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
 def test_draft_model_self_and_unrelated(tiny_model_dir, reference, tmp_path):

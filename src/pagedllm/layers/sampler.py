@@ -268,20 +268,25 @@ class Sampler(torch.nn.Module):
         if reported is None and meta.max_num_logprobs is not None:  # processed_* modes: before sampling edits logits
             reported = processed_values(logits, meta)
 
-        if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
-        elif (sampled := sample_on_device(logits, meta)) is not None:
-            pass
-        else:
-            greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
-            sampled = self._sample(logits, meta)
-            if greedy_ids is not None:
-                sampled = torch.where(meta.temperature < _GREEDY_EPS, greedy_ids, sampled)
-
+        sampled = self.draw(logits, meta)
         lp = None
         if reported is not None:
             lp = gather_logprobs(reported, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=mark_no_token(sampled, meta), logprobs=lp)
+
+    @classmethod
+    def draw(cls, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """[N] the tokens of processed logits (process_logits'): argmax for greedy rows, a draw for the others
+        (seeded rows from their (seed, position) key). May modify logits in place."""
+        if meta.all_greedy:
+            return logits.argmax(dim=-1)
+        if (sampled := sample_on_device(logits, meta)) is not None:
+            return sampled
+        greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
+        sampled = cls._sample(logits, meta)
+        if greedy_ids is not None:
+            sampled = torch.where(meta.temperature < _GREEDY_EPS, greedy_ids, sampled)
+        return sampled
 
     @staticmethod
     def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

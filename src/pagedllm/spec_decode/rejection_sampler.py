@@ -6,14 +6,17 @@ is checked against draft j + 1, and row d is the bonus row.
 
   * greedy rows accept a draft iff it equals the target's argmax (so output is identical with and without
     speculation); the first row that does not accept emits its argmax;
-  * random rows accept draft x with probability min(1, p(x) / q(x)) and otherwise emit a sample from
-    norm(max(0, p - q)), which makes every emitted token an exact draw from p (Leviathan et al. 2023). q is
-    one-hot at the draft for deterministic proposers (n-gram, greedy draft model): accept with p(x), resample
-    from p with x removed. The bonus row samples from p.
+  * random rows with a one-hot q (the proposers here: n-gram, a greedy draft model) draw their token as a plain
+    step draws it (seeded rows from their (seed, position) key) and accept the draft iff it is that token: the
+    draft x is accepted with probability p(x) = min(1, p(x) / q(x)) and a rejected row emits a draw from p
+    without x, which is the rejection rule (Leviathan et al. 2023) for that q, so every emitted token is an
+    exact draw from p; and a request's tokens are those it gets without speculation under the same draws,
+    whatever its drafts or its batch-mates';
+  * rows with a general q accept draft x with probability min(1, p(x) / q(x)) and otherwise emit a sample from
+    norm(max(0, p - q)). The bonus row samples from p.
 
 p is the target distribution after the sampler's own processing (min_tokens, penalties, temperature, min_p,
-top-k, top-p), and seeded rows draw from their own (seed, position) generator, so seeds, penalties and logprobs
-work as without speculation.
+top-k, top-p), so seeds, penalties and logprobs work as without speculation.
 """
 from __future__ import annotations
 
@@ -32,7 +35,6 @@ from pagedllm.layers.sampler import (
     inverse_cdf_sample,
     mark_no_token,
     processed_values,
-    sample_on_device,
 )
 from pagedllm.sampling_params import _GREEDY_EPS
 
@@ -70,39 +72,28 @@ def rejection_sample(
     logits, raw_logprobs = Sampler.process_logits(logits, meta)
     if raw_logprobs is None and meta.max_num_logprobs is not None:  # processed_* logprobs_mode: the target's p
         raw_logprobs = processed_values(logits, meta)
-    argmax = logits.argmax(dim=-1)
-    if meta.all_greedy:
-        emitted = argmax
-        accepted = is_draft & (argmax == draft_token_ids)
+    if draft_probs is None or meta.all_greedy:
+        # One-hot q (every proposer here): each row draws its token as a plain step would (the same (seed,
+        # position) key for seeded rows) and a draft is accepted iff it is that token. Accepting x with
+        # probability p(x) = min(1, p(x) / q(x)) and otherwise emitting a draw from p without x is exactly the
+        # rejection rule, so every emitted token is a draw from p; and a request's tokens do not depend on its
+        # drafts, or on its batch-mates'.
+        emitted = Sampler.draw(logits, meta)
+        accepted = is_draft & (emitted == draft_token_ids)
     else:
-        # Seeded rows without a draft (a request that proposed none, or a bonus row) draw as a plain step draws
-        # them: where the device sampler serves plain steps, its (seed, position) key, not the torch generator,
-        # so a seeded request's token does not depend on whether a batch-mate brought drafts.
-        plain_draw = None
-        if meta.seeds:
-            plain_draw = sample_on_device(logits, meta)  # (before probs(), which edits logits in place)
+        argmax = logits.argmax(dim=-1)
         probs = Sampler.probs(logits, meta)  # [N, V]
         p_draft = probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-            residual = probs.clone()
-            residual.scatter_(1, safe_draft.unsqueeze(1), 0.0)  # max(0, p - onehot) = p without the draft
-        else:
-            q_draft = draft_probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
-            residual = (probs - draft_probs).clamp_(min=0.0)
+        q_draft = draft_probs.gather(1, safe_draft.unsqueeze(1)).squeeze(1)
+        residual = (probs - draft_probs).clamp_(min=0.0)
         # Bonus rows (and rows whose residual vanished, which only happens when p == q and the draft is then
         # always accepted) draw from p itself.
         empty = residual.sum(dim=-1) <= 0
-        use_p = (~is_draft) | empty
-        residual = torch.where(use_p.unsqueeze(1), probs, residual)
+        residual = torch.where(((~is_draft) | empty).unsqueeze(1), probs, residual)
         if residual.device.type == "cpu":
             sampled = inverse_cdf_sample(residual, meta.generators)
         else:
             sampled = exponential_race(residual, meta.generators)
-        if plain_draw is not None:
-            sampled = torch.where(is_draft, sampled, plain_draw)
-        # After the sample: a seeded row's sample takes its (seed, position) generator's first draw, as the plain
-        # sampler's does, so a row without a draft emits the token it would in a step that verifies no drafts.
         u = _uniform(probs.shape[0], meta.generators, probs.device)
         accepted_random = is_draft & (u * q_draft < p_draft)  # u < p / q without dividing by q = 0
         greedy_rows = meta.temperature < _GREEDY_EPS
