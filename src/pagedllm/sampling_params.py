@@ -203,6 +203,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> "SamplingParams":
+        """vLLM's constructor of that name, for callers that forward every option they were given: None for a field
+        that takes no None (temperature, n, stop, ...) means its default; where None has a meaning of its own
+        (max_tokens: up to the context; seed: unseeded) it is kept. An unknown name is a TypeError, as in cls()."""
+        from dataclasses import MISSING, fields
+
+        plain = {f.name for f in fields(cls) if f.init and "Optional" not in str(f.type)
+                 and (f.default_factory is not MISSING or f.default not in (MISSING, None))}
+        return cls(**{k: v for k, v in kwargs.items() if not (v is None and k in plain)})
+
     def clone(self, **changes) -> "SamplingParams":
         from dataclasses import replace
 

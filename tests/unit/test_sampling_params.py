@@ -89,3 +89,21 @@ def test_flags_must_be_booleans(name, value):
     """A string such as "no" would be truthy: the flag would turn on."""
     with pytest.raises(ValueError, match=f"{name} must be True or False"):
         SamplingParams(**{name: value})
+
+
+def test_from_optional_fills_defaults_where_none_means_unset():
+    """vLLM's SamplingParams.from_optional: None stands for the default of a field that takes no None, and keeps its
+    meaning where the field has one (max_tokens: up to the context, seed: unseeded); values given are checked."""
+    sp = SamplingParams.from_optional(n=None, temperature=None, top_p=0.5, top_k=None, max_tokens=None, seed=None,
+                                      stop=None, ignore_eos=None, presence_penalty=None, logprobs=None,
+                                      bad_words_token_ids=None)
+    assert (sp.n, sp.best_of, sp.temperature, sp.top_p, sp.top_k) == (1, 1, 1.0, 0.5, 0)
+    assert (sp.max_tokens, sp.seed, sp.stop, sp.ignore_eos, sp.presence_penalty, sp.logprobs) == \
+        (None, None, [], False, 0.0, None)
+    assert sp.bad_words_token_ids == []
+    assert SamplingParams.from_optional(temperature=0.0, max_tokens=7, stop="x") == \
+        SamplingParams(temperature=0.0, max_tokens=7, stop="x")
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_optional(top_p=0.0)
+    with pytest.raises(TypeError, match="bogus"):
+        SamplingParams.from_optional(bogus=1)
