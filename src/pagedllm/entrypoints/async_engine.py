@@ -460,10 +460,9 @@ class AsyncEngine:
             if not 0 <= data_parallel_rank < self.num_engines:
                 raise RequestRejected(f"data_parallel_rank {data_parallel_rank} is out of range [0, "
                                       f"{self.num_engines}).")
-            engine = data_parallel_rank
-            self.router.load[engine] += len(children)  # (each child's finish takes one off, as for a chosen one)
-        else:
-            engine = self.router.choose(prompt_token_ids, len(children), cache_salt) if self.num_engines > 1 else 0
+        engine = 0
+        if self.num_engines > 1:
+            engine = self.router.choose(prompt_token_ids, len(children), cache_salt, pinned=data_parallel_rank)
         adds: list[m.AddRequest] = []
         embeds = None
         if prompt_embeds is not None:

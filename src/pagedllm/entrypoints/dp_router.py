@@ -27,17 +27,23 @@ class DPRouter:
         num_blocks = min(len(prompt) // self.block_size, self.max_prefix_blocks)
         return [hash((cache_salt, tuple(prompt[:k * self.block_size]))) for k in range(num_blocks, 0, -1)]
 
-    def choose(self, prompt: Sequence[int], n: int = 1, cache_salt: Optional[str] = None) -> int:
-        """Pick the engine for a request (n sibling samples go together: they share the prompt's blocks)."""
-        least = min(range(len(self.load)), key=self.load.__getitem__)
-        engine = least
+    def choose(self, prompt: Sequence[int], n: int = 1, cache_salt: Optional[str] = None,
+               pinned: Optional[int] = None) -> int:
+        """Pick the engine for a request (n sibling samples go together: they share the prompt's blocks).
+        pinned: the engine a client chose (vLLM's X-data-parallel-rank header); it gets the request, and its
+        prefix cache will hold these blocks, so later requests with them are routed there too."""
         keys = self._keys(prompt, cache_salt)
-        for key in keys:
-            owner = self._prefix_owner.get(key)
-            if owner is not None:
-                if self.load[owner] <= self.load[least] + self.slack:
-                    engine = owner
-                break
+        if pinned is not None:
+            engine = pinned
+        else:
+            least = min(range(len(self.load)), key=self.load.__getitem__)
+            engine = least
+            for key in keys:
+                owner = self._prefix_owner.get(key)
+                if owner is not None:
+                    if self.load[owner] <= self.load[least] + self.slack:
+                        engine = owner
+                    break
         for key in keys:
             self._prefix_owner[key] = engine
             self._prefix_owner.move_to_end(key)
