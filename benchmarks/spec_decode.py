@@ -120,7 +120,7 @@ def make_llm(args, spec: dict | None):
 
 def ngram_config(args) -> dict:
     c = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": getattr(args, "lookup_max", 4),
-         "prompt_lookup_min": getattr(args, "lookup_min", 2)}
+         "prompt_lookup_min": getattr(args, "lookup_min", 1)}
     if args.disable_by_batch_size is not None:
         c["disable_by_batch_size"] = None if args.disable_by_batch_size <= 0 else args.disable_by_batch_size
     return c
@@ -701,7 +701,7 @@ def main(argv=None) -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    p.add_argument("--lookup-min", type=int, default=2, help="ngram: prompt_lookup_min")
+    p.add_argument("--lookup-min", type=int, default=1, help="ngram: prompt_lookup_min")
     p.add_argument("--lookup-max", type=int, default=4, help="ngram: prompt_lookup_max")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--input-len", type=int, default=128)

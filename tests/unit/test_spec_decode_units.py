@@ -26,6 +26,8 @@ def test_config_parses_vllm_forms():
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 4, 4)
     c = SpeculativeConfig.from_user('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}')
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
+    c = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 8})  # neither: one to four tokens
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (1, 4)
     c = SpeculativeConfig.from_user({"model": "/x", "num_speculative_tokens": 5})
     assert c.method == "draft_model" and c.model == "/x"
     assert SpeculativeConfig.from_user(None) is None

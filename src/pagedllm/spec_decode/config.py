@@ -1,6 +1,6 @@
 """SpeculativeConfig: vLLM's `speculative_config` dict (LLM kwarg) / `--speculative-config` JSON, validated once.
 
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     {"method": "draft_model", "model": "path/or.gguf", "num_speculative_tokens": 5}
 
 Pure Python (no torch): the scheduler reads num_speculative_tokens and disable_by_batch_size from it.
@@ -28,7 +28,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     model: Optional[str] = None  # draft model path (draft_model)
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 1
     # Steps with more running requests than this do not speculate (None: never turned off).
     disable_by_batch_size: Optional[int] = DEFAULT_DISABLE_BY_BATCH_SIZE
     draft_load_format: str = "auto"
@@ -77,8 +77,8 @@ class SpeculativeConfig:
         lo, hi = _int(d, "prompt_lookup_min", None), _int(d, "prompt_lookup_max", None)
         if method == "ngram":
             # vLLM's rule: one given -> the other equals it.
-            if lo is None and hi is None:
-                lo, hi = 2, 4
+            if lo is None and hi is None:  # (a one-token match proposes too: more steps verify, fewer in all)
+                lo, hi = 1, 4
             lo = hi if lo is None else lo
             hi = lo if hi is None else hi
             if lo < 1:
