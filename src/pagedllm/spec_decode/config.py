@@ -15,7 +15,7 @@ from typing import Any, Optional
 METHODS = ("ngram", "draft_model")
 _UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 # Default of disable_by_batch_size: speculation is skipped in steps with more running requests than this.
-# A placeholder until measured on the device (benchmarks/spec_decode.py --sweep-batch; docs/benchmarks.md).
+# Measured on the device: docs/benchmarks.md, "Batch cost" (spec_decode.py batch / sweep).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size", "draft_load_format", "draft_dtype", "draft_tensor_parallel_size",
