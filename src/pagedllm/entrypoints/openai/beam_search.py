@@ -116,15 +116,20 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
 async def chat_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
                         prompt_ids: list[int], max_tokens: Optional[int], disconnected=None,
                         cache_salt: Optional[str] = None, priority: int = 0, role: str = "assistant",
-                        data_parallel_rank: Optional[int] = None) -> dict:
-    """cache_salt, priority, data_parallel_rank: the request's, as the handler checked them; role: the answer's."""
+                        data_parallel_rank: Optional[int] = None, reasoning: Any = None) -> dict:
+    """cache_salt, priority, data_parallel_rank: the request's, as the handler checked them; role: the answer's;
+    reasoning: the request's ChoiceReasoning (--reasoning-parser), which splits each beam's text."""
     params, n = beam_search_params(req, max_tokens)
     result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), cache_salt, priority,
                           data_parallel_rank)
     choices, num_gen = [], 0
     for j, seq in enumerate(result.sequences[:n]):
         num_gen += len(seq.tokens) - len(prompt_ids)
-        choice = {"index": j, "message": {"role": role, "content": seq.text}, "logprobs": None,
+        message: dict = {"role": role, "content": seq.text}
+        if reasoning is not None:  # as the sampling path's message: the think block as reasoning, the rest content
+            thought, message["content"] = reasoning.split(seq.text or "")
+            message.update(reasoning.fields(thought if reasoning.include else None))
+        choice = {"index": j, "message": message, "logprobs": None,
                   "finish_reason": seq.finish_reason, "stop_reason": None}
         if req.return_token_ids:
             choice["token_ids"] = list(seq.tokens[len(prompt_ids):])
