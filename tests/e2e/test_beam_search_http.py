@@ -90,3 +90,7 @@ def test_best_of_without_beam_search_is_400(http):
 def test_beam_width_beyond_max_logprobs_is_400(http):
     r = _complete(http, use_beam_search=True, n=11)  # 2 x 11 logprobs per step > the default --max-logprobs 20
     assert r.status_code == 400 and "max-logprobs" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "n"
+    # the width came from best_of: the 400 names it (it named n, which the client had set to 2)
+    r = _complete(http, use_beam_search=True, n=2, best_of=11)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text

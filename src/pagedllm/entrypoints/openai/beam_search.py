@@ -57,9 +57,9 @@ def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int
 
 async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchParams, disconnected=None,
                  lora_request: Any = None, cache_salt: Optional[str] = None, priority: int = 0,
-                 data_parallel_rank: Optional[int] = None):
+                 data_parallel_rank: Optional[int] = None, width_param: str = "n"):
     """One prompt's search; every beam step runs under the request's adapter, prefix-cache salt and priority (and
-    on its X-data-parallel-rank core)."""
+    on its X-data-parallel-rank core). width_param: the field that set the beam width (a 400 names it)."""
     from pagedllm.beam_search.driver import run_async
 
     engine = state.engine
@@ -79,16 +79,17 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
     from pagedllm.beam_search.search import BeamSearch, check_logprobs_mode
 
     eos = list(engine.ready.eos_token_ids)
+    vocab_size = engine.ready.vocab_size
     try:  # the beam width needs the top 2 x width logprobs per step: within --max-logprobs?
-        BeamSearch(prompt_ids, params, eos).check_logprob_limit(state.max_logprobs)
+        BeamSearch(prompt_ids, params, eos, vocab_size).check_logprob_limit(state.max_logprobs)
     except ValueError as e:
-        raise APIError(str(e), param="n") from None
+        raise APIError(str(e), param=width_param) from None
     try:
         check_logprobs_mode(getattr(engine.engine_args, "logprobs_mode", "raw_logprobs"))
     except ValueError as e:
         raise APIError(str(e), param="use_beam_search") from None
     return await run_async(one, prompt_ids, params, eos, decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                           disconnected=disconnected)
+                           disconnected=disconnected, vocab_size=vocab_size)
 
 
 async def completion_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
@@ -98,7 +99,7 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
     params, n = beam_search_params(req, max_tokens)
     lora = state.lora_request(model)
     results = await asyncio.gather(*(search(state, ids, params, disconnected, lora, cache_salt, priority,
-                                            data_parallel_rank) for _, ids in prompts))
+                                            data_parallel_rank, _width_param(req)) for _, ids in prompts))
     choices, num_prompt, num_gen = [], 0, 0
     for i, ((_, ids), result) in enumerate(zip(prompts, results)):
         num_prompt += len(ids)
@@ -121,7 +122,7 @@ async def chat_response(req: Any, state: ServerState, model: str, request_id: st
     reasoning: the request's ChoiceReasoning (--reasoning-parser), which splits each beam's text."""
     params, n = beam_search_params(req, max_tokens)
     result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), cache_salt, priority,
-                          data_parallel_rank)
+                          data_parallel_rank, _width_param(req))
     choices, num_gen = [], 0
     for j, seq in enumerate(result.sequences[:n]):
         num_gen += len(seq.tokens) - len(prompt_ids)
@@ -139,6 +140,10 @@ async def chat_response(req: Any, state: ServerState, model: str, request_id: st
     if req.return_token_ids:  # as the sampling path's response
         body["prompt_token_ids"] = list(prompt_ids)
     return body
+
+
+def _width_param(req: Any) -> str:
+    return "best_of" if getattr(req, "best_of", None) is not None else "n"
 
 
 def _usage(num_prompt: int, num_gen: int) -> dict:
