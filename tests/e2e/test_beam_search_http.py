@@ -40,6 +40,20 @@ def test_chat_beam_search_with_openai_client(server: Server):
     assert out.choices[0].message.content != out.choices[1].message.content
 
 
+def test_beams_ended_by_eos_name_it_as_stop_reason(http, server: Server):
+    import json
+    import os
+
+    with open(os.path.join(server.model_dir, "generation_config.json")) as f:
+        eos = json.load(f)["eos_token_id"]
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Say hi."}], "n": 2, "max_tokens": 60,
+            "use_beam_search": True}
+    r = http.post("/v1/chat/completions", json=body)
+    choices = r.json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["stop", "stop"], choices
+    assert [c["stop_reason"] for c in choices] == [eos, eos]  # vLLM's beams: the EOS id (it was null)
+
+
 def test_beams_run_next_to_ordinary_requests(http):
     plain = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
     alone = _complete(http, **plain).json()["choices"][0]["text"]

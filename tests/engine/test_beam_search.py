@@ -109,6 +109,10 @@ def test_beams_finish_early_at_eos(eos_llama):
     # length_penalty 0: a beam's score is its cumulative logprob, so a beam that ends early ranks high
     params = BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.0, early_stopping=True)
     assert check(llm, model_dir, prompts, params, [eos]) > 0
+    # vLLM's beams: one that ended at EOS names it as its stop_reason (it was None), one cut at max_tokens has none
+    seqs = [s for o in llm.beam_search([{"prompt_token_ids": p} for p in prompts], params) for s in o.sequences]
+    assert {s.finish_reason for s in seqs} == {"stop", "length"}
+    assert all(s.stop_reason == (eos if s.finish_reason == "stop" else None) for s in seqs)
 
 
 def test_concurrency_limit_searches_prompts_in_groups(eos_llama):

@@ -188,5 +188,6 @@ class BeamSearch:
                 text = decode(shown)
             out.append(BeamSearchSequence(
                 tokens=self.prompt + b.tokens, logprobs=b.logprobs, cum_logprob=b.cum_logprob, text=text,
-                finish_reason="stop" if ends_eos else "length", score=h.score))
+                finish_reason="stop" if ends_eos else "length", score=h.score,
+                stop_reason=b.tokens[-1] if ends_eos else None))  # (vLLM's beams name the EOS id that ended them)
         return BeamSearchOutput(sequences=out)

@@ -106,7 +106,7 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
         for j, seq in enumerate(result.sequences[:n]):
             num_gen += len(seq.tokens) - len(ids)
             choice = {"index": i * n + j, "text": seq.text, "logprobs": None,
-                      "finish_reason": seq.finish_reason, "stop_reason": None}
+                      "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
             if req.return_token_ids:  # as the sampling path's choices
                 choice.update(prompt_token_ids=list(ids), token_ids=list(seq.tokens[len(ids):]))
             choices.append(choice)
@@ -131,7 +131,7 @@ async def chat_response(req: Any, state: ServerState, model: str, request_id: st
             thought, message["content"] = reasoning.split(seq.text or "")
             message.update(reasoning.fields(thought if reasoning.include else None))
         choice = {"index": j, "message": message, "logprobs": None,
-                  "finish_reason": seq.finish_reason, "stop_reason": None}
+                  "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = list(seq.tokens[len(prompt_ids):])
         choices.append(choice)
