@@ -74,6 +74,7 @@ def test_beams_run_next_to_ordinary_requests(http):
     ({"temperature": 0.7}, "temperature"),
     ({"logprobs": 1}, "logprobs"),
     ({"length_penalty": "long"}, None),
+    ({"max_tokens": 0}, "max_tokens"),  # (param was null)
     ({"early_stopping": "sometimes"}, None),
     ({"guided_choice": ["yes", "no"]}, "guided_choice"),  # (beams are neither constrained nor parsed)
     ({"response_format": {"type": "json_object"}}, "response_format"),

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.request_params import _param_of
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.sampling_params import BeamSearchParams
 
@@ -50,8 +51,8 @@ def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int
         params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos),
                                   length_penalty=req.length_penalty, early_stopping=req.early_stopping,
                                   include_stop_str_in_output=bool(req.include_stop_str_in_output))
-    except ValueError as e:
-        raise APIError(str(e)) from None
+    except ValueError as e:  # (the 400 names the field, as the sampling path's does)
+        raise APIError(str(e), param=_param_of(str(e))) from None
     return params, n
 
 
