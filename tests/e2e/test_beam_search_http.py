@@ -40,6 +40,20 @@ def test_chat_beam_search_with_openai_client(server: Server):
     assert out.choices[0].message.content != out.choices[1].message.content
 
 
+def test_beams_ended_by_eos_name_it_as_stop_reason(http, server: Server):
+    import json
+    import os
+
+    with open(os.path.join(server.model_dir, "generation_config.json")) as f:
+        eos = json.load(f)["eos_token_id"]
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Say hi."}], "n": 2, "max_tokens": 60,
+            "use_beam_search": True}
+    r = http.post("/v1/chat/completions", json=body)
+    choices = r.json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["stop", "stop"], choices
+    assert [c["stop_reason"] for c in choices] == [eos, eos]  # vLLM's beams: the EOS id (it was null)
+
+
 def test_beams_run_next_to_ordinary_requests(http):
     plain = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
     alone = _complete(http, **plain).json()["choices"][0]["text"]
@@ -60,6 +74,7 @@ def test_beams_run_next_to_ordinary_requests(http):
     ({"temperature": 0.7}, "temperature"),
     ({"logprobs": 1}, "logprobs"),
     ({"length_penalty": "long"}, None),
+    ({"max_tokens": 0}, "max_tokens"),  # (param was null)
     ({"early_stopping": "sometimes"}, None),
     ({"guided_choice": ["yes", "no"]}, "guided_choice"),  # (beams are neither constrained nor parsed)
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -90,3 +105,7 @@ def test_best_of_without_beam_search_is_400(http):
 def test_beam_width_beyond_max_logprobs_is_400(http):
     r = _complete(http, use_beam_search=True, n=11)  # 2 x 11 logprobs per step > the default --max-logprobs 20
     assert r.status_code == 400 and "max-logprobs" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "n"
+    # the width came from best_of: the 400 names it (it named n, which the client had set to 2)
+    r = _complete(http, use_beam_search=True, n=2, best_of=11)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text

@@ -80,6 +80,23 @@ def test_the_split_turned_off(http: httpx.Client, extra: dict) -> None:
         assert message["content"] is not None
 
 
+def test_beam_search_answers_are_split_too(http: httpx.Client) -> None:
+    """use_beam_search goes through the reasoning parser as the sampling path does (vLLM's full chat response):
+    each beam's think block is its reasoning, not content (it was all content, `reasoning` missing)."""
+    body = _body(use_beam_search=True, n=2, max_tokens=6)
+    del body["temperature"]
+    choices = http.post("/v1/chat/completions", json=body).json()["choices"]
+    assert len(choices) == 2
+    for choice in choices:
+        message = choice["message"]
+        assert message["reasoning"] and message["reasoning"] == message["reasoning_content"], message
+        assert message["content"] is None
+    plain = http.post("/v1/chat/completions", json=dict(body, chat_template=PLAIN)).json()["choices"]
+    assert all(c["message"]["reasoning"] is None and c["message"]["content"] for c in plain)
+    off = http.post("/v1/chat/completions", json=dict(body, include_reasoning=False)).json()["choices"]
+    assert all(c["message"]["reasoning"] is None for c in off)
+
+
 def test_earlier_reasoning_reaches_the_template(http: httpx.Client) -> None:
     messages = [{"role": "user", "content": "q"},
                 {"role": "assistant", "content": "a", "reasoning_content": "thought one"},

@@ -109,6 +109,10 @@ def test_beams_finish_early_at_eos(eos_llama):
     # length_penalty 0: a beam's score is its cumulative logprob, so a beam that ends early ranks high
     params = BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.0, early_stopping=True)
     assert check(llm, model_dir, prompts, params, [eos]) > 0
+    # vLLM's beams: one that ended at EOS names it as its stop_reason (it was None), one cut at max_tokens has none
+    seqs = [s for o in llm.beam_search([{"prompt_token_ids": p} for p in prompts], params) for s in o.sequences]
+    assert {s.finish_reason for s in seqs} == {"stop", "length"}
+    assert all(s.stop_reason == (eos if s.finish_reason == "stop" else None) for s in seqs)
 
 
 def test_concurrency_limit_searches_prompts_in_groups(eos_llama):
@@ -178,3 +182,34 @@ def test_beams_stop_at_the_context_end(tiny_model_dir):
                                                                         for s in out[0].sequences)
     with pytest.raises(ValueError, match="leaves no room"):
         llm.beam_search([{"prompt_token_ids": [5] * 64}], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_beam_logprobs_carry_their_decoded_tokens(tiny_llama_dir):
+    """vLLM's beam steps detokenize their logprobs: every Logprob of a beam names its token's text (it was None)."""
+    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=1 << 24, max_model_len=128)
+    tok = llm.get_tokenizer()
+    out = llm.beam_search(["hello world"], BeamSearchParams(beam_width=2, max_tokens=4))[0]
+    entries = [(t, lp) for seq in out.sequences for d in seq.logprobs for t, lp in d.items()]
+    assert entries and all(lp.decoded_token == tok.decode([t]) for t, lp in entries)
+
+
+@pytest.mark.parametrize("max_logprobs", [20, -1])
+def test_beams_wider_than_half_the_vocabulary(tmp_path, max_logprobs):
+    """A beam step asks for the top 2 x width logprobs; past the vocabulary's size the engine refused the step
+    ("logprobs=12 is more than this server allows (8)"): it asks for the whole vocabulary instead, and the beams are
+    transformers' (which takes its top 2 x width over all beams' continuations)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_hf_config
+
+    config = tiny_hf_config("llama")
+    config.vocab_size = 8
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # peaked distributions: no near-ties between beams
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), kv_cache_memory_bytes=1 << 24, max_model_len=64, skip_tokenizer_init=True,
+              max_logprobs=max_logprobs)
+    for width in (4, 6, 10):
+        check(llm, str(tmp_path), [[2, 3, 4, 5]], BeamSearchParams(beam_width=width, max_tokens=5), [1])

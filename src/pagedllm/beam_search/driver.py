@@ -42,7 +42,7 @@ def run_offline(llm, prompts: list, params, use_tqdm: bool = False, lora_ids: Op
                              f"has {len(ids)} tokens, which leaves no room for any output. Please shorten the prompt.")
         # (as generate(): a beam grows to the context's end at most, not past it in the middle of the search)
         searches.append(BeamSearch(ids, dataclasses.replace(params, max_tokens=min(params.max_tokens, room)),
-                                   llm.engine.eos_token_ids))
+                                   llm.engine.eos_token_ids, llm.engine.vocab_size))
         searches[-1].check_logprob_limit(llm.engine_args.max_logprobs)
     bar = None
     if use_tqdm:
@@ -68,7 +68,21 @@ def run_offline(llm, prompts: list, params, use_tqdm: bool = False, lora_ids: Op
     if bar is not None:
         bar.close()
     decode = None if llm.tokenizer is None else (lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True))
-    return [s.result(decode) for s in searches]
+    results = [s.result(decode) for s in searches]
+    if llm.tokenizer is not None:
+        name_logprobs(results, llm.tokenizer)
+    return results
+
+
+def name_logprobs(results: list, tokenizer) -> None:
+    """Each returned beam's Logprobs get their token's text (decoded_token), as generate()'s logprobs and vLLM's
+    beams have it; the steps themselves skip detokenizing, so only the tokens returned are decoded (once each)."""
+    entries = [lp for out in results for seq in out.sequences for d in seq.logprobs for lp in d.items()]
+    missing = list(dict.fromkeys(t for t, lp in entries if lp.decoded_token is None))
+    texts = dict(zip(missing, tokenizer.batch_decode([[t] for t in missing]))) if missing else {}
+    for t, lp in entries:
+        if lp.decoded_token is None:
+            lp.decoded_token = texts[t]
 
 
 def _advance_all(searches, owners, logprob_dicts) -> None:
@@ -89,13 +103,13 @@ class ClientDisconnected(Exception):
 
 async def run_async(generate: Callable, prompt_ids: list[int], params, eos_token_ids: list[int],
                     decode: Optional[Callable] = None, disconnected: Optional[Callable] = None,
-                    max_logprobs: int = -1):
+                    max_logprobs: int = -1, vocab_size: Optional[int] = None):
     """The server's beam search over AsyncEngine: generate(prompt_ids, sampling_params) -> final RequestOutput
     (awaitable). Beams of one step run concurrently, in the same batches as every other request. `disconnected`
     (awaitable -> bool) is asked between steps: a client that left stops the search."""
     import asyncio
 
-    search = BeamSearch(prompt_ids, params, eos_token_ids)
+    search = BeamSearch(prompt_ids, params, eos_token_ids, vocab_size)
     search.check_logprob_limit(max_logprobs)
     while True:
         pending = search.pending()

@@ -83,8 +83,10 @@ def check_logprobs_mode(mode: str) -> None:
 
 
 class BeamSearch:
-    def __init__(self, prompt_token_ids: Sequence[int], params: BeamSearchParams, eos_token_ids: Sequence[int]):
+    def __init__(self, prompt_token_ids: Sequence[int], params: BeamSearchParams, eos_token_ids: Sequence[int],
+                 vocab_size: Optional[int] = None):
         self.prompt = list(prompt_token_ids)
+        self.vocab_size = vocab_size
         self.params = params
         self.width = params.beam_width
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
@@ -96,17 +98,18 @@ class BeamSearch:
         self.done = False
 
     def check_logprob_limit(self, max_logprobs: int) -> None:
-        """Each beam step asks the engine for the top `keep` logprobs: refuse at once when --max-logprobs is lower."""
-        if max_logprobs != -1 and self.keep > max_logprobs:
+        """Each beam step asks the engine for the top num_logprobs: refuse at once when --max-logprobs is lower."""
+        if max_logprobs != -1 and self.num_logprobs > max_logprobs:
             most = max_logprobs // (self.keep // self.width)
-            raise ValueError(f"beam_width={self.width} needs the top {self.keep} logprobs of every step, more than "
-                             f"max_logprobs={max_logprobs}; use a beam width of at most {most} "
+            raise ValueError(f"beam_width={self.width} needs the top {self.num_logprobs} logprobs of every step, "
+                             f"more than max_logprobs={max_logprobs}; use a beam width of at most {most} "
                              "or start the engine with a larger --max-logprobs.")
 
     @property
     def num_logprobs(self) -> int:
-        """Top tokens needed per beam: the best `keep` continuations overall are among each beam's best `keep`."""
-        return self.keep
+        """Top tokens needed per beam: the best `keep` continuations overall are among each beam's best `keep`
+        (all of a vocabulary smaller than that: the engine refuses more logprobs than the vocabulary has)."""
+        return self.keep if self.vocab_size is None else min(self.keep, self.vocab_size)
 
     def pending(self) -> list[tuple[int, list[int]]]:
         """(beam index, prompt + beam tokens) of the live beams whose next-token logprobs are needed."""
@@ -185,5 +188,6 @@ class BeamSearch:
                 text = decode(shown)
             out.append(BeamSearchSequence(
                 tokens=self.prompt + b.tokens, logprobs=b.logprobs, cum_logprob=b.cum_logprob, text=text,
-                finish_reason="stop" if ends_eos else "length", score=h.score))
+                finish_reason="stop" if ends_eos else "length", score=h.score,
+                stop_reason=b.tokens[-1] if ends_eos else None))  # (vLLM's beams name the EOS id that ended them)
         return BeamSearchOutput(sequences=out)

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.request_params import _param_of
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.sampling_params import BeamSearchParams
 
@@ -50,16 +51,16 @@ def beam_search_params(req: Any, max_tokens: int) -> tuple[BeamSearchParams, int
         params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos),
                                   length_penalty=req.length_penalty, early_stopping=req.early_stopping,
                                   include_stop_str_in_output=bool(req.include_stop_str_in_output))
-    except ValueError as e:
-        raise APIError(str(e)) from None
+    except ValueError as e:  # (the 400 names the field, as the sampling path's does)
+        raise APIError(str(e), param=_param_of(str(e))) from None
     return params, n
 
 
 async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchParams, disconnected=None,
                  lora_request: Any = None, cache_salt: Optional[str] = None, priority: int = 0,
-                 data_parallel_rank: Optional[int] = None):
+                 data_parallel_rank: Optional[int] = None, width_param: str = "n"):
     """One prompt's search; every beam step runs under the request's adapter, prefix-cache salt and priority (and
-    on its X-data-parallel-rank core)."""
+    on its X-data-parallel-rank core). width_param: the field that set the beam width (a 400 names it)."""
     from pagedllm.beam_search.driver import run_async
 
     engine = state.engine
@@ -79,16 +80,17 @@ async def search(state: ServerState, prompt_ids: list[int], params: BeamSearchPa
     from pagedllm.beam_search.search import BeamSearch, check_logprobs_mode
 
     eos = list(engine.ready.eos_token_ids)
+    vocab_size = engine.ready.vocab_size
     try:  # the beam width needs the top 2 x width logprobs per step: within --max-logprobs?
-        BeamSearch(prompt_ids, params, eos).check_logprob_limit(state.max_logprobs)
+        BeamSearch(prompt_ids, params, eos, vocab_size).check_logprob_limit(state.max_logprobs)
     except ValueError as e:
-        raise APIError(str(e), param="n") from None
+        raise APIError(str(e), param=width_param) from None
     try:
         check_logprobs_mode(getattr(engine.engine_args, "logprobs_mode", "raw_logprobs"))
     except ValueError as e:
         raise APIError(str(e), param="use_beam_search") from None
     return await run_async(one, prompt_ids, params, eos, decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                           disconnected=disconnected)
+                           disconnected=disconnected, vocab_size=vocab_size)
 
 
 async def completion_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
@@ -98,14 +100,14 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
     params, n = beam_search_params(req, max_tokens)
     lora = state.lora_request(model)
     results = await asyncio.gather(*(search(state, ids, params, disconnected, lora, cache_salt, priority,
-                                            data_parallel_rank) for _, ids in prompts))
+                                            data_parallel_rank, _width_param(req)) for _, ids in prompts))
     choices, num_prompt, num_gen = [], 0, 0
     for i, ((_, ids), result) in enumerate(zip(prompts, results)):
         num_prompt += len(ids)
         for j, seq in enumerate(result.sequences[:n]):
             num_gen += len(seq.tokens) - len(ids)
             choice = {"index": i * n + j, "text": seq.text, "logprobs": None,
-                      "finish_reason": seq.finish_reason, "stop_reason": None}
+                      "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
             if req.return_token_ids:  # as the sampling path's choices
                 choice.update(prompt_token_ids=list(ids), token_ids=list(seq.tokens[len(ids):]))
             choices.append(choice)
@@ -116,16 +118,21 @@ async def completion_response(req: Any, state: ServerState, model: str, request_
 async def chat_response(req: Any, state: ServerState, model: str, request_id: str, created: int,
                         prompt_ids: list[int], max_tokens: Optional[int], disconnected=None,
                         cache_salt: Optional[str] = None, priority: int = 0, role: str = "assistant",
-                        data_parallel_rank: Optional[int] = None) -> dict:
-    """cache_salt, priority, data_parallel_rank: the request's, as the handler checked them; role: the answer's."""
+                        data_parallel_rank: Optional[int] = None, reasoning: Any = None) -> dict:
+    """cache_salt, priority, data_parallel_rank: the request's, as the handler checked them; role: the answer's;
+    reasoning: the request's ChoiceReasoning (--reasoning-parser), which splits each beam's text."""
     params, n = beam_search_params(req, max_tokens)
     result = await search(state, prompt_ids, params, disconnected, state.lora_request(model), cache_salt, priority,
-                          data_parallel_rank)
+                          data_parallel_rank, _width_param(req))
     choices, num_gen = [], 0
     for j, seq in enumerate(result.sequences[:n]):
         num_gen += len(seq.tokens) - len(prompt_ids)
-        choice = {"index": j, "message": {"role": role, "content": seq.text}, "logprobs": None,
-                  "finish_reason": seq.finish_reason, "stop_reason": None}
+        message: dict = {"role": role, "content": seq.text}
+        if reasoning is not None:  # as the sampling path's message: the think block as reasoning, the rest content
+            thought, message["content"] = reasoning.split(seq.text or "")
+            message.update(reasoning.fields(thought if reasoning.include else None))
+        choice = {"index": j, "message": message, "logprobs": None,
+                  "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = list(seq.tokens[len(prompt_ids):])
         choices.append(choice)
@@ -134,6 +141,10 @@ async def chat_response(req: Any, state: ServerState, model: str, request_id: st
     if req.return_token_ids:  # as the sampling path's response
         body["prompt_token_ids"] = list(prompt_ids)
     return body
+
+
+def _width_param(req: Any) -> str:
+    return "best_of" if getattr(req, "best_of", None) is not None else "n"
 
 
 def _usage(num_prompt: int, num_gen: int) -> dict:

@@ -60,11 +60,13 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         beam_max = max_tokens if max_tokens is not None else min(room, (state.sampling_defaults or {}).get(
             "max_tokens", room))
         check_context_length(len(prompt_ids), beam_max, state.max_model_len)
+        # (the beams' think blocks are split off as the sampling path's answers are: vLLM parses both alike)
+        reasoning = request_reasoning(state, None, prompt_text, prompt_ids, bool(req.include_reasoning))
         try:
             body = await beam_search.chat_response(req, state, model, request_id,
                                                    int(time.time()), prompt_ids, beam_max, request.is_disconnected,
                                                    salt, priority, response_role(req, state),
-                                                   data_parallel_rank(request, engine))
+                                                   data_parallel_rank(request, engine), reasoning)
         except ClientDisconnected:  # the client left mid-search: nobody reads an answer
             return Response(status_code=499)
         return Response(dumps(body), media_type="application/json")

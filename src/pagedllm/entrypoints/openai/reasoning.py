@@ -148,9 +148,10 @@ class ChoiceReasoning:
 def request_reasoning(state: Any, params: Any, prompt_text: Optional[str], prompt_ids: list[int],
                       include: bool = True) -> Optional[ChoiceReasoning]:
     """The reasoning split of a chat / responses request's answer (--reasoning-parser), or None: no parser, or a
-    grammar shapes the whole answer (response_format, structured outputs, a required / named tool_choice)."""
+    grammar shapes the whole answer (response_format, structured outputs, a required / named tool_choice).
+    params None: no grammar (beam search)."""
     parser = getattr(state, "reasoning_parser", None)
-    if parser is None or params.structured_outputs is not None:
+    if parser is None or (params is not None and params.structured_outputs is not None):
         return None
     if prompt_text is None:  # (a truncated prompt): its end, where an opened think block would be
         prompt_text = state.tokenizer.decode(prompt_ids[-64:])
