@@ -316,3 +316,14 @@ def test_tool_whose_parameters_admit_nothing_is_named(choice) -> None:
     assert tool_structured_outputs(plan_tools(tools, "auto", None, "hermes", None)) is None
     tool_structured_outputs(plan_tools(tools, {"type": "function", "function": {"name": "get_time"}}, None, "hermes",
                                        None))
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "pythonic"])
+def test_start_only_parsers_release_content_that_only_began_like_a_marker(parser: str) -> None:
+    """An answer that starts like a marker ("<" of "<|python_tag|>") but turns out to be text streams as it comes:
+    the streamer held all of it to the end once the first delta was "<"."""
+    s = ToolCallStreamer(plan_tools(TOOLS, "auto", None, parser, None))
+    assert s.feed("<") == []
+    assert s.feed("b>Bold") == [{"content": "<b>Bold"}]
+    assert s.feed("</b> more") == [{"content": "</b> more"}]
+    assert s.finish("stop") == ([], "stop")

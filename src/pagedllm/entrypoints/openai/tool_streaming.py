@@ -62,9 +62,11 @@ class ToolCallStreamer:
             head = self.text.lstrip()
             if not head:
                 return []
-            if any(head.startswith(m) or m.startswith(head) for m in markers):
+            if any(head.startswith(m) for m in markers):
                 self.holding = True
                 return []
+            if any(m.startswith(head) for m in markers):
+                return []  # ("<" may grow into "<|python_tag|>" or not: wait, but commit to holding only on a marker)
             return self._send_upto(len(self.text))
         positions = [p for p in (self.text.find(m, self.sent) for m in markers) if p >= 0]
         if positions:
