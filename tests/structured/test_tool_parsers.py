@@ -327,3 +327,26 @@ def test_start_only_parsers_release_content_that_only_began_like_a_marker(parser
     assert s.feed("b>Bold") == [{"content": "<b>Bold"}]
     assert s.feed("</b> more") == [{"content": "</b> more"}]
     assert s.finish("stop") == ([], "stop")
+
+
+def test_auto_keeps_a_parsers_special_token_marker_in_the_text() -> None:
+    """Mistral's [TOOL_CALLS] is a special token: with skip_special_tokens (the default) the detokenized text lost it
+    and the calls came back as content. tool_choice "auto" with such a marker keeps special tokens (as vLLM does);
+    a marker that is plain text, or no parser in play, leaves the request as it is."""
+    from pagedllm.entrypoints.openai.chat_tools import apply_tool_grammar
+    from pagedllm.sampling_params import SamplingParams
+    from tests.conftest import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    plan = plan_tools(TOOLS, "auto", None, "mistral", None)
+    params = SamplingParams()
+    apply_tool_grammar(params, plan, tok)
+    assert params.skip_special_tokens is False
+    ids = tok.encode('[TOOL_CALLS][{"name": "get_time", "arguments": {}}]', add_special_tokens=False)
+    text = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    assert calls(extract_tool_calls(plan, text, "stop")) == [("get_time", {})]
+    for plan in (plan_tools(TOOLS, "auto", None, "hermes", None), plan_tools(TOOLS, "none", None, "mistral", None)):
+        params = SamplingParams()
+        apply_tool_grammar(params, plan, tok)
+        assert params.skip_special_tokens is True

@@ -70,7 +70,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         return Response(dumps(body), media_type="application/json")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, state.sampling_defaults)
-    apply_tool_grammar(params, tool_plan)
+    apply_tool_grammar(params, tool_plan, state.tokenizer)
     check_context_length(len(prompt_ids), context_max_tokens(max_tokens, params, state.sampling_defaults),
                          state.max_model_len)
     reasoning = request_reasoning(state, params, prompt_text, prompt_ids, bool(req.include_reasoning))
