@@ -42,7 +42,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     prompt_text, prompt_ids = await render_work(
         request, req, render_chat, state.tokenizer, req.messages, req.add_generation_prompt,
         req.continue_final_message, req.chat_template, req.chat_template_kwargs, req.add_special_tokens,
-        prepare_tools=prepare_tools, content_format=state.chat_template_content_format)
+        prepare_tools=prepare_tools, content_format=state.chat_template_content_format, documents=req.documents)
     if req.truncate_prompt_tokens is not None:
         kept = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, state.max_model_len)
         if len(kept) < len(prompt_ids):
