@@ -350,22 +350,3 @@ def test_auto_keeps_a_parsers_special_token_marker_in_the_text() -> None:
         params = SamplingParams()
         apply_tool_grammar(params, plan, tok)
         assert params.skip_special_tokens is True
-
-
-def test_chat_request_documents_reach_the_template() -> None:
-    """vLLM's `documents` (RAG) go to the chat template as `documents`: the field was ignored with a warning, so a
-    template that lists them (Command-R's, Granite's) rendered none; chat_template_kwargs' own `documents` win."""
-    from pagedllm.entrypoints.openai.chat_template import render_chat
-    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-    from tests.conftest import build_tiny_tokenizer
-
-    template = ("{% for d in documents or [] %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}"
-                "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Q?"}],
-                                documents=[{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}])
-    tok = build_tiny_tokenizer()
-    text, _ = render_chat(tok, req.messages, False, False, template, documents=req.documents)
-    assert text == "[A: alpha][B: beta]<user>Q?"
-    text, _ = render_chat(tok, req.messages, False, False, template, {"documents": [{"title": "C", "text": "c"}]},
-                          documents=req.documents)
-    assert text == "[C: c]<user>Q?"
