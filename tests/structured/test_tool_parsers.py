@@ -350,3 +350,19 @@ def test_auto_keeps_a_parsers_special_token_marker_in_the_text() -> None:
         params = SamplingParams()
         apply_tool_grammar(params, plan, tok)
         assert params.skip_special_tokens is True
+
+
+def test_vllm_llama4_parser_names_are_accepted() -> None:
+    """vLLM's docs serve Llama 4 with --tool-call-parser llama4_pythonic (or llama4_json): both names were refused."""
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import add_structured_output_args
+
+    text = '<|python_start|>[get_weather(city="Oslo")]<|python_end|>'
+    assert calls(get_tool_parser("llama4_pythonic", TOOLS).extract(text)) == [("get_weather", {"city": "Oslo"})]
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert calls(get_tool_parser("llama4_json", TOOLS).extract(text)) == [("get_weather", {"city": "Oslo"})]
+    for name in ("llama4_pythonic", "llama4_json"):
+        p = argparse.ArgumentParser()
+        add_structured_output_args(p)
+        assert p.parse_args(["--tool-call-parser", name]).tool_call_parser == name

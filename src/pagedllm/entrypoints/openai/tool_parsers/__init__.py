@@ -15,6 +15,9 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    # vLLM's names for the same formats (its docs give them for Llama 4): accepted as --tool-call-parser too
+    "llama4_json": Llama3JsonToolParser,
+    "llama4_pythonic": PythonicToolParser,
 }
 TOOL_PARSER_NAMES = ("auto",) + tuple(TOOL_PARSERS)
 
