@@ -366,3 +366,15 @@ def test_vllm_llama4_parser_names_are_accepted() -> None:
         p = argparse.ArgumentParser()
         add_structured_output_args(p)
         assert p.parse_args(["--tool-call-parser", name]).tool_call_parser == name
+
+
+def test_auto_detects_pythonic_templates_that_also_mention_ipython_parameters() -> None:
+    """vLLM's Llama 3.2 / 4 pythonic templates render tool results as the ipython role, say "parameters" in their
+    instructions and ask for "[func_name1(...)]": auto picked llama3_json (or hermes), which read their calls as
+    content."""
+    llama4_like = ("{% if message.role == 'tool' or message.role == 'ipython' %}ipython{% endif %}"
+                   "If ALL required parameters are present, use the format [func_name1(param1=value1), func_name2()]")
+    llama32_like = "Environment: ipython\nRespond in the format [func_name1(params_name1=params_value1)]"
+    for template in (llama4_like, llama32_like):
+        assert detect_tool_parser(template) == "pythonic"
+    assert detect_tool_parser("Environment: ipython\n{\"name\": function name, \"parameters\": ...}") == "llama3_json"
