@@ -378,3 +378,28 @@ def test_auto_detects_pythonic_templates_that_also_mention_ipython_parameters() 
     for template in (llama4_like, llama32_like):
         assert detect_tool_parser(template) == "pythonic"
     assert detect_tool_parser("Environment: ipython\n{\"name\": function name, \"parameters\": ...}") == "llama3_json"
+
+
+@pytest.mark.parametrize("parser, template", [("mistral", None), ("auto", "{{ '[TOOL_CALLS]' }}")])
+def test_mistral_format_calls_get_nine_character_ids(parser: str, template) -> None:
+    """Mistral's chat templates raise on a tool call id that is not 9 alphanumeric characters when the client sends
+    the call back: its calls (auto, required, named; streamed or not) get such ids, as vLLM's mistral parser gives;
+    other formats keep OpenAI's call_ ids."""
+    import re
+
+    nine = re.compile(r"[A-Za-z0-9]{9}")
+    auto = plan_tools(TOOLS, "auto", None, parser, template)
+    text = '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "X"}}]'
+    assert all(nine.fullmatch(c.id) for c in extract_tool_calls(auto, text, "stop").tool_calls)
+    required = plan_tools(TOOLS, "required", None, parser, template)
+    result = extract_tool_calls(required, '[{"name": "get_time", "arguments": {}}]', "stop")
+    assert result.called and all(nine.fullmatch(c.id) for c in result.tool_calls)
+    (_, streamed), _, _ = _stream(auto, text, "stop")
+    assert len(streamed) == 2 and all(nine.fullmatch(c["id"]) for c in streamed)
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None, parser, template)
+    (_, streamed), _, _ = _stream(named, "{}", "stop")
+    assert nine.fullmatch(streamed[0]["id"])
+    assert nine.fullmatch(extract_tool_calls(named, "{}", "stop").tool_calls[0].id)
+    hermes = plan_tools(TOOLS, "required", None, "hermes", None)
+    assert extract_tool_calls(hermes, '[{"name": "get_time", "arguments": {}}]', "stop").tool_calls[0].id.startswith(
+        "call_")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Optional
 
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan, extract_tool_calls, finish_reason_with_tools
-from pagedllm.entrypoints.openai.tool_parsers import make_call_id
 
 
 def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -31,7 +30,7 @@ class ToolCallStreamer:
         self.text = ""
         self.sent = 0  # characters of text already sent as content
         self.holding = False  # a tool call may have started: hold everything from `sent` on
-        self.call_id = make_call_id()
+        self.call_id = plan.call_id()
         self.named_started = False
 
     def feed(self, delta: str) -> list[dict]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, ToolCall, ToolParser, make_call_id
+from pagedllm.entrypoints.openai.tool_parsers.base import (ExtractedToolCalls, ToolCall, ToolParser, make_call_id,
+                                                         make_mistral_call_id)
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
@@ -47,4 +48,4 @@ def get_tool_parser(name: str, tools: Optional[list[dict]] = None,
 
 
 __all__ = ["ExtractedToolCalls", "ToolCall", "ToolParser", "TOOL_PARSERS", "TOOL_PARSER_NAMES", "detect_tool_parser",
-           "get_tool_parser", "make_call_id"]
+           "get_tool_parser", "make_call_id", "make_mistral_call_id"]
