@@ -248,6 +248,10 @@ _AUTO_TEXTS = [
     ("pythonic", ' \n[get_time()]'),
     ("pythonic", "plain words [not a call"),
     ("pythonic", "[1, 2, 3]"),
+    ("qwen3_coder", "Let me see <tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>"),
+    ("qwen3_coder", "<function=get_time>\n</function>\n</tool_call>"),  # no opening <tool_call>
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOs"),  # cut short
+    ("qwen3_coder", "a <tool_call> b, no function"),
 ]
 
 
@@ -403,3 +407,30 @@ def test_mistral_format_calls_get_nine_character_ids(parser: str, template) -> N
     hermes = plan_tools(TOOLS, "required", None, "hermes", None)
     assert extract_tool_calls(hermes, '[{"name": "get_time", "arguments": {}}]', "stop").tool_calls[0].id.startswith(
         "call_")
+
+
+_QWEN3_CODER = ("I'll check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\nnorth\n</parameter>\n"
+                "<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"unit\": \"C\", \"hours\": [1, 2]}\n</parameter>\n"
+                "<parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>\n"
+                "<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_xml_calls_are_read_and_detected() -> None:
+    """Qwen3-Coder writes <tool_call><function=NAME><parameter=K>value</parameter>...: auto picked hermes for its
+    template (it has <tool_call>), which reads JSON, so every call came back as content. Values follow the schema's
+    types (strings as written, multi-line kept); a parameter the schema does not name stays a string."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "opts": {"type": "object"}}}}}, TOOLS[1]]
+    template = "{{ '<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>' }}"
+    assert detect_tool_parser(template) == "qwen3_coder"
+    plan = plan_tools(tools, "auto", None, "auto", template)
+    full = extract_tool_calls(plan, _QWEN3_CODER, "stop")
+    assert full.content == "I'll check both.\n"
+    assert calls(full) == [("get_weather", {"city": "São Paulo\nnorth", "days": 3, "opts": {"unit": "C", "hours": [1, 2]},
+                                            "extra": "42"}), ("get_time", {})]
+    assert finish_reason_with_tools(full, "stop") == "tool_calls"
+    for step in (1, 2, 7):
+        (content, streamed), reason, _ = _stream(plan, _QWEN3_CODER, "stop", step=step)
+        assert content == full.content and reason == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in full.tool_calls]
+    assert extract_tool_calls(plan, "No call: <tool_call> without a function", "stop").tool_calls == []
