@@ -31,7 +31,7 @@ def detect_tool_parser(chat_template: Optional[str]) -> str:
     t = chat_template or ""
     if "[TOOL_CALLS]" in t:
         return "mistral"
-    if "<function=" in t:  # Qwen3-Coder's XML calls (inside <tool_call>, which hermes would read as JSON and fail)
+    if "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's XML calls (hermes would read them as JSON, fail)
         return "qwen3_coder"
     # Pythonic templates (Llama 3.2 / 4 pythonic, ToolACE, Gemma 3's) spell the format out as "[func_name1(...)]"
     # and also have an ipython role and the word "parameters": checked before the llama3 JSON rule, which took them.
