@@ -34,11 +34,13 @@ def detect_tool_parser(chat_template: Optional[str]) -> str:
     if "<function=" in t and "<parameter=" in t:  # Qwen3-Coder's XML calls (hermes would read them as JSON, fail)
         return "qwen3_coder"
     # Pythonic templates (Llama 3.2 / 4 pythonic, ToolACE, Gemma 3's) spell the format out as "[func_name1(...)]"
-    # and also have an ipython role and the word "parameters": checked before the llama3 JSON rule, which took them.
-    if "<|python_start|>" in t or "[func_name1(" in t:
+    # and may also have an ipython role and the word "parameters": checked before the llama3 JSON rule, which took them.
+    if "[func_name1(" in t:
         return "pythonic"
     if "<|python_tag|>" in t or ("ipython" in t and "parameters" in t):
         return "llama3_json"
+    if "<|python_start|>" in t:
+        return "pythonic"
     return "hermes"
 
 
