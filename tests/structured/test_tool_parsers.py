@@ -248,6 +248,10 @@ _AUTO_TEXTS = [
     ("pythonic", ' \n[get_time()]'),
     ("pythonic", "plain words [not a call"),
     ("pythonic", "[1, 2, 3]"),
+    ("qwen3_coder", "Let me see <tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>"),
+    ("qwen3_coder", "<function=get_time>\n</function>\n</tool_call>"),  # no opening <tool_call>
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOs"),  # cut short
+    ("qwen3_coder", "a <tool_call> b, no function"),
 ]
 
 
@@ -316,3 +320,117 @@ def test_tool_whose_parameters_admit_nothing_is_named(choice) -> None:
     assert tool_structured_outputs(plan_tools(tools, "auto", None, "hermes", None)) is None
     tool_structured_outputs(plan_tools(tools, {"type": "function", "function": {"name": "get_time"}}, None, "hermes",
                                        None))
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "pythonic"])
+def test_start_only_parsers_release_content_that_only_began_like_a_marker(parser: str) -> None:
+    """An answer that starts like a marker ("<" of "<|python_tag|>") but turns out to be text streams as it comes:
+    the streamer held all of it to the end once the first delta was "<"."""
+    s = ToolCallStreamer(plan_tools(TOOLS, "auto", None, parser, None))
+    assert s.feed("<") == []
+    assert s.feed("b>Bold") == [{"content": "<b>Bold"}]
+    assert s.feed("</b> more") == [{"content": "</b> more"}]
+    assert s.finish("stop") == ([], "stop")
+
+
+def test_auto_keeps_a_parsers_special_token_marker_in_the_text() -> None:
+    """Mistral's [TOOL_CALLS] is a special token: with skip_special_tokens (the default) the detokenized text lost it
+    and the calls came back as content. tool_choice "auto" with such a marker keeps special tokens (as vLLM does);
+    a marker that is plain text, or no parser in play, leaves the request as it is."""
+    from pagedllm.entrypoints.openai.chat_tools import apply_tool_grammar
+    from pagedllm.sampling_params import SamplingParams
+    from tests.conftest import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    plan = plan_tools(TOOLS, "auto", None, "mistral", None)
+    params = SamplingParams()
+    apply_tool_grammar(params, plan, tok)
+    assert params.skip_special_tokens is False
+    ids = tok.encode('[TOOL_CALLS][{"name": "get_time", "arguments": {}}]', add_special_tokens=False)
+    text = tok.decode(ids, skip_special_tokens=params.skip_special_tokens)
+    assert calls(extract_tool_calls(plan, text, "stop")) == [("get_time", {})]
+    for plan in (plan_tools(TOOLS, "auto", None, "hermes", None), plan_tools(TOOLS, "none", None, "mistral", None)):
+        params = SamplingParams()
+        apply_tool_grammar(params, plan, tok)
+        assert params.skip_special_tokens is True
+
+
+def test_vllm_llama4_parser_names_are_accepted() -> None:
+    """vLLM's docs serve Llama 4 with --tool-call-parser llama4_pythonic (or llama4_json): both names were refused."""
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import add_structured_output_args
+
+    text = '<|python_start|>[get_weather(city="Oslo")]<|python_end|>'
+    assert calls(get_tool_parser("llama4_pythonic", TOOLS).extract(text)) == [("get_weather", {"city": "Oslo"})]
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert calls(get_tool_parser("llama4_json", TOOLS).extract(text)) == [("get_weather", {"city": "Oslo"})]
+    for name in ("llama4_pythonic", "llama4_json"):
+        p = argparse.ArgumentParser()
+        add_structured_output_args(p)
+        assert p.parse_args(["--tool-call-parser", name]).tool_call_parser == name
+
+
+def test_auto_detects_pythonic_templates_that_also_mention_ipython_parameters() -> None:
+    """vLLM's Llama 3.2 / 4 pythonic templates render tool results as the ipython role, say "parameters" in their
+    instructions and ask for "[func_name1(...)]": auto picked llama3_json (or hermes), which read their calls as
+    content."""
+    llama4_like = ("{% if message.role == 'tool' or message.role == 'ipython' %}ipython{% endif %}"
+                   "If ALL required parameters are present, use the format [func_name1(param1=value1), func_name2()]")
+    llama32_like = "Environment: ipython\nRespond in the format [func_name1(params_name1=params_value1)]"
+    for template in (llama4_like, llama32_like):
+        assert detect_tool_parser(template) == "pythonic"
+    assert detect_tool_parser("Environment: ipython\n{\"name\": function name, \"parameters\": ...}") == "llama3_json"
+
+
+@pytest.mark.parametrize("parser, template", [("mistral", None), ("auto", "{{ '[TOOL_CALLS]' }}")])
+def test_mistral_format_calls_get_nine_character_ids(parser: str, template) -> None:
+    """Mistral's chat templates raise on a tool call id that is not 9 alphanumeric characters when the client sends
+    the call back: its calls (auto, required, named; streamed or not) get such ids, as vLLM's mistral parser gives;
+    other formats keep OpenAI's call_ ids."""
+    import re
+
+    nine = re.compile(r"[A-Za-z0-9]{9}")
+    auto = plan_tools(TOOLS, "auto", None, parser, template)
+    text = '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "X"}}]'
+    assert all(nine.fullmatch(c.id) for c in extract_tool_calls(auto, text, "stop").tool_calls)
+    required = plan_tools(TOOLS, "required", None, parser, template)
+    result = extract_tool_calls(required, '[{"name": "get_time", "arguments": {}}]', "stop")
+    assert result.called and all(nine.fullmatch(c.id) for c in result.tool_calls)
+    (_, streamed), _, _ = _stream(auto, text, "stop")
+    assert len(streamed) == 2 and all(nine.fullmatch(c["id"]) for c in streamed)
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None, parser, template)
+    (_, streamed), _, _ = _stream(named, "{}", "stop")
+    assert nine.fullmatch(streamed[0]["id"])
+    assert nine.fullmatch(extract_tool_calls(named, "{}", "stop").tool_calls[0].id)
+    hermes = plan_tools(TOOLS, "required", None, "hermes", None)
+    assert extract_tool_calls(hermes, '[{"name": "get_time", "arguments": {}}]', "stop").tool_calls[0].id.startswith(
+        "call_")
+
+
+_QWEN3_CODER = ("I'll check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\nnorth\n</parameter>\n"
+                "<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"unit\": \"C\", \"hours\": [1, 2]}\n</parameter>\n"
+                "<parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>\n"
+                "<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_xml_calls_are_read_and_detected() -> None:
+    """Qwen3-Coder writes <tool_call><function=NAME><parameter=K>value</parameter>...: auto picked hermes for its
+    template (it has <tool_call>), which reads JSON, so every call came back as content. Values follow the schema's
+    types (strings as written, multi-line kept); a parameter the schema does not name stays a string."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "opts": {"type": "object"}}}}}, TOOLS[1]]
+    template = "{{ '<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>' }}"
+    assert detect_tool_parser(template) == "qwen3_coder"
+    plan = plan_tools(tools, "auto", None, "auto", template)
+    full = extract_tool_calls(plan, _QWEN3_CODER, "stop")
+    assert full.content == "I'll check both.\n"
+    assert calls(full) == [("get_weather", {"city": "São Paulo\nnorth", "days": 3, "opts": {"unit": "C", "hours": [1, 2]},
+                                            "extra": "42"}), ("get_time", {})]
+    assert finish_reason_with_tools(full, "stop") == "tool_calls"
+    for step in (1, 2, 7):
+        (content, streamed), reason, _ = _stream(plan, _QWEN3_CODER, "stop", step=step)
+        assert content == full.content and reason == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in full.tool_calls]
+    assert extract_tool_calls(plan, "No call: <tool_call> without a function", "stop").tool_calls == []

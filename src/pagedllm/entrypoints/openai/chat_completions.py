@@ -42,7 +42,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     prompt_text, prompt_ids = await render_work(
         request, req, render_chat, state.tokenizer, req.messages, req.add_generation_prompt,
         req.continue_final_message, req.chat_template, req.chat_template_kwargs, req.add_special_tokens,
-        prepare_tools=prepare_tools, content_format=state.chat_template_content_format)
+        prepare_tools=prepare_tools, content_format=state.chat_template_content_format, documents=req.documents)
     if req.truncate_prompt_tokens is not None:
         kept = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, state.max_model_len)
         if len(kept) < len(prompt_ids):
@@ -72,7 +72,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         return Response(dumps(body), media_type="application/json")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, state.sampling_defaults)
-    apply_tool_grammar(params, tool_plan)
+    apply_tool_grammar(params, tool_plan, state.tokenizer)
     check_context_length(len(prompt_ids), context_max_tokens(max_tokens, params, state.sampling_defaults),
                          state.max_model_len)
     reasoning = request_reasoning(state, params, prompt_text, prompt_ids, bool(req.include_reasoning))

@@ -186,9 +186,9 @@ def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool
                 continue_final_message: bool = False, chat_template: Optional[str] = None,
                 chat_template_kwargs: Optional[dict] = None, add_special_tokens: bool = False,
                 prepare_tools: Optional[Callable[[list[dict]], tuple[list[dict], Optional[list]]]] = None,
-                content_format: str = "auto") -> tuple[str, list[int]]:
+                content_format: str = "auto", documents: Optional[list[dict]] = None) -> tuple[str, list[int]]:
     """prepare_tools (tool calling): conversation -> (conversation, tools for the template); content_format:
-    --chat-template-content-format."""
+    --chat-template-content-format; documents: the request's (vLLM's RAG field), the template's `documents`."""
     if not messages:
         raise APIError("'messages' must contain at least one message.", param="messages")
     content_format = resolve_content_format(content_format, chat_template or getattr(tokenizer, "chat_template", None))
@@ -212,6 +212,8 @@ def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool
     kwargs = dict(chat_template_kwargs or {})
     if tools and "tools" not in kwargs:
         kwargs["tools"] = tools
+    if documents is not None and "documents" not in kwargs:
+        kwargs["documents"] = documents
     # As vLLM, the request's chat_template_kwargs win over the named fields (they were "got multiple values");
     # what the call returns is the server's choice, and a template only comes through the checked field.
     add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)

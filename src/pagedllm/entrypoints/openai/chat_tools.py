@@ -44,7 +44,25 @@ def _prepare(conv: list[dict], plan: ToolPlan, template: Optional[str]) -> tuple
         raise APIError(str(e), param=e.param) from None
 
 
-def apply_tool_grammar(params: Any, plan: ToolPlan) -> None:
+def keep_tool_markers(params: Any, plan: ToolPlan, tokenizer: Any) -> None:
+    """tool_choice "auto": a parser's start marker that is a special token ([TOOL_CALLS] of Mistral's tokenizers,
+    <tool_call> where it is special) would be dropped from the text by skip_special_tokens, and the calls read as
+    content; such requests keep special tokens (as vLLM's hermes / mistral parsers' adjust_request do)."""
+    if plan.mode != "auto" or plan.parser is None or tokenizer is None or not params.skip_special_tokens:
+        return
+    for marker in plan.parser.start_markers:
+        try:
+            ids = tokenizer.encode(marker, add_special_tokens=False)
+            dropped = marker not in tokenizer.decode(ids, skip_special_tokens=True)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot say: keep the request as it is
+            continue
+        if dropped and marker in tokenizer.decode(ids, skip_special_tokens=False):
+            params.skip_special_tokens = False
+            return
+
+
+def apply_tool_grammar(params: Any, plan: ToolPlan, tokenizer: Any = None) -> None:
+    keep_tool_markers(params, plan, tokenizer)
     try:
         so = tool_structured_outputs(plan)
     except ValueError as e:  # the functions' parameters as a spec (e.g. an integer msgpack cannot carry)

@@ -155,6 +155,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     include_reasoning: bool = True  # vLLM's: with --reasoning-parser, false leaves the reasoning out
+    # vLLM's: documents for RAG, handed to the chat template as `documents` (templates such as Command-R's read them)
+    documents: Optional[list[dict[str, Any]]] = None
 
 
 class TokenizeRequest(_Req):

@@ -61,7 +61,7 @@ async def _create_response(request: Request, state: ServerState) -> Response:
                                                 content_format=state.chat_template_content_format)
     params = build_sampling_params(chat, chat.max_tokens, None, None, state.sampling_defaults)
     params.structured_outputs = spec
-    apply_tool_grammar(params, tool_plan)
+    apply_tool_grammar(params, tool_plan, state.tokenizer)
     check_context_length(len(prompt_ids), context_max_tokens(chat.max_tokens, params, state.sampling_defaults),
                          state.max_model_len, "input", "max_output_tokens")
     reasoning = request_reasoning(state, params, prompt_text, prompt_ids)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.chat_template import message_text
-from pagedllm.entrypoints.openai.tool_parsers import ExtractedToolCalls, ToolCall, ToolParser, get_tool_parser
+from pagedllm.entrypoints.openai.tool_parsers import (ExtractedToolCalls, ToolCall, ToolParser, detect_tool_parser,
+                                                      get_tool_parser, make_call_id, make_mistral_call_id)
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 
@@ -36,10 +37,14 @@ class ToolPlan:
     named: Optional[str] = None
     parallel: bool = True
     parser: Optional[ToolParser] = None
+    mistral_ids: bool = False  # the mistral format: call ids of 9 alphanumeric characters (its templates check them)
 
     @property
     def active(self) -> bool:
         return self.mode != "none"
+
+    def call_id(self) -> str:
+        return make_mistral_call_id() if self.mistral_ids else make_call_id()
 
 
 def _function(tool: Any, i: int) -> dict:
@@ -86,7 +91,8 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
         if name not in names:
             raise ToolRequestError(f"tool_choice names the function {name!r}, which is not in tools "
                                    f"({', '.join(names)}).", "tool_choice")
-        return ToolPlan("named", tools, named=name, parallel=parallel_tool_calls is not False)
+        return ToolPlan("named", tools, named=name, parallel=parallel_tool_calls is not False,
+                        mistral_ids=_parser_name(parser_name, chat_template) == "mistral")
     if tool_choice not in ("none", "auto", "required"):
         raise ToolRequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}.",
                                "tool_choice")
@@ -94,13 +100,18 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
         raise ToolRequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if tool_choice == "none":
         return ToolPlan("none", tools if show_unused else [])
-    plan = ToolPlan(tool_choice, tools, parallel=parallel_tool_calls is not False)
+    plan = ToolPlan(tool_choice, tools, parallel=parallel_tool_calls is not False,
+                    mistral_ids=_parser_name(parser_name, chat_template) == "mistral")
     if tool_choice == "auto":
         try:
             plan.parser = get_tool_parser(parser_name, tools, chat_template)
         except ValueError as e:
             raise ToolRequestError(str(e), "tool_choice") from None
     return plan
+
+
+def _parser_name(name: str, chat_template: Optional[str]) -> str:
+    return detect_tool_parser(chat_template) if name == "auto" else name
 
 
 def _parameters(tool: dict) -> dict:
@@ -299,6 +310,14 @@ def _with_object_arguments(call: dict) -> dict:
 
 def extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str]) -> ExtractedToolCalls:
     """The output of a finished choice as content + calls. Never raises: what does not parse is content."""
+    result = _extract_tool_calls(plan, text, finish_reason)
+    if plan.mistral_ids:
+        for call in result.tool_calls:
+            call.id = make_mistral_call_id()
+    return result
+
+
+def _extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str]) -> ExtractedToolCalls:
     if not plan.active:
         return ExtractedToolCalls(content=text)
     if plan.mode == "named":

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Optional
 
 from pagedllm.entrypoints.openai.tool_calling import ToolPlan, extract_tool_calls, finish_reason_with_tools
-from pagedllm.entrypoints.openai.tool_parsers import make_call_id
 
 
 def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -31,7 +30,7 @@ class ToolCallStreamer:
         self.text = ""
         self.sent = 0  # characters of text already sent as content
         self.holding = False  # a tool call may have started: hold everything from `sent` on
-        self.call_id = make_call_id()
+        self.call_id = plan.call_id()
         self.named_started = False
 
     def feed(self, delta: str) -> list[dict]:
@@ -62,9 +61,11 @@ class ToolCallStreamer:
             head = self.text.lstrip()
             if not head:
                 return []
-            if any(head.startswith(m) or m.startswith(head) for m in markers):
+            if any(head.startswith(m) for m in markers):
                 self.holding = True
                 return []
+            if any(m.startswith(head) for m in markers):
+                return []  # ("<" may grow into "<|python_tag|>" or not: wait, but commit to holding only on a marker)
             return self._send_upto(len(self.text))
         positions = [p for p in (self.text.find(m, self.sent) for m in markers) if p >= 0]
         if positions:

@@ -6,6 +6,7 @@ tool that was not offered) comes back whole as plain content, with no calls.
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -13,6 +14,15 @@ from typing import Any, Optional
 
 def make_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_ALPHANUMERIC = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def make_mistral_call_id() -> str:
+    """Mistral's chat templates refuse a tool call id that is not 9 alphanumeric characters when the call comes
+    back in the history (as vLLM's mistral parser, its calls get such ids)."""
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
 
 @dataclass
