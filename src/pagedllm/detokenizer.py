@@ -41,6 +41,15 @@ def _token_str_cache(tokenizer: Any) -> dict[int, str]:
         return {}
 
 
+def _skipped_ids(tokenizer: Any) -> set[int]:
+    """The ids decode(skip_special_tokens=True) drops: the named special tokens and every added token marked special
+    (Gemma's <start_of_turn> / <end_of_turn> are not among all_special_ids, and the Rust decode skips them too)."""
+    ids = set(tokenizer.all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    return ids
+
+
 class _OffsetDecoder:
     """prefix/read-offset incremental decoding over token strings (works for any HF tokenizer)."""
 
@@ -49,7 +58,7 @@ class _OffsetDecoder:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.special_ids = set(tokenizer.all_special_ids) if skip_special_tokens else set()
+        self.special_ids = _skipped_ids(tokenizer) if skip_special_tokens else set()
         self.use_added_vocab_split = not getattr(tokenizer, "is_fast", False) and bool(tokenizer.get_added_vocab())
         self.added_tokens = set(tokenizer.get_added_vocab()) if self.use_added_vocab_split else set()
         self.tokens: list[str] = self._to_tokens(context_ids[-(_PREFIX_CONTEXT + 1):])
@@ -296,6 +305,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
+        self._num_emitted = 0  # token_ids[:_num_emitted] are all in output_text (see flush)
         self._pieces: list[str] = []  # every delta returned, joined on demand (no copy of the text per token)
         self._token_strs = token_str_cache if token_str_cache is not None else _token_str_cache(tokenizer)
         if use_decode_stream is None:
@@ -330,6 +340,8 @@ class IncrementalDetokenizer:
             except Exception as e:
                 text = self._after_failed_step(token_id, e)
             self.token_ids.append(token_id)
+            if text:
+                self._num_emitted = len(self.token_ids)
         else:
             text = "".join([self.step_text(token_id) for token_id in new_token_ids])
         return self._pieces_add(text)
@@ -342,7 +354,27 @@ class IncrementalDetokenizer:
         except Exception as e:
             text = self._after_failed_step(token_id, e)
         self.token_ids.append(token_id)
+        if text:
+            self._num_emitted = len(self.token_ids)
         return text
+
+    def flush(self, keep: bool = True) -> str:
+        """At the end of the output: the text the steps still hold back (the last tokens end in an incomplete UTF-8
+        character, or decode to a legitimate U+FFFD), decoded as tokenizer.decode does (U+FFFD for the partial
+        bytes), so that output_text == decode(all ids). Without it a request that stops by length in the middle of
+        a character, or whose last token is "\ufffd", loses that text. Call it once, after the last update.
+        keep=False: the text is not added to output_text (step_text's callers)."""
+        held = self.token_ids[self._num_emitted:]
+        if not held:
+            return ""
+        self._num_emitted = len(self.token_ids)
+        skip = self.skip_special_tokens
+        # Decoded after the tokens already shown (sentencepiece drops a leading space at the start of a decode).
+        context = (self.prompt_token_ids + self.token_ids[:-len(held)])[-_PREFIX_CONTEXT:]
+        text = self.tokenizer.decode(context + held, skip_special_tokens=skip)
+        prefix = self.tokenizer.decode(context, skip_special_tokens=skip) if context else ""
+        text = text[len(prefix):] if text.startswith(prefix) else self.tokenizer.decode(held, skip_special_tokens=skip)
+        return self._pieces_add(text) if keep else text
 
     def _pieces_add(self, text: str) -> str:
         if text:

@@ -328,3 +328,26 @@ def test_process_step_equals_process_outputs(tokenizer):
     got, taken = run(True)
     assert "".join(t for t, _ in taken) == tokenizer.decode(ids) and all(n == 1 for _, n in taken)
     assert any(aborts == ["stop"] for _, aborts in got)
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+@pytest.mark.parametrize("text", ["ab 😀", "end \ufffd", "\ufffd"])
+def test_length_finish_keeps_the_held_back_end(tokenizer, kind, text):
+    """Finishing on a token that ends in an incomplete character (max_tokens reached mid-emoji) or on a token that
+    is a whole U+FFFD: the final text is decode(all ids), with its U+FFFD, as HF decode gives it (was: the held
+    back bytes were dropped, "ab 😀" cut after its first byte token came out "ab" instead of "ab \ufffd")."""
+    ids = encode(tokenizer, text)
+    if text == "ab 😀":
+        ids = ids[:2]  # " " + the emoji's first bytes: the output ends mid-character
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("r", None, encode(tokenizer, "Hi"), SamplingParams(max_tokens=len(ids), output_kind=kind))
+    pieces, final = [], None
+    for outs, _ in stream(proc, "r", ids, finish_reason="length"):
+        for o in outs:
+            pieces.append(o.outputs[0].text)
+            final = o
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    got = "".join(pieces) if kind == "delta" else final.outputs[0].text
+    assert got == tokenizer.decode(ids)
+    assert not proc.has_unfinished()

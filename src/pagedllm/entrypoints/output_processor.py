@@ -311,6 +311,8 @@ class OutputProcessor:
                 shown = _shown_ids(new_ids, out, state.params, self.special_ids)
                 text = (detokenizer.step_text(shown[0]) if len(shown) == 1 else
                         detokenizer.update(shown) if shown else "")
+        if out.finish_reason is not None and state.detokenizer is not None:
+            text += state.detokenizer.flush(keep=False)  # the end of the text: what the steps held back
         if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
             state.num_cached_tokens = out.num_cached_tokens
         finish_reason = out.finish_reason
@@ -363,7 +365,7 @@ class OutputProcessor:
         if state.logprobs is not None and out.new_logprobs:
             self._append_logprobs(state, out.new_logprobs)
         stopped_by_string = False
-        if state.detokenizer is not None and new_ids:
+        if state.detokenizer is not None and (new_ids or out.finished):
             params = state.params
             shown = _shown_ids(new_ids, out, params, self.special_ids)
             # As vLLM: the text of the first min_tokens tokens is never searched for stop strings (a match may
@@ -374,6 +376,8 @@ class OutputProcessor:
                 if within:
                     state.text += state.detokenizer.update(shown[:within])
             delta = state.detokenizer.update(shown[within:]) if len(shown) > within else ""
+            if out.finished:  # the end of the text: what the steps held back (an incomplete character, a U+FFFD)
+                delta += state.detokenizer.flush()
             state.text += delta
             if delta and params.stop:
                 found = find_stop_string(state.text, len(delta), params.stop, params.include_stop_str_in_output)
