@@ -313,10 +313,16 @@ class IncrementalDetokenizer:
         self._decoder: Any
         if use_decode_stream:
             # Byte-level BPE: the same steps from a byte table (_ByteTableDecoder); else tokenizers' DecodeStream.
-            self._decoder = ((use_byte_table and
-                              _ByteTableDecoder.primed(tokenizer, self.prompt_token_ids, skip_special_tokens))
-                             or _StreamDecoder(tokenizer, self.prompt_token_ids, skip_special_tokens))
-            self._step_or_none = self._decoder.step_or_none
+            try:
+                self._decoder = ((use_byte_table and
+                                  _ByteTableDecoder.primed(tokenizer, self.prompt_token_ids, skip_special_tokens))
+                                 or _StreamDecoder(tokenizer, self.prompt_token_ids, skip_special_tokens))
+                self._step_or_none = self._decoder.step_or_none
+            except Exception:  # noqa: BLE001 - DecodeStream refused the prompt suffix it was primed with ("Invalid
+                # prefix": byte-fallback bytes that are invalid UTF-8 turn text already decoded into U+FFFD, a
+                # token-id prompt can end so): the offset method, as after a step that fails (vLLM restarts it).
+                self._decoder = self._offset_decoder()
+                self._step_or_none = self._decoder.step
         else:
             self._decoder = self._offset_decoder()
             self._step_or_none = self._decoder.step

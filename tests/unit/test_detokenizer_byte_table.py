@@ -191,3 +191,17 @@ def test_offset_method_skips_special_added_tokens(gemma3_270m_gguf_path):
     for use_decode_stream in (True, False):
         detok = IncrementalDetokenizer(tok, [2], skip_special_tokens=True, use_decode_stream=use_decode_stream)
         assert "".join(detok.update([i]) for i in ids) == tok.decode(ids, skip_special_tokens=True) == "user\nhi"
+
+
+def test_prompt_that_decode_stream_refuses(gemma3_270m_gguf_path):
+    """A token-id prompt ending in byte-fallback bytes that are not UTF-8 ("A", then <0xE2>, then a word): priming
+    DecodeStream with it raises "Invalid prefix" (the "A" it decoded becomes U+FFFD); the detokenizer takes the
+    offset method instead (was: that exception out of add_request, the request failed)."""
+    from pagedllm.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(gemma3_270m_gguf_path)
+    hi = tok.encode("Hi", add_special_tokens=False)
+    prompt = hi + tok.convert_tokens_to_ids(["<0x41>", "<0xE2>"]) + hi
+    output = tok.encode(" there 🎉", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert "".join(detok.update([t]) for t in output) == tok.decode(output) == " there 🎉"
