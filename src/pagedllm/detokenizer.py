@@ -100,6 +100,15 @@ class _OffsetDecoder:
         self.read_offset = len(self.tokens)
         return new_text[len(prefix_text):]
 
+    def flush(self) -> str:
+        """The text of the tokens step() still holds back (IncrementalDetokenizer.flush)."""
+        if self.read_offset == len(self.tokens):
+            return ""
+        prefix_text = self._to_string(self.tokens[self.prefix_offset:self.read_offset])
+        new_text = self._to_string(self.tokens[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return new_text[len(prefix_text):] if new_text.startswith(prefix_text) else ""
+
 
 class _StreamDecoder:
     """tokenizers.DecodeStream primed with a prompt suffix that decodes cleanly."""
@@ -119,11 +128,30 @@ class _StreamDecoder:
                 break
         for token_id in suffix:
             self.stream.step(self.backend, token_id)
-        # token id -> its text or None (not "": the caller maps it), straight into Rust: one call per token
-        self.step_or_none = functools.partial(self.stream.step, self.backend)
+        self._rust_step = functools.partial(self.stream.step, self.backend)
+        self.num_held = 0  # output ids stepped since the last text (flush decodes them)
+
+    def step_or_none(self, token_id: int) -> Optional[str]:
+        """token id -> its text or None (not "": the caller maps it)."""
+        text = self._rust_step(token_id)
+        self.num_held = 0 if text else self.num_held + 1
+        return text
 
     def step(self, token_id: int) -> str:
         return self.step_or_none(token_id) or ""
+
+    def flush(self, tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
+        """The text of the last num_held ids (`ids`: prompt + output), decoded after the ids before them (context
+        for sentencepiece's leading space); alone where that context's text is not a prefix (IncrementalDetokenizer.
+        flush)."""
+        held, self.num_held = self.num_held, 0
+        if not held:
+            return ""
+        context, tail = ids[:-held][-_PREFIX_CONTEXT:], ids[-held:]
+        text = tokenizer.decode(context + tail, skip_special_tokens=skip_special_tokens)
+        prefix = tokenizer.decode(context, skip_special_tokens=skip_special_tokens) if context else ""
+        return text[len(prefix):] if text.startswith(prefix) else tokenizer.decode(tail, skip_special_tokens=
+                                                                                    skip_special_tokens)
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -249,7 +277,7 @@ class _ByteTableDecoder:
     the bytes, what it emits next is lossy(bytes since that point), at the first step where that is non-empty and
     does not end in U+FFFD. So the whole state is those bytes (`pending`)."""
 
-    __slots__ = ("step_or_none",)
+    __slots__ = ("step_or_none", "flush")
 
     def __init__(self, table: _ByteTable) -> None:
         texts_get = table.texts.get
@@ -270,7 +298,13 @@ class _ByteTableDecoder:
             pending = data
             return None
 
+        def flush() -> str:
+            nonlocal pending
+            text, pending = pending.decode("utf-8", "replace"), b""
+            return text
+
         self.step_or_none = step_or_none
+        self.flush = flush  # the text of the bytes held back (IncrementalDetokenizer.flush)
 
     @staticmethod
     def primed(tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> Optional["_ByteTableDecoder"]:
@@ -305,7 +339,6 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
-        self._num_emitted = 0  # token_ids[:_num_emitted] are all in output_text (see flush)
         self._pieces: list[str] = []  # every delta returned, joined on demand (no copy of the text per token)
         self._token_strs = token_str_cache if token_str_cache is not None else _token_str_cache(tokenizer)
         if use_decode_stream is None:
@@ -346,8 +379,6 @@ class IncrementalDetokenizer:
             except Exception as e:
                 text = self._after_failed_step(token_id, e)
             self.token_ids.append(token_id)
-            if text:
-                self._num_emitted = len(self.token_ids)
         else:
             text = "".join([self.step_text(token_id) for token_id in new_token_ids])
         return self._pieces_add(text)
@@ -360,8 +391,6 @@ class IncrementalDetokenizer:
         except Exception as e:
             text = self._after_failed_step(token_id, e)
         self.token_ids.append(token_id)
-        if text:
-            self._num_emitted = len(self.token_ids)
         return text
 
     def flush(self, keep: bool = True) -> str:
@@ -370,16 +399,11 @@ class IncrementalDetokenizer:
         bytes), so that output_text == decode(all ids). Without it a request that stops by length in the middle of
         a character, or whose last token is "\ufffd", loses that text. Call it once, after the last update.
         keep=False: the text is not added to output_text (step_text's callers)."""
-        held = self.token_ids[self._num_emitted:]
-        if not held:
-            return ""
-        self._num_emitted = len(self.token_ids)
-        skip = self.skip_special_tokens
-        # Decoded after the tokens already shown (sentencepiece drops a leading space at the start of a decode).
-        context = (self.prompt_token_ids + self.token_ids[:-len(held)])[-_PREFIX_CONTEXT:]
-        text = self.tokenizer.decode(context + held, skip_special_tokens=skip)
-        prefix = self.tokenizer.decode(context, skip_special_tokens=skip) if context else ""
-        text = text[len(prefix):] if text.startswith(prefix) else self.tokenizer.decode(held, skip_special_tokens=skip)
+        decoder = self._decoder
+        if isinstance(decoder, _StreamDecoder):
+            text = decoder.flush(self.tokenizer, self.prompt_token_ids + self.token_ids, self.skip_special_tokens)
+        else:
+            text = decoder.flush()
         return self._pieces_add(text) if keep else text
 
     def _pieces_add(self, text: str) -> str:
