@@ -43,6 +43,24 @@ def test_find_stop_string_only_looks_at_new_text():
     assert find_stop_string("abc STOP", 2, ["STOP"], False) == ("STOP", 4)
     assert find_stop_string("abc STOP", 2, ["STOP"], True) == ("STOP", 8)
     assert find_stop_string("a xy b zz", 5, ["zz", "b"], False) == ("b", 5)  # earliest wins
+    assert find_stop_string("xabc", 3, ["abc", "b"], False) == ("b", 2)  # the first to end
+    assert find_stop_string("xabc", 3, ["bc", "abc"], True) == ("abc", 4)  # a tie: the first to start
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("ids, per_step", [([104, 81, 82, 83], 1), ([104, 81, 82, 83], 4), ([104, 25276], 1)])
+def test_stop_string_choice_does_not_depend_on_steps(tokenizer, ids, per_step, include):
+    """Stops "abc" and "b" on "xabc": one token at a time, "b" is met first; the same tokens in one step (speculative
+    decoding) or "abc" as one token must stop there too (was: the match starting first won, "abc", cutting to "x")."""
+    assert [tokenizer.decode([i]) for i in ids] in (["x", "a", "b", "c"], ["x", "abc"])
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("r", None, [1], SamplingParams(stop=["abc", "b"], include_stop_str_in_output=include))
+    final = None
+    for outs, _ in stream(proc, "r", ids, per_step=per_step):
+        final = outs[-1] if outs else final
+        if final is not None and final.finished:
+            break
+    assert (final.outputs[0].text, final.outputs[0].stop_reason) == ("xab" if include else "xa", "b")
 
 
 @pytest.mark.parametrize("include", [False, True])
