@@ -104,10 +104,12 @@ class _OffsetDecoder:
         """The text of the tokens step() still holds back (IncrementalDetokenizer.flush)."""
         if self.read_offset == len(self.tokens):
             return ""
+        held = self.tokens[self.read_offset:]
         prefix_text = self._to_string(self.tokens[self.prefix_offset:self.read_offset])
         new_text = self._to_string(self.tokens[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.tokens)
-        return new_text[len(prefix_text):] if new_text.startswith(prefix_text) else ""
+        # (byte fallback: invalid bytes turn the whole run of byte tokens into U+FFFD, the prefix's text too)
+        return new_text[len(prefix_text):] if new_text.startswith(prefix_text) else self._to_string(held)
 
 
 class _StreamDecoder:
