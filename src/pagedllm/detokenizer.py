@@ -329,8 +329,9 @@ class _ByteTableDecoder:
 class IncrementalDetokenizer:
     """Turns a request's output token ids into text as they arrive.
 
-    Invariant: output_text == concatenation of every delta returned by update(); it never ends in a
-    partial UTF-8 character (that text is held back until the character completes).
+    Invariant: output_text == concatenation of every delta returned by update() (and flush()); update() never
+    leaves it ending in a partial UTF-8 character (that text is held back until the character completes, or until
+    flush() at the end gives it as decode does).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
