@@ -41,6 +41,15 @@ def _token_str_cache(tokenizer: Any) -> dict[int, str]:
         return {}
 
 
+def _skipped_ids(tokenizer: Any) -> set[int]:
+    """The ids decode(skip_special_tokens=True) drops: the named special tokens and every added token marked special
+    (Gemma's <start_of_turn> / <end_of_turn> are not among all_special_ids, and the Rust decode skips them too)."""
+    ids = set(tokenizer.all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    return ids
+
+
 class _OffsetDecoder:
     """prefix/read-offset incremental decoding over token strings (works for any HF tokenizer)."""
 
@@ -49,7 +58,7 @@ class _OffsetDecoder:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.special_ids = set(tokenizer.all_special_ids) if skip_special_tokens else set()
+        self.special_ids = _skipped_ids(tokenizer) if skip_special_tokens else set()
         self.use_added_vocab_split = not getattr(tokenizer, "is_fast", False) and bool(tokenizer.get_added_vocab())
         self.added_tokens = set(tokenizer.get_added_vocab()) if self.use_added_vocab_split else set()
         self.tokens: list[str] = self._to_tokens(context_ids[-(_PREFIX_CONTEXT + 1):])
@@ -91,6 +100,17 @@ class _OffsetDecoder:
         self.read_offset = len(self.tokens)
         return new_text[len(prefix_text):]
 
+    def flush(self) -> str:
+        """The text of the tokens step() still holds back (IncrementalDetokenizer.flush)."""
+        if self.read_offset == len(self.tokens):
+            return ""
+        held = self.tokens[self.read_offset:]
+        prefix_text = self._to_string(self.tokens[self.prefix_offset:self.read_offset])
+        new_text = self._to_string(self.tokens[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        # (byte fallback: invalid bytes turn the whole run of byte tokens into U+FFFD, the prefix's text too)
+        return new_text[len(prefix_text):] if new_text.startswith(prefix_text) else self._to_string(held)
+
 
 class _StreamDecoder:
     """tokenizers.DecodeStream primed with a prompt suffix that decodes cleanly."""
@@ -110,11 +130,30 @@ class _StreamDecoder:
                 break
         for token_id in suffix:
             self.stream.step(self.backend, token_id)
-        # token id -> its text or None (not "": the caller maps it), straight into Rust: one call per token
-        self.step_or_none = functools.partial(self.stream.step, self.backend)
+        self._rust_step = functools.partial(self.stream.step, self.backend)
+        self.num_held = 0  # output ids stepped since the last text (flush decodes them)
+
+    def step_or_none(self, token_id: int) -> Optional[str]:
+        """token id -> its text or None (not "": the caller maps it)."""
+        text = self._rust_step(token_id)
+        self.num_held = 0 if text else self.num_held + 1
+        return text
 
     def step(self, token_id: int) -> str:
         return self.step_or_none(token_id) or ""
+
+    def flush(self, tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
+        """The text of the last num_held ids (`ids`: prompt + output), decoded after the ids before them (context
+        for sentencepiece's leading space); alone where that context's text is not a prefix (IncrementalDetokenizer.
+        flush)."""
+        held, self.num_held = self.num_held, 0
+        if not held:
+            return ""
+        context, tail = ids[:-held][-_PREFIX_CONTEXT:], ids[-held:]
+        text = tokenizer.decode(context + tail, skip_special_tokens=skip_special_tokens)
+        prefix = tokenizer.decode(context, skip_special_tokens=skip_special_tokens) if context else ""
+        return text[len(prefix):] if text.startswith(prefix) else tokenizer.decode(tail, skip_special_tokens=
+                                                                                    skip_special_tokens)
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -240,7 +279,7 @@ class _ByteTableDecoder:
     the bytes, what it emits next is lossy(bytes since that point), at the first step where that is non-empty and
     does not end in U+FFFD. So the whole state is those bytes (`pending`)."""
 
-    __slots__ = ("step_or_none",)
+    __slots__ = ("step_or_none", "flush")
 
     def __init__(self, table: _ByteTable) -> None:
         texts_get = table.texts.get
@@ -261,7 +300,13 @@ class _ByteTableDecoder:
             pending = data
             return None
 
+        def flush() -> str:
+            nonlocal pending
+            text, pending = pending.decode("utf-8", "replace"), b""
+            return text
+
         self.step_or_none = step_or_none
+        self.flush = flush  # the text of the bytes held back (IncrementalDetokenizer.flush)
 
     @staticmethod
     def primed(tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> Optional["_ByteTableDecoder"]:
@@ -284,8 +329,9 @@ class _ByteTableDecoder:
 class IncrementalDetokenizer:
     """Turns a request's output token ids into text as they arrive.
 
-    Invariant: output_text == concatenation of every delta returned by update(); it never ends in a
-    partial UTF-8 character (that text is held back until the character completes).
+    Invariant: output_text == concatenation of every delta returned by update() (and flush()); update() never
+    leaves it ending in a partial UTF-8 character (that text is held back until the character completes, or until
+    flush() at the end gives it as decode does).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
@@ -303,10 +349,16 @@ class IncrementalDetokenizer:
         self._decoder: Any
         if use_decode_stream:
             # Byte-level BPE: the same steps from a byte table (_ByteTableDecoder); else tokenizers' DecodeStream.
-            self._decoder = ((use_byte_table and
-                              _ByteTableDecoder.primed(tokenizer, self.prompt_token_ids, skip_special_tokens))
-                             or _StreamDecoder(tokenizer, self.prompt_token_ids, skip_special_tokens))
-            self._step_or_none = self._decoder.step_or_none
+            try:
+                self._decoder = ((use_byte_table and
+                                  _ByteTableDecoder.primed(tokenizer, self.prompt_token_ids, skip_special_tokens))
+                                 or _StreamDecoder(tokenizer, self.prompt_token_ids, skip_special_tokens))
+                self._step_or_none = self._decoder.step_or_none
+            except Exception:  # noqa: BLE001 - DecodeStream refused the prompt suffix it was primed with ("Invalid
+                # prefix": byte-fallback bytes that are invalid UTF-8 turn text already decoded into U+FFFD, a
+                # token-id prompt can end so): the offset method, as after a step that fails (vLLM restarts it).
+                self._decoder = self._offset_decoder()
+                self._step_or_none = self._decoder.step
         else:
             self._decoder = self._offset_decoder()
             self._step_or_none = self._decoder.step
@@ -343,6 +395,19 @@ class IncrementalDetokenizer:
             text = self._after_failed_step(token_id, e)
         self.token_ids.append(token_id)
         return text
+
+    def flush(self, keep: bool = True) -> str:
+        """At the end of the output: the text the steps still hold back (the last tokens end in an incomplete UTF-8
+        character, or decode to a legitimate U+FFFD), decoded as tokenizer.decode does (U+FFFD for the partial
+        bytes), so that output_text == decode(all ids). Without it a request that stops by length in the middle of
+        a character, or whose last token is "\ufffd", loses that text. Call it once, after the last update.
+        keep=False: the text is not added to output_text (step_text's callers)."""
+        decoder = self._decoder
+        if isinstance(decoder, _StreamDecoder):
+            text = decoder.flush(self.tokenizer, self.prompt_token_ids + self.token_ids, self.skip_special_tokens)
+        else:
+            text = decoder.flush()
+        return self._pieces_add(text) if keep else text
 
     def _pieces_add(self, text: str) -> str:
         if text:

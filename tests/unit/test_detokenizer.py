@@ -167,3 +167,16 @@ def test_falls_back_when_decode_stream_fails_mid_batch(tokenizer, monkeypatch):
     detok.update(ids)
     assert isinstance(detok._decoder, mod._OffsetDecoder)
     assert detok.output_text == tokenizer.decode(ids) and detok.token_ids == ids
+
+
+@pytest.mark.parametrize("strategy", [dict(), dict(use_byte_table=False), dict(use_decode_stream=False)])
+def test_flush_gives_the_held_back_end(tokenizer, strategy):
+    """flush() at the end: the text of the tokens still held back (half an emoji, a token that is U+FFFD) as decode
+    gives it, for each strategy (byte table, DecodeStream, offset method); nothing when nothing is held."""
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    for text, cut in (("ab 😀", 2), ("end \ufffd", None), ("\ufffd", None), ("x 中", None)):
+        ids = tokenizer.encode(text, add_special_tokens=False)[:cut]
+        detok = IncrementalDetokenizer(tokenizer, prompt, **strategy)
+        streamed = "".join(detok.update([t]) for t in ids)
+        assert streamed + detok.flush() == tokenizer.decode(ids) == detok.output_text
+        assert detok.flush() == ""

@@ -178,3 +178,30 @@ def test_chat_logprob_bytes_rebuild_split_characters(tokenizer):  # noqa: F811
     assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
     as_ids = _chat_logprobs(tokenizer, ids, entries, top_n=0, as_ids=True)["content"]
     assert as_ids[0]["bytes"] == list(f"token_id:{ids[0]}".encode())
+
+
+def test_offset_method_skips_special_added_tokens(gemma3_270m_gguf_path):
+    """The offset method (slow tokenizers; a fast one's fallback when DecodeStream refuses a sequence, as after
+    invalid byte-fallback bytes) skips every added token marked special, as decode does: Gemma's <start_of_turn> /
+    <end_of_turn> are special but not in all_special_ids (was: their text leaked with skip_special_tokens=True)."""
+    from pagedllm.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(gemma3_270m_gguf_path)
+    ids = tok.encode("<start_of_turn>user\nhi<end_of_turn>", add_special_tokens=False)
+    for use_decode_stream in (True, False):
+        detok = IncrementalDetokenizer(tok, [2], skip_special_tokens=True, use_decode_stream=use_decode_stream)
+        assert "".join(detok.update([i]) for i in ids) == tok.decode(ids, skip_special_tokens=True) == "user\nhi"
+
+
+def test_prompt_that_decode_stream_refuses(gemma3_270m_gguf_path):
+    """A token-id prompt ending in byte-fallback bytes that are not UTF-8 ("A", then <0xE2>, then a word): priming
+    DecodeStream with it raises "Invalid prefix" (the "A" it decoded becomes U+FFFD); the detokenizer takes the
+    offset method instead (was: that exception out of add_request, the request failed)."""
+    from pagedllm.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(gemma3_270m_gguf_path)
+    hi = tok.encode("Hi", add_special_tokens=False)
+    prompt = hi + tok.convert_tokens_to_ids(["<0x41>", "<0xE2>"]) + hi
+    output = tok.encode(" there 🎉", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert "".join(detok.update([t]) for t in output) == tok.decode(output) == " there 🎉"

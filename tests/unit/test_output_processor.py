@@ -43,6 +43,24 @@ def test_find_stop_string_only_looks_at_new_text():
     assert find_stop_string("abc STOP", 2, ["STOP"], False) == ("STOP", 4)
     assert find_stop_string("abc STOP", 2, ["STOP"], True) == ("STOP", 8)
     assert find_stop_string("a xy b zz", 5, ["zz", "b"], False) == ("b", 5)  # earliest wins
+    assert find_stop_string("xabc", 3, ["abc", "b"], False) == ("b", 2)  # the first to end
+    assert find_stop_string("xabc", 3, ["bc", "abc"], True) == ("abc", 4)  # a tie: the first to start
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("ids, per_step", [([104, 81, 82, 83], 1), ([104, 81, 82, 83], 4), ([104, 25276], 1)])
+def test_stop_string_choice_does_not_depend_on_steps(tokenizer, ids, per_step, include):
+    """Stops "abc" and "b" on "xabc": one token at a time, "b" is met first; the same tokens in one step (speculative
+    decoding) or "abc" as one token must stop there too (was: the match starting first won, "abc", cutting to "x")."""
+    assert [tokenizer.decode([i]) for i in ids] in (["x", "a", "b", "c"], ["x", "abc"])
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("r", None, [1], SamplingParams(stop=["abc", "b"], include_stop_str_in_output=include))
+    final = None
+    for outs, _ in stream(proc, "r", ids, per_step=per_step):
+        final = outs[-1] if outs else final
+        if final is not None and final.finished:
+            break
+    assert (final.outputs[0].text, final.outputs[0].stop_reason) == ("xab" if include else "xa", "b")
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -328,3 +346,26 @@ def test_process_step_equals_process_outputs(tokenizer):
     got, taken = run(True)
     assert "".join(t for t, _ in taken) == tokenizer.decode(ids) and all(n == 1 for _, n in taken)
     assert any(aborts == ["stop"] for _, aborts in got)
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+@pytest.mark.parametrize("text", ["ab 😀", "end \ufffd", "\ufffd"])
+def test_length_finish_keeps_the_held_back_end(tokenizer, kind, text):
+    """Finishing on a token that ends in an incomplete character (max_tokens reached mid-emoji) or on a token that
+    is a whole U+FFFD: the final text is decode(all ids), with its U+FFFD, as HF decode gives it (was: the held
+    back bytes were dropped, "ab 😀" cut after its first byte token came out "ab" instead of "ab \ufffd")."""
+    ids = encode(tokenizer, text)
+    if text == "ab 😀":
+        ids = ids[:2]  # " " + the emoji's first bytes: the output ends mid-character
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("r", None, encode(tokenizer, "Hi"), SamplingParams(max_tokens=len(ids), output_kind=kind))
+    pieces, final = [], None
+    for outs, _ in stream(proc, "r", ids, finish_reason="length"):
+        for o in outs:
+            pieces.append(o.outputs[0].text)
+            final = o
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    got = "".join(pieces) if kind == "delta" else final.outputs[0].text
+    assert got == tokenizer.decode(ids)
+    assert not proc.has_unfinished()

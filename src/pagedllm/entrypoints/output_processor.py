@@ -42,17 +42,22 @@ def _shown_ids(new_ids: Any, out: Any, params: Any, special_ids: set) -> Any:
 
 def find_stop_string(text: str, num_new_chars: int, stops: list[str],
                      include_stop_str_in_output: bool) -> Optional[tuple[str, int]]:
-    """Earliest stop string that overlaps the last num_new_chars of text -> (stop, length to keep)."""
-    best: Optional[tuple[str, int]] = None
+    """The stop string that ends first in the last num_new_chars of text -> (stop, length to keep).
+
+    The first to end is the one a step of one character at a time would have met first, so the result does not
+    depend on how the text arrives (a step of several tokens: speculative decoding): with stops "b" and "abc", "xabc"
+    stops at "b" ("xa") whether "abc" came as one token or three. A tie (stops ending at the same character): the
+    one starting first. (vLLM takes the first in list order that occurs anywhere in the new text.)"""
+    best: Optional[tuple[int, int, str]] = None  # (end, start, stop)
     for stop in stops:
         start = max(0, len(text) - num_new_chars - len(stop) + 1)
         pos = text.find(stop, start)
-        if pos != -1 and (best is None or pos < best[1]):
-            best = (stop, pos)
+        if pos != -1 and (best is None or (pos + len(stop), pos) < best[:2]):
+            best = (pos + len(stop), pos, stop)
     if best is None:
         return None
-    stop, pos = best
-    return stop, pos + len(stop) if include_stop_str_in_output else pos
+    end, pos, stop = best
+    return stop, end if include_stop_str_in_output else pos
 
 
 @dataclass(eq=False)
@@ -311,6 +316,8 @@ class OutputProcessor:
                 shown = _shown_ids(new_ids, out, state.params, self.special_ids)
                 text = (detokenizer.step_text(shown[0]) if len(shown) == 1 else
                         detokenizer.update(shown) if shown else "")
+        if out.finish_reason is not None and state.detokenizer is not None:
+            text += state.detokenizer.flush(keep=False)  # the end of the text: what the steps held back
         if out.num_cached_tokens and out.num_cached_tokens > state.num_cached_tokens:
             state.num_cached_tokens = out.num_cached_tokens
         finish_reason = out.finish_reason
@@ -363,7 +370,7 @@ class OutputProcessor:
         if state.logprobs is not None and out.new_logprobs:
             self._append_logprobs(state, out.new_logprobs)
         stopped_by_string = False
-        if state.detokenizer is not None and new_ids:
+        if state.detokenizer is not None and (new_ids or out.finished):
             params = state.params
             shown = _shown_ids(new_ids, out, params, self.special_ids)
             # As vLLM: the text of the first min_tokens tokens is never searched for stop strings (a match may
@@ -374,6 +381,8 @@ class OutputProcessor:
                 if within:
                     state.text += state.detokenizer.update(shown[:within])
             delta = state.detokenizer.update(shown[within:]) if len(shown) > within else ""
+            if out.finished:  # the end of the text: what the steps held back (an incomplete character, a U+FFFD)
+                delta += state.detokenizer.flush()
             state.text += delta
             if delta and params.stop:
                 found = find_stop_string(state.text, len(delta), params.stop, params.include_stop_str_in_output)
