@@ -93,7 +93,8 @@ def test_preempted_requests_keep_their_reasoning_state(tiny_llama_dir: str, tiny
     params = [SamplingParams(temperature=0.0, max_tokens=80,
                              structured_outputs=_so(json=SCHEMA, reasoning_end=[t[_marker_at(t)]])) for t in free]
     want = [list(o.outputs[0].token_ids) for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
-    small = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=12, block_size=8, max_model_len=96, max_num_seqs=16)
+    small = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=12, block_size=8, max_model_len=96,
+                max_num_seqs=16)
     try:
         got = small.generate(prompts, params, use_tqdm=False)
         assert small.engine.get_stats().num_preemptions > 0
@@ -111,7 +112,14 @@ COMMON = dict(max_model_len=512, kv_cache_memory_bytes=1 << 26)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_speculation_gives_the_plain_engines_outputs(smollm2_gguf_path: str, async_scheduling: bool) -> None:
+def test_speculation_gives_the_plain_engines_outputs(smollm2_gguf_path: str, async_scheduling: bool,
+                                                     monkeypatch) -> None:
+    from pagedllm.structured_output.manager import RequestStructuredOutput
+
+    crossed = []  # verify steps whose drafts hold the end marker (rows: free, then the grammar's)
+    fill = RequestStructuredOutput.fill_draft_rows
+    monkeypatch.setattr(RequestStructuredOutput, "fill_draft_rows",
+                        lambda so, d, rows: (crossed.append(so.reasoning), fill(so, d, rows))[1])
     plain = LLM(smollm2_gguf_path, **COMMON)
     try:
         free = [list(o.outputs[0].token_ids) for o in _greedy(plain, SPEC_PROMPTS, max_tokens=40)]
@@ -132,7 +140,7 @@ def test_speculation_gives_the_plain_engines_outputs(smollm2_gguf_path: str, asy
     finally:
         spec.shutdown()
     assert [list(o.outputs[0].token_ids) for o in got] == want
-    assert drafted > 0
+    assert drafted > 0 and any(crossed)
     assert want[0][:marks[0] + 1] == free[0][:marks[0] + 1]
     assert got[0].outputs[0].finish_reason == "stop" and got[1].outputs[0].finish_reason == "stop"
 
