@@ -125,3 +125,14 @@ def test_tool_choice_required_after_the_reasoning(server) -> None:
     reasoning, content, calls, finish = _stream(client, **kw)
     assert reasoning == choice.message.model_extra["reasoning_content"] and finish == "tool_calls"
     assert calls == [{"name": "get_weather", "arguments": call.function.arguments}]
+
+
+def test_responses_json_schema_after_the_reasoning(server) -> None:
+    """/v1/responses shares the chat path: a reasoning item, then the message with the JSON."""
+    url, _, _ = server
+    client = _client(url)
+    resp = client.responses.create(model=client.models.list().data[0].id, input="hello", max_output_tokens=80,
+                                   temperature=0, text={"format": {"type": "json_schema", "name": "person",
+                                                                   "schema": SCHEMA}})
+    assert [o.type for o in resp.output] == ["reasoning", "message"]
+    assert set(json.loads(resp.output_text)) == {"name", "age"}

@@ -314,7 +314,9 @@ def add_structured_output_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("structured outputs and tools")
     g.add_argument("--structured-outputs-config", type=_json_object, default=None, metavar="JSON",
-                   help='e.g. \'{"backend": "auto|xgrammar|guidance", "disable_any_whitespace": false}\'')
+                   help='e.g. \'{"backend": "auto|xgrammar|guidance", "disable_any_whitespace": false}\'; '
+                        '"reasoning_parser" (vLLM\'s: as --reasoning-parser), "enable_in_reasoning": true (the '
+                        'grammar on the whole answer, not after the reasoning)')
     g.add_argument("--guided-decoding-backend", default=None, choices=list(BACKENDS),
                    help="vLLM's older flag: the same as --structured-outputs-config '{\"backend\": ...}'")
     g.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSER_NAMES),
