@@ -164,3 +164,21 @@ def test_draft_rows_inside_the_reasoning(tiny_llm: LLM) -> None:
         first = manager.bitmask([so])
         assert bool(np.all(first == -1))  # the first row: reasoning, all allowed
         assert so.accept([9, 5]) and not so.reasoning and not so.accept([9])
+
+
+def test_async_scheduling_gives_the_sync_outputs(tiny_llama_dir: str, tiny_llm: LLM) -> None:
+    """Async scheduling fills the mask while the step's forward runs (after applying the previous step's tokens): the
+    step after the marker must be masked, the ones before not, as in the sync engine."""
+    prompts = ["hello there", "a b c", "json please", "pick one"]
+    free = [list(o.outputs[0].token_ids) for o in _greedy(tiny_llm, prompts)]
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=_so(
+        json=SCHEMA, reasoning_end=[t[_marker_at(t)]])) for t in free]
+    params.append(SamplingParams(temperature=0.0, max_tokens=20))
+    want = [list(o.outputs[0].token_ids) for o in tiny_llm.generate(prompts + ["free"], params, use_tqdm=False)]
+    fast = LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=128, max_num_seqs=16,
+               async_scheduling=True)
+    try:
+        got = fast.generate(prompts + ["free"], params, use_tqdm=False)
+    finally:
+        fast.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in got] == want
