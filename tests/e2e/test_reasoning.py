@@ -1,7 +1,8 @@
 """--reasoning-parser through a real `pagedllm serve` (a tiny random model: its answers never close a think block, so
 the split itself is covered by tests/unit/test_reasoning_parser.py): a prompt whose template opens `<think>` makes the
-whole answer reasoning, streamed and not alike; without it the answer is content; include_reasoning false and a
-grammar (response_format) turn the split off; an assistant's earlier reasoning reaches the template."""
+whole answer reasoning, streamed and not alike; without it the answer is content; include_reasoning false turns the
+split off; a grammar (response_format) waits for the reasoning; an assistant's earlier reasoning reaches the
+template."""
 from __future__ import annotations
 
 import json
@@ -71,13 +72,18 @@ def test_without_a_think_block_the_answer_is_content(http: httpx.Client) -> None
     assert reasoning == "" and content == plain["content"]
 
 
-@pytest.mark.parametrize("extra", [{"include_reasoning": False}, {"response_format": {"type": "json_object"}}])
-def test_the_split_turned_off(http: httpx.Client, extra: dict) -> None:
-    message = http.post("/v1/chat/completions", json=_body(**extra)).json()
-    message = message["choices"][0]["message"]
-    assert message["reasoning"] is None if "include_reasoning" in extra else "reasoning" not in message
-    if "response_format" in extra:  # the grammar shaped the whole answer: content, not parsed
-        assert message["content"] is not None
+def test_the_split_turned_off(http: httpx.Client) -> None:
+    message = http.post("/v1/chat/completions", json=_body(include_reasoning=False)).json()
+    assert message["choices"][0]["message"]["reasoning"] is None
+
+
+def test_a_grammar_waits_for_the_reasoning(http: httpx.Client) -> None:
+    """response_format: the grammar starts after `</think>`, which this model never writes: all reasoning, no content
+    (tests/e2e/test_reasoning_grammar.py has a model that ends its reasoning)."""
+    full = http.post("/v1/chat/completions", json=_body(response_format={"type": "json_object"})).json()
+    message = full["choices"][0]["message"]
+    plain = http.post("/v1/chat/completions", json=_body()).json()["choices"][0]["message"]
+    assert message["reasoning"] == plain["reasoning"] and message["content"] is None
 
 
 def test_beam_search_answers_are_split_too(http: httpx.Client) -> None:

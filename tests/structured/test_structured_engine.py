@@ -179,9 +179,10 @@ def test_guidance_backend(tiny_llama_dir: str) -> None:
     with pytest.raises(ValueError, match="backend must be one of"):
         LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=256,
             structured_outputs_config={"backend": "nope"})
-    with pytest.raises(ValueError, match="reasoning_parser is not supported: a grammar constrains the whole answer"):
+    # vLLM's reasoning keys are the server's (it gives requests their reasoning end): accepted, checked for type
+    with pytest.raises(ValueError, match="enable_in_reasoning must be true or false"):
         LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=256,
-            structured_outputs_config={"reasoning_parser": "qwen3"})
+            structured_outputs_config={"reasoning_parser": "qwen3", "enable_in_reasoning": "yes"})
 
 
 def test_offline_chat_with_tools_returns_parsed_calls(tiny_llm: LLM) -> None:

@@ -175,3 +175,51 @@ def test_responses_stream_closes_the_reasoning_item_before_the_answer() -> None:
     final = events[-1]["response"]
     assert [(o["type"], o["status"]) for o in final["output"]] == [("reasoning", "completed"), ("message", "completed")]
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1]
+
+
+class _Tok:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [99] if text == "</think>" else [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def _state(**kw):
+    return SimpleNamespace(**dict(dict(reasoning_parser="qwen3", tokenizer=_Tok(), grammar_in_reasoning=False), **kw))
+
+
+def test_a_grammar_request_gets_the_reasoning_end_marker() -> None:
+    """Under a grammar the split stays on and the request carries `</think>`'s ids: the grammar starts after them;
+    a prompt that closed the block (thinking off) starts it at once; enable_in_reasoning: no split, grammar on all."""
+    from pagedllm.entrypoints.openai.reasoning import request_reasoning
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.structured_output import StructuredOutputsParams
+
+    def params():
+        return SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+
+    p = params()
+    assert request_reasoning(_state(), p, "q\n<think>\n", []) is not None
+    assert p.structured_outputs.reasoning_end == [99] and not p.structured_outputs.reasoning_ended
+    p = params()
+    assert request_reasoning(_state(), p, "q\n<think>\n\n</think>\n\n", []) is not None
+    assert p.structured_outputs.reasoning_ended
+    p = params()
+    assert request_reasoning(_state(grammar_in_reasoning=True), p, "q\n<think>\n", []) is None
+    assert p.structured_outputs.reasoning_end is None
+    assert p.structured_outputs.key() == params().structured_outputs.key()  # one compiled grammar for both
+
+
+def test_structured_outputs_config_reasoning_parser_is_checked() -> None:
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import check_reasoning_config
+
+    check_reasoning_config(argparse.Namespace(structured_outputs_config={"reasoning_parser": "qwen3"},
+                                              reasoning_parser="qwen3"))
+    with pytest.raises(ValueError, match="must be one of"):
+        check_reasoning_config(argparse.Namespace(structured_outputs_config={"reasoning_parser": "nope"}))
+    with pytest.raises(ValueError, match="differs from --reasoning-parser"):
+        check_reasoning_config(argparse.Namespace(structured_outputs_config={"reasoning_parser": "qwen3"},
+                                                  reasoning_parser="deepseek_r1"))

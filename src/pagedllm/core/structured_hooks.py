@@ -121,9 +121,11 @@ class StructuredOutputHooks:
             if rid not in scheduled or so.grammar is None or request.num_computed_tokens < request.num_tokens \
                     or so.is_terminated():
                 continue
+            d = spec_tokens.get(rid, ()) if spec_tokens else ()
+            if so.reasoning and not (d and so.ends_reasoning(d)):
+                continue  # still reasoning this step: no row (it samples freely)
             rows[rid] = num_rows
             outputs.append(so)
-            d = spec_tokens.get(rid, ()) if spec_tokens else ()
             drafts.append(d)
             num_rows += 1 + len(d)
         if outputs:

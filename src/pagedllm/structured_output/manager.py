@@ -43,11 +43,32 @@ def compile_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def marker_end(tail: Sequence[int], marker: Sequence[int], token_ids: Sequence[int]) -> Optional[int]:
+    """How many of token_ids, counted from the first, end with the first whole `marker` (the tokens before
+    token_ids: `tail`, its last len(marker) - 1 of them matter); None: the marker does not end within them."""
+    if len(marker) == 1:  # the usual case (one special token): a C scan
+        try:
+            return list(token_ids).index(marker[0]) + 1
+        except ValueError:
+            return None
+    seq = list(tail[len(tail) - (len(marker) - 1):]) + list(token_ids)
+    marker = list(marker)
+    for i in range(len(marker), len(seq) + 1):
+        if seq[i - len(marker):i] == marker:
+            return i - len(seq) + len(token_ids)
+    return None
+
+
 class RequestStructuredOutput:
     """Per request (held by core.Request): its compile future, then its matcher.
 
     Duck-typed for the scheduler (core/ stays free of the grammar libraries): is_ready(), error,
-    accept(token_ids), is_terminated(), rollback(n)."""
+    accept(token_ids), is_terminated(), rollback(n).
+
+    With a reasoning end marker (params.reasoning_end, --reasoning-parser) the grammar waits for the reasoning:
+    while `reasoning` is true the request samples freely (no bitmask row) and its matcher stays at its start state;
+    the tokens after the marker are the grammar's first. Preemption keeps this object and the request's output, so
+    the state stays right on resume."""
 
     def __init__(self, manager: "StructuredOutputManager", future: Future, key: tuple,
                  params: StructuredOutputsParams) -> None:
@@ -59,6 +80,11 @@ class RequestStructuredOutput:
         self.grammar: Optional[RequestGrammar] = None
         self.error: Optional[str] = None
         self.error_param: Optional[str] = None  # the request field the error is about
+        end = params.reasoning_end
+        self.reasoning_end: Optional[tuple[int, ...]] = tuple(end) if end and not params.reasoning_ended else None
+        self.reasoning = self.reasoning_end is not None  # inside the reasoning: the grammar has not started
+        self._tail: list[int] = []  # a multi-token marker's possible start at the end of the output so far
+        self._num_grammar = 0  # tokens the matcher took (rollback past them reopens the reasoning)
 
     def is_ready(self) -> bool:
         if self.grammar is not None:
@@ -80,30 +106,72 @@ class RequestStructuredOutput:
     def grammar_backend(self) -> GrammarBackend:
         return self.future.result()[0]
 
+    def _after_reasoning(self, token_ids: Sequence[int]) -> Optional[int]:
+        """Inside the reasoning: where among token_ids the grammar's part starts (None: not within them)."""
+        return marker_end(self._tail, self.reasoning_end, token_ids)
+
+    def ends_reasoning(self, token_ids: Sequence[int]) -> bool:
+        return self._after_reasoning(token_ids) is not None
+
     def accept(self, token_ids: Sequence[int]) -> bool:
-        return self.grammar is not None and self.grammar.accept_tokens(token_ids)
+        if self.grammar is None:
+            return False
+        if self.reasoning:
+            start = self._after_reasoning(token_ids)
+            if start is None:
+                if len(self.reasoning_end) > 1:
+                    self._tail = (self._tail + list(token_ids))[-(len(self.reasoning_end) - 1):]
+                return True  # reasoning: anything goes
+            self.reasoning, self._tail = False, []
+            token_ids = token_ids[start:]
+            if not token_ids:
+                return True
+        ok = self.grammar.accept_tokens(token_ids)
+        self._num_grammar += len(token_ids) if ok else 0
+        return ok
 
     def is_terminated(self) -> bool:
-        return self.grammar is not None and self.grammar.is_terminated()
+        return not self.reasoning and self.grammar is not None and self.grammar.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
-        if self.grammar is not None:
-            self.grammar.rollback(num_tokens)
+        if self.grammar is None:
+            return
+        n = min(num_tokens, self._num_grammar)
+        self.grammar.rollback(n)
+        self._num_grammar -= n
+        if num_tokens > n and self.reasoning_end is not None:  # back before the marker: the reasoning again
+            self.reasoning, self._tail = True, []  # (a multi-token marker's partial start is not restored)
 
     def validate(self, token_ids: Sequence[int]) -> int:
-        """How many leading token_ids the grammar accepts from its present state (none past its end); no advance."""
-        return self.grammar.validate_tokens(token_ids) if self.grammar is not None else 0
+        """How many leading token_ids the grammar accepts from its present state (none past its end); no advance.
+        Inside the reasoning: all up to its end marker, then those the grammar accepts from its start."""
+        if self.grammar is None:
+            return 0
+        if self.reasoning:
+            start = self._after_reasoning(token_ids)
+            if start is None:
+                return len(token_ids)
+            return start + self.grammar.validate_tokens(token_ids[start:])
+        return self.grammar.validate_tokens(token_ids)
 
     def fill_draft_rows(self, drafts: Sequence[int], bitmask: Any) -> None:
         """bitmask[j] = the allowed tokens after drafts[:j + 1] (a verify step's rows past its first), found by
         advancing the matcher through the drafts and rolling it back. Rows after a draft the grammar rejects, or
-        after one that ends it, stay all ones: no accepted draft leads there, or the request stops before."""
+        after one that ends it, stay all ones: no accepted draft leads there, or the request stops before. Inside the
+        reasoning, rows up to its end marker stay all ones too; the one after it is the grammar's start."""
         grammar = self.grammar
+        start = 0
+        if self.reasoning:
+            start = self._after_reasoning(drafts)
+            if start is None:
+                return
+            grammar.fill_bitmask(bitmask, start - 1)
+            drafts = drafts[start:]
         n = grammar.validate_tokens(drafts)
         for j in range(n):
             grammar.accept_tokens([drafts[j]])
             if not grammar.is_terminated():
-                grammar.fill_bitmask(bitmask, j)
+                grammar.fill_bitmask(bitmask, start + j)
         grammar.rollback(n)
 
 
@@ -119,13 +187,17 @@ class StructuredOutputManager:
                              f"{self.backend_name!r}.")
         for key in ("disable_any_whitespace", "disable_additional_properties"):
             self.__dict__[key] = bool(config.pop(key, False))
-        if config.pop("reasoning_parser", None):  # vLLM's: a grammar that starts after the reasoning
-            raise ValueError("--structured-outputs-config reasoning_parser is not supported: a grammar constrains "
-                             "the whole answer here (a request under a grammar is not split by --reasoning-parser); "
-                             "leave it out.")
+        # vLLM's keys for the grammar after the reasoning: the server reads them (it gives each request its reasoning
+        # end marker, StructuredOutputsParams.reasoning_end); the engine only follows the requests.
+        parser = config.pop("reasoning_parser", None)
+        if parser is not None and not isinstance(parser, str):
+            raise ValueError(f"--structured-outputs-config reasoning_parser must be a parser's name, got {parser!r}.")
+        if not isinstance(config.pop("enable_in_reasoning", False), bool):
+            raise ValueError("--structured-outputs-config enable_in_reasoning must be true or false.")
         if config:
             raise ValueError(f"Unknown --structured-outputs-config key(s): {', '.join(sorted(config))}; known: "
-                             "backend, disable_any_whitespace, disable_additional_properties.")
+                             "backend, disable_any_whitespace, disable_additional_properties, reasoning_parser, "
+                             "enable_in_reasoning.")
         self.tokenizer_source = tokenizer_source
         self.trust_remote_code = trust_remote_code
         self.tokenizer_options = dict(tokenizer_options or {}, trust_remote_code=trust_remote_code)
@@ -246,10 +318,11 @@ class StructuredOutputManager:
     def _first_rows(self, outputs: list[RequestStructuredOutput]) -> Any:
         by_backend: dict[int, list[int]] = {}
         for i, so in enumerate(outputs):
-            by_backend.setdefault(id(so.grammar_backend), []).append(i)
+            if not so.reasoning:  # (inside the reasoning: its row stays all ones)
+                by_backend.setdefault(id(so.grammar_backend), []).append(i)
         first = outputs[0].grammar_backend
         bitmask = first.allocate_bitmask(len(outputs))
-        if len(by_backend) == 1:
+        if len(by_backend) == 1 and len(next(iter(by_backend.values()))) == len(outputs):
             first.fill_bitmasks([so.grammar for so in outputs], bitmask)
         else:  # mixed backends in one batch (auto fell back for some specs): fill each group in place
             for rows in by_backend.values():

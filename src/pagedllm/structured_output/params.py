@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-_INTERNAL = ("origin",)  # set by the server, not a request's structured_outputs field
+_INTERNAL = ("origin", "reasoning_end", "reasoning_ended")  # set by the server, not a request's fields
 
 
 def _check_integers(schema: dict, where: str) -> None:
@@ -44,6 +44,12 @@ class StructuredOutputsParams:
     # The request field the spec came from ("response_format.json_schema.schema", "guided_regex", "tools[0]...");
     # None: structured_outputs. Errors name it, so a client reads the field it sent. Not part of key().
     origin: Optional[str] = None
+    # --reasoning-parser: the grammar starts after the reasoning (vLLM's). reasoning_end: the token ids of the parser's
+    # end marker (`</think>`); until the output emits them the request samples freely and its matcher stays at the
+    # start. reasoning_ended: the prompt already closed the reasoning (thinking off): the grammar applies at once.
+    # Neither is part of key(): one compiled grammar serves requests with and without reasoning.
+    reasoning_end: Optional[list[int]] = None
+    reasoning_ended: bool = False
 
     def __post_init__(self) -> None:
         # The switches must be real booleans: the spec travels to the engine process typed, where a string (from a
@@ -67,6 +73,12 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is only supported by vLLM's outlines backend; "
                              "use disable_any_whitespace instead.")
+        if self.reasoning_end is not None:
+            if not isinstance(self.reasoning_end, (list, tuple)) or not self.reasoning_end \
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in self.reasoning_end):
+                raise ValueError("StructuredOutputsParams.reasoning_end must be a non-empty list of token ids.")
+            self.reasoning_end = [int(t) for t in self.reasoning_end]
+        self.reasoning_ended = bool(self.reasoning_ended)
         if self.origin is not None and not isinstance(self.origin, str):
             raise ValueError("StructuredOutputsParams.origin must be the name of a request field.")
         where = self.where

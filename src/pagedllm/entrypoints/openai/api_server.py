@@ -141,7 +141,9 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
         state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
         state.exclude_tools_when_tool_choice_none = bool(getattr(args, "exclude_tools_when_tool_choice_none", False))
         state.response_role = getattr(args, "response_role", None) or "assistant"
-        state.reasoning_parser = getattr(args, "reasoning_parser", None)
+        so_config = getattr(args, "structured_outputs_config", None) or {}  # (vLLM's reasoning keys: reasoning.py)
+        state.reasoning_parser = getattr(args, "reasoning_parser", None) or so_config.get("reasoning_parser")
+        state.grammar_in_reasoning = bool(so_config.get("enable_in_reasoning"))
         state.prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
         state.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
         state.force_include_usage = bool(getattr(args, "enable_force_include_usage", False))

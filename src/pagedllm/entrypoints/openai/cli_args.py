@@ -314,7 +314,9 @@ def add_structured_output_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("structured outputs and tools")
     g.add_argument("--structured-outputs-config", type=_json_object, default=None, metavar="JSON",
-                   help='e.g. \'{"backend": "auto|xgrammar|guidance", "disable_any_whitespace": false}\'')
+                   help='e.g. \'{"backend": "auto|xgrammar|guidance", "disable_any_whitespace": false}\'; '
+                        '"reasoning_parser" (vLLM\'s: as --reasoning-parser), "enable_in_reasoning": true (the '
+                        'grammar on the whole answer, not after the reasoning)')
     g.add_argument("--guided-decoding-backend", default=None, choices=list(BACKENDS),
                    help="vLLM's older flag: the same as --structured-outputs-config '{\"backend\": ...}'")
     g.add_argument("--tool-call-parser", default="auto", choices=list(TOOL_PARSER_NAMES),
@@ -487,11 +489,29 @@ def check_unsupported_server_flags(args: argparse.Namespace) -> None:
     if getattr(args, "tokens_only", False):
         raise ValueError("--tokens-only is not supported yet: pagedllm has no tokens-in/tokens-out endpoint "
                          "(vLLM's /inference/v1/generate) to serve alone.")
+    check_reasoning_config(args)
     check_ssl_flags(args)
     check_h11_flags(args)
     from pagedllm.entrypoints.openai.middleware import load_middlewares
 
     load_middlewares(getattr(args, "middleware", None))  # a bad path fails now, before any engine starts
+
+
+def check_reasoning_config(args: argparse.Namespace) -> None:
+    """--structured-outputs-config reasoning_parser (vLLM's key): a known parser, the same as --reasoning-parser if
+    both are given; alone it stands for --reasoning-parser (the grammar starts after the reasoning)."""
+    from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
+
+    parser = (getattr(args, "structured_outputs_config", None) or {}).get("reasoning_parser")
+    if parser is None:
+        return
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"--structured-outputs-config reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {parser!r}.")
+    given = getattr(args, "reasoning_parser", None)
+    if given is not None and given != parser:
+        raise ValueError(f"--structured-outputs-config reasoning_parser {parser!r} differs from --reasoning-parser "
+                         f"{given!r}: give one.")
 
 
 def uvicorn_h11_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,7 +8,10 @@ starts inside it; otherwise the answer opens it itself. `deepseek_r1` always sta
 `qwen3` only when the prompt or the output's first text opens it (thinking off: no tags, all content). An answer cut
 off before `</think>` is all reasoning, streamed or not; a prompt that ends with a closed block (thinking off) starts
 the answer outside it, for both parsers. A request under a grammar (response_format, structured
-outputs, a required or named tool_choice) is not parsed: the grammar shaped the whole answer as content.
+outputs, a required or named tool_choice) is split too: its grammar starts after the reasoning (vLLM's), the request
+carrying the token ids of `</think>` (StructuredOutputsParams.reasoning_end) and whether the prompt already closed the
+block (reasoning_ended); --structured-outputs-config '{"enable_in_reasoning": true}' keeps the grammar on the whole
+answer instead (not split).
 """
 from __future__ import annotations
 
@@ -145,14 +148,35 @@ class ChoiceReasoning:
         return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
+def reasoning_end_ids(state: Any) -> Optional[list[int]]:
+    """The token ids of THINK_END in the server's tokenizer (cached on the state); None if it has none."""
+    ids = getattr(state, "_reasoning_end_ids", False)
+    if ids is False:
+        try:
+            ids = list(state.tokenizer.encode(THINK_END, add_special_tokens=False)) or None
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot say: the grammar covers the whole answer
+            ids = None
+        state._reasoning_end_ids = ids
+    return ids
+
+
 def request_reasoning(state: Any, params: Any, prompt_text: Optional[str], prompt_ids: list[int],
                       include: bool = True) -> Optional[ChoiceReasoning]:
     """The reasoning split of a chat / responses request's answer (--reasoning-parser), or None: no parser, or a
-    grammar shapes the whole answer (response_format, structured outputs, a required / named tool_choice).
-    params None: no grammar (beam search)."""
+    grammar shapes the whole answer (enable_in_reasoning). A request under a grammar gets its reasoning end marker
+    here, so that its grammar starts after the reasoning. params None: no grammar (beam search)."""
     parser = getattr(state, "reasoning_parser", None)
-    if parser is None or (params is not None and params.structured_outputs is not None):
+    if parser is None:
         return None
     if prompt_text is None:  # (a truncated prompt): its end, where an opened think block would be
         prompt_text = state.tokenizer.decode(prompt_ids[-64:])
-    return ChoiceReasoning(parser, prompt_opens_thinking(prompt_text), include)
+    opened = prompt_opens_thinking(prompt_text)
+    so = params.structured_outputs if params is not None else None
+    if so is not None:
+        end = None if getattr(state, "grammar_in_reasoning", False) else reasoning_end_ids(state)
+        if end is None:
+            return None
+        # Thinking unless the prompt closed the block: R1 starts inside it, qwen3 may open it (as vLLM, the grammar
+        # waits for the end marker either way).
+        so.reasoning_end, so.reasoning_ended = end, opened is False
+    return ChoiceReasoning(parser, opened, include)

@@ -25,6 +25,7 @@ class ServerState:
         self.exclude_tools_when_tool_choice_none = False  # --exclude-tools-when-tool-choice-none
         self.response_role = "assistant"  # --response-role: the chat answer's role after a generation prompt
         self.reasoning_parser: Optional[str] = None  # --reasoning-parser (reasoning.py)
+        self.grammar_in_reasoning = False  # --structured-outputs-config enable_in_reasoning: no grammar-after-reasoning
         self.prompt_tokens_details = False  # --enable-prompt-tokens-details: usage's cached prompt tokens
         self.return_tokens_as_token_ids = False  # --return-tokens-as-token-ids: the default of the request field
         self.force_include_usage = False  # --enable-force-include-usage: every stream's chunks carry the usage
