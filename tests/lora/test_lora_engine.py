@@ -170,3 +170,20 @@ def test_speculation_with_adapters_matches_peft(tiny_llama_dir, adapter_factory,
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     if async_scheduling:
         assert llm.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2"])
+def test_fused_module_adapters_match_peft(arch, tiny_model_dir, tmp_path):
+    """Phi-3's checkpoints keep qkv_proj / gate_up_proj whole, so its PEFT adapters target those fused modules (B
+    rows [q; k; v], [gate; up]); they were refused as "not q/k/v/o and gate/up/down". alpha_pattern names the fused
+    module. Gemma 2 (split modules) runs the same check."""
+    model_dir = tiny_model_dir(arch)
+    fused = arch == "phi3"
+    specs = [(8, 16, ["qkv_proj", "gate_up_proj"] if fused else ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+              {"alpha_pattern": {"qkv_proj" if fused else "q_proj": 32}}),
+             (4, 8, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if fused else ALL7, {"use_rslora": True})]
+    paths = [make_adapter(model_dir, str(tmp_path / f"f{i}"), r=r, alpha=alpha, targets=t, seed=i + 11, **extra)
+             for i, (r, alpha, t, extra) in enumerate(specs)]
+    llm = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              num_gpu_blocks_override=96, max_num_batched_tokens=48, max_num_seqs=8)
+    check_mixed_batch(llm, model_dir, paths, vocab=512, lengths=(5, 40, 9, 23, 3, 36))

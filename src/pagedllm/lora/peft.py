@@ -129,12 +129,14 @@ def _pattern_value(patterns: Optional[dict], module: str, default: Any) -> Any:
 
 def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tuple[int, int]],
                  max_lora_rank: int, dtype: torch.dtype = torch.float32,
-                 local_layers: Optional[range] = None) -> LoRAAdapter:
+                 local_layers: Optional[range] = None, fused: Optional[dict[str, list[str]]] = None) -> LoRAAdapter:
     """Read and validate an adapter against the model: `expected` maps each adaptable module's PEFT name
     (e.g. "model.layers.0.self_attn.q_proj") to its full (in_features, out_features). The host copy is kept in
     `dtype` (the model's: a bf16 model's adapters take half the host memory of fp32 ones); the scaling is applied
     in fp32 first. With `local_layers` (a pipeline stage's decoder layers) modules of other layers are skipped:
-    the stage that holds them checks and keeps them."""
+    the stage that holds them checks and keeps them. `fused` maps a merged layer's own name (Phi-3's
+    "model.layers.0.self_attn.qkv_proj", whose checkpoint and PEFT adapters keep it whole) to its slices' names in
+    `expected`, in row order: such a module's B is split by rows, the slices sharing its A (the same delta)."""
     config = read_adapter_config(path)
     tensors = _load_tensors(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -153,6 +155,7 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
         pairs.setdefault(match["module"], {})[match["ab"]] = tensor
     if not pairs:
         raise LoRAError(f"LoRA adapter {path!r} holds no LoRA weights.")
+    origin = _split_fused(pairs, expected, fused or {}, path)  # slice -> the fused module it came from
     # PEFT builds LoraConfig from this file: a missing lora_alpha is its field's default, 8 (not r)
     alpha_default = config.get("lora_alpha")
     if alpha_default is None:
@@ -187,11 +190,37 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
         if rank > max_lora_rank:
             raise LoRAError(f"Cannot load LoRA adapter {path!r}: its rank {rank} is larger than max_lora_rank="
                             f"{max_lora_rank}; start the engine with --max-lora-rank {_next_rank(rank)} or more.")
-        alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha_default))
+        # PEFT matches alpha_pattern against the module it adapted (a fused one's own name)
+        alpha = float(_pattern_value(config.get("alpha_pattern"), origin.get(module, module), alpha_default))
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         weights[module] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
         max_rank = max(max_rank, rank)
     return LoRAAdapter(lora_int_id=lora_int_id, name=name, path=path, rank=max_rank, weights=weights)
+
+
+def _split_fused(pairs: dict[str, dict[str, torch.Tensor]], expected: dict[str, tuple[int, int]],
+                 fused: dict[str, list[str]], path: str) -> dict[str, str]:
+    """Replace, in place, each pair of a fused module (`fused`'s keys) by one pair per slice: B's rows in the
+    slices' order, A shared. Returns slice name -> fused module name."""
+    origin: dict[str, str] = {}
+    for module in [m for m in pairs if m in fused and m not in expected]:
+        ab = pairs[module]
+        if set(ab) != {"A", "B"}:
+            continue  # the main loop names the missing weight
+        a, b = ab["A"], ab["B"]
+        parts = fused[module]
+        sizes = [expected[p][1] for p in parts]
+        if b.dim() != 2 or b.shape[0] != sum(sizes):
+            raise LoRAError(f"Cannot load LoRA adapter {path!r}: module {module!r} has lora_B {tuple(b.shape)} but "
+                            f"the base model's maps to {sum(sizes)} features (an adapter for another base model?).")
+        clash = [p for p in parts if p in pairs]
+        if clash:
+            raise LoRAError(f"Cannot load LoRA adapter {path!r}: it adapts both {module!r} and {clash[0]!r}.")
+        del pairs[module]
+        for part, b_part in zip(parts, torch.split(b, sizes, dim=0)):
+            pairs[part] = {"A": a, "B": b_part}
+            origin[part] = module
+    return origin
 
 
 def _next_rank(rank: int) -> int:
