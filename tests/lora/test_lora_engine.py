@@ -187,3 +187,49 @@ def test_fused_module_adapters_match_peft(arch, tiny_model_dir, tmp_path):
     llm = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
               num_gpu_blocks_override=96, max_num_batched_tokens=48, max_num_seqs=8)
     check_mixed_batch(llm, model_dir, paths, vocab=512, lengths=(5, 40, 9, 23, 3, 36))
+
+
+def test_multimodal_gemma3_adapter_matches_peft(tmp_path):
+    """A Gemma 3 multimodal checkpoint (served as its text model): PEFT names the adapter's modules as the checkpoint
+    does (`model.language_model.layers.0...`) and, targets naming q_proj..., adapts the vision tower too. It was
+    refused ("only q/k/v/o ... can be adapted"); the language model's modules are renamed as its weights are, the
+    tower's skipped (no text-only prompt runs them), and an alpha_pattern naming a checkpoint module applies."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import Gemma3ForConditionalGeneration
+
+    from tests.models.family_configs import save_tiny_gemma3_multimodal
+
+    model_dir, adapter = str(tmp_path / "g3"), str(tmp_path / "g3-lora")
+    save_tiny_gemma3_multimodal(model_dir)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj", "gate_proj"],
+                        alpha_pattern={"language_model.layers.1.self_attn.q_proj": 64}, lora_dropout=0.0)
+    peft = get_peft_model(hf, config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    assert any("vision_tower" in name and "lora_A" in name for name, _ in peft.named_parameters())
+    peft.save_pretrained(adapter)
+    peft = PeftModel.from_pretrained(peft.unload(), adapter).eval()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (12, 30)]
+
+    def greedy(prompt: list[int], n: int = 8) -> list[int]:
+        ids, out = list(prompt), []
+        with torch.inference_mode():
+            for _ in range(n):
+                out.append(int(peft(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+                ids.append(out[-1])
+        return out
+
+    want = [greedy(p) for p in prompts]
+    with peft.disable_adapter():
+        base = [greedy(p) for p in prompts]
+    assert want != base
+    llm = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+              num_gpu_blocks_override=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], SamplingParams(temperature=0.0, max_tokens=8,
+                        ignore_eos=True), lora_request=[LoRARequest("g", 1, adapter)] * 2 + [None] * 2, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want + base

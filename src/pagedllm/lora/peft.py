@@ -15,10 +15,12 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+import logging
+from typing import Any, Callable, Optional
 
 import torch
 
+logger = logging.getLogger("pagedllm")
 
 class LoRAError(ValueError):
     """An adapter that cannot be served (bad path, unsupported feature, shape mismatch): a user error."""
@@ -129,17 +131,22 @@ def _pattern_value(patterns: Optional[dict], module: str, default: Any) -> Any:
 
 def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tuple[int, int]],
                  max_lora_rank: int, dtype: torch.dtype = torch.float32,
-                 local_layers: Optional[range] = None, fused: Optional[dict[str, list[str]]] = None) -> LoRAAdapter:
+                 local_layers: Optional[range] = None, fused: Optional[dict[str, list[str]]] = None,
+                 rename: Optional[Callable[[str], Optional[str]]] = None) -> LoRAAdapter:
     """Read and validate an adapter against the model: `expected` maps each adaptable module's PEFT name
     (e.g. "model.layers.0.self_attn.q_proj") to its full (in_features, out_features). The host copy is kept in
     `dtype` (the model's: a bf16 model's adapters take half the host memory of fp32 ones); the scaling is applied
     in fp32 first. With `local_layers` (a pipeline stage's decoder layers) modules of other layers are skipped:
     the stage that holds them checks and keeps them. `fused` maps a merged layer's own name (Phi-3's
     "model.layers.0.self_attn.qkv_proj", whose checkpoint and PEFT adapters keep it whole) to its slices' names in
-    `expected`, in row order: such a module's B is split by rows, the slices sharing its A (the same delta)."""
+    `expected`, in row order: such a module's B is split by rows, the slices sharing its A (the same delta).
+    `rename` (the model's `lora_module_name`) maps a checkpoint's module name to the model's, None for a module the
+    served model does not run (a multimodal checkpoint's vision tower, when it serves its text model alone)."""
     config = read_adapter_config(path)
     tensors = _load_tensors(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    renamed: dict[str, str] = {}  # the model's module name -> the checkpoint's (PEFT's patterns match the latter)
+    skipped: set[str] = set()
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
@@ -152,7 +159,18 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
             else:
                 why = f"it holds tensor {key!r}, which is not a LoRA A/B weight"
             raise LoRAError(f"Cannot load LoRA adapter {path!r}: {why}.")
-        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+        module = match["module"] if rename is None else rename(match["module"])
+        if module is None:
+            skipped.add(match["module"])
+            continue
+        renamed[module] = match["module"]
+        pairs.setdefault(module, {})[match["ab"]] = tensor
+    if skipped and not pairs:
+        raise LoRAError(f"LoRA adapter {path!r} adapts only modules the served model does not run (e.g. "
+                        f"{min(skipped)!r}).")
+    if skipped:
+        logger.info("LoRA adapter %r: %d module(s) the served model does not run are skipped (e.g. %s).", path,
+                    len(skipped), min(skipped))
     if not pairs:
         raise LoRAError(f"LoRA adapter {path!r} holds no LoRA weights.")
     origin = _split_fused(pairs, expected, fused or {}, path)  # slice -> the fused module it came from
@@ -191,7 +209,8 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
             raise LoRAError(f"Cannot load LoRA adapter {path!r}: its rank {rank} is larger than max_lora_rank="
                             f"{max_lora_rank}; start the engine with --max-lora-rank {_next_rank(rank)} or more.")
         # PEFT matches alpha_pattern against the module it adapted (a fused one's own name)
-        alpha = float(_pattern_value(config.get("alpha_pattern"), origin.get(module, module), alpha_default))
+        source = origin.get(module, module)
+        alpha = float(_pattern_value(config.get("alpha_pattern"), renamed.get(source, source), alpha_default))
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         weights[module] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
         max_rank = max(max_rank, rank)
