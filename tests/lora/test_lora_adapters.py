@@ -229,3 +229,14 @@ def test_beam_search_runs_each_prompts_adapter(llm, tiny_llama_dir, tmp_path):
                                                                                                      base[1]]
     with pytest.raises(ValueError, match="one per prompt"):
         llm.beam_search(prompts, beam, lora_request=[lora])
+
+
+def test_adapter_path_under_home(llm, good, tmp_path, monkeypatch):
+    """vLLM expands a lora_path starting with "~" (get_adapter_absolute_path); it was "not a directory"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(good, str(tmp_path / "loras" / "good"))
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = llm.generate(prompt, sp, lora_request=LoRARequest("good", 78, good), use_tqdm=False)[0].outputs[0].token_ids
+    out = llm.generate(prompt, sp, lora_request=LoRARequest("home", 77, "~/loras/good"), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want

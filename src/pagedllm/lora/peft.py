@@ -142,6 +142,7 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
     `expected`, in row order: such a module's B is split by rows, the slices sharing its A (the same delta).
     `rename` (the model's `lora_module_name`) maps a checkpoint's module name to the model's, None for a module the
     served model does not run (a multimodal checkpoint's vision tower, when it serves its text model alone)."""
+    path = os.path.expanduser(path)  # vLLM's get_adapter_absolute_path: "~/loras/sql" is the user's
     config = read_adapter_config(path)
     tensors = _load_tensors(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
