@@ -240,3 +240,19 @@ def test_adapter_path_under_home(llm, good, tmp_path, monkeypatch):
     want = llm.generate(prompt, sp, lora_request=LoRARequest("good", 78, good), use_tqdm=False)[0].outputs[0].token_ids
     out = llm.generate(prompt, sp, lora_request=LoRARequest("home", 77, "~/loras/good"), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want
+
+
+def test_one_id_with_two_paths_in_one_call_is_refused(llm, good, tmp_path, tiny_llama_dir):
+    """[LoRARequest("x", 5, A), LoRARequest("y", 5, B)]: the id names one adapter, and B silently replaced A for
+    both prompts (the first got B's tokens). Refused now, naming the id, before anything runs."""
+    other = make_adapter(tiny_llama_dir, str(tmp_path / "other"), r=4, alpha=8, targets=["v_proj"], seed=7)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10, 11]}]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match="lora_int_id 65 is given two adapters in one call"):
+        llm.generate(prompts, sp, lora_request=[LoRARequest("x", 65, good), LoRARequest("y", 65, other)],
+                     use_tqdm=False)
+    assert not llm.engine.scheduler.requests
+    want = llm.generate(prompts[0], sp, lora_request=LoRARequest("x", 66, good), use_tqdm=False)[0]
+    # the same adapter (id and path) twice is fine
+    outs = llm.generate(prompts, sp, lora_request=[LoRARequest("x", 66, good)] * 2, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want.outputs[0].token_ids
