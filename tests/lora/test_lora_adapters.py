@@ -256,3 +256,30 @@ def test_one_id_with_two_paths_in_one_call_is_refused(llm, good, tmp_path, tiny_
     # the same adapter (id and path) twice is fine
     outs = llm.generate(prompts, sp, lora_request=[LoRARequest("x", 66, good)] * 2, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_fused_module_adapter_refusals(tiny_model_dir, tmp_path):
+    """A Phi-3 adapter of the fused qkv_proj is split when read; a broken one is refused naming the module."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tiny_model_dir("phi3_plain")
+    src = make_adapter(model_dir, str(tmp_path / "src"), r=4, alpha=8, targets=["qkv_proj"], seed=3)
+    phi = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+              num_gpu_blocks_override=16, max_model_len=256)
+    key = "base_model.model.model.layers.0.self_attn.qkv_proj.lora_"
+    edits = {
+        "both": (lambda t: t.update({key.replace("qkv", "q") + "A.weight": t[key + "A.weight"],
+                                     key.replace("qkv", "q") + "B.weight": t[key + "B.weight"][:64]}),
+                 "adapts both 'model.layers.0.self_attn.qkv_proj' and 'model.layers.0.self_attn.q_proj'"),
+        "shape": (lambda t: t.update({key + "B.weight": t[key + "B.weight"][:100]}),
+                  r"lora_B \(100, 4\) but the base model's maps to 128 features"),
+        "no_b": (lambda t: t.pop(key + "B.weight"), "'model.layers.0.self_attn.qkv_proj' lacks its lora_B weight"),
+    }
+    for i, (name, (edit, words)) in enumerate(edits.items()):
+        dst = shutil.copytree(src, str(tmp_path / name))
+        tensors = {k: v.clone() for k, v in load_file(os.path.join(dst, "adapter_model.safetensors")).items()}
+        edit(tensors)
+        save_file({k: v.clone() for k, v in tensors.items()}, os.path.join(dst, "adapter_model.safetensors"))
+        with pytest.raises(LoRAError, match=words):
+            add(phi, dst, 60 + i)
+    assert add(phi, src, 70)

@@ -226,7 +226,8 @@ def _split_fused(pairs: dict[str, dict[str, torch.Tensor]], expected: dict[str, 
     for module in [m for m in pairs if m in fused and m not in expected]:
         ab = pairs[module]
         if set(ab) != {"A", "B"}:
-            continue  # the main loop names the missing weight
+            raise LoRAError(f"Cannot load LoRA adapter {path!r}: module {module!r} lacks its lora_"
+                            f"{'B' if 'A' in ab else 'A'} weight.")
         a, b = ab["A"], ab["B"]
         parts = fused[module]
         sizes = [expected[p][1] for p in parts]
