@@ -6,6 +6,7 @@ and the base requests' tokens equal the base model's.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -233,3 +234,36 @@ def test_multimodal_gemma3_adapter_matches_peft(tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], SamplingParams(temperature=0.0, max_tokens=8,
                         ignore_eos=True), lora_request=[LoRARequest("g", 1, adapter)] * 2 + [None] * 2, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want + base
+
+
+def test_decoder_stack_embedding_adapter_matches_peft(tiny_model_dir, tmp_path):
+    """An embedding checkpoint saved as a bare decoder stack (e5-mistral's MistralModel) names its layers
+    `layers.0...`, and so do PEFT adapters trained on it: they were refused ("only q/k/v/o ..."); they take the
+    `model.` prefix its weights take. Adapter and base vectors equal PEFT's / the model's (AutoModel)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModel
+
+    from pagedllm.pooling import PoolingParams
+    from tests.engine.test_embeddings import _decoder_only_checkpoint
+
+    model_dir = _decoder_only_checkpoint(tiny_model_dir("mistral"), str(tmp_path / "stack"), "MistralModel")
+    adapter = str(tmp_path / "stack-lora")
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                        alpha_pattern={"layers.1.mlp.down_proj": 48})
+    peft = get_peft_model(AutoModel.from_pretrained(model_dir, dtype=torch.float32), config)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    peft.save_pretrained(adapter)
+    peft = PeftModel.from_pretrained(peft.unload(), adapter).eval()
+    prompts = [[5, 17, 99, 250, 3, 41], list(range(2, 40))]
+    llm = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+              num_gpu_blocks_override=32)
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts * 2], PoolingParams(normalize=False),
+                     lora_request=[LoRARequest("e", 1, adapter)] * 2 + [None] * 2, use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(prompts * 2, outs)):
+        with torch.inference_mode(), (peft.disable_adapter() if i >= 2 else contextlib.nullcontext()):
+            want = peft(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-4, rtol=1e-4)

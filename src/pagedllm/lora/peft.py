@@ -161,6 +161,10 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
                 why = f"it holds tensor {key!r}, which is not a LoRA A/B weight"
             raise LoRAError(f"Cannot load LoRA adapter {path!r}: {why}.")
         module = match["module"] if rename is None else rename(match["module"])
+        if module is not None and module.startswith("layers.") and module not in expected:
+            # an adapter of a decoder stack saved alone (AutoModel: e5-mistral, gte-Qwen2) names its layers as that
+            # checkpoint does, `layers.0...`; the loader gives those the causal model's `model.` prefix, so here too
+            module = "model." + module
         if module is None:
             skipped.add(match["module"])
             continue
