@@ -283,3 +283,14 @@ def test_fused_module_adapter_refusals(tiny_model_dir, tmp_path):
         with pytest.raises(LoRAError, match=words):
             add(phi, dst, 60 + i)
     assert add(phi, src, 70)
+
+
+def test_lora_request_takes_vllms_fields_in_vllms_order(good):
+    """vLLM's LoRARequest(lora_name, lora_int_id, lora_path, lora_local_path, long_lora_max_len, base_model_name,
+    tensorizer_config_dict, load_inplace): tensorizer_config_dict was missing (a TypeError by keyword; by position the
+    8th argument, load_inplace, landed in its place). None is taken; a dict is refused naming it."""
+    req = LoRARequest("sql", 7, good, None, None, "base", None, True)
+    assert req.base_model_name == "base" and req.load_inplace is True and req.tensorizer_config_dict is None
+    assert LoRARequest("sql", 7, good, tensorizer_config_dict=None).load_inplace is False
+    with pytest.raises(ValueError, match="tensorizer_config_dict"):
+        LoRARequest("sql", 7, good, tensorizer_config_dict={"tensorizer_dir": "/t"})
