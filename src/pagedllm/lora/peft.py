@@ -11,16 +11,17 @@ Every refusal is a `LoRAError` (a ValueError) whose message is one sentence sayi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass, field
-import logging
 from typing import Any, Callable, Optional
 
 import torch
 
 logger = logging.getLogger("pagedllm")
+
 
 class LoRAError(ValueError):
     """An adapter that cannot be served (bad path, unsupported feature, shape mismatch): a user error."""
