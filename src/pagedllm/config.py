@@ -72,6 +72,11 @@ class EngineArgs:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES (prompt_logprobs are always raw log-softmax)
     max_cpu_loras: Optional[int] = None  # adapters kept in host memory (LRU); None: max_loras
+    # vLLM's: adapters are kept in the model's dtype ("auto", vLLM's default; other values are refused), and
+    # fully_sharded_loras (vLLM also shards A across ranks) changes only how tensor-parallel ranks split the adapter
+    # math, not its result: accepted as what pagedllm does (column-parallel layers keep A whole).
+    lora_dtype: str = "auto"
+    fully_sharded_loras: bool = False
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (= "fp8_e4m3")
     # Parallelism (executor/, distributed/): worker processes per rank, engine-core replicas, several nodes.
     data_parallel_size: int = 1
@@ -341,6 +346,9 @@ class EngineArgs:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}.")
         if not 1 <= self.max_lora_rank <= 512:
             raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}.")
+        if self.lora_dtype != "auto":
+            raise ValueError(f"lora_dtype={self.lora_dtype!r} is not supported by pagedllm: adapters are kept in the "
+                             "model's dtype (lora_dtype='auto').")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
         if self.cpu_offload_gb > 0:

@@ -370,3 +370,17 @@ def test_code_revision_other_than_revision_is_refused_for_hub_models(tiny_llama_
         EngineArgs(model="acme/tiny", revision="v1", code_revision="v9").validate()
     with pytest.raises(ValueError, match="code_revision='v9'"):
         LLM(model="acme/tiny", code_revision="v9")
+
+
+def test_vllm_lora_dtype_and_fully_sharded_loras(tiny_llama_dir):
+    """vLLM's lora_dtype / fully_sharded_loras were 'Unknown engine argument(s)' offline and unknown to serve:
+    lora_dtype='auto' (vLLM's default: the model's dtype, what pagedllm does) and fully_sharded_loras (how TP ranks
+    split the adapter math, not its result) are taken; another lora_dtype is refused naming it."""
+    args = _serve_args(["m", "--enable-lora", "--lora-dtype", "auto", "--fully-sharded-loras"])
+    assert args.lora_dtype == "auto" and args.fully_sharded_loras is True
+    assert _serve_args(["m"]).lora_dtype == "auto" and _serve_args(["m"]).fully_sharded_loras is False
+    llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, lora_dtype="auto", fully_sharded_loras=True,
+              num_gpu_blocks_override=16, max_model_len=256)
+    assert llm.engine_args.fully_sharded_loras is True
+    with pytest.raises(ValueError, match="lora_dtype='float16' is not supported"):
+        EngineArgs(enable_lora=True, lora_dtype="float16").validate()

@@ -229,3 +229,68 @@ def test_beam_search_runs_each_prompts_adapter(llm, tiny_llama_dir, tmp_path):
                                                                                                      base[1]]
     with pytest.raises(ValueError, match="one per prompt"):
         llm.beam_search(prompts, beam, lora_request=[lora])
+
+
+def test_adapter_path_under_home(llm, good, tmp_path, monkeypatch):
+    """vLLM expands a lora_path starting with "~" (get_adapter_absolute_path); it was "not a directory"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(good, str(tmp_path / "loras" / "good"))
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = llm.generate(prompt, sp, lora_request=LoRARequest("good", 78, good), use_tqdm=False)[0].outputs[0].token_ids
+    out = llm.generate(prompt, sp, lora_request=LoRARequest("home", 77, "~/loras/good"), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want
+
+
+def test_one_id_with_two_paths_in_one_call_is_refused(llm, good, tmp_path, tiny_llama_dir):
+    """[LoRARequest("x", 5, A), LoRARequest("y", 5, B)]: the id names one adapter, and B silently replaced A for
+    both prompts (the first got B's tokens). Refused now, naming the id, before anything runs."""
+    other = make_adapter(tiny_llama_dir, str(tmp_path / "other"), r=4, alpha=8, targets=["v_proj"], seed=7)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10, 11]}]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match="lora_int_id 65 is given two adapters in one call"):
+        llm.generate(prompts, sp, lora_request=[LoRARequest("x", 65, good), LoRARequest("y", 65, other)],
+                     use_tqdm=False)
+    assert not llm.engine.scheduler.requests
+    want = llm.generate(prompts[0], sp, lora_request=LoRARequest("x", 66, good), use_tqdm=False)[0]
+    # the same adapter (id and path) twice is fine
+    outs = llm.generate(prompts, sp, lora_request=[LoRARequest("x", 66, good)] * 2, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_fused_module_adapter_refusals(tiny_model_dir, tmp_path):
+    """A Phi-3 adapter of the fused qkv_proj is split when read; a broken one is refused naming the module."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tiny_model_dir("phi3_plain")
+    src = make_adapter(model_dir, str(tmp_path / "src"), r=4, alpha=8, targets=["qkv_proj"], seed=3)
+    phi = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+              num_gpu_blocks_override=16, max_model_len=256)
+    key = "base_model.model.model.layers.0.self_attn.qkv_proj.lora_"
+    edits = {
+        "both": (lambda t: t.update({key.replace("qkv", "q") + "A.weight": t[key + "A.weight"],
+                                     key.replace("qkv", "q") + "B.weight": t[key + "B.weight"][:64]}),
+                 "adapts both 'model.layers.0.self_attn.qkv_proj' and 'model.layers.0.self_attn.q_proj'"),
+        "shape": (lambda t: t.update({key + "B.weight": t[key + "B.weight"][:100]}),
+                  r"lora_B \(100, 4\) but the base model's maps to 128 features"),
+        "no_b": (lambda t: t.pop(key + "B.weight"), "'model.layers.0.self_attn.qkv_proj' lacks its lora_B weight"),
+    }
+    for i, (name, (edit, words)) in enumerate(edits.items()):
+        dst = shutil.copytree(src, str(tmp_path / name))
+        tensors = {k: v.clone() for k, v in load_file(os.path.join(dst, "adapter_model.safetensors")).items()}
+        edit(tensors)
+        save_file({k: v.clone() for k, v in tensors.items()}, os.path.join(dst, "adapter_model.safetensors"))
+        with pytest.raises(LoRAError, match=words):
+            add(phi, dst, 60 + i)
+    assert add(phi, src, 70)
+
+
+def test_lora_request_takes_vllms_fields_in_vllms_order(good):
+    """vLLM's LoRARequest(lora_name, lora_int_id, lora_path, lora_local_path, long_lora_max_len, base_model_name,
+    tensorizer_config_dict, load_inplace): tensorizer_config_dict was missing (a TypeError by keyword; by position the
+    8th argument, load_inplace, landed in its place). None is taken; a dict is refused naming it."""
+    req = LoRARequest("sql", 7, good, None, None, "base", None, True)
+    assert req.base_model_name == "base" and req.load_inplace is True and req.tensorizer_config_dict is None
+    assert LoRARequest("sql", 7, good, tensorizer_config_dict=None).load_inplace is False
+    with pytest.raises(ValueError, match="tensorizer_config_dict"):
+        LoRARequest("sql", 7, good, tensorizer_config_dict={"tensorizer_dir": "/t"})

@@ -6,6 +6,7 @@ and the base requests' tokens equal the base model's.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -170,3 +171,99 @@ def test_speculation_with_adapters_matches_peft(tiny_llama_dir, adapter_factory,
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     if async_scheduling:
         assert llm.engine.worker.runner.spec.device_ngram.num_overlapped_steps > 0
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2"])
+def test_fused_module_adapters_match_peft(arch, tiny_model_dir, tmp_path):
+    """Phi-3's checkpoints keep qkv_proj / gate_up_proj whole, so its PEFT adapters target those fused modules (B
+    rows [q; k; v], [gate; up]); they were refused as "not q/k/v/o and gate/up/down". alpha_pattern names the fused
+    module. Gemma 2 (split modules) runs the same check."""
+    model_dir = tiny_model_dir(arch)
+    fused = arch == "phi3"
+    specs = [(8, 16, ["qkv_proj", "gate_up_proj"] if fused else ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+              {"alpha_pattern": {"qkv_proj" if fused else "q_proj": 32}}),
+             (4, 8, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if fused else ALL7, {"use_rslora": True})]
+    paths = [make_adapter(model_dir, str(tmp_path / f"f{i}"), r=r, alpha=alpha, targets=t, seed=i + 11, **extra)
+             for i, (r, alpha, t, extra) in enumerate(specs)]
+    llm = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              num_gpu_blocks_override=96, max_num_batched_tokens=48, max_num_seqs=8)
+    check_mixed_batch(llm, model_dir, paths, vocab=512, lengths=(5, 40, 9, 23, 3, 36))
+
+
+def test_multimodal_gemma3_adapter_matches_peft(tmp_path):
+    """A Gemma 3 multimodal checkpoint (served as its text model): PEFT names the adapter's modules as the checkpoint
+    does (`model.language_model.layers.0...`) and, targets naming q_proj..., adapts the vision tower too. It was
+    refused ("only q/k/v/o ... can be adapted"); the language model's modules are renamed as its weights are, the
+    tower's skipped (no text-only prompt runs them), and an alpha_pattern naming a checkpoint module applies."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import Gemma3ForConditionalGeneration
+
+    from tests.models.family_configs import save_tiny_gemma3_multimodal
+
+    model_dir, adapter = str(tmp_path / "g3"), str(tmp_path / "g3-lora")
+    save_tiny_gemma3_multimodal(model_dir)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj", "gate_proj"],
+                        alpha_pattern={"language_model.layers.1.self_attn.q_proj": 64}, lora_dropout=0.0)
+    peft = get_peft_model(hf, config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    assert any("vision_tower" in name and "lora_A" in name for name, _ in peft.named_parameters())
+    peft.save_pretrained(adapter)
+    peft = PeftModel.from_pretrained(peft.unload(), adapter).eval()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (12, 30)]
+
+    def greedy(prompt: list[int], n: int = 8) -> list[int]:
+        ids, out = list(prompt), []
+        with torch.inference_mode():
+            for _ in range(n):
+                out.append(int(peft(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+                ids.append(out[-1])
+        return out
+
+    want = [greedy(p) for p in prompts]
+    with peft.disable_adapter():
+        base = [greedy(p) for p in prompts]
+    assert want != base
+    llm = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+              num_gpu_blocks_override=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], SamplingParams(temperature=0.0, max_tokens=8,
+                        ignore_eos=True), lora_request=[LoRARequest("g", 1, adapter)] * 2 + [None] * 2, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want + base
+
+
+def test_decoder_stack_embedding_adapter_matches_peft(tiny_model_dir, tmp_path):
+    """An embedding checkpoint saved as a bare decoder stack (e5-mistral's MistralModel) names its layers
+    `layers.0...`, and so do PEFT adapters trained on it: they were refused ("only q/k/v/o ..."); they take the
+    `model.` prefix its weights take. Adapter and base vectors equal PEFT's / the model's (AutoModel)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModel
+
+    from pagedllm.pooling import PoolingParams
+    from tests.engine.test_embeddings import _decoder_only_checkpoint
+
+    model_dir = _decoder_only_checkpoint(tiny_model_dir("mistral"), str(tmp_path / "stack"), "MistralModel")
+    adapter = str(tmp_path / "stack-lora")
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                        alpha_pattern={"layers.1.mlp.down_proj": 48})
+    peft = get_peft_model(AutoModel.from_pretrained(model_dir, dtype=torch.float32), config)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    peft.save_pretrained(adapter)
+    peft = PeftModel.from_pretrained(peft.unload(), adapter).eval()
+    prompts = [[5, 17, 99, 250, 3, 41], list(range(2, 40))]
+    llm = LLM(model=model_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+              num_gpu_blocks_override=32)
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts * 2], PoolingParams(normalize=False),
+                     lora_request=[LoRARequest("e", 1, adapter)] * 2 + [None] * 2, use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(prompts * 2, outs)):
+        with torch.inference_mode(), (peft.disable_adapter() if i >= 2 else contextlib.nullcontext()):
+            want = peft(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-4, rtol=1e-4)

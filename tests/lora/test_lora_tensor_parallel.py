@@ -61,3 +61,17 @@ def test_lora_tensor_parallel_matches_single_rank(tmp_path, tiny_qwen3_dir):
     base = _lora_logits(tiny_qwen3_dir, adapters, use_lora=False)
     torch.testing.assert_close(single[:8], base[:8], atol=1e-5, rtol=1e-5)  # causal: the base rows come first
     assert (single[8:] - base[8:]).abs().max() > 1e-2  # the adapters change the other rows
+
+
+def test_fused_module_adapter_tensor_parallel_matches_single_rank(tmp_path, tiny_model_dir):
+    """Phi-3's adapters of the fused qkv_proj / gate_up_proj: split into slices when read, then sharded like them."""
+    model_dir = tiny_model_dir("phi3_plain")
+    adapters = [make_adapter(model_dir, str(tmp_path / "a0"), r=8, alpha=16,
+                             targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], seed=1),
+                make_adapter(model_dir, str(tmp_path / "a1"), r=4, alpha=8, targets=["qkv_proj"], seed=2)]
+    out_path = str(tmp_path / "logits.pt")
+    mp.spawn(_rank_main, args=(2, str(tmp_path / "init"), model_dir, adapters, out_path), nprocs=2, join=True)
+    single = _lora_logits(model_dir, adapters)
+    torch.testing.assert_close(torch.load(out_path), single, atol=1e-5, rtol=1e-5)
+    base = _lora_logits(model_dir, adapters, use_lora=False)
+    assert (single[8:] - base[8:]).abs().max() > 1e-2

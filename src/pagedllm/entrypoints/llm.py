@@ -606,8 +606,17 @@ class LLM:
         for req in requests:
             if req is not None and not hasattr(req, "lora_int_id"):
                 raise ValueError(f"lora_request must be a LoRARequest (or a list of them), got {type(req).__name__}.")
+        by_id: dict[int, Any] = {}
+        for req in requests:
+            if req is None:
+                continue
+            first = by_id.setdefault(req.lora_int_id, req)
+            # an id is one adapter: the second path would replace the first for every prompt of the call
+            if first.lora_path != req.lora_path:
+                raise ValueError(f"lora_int_id {req.lora_int_id} is given two adapters in one call "
+                                 f"({first.lora_path!r} and {req.lora_path!r}); give each adapter its own id.")
         with self._lock:
-            for req in {r.lora_int_id: r for r in requests if r is not None}.values():
+            for req in by_id.values():
                 self.engine.add_lora(req)
         return [None if r is None else r.lora_int_id for r in requests]
 

@@ -122,6 +122,14 @@ class LoRALinear(nn.Module):
         """PEFT module name -> (in_features, out_features) of the full (unsharded) checkpoint module."""
         return {s.peft_name: (self.base_layer.input_size, s.full_out) for s in self.slices}
 
+    def fused_names(self) -> dict[str, list[str]]:
+        """A merged layer's own PEFT name -> its slices' names (row order): Phi-3's checkpoints, and so its PEFT
+        adapters, keep qkv_proj / gate_up_proj whole."""
+        prefix = getattr(self.base_layer, "prefix", "")
+        if len(self.slices) < 2 or not prefix:
+            return {}
+        return {prefix: [s.peft_name for s in self.slices]}
+
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy an adapter's A / B*scaling (full checkpoint shapes, host) into `slot`; modules it lacks get zeros."""
         r = self.rank

@@ -101,13 +101,17 @@ class LoRAManager:
         self.state = LoRABatchState(max_num_tokens, max_loras, device)
         self.layers = wrap_lora_layers(model, self.state, max_loras, padded_rank(max_lora_rank))
         self.expected: dict[str, tuple[int, int]] = {}
+        self.fused: dict[str, list[str]] = {}  # merged layer -> its slices (adapters of Phi-3's fused modules)
         for layer in self.layers:
             self.expected.update(layer.expected_shapes())
+            self.fused.update(layer.fused_names())
         # Pipeline parallel: this stage builds only its decoder layers; the others' modules are theirs to check.
         decoder = getattr(model, "model", None)
         start, end = getattr(decoder, "start_layer", None), getattr(decoder, "end_layer", None)
         num_layers = len(getattr(decoder, "layers", ()))
         self.local_layers = range(start, end) if start is not None and (start, end) != (0, num_layers) else None
+        # a checkpoint's module names -> the model's (Gemma 3's multimodal checkpoints name the language model's)
+        self.rename = getattr(model, "lora_module_name", None)
         self.paths: dict[int, tuple[str, str]] = {}  # registered adapters: id -> (name, path)
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU: least recently used first
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> device slot, LRU order
@@ -142,7 +146,7 @@ class LoRAManager:
 
     def _read(self, lora_int_id: int, name: str, path: str) -> LoRAAdapter:
         adapter = load_adapter(lora_int_id, name, path, self.expected, self.max_lora_rank, self.layers[0].lora_a.dtype,
-                               local_layers=self.local_layers)
+                               local_layers=self.local_layers, fused=self.fused, rename=self.rename)
         self.num_disk_loads += 1
         return adapter
 

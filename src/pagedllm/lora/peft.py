@@ -11,13 +11,16 @@ Every refusal is a `LoRAError` (a ValueError) whose message is one sentence sayi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+
+logger = logging.getLogger("pagedllm")
 
 
 class LoRAError(ValueError):
@@ -129,15 +132,23 @@ def _pattern_value(patterns: Optional[dict], module: str, default: Any) -> Any:
 
 def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tuple[int, int]],
                  max_lora_rank: int, dtype: torch.dtype = torch.float32,
-                 local_layers: Optional[range] = None) -> LoRAAdapter:
+                 local_layers: Optional[range] = None, fused: Optional[dict[str, list[str]]] = None,
+                 rename: Optional[Callable[[str], Optional[str]]] = None) -> LoRAAdapter:
     """Read and validate an adapter against the model: `expected` maps each adaptable module's PEFT name
     (e.g. "model.layers.0.self_attn.q_proj") to its full (in_features, out_features). The host copy is kept in
     `dtype` (the model's: a bf16 model's adapters take half the host memory of fp32 ones); the scaling is applied
     in fp32 first. With `local_layers` (a pipeline stage's decoder layers) modules of other layers are skipped:
-    the stage that holds them checks and keeps them."""
+    the stage that holds them checks and keeps them. `fused` maps a merged layer's own name (Phi-3's
+    "model.layers.0.self_attn.qkv_proj", whose checkpoint and PEFT adapters keep it whole) to its slices' names in
+    `expected`, in row order: such a module's B is split by rows, the slices sharing its A (the same delta).
+    `rename` (the model's `lora_module_name`) maps a checkpoint's module name to the model's, None for a module the
+    served model does not run (a multimodal checkpoint's vision tower, when it serves its text model alone)."""
+    path = os.path.expanduser(path)  # vLLM's get_adapter_absolute_path: "~/loras/sql" is the user's
     config = read_adapter_config(path)
     tensors = _load_tensors(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    renamed: dict[str, str] = {}  # the model's module name -> the checkpoint's (PEFT's patterns match the latter)
+    skipped: set[str] = set()
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
@@ -150,9 +161,25 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
             else:
                 why = f"it holds tensor {key!r}, which is not a LoRA A/B weight"
             raise LoRAError(f"Cannot load LoRA adapter {path!r}: {why}.")
-        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+        module = match["module"] if rename is None else rename(match["module"])
+        if module is not None and module.startswith("layers.") and module not in expected:
+            # an adapter of a decoder stack saved alone (AutoModel: e5-mistral, gte-Qwen2) names its layers as that
+            # checkpoint does, `layers.0...`; the loader gives those the causal model's `model.` prefix, so here too
+            module = "model." + module
+        if module is None:
+            skipped.add(match["module"])
+            continue
+        renamed[module] = match["module"]
+        pairs.setdefault(module, {})[match["ab"]] = tensor
+    if skipped and not pairs:
+        raise LoRAError(f"LoRA adapter {path!r} adapts only modules the served model does not run (e.g. "
+                        f"{min(skipped)!r}).")
+    if skipped:
+        logger.info("LoRA adapter %r: %d module(s) the served model does not run are skipped (e.g. %s).", path,
+                    len(skipped), min(skipped))
     if not pairs:
         raise LoRAError(f"LoRA adapter {path!r} holds no LoRA weights.")
+    origin = _split_fused(pairs, expected, fused or {}, path)  # slice -> the fused module it came from
     # PEFT builds LoraConfig from this file: a missing lora_alpha is its field's default, 8 (not r)
     alpha_default = config.get("lora_alpha")
     if alpha_default is None:
@@ -187,11 +214,39 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
         if rank > max_lora_rank:
             raise LoRAError(f"Cannot load LoRA adapter {path!r}: its rank {rank} is larger than max_lora_rank="
                             f"{max_lora_rank}; start the engine with --max-lora-rank {_next_rank(rank)} or more.")
-        alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha_default))
+        # PEFT matches alpha_pattern against the module it adapted (a fused one's own name)
+        source = origin.get(module, module)
+        alpha = float(_pattern_value(config.get("alpha_pattern"), renamed.get(source, source), alpha_default))
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         weights[module] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
         max_rank = max(max_rank, rank)
     return LoRAAdapter(lora_int_id=lora_int_id, name=name, path=path, rank=max_rank, weights=weights)
+
+
+def _split_fused(pairs: dict[str, dict[str, torch.Tensor]], expected: dict[str, tuple[int, int]],
+                 fused: dict[str, list[str]], path: str) -> dict[str, str]:
+    """Replace, in place, each pair of a fused module (`fused`'s keys) by one pair per slice: B's rows in the
+    slices' order, A shared. Returns slice name -> fused module name."""
+    origin: dict[str, str] = {}
+    for module in [m for m in pairs if m in fused and m not in expected]:
+        ab = pairs[module]
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"Cannot load LoRA adapter {path!r}: module {module!r} lacks its lora_"
+                            f"{'B' if 'A' in ab else 'A'} weight.")
+        a, b = ab["A"], ab["B"]
+        parts = fused[module]
+        sizes = [expected[p][1] for p in parts]
+        if b.dim() != 2 or b.shape[0] != sum(sizes):
+            raise LoRAError(f"Cannot load LoRA adapter {path!r}: module {module!r} has lora_B {tuple(b.shape)} but "
+                            f"the base model's maps to {sum(sizes)} features (an adapter for another base model?).")
+        clash = [p for p in parts if p in pairs]
+        if clash:
+            raise LoRAError(f"Cannot load LoRA adapter {path!r}: it adapts both {module!r} and {clash[0]!r}.")
+        del pairs[module]
+        for part, b_part in zip(parts, torch.split(b, sizes, dim=0)):
+            pairs[part] = {"A": a, "B": b_part}
+            origin[part] = module
+    return origin
 
 
 def _next_rank(rank: int) -> int:

@@ -20,6 +20,8 @@ class LoRARequest:
     lora_local_path: Optional[str] = None  # vLLM's deprecated alias of lora_path
     long_lora_max_len: Optional[int] = None
     base_model_name: Optional[str] = None
+    # vLLM's field (adapters serialized with tensorizer), here so vLLM's keywords and positions fit: only None
+    tensorizer_config_dict: Optional[dict] = None
     # vLLM's: read the adapter again even if its id is loaded (new weights saved at the same path)
     load_inplace: bool = False
 
@@ -32,6 +34,9 @@ class LoRARequest:
             self.lora_path = self.lora_local_path
         if not self.lora_path:
             raise ValueError(f"LoRA adapter {self.lora_name!r} needs lora_path (a local PEFT adapter directory).")
+        if self.tensorizer_config_dict is not None:
+            raise ValueError("tensorizer_config_dict (tensorizer-serialized adapters) is not supported by pagedllm; "
+                             "give lora_path a PEFT adapter directory.")
         if self.long_lora_max_len is not None:
             raise ValueError("long_lora_max_len (long-context LoRA) is not supported by pagedllm.")
 

@@ -110,6 +110,17 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         super().__init__(text_config, dtype, LanguageModelNames(quant_config))
         self.quant_config = quant_config
 
+    def lora_module_name(self, name: str) -> Optional[str]:
+        """A PEFT adapter's module name (`model.language_model.layers.0.self_attn.q_proj`) as this model's; None
+        for the vision tower's and projector's (PEFT adapts them too when targets name q_proj...: they never run on
+        the text-only prompts served here, so they change no output)."""
+        if name.startswith(self._SKIPPED):
+            return None
+        for old, new in self._PREFIXES:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:

@@ -195,6 +195,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-lora-rank", type=int, default=16)
     e.add_argument("--max-cpu-loras", type=int, default=None, help="LoRA adapters kept in host memory (default: "
                                                                      "--max-loras)")
+    e.add_argument("--lora-dtype", default="auto", help="adapters' dtype: only auto (the model's), as vLLM's default")
+    e.add_argument("--fully-sharded-loras", action="store_true",
+                   help="accepted for vLLM compatibility: tensor-parallel ranks split the adapters as they always do")
     e.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (-1: no limit)")
     e.add_argument("--logprobs-mode", default="raw_logprobs",
