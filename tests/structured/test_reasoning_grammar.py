@@ -182,3 +182,42 @@ def test_async_scheduling_gives_the_sync_outputs(tiny_llama_dir: str, tiny_llm: 
     finally:
         fast.shutdown()
     assert [list(o.outputs[0].token_ids) for o in got] == want
+
+
+def test_offline_llm_takes_the_reasoning_parser_key(tiny_llama_dir: str, tiny_llm: LLM, tmp_path) -> None:
+    """Offline, structured_outputs_config's reasoning_parser (vLLM's key) gives each grammar request the end marker
+    as the server does: free until `</think>` (an added token of the model renamed so), the grammar after it; a
+    prompt that closed the block gets the grammar at once; enable_in_reasoning keeps it on the whole answer."""
+    import json
+    import shutil
+
+    free = _greedy(tiny_llm, ["hello there"], max_tokens=80)[0].outputs[0].token_ids
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny_llama_dir, model)
+    with open(f"{model}/tokenizer.json") as f:
+        added = {t["id"] for t in json.load(f)["added_tokens"] if t["content"].startswith("<|extra_")}
+    at = next(i for i in range(3, len(free)) if free[i] in added and free[i] not in free[:i])
+    for name, key in (("tokenizer.json", "added_tokens"), ("tokenizer_config.json", "added_tokens_decoder")):
+        with open(f"{model}/{name}") as f:
+            data = json.load(f)
+        entries = data[key] if key == "added_tokens" else [data.get(key, {}).get(str(free[at]))]
+        for entry in entries:
+            if entry is not None and entry.get("id", free[at]) == free[at]:
+                entry["content"] = "</think>"
+        with open(f"{model}/{name}", "w") as f:
+            json.dump(data, f)
+    want = _greedy(tiny_llm, ["hello there"], _so(json=SCHEMA, reasoning_end=[free[at]]))[0].outputs[0].token_ids
+    at_once = _greedy(tiny_llm, ["hello there"], _so(json=SCHEMA))[0].outputs[0].token_ids
+    assert want[:at + 1] == free[:at + 1] and want != at_once
+    for extra, prompt, expected in (({}, "hello there", want), ({"enable_in_reasoning": True}, "hello there", at_once)):
+        llm = LLM(model=model, dtype="float32", num_gpu_blocks_override=128,
+                  structured_outputs_config={"reasoning_parser": "qwen3", **extra})
+        try:
+            assert _greedy(llm, [prompt], _so(json=SCHEMA))[0].outputs[0].token_ids == expected, extra
+            if not extra:  # the prompt closed the block (thinking off): the grammar from the first token
+                closed = _greedy(llm, ["hello there</think>"], _so(json=SCHEMA))[0].outputs[0].token_ids
+                ref = _greedy(llm, ["hello there</think>"], _so(json=SCHEMA, reasoning_end=[free[at]],
+                                                                reasoning_ended=True))[0].outputs[0].token_ids
+                assert closed == ref
+        finally:
+            llm.shutdown()

@@ -358,6 +358,7 @@ class LLM:
                                   sp), sp) for p, e, sp in zip(prompts, embeds, params_list)]
         # (truncate_prompt_tokens kept the last tokens: the embeddings' last rows go with them)
         embeds = [e if e is None else e[len(e) - len(ids):] for e, ((_, ids), _) in zip(embeds, items)]
+        items = self._grammar_after_reasoning(items)
         lora_ids = self._add_loras(lora_request, len(items))
         outputs = self._run(items, use_tqdm, lora_ids, [self._cache_salt(p) for p in prompts], priority,
                             embeds if any(e is not None for e in embeds) else None)
@@ -366,6 +367,29 @@ class LLM:
             for out, req in zip(outputs, per_prompt):
                 out.lora_request = req
         return outputs
+
+    def _grammar_after_reasoning(self, items: list) -> list:
+        """structured_outputs_config's reasoning_parser (vLLM's key), offline as the server does it: a request under a
+        grammar gets the reasoning end marker's ids, so that its grammar starts after the reasoning (at once where the
+        prompt closed the think block); enable_in_reasoning keeps the grammar on the whole answer."""
+        import dataclasses
+
+        from pagedllm.entrypoints.openai.reasoning import THINK_END, prompt_opens_thinking
+
+        config = self.engine_args.structured_outputs_config or {}
+        if not config.get("reasoning_parser") or config.get("enable_in_reasoning") or self.tokenizer is None:
+            return items
+        end = list(self.tokenizer.encode(THINK_END, add_special_tokens=False))
+        out = []
+        for (text, ids), sp in items:
+            so = sp.structured_outputs
+            if end and so is not None and so.reasoning_end is None and not so.reasoning_ended:
+                if text is None:  # (token ids given): the prompt's end, where an opened think block would be
+                    text = self.tokenizer.decode(ids[-64:])
+                so = dataclasses.replace(so, reasoning_end=end, reasoning_ended=prompt_opens_thinking(text) is False)
+                sp = sp.clone(structured_outputs=so)
+            out.append(((text, ids), sp))
+        return out
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
               use_tqdm: UseTqdm = True, lora_request: Any = None, *,
