@@ -95,7 +95,7 @@ def test_named_tool_choice_gives_a_valid_call_streamed_equal(client: openai.Open
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r = _chat(client, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60)
     msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert r.choices[0].finish_reason == "stop" and msg.content is None  # (a forced named call: OpenAI's, vLLM's)
     (call,) = msg.tool_calls
     assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
     jsonschema.validate(_args(call), WEATHER["function"]["parameters"])
@@ -104,7 +104,7 @@ def test_named_tool_choice_gives_a_valid_call_streamed_equal(client: openai.Open
         final = stream.get_final_completion()
     (scall,) = final.choices[0].message.tool_calls
     assert (scall.function.name, scall.function.arguments) == (call.function.name, call.function.arguments)
-    assert final.choices[0].finish_reason == "tool_calls"
+    assert final.choices[0].finish_reason == "stop"
 
 
 
@@ -392,6 +392,6 @@ def test_forced_call_with_nullable_parameters_writes_an_object(client: openai.Op
     let the model write `null`, which clients parse as the arguments)."""
     tool = {"type": "function", "function": {"name": "maybe", "parameters": params}}
     r = _chat(client, messages=ASK, tools=[tool], tool_choice=choice, max_tokens=40)
-    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    assert r.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop"), r.choices[0]
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "maybe" and isinstance(_args(call), dict), call.function.arguments

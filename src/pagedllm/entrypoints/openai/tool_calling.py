@@ -324,13 +324,10 @@ def _extract_tool_calls(plan: ToolPlan, text: str, finish_reason: Optional[str])
         if not text:
             return ExtractedToolCalls(content=text)
         # Always the named call, its arguments the generated text itself (what streaming sent as argument deltas),
-        # not a re-serialization. Cut short (max_tokens, a stop string) they are unfinished, and the call stays a
-        # call, as vLLM and OpenAI answer; only finished arguments make finish_reason "tool_calls".
-        try:
-            complete = isinstance(json.loads(text), dict) and finish_reason != "length"
-        except ValueError:
-            complete = False
-        return ExtractedToolCalls(content=None, tool_calls=[ToolCall(plan.named, text)], complete=complete)
+        # not a re-serialization; cut short (max_tokens, a stop string) they are unfinished and the call stays a
+        # call. A forced named call keeps the finish reason the model's stop gave ("stop", not "tool_calls"), as
+        # OpenAI and vLLM answer it, streamed or not ("required" and "auto" calls finish "tool_calls").
+        return ExtractedToolCalls(content=None, tool_calls=[ToolCall(plan.named, text)], complete=False)
     if finish_reason == "length":
         return ExtractedToolCalls(content=text)
     if plan.mode == "required":

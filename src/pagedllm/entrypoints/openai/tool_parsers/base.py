@@ -40,7 +40,7 @@ class ToolCall:
 class ExtractedToolCalls:
     content: Optional[str]
     tool_calls: list[ToolCall] = field(default_factory=list)
-    complete: bool = True  # False: a named call whose arguments were cut short (finish_reason is not "tool_calls")
+    complete: bool = True  # False: the calls leave finish_reason as it is (a named tool_choice: "stop")
 
     @property
     def called(self) -> bool:
