@@ -174,8 +174,9 @@ def test_json_object_format(http: httpx.Client) -> None:
 
 def test_function_call_round_trip(client: openai.OpenAI, http: httpx.Client) -> None:
     ask = "What is the weather in Paris?"
+    # (one call, room to finish it: the random model's JSON has no reason to be short)
     r = client.responses.create(model=SERVED_NAME, input=ask, tools=[WEATHER], tool_choice="required",
-                                temperature=0, max_output_tokens=60)
+                                parallel_tool_calls=False, temperature=0, max_output_tokens=160)
     calls = [item for item in r.output if item.type == "function_call"]
     assert r.status == "completed" and len(calls) >= 1
     call = calls[0]
@@ -184,7 +185,7 @@ def test_function_call_round_trip(client: openai.OpenAI, http: httpx.Client) -> 
     assert r.tools[0].name == "get_weather" and r.tool_choice == "required"
     # the chat request of the same conversation calls the same way
     chat = _chat(http, [{"role": "user", "content": ask}], tools=[CHAT_WEATHER], tool_choice="required",
-                 max_tokens=60)
+                 parallel_tool_calls=False, max_tokens=160)
     chat_calls = chat["choices"][0]["message"]["tool_calls"]
     assert [(c.name, c.arguments) for c in calls] == [(c["function"]["name"], c["function"]["arguments"])
                                                      for c in chat_calls]
@@ -224,7 +225,7 @@ def test_named_function_stream(http: httpx.Client) -> None:
 
 def test_required_stream_equals_full(http: httpx.Client) -> None:
     req = {"model": SERVED_NAME, "input": "What is the weather in Paris?", "tools": [WEATHER],
-           "tool_choice": "required", "temperature": 0, "max_output_tokens": 60}
+           "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_output_tokens": 160}
     full = http.post("/v1/responses", json=req).json()
     events = _events(http.post("/v1/responses", json={**req, "stream": True}))
     final = events[-1]["response"]

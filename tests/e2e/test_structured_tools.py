@@ -161,7 +161,9 @@ def test_required_tool_choice_with_local_refs(client: openai.OpenAI) -> None:
     assert call.function.name == "set_unit" and _args(call)["unit"] in ("celsius", "fahrenheit")
 
 def test_round_trip_call_tool_message_answer(client: openai.OpenAI) -> None:
-    first = _chat(client, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60)
+    # (one call, room to finish it: the random model's JSON has no reason to be short)
+    first = _chat(client, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=160)
     call = first.choices[0].message.tool_calls[0]
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -391,7 +393,7 @@ def test_forced_call_with_nullable_parameters_writes_an_object(client: openai.Op
     """Parameters whose root also admits null: a forced call's arguments are still a JSON object (the grammar once
     let the model write `null`, which clients parse as the arguments)."""
     tool = {"type": "function", "function": {"name": "maybe", "parameters": params}}
-    r = _chat(client, messages=ASK, tools=[tool], tool_choice=choice, max_tokens=40)
+    r = _chat(client, messages=ASK, tools=[tool], tool_choice=choice, parallel_tool_calls=False, max_tokens=80)
     assert r.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop"), r.choices[0]
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "maybe" and isinstance(_args(call), dict), call.function.arguments

@@ -141,6 +141,23 @@ def test_prompt_for_templates_without_tools() -> None:
     assert template_tools == TOOLS and native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
 
 
+def test_prompt_without_tool_support_says_what_the_grammar_enforces() -> None:
+    """A template without tool support is told the form the request's grammar forces: "required" a JSON list of
+    calls (not <tool_call> blocks), a named choice that function (it was not described at all) and its arguments."""
+    ask = [{"role": "user", "content": "weather?"}]
+    system = {}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        plan = plan_tools(TOOLS, choice, False if choice == "required" else None, "auto", None)
+        out, template_tools = prepare_conversation(list(ask), plan, "{{ messages }}")
+        assert template_tools is None and out[0]["role"] == "system" and out[1:] == ask
+        system[plan.mode] = out[0]["content"]
+    assert "<tool_call>" in system["auto"] and "get_time" in system["auto"]
+    assert "JSON list (one call)" in system["required"] and "<tool_call>" not in system["required"]
+    assert all(name in system["required"] for name in ("get_weather", "get_time"))
+    named = system["named"]
+    assert "get_weather" in named and "get_time" not in named and "arguments only" in named
+
+
 def _accumulate(deltas: list[dict]) -> tuple[str, list[dict]]:
     """What the OpenAI SDK's stream accumulation does with chat-chunk deltas."""
     content, tool_calls = "", {}

@@ -231,11 +231,25 @@ def _hermes_call_text(calls: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def _tools_system_text(tools: list[dict]) -> str:
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("You can call functions to help with the user's request. The functions you may call are listed "
-            "between <tools> and </tools>, as JSON:\n<tools>\n" + listing + "\n</tools>\n"
-            "To call a function, answer with one JSON object per call, each between <tool_call> and </tool_call>:\n"
+def _tools_system_text(plan: ToolPlan) -> str:
+    """The instructions a template without tool support gets, in the form the request's grammar enforces: the hermes
+    format the auto parser reads; under "required" the JSON list of calls; under a named choice that function
+    alone and its arguments' object (what the grammar makes the model write)."""
+    if plan.mode == "named":
+        tool = next(t for t in plan.tools if t["function"]["name"] == plan.named)
+        return ("Call the function below, listed between <tools> and </tools> as JSON:\n<tools>\n"
+                + json.dumps(tool, ensure_ascii=False) + "\n</tools>\n"
+                "Answer with its arguments only, as one JSON object.")
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in plan.tools)
+    head = ("The functions you may call are listed between <tools> and </tools>, as JSON:\n<tools>\n" + listing
+            + "\n</tools>\n")
+    if plan.mode == "required":
+        one = "" if plan.parallel else " (one call)"
+        return ("Call one or more of the functions below to help with the user's request. " + head
+                + f"Answer with the calls only, as a JSON list{one}:\n"
+                '[{"name": "<function name>", "arguments": {<arguments as JSON>}}]')
+    return ("You can call functions to help with the user's request. " + head
+            + "To call a function, answer with one JSON object per call, each between <tool_call> and </tool_call>:\n"
             '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>')
 
 
@@ -285,8 +299,8 @@ def prepare_conversation(conv: list[dict], plan: ToolPlan, template: Optional[st
         if m.get("content") is None:
             m["content"] = ""
         out.append(m)
-    if plan.tools and plan.mode != "named":
-        text = _tools_system_text(plan.tools)
+    if plan.tools:
+        text = _tools_system_text(plan)
         if out and out[0].get("role") == "system":
             out[0] = dict(out[0], content=message_text(out[0].get("content")) + "\n\n" + text)
         else:
