@@ -374,20 +374,18 @@ class LLM:
         prompt closed the think block); enable_in_reasoning keeps the grammar on the whole answer."""
         import dataclasses
 
-        from pagedllm.entrypoints.openai.reasoning import THINK_END, prompt_opens_thinking
+        from pagedllm.entrypoints.openai.reasoning import prompt_thinking, reasoning_end_ids
 
         config = self.engine_args.structured_outputs_config or {}
         if not config.get("reasoning_parser") or config.get("enable_in_reasoning") or self.tokenizer is None:
             return items
-        end = list(self.tokenizer.encode(THINK_END, add_special_tokens=False))
+        end = reasoning_end_ids(self)
         out = []
         for (text, ids), sp in items:
             so = sp.structured_outputs
             if end and so is not None and so.reasoning_end is None and not so.reasoning_ended:
-                if text is None:  # (token ids given): the prompt's end, where an opened think block would be
-                    text = self.tokenizer.decode(ids[-64:])
-                so = dataclasses.replace(so, reasoning_end=end, reasoning_ended=prompt_opens_thinking(text) is False)
-                sp = sp.clone(structured_outputs=so)
+                ended = prompt_thinking(self.tokenizer, text, ids) is False
+                sp = sp.clone(structured_outputs=dataclasses.replace(so, reasoning_end=end, reasoning_ended=ended))
             out.append(((text, ids), sp))
         return out
 

@@ -149,7 +149,8 @@ class ChoiceReasoning:
 
 
 def reasoning_end_ids(state: Any) -> Optional[list[int]]:
-    """The token ids of THINK_END in the server's tokenizer (cached on the state); None if it has none."""
+    """The token ids of THINK_END in the tokenizer of `state` (the server's state, an offline LLM; cached on it);
+    None if it has none."""
     ids = getattr(state, "_reasoning_end_ids", False)
     if ids is False:
         try:
@@ -160,6 +161,13 @@ def reasoning_end_ids(state: Any) -> Optional[list[int]]:
     return ids
 
 
+def prompt_thinking(tokenizer: Any, prompt_text: Optional[str], prompt_ids: list[int]) -> Optional[bool]:
+    """prompt_opens_thinking of a prompt; without its text (token ids given, a truncated prompt), of its end's."""
+    if prompt_text is None:  # its end, where an opened think block would be
+        prompt_text = tokenizer.decode(prompt_ids[-64:])
+    return prompt_opens_thinking(prompt_text)
+
+
 def request_reasoning(state: Any, params: Any, prompt_text: Optional[str], prompt_ids: list[int],
                       include: bool = True) -> Optional[ChoiceReasoning]:
     """The reasoning split of a chat / responses request's answer (--reasoning-parser), or None: no parser, or a
@@ -168,9 +176,7 @@ def request_reasoning(state: Any, params: Any, prompt_text: Optional[str], promp
     parser = getattr(state, "reasoning_parser", None)
     if parser is None:
         return None
-    if prompt_text is None:  # (a truncated prompt): its end, where an opened think block would be
-        prompt_text = state.tokenizer.decode(prompt_ids[-64:])
-    opened = prompt_opens_thinking(prompt_text)
+    opened = prompt_thinking(state.tokenizer, prompt_text, prompt_ids)
     so = params.structured_outputs if params is not None else None
     if so is not None:
         end = None if getattr(state, "grammar_in_reasoning", False) else reasoning_end_ids(state)
