@@ -1,4 +1,4 @@
-"""`pagedllm` console script: serve | chat | complete | bench {serve,sweep,throughput,latency} | --version.
+"""`pagedllm` console script: serve | run-batch | chat | complete | bench {serve,sweep,throughput,latency} | --version.
 
 Each subcommand registers its own flags and imports its heavy modules only when it runs, so
 `pagedllm --help` stays fast (no torch, no transformers, no FastAPI).
@@ -26,6 +26,8 @@ class _Sub:
 _PKG = "pagedllm.entrypoints.cli"
 SUBCOMMANDS = [
     _Sub("serve", "start the OpenAI-compatible server", f"{_PKG}.serve:add_args", f"{_PKG}.serve:run"),
+    _Sub("run-batch", "run an OpenAI batch file (JSONL) offline, as vLLM's run-batch",
+         "pagedllm.entrypoints.openai.run_batch:add_args", "pagedllm.entrypoints.openai.run_batch:run"),
     _Sub("chat", "chat with a running server (interactive, or one question with -q)",
          f"{_PKG}.clients:add_chat_args", f"{_PKG}.clients:run_chat"),
     _Sub("complete", "complete prompts against a running server", f"{_PKG}.clients:add_complete_args",
@@ -75,6 +77,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "pagedllm") -> None:
         from pagedllm.entrypoints.cli.serve import main as serve_main
 
         sys.exit(serve_main(argv[1:], prog=f"{prog} serve"))
+    if argv and argv[0] == "run-batch":  # serve's flags, --config included
+        from pagedllm.entrypoints.openai.run_batch import main as batch_main
+
+        sys.exit(batch_main(argv[1:], prog=f"{prog} run-batch"))
     args = parser.parse_args(argv)
     if not hasattr(args, "_run"):
         (getattr(args, "_parser", None) or parser).print_help()

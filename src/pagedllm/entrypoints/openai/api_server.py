@@ -72,6 +72,32 @@ def _startup_error(report: Any, message: str, code: int) -> int:
     return code
 
 
+def configure_state(args: argparse.Namespace, engine: Any, names: list[str], metrics: Any, defaults: dict,
+                    chat_template: Optional[str]) -> Any:
+    """The ServerState of a started engine, set from the serve flags (shared by `serve` and `run-batch`)."""
+    from pagedllm import envs
+    from pagedllm.entrypoints.openai.server_state import ServerState
+
+    state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
+                        sampling_defaults=defaults)
+    state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
+    state.exclude_tools_when_tool_choice_none = bool(getattr(args, "exclude_tools_when_tool_choice_none", False))
+    state.response_role = getattr(args, "response_role", None) or "assistant"
+    so_config = getattr(args, "structured_outputs_config", None) or {}  # (vLLM's reasoning keys: reasoning.py)
+    state.reasoning_parser = getattr(args, "reasoning_parser", None) or so_config.get("reasoning_parser")
+    state.grammar_in_reasoning = bool(so_config.get("enable_in_reasoning"))
+    state.prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
+    state.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
+    state.force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
+    state.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
+    state.chat_template_content_format = getattr(args, "chat_template_content_format", None) or "auto"
+    state.chat_template = chat_template
+    state.tokenizer_info_endpoint = bool(getattr(args, "enable_tokenizer_info_endpoint", False))
+    if chat_template is not None:  # --chat-template: every chat request renders with it (a request's own wins)
+        engine.tokenizer.chat_template = chat_template
+    return state
+
+
 async def serve(args: argparse.Namespace, client: Any = None, report: Any = None) -> int:
     """Serve HTTP until stopped; the exit code. `client` (an ipc.ClientSpec) and `report` (a pipe to and from
     the supervisor): this is one of several API server processes."""
@@ -89,7 +115,6 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
     from pagedllm.entrypoints.openai.lifecycle import DrainMiddleware, Lifecycle, server_class
     from pagedllm.entrypoints.openai.lora_models import serve_lora_modules
     from pagedllm.entrypoints.openai.middleware import load_middlewares, wrap_middlewares
-    from pagedllm.entrypoints.openai.server_state import ServerState
     from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
     from pagedllm.metrics import Metrics
 
@@ -136,23 +161,7 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
                                                   log_outputs=bool(getattr(args, "enable_log_outputs", False)))
         elif getattr(args, "enable_log_outputs", False):  # as in vLLM, outputs are logged by the request logger
             logger.warning("--enable-log-outputs logs nothing without --enable-log-requests")
-        state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
-                            sampling_defaults=defaults)
-        state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
-        state.exclude_tools_when_tool_choice_none = bool(getattr(args, "exclude_tools_when_tool_choice_none", False))
-        state.response_role = getattr(args, "response_role", None) or "assistant"
-        so_config = getattr(args, "structured_outputs_config", None) or {}  # (vLLM's reasoning keys: reasoning.py)
-        state.reasoning_parser = getattr(args, "reasoning_parser", None) or so_config.get("reasoning_parser")
-        state.grammar_in_reasoning = bool(so_config.get("enable_in_reasoning"))
-        state.prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
-        state.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
-        state.force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
-        state.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
-        state.chat_template_content_format = getattr(args, "chat_template_content_format", None) or "auto"
-        state.chat_template = chat_template
-        state.tokenizer_info_endpoint = bool(getattr(args, "enable_tokenizer_info_endpoint", False))
-        if chat_template is not None:  # --chat-template: every chat request renders with it (a request's own wins)
-            engine.tokenizer.chat_template = chat_template
+        state = configure_state(args, engine, names, metrics, defaults, chat_template)
         try:
             state.loras = await serve_lora_modules(engine, names, engine_args, args.lora_modules, metrics,
                                                    client_index=index, num_clients=count)

@@ -1,0 +1,89 @@
+"""`pagedllm run-batch`: vLLM's offline runner of OpenAI batch files (it was missing: `invalid choice`)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+from e2e_helpers import cli
+
+from pagedllm.entrypoints.openai.run_batch import parse_line
+
+
+def run(args: list[str], env: dict, timeout: float = 240, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, input=stdin)
+
+
+def _line(custom_id: str, url: str, body: dict) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def test_run_batch_file(smollm2_hf_dir: str, e2e_env: dict, tmp_path) -> None:
+    """One engine start for the whole format: results in input order, each line's own error on its own line."""
+    chat = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    lines = [
+        _line("chat", "/v1/chat/completions", chat),
+        _line("cmpl", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "n": 2,
+                                          "logprobs": 1, "temperature": 0, "stop": ["\n"]}),
+        "{not json",
+        "",  # blank lines are skipped, as vLLM skips them
+        _line("bad-url", "/v1/nope", {}),
+        _line("chat", "/v1/completions", {"prompt": "x", "max_tokens": 2}),  # a duplicate custom_id
+        _line("bad-body", "/v1/completions", {"prompt": "x", "max_tokens": -3}),
+        _line("bad-model", "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 2}),
+        _line("stream", "/v1/chat/completions", dict(chat, stream=True)),
+        _line("embed", "/v1/embeddings", {"input": "hello"}),
+        _line("json", "/v1/chat/completions", dict(chat, max_tokens=8, response_format={"type": "json_object"})),
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    r = run([cli("pagedllm"), "run-batch", "-i", str(src), "-o", str(out), smollm2_hf_dir, "--served-model-name",
+             "smol", "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "32M"], e2e_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [o["custom_id"] for o in results] == ["chat", "cmpl", None, "bad-url", "chat", "bad-body", "bad-model",
+                                                 "stream", "embed", "json"]
+    for o in results:
+        assert set(o) == {"id", "custom_id", "response", "error"}, o
+        assert set(o["response"]) == {"status_code", "request_id", "body"}, o
+        assert (o["error"] is None) == (o["response"]["status_code"] == 200), o
+    by = dict(zip(["chat", "cmpl", "badjson", "bad-url", "dup", "bad-body", "bad-model", "stream", "embed", "json"],
+                  results))
+    body = by["chat"]["response"]["body"]
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 3
+    body = by["cmpl"]["response"]["body"]
+    assert len(body["choices"]) == 2 and all(c["logprobs"]["tokens"] for c in body["choices"])
+    assert all("\n" not in c["text"] for c in body["choices"])
+    assert len(by["embed"]["response"]["body"]["data"][0]["embedding"]) > 0
+    assert by["json"]["response"]["body"]["choices"][0]["message"]["content"].lstrip().startswith("{")  # its grammar
+    assert "not valid JSON" in by["badjson"]["error"]["message"]
+    assert "/v1/nope" in by["bad-url"]["error"]["message"]
+    assert "duplicate custom_id" in by["dup"]["error"]["message"]
+    assert by["bad-body"]["response"]["status_code"] == 400 and by["bad-body"]["error"]["param"] == "max_tokens"
+    assert by["bad-model"]["response"]["status_code"] == 404
+    assert "stream" in by["stream"]["error"]["message"]
+
+
+def test_run_batch_run_failures_exit_non_zero(e2e_env: dict, tmp_path) -> None:
+    """A missing input file fails at once with one line and a non-zero code (before any engine loads)."""
+    r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")],
+            e2e_env, timeout=60)
+    assert r.returncode == 1 and "cannot read" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    r = run([cli("pagedllm"), "run-batch", "-o", str(tmp_path / "o.jsonl")], e2e_env, timeout=60)
+    assert r.returncode == 2 and "--input-file" in r.stderr
+    # an empty file: an empty output, no model loaded (a model that does not exist is not even looked at)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "o.jsonl"),
+             str(tmp_path / "no-model")], e2e_env, timeout=60)
+    assert r.returncode == 0 and (tmp_path / "o.jsonl").read_text() == "", r.stderr[-2000:]
+
+
+def test_parse_line_refusals() -> None:
+    seen: set = set()
+    ok = _line("a", "/v1/completions", {"prompt": "x"})
+    assert parse_line(ok, seen)[1] == {"url": "/v1/completions", "body": {"prompt": "x"}}
+    assert parse_line(ok, seen)[2]["error"]["message"] == "duplicate custom_id 'a'"
+    assert "POST" in parse_line(json.dumps({"custom_id": "b", "method": "GET", "url": "/v1/completions",
+                                            "body": {}}), seen)[2]["error"]["message"]
+    assert "custom_id" in parse_line(json.dumps({"url": "/v1/completions", "body": {}}), seen)[2]["error"]["message"]
+    assert "body" in parse_line(json.dumps({"custom_id": "c", "url": "/v1/completions"}), seen)[2]["error"]["message"]
+    assert "JSON object" in parse_line("[1, 2]", seen)[2]["error"]["message"]
