@@ -1,8 +1,12 @@
 """`pagedllm run-batch`: vLLM's offline runner of OpenAI batch files (it was missing: `invalid choice`)."""
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import subprocess
+import threading
+from typing import Iterator
 
 from e2e_helpers import cli
 
@@ -11,6 +15,34 @@ from pagedllm.entrypoints.openai.run_batch import parse_line
 
 def run(args: list[str], env: dict, timeout: float = 240, stdin: str = "") -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, input=stdin)
+
+
+@contextlib.contextmanager
+def _file_server(files: dict) -> Iterator[str]:
+    """A local HTTP server: GET serves files[path], PUT stores the body in files[path] (batch files by URL)."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            data = files.get(self.path)
+            self.send_response(200 if data is not None else 404)
+            self.end_headers()
+            self.wfile.write(data or b"")
+
+        def do_PUT(self) -> None:  # noqa: N802
+            files[self.path] = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _line(custom_id: str, url: str, body: dict) -> str:
@@ -34,10 +66,11 @@ def test_run_batch_file(smollm2_hf_dir: str, e2e_env: dict, tmp_path) -> None:
         _line("embed", "/v1/embeddings", {"input": "hello"}),
         _line("json", "/v1/chat/completions", dict(chat, max_tokens=8, response_format={"type": "json_object"})),
     ]
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("\n".join(lines) + "\n")
-    r = run([cli("pagedllm"), "run-batch", "-i", str(src), "-o", str(out), smollm2_hf_dir, "--served-model-name",
-             "smol", "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "32M"], e2e_env)
+    out = tmp_path / "out.jsonl"
+    with _file_server({"/in.jsonl": ("\n".join(lines) + "\n").encode()}) as url:  # the input by URL, as vLLM takes it
+        r = run([cli("pagedllm"), "run-batch", "-i", f"{url}/in.jsonl", "-o", str(out), smollm2_hf_dir,
+                 "--served-model-name", "smol", "--dtype", "float32", "--max-model-len", "256",
+                 "--kv-cache-memory-bytes", "32M"], e2e_env)
     assert r.returncode == 0, r.stderr[-3000:]
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [o["custom_id"] for o in results] == ["chat", "cmpl", None, "bad-url", "chat", "bad-body", "bad-model",
@@ -70,11 +103,22 @@ def test_run_batch_run_failures_exit_non_zero(e2e_env: dict, tmp_path) -> None:
     assert r.returncode == 1 and "cannot read" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     r = run([cli("pagedllm"), "run-batch", "-o", str(tmp_path / "o.jsonl")], e2e_env, timeout=60)
     assert r.returncode == 2 and "--input-file" in r.stderr
+    (tmp_path / "in.jsonl").write_text(_line("a", "/v1/completions", {"prompt": "x"}) + "\n")
+    r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "no" / "o.jsonl")],
+            e2e_env, timeout=60)  # refused before the batch runs, not after
+    assert r.returncode == 1 and "no such directory" in r.stderr, r.stderr[-2000:]
     # an empty file: an empty output, no model loaded (a model that does not exist is not even looked at)
     (tmp_path / "empty.jsonl").write_text("\n")
     r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "o.jsonl"),
              str(tmp_path / "no-model")], e2e_env, timeout=60)
     assert r.returncode == 0 and (tmp_path / "o.jsonl").read_text() == "", r.stderr[-2000:]
+    files = {"/in.jsonl": b"\n\n"}
+    with _file_server(files) as url:  # both ends by URL: GET the input, PUT the output
+        r = run([cli("pagedllm"), "run-batch", "-i", f"{url}/in.jsonl", "-o", f"{url}/out.jsonl"], e2e_env, timeout=60)
+        assert r.returncode == 0 and files.get("/out.jsonl") == b"", r.stderr[-2000:]
+        r = run([cli("pagedllm"), "run-batch", "-i", f"{url}/missing.jsonl", "-o", f"{url}/o.jsonl"], e2e_env,
+                timeout=60)
+        assert r.returncode == 1 and "404" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_parse_line_refusals() -> None:

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import uuid
 from typing import Any, Optional
@@ -151,7 +152,10 @@ async def run_lines(app: Any, lines: list[str], disable_progress: bool = False) 
             out = error
         else:
             async with limit:
-                out = await run_one(client, custom_id, request)
+                try:
+                    out = await run_one(client, custom_id, request)
+                except Exception as e:  # noqa: BLE001 - this line's 500: the other lines still run
+                    out = _line_error(custom_id, f"{type(e).__name__}: {e}", 500)
         if bar is not None:
             bar.update(1)
         return out
@@ -211,6 +215,8 @@ async def run_batch(args: argparse.Namespace, text: str) -> int:
         state.lifecycle = Lifecycle(count_request=metrics.api_server_requests.inc)
         state.dashboard = False
         outputs = await run_lines(HotRoutes(build_app(state), state), text.splitlines(), args.disable_progress_bar)
+        # the engine died under the batch: its lines say so (503s), and the run failed
+        code = 0 if engine.is_healthy() else 1
     finally:
         await engine.shutdown()
     try:
@@ -220,7 +226,9 @@ async def run_batch(args: argparse.Namespace, text: str) -> int:
         return 1
     failed = sum(1 for o in outputs if o["error"] is not None)
     logger.info("Batch done: %d requests, %d succeeded, %d failed", len(outputs), len(outputs) - failed, failed)
-    return 0
+    if code:
+        print(f"error: the engine stopped: {engine.dead_reason}", file=sys.stderr)
+    return code
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,6 +239,11 @@ def run(args: argparse.Namespace) -> int:
         text = read_input(args.input_file)
     except Exception as e:  # noqa: BLE001 - one line, not a traceback
         print(f"error: cannot read {args.input_file}: {e}", file=sys.stderr)
+        return 1
+    out = args.output_file
+    if out != "-" and not out.startswith(("http://", "https://")) and \
+            not os.path.isdir(os.path.dirname(os.path.abspath(out))):  # now, not after the whole batch ran
+        print(f"error: cannot write {out}: no such directory {os.path.dirname(os.path.abspath(out))}", file=sys.stderr)
         return 1
     if not text.strip():  # nothing to run: an empty output, without loading a model
         write_output(args.output_file, "")
