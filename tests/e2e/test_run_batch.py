@@ -5,8 +5,11 @@ import contextlib
 import http.server
 import json
 import subprocess
+import sys
 import threading
 from typing import Iterator
+
+import pytest
 
 from e2e_helpers import cli
 
@@ -131,3 +134,23 @@ def test_parse_line_refusals() -> None:
     assert "custom_id" in parse_line(json.dumps({"url": "/v1/completions", "body": {}}), seen)[2]["error"]["message"]
     assert "body" in parse_line(json.dumps({"custom_id": "c", "url": "/v1/completions"}), seen)[2]["error"]["message"]
     assert "JSON object" in parse_line("[1, 2]", seen)[2]["error"]["message"]
+
+
+def _vllm_is_shim() -> bool:
+    try:
+        import vllm
+    except ImportError:
+        return False
+    return "vllm_compat" in (getattr(vllm, "__file__", "") or "")
+
+
+@pytest.mark.skipif(not _vllm_is_shim(), reason="the pagedllm-vllm-compat shim is not installed")
+def test_vllm_spellings_of_run_batch(e2e_env: dict, tmp_path) -> None:
+    """vLLM users' two spellings: `vllm run-batch` and `python -m vllm.entrypoints.openai.run_batch`."""
+    (tmp_path / "in.jsonl").write_text("\n")
+    for command in ([cli("vllm"), "run-batch"], [sys.executable, "-m", "vllm.entrypoints.openai.run_batch"],
+                    [sys.executable, "-m", "pagedllm.entrypoints.openai.run_batch"]):
+        out = tmp_path / "out.jsonl"
+        r = run([*command, "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", "M"], e2e_env, timeout=60)
+        assert r.returncode == 0 and out.read_text() == "", (command, r.stderr[-2000:])
+        out.unlink()

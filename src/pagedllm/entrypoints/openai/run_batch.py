@@ -257,3 +257,7 @@ def main(argv: list[str], prog: str = "pagedllm run-batch") -> Optional[int]:
     parser = argparse.ArgumentParser(prog=prog, description="run an OpenAI batch file (JSONL) offline")
     add_args(parser)
     return run(parse_serve_args(parser, argv))
+
+
+if __name__ == "__main__":  # vLLM's other spelling: python -m vllm.entrypoints.openai.run_batch -i IN -o OUT --model M
+    sys.exit(main(sys.argv[1:], prog="python -m pagedllm.entrypoints.openai.run_batch"))

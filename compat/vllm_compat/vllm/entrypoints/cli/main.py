@@ -1,4 +1,4 @@
-"""The `vllm` console script: `vllm serve|chat|complete|bench ...` run pagedllm's commands."""
+"""The `vllm` console script: `vllm serve|run-batch|chat|complete|bench ...` run pagedllm's commands."""
 from __future__ import annotations
 
 from typing import Optional
