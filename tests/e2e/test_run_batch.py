@@ -68,6 +68,7 @@ def test_run_batch_file(smollm2_hf_dir: str, e2e_env: dict, tmp_path) -> None:
         _line("stream", "/v1/chat/completions", dict(chat, stream=True)),
         _line("embed", "/v1/embeddings", {"input": "hello"}),
         _line("json", "/v1/chat/completions", dict(chat, max_tokens=8, response_format={"type": "json_object"})),
+        _line("nan", "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": float("nan")}),
     ]
     out = tmp_path / "out.jsonl"
     with _file_server({"/in.jsonl": ("\n".join(lines) + "\n").encode()}) as url:  # the input by URL, as vLLM takes it
@@ -77,13 +78,13 @@ def test_run_batch_file(smollm2_hf_dir: str, e2e_env: dict, tmp_path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [o["custom_id"] for o in results] == ["chat", "cmpl", None, "bad-url", "chat", "bad-body", "bad-model",
-                                                 "stream", "embed", "json"]
+                                                 "stream", "embed", "json", "nan"]
     for o in results:
         assert set(o) == {"id", "custom_id", "response", "error"}, o
         assert set(o["response"]) == {"status_code", "request_id", "body"}, o
         assert (o["error"] is None) == (o["response"]["status_code"] == 200), o
-    by = dict(zip(["chat", "cmpl", "badjson", "bad-url", "dup", "bad-body", "bad-model", "stream", "embed", "json"],
-                  results))
+    by = dict(zip(["chat", "cmpl", "badjson", "bad-url", "dup", "bad-body", "bad-model", "stream", "embed", "json",
+                   "nan"], results))
     body = by["chat"]["response"]["body"]
     assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 3
     body = by["cmpl"]["response"]["body"]
@@ -97,6 +98,7 @@ def test_run_batch_file(smollm2_hf_dir: str, e2e_env: dict, tmp_path) -> None:
     assert by["bad-body"]["response"]["status_code"] == 400 and by["bad-body"]["error"]["param"] == "max_tokens"
     assert by["bad-model"]["response"]["status_code"] == 404
     assert "stream" in by["stream"]["error"]["message"]
+    assert by["nan"]["response"]["status_code"] == 400, by["nan"]  # (was a 500: the client refused to send NaN)
 
 
 def test_run_batch_run_failures_exit_non_zero(e2e_env: dict, tmp_path) -> None:
