@@ -74,8 +74,9 @@ def test_run_batch_file(smollm2_hf_dir: str, e2e_env: dict, tmp_path) -> None:
     with _file_server({"/in.jsonl": ("\n".join(lines) + "\n").encode()}) as url:  # the input by URL, as vLLM takes it
         r = run([cli("pagedllm"), "run-batch", "-i", f"{url}/in.jsonl", "-o", str(out), smollm2_hf_dir,
                  "--served-model-name", "smol", "--dtype", "float32", "--max-model-len", "256",
-                 "--kv-cache-memory-bytes", "32M"], e2e_env)
+                 "--kv-cache-memory-bytes", "32M", "--enable-log-requests"], e2e_env)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "Received request" in r.stderr  # serve's flags hold here too (--enable-log-requests did nothing)
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [o["custom_id"] for o in results] == ["chat", "cmpl", None, "bad-url", "chat", "bad-body", "bad-model",
                                                  "stream", "embed", "json", "nan"]

@@ -78,6 +78,13 @@ def configure_state(args: argparse.Namespace, engine: Any, names: list[str], met
     from pagedllm import envs
     from pagedllm.entrypoints.openai.server_state import ServerState
 
+    if getattr(args, "enable_log_requests", False):
+        from pagedllm.entrypoints.request_logger import RequestLogger
+
+        engine.request_logger = RequestLogger(getattr(args, "max_log_len", None),
+                                              log_outputs=bool(getattr(args, "enable_log_outputs", False)))
+    elif getattr(args, "enable_log_outputs", False):  # as in vLLM, outputs are logged by the request logger
+        logger.warning("--enable-log-outputs logs nothing without --enable-log-requests")
     state = ServerState(engine, names, metrics=metrics, api_key=args.api_key or envs.PAGEDLLM_API_KEY,
                         sampling_defaults=defaults)
     state.tool_call_parser = getattr(args, "tool_call_parser", None) or "auto"
@@ -154,13 +161,6 @@ async def serve(args: argparse.Namespace, client: Any = None, report: Any = None
             return _startup_error(report, str(e), 2)
         log_sampling_defaults(defaults, engine_args.generation_config, engine.model_dir,
                               engine_args.override_generation_config)
-        if getattr(args, "enable_log_requests", False):
-            from pagedllm.entrypoints.request_logger import RequestLogger
-
-            engine.request_logger = RequestLogger(getattr(args, "max_log_len", None),
-                                                  log_outputs=bool(getattr(args, "enable_log_outputs", False)))
-        elif getattr(args, "enable_log_outputs", False):  # as in vLLM, outputs are logged by the request logger
-            logger.warning("--enable-log-outputs logs nothing without --enable-log-requests")
         state = configure_state(args, engine, names, metrics, defaults, chat_template)
         try:
             state.loras = await serve_lora_modules(engine, names, engine_args, args.lora_modules, metrics,
