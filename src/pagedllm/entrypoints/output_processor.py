@@ -131,6 +131,7 @@ class OutputProcessor:
         self._requests: dict[str, _RequestState] = {}
         self._parents: dict[str, _ParentState] = {}
         self._token_strs: dict[int, str] = {}  # decoded single tokens, for logprobs
+        self.stopped_by_string: set[str] = set()  # (set by each process_outputs call)
 
     # ------------------------------------------------------------------ bookkeeping
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
@@ -252,6 +253,9 @@ class OutputProcessor:
             now = time.monotonic()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
+        # Requests the engine finished in this call whose stop string the same step completed: their finish_reason
+        # is "stop" (the caller's metrics read it; the engine said "length" or the like).
+        self.stopped_by_string = set()
         parent_updates: dict[str, list[tuple[_RequestState, Optional[CompletionOutput]]]] = {}
         requests = self._requests
         for out in outputs:
@@ -285,8 +289,11 @@ class OutputProcessor:
                 if state.detokenizer is not None and state.token_ids:  # the text of the tokens kept so far
                     state.text = state.detokenizer.update(state.token_ids)
             stopped_by_string = self._update(state, out, now)
-            if stopped_by_string and not out.finished:
-                to_abort.append(out.request_id)
+            if stopped_by_string:
+                if out.finished:
+                    self.stopped_by_string.add(out.request_id)
+                else:
+                    to_abort.append(out.request_id)
             completion = self._make_completion(state)
             if state.finished:
                 self._requests.pop(state.request_id, None)
