@@ -246,3 +246,22 @@ def test_concurrent_streams_come_a_token_or_two_per_chunk(server: Server) -> Non
     every = [n for counts in per_stream for n in counts]
     assert max(every) <= 2, per_stream
     assert len(every) >= 0.9 * CHUNK_STREAMS * CHUNK_TOKENS, per_stream  # nearly one chunk per token
+
+
+def test_stop_string_on_the_last_token_counts_as_stop(server: Server, http: httpx.Client) -> None:
+    """A stop string completed by the token that also reaches max_tokens: the client's finish_reason is "stop",
+    and so is vllm:request_success's (as vLLM's; it counted "length")."""
+    body = {"prompt": "1, 2, 3,", "temperature": 0, "stop": [" 6"]}
+    first = http.post("/v1/completions", json={**body, "max_tokens": 20}).json()
+    assert first["choices"][0]["finish_reason"] == "stop"
+    k = first["usage"]["completion_tokens"]  # the stop string ends on the k-th token
+    before = _metrics(server)
+    r = http.post("/v1/completions", json={**body, "max_tokens": k}).json()
+    after = _metrics(server)
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == (first["choices"][0]["text"], "stop")
+
+    def delta(reason: str) -> float:
+        return (metric(after, "vllm:request_success_total", finished_reason=reason)
+                - metric(before, "vllm:request_success_total", finished_reason=reason))
+
+    assert (delta("stop"), delta("length")) == (1, 0)

@@ -199,6 +199,29 @@ def test_smollm2_ngram_and_self_draft(smollm2_gguf_path):
     assert packed(draft.engine.worker.runner.spec.proposer.model) == packed(draft.engine.worker.model) > 10 ** 8
 
 
+
+def test_smollm2_stop_string_inside_accepted_drafts_ends_token_ids(smollm2_gguf_path):
+    """A stop string completed by a token in the middle of a step's accepted drafts: the tokens after that one are
+    not output (token_ids, logprobs and cumulative logprob as without speculation); they were kept."""
+    text = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat"
+    params = [SamplingParams(temperature=0.0, max_tokens=30, stop=[" the"], logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=30, stop=["mat"], include_stop_str_in_output=True)]
+    llm = LLM(smollm2_gguf_path, speculative_config=NGRAM, dtype="float32", max_model_len=128,
+              kv_cache_memory_bytes=1 << 24)
+
+    def run():
+        return [(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
+                for o in llm.generate([text, text], params, use_tqdm=False) for c in o.outputs]
+
+    llm.engine.scheduler.spec.k = 0  # speculation off in the same engine: the plain reference
+    plain = run()
+    llm.engine.scheduler.spec.k = NGRAM["num_speculative_tokens"]
+    spec = run()
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert [s[:4] for s in spec] == [p[:4] for p in plain]
+    assert plain[0][0] == " sat on" and len(plain[0][1]) == len(plain[0][5]) == 3
+    assert len(spec[0][5]) == 3 and spec[0][4] == pytest.approx(plain[0][4], abs=1e-3)
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_stop_strings_and_stop_tokens_mid_draft(tiny_model_dir, async_scheduling):
     """Several tokens arrive per step: a stop string or stop token inside them ends the output at the same place."""

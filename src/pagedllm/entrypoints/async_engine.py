@@ -31,7 +31,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Container, Optional
 
 import zmq
 import zmq.asyncio
@@ -782,8 +782,11 @@ class AsyncEngine:
         """One engine step's outputs (all from engine core `engine`): timing and metrics, then the
         OutputProcessor, then each request's pending list; -> the step's tokens (_record_timing)."""
         now = time.monotonic()
-        step_tokens = self._record_timing(outputs, now, engine)
-        self._deliver(*self.processor.process_outputs(outputs), now)
+        # The processor first: a stop string found in the step the engine ended a request ("length") finishes it
+        # "stop" for the client, and so in vllm:request_success (it was counted "length").
+        request_outputs, to_abort = self.processor.process_outputs(outputs, now)
+        step_tokens = self._record_timing(outputs, now, engine, self.processor.stopped_by_string)
+        self._deliver(request_outputs, to_abort, now)
         return step_tokens
 
     def _process_step(self, ids: list[str], tokens: list[int], cached: list[int], engine: int = 0) -> int:
@@ -818,9 +821,9 @@ class AsyncEngine:
             for rid in to_abort:
                 self._finish_timing(rid, "stop", now)
 
-    def _record_timing(self, outputs: list[Any], now: float, engine: int) -> int:
+    def _record_timing(self, outputs: list[Any], now: float, engine: int, stopped: Container[str] = ()) -> int:
         """-> the step's tokens as vLLM counts them per iteration: those generated, plus the prompts of the
-        requests whose first token came."""
+        requests whose first token came. `stopped`: the finished ones a stop string ended (finish_reason "stop")."""
         timing, metrics = self._timing, self.metrics
         new_tokens = prompt_tokens = 0
         gaps: list[float] = []
@@ -838,7 +841,7 @@ class AsyncEngine:
                 # an embedding's result is its first output: its prompt and TTFT count, as vLLM counts them
                 prompt_tokens += self._count_tokens(t, 0, now, gaps)
             if out.finish_reason is not None:
-                self._finish_timing(out.request_id, out.finish_reason, now)
+                self._finish_timing(out.request_id, "stop" if out.request_id in stopped else out.finish_reason, now)
         if new_tokens and metrics is not None:  # one counter update per step, not per request
             metrics.add_generation_tokens(new_tokens, engine)
             metrics.observe_gaps(gaps, engine)

@@ -131,6 +131,7 @@ class OutputProcessor:
         self._requests: dict[str, _RequestState] = {}
         self._parents: dict[str, _ParentState] = {}
         self._token_strs: dict[int, str] = {}  # decoded single tokens, for logprobs
+        self.stopped_by_string: set[str] = set()  # (set by each process_outputs call)
 
     # ------------------------------------------------------------------ bookkeeping
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
@@ -252,6 +253,9 @@ class OutputProcessor:
             now = time.monotonic()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
+        # Requests the engine finished in this call whose stop string the same step completed: their finish_reason
+        # is "stop" (the caller's metrics read it; the engine said "length" or the like).
+        self.stopped_by_string = set()
         parent_updates: dict[str, list[tuple[_RequestState, Optional[CompletionOutput]]]] = {}
         requests = self._requests
         for out in outputs:
@@ -285,8 +289,11 @@ class OutputProcessor:
                 if state.detokenizer is not None and state.token_ids:  # the text of the tokens kept so far
                     state.text = state.detokenizer.update(state.token_ids)
             stopped_by_string = self._update(state, out, now)
-            if stopped_by_string and not out.finished:
-                to_abort.append(out.request_id)
+            if stopped_by_string:
+                if out.finished:
+                    self.stopped_by_string.add(out.request_id)
+                else:
+                    to_abort.append(out.request_id)
             completion = self._make_completion(state)
             if state.finished:
                 self._requests.pop(state.request_id, None)
@@ -380,22 +387,45 @@ class OutputProcessor:
                 within = min(max(params.min_tokens - (len(state.token_ids) - len(new_ids)), 0), len(shown))
                 if within:
                     state.text += state.detokenizer.update(shown[:within])
-            delta = state.detokenizer.update(shown[within:]) if len(shown) > within else ""
-            if out.finished:  # the end of the text: what the steps held back (an incomplete character, a U+FFFD)
-                delta += state.detokenizer.flush()
-            state.text += delta
-            if delta and params.stop:
-                found = find_stop_string(state.text, len(delta), params.stop, params.include_stop_str_in_output)
-                if found is not None:
-                    stop, keep = found
-                    state.text = state.text[:keep]
-                    state.finish_reason, state.stop_reason = "stop", stop
-                    stopped_by_string = True
+            rest = shown[within:]
+            # Several tokens in one step (speculative decoding) under stop strings: searched token by token, so the
+            # tokens after the one that completes a stop string are dropped from token_ids and logprobs (they were
+            # kept: token_ids then depended on how many drafts a step accepted).
+            pieces = [rest[j:j + 1] for j in range(len(rest))] if params.stop and len(rest) > 1 else [rest]
+            for j, piece in enumerate(pieces):
+                delta = state.detokenizer.update(piece) if piece else ""
+                if out.finished and j == len(pieces) - 1:  # the end of the text: what the steps held back
+                    delta += state.detokenizer.flush()
+                state.text += delta
+                if delta and params.stop:
+                    found = find_stop_string(state.text, len(delta), params.stop, params.include_stop_str_in_output)
+                    if found is not None:
+                        stop, keep = found
+                        state.text = state.text[:keep]
+                        state.finish_reason, state.stop_reason = "stop", stop
+                        stopped_by_string = True
+                        if len(pieces) > 1:
+                            self._drop_last_tokens(state, len(new_ids) - (within + j + 1))
+                        break
         if not stopped_by_string and out.finished:
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
         if state.finished:
             state.metrics.finished_time = now
         return stopped_by_string
+
+    @staticmethod
+    def _drop_last_tokens(state: _RequestState, n: int) -> None:
+        """Forget the last n tokens of this step (past a stop string): their ids, logprobs and cumulative logprob."""
+        if n <= 0:
+            return
+        keep = len(state.token_ids) - n
+        if state.logprobs is not None and len(state.logprobs) > keep:
+            for token_id, entry in zip(state.token_ids[keep:], state.logprobs[keep:]):
+                logprob = entry.get(token_id) if isinstance(entry, dict) else None
+                if logprob is not None and state.cumulative_logprob is not None:
+                    state.cumulative_logprob -= logprob.logprob
+            del state.logprobs[keep:]
+        del state.token_ids[keep:]
 
     def _set_prompt_logprobs(self, state: _RequestState, first: int, entries: list[TokenLogprobs]) -> None:
         # Positions may arrive twice (a preempted request recomputes its prompt): the later write wins.
