@@ -77,10 +77,15 @@ def test_unreadable_autogptq_quantize_config_names_the_file(tmp_path, tiny_llama
             resolve_quant_config(None, load_hf_config(str(model_dir)), str(model_dir))
 
 
-def test_lora_and_device_refusals(tmp_path, tiny_llama_dir):
+def test_lora_and_device_refusals(tmp_path, tiny_llama_dir, monkeypatch):
+    from pagedllm.quantization.gptq import GPTQConfig
+
     model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", {"quant_method": "gptq", "bits": 4,
                                                                     "group_size": 32})
     args = SimpleNamespace(quantization=None, enable_lora=True)
+    # GPTQ serves LoRA (tests/quantization/test_checkpoint_formats.py); a method that does not is refused
+    assert quant_config_for_engine(args, load_hf_config(model_dir), model_dir, torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(GPTQConfig, "supports_lora", False)
     with pytest.raises(ValueError, match="LoRA is not supported with quantization method 'gptq'"):
         quant_config_for_engine(args, load_hf_config(model_dir), model_dir, torch.device("cpu"), torch.float32)
     qc = resolve_quant_config(None, load_hf_config(model_dir), model_dir)

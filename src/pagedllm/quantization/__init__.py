@@ -123,7 +123,7 @@ def quant_config_for_engine(args: Any, hf_config: Any, model_dir: str, device: A
     quant_config.check_supported(device, dtype)
     if getattr(args, "enable_lora", False) and not quant_config.supports_lora:
         raise ValueError(f"LoRA is not supported with quantization method {quant_config.name!r}; drop "
-                         f"--enable-lora or use an unquantized (or int8/fp8) model.")
+                         f"--enable-lora or use an unquantized model.")
     return quant_config
 
 

@@ -23,6 +23,7 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 class AWQConfig(QuantizationConfig):
     name = "awq"
+    supports_lora = True  # the LoRA wrappers add a float delta around apply(), whatever the base weight's storage
 
     def __init__(self, bits: int, group_size: int, zero_point: bool,
                  modules_to_not_convert: Optional[list[str]] = None) -> None:

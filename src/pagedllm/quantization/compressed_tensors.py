@@ -77,7 +77,7 @@ def _parse_scheme(name: str, group: dict[str, Any], fmt: Optional[str]) -> Schem
 
 class CompressedTensorsConfig(QuantizationConfig):
     name = "compressed-tensors"
-    supports_lora = False
+    supports_lora = True  # the LoRA wrappers add a float delta around apply(), whatever the base weight's storage
 
     def __init__(self, schemes: list[Scheme], ignore: list[str]) -> None:
         self.schemes = schemes

@@ -26,6 +26,7 @@ class GPTQConfig(QuantizationConfig):
     name = "gptq"
     checkpoint_names = ("gptq_v2",)
     supported_act_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    supports_lora = True  # the LoRA wrappers add a float delta around apply(), whatever the base weight's storage
 
     def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool, checkpoint_format: str = "gptq",
                  modules_to_not_convert: Optional[list[str]] = None) -> None:

@@ -1,0 +1,55 @@
+"""Quantized checkpoint formats vLLM loads, on the CPU path: LoRA on a GPTQ / AWQ / compressed-tensors base,
+compressed-tensors' kv_cache_scheme, AutoAWQ's quant_config.json."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from tests.lora.lora_helpers import make_adapter
+from tests.quantization.checkpoints import awq_checkpoint, ct_checkpoint, gptq_checkpoint
+
+
+def _edit_config(model_dir: str, edit) -> None:
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    edit(config)
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
+def test_lora_on_a_quantized_checkpoint_matches_peft_on_its_dequantized_weights(tmp_path, tiny_model_dir, method):
+    # vLLM serves LoRA adapters on GPTQ / AWQ / compressed-tensors bases; these were refused at start.
+    from peft import PeftModel
+
+    src = tiny_model_dir("llama")
+    dst = str(tmp_path / method)
+    if method == "gptq":  # (the reference: transformers holding what the library dequantizes)
+        _, base = gptq_checkpoint(src, dst, 4, 32, True, False)
+    elif method == "awq":
+        _, base = awq_checkpoint(src, dst, 32)
+    else:
+        _, base = ct_checkpoint(src, dst, "W4A16_ASYM", group_size=32)
+    adapter = make_adapter(src, str(tmp_path / "a"), r=8, alpha=16,
+                           targets=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], seed=5)
+    llm = LLM(model=dst, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, num_gpu_blocks_override=32)
+    assert type(llm.engine.worker.model.model.layers[0].mlp.down_proj.base_layer.linear_method).__name__ == {
+        "gptq": "GPTQLinearMethod", "awq": "AWQLinearMethod", "compressed-tensors": "CTWNA16Method"}[method]
+    reference = PeftModel.from_pretrained(base, adapter).eval()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (6, 15)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                        lora_request=[LoRARequest("a", 1, adapter)] * 2, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        with torch.inference_mode():
+            for _ in range(6):
+                ids.append(int(reference(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        assert list(out.outputs[0].token_ids) == ids[len(prompt):]
