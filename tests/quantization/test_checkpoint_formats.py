@@ -53,3 +53,48 @@ def test_lora_on_a_quantized_checkpoint_matches_peft_on_its_dequantized_weights(
             for _ in range(6):
                 ids.append(int(reference(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
         assert list(out.outputs[0].token_ids) == ids[len(prompt):]
+
+
+FP8_KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+                 "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax"}
+
+
+def test_compressed_tensors_fp8_kv_cache_scheme_loads_its_scales(tmp_path, tiny_model_dir):
+    # llm-compressor's FP8 KV-cache recipes add a kv_cache_scheme and per-layer self_attn.k_scale / v_scale;
+    # vLLM loads them. They were refused ("kv_cache_scheme ... not supported").
+    from safetensors.torch import load_file, save_file
+
+    dst, _ = ct_checkpoint(tiny_model_dir("llama"), str(tmp_path / "ct"), "FP8_DYNAMIC", reference=False)
+    _edit_config(dst, lambda c: c["quantization_config"].update(kv_cache_scheme=FP8_KV_SCHEME))
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    want = [[0.02, 0.003], [0.04, 0.005]]
+    for i, (k, v) in enumerate(want):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([k])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v])
+    save_file(tensors, path)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(model=dst, dtype="float32", kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 20, max_model_len=256)
+    layers = llm.engine.worker.runner.model.attn_layers
+    assert all(layer.kv_scale_source == "checkpoint" for layer in layers)
+    torch.testing.assert_close(torch.stack([layer.kv_scales for layer in layers]), torch.tensor(want))
+    assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    # the model-dtype cache: the scales load unused, the tokens are those of the checkpoint without the scheme
+    plain = LLM(model=dst, dtype="float32", kv_cache_memory_bytes=1 << 20, max_model_len=256)
+    got = plain.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    del plain
+    _edit_config(dst, lambda c: c["quantization_config"].pop("kv_cache_scheme"))
+    base = LLM(model=dst, dtype="float32", kv_cache_memory_bytes=1 << 20, max_model_len=256)
+    assert got == base.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("scheme", [{"type": "int", "num_bits": 8}, {"strategy": "channel"}, {"dynamic": True},
+                                    {"num_bits": 4, "type": "float"}])
+def test_compressed_tensors_other_kv_cache_schemes_are_refused(scheme):
+    from pagedllm.quantization.compressed_tensors import CompressedTensorsConfig
+
+    config = {"quant_method": "compressed-tensors", "kv_cache_scheme": {**FP8_KV_SCHEME, **scheme},
+              "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": {
+                  "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
+    with pytest.raises(ValueError, match="kv_cache_scheme .* is not supported; pagedllm reads static"):
+        CompressedTensorsConfig.from_config(config)

@@ -8,8 +8,8 @@ Schemes read (per linear layer; N out, K in):
   FP8 W8A8, format float-quantized: weight E4M3 [N, K], weight_scale [1] (tensor, one per fused shard) or [N, 1]
       (channel); activations dynamic per token, or static with input_scale [1]; no activation scheme: weight-only.
   INT8 W8A8, format int-quantized: weight int8 [N, K], weight_scale as FP8; activations int8 per token.
-Anything else (block / FP4 / MX formats, sparsity, transforms, asymmetric activations, a checkpoint KV scheme)
-is refused at start.
+An FP8 kv_cache_scheme's K/V scales go to the attention layers (layers/kv_cache_scales.py). Anything else (block /
+FP4 / MX formats, sparsity, transforms, asymmetric activations, other KV schemes) is refused at start.
 """
 from __future__ import annotations
 
@@ -75,6 +75,19 @@ def _parse_scheme(name: str, group: dict[str, Any], fmt: Optional[str]) -> Schem
                   act_dynamic, tuple(group.get("targets") or ()))
 
 
+def _check_kv_cache_scheme(kv: Optional[dict[str, Any]]) -> None:
+    """An FP8 kv_cache_scheme is what vLLM reads: calibrated per-tensor (or per-head) K/V scales, saved as
+    self_attn.k_scale / v_scale (or k_proj / v_proj.output_scale), which the loader hands to the attention layers
+    (layers/kv_cache_scales.py; a per-head vector keeps its largest) and --kv-cache-dtype fp8 uses; with the
+    model-dtype cache they are unused, as in vLLM. Other KV schemes are refused."""
+    if not kv:
+        return
+    if kv.get("type") != "float" or int(kv.get("num_bits") or 0) != 8 or not kv.get("symmetric", True) \
+            or kv.get("dynamic") or kv.get("strategy", "tensor") not in ("tensor", "attn_head"):
+        raise ValueError(f"compressed-tensors kv_cache_scheme {kv} is not supported; pagedllm reads static "
+                         f"symmetric FP8 (8-bit float) KV scales per tensor or per head.")
+
+
 class CompressedTensorsConfig(QuantizationConfig):
     name = "compressed-tensors"
     supports_lora = True  # the LoRA wrappers add a float delta around apply(), whatever the base weight's storage
@@ -92,9 +105,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             if config.get(key):
                 raise ValueError(f"compressed-tensors checkpoints with a {key} are not supported; use a "
                                  f"quantization-only checkpoint.")
-        if config.get("kv_cache_scheme"):
-            raise ValueError("compressed-tensors checkpoints with a kv_cache_scheme (calibrated KV scales) are not "
-                             "supported; use --kv-cache-dtype fp8 on a checkpoint without one.")
+        _check_kv_cache_scheme(config.get("kv_cache_scheme"))
         groups = config.get("config_groups") or {}
         if not groups:
             raise ValueError("The compressed-tensors quantization_config has no config_groups.")
