@@ -98,3 +98,24 @@ def test_compressed_tensors_other_kv_cache_schemes_are_refused(scheme):
                   "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
     with pytest.raises(ValueError, match="kv_cache_scheme .* is not supported; pagedllm reads static"):
         CompressedTensorsConfig.from_config(config)
+
+
+@pytest.mark.parametrize("filename,forced", [("quant_config.json", "awq"), ("quant_config.json", None),
+                                             ("quantize_config.json", "awq")])
+def test_autoawq_quant_config_file(tmp_path, tiny_model_dir, filename, forced):
+    # AutoAWQ's own checkpoints keep {w_bit, q_group_size, zero_point, version} in quant_config.json (some
+    # uploads: quantize_config.json), which vLLM reads with --quantization awq. It was "no quantization_config"
+    # (or, in quantize_config.json, taken for a GPTQ config).
+    from pagedllm.models.loader import load_model
+
+    dst, reference = awq_checkpoint(tiny_model_dir("qwen2"), str(tmp_path / "awq"), 32)
+    _edit_config(dst, lambda c: c.pop("quantization_config"))
+    with open(os.path.join(dst, filename), "w") as f:
+        json.dump({"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}, f)
+    model, _, _ = load_model(dst, dtype=torch.float32, quantization=forced)
+    assert type(model.model.layers[0].self_attn.qkv_proj.linear_method).__name__ == "AWQLinearMethod"
+    prompt = torch.randint(2, 512, (24,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        got = model.compute_logits(model(prompt, torch.arange(len(prompt))))
+        want = reference(prompt[None]).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)

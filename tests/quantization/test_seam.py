@@ -71,7 +71,7 @@ def test_unreadable_autogptq_quantize_config_names_the_file(tmp_path, tiny_llama
     shutil.copytree(tiny_llama_dir, model_dir)
     path = model_dir / "quantize_config.json"
     for text, fragment in [("{bits: 4", f"{path} is not valid JSON (Expecting property name"),
-                           ("[4, 128]", f"{path} must hold a JSON object (AutoGPTQ's quantize config), got list.")]:
+                           ("[4, 128]", f"{path} must hold a JSON object (a quantize config), got list.")]:
         path.write_text(text)
         with pytest.raises(ValueError, match=re.escape(fragment)):
             resolve_quant_config(None, load_hf_config(str(model_dir)), str(model_dir))

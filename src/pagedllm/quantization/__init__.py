@@ -55,13 +55,18 @@ def get_quantization_config_class(name: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+# AutoAWQ's own keys: a quantize config holding them (and no quant_method) is AWQ's, not AutoGPTQ's.
+_AWQ_KEYS = ("w_bit", "q_group_size", "zero_point", "version")
+
+
 def checkpoint_quant_config(hf_config: Any, model_dir: Optional[str] = None) -> Optional[dict[str, Any]]:
-    """The checkpoint's `quantization_config` (config.json), else AutoGPTQ's `quantize_config.json`, else None."""
+    """The checkpoint's `quantization_config` (config.json), else AutoGPTQ's `quantize_config.json` or AutoAWQ's
+    `quant_config.json` (the files vLLM reads for gptq / awq), else None."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
-    if not qc and model_dir:
-        path = os.path.join(model_dir, "quantize_config.json")
+    for name in ("quantize_config.json", "quant_config.json") if not qc and model_dir else ():
+        path = os.path.join(model_dir, name)
         if os.path.isfile(path):
             try:
                 with open(path) as f:
@@ -69,9 +74,10 @@ def checkpoint_quant_config(hf_config: Any, model_dir: Optional[str] = None) -> 
             except (OSError, ValueError) as e:
                 raise ValueError(f"{path} is not valid JSON ({e}).") from None
             if not isinstance(qc, dict):  # (a list or a number has no quant_method to read)
-                raise ValueError(f"{path} must hold a JSON object (AutoGPTQ's quantize config), got "
+                raise ValueError(f"{path} must hold a JSON object (a quantize config), got "
                                  f"{type(qc).__name__}.")
-            qc.setdefault("quant_method", "gptq")
+            qc.setdefault("quant_method", "awq" if any(k in qc for k in _AWQ_KEYS) else "gptq")
+            break
     return dict(qc) if qc else None
 
 
