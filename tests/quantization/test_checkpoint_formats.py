@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -119,3 +120,84 @@ def test_autoawq_quant_config_file(tmp_path, tiny_model_dir, filename, forced):
         got = model.compute_logits(model(prompt, torch.arange(len(prompt))))
         want = reference(prompt[None]).logits[0]
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def _splice(dst: str, reference, src_tensors: dict, modules: list[str], float_modules: list[str]) -> None:
+    """Replace `modules`' tensors in dst's checkpoint with src_tensors' (another quantization of the same model)
+    and store `float_modules` float (fp16 of the reference's dense weight); the reference follows."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    state = reference.state_dict()
+    for module in modules + float_modules:
+        for name in [n for n in tensors if n.startswith(module + ".")]:
+            del tensors[name]
+    for module in modules:
+        tensors.update({n: t for n, t in src_tensors.items() if n.startswith(module + ".")})
+    with torch.no_grad():
+        for module in float_modules:
+            tensors[module + ".weight"] = state[module + ".weight"].half()
+            state[module + ".weight"].copy_(tensors[module + ".weight"].float())
+    save_file(tensors, path)
+
+
+def _logits(model_dir: str, reference):
+    from pagedllm.models.loader import load_model
+
+    model, _, _ = load_model(model_dir, dtype=torch.float32)
+    prompt = torch.randint(2, 512, (24,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        got = model.compute_logits(model(prompt, torch.arange(len(prompt))))
+        want = reference(prompt[None]).logits[0]
+    return model, got, want
+
+
+def test_gptq_modules_in_block_to_quantize_leaves_the_others_float(tmp_path, tiny_model_dir):
+    # optimum's GPTQ config lists the block modules it quantized; the rest are float in the checkpoint. The list
+    # was ignored: "missing weight(s) ... down_proj.qweight".
+    dst, reference = gptq_checkpoint(tiny_model_dir("llama"), str(tmp_path / "gptq"), 4, 32, True, False)
+    _splice(dst, reference, {}, [], [f"model.layers.{i}.mlp.down_proj" for i in range(2)])
+    _edit_config(dst, lambda c: c["quantization_config"].update(modules_in_block_to_quantize=[
+        ["self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"], ["self_attn.o_proj"],
+        ["mlp.up_proj", "mlp.gate_proj"]]))
+    model, got, want = _logits(dst, reference)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    assert model.model.layers[1].mlp.down_proj.linear_method.__class__.__name__ == "UnquantizedLinearMethod"
+    assert model.model.layers[1].mlp.gate_up_proj.linear_method.__class__.__name__ == "GPTQLinearMethod"
+
+
+def test_gptq_dynamic_overrides_per_module(tmp_path, tiny_model_dir):
+    # GPTQModel's `dynamic`: "-:regex" leaves modules float, "+:regex" gives them their own bits / group_size
+    # (vLLM reads both). It was refused ("per-module `dynamic` overrides are not supported").
+    from safetensors.torch import load_file
+
+    src = tiny_model_dir("qwen3")
+    dst, reference = gptq_checkpoint(src, str(tmp_path / "gptq"), 4, 32, False, True)
+    dst8, reference8 = gptq_checkpoint(src, str(tmp_path / "gptq8"), 8, 64, True, False, seed=3)
+    mlp = [f"model.layers.{i}.mlp.{n}" for i in range(2) for n in ("gate_proj", "up_proj", "down_proj")]
+    _splice(dst, reference, load_file(os.path.join(dst8, "model.safetensors")), mlp,
+            ["model.layers.1.self_attn.o_proj"])
+    with torch.no_grad():
+        for module in mlp:
+            reference.get_submodule(module).weight.copy_(reference8.get_submodule(module).weight)
+    _edit_config(dst, lambda c: c["quantization_config"].update(dynamic={
+        r"-:model\.layers\.1\.self_attn\.o_proj": {}, r"+:.*\.mlp\..*": {"bits": 8, "group_size": 64,
+                                                                           "desc_act": True, "sym": False}}))
+    model, got, want = _logits(dst, reference)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    layers = model.model.layers
+    assert layers[1].self_attn.o_proj.linear_method.__class__.__name__ == "UnquantizedLinearMethod"
+    assert layers[0].self_attn.o_proj.linear_method.config.bits == 4
+    assert layers[0].mlp.gate_up_proj.linear_method.config.bits == 8
+
+
+def test_gptq_dynamic_splitting_a_fused_layer_is_refused(tmp_path, tiny_llama_dir):
+    from pagedllm.models.loader import load_model
+
+    dst = str(tmp_path / "m")
+    shutil.copytree(tiny_llama_dir, dst)
+    _edit_config(dst, lambda c: c.update(quantization_config={
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {r"+:.*\.q_proj": {"bits": 8}}}))
+    with pytest.raises(ValueError, match=r"quantizes the layers fused into model\.layers\.0\.self_attn\.qkv_proj"):
+        load_model(dst, dtype=torch.float32)

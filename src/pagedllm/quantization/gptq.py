@@ -6,18 +6,21 @@ Per linear layer (K in, N out, G = K / group_size groups, or 1 for group_size = 
     scales  fp16  [G, N]
     g_idx   int32 [K]             group of each input channel (desc_act / act-order permutes it)
     w[n, k] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])
+Float modules: modules_to_not_convert, the block modules optimum's modules_in_block_to_quantize leaves out, and
+GPTQModel's `dynamic` "-:regex" keys; its other keys give matching modules their own bits / group_size / desc_act / sym.
 Tensor parallelism: column-parallel layers split N of all four; row-parallel layers split K of qweight and
 g_idx, and of scales/qzeros too unless desc_act or group_size = -1 (then every rank holds all groups and
 g_idx indexes them globally).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from pagedllm.quantization.base import QuantizationConfig, is_layer_skipped, set_quant_param_attrs
+from pagedllm.quantization.base import FUSED_LAYER_SHARDS, QuantizationConfig, is_layer_skipped, set_quant_param_attrs
 from pagedllm.quantization.packed import check_bits, check_group_size, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
@@ -29,7 +32,9 @@ class GPTQConfig(QuantizationConfig):
     supports_lora = True  # the LoRA wrappers add a float delta around apply(), whatever the base weight's storage
 
     def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool, checkpoint_format: str = "gptq",
-                 modules_to_not_convert: Optional[list[str]] = None) -> None:
+                 modules_to_not_convert: Optional[list[str]] = None,
+                 modules_in_block_to_quantize: Optional[list[Any]] = None,
+                 dynamic: Optional[dict[str, dict[str, Any]]] = None) -> None:
         check_bits("GPTQ", bits)
         check_group_size("GPTQ", group_size)
         if checkpoint_format not in ("gptq", "gptq_v2"):
@@ -41,24 +46,71 @@ class GPTQConfig(QuantizationConfig):
         self.sym = sym
         self.checkpoint_format = checkpoint_format
         self.modules_to_not_convert = list(modules_to_not_convert or [])
+        # optimum's decoder-block modules that ARE quantized (flat, or one list per sequential step): the others
+        # of a block are float in the checkpoint
+        blocks = modules_in_block_to_quantize or []
+        self.modules_in_block_to_quantize = [m for b in blocks for m in ([b] if isinstance(b, str) else b)]
+        # GPTQModel's per-module overrides: {"-:regex": {}} leaves matching modules float, {"+:regex" or "regex":
+        # {"bits": 8, ...}} quantizes them with other settings; the first matching key decides
+        self.dynamic = dict(dynamic or {})
+        for key, override in self.dynamic.items():
+            if not key.startswith("-:"):
+                self._override(override, key)  # (its settings checked now, not when a layer meets it)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "GPTQConfig":
         if config.get("lm_head"):
             raise ValueError("GPTQ checkpoints with a quantized lm_head are not supported; use a checkpoint "
                              "quantized with lm_head=False.")
-        if config.get("dynamic"):
-            raise ValueError("GPTQ checkpoints with per-module `dynamic` overrides are not supported; use a "
-                             "checkpoint quantized with one bits / group_size for every layer.")
         fmt = config.get("checkpoint_format") or ("gptq_v2" if config.get("quant_method") == "gptq_v2" else "gptq")
         return cls(bits=int(config.get("bits", 4)), group_size=int(config.get("group_size", 128)),
                    desc_act=bool(config.get("desc_act", False)), sym=bool(config.get("sym", True)),
-                   checkpoint_format=fmt, modules_to_not_convert=config.get("modules_to_not_convert"))
+                   checkpoint_format=fmt, modules_to_not_convert=config.get("modules_to_not_convert"),
+                   modules_in_block_to_quantize=config.get("modules_in_block_to_quantize"),
+                   dynamic=config.get("dynamic"))
+
+    def _override(self, override: dict[str, Any], key: str) -> "GPTQConfig":
+        if not isinstance(override, dict):
+            raise ValueError(f"GPTQ dynamic override {key!r} must map to a dict of settings, got {override!r}.")
+        return GPTQConfig(int(override.get("bits", self.bits)), int(override.get("group_size", self.group_size)),
+                          bool(override.get("desc_act", self.desc_act)), bool(override.get("sym", self.sym)),
+                          self.checkpoint_format)
+
+    def _module_config(self, name: str) -> tuple[Optional["GPTQConfig"], bool]:
+        """(This checkpoint module's settings, or None where it is float; whether a list entry or a dynamic key
+        named it)."""
+        if self.modules_in_block_to_quantize and ".layers." in name:
+            if not any(name.endswith("." + m) for m in self.modules_in_block_to_quantize):
+                return None, False
+            named = True
+        else:
+            named = False
+        for key, override in self.dynamic.items():
+            if key.startswith("-:"):
+                if re.match(key[2:], name):
+                    return None, True
+            elif re.match(key[2:] if key.startswith("+:") else key, name):
+                return self._override(override, key), True
+        return self, named
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional["GPTQLinearMethod"]:
         if is_layer_skipped(prefix, self.modules_to_not_convert):
             return None
-        return GPTQLinearMethod(self)
+        # A fused layer takes the settings its checkpoint layers share; a checkpoint storing it fused (Phi-3's
+        # qkv_proj) names the fused module itself.
+        parent, _, leaf = prefix.rpartition(".")
+        names = [f"{parent}.{s}" if parent else s for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
+        found = [self._module_config(n) for n in names]
+        own = self._module_config(prefix)
+        if len(names) > 1 and own[1] and not any(named for _, named in found):
+            found = [own]
+        keys = {None if c is None else (c.bits, c.group_size, c.desc_act, c.sym) for c, _ in found}
+        if len(keys) > 1:
+            raise ValueError(f"The GPTQ checkpoint quantizes the layers fused into {prefix} ({', '.join(names)}) "
+                             f"differently (modules_in_block_to_quantize / dynamic); pagedllm needs one setting "
+                             f"for all of them.")
+        config = found[0][0]
+        return None if config is None else GPTQLinearMethod(config)
 
 
 class GPTQLinearMethod(PackedIntLinearMethod):
