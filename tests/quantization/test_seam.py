@@ -43,6 +43,9 @@ def _with_quant_config(src: str, dst, qc: dict) -> str:
     ({"quant_method": "gptq", "bits": 3, "group_size": 32}, None, "bits=3 is not supported"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 48}, None, "group_size=48 is not supported"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 32, "lm_head": True}, None, "quantized lm_head"),
+    # AutoGPTQ's Marlin format (its quantize_config: is_marlin_format) was read as GPTQ: "missing ...qweight"
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True}, None,
+     "checkpoint_format='marlin' is not supported"),
 ])
 def test_checkpoint_method_errors_are_one_sentence(tmp_path, tiny_llama_dir, qc, forced, message):
     model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", qc)

@@ -63,6 +63,8 @@ class GPTQConfig(QuantizationConfig):
             raise ValueError("GPTQ checkpoints with a quantized lm_head are not supported; use a checkpoint "
                              "quantized with lm_head=False.")
         fmt = config.get("checkpoint_format") or ("gptq_v2" if config.get("quant_method") == "gptq_v2" else "gptq")
+        if config.get("is_marlin_format"):  # AutoGPTQ's Marlin repack (B / s tensors): not "missing qweight"
+            fmt = "marlin"
         return cls(bits=int(config.get("bits", 4)), group_size=int(config.get("group_size", 128)),
                    desc_act=bool(config.get("desc_act", False)), sym=bool(config.get("sym", True)),
                    checkpoint_format=fmt, modules_to_not_convert=config.get("modules_to_not_convert"),
