@@ -201,3 +201,52 @@ def test_gptq_dynamic_splitting_a_fused_layer_is_refused(tmp_path, tiny_llama_di
         "quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {r"+:.*\.q_proj": {"bits": 8}}}))
     with pytest.raises(ValueError, match=r"quantizes the layers fused into model\.layers\.0\.self_attn\.qkv_proj"):
         load_model(dst, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("where", ["hf_quant_config.json", "config.json"])
+def test_modelopt_fp8_checkpoint_matches_reference(tmp_path, caplog, tiny_model_dir, where):
+    # NVIDIA ModelOpt's FP8 checkpoints (nvidia/*-FP8: per-tensor E4M3 weights, static input scales, the AutoFP8
+    # layout; the config in hf_quant_config.json or config.json's quant_method "modelopt") load in vLLM. They
+    # were refused ("quantized with 'modelopt', which pagedllm does not support") or loaded as a float model.
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.models.loader import load_model
+    from tests.quantization.test_fp8 import _autofp8_checkpoint
+
+    dst, reference = _autofp8_checkpoint(tiny_model_dir("qwen2"), str(tmp_path / "fp8"), "FP8", "static")
+    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    if where == "config.json":
+        _edit_config(dst, lambda c: c.update(quantization_config={"quant_method": "modelopt", **quant}))
+    else:
+        _edit_config(dst, lambda c: c.pop("quantization_config"))
+        with open(os.path.join(dst, where), "w") as f:
+            json.dump({"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quant}, f)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    for i in range(2):  # ModelOpt's KV-cache scales
+        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.05)
+        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.01)
+    save_file(tensors, path)
+    ours, _, _ = load_model(dst, dtype=torch.float32)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    layer = ours.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.input_scale is not None
+    prompt = torch.randint(2, 512, (40,), generator=torch.Generator().manual_seed(13))
+    with torch.inference_mode():
+        got = ours.compute_logits(ours(prompt, torch.arange(40)))
+        want = reference(prompt[None]).logits[0]
+    assert (got - want).abs().max() < 0.05 and (got - want).abs().mean() < 1e-3  # (as test_autofp8_checkpoint_...)
+
+
+def test_modelopt_config_exclude_wildcards_and_refusals():
+    from pagedllm.quantization.compressed_tensors import ModelOptFp8Config
+
+    config = ModelOptFp8Config.from_config({"quant_method": "modelopt", "quant_algo": "FP8",
+                                            "exclude_modules": ["lm_head", "model.layers.1.self_attn*", "*.mlp.gate"]})
+    assert config.get_linear_method(None, "model.layers.1.self_attn.qkv_proj") is None
+    assert config.get_linear_method(None, "model.layers.1.self_attn.o_proj") is None
+    assert config.get_linear_method(None, "model.layers.11.self_attn.o_proj") is not None
+    assert config.get_linear_method(None, "model.layers.3.mlp.gate") is None
+    assert config.get_linear_method(None, "model.layers.3.mlp.gate_up_proj") is not None
+    with pytest.raises(ValueError, match="quant_algo='NVFP4'.* pagedllm reads ModelOpt's per-tensor FP8"):
+        ModelOptFp8Config.from_config({"quantization": {"quant_algo": "NVFP4"}})

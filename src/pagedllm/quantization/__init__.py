@@ -23,6 +23,7 @@ _METHODS: dict[str, tuple[str, str]] = {
     "gptq": ("gptq", "GPTQConfig"),
     "int8": ("int8", "Int8Config"),
     "gguf": ("gguf", "GGUFConfig"),  # a .gguf's blocks kept packed on CPU (the default there; quantization/gguf.py)
+    "modelopt": ("compressed_tensors", "ModelOptFp8Config"),  # NVIDIA ModelOpt FP8 (per-tensor, static)
 }
 
 # Spellings found in checkpoints / other engines' flags -> our name.
@@ -60,12 +61,13 @@ _AWQ_KEYS = ("w_bit", "q_group_size", "zero_point", "version")
 
 
 def checkpoint_quant_config(hf_config: Any, model_dir: Optional[str] = None) -> Optional[dict[str, Any]]:
-    """The checkpoint's `quantization_config` (config.json), else AutoGPTQ's `quantize_config.json` or AutoAWQ's
-    `quant_config.json` (the files vLLM reads for gptq / awq), else None."""
+    """The checkpoint's `quantization_config` (config.json), else AutoGPTQ's `quantize_config.json`, AutoAWQ's
+    `quant_config.json` or ModelOpt's `hf_quant_config.json` (the files vLLM reads), else None."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
-    for name in ("quantize_config.json", "quant_config.json") if not qc and model_dir else ():
+    files = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
+    for name in files if not qc and model_dir else ():
         path = os.path.join(model_dir, name)
         if os.path.isfile(path):
             try:
@@ -76,6 +78,8 @@ def checkpoint_quant_config(hf_config: Any, model_dir: Optional[str] = None) -> 
             if not isinstance(qc, dict):  # (a list or a number has no quant_method to read)
                 raise ValueError(f"{path} must hold a JSON object (a quantize config), got "
                                  f"{type(qc).__name__}.")
+            if name == "hf_quant_config.json":  # ModelOpt's: {"producer": {"name": "modelopt"}, "quantization": ..}
+                qc.setdefault("quant_method", "modelopt")
             qc.setdefault("quant_method", "awq" if any(k in qc for k in _AWQ_KEYS) else "gptq")
             break
     return dict(qc) if qc else None

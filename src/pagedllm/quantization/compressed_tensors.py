@@ -174,6 +174,27 @@ class AutoFp8Config(CompressedTensorsConfig):
         return cls([weights], list(config.get("ignored_layers") or config.get("modules_to_not_convert") or []))
 
 
+class ModelOptFp8Config(CompressedTensorsConfig):
+    """NVIDIA ModelOpt FP8 checkpoints (nvidia/*-FP8; quant_method "modelopt", or hf_quant_config.json's
+    "quantization"): E4M3 weights with one weight_scale and one static input_scale per layer (AutoFP8's layout),
+    `exclude_modules` float (names or "*" wildcards), KV scales as k_proj.k_scale / v_proj.v_scale."""
+
+    name = "modelopt"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ModelOptFp8Config":
+        q = config.get("quantization") if isinstance(config.get("quantization"), dict) else config
+        algo, kv_algo = q.get("quant_algo"), q.get("kv_cache_quant_algo")
+        if str(algo).upper() != "FP8" or kv_algo not in (None, "FP8", "fp8"):
+            raise ValueError(f"ModelOpt checkpoints with quant_algo={algo!r}, kv_cache_quant_algo={kv_algo!r} are "
+                             f"not supported; pagedllm reads ModelOpt's per-tensor FP8 checkpoints.")
+        weights = Scheme("fp8", "float-quantized", 8, "tensor", -1, True, None, False, ("Linear",))
+        # ModelOpt's wildcards ("model.layers.0.self_attn*", "*mlp.gate") as the regexes is_layer_skipped reads
+        ignore = ["re:" + re.escape(e).replace(r"\*", ".*") + "$" if "*" in e else e
+                  for e in q.get("exclude_modules") or []]
+        return cls([weights], ignore)
+
+
 class CTWNA16Method(PackedIntLinearMethod):
     def __init__(self, scheme: Scheme) -> None:
         super().__init__(scheme.bits, scheme.group_size)
