@@ -250,3 +250,17 @@ def test_modelopt_config_exclude_wildcards_and_refusals():
     assert config.get_linear_method(None, "model.layers.3.mlp.gate_up_proj") is not None
     with pytest.raises(ValueError, match="quant_algo='NVFP4'.* pagedllm reads ModelOpt's per-tensor FP8"):
         ModelOptFp8Config.from_config({"quantization": {"quant_algo": "NVFP4"}})
+
+
+def test_fp8_tensors_without_their_quantization_config_are_refused(tmp_path, tiny_model_dir):
+    # An FP8 checkpoint whose config is missing (or not read: ModelOpt's hf_quant_config.json was not) loaded as a
+    # float model: the E4M3 values cast to float32 without their scales, one "Ignoring ... weight_scale" warning,
+    # garbage out.
+    from pagedllm.models.loader import load_model
+    from tests.quantization.test_fp8 import _autofp8_checkpoint
+
+    dst, _ = _autofp8_checkpoint(tiny_model_dir("llama"), str(tmp_path / "fp8"), "FP8", "static")
+    _edit_config(dst, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match=r"Cannot load checkpoint weight 'model\.layers\.0\..*': the checkpoint "
+                                         r"stores it in float8_e4m3fn, the model reads it as an unquantized float32"):
+        load_model(dst, dtype=torch.float32)
