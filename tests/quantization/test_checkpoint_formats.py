@@ -252,15 +252,15 @@ def test_modelopt_config_exclude_wildcards_and_refusals():
         ModelOptFp8Config.from_config({"quantization": {"quant_algo": "NVFP4"}})
 
 
-def test_fp8_tensors_without_their_quantization_config_are_refused(tmp_path, tiny_model_dir):
-    # An FP8 checkpoint whose config is missing (or not read: ModelOpt's hf_quant_config.json was not) loaded as a
-    # float model: the E4M3 values cast to float32 without their scales, one "Ignoring ... weight_scale" warning,
-    # garbage out.
+@pytest.mark.parametrize("preset,dtype", [("FP8", "float8_e4m3fn"), ("W8A8", "int8")])
+def test_quantized_tensors_without_their_quantization_config_are_refused(tmp_path, tiny_model_dir, preset, dtype):
+    # An FP8 / int8 checkpoint whose config is missing (or not read: ModelOpt's hf_quant_config.json was not) loaded
+    # as a float model: the E4M3 / int8 values cast to float32 without their scales, one "Ignoring ...
+    # weight_scale" warning, garbage out.
     from pagedllm.models.loader import load_model
-    from tests.quantization.test_fp8 import _autofp8_checkpoint
 
-    dst, _ = _autofp8_checkpoint(tiny_model_dir("llama"), str(tmp_path / "fp8"), "FP8", "static")
+    dst, _ = ct_checkpoint(tiny_model_dir("llama"), str(tmp_path / "ct"), preset, reference=False)
     _edit_config(dst, lambda c: c.pop("quantization_config"))
-    with pytest.raises(ValueError, match=r"Cannot load checkpoint weight 'model\.layers\.0\..*': the checkpoint "
-                                         r"stores it in float8_e4m3fn, the model reads it as an unquantized float32"):
+    with pytest.raises(ValueError, match=rf"Cannot load checkpoint weight 'model\.layers\.0\..*': the checkpoint "
+                                         rf"stores it in {dtype}, the model reads it as an unquantized float32"):
         load_model(dst, dtype=torch.float32)

@@ -18,8 +18,10 @@ def set_weight_attrs(param: torch.Tensor, attrs: Optional[dict[str, Any]]) -> No
         setattr(param, key, value)
 
 
-_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-                    if hasattr(torch, n))
+# Dtypes only quantized checkpoints store weights in (with scales beside them).
+_QUANTIZED_DTYPES = (torch.int8, torch.uint8) + tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n))
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -27,9 +29,10 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"shape mismatch: the checkpoint has {tuple(src.shape)}, the model expects "
                          f"{tuple(dst.shape)}")
-    if src.dtype in _FP8_DTYPES and dst.dtype not in _FP8_DTYPES:  # a cast drops the scale it needs: garbage
+    if src.dtype in _QUANTIZED_DTYPES and dst.is_floating_point() and dst.dtype not in _QUANTIZED_DTYPES:
+        # FP8 / int8 values cast to float without the scale they need: garbage out, only an "Ignoring" warning
         raise ValueError(f"the checkpoint stores it in {str(src.dtype).replace('torch.', '')}, the model reads it "
-                         f"as an unquantized {str(dst.dtype).replace('torch.', '')} tensor; the checkpoint's FP8 "
+                         f"as an unquantized {str(dst.dtype).replace('torch.', '')} tensor; the checkpoint's "
                          f"quantization config (config.json's quantization_config, hf_quant_config.json) is missing "
                          f"or leaves this layer unquantized")
     dst.copy_(src)
