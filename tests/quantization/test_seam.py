@@ -46,6 +46,9 @@ def _with_quant_config(src: str, dst, qc: dict) -> str:
     # AutoGPTQ's Marlin format (its quantize_config: is_marlin_format) was read as GPTQ: "missing ...qweight"
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True}, None,
      "checkpoint_format='marlin' is not supported"),
+    # GPTQModel's pack_dtype int16 / int8: was a shape mismatch on the first qweight
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "pack_dtype": "int16"}, None,
+     "packed into int16 words are not supported"),
 ])
 def test_checkpoint_method_errors_are_one_sentence(tmp_path, tiny_llama_dir, qc, forced, message):
     model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", qc)

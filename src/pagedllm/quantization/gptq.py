@@ -63,6 +63,10 @@ class GPTQConfig(QuantizationConfig):
             raise ValueError("GPTQ checkpoints with a quantized lm_head are not supported; use a checkpoint "
                              "quantized with lm_head=False.")
         fmt = config.get("checkpoint_format") or ("gptq_v2" if config.get("quant_method") == "gptq_v2" else "gptq")
+        if str(config.get("pack_dtype") or "int32").replace("torch.", "") != "int32":
+            # GPTQModel packs into int16 / int8 words on request: other tensor shapes, refused by name
+            raise ValueError(f"GPTQ checkpoints packed into {config['pack_dtype']} words are not supported; "
+                             f"pagedllm reads pack_dtype int32 (GPTQModel's default).")
         if config.get("is_marlin_format"):  # AutoGPTQ's Marlin repack (B / s tensors): not "missing qweight"
             fmt = "marlin"
         return cls(bits=int(config.get("bits", 4)), group_size=int(config.get("group_size", 128)),
