@@ -248,6 +248,9 @@ def test_modelopt_config_exclude_wildcards_and_refusals():
     assert config.get_linear_method(None, "model.layers.11.self_attn.o_proj") is not None
     assert config.get_linear_method(None, "model.layers.3.mlp.gate") is None
     assert config.get_linear_method(None, "model.layers.3.mlp.gate_up_proj") is not None
+    flat = ModelOptFp8Config.from_config({"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"],
+                                          "kv_cache_scheme": FP8_KV_SCHEME})  # newer exports' config.json
+    assert flat.ignore == ["lm_head"]
     with pytest.raises(ValueError, match="quant_algo='NVFP4'.* pagedllm reads ModelOpt's per-tensor FP8"):
         ModelOptFp8Config.from_config({"quantization": {"quant_algo": "NVFP4"}})
 

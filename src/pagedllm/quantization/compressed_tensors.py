@@ -188,10 +188,11 @@ class ModelOptFp8Config(CompressedTensorsConfig):
         if str(algo).upper() != "FP8" or kv_algo not in (None, "FP8", "fp8"):
             raise ValueError(f"ModelOpt checkpoints with quant_algo={algo!r}, kv_cache_quant_algo={kv_algo!r} are "
                              f"not supported; pagedllm reads ModelOpt's per-tensor FP8 checkpoints.")
+        _check_kv_cache_scheme(q.get("kv_cache_scheme"))  # (newer exports: a compressed-tensors style config)
         weights = Scheme("fp8", "float-quantized", 8, "tensor", -1, True, None, False, ("Linear",))
         # ModelOpt's wildcards ("model.layers.0.self_attn*", "*mlp.gate") as the regexes is_layer_skipped reads
         ignore = ["re:" + re.escape(e).replace(r"\*", ".*") + "$" if "*" in e else e
-                  for e in q.get("exclude_modules") or []]
+                  for e in q.get("exclude_modules") or q.get("ignore") or []]
         return cls([weights], ignore)
 
 
