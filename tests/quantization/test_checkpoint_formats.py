@@ -267,3 +267,13 @@ def test_quantized_tensors_without_their_quantization_config_are_refused(tmp_pat
     with pytest.raises(ValueError, match=rf"Cannot load checkpoint weight 'model\.layers\.0\..*': the checkpoint "
                                          rf"stores it in {dtype}, the model reads it as an unquantized float32"):
         load_model(dst, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("version", ["exllama", "ipex"])
+def test_awq_checkpoint_saved_with_a_gemm_kernel_version(tmp_path, tiny_model_dir, version):
+    # transformers' AwqConfig(version="exllama" / "ipex") loads GEMM-layout weights with other kernels and
+    # save_pretrained keeps that version; vLLM reads the GEMM tensors. It was refused ("AWQ version 'exllama'").
+    dst, reference = awq_checkpoint(tiny_model_dir("llama"), str(tmp_path / "awq"), 32)
+    _edit_config(dst, lambda c: c["quantization_config"].update(version=version))
+    _, got, want = _logits(dst, reference)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)

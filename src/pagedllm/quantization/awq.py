@@ -41,7 +41,9 @@ class AWQConfig(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "AWQConfig":
         version = str(config.get("version", "gemm")).lower()
-        if version != "gemm":
+        # transformers' AwqConfig versions "exllama" / "ipex" pick kernels for GEMM-layout checkpoints (AutoAWQ:
+        # "Exllama kernels only support GEMM version"); a checkpoint saved with one is GEMM on disk
+        if version not in ("gemm", "exllama", "ipex"):
             raise ValueError(f"AWQ version {version!r} is not supported; pagedllm reads AutoAWQ's GEMM layout "
                              f"(version 'gemm').")
         return cls(bits=int(config.get("bits", config.get("w_bit", 4))),
