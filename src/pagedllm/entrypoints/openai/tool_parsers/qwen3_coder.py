@@ -47,6 +47,9 @@ def _value(raw: str, schema: Any) -> Any:
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
     start_markers = ("<tool_call>", "<function=")
+    # No stream_reader (yet): the calls go out whole at the end. A parameter's JSON value depends on its end (the
+    # newline before </parameter> is layout, "null" is null, non-string types are read once complete), so only
+    # whole parameters could stream.
 
     def __init__(self, tools: Optional[list[dict]] = None) -> None:
         super().__init__(tools)
