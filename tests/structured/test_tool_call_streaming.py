@@ -244,9 +244,46 @@ def test_json_style_parsers_stream_incrementally(parser: str, text: str, content
     assert not any(m in streamed_content for m in ("[TOOL_CALLS]", "<|python_tag|>", "{"))
 
 
+_QWEN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "opts": {"type": "object"}}}}}, TOOLS[1]]
+_QWEN = ("I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+         "<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"unit\": \"C\"}\n</parameter>\n</function>\n"
+         "</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("split", ["chars", "tokens", "threes", "whole"])
+def test_qwen3_coder_streams_a_parameter_at_a_time(split: str) -> None:
+    """A parameter's value is known once it ended: the arguments go out as `{"city": ...`, `, "days": 3`, ...,
+    `}`, each piece final; they add up to the non-streamed arguments."""
+    plan = plan_tools(_QWEN_TOOLS, "auto", None, "qwen3_coder", None)
+    pieces = {"chars": list(_QWEN), "tokens": _tokens(_QWEN), "threes": _splits(_QWEN, 3), "whole": [_QWEN]}[split]
+    per_piece, last, reason = _feed(plan, pieces)
+    deltas = [d for ds in per_piece for d in ds]
+    full = extract_tool_calls(plan, _QWEN, "stop")
+    content, calls = _accumulate(deltas + last)
+    assert (content, reason, last) == ("I'll check.\n", "tool_calls", [])
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in full.tool_calls]
+    args = [t["function"]["arguments"] for d in deltas for t in d.get("tool_calls", []) if "id" not in t]
+    if split == "chars":
+        assert args == ['{"city": "São Paulo"', ', "days": 3', ', "opts": {"unit": "C"}', "}", "{}"]
+    assert not any("<" in (d.get("content") or "") for d in deltas)
+
+
+def test_qwen3_coder_call_left_open_is_finished_at_the_end() -> None:
+    """No </parameter> nor </function> before the model stopped: the full parse still reads the call; what did not
+    stream (the last value, the closing brace) goes out at the end."""
+    text = "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n<parameter=city>\nOslo"
+    plan = plan_tools(_QWEN_TOOLS, "auto", None, "qwen3_coder", None)
+    per_piece, last, reason = _feed(plan, list(text))
+    _, calls = _accumulate([d for ds in per_piece for d in ds] + last)
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"days": 2, "city": "Oslo"}')]
+    assert [t["function"]["arguments"] for d in last for t in d["tool_calls"]] == [', "city": "Oslo"}']
+    assert reason == "tool_calls"
+
+
 @pytest.mark.parametrize("parser, text", [
     ("pythonic", '[get_weather(city="Bern"), get_time()]'),
-    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>"),
+    ("pythonic", '<|python_start|>[get_time()]<|python_end|>'),
 ])
 def test_parsers_without_a_reader_send_each_call_whole_at_the_end(parser: str, text: str) -> None:
     plan = plan_tools(TOOLS, "auto", None, parser, None)

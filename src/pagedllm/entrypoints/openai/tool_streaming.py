@@ -2,14 +2,14 @@
 
 Content streams as it comes until a parser's start marker may have begun (a suffix that could grow into
 "<tool_call>" is held back, and leading whitespace until something else comes); from the marker on nothing is
-content. Parsers with a stream_reader (hermes, llama3_json, mistral) then stream each call as vLLM does: a first
-delta with index, id, type and name (arguments "") once the name is complete, then pieces of the arguments as
-they are generated, in the canonical JSON text the non-streamed answer gives (tool_parsers/streaming.py). At the
-end the non-streamed extraction is the reference: what the pieces did not send yet goes out then (arguments
-given as a JSON string, a call of a reader that stopped), so the deltas, accumulated as the OpenAI SDK does, equal
-the non-streamed answer. Other parsers (pythonic, qwen3_coder) send each call as one delta at the end. The
-content deltas add up to the non-streamed message.content. A named tool choice streams its arguments as they are
-generated; "required" sends its calls at the end.
+content. Parsers with a stream_reader (hermes, llama3_json, mistral; qwen3_coder a parameter at a time) then
+stream each call as vLLM does: a first delta with index, id, type and name (arguments "") once the name is complete
+(and offered), then pieces of the arguments as they are generated, in the canonical JSON text the non-streamed
+answer gives (tool_parsers/streaming.py). At the end the non-streamed extraction is the reference: what the pieces
+did not send yet goes out then (arguments given as a JSON string, a call left open), so the deltas, accumulated as
+the OpenAI SDK does, equal the non-streamed answer. Pythonic calls go out as one delta each at the end (see its
+parser). The content deltas add up to the non-streamed message.content. A named tool choice streams its arguments
+as they are generated; "required" sends its calls at the end.
 """
 from __future__ import annotations
 

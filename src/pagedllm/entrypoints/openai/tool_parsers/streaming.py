@@ -204,13 +204,32 @@ class StreamedCall:
     def arguments(self) -> str:
         return self.args.text() if self.args is not None else ""
 
+    def pieces(self) -> list[str]:
+        return self.args.out if self.args is not None else []
+
     def take(self) -> str:
         """The arguments' text added since the last take (no re-joining of all of it: arguments may be long)."""
-        if self.args is None or self.taken == len(self.args.out):
+        pieces = self.pieces()
+        if self.taken == len(pieces):
             return ""
-        piece = "".join(self.args.out[self.taken:])
-        self.taken = len(self.args.out)
+        piece = "".join(pieces[self.taken:])
+        self.taken = len(pieces)
         return piece
+
+
+class PiecesCall(StreamedCall):
+    """A call whose reader writes the arguments' canonical text itself, piece by piece (qwen3_coder's parameters)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.out: list[str] = []
+
+    @property
+    def arguments(self) -> str:
+        return "".join(self.out)
+
+    def pieces(self) -> list[str]:
+        return self.out
 
 
 class ObjectCall(StreamedCall):
