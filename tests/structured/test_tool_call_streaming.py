@@ -308,3 +308,15 @@ def test_required_and_named_choices_stream_as_before() -> None:
     assert per_piece[1] == [{"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]}]
     assert reason == "stop"
     assert _accumulate([d for ds in per_piece for d in ds])[1][0]["arguments"] == '{"city": "Oslo"}'
+
+
+def test_a_call_whose_arguments_wait_for_the_end_holds_the_calls_after_it() -> None:
+    """Each call's deltas come before the next call's header (the Responses API turns them into one item's events,
+    in order): the calls after one whose arguments only the end can send wait for the end too."""
+    text = ('<tool_call>{"name": "get_time"}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    per_piece, last, reason = _feed(plan_tools(TOOLS, "auto", None, "hermes", None), list(text))
+    deltas = [d for ds in per_piece for d in ds] + last
+    assert [t["index"] for d in deltas for t in d["tool_calls"]] == [0, 0, 1]
+    assert [(c["name"], c["arguments"]) for c in _accumulate(deltas)[1]] == [("get_time", "{}"),
+                                                                             ("get_weather", '{"city": "Oslo"}')]

@@ -86,6 +86,8 @@ class ToolCallStreamer:
             if i == len(self.streamed):
                 if call.name is None or (names and call.name not in names):
                     break  # a name not yet complete, or one not offered (the end decides): later calls wait too
+                if i and not self.reader.calls[i - 1].complete:
+                    break  # the call before is not all out (arguments the end sends): no interleaving of calls
                 self.streamed.append([call.name, ""])
                 out.append({"tool_calls": [{"index": i, "id": self.plan.call_id(), "type": "function",
                                             "function": {"name": call.name, "arguments": ""}}]})

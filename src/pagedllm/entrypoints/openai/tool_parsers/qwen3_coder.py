@@ -132,6 +132,7 @@ class Qwen3CoderCallReader(CallReader):
                 self.state = "key"
             else:
                 call.out.append("}" if call.out else "{}")
+                call.closed = True
                 self.current, self.state = None, "seek"
             return True
         # value: it ends at </parameter>, the next <parameter= or </function>, as _PARAMETER reads the body

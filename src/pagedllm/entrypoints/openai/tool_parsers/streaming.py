@@ -201,6 +201,12 @@ class StreamedCall:
     taken = 0  # pieces of args.out already taken
 
     @property
+    def complete(self) -> bool:
+        """Read to its end with all its arguments streamed: the next call may start (a client, or the Responses
+        API's events, sees one call's deltas after another's, never interleaved)."""
+        return self.streamable and self.args is not None and self.args.done
+
+    @property
     def arguments(self) -> str:
         return self.args.text() if self.args is not None else ""
 
@@ -223,6 +229,11 @@ class PiecesCall(StreamedCall):
     def __init__(self, name: str) -> None:
         self.name = name
         self.out: list[str] = []
+        self.closed = False  # its reader wrote the closing brace
+
+    @property
+    def complete(self) -> bool:
+        return self.closed and self.streamable
 
     @property
     def arguments(self) -> str:
