@@ -197,6 +197,30 @@ def test_stream_text_then_a_call() -> None:
                               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 17}
 
 
+def test_stream_auto_calls_arrive_in_pieces_one_item_after_another() -> None:
+    """tool_choice "auto" calls stream incrementally (chat's tool-call deltas): each call is one function_call item
+    whose arguments come in several deltas, the second item opened after the first is done."""
+    from pagedllm.entrypoints.openai.tool_calling import extract_tool_calls, plan_tools
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
+    plan = plan_tools(tools, "auto", None, "hermes", None)
+    text = ('<tool_call>\n{"name": "f", "arguments": {"a": "xyz", "b": [1, 2]}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": {"c": true}}\n</tool_call>')
+    events = _stream_events(plan, [(ch, 1, None) for ch in text[:-1]] + [(text[-1], 1, "stop")])
+    calls = [(e["output_index"], e["type"]) for e in events if "function_call" in e["type"]
+             or e["type"].startswith("response.output_item")]
+    assert [k for i, k in enumerate(calls) if i == 0 or k != calls[i - 1]] == [
+        (0, "response.output_item.added"), (0, "response.function_call_arguments.delta"),
+        (0, "response.function_call_arguments.done"), (0, "response.output_item.done"),
+        (1, "response.output_item.added"), (1, "response.function_call_arguments.delta"),
+        (1, "response.function_call_arguments.done"), (1, "response.output_item.done")]
+    pieces = [e for e in events if e["type"] == "response.function_call_arguments.delta" and e["output_index"] == 0]
+    assert len(pieces) > 3
+    final = events[-1]["response"]
+    assert [(i["name"], i["arguments"]) for i in final["output"]] == [
+        (c.name, c.arguments) for c in extract_tool_calls(plan, text, "stop").tool_calls]
+
+
 def test_stream_length_and_empty_and_error() -> None:
     from pagedllm.entrypoints.openai.tool_calling import ToolPlan
 

@@ -110,3 +110,8 @@ class ToolParser:
     def _extract(self, text: str) -> tuple[Optional[list[ToolCall]], Optional[str]]:
         """(calls or None, the text before the calls, unstripped)."""
         raise NotImplementedError
+
+    def stream_reader(self) -> Any:
+        """A streaming.CallReader that reads this format's calls as they are generated (fed from the first start
+        marker, or the answer's start for markers_at_start_only), or None: the calls then go out whole at the end."""
+        return None

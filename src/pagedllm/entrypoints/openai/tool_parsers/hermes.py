@@ -6,6 +6,7 @@ import re
 from typing import Optional
 
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCall, ToolParser, call_from_object
+from pagedllm.entrypoints.openai.tool_parsers.streaming import HermesCallReader
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -25,3 +26,6 @@ class HermesToolParser(ToolParser):
                 return None, text
             calls.append(call)
         return calls, text[:start]
+
+    def stream_reader(self) -> HermesCallReader:
+        return HermesCallReader()

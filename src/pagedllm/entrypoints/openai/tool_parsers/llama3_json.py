@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCall, ToolParser, call_from_object, decode_json_values
+from pagedllm.entrypoints.openai.tool_parsers.streaming import JsonListCallReader
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -26,3 +27,6 @@ class Llama3JsonToolParser(ToolParser):
         if any(c is None for c in calls):
             return None, text
         return calls, None
+
+    def stream_reader(self) -> JsonListCallReader:
+        return JsonListCallReader("<|python_tag|>", end="<|eom_id|>")

@@ -12,6 +12,7 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (
     call_from_object,
     decode_json_values,
 )
+from pagedllm.entrypoints.openai.tool_parsers.streaming import JsonListCallReader
 
 _MARK = "[TOOL_CALLS]"
 
@@ -46,3 +47,6 @@ class MistralToolParser(ToolParser):
         objects = [o for v in values for o in (v if isinstance(v, list) else [v])]
         calls = [call_from_object(o) for o in objects]
         return None if not calls or any(c is None for c in calls) else calls
+
+    def stream_reader(self) -> JsonListCallReader:
+        return JsonListCallReader(_MARK, arrays=True)

@@ -27,6 +27,9 @@ class PythonicToolParser(ToolParser):
     name = "pythonic"
     start_markers = ("[", "<|python_start|>")
     markers_at_start_only = True
+    # No stream_reader: the calls go out whole at the end. Whether the text is calls at all is known only once the
+    # whole list parses as Python (ast), and arguments are Python literals ('x', (1, 2), True) whose JSON text is
+    # not known piece by piece as they are written (vLLM re-parses the list with guessed closing brackets).
 
     def _extract(self, text: str) -> tuple[Optional[list[ToolCall]], Optional[str]]:
         body = text.strip()
