@@ -104,6 +104,7 @@ def _fp16_query(q):
 # the decode kernel). Widened to fp16 in the load layout first, the tile goes through shared memory as fp16
 # (STS.128, then ldmatrix.trans) like a 16-bit cache's, and the kernel needs fewer registers.
 FP8_V_WORDS = True  # False: the byte read (the A/B: kernels_attention.py --fp8-read fp16 fp16-vw)
+FP8_V_T = False  # experiment (decode kernel only, timing): V read from a transposed in-block layout
 _INTERPRETED = tl.constexpr(envs.TRITON_INTERPRET)
 
 
@@ -150,6 +151,8 @@ def _attend_tile(
     soft_cap_log2=0.0,  # SOFT_CAP: the cap c in log2 units (c * log2(e)); scores s become c * tanh(s / c)
     SOFT_CAP: tl.constexpr = False,
     V_WORDS: tl.constexpr = False,  # an E4M3 V read as 32-bit words and widened to fp16 before its layout change
+    V_T: tl.constexpr = False,  # V stored transposed in each block: [kv heads, HEAD_SIZE, BLOCK_SIZE] (E4M3 caches)
+    v_head_off=0,  # V_T: this kv head's offset inside a block
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
@@ -178,7 +181,16 @@ def _attend_tile(
         k = tl.load(ptrs)
         v = tl.load(ptrs + stride_c_kv)
     k = k.to(q.dtype)
-    if V_WORDS:  # (the E4M3 loads of v above are dead code then, removed by the compiler)
+    if V_T:
+        NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+        bidx = start // BLOCK_SIZE + tl.arange(0, NB)
+        vblk = tl.load(bt_row_ptr + bidx, mask=bidx * BLOCK_SIZE < kv_end, other=0)
+        slots = tl.arange(0, BLOCK_SIZE)
+        vt_offs = (vblk.to(tl.int64)[None, :, None] * stride_c_blk + v_head_off + dims[:, None, None] * BLOCK_SIZE
+                   + slots[None, None, :])
+        vt = tl.load(cache_ptr + stride_c_kv + vt_offs)
+        v = tl.trans(tl.reshape(vt, [HEAD_PAD, BLOCK_N])).to(q.dtype)
+    elif V_WORDS:  # (the E4M3 loads of v above are dead code then, removed by the compiler)
         words = tl.arange(0, HEAD_PAD // 4)
         vw_base = (cache_ptr + stride_c_kv + offs[:, None]).to(tl.pointer_type(tl.uint32), bitcast=True)
         vw_ptrs = vw_base + words[None, :]
@@ -499,6 +511,7 @@ def _decode_kernel(
     Q_FP16: tl.constexpr = False,  # a bf16 query reads an E4M3 cache in fp16 (fp8_read_args)
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (SINGLE_SPLIT; else the reduce applies it)
     V_WORDS: tl.constexpr = False,  # (Q_FP16 only: V widens to fp16)
+    V_T: tl.constexpr = False,
     # PREP: q_ptr is the qkv projection's output (rows of NUM_Q q heads, then k, then v heads), before
     # kernels/qkv_prep.py: each program normalizes (HAS_NORM) and rotates its q heads itself, and the program
     # whose slice ends at the query computes the new K / V row and writes it to the cache before it attends.
@@ -581,7 +594,8 @@ def _decode_kernel(
             acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS, V_T=V_T,
+            v_head_off=kv_head.to(tl.int64) * HEAD_SIZE * BLOCK_SIZE)
 
     has_work = start < end  # empty trailing splits write nothing; the reducer skips them
     _store_slice(acc, m_i, l_i, out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
@@ -754,6 +768,8 @@ def _split_kv_meta(query: torch.Tensor, kv_cache: torch.Tensor, gqa: int, gqa_pa
     # V as 32-bit words: whole words per position (head_size % 4) at 4-byte aligned addresses
     meta["V_WORDS"] = (meta["Q_FP16"] and FP8_V_WORDS and head_size % 4 == 0 and kv_cache.data_ptr() % 4 == 0
                        and all(st % 4 == 0 for st in kv_cache.stride()[:4]))
+    if meta["Q_FP16"] and FP8_V_T:
+        meta["V_WORDS"], meta["V_T"] = False, True
     return meta
 
 
@@ -801,6 +817,7 @@ def paged_few_query_attention(
     common = dict(Q_PAD=q_pad, **_split_kv_meta(query, kv_cache, gqa, gqa_pad, block_n, num_warps,
                                                  decode_num_stages(kv_cache.dtype, num_splits), logits_soft_cap,
                                                  out_scale))
+    common.pop("V_T", None)
     scale_arg = _scale_arg(out_scale, output)
     window, soft_cap = kernel_window(sliding_window), kernel_soft_cap(logits_soft_cap)
     cache_strides = _cache_strides(kv_cache, block_table)
