@@ -133,6 +133,15 @@ vt-sweep)  # the E4M3 decode with V read from a transposed in-block layout (fp16
     step vt-sweep 240 python benchmarks/kernels_attention.py --gqa-sweep 16/8 --batches 64 256 --ctx 768 \
         --kv-dtype fp8 --quick --fp8-read fp16-vw fp16-vt --tiles 64 128 --stages 2 3
     ;;
+nano-vt)  # the nano protocol end to end: E4M3 with V transposed in each block, E4M3 plain layout (V as words)
+    for kv in fp8-vt fp8-vw; do
+        step "nano-$kv" 200 python -c "import runpy, sys; import pagedllm.kernels.reshape_and_cache as r
+r.FP8_V_TRANSPOSED = '$kv' == 'fp8-vt'
+sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" benchmarks/offline_throughput.py \
+            --model benchmarks/configs/qwen3-0.6b --load-format dummy --dtype bfloat16 --num-prompts 256 \
+            --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --hf none --kv-cache-dtype fp8
+    done
+    ;;
 nano-kv)  # the nano protocol end to end, E4M3 vs bf16 cache (offline_throughput.py, 256 requests, 100..1024 in/out)
     for kv in fp8 auto; do
         step "nano-$kv" 200 python benchmarks/offline_throughput.py --model benchmarks/configs/qwen3-0.6b \

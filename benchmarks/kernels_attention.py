@@ -252,13 +252,13 @@ def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto", 
     (the kernels widen what they load), with 128-position tiles and 5 stages tried too; `--fp8-read fp16 bf16
     fp16-vw` sweeps each way the kernels may read it (paged_attention.FP8_KV_COMPUTE / FP8_V_WORDS). `--quick`: 4
     warps only."""
-    from pagedllm.kernels import paged_attention
+    from pagedllm.kernels import paged_attention, reshape_and_cache
 
     for read in fp8_reads:
         if read != "default":
             paged_attention.FP8_KV_COMPUTE = read.split("-")[0]
             paged_attention.FP8_V_WORDS = read.endswith("-vw")
-            paged_attention.FP8_V_T = read.endswith("-vt")
+            reshape_and_cache.FP8_V_TRANSPOSED = read.endswith("-vt")
         _gqa_sweep_one(heads, batches, ctx, kv_dtype, quick, read, tiles, stages)
 
 
