@@ -187,6 +187,7 @@ def _attend_tile(
         # multiples of SUB), so that P @ V reads it with its reduction axis contiguous, as q @ K^T reads K.
         SUB: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
         NB: tl.constexpr = BLOCK_N // SUB
+        tl.static_assert(NB * SUB == BLOCK_N)  # (block sizes and tiles are powers of two)
         chunk = start + tl.arange(0, NB) * SUB
         slots = tl.arange(0, SUB)
         if BOUNDED or WINDOWED:
