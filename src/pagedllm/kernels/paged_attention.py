@@ -200,8 +200,10 @@ def _attend_tile(
         vt_ptrs = (cache_ptr + stride_c_kv + v_head_off
                    + (vblk.to(tl.int64) * stride_c_blk + chunk % BLOCK_SIZE)[None, :, None]
                    + dims[:, None, None] * BLOCK_SIZE + slots[None, None, :])
-        if BOUNDED or WINDOWED:
+        if (BOUNDED or WINDOWED) and HEAD_PAD != HEAD_SIZE:
             vt = tl.load(vt_ptrs, mask=chunk_ok[None, :, None] & (dims < HEAD_SIZE)[:, None, None], other=0.0)
+        elif BOUNDED or WINDOWED:
+            vt = tl.load(vt_ptrs, mask=chunk_ok[None, :, None], other=0.0)
         elif HEAD_PAD != HEAD_SIZE:
             vt = tl.load(vt_ptrs, mask=(dims < HEAD_SIZE)[:, None, None], other=0.0)
         else:
