@@ -131,12 +131,16 @@ vt-sweep)  # the E4M3 decode with V read from a transposed in-block layout (fp16
     step vt-sweep-bf16 80 python benchmarks/kernels_attention.py --gqa-sweep 16/8 --batches 64 256 --ctx 768 --quick \
         --tiles 64 --stages 3
     step vt-sweep 200 python benchmarks/kernels_attention.py --gqa-sweep 16/8 --batches 64 256 --ctx 768 \
-        --kv-dtype fp8 --quick --fp8-read fp16-vw fp16-vt --tiles 64 128 --stages 2 3
+        --kv-dtype fp8 --quick --fp8-read fp16-vw fp16-vt --tiles 64 128 --stages 2
     ;;
 vt-tests)  # the GPU tests of the E4M3 cache's kernels and writers (V transposed in each block)
-    step vt-tests 200 python -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/gpu/test_kv_fp8_kernels.py \
-        tests/gpu/test_qkv_prep.py tests/gpu/test_sliding_window_kernels.py tests/gpu/test_few_query_attention.py \
-        -k "fp8 or kv_scales or FP8"
+    for vt in True False; do
+        step "vt-tests-$vt" 200 python -c "import sys, pytest; import pagedllm.kernels.reshape_and_cache as r
+r.FP8_V_TRANSPOSED = $vt
+sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/test_kv_fp8_kernels.py',
+                      'tests/gpu/test_qkv_prep.py', 'tests/gpu/test_sliding_window_kernels.py',
+                      'tests/gpu/test_few_query_attention.py', '-k', 'fp8 or kv_scales or FP8']))"
+    done
     ;;
 nano-vt)  # the nano protocol end to end: E4M3 with V transposed in each block, E4M3 plain layout (V as words)
     for kv in fp8-vt fp8-vw; do

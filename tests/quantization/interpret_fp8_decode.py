@@ -1,6 +1,6 @@
 """The decode kernel over an E4M3 cache in Triton's interpreter on the CPU: `TRITON_INTERPRET=1 python
 interpret_fp8_decode.py` (run by test_kv_fp8.py). bf16 queries (the fp16 read, `paged_attention.FP8_KV_COMPUTE`),
-both in-block layouts of V (`reshape_and_cache.FP8_V_TRANSPOSED`: transposed, the default, or plain, where V is read
+both in-block layouts of V (`reshape_and_cache.FP8_V_TRANSPOSED`: transposed, or plain, where V is read
 as 32-bit words or not, `FP8_V_WORDS`; the interpreter runs the words' integer twin of the conversion the GPU does
 in one instruction), 64- and 128-position tiles, with and without a sliding window that starts inside a tile,
 stale NaN bytes in every slot no context holds, an output scale: the outputs equal the torch reference within bf16
@@ -35,7 +35,7 @@ def main() -> None:
     q = torch.randn(len(lens), num_heads, head_size, generator=gen).to(torch.bfloat16)
     scale = head_size ** -0.5
     out_scale = torch.tensor([0.5], dtype=torch.float32)
-    assert pa.FP8_KV_COMPUTE == "fp16" and rc.FP8_V_TRANSPOSED
+    assert pa.FP8_KV_COMPUTE == "fp16"
     defaults = pa.FP8_V_WORDS, rc.FP8_V_TRANSPOSED
     outs = {}
     for transposed, words in ((True, False), (False, False), (False, True)):
@@ -69,7 +69,9 @@ def main() -> None:
     for window in (None, 53):
         for block_n in (128, 64):
             assert torch.equal(outs[False, True, window, block_n], outs[False, False, window, block_n]), block_n
+    rc.FP8_V_TRANSPOSED = True
     check_writers(rc, gen)
+    rc.FP8_V_TRANSPOSED = defaults[1]
     print("fp8 decode ok")
 
 
@@ -108,6 +110,20 @@ def check_writers(rc, gen) -> None:
     stored, v = rc.v_blocks(got).float()[slots[-1] // block_size, slots[-1] % block_size], value[-1].float()
     assert ((stored - v).abs() <= 0.07 * v.abs() + 1e-2).float().mean().item() >= 0.95  # (half an E4M3 step)
     assert not torch.equal(got[1, 0].float(), rc.v_blocks(got).float()[0])  # the layout is not the plain one
+    # qkv_prep's stores (K rotated, V as given) into the same layout
+    from pagedllm.kernels.qkv_prep import qkv_prep
+    from pagedllm.layers.rotary_embedding import get_rope
+
+    num_q = 8
+    qkv = torch.randn(len(slots), (num_q + 2 * num_kv) * head_size, generator=gen).to(torch.bfloat16)
+    positions = torch.arange(len(slots))
+    cos_sin = get_rope(head_size, 64, {"rope_type": "default", "rope_theta": 10000.0}).cos_sin_cache.float()
+    cache = torch.zeros_like(got)
+    qkv_prep(qkv.clone(), positions, cos_sin, cache, slots, num_q, num_kv, head_size)
+    v_in = qkv[:, (num_q + num_kv) * head_size:].reshape(len(slots), num_kv, head_size).float()
+    keep = slots >= 0
+    stored = rc.v_blocks(cache).float()[slots[keep] // block_size, slots[keep] % block_size]
+    assert ((stored - v_in[keep]).abs() <= 0.07 * v_in[keep].abs() + 1e-2).float().mean().item() >= 0.95
 
 
 if __name__ == "__main__":

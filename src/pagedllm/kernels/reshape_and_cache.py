@@ -23,8 +23,9 @@ from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 # An E4M3 cache keeps V transposed in each block: the attention kernels' P @ V then reads V with its reduction axis
 # (positions) contiguous, as q @ K^T reads K, where the plain layout needs a per-byte transpose of 8-bit tiles. Every
 # Triton writer and reader follows `v_transposed`; whole-block copies keep it; the torch backend keeps the plain
-# layout in its own caches. False: the plain layout (the A/B: kernels_attention.py --fp8-read fp16-vw fp16-vt).
-FP8_V_TRANSPOSED = True
+# layout in its own caches. Off until measured on a GPU (docs/benchmarks.md, "FP8 KV: V transposed in each block";
+# the A/B: kernels_attention.py --fp8-read fp16-vw fp16-vt, gpu_int4.sh vt-sweep nano-vt vt-tests).
+FP8_V_TRANSPOSED = False
 
 
 def v_transposed(cache_dtype: torch.dtype) -> bool:
