@@ -50,7 +50,7 @@ WARPS_PER_SM = 64
 CTAS_PER_SM = 32
 
 # E4M3 reads: (Q_FP16, V_WORDS)
-READS = {"fp16": (True, False), "bf16": (False, False), "fp16-vw": (True, True)}
+READS = {"fp16": (True, False), "bf16": (False, False), "fp16-vw": (True, True), "fp16-vt": (True, "T")}
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 TRITON_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.float8_e4m3fn: "*fp8e4nv"}
@@ -112,7 +112,7 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
                  DOT_PRECISION=pa._dot_precision(QUERY_DTYPE), SINGLE_SPLIT=args.single_split, HAS_ORDER=False,
                  USE_PDL=False, SOFT_CAP=False, Q_FP16=q_fp16,
                  # the engine passes an E4M3 cache's v_scale (triton_backend.py)
-                 OUT_SCALE=v.cache == "fp8", V_WORDS=v_words)
+                 OUT_SCALE=v.cache == "fp8", V_WORDS=v_words is True, V_T=v_words == "T")
     if args.prep:  # the decode prep (DecodePrep): q_ptr is the qkv projection's output, Qwen3's q / k norms
         const.update(PREP=True, NUM_Q=num_heads, NUM_KV=num_kv_heads, HAS_NORM=True, FP32_PRODUCT=False)
     splits = 1 if args.single_split else SPLITS

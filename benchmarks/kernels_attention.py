@@ -245,23 +245,25 @@ def few_rows_table(batches: list[int], ctxs: list[int]) -> None:
 
 
 def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto", quick: bool = False,
-              fp8_reads: tuple[str, ...] = ("default",)) -> None:
+              fp8_reads: tuple[str, ...] = ("default",), tiles=None, stages=None) -> None:
     """Decode at one head layout (`--gqa-sweep 32/4`: Qwen3-30B-A3B's 8 query heads per kv head) and batch sizes of
     a throughput run, every context ctx +- 5%: tile width x pipeline stages x warps x splits, against the default
     the engine picks (`decode_num_splits`, `decode_block_n`, 4 warps, 3 stages). `--kv-dtype fp8`: an E4M3 cache
     (the kernels widen what they load), with 128-position tiles and 5 stages tried too; `--fp8-read fp16 bf16
     fp16-vw` sweeps each way the kernels may read it (paged_attention.FP8_KV_COMPUTE / FP8_V_WORDS). `--quick`: 4
     warps only."""
-    from pagedllm.kernels import paged_attention
+    from pagedllm.kernels import paged_attention, reshape_and_cache
 
     for read in fp8_reads:
         if read != "default":
             paged_attention.FP8_KV_COMPUTE = read.split("-")[0]
             paged_attention.FP8_V_WORDS = read.endswith("-vw")
-        _gqa_sweep_one(heads, batches, ctx, kv_dtype, quick, read)
+            reshape_and_cache.FP8_V_TRANSPOSED = read.endswith("-vt")
+        _gqa_sweep_one(heads, batches, ctx, kv_dtype, quick, read, tiles, stages)
 
 
-def _gqa_sweep_one(heads: str, batches: list[int], ctx: int, kv_dtype: str, quick: bool, read: str) -> None:
+def _gqa_sweep_one(heads: str, batches: list[int], ctx: int, kv_dtype: str, quick: bool, read: str,
+                   tiles=None, stages=None) -> None:
     import itertools
     import random
 
@@ -293,22 +295,23 @@ def _gqa_sweep_one(heads: str, batches: list[int], ctx: int, kv_dtype: str, quic
         auto_bn = decode_block_n(DTYPE, D, auto_splits, max(lens), cache.dtype)
         auto_stages = decode_num_stages(cache.dtype, auto_splits)
         ws = (torch.empty(batch * num_heads * 8 * D, device=DEV), torch.empty(batch * num_heads * 8, device=DEV))
-        tiles, warp_counts = (32, 64, 128) if fp8 else (32, 64), (4,) if quick else (4, 8)
-        stage_counts = (1, 2, 3, 5) if fp8 else (1, 2, 3)  # 5: the first count with two buffers per tile
-        for splits, block_n, warps, stages in itertools.product(sorted({1, 2, 4, auto_splits}), tiles, warp_counts,
-                                                                 stage_counts):
+        tile_widths = tiles or ((32, 64, 128) if fp8 else (32, 64))
+        warp_counts = (4,) if quick else (4, 8)
+        stage_counts = stages or ((1, 2, 3, 5) if fp8 else (1, 2, 3))  # 5: the first count with two buffers per tile
+        for splits, block_n, warps, n_stages in itertools.product(sorted({1, 2, 4, auto_splits}), tile_widths,
+                                                                   warp_counts, stage_counts):
             if splits > 8:
                 continue
             try:
                 ms = _graph_ms(lambda: paged_decode_attention(
                     q, cache, block_table, seq_lens, D ** -0.5, num_seqs=batch, output=out, workspace=ws,
-                    num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages))
+                    num_splits=splits, block_n=block_n, num_warps=warps, num_stages=n_stages))
             except Exception as e:  # noqa: BLE001 - a config that does not compile or fit
-                print(f"| {batch} | {splits} | {block_n} | {warps} | {stages} | {type(e).__name__} | | |", flush=True)
+                print(f"| {batch} | {splits} | {block_n} | {warps} | {n_stages} | {type(e).__name__} | | |", flush=True)
                 continue
             gbs = kv / ms / 1e6
-            star = "*" if (splits, block_n, warps, stages) == (auto_splits, auto_bn, 4, auto_stages) else ""
-            print(f"| {batch} | {splits} | {block_n} | {warps} | {stages} | {ms * 1e3:.1f}{star} | {gbs:.0f} | "
+            star = "*" if (splits, block_n, warps, n_stages) == (auto_splits, auto_bn, 4, auto_stages) else ""
+            print(f"| {batch} | {splits} | {block_n} | {warps} | {n_stages} | {ms * 1e3:.1f}{star} | {gbs:.0f} | "
                   f"{100 * gbs / PEAK_GBS:.0f}% |", flush=True)
 
 
@@ -320,8 +323,10 @@ def main():
     ap.add_argument("--ctx", type=int, default=530)
     ap.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="the cache of --gqa-sweep")
     ap.add_argument("--fp8-read", nargs="+", default=["default"],
-                    choices=["default", "fp16", "bf16", "fp16-vw"],
+                    choices=["default", "fp16", "bf16", "fp16-vw", "fp16-vt"],
                     help="--gqa-sweep --kv-dtype fp8: how the kernels read the E4M3 cache (each in turn)")
+    ap.add_argument("--tiles", type=int, nargs="+", default=None, help="--gqa-sweep: these tile widths only")
+    ap.add_argument("--stages", type=int, nargs="+", default=None, help="--gqa-sweep: these stage counts only")
     ap.add_argument("--sweep", action="store_true", help="also run the tuning sweeps")
     ap.add_argument("--quick", action="store_true", help="fewer decode points")
     ap.add_argument("--few-rows", action="store_true",
@@ -332,7 +337,8 @@ def main():
     if args.fp8_read != ["default"] and not (args.gqa_sweep and args.kv_dtype == "fp8"):
         ap.error("--fp8-read applies to --gqa-sweep with --kv-dtype fp8 (the ways an E4M3 cache is read)")
     if args.gqa_sweep:
-        gqa_sweep(args.gqa_sweep, args.batches, args.ctx, args.kv_dtype, args.quick, tuple(args.fp8_read))
+        gqa_sweep(args.gqa_sweep, args.batches, args.ctx, args.kv_dtype, args.quick, tuple(args.fp8_read),
+                  args.tiles, args.stages)
         return
     if args.few_rows:
         few_rows_table(args.batches, args.ctxs)
