@@ -250,7 +250,8 @@ def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto", 
     a throughput run, every context ctx +- 5%: tile width x pipeline stages x warps x splits, against the default
     the engine picks (`decode_num_splits`, `decode_block_n`, 4 warps, 3 stages). `--kv-dtype fp8`: an E4M3 cache
     (the kernels widen what they load), with 128-position tiles and 5 stages tried too; `--fp8-read fp16 bf16
-    fp16-vw` sweeps each way the kernels may read it (paged_attention.FP8_KV_COMPUTE / FP8_V_WORDS). `--quick`: 4
+    fp16-vw fp16-vt` sweeps each way the kernels may read it (paged_attention.FP8_KV_COMPUTE / FP8_V_WORDS,
+    reshape_and_cache.FP8_V_TRANSPOSED: V transposed in each block). `--tiles` / `--stages`: only those. `--quick`: 4
     warps only."""
     from pagedllm.kernels import paged_attention, reshape_and_cache
 
