@@ -50,7 +50,6 @@ SMEM_ALLOC_UNIT = 128
 WARPS_PER_SM = 64
 CTAS_PER_SM = 32
 
-# E4M3 reads: (Q_FP16, V_WORDS)
 # E4M3 reads: (Q_FP16, V_WORDS, or "T": V transposed in each block)
 READS = {"fp16": (True, False), "bf16": (False, False), "fp16-vw": (True, True), "fp16-vt": (True, "T")}
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
