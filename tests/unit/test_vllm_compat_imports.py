@@ -20,3 +20,15 @@ def test_vllm_offline_import_paths():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().startswith(os.path.join(ROOT, "compat")), r.stdout
+
+
+def test_vllm_metrics_reader_path():
+    """`from vllm.v1.metrics.reader import ...` (the types of LLM.get_metrics()): pagedllm's own classes."""
+    code = ("from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector, Metric; "
+            "import pagedllm.metrics.reader as r; "
+            "assert (Counter, Gauge, Histogram, Vector, Metric) == "
+            "(r.Counter, r.Gauge, r.Histogram, r.Vector, r.Metric)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "compat", "vllm_compat"),
+                                                       os.path.join(ROOT, "src")]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

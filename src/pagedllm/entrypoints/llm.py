@@ -106,6 +106,7 @@ class LLM:
     """
 
     _engine: Any = None  # before __init__ built it (and after shutdown)
+    _stats: Any = None  # the Prometheus metrics get_metrics() reads (OfflineMetrics), with disable_log_stats=False
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         from pagedllm.core.engine_core import EngineCore
@@ -132,6 +133,16 @@ class LLM:
                     **engine_tokenizer_options(self.engine_args))
                 engine.structured.tokenizer = self.tokenizer  # grammars compile against the same tokenizer
             self._counter = itertools.count()
+            if not self.engine_args.disable_log_stats:
+                from pagedllm.entrypoints.offline_metrics import OfflineMetrics
+
+                a = self.engine_args
+                served = a.served_model_name
+                if isinstance(served, (list, tuple)):
+                    served = served[0] if served else None
+                # the model_name label, as `pagedllm serve` names the model
+                self._stats = OfflineMetrics(served or a.model or "SmolLM2-135M-Instruct", engine.max_model_len,
+                                             engine.cache_config_info())
             from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
 
             override = self.engine_args.override_generation_config
@@ -169,6 +180,22 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_metrics(self) -> list:
+        """vLLM's: a snapshot of the engine's `vllm:` Prometheus metrics (the names `pagedllm serve` shows on
+        /metrics) as pagedllm.metrics.reader's Counter / Gauge / Histogram / Vector, counted since this LLM was built.
+        Needs LLM(..., disable_log_stats=False); otherwise AssertionError, as vLLM."""
+        stats = self._stats
+        if stats is None:
+            raise AssertionError("Stat logging disabled: build the LLM with disable_log_stats=False to keep metrics.")
+        # The gauges and engine totals now, unless a call holds the engine (another thread generating): then those
+        # of its last step, without waiting for it to end.
+        if self._lock.acquire(blocking=False):
+            try:
+                return stats.snapshot(self._engine.get_stats() if self._engine is not None else None)
+            finally:
+                self._lock.release()
+        return stats.snapshot(None)
 
     @property
     def llm_engine(self) -> Any:
@@ -763,6 +790,7 @@ class LLM:
         from pagedllm.sampling_constraints import tokenize_params
 
         engine = self.engine
+        stats = self._stats
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
         added: list[str] = []
@@ -784,8 +812,13 @@ class LLM:
                     processor.add_request(child.request_id, text, shown, child.params, parent_id=child.parent_id,
                                           index=child.index, output_kind="final_only")
                     prompt_of[child.request_id] = (i, child.index, params.n)
+                    if stats is not None:
+                        stats.add_request(child.request_id, len(ids), child.params, child.parent_id)
         except Exception:
             engine.abort_requests(added)
+            if stats is not None:
+                for rid in added:
+                    stats.finish(rid, "abort")
             raise
         finished: dict[str, Any] = {}
         bar = None
@@ -815,6 +848,11 @@ class LLM:
                     raise ValueError(errors[0][1])
                 num_output_tokens += sum(len(o.new_token_ids) for o in core_outputs)
                 request_outputs, to_abort = processor.process_outputs(core_outputs)
+                if stats is not None:
+                    stats.step(core_outputs, processor.stopped_by_string)
+                    for rid in to_abort:  # a stop string ended them here: "stop", as the server counts them
+                        stats.finish(rid, "stop")
+                    stats.metrics.update_scheduler_stats(engine.get_stats())  # get_metrics() from another thread
                 if to_abort:
                     engine.abort_requests(to_abort)
                 for out in request_outputs:
@@ -828,6 +866,9 @@ class LLM:
                     raise RuntimeError("The engine stopped with unfinished requests; this is a bug.")
         except BaseException:
             engine.abort_requests(added)
+            if stats is not None:
+                for rid in added:  # those not finished yet (finish() ignores the others)
+                    stats.finish(rid, "abort")
             raise
         finally:
             if bar is not None:

@@ -10,6 +10,9 @@ Several API server processes (`--api-server-count`): each records its requests i
 multiprocess mode (`multiprocess_dir`, one file per process, summed at scrape by whichever process answers), so
 counters and histograms add up over processes; `pagedllm:api_server_requests_total{api_server}` says how many
 HTTP requests each process took.
+
+The offline LLM keeps one too, in its own process (entrypoints/offline_metrics.py; read by `LLM.get_metrics()`
+through reader.py).
 """
 from __future__ import annotations
 
@@ -43,7 +46,9 @@ _TOKEN_BUCKETS = buckets_1_2_5(1_000_000)
 # vLLM's fixed buckets of tokens per engine step, and of the n request parameter
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
-FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's finish reasons (FINISH_REASON_STRINGS): vllm:request_success has a series for each from the start, so
+# dashboards see them all before any request ended so ("error": a failed step; pagedllm never ends one "repetition").
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 # The engine core's gauges and running totals: (metric name, help, SchedulerStats field).
 _ENGINE_GAUGES = (
@@ -310,9 +315,10 @@ class _EngineCollector:
                                       "Accepted tokens per draft position.",
                                       labels=["model_name", "position", "engine"])
         for engine, stats in engines:
+            # every position, zeros too (vLLM creates one per speculative token): LLM.get_metrics()'s Vector has
+            # num_speculative_tokens values
             for pos, count in enumerate(getattr(stats, "spec_num_accepted_tokens_per_pos", ()) if stats else ()):
-                if count:
-                    per_pos.add_metric([m.model_name, str(pos), engine], float(count))
+                per_pos.add_metric([m.model_name, str(pos), engine], float(count))
         yield per_pos
         yield self._sleep_state(engines)
         if m._cache_config:

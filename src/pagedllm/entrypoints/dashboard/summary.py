@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-# Prometheus family names (metrics.py) -> our keys
+# Prometheus family names (pagedllm.metrics) -> our keys
 _COUNTERS = {"vllm:prompt_tokens": "prompt_tokens", "vllm:generation_tokens": "generation_tokens",
              "vllm:request_success": "finished_requests"}
 # (tpot: each request's mean gap after its first token, as the benchmark clients report TPOT)

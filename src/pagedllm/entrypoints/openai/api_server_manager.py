@@ -22,7 +22,7 @@ the first start-up error once. Then it watches:
   * an engine core that dies -> logged, each API process is told (EngineDead on its output channel: /health 503,
     requests fail with 503) and exits 1 after --engine-dead-grace-period, as with one API process.
 Metrics: every API process records into prometheus_client's multiprocess directory, summed at scrape
-(pagedllm/metrics.py).
+(pagedllm/metrics/).
 """
 from __future__ import annotations
 
