@@ -210,8 +210,7 @@ def test_modelopt_fp8_checkpoint_matches_reference(tmp_path, caplog, tiny_model_
     # were refused ("quantized with 'modelopt', which pagedllm does not support") or loaded as a float model.
     from safetensors.torch import load_file, save_file
 
-    from pagedllm.models.loader import load_model
-    from tests.quantization.test_fp8 import _autofp8_checkpoint
+    from tests.quantization.test_fp8 import _autofp8_checkpoint, check_static_fp8_checkpoint
 
     dst, reference = _autofp8_checkpoint(tiny_model_dir("qwen2"), str(tmp_path / "fp8"), "FP8", "static")
     quant = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
@@ -227,15 +226,7 @@ def test_modelopt_fp8_checkpoint_matches_reference(tmp_path, caplog, tiny_model_
         tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.05)
         tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.01)
     save_file(tensors, path)
-    ours, _, _ = load_model(dst, dtype=torch.float32)
-    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
-    layer = ours.model.layers[0].self_attn.qkv_proj
-    assert layer.weight.dtype == torch.float8_e4m3fn and layer.input_scale is not None
-    prompt = torch.randint(2, 512, (40,), generator=torch.Generator().manual_seed(13))
-    with torch.inference_mode():
-        got = ours.compute_logits(ours(prompt, torch.arange(40)))
-        want = reference(prompt[None]).logits[0]
-    assert (got - want).abs().max() < 0.05 and (got - want).abs().mean() < 1e-3  # (as test_autofp8_checkpoint_...)
+    check_static_fp8_checkpoint(dst, reference, caplog)
 
 
 def test_modelopt_config_exclude_wildcards_and_refusals():

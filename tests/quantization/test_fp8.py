@@ -102,6 +102,12 @@ def test_autofp8_checkpoint_matches_reference(tmp_path, caplog, tiny_model_dir, 
     were refused as "block-wise FP8 checkpoints (weight_block_size None)": they load, every scale read, and compute
     what the compressed-tensors library computes for the same static FP8 tensors."""
     model_dir, reference = _autofp8_checkpoint(tiny_model_dir(arch), str(tmp_path / "fp8"), "FP8", "static")
+    check_static_fp8_checkpoint(model_dir, reference, caplog)
+
+
+def check_static_fp8_checkpoint(model_dir: str, reference, caplog) -> None:
+    """A static per-tensor FP8 checkpoint loads with its weights in E4M3 and its input scales, no tensor ignored,
+    and its logits are those of the reference model (the compressed-tensors library's dequantized one)."""
     ours, _, _ = load_model(model_dir, dtype=torch.float32)
     assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
     layer = ours.model.layers[0].self_attn.qkv_proj
