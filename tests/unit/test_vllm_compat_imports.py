@@ -15,10 +15,7 @@ def test_vllm_offline_import_paths():
             "assert LLM is pagedllm.LLM and EngineArgs is pagedllm.config.EngineArgs is vllm.EngineArgs; "
             "assert Logprob is pagedllm.outputs.Logprob and RequestOutputKind is sp.RequestOutputKind; "
             "print(vllm.__file__)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "compat", "vllm_compat"),
-                                                       os.path.join(ROOT, "src")]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run_with_shim(code)
     assert r.stdout.strip().startswith(os.path.join(ROOT, "compat")), r.stdout
 
 
@@ -28,7 +25,13 @@ def test_vllm_metrics_reader_path():
             "import pagedllm.metrics.reader as r; "
             "assert (Counter, Gauge, Histogram, Vector, Metric) == "
             "(r.Counter, r.Gauge, r.Histogram, r.Vector, r.Metric)")
+    _run_with_shim(code)
+
+
+def _run_with_shim(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter with the vllm shim and src/ on the path; it must exit 0."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "compat", "vllm_compat"),
                                                        os.path.join(ROOT, "src")]))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+    return r
