@@ -326,7 +326,9 @@ class EngineCore:
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, lora_request) -> bool:
         """Register an adapter (read and validated now; LoRAError, a ValueError, if it cannot be served)."""
-        return self.loras.add(lora_request)
+        from pagedllm.lora.resolve import with_local_path  # a hub id -> its cached snapshot (no-op for a dir)
+
+        return self.loras.add(with_local_path(lora_request))
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unregister an adapter; requests already using it finish first. False if it was not registered."""

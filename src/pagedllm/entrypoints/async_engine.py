@@ -566,6 +566,10 @@ class AsyncEngine:
         """Register an adapter in the engine (read and validated there); RequestRejected with the reason if not.
         `announce` (a run-time load): with several API processes, it returns once every one routes the name.
         `replaces`: the id of the adapter whose name this one takes over (load_inplace)."""
+        from pagedllm.lora.resolve import with_local_path
+
+        # A hub id is downloaded here, in a thread, not in the engine core between its steps.
+        lora_request = await asyncio.to_thread(with_local_path, lora_request)
         await self._lora_call(lambda seq: m.AddLora(seq, lora_request.lora_name, lora_request.lora_int_id,
                                                     lora_request.lora_path, lora_request.base_model_name,
                                                     client_index=self.client_index, announce=announce,

@@ -7,7 +7,8 @@ from typing import Optional
 
 @dataclass
 class LoRARequest:
-    """A LoRA adapter: a unique name, a positive integer id (the engine's key), and its local PEFT directory.
+    """A LoRA adapter: a unique name, a positive integer id (the engine's key), and its PEFT directory (or a Hugging
+    Face repo id, downloaded when it is registered: lora/resolve.py).
 
     Two requests with the same `lora_int_id` use the same adapter: the id, not the path, identifies it, so give a
     different adapter a different id (an id given another path, or load_inplace=True, is read again while no request
@@ -33,7 +34,8 @@ class LoRARequest:
         if not self.lora_path and self.lora_local_path:
             self.lora_path = self.lora_local_path
         if not self.lora_path:
-            raise ValueError(f"LoRA adapter {self.lora_name!r} needs lora_path (a local PEFT adapter directory).")
+            raise ValueError(f"LoRA adapter {self.lora_name!r} needs lora_path (a local PEFT adapter directory "
+                             "or a Hugging Face repo id).")
         if self.tensorizer_config_dict is not None:
             raise ValueError("tensorizer_config_dict (tensorizer-serialized adapters) is not supported by pagedllm; "
                              "give lora_path a PEFT adapter directory.")

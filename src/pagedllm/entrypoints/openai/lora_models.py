@@ -8,7 +8,8 @@ core sends them a LoraEvent, `apply_event`, and answers after all of them applie
 
 Names live here (the API process); the engine knows adapters by integer id, assigned here in load order.
 Loading reads and validates the adapter in the engine before the name is served, so a bad path or an
-unsupported adapter is a 400 with the reason and nothing is registered. Unloading removes the name at once
+unsupported adapter is a 400 with the reason and nothing is registered. A lora_path that is a Hugging Face repo id
+is downloaded first, in a thread (lora/resolve.py; a repo not found, or not cached offline, is a 404). Unloading removes the name at once
 (new requests get 404); requests already running with it finish first.
 """
 from __future__ import annotations
@@ -82,6 +83,20 @@ def parse_lora_modules(values: Optional[list[str]]) -> list[LoRAModulePath]:
     return modules
 
 
+async def _local_path(path: str, refresh: bool) -> str:
+    """The adapter's local directory; a hub id is downloaded in a thread (the event loop serves on meanwhile) and
+    once per server (refresh: load_inplace asks the hub again). Not found: 404; not an adapter: 400."""
+    from pagedllm.lora.peft import LoRAError
+    from pagedllm.lora.resolve import LoRANotFoundError, resolve_lora_path
+
+    try:
+        return await asyncio.to_thread(resolve_lora_path, path, None, refresh)
+    except LoRANotFoundError as e:
+        raise APIError(str(e), status=404, param="lora_path", code="lora_adapter_not_found") from None
+    except LoRAError as e:
+        raise APIError(str(e), status=400, param="lora_path") from None
+
+
 def runtime_updates_allowed() -> bool:
     return envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING
 
@@ -96,6 +111,7 @@ class LoRAModels:
         self.adapters: dict[str, LoRARequest] = {}
         self.names_by_id: dict[int, str] = {}  # also after unload (metrics of requests still running)
         self._pending: set[str] = set()
+        self.roots: dict[str, str] = {}  # name -> lora_path as given (a hub id; requests hold its local snapshot)
         self._ids = itertools.count(1)
         self._announce = False  # set by share_ids: other API processes learn of run-time loads
         self._lock = asyncio.Lock()
@@ -137,8 +153,9 @@ class LoRAModels:
             raise APIError(f"The lora adapter '{name}' has already been loaded.{hint}", status=400, param="lora_name")
         self._pending.add(name)
         try:
+            local = await _local_path(path, refresh=load_inplace)
             async with self._lock:  # ids in load order; one adapter read at a time
-                request = LoRARequest(lora_name=name, lora_int_id=next(self._ids), lora_path=path,
+                request = LoRARequest(lora_name=name, lora_int_id=next(self._ids), lora_path=local,
                                       base_model_name=base_model_name)
                 replaces = {} if old is None else {"replaces": old.lora_int_id}
                 if self._announce:
@@ -146,6 +163,7 @@ class LoRAModels:
                 else:
                     await self.engine.add_lora(request, **replaces)
                 self.adapters[name] = request
+                self.roots[name] = path
                 self.names_by_id[request.lora_int_id] = name
                 if old is not None:
                     await self.engine.remove_lora(old.lora_int_id)
@@ -161,10 +179,12 @@ class LoRAModels:
             raise APIError(f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name",
                            code="model_not_found")
         del self.adapters[name]
+        self.roots.pop(name, None)
         await self.engine.remove_lora(request.lora_int_id)
 
     def cards(self, created: int, max_model_len: int) -> list[dict]:
-        return [{"id": name, "object": "model", "created": created, "owned_by": "pagedllm", "root": req.lora_path,
+        return [{"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
+                 "root": self.roots.get(name, req.lora_path),
                  "parent": req.base_model_name or self.base_names[0], "max_model_len": max_model_len}
                 for name, req in self.adapters.items()]
 
