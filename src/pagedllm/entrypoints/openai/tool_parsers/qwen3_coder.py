@@ -102,11 +102,9 @@ class Qwen3CoderCallReader(CallReader):
     def _step(self) -> bool:
         call = self.current
         if self.state == "seek":
-            i = self.buf.find(self.FUNCTION, self.pos)
-            if i < 0:
-                self.pos = max(self.pos, len(self.buf) - len(self.FUNCTION) + 1)
+            if not self._seek(self.FUNCTION):
                 return False
-            self.pos, self.state = i + len(self.FUNCTION), "name"
+            self.state = "name"
             return True
         if self.state in ("name", "key"):
             end = self._name_end()

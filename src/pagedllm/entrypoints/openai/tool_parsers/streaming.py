@@ -383,6 +383,15 @@ class CallReader:
             self.pos += 1
         return self.pos < len(self.buf)
 
+    def _seek(self, marker: str) -> bool:
+        """Move pos past the next marker (True), or, not there yet, up to the tail that may still grow into it."""
+        i = self.buf.find(marker, self.pos)
+        if i < 0:
+            self.pos = max(self.pos, len(self.buf) - len(marker) + 1)
+            return False
+        self.pos = i + len(marker)
+        return True
+
     def _marker(self, marker: str) -> Optional[bool]:
         """At pos: True (and skipped) if marker is there, None if the text so far may still become it, else False."""
         rest = self.buf[self.pos:self.pos + len(marker)]
@@ -419,11 +428,9 @@ class HermesCallReader(CallReader):
 
     def _step(self) -> bool:
         if self.state in ("start", "seek"):
-            i = self.buf.find(self.START, self.pos)
-            if i < 0:
-                self.pos = max(self.pos, len(self.buf) - len(self.START) + 1)
+            if not self._seek(self.START):
                 return False
-            self.pos, self.state = i + len(self.START), "body"
+            self.state = "body"
             return True
         if self.state == "body":
             if self.current is None:
