@@ -40,7 +40,7 @@ from pagedllm import envs
 from pagedllm.kernels.lora import store_partial_and_fold
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 from pagedllm.kernels.qkv_prep import head_norm_product
-from pagedllm.kernels.reshape_and_cache import v_blocks, v_transposed
+from pagedllm.kernels.reshape_and_cache import v_blocks, v_t_offset, v_transposed
 
 LOG2E = 1.4426950408889634
 # The `window` the kernels get without a sliding window: larger than any context, so it never hides a key.
@@ -197,9 +197,9 @@ def _attend_tile(
             vblk = tl.load(bt_row_ptr + chunk // BLOCK_SIZE, mask=chunk_ok, other=0)
         else:
             vblk = tl.load(bt_row_ptr + chunk // BLOCK_SIZE)
-        vt_ptrs = (cache_ptr + stride_c_kv + v_head_off
-                   + (vblk.to(tl.int64) * stride_c_blk + chunk % BLOCK_SIZE)[None, :, None]
-                   + dims[:, None, None] * BLOCK_SIZE + slots[None, None, :])
+        vt_ptrs = (cache_ptr + stride_c_kv + v_head_off + (vblk.to(tl.int64) * stride_c_blk)[None, :, None]
+                   + v_t_offset(0, dims[:, None, None], (chunk % BLOCK_SIZE)[None, :, None] + slots[None, None, :],
+                                HEAD_SIZE, BLOCK_SIZE))
         if (BOUNDED or WINDOWED) and HEAD_PAD != HEAD_SIZE:
             vt = tl.load(vt_ptrs, mask=chunk_ok[None, :, None] & (dims < HEAD_SIZE)[:, None, None], other=0.0)
         elif BOUNDED or WINDOWED:
@@ -314,7 +314,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_head
-    v_head_off = kv_head.to(tl.int64) * HEAD_SIZE * BLOCK_SIZE
+    v_head_off = v_t_offset(kv_head.to(tl.int64), 0, 0, HEAD_SIZE, BLOCK_SIZE)
 
     # Keys every row of the tile sees: positions <= ctx_len + q_block*BLOCK_Q (the first row's).
     kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last row's limit (<= seq_len)
@@ -605,7 +605,7 @@ def _decode_kernel(
             tl.store(blk_base + (slot % BLOCK_SIZE) * stride_c_slot + kv_head.to(tl.int64) * stride_c_head + dims,
                      k_new, mask=d_ok)
             if V_T:
-                v_dst = kv_head.to(tl.int64) * HEAD_SIZE * BLOCK_SIZE + dims * BLOCK_SIZE + slot % BLOCK_SIZE
+                v_dst = v_t_offset(kv_head.to(tl.int64), dims, slot % BLOCK_SIZE, HEAD_SIZE, BLOCK_SIZE)
             else:
                 v_dst = (slot % BLOCK_SIZE) * stride_c_slot + kv_head.to(tl.int64) * stride_c_head + dims
             tl.store(blk_base + stride_c_kv + v_dst, v_new, mask=d_ok)
@@ -631,7 +631,7 @@ def _decode_kernel(
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
             kv_lo=lo, window=window, WINDOWED=V_T,
             soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS, V_T=V_T,
-            v_head_off=kv_head.to(tl.int64) * HEAD_SIZE * BLOCK_SIZE)
+            v_head_off=v_t_offset(kv_head.to(tl.int64), 0, 0, HEAD_SIZE, BLOCK_SIZE))
 
     has_work = start < end  # empty trailing splits write nothing; the reducer skips them
     _store_slice(acc, m_i, l_i, out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
@@ -764,7 +764,7 @@ def _few_query_kernel(
                 stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
                 BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
                 kv_lo=lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP,
-                V_WORDS=V_WORDS, V_T=V_T, v_head_off=kv_head.to(tl.int64) * HEAD_SIZE * BLOCK_SIZE)
+                V_WORDS=V_WORDS, V_T=V_T, v_head_off=v_t_offset(kv_head.to(tl.int64), 0, 0, HEAD_SIZE, BLOCK_SIZE))
 
         # Every split writes, the empty ones zeros and lse -inf: the reduce needs no request lengths.
         _store_slice(acc, m_i, l_i, out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
-from pagedllm.kernels.reshape_and_cache import v_transposed
+from pagedllm.kernels.reshape_and_cache import v_t_offset, v_transposed
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def _qkv_prep_kernel(
     in_block = off * stride_c_slot + kv_head[:, None] * stride_c_head + cols[None, :]
     second = HALF
     if V_T:  # V transposed in each block, [kv heads, HEAD_SIZE, BLOCK_SIZE] (reshape_and_cache.v_transposed)
-        in_block = tl.where(is_v[:, None], (kv_head[:, None] * HEAD_SIZE + cols[None, :]) * BLOCK_SIZE + off,
+        in_block = tl.where(is_v[:, None], v_t_offset(kv_head[:, None], cols[None, :], off, HEAD_SIZE, BLOCK_SIZE),
                             in_block)
         second = tl.where(is_v, HALF * BLOCK_SIZE, HALF)[:, None]
     dst = cache_ptr + blk * stride_c_blk + which[:, None] * stride_c_kv + in_block

@@ -42,6 +42,13 @@ def v_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def v_t_offset(kv_head, dim, slot, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The element offset of V[slot, kv_head, dim] inside a block's V half when V is transposed (v_transposed):
+    the one place the writers and the attention kernels take the layout from."""
+    return (kv_head * HEAD_SIZE + dim) * BLOCK_SIZE + slot
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr,  # [num_tokens, num_kv_heads, head_size], last dim contiguous
     cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_size]
@@ -76,8 +83,8 @@ def _reshape_and_cache_kernel(
     dst = cache_ptr + blk * stride_c_blk + off * stride_c_slot + heads[:, None] * stride_c_head + dims[None, :]
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     if V_T:
-        dst = (cache_ptr + stride_c_kv + blk * stride_c_blk + off
-               + (heads[:, None] * HEAD_SIZE + dims[None, :]) * BLOCK_SIZE)
+        dst = (cache_ptr + stride_c_kv + blk * stride_c_blk
+               + v_t_offset(heads[:, None], dims[None, :], off, HEAD_SIZE, BLOCK_SIZE))
     else:
         dst = dst + stride_c_kv
     tl.store(dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
