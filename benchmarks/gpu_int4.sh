@@ -142,13 +142,13 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                       'tests/gpu/test_few_query_attention.py', '-k', 'fp8 or kv_scales or FP8']))"
     done
     ;;
-nano-vt)  # the nano protocol end to end: E4M3 with V transposed in each block, E4M3 plain layout (V as words)
-    for kv in fp8-vt fp8-vw; do
+nano-vt)  # the nano protocol end to end: E4M3 with V transposed in each block, E4M3 plain layout (V as words), bf16
+    for kv in fp8-vt fp8-vw auto; do
         step "nano-$kv" 150 python -c "import runpy, sys; import pagedllm.kernels.reshape_and_cache as r
 r.FP8_V_TRANSPOSED = '$kv' == 'fp8-vt'
 sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" benchmarks/offline_throughput.py \
             --model benchmarks/configs/qwen3-0.6b --load-format dummy --dtype bfloat16 --num-prompts 256 \
-            --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --hf none --kv-cache-dtype fp8
+            --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --hf none --kv-cache-dtype ${kv%-v?}
     done
     ;;
 nano-kv)  # the nano protocol end to end, E4M3 vs bf16 cache (offline_throughput.py, 256 requests, 100..1024 in/out)
