@@ -16,6 +16,8 @@ from typing import Any, Optional, Union
 
 from pagedllm.dtypes import DTYPE_CHOICES
 
+# the name the default model is served and labelled under when no --model / --served-model-name says one
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # vLLM's logprobs_mode: what a sampled token's logprobs report (layers/sampler.py): log-softmax or logits, of the
 # raw logits or of those the token is drawn from (after penalties, temperature, min_p, top-k / top-p).

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm import envs
-from pagedllm.config import EngineArgs
+from pagedllm.config import DEFAULT_SERVED_NAME, EngineArgs
 from pagedllm.core.block_hash import check_cache_salt
 from pagedllm.sampling_params import PER_REQUEST_LOGITS_PROCESSORS, SamplingParams, keep_last_tokens
 
@@ -141,7 +141,7 @@ class LLM:
                 if isinstance(served, (list, tuple)):
                     served = served[0] if served else None
                 # the model_name label, as `pagedllm serve` names the model
-                self._stats = OfflineMetrics(served or a.model or "SmolLM2-135M-Instruct", engine.max_model_len,
+                self._stats = OfflineMetrics(served or a.model or DEFAULT_SERVED_NAME, engine.max_model_len,
                                              engine.cache_config_info())
             from pagedllm.generation_config import load_sampling_defaults, log_sampling_defaults
 

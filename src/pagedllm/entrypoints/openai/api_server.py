@@ -18,9 +18,9 @@ import socket
 import sys
 from typing import Any, Optional
 
-logger = logging.getLogger("pagedllm.api_server")
+from pagedllm.config import DEFAULT_SERVED_NAME
 
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+logger = logging.getLogger("pagedllm.api_server")
 
 
 def setup_logging(level: str, tag: str = "") -> None:
