@@ -233,3 +233,33 @@ def test_regex_with_an_inner_anchor_is_kept_to(tiny_llm: LLM) -> None:
         assert re.fullmatch(r"[ab]c{1,3}", o.outputs[0].text), o.outputs[0].text
     with pytest.raises(ValueError, match="the anchor '\\^' at position 1 of the regex cannot be honoured"):
         tiny_llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=_so(regex="a^b")), use_tqdm=False)
+
+
+def test_refused_duplicate_id_leaves_the_running_requests_grammar_alone(tiny_llm: LLM) -> None:
+    """A second request under a grammar added with the id of a running one is refused; the running one keeps its
+    mask and finishes on its grammar (the duplicate's grammar took its place in the engine's structured-output
+    state before the refusal: the running request lost its mask, took a forbidden token and was aborted)."""
+    from pagedllm.core.engine_core import EngineCoreRequest
+
+    core = tiny_llm.engine
+    ids = tiny_llm.get_tokenizer().encode("count")
+    sp = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=_so(grammar=GRAMMAR))
+    core.add_request(EngineCoreRequest("dup", ids, sp))
+    tokens, reason = [], None
+    for _ in range(3):
+        for out in core.step():
+            tokens += out.new_token_ids
+            reason = out.finish_reason
+    assert reason is None and core.has_unfinished_requests()
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request(EngineCoreRequest("dup", ids, SamplingParams(max_tokens=4, structured_outputs=_so(
+            regex="x+"))))
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens += out.new_token_ids
+            reason = out.finish_reason
+    text = tiny_llm.get_tokenizer().decode(tokens, skip_special_tokens=True)
+    assert reason == "stop" and re.fullmatch(r"\([0-9](\+[0-9])*\)", text), (reason, text)
+    assert not core.pop_request_errors()
+    kv = core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks

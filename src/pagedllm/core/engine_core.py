@@ -222,6 +222,11 @@ class EngineCore:
             raise EngineShutDown()
         if self.sleeping_tags:
             raise EngineSleeping()
+        if req.request_id in self.scheduler.requests:
+            # Refused before anything keyed by the id is touched: a grammar submitted for the duplicate took the
+            # running request's place in the structured-output hooks, which then dropped its mask (it went off its
+            # grammar and was aborted).
+            raise ValueError(f"Request id {req.request_id!r} is already in use.")
         embeds = req.prompt_embeds
         if embeds is not None:
             if not self.engine_args.enable_prompt_embeds:
