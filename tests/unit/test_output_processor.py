@@ -155,6 +155,35 @@ def test_stop_strings_wait_for_min_tokens(tokenizer, per_step, stop, text, num_t
         assert len(final.outputs[0].token_ids) == num_tokens
 
 
+@pytest.mark.parametrize("last", ["eos", "stop_id"])
+def test_stop_string_before_a_hidden_last_token_of_the_step(tokenizer, last):
+    """A step of several tokens (speculation) whose token before a hidden EOS / stop id completes a stop string:
+    the hidden token is dropped from token_ids and logprobs as the tokens after a stop string are, so the output is
+    the one of a step at a time (it was kept: the ids and the cumulative logprob depended on the drafts accepted)."""
+    ids = encode(tokenizer, "a b c")
+    hidden = tokenizer.eos_token_id if last == "eos" else 7
+    params = SamplingParams(stop=[" c"], max_tokens=20, logprobs=0, stop_token_ids=[7])
+    lps = [TokenLogprobs([t], [-1.0], [1]) for t in ids + [hidden]]
+    got = {}
+    for mode, steps in (("one", [[t] for t in ids]), ("spec", [ids[:-1], ids[-1:] + [hidden]])):
+        proc = OutputProcessor(tokenizer)
+        proc.add_request(mode, None, [1], params, output_kind="final_only")
+        done = 0
+        for i, step in enumerate(steps):
+            last_step = i == len(steps) - 1 and mode == "spec"
+            outs, _ = proc.process_outputs([EngineCoreOutput(
+                mode, step, new_logprobs=lps[done:done + len(step)], finish_reason="stop" if last_step else None,
+                stop_reason=(7 if last == "stop_id" else None) if last_step else None)])
+            done += len(step)
+            if outs:
+                got[mode] = outs[0].outputs[0]
+                break
+    one, spec = got["one"], got["spec"]
+    assert (spec.text, spec.finish_reason, spec.stop_reason) == (one.text, "stop", " c") == ("a b", "stop", " c")
+    assert spec.token_ids == one.token_ids == ids
+    assert len(spec.logprobs) == len(ids) and spec.cumulative_logprob == one.cumulative_logprob == -len(ids)
+
+
 def test_eos_stop_token_and_abort_pass_through(tokenizer):
     proc = OutputProcessor(tokenizer)
     for rid in ("eos", "tok", "abort", "len"):

@@ -404,7 +404,7 @@ class OutputProcessor:
                         state.text = state.text[:keep]
                         state.finish_reason, state.stop_reason = "stop", stop
                         stopped_by_string = True
-                        if len(pieces) > 1:
+                        if piece:  # (also a lone shown token followed by a hidden EOS / stop id of the same step)
                             self._drop_last_tokens(state, len(new_ids) - (within + j + 1))
                         break
         if not stopped_by_string and out.finished:
