@@ -294,3 +294,26 @@ def test_lora_request_takes_vllms_fields_in_vllms_order(good):
     assert LoRARequest("sql", 7, good, tensorizer_config_dict=None).load_inplace is False
     with pytest.raises(ValueError, match="tensorizer_config_dict"):
         LoRARequest("sql", 7, good, tensorizer_config_dict={"tensorizer_dir": "/t"})
+
+
+def test_adapter_removed_while_in_use_and_added_again_stays_loaded(llm, good):
+    """remove_lora while a request uses the adapter defers the removal; adding the same adapter (id and path) again
+    calls the removal off: it stays loaded after its requests finish and takes new ones (it was refused, "in use
+    by running requests and cannot be given another path", though the path was the same)."""
+    from pagedllm.core.engine_core import EngineCoreRequest
+
+    core = llm.engine
+    lora = LoRARequest("again", 61, good)
+    assert core.add_lora(lora)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    core.add_request(EngineCoreRequest("uses-61", [5, 6, 7, 8], sp, lora_id=61))
+    core.step()
+    assert core.remove_lora(61) and 61 not in core.list_loras()
+    assert core.add_lora(lora) and 61 in core.list_loras()
+    while core.has_unfinished_requests():
+        core.step()
+    core.step()  # (a step collects the adapters whose removal waits for their requests)
+    assert 61 in core.list_loras()
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], sp, lora_request=lora, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6
+    assert core.remove_lora(61) and 61 not in core.list_loras()

@@ -709,9 +709,14 @@ class EngineLoRAs:
         lora_id = lora_request.lora_int_id
         known = self.requests.get(lora_id)
         inplace = bool(getattr(lora_request, "load_inplace", False))
-        if (known is not None and known.lora_path == lora_request.lora_path and lora_id not in self.pending_removal
-                and not inplace):
-            return False
+        if known is not None and known.lora_path == lora_request.lora_path and not inplace:
+            if lora_id not in self.pending_removal:
+                return False
+            # Removed while its requests still run, and added again as it was: still loaded, so the removal is
+            # called off (it was refused as if given another path).
+            self.pending_removal.discard(lora_id)
+            self.requests[lora_id] = lora_request
+            return True
         if known is not None and self._in_use(lora_id):
             what = "reloaded in place" if inplace else "given another path"
             raise ValueError(f"LoRA adapter id {lora_id} is in use by running requests and cannot be {what}; give "
