@@ -375,6 +375,17 @@ def test_unimplemented_vllm_extras_asking_for_nothing_are_accepted(http: httpx.C
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_n_null_is_the_default_one(http: httpx.Client, path: str, stream: bool) -> None:
+    """OpenAI's n is "integer or null": clients that send every parameter, unset ones as null, get one choice."""
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}
+    r = http.post(path, json={**base, "max_tokens": 2, "n": None, "stream": stream})
+    assert r.status_code == 200, r.text
+    choices = [c for chunk in _sse(r) for c in chunk["choices"]] if stream else r.json()["choices"]
+    assert choices and {c["index"] for c in choices} == {0}, choices
+
+
 def test_unknown_fields_are_named_in_a_warning(server: Server, http: httpx.Client) -> None:
     r = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "max_token": 3, "temprature": 0.2, "user": "u1"})
     assert r.status_code == 200
