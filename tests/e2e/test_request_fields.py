@@ -131,6 +131,19 @@ def test_the_x_request_id_header_names_the_answer_over_the_field(http: httpx.Cli
     assert ids == {"chatcmpl-hdr"}, r.text
 
 
+@pytest.mark.parametrize("given", [{"json": {"request_id": ""}}, {"headers": {"X-Request-Id": ""}}],
+                         ids=["field", "header"])
+def test_an_empty_request_id_gets_a_new_one(http: httpx.Client, given: dict) -> None:
+    """An empty request_id / X-Request-Id names nothing: the answer gets a fresh id, not a bare "cmpl-"."""
+    ids = set()
+    for _ in range(2):
+        r = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, **given.get("json", {})},
+                      headers=given.get("headers", {}))
+        assert r.status_code == 200, r.text
+        ids.add(r.json()["id"])
+    assert len(ids) == 2 and all(i.startswith("cmpl-") and len(i) > len("cmpl-") for i in ids), ids
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_token_text_is_left_out(http: httpx.Client, offline_llm, include: bool) -> None:
     """A request that stops on a stop_token_id (or EOS) does not show that token's text unless
