@@ -131,6 +131,19 @@ def test_the_x_request_id_header_names_the_answer_over_the_field(http: httpx.Cli
     assert ids == {"chatcmpl-hdr"}, r.text
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40, 1e300])
+def test_an_extreme_repetition_penalty_keeps_the_engine_serving(http: httpx.Client, penalty: float) -> None:
+    """Any positive repetition_penalty is valid (vLLM's rule), but in float32 a tiny one made the penalized logits
+    inf / NaN and top-p's search then stopped the engine core: every later request got a 503."""
+    body = {"messages": [{"role": "user", "content": "Say hello, hello, hello"}], "max_tokens": 4,
+            "temperature": 1.0, "top_p": 0.9, "seed": 0}
+    r = http.post(CHAT, json=dict(body, repetition_penalty=penalty))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    r = http.post(CHAT, json=body)  # the engine still serves
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("given", [{"json": {"request_id": ""}}, {"headers": {"X-Request-Id": ""}}],
                          ids=["field", "header"])
 def test_an_empty_request_id_gets_a_new_one(http: httpx.Client, given: dict) -> None:

@@ -53,6 +53,10 @@ PREFIX_MIN_ROWS = 64
 DEVICE_SAMPLING = True
 _DEVICE_SAMPLING_TYPES = ("cuda",)  # Triton's interpreter test adds "cpu"
 DEVICE_TOPK_CUTOFF_MAX = 1024
+# The repetition penalty a row applies is held to [1/REP_PENALTY_BOUND, REP_PENALTY_BOUND]: any positive penalty is
+# valid, but a float32 logit over a tiny one (1e-300 is 0 in float32) is inf or NaN, which the top-k / top-p
+# search cannot order (it stopped the engine core); within the bound a penalized logit stays finite.
+REP_PENALTY_BOUND = 1e8
 
 
 def _mix_seed(seed: int, position: int) -> int:
@@ -436,7 +440,7 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
         seen.scatter_(1, meta.prompt_token_ids, True)
         seen.scatter_(1, out_ids, True)
-        rep = meta.repetition_penalties.unsqueeze(1)  # [N, 1]
+        rep = meta.repetition_penalties.clamp(1.0 / REP_PENALTY_BOUND, REP_PENALTY_BOUND).unsqueeze(1)  # [N, 1]
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen[:, :vocab], penalized, logits)
     if not meta.no_frequency_presence:
