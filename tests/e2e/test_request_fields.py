@@ -144,6 +144,20 @@ def test_an_extreme_repetition_penalty_keeps_the_engine_serving(http: httpx.Clie
     assert r.status_code == 200, r.text
 
 
+def test_a_huge_temperature_keeps_the_request_constraints(http: httpx.Client) -> None:
+    """temperature 1e300 is inf in float32: a masked token's logit became -inf / inf = NaN, and the draw took
+    tokens outside allowed_token_ids and broke a JSON grammar (finish_reason "abort"). It samples uniformly now."""
+    allowed = sorted(set(_ids(http, " one two three four")))
+    r = http.post(CMPL, json={"prompt": PROMPT, "max_tokens": 6, "temperature": 1e300, "ignore_eos": True,
+                              "allowed_token_ids": allowed, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert set(r.json()["choices"][0]["token_ids"]) <= set(allowed), (allowed, r.text)
+    r = http.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 1e300,
+                              "response_format": {"type": "json_object"}, "logprobs": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text  # not "abort"
+
+
 @pytest.mark.parametrize("given", [{"json": {"request_id": ""}}, {"headers": {"X-Request-Id": ""}}],
                          ids=["field", "header"])
 def test_an_empty_request_id_gets_a_new_one(http: httpx.Client, given: dict) -> None:
