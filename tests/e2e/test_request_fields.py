@@ -144,6 +144,19 @@ def test_an_extreme_repetition_penalty_keeps_the_engine_serving(http: httpx.Clie
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_top_logprobs_zero_without_logprobs_asks_for_nothing(http: httpx.Client, stream: bool) -> None:
+    """vLLM refuses top_logprobs without logprobs only when it asks for some (> 0); 0 parses, and no logprobs come.
+    A count does still need the flag."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "top_logprobs": 0, "stream": stream}
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    choices = [c for chunk in _sse(r) for c in chunk["choices"]] if stream else r.json()["choices"]
+    assert choices and all(c.get("logprobs") is None for c in choices), choices
+    r = http.post(CHAT, json=dict(body, top_logprobs=1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
 def test_a_huge_temperature_keeps_the_request_constraints(http: httpx.Client) -> None:
     """temperature 1e300 is inf in float32: a masked token's logit became -inf / inf = NaN, and the draw took
     tokens outside allowed_token_ids and broke a JSON grammar (finish_reason "abort"). It samples uniformly now."""
