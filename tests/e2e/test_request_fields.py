@@ -131,6 +131,59 @@ def test_the_x_request_id_header_names_the_answer_over_the_field(http: httpx.Cli
     assert ids == {"chatcmpl-hdr"}, r.text
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40, 1e300])
+def test_an_extreme_repetition_penalty_keeps_the_engine_serving(http: httpx.Client, penalty: float) -> None:
+    """Any positive repetition_penalty is valid (vLLM's rule), but in float32 a tiny one made the penalized logits
+    inf / NaN and top-p's search then stopped the engine core: every later request got a 503."""
+    body = {"messages": [{"role": "user", "content": "Say hello, hello, hello"}], "max_tokens": 4,
+            "temperature": 1.0, "top_p": 0.9, "seed": 0}
+    r = http.post(CHAT, json=dict(body, repetition_penalty=penalty))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    r = http.post(CHAT, json=body)  # the engine still serves
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_top_logprobs_zero_without_logprobs_asks_for_nothing(http: httpx.Client, stream: bool) -> None:
+    """vLLM refuses top_logprobs without logprobs only when it asks for some (> 0); 0 parses, and no logprobs come.
+    A count does still need the flag."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "top_logprobs": 0, "stream": stream}
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    choices = [c for chunk in _sse(r) for c in chunk["choices"]] if stream else r.json()["choices"]
+    assert choices and all(c.get("logprobs") is None for c in choices), choices
+    r = http.post(CHAT, json=dict(body, top_logprobs=1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+def test_a_huge_temperature_keeps_the_request_constraints(http: httpx.Client) -> None:
+    """temperature 1e300 is inf in float32: a masked token's logit became -inf / inf = NaN, and the draw took
+    tokens outside allowed_token_ids and broke a JSON grammar (finish_reason "abort"). It samples uniformly now."""
+    allowed = sorted(set(_ids(http, " one two three four")))
+    r = http.post(CMPL, json={"prompt": PROMPT, "max_tokens": 6, "temperature": 1e300, "ignore_eos": True,
+                              "allowed_token_ids": allowed, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert set(r.json()["choices"][0]["token_ids"]) <= set(allowed), (allowed, r.text)
+    r = http.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 1e300,
+                              "response_format": {"type": "json_object"}, "logprobs": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text  # not "abort"
+
+
+@pytest.mark.parametrize("given", [{"json": {"request_id": ""}}, {"headers": {"X-Request-Id": ""}}],
+                         ids=["field", "header"])
+def test_an_empty_request_id_gets_a_new_one(http: httpx.Client, given: dict) -> None:
+    """An empty request_id / X-Request-Id names nothing: the answer gets a fresh id, not a bare "cmpl-"."""
+    ids = set()
+    for _ in range(2):
+        r = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, **given.get("json", {})},
+                      headers=given.get("headers", {}))
+        assert r.status_code == 200, r.text
+        ids.add(r.json()["id"])
+    assert len(ids) == 2 and all(i.startswith("cmpl-") and len(i) > len("cmpl-") for i in ids), ids
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_token_text_is_left_out(http: httpx.Client, offline_llm, include: bool) -> None:
     """A request that stops on a stop_token_id (or EOS) does not show that token's text unless
@@ -373,6 +426,17 @@ def test_unimplemented_vllm_extras_asking_for_nothing_are_accepted(http: httpx.C
     r = http.post(path, json={**base, "max_tokens": 1, "priority": 0, "return_tokens_as_token_ids": False,
                               "logits_processors": [], "cache_salt": None, "modalities": ["text"], "audio": None})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_n_null_is_the_default_one(http: httpx.Client, path: str, stream: bool) -> None:
+    """OpenAI's n is "integer or null": clients that send every parameter, unset ones as null, get one choice."""
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}
+    r = http.post(path, json={**base, "max_tokens": 2, "n": None, "stream": stream})
+    assert r.status_code == 200, r.text
+    choices = [c for chunk in _sse(r) for c in chunk["choices"]] if stream else r.json()["choices"]
+    assert choices and {c["index"] for c in choices} == {0}, choices
 
 
 def test_unknown_fields_are_named_in_a_warning(server: Server, http: httpx.Client) -> None:

@@ -53,6 +53,17 @@ PREFIX_MIN_ROWS = 64
 DEVICE_SAMPLING = True
 _DEVICE_SAMPLING_TYPES = ("cuda",)  # Triton's interpreter test adds "cpu"
 DEVICE_TOPK_CUTOFF_MAX = 1024
+# A row's temperature is held to at most SAMPLING_BOUND and its repetition penalty to [1/SAMPLING_BOUND,
+# SAMPLING_BOUND]: any positive value is valid (vLLM's rules), but in float32 1e300 is inf and 1e-300 is 0, and the
+# logits over them were inf or NaN (-inf / inf of a masked token): top-p's search indexed with them and stopped the
+# engine core, or a NaN row's argmax broke the request's grammar and allowed tokens. Past the bound the
+# distribution is already uniform (or the penalty total), so nothing else changes.
+SAMPLING_BOUND = 1e8
+
+
+def row_temperature(p: SamplingParams) -> float:
+    """The temperature a sampled row divides its logits by (both metadata builders'), finite in float32."""
+    return min(float(p.temperature), SAMPLING_BOUND)
 
 
 def _mix_seed(seed: int, position: int) -> int:
@@ -176,7 +187,7 @@ class SamplingMetadata:
         sampled = [p for p, g in zip(params, greedy) if not g]
         if not all_greedy:
             names.append("temperature")
-            float_rows.append([0.0 if g else float(p.temperature) for p, g in zip(params, greedy)])
+            float_rows.append([0.0 if g else row_temperature(p) for p, g in zip(params, greedy)])
             if any(p.top_p < 1.0 for p in sampled):
                 names.append("top_p")
                 float_rows.append([float(p.top_p) for p in params])
@@ -197,7 +208,8 @@ class SamplingMetadata:
             names += ["presence_penalties", "frequency_penalties", "repetition_penalties"]
             float_rows.append([float(p.presence_penalty) for p in params])
             float_rows.append([float(p.frequency_penalty) for p in params])
-            float_rows.append([float(p.repetition_penalty) for p in params])
+            float_rows.append([min(max(float(p.repetition_penalty), 1.0 / SAMPLING_BOUND), SAMPLING_BOUND)
+                               for p in params])
             # Rows without a penalty contribute only padding (their penalties are no-ops anyway).
             penalized = [p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                          for p in params]

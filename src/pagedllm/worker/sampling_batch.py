@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedllm.layers.sampler import SamplingMetadata
+from pagedllm.layers.sampler import SamplingMetadata, row_temperature
 from pagedllm.sampling_params import _GREEDY_EPS, SamplingParams
 
 
@@ -61,7 +61,7 @@ class SamplingBatch:
     def set_row(self, row: int, p: SamplingParams) -> None:
         greedy = p.temperature < _GREEDY_EPS
         self.greedy[row] = greedy
-        self.temperature[row] = 0.0 if greedy else float(p.temperature)
+        self.temperature[row] = 0.0 if greedy else row_temperature(p)
         self.top_p[row] = float(p.top_p)
         self.min_p[row] = float(p.min_p)
         self.top_k[row] = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size

@@ -34,7 +34,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     salt = request_cache_salt(req)
     priority = request_priority(req, state.scheduling_policy)
     engine = state.engine
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # (0 asks for nothing: accepted without logprobs, as vLLM does)
         raise APIError("When using 'top_logprobs', 'logprobs' must be set to true.", param="top_logprobs")
     check_logprob_fields(req, state.max_logprobs, top_name="top_logprobs", top=req.top_logprobs)
     check_request_template(req.chat_template, state)

@@ -26,6 +26,15 @@ def _no_bool(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_no_bool)]
 
 
+def _null_is_one(value: Any) -> Any:
+    return 1 if value is None else _no_bool(value)
+
+
+# OpenAI's `n` is "integer or null" (null: the default, 1), as vLLM's Optional[int] = 1: clients that send every
+# parameter (null where unset) must not get a 400. Read as 1, so `req.n` stays an int.
+CountOrNull = Annotated[int, BeforeValidator(_null_is_one)]
+
+
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
@@ -78,7 +87,7 @@ class _SamplingFields(VllmSamplingExtras):
     max_tokens: Optional[Int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    n: Int = 1
+    n: CountOrNull = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None

@@ -27,9 +27,8 @@ def request_ids(request: Any, prefix: str, given: Optional[str]) -> tuple[str, s
     the X-Request-Id header, else the body's request_id, else a new one. A client's base may be any request's
     (a gateway's trace id, a retry while the first still runs), so the engine's id adds 8 random characters to it,
     as vLLM's engine client does: two requests of one id both run."""
-    base = request.headers.get("x-request-id")
-    if base is None:
-        base = given
+    # an empty header or field names nothing (as vLLM's `given or random_uuid()`): the answer's id is never bare
+    base = request.headers.get("x-request-id") or given or None
     if base is None:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         return rid, rid
