@@ -596,3 +596,30 @@ def test_without_chunked_prefill_a_prompt_runs_whole_or_waits(chunked):
         sched.add_request(make_req("c", 9, max_tokens=2))
         plan, _ = step(sched, runner)
         assert plan.num_scheduled_tokens == {"c": 9}
+
+
+def test_longrope_request_held_out_leaves_no_other_alone_in_the_pool():
+    """LongRoPE with async scheduling: a request crossing the original context with a token in flight is held out
+    of `running` for a step, its blocks still taken. A request then alone in `running` that finds the pool full
+    must wait (preempted), not be finished as one that can never grow (it was: "length" with no token)."""
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS, num_blocks=3,
+                  enable_prefix_caching=False, async_scheduling=True, long_rope_original=8)
+    a = make_req("a", 8, max_tokens=4)  # 2 blocks; its first token crosses position 8: recomputed with long factors
+    b = make_req("b", 4, max_tokens=6)  # 1 block, full: its first decode needs a new one
+    s.add_request(a)
+    s.add_request(b)
+    prev, token, preempted = None, 500, set()
+    for _ in range(100):
+        plan = s.schedule()
+        preempted |= plan.preempted_request_ids
+        if prev is not None:  # the step in flight's result comes after the next plan (async scheduling)
+            ids = list(prev.num_scheduled_tokens)
+            sampled = [[token + i] for i in range(len(ids))]
+            s.update_from_output(prev, ModelOutput(req_ids=ids, sampled_token_ids=sampled))
+            token += len(ids)
+        prev = plan
+        if a.is_finished and b.is_finished:
+            break
+    assert preempted >= {"a", "b"}  # a recomputed past the boundary, b waited for a's blocks
+    assert (len(a.output_token_ids), len(b.output_token_ids)) == (4, 6)  # each to its max_tokens
+    assert s.kv_cache_manager.num_free_blocks == 3

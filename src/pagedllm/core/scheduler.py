@@ -125,6 +125,7 @@ class Scheduler:
         model's context when the engine's reaches past it (a prompt longer than it is rotated with its own
         length's base: Request.ntk_prompt_len); None otherwise."""
         self.long_rope_original = long_rope_original
+        self._held_out = False  # this step holds LongRoPE requests out of `running` (_recompute_outgrown)
         self.ntk_original = ntk_original
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {scheduling_policy!r}.")
@@ -368,6 +369,7 @@ class Scheduler:
         # earlier token on the host (those steps run synchronously, with the host's drafts).
         plan.spec_overlap = plan.propose_drafts and self.spec_overlap_active()
         held = self._recompute_outgrown(preempted) if self.long_rope_original is not None else None
+        self._held_out = bool(held)  # (their blocks free next step: no running request is then alone in the pool)
         # Priority: seats and blocks for the most urgent waiting request, taken from less urgent running ones. Not in
         # `preempted`: this step still admits (that is what they were freed for).
         made_room = self._preempt_for_urgent() if self.priority and self.waiting and self.running else None
@@ -520,7 +522,7 @@ class Scheduler:
             num_new_tokens += len(drafts)
             new_block_ids = kv.allocate_slots(request, num_new_tokens)
             while new_block_ids is None:
-                if len(self.running) == 1:
+                if len(self.running) == 1 and not self._held_out:
                     # It alone holds the whole pool and still needs more: it can never finish.
                     self.running.pop()
                     self._finish_cannot_grow(request)
