@@ -319,3 +319,39 @@ def test_a_forgotten_requests_late_cleanup_spares_a_newer_request_with_its_id() 
             _close(engine)
 
     assert asyncio.run(run()) == [[9]]
+
+
+def test_a_request_the_output_processor_refuses_is_neither_sent_nor_counted() -> None:
+    """The output processor refuses a request (here: stop strings without a tokenizer) while its samples are being
+    registered: nothing goes to the engine core (no AddRequest, no needless AbortRequests), no bookkeeping is left
+    behind, and `vllm:request_success` counts no abort for a request that never ran."""
+    from prometheus_client import generate_latest
+
+    from pagedllm.metrics import Metrics
+
+    async def run() -> tuple[list, AsyncEngine]:
+        engine, channel = _engine()
+        engine.metrics = Metrics("m")
+        try:
+            with pytest.raises(ValueError, match="Stop strings need detokenization"):
+                await engine.generate(None, [1, 2, 3], SamplingParams(max_tokens=8, n=2, stop=["x"]), "r",
+                                      "delta").__anext__()
+            ok = engine.generate(None, [1, 2], _params(), "r", "delta")  # the id is free again
+            first = asyncio.ensure_future(ok.__anext__())
+            await asyncio.sleep(0)
+            _step(engine, "r", 7, finished=True)
+            assert (await first).outputs[0].token_ids == [7]
+            await ok.aclose()
+        finally:
+            _close(engine)
+        return channel.sent, engine
+
+    sent, engine = asyncio.run(run())
+    assert [type(msg).__name__ for msg in sent] == ["AddRequest"] and sent[0].prompt_token_ids == [1, 2]
+    assert not engine._timing and not engine._engine_to_parent and not engine._parents
+    assert not engine.processor._requests and not engine.processor._parents
+    text = generate_latest(engine.metrics.registry).decode()
+    success = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{")}
+    assert sum(v for labels, v in success.items() if 'finished_reason="abort"' in labels) == 0
+    assert sum(success.values()) == 1  # the second request, finished

@@ -482,15 +482,31 @@ class AsyncEngine:
             self._timing[child.request_id] = _ReqTiming(arrival=now, num_prompt_tokens=len(prompt_token_ids),
                                                         engine=engine, max_tokens=max_tokens, samples=samples)
             # (an embeddings prompt has no tokens to show, nor to decode the output after)
-            self.processor.add_request(child.request_id, prompt, prompt_token_ids if embeds is None else [],
-                                       child.params, parent_id=child.parent_id, index=child.index,
-                                       output_kind=output_kind)
+            try:
+                self.processor.add_request(child.request_id, prompt, prompt_token_ids if embeds is None else [],
+                                           child.params, parent_id=child.parent_id, index=child.index,
+                                           output_kind=output_kind)
+            except Exception:
+                self._unregister(parent)
+                raise
             adds.append(m.AddRequest(child.request_id, list(prompt_token_ids), child.params, time.time(),
                                      lora_id=None if lora_request is None else lora_request.lora_int_id,
                                      client_index=self.client_index, cache_salt=cache_salt,
                                      priority=priority,  # (n > 1: every sample has the request's priority)
                                      prompt_embeds=embeds))
         return engine, adds
+
+    def _unregister(self, parent: _Parent) -> None:
+        """Undo _add_children's bookkeeping of a request refused before any of it reached an engine core: it is
+        neither counted as finished (metrics) nor aborted there."""
+        abort = getattr(self.processor, "abort_requests", None)
+        for cid in parent.child_ids:
+            for table in (self._engine_to_parent, self._engine_of, self._timing):
+                table.pop(cid, None)
+        if abort is not None:
+            abort(parent.child_ids[:-1])  # (the last one is the child the processor refused)
+        parent.child_ids.clear()
+        parent.finished = True
 
     def _forget(self, request_id: str, abort: bool, owner: Optional[_Parent] = None) -> None:
         """Drop a request's bookkeeping (abort: its engine requests too). `owner`: only if the id is still this
