@@ -2,6 +2,8 @@
 transformers with the library's decompressed weights (and the library's activation fake-quantization for W8A8)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -181,3 +183,26 @@ def test_a_quantized_score_head_is_refused_by_name(tmp_path, token):
     model_dir, _ = ct_checkpoint(src, str(tmp_path / "ct"), "W8A16", group_size=32, reference=False)
     with pytest.raises(ValueError, match=r"classification head \(score\) is quantized \(score\.weight_packed\)"):
         load_model(model_dir, dtype=torch.float32)
+
+
+def test_an_ignored_parent_module_keeps_its_targeted_children_quantized(tmp_path, tiny_model_dir):
+    """compressed-tensors matches `ignore` against each module by exact name (or regex): an entry naming a parent
+    (`model.layers.0.mlp`) leaves its Linear children to the targets, which quantize them. The library then writes
+    the layers it left float (lm_head) into config.json; a config carrying the recipe's list as given (as a tool
+    copying the recipe writes it) was read here as "every layer under the parent is float", and loading failed on
+    their packed weights."""
+    import json
+
+    model_dir, reference = ct_checkpoint(tiny_model_dir("llama"), str(tmp_path / "ct"), "W4A16",
+                                         ignore=("lm_head", "model.layers.0.mlp"), group_size=32)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["quantization_config"]["ignore"] == ["lm_head"]  # the library's own list: the float layers
+    config["quantization_config"]["ignore"] = ["lm_head", "model.layers.0.mlp"]
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    ours = _compare(model_dir, reference, atol=2e-4)
+    kinds = {name: type(m.linear_method).__name__ for name, m in ours.named_modules()
+             if name.startswith("model.layers.0.mlp.") and hasattr(m, "linear_method")}
+    assert set(kinds) == {"model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"}
+    assert set(kinds.values()) == {"CTWNA16Method"}

@@ -88,7 +88,8 @@ class LanguageModelNames:
         rest = prefix[len("model."):] if prefix.startswith("model.") else None
         names = [f"language_model.{prefix}"] + ([f"model.language_model.{rest}"] if rest else []) + [prefix]
         ignored = getattr(self._inner, "ignore", None) or getattr(self._inner, "modules_to_not_convert", None)
-        if ignored and any(is_layer_skipped(name, ignored) for name in names):
+        parents = getattr(self._inner, "ignore_parents", True)
+        if ignored and any(is_layer_skipped(name, ignored, parents) for name in names):
             return None
         return next((m for m in (self._inner.get_linear_method(layer, n) for n in names) if m is not None), None)
 

@@ -42,6 +42,8 @@ class QuantizationConfig:
     # Activation dtypes it computes in (CPU runs fp32; the GPU kernels take fp16/bf16).
     supported_act_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     supports_lora: ClassVar[bool] = False
+    # Whether an unquantized-modules entry naming a parent module keeps all its layers float (is_layer_skipped).
+    ignore_parents: ClassVar[bool] = True
     # Checkpoint `quant_method` names this config reads (besides `name`).
     checkpoint_names: ClassVar[tuple[str, ...]] = ()
     # True for methods that quantize a float checkpoint at load time (fp8, int8): no quantization_config needed.
@@ -85,21 +87,23 @@ class QuantizationConfig:
         return f"{type(self).__name__}({fields})"
 
 
-def is_layer_skipped(prefix: str, ignored: Iterable[str]) -> bool:
+def is_layer_skipped(prefix: str, ignored: Iterable[str], parents: bool = True) -> bool:
     """Whether the layer `prefix` is in a checkpoint's list of unquantized modules.
 
     Entries are module names or name suffixes (`lm_head`, `model.layers.0.mlp.down_proj`, AWQ's `down_proj`) or
     compressed-tensors regexes (`re:.*lm_head`). A fused layer (`qkv_proj`) is skipped when all of its checkpoint
     layers are, or when the entry names the fused layer itself (Phi-3 checkpoints store qkv_proj / gate_up_proj
-    as one module); only some of them is a checkpoint we cannot load fused, refused with a message."""
+    as one module); only some of them is a checkpoint we cannot load fused, refused with a message. parents=False:
+    an entry naming a parent module skips none of its layers (compressed-tensors quantizes the children of an
+    ignored parent that its targets match)."""
     ignored = list(ignored or ())
     if not ignored:
         return False
     parent, _, leaf = prefix.rpartition(".")
-    if leaf in FUSED_LAYER_SHARDS and _matches(prefix, ignored):
+    if leaf in FUSED_LAYER_SHARDS and _matches(prefix, ignored, parents):
         return True  # a checkpoint storing the layer fused (Phi-3's qkv_proj, gate_up_proj) names it whole
     names = [f"{parent}.{s}" if parent else s for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
-    hits = [_matches(name, ignored) for name in names]
+    hits = [_matches(name, ignored, parents) for name in names]
     if all(hits):
         return True
     if any(hits):
@@ -108,12 +112,14 @@ def is_layer_skipped(prefix: str, ignored: Iterable[str]) -> bool:
     return False
 
 
-def _matches(name: str, ignored: list[str]) -> bool:
+def _matches(name: str, ignored: list[str], parents: bool = True) -> bool:
     for entry in ignored:
         if entry.startswith("re:"):
             if re.fullmatch(entry[3:], name) or re.match(entry[3:], name):
                 return True
-        elif ("." + entry + ".") in ("." + name + "."):  # the module itself, a suffix of it, or a parent
+        elif parents and ("." + entry + ".") in ("." + name + "."):  # the module itself, a suffix of it, a parent
+            return True
+        elif not parents and ("." + name).endswith("." + entry):  # the module itself or a suffix of its name
             return True
     return False
 

@@ -90,6 +90,7 @@ def _check_kv_cache_scheme(kv: Optional[dict[str, Any]]) -> None:
 
 class CompressedTensorsConfig(QuantizationConfig):
     name = "compressed-tensors"
+    ignore_parents = False  # the library quantizes the Linear children of an ignored parent module
     supports_lora = True  # the LoRA wrappers add a float delta around apply(), whatever the base weight's storage
 
     def __init__(self, schemes: list[Scheme], ignore: list[str]) -> None:
@@ -135,7 +136,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         return by_target.get("Linear")
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional[LinearMethodBase]:
-        if is_layer_skipped(prefix, self.ignore):
+        if is_layer_skipped(prefix, self.ignore, self.ignore_parents):
             return None
         parent, _, leaf = prefix.rpartition(".")
         names = [f"{parent}.{s}" for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
@@ -160,6 +161,7 @@ class AutoFp8Config(CompressedTensorsConfig):
     run time ("dynamic": per token here), `ignored_layers` float. The compressed-tensors FP8 per-tensor layout."""
 
     name = "fp8"
+    ignore_parents = True  # (its exclusion list read as module names, suffixes and parents)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "AutoFp8Config":
@@ -180,6 +182,7 @@ class ModelOptFp8Config(CompressedTensorsConfig):
     `exclude_modules` float (names or "*" wildcards), KV scales as k_proj.k_scale / v_proj.v_scale."""
 
     name = "modelopt"
+    ignore_parents = True  # (its exclusion list read as module names, suffixes and parents)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "ModelOptFp8Config":
