@@ -222,6 +222,19 @@ def test_partial_rotary_outside_phi3_is_refused(arch):
         get_model_class(config)(config, torch.float32)
 
 
+def test_phi3_odd_rotary_dimension_is_refused(tmp_path):
+    """Phi-3 with head_dim 36 x partial_rotary_factor 0.75 = 27 rotated dimensions: transformers serves it (14
+    frequencies computed for 27, 28 dimensions rotated), pagedllm failed on a bare AssertionError; it is refused in a
+    sentence naming the product."""
+    from tests.conftest import save_tiny_model, tiny_hf_config
+    config = tiny_hf_config("phi3_plain")
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 72, 2, 2
+    config.rope_parameters["partial_rotary_factor"] = 0.75
+    model_dir = save_tiny_model(str(tmp_path), config)
+    with pytest.raises(ValueError, match=r"rotary dimension of 27 \(head_dim 36 x partial_rotary_factor 0.75\)"):
+        _ours(model_dir)
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_past_the_window_matches_transformers(tmp_path, arch):
     """A 16-token window and 60-token prompts: the local layers see only their window (Gemma 2's with capped
