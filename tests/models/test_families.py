@@ -390,3 +390,33 @@ def test_gemma3_longrope_on_one_layer_type(tmp_path, scaled):
         want = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, tokens)]
         got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
         assert got == pytest.approx(want, abs=1e-3)
+
+
+@pytest.mark.parametrize("other,message", [
+    ({"rope_type": "longrope", "rope_theta": 1_000.0, "original_max_position_embeddings": 64,
+      "short_factor": [1.0] * 16, "long_factor": [2.0] * 16},
+     r"LongRoPE with different original contexts on different layers \(\[32, 64\].*--max-model-len to 64"),
+    ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1_000.0},
+     r"LongRoPE on some layers and dynamic NTK rope on others .*--max-model-len to 128"),
+], ids=["two-originals", "longrope-and-dynamic"])
+def test_gemma3_rope_offsets_of_two_kinds_are_refused(tmp_path, monkeypatch, other, message):
+    """The engine gives a request one LongRoPE choice (long or short rows, by one original context) and one
+    offsets buffer per step: Gemma 3 layer types scaled by LongRoPE around two original contexts, or LongRoPE and
+    dynamic NTK, read the wrong rows on some layers (silently other logits than transformers'). Such a model is
+    refused at start while its context needs both; within the suggested --max-model-len it serves."""
+    from pagedllm import LLM
+    from tests.conftest import save_tiny_model, tiny_hf_config
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    config = tiny_hf_config("gemma3")
+    config.max_position_embeddings = 128
+    config.rope_parameters = {
+        "full_attention": {"rope_type": "longrope", "rope_theta": 10_000.0, "original_max_position_embeddings": 32,
+                           "short_factor": [1.0] * 16, "long_factor": [1.5] * 16},
+        "sliding_attention": other}
+    model_dir = save_tiny_model(str(tmp_path), config)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=model_dir, dtype="float32", device="cpu", max_model_len=256)
+    with LLM(model=model_dir, dtype="float32", device="cpu", max_model_len=64 if other["rope_type"] == "longrope"
+             else 128) as llm:
+        assert llm.engine.worker.runner.long_rope_original == 32
