@@ -222,6 +222,19 @@ def test_partial_rotary_outside_phi3_is_refused(arch):
         get_model_class(config)(config, torch.float32)
 
 
+def test_phi3_odd_rotary_dimension_is_refused(tmp_path):
+    """Phi-3 with head_dim 36 x partial_rotary_factor 0.75 = 27 rotated dimensions: transformers serves it (14
+    frequencies computed for 27, 28 dimensions rotated), pagedllm failed on a bare AssertionError; it is refused in a
+    sentence naming the product."""
+    from tests.conftest import save_tiny_model, tiny_hf_config
+    config = tiny_hf_config("phi3_plain")
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 72, 2, 2
+    config.rope_parameters["partial_rotary_factor"] = 0.75
+    model_dir = save_tiny_model(str(tmp_path), config)
+    with pytest.raises(ValueError, match=r"rotary dimension of 27 \(head_dim 36 x partial_rotary_factor 0.75\)"):
+        _ours(model_dir)
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_past_the_window_matches_transformers(tmp_path, arch):
     """A 16-token window and 60-token prompts: the local layers see only their window (Gemma 2's with capped
@@ -338,3 +351,72 @@ def test_gemma3_rope_overrides_go_to_their_layer_type(tmp_path, tiny_model_dir, 
     with torch.inference_mode():
         ref = hf(ids[None]).logits[0].float()
     torch.testing.assert_close(_logits(ours, ids), ref, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scaled", ["full_attention", "sliding_attention"])
+def test_gemma3_longrope_on_one_layer_type(tmp_path, scaled):
+    """LongRoPE on one of Gemma 3's layer types (its rope parameters are per type). The model mapped the positions
+    through its global embedding only: with the global one scaled, the local layers read their table at the long
+    rows' offset (past its end: "position outside the cos/sin cache"); with the local one scaled, its long rows were
+    never read (the short factors past the original context). Each embedding now maps the positions its own layers
+    read: logits equal transformers' in a plain forward, and the engine's greedy tokens and logprobs its generate's
+    for prompts within and past the original context (32) in one batch."""
+    from pagedllm import LLM, SamplingParams
+    from tests.conftest import save_tiny_model, tiny_hf_config
+
+    config = tiny_hf_config("gemma3")
+    other = "sliding_attention" if scaled == "full_attention" else "full_attention"
+    config.rope_parameters = {
+        scaled: {"rope_type": "longrope", "rope_theta": 10_000.0, "original_max_position_embeddings": 32,
+                 "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [1.5 + i for i in range(16)]},
+        other: {"rope_type": "default", "rope_theta": 1_000.0}}
+    model_dir = save_tiny_model(str(tmp_path), config)
+    hf, ours = _hf(model_dir), _ours(model_dir)
+    ids = _ids(48)
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0].float()
+    torch.testing.assert_close(_logits(ours, ids), ref, atol=ATOL, rtol=1e-4)
+
+    prompts = [_ids(5, seed=2).tolist(), ids.tolist()]
+    with torch.inference_mode():
+        gens = [hf.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0) for p in prompts]
+    with LLM(model=model_dir, dtype="float32", device="cpu", max_num_batched_tokens=16, max_num_seqs=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0), use_tqdm=False)
+    for gen, prompt, out in zip(gens, prompts, outs):
+        tokens = gen.sequences[0, len(prompt):].tolist()
+        assert list(out.outputs[0].token_ids) == tokens
+        want = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, tokens)]
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        assert got == pytest.approx(want, abs=1e-3)
+
+
+@pytest.mark.parametrize("other,message", [
+    ({"rope_type": "longrope", "rope_theta": 1_000.0, "original_max_position_embeddings": 64,
+      "short_factor": [1.0] * 16, "long_factor": [2.0] * 16},
+     r"LongRoPE with different original contexts on different layers \(\[32, 64\].*--max-model-len to 64"),
+    ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1_000.0},
+     r"LongRoPE on some layers and dynamic NTK rope on others .*--max-model-len to 128"),
+], ids=["two-originals", "longrope-and-dynamic"])
+def test_gemma3_rope_offsets_of_two_kinds_are_refused(tmp_path, monkeypatch, other, message):
+    """The engine gives a request one LongRoPE choice (long or short rows, by one original context) and one
+    offsets buffer per step: Gemma 3 layer types scaled by LongRoPE around two original contexts, or LongRoPE and
+    dynamic NTK, read the wrong rows on some layers (silently other logits than transformers'). Such a model is
+    refused at start while its context needs both; within the suggested --max-model-len it serves."""
+    from pagedllm import LLM
+    from tests.conftest import save_tiny_model, tiny_hf_config
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    config = tiny_hf_config("gemma3")
+    config.max_position_embeddings = 128
+    config.rope_parameters = {
+        "full_attention": {"rope_type": "longrope", "rope_theta": 10_000.0, "original_max_position_embeddings": 32,
+                           "short_factor": [1.0] * 16, "long_factor": [1.5] * 16},
+        "sliding_attention": other}
+    model_dir = save_tiny_model(str(tmp_path), config)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=model_dir, dtype="float32", device="cpu", max_model_len=256)
+    with LLM(model=model_dir, dtype="float32", device="cpu", max_model_len=64 if other["rope_type"] == "longrope"
+             else 128) as llm:
+        assert llm.engine.worker.runner.long_rope_original == 32

@@ -218,6 +218,11 @@ def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any],
 def _build_rope(head_size: int, max_position: int, p: dict[str, Any], rotary_dim: Optional[int]) -> RotaryEmbedding:
     if rotary_dim is None:
         rotary_dim = int(head_size * p.get("partial_rotary_factor", 1.0))
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+        # transformers takes ceil(d / 2) frequencies computed for d and rotates d + 1 dimensions: no rope of pairs
+        raise ValueError(f"A rotary dimension of {rotary_dim} (head_dim {head_size} x partial_rotary_factor "
+                         f"{p.get('partial_rotary_factor', 1.0)}) is not supported: rope rotates pairs of dimensions, "
+                         f"so it must be even and at most head_dim; choose a partial_rotary_factor that makes it so.")
     base = float(p["rope_theta"])
     rope_type = p.get("rope_type", "default")
     attention_scaling = 1.0

@@ -232,6 +232,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+def layer_rope(layer: nn.Module, default: nn.Module) -> nn.Module:
+    """The rotary embedding a decoder layer's attention rotates with."""
+    return getattr(getattr(layer, "self_attn", None), "rotary_emb", default)
+
+
 class LlamaModel(nn.Module):
     """The decoder stack; with pipeline parallelism only this stage's layer range [start_layer, end_layer) is
     built (the others are PPMissingLayer), the embedding on the first stage, the final norm on the last."""
@@ -258,6 +263,17 @@ class LlamaModel(nn.Module):
                                     for i in range(n))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
+    def rope_positions(self, positions: torch.Tensor, layers: nn.ModuleList
+                       ) -> tuple[dict[nn.Module, torch.Tensor], list[nn.Module]]:
+        """(each rotary embedding of these layers -> the rows it reads for `positions`, each layer's embedding): the
+        model's, and any a layer has of its own (Gemma 3's local layers); LongRoPE's and dynamic NTK's offsets
+        index their own table. The layers' embeddings are read once (Gemma 3 sets its local one after this init)."""
+        layer_ropes = self.__dict__.get("_layer_ropes")
+        if layer_ropes is None:
+            layer_ropes = self.__dict__["_layer_ropes"] = [layer_rope(layer, self.rotary_emb) for layer in layers]
+        return {rope: rope.model_positions(positions) for rope in dict.fromkeys([self.rotary_emb, *layer_ropes])}, \
+            layer_ropes
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input: the token embeddings [T, hidden] (Gemma scales them)."""
         return self.embed_tokens(input_ids)
@@ -265,8 +281,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[IntermediateTensors] = None) -> Any:
         """-> hidden states [T, hidden] on the last stage, else the activations for the next stage."""
-        positions = self.rotary_emb.model_positions(positions)  # (LongRoPE: which factors' rows)
-        if intermediate is None and self.fast_path is not None:
+        layers = self.layers[self.start_layer:self.end_layer]
+        by_rope, layer_ropes = self.rope_positions(positions, layers)  # (LongRoPE, dynamic NTK: rows per table)
+        positions = by_rope[self.rotary_emb]
+        # the fused stack rotates every layer at the same rows: only when no layer's table maps them otherwise
+        if intermediate is None and self.fast_path is not None and all(p is positions for p in by_rope.values()):
             fused = self.fast_path(input_ids, positions)
             if fused is not None:
                 return fused
@@ -275,8 +294,12 @@ class LlamaModel(nn.Module):
             residual = None
         else:
             hidden_states, residual = intermediate.hidden_states, intermediate.residual
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        if len(by_rope) == 1:
+            for layer in layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
+        else:
+            for layer, rope in zip(layers, layer_ropes):
+                hidden_states, residual = layer(by_rope[rope], hidden_states, residual)
         if not self.is_last_stage:
             return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

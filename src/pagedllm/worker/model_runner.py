@@ -92,6 +92,10 @@ class ModelRunner:
         # longer than the model's context, but its last, read rows computed each step into the scratch rows.
         self.ntk_ropes, self.ntk_original = dynamic_ntk_tables(model, max_num_batched_tokens, device)
         if self.ntk_ropes:
+            if self.long_rope_original is not None:  # (one offsets buffer, filled by one rule per step)
+                raise ValueError(f"LongRoPE on some layers and dynamic NTK rope on others (rope_parameters per layer "
+                                 f"type) are not supported with a context past the model's: lower --max-model-len "
+                                 f"to {self.ntk_original}, or use one scaling for every layer type.")
             self.rope_offsets = self.ntk_ropes[0].offsets
         self.kv_caches: list[torch.Tensor] = []
         self.enforce_eager = enforce_eager or device.type != "cuda"
@@ -775,6 +779,11 @@ def long_rope_tables(model: torch.nn.Module, max_tokens: int, device: torch.devi
     ropes = [m for m in model.modules() if isinstance(m, LongRopeEmbedding) and m.long_offset is not None]
     if not ropes:
         return None, None, None
+    originals = sorted({rope.original_max_position for rope in ropes})
+    if len(originals) > 1:  # a request is rotated with the long or the short factors on every layer
+        raise ValueError(f"LongRoPE with different original contexts on different layers ({originals}, rope_parameters "
+                         f"per layer type) is not supported with a context past two of them: lower --max-model-len to "
+                         f"{originals[1]}, or give every layer type the same original_max_position_embeddings.")
     offsets = torch.zeros(max_tokens + 64, dtype=torch.int64, device=device)  # (+64: a verify step's padding)
     for rope in ropes:
         rope.offsets = offsets
