@@ -308,6 +308,12 @@ def test_auto_tool_choice_stream_equals_full(client: openai.OpenAI, text: str) -
     {"structured_outputs": {"json": {"anyOf": []}}},
     {"guided_json": {"type": "object", "required": ["a"], "additionalProperties": False}},
     {"guided_json": {"not": {}}},
+    # once a 200 with empty content ("auto" took llguidance for what xgrammar refused, which matched nothing)
+    {"guided_json": {"$ref": "#"}},
+    {"structured_outputs": {"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                     "$ref": "#/$defs/a"}}},
+    # once a 200 that nested {"a": {"a": ... until max_tokens
+    {"guided_json": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}},
 ])
 def test_unsatisfiable_json_schema_is_400(server: Server, body: dict) -> None:
     """A schema no JSON value satisfies: once a 200 with any JSON value (allOf, not: xgrammar drops them) or an
@@ -319,16 +325,21 @@ def test_unsatisfiable_json_schema_is_400(server: Server, body: dict) -> None:
             assert "no JSON value satisfies the schema" in r.json()["error"]["message"], r.text
 
 
-def test_tool_whose_parameters_admit_nothing_is_400(server: Server) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}}}
+@pytest.mark.parametrize("params, reason", [
+    ({"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}, "required property 'a'"),
+    ({"type": "object", "properties": {"kids": {"type": "array", "minItems": 1, "items": {"$ref": "#"}}},
+      "required": ["kids"]}, "recurse without end"),
+])
+def test_tool_whose_parameters_admit_nothing_is_400(server: Server, params: dict, reason: str) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
     with server.client() as http:
-        r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5,
-                                                    "tools": [tool], "tool_choice": "required"})
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == "tools" and error["message"].startswith(
-            "tools[0].function.parameters admit no arguments at all ("), error
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5,
+                                                        "tools": [tool], "tool_choice": choice})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "tools" and error["message"].startswith(
+                "tools[0].function.parameters admit no arguments at all (") and reason in error["message"], error
 
 
 def test_grammar_without_a_complete_derivation_ends_cleanly(client: openai.OpenAI) -> None:

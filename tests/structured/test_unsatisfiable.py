@@ -128,3 +128,30 @@ def test_regex_edge_anchors_and_literals_stay_with_xgrammar(regex: str) -> None:
     assert regex_mid_anchor(regex) is None
     if regex != "[]^]":  # (xgrammar does not take a leading ']' in a class: llguidance does)
         assert _manager("auto").validate(StructuredOutputsParams(regex=regex)) == "xgrammar"
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "guidance"])
+@pytest.mark.parametrize("schema, where", [
+    ({"$ref": "#"}, "'#'"),  # once empty output: xgrammar refused it, "auto" took llguidance, which matched nothing
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "'#/$defs/a'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "'#'"),  # once {"a": {"a": ...
+    ({"$defs": {"A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+                "B": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/A"}}}, "$ref": "#/$defs/A"},
+     "'#/$defs/A', '#/$defs/B'"),
+])
+def test_endless_recursion_is_refused(backend: str, schema: dict, where: str) -> None:
+    with pytest.raises(ValueError, match="no JSON value satisfies the schema .its references recurse without end"
+                       ) as e:
+        _manager(backend).validate(StructuredOutputsParams(json=schema))
+    assert where in str(e.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"$defs": {"n": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}},
+                     "required": ["next"]}}, "$ref": "#/$defs/n"},
+    {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},
+    {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+])
+def test_recursion_with_a_way_out_passes(schema: dict) -> None:
+    assert _manager("auto").validate(StructuredOutputsParams(json=schema)) == "xgrammar"

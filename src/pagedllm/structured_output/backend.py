@@ -120,10 +120,101 @@ def unsatisfiable_reason(schema: Any) -> Optional[str]:
     return None
 
 
+def _pointer_target(root: Any, ref: str) -> Any:
+    """The subschema a local "$ref" ("#", "#/$defs/A", JSON pointer escapes) points at; None if none."""
+    from urllib.parse import unquote
+
+    node = root
+    for part in unquote(ref[1:]).split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _local_refs(schema: Any, found: dict) -> dict:
+    if isinstance(schema, list):
+        for s in schema:
+            _local_refs(s, found)
+    elif isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            found.setdefault(ref, None)
+        for k, v in schema.items():
+            if k not in _DATA_KEYS:
+                _local_refs(v, found)
+    return found
+
+
+def _has_finite_value(schema: Any, finite: dict) -> bool:
+    """Whether some finite JSON value may satisfy the schema, given which references do (`finite`). Errs towards
+    True: only what every value needs (required properties, minItems, a $ref, allOf) can make it False."""
+    if isinstance(schema, bool):
+        return schema
+    if not isinstance(schema, dict) or "enum" in schema or "const" in schema:
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not finite.get(ref, True):
+        return False
+    for key, need in (("allOf", all), ("anyOf", any), ("oneOf", any)):
+        subs = schema.get(key)
+        if isinstance(subs, list) and subs and not need(_has_finite_value(s, finite) for s in subs):
+            return False
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not types or any(t not in ("object", "array") for t in types):
+        return True  # a scalar may do
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    extra = schema.get("additionalProperties", True)
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    if "object" in types and all(_has_finite_value(props.get(name, extra), finite) for name in required
+                                 if isinstance(name, str)):
+        return True
+    min_items = schema.get("minItems", 0)
+    prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+    items = schema.get("items", True)
+    if isinstance(items, list):  # the draft-07 tuple form
+        prefix, items = items, schema.get("additionalItems", True)
+    if "array" in types and (not isinstance(min_items, int) or all(
+            _has_finite_value(prefix[i] if i < len(prefix) else items, finite) for i in range(min(min_items, 64)))):
+        return True
+    return False
+
+
+def endless_recursion(schema: Any) -> Optional[str]:
+    """Why references make every value of the schema infinitely deep ({"$ref": "#"}, "#/$defs/A" -> "#/$defs/B"
+    -> "#/$defs/A", a required property whose schema is its parent's): None if a finite value may do. xgrammar
+    refuses only a chain of bare references (and "auto" then took llguidance, whose grammar matched nothing: empty
+    output); a recursive required property made the model write until max_tokens."""
+    refs = _local_refs(schema, {})
+    if not refs:
+        return None
+    finite = dict.fromkeys(refs, False)  # least fixed point: a reference is finite once its target is shown to be
+    changed = True
+    while changed:
+        changed = False
+        for ref in finite:
+            target = _pointer_target(schema, ref)
+            if not finite[ref] and (target is None or _has_finite_value(target, finite)):
+                finite[ref] = changed = True
+    if _has_finite_value(schema, finite) or not _has_finite_value(schema, dict.fromkeys(refs, True)):
+        return None  # (the latter: unsatisfiable for another reason, which unsatisfiable_reason words)
+    endless = [r for r, ok in finite.items() if not ok]
+    return (f"its references recurse without end: every value through {', '.join(map(repr, endless[:3]))} would "
+            "hold itself again; give the recursion a way out (an optional property, anyOf with null, minItems 0)")
+
+
 def check_satisfiable(params: StructuredOutputsParams) -> None:
     """ValueError (-> 400) if the request's JSON schema admits no value at all."""
     if params.kind != "json":
         return
+    endless = endless_recursion(params.json)
+    if endless:
+        raise SpecError(params, f"no JSON value satisfies the schema ({endless}).")
     reason = unsatisfiable_reason(strict_objects(params.json))
     if reason is None:
         return
