@@ -155,3 +155,54 @@ def test_endless_recursion_is_refused(backend: str, schema: dict, where: str) ->
 ])
 def test_recursion_with_a_way_out_passes(schema: dict) -> None:
     assert _manager("auto").validate(StructuredOutputsParams(json=schema)) == "xgrammar"
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),  # [1, 1] came out
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "contains"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, "if"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"type": "object", "properties": {"x": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                             "dependencies": {"a": ["b"]}}}}, "dependencies"),
+])
+def test_keywords_no_backend_enforces_are_refused(schema: dict, keyword: str) -> None:
+    """xgrammar compiled these without enforcing them (a value breaking them was accepted), and "auto" kept it;
+    llguidance does not implement them: a 400 naming the keyword, with either backend."""
+    for backend in ("auto", "xgrammar", "guidance"):
+        with pytest.raises(ValueError, match=re.escape(keyword)):
+            _manager(backend).validate(StructuredOutputsParams(json=schema))
+
+
+def test_multiple_of_a_number_goes_to_llguidance() -> None:
+    """xgrammar enforces multipleOf for integers only: a number's goes to llguidance, which enforces it."""
+    assert _manager("auto").validate(StructuredOutputsParams(json={"type": "integer", "multipleOf": 3})) == "xgrammar"
+    schema = {"type": "number", "multipleOf": 0.5}
+    assert _manager("auto").validate(StructuredOutputsParams(json=schema)) == "guidance"
+    with pytest.raises(ValueError, match="does not enforce the JSON schema keyword 'multipleOf' of a number"):
+        _manager("xgrammar").validate(StructuredOutputsParams(json=schema))
+
+
+def test_properties_named_like_keywords_are_not_keywords() -> None:
+    schema = {"type": "object", "properties": {"contains": {"type": "string"}, "if": {"type": "integer"},
+                                               "uniqueItems": {"type": "boolean"}}}
+    assert _manager("auto").validate(StructuredOutputsParams(json=schema)) == "xgrammar"
+
+
+def test_unevaluated_properties_alone_is_additional_properties() -> None:
+    """Nothing else evaluates the object's properties: unevaluatedProperties is additionalProperties, which both
+    libraries enforce (xgrammar ignored it and let any property through; llguidance refused it)."""
+    import json
+
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from pagedllm.structured_output.backend import strict_objects
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}
+    for backend in ("auto", "guidance"):
+        _manager(backend).validate(StructuredOutputsParams(json=schema))
+    grammar = xgr.Grammar.from_json_schema(json.dumps(strict_objects(schema)), strict_mode=False)
+    assert _is_grammar_accept_string(grammar, '{"a": 1}')
+    assert not _is_grammar_accept_string(grammar, '{"a": 1, "b": 2}')

@@ -71,10 +71,56 @@ def _closed(schema: Any, close: bool = True) -> Any:
             out[k] = [_closed(s, close=False) for s in v]
         else:
             out[k] = _closed(v)
+    if ("unevaluatedProperties" in out and "additionalProperties" not in out
+            and not any(k in out for k in _APPLICATORS)):
+        # Nothing but this object's own keywords evaluates its properties: the same as additionalProperties,
+        # which both libraries enforce (xgrammar ignored unevaluatedProperties, llguidance does not implement it).
+        out["additionalProperties"] = out.pop("unevaluatedProperties")
     if (close and "allOf" not in out and "properties" in out and "additionalProperties" not in out
             and "unevaluatedProperties" not in out):
         out["additionalProperties"] = False
     return out
+
+
+# Keywords through which other subschemas evaluate an object's properties (what unevaluatedProperties looks at).
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "if", "then", "else",
+                "dependentSchemas", "dependencies")
+
+
+def _xgrammar_ignored_keyword(schema: dict) -> Optional[str]:
+    """A keyword of this (sub)schema that xgrammar compiles without enforcing it (checked against the library:
+    a value it breaks is accepted), as it was written; None if none."""
+    for key in ("contains", "if", "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
+                "unevaluatedItems"):
+        value = schema.get(key)
+        if key in schema and value not in (True, {}, [], None):
+            return f"{key!r}"
+    if schema.get("uniqueItems") is True:
+        return "'uniqueItems'"
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if "multipleOf" in schema and "integer" not in kinds:  # xgrammar takes it for integers only
+        return f"'multipleOf' of a {'number' if 'number' in kinds else 'value that is not an integer'}"
+    return None
+
+
+def _xgrammar_ignored(schema: Any) -> Optional[str]:
+    """The first keyword anywhere in the schema that xgrammar would ignore (_xgrammar_ignored_keyword)."""
+    if isinstance(schema, list):
+        return next((r for r in map(_xgrammar_ignored, schema) if r), None)
+    if not isinstance(schema, dict):
+        return None
+    found = _xgrammar_ignored_keyword(schema)
+    if found:
+        return found
+    for k, v in schema.items():
+        if k in _DATA_KEYS:
+            continue
+        subs = v.values() if k in _SCHEMA_MAPS and isinstance(v, dict) else [v]
+        found = next((r for r in map(_xgrammar_ignored, subs) if r), None)
+        if found:
+            return found
+    return None
 
 
 def _loosened(schema: Any) -> Any:
@@ -393,6 +439,11 @@ class XGrammarBackend(GrammarBackend):
         reason = (_unenforced_not(params.json) or _xgrammar_unenforced(params.json)) if params.kind == "json" else None
         if reason:
             raise SpecError(params, f"{reason}.")
+        ignored = _xgrammar_ignored(strict_objects(params.json)) if params.kind == "json" else None
+        if ignored:  # once compiled without a word: [1, 1] for uniqueItems, {"a": 1} against dependentRequired
+            what = f"the JSON schema keyword {ignored}"
+            raise Unenforced(params, f"the xgrammar backend does not enforce {what}; use the guidance backend "
+                             "(--structured-outputs-config '{\"backend\": \"guidance\"}') where it does", what)
         conflicts = merge_all_of(params.json)[1] if params.kind == "json" else []
         if conflicts:  # xgrammar compiles what stays in allOf as any value
             keys = ", ".join(repr(k) for k in dict.fromkeys(conflicts))
