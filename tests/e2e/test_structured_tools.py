@@ -411,3 +411,20 @@ def test_forced_call_with_nullable_parameters_writes_an_object(client: openai.Op
     assert r.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop"), r.choices[0]
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "maybe" and isinstance(_args(call), dict), call.function.arguments
+
+
+def test_disable_fallback_is_honoured(server: Server) -> None:
+    """vLLM's structured_outputs.disable_fallback: once an "unknown field" 400; now a Lark grammar (llguidance
+    only) is refused instead of handed to llguidance, and a spec xgrammar takes is served as without it."""
+    lark = 'start: "yes" | "no"'
+    with server.client() as http:
+        def ask(spec: dict):
+            return http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": "Is it?", "max_tokens": 3,
+                                                      "temperature": 0, "structured_outputs": spec})
+        r = ask({"grammar": lark, "disable_fallback": True})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "Invalid structured_outputs.grammar: "), r.text
+        r = ask({"grammar": lark})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+        r = ask({"choice": ["yes", "no"], "disable_fallback": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text

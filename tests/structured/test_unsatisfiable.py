@@ -206,3 +206,15 @@ def test_unevaluated_properties_alone_is_additional_properties() -> None:
     grammar = xgr.Grammar.from_json_schema(json.dumps(strict_objects(schema)), strict_mode=False)
     assert _is_grammar_accept_string(grammar, '{"a": 1}')
     assert not _is_grammar_accept_string(grammar, '{"a": 1, "b": 2}')
+
+
+def test_disable_fallback_keeps_xgrammar() -> None:
+    """vLLM's structured_outputs.disable_fallback (once an "unknown field" 400): "auto" does not hand a spec
+    xgrammar refuses to llguidance; the refusal stands."""
+    params = StructuredOutputsParams(grammar='start: "yes" | "no"', disable_fallback=True)  # Lark: llguidance only
+    with pytest.raises(ValueError, match="Invalid structured_outputs.grammar: "):
+        _manager("auto").validate(params)
+    assert _manager("auto").validate(StructuredOutputsParams(grammar='start: "yes" | "no"')) == "guidance"
+    assert StructuredOutputsParams.from_dict({"regex": "a", "disable_fallback": True}).disable_fallback is True
+    with pytest.raises(ValueError, match="disable_fallback must be true or false"):
+        StructuredOutputsParams(regex="a", disable_fallback="yes")

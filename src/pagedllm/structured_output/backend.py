@@ -648,6 +648,8 @@ def resolve_backend_name(name: str, params: Optional[StructuredOutputsParams]) -
         XGrammarBackend.validate(params)
         return "xgrammar"
     except ValueError as first:
+        if params.disable_fallback:  # vLLM's: the first backend's refusal stands
+            raise
         try:
             GuidanceBackend.validate(params)
         except SpecError as second:
