@@ -251,7 +251,7 @@ def endless_recursion(schema: Any) -> Optional[str]:
         return None  # (the latter: unsatisfiable for another reason, which unsatisfiable_reason words)
     endless = [r for r, ok in finite.items() if not ok]
     return (f"its references recurse without end: every value through {', '.join(map(repr, endless[:3]))} would "
-            "hold itself again; give the recursion a way out (an optional property, anyOf with null, minItems 0)")
+            "hold itself again; give the recursion a way out: an optional property, anyOf with null, minItems 0")
 
 
 def check_satisfiable(params: StructuredOutputsParams) -> None:
