@@ -229,6 +229,9 @@ def test_exclude_tools_when_tool_choice_none_leaves_them_out() -> None:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": "required"}, "tools[0].function.parameters must describe an object"),
     ({"tools": [WEATHER, TIME, WEATHER]}, "tools[2].function.name 'get_weather' duplicates tools[0]'s"),
+    # once accepted and ignored, where response_format's strict must be a boolean
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+     "tools[0].function.strict must be true or false, got 'yes'."),
     # once a 200 whose items repeated (xgrammar compiled uniqueItems without enforcing it)
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "'uniqueItems' cannot be honoured"),

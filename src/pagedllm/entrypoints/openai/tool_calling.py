@@ -57,6 +57,8 @@ def _function(tool: Any, i: int) -> dict:
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise ToolRequestError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):  # as response_format's strict
+        raise ToolRequestError(f"tools[{i}].function.strict must be true or false, got {fn['strict']!r:.40}.", "tools")
     kind = (params or {}).get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         # Arguments are a JSON object (OpenAI's shape): a grammar from another type would write a string or a
