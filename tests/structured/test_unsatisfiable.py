@@ -218,3 +218,17 @@ def test_disable_fallback_keeps_xgrammar() -> None:
     assert StructuredOutputsParams.from_dict({"regex": "a", "disable_fallback": True}).disable_fallback is True
     with pytest.raises(ValueError, match="disable_fallback must be true or false"):
         StructuredOutputsParams(regex="a", disable_fallback="yes")
+
+
+@pytest.mark.parametrize("keyword, value", [("uniqueItems", False), ("dependentRequired", {}), ("if", True),
+                                             ("unevaluatedItems", True)])
+def test_keywords_that_constrain_nothing_pass_both_backends(keyword: str, value) -> None:
+    """llguidance refused these keys whatever their value ("Unimplemented keys"): no-ops are dropped first."""
+    schema = {"type": "array", "items": {"type": "integer"}, keyword: value}
+    for backend in ("auto", "xgrammar", "guidance"):
+        _manager(backend).validate(StructuredOutputsParams(json=schema))
+
+
+def test_contains_true_is_still_a_constraint() -> None:
+    with pytest.raises(ValueError, match="'contains'"):
+        _manager("auto").validate(StructuredOutputsParams(json={"type": "array", "contains": True}))

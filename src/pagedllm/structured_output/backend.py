@@ -62,6 +62,8 @@ def _closed(schema: Any, close: bool = True) -> Any:
         return schema
     out = {}
     for k, v in schema.items():
+        if _no_op(schema, k, v):
+            continue  # (llguidance refuses these keys whatever their value: "Unimplemented keys")
         if k in _DATA_KEYS:
             out[k] = v
         elif k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema maps are not schemas themselves
@@ -82,6 +84,22 @@ def _closed(schema: Any, close: bool = True) -> Any:
     return out
 
 
+def _no_op(schema: dict, key: str, value: Any) -> bool:
+    """Whether this keyword of the schema constrains nothing (uniqueItems false, an "if" without "then" / "else",
+    an empty dependentRequired, unevaluatedProperties true, ...)."""
+    if key == "uniqueItems":
+        return value is False
+    if key == "if":
+        return "then" not in schema and "else" not in schema
+    if key in ("then", "else"):
+        return "if" not in schema
+    if key in ("dependentRequired", "dependentSchemas", "dependencies"):
+        return value == {}
+    if key in ("unevaluatedProperties", "unevaluatedItems"):
+        return value is True or value == {}
+    return False
+
+
 # Keywords through which other subschemas evaluate an object's properties (what unevaluatedProperties looks at).
 _APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "if", "then", "else",
                 "dependentSchemas", "dependencies")
@@ -92,8 +110,7 @@ def _xgrammar_ignored_keyword(schema: dict) -> Optional[str]:
     a value it breaks is accepted), as it was written; None if none."""
     for key in ("contains", "if", "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
                 "unevaluatedItems"):
-        value = schema.get(key)
-        if key in schema and value not in (True, {}, [], None):
+        if key in schema and not _no_op(schema, key, schema[key]):  # (contains: true still asks for an item)
             return f"{key!r}"
     if schema.get("uniqueItems") is True:
         return "'uniqueItems'"
