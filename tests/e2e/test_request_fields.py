@@ -377,6 +377,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client, offlin
     (CHAT, {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
      "'modalities' is not supported yet by pagedllm."),
     (CHAT, {"web_search_options": {}}, "'web_search_options' is not supported yet by pagedllm."),
+    # OpenAI's deprecated function calling: refused pointing at its replacement
+    (CHAT, {"functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": "auto"},
+     "'functions' is not supported yet by pagedllm (OpenAI deprecated it): describe them in 'tools'."),
+    (CHAT, {"function_call": {"name": "f"}}, "'function_call' is not supported yet by pagedllm (OpenAI deprecated "
+                                             "it): use 'tool_choice' with 'tools'."),
+    # (once the conversation went twice to the template: a bare "got multiple values for keyword argument")
+    (CHAT, {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs may not set ['messages']: the template "
+                                                        "gets the conversation from the request's 'messages'."),
+    (CHAT, {"messages": [{"role": "user", "content": [{"text": "Hi"}]}]},
+     "A message content part needs a 'type' ('text' for text), got an object with keys ['text']."),  # once "type None"
 ])
 def test_refused_with_a_message(http: httpx.Client, path: str, body: dict, fragment: str) -> None:
     base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}
@@ -439,13 +449,20 @@ def test_n_null_is_the_default_one(http: httpx.Client, path: str, stream: bool) 
     assert choices and {c["index"] for c in choices} == {0}, choices
 
 
-def test_unknown_fields_are_named_in_a_warning(server: Server, http: httpx.Client) -> None:
-    r = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "max_token": 3, "temprature": 0.2, "user": "u1"})
+@pytest.mark.parametrize("path, body, names", [
+    (CMPL, {"max_token": 3, "temprature": 0.2, "user": "u1"}, "['max_token', 'temprature']"),
+    # a refused field whose value asks for nothing: once dropped without a word
+    (CHAT, {"function_call": "auto"}, "['function_call']"),
+])
+def test_unknown_fields_are_named_in_a_warning(server: Server, http: httpx.Client, path: str, body: dict,
+                                               names: str) -> None:
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"prompt": "Hi"}
+    r = http.post(path, json={**base, "max_tokens": 1, **body})
     assert r.status_code == 200
     deadline = time.monotonic() + 60  # a hang guard
-    while "['max_token', 'temprature']" not in server.log() and time.monotonic() < deadline:
+    while names not in server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
-    line = [x for x in server.log().splitlines() if "['max_token', 'temprature']" in x]
+    line = [x for x in server.log().splitlines() if names in x]
     assert line and "WARNING" in line[0] and "ignored" in line[0], server.log()[-2000:]
 
 

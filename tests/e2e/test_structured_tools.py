@@ -229,6 +229,12 @@ def test_exclude_tools_when_tool_choice_none_leaves_them_out() -> None:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": "required"}, "tools[0].function.parameters must describe an object"),
     ({"tools": [WEATHER, TIME, WEATHER]}, "tools[2].function.name 'get_weather' duplicates tools[0]'s"),
+    # once accepted and ignored, where response_format's strict must be a boolean
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+     "tools[0].function.strict must be true or false, got 'yes'."),
+    # once a 200 whose items repeated (xgrammar compiled uniqueItems without enforcing it)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "'uniqueItems' cannot be honoured"),
 ])
 def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
     with server.client() as http:
@@ -308,6 +314,12 @@ def test_auto_tool_choice_stream_equals_full(client: openai.OpenAI, text: str) -
     {"structured_outputs": {"json": {"anyOf": []}}},
     {"guided_json": {"type": "object", "required": ["a"], "additionalProperties": False}},
     {"guided_json": {"not": {}}},
+    # once a 200 with empty content ("auto" took llguidance for what xgrammar refused, which matched nothing)
+    {"guided_json": {"$ref": "#"}},
+    {"structured_outputs": {"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                     "$ref": "#/$defs/a"}}},
+    # once a 200 that nested {"a": {"a": ... until max_tokens
+    {"guided_json": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}},
 ])
 def test_unsatisfiable_json_schema_is_400(server: Server, body: dict) -> None:
     """A schema no JSON value satisfies: once a 200 with any JSON value (allOf, not: xgrammar drops them) or an
@@ -319,16 +331,21 @@ def test_unsatisfiable_json_schema_is_400(server: Server, body: dict) -> None:
             assert "no JSON value satisfies the schema" in r.json()["error"]["message"], r.text
 
 
-def test_tool_whose_parameters_admit_nothing_is_400(server: Server) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}}}
+@pytest.mark.parametrize("params, reason", [
+    ({"type": "object", "properties": {"a": {"enum": []}}, "required": ["a"]}, "required property 'a'"),
+    ({"type": "object", "properties": {"kids": {"type": "array", "minItems": 1, "items": {"$ref": "#"}}},
+      "required": ["kids"]}, "recurse without end"),
+])
+def test_tool_whose_parameters_admit_nothing_is_400(server: Server, params: dict, reason: str) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
     with server.client() as http:
-        r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5,
-                                                    "tools": [tool], "tool_choice": "required"})
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == "tools" and error["message"].startswith(
-            "tools[0].function.parameters admit no arguments at all ("), error
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            r = http.post("/v1/chat/completions", json={"model": SERVED_NAME, "messages": ASK, "max_tokens": 5,
+                                                        "tools": [tool], "tool_choice": choice})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "tools" and error["message"].startswith(
+                "tools[0].function.parameters admit no arguments at all (") and reason in error["message"], error
 
 
 def test_grammar_without_a_complete_derivation_ends_cleanly(client: openai.OpenAI) -> None:
@@ -397,3 +414,20 @@ def test_forced_call_with_nullable_parameters_writes_an_object(client: openai.Op
     assert r.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop"), r.choices[0]
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "maybe" and isinstance(_args(call), dict), call.function.arguments
+
+
+def test_disable_fallback_is_honoured(server: Server) -> None:
+    """vLLM's structured_outputs.disable_fallback: once an "unknown field" 400; now a Lark grammar (llguidance
+    only) is refused instead of handed to llguidance, and a spec xgrammar takes is served as without it."""
+    lark = 'start: "yes" | "no"'
+    with server.client() as http:
+        def ask(spec: dict):
+            return http.post("/v1/completions", json={"model": SERVED_NAME, "prompt": "Is it?", "max_tokens": 3,
+                                                      "temperature": 0, "structured_outputs": spec})
+        r = ask({"grammar": lark, "disable_fallback": True})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "Invalid structured_outputs.grammar: "), r.text
+        r = ask({"grammar": lark})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+        r = ask({"choice": ["yes", "no"], "disable_fallback": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text

@@ -230,6 +230,8 @@ def test_torch_tensor_token_ids(llm):
                                                          "supported yet; only 'text' parts are."),
     ([{"type": "text", "text": 3}], "messages[0]: A message content part of type 'text' needs a 'text' string."),
     (["plain"], "messages[0]: Message content of type None"),
+    ([{"text": "hi"}], "messages[0]: A message content part needs a 'type' ('text' for text), got an object with keys "
+                       "['text']."),
     (["plain"], "(a part is an object such as {'type': 'text', 'text': ...}, got a str)."),
     (5, "messages[0]: 'content' must be a string or a list of text parts."),
 ])
@@ -277,6 +279,8 @@ def test_chat_template_kwargs_win_over_the_named_arguments(llm):
                     )[0].prompt_token_ids == llm.get_tokenizer().encode("[hi]", add_special_tokens=False)
     with pytest.raises(ValueError, match=re.escape("chat_template_kwargs ['tokenize']: chat() tokenizes")):
         llm.chat(conv, one, use_tqdm=False, chat_template_kwargs={"tokenize": False})
+    with pytest.raises(ValueError, match=re.escape("chat_template_kwargs may not set ['messages']: the template")):
+        llm.chat(conv, one, use_tqdm=False, chat_template_kwargs={"messages": []})  # once "got multiple values"
 
 
 def test_chat_joins_text_parts_as_the_server_does(llm):

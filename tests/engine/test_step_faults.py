@@ -75,7 +75,7 @@ def test_one_request_fault_fails_only_that_request(tiny_llama_dir: str, async_sc
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("sampling", ["greedy", "top_p"])
 def test_constraints_leaving_no_token_fail_only_that_request(tiny_llama_dir: str, async_scheduling: bool,
-                                                             sampling: str) -> None:
+                                                             sampling: str, caplog: pytest.LogCaptureFixture) -> None:
     """A request whose masks leave no token at some step (allowed_token_ids = its own stop token, with min_tokens
     not yet reached) is failed with a 400 saying so, at that step; the others go on with their own tokens (the
     sampler must neither crash on the all -inf row, as top-p did, nor emit a token the request forbids, as the
@@ -102,6 +102,9 @@ def test_constraints_leaving_no_token_fail_only_that_request(tiny_llama_dir: str
     others, failures = _run(core)
     assert failures == [["x"]]
     assert errors[0].status == 400 and "no token satisfies" in errors[0].message
+    # the client's doing: once logged at ERROR level, as an engine fault
+    logged = [r for r in caplog.records if "no token satisfies" in r.getMessage()]
+    assert logged and all(r.levelname == "WARNING" for r in logged), [(r.levelname, r.getMessage()) for r in logged]
     assert others == clean  # (x's failure preempted and recomputed the others: the same tokens)
     assert not core.has_unfinished_requests()
     assert core.scheduler.kv_cache_manager.get_usage() == 0

@@ -263,3 +263,13 @@ def test_refused_duplicate_id_leaves_the_running_requests_grammar_alone(tiny_llm
     assert not core.pop_request_errors()
     kv = core.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_multiple_of_a_number_is_enforced(tiny_llm: LLM) -> None:
+    """xgrammar ignores multipleOf on numbers (3.7 passed {"multipleOf": 0.5}): such a schema goes to llguidance."""
+    schema = {"type": "array", "minItems": 3, "maxItems": 3,
+              "items": {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 9}}
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=_so(json=schema))
+    (out,) = tiny_llm.generate(["numbers"], params, use_tqdm=False)
+    values = json.loads(out.outputs[0].text)
+    assert len(values) == 3 and all((2 * v) % 1 == 0 and 0 <= v <= 9 for v in values), values

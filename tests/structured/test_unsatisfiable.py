@@ -128,3 +128,107 @@ def test_regex_edge_anchors_and_literals_stay_with_xgrammar(regex: str) -> None:
     assert regex_mid_anchor(regex) is None
     if regex != "[]^]":  # (xgrammar does not take a leading ']' in a class: llguidance does)
         assert _manager("auto").validate(StructuredOutputsParams(regex=regex)) == "xgrammar"
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "guidance"])
+@pytest.mark.parametrize("schema, where", [
+    ({"$ref": "#"}, "'#'"),  # once empty output: xgrammar refused it, "auto" took llguidance, which matched nothing
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "'#/$defs/a'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "'#'"),  # once {"a": {"a": ...
+    ({"$defs": {"A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+                "B": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/A"}}}, "$ref": "#/$defs/A"},
+     "'#/$defs/A', '#/$defs/B'"),
+])
+def test_endless_recursion_is_refused(backend: str, schema: dict, where: str) -> None:
+    with pytest.raises(ValueError, match="no JSON value satisfies the schema .its references recurse without end"
+                       ) as e:
+        _manager(backend).validate(StructuredOutputsParams(json=schema))
+    assert where in str(e.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"$defs": {"n": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}},
+                     "required": ["next"]}}, "$ref": "#/$defs/n"},
+    {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},
+    {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+])
+def test_recursion_with_a_way_out_passes(schema: dict) -> None:
+    assert _manager("auto").validate(StructuredOutputsParams(json=schema)) == "xgrammar"
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),  # [1, 1] came out
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "contains"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, "if"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"type": "object", "properties": {"x": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                             "dependencies": {"a": ["b"]}}}}, "dependencies"),
+])
+def test_keywords_no_backend_enforces_are_refused(schema: dict, keyword: str) -> None:
+    """xgrammar compiled these without enforcing them (a value breaking them was accepted), and "auto" kept it;
+    llguidance does not implement them: a 400 naming the keyword, with either backend."""
+    for backend in ("auto", "xgrammar", "guidance"):
+        with pytest.raises(ValueError, match=re.escape(keyword)):
+            _manager(backend).validate(StructuredOutputsParams(json=schema))
+
+
+def test_multiple_of_a_number_goes_to_llguidance() -> None:
+    """xgrammar enforces multipleOf for integers only: a number's goes to llguidance, which enforces it."""
+    assert _manager("auto").validate(StructuredOutputsParams(json={"type": "integer", "multipleOf": 3})) == "xgrammar"
+    schema = {"type": "number", "multipleOf": 0.5}
+    assert _manager("auto").validate(StructuredOutputsParams(json=schema)) == "guidance"
+    with pytest.raises(ValueError, match="does not enforce the JSON schema keyword 'multipleOf' of a number"):
+        _manager("xgrammar").validate(StructuredOutputsParams(json=schema))
+
+
+def test_properties_named_like_keywords_are_not_keywords() -> None:
+    schema = {"type": "object", "properties": {"contains": {"type": "string"}, "if": {"type": "integer"},
+                                               "uniqueItems": {"type": "boolean"}}}
+    assert _manager("auto").validate(StructuredOutputsParams(json=schema)) == "xgrammar"
+
+
+def test_unevaluated_properties_alone_is_additional_properties() -> None:
+    """Nothing else evaluates the object's properties: unevaluatedProperties is additionalProperties, which both
+    libraries enforce (xgrammar ignored it and let any property through; llguidance refused it)."""
+    import json
+
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from pagedllm.structured_output.backend import strict_objects
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}
+    for backend in ("auto", "guidance"):
+        _manager(backend).validate(StructuredOutputsParams(json=schema))
+    grammar = xgr.Grammar.from_json_schema(json.dumps(strict_objects(schema)), strict_mode=False)
+    assert _is_grammar_accept_string(grammar, '{"a": 1}')
+    assert not _is_grammar_accept_string(grammar, '{"a": 1, "b": 2}')
+
+
+def test_disable_fallback_keeps_xgrammar() -> None:
+    """vLLM's structured_outputs.disable_fallback (once an "unknown field" 400): "auto" does not hand a spec
+    xgrammar refuses to llguidance; the refusal stands."""
+    params = StructuredOutputsParams(grammar='start: "yes" | "no"', disable_fallback=True)  # Lark: llguidance only
+    with pytest.raises(ValueError, match="Invalid structured_outputs.grammar: "):
+        _manager("auto").validate(params)
+    assert _manager("auto").validate(StructuredOutputsParams(grammar='start: "yes" | "no"')) == "guidance"
+    assert StructuredOutputsParams.from_dict({"regex": "a", "disable_fallback": True}).disable_fallback is True
+    with pytest.raises(ValueError, match="disable_fallback must be true or false"):
+        StructuredOutputsParams(regex="a", disable_fallback="yes")
+
+
+@pytest.mark.parametrize("keyword, value", [("uniqueItems", False), ("dependentRequired", {}), ("if", True),
+                                             ("unevaluatedItems", True)])
+def test_keywords_that_constrain_nothing_pass_both_backends(keyword: str, value) -> None:
+    """llguidance refused these keys whatever their value ("Unimplemented keys"): no-ops are dropped first."""
+    schema = {"type": "array", "items": {"type": "integer"}, keyword: value}
+    for backend in ("auto", "xgrammar", "guidance"):
+        _manager(backend).validate(StructuredOutputsParams(json=schema))
+
+
+def test_contains_true_is_still_a_constraint() -> None:
+    with pytest.raises(ValueError, match="'contains'"):
+        _manager("auto").validate(StructuredOutputsParams(json={"type": "array", "contains": True}))

@@ -400,8 +400,11 @@ class EngineCore:
         self._micro_batches.clear()
         self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
         self.scheduler.preempt_requests(others)
-        logger.error("step failed for %d request(s) (%s): %s; %d other request(s) of the step are recomputed",
-                     len(failed), ", ".join(sorted(failed)[:4]), e.message, len(others))
+        # A request that asked for the impossible (a 400: no token satisfies its constraints) is the client's
+        # doing, not an engine fault: a warning, as other refused requests.
+        logger.log(logging.WARNING if e.status < 500 else logging.ERROR,
+                   "step failed for %d request(s) (%s): %s; %d other request(s) of the step are recomputed",
+                   len(failed), ", ".join(sorted(failed)[:4]), e.message, len(others))
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Schedule and launch step N, then apply step N-1's results while N runs on the device.

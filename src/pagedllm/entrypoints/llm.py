@@ -699,6 +699,10 @@ class LLM:
         add_generation_prompt = template_kwargs.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = template_kwargs.pop("continue_final_message", continue_final_message)
         tools = template_kwargs.pop("tools", tools)
+        conversation_keys = sorted(set(template_kwargs) & {"messages", "conversations"})
+        if conversation_keys:  # (once "got multiple values for keyword argument ...")
+            raise ValueError(f"chat_template_kwargs may not set {conversation_keys}: the template gets the "
+                             "conversation chat() is given.")
         fixed = sorted(set(template_kwargs) & {"conversation", "tokenize", "return_dict", "return_tensors",
                                                 "return_assistant_tokens_mask", "padding", "truncation"})
         if fixed:

@@ -62,6 +62,8 @@ def _closed(schema: Any, close: bool = True) -> Any:
         return schema
     out = {}
     for k, v in schema.items():
+        if _no_op(schema, k, v):
+            continue  # (llguidance refuses these keys whatever their value: "Unimplemented keys")
         if k in _DATA_KEYS:
             out[k] = v
         elif k in _SCHEMA_MAPS and isinstance(v, dict):  # name -> schema maps are not schemas themselves
@@ -71,10 +73,71 @@ def _closed(schema: Any, close: bool = True) -> Any:
             out[k] = [_closed(s, close=False) for s in v]
         else:
             out[k] = _closed(v)
+    if ("unevaluatedProperties" in out and "additionalProperties" not in out
+            and not any(k in out for k in _APPLICATORS)):
+        # Nothing but this object's own keywords evaluates its properties: the same as additionalProperties,
+        # which both libraries enforce (xgrammar ignored unevaluatedProperties, llguidance does not implement it).
+        out["additionalProperties"] = out.pop("unevaluatedProperties")
     if (close and "allOf" not in out and "properties" in out and "additionalProperties" not in out
             and "unevaluatedProperties" not in out):
         out["additionalProperties"] = False
     return out
+
+
+def _no_op(schema: dict, key: str, value: Any) -> bool:
+    """Whether this keyword of the schema constrains nothing (uniqueItems false, an "if" without "then" / "else",
+    an empty dependentRequired, unevaluatedProperties true, ...)."""
+    if key == "uniqueItems":
+        return value is False
+    if key == "if":
+        return "then" not in schema and "else" not in schema
+    if key in ("then", "else"):
+        return "if" not in schema
+    if key in ("dependentRequired", "dependentSchemas", "dependencies"):
+        return value == {}
+    if key in ("unevaluatedProperties", "unevaluatedItems"):
+        return value is True or value == {}
+    return False
+
+
+# Keywords through which other subschemas evaluate an object's properties (what unevaluatedProperties looks at).
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "if", "then", "else",
+                "dependentSchemas", "dependencies")
+
+
+def _xgrammar_ignored_keyword(schema: dict) -> Optional[str]:
+    """A keyword of this (sub)schema that xgrammar compiles without enforcing it (checked against the library:
+    a value it breaks is accepted), as it was written; None if none."""
+    for key in ("contains", "if", "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
+                "unevaluatedItems"):
+        if key in schema and not _no_op(schema, key, schema[key]):  # (contains: true still asks for an item)
+            return f"{key!r}"
+    if schema.get("uniqueItems") is True:
+        return "'uniqueItems'"
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if "multipleOf" in schema and "integer" not in kinds:  # xgrammar takes it for integers only
+        return f"'multipleOf' of a {'number' if 'number' in kinds else 'value that is not an integer'}"
+    return None
+
+
+def _xgrammar_ignored(schema: Any) -> Optional[str]:
+    """The first keyword anywhere in the schema that xgrammar would ignore (_xgrammar_ignored_keyword)."""
+    if isinstance(schema, list):
+        return next((r for r in map(_xgrammar_ignored, schema) if r), None)
+    if not isinstance(schema, dict):
+        return None
+    found = _xgrammar_ignored_keyword(schema)
+    if found:
+        return found
+    for k, v in schema.items():
+        if k in _DATA_KEYS:
+            continue
+        subs = v.values() if k in _SCHEMA_MAPS and isinstance(v, dict) else [v]
+        found = next((r for r in map(_xgrammar_ignored, subs) if r), None)
+        if found:
+            return found
+    return None
 
 
 def _loosened(schema: Any) -> Any:
@@ -120,10 +183,101 @@ def unsatisfiable_reason(schema: Any) -> Optional[str]:
     return None
 
 
+def _pointer_target(root: Any, ref: str) -> Any:
+    """The subschema a local "$ref" ("#", "#/$defs/A", JSON pointer escapes) points at; None if none."""
+    from urllib.parse import unquote
+
+    node = root
+    for part in unquote(ref[1:]).split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _local_refs(schema: Any, found: dict) -> dict:
+    if isinstance(schema, list):
+        for s in schema:
+            _local_refs(s, found)
+    elif isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            found.setdefault(ref, None)
+        for k, v in schema.items():
+            if k not in _DATA_KEYS:
+                _local_refs(v, found)
+    return found
+
+
+def _has_finite_value(schema: Any, finite: dict) -> bool:
+    """Whether some finite JSON value may satisfy the schema, given which references do (`finite`). Errs towards
+    True: only what every value needs (required properties, minItems, a $ref, allOf) can make it False."""
+    if isinstance(schema, bool):
+        return schema
+    if not isinstance(schema, dict) or "enum" in schema or "const" in schema:
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not finite.get(ref, True):
+        return False
+    for key, need in (("allOf", all), ("anyOf", any), ("oneOf", any)):
+        subs = schema.get(key)
+        if isinstance(subs, list) and subs and not need(_has_finite_value(s, finite) for s in subs):
+            return False
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not types or any(t not in ("object", "array") for t in types):
+        return True  # a scalar may do
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    extra = schema.get("additionalProperties", True)
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    if "object" in types and all(_has_finite_value(props.get(name, extra), finite) for name in required
+                                 if isinstance(name, str)):
+        return True
+    min_items = schema.get("minItems", 0)
+    prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+    items = schema.get("items", True)
+    if isinstance(items, list):  # the draft-07 tuple form
+        prefix, items = items, schema.get("additionalItems", True)
+    if "array" in types and (not isinstance(min_items, int) or all(
+            _has_finite_value(prefix[i] if i < len(prefix) else items, finite) for i in range(min(min_items, 64)))):
+        return True
+    return False
+
+
+def endless_recursion(schema: Any) -> Optional[str]:
+    """Why references make every value of the schema infinitely deep ({"$ref": "#"}, "#/$defs/A" -> "#/$defs/B"
+    -> "#/$defs/A", a required property whose schema is its parent's): None if a finite value may do. xgrammar
+    refuses only a chain of bare references (and "auto" then took llguidance, whose grammar matched nothing: empty
+    output); a recursive required property made the model write until max_tokens."""
+    refs = _local_refs(schema, {})
+    if not refs:
+        return None
+    finite = dict.fromkeys(refs, False)  # least fixed point: a reference is finite once its target is shown to be
+    changed = True
+    while changed:
+        changed = False
+        for ref in finite:
+            target = _pointer_target(schema, ref)
+            if not finite[ref] and (target is None or _has_finite_value(target, finite)):
+                finite[ref] = changed = True
+    if _has_finite_value(schema, finite) or not _has_finite_value(schema, dict.fromkeys(refs, True)):
+        return None  # (the latter: unsatisfiable for another reason, which unsatisfiable_reason words)
+    endless = [r for r, ok in finite.items() if not ok]
+    return (f"its references recurse without end: every value through {', '.join(map(repr, endless[:3]))} would "
+            "hold itself again; give the recursion a way out: an optional property, anyOf with null, minItems 0")
+
+
 def check_satisfiable(params: StructuredOutputsParams) -> None:
     """ValueError (-> 400) if the request's JSON schema admits no value at all."""
     if params.kind != "json":
         return
+    endless = endless_recursion(params.json)
+    if endless:
+        raise SpecError(params, f"no JSON value satisfies the schema ({endless}).")
     reason = unsatisfiable_reason(strict_objects(params.json))
     if reason is None:
         return
@@ -302,6 +456,11 @@ class XGrammarBackend(GrammarBackend):
         reason = (_unenforced_not(params.json) or _xgrammar_unenforced(params.json)) if params.kind == "json" else None
         if reason:
             raise SpecError(params, f"{reason}.")
+        ignored = _xgrammar_ignored(strict_objects(params.json)) if params.kind == "json" else None
+        if ignored:  # once compiled without a word: [1, 1] for uniqueItems, {"a": 1} against dependentRequired
+            what = f"the JSON schema keyword {ignored}"
+            raise Unenforced(params, f"the xgrammar backend does not enforce {what}; use the guidance backend "
+                             "(--structured-outputs-config '{\"backend\": \"guidance\"}') where it does", what)
         conflicts = merge_all_of(params.json)[1] if params.kind == "json" else []
         if conflicts:  # xgrammar compiles what stays in allOf as any value
             keys = ", ".join(repr(k) for k in dict.fromkeys(conflicts))
@@ -506,6 +665,8 @@ def resolve_backend_name(name: str, params: Optional[StructuredOutputsParams]) -
         XGrammarBackend.validate(params)
         return "xgrammar"
     except ValueError as first:
+        if params.disable_fallback:  # vLLM's: the first backend's refusal stands
+            raise
         try:
             GuidanceBackend.validate(params)
         except SpecError as second:

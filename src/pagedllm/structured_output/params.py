@@ -41,6 +41,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
     disable_additional_properties: bool = False  # objects without "additionalProperties" get false
     whitespace_pattern: Optional[str] = None  # accepted for vLLM compatibility (outlines only); refused if set
+    disable_fallback: bool = False  # "auto" keeps xgrammar: a spec it refuses is a 400, not taken by llguidance
     # The request field the spec came from ("response_format.json_schema.schema", "guided_regex", "tools[0]...");
     # None: structured_outputs. Errors name it, so a client reads the field it sent. Not part of key().
     origin: Optional[str] = None
@@ -54,7 +55,7 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         # The switches must be real booleans: the spec travels to the engine process typed, where a string (from a
         # request's free-form structured_outputs object) would fail to decode and stop the engine, not the request.
-        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
             value = getattr(self, name)
             if value is None and name != "json_object":
                 setattr(self, name, False)  # null: the default
@@ -127,6 +128,8 @@ class StructuredOutputsParams:
         else:
             spec = getattr(self, kind)
         flags = f"{int(self.disable_any_whitespace)}{int(self.disable_additional_properties)}"
+        if self.disable_fallback:  # (another backend choice under "auto")
+            flags += "f"
         return kind, f"{flags}|{spec}"
 
     @classmethod

@@ -18,6 +18,9 @@ _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "ref
 def _part_text(part: Any) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+    if key is None and isinstance(part, dict) and kind is None:  # (once "content of type None")
+        raise APIError(f"A message content part needs a 'type' ('text' for text), got an object with keys "
+                       f"{sorted(part)[:8]}.", param="messages")
     if key is None:
         shape = "" if isinstance(part, dict) else \
             f" (a part is an object such as {{'type': 'text', 'text': ...}}, got a {type(part).__name__})"
@@ -220,6 +223,10 @@ def render_chat(tokenizer: Any, messages: list[Any], add_generation_prompt: bool
     continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
     fixed = sorted(set(kwargs) & {"conversation", "chat_template", "tokenize", "return_dict", "return_tensors",
                                   "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
+    conversation = sorted(set(kwargs) & {"messages", "conversations"})
+    if conversation:  # the template's own names for the conversation (once a bare "got multiple values" 400)
+        raise APIError(f"chat_template_kwargs may not set {conversation}: the template gets the conversation from "
+                       "the request's 'messages'.", param="chat_template_kwargs")
     if fixed:
         raise APIError(f"chat_template_kwargs may not set {fixed}: give template variables only"
                        + (" (a template goes in 'chat_template')." if "chat_template" in fixed else "."),

@@ -49,11 +49,18 @@ def _known(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(names)
 
 
+# What to send instead, for refused fields that have a supported counterpart.
+_INSTEAD = {"functions": " (OpenAI deprecated it): describe them in 'tools'",
+            "function_call": " (OpenAI deprecated it): use 'tool_choice' with 'tools'"}
+
+
 def check_extra_fields(model: type[BaseModel], data: dict) -> None:
     known = _known(model)
     for name, in_use in NOT_SUPPORTED_YET.items():
         if name in data and name not in known and in_use(data[name]):
-            raise APIError(f"'{name}' is not supported yet by pagedllm.", param=name)
-    ignored = sorted(k for k in data if k not in known and k not in NOT_SUPPORTED_YET)
+            raise APIError(f"'{name}' is not supported yet by pagedllm{_INSTEAD.get(name, '')}.", param=name)
+    # A refused field with a value that asks for nothing (function_call "auto") is ignored too, so it is named
+    # (it was dropped without a word).
+    ignored = sorted(k for k in data if k not in known)
     if ignored:
         logger.warning("The following fields were present in the request but ignored: %s", ignored)

@@ -57,6 +57,8 @@ def _function(tool: Any, i: int) -> dict:
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise ToolRequestError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):  # as response_format's strict
+        raise ToolRequestError(f"tools[{i}].function.strict must be true or false, got {fn['strict']!r:.40}.", "tools")
     kind = (params or {}).get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         # Arguments are a JSON object (OpenAI's shape): a grammar from another type would write a string or a
@@ -159,12 +161,12 @@ def _self_refs(schema: Any, base: str) -> tuple[Any, bool]:
 def _check_callable(plan: ToolPlan) -> None:
     """ValueError naming the function whose parameters no arguments satisfy (the engine would refuse the joined
     schema without saying which function's it is)."""
-    from pagedllm.structured_output.backend import strict_objects, unsatisfiable_reason
+    from pagedllm.structured_output.backend import endless_recursion, strict_objects, unsatisfiable_reason
 
     for i, t in enumerate(plan.tools):
         if plan.mode == "named" and t["function"]["name"] != plan.named:
             continue
-        reason = unsatisfiable_reason(strict_objects(_parameters(t)))
+        reason = endless_recursion(_parameters(t)) or unsatisfiable_reason(strict_objects(_parameters(t)))
         if reason is not None:
             raise ValueError(f"tools[{i}].function.parameters admit no arguments at all ({reason}), so "
                              f"{t['function']['name']!r} cannot be called.")
