@@ -365,3 +365,23 @@ def test_prompts_and_prompt_token_ids_together_are_refused(llm):
         llm.generate("hi", _greedy(max_tokens=2), prompt_token_ids=[[5, 6]], use_tqdm=False)
     (out,) = llm.generate(sampling_params=_greedy(max_tokens=2), prompt_token_ids=[[5, 6]], use_tqdm=False)
     assert out.prompt_token_ids == [5, 6] and len(out.outputs[0].token_ids) == 2
+
+
+def test_start_and_stop_profile_write_a_trace_as_vllm(llm, tmp_path, monkeypatch):
+    """vLLM's documented llm.start_profile() / llm.stop_profile() were a bare AttributeError: they trace the calls in
+    between into $VLLM_TORCH_PROFILER_DIR, and say so when that is unset."""
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.delenv("PAGEDLLM_TORCH_PROFILER_DIR", raising=False)
+    with pytest.raises(RuntimeError, match="VLLM_TORCH_PROFILER_DIR"):
+        llm.start_profile()
+    with pytest.raises(RuntimeError, match="No profile is running"):
+        llm.stop_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    llm.start_profile(profile_prefix="run1")
+    with pytest.raises(RuntimeError, match="already running"):
+        llm.start_profile()
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(max_tokens=2), use_tqdm=False)
+    llm.stop_profile()
+    assert len(out[0].outputs[0].token_ids) == 2
+    traces = list((tmp_path / "traces").glob("run1.*.pt.trace.json"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
