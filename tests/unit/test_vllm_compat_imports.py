@@ -28,6 +28,18 @@ def test_vllm_metrics_reader_path():
     _run_with_shim(code)
 
 
+def test_vllm_pooling_output_names():
+    """vLLM exports its pooling outputs from vllm and vllm.outputs (PoolingRequestOutput, ClassificationRequestOutput,
+    ScoringRequestOutput, ...); the shim had only two of them, so `from vllm import PoolingRequestOutput` failed."""
+    names = ("EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+             "ScoringOutput", "ScoringRequestOutput", "PoolingOutput", "PoolingRequestOutput")
+    code = (f"import vllm, vllm.outputs, pagedllm.pooling as p; names = {names!r}; "
+            "assert all(getattr(vllm, n) is getattr(vllm.outputs, n) is getattr(p, n) for n in names); "
+            "assert set(names) <= set(vllm.__all__); "
+            f"from vllm import {', '.join(names)}")
+    _run_with_shim(code)
+
+
 def _run_with_shim(code: str) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter with the vllm shim and src/ on the path; it must exit 0."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "compat", "vllm_compat"),
