@@ -239,16 +239,21 @@ class LLM:
     # ------------------------------------------------------------------ profiling (vLLM's start/stop_profile)
     def start_profile(self, profile_prefix: Optional[str] = None) -> None:
         """Start a torch profiler trace of the engine's steps (CPU, and CUDA where the model runs there). The trace
-        is written by stop_profile() into $VLLM_TORCH_PROFILER_DIR (or $PAGEDLLM_TORCH_PROFILER_DIR) as a Chrome
-        trace, its name starting with profile_prefix. Only an in-process engine (one device) can be traced."""
+        is written by stop_profile() as a Chrome trace, its name starting with profile_prefix, into
+        LLM(profiler_config={"profiler": "torch", "torch_profiler_dir": DIR})'s directory, else
+        $VLLM_TORCH_PROFILER_DIR (or $PAGEDLLM_TORCH_PROFILER_DIR). Only an in-process engine (one device) can be
+        traced."""
+        from pagedllm.config import PROFILER_FLAGS
         from pagedllm.executor.uniproc import UniprocExecutor
 
         with self._lock:
             engine = self.engine
-            directory = envs.PAGEDLLM_TORCH_PROFILER_DIR
+            config = self.engine_args.profiler_config or {}
+            directory = config.get("torch_profiler_dir") or envs.PAGEDLLM_TORCH_PROFILER_DIR
             if not directory:
-                raise RuntimeError("Profiling is off: set VLLM_TORCH_PROFILER_DIR (or PAGEDLLM_TORCH_PROFILER_DIR) to "
-                                   "the directory the traces go to before calling start_profile().")
+                raise RuntimeError("Profiling is off: build the LLM with profiler_config={'profiler': 'torch', "
+                                   "'torch_profiler_dir': DIR}, or set VLLM_TORCH_PROFILER_DIR (or "
+                                   "PAGEDLLM_TORCH_PROFILER_DIR), before calling start_profile().")
             if not isinstance(engine.worker, UniprocExecutor):
                 # the ranks run in other processes, which a profiler in this one would not see
                 raise RuntimeError("start_profile() traces an in-process engine only (tensor_parallel_size x "
@@ -264,7 +269,10 @@ class LLM:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+            options = {arg: bool(config.get(key, False)) for key, arg in PROFILER_FLAGS.items()}
+            if not config:  # (the environment variable's traces, as vLLM's, record shapes)
+                options["record_shapes"] = True
+            profiler = torch.profiler.profile(activities=activities, **options)
             profiler.start()
             self._profiler = (profiler, directory, profile_prefix or "pagedllm")
 
