@@ -34,6 +34,11 @@ _NOT_SUPPORTED_YET: dict[str, Any] = {
 }
 
 
+# profiler_config's switches, named as vLLM's -> the torch.profiler.profile argument each sets
+PROFILER_FLAGS = {"torch_profiler_record_shapes": "record_shapes", "torch_profiler_with_stack": "with_stack",
+                  "torch_profiler_with_memory": "profile_memory", "torch_profiler_with_flops": "with_flops"}
+
+
 @dataclass
 class EngineArgs:
     model: Optional[str] = None  # HF directory, .gguf file, or None for the default SmolLM2 model
@@ -101,6 +106,10 @@ class EngineArgs:
     hf_token: Union[bool, str, None] = field(default=None, repr=False)
     # Structured outputs: {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": bool, ...}
     structured_outputs_config: Optional[dict] = None
+    # vLLM's profiler_config for LLM.start_profile() / stop_profile(): {"profiler": "torch", "torch_profiler_dir": DIR,
+    # "torch_profiler_record_shapes" / "_with_stack" / "_with_memory" / "_with_flops": bool}; None: the
+    # VLLM_TORCH_PROFILER_DIR environment variable says where traces go (unset: profiling off).
+    profiler_config: Optional[dict] = None
     # Embeddings (pooling/), vLLM's names: runner "pooling" serves embeddings only ("auto": generation too, except
     # for a model without its head); convert "embed" and the older task "embed" mean the same; convert "classify"
     # (task "classify" / "score") serves a *ForSequenceClassification / *ForTokenClassification model (which never
@@ -160,6 +169,33 @@ class EngineArgs:
             from pagedllm.pooling import check_pooler_config
 
             self.pooler_config = check_pooler_config(self.pooler_config)
+
+    def _check_profiler(self) -> None:
+        """profiler_config as vLLM's (a dict, or its dataclass): the torch profiler and its options; what pagedllm
+        cannot honour (another profiler, other keys) is refused rather than ignored."""
+        pc = self.profiler_config
+        if pc is None:
+            return
+        if dataclasses.is_dataclass(pc) and not isinstance(pc, type):
+            pc = dataclasses.asdict(pc)
+        if not isinstance(pc, dict):
+            raise ValueError(f"profiler_config must be a dict, got {type(pc).__name__}.")
+        unknown = sorted(set(pc) - {"profiler", "torch_profiler_dir", *PROFILER_FLAGS})
+        if unknown:
+            raise ValueError(f"profiler_config keys {unknown} are not supported by pagedllm; it takes profiler, "
+                             f"torch_profiler_dir and {', '.join(PROFILER_FLAGS)}.")
+        if pc.get("profiler") not in (None, "torch"):
+            raise ValueError(f"profiler_config profiler {pc['profiler']!r} is not supported by pagedllm; use 'torch'.")
+        directory = pc.get("torch_profiler_dir")
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise ValueError(f"profiler_config torch_profiler_dir must be a path, got {directory!r}.")
+        if (pc.get("profiler") == "torch") != bool(directory):
+            raise ValueError("profiler_config needs both profiler 'torch' and torch_profiler_dir (the directory the "
+                             "traces go to), or neither.")
+        for key in PROFILER_FLAGS:
+            if not isinstance(pc.get(key, False), bool):
+                raise ValueError(f"profiler_config {key} must be true or false, got {pc[key]!r}.")
+        self.profiler_config = dict(pc, torch_profiler_dir=os.fspath(directory)) if directory else None
 
     def _check_code_revision(self) -> None:
         """A hub model's code comes from its files at revision; a different code_revision would need a second
@@ -287,6 +323,7 @@ class EngineArgs:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
         self._check_code_revision()
+        self._check_profiler()
         if self.enable_prompt_embeds and self.speculative_config:
             raise ValueError("enable_prompt_embeds with speculative decoding is not supported yet by pagedllm: a "
                              "draft would see placeholder tokens where the prompt's embeddings are.")

@@ -83,6 +83,9 @@ _ENV_READERS: dict[str, Callable[[], Any]] = {
     # Root logging level for the `pagedllm` logger (DEBUG, INFO, WARNING, ...; vLLM's VLLM_LOGGING_LEVEL too): the
     # offline LLM's level and the server's --log-level default.
     "PAGEDLLM_LOGGING_LEVEL": lambda: _logging_level(),
+    # Where LLM.start_profile() / stop_profile() write torch profiler traces (vLLM's VLLM_TORCH_PROFILER_DIR too);
+    # unset: profiling is off and start_profile() says so.
+    "PAGEDLLM_TORCH_PROFILER_DIR": lambda: _own_or_vllm("TORCH_PROFILER_DIR")[1],
     # Seed for dummy (random) weights: `load_format="dummy"`.
     "PAGEDLLM_DUMMY_WEIGHT_SEED": _int("PAGEDLLM_DUMMY_WEIGHT_SEED", 1234),
     # Set to 1 to hide tqdm progress bars (weight loading, GGUF conversion).

@@ -23,6 +23,11 @@ def test_version_and_help(e2e_env: dict) -> None:
     assert r.returncode == 0 and pagedllm.__version__ in r.stdout
     r = run([cli("pagedllm"), "--help"], e2e_env)
     assert r.returncode == 0 and all(w in r.stdout for w in ("serve", "chat", "complete", "bench"))
+    # `python -m pagedllm` was "No module named pagedllm.__main__"
+    r = run([sys.executable, "-m", "pagedllm", "--help"], e2e_env)
+    assert r.returncode == 0 and r.stdout.startswith("usage: pagedllm ") and "serve" in r.stdout
+    r = run([sys.executable, "-m", "pagedllm", "no-such-command"], e2e_env)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
 def test_bench_serve_prints_result_block(server: Server, e2e_env: dict, tmp_path) -> None:

@@ -369,3 +369,46 @@ def test_prompts_and_prompt_token_ids_together_are_refused(llm):
         llm.generate("hi", _greedy(max_tokens=2), prompt_token_ids=[[5, 6]], use_tqdm=False)
     (out,) = llm.generate(sampling_params=_greedy(max_tokens=2), prompt_token_ids=[[5, 6]], use_tqdm=False)
     assert out.prompt_token_ids == [5, 6] and len(out.outputs[0].token_ids) == 2
+
+
+def test_start_and_stop_profile_write_a_trace_as_vllm(llm, tmp_path, monkeypatch):
+    """vLLM's documented llm.start_profile() / llm.stop_profile() were a bare AttributeError: they trace the calls in
+    between into $VLLM_TORCH_PROFILER_DIR, and say so when that is unset."""
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.delenv("PAGEDLLM_TORCH_PROFILER_DIR", raising=False)
+    with pytest.raises(RuntimeError, match="VLLM_TORCH_PROFILER_DIR"):
+        llm.start_profile()
+    with pytest.raises(RuntimeError, match="No profile is running"):
+        llm.stop_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    llm.start_profile(profile_prefix="run1")
+    with pytest.raises(RuntimeError, match="already running"):
+        llm.start_profile()
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(max_tokens=2), use_tqdm=False)
+    llm.stop_profile()
+    assert len(out[0].outputs[0].token_ids) == 2
+    traces = list((tmp_path / "traces").glob("run1.*.pt.trace.json"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
+def test_profiler_config_as_vllm_names_it(tiny_llama_dir, tmp_path, monkeypatch):
+    """vLLM's LLM(profiler_config={"profiler": "torch", "torch_profiler_dir": DIR}) was "Unknown engine argument": it
+    is where start_profile() writes; what pagedllm cannot honour is refused when the LLM is built."""
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.delenv("PAGEDLLM_TORCH_PROFILER_DIR", raising=False)
+    from pagedllm.config import EngineArgs
+
+    for bad, message in [({"profiler": "cuda", "torch_profiler_dir": "x"}, "profiler 'cuda' is not supported"),
+                         ({"profiler": "torch"}, "needs both profiler 'torch' and torch_profiler_dir"),
+                         ({"profiler": "torch", "torch_profiler_dir": "x", "delay_iterations": 2}, "delay_iterations"),
+                         ({"profiler": "torch", "torch_profiler_dir": "x", "torch_profiler_with_stack": "yes"},
+                          "with_stack must be true or false"), ("x", "must be a dict")]:
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(model=tiny_llama_dir, profiler_config=bad).validate()
+    with LLM(model=tiny_llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=32,
+             profiler_config={"profiler": "torch", "torch_profiler_dir": tmp_path / "p",
+                              "torch_profiler_with_stack": True}) as llm:
+        llm.start_profile()
+        llm.generate({"prompt_token_ids": [5, 6]}, _greedy(max_tokens=2), use_tqdm=False)
+        llm.stop_profile()
+    assert len(list((tmp_path / "p").glob("pagedllm.*.pt.trace.json"))) == 1

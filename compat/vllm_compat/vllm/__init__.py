@@ -3,16 +3,24 @@ from __future__ import annotations
 
 from pagedllm import BeamSearchParams, SamplingParams, __version__  # noqa: F401
 
+# vLLM's top-level pooling outputs (`from vllm import PoolingRequestOutput`, type hints and isinstance checks of
+# LLM.encode / classify / score results): pagedllm.pooling's classes.
+_POOLING_OUTPUTS = ("EmbeddingOutput", "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+                    "ScoringOutput", "ScoringRequestOutput", "PoolingOutput", "PoolingRequestOutput")
+
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LoRARequest",
-           "PoolingParams", "EmbeddingRequestOutput", "TextPrompt", "TokensPrompt", "__version__"]
+           "PoolingParams", "TextPrompt", "TokensPrompt", "__version__", *_POOLING_OUTPUTS]
 
 
 def __getattr__(name: str):  # lazy, like pagedllm: `import vllm` must not import torch
-    if name in ("LLM", "RequestOutput", "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput", "TextPrompt",
-                "TokensPrompt"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "PoolingParams", "TextPrompt", "TokensPrompt"):
         import pagedllm
 
         return getattr(pagedllm, name)
+    if name in _POOLING_OUTPUTS:
+        import pagedllm.pooling
+
+        return getattr(pagedllm.pooling, name)
     if name == "EngineArgs":
         from pagedllm.config import EngineArgs
 

@@ -168,6 +168,9 @@ class LLM:
         in another thread finishes first."""
         with self.__dict__.get("_lock") or threading.RLock():
             self._engine = None
+            running = self.__dict__.pop("_profiler", None)
+            if running is not None:  # a trace never stopped: the profiler must not go on recording the process
+                running[0].stop()
             finalizer = self.__dict__.get("_finalizer")
             if finalizer is not None:
                 finalizer()  # runs EngineCore.shutdown once, then lets go of the engine
@@ -232,6 +235,63 @@ class LLM:
         """Forget every cached prefix block (vLLM's name). False, and nothing forgotten, while requests run."""
         with self._lock:
             return self.engine.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ profiling (vLLM's start/stop_profile)
+    def start_profile(self, profile_prefix: Optional[str] = None) -> None:
+        """Start a torch profiler trace of the engine's steps (CPU, and CUDA where the model runs there). The trace
+        is written by stop_profile() as a Chrome trace, its name starting with profile_prefix, into
+        LLM(profiler_config={"profiler": "torch", "torch_profiler_dir": DIR})'s directory, else
+        $VLLM_TORCH_PROFILER_DIR (or $PAGEDLLM_TORCH_PROFILER_DIR). Only an in-process engine (one device) can be
+        traced."""
+        from pagedllm.config import PROFILER_FLAGS
+        from pagedllm.executor.uniproc import UniprocExecutor
+
+        with self._lock:
+            engine = self.engine
+            config = self.engine_args.profiler_config or {}
+            directory = config.get("torch_profiler_dir") or envs.PAGEDLLM_TORCH_PROFILER_DIR
+            if not directory:
+                raise RuntimeError("Profiling is off: build the LLM with profiler_config={'profiler': 'torch', "
+                                   "'torch_profiler_dir': DIR}, or set VLLM_TORCH_PROFILER_DIR (or "
+                                   "PAGEDLLM_TORCH_PROFILER_DIR), before calling start_profile().")
+            if not isinstance(engine.worker, UniprocExecutor):
+                # the ranks run in other processes, which a profiler in this one would not see
+                raise RuntimeError("start_profile() traces an in-process engine only (tensor_parallel_size x "
+                                   "pipeline_parallel_size = 1, distributed_executor_backend 'uni').")
+            if self.__dict__.get("_profiler") is not None:
+                raise RuntimeError("A profile is already running: call stop_profile() first.")
+            if profile_prefix is not None and (not isinstance(profile_prefix, str) or "/" in profile_prefix
+                                               or "\\" in profile_prefix):
+                raise ValueError(f"profile_prefix must be a file name prefix (a string without '/'), got "
+                                 f"{profile_prefix!r}.")
+            import torch
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            options = {arg: bool(config.get(key, False)) for key, arg in PROFILER_FLAGS.items()}
+            if not config:  # (the environment variable's traces, as vLLM's, record shapes)
+                options["record_shapes"] = True
+            profiler = torch.profiler.profile(activities=activities, **options)
+            profiler.start()
+            self._profiler = (profiler, directory, profile_prefix or "pagedllm")
+
+    def stop_profile(self) -> None:
+        """Stop the trace start_profile() began and write it (a .pt.trace.json Chrome trace) to the profiler
+        directory."""
+        import os
+
+        with self._lock:
+            running = self.__dict__.get("_profiler")
+            if running is None:
+                raise RuntimeError("No profile is running: call start_profile() first.")
+            self._profiler = None
+            profiler, directory, prefix = running
+            profiler.stop()
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"{prefix}.{os.getpid()}.{time.time_ns()}.pt.trace.json")
+            profiler.export_chrome_trace(path)
+            logger.info("Profiler trace written to %s", path)
 
     # ------------------------------------------------------------------ sleep mode (vLLM's; needs enable_sleep_mode)
     def sleep(self, level: int = 1) -> None:
