@@ -26,6 +26,33 @@ def _gguf_source(path: str) -> Optional[tuple[str, str]]:
     return None
 
 
+_GGUF_RECORD = "pagedllm_gguf_source.json"  # written into a conversion by models/gguf.py
+
+
+def _gguf_without_tokenizer(source: str) -> Optional[str]:
+    """The .gguf behind `source` (the file, a folder holding only it, or pagedllm's conversion of it) when it has no
+    tokenizer metadata, else None. transformers' error then lists files and packages that are not the cause."""
+    gguf = _gguf_source(source)
+    if gguf is None:
+        record = os.path.join(source, _GGUF_RECORD)
+        if not os.path.isfile(record):
+            return None
+        # The converter writes the tokenizer files whenever the file has tokenizer metadata: none here means none.
+        import json
+        try:
+            with open(record) as f:
+                return str(json.load(f).get("gguf_path") or source)
+        except (OSError, ValueError):
+            return None
+    path = os.path.join(*gguf)
+    try:
+        from gguf import GGUFReader
+        has_tokenizer = "tokenizer.ggml.model" in GGUFReader(path).fields
+    except Exception:  # noqa: BLE001 - not a readable GGUF: transformers' own error says more
+        return None
+    return None if has_tokenizer else path
+
+
 # vLLM's tokenizer_mode values. "auto" and "hf" both load the model's Hugging Face tokenizer (vLLM's "auto" picks
 # mistral_common only for Mistral's own tokenizer files, which pagedllm does not read); "slow" asks transformers for
 # its Python tokenizer (use_fast=False: what it gives where a model has none, as in vLLM).
@@ -118,7 +145,14 @@ def get_tokenizer(model_dir_or_name: str, trust_remote_code: bool = False, token
         else:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
                                                       use_fast=not slow, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:  # (KeyError: transformers' GGUF reader, a key it needs missing)
+        bare = _gguf_without_tokenizer(source)
+        if bare is not None:
+            raise ValueError(
+                f"Could not load a tokenizer from {model_dir_or_name!r}: the GGUF {bare} holds no tokenizer "
+                "(no tokenizer.ggml.* metadata). Pass --tokenizer with the model's tokenizer (a Hugging Face "
+                "directory or repo id, or a .gguf that has one), or start with skip_tokenizer_init=True and "
+                "prompt with token ids.") from e
         raise ValueError(
             f"Could not load a tokenizer from {model_dir_or_name!r}: {e}. Give a model directory with "
             "tokenizer.json / tokenizer_config.json, a .gguf file, or pass --tokenizer explicitly."

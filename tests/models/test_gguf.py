@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -244,3 +245,28 @@ def test_a_directory_of_several_ggufs_names_them(tmp_path):
     with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(m\.Q4_K_M\.gguf, m\.Q8_0\.gguf\)\. Pass the \.gguf "
                                          r"file to load\."):
         prepare_model_dir(str(variants))
+
+
+def test_a_gguf_without_tokenizer_metadata_says_so(tmp_path, fresh_cache, tiny_model_dir):
+    """A GGUF with no tokenizer.ggml.* keys: as --tokenizer, transformers' GGUF reader raised a bare KeyError('tokens')
+    (not caught); as the model, the error named the cache's converted directory and blamed missing tokenizer files or
+    sentencepiece. Now one ValueError naming the .gguf and what to pass instead, from all three ways to give it."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.tokenizer import get_tokenizer
+    folder = tmp_path / "only"
+    folder.mkdir()
+    gguf_path = str(folder / "bare.gguf")
+    write_tiny_gguf(tiny_model_dir("llama"), gguf_path, "llama")
+    converted = prepare_model_dir(gguf_path)
+    assert not os.path.exists(os.path.join(converted, "tokenizer_config.json"))
+    expected = rf"the GGUF {re.escape(gguf_path)} holds no tokenizer \(no tokenizer\.ggml\.\* metadata\)\. Pass --tokenizer"
+    for source in (gguf_path, str(folder), converted):
+        with pytest.raises(ValueError, match=expected):
+            get_tokenizer(source)
+    with pytest.raises(ValueError, match=expected):
+        LLM(model=gguf_path, num_gpu_blocks_override=16, max_model_len=64)
+    # without a tokenizer the model still serves token-id prompts
+    llm = LLM(model=gguf_path, num_gpu_blocks_override=16, max_model_len=64, skip_tokenizer_init=True)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
