@@ -259,7 +259,8 @@ def test_a_gguf_without_tokenizer_metadata_says_so(tmp_path, fresh_cache, tiny_m
     write_tiny_gguf(tiny_model_dir("llama"), gguf_path, "llama")
     converted = prepare_model_dir(gguf_path)
     assert not os.path.exists(os.path.join(converted, "tokenizer_config.json"))
-    expected = rf"the GGUF {re.escape(gguf_path)} holds no tokenizer \(no tokenizer\.ggml\.\* metadata\)\. Pass --tokenizer"
+    expected = (rf"the GGUF {re.escape(gguf_path)} holds no tokenizer "
+                r"\(no tokenizer\.ggml\.\* metadata\)\. Pass --tokenizer")
     for source in (gguf_path, str(folder), converted):
         with pytest.raises(ValueError, match=expected):
             get_tokenizer(source)
