@@ -98,10 +98,15 @@ def test_byte_table_on_real_text_split_anywhere(tokenizer):  # noqa: F811
 
 
 def test_dirty_prompt_keeps_decode_stream(tokenizer):  # noqa: F811
-    """A prompt ending in half a character (no clean suffix to prime with) stays with DecodeStream."""
+    """A prompt ending in half a character is context up to its last whole character (the byte table primes on
+    it); one that ends in U+FFFD for as far as that looks (invalid bytes: no clean suffix to prime with) stays with
+    DecodeStream."""
     ids = tokenizer.encode(" 🎉", add_special_tokens=False)
     assert len(ids) >= 2
     detok = IncrementalDetokenizer(tokenizer, ids[:1], False)
+    assert isinstance(detok._decoder, mod._ByteTableDecoder)
+    invalid = {b: c for c, b in mod._byte_level_chars().items()}[0xE4]  # lead bytes that no byte continues
+    detok = IncrementalDetokenizer(tokenizer, [tokenizer.convert_tokens_to_ids(invalid)] * 12, False)
     assert isinstance(detok._decoder, mod._StreamDecoder)
 
 
