@@ -346,10 +346,13 @@ def _finished_prompt(tokenizer: Any, prompt_ids: list[int], skip_special_tokens:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     n = len(prompt_ids)
-    for drop in range(min(n, _MAX_UNFINISHED_TAIL) + 1):
-        end = n - drop
-        if end == 0 or not decode(prompt_ids[max(0, end - _MAX_UNFINISHED_TAIL):end]).endswith(_REPLACEMENT):
-            return prompt_ids[:end]
+    try:
+        for drop in range(min(n, _MAX_UNFINISHED_TAIL) + 1):
+            end = n - drop
+            if end == 0 or not decode(prompt_ids[max(0, end - _MAX_UNFINISHED_TAIL):end]).endswith(_REPLACEMENT):
+                return prompt_ids[:end]
+    except Exception:  # noqa: BLE001 - ids no decode takes: the decoders' own fallbacks deal with the whole prompt
+        return prompt_ids
     return prompt_ids  # U+FFFD for as far as it looks: invalid bytes (or the character itself), not an unfinished one
 
 
