@@ -9,7 +9,8 @@ the prompt, and a delta never ends in a half character):
     it no longer ends in U+FFFD. Both windows stay a few tokens long, so a step is O(1).
 
 The prompt's last few tokens seed the window so that context-dependent decoding (sentencepiece's
-leading space, a space after a newline) matches decoding prompt + output as a whole.
+leading space, a space after a newline) matches decoding prompt + output as a whole; up to its last whole
+character (a token-id prompt can end in half of one: the output's bytes do not finish it).
 
 `spaces_between_special_tokens` only changes slow tokenizers (it is a slow-tokenizer option; fast
 tokenizers' decode() ignores it too), so both strategies match `tokenizer.decode`.
