@@ -9,7 +9,8 @@ the prompt, and a delta never ends in a half character):
     it no longer ends in U+FFFD. Both windows stay a few tokens long, so a step is O(1).
 
 The prompt's last few tokens seed the window so that context-dependent decoding (sentencepiece's
-leading space, a space after a newline) matches decoding prompt + output as a whole.
+leading space, a space after a newline) matches decoding prompt + output as a whole; up to its last whole
+character (a token-id prompt can end in half of one: the output's bytes do not finish it).
 
 `spaces_between_special_tokens` only changes slow tokenizers (it is a slow-tokenizer option; fast
 tokenizers' decode() ignores it too), so both strategies match `tokenizer.decode`.
@@ -326,6 +327,36 @@ class _ByteTableDecoder:
         return None
 
 
+# A character is at most 4 bytes: the tokens of a prompt's unfinished last character, with skipped special tokens
+# between them, are within this many of its end.
+_MAX_UNFINISHED_TAIL = 8
+
+
+def _finished_prompt(tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool) -> list[int]:
+    """The prompt without its last tokens where they are bytes of a character it does not finish (a token-id prompt
+    can end so). The output's text is decode(output ids): bytes it continues that character with are its own U+FFFD,
+    not the prompt's character finished, and the prompt's partial character is no U+FFFD of the output."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    def decode(ids: list[int]) -> str:
+        if backend is not None:
+            try:  # the Rust tokenizer itself (transformers' decode() costs milliseconds in argument checks)
+                return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            except Exception:  # noqa: BLE001 - ids the backend refuses: the tokenizer's own decode says why
+                pass
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    n = len(prompt_ids)
+    try:
+        for drop in range(min(n, _MAX_UNFINISHED_TAIL) + 1):
+            end = n - drop
+            if end == 0 or not decode(prompt_ids[max(0, end - _MAX_UNFINISHED_TAIL):end]).endswith(_REPLACEMENT):
+                return prompt_ids[:end]
+    except Exception:  # noqa: BLE001 - ids no decode takes: the decoders' own fallbacks deal with the whole prompt
+        return prompt_ids
+    return prompt_ids  # U+FFFD for as far as it looks: invalid bytes (or the character itself), not an unfinished one
+
+
 class IncrementalDetokenizer:
     """Turns a request's output token ids into text as they arrive.
 
@@ -339,6 +370,9 @@ class IncrementalDetokenizer:
                  token_str_cache: Optional[dict[int, str]] = None, use_byte_table: bool = True) -> None:
         self.tokenizer = tokenizer
         self.prompt_token_ids = list(prompt_token_ids)
+        # The decoders' context: the prompt up to its last whole character.
+        self._context_ids = (_finished_prompt(tokenizer, self.prompt_token_ids, skip_special_tokens)
+                             if self.prompt_token_ids else [])
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
@@ -351,8 +385,8 @@ class IncrementalDetokenizer:
             # Byte-level BPE: the same steps from a byte table (_ByteTableDecoder); else tokenizers' DecodeStream.
             try:
                 self._decoder = ((use_byte_table and
-                                  _ByteTableDecoder.primed(tokenizer, self.prompt_token_ids, skip_special_tokens))
-                                 or _StreamDecoder(tokenizer, self.prompt_token_ids, skip_special_tokens))
+                                  _ByteTableDecoder.primed(tokenizer, self._context_ids, skip_special_tokens))
+                                 or _StreamDecoder(tokenizer, self._context_ids, skip_special_tokens))
                 self._step_or_none = self._decoder.step_or_none
             except Exception:  # noqa: BLE001 - DecodeStream refused the prompt suffix it was primed with ("Invalid
                 # prefix": byte-fallback bytes that are invalid UTF-8 turn text already decoded into U+FFFD, a
@@ -364,7 +398,7 @@ class IncrementalDetokenizer:
             self._step_or_none = self._decoder.step
 
     def _offset_decoder(self) -> _OffsetDecoder:
-        context = self.prompt_token_ids + self.token_ids
+        context = self._context_ids + self.token_ids
         return _OffsetDecoder(self.tokenizer, context, self.skip_special_tokens, self.spaces_between_special_tokens)
 
     @property
@@ -404,7 +438,7 @@ class IncrementalDetokenizer:
         keep=False: the text is not added to output_text (step_text's callers)."""
         decoder = self._decoder
         if isinstance(decoder, _StreamDecoder):
-            text = decoder.flush(self.tokenizer, self.prompt_token_ids + self.token_ids, self.skip_special_tokens)
+            text = decoder.flush(self.tokenizer, self._context_ids + self.token_ids, self.skip_special_tokens)
         else:
             text = decoder.flush()
         return self._pieces_add(text) if keep else text

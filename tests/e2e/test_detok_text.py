@@ -44,3 +44,20 @@ def test_length_finish_mid_character_keeps_its_end(server: Server, offline_llm) 
         want = tok.decode(chat_ids[:k])
         assert http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"] == want
         assert _streamed(http, "/v1/chat/completions", chat, lambda c: c["delta"].get("content")) == want
+
+
+def test_token_prompt_ending_mid_character(server: Server, offline_llm) -> None:
+    """A token-id prompt whose last tokens are the first bytes of an emoji: the text is decode(output ids), streamed
+    and not, offline and served (was: the output's bytes finished the prompt's character, or its U+FFFD led it)."""
+    tok = offline_llm.get_tokenizer()
+    ids = tok.encode("Count: one two three 🎉", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids) + 1) if tok.decode(ids[:k]).endswith("\ufffd"))
+    prompt = ids[:cut]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    out = offline_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    expected = tok.decode(out.token_ids)
+    assert out.text == expected
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    with server.client() as http:
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+        assert _streamed(http, "/v1/completions", body, lambda c: c["text"]) == expected

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.detokenizer import IncrementalDetokenizer, _byte_level_chars
 from pagedllm.tokenizer import get_tokenizer
 
 TEXTS = [
@@ -180,3 +180,24 @@ def test_flush_gives_the_held_back_end(tokenizer, strategy):
         streamed = "".join(detok.update([t]) for t in ids)
         assert streamed + detok.flush() == tokenizer.decode(ids) == detok.output_text
         assert detok.flush() == ""
+
+
+@pytest.mark.parametrize("strategy", [dict(), dict(use_byte_table=False), dict(use_decode_stream=False)])
+def test_prompt_ending_mid_character_is_not_the_outputs_text(tokenizer, strategy):
+    """A token-id prompt that ends in the first bytes of a character: the output is decode(output ids), for every
+    strategy. It was not: the output finished the prompt's character ("中" from its last byte, where decode gives
+    U+FFFD), or began with the U+FFFD of the prompt's partial bytes."""
+    bytes_of = {b: tokenizer.convert_tokens_to_ids(c) for c, b in _byte_level_chars().items()}
+    zhong = [bytes_of[b] for b in "中".encode()]
+    words = tokenizer.encode("Hello world, this is", add_special_tokens=False)
+    ok = tokenizer.encode(" ok 😀", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    cases = [(words + zhong[:2], zhong[2:] + ok), (words + zhong[:1], ok), (zhong[:2], zhong[2:] + ok),
+             (words + zhong[:2], [eos] + ok), (words + zhong[:1] + [eos], zhong[1:] + ok), (words + zhong[:2], zhong)]
+    for prompt, output in cases:
+        for skip in (True, False):
+            for step in (1, 2):
+                detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip, **strategy)
+                deltas = [detok.update(output[i:i + step]) for i in range(0, len(output), step)]
+                deltas.append(detok.flush())
+                assert "".join(deltas) == detok.output_text == tokenizer.decode(output, skip_special_tokens=skip)

@@ -98,10 +98,15 @@ def test_byte_table_on_real_text_split_anywhere(tokenizer):  # noqa: F811
 
 
 def test_dirty_prompt_keeps_decode_stream(tokenizer):  # noqa: F811
-    """A prompt ending in half a character (no clean suffix to prime with) stays with DecodeStream."""
+    """A prompt ending in half a character is context up to its last whole character (the byte table primes on
+    it); one that ends in U+FFFD for as far as that looks (invalid bytes: no clean suffix to prime with) stays with
+    DecodeStream."""
     ids = tokenizer.encode(" 🎉", add_special_tokens=False)
     assert len(ids) >= 2
     detok = IncrementalDetokenizer(tokenizer, ids[:1], False)
+    assert isinstance(detok._decoder, mod._ByteTableDecoder)
+    invalid = {b: c for c, b in mod._byte_level_chars().items()}[0xE4]  # lead bytes that no byte continues
+    detok = IncrementalDetokenizer(tokenizer, [tokenizer.convert_tokens_to_ids(invalid)] * 12, False)
     assert isinstance(detok._decoder, mod._StreamDecoder)
 
 
@@ -205,3 +210,29 @@ def test_prompt_that_decode_stream_refuses(gemma3_270m_gguf_path):
     output = tok.encode(" there 🎉", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, prompt)
     assert "".join(detok.update([t]) for t in output) == tok.decode(output) == " there 🎉"
+
+
+def test_chat_logprob_bytes_of_byte_fallback_tokens():
+    """A sentencepiece-style vocabulary (Gemma's, Llama 2's) spells a character it lacks as byte-fallback tokens
+    ("<0xE4>"), each U+FFFD alone: their logprob `bytes` are those bytes, so the entries rebuild the text as for
+    byte-level BPE (they were U+FFFD's bytes, which rebuild nothing)."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedllm.entrypoints.openai.chat_completions import _chat_logprobs
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    vocab.update({piece: len(vocab) + i for i, piece in enumerate(["▁", "o", "k", "▁o", "▁ok"])})
+    backend = Tokenizer(models.BPE(vocab, [("▁", "o"), ("▁o", "k")], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    ids = tok.encode("中😀 ok", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids)[:2] == ["<0xE4>", "<0xB8>"] and tok.decode(ids) == "中😀 ok"
+    entries = [{t: SimpleNamespace(logprob=-0.5, rank=1, decoded_token=None)} for t in ids]
+    content = _chat_logprobs(tok, ids, entries, top_n=1)["content"]
+    assert content[0]["token"] == "\ufffd" and content[0]["bytes"] == [0xE4]
+    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8") == "中😀 ok"
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)

@@ -21,16 +21,31 @@ def token_label(tokenizer: Any, token_id: int, lp: Any = None, as_ids: bool = Fa
 
 def token_bytes(tokenizer: Any, token_id: int, label: str) -> list[int]:
     """OpenAI's `bytes` of a logprob entry whose `token` is `label`: its UTF-8, but for a token that is part of a
-    multi-byte character (its text alone is U+FFFD) the token's own bytes where the tokenizer is byte-level BPE,
-    which a client joins to rebuild the character (what the field is for); U+FFFD's bytes would rebuild nothing."""
+    multi-byte character (its text alone is U+FFFD) the token's own bytes where the tokenizer is byte-level BPE or
+    has byte-fallback tokens (sentencepiece's "<0xE4>": Gemma, Llama 2), which a client joins to rebuild the
+    character (what the field is for); U+FFFD's bytes would rebuild nothing."""
     if _REPLACEMENT in label:
         from pagedllm.detokenizer import byte_table
 
         table = byte_table(tokenizer, False)
-        raw = table.raw.get(token_id) if table is not None else None
+        raw = table.raw.get(token_id) if table is not None else _fallback_byte(tokenizer, token_id)
         if raw:
             return list(raw)
     return list(label.encode("utf-8"))
+
+
+def _fallback_byte(tokenizer: Any, token_id: int) -> Optional[bytes]:
+    """The byte of a byte-fallback token ("<0xE4>", which tokenizers' ByteFallback decoder turns into that byte)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or "ByteFallback" not in type(backend.decoder).__name__ + str(backend.decoder):
+        return None
+    piece = backend.id_to_token(token_id)
+    if piece is None or len(piece) != 6 or not piece.startswith("<0x") or not piece.endswith(">"):
+        return None
+    try:
+        return bytes([int(piece[3:5], 16)])
+    except ValueError:
+        return None
 
 
 def iter_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list], as_ids: bool = False,
