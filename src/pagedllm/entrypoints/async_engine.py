@@ -755,7 +755,13 @@ class AsyncEngine:
                 self.metrics.observe_iteration_tokens(tokens, msg.engine_index)
         elif isinstance(msg, m.RequestError):
             parent_id = self._engine_to_parent.get(msg.request_id)
-            self._timing.pop(msg.request_id, None)
+            if msg.in_step:  # a failed step: counted finished "error", its running siblings (aborted below) "abort"
+                now = time.monotonic()
+                self._finish_timing(msg.request_id, "error", now)
+                for cid in self._parents[parent_id].child_ids if parent_id in self._parents else ():
+                    self._finish_timing(cid, "abort", now)
+            else:
+                self._timing.pop(msg.request_id, None)
             if parent_id is not None and parent_id in self._parents:
                 parent = self._parents[parent_id]
                 parent.put(RequestRejected(msg.message, msg.status, msg.param))

@@ -176,7 +176,7 @@ class EngineLoop:
                         self._send_outputs(e.outputs)
                     for rid, client in owners:
                         self._client_of.pop(rid, None)
-                        self._send_to(client, self.m.RequestError(rid, e.message, e.status))
+                        self._send_to(client, self.m.RequestError(rid, e.message, e.status, in_step=True))
                     self.stats_dirty = True
                     continue
                 self._send_request_errors()

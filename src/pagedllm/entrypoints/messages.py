@@ -220,12 +220,14 @@ class EngineDead(msgspec.Struct, tag="engine_dead"):
 
 
 class RequestError(msgspec.Struct, tag="request_error"):
-    """add_request refused a request (e.g. it cannot fit the KV pool); status is the HTTP status."""
+    """add_request refused a request (e.g. it cannot fit the KV pool), or (`in_step`) a step failed it after it
+    was scheduled; status is the HTTP status."""
 
     request_id: str
     message: str
     status: int = 400
     param: Optional[str] = None  # the request field at fault, where known (an error's OpenAI `param`)
+    in_step: bool = False  # it ran: the metrics count it finished "error" (a refused one never entered the engine)
 
 
 class StatsReply(msgspec.Struct, tag="stats"):
