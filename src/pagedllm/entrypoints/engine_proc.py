@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
 from typing import Any, Union
 
+from pagedllm.entrypoints.ipc import owned_directory
 from pagedllm.process_utils import one_line, set_process_name, watch_parent
 
 # errors the user can fix, reported as their sentence
@@ -40,7 +42,9 @@ def run_engine_core(engine_args: Any, input_addr: Union[str, list[str]], output_
     logging.basicConfig(
         level=log_level.upper(), format="%(levelname)s %(asctime)s [engine] %(message)s", datefmt="%H:%M:%S"
     )
-    watch_parent(exit_code=0)
+    first = input_addr if isinstance(input_addr, str) else input_addr[0]
+    leftovers = owned_directory(first)  # its owner killed, the channels' directory would stay behind
+    watch_parent(exit_code=0, leftovers=leftovers)
     import zmq
 
     from pagedllm.entrypoints import messages as m
@@ -102,7 +106,10 @@ def run_engine_core(engine_args: Any, input_addr: Union[str, list[str]], output_
     if structured is not None:
         structured.preload()  # in the background: the first request under a grammar does not load the tokenizer
     try:
-        EngineLoop(core, in_sock, out_socks[0], engine_index, out_socks=out_socks).run()
+        loop = EngineLoop(core, in_sock, out_socks[0], engine_index, out_socks=out_socks)
+        loop.run()
+        if leftovers and os.getppid() != loop.parent_pid:  # the owner was killed (see watch_parent)
+            shutil.rmtree(leftovers, ignore_errors=True)
     except Exception as e:  # noqa: BLE001
         crashed = True
         logger.exception("engine core crashed")
