@@ -203,6 +203,42 @@ def _first_lines(r: httpx.Response):
             return
 
 
+def test_a_step_is_one_iteration_tokens_sample_over_both_processes(api2: Server) -> None:
+    """vllm:iteration_tokens_total has one sample per engine step, also when the step's requests came through both
+    API processes (each observed its own part: a step was two samples, each of part of its tokens). A long stream
+    runs on one process; a short request on the other shares each of its steps: every such step is one sample of
+    at least 2 tokens (as two, each was a sample of 1)."""
+    short = 6
+
+    def per_process() -> list[float]:
+        text = _metrics(api2)
+        return [metric(text, "pagedllm:api_server_requests_total", api_server=str(i)) for i in (0, 1)]
+
+    def samples_over_one() -> float:
+        text = _metrics(api2)
+        return (metric(text, "vllm:iteration_tokens_total_count")
+                - metric(text, "vllm:iteration_tokens_total_bucket", le="1.0"))
+
+    with httpx.Client(base_url=api2.url, headers=HEADERS, timeout=120) as long_client:
+        before = per_process()
+        with long_client.stream("POST", "/v1/completions", json={"prompt": "Tell a long story.", "max_tokens": 900,
+                                                                 "ignore_eos": True, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it runs
+            long_on = [a - b for a, b in zip(per_process(), before)].index(1)
+            for _ in range(30):  # a hang guard: new connections until one reaches the other process
+                before, over_one = per_process(), samples_over_one()
+                with httpx.Client(base_url=api2.url, headers=HEADERS, timeout=120) as c:
+                    r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": short, "ignore_eos": True})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == short
+                if [a - b for a, b in zip(per_process(), before)].index(1) != long_on:
+                    break
+            else:
+                raise AssertionError("every connection reached the long stream's API process")
+            assert samples_over_one() - over_one >= short
+            stream.close()
+
+
 def test_sigterm_drains_both_processes(api2: Server) -> None:
     """The module's last test on its server: SIGTERM while both processes stream; every stream ends whole."""
     results: list = []

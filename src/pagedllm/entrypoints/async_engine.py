@@ -751,6 +751,8 @@ class AsyncEngine:
                         tokens += self._process(msg.outputs, msg.engine_index)
             elif msg.outputs:
                 tokens = self._process(msg.outputs, msg.engine_index)
+            if msg.iteration_tokens is not None:
+                tokens = msg.iteration_tokens
             if tokens and self.metrics is not None:
                 self.metrics.observe_iteration_tokens(tokens, msg.engine_index)
         elif isinstance(msg, m.RequestError):

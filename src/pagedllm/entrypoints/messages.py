@@ -185,6 +185,9 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     step_ids: list[str] = []
     step_tokens: list[int] = []
     step_cached: list[int] = []
+    # Several API processes: the whole step's tokens (vllm:iteration_tokens_total), counted by the engine core, on
+    # the first process's message (0 on the others): each process sees only its own requests' part of a step.
+    iteration_tokens: Optional[int] = None
 
     def all_outputs(self) -> list[EngineCoreOutput]:
         return self.outputs + [EngineCoreOutput(rid, [token], num_cached_tokens=cached)
