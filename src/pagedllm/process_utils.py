@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
+from typing import Optional
 
 
-def watch_parent(exit_code: int, interval_s: float = 0.5) -> None:
+def watch_parent(exit_code: int, interval_s: float = 0.5, leftovers: Optional[str] = None) -> None:
     """Exit with `exit_code` as soon as the process that started this one is gone, whatever the main thread is
-    doing (mid-step, or blocked on a peer that will never answer): an orphan would hold its memory and device."""
+    doing (mid-step, or blocked on a peer that will never answer): an orphan would hold its memory and device.
+    `leftovers`: a directory the parent owned, removed first (a killed parent could not: its socket files would
+    stay in /tmp)."""
     parent = os.getppid()
 
     def watch() -> None:
         while True:
             time.sleep(interval_s)
             if os.getppid() != parent:
+                if leftovers:
+                    shutil.rmtree(leftovers, ignore_errors=True)
                 os._exit(exit_code)
 
     threading.Thread(target=watch, name="pagedllm-parent-watchdog", daemon=True).start()

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pathlib
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -29,15 +31,15 @@ PROMPTS = [f"Fact {i}: the number {i * 11 + 2} is" for i in range(12)]
 MAX_TOKENS = 12
 
 
-def _start(smollm2_hf_dir: str, env: dict, log_path: str, *flags: str) -> Server:
+def _start(smollm2_hf_dir: str, env: dict, log_path: str, *flags: str, count: int = 2) -> Server:
     port = free_port()
     cmd = [cli("pagedllm"), "serve", smollm2_hf_dir, "--port", str(port), "--api-key", API_KEY,
            "--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-           "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "64", "--api-server-count", "2", *flags]
+           "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "64", "--api-server-count", str(count), *flags]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    server = Server(url, port, smollm2_hf_dir, proc, log_path, api_servers=2)
+    server = Server(url, port, smollm2_hf_dir, proc, log_path, api_servers=count)
     try:
         wait_healthy(proc, url, log_path=log_path)
         wait_all_serving(server)
@@ -201,6 +203,42 @@ def _first_lines(r: httpx.Response):
             return
 
 
+def test_a_step_is_one_iteration_tokens_sample_over_both_processes(api2: Server) -> None:
+    """vllm:iteration_tokens_total has one sample per engine step, also when the step's requests came through both
+    API processes (each observed its own part: a step was two samples, each of part of its tokens). A long stream
+    runs on one process; a short request on the other shares each of its steps: every such step is one sample of
+    at least 2 tokens (as two, each was a sample of 1)."""
+    short = 6
+
+    def per_process() -> list[float]:
+        text = _metrics(api2)
+        return [metric(text, "pagedllm:api_server_requests_total", api_server=str(i)) for i in (0, 1)]
+
+    def samples_over_one() -> float:
+        text = _metrics(api2)
+        return (metric(text, "vllm:iteration_tokens_total_count")
+                - metric(text, "vllm:iteration_tokens_total_bucket", le="1.0"))
+
+    with httpx.Client(base_url=api2.url, headers=HEADERS, timeout=120) as long_client:
+        before = per_process()
+        with long_client.stream("POST", "/v1/completions", json={"prompt": "Tell a long story.", "max_tokens": 900,
+                                                                 "ignore_eos": True, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it runs
+            long_on = [a - b for a, b in zip(per_process(), before)].index(1)
+            for _ in range(30):  # a hang guard: new connections until one reaches the other process
+                before, over_one = per_process(), samples_over_one()
+                with httpx.Client(base_url=api2.url, headers=HEADERS, timeout=120) as c:
+                    r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": short, "ignore_eos": True})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == short
+                if [a - b for a, b in zip(per_process(), before)].index(1) != long_on:
+                    break
+            else:
+                raise AssertionError("every connection reached the long stream's API process")
+            assert samples_over_one() - over_one >= short
+            stream.close()
+
+
 def test_sigterm_drains_both_processes(api2: Server) -> None:
     """The module's last test on its server: SIGTERM while both processes stream; every stream ends whole."""
     results: list = []
@@ -256,6 +294,33 @@ def test_a_killed_api_process_stops_the_server_with_exit_code_1(smollm2_hf_dir: 
             assert _gone(pid), pid
     finally:
         stop(server.proc)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_killed_server_leaves_no_channel_files(smollm2_hf_dir: str, e2e_env: dict, tmp_path, count: int) -> None:
+    """SIGKILL to the process the user started (a replica killed, as behind the gateway): its children exit (their
+    parent watchdog) and remove the channels' directory it could not; its socket and metrics files stayed in /tmp."""
+    holder = tempfile.TemporaryDirectory(prefix="pgl-")  # short: a socket path holds at most 107 bytes
+    tmp = pathlib.Path(holder.name)
+
+    def channels() -> list[str]:
+        return [p.name for p in tmp.iterdir() if p.name.startswith("pagedllm-ipc-")]
+
+    server = _start(smollm2_hf_dir, {**e2e_env, "TMPDIR": str(tmp)}, str(tmp_path / "server.log"), count=count)
+    try:
+        names = _process_names(server.proc.pid)
+        assert "pagedllm-core-0" in names or "pagedllm-api-0" in names, names
+        assert len(channels()) == 1
+        with httpx.Client(base_url=server.url, headers=HEADERS, timeout=60) as c:
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        server.proc.kill()
+        server.proc.wait(60)
+        for pid in names.values():  # every child exits (the engine core under API process 0 too)
+            assert _gone(pid), pid
+        assert channels() == []
+    finally:
+        stop(server.proc)
+        holder.cleanup()
 
 
 def test_a_killed_engine_core_is_reported_and_the_server_exits_1(smollm2_hf_dir: str, e2e_env: dict,

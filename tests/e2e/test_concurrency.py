@@ -265,3 +265,27 @@ def test_stop_string_on_the_last_token_counts_as_stop(server: Server, http: http
                 - metric(before, "vllm:request_success_total", finished_reason=reason))
 
     assert (delta("stop"), delta("length")) == (1, 0)
+
+
+def test_failed_step_counts_as_error(server: Server, http: httpx.Client) -> None:
+    """A request a step fails (its constraints leave no token: a 400 after it was scheduled) is a finished request
+    to the metrics, finished_reason="error" as vLLM's, with its e2e latency; a running sibling of an n=2 request
+    that the failure ends counts as "abort" (both were dropped: request_success never showed an "error")."""
+    (t,) = http.post("/tokenize", json={"model": SERVED_NAME, "prompt": " one",
+                                        "add_special_tokens": False}).json()["tokens"][:1]
+    body = {"prompt": "Count: one, two,", "max_tokens": 4, "allowed_token_ids": [t], "stop_token_ids": [t],
+            "min_tokens": 2}
+    reasons = ("error", "abort", "stop", "length")
+
+    def counts(text: str) -> list[float]:
+        return [metric(text, "vllm:request_success_total", finished_reason=r) for r in reasons] + [
+            metric(text, "vllm:e2e_request_latency_seconds_count"), metric(text, "vllm:request_params_n_count")]
+
+    before = counts(_metrics(server))
+    for extra in ({}, {"stream": True}, {"n": 2, "temperature": 0.8, "seed": 3}):
+        r = http.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 400 and "no token satisfies" in r.json()["error"]["message"], r.text
+    after = counts(_metrics(server))
+    error, abort, stop, length, e2e, n = (a - b for a, b in zip(after, before))
+    # the n=2 request's children fail in one step: the first is "error", the other "error" or "abort"
+    assert (error + abort, stop, length, e2e, n) == (4, 0, 0, 4, 3) and error >= 3

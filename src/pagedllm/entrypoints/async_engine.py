@@ -39,7 +39,7 @@ import zmq.asyncio
 from pagedllm import envs
 from pagedllm.entrypoints import messages as m
 from pagedllm.entrypoints.dp_router import DPRouter
-from pagedllm.entrypoints.ipc import ClientSpec, IPCLayout
+from pagedllm.entrypoints.ipc import DIR_PREFIX, ClientSpec, IPCLayout
 from pagedllm.entrypoints.parallel_sampling import fan_out
 from pagedllm.process_utils import end_process
 from pagedllm.sampling_constraints import tokenize_params
@@ -169,7 +169,7 @@ class AsyncEngine:
         # Data parallel: one engine-core process per replica, each with its own input channel; one output channel.
         self.num_engines = max(1, int(getattr(engine_args, "data_parallel_size", 1) or 1))
         if client is None:
-            self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
+            self._tmpdir = tempfile.mkdtemp(prefix=DIR_PREFIX)
             layout = IPCLayout(self._tmpdir, num_clients=1, num_engines=self.num_engines)
         else:  # the supervisor's directory (it removes it)
             self._tmpdir = None
@@ -751,11 +751,19 @@ class AsyncEngine:
                         tokens += self._process(msg.outputs, msg.engine_index)
             elif msg.outputs:
                 tokens = self._process(msg.outputs, msg.engine_index)
+            if msg.iteration_tokens is not None:
+                tokens = msg.iteration_tokens
             if tokens and self.metrics is not None:
                 self.metrics.observe_iteration_tokens(tokens, msg.engine_index)
         elif isinstance(msg, m.RequestError):
             parent_id = self._engine_to_parent.get(msg.request_id)
-            self._timing.pop(msg.request_id, None)
+            if msg.in_step:  # a failed step: counted finished "error", its running siblings (aborted below) "abort"
+                now = time.monotonic()
+                self._finish_timing(msg.request_id, "error", now)
+                for cid in self._parents[parent_id].child_ids if parent_id in self._parents else ():
+                    self._finish_timing(cid, "abort", now)
+            else:
+                self._timing.pop(msg.request_id, None)
             if parent_id is not None and parent_id in self._parents:
                 parent = self._parents[parent_id]
                 parent.put(RequestRejected(msg.message, msg.status, msg.param))

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
 from typing import Any, Union
 
+from pagedllm.entrypoints.ipc import owned_directory
 from pagedllm.process_utils import one_line, set_process_name, watch_parent
 
 # errors the user can fix, reported as their sentence
@@ -40,7 +42,9 @@ def run_engine_core(engine_args: Any, input_addr: Union[str, list[str]], output_
     logging.basicConfig(
         level=log_level.upper(), format="%(levelname)s %(asctime)s [engine] %(message)s", datefmt="%H:%M:%S"
     )
-    watch_parent(exit_code=0)
+    first = input_addr if isinstance(input_addr, str) else input_addr[0]
+    leftovers = owned_directory(first)  # its owner killed, the channels' directory would stay behind
+    watch_parent(exit_code=0, leftovers=leftovers)
     import zmq
 
     from pagedllm.entrypoints import messages as m
@@ -102,7 +106,10 @@ def run_engine_core(engine_args: Any, input_addr: Union[str, list[str]], output_
     if structured is not None:
         structured.preload()  # in the background: the first request under a grammar does not load the tokenizer
     try:
-        EngineLoop(core, in_sock, out_socks[0], engine_index, out_socks=out_socks).run()
+        loop = EngineLoop(core, in_sock, out_socks[0], engine_index, out_socks=out_socks)
+        loop.run()
+        if leftovers and os.getppid() != loop.parent_pid:  # the owner was killed (see watch_parent)
+            shutil.rmtree(leftovers, ignore_errors=True)
     except Exception as e:  # noqa: BLE001
         crashed = True
         logger.exception("engine core crashed")
@@ -136,6 +143,7 @@ class EngineLoop:
         self.out_socks = list(out_socks) if out_socks else [out_sock]
         self.multi = len(self.out_socks) > 1
         self._client_of: dict[str, int] = {}  # running request id -> client_index (several API processes only)
+        self._prompt_len: dict[str, int] = {}  # and its prompt's length until its first token (iteration_tokens)
         self._gone: set[int] = set()  # API processes that died: nothing more is sent to them
         # Run-time LoRA loads / unloads waiting for the other API processes: (origin, seq) -> (waiting, reply)
         self._lora_waits: dict[tuple[int, int], tuple[set[int], Any]] = {}
@@ -176,7 +184,8 @@ class EngineLoop:
                         self._send_outputs(e.outputs)
                     for rid, client in owners:
                         self._client_of.pop(rid, None)
-                        self._send_to(client, self.m.RequestError(rid, e.message, e.status))
+                        self._prompt_len.pop(rid, None)
+                        self._send_to(client, self.m.RequestError(rid, e.message, e.status, in_step=True))
                     self.stats_dirty = True
                     continue
                 self._send_request_errors()
@@ -193,20 +202,30 @@ class EngineLoop:
                                                               self.engine_index)))
             return
         by_client: dict[int, list] = {}
-        client_of = self._client_of
+        client_of, prompt_len = self._client_of, self._prompt_len
+        tokens = 0  # the step's, as vLLM counts them: those generated, plus the prompts of first tokens
         for out in outputs:
             client = client_of.pop(out.request_id, -1) if out.finish_reason is not None \
                 else client_of.get(out.request_id, -1)
-            if client >= 0:  # -1: aborted meanwhile, nobody waits for it
+            if client >= 0:  # -1: aborted meanwhile, nobody waits for it (nor counts its tokens)
                 by_client.setdefault(client, []).append(out)
+                tokens += len(out.new_token_ids)
+                if out.new_token_ids or out.pooled is not None:
+                    tokens += prompt_len.pop(out.request_id, 0)
+            if out.finish_reason is not None:
+                prompt_len.pop(out.request_id, None)
         stats, now = self._stats(), time.time()
         for client, outs in by_client.items():
-            self._send_to(client, m.step_outputs(outs, stats, now, self.engine_index))
+            msg = m.step_outputs(outs, stats, now, self.engine_index)
+            msg.iteration_tokens, tokens = tokens, 0  # one sample per step: with the first process's part
+            self._send_to(client, msg)
 
     def _owner(self, request_id: str, forget: bool = False) -> int:
         """The client_index that sent a running request (0 with one API process; -1: unknown)."""
         if not self.multi:
             return 0
+        if forget:
+            self._prompt_len.pop(request_id, None)
         return self._client_of.pop(request_id, -1) if forget else self._client_of.get(request_id, -1)
 
     def _send_to(self, client: int, msg: Any) -> None:
@@ -265,6 +284,7 @@ class EngineLoop:
                 ids = [rid for rid in ids if self._client_of.get(rid) == msg.client_index]
                 for rid in ids:
                     del self._client_of[rid]
+                    self._prompt_len.pop(rid, None)
             self.core.abort_requests(ids)
             self.stats_dirty = True
         elif isinstance(msg, m.GetStats):
@@ -294,6 +314,7 @@ class EngineLoop:
         ids = [rid for rid, c in self._client_of.items() if c == client]
         for rid in ids:
             del self._client_of[rid]
+            self._prompt_len.pop(rid, None)
         if ids:
             logger.warning("API server %d is gone: aborting its %d request(s)", client, len(ids))
             self.core.abort_requests(ids)
@@ -412,6 +433,7 @@ class EngineLoop:
             return
         if self.multi:
             self._client_of[msg.request_id] = msg.client_index
+            self._prompt_len[msg.request_id] = len(msg.prompt_token_ids)
 
     def _send_request_errors(self) -> None:
         pop = getattr(self.core, "pop_request_errors", None)

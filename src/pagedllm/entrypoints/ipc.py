@@ -11,6 +11,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
+
+DIR_PREFIX = "pagedllm-ipc-"  # tempfile.mkdtemp's prefix of the channels' directory
+
+
+def owned_directory(addr: str) -> Optional[str]:
+    """The private channel directory (one of DIR_PREFIX) an ipc:// address lies in, else None: what a process
+    whose parent was killed removes before it exits."""
+    if not addr.startswith("ipc://"):
+        return None
+    directory = os.path.dirname(addr[len("ipc://"):])
+    return directory if os.path.basename(directory).startswith(DIR_PREFIX) else None
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,9 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     step_ids: list[str] = []
     step_tokens: list[int] = []
     step_cached: list[int] = []
+    # Several API processes: the whole step's tokens (vllm:iteration_tokens_total), counted by the engine core, on
+    # the first process's message (0 on the others): each process sees only its own requests' part of a step.
+    iteration_tokens: Optional[int] = None
 
     def all_outputs(self) -> list[EngineCoreOutput]:
         return self.outputs + [EngineCoreOutput(rid, [token], num_cached_tokens=cached)
@@ -220,12 +223,14 @@ class EngineDead(msgspec.Struct, tag="engine_dead"):
 
 
 class RequestError(msgspec.Struct, tag="request_error"):
-    """add_request refused a request (e.g. it cannot fit the KV pool); status is the HTTP status."""
+    """add_request refused a request (e.g. it cannot fit the KV pool), or (`in_step`) a step failed it after it
+    was scheduled; status is the HTTP status."""
 
     request_id: str
     message: str
     status: int = 400
     param: Optional[str] = None  # the request field at fault, where known (an error's OpenAI `param`)
+    in_step: bool = False  # it ran: the metrics count it finished "error" (a refused one never entered the engine)
 
 
 class StatsReply(msgspec.Struct, tag="stats"):

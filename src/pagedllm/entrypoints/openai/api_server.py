@@ -283,7 +283,8 @@ def run_api_child(args: argparse.Namespace, client: Any, report: Any) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor too, which sends SIGTERM
     set_process_name(f"pagedllm-api-{client.index}")
-    watch_parent(exit_code=1)  # the supervisor is gone: nobody watches the engine cores for this process
+    # the supervisor is gone: nobody watches the engine cores for this process, nor removes the channels
+    watch_parent(exit_code=1, leftovers=client.layout.directory)
     setup_logging(args.log_level, tag=f"api {client.index}")
     _SERVING["started"] = True
     code = run_loop(serve(args, client=client, report=report))

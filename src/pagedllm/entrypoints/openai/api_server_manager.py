@@ -186,12 +186,12 @@ class APIServerSupervisor:
         from pagedllm import envs
         from pagedllm.entrypoints import messages as m
         from pagedllm.entrypoints.async_engine import start_engine_cores
-        from pagedllm.entrypoints.ipc import ClientSpec, IPCLayout
+        from pagedllm.entrypoints.ipc import DIR_PREFIX, ClientSpec, IPCLayout
 
         placeholder = reserve_port(self.args.host, self.args.port, self.bind)
         args = copy.copy(self.args)
         args.port = placeholder.getsockname()[1]  # --port 0: the port the kernel chose, for every process
-        directory = tempfile.mkdtemp(prefix="pagedllm-ipc-")
+        directory = tempfile.mkdtemp(prefix=DIR_PREFIX)
         layout = IPCLayout(directory, num_clients=self.count, num_engines=self.num_engines)
         os.makedirs(layout.metrics_dir)
         ctx = zmq.Context(io_threads=1)
