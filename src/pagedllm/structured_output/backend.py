@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Optional, Sequence
 
 from pagedllm.structured_output.params import SpecError, StructuredOutputsParams
-from pagedllm.structured_output.schema_merge import merge_all_of
+from pagedllm.structured_output.schema_merge import merge_all_of, pointer_target
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s*\S+?:\d+:\s*")  # xgrammar's "[hh:mm:ss] /path/file.cc:123: "
@@ -183,22 +183,6 @@ def unsatisfiable_reason(schema: Any) -> Optional[str]:
     return None
 
 
-def _pointer_target(root: Any, ref: str) -> Any:
-    """The subschema a local "$ref" ("#", "#/$defs/A", JSON pointer escapes) points at; None if none."""
-    from urllib.parse import unquote
-
-    node = root
-    for part in unquote(ref[1:]).split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def _local_refs(schema: Any, found: dict) -> dict:
     if isinstance(schema, list):
         for s in schema:
@@ -261,7 +245,7 @@ def endless_recursion(schema: Any) -> Optional[str]:
     while changed:
         changed = False
         for ref in finite:
-            target = _pointer_target(schema, ref)
+            target = pointer_target(schema, ref)
             if not finite[ref] and (target is None or _has_finite_value(target, finite)):
                 finite[ref] = changed = True
     if _has_finite_value(schema, finite) or not _has_finite_value(schema, dict.fromkeys(refs, True)):

@@ -28,6 +28,22 @@ _ARRAY_KEYS = ("items", "prefixItems", "additionalItems")
 _UNMERGEABLE = ("unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef")
 
 
+
+def pointer_target(root: Any, ref: str) -> Any:
+    """The subschema a local "$ref" ("#", "#/$defs/A", with JSON pointer and URL escapes) points at; None if none."""
+    from urllib.parse import unquote
+
+    node = root
+    for part in unquote(ref[1:]).split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
 class _Conflict(Exception):
     def __init__(self, keyword: str) -> None:
         super().__init__(keyword)
@@ -133,15 +149,7 @@ class _Merger:
     def _resolve(self, ref: Any) -> Optional[Any]:
         if not isinstance(ref, str) or not ref.startswith("#"):
             return None
-        node = self.root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
+        node = pointer_target(self.root, ref)
         if isinstance(node, dict) and "$ref" in node:  # a chain of references: not followed
             return None
         return node
