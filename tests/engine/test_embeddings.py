@@ -121,9 +121,10 @@ def test_what_cannot_be_honoured_is_refused(tiny_llama_dir):
         llm.embed([[5] * 64], use_tqdm=False)
     with pytest.raises(ValueError, match="The prompt is empty"):
         llm.embed([[]], use_tqdm=False)
-    for nothing in (None, [], 5):
+    for nothing in (None, 5):
         with pytest.raises(ValueError, match="embed\\(\\) needs prompts"):
             llm.embed(nothing, use_tqdm=False)
+    assert llm.embed([], use_tqdm=False) == [] and llm.encode([], use_tqdm=False) == []  # as generate([])
     (upper,) = llm.embed([[5, 6, 7]], PoolingParams(pooling_type="MEAN", normalize=False), use_tqdm=False)
     check_pooled(tiny_llama_dir, [5, 6, 7], "mean", upper.outputs.embedding, normalized=False)
     with pytest.raises(ValueError, match="takes n=1, max_tokens=1 and no prompt_logprobs"):

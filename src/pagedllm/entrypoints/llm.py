@@ -537,10 +537,10 @@ class LLM:
     def _prompt_list(prompts: Any, what: str) -> list:
         if _one_prompt(prompts):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
+        if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"{what}() needs prompts: a string, a token-id list, a prompt dict or a list of them, "
                              f"got {prompts!r:.80}.")
-        return list(prompts)
+        return list(prompts)  # (an empty list: no outputs, as generate([]))
 
     def classify(self, prompts: Union[PromptType, Sequence[PromptType]], *, pooling_params: Any = None,
                  use_tqdm: UseTqdm = True, lora_request: Any = None,
