@@ -8,6 +8,7 @@ import math
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -271,3 +272,17 @@ def test_a_gguf_without_tokenizer_metadata_says_so(tmp_path, fresh_cache, tiny_m
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_a_tensor_type_gguf_cannot_dequantize_is_named_with_the_way_out(tmp_path, fresh_cache, tiny_model_dir):
+    """A weight stored as a type the gguf package does not dequantize (I8 here; Q8_K and F64 alike): one sentence
+    naming the tensor, its type and the installed gguf, and the re-export that loads (it advised only "upgrade gguf",
+    which no released gguf would have helped)."""
+    from gguf import GGMLQuantizationType
+
+    path = str(tmp_path / "i8.gguf")
+    write_tiny_gguf(tiny_model_dir("llama"), path, "llama", kinds={"mlp.down_proj": GGMLQuantizationType.I8},
+                    quantizer=lambda data, qtype: np.clip(np.round(data * 100), -127, 127).astype(np.int8))
+    with pytest.raises(ValueError, match=r"GGUF tensor blk\.0\.ffn_down\.weight is stored as I8, which the installed "
+                                         r"gguf package \(.+\) cannot dequantize into weights; re-export the model"):
+        prepare_model_dir(path)

@@ -493,6 +493,15 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "(unknown version)"
+
+
 def _iter_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, np.ndarray]]:
     from gguf.quants import dequantize
     arch = _field(reader, "general.architecture")
@@ -505,8 +514,12 @@ def _iter_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, np.ndarray
         try:
             data = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
-            raise ValueError(f"GGUF tensor {tensor.name} uses quantization {tensor.tensor_type.name}, which the "
-                             f"installed gguf package cannot dequantize; upgrade gguf.") from None
+            # (Q8_K, I8 / I16 / I32, F64: llama.cpp's types for intermediate buffers or integer data, which gguf
+            # does not dequantize; a type newer than the installed gguf would be read by a newer one)
+            raise ValueError(f"GGUF tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the installed "
+                             f"gguf package ({_gguf_version()}) cannot dequantize into weights; re-export the model "
+                             f"with a weight type such as Q4_K, Q8_0, F16 or BF16 (or, for a type newer than this "
+                             f"gguf, upgrade it).") from None
         # numpy shape is GGUF's reversed: [out, in] like HF.
         data = np.array(data, dtype=np.float32)  # an owned, writable copy (not a view of the memmap)
         data = to_hf_layout(arch, name, data, config)
