@@ -92,10 +92,11 @@ def _download(repo_id: str, revision: Optional[str]) -> str:
             raise LoRANotFoundError(f"LoRA adapter {repo_id!r} has no revision {revision!r} on the Hugging Face "
                                     "Hub.") from None
         except (errors.LocalEntryNotFoundError, OSError) as e:  # HfHubHTTPError is an OSError too
-            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            from pagedllm.models.model_resolution import first_line
+
             raise LoRANotFoundError(
                 f"Could not download LoRA adapter {repo_id!r}{at} from the Hugging Face Hub, and it is not in the "
-                f"local cache ({where}): {type(e).__name__}: {first}; check the network and HF_ENDPOINT, or give a "
+                f"local cache ({where}): {type(e).__name__}: {first_line(e)}; check the network and HF_ENDPOINT, or give a "
                 "local path.") from None
         except ValueError as e:  # an invalid repo id or revision (HFValidationError)
             raise LoRANotFoundError(f"LoRA adapter path {repo_id!r} is not a local directory nor a valid Hugging "

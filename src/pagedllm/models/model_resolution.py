@@ -74,11 +74,12 @@ def _from_hugging_face(model: str, revision: Optional[str], download_dir: Option
         raise ValueError(f"Model {model!r} has no revision {revision!r} on the Hugging Face Hub.") from None
     except (errors.LocalEntryNotFoundError, OSError) as e:  # HfHubHTTPError is an OSError too
         raise ValueError(f"Could not download {model!r}{at} from the Hugging Face Hub, and it is not in the local "
-                         f"cache ({where}): {type(e).__name__}: {_first_line(e)}; check the network and HF_ENDPOINT, "
+                         f"cache ({where}): {type(e).__name__}: {first_line(e)}; check the network and HF_ENDPOINT, "
                          "or pass a local path.") from None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An error's first non-blank line (a hub error carries its HTTP details on the lines after)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[0] if lines else ""
 
