@@ -120,6 +120,9 @@ class EngineArgs:
     convert: str = "auto"
     # config.json fields set over the file's, e.g. {"max_position_embeddings": 65536} (vLLM's hf_overrides)
     hf_overrides: Optional[dict] = None
+    # vLLM's: a directory (or hub repo id) whose config.json describes the model instead of the model's own (a GGUF's
+    # metadata-derived one included); the weights, tokenizer and generation_config.json stay the model's
+    hf_config_path: Optional[str] = None
     # Chunked prefill: the most tokens one request's prefill chunk may take per step (vLLM's; 0 or None: the budget)
     long_prefill_token_threshold: Optional[int] = None
     task: Optional[str] = None
@@ -209,6 +212,39 @@ class EngineArgs:
             raise ValueError(f"code_revision={code!r} is not supported by pagedllm: the model's code is read from "
                              f"its files at revision={self.revision!r}; pass --revision {code} (revision=) to use "
                              "that revision's files and code.")
+
+    def _check_hf_config_path(self) -> None:
+        """A local hf_config_path must be a directory holding config.json; it is made absolute so that every
+        process (worker ranks started elsewhere) reads the same file. A hub repo id is resolved at load."""
+        from pagedllm.models.model_resolution import local_path, looks_like_repo_id
+
+        path = self.hf_config_path
+        if path is None:
+            return
+        if not path.strip():
+            raise ValueError("hf_config_path is empty; give a directory holding config.json, or a Hugging Face repo "
+                             "id.")
+        local = local_path(path)
+        if local is None:
+            if looks_like_repo_id(path):
+                return
+            raise ValueError(f"hf_config_path {path!r} does not exist; give a directory holding config.json, or a "
+                             f"Hugging Face repo id.")
+        if not os.path.isdir(local):
+            raise ValueError(f"hf_config_path {path!r} is a file; give the directory that holds the config.json.")
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise ValueError(f"hf_config_path {path!r} has no config.json; give the directory (or Hugging Face "
+                             f"repo id) whose config.json describes the model.")
+        self.hf_config_path = os.path.abspath(local)
+
+    def hf_config_dir(self) -> Optional[str]:
+        """The directory whose config.json describes the model (hf_config_path's; a hub repo id fetched, configs
+        only), or None: the model's own. Every reader of the model's config goes through this."""
+        if self.hf_config_path is None:
+            return None
+        from pagedllm.models.model_resolution import resolve_config_dir
+
+        return resolve_config_dir(self.hf_config_path, self.revision, self.download_dir, self.hf_token)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -323,6 +359,7 @@ class EngineArgs:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}.")
         self._check_code_revision()
+        self._check_hf_config_path()
         self._check_profiler()
         if self.enable_prompt_embeds and self.speculative_config:
             raise ValueError("enable_prompt_embeds with speculative decoding is not supported yet by pagedllm: a "

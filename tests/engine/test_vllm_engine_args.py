@@ -384,3 +384,78 @@ def test_vllm_lora_dtype_and_fully_sharded_loras(tiny_llama_dir):
     assert llm.engine_args.fully_sharded_loras is True
     with pytest.raises(ValueError, match="lora_dtype='float16' is not supported"):
         EngineArgs(enable_lora=True, lora_dtype="float16").validate()
+
+
+def _config_dir(tmp_path, source_dir: str, **changes) -> str:
+    """A directory holding only source_dir's config.json with `changes` written over it (an --hf-config-path)."""
+    import json
+    import os
+
+    with open(os.path.join(source_dir, "config.json")) as f:
+        config = json.load(f)
+    config.update(changes)
+    folder = tmp_path / "hf-config"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_hf_config_path_config_replaces_the_models(tiny_llama_dir, tmp_path):
+    """vLLM's hf_config_path: its config.json describes the model, not the model directory's (here one layer, a
+    smaller vocabulary and context where the model's own say 2, 512, 512); dummy weights fit either."""
+    from pagedllm.executor.multiproc import prepare_model
+
+    folder = _config_dir(tmp_path, tiny_llama_dir, num_hidden_layers=1, vocab_size=384, max_position_embeddings=128,
+                         is_matryoshka=True)
+    llm = LLM(model=tiny_llama_dir, load_format="dummy", hf_config_path=folder, num_gpu_blocks_override=16)
+    worker = llm.engine.worker
+    assert worker.hf_config.num_hidden_layers == 1 and len(worker.model.model.layers) == 1
+    assert (llm.engine.vocab_size, llm.engine.max_model_len) == (384, 128)
+    assert llm.engine.pooling_defaults.matryoshka == ()  # (read from the config file too)
+    # the multi-process executor's head reads the same config as its ranks (each a Worker as above)
+    assert prepare_model(llm.engine_args)[1].num_hidden_layers == 1
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and all(t < 384 for t in out[0].outputs[0].token_ids)
+    llm.shutdown()
+    plain = LLM(model=tiny_llama_dir, load_format="dummy", num_gpu_blocks_override=32)
+    assert (plain.engine.worker.hf_config.num_hidden_layers, plain.engine.vocab_size) == (2, 512)
+    assert plain.engine.pooling_defaults.matryoshka is None and prepare_model(plain.engine_args)[1].vocab_size == 512
+
+
+def test_hf_config_path_over_a_gguf_models_metadata(smollm2_gguf_path, smollm2_hf_dir, smollm2_cache_dir, tmp_path,
+                                                    monkeypatch):
+    """A GGUF's config comes from its metadata; hf_config_path's config.json is used instead, as vLLM does (here
+    the same model with a shorter context), and the GGUF's weights load into it."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
+    folder = _config_dir(tmp_path, smollm2_hf_dir, max_position_embeddings=1000)
+    llm = LLM(model=smollm2_gguf_path, hf_config_path=folder, num_gpu_blocks_override=64)
+    assert llm.engine.max_model_len == 1000 and llm.engine.worker.hf_config.max_position_embeddings == 1000
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text
+    llm.shutdown()
+    plain = LLM(model=smollm2_gguf_path, num_gpu_blocks_override=64, max_model_len=1000)
+    assert plain.engine.max_model_len == 1000
+    assert plain.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text == got
+
+
+def test_hf_config_path_flag_and_bad_paths(tiny_llama_dir, tmp_path, capsys):
+    from pagedllm.entrypoints.cli import serve
+
+    folder = _config_dir(tmp_path, tiny_llama_dir)
+    args = _serve_args(["m", "--hf-config-path", folder])
+    assert args.hf_config_path == folder and EngineArgs().hf_config_path is None
+    args.validate()
+    assert args.hf_config_dir() == folder
+    missing = str(tmp_path / "no-such-dir")
+    with pytest.raises(ValueError, match=f"hf_config_path '{missing}' does not exist"):
+        EngineArgs(hf_config_path=missing).validate()
+    with pytest.raises(ValueError, match=f"hf_config_path '{tmp_path}' has no config.json"):
+        EngineArgs(hf_config_path=str(tmp_path)).validate()
+    with pytest.raises(ValueError, match="is a file; give the directory"):
+        EngineArgs(hf_config_path=str(tmp_path / "hf-config" / "config.json")).validate()
+    with pytest.raises(ValueError, match=f"hf_config_path '{missing}' does not exist"):
+        LLM(model=tiny_llama_dir, hf_config_path=missing)
+    # the server: a one-line error and exit status 2, before any engine starts
+    assert serve.main([tiny_llama_dir, "--hf-config-path", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"error: hf_config_path '{missing}' does not exist" in err and "Traceback" not in err

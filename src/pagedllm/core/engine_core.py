@@ -213,7 +213,8 @@ class EngineCore:
         """The model's embedding pooling (pooling.model_pooling): read on the first embedding request."""
         from pagedllm.pooling import model_pooling
 
-        return model_pooling(self.model_dir, self.engine_args.pooler_config, self.engine_args.hf_overrides)
+        args = self.engine_args
+        return model_pooling(self.model_dir, args.pooler_config, args.hf_overrides, args.hf_config_dir())
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -46,11 +46,11 @@ def join_timeout_s() -> float:
 
 def prepare_model(args: Any) -> tuple[str, Any]:
     """Resolve (and for GGUF convert, once) the model before the ranks start, and read its config."""
-    from pagedllm.models.loader import load_hf_config, prepare_model_dir, resolve_model_path
+    from pagedllm.models.loader import engine_hf_config, prepare_model_dir, resolve_model_path
 
     path = resolve_model_path(args.model, args.revision, args.download_dir, getattr(args, "hf_token", None))
     model_dir = prepare_model_dir(path, args.load_format)
-    return model_dir, load_hf_config(model_dir, overrides=args.hf_overrides)
+    return model_dir, engine_hf_config(args, model_dir)  # the ranks read the same (Worker -> engine_hf_config)
 
 
 def check_devices(args: Any, layout: ParallelLayout, hf_config: Any) -> None:

@@ -4,6 +4,7 @@
                                          repo id -> its local snapshot (model_resolution.py)
     prepare_model_dir(path, load_format) HF dir as is; .gguf -> converted (once, cached) HF dir
     load_hf_config(model_dir)            transformers config from config.json
+    engine_hf_config(args, model_dir)    the same as the engine's options read it (--hf-config-path, overrides)
     get_model(hf_config, model_dir, dtype=, device=, load_format=)  built on device, weights loaded, eval()
 
 Every user-caused failure raises one clear sentence (ValueError / FileNotFoundError) saying what to change.
@@ -128,14 +129,27 @@ def disable_sliding_window(config: Any) -> Optional[int]:
     return min(windows) if windows else None
 
 
-def load_hf_config(model_dir: str, trust_remote_code: bool = False, overrides: Optional[dict] = None) -> Any:
+def engine_hf_config(args: Any, model_dir: str) -> Any:
+    """The model's config as the engine's options say (every process that reads it calls this, so all see the
+    same): hf_config_path's config.json over the model's, trust_remote_code, hf_overrides."""
+    return load_hf_config(model_dir, trust_remote_code=args.trust_remote_code, overrides=args.hf_overrides,
+                          config_dir=args.hf_config_dir())
+
+
+def load_hf_config(model_dir: str, trust_remote_code: bool = False, overrides: Optional[dict] = None,
+                   config_dir: Optional[str] = None) -> Any:
     """transformers.PretrainedConfig from `model_dir/config.json` (ValueError in one sentence if unusable), with
     `overrides` (vLLM's hf_overrides: config fields set over the file's; a dict for a sub-config sets its fields).
+    `config_dir` (--hf-config-path) supplies config.json instead of model_dir (a converted GGUF's included).
 
     A config whose class lives in the model's own code (`auto_map`) loads only with trust_remote_code."""
     from transformers import AutoConfig
-    config_path = os.path.join(model_dir, "config.json")
+    source = config_dir or model_dir
+    config_path = os.path.join(source, "config.json")
     if not os.path.isfile(config_path):
+        if config_dir is not None:
+            raise ModelNotFoundError(f"hf_config_path {config_dir} has no config.json; give the directory (or "
+                                     f"Hugging Face repo id) whose config.json describes the model.")
         raise ModelNotFoundError(f"No config.json in {model_dir}; pass a Hugging Face model directory or a .gguf "
                                  f"file.")
     try:
@@ -146,10 +160,10 @@ def load_hf_config(model_dir: str, trust_remote_code: bool = False, overrides: O
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{config_path} has no model_type; it is not a Hugging Face model config.")
     try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as e:  # unknown model_type, bad field values, custom code...
         if not trust_remote_code and ("AutoConfig" in (raw.get("auto_map") or {}) or "trust_remote_code" in str(e)):
-            raise ValueError(f"The model in {model_dir} needs its own code to load its config (auto_map in "
+            raise ValueError(f"The model in {source} needs its own code to load its config (auto_map in "
                              f"config.json): pass --trust-remote-code (trust_remote_code=True) if you trust that "
                              f"code.") from None
         raise ValueError(f"transformers could not read {config_path} (model_type={raw.get('model_type')!r}): "

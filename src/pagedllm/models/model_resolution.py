@@ -14,6 +14,7 @@ does the same against ModelScope.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -32,23 +33,26 @@ def looks_like_repo_id(model: str) -> bool:
 
 
 def resolve_repo_id(model: str, revision: Optional[str] = None, download_dir: Optional[str] = None,
-                    token: Union[bool, str, None] = None) -> str:
+                    token: Union[bool, str, None] = None, allow_patterns: Optional[list[str]] = None) -> str:
     """The local directory of hub repo `model` (downloading it when allowed); ValueError saying what to do.
-    token: vLLM's hf_token (a token, or True for the stored one); None: HF_TOKEN, else huggingface_hub's default."""
+    token: vLLM's hf_token (a token, or True for the stored one); None: HF_TOKEN, else huggingface_hub's default.
+    allow_patterns: the files fetched (default ALLOW_PATTERNS; --hf-config-path needs only the configs)."""
+    patterns = allow_patterns or ALLOW_PATTERNS
     if envs.VLLM_USE_MODELSCOPE or envs.PAGEDLLM_USE_MODELSCOPE:
-        return _from_modelscope(model, revision, download_dir)
-    return _from_hugging_face(model, revision, download_dir, token)
+        return _from_modelscope(model, revision, download_dir, patterns)
+    return _from_hugging_face(model, revision, download_dir, token, patterns)
 
 
 def _from_hugging_face(model: str, revision: Optional[str], download_dir: Optional[str],
-                       token: Union[bool, str, None] = None) -> str:
+                       token: Union[bool, str, None] = None, allow_patterns: Optional[list[str]] = None) -> str:
     from huggingface_hub import constants, errors, get_token, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 
     if token is True and get_token() is None:  # (the hub's own error would read as a failed download below)
         raise ValueError("hf_token=True uses the Hugging Face token stored by `hf auth login` (or HF_TOKEN), but "
                          "there is none: log in, or pass the token itself.")
-    kwargs = dict(repo_id=model, revision=revision, cache_dir=download_dir, allow_patterns=ALLOW_PATTERNS,
+    kwargs = dict(repo_id=model, revision=revision, cache_dir=download_dir,
+                  allow_patterns=allow_patterns or ALLOW_PATTERNS,
                   token=envs.HF_TOKEN if token is None else token)
     where = download_dir or constants.HF_HUB_CACHE
     at = f" at revision {revision!r}" if revision else ""
@@ -78,13 +82,28 @@ def _from_hugging_face(model: str, revision: Optional[str], download_dir: Option
                          "or pass a local path.") from None
 
 
+@functools.lru_cache(maxsize=8)
+def resolve_config_dir(path: str, revision: Optional[str] = None, download_dir: Optional[str] = None,
+                       token: Union[bool, str, None] = None) -> str:
+    """--hf-config-path's local directory: a local path as is (absolute), a hub repo id's snapshot of its configs
+    and code only (no weights). Cached: the engine and its pooling defaults each ask, one hub check is enough."""
+    local = local_path(path)
+    if local is not None:
+        return os.path.abspath(local)
+    try:
+        return resolve_repo_id(path, revision, download_dir, token, allow_patterns=["*.json", "*.py"])
+    except ValueError as e:
+        raise ValueError(f"hf_config_path {path!r}: {e}") from None
+
+
 def first_line(e: BaseException) -> str:
     """An error's first non-blank line (a hub error carries its HTTP details on the lines after)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[0] if lines else ""
 
 
-def _from_modelscope(model: str, revision: Optional[str], download_dir: Optional[str]) -> str:
+def _from_modelscope(model: str, revision: Optional[str], download_dir: Optional[str],
+                     allow_patterns: Optional[list[str]] = None) -> str:
     try:
         from modelscope import snapshot_download
     except ImportError:
@@ -94,7 +113,7 @@ def _from_modelscope(model: str, revision: Optional[str], download_dir: Optional
     logger.info("Resolving %s on ModelScope.", model)
     try:
         return snapshot_download(model, revision=revision, cache_dir=download_dir,
-                                 allow_patterns=ALLOW_PATTERNS)
+                                 allow_patterns=allow_patterns or ALLOW_PATTERNS)
     except Exception as e:  # noqa: BLE001 - modelscope raises many kinds; one sentence for the user
         raise ValueError(f"Could not get {model!r} from ModelScope ({type(e).__name__}: {e}).") from None
 

@@ -433,11 +433,12 @@ def check_pooler_config(config: Any) -> dict:
 
 
 def model_pooling(model_dir: Optional[str], pooler_config: Optional[dict] = None,
-                  hf_overrides: Optional[dict] = None) -> ModelPooling:
+                  hf_overrides: Optional[dict] = None, config_dir: Optional[str] = None) -> ModelPooling:
     """The defaults from a model directory's sentence-transformers files, else last-token pooling, normalized;
     `pooler_config` (checked by check_pooler_config) overrides them; `hf_overrides` (config.json fields, merged over
-    the file's as transformers merges them) may say the model is Matryoshka-trained."""
-    found = _model_files_pooling(model_dir, hf_overrides or {})
+    the file's as transformers merges them) may say the model is Matryoshka-trained. config_dir (--hf-config-path,
+    loader.hf_config_dir) holds the config.json read instead of the model's."""
+    found = _model_files_pooling(model_dir, hf_overrides or {}, config_dir)
     if not pooler_config:
         return found
     return ModelPooling(pooler_config.get("pooling_type", found.pooling_type),
@@ -453,11 +454,12 @@ def _read_json(path: str) -> Any:
         return None
 
 
-def _model_files_pooling(model_dir: Optional[str], hf_overrides: dict) -> ModelPooling:
+def _model_files_pooling(model_dir: Optional[str], hf_overrides: dict, config_dir: Optional[str] = None
+                         ) -> ModelPooling:
     if not model_dir or not os.path.isdir(model_dir):
         return ModelPooling(matryoshka=_matryoshka_of(hf_overrides))
     pooling_type, normalize = "last", True
-    config = _read_json(os.path.join(model_dir, "config.json"))
+    config = _read_json(os.path.join(config_dir or model_dir, "config.json"))
     matryoshka = _matryoshka_of({**(config if isinstance(config, dict) else {}), **hf_overrides})
     modules = _read_json(os.path.join(model_dir, "modules.json"))
     pooling_dir = "1_Pooling"

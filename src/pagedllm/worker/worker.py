@@ -132,7 +132,7 @@ class Worker:
 
     def _start(self, args: EngineArgs, local_rank: int) -> None:
         from pagedllm.distributed.parallel_state import get_pp_group, get_world_group
-        from pagedllm.models.loader import (disable_sliding_window, get_model, load_hf_config, prepare_model_dir,
+        from pagedllm.models.loader import (disable_sliding_window, engine_hf_config, get_model, prepare_model_dir,
                                             refuse_checkpoint_quantization, resolve_model_path)
 
         self.args = args
@@ -148,8 +148,7 @@ class Worker:
             raise ValueError(CPU_OFFLOAD_ON_CPU)
         model_path = resolve_model_path(args.model, args.revision, args.download_dir, args.hf_token)
         self.model_dir = prepare_model_dir(model_path, args.load_format)
-        self.hf_config = load_hf_config(self.model_dir, trust_remote_code=args.trust_remote_code,
-                                        overrides=args.hf_overrides)
+        self.hf_config = engine_hf_config(args, self.model_dir)
         cfg = self.hf_config
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.vocab_size = cfg.vocab_size

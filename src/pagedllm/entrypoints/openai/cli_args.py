@@ -220,6 +220,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '\'{"temperature": 0.5, "max_new_tokens": 256}\' (null drops one)')
     e.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
                    help='config.json fields set over the file\'s, e.g. \'{"is_matryoshka": true}\'')
+    e.add_argument("--hf-config-path", default=None, metavar="DIR|REPO",
+                   help="a directory or hub repo id whose config.json describes the model instead of its own (a "
+                        "GGUF's too); weights, tokenizer and generation_config.json stay the model's")
     e.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
                    help="the most tokens one request's prefill takes per step (0: no limit but the step budget)")
     e.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],

@@ -88,7 +88,8 @@ def pooling_defaults(state: ServerState) -> Any:
     if state.pooling_defaults is None:
         args = state.engine.engine_args
         try:
-            state.pooling_defaults = model_pooling(state.engine.ready.model_dir, args.pooler_config, args.hf_overrides)
+            state.pooling_defaults = model_pooling(state.engine.ready.model_dir, args.pooler_config, args.hf_overrides,
+                                                   args.hf_config_dir())
         except ValueError as e:
             raise APIError(str(e), status=400, param="model") from None
     return state.pooling_defaults
