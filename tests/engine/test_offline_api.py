@@ -412,3 +412,46 @@ def test_profiler_config_as_vllm_names_it(tiny_llama_dir, tmp_path, monkeypatch)
         llm.generate({"prompt_token_ids": [5, 6]}, _greedy(max_tokens=2), use_tqdm=False)
         llm.stop_profile()
     assert len(list((tmp_path / "p").glob("pagedllm.*.pt.trace.json"))) == 1
+
+
+def test_set_tokenizer_tokenizes_renders_and_detokenizes_with_the_new_one(smollm2_gguf_path, smollm2_cache_dir,
+                                                                          monkeypatch):
+    """vLLM's LLM.set_tokenizer on the default model: a copy of its tokenizer that lower-cases what it encodes,
+    writes spaces as "_" when it decodes, has another chat template and EOS; every later call uses it."""
+    import copy
+
+    from tokenizers import decoders, normalizers
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", smollm2_cache_dir)
+    llm = LLM(model=smollm2_gguf_path, num_gpu_blocks_override=64, max_model_len=512)
+    old = llm.get_tokenizer()
+    new = copy.deepcopy(old)
+    new.backend_tokenizer.normalizer = normalizers.Lowercase()
+    new.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace(" ", "_")])
+    new.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}<|im_start|>assistant\n")
+    new.eos_token = "<|endoftext|>"
+    greedy = _greedy(max_tokens=8)
+    text, chat = "The Capital of FRANCE is", [{"role": "user", "content": "Say hi"}]
+    before = llm.generate(text, greedy, use_tqdm=False)[0]
+    chat_before = llm.chat(chat, greedy, use_tqdm=False)[0]
+    assert " " in before.outputs[0].text and llm.engine.eos_token_ids[0] == old.eos_token_id != new.eos_token_id
+
+    llm.set_tokenizer(new)
+    assert llm.get_tokenizer() is new and llm.engine.eos_token_ids[0] == new.eos_token_id
+    after = llm.generate(text, greedy, use_tqdm=False)[0]
+    assert after.prompt_token_ids == new.encode(text) != before.prompt_token_ids == old.encode(text)
+    assert after.outputs[0].text == new.decode(after.outputs[0].token_ids) and " " not in after.outputs[0].text
+    # the same ids decoded by each tokenizer: only the text changes
+    same = llm.generate({"prompt_token_ids": before.prompt_token_ids}, greedy, use_tqdm=False)[0].outputs[0]
+    assert same.token_ids == before.outputs[0].token_ids
+    assert same.text == before.outputs[0].text.replace(" ", "_") != before.outputs[0].text
+    chat_after = llm.chat(chat, greedy, use_tqdm=False)[0]
+    want = new.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
+    assert chat_after.prompt_token_ids == list(want) != chat_before.prompt_token_ids
+    assert chat_after.prompt == new.decode(want) and chat_after.prompt.startswith("<|im_start|>user\nsay_hi")
+    with pytest.raises(TypeError, match="set_tokenizer\\(\\) takes a tokenizer"):
+        llm.set_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert llm.get_tokenizer() is new
+    llm.shutdown()

@@ -208,6 +208,13 @@ class EngineCore:
         }
         return {k: str(v) for k, v in info.items()}
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """The offline LLM's set_tokenizer: later requests stop at the new tokenizer's EOS (first, as at start) and
+        grammars compile against its vocabulary. Only between calls (no request in flight)."""
+        self.tokenizer = tokenizer
+        self.eos_token_ids = with_tokenizer_eos(self.worker.eos_token_ids, tokenizer)
+        self.structured.set_tokenizer(tokenizer)
+
     @functools.cached_property
     def pooling_defaults(self) -> Any:
         """The model's embedding pooling (pooling.model_pooling): read on the first embedding request."""

@@ -45,6 +45,14 @@ class StructuredOutputHooks:
             self.manager._tokenizer = self.tokenizer
         return self.manager
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Grammars from now on compile against `tokenizer` (LLM.set_tokenizer): the manager, whose backends and
+        compiled grammars hold the old vocabulary and EOS, is dropped and built again on the next request."""
+        self.tokenizer = tokenizer
+        if self.manager is not None:
+            self.manager.shutdown()
+            self.manager = None
+
     def preload(self, tokenizer: Any = None) -> None:
         """Warm the grammar library up in the background (the server calls this once the engine is ready)."""
         try:

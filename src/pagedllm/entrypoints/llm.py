@@ -184,6 +184,17 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """vLLM's: `tokenizer` replaces the LLM's for every later call: text prompts' tokenization, chat() templates
+        (its chat_template unless one is passed), the outputs' text, logprobs' token texts and stop strings, beam
+        search, structured-output grammars, and the EOS requests stop at (the tokenizer's first, as at start)."""
+        if not all(callable(getattr(tokenizer, name, None)) for name in ("encode", "decode")):
+            raise TypeError(f"set_tokenizer() takes a tokenizer (e.g. a transformers tokenizer, with encode and "
+                            f"decode), got {type(tokenizer).__name__}.")
+        with self._lock:  # not while a call in another thread tokenizes or detokenizes with the old one
+            self.engine.set_tokenizer(tokenizer)
+            self.tokenizer = tokenizer
+
     def get_metrics(self) -> list:
         """vLLM's: a snapshot of the engine's `vllm:` Prometheus metrics (the names `pagedllm serve` shows on
         /metrics) as pagedllm.metrics.reader's Counter / Gauge / Histogram / Vector, counted since this LLM was built.
