@@ -435,6 +435,12 @@ def test_set_tokenizer_tokenizes_renders_and_detokenizes_with_the_new_one(smollm
     text, chat = "The Capital of FRANCE is", [{"role": "user", "content": "Say hi"}]
     before = llm.generate(text, greedy, use_tqdm=False)[0]
     chat_before = llm.chat(chat, greedy, use_tqdm=False)[0]
+    from pagedllm.structured_output import StructuredOutputsParams
+
+    choice = SamplingParams(temperature=0.0, max_tokens=5,
+                            structured_outputs=StructuredOutputsParams(choice=["Paris city", "London"]))
+    assert llm.generate(text, choice, use_tqdm=False)[0].outputs[0].text in ("Paris city", "London")
+    assert llm.engine.structured.manager._tokenizer is old
     assert " " in before.outputs[0].text and llm.engine.eos_token_ids[0] == old.eos_token_id != new.eos_token_id
 
     llm.set_tokenizer(new)
@@ -451,6 +457,9 @@ def test_set_tokenizer_tokenizes_renders_and_detokenizes_with_the_new_one(smollm
     want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
     assert chat_after.prompt_token_ids == list(want) != chat_before.prompt_token_ids
     assert chat_after.prompt == new.decode(want) and chat_after.prompt.startswith("<|im_start|>user\nsay_hi")
+    # grammars compile against the new tokenizer (the structured-output manager built before it is dropped)
+    assert llm.generate(text, choice, use_tqdm=False)[0].outputs[0].text in ("Paris_city", "London")
+    assert llm.engine.structured.manager._tokenizer is new
     with pytest.raises(TypeError, match="set_tokenizer\\(\\) takes a tokenizer"):
         llm.set_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert llm.get_tokenizer() is new
