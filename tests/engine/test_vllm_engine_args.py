@@ -459,3 +459,16 @@ def test_hf_config_path_flag_and_bad_paths(tiny_llama_dir, tmp_path, capsys):
     assert serve.main([tiny_llama_dir, "--hf-config-path", missing]) == 2
     err = capsys.readouterr().err
     assert f"error: hf_config_path '{missing}' does not exist" in err and "Traceback" not in err
+
+
+def test_hf_config_path_reaches_the_worker_ranks(tiny_llama_dir, tmp_path):
+    """Tensor-parallel worker processes each read hf_config_path's config, as the head does: one layer and a vocabulary
+    of 384 on both ranks (a rank building the model directory's 2 layers / 512 would not match its peer)."""
+    folder = _config_dir(tmp_path, tiny_llama_dir, num_hidden_layers=1, vocab_size=384, max_position_embeddings=128)
+    with LLM(tiny_llama_dir, device="cpu", enforce_eager=True, tensor_parallel_size=2, load_format="dummy",
+             hf_config_path=folder, num_gpu_blocks_override=16) as llm:
+        assert (llm.engine.vocab_size, llm.engine.max_model_len) == (384, 128)
+        assert llm.engine.worker.hf_config.num_hidden_layers == 1
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3 and all(t < 384 for t in out[0].outputs[0].token_ids)
