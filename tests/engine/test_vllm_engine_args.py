@@ -472,3 +472,32 @@ def test_hf_config_path_reaches_the_worker_ranks(tiny_llama_dir, tmp_path):
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3 and all(t < 384 for t in out[0].outputs[0].token_ids)
+
+
+def test_hf_config_path_as_a_hub_repo_id_fetches_its_configs_only(monkeypatch, tiny_llama_dir, tmp_path):
+    """A repo id is resolved once (model's revision, download_dir, hf_token), asking for config and code files only
+    (never the repo's weights); a repo the hub does not have is an error naming hf_config_path."""
+    from pagedllm.models import model_resolution
+
+    folder = _config_dir(tmp_path, tiny_llama_dir, num_hidden_layers=1)
+    asked = []
+
+    def resolve(repo, revision, download_dir, token, allow_patterns=None):
+        asked.append((repo, revision, token, allow_patterns))
+        if repo == "acme/missing":
+            raise ValueError("Model 'acme/missing' was not found on the Hugging Face Hub.")
+        return folder
+
+    monkeypatch.setattr(model_resolution, "resolve_repo_id", resolve)
+    model_resolution.resolve_config_dir.cache_clear()
+    args = EngineArgs(model=tiny_llama_dir, hf_config_path="acme/base", revision="v1", hf_token="hf_abc")
+    args.validate()  # (nothing fetched yet)
+    assert asked == []
+    llm = LLM(model=tiny_llama_dir, hf_config_path="acme/base", revision="v1", hf_token="hf_abc",
+              load_format="dummy", num_gpu_blocks_override=32)
+    assert llm.engine.worker.hf_config.num_hidden_layers == 1 and llm.engine.pooling_defaults.matryoshka is None
+    assert asked == [("acme/base", "v1", "hf_abc", ["*.json", "*.py"])]
+    llm.shutdown()
+    with pytest.raises(ValueError, match="hf_config_path 'acme/missing': Model 'acme/missing' was not found"):
+        LLM(model=tiny_llama_dir, hf_config_path="acme/missing", num_gpu_blocks_override=32)
+    model_resolution.resolve_config_dir.cache_clear()
