@@ -437,7 +437,7 @@ def model_pooling(model_dir: Optional[str], pooler_config: Optional[dict] = None
     """The defaults from a model directory's sentence-transformers files, else last-token pooling, normalized;
     `pooler_config` (checked by check_pooler_config) overrides them; `hf_overrides` (config.json fields, merged over
     the file's as transformers merges them) may say the model is Matryoshka-trained. config_dir (--hf-config-path,
-    loader.hf_config_dir) holds the config.json read instead of the model's."""
+    EngineArgs.hf_config_dir) holds the config.json read instead of the model's."""
     found = _model_files_pooling(model_dir, hf_overrides or {}, config_dir)
     if not pooler_config:
         return found
