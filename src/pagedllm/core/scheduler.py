@@ -292,6 +292,7 @@ class Scheduler:
         self.running = [r for r in self.running if r.request_id not in ids]
         for request in reversed(victims):  # appendleft: keep their order at the front of the queue
             self._preempt(request)
+            request.added_after_plan = self._num_plans  # (no plan is being made: every plan's row is void)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from running / waiting."""
@@ -316,6 +317,9 @@ class Scheduler:
             request.rope_long = not request.rope_long
             request.block_hashes = []
         self.spec.forget(request)
+        # A row for it in a plan made before this one (a step in flight) is void: it recomputes that position, maybe
+        # in the plan being made (priority: an urgent request's room can readmit it at once), whose row is its own.
+        request.added_after_plan = self._num_plans - 1
         request.num_preemptions += 1
         self.num_preemptions += 1
         if self.priority:
