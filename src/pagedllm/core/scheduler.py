@@ -419,10 +419,10 @@ class Scheduler:
         if len(staying) >= self.max_num_seqs or self._lora_blocked(head, staying):
             return None
         kv = self.kv_cache_manager
-        need = 0
+        need, hits, chunk = 0, [], 0
         if not self._groups:  # (several KV-cache groups: seats and adapters only)
             params = head.sampling_params
-            hits, num_hit_tokens = [], 0
+            num_hit_tokens = 0
             if params.prompt_logprobs is None and params.pooling in (None, "last"):
                 hits, num_hit_tokens = kv.get_computed_blocks(head, record_stats=False)
             chunk = self._num_tokens_to_schedule(head, num_hit_tokens, self.max_num_batched_tokens)
@@ -439,6 +439,8 @@ class Scheduler:
             victim = running.pop()
             self._preempt(victim)
             made_room.add(victim.request_id)
+            if hits:  # hits only the victim held are free blocks now: taking them back uses up free blocks too
+                need = kv.num_free_blocks_taken(head, chunk, hits)
         return made_room
 
     def _lora_blocked(self, request: Request, running: Sequence[Request]) -> bool:
