@@ -99,3 +99,53 @@ def test_an_urgent_late_arrival_preempts_a_less_urgent_running_request(tiny_llam
     run()
     for rid, prompt in prompts.items():
         assert tokens[rid] == hf_greedy(tiny_llama_dir, prompt, lengths[rid])[0], rid
+
+
+def test_victim_readmitted_in_the_same_step_keeps_its_tokens(tiny_llama_dir):
+    """Async: an urgent arrival preempts a request whose token is in flight; its prefix block was a duplicate of
+    another request's cached one, so it needs fewer blocks than it freed and the same plan readmits it. The in-flight
+    token and the readmitted step's token for the same position were both appended (a repeated token)."""
+    from pagedllm.core.engine_core import EngineCore, EngineCoreRequest
+
+    def core(**kw):
+        return EngineCore(model=tiny_llama_dir, dtype="float32", max_model_len=32, block_size=8, **kw)
+
+    prefix = list(range(30, 38))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = core()
+    plain.add_request(EngineCoreRequest("v", prefix, greedy))
+    want: list[int] = []
+    while plain.has_unfinished_requests():
+        want += [t for o in plain.step() for t in o.new_token_ids]
+    plain.shutdown()
+    # One token per step: "v" computes the prefix block while "a" does, and holds the uncached duplicate.
+    engine = core(num_gpu_blocks_override=4, scheduling_policy="priority", async_scheduling=True,
+                  long_prefill_token_threshold=1)
+    got: dict[str, list[int]] = {"a": [], "v": [], "u": []}
+
+    def step() -> None:
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+
+    try:
+        engine.add_request(EngineCoreRequest("a", prefix + [50], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                ignore_eos=True)))
+        step()
+        engine.add_request(EngineCoreRequest("v", prefix, greedy, priority=1))
+        sched = engine.scheduler
+        for _ in range(40):  # until "v" has one token and the next in flight, and the pool is full
+            v = sched.requests["v"]
+            if v.num_output_tokens == 1 and v.num_output_placeholders and sched.kv_cache_manager.num_free_blocks == 0:
+                break
+            step()
+        else:
+            pytest.fail("the pool never filled up")
+        engine.add_request(EngineCoreRequest("u", [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=2,
+                                                                           ignore_eos=True)))
+        while engine.has_unfinished_requests():
+            step()
+        assert sched.num_preemptions == 1
+        assert got["v"] == want
+        assert sched.kv_cache_manager.num_free_blocks == 4
+    finally:
+        engine.shutdown()

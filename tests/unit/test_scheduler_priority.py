@@ -209,3 +209,28 @@ def test_adapters_count_in_what_an_urgent_arrival_needs():
     assert not plan.preempted_request_ids and not plan.new_requests
     assert [r.request_id for r in sched.running] == ["H", "L"]
     run_to_completion(sched, runner)
+
+
+def test_an_urgent_arrival_counts_its_hits_that_a_victim_frees():
+    """The urgent request's prefix hits are blocks only the least urgent request holds: preempting it makes them
+    free blocks that taking them back uses up, so it is not room enough by itself. Both less urgent requests are
+    preempted in the same step and the urgent one is admitted at once (it was left waiting a step while the other
+    ran on, and was preempted only then)."""
+    sched = make_sched(scheduling_policy="priority", num_blocks=4)
+    runner = FakeRunner()
+    prefix = list(range(500, 508))  # two full blocks
+    x, v = req("X", 3, 5, 1.0, max_tokens=10), req("V", prefix, 5, 2.0, max_tokens=8)
+    for r in (x, v):
+        sched.add_request(r)
+    step(sched, runner)
+    step(sched, runner)  # V holds its two prefix blocks and a third for its first token
+    assert sched.kv_cache_manager.num_free_blocks == 0
+    u = req("U", prefix + list(range(600, 605)), 1, 3.0, max_tokens=2)  # 2 hits + 2 fresh blocks
+    sched.add_request(u)
+    plan, _ = step(sched, runner)
+    assert plan.preempted_request_ids == {"V", "X"} and [n.request_id for n in plan.new_requests] == ["U"]
+    assert plan.new_requests[0].num_computed_tokens == 8
+    run_to_completion(sched, runner)
+    assert u.output_token_ids == [1013, 1014]
+    assert x.output_token_ids == list(range(1003, 1013)) and v.output_token_ids == list(range(1008, 1016))
+    assert sched.kv_cache_manager.num_free_blocks == 4

@@ -292,6 +292,7 @@ class Scheduler:
         self.running = [r for r in self.running if r.request_id not in ids]
         for request in reversed(victims):  # appendleft: keep their order at the front of the queue
             self._preempt(request)
+            request.added_after_plan = self._num_plans  # (no plan is being made: every plan's row is void)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller removes it from running / waiting."""
@@ -316,6 +317,9 @@ class Scheduler:
             request.rope_long = not request.rope_long
             request.block_hashes = []
         self.spec.forget(request)
+        # A row for it in a plan made before this one (a step in flight) is void: it recomputes that position, maybe
+        # in the plan being made (priority: an urgent request's room can readmit it at once), whose row is its own.
+        request.added_after_plan = self._num_plans - 1
         request.num_preemptions += 1
         self.num_preemptions += 1
         if self.priority:
@@ -415,10 +419,10 @@ class Scheduler:
         if len(staying) >= self.max_num_seqs or self._lora_blocked(head, staying):
             return None
         kv = self.kv_cache_manager
-        need = 0
+        need, hits, chunk = 0, [], 0
         if not self._groups:  # (several KV-cache groups: seats and adapters only)
             params = head.sampling_params
-            hits, num_hit_tokens = [], 0
+            num_hit_tokens = 0
             if params.prompt_logprobs is None and params.pooling in (None, "last"):
                 hits, num_hit_tokens = kv.get_computed_blocks(head, record_stats=False)
             chunk = self._num_tokens_to_schedule(head, num_hit_tokens, self.max_num_batched_tokens)
@@ -435,6 +439,8 @@ class Scheduler:
             victim = running.pop()
             self._preempt(victim)
             made_room.add(victim.request_id)
+            if hits:  # hits only the victim held are free blocks now: taking them back uses up free blocks too
+                need = kv.num_free_blocks_taken(head, chunk, hits)
         return made_room
 
     def _lora_blocked(self, request: Request, running: Sequence[Request]) -> bool:
