@@ -67,10 +67,14 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
             assert got["data"] == pytest.approx(c["probs"], abs=1e-5)
         # activation false: the raw label logits (/classify's "probs" then holds them, as vLLM's)
         want = [hf_logits(model_dir, ids)[0].item() for ids in wants[:2]]
+        # (use_activation, vLLM's newer name, too: /classify ignored it and answered probabilities)
         for path in ("/classify", "/pooling"):
-            r = http.post(path, json={"input": texts, "activation": False})
-            got = [d["probs" if path == "/classify" else "data"][0] for d in r.json()["data"]]
-            assert got == pytest.approx(want, abs=1e-4), (path, r.text)
+            for name in ("activation", "use_activation"):
+                r = http.post(path, json={"input": texts, name: False})
+                got = [d["probs" if path == "/classify" else "data"][0] for d in r.json()["data"]]
+                assert got == pytest.approx(want, abs=1e-4), (path, name, r.text)
+            r = http.post(path, json={"input": texts, "activation": True, "use_activation": False})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "activation", (path, r.text)
         # token_classify through the same head: every token's logit (transformers' score over each hidden state)
         from tests.engine.test_classify import hf_classifier
 
