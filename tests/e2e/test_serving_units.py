@@ -325,3 +325,32 @@ def test_render_chat_content_format(smollm2_hf_dir) -> None:
     assert detect_content_format(tok.chat_template) == "string"
     assert render_chat(tok, req.messages[:1], True, False)[0] == tok.apply_chat_template(
         [{"role": "user", "content": "6*7?\nQuick."}], tokenize=False, add_generation_prompt=True)
+
+
+def test_an_adapter_unloaded_after_the_model_check_is_a_404() -> None:
+    """A request checks its `model` first and looks its adapter up after awaiting its tokenization: an adapter
+    unloaded in between is a 404 as for a request sent after the unload (the lookup gave None, and the request
+    ran on the base model, answered under the adapter's name)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.errors import APIError
+    from pagedllm.entrypoints.openai.lora_models import LoRAModels
+    from pagedllm.entrypoints.openai.server_state import ServerState
+    from pagedllm.lora.request import LoRARequest
+
+    async def no_op(*_, **__) -> None:
+        return None
+
+    state = ServerState(SimpleNamespace(add_lora=no_op, remove_lora=no_op), ["base", "alias"])
+    state.loras = LoRAModels(state.engine, state.served_model_names, enabled=True)
+    state.loras.adapters["sql"] = LoRARequest(lora_name="sql", lora_int_id=1, lora_path="/x")
+    model = state.check_model("sql")
+    assert model == "sql" and state.lora_request(model).lora_int_id == 1
+    asyncio.run(state.loras.unload("sql"))
+    with pytest.raises(APIError) as e:
+        state.lora_request(model)
+    assert e.value.status == 404 and e.value.code == "model_not_found" and e.value.param == "model"
+    for name in ("alias", None):  # the base model's names route to no adapter
+        assert state.lora_request(state.check_model(name)) is None
+
