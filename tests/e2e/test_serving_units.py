@@ -354,3 +354,41 @@ def test_an_adapter_unloaded_after_the_model_check_is_a_404() -> None:
     for name in ("alias", None):  # the base model's names route to no adapter
         assert state.lora_request(state.check_model(name)) is None
 
+
+def test_an_unload_during_an_in_place_reload_leaves_the_reload_standing() -> None:
+    """load_inplace reads the new adapter, then removes the old one; an unload of the name meanwhile removed the old
+    one already, and the second removal (the engine's "not loaded") made the reload a 404 although it had taken
+    the name. Now the reload succeeds, serves the name, and the old adapter is removed once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.async_engine import RequestRejected
+    from pagedllm.entrypoints.openai.lora_models import LoRAModels
+
+    registered: set[int] = set()
+    removed: list[int] = []
+    reading = asyncio.Event()
+
+    async def add_lora(request, **_) -> None:
+        if request.lora_name == "late" and registered:  # the reload: held until the unload has run
+            await reading.wait()
+        registered.add(request.lora_int_id)
+
+    async def remove_lora(lora_int_id: int) -> None:
+        if lora_int_id not in registered:
+            raise RequestRejected(f"LoRA adapter id {lora_int_id} is not loaded.", 404)
+        registered.discard(lora_int_id)
+        removed.append(lora_int_id)
+
+    async def run() -> None:
+        loras = LoRAModels(SimpleNamespace(add_lora=add_lora, remove_lora=remove_lora), ["base"], enabled=True)
+        old = await loras.load("late", "/tmp")
+        reload = asyncio.ensure_future(loras.load("late", "/tmp", load_inplace=True))
+        await asyncio.sleep(0.01)  # the reload waits in add_lora
+        await loras.unload("late")
+        reading.set()
+        new = await reload
+        assert removed == [old.lora_int_id] and registered == {new.lora_int_id}
+        assert loras.get("late") is new
+
+    asyncio.run(run())

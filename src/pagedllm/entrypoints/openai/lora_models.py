@@ -162,10 +162,13 @@ class LoRAModels:
                     await self.engine.add_lora(request, announce=True, **replaces)
                 else:
                     await self.engine.add_lora(request, **replaces)
+                # an unload of the name while this one loaded has removed the old adapter already: removing it
+                # again is the engine's "not loaded", which answered this load (that did take the name) with a 404
+                still_old = old is not None and self.adapters.get(name) is old
                 self.adapters[name] = request
                 self.roots[name] = path
                 self.names_by_id[request.lora_int_id] = name
-                if old is not None:
+                if still_old:
                     await self.engine.remove_lora(old.lora_int_id)
         finally:
             self._pending.discard(name)
