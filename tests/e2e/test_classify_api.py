@@ -44,6 +44,14 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
         assert [x["index"] for x in results] == order[:2]
         assert results[0]["relevance_score"] == pytest.approx(want[order[0]], abs=1e-4)
         assert results[0]["document"] == {"text": docs[order[0]]}
+        # activation false (use_activation: its newer name): the raw logits score (they were ignored: sigmoids)
+        logits = [hf_logits(model_dir, tok(text=query, text_pair=d)["input_ids"])[0].item() for d in docs]
+        for name in ("activation", "use_activation"):
+            r = http.post("/v1/score", json={"text_1": query, "text_2": docs, name: False})
+            assert [d["score"] for d in r.json()["data"]] == pytest.approx(logits, abs=1e-4), (name, r.text)
+            r = http.post("/v1/rerank", json={"query": query, "documents": docs, name: False})
+            got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+            assert [got[i] for i in range(3)] == pytest.approx(logits, abs=1e-4), (name, r.text)
 
         # vLLM's chat-style request: one conversation rendered by the chat template (as /tokenize renders it)
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is Paris in France?"}]
