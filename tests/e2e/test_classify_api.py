@@ -109,6 +109,11 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
         for path, body, param, words in (
                 ("/classify", {"input": []}, "input", "must not be empty"),
                 ("/classify", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
+                # (a pair's truncation went to the tokenizer unchecked: past its integer type, a 500)
+                ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 10 ** 20},
+                 "truncate_prompt_tokens", "greater than max_model_len"),
+                ("/v1/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": -2},
+                 "truncate_prompt_tokens", "-1"),
                 ("/v1/embeddings", {"input": "x"}, "model", "sequence classifier"),
                 ("/v1/completions", {"prompt": "x", "max_tokens": 2}, None, "not generation")):
             r = http.post(path, json=body)

@@ -17,7 +17,7 @@ from pagedllm.entrypoints.openai.embeddings import MAX_INPUTS, check_fits, poole
     truncated
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.protocol import Int, _Req
-from pagedllm.entrypoints.openai.request_params import request_ids, request_priority
+from pagedllm.entrypoints.openai.request_params import check_truncation, request_ids, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.classify import class_logits, classifier_inputs, classifier_labels, \
     request_activation
@@ -104,6 +104,8 @@ async def _pairs_scored(request: Request, state: ServerState, req: Any, model: s
     if len(firsts) > MAX_INPUTS:
         raise APIError(f"A request may score at most {MAX_INPUTS} pairs (got {len(firsts)}).", param=names[1])
     k = req.truncate_prompt_tokens
+    # checked before the tokenizer's pair truncation takes it: one past its integer type was an OverflowError, a 500
+    check_truncation(k, state.max_model_len)
     inputs = await tokenize_work(request, _pair_inputs, state.tokenizer, firsts, seconds,
                                  None if k is None else input_truncation(k, state.max_model_len))
     inputs = classifier_inputs(state, inputs, k)  # (checks k; trims only what the pair truncation could not)
