@@ -114,6 +114,10 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
                  "truncate_prompt_tokens", "greater than max_model_len"),
                 ("/v1/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": -2},
                  "truncate_prompt_tokens", "-1"),
+                # a pair past the context is named as the pair (it was 'text_2', though text_1 was the long one)
+                ("/v1/score", {"text_1": "word " * 600, "text_2": "b"}, "text_1", "the pair of text_1 and text_2 has"),
+                ("/v1/rerank", {"query": "q", "documents": ["b", "c " * 600]}, "documents",
+                 "the pair of query and documents 1 has"),
                 ("/v1/embeddings", {"input": "x"}, "model", "sequence classifier"),
                 ("/v1/completions", {"prompt": "x", "max_tokens": 2}, None, "not generation")):
             r = http.post(path, json=body)

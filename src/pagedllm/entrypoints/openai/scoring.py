@@ -109,6 +109,10 @@ async def _pairs_scored(request: Request, state: ServerState, req: Any, model: s
     inputs = await tokenize_work(request, _pair_inputs, state.tokenizer, firsts, seconds,
                                  None if k is None else input_truncation(k, state.max_model_len))
     inputs = classifier_inputs(state, inputs, k)  # (checks k; trims only what the pair truncation could not)
+    # an input is a pair, named as one (it was named by the second field alone, though the first may be the long
+    # one); its param: the field of the pair's longer text
+    check_fits(state, inputs, f"the pair of {names[0]} and {names[1]}", "classification",
+               [names[0] if len(a) > len(b) else names[1] for a, b in zip(firsts, seconds)])
     request_id, engine_id = request_ids(request, prefix, req.request_id)
     logits = await class_logits(request, state, model, inputs, req, engine_id, names[1])
     scores = [row[0] if activation is False else class_probs(row)[0] for row in logits]
