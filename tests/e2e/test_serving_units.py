@@ -392,3 +392,30 @@ def test_an_unload_during_an_in_place_reload_leaves_the_reload_standing() -> Non
         assert loras.get("late") is new
 
     asyncio.run(run())
+
+
+def test_a_name_loaded_again_by_another_api_process_lists_its_new_path(tmp_path) -> None:
+    """With several API processes, a name this process loaded from one path, unloaded and loaded again from another
+    by a second process (LoraEvents here) is listed by /v1/models with the new path: the old one stayed in this
+    process's roots, so its card's root named the adapter it no longer served."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints import messages as m
+    from pagedllm.entrypoints.openai.lora_models import LoRAModels
+
+    async def no_op(*_, **__) -> None:
+        return None
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    loras = LoRAModels(SimpleNamespace(add_lora=no_op, remove_lora=no_op), ["base"], enabled=True)
+    loras.share_ids(1, 2)
+    old = asyncio.run(loras.load("x", str(first)))
+    assert [c["root"] for c in loras.cards(0, 8)] == [str(first)]
+    loras.apply_event(m.LoraEvent(origin=0, seq=1, added=False, lora_int_id=old.lora_int_id))
+    assert loras.cards(0, 8) == []
+    loras.apply_event(m.LoraEvent(origin=0, seq=2, added=True, lora_int_id=100, lora_name="x",
+                                  lora_path=str(second)))
+    assert [(c["id"], c["root"]) for c in loras.cards(0, 8)] == [("x", str(second))]

@@ -132,10 +132,13 @@ class LoRAModels:
                                   lora_path=event.lora_path, base_model_name=event.base_model_name)
             self.adapters[event.lora_name] = request
             self.names_by_id[event.lora_int_id] = event.lora_name
+            # a path this process once loaded the name from is not this adapter's: its card shows the event's path
+            self.roots.pop(event.lora_name, None)
         else:
             for name, request in list(self.adapters.items()):
                 if request.lora_int_id == event.lora_int_id:
                     del self.adapters[name]
+                    self.roots.pop(name, None)
 
     async def load(self, name: Any, path: Any, base_model_name: Optional[str] = None,
                    load_inplace: bool = False) -> LoRARequest:
