@@ -44,6 +44,14 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
         assert [x["index"] for x in results] == order[:2]
         assert results[0]["relevance_score"] == pytest.approx(want[order[0]], abs=1e-4)
         assert results[0]["document"] == {"text": docs[order[0]]}
+        # activation false (use_activation: its newer name): the raw logits score (they were ignored: sigmoids)
+        logits = [hf_logits(model_dir, tok(text=query, text_pair=d)["input_ids"])[0].item() for d in docs]
+        for name in ("activation", "use_activation"):
+            r = http.post("/v1/score", json={"text_1": query, "text_2": docs, name: False})
+            assert [d["score"] for d in r.json()["data"]] == pytest.approx(logits, abs=1e-4), (name, r.text)
+            r = http.post("/v1/rerank", json={"query": query, "documents": docs, name: False})
+            got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+            assert [got[i] for i in range(3)] == pytest.approx(logits, abs=1e-4), (name, r.text)
 
         # vLLM's chat-style request: one conversation rendered by the chat template (as /tokenize renders it)
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is Paris in France?"}]
@@ -67,10 +75,14 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
             assert got["data"] == pytest.approx(c["probs"], abs=1e-5)
         # activation false: the raw label logits (/classify's "probs" then holds them, as vLLM's)
         want = [hf_logits(model_dir, ids)[0].item() for ids in wants[:2]]
+        # (use_activation, vLLM's newer name, too: /classify ignored it and answered probabilities)
         for path in ("/classify", "/pooling"):
-            r = http.post(path, json={"input": texts, "activation": False})
-            got = [d["probs" if path == "/classify" else "data"][0] for d in r.json()["data"]]
-            assert got == pytest.approx(want, abs=1e-4), (path, r.text)
+            for name in ("activation", "use_activation"):
+                r = http.post(path, json={"input": texts, name: False})
+                got = [d["probs" if path == "/classify" else "data"][0] for d in r.json()["data"]]
+                assert got == pytest.approx(want, abs=1e-4), (path, name, r.text)
+            r = http.post(path, json={"input": texts, "activation": True, "use_activation": False})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "activation", (path, r.text)
         # token_classify through the same head: every token's logit (transformers' score over each hidden state)
         from tests.engine.test_classify import hf_classifier
 
@@ -97,6 +109,15 @@ def test_classify_score_and_rerank_on_a_cross_encoder(tiny_classifier_dir, e2e_e
         for path, body, param, words in (
                 ("/classify", {"input": []}, "input", "must not be empty"),
                 ("/classify", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
+                # (a pair's truncation went to the tokenizer unchecked: past its integer type, a 500)
+                ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 10 ** 20},
+                 "truncate_prompt_tokens", "greater than max_model_len"),
+                ("/v1/rerank", {"query": "a", "documents": ["b"], "truncate_prompt_tokens": -2},
+                 "truncate_prompt_tokens", "-1"),
+                # a pair past the context is named as the pair (it was 'text_2', though text_1 was the long one)
+                ("/v1/score", {"text_1": "word " * 600, "text_2": "b"}, "text_1", "the pair of text_1 and text_2 has"),
+                ("/v1/rerank", {"query": "q", "documents": ["b", "c " * 600]}, "documents",
+                 "the pair of query and documents 1 has"),
                 ("/v1/embeddings", {"input": "x"}, "model", "sequence classifier"),
                 ("/v1/completions", {"prompt": "x", "max_tokens": 2}, None, "not generation")):
             r = http.post(path, json=body)

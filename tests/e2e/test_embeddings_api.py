@@ -194,7 +194,11 @@ def test_score_and_rerank_are_cosines_of_the_embeddings(http: httpx.Client) -> N
                               ("/v1/rerank", {"query": "", "documents": ["x"]}, "query"),
                               ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
                               ("/v1/rerank", {"query": "q", "documents": ["x", ""]}, "documents"),
-                              ("/v1/rerank", {"query": "q", "documents": ["x"], "top_n": -1}, "top_n")):
+                              ("/v1/rerank", {"query": "q", "documents": ["x"], "top_n": -1}, "top_n"),
+                              # (a cross-encoder's: a cosine has no activation, never silently unused)
+                              ("/v1/score", {"text_1": "a", "text_2": "b", "activation": False}, "activation"),
+                              ("/v1/rerank", {"query": "q", "documents": ["x"], "use_activation": True},
+                               "use_activation")):
         r = http.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 

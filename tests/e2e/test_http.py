@@ -247,3 +247,15 @@ def test_dev_mode_routes_are_404_without_dev_mode(http: httpx.Client) -> None:
     for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
                          ("POST", "/reset_prefix_cache")):
         assert http.request(method, path).status_code == 404, path
+
+
+def test_wrong_method_is_405_with_allow(http: httpx.Client) -> None:
+    """A route asked with a method it does not take: 405 in the error shape, with the Allow header HTTP requires
+    of a 405 (the app's error handler dropped the exception's headers, so Allow was missing)."""
+    for method, path, allowed in (("POST", "/health", {"GET"}), ("GET", "/v1/embeddings", {"POST"}),
+                                  ("DELETE", f"/v1/models/{SERVED_NAME}", {"GET"}), ("PUT", "/tokenize", {"POST"}),
+                                  ("GET", "/v1/load_lora_adapter", {"POST"}), ("DELETE", "/ping", {"GET", "POST"})):
+        r = http.request(method, path)
+        assert r.status_code == 405, (method, path, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+        assert {m.strip() for m in r.headers.get("allow", "").split(",")} == allowed, (method, path, r.headers)

@@ -325,3 +325,97 @@ def test_render_chat_content_format(smollm2_hf_dir) -> None:
     assert detect_content_format(tok.chat_template) == "string"
     assert render_chat(tok, req.messages[:1], True, False)[0] == tok.apply_chat_template(
         [{"role": "user", "content": "6*7?\nQuick."}], tokenize=False, add_generation_prompt=True)
+
+
+def test_an_adapter_unloaded_after_the_model_check_is_a_404() -> None:
+    """A request checks its `model` first and looks its adapter up after awaiting its tokenization: an adapter
+    unloaded in between is a 404 as for a request sent after the unload (the lookup gave None, and the request
+    ran on the base model, answered under the adapter's name)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.errors import APIError
+    from pagedllm.entrypoints.openai.lora_models import LoRAModels
+    from pagedllm.entrypoints.openai.server_state import ServerState
+    from pagedllm.lora.request import LoRARequest
+
+    async def no_op(*_, **__) -> None:
+        return None
+
+    state = ServerState(SimpleNamespace(add_lora=no_op, remove_lora=no_op), ["base", "alias"])
+    state.loras = LoRAModels(state.engine, state.served_model_names, enabled=True)
+    state.loras.adapters["sql"] = LoRARequest(lora_name="sql", lora_int_id=1, lora_path="/x")
+    model = state.check_model("sql")
+    assert model == "sql" and state.lora_request(model).lora_int_id == 1
+    asyncio.run(state.loras.unload("sql"))
+    with pytest.raises(APIError) as e:
+        state.lora_request(model)
+    assert e.value.status == 404 and e.value.code == "model_not_found" and e.value.param == "model"
+    for name in ("alias", None):  # the base model's names route to no adapter
+        assert state.lora_request(state.check_model(name)) is None
+
+
+def test_an_unload_during_an_in_place_reload_leaves_the_reload_standing() -> None:
+    """load_inplace reads the new adapter, then removes the old one; an unload of the name meanwhile removed the old
+    one already, and the second removal (the engine's "not loaded") made the reload a 404 although it had taken
+    the name. Now the reload succeeds, serves the name, and the old adapter is removed once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.async_engine import RequestRejected
+    from pagedllm.entrypoints.openai.lora_models import LoRAModels
+
+    registered: set[int] = set()
+    removed: list[int] = []
+    reading = asyncio.Event()
+
+    async def add_lora(request, **_) -> None:
+        if request.lora_name == "late" and registered:  # the reload: held until the unload has run
+            await reading.wait()
+        registered.add(request.lora_int_id)
+
+    async def remove_lora(lora_int_id: int) -> None:
+        if lora_int_id not in registered:
+            raise RequestRejected(f"LoRA adapter id {lora_int_id} is not loaded.", 404)
+        registered.discard(lora_int_id)
+        removed.append(lora_int_id)
+
+    async def run() -> None:
+        loras = LoRAModels(SimpleNamespace(add_lora=add_lora, remove_lora=remove_lora), ["base"], enabled=True)
+        old = await loras.load("late", "/tmp")
+        reload = asyncio.ensure_future(loras.load("late", "/tmp", load_inplace=True))
+        await asyncio.sleep(0.01)  # the reload waits in add_lora
+        await loras.unload("late")
+        reading.set()
+        new = await reload
+        assert removed == [old.lora_int_id] and registered == {new.lora_int_id}
+        assert loras.get("late") is new
+
+    asyncio.run(run())
+
+
+def test_a_name_loaded_again_by_another_api_process_lists_its_new_path(tmp_path) -> None:
+    """With several API processes, a name this process loaded from one path, unloaded and loaded again from another
+    by a second process (LoraEvents here) is listed by /v1/models with the new path: the old one stayed in this
+    process's roots, so its card's root named the adapter it no longer served."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints import messages as m
+    from pagedllm.entrypoints.openai.lora_models import LoRAModels
+
+    async def no_op(*_, **__) -> None:
+        return None
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    loras = LoRAModels(SimpleNamespace(add_lora=no_op, remove_lora=no_op), ["base"], enabled=True)
+    loras.share_ids(1, 2)
+    old = asyncio.run(loras.load("x", str(first)))
+    assert [c["root"] for c in loras.cards(0, 8)] == [str(first)]
+    loras.apply_event(m.LoraEvent(origin=0, seq=1, added=False, lora_int_id=old.lora_int_id))
+    assert loras.cards(0, 8) == []
+    loras.apply_event(m.LoraEvent(origin=0, seq=2, added=True, lora_int_id=100, lora_name="x",
+                                  lora_path=str(second)))
+    assert [(c["id"], c["root"]) for c in loras.cards(0, 8)] == [("x", str(second))]

@@ -236,7 +236,10 @@ def _handled_error_response(e: BaseException) -> Optional[Response]:
         message = str(e.detail) if e.detail else "Error"
         if e.status_code == 404:
             message = "Not found: no such route."
-        return error_response(APIError(message, e.status_code))
+        response = error_response(APIError(message, e.status_code))
+        # the exception's headers: a 405's Allow (which HTTP requires of it) names the methods the route takes
+        response.headers.update(e.headers or {})
+        return response
     if isinstance(e, RequestRejected):
         return error_response(APIError(str(e), e.status, param=getattr(e, "param", None)))
     if isinstance(e, EngineDeadError):

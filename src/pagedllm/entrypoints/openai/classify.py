@@ -21,6 +21,16 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 class ClassificationRequest(PoolingRequest):
     """vLLM's classification request: PoolingRequest's fields (texts, token ids or `messages`)."""
     activation: Optional[bool] = None  # vLLM's: false gives the raw label logits instead of their probabilities
+    use_activation: Optional[bool] = None  # (vLLM's newer name of activation)
+
+
+def request_activation(req: Any) -> tuple[Optional[bool], str]:
+    """(the request's activation, by either of its names; the name it came by, for its errors)."""
+    if req.activation is not None and req.use_activation is not None and req.activation != req.use_activation:
+        raise APIError("'activation' and 'use_activation' (its newer name) disagree; give one.", param="activation")
+    if req.use_activation is not None:
+        return req.use_activation, "use_activation"
+    return req.activation, "activation"
 
 
 def classifier_labels(state: ServerState, what: str) -> list[str]:
@@ -65,7 +75,7 @@ async def create_classification(request: Request, state: ServerState) -> Respons
     labels = classifier_labels(state, "/classify")
     request_id, engine_id = request_ids(request, "classify", req.request_id)
     created = int(time.time())
-    inputs, rows = await classified(request, state, req, model, engine_id, req.activation)
+    inputs, rows = await classified(request, state, req, model, engine_id, request_activation(req)[0])
     data = []
     for i, probs in enumerate(rows):
         best = max(range(len(probs)), key=probs.__getitem__)

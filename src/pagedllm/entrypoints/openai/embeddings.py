@@ -117,9 +117,10 @@ def truncated(inputs: list, k: Optional[int], state: ServerState) -> list:
     return [(None, truncate_prompt(ids, k, state.max_model_len)) for _, ids in inputs]
 
 
-def check_fits(state: ServerState, inputs: list, field: str, what: str = "embedding") -> None:
+def check_fits(state: ServerState, inputs: list, field: str, what: str = "embedding",
+               params: Optional[list[str]] = None) -> None:
     """Each of `inputs` ([(text or None, token ids)]) fits the context, else a 400 naming `field` (and, of several,
-    the input's index in it)."""
+    the input's index in it); its param `field`, or params[i] where given (the request field of input i)."""
     limit = state.max_model_len - 1  # (the engine runs one step past the input, whose token it drops)
     for i, (_, ids) in enumerate(inputs):
         if len(ids) > limit:
@@ -127,7 +128,7 @@ def check_fits(state: ServerState, inputs: list, field: str, what: str = "embedd
             article = "an" if what[0] in "aeiou" else "a"
             raise APIError(f"This model's maximum context length is {state.max_model_len} tokens. However, {field}"
                            f"{which} has {len(ids)} tokens; {article} {what} input may have at most {limit}. Shorten "
-                           "it or set truncate_prompt_tokens.", param=field)
+                           "it or set truncate_prompt_tokens.", param=field if params is None else params[i])
 
 
 async def pooled_vectors(request: Request, state: ServerState, model: str, inputs: list, kind: str, priority: int,

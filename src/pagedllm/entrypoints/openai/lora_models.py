@@ -132,10 +132,13 @@ class LoRAModels:
                                   lora_path=event.lora_path, base_model_name=event.base_model_name)
             self.adapters[event.lora_name] = request
             self.names_by_id[event.lora_int_id] = event.lora_name
+            # a path this process once loaded the name from is not this adapter's: its card shows the event's path
+            self.roots.pop(event.lora_name, None)
         else:
             for name, request in list(self.adapters.items()):
                 if request.lora_int_id == event.lora_int_id:
                     del self.adapters[name]
+                    self.roots.pop(name, None)
 
     async def load(self, name: Any, path: Any, base_model_name: Optional[str] = None,
                    load_inplace: bool = False) -> LoRARequest:
@@ -162,10 +165,13 @@ class LoRAModels:
                     await self.engine.add_lora(request, announce=True, **replaces)
                 else:
                     await self.engine.add_lora(request, **replaces)
+                # an unload of the name while this one loaded has removed the old adapter already: removing it
+                # again is the engine's "not loaded", which answered this load (that did take the name) with a 404
+                still_old = old is not None and self.adapters.get(name) is old
                 self.adapters[name] = request
                 self.roots[name] = path
                 self.names_by_id[request.lora_int_id] = name
-                if old is not None:
+                if still_old:
                     await self.engine.remove_lora(old.lora_int_id)
         finally:
             self._pending.discard(name)

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.body import parse_body
-from pagedllm.entrypoints.openai.classify import classified, classifier_labels
+from pagedllm.entrypoints.openai.classify import classified, classifier_labels, request_activation
 from pagedllm.entrypoints.openai.embeddings import (EmbeddingRequest, embedded, embedding_options, encoded,
                                                     input_field, list_response, pooled_vectors, request_inputs,
                                                     truncated)
@@ -39,10 +39,7 @@ async def create_pooling(request: Request, state: ServerState) -> Response:
     req = await parse_body(request, PoolingAPIRequest)
     model = state.check_model(req.model)
     task = req.task or served_tasks(state)[0]
-    if req.activation is not None and req.use_activation is not None and req.activation != req.use_activation:
-        raise APIError("'activation' and 'use_activation' (its newer name) disagree; give one.", param="activation")
-    activation = req.activation if req.use_activation is None else req.use_activation
-    given = "use_activation" if req.use_activation is not None else "activation"
+    activation, given = request_activation(req)
     request_id, engine_id = request_ids(request, "pool", req.request_id)
     created = int(time.time())
     if task in ("embed", "token_embed") and activation is not None:  # (never silently unused)

@@ -154,13 +154,18 @@ def _param_of(message: str) -> Optional[str]:
 def truncate_prompt(ids: list[int], k: Optional[int], max_model_len: int) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (left truncation); -1 stands for the model's
     context length; None keeps the whole prompt."""
+    check_truncation(k, max_model_len)
+    return keep_last_tokens(ids, k, max_model_len)
+
+
+def check_truncation(k: Optional[int], max_model_len: int) -> None:
+    """A 400 naming truncate_prompt_tokens unless it is None, -1 or 1..max_model_len."""
     if k is not None and k != -1 and k < 1:
         raise APIError(f"truncate_prompt_tokens must be -1 (the model's context length) or >= 1, got {k}.",
                        param="truncate_prompt_tokens")
     if k is not None and k > max_model_len:  # as the offline LLM and vLLM: not a silent no-op
         raise APIError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); select a "
                        "smaller truncation size (-1: max_model_len).", param="truncate_prompt_tokens")
-    return keep_last_tokens(ids, k, max_model_len)
 
 
 def context_max_tokens(asked: Optional[int], params: SamplingParams, defaults: Optional[dict]) -> Optional[int]:

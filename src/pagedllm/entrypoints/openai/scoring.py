@@ -17,9 +17,10 @@ from pagedllm.entrypoints.openai.embeddings import MAX_INPUTS, check_fits, poole
     truncated
 from pagedllm.entrypoints.openai.errors import APIError, dumps
 from pagedllm.entrypoints.openai.protocol import Int, _Req
-from pagedllm.entrypoints.openai.request_params import request_ids, request_priority
+from pagedllm.entrypoints.openai.request_params import check_truncation, request_ids, request_priority
 from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.classify import class_logits, classifier_inputs, classifier_labels
+from pagedllm.entrypoints.openai.classify import class_logits, classifier_inputs, classifier_labels, \
+    request_activation
 from pagedllm.pooling import class_probs, cosine, input_truncation, pair_input, score_pairs
 
 
@@ -30,6 +31,10 @@ class ScoreRequest(_Req):
     truncate_prompt_tokens: Optional[Int] = None
     priority: Optional[Int] = None
     request_id: Optional[str] = None
+    # vLLM's, for a cross-encoder: false scores with the raw logit instead of its sigmoid (use_activation: the newer
+    # name)
+    activation: Optional[bool] = None
+    use_activation: Optional[bool] = None
 
 
 class RerankRequest(_Req):
@@ -41,6 +46,8 @@ class RerankRequest(_Req):
     truncate_prompt_tokens: Optional[Int] = None
     priority: Optional[Int] = None
     request_id: Optional[str] = None
+    activation: Optional[bool] = None  # (as ScoreRequest's)
+    use_activation: Optional[bool] = None
 
 
 async def _texts_scored(request: Request, state: ServerState, req: Any, model: str, firsts: list[str],
@@ -50,8 +57,12 @@ async def _texts_scored(request: Request, state: ServerState, req: Any, model: s
     for name, group in zip(names, (firsts, seconds)):
         if any(t == "" for t in group):
             raise APIError(f"'{name}' must not contain an empty string.", param=name)
+    activation, given = request_activation(req)
     if state.engine.ready.classifier_labels is not None:
-        return await _pairs_scored(request, state, req, model, firsts, seconds, names, prefix)
+        return await _pairs_scored(request, state, req, model, firsts, seconds, names, prefix, activation)
+    if activation is not None:  # (never silently unused: a cosine has no activation)
+        raise APIError(f"'{given}' applies to a cross-encoder's scores; the served model scores by the cosine of "
+                       "embeddings.", param=given)
     texts = list(dict.fromkeys(firsts + seconds))  # distinct, in order
     if len(texts) > MAX_INPUTS:
         raise APIError(f"A request may score at most {MAX_INPUTS} distinct texts (got {len(texts)}).",
@@ -82,8 +93,10 @@ def _pair_inputs(tokenizer: Any, firsts: list[str], seconds: list[str], max_toke
 
 
 async def _pairs_scored(request: Request, state: ServerState, req: Any, model: str, firsts: list[str],
-                        seconds: list[str], names: tuple[str, str], prefix: str) -> tuple[list[float], int, str]:
-    """A cross-encoder's scores: each pair's pair encoding classified, the sigmoid of its one logit."""
+                        seconds: list[str], names: tuple[str, str], prefix: str, activation: Optional[bool]
+                        ) -> tuple[list[float], int, str]:
+    """A cross-encoder's scores: each pair's pair encoding classified, the sigmoid of its one logit (the logit
+    itself where `activation` is False)."""
     labels = classifier_labels(state, "Scoring with a sequence classifier")
     if len(labels) != 1:
         raise APIError(f"The served model is a sequence classifier with {len(labels)} labels, not a cross-encoder "
@@ -91,12 +104,19 @@ async def _pairs_scored(request: Request, state: ServerState, req: Any, model: s
     if len(firsts) > MAX_INPUTS:
         raise APIError(f"A request may score at most {MAX_INPUTS} pairs (got {len(firsts)}).", param=names[1])
     k = req.truncate_prompt_tokens
+    # checked before the tokenizer's pair truncation takes it: one past its integer type was an OverflowError, a 500
+    check_truncation(k, state.max_model_len)
     inputs = await tokenize_work(request, _pair_inputs, state.tokenizer, firsts, seconds,
                                  None if k is None else input_truncation(k, state.max_model_len))
     inputs = classifier_inputs(state, inputs, k)  # (checks k; trims only what the pair truncation could not)
+    # an input is a pair, named as one (it was named by the second field alone, though the first may be the long
+    # one); its param: the field of the pair's longer text
+    check_fits(state, inputs, f"the pair of {names[0]} and {names[1]}", "classification",
+               [names[0] if len(a) > len(b) else names[1] for a, b in zip(firsts, seconds)])
     request_id, engine_id = request_ids(request, prefix, req.request_id)
     logits = await class_logits(request, state, model, inputs, req, engine_id, names[1])
-    return [class_probs(row)[0] for row in logits], sum(len(ids) for _, ids in inputs), request_id
+    scores = [row[0] if activation is False else class_probs(row)[0] for row in logits]
+    return scores, sum(len(ids) for _, ids in inputs), request_id
 
 
 async def create_score(request: Request, state: ServerState) -> Response:

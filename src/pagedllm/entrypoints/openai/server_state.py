@@ -66,5 +66,12 @@ class ServerState:
         raise APIError(f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found")
 
     def lora_request(self, model: str) -> Any:
-        """The LoRARequest a checked `model` name routes to (None: the base model)."""
-        return None if self.loras is None else self.loras.get(model)
+        """The LoRARequest a checked `model` name routes to (None: the base model). An adapter unloaded since the
+        check (the request awaited its tokenization meanwhile) is a 404, as a request naming it afterwards gets:
+        None would run the request on the base model, answered under the adapter's name."""
+        if self.loras is None or model in self.served_model_names:
+            return None
+        request = self.loras.get(model)
+        if request is None:
+            raise APIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+        return request
