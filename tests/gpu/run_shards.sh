@@ -14,8 +14,13 @@
 #
 # The whole suite on the H200 (16 cores: 8 workers) in two device commands of one shard each, 215 s (xdist) and
 # 201 s (the serial files) on 2026-12-02, where one shard per call at GPU_SHARD_TIMEOUT's 540 s fits the 10-minute limit:
-#   GPU_TEST_OUT=$OUT GPU_RUN_BUDGET=570 bash tests/gpu/run_shards.sh 1/2      (first command)
-#   GPU_TEST_OUT=$OUT GPU_RUN_BUDGET=570 bash tests/gpu/run_shards.sh 2/2      (second command)
+#   GPU_TEST_OUT=$OUT GPU_RUN_BUDGET=570 bash tests/gpu/run_shards.sh 1/2      (carry .whl .carry_a .carry_q)
+#   GPU_TEST_OUT=$OUT GPU_RUN_BUDGET=570 bash tests/gpu/run_shards.sh 2/2      (carry .carry_b .carry_q)
+# On the device (no PYTHON given, not a dry run) it sources tests/gpu/device_prepare.sh first, which installs the
+# carried wheels and quantizer archives. The SmolLM2 GGUF travels in two pieces, so it is whole only from the second
+# command on: shard 1's GGUF tests skip (GPU_ALLOW_MISSING=1) and a third command runs them, e.g.
+#   source tests/gpu/device_prepare.sh; python -m pytest -m gpu -q tests/gpu/test_smollm2_gpu.py \
+#       tests/gpu/test_spec_grammar_gpu.py tests/models/test_models_gpu.py -k "smollm2 or grammar"
 #
 # Environment: GPU_TEST_OUT  output directory (default .cache/gpu-tests): shard-<i>-of-<N>.xml/.log (the plain
 #                step), shard-<i>-of-<N>-xdist.xml/.log (the xdist step), summary.txt
@@ -40,6 +45,10 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
 
+# The lent machine has no venv: its wheels, the GGUF pieces and the quantizer archives travel with the call.
+if [ -z "${PYTHON:-}" ] && [ "${GPU_DRY_RUN:-0}" = 0 ]; then
+    source tests/gpu/device_prepare.sh
+fi
 python=${PYTHON:-python3}
 out=${GPU_TEST_OUT:-$root/.cache/gpu-tests}
 shard_timeout=${GPU_SHARD_TIMEOUT:-540}
