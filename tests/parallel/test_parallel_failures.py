@@ -130,3 +130,40 @@ def test_head_plan_port_taken_is_one_sentence(tiny_llama_dir):
         with pytest.raises(RuntimeError, match=rf"plan socket cannot listen on port {port + 1} \(--master-port "
                                                rf"{port} \+ 1\): .*Choose a --master-port whose next port is free"):
             LLM(tiny_llama_dir, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port, **_TINY)
+
+
+def test_a_killed_engine_leaves_no_worker_directory(tiny_llama_dir):
+    """SIGKILL to the process that holds a tensor-parallel engine: its ranks exit (their parent watchdog) and remove
+    the directory of their spec files and plan socket that it made and could not remove (it stayed in /tmp)."""
+    import subprocess
+    import sys
+    import time
+
+    import pathlib
+    import tempfile
+
+    import psutil
+
+    holder = tempfile.TemporaryDirectory(prefix="pgw-")  # short: a socket path holds at most 107 bytes
+    tmp = pathlib.Path(holder.name)
+    script = (f"from pagedllm import LLM\nllm = LLM({tiny_llama_dir!r}, tensor_parallel_size=2, **{_TINY!r})\n"
+              "print('ready', flush=True)\nimport time\ntime.sleep(600)\n")
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 2 and [p.name for p in tmp.iterdir() if p.name.startswith("pagedllm-workers-")]
+        proc.kill()
+        proc.wait(60)
+        gone, alive = psutil.wait_procs(ranks, timeout=60)  # a hang guard
+        assert not alive
+        deadline = time.monotonic() + 30  # (each rank removes it before it exits; a little slack for the file system)
+        while [p.name for p in tmp.iterdir() if p.name.startswith("pagedllm-workers-")]:
+            assert time.monotonic() < deadline, sorted(p.name for p in tmp.iterdir())
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(60)
+        holder.cleanup()

@@ -72,7 +72,7 @@ def spawn_local_workers(args: Any, layout: ParallelLayout, driver_addr: str, spe
     for local_rank, rank in enumerate(ranks):
         spec = WorkerSpec(rank=rank, local_rank=local_rank, layout=layout, engine_args=args,
                           init_method=layout.init_method, driver_addr=driver_addr, timeout_s=collective_timeout_s(),
-                          num_threads=threads, log_level=log_level)
+                          num_threads=threads, log_level=log_level, spec_dir=spec_dir)
         path = os.path.join(spec_dir, f"rank{rank}.pkl")
         with open(path, "wb") as f:
             f.write(dumps(spec))

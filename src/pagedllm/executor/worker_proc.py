@@ -21,7 +21,7 @@ import pickle
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from pagedllm.process_utils import one_line, watch_parent as _watch_parent
 
@@ -44,6 +44,9 @@ class WorkerSpec:
     timeout_s: float
     num_threads: int
     log_level: str = "INFO"
+    # The directory the parent made for the ranks' spec files (and, on one node, its plan socket): a parent killed
+    # could not remove it, so the rank that outlives it does
+    spec_dir: Optional[str] = None
 
 
 def dumps(obj: Any) -> bytes:
@@ -61,7 +64,7 @@ def run_worker(spec: WorkerSpec, watch_parent: bool = True) -> int:
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(levelname)s %(asctime)s [rank {spec.rank}] %(message)s", datefmt="%H:%M:%S")
     if watch_parent:
-        _watch_parent(exit_code=1)
+        _watch_parent(exit_code=1, leftovers=spec.spec_dir)
     import zmq
 
     ctx = zmq.Context(io_threads=1)
