@@ -2,11 +2,36 @@
 (executor/worker_proc.py) and the API server processes."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+# A Unix socket's path holds at most 107 bytes (sockaddr_un); the longest name put in a socket directory
+# ("in-<client>-<engine>.sock") fits in the rest.
+_SOCKET_PATH_MAX = 107
+_SOCKET_NAME_MAX = 24
+
+
+def socket_directory(prefix: str) -> str:
+    """A private directory (tempfile.mkdtemp) for ipc:// sockets: in the temp directory (TMPDIR) unless its path is
+    too long for a socket's (a job's deep TMPDIR on a cluster), then in /tmp."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    if len(directory) + 1 + _SOCKET_NAME_MAX <= _SOCKET_PATH_MAX:
+        return directory
+    os.rmdir(directory)
+    fallback = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    if len(fallback) + 1 + _SOCKET_NAME_MAX > _SOCKET_PATH_MAX:  # (only a very odd /tmp)
+        os.rmdir(fallback)
+        raise RuntimeError(f"No directory for the processes' sockets: {directory} and {fallback} are too long for a "
+                           f"Unix socket path ({_SOCKET_PATH_MAX} bytes); set TMPDIR to a short directory.")
+    logger.info("The temp directory's path is too long for Unix sockets; the process sockets go in %s.", fallback)
+    return fallback
 
 
 def watch_parent(exit_code: int, interval_s: float = 0.5, leftovers: Optional[str] = None) -> None:

@@ -167,3 +167,31 @@ def test_a_killed_engine_leaves_no_worker_directory(tiny_llama_dir):
             proc.kill()
         proc.wait(60)
         holder.cleanup()
+
+
+def test_a_temp_directory_too_long_for_sockets_is_not_used_for_them(tiny_llama_dir, tmp_path, monkeypatch):
+    """A deep TMPDIR (a cluster job's) is too long for a Unix socket path (107 bytes): the ranks' plan socket goes in
+    /tmp instead (it failed with zmq's 'ipc path ... is longer than 107 characters')."""
+    import tempfile
+
+    from pagedllm.process_utils import socket_directory
+
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    directory = socket_directory("pagedllm-test-")
+    try:
+        assert os.path.dirname(directory) == "/tmp" and os.path.basename(directory).startswith("pagedllm-test-")
+    finally:
+        os.rmdir(directory)
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **_TINY)
+    try:
+        assert llm.engine.worker._tmpdir.startswith("/tmp/pagedllm-workers-")
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, temperature=0,
+                                                                           ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.engine.shutdown()
+    with tempfile.TemporaryDirectory(prefix="pgs-", dir="/tmp") as short_tmp:  # a short one is used as is
+        monkeypatch.setattr(tempfile, "tempdir", short_tmp)
+        assert os.path.dirname(socket_directory("pagedllm-test-")) == short_tmp

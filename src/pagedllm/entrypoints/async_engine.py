@@ -25,7 +25,6 @@ import itertools
 import logging
 import multiprocessing
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -41,7 +40,7 @@ from pagedllm.entrypoints import messages as m
 from pagedllm.entrypoints.dp_router import DPRouter
 from pagedllm.entrypoints.ipc import DIR_PREFIX, ClientSpec, IPCLayout
 from pagedllm.entrypoints.parallel_sampling import fan_out
-from pagedllm.process_utils import end_process
+from pagedllm.process_utils import end_process, socket_directory
 from pagedllm.sampling_constraints import tokenize_params
 from pagedllm.sampling_params import SamplingParams
 
@@ -169,7 +168,7 @@ class AsyncEngine:
         # Data parallel: one engine-core process per replica, each with its own input channel; one output channel.
         self.num_engines = max(1, int(getattr(engine_args, "data_parallel_size", 1) or 1))
         if client is None:
-            self._tmpdir = tempfile.mkdtemp(prefix=DIR_PREFIX)
+            self._tmpdir = socket_directory(DIR_PREFIX)
             layout = IPCLayout(self._tmpdir, num_clients=1, num_engines=self.num_engines)
         else:  # the supervisor's directory (it removes it)
             self._tmpdir = None

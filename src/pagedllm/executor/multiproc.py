@@ -18,7 +18,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Optional
 
@@ -26,6 +25,7 @@ from pagedllm import envs
 from pagedllm.core.batch_plan import BatchPlan, ModelOutput
 from pagedllm.executor.parallel_config import ParallelLayout, check_layout, layout_from_args
 from pagedllm.executor.worker_proc import RANK_DEFAULTS, WorkerSpec, dumps
+from pagedllm.process_utils import socket_directory
 
 logger = logging.getLogger("pagedllm.executor")
 
@@ -125,7 +125,7 @@ class MultiprocExecutor:
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._tmpdir = tempfile.mkdtemp(prefix="pagedllm-workers-")
+        self._tmpdir = socket_directory("pagedllm-workers-")
         if local_only:
             addr = f"ipc://{self._tmpdir}/driver.sock"
             self._sock.bind(addr)

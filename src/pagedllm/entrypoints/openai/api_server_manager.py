@@ -35,7 +35,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from multiprocessing.connection import wait
 from typing import Any, Callable, Optional
@@ -187,11 +186,12 @@ class APIServerSupervisor:
         from pagedllm.entrypoints import messages as m
         from pagedllm.entrypoints.async_engine import start_engine_cores
         from pagedllm.entrypoints.ipc import DIR_PREFIX, ClientSpec, IPCLayout
+        from pagedllm.process_utils import socket_directory
 
         placeholder = reserve_port(self.args.host, self.args.port, self.bind)
         args = copy.copy(self.args)
         args.port = placeholder.getsockname()[1]  # --port 0: the port the kernel chose, for every process
-        directory = tempfile.mkdtemp(prefix=DIR_PREFIX)
+        directory = socket_directory(DIR_PREFIX)
         layout = IPCLayout(directory, num_clients=self.count, num_engines=self.num_engines)
         os.makedirs(layout.metrics_dir)
         ctx = zmq.Context(io_threads=1)
