@@ -558,11 +558,12 @@ def _decode_kernel(
                                       HEAD_SIZE, HAS_NORM, FP32_PRODUCT, False).to(tl.float32), 0)
             k_new = k_new.to(cache_ptr.dtype.element_ty)
             v_new = v_new.to(cache_ptr.dtype.element_ty)
-            dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
-                   + kv_head.to(tl.int64) * stride_c_head + dims)
+            blk_base = cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk
             d_ok = dims < HEAD_SIZE
-            tl.store(dst, k_new, mask=d_ok)
-            tl.store(dst + stride_c_kv, v_new, mask=d_ok)
+            tl.store(blk_base + (slot % BLOCK_SIZE) * stride_c_slot + kv_head.to(tl.int64) * stride_c_head + dims,
+                     k_new, mask=d_ok)
+            v_dst = (slot % BLOCK_SIZE) * stride_c_slot + kv_head.to(tl.int64) * stride_c_head + dims
+            tl.store(blk_base + stride_c_kv + v_dst, v_new, mask=d_ok)
         # The context loop reads the new row back from the cache like any other (no per-tile substitution): the
         # barrier makes every thread's store of it visible to the program's loads.
         tl.debug_barrier()

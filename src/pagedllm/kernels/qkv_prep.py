@@ -101,8 +101,8 @@ def _qkv_prep_kernel(
     off = slot % BLOCK_SIZE
     kv_head = tl.where(is_v, heads - NUM_Q - NUM_KV, heads - NUM_Q)
     which = tl.where(is_v, 1, 0).to(tl.int64)
-    dst = (cache_ptr + blk * stride_c_blk + off * stride_c_slot + which[:, None] * stride_c_kv
-           + kv_head[:, None] * stride_c_head + cols[None, :])
+    in_block = off * stride_c_slot + kv_head[:, None] * stride_c_head + cols[None, :]
+    dst = cache_ptr + blk * stride_c_blk + which[:, None] * stride_c_kv + in_block
     kv_mask = mask & (~is_q)[:, None] & (slot >= 0)
     tl.store(dst, o1.to(cache_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dst + HALF, o2.to(cache_ptr.dtype.element_ty), mask=kv_mask)
