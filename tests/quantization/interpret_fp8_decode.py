@@ -67,8 +67,8 @@ def main() -> None:
 
 
 def check_other_kernels(pa, cache, table, lens, num_heads, head_size, scale, gen) -> None:
-    """The prefill and few-query kernels over the E4M3 cache (V as words where they read it so): each request's last 3 positions as queries (a
-    verify step), against the torch reference, with and without a window."""
+    """The prefill and few-query kernels over the E4M3 cache (the few-query kernel reads V as words): each request's
+    last 3 positions as queries (a verify step), against the torch reference, with and without a window."""
     q_lens = [min(3, n) for n in lens]
     qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), num_heads, head_size, generator=gen).to(torch.bfloat16)
