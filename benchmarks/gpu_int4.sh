@@ -22,7 +22,6 @@
 #                                         # kernel tests with each, the tile sweep of each, the nano breakdown (default)
 #   bash benchmarks/gpu_int4.sh nano-vw   # nano end to end: E4M3 with V read as 32-bit words, E4M3, bf16 cache
 #                                         # (FP8_BREAKDOWN=0 skips fp8read's nano breakdown)
-#   bash benchmarks/gpu_int4.sh vt-sweep  # the E4M3 decode kernel's V from a transposed in-block layout vs as words
 #   bash benchmarks/gpu_int4.sh fp8kv     # the FP8 KV cache's decode kernel: the tile sweep at the Qwen3-0.6B heads
 #                                         # (E4M3 and bf16 caches), then the nano protocol's kernels by kind, both caches
 #
@@ -126,30 +125,6 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
         --load-format dummy --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --temperature 0.6 \
         --max-model-len 2048 --kv-cache-dtype fp8 --top 25 --json "$out/nano-kb-fp8.json"
     grep -A4 "^== all" "$out/nano-kb-fp8.log"
-    ;;
-vt-sweep)  # the E4M3 decode with V read from a transposed in-block layout (fp16-vt) vs the words (fp16-vw), bf16 beside
-    step vt-sweep-bf16 80 python benchmarks/kernels_attention.py --gqa-sweep 16/8 --batches 64 256 --ctx 768 --quick \
-        --tiles 64 --stages 3
-    step vt-sweep 200 python benchmarks/kernels_attention.py --gqa-sweep 16/8 --batches 64 256 --ctx 768 \
-        --kv-dtype fp8 --quick --fp8-read fp16-vw fp16-vt --tiles 64 128 --stages 2
-    ;;
-vt-tests)  # the GPU tests of the E4M3 cache's kernels and writers (V transposed in each block)
-    for vt in True False; do
-        step "vt-tests-$vt" 200 python -c "import sys, pytest; import pagedllm.kernels.reshape_and_cache as r
-r.FP8_V_TRANSPOSED = $vt
-sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/test_kv_fp8_kernels.py',
-                      'tests/gpu/test_qkv_prep.py', 'tests/gpu/test_sliding_window_kernels.py',
-                      'tests/gpu/test_few_query_attention.py', '-k', 'fp8 or kv_scales or FP8']))"
-    done
-    ;;
-nano-vt)  # the nano protocol end to end: E4M3 with V transposed in each block, E4M3 plain layout (V as words), bf16
-    for kv in fp8-vt fp8-vw auto; do
-        step "nano-$kv" 150 python -c "import runpy, sys; import pagedllm.kernels.reshape_and_cache as r
-r.FP8_V_TRANSPOSED = '$kv' == 'fp8-vt'
-sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" benchmarks/offline_throughput.py \
-            --model benchmarks/configs/qwen3-0.6b --load-format dummy --dtype bfloat16 --num-prompts 256 \
-            --input-len 100 1024 --output-len 100 1024 --temperature 0.6 --hf none --kv-cache-dtype ${kv%-v?}
-    done
     ;;
 nano-kv)  # the nano protocol end to end, E4M3 vs bf16 cache (offline_throughput.py, 256 requests, 100..1024 in/out)
     for kv in fp8 auto; do

@@ -15,8 +15,7 @@ needed: each variant is compiled ahead of time for sm_90 (H100 / H200) with Trit
 A markdown table on stdout; --json writes every number (with the whole opcode histogram of the loop). Variants are
 the cartesian product of --cache x --reads (E4M3 only) x --block-n x --stages; --block-n / --stages default to the
 launcher's decode_block_n / decode_num_stages. Reads of an E4M3 cache: fp16 (Q_FP16, the default), bf16 (widen to
-the bf16 query's dtype), fp16-vw (Q_FP16 with V read as 32-bit words, V_WORDS), fp16-vt (Q_FP16 with V transposed
-in each block, V_T: reshape_and_cache.FP8_V_TRANSPOSED).
+the bf16 query's dtype), fp16-vw (Q_FP16 with V read as 32-bit words, V_WORDS).
 
     python benchmarks/kernel_sass.py --cache bf16 fp8 --block-n 64 128 --stages 3 --reads fp16 bf16 fp16-vw \\
         [--heads 16/8] [--head-size 128] [--block-size 16] [--warps 4] [--single-split] [--prep] [--json PATH]
@@ -50,8 +49,8 @@ SMEM_ALLOC_UNIT = 128
 WARPS_PER_SM = 64
 CTAS_PER_SM = 32
 
-# E4M3 reads: (Q_FP16, V_WORDS, or "T": V transposed in each block)
-READS = {"fp16": (True, False), "bf16": (False, False), "fp16-vw": (True, True), "fp16-vt": (True, "T")}
+# E4M3 reads: (Q_FP16, V_WORDS)
+READS = {"fp16": (True, False), "bf16": (False, False), "fp16-vw": (True, True)}
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 TRITON_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.float8_e4m3fn: "*fp8e4nv"}
@@ -113,7 +112,7 @@ def launcher_values(v: Variant, args) -> tuple[dict, dict]:
                  DOT_PRECISION=pa._dot_precision(QUERY_DTYPE), SINGLE_SPLIT=args.single_split, HAS_ORDER=False,
                  USE_PDL=False, SOFT_CAP=False, Q_FP16=q_fp16,
                  # the engine passes an E4M3 cache's v_scale (triton_backend.py)
-                 OUT_SCALE=v.cache == "fp8", V_WORDS=v_words is True, V_T=v_words == "T")
+                 OUT_SCALE=v.cache == "fp8", V_WORDS=v_words)
     if args.prep:  # the decode prep (DecodePrep): q_ptr is the qkv projection's output, Qwen3's q / k norms
         const.update(PREP=True, NUM_Q=num_heads, NUM_KV=num_kv_heads, HAS_NORM=True, FP32_PRODUCT=False)
     splits = 1 if args.single_split else SPLITS

@@ -250,16 +250,14 @@ def gqa_sweep(heads: str, batches: list[int], ctx: int, kv_dtype: str = "auto", 
     a throughput run, every context ctx +- 5%: tile width x pipeline stages x warps x splits, against the default
     the engine picks (`decode_num_splits`, `decode_block_n`, 4 warps, 3 stages). `--kv-dtype fp8`: an E4M3 cache
     (the kernels widen what they load), with 128-position tiles and 5 stages tried too; `--fp8-read fp16 bf16
-    fp16-vw fp16-vt` sweeps each way the kernels may read it (paged_attention.FP8_KV_COMPUTE / FP8_V_WORDS,
-    reshape_and_cache.FP8_V_TRANSPOSED: V transposed in each block). `--tiles` / `--stages`: only those. `--quick`: 4
-    warps only."""
-    from pagedllm.kernels import paged_attention, reshape_and_cache
+    fp16-vw` sweeps each way the kernels may read it (paged_attention.FP8_KV_COMPUTE / FP8_V_WORDS). `--tiles` /
+    `--stages`: only those. `--quick`: 4 warps only."""
+    from pagedllm.kernels import paged_attention
 
     for read in fp8_reads:
         if read != "default":
             paged_attention.FP8_KV_COMPUTE = read.split("-")[0]
             paged_attention.FP8_V_WORDS = read.endswith("-vw")
-            reshape_and_cache.FP8_V_TRANSPOSED = read.endswith("-vt")
         _gqa_sweep_one(heads, batches, ctx, kv_dtype, quick, read, tiles, stages)
 
 
@@ -324,7 +322,7 @@ def main():
     ap.add_argument("--ctx", type=int, default=530)
     ap.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto", help="the cache of --gqa-sweep")
     ap.add_argument("--fp8-read", nargs="+", default=["default"],
-                    choices=["default", "fp16", "bf16", "fp16-vw", "fp16-vt"],
+                    choices=["default", "fp16", "bf16", "fp16-vw"],
                     help="--gqa-sweep --kv-dtype fp8: how the kernels read the E4M3 cache (each in turn)")
     ap.add_argument("--tiles", type=int, nargs="+", default=None, help="--gqa-sweep: these tile widths only")
     ap.add_argument("--stages", type=int, nargs="+", default=None, help="--gqa-sweep: these stage counts only")

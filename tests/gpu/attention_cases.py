@@ -73,23 +73,6 @@ def build_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, de
     return Batch(query, key, value, kv_cache, md, head_size ** -0.5)
 
 
-def in_kernel_layout(cache: torch.Tensor) -> torch.Tensor:
-    """A copy of a plain-layout cache (as the torch backend keeps it) in the Triton kernels' layout: the same K / V
-    values, V transposed in each block where the kernels keep it so (reshape_and_cache.v_transposed)."""
-    from pagedllm.kernels.reshape_and_cache import v_blocks
-
-    out = cache.clone()
-    v_blocks(out).copy_(cache[1])
-    return out
-
-
-def plain_bytes(cache: torch.Tensor) -> torch.Tensor:
-    """The bytes of a Triton kernels' cache in the plain layout [2, blocks, block_size, kv heads, head_size]."""
-    from pagedllm.kernels.reshape_and_cache import v_blocks
-
-    return torch.stack([cache[0].view(torch.uint8), v_blocks(cache).view(torch.uint8)])
-
-
 def tolerances(dtype: torch.dtype) -> dict:
     if dtype == torch.float32:
         return dict(atol=1e-4, rtol=1e-4)

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (installed with CUDA torch)")
 
-from attention_cases import (build_batch, capture_graph, config_ids, decode_graph_inputs, in_kernel_layout,
-                             kernel_test_device, reference, tolerances)
+from attention_cases import (build_batch, capture_graph, config_ids, decode_graph_inputs, kernel_test_device,
+                             reference, tolerances)
 
 DEVICE = kernel_test_device()
 pytestmark = [
@@ -112,8 +112,8 @@ def test_window_wider_than_every_context_is_full_attention():
 @pytest.mark.parametrize("specs", [MIXED, [(n - 1, 1) for n in (5, 17, 64, 65, 1000)]], ids=["mixed", "decode"])
 def test_windowed_fp8_cache(specs):
     batch = build_batch(specs, 8, 2, 64, 16, BF16, DEVICE, poison=False)
-    ref_cache = batch.kv_cache.to(torch.float8_e4m3fn)
-    cache = in_kernel_layout(ref_cache)  # (the torch backend's layout is the plain one)
+    cache = batch.kv_cache.to(torch.float8_e4m3fn)
+    ref_cache = cache.clone()
     ref = TorchAttentionBackend().forward(batch.query, batch.key, batch.value, ref_cache, batch.metadata, batch.scale,
                                           sliding_window=24)
     out = TritonAttentionBackend().forward(batch.query, batch.key, batch.value, cache, batch.metadata, batch.scale,

@@ -1,10 +1,10 @@
 """The decode kernel over an E4M3 cache in Triton's interpreter on the CPU: `TRITON_INTERPRET=1 python
 interpret_fp8_decode.py` (run by test_kv_fp8.py). bf16 queries (the fp16 read, `paged_attention.FP8_KV_COMPUTE`),
-both in-block layouts of V (`reshape_and_cache.FP8_V_TRANSPOSED`: transposed, or plain, where V is read
-as 32-bit words or not, `FP8_V_WORDS`; the interpreter runs the words' integer twin of the conversion the GPU does
-in one instruction), 64- and 128-position tiles, with and without a sliding window that starts inside a tile,
+V read as 32-bit words or not (`FP8_V_WORDS`: the interpreter runs the words' integer twin of the conversion the GPU
+does in one instruction), 64- and 128-position tiles, with and without a sliding window that starts inside a tile,
 stale NaN bytes in every slot no context holds, an output scale: the outputs equal the torch reference within bf16
-rounding, and the plain layout's two reads equal each other bit for bit. One split per request only (the
+rounding, and the two reads equal each other bit for bit. The prefill and few-query kernels over the same cache,
+and the E4M3 stores of reshape_and_cache and qkv_prep, are checked too. One split per request only (the
 interpreter cannot run the split-KV partial stores)."""
 from __future__ import annotations
 
@@ -22,62 +22,53 @@ def main() -> None:
 
     interpret_attention_kernels(__file__)
     from pagedllm.kernels import paged_attention as pa
-    from pagedllm.kernels import reshape_and_cache as rc
 
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv, head_size, block_size = 16, 8, 128, 16
     lens = [1, 37, 130, 300]
     max_blocks = max(math.ceil(n / block_size) for n in lens) + 1
     num_blocks = len(lens) * max_blocks + 3
-    values = (torch.randn(2, num_blocks, block_size, num_kv, head_size, generator=gen) * 2).to(torch.float8_e4m3fn)
+    cache = (torch.randn(2, num_blocks, block_size, num_kv, head_size, generator=gen) * 2).to(torch.float8_e4m3fn)
     table = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(len(lens), -1).to(torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), num_heads, head_size, generator=gen).to(torch.bfloat16)
     scale = head_size ** -0.5
     out_scale = torch.tensor([0.5], dtype=torch.float32)
     assert pa.FP8_KV_COMPUTE == "fp16"
-    defaults = pa.FP8_V_WORDS, rc.FP8_V_TRANSPOSED
-    outs = {}
-    for transposed, words in ((True, False), (False, False), (False, True)):
-        pa.FP8_V_WORDS, rc.FP8_V_TRANSPOSED = words, transposed
-        cache = torch.empty_like(values)
-        cache[0] = values[0]
-        rc.v_blocks(cache).copy_(values[1])  # the same values, in this layout
-        used = set()
-        for i, n in enumerate(lens):  # E4M3 NaN (0x7F) in every slot no context holds: a stray read shows
-            used.update(table[i, :math.ceil(n / block_size)].tolist())
-            if n % block_size:
-                blk = table[i, (n - 1) // block_size].item()
-                cache.view(torch.uint8)[0, blk, n % block_size:] = 0x7F
-                rc.v_blocks(cache).view(torch.uint8)[blk, n % block_size:] = 0x7F
-        for b in set(range(num_blocks)) - used:
-            cache.view(torch.uint8)[:, b] = 0x7F
+    raw = cache.view(torch.uint8)
+    used = set()
+    for i, n in enumerate(lens):  # E4M3 NaN (0x7F) in every slot no context holds: a stray read shows
+        used.update(table[i, :math.ceil(n / block_size)].tolist())
+        if n % block_size:
+            raw[:, table[i, (n - 1) // block_size].item(), n % block_size:] = 0x7F
+    for b in set(range(num_blocks)) - used:
+        raw[:, b] = 0x7F
+    outs, default = {}, pa.FP8_V_WORDS
+    for words in (False, True):
+        pa.FP8_V_WORDS = words
         for window in (None, 53):
             ref = pa.paged_attention_ref(q, cache, table, seq_lens, torch.arange(len(lens) + 1, dtype=torch.int32),
                                          scale, sliding_window=window).float() * 0.5
             for block_n in (128, 64):
                 out = pa.paged_decode_attention(q, cache, table, seq_lens, scale, len(lens), num_splits=1,
                                                 block_n=block_n, out_scale=out_scale, sliding_window=window).float()
-                key = (transposed, words, window, block_n)
+                key = (words, window, block_n)
                 assert torch.isfinite(out).all(), key
                 err = (out - ref).abs().max().item()
                 assert err < 3e-2, (key, err)
                 outs[key] = out
-        if transposed:
-            check_other_kernels(pa, cache, table, lens, num_heads, head_size, scale, gen)
-    pa.FP8_V_WORDS, rc.FP8_V_TRANSPOSED = defaults
+    pa.FP8_V_WORDS = default
     for window in (None, 53):
         for block_n in (128, 64):
-            assert torch.equal(outs[False, True, window, block_n], outs[False, False, window, block_n]), block_n
-    rc.FP8_V_TRANSPOSED = True
-    check_writers(rc, gen)
-    rc.FP8_V_TRANSPOSED = defaults[1]
+            assert torch.equal(outs[True, window, block_n], outs[False, window, block_n]), (window, block_n)
+    check_other_kernels(pa, cache, table, lens, num_heads, head_size, scale, gen)
+    check_writers(gen)
     print("fp8 decode ok")
 
 
 def check_other_kernels(pa, cache, table, lens, num_heads, head_size, scale, gen) -> None:
-    """The prefill and few-query kernels over the transposed V: each request's last 3 positions as queries (a
-    verify step), against the torch reference, with and without a window."""
+    """The prefill and few-query kernels over the E4M3 cache (the few-query kernel reads V as words): each request's
+    last 3 positions as queries (a verify step), against the torch reference, with and without a window."""
     q_lens = [min(3, n) for n in lens]
     qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), num_heads, head_size, generator=gen).to(torch.bfloat16)
@@ -94,8 +85,11 @@ def check_other_kernels(pa, cache, table, lens, num_heads, head_size, scale, gen
             assert torch.isfinite(out).all() and err < 3e-2, (name, window, err)
 
 
-def check_writers(rc, gen) -> None:
-    """reshape_and_cache writes V transposed in each block, where reshape_and_cache_ref (v_blocks) puts it."""
+def check_writers(gen) -> None:
+    """reshape_and_cache's E4M3 stores equal reshape_and_cache_ref's (within the interpreter's rounding), and
+    qkv_prep stores V where they do."""
+    from pagedllm.kernels import reshape_and_cache as rc
+
     num_blocks, block_size, num_kv, head_size = 6, 16, 4, 64
     slots = torch.tensor([5, 17, 18, 40, 95, -1, 3], dtype=torch.int64)
     key = torch.randn(len(slots), num_kv, head_size, generator=gen).to(torch.bfloat16)
@@ -107,10 +101,9 @@ def check_writers(rc, gen) -> None:
     # (the interpreter rounds ~1% of float -> E4M3 conversions one step off: test_kv_fp8_kernels.py)
     g, w = got.float(), want.float()
     assert ((g - w).abs() > 0.13 * w.abs() + 1e-3).float().mean().item() <= 0.02
-    stored, v = rc.v_blocks(got).float()[slots[-1] // block_size, slots[-1] % block_size], value[-1].float()
+    stored, v = got[1].float()[slots[-1] // block_size, slots[-1] % block_size], value[-1].float()
     assert ((stored - v).abs() <= 0.07 * v.abs() + 1e-2).float().mean().item() >= 0.95  # (half an E4M3 step)
-    assert not torch.equal(got[1, 0].float(), rc.v_blocks(got).float()[0])  # the layout is not the plain one
-    # qkv_prep's stores (K rotated, V as given) into the same layout
+    # qkv_prep's stores (K rotated, V as given)
     from pagedllm.kernels.qkv_prep import qkv_prep
     from pagedllm.layers.rotary_embedding import get_rope
 
@@ -122,7 +115,7 @@ def check_writers(rc, gen) -> None:
     qkv_prep(qkv.clone(), positions, cos_sin, cache, slots, num_q, num_kv, head_size)
     v_in = qkv[:, (num_q + num_kv) * head_size:].reshape(len(slots), num_kv, head_size).float()
     keep = slots >= 0
-    stored = rc.v_blocks(cache).float()[slots[keep] // block_size, slots[keep] % block_size]
+    stored = cache[1].float()[slots[keep] // block_size, slots[keep] % block_size]
     assert ((stored - v_in[keep]).abs() <= 0.07 * v_in[keep].abs() + 1e-2).float().mean().item() >= 0.95
 
 

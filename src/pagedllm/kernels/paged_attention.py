@@ -40,7 +40,6 @@ from pagedllm import envs
 from pagedllm.kernels.lora import store_partial_and_fold
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 from pagedllm.kernels.qkv_prep import head_norm_product
-from pagedllm.kernels.reshape_and_cache import v_blocks, v_t_offset, v_transposed
 
 LOG2E = 1.4426950408889634
 # The `window` the kernels get without a sliding window: larger than any context, so it never hides a key.
@@ -89,9 +88,9 @@ FP8_KV_COMPUTE = "fp16"
 
 
 def fp8_read_args(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
-    """The kernels' Q_FP16 and V_T constants for a query and cache dtype (off unless the cache is E4M3)."""
+    """The kernels' Q_FP16 constant for a query and cache dtype (off unless the cache is E4M3)."""
     return dict(Q_FP16=cache_dtype == torch.float8_e4m3fn and query_dtype == torch.bfloat16
-                and FP8_KV_COMPUTE == "fp16", V_T=v_transposed(cache_dtype))
+                and FP8_KV_COMPUTE == "fp16")
 
 
 @triton.jit
@@ -151,8 +150,6 @@ def _attend_tile(
     soft_cap_log2=0.0,  # SOFT_CAP: the cap c in log2 units (c * log2(e)); scores s become c * tanh(s / c)
     SOFT_CAP: tl.constexpr = False,
     V_WORDS: tl.constexpr = False,  # an E4M3 V read as 32-bit words and widened to fp16 before its layout change
-    V_T: tl.constexpr = False,  # V stored transposed in each block: [kv heads, HEAD_SIZE, BLOCK_SIZE] (E4M3 caches)
-    v_head_off=0,  # V_T: this kv head's offset inside a block
 ):
     pos = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_PAD)
@@ -181,40 +178,7 @@ def _attend_tile(
         k = tl.load(ptrs)
         v = tl.load(ptrs + stride_c_kv)
     k = k.to(q.dtype)
-    if V_T:
-        # V's half of a block is [kv heads, HEAD_SIZE, BLOCK_SIZE]: the tile is read transposed, as chunks of SUB
-        # positions that each lie in one block at contiguous slots (16-byte loads; the callers start tiles at
-        # multiples of SUB), so that P @ V reads it with its reduction axis contiguous, as q @ K^T reads K.
-        SUB: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
-        NB: tl.constexpr = BLOCK_N // SUB
-        tl.static_assert(NB * SUB == BLOCK_N)  # (block sizes and tiles are powers of two)
-        chunk = start + tl.arange(0, NB) * SUB
-        slots = tl.arange(0, SUB)
-        if BOUNDED or WINDOWED:
-            chunk_ok = chunk < kv_end
-            if WINDOWED:
-                chunk_ok = chunk_ok & (chunk + SUB > kv_lo)
-            vblk = tl.load(bt_row_ptr + chunk // BLOCK_SIZE, mask=chunk_ok, other=0)
-        else:
-            vblk = tl.load(bt_row_ptr + chunk // BLOCK_SIZE)
-        vt_ptrs = (cache_ptr + stride_c_kv + v_head_off + (vblk.to(tl.int64) * stride_c_blk)[None, :, None]
-                   + v_t_offset(0, dims[:, None, None], (chunk % BLOCK_SIZE)[None, :, None] + slots[None, None, :],
-                                HEAD_SIZE, BLOCK_SIZE))
-        if (BOUNDED or WINDOWED) and HEAD_PAD != HEAD_SIZE:
-            vt = tl.load(vt_ptrs, mask=chunk_ok[None, :, None] & (dims < HEAD_SIZE)[:, None, None], other=0.0)
-        elif BOUNDED or WINDOWED:
-            vt = tl.load(vt_ptrs, mask=chunk_ok[None, :, None], other=0.0)
-        elif HEAD_PAD != HEAD_SIZE:
-            vt = tl.load(vt_ptrs, mask=(dims < HEAD_SIZE)[:, None, None], other=0.0)
-        else:
-            vt = tl.load(vt_ptrs)
-        v = tl.trans(tl.reshape(vt, [HEAD_PAD, BLOCK_N])).to(q.dtype)
-        if BOUNDED or WINDOWED:
-            # A read block's slots outside [kv_lo, kv_end) may hold anything, NaNs included, and p = 0 there does
-            # not cancel a NaN: max(NaN, -448) is -448 (every E4M3 value is >= -448), one op per pair of values
-            # where a mask would move the tile to another register layout.
-            v = tl.maximum(v, -448.0)
-    elif V_WORDS:  # (the E4M3 loads of v above are dead code then, removed by the compiler)
+    if V_WORDS:  # (the E4M3 loads of v above are dead code then, removed by the compiler)
         words = tl.arange(0, HEAD_PAD // 4)
         vw_base = (cache_ptr + stride_c_kv + offs[:, None]).to(tl.pointer_type(tl.uint32), bitcast=True)
         vw_ptrs = vw_base + words[None, :]
@@ -277,7 +241,6 @@ def _prefill_kernel(
     SOFT_CAP: tl.constexpr = False,  # soft-capped scores (soft_cap_log2)
     Q_FP16: tl.constexpr = False,  # a bf16 query reads an E4M3 cache in fp16 (fp8_read_args)
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (an FP8 cache's v_scale)
-    V_T: tl.constexpr = False,  # V transposed in each block (an E4M3 cache: v_transposed)
 ):
     wait_prior_kernel(USE_PDL)
     pid_q = tl.program_id(0)
@@ -314,7 +277,6 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_head
-    v_head_off = v_t_offset(kv_head.to(tl.int64), 0, 0, HEAD_SIZE, BLOCK_SIZE)
 
     # Keys every row of the tile sees: positions <= ctx_len + q_block*BLOCK_Q (the first row's).
     kv_end = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)  # last row's limit (<= seq_len)
@@ -332,21 +294,20 @@ def _prefill_kernel(
                 acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
                 stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
                 BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
-                kv_lo=kv_lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP,
-                V_T=V_T, v_head_off=v_head_off)
+                kv_lo=kv_lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
         causal_start = tl.maximum(full_end, mid_start)
     for start in range(mid_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=False, CAUSAL=False,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_T=V_T, v_head_off=v_head_off)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
     for start in range(causal_start, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, start, kv_end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_T=V_T, v_head_off=v_head_off)
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -538,7 +499,6 @@ def _decode_kernel(
     Q_FP16: tl.constexpr = False,  # a bf16 query reads an E4M3 cache in fp16 (fp8_read_args)
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (SINGLE_SPLIT; else the reduce applies it)
     V_WORDS: tl.constexpr = False,  # (Q_FP16 only: V widens to fp16)
-    V_T: tl.constexpr = False,
     # PREP: q_ptr is the qkv projection's output (rows of NUM_Q q heads, then k, then v heads), before
     # kernels/qkv_prep.py: each program normalizes (HAS_NORM) and rotates its q heads itself, and the program
     # whose slice ends at the query computes the new K / V row and writes it to the cache before it attends.
@@ -575,11 +535,9 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # The query (at seq_len - 1) sees [lo, seq_len): all of it without a sliding window (window = NO_WINDOW).
     lo = tl.maximum(seq_len - window, 0)
-    # Each split covers a slice of a multiple of BLOCK_N positions from base; the reduce kernel recomputes the same.
-    # A transposed V is read from tile starts at multiples of BLOCK_N: base is lo rounded down, [base, lo) masked.
-    base = lo // BLOCK_N * BLOCK_N if V_T else lo
-    part_len = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
-    start = base + split * part_len
+    # Each split covers a slice of a multiple of BLOCK_N positions from lo; the reduce kernel recomputes the same.
+    part_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * part_len
     end = tl.minimum(start + part_len, seq_len)
 
     rows = tl.arange(0, GQA_PAD)
@@ -604,10 +562,7 @@ def _decode_kernel(
             d_ok = dims < HEAD_SIZE
             tl.store(blk_base + (slot % BLOCK_SIZE) * stride_c_slot + kv_head.to(tl.int64) * stride_c_head + dims,
                      k_new, mask=d_ok)
-            if V_T:
-                v_dst = v_t_offset(kv_head.to(tl.int64), dims, slot % BLOCK_SIZE, HEAD_SIZE, BLOCK_SIZE)
-            else:
-                v_dst = (slot % BLOCK_SIZE) * stride_c_slot + kv_head.to(tl.int64) * stride_c_head + dims
+            v_dst = (slot % BLOCK_SIZE) * stride_c_slot + kv_head.to(tl.int64) * stride_c_head + dims
             tl.store(blk_base + stride_c_kv + v_dst, v_new, mask=d_ok)
         # The context loop reads the new row back from the cache like any other (no per-tile substitution): the
         # barrier makes every thread's store of it visible to the program's loads.
@@ -622,16 +577,12 @@ def _decode_kernel(
     acc = tl.zeros([GQA_PAD, HEAD_PAD], tl.float32)
     bt_row_ptr = block_table_ptr + seq64 * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_head
-    # (q_pos: the query's position, read only by the window mask of the transposed-V form)
-    q_pos = tl.full([GQA_PAD], 0, tl.int32) + seq_len - 1
     for tile_start in range(start, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, cache_ptr, bt_row_ptr, head_off, tile_start, end,
+            acc, m_i, l_i, q, m_i, cache_ptr, bt_row_ptr, head_off, tile_start, end,
             stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
             BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=False,
-            kv_lo=lo, window=window, WINDOWED=V_T,
-            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS, V_T=V_T,
-            v_head_off=v_t_offset(kv_head.to(tl.int64), 0, 0, HEAD_SIZE, BLOCK_SIZE))
+            soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP, V_WORDS=V_WORDS)
 
     has_work = start < end  # empty trailing splits write nothing; the reducer skips them
     _store_slice(acc, m_i, l_i, out_ptr + seq64 * stride_ot, part_out_ptr + seq64 * stride_po_seq,
@@ -652,7 +603,6 @@ def _decode_reduce_kernel(
     NR_PAD: tl.constexpr = 16, NUM_HEADS: tl.constexpr = 1,
     OUT_SCALE: tl.constexpr = False,  # the output times *out_scale_ptr (an FP8 cache's v_scale)
     ALL_SPLITS: tl.constexpr = False,  # rows are query tokens and every split wrote its part (few-query launches)
-    ALIGNED_LO: tl.constexpr = False,  # the decode slices start at the window's start rounded down to BLOCK_N (V_T)
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -670,8 +620,7 @@ def _decode_reduce_kernel(
         num_active = num_splits  # a split a row saw nothing of holds lse -inf and zeros: weight 0
     else:
         seq_len = tl.load(seq_lens_ptr + seq)
-        lo = tl.maximum(seq_len - window, 0)  # the query sees [lo, seq_len) (its window)
-        num_keys = seq_len - (lo // BLOCK_N * BLOCK_N if ALIGNED_LO else lo)  # the slices' span (_decode_kernel)
+        num_keys = seq_len - tl.maximum(seq_len - window, 0)  # the keys the query sees (its window)
         part_len = tl.maximum(tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N, 1)
         num_active = tl.cdiv(num_keys, part_len)  # splits that had work (0 when seq_len == 0)
 
@@ -717,7 +666,6 @@ def _few_query_kernel(
     Q_FP16: tl.constexpr = False,
     OUT_SCALE: tl.constexpr = False,  # (SINGLE_SPLIT; else the reduce applies it)
     V_WORDS: tl.constexpr = False,
-    V_T: tl.constexpr = False,
 ):
     wait_prior_kernel(USE_PDL)
     # Grid (kv heads, requests, splits): every query token of a request (<= Q_PAD) and the GQA group of one kv
@@ -732,9 +680,8 @@ def _few_query_kernel(
         ctx_len = seq_len - q_len
         # The first token (at ctx_len) sees [lo, ...); later tokens see less of the start under a window.
         lo = tl.maximum(ctx_len + 1 - window, 0)
-        base = lo // BLOCK_N * BLOCK_N if V_T else lo  # (a transposed V: tiles start at multiples of BLOCK_N)
-        part_len = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
-        start = base + split * part_len
+        part_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+        start = lo + split * part_len
         end = tl.minimum(start + part_len, seq_len)
 
         rows = tl.arange(0, Q_PAD * GQA_PAD)
@@ -764,7 +711,7 @@ def _few_query_kernel(
                 stride_c_kv, stride_c_blk, stride_c_slot, scale_log2,
                 BLOCK_N, BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, DOT_PRECISION, BOUNDED=True, CAUSAL=True,
                 kv_lo=lo, window=window, WINDOWED=True, soft_cap_log2=soft_cap_log2, SOFT_CAP=SOFT_CAP,
-                V_WORDS=V_WORDS, V_T=V_T, v_head_off=v_t_offset(kv_head.to(tl.int64), 0, 0, HEAD_SIZE, BLOCK_SIZE))
+                V_WORDS=V_WORDS)
 
         # Every split writes, the empty ones zeros and lse -inf: the reduce needs no request lengths.
         _store_slice(acc, m_i, l_i, out_ptr + tok64[:, None] * stride_ot, part_out_ptr + tok64[:, None] * stride_po_row,
@@ -806,8 +753,8 @@ def _split_kv_meta(query: torch.Tensor, kv_cache: torch.Tensor, gqa: int, gqa_pa
                 OUT_SCALE=out_scale is not None, **fp8_read_args(query.dtype, kv_cache.dtype),
                 **pdl_launch_args(query.device))
     # V as 32-bit words: whole words per position (head_size % 4) at 4-byte aligned addresses
-    meta["V_WORDS"] = (meta["Q_FP16"] and not meta["V_T"] and FP8_V_WORDS and head_size % 4 == 0
-                       and kv_cache.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in kv_cache.stride()[:4]))
+    meta["V_WORDS"] = (meta["Q_FP16"] and FP8_V_WORDS and head_size % 4 == 0 and kv_cache.data_ptr() % 4 == 0
+                       and all(st % 4 == 0 for st in kv_cache.stride()[:4]))
     return meta
 
 
@@ -1073,8 +1020,7 @@ def paged_decode_attention(
         output, part_out, part_lse, seq_lens, scale_arg, num_splits, window,
         output.stride(0), output.stride(1), *part_strides, *fold_args,
         BLOCK_N=block_n, HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        OUT_SCALE=out_scale is not None, ALIGNED_LO=common.get("V_T", False), num_warps=4 if head_pad >= 128 else 2,
-        **fold_meta, **launch)
+        OUT_SCALE=out_scale is not None, num_warps=4 if head_pad >= 128 else 2, **fold_meta, **launch)
     return output
 
 
@@ -1131,7 +1077,7 @@ def paged_attention_ref(
         blocks = block_table[i, first_block: math.ceil(seq_len / block_size)].long()
         keys = slice(key_start - first_block * block_size, seq_len - first_block * block_size)
         k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_size)[keys].float()
-        v = v_blocks(kv_cache)[blocks].reshape(-1, num_kv_heads, head_size)[keys].float()
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_size)[keys].float()
         k = k.repeat_interleave(gqa, dim=1)  # [seq_len, num_heads, head_size]
         v = v.repeat_interleave(gqa, dim=1)
         q = query[q0:q1].float()

@@ -9,8 +9,7 @@ strided). Effects:
   * q (the first num_heads heads of each row) is normalized (if q_norm_weight is given) and rotated IN
     PLACE;
   * k is normalized (if k_norm_weight is given), rotated and written to kv_cache[0] at slot_mapping;
-  * v is written to kv_cache[1] unchanged (transposed in each block for an E4M3 cache: reshape_and_cache.py).
-    k and v in qkv are left as they were.
+  * v is written to kv_cache[1] unchanged. k and v in qkv are left as they were.
 Rows whose slot is negative write nothing to the cache (see reshape_and_cache.py for the padding contract).
 
 Numerics follow the unfused kernels: the norm rounds x * rsqrt(mean(x^2) + eps) to the activation dtype,
@@ -28,7 +27,6 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
-from pagedllm.kernels.reshape_and_cache import v_t_offset, v_transposed
 
 
 @triton.jit
@@ -51,7 +49,6 @@ def _qkv_prep_kernel(
     FP32_PRODUCT: tl.constexpr,  # the norm's product in float32, rounded once (Gemma's (1 + w) norms)
     HAS_KV_SCALE: tl.constexpr,  # FP8 cache scales (k_scale, v_scale): K / k_scale, V / v_scale stored, q * k_scale
     USE_PDL: tl.constexpr,
-    V_T: tl.constexpr = False,  # V transposed in each block of the cache (reshape_and_cache.v_transposed)
 ):
     wait_prior_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -105,15 +102,10 @@ def _qkv_prep_kernel(
     kv_head = tl.where(is_v, heads - NUM_Q - NUM_KV, heads - NUM_Q)
     which = tl.where(is_v, 1, 0).to(tl.int64)
     in_block = off * stride_c_slot + kv_head[:, None] * stride_c_head + cols[None, :]
-    second = HALF
-    if V_T:  # V transposed in each block, [kv heads, HEAD_SIZE, BLOCK_SIZE] (reshape_and_cache.v_transposed)
-        in_block = tl.where(is_v[:, None], v_t_offset(kv_head[:, None], cols[None, :], off, HEAD_SIZE, BLOCK_SIZE),
-                            in_block)
-        second = tl.where(is_v, HALF * BLOCK_SIZE, HALF)[:, None]
     dst = cache_ptr + blk * stride_c_blk + which[:, None] * stride_c_kv + in_block
     kv_mask = mask & (~is_q)[:, None] & (slot >= 0)
     tl.store(dst, o1.to(cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dst + second, o2.to(cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dst + HALF, o2.to(cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def _check(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int, kv_cache: torch.Tensor,
@@ -167,7 +159,7 @@ def qkv_prep(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_Q=num_heads, NUM_KV=num_kv_heads, BLOCK_H=block_h, HEAD_SIZE=head_size, HALF=half,
         HALF_PAD=half_pad, BLOCK_SIZE=kv_cache.shape[2], HAS_NORM=has_norm, FP32_PRODUCT=fp32_product,
-        HAS_KV_SCALE=kv_scales is not None, V_T=v_transposed(kv_cache.dtype), num_warps=2,
+        HAS_KV_SCALE=kv_scales is not None, num_warps=2,
         **pdl_launch_args(qkv.device),
     )
     return q

@@ -1,7 +1,6 @@
 """Write this step's new K/V rows into the paged KV cache through `slot_mapping`.
 
-KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size] (0 = K, 1 = V), except that an
-E4M3 cache keeps V transposed in each block, [num_kv_heads, head_size, block_size] (`v_transposed`, `v_blocks`).
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size] (0 = K, 1 = V).
 `slot_mapping[t] = block_id * block_size + offset` is the cache slot of input row t.
 
 Padding contract (CUDA graphs). The kernel's grid covers every input row (`key.shape[0]`), so it
@@ -20,34 +19,6 @@ import triton.language as tl
 from pagedllm.kernels.pdl import pdl_launch_args, wait_prior_kernel
 
 
-# An E4M3 cache keeps V transposed in each block: the attention kernels' P @ V then reads V with its reduction axis
-# (positions) contiguous, as q @ K^T reads K, where the plain layout needs a per-byte transpose of 8-bit tiles. Every
-# Triton writer and reader follows `v_transposed`; whole-block copies keep it; the torch backend keeps the plain
-# layout in its own caches. Off until measured on a GPU (docs/benchmarks.md, "FP8 KV: V transposed in each block";
-# the A/B: kernels_attention.py --fp8-read fp16-vw fp16-vt, gpu_int4.sh vt-sweep nano-vt vt-tests).
-FP8_V_TRANSPOSED = False
-
-
-def v_transposed(cache_dtype: torch.dtype) -> bool:
-    """Whether the Triton kernels keep V transposed in each block of a cache of this dtype."""
-    return cache_dtype == torch.float8_e4m3fn and FP8_V_TRANSPOSED
-
-
-def v_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
-    """V of a Triton cache as [num_blocks, block_size, num_kv_heads, head_size], a view in either layout."""
-    if not v_transposed(kv_cache.dtype):
-        return kv_cache[1]
-    num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape[1:]
-    return kv_cache[1].view(num_blocks, num_kv_heads, head_size, block_size).permute(0, 3, 1, 2)
-
-
-@triton.jit
-def v_t_offset(kv_head, dim, slot, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The element offset of V[slot, kv_head, dim] inside a block's V half when V is transposed (v_transposed):
-    the one place the writers and the attention kernels take the layout from."""
-    return (kv_head * HEAD_SIZE + dim) * BLOCK_SIZE + slot
-
-
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr,  # [num_tokens, num_kv_heads, head_size], last dim contiguous
@@ -61,7 +32,6 @@ def _reshape_and_cache_kernel(
     HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_SIZE
     BLOCK_H: tl.constexpr,  # kv heads per program
     USE_PDL: tl.constexpr,
-    V_T: tl.constexpr = False,  # V transposed in each block (v_transposed)
 ):
     wait_prior_kernel(USE_PDL)
     token = tl.program_id(0)
@@ -82,12 +52,7 @@ def _reshape_and_cache_kernel(
 
     dst = cache_ptr + blk * stride_c_blk + off * stride_c_slot + heads[:, None] * stride_c_head + dims[None, :]
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    if V_T:
-        dst = (cache_ptr + stride_c_kv + blk * stride_c_blk
-               + v_t_offset(heads[:, None], dims[None, :], off, HEAD_SIZE, BLOCK_SIZE))
-    else:
-        dst = dst + stride_c_kv
-    tl.store(dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
@@ -116,7 +81,7 @@ def reshape_and_cache(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         num_kv_heads,
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_H=block_h,
-        V_T=v_transposed(kv_cache.dtype), num_warps=4 if block_h * head_pad >= 1024 else 2,
+        num_warps=4 if block_h * head_pad >= 1024 else 2,
         **pdl_launch_args(key.device),
     )
 
@@ -132,4 +97,4 @@ def reshape_and_cache_ref(
     slots = slots[keep]
     blk, off = slots // block_size, slots % block_size
     kv_cache[0, blk, off] = key[keep].to(kv_cache.dtype)
-    v_blocks(kv_cache)[blk, off] = value[keep].to(kv_cache.dtype)
+    kv_cache[1, blk, off] = value[keep].to(kv_cache.dtype)
