@@ -363,6 +363,15 @@ def test_tool_errors_name_the_flat_fields(http: httpx.Client, tool: dict, words:
     assert words in err["message"] and ".function." not in err["message"] + str(err["param"])
 
 
+def test_malformed_tool_schema_under_auto_is_400(http: httpx.Client) -> None:
+    """Once a 200: tool_choice "auto" compiles no grammar, so a schema no JSON schema is went into the prompt."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Hi", "tools": [tool], "max_output_tokens": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"].startswith("Invalid tools[0].parameters: properties.a.type") and err["param"] == "tools"
+
+
 @pytest.mark.parametrize("text", [None, {}, {"verbosity": "low"}, {"format": None}])
 def test_text_echo_has_a_format(http: httpx.Client, text) -> None:
     """The response's text always carries format (plain text when not sent), as OpenAI's does."""
