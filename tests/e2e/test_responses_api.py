@@ -306,6 +306,9 @@ def test_accepted_defaults(http: httpx.Client) -> None:
     ({"model": SERVED_NAME, "input": [{"type": "function_call", "name": "f"}]}, 400, "call_id"),
     ({"model": SERVED_NAME, "input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400,
      "schema"),
+    # once "text.format.type must be ..., got None." for a format sent as its type's name alone
+    ({"model": SERVED_NAME, "input": "Hi", "text": {"format": "json_object"}}, 400,
+     "text.format must be an object such as {'type': 'text'}, got 'json_object'."),
     ({"model": SERVED_NAME, "input": "Hi", "tool_choice": "required"}, 400, "tools"),
     ({"model": SERVED_NAME, "input": "Hi", "tools": [{"type": "function"}]}, 400, "name"),
     ({"model": SERVED_NAME, "input": "Hi", "temperature": -1}, 400, "temperature"),
