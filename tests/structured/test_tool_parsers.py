@@ -112,6 +112,8 @@ def test_bad_tool_requests(tools, choice, match: str) -> None:
     {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True, "items": [{"type": "integer"}]}}},
     {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
     {"type": "object", "properties": {"a": {"type": ["string", "null"], "pattern": "(?<=x)y"}, "b": True}},
+    {"type": "object", "properties": {"a": {"type": "number", "minimum": 0, "exclusiveMinimum": True}}},  # draft 4
+    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5.0}}},  # (an integer to JSON Schema)
 ])
 def test_valid_schemas_no_grammar_enforces_pass_under_auto(parameters: dict) -> None:
     """The schema check is the meta-schema's, not a grammar backend's: valid keywords neither backend enforces

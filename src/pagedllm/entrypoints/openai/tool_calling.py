@@ -210,11 +210,14 @@ def schema_problem(schema: Any, where: str = "") -> Optional[str]:
     if "$ref" in schema and not isinstance(schema["$ref"], str):
         return f"{_at(where, '$ref')} must be a string, got {schema['$ref']!r:.60}"
     for key in _COUNTS:
-        value = schema.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        value = schema.get(key)  # (5.0 is an integer to JSON Schema)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or (isinstance(value, float) and not value.is_integer()) or value < 0):
             return f"{_at(where, key)} must be a non-negative integer, got {value!r:.60}"
     for key in _NUMBERS:
         value = schema.get(key)
+        if key.startswith("exclusive") and isinstance(value, bool):
+            continue  # draft 4's form: a flag on minimum / maximum
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"{_at(where, key)} must be a number, got {value!r:.60}"
     for key in _SUBSCHEMA:
