@@ -306,6 +306,9 @@ def test_accepted_defaults(http: httpx.Client) -> None:
     ({"model": SERVED_NAME, "input": [{"type": "function_call", "name": "f"}]}, 400, "call_id"),
     ({"model": SERVED_NAME, "input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400,
      "schema"),
+    # once "text.format.type must be ..., got None." for a format sent as its type's name alone
+    ({"model": SERVED_NAME, "input": "Hi", "text": {"format": "json_object"}}, 400,
+     "text.format must be an object such as {'type': 'text'}, got 'json_object'."),
     ({"model": SERVED_NAME, "input": "Hi", "tool_choice": "required"}, 400, "tools"),
     ({"model": SERVED_NAME, "input": "Hi", "tools": [{"type": "function"}]}, 400, "name"),
     ({"model": SERVED_NAME, "input": "Hi", "temperature": -1}, 400, "temperature"),
@@ -361,6 +364,15 @@ def test_tool_errors_name_the_flat_fields(http: httpx.Client, tool: dict, words:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert words in err["message"] and ".function." not in err["message"] + str(err["param"])
+
+
+def test_malformed_tool_schema_under_auto_is_400(http: httpx.Client) -> None:
+    """Once a 200: tool_choice "auto" compiles no grammar, so a schema no JSON schema is went into the prompt."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}
+    r = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Hi", "tools": [tool], "max_output_tokens": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"].startswith("Invalid tools[0].parameters: properties.a.type") and err["param"] == "tools"
 
 
 @pytest.mark.parametrize("text", [None, {}, {"verbosity": "low"}, {"format": None}])

@@ -235,6 +235,11 @@ def test_exclude_tools_when_tool_choice_none_leaves_them_out() -> None:
     # once a 200 whose items repeated (xgrammar compiled uniqueItems without enforcing it)
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "'uniqueItems' cannot be honoured"),
+    # once a 200 (tool_choice "auto" / "none" compile no grammar, so the schema only went into the prompt)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nonsense"}}}}}]}, "Invalid tools[0].function.parameters: properties.a.type must be one of"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}],
+      "tool_choice": "none", "stream": True}, "Invalid tools[0].function.parameters: required must be a list"),
 ])
 def test_bad_inputs_are_400(server: Server, body: dict, needle: str) -> None:
     with server.client() as http:

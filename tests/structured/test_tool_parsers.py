@@ -93,11 +93,34 @@ def test_auto_detection_from_templates() -> None:
     (TOOLS + [TOOLS[1]], "auto", "tools\\[2\\].function.name 'get_time' duplicates tools\\[1\\]'s"),
     (TOOLS + [TOOLS[0]], "required", "duplicates tools\\[0\\]'s"),
     (TOOLS + [TOOLS[1]], "none", "must be unique"),
+    # once a 200 under "auto" / "none" (no grammar is compiled there that would refuse them); OpenAI refuses them
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nonsense"}}}}}], "auto", "Invalid tools\\[0\\].function.parameters: properties.a.type must be"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}], "none",
+     "required must be a list"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "array", "items": [{"anyOf": []}]}}}}}], "auto", "properties.a.items\\[0\\].anyOf must be"),
 ])
 def test_bad_tool_requests(tools, choice, match: str) -> None:
     with pytest.raises(ToolRequestError, match=match) as e:
         plan_tools(tools, choice, None, "auto", None)
     assert e.value.param in ("tools", "tool_choice")
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+    {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True, "items": [{"type": "integer"}]}}},
+    {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
+    {"type": "object", "properties": {"a": {"type": ["string", "null"], "pattern": "(?<=x)y"}, "b": True}},
+    {"type": "object", "properties": {"a": {"type": "number", "minimum": 0, "exclusiveMinimum": True}}},  # draft 4
+    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5.0}}},  # (an integer to JSON Schema)
+])
+def test_valid_schemas_no_grammar_enforces_pass_under_auto(parameters: dict) -> None:
+    """The schema check is the meta-schema's, not a grammar backend's: valid keywords neither backend enforces
+    (not, uniqueItems, if / then, lookbehind) are fine where the schema only goes into the prompt."""
+    plan = plan_tools([{"type": "function", "function": {"name": "f", "parameters": parameters}}], "auto", None,
+                      "hermes", None)
+    assert plan.mode == "auto"
 
 
 def test_tool_choice_grammars() -> None:

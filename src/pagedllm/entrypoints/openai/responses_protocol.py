@@ -246,7 +246,10 @@ def text_format_spec(text: Optional[dict]) -> Optional[StructuredOutputsParams]:
     fmt = (text or {}).get("format")
     if fmt is None:
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(fmt, dict):  # ("json_object" alone: its type would read as missing, "got None")
+        raise APIError(f"text.format must be an object such as {{'type': 'text'}}, got {fmt!r:.80}.",
+                       param="text.format")
+    kind = fmt.get("type")
     if kind == "text":
         return None
     if kind == "json_object":

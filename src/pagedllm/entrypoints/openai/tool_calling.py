@@ -80,6 +80,7 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
             raise ToolRequestError(f"tools[{i}].function.name {name!r} duplicates tools[{seen[name]}]'s: function "
                                    "names must be unique.", "tools")
         seen[name] = i
+    check_schemas(tools)
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if isinstance(tool_choice, dict):
@@ -170,6 +171,96 @@ def _check_callable(plan: ToolPlan) -> None:
         if reason is not None:
             raise ValueError(f"tools[{i}].function.parameters admit no arguments at all ({reason}), so "
                              f"{t['function']['name']!r} cannot be called.")
+
+
+_JSON_TYPES = {"string", "number", "integer", "boolean", "object", "array", "null"}
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "contains", "propertyNames", "if", "then",
+              "else", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+           "maxContains")
+_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _at(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def schema_problem(schema: Any, where: str = "") -> Optional[str]:
+    """Why `schema` is no JSON schema (the first malformed keyword, named by its path under `where`), or None. Only
+    the shape of the keywords is checked (what the JSON Schema meta-schema requires of them), not whether a grammar
+    backend enforces them: under tool_choice "auto" a schema is only shown to the model."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"{where or 'the schema'} must be a JSON schema (an object or a boolean), got {schema!r:.60}"
+    kind = schema.get("type")
+    if kind is not None:
+        kinds = kind if isinstance(kind, list) else [kind]
+        bad = [k for k in kinds if not isinstance(k, str) or k not in _JSON_TYPES]
+        if bad or not kinds:
+            return (f"{_at(where, 'type')} must be one of {', '.join(sorted(_JSON_TYPES))} (or a list of them), "
+                    f"got {kind!r:.60}")
+    required = schema.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        return f"{_at(where, 'required')} must be a list of property names, got {required!r:.60}"
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"{_at(where, 'enum')} must be a list, got {schema['enum']!r:.60}"
+    if "$ref" in schema and not isinstance(schema["$ref"], str):
+        return f"{_at(where, '$ref')} must be a string, got {schema['$ref']!r:.60}"
+    for key in _COUNTS:
+        value = schema.get(key)  # (5.0 is an integer to JSON Schema)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or (isinstance(value, float) and not value.is_integer()) or value < 0):
+            return f"{_at(where, key)} must be a non-negative integer, got {value!r:.60}"
+    for key in _NUMBERS:
+        value = schema.get(key)
+        if key.startswith("exclusive") and isinstance(value, bool):
+            continue  # draft 4's form: a flag on minimum / maximum
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{_at(where, key)} must be a number, got {value!r:.60}"
+    for key in _SUBSCHEMA:
+        if key in schema:
+            sub = schema[key]
+            if key == "items" and isinstance(sub, list):  # (draft 4-7 tuple items)
+                problem = next((p for j, item in enumerate(sub)
+                                if (p := schema_problem(item, f"{_at(where, 'items')}[{j}]"))), None)
+            else:
+                problem = schema_problem(sub, _at(where, key))
+            if problem:
+                return problem
+    for key in _SCHEMA_MAPS:
+        if key in schema:
+            subs = schema[key]
+            if not isinstance(subs, dict):
+                return f"{_at(where, key)} must be an object of schemas, got {subs!r:.60}"
+            for name, sub in subs.items():
+                problem = schema_problem(sub, f"{_at(where, key)}.{name}")
+                if problem:
+                    return problem
+    for key in _SCHEMA_LISTS:
+        if key in schema:
+            subs = schema[key]
+            if not isinstance(subs, list) or (not subs and key != "prefixItems"):
+                return f"{_at(where, key)} must be a non-empty list of schemas, got {subs!r:.60}"
+            for j, sub in enumerate(subs):
+                problem = schema_problem(sub, f"{_at(where, key)}[{j}]")
+                if problem:
+                    return problem
+    return None
+
+
+def check_schemas(tools: list[dict]) -> None:
+    """ToolRequestError naming the first function whose parameters are no JSON schema ({"type": "nonsense"}, a
+    "required" that is not a list), as OpenAI refuses them whatever the tool_choice: "auto" and "none" compile no
+    grammar that would find it, so such a schema went into the prompt and the request answered 200."""
+    for i, t in enumerate(tools):
+        params = t["function"].get("parameters")
+        problem = None if params is None else schema_problem(params)
+        if problem:  # (worded as the grammar's spec errors: "Invalid <field>: <reason>")
+            raise ToolRequestError(f"Invalid tools[{i}].function.parameters: {problem} (the parameters of "
+                                   f"{t['function']['name']!r} must be a JSON schema).", "tools")
 
 
 def tool_structured_outputs(plan: ToolPlan) -> Optional[StructuredOutputsParams]:
