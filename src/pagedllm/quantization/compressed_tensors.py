@@ -71,8 +71,23 @@ def _parse_scheme(name: str, group: dict[str, Any], fmt: Optional[str]) -> Schem
     group_size = int(w.get("group_size") or -1) if strategy == "group" else -1
     if kind == "wna16":
         check_group_size("compressed-tensors", group_size)
-    return Scheme(kind, fmt, bits, strategy, group_size, bool(w.get("symmetric", True)), w.get("actorder"),
+    return Scheme(kind, fmt, bits, strategy, group_size, bool(w.get("symmetric", True)), _actorder(name, w),
                   act_dynamic, tuple(group.get("targets") or ()))
+
+
+def _actorder(name: str, weights: dict[str, Any]) -> Optional[str]:
+    """The weights' activation ordering as "group" (a weight_g_idx on disk), "weight" or None. The library's
+    aliases: "dynamic" is "group", "static" is "weight", and older versions wrote `true` for "group"; reading only
+    the word "group" left such a checkpoint's g_idx unread and its groups silently misapplied."""
+    value = weights.get("actorder")
+    if value is None or value is False:
+        return None
+    order = {"group": "group", "dynamic": "group", "weight": "weight", "static": "weight"}.get(
+        "group" if value is True else str(value).lower())
+    if order is None:
+        raise ValueError(f"compressed-tensors group {name!r}: weights actorder {value!r} is not supported; "
+                         f"pagedllm reads 'group' ('dynamic'), 'weight' ('static') or none.")
+    return order
 
 
 def _check_kv_cache_scheme(kv: Optional[dict[str, Any]]) -> None:
