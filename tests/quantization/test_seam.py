@@ -57,6 +57,28 @@ def test_checkpoint_method_errors_are_one_sentence(tmp_path, tiny_llama_dir, qc,
     assert "\n" not in str(info.value)
 
 
+_W4_GROUP = {"targets": ["Linear"], "weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32}}
+
+
+@pytest.mark.parametrize("qc, message", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {"+:*.mlp": {"bits": 8}}},
+     r"GPTQ dynamic entry '\+:\*\.mlp' is not a valid regular expression \(nothing to repeat"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {"-:(": {}}}, r"GPTQ dynamic entry '-:\('"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "modules_to_not_convert": ["re:[x"]},
+     r"AWQ modules_to_not_convert entry 're:\[x'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": _W4_GROUP},
+      "ignore": ["lm_head", "re:(.*mlp"]}, r"compressed-tensors ignore list entry 're:\(\.\*mlp'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": dict(_W4_GROUP, targets=["re:*proj"])}}, r"compressed-tensors targets entry 're:\*proj'"),
+])
+def test_a_config_regex_that_does_not_compile_is_refused_by_name(tmp_path, tiny_llama_dir, qc, message):
+    # They were compiled only while the model was built: a bare re.error ("nothing to repeat at position 0") from
+    # deep in the layer constructors, naming neither the config nor the entry.
+    model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", qc)
+    with pytest.raises(ValueError, match=message):
+        load_model(model_dir, dtype=torch.float32, load_format="dummy")
+
+
 def test_detects_method_from_config_and_autogptq_quantize_config(tmp_path, tiny_llama_dir):
     model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "a", {"quant_method": "gptq", "bits": 8,
                                                                     "group_size": -1, "desc_act": True})

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.quantization.base import QuantizationConfig, is_layer_skipped, set_quant_param_attrs
+from pagedllm.quantization.base import QuantizationConfig, check_patterns, is_layer_skipped, set_quant_param_attrs
 from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
@@ -37,6 +37,7 @@ class AWQConfig(QuantizationConfig):
         self.group_size = group_size
         self.zero_point = zero_point
         self.modules_to_not_convert = list(modules_to_not_convert or [])
+        check_patterns("The AWQ modules_to_not_convert", self.modules_to_not_convert)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "AWQConfig":

@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedllm.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 
-__all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "QuantizationConfig", "is_layer_skipped",
+__all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "QuantizationConfig", "is_layer_skipped", "check_patterns",
            "set_quant_param_attrs", "FUSED_LAYER_SHARDS"]
 
 # Our fused layers and the checkpoint layers they stand for: an ignore list names `q_proj`, never `qkv_proj`.
@@ -110,6 +110,17 @@ def is_layer_skipped(prefix: str, ignored: Iterable[str], parents: bool = True) 
         raise ValueError(f"The checkpoint quantizes only some of the layers fused into {prefix} "
                          f"({', '.join(n for n, h in zip(names, hits) if not h)}); pagedllm needs all or none.")
     return False
+
+
+def check_patterns(what: str, patterns: Iterable[str], prefix: str = "re:") -> None:
+    """Refuse, naming the entry, a config's regular expression (`re:`-prefixed entries, or all with prefix="")
+    that does not compile: matched only while the model is built, it failed there as a bare re.error."""
+    for entry in patterns:
+        if isinstance(entry, str) and entry.startswith(prefix):
+            try:
+                re.compile(entry[len(prefix):])
+            except re.error as e:
+                raise ValueError(f"{what} entry {entry!r} is not a valid regular expression ({e}).") from None
 
 
 def _matches(name: str, ignored: list[str], parents: bool = True) -> bool:

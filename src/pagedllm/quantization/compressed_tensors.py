@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, is_layer_skipped,
-                                        set_quant_param_attrs)
+from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, check_patterns,
+                                        is_layer_skipped, set_quant_param_attrs)
 from pagedllm.quantization.fp8 import Fp8LinearMethod, add_w8a8_counters, refuse_blockwise_fp8
 from pagedllm.quantization.kernels import int8_cuda_path, int8_w8a8_linear, take_prequantized
 from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
@@ -109,6 +109,8 @@ class CompressedTensorsConfig(QuantizationConfig):
     supports_lora = True  # the LoRA wrappers add a float delta around apply(), whatever the base weight's storage
 
     def __init__(self, schemes: list[Scheme], ignore: list[str]) -> None:
+        check_patterns(f"The {self.name} ignore list", ignore)
+        check_patterns(f"The {self.name} targets", [t for s in schemes for t in s.targets])
         self.schemes = schemes
         self.ignore = ignore
         kinds = {s.kind for s in schemes}

@@ -20,7 +20,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.quantization.base import FUSED_LAYER_SHARDS, QuantizationConfig, is_layer_skipped, set_quant_param_attrs
+from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, QuantizationConfig, check_patterns, is_layer_skipped,
+                                        set_quant_param_attrs)
 from pagedllm.quantization.packed import check_bits, check_group_size, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
@@ -53,6 +54,9 @@ class GPTQConfig(QuantizationConfig):
         # GPTQModel's per-module overrides: {"-:regex": {}} leaves matching modules float, {"+:regex" or "regex":
         # {"bits": 8, ...}} quantizes them with other settings; the first matching key decides
         self.dynamic = dict(dynamic or {})
+        check_patterns("The GPTQ modules_to_not_convert", self.modules_to_not_convert)
+        for key in self.dynamic:  # (keys are regexes, "-:" / "+:" prefixed or bare)
+            check_patterns("The GPTQ dynamic", [key], key[:2] if key.startswith(("-:", "+:")) else "")
         for key, override in self.dynamic.items():
             if not key.startswith("-:"):
                 self._override(override, key)  # (its settings checked now, not when a layer meets it)
