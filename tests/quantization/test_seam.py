@@ -122,6 +122,19 @@ def test_lora_and_device_refusals(tmp_path, tiny_llama_dir, monkeypatch):
         qc.check_supported(torch.device("cpu"), torch.float32)
 
 
+def test_quantization_none_on_a_quantized_checkpoint_is_refused(tmp_path, tiny_llama_dir):
+    # `--quantization none` (dequantize a .gguf at load) dropped the checkpoint's own quantization config and built
+    # a float model: for real GPTQ tensors "The checkpoint is missing 8 weight(s) ... qkv_proj.weight", naming
+    # neither the flag nor the method (the config-only checkpoint here even loaded).
+    from pagedllm import LLM
+
+    model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", {"quant_method": "gptq", "bits": 4,
+                                                                    "group_size": 32})
+    with pytest.raises(ValueError, match=r"--quantization none cannot load this checkpoint: its weights are "
+                                         r"quantized with 'gptq'.*drop --quantization"):
+        LLM(model=model_dir, dtype="float32", quantization="none", num_gpu_blocks_override=32)
+
+
 @pytest.mark.parametrize("prefix, ignored, skipped", [
     ("lm_head", ["lm_head"], True),
     ("model.layers.0.mlp.down_proj", ["down_proj"], True),
