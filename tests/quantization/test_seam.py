@@ -49,6 +49,14 @@ def _with_quant_config(src: str, dst, qc: dict) -> str:
     # GPTQModel's pack_dtype int16 / int8: was a shape mismatch on the first qweight
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "pack_dtype": "int16"}, None,
      "packed into int16 words are not supported"),
+    # a null or a word for a number: was a bare TypeError / "invalid literal for int()" from the parser
+    ({"quant_method": "gptq", "bits": 4, "group_size": None}, None, "GPTQ group_size=None is not an integer"),
+    ({"quant_method": "awq", "w_bit": "four", "q_group_size": 128}, None, "AWQ w_bit='four' is not an integer"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {r".*mlp.*": {"bits": None}}}, None,
+     r"GPTQ dynamic override '\.\*mlp\.\*': bits=None is not an integer"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "type": "int", "num_bits": None, "strategy": "channel"}}}}, None,
+     "compressed-tensors group 'g' weights num_bits=None is not an integer"),
 ])
 def test_checkpoint_method_errors_are_one_sentence(tmp_path, tiny_llama_dir, qc, forced, message):
     model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", qc)
@@ -77,6 +85,25 @@ def test_a_config_regex_that_does_not_compile_is_refused_by_name(tmp_path, tiny_
     model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", qc)
     with pytest.raises(ValueError, match=message):
         load_model(model_dir, dtype=torch.float32, load_format="dummy")
+
+
+def test_a_module_list_written_as_one_string_names_that_module():
+    # Each character of the string was taken as a module name: the module named stayed quantized (or, for
+    # modules_in_block_to_quantize, every block module became float) and the load failed on its tensors.
+    from pagedllm.quantization.compressed_tensors import CompressedTensorsConfig
+    from pagedllm.quantization.gptq import GPTQConfig
+
+    gptq = GPTQConfig.from_config({"bits": 4, "group_size": 32, "modules_to_not_convert": "down_proj"})
+    assert gptq.get_linear_method(None, "model.layers.0.mlp.down_proj") is None
+    assert gptq.get_linear_method(None, "model.layers.0.self_attn.o_proj") is not None
+    gptq = GPTQConfig.from_config({"bits": 4, "group_size": 32, "modules_in_block_to_quantize": "mlp.down_proj"})
+    assert gptq.get_linear_method(None, "model.layers.0.mlp.down_proj") is not None
+    assert gptq.get_linear_method(None, "model.layers.0.self_attn.o_proj") is None
+    ct = CompressedTensorsConfig.from_config({"format": "pack-quantized", "ignore": "model.layers.0.mlp.down_proj",
+                                              "config_groups": {"g": {"targets": "Linear", "weights": {
+                                                  "type": "int", "num_bits": 4, "strategy": "channel"}}}})
+    assert ct.get_linear_method(None, "model.layers.0.mlp.down_proj") is None
+    assert ct.get_linear_method(None, "model.layers.1.mlp.down_proj") is not None
 
 
 def test_detects_method_from_config_and_autogptq_quantize_config(tmp_path, tiny_llama_dir):

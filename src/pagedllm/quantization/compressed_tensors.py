@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, check_patterns,
-                                        is_layer_skipped, set_quant_param_attrs)
+                                        config_int, config_names, is_layer_skipped, set_quant_param_attrs)
 from pagedllm.quantization.fp8 import Fp8LinearMethod, add_w8a8_counters, refuse_blockwise_fp8
 from pagedllm.quantization.kernels import int8_cuda_path, int8_w8a8_linear, take_prequantized
 from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
@@ -48,11 +48,12 @@ def _parse_scheme(name: str, group: dict[str, Any], fmt: Optional[str]) -> Schem
     w, a = group.get("weights") or {}, group.get("input_activations")
     if group.get("output_activations"):
         raise ValueError(f"compressed-tensors group {name!r} quantizes output activations, which is not supported.")
-    wtype, bits, strategy = w.get("type"), int(w.get("num_bits", 0)), w.get("strategy")
+    what = f"compressed-tensors group {name!r}"
+    wtype, bits, strategy = w.get("type"), config_int(f"{what} weights", w, "num_bits", 0), w.get("strategy")
     act_dynamic = None
     if a:
-        if a.get("type") != wtype or int(a.get("num_bits", 0)) != 8 or not a.get("symmetric", True) \
-                or a.get("strategy") not in ("token", "tensor") or bits != 8:
+        if a.get("type") != wtype or config_int(f"{what} activations", a, "num_bits", 0) != 8 \
+                or not a.get("symmetric", True) or a.get("strategy") not in ("token", "tensor") or bits != 8:
             raise ValueError(f"compressed-tensors group {name!r}: activations {a} with weights {w} are not "
                              f"supported; pagedllm reads {SUPPORTED}.")
         act_dynamic = bool(a.get("dynamic", True))
@@ -72,7 +73,7 @@ def _parse_scheme(name: str, group: dict[str, Any], fmt: Optional[str]) -> Schem
     if kind == "wna16":
         check_group_size("compressed-tensors", group_size)
     return Scheme(kind, fmt, bits, strategy, group_size, bool(w.get("symmetric", True)), _actorder(name, w),
-                  act_dynamic, tuple(group.get("targets") or ()))
+                  act_dynamic, tuple(config_names(group.get("targets"))))
 
 
 def _actorder(name: str, weights: dict[str, Any]) -> Optional[str]:
@@ -128,7 +129,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         if not groups:
             raise ValueError("The compressed-tensors quantization_config has no config_groups.")
         schemes = [_parse_scheme(n, g, g.get("format") or config.get("format")) for n, g in groups.items()]
-        return cls(schemes, list(config.get("ignore") or []))
+        return cls(schemes, config_names(config.get("ignore")))
 
     def skipped_checkpoint_suffixes(self) -> tuple[str, ...]:
         return (".weight_shape",)

@@ -20,8 +20,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, QuantizationConfig, check_patterns, is_layer_skipped,
-                                        set_quant_param_attrs)
+from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, QuantizationConfig, check_patterns, config_int,
+                                        config_names, is_layer_skipped, set_quant_param_attrs)
 from pagedllm.quantization.packed import check_bits, check_group_size, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
@@ -46,10 +46,10 @@ class GPTQConfig(QuantizationConfig):
         self.desc_act = desc_act
         self.sym = sym
         self.checkpoint_format = checkpoint_format
-        self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.modules_to_not_convert = config_names(modules_to_not_convert)
         # optimum's decoder-block modules that ARE quantized (flat, or one list per sequential step): the others
         # of a block are float in the checkpoint
-        blocks = modules_in_block_to_quantize or []
+        blocks = config_names(modules_in_block_to_quantize)
         self.modules_in_block_to_quantize = [m for b in blocks for m in ([b] if isinstance(b, str) else b)]
         # GPTQModel's per-module overrides: {"-:regex": {}} leaves matching modules float, {"+:regex" or "regex":
         # {"bits": 8, ...}} quantizes them with other settings; the first matching key decides
@@ -73,7 +73,7 @@ class GPTQConfig(QuantizationConfig):
                              f"pagedllm reads pack_dtype int32 (GPTQModel's default).")
         if config.get("is_marlin_format"):  # AutoGPTQ's Marlin repack (B / s tensors): not "missing qweight"
             fmt = "marlin"
-        return cls(bits=int(config.get("bits", 4)), group_size=int(config.get("group_size", 128)),
+        return cls(bits=config_int("GPTQ", config, "bits", 4), group_size=config_int("GPTQ", config, "group_size", 128),
                    desc_act=bool(config.get("desc_act", False)), sym=bool(config.get("sym", True)),
                    checkpoint_format=fmt, modules_to_not_convert=config.get("modules_to_not_convert"),
                    modules_in_block_to_quantize=config.get("modules_in_block_to_quantize"),
@@ -82,7 +82,9 @@ class GPTQConfig(QuantizationConfig):
     def _override(self, override: dict[str, Any], key: str) -> "GPTQConfig":
         if not isinstance(override, dict):
             raise ValueError(f"GPTQ dynamic override {key!r} must map to a dict of settings, got {override!r}.")
-        return GPTQConfig(int(override.get("bits", self.bits)), int(override.get("group_size", self.group_size)),
+        what = f"GPTQ dynamic override {key!r}:"
+        return GPTQConfig(config_int(what, override, "bits", self.bits),
+                          config_int(what, override, "group_size", self.group_size),
                           bool(override.get("desc_act", self.desc_act)), bool(override.get("sym", self.sym)),
                           self.checkpoint_format)
 
