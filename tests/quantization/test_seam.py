@@ -149,6 +149,16 @@ def test_lora_and_device_refusals(tmp_path, tiny_llama_dir, monkeypatch):
         qc.check_supported(torch.device("cpu"), torch.float32)
 
 
+def test_a_layer_size_not_a_multiple_of_the_group_size_is_named_as_such(tmp_path, tiny_model_dir):
+    # A model whose down_proj has 80 inputs, compressed-tensors groups of 32, one process: the refusal said "80
+    # inputs per rank do not hold whole groups of 32; use a smaller tensor-parallel size" (there was none to shrink).
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": _W4_GROUP}}
+    model_dir = _with_quant_config(tiny_model_dir("llama", intermediate_size=80), tmp_path / "m", qc)
+    with pytest.raises(ValueError, match=r"layer model\.layers\.0\.mlp\.down_proj has 80 inputs, not a multiple of "
+                                         r"group_size 32; pagedllm reads whole groups only\.$"):
+        load_model(model_dir, dtype=torch.float32, load_format="dummy")
+
+
 def test_quantization_none_on_a_quantized_checkpoint_is_refused(tmp_path, tiny_llama_dir):
     # `--quantization none` (dequantize a .gguf at load) dropped the checkpoint's own quantization config and built
     # a float model: for real GPTQ tensors "The checkpoint is missing 8 weight(s) ... qkv_proj.weight", naming

@@ -231,7 +231,10 @@ class CTWNA16Method(PackedIntLinearMethod):
         sharded_k = k != input_size
         act_order = s.actorder == "group"
         split_groups = sharded_k and s.group_size != -1 and not act_order
-        if (split_groups and k % group) or input_size % group:
+        if input_size % group:  # the model's own shape, whatever the tensor-parallel size
+            raise ValueError(f"compressed-tensors layer {layer.prefix} has {input_size} inputs, not a multiple of "
+                             f"group_size {group}; pagedllm reads whole groups only.")
+        if split_groups and k % group:
             raise ValueError(f"compressed-tensors layer {layer.prefix}: {k} inputs per rank do not hold whole "
                              f"groups of {group}; use a smaller tensor-parallel size.")
         if any(size % pack for size in output_partition_sizes) or k % pack:
