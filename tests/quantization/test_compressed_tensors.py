@@ -253,3 +253,28 @@ def test_an_unknown_actorder_is_refused_by_name():
     with pytest.raises(ValueError, match=r"group 'g': weights actorder 'sideways' is not supported"):
         CompressedTensorsConfig.from_config({"format": "pack-quantized",
                                              "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}})
+
+
+def test_an_unset_g_idx_means_column_order(tmp_path, caplog, tiny_model_dir):
+    """An act-order checkpoint's weight_g_idx of -1 (the library's "no order set", its initial value, which a layer
+    quantized without act-order calibration keeps): the library dequantizes such a layer in column order. The -1
+    indexed the scales from the end, so every input channel took the last group's scale (silently wrong logits)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, reference = ct_checkpoint(tiny_model_dir("llama"), str(tmp_path / "ct"), "W4A16", group_size=32)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        k = int(tensors[name.replace(".weight_packed", ".weight_shape")][1])
+        tensors[name.replace(".weight_packed", ".weight_g_idx")] = torch.full((k,), -1, dtype=torch.int32)
+    save_file(tensors, path)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    assert ours.model.layers[0].mlp.down_proj.g_idx is None

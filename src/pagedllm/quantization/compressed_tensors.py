@@ -286,7 +286,16 @@ class CTWNA16Method(PackedIntLinearMethod):
         else:
             zeros = unpack_int32(layer.weight_zero_point.data, bits, dim=0).t()
         g_idx = getattr(layer, "weight_g_idx", None)
-        g_idx = None if g_idx is None else g_idx.data.long() - layer.ct_first_group
+        if g_idx is not None and bool((g_idx.data == -1).any()):
+            # the library's "no order set" (its initial value, kept by a layer never calibrated with act-order):
+            # it dequantizes such a layer in column order; indexing with -1 read the last group's scales
+            g_idx = None
+        if g_idx is not None:
+            g_idx = g_idx.data.long() - layer.ct_first_group
+            groups = scales.shape[0]
+            if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+                raise ValueError(f"compressed-tensors layer {layer.prefix}: weight_g_idx points outside its "
+                                 f"{groups} groups.")
         return pack_int32(q.t(), bits, dim=0), scales, zeros, g_idx
 
 
