@@ -105,6 +105,15 @@ class GPTQConfig(QuantizationConfig):
                 return self._override(override, key), True
         return self, named
 
+    def leaves_float(self, prefix: str) -> bool:
+        """Whether a dynamic "-:" key names the layer `prefix` (or all the checkpoint layers fused into it) float: a
+        decision a wrapper asking under several names (models/gemma3.LanguageModelNames) must not override with
+        another name that no key matches."""
+        parent, _, leaf = prefix.rpartition(".")
+        found = [self._module_config(f"{parent}.{s}" if parent else s) for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
+        own = self._module_config(prefix)
+        return (own[0] is None and own[1]) or (all(c is None for c, _ in found) and any(n for _, n in found))
+
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional["GPTQLinearMethod"]:
         if is_layer_skipped(prefix, self.modules_to_not_convert):
             return None
