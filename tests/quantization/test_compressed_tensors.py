@@ -173,6 +173,15 @@ def test_a_quantized_lm_head_is_refused_by_name(tmp_path, tiny_model_dir, arch):
         load_model(model_dir, dtype=torch.float32)
 
 
+def test_a_quantized_embedding_is_refused_by_name(tmp_path, tiny_model_dir):
+    """The library quantizes the token embedding too when the targets name the class "Embedding": the load failed
+    on "The checkpoint is missing 1 weight(s) the model needs: model.embed_tokens.weight", naming no cause."""
+    model_dir, _ = ct_checkpoint(tiny_model_dir("llama"), str(tmp_path / "ct"), "W8A16",
+                                 targets=("Linear", "Embedding"), group_size=32, reference=False)
+    with pytest.raises(ValueError, match=r"token embedding is quantized \(model\.embed_tokens\.weight_packed\)"):
+        load_model(model_dir, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("token", [False, True])
 def test_a_quantized_score_head_is_refused_by_name(tmp_path, token):
     """A classifier quantized with its score head (targets "Linear", only lm_head ignored, as recipes write):
