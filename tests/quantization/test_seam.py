@@ -104,6 +104,13 @@ def test_a_module_list_written_as_one_string_names_that_module():
                                                   "type": "int", "num_bits": 4, "strategy": "channel"}}}})
     assert ct.get_linear_method(None, "model.layers.0.mlp.down_proj") is None
     assert ct.get_linear_method(None, "model.layers.1.mlp.down_proj") is not None
+    fp8 = resolve_quant_config(None, SimpleNamespace(quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": "model.layers.0.mlp.down_proj"}))
+    modelopt = resolve_quant_config(None, SimpleNamespace(quantization_config={
+        "quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": "*layers.0.mlp.down_proj"}))
+    for qc in (fp8, modelopt):
+        assert qc.get_linear_method(None, "model.layers.0.mlp.down_proj") is None
+        assert qc.get_linear_method(None, "model.layers.1.mlp.down_proj") is not None
 
 
 def test_detects_method_from_config_and_autogptq_quantize_config(tmp_path, tiny_llama_dir):

@@ -191,7 +191,7 @@ class AutoFp8Config(CompressedTensorsConfig):
             raise ValueError(f"FP8 checkpoints with activation_scheme={scheme!r}, fmt={fmt!r} are not supported; "
                              f"pagedllm reads AutoFP8's E4M3 checkpoints with a static or dynamic activation scheme.")
         weights = Scheme("fp8", "float-quantized", 8, "tensor", -1, True, None, scheme == "dynamic", ("Linear",))
-        return cls([weights], list(config.get("ignored_layers") or config.get("modules_to_not_convert") or []))
+        return cls([weights], config_names(config.get("ignored_layers") or config.get("modules_to_not_convert")))
 
 
 class ModelOptFp8Config(CompressedTensorsConfig):
@@ -213,7 +213,7 @@ class ModelOptFp8Config(CompressedTensorsConfig):
         weights = Scheme("fp8", "float-quantized", 8, "tensor", -1, True, None, False, ("Linear",))
         # ModelOpt's wildcards ("model.layers.0.self_attn*", "*mlp.gate") as the regexes is_layer_skipped reads
         ignore = ["re:" + re.escape(e).replace(r"\*", ".*") + "$" if "*" in e else e
-                  for e in q.get("exclude_modules") or q.get("ignore") or []]
+                  for e in config_names(q.get("exclude_modules") or q.get("ignore"))]
         return cls([weights], ignore)
 
 
