@@ -203,6 +203,25 @@ def test_gptq_dynamic_splitting_a_fused_layer_is_refused(tmp_path, tiny_llama_di
         load_model(dst, dtype=torch.float32)
 
 
+def test_gptq_dynamic_float_key_on_a_multimodal_gemma3_checkpoint(tmp_path):
+    # A multimodal Gemma 3's language-model layers are asked under three names (the checkpoint's two and ours):
+    # a "-:" key written with the checkpoint's names left the first float, and the next name, which no key
+    # matched, made the layer GPTQ anyway (its float tensors then failed to load as qweight).
+    from pagedllm.models.loader import load_model
+    from tests.models.family_configs import save_tiny_gemma3_multimodal
+
+    save_tiny_gemma3_multimodal(str(tmp_path / "m"))
+    _edit_config(str(tmp_path / "m"), lambda c: c.update(quantization_config={
+        "quant_method": "gptq", "bits": 4, "group_size": 32,
+        "dynamic": {r"-:model\.language_model\.layers\.1\..*": {}, r"-:.*mlp\.down_proj": {}}}))
+    model, _, _ = load_model(str(tmp_path / "m"), dtype=torch.float32, load_format="dummy")
+    kinds = {name: type(m.linear_method).__name__ for name, m in model.named_modules()
+             if hasattr(m, "linear_method") and name.startswith("model.layers.")}
+    float_ = {name for name, kind in kinds.items() if kind == "UnquantizedLinearMethod"}
+    assert float_ == {n for n in kinds if n.startswith("model.layers.1.") or n.endswith("down_proj")}
+    assert set(kinds.values()) == {"UnquantizedLinearMethod", "GPTQLinearMethod"}
+
+
 @pytest.mark.parametrize("where", ["hf_quant_config.json", "config.json"])
 def test_modelopt_fp8_checkpoint_matches_reference(tmp_path, caplog, tiny_model_dir, where):
     # NVIDIA ModelOpt's FP8 checkpoints (nvidia/*-FP8: per-tensor E4M3 weights, static input scales, the AutoFP8

@@ -173,6 +173,15 @@ def test_a_quantized_lm_head_is_refused_by_name(tmp_path, tiny_model_dir, arch):
         load_model(model_dir, dtype=torch.float32)
 
 
+def test_a_quantized_embedding_is_refused_by_name(tmp_path, tiny_model_dir):
+    """The library quantizes the token embedding too when the targets name the class "Embedding": the load failed
+    on "The checkpoint is missing 1 weight(s) the model needs: model.embed_tokens.weight", naming no cause."""
+    model_dir, _ = ct_checkpoint(tiny_model_dir("llama"), str(tmp_path / "ct"), "W8A16",
+                                 targets=("Linear", "Embedding"), group_size=32, reference=False)
+    with pytest.raises(ValueError, match=r"token embedding is quantized \(model\.embed_tokens\.weight_packed\)"):
+        load_model(model_dir, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("token", [False, True])
 def test_a_quantized_score_head_is_refused_by_name(tmp_path, token):
     """A classifier quantized with its score head (targets "Linear", only lm_head ignored, as recipes write):
@@ -206,3 +215,75 @@ def test_an_ignored_parent_module_keeps_its_targeted_children_quantized(tmp_path
              if name.startswith("model.layers.0.mlp.") and hasattr(m, "linear_method")}
     assert set(kinds) == {"model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"}
     assert set(kinds.values()) == {"CTWNA16Method"}
+
+
+@pytest.mark.parametrize("actorder", ["dynamic", True])
+def test_group_actorder_aliases_read_the_g_idx(tmp_path, caplog, tiny_model_dir, actorder):
+    """The library's "dynamic" actorder is its alias of "group" (and older versions wrote `true`): the checkpoint
+    holds a weight_g_idx. Only the word "group" was read as act-order, so that g_idx was ignored with a warning and
+    every layer's scales were applied to the wrong channels (silently wrong logits). The checkpoint here: a W4A16
+    one given a permuted g_idx; the reference dequantizes it with the library's own unpacking."""
+    import json
+
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file, save_file
+
+    from tests.quantization.checkpoints import SAME_INPUT, reference_model
+
+    src = tiny_model_dir("llama")
+    model_dir, _ = ct_checkpoint(src, str(tmp_path / "ct"), "W4A16", group_size=32, reference=False)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors, dense, perms = load_file(path), {}, {}
+    gen = torch.Generator().manual_seed(3)
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        module = name[: -len(".weight_packed")]
+        scale = tensors[f"{module}.weight_scale"].float()
+        k = int(tensors[f"{module}.weight_shape"][1])
+        q = unpack_from_int32(tensors[name], 4, torch.Size((scale.shape[0], k))).float()  # signed values
+        key = (module.split(".")[2], SAME_INPUT[module.rsplit(".", 1)[1]])  # fused layers share one input's order
+        g_idx = (torch.arange(k) // 32)[perms.setdefault(key, torch.randperm(k, generator=gen))]
+        tensors[f"{module}.weight_g_idx"] = g_idx.to(torch.int32)
+        dense[module] = q * scale[:, g_idx]
+    save_file(tensors, path)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    ours = _compare(model_dir, reference_model(src, dense, half_rest={}), atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    assert ours.model.layers[0].mlp.down_proj.g_idx is not None
+
+
+def test_an_unknown_actorder_is_refused_by_name():
+    from pagedllm.quantization.compressed_tensors import CompressedTensorsConfig
+
+    weights = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "actorder": "sideways"}
+    with pytest.raises(ValueError, match=r"group 'g': weights actorder 'sideways' is not supported"):
+        CompressedTensorsConfig.from_config({"format": "pack-quantized",
+                                             "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}})
+
+
+def test_an_unset_g_idx_means_column_order(tmp_path, caplog, tiny_model_dir):
+    """An act-order checkpoint's weight_g_idx of -1 (the library's "no order set", its initial value, which a layer
+    quantized without act-order calibration keeps): the library dequantizes such a layer in column order. The -1
+    indexed the scales from the end, so every input channel took the last group's scale (silently wrong logits)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, reference = ct_checkpoint(tiny_model_dir("llama"), str(tmp_path / "ct"), "W4A16", group_size=32)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        k = int(tensors[name.replace(".weight_packed", ".weight_shape")][1])
+        tensors[name.replace(".weight_packed", ".weight_g_idx")] = torch.full((k,), -1, dtype=torch.int32)
+    save_file(tensors, path)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    ours = _compare(model_dir, reference, atol=2e-4)
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]
+    assert ours.model.layers[0].mlp.down_proj.g_idx is None

@@ -49,12 +49,68 @@ def _with_quant_config(src: str, dst, qc: dict) -> str:
     # GPTQModel's pack_dtype int16 / int8: was a shape mismatch on the first qweight
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "pack_dtype": "int16"}, None,
      "packed into int16 words are not supported"),
+    # a null or a word for a number: was a bare TypeError / "invalid literal for int()" from the parser
+    ({"quant_method": "gptq", "bits": 4, "group_size": None}, None, "GPTQ group_size=None is not an integer"),
+    ({"quant_method": "awq", "w_bit": "four", "q_group_size": 128}, None, "AWQ w_bit='four' is not an integer"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {r".*mlp.*": {"bits": None}}}, None,
+     r"GPTQ dynamic override '\.\*mlp\.\*': bits=None is not an integer"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "type": "int", "num_bits": None, "strategy": "channel"}}}}, None,
+     "compressed-tensors group 'g' weights num_bits=None is not an integer"),
 ])
 def test_checkpoint_method_errors_are_one_sentence(tmp_path, tiny_llama_dir, qc, forced, message):
     model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", qc)
     with pytest.raises(ValueError, match=message) as info:
         resolve_quant_config(forced, load_hf_config(model_dir), model_dir)
     assert "\n" not in str(info.value)
+
+
+_W4_GROUP = {"targets": ["Linear"], "weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32}}
+
+
+@pytest.mark.parametrize("qc, message", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {"+:*.mlp": {"bits": 8}}},
+     r"GPTQ dynamic entry '\+:\*\.mlp' is not a valid regular expression \(nothing to repeat"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {"-:(": {}}}, r"GPTQ dynamic entry '-:\('"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "modules_to_not_convert": ["re:[x"]},
+     r"AWQ modules_to_not_convert entry 're:\[x'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": _W4_GROUP},
+      "ignore": ["lm_head", "re:(.*mlp"]}, r"compressed-tensors ignore list entry 're:\(\.\*mlp'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": dict(_W4_GROUP, targets=["re:*proj"])}}, r"compressed-tensors targets entry 're:\*proj'"),
+])
+def test_a_config_regex_that_does_not_compile_is_refused_by_name(tmp_path, tiny_llama_dir, qc, message):
+    # They were compiled only while the model was built: a bare re.error ("nothing to repeat at position 0") from
+    # deep in the layer constructors, naming neither the config nor the entry.
+    model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", qc)
+    with pytest.raises(ValueError, match=message):
+        load_model(model_dir, dtype=torch.float32, load_format="dummy")
+
+
+def test_a_module_list_written_as_one_string_names_that_module():
+    # Each character of the string was taken as a module name: the module named stayed quantized (or, for
+    # modules_in_block_to_quantize, every block module became float) and the load failed on its tensors.
+    from pagedllm.quantization.compressed_tensors import CompressedTensorsConfig
+    from pagedllm.quantization.gptq import GPTQConfig
+
+    gptq = GPTQConfig.from_config({"bits": 4, "group_size": 32, "modules_to_not_convert": "down_proj"})
+    assert gptq.get_linear_method(None, "model.layers.0.mlp.down_proj") is None
+    assert gptq.get_linear_method(None, "model.layers.0.self_attn.o_proj") is not None
+    gptq = GPTQConfig.from_config({"bits": 4, "group_size": 32, "modules_in_block_to_quantize": "mlp.down_proj"})
+    assert gptq.get_linear_method(None, "model.layers.0.mlp.down_proj") is not None
+    assert gptq.get_linear_method(None, "model.layers.0.self_attn.o_proj") is None
+    ct = CompressedTensorsConfig.from_config({"format": "pack-quantized", "ignore": "model.layers.0.mlp.down_proj",
+                                              "config_groups": {"g": {"targets": "Linear", "weights": {
+                                                  "type": "int", "num_bits": 4, "strategy": "channel"}}}})
+    assert ct.get_linear_method(None, "model.layers.0.mlp.down_proj") is None
+    assert ct.get_linear_method(None, "model.layers.1.mlp.down_proj") is not None
+    fp8 = resolve_quant_config(None, SimpleNamespace(quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": "model.layers.0.mlp.down_proj"}))
+    modelopt = resolve_quant_config(None, SimpleNamespace(quantization_config={
+        "quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": "*layers.0.mlp.down_proj"}))
+    for qc in (fp8, modelopt):
+        assert qc.get_linear_method(None, "model.layers.0.mlp.down_proj") is None
+        assert qc.get_linear_method(None, "model.layers.1.mlp.down_proj") is not None
 
 
 def test_detects_method_from_config_and_autogptq_quantize_config(tmp_path, tiny_llama_dir):
@@ -98,6 +154,29 @@ def test_lora_and_device_refusals(tmp_path, tiny_llama_dir, monkeypatch):
     qc.supported_devices = ("cuda",)
     with pytest.raises(ValueError, match="does not run on cpu"):
         qc.check_supported(torch.device("cpu"), torch.float32)
+
+
+def test_a_layer_size_not_a_multiple_of_the_group_size_is_named_as_such(tmp_path, tiny_model_dir):
+    # A model whose down_proj has 80 inputs, compressed-tensors groups of 32, one process: the refusal said "80
+    # inputs per rank do not hold whole groups of 32; use a smaller tensor-parallel size" (there was none to shrink).
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": _W4_GROUP}}
+    model_dir = _with_quant_config(tiny_model_dir("llama", intermediate_size=80), tmp_path / "m", qc)
+    with pytest.raises(ValueError, match=r"layer model\.layers\.0\.mlp\.down_proj has 80 inputs, not a multiple of "
+                                         r"group_size 32; pagedllm reads whole groups only\.$"):
+        load_model(model_dir, dtype=torch.float32, load_format="dummy")
+
+
+def test_quantization_none_on_a_quantized_checkpoint_is_refused(tmp_path, tiny_llama_dir):
+    # `--quantization none` (dequantize a .gguf at load) dropped the checkpoint's own quantization config and built
+    # a float model: for real GPTQ tensors "The checkpoint is missing 8 weight(s) ... qkv_proj.weight", naming
+    # neither the flag nor the method (the config-only checkpoint here even loaded).
+    from pagedllm import LLM
+
+    model_dir = _with_quant_config(tiny_llama_dir, tmp_path / "m", {"quant_method": "gptq", "bits": 4,
+                                                                    "group_size": 32})
+    with pytest.raises(ValueError, match=r"--quantization none cannot load this checkpoint: its weights are "
+                                         r"quantized with 'gptq'.*drop --quantization"):
+        LLM(model=model_dir, dtype="float32", quantization="none", num_gpu_blocks_override=32)
 
 
 @pytest.mark.parametrize("prefix, ignored, skipped", [

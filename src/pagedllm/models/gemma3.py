@@ -91,6 +91,9 @@ class LanguageModelNames:
         parents = getattr(self._inner, "ignore_parents", True)
         if ignored and any(is_layer_skipped(name, ignored, parents) for name in names):
             return None
+        leaves_float = getattr(self._inner, "leaves_float", None)  # (GPTQ's dynamic "-:" keys)
+        if leaves_float is not None and any(leaves_float(name) for name in names):
+            return None
         return next((m for m in (self._inner.get_linear_method(layer, n) for n in names) if m is not None), None)
 
 

@@ -79,10 +79,10 @@ def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
     return int(window)
 
 
-# A quantized head's tensors (compressed-tensors / FP8 scales, GPTQ / AWQ packing): the LM head and the
-# classifiers' score heads are float here
-_QUANTIZED_HEAD = re.compile(r"^(?P<head>lm_head|score(?:\.\d+)?)\.(weight_packed|weight_scale|weight_zero_point|"
-                             r"weight_g_idx|input_scale|qweight|qzeros|scales|g_idx)$")
+# A quantized head's tensors (compressed-tensors / FP8 scales, GPTQ / AWQ packing): the LM head, the
+# classifiers' score heads and the token embedding (compressed-tensors' "Embedding" target) are float here
+_QUANTIZED_HEAD = re.compile(r"^(?P<head>lm_head|score(?:\.\d+)?|model\.embed_tokens)\.(weight_packed|weight_scale|"
+                             r"weight_zero_point|weight_g_idx|input_scale|qweight|qzeros|scales|g_idx)$")
 
 
 def refuse_quantized_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
@@ -92,6 +92,10 @@ def refuse_quantized_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterab
         match = _QUANTIZED_HEAD.match(name)
         if match:
             head = match.group("head")
+            if head == "model.embed_tokens":  # (was "missing model.embed_tokens.weight", no cause named)
+                raise ValueError(f"The checkpoint's token embedding is quantized ({name}), which pagedllm does not "
+                                 f"support; use a checkpoint quantized with the embedding left float "
+                                 f"(compressed-tensors: no 'Embedding' in the targets).")
             what = "LM head" if head == "lm_head" else f"classification head ({head})"
             raise ValueError(f"The checkpoint's {what} is quantized ({name}), which pagedllm does not support; use "
                              f"a checkpoint quantized with {head} left float (compressed-tensors: {head} in "

@@ -14,7 +14,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.quantization.base import QuantizationConfig, is_layer_skipped, set_quant_param_attrs
+from pagedllm.quantization.base import (QuantizationConfig, check_patterns, config_int, config_names, is_layer_skipped,
+                                        set_quant_param_attrs)
 from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
@@ -36,7 +37,8 @@ class AWQConfig(QuantizationConfig):
         self.bits = bits
         self.group_size = group_size
         self.zero_point = zero_point
-        self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.modules_to_not_convert = config_names(modules_to_not_convert)
+        check_patterns("The AWQ modules_to_not_convert", self.modules_to_not_convert)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "AWQConfig":
@@ -46,8 +48,9 @@ class AWQConfig(QuantizationConfig):
         if version not in ("gemm", "exllama", "ipex"):
             raise ValueError(f"AWQ version {version!r} is not supported; pagedllm reads AutoAWQ's GEMM layout "
                              f"(version 'gemm').")
-        return cls(bits=int(config.get("bits", config.get("w_bit", 4))),
-                   group_size=int(config.get("group_size", config.get("q_group_size", 128))),
+        return cls(bits=config_int("AWQ", config, "bits" if "bits" in config else "w_bit", 4),
+                   group_size=config_int("AWQ", config, "group_size" if "group_size" in config else "q_group_size",
+                                         128),
                    zero_point=bool(config.get("zero_point", True)),
                    modules_to_not_convert=config.get("modules_to_not_convert"))
 

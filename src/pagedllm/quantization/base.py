@@ -20,7 +20,8 @@ from torch import nn
 
 from pagedllm.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 
-__all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "QuantizationConfig", "is_layer_skipped",
+__all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "QuantizationConfig", "is_layer_skipped", "check_patterns",
+           "config_int", "config_names",
            "set_quant_param_attrs", "FUSED_LAYER_SHARDS"]
 
 # Our fused layers and the checkpoint layers they stand for: an ignore list names `q_proj`, never `qkv_proj`.
@@ -110,6 +111,35 @@ def is_layer_skipped(prefix: str, ignored: Iterable[str], parents: bool = True) 
         raise ValueError(f"The checkpoint quantizes only some of the layers fused into {prefix} "
                          f"({', '.join(n for n, h in zip(names, hits) if not h)}); pagedllm needs all or none.")
     return False
+
+
+def config_int(what: str, config: dict[str, Any], key: str, default: int) -> int:
+    """config[key] (default when absent) as an int, or a ValueError naming the setting: a null or a word there
+    was a bare TypeError / "invalid literal for int()" from the parser."""
+    value = config.get(key, default)
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise TypeError
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {key}={value!r} is not an integer.") from None
+
+
+def config_names(value: Any) -> list[Any]:
+    """A config's list of module names, where one name alone was written as a string: iterating that string
+    read each of its characters as a module name."""
+    return [value] if isinstance(value, str) else list(value or ())
+
+
+def check_patterns(what: str, patterns: Iterable[str], prefix: str = "re:") -> None:
+    """Refuse, naming the entry, a config's regular expression (`re:`-prefixed entries, or all with prefix="")
+    that does not compile: matched only while the model is built, it failed there as a bare re.error."""
+    for entry in patterns:
+        if isinstance(entry, str) and entry.startswith(prefix):
+            try:
+                re.compile(entry[len(prefix):])
+            except re.error as e:
+                raise ValueError(f"{what} entry {entry!r} is not a valid regular expression ({e}).") from None
 
 
 def _matches(name: str, ignored: list[str], parents: bool = True) -> bool:

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, is_layer_skipped,
-                                        set_quant_param_attrs)
+from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, LinearMethodBase, QuantizationConfig, check_patterns,
+                                        config_int, config_names, is_layer_skipped, set_quant_param_attrs)
 from pagedllm.quantization.fp8 import Fp8LinearMethod, add_w8a8_counters, refuse_blockwise_fp8
 from pagedllm.quantization.kernels import int8_cuda_path, int8_w8a8_linear, take_prequantized
 from pagedllm.quantization.packed import check_group_size, pack_int32, unpack_int32
@@ -48,11 +48,12 @@ def _parse_scheme(name: str, group: dict[str, Any], fmt: Optional[str]) -> Schem
     w, a = group.get("weights") or {}, group.get("input_activations")
     if group.get("output_activations"):
         raise ValueError(f"compressed-tensors group {name!r} quantizes output activations, which is not supported.")
-    wtype, bits, strategy = w.get("type"), int(w.get("num_bits", 0)), w.get("strategy")
+    what = f"compressed-tensors group {name!r}"
+    wtype, bits, strategy = w.get("type"), config_int(f"{what} weights", w, "num_bits", 0), w.get("strategy")
     act_dynamic = None
     if a:
-        if a.get("type") != wtype or int(a.get("num_bits", 0)) != 8 or not a.get("symmetric", True) \
-                or a.get("strategy") not in ("token", "tensor") or bits != 8:
+        if a.get("type") != wtype or config_int(f"{what} activations", a, "num_bits", 0) != 8 \
+                or not a.get("symmetric", True) or a.get("strategy") not in ("token", "tensor") or bits != 8:
             raise ValueError(f"compressed-tensors group {name!r}: activations {a} with weights {w} are not "
                              f"supported; pagedllm reads {SUPPORTED}.")
         act_dynamic = bool(a.get("dynamic", True))
@@ -71,8 +72,23 @@ def _parse_scheme(name: str, group: dict[str, Any], fmt: Optional[str]) -> Schem
     group_size = int(w.get("group_size") or -1) if strategy == "group" else -1
     if kind == "wna16":
         check_group_size("compressed-tensors", group_size)
-    return Scheme(kind, fmt, bits, strategy, group_size, bool(w.get("symmetric", True)), w.get("actorder"),
-                  act_dynamic, tuple(group.get("targets") or ()))
+    return Scheme(kind, fmt, bits, strategy, group_size, bool(w.get("symmetric", True)), _actorder(name, w),
+                  act_dynamic, tuple(config_names(group.get("targets"))))
+
+
+def _actorder(name: str, weights: dict[str, Any]) -> Optional[str]:
+    """The weights' activation ordering as "group" (a weight_g_idx on disk), "weight" or None. The library's
+    aliases: "dynamic" is "group", "static" is "weight", and older versions wrote `true` for "group"; reading only
+    the word "group" left such a checkpoint's g_idx unread and its groups silently misapplied."""
+    value = weights.get("actorder")
+    if value is None or value is False:
+        return None
+    order = {"group": "group", "dynamic": "group", "weight": "weight", "static": "weight"}.get(
+        "group" if value is True else str(value).lower())
+    if order is None:
+        raise ValueError(f"compressed-tensors group {name!r}: weights actorder {value!r} is not supported; "
+                         f"pagedllm reads 'group' ('dynamic'), 'weight' ('static') or none.")
+    return order
 
 
 def _check_kv_cache_scheme(kv: Optional[dict[str, Any]]) -> None:
@@ -94,6 +110,8 @@ class CompressedTensorsConfig(QuantizationConfig):
     supports_lora = True  # the LoRA wrappers add a float delta around apply(), whatever the base weight's storage
 
     def __init__(self, schemes: list[Scheme], ignore: list[str]) -> None:
+        check_patterns(f"The {self.name} ignore list", ignore)
+        check_patterns(f"The {self.name} targets", [t for s in schemes for t in s.targets])
         self.schemes = schemes
         self.ignore = ignore
         kinds = {s.kind for s in schemes}
@@ -111,7 +129,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         if not groups:
             raise ValueError("The compressed-tensors quantization_config has no config_groups.")
         schemes = [_parse_scheme(n, g, g.get("format") or config.get("format")) for n, g in groups.items()]
-        return cls(schemes, list(config.get("ignore") or []))
+        return cls(schemes, config_names(config.get("ignore")))
 
     def skipped_checkpoint_suffixes(self) -> tuple[str, ...]:
         return (".weight_shape",)
@@ -173,7 +191,7 @@ class AutoFp8Config(CompressedTensorsConfig):
             raise ValueError(f"FP8 checkpoints with activation_scheme={scheme!r}, fmt={fmt!r} are not supported; "
                              f"pagedllm reads AutoFP8's E4M3 checkpoints with a static or dynamic activation scheme.")
         weights = Scheme("fp8", "float-quantized", 8, "tensor", -1, True, None, scheme == "dynamic", ("Linear",))
-        return cls([weights], list(config.get("ignored_layers") or config.get("modules_to_not_convert") or []))
+        return cls([weights], config_names(config.get("ignored_layers") or config.get("modules_to_not_convert")))
 
 
 class ModelOptFp8Config(CompressedTensorsConfig):
@@ -195,7 +213,7 @@ class ModelOptFp8Config(CompressedTensorsConfig):
         weights = Scheme("fp8", "float-quantized", 8, "tensor", -1, True, None, False, ("Linear",))
         # ModelOpt's wildcards ("model.layers.0.self_attn*", "*mlp.gate") as the regexes is_layer_skipped reads
         ignore = ["re:" + re.escape(e).replace(r"\*", ".*") + "$" if "*" in e else e
-                  for e in q.get("exclude_modules") or q.get("ignore") or []]
+                  for e in config_names(q.get("exclude_modules") or q.get("ignore"))]
         return cls([weights], ignore)
 
 
@@ -213,7 +231,10 @@ class CTWNA16Method(PackedIntLinearMethod):
         sharded_k = k != input_size
         act_order = s.actorder == "group"
         split_groups = sharded_k and s.group_size != -1 and not act_order
-        if (split_groups and k % group) or input_size % group:
+        if input_size % group:  # the model's own shape, whatever the tensor-parallel size
+            raise ValueError(f"compressed-tensors layer {layer.prefix} has {input_size} inputs, not a multiple of "
+                             f"group_size {group}; pagedllm reads whole groups only.")
+        if split_groups and k % group:
             raise ValueError(f"compressed-tensors layer {layer.prefix}: {k} inputs per rank do not hold whole "
                              f"groups of {group}; use a smaller tensor-parallel size.")
         if any(size % pack for size in output_partition_sizes) or k % pack:
@@ -265,7 +286,16 @@ class CTWNA16Method(PackedIntLinearMethod):
         else:
             zeros = unpack_int32(layer.weight_zero_point.data, bits, dim=0).t()
         g_idx = getattr(layer, "weight_g_idx", None)
-        g_idx = None if g_idx is None else g_idx.data.long() - layer.ct_first_group
+        if g_idx is not None and bool((g_idx.data == -1).any()):
+            # the library's "no order set" (its initial value, kept by a layer never calibrated with act-order):
+            # it dequantizes such a layer in column order; indexing with -1 read the last group's scales
+            g_idx = None
+        if g_idx is not None:
+            g_idx = g_idx.data.long() - layer.ct_first_group
+            groups = scales.shape[0]
+            if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+                raise ValueError(f"compressed-tensors layer {layer.prefix}: weight_g_idx points outside its "
+                                 f"{groups} groups.")
         return pack_int32(q.t(), bits, dim=0), scales, zeros, g_idx
 
 

@@ -219,10 +219,15 @@ def engine_quant_config(args: Any, hf_config: Any, model_path: str, model_dir: s
     default there; `--quantization gguf` also takes the directory converted from one), `--quantization none`
     to dequantize at load, else the seam's own resolution."""
     from pagedllm.models.gguf_packed import gguf_source_path
-    from pagedllm.quantization import normalize_method_name, quant_config_for_engine
+    from pagedllm.quantization import checkpoint_quant_config, normalize_method_name, quant_config_for_engine
 
     method = normalize_method_name(args.quantization) if args.quantization else None
     if method == "none":
+        ckpt = checkpoint_quant_config(hf_config, model_dir)
+        if ckpt:  # (a float model was built for packed tensors: "missing ...weight" named no cause)
+            raise ValueError(f"--quantization none cannot load this checkpoint: its weights are quantized with "
+                             f"{ckpt.get('quant_method') or 'an unnamed method'!r} (its quantization config); drop "
+                             f"--quantization to read them as they are.")
         return None
     source = gguf_source_path(model_dir)
     if method is None and model_path is not None and os.path.isfile(os.path.join(model_path, "config.json")):

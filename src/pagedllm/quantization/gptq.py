@@ -20,7 +20,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.quantization.base import FUSED_LAYER_SHARDS, QuantizationConfig, is_layer_skipped, set_quant_param_attrs
+from pagedllm.quantization.base import (FUSED_LAYER_SHARDS, QuantizationConfig, check_patterns, config_int,
+                                        config_names, is_layer_skipped, set_quant_param_attrs)
 from pagedllm.quantization.packed import check_bits, check_group_size, unpack_int32
 from pagedllm.quantization.packed_method import PackedIntLinearMethod
 
@@ -45,14 +46,17 @@ class GPTQConfig(QuantizationConfig):
         self.desc_act = desc_act
         self.sym = sym
         self.checkpoint_format = checkpoint_format
-        self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.modules_to_not_convert = config_names(modules_to_not_convert)
         # optimum's decoder-block modules that ARE quantized (flat, or one list per sequential step): the others
         # of a block are float in the checkpoint
-        blocks = modules_in_block_to_quantize or []
+        blocks = config_names(modules_in_block_to_quantize)
         self.modules_in_block_to_quantize = [m for b in blocks for m in ([b] if isinstance(b, str) else b)]
         # GPTQModel's per-module overrides: {"-:regex": {}} leaves matching modules float, {"+:regex" or "regex":
         # {"bits": 8, ...}} quantizes them with other settings; the first matching key decides
         self.dynamic = dict(dynamic or {})
+        check_patterns("The GPTQ modules_to_not_convert", self.modules_to_not_convert)
+        for key in self.dynamic:  # (keys are regexes, "-:" / "+:" prefixed or bare)
+            check_patterns("The GPTQ dynamic", [key], key[:2] if key.startswith(("-:", "+:")) else "")
         for key, override in self.dynamic.items():
             if not key.startswith("-:"):
                 self._override(override, key)  # (its settings checked now, not when a layer meets it)
@@ -69,7 +73,7 @@ class GPTQConfig(QuantizationConfig):
                              f"pagedllm reads pack_dtype int32 (GPTQModel's default).")
         if config.get("is_marlin_format"):  # AutoGPTQ's Marlin repack (B / s tensors): not "missing qweight"
             fmt = "marlin"
-        return cls(bits=int(config.get("bits", 4)), group_size=int(config.get("group_size", 128)),
+        return cls(bits=config_int("GPTQ", config, "bits", 4), group_size=config_int("GPTQ", config, "group_size", 128),
                    desc_act=bool(config.get("desc_act", False)), sym=bool(config.get("sym", True)),
                    checkpoint_format=fmt, modules_to_not_convert=config.get("modules_to_not_convert"),
                    modules_in_block_to_quantize=config.get("modules_in_block_to_quantize"),
@@ -78,7 +82,9 @@ class GPTQConfig(QuantizationConfig):
     def _override(self, override: dict[str, Any], key: str) -> "GPTQConfig":
         if not isinstance(override, dict):
             raise ValueError(f"GPTQ dynamic override {key!r} must map to a dict of settings, got {override!r}.")
-        return GPTQConfig(int(override.get("bits", self.bits)), int(override.get("group_size", self.group_size)),
+        what = f"GPTQ dynamic override {key!r}:"
+        return GPTQConfig(config_int(what, override, "bits", self.bits),
+                          config_int(what, override, "group_size", self.group_size),
                           bool(override.get("desc_act", self.desc_act)), bool(override.get("sym", self.sym)),
                           self.checkpoint_format)
 
@@ -98,6 +104,15 @@ class GPTQConfig(QuantizationConfig):
             elif re.match(key[2:] if key.startswith("+:") else key, name):
                 return self._override(override, key), True
         return self, named
+
+    def leaves_float(self, prefix: str) -> bool:
+        """Whether a dynamic "-:" key names the layer `prefix` (or all the checkpoint layers fused into it) float: a
+        decision a wrapper asking under several names (models/gemma3.LanguageModelNames) must not override with
+        another name that no key matches."""
+        parent, _, leaf = prefix.rpartition(".")
+        found = [self._module_config(f"{parent}.{s}" if parent else s) for s in FUSED_LAYER_SHARDS.get(leaf, (leaf,))]
+        own = self._module_config(prefix)
+        return (own[0] is None and own[1]) or (all(c is None for c, _ in found) and any(n for _, n in found))
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> Optional["GPTQLinearMethod"]:
         if is_layer_skipped(prefix, self.modules_to_not_convert):
