@@ -42,7 +42,8 @@ def add(llm: LLM, path: str, lora_id: int = 50):
     return llm.engine.add_lora(LoRARequest(f"a{lora_id}", lora_id, path))
 
 
-def test_unsupported_adapters_are_refused_with_the_reason(llm, good, tiny_llama_dir, tiny_qwen3_dir, tmp_path):
+def test_unsupported_adapters_are_refused_with_the_reason(llm, good, tiny_llama_dir, tiny_qwen3_dir, tiny_model_dir,
+                                                          tmp_path):
     cases = [
         (make_adapter(tiny_llama_dir, str(tmp_path / "dora"), r=4, alpha=4, targets=["q_proj"], seed=2,
                       use_dora=True), "DoRA"),
@@ -56,6 +57,9 @@ def test_unsupported_adapters_are_refused_with_the_reason(llm, good, tiny_llama_
         (make_adapter(tiny_qwen3_dir, str(tmp_path / "other"), r=4, alpha=4, targets=["q_proj"], seed=6),
          "another base model"),
         (edited(good, tmp_path / "bias", bias="all"), "bias"),
+        # a deeper base model's adapter (same widths): layer 2 was refused as "only q/k/v/o ... can be adapted"
+        (make_adapter(tiny_model_dir("llama", num_hidden_layers=3), str(tmp_path / "deep"), r=4, alpha=4,
+                      targets=["q_proj"], seed=7), "has 2 decoder layers"),
         # aLoRA has plain A/B weights: it loaded and ran as a plain LoRA on every token
         (edited(good, tmp_path / "alora", alora_invocation_tokens=[5, 6]), "Activated LoRA"),
         (str(tmp_path / "missing"), "not a directory"),

@@ -110,6 +110,7 @@ class LoRAManager:
         start, end = getattr(decoder, "start_layer", None), getattr(decoder, "end_layer", None)
         num_layers = len(getattr(decoder, "layers", ()))
         self.local_layers = range(start, end) if start is not None and (start, end) != (0, num_layers) else None
+        self.num_layers = num_layers or None
         # a checkpoint's module names -> the model's (Gemma 3's multimodal checkpoints name the language model's)
         self.rename = getattr(model, "lora_module_name", None)
         self.paths: dict[int, tuple[str, str]] = {}  # registered adapters: id -> (name, path)
@@ -146,7 +147,8 @@ class LoRAManager:
 
     def _read(self, lora_int_id: int, name: str, path: str) -> LoRAAdapter:
         adapter = load_adapter(lora_int_id, name, path, self.expected, self.max_lora_rank, self.layers[0].lora_a.dtype,
-                               local_layers=self.local_layers, fused=self.fused, rename=self.rename)
+                               local_layers=self.local_layers, fused=self.fused, rename=self.rename,
+                               num_layers=self.num_layers)
         self.num_disk_loads += 1
         return adapter
 

@@ -133,7 +133,8 @@ def _pattern_value(patterns: Optional[dict], module: str, default: Any) -> Any:
 def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tuple[int, int]],
                  max_lora_rank: int, dtype: torch.dtype = torch.float32,
                  local_layers: Optional[range] = None, fused: Optional[dict[str, list[str]]] = None,
-                 rename: Optional[Callable[[str], Optional[str]]] = None) -> LoRAAdapter:
+                 rename: Optional[Callable[[str], Optional[str]]] = None,
+                 num_layers: Optional[int] = None) -> LoRAAdapter:
     """Read and validate an adapter against the model: `expected` maps each adaptable module's PEFT name
     (e.g. "model.layers.0.self_attn.q_proj") to its full (in_features, out_features). The host copy is kept in
     `dtype` (the model's: a bf16 model's adapters take half the host memory of fp32 ones); the scaling is applied
@@ -142,7 +143,8 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
     "model.layers.0.self_attn.qkv_proj", whose checkpoint and PEFT adapters keep it whole) to its slices' names in
     `expected`, in row order: such a module's B is split by rows, the slices sharing its A (the same delta).
     `rename` (the model's `lora_module_name`) maps a checkpoint's module name to the model's, None for a module the
-    served model does not run (a multimodal checkpoint's vision tower, when it serves its text model alone)."""
+    served model does not run (a multimodal checkpoint's vision tower, when it serves its text model alone).
+    `num_layers` (the model's decoder layers, all stages) refuses modules of layers the model does not have."""
     path = os.path.expanduser(path)  # vLLM's get_adapter_absolute_path: "~/loras/sql" is the user's
     config = read_adapter_config(path)
     tensors = _load_tensors(path)
@@ -188,10 +190,14 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     max_rank = 0
     for module, ab in sorted(pairs.items()):
-        if module not in expected and local_layers is not None:
-            layer = _LAYER.search(module)
-            if layer is not None and int(layer.group(1)) not in local_layers:
-                continue
+        layer = _LAYER.search(module) if module not in expected else None
+        if layer is not None and num_layers is not None and int(layer.group(1)) >= num_layers:
+            # a deeper base model's adapter: no stage holds that layer, so none would refuse it (pipeline parallel
+            # skipped it silently), and "only q/k/v/o ..." misnamed the cause
+            raise LoRAError(f"Cannot load LoRA adapter {path!r}: it targets {module!r} but the base model has "
+                            f"{num_layers} decoder layers (an adapter for another base model?).")
+        if layer is not None and local_layers is not None and int(layer.group(1)) not in local_layers:
+            continue
         if module not in expected:
             if any(h in module.rsplit(".", 1)[-1] for h in _EMBED_HINTS):
                 why = "LoRA on the embedding or the LM head is not supported"
