@@ -68,6 +68,17 @@ def test_unsupported_adapters_are_refused_with_the_reason(llm, good, tiny_llama_
         with pytest.raises(LoRAError, match=words) as info:
             add(llm, path)
         assert str(info.value).count(". ") == 0, info.value  # one sentence
+    # new tokens: PEFT saves the resized embedding and LM head whole; the refusal named a "not a LoRA A/B" tensor
+    from peft import LoraConfig, get_peft_model
+
+    from tests.lora.lora_helpers import _hf_model
+
+    peft_model = get_peft_model(_hf_model(tiny_llama_dir, "maker"), LoraConfig(r=2, target_modules=["q_proj"]))
+    peft_model.save_pretrained(str(tmp_path / "vocab"), save_embedding_layers=True)
+    peft_model.unload()
+    with pytest.raises(LoRAError, match="saved embedding layers, as after adding new tokens") as info:
+        add(llm, str(tmp_path / "vocab"))
+    assert str(info.value).count(". ") == 0, info.value
     empty = tmp_path / "noweights"
     empty.mkdir()
     shutil.copy(os.path.join(good, "adapter_config.json"), empty)

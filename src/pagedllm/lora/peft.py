@@ -160,6 +160,10 @@ def load_adapter(lora_int_id: int, name: str, path: str, expected: dict[str, tup
                 why = "DoRA adapters are not supported"
             elif "modules_to_save" in key:
                 why = "adapters with modules_to_save are not supported"
+            elif any(h in key for h in _EMBED_HINTS):
+                # PEFT's save_embedding_layers (on by default once the vocabulary was resized for new tokens)
+                why = (f"it holds the full weight {key!r} (PEFT's saved embedding layers, as after adding new tokens); "
+                       "adapters with their own embedding or LM head weights are not supported")
             else:
                 why = f"it holds tensor {key!r}, which is not a LoRA A/B weight"
             raise LoRAError(f"Cannot load LoRA adapter {path!r}: {why}.")
