@@ -134,6 +134,27 @@ def test_more_adapters_than_slots_swaps_and_keeps_tokens(tiny_llama_dir, adapter
     assert len(manager.host) <= 2 and len(manager.slot_of) <= 1
 
 
+def test_adapter_gone_from_disk_fails_its_requests_alone(tiny_llama_dir, tmp_path):
+    """An adapter evicted from the host cache is read again when a step needs it; its directory removed since, that
+    read failed inside the step and left the engine failed for good (every later generate raised it). Now its
+    requests end with finish_reason 'error' and the others, then and later, are served."""
+    import shutil
+
+    a = make_adapter(tiny_llama_dir, str(tmp_path / "a"), r=4, alpha=8, targets=["q_proj"], seed=21)
+    b = make_adapter(tiny_llama_dir, str(tmp_path / "b"), r=4, alpha=8, targets=["v_proj"], seed=22)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8,
+              num_gpu_blocks_override=32)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    ra, rb = LoRARequest("a", 1, a), LoRARequest("b", 2, b)
+    prompt = {"prompt_token_ids": [3, 4, 5, 6]}
+    llm.generate([prompt] * 2, sp, lora_request=[ra, rb], use_tqdm=False)  # b's read evicts a's host copy
+    shutil.rmtree(a)
+    want = peft_greedy(tiny_llama_dir, b, prompt["prompt_token_ids"], 3)[0]
+    outs = llm.generate([prompt] * 2, sp, lora_request=[rb, ra], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want and outs[1].outputs[0].finish_reason == "error"
+    assert llm.generate(prompt, sp, lora_request=rb, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 def test_smollm2_adapters_match_peft(smollm2_hf_dir, adapter_factory):
     paths = adapter_factory(smollm2_hf_dir)
     llm = LLM(model=smollm2_hf_dir, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16,

@@ -28,6 +28,15 @@ from pagedllm.lora.peft import LoRAAdapter, LoRAError, load_adapter
 logger = logging.getLogger("pagedllm")
 
 
+class AdapterReloadError(LoRAError):
+    """An adapter evicted from the host cache could not be read again when a step needed it: its requests' fault
+    (the runner fails them alone), not the engine's."""
+
+    def __init__(self, lora_int_id: int, message: str) -> None:
+        super().__init__(message)
+        self.lora_int_id = lora_int_id
+
+
 def padded_rank(max_lora_rank: int) -> int:
     """Slot rank: max_lora_rank rounded up to a power of two >= 16 (the kernels' smallest tile)."""
     r = 16
@@ -212,7 +221,11 @@ class LoRAManager:
         adapter = self.host.get(lora_id)
         if adapter is None:  # evicted from the host cache: read it again
             name, path = self.paths[lora_id]
-            adapter = self._read(lora_id, name, path)
+            try:
+                adapter = self._read(lora_id, name, path)
+            except LoRAError as e:  # its files went away or changed since it was registered
+                raise AdapterReloadError(lora_id, f"LoRA adapter {name!r} could not be read again from {path!r}: "
+                                                  f"{str(e).rstrip('.')}") from e
         self._cache(adapter)
         if self.free_slots:
             slot = self.free_slots.pop()

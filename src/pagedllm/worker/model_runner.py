@@ -542,8 +542,15 @@ class ModelRunner:
         as needed), or [] without enable_lora."""
         if self.lora is None:
             return []
+        from pagedllm.core.errors import RequestStepError
+        from pagedllm.lora.manager import AdapterReloadError
+
         num_scheduled = np.diff(inp.query_start_loc).astype(np.int64)
-        return list(self.lora.step_arrays([s.lora_id for s in inp.states], num_scheduled))
+        try:
+            return list(self.lora.step_arrays([s.lora_id for s in inp.states], num_scheduled))
+        except AdapterReloadError as e:
+            # fail the adapter's requests alone: as any other exception it left the engine failed for good
+            raise RequestStepError([s.req_id for s in inp.states if s.lora_id == e.lora_int_id], str(e)) from e
 
     def _prompt_logprobs(self, inp, hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """Score the prompt tokens this step's chunks cover, for requests that asked for prompt_logprobs.
