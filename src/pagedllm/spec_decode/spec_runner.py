@@ -99,7 +99,7 @@ class SpecDecodeRunner:
         """Drafts for every request of the step that sampled (empty lists elsewhere), in batch order."""
         batch = runner.input_batch
         out: list[list[int]] = [[] for _ in inp.req_ids]
-        idx, req_ids, rows, lens, rooms = [], [], [], [], []
+        idx, req_ids, rows, lens, rooms, longs = [], [], [], [], [], []
         for r in inp.sample_rows.tolist():
             state = inp.states[r]
             if batch.requests.get(state.req_id) is not state:
@@ -113,8 +113,11 @@ class SpecDecodeRunner:
             rows.append(state.row)
             lens.append(state.num_tokens)
             rooms.append(room)
+            longs.append(state.rope_long)
         if idx:
-            drafts = self.proposer.propose(batch.token_ids, rows, lens, rooms, req_ids=req_ids)
+            # (a draft model rotates each request with the target's LongRoPE factors)
+            kw = {"rope_long": longs} if self.config.method == "draft_model" else {}
+            drafts = self.proposer.propose(batch.token_ids, rows, lens, rooms, req_ids=req_ids, **kw)
             for r, d in zip(idx, drafts):
                 out[r] = d
         return out
