@@ -342,3 +342,18 @@ def test_longrope_draft_model_rotates_as_the_target(tiny_model_dir, reference):
     assert _tokens(me, prompts, GREEDY) == reference("phi3", prompts)
     stats = me.engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_dynamic_ntk_draft_model_rotates_long_prompts_as_the_target(tiny_model_dir):
+    """Dynamic NTK (context 512): a longer prompt's tokens are rotated with the base for its length on the target; a
+    draft of the target itself must do the same (it rotated them plainly: its drafts for that prompt were rejected)."""
+    ntk = {"rope_type": "dynamic", "factor": 2.0}
+    target = tiny_model_dir("llama", rope_scaling=ntk)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (600, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
+    me = _llm(target, speculative_config=spec, max_model_len=1024)
+    assert _tokens(me, prompts, params) == _tokens(_llm(target, max_model_len=1024), prompts, params)
+    stats = me.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens
