@@ -331,3 +331,29 @@ def test_serve_passes_disable_log_stats_to_the_engine():
     parser = add_serve_args(argparse.ArgumentParser(), positional_model=False)
     assert to_engine_args(parser.parse_args([])).disable_log_stats is False
     assert to_engine_args(parser.parse_args(["--disable-log-stats"])).disable_log_stats is True
+
+
+def test_longrope_draft_model_rotates_as_the_target(tiny_model_dir, reference):
+    """Phi-3 LongRoPE (original context 32): requests past it run with the long factors on the target; a draft of the
+    target itself must rotate them so too (it used the short factors for every token: ~16% of drafts rejected)."""
+    target = tiny_model_dir("phi3")
+    prompts = [p[:n] for p, n in zip(_prompts(9), (20, 40, 60, 10))]
+    me = _llm(target, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 4})
+    assert _tokens(me, prompts, GREEDY) == reference("phi3", prompts)
+    stats = me.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_dynamic_ntk_draft_model_rotates_long_prompts_as_the_target(tiny_model_dir):
+    """Dynamic NTK (context 512): a longer prompt's tokens are rotated with the base for its length on the target; a
+    draft of the target itself must do the same (it rotated them plainly: its drafts for that prompt were rejected)."""
+    ntk = {"rope_type": "dynamic", "factor": 2.0}
+    target = tiny_model_dir("llama", rope_scaling=ntk)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (600, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
+    me = _llm(target, speculative_config=spec, max_model_len=1024)
+    assert _tokens(me, prompts, params) == _tokens(_llm(target, max_model_len=1024), prompts, params)
+    stats = me.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens

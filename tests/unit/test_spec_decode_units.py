@@ -41,6 +41,8 @@ def test_config_parses_vllm_forms():
     ({"method": "ngram", "num_speculative_tokens": 2.5}, "integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, ">="),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "draft_model", "model": ["a.gguf"], "num_speculative_tokens": 2}, "'model' must be a path"),
+    ({"model": 7, "num_speculative_tokens": 2}, "'model' must be a path"),
     ({"method": "ngram", "num_speculative_tokens": 2, "colour": "red"}, "Unknown speculative_config key"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ("{not json", "JSON"),

@@ -56,8 +56,11 @@ class SpeculativeConfig:
     @classmethod
     def _build(cls, d: dict) -> "SpeculativeConfig":
         method = d.get("method")
+        model = d.get("model")
+        if model is not None and not isinstance(model, str):  # (a list or number would fail deep in the loader)
+            raise ValueError(f"speculative_config 'model' must be a path or repo id (a string), got {model!r}.")
         if method is None:
-            method = "draft_model" if d.get("model") else None
+            method = "draft_model" if model else None
         if method in ("[ngram]", "ngram"):
             method = "ngram"
         if method == "draft" or method == "draft_model":

@@ -87,6 +87,10 @@ class DraftModelProposer:
         self._num_staged = 0
         self._staged: Optional[torch.cuda.Event] = None
         self.num_graph_forwards = 0  # draft forwards replayed from CUDA graphs (tests and benchmarks read it)
+        # LongRoPE with both factor tables: a request the target rotates with the long factors (its rope_long) is
+        # rotated so here too, else the drafts past the original context come from other positions' rotations.
+        self.long_rope_offset = self.runner.long_rope_offset
+        self.rope_long: dict[str, bool] = {}  # request id -> the factors its draft K/V was computed with
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_spec(self):
@@ -108,6 +112,7 @@ class DraftModelProposer:
         for rid in req_ids:
             self.free_blocks.extend(reversed(self.blocks.pop(rid, [])))
             self.num_computed.pop(rid, None)
+            self.rope_long.pop(rid, None)
 
     def _reserve(self, rid: str, num_tokens: int) -> bool:
         blocks = self.blocks.setdefault(rid, [])
@@ -129,10 +134,19 @@ class DraftModelProposer:
     # ------------------------------------------------------------------ propose
     @torch.inference_mode()
     def propose(self, token_ids: np.ndarray, rows: Sequence[int], num_tokens: Sequence[int],
-                max_drafts: Sequence[int], req_ids: Optional[Sequence[str]] = None) -> list[list[int]]:
+                max_drafts: Sequence[int], req_ids: Optional[Sequence[str]] = None,
+                rope_long: Optional[Sequence[bool]] = None,
+                prompt_lens: Optional[Sequence[int]] = None) -> list[list[int]]:
         """Up to max_drafts[i] (at most k) greedy drafts per request. The draft's forwards are enqueued one after
-        another, each taking the previous one's argmax on the device: the host waits once, for all drafts."""
+        another, each taking the previous one's argmax on the device: the host waits once, for all drafts.
+        rope_long: per request, whether the target rotates it with LongRoPE's long factors; prompt_lens: its prompt
+        length (dynamic NTK rotates a prompt longer than the model's context with the base for its length)."""
         n = len(rows)
+        longs = [False] * n if rope_long is None or self.long_rope_offset is None else [bool(x) for x in rope_long]
+        for rid, long in zip(req_ids, longs):
+            if self.rope_long.get(rid, False) != long:  # switched factors (as the target): recompute its K/V
+                self.num_computed[rid] = 0
+                self.rope_long[rid] = long
         drafts: list[list[int]] = [[] for _ in range(n)]
         want = [min(self.k, int(m)) for m in max_drafts]
         if self._staged is not None:
@@ -160,7 +174,8 @@ class DraftModelProposer:
             if not batch:
                 break
             ids = self._catch_up([(req_ids[i], token_ids[rows[i], start:start + count], start)
-                                  for i, start, count in batch])
+                                  for i, start, count in batch], [longs[i] for i, _, _ in batch],
+                                 None if prompt_lens is None else [int(prompt_lens[i]) for i, _, _ in batch])
             done, still = [], []
             for j, (i, start, count) in enumerate(batch):
                 self.num_computed[req_ids[i]] = start + count
@@ -180,13 +195,14 @@ class DraftModelProposer:
         out[0].copy_(firsts[0] if len(firsts) == 1 else torch.cat(firsts))
         if steps > 1:
             self._chain(out, [req_ids[i] for i in ready], np.array([int(num_tokens[i]) for i in ready]),
-                        np.array([want[i] for i in ready]))
+                        np.array([want[i] for i in ready]), [longs[i] for i in ready])
         got = out.t().tolist()  # (the host's one wait: the staged copies are done too)
         for r, i in enumerate(ready):
             drafts[i] = got[r][:want[i]]
         return drafts
 
-    def _chain(self, out: torch.Tensor, req_ids: list[str], num_tokens: np.ndarray, want: np.ndarray) -> None:
+    def _chain(self, out: torch.Tensor, req_ids: list[str], num_tokens: np.ndarray, want: np.ndarray,
+               longs: Sequence[bool]) -> None:
         """Steps 1..: out[s] (each request's draft s + 1, at position num_tokens + s - 1) -> out[s + 1]. A request
         wanting fewer drafts rides along as a padding row (output unused): at its last real token's position, over
         its valid K/V, writing its K/V into the scratch slot."""
@@ -203,6 +219,8 @@ class DraftModelProposer:
         pos_t, slots_t = self._stage([positions, slots], np.int64)
         qsl_t, lens_t, table_t = self._stage([qsl, seq_lens, table], np.int32)
         qsl_cpu = qsl.tolist()
+        # (one token per request in every step; none is a prompt token that dynamic NTK rotates otherwise)
+        self._set_rope(positions[0], np.asarray(longs, dtype=np.int64))
         for j in range(steps - 1):
             md = AttentionMetadata(
                 num_actual_tokens=m, num_reqs=m, max_query_len=1, max_seq_len=int(seq_lens[j].max()),
@@ -210,7 +228,31 @@ class DraftModelProposer:
                 query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens[j].tolist())
             out[j + 1].copy_(self._run(out[j], pos_t[j], md, None))
 
-    def _catch_up(self, seqs: list[tuple[str, np.ndarray, int]]) -> torch.Tensor:
+    def _set_rope(self, positions: np.ndarray, long_per_token: np.ndarray,
+                  prompt_len_per_token: Optional[np.ndarray] = None) -> None:
+        """The next forward's rotary offsets, by the target runner's rule (ModelRunner._rope_arrays): LongRoPE's long
+        requests read the long factors' rows; dynamic NTK's tokens of a prompt past the model's context (but its
+        last) read scratch rows rotated with the base for the prompt's length."""
+        runner = self.runner
+        if runner.rope_offsets is None:
+            return
+        if self.long_rope_offset is not None:
+            offsets = self.long_rope_offset * long_per_token
+        else:
+            offsets = np.zeros(len(positions), dtype=np.int64)
+            if runner.ntk_ropes and prompt_len_per_token is not None:
+                plens = prompt_len_per_token
+                need = np.flatnonzero((plens > runner.ntk_original) & (positions < plens - 1))
+                if len(need):
+                    offsets[need] = runner.ntk_ropes[0].scratch_start + np.arange(len(need)) - positions[need]
+                    pos_t = torch.from_numpy(positions[need]).to(self.device)
+                    lens_t = torch.from_numpy(plens[need]).to(self.device)
+                    for rope in runner.ntk_ropes:
+                        rope.write_rows(pos_t, lens_t)
+        runner.rope_offsets[:len(offsets)].copy_(torch.from_numpy(offsets))
+
+    def _catch_up(self, seqs: list[tuple[str, np.ndarray, int]], longs: Sequence[bool],
+                  prompt_lens: Optional[Sequence[int]] = None) -> torch.Tensor:
         """One draft forward over (request id, its new tokens, position of the first): [requests] the argmax
         after each request's last token, on the device."""
         bs = self.block_size
@@ -225,6 +267,8 @@ class DraftModelProposer:
         token_req = np.repeat(np.arange(len(seqs)), lens)
         slots = table[token_req, positions // bs].astype(np.int64) * bs + positions % bs
         last = (qsl[1:] - 1).astype(np.int64)
+        self._set_rope(positions, np.repeat(np.asarray(longs, dtype=np.int64), lens),
+                       None if prompt_lens is None else np.repeat(np.asarray(prompt_lens, dtype=np.int64), lens))
         ids_t, pos_t, slots_t, last_t = self._stage([input_ids, positions, slots, last], np.int64)
         qsl_t, lens_t, table_t = self._stage([qsl, seq_lens, table], np.int32)
         md = AttentionMetadata(

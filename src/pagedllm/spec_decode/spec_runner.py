@@ -99,7 +99,7 @@ class SpecDecodeRunner:
         """Drafts for every request of the step that sampled (empty lists elsewhere), in batch order."""
         batch = runner.input_batch
         out: list[list[int]] = [[] for _ in inp.req_ids]
-        idx, req_ids, rows, lens, rooms = [], [], [], [], []
+        idx, req_ids, rows, lens, rooms, longs, plens = [], [], [], [], [], [], []
         for r in inp.sample_rows.tolist():
             state = inp.states[r]
             if batch.requests.get(state.req_id) is not state:
@@ -113,8 +113,12 @@ class SpecDecodeRunner:
             rows.append(state.row)
             lens.append(state.num_tokens)
             rooms.append(room)
+            longs.append(state.rope_long)
+            plens.append(len(state.prompt_token_ids))
         if idx:
-            drafts = self.proposer.propose(batch.token_ids, rows, lens, rooms, req_ids=req_ids)
+            # (a draft model rotates each request as the target does: LongRoPE factors, dynamic NTK base)
+            kw = {"rope_long": longs, "prompt_lens": plens} if self.config.method == "draft_model" else {}
+            drafts = self.proposer.propose(batch.token_ids, rows, lens, rooms, req_ids=req_ids, **kw)
             for r, d in zip(idx, drafts):
                 out[r] = d
         return out
