@@ -168,6 +168,9 @@ class EngineArgs:
         wants_generation = self.runner == "generate" or self.task == "generate"
         if wants_generation and self.embeddings_only:
             raise ValueError("runner / task 'generate' and 'pooling' / 'embed' contradict each other; give one.")
+        if self.embeddings_only and self.speculative_config:
+            raise ValueError("speculative_config with a pooling runner (runner / convert / task embed, classify, "
+                             "reward): a pooling model generates no tokens to speculate on; drop one of them.")
         if self.pooler_config is not None:
             from pagedllm.pooling import check_pooler_config
 

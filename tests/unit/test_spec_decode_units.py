@@ -66,6 +66,10 @@ def test_engine_args_and_cli_flag():
     assert ea.speculative().num_speculative_tokens == 4
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineArgs(speculative_config={"method": "ngram"}).validate()
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    for pooling in (dict(runner="pooling"), dict(convert="embed"), dict(task="classify")):  # was silently ignored
+        with pytest.raises(ValueError, match="speculative_config with a pooling runner"):
+            EngineArgs(model="m", speculative_config=spec, **pooling).validate()
 
 
 # ---------------------------------------------------------------- n-gram
