@@ -42,7 +42,15 @@ def test_good_bench_values_parse():
 
 
 @pytest.mark.parametrize("argv", [["--port", "99999"], ["--port", "-1"], ["--max-request-body-bytes", "0"],
-                                  ["--served-model-name", ""], ["--served-model-name", "smol", "  "]])
+                                  ["--served-model-name", ""], ["--served-model-name", "smol", "  "],
+                                  # timeouts: were taken as given, so a negative one failed the start after the
+                                  # engine's launch ("not ready within -1.0 s") and nan disabled the check
+                                  ["--startup-timeout", "-1"], ["--startup-timeout", "0"],
+                                  ["--startup-timeout", "nan"], ["--shutdown-timeout", "-5"],
+                                  ["--shutdown-timeout", "nan"], ["--send-timeout", "-1"],
+                                  ["--engine-dead-grace-period", "nan"], ["--engine-dead-grace-period", "x"],
+                                  # a negative length sliced from the end: all the prompt but its last 5 chars
+                                  ["--max-log-len", "-5"]])
 def test_bad_serve_values_are_parse_errors(argv, capsys):
     from pagedllm.entrypoints.openai.cli_args import add_serve_args
 
@@ -51,6 +59,16 @@ def test_bad_serve_values_are_parse_errors(argv, capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["model", *argv])
     assert "error: argument" in capsys.readouterr().err
+
+
+def test_good_serve_timeouts_parse():
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args
+
+    p = add_serve_args(argparse.ArgumentParser(), positional_model=True)
+    args = p.parse_args(["model", "--startup-timeout", "600", "--shutdown-timeout", "0", "--send-timeout", "0",
+                         "--engine-dead-grace-period=-1", "--max-log-len", "0"])
+    assert (args.startup_timeout, args.shutdown_timeout, args.send_timeout) == (600.0, 0.0, 0.0)
+    assert (args.engine_dead_grace_period, args.max_log_len) == (-1.0, 0)
 
 
 def _parse_error(add, argv: list[str], capsys) -> str:

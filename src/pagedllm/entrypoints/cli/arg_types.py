@@ -22,6 +22,35 @@ def _ranged_int(low: int, what: str):
 positive_int = _ranged_int(1, ">= 1")
 non_negative_int = _ranged_int(0, ">= 0")
 
+
+def _ranged_float(low: float, strict: bool, what: str):
+    """A float above low (strict) or at least low; nan is refused (it compares false with every bound, so a
+    timeout of nan would pass any check and then never, or at once, fire)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value != value or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text.strip()}")
+        return value
+    return parse
+
+
+positive_float = _ranged_float(0.0, True, "> 0")
+non_negative_float = _ranged_float(0.0, False, ">= 0")
+
+
+def any_float(text: str) -> float:
+    """A float, any sign (a negative one has its own meaning), but not nan."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value:
+        raise argparse.ArgumentTypeError("must be a number, got nan")
+    return value
+
 _DECIMAL = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}
 _BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
