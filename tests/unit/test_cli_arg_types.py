@@ -27,6 +27,16 @@ def _parser(add) -> argparse.ArgumentParser:
     (add_bench_serve_args, ["--max-concurrency", "0"]),
     (add_bench_serve_args, ["--random-range-ratio", "-1"]),
     (add_bench_serve_args, ["--random-input-len", "0"]),
+    # were accepted: a bad port or URL was reported as an unreachable server (exit 1), a timeout <= 0 or nan
+    # failed every request of the run at once
+    (add_bench_serve_args, ["--port", "-1"]),
+    (add_bench_serve_args, ["--port", "70000"]),
+    (add_bench_serve_args, ["--base-url", "notaurl"]),
+    (add_bench_serve_args, ["--base-url", "127.0.0.1:8000"]),
+    (add_bench_serve_args, ["--base-url", "http://127.0.0.1:99999"]),
+    (add_bench_serve_args, ["--timeout", "0"]),
+    (add_bench_serve_args, ["--timeout", "-1"]),
+    (add_bench_serve_args, ["--timeout", "nan"]),
 ])
 def test_bad_bench_values_are_parse_errors(add, argv, capsys):
     with pytest.raises(SystemExit):
@@ -39,6 +49,9 @@ def test_good_bench_values_parse():
                                                      "--max-concurrency", "8"])
     assert (args.metric_percentiles, args.random_range_ratio, args.max_concurrency) == ("50,99.9", 0.5, 8)
     assert _parser(add_latency_args).parse_args(["--num-iters-warmup", "0"]).num_iters_warmup == 0
+    args = _parser(add_bench_serve_args).parse_args(["--base-url", "https://h.example/v1", "--port", "8001",
+                                                     "--timeout", "2.5"])
+    assert (args.base_url, args.port, args.timeout) == ("https://h.example/v1", 8001, 2.5)
 
 
 @pytest.mark.parametrize("argv", [["--port", "99999"], ["--port", "-1"], ["--max-request-body-bytes", "0"],

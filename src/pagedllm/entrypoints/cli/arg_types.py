@@ -75,6 +75,32 @@ def human_int(text: str) -> int:
     return int(value)
 
 
+def tcp_port(text: str) -> int:
+    """A TCP port, 0..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {value}")
+    return value
+
+
+def http_url(text: str) -> str:
+    """An http:// or https:// URL with a host (a bare host:port or a typo'd scheme is refused now, not reported
+    later as an unreachable server)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a valid URL {text!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text.strip()
+
+
 def non_blank(text: str) -> str:
     """A name: not empty, not only whitespace (clients could not name it as a request's "model")."""
     if not text.strip():

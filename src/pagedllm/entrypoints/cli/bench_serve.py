@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from pagedllm.entrypoints.cli import bench_client
-from pagedllm.entrypoints.cli.arg_types import (existing_path_or_repo, output_dir, output_file, output_problem,
-                                                percentiles, positive_int, unit_fraction, write_json)
+from pagedllm.entrypoints.cli.arg_types import (existing_path_or_repo, http_url, output_dir, output_file,
+                                                output_problem, percentiles, positive_float, positive_int, tcp_port,
+                                                unit_fraction, write_json)
 
 _SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog while the committee debated the annual budget for roads, "
@@ -37,9 +38,10 @@ _SAMPLE_TEXT = (
 def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="openai", choices=["openai", "vllm", "openai-chat"],
                    help="openai/vllm: /v1/completions with token-id prompts; openai-chat: /v1/chat/completions")
-    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 (overrides host/port)")
+    p.add_argument("--base-url", type=http_url, default=None,
+                   help="server root, e.g. http://127.0.0.1:8000 (overrides host/port)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=tcp_port, default=8000)
     p.add_argument("--endpoint", default=None, help="default /v1/completions (/v1/chat/completions for openai-chat)")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--tokenizer", type=existing_path_or_repo, default=None,
@@ -71,7 +73,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="client processes sharing the requests and the concurrency (default: one per 128 concurrent "
                         "streams, at most a quarter of the cores): one Python process cannot read tens of thousands "
                         "of chunks a second")
-    p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per request")
+    p.add_argument("--timeout", type=positive_float, default=6 * 3600, help="seconds per request")
     p.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                    help="write the latency distributions and throughput over time (a sweep: its curves) as a PNG; "
                         "needs matplotlib (pip install 'pagedllm[plot]')")

@@ -73,7 +73,8 @@ def add_serve_args(p: argparse.ArgumentParser, positional_model: bool) -> argpar
                    help="no periodic statistics log lines (speculative decoding's acceptance); /metrics is unchanged")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load reports the generation / pooling requests in flight (vLLM's server_load)")
-    g.add_argument("--startup-timeout", type=positive_float, default=None, help="seconds to wait for the engine to load")
+    g.add_argument("--startup-timeout", type=positive_float, default=None,
+                   help="seconds to wait for the engine to load")
     g.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="on SIGTERM / Ctrl-C: seconds in-flight requests get to finish (/health is 503 meanwhile)")
     g.add_argument("--engine-dead-grace-period", type=any_float, default=5.0,
