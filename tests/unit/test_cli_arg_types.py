@@ -239,3 +239,26 @@ def test_sizes_refuse_what_is_no_whole_number(text: str, fragment: str) -> None:
 
     with pytest.raises(argparse.ArgumentTypeError, match=fragment):
         human_int(text)
+
+
+@pytest.mark.parametrize("models, tokenize, fragment", [
+    # were a traceback (httpx.HTTPStatusError / KeyError) from the /tokenize fallback
+    ([{"id": "m"}], (404, {"detail": "Not Found"}), "pass --tokenizer"),
+    ([{"id": "m"}], (200, {"count": 3}), "pass --tokenizer"),
+    # was a run whose every request named "model": null
+    ([], (200, {"tokens": [5, 6]}), "lists no models"),
+])
+def test_bench_serve_without_tokenize_or_models_is_a_one_line_error(models, tokenize, fragment, monkeypatch, capsys):
+    import httpx
+
+    from pagedllm.entrypoints.cli import bench_serve
+
+    status, body = tokenize
+    monkeypatch.setattr(bench_serve, "_server_info", lambda base_url, api_key: models)
+    monkeypatch.setattr(httpx, "post", lambda url, **kw: httpx.Response(status, json=body,
+                                                                        request=httpx.Request("POST", url)))
+    monkeypatch.setattr(bench_serve, "run_benchmark", lambda *a, **kw: pytest.fail("the run should not start"))
+    args = _parser(add_bench_serve_args).parse_args(["--num-prompts", "1", "--disable-tqdm"])
+    assert bench_serve.run(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err and len(err.strip().splitlines()) == 1, err

@@ -380,6 +380,10 @@ def _server_info(base_url: str, api_key: Optional[str]) -> list[dict]:
     return r.json().get("data", [])
 
 
+class BenchSetupError(Exception):
+    """What the benchmark needs and could not get before it starts (its message is the error line)."""
+
+
 def _token_pool(args: argparse.Namespace, base_url: str, root: Optional[str],
                 tok: Any = None) -> tuple[list[int], Any]:
     """tok: the --tokenizer's, loaded already; else the model's where it is readable here, else the server's ids."""
@@ -397,10 +401,19 @@ def _token_pool(args: argparse.Namespace, base_url: str, root: Optional[str],
     import httpx  # the tokenizer is not readable here: use the ids the server's own /tokenize gives
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    r = httpx.post(base_url.rstrip("/") + "/tokenize", json={"prompt": _SAMPLE_TEXT, "add_special_tokens": False},
-                   headers=headers, timeout=30)
-    r.raise_for_status()
-    return sorted(set(r.json()["tokens"])), None
+    try:
+        r = httpx.post(base_url.rstrip("/") + "/tokenize",
+                       json={"prompt": _SAMPLE_TEXT, "add_special_tokens": False}, headers=headers, timeout=30)
+        r.raise_for_status()
+        tokens = r.json()["tokens"]
+        if not tokens or not all(isinstance(t, int) for t in tokens):
+            raise ValueError("no token ids")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        # a server without vLLM's /tokenize (a plain OpenAI one): the prompts need a tokenizer named here
+        why = (str(e).splitlines() or [""])[0]
+        raise BenchSetupError(f"the model's tokenizer is not readable here and the server's /tokenize gave no "
+                              f"token ids ({type(e).__name__}: {why}); pass --tokenizer") from None
+    return sorted(set(tokens)), None
 
 
 def _sampled_requests(args: argparse.Namespace, pool: list[int], tok: Any, seed: int) -> list[BenchRequest]:
@@ -498,8 +511,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: cannot reach the server at {base_url}: {e}", file=sys.stderr)
         return 1
     model = args.model or (models[0]["id"] if models else None)
+    if model is None:  # (was sent as "model": null in every request, each failing)
+        print(f"error: the server at {base_url} lists no models in /v1/models; pass --model", file=sys.stderr)
+        return 1
     root = next((m.get("root") for m in models if m.get("id") == model), None)
-    pool, tok = _token_pool(args, base_url, root, tok)
+    try:
+        pool, tok = _token_pool(args, base_url, root, tok)
+    except BenchSetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.backend == "openai-chat" and tok is None:
         print("error: --backend openai-chat needs --tokenizer (to turn random tokens into text)", file=sys.stderr)
         return 1
