@@ -113,6 +113,12 @@ def test_run_batch_run_failures_exit_non_zero(e2e_env: dict, tmp_path) -> None:
     r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "no" / "o.jsonl")],
             e2e_env, timeout=60)  # refused before the batch runs, not after
     assert r.returncode == 1 and "no such directory" in r.stderr, r.stderr[-2000:]
+    # -o naming a folder: was refused only when written, after the batch ran (an empty input: a traceback)
+    (tmp_path / "empty-in.jsonl").write_text("")
+    for name in ("in.jsonl", "empty-in.jsonl"):
+        r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / name), "-o", str(tmp_path),
+                 str(tmp_path / "no-model")], e2e_env, timeout=60)
+        assert r.returncode == 1 and "is a directory" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     # an empty file: an empty output, no model loaded (a model that does not exist is not even looked at)
     (tmp_path / "empty.jsonl").write_text("\n")
     r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "o.jsonl"),

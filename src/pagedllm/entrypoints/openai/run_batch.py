@@ -243,12 +243,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: cannot read {args.input_file}: {e}", file=sys.stderr)
         return 1
     out = args.output_file
-    if out != "-" and not out.startswith(("http://", "https://")) and \
-            not os.path.isdir(os.path.dirname(os.path.abspath(out))):  # now, not after the whole batch ran
-        print(f"error: cannot write {out}: no such directory {os.path.dirname(os.path.abspath(out))}", file=sys.stderr)
-        return 1
+    if out != "-" and not out.startswith(("http://", "https://")):  # now, not after the whole batch ran
+        from pagedllm.entrypoints.cli.arg_types import output_problem
+
+        folder = os.path.dirname(os.path.abspath(out))
+        # (write_output makes no folders; output_problem alone would pass a missing one)
+        problem = f"no such directory {folder}" if not os.path.isdir(folder) else output_problem(out)
+        if problem:
+            print(f"error: cannot write {out}: {problem}", file=sys.stderr)
+            return 1
     if not text.strip():  # nothing to run: an empty output, without loading a model
-        write_output(args.output_file, "")
+        try:
+            write_output(args.output_file, "")
+        except Exception as e:  # noqa: BLE001 - one line, not a traceback
+            print(f"error: cannot write {args.output_file}: {e}", file=sys.stderr)
+            return 1
         return 0
     return run_loop(run_batch(args, text))
 
