@@ -70,3 +70,14 @@ def test_the_cli_reports_a_bad_level_without_a_traceback(monkeypatch):
     assert out.returncode == 1
     assert out.stderr.strip() == ("error: VLLM_LOGGING_LEVEL='LOUD' is not a logging level; use one of CRITICAL, "
                                   "ERROR, WARNING, INFO, DEBUG.")
+
+
+def test_serve_refuses_a_bad_keep_alive_before_loading_the_model(monkeypatch, tmp_path):
+    """The variable was read only when uvicorn was configured: after the model loaded, and as a traceback. Now
+    it is refused with the flags (exit 2), before the model (here one that does not exist) is looked at."""
+    monkeypatch.delenv("PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "abc")
+    code = f"from pagedllm.entrypoints.cli.main import main; main(['serve', {str(tmp_path / 'no-model')!r}])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE='abc'" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
