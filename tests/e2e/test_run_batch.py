@@ -124,6 +124,11 @@ def test_run_batch_run_failures_exit_non_zero(e2e_env: dict, tmp_path) -> None:
     r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "o.jsonl"),
              str(tmp_path / "no-model")], e2e_env, timeout=60)
     assert r.returncode == 0 and (tmp_path / "o.jsonl").read_text() == "", r.stderr[-2000:]
+    # the same with a UTF-8 byte-order mark (was a line of its own: the model loaded for one failed line)
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf\n")
+    r = run([cli("pagedllm"), "run-batch", "-i", str(tmp_path / "bom.jsonl"), "-o", str(tmp_path / "o.jsonl"),
+             str(tmp_path / "no-model")], e2e_env, timeout=60)
+    assert r.returncode == 0 and (tmp_path / "o.jsonl").read_text() == "", r.stderr[-2000:]
     files = {"/in.jsonl": b"\n\n"}
     with _file_server(files) as url:  # both ends by URL: GET the input, PUT the output
         r = run([cli("pagedllm"), "run-batch", "-i", f"{url}/in.jsonl", "-o", f"{url}/out.jsonl"], e2e_env, timeout=60)

@@ -102,16 +102,20 @@ async def run_one(client: Any, custom_id: str, request: dict) -> dict:
 
 
 def read_input(path: str) -> str:
+    """The file's text without a leading UTF-8 byte-order mark (editors on Windows write one: it made the first
+    line invalid JSON, and a file of only a BOM a batch of one failed line instead of an empty one)."""
     if path == "-":
-        return sys.stdin.read()
-    if path.startswith(("http://", "https://")):
+        text = sys.stdin.read()
+    elif path.startswith(("http://", "https://")):
         import httpx
 
         resp = httpx.get(path, follow_redirects=True, timeout=60)
         resp.raise_for_status()
-        return resp.text
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+        text = resp.text
+    else:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 def write_output(path: str, text: str) -> None:
