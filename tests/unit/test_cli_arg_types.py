@@ -262,3 +262,17 @@ def test_bench_serve_without_tokenize_or_models_is_a_one_line_error(models, toke
     assert bench_serve.run(args) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_config_file_that_is_not_utf8_is_a_parse_error(tmp_path, capsys):
+    """A binary or Latin-1 --config file was a UnicodeDecodeError traceback."""
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args, parse_serve_args
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(b"served-model-name: caf\xe9\n")
+    p = add_serve_args(argparse.ArgumentParser(), positional_model=True)
+    with pytest.raises(SystemExit) as e:
+        parse_serve_args(p, ["model", "--config", str(cfg)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --config" in err and "not UTF-8" in err, err

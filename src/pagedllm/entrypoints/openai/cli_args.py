@@ -392,6 +392,8 @@ def load_config_file(path: str, p: argparse.ArgumentParser) -> dict[str, Any]:
         p.error(f"cannot read --config {path}: {e.strerror}")
     except yaml.YAMLError as e:
         p.error(f"--config {path} is not valid YAML: {e}")
+    except UnicodeDecodeError as e:  # (a binary file, or one saved in another encoding: was a traceback)
+        p.error(f"--config {path} is not UTF-8 text: {e.reason} at byte {e.start}")
     if not isinstance(data, dict):
         p.error(f"--config {path} must be a mapping of flag names to values")
     actions = _config_actions(p)
