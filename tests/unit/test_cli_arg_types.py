@@ -276,3 +276,14 @@ def test_a_config_file_that_is_not_utf8_is_a_parse_error(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "error: --config" in err and "not UTF-8" in err, err
+
+
+def test_bench_latency_percentiles_interpolate_as_vllms():
+    """vLLM takes np.percentile (linear): the nearest-rank pick gave P50 of [1, 2] as 1.0 and P10 of
+    [1, 2, 3, 4] as 1.0 (both rounded to a sample)."""
+    from pagedllm.entrypoints.cli.bench_offline import latency_percentiles
+
+    assert latency_percentiles([1.0, 2.0]) == pytest.approx(
+        {"10": 1.1, "25": 1.25, "50": 1.5, "75": 1.75, "90": 1.9, "99": 1.99})
+    assert latency_percentiles([1.0, 2.0, 3.0, 4.0])["10"] == pytest.approx(1.3)
+    assert latency_percentiles([7.0]) == {k: 7.0 for k in ("10", "25", "50", "75", "90", "99")}
