@@ -287,3 +287,13 @@ def test_bench_latency_percentiles_interpolate_as_vllms():
         {"10": 1.1, "25": 1.25, "50": 1.5, "75": 1.75, "90": 1.9, "99": 1.99})
     assert latency_percentiles([1.0, 2.0, 3.0, 4.0])["10"] == pytest.approx(1.3)
     assert latency_percentiles([7.0]) == {k: 7.0 for k in ("10", "25", "50", "75", "90", "99")}
+
+
+def test_bench_result_file_writes_the_request_rate_as_vllm():
+    import json
+
+    from pagedllm.entrypoints.cli.bench_serve import _result_record
+
+    args = _parser(add_bench_serve_args).parse_args(["--num-prompts", "2"])
+    records = [_result_record(args, {"completed": 2}, "m", "http://h", rate, 0) for rate in (8.0, float("inf"))]
+    assert [json.loads(json.dumps(r))["request_rate"] for r in records] == [8.0, "inf"]  # (was "8.0")

@@ -457,10 +457,16 @@ def format_sweep_table(rows: list[tuple[float, dict]]) -> str:
     return "\n".join([" Request-rate sweep ".center(len(out[0]), "="), *out, "=" * len(out[0])])
 
 
+def json_rate(rate: float) -> Any:
+    """The request rate as vLLM's result file writes it: a number, or "inf" (JSON has no infinity). It was the
+    text of the float ("8.0"), which a script comparing rates numerically could not read."""
+    return "inf" if rate == float("inf") else rate
+
+
 def _result_record(args: argparse.Namespace, metrics: dict, model: str, base_url: str, rate: float,
                    seed: int) -> dict:
     return dict(metrics, model=model, base_url=base_url, num_prompts=args.num_prompts,
-                max_concurrency=args.max_concurrency, request_rate=str(rate),
+                max_concurrency=args.max_concurrency, request_rate=json_rate(rate),
                 random_input_len=args.random_input_len, random_output_len=args.random_output_len,
                 random_range_ratio=args.random_range_ratio, seed=seed, date=time.strftime("%Y%m%d-%H%M%S"))
 
