@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm.entrypoints.cli.bench_offline import add_latency_args, add_throughput_args
 from pagedllm.entrypoints.cli.bench_serve import add_args as add_bench_serve_args
+from pagedllm.entrypoints.cli.clients import add_chat_args, add_complete_args
 
 
 def _parser(add) -> argparse.ArgumentParser:
@@ -37,6 +38,12 @@ def _parser(add) -> argparse.ArgumentParser:
     (add_bench_serve_args, ["--timeout", "0"]),
     (add_bench_serve_args, ["--timeout", "-1"]),
     (add_bench_serve_args, ["--timeout", "nan"]),
+    (add_bench_serve_args, ["--temperature", "-1"]),  # (was every request's 400)
+    (add_bench_serve_args, ["--temperature", "nan"]),
+    # chat / complete: the server's 400 ended an interactive session at its first question
+    (add_chat_args, ["--max-tokens", "0"]),
+    (add_chat_args, ["--temperature", "-0.5"]),
+    (add_complete_args, ["--max-tokens", "-3"]),
 ])
 def test_bad_bench_values_are_parse_errors(add, argv, capsys):
     with pytest.raises(SystemExit):

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from pagedllm.entrypoints.cli import bench_client
-from pagedllm.entrypoints.cli.arg_types import (existing_path_or_repo, http_url, output_dir, output_file,
-                                                output_problem, percentiles, positive_float, positive_int, tcp_port,
-                                                unit_fraction, write_json)
+from pagedllm.entrypoints.cli.arg_types import (existing_path_or_repo, http_url, non_negative_float, output_dir,
+                                                output_file, output_problem, percentiles, positive_float,
+                                                positive_int, tcp_port, unit_fraction, write_json)
 
 _SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog while the committee debated the annual budget for roads, "
@@ -57,7 +57,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--random-range-ratio", type=unit_fraction, default=0.0,
                    help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chunk-usage", dest="chunk_usage", action="store_false",
                    help="do not ask for the usage on every chunk (continuous_usage_stats): servers that refuse it; "
