@@ -138,6 +138,19 @@ def test_run_batch_run_failures_exit_non_zero(e2e_env: dict, tmp_path) -> None:
         assert r.returncode == 1 and "404" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+def test_lines_split_at_line_feeds_only() -> None:
+    """A prompt holding U+2028 / U+0085 / a form feed raw (valid JSON) was cut there by str.splitlines: two lines
+    of invalid JSON instead of one request."""
+    from pagedllm.entrypoints.openai.run_batch import batch_lines
+
+    prompts = ["a\u2028b", "c\x85d", "e\x0cf\x1cg"]
+    text = "\r\n".join(json.dumps({"custom_id": str(i), "url": "/v1/completions", "body": {"prompt": p}},
+                                  ensure_ascii=False) for i, p in enumerate(prompts)) + "\n"
+    seen: set = set()
+    parsed = [parse_line(line, seen) for line in batch_lines(text) if line.strip()]
+    assert [request["body"]["prompt"] for _, request, error in parsed if error is None] == prompts
+
+
 def test_parse_line_refusals() -> None:
     seen: set = set()
     ok = _line("a", "/v1/completions", {"prompt": "x"})

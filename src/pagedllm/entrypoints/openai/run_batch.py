@@ -101,6 +101,13 @@ async def run_one(client: Any, custom_id: str, request: dict) -> dict:
     return _output(custom_id, resp.status_code, body, None)
 
 
+def batch_lines(text: str) -> list[str]:
+    """The file's lines, split at LF (CRLF too) only, as JSONL is: str.splitlines also splits at U+2028, U+0085,
+    form feeds and the like, which JSON leaves raw inside strings (json.dumps with ensure_ascii=False), so one
+    request became two lines of invalid JSON."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
 def read_input(path: str) -> str:
     """The file's text without a leading UTF-8 byte-order mark (editors on Windows write one: it made the first
     line invalid JSON, and a file of only a BOM a batch of one failed line instead of an empty one)."""
@@ -220,7 +227,7 @@ async def run_batch(args: argparse.Namespace, text: str) -> int:
             return 1
         state.lifecycle = Lifecycle(count_request=metrics.api_server_requests.inc)
         state.dashboard = False
-        outputs = await run_lines(HotRoutes(build_app(state), state), text.splitlines(), args.disable_progress_bar)
+        outputs = await run_lines(HotRoutes(build_app(state), state), batch_lines(text), args.disable_progress_bar)
         # the engine died under the batch: its lines say so (503s), and the run failed
         code = 0 if engine.is_healthy() else 1
     finally:
