@@ -173,6 +173,11 @@ def test_metric_percentiles_are_computed_not_zero():
     block = format_result(summarize(results, 1.0, "50,99.9"), None, float("inf"), "ttft", "50,99.9")
     assert "P50 TTFT (ms):                           200.00" in block, block
     assert "P99.9 TTFT (ms):                         299.80" in block, block
+    # "99.90" was its own key (p99.90_ttft_ms) and label, not vLLM's p99.9_ttft_ms
+    metrics = summarize(results, 1.0, "99.90,50.0")
+    assert "p99.9_ttft_ms" in metrics and "p99.90_ttft_ms" not in metrics and "p50_ttft_ms" in metrics
+    block = format_result(metrics, None, float("inf"), "ttft", "99.90,50.0")
+    assert "P99.9 TTFT (ms):" in block and "P50 TTFT (ms):" in block, block
 
 
 @pytest.mark.parametrize("run, argv", [

@@ -289,9 +289,10 @@ async def _run_httpx(url: str, headers: dict, payloads: list[dict], prompt_lens:
 
 
 def _percentile_key(p: str) -> str:
-    """"99" / "99.0" -> "p99", "99.9" -> "p99.9" (the names of the result's and the JSON's keys)."""
+    """"99" / "99.0" -> "p99", "99.9" / "99.90" -> "p99.9" (the names of the result's and the JSON's keys, as
+    vLLM's: the float's own text, so "99.90" is not a key of its own that vLLM's readers would not find)."""
     value = float(p)
-    return f"p{int(value) if value.is_integer() else p.strip()}"
+    return f"p{int(value) if value.is_integer() else value}"
 
 
 def summarize(results: list[RequestResult], duration: float, percentiles: str = "99") -> dict:
@@ -356,7 +357,8 @@ def format_result(m: dict, max_concurrency: Optional[int], request_rate: float,
         row(f"Mean {short} (ms):", m[f"mean_{name}_ms"], ".2f")
         row(f"Median {short} (ms):", m[f"median_{name}_ms"], ".2f")
         for p in [x.strip() for x in percentiles.split(",") if x.strip()]:
-            row(f"P{p} {short} (ms):", m[f"{_percentile_key(p)}_{name}_ms"], ".2f")
+            key = _percentile_key(p)
+            row(f"P{key[1:]} {short} (ms):", m[f"{key}_{name}_ms"], ".2f")
     if m.get("chunk_tokens_measured"):
         lines.append("{s:{c}^{n}}".format(s="Tokens per Chunk", n=50, c="-"))
         row("Mean tokens per chunk:", m["mean_tokens_per_chunk"], ".2f")
